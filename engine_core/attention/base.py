@@ -1,0 +1,60 @@
+"""The attention-backend interface and the per-forward metadata every backend reads.
+
+A forward runs one flattened batch of T new tokens from B sequences. Sequence i owns query rows
+``query_start_loc[i]:query_start_loc[i+1]`` and has ``seq_lens[i]`` tokens of context in total,
+the new ones included, so its new tokens sit at positions ``seq_lens[i] - query_len_i ..
+seq_lens[i] - 1``. This one shape covers a whole prompt, a chunk of a long prompt, a prompt whose
+first blocks came from the prefix cache, and a decode (query_len 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset); -1 = skip
+    query_start_loc: torch.Tensor  # [B + 1] int32, on the device
+    seq_lens: torch.Tensor  # [B] int32, on the device
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so the reference path and the launch logic never sync on the device.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    """What a model's attention layer calls; the model runner picks the implementation."""
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [T]
+    ) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        ...

@@ -1,0 +1,62 @@
+"""Typed, frozen configuration for the engine core.
+
+ModelConfig describes the network (read from a Hugging Face config.json by the loader);
+EngineConfig describes how the engine runs it. Both are frozen: whatever needs to change after
+construction is derived in a property or built into a new object with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) or "gpt2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None  # Mistral; honoured by attention when set
+    hidden_act: str = "silu"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, at 2 bytes an element (bf16)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb / gpu_memory_utilization
+    kv_cache_memory_gb: float = 1.0  # CPU only
+    gpu_memory_utilization: float = 0.85  # GPU only
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    prefill_max_batch_size: int | None = None  # None: same as max_num_seqs
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+
+    @property
+    def max_prefills_per_step(self) -> int:
+        return self.prefill_max_batch_size or self.max_num_seqs

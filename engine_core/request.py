@@ -1,0 +1,96 @@
+"""The engine core's view of a request, and the scheduler's per-step plan.
+
+The scheduler owns Request objects and their status; the block manager owns their KV blocks; the
+model runner only reads what a SchedulerOutput hands it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from protocol.messages import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued, not yet admitted (or preempted and queued again)
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str  # unique inside this engine (the engine scopes client ids by client)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    client_id: bytes = b""  # whom outputs go to
+    client_request_id: str = ""  # the id the client chose
+    arrival_time: float = field(default_factory=time.monotonic)
+    # token_ids = prompt + outputs; the tokens [0, num_computed_tokens) have K/V in the cache.
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's part in a step: compute ``num_new_tokens`` tokens from num_computed_tokens."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table (read-only for the runner)
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # decodes first, then prefills (in FCFS order)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class EngineOutput:
+    """What one step did to one request: tokens appended, and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None

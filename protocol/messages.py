@@ -1,0 +1,167 @@
+"""Wire types shared by the frontend, the engine core and the raw ZMQ client.
+
+Every frame is one msgpack array: ``[msg_type, PROTOCOL_VERSION, *fields]``. The type tag comes
+first so a decoder can dispatch without reflection; the version comes second so a peer speaking
+another version is rejected before its fields are read. Token ids travel as packed little-endian
+int32 bytes, never as lists of Python ints. The codec lives in ``protocol/codec.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+
+
+class MsgType(enum.IntEnum):
+    # client -> engine
+    HELLO = 1
+    ADD_REQUEST = 2
+    ABORT = 3
+    CONTROL = 4
+    # engine -> client
+    READY = 16
+    STEP_OUTPUTS = 17
+    REQUEST_ERROR = 18
+    CONTROL_REPLY = 19
+    HEARTBEAT = 20
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS or a stop token id (the frontend also maps stop strings here)
+    LENGTH = 1  # max_tokens or the model's context limit
+    ABORT = 2  # aborted by the client
+    ERROR = 3  # the engine could not serve the request
+
+    @property
+    def openai_name(self) -> str:
+        return {0: "stop", 1: "length", 2: "abort", 3: "error"}[int(self)]
+
+
+class ControlKind(enum.IntEnum):
+    STATS = 1  # reply: CONTROL_REPLY with a Stats payload
+    SHUTDOWN = 2  # the engine stops its loop and exits
+    CHECK_INTEGRITY = 3  # reply: CONTROL_REPLY after the block manager's integrity check
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules (OpenAI semantics where OpenAI defines them)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the top N
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Hello:
+    client_name: str = ""
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Control:
+    kind: ControlKind
+    token: int = 0  # echoed in the reply so a client can match replies to calls
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The handshake: what a client needs to know before it sends requests."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs for one sampled token: its own, and the top-N alternatives."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's share of one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one entry per new token when asked for
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """Everything one engine step produced for one client."""
+
+    outputs: list[RequestOutput]
+    # Requests that ended without a token in this step (aborts, errors).
+    finished_without_tokens: dict[str, FinishReason] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestError:
+    request_id: str
+    message: str
+    code: int = 400
+
+
+@dataclass(frozen=True)
+class Stats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_total_blocks: int
+    num_steps: int
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    kind: ControlKind
+    token: int
+    stats: Stats | None = None
+    ok: bool = True
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    num_steps: int
+
+
+ClientMessage = Hello | AddRequest | Abort | Control
+EngineMessage = Ready | StepOutputs | RequestError | ControlReply | Heartbeat
