@@ -47,7 +47,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb / gpu_memory_utilization
+    num_kv_blocks: int | None = None  # None: sized from the two memory settings below
     kv_cache_memory_gb: float = 1.0  # CPU only
     gpu_memory_utilization: float = 0.85  # GPU only
     max_num_seqs: int = 256

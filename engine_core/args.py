@@ -1,0 +1,56 @@
+"""Command-line flags for the engine core, shared by `tandem engine`, `serve` and `generate`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from engine_core.config import EngineConfig
+
+_HELP = {
+    "model": "model: 'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, "
+    "a .gguf file, or a hub id where the network allows",
+    "device": "'auto' (cuda when available), 'cpu' or 'cuda'",
+    "dtype": "'auto' (bfloat16 on cuda, float32 on cpu), 'float32', 'bfloat16' or 'float16'",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV-cache blocks (default: sized from the memory flags)",
+    "kv_cache_memory_gb": "KV-cache size on the CPU, in GiB",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
+    "max_num_seqs": "most sequences running at once (the decode batch cap)",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "prefill_max_batch_size": "most new requests admitted per step (default: --max-num-seqs)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "enforce_eager": "never use CUDA graphs",
+    "seed": "seed for requests that carry none",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, named --field-name, defaulting to the dataclass default."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name]
+            )
+        else:
+            group.add_argument(
+                flag,
+                type=_parse_type(f.type),
+                default=f.default,
+                help=f"{_HELP[f.name]} (default: %(default)s)",
+            )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def _parse_type(annotation: object) -> type:
+    text = str(annotation)
+    for name, kind in (("int", int), ("float", float)):
+        if text.startswith(name):
+            return kind
+    return str
