@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from protocol.messages import FinishReason, SamplingParams
+from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -33,6 +33,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -94,3 +95,4 @@ class EngineOutput:
     request: Request
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None  # attached by the engine core when asked for

@@ -1,0 +1,234 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+The scheduler owns requests and their status. Each step has one token budget
+(``max_num_batched_tokens``) and a cap on running sequences (``max_num_seqs``). Running requests
+go first, in admission order (one token per decode; a prompt still being chunked continues with
+what budget is left), then waiting requests are admitted first come, first served, at most
+``max_prefills_per_step`` of them, their prompts split into chunks when longer than the budget.
+
+When the KV pool runs out, the most recently admitted running request is preempted by recompute:
+its blocks are freed and it goes back to the front of the waiting queue, to recompute its prompt
+and the outputs it already has (cheaply, where the prefix cache still holds them).
+
+``num_computed_tokens`` advances in ``update_from_output``, not in ``schedule``, so during a step
+``ScheduledRequest.start`` is where its chunk begins.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from engine_core.block_manager import BlockManager
+from engine_core.config import EngineConfig
+from engine_core.request import (
+    EngineOutput,
+    Request,
+    RequestStatus,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from protocol.messages import FinishReason
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; asks its BlockManager for KV room."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_kv_blocks: int,
+        max_model_len: int,
+        eos_token_ids: Sequence[int],
+    ):
+        self.config = config
+        self.block_manager = BlockManager(
+            num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        # A sequence can never outgrow the whole pool, so the pool caps the context too; without
+        # the cap a lone request that fills every block would preempt itself forever.
+        self.max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: preemption takes from the end
+
+    # ------------------------------------------------------------------------ request intake
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError when it can never be served or its id is live."""
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "
+                f"leaves no room to generate within max_model_len={self.max_model_len}"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the given live requests with ABORT and free their blocks now; others ignored."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---------------------------------------------------------------------------- scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then new admissions, within the budgets."""
+        output = SchedulerOutput(scheduled=[])
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        # Right after a preemption the pool is full: admitting now would only thrash.
+        if not output.preempted_ids:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        # Only the last admitted request can be mid-prompt (it took the budget that was left),
+        # so walking in admission order schedules the decodes before any prompt chunk.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output):
+                break  # it preempted itself: everything after it is gone too
+            self._add_scheduled(output, request, num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Make room by preempting from the end of the batch; False when it had to go itself."""
+        while not self.block_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        num_admitted = 0
+        while (
+            self.waiting
+            and budget > 0
+            and num_admitted < self.config.max_prefills_per_step
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            num_new = self._admit(self.waiting[0], budget)
+            if num_new == 0:
+                break  # no room in the KV pool: first come, first served, so wait
+            self._add_scheduled(output, self.running[-1], num_new)
+            budget -= num_new
+            num_admitted += 1
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Move the head of the queue into the batch; the tokens it computes now, or 0."""
+        request.num_computed_tokens = self.block_manager.allocate_prefix(request)
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.block_manager.allocate_slots(request, num_new):
+            self.block_manager.free(request.request_id)  # give the prefix hits back
+            request.num_computed_tokens = 0
+            return 0
+        self.waiting.popleft()
+        request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return num_new
+
+    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        block_ids = self.block_manager.block_ids(request.request_id)
+        output.scheduled.append(ScheduledRequest(request, num_new, block_ids))
+
+    # ------------------------------------------------------------------------------ updates
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: list[int]
+    ) -> list[EngineOutput]:
+        """Apply one step's results: advance, cache full blocks, append samples, finish.
+
+        ``sampled_token_ids`` holds one id per scheduled request whose chunk samples, in order.
+        Returns one event per sampled token; finished requests are already freed.
+        """
+        samples = [s.samples for s in output.scheduled]  # before num_computed_tokens moves
+        if sum(samples) != len(sampled_token_ids):
+            raise ValueError(
+                f"{len(sampled_token_ids)} sampled tokens for {sum(samples)} sampling requests"
+            )
+        tokens = iter(sampled_token_ids)
+        events = []
+        for scheduled, sampled in zip(output.scheduled, samples, strict=True):
+            token = next(tokens) if sampled else None
+            event = self._update_request(scheduled, token)
+            if event is not None:
+                events.append(event)
+        if any(event.finish_reason is not None for event in events):
+            self.running = [r for r in self.running if not r.is_finished]
+        return events
+
+    def _update_request(
+        self, scheduled: ScheduledRequest, token: int | None
+    ) -> EngineOutput | None:
+        request = scheduled.request
+        if request.is_finished:
+            return None  # aborted while its step ran
+        request.num_computed_tokens += scheduled.num_new_tokens
+        self.block_manager.cache_computed_blocks(request, request.num_computed_tokens)
+        if token is None:
+            return None
+        request.token_ids.append(token)
+        reason = self._check_stop(request, token)
+        if reason is not None:
+            self._finish(request, reason)
+        return EngineOutput(request, [token], reason)
+
+    def _check_stop(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens and (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Free the request's blocks and forget it; removing it from `running` is the caller's."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.block_manager.free(request.request_id)
+        del self.requests[request.request_id]
