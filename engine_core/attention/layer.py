@@ -1,0 +1,60 @@
+"""The attention layer that every model calls: write this step's K/V, then attend over the cache.
+
+The layer holds no metadata of its own. Which tokens go where, and which backend runs, come from
+the forward context the model runner enters around each forward, so a layer keeps the plain
+``forward(q, k, v)`` shape that CUDA-graph capture needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_core.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention over one layer's KV cache.
+
+    ``k_cache`` and ``v_cache`` ([num_blocks, block_size, kv_heads, head_dim]) are plain attributes,
+    not buffers: the model runner owns and sizes them after the weights are loaded, and they must
+    stay out of ``state_dict``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]."""
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("Attention.k_cache/v_cache are unset: allocate the KV cache first")
+        ctx = get_forward_context()
+        num_tokens = q.shape[0]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        ctx.backend.write_kv(self.k_cache, self.v_cache, k, v, ctx.attn_metadata.slot_mapping)
+        out = ctx.backend.forward(
+            q.view(num_tokens, self.num_heads, self.head_dim),  # [T, H, D]
+            self.k_cache,
+            self.v_cache,
+            ctx.attn_metadata,
+            self.scale,
+            self.sliding_window,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

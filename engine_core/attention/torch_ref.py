@@ -1,0 +1,90 @@
+"""The torch reference attention backend: plain tensor ops over the paged cache, per sequence.
+
+Slow but obviously right. It is the CPU path and the oracle the GPU kernels are tested against, so
+it computes in float32 and favours clarity over speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.attention.base import AttentionMetadata
+
+
+class TorchReferenceBackend:
+    """AttentionBackend over ``[num_blocks, block_size, kv_heads, head_dim]`` caches."""
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [T] int64, -1 = padding, not written
+    ) -> None:
+        """Scatter each token's K/V into its cache slot."""
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        flat_k.index_copy_(0, slots, k[keep].to(k_cache.dtype))
+        flat_v.index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        """Causal attention of each sequence's new tokens over its whole cached context."""
+        out = torch.zeros_like(q)
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = starts[i], starts[i + 1]
+            if end == start:
+                continue
+            k, v = gather_context(k_cache, v_cache, meta.block_tables[i], seq_len)
+            out[start:end] = attend(q[start:end], k, v, scale, sliding_window).to(q.dtype)
+        return out
+
+
+def gather_context(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks] int32
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V, [seq_len, kv_heads, head_dim] each, read through its block table."""
+    block_size = k_cache.shape[1]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
+    v = v_cache[blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def attend(
+    q: torch.Tensor,  # [Q, heads, head_dim]: the last Q positions of the sequence
+    k: torch.Tensor,  # [L, kv_heads, head_dim]
+    v: torch.Tensor,  # [L, kv_heads, head_dim]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [Q, heads, head_dim] float32
+    """Softmax attention in float32; query j sits at position L - Q + j."""
+    num_queries, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # GQA: query head h reads kv head h // group, as HF's repeat_kv does.
+    k = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
+    v = v.float().repeat_interleave(group, dim=1)  # [L, H, D]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [H, Q, L]
+    q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device)[:, None]  # [Q, 1]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]  # [1, L]
+    masked = k_pos > q_pos
+    if sliding_window is not None:
+        # A query sees itself and the sliding_window - 1 tokens before it.
+        masked |= k_pos <= q_pos - sliding_window
+    scores = scores.masked_fill(masked, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)  # [Q, H, D]

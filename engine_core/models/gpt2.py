@@ -1,0 +1,135 @@
+"""GPT-2 over the paged KV cache: learned positions, pre-LayerNorm blocks, gelu_new MLP.
+
+HF stores GPT-2's projections as Conv1D ([in, out]); we use nn.Linear ([out, in]) and transpose
+those weights once at load. c_attn already holds q, k and v stacked, so no merging is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core.attention.layer import Attention
+from engine_core.config import ModelConfig
+from engine_core.models.layers import gelu_new, load_mapped_weights
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": gelu_new,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+_CONV1D_WEIGHTS = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
+)
+# Causal-mask buffers that old checkpoints saved next to the weights.
+_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.c_proj = nn.Linear(hidden, hidden)
+        head_dim = config.head_dim
+        self.attn = Attention(config.num_heads, config.num_heads, head_dim, head_dim**-0.5)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)  # [T, hidden] each
+        return self.c_proj(self.attn(q, k, v))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = GPT2Attention(config)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.attn(self.ln_1(hidden))
+        return hidden + self.mlp(self.ln_2(hidden))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
+        for block in self.h:
+            hidden = block(hidden)
+        return self.ln_f(hidden)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2 with the output projection tied to the token embedding (as all GPT-2 checkpoints)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported GPT-2 activation {config.hidden_act!r}")
+        self.config = config
+        self.transformer = GPT2Model(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
+        return self.transformer(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [block.attn.attn for block in self.transformer.h]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named GPT-2 tensors, transposing the Conv1D weights."""
+        load_mapped_weights(self, transpose_conv1d(weights), self.map_name)
+
+    def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
+        if hf_name.endswith(_MASK_BUFFERS):
+            return None
+        if hf_name.startswith("lm_head."):
+            return None if self.lm_head is None else (hf_name, None)
+        # The original hub checkpoint names its tensors without the "transformer." prefix.
+        if not hf_name.startswith("transformer."):
+            hf_name = "transformer." + hf_name
+        return hf_name, None
+
+
+def transpose_conv1d(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        yield name, tensor.t() if name.endswith(_CONV1D_WEIGHTS) else tensor

@@ -1,0 +1,32 @@
+"""Factories for tests: tiny random Hugging Face checkpoints written to disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def write_tiny_llama(path: Path, *, vocab_size: int = 384, seed: int = 0) -> Path:
+    """A 2-layer random Llama with GQA, saved with save_pretrained (what users hand us)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # Random init gives near-flat logits; scaling the head makes greedy choices well separated,
+    # so float reordering between implementations cannot flip an argmax.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return path
