@@ -1,0 +1,596 @@
+"""msgpack encoding and validating decoding of the wire types in ``protocol/messages.py``.
+
+A frame is one msgpack array ``[msg_type, PROTOCOL_VERSION, *fields]``. Each message type has an
+explicit encoder and decoder below, looked up by its type tag: no reflection, no pickle. Enums
+travel as small ints, ``SamplingParams`` as a fixed-order array, token id lists as packed
+little-endian int32 bytes and logprobs as packed float64 bytes (lossless).
+
+Decoding treats every frame as untrusted input. Anything malformed (not msgpack, not an array,
+an unknown tag, another protocol version, a wrong field count or type, a bool where an int
+belongs, a non-finite float, an out-of-range sampling parameter, an oversized field) raises
+``ProtocolError`` and nothing else; when the request id could be read, the error carries it so
+the engine can answer ``RequestError`` for that request.
+
+Field layouts (after the type tag and the version):
+
+    HELLO           client_name
+    ADD_REQUEST     request_id, prompt_ids: i32 bytes, params: [13 fields, see _encode_params]
+    ABORT           [request_id, ...]
+    CONTROL         kind, token
+    READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
+                    num_kv_blocks, max_num_seqs
+    STEP_OUTPUTS    [[request_id, new_ids: i32 bytes, finish_reason | nil, logprobs | nil], ...],
+                    {request_id: finish_reason, ...}
+                    logprobs = [sampled: f64 bytes (one per new token), top_counts: i32 bytes
+                    (one per new token), top_ids: i32 bytes, top_logprobs: f64 bytes]
+    REQUEST_ERROR   request_id, message, code
+    CONTROL_REPLY   kind, token, stats: [6 ints] | nil, ok, message
+    HEARTBEAT       num_steps
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    ClientMessage,
+    Control,
+    ControlKind,
+    ControlReply,
+    EngineMessage,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    MsgType,
+    Ready,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    Stats,
+    StepOutputs,
+    TokenLogprobs,
+)
+
+# Size caps. A frame over MAX_FRAME_BYTES is refused before msgpack sees it; inside a frame the
+# caps bound what one malicious or buggy peer can make the decoder allocate.
+MAX_FRAME_BYTES = 64 << 20
+MAX_TOKEN_IDS = 1 << 22  # per id list: 16 MiB of int32, far beyond any context window
+MAX_STR_BYTES = 1 << 20  # model names and error messages
+MAX_ARRAY_LEN = 1 << 20  # outputs per step, ids per abort
+MAX_REQUEST_ID_LEN = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+_SMALL_IDS_BYTES = 1024
+_I32 = np.dtype("<i4")
+_F64 = np.dtype("<f8")
+_NATIVE_LITTLE = sys.byteorder == "little"
+assert array("i").itemsize == 4, "array('i') must be 32-bit for the token id fast path"
+
+
+class ProtocolError(ValueError):
+    """A frame (or a message to be encoded) that breaks the protocol.
+
+    ``request_id`` is set when the offending frame's request id could be read, so the receiver
+    can answer with a ``RequestError`` for that request instead of dropping it silently.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+# ---- public API -------------------------------------------------------------------------------
+
+
+def encode(msg: ClientMessage | EngineMessage) -> bytes:
+    """Encode one message as a frame. Raises ProtocolError for an invalid AddRequest."""
+    try:
+        tag, encode_fields = _ENCODERS[type(msg)]
+    except KeyError:
+        raise TypeError(f"not a protocol message: {type(msg).__name__}") from None
+    return msgpack.packb([int(tag), PROTOCOL_VERSION, *encode_fields(msg)], use_bin_type=True)
+
+
+def decode_client_message(frame: bytes | memoryview) -> ClientMessage:
+    """Decode a frame sent by a client to the engine; raises ProtocolError if malformed."""
+    return _decode(frame, _CLIENT_DECODERS, "client")
+
+
+def decode_engine_message(frame: bytes | memoryview) -> EngineMessage:
+    """Decode a frame sent by the engine to a client; raises ProtocolError if malformed."""
+    return _decode(frame, _ENGINE_DECODERS, "engine")
+
+
+def validate_sampling_params(params: SamplingParams, request_id: str | None = None) -> None:
+    """Check types and ranges of every field; raises ProtocolError naming the first bad one."""
+    v = _Validator(request_id)
+    v.int_(params.max_tokens, "max_tokens", 1, INT32_MAX)
+    v.int_(params.min_tokens, "min_tokens", 0, params.max_tokens)
+    v.float_(params.temperature, "temperature", 0.0, math.inf)
+    v.float_(params.top_p, "top_p", 0.0, 1.0, lo_open=True)
+    v.int_(params.top_k, "top_k", 0, INT32_MAX)
+    v.float_(params.min_p, "min_p", 0.0, 1.0)
+    if params.seed is not None:
+        v.int_(params.seed, "seed", 0, UINT64_MAX)
+    v.float_(params.presence_penalty, "presence_penalty", -2.0, 2.0)
+    v.float_(params.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    v.float_(params.repetition_penalty, "repetition_penalty", 0.0, math.inf, lo_open=True)
+    v.token_list(params.stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+    v.bool_(params.ignore_eos, "ignore_eos")
+    if params.logprobs is not None:
+        v.int_(params.logprobs, "logprobs", 0, MAX_LOGPROBS)
+
+
+def pack_token_ids(ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as packed little-endian int32; OverflowError/TypeError if they do not fit."""
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got a {ids.dtype} array")
+        if ids.dtype != _I32 and ids.size and (ids.min() < -(2**31) or ids.max() > INT32_MAX):
+            raise OverflowError("token id out of int32 range")
+        return ids.astype(_I32, copy=False).tobytes()
+    packed = array("i", ids)
+    if not _NATIVE_LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+# ---- validation helpers -----------------------------------------------------------------------
+
+
+class _Validator:
+    """Type and range checks that raise ProtocolError tagged with the request id, if known."""
+
+    def __init__(self, request_id: str | None = None) -> None:
+        self.request_id = request_id
+
+    def fail(self, message: str) -> ProtocolError:
+        return ProtocolError(message, self.request_id)
+
+    def int_(self, value: Any, what: str, lo: int, hi: int) -> int:
+        # type() rather than isinstance(): bool is an int subclass and must not pass as one.
+        if type(value) is not int:
+            raise self.fail(f"{what} must be an int, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise self.fail(f"{what} must be in [{lo}, {hi}], got {value}")
+        return value
+
+    def float_(self, value: Any, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
+        # Ints are accepted (another encoder may pack 1.0 as 1); bools and non-finite values not.
+        if type(value) not in (float, int):
+            raise self.fail(f"{what} must be a number, got {type(value).__name__}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise self.fail(f"{what} must be finite, got {value}")
+        if not (lo < value if lo_open else lo <= value) or value > hi:
+            bracket = "(" if lo_open else "["
+            raise self.fail(f"{what} must be in {bracket}{lo}, {hi}], got {value}")
+        return value
+
+    def bool_(self, value: Any, what: str) -> bool:
+        if type(value) is not bool:
+            raise self.fail(f"{what} must be a bool, got {type(value).__name__}")
+        return value
+
+    def str_(self, value: Any, what: str, max_len: int) -> str:
+        if type(value) is not str:
+            raise self.fail(f"{what} must be a str, got {type(value).__name__}")
+        if len(value) > max_len:
+            raise self.fail(f"{what} is longer than {max_len} characters")
+        return value
+
+    def list_(self, value: Any, what: str, length: int | None = None) -> list[Any]:
+        if type(value) is not list:
+            raise self.fail(f"{what} must be an array, got {type(value).__name__}")
+        if length is not None and len(value) != length:
+            raise self.fail(f"{what} must have {length} elements, got {len(value)}")
+        return value
+
+    def enum_(self, value: Any, cls: type[Any], what: str) -> Any:
+        self.int_(value, what, -(2**63), UINT64_MAX)
+        try:
+            return cls(value)
+        except ValueError:
+            raise self.fail(f"unknown {what} {value}") from None
+
+    def token_list(self, value: Any, what: str, max_len: int) -> None:
+        """Validate a Python sequence of token ids (the encoder's side of stop_token_ids)."""
+        if not isinstance(value, (tuple, list)):
+            raise self.fail(f"{what} must be a tuple of ints, got {type(value).__name__}")
+        if len(value) > max_len:
+            raise self.fail(f"{what} has more than {max_len} ids")
+        for tid in value:
+            self.int_(tid, what, 0, INT32_MAX)
+
+    def ids(self, value: Any, what: str, max_len: int = MAX_TOKEN_IDS) -> list[int]:
+        """Unpack int32 bytes into token ids, all of them >= 0."""
+        if type(value) is bytes and len(value) <= _SMALL_IDS_BYTES and not len(value) % 4:
+            # Decode steps carry a token or a few per request; array() is ~8x cheaper than
+            # numpy's per-call overhead at that size.
+            packed = array("i")
+            packed.frombytes(value)
+            if not _NATIVE_LITTLE:
+                packed.byteswap()
+            ids = packed.tolist()
+            if len(ids) > max_len or (ids and min(ids) < 0):
+                return self.i32(value, what, max_len, min_value=0).tolist()  # raises
+            return ids
+        return self.i32(value, what, max_len, min_value=0).tolist()
+
+    def i32(self, value: Any, what: str, max_len: int, min_value: int) -> np.ndarray:
+        if type(value) is not bytes:
+            raise self.fail(f"{what} must be int32 bytes, got {type(value).__name__}")
+        if len(value) % 4:
+            raise self.fail(f"{what} has {len(value)} bytes, not a multiple of 4")
+        if len(value) // 4 > max_len:
+            raise self.fail(f"{what} has more than {max_len} ids")
+        arr = np.frombuffer(value, dtype=_I32)
+        if arr.size and arr.min() < min_value:
+            raise self.fail(f"{what} contains a value below {min_value}")
+        return arr
+
+    def f64(self, value: Any, what: str, count: int) -> list[float]:
+        """Unpack float64 bytes of logprobs: exactly ``count`` values, none NaN or +inf."""
+        if type(value) is not bytes or len(value) != 8 * count:
+            raise self.fail(f"{what} must be {count} float64 values as bytes")
+        arr = np.frombuffer(value, dtype=_F64)
+        if np.isnan(arr).any() or np.isposinf(arr).any():
+            raise self.fail(f"{what} contains NaN or +inf")  # -inf is log(0), legitimate
+        return arr.tolist()
+
+    def rid(self, value: Any, what: str = "request_id") -> str:
+        self.str_(value, what, MAX_REQUEST_ID_LEN)
+        if not value:
+            raise self.fail(f"{what} must not be empty")
+        return value
+
+
+# ---- frame level ------------------------------------------------------------------------------
+
+
+def _unpack(frame: bytes | memoryview) -> list[Any]:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    n = len(frame)
+    try:
+        obj = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=min(n, MAX_STR_BYTES),
+            max_bin_len=min(n, 4 * MAX_TOKEN_IDS),
+            max_array_len=min(n, MAX_ARRAY_LEN),
+            max_map_len=min(n, MAX_ARRAY_LEN),
+            max_ext_len=0,  # no ext types (timestamps included) belong on this wire
+        )
+    except Exception as exc:  # msgpack raises a zoo of types on bad input; all mean "malformed"
+        raise ProtocolError(f"not a msgpack frame: {type(exc).__name__}: {exc}") from None
+    if type(obj) is not list or len(obj) < 2:
+        raise ProtocolError("frame must be an array [type, version, *fields]")
+    return obj
+
+
+_Decoder = Callable[[list[Any], _Validator], Any]
+
+
+def _decode(frame: bytes | memoryview, decoders: dict[int, _Decoder], sender: str) -> Any:
+    obj = _unpack(frame)
+    tag, version, fields = obj[0], obj[1], obj[2:]
+    if type(tag) is not int or tag not in decoders:
+        raise ProtocolError(f"unknown {sender} message type {tag!r}")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    v = _Validator()
+    if tag in _REQUEST_ID_FIRST and fields and _is_request_id(fields[0]):
+        v.request_id = fields[0]
+    return decoders[tag](fields, v)
+
+
+def _is_request_id(value: Any) -> bool:
+    return type(value) is str and 0 < len(value) <= MAX_REQUEST_ID_LEN
+
+
+# ---- client -> engine -------------------------------------------------------------------------
+
+
+def _encode_hello(msg: Hello) -> list[Any]:
+    return [msg.client_name]
+
+
+def _decode_hello(fields: list[Any], v: _Validator) -> Hello:
+    v.list_(fields, "HELLO fields", 1)
+    return Hello(v.str_(fields[0], "client_name", MAX_REQUEST_ID_LEN))
+
+
+def _encode_add_request(msg: AddRequest) -> list[Any]:
+    v = _Validator(msg.request_id if _is_request_id(msg.request_id) else None)
+    rid = v.rid(msg.request_id)
+    validate_sampling_params(msg.params, rid)
+    try:
+        ids = pack_token_ids(msg.prompt_token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ProtocolError(f"prompt_token_ids must be int32 ids: {exc}", rid) from None
+    v.i32(ids, "prompt_token_ids", MAX_TOKEN_IDS, min_value=0)
+    if not ids:
+        raise ProtocolError("prompt_token_ids must not be empty", rid)
+    return [rid, ids, _encode_params(msg.params)]
+
+
+def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
+    v.list_(fields, "ADD_REQUEST fields", 3)
+    rid = v.rid(fields[0])
+    ids = v.ids(fields[1], "prompt_token_ids")
+    if not ids:
+        raise v.fail("prompt_token_ids must not be empty")
+    return AddRequest(rid, ids, _decode_params(fields[2], v))
+
+
+def _encode_params(p: SamplingParams) -> list[Any]:
+    return [
+        p.max_tokens,
+        p.min_tokens,
+        float(p.temperature),
+        float(p.top_p),
+        p.top_k,
+        float(p.min_p),
+        p.seed,
+        float(p.presence_penalty),
+        float(p.frequency_penalty),
+        float(p.repetition_penalty),
+        pack_token_ids(p.stop_token_ids),
+        p.ignore_eos,
+        p.logprobs,
+    ]
+
+
+_FLOAT_PARAMS = (
+    (2, "temperature"),
+    (3, "top_p"),
+    (5, "min_p"),
+    (7, "presence_penalty"),
+    (8, "frequency_penalty"),
+    (9, "repetition_penalty"),
+)
+
+
+def _decode_params(value: Any, v: _Validator) -> SamplingParams:
+    f = v.list_(value, "sampling params", 13)
+    # Numbers to float first (ranges are checked below, on the built params).
+    floats = {name: v.float_(f[i], name, -math.inf, math.inf) for i, name in _FLOAT_PARAMS}
+    params = SamplingParams(
+        max_tokens=f[0],
+        min_tokens=f[1],
+        top_k=f[4],
+        seed=f[6],
+        stop_token_ids=tuple(v.ids(f[10], "stop_token_ids", MAX_STOP_TOKEN_IDS)),
+        ignore_eos=f[11],
+        logprobs=f[12],
+        **floats,
+    )
+    validate_sampling_params(params, v.request_id)
+    return params
+
+
+def _encode_abort(msg: Abort) -> list[Any]:
+    return [list(msg.request_ids)]
+
+
+def _decode_abort(fields: list[Any], v: _Validator) -> Abort:
+    v.list_(fields, "ABORT fields", 1)
+    ids = v.list_(fields[0], "ABORT request_ids")
+    return Abort([v.rid(rid) for rid in ids])
+
+
+def _encode_control(msg: Control) -> list[Any]:
+    return [int(msg.kind), int(msg.token)]
+
+
+def _decode_control(fields: list[Any], v: _Validator) -> Control:
+    v.list_(fields, "CONTROL fields", 2)
+    return Control(v.enum_(fields[0], ControlKind, "control kind"), _token(fields[1], v))
+
+
+def _token(value: Any, v: _Validator) -> int:
+    return v.int_(value, "control token", 0, UINT64_MAX)
+
+
+# ---- engine -> client -------------------------------------------------------------------------
+
+
+def _encode_ready(msg: Ready) -> list[Any]:
+    return [
+        msg.model,
+        int(msg.max_model_len),
+        int(msg.vocab_size),
+        pack_token_ids(msg.eos_token_ids),
+        int(msg.block_size),
+        int(msg.num_kv_blocks),
+        int(msg.max_num_seqs),
+    ]
+
+
+def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
+    v.list_(fields, "READY fields", 7)
+    return Ready(
+        model=v.str_(fields[0], "model", MAX_STR_BYTES),
+        max_model_len=v.int_(fields[1], "max_model_len", 1, INT32_MAX),
+        vocab_size=v.int_(fields[2], "vocab_size", 1, INT32_MAX),
+        eos_token_ids=v.ids(fields[3], "eos_token_ids", MAX_STOP_TOKEN_IDS),
+        block_size=v.int_(fields[4], "block_size", 1, INT32_MAX),
+        num_kv_blocks=v.int_(fields[5], "num_kv_blocks", 0, INT32_MAX),
+        max_num_seqs=v.int_(fields[6], "max_num_seqs", 1, INT32_MAX),
+    )
+
+
+def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
+    outputs = [
+        [
+            o.request_id,
+            pack_token_ids(o.new_token_ids),
+            None if o.finish_reason is None else int(o.finish_reason),
+            None if o.logprobs is None else _encode_logprobs(o.logprobs),
+        ]
+        for o in msg.outputs
+    ]
+    finished = {rid: int(reason) for rid, reason in msg.finished_without_tokens.items()}
+    return [outputs, finished]
+
+
+def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
+    v.list_(fields, "STEP_OUTPUTS fields", 2)
+    outputs = [_decode_request_output(o, v) for o in v.list_(fields[0], "outputs")]
+    if type(fields[1]) is not dict:
+        raise v.fail("finished_without_tokens must be a map")
+    finished = {
+        v.rid(rid): v.enum_(reason, FinishReason, "finish reason")
+        for rid, reason in fields[1].items()
+    }
+    return StepOutputs(outputs, finished)
+
+
+def _decode_request_output(value: Any, v: _Validator) -> RequestOutput:
+    # The hot path of a client: one call per request per engine step.
+    if type(value) is not list or len(value) != 4:
+        raise v.fail("request output must be an array of 4 elements")
+    rid, ids, reason, logprobs = value
+    if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
+        v.rid(rid)  # raises with the precise reason
+    ids = v.ids(ids, "new_token_ids")
+    if reason is not None:
+        reason = _FINISH_REASONS.get(reason) if type(reason) is int else None
+        if reason is None:
+            raise v.fail(f"unknown finish reason {value[2]!r}")
+    if logprobs is not None:
+        logprobs = _decode_logprobs(logprobs, len(ids), v)
+    return RequestOutput(rid, ids, reason, logprobs)
+
+
+_FINISH_REASONS = {int(r): r for r in FinishReason}
+
+
+def _encode_logprobs(entries: list[TokenLogprobs]) -> list[bytes]:
+    sampled = np.array([e.logprob for e in entries], dtype=_F64)
+    counts = [len(e.top_token_ids) for e in entries]
+    top_ids = [tid for e in entries for tid in e.top_token_ids]
+    top_lps = np.array([lp for e in entries for lp in e.top_logprobs], dtype=_F64)
+    return [sampled.tobytes(), pack_token_ids(counts), pack_token_ids(top_ids), top_lps.tobytes()]
+
+
+def _decode_logprobs(value: Any, num_tokens: int, v: _Validator) -> list[TokenLogprobs]:
+    f = v.list_(value, "logprobs", 4)
+    sampled = v.f64(f[0], "sampled logprobs", num_tokens)
+    counts = v.i32(f[1], "top logprob counts", num_tokens, min_value=0)
+    if len(counts) != num_tokens or (counts.size and counts.max() > MAX_LOGPROBS):
+        raise v.fail(f"top logprob counts must be {num_tokens} values in [0, {MAX_LOGPROBS}]")
+    total = int(counts.sum())
+    top_ids = v.ids(f[2], "top logprob ids", total)
+    if len(top_ids) != total:
+        raise v.fail(f"top logprob ids must hold {total} ids")
+    top_lps = v.f64(f[3], "top logprobs", total)
+    entries, start = [], 0
+    for lp, n in zip(sampled, counts.tolist(), strict=True):
+        entries.append(TokenLogprobs(lp, top_ids[start : start + n], top_lps[start : start + n]))
+        start += n
+    return entries
+
+
+def _encode_request_error(msg: RequestError) -> list[Any]:
+    return [msg.request_id, msg.message, int(msg.code)]
+
+
+def _decode_request_error(fields: list[Any], v: _Validator) -> RequestError:
+    v.list_(fields, "REQUEST_ERROR fields", 3)
+    return RequestError(
+        v.rid(fields[0]),
+        v.str_(fields[1], "message", MAX_STR_BYTES),
+        v.int_(fields[2], "code", 0, 999),
+    )
+
+
+def _encode_control_reply(msg: ControlReply) -> list[Any]:
+    s = msg.stats
+    stats = None
+    if s is not None:
+        stats = [
+            int(x)
+            for x in (
+                s.num_running,
+                s.num_waiting,
+                s.num_free_blocks,
+                s.num_cached_blocks,
+                s.num_total_blocks,
+                s.num_steps,
+            )
+        ]
+    return [int(msg.kind), int(msg.token), stats, bool(msg.ok), msg.message]
+
+
+def _decode_control_reply(fields: list[Any], v: _Validator) -> ControlReply:
+    v.list_(fields, "CONTROL_REPLY fields", 5)
+    stats = None
+    if fields[2] is not None:
+        s = v.list_(fields[2], "stats", 6)
+        stats = Stats(*(v.int_(x, "stats field", 0, UINT64_MAX) for x in s))
+    return ControlReply(
+        kind=v.enum_(fields[0], ControlKind, "control kind"),
+        token=_token(fields[1], v),
+        stats=stats,
+        ok=v.bool_(fields[3], "ok"),
+        message=v.str_(fields[4], "message", MAX_STR_BYTES),
+    )
+
+
+def _encode_heartbeat(msg: Heartbeat) -> list[Any]:
+    return [int(msg.num_steps)]
+
+
+def _decode_heartbeat(fields: list[Any], v: _Validator) -> Heartbeat:
+    v.list_(fields, "HEARTBEAT fields", 1)
+    return Heartbeat(v.int_(fields[0], "num_steps", 0, UINT64_MAX))
+
+
+# ---- dispatch tables --------------------------------------------------------------------------
+
+_ENCODERS: dict[type, tuple[MsgType, Callable[[Any], list[Any]]]] = {
+    Hello: (MsgType.HELLO, _encode_hello),
+    AddRequest: (MsgType.ADD_REQUEST, _encode_add_request),
+    Abort: (MsgType.ABORT, _encode_abort),
+    Control: (MsgType.CONTROL, _encode_control),
+    Ready: (MsgType.READY, _encode_ready),
+    StepOutputs: (MsgType.STEP_OUTPUTS, _encode_step_outputs),
+    RequestError: (MsgType.REQUEST_ERROR, _encode_request_error),
+    ControlReply: (MsgType.CONTROL_REPLY, _encode_control_reply),
+    Heartbeat: (MsgType.HEARTBEAT, _encode_heartbeat),
+}
+
+_CLIENT_DECODERS: dict[int, _Decoder] = {
+    MsgType.HELLO: _decode_hello,
+    MsgType.ADD_REQUEST: _decode_add_request,
+    MsgType.ABORT: _decode_abort,
+    MsgType.CONTROL: _decode_control,
+}
+
+_ENGINE_DECODERS: dict[int, _Decoder] = {
+    MsgType.READY: _decode_ready,
+    MsgType.STEP_OUTPUTS: _decode_step_outputs,
+    MsgType.REQUEST_ERROR: _decode_request_error,
+    MsgType.CONTROL_REPLY: _decode_control_reply,
+    MsgType.HEARTBEAT: _decode_heartbeat,
+}
+
+# Messages whose first field is a request id worth reporting errors against.
+_REQUEST_ID_FIRST = frozenset({MsgType.ADD_REQUEST, MsgType.REQUEST_ERROR})

@@ -1,0 +1,641 @@
+"""Wire codec and addresses: round trips, the frame layout, and rejection of malformed frames."""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from protocol.address import EngineAddress, check_identity, is_loopback, new_identity
+from protocol.codec import (
+    MAX_FRAME_BYTES,
+    MAX_REQUEST_ID_LEN,
+    MAX_TOKEN_IDS,
+    ProtocolError,
+    decode_client_message,
+    decode_engine_message,
+    encode,
+)
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    Control,
+    ControlKind,
+    ControlReply,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    MsgType,
+    Ready,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    Stats,
+    StepOutputs,
+    TokenLogprobs,
+)
+
+CLIENT_TYPES = (Hello, AddRequest, Abort, Control)
+INT32_MAX = 2**31 - 1
+
+EXAMPLES = [
+    Hello(),
+    Hello("frontend-1"),
+    AddRequest("r", [0]),
+    AddRequest("é日🙂" * 64, [1, 2, INT32_MAX, 0], SamplingParams()),
+    AddRequest(
+        "all-params",
+        list(range(300)),
+        SamplingParams(
+            max_tokens=INT32_MAX,
+            min_tokens=5,
+            temperature=0.0,
+            top_p=0.5,
+            top_k=40,
+            min_p=1.0,
+            seed=2**64 - 1,
+            presence_penalty=-2.0,
+            frequency_penalty=2.0,
+            repetition_penalty=1e-6,
+            stop_token_ids=(2, 13, INT32_MAX),
+            ignore_eos=True,
+            logprobs=20,
+        ),
+    ),
+    Abort([]),
+    Abort(["a", "b" * MAX_REQUEST_ID_LEN]),
+    Control(ControlKind.STATS),
+    Control(ControlKind.SHUTDOWN, 2**64 - 1),
+    Ready("default", 2048, 49152, [2], 16, 1000, 256),
+    Ready("/models/x", 1, 1, [], 1, 0, 1),
+    StepOutputs([]),
+    StepOutputs([RequestOutput("a", [5])]),
+    StepOutputs(
+        [
+            RequestOutput("a", [5, 6], FinishReason.STOP),
+            RequestOutput("b", [], FinishReason.LENGTH),
+            RequestOutput(
+                "c",
+                [7, 8],
+                None,
+                [TokenLogprobs(-0.25, [7, 9], [-0.25, -1.5]), TokenLogprobs(-math.inf, [], [])],
+            ),
+        ],
+        {"d": FinishReason.ABORT, "e": FinishReason.ERROR},
+    ),
+    RequestError("r", "prompt too long", 400),
+    RequestError("r", "", 500),
+    ControlReply(ControlKind.STATS, 3, Stats(1, 2, 3, 4, 10, 2**40)),
+    ControlReply(ControlKind.CHECK_INTEGRITY, 0, None, False, "block 7 leaked"),
+    Heartbeat(0),
+    Heartbeat(123456789),
+]
+
+
+def decoder_for(msg: Any) -> Callable[[bytes], Any]:
+    return decode_client_message if isinstance(msg, CLIENT_TYPES) else decode_engine_message
+
+
+def unpack(frame: bytes) -> list[Any]:
+    return msgpack.unpackb(frame, raw=False)
+
+
+# ---- round trips --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_example_round_trips(msg: Any) -> None:
+    frame = encode(msg)
+    assert unpack(frame)[:2] == [int(_TAGS[type(msg)]), PROTOCOL_VERSION]
+    assert decoder_for(msg)(frame) == msg
+
+
+def test_random_messages_round_trip() -> None:
+    rng = random.Random(1234)
+    for _ in range(600):
+        msg = random_message(rng)
+        assert decoder_for(msg)(encode(msg)) == msg, msg
+
+
+def test_decoded_enums_are_enum_members() -> None:
+    step = decode_engine_message(encode(StepOutputs([RequestOutput("a", [1], FinishReason.STOP)])))
+    assert step.outputs[0].finish_reason is FinishReason.STOP
+    assert decode_client_message(encode(Control(ControlKind.SHUTDOWN))).kind is ControlKind.SHUTDOWN
+
+
+def test_integral_floats_from_other_encoders_are_accepted() -> None:
+    obj = unpack(encode(AddRequest("r", [1])))
+    obj[4][2] = 1  # temperature packed as an int by some other encoder
+    msg = decode_client_message(msgpack.packb(obj))
+    assert msg.params.temperature == 1.0 and type(msg.params.temperature) is float
+
+
+# ---- frame layout -------------------------------------------------------------------------------
+
+
+def test_token_ids_travel_as_int32_bytes() -> None:
+    ids = [1, INT32_MAX, 0, 49151]
+    obj = unpack(encode(AddRequest("r", ids, SamplingParams(stop_token_ids=(7, 8)))))
+    assert obj[2] == "r"
+    assert obj[3] == struct.pack("<4i", *ids)
+    assert obj[4][10] == struct.pack("<2i", 7, 8)
+    step = unpack(encode(StepOutputs([RequestOutput("a", [3, 4], FinishReason.LENGTH)])))
+    assert step[2] == [["a", struct.pack("<2i", 3, 4), int(FinishReason.LENGTH), None]]
+    ready = unpack(encode(Ready("m", 8, 9, [2, 3], 16, 4, 2)))
+    assert ready[5] == struct.pack("<2i", 2, 3)
+
+
+def test_token_ids_are_compact() -> None:
+    # As msgpack ints, ids >= 2**16 take 5 bytes each; as int32 bytes they take 4.
+    frame = encode(AddRequest("r", [2**30] * 1000))
+    assert len(frame) < 4 * 1000 + 100
+
+
+def test_numpy_and_list_ids_encode_alike() -> None:
+    ids = [5, 0, INT32_MAX]
+    as_list = encode(AddRequest("r", ids))
+    assert encode(AddRequest("r", np.array(ids, dtype=np.int64))) == as_list  # type: ignore[arg-type]
+    assert encode(AddRequest("r", tuple(ids))) == as_list  # type: ignore[arg-type]
+
+
+# ---- the encoder refuses what the decoder would refuse -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ids", "params"),
+    [
+        ([], SamplingParams()),
+        ([1, -1], SamplingParams()),
+        ([2**31], SamplingParams()),
+        ([1.5], SamplingParams()),
+        ([1], SamplingParams(max_tokens=0)),
+        ([1], SamplingParams(temperature=math.nan)),
+        ([1], SamplingParams(stop_token_ids=(-3,))),
+    ],
+)
+def test_encoder_rejects_invalid_add_request(ids: list[Any], params: SamplingParams) -> None:
+    with pytest.raises(ProtocolError) as info:
+        encode(AddRequest("mine", ids, params))
+    assert info.value.request_id == "mine"
+
+
+def test_encoder_rejects_non_messages() -> None:
+    with pytest.raises(TypeError):
+        encode(SamplingParams())  # type: ignore[arg-type]
+
+
+# ---- malformed frames ---------------------------------------------------------------------------
+
+
+def add_frame(**replace: Any) -> bytes:
+    """A valid ADD_REQUEST frame for id "r", with the elements at some indexes replaced."""
+    obj = unpack(encode(AddRequest("r", [1, 2])))
+    for index, value in replace.items():
+        obj[int(index.lstrip("_"))] = value
+    return msgpack.packb(obj)
+
+
+def with_param(index: int, value: Any) -> bytes:
+    params = unpack(encode(AddRequest("r", [1])))[4]
+    params[index] = value
+    return add_frame(_4=params)
+
+
+BAD_PARAMS = [
+    (0, 0),  # max_tokens >= 1
+    (0, True),  # a bool is not an int
+    (0, 2**31),
+    (0, 16.0),
+    (1, -1),  # min_tokens
+    (1, 17),  # above max_tokens (16)
+    (2, -0.1),  # temperature
+    (2, math.nan),
+    (2, math.inf),
+    (2, "1.0"),
+    (3, 0.0),  # top_p in (0, 1]
+    (3, 1.01),
+    (3, -math.inf),
+    (4, -1),  # top_k
+    (4, 1.5),
+    (5, -0.01),  # min_p
+    (5, 1.5),
+    (6, -1),  # seed
+    (6, 1.0),
+    (6, "7"),
+    (7, 2.5),  # presence_penalty
+    (7, -2.01),
+    (8, 3.0),  # frequency_penalty
+    (9, 0.0),  # repetition_penalty > 0
+    (9, -1.0),
+    (10, b"\x01\x00\x00"),  # stop ids: not a multiple of 4 bytes
+    (10, struct.pack("<i", -1)),
+    (10, [1, 2]),  # a list, not int32 bytes
+    (10, b"\x00" * 4 * 1025),  # more than 1024 stop ids
+    (11, 1),  # ignore_eos must be a bool
+    (11, None),
+    (12, 21),  # logprobs
+    (12, -1),
+    (12, True),
+]
+
+
+@pytest.mark.parametrize(("index", "value"), BAD_PARAMS)
+def test_bad_sampling_param_is_an_error_for_that_request(index: int, value: Any) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_client_message(with_param(index, value))
+    assert info.value.request_id == "r"
+
+
+def test_bad_request_fields_carry_the_request_id() -> None:
+    params = unpack(encode(AddRequest("r", [1])))[4]
+    for frame in [
+        add_frame(_3=[1, 2, 3]),  # ids as a list of ints
+        add_frame(_3=b"\x01\x00\x00\x00\x02"),  # 5 bytes
+        add_frame(_3=b""),  # empty prompt
+        add_frame(_3=struct.pack("<2i", 5, -7)),
+        add_frame(_4=params[:12]),  # 12 params
+        add_frame(_4=[*params, 0]),
+        add_frame(_4=None),
+        msgpack.packb([int(MsgType.ADD_REQUEST), PROTOCOL_VERSION, "r", b"\x01\x00\x00\x00"]),
+        msgpack.packb([int(MsgType.ADD_REQUEST), PROTOCOL_VERSION, "r", b"", params, 1]),
+    ]:
+        with pytest.raises(ProtocolError) as info:
+            decode_client_message(frame)
+        assert info.value.request_id == "r", unpack(frame)
+
+
+def nested(depth: int) -> bytes:
+    return b"\x91" * depth + b"\x00"
+
+
+BAD_CLIENT_FRAMES = [
+    b"",
+    b"\xc1",  # a byte msgpack never uses
+    b"\x93\x01",  # truncated array
+    encode(Hello())[:-1],
+    encode(Hello()) + b"\x00",  # trailing bytes
+    msgpack.packb(5),
+    msgpack.packb({"type": 2}),
+    msgpack.packb([]),
+    msgpack.packb([int(MsgType.HELLO)]),
+    msgpack.packb([99, PROTOCOL_VERSION]),
+    msgpack.packb([True, PROTOCOL_VERSION, ""]),  # True == 1 == HELLO, but is not an int
+    msgpack.packb(["1", PROTOCOL_VERSION, ""]),
+    msgpack.packb([int(MsgType.READY), PROTOCOL_VERSION, "m", 1, 1, b"", 1, 1, 1]),  # wrong way
+    msgpack.packb([int(MsgType.HELLO), PROTOCOL_VERSION + 1, ""]),
+    msgpack.packb([int(MsgType.HELLO), 1.0, ""]),
+    msgpack.packb([int(MsgType.HELLO), PROTOCOL_VERSION]),
+    msgpack.packb([int(MsgType.HELLO), PROTOCOL_VERSION, b"bytes"]),
+    msgpack.packb([int(MsgType.HELLO), PROTOCOL_VERSION, "x" * 257]),
+    add_frame(_2=""),  # empty request id
+    add_frame(_2="x" * (MAX_REQUEST_ID_LEN + 1)),
+    add_frame(_2=b"r"),
+    add_frame(_2=7),
+    add_frame(_1=PROTOCOL_VERSION + 1),
+    msgpack.packb([int(MsgType.ABORT), PROTOCOL_VERSION, "not-a-list"]),
+    msgpack.packb([int(MsgType.ABORT), PROTOCOL_VERSION, ["ok", 5]]),
+    msgpack.packb([int(MsgType.ABORT), PROTOCOL_VERSION, [""]]),
+    msgpack.packb([int(MsgType.CONTROL), PROTOCOL_VERSION, 99, 0]),
+    msgpack.packb([int(MsgType.CONTROL), PROTOCOL_VERSION, 1, -1]),
+    msgpack.packb([int(MsgType.CONTROL), PROTOCOL_VERSION, 1, True]),
+    msgpack.packb([int(MsgType.CONTROL), PROTOCOL_VERSION, 1]),
+    msgpack.packb([int(MsgType.HELLO), PROTOCOL_VERSION, msgpack.ExtType(1, b"x")]),
+    msgpack.packb([int(MsgType.HELLO), PROTOCOL_VERSION, msgpack.Timestamp(1)]),
+    b"\x93\x01\x01\xa2\xff\xfe",  # HELLO whose name is invalid UTF-8
+    nested(5000),
+    b"\xdd\xff\xff\xff\xff",  # an array header claiming 4 billion elements
+    b"\x95\x02\x01\xa1r\xc6\x7f\xff\xff\xff",  # a bin header claiming 2 GiB
+    b"\x92\x02" + b"\xc6\x7f\xff\xff\xff" + b"\x00" * 64,
+]
+
+
+@pytest.mark.parametrize("frame", BAD_CLIENT_FRAMES)
+def test_malformed_client_frame_is_rejected(frame: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_client_message(frame)
+    assert info.value.request_id is None
+
+
+def step_frame(outputs: Any, finished: Any = None) -> bytes:
+    tag = int(MsgType.STEP_OUTPUTS)
+    return msgpack.packb([tag, PROTOCOL_VERSION, outputs, {} if finished is None else finished])
+
+
+def i32(*ids: int) -> bytes:
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
+def f64(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}d", *values)
+
+
+BAD_ENGINE_FRAMES = [
+    encode(Hello()),  # a client message sent the wrong way
+    msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, -1]),
+    msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, False]),
+    msgpack.packb([int(MsgType.READY), PROTOCOL_VERSION, "m", 8, 0, b"", 16, 4, 2]),  # vocab 0
+    msgpack.packb([int(MsgType.READY), PROTOCOL_VERSION, "m", 8, 9, [2], 16, 4, 2]),
+    step_frame("x"),
+    step_frame([["a", i32(1), None]]),  # 3 fields
+    step_frame([["a", i32(1), 9, None]]),  # unknown finish reason
+    step_frame([["a", i32(-1), None, None]]),
+    step_frame([["a", [1], None, None]]),
+    step_frame([], {"a": 7}),
+    step_frame([], {b"a": 0}),  # bytes key
+    step_frame([], [["a", 0]]),  # not a map
+    msgpack.packb([int(MsgType.STEP_OUTPUTS), PROTOCOL_VERSION, [], {1: 0}], strict_types=False),
+    # logprobs: [sampled f64, top counts i32, top ids i32, top logprobs f64], one per token
+    step_frame([["a", i32(1), None, [f64(-1.0, -2.0), i32(0, 0), b"", b""]]]),
+    step_frame([["a", i32(1), None, [f64(-1.0), i32(1), i32(3), b""]]]),
+    step_frame([["a", i32(1), None, [f64(-1.0), i32(2), i32(3), f64(-1.0)]]]),
+    step_frame([["a", i32(1), None, [f64(-1.0), i32(21), i32(*range(21)), f64(*[0.0] * 21)]]]),
+    step_frame([["a", i32(1), None, [f64(math.nan), i32(0), b"", b""]]]),
+    step_frame([["a", i32(1), None, [f64(math.inf), i32(0), b"", b""]]]),
+    step_frame([["a", i32(1), None, [f64(-1.0), i32(-1), b"", b""]]]),
+    step_frame([["a", i32(1), None, [f64(-1.0), i32(0), b"", b""], 5]]),
+    msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, [1, 2, 3, 4, 5], True, ""]),
+    msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, [1, 2, 3, 4, 5, -6], 1, ""]),
+    msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, None, 1, ""]),
+    msgpack.packb([int(MsgType.REQUEST_ERROR), PROTOCOL_VERSION, "", "m", 400]),
+    msgpack.packb([int(MsgType.REQUEST_ERROR), PROTOCOL_VERSION, "r", None, 400]),
+]
+
+
+@pytest.mark.parametrize("frame", BAD_ENGINE_FRAMES)
+def test_malformed_engine_frame_is_rejected(frame: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_engine_message(frame)
+
+
+def test_oversized_frames_are_rejected() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode_client_message(b"\x00" * (MAX_FRAME_BYTES + 1))
+    too_many = add_frame(_3=b"\x01\x00\x00\x00" * (MAX_TOKEN_IDS + 1))
+    with pytest.raises(ProtocolError):
+        decode_client_message(too_many)
+
+
+# ---- fuzzing: nothing but ProtocolError escapes -------------------------------------------------
+
+WEIRD_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    17,
+    2**31,
+    2**63,
+    2**64 - 1,
+    -(2**63),
+    0.5,
+    -0.0,
+    math.nan,
+    math.inf,
+    -math.inf,
+    "",
+    "r",
+    "x" * 300,
+    b"",
+    b"\x01\x00\x00\x00",
+    b"\xff\xff\xff\xff",
+    b"\x01\x02\x03",
+    [],
+    [1, 2],
+    [None],
+    {},
+    {"a": 0},
+    {"a": [1]},
+]
+
+
+def decode_or_protocol_error(frame: bytes, decode: Callable[[bytes], Any]) -> None:
+    """Decoding either fails with ProtocolError or yields a message that round-trips."""
+    try:
+        msg = decode(frame)
+    except ProtocolError:
+        return
+    assert decode(encode(msg)) == msg
+
+
+def both_directions(frame: bytes) -> None:
+    decode_or_protocol_error(frame, decode_client_message)
+    decode_or_protocol_error(frame, decode_engine_message)
+
+
+def test_fuzz_random_bytes() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        both_directions(rng.randbytes(rng.randrange(0, 64)))
+    for _ in range(1000):  # random bytes after a plausible header reach the field decoders
+        tag = rng.choice(list(MsgType))
+        both_directions(
+            bytes([0x90 | rng.randrange(2, 9), tag, PROTOCOL_VERSION]) + rng.randbytes(40)
+        )
+
+
+def test_fuzz_mutated_frames() -> None:
+    rng = random.Random(11)
+    for _ in range(3000):
+        frame = bytearray(encode(random_message(rng)))
+        for _ in range(rng.randint(1, 4)):
+            mutate_bytes(rng, frame)
+        both_directions(bytes(frame))
+
+
+def test_fuzz_replaced_fields() -> None:
+    rng = random.Random(13)
+    for _ in range(3000):
+        msg = random_message(rng)
+        obj = unpack(encode(msg))
+        obj = replace_random_node(rng, obj, rng.choice(WEIRD_VALUES))
+        decode_or_protocol_error(msgpack.packb(obj), decoder_for(msg))
+
+
+def mutate_bytes(rng: random.Random, frame: bytearray) -> None:
+    if not frame:
+        frame.append(rng.randrange(256))
+        return
+    i = rng.randrange(len(frame))
+    action = rng.randrange(4)
+    if action == 0:
+        frame[i] = rng.randrange(256)
+    elif action == 1:
+        del frame[i:]
+    elif action == 2:
+        frame.insert(i, rng.randrange(256))
+    else:
+        del frame[i]
+
+
+def replace_random_node(rng: random.Random, obj: Any, value: Any) -> Any:
+    """Replace one randomly chosen node of a nested list/dict structure (maybe the root)."""
+    if rng.random() < 0.15 or not isinstance(obj, (list, dict)) or not obj:
+        return value
+    if isinstance(obj, list):
+        i = rng.randrange(len(obj))
+        obj[i] = replace_random_node(rng, obj[i], value)
+    else:
+        key = rng.choice(list(obj))
+        obj[key] = replace_random_node(rng, obj[key], value)
+    return obj
+
+
+# ---- random valid messages ----------------------------------------------------------------------
+
+_CHARS = "abcXYZ019-_/é日🙂"
+
+
+def rand_id(rng: random.Random) -> str:
+    n = rng.choice([1, 2, 8, 36, MAX_REQUEST_ID_LEN])
+    return "".join(rng.choice(_CHARS) for _ in range(n))
+
+
+def rand_ids(rng: random.Random, lo: int, hi: int) -> list[int]:
+    return [rng.choice([0, INT32_MAX, rng.randrange(50000)]) for _ in range(rng.randint(lo, hi))]
+
+
+def rand_params(rng: random.Random) -> SamplingParams:
+    max_tokens = rng.randint(1, 4096)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=rng.randint(0, max_tokens),
+        temperature=rng.choice([0.0, 1.0, rng.uniform(0, 5)]),
+        top_p=rng.choice([1.0, rng.uniform(1e-6, 1)]),
+        top_k=rng.choice([0, rng.randint(1, 1000)]),
+        min_p=rng.uniform(0, 1),
+        seed=rng.choice([None, 0, rng.randrange(2**64)]),
+        presence_penalty=rng.uniform(-2, 2),
+        frequency_penalty=rng.uniform(-2, 2),
+        repetition_penalty=rng.uniform(0.01, 3),
+        stop_token_ids=tuple(rand_ids(rng, 0, 5)),
+        ignore_eos=rng.random() < 0.5,
+        logprobs=rng.choice([None, 0, rng.randint(1, 20)]),
+    )
+
+
+def rand_logprobs(rng: random.Random, n: int) -> list[TokenLogprobs]:
+    out = []
+    for _ in range(n):
+        k = rng.randint(0, 5)
+        lps = [rng.choice([-math.inf, rng.uniform(-30, 0)]) for _ in range(k)]
+        out.append(TokenLogprobs(rng.uniform(-30, 0), rand_ids(rng, k, k), lps))
+    return out
+
+
+def rand_output(rng: random.Random) -> RequestOutput:
+    ids = rand_ids(rng, 0, 6)
+    reason = rng.choice([None, *FinishReason])
+    lps = rand_logprobs(rng, len(ids)) if rng.random() < 0.3 else None
+    return RequestOutput(rand_id(rng), ids, reason, lps)
+
+
+def random_message(rng: random.Random) -> Any:
+    kind = rng.randrange(9)
+    if kind == 0:
+        return Hello(rand_id(rng) if rng.random() < 0.5 else "")
+    if kind == 1:
+        return AddRequest(rand_id(rng), rand_ids(rng, 1, 200), rand_params(rng))
+    if kind == 2:
+        return Abort([rand_id(rng) for _ in range(rng.randint(0, 5))])
+    if kind == 3:
+        return Control(rng.choice(list(ControlKind)), rng.randrange(2**64))
+    if kind == 4:
+        sizes = [rng.randint(1, 10**6) for _ in range(5)]
+        return Ready(rand_id(rng), sizes[0], sizes[1], rand_ids(rng, 0, 3), *sizes[2:])
+    if kind == 5:
+        outputs = [rand_output(rng) for _ in range(rng.randint(0, 8))]
+        finished = {rand_id(rng): rng.choice(list(FinishReason)) for _ in range(rng.randint(0, 3))}
+        return StepOutputs(outputs, finished)
+    if kind == 6:
+        return RequestError(rand_id(rng), rand_id(rng), rng.choice([400, 500]))
+    if kind == 7:
+        stats = Stats(*(rng.randrange(10**9) for _ in range(6))) if rng.random() < 0.5 else None
+        return ControlReply(
+            rng.choice(list(ControlKind)),
+            rng.randrange(2**64),
+            stats,
+            rng.random() < 0.5,
+            rand_id(rng),
+        )
+    return Heartbeat(rng.randrange(2**64))
+
+
+_TAGS = {
+    Hello: MsgType.HELLO,
+    AddRequest: MsgType.ADD_REQUEST,
+    Abort: MsgType.ABORT,
+    Control: MsgType.CONTROL,
+    Ready: MsgType.READY,
+    StepOutputs: MsgType.STEP_OUTPUTS,
+    RequestError: MsgType.REQUEST_ERROR,
+    ControlReply: MsgType.CONTROL_REPLY,
+    Heartbeat: MsgType.HEARTBEAT,
+}
+
+
+# ---- addresses ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "inp", "out"),
+    [
+        (
+            "ipc:///run/user/1/tandem-x/engine",
+            "ipc:///run/user/1/tandem-x/engine-in",
+            "ipc:///run/user/1/tandem-x/engine-out",
+        ),
+        ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"),
+        ("tcp://[::1]:7000", "tcp://[::1]:7000", "tcp://[::1]:7001"),
+        ("tcp://h:1,ipc:///x/y", "tcp://h:1", "ipc:///x/y"),
+    ],
+)
+def test_address_parse_and_str_round_trip(text: str, inp: str, out: str) -> None:
+    address = EngineAddress.parse(text)
+    assert address == EngineAddress(inp, out)
+    assert str(address) == text
+    assert EngineAddress.parse(str(address)) == address
+
+
+@pytest.mark.parametrize(
+    "text", ["", "udp://h:1", "ipc://", "tcp://h", "tcp://:5", "tcp://h:x", "tcp://h:65535"]
+)
+def test_bad_addresses_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        EngineAddress.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("ipc:///tmp/x", True),
+        ("tcp://127.0.0.1:5", True),
+        ("tcp://127.8.9.1:5", True),
+        ("tcp://localhost:5", True),
+        ("tcp://[::1]:5", True),
+        ("tcp://0.0.0.0:5", False),
+        ("tcp://*:5", False),
+        ("tcp://10.0.0.2:5", False),
+        ("tcp://example.com:5", False),
+        (EngineAddress("tcp://127.0.0.1:5", "tcp://10.0.0.2:6"), False),
+    ],
+)
+def test_is_loopback(address: Any, loopback: bool) -> None:
+    assert is_loopback(address) is loopback
+
+
+def test_identities_are_valid_routing_ids() -> None:
+    ids = {new_identity() for _ in range(500)}
+    assert len(ids) == 500
+    assert all(len(i) == 16 and i[0] != 0 for i in ids)
+    for bad in (b"", b"\x00abc", b"x" * 256):
+        with pytest.raises(ValueError):
+            check_identity(bad)
