@@ -1,0 +1,143 @@
+"""The offline API: batch generation in this process, on the same scheduler and runner.
+
+    llm = LLM("default")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+
+Also the `tandem generate` subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_core.config import EngineConfig
+from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, model: str = "default", **engine_kwargs: Any) -> None:
+        from engine_core.core import EngineCore
+
+        self.engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
+        self._tokenizer: Any = None
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.engine.runner.model_dir))
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        detokenize: bool = True,
+    ) -> list[CompletionOutput]:
+        """Run every prompt (text or token ids) to completion; outputs in prompt order."""
+        params_list = self._params_per_prompt(params, len(prompts))
+        outputs: dict[str, CompletionOutput] = {}
+        for prompt, p in zip(prompts, params_list, strict=True):
+            ids = self._encode(prompt)
+            rid = f"offline-{next(self._ids)}"
+            self._add(rid, ids, p)
+            outputs[rid] = CompletionOutput(rid, ids, [], None)
+        self._run_until_done(outputs)
+        results = list(outputs.values())
+        if detokenize:
+            for r in results:
+                r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        return results
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        from engine_core.request import Request
+
+        self.engine.add_request(Request(request_id, prompt_ids, params))
+
+    def _run_until_done(self, outputs: dict[str, CompletionOutput]) -> None:
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                record = outputs[out.request.request_id]
+                record.token_ids.extend(out.new_token_ids)
+                record.logprobs.extend(out.logprobs or [])
+                if out.finish_reason is not None:
+                    record.finish_reason = out.finish_reason
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    @staticmethod
+    def _params_per_prompt(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return list(params)
+
+
+# ---- `tandem generate` ------------------------------------------------------------------------
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from engine_core.args import add_engine_args
+
+    parser.add_argument(
+        "--prompt", action="append", required=True, help="prompt text (repeat the flag for a batch)"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user message in the chat template",
+    )
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    add_engine_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine_core.args import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    llm = LLM(**vars(config))
+    prompts: list = [_chat_ids(llm, p) if args.chat else p for p in args.prompt]
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
+    for prompt, out in zip(args.prompt, llm.generate(prompts, params), strict=True):
+        print(f"--- {prompt!r}\n{out.text}\n[finish: {out.finish_reason.openai_name}]")
+    return 0
+
+
+def _chat_ids(llm: LLM, prompt: str) -> list[int]:
+    messages = [{"role": "user", "content": prompt}]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already holds the special tokens; adding BOS again would change the prompt.
+    return llm.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,274 @@
+"""The engine-core process: two socket threads around a lock-free busy loop.
+
+    input thread:  ROUTER recv -> decode/validate -> inbox queue
+    busy loop:     drain inbox (block only when idle) -> EngineCore.step() -> outbox queue
+    output thread: outbox queue -> encode -> ROUTER send to the owning client
+
+Only the busy loop touches the EngineCore, so the scheduler, block manager and runner need no
+locks. Client request ids are scoped by the client's socket identity, so two clients may reuse an
+id. Also the `tandem engine` subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from engine_core.config import EngineConfig
+from engine_core.core import EngineCore
+from engine_core.request import EngineOutput, Request
+from protocol.address import EngineAddress
+from protocol.messages import (
+    Abort,
+    AddRequest,
+    ClientMessage,
+    Control,
+    ControlKind,
+    ControlReply,
+    EngineMessage,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    Ready,
+    RequestError,
+    RequestOutput,
+    StepOutputs,
+)
+
+logger = logging.getLogger("tandem.engine")
+
+HEARTBEAT_INTERVAL_S = 0.5
+_POLL_MS = 100
+
+
+class _ClientGone:
+    """Internal inbox item: the output thread could not reach this client."""
+
+
+def scoped_id(client: bytes, request_id: str) -> str:
+    return f"{client.hex()}/{request_id}"
+
+
+class EngineProc:
+    def __init__(self, config: EngineConfig, address: EngineAddress) -> None:
+        self.core = EngineCore(config)
+        self.address = address
+        self.inbox: queue.Queue[tuple[bytes, ClientMessage | _ClientGone]] = queue.Queue()
+        self.outbox: queue.Queue[tuple[bytes, EngineMessage] | None] = queue.Queue()
+        self.clients: set[bytes] = set()
+        self.running = True
+        self._last_heartbeat = 0.0
+        mc = self.core.model_config
+        self.ready = Ready(
+            model=config.model,
+            max_model_len=self.core.max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=list(mc.eos_token_ids),
+            block_size=config.block_size,
+            num_kv_blocks=self.core.runner.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs,
+        )
+
+    # ---- threads ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        import zmq
+
+        from protocol.address import bind_engine_sockets
+
+        ctx = zmq.Context()
+        in_sock, out_sock = bind_engine_sockets(ctx, self.address)
+        threads = [
+            threading.Thread(target=self._input_loop, args=(in_sock,), daemon=True),
+            threading.Thread(target=self._output_loop, args=(out_sock,), daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        try:
+            self.busy_loop()
+        finally:
+            self.running = False
+            self.outbox.put(None)
+            for t in threads:
+                t.join(timeout=5)
+            in_sock.close(linger=0)
+            out_sock.close(linger=0)
+            ctx.term()
+
+    def _input_loop(self, sock: Any) -> None:
+        from protocol.codec import ProtocolError, decode_client_message
+
+        while self.running:
+            if not sock.poll(_POLL_MS):
+                continue
+            parts = sock.recv_multipart()
+            if len(parts) != 2:
+                logger.warning("dropped a message of %d frames (expected 2)", len(parts))
+                continue
+            client, frame = parts
+            try:
+                self.inbox.put((client, decode_client_message(frame)))
+            except ProtocolError as exc:
+                logger.warning("rejected a malformed message: %s", exc)
+                if exc.request_id is not None:
+                    self.outbox.put((client, RequestError(exc.request_id, str(exc), 400)))
+
+    def _output_loop(self, sock: Any) -> None:
+        from protocol.address import send_to_client
+        from protocol.codec import encode
+
+        while (item := self.outbox.get()) is not None:
+            client, msg = item
+            if not send_to_client(sock, client, encode(msg)):
+                # The client is gone (or not connected yet); stop heart-beating it. The busy loop
+                # owns the set, so hand the removal over rather than touching it here.
+                self.inbox.put((client, _ClientGone()))
+
+    # ---- busy loop ----------------------------------------------------------------------------
+
+    def busy_loop(self) -> None:
+        while self.running:
+            self._drain_inbox(block=not self.core.has_unfinished())
+            if self.running and self.core.has_unfinished():
+                self._step()
+            self._maybe_heartbeat()
+
+    def _drain_inbox(self, block: bool) -> None:
+        if block:
+            try:
+                self._handle(*self.inbox.get(timeout=HEARTBEAT_INTERVAL_S))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                self._handle(*self.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, client: bytes, msg: ClientMessage | _ClientGone) -> None:
+        match msg:
+            case AddRequest():
+                self._add(client, msg)
+            case Abort():
+                self._abort(client, msg.request_ids)
+            case Hello():
+                self.clients.add(client)
+                self.outbox.put((client, self.ready))
+            case Control():
+                self._control(client, msg)
+            case _ClientGone():
+                self.clients.discard(client)
+
+    def _add(self, client: bytes, msg: AddRequest) -> None:
+        request = Request(
+            scoped_id(client, msg.request_id),
+            msg.prompt_token_ids,
+            msg.params,
+            client_id=client,
+            client_request_id=msg.request_id,
+        )
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:
+            self.outbox.put((client, RequestError(msg.request_id, str(exc), 400)))
+
+    def _abort(self, client: bytes, request_ids: list[str]) -> None:
+        aborted = self.core.abort([scoped_id(client, rid) for rid in request_ids])
+        if aborted:
+            finished = {r.client_request_id: FinishReason.ABORT for r in aborted}
+            self.outbox.put((client, StepOutputs([], finished)))
+
+    def _control(self, client: bytes, msg: Control) -> None:
+        reply = ControlReply(msg.kind, msg.token)
+        if msg.kind == ControlKind.STATS:
+            reply = ControlReply(msg.kind, msg.token, stats=self.core.stats())
+        elif msg.kind == ControlKind.CHECK_INTEGRITY:
+            try:
+                self.core.scheduler.block_manager.check_integrity()
+            except AssertionError as exc:
+                reply = ControlReply(msg.kind, msg.token, ok=False, message=str(exc))
+        elif msg.kind == ControlKind.SHUTDOWN:
+            logger.info("shutdown requested by a client")
+            self.running = False
+        self.outbox.put((client, reply))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:  # never die silently with requests in flight: fail them instead
+            logger.exception("engine step failed; failing the requests in flight")
+            self._fail_all(f"engine step failed: {exc}")
+            return
+        for client, batch in self._group_by_client(outputs).items():
+            self.outbox.put((client, StepOutputs(batch)))
+
+    @staticmethod
+    def _group_by_client(outputs: list[EngineOutput]) -> dict[bytes, list[RequestOutput]]:
+        grouped: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        for out in outputs:
+            r = out.request
+            grouped[r.client_id].append(
+                RequestOutput(
+                    r.client_request_id, out.new_token_ids, out.finish_reason, out.logprobs
+                )
+            )
+        return grouped
+
+    def _fail_all(self, message: str) -> None:
+        sched = self.core.scheduler
+        live = [r.request_id for r in [*sched.running, *sched.waiting]]
+        for r in self.core.abort(live):
+            self.outbox.put((r.client_id, RequestError(r.client_request_id, message, 500)))
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
+            self._last_heartbeat = now
+            for client in self.clients:
+                self.outbox.put((client, Heartbeat(self.core.num_steps)))
+
+
+# ---- `tandem engine` --------------------------------------------------------------------------
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from engine_core.args import add_engine_args
+
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="where to listen: ipc:///dir/name (default: a fresh private 0700 directory) or "
+        "tcp://127.0.0.1:PORT (uses PORT and PORT+1)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    add_engine_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine_core.args import engine_config_from_args
+    from protocol.address import private_ipc_address
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    address = EngineAddress.parse(args.address) if args.address else private_ipc_address()
+    proc = EngineProc(engine_config_from_args(args), address)
+    _stop_on_signals(proc)
+    print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
+    proc.run()
+    return 0
+
+
+def _stop_on_signals(proc: EngineProc) -> None:
+    def stop(signum: int, _frame: object) -> None:
+        logger.info("signal %d: stopping", signum)
+        proc.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)

@@ -1,0 +1,220 @@
+"""A real `tandem engine` process on the default model, driven over ZMQ by the raw client."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+import zmq
+
+from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
+from protocol.client import EngineClient
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    ControlKind,
+    FinishReason,
+    MsgType,
+    RequestError,
+    SamplingParams,
+    StepOutputs,
+)
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "How do I boil an egg?",
+    "Say hello in Spanish.",
+]
+
+
+@dataclass
+class Engine:
+    address: EngineAddress
+    process: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    address = private_ipc_address()
+    cmd = [
+        sys.executable,
+        "-m",
+        "frontend.cli",
+        "engine",
+        "--model",
+        "default",
+        "--address",
+        str(address),
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "64",
+        "--log-level",
+        "WARNING",
+    ]
+    proc = subprocess.Popen(cmd)
+    try:
+        with EngineClient(address) as probe:
+            probe.connect(timeout=180)
+        yield Engine(address, proc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        remove_ipc_files(address)
+
+
+@pytest.fixture(scope="module")
+def chat_prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from engine_core.loader import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("default")))
+    out = []
+    for text in CHATS:
+        templated = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        out.append(tok.encode(templated, add_special_tokens=False))
+    return out
+
+
+def hf_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine_core.loader import resolve_model_dir
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model_dir("default")), dtype=torch.float32
+    ).eval()
+    results = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False
+            )
+        results.append(out[0, len(ids) :].tolist())
+    return results
+
+
+def collect(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:
+    """Read StepOutputs until every expected id has finished: id -> [tokens, reason]."""
+    results: dict[str, list] = {rid: [[], None] for rid in expected}
+    pending = set(expected)
+    deadline = time.monotonic() + timeout
+    while pending:
+        assert time.monotonic() < deadline, f"requests never finished: {sorted(pending)[:5]}"
+        msg = client.recv(timeout=1.0)
+        if isinstance(msg, RequestError):
+            raise AssertionError(f"engine error for {msg.request_id}: {msg.message}")
+        if not isinstance(msg, StepOutputs):
+            continue
+        for out in msg.outputs:
+            results[out.request_id][0].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                results[out.request_id][1] = out.finish_reason
+                pending.discard(out.request_id)
+        for rid, reason in msg.finished_without_tokens.items():
+            results[rid][1] = reason
+            pending.discard(rid)
+    return results
+
+
+def assert_all_blocks_free(client: EngineClient) -> None:
+    stats = client.control(ControlKind.STATS).stats
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
+    assert client.control(ControlKind.CHECK_INTEGRITY).ok
+
+
+def test_fifty_concurrent_requests_match_hf(engine: Engine, chat_prompts: list[list[int]]) -> None:
+    max_tokens = 12
+    expected = hf_greedy(chat_prompts, max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    with EngineClient(engine.address) as client:
+        client.connect(timeout=30)
+        ids = {}
+        for i in range(50):
+            rid = f"req-{i}"
+            ids[rid] = i % len(chat_prompts)
+            client.add_request(rid, chat_prompts[ids[rid]], params)
+        results = collect(client, set(ids))
+        for rid, prompt_index in ids.items():
+            tokens, reason = results[rid]
+            assert tokens == expected[prompt_index], rid
+            eos_stop = tokens and tokens[-1] == 2
+            assert reason == (FinishReason.STOP if eos_stop else FinishReason.LENGTH)
+        assert_all_blocks_free(client)
+
+
+def test_abort_mid_generation_returns_every_block(
+    engine: Engine, chat_prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    with EngineClient(engine.address) as client:
+        client.connect(timeout=30)
+        client.add_request("long", chat_prompts[0], params)
+        seen = 0
+        while seen < 3:
+            msg = client.recv(timeout=30)
+            if isinstance(msg, StepOutputs):
+                seen += sum(len(o.new_token_ids) for o in msg.outputs)
+        client.abort(["long"])
+        results = collect(client, {"long"})
+        assert results["long"][1] == FinishReason.ABORT
+        assert len(results["long"][0]) < 500
+        assert_all_blocks_free(client)
+
+
+def _bad_frames() -> list[bytes]:
+    rng = random.Random(0)
+    good = msgpack.packb([int(MsgType.ABORT), PROTOCOL_VERSION, ["x"]])
+    return [
+        b"",
+        bytes(rng.randrange(256) for _ in range(64)),
+        good[:-2],  # truncated
+        msgpack.packb([int(MsgType.ABORT), PROTOCOL_VERSION + 7, ["x"]]),  # wrong version
+        msgpack.packb([99, PROTOCOL_VERSION]),  # unknown type
+        msgpack.packb([int(MsgType.ABORT), PROTOCOL_VERSION, "not-a-list"]),  # wrong field type
+        msgpack.packb({"type": 2}),
+        msgpack.packb([int(MsgType.ADD_REQUEST), PROTOCOL_VERSION, "bad", 12345, None]),
+    ]
+
+
+def test_malformed_frames_are_rejected_and_engine_keeps_serving(
+    engine: Engine, chat_prompts: list[list[int]]
+) -> None:
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(engine.address.input)
+    try:
+        for frame in _bad_frames():
+            raw.send(frame)
+        raw.send_multipart([b"two", b"frames"])
+    finally:
+        time.sleep(0.2)
+        raw.close()
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    with EngineClient(engine.address) as client:
+        client.connect(timeout=30)
+        client.add_request("after-garbage", chat_prompts[2], params)
+        tokens, reason = collect(client, {"after-garbage"})["after-garbage"]
+        assert len(tokens) >= 1 and reason is not None
+        # A readable id with invalid fields is answered with an error for that id.
+        client.add_request("bad-token", [10**9], params)
+        msg = client.recv(timeout=30)
+        while not isinstance(msg, RequestError):
+            msg = client.recv(timeout=30)
+        assert msg.request_id == "bad-token"
+        assert_all_blocks_free(client)
