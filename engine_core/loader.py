@@ -87,6 +87,18 @@ def load_random_model(preset: str, device: torch.device | str, dtype: torch.dtyp
     return LoadedModel(module=module, config=config, model_dir=tokenizer_dir_for_random())
 
 
+def resolve_for_serving(model: str) -> tuple[str, Path]:
+    """(what to pass the engine as --model, the folder holding the tokenizer).
+
+    A real model is resolved once here (so a GGUF is converted once, not by each process) and the
+    engine gets the folder; a random preset goes to the engine as it is.
+    """
+    if model.startswith(RANDOM_PREFIX):
+        return model, tokenizer_dir_for_random()
+    model_dir = resolve_model_dir(model)
+    return str(model_dir), model_dir
+
+
 def tokenizer_dir_for_random() -> Path:
     """Random presets share the default model's 49,152-token vocabulary, so its tokenizer serves
     them; $TANDEM_TOKENIZER_DIR points at a tokenizer-only folder where the default is absent."""

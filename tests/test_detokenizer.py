@@ -1,0 +1,134 @@
+"""Incremental detokenization and stop strings, against the default model's byte-level BPE
+tokenizer: the streamed pieces must concatenate to exactly ``tokenizer.decode(all ids)``, never
+carry a broken character, and never let out any part of a stop string."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextStream
+
+TEXTS = [
+    "Hello, world! This is a plain ASCII sentence.",
+    "Café crème, naïve façade, smörgåsbord and jalapeño.",
+    "日本語のテキストと中文文本, mixed with English.",
+    "Emoji: 🚀🔥 and a family 👨‍👩‍👧 plus flags 🇫🇷🇯🇵.",
+    "  leading spaces,\n\nnew lines\tand tabs  ",
+    "Ωμέγα, Привет мир, مرحبا بالعالم, שלום",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+def decode_fn(tokenizer: Any) -> Any:
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def chunked(ids: list[int], rng: random.Random) -> list[list[int]]:
+    """Split ids into runs of 1-3 tokens, as an engine step or a batched SSE flush delivers."""
+    out, i = [], 0
+    while i < len(ids):
+        k = rng.randint(1, 3)
+        out.append(ids[i : i + k])
+        i += k
+    return out
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("step", ["one", "chunks"])
+def test_stream_reassembles_exact_text_without_broken_chars(
+    tokenizer: Any, text: str, step: str
+) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" not in expected
+    detok = IncrementalDetokenizer(decode_fn(tokenizer))
+    pieces = [[t] for t in ids] if step == "one" else chunked(ids, random.Random(len(text)))
+    deltas = [detok.push(p) for p in pieces]
+    deltas.append(detok.flush())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == expected
+
+
+def test_split_character_is_held_until_complete(tokenizer: Any) -> None:
+    ids = tokenizer.encode(" 🚀", add_special_tokens=False)
+    # The tokenizer really does split the emoji over several byte tokens.
+    assert len(ids) > 1
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd")
+    detok = IncrementalDetokenizer(decode_fn(tokenizer))
+    early = [detok.push([t]) for t in ids[:-1]]
+    last = detok.push(ids[-1:])
+    assert "".join(early) + last == " 🚀"
+    assert "🚀" in last
+
+
+def test_random_ids_reassemble_to_the_full_decode(tokenizer: Any) -> None:
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    special = set(tokenizer.all_special_ids)
+    for trial in range(20):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        if trial % 2:  # only single-byte tokens (ids 17..272 here): characters split a lot
+            ids = [rng.randrange(17, 273) for _ in ids]
+        ids = [t for t in ids if t not in special] or [42]
+        detok = IncrementalDetokenizer(decode_fn(tokenizer))
+        text = "".join(detok.push(p) for p in chunked(ids, rng)) + detok.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_is_trimmed_and_never_streamed(tokenizer: Any) -> None:
+    text = "The answer is forty-two. END of the answer, and more text after it."
+    stop = "END of"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = text[: text.index(stop)]
+    stream = TextStream(decode_fn(tokenizer), [stop])
+    sent = ""
+    for t in ids:
+        sent += stream.push([t])
+        assert expected.startswith(sent)  # nothing beyond the cut, ever
+        if stream.stopped:
+            break
+    assert stream.stopped
+    sent += stream.finish()
+    assert sent == expected == stream.text
+
+
+def test_partial_stop_is_held_then_released_on_mismatch() -> None:
+    m = StopStringMatcher(["world"])
+    assert m.feed("Hello wor") == "Hello "
+    assert m.feed("k and wo") == "work and "
+    assert m.feed("rl") == ""
+    assert m.feed("d!") == ""
+    assert m.matched == "world"
+    assert m.text == "Hello work and "
+
+
+def test_held_text_is_released_when_the_sequence_ends() -> None:
+    m = StopStringMatcher(["world"])
+    assert m.feed("abc wo") == "abc "
+    assert m.feed("", final=True) == "wo"
+    assert m.matched is None
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    m = StopStringMatcher(["cat", "at the"])
+    assert m.feed("look at the cat") == "look "
+    assert m.matched == "at the"
+
+
+def test_stop_string_with_a_multibyte_character(tokenizer: Any) -> None:
+    text = "ready 🚀 go now"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stream = TextStream(decode_fn(tokenizer), ["🚀 go"])
+    sent = "".join(stream.push([t]) for t in ids) + stream.finish()
+    assert sent == "ready "
+    assert stream.stopped

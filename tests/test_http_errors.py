@@ -1,0 +1,308 @@
+"""Every error answers its HTTP status with the OpenAI body {"error": {message, type, param,
+code}} and no traceback: 400 (invalid fields, over-long prompts), 404 (unknown model or route),
+401 (API key), 503 (engine core down, including requests in flight when it dies)."""
+
+# Fixtures arrive as parameters named like the imported fixture: F811 is expected here.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from frontend.launcher import die_with_parent
+from protocol.address import EngineAddress
+from tests.server_fixture import (  # noqa: F401
+    API_KEY,
+    MAX_MODEL_LEN,
+    Server,
+    keyed_server,
+    pid_alive,
+    server,
+    wait_engine_idle,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert list(body) == ["error"]
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert "Traceback" not in r.text
+    return err
+
+
+def post(server: Server, path: str, body: Any, **kw: Any) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=60, **kw)
+
+
+# ---- 400 --------------------------------------------------------------------------------------
+
+BAD_COMPLETIONS = [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"min_p": 2}, "min_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"stop": [""]}, "stop"),
+    ({"stream_options": {"include_usage": True}}, None),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"seed": -1}, None),
+    ({"min_tokens": 9, "max_tokens": 4}, None),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"prompt": [[49152]]}, "prompt"),
+    ({"prompt": 123}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": None}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_COMPLETIONS)
+def test_invalid_completion_fields_are_400(
+    server: Server, fields: dict[str, Any], param: str | None
+) -> None:
+    body = {"model": "default", "prompt": "Hello", "max_tokens": 2, **fields}
+    err = assert_openai_error(post(server, "/v1/completions", body), 400)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] is not None and err["param"].split(".")[0] == param
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"top_logprobs": 2}, None),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": MAX_MODEL_LEN}, "messages"),  # prompt + max_tokens over the context
+    ({"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_CHATS)
+def test_invalid_chat_fields_are_400(
+    server: Server, fields: dict[str, Any], param: str | None
+) -> None:
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    err = assert_openai_error(post(server, "/v1/chat/completions", body), 400)
+    if param is not None:
+        assert err["param"] is not None and err["param"].split(".")[0] == param
+
+
+def test_prompt_longer_than_the_context_is_400(server: Server) -> None:
+    body = {"model": "default", "prompt": [1] * (MAX_MODEL_LEN - 8), "max_tokens": 16}
+    err = assert_openai_error(post(server, "/v1/completions", body), 400)
+    assert err["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in err["message"]
+    body = {"model": "default", "prompt": [1] * (MAX_MODEL_LEN + 1), "max_tokens": 1}
+    assert assert_openai_error(post(server, "/v1/completions", body), 400)["param"] == "prompt"
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2, 3]", b'"just a string"', b""], ids=repr)
+def test_malformed_bodies_are_400(server: Server, content: bytes) -> None:
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert_openai_error(r, 400)
+
+
+def test_openai_client_sees_bad_request(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="default", prompt="Hi", temperature=-1)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == "temperature"
+
+
+# ---- 404 --------------------------------------------------------------------------------------
+
+
+def test_unknown_model_is_404(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert info.value.body["code"] == "model_not_found"
+    err = assert_openai_error(post(server, "/v1/completions", {"model": "x", "prompt": "a"}), 404)
+    assert err["param"] == "model"
+    assert_openai_error(post(server, "/tokenize", {"model": "x", "prompt": "a"}), 404)
+
+
+def test_unknown_route_and_method_answer_in_the_openai_shape(server: Server) -> None:
+    assert_openai_error(httpx.get(f"{server.base_url}/v1/nothing", timeout=10), 404)
+    assert_openai_error(httpx.get(f"{server.base_url}/v1/completions", timeout=10), 405)
+
+
+# ---- 401 --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"X-Api-Key": API_KEY}],
+    ids=["missing", "wrong", "no-bearer", "other-header"],
+)
+def test_wrong_or_missing_key_is_401(keyed_server: Server, headers: dict[str, str]) -> None:
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/engine")]:
+        r = httpx.request(
+            method,
+            f"{keyed_server.base_url}{path}",
+            json={"model": "default", "prompt": "a"},
+            headers=headers,
+            timeout=10,
+        )
+        err = assert_openai_error(r, 401)
+        assert err["code"] == "invalid_api_key"
+
+
+def test_right_key_passes_and_health_and_metrics_are_open(keyed_server: Server) -> None:
+    base = keyed_server.base_url
+    wrong = openai.OpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    right = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in right.models.list().data] == ["default"]
+    resp = right.completions.create(model="default", prompt="Hi", max_tokens=2, temperature=0)
+    assert resp.usage.completion_tokens >= 1
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+
+
+# ---- 503: the engine stalls or dies under load (keyed_server; these run last, in order) ------
+
+
+def running(srv: Server) -> int:
+    from protocol.client import EngineClient
+    from protocol.messages import ControlKind
+
+    with EngineClient(srv.engine_address) as raw:
+        raw.connect(timeout=10)
+        return raw.control(ControlKind.STATS).stats.num_running
+
+
+def wait_until(check: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_a_stalled_engine_fails_requests_then_is_taken_back(keyed_server: Server) -> None:
+    srv = keyed_server
+    long = {"model": "default", "prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
+    result: dict[str, httpx.Response] = {}
+    worker = threading.Thread(
+        target=lambda: result.update(r=post(srv, "/v1/completions", long, headers=srv.headers))
+    )
+    worker.start()
+    wait_until(lambda: running(srv) == 1)
+    os.kill(srv.engine_pid, signal.SIGSTOP)  # alive but silent: no heartbeats, no outputs
+    try:
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "a request hung on a stalled engine"
+        assert assert_openai_error(result["r"], 503)["code"] == "engine_down"
+        assert_openai_error(httpx.get(f"{srv.base_url}/health", timeout=10), 503)
+        r = post(srv, "/v1/completions", {**long, "max_tokens": 2}, headers=srv.headers)
+        assert_openai_error(r, 503)
+    finally:
+        os.kill(srv.engine_pid, signal.SIGCONT)
+    health = f"{srv.base_url}/health"
+    wait_until(lambda: httpx.get(health, timeout=10).status_code == 200)
+    wait_engine_idle(srv)  # the request given up on was aborted once the engine woke
+    r = post(srv, "/v1/completions", {**long, "max_tokens": 2}, headers=srv.headers)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_engine_death_fails_requests_in_flight_and_new_ones_with_503(keyed_server: Server) -> None:
+    srv = keyed_server
+    long = {"model": "default", "prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
+    results: dict[str, Any] = {}
+
+    def non_streamed() -> None:
+        results["whole"] = post(srv, "/v1/completions", long, headers=srv.headers)
+
+    def streamed() -> None:
+        url = f"{srv.base_url}/v1/completions"
+        body = {**long, "stream": True}
+        with httpx.stream("POST", url, json=body, headers=srv.headers, timeout=60) as r:
+            results["events"] = [line for line in r.iter_lines() if line]
+
+    threads = [threading.Thread(target=non_streamed), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: running(srv) == 2)
+    os.kill(srv.engine_pid, signal.SIGKILL)  # a crash, not a polite shutdown
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a request hung after the engine died"
+
+    assert assert_openai_error(results["whole"], 503)["code"] == "engine_down"
+    events = results["events"]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["code"] == "engine_down"
+
+    assert_openai_error(httpx.get(f"{srv.base_url}/health", timeout=10), 503)
+    body = {"model": "default", "prompt": "Hi", "max_tokens": 2}
+    for stream in (False, True):
+        r = post(srv, "/v1/completions", {**body, "stream": stream}, headers=srv.headers)
+        assert assert_openai_error(r, 503)["code"] == "engine_down"
+    chat = {"model": "default", "messages": [{"role": "user", "content": "Hi"}]}
+    assert_openai_error(post(srv, "/v1/chat/completions", chat, headers=srv.headers), 503)
+
+
+def test_sigterm_stops_the_server_and_cleans_up(keyed_server: Server) -> None:
+    """Even after its engine crashed, the server exits 0 and removes its private ipc dir. (With
+    a live engine, stop_server checks at teardown that SIGTERM takes the engine down too.)"""
+    address = EngineAddress.parse(keyed_server.engine_address)
+    keyed_server.process.send_signal(signal.SIGTERM)
+    assert keyed_server.process.wait(timeout=30) == 0
+    assert not pid_alive(keyed_server.engine_pid)
+    assert not any(Path(p).parent.exists() for p in address.ipc_paths)  # private dir removed
+
+
+# ---- the engine never outlives its frontend ---------------------------------------------------
+
+_PARENT = """
+import subprocess, sys, time
+from frontend.launcher import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         preexec_fn=die_with_parent())
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_child_dies_when_the_frontend_is_killed() -> None:
+    if die_with_parent() is None:
+        pytest.skip("PR_SET_PDEATHSIG is Linux-only")
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    assert pid_alive(child_pid)
+    parent.kill()  # SIGKILL: no cleanup code runs in the parent
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while pid_alive(child_pid):
+        assert time.monotonic() < deadline, "the child outlived its killed parent"
+        time.sleep(0.05)
