@@ -1,0 +1,68 @@
+"""The Triton attention backend: the GPU implementation of AttentionBackend.
+
+Decode-only batches (every sequence has one new token) take the split-context decode kernel,
+whose launch depends only on tensor shapes, so it can be captured in a CUDA graph. Any batch with
+a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes) takes the
+varlen prefill kernel. Both read K/V through the block tables, after ``write_kv`` has put this
+step's tokens into the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.triton_kernels import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv_cache,
+)
+
+
+class TritonBackend:
+    """AttentionBackend over ``[num_blocks, block_size, kv_heads, head_dim]`` caches."""
+
+    # Decode launches depend on tensor shapes only, so the model runner may capture them.
+    cuda_graph_safe = True
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [T] int64, -1 = padding, not written
+    ) -> None:
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        if meta.is_decode_only:
+            # T == B here; the launch reads no host value but shapes (CUDA-graph safe).
+            return paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                sliding_window=sliding_window,
+            )
+        return paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+            sliding_window=sliding_window,
+        )

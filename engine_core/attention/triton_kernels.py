@@ -1,0 +1,702 @@
+"""Triton kernels for the GPU path: KV-cache write, paged decode attention, paged prefill attention.
+
+All three read the paged cache layout ``[num_blocks, block_size, kv_heads, head_dim]`` through a
+block table, so any block size works and prefix-cached or chunked prefills need no copy. Scores,
+softmax statistics and the output accumulator are float32; Q, K and V stay in the cache dtype
+(bf16 on the GPU) going into the matrix units.
+
+Decode (one query token per sequence) is memory-bound: a program owns one (sequence, kv head,
+context split) and all the query heads of that kv head, so each K/V row is read once per group.
+The number of splits is a launch constant chosen from the batch size and the block table's width,
+never from per-step device values, so a captured CUDA graph stays valid at any context length;
+a split that falls past the end of a sequence writes an empty partial result.
+
+Importing this module imports triton: only the CUDA branch of the model runner (and GPU tests)
+may do so. Set ``TRITON_INTERPRET=1`` before the import to run these kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# A context split is never shorter than this many tokens: shorter pieces cost more in partial
+# writes and the merge than they gain in parallelism.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 16
+
+
+# ---- KV-cache write ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    K,
+    V,
+    KC,
+    VC,
+    SLOTS,
+    stride_kt,
+    stride_vt,
+    stride_kcb,
+    stride_kcs,
+    stride_vcb,
+    stride_vcs,
+    PAGE: tl.constexpr,
+    ROW: tl.constexpr,  # kv_heads * head_dim
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(SLOTS + token).to(tl.int64)
+    if slot >= 0:
+        block = slot // PAGE
+        offset = slot % PAGE
+        cols = tl.arange(0, BLOCK)
+        mask = cols < ROW
+        k = tl.load(K + token * stride_kt + cols, mask=mask)
+        v = tl.load(V + token * stride_vt + cols, mask=mask)
+        k_dst = KC + block * stride_kcb + offset * stride_kcs + cols
+        v_dst = VC + block * stride_vcb + offset * stride_vcs + cols
+        tl.store(k_dst, k.to(KC.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+) -> None:
+    """Scatter each token's K and V rows into cache slot ``slot_mapping[t]``."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    k, v = _rows_contiguous(k), _rows_contiguous(v)
+    _check_cache(k_cache)
+    _check_cache(v_cache)
+    row = k.shape[1] * k.shape[2]
+    _write_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        PAGE=k_cache.shape[1],
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
+        num_warps=_row_warps(row),
+    )
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with each token's heads*D values contiguous (a row may be a strided view)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def _check_cache(cache: torch.Tensor) -> None:
+    if cache.stride(3) != 1 or cache.stride(2) != cache.shape[3]:
+        raise ValueError("the KV cache must be contiguous within a slot ([kv_heads, head_dim])")
+
+
+def _row_warps(row: int) -> int:
+    return 4 if row >= 2048 else (2 if row >= 512 else 1)
+
+
+# ---- shared online-softmax step ----------------------------------------------------------------
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, acc, v, PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
+    """Fold one tile of base-2 scores ``s`` [M, N] (-inf where masked) and its V [N, D] into the
+    running max ``m_i`` [M], sum ``l_i`` [M] and accumulator ``acc`` [M, D]; safe for rows whose
+    scores are all -inf so far."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+# ---- paged decode attention --------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    SL,
+    Out,
+    PO,
+    PL,
+    scale_log2,
+    window,
+    min_split,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SL + seq)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + rows
+    row_mask = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+    )
+
+    # This split's token range; empty (start >= end) for splits past the sequence's end.
+    split_len = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if HAS_WINDOW:
+        start = tl.maximum(start, seq_len - window)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt_row = BT + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs < end
+        blk = tl.load(bt_row + offs // PAGE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs % PAGE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptr = KC + blk[:, None] * stride_kb + in_page[:, None] * stride_ks + kvh * stride_kh
+        k = tl.load(k_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v_ptr = VC + blk[:, None] * stride_vb + in_page[:, None] * stride_vs + kvh * stride_vh
+        v = tl.load(v_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [H, N]
+        else:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, USE_DOT)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_ptr = Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=q_mask)
+    else:
+        # Partials are [B, H, NUM_SPLITS, HEAD_DIM] and [B, H, NUM_SPLITS], contiguous.
+        part = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(PO + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(PL + part, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PO,
+    PL,
+    Out,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    lse = tl.load(PL + part + s, mask=s_mask, other=float("-inf"))  # [S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits weigh 0
+    total = tl.sum(w, 0)
+    total = tl.where(total > 0, total, 1.0)
+    mask = s_mask[:, None] & d_mask[None, :]
+    po = tl.load(PO + (part + s)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    out = tl.sum(po * w[:, None], 0) / total  # [D]
+    tl.store(
+        Out + seq * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_mask
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, heads, head_dim]: one query token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, the query token included; 0 = padding row (output 0)
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    out: torch.Tensor | None = None,  # [B, heads, head_dim]
+) -> torch.Tensor:  # [B, heads, head_dim]
+    """Attention of each sequence's last token over its whole cached context.
+
+    Reads nothing from the host but the tensors' shapes: ``num_splits`` defaults to a function
+    of the batch size, the kv heads and the block table's width, so the launch is the same for
+    every step that a CUDA graph replays.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    _check_cache(k_cache)
+    _check_cache(v_cache)
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    max_context = block_tables.shape[1] * page
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, q.device)
+    use_dot = group > 1 and head_dim >= 16
+    block_h = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    block_n = 64 if use_dot else 32
+    partial_out, partial_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        partial_out,
+        partial_lse,
+        scale * _LOG2E,
+        sliding_window or 0,
+        max(min_split_tokens, 1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_H=block_h,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=page,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None,
+        USE_DOT=use_dot,
+        PRECISION=_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            partial_out,
+            partial_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out
+
+
+def _partials(
+    batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split outputs [B, H, S, D] and base-2 log-sum-exps [B, H, S] (float32)."""
+    if num_splits == 1:
+        dummy = torch.empty(1, dtype=torch.float32, device=device)
+        return dummy, dummy
+    shape = (batch, num_heads, num_splits)
+    return (
+        torch.empty((*shape, head_dim), dtype=torch.float32, device=device),
+        torch.empty(shape, dtype=torch.float32, device=device),
+    )
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Enough (sequence, kv head, split) programs for about two per multiprocessor, with no split
+    shorter than MIN_SPLIT_TOKENS at the longest context the block table can hold."""
+    if max_context <= MIN_SPLIT_TOKENS:
+        return 1
+    wanted = -(-2 * _num_sms(device) // (batch * num_kv_heads))
+    return max(1, min(wanted, -(-max_context // MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter on CPU: any small number exercises the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 operands use exact products (tests compare them with HF); bf16 ignores this."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---- varlen prefill attention over the paged cache ---------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    SL,
+    QSL,
+    Out,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(QSL + seq)
+    q_len = tl.load(QSL + seq + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(SL + seq)
+        context = seq_len - q_len  # tokens before this chunk (prefix cache, earlier chunks)
+        kvh = head // GROUP
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        q_pos = context + rows  # [M]
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        q_mask = row_mask[:, None] & d_mask[None, :]
+        q_rows = (q_start + rows).to(tl.int64)
+        q_ptr = Q + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :]
+        q = tl.load(q_ptr, mask=q_mask, other=0.0)  # [M, D]
+
+        # The tile's last row sees up to its own position; the window bounds the first key.
+        hi = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(context + tile * BLOCK_M - window + 1, 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bt_row = BT + seq.to(tl.int64) * stride_bt
+        for n0 in range(lo, hi, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs < hi
+            blk = tl.load(bt_row + offs // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = offs % PAGE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k_ptr = KC + blk[:, None] * stride_kb + in_page[:, None] * stride_ks + kvh * stride_kh
+            k = tl.load(k_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            v_ptr = VC + blk[:, None] * stride_vb + in_page[:, None] * stride_vs + kvh * stride_vh
+            v = tl.load(v_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
+            visible = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (offs[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, heads, head_dim]: sequence i's rows query_start_loc[i]:[i+1]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: context + new tokens
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    max_query_len: int,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [T, heads, head_dim]
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """Causal attention of every new token over its sequence's cached context (itself included).
+
+    Sequence i's new tokens sit at positions ``seq_lens[i] - query_len_i ..``; its earlier
+    context (prefix-cache hits, earlier chunks) is read from the cache like the new tokens, whose
+    K/V must already be written. Rows of query length 1 (decodes in a mixed batch) work as well.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    _check_cache(k_cache)
+    _check_cache(v_cache)
+    if out is None:
+        out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    block_m = 64 if max_query_len > 16 else 16
+    grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale * _LOG2E,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=page,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 64 else 32,
+        HAS_WINDOW=sliding_window is not None,
+        PRECISION=_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+# ---- fused elementwise kernels (one launch where torch needs several) --------------------------
+# A decode step of a small model is launch-bound: the profile of a smollm2-135m step showed
+# RMSNorm (7 kernels), rotary (5 per tensor) and SiLU-and-multiply (2) costing more GPU time
+# than its GEMMs. Numerics follow models/layers.py: float32 inside, rounded once on the way out.
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X,
+    R,
+    W,
+    Out,
+    ResOut,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the activations' dtype first, as the unfused `h = h + out` is.
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(
+            x.dtype
+        )
+        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv).to(x.dtype).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x, or of ``x + residual``: then returns (normed, x + residual), one launch."""
+    num_rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    if num_rows == 0:
+        return out if residual is None else (out, res_out)
+    res_in = residual if residual is not None else x
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(num_rows,)](
+        x,
+        res_in,
+        weight,
+        out,
+        res_out,
+        eps,
+        x.stride(0),
+        res_in.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        N=n,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=min(max(block // 512, 1), 8),
+    )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rotary_kernel(
+    Q,
+    K,
+    Cos,
+    Sin,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    cos = tl.load(Cos + token * stride_ct + d).to(tl.float32)  # [1, HALF]: halves are equal
+    sin = tl.load(Sin + token * stride_st + d).to(tl.float32)
+    _rotate(Q + token * stride_qt, h, d, stride_qh, cos, sin, h < Q_HEADS, HALF)
+    _rotate(K + token * stride_kt, h, d, stride_kh, cos, sin, h < K_HEADS, HALF)
+
+
+@triton.jit
+def _rotate(X, h, d, stride_h, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate-half in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    p1 = X + h * stride_h + d
+    p2 = p1 + HALF
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(p1, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
+    tl.store(p2, (f2 * cos + f1 * sin).to(x2.dtype), mask=mask)
+
+
+def rotary_inplace(
+    q: torch.Tensor,  # [T, heads, D], rows may be strided (a view of the qkv projection)
+    k: torch.Tensor,  # [T, kv_heads, D]
+    cos: torch.Tensor,  # [T, D] (both halves equal, as RotaryEmbedding builds them)
+    sin: torch.Tensor,  # [T, D]
+) -> None:
+    """Apply rotate-half rotary embedding to q and k in place, in one launch."""
+    num_tokens, q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("rotary_inplace needs the head dim contiguous")
+    k_heads = k.shape[1]
+    _rotary_kernel[(num_tokens,)](
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        Q_HEADS=q_heads,
+        K_HEADS=k_heads,
+        BLOCK_H=triton.next_power_of_2(max(q_heads, k_heads)),
+        HALF=head_dim // 2,
+        num_warps=4 if q_heads * head_dim >= 2048 else 2,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(Out + row * stride_o + cols, out.to(Out.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up, [T, I], one launch."""
+    num_rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty((num_rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
+    )
+    return out

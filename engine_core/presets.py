@@ -1,0 +1,130 @@
+"""Random-weight benchmark models with the real shapes (DESIGN.md, "Benchmark models").
+
+No weights can be downloaded, and a decode step costs the same with random weights as with real
+ones, so the benchmarks build these directly on the device: no Hugging Face, no disk. Every preset
+has a 49,152-token vocabulary, so the default model's tokenizer covers every id.
+
+    model, config = build_random_model("llama-1b", "cuda", torch.bfloat16)
+
+Each preset is kept as the Hugging Face config.json it corresponds to (``hf_config(name)``), so a
+benchmark can build the transformers peer of exactly the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine_core.config import ModelConfig
+from engine_core.models import build_model, model_config_from_hf
+from engine_core.models.layers import reset_buffers
+
+INIT_STD = 0.02  # small, so activations stay finite through every layer of a random model
+_VOCAB = 49152
+_MAX_POSITIONS = 4096
+# SmolLM2-Instruct's ids, so the default tokenizer's special tokens mean the same here.
+_SPECIAL = {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def _llama(
+    hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, tied: bool, theta: float
+) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": _VOCAB,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "intermediate_size": mlp,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": theta,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        **_SPECIAL,
+    }
+
+
+_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": _llama(576, 30, 9, 3, 1536, tied=True, theta=100000.0),
+    "llama-1b": _llama(2048, 16, 32, 8, 8192, tied=True, theta=500000.0),
+    "llama-8b": _llama(4096, 32, 32, 8, 14336, tied=False, theta=500000.0),
+    "gpt2": {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": _VOCAB,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_inner": 3072,
+        "n_positions": _MAX_POSITIONS,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+        **_SPECIAL,
+    },
+}
+
+PRESETS: dict[str, ModelConfig] = {
+    name: model_config_from_hf(hf) for name, hf in _HF_CONFIGS.items()
+}
+
+
+def hf_config(name: str) -> dict[str, Any]:
+    """The Hugging Face config.json (as a dict) of preset ``name``, for the transformers peer."""
+    return dict(_HF_CONFIGS[_check_name(name)])
+
+
+def build_random_model(
+    name: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+) -> tuple[nn.Module, ModelConfig]:
+    """Our implementation of preset ``name`` on ``device`` in ``dtype``, weights ~ N(0, 0.02).
+
+    Norm weights are 1 and biases 0, as a freshly initialised HF model has them. Built on the
+    meta device and filled in place on ``device``: nothing is initialised twice, nothing touches
+    the host. Returns the model in eval mode without gradients, and its config.
+    """
+    config = PRESETS[_check_name(name)]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = build_model(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    reset_buffers(model)
+    init_random_weights(model, seed)
+    return model.eval().requires_grad_(False), config
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int = 0) -> None:
+    """Normal(0, INIT_STD) weights, unit norm scales, zero biases, from one seeded generator."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if name == "bias":
+                param.zero_()
+            elif _is_norm(module):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, INIT_STD, generator=gen)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # Our RMSNorm lives in models.layers; matching by name keeps this free of every model's
+    # internals (LayerNorm and RMSNorm both scale by a weight initialised to one).
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def _check_name(name: str) -> str:
+    if name not in _HF_CONFIGS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(_HF_CONFIGS)}")
+    return name

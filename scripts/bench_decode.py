@@ -1,0 +1,637 @@
+"""Decode benchmark on the GPU machine: our engine against the HBM roofline and HF transformers.
+
+    python scripts/bench_decode.py [--models smollm2-135m,llama-1b,llama-8b,gpt2] [--json OUT]
+
+In one run: measure HBM bandwidth with a device-to-device copy; then for each random-weight
+preset (engine_core/presets.py) run the "decode-64" workload (64 requests at once, 128 random
+prompt tokens, 256 output tokens each, EOS ignored, greedy, after a warm-up run) through
+
+- ``inproc``: EngineCore stepped in this process (the offline path), and
+- ``zmq``:    a real engine-core process (engine_core/proc.py) driven by the raw ZMQ client,
+
+then HF transformers ``generate`` on the same shapes (batch 64, same prompts; fewer output
+tokens, --hf-output-len, to keep the run short). Prints one table: tok/s, TPOT and TTFT p50/p99,
+% of the HBM roofline (all weights + the KV cache at the mean context, read once per step, over
+the measured bandwidth) and the ratio to HF; then where one decode step's time goes (graph
+replay alone, GPU kernel time under the profiler, the whole engine step).
+
+Until engine_core.loader accepts ``random:<preset>``, this script routes such names to
+``presets.build_random_model`` itself (also in the engine process it starts, through its own
+``engine`` subcommand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_core.config import EngineConfig  # noqa: E402
+from engine_core.models import build_model  # noqa: E402
+from engine_core.presets import PRESETS, build_random_model, hf_config  # noqa: E402
+from protocol.messages import SamplingParams  # noqa: E402
+
+# ---- results ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """One workload run: what a client saw."""
+
+    path: str
+    tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    duration_s: float
+    output_tokens: int
+
+
+@dataclass
+class ModelResult:
+    model: str
+    weight_bytes: int
+    bytes_per_step: int
+    roofline_tok_s: float
+    runs: list[RunResult] = field(default_factory=list)
+    hf_tok_s: float | None = None
+    hf_output_len: int = 0
+    startup_s: float = 0.0
+    step_profile: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def summarize(path: str, start: float, token_times: list[list[float]]) -> RunResult:
+    """Client-side metrics from each request's token arrival times (perf_counter seconds)."""
+    ttft = [(times[0] - start) * 1e3 for times in token_times]
+    tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in token_times if len(t) > 1]
+    end = max(times[-1] for times in token_times)
+    total = sum(len(times) for times in token_times)
+    return RunResult(
+        path=path,
+        tok_s=total / (end - start),
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p99_ms=percentile(ttft, 99),
+        tpot_p50_ms=percentile(tpot, 50),
+        tpot_p99_ms=percentile(tpot, 99),
+        duration_s=end - start,
+        output_tokens=total,
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+# ---- the workload ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int
+    prompt_len: int
+    output_len: int
+    seed: int
+
+    def prompts(self, vocab: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        return [
+            [rng.randrange(3, vocab) for _ in range(self.prompt_len)]
+            for _ in range(self.num_requests)
+        ]
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
+
+    def shorter(self, output_len: int, seed: int) -> Workload:
+        return Workload(self.num_requests, self.prompt_len, output_len, seed)
+
+
+def engine_config(name: str, work: Workload, device: str, enforce_eager: bool) -> EngineConfig:
+    """Room for the workload's sequences, a short max_model_len bound, no memory-sized cache."""
+    block_size = 16
+    per_seq = -(-(work.prompt_len + work.output_len) // block_size) + 1
+    return EngineConfig(
+        model=f"random:{name}",
+        device=device,
+        max_model_len=min(4096, PRESETS[name].max_position_embeddings),
+        block_size=block_size,
+        num_kv_blocks=2 * work.num_requests * per_seq,
+        max_num_seqs=work.num_requests,
+        max_num_batched_tokens=max(8192, work.num_requests * work.prompt_len // 2),
+        enforce_eager=enforce_eager,
+    )
+
+
+def install_random_loader() -> None:
+    """Route model names ``random:<preset>`` to presets.build_random_model (see module doc)."""
+    import engine_core.model_runner as runner_module
+    from engine_core.loader import LoadedModel
+
+    load = runner_module.load_model
+
+    def load_with_presets(model: str, device: Any, dtype: torch.dtype) -> Any:
+        if not model.startswith("random:"):
+            return load(model, device, dtype)
+        module, config = build_random_model(model.removeprefix("random:"), device, dtype)
+        return LoadedModel(module=module, config=config, model_dir=Path("."))
+
+    runner_module.load_model = load_with_presets
+
+
+def install_fused_llama() -> None:
+    """EXPERIMENT (--fused): run the Llama models through the fused Triton kernels, to measure
+    what they save before the model code adopts them. Same math as models/llama.py (no q/k norm,
+    which no preset has): the residual add rides in the next RMSNorm, rotary is one in-place
+    launch for q and k, SiLU-and-multiply one launch."""
+    from engine_core.attention import triton_kernels as tk
+    from engine_core.models import llama
+
+    def model_forward(self: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            norm = layer.input_layernorm
+            if residual is None:
+                x, residual = tk.rms_norm(hidden, norm.weight, norm.eps), hidden
+            else:
+                x, residual = tk.rms_norm(hidden, norm.weight, norm.eps, residual)
+            hidden = layer.self_attn(x, cos, sin)
+            norm = layer.post_attention_layernorm
+            x, residual = tk.rms_norm(hidden, norm.weight, norm.eps, residual)
+            hidden = layer.mlp(x)
+        return tk.rms_norm(hidden, self.norm.weight, self.norm.eps, residual)[0]
+
+    def attention_forward(self: Any, hidden: torch.Tensor, cos: Any, sin: Any) -> torch.Tensor:
+        num_tokens, head_dim = hidden.shape[0], self.attn.head_dim
+        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        tk.rotary_inplace(
+            q.view(num_tokens, -1, head_dim), k.view(num_tokens, -1, head_dim), cos, sin
+        )
+        return self.o_proj(self.attn(q, k, v))
+
+    def mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(tk.silu_and_mul(self.gate_up_proj(x)))
+
+    llama.LlamaModel.forward = model_forward
+    llama.LlamaAttention.forward = attention_forward
+    llama.LlamaMLP.forward = mlp_forward
+
+
+# ---- in-process engine ---------------------------------------------------------------------------
+
+
+def run_inproc(core: Any, work: Workload, vocab: int, tag: str) -> RunResult:
+    """Add every request at once, step until all finish, timing each token's arrival."""
+    from engine_core.request import Request
+
+    prompts = work.prompts(vocab)
+    times: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        times[rid] = []
+        core.add_request(Request(rid, prompt, work.params))
+    while core.has_unfinished():
+        outputs = core.step()
+        now = time.perf_counter()
+        for out in outputs:
+            times[out.request.request_id].extend([now] * len(out.new_token_ids))
+    return summarize("inproc", start, list(times.values()))
+
+
+def profile_decode_step(core: Any, work: Workload, vocab: int) -> dict[str, float]:
+    """Where one steady decode step's time goes: graph replay alone, GPU kernel time per step
+    under the profiler, and the whole engine step (schedule + inputs + forward + sample)."""
+    from engine_core.request import Request
+
+    for i, prompt in enumerate(work.shorter(64, seed=99).prompts(vocab)):
+        core.add_request(Request(f"prof-{i}", prompt, work.shorter(64, 99).params))
+    for _ in range(4):  # the prefill(s) and a few decodes
+        core.step()
+    torch.cuda.synchronize()
+    steps = 20
+    breakdown = host_breakdown(core, steps)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    kernel_us = sum(e.device_time_total for e in prof.key_averages()) / steps
+    while core.has_unfinished():
+        core.step()
+    result = {
+        "engine_step_ms": wall * 1e3,
+        "gpu_kernel_ms_per_step": kernel_us / 1e3,
+        "gpu_busy_pct": 100 * kernel_us / 1e3 / (wall * 1e3),
+    }
+    result.update(breakdown)
+    result.update(time_graph_replay(core, work.num_requests))
+    result["top_kernels"] = top_kernels(prof, steps)
+    return result
+
+
+def host_breakdown(core: Any, steps: int) -> dict[str, float]:
+    """Host milliseconds per step in each part of EngineCore.step, with no added syncs: the
+    forward is only launched (a graph replay returns at once), so the wait for the GPU shows
+    up in the first part that reads a result (the runner's single copy to the host)."""
+    parts = {
+        "schedule": (core.scheduler, "schedule"),
+        "prepare_inputs": (core.runner, "prepare_inputs"),
+        "forward_launch": (core.runner, "_forward"),
+        "sampler_launch": (core.runner, "sampler"),
+        "to_host_incl_gpu_wait": (core.runner, "_to_host"),
+        "update_from_output": (core.scheduler, "update_from_output"),
+    }
+    totals = dict.fromkeys(parts, 0.0)
+    originals = {}
+    for key, (owner, attr) in parts.items():
+        fn = getattr(owner, attr)
+        originals[key] = fn
+        setattr(owner, attr, timed(fn, totals, key))
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        wall = time.perf_counter() - start
+    finally:
+        for key, (owner, attr) in parts.items():
+            setattr(owner, attr, originals[key])
+    out = {f"host_{k}_ms": v * 1e3 / steps for k, v in totals.items()}
+    out["host_other_ms"] = (wall - sum(totals.values())) * 1e3 / steps
+    return out
+
+
+def timed(fn: Callable[..., Any], totals: dict[str, float], key: str) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - start
+
+    return wrapper
+
+
+def time_graph_replay(core: Any, batch: int) -> dict[str, float]:
+    graphs = getattr(core.runner, "graph_runner", None)
+    if graphs is None or batch not in graphs.graphs:
+        return {}
+    graph = graphs.graphs[batch]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return {"graph_replay_ms": start.elapsed_time(end) / 20}
+
+
+def top_kernels(prof: Any, steps: int, count: int = 6) -> str:
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:count]
+    return "; ".join(f"{e.key[:48]} {e.device_time_total / steps / 1e3:.3f} ms" for e in rows)
+
+
+def bench_inproc(name: str, work: Workload, args: argparse.Namespace, result: ModelResult) -> None:
+    from engine_core.core import EngineCore
+
+    start = time.perf_counter()
+    core = EngineCore(engine_config(name, work, args.device, args.enforce_eager))
+    result.startup_s = time.perf_counter() - start
+    vocab = core.model_config.vocab_size
+    run_inproc(core, work.shorter(16, seed=1), vocab, "warmup")
+    result.runs.append(run_inproc(core, work, vocab, "main"))
+    if args.profile and args.device != "cpu":
+        result.step_profile = profile_decode_step(core, work, vocab)
+    del core
+
+
+# ---- engine process over raw ZMQ -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def engine_process(
+    name: str, work: Workload, args: argparse.Namespace
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """This script's ``engine`` subcommand in a subprocess; yields its address and process."""
+    from protocol.address import private_ipc_address
+
+    address = str(private_ipc_address())
+    config = engine_config(name, work, args.device, args.enforce_eager)
+    command = [sys.executable, __file__, "engine", "--address", address, "--log-level", "WARNING"]
+    command += [
+        f"--model={config.model}",
+        f"--device={config.device}",
+        f"--max-model-len={config.max_model_len}",
+        f"--num-kv-blocks={config.num_kv_blocks}",
+        f"--max-num-seqs={config.max_num_seqs}",
+        f"--max-num-batched-tokens={config.max_num_batched_tokens}",
+    ]
+    if config.enforce_eager:
+        command.append("--enforce-eager")
+    proc = subprocess.Popen(command)
+    try:
+        yield address, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_zmq(client: Any, work: Workload, vocab: int, tag: str) -> RunResult:
+    from protocol.messages import RequestError, StepOutputs
+
+    prompts = work.prompts(vocab)
+    times: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
+    pending = set(times)
+    start = time.perf_counter()
+    for rid, prompt in zip(times, prompts, strict=True):
+        client.add_request(rid, prompt, work.params)
+    while pending:
+        msg = client.recv(timeout=120.0)
+        now = time.perf_counter()
+        if msg is None:
+            raise TimeoutError("the engine sent nothing for 120 s")
+        if isinstance(msg, RequestError):
+            raise RuntimeError(f"engine refused {msg.request_id}: {msg.message}")
+        if not isinstance(msg, StepOutputs):
+            continue
+        for out in msg.outputs:
+            times[out.request_id].extend([now] * len(out.new_token_ids))
+            if out.finish_reason is not None:
+                pending.discard(out.request_id)
+        pending.difference_update(msg.finished_without_tokens)
+    return summarize("zmq", start, list(times.values()))
+
+
+def bench_zmq(name: str, work: Workload, args: argparse.Namespace, result: ModelResult) -> None:
+    from protocol.client import EngineClient
+
+    with engine_process(name, work, args) as (address, proc), EngineClient(address) as client:
+        connect(client, proc, args.engine_start_timeout)
+        vocab = PRESETS[name].vocab_size
+        run_zmq(client, work.shorter(16, seed=1), vocab, "warmup")
+        result.runs.append(run_zmq(client, work, vocab, "main"))
+
+
+def connect(client: Any, proc: subprocess.Popen, timeout: float) -> None:
+    """Handshake with the engine, giving up at once if its process dies while starting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.connect(timeout=2.0)
+            return
+        except TimeoutError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the engine process exited with {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise
+
+
+# ---- HF transformers peer ----------------------------------------------------------------------
+
+
+def bench_hf(name: str, work: Workload, args: argparse.Namespace, result: ModelResult) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = hf_config(name)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None  # ignore EOS, as our workload does
+    ids = torch.tensor(work.prompts(PRESETS[name].vocab_size), device=args.device)
+    mask = torch.ones_like(ids)
+
+    def generate(new_tokens: int) -> None:
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+
+    with torch.inference_mode():
+        generate(4)  # warm-up
+        sync(args.device)
+        start = time.perf_counter()
+        generate(args.hf_output_len)
+        sync(args.device)
+    result.hf_tok_s = work.num_requests * args.hf_output_len / (time.perf_counter() - start)
+    result.hf_output_len = args.hf_output_len
+
+
+# ---- roofline -----------------------------------------------------------------------------------
+
+
+def measure_hbm_bandwidth(device: str, gib: float = 2.0) -> float:
+    """Bytes per second of a device-to-device copy (bytes read + bytes written), median of 10."""
+    n = int(gib * 2**30) if device == "cuda" else 2**26
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * n / statistics.median(times)
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def roofline(name: str, work: Workload, bandwidth: float) -> tuple[int, int, float]:
+    """(weight bytes, bytes per decode step, roofline tok/s): every weight once per step (as
+    DESIGN.md's table counts them) plus each sequence's K/V at the mean context."""
+    config = PRESETS[name]
+    with torch.device("meta"):
+        model = build_model(config)
+    weights = sum(p.numel() * 2 for p in model.parameters())  # bf16
+    mean_context = work.prompt_len + work.output_len / 2
+    kv = int(work.num_requests * mean_context * config.kv_bytes_per_token)
+    step = weights + kv
+    return weights, step, work.num_requests * bandwidth / step
+
+
+# ---- driver -------------------------------------------------------------------------------------
+
+
+def bench_model(name: str, work: Workload, args: argparse.Namespace, bw: float) -> ModelResult:
+    weights, step, roof = roofline(name, work, bw)
+    result = ModelResult(name, weights, step, roof)
+    stages: list[tuple[str, Callable[..., None]]] = []
+    if "inproc" in args.paths:
+        stages.append(("inproc", bench_inproc))
+    if "zmq" in args.paths:
+        stages.append(("zmq", bench_zmq))
+    if not args.no_hf:
+        stages.append(("hf", bench_hf))
+    for stage, fn in stages:
+        started = time.perf_counter()
+        try:
+            fn(name, work, args, result)
+        except Exception as exc:  # one failed path must not lose the others' numbers
+            result.errors.append(f"{stage}: {type(exc).__name__}: {exc}")
+            print(f"[{name}] {stage} failed: {exc!r}", flush=True)
+        free_gpu()
+        print(f"[{name}] {stage} done in {time.perf_counter() - started:.1f} s", flush=True)
+    return result
+
+
+def free_gpu() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def format_table(results: list[ModelResult]) -> str:
+    head = (
+        f"{'model':<13} {'path':<7} {'tok/s':>9} {'TPOT p50':>9} {'p99':>7} {'TTFT p50':>9} "
+        f"{'p99':>8} {'roofline':>9} {'%roof':>6} {'HF tok/s':>9} {'xHF':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        hf = f"{r.hf_tok_s:9.0f}" if r.hf_tok_s else f"{'-':>9}"
+        for run in r.runs or [None]:
+            if run is None:
+                lines.append(f"{r.model:<13} {'-':<7} {'failed':>9}")
+                continue
+            ratio = f"{run.tok_s / r.hf_tok_s:6.1f}" if r.hf_tok_s else f"{'-':>6}"
+            lines.append(
+                f"{r.model:<13} {run.path:<7} {run.tok_s:9.0f} {run.tpot_p50_ms:8.2f}m "
+                f"{run.tpot_p99_ms:6.2f}m {run.ttft_p50_ms:8.1f}m {run.ttft_p99_ms:7.1f}m "
+                f"{r.roofline_tok_s:9.0f} {100 * run.tok_s / r.roofline_tok_s:5.1f}% {hf} {ratio}"
+            )
+    return "\n".join(lines)
+
+
+def format_profiles(results: list[ModelResult]) -> str:
+    lines = [
+        "engine start-up (build + CUDA-graph capture) | decode step: graph replay | "
+        "GPU kernels/step | engine step | GPU busy"
+    ]
+    for r in results:
+        p = r.step_profile
+        if p:
+            lines.append(
+                f"  {r.model:<13} start-up {r.startup_s:5.1f} s | "
+                f"{p.get('graph_replay_ms', float('nan')):6.3f} ms | "
+                f"{p['gpu_kernel_ms_per_step']:6.3f} ms | {p['engine_step_ms']:6.3f} ms | "
+                f"{p['gpu_busy_pct']:4.0f}%  top: {p['top_kernels']}"
+            )
+        if p:
+            host = ", ".join(
+                f"{k.removeprefix('host_').removesuffix('_ms')} {v:.3f}"
+                for k, v in p.items()
+                if k.startswith("host_")
+            )
+            lines.append(f"  {'':<13} host ms/step: {host}")
+        for e in r.errors:
+            lines.append(f"  {r.model:<13} ERROR {e}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(PRESETS), help="comma-separated presets")
+    parser.add_argument("--paths", default="inproc,zmq", help="inproc and/or zmq")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--hf-output-len", type=int, default=64)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--fused", action="store_true", help="experiment: Llama models on the fused kernels"
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--engine-start-timeout", type=float, default=300.0)
+    parser.add_argument("--json", type=Path, default=None, help="write all results here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["engine"]:
+        return run_engine(argv[1:])
+    args = parse_args(argv)
+    install_random_loader()
+    if args.fused:
+        install_fused_llama()
+    work = Workload(args.num_requests, args.prompt_len, args.output_len, seed=0)
+    bandwidth = measure_hbm_bandwidth(args.device)
+    print(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    results = []
+    for name in args.models.split(","):
+        results.append(bench_model(name, work, args, bandwidth))
+        if args.json:
+            write_json(args.json, argv, bandwidth, results)
+    print(f"\n{device_name()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"command: python {shlex.join([sys.argv[0], *argv])}")
+    print(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s; workload {asdict(work)}")
+    print(format_profiles(results))
+    print(format_table(results))
+    return 0
+
+
+def write_json(path: Path, argv: list[str], bandwidth: float, results: list[ModelResult]) -> None:
+    payload = {
+        "command": shlex.join(["python", sys.argv[0], *argv]),
+        "device": device_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "hbm_bandwidth_bytes_per_s": bandwidth,
+        "results": [asdict(r) for r in results],
+    }
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def run_engine(argv: list[str]) -> int:
+    """The engine-core process with ``random:<preset>`` models (used by the zmq path)."""
+    from engine_core import proc
+
+    install_random_loader()
+    parser = argparse.ArgumentParser(prog="bench_decode.py engine")
+    proc.add_args(parser)
+    return proc.run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,389 @@
+"""Triton kernels against the torch reference backend, on fresh random paged caches.
+
+On a GPU this covers bf16 caches over block sizes 16 and 32, head dims 64 and 128, GQA ratios 1,
+3 and 4, contexts from 1 to several thousand tokens, mixed prefill/decode batches and
+prefix-cached prefills. Without a GPU it is skipped, unless ``TRITON_INTERPRET=1`` is set: then
+the same tests run a few small float32 shapes through Triton's CPU interpreter (whose bf16 dot
+is unreliable, hence float32 there)::
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_triton_kernels.py -q
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.gpu
+if not (INTERPRET or torch.cuda.is_available()):
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton")
+
+
+def patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(),
+    which NumPy >= 2.4 refuses for arrays that are not 0-d; take the element instead."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor: type, scope: object) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    patch_interpreter_index()
+
+from engine_core.attention.base import AttentionMetadata  # noqa: E402
+from engine_core.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
+from engine_core.attention.triton_kernels import (  # noqa: E402
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    rotary_inplace,
+    silu_and_mul,
+    write_kv_cache,
+)
+from engine_core.models import layers  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+DTYPE = torch.float32 if INTERPRET else torch.bfloat16
+# ‖out - ref‖ / ‖ref‖: bf16 operands land between 1e-3 and 1e-2; exact float32 far below.
+TOLERANCE = 1e-4 if INTERPRET else 1.5e-2
+REFERENCE = TorchReferenceBackend()
+
+if INTERPRET:
+    BLOCK_SIZES = [16]
+    HEAD_SHAPES = [(2, 2, 64), (3, 1, 32), (8, 2, 128)]  # (heads, kv_heads, head_dim)
+    DECODE_CONTEXTS = [1, 5, 16, 47, 130]
+    PREFILL_SPECS = [(0, 1), (0, 37), (20, 3), (70, 1), (33, 40)]  # (cached context, new tokens)
+else:
+    BLOCK_SIZES = [16, 32]
+    HEAD_SHAPES = [(h * r, h, d) for d in (64, 128) for h, r in ((4, 1), (3, 3), (8, 4), (2, 4))]
+    DECODE_CONTEXTS = [1, 2, 15, 16, 17, 100, 255, 257, 1000, 2049, 3000, 4500]
+    PREFILL_SPECS = [
+        (0, 1),
+        (0, 7),
+        (0, 128),
+        (0, 700),
+        (16, 1),
+        (31, 1),
+        (1000, 1),
+        (48, 5),
+        (2048, 64),
+        (513, 200),
+        (3000, 1),
+        (0, 2000),
+    ]
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor  # [T, heads, head_dim]
+    k: torch.Tensor  # [T, kv_heads, head_dim]: the new tokens' K
+    v: torch.Tensor  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+
+
+def make_batch(
+    specs: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    seed: int,
+    extra_table_width: int = 2,
+) -> PagedBatch:
+    """Sequences of (cached context, new tokens), each on shuffled blocks of a random cache."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(c + n) // block_size) for c, n in specs]
+    num_blocks = sum(needed) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(needed) + extra_table_width
+    tables = torch.zeros(len(specs), width, dtype=torch.int32)
+    slots, starts, seq_lens = [], [0], []
+    for i, ((context, new), count) in enumerate(zip(specs, needed, strict=True)):
+        blocks, order = order[:count], order[count:]
+        tables[i, :count] = torch.tensor(blocks, dtype=torch.int32)
+        for pos in range(context, context + new):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        starts.append(starts[-1] + new)
+        seq_lens.append(context + new)
+    num_tokens = starts[-1]
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        max_query_len=max(n for _, n in specs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    return PagedBatch(
+        q=randn(gen, num_tokens, heads, head_dim),
+        k=randn(gen, num_tokens, kv_heads, head_dim),
+        v=randn(gen, num_tokens, kv_heads, head_dim),
+        k_cache=randn(gen, *cache_shape),
+        v_cache=randn(gen, *cache_shape),
+        meta=meta,
+    )
+
+
+def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(DEVICE, DTYPE)
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    """An output buffer full of NaN, so any element a kernel fails to write fails the check."""
+    return torch.full_like(like, float("nan"))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not out.isnan().any(), "some output elements were never written (or are NaN)"
+    err = relative_error(out, ref)
+    assert err < TOLERANCE, f"relative error {err:.2e} >= {TOLERANCE:.0e}"
+
+
+def reference_attention(batch: PagedBatch, scale: float, window: int | None = None) -> torch.Tensor:
+    return REFERENCE.forward(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, window)
+
+
+# ---- KV-cache write -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+def test_write_kv_matches_reference_and_skips_padding(
+    block_size: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    specs = [(c, n) for c, n in PREFILL_SPECS]
+    batch = make_batch(specs, heads, kv_heads, head_dim, block_size, seed=block_size + head_dim)
+    slots = batch.meta.slot_mapping.clone()
+    slots[::3] = -1  # padding rows: their slots must keep the old contents
+    # K as a strided view of a wider projection, as the models hand it over.
+    wide = torch.cat([batch.k.flatten(1), batch.v.flatten(1)], dim=1)
+    k = wide[:, : kv_heads * head_dim].view_as(batch.k)
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    REFERENCE.write_kv(ref_k, ref_v, batch.k, batch.v, slots)
+    write_kv_cache(k, batch.v, batch.k_cache, batch.v_cache, slots)
+    assert torch.equal(batch.k_cache, ref_k)
+    assert torch.equal(batch.v_cache, ref_v)
+
+
+# ---- decode ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+def test_decode_matches_reference(
+    block_size: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    specs = [(c - 1, 1) for c in DECODE_CONTEXTS]
+    batch = make_batch(specs, heads, kv_heads, head_dim, block_size, seed=heads * head_dim)
+    scale = head_dim**-0.5
+    ref = reference_attention(batch, scale)
+    out = paged_decode_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.meta.block_tables,
+        batch.meta.seq_lens,
+        scale,
+        out=poisoned(batch.q),
+    )
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16])
+def test_decode_splits_give_the_same_attention(num_splits: int) -> None:
+    """Forced split counts, down to splits shorter than most sequences, merge to the same result."""
+    heads, kv_heads, head_dim = HEAD_SHAPES[-1]
+    specs = [(c - 1, 1) for c in DECODE_CONTEXTS]
+    batch = make_batch(specs, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=num_splits)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.meta.block_tables,
+        batch.meta.seq_lens,
+        scale,
+        num_splits=num_splits,
+        min_split_tokens=16,
+        out=poisoned(batch.q),
+    )
+    assert_close(out, reference_attention(batch, scale))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_padding_rows_give_zeros(num_splits: int) -> None:
+    """Rows with seq_len 0 (CUDA-graph padding) read nothing and write zeros, not NaN."""
+    heads, kv_heads, head_dim = HEAD_SHAPES[0]
+    batch = make_batch([(9, 1), (40, 1), (3, 1)], heads, kv_heads, head_dim, BLOCK_SIZES[0], 7)
+    seq_lens = batch.meta.seq_lens.clone()
+    seq_lens[1] = 0
+    out = paged_decode_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.meta.block_tables,
+        seq_lens,
+        head_dim**-0.5,
+        num_splits=num_splits,
+        min_split_tokens=16,
+        out=poisoned(batch.q),
+    )
+    ref = reference_attention(batch, head_dim**-0.5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out[[0, 2]], ref[[0, 2]])
+
+
+@pytest.mark.parametrize("window", [1, 8, 100])
+def test_decode_sliding_window(window: int) -> None:
+    heads, kv_heads, head_dim = HEAD_SHAPES[1]
+    specs = [(c - 1, 1) for c in DECODE_CONTEXTS]
+    batch = make_batch(specs, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=window)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.meta.block_tables,
+        batch.meta.seq_lens,
+        scale,
+        sliding_window=window,
+        num_splits=3,
+        min_split_tokens=16,
+    )
+    assert_close(out, reference_attention(batch, scale, window))
+
+
+# ---- prefill (varlen, paged, prefix-cached, mixed with decodes) -----------------------------
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+def test_prefill_matches_reference(
+    block_size: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    batch = make_batch(PREFILL_SPECS, heads, kv_heads, head_dim, block_size, seed=block_size)
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.meta.block_tables,
+        batch.meta.seq_lens,
+        batch.meta.query_start_loc,
+        batch.meta.max_query_len,
+        scale,
+        out=poisoned(batch.q),
+    )
+    assert_close(out, reference_attention(batch, scale))
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_prefill_sliding_window(window: int) -> None:
+    heads, kv_heads, head_dim = HEAD_SHAPES[1]
+    batch = make_batch(PREFILL_SPECS, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=window)
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.meta.block_tables,
+        batch.meta.seq_lens,
+        batch.meta.query_start_loc,
+        batch.meta.max_query_len,
+        scale,
+        sliding_window=window,
+    )
+    assert_close(out, reference_attention(batch, scale, window))
+
+
+# ---- the backend: write, then attend, as an attention layer calls it ------------------------
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_backend_write_then_attend_matches_reference(decode_only: bool) -> None:
+    heads, kv_heads, head_dim = HEAD_SHAPES[-1]
+    specs = [(c - 1, 1) for c in DECODE_CONTEXTS] if decode_only else PREFILL_SPECS
+    batch = make_batch(specs, heads, kv_heads, head_dim, BLOCK_SIZES[-1], seed=11)
+    scale = head_dim**-0.5
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    REFERENCE.write_kv(ref_k, ref_v, batch.k, batch.v, batch.meta.slot_mapping)
+    ref = REFERENCE.forward(batch.q, ref_k, ref_v, batch.meta, scale)
+    backend = TritonBackend()
+    backend.write_kv(batch.k_cache, batch.v_cache, batch.k, batch.v, batch.meta.slot_mapping)
+    out = backend.forward(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    assert batch.meta.is_decode_only == decode_only
+    assert_close(out, ref)
+
+
+# ---- fused elementwise kernels against the torch layers they replace ------------------------
+
+FUSED_TOKENS = [1, 5, 64] if INTERPRET else [1, 7, 64, 300]
+
+
+@pytest.mark.parametrize("num_tokens", FUSED_TOKENS)
+@pytest.mark.parametrize("hidden", [64, 576] if INTERPRET else [576, 768, 2048, 4096])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_layer(num_tokens: int, hidden: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(num_tokens * hidden)
+    x, residual = randn(gen, num_tokens, hidden), randn(gen, num_tokens, hidden)
+    norm = layers.RMSNorm(hidden, 1e-5).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        norm.weight.copy_(randn(gen, hidden))
+        summed = x + residual if with_residual else x
+        ref = norm(summed)
+        if with_residual:
+            out, res_out = rms_norm(x, norm.weight, 1e-5, residual)
+            assert torch.equal(res_out, summed)
+        else:
+            out = rms_norm(x, norm.weight, 1e-5)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("num_tokens", FUSED_TOKENS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+def test_rotary_inplace_matches_layer(
+    num_tokens: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(num_tokens + heads)
+    # q and k as views of one qkv projection, as the Llama attention hands them over.
+    qkv = randn(gen, num_tokens, (heads + 2 * kv_heads) * head_dim)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, -1)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = layers.RotaryEmbedding(head_dim, 10000.0).to(DEVICE)(positions, DTYPE)
+    ref_q, ref_k = layers.apply_rotary(q, cos, sin), layers.apply_rotary(k, cos, sin)
+    rotary_inplace(q, k, cos, sin)
+    assert_close(q, ref_q)
+    assert_close(k, ref_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+
+
+@pytest.mark.parametrize("num_tokens", FUSED_TOKENS)
+@pytest.mark.parametrize("intermediate", [96, 1536] if INTERPRET else [1536, 8192, 14336])
+def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
+    gen = torch.Generator().manual_seed(intermediate)
+    gate_up = randn(gen, num_tokens, 2 * intermediate)
+    assert_close(silu_and_mul(gate_up), layers.silu_and_mul(gate_up))
