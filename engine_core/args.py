@@ -23,6 +23,15 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enforce_eager": "never use CUDA graphs",
     "seed": "seed for requests that carry none",
+    "async_scheduling": "overlap: schedule and prepare the next step while the GPU runs this one "
+    "(--no-async-scheduling, or --no-overlap, keeps the simple loop)",
+    "step_stats": "time each part of every step (host and GPU, and the GPU's idle gap) and log "
+    "a summary every 10 s (also TANDEM_STEP_STATS=1)",
+    "nvtx": "NVTX ranges around the parts of each step, for Nsight Systems",
+    "tensor_parallel_size": "processes (one per GPU) that one engine core shards the model over: "
+    "heads, KV heads, MLP and vocabulary split across them (gloo on the CPU, NCCL on CUDA)",
+    "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
+    "requests go to the one with the least outstanding work",
 }
 
 
@@ -42,6 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 default=f.default,
                 help=f"{_HELP[f.name]} (default: %(default)s)",
             )
+    group.add_argument(
+        "--no-overlap",
+        dest="async_scheduling",
+        action="store_false",
+        help="the same as --no-async-scheduling",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

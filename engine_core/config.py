@@ -56,6 +56,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
+    # Overlap: schedule and prepare step N+1 while the GPU runs step N (engine_core/core.py).
+    async_scheduling: bool = True
+    step_stats: bool = False  # per-step host/GPU timing, logged periodically (step_stats.py)
+    nvtx: bool = False  # NVTX ranges around the parts of each step, for Nsight Systems
+    tensor_parallel_size: int = 1  # processes (GPUs) one engine core shards the model over
+    data_parallel_size: int = 1  # engine cores behind one `tandem serve` (frontend only)
 
     @property
     def max_prefills_per_step(self) -> int:

@@ -3,6 +3,13 @@
 It turns a SchedulerOutput into one flattened forward (prefills, prompt chunks, cached-prefix
 prefills and decodes together), samples the rows that reached the end of their known tokens, and
 copies the sampled ids to the host once per step.
+
+A step is split in two so the engine core can overlap them: ``launch`` packs the inputs
+(engine_core/input_batch.py: one host-to-device copy), enqueues the forward, the sampler and the
+device-to-host copy of the sampled ids into pinned memory, records a CUDA event and returns at
+once; ``collect`` waits for that event and reads the ids. The sampled tensor stays on the device
+for the next step, whose rows that wait on one of its ids (placeholders) gather it there.
+``execute`` is the two back to back.
 """
 
 from __future__ import annotations
@@ -11,15 +18,16 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.forward_context import forward_context
+from engine_core.input_batch import InputBatch
 from engine_core.loader import load_model
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
+from engine_core.step_stats import StepStats
 from protocol.messages import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -43,6 +51,20 @@ class ModelInputs:
 class RunnerOutput:
     sampled_token_ids: list[int]  # one per sampling request, in schedule order
     logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose GPU work is enqueued; ``ModelRunner.collect`` turns it into a RunnerOutput."""
+
+    plan: SchedulerOutput
+    sampling_requests: list[Request]
+    token_ids: torch.Tensor | None  # [S] int64 on the host (pinned on CUDA), filled by the copy
+    logprobs: tuple[torch.Tensor, ...] | None  # host copies: chosen [S], top ids / lps [S, N]
+    done: torch.cuda.Event | None  # recorded after the copies (CUDA only)
+    gpu_start: torch.cuda.Event | None = None  # timing events, with step stats on CUDA
+    gpu_end: torch.cuda.Event | None = None
+    gpu_prev_end: torch.cuda.Event | None = None  # the previous step's end, for the idle gap
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,6 +103,8 @@ class ModelRunner:
         self.model = loaded.module
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
+        # This process's share of the KV heads: all of them unless tensor-parallel.
+        self.num_kv_heads = self.model_config.num_kv_heads // config.tensor_parallel_size
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
@@ -91,13 +115,30 @@ class ModelRunner:
         self.sampler = Sampler(
             self.model_config.eos_token_ids, self.model_config.vocab_size, seed=config.seed
         )
+        self.stats = StepStats()  # the engine core hands its own in
+        self.input_batch = InputBatch(
+            self.device,
+            self.block_size,
+            max_num_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+        )
+        # The last launched step's sampled ids [S] (on the device) and each request's row in it.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
+        # Pinned landing buffers for the sampled ids, in a ring: a step is collected only after
+        # the next one is launched, so two must be live at once.
+        self._host_ids = [self._host_ids_buffer(config.max_num_seqs) for _ in range(3)]
+        self._host_ids_next = 0
+        self._done_events = [torch.cuda.Event() for _ in range(3)] if self._on_cuda else []
+        self._last_gpu_end: torch.cuda.Event | None = None
 
     # ---- set-up -------------------------------------------------------------------------------
 
     def _block_bytes(self) -> int:
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def _kv_blocks_that_fit(self) -> int:
         if self.device.type == "cuda":
@@ -126,7 +167,7 @@ class ModelRunner:
             2,
             self.num_kv_blocks,
             self.block_size,
-            mc.num_kv_heads,
+            self.num_kv_heads,
             mc.head_dim,
         )
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -139,6 +180,9 @@ class ModelRunner:
             cache.numel() * cache.element_size() / 2**30,
         )
         return cache
+
+    def shutdown(self) -> None:
+        """Release what outlives the object (tensor-parallel workers); nothing here."""
 
     # ---- CUDA graphs (engine_core/cuda_graph.py) -----------------------------------------------
 
@@ -174,75 +218,149 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
 
+    @property
+    def _on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _host_ids_buffer(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int64, pin_memory=self._on_cuda)  # [size]
+
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         """Flatten the scheduled requests into one batch of tokens and attention metadata."""
-        bs = self.block_size
-        token_chunks, position_chunks, slot_chunks = [], [], []
-        query_start_loc, seq_lens, logits_rows, sampling = [0], [], [], []
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(out.scheduled):
-            start, end = s.start, s.start + s.num_new_tokens
-            positions = np.arange(start, end, dtype=np.int64)
-            blocks = np.asarray(s.block_ids, dtype=np.int64)
-            token_chunks.append(np.asarray(s.request.token_ids[start:end], dtype=np.int64))
-            position_chunks.append(positions)
-            slot_chunks.append(blocks[positions // bs] * bs + positions % bs)
-            block_tables[i, : len(s.block_ids)] = s.block_ids
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            if s.samples:
-                logits_rows.append(query_start_loc[-1] - 1)
-                sampling.append(s.request)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.concatenate(slot_chunks)),
-            query_start_loc=self._to_device(np.asarray(query_start_loc, dtype=np.int32)),
-            seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
-            block_tables=self._to_device(block_tables),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-        )
+        packed = self.input_batch.pack(out, self._prev_rows, self._prev_sampled)
+        self._output_positions = packed.output_positions
         return ModelInputs(
-            input_ids=self._to_device(np.concatenate(token_chunks)),
-            positions=self._to_device(np.concatenate(position_chunks)),
-            meta=meta,
-            logits_indices=self._to_device(np.asarray(logits_rows, dtype=np.int64)),
-            sampling_requests=sampling,
+            input_ids=packed.input_ids,
+            positions=packed.positions,
+            meta=packed.meta,
+            logits_indices=packed.logits_indices,
+            sampling_requests=packed.sampling_requests,
         )
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        inputs = self.prepare_inputs(out)
-        hidden = self._forward(inputs)  # [T, hidden]
-        if not inputs.sampling_requests:
-            return RunnerOutput([], [])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        sampled = self.sampler(logits, inputs.sampling_requests)
-        return self._to_host(sampled, inputs.sampling_requests)
+        """Run one step and wait for its sampled ids (``launch`` then ``collect``)."""
+        return self.collect(self.launch(out))
 
-    def _to_host(self, sampled: SamplerOutput, requests: list[Request]) -> RunnerOutput:
-        """The step's single device-to-host copy (ids, and logprobs when any row asked)."""
-        token_ids = sampled.token_ids.tolist()
-        if sampled.logprobs is None:
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Enqueue one step (inputs, forward, sampler, the copy of its ids to the host)."""
+        stats = self.stats
+        gpu_start = gpu_end = None
+        if stats.enabled and self._on_cuda:
+            gpu_start = torch.cuda.Event(enable_timing=True)
+            gpu_end = torch.cuda.Event(enable_timing=True)
+            self.input_batch.copy_start = gpu_start  # recorded just before the input copy
+        # This step's slot in the ring of host landing buffers and their events.
+        self._host_ids_next = (self._host_ids_next + 1) % len(self._host_ids)
+        with stats.phase("prepare"):
+            inputs = self.prepare_inputs(out)
+        with stats.phase("forward"):
+            hidden = self._forward(inputs)  # [T, hidden]
+        requests = inputs.sampling_requests
+        if not requests:
+            self._prev_sampled, self._prev_rows = None, {}
+            return self._launched(out, requests, None, None, gpu_start, gpu_end)
+        with stats.phase("sample"):
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
+            sampled = self.sampler(logits, requests, self._output_positions)
+        # The next step gathers its placeholder ids from here, on the device.
+        self._prev_sampled = sampled.token_ids
+        self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
+        with stats.phase("to_host"):
+            return self._to_host(out, sampled, requests, gpu_start, gpu_end)
+
+    def _to_host(
+        self,
+        out: SchedulerOutput,
+        sampled: SamplerOutput,
+        requests: list[Request],
+        gpu_start: torch.cuda.Event | None,
+        gpu_end: torch.cuda.Event | None,
+    ) -> LaunchedStep:
+        """Enqueue the step's single device-to-host copy (ids, and logprobs when any row asked),
+        into pinned memory on CUDA; ``collect`` reads it once the step's event has completed."""
+        if not self._on_cuda:  # the CPU computed it all already: nothing to copy
+            lps = None
+            if sampled.logprobs is not None:
+                lps = (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)
+            return self._launched(out, requests, sampled.token_ids, lps, gpu_start, gpu_end)
+        num = len(requests)
+        if self._host_ids[self._host_ids_next].numel() < num:
+            self._host_ids[self._host_ids_next] = self._host_ids_buffer(num)
+        host_ids = self._host_ids[self._host_ids_next][:num]
+        host_ids.copy_(sampled.token_ids, non_blocking=True)
+        lps = None
+        if sampled.logprobs is not None:
+            lps = tuple(
+                _copy_to_pinned(t)
+                for t in (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)
+            )
+        return self._launched(out, requests, host_ids, lps, gpu_start, gpu_end)
+
+    def _launched(
+        self,
+        out: SchedulerOutput,
+        requests: list[Request],
+        host_ids: torch.Tensor | None,
+        logprobs: tuple[torch.Tensor, ...] | None,
+        gpu_start: torch.cuda.Event | None,
+        gpu_end: torch.cuda.Event | None,
+    ) -> LaunchedStep:
+        done = None
+        if self._on_cuda:
+            done = self._done_events[self._host_ids_next]
+            done.record()
+        step = LaunchedStep(out, requests, host_ids, logprobs, done, gpu_start, gpu_end)
+        if gpu_end is not None:
+            gpu_end.record()
+            step.gpu_prev_end, self._last_gpu_end = self._last_gpu_end, gpu_end
+        return step
+
+    def mark_idle(self) -> None:
+        """The engine has nothing to run: the next step's GPU gap is idleness, not overhead."""
+        self._last_gpu_end = None
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's copy (its event only: no device-wide sync) and read it."""
+        with self.stats.phase("wait"):
+            if step.done is not None:
+                step.done.synchronize()
+        if step.gpu_start is not None and step.gpu_end is not None:
+            gap = None
+            if step.gpu_prev_end is not None:
+                gap = step.gpu_prev_end.elapsed_time(step.gpu_start)
+            self.stats.add_gpu(step.gpu_start.elapsed_time(step.gpu_end), gap)
+        if step.token_ids is None:
+            return RunnerOutput([], [])
+        token_ids = step.token_ids.tolist()
+        if step.logprobs is None:
             return RunnerOutput(token_ids, [None] * len(token_ids))
-        chosen = sampled.logprobs.tolist()
-        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
-        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        logprobs: list[TokenLogprobs | None] = []
-        for row, request in enumerate(requests):
-            n = request.params.logprobs
-            if n is None:
-                logprobs.append(None)
-                continue
-            ids = top_ids[row][:n] if top_ids and n else []
-            lps = top_lps[row][:n] if top_lps and n else []
-            logprobs.append(TokenLogprobs(chosen[row], ids, lps))
-        return RunnerOutput(token_ids, logprobs)
+        return RunnerOutput(token_ids, _logprobs_per_row(step.logprobs, step.sampling_requests))
+
+
+def _copy_to_pinned(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def _logprobs_per_row(
+    tensors: tuple[torch.Tensor | None, ...], requests: list[Request]
+) -> list[TokenLogprobs | None]:
+    chosen_t, top_ids_t, top_lps_t = tensors
+    assert chosen_t is not None
+    chosen = chosen_t.tolist()
+    top_ids = top_ids_t.tolist() if top_ids_t is not None else None
+    top_lps = top_lps_t.tolist() if top_lps_t is not None else None
+    logprobs: list[TokenLogprobs | None] = []
+    for row, request in enumerate(requests):
+        n = request.params.logprobs
+        if n is None:
+            logprobs.append(None)
+            continue
+        ids = top_ids[row][:n] if top_ids and n else []
+        lps = top_lps[row][:n] if top_lps and n else []
+        logprobs.append(TokenLogprobs(chosen[row], ids, lps))
+    return logprobs

@@ -60,19 +60,30 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        output_positions: Sequence[int] | None = None,
+    ) -> SamplerOutput:
         """Sample from ``logits`` [B, V]; row i belongs to ``requests[i]``.
 
-        The token drawn for a request is its output number ``request.num_output_tokens``.
+        The token drawn for row i is output number ``output_positions[i]`` of its request
+        (default: ``request.num_output_tokens``, the next one). With overlap the request may
+        already hold placeholders of steps planned after this one, so the runner passes them.
         """
+        if output_positions is None:
+            output_positions = [r.num_output_tokens for r in requests]
         logits = logits[:, : self.vocab_size].float()  # [B, V]
-        if any(_has_penalties(r.params) for r in requests):
+        if any(has_penalties(r.params) for r in requests):
             logits = apply_penalties(logits, requests)
-        logits = apply_min_tokens(logits, requests, self.eos_token_ids)
-        token_ids = self._sample(logits, requests)
+        logits = apply_min_tokens(logits, requests, self.eos_token_ids, output_positions)
+        token_ids = self._sample(logits, requests, output_positions)
         return _gather_logprobs(logits, token_ids, requests)
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, requests: Sequence[Request], positions: Sequence[int]
+    ) -> torch.Tensor:
         params = [r.params for r in requests]
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -80,7 +91,7 @@ class Sampler:
         device = logits.device
         scaled = apply_top_k_top_p_min_p(_scale_by_temperature(logits, params), params)
         # Exponential race (Gumbel-max): argmax(logits - log E), E ~ Exp(1) per token.
-        noise = self._exponential_noise(requests, logits.shape, device)  # [B, V]
+        noise = self._exponential_noise(requests, positions, logits.shape, device)  # [B, V]
         sampled = (scaled - noise.log_()).argmax(dim=-1)
         if not any(greedy):
             return sampled
@@ -88,7 +99,11 @@ class Sampler:
         return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
     def _exponential_noise(
-        self, requests: Sequence[Request], shape: torch.Size, device: torch.device
+        self,
+        requests: Sequence[Request],
+        positions: Sequence[int],
+        shape: torch.Size,
+        device: torch.device,
     ) -> torch.Tensor:
         """Exp(1) draws [B, V], strictly positive and finite so that log E never yields inf."""
         seeded_rows = [
@@ -100,10 +115,7 @@ class Sampler:
             # exponential_ may round to exactly 0 on some builds: keep log E finite.
             noise.clamp_(min=torch.finfo(torch.float32).tiny)
         if seeded_rows:
-            keys = [
-                seed_key(requests[i].params.seed, requests[i].num_output_tokens)
-                for i in seeded_rows
-            ]
+            keys = [seed_key(requests[i].params.seed, positions[i]) for i in seeded_rows]
             uniform = seeded_uniform(_to_device(keys, device, torch.int64), shape[1])  # [S, V]
             rows = _to_device(seeded_rows, device, torch.int64)
             noise.index_copy_(0, rows, uniform.log_().neg_())  # U in (0, 1): E in (0, 17)
@@ -145,19 +157,24 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
 
 
 def apply_min_tokens(
-    logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int]
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    eos_token_ids: Sequence[int],
+    output_positions: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Return ``logits`` [B, V] with stop tokens at -inf for rows still short of min_tokens.
 
     Stop tokens are the request's stop_token_ids plus the EOS ids unless ignore_eos (an
-    ignore_eos request does not stop on EOS, so EOS needs no blocking).
+    ignore_eos request does not stop on EOS, so EOS needs no blocking). ``output_positions``:
+    which output each row draws (default: each request's next one).
     """
     vocab = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
     for i, request in enumerate(requests):
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        position = request.num_output_tokens if output_positions is None else output_positions[i]
+        if position >= params.min_tokens:
             continue
         blocked = (
             params.stop_token_ids if params.ignore_eos else (*eos_token_ids, *params.stop_token_ids)
@@ -293,7 +310,8 @@ def _gather_logprobs(
     return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs)
 
 
-def _has_penalties(params: SamplingParams) -> bool:
+def has_penalties(params: SamplingParams) -> bool:
+    """True when the request's logits depend on its previous tokens (read on the host)."""
     return params.repetition_penalty != 1.0 or _has_output_penalty(params)
 
 

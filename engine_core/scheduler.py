@@ -12,12 +12,22 @@ and the outputs it already has (cheaply, where the prefix cache still holds them
 
 ``num_computed_tokens`` advances in ``update_from_output``, not in ``schedule``, so during a step
 ``ScheduledRequest.start`` is where its chunk begins.
+
+Overlap (``async_scheduling``): the engine core schedules step N+1 while step N still runs, before
+N's tokens are known. Then ``schedule`` advances ``num_computed_tokens`` at once and appends a
+placeholder (``PLACEHOLDER``) for each row that samples; the model runner feeds a placeholder's
+real id from the previous step's sampled tensor on the device, and ``update_from_output``
+replaces it when the id reaches the host. Stop conditions are checked there, one step late: a
+request that stops at step N has its step-N+1 row dropped, and a request whose pending tokens
+already reach max_tokens or max_model_len is not scheduled again. Each plan keeps the start and
+sampling flag it was made with (``PlannedRequest``), since the request moves on before its update.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
@@ -30,6 +40,28 @@ from engine_core.request import (
 )
 from protocol.messages import FinishReason
 
+PLACEHOLDER = -1  # a sampled id still on the device (overlap only); never a real token id
+
+
+@dataclass
+class PlannedRequest(ScheduledRequest):
+    """A ScheduledRequest whose start and sampling flag are fixed when it is planned.
+
+    With overlap the request advances at schedule time, so the live properties of the base class
+    would already describe the next step when this one is read.
+    """
+
+    planned_start: int = 0
+    planned_samples: bool = False
+
+    @property
+    def start(self) -> int:
+        return self.planned_start
+
+    @property
+    def samples(self) -> bool:
+        return self.planned_samples
+
 
 class Scheduler:
     """Owns the waiting queue and the running batch; asks its BlockManager for KV room."""
@@ -40,8 +72,12 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         eos_token_ids: Sequence[int],
+        async_scheduling: bool = False,
     ):
+        """``async_scheduling``: advance requests and append placeholders at schedule time, so
+        the next step can be planned before this one's tokens are known (see the module doc)."""
         self.config = config
+        self.async_scheduling = async_scheduling
         self.block_manager = BlockManager(
             num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -113,6 +149,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._reaches_limit(request):
+                index += 1  # its pending token finishes it: nothing more to compute
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # it preempted itself: everything after it is gone too
@@ -120,6 +159,16 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _reaches_limit(self, request: Request) -> bool:
+        """True when the pending token (a placeholder, overlap only) will finish the request by
+        length: planning another step for it would be wasted, and could ask for a block past
+        max_model_len. Without a pending token it is never skipped (else it could wait forever).
+        """
+        return request.token_ids[-1] == PLACEHOLDER and (
+            request.num_output_tokens >= request.params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room by preempting from the end of the batch; False when it had to go itself."""
@@ -169,7 +218,13 @@ class Scheduler:
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         block_ids = self.block_manager.block_ids(request.request_id)
-        output.scheduled.append(ScheduledRequest(request, num_new, block_ids))
+        start = request.num_computed_tokens
+        samples = start + num_new == request.num_tokens
+        output.scheduled.append(PlannedRequest(request, num_new, block_ids, start, samples))
+        if self.async_scheduling:
+            request.num_computed_tokens += num_new
+            if samples:
+                request.token_ids.append(PLACEHOLDER)
 
     # ------------------------------------------------------------------------------ updates
 
@@ -188,13 +243,16 @@ class Scheduler:
             )
         tokens = iter(sampled_token_ids)
         events = []
+        update = self._update_planned if self.async_scheduling else self._update_request
         for scheduled, sampled in zip(output.scheduled, samples, strict=True):
             token = next(tokens) if sampled else None
-            event = self._update_request(scheduled, token)
+            event = update(scheduled, token)
             if event is not None:
                 events.append(event)
         if any(event.finish_reason is not None for event in events):
             self.running = [r for r in self.running if not r.is_finished]
+            if any(r.is_finished for r in self.waiting):  # preempted while its step ran
+                self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return events
 
     def _update_request(
@@ -208,26 +266,61 @@ class Scheduler:
         if token is None:
             return None
         request.token_ids.append(token)
-        reason = self._check_stop(request, token)
+        reason = self._check_stop(request, token, request.num_tokens)
         if reason is not None:
             self._finish(request, reason)
         return EngineOutput(request, [token], reason)
 
-    def _check_stop(self, request: Request, token: int) -> FinishReason | None:
+    def _update_planned(
+        self, scheduled: ScheduledRequest, token: int | None
+    ) -> EngineOutput | None:
+        """The overlap update: the request already advanced when it was planned.
+
+        Fill the placeholder this step sampled, register the blocks now full of known tokens,
+        and check the stop conditions at the token's own position (later placeholders may
+        follow it). A request preempted while this step ran keeps the token, which is real, and
+        recomputes its KV when it is admitted again.
+        """
+        request = scheduled.request
+        if request.is_finished:
+            return None  # finished or aborted while this step ran: its row is void
+        end = scheduled.start + scheduled.num_new_tokens
+        if request.status == RequestStatus.RUNNING:
+            # Tokens [0, end) are real and their KV is in (or on its way to) the cache.
+            self.block_manager.cache_computed_blocks(request, end)
+        if token is None:
+            return None
+        request.token_ids[end] = token
+        reason = self._check_stop(request, token, end + 1)
+        if reason is not None:
+            del request.token_ids[end + 1 :]  # placeholders of steps that are now void
+            self._finish(request, reason)
+        return EngineOutput(request, [token], reason)
+
+    def _check_stop(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:
+        """Stop conditions for ``token``, the last of the first ``num_tokens`` tokens."""
         params = request.params
-        if request.num_output_tokens >= params.min_tokens and (
+        num_output = num_tokens - request.num_prompt_tokens
+        if num_output >= params.min_tokens and (
             token in params.stop_token_ids
             or (not params.ignore_eos and token in self.eos_token_ids)
         ):
             return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens:
+        if num_output >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        """Free the request's blocks and forget it; removing it from `running` is the caller's."""
+        """Free the request's blocks and forget it; removing it from `running` is the caller's.
+
+        With overlap a step that still runs may write KV into these blocks. That is safe: every
+        step is enqueued on one CUDA stream, so a later step that is given a freed block (or
+        reads it as a prefix-cache hit) runs after those writes; and the in-flight step writes
+        only slots at or after the request's last known token, never a block registered in the
+        prefix cache (those hold known tokens only, see ``_update_planned``).
+        """
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.block_manager.free(request.request_id)

@@ -1,0 +1,276 @@
+"""One step's model inputs, packed on the host into persistent buffers and sent in one copy.
+
+Every step needs the same handful of small tensors (token ids, positions, KV slots, the rows that
+sample, query starts, sequence lengths, block tables). Building each with its own numpy array,
+``pin_memory()`` and copy cost about a millisecond a step on the host, more than a small model's
+decode step on the GPU. Here they are laid out back to back in one byte buffer that lives for the
+engine's life: the host fills it with a few vectorised numpy operations (a few comprehensions
+read the requests' fields; no numpy array per request), one ``non_blocking`` copy moves the used
+prefix to the device, and the device tensors are views into the device buffer.
+
+Host buffers are pinned on CUDA (so the copy is truly asynchronous) and used in a ring: the copy
+of step N may still be queued behind the GPU's work when the host packs step N+1, so step N+1
+writes another buffer, and a buffer is reused only after the event recorded behind its copy has
+completed. The single device buffer needs no ring: the next step's copy is enqueued on the same
+stream after every kernel that reads this step's views.
+
+Rows whose last input token is still on the device (a placeholder, with overlap) get their id
+from the previous step's sampled tensor with one gather on the device.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from engine_core.attention.base import AttentionMetadata
+from engine_core.request import Request, SchedulerOutput
+
+_RING = 3  # host buffers in flight: the one being packed, and up to two queued copies
+
+
+@dataclass
+class PackedInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: the last row of each sequence that samples
+    sampling_requests: list[Request]
+    output_positions: list[int]  # [S]: which output of its request each sampling row draws
+
+
+class InputBatch:
+    """Persistent host (pinned on CUDA) and device buffers, and the packing of one step."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        block_size: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self._pinned = device.type == "cuda"
+        self._capacity = _packed_bytes(
+            max_num_tokens, max_num_seqs, max_num_seqs, max_num_seqs, max_blocks_per_seq
+        )
+        self._next = 0
+        self._allocate(self._capacity)
+        # An event to record just before the next copy (the runner's GPU timing), or None.
+        self.copy_start: torch.cuda.Event | None = None
+
+    def _allocate(self, nbytes: int) -> None:
+        ring = _RING if self._pinned else 1
+        self._host_tensors = [
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned) for _ in range(ring)
+        ]
+        self._host = [t.numpy() for t in self._host_tensors]
+        self._copied: list[torch.cuda.Event | None] = [None] * ring
+        self._device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._capacity = nbytes
+
+    def pack(
+        self,
+        plan: SchedulerOutput,
+        prev_rows: Mapping[str, int],
+        prev_sampled: torch.Tensor | None,
+    ) -> PackedInputs:
+        """Flatten ``plan`` into device tensors; placeholder ids come from ``prev_sampled``.
+
+        ``prev_rows`` maps a request id to its row in ``prev_sampled`` [S_prev] (the previous
+        step's sampled ids, still on the device).
+        """
+        # A few comprehensions over the requests into flat lists of Python ints, then numpy on
+        # the whole batch: no numpy array per request.
+        scheduled = plan.scheduled
+        requests = [s.request for s in scheduled]
+        starts = [s.start for s in scheduled]
+        lens = [s.num_new_tokens for s in scheduled]
+        if len(scheduled) == sum(lens):  # decode only: one token each
+            tokens = [r.token_ids[start] for r, start in zip(requests, starts, strict=True)]
+        else:
+            tokens = list(
+                chain.from_iterable(
+                    r.token_ids[start : start + n]
+                    for r, start, n in zip(requests, starts, lens, strict=True)
+                )
+            )
+        tables = array.array("i", chain.from_iterable(s.block_ids for s in scheduled))
+        widths = [len(s.block_ids) for s in scheduled]
+        sample_seqs = [i for i, s in enumerate(scheduled) if s.samples]
+        sampling = [requests[i] for i in sample_seqs]
+        out_positions = [starts[i] + lens[i] - requests[i].num_prompt_tokens for i in sample_seqs]
+        return self._fill(
+            tokens, tables, starts, lens, widths, sample_seqs, requests, prev_rows,
+            prev_sampled, sampling, out_positions,
+        )  # fmt: skip
+
+    def _fill(
+        self,
+        token_list: list[int],
+        tables: array.array,
+        start_list: list[int],
+        len_list: list[int],
+        width_list: list[int],
+        sample_seqs: list[int],
+        requests: list[Request],
+        prev_rows: Mapping[str, int],
+        prev_sampled: torch.Tensor | None,
+        sampling: list[Request],
+        out_positions: list[int],
+    ) -> PackedInputs:
+        starts = np.array(start_list, dtype=np.int64)  # [B]
+        lens = np.array(len_list, dtype=np.int64)  # [B]
+        widths = np.array(width_list, dtype=np.int64)  # [B]
+        tokens = np.array(token_list, dtype=np.int64)  # [T]
+        num_seqs, num_tokens, num_sampling = len(starts), len(tokens), len(sampling)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
+        np.cumsum(lens, out=query_start[1:])
+        # Placeholders (ids still on the device) can only be the last token of a chunk.
+        waiting = np.flatnonzero(tokens[query_start[1:] - 1] < 0)  # [G] sequence indices
+        gather_dst = (query_start[1:] - 1)[waiting]  # [G] token rows
+        gather_src = [_prev_row(prev_rows, requests[i]) for i in waiting.tolist()]
+        num_gather, width = len(waiting), int(widths.max())
+        layout = _Layout(num_tokens, num_seqs, num_sampling, num_gather, width)
+        host = self._host_buffer(layout.nbytes)
+
+        def view(name: str) -> np.ndarray:
+            start, count, dtype = layout.sections[name]
+            return host[start : start + count * dtype.itemsize].view(dtype)
+
+        seq_lens = starts + lens  # [B]
+        if num_tokens == num_seqs:  # decode only: one token per sequence
+            seq_of_token = np.arange(num_seqs)
+            positions = starts
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), lens)  # [T]
+            positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], lens)
+        block_tables = view("block_tables").reshape(num_seqs, width)  # [B, W] int32
+        flat_tables = np.frombuffer(tables, dtype=np.int32)
+        if (widths == width).all():
+            block_tables[:] = flat_tables.reshape(num_seqs, width)
+        else:
+            block_tables.fill(0)
+            rows = np.repeat(np.arange(num_seqs), widths)
+            cols = np.arange(len(flat_tables)) - np.repeat(np.cumsum(widths) - widths, widths)
+            block_tables[rows, cols] = flat_tables
+        bs = self.block_size
+        view("input_ids")[:] = tokens
+        view("positions")[:] = positions
+        slots = view("slot_mapping")
+        np.multiply(block_tables[seq_of_token, positions // bs].astype(np.int64), bs, out=slots)
+        slots += positions % bs
+        view("logits_indices")[:] = query_start[1:][sample_seqs] - 1
+        view("gather_dst")[:] = gather_dst
+        view("gather_src")[:] = gather_src
+        view("query_start_loc")[:] = query_start
+        view("seq_lens")[:] = seq_lens
+        dev = self._copy_to_device(layout.nbytes)
+
+        def device_view(name: str) -> torch.Tensor:
+            start, count, dtype = layout.sections[name]
+            return dev[start : start + count * dtype.itemsize].view(_TORCH[dtype.char])
+
+        input_ids = device_view("input_ids")
+        if num_gather:
+            if prev_sampled is None:
+                raise RuntimeError("a placeholder token with no previous step to take it from")
+            src = prev_sampled.index_select(0, device_view("gather_src"))
+            input_ids.index_copy_(0, device_view("gather_dst"), src)
+        query_start_list = query_start.tolist()
+        seq_lens_list = seq_lens.tolist()
+        meta = AttentionMetadata(
+            slot_mapping=device_view("slot_mapping"),
+            query_start_loc=device_view("query_start_loc"),
+            seq_lens=device_view("seq_lens"),
+            block_tables=device_view("block_tables").view(num_seqs, width),
+            max_query_len=int(lens.max()),
+            max_seq_len=max(seq_lens_list),
+            query_start_loc_cpu=query_start_list,
+            seq_lens_cpu=seq_lens_list,
+        )
+        return PackedInputs(
+            input_ids=input_ids,
+            positions=device_view("positions"),
+            meta=meta,
+            logits_indices=device_view("logits_indices"),
+            sampling_requests=sampling,
+            output_positions=out_positions,
+        )
+
+    def _host_buffer(self, nbytes: int) -> np.ndarray:
+        """The next ring buffer, once the copy that last read it has completed."""
+        if nbytes > self._capacity:
+            if self._pinned:
+                torch.cuda.current_stream(self.device).synchronize()  # no copy still reads them
+            self._allocate(max(nbytes, 2 * self._capacity))
+        self._next = (self._next + 1) % len(self._host)
+        event = self._copied[self._next]
+        if event is not None:
+            event.synchronize()  # normally long done: it is two steps old
+        return self._host[self._next]
+
+    def _copy_to_device(self, nbytes: int) -> torch.Tensor:
+        """The step's one host-to-device copy; returns the device buffer."""
+        src = self._host_tensors[self._next][:nbytes]
+        if self.copy_start is not None:
+            self.copy_start.record()  # the step's first GPU work (step stats)
+            self.copy_start = None
+        self._device_buf[:nbytes].copy_(src, non_blocking=self._pinned)
+        if self._pinned:
+            event = self._copied[self._next] or torch.cuda.Event()
+            event.record()
+            self._copied[self._next] = event
+        return self._device_buf
+
+
+_I64, _I32 = np.dtype(np.int64), np.dtype(np.int32)
+_TORCH = {_I64.char: torch.int64, _I32.char: torch.int32}
+
+
+class _Layout:
+    """Byte offsets of one step's sections, each 16-byte aligned (a uint8 view reinterpreted
+    as int64 must at least start at a multiple of 8)."""
+
+    def __init__(
+        self, num_tokens: int, num_seqs: int, num_sampling: int, num_gather: int, width: int
+    ) -> None:
+        counts = (
+            ("input_ids", num_tokens, _I64),
+            ("positions", num_tokens, _I64),
+            ("slot_mapping", num_tokens, _I64),
+            ("logits_indices", num_sampling, _I64),
+            ("gather_dst", num_gather, _I64),
+            ("gather_src", num_gather, _I64),
+            ("query_start_loc", num_seqs + 1, _I32),
+            ("seq_lens", num_seqs, _I32),
+            ("block_tables", num_seqs * width, _I32),
+        )
+        self.sections: dict[str, tuple[int, int, np.dtype]] = {}
+        offset = 0
+        for name, count, dtype in counts:
+            self.sections[name] = (offset, count, dtype)
+            # 16-byte aligned starts: Triton specialises kernels on pointer alignment, so
+            # offsets that move with the batch's shape would compile extra variants.
+            offset += -(-count * dtype.itemsize // 16) * 16
+        self.nbytes = offset
+
+
+def _packed_bytes(tokens: int, seqs: int, sampling: int, gather: int, width: int) -> int:
+    return _Layout(tokens, seqs, sampling, gather, width).nbytes
+
+
+def _prev_row(prev_rows: Mapping[str, int], request: Request) -> int:
+    row = prev_rows.get(request.request_id)
+    if row is None:
+        raise RuntimeError(
+            f"request {request.request_id!r} waits on a token that the previous step did not sample"
+        )
+    return row

@@ -1,0 +1,147 @@
+"""Per-step instrumentation of the engine core's hot loop, off by default.
+
+With ``--step-stats`` (or ``TANDEM_STEP_STATS=1``) the engine core times each part of a step on
+the host (schedule, prepare, forward launch, sample launch, device-to-host copy enqueue, wait for
+the result, update, send) and, on CUDA, the GPU time of each step and the gap the GPU sat idle
+before it (both from CUDA events recorded at the start and end of each step's GPU work, read
+only after the step's result has arrived, so they add no synchronisation). A summary is logged
+every ``log_interval_s`` seconds and is available from ``summary()``.
+
+With ``--nvtx`` each part is also an NVTX range, for Nsight Systems.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from types import TracebackType
+
+logger = logging.getLogger("tandem.step_stats")
+
+PHASES = ("schedule", "prepare", "forward", "sample", "to_host", "wait", "update", "send")
+ENV_VAR = "TANDEM_STEP_STATS"
+
+
+class _NullPhase:
+    """The phase of disabled instrumentation: costs one attribute lookup and two calls."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _NullPhase()
+
+
+class _Phase:
+    __slots__ = ("_stats", "_name", "_start")
+
+    def __init__(self, stats: StepStats, name: str) -> None:
+        self._stats, self._name, self._start = stats, name, 0.0
+
+    def __enter__(self) -> None:
+        if self._stats.nvtx:
+            import torch
+
+            torch.cuda.nvtx.range_push(self._name)
+        self._start = time.perf_counter()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        elapsed = time.perf_counter() - self._start
+        if self._stats.nvtx:
+            import torch
+
+            torch.cuda.nvtx.range_pop()
+        if self._stats.enabled:
+            self._stats.host_s[self._name] += elapsed
+
+
+class StepStats:
+    """Accumulates per-step host and GPU times; ``phase(name)`` is a no-op when disabled."""
+
+    def __init__(self, enabled: bool = False, nvtx: bool = False, log_interval_s: float = 10.0):
+        self.enabled = enabled or os.environ.get(ENV_VAR, "") not in ("", "0")
+        self.nvtx = nvtx and _cuda_available()  # NVTX calls need a CUDA build
+        self.log_interval_s = log_interval_s
+        self._phases = {name: _Phase(self, name) for name in PHASES}
+        self._last_log = time.monotonic()
+        self.reset()
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or self.nvtx
+
+    def reset(self) -> None:
+        """Start a new window (the summary covers the steps since the last reset)."""
+        self.host_s = dict.fromkeys(PHASES, 0.0)
+        self.num_steps = 0
+        self.gpu_ms = 0.0
+        self.num_gpu_steps = 0
+        self.idle_ms = 0.0
+        self.busy_ms_with_gap = 0.0  # GPU time of the steps whose idle gap is known
+        self.num_gaps = 0
+        self._window_start = time.perf_counter()
+
+    def phase(self, name: str) -> _Phase | _NullPhase:
+        """``with stats.phase("prepare"): ...`` times the block (and names an NVTX range)."""
+        return self._phases[name] if self.enabled or self.nvtx else _NULL
+
+    def add_gpu(self, gpu_ms: float, idle_ms: float | None) -> None:
+        """One step's GPU time and the idle gap before it (None: the GPU had no previous step,
+        e.g. the engine had been idle, so the gap is no overhead of the loop)."""
+        self.gpu_ms += gpu_ms
+        self.num_gpu_steps += 1
+        if idle_ms is not None:
+            self.idle_ms += max(idle_ms, 0.0)
+            self.busy_ms_with_gap += gpu_ms
+            self.num_gaps += 1
+
+    def end_step(self) -> None:
+        """Count one engine step; log a summary every ``log_interval_s`` seconds."""
+        if not self.enabled:
+            return
+        self.num_steps += 1
+        now = time.monotonic()
+        if now - self._last_log >= self.log_interval_s:
+            self._last_log = now
+            logger.info("step stats: %s", format_summary(self.summary()))
+            self.reset()
+
+    def summary(self) -> dict[str, float]:
+        """Means per step over the window: host ms per phase, GPU ms, idle ms and fraction."""
+        steps = max(self.num_steps, 1)
+        out = {f"host_{name}_ms": seconds * 1e3 / steps for name, seconds in self.host_s.items()}
+        out["steps"] = float(self.num_steps)
+        out["step_wall_ms"] = (time.perf_counter() - self._window_start) * 1e3 / steps
+        if self.num_gpu_steps:
+            out["gpu_ms"] = self.gpu_ms / self.num_gpu_steps
+        if self.num_gaps:
+            out["gpu_idle_ms"] = self.idle_ms / self.num_gaps
+            total = self.idle_ms + self.busy_ms_with_gap
+            out["gpu_idle_fraction"] = self.idle_ms / total if total > 0 else 0.0
+        return out
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def format_summary(summary: dict[str, float]) -> str:
+    """One log line from ``StepStats.summary()``."""
+    parts = [f"{int(summary['steps'])} steps", f"wall {summary['step_wall_ms']:.3f} ms/step"]
+    if "gpu_ms" in summary:
+        parts.append(f"gpu {summary['gpu_ms']:.3f} ms")
+    if "gpu_idle_fraction" in summary:
+        parts.append(
+            f"gpu idle {summary['gpu_idle_ms']:.3f} ms ({100 * summary['gpu_idle_fraction']:.1f}%)"
+        )
+    host = ", ".join(f"{name} {summary[f'host_{name}_ms']:.3f}" for name in PHASES)
+    parts.append(f"host ms: {host}")
+    return "; ".join(parts)
