@@ -13,7 +13,11 @@ then HF transformers ``generate`` on the same shapes (batch 64, same prompts; fe
 tokens, --hf-output-len, to keep the run short). Prints one table: tok/s, TPOT and TTFT p50/p99,
 % of the HBM roofline (all weights + the KV cache at the mean context, read once per step, over
 the measured bandwidth) and the ratio to HF; then where one decode step's time goes (graph
-replay alone, GPU kernel time under the profiler, the whole engine step).
+replay alone, GPU kernel time under the profiler, the whole engine step), with the overlapped
+loop and with the simple one (``--no-async-scheduling``), each with the engine's step stats: host
+ms per part of the step, GPU ms per step and the share of the time the GPU sat idle between
+steps (the target: under 5% with overlap). ``--no-overlap`` runs the throughput table with the
+simple loop.
 
 Until engine_core.loader accepts ``random:<preset>``, this script routes such names to
 ``presets.build_random_model`` itself (also in the engine process it starts, through its own
@@ -129,7 +133,9 @@ class Workload:
         return Workload(self.num_requests, self.prompt_len, output_len, seed)
 
 
-def engine_config(name: str, work: Workload, device: str, enforce_eager: bool) -> EngineConfig:
+def engine_config(
+    name: str, work: Workload, device: str, enforce_eager: bool, overlap: bool = True
+) -> EngineConfig:
     """Room for the workload's sequences, a short max_model_len bound, no memory-sized cache."""
     block_size = 16
     per_seq = -(-(work.prompt_len + work.output_len) // block_size) + 1
@@ -142,6 +148,7 @@ def engine_config(name: str, work: Workload, device: str, enforce_eager: bool) -
         max_num_seqs=work.num_requests,
         max_num_batched_tokens=max(8192, work.num_requests * work.prompt_len // 2),
         enforce_eager=enforce_eager,
+        async_scheduling=overlap,
     )
 
 
@@ -159,46 +166,6 @@ def install_random_loader() -> None:
         return LoadedModel(module=module, config=config, model_dir=Path("."))
 
     runner_module.load_model = load_with_presets
-
-
-def install_fused_llama() -> None:
-    """EXPERIMENT (--fused): run the Llama models through the fused Triton kernels, to measure
-    what they save before the model code adopts them. Same math as models/llama.py (no q/k norm,
-    which no preset has): the residual add rides in the next RMSNorm, rotary is one in-place
-    launch for q and k, SiLU-and-multiply one launch."""
-    from engine_core.attention import triton_kernels as tk
-    from engine_core.models import llama
-
-    def model_forward(self: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            norm = layer.input_layernorm
-            if residual is None:
-                x, residual = tk.rms_norm(hidden, norm.weight, norm.eps), hidden
-            else:
-                x, residual = tk.rms_norm(hidden, norm.weight, norm.eps, residual)
-            hidden = layer.self_attn(x, cos, sin)
-            norm = layer.post_attention_layernorm
-            x, residual = tk.rms_norm(hidden, norm.weight, norm.eps, residual)
-            hidden = layer.mlp(x)
-        return tk.rms_norm(hidden, self.norm.weight, self.norm.eps, residual)[0]
-
-    def attention_forward(self: Any, hidden: torch.Tensor, cos: Any, sin: Any) -> torch.Tensor:
-        num_tokens, head_dim = hidden.shape[0], self.attn.head_dim
-        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
-        tk.rotary_inplace(
-            q.view(num_tokens, -1, head_dim), k.view(num_tokens, -1, head_dim), cos, sin
-        )
-        return self.o_proj(self.attn(q, k, v))
-
-    def mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(tk.silu_and_mul(self.gate_up_proj(x)))
-
-    llama.LlamaModel.forward = model_forward
-    llama.LlamaAttention.forward = attention_forward
-    llama.LlamaMLP.forward = mlp_forward
 
 
 # ---- in-process engine ---------------------------------------------------------------------------
@@ -223,18 +190,32 @@ def run_inproc(core: Any, work: Workload, vocab: int, tag: str) -> RunResult:
     return summarize("inproc", start, list(times.values()))
 
 
-def profile_decode_step(core: Any, work: Workload, vocab: int) -> dict[str, float]:
-    """Where one steady decode step's time goes: graph replay alone, GPU kernel time per step
-    under the profiler, and the whole engine step (schedule + inputs + forward + sample)."""
+def profile_decode_step(core: Any, work: Workload, vocab: int) -> dict[str, Any]:
+    """Where one steady decode step's time goes, with the overlapped loop and the simple one
+    (``sync_*`` keys): graph replay alone, GPU kernel time per step under the profiler, the whole
+    engine step, and the engine's own step stats (host ms per part, GPU ms per step from CUDA
+    events, and the fraction of the time the GPU sat idle between steps)."""
+    result: dict[str, Any] = {}
+    for overlap in (True, False):
+        prefix = "" if overlap else "sync_"
+        core.set_async_scheduling(overlap)
+        for key, value in profile_one_loop(core, work, vocab).items():
+            result[prefix + key] = value
+    core.set_async_scheduling(True)
+    result.update(time_graph_replay(core, work.num_requests))
+    return result
+
+
+def profile_one_loop(core: Any, work: Workload, vocab: int, steps: int = 20) -> dict[str, Any]:
     from engine_core.request import Request
 
-    for i, prompt in enumerate(work.shorter(64, seed=99).prompts(vocab)):
-        core.add_request(Request(f"prof-{i}", prompt, work.shorter(64, 99).params))
+    short = work.shorter(64, seed=99)
+    for i, prompt in enumerate(short.prompts(vocab)):
+        core.add_request(Request(f"prof-{i}", prompt, short.params))
     for _ in range(4):  # the prefill(s) and a few decodes
         core.step()
     torch.cuda.synchronize()
-    steps = 20
-    breakdown = host_breakdown(core, steps)
+    result = step_stats_window(core, steps)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -244,57 +225,40 @@ def profile_decode_step(core: Any, work: Workload, vocab: int) -> dict[str, floa
     kernel_us = sum(e.device_time_total for e in prof.key_averages()) / steps
     while core.has_unfinished():
         core.step()
-    result = {
-        "engine_step_ms": wall * 1e3,
-        "gpu_kernel_ms_per_step": kernel_us / 1e3,
-        "gpu_busy_pct": 100 * kernel_us / 1e3 / (wall * 1e3),
-    }
-    result.update(breakdown)
-    result.update(time_graph_replay(core, work.num_requests))
-    result["top_kernels"] = top_kernels(prof, steps)
+    result.update(
+        {
+            "engine_step_ms": wall * 1e3,
+            "gpu_kernel_ms_per_step": kernel_us / 1e3,
+            "gpu_busy_pct": 100 * kernel_us / 1e3 / (wall * 1e3),
+            "top_kernels": top_kernels(prof, steps),
+        }
+    )
     return result
 
 
-def host_breakdown(core: Any, steps: int) -> dict[str, float]:
-    """Host milliseconds per step in each part of EngineCore.step, with no added syncs: the
-    forward is only launched (a graph replay returns at once), so the wait for the GPU shows
-    up in the first part that reads a result (the runner's single copy to the host)."""
-    parts = {
-        "schedule": (core.scheduler, "schedule"),
-        "prepare_inputs": (core.runner, "prepare_inputs"),
-        "forward_launch": (core.runner, "_forward"),
-        "sampler_launch": (core.runner, "sampler"),
-        "to_host_incl_gpu_wait": (core.runner, "_to_host"),
-        "update_from_output": (core.scheduler, "update_from_output"),
-    }
-    totals = dict.fromkeys(parts, 0.0)
-    originals = {}
-    for key, (owner, attr) in parts.items():
-        fn = getattr(owner, attr)
-        originals[key] = fn
-        setattr(owner, attr, timed(fn, totals, key))
+def step_stats_window(core: Any, steps: int) -> dict[str, float]:
+    """The engine's step stats (engine_core/step_stats.py) over ``steps`` steady steps: host ms
+    per part (the wait for the GPU shows up in "wait"), GPU ms per step and the idle gap."""
+    stats = core.step_stats
+    was_enabled, stats.enabled, stats.log_interval_s = stats.enabled, True, float("inf")
+    core.runner.mark_idle()  # no gap across the switch
+    stats.reset()
     try:
-        start = time.perf_counter()
         for _ in range(steps):
             core.step()
-        wall = time.perf_counter() - start
+        torch.cuda.synchronize()
+        summary = stats.summary()
     finally:
-        for key, (owner, attr) in parts.items():
-            setattr(owner, attr, originals[key])
-    out = {f"host_{k}_ms": v * 1e3 / steps for k, v in totals.items()}
-    out["host_other_ms"] = (wall - sum(totals.values())) * 1e3 / steps
+        stats.enabled = was_enabled
+        stats.reset()
+    out = {k: v for k, v in summary.items() if k.startswith("host_")}
+    out["step_wall_ms"] = summary["step_wall_ms"]
+    for key in ("gpu_ms", "gpu_idle_ms"):
+        if key in summary:
+            out[f"stats_{key}"] = summary[key]
+    if "gpu_idle_fraction" in summary:
+        out["gpu_idle_pct"] = 100 * summary["gpu_idle_fraction"]
     return out
-
-
-def timed(fn: Callable[..., Any], totals: dict[str, float], key: str) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[key] += time.perf_counter() - start
-
-    return wrapper
 
 
 def time_graph_replay(core: Any, batch: int) -> dict[str, float]:
@@ -322,7 +286,7 @@ def bench_inproc(name: str, work: Workload, args: argparse.Namespace, result: Mo
     from engine_core.core import EngineCore
 
     start = time.perf_counter()
-    core = EngineCore(engine_config(name, work, args.device, args.enforce_eager))
+    core = EngineCore(engine_config(name, work, args.device, args.enforce_eager, args.overlap))
     result.startup_s = time.perf_counter() - start
     vocab = core.model_config.vocab_size
     run_inproc(core, work.shorter(16, seed=1), vocab, "warmup")
@@ -343,7 +307,7 @@ def engine_process(
     from protocol.address import private_ipc_address
 
     address = str(private_ipc_address())
-    config = engine_config(name, work, args.device, args.enforce_eager)
+    config = engine_config(name, work, args.device, args.enforce_eager, args.overlap)
     command = [sys.executable, __file__, "engine", "--address", address, "--log-level", "WARNING"]
     command += [
         f"--model={config.model}",
@@ -355,6 +319,8 @@ def engine_process(
     ]
     if config.enforce_eager:
         command.append("--enforce-eager")
+    if not config.async_scheduling:
+        command.append("--no-async-scheduling")
     proc = subprocess.Popen(command)
     try:
         yield address, proc
@@ -541,24 +507,30 @@ def format_table(results: list[ModelResult]) -> str:
 def format_profiles(results: list[ModelResult]) -> str:
     lines = [
         "engine start-up (build + CUDA-graph capture) | decode step: graph replay | "
-        "GPU kernels/step | engine step | GPU busy"
+        "GPU kernels/step | engine step | GPU busy (profiler) | GPU idle (step stats)"
     ]
     for r in results:
         p = r.step_profile
         if p:
+            lines.append(f"  {r.model:<13} start-up {r.startup_s:5.1f} s")
+        for prefix, loop in (("", "overlap"), ("sync_", "no-overlap")):
+            if f"{prefix}engine_step_ms" not in p:
+                continue
             lines.append(
-                f"  {r.model:<13} start-up {r.startup_s:5.1f} s | "
-                f"{p.get('graph_replay_ms', float('nan')):6.3f} ms | "
-                f"{p['gpu_kernel_ms_per_step']:6.3f} ms | {p['engine_step_ms']:6.3f} ms | "
-                f"{p['gpu_busy_pct']:4.0f}%  top: {p['top_kernels']}"
+                f"  {'':<13} {loop:<10} | {p.get('graph_replay_ms', float('nan')):6.3f} ms | "
+                f"{p[prefix + 'gpu_kernel_ms_per_step']:6.3f} ms | "
+                f"{p[prefix + 'engine_step_ms']:6.3f} ms | {p[prefix + 'gpu_busy_pct']:4.0f}% | "
+                f"idle {p.get(prefix + 'gpu_idle_pct', float('nan')):5.1f}% "
+                f"({p.get(prefix + 'stats_gpu_idle_ms', float('nan')):.3f} of "
+                f"{p.get(prefix + 'stats_gpu_ms', float('nan')):.3f} ms GPU/step)"
             )
-        if p:
             host = ", ".join(
-                f"{k.removeprefix('host_').removesuffix('_ms')} {v:.3f}"
+                f"{k.removeprefix(prefix + 'host_').removesuffix('_ms')} {v:.3f}"
                 for k, v in p.items()
-                if k.startswith("host_")
+                if k.startswith(prefix + "host_")
             )
-            lines.append(f"  {'':<13} host ms/step: {host}")
+            lines.append(f"  {'':<13} {'':<10}   host ms/step: {host}")
+            lines.append(f"  {'':<13} {'':<10}   top: {p[prefix + 'top_kernels']}")
         for e in r.errors:
             lines.append(f"  {r.model:<13} ERROR {e}")
     return "\n".join(lines)
@@ -576,7 +548,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
-        "--fused", action="store_true", help="experiment: Llama models on the fused kernels"
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="throughput runs with the simple loop (the step profile always measures both)",
+    )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="no-op, kept for old command lines: the models now use the fused kernels on CUDA",
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--engine-start-timeout", type=float, default=300.0)
@@ -589,8 +569,6 @@ def main(argv: list[str]) -> int:
         return run_engine(argv[1:])
     args = parse_args(argv)
     install_random_loader()
-    if args.fused:
-        install_fused_llama()
     work = Workload(args.num_requests, args.prompt_len, args.output_len, seed=0)
     bandwidth = measure_hbm_bandwidth(args.device)
     print(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)

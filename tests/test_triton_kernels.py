@@ -1,4 +1,6 @@
-"""Triton kernels against the torch reference backend, on fresh random paged caches.
+"""Triton kernels against the torch reference backend, on fresh random paged caches; the fused
+elementwise kernels against the torch code of models/layers.py; and the models on the fused path
+(Triton layers and attention, float32) against HF transformers.
 
 On a GPU this covers bf16 caches over block sizes 16 and 32, head dims 64 and 128, GQA ratios 1,
 3 and 4, contexts from 1 to several thousand tokens, mixed prefill/decode batches and
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +48,8 @@ from engine_core.attention.base import AttentionMetadata  # noqa: E402
 from engine_core.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.attention.triton_kernels import (  # noqa: E402
+    gelu_new,
+    layer_norm,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
@@ -52,7 +57,10 @@ from engine_core.attention.triton_kernels import (  # noqa: E402
     silu_and_mul,
     write_kv_cache,
 )
+from engine_core.loader import load_model  # noqa: E402
 from engine_core.models import layers  # noqa: E402
+from tests.paged_harness import generate_greedy, hf_greedy  # noqa: E402
+from tests.test_models_hf import PROMPTS, make_hf_model  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 DTYPE = torch.float32 if INTERPRET else torch.bfloat16
@@ -342,27 +350,56 @@ def test_backend_write_then_attend_matches_reference(decode_only: bool) -> None:
 FUSED_TOKENS = [1, 5, 64] if INTERPRET else [1, 7, 64, 300]
 
 
+FUSED_HIDDEN = [64, 576] if INTERPRET else [576, 768, 2048, 4096]
+# Rotary also over head dims whose half is not a power of two (48, 96; Phi-2 has 80).
+ROTARY_SHAPES = [*HEAD_SHAPES, (6, 2, 48)] if INTERPRET else [*HEAD_SHAPES, (32, 8, 96)]
+
+
 @pytest.mark.parametrize("num_tokens", FUSED_TOKENS)
-@pytest.mark.parametrize("hidden", [64, 576] if INTERPRET else [576, 768, 2048, 4096])
+@pytest.mark.parametrize("hidden", FUSED_HIDDEN)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_layer(num_tokens: int, hidden: int, with_residual: bool) -> None:
     gen = torch.Generator().manual_seed(num_tokens * hidden)
     x, residual = randn(gen, num_tokens, hidden), randn(gen, num_tokens, hidden)
-    norm = layers.RMSNorm(hidden, 1e-5).to(DEVICE, DTYPE)
-    with torch.no_grad():
-        norm.weight.copy_(randn(gen, hidden))
-        summed = x + residual if with_residual else x
-        ref = norm(summed)
-        if with_residual:
-            out, res_out = rms_norm(x, norm.weight, 1e-5, residual)
-            assert torch.equal(res_out, summed)
-        else:
-            out = rms_norm(x, norm.weight, 1e-5)
+    weight = randn(gen, hidden)
+    summed = x + residual if with_residual else x
+    ref = layers.rms_norm_torch(summed, weight, 1e-5)
+    if with_residual:
+        out, res_out = rms_norm(x, weight, 1e-5, residual)
+        assert torch.equal(res_out, summed)
+    else:
+        out = rms_norm(x, weight, 1e-5)
     assert_close(out, ref)
 
 
 @pytest.mark.parametrize("num_tokens", FUSED_TOKENS)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+@pytest.mark.parametrize("hidden", [*FUSED_HIDDEN, 100])  # 100: masked tail of the row
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_matches_torch(num_tokens: int, hidden: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    # An offset mean, so a kernel that skipped centring (or centred the padding) would fail.
+    x, residual = randn(gen, num_tokens, hidden) + 3.0, randn(gen, num_tokens, hidden)
+    weight, bias = randn(gen, hidden), randn(gen, hidden)
+    summed = x + residual if with_residual else x
+    ref = torch.nn.functional.layer_norm(summed, (hidden,), weight, bias, 1e-5)
+    if with_residual:
+        out, res_out = layer_norm(x, weight, bias, 1e-5, residual)
+        assert torch.equal(res_out, summed)
+    else:
+        out = layer_norm(x, weight, bias, 1e-5)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("num_tokens", FUSED_TOKENS)
+@pytest.mark.parametrize("width", [96, 3072])
+def test_gelu_new_matches_torch(num_tokens: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens + width)
+    x = randn(gen, num_tokens, width) * 4.0  # well into both tails
+    assert_close(gelu_new(x), layers.gelu_new_torch(x))
+
+
+@pytest.mark.parametrize("num_tokens", FUSED_TOKENS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ROTARY_SHAPES)
 def test_rotary_inplace_matches_layer(
     num_tokens: int, heads: int, kv_heads: int, head_dim: int
 ) -> None:
@@ -386,4 +423,45 @@ def test_rotary_inplace_matches_layer(
 def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
     gen = torch.Generator().manual_seed(intermediate)
     gate_up = randn(gen, num_tokens, 2 * intermediate)
-    assert_close(silu_and_mul(gate_up), layers.silu_and_mul(gate_up))
+    assert_close(silu_and_mul(gate_up), layers.silu_and_mul_torch(gate_up))
+
+
+# ---- the models on the fused path, against HF ---------------------------------------------
+
+# GQA with the fused residual norms; q/k norms on [T, heads, D] views; GPT-2's LayerNorm, gelu_new
+# and MHA decode (group 1 through the padded tl.dot tile).
+FUSED_MODELS = ["llama", "qwen3_qk_norm", "gpt2"]
+MODEL_TOKENS = 6 if INTERPRET else 32
+
+
+@pytest.fixture
+def fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route the models' layers to the Triton kernels: on a GPU they go there by themselves;
+    under the interpreter the tensors are on the CPU, so the dispatch is told to."""
+    if INTERPRET:
+        monkeypatch.setattr(layers, "use_triton", lambda x: True)
+
+
+@pytest.mark.parametrize("name", FUSED_MODELS)
+@pytest.mark.usefixtures("fused_path")
+def test_models_on_fused_path_match_hf(name: str, tmp_path: Path) -> None:
+    """Float32 end to end, Triton attention included: HF's greedy tokens, logits within 1e-4
+    (1e-3 on a GPU, whose GEMMs sum in another order than the CPU's)."""
+    assert layers.use_triton(torch.empty(0, device=DEVICE))
+    hf_model = make_hf_model(name)
+    hf_model.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), DEVICE, torch.float32).module
+    got = generate_greedy(
+        model,
+        PROMPTS,
+        MODEL_TOKENS,
+        block_size=4,
+        prefill_chunk=5,
+        stagger=1,
+        backend=TritonBackend(),
+    )
+    for i, prompt in enumerate(PROMPTS):
+        ref = hf_greedy(hf_model, prompt, MODEL_TOKENS)
+        assert got.tokens[i] == ref.tokens[0], f"prompt {i}"
+        atol = 1e-4 if INTERPRET else 1e-3
+        torch.testing.assert_close(got.logits[i].cpu(), ref.logits[0], atol=atol, rtol=0)

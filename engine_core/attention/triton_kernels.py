@@ -1,9 +1,12 @@
-"""Triton kernels for the GPU path: KV-cache write, paged decode attention, paged prefill attention.
+"""Triton kernels for the GPU path: KV-cache write, paged decode and prefill attention, and the
+fused elementwise layers (RMSNorm/LayerNorm with the residual add, rotary, SiLU-and-mul, gelu_new)
+that models/layers.py dispatches CUDA tensors to.
 
-All three read the paged cache layout ``[num_blocks, block_size, kv_heads, head_dim]`` through a
-block table, so any block size works and prefix-cached or chunked prefills need no copy. Scores,
-softmax statistics and the output accumulator are float32; Q, K and V stay in the cache dtype
-(bf16 on the GPU) going into the matrix units.
+The three attention kernels read the paged cache layout
+``[num_blocks, block_size, kv_heads, head_dim]`` through a block table, so any block size works
+and prefix-cached or chunked prefills need no copy. Scores, softmax statistics and the output
+accumulator are float32; Q, K and V stay in the cache dtype (bf16 on the GPU) going into the
+matrix units.
 
 Decode (one query token per sequence) is memory-bound: a program owns one (sequence, kv head,
 context split) and all the query heads of that kv head, so each K/V row is read once per group.
@@ -11,8 +14,9 @@ The number of splits is a launch constant chosen from the batch size and the blo
 never from per-step device values, so a captured CUDA graph stays valid at any context length;
 a split that falls past the end of a sequence writes an empty partial result.
 
-Importing this module imports triton: only the CUDA branch of the model runner (and GPU tests)
-may do so. Set ``TRITON_INTERPRET=1`` before the import to run these kernels on CPU tensors.
+Importing this module imports triton: only the CUDA branches of the model runner and of
+models/layers.py (and GPU tests) may do so. Set ``TRITON_INTERPRET=1`` before the import to run
+these kernels on CPU tensors.
 """
 
 from __future__ import annotations
@@ -295,7 +299,10 @@ def paged_decode_attention(
     max_context = block_tables.shape[1] * page
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, q.device)
-    use_dot = group > 1 and head_dim >= 16
+    # The query heads of one kv head go through tl.dot as one tile padded to its 16-row minimum,
+    # a group of one (MHA, GPT-2) too: the elementwise products that group 1 used before were
+    # reported near 1 TB/s on an H100. They remain only for head dims under tl.dot's 16.
+    use_dot = head_dim >= 16
     block_h = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     block_n = 64 if use_dot else 32
     partial_out, partial_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
@@ -623,14 +630,16 @@ def _rotary_kernel(
     K_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    cos = tl.load(Cos + token * stride_ct + d).to(tl.float32)  # [1, HALF]: halves are equal
-    sin = tl.load(Sin + token * stride_st + d).to(tl.float32)
-    _rotate(Q + token * stride_qt, h, d, stride_qh, cos, sin, h < Q_HEADS, HALF)
-    _rotate(K + token * stride_kt, h, d, stride_kh, cos, sin, h < K_HEADS, HALF)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF  # head dims like 96 have a half that is not a power of two
+    cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
+    sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)  # halves are equal
+    _rotate(Q + token * stride_qt, h, d, stride_qh, cos, sin, (h < Q_HEADS) & d_mask, HALF)
+    _rotate(K + token * stride_kt, h, d, stride_kh, cos, sin, (h < K_HEADS) & d_mask, HALF)
 
 
 @triton.jit
@@ -673,6 +682,7 @@ def rotary_inplace(
         K_HEADS=k_heads,
         BLOCK_H=triton.next_power_of_2(max(q_heads, k_heads)),
         HALF=head_dim // 2,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         num_warps=4 if q_heads * head_dim >= 2048 else 2,
     )
 
@@ -699,4 +709,103 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
     )
+    return out
+
+
+@triton.jit
+def _layer_norm_kernel(
+    X,
+    R,
+    W,
+    B,
+    Out,
+    ResOut,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Rounded to the activations' dtype first, as the unfused `h = h + out` is.
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(
+            x.dtype
+        )
+        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, 0) / N
+    centered = tl.where(mask, xf - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, 0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        Out + row * stride_o + cols, (centered * rstd * w + b).to(Out.dtype.element_ty), mask=mask
+    )
+
+
+def layer_norm(
+    x: torch.Tensor,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    bias: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm of x, or of ``x + residual``: then returns (normed, x + residual), one launch.
+    Statistics in float32, as torch's CUDA LayerNorm keeps them."""
+    num_rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    if num_rows == 0:
+        return out if residual is None else (out, res_out)
+    res_in = residual if residual is not None else x
+    block = triton.next_power_of_2(n)
+    _layer_norm_kernel[(num_rows,)](
+        x,
+        res_in,
+        weight,
+        bias,
+        out,
+        res_out,
+        eps,
+        x.stride(0),
+        res_in.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        N=n,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=min(max(block // 512, 1), 8),
+    )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _gelu_new_kernel(X, Out, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u): one exp. Capping its argument at 80 keeps it finite
+    # in float32 while x / (1 + e^80) is still 0 in the far negative tail.
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) * (...)
+    out = x / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))
+    tl.store(Out + offs, out.to(Out.dtype.element_ty), mask=mask)
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh-approximated GELU of a contiguous tensor, one launch (float32 inside)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty_like(x)
+    numel = x.numel()
+    if numel == 0:
+        return out
+    block = 1024
+    _gelu_new_kernel[(triton.cdiv(numel, block),)](x, out, numel, BLOCK=block, num_warps=4)
     return out

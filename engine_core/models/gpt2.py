@@ -2,6 +2,10 @@
 
 HF stores GPT-2's projections as Conv1D ([in, out]); we use nn.Linear ([out, in]) and transpose
 those weights once at load. c_attn already holds q, k and v stacked, so no merging is needed.
+
+Under tensor parallelism each rank holds 1/N of the heads (c_attn column-parallel, each of its q,
+k and v blocks split; attn.c_proj row-parallel), 1/N of the MLP and 1/N of the vocabulary; the
+position embedding and the LayerNorms are replicated.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ from torch import nn
 
 from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
-from engine_core.models.layers import gelu_new, load_mapped_weights
+from engine_core.models.layers import (
+    LayerNorm,
+    check_divisible,
+    column_parallel_linear,
+    gelu_new,
+    lm_head,
+    load_mapped_weights,
+    project_logits,
+    row_parallel_linear,
+    vocab_embedding,
+)
+from engine_core.parallel import SINGLE, TPGroup, get_tp_group
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": gelu_new,
@@ -34,24 +49,26 @@ _MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
+        heads = check_divisible("number of attention heads", config.num_heads, tp)
+        self.c_attn = column_parallel_linear(hidden, [hidden] * 3, True, tp)
+        self.c_proj = row_parallel_linear(hidden, hidden, True, tp)
         head_dim = config.head_dim
-        self.attn = Attention(config.num_heads, config.num_heads, head_dim, head_dim**-0.5)
+        self.attn = Attention(heads, heads, head_dim, head_dim**-0.5)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)  # [T, hidden] each
+        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)  # [T, hidden / tp] each
         return self.c_proj(self.attn(q, k, v))
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        size = config.intermediate_size
+        self.c_fc = column_parallel_linear(config.hidden_size, [size], True, tp)
+        self.c_proj = row_parallel_linear(size, config.hidden_size, True, tp)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,31 +76,38 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.attn = GPT2Attention(config)
-        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = GPT2MLP(config)
+        self.ln_1 = LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = GPT2Attention(config, tp)
+        self.ln_2 = LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GPT2MLP(config, tp)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_1(hidden))
-        return hidden + self.mlp(self.ln_2(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous sublayer's output, residual stream before it) -> (this block's MLP output,
+        residual stream before it), each [T, hidden]: every residual add happens inside the
+        next LayerNorm."""
+        hidden, residual = self.ln_1(hidden, residual)
+        hidden, residual = self.ln_2(self.attn(hidden), residual)
+        return self.mlp(hidden), residual
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.h = nn.ModuleList(GPT2Block(config, tp) for _ in range(config.num_layers))
+        self.ln_f = LayerNorm(config.hidden_size, eps=config.norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
+        # The embedding sum wte + wpe is the first residual add, done inside the first norm.
+        hidden, residual = self.wte(input_ids), self.wpe(positions)  # [T, hidden] each
         for block in self.h:
-            hidden = block(hidden)
-        return self.ln_f(hidden)
+            hidden, residual = block(hidden, residual)
+        return self.ln_f(hidden, residual)[0]
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -94,21 +118,22 @@ class GPT2LMHeadModel(nn.Module):
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported GPT-2 activation {config.hidden_act!r}")
         self.config = config
-        self.transformer = GPT2Model(config)
+        self.tp = get_tp_group()  # the tensor-parallel group this process builds for, read once
+        self.transformer = GPT2Model(config, self.tp)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else lm_head(config.vocab_size, config.hidden_size, self.tp)
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         return self.transformer(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers)."""
         weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return project_logits(hidden, weight, self.tp, self.config.vocab_size)
 
     def attention_layers(self) -> list[Attention]:
         return [block.attn.attn for block in self.transformer.h]

@@ -3,21 +3,48 @@
 Numerics follow Hugging Face transformers (the reference our tests compare against): norms
 compute in float32 and cast back, rotary cos/sin are computed in float32 then cast to the
 activations' dtype.
+
+The norms, rotary and activations dispatch: CUDA tensors go through the fused Triton kernels of
+engine_core.attention.triton_kernels (a decode step of a small model is launch-bound, and each
+of these is one launch there instead of several), everything else through the plain torch code
+(the ``*_torch`` functions), which alone reproduces HF bit for bit. triton is imported only on the
+CUDA branch, so CPU use never needs it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_core.parallel import SINGLE, TPGroup
+
 # An HF checkpoint name -> (our parameter name, shard index in a merged parameter or None),
 # or None for a checkpoint entry the model does not use (rotary caches, a tied lm_head).
 NameMap = Callable[[str], tuple[str, int | None] | None]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through the fused Triton kernels: CUDA tensors do, all others not."""
+    return x.is_cuda
+
+
+def triton_kernels() -> ModuleType:
+    """The fused kernels' module, imported on first use: importing it imports triton."""
+    from engine_core.attention import triton_kernels as kernels
+
+    return kernels
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., N] -> [rows, N] with unit stride along N, as the row kernels index it."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -26,12 +53,58 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalize over the last dim, in float32 as HF does, then scale in the input dtype."""
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalize x [..., N] over its last dim. With ``residual`` (x's shape), normalize
+        ``x + residual`` instead and return (normed, x + residual): the block's residual add
+        rides in the next norm, one launch on CUDA."""
+        if use_triton(x):
+            rows, res = as_rows(x), residual_rows(residual)
+            return as_shape(triton_kernels().rms_norm(rows, self.weight, self.eps, res), x.shape)
+        if residual is None:
+            return rms_norm_torch(x, self.weight, self.eps)
+        x = x + residual
+        return rms_norm_torch(x, self.weight, self.eps), x
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalize in float32, round to the input dtype, then scale in that dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def residual_rows(residual: torch.Tensor | None) -> torch.Tensor | None:
+    return None if residual is None else as_rows(residual)
+
+
+def as_shape(
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor], shape: torch.Size
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A row kernel's output (or its pair of outputs) viewed in the input's shape again."""
+    if isinstance(out, tuple):
+        return out[0].view(shape), out[1].view(shape)
+    return out.view(shape)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, same torch numerics) that can take the residual add in."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalize x [..., N]; with ``residual`` (x's shape), normalize ``x + residual`` and
+        return (normed, x + residual), one launch on CUDA."""
+        if use_triton(x) and self.weight is not None and self.bias is not None:
+            rows, res = as_rows(x), residual_rows(residual)
+            out = triton_kernels().layer_norm(rows, self.weight, self.bias, self.eps, res)
+            return as_shape(out, x.shape)
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x
 
 
 class RotaryEmbedding(nn.Module):
@@ -96,23 +169,70 @@ def scale_llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tenso
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, KVH, D] rotated by cos/sin [T, D] (as RotaryEmbedding builds them).
+
+    On CUDA q and k are rotated in place, both in one launch, and returned: the callers hand in
+    views of their own qkv projection, which nothing else reads. Elsewhere ``apply_rotary``.
+    """
+    if use_triton(q):
+        triton_kernels().rotary_inplace(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D], cos/sin [T, D] -> x rotated, rotate-half layout."""
+    """x [T, heads, D], cos/sin [T, D] -> x rotated, rotate-half layout (torch, out of place)."""
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class MergedLinear(nn.Linear):
+class TPSharded:
+    """A module whose parameters hold one tensor-parallel rank's part of a checkpoint tensor."""
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        """This rank's part of the full checkpoint ``tensor`` for parameter ``param_name``."""
+        raise NotImplementedError
+
+
+def rank_rows(tensor: torch.Tensor, tp: TPGroup, dim: int = 0) -> torch.Tensor:
+    """Rank ``tp.rank``'s contiguous 1/size of ``tensor`` along ``dim``."""
+    if tp.size == 1:
+        return tensor
+    size = tensor.shape[dim] // tp.size
+    return tensor.narrow(dim, tp.rank * size, size)
+
+
+def check_divisible(what: str, value: int, tp: TPGroup) -> int:
+    """value // tp.size, or a ValueError naming what cannot be split."""
+    if value % tp.size:
+        raise ValueError(
+            f"--tensor-parallel-size {tp.size} does not divide the model's {what} ({value})"
+        )
+    return value // tp.size
+
+
+class MergedLinear(nn.Linear, TPSharded):
     """Several linears sharing one input, stacked along the output dim: one GEMM instead of many.
 
     ``output_sizes`` gives each shard's rows in order (q, k, v or gate, up); checkpoints still
-    hold them apart, and ``shard_slice`` says where shard i lives.
+    hold them apart, and ``shard_slice`` says where shard i lives. Column-parallel under tensor
+    parallelism: each rank holds its 1/size of every shard, so the local output is still
+    (q, k, v) in order, each ``output_sizes[i]`` (the local size) wide.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = list(output_sizes)
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup = SINGLE
+    ) -> None:
+        local = [check_divisible("projection width", size, tp) for size in output_sizes]
+        super().__init__(in_features, sum(local), bias=bias)
+        self.output_sizes = local
+        self.tp = tp
 
     @property
     def num_shards(self) -> int:
@@ -122,15 +242,144 @@ class MergedLinear(nn.Linear):
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
 
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        return rank_rows(tensor, self.tp)
+
+
+class ColumnParallelLinear(nn.Linear, TPSharded):
+    """A linear whose output rows are split across ranks; the checkpoint holds it as one tensor.
+
+    ``pieces`` are the full row counts of the blocks stacked in that tensor (GPT-2's c_attn holds
+    q, k and v together); each piece is split, so the local output keeps the blocks in order.
+    """
+
+    def __init__(self, in_features: int, pieces: list[int], bias: bool, tp: TPGroup) -> None:
+        local = [check_divisible("projection width", size, tp) for size in pieces]
+        super().__init__(in_features, sum(local), bias=bias)
+        self.pieces = list(pieces)
+        self.tp = tp
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        parts = tensor.split(self.pieces, dim=0)
+        return torch.cat([rank_rows(part, self.tp) for part in parts], dim=0)
+
+
+class RowParallelLinear(nn.Linear, TPSharded):
+    """A linear whose input columns are split across ranks: partial products, summed by an
+    all-reduce; the bias is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(check_divisible("projection input", in_features, tp), out_features, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out]
+        return out if self.bias is None else out + self.bias
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        return rank_rows(tensor, self.tp, dim=1) if param_name == "weight" else tensor
+
+
+class VocabParallelEmbedding(nn.Module, TPSharded):
+    """Embedding rows split across ranks in contiguous slices of ceil(vocab / size) rows, the last
+    slice padded with zero rows. Also the weight of a vocabulary-parallel LM head.
+
+    A lookup zeroes the tokens other ranks own and sums over the ranks with an all-reduce.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.vocab_size, self.tp = vocab_size, tp
+        self.rows = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]."""
+        local = input_ids - self.start
+        elsewhere = (local < 0) | (local >= self.rows)  # [T]
+        out = F.embedding(local.masked_fill(elsewhere, 0), self.weight)  # [T, hidden]
+        return self.tp.all_reduce(out.masked_fill(elsewhere[:, None], 0.0))
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        part = tensor[self.start : self.start + self.rows]
+        if part.shape[0] == self.rows:
+            return part
+        padded = tensor.new_zeros(self.rows, tensor.shape[1])
+        padded[: part.shape[0]] = part
+        return padded
+
+
+def column_parallel_linear(
+    in_features: int, pieces: list[int], bias: bool, tp: TPGroup
+) -> nn.Linear:
+    """nn.Linear at TP=1, else its column-parallel form (see ColumnParallelLinear)."""
+    if tp.size == 1:
+        return nn.Linear(in_features, sum(pieces), bias=bias)
+    return ColumnParallelLinear(in_features, pieces, bias, tp)
+
+
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup) -> nn.Linear:
+    """nn.Linear at TP=1, else RowParallelLinear."""
+    if tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup) -> nn.Module:
+    """nn.Embedding at TP=1, else VocabParallelEmbedding."""
+    if tp.size == 1:
+        return nn.Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(vocab_size, hidden_size, tp)
+
+
+def lm_head(vocab_size: int, hidden_size: int, tp: TPGroup) -> nn.Module:
+    """An untied LM head's weight holder: nn.Linear at TP=1, else vocabulary-parallel rows."""
+    if tp.size == 1:
+        return nn.Linear(hidden_size, vocab_size, bias=False)
+    return VocabParallelEmbedding(vocab_size, hidden_size, tp)
+
+
+def project_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, tp: TPGroup, vocab_size: int
+) -> torch.Tensor | None:
+    """hidden [N, hidden] -> logits [N, vocab] float32; under tensor parallelism the vocabulary
+    shards are gathered to rank 0, and the other ranks get None."""
+    logits = F.linear(hidden, weight)  # [N, vocab / tp]
+    if tp.size == 1:
+        return logits.float()
+    return tp.gather_vocab(logits, vocab_size)
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate then up) -> silu(gate) * up, [T, I]."""
+    """[T, 2I] (gate then up) -> silu(gate) * up, [T, I]; one launch on CUDA."""
+    if use_triton(gate_up):
+        return triton_kernels().silu_and_mul(as_rows(gate_up))
+    return silu_and_mul_torch(gate_up)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's tanh approximation of GELU (HF "gelu_new"), written out as HF does."""
+    """GPT-2's tanh approximation of GELU (HF "gelu_new"); one launch on CUDA."""
+    if use_triton(x):
+        return triton_kernels().gelu_new(x)
+    return gelu_new_torch(x)
+
+
+def gelu_new_torch(x: torch.Tensor) -> torch.Tensor:
+    """gelu_new written out as HF does."""
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
 
 
@@ -151,6 +400,7 @@ def load_mapped_weights(
         name, shard = target
         if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} maps to unknown parameter {name!r}")
+        tensor = narrow_for_rank(model, name, tensor, shard)
         copy_into(params[name], tensor, shard_rows(model, name, shard), hf_name)
         expected.discard((name, shard))
     if expected:
@@ -169,6 +419,17 @@ def expected_shards(model: nn.Module) -> set[tuple[str, int | None]]:
             else:
                 expected.add((name, None))
     return expected
+
+
+def narrow_for_rank(
+    model: nn.Module, name: str, tensor: torch.Tensor, shard: int | None
+) -> torch.Tensor:
+    """The part of a full checkpoint tensor that this tensor-parallel rank holds (all at TP=1)."""
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, TPSharded):
+        return module.narrow_checkpoint(param_name, tensor, shard)
+    return tensor
 
 
 def shard_rows(model: nn.Module, name: str, shard: int | None) -> slice | None:

@@ -4,6 +4,11 @@ One implementation, switched by ModelConfig flags: ``attention_bias`` (Qwen2's q
 ``qk_norm`` (Qwen3's per-head RMSNorm on q and k, before rotary), ``sliding_window`` (Mistral).
 q/k/v and gate/up are each one merged linear; ``load_weights`` maps HF's separate tensors into
 their rows. Parameter names otherwise follow HF, so the mapping stays a few renames.
+
+Under tensor parallelism (engine_core/parallel.py) each rank holds 1/N of the attention heads and
+KV heads (column-parallel qkv_proj, row-parallel o_proj), 1/N of the MLP (column-parallel
+gate_up_proj, row-parallel down_proj) and 1/N of the vocabulary (embedding and LM head); norms and
+rotary are replicated.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_core.attention.layer import Attention
@@ -20,10 +24,16 @@ from engine_core.models.layers import (
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
+    check_divisible,
+    lm_head,
     load_mapped_weights,
+    project_logits,
+    rotate_qk,
+    row_parallel_linear,
     silu_and_mul,
+    vocab_embedding,
 )
+from engine_core.parallel import SINGLE, TPGroup, get_tp_group
 
 # HF projection name -> (our merged projection, shard index).
 _MERGED = {
@@ -36,12 +46,18 @@ _MERGED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-        self.qkv_proj = MergedLinear(config.hidden_size, self.sizes, bias=config.attention_bias)
-        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=has_o_bias(config))
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        # This rank's heads and KV heads (all of them at TP=1).
+        heads = check_divisible("number of attention heads", heads, tp)
+        kv_heads = check_divisible("number of KV heads", kv_heads, tp)
+        self.qkv_proj = MergedLinear(config.hidden_size, sizes, config.attention_bias, tp)
+        self.sizes = self.qkv_proj.output_sizes  # this rank's q, k, v widths
+        self.o_proj = row_parallel_linear(
+            config.num_heads * head_dim, config.hidden_size, has_o_bias(config), tp
+        )
         self.q_norm = RMSNorm(head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.norm_eps) if config.qk_norm else None
         self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, config.sliding_window)
@@ -54,7 +70,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, -1, head_dim)  # [T, KVH, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin)  # in place on CUDA
         out = self.attn(q.flatten(1), k.flatten(1), v)  # [T, H*D]
         return self.o_proj(out)
 
@@ -65,43 +81,60 @@ def has_o_bias(config: ModelConfig) -> bool:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], False, tp)
+        self.down_proj = row_parallel_linear(size, config.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous sublayer's output, residual stream before it; None for the first layer)
+        -> (this layer's MLP output, residual stream before it), each [T, hidden]: every
+        residual add happens inside the next norm."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, D] each
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,22 +143,23 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = get_tp_group()  # the tensor-parallel group this process builds for, read once
+        self.model = LlamaModel(config, self.tp)
         # Tied models read the embedding matrix directly rather than holding a second alias.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else lm_head(config.vocab_size, config.hidden_size, self.tp)
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return project_logits(hidden, weight, self.tp, self.config.vocab_size)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
