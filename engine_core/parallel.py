@@ -1,0 +1,149 @@
+"""The tensor-parallel group of one engine core: this process's rank and the collectives it runs.
+
+An engine core with ``--tensor-parallel-size N`` is N processes on one host: rank 0 is the engine
+process itself (it schedules and samples), ranks 1..N-1 are workers it spawns
+(engine_core/tp_runner.py). They meet through a TCPStore on the loopback interface and form two
+torch.distributed groups:
+
+- the device group (NCCL on CUDA, gloo on the CPU) for the tensors of a forward: the all-reduce
+  after every row-parallel layer and the vocabulary-parallel embedding, and the gather of the
+  logits shards to rank 0;
+- a gloo group for the small host-side header rank 0 broadcasts before each step. Workers wait in
+  it while the engine is idle, so it gets a long timeout; the device group keeps the default one.
+
+The models read the group once, when they are built (``get_tp_group()``), and size their layers
+by it; at TP=1 they build plain layers and never call a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine_core.config import ModelConfig
+
+HOST = "127.0.0.1"
+# Workers block in the header broadcast while the engine has nothing to do; that is not a fault.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+STORE_TIMEOUT = datetime.timedelta(minutes=10)  # every rank joins within this, or start-up fails
+TEARDOWN_TIMEOUT_S = 20.0
+
+logger = logging.getLogger("tandem.tp")
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its engine core's tensor-parallel group (size 1: no group)."""
+
+    rank: int = 0
+    size: int = 1
+    device_group: Any = None  # torch ProcessGroup for the forward's tensors
+    cpu_group: Any = None  # gloo ProcessGroup for host-side headers
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the engine process, which schedules, broadcasts and samples."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it."""
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Each rank's [N, V/size] logits -> [N, vocab_size] float32 on rank 0; None elsewhere.
+
+        Rank r holds the contiguous vocabulary slice r (the last one padded), so the full row is
+        the shards side by side, cut back to ``vocab_size``.
+        """
+        logits = logits.contiguous()
+        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.is_driver else None
+        dist.gather(logits, parts, dst=0, group=self.device_group)
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=-1)[:, :vocab_size].float()
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (e.g. how many KV blocks fit on each GPU)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+
+SINGLE = TPGroup()
+_current = SINGLE
+
+
+def get_tp_group() -> TPGroup:
+    """The group models are built for in this process (``SINGLE`` unless an engine joined one)."""
+    return _current
+
+
+def create_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (read it from ``store.port``)."""
+    return dist.TCPStore(
+        HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
+    )
+
+
+def connect_store(port: int, world_size: int) -> dist.TCPStore:
+    """A worker's handle on rank 0's store."""
+    return dist.TCPStore(HOST, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+
+
+def join_tp_group(
+    store: dist.TCPStore, rank: int, world_size: int, device: torch.device
+) -> TPGroup:
+    """Join the engine core's group (blocks until every rank has joined) and make it current."""
+    global _current
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group; one tensor-parallel "
+            "engine core per process (shut the previous one down first)"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    _current = TPGroup(rank, world_size, dist.group.WORLD, cpu_group)
+    return _current
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """ValueError unless ``config``'s heads, KV heads and MLP split evenly over ``size`` ranks."""
+    parts = {
+        "attention heads": config.num_heads,
+        "KV heads": config.num_kv_heads,
+        "MLP width (intermediate_size)": config.intermediate_size,
+    }
+    uneven = [f"{name} ({value})" for name, value in parts.items() if value % size]
+    if size < 1 or uneven:
+        raise ValueError(
+            f"--tensor-parallel-size {size} must be >= 1 and divide the model's number of "
+            f"attention heads and KV heads (and its MLP width); it does not divide: "
+            f"{', '.join(uneven) or size}"
+        )
+
+
+def leave_tp_group(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
+    """Destroy this process's groups; models built afterwards are single-process again.
+
+    The teardown runs in a helper thread, waited for at most ``timeout_s``: a peer that died
+    mid-way can make NCCL's wait forever, and shutting down must not.
+    """
+    global _current
+    _current = SINGLE
+    if not dist.is_initialized():
+        return
+    thread = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("torch.distributed teardown still waits after %.0f s; going on", timeout_s)

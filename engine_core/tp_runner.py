@@ -1,0 +1,340 @@
+"""Tensor parallelism inside one engine core: rank 0 drives, ranks 1..N-1 follow.
+
+    rank 0: the engine process (TPModelRunner)      ranks 1..N-1: spawned workers (TPWorker)
+      EngineCore schedules
+      prepare_inputs ── header + tensors ─────────►  the same ModelInputs
+      forward  ◄──────── all-reduces ─────────────►  forward
+      logits   ◄──────── vocabulary shards ────────  compute_logits (when a row samples)
+      sample, update requests
+
+Every rank holds its share of the weights (sharded at load from the same checkpoint, see
+engine_core/models/layers.py) and its own KV cache for its share of the KV heads, with the same
+number of blocks, so the scheduler's block tables are valid on every rank. Workers are started
+with the 'spawn' method (never fork a process that has initialised torch) and are daemons that
+also die with the engine process (PR_SET_PDEATHSIG); ``shutdown()`` stops them cleanly, and runs
+by itself at interpreter exit. On CUDA each rank captures its own decode graphs (the collectives
+inside them), in the same order, since every rank runs the same ModelRunner set-up.
+
+Each step's inputs cross as a msgpack header (every non-tensor field, and each tensor's name,
+dtype and shape) broadcast over the gloo group, then one flat device tensor per dtype broadcast
+over the device group. No pickle: the header is plain msgpack data, and a worker's start-up
+arguments are plain values (the EngineConfig as a dict).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import logging
+import os
+import signal
+import sys
+import time
+import weakref
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine_core.attention.base import AttentionMetadata
+from engine_core.config import EngineConfig, ModelConfig
+from engine_core.model_runner import ModelInputs, ModelRunner, resolve_device
+from engine_core.parallel import (
+    STORE_TIMEOUT,
+    TPGroup,
+    check_tensor_parallel,
+    connect_store,
+    create_store,
+    join_tp_group,
+    leave_tp_group,
+)
+from engine_core.request import SchedulerOutput
+
+logger = logging.getLogger("tandem.tp")
+
+_STOP, _STEP = 0, 1
+_STOP_TIMEOUT_S = 10.0
+_PR_SET_PDEATHSIG = 1
+_WORKER_KEY = "tandem/worker{}"
+_RENDEZVOUS_POLL_S = 0.05
+
+
+# ---- the step channel -------------------------------------------------------------------------
+
+
+class StepChannel:
+    """Rank 0 -> workers: each step's ModelInputs (sampling requests excepted: workers never
+    sample) as a msgpack header over the gloo group plus one flat tensor per dtype."""
+
+    def __init__(self, tp: TPGroup, device: torch.device) -> None:
+        self.tp = tp
+        self.device = device
+
+    def send(self, inputs: ModelInputs) -> None:
+        fields, tensors = split_fields(inputs)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors.values():
+            by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+        specs = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors.items()]
+        self._send_header(_STEP, msgpack.packb([fields, specs], default=plain))
+        for parts in by_dtype.values():
+            dist.broadcast(torch.cat(parts), src=0, group=self.tp.device_group)
+
+    def send_stop(self) -> None:
+        self._send_header(_STOP, b"")
+
+    def recv(self) -> ModelInputs | None:
+        """The next step's inputs on this worker's device; None when rank 0 stops."""
+        header = self._recv_header()
+        if header is None:
+            return None
+        fields, specs = msgpack.unpackb(header)
+        tensors = self._recv_tensors(specs)
+        meta_fields = {k.removeprefix("meta."): v for k, v in fields.items() if k[:5] == "meta."}
+        meta_tensors = {k.removeprefix("meta."): v for k, v in tensors.items() if k[:5] == "meta."}
+        top = {k: v for k, v in {**fields, **tensors}.items() if not k.startswith("meta.")}
+        meta = AttentionMetadata(**meta_fields, **meta_tensors)
+        return ModelInputs(meta=meta, sampling_requests=[], **top)
+
+    def _send_header(self, kind: int, payload: bytes) -> None:
+        size = torch.tensor([kind, len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.tp.cpu_group)
+        if payload:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dist.broadcast(buf, src=0, group=self.tp.cpu_group)
+
+    def _recv_header(self) -> bytes | None:
+        size = torch.empty(2, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.tp.cpu_group)
+        kind, length = size.tolist()
+        if kind == _STOP:
+            return None
+        buf = torch.empty(length, dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.tp.cpu_group)
+        return buf.numpy().tobytes()
+
+    def _recv_tensors(self, specs: list[list[Any]]) -> dict[str, torch.Tensor]:
+        by_dtype: dict[str, list[tuple[str, list[int]]]] = {}
+        for name, dtype, shape in specs:
+            by_dtype.setdefault(dtype, []).append((name, shape))
+        out: dict[str, torch.Tensor] = {}
+        for dtype, entries in by_dtype.items():  # the order rank 0 sent them in
+            sizes = [int(np.prod(shape)) for _, shape in entries]
+            flat = torch.empty(sum(sizes), dtype=parse_dtype(dtype), device=self.device)
+            dist.broadcast(flat, src=0, group=self.tp.device_group)
+            for (name, shape), part in zip(entries, flat.split(sizes), strict=True):
+                out[name] = part.view(shape)
+        return out
+
+
+def split_fields(inputs: ModelInputs) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """ModelInputs (and its AttentionMetadata, as "meta.*") -> (host fields, tensors)."""
+    fields: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    items = [(f.name, getattr(inputs, f.name)) for f in dataclasses.fields(inputs)]
+    meta = inputs.meta
+    items += [(f"meta.{f.name}", getattr(meta, f.name)) for f in dataclasses.fields(meta)]
+    for name, value in items:
+        if name in ("meta", "sampling_requests"):
+            continue
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        else:
+            fields[name] = value
+    return fields, tensors
+
+
+def plain(value: object) -> object:
+    """msgpack's fallback for numpy values among the host fields."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"a step header cannot carry {type(value).__name__}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a step header")
+    return dtype
+
+
+# ---- the runners ------------------------------------------------------------------------------
+
+
+class _ShardedRunner(ModelRunner):
+    """A ModelRunner on one rank of a group: its KV cache holds as many blocks as fit on the
+    tightest rank, so one block table is valid everywhere."""
+
+    tp: TPGroup
+
+    def _kv_blocks_that_fit(self) -> int:
+        return self.tp.min_over_ranks(super()._kv_blocks_that_fit())
+
+
+class TPModelRunner(_ShardedRunner):
+    """Rank 0 of a tensor-parallel engine core: spawns ranks 1..N-1, then runs as a ModelRunner
+    whose every step's inputs are broadcast to them before the forward."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        model_config = peek_model_config(config.model)
+        if model_config is not None:
+            check_tensor_parallel(model_config, size)  # before any process starts
+        store = create_store(size)
+        self.workers = spawn_workers(config, store.port)
+        try:
+            wait_for_workers(store, self.workers)
+            self.tp = join_tp_group(store, 0, size, resolve_device(config.device))
+            super().__init__(config)
+        except BaseException:
+            stop_processes(self.workers, timeout=0.0)  # they would wait for rank 0 forever
+            leave_tp_group()
+            raise
+        self.channel = StepChannel(self.tp, self.device)
+        # A weak reference: the finalizer must not keep the runner alive (it runs at exit too).
+        args = (weakref.ref(self), self.channel, self.workers)
+        self._finalizer = weakref.finalize(self, shut_down, *args)
+        logger.info("tensor parallel over %d ranks (pids %s)", size, [p.pid for p in self.workers])
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        inputs = super().prepare_inputs(out)
+        self.channel.send(inputs)
+        return inputs
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the group (idempotent; also runs at interpreter exit)."""
+        self._finalizer()
+
+
+class TPWorker(_ShardedRunner):
+    """Ranks 1..N-1: load this rank's shard and KV cache, then run every step rank 0 sends."""
+
+    def __init__(self, config: EngineConfig, rank: int, store: dist.TCPStore) -> None:
+        device = resolve_device(config.device)
+        self.tp = join_tp_group(store, rank, config.tensor_parallel_size, device)
+        super().__init__(config)
+        self.channel = StepChannel(self.tp, self.device)
+
+    def serve(self) -> None:
+        while (inputs := self.channel.recv()) is not None:
+            self.follow(inputs)
+
+    @torch.inference_mode()
+    def follow(self, inputs: ModelInputs) -> None:
+        """Rank 0's execute() without the sampling: the same collectives in the same order."""
+        hidden = self._forward(inputs)  # [T, hidden]
+        if inputs.logits_indices.numel():
+            self.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def shut_down(
+    runner: weakref.ref[ModelRunner], channel: StepChannel, workers: list[BaseProcess]
+) -> None:
+    try:
+        channel.send_stop()
+    except Exception as exc:  # a worker already gone: stop the rest by signal
+        logger.warning("could not tell the tensor-parallel workers to stop: %s", exc)
+        stop_processes(workers, timeout=0.0)
+    # Every rank tears its groups down at the same time (NCCL's teardown waits for the peers),
+    # each after dropping its CUDA graphs, which hold NCCL work captured on the group.
+    release_graphs(runner())
+    leave_tp_group()
+    stop_processes(workers)
+
+
+def release_graphs(runner: ModelRunner | None) -> None:
+    if runner is None or getattr(runner, "graph_runner", None) is None:
+        return
+    runner.graph_runner = None
+    gc.collect()
+    torch.cuda.synchronize()
+
+
+def peek_model_config(model: str) -> ModelConfig | None:
+    """The model's config without its weights (None for an unknown preset: the load says why)."""
+    from engine_core.loader import RANDOM_PREFIX, load_model_config, resolve_model_dir
+
+    if model.startswith(RANDOM_PREFIX):
+        from engine_core.presets import PRESETS
+
+        return PRESETS.get(model.removeprefix(RANDOM_PREFIX))
+    return load_model_config(resolve_model_dir(model))
+
+
+# ---- worker processes -------------------------------------------------------------------------
+
+
+def spawn_workers(config: EngineConfig, port: int) -> list[BaseProcess]:
+    ctx = torch.multiprocessing.get_context("spawn")
+    level = logging.getLogger().getEffectiveLevel()
+    workers = []
+    for rank in range(1, config.tensor_parallel_size):
+        args = (dataclasses.asdict(config), rank, port, os.getpid(), level)
+        p = ctx.Process(target=run_worker, args=args, name=f"tandem-tp{rank}", daemon=True)
+        p.start()
+        workers.append(p)
+    return workers
+
+
+def wait_for_workers(store: dist.TCPStore, workers: list[BaseProcess]) -> None:
+    """Wait until every worker reached the store, failing fast if one exits first."""
+    keys = [_WORKER_KEY.format(rank) for rank in range(1, len(workers) + 1)]
+    deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        dead = [p for p in workers if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(
+                f"tensor-parallel worker {dead[0].name} exited with {dead[0].exitcode} "
+                "during start-up (see its log above)"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError("tensor-parallel workers did not start within the store timeout")
+        time.sleep(_RENDEZVOUS_POLL_S)
+
+
+def stop_processes(workers: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S) -> None:
+    for p in workers:
+        p.join(timeout)
+        if p.is_alive():
+            logger.warning("%s did not stop within %.0f s: killing it", p.name, timeout)
+            p.kill()
+            p.join()
+
+
+def run_worker(fields: dict[str, Any], rank: int, port: int, parent: int, log_level: int) -> None:
+    """A worker process's entry point (spawned: it imports everything afresh)."""
+    die_with(parent)
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s"
+    )
+    config = EngineConfig(**fields)
+    if resolve_device(config.device).type == "cpu":
+        # The CPU's cores are shared by every rank; more threads each only oversubscribe them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    store = connect_store(port, config.tensor_parallel_size)
+    store.set(_WORKER_KEY.format(rank), "up")
+    worker = TPWorker(config, rank, store)
+    worker.serve()
+    release_graphs(worker)
+    leave_tp_group()  # with rank 0, which does the same after the stop
+    logging.shutdown()
+    # Nothing is left to do: skip the interpreter's teardown (CUDA graphs, NCCL handles).
+    os._exit(0)
+
+
+def die_with(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)

@@ -1,0 +1,226 @@
+"""Tensor parallelism over gloo on the CPU: TP=2 gives TP=1's (and HF's) greedy tokens.
+
+Tiny random models of each sharding pattern: Llama with GQA and an untied LM head, Qwen2 with
+q/k/v bias and a tied embedding, GPT-2 with its fused c_attn. The vocabulary (387) is odd, so the
+last vocabulary shard is padded and the logits gather must cut it off. Block size 4 and a small
+step budget make the batches mix prefills, prompt chunks, prefix-cache hits and decodes, so every
+field of the broadcast step inputs matters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
+
+from engine_core.llm import LLM
+from engine_core.models.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPSharded,
+    VocabParallelEmbedding,
+)
+from engine_core.parallel import get_tp_group
+from protocol.address import private_ipc_address, remove_ipc_files
+from protocol.client import EngineClient
+from protocol.messages import RequestError, SamplingParams, StepOutputs
+from tests.paged_harness import hf_greedy
+
+VOCAB = 387
+NEW_TOKENS = 16
+ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 96, "max_model_len": 128}
+SIZES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
+CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=False),
+    "qwen2_tied": lambda: Qwen2Config(**SIZES, tie_word_embeddings=True),
+    "gpt2": lambda: GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),  # fmt: skip
+}
+
+
+def make_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 11, 23)]
+    # Shares the first 20 tokens (5 blocks of 4) with the 23-token prompt: a prefix-cache hit.
+    prompts.append(prompts[2][:20] + [1, 2, 3])
+    return prompts
+
+
+PROMPTS = make_prompts()
+
+
+def write_model(name: str, folder: Path) -> nn.Module:
+    """A random HF model saved to ``folder``; every parameter random (HF zero-initialises biases,
+    which would hide a bias-sharding bug), norm scales near 1."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen) * 0.1
+            param.copy_(1 + noise if param.ndim == 1 and pname.endswith("weight") else noise)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[list[int]]]:
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model = write_model(request.param, folder)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    return folder, reference
+
+
+def generate(folder: Path, tp: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and the chosen tokens' logprobs, run through the offline API."""
+    llm = LLM(str(folder), tensor_parallel_size=tp, max_num_batched_tokens=16, **ENGINE_ARGS)
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+        outs = llm.generate(PROMPTS, params, detokenize=False)
+    finally:
+        llm.engine.shutdown()
+    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+
+
+def test_tp2_matches_tp1_and_hf(case: tuple[Path, list[list[int]]]) -> None:
+    folder, reference = case
+    tokens1, logprobs1 = generate(folder, tp=1)
+    tokens2, logprobs2 = generate(folder, tp=2)
+    assert tokens1 == reference
+    assert tokens2 == tokens1
+    # The whole distribution crossed the gather intact, not just its argmax.
+    torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), atol=1e-4, rtol=0)
+    assert get_tp_group().size == 1, "the group outlived its engine"
+
+
+def test_tp1_builds_the_plain_layers(tmp_path: Path) -> None:
+    """TP=1 keeps the single-process path: plain torch layers, no collective anywhere."""
+    write_model("llama", tmp_path)
+    llm = LLM(str(tmp_path), **ENGINE_ARGS)
+    model = llm.engine.runner.model
+    sharded = (RowParallelLinear, ColumnParallelLinear, VocabParallelEmbedding)
+    assert not any(isinstance(m, sharded) for m in model.modules())
+    assert isinstance(model.model.embed_tokens, nn.Embedding)
+    assert type(model.model.layers[0].self_attn.o_proj) is nn.Linear
+    # Merged q/k/v and gate/up keep their full widths.
+    merged = [m for m in model.modules() if isinstance(m, TPSharded)]
+    assert merged and all(m.out_features in (64 + 2 * 32, 2 * 128) for m in merged)
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_sizes_that_do_not_divide_the_heads_are_refused(tmp_path: Path, size: int) -> None:
+    """4 heads and 2 KV heads: 3 divides neither, 4 not the KV heads; refused before any
+    worker starts (a worker left waiting for its peers would hang)."""
+    write_model("llama", tmp_path)
+    with pytest.raises(ValueError, match=f"--tensor-parallel-size {size} must .* KV heads"):
+        LLM(str(tmp_path), tensor_parallel_size=size, **ENGINE_ARGS)
+    assert children_running_spawn(os.getpid()) == []
+
+
+# ---- a real `tandem engine --tensor-parallel-size 2` ------------------------------------------
+
+
+def children_running_spawn(pid: int) -> list[int]:
+    """Child processes of ``pid`` started by multiprocessing's spawn (the TP workers)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    kids = []
+    for child in out.split():
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            kids.append(int(child))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def collect(client: EngineClient, ids: set[str], timeout: float = 120) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    pending = set(ids)
+    deadline = time.monotonic() + timeout
+    while pending:
+        assert time.monotonic() < deadline, f"never finished: {sorted(pending)}"
+        msg = client.recv(timeout=1.0)
+        assert not isinstance(msg, RequestError), msg
+        if isinstance(msg, StepOutputs):
+            for out in msg.outputs:
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    pending.discard(out.request_id)
+    return tokens
+
+
+@pytest.mark.slow
+def test_tp2_engine_process_serves_hf_tokens_and_takes_its_workers_along(tmp_path: Path) -> None:
+    hf_model = write_model("llama", tmp_path)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    address = private_ipc_address()
+    cmd = [sys.executable, "-m", "frontend.cli", "engine", "--model", str(tmp_path),
+           "--address", str(address), "--tensor-parallel-size", "2", "--block-size", "4",
+           "--num-kv-blocks", "96", "--max-model-len", "128", "--max-num-batched-tokens", "16",
+           "--log-level", "WARNING"]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    try:
+        with EngineClient(address) as client:
+            client.connect(timeout=120)
+            workers = children_running_spawn(proc.pid)
+            assert len(workers) == 1, "one worker process for rank 1"
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+            for i, prompt in enumerate(PROMPTS):  # all in flight at once: mixed batches
+                client.add_request(f"r{i}", prompt, params)
+            got = collect(client, {f"r{i}" for i in range(len(PROMPTS))})
+            assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 15
+        while any(alive(w) for w in workers):
+            assert time.monotonic() < deadline, "a TP worker outlived its engine"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        remove_ipc_files(address)
