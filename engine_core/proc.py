@@ -6,19 +6,24 @@
 
 Only the busy loop touches the EngineCore, so the scheduler, block manager and runner need no
 locks. Client request ids are scoped by the client's socket identity, so two clients may reuse an
-id. Also the `tandem engine` subcommand.
+id. A client the output socket can no longer reach has its requests aborted, so a vanished
+client's requests never hold KV blocks. With ``parent_pid`` the engine exits on its own within
+about a second of that process vanishing, even where no death signal reaches it. Also the
+`tandem engine` subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import queue
 import signal
 import threading
 import time
 from collections import defaultdict
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
@@ -41,9 +46,14 @@ from protocol.messages import (
     StepOutputs,
 )
 
+if TYPE_CHECKING:
+    from protocol.curve import CurveServerKeys
+
 logger = logging.getLogger("tandem.engine")
 
 HEARTBEAT_INTERVAL_S = 0.5
+PARENT_POLL_S = 1.0
+PARENT_GRACE_S = 5.0  # after the parent is gone: time for a clean stop before os._exit
 _POLL_MS = 100
 
 
@@ -55,15 +65,44 @@ def scoped_id(client: bytes, request_id: str) -> str:
     return f"{client.hex()}/{request_id}"
 
 
+def parent_alive(pid: int, direct: bool) -> bool:
+    """Whether process ``pid`` still runs. For our own parent (``direct``) the test is whether we
+    were re-parented, which a recycled pid cannot fool; otherwise kill(pid, 0), with a zombie
+    counting as gone."""
+    if direct:
+        return os.getppid() == pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
 class EngineProc:
-    def __init__(self, config: EngineConfig, address: EngineAddress) -> None:
-        self.core = EngineCore(config)
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: EngineAddress,
+        curve: CurveServerKeys | None = None,
+        parent_pid: int | None = None,
+    ) -> None:
         self.address = address
+        self.curve = curve
+        self.parent_pid = parent_pid
         self.inbox: queue.Queue[tuple[bytes, ClientMessage | _ClientGone]] = queue.Queue()
         self.outbox: queue.Queue[tuple[bytes, EngineMessage] | None] = queue.Queue()
         self.clients: set[bytes] = set()
         self.running = True
         self._last_heartbeat = 0.0
+        if parent_pid is not None:  # before loading: a parent may die while the weights load
+            threading.Thread(target=self._watch_parent, daemon=True).start()
+        self.core = EngineCore(config)
         mc = self.core.model_config
         self.ready = Ready(
             model=config.model,
@@ -81,9 +120,17 @@ class EngineProc:
         import zmq
 
         from protocol.address import bind_engine_sockets
+        from protocol.curve import start_authenticator
 
         ctx = zmq.Context()
-        in_sock, out_sock = bind_engine_sockets(ctx, self.address)
+        auth = start_authenticator(ctx, self.curve) if self.curve is not None else None
+        try:
+            in_sock, out_sock = bind_engine_sockets(ctx, self.address, curve=self.curve)
+        except BaseException:
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+            raise
         threads = [
             threading.Thread(target=self._input_loop, args=(in_sock,), daemon=True),
             threading.Thread(target=self._output_loop, args=(out_sock,), daemon=True),
@@ -99,7 +146,27 @@ class EngineProc:
                 t.join(timeout=5)
             in_sock.close(linger=0)
             out_sock.close(linger=0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
+
+    def _watch_parent(self) -> None:
+        """Stop when the parent process is gone; exit hard if a long step keeps us past the
+        grace period, so an orphaned engine never holds the GPU."""
+        assert self.parent_pid is not None
+        direct = os.getppid() == self.parent_pid
+        while self.running:
+            time.sleep(PARENT_POLL_S)
+            if not parent_alive(self.parent_pid, direct):
+                break
+        else:
+            return
+        logger.error("parent process %d is gone: stopping", self.parent_pid)
+        self.running = False
+        self.inbox.put((b"", _ClientGone()))  # wake an idle busy loop now
+        time.sleep(PARENT_GRACE_S)
+        logger.error("still running %.0f s after the parent died: exiting", PARENT_GRACE_S)
+        os._exit(1)
 
     def _input_loop(self, sock: Any) -> None:
         from protocol.codec import ProtocolError, decode_client_message
@@ -163,7 +230,18 @@ class EngineProc:
             case Control():
                 self._control(client, msg)
             case _ClientGone():
-                self.clients.discard(client)
+                self._forget(client)
+
+    def _forget(self, client: bytes) -> None:
+        """The client is unreachable: stop heart-beating it and free what its requests hold."""
+        if not client:
+            return
+        self.clients.discard(client)
+        live = self.core.scheduler.requests.values()
+        mine = [r.request_id for r in live if r.client_id == client]
+        if mine:
+            logger.warning("client %s is gone: aborting its %d requests", client.hex(), len(mine))
+            self.core.abort(mine)
 
     def _add(self, client: bytes, msg: AddRequest) -> None:
         request = Request(
@@ -205,8 +283,9 @@ class EngineProc:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(f"engine step failed: {exc}")
             return
-        for client, batch in self._group_by_client(outputs).items():
-            self.outbox.put((client, StepOutputs(batch)))
+        with self.core.step_stats.phase("send"):
+            for client, batch in self._group_by_client(outputs).items():
+                self.outbox.put((client, StepOutputs(batch)))
 
     @staticmethod
     def _group_by_client(outputs: list[EngineOutput]) -> dict[bytes, list[RequestOutput]]:
@@ -244,25 +323,63 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--address",
         default=None,
         help="where to listen: ipc:///dir/name (default: a fresh private 0700 directory) or "
-        "tcp://127.0.0.1:PORT (uses PORT and PORT+1)",
+        "tcp://HOST:PORT (uses PORT and PORT+1; a non-loopback HOST needs the CURVE flags)",
+    )
+    parser.add_argument(
+        "--curve-secret-key",
+        default=None,
+        help="this engine's CURVE key pair (a .key_secret file from `tandem keygen`)",
+    )
+    parser.add_argument(
+        "--curve-authorized-keys",
+        default=None,
+        help="directory of the client public keys (*.key) let in; needs --curve-secret-key",
+    )
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process is gone (checked every second); `tandem serve` passes "
+        "its own pid",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     add_engine_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from engine_core.args import engine_config_from_args
-    from protocol.address import private_ipc_address
+    from protocol.address import is_loopback, private_ipc_address
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    address = EngineAddress.parse(args.address) if args.address else private_ipc_address()
-    proc = EngineProc(engine_config_from_args(args), address)
+    try:
+        address = EngineAddress.parse(args.address) if args.address else private_ipc_address()
+        curve = _server_keys(args)
+        if curve is None and not is_loopback(address):
+            raise ValueError(
+                f"refusing to listen on {address} without authentication: give "
+                "--curve-secret-key and --curve-authorized-keys (see `tandem keygen`)"
+            )
+    except ValueError as exc:
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 2
+    proc = EngineProc(engine_config_from_args(args), address, curve, args.parent_pid)
     _stop_on_signals(proc)
     print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
     proc.run()
     return 0
+
+
+def _server_keys(args: argparse.Namespace) -> CurveServerKeys | None:
+    from protocol.curve import load_server_keys
+
+    secret, authorized = args.curve_secret_key, args.curve_authorized_keys
+    if (secret is None) != (authorized is None):
+        raise ValueError("--curve-secret-key and --curve-authorized-keys go together")
+    return None if secret is None else load_server_keys(secret, authorized)
 
 
 def _stop_on_signals(proc: EngineProc) -> None:

@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         "engine_core.llm",
     )
     _add(sub, "bench", "run the load generator (see scripts/loadgen.py)", "frontend.bench")
+    _add(
+        sub,
+        "keygen",
+        "write a CURVE key pair for engine sockets on tcp:// (NAME.key, NAME.key_secret)",
+        "protocol.curve",
+    )
     return parser
 
 

@@ -3,9 +3,11 @@
 One reader task awaits the protocol client and routes each message: a step's RequestOutputs go to
 the asyncio queue of the HTTP request that owns them, a RequestError goes through the same queue,
 control replies resolve the future of the call that asked, and every message counts as a sign of
-life. A watchdog fails every queue with EngineDeadError once the engine process has exited or been
-silent too long, so no HTTP request ever waits forever. Routing is a dict lookup per output: no
-locks, since everything runs on the event loop.
+life. A watchdog fails every queue with EngineDeadError once the engine process has exited (seen
+within _WATCHDOG_INTERVAL_S) or been silent too long, so no HTTP request ever waits forever; while
+the engine is down but its process lives (a stall, or a remote engine that restarted and forgot
+us), it says HELLO every second so the engine is taken back as soon as it answers. Routing is a
+dict lookup per output: no locks, since everything runs on the event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -31,11 +33,15 @@ from protocol.messages import (
     StepOutputs,
 )
 
+if TYPE_CHECKING:
+    from protocol.curve import CurveClientKeys
+
 logger = logging.getLogger("tandem.frontend")
 
 HEALTH_WINDOW_S = 3.0  # /health is 200 only if the engine spoke this recently (heartbeat 0.5 s)
 DEAD_AFTER_S = 30.0  # in-flight requests fail after this much silence (a long step is not death)
 _WATCHDOG_INTERVAL_S = 0.25
+_REHELLO_INTERVAL_S = 1.0
 
 
 class EngineDeadError(Exception):
@@ -75,16 +81,18 @@ class AsyncEngine:
         address: Any,
         is_process_alive: Callable[[], bool] = lambda: True,
         dead_after_s: float = DEAD_AFTER_S,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         from protocol.client import AsyncEngineClient
 
         self.address = address
-        self._client = AsyncEngineClient(address)
+        self._client = AsyncEngineClient(address, name="tandem-frontend", curve=curve)
         self._is_process_alive = is_process_alive
         self._dead_after_s = dead_after_s
         self._routes: dict[str, _Route] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._last_seen = 0.0
+        self._last_hello = 0.0
         self._dead_reason: str | None = None
         self.ready: Ready | None = None
 
@@ -104,11 +112,14 @@ class AsyncEngine:
         self._spawn(self._watch_loop())
         return self.ready
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "the frontend is shutting down") -> None:
+        """Fail what is in flight with ``reason``, refuse new requests, close the sockets (what
+        they still queue is dropped, so nothing reaches an engine started later)."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_all(EngineDeadError("the frontend is shutting down"))
+        self._dead_reason = reason
+        self._fail_all(EngineDeadError(reason))
         self._client.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -129,6 +140,11 @@ class AsyncEngine:
     def dead_reason(self) -> str | None:
         """Why new requests are refused (None while the engine is up)."""
         return self._dead_reason
+
+    @property
+    def num_requests(self) -> int:
+        """Engine requests sent and not yet finished, failed or aborted (frontend state)."""
+        return len(self._routes)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -199,6 +215,18 @@ class AsyncEngine:
             await asyncio.sleep(_WATCHDOG_INTERVAL_S)
             if self._dead_reason is None and (reason := self._why_dead()) is not None:
                 self._declare_dead(reason)
+            elif self._dead_reason is not None and self._is_process_alive():
+                await self._hello_again()
+
+    async def _hello_again(self) -> None:
+        now = time.monotonic()
+        if now - self._last_hello < _REHELLO_INTERVAL_S:
+            return
+        self._last_hello = now
+        try:
+            await self._client.hello()
+        except zmq.ZMQError as exc:
+            logger.debug("could not send HELLO: %s", exc)
 
     def _why_dead(self) -> str | None:
         if not self._is_process_alive():

@@ -7,6 +7,8 @@ ControlKind.STATS call. Each server owns its registry, so two apps in one proces
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -83,6 +85,39 @@ class Metrics:
         self.engine_healthy = Gauge(
             "tandem_engine_healthy", "1 while the engine core answers, else 0.", labels, registry=r
         )
+        self.engine_restarts = Counter(
+            "tandem_engine_restarts", "Engine cores started after one died.", labels, registry=r
+        )
+        self.rejected = Counter(
+            "tandem_requests_rejected",
+            "HTTP requests refused before reaching the engine, by reason (overloaded).",
+            [*labels, "reason"],
+            registry=r,
+        )
+        self.admitted = Gauge(
+            "tandem_frontend_sequences_admitted",
+            "Engine requests (prompts x n) admitted by the frontend and not yet finished.",
+            labels,
+            registry=r,
+        )
+        self.admitted_peak = Gauge(
+            "tandem_frontend_sequences_admitted_peak",
+            "The most engine requests admitted at once since start.",
+            labels,
+            registry=r,
+        )
+        self.admitted_limit = Gauge(
+            "tandem_frontend_sequences_admitted_limit",
+            "The admission bound: --max-num-seqs + --max-waiting-requests.",
+            labels,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "tandem_frontend_engine_requests",
+            "Engine requests the frontend routes outputs for (its per-request state).",
+            labels,
+            registry=r,
+        )
 
         # Children resolved once: .labels() takes a lock and builds a key on every call.
         name = self._label
@@ -120,6 +155,28 @@ class Metrics:
         self.kv_usage.labels(**self._label).set(used / max(stats.num_total_blocks, 1))
         self.engine_steps.labels(**self._label).set(stats.num_steps)
         self.engine_healthy.labels(**self._label).set(1.0 if healthy else 0.0)
+
+    def watch_frontend(
+        self,
+        admitted: Callable[[], float],
+        peak: Callable[[], float],
+        limit: Callable[[], float],
+        in_flight: Callable[[], float],
+    ) -> None:
+        """Frontend gauges read at scrape time, so they are never stale."""
+        for gauge, fn in (
+            (self.admitted, admitted),
+            (self.admitted_peak, peak),
+            (self.admitted_limit, limit),
+            (self.in_flight, in_flight),
+        ):
+            gauge.labels(**self._label).set_function(fn)
+
+    def record_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason=reason, **self._label).inc()
+
+    def record_restart(self) -> None:
+        self.engine_restarts.labels(**self._label).inc()
 
     def record_health(self, healthy: bool) -> None:
         self.engine_healthy.labels(**self._label).set(1.0 if healthy else 0.0)

@@ -2,11 +2,18 @@
 
 Requests accept the OpenAI fields plus the vLLM-style extras the engine supports (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos). Unknown fields are ignored, as OpenAI does for
-fields a model does not use. Range checks live here so a bad field is a 400 naming its param.
+fields a model does not use (so are unknown fields inside chat messages); known fields with the
+wrong type are a 400, except where pydantic's lax mode converts losslessly ("2" -> 2, 2.0 -> 2).
+Strings must be valid Unicode: a JSON escape of a lone surrogate ("\\udc80"), which no tokenizer
+or UTF-8 encoder accepts, is a 400 for the whole request (``valid_unicode``). Range checks live
+here so a bad field is a 400 naming its param; the limits: n <= MAX_N,
+logprobs and top_logprobs <= MAX_LOGPROBS, at most MAX_STOP_STRINGS stop strings, and prompt +
+max_tokens within the context (checked in serving.py, after tokenization).
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -15,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_STOP_STRINGS = 64  # each is searched for after every token: keep the per-token work bounded
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def random_id(prefix: str) -> str:
@@ -24,14 +33,39 @@ def random_id(prefix: str) -> str:
 # ---- requests ---------------------------------------------------------------------------------
 
 
+def reject_lone_surrogates(data: Any) -> None:
+    """ValueError if any string (value or key) anywhere in ``data`` holds a lone surrogate."""
+    stack = [data]
+    while stack:  # iterative: deep nesting cannot overflow the Python stack here
+        value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise ValueError("strings must be valid Unicode, not lone surrogate escapes")
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
+class RequestBody(BaseModel):
+    """A top-level request: unknown fields ignored, every string valid Unicode."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def valid_unicode(cls, data: Any) -> Any:
+        reject_lone_surrogates(data)
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """The fields completions and chat share."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0)
@@ -57,6 +91,8 @@ class SamplingFields(BaseModel):
         items = [v] if isinstance(v, str) else (v or [])
         if any(s == "" for s in items):
             raise ValueError("stop strings must not be empty")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return v
 
     @field_validator("stop_token_ids")
@@ -152,7 +188,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -166,7 +202,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -1,18 +1,24 @@
 """`tandem serve`: the engine core in a subprocess and the OpenAI-compatible API in this one.
 
     tandem serve [--model default] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+    tandem serve --model M --remote-engine --engine-address tcp://HOST:PORT \
+        --curve-secret-key keys/frontend.key_secret --curve-server-key keys/engine.key
 
 Startup: resolve the model folder (once, here), spawn the engine core on a private ipc address,
 load the tokenizer while the engine loads the weights, wait for the engine's handshake, then run
 uvicorn. The engine's raw ZMQ address is printed (and served at GET /v1/engine) so that
 `tandem client --address ...` reaches the same engine. Ctrl-C or SIGTERM stops uvicorn gracefully
-and then the engine; the engine also dies with this process if it is killed outright.
+and then the engine; the engine also dies with this process if it is killed outright. If the
+engine dies, requests in flight fail with 503 and, with --restart-engine (the default), a new one
+is started (frontend/launcher.py). With --remote-engine nothing is spawned: the frontend connects
+to an engine already serving at --engine-address (with CURVE keys over tcp://).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 from pathlib import Path
@@ -21,8 +27,12 @@ from typing import Any
 logger = logging.getLogger("tandem.serve")
 
 
+MAX_BODY_BYTES = 8 << 20  # as frontend.server.MAX_BODY_BYTES, without importing FastAPI here
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     from engine_core.args import add_engine_args
+    from protocol.curve import add_client_args
 
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
@@ -36,6 +46,30 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--engine-address",
         default=None,
         help="where the engine core listens (default: a fresh private ipc directory)",
+    )
+    parser.add_argument(
+        "--remote-engine",
+        action="store_true",
+        help="start no engine: connect to the one already serving at --engine-address",
+    )
+    parser.add_argument(
+        "--restart-engine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a new engine core when the one we started dies (default: on)",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="sequences (prompts x n) admitted beyond what the engine runs at once "
+        "(--max-num-seqs); past that, 503 with Retry-After (default: 3 x --max-num-seqs)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help="larger request bodies get 413 (default: %(default)s)",
     )
     parser.add_argument(
         "--engine-start-timeout",
@@ -52,6 +86,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    add_client_args(parser)
     add_engine_args(parser)
 
 
@@ -60,27 +95,45 @@ def run(args: argparse.Namespace) -> int:
     from frontend.engine_client import EngineDeadError
     from frontend.launcher import EngineProcess, engine_flags
     from protocol.address import EngineAddress, private_ipc_address
+    from protocol.curve import client_keys_from_args
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        curve = client_keys_from_args(args)
+        if args.remote_engine and not args.engine_address:
+            raise ValueError("--remote-engine needs --engine-address")
+        if curve is not None and not args.remote_engine:
+            raise ValueError("the CURVE client keys are for --remote-engine")
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    if args.data_parallel_size > 1:  # several engine cores: frontend/data_parallel.py
+        from frontend import data_parallel
+
+        return data_parallel.run(args)
     engine_model, model_dir = resolve_for_serving(args.model)
     if args.engine_address:
         address, owns = EngineAddress.parse(args.engine_address), False
     else:
         address, owns = private_ipc_address(), True
-    proc = EngineProcess(engine_model, engine_flags(args), address, args.log_level, owns)
+    proc = None
+    if not args.remote_engine:
+        proc = EngineProcess(engine_model, engine_flags(args), address, args.log_level, owns)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so the finally below runs on SIGTERM too
     try:
-        proc.start()
-        asyncio.run(serve(args, model_dir, proc))
+        if proc is not None:
+            proc.start()
+        asyncio.run(serve(args, model_dir, proc, address, curve))
     except (KeyboardInterrupt, SystemExit):
         pass
     except (EngineDeadError, TimeoutError) as exc:
         logger.error("the engine core did not come up: %s", exc)
         return 1
     finally:
-        proc.stop()
+        if proc is not None:
+            proc.stop()
         logger.info("stopped")
     return 0
 
@@ -89,29 +142,47 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-async def serve(args: argparse.Namespace, model_dir: Path, proc: Any) -> None:
-    """Handshake with the engine, then run uvicorn until a signal stops it."""
+async def serve(
+    args: argparse.Namespace, model_dir: Path, proc: Any, address: Any, curve: Any
+) -> None:
+    """Handshake with the engine, then run uvicorn (and the engine's supervisor) until a signal
+    stops it."""
     import uvicorn
 
-    from frontend.launcher import connect_engine
+    from frontend.launcher import EngineSupervisor, connect_engine
+    from frontend.server import build_app
 
     loop = asyncio.get_running_loop()
     tokenizer = loop.run_in_executor(None, load_tokenizer, model_dir)  # while the engine loads
-    engine = await connect_engine(proc, args.engine_start_timeout, args.engine_timeout)
+    engine = await connect_engine(
+        proc, args.engine_start_timeout, args.engine_timeout, address, curve
+    )
+    state = None
+    supervisor_task = None
     try:
-        app = build(args, model_dir, proc, engine, await tokenizer)
+        state = build(args, model_dir, address, proc, engine, await tokenizer)
+        if proc is not None and args.restart_engine:
+            supervisor = EngineSupervisor(
+                proc, state.serving, state.engine_info, args.engine_start_timeout,
+                args.engine_timeout,
+            )  # fmt: skip
+            supervisor_task = asyncio.ensure_future(supervisor.run())
         config = uvicorn.Config(
-            app,
+            build_app(state),
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
             access_log=args.access_log,
             timeout_graceful_shutdown=5,
         )
-        announce(args, proc, engine)
+        announce(args, address, proc, engine)
         await uvicorn.Server(config).serve()
     finally:
-        await engine.close()
+        if supervisor_task is not None:
+            supervisor_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor_task
+        await (state.serving.engine if state is not None else engine).close()
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -120,13 +191,19 @@ def load_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def build(args: argparse.Namespace, model_dir: Path, proc: Any, engine: Any, hf_tok: Any) -> Any:
+def build(
+    args: argparse.Namespace, model_dir: Path, address: Any, proc: Any, engine: Any, hf_tok: Any
+) -> Any:
+    """The server's state: serving context (with the admission bound), engine info."""
+    from frontend.admission import AdmissionGate
     from frontend.metrics import Metrics
-    from frontend.server import ServerState, build_app
+    from frontend.server import ServerState
     from frontend.serving import ServingContext, Tokenizer
 
     ready = engine.ready
     name = args.served_model_name or args.model
+    waiting = args.max_waiting_requests
+    waiting = 3 * ready.max_num_seqs if waiting is None else max(waiting, 0)
     serving = ServingContext(
         engine=engine,
         tokenizer=Tokenizer(hf_tok),
@@ -134,19 +211,23 @@ def build(args: argparse.Namespace, model_dir: Path, proc: Any, engine: Any, hf_
         max_model_len=ready.max_model_len,
         vocab_size=ready.vocab_size,
         metrics=Metrics(name),
+        admission=AdmissionGate(ready.max_num_seqs + waiting),
     )
-    info = {"address": str(proc.address), "pid": proc.pid, "model": name}
-    return build_app(ServerState(serving, str(model_dir), args.api_key, info))
+    info = {"address": str(address), "pid": proc.pid if proc else None, "model": name}
+    return ServerState(
+        serving, str(model_dir), args.api_key, info, max_body_bytes=args.max_body_bytes
+    )
 
 
-def announce(args: argparse.Namespace, proc: Any, engine: Any) -> None:
+def announce(args: argparse.Namespace, address: Any, proc: Any, engine: Any) -> None:
     ready = engine.ready
     host = f"[{args.host}]" if ":" in args.host else args.host
+    where = f"pid {proc.pid}" if proc is not None else "remote"
     print(
         f"tandem serve: model {args.served_model_name or args.model} "
         f"(max_model_len {ready.max_model_len}, {ready.num_kv_blocks} KV blocks)\n"
         f"  OpenAI API:  http://{host}:{args.port}/v1\n"
-        f"  engine core: {proc.address} (pid {proc.pid}); "
-        f"raw client: tandem client --address {proc.address}",
+        f"  engine core: {address} ({where}); "
+        f"raw client: tandem client --address {address}",
         flush=True,
     )

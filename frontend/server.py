@@ -4,7 +4,10 @@
 validation errors (422 in FastAPI, 400 here) and unknown routes, answers
 ``{"error": {"message", "type", "param", "code"}}``; an unexpected exception is logged here and
 answered 500 without a traceback. With an API key set, every route but /health and /metrics needs
-``Authorization: Bearer KEY``.
+``Authorization: Bearer KEY``. Bodies over ``max_body_bytes`` are refused with 413 before they are
+parsed. Completions and chat take a lease from the admission gate (frontend/admission.py) before
+any work and return it when the response ends, however it ends; when the gate is full they answer
+503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +41,7 @@ from frontend.serving import (
     as_openai_error,
     chat,
     complete,
+    num_sequences,
     prepare_chat,
     prepare_completion,
     stream_chat,
@@ -48,6 +53,7 @@ logger = logging.getLogger("tandem.frontend")
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STATS_TIMEOUT_S = 10.0  # the engine answers between steps, and a CPU prefill step can be slow
+MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt as JSON token ids is about 1 MiB
 
 
 @dataclass
@@ -57,6 +63,7 @@ class ServerState:
     api_key: str | None = None
     engine_info: dict[str, Any] = field(default_factory=dict)  # address, pid: for raw clients
     stats_interval_s: float = 1.0
+    max_body_bytes: int = MAX_BODY_BYTES
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -77,33 +84,48 @@ def build_app(state: ServerState) -> FastAPI:
     add_error_handlers(app)
     if state.api_key:
         add_api_key_check(app, state.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)  # outermost
     add_routes(app, state)
+    watch_frontend_state(state.serving)
     return app
+
+
+def watch_frontend_state(ctx: ServingContext) -> None:
+    gate = ctx.admission
+    ctx.metrics.watch_frontend(
+        admitted=lambda: gate.in_use,
+        peak=lambda: gate.peak,
+        limit=lambda: gate.limit,
+        in_flight=lambda: ctx.engine.num_requests,
+    )
 
 
 # ---- errors -----------------------------------------------------------------------------------
 
 
-def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse({"error": err.info.model_dump()}, status_code=err.status)
+def error_response(err: OpenAIError) -> Response:
+    # ensure_ascii: a message that quotes client input can never fail to encode.
+    body = json.dumps({"error": err.info.model_dump()}, ensure_ascii=True).encode()
+    return Response(body, err.status, err.headers, media_type="application/json")
 
 
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def on_openai_error(_req: Request, exc: OpenAIError) -> JSONResponse:
+    async def on_openai_error(_req: Request, exc: OpenAIError) -> Response:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(_req: Request, exc: RequestValidationError) -> Response:
         return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(_req: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind))
+        code = "request_too_large" if exc.status_code == 413 else None  # BodyLimitMiddleware
+        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind, code=code))
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_req: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(_req: Request, exc: Exception) -> Response:
         logger.exception("unexpected error while serving a request")
         return error_response(as_openai_error(exc))
 
@@ -138,6 +160,59 @@ class ApiKeyMiddleware:
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over ``max_bytes``: at once when Content-Length says so, else as soon as
+    the bytes read pass the limit (chunked bodies), before anything parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await error_response(self.too_large())(scope, receive, send)
+            return
+        await self.app(scope, self.limited(receive), send)
+
+    def limited(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def receive_within_limit() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # FastAPI re-raises HTTPExceptions from body reading; the handler answers.
+                    raise StarletteHTTPException(413, self.too_large().info.message)
+            return message
+
+        return receive_within_limit
+
+    def too_large(self) -> OpenAIError:
+        message = f"the request body is larger than {self.max_bytes} bytes"
+        return OpenAIError(413, message, code="request_too_large")
+
+
+class AdmittedStreamingResponse(StreamingResponse):
+    """An SSE response that returns its admission lease when it ends, however it ends: streamed
+    to the end, cancelled by a disconnect, or never started because the client had gone."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
 
 
 # ---- routes -----------------------------------------------------------------------------------
@@ -175,23 +250,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gen = await prepare_completion(ctx, body)
-        if body.stream:
-            return StreamingResponse(
-                stream_completion(ctx, body, gen),
-                media_type="text/event-stream",
-                headers=_SSE_HEADERS,
-            )
-        return JSONResponse(await until_disconnect(request, complete(ctx, body, gen)))
+        return await generate(ctx, body, request, prepare_completion, stream_completion, complete)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        gen = await prepare_chat(ctx, body)
-        if body.stream:
-            return StreamingResponse(
-                stream_chat(ctx, body, gen), media_type="text/event-stream", headers=_SSE_HEADERS
-            )
-        return JSONResponse(await until_disconnect(request, chat(ctx, body, gen)))
+        return await generate(ctx, body, request, prepare_chat, stream_chat, chat)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -211,6 +274,29 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return {"prompt": await ctx.tokenizer.run(ctx.tokenizer.decode, body.tokens)}
 
 
+async def generate(
+    ctx: ServingContext,
+    body: Any,
+    request: Request,
+    prepare: Callable[..., Awaitable[Any]],
+    stream: Callable[..., AsyncIterator[str]],
+    whole: Callable[..., Awaitable[dict]],
+) -> Response:
+    """Admit, prepare (tokenize, check), then stream or answer once; the lease goes back when
+    the response is over (the streaming response returns it itself)."""
+    admission = ctx.admit(num_sequences(body))
+    streaming = False
+    try:
+        gen = await prepare(ctx, body)
+        if body.stream:
+            streaming = True
+            return AdmittedStreamingResponse(stream(ctx, body, gen), admission.release)
+        return JSONResponse(await until_disconnect(request, whole(ctx, body, gen)))
+    finally:
+        if not streaming:
+            admission.release()
+
+
 class ClientDisconnected(Exception):
     pass
 
@@ -223,12 +309,12 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
         watcher.cancel()
+        if not task.done():
+            task.cancel()  # only a request: wait until the work has really stopped
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if task.cancelled():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         raise OpenAIError(499, "client disconnected", code="client_disconnected")
     return task.result()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from frontend.admission import Admission, AdmissionGate, OverloadedError, TooManySequencesError
 from frontend.detokenizer import TextStream
 from frontend.engine_client import (
     AsyncEngine,
@@ -50,9 +51,11 @@ from protocol.messages import FinishReason, RequestOutput, SamplingParams, Token
 
 logger = logging.getLogger("tandem.frontend")
 
+ENGINE_DOWN_RETRY_AFTER_S = 5  # about what an engine restart takes on a small model
+
 
 class OpenAIError(Exception):
-    """An error answered in the OpenAI shape with an HTTP status."""
+    """An error answered in the OpenAI shape with an HTTP status (and headers, if any)."""
 
     def __init__(
         self,
@@ -61,10 +64,12 @@ class OpenAIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type_, param=param, code=code)
+        self.headers = headers
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -73,7 +78,23 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def engine_unavailable(reason: str) -> OpenAIError:
     return OpenAIError(
-        503, f"the engine core is unavailable: {reason}", "service_unavailable", None, "engine_down"
+        503,
+        f"the engine core is unavailable: {reason}",
+        "service_unavailable",
+        None,
+        "engine_down",
+        {"Retry-After": str(ENGINE_DOWN_RETRY_AFTER_S)},
+    )
+
+
+def overloaded(exc: OverloadedError) -> OpenAIError:
+    return OpenAIError(
+        503,
+        str(exc),
+        "service_unavailable",
+        None,
+        "overloaded",
+        {"Retry-After": str(exc.retry_after_s)},
     )
 
 
@@ -82,6 +103,10 @@ def as_openai_error(exc: Exception) -> OpenAIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(str(exc))
+    if isinstance(exc, OverloadedError):
+        return overloaded(exc)
+    if isinstance(exc, TooManySequencesError):
+        return bad_request(str(exc), "n", "too_many_sequences")
     if isinstance(exc, EngineRequestError):
         kind = "invalid_request_error" if exc.code < 500 else "internal_error"
         return OpenAIError(exc.code, exc.message, kind)
@@ -130,12 +155,23 @@ class Tokenizer:
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: AsyncEngine  # replaced by a new connection when the engine core is restarted
     tokenizer: Tokenizer
     served_model: str
     max_model_len: int
     vocab_size: int
     metrics: Metrics
+    admission: AdmissionGate = field(default_factory=AdmissionGate.unbounded)
+
+    def admit(self, num_sequences: int) -> Admission:
+        """Hold room for a request's sequences, or raise the 503 (or 400) that says why not."""
+        try:
+            return self.admission.admit(num_sequences)
+        except OverloadedError as exc:
+            self.metrics.record_rejected("overloaded")
+            raise overloaded(exc) from None
+        except TooManySequencesError as exc:
+            raise as_openai_error(exc) from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:
@@ -362,6 +398,15 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     for p in prompts:
         ctx.check_token_ids(p, "prompt")
     return prompts
+
+
+def num_sequences(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Engine requests behind one HTTP request: one per prompt per choice."""
+    if isinstance(req, ChatCompletionRequest) or isinstance(req.prompt, str):
+        return req.n
+    if req.prompt and not all(isinstance(t, int) for t in req.prompt):
+        return len(req.prompt) * req.n  # a batch of prompts
+    return req.n  # one prompt given as token ids
 
 
 def stop_token_check(ctx: ServingContext, req: SamplingFields) -> None:

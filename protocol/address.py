@@ -9,8 +9,9 @@ One engine address names two endpoints, input (requests in) and output (step out
     IN,OUT                   any other pair, spelled out
 
 The default is ipc inside a fresh private directory (mode 0700, see ``private_ipc_address``), so
-only the user who started the engine can reach it. tcp on a non-loopback host must not be bound
-without CURVE authentication (not implemented yet), so ``bind_engine_sockets`` refuses it.
+only the user who started the engine can reach it. tcp on a non-loopback host is bound only with
+CURVE keys (``protocol/curve.py``): ``bind_engine_sockets`` refuses it otherwise. Loopback tcp
+without keys is allowed (any local user can reach it) and logged as such.
 
 Socket pattern
 --------------
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -44,6 +46,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import zmq
+
+    from protocol.curve import CurveClientKeys, CurveServerKeys
+
+logger = logging.getLogger(__name__)
 
 IDENTITY_BYTES = 16
 _IPC = "ipc://"
@@ -158,23 +164,34 @@ def check_identity(identity: bytes) -> bytes:
 
 
 def bind_engine_sockets(
-    ctx: zmq.Context, address: EngineAddress | str, *, allow_remote: bool = False
+    ctx: zmq.Context, address: EngineAddress | str, *, curve: CurveServerKeys | None = None
 ) -> tuple[zmq.Socket, zmq.Socket]:
     """Bind the engine's (input ROUTER, output ROUTER); see the module docstring.
 
-    A tcp address on a non-loopback host is refused unless ``allow_remote`` is set: it would be
-    an unauthenticated socket on the network, and CURVE is not implemented yet.
+    With ``curve`` both sockets are CURVE servers; the caller must have started the ZAP handler
+    on ``ctx`` (``protocol.curve.start_authenticator``), which is what checks client keys. A tcp
+    address on a non-loopback host without ``curve`` is refused with ValueError: it would be an
+    unauthenticated, unencrypted socket on the network.
     """
     import zmq
 
     from protocol.codec import MAX_FRAME_BYTES
+    from protocol.curve import make_server
 
     address = as_address(address)
-    if not allow_remote and not is_loopback(address):
-        raise ValueError(f"refusing to bind {address} without authentication: not loopback")
+    if curve is None and not is_loopback(address):
+        raise ValueError(
+            f"refusing to bind {address} without authentication: not loopback "
+            "(give CURVE keys: --curve-secret-key and --curve-authorized-keys)"
+        )
+    if curve is None and address.input.startswith(_TCP):
+        logger.warning("%s has no CURVE keys: every local user can reach this engine", address)
     inp = _socket(ctx, zmq.ROUTER)
     out = _socket(ctx, zmq.ROUTER)
     try:
+        if curve is not None:
+            make_server(inp, curve)
+            make_server(out, curve)
         inp.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer sending more is disconnected
         # A client that reconnects with the same id (engine restart, network blip) takes over.
         inp.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -218,13 +235,19 @@ def send_to_client(sock: zmq.Socket, identity: bytes, frame: bytes) -> bool:
 
 
 def connect_client_sockets(
-    ctx: zmq.Context, address: EngineAddress | str, identity: bytes
+    ctx: zmq.Context,
+    address: EngineAddress | str,
+    identity: bytes,
+    curve: CurveClientKeys | None = None,
 ) -> tuple[zmq.Socket, zmq.Socket]:
-    """A client's (input DEALER, output DEALER), both carrying ``identity`` as routing id.
+    """A client's (input DEALER, output DEALER), both carrying ``identity`` as routing id, and
+    both CURVE clients when ``curve`` is given (an engine with keys accepts nothing else).
 
     Works with a ``zmq.asyncio.Context`` too, returning asyncio sockets.
     """
     import zmq
+
+    from protocol.curve import make_client
 
     address = as_address(address)
     check_identity(identity)
@@ -233,6 +256,8 @@ def connect_client_sockets(
     try:
         for sock, endpoint in ((inp, address.input), (out, address.output)):
             sock.setsockopt(zmq.ROUTING_ID, identity)
+            if curve is not None:
+                make_client(sock, curve)
             sock.connect(endpoint)
     except BaseException:
         inp.close(linger=0)

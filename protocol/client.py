@@ -11,6 +11,9 @@ are described in ``protocol/address.py``. Typical use::
 For many requests at once, call ``add_request`` for each and read ``recv()`` in one loop (in the
 asyncio client: one reader task), routing ``StepOutputs`` by request id.
 
+HELLOs are sent without blocking: a DEALER whose connection was refused (a CURVE key the engine
+does not accept) has no pipe to queue into, and a blocking send would hang instead of timing out.
+
 Frames from the engine that fail to decode are logged and skipped. READY messages after the
 handshake (answers to surplus HELLOs) refresh ``ready`` and are not returned; control replies
 are consumed by ``control()`` and never returned by ``recv()``.
@@ -25,6 +28,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -54,6 +58,9 @@ from protocol.messages import (
     StepOutputs,
 )
 
+if TYPE_CHECKING:
+    from protocol.curve import CurveClientKeys
+
 logger = logging.getLogger(__name__)
 
 HELLO_INTERVAL_S = 0.1
@@ -76,6 +83,7 @@ class _ClientBase:
         identity: bytes | None,
         name: str,
         new_context: Callable[[], zmq.Context],
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.address = as_address(address)
         self.identity = check_identity(identity) if identity is not None else new_identity()
@@ -84,7 +92,7 @@ class _ClientBase:
         self._ctx = new_context()
         try:
             self._input, self._output = connect_client_sockets(
-                self._ctx, self.address, self.identity
+                self._ctx, self.address, self.identity, curve
             )
         except BaseException:
             self._ctx.term()
@@ -140,12 +148,21 @@ class _ClientBase:
 
 
 class EngineClient(_ClientBase):
-    """Synchronous client. Not thread-safe: use it from one thread."""
+    """Synchronous client. Not thread-safe: use it from one thread.
+
+    ``curve``: this client's CURVE keys, for an engine on tcp:// that requires them
+    (``protocol.curve.load_client_keys``); with wrong keys ``connect()`` times out.
+    """
 
     def __init__(
-        self, address: EngineAddress | str, *, identity: bytes | None = None, name: str = ""
+        self,
+        address: EngineAddress | str,
+        *,
+        identity: bytes | None = None,
+        name: str = "",
+        curve: CurveClientKeys | None = None,
     ) -> None:
-        super().__init__(address, identity, name, zmq.Context)
+        super().__init__(address, identity, name, zmq.Context, curve)
 
     def __enter__(self) -> EngineClient:
         return self
@@ -158,7 +175,7 @@ class EngineClient(_ClientBase):
         deadline = time.monotonic() + timeout
         hello = self._hello()
         while True:
-            self._input.send(hello)
+            _send_nowait(self._input, hello)
             retry_at = min(time.monotonic() + HELLO_INTERVAL_S, deadline)
             while (msg := self._read(_remaining(retry_at))) is not None:
                 if isinstance(msg, Ready):
@@ -263,9 +280,14 @@ class AsyncEngineClient(_ClientBase):
     """
 
     def __init__(
-        self, address: EngineAddress | str, *, identity: bytes | None = None, name: str = ""
+        self,
+        address: EngineAddress | str,
+        *,
+        identity: bytes | None = None,
+        name: str = "",
+        curve: CurveClientKeys | None = None,
     ) -> None:
-        super().__init__(address, identity, name, zmq.asyncio.Context)
+        super().__init__(address, identity, name, zmq.asyncio.Context, curve)
         self._lock = asyncio.Lock()
         self._waiters: dict[int, asyncio.Future[ControlReply]] = {}
 
@@ -286,7 +308,7 @@ class AsyncEngineClient(_ClientBase):
         deadline = time.monotonic() + timeout
         hello = self._hello()
         while True:
-            await self._input.send(hello)
+            _send_nowait(self._input, hello)
             retry_at = min(time.monotonic() + HELLO_INTERVAL_S, deadline)
             async with self._lock:
                 while (msg := await self._read(_remaining(retry_at))) is not None:
@@ -297,6 +319,11 @@ class AsyncEngineClient(_ClientBase):
                         self._buffer.append(msg)
             if time.monotonic() >= deadline:
                 raise self._timeout_error(timeout)
+
+    async def hello(self) -> None:
+        """Send one HELLO without waiting: an engine that restarted (and so forgot this client)
+        answers READY and heart-beats it again; ``recv()`` absorbs the READY."""
+        _send_nowait(self._input, self._hello())
 
     async def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -457,6 +484,20 @@ def _drop_acquire(lock: asyncio.Lock, acquire: asyncio.Future[bool]) -> None:
         acquire.cancel()  # asyncio.Lock hands the lock on if the grant raced the cancel
     elif not acquire.cancelled() and acquire.exception() is None:
         lock.release()
+
+
+def _send_nowait(sock: zmq.Socket, frame: bytes) -> bool:
+    """Send unless the socket would block (no connected pipe); False when it would have.
+
+    An asyncio socket is sent on through a plain shadow of it, which fails at once instead of
+    returning a future that waits (the caller is on the socket's event-loop thread)."""
+    if isinstance(sock, zmq.asyncio.Socket):
+        sock = zmq.Socket.shadow(sock.underlying)
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 def _remaining(deadline: float | None) -> float | None:

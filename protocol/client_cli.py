@@ -2,6 +2,8 @@
 
     tandem client --address ipc:///run/user/1000/tandem-x/engine --prompt "Hi" --chat
     tandem client --address tcp://127.0.0.1:5555 --token-ids 1,2,3 --max-tokens 8
+    tandem client --address tcp://gpu-host:5555 --curve-secret-key keys/me.key_secret \
+        --curve-server-key keys/engine.key --token-ids 1,2,3
 
 With --prompt the text is tokenized here (the model's tokenizer, from --model or the engine's
 READY) and the output detokenized as it streams; with --token-ids ids go in and come out as they
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    from protocol.curve import add_client_args
+
     parser.add_argument("--address", required=True, help="engine address: ipc://PATH or tcp://H:P")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text, tokenized here")
@@ -43,6 +47,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs", type=int, default=None, help="also the top N (0..20)")
     parser.add_argument("--request-id", default=None, help="default: a random one")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for READY")
+    add_client_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,12 +55,18 @@ def run(args: argparse.Namespace) -> int:
 
     from protocol.client import EngineClient, EngineRequestError
     from protocol.codec import ProtocolError
+    from protocol.curve import client_keys_from_args
 
     if args.chat and args.prompt is None:
         print("tandem client: --chat needs --prompt", file=sys.stderr)
         return 2
+    try:
+        curve = client_keys_from_args(args)
+    except ValueError as exc:
+        print(f"tandem client: {exc}", file=sys.stderr)
+        return 2
     request_id = args.request_id or f"cli-{uuid.uuid4().hex}"
-    with EngineClient(args.address, name="tandem-client") as client:
+    with EngineClient(args.address, name="tandem-client", curve=curve) as client:
         try:
             ready = client.connect(timeout=args.timeout)
         except TimeoutError as exc:

@@ -3,7 +3,11 @@
 ``server`` (session scope) is ONE server on the default model, shared by every module that
 imports it; pytest registers an imported fixture once per module, so the instance is cached here
 and stopped once at the end of the session. ``keyed_server`` (module scope) is a second one with
---api-key, for the 401 tests and for tests that take its engine down.
+--api-key and --no-restart-engine, for the 401 tests and for tests that take its engine down.
+``tiny_server`` (session scope, cached like ``server``) serves the tiny random model with small
+limits (TINY_ARGS: 4 running sequences + 8 waiting, a 16-block KV pool, 64 KiB bodies), for the
+overload, KV-exhaustion, disconnect-storm and bad-input tests, which exercise the serving
+machinery rather than the model.
 
 Import both names into a test module: ``from tests.server_fixture import server  # noqa: F401``.
 """
@@ -36,6 +40,17 @@ SERVE_ARGS = [
     "--max-num-seqs",
     "16",
 ]
+# The tiny model's server: small limits that the overload and storm tests push against.
+TINY_MAX_NUM_SEQS = 4
+TINY_MAX_WAITING = 8
+TINY_KV_BLOCKS = 16  # x 16 tokens: 256 tokens in all, so a few long requests must preempt
+TINY_MAX_BODY_BYTES = 64 << 10
+TINY_ARGS = [
+    "--max-num-seqs", str(TINY_MAX_NUM_SEQS),
+    "--max-waiting-requests", str(TINY_MAX_WAITING),
+    "--num-kv-blocks", str(TINY_KV_BLOCKS),
+    "--max-body-bytes", str(TINY_MAX_BODY_BYTES),
+]  # fmt: skip
 START_TIMEOUT_S = 300.0
 API_KEY = "test-key-123"
 KEYED_ENGINE_TIMEOUT_S = 3.0
@@ -57,6 +72,10 @@ class Server:
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def engine_info(self) -> dict:
+        """GET /v1/engine: the engine's address and pid (a new pid after a restart)."""
+        return httpx.get(f"{self.base_url}/v1/engine", headers=self.headers, timeout=10).json()
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -64,11 +83,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_dir: Path, api_key: str | None = None, extra: Sequence[str] = ()) -> Server:
-    """Start `tandem serve` on the default model and wait until /health answers 200."""
+def start_server(
+    log_dir: Path,
+    api_key: str | None = None,
+    extra: Sequence[str] = (),
+    model: str = "default",
+    args: Sequence[str] = tuple(SERVE_ARGS),
+) -> Server:
+    """Start `tandem serve` on ``model`` and wait until /health answers 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", "default", "--host",
-           "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *SERVE_ARGS]  # fmt: skip
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--host",
+           "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *args]  # fmt: skip
     if api_key:
         cmd += ["--api-key", api_key]
     cmd += extra
@@ -114,9 +139,13 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
 
 def stop_server(srv: Server) -> None:
     """SIGTERM, as a user would; the server must exit cleanly and take its engine with it."""
+    engine_pid = srv.engine_pid
+    if srv.process.poll() is None:
+        with contextlib.suppress(httpx.HTTPError):
+            engine_pid = srv.engine_info()["pid"] or engine_pid  # restarted: a new pid
     stop_process(srv.process)
     assert srv.process.returncode == 0, srv.log_tail()
-    assert not pid_alive(srv.engine_pid), "the engine core outlived tandem serve"
+    assert not pid_alive(engine_pid), "the engine core outlived tandem serve"
 
 
 def pid_alive(pid: int) -> bool:
@@ -132,7 +161,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def wait_engine_idle(server: Server, timeout: float = 20.0) -> None:
-    """Poll the engine over raw ZMQ until no request is left and every KV block is free."""
+    """Poll the engine over raw ZMQ until no request is left and every KV block is free, then
+    check the block manager's integrity."""
     from protocol.client import EngineClient
     from protocol.messages import ControlKind
 
@@ -162,11 +192,49 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return _SHARED["default"]
 
 
+@pytest.fixture(scope="session")
+def tiny_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Server:
+    """One `tandem serve` on the tiny random model with TINY_ARGS, for the whole session."""
+    if "tiny" not in _SHARED:
+        log_dir = tmp_path_factory.mktemp("serve-tiny")
+        _SHARED["tiny"] = start_server(log_dir, model=str(tiny_model_dir), args=TINY_ARGS)
+        request.addfinalizer(lambda: stop_server(_SHARED.pop("tiny")))
+    return _SHARED["tiny"]
+
+
+def frontend_gauges(server: Server) -> dict[str, float]:
+    """The frontend's own state from /metrics: sequences admitted (and the peak and limit) and
+    engine requests it routes outputs for."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return {
+        family.name: family.samples[0].value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("tandem_frontend_") and family.samples
+    }
+
+
+def wait_frontend_idle(server: Server, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until the frontend holds no admitted sequence and routes no request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = frontend_gauges(server)
+        if gauges["tandem_frontend_sequences_admitted"] == 0 and (
+            gauges["tandem_frontend_engine_requests"] == 0
+        ):
+            return gauges
+        assert time.monotonic() < deadline, f"frontend state left after {timeout} s: {gauges}"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A second server that requires API_KEY; tests may stall or kill its engine, which it
-    gives up on after KEYED_ENGINE_TIMEOUT_S of silence."""
-    extra = ["--engine-timeout", str(KEYED_ENGINE_TIMEOUT_S)]
+    gives up on after KEYED_ENGINE_TIMEOUT_S of silence and, a killed one, does not restart."""
+    extra = ["--engine-timeout", str(KEYED_ENGINE_TIMEOUT_S), "--no-restart-engine"]
     srv = start_server(tmp_path_factory.mktemp("serve-keyed"), api_key=API_KEY, extra=extra)
     try:
         yield srv

@@ -30,6 +30,7 @@ from protocol.address import (
 )
 from protocol.client import AsyncEngineClient, EngineClient, EngineRequestError
 from protocol.codec import ProtocolError, decode_client_message, encode
+from protocol.curve import CurveServerKeys, start_authenticator
 from protocol.messages import (
     Abort,
     AddRequest,
@@ -56,13 +57,16 @@ PARAMS = SamplingParams(max_tokens=8)
 
 class EchoEngine:
     """Transport double. For every Control it first sends a stale reply and a garbage frame,
-    which a client must skip, then the real reply."""
+    which a client must skip, then the real reply. With ``curve`` it is a CURVE server that
+    lets in only the client keys in ``curve.authorized_dir`` (as the real engine does)."""
 
-    def __init__(self, address: EngineAddress) -> None:
+    def __init__(self, address: EngineAddress, curve: CurveServerKeys | None = None) -> None:
         self.ctx = zmq.Context()
+        self.auth = start_authenticator(self.ctx, curve) if curve is not None else None
         try:
-            self.inp, self.out = bind_engine_sockets(self.ctx, address)
-        except zmq.ZMQError:
+            self.inp, self.out = bind_engine_sockets(self.ctx, address, curve=curve)
+        except (zmq.ZMQError, ValueError):
+            self._stop_auth()
             self.ctx.term()
             raise
         self.stopping = threading.Event()
@@ -72,7 +76,12 @@ class EchoEngine:
     def stop(self) -> None:
         self.stopping.set()
         self.thread.join(timeout=10)
+        self._stop_auth()
         self.ctx.term()
+
+    def _stop_auth(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
 
     def _loop(self) -> None:
         while not self.stopping.is_set():

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import pytest
@@ -218,3 +219,89 @@ def test_malformed_frames_are_rejected_and_engine_keeps_serving(
             msg = client.recv(timeout=30)
         assert msg.request_id == "bad-token"
         assert_all_blocks_free(client)
+
+
+def wait_idle(client: EngineClient, timeout: float = 60.0) -> Any:
+    """Poll STATS until nothing runs or waits and every block is free; the last Stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.control(ControlKind.STATS).stats
+        free = stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
+        if stats.num_running == 0 and stats.num_waiting == 0 and free:
+            return stats
+        assert time.monotonic() < deadline, f"engine not idle after {timeout:.0f} s: {stats}"
+        time.sleep(0.05)
+
+
+def test_fuzzed_frames_leave_the_engine_serving(
+    engine: Engine, chat_prompts: list[list[int]]
+) -> None:
+    """Hundreds of random and mutated frames on the input socket. Those that happen to decode
+    to a valid AddRequest run until their first output finds no one to receive it, and are then
+    aborted; a decoded SHUTDOWN is skipped (it is a legitimate command, not garbage)."""
+    from protocol.codec import ProtocolError, decode_client_message, encode
+    from protocol.messages import Abort, AddRequest, Control, Hello
+    from tests.test_protocol import mutate_bytes
+
+    rng = random.Random(5)
+    seeds = [
+        encode(Hello("fuzz")),
+        encode(AddRequest("f", chat_prompts[0][:8], SamplingParams(max_tokens=4))),
+        encode(Abort(["f", "g"])),
+        encode(Control(ControlKind.STATS, 9)),
+    ]
+    frames = [rng.randbytes(rng.randrange(0, 80)) for _ in range(300)]
+    for _ in range(500):
+        frame = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 4)):
+            mutate_bytes(rng, frame)
+        frames.append(bytes(frame))
+
+    def is_shutdown(frame: bytes) -> bool:
+        try:
+            msg = decode_client_message(frame)
+        except ProtocolError:
+            return False
+        return isinstance(msg, Control) and msg.kind == ControlKind.SHUTDOWN
+
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(engine.address.input)
+    try:
+        for frame in frames:
+            if not is_shutdown(frame):
+                raw.send(frame)
+        for _ in range(20):
+            raw.send_multipart([rng.randbytes(8) for _ in range(rng.randrange(2, 5))])
+    finally:
+        time.sleep(0.2)
+        raw.close()
+    assert engine.process.poll() is None, "the engine died of garbage"
+    with EngineClient(engine.address) as client:
+        client.connect(timeout=30)
+        client.add_request("after-fuzz", chat_prompts[1], SamplingParams(max_tokens=4))
+        tokens, reason = collect(client, {"after-fuzz"})["after-fuzz"]
+        assert len(tokens) == 4 and reason == FinishReason.LENGTH
+        wait_idle(client)
+        assert client.control(ControlKind.CHECK_INTEGRITY).ok
+
+
+def test_a_vanished_client_has_its_requests_aborted(
+    engine: Engine, chat_prompts: list[list[int]]
+) -> None:
+    """A raw client that disconnects without an Abort (killed, say): the engine's next output
+    for it finds no one, and the engine aborts its requests instead of running them out."""
+    max_tokens = 900
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with EngineClient(engine.address) as watcher:
+        watcher.connect(timeout=30)
+        steps_before = watcher.control(ControlKind.STATS).stats.num_steps
+        gone = EngineClient(engine.address)
+        gone.connect(timeout=30)
+        gone.add_request("orphan", chat_prompts[3], params)
+        while not isinstance(gone.recv(timeout=30), StepOutputs):
+            pass  # it is generating
+        gone.close()  # no Abort: the connection just goes away
+        stats = wait_idle(watcher)
+        assert stats.num_steps - steps_before < max_tokens  # cut short, not run to the end
+        assert watcher.control(ControlKind.CHECK_INTEGRITY).ok

@@ -274,7 +274,11 @@ def test_engine_death_fails_requests_in_flight_and_new_ones_with_503(keyed_serve
 
 def test_sigterm_stops_the_server_and_cleans_up(keyed_server: Server) -> None:
     """Even after its engine crashed, the server exits 0 and removes its private ipc dir. (With
-    a live engine, stop_server checks at teardown that SIGTERM takes the engine down too.)"""
+    a live engine, stop_server checks at teardown that SIGTERM takes the engine down too.)
+    With --no-restart-engine the crashed engine stayed down: /health 503, the same dead pid."""
+    info = keyed_server.engine_info()
+    assert info["pid"] == keyed_server.engine_pid and not info["healthy"]
+    assert httpx.get(f"{keyed_server.base_url}/health", timeout=10).status_code == 503
     address = EngineAddress.parse(keyed_server.engine_address)
     keyed_server.process.send_signal(signal.SIGTERM)
     assert keyed_server.process.wait(timeout=30) == 0

@@ -1,0 +1,423 @@
+"""Soak test: mixed load against `tandem serve` for a set time, with faults injected.
+
+    python scripts/soak.py --duration 600                      # starts its own server
+    python scripts/soak.py --duration 600 --url http://127.0.0.1:8000 --no-kill
+
+Workers send completions and chat, streamed and not, with small max_tokens. Mixed in: clients
+that disconnect at a random point (mid-stream, or while waiting for a whole answer), malformed
+requests (bad JSON, wrong types, token ids outside the vocabulary, lone surrogates, huge n), and,
+every --kill-every seconds, a SIGKILL of the engine core (its pid from GET /v1/engine; the server
+is expected to restart it). At the end it waits for the server to be healthy and idle and
+prints the counts:
+
+    sent          requests started
+    completed     answered in full (200 with a finish reason; a stream ending in [DONE])
+    errors        answered with an error: a 4xx/5xx in the OpenAI shape, or a final SSE error
+                  event (expected for malformed requests and while the engine is down)
+    disconnected  abandoned by the client on purpose (part of the fault mix)
+    lost          none of the above within --deadline: no answer, a dropped connection, or an
+                  answer that is neither a result nor an error; must be 0
+
+and checks that nothing was left behind: the frontend admits and routes nothing, the engine
+has nothing running or waiting, every KV block is free and the integrity check passes. Exit
+status 0 only if lost == 0 and those checks pass. --json writes the counts to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+MALFORMED: list[tuple[str, bytes]] = [
+    ("invalid-json", b'{"prompt": "hi", "max_tokens": '),
+    ("not-utf8", b'{"prompt": "\xff\xfe", "max_tokens": 4}'),
+    ("lone-surrogate", b'{"prompt": "\\udc80", "max_tokens": 4}'),
+    ("wrong-type", b'{"prompt": "hi", "max_tokens": "many"}'),
+    ("out-of-vocab", b'{"prompt": [[99999999]], "max_tokens": 4}'),
+    ("huge-n", b'{"prompt": "hi", "n": 1000000, "max_tokens": 4}'),
+    ("huge-max-tokens", b'{"prompt": "hi", "max_tokens": 1000000000000}'),
+    ("nan", b'{"prompt": "hi", "temperature": NaN}'),
+    ("empty-prompt", b'{"prompt": "", "max_tokens": 4}'),
+    ("deep-nesting", b"[" * 5000),
+]
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    completed: int = 0
+    errors: int = 0
+    disconnected: int = 0
+    lost: int = 0
+    engine_kills: int = 0
+    error_kinds: Counter[str] = field(default_factory=Counter)
+    lost_kinds: Counter[str] = field(default_factory=Counter)
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] += 1
+
+    def lose(self, kind: str) -> None:
+        self.lost += 1
+        self.lost_kinds[kind] += 1
+
+
+# ---- one request --------------------------------------------------------------------------------
+
+
+def normal_body(rng: random.Random, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"max_tokens": rng.randint(1, max_tokens), "stream": rng.random() < 0.5}
+    body["temperature"] = rng.choice([0.0, 0.7, 1.0])
+    if rng.random() < 0.5:
+        return "/v1/chat/completions", body | {
+            "messages": [{"role": "user", "content": f"Tell me a fact about {rng.randrange(999)}."}]
+        }
+    return "/v1/completions", body | {"prompt": f"Item {rng.randrange(10**6)}: the"}
+
+
+def error_kind(status: int, payload: Any) -> str | None:
+    """'STATUS:code' for an answer in the OpenAI error shape, else None."""
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return f"{status}:{payload['error'].get('code') or payload['error'].get('type')}"
+    return None
+
+
+def retry_after(r: httpx.Response) -> float:
+    """Seconds a well-behaved client waits before its next request after this answer."""
+    try:
+        return float(r.headers.get("Retry-After", 0)) if r.status_code == 503 else 0.0
+    except ValueError:
+        return 0.0
+
+
+async def send_whole(client: httpx.AsyncClient, path: str, body: dict, tally: Tally) -> float:
+    r = await client.post(path, json=body)
+    payload = _json(r.content)
+    if r.status_code == 200 and payload and all(c.get("finish_reason") for c in payload["choices"]):
+        tally.completed += 1
+    elif r.status_code >= 400 and (kind := error_kind(r.status_code, payload)):
+        tally.error(kind)
+    else:
+        tally.lose(f"bad-answer-{r.status_code}")
+    return retry_after(r)
+
+
+async def send_stream(
+    client: httpx.AsyncClient, path: str, body: dict, tally: Tally, hang_up_after: int | None
+) -> float:
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            kind = error_kind(r.status_code, _json(await r.aread()))
+            tally.error(kind) if kind else tally.lose(f"bad-status-{r.status_code}")
+            return retry_after(r)
+        events: list[str] = []
+        async for line in r.aiter_lines():
+            if line:
+                events.append(line)
+            if hang_up_after is not None and len(events) > hang_up_after:
+                tally.disconnected += 1
+                return 0.0
+    classify_stream(events, tally)
+    return 0.0
+
+
+def classify_stream(events: list[str], tally: Tally) -> None:
+    if not events or events[-1] != "data: [DONE]":
+        tally.lose("stream-without-done")
+        return
+    chunks = [_json(e[len("data: ") :].encode()) for e in events[:-1]]
+    if chunks and isinstance(chunks[-1], dict) and "error" in chunks[-1]:
+        err = chunks[-1]["error"]
+        tally.error(f"sse:{err.get('code') or err.get('type')}")
+    elif any(ch.get("finish_reason") for c in chunks if c for ch in c.get("choices", [])):
+        tally.completed += 1
+    else:
+        tally.lose("stream-without-finish")
+
+
+async def send_malformed(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> float:
+    name, raw = rng.choice(MALFORMED)
+    r = await client.post(
+        "/v1/completions", content=raw, headers={"Content-Type": "application/json"}
+    )
+    kind = error_kind(r.status_code, _json(r.content))
+    if kind and (400 <= r.status_code < 500 or r.status_code == 503):  # 503: engine restarting
+        tally.error(kind)
+    else:
+        tally.lose(f"malformed-{name}-{r.status_code}")
+    return retry_after(r)
+
+
+async def one_request(
+    client: httpx.AsyncClient, rng: random.Random, args: Any, tally: Tally
+) -> float:
+    """Send one request of the mix and tally how it ended; returns its Retry-After (or 0)."""
+    tally.sent += 1
+    roll = rng.random()
+    try:
+        if roll < args.malformed_rate:
+            return await asyncio.wait_for(send_malformed(client, rng, tally), args.deadline)
+        path, body = normal_body(rng, args.max_tokens)
+        disconnect = roll < args.malformed_rate + args.disconnect_rate
+        if body["stream"]:
+            hang_up = rng.randrange(0, 6) if disconnect else None
+            sent = send_stream(client, path, body, tally, hang_up)
+            return await asyncio.wait_for(sent, args.deadline)
+        if disconnect:  # give up on a whole answer after a random wait (if it is not done)
+            try:
+                return await asyncio.wait_for(
+                    send_whole(client, path, body, tally), rng.uniform(0.05, 1.0)
+                )
+            except TimeoutError:
+                tally.disconnected += 1
+                return 0.0
+        return await asyncio.wait_for(send_whole(client, path, body, tally), args.deadline)
+    except TimeoutError:
+        tally.lose("deadline")
+    except httpx.HTTPError as exc:
+        tally.lose(type(exc).__name__)
+    return 0.0
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+# ---- load and faults ----------------------------------------------------------------------------
+
+
+async def worker(
+    client: httpx.AsyncClient, seed: int, args: Any, stop_at: float, tally: Tally
+) -> None:
+    rng = random.Random(seed)
+    while time.monotonic() < stop_at:
+        pause = await one_request(client, rng, args, tally)
+        if pause:  # 503 with Retry-After: back off as the OpenAI clients do
+            await asyncio.sleep(min(pause, 5.0))
+
+
+async def engine_killer(client: httpx.AsyncClient, args: Any, stop_at: float, tally: Tally) -> None:
+    """SIGKILL the engine core every --kill-every seconds, once the server is healthy again."""
+    while time.monotonic() + args.kill_every < stop_at:
+        await asyncio.sleep(args.kill_every)
+        await wait_healthy_async(client, 300)
+        pid = (await client.get("/v1/engine")).json().get("pid")
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                tally.engine_kills += 1
+                print(
+                    f"[soak] t={time.monotonic() - START:.0f}s killed engine pid {pid}", flush=True
+                )
+
+
+async def wait_healthy_async(client: httpx.AsyncClient, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if (await client.get("/health")).status_code == 200:
+                return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"server not healthy within {timeout:.0f} s")
+
+
+async def run_load(args: Any, base_url: str) -> Tally:
+    tally = Tally()
+    stop_at = time.monotonic() + args.duration
+    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=args.deadline, limits=limits) as client:
+        tasks = [
+            worker(client, args.seed + i, args, stop_at, tally) for i in range(args.concurrency)
+        ]
+        if args.kill_every > 0:
+            tasks.append(engine_killer(client, args, stop_at, tally))
+        tasks.append(report_progress(stop_at, tally))
+        await asyncio.gather(*tasks)
+    return tally
+
+
+async def report_progress(stop_at: float, tally: Tally) -> None:
+    while time.monotonic() < stop_at:
+        await asyncio.sleep(min(60.0, max(stop_at - time.monotonic(), 0.0)))
+        counts = {k: v for k, v in asdict(tally).items() if isinstance(v, int)}
+        print(f"[soak] t={time.monotonic() - START:.0f}s {counts}", flush=True)
+
+
+# ---- the end state ------------------------------------------------------------------------------
+
+
+def check_end_state(base_url: str, timeout: float = 300.0) -> dict[str, Any]:
+    """Healthy, and no state left in the frontend or the engine (when its address is local)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=10).status_code == 200:
+                break
+        if time.monotonic() > deadline:
+            return {"healthy": False}
+        time.sleep(0.5)
+    while True:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        gauges = {
+            f.name: f.samples[0].value
+            for f in text_string_to_metric_families(text)
+            if f.name.startswith("tandem_") and f.samples and f.type == "gauge"
+        }
+        frontend_idle = (
+            gauges.get("tandem_frontend_sequences_admitted", 0) == 0
+            and gauges.get("tandem_frontend_engine_requests", 0) == 0
+        )
+        if frontend_idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    info = httpx.get(f"{base_url}/v1/engine", timeout=10).json()
+    out = {"healthy": True, "frontend_idle": frontend_idle, "engine_restarts": _restarts(text)}
+    out |= engine_state(info["address"], deadline)
+    return out
+
+
+def _restarts(metrics_text: str) -> float:
+    for line in metrics_text.splitlines():
+        if line.startswith("tandem_engine_restarts_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def engine_state(address: str, deadline: float) -> dict[str, Any]:
+    from protocol.client import EngineClient
+    from protocol.messages import ControlKind
+
+    if not address.startswith("ipc://"):
+        return {}
+    with EngineClient(address) as client:
+        client.connect(timeout=60)
+        while True:
+            s = client.control(ControlKind.STATS).stats
+            idle = s.num_running == 0 and s.num_waiting == 0
+            free = s.num_free_blocks + s.num_cached_blocks == s.num_total_blocks
+            if (idle and free) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        integrity = client.control(ControlKind.CHECK_INTEGRITY).ok
+    return {"engine_idle": idle, "kv_all_free": free, "kv_integrity": integrity}
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+
+def start_server(args: Any) -> tuple[subprocess.Popen[bytes], str]:
+    from frontend.launcher import die_with_parent
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", args.model,
+           "--port", str(port), "--log-level", "WARNING", *args.serve_args]  # fmt: skip
+    log = open(args.server_log, "wb")  # noqa: SIM115 - the server writes it for its whole life
+    print(f"[soak] starting: {' '.join(cmd)} (log: {args.server_log})", flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tandem serve exited with {proc.returncode}; see {args.server_log}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        time.sleep(0.5)
+    raise TimeoutError("tandem serve did not become healthy")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    p.add_argument("--url", default=None, help="an already running server (default: start one)")
+    p.add_argument("--model", default="default", help="model of the server started here")
+    p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra `tandem serve` flags (last on the line)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--max-tokens", type=int, default=16, help="largest max_tokens sent")
+    p.add_argument("--kill-every", type=float, default=120.0, help="0: never kill the engine")
+    p.add_argument("--no-kill", dest="kill_every", action="store_const", const=0.0)
+    p.add_argument("--disconnect-rate", type=float, default=0.15)
+    p.add_argument("--malformed-rate", type=float, default=0.10)
+    p.add_argument("--deadline", type=float, default=180.0, help="seconds before 'lost'")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--server-log",
+        default=os.path.join(tempfile.gettempdir(), "tandem-soak-serve.log"),
+        help="where the started server's output goes (default: %(default)s)",
+    )
+    p.add_argument("--json", default=None, help="also write the result here")
+    return p.parse_args(argv)
+
+
+START = time.monotonic()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    proc, base = (None, args.url) if args.url else start_server(args)
+    try:
+        tally = asyncio.run(run_load(args, base))
+        end = check_end_state(base)
+    finally:
+        code = stop_server(proc) if proc is not None else None
+    result = {
+        "started": started,
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "counts": {k: v for k, v in asdict(tally).items() if isinstance(v, int)},
+        "error_kinds": dict(tally.error_kinds.most_common()),
+        "lost_kinds": dict(tally.lost_kinds),
+        "end_state": end,
+        "server_exit_code": code,
+    }
+    print(json.dumps(result, indent=2), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    ok = tally.lost == 0 and all(v for k, v in end.items() if k != "engine_restarts")
+    accounted = tally.completed + tally.errors + tally.disconnected + tally.lost == tally.sent
+    return 0 if ok and accounted and code in (None, 0) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Bad input to the tiny server never gets a 5xx and never hurts it: hand-written cases beyond
+those in test_http_errors.py (invalid UTF-8, lone surrogates, NaN and Infinity, deep nesting,
+wrong types, huge numbers, empty and over-long prompts, token ids outside the vocabulary, body
+and stop-string limits, unknown fields), then schemathesis fuzzing of our own OpenAPI schema,
+valid and invalid bodies, with the server healthy and holding no state afterwards."""
+
+# Fixtures arrive as parameters named like the imported fixture: F811 is expected here.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_fixture import (  # noqa: F401
+    TINY_MAX_BODY_BYTES,
+    TINY_MAX_NUM_SEQS,
+    TINY_MAX_WAITING,
+    Server,
+    tiny_server,
+    wait_engine_idle,
+    wait_frontend_idle,
+)
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 49152
+BASE = {"prompt": "Hi", "max_tokens": 2}
+
+
+def post_raw(srv: Server, raw: bytes, path: str = "/v1/completions") -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(f"{srv.base_url}{path}", content=raw, headers=headers, timeout=60)
+
+
+def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+RAW_BODIES = [
+    b'{"prompt": "\xff\xfe\xfd", "max_tokens": 1}',  # not UTF-8 at all
+    b'{"prompt": "\\udc80", "max_tokens": 1}',  # valid JSON, but a lone surrogate
+    b'{"prompt": "hi", "stop": ["\\ud800"]}',
+    b'{"model": "\\ud800", "prompt": "a"}',  # would be quoted back in a 404
+    b'{"prompt": "a", "\\udfff": 1}',  # even in an ignored key
+    b'{"prompt": "hi", "temperature": NaN}',  # Python's json reads these; the ranges refuse them
+    b'{"prompt": "hi", "top_p": NaN}',
+    b'{"prompt": "hi", "temperature": Infinity}',
+    b'{"prompt": "hi", "repetition_penalty": Infinity}',
+    b'{"prompt": "hi", "presence_penalty": -Infinity}',
+    b"[" * 20_000,  # nesting deeper than the JSON parser's recursion limit
+    b'{"prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",
+    b'{"prompt": "hi", "max_tokens": 1e400}',
+    b'{"prompt": "hi"',
+    b"\x00\x01\x02",
+]
+
+
+@pytest.mark.parametrize("raw", RAW_BODIES, ids=lambda b: repr(b[:24]))
+def test_raw_bodies_are_400(tiny_server: Server, raw: bytes) -> None:
+    assert_error(post_raw(tiny_server, raw), 400)
+
+
+def test_lone_surrogates_are_400_on_every_route(tiny_server: Server) -> None:
+    chat = b'{"messages": [{"role": "user", "content": "\\udc80"}]}'
+    assert_error(post_raw(tiny_server, chat, "/v1/chat/completions"), 400)
+    assert_error(post_raw(tiny_server, b'{"prompt": "\\udc80"}', "/tokenize"), 400)
+    # A surrogate PAIR is a valid character (here U+1F600) and is served.
+    r = post_raw(tiny_server, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+    assert r.status_code == 200, r.text
+
+
+BAD_FIELDS = [
+    ({"n": "two"}, "n"),
+    ({"n": 10**9}, "n"),
+    ({"n": 2**64}, "n"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": 10**12}, "prompt"),  # over the context: context_length_exceeded
+    ({"max_tokens": 2**80}, "prompt"),
+    ({"seed": "abc"}, "seed"),
+    ({"seed": 2**64}, None),  # past uint64: the engine's own range check
+    ({"top_k": 2**40}, None),  # past int32
+    ({"stop": 5}, "stop"),
+    ({"stop": ["x"] * 65}, "stop"),  # more than MAX_STOP_STRINGS
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"prompt": ""}, "prompt"),  # tokenizes to nothing
+    ({"prompt": [""]}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": [[1, "a"]]}, "prompt"),
+    ({"prompt": {"text": "hi"}}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [VOCAB]}, "prompt"),
+    ({"prompt": [2**31]}, "prompt"),
+    ({"prompt": [2**63]}, "prompt"),
+    ({"prompt": [2**70]}, "prompt"),
+    ({"prompt": "hello " * 2000}, "prompt"),  # over the 256-token context
+    ({"prompt": [5] * 300}, "prompt"),
+    ({"logprobs": 10**6}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_FIELDS, ids=lambda v: repr(v)[:40])
+def test_bad_fields_are_400_naming_the_param(
+    tiny_server: Server, fields: dict[str, Any], param: str | None
+) -> None:
+    r = httpx.post(f"{tiny_server.base_url}/v1/completions", json=BASE | fields, timeout=60)
+    err = assert_error(r, 400)
+    if param is not None:
+        assert err["param"] is not None and err["param"].split(".")[0] == param
+
+
+def test_chat_wrong_types_and_limits(tiny_server: Server) -> None:
+    url = f"{tiny_server.base_url}/v1/chat/completions"
+    user = {"role": "user", "content": "Hi"}
+    for bad in (
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [user], "top_logprobs": 21, "logprobs": True},
+        {"messages": [user], "max_tokens": 10**12},
+        {"messages": [user], "n": 10**9},
+    ):
+        assert_error(httpx.post(url, json=bad, timeout=60), 400)
+
+
+def test_detokenize_ids_outside_the_vocabulary_are_400(tiny_server: Server) -> None:
+    for tokens in ([-1], [VOCAB], [2**70], ["a"]):
+        r = httpx.post(f"{tiny_server.base_url}/detokenize", json={"tokens": tokens}, timeout=30)
+        assert_error(r, 400)
+
+
+def test_bodies_over_the_limit_are_413(tiny_server: Server) -> None:
+    big = b'{"prompt": "' + b"a" * TINY_MAX_BODY_BYTES + b'"}'
+    assert_error(post_raw(tiny_server, big), 413, "request_too_large")  # Content-Length says so
+
+    def chunked() -> Any:  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(TINY_MAX_BODY_BYTES // 4096 + 1):
+            yield b"a" * 4096
+        yield b'"}'
+
+    r = httpx.post(f"{tiny_server.base_url}/v1/completions", content=chunked(), timeout=60)
+    assert_error(r, 413, "request_too_large")
+    # Just under the limit is parsed as usual (here: too many tokens, a 400 not a 413).
+    near = b'{"prompt": "' + b"a " * (TINY_MAX_BODY_BYTES // 2 - 16) + b'"}'
+    assert_error(post_raw(tiny_server, near), 400, "context_length_exceeded")
+
+
+def test_unknown_fields_are_ignored_like_openai(tiny_server: Server) -> None:
+    """OpenAI ignores fields it does not use; so do we, at the top level and in messages."""
+    url = f"{tiny_server.base_url}/v1/completions"
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(url, json=body, timeout=60)
+    extra = httpx.post(url, json=body | {"frobnicate": 1, "response_format": {}}, timeout=60)
+    assert plain.status_code == extra.status_code == 200
+    assert plain.json()["choices"][0]["text"] == extra.json()["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "Hi", "tool_calls": []}], "max_tokens": 2}
+    r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+# ---- schemathesis -----------------------------------------------------------------------------
+
+EXAMPLES_PER_POST = 50  # valid and invalid each, per POST route: about 20 s in all on 2 cores
+EXAMPLES_PER_GET = 3
+SHORT = 8  # generations are capped at this many tokens: the fuzz is about input, not output
+
+
+def cap_generation(body: Any) -> None:
+    """Keep valid requests short: a missing or modest max_tokens becomes SHORT (huge values are
+    left alone: they are errors to find)."""
+    if not isinstance(body, dict):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is None or (type(value) is int and SHORT < value < 10**6):
+            body[key] = SHORT
+
+
+def fuzz_operation(base_url: str, operation: Any, mode: Any, examples: int) -> Counter[int]:
+    """Send ``examples`` schemathesis cases for one operation; any 5xx fails at once."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    statuses: Counter[int] = Counter()
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,  # the same cases every run: CI stays reproducible
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    def send(case: Any) -> None:
+        cap_generation(case.body)
+        r = case.call(base_url=base_url, timeout=120)
+        statuses[r.status_code] += 1
+        assert r.status_code < 500, f"{r.status_code}: {r.text[:300]}\n{case.as_curl_command()}"
+
+    send()
+    return statuses
+
+
+def test_schemathesis_fuzz_finds_no_5xx(tiny_server: Server) -> None:
+    import schemathesis
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{tiny_server.base_url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    paths = {f"{op.method.upper()} {op.path}" for op in operations}
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /health"} <= paths
+    served = 0
+    for op in operations:
+        if op.method == "post":
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                statuses = fuzz_operation(tiny_server.base_url, op, mode, EXAMPLES_PER_POST)
+                served += statuses[200] if mode is GenerationMode.POSITIVE else 0
+        else:  # nothing to vary in a GET without parameters: a few calls
+            fuzz_operation(tiny_server.base_url, op, GenerationMode.POSITIVE, EXAMPLES_PER_GET)
+    assert served > 0, "the valid cases should include some that are served"
+    assert httpx.get(f"{tiny_server.base_url}/health", timeout=10).status_code == 200
+    gauges = wait_frontend_idle(tiny_server)
+    assert gauges["tandem_frontend_sequences_admitted_limit"] == (
+        TINY_MAX_NUM_SEQS + TINY_MAX_WAITING
+    )
+    wait_engine_idle(tiny_server)
