@@ -1,0 +1,339 @@
+"""The three ways the load generator reaches an engine: two OpenAI HTTP routes and raw ZMQ.
+
+Each backend's ``send(spec, rec)`` sends one request, stamps ``rec`` (submit, every chunk that
+carried output, end) on the shared run clock, fills in the token counts, and raises on failure;
+the runner turns a raise into a failed record. HTTP backends stream server-sent events from one
+``httpx.AsyncClient`` whose pool is sized to the concurrency asked for, so the client library
+never caps the offered load; token counts come from the final usage chunk
+(``stream_options.include_usage``). The ZMQ backend keeps one reader task that routes each
+engine step's outputs to the waiting requests by id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from frontend.loadgen.metrics import RequestRecord
+from frontend.loadgen.workload import RequestSpec
+from protocol.client import AsyncEngineClient, EngineRequestError
+from protocol.messages import (
+    FinishReason,
+    RequestError,
+    SamplingParams,
+    StepOutputs,
+)
+
+BACKENDS = ("openai-completions", "openai-chat", "zmq")
+
+
+class Clock:
+    """Seconds since the start of the current run; one clock shared by runner and backend."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What every request asks for besides its prompt and length."""
+
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    pretok: bool = False  # HTTP: send token ids as the prompt rather than text
+
+
+class BackendError(RuntimeError):
+    """A request failed: an HTTP error status, an error event, or an engine error."""
+
+
+# ---- HTTP -------------------------------------------------------------------------------------
+
+
+class OpenAIBackend:
+    """Streams /v1/completions or /v1/chat/completions over one pooled async HTTP client."""
+
+    def __init__(
+        self,
+        kind: str,
+        url: str,
+        clock: Clock,
+        options: RequestOptions,
+        pool_size: int,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        if kind not in ("openai-completions", "openai-chat"):
+            raise ValueError(f"not an HTTP backend: {kind}")
+        if kind == "openai-chat" and options.pretok:
+            raise ValueError("--pretok needs openai-completions: chat takes messages, not ids")
+        self.kind = kind
+        self.base = api_base(url)
+        self.clock = clock
+        self.options = options
+        self.model = model
+        self.model_root: str | None = None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        size = max(1, pool_size)
+        self.http = httpx.AsyncClient(
+            headers=headers,
+            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+            timeout=httpx.Timeout(timeout, connect=30.0),
+        )
+
+    @property
+    def wants_ids(self) -> bool:
+        return self.options.pretok
+
+    async def start(self) -> None:
+        """Learn the served model's name (unless given) and where its weights live."""
+        resp = await self.http.get(f"{self.base}/models")
+        raise_for_status(resp, await resp.aread())
+        card = resp.json()["data"][0]
+        self.model = self.model or card["id"]
+        self.model_root = card.get("root")
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def body(self, spec: RequestSpec) -> tuple[str, dict[str, Any]]:
+        """The route and JSON body for one request."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": spec.output_len,
+            "temperature": self.options.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.options.ignore_eos:
+            body["ignore_eos"] = True  # a vLLM-style extra: only sent when asked for
+        if self.kind == "openai-chat":
+            body["messages"] = [{"role": "user", "content": spec.prompt_text}]
+            return "/chat/completions", body
+        body["prompt"] = spec.prompt_ids if self.options.pretok else spec.prompt_text
+        return "/completions", body
+
+    async def send(self, spec: RequestSpec, rec: RequestRecord) -> None:
+        route, body = self.body(spec)
+        rec.submitted_at = self.clock.now()
+        async with self.http.stream("POST", self.base + route, json=body) as resp:
+            if resp.status_code != 200:
+                raise_for_status(resp, await resp.aread())
+            done = await self.read_stream(sse_events(resp.aiter_lines()), rec)
+        rec.ended_at = self.clock.now()
+        if not done:
+            raise BackendError("the stream ended without [DONE]")
+        if rec.finish_reason is None:
+            raise BackendError("the stream ended without a finish reason")
+
+    async def read_stream(self, events: AsyncIterator[str], rec: RequestRecord) -> bool:
+        """Stamp every event that carries output; True when the stream ended with [DONE]."""
+        usage: dict[str, Any] | None = None
+        chunks = 0
+        async for data in events:
+            now = self.clock.now()
+            if data.strip() == "[DONE]":
+                break
+            event = json.loads(data)
+            if error := event.get("error"):
+                message = error.get("message", error) if isinstance(error, dict) else error
+                raise BackendError(f"error event: {message}")
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or ():
+                text = choice_text(choice)
+                # The chat role chunk carries no text: it is not a token and not the TTFT.
+                if text or choice.get("finish_reason"):
+                    rec.chunk_times.append(now)
+                    chunks += 1 if text else 0
+                if choice.get("finish_reason"):
+                    rec.finish_reason = choice["finish_reason"]
+        else:
+            return False
+        if usage:
+            rec.prompt_len = int(usage.get("prompt_tokens", rec.prompt_len))
+            rec.output_tokens = int(usage.get("completion_tokens", chunks))
+        else:
+            rec.output_tokens = chunks  # a server without usage: one token per text chunk
+        return True
+
+
+def choice_text(choice: dict[str, Any]) -> str | None:
+    """The text of one streamed choice: ``text`` for completions, ``delta.content`` for chat."""
+    if "text" in choice:
+        return choice["text"]
+    return (choice.get("delta") or {}).get("content")
+
+
+def api_base(url: str) -> str:
+    """``http://host:port`` or ``http://host:port/v1`` -> ``http://host:port/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def raise_for_status(resp: httpx.Response, content: bytes) -> None:
+    if resp.status_code == 200:
+        return
+    try:
+        message = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = content[:200].decode(errors="replace")
+    raise BackendError(f"HTTP {resp.status_code}: {message}")
+
+
+async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The data of each server-sent event: ``data:`` lines joined, events ended by a blank line."""
+    data: list[str] = []
+    async for line in lines:
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+        # comments (":...") and other fields (event:, id:, retry:) carry nothing we use
+    if data:
+        yield "\n".join(data)
+
+
+async def engine_address(url: str, api_key: str | None = None) -> str:
+    """The raw ZMQ address of the engine behind a `tandem serve` (its GET /v1/engine)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(headers=headers, timeout=30.0) as http:
+        resp = await http.get(f"{api_base(url)}/engine")
+        raise_for_status(resp, await resp.aread())
+        return str(resp.json()["address"])
+
+
+# ---- ZMQ --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    rec: RequestRecord
+    done: asyncio.Future[None]
+
+
+class ZmqBackend:
+    """Token ids straight to the engine core through the raw asyncio client; one reader task."""
+
+    kind = "zmq"
+    wants_ids = True
+
+    def __init__(
+        self, address: str, clock: Clock, options: RequestOptions, connect_timeout: float = 60.0
+    ) -> None:
+        self.address = address
+        self.clock = clock
+        self.options = options
+        self.connect_timeout = connect_timeout
+        self.client: AsyncEngineClient | None = None
+        self.pending: dict[str, _Pending] = {}
+        self.reader: asyncio.Task[None] | None = None
+        self.dead: str | None = None
+        self.model: str | None = None
+        self.vocab: list[int] | None = None
+
+    async def start(self) -> None:
+        self.client = AsyncEngineClient(self.address, name="loadgen")
+        ready = await self.client.connect(self.connect_timeout)
+        self.model = ready.model
+        eos = set(ready.eos_token_ids)
+        self.vocab = [i for i in range(ready.vocab_size) if i not in eos]
+        self.reader = asyncio.create_task(self.read_loop())
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+        if self.client is not None:
+            self.client.close()
+
+    async def send(self, spec: RequestSpec, rec: RequestRecord) -> None:
+        assert self.client is not None and spec.prompt_ids is not None
+        if self.dead:
+            raise BackendError(self.dead)
+        rid = rec.request_id
+        params = SamplingParams(
+            max_tokens=spec.output_len,
+            temperature=self.options.temperature,
+            ignore_eos=self.options.ignore_eos,
+        )
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.pending[rid] = _Pending(rec, done)
+        try:
+            rec.submitted_at = self.clock.now()
+            await self.client.add_request(rid, spec.prompt_ids, params)
+            await done
+        except asyncio.CancelledError:
+            if self.pending.pop(rid, None) is not None:
+                with contextlib.suppress(Exception):  # the client may be closing as well
+                    await self.client.abort([rid])  # timed out: free its KV blocks in the engine
+            raise
+        finally:
+            self.pending.pop(rid, None)
+
+    async def read_loop(self) -> None:
+        """Route every engine message to the requests it concerns; fail them all if it dies."""
+        assert self.client is not None
+        try:
+            while True:
+                msg = await self.client.recv()
+                if msg is not None:
+                    self.route(msg, self.clock.now())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.dead = f"the ZMQ reader stopped: {exc!r}"
+            for p in list(self.pending.values()):
+                _settle(p, BackendError(self.dead))
+            self.pending.clear()
+
+    def route(self, msg: object, now: float) -> None:
+        if isinstance(msg, StepOutputs):
+            for out in msg.outputs:
+                if (p := self.pending.get(out.request_id)) is None:
+                    continue  # a request we gave up on
+                if out.new_token_ids:
+                    p.rec.chunk_times.append(now)
+                    p.rec.output_tokens += len(out.new_token_ids)
+                if out.finish_reason is not None:
+                    self.finish(out.request_id, out.finish_reason, now)
+            for rid, reason in msg.finished_without_tokens.items():
+                if rid in self.pending:
+                    self.finish(rid, reason, now)
+        elif isinstance(msg, RequestError) and (p := self.pending.pop(msg.request_id, None)):
+            p.rec.ended_at = now
+            _settle(p, BackendError(str(EngineRequestError(msg))))
+        # Heartbeats (and anything else) concern no request.
+
+    def finish(self, rid: str, reason: FinishReason, now: float) -> None:
+        p = self.pending.pop(rid)
+        p.rec.finish_reason = reason.openai_name
+        p.rec.ended_at = now
+        bad = reason in (FinishReason.ABORT, FinishReason.ERROR)
+        _settle(
+            p, BackendError(f"the engine finished it with '{reason.openai_name}'") if bad else None
+        )
+
+
+def _settle(p: _Pending, error: Exception | None) -> None:
+    if p.done.done():
+        return
+    if error is None:
+        p.done.set_result(None)
+    else:
+        p.done.set_exception(error)

@@ -1,0 +1,344 @@
+"""The load generator's command line (``scripts/loadgen.py`` and ``tandem bench``).
+
+    tandem bench --backend openai-completions --url http://127.0.0.1:8000 \
+        --num-requests 64 --input-len 128 --output-len 256 --ignore-eos --warmup-runs 1
+    tandem bench --backend zmq --url http://127.0.0.1:8000 ...    # the engine behind a server
+    tandem bench --backend zmq --address ipc:///tmp/tandem-x/engine ...
+    tandem bench ... --sweep rate=1,2,4,inf --result-json sweep.json   # also writes sweep.png
+
+The exit status is 0 when every request of every reported run completed, 1 when any failed,
+2 for bad flags or a target that cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from frontend.loadgen.arrival import Arrival
+from frontend.loadgen.backends import (
+    BACKENDS,
+    BackendError,
+    Clock,
+    OpenAIBackend,
+    RequestOptions,
+    ZmqBackend,
+    engine_address,
+)
+from frontend.loadgen.metrics import RequestRecord, Slo, format_summary, summarize
+from frontend.loadgen.runner import Backend, RunPlan, run_once
+from frontend.loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
+from frontend.loadgen.workload import LenRange, WorkloadConfig, build_workload
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """The load generator's flags, for its own script and for `tandem bench`."""
+    target = parser.add_argument_group("target")
+    target.add_argument("--backend", choices=BACKENDS, default="openai-completions")
+    target.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="OpenAI server (default: %(default)s)"
+    )
+    target.add_argument(
+        "--address", default=None, help="zmq: engine address (default: GET --url's /v1/engine)"
+    )
+    target.add_argument("--api-key", default=None, help="HTTP: sent as 'Authorization: Bearer'")
+    target.add_argument(
+        "--model", default=None, help="HTTP: model name in requests (default: the server's)"
+    )
+    target.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model whose tokenizer builds prompts: 'default', a folder or a .gguf "
+        "(default: the served model's folder when it is on this machine, else 'default')",
+    )
+
+    work = parser.add_argument_group("workload")
+    work.add_argument("-n", "--num-requests", type=int, default=64, help="per run (default: 64)")
+    work.add_argument(
+        "--input-len", type=LenRange.parse, default=LenRange(128, 128),
+        help="random prompt tokens: N or LOW:HIGH (default: 128)",
+    )  # fmt: skip
+    work.add_argument(
+        "--output-len", type=LenRange.parse, default=None,
+        help="output tokens asked for: N or LOW:HIGH (default: 128, or the dataset's)",
+    )  # fmt: skip
+    work.add_argument("--prompt", default=None, help="one fixed prompt text for every request")
+    work.add_argument("--dataset", type=Path, default=None, help="a .jsonl or ShareGPT .json file")
+    work.add_argument("--dataset-format", choices=("auto", "jsonl", "sharegpt"), default="auto")
+    work.add_argument(
+        "--unique-prompts", action="store_true",
+        help="give each --prompt/--dataset request a distinct head (no shared prefix cache)",
+    )  # fmt: skip
+    work.add_argument("--ignore-eos", action="store_true", help="force every output length")
+    work.add_argument(
+        "--pretok", action="store_true", help="openai-completions: send token ids, not text"
+    )
+    work.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
+    work.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+
+    load = parser.add_argument_group("arrival")
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf,
+        help="Poisson arrivals per second (default: inf, all at once)",
+    )  # fmt: skip
+    load.add_argument(
+        "--burstiness", type=float, default=1.0,
+        help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother",
+    )  # fmt: skip
+    load.add_argument("--interval", type=float, default=None, help="fixed gap in seconds instead")
+    load.add_argument("--interval-mode", choices=("absolute", "relative"), default="absolute")
+    load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+
+    rep = parser.add_argument_group("runs and report")
+    rep.add_argument("--warmup-runs", type=int, default=0, help="whole runs not reported")
+    rep.add_argument("--repeat-runs", type=int, default=1, help="runs reported, each on its own")
+    rep.add_argument("--slo", type=Slo.parse, default=None, help="goodput SLO: ttft=MS,tpot=MS")
+    rep.add_argument(
+        "--sweep", type=Sweep.parse, default=None, help="rate=R1,R2,... or concurrency=C1,C2,..."
+    )
+    rep.add_argument("--result-json", type=Path, default=None, help="config, summaries, records")
+    rep.add_argument("--plot", type=Path, default=None, help="sweep PNG (default: JSON's .png)")
+    rep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    rep.add_argument("--connect-timeout", type=float, default=60.0)
+    rep.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the flags describe; 0 when every reported request completed."""
+    try:
+        check_args(args)
+    except ValueError as exc:
+        print(f"loadgen: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(bench(args))
+    except (httpx.HTTPError, OSError, TimeoutError, BackendError) as exc:
+        where = args.address or args.url  # the target could not be reached or answered wrong
+        print(f"loadgen: cannot run against {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.pretok and args.backend != "openai-completions":
+        raise ValueError("--pretok applies to openai-completions only")
+    if args.prompt is not None and args.dataset is not None:
+        raise ValueError("give --prompt or --dataset, not both")
+    if args.interval is not None and not math.isinf(args.request_rate):
+        raise ValueError("give --interval or --request-rate, not both")
+    if args.num_requests < 1 or args.repeat_runs < 1 or args.warmup_runs < 0:
+        raise ValueError("--num-requests and --repeat-runs must be >= 1, --warmup-runs >= 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    if args.sweep is not None and args.interval is not None and args.sweep.param == "rate":
+        raise ValueError("a rate sweep sets the arrival rate: drop --interval")
+
+
+def base_arrival(args: argparse.Namespace) -> Arrival:
+    if args.interval is not None:
+        return Arrival("interval", interval=args.interval, interval_mode=args.interval_mode)
+    return Arrival.from_rate(args.request_rate, args.burstiness, args.seed)
+
+
+def pool_size(args: argparse.Namespace) -> int:
+    """HTTP connections to keep: one per request that may be in flight at once."""
+    caps = [args.max_concurrency or args.num_requests]
+    if args.sweep is not None and args.sweep.param == "concurrency":
+        caps += [int(v) for v in args.sweep.values]
+    return min(max(caps), args.num_requests)
+
+
+async def open_backend(args: argparse.Namespace, clock: Clock) -> Backend:
+    options = RequestOptions(args.temperature, args.ignore_eos, args.pretok)
+    if args.backend == "zmq":
+        address = args.address or await engine_address(args.url, args.api_key)
+        backend: Backend = ZmqBackend(address, clock, options, args.connect_timeout)
+    else:
+        backend = OpenAIBackend(
+            args.backend, args.url, clock, options, pool_size(args), args.model, args.api_key,
+            args.request_timeout,
+        )  # fmt: skip
+    await backend.start()
+    return backend
+
+
+def load_tokenizer(args: argparse.Namespace, backend: Backend) -> Any | None:
+    """The tokenizer prompts need, or None when random ids straight to the engine will do."""
+    if backend.kind == "zmq" and args.prompt is None and args.dataset is None:
+        return None
+    from transformers import AutoTokenizer
+
+    from engine_core.loader import resolve_model_dir
+
+    source = args.tokenizer or getattr(backend, "model_root", None) or backend.model or "default"
+    if args.tokenizer is None and not Path(source).is_dir() and source != "default":
+        source = "default"  # a served name, or a folder on another machine
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(source)))
+
+
+async def bench(args: argparse.Namespace) -> int:
+    clock = Clock()
+    backend = await open_backend(args, clock)
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, args, backend)
+        bench_run = BenchRun(args, backend, tokenizer)
+        print(bench_run.describe(), flush=True)
+        await bench_run.warm_up()
+        if args.sweep is None:
+            runs = await bench_run.measure(base_arrival(args), args.max_concurrency)
+        else:
+            runs = await bench_run.sweep(args.sweep)
+    finally:
+        await backend.close()
+    if args.result_json is not None:
+        write_json(args.result_json, result_document(args, backend, runs))
+        print(f"results: {args.result_json}")
+    return 0 if all(r["summary"].failed == 0 for r in runs) else 1
+
+
+class BenchRun:
+    """Runs the workload against one backend: warm-ups, reported runs, sweep points."""
+
+    def __init__(self, args: argparse.Namespace, backend: Backend, tokenizer: Any | None) -> None:
+        self.args = args
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.next_index = 0  # every run, warm-ups included, gets fresh random prompts
+        self.workload = WorkloadConfig(
+            num_requests=args.num_requests,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            prompt=args.prompt,
+            dataset=args.dataset,
+            dataset_format=args.dataset_format,
+            unique_prompts=args.unique_prompts,
+            seed=args.seed,
+        )
+
+    def describe(self) -> str:
+        a = self.args
+        where = getattr(self.backend, "address", None) or a.url
+        source = a.dataset or (f"prompt {a.prompt!r:.40}" if a.prompt else f"random {a.input_len}")
+        return (
+            f"loadgen: {a.backend} at {where}, model {model_name(self.backend)}; {a.num_requests} "
+            f"requests x {a.repeat_runs} run(s) (+{a.warmup_runs} warm-up), prompts: {source}, "
+            f"output {a.output_len or 'default'} tokens{' (EOS ignored)' if a.ignore_eos else ''}"
+        )
+
+    async def one_run(self, plan: RunPlan) -> list[RequestRecord]:
+        index, self.next_index = self.next_index, self.next_index + 1
+        vocab = getattr(self.backend, "vocab", None) if self.tokenizer is None else None
+        specs = build_workload(self.workload, index, self.backend.wants_ids, self.tokenizer, vocab)
+        return await run_once(self.backend, specs, plan, index)
+
+    def plan(self, arrival: Arrival, concurrency: int | None, label: str) -> RunPlan:
+        return RunPlan(
+            arrival, concurrency, self.args.request_timeout, not self.args.no_progress, label
+        )
+
+    async def warm_up(self) -> None:
+        for i in range(self.args.warmup_runs):
+            label = f"warm-up {i + 1}/{self.args.warmup_runs}"
+            plan = self.plan(base_arrival(self.args), self.args.max_concurrency, label)
+            s = summarize(await self.one_run(plan))
+            print(f"{label}: {s.completed} completed, {s.failed} failed in {s.duration_s:.2f} s")
+
+    async def measure(
+        self, arrival: Arrival, concurrency: int | None, point: str = ""
+    ) -> list[dict[str, Any]]:
+        """The reported runs at one load point, each printed and kept with its records."""
+        runs = []
+        for i in range(self.args.repeat_runs):
+            label = f"{point + ', ' if point else ''}run {i + 1}/{self.args.repeat_runs}"
+            records = await self.one_run(self.plan(arrival, concurrency, label))
+            summary = summarize(records, self.args.slo)
+            title = f"{self.args.backend}: {label}; {arrival.describe()}"
+            if concurrency:
+                title += f", concurrency <= {concurrency}"
+            print(format_summary(summary, title), flush=True)
+            runs.append(
+                {
+                    "label": label,
+                    "arrival": arrival.describe(),
+                    "max_concurrency": concurrency,
+                    "summary": summary,
+                    "records": records,
+                }
+            )
+        return runs
+
+    async def sweep(self, sweep: Sweep) -> list[dict[str, Any]]:
+        runs: list[dict[str, Any]] = []
+        figures = []
+        for value in sweep.values:
+            arrival, concurrency = base_arrival(self.args), self.args.max_concurrency
+            if sweep.param == "rate":
+                arrival = Arrival.from_rate(value, self.args.burstiness, self.args.seed)
+            else:
+                concurrency = int(value)
+            point = await self.measure(arrival, concurrency, sweep.label(value))
+            for r in point:
+                r["sweep_value"] = value
+            runs += point
+            figures.append(mean_summary_figures([r["summary"] for r in point]))
+        print(format_sweep_table(sweep, figures))
+        path = self.args.plot or (self.args.result_json or Path("loadgen-sweep.json")).with_suffix(
+            ".png"
+        )
+        title = f"{self.args.backend}, {model_name(self.backend)}: sweep over {sweep.param}"
+        plot_sweep(sweep, figures, path, title)
+        print(f"plot: {path}")
+        return runs
+
+
+def model_name(backend: Backend) -> str:
+    """The served name, or the folder's last part when the engine reports a path."""
+    name = str(getattr(backend, "model", None) or "?")
+    return Path(name).name if "/" in name else name
+
+
+def result_document(
+    args: argparse.Namespace, backend: Backend, runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """What --result-json holds: the configuration, then each reported run's summary and
+    per-request records."""
+    config = {k: _jsonable(v) for k, v in vars(args).items() if not k.startswith("_")}
+    config["served_model"] = backend.model
+    if config.get("api_key"):
+        config["api_key"] = "<set>"  # a result file gets shared: never the key itself
+    if args.sweep is not None:
+        config["sweep"] = {"param": args.sweep.param, "values": [_jsonable(v) for v in
+                                                                  args.sweep.values]}  # fmt: skip
+    return {
+        "config": config,
+        "runs": [
+            {
+                **{k: v for k, v in r.items() if k not in ("summary", "records")},
+                "sweep_value": _jsonable(r.get("sweep_value")),
+                "summary": r["summary"].as_json(),
+                "requests": [rec.as_json() for rec in r["records"]],
+            }
+            for r in runs
+        ],
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else value
+    if isinstance(value, Slo):
+        return value.as_ms()
+    return str(value)
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")

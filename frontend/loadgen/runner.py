@@ -1,0 +1,111 @@
+"""One run of the load generator: dispatch a workload on its arrival schedule, record everything.
+
+Every request gets its record before the first one is sent, and each record ends either
+completed or failed with its error (an exception, a timeout, or "not sent" when the run was cut
+short), so a run can never lose a request: completed + failed == sent + unsent == requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from tqdm import tqdm
+
+from frontend.loadgen.arrival import Arrival
+from frontend.loadgen.backends import Clock
+from frontend.loadgen.metrics import RequestRecord
+from frontend.loadgen.workload import RequestSpec
+
+
+class Backend(Protocol):
+    kind: str
+    wants_ids: bool
+    clock: Clock
+
+    async def start(self) -> None: ...
+
+    async def send(self, spec: RequestSpec, rec: RequestRecord) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How one run offers its load."""
+
+    arrival: Arrival
+    max_concurrency: int | None = None
+    request_timeout: float = 600.0
+    progress: bool = True
+    label: str = "run"
+
+
+SESSION = uuid.uuid4().hex[:8]  # request ids stay unique between load generators on one engine
+
+
+async def run_once(
+    backend: Backend, specs: list[RequestSpec], plan: RunPlan, run_index: int
+) -> list[RequestRecord]:
+    """Send ``specs`` on the plan's schedule and wait for all of them; one record each."""
+    clock = backend.clock
+    records = [
+        RequestRecord(f"lg{SESSION}-{run_index}-{i}", s.prompt_len, s.output_len, 0.0)
+        for i, s in enumerate(specs)
+    ]
+    gaps = plan.arrival.gaps(len(specs), run_index)
+    slots = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
+    bar = tqdm(total=len(specs), desc=plan.label, unit="req", disable=not plan.progress)
+    tasks: list[asyncio.Task[None]] = []
+    clock.start()
+    try:
+        due = last_sent = 0.0
+        for spec, rec, gap in zip(specs, records, gaps, strict=True):
+            due = (last_sent if plan.arrival.relative else due) + gap
+            rec.scheduled_at = due
+            if (wait := due - clock.now()) > 0:
+                await asyncio.sleep(wait)
+            if slots is not None:
+                await slots.acquire()
+            last_sent = clock.now()
+            tasks.append(asyncio.create_task(_send_one(backend, spec, rec, plan, slots, bar)))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        bar.close()
+        for rec in records:
+            if rec.ended_at is None:
+                rec.fail("not sent: the run was interrupted", clock.now())
+    return records
+
+
+async def _send_one(
+    backend: Backend,
+    spec: RequestSpec,
+    rec: RequestRecord,
+    plan: RunPlan,
+    slots: asyncio.Semaphore | None,
+    bar: tqdm,
+) -> None:
+    """Send one request; whatever happens, its record ends completed or failed."""
+    now = backend.clock.now
+    try:
+        await asyncio.wait_for(backend.send(spec, rec), plan.request_timeout)
+    except TimeoutError:
+        rec.fail(f"timed out after {plan.request_timeout:g} s", now())
+    except asyncio.CancelledError:
+        rec.fail("cancelled: the run was interrupted", now())
+        raise
+    except Exception as exc:
+        rec.fail(f"{type(exc).__name__}: {exc}", now())
+    else:
+        if rec.ended_at is None:
+            rec.ended_at = now()
+    finally:
+        if slots is not None:
+            slots.release()
+        bar.update(1)

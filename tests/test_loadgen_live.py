@@ -1,0 +1,120 @@
+"""The load generator for real: a live `tandem serve` on the default model, over both OpenAI
+HTTP routes and over raw ZMQ to the engine behind it.
+
+Invariants checked on every run: each request sent has exactly one record, all of them
+completed, with EOS ignored each produced exactly the tokens asked for, the timestamps are in
+order, the summary adds up to the records, and afterwards the engine holds no request and no KV
+block. A run with one impossible request shows a failure is counted, not lost.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from frontend.cli import main as tandem_main
+
+# Fixtures are parameters named like the imported fixture, hence F811 off for this file.
+# ruff: noqa: F811
+from tests.server_fixture import MAX_MODEL_LEN, Server, server, wait_engine_idle  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+N, IN, OUT = 8, 16, 8  # requests, prompt tokens, output tokens: seconds on the CPU engine
+SMALL = ["-n", str(N), "--input-len", str(IN), "--output-len", str(OUT), "--ignore-eos",
+         "--no-progress", "--request-timeout", "300"]  # fmt: skip
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench(argv: list[str], out: Path) -> tuple[int, dict[str, Any]]:
+    """`tandem bench ARGV --result-json OUT` in this process; its exit status and JSON."""
+    rc = tandem_main(["bench", *argv, "--result-json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def check_complete_run(doc: dict[str, Any], prompt_len: int | None) -> list[dict[str, Any]]:
+    """Every request accounted for and completed with OUT tokens; returns the records."""
+    (run,) = doc["runs"]
+    reqs, s = run["requests"], run["summary"]
+    assert len(reqs) == N and len({r["request_id"] for r in reqs}) == N
+    assert (s["num_requests"], s["completed"], s["failed"]) == (N, N, 0), s["errors"]
+    for r in reqs:
+        assert r["ok"] and r["error"] is None
+        assert r["output_tokens"] == OUT and r["finish_reason"] == "length"
+        if prompt_len is not None:
+            assert r["prompt_len"] == prompt_len
+        times = [r["scheduled_at"], r["submitted_at"], *r["chunk_times"], r["ended_at"]]
+        assert times == sorted(times), times
+        assert 1 <= len(r["chunk_times"]) <= OUT  # a chunk may carry several tokens
+    assert s["total_output_tokens"] == N * OUT
+    assert s["total_input_tokens"] == sum(r["prompt_len"] for r in reqs)
+    assert s["ttft"]["count"] == N and s["tpot"]["count"] == N
+    assert s["itl"]["count"] == sum(len(r["chunk_times"]) - 1 for r in reqs)
+    return reqs
+
+
+def test_openai_completions_text_and_token_ids(server: Server, tmp_path: Path) -> None:
+    url = ["--url", server.base_url]
+    rc, doc = bench(["--backend", "openai-completions", *url, *SMALL], tmp_path / "text.json")
+    assert rc == 0
+    # Random ids decoded to text and re-encoded by the server: about IN tokens, not exactly.
+    check_complete_run(doc, None)
+    wait_engine_idle(server)
+    rc, doc = bench(
+        ["--backend", "openai-completions", "--pretok", *url, *SMALL], tmp_path / "ids.json"
+    )
+    assert rc == 0 and doc["config"]["pretok"] is True
+    check_complete_run(doc, IN)  # ids go through as they are
+    wait_engine_idle(server)
+
+
+def test_openai_chat(server: Server, tmp_path: Path) -> None:
+    argv = ["--backend", "openai-chat", "--url", server.base_url, *SMALL, "--max-concurrency", "4"]
+    rc, doc = bench(argv, tmp_path / "chat.json")
+    assert rc == 0
+    reqs = check_complete_run(doc, None)
+    assert all(r["prompt_len"] > IN for r in reqs)  # the chat template adds its own tokens
+    wait_engine_idle(server)
+
+
+def test_zmq_through_the_script(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "zmq.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "loadgen.py"), "--backend", "zmq",
+           "--address", server.engine_address, *SMALL, "--request-rate", "20",
+           "--result-json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Successful requests:" in proc.stdout and "Median TTFT (ms):" in proc.stdout
+    reqs = check_complete_run(json.loads(out.read_text()), IN)
+    # Straight from the engine: one step, one chunk, one token.
+    assert all(len(r["chunk_times"]) == OUT for r in reqs)
+    wait_engine_idle(server)
+
+
+@pytest.mark.parametrize("backend", ["openai-completions", "zmq"])
+def test_a_failed_request_is_counted_not_lost(server: Server, tmp_path: Path, backend: str) -> None:
+    """Three requests, one with a prompt longer than the model's context: two complete, one
+    fails with the server's reason, and the exit status says so."""
+    data = tmp_path / "d.jsonl"
+    lines = [{"prompt_token_ids": [100 + i] * 8, "output_len": 2} for i in range(2)]
+    lines.append({"prompt_token_ids": [7] * (MAX_MODEL_LEN + 10), "output_len": 2})
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    argv = ["--backend", backend, "--url", server.base_url, "--dataset", str(data), "-n", "3",
+            "--no-progress", "--request-timeout", "300"]  # fmt: skip
+    if backend == "openai-completions":
+        argv.append("--pretok")
+    rc, doc = bench(argv, tmp_path / "out.json")
+    assert rc == 1
+    (run,) = doc["runs"]
+    s = run["summary"]
+    assert (s["num_requests"], s["completed"], s["failed"]) == (3, 2, 1)
+    (bad,) = [r for r in run["requests"] if not r["ok"]]
+    assert bad["prompt_len"] == MAX_MODEL_LEN + 10 and bad["error"]
+    assert s["errors"] == {bad["error"]: 1}
+    assert all(r["output_tokens"] == 2 for r in run["requests"] if r["ok"])
+    wait_engine_idle(server)
