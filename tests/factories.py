@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,3 +31,20 @@ def write_tiny_llama(path: Path, *, vocab_size: int = 384, seed: int = 0) -> Pat
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     return path
+
+
+def tiny_hf_sizes(vocab_size: int) -> dict[str, Any]:
+    """Config fields of a 2-layer GQA model small enough to compare with HF in a second; no
+    special token ids, so neither side stops early."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }

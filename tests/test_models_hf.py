@@ -29,23 +29,13 @@ from transformers import (
 
 from engine_core.loader import iter_checkpoint, load_model, load_model_config
 from engine_core.models import build_model
+from tests.factories import tiny_hf_sizes
 from tests.paged_harness import GreedyResult, generate_greedy, hf_greedy
 
 ATOL = 1e-4
 NEW_TOKENS = 32
 VOCAB = 320
-SIZES = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-}
+SIZES = tiny_hf_sizes(VOCAB)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,

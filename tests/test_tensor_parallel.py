@@ -39,23 +39,13 @@ from engine_core.parallel import get_tp_group
 from protocol.address import private_ipc_address, remove_ipc_files
 from protocol.client import EngineClient
 from protocol.messages import RequestError, SamplingParams, StepOutputs
+from tests.factories import tiny_hf_sizes
 from tests.paged_harness import hf_greedy
 
 VOCAB = 387
 NEW_TOKENS = 16
 ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 96, "max_model_len": 128}
-SIZES = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-}
+SIZES = tiny_hf_sizes(VOCAB)
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=False),
     "qwen2_tied": lambda: Qwen2Config(**SIZES, tie_word_embeddings=True),
