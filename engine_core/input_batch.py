@@ -30,6 +30,7 @@ import torch
 
 from engine_core.attention.base import AttentionMetadata
 from engine_core.request import Request, SchedulerOutput
+from engine_core.step_stats import GpuTimeline
 
 _RING = 3  # host buffers in flight: the one being packed, and up to two queued copies
 
@@ -63,8 +64,9 @@ class InputBatch:
         )
         self._next = 0
         self._allocate(self._capacity)
-        # An event to record just before the next copy (the runner's GPU timing), or None.
-        self.copy_start: torch.cuda.Event | None = None
+        # The runner's GPU timing of the next step (step stats), or None: the input copy and
+        # the placeholder gather are its first stretch.
+        self.timeline: GpuTimeline | None = None
 
     def _allocate(self, nbytes: int) -> None:
         ring = _RING if self._pinned else 1
@@ -87,13 +89,23 @@ class InputBatch:
         ``prev_rows`` maps a request id to its row in ``prev_sampled`` [S_prev] (the previous
         step's sampled ids, still on the device).
         """
-        # A few comprehensions over the requests into flat lists of Python ints, then numpy on
-        # the whole batch: no numpy array per request.
-        scheduled = plan.scheduled
-        requests = [s.request for s in scheduled]
-        starts = [s.start for s in scheduled]
-        lens = [s.num_new_tokens for s in scheduled]
-        if len(scheduled) == sum(lens):  # decode only: one token each
+        # One pass over the requests into flat lists of Python ints, then numpy on the whole
+        # batch: no numpy array per request.
+        requests: list[Request] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        widths: list[int] = []
+        tables = array.array("i")
+        sample_seqs: list[int] = []
+        for i, s in enumerate(plan.scheduled):
+            requests.append(s.request)
+            starts.append(s.start)
+            lens.append(s.num_new_tokens)
+            widths.append(len(s.block_ids))
+            tables.extend(s.block_ids)
+            if s.samples:
+                sample_seqs.append(i)
+        if len(requests) == sum(lens):  # decode only: one token each
             tokens = [r.token_ids[start] for r, start in zip(requests, starts, strict=True)]
         else:
             tokens = list(
@@ -102,9 +114,6 @@ class InputBatch:
                     for r, start, n in zip(requests, starts, lens, strict=True)
                 )
             )
-        tables = array.array("i", chain.from_iterable(s.block_ids for s in scheduled))
-        widths = [len(s.block_ids) for s in scheduled]
-        sample_seqs = [i for i, s in enumerate(scheduled) if s.samples]
         sampling = [requests[i] for i in sample_seqs]
         out_positions = [starts[i] + lens[i] - requests[i].num_prompt_tokens for i in sample_seqs]
         return self._fill(
@@ -136,7 +145,7 @@ class InputBatch:
         # Placeholders (ids still on the device) can only be the last token of a chunk.
         waiting = np.flatnonzero(tokens[query_start[1:] - 1] < 0)  # [G] sequence indices
         gather_dst = (query_start[1:] - 1)[waiting]  # [G] token rows
-        gather_src = [_prev_row(prev_rows, requests[i]) for i in waiting.tolist()]
+        gather_src = _prev_rows_of(prev_rows, requests, waiting.tolist())
         num_gather, width = len(waiting), int(widths.max())
         layout = _Layout(num_tokens, num_seqs, num_sampling, num_gather, width)
         host = self._host_buffer(layout.nbytes)
@@ -184,6 +193,9 @@ class InputBatch:
                 raise RuntimeError("a placeholder token with no previous step to take it from")
             src = prev_sampled.index_select(0, device_view("gather_src"))
             input_ids.index_copy_(0, device_view("gather_dst"), src)
+        if self.timeline is not None:
+            self.timeline.end()
+            self.timeline = None
         query_start_list = query_start.tolist()
         seq_lens_list = seq_lens.tolist()
         meta = AttentionMetadata(
@@ -220,9 +232,8 @@ class InputBatch:
     def _copy_to_device(self, nbytes: int) -> torch.Tensor:
         """The step's one host-to-device copy; returns the device buffer."""
         src = self._host_tensors[self._next][:nbytes]
-        if self.copy_start is not None:
-            self.copy_start.record()  # the step's first GPU work (step stats)
-            self.copy_start = None
+        if self.timeline is not None:
+            self.timeline.begin()  # the step's first GPU work (step stats)
         self._device_buf[:nbytes].copy_(src, non_blocking=self._pinned)
         if self._pinned:
             event = self._copied[self._next] or torch.cuda.Event()
@@ -267,10 +278,13 @@ def _packed_bytes(tokens: int, seqs: int, sampling: int, gather: int, width: int
     return _Layout(tokens, seqs, sampling, gather, width).nbytes
 
 
-def _prev_row(prev_rows: Mapping[str, int], request: Request) -> int:
-    row = prev_rows.get(request.request_id)
-    if row is None:
+def _prev_rows_of(
+    prev_rows: Mapping[str, int], requests: list[Request], seqs: list[int]
+) -> list[int]:
+    """The row in the previous step's sampled ids of each request in ``seqs``."""
+    try:
+        return [prev_rows[requests[i].request_id] for i in seqs]
+    except KeyError as exc:
         raise RuntimeError(
-            f"request {request.request_id!r} waits on a token that the previous step did not sample"
-        )
-    return row
+            f"request {exc.args[0]!r} waits on a token that the previous step did not sample"
+        ) from None

@@ -27,7 +27,7 @@ from engine_core.input_batch import InputBatch
 from engine_core.loader import load_model
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
-from engine_core.step_stats import StepStats
+from engine_core.step_stats import GpuTimeline, StepStats
 from protocol.messages import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -62,8 +62,7 @@ class LaunchedStep:
     token_ids: torch.Tensor | None  # [S] int64 on the host (pinned on CUDA), filled by the copy
     logprobs: tuple[torch.Tensor, ...] | None  # host copies: chosen [S], top ids / lps [S, N]
     done: torch.cuda.Event | None  # recorded after the copies (CUDA only)
-    gpu_start: torch.cuda.Event | None = None  # timing events, with step stats on CUDA
-    gpu_end: torch.cuda.Event | None = None
+    timeline: GpuTimeline | None = None  # timing events, with step stats on CUDA
     gpu_prev_end: torch.cuda.Event | None = None  # the previous step's end, for the idle gap
 
 
@@ -246,37 +245,48 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Enqueue one step (inputs, forward, sampler, the copy of its ids to the host)."""
         stats = self.stats
-        gpu_start = gpu_end = None
-        if stats.enabled and self._on_cuda:
-            gpu_start = torch.cuda.Event(enable_timing=True)
-            gpu_end = torch.cuda.Event(enable_timing=True)
-            self.input_batch.copy_start = gpu_start  # recorded just before the input copy
+        timeline = GpuTimeline() if stats.enabled and self._on_cuda else None
+        self.input_batch.timeline = timeline  # the input copy is the first stretch
         # This step's slot in the ring of host landing buffers and their events.
         self._host_ids_next = (self._host_ids_next + 1) % len(self._host_ids)
         with stats.phase("prepare"):
             inputs = self.prepare_inputs(out)
         with stats.phase("forward"):
+            if timeline is not None:
+                timeline.begin()
             hidden = self._forward(inputs)  # [T, hidden]
+            if timeline is not None:
+                timeline.end()
         requests = inputs.sampling_requests
         if not requests:
             self._prev_sampled, self._prev_rows = None, {}
-            return self._launched(out, requests, None, None, gpu_start, gpu_end)
+            return self._timed(self._launched(out, requests, None, None, timeline))
         with stats.phase("sample"):
+            if timeline is not None:
+                timeline.begin()
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
             sampled = self.sampler(logits, requests, self._output_positions)
         # The next step gathers its placeholder ids from here, on the device.
         self._prev_sampled = sampled.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
         with stats.phase("to_host"):
-            return self._to_host(out, sampled, requests, gpu_start, gpu_end)
+            step = self._to_host(out, sampled, requests, timeline)
+        if timeline is not None:
+            timeline.end()  # the sampler's stretch ends with the copy back
+        return self._timed(step)
+
+    def _timed(self, step: LaunchedStep) -> LaunchedStep:
+        """Chain the step's GPU timeline (step stats) to the previous step's, for the gap."""
+        if step.timeline is not None:
+            step.gpu_prev_end, self._last_gpu_end = self._last_gpu_end, step.timeline.last
+        return step
 
     def _to_host(
         self,
         out: SchedulerOutput,
         sampled: SamplerOutput,
         requests: list[Request],
-        gpu_start: torch.cuda.Event | None,
-        gpu_end: torch.cuda.Event | None,
+        timeline: GpuTimeline | None,
     ) -> LaunchedStep:
         """Enqueue the step's single device-to-host copy (ids, and logprobs when any row asked),
         into pinned memory on CUDA; ``collect`` reads it once the step's event has completed."""
@@ -284,7 +294,7 @@ class ModelRunner:
             lps = None
             if sampled.logprobs is not None:
                 lps = (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)
-            return self._launched(out, requests, sampled.token_ids, lps, gpu_start, gpu_end)
+            return self._launched(out, requests, sampled.token_ids, lps, timeline)
         num = len(requests)
         if self._host_ids[self._host_ids_next].numel() < num:
             self._host_ids[self._host_ids_next] = self._host_ids_buffer(num)
@@ -296,7 +306,7 @@ class ModelRunner:
                 _copy_to_pinned(t)
                 for t in (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)
             )
-        return self._launched(out, requests, host_ids, lps, gpu_start, gpu_end)
+        return self._launched(out, requests, host_ids, lps, timeline)
 
     def _launched(
         self,
@@ -304,18 +314,13 @@ class ModelRunner:
         requests: list[Request],
         host_ids: torch.Tensor | None,
         logprobs: tuple[torch.Tensor, ...] | None,
-        gpu_start: torch.cuda.Event | None,
-        gpu_end: torch.cuda.Event | None,
+        timeline: GpuTimeline | None,
     ) -> LaunchedStep:
         done = None
         if self._on_cuda:
             done = self._done_events[self._host_ids_next]
             done.record()
-        step = LaunchedStep(out, requests, host_ids, logprobs, done, gpu_start, gpu_end)
-        if gpu_end is not None:
-            gpu_end.record()
-            step.gpu_prev_end, self._last_gpu_end = self._last_gpu_end, gpu_end
-        return step
+        return LaunchedStep(out, requests, host_ids, logprobs, done, timeline)
 
     def mark_idle(self) -> None:
         """The engine has nothing to run: the next step's GPU gap is idleness, not overhead."""
@@ -326,11 +331,12 @@ class ModelRunner:
         with self.stats.phase("wait"):
             if step.done is not None:
                 step.done.synchronize()
-        if step.gpu_start is not None and step.gpu_end is not None:
+        if step.timeline is not None and step.timeline.first is not None:
             gap = None
             if step.gpu_prev_end is not None:
-                gap = step.gpu_prev_end.elapsed_time(step.gpu_start)
-            self.stats.add_gpu(step.gpu_start.elapsed_time(step.gpu_end), gap)
+                gap = step.gpu_prev_end.elapsed_time(step.timeline.first)
+            busy, inner_idle = step.timeline.busy_and_idle_ms()
+            self.stats.add_gpu(busy, inner_idle, gap)
         if step.token_ids is None:
             return RunnerOutput([], [])
         token_ids = step.token_ids.tolist()

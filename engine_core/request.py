@@ -56,22 +56,26 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's part in a step: compute ``num_new_tokens`` tokens from num_computed_tokens."""
+    """One request's part in a step: compute ``num_new_tokens`` tokens from ``start``.
+
+    ``start`` and ``samples`` are fixed when the step is planned: with overlap the request moves
+    on (num_computed_tokens, a placeholder token) before this step's update reads them.
+    """
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table (read-only for the runner)
+    start: int  # where the chunk begins: the request's num_computed_tokens when planned
+    samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
 
-    @property
-    def start(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def plan(cls, request: Request, num_new_tokens: int, block_ids: list[int]) -> ScheduledRequest:
+        """The chunk of ``num_new_tokens`` tokens that starts at the request's computed ones."""
+        start = request.num_computed_tokens
+        samples = start + num_new_tokens == len(request.token_ids)
+        return cls(request, num_new_tokens, block_ids, start, samples)
 
 
 @dataclass

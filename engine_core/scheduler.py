@@ -20,14 +20,14 @@ real id from the previous step's sampled tensor on the device, and ``update_from
 replaces it when the id reaches the host. Stop conditions are checked there, one step late: a
 request that stops at step N has its step-N+1 row dropped, and a request whose pending tokens
 already reach max_tokens or max_model_len is not scheduled again. Each plan keeps the start and
-sampling flag it was made with (``PlannedRequest``), since the request moves on before its update.
+sampling flag it was made with (``ScheduledRequest.start``, ``.samples``), since the request moves
+on before its update.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
@@ -41,26 +41,6 @@ from engine_core.request import (
 from protocol.messages import FinishReason
 
 PLACEHOLDER = -1  # a sampled id still on the device (overlap only); never a real token id
-
-
-@dataclass
-class PlannedRequest(ScheduledRequest):
-    """A ScheduledRequest whose start and sampling flag are fixed when it is planned.
-
-    With overlap the request advances at schedule time, so the live properties of the base class
-    would already describe the next step when this one is read.
-    """
-
-    planned_start: int = 0
-    planned_samples: bool = False
-
-    @property
-    def start(self) -> int:
-        return self.planned_start
-
-    @property
-    def samples(self) -> bool:
-        return self.planned_samples
 
 
 class Scheduler:
@@ -218,12 +198,11 @@ class Scheduler:
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         block_ids = self.block_manager.block_ids(request.request_id)
-        start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens
-        output.scheduled.append(PlannedRequest(request, num_new, block_ids, start, samples))
+        scheduled = ScheduledRequest.plan(request, num_new, block_ids)
+        output.scheduled.append(scheduled)
         if self.async_scheduling:
             request.num_computed_tokens += num_new
-            if samples:
+            if scheduled.samples:
                 request.token_ids.append(PLACEHOLDER)
 
     # ------------------------------------------------------------------------------ updates

@@ -2,10 +2,11 @@
 
 With ``--step-stats`` (or ``TANDEM_STEP_STATS=1``) the engine core times each part of a step on
 the host (schedule, prepare, forward launch, sample launch, device-to-host copy enqueue, wait for
-the result, update, send) and, on CUDA, the GPU time of each step and the gap the GPU sat idle
-before it (both from CUDA events recorded at the start and end of each step's GPU work, read
-only after the step's result has arrived, so they add no synchronisation). A summary is logged
-every ``log_interval_s`` seconds and is available from ``summary()``.
+the result, update, send) and, on CUDA, the GPU time of each step and the time the GPU sat idle
+waiting for the host, before the step and inside it (from CUDA events around each stretch of GPU
+work the step enqueues, see ``GpuTimeline``; they are read only after the step's result has
+arrived, so they add no synchronisation). A summary is logged every ``log_interval_s`` seconds
+and is available from ``summary()``.
 
 With ``--nvtx`` each part is also an NVTX range, for Nsight Systems.
 """
@@ -16,6 +17,10 @@ import logging
 import os
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("tandem.step_stats")
 
@@ -61,6 +66,52 @@ class _Phase:
             self._stats.host_s[self._name] += elapsed
 
 
+class GpuTimeline:
+    """CUDA events around each stretch of GPU work that one step enqueues.
+
+    The host enqueues a step in stretches (the input copy, the forward, the sampler and the copy
+    back) with host work between them. An event completes when the GPU reaches it in the stream:
+    at once, if the GPU had run out of work (then at about the time the host recorded it), else
+    when the work ahead of it ends. So from one stretch's end event to the next stretch's start
+    event is exactly the time the GPU sat waiting for the host, and start to end of a stretch is
+    GPU time. (Kernels of one stretch are launched back to back, so a gap inside a stretch is
+    the GPU's own launch latency, not the host's; it counts as busy.)
+    """
+
+    def __init__(self) -> None:
+        self._events: list[torch.cuda.Event] = []
+
+    def begin(self) -> None:
+        """Mark the start of a stretch (call right before enqueuing its first GPU work)."""
+        self._record()
+
+    def end(self) -> None:
+        """Mark the end of a stretch (call right after enqueuing its last GPU work)."""
+        self._record()
+
+    def _record(self) -> None:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._events.append(event)
+
+    @property
+    def first(self) -> torch.cuda.Event | None:
+        return self._events[0] if self._events else None
+
+    @property
+    def last(self) -> torch.cuda.Event | None:
+        return self._events[-1] if self._events else None
+
+    def busy_and_idle_ms(self) -> tuple[float, float]:
+        """GPU ms inside the stretches, and ms the GPU waited between them (events complete)."""
+        events = self._events
+        busy = sum(events[i].elapsed_time(events[i + 1]) for i in range(0, len(events) - 1, 2))
+        idle = sum(events[i].elapsed_time(events[i + 1]) for i in range(1, len(events) - 1, 2))
+        return busy, max(idle, 0.0)
+
+
 class StepStats:
     """Accumulates per-step host and GPU times; ``phase(name)`` is a no-op when disabled."""
 
@@ -83,6 +134,7 @@ class StepStats:
         self.gpu_ms = 0.0
         self.num_gpu_steps = 0
         self.idle_ms = 0.0
+        self.inner_idle_ms = 0.0  # waits for the host between a step's own stretches
         self.busy_ms_with_gap = 0.0  # GPU time of the steps whose idle gap is known
         self.num_gaps = 0
         self._window_start = time.perf_counter()
@@ -91,13 +143,15 @@ class StepStats:
         """``with stats.phase("prepare"): ...`` times the block (and names an NVTX range)."""
         return self._phases[name] if self.enabled or self.nvtx else _NULL
 
-    def add_gpu(self, gpu_ms: float, idle_ms: float | None) -> None:
-        """One step's GPU time and the idle gap before it (None: the GPU had no previous step,
-        e.g. the engine had been idle, so the gap is no overhead of the loop)."""
+    def add_gpu(self, gpu_ms: float, inner_idle_ms: float, idle_ms: float | None) -> None:
+        """One step's GPU time, the GPU's waits for the host inside the step, and the idle gap
+        before it (None: the GPU had no previous step, e.g. the engine had been idle, so the
+        gap is no overhead of the loop)."""
         self.gpu_ms += gpu_ms
         self.num_gpu_steps += 1
         if idle_ms is not None:
-            self.idle_ms += max(idle_ms, 0.0)
+            self.idle_ms += max(idle_ms, 0.0) + inner_idle_ms
+            self.inner_idle_ms += inner_idle_ms
             self.busy_ms_with_gap += gpu_ms
             self.num_gaps += 1
 
@@ -113,7 +167,8 @@ class StepStats:
             self.reset()
 
     def summary(self) -> dict[str, float]:
-        """Means per step over the window: host ms per phase, GPU ms, idle ms and fraction."""
+        """Means per step over the window: host ms per phase, GPU ms, idle ms (before and inside
+        the step) and the idle fraction (idle over idle + GPU time)."""
         steps = max(self.num_steps, 1)
         out = {f"host_{name}_ms": seconds * 1e3 / steps for name, seconds in self.host_s.items()}
         out["steps"] = float(self.num_steps)
@@ -122,6 +177,7 @@ class StepStats:
             out["gpu_ms"] = self.gpu_ms / self.num_gpu_steps
         if self.num_gaps:
             out["gpu_idle_ms"] = self.idle_ms / self.num_gaps
+            out["gpu_inner_idle_ms"] = self.inner_idle_ms / self.num_gaps
             total = self.idle_ms + self.busy_ms_with_gap
             out["gpu_idle_fraction"] = self.idle_ms / total if total > 0 else 0.0
         return out

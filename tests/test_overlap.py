@@ -316,9 +316,9 @@ def test_input_batch_matches_a_per_request_build() -> None:
     fresh = Request("f", list(range(60, 65)), params)  # whole prompt: samples
     plan = SchedulerOutput(
         [
-            ScheduledRequest(decode, 1, [7, 3, 9]),
-            ScheduledRequest(chunk, 8, [1, 2, 4, 5]),
-            ScheduledRequest(fresh, 5, [6, 8]),
+            ScheduledRequest.plan(decode, 1, [7, 3, 9]),
+            ScheduledRequest.plan(chunk, 8, [1, 2, 4, 5]),
+            ScheduledRequest.plan(fresh, 5, [6, 8]),
         ]
     )
     prev_sampled = torch.tensor([111, 222])  # [S_prev]: "d" sampled row 1 last step
