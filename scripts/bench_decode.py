@@ -134,7 +134,12 @@ class Workload:
 
 
 def engine_config(
-    name: str, work: Workload, device: str, enforce_eager: bool, overlap: bool = True
+    name: str,
+    work: Workload,
+    device: str,
+    enforce_eager: bool,
+    overlap: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> EngineConfig:
     """Room for the workload's sequences, a short max_model_len bound, no memory-sized cache."""
     block_size = 16
@@ -149,6 +154,7 @@ def engine_config(
         max_num_batched_tokens=max(8192, work.num_requests * work.prompt_len // 2),
         enforce_eager=enforce_eager,
         async_scheduling=overlap,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -297,7 +303,11 @@ def bench_inproc(name: str, work: Workload, args: argparse.Namespace, result: Mo
     from engine_core.core import EngineCore
 
     start = time.perf_counter()
-    core = EngineCore(engine_config(name, work, args.device, args.enforce_eager, args.overlap))
+    core = EngineCore(
+        engine_config(
+            name, work, args.device, args.enforce_eager, args.overlap, args.tensor_parallel_size
+        )
+    )
     result.startup_s = time.perf_counter() - start
     vocab = core.model_config.vocab_size
     run_inproc(core, work.shorter(16, seed=1), vocab, "warmup")
@@ -318,7 +328,9 @@ def engine_process(
     from protocol.address import private_ipc_address
 
     address = str(private_ipc_address())
-    config = engine_config(name, work, args.device, args.enforce_eager, args.overlap)
+    config = engine_config(
+        name, work, args.device, args.enforce_eager, args.overlap, args.tensor_parallel_size
+    )
     command = [sys.executable, __file__, "engine", "--address", address, "--log-level", "WARNING"]
     command += [
         f"--model={config.model}",
@@ -327,6 +339,7 @@ def engine_process(
         f"--num-kv-blocks={config.num_kv_blocks}",
         f"--max-num-seqs={config.max_num_seqs}",
         f"--max-num-batched-tokens={config.max_num_batched_tokens}",
+        f"--tensor-parallel-size={config.tensor_parallel_size}",
     ]
     if config.enforce_eager:
         command.append("--enforce-eager")
@@ -518,7 +531,7 @@ def format_table(results: list[ModelResult]) -> str:
 def format_profiles(results: list[ModelResult]) -> str:
     lines = [
         "engine start-up (build + CUDA-graph capture) | decode step: graph replay | "
-        "GPU kernels/step (profiler) | engine step | kernels / step | GPU idle (step stats: "
+        "GPU kernels/step (profiler) | engine step | kernel share of step | GPU idle (step stats: "
         "waits for the host before and inside the step, over GPU time + waits)"
     ]
     for r in results:
@@ -573,6 +586,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="no-op, kept for old command lines: the models now use the fused kernels on CUDA",
     )
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs per engine core (one worker process per extra rank; default: %(default)s)",
+    )
     parser.add_argument("--engine-start-timeout", type=float, default=300.0)
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     return parser.parse_args(argv)
