@@ -19,10 +19,16 @@ Field layouts (after the type tag and the version):
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
                     num_kv_blocks, max_num_seqs
-    STEP_OUTPUTS    [[request_id, new_ids: i32 bytes, finish_reason | nil, logprobs | nil], ...],
-                    {request_id: finish_reason, ...}
+    STEP_OUTPUTS    [request_id, ...], counts: i32 bytes (new tokens per request),
+                    new_ids: i32 bytes (every request's new tokens, in order),
+                    [[index, finish_reason], ...], [[index, logprobs], ...],
+                    {request_id: finish_reason, ...} (requests that ended with no token)
                     logprobs = [sampled: f64 bytes (one per new token), top_counts: i32 bytes
                     (one per new token), top_ids: i32 bytes, top_logprobs: f64 bytes]
+                    Columns, not one array per request: a step carries up to max_num_seqs
+                    outputs, and both ends pay per msgpack object (an index is a position in
+                    the request id list; most steps finish few requests). Pairs, not maps:
+                    the decoder admits only str map keys.
     REQUEST_ERROR   request_id, message, code
     CONTROL_REPLY   kind, token, stats: [6 ints] | nil, ok, message
     HEARTBEAT       num_steps
@@ -437,46 +443,98 @@ def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
 
 
 def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
-    outputs = [
-        [
-            o.request_id,
-            pack_token_ids(o.new_token_ids),
-            None if o.finish_reason is None else int(o.finish_reason),
-            None if o.logprobs is None else _encode_logprobs(o.logprobs),
-        ]
-        for o in msg.outputs
-    ]
+    request_ids: list[str] = []
+    counts: list[int] = []
+    new_ids: list[int] = []
+    finish: list[list[Any]] = []
+    logprobs: list[list[Any]] = []
+    for i, out in enumerate(msg.outputs):
+        request_ids.append(out.request_id)
+        counts.append(len(out.new_token_ids))
+        new_ids += out.new_token_ids
+        if out.finish_reason is not None:
+            finish.append([i, int(out.finish_reason)])
+        if out.logprobs is not None:
+            logprobs.append([i, _encode_logprobs(out.logprobs)])
     finished = {rid: int(reason) for rid, reason in msg.finished_without_tokens.items()}
-    return [outputs, finished]
+    return [
+        request_ids,
+        pack_token_ids(counts),
+        pack_token_ids(new_ids),
+        finish,
+        logprobs,
+        finished,
+    ]
 
 
 def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
-    v.list_(fields, "STEP_OUTPUTS fields", 2)
-    outputs = [_decode_request_output(o, v) for o in v.list_(fields[0], "outputs")]
-    if type(fields[1]) is not dict:
+    # The hot path of a client: one call per engine step, up to max_num_seqs requests in it.
+    v.list_(fields, "STEP_OUTPUTS fields", 6)
+    request_ids = _request_ids(fields[0], v)
+    counts = v.i32(fields[1], "new token counts", MAX_TOKEN_IDS, min_value=0).tolist()
+    if len(counts) != len(request_ids):
+        raise v.fail(f"{len(counts)} new token counts for {len(request_ids)} request ids")
+    new_ids = _new_ids(fields[2], v)
+    if len(new_ids) != sum(counts):
+        raise v.fail(f"{len(new_ids)} new token ids where the counts add up to {sum(counts)}")
+    if len(new_ids) == len(request_ids) and all(n == 1 for n in counts):
+        outputs = [RequestOutput(rid, [tid]) for rid, tid in zip(request_ids, new_ids, strict=True)]
+    else:
+        outputs, start = [], 0
+        for rid, n in zip(request_ids, counts, strict=True):
+            outputs.append(RequestOutput(rid, new_ids[start : start + n]))
+            start += n
+    for i, reason in _indexed(fields[3], len(outputs), "finish reasons", v):
+        outputs[i].finish_reason = _finish_reason(reason, v)
+    for i, value in _indexed(fields[4], len(outputs), "logprobs", v):
+        outputs[i].logprobs = _decode_logprobs(value, counts[i], v)
+    if type(fields[5]) is not dict:
         raise v.fail("finished_without_tokens must be a map")
     finished = {
         v.rid(rid): v.enum_(reason, FinishReason, "finish reason")
-        for rid, reason in fields[1].items()
+        for rid, reason in fields[5].items()
     }
     return StepOutputs(outputs, finished)
 
 
-def _decode_request_output(value: Any, v: _Validator) -> RequestOutput:
-    # The hot path of a client: one call per request per engine step.
-    if type(value) is not list or len(value) != 4:
-        raise v.fail("request output must be an array of 4 elements")
-    rid, ids, reason, logprobs = value
-    if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
-        v.rid(rid)  # raises with the precise reason
-    ids = v.ids(ids, "new_token_ids")
-    if reason is not None:
-        reason = _FINISH_REASONS.get(reason) if type(reason) is int else None
-        if reason is None:
-            raise v.fail(f"unknown finish reason {value[2]!r}")
-    if logprobs is not None:
-        logprobs = _decode_logprobs(logprobs, len(ids), v)
-    return RequestOutput(rid, ids, reason, logprobs)
+def _request_ids(value: Any, v: _Validator) -> list[str]:
+    ids = v.list_(value, "request ids")
+    if not all(type(rid) is str and 0 < len(rid) <= MAX_REQUEST_ID_LEN for rid in ids):
+        for rid in ids:
+            v.rid(rid)  # raises with the precise reason
+    return ids
+
+
+def _new_ids(value: Any, v: _Validator) -> list[int]:
+    if type(value) is not bytes or len(value) % 4:
+        raise v.fail("new_token_ids must be int32 bytes")
+    # array() then tolist(): cheaper than numpy at the usual size (one id per request).
+    packed = array("i")
+    packed.frombytes(value)
+    if not _NATIVE_LITTLE:
+        packed.byteswap()
+    ids = packed.tolist()
+    if ids and min(ids) < 0:
+        raise v.fail("new_token_ids must be >= 0")
+    return ids
+
+
+def _indexed(value: Any, size: int, what: str, v: _Validator) -> list[list[Any]]:
+    """[[position, value], ...] with every position a request's in [0, size)."""
+    pairs = v.list_(value, what)
+    for pair in pairs:
+        if type(pair) is not list or len(pair) != 2:
+            raise v.fail(f"{what} must be [position, value] pairs")
+        if type(pair[0]) is not int or not 0 <= pair[0] < size:
+            raise v.fail(f"{what} must name request positions in [0, {size})")
+    return pairs
+
+
+def _finish_reason(value: Any, v: _Validator) -> FinishReason:
+    reason = _FINISH_REASONS.get(value) if type(value) is int else None
+    if reason is None:
+        raise v.fail(f"unknown finish reason {value!r}")
+    return reason
 
 
 _FINISH_REASONS = {int(r): r for r in FinishReason}

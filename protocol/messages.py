@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class MsgType(enum.IntEnum):
@@ -113,9 +113,10 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """One request's share of one engine step."""
+    """One request's share of one engine step (mutable only so the decoder can build it in
+    columns; nothing changes it after that)."""
 
     request_id: str
     new_token_ids: list[int]

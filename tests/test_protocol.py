@@ -146,8 +146,19 @@ def test_token_ids_travel_as_int32_bytes() -> None:
     assert obj[2] == "r"
     assert obj[3] == struct.pack("<4i", *ids)
     assert obj[4][10] == struct.pack("<2i", 7, 8)
-    step = unpack(encode(StepOutputs([RequestOutput("a", [3, 4], FinishReason.LENGTH)])))
-    assert step[2] == [["a", struct.pack("<2i", 3, 4), int(FinishReason.LENGTH), None]]
+    step = unpack(
+        encode(
+            StepOutputs([RequestOutput("a", [3, 4], FinishReason.LENGTH), RequestOutput("b", [5])])
+        )
+    )
+    # Columns: ids, counts, every new token, [[position, finish reason]], [[position, logprobs]].
+    assert step[2:7] == [
+        ["a", "b"],
+        struct.pack("<2i", 2, 1),
+        struct.pack("<3i", 3, 4, 5),
+        [[0, int(FinishReason.LENGTH)]],
+        [],
+    ]
     ready = unpack(encode(Ready("m", 8, 9, [2, 3], 16, 4, 2)))
     assert ready[5] == struct.pack("<2i", 2, 3)
 
@@ -323,9 +334,25 @@ def test_malformed_client_frame_is_rejected(frame: bytes) -> None:
     assert info.value.request_id is None
 
 
-def step_frame(outputs: Any, finished: Any = None) -> bytes:
+def step_frame(
+    request_ids: Any = None,
+    counts: Any = None,
+    new_ids: Any = None,
+    finish: Any = None,
+    logprobs: Any = None,
+    finished: Any = None,
+) -> bytes:
+    """A STEP_OUTPUTS frame from its columns; by default one request "a" with token 1."""
     tag = int(MsgType.STEP_OUTPUTS)
-    return msgpack.packb([tag, PROTOCOL_VERSION, outputs, {} if finished is None else finished])
+    fields = [
+        ["a"] if request_ids is None else request_ids,
+        i32(1) if counts is None else counts,
+        i32(1) if new_ids is None else new_ids,
+        [] if finish is None else finish,
+        [] if logprobs is None else logprobs,
+        {} if finished is None else finished,
+    ]
+    return msgpack.packb([tag, PROTOCOL_VERSION, *fields])
 
 
 def i32(*ids: int) -> bytes:
@@ -343,23 +370,37 @@ BAD_ENGINE_FRAMES = [
     msgpack.packb([int(MsgType.READY), PROTOCOL_VERSION, "m", 8, 0, b"", 16, 4, 2]),  # vocab 0
     msgpack.packb([int(MsgType.READY), PROTOCOL_VERSION, "m", 8, 9, [2], 16, 4, 2]),
     step_frame("x"),
-    step_frame([["a", i32(1), None]]),  # 3 fields
-    step_frame([["a", i32(1), 9, None]]),  # unknown finish reason
-    step_frame([["a", i32(-1), None, None]]),
-    step_frame([["a", [1], None, None]]),
-    step_frame([], {"a": 7}),
-    step_frame([], {b"a": 0}),  # bytes key
-    step_frame([], [["a", 0]]),  # not a map
-    msgpack.packb([int(MsgType.STEP_OUTPUTS), PROTOCOL_VERSION, [], {1: 0}], strict_types=False),
+    msgpack.packb([int(MsgType.STEP_OUTPUTS), PROTOCOL_VERSION, ["a"], i32(1), i32(1), [], []]),
+    step_frame([""]),  # empty request id
+    step_frame([7]),  # not a str
+    step_frame(counts=i32(1, 1)),  # more counts than ids
+    step_frame(counts=i32(2)),  # counts do not add up to the ids
+    step_frame(counts=i32(-1), new_ids=b""),
+    step_frame(new_ids=i32(-1)),
+    step_frame(new_ids=[1]),  # not int32 bytes
+    step_frame(new_ids=b"\x01\x00\x00"),  # not a multiple of 4 bytes
+    step_frame(finish=[[0, 9]]),  # unknown finish reason
+    step_frame(finish=[[1, 0]]),  # no request at that position
+    step_frame(finish=[["a", 0]]),  # keyed by id, not position
+    step_frame(finish=[[0, 0, 0]]),  # not a pair
+    step_frame(finish={"0": 0}),  # not a list of pairs
+    step_frame(finished={"a": 7}),
+    step_frame(finished={b"a": 0}),  # bytes key
+    step_frame(finished=[["a", 0]]),  # not a map
+    msgpack.packb(
+        [int(MsgType.STEP_OUTPUTS), PROTOCOL_VERSION, [], b"", b"", [], [], {1: 0}],
+        strict_types=False,
+    ),
     # logprobs: [sampled f64, top counts i32, top ids i32, top logprobs f64], one per token
-    step_frame([["a", i32(1), None, [f64(-1.0, -2.0), i32(0, 0), b"", b""]]]),
-    step_frame([["a", i32(1), None, [f64(-1.0), i32(1), i32(3), b""]]]),
-    step_frame([["a", i32(1), None, [f64(-1.0), i32(2), i32(3), f64(-1.0)]]]),
-    step_frame([["a", i32(1), None, [f64(-1.0), i32(21), i32(*range(21)), f64(*[0.0] * 21)]]]),
-    step_frame([["a", i32(1), None, [f64(math.nan), i32(0), b"", b""]]]),
-    step_frame([["a", i32(1), None, [f64(math.inf), i32(0), b"", b""]]]),
-    step_frame([["a", i32(1), None, [f64(-1.0), i32(-1), b"", b""]]]),
-    step_frame([["a", i32(1), None, [f64(-1.0), i32(0), b"", b""], 5]]),
+    step_frame(logprobs=[[0, [f64(-1.0, -2.0), i32(0, 0), b"", b""]]]),
+    step_frame(logprobs=[[0, [f64(-1.0), i32(1), i32(3), b""]]]),
+    step_frame(logprobs=[[0, [f64(-1.0), i32(2), i32(3), f64(-1.0)]]]),
+    step_frame(logprobs=[[0, [f64(-1.0), i32(21), i32(*range(21)), f64(*[0.0] * 21)]]]),
+    step_frame(logprobs=[[0, [f64(math.nan), i32(0), b"", b""]]]),
+    step_frame(logprobs=[[0, [f64(math.inf), i32(0), b"", b""]]]),
+    step_frame(logprobs=[[0, [f64(-1.0), i32(-1), b"", b""]]]),
+    step_frame(logprobs=[[0, [f64(-1.0), i32(0), b"", b"", 5]]]),
+    step_frame(logprobs=[[1, [f64(-1.0), i32(0), b"", b""]]]),  # no request at that position
     msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, [1, 2, 3, 4, 5], True, ""]),
     msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, [1, 2, 3, 4, 5, -6], 1, ""]),
     msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, None, 1, ""]),
