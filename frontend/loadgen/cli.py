@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"loadgen: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(bench(args))
+        return run_event_loop(bench(args))
     except (httpx.HTTPError, OSError, TimeoutError, BackendError) as exc:
         where = args.address or args.url  # the target could not be reached or answered wrong
         print(f"loadgen: cannot run against {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+
+
+def run_event_loop(main: Any) -> int:
+    """asyncio.run on uvloop where it is installed: at hundreds of streams the client's own
+    event loop is a cost to keep below the server's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    runner_cls = getattr(asyncio, "Runner", None)  # Python 3.11+
+    if runner_cls is None:
+        return asyncio.run(main)
+    with runner_cls(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -256,12 +271,16 @@ class BenchRun:
         runs = []
         for i in range(self.args.repeat_runs):
             label = f"{point + ', ' if point else ''}run {i + 1}/{self.args.repeat_runs}"
+            cpu, wall = time.process_time(), time.perf_counter()
             records = await self.one_run(self.plan(arrival, concurrency, label))
+            client_cpu = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
             summary = summarize(records, self.args.slo)
             title = f"{self.args.backend}: {label}; {arrival.describe()}"
             if concurrency:
                 title += f", concurrency <= {concurrency}"
             print(format_summary(summary, title), flush=True)
+            # Near 100% the load generator, not the server, may be what sets the pace.
+            print(f"load generator CPU: {100 * client_cpu:.0f}% of one core", flush=True)
             runs.append(
                 {
                     "label": label,
