@@ -4,7 +4,10 @@ Byte-level BPE splits a multi-byte UTF-8 character across tokens, so decoding a 
 can give U+FFFD. IncrementalDetokenizer decodes a short window of recent tokens twice (without and
 with the new ones) and releases only the text the new tokens add once it no longer ends in U+FFFD;
 the window keeps the cost per step constant. flush() at the end reconciles with a full decode, so
-the concatenated deltas equal ``decode(all ids)`` exactly.
+the concatenated deltas equal ``decode(all ids)`` exactly. push() takes any number of tokens at
+once: the serving code hands it everything that arrived since its last flush (a coalesced SSE
+chunk, or --stream-interval tokens), so it decodes once per chunk rather than once per token, and
+flush() takes the last tokens itself so a response that streams nothing decodes once in all.
 
 StopStringMatcher sits after it: it holds back the longest suffix of the text that could still
 grow into a stop string, so no partial stop text is ever sent, and truncates at the first match.
@@ -46,8 +49,10 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
-    def flush(self) -> str:
-        """Release whatever remains so that ``text == decode(token_ids)`` exactly."""
+    def flush(self, token_ids: Sequence[int] = ()) -> str:
+        """Add the last ``token_ids`` and release whatever remains, so that
+        ``text == decode(token_ids)`` exactly (one full decode)."""
+        self.token_ids.extend(token_ids)
         final = self._decode(self.token_ids)
         if final.startswith(self.text):
             delta = final[len(self.text) :]
@@ -115,9 +120,15 @@ class TextStream:
     def push(self, token_ids: Sequence[int]) -> str:
         return self.matcher.feed(self.detok.push(token_ids))
 
-    def finish(self) -> str:
-        """The sequence ended: release the remaining text (no holdback, stop strings still cut)."""
-        return self.matcher.feed(self.detok.flush(), final=True)
+    def finish(self, token_ids: Sequence[int] = ()) -> str:
+        """The sequence ended with ``token_ids`` (not pushed yet): release the remaining text (no
+        holdback, stop strings still cut)."""
+        return self.matcher.feed(self.detok.flush(token_ids), final=True)
+
+    @property
+    def has_stop_strings(self) -> bool:
+        """Whether text must be decoded as tokens arrive, to catch a stop string early."""
+        return bool(self.matcher.stop)
 
     @property
     def stopped(self) -> bool:

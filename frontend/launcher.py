@@ -172,10 +172,11 @@ async def connect_engine(
     dead_after_s: float = 30.0,
     address: EngineAddress | None = None,
     curve: CurveClientKeys | None = None,
+    is_alive: Callable[[], bool] | None = None,
 ) -> AsyncEngine:
     """The frontend's engine connection, once the handshake succeeded: to ``proc``, or with
-    ``proc`` None to an engine someone else runs at ``address`` (its death is then seen only
-    as silence).
+    ``proc`` None to an engine at ``address`` that another process started; ``is_alive`` tells
+    whether that engine's process lives (without it, its death is seen only as silence).
 
     Fails fast with EngineDeadError if the process exits first, TimeoutError after ``timeout``.
     """
@@ -184,7 +185,8 @@ async def connect_engine(
     if proc is not None:
         engine = AsyncEngine(proc.address, proc.alive, dead_after_s, curve)
     else:
-        engine = AsyncEngine(address, dead_after_s=dead_after_s, curve=curve)
+        alive = is_alive or (lambda: True)
+        engine = AsyncEngine(address, alive, dead_after_s=dead_after_s, curve=curve)
     try:
         await engine.start(timeout)
     except BaseException:

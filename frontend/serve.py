@@ -11,7 +11,8 @@ uvicorn. The engine's raw ZMQ address is printed (and served at GET /v1/engine) 
 and then the engine; the engine also dies with this process if it is killed outright. If the
 engine dies, requests in flight fail with 503 and, with --restart-engine (the default), a new one
 is started (frontend/launcher.py). With --remote-engine nothing is spawned: the frontend connects
-to an engine already serving at --engine-address (with CURVE keys over tcp://).
+to an engine already serving at --engine-address (with CURVE keys over tcp://). With
+--api-servers N, N API processes share the port and the one engine (frontend/api_servers.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="sequences (prompts x n) admitted beyond what the engine runs at once "
-        "(--max-num-seqs); past that, 503 with Retry-After (default: 3 x --max-num-seqs)",
+        "(--max-num-seqs); past that, 503 with Retry-After. With --api-servers N each process "
+        "admits its N-th of --max-num-seqs + this (default: 3 x --max-num-seqs)",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -84,6 +86,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="seconds of engine silence after which requests in flight fail with 503 "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="tokens per SSE chunk: a streamed choice is sent once this many new tokens have "
+        "gathered (its first token and its end go out at once, and a client that falls behind "
+        "gets everything queued in one chunk); larger values cost the server less per token "
+        "at the price of smoothness (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--api-servers",
+        type=_positive_int,
+        default=1,
+        help="HTTP API processes in front of the one engine core, sharing --port (the kernel "
+        "spreads connections over them with SO_REUSEPORT), for when one Python process cannot "
+        "keep up with the streams. Each has its own /metrics (counters of the requests it "
+        "served; scrape each, or read the engine's gauges from any) and admits its share of "
+        "--max-num-seqs + --max-waiting-requests; responses carry x-tandem-api-server: INDEX. "
+        "Not with --data-parallel-size (default: %(default)s)",
+    )
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     add_client_args(parser)
@@ -93,8 +115,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine_core.loader import resolve_for_serving
     from frontend.engine_client import EngineDeadError
-    from frontend.launcher import EngineProcess, engine_flags
-    from protocol.address import EngineAddress, private_ipc_address
     from protocol.curve import client_keys_from_args
 
     logging.basicConfig(
@@ -106,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--remote-engine needs --engine-address")
         if curve is not None and not args.remote_engine:
             raise ValueError("the CURVE client keys are for --remote-engine")
+        if args.api_servers > 1 and args.data_parallel_size > 1:
+            raise ValueError("--api-servers and --data-parallel-size do not go together yet")
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -113,14 +135,12 @@ def run(args: argparse.Namespace) -> int:
         from frontend import data_parallel
 
         return data_parallel.run(args)
+    if args.api_servers > 1:  # several API processes: frontend/api_servers.py
+        from frontend import api_servers
+
+        return api_servers.run(args)
     engine_model, model_dir = resolve_for_serving(args.model)
-    if args.engine_address:
-        address, owns = EngineAddress.parse(args.engine_address), False
-    else:
-        address, owns = private_ipc_address(), True
-    proc = None
-    if not args.remote_engine:
-        proc = EngineProcess(engine_model, engine_flags(args), address, args.log_level, owns)
+    address, proc = plan_engine(args, engine_model)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so the finally below runs on SIGTERM too
     try:
         if proc is not None:
@@ -138,8 +158,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_engine(args: argparse.Namespace, engine_model: str) -> tuple[Any, Any]:
+    """The engine's address and, unless --remote-engine, its (not yet started) EngineProcess."""
+    from frontend.launcher import EngineProcess, engine_flags
+    from protocol.address import EngineAddress, private_ipc_address
+
+    if args.engine_address:
+        address, owns = EngineAddress.parse(args.engine_address), False
+    else:
+        address, owns = private_ipc_address(), True
+    proc = None
+    if not args.remote_engine:
+        proc = EngineProcess(engine_model, engine_flags(args), address, args.log_level, owns)
+    return address, proc
+
+
 def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 async def serve(
@@ -167,14 +209,7 @@ async def serve(
                 args.engine_timeout,
             )  # fmt: skip
             supervisor_task = asyncio.ensure_future(supervisor.run())
-        config = uvicorn.Config(
-            build_app(state),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level.lower(),
-            access_log=args.access_log,
-            timeout_graceful_shutdown=5,
-        )
+        config = uvicorn_config(args, build_app(state))
         announce(args, address, proc, engine)
         await uvicorn.Server(config).serve()
     finally:
@@ -185,6 +220,20 @@ async def serve(
         await (state.serving.engine if state is not None else engine).close()
 
 
+def uvicorn_config(args: argparse.Namespace, app: Any, **extra: Any) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=args.access_log,
+        timeout_graceful_shutdown=5,
+        **extra,
+    )
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -192,9 +241,18 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 
 def build(
-    args: argparse.Namespace, model_dir: Path, address: Any, proc: Any, engine: Any, hf_tok: Any
+    args: argparse.Namespace,
+    model_dir: Path,
+    address: Any,
+    proc: Any,
+    engine: Any,
+    hf_tok: Any,
+    share: tuple[int, int] = (0, 1),
 ) -> Any:
-    """The server's state: serving context (with the admission bound), engine info."""
+    """The server's state: serving context (with the admission bound), engine info.
+
+    ``share`` = (index, count) of this API process among --api-servers: it admits its part of
+    the bound (the parts add up to the whole, each at least 1)."""
     from frontend.admission import AdmissionGate
     from frontend.metrics import Metrics
     from frontend.server import ServerState
@@ -204,6 +262,7 @@ def build(
     name = args.served_model_name or args.model
     waiting = args.max_waiting_requests
     waiting = 3 * ready.max_num_seqs if waiting is None else max(waiting, 0)
+    limit = share_of(ready.max_num_seqs + waiting, *share)
     serving = ServingContext(
         engine=engine,
         tokenizer=Tokenizer(hf_tok),
@@ -211,12 +270,18 @@ def build(
         max_model_len=ready.max_model_len,
         vocab_size=ready.vocab_size,
         metrics=Metrics(name),
-        admission=AdmissionGate(ready.max_num_seqs + waiting),
+        admission=AdmissionGate(limit),
+        stream_interval=args.stream_interval,
     )
     info = {"address": str(address), "pid": proc.pid if proc else None, "model": name}
     return ServerState(
         serving, str(model_dir), args.api_key, info, max_body_bytes=args.max_body_bytes
     )
+
+
+def share_of(total: int, index: int, count: int) -> int:
+    """Part ``index`` of ``total`` split in ``count`` parts that differ by at most one."""
+    return max(1, total // count + (1 if index < total % count else 0))
 
 
 def announce(args: argparse.Namespace, address: Any, proc: Any, engine: Any) -> None:

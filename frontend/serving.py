@@ -3,6 +3,14 @@
 One HTTP request becomes ``len(prompts) * n`` engine requests sharing one queue. Each choice owns
 a TextStream (incremental detokenizer + stop strings); a matched stop string ends the choice and
 aborts it in the engine. Tokenization runs on a single worker thread, never on the event loop.
+
+Streaming costs per chunk, not per token: each wake-up takes every step output already queued for
+the request (a consumer that fell behind catches up in one chunk), and a choice is flushed only
+once ``--stream-interval`` new tokens have gathered since its last chunk, when it ends, or for its
+first token (so the interval never delays the time to first token). Text is decoded once per
+flush; only a choice with stop strings decodes each step's output as it comes, so that a match
+aborts the engine request as early as it can and the usage counts the same tokens however the
+outputs were batched. A non-streamed response flushes each choice once, at its end.
 """
 
 from __future__ import annotations
@@ -29,8 +37,6 @@ from frontend.engine_client import (
 from frontend.metrics import Metrics
 from frontend.protocol_openai import (
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
@@ -40,7 +46,6 @@ from frontend.protocol_openai import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     ErrorInfo,
     SamplingFields,
     TopLogprob,
@@ -162,6 +167,7 @@ class ServingContext:
     vocab_size: int
     metrics: Metrics
     admission: AdmissionGate = field(default_factory=AdmissionGate.unbounded)
+    stream_interval: int = 1  # tokens per SSE chunk and choice (--stream-interval)
 
     def admit(self, num_sequences: int) -> Admission:
         """Hold room for a request's sequences, or raise the 503 (or 400) that says why not."""
@@ -204,6 +210,10 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_at: float | None = None
+    ended: FinishReason | None = None  # the engine finished it; the text is not flushed yet
+    decoded: int = 0  # token_ids[:decoded] went through the detokenizer
+    sent: int = 0  # token_ids[:sent] (and their logprobs) went out in a flush
+    unsent_text: str = ""  # text the detokenizer released since the last flush
 
 
 @dataclass
@@ -216,15 +226,13 @@ class ChoiceDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
-    def merge(self, other: ChoiceDelta) -> None:
-        self.text += other.text
-        self.token_ids += other.token_ids
-        self.logprobs += other.logprobs
-        self.finish_reason = other.finish_reason or self.finish_reason
-
 
 class Generation:
-    """Drives one HTTP request's engine requests and turns their outputs into choice deltas."""
+    """Drives one HTTP request's engine requests and turns their outputs into choice deltas.
+
+    ``stream_interval``: flush a choice once this many new tokens have gathered (its first token
+    and its end are flushed at once); None flushes each choice only at its end (no streaming).
+    """
 
     def __init__(
         self,
@@ -235,11 +243,13 @@ class Generation:
         stop: list[str],
         request_id: str,
         arrival: float,
+        stream_interval: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.id = request_id  # the response id; engine requests are "{id}-{choice index}"
         self.arrival = arrival  # when the HTTP request came in: TTFT includes tokenization
         self.prompts = prompts
+        self.stream_interval = stream_interval
         self.choices = [
             Choice(i, prompts[i // n], TextStream(ctx.tokenizer.decode, stop))
             for i in range(len(prompts) * n)
@@ -258,8 +268,9 @@ class Generation:
                 pending = len(self.choices)
                 while pending:
                     deltas = self._apply_batch(group, await group.next_batch())
-                    pending -= sum(d.finish_reason is not None for d in deltas)
-                    yield deltas
+                    if deltas:
+                        pending -= sum(d.finish_reason is not None for d in deltas)
+                        yield deltas
         except (OpenAIError, EngineDeadError) as exc:
             cut = "error"  # ...the engine failed them
             raise as_openai_error(exc) from None
@@ -269,43 +280,83 @@ class Generation:
     def _apply_batch(
         self, group: RequestGroup, items: list[tuple[int, RequestOutput | Exception]]
     ) -> list[ChoiceDelta]:
-        merged: dict[int, ChoiceDelta] = {}
+        """Take in every queued output, then flush each choice they touched that is due."""
+        touched: dict[int, Choice] = {}
         for index, item in items:
             choice = self.choices[index]
             if choice.finish_reason is not None:
                 continue  # outputs that raced the abort after a stop string
             if isinstance(item, Exception):
                 raise as_openai_error(item)
-            delta = self._apply(group, choice, item)
-            if index in merged:
-                merged[index].merge(delta)
-            else:
-                merged[index] = delta
-        return list(merged.values())
+            self._receive(group, choice, item)
+            if choice.text.has_stop_strings:
+                # Step by step: a match ends the choice before its later outputs count.
+                self._decode(group, choice)
+            touched[index] = choice
+        deltas = (self._advance(group, c) for c in touched.values())
+        return [d for d in deltas if d is not None]
 
-    def _apply(self, group: RequestGroup, choice: Choice, out: RequestOutput) -> ChoiceDelta:
-        now = time.monotonic()
+    def _receive(self, group: RequestGroup, choice: Choice, out: RequestOutput) -> None:
+        """Record one step's tokens (no decoding here: that waits for the flush)."""
         new = out.new_token_ids
         if new and choice.first_token_at is None:
-            choice.first_token_at = now
-            self.ctx.metrics.record_first_token(now - self.arrival)
+            choice.first_token_at = time.monotonic()
+            self.ctx.metrics.record_first_token(choice.first_token_at - self.arrival)
         self.ctx.metrics.record_tokens(len(new))
         choice.token_ids += new
         choice.logprobs += out.logprobs or []
-        delta = ChoiceDelta(choice.index, choice.text.push(new), list(new), out.logprobs or [])
-        if choice.text.stopped:
-            group.stop(choice.index)
-            self._finish(choice, delta, "stop")
-        elif out.finish_reason is not None:
+        if out.finish_reason is not None:
             group.finished(choice.index)
             if out.finish_reason == FinishReason.ERROR:
                 raise OpenAIError(500, "the engine failed this request", "internal_error")
-            delta.text += choice.text.finish()
-            self._finish(choice, delta, out.finish_reason.openai_name)
+            choice.ended = out.finish_reason
+
+    def _advance(self, group: RequestGroup, choice: Choice) -> ChoiceDelta | None:
+        """The choice's flush, if one is due: decoded here, once for all its new tokens."""
+        due = self._due(choice)
+        if choice.finish_reason is None and (due or choice.ended is not None):
+            self._decode(group, choice)
+        if choice.finish_reason is None and not due:
+            return None
+        return self._flush(choice)
+
+    def _decode(self, group: RequestGroup, choice: Choice) -> None:
+        """Detokenize the tokens not decoded yet; end the choice on its end or a stop string."""
+        pending = choice.token_ids[choice.decoded :]
+        choice.decoded = len(choice.token_ids)
+        if choice.ended is not None:
+            choice.unsent_text += choice.text.finish(pending)
+            # A stop string that the last tokens completed wins over the engine's reason.
+            self._finish(choice, "stop" if choice.text.stopped else choice.ended.openai_name)
+            return
+        choice.unsent_text += choice.text.push(pending)
+        if choice.text.stopped:
+            group.stop(choice.index)
+            self._finish(choice, "stop")
+
+    def _due(self, choice: Choice) -> bool:
+        """Whether a streamed choice has gathered enough tokens for a chunk (or its first)."""
+        interval = self.stream_interval
+        if interval is None:
+            return False
+        unsent = len(choice.token_ids) - choice.sent
+        return unsent >= interval or (choice.sent == 0 and unsent > 0)
+
+    @staticmethod
+    def _flush(choice: Choice) -> ChoiceDelta:
+        start, choice.sent = choice.sent, len(choice.token_ids)
+        delta = ChoiceDelta(
+            choice.index,
+            choice.unsent_text,
+            choice.token_ids[start:],
+            choice.logprobs[start:],
+            choice.finish_reason,
+        )
+        choice.unsent_text = ""
         return delta
 
-    def _finish(self, choice: Choice, delta: ChoiceDelta, reason: str) -> None:
-        choice.finish_reason = delta.finish_reason = reason
+    def _finish(self, choice: Choice, reason: str) -> None:
+        choice.finish_reason = reason
         first = choice.first_token_at
         self.ctx.metrics.record_finished(
             reason,
@@ -429,7 +480,9 @@ async def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Gen
     for p in prompts:
         check_context(ctx, len(p), max_tokens, "prompt")
     params = params_per_choice(sampling_params(req, max_tokens, req.logprobs), req.n)
-    return Generation(ctx, prompts, params, req.n, req.stop_strings, random_id("cmpl"), arrival)
+    rid = random_id("cmpl")
+    interval = ctx.stream_interval if req.stream else None
+    return Generation(ctx, prompts, params, req.n, req.stop_strings, rid, arrival, interval)
 
 
 async def complete(ctx: ServingContext, req: CompletionRequest, gen: Generation) -> dict:
@@ -532,7 +585,9 @@ async def stream_completion(
 def _completion_delta(
     index: int, text: str, lp: CompletionLogprobs | None = None, finish: str | None = None
 ) -> dict:
-    return CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish).model_dump()
+    """CompletionChoice(...).model_dump() built directly: pydantic costs ~10 us a chunk."""
+    logprobs = None if lp is None else lp.model_dump()
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
@@ -550,7 +605,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Gener
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = params_per_choice(sampling_params(req, max_tokens, logprobs), req.n)
     rid = random_id("chatcmpl")
-    return Generation(ctx, [prompt], params, req.n, req.stop_strings, rid, arrival)
+    interval = ctx.stream_interval if req.stream else None
+    return Generation(ctx, [prompt], params, req.n, req.stop_strings, rid, arrival, interval)
 
 
 async def chat(ctx: ServingContext, req: ChatCompletionRequest, gen: Generation) -> dict:
@@ -595,26 +651,33 @@ async def stream_chat(
     rid = gen.id
     created = int(time.time())
 
-    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-        body = ChatCompletionChunk(
-            id=rid, created=created, model=ctx.served_model, choices=choices, usage=usage
-        ).model_dump()
-        for c in body["choices"]:  # OpenAI sends only the delta fields that are set
-            c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
-        if not req.include_usage:
-            body.pop("usage")
+    def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
+        # ChatCompletionChunk(...).model_dump() built directly: pydantic costs ~10 us a chunk.
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": ctx.served_model,
+            "choices": choices,
+        }
+        if req.include_usage:
+            body["usage"] = usage.model_dump() if usage else None
         return sse(body)
 
+    def part(index: int, delta: dict, lp: ChatLogprobs | None, finish: str | None) -> dict:
+        logprobs = None if lp is None else lp.model_dump()
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
     try:
-        role = DeltaMessage(role="assistant", content="")
-        yield chunk([ChatChunkChoice(index=c.index, delta=role) for c in gen.choices])
+        role = {"role": "assistant", "content": ""}
+        yield chunk([part(c.index, role, None, None) for c in gen.choices])
         async for deltas in gen.run():
             parts = [
-                ChatChunkChoice(
-                    index=d.index,
-                    delta=DeltaMessage(content=d.text or None),
-                    logprobs=chat_logprobs(ctx, d.token_ids, d.logprobs) if req.logprobs else None,
-                    finish_reason=d.finish_reason,
+                part(
+                    d.index,
+                    {"content": d.text} if d.text else {},  # OpenAI sends only the set fields
+                    chat_logprobs(ctx, d.token_ids, d.logprobs) if req.logprobs else None,
+                    d.finish_reason,
                 )
                 for d in deltas
                 if d.text or d.finish_reason or (req.logprobs and d.logprobs)

@@ -132,3 +132,46 @@ def test_stop_string_with_a_multibyte_character(tokenizer: Any) -> None:
     sent = "".join(stream.push([t]) for t in ids) + stream.finish()
     assert sent == "ready "
     assert stream.stopped
+
+
+# ---- runs of tokens of any length (a coalesced SSE chunk, or --stream-interval tokens), the
+# last run handed to finish() undecoded: the pieces reassemble the full decode, and a stop string
+# cuts the same text whatever the run lengths.
+
+
+def runs(ids: list[int], longest: int, rng: random.Random) -> list[list[int]]:
+    out, i = [], 0
+    while i < len(ids):
+        k = rng.randint(1, longest)
+        out.append(ids[i : i + k])
+        i += k
+    return out
+
+
+def stream_text(tokenizer: Any, ids: list[int], longest: int, seed: int, stop: list[str]) -> str:
+    """Push all runs but the last, then finish() with the last, as serving.Generation does."""
+    stream = TextStream(decode_fn(tokenizer), stop)
+    pieces = runs(ids, longest, random.Random(seed))
+    sent = [stream.push(p) for p in pieces[:-1] if not stream.stopped]
+    sent.append(stream.finish(pieces[-1]))
+    assert all("\ufffd" not in s for s in sent)
+    return "".join(sent)
+
+
+@pytest.mark.parametrize("longest", [1, 4, 16, 1000])
+@pytest.mark.parametrize("text", TEXTS)
+def test_runs_of_any_length_reassemble_the_full_decode(
+    tokenizer: Any, text: str, longest: int
+) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    for seed in range(5):
+        assert stream_text(tokenizer, ids, longest, seed, []) == want
+
+
+@pytest.mark.parametrize("longest", [1, 4, 1000])
+def test_a_stop_string_cuts_the_same_text_whatever_the_runs(tokenizer: Any, longest: int) -> None:
+    text = "Emoji: 🚀🔥 then STOP 🇫🇷 and more text after the stop."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for seed in range(5):
+        assert stream_text(tokenizer, ids, longest, seed, ["STOP 🇫"]) == "Emoji: 🚀🔥 then "
