@@ -118,3 +118,22 @@ def test_a_failed_request_is_counted_not_lost(server: Server, tmp_path: Path, ba
     assert s["errors"] == {bad["error"]: 1}
     assert all(r["output_tokens"] == 2 for r in run["requests"] if r["ok"])
     wait_engine_idle(server)
+
+
+def test_client_processes_share_one_run(server: Server, tmp_path: Path) -> None:
+    """Two client processes send one run between them; the parent gets every record back, on
+    one timeline (no record ends before its first token), each complete."""
+    argv = ["--backend", "openai-completions", "--url", server.base_url, "--client-processes", "2"]
+    rc, doc = bench([*argv, *SMALL], tmp_path / "pool.json")
+    assert rc == 0
+    reqs = check_complete_run(doc, None)
+    starts = sorted(r["submitted_at"] for r in reqs)
+    assert starts[-1] - starts[0] < 5.0  # both processes sent at once, on a shared clock
+    wait_engine_idle(server)
+
+
+def test_client_processes_refuse_what_they_cannot_do(tmp_path: Path) -> None:
+    rc = tandem_main(["bench", "--backend", "zmq", "--client-processes", "2"])
+    assert rc == 2
+    rc = tandem_main(["bench", "--client-processes", "2", "--request-rate", "5"])
+    assert rc == 2

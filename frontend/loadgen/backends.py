@@ -46,6 +46,12 @@ class Clock:
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
+    @property
+    def origin(self) -> float:
+        """The run's start on time.perf_counter's clock (CLOCK_MONOTONIC: one for all processes
+        on the machine, so client processes can share a timeline)."""
+        return self._t0
+
 
 @dataclass(frozen=True)
 class RequestOptions:

@@ -36,6 +36,7 @@ from frontend.loadgen.backends import (
 from frontend.loadgen.metrics import RequestRecord, Slo, format_summary, summarize
 from frontend.loadgen.runner import Backend, RunPlan, run_once
 from frontend.loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
+from frontend.loadgen.workers import ClientPool
 from frontend.loadgen.workload import LenRange, WorkloadConfig, build_workload
 
 
@@ -109,6 +110,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     rep.add_argument("--connect-timeout", type=float, default=60.0)
     rep.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    rep.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="HTTP: send from this many processes (request i from process i mod K), so that "
+        "at hundreds of streams the client's own Python is not what sets the pace; all-at-once "
+        "runs only (default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,6 +150,19 @@ def run_event_loop(main: Any) -> int:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if args.client_processes < 1:
+        raise ValueError("--client-processes must be >= 1")
+    if args.client_processes > 1 and (
+        args.backend == "zmq"
+        or not math.isinf(args.request_rate)
+        or args.interval is not None
+        or args.max_concurrency is not None
+        or args.sweep is not None
+    ):
+        raise ValueError(
+            "--client-processes applies to HTTP backends with all requests at once (no "
+            "--request-rate, --interval, --max-concurrency or --sweep)"
+        )
     if args.pretok and args.backend != "openai-completions":
         raise ValueError("--pretok applies to openai-completions only")
     if args.prompt is not None and args.dataset is not None:
@@ -200,9 +222,12 @@ def load_tokenizer(args: argparse.Namespace, backend: Backend) -> Any | None:
 async def bench(args: argparse.Namespace) -> int:
     clock = Clock()
     backend = await open_backend(args, clock)
+    pool = ClientPool(args, args.client_processes) if args.client_processes > 1 else None
     try:
+        if pool is not None:
+            await pool.start()
         tokenizer = await asyncio.to_thread(load_tokenizer, args, backend)
-        bench_run = BenchRun(args, backend, tokenizer)
+        bench_run = BenchRun(args, backend, tokenizer, pool)
         print(bench_run.describe(), flush=True)
         await bench_run.warm_up()
         if args.sweep is None:
@@ -211,6 +236,8 @@ async def bench(args: argparse.Namespace) -> int:
             runs = await bench_run.sweep(args.sweep)
     finally:
         await backend.close()
+        if pool is not None:
+            await pool.close()
     if args.result_json is not None:
         write_json(args.result_json, result_document(args, backend, runs))
         print(f"results: {args.result_json}")
@@ -220,10 +247,17 @@ async def bench(args: argparse.Namespace) -> int:
 class BenchRun:
     """Runs the workload against one backend: warm-ups, reported runs, sweep points."""
 
-    def __init__(self, args: argparse.Namespace, backend: Backend, tokenizer: Any | None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        backend: Backend,
+        tokenizer: Any | None,
+        pool: ClientPool | None = None,
+    ) -> None:
         self.args = args
-        self.backend = backend
+        self.backend = backend  # the parent's: model name, vocabulary; sends unless a pool does
         self.tokenizer = tokenizer
+        self.pool = pool
         self.next_index = 0  # every run, warm-ups included, gets fresh random prompts
         self.workload = WorkloadConfig(
             num_requests=args.num_requests,
@@ -250,6 +284,8 @@ class BenchRun:
         index, self.next_index = self.next_index, self.next_index + 1
         vocab = getattr(self.backend, "vocab", None) if self.tokenizer is None else None
         specs = build_workload(self.workload, index, self.backend.wants_ids, self.tokenizer, vocab)
+        if self.pool is not None:
+            return await self.pool.run(specs, index)
         return await run_once(self.backend, specs, plan, index)
 
     def plan(self, arrival: Arrival, concurrency: int | None, label: str) -> RunPlan:
@@ -280,7 +316,15 @@ class BenchRun:
                 title += f", concurrency <= {concurrency}"
             print(format_summary(summary, title), flush=True)
             # Near 100% the load generator, not the server, may be what sets the pace.
-            print(f"load generator CPU: {100 * client_cpu:.0f}% of one core", flush=True)
+            if self.pool is not None:
+                busiest = self.pool.busiest_cpu_share
+                print(
+                    f"load generator CPU: {100 * busiest:.0f}% of one core "
+                    f"(the busiest of {self.pool.count} client processes)",
+                    flush=True,
+                )
+            else:
+                print(f"load generator CPU: {100 * client_cpu:.0f}% of one core", flush=True)
             runs.append(
                 {
                     "label": label,

@@ -1,0 +1,171 @@
+"""Client processes for the load generator (`--client-processes K`).
+
+At a few hundred HTTP streams one Python process of httpx spends as long building requests and
+parsing SSE as the server spends serving them, so the client's own event loop delays the times it
+stamps (a first token the server wrote at once is read late). With K client processes the parent
+still builds every run's workload and reports it; each worker process sends its share (request i
+goes to worker i mod K) over its own connection pool and sends back its records.
+
+Parent and workers speak JSON lines over the workers' stdin and stdout (plain values, no pickle):
+
+    parent -> worker   {"args": {...}}                       once: the backend's settings
+    worker -> parent   {"ready": true} | {"error": "..."}
+    parent -> worker   {"run": INDEX, "specs": [...]}        one per run (warm-ups included)
+    worker -> parent   {"t0": T, "cpu_s": S, "records": [...]}
+
+``t0`` is the worker's run start on CLOCK_MONOTONIC (``time.perf_counter`` on Linux, one clock for
+every process on the machine), so the parent puts all records on the earliest worker's timeline.
+Runs are all-at-once bursts: every worker starts its share as soon as the parent's line arrives,
+within a millisecond of the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from frontend.loadgen.arrival import Arrival
+from frontend.loadgen.backends import Clock
+from frontend.loadgen.metrics import RequestRecord
+from frontend.loadgen.runner import RunPlan, run_once
+from frontend.loadgen.workload import RequestSpec
+
+# The flags a worker's backend needs; everything else stays with the parent.
+_BACKEND_ARGS = (
+    "backend", "url", "address", "api_key", "model", "temperature", "ignore_eos", "pretok",
+    "request_timeout", "connect_timeout",
+)  # fmt: skip
+_LINE_LIMIT = 1 << 30  # a run's specs travel as one line: room for long prompts
+
+
+class ClientPool:
+    """K worker processes; ``run`` sends a run's specs round-robin and merges their records."""
+
+    def __init__(self, args: argparse.Namespace, count: int) -> None:
+        self.count = count
+        self.settings = {name: getattr(args, name) for name in _BACKEND_ARGS}
+        self.settings["num_requests"] = -(-args.num_requests // count)  # its pool size
+        self._procs: list[asyncio.subprocess.Process] = []
+        self.busiest_cpu_share = 0.0  # the last run's most loaded worker (CPU s / wall s)
+
+    async def start(self) -> None:
+        for _ in range(self.count):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "frontend.loadgen.workers",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                limit=_LINE_LIMIT, cwd=str(Path(__file__).resolve().parents[2]),
+            )  # fmt: skip
+            self._procs.append(proc)
+            await _send(proc, {"args": self.settings})
+        for proc in self._procs:
+            reply = await _receive(proc)
+            if "error" in reply:
+                raise RuntimeError(f"a client process could not start: {reply['error']}")
+
+    async def run(self, specs: list[RequestSpec], run_index: int) -> list[RequestRecord]:
+        """Send ``specs`` from all workers at once; one record per spec, in spec order."""
+        shares = [specs[i :: self.count] for i in range(self.count)]
+        for proc, share in zip(self._procs, shares, strict=True):
+            payload = [dataclasses.asdict(s) for s in share]
+            await _send(proc, {"run": run_index, "specs": payload})
+        replies = [await _receive(proc) for proc in self._procs]
+        t0 = min(r["t0"] for r in replies)
+        records: list[RequestRecord | None] = [None] * len(specs)
+        for w, reply in enumerate(replies):
+            for j, fields in enumerate(reply["records"]):
+                records[w + j * self.count] = _shifted(fields, reply["t0"] - t0)
+        self.busiest_cpu_share = max(r["cpu_share"] for r in replies)
+        assert all(r is not None for r in records), "a worker lost a record"
+        return [r for r in records if r is not None]
+
+    async def close(self) -> None:
+        for proc in self._procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in self._procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+def _shifted(fields: dict[str, Any], offset: float) -> RequestRecord:
+    """A worker's record on the common timeline (every time ``offset`` seconds later)."""
+    rec = RequestRecord(**fields)
+    rec.scheduled_at += offset
+    if rec.submitted_at is not None:
+        rec.submitted_at += offset
+    rec.chunk_times = [t + offset for t in rec.chunk_times]
+    if rec.ended_at is not None:
+        rec.ended_at += offset
+    return rec
+
+
+async def _send(proc: asyncio.subprocess.Process, message: dict[str, Any]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(message).encode() + b"\n")
+    await proc.stdin.drain()
+
+
+async def _receive(proc: asyncio.subprocess.Process) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = await proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"a client process exited (status {await proc.wait()})")
+    return json.loads(line)
+
+
+# ---- the worker process -------------------------------------------------------------------------
+
+
+async def serve_runs() -> None:
+    """Read settings, open the backend, then answer each run with its records until EOF."""
+    from frontend.loadgen.cli import open_backend
+
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=_LINE_LIMIT)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    settings = json.loads(await reader.readline())["args"]
+    args = argparse.Namespace(**settings, max_concurrency=None, sweep=None)
+    clock = Clock()
+    try:
+        backend = await open_backend(args, clock)
+    except Exception as exc:  # reported to the parent, which stops the benchmark
+        _reply({"error": f"{type(exc).__name__}: {exc}"})
+        return
+    _reply({"ready": True})
+    plan = RunPlan(Arrival("burst"), None, args.request_timeout, progress=False)
+    try:
+        while line := await reader.readline():
+            message = json.loads(line)
+            specs = [RequestSpec(**s) for s in message["specs"]]
+            cpu, wall = time.process_time(), time.perf_counter()
+            records = await run_once(backend, specs, plan, message["run"])
+            cpu_share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
+            _reply(
+                {
+                    "t0": clock.origin,
+                    "cpu_share": cpu_share,
+                    "records": [dataclasses.asdict(r) for r in records],
+                }
+            )
+    finally:
+        await backend.close()
+
+
+def _reply(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    from frontend.loadgen.cli import run_event_loop
+
+    run_event_loop(serve_runs())
