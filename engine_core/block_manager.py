@@ -18,6 +18,7 @@ so a block's hash names the whole prefix up to its end.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,7 +61,10 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # evictable, oldest first
         self._hash_to_block: dict[int, int] = {}
-        self._tables: dict[str, list[int]] = {}
+        # Block tables as int32 arrays, not lists: the scheduler copies each running request's
+        # table every step and the runner flattens them all, both a memcpy for an array but a
+        # per-element conversion for a list (thousands of ids a step at a large batch).
+        self._tables: dict[str, array[int]] = {}
         # Chain hashes of the request's leading full blocks that are already accounted for.
         self._chain: dict[str, list[int]] = {}
 
@@ -86,7 +90,11 @@ class BlockManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table (empty when it holds no blocks)."""
-        return list(self._tables.get(request_id, ()))
+        return self._tables.get(request_id, _EMPTY_TABLE).tolist()
+
+    def block_table(self, request_id: str) -> array[int]:
+        """A copy of the request's block table as an int32 array (what a step's plan carries)."""
+        return self._tables.get(request_id, _EMPTY_TABLE)[:]
 
     # --------------------------------------------------------------------------- allocation
 
@@ -100,7 +108,7 @@ class BlockManager:
         rid = request.request_id
         if self._tables.get(rid):
             raise ValueError(f"request {rid!r} already holds blocks")
-        table: list[int] = []
+        table = _new_table()
         chain: list[int] = []
         self._tables[rid], self._chain[rid] = table, chain
         if not self.enable_prefix_caching:
@@ -124,8 +132,12 @@ class BlockManager:
         Returns False, changing nothing, when free plus evictable blocks are too few.
         """
         rid = request.request_id
-        table = self._tables.get(rid, [])
+        table = self._tables.get(rid)
         num_tokens = request.num_computed_tokens + num_new_tokens
+        if table is not None and num_tokens <= len(table) * self.block_size:
+            return True  # the common decode step: the last block still has room
+        if table is None:
+            table = _new_table()
         num_needed = -(-num_tokens // self.block_size) - len(table)
         if num_needed > len(self._free) + len(self._cached):
             return False
@@ -140,10 +152,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         chain = self._chain[request.request_id]
-        table = self._tables[request.request_id]
-        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_computed_tokens, len(request.token_ids)) // self.block_size
         if num_full <= len(chain):
-            return
+            return  # most steps: no block became full
+        table = self._tables[request.request_id]
         parent = chain[-1] if chain else ROOT_HASH
         start = len(chain) * self.block_size
         for tokens in self._full_blocks(request.token_ids[start:], num_full - len(chain)):
@@ -158,7 +170,7 @@ class BlockManager:
         Blocks are released tail first, so the tail of a prefix is the first to be evicted and
         the shared head of a prefix stays longest.
         """
-        table = self._tables.pop(request_id, [])
+        table = self._tables.pop(request_id, _EMPTY_TABLE)
         self._chain.pop(request_id, None)
         for block_id in reversed(table):
             block = self._blocks[block_id]
@@ -246,6 +258,13 @@ class BlockManager:
             _require(block.ref_count == 0 and block.hash is not None, f"cached block {bid} bad")
         else:
             _require(block.ref_count > 0, f"block {bid} leaked: unused yet neither free nor cached")
+
+
+_EMPTY_TABLE: array[int] = array("i")  # never mutated: the default of lookups
+
+
+def _new_table() -> array[int]:
+    return array("i")
 
 
 def _require(condition: bool, message: str) -> None:

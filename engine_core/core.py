@@ -20,7 +20,6 @@ import logging
 from engine_core.config import EngineConfig
 from engine_core.model_runner import LaunchedStep, ModelRunner
 from engine_core.request import EngineOutput, Request
-from engine_core.sampler import has_penalties
 from engine_core.scheduler import Scheduler
 from engine_core.step_stats import StepStats
 from protocol.messages import Stats, TokenLogprobs
@@ -56,7 +55,7 @@ class EngineCore:
         if any(not 0 <= t < vocab for t in request.params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
         self.scheduler.add_request(request)
-        if has_penalties(request.params):
+        if request.uses_penalties:
             self._penalised.add(request.request_id)
 
     def abort(self, request_ids: list[str]) -> list[Request]:

@@ -89,22 +89,17 @@ class InputBatch:
         ``prev_rows`` maps a request id to its row in ``prev_sampled`` [S_prev] (the previous
         step's sampled ids, still on the device).
         """
-        # One pass over the requests into flat lists of Python ints, then numpy on the whole
-        # batch: no numpy array per request.
-        requests: list[Request] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        widths: list[int] = []
+        # The requests' fields into flat lists of Python ints (one comprehension each: cheaper
+        # than one loop of appends), then numpy on the whole batch: no numpy array per request.
+        scheduled = plan.scheduled
+        requests = [s.request for s in scheduled]
+        starts = [s.start for s in scheduled]
+        lens = [s.num_new_tokens for s in scheduled]
+        widths = [len(s.block_ids) for s in scheduled]
         tables = array.array("i")
-        sample_seqs: list[int] = []
-        for i, s in enumerate(plan.scheduled):
-            requests.append(s.request)
-            starts.append(s.start)
-            lens.append(s.num_new_tokens)
-            widths.append(len(s.block_ids))
-            tables.extend(s.block_ids)
-            if s.samples:
-                sample_seqs.append(i)
+        for s in scheduled:
+            tables.extend(s.block_ids)  # a memcpy for the block manager's int32 arrays
+        sample_seqs = [i for i, s in enumerate(scheduled) if s.samples]
         if len(requests) == sum(lens):  # decode only: one token each
             tokens = [r.token_ids[start] for r, start in zip(requests, starts, strict=True)]
         else:
@@ -135,18 +130,24 @@ class InputBatch:
         sampling: list[Request],
         out_positions: list[int],
     ) -> PackedInputs:
+        # Each numpy call costs microseconds whatever its size, so the decode-only batch (one
+        # token per sequence) takes shortcuts, and maxima of short lists are taken in Python.
         starts = np.array(start_list, dtype=np.int64)  # [B]
         lens = np.array(len_list, dtype=np.int64)  # [B]
-        widths = np.array(width_list, dtype=np.int64)  # [B]
         tokens = np.array(token_list, dtype=np.int64)  # [T]
         num_seqs, num_tokens, num_sampling = len(starts), len(tokens), len(sampling)
-        query_start = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
-        np.cumsum(lens, out=query_start[1:])
+        decode_only = num_tokens == num_seqs
+        if decode_only:
+            query_start = np.arange(num_seqs + 1, dtype=np.int64)  # [B + 1]
+        else:
+            query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(lens, out=query_start[1:])
+        last = query_start[1:] - 1  # [B] the token row of each sequence's last token
         # Placeholders (ids still on the device) can only be the last token of a chunk.
-        waiting = np.flatnonzero(tokens[query_start[1:] - 1] < 0)  # [G] sequence indices
-        gather_dst = (query_start[1:] - 1)[waiting]  # [G] token rows
+        waiting = np.flatnonzero(tokens[last] < 0)  # [G] sequence indices
+        gather_dst = last[waiting]  # [G] token rows
         gather_src = _prev_rows_of(prev_rows, requests, waiting.tolist())
-        num_gather, width = len(waiting), int(widths.max())
+        num_gather, width = len(waiting), max(width_list)
         layout = _Layout(num_tokens, num_seqs, num_sampling, num_gather, width)
         host = self._host_buffer(layout.nbytes)
 
@@ -155,7 +156,7 @@ class InputBatch:
             return host[start : start + count * dtype.itemsize].view(dtype)
 
         seq_lens = starts + lens  # [B]
-        if num_tokens == num_seqs:  # decode only: one token per sequence
+        if decode_only:
             seq_of_token = np.arange(num_seqs)
             positions = starts
         else:
@@ -163,9 +164,10 @@ class InputBatch:
             positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], lens)
         block_tables = view("block_tables").reshape(num_seqs, width)  # [B, W] int32
         flat_tables = np.frombuffer(tables, dtype=np.int32)
-        if (widths == width).all():
+        if len(flat_tables) == num_seqs * width:  # every table is as wide as the widest
             block_tables[:] = flat_tables.reshape(num_seqs, width)
         else:
+            widths = np.array(width_list, dtype=np.int64)  # [B]
             block_tables.fill(0)
             rows = np.repeat(np.arange(num_seqs), widths)
             cols = np.arange(len(flat_tables)) - np.repeat(np.cumsum(widths) - widths, widths)
@@ -176,7 +178,8 @@ class InputBatch:
         slots = view("slot_mapping")
         np.multiply(block_tables[seq_of_token, positions // bs].astype(np.int64), bs, out=slots)
         slots += positions % bs
-        view("logits_indices")[:] = query_start[1:][sample_seqs] - 1
+        # Every sequence samples in a steady decode batch: sample_seqs is then 0..B-1.
+        view("logits_indices")[:] = last if num_sampling == num_seqs else last[sample_seqs]
         view("gather_dst")[:] = gather_dst
         view("gather_src")[:] = gather_src
         view("query_start_loc")[:] = query_start
@@ -203,7 +206,7 @@ class InputBatch:
             query_start_loc=device_view("query_start_loc"),
             seq_lens=device_view("seq_lens"),
             block_tables=device_view("block_tables").view(num_seqs, width),
-            max_query_len=int(lens.max()),
+            max_query_len=max(len_list),
             max_seq_len=max(seq_lens_list),
             query_start_loc_cpu=query_start_list,
             seq_lens_cpu=seq_lens_list,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
@@ -38,6 +39,17 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        # Read by the sampler for every row of every step, so derived once here; they cannot go
+        # stale: SamplingParams is frozen and a request's params are never replaced.
+        self.uses_penalties = has_penalties(self.params)
+        # Its token is the argmax of the raw logits: greedy, and no penalty, min_tokens mask or
+        # logprobs to compute on the way.
+        self.argmax_only = (
+            self.params.greedy
+            and not self.uses_penalties
+            and self.params.min_tokens == 0
+            and self.params.logprobs is None
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +68,15 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    """True when the request's logits depend on its previous tokens (read on the host)."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's part in a step: compute ``num_new_tokens`` tokens from ``start``.
@@ -66,12 +87,14 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
-    block_ids: list[int]  # the request's whole block table (read-only for the runner)
+    block_ids: Sequence[int]  # the request's whole block table, a copy (int32 array or list)
     start: int  # where the chunk begins: the request's num_computed_tokens when planned
     samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
 
     @classmethod
-    def plan(cls, request: Request, num_new_tokens: int, block_ids: list[int]) -> ScheduledRequest:
+    def plan(
+        cls, request: Request, num_new_tokens: int, block_ids: Sequence[int]
+    ) -> ScheduledRequest:
         """The chunk of ``num_new_tokens`` tokens that starts at the request's computed ones."""
         start = request.num_computed_tokens
         samples = start + num_new_tokens == len(request.token_ids)

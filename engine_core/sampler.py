@@ -72,10 +72,14 @@ class Sampler:
         (default: ``request.num_output_tokens``, the next one). With overlap the request may
         already hold placeholders of steps planned after this one, so the runner passes them.
         """
+        logits = logits[:, : self.vocab_size].float()  # [B, V]
+        if all(r.argmax_only for r in requests):
+            # The common serving batch: skip building the per-row lists of every stage below,
+            # which would all leave the logits as they are.
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
         if output_positions is None:
             output_positions = [r.num_output_tokens for r in requests]
-        logits = logits[:, : self.vocab_size].float()  # [B, V]
-        if any(has_penalties(r.params) for r in requests):
+        if any(r.uses_penalties for r in requests):
             logits = apply_penalties(logits, requests)
         logits = apply_min_tokens(logits, requests, self.eos_token_ids, output_positions)
         token_ids = self._sample(logits, requests, output_positions)
@@ -308,11 +312,6 @@ def _gather_logprobs(
     top_n = min(max(0, *asked), logits.shape[1])
     top_logprobs, top_token_ids = logprobs.topk(top_n, dim=-1)  # [B, N] each, sorted
     return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs)
-
-
-def has_penalties(params: SamplingParams) -> bool:
-    """True when the request's logits depend on its previous tokens (read on the host)."""
-    return params.repetition_penalty != 1.0 or _has_output_penalty(params)
 
 
 def _has_output_penalty(params: SamplingParams) -> bool:

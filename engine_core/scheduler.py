@@ -145,9 +145,13 @@ class Scheduler:
         length: planning another step for it would be wasted, and could ask for a block past
         max_model_len. Without a pending token it is never skipped (else it could wait forever).
         """
-        return request.token_ids[-1] == PLACEHOLDER and (
-            request.num_output_tokens >= request.params.max_tokens
-            or request.num_tokens >= self.max_model_len
+        token_ids = request.token_ids
+        if token_ids[-1] != PLACEHOLDER:
+            return False
+        num_tokens = len(token_ids)
+        return (
+            num_tokens - request.num_prompt_tokens >= request.params.max_tokens
+            or num_tokens >= self.max_model_len
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
@@ -197,7 +201,7 @@ class Scheduler:
         return num_new
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
-        block_ids = self.block_manager.block_ids(request.request_id)
+        block_ids = self.block_manager.block_table(request.request_id)
         scheduled = ScheduledRequest.plan(request, num_new, block_ids)
         output.scheduled.append(scheduled)
         if self.async_scheduling:
@@ -261,10 +265,11 @@ class Scheduler:
         recomputes its KV when it is admitted again.
         """
         request = scheduled.request
-        if request.is_finished:
+        status = request.status
+        if status == RequestStatus.FINISHED:
             return None  # finished or aborted while this step ran: its row is void
         end = scheduled.start + scheduled.num_new_tokens
-        if request.status == RequestStatus.RUNNING:
+        if status == RequestStatus.RUNNING:
             # Tokens [0, end) are real and their KV is in (or on its way to) the cache.
             self.block_manager.cache_computed_blocks(request, end)
         if token is None:
