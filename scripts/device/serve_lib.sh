@@ -1,0 +1,58 @@
+# Shared by the serving_*.sh scripts (source it after setting what differs from the defaults
+# below): the common settings, start and stop `tandem serve`, run the load generator, read the
+# servers' own TTFT. Runs on the GPU machine from the repository root; results go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0  # NVLink multicast off on the lent machines
+MODEL=${MODEL:-random:llama-1b}
+N=${N:-256}  # concurrent requests
+PORT=${PORT:-8011}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-2048}
+URL=http://127.0.0.1:$PORT
+
+serve() {  # serve NAME FLAGS...: start `tandem serve` and wait until /health answers
+  local name=$1; shift
+  python3 -m frontend.cli serve --model "$MODEL" --port "$PORT" --max-model-len "$MAX_MODEL_LEN" \
+    "$@" > "$OUT/serve-$name.log" 2>&1 &
+  SERVER=$!
+  python3 - "$URL" <<'PY' || { echo "server $name did not come up"; tail -5 "$OUT/serve-$name.log"; }
+import sys, time, httpx
+for _ in range(240):
+    try:
+        if httpx.get(sys.argv[1] + "/health", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+PY
+}
+
+stop() { kill -TERM "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null; sleep 1; }
+
+bench() {  # bench NAME BACKEND OUTPUT_LEN [LOADGEN FLAGS...]: one loadgen run, one summary line
+  local name=$1 backend=$2 olen=$3; shift 3
+  timeout 150 ${LG_PREFIX:-} python3 scripts/loadgen.py --ignore-eos -n "$N" --input-len 128 --output-len "$olen" \
+    --warmup-runs 1 --tokenizer "${TANDEM_TOKENIZER_DIR:-.tok}" --no-progress --url "$URL" \
+    --backend "$backend" --result-json "$OUT/lg-$name.json" "$@" > "$OUT/lg-$name.log" 2>&1
+  echo "$name: $(grep -E 'Failed requests|Output token throughput|Median TTFT|P99 TTFT|Median TPOT|load generator CPU' \
+    "$OUT/lg-$name.log" | tr -s ' ' | paste -sd ';')"
+}
+
+server_ttft() {  # the API processes' own mean TTFT (arrival at the frontend to first token)
+  python3 - "$URL" <<'PY'
+import re, sys, httpx
+seen = {}
+for _ in range(64):  # new connections land on different API processes (SO_REUSEPORT)
+    with httpx.Client() as c:
+        r = c.get(sys.argv[1] + "/metrics")
+    who = r.headers.get("x-tandem-api-server", "0")
+    s = re.search(r"^tandem_time_to_first_token_seconds_sum\S* (\S+)", r.text, re.M)
+    n = re.search(r"^tandem_time_to_first_token_seconds_count\S* (\S+)", r.text, re.M)
+    if s and n and float(n.group(1)):
+        seen[who] = (float(s.group(1)), float(n.group(1)))
+print("server-side mean TTFT by API process (all runs so far): " + ", ".join(
+    f"{k}: {1e3 * s / n:.0f} ms over {n:.0f}" for k, (s, n) in sorted(seen.items())))
+PY
+}
