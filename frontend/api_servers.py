@@ -1,11 +1,12 @@
-"""Several HTTP API processes in front of one engine core (`tandem serve --api-servers N`).
+"""Several HTTP API processes in front of the engine core(s) (`tandem serve --api-servers N`).
 
 One Python process parses JSON, detokenizes and writes SSE for every stream it serves; at a few
 hundred concurrent streams that process, not the engine, sets the pace. With --api-servers N the
 parent process
 
-- starts the engine core as `tandem serve` does (and restarts it when it dies, --restart-engine),
-  and writes its pid to a file that the API processes read to see its death at once;
+- starts the engine core as `tandem serve` does, or with --data-parallel-size M the M engine
+  cores of frontend/data_parallel.py, restarts each when it dies (--restart-engine), and writes
+  each one's pid to a file that the API processes read to see its death at once;
 - binds the HTTP port once per API process (see ``bind_sockets``) and starts N API processes,
   `python -m frontend.api_servers`, each handed its socket's fd and its settings on stdin (the
   settings hold the API key: never argv, which any local user can read in ps);
@@ -17,7 +18,10 @@ parent process
 
 Each API process is the usual frontend with its own engine connection, i.e. its own ZMQ identity:
 the engine's ROUTER routes each step's outputs to the process that sent the request, exactly as it
-serves a `tandem client` beside the frontend. Per process, not shared: /metrics (the counters of
+serves a `tandem client` beside the frontend. With several engine cores each API process connects
+to all of them and routes its requests over them through an EnginePool, by its own count of
+outstanding requests (the kernel spreads connections evenly over the API processes, so every
+process sees about the same share of the load). Per process, not shared: /metrics (the counters of
 the requests it served; the engine gauges are the engine's, so any process shows them) and the
 admission gate (its share of --max-num-seqs + --max-waiting-requests). Each response carries
 ``x-tandem-api-server: INDEX``.
@@ -38,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +154,46 @@ class EngineWatch:
             self.pid_file.write(self.proc.pid)
 
 
+@dataclass
+class EngineSpec:
+    """One engine core behind the API processes: its address and, unless it is remote, the
+    process the parent runs for it and the file that publishes that process's pid."""
+
+    address: Any
+    proc: EngineProcess | None = None
+    pid_file: EnginePidFile | None = None
+
+    def start(self) -> None:
+        if self.proc is not None and self.pid_file is not None:
+            self.proc.start()
+            assert self.proc.pid is not None
+            self.pid_file.write(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+def plan_engines(args: argparse.Namespace, engine_model: str, run_dir: Path) -> list[EngineSpec]:
+    """The engine cores to serve: the one of `tandem serve` (perhaps remote), or the
+    --data-parallel-size ones; none started yet."""
+    from frontend.serve import plan_engine
+
+    if args.data_parallel_size > 1:
+        from frontend.data_parallel import start_processes
+
+        procs = start_processes(args, engine_model)
+    else:
+        address, proc = plan_engine(args, engine_model)
+        if proc is None:
+            return [EngineSpec(address)]
+        procs = [proc]
+    return [
+        EngineSpec(p.address, p, EnginePidFile(run_dir / f"engine{i}.pid"))
+        for i, p in enumerate(procs)
+    ]
+
+
 # ---- the API processes, seen from the parent --------------------------------------------------
 
 
@@ -236,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     """`tandem serve` with --api-servers > 1 (called by frontend/serve.py)."""
     from engine_core.loader import resolve_for_serving
     from frontend.engine_client import EngineDeadError
-    from frontend.serve import _exit_on_signal, plan_engine
+    from frontend.serve import _exit_on_signal
 
     try:
         sockets = bind_sockets(args.host, args.port, args.api_servers)
@@ -244,27 +289,24 @@ def run(args: argparse.Namespace) -> int:
         logger.error("cannot listen on %s port %s: %s", args.host, args.port, exc)
         return 1
     engine_model, model_dir = resolve_for_serving(args.model)
-    address, proc = plan_engine(args, engine_model)
-    run_dir = Path(tempfile.mkdtemp(prefix="tandem-api-"))  # 0700: only we read the pid
-    pid_file = EnginePidFile(run_dir / "engine.pid") if proc is not None else None
-    settings = child_settings(args, model_dir, address, pid_file)
+    run_dir = Path(tempfile.mkdtemp(prefix="tandem-api-"))  # 0700: only we read the pids
+    engines = plan_engines(args, engine_model, run_dir)
+    settings = child_settings(args, model_dir, engines)
     servers = [ApiServerProcess(i, sock, settings) for i, sock in enumerate(sockets)]
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so the finally below runs on SIGTERM too
     try:
-        if proc is not None:
-            proc.start()
-            assert pid_file is not None and proc.pid is not None
-            pid_file.write(proc.pid)
-        asyncio.run(supervise(args, proc, address, servers, pid_file))
+        for engine in engines:  # they load in parallel
+            engine.start()
+        asyncio.run(supervise(args, engines, servers))
     except (KeyboardInterrupt, SystemExit):
         pass
     except (EngineDeadError, TimeoutError) as exc:
-        logger.error("the engine core did not come up: %s", exc)
+        logger.error("an engine core did not come up: %s", exc)
         return 1
     finally:
-        stop_api_servers(servers)  # first: their requests end before the engine goes
-        if proc is not None:
-            proc.stop()
+        stop_api_servers(servers)  # first: their requests end before the engines go
+        for engine in engines:
+            engine.stop()
         for sock in sockets:
             sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -273,79 +315,90 @@ def run(args: argparse.Namespace) -> int:
 
 
 def child_settings(
-    args: argparse.Namespace, model_dir: Path, address: Any, pid_file: EnginePidFile | None
+    args: argparse.Namespace, model_dir: Path, engines: list[EngineSpec]
 ) -> dict[str, Any]:
-    """What every API process needs, as JSON: the flags and where the engine is."""
+    """What every API process needs, as JSON: the flags and where the engine cores are."""
     flags = {k: v for k, v in vars(args).items() if not callable(v)}
     return {
         "args": flags,
         "count": args.api_servers,
         "parent_pid": os.getpid(),
         "model_dir": str(model_dir),
-        "engine_address": str(address),
-        "engine_pid_file": str(pid_file.path) if pid_file is not None else None,
+        "engines": [
+            {
+                "address": str(e.address),
+                "pid_file": str(e.pid_file.path) if e.pid_file is not None else None,
+            }
+            for e in engines
+        ],
     }
 
 
 async def supervise(
-    args: argparse.Namespace,
-    proc: EngineProcess | None,
-    address: Any,
-    servers: list[ApiServerProcess],
-    pid_file: EnginePidFile | None,
+    args: argparse.Namespace, engines: list[EngineSpec], servers: list[ApiServerProcess]
 ) -> None:
-    """Start the API processes (they load while the engine does), wait for the engine's
-    handshake, then keep the API processes and the engine running until a signal."""
+    """Start the API processes (they load while the engines do), wait for every engine's
+    handshake, then keep the API processes and the engines running until a signal."""
+    from frontend.data_parallel import EnginePool
     from frontend.launcher import EngineSupervisor, connect_engine
     from protocol.curve import client_keys_from_args
 
     tasks = [asyncio.ensure_future(keep_running(s)) for s in servers]
-    watch = None
+    connections: list[Any] = []  # the parent's own, one per engine: handshakes and restarts
+    watches: list[EngineWatch] = []
     try:
         curve = client_keys_from_args(args)
-        engine = await connect_engine(
-            proc, args.engine_start_timeout, args.engine_timeout, address, curve
-        )
-        if proc is not None and pid_file is not None:
-            watch = EngineWatch(engine, proc, pid_file)
+        for spec in engines:  # they load in parallel; the handshakes just wait for each in turn
+            engine = await connect_engine(
+                spec.proc, args.engine_start_timeout, args.engine_timeout, spec.address, curve
+            )
+            connections.append(engine)
+            if spec.proc is None or spec.pid_file is None:
+                continue  # a remote engine: the parent needs only its handshake
+            watch = EngineWatch(engine, spec.proc, spec.pid_file)
+            watches.append(watch)
             if args.restart_engine:
                 ctx: Any = watch  # stands in for the serving context: see EngineWatch
                 supervisor = EngineSupervisor(
-                    proc, ctx, {}, args.engine_start_timeout, args.engine_timeout
+                    spec.proc, ctx, {}, args.engine_start_timeout, args.engine_timeout
                 )
                 tasks.append(asyncio.ensure_future(supervisor.run()))
-        announce(args, address, proc, engine, servers)
-        if watch is None:
-            await engine.close()  # a remote engine: the parent needed only the handshake
+        announce(args, engines, EnginePool(connections).ready, servers)
+        for spec, engine in zip(engines, connections, strict=True):
+            if spec.proc is None:
+                await engine.close()
         await asyncio.gather(*tasks)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if watch is not None:
-            await watch.engine.close()
+        # A watch's connection is replaced at each restart: close the one it holds now.
+        remote = [c for s, c in zip(engines, connections, strict=False) if s.proc is None]
+        for engine in remote + [w.engine for w in watches]:
+            await engine.close()
 
 
 def announce(
     args: argparse.Namespace,
-    address: Any,
-    proc: EngineProcess | None,
-    engine: Any,
+    engines: list[EngineSpec],
+    ready: Any,
     servers: list[ApiServerProcess],
 ) -> None:
-    ready = engine.ready
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = servers[0].sock.getsockname()[1]
-    where = f"pid {proc.pid}" if proc is not None else "remote"
     pids = ", ".join(str(s.pid) for s in servers)
-    print(
+    in_all = " in all" if len(engines) > 1 else ""
+    lines = [
         f"tandem serve: model {args.served_model_name or args.model} "
-        f"(max_model_len {ready.max_model_len}, {ready.num_kv_blocks} KV blocks)\n"
-        f"  OpenAI API:  http://{host}:{port}/v1 ({len(servers)} API processes: pids {pids})\n"
-        f"  engine core: {address} ({where}); "
-        f"raw client: tandem client --address {address}",
-        flush=True,
-    )
+        f"(max_model_len {ready.max_model_len}, {ready.num_kv_blocks} KV blocks{in_all})",
+        f"  OpenAI API:  http://{host}:{port}/v1 ({len(servers)} API processes: pids {pids})",
+    ]
+    for i, spec in enumerate(engines):
+        name = "engine core" if len(engines) == 1 else f"engine core {i}"
+        where = f"pid {spec.proc.pid}" if spec.proc is not None else "remote"
+        raw = f"raw client: tandem client --address {spec.address}"
+        lines.append(f"  {name}: {spec.address} ({where}); {raw}")
+    print("\n".join(lines), flush=True)
 
 
 # ---- one API process --------------------------------------------------------------------------
@@ -374,43 +427,69 @@ def main() -> int:
 
 
 async def serve_one(args: argparse.Namespace, settings: dict[str, Any]) -> None:
-    """The usual frontend (frontend/serve.py) on the socket the parent bound."""
+    """The usual frontend (frontend/serve.py) on the socket the parent bound, over one engine
+    connection or, with several engine cores, over a pool of them (frontend/data_parallel.py)."""
     import uvicorn
 
-    from frontend.launcher import connect_engine
+    from frontend.data_parallel import EnginePool, describe_pool
     from frontend.serve import build, load_tokenizer, uvicorn_config
     from frontend.server import build_app
     from protocol.address import EngineAddress
-    from protocol.curve import client_keys_from_args
 
     index, model_dir = settings["index"], Path(settings["model_dir"])
-    address = EngineAddress.parse(settings["engine_address"])
-    path = settings["engine_pid_file"]
-    pid_file = EnginePidFile(path) if path is not None else None
+    addresses = [EngineAddress.parse(e["address"]) for e in settings["engines"]]
+    pid_files = [
+        EnginePidFile(e["pid_file"]) if e["pid_file"] else None for e in settings["engines"]
+    ]
     tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, model_dir)
-    if pid_file is not None:
-        await wait_for_engine(pid_file, args.engine_start_timeout)
-    engine = await connect_engine(
-        None, args.engine_start_timeout, args.engine_timeout, address,
-        client_keys_from_args(args), pid_file.alive if pid_file is not None else None,
-    )  # fmt: skip
+    connections: list[Any] = []
     follower = None
     try:
+        for address, pid_file in zip(addresses, pid_files, strict=True):
+            connections.append(await connect_to_engine(args, address, pid_file))
+        engine = connections[0] if len(connections) == 1 else EnginePool(connections)
         share = (index, settings["count"])
-        state = build(args, model_dir, address, None, engine, await tokenizer, share)
+        state = build(args, model_dir, addresses[0], None, engine, await tokenizer, share)
         state.engine_info.update(api_server=index, api_server_pid=os.getpid())
-        if pid_file is not None:
-            state.engine_info["pid"] = pid_file.pid  # read by the handshake's liveness checks
+        if isinstance(engine, EnginePool):
+            describe_pool(state, engine, addresses, [None] * len(addresses))
+        publish_engine_pids(state.engine_info, pid_files)  # read by the handshake's checks
         app = build_app(state)
         server = uvicorn.Server(uvicorn_config(args, app, headers=[(HEADER, str(index))]))
         follower = asyncio.ensure_future(
-            follow_parent(server, settings["parent_pid"], state.engine_info, pid_file)
+            follow_parent(server, settings["parent_pid"], state.engine_info, pid_files)
         )
         await server.serve(sockets=[socket.socket(fileno=settings["fd"])])
     finally:
         if follower is not None:
             follower.cancel()
-        await engine.close()
+        for connection in connections:
+            await connection.close()
+
+
+async def connect_to_engine(
+    args: argparse.Namespace, address: Any, pid_file: EnginePidFile | None
+) -> Any:
+    """This process's connection to one engine core, once its handshake succeeded."""
+    from frontend.launcher import connect_engine
+    from protocol.curve import client_keys_from_args
+
+    if pid_file is not None:
+        await wait_for_engine(pid_file, args.engine_start_timeout)
+    return await connect_engine(
+        None, args.engine_start_timeout, args.engine_timeout, address,
+        client_keys_from_args(args), pid_file.alive if pid_file is not None else None,
+    )  # fmt: skip
+
+
+def publish_engine_pids(info: dict[str, Any], pid_files: list[EnginePidFile | None]) -> None:
+    """Put in /v1/engine's ``info`` the engine pids that the pid files last read (they change
+    with each restart): ``pid`` for the first engine, and each one's in ``engines``, if any."""
+    if pid_files[0] is not None:
+        info["pid"] = pid_files[0].pid
+    for entry, pid_file in zip(info.get("engines", ()), pid_files, strict=False):
+        if pid_file is not None:
+            entry["pid"] = pid_file.pid
 
 
 async def wait_for_engine(pid_file: EnginePidFile, timeout: float) -> None:
@@ -426,13 +505,12 @@ async def wait_for_engine(pid_file: EnginePidFile, timeout: float) -> None:
 
 
 async def follow_parent(
-    server: Any, parent_pid: int, info: dict[str, Any], pid_file: EnginePidFile | None
+    server: Any, parent_pid: int, info: dict[str, Any], pid_files: list[EnginePidFile | None]
 ) -> None:
-    """Keep /v1/engine's pid current and stop the server once the parent is gone (the death
+    """Keep /v1/engine's pids current and stop the server once the parent is gone (the death
     signal covers that on Linux; this covers what it misses)."""
     while os.getppid() == parent_pid:
-        if pid_file is not None:
-            info["pid"] = pid_file.pid
+        publish_engine_pids(info, pid_files)
         await asyncio.sleep(PARENT_POLL_S)
     logger.error("the parent process %d is gone: stopping", parent_pid)
     server.should_exit = True

@@ -252,12 +252,6 @@ def run(args: argparse.Namespace) -> int:
     from engine_core.loader import resolve_for_serving
     from frontend.serve import _exit_on_signal
 
-    if args.remote_engine or args.engine_address:
-        logger.error(
-            "--data-parallel-size starts its engine cores itself, each on a private ipc "
-            "address: it does not take --engine-address or --remote-engine"
-        )
-        return 2
     engine_model, model_dir = resolve_for_serving(args.model)
     procs = start_processes(args, engine_model)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so the finally below runs on SIGTERM too
@@ -295,12 +289,11 @@ async def serve(args: argparse.Namespace, model_dir: Path, procs: list[EnginePro
                 await connect_engine(proc, args.engine_start_timeout, args.engine_timeout)
             )
         state = build(args, model_dir, procs[0].address, procs[0], pool, await tokenizer)
-        metrics = state.serving.metrics
-        pool.gauges = EngineGauges(metrics.registry, state.serving.served_model, len(procs))
-        engines_info = [{"address": str(p.address), "pid": p.pid} for p in procs]
-        state.engine_info["engines"] = engines_info
+        engines_info = describe_pool(
+            state, pool, [p.address for p in procs], [p.pid for p in procs]
+        )
         if args.restart_engine:
-            supervisors = start_supervisors(args, pool, procs, metrics, engines_info)
+            supervisors = start_supervisors(args, pool, procs, state.serving.metrics, engines_info)
         config = uvicorn.Config(
             build_app(state),
             host=args.host,
@@ -317,6 +310,18 @@ async def serve(args: argparse.Namespace, model_dir: Path, procs: list[EnginePro
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await pool.close()
+
+
+def describe_pool(
+    state: Any, pool: EnginePool, addresses: Sequence[Any], pids: Sequence[int | None]
+) -> list[dict[str, Any]]:
+    """Give the server's /metrics the pool's per-engine gauges and /v1/engine the list of its
+    engine cores (returned: the supervisors keep each entry's pid current)."""
+    serving = state.serving
+    pool.gauges = EngineGauges(serving.metrics.registry, serving.served_model, len(pool.engines))
+    engines_info = [{"address": str(a), "pid": pid} for a, pid in zip(addresses, pids, strict=True)]
+    state.engine_info["engines"] = engines_info
+    return engines_info
 
 
 def start_supervisors(

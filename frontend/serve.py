@@ -12,7 +12,8 @@ and then the engine; the engine also dies with this process if it is killed outr
 engine dies, requests in flight fail with 503 and, with --restart-engine (the default), a new one
 is started (frontend/launcher.py). With --remote-engine nothing is spawned: the frontend connects
 to an engine already serving at --engine-address (with CURVE keys over tcp://). With
---api-servers N, N API processes share the port and the one engine (frontend/api_servers.py).
+--api-servers N, N API processes share the port and the engine cores (frontend/api_servers.py);
+with --data-parallel-size N, N engine cores serve behind the API (frontend/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "keep up with the streams. Each has its own /metrics (counters of the requests it "
         "served; scrape each, or read the engine's gauges from any) and admits its share of "
         "--max-num-seqs + --max-waiting-requests; responses carry x-tandem-api-server: INDEX. "
-        "Not with --data-parallel-size (default: %(default)s)",
+        "With --data-parallel-size each API process routes over every engine core "
+        "(default: %(default)s)",
     )
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -126,19 +128,22 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--remote-engine needs --engine-address")
         if curve is not None and not args.remote_engine:
             raise ValueError("the CURVE client keys are for --remote-engine")
-        if args.api_servers > 1 and args.data_parallel_size > 1:
-            raise ValueError("--api-servers and --data-parallel-size do not go together yet")
+        if args.data_parallel_size > 1 and (args.remote_engine or args.engine_address):
+            raise ValueError(
+                "--data-parallel-size starts its engine cores itself, each on a private ipc "
+                "address: it does not take --engine-address or --remote-engine"
+            )
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    if args.data_parallel_size > 1:  # several engine cores: frontend/data_parallel.py
-        from frontend import data_parallel
-
-        return data_parallel.run(args)
-    if args.api_servers > 1:  # several API processes: frontend/api_servers.py
+    if args.api_servers > 1:  # several API processes (over one engine or several)
         from frontend import api_servers
 
         return api_servers.run(args)
+    if args.data_parallel_size > 1:  # several engine cores behind this process
+        from frontend import data_parallel
+
+        return data_parallel.run(args)
     engine_model, model_dir = resolve_for_serving(args.model)
     address, proc = plan_engine(args, engine_model)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so the finally below runs on SIGTERM too

@@ -24,11 +24,15 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from frontend.launcher import die_with_parent
+
+if TYPE_CHECKING:
+    from protocol.messages import Stats
 
 MAX_MODEL_LEN = 2048
 # Small KV cache: 256 blocks x 16 tokens = 4096 tokens, two full-length sequences.
@@ -161,12 +165,17 @@ def pid_alive(pid: int) -> bool:
 
 
 def wait_engine_idle(server: Server, timeout: float = 20.0) -> None:
-    """Poll the engine over raw ZMQ until no request is left and every KV block is free, then
-    check the block manager's integrity."""
+    """wait_address_idle on the server's engine core."""
+    wait_address_idle(server.engine_address, timeout)
+
+
+def wait_address_idle(address: str, timeout: float = 20.0) -> Stats:
+    """Poll the engine at ``address`` over raw ZMQ until no request is left and every KV block
+    is free, check the block manager's integrity, and return the idle engine's counters."""
     from protocol.client import EngineClient
     from protocol.messages import ControlKind
 
-    with EngineClient(server.engine_address) as client:
+    with EngineClient(address) as client:
         client.connect(timeout=30)
         deadline = time.monotonic() + timeout
         while True:
@@ -175,9 +184,26 @@ def wait_engine_idle(server: Server, timeout: float = 20.0) -> None:
             free = stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
             if idle and free:
                 break
-            assert time.monotonic() < deadline, f"engine not idle after {timeout} s: {stats}"
+            assert time.monotonic() < deadline, f"{address} not idle after {timeout} s: {stats}"
             time.sleep(0.1)
         assert client.control(ControlKind.CHECK_INTEGRITY).ok
+        return stats
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
 
 
 _SHARED: dict[str, Server] = {}

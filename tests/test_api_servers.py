@@ -27,7 +27,14 @@ import httpx
 import openai
 import pytest
 
-from tests.server_fixture import Server, pid_alive, start_server, stop_server, tiny_server  # noqa: F401
+from tests.server_fixture import (  # noqa: F401
+    Server,
+    descendants,
+    pid_alive,
+    start_server,
+    stop_server,
+    tiny_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -89,22 +96,6 @@ def serving_pids(
                 seen[info["api_server"]] = info["api_server_pid"]
         time.sleep(0.05)
     return seen
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def parallel(*calls: Callable[[], Any]) -> list[Any]:

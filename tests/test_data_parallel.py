@@ -1,10 +1,13 @@
-"""`tandem serve --data-parallel-size 2`: two engine cores behind one frontend.
+"""`tandem serve --data-parallel-size 2`: two engine cores behind one API process, and behind
+two (--api-servers 2, each routing over both engines).
 
 A mixed load (completions and chat, streaming and not, n=2, prompts of mixed lengths) must
 complete every request with exactly the tokens it asked for, reach both engines, leave every KV
 block of both engines free afterwards (STATS over each engine's own address), and give identical
 greedy answers whichever engine served them. A client that disconnects has its request aborted
-in the engine that owns it. /health and /metrics speak for every engine.
+in the engine that owns it. /health and /metrics speak for every engine; the API processes'
+routing counters add up to the requests sent. An engine core killed under two API processes is
+restarted, both take it back, and SIGTERM leaves no process behind.
 """
 
 # Fixtures arrive as parameters named like the imported fixture: F811 is expected here.
@@ -13,9 +16,13 @@ in the engine that owns it. /health and /metrics speak for every engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +32,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.client import EngineClient
 from protocol.messages import ControlKind, Stats
-from tests.server_fixture import Server, pid_alive, start_server, stop_server
+from tests.server_fixture import (
+    Server,
+    descendants,
+    pid_alive,
+    start_server,
+    stop_server,
+    wait_address_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,20 +51,32 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "w
 SAME_PROMPT = "Every engine must answer this one the same way:"
 
 
-@pytest.fixture(scope="module")
-def dp_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+HEADER = "x-tandem-api-server"
+
+
+@dataclass
+class Deployment:
+    server: Server
+    api_processes: int
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-api-process", "two-api-processes"])
+def dp_server(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    api_processes = request.param
+    extra = ["--data-parallel-size", "2", "--api-servers", str(api_processes)]
     srv = start_server(
-        tmp_path_factory.mktemp("serve-dp"),
-        model=str(tiny_model_dir),
-        args=SERVE_ARGS,
-        extra=["--data-parallel-size", "2"],
+        tmp_path_factory.mktemp("serve-dp"), model=str(tiny_model_dir), args=SERVE_ARGS, extra=extra
     )
-    engines = srv.engine_info()["engines"]
+    family = descendants(srv.process.pid)  # the engine cores and any API processes
     try:
-        yield srv
+        yield Deployment(srv, api_processes)
     finally:
+        family |= descendants(srv.process.pid)  # with the engines that tests had restarted
         stop_server(srv)  # exits 0 and engine 0 is gone
-        assert not any(pid_alive(e["pid"]) for e in engines), "an engine core outlived serve"
+        left = {pid for pid in family if pid_alive(pid)}
+        assert not left, f"processes outlived serve: {left}"
 
 
 def engine_addresses(srv: Server) -> list[str]:
@@ -63,31 +89,40 @@ def engine_stats(address: str) -> Stats:
         return client.control(ControlKind.STATS).stats
 
 
-def wait_all_free(address: str, timeout: float = 30.0) -> Stats:
-    """Poll one engine until nothing runs or waits and every KV block is free; check integrity."""
-    with EngineClient(address) as client:
-        client.connect(timeout=30)
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = client.control(ControlKind.STATS).stats
-            free = stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
-            if stats.num_running == 0 and stats.num_waiting == 0 and free:
-                break
-            assert time.monotonic() < deadline, f"{address} not idle: {stats}"
-            time.sleep(0.1)
-        assert client.control(ControlKind.CHECK_INTEGRITY).ok
-        return stats
+def each_api_process(
+    deployment: Deployment, path: str, ready: Callable[[httpx.Response], bool] = lambda r: True
+) -> dict[str, httpx.Response]:
+    """API process index -> its answer to GET ``path``, once every process gave one that is
+    ``ready``. Each GET is a new connection, which the kernel routes to an API process by a hash
+    of its source port, so every process is reached after a few."""
+    seen: dict[str, httpx.Response] = {}
+    deadline = time.monotonic() + 120
+    while len(seen) < deployment.api_processes:
+        assert time.monotonic() < deadline, f"API processes ready: {sorted(seen)}"
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.get(deployment.server.base_url + path, timeout=10)
+            if ready(r):
+                seen[r.headers.get(HEADER, "0")] = r
+        time.sleep(0.05)
+    return seen
 
 
-def scrape(srv: Server) -> dict[tuple[str, str], float]:
-    """Per-engine samples as (name, engine label) -> value."""
-    text = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
+def scrape(deployment: Deployment) -> dict[str, dict[tuple[str, str], float]]:
+    """Each API process's per-engine samples as (name, engine label) -> value."""
     return {
-        (s.name, s.labels["engine"]): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if "engine" in s.labels
+        index: {
+            (s.name, s.labels["engine"]): s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+            if "engine" in s.labels
+        }
+        for index, r in each_api_process(deployment, "/metrics").items()
     }
+
+
+def routed(metrics: dict[tuple[str, str], float]) -> list[float]:
+    """Engine requests one API process routed to engine 0 and to engine 1."""
+    return [metrics[("tandem_engine_requests_routed_total", str(i))] for i in range(2)]
 
 
 # ---- the load ---------------------------------------------------------------------------------
@@ -149,15 +184,9 @@ async def run_load(base_url: str, load: list[dict[str, Any]]) -> list[tuple[list
         return await asyncio.gather(*(send(http, body) for body in load))
 
 
-def test_mixed_load_completes_on_both_engines_and_frees_every_block(
-    dp_server: Server, tiny_model_dir: Path
-) -> None:
-    addresses = engine_addresses(dp_server)
-    assert len(addresses) == 2 and addresses[0] != addresses[1]
-    steps_before = [engine_stats(a).num_steps for a in addresses]
-    load = make_load(str(tiny_model_dir))
-    results = asyncio.run(run_load(dp_server.base_url, load))
-
+def check_results(load: list[dict[str, Any]], results: list[tuple[list[str], int]]) -> None:
+    """Every request got its n choices and exactly the tokens it asked for, and the one greedy
+    prompt sent four times got one answer, whichever engine served it."""
     for body, (texts, completion_tokens) in zip(load, results, strict=True):
         assert len(texts) == body["n"]
         assert completion_tokens == body["max_tokens"] * body["n"], body
@@ -165,37 +194,84 @@ def test_mixed_load_completes_on_both_engines_and_frees_every_block(
             if body.get("prompt") == SAME_PROMPT]  # fmt: skip
     assert len(same) == 4 and len(set(same)) == 1, same
 
+
+def test_mixed_load_completes_on_both_engines_and_frees_every_block(
+    dp_server: Deployment, tiny_model_dir: Path
+) -> None:
+    srv = dp_server.server
+    addresses = engine_addresses(srv)
+    assert len(addresses) == 2 and addresses[0] != addresses[1]
+    steps_before = [engine_stats(a).num_steps for a in addresses]
+    routed_before = {i: routed(m) for i, m in scrape(dp_server).items()}
+    load = make_load(str(tiny_model_dir))
+    check_results(load, asyncio.run(run_load(srv.base_url, load)))
+
     metrics = scrape(dp_server)
-    routed = [metrics[("tandem_engine_requests_routed_total", str(i))] for i in range(2)]
-    assert sum(routed) == sum(body["n"] for body in load)
+    # Engine requests each API process routed during the load, [to engine 0, to engine 1].
+    sent = {i: [a - b for a, b in zip(routed(m), routed_before[i], strict=True)]
+            for i, m in metrics.items()}  # fmt: skip
+    assert sum(map(sum, sent.values())) == sum(body["n"] for body in load), sent
+    assert all(sum(s) > 0 for s in sent.values()), f"an API process served nothing: {sent}"
     for i, address in enumerate(addresses):
-        stats = wait_all_free(address)
-        assert routed[i] > 0 and stats.num_steps > steps_before[i], f"engine {i} got no work"
+        stats = wait_address_idle(address)
+        to_engine = sum(s[i] for s in sent.values())
+        assert to_engine > 0 and stats.num_steps > steps_before[i], f"engine {i} got no work"
 
-    assert httpx.get(f"{dp_server.base_url}/health", timeout=10).status_code == 200
-    assert [metrics[("tandem_engine_up", str(i))] for i in range(2)] == [1.0, 1.0]
+    assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
+    for m in metrics.values():
+        assert [m[("tandem_engine_up", str(i))] for i in range(2)] == [1.0, 1.0]
 
 
-def test_a_disconnect_aborts_in_the_owning_engine(dp_server: Server, tiny_model_dir: Path) -> None:
+def test_a_disconnect_aborts_in_the_owning_engine(
+    dp_server: Deployment, tiny_model_dir: Path
+) -> None:
     """Read two chunks of a long stream and hang up: the engine that owns the request stops it
     (far fewer steps than its max_tokens) and frees its blocks."""
-    addresses = engine_addresses(dp_server)
+    srv = dp_server.server
+    addresses = engine_addresses(srv)
     for address in addresses:
-        wait_all_free(address)
+        wait_address_idle(address)
     before = [engine_stats(a).num_steps for a in addresses]
     max_tokens = MAX_MODEL_LEN - 16
     body = {"model": str(tiny_model_dir), "prompt": "Go on and on", "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{dp_server.base_url}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=60) as r:
         chunks = 0
         for line in r.iter_lines():
             chunks += line.startswith("data: ")
             if chunks == 2:
                 break
-    after = [wait_all_free(a).num_steps for a in addresses]
+    after = [wait_address_idle(a).num_steps for a in addresses]
     deltas = [a - b for a, b in zip(after, before, strict=True)]
     assert sum(d > 0 for d in deltas) == 1, f"one engine ran it: {deltas}"
     assert max(deltas) < max_tokens // 2, f"the abort never reached its engine: {deltas}"
+
+
+def test_a_killed_engine_core_is_restarted_and_every_api_process_takes_it_back(
+    dp_server: Deployment, tiny_model_dir: Path
+) -> None:
+    """SIGKILL engine 1: the server starts a new one on the same address; every API process
+    publishes its new pid, answers healthy, and routes requests to it that complete."""
+    srv = dp_server.server
+    old_pid = srv.engine_info()["engines"][1]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+
+    def took_it_back(r: httpx.Response) -> bool:
+        info = r.json()
+        new_pid = info["engines"][1]["pid"]
+        return info["healthy"] and new_pid != old_pid and pid_alive(new_pid)
+
+    views = each_api_process(dp_server, "/v1/engine", took_it_back)
+    new_pids = {r.json()["engines"][1]["pid"] for r in views.values()}
+    assert len(new_pids) == 1, f"API processes disagree on engine 1: {new_pids}"
+    before = {i: routed(m) for i, m in scrape(dp_server).items()}
+    load = make_load(str(tiny_model_dir))
+    check_results(load, asyncio.run(run_load(srv.base_url, load)))
+    for i, m in scrape(dp_server).items():
+        assert routed(m)[1] > before[i][1], f"API process {i} sent nothing to the new engine 1"
+    assert engine_stats(engine_addresses(srv)[1]).num_steps > 0
+    for address in engine_addresses(srv):
+        wait_address_idle(address)
 
 
 def test_an_engine_core_is_one_of_the_data_parallel_engines() -> None:
