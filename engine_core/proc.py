@@ -321,6 +321,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--address",
+        "--listen",
+        dest="address",
         default=None,
         help="where to listen: ipc:///dir/name (default: a fresh private 0700 directory) or "
         "tcp://HOST:PORT (uses PORT and PORT+1; a non-loopback HOST needs the CURVE flags)",

@@ -1,7 +1,7 @@
 """`tandem serve`: the engine core in a subprocess and the OpenAI-compatible API in this one.
 
     tandem serve [--model default] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
-    tandem serve --model M --remote-engine --engine-address tcp://HOST:PORT \
+    tandem serve --model M --engine tcp://HOST:PORT \
         --curve-secret-key keys/frontend.key_secret --curve-server-key keys/engine.key
 
 Startup: resolve the model folder (once, here), spawn the engine core on a private ipc address,
@@ -10,10 +10,11 @@ uvicorn. The engine's raw ZMQ address is printed (and served at GET /v1/engine) 
 `tandem client --address ...` reaches the same engine. Ctrl-C or SIGTERM stops uvicorn gracefully
 and then the engine; the engine also dies with this process if it is killed outright. If the
 engine dies, requests in flight fail with 503 and, with --restart-engine (the default), a new one
-is started (frontend/launcher.py). With --remote-engine nothing is spawned: the frontend connects
-to an engine already serving at --engine-address (with CURVE keys over tcp://). With
---api-servers N, N API processes share the port and the engine cores (frontend/api_servers.py);
-with --data-parallel-size N, N engine cores serve behind the API (frontend/data_parallel.py).
+is started (frontend/launcher.py). With --engine ADDRESS (--remote-engine --engine-address
+ADDRESS) nothing is spawned: the frontend connects to an engine already serving there (with
+CURVE keys over tcp://). With --api-servers N, N API processes share the port and the engine
+cores (frontend/api_servers.py); with --data-parallel-size N, N engine cores serve behind the API
+(frontend/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--remote-engine",
         action="store_true",
         help="start no engine: connect to the one already serving at --engine-address",
+    )
+    parser.add_argument(
+        "--engine",
+        default=None,
+        metavar="ADDRESS",
+        help="use the engine core already serving at ADDRESS (tcp://HOST:PORT, with the CURVE "
+        "flags below, or ipc://PATH): short for --remote-engine --engine-address ADDRESS",
     )
     parser.add_argument(
         "--restart-engine",
@@ -123,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        use_engine_flag(args)
         curve = client_keys_from_args(args)
         if args.remote_engine and not args.engine_address:
             raise ValueError("--remote-engine needs --engine-address")
@@ -161,6 +170,16 @@ def run(args: argparse.Namespace) -> int:
             proc.stop()
         logger.info("stopped")
     return 0
+
+
+def use_engine_flag(args: argparse.Namespace) -> None:
+    """Spell --engine ADDRESS out as --remote-engine --engine-address ADDRESS, which the rest
+    of the frontend reads."""
+    if args.engine is None:
+        return
+    if args.engine_address not in (None, args.engine):
+        raise ValueError("--engine is short for --remote-engine --engine-address: give one")
+    args.engine_address, args.remote_engine = args.engine, True
 
 
 def plan_engine(args: argparse.Namespace, engine_model: str) -> tuple[Any, Any]:

@@ -1,7 +1,8 @@
 """Engine sockets over tcp:// with ZMQ CURVE: only a client whose public key the engine lists, and
 which expects the engine's own public key, ever gets READY; everyone else's handshake times out.
 Non-loopback addresses are refused without keys. First on the transport double (EchoEngine),
-then end to end: `tandem engine` with keys, `tandem client` and `tandem serve --remote-engine`."""
+then end to end: `tandem engine --listen tcp://...` with keys, `tandem client` and
+`tandem serve --engine tcp://...` (the short form of --remote-engine --engine-address)."""
 
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ def test_curve_engine_with_tandem_client_and_remote_serve(
     address = f"tcp://127.0.0.1:{free_port_pair()}"
     engine = subprocess.Popen(
         [sys.executable, "-m", "frontend.cli", "engine", "--model", str(tiny_model_dir),
-         "--address", address, "--log-level", "WARNING",
+         "--listen", address, "--log-level", "WARNING",
          "--curve-secret-key", str(keys.engine_secret),
          "--curve-authorized-keys", str(keys.authorized)]
     )  # fmt: skip
@@ -186,8 +187,7 @@ def test_curve_engine_with_tandem_client_and_remote_serve(
         with open(log, "wb") as out:
             serve = subprocess.Popen(
                 [sys.executable, "-m", "frontend.cli", "serve", "--model", str(tiny_model_dir),
-                 "--port", str(port), "--log-level", "WARNING", "--remote-engine",
-                 "--engine-address", address,
+                 "--port", str(port), "--log-level", "WARNING", "--engine", address,
                  "--curve-secret-key", str(keys.good_secret),
                  "--curve-server-key", str(keys.engine_public)],
                 stdout=out, stderr=subprocess.STDOUT,
