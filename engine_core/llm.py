@@ -41,7 +41,10 @@ class LLM:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.engine.runner.model_dir))
+            from engine_core.loader import tokenizer_dir_for_random
+
+            model_dir = self.engine.runner.model_dir or tokenizer_dir_for_random()
+            self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return self._tokenizer
 
     def generate(

@@ -54,7 +54,7 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 class LoadedModel:
     module: nn.Module
     config: ModelConfig
-    model_dir: Path
+    model_dir: Path | None  # the checkpoint's folder (its tokenizer too); None for random weights
 
 
 def load_model(model: str, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
@@ -84,7 +84,9 @@ def load_random_model(preset: str, device: torch.device | str, dtype: torch.dtyp
     from engine_core.presets import build_random_model
 
     module, config = build_random_model(preset, device, dtype)
-    return LoadedModel(module=module, config=config, model_dir=tokenizer_dir_for_random())
+    # No folder: an engine process (or a tensor-parallel worker) never needs a tokenizer, and the
+    # default model's, which random presets borrow, may be absent where only benchmarks run.
+    return LoadedModel(module=module, config=config, model_dir=None)
 
 
 def resolve_for_serving(model: str) -> tuple[str, Path]:

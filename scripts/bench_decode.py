@@ -19,9 +19,8 @@ ms per part of the step, GPU ms per step and the share of the time the GPU sat i
 steps (the target: under 5% with overlap). ``--no-overlap`` runs the throughput table with the
 simple loop.
 
-Until engine_core.loader accepts ``random:<preset>``, this script routes such names to
-``presets.build_random_model`` itself (also in the engine process it starts, through its own
-``engine`` subcommand).
+The zmq path starts the engine through this script's own ``engine`` subcommand (the engine core
+of `tandem engine`, with this checkout on sys.path).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine_core.config import EngineConfig  # noqa: E402
 from engine_core.models import build_model  # noqa: E402
-from engine_core.presets import PRESETS, build_random_model, hf_config  # noqa: E402
+from engine_core.presets import PRESETS, hf_config  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
 
 # ---- results ------------------------------------------------------------------------------------
@@ -156,22 +155,6 @@ def engine_config(
         async_scheduling=overlap,
         tensor_parallel_size=tensor_parallel_size,
     )
-
-
-def install_random_loader() -> None:
-    """Route model names ``random:<preset>`` to presets.build_random_model (see module doc)."""
-    import engine_core.model_runner as runner_module
-    from engine_core.loader import LoadedModel
-
-    load = runner_module.load_model
-
-    def load_with_presets(model: str, device: Any, dtype: torch.dtype) -> Any:
-        if not model.startswith("random:"):
-            return load(model, device, dtype)
-        module, config = build_random_model(model.removeprefix("random:"), device, dtype)
-        return LoadedModel(module=module, config=config, model_dir=Path("."))
-
-    runner_module.load_model = load_with_presets
 
 
 # ---- in-process engine ---------------------------------------------------------------------------
@@ -601,7 +584,6 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["engine"]:
         return run_engine(argv[1:])
     args = parse_args(argv)
-    install_random_loader()
     work = Workload(args.num_requests, args.prompt_len, args.output_len, seed=0)
     bandwidth = measure_hbm_bandwidth(args.device)
     print(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -637,7 +619,6 @@ def run_engine(argv: list[str]) -> int:
     """The engine-core process with ``random:<preset>`` models (used by the zmq path)."""
     from engine_core import proc
 
-    install_random_loader()
     parser = argparse.ArgumentParser(prog="bench_decode.py engine")
     proc.add_args(parser)
     return proc.run(parser.parse_args(argv))

@@ -389,3 +389,34 @@ def test_default_model_resolves_to_its_cache(default_model_dir: Path) -> None:
     before = weights.stat().st_mtime_ns
     assert resolve_model_dir("default") == default_model_dir
     assert weights.stat().st_mtime_ns == before
+
+
+# ---- random:<preset> benchmark models ---------------------------------------------------------
+
+
+def test_a_random_model_needs_no_model_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine processes and tensor-parallel workers build `random:` models where only benchmarks
+    run and the default model (whose tokenizer the presets borrow) may be absent: building one
+    must not resolve any folder."""
+    import engine_core.loader as loader
+
+    def no_folders(model: str) -> Path:
+        raise AssertionError(f"resolved {model!r} to build a random model")
+
+    monkeypatch.setattr(loader, "resolve_model_dir", no_folders)
+    monkeypatch.delenv("TANDEM_TOKENIZER_DIR", raising=False)
+    loaded = loader.load_model("random:gpt2", "cpu", torch.float32)
+    assert loaded.model_dir is None and loaded.config.vocab_size == 49152
+
+
+def test_the_offline_llm_finds_the_tokenizer_of_a_random_model(default_model_dir: Path) -> None:
+    from engine_core.llm import LLM
+
+    llm = LLM("random:gpt2", device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
+    ids = llm.tokenizer("The capital of France is")["input_ids"]
+    assert (
+        ids
+        == AutoTokenizer.from_pretrained(str(default_model_dir))("The capital of France is")[
+            "input_ids"
+        ]
+    )
