@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.process import BaseProcess
@@ -62,6 +63,8 @@ _STOP_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 _WORKER_KEY = "tandem/worker{}"
 _RENDEZVOUS_POLL_S = 0.05
+_WATCH_POLL_S = 0.2
+WORKER_LOST_EXIT_CODE = 70  # EX_SOFTWARE: the engine core ended itself, a worker being gone
 
 
 # ---- the step channel -------------------------------------------------------------------------
@@ -191,17 +194,21 @@ class TPModelRunner(_ShardedRunner):
             check_tensor_parallel(model_config, size)  # before any process starts
         store = create_store(size)
         self.workers = spawn_workers(config, store.port)
+        self.watch: WorkerWatch | None = None
         try:
             wait_for_workers(store, self.workers)
+            self.watch = WorkerWatch(self.workers)  # from here on, collectives with them
             self.tp = join_tp_group(store, 0, size, resolve_device(config.device))
             super().__init__(config)
         except BaseException:
+            if self.watch is not None:
+                self.watch.stop()
             stop_processes(self.workers, timeout=0.0)  # they would wait for rank 0 forever
             leave_tp_group()
             raise
         self.channel = StepChannel(self.tp, self.device)
         # A weak reference: the finalizer must not keep the runner alive (it runs at exit too).
-        args = (weakref.ref(self), self.channel, self.workers)
+        args = (weakref.ref(self), self.channel, self.workers, self.watch)
         self._finalizer = weakref.finalize(self, shut_down, *args)
         logger.info("tensor parallel over %d ranks (pids %s)", size, [p.pid for p in self.workers])
 
@@ -237,8 +244,12 @@ class TPWorker(_ShardedRunner):
 
 
 def shut_down(
-    runner: weakref.ref[ModelRunner], channel: StepChannel, workers: list[BaseProcess]
+    runner: weakref.ref[ModelRunner],
+    channel: StepChannel,
+    workers: list[BaseProcess],
+    watch: WorkerWatch,
 ) -> None:
+    watch.stop()  # the workers are about to exit, as asked
     try:
         channel.send_stop()
     except Exception as exc:  # a worker already gone: stop the rest by signal
@@ -299,6 +310,39 @@ def wait_for_workers(store: dist.TCPStore, workers: list[BaseProcess]) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("tensor-parallel workers did not start within the store timeout")
         time.sleep(_RENDEZVOUS_POLL_S)
+
+
+class WorkerWatch:
+    """Ends rank 0's process when a worker exits before shutdown.
+
+    Rank 0's next collective would wait for the lost rank as long as the group's timeout
+    allows (days on the header group, which must outwait an idle engine), and no exception can
+    reach a thread blocked inside one: the engine core would hang, holding its GPU, with no
+    error anywhere. Exiting instead makes the loss visible: `tandem serve` sees its engine
+    process end and starts a new one, a script sees its engine's exit code. The offline LLM
+    API on several GPUs exits too, for the same reason.
+    """
+
+    def __init__(self, workers: list[BaseProcess]) -> None:
+        self.workers = workers
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tp-worker-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(_WATCH_POLL_S):
+            lost = next((p for p in self.workers if p.exitcode is not None), None)
+            if lost is not None and not self._stopped.is_set():
+                logger.critical(
+                    "tensor-parallel worker %s (pid %s) exited with %s; this engine core cannot "
+                    "run without it and exits (code %d)",
+                    lost.name, lost.pid, lost.exitcode, WORKER_LOST_EXIT_CODE,
+                )  # fmt: skip
+                logging.shutdown()
+                os._exit(WORKER_LOST_EXIT_CODE)
 
 
 def stop_processes(workers: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S) -> None:

@@ -214,3 +214,30 @@ def test_tp2_engine_process_serves_hf_tokens_and_takes_its_workers_along(tmp_pat
             proc.kill()
             proc.wait()
         remove_ipc_files(address)
+
+
+@pytest.mark.slow
+def test_an_engine_whose_worker_dies_exits_instead_of_hanging(tmp_path: Path) -> None:
+    """SIGKILL rank 1 of an idle TP=2 engine: rank 0 would wait for it in its next collective
+    for days; it must end its process at once with WORKER_LOST_EXIT_CODE (which `tandem serve`
+    answers by starting a new engine core)."""
+    from engine_core.tp_runner import WORKER_LOST_EXIT_CODE
+
+    write_model("llama", tmp_path)
+    address = private_ipc_address()
+    cmd = [sys.executable, "-m", "frontend.cli", "engine", "--model", str(tmp_path),
+           "--address", str(address), "--tensor-parallel-size", "2", "--block-size", "4",
+           "--num-kv-blocks", "96", "--max-model-len", "128", "--log-level", "WARNING"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        with EngineClient(address) as client:
+            client.connect(timeout=120)
+        (worker,) = children_running_spawn(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=15) == WORKER_LOST_EXIT_CODE
+        assert "tensor-parallel worker tandem-tp1" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        remove_ipc_files(address)
