@@ -56,3 +56,38 @@ print("server-side mean TTFT by API process (all runs so far): " + ", ".join(
     f"{k}: {1e3 * s / n:.0f} ms over {n:.0f}" for k, (s, n) in sorted(seen.items())))
 PY
 }
+
+# Pinning: engine core i on cores 8i..8i+7, every other serving process (API processes, the
+# parent) and the load generator on the cores above, so that they never take the engines' host
+# time. With no taskset (PIN=no) nothing is pinned.
+PIN=${PIN:-$(command -v taskset >/dev/null && echo yes || echo no)}
+FIRST_FREE_CORE=16
+[ "$PIN" = yes ] && LG_PREFIX="taskset -c $FIRST_FREE_CORE-$(($(nproc) - 1))"
+pin() {
+  [ "$PIN" = yes ] || { echo "no taskset: not pinned"; return; }
+  local i=0 pid
+  for pid in $(pgrep -f "frontend.cli engine"); do
+    taskset -a -p -c $((8 * i))-$((8 * i + 7)) "$pid" > /dev/null; i=$((i + 1))
+  done
+  for pid in $(pgrep -f "frontend.api_servers|frontend.cli serve"); do
+    taskset -a -p -c "$FIRST_FREE_CORE-$(($(nproc) - 1))" "$pid" > /dev/null
+  done
+}
+
+median() {  # median NAME: the median output tok/s of the runs a loadgen JSON reports
+  python3 - "$OUT/lg-$1.json" <<'PY'
+import json, statistics, sys
+runs = json.load(open(sys.argv[1]))["runs"]
+values = [r["summary"]["output_throughput"] for r in runs]
+name = sys.argv[1].split("lg-")[-1][:-5]
+print(f"{name}: median {statistics.median(values):.0f} tok/s of", [round(v) for v in values])
+PY
+}
+
+engine_addresses() {  # the raw ZMQ addresses of the server's engine cores, one per line
+  python3 - "$URL" <<'PY'
+import httpx, sys
+info = httpx.get(sys.argv[1] + "/v1/engine", timeout=10).json()
+print("\n".join(e["address"] for e in info.get("engines", [info])))
+PY
+}
