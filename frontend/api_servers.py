@@ -180,9 +180,9 @@ def plan_engines(args: argparse.Namespace, engine_model: str, run_dir: Path) -> 
     from frontend.serve import plan_engine
 
     if args.data_parallel_size > 1:
-        from frontend.data_parallel import start_processes
+        from frontend.data_parallel import engine_processes
 
-        procs = start_processes(args, engine_model)
+        procs = engine_processes(args, engine_model)
     else:
         address, proc = plan_engine(args, engine_model)
         if proc is None:

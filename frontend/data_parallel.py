@@ -228,7 +228,9 @@ def without_flag(flags: list[str], flag: str) -> list[str]:
 # ---- `tandem serve --data-parallel-size N` ----------------------------------------------------
 
 
-def start_processes(args: argparse.Namespace, engine_model: str) -> list[EngineProcess]:
+def engine_processes(args: argparse.Namespace, engine_model: str) -> list[EngineProcess]:
+    """The --data-parallel-size engine cores, each on its own private ipc address and, where
+    there are enough GPUs, its own slice of them; not started yet."""
     from frontend.launcher import engine_flags
     from protocol.address import private_ipc_address
 
@@ -253,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     from frontend.serve import _exit_on_signal
 
     engine_model, model_dir = resolve_for_serving(args.model)
-    procs = start_processes(args, engine_model)
+    procs = engine_processes(args, engine_model)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so the finally below runs on SIGTERM too
     try:
         for proc in procs:
