@@ -52,6 +52,7 @@ SAME_PROMPT = "Every engine must answer this one the same way:"
 
 
 HEADER = "x-tandem-api-server"
+IDLE_TIMEOUT_S = 30.0  # for an engine to finish and free its blocks after a load
 
 
 @dataclass
@@ -213,7 +214,7 @@ def test_mixed_load_completes_on_both_engines_and_frees_every_block(
     assert sum(map(sum, sent.values())) == sum(body["n"] for body in load), sent
     assert all(sum(s) > 0 for s in sent.values()), f"an API process served nothing: {sent}"
     for i, address in enumerate(addresses):
-        stats = wait_address_idle(address)
+        stats = wait_address_idle(address, IDLE_TIMEOUT_S)
         to_engine = sum(s[i] for s in sent.values())
         assert to_engine > 0 and stats.num_steps > steps_before[i], f"engine {i} got no work"
 
@@ -230,7 +231,7 @@ def test_a_disconnect_aborts_in_the_owning_engine(
     srv = dp_server.server
     addresses = engine_addresses(srv)
     for address in addresses:
-        wait_address_idle(address)
+        wait_address_idle(address, IDLE_TIMEOUT_S)
     before = [engine_stats(a).num_steps for a in addresses]
     max_tokens = MAX_MODEL_LEN - 16
     body = {"model": str(tiny_model_dir), "prompt": "Go on and on", "max_tokens": max_tokens,
@@ -241,7 +242,7 @@ def test_a_disconnect_aborts_in_the_owning_engine(
             chunks += line.startswith("data: ")
             if chunks == 2:
                 break
-    after = [wait_address_idle(a).num_steps for a in addresses]
+    after = [wait_address_idle(a, IDLE_TIMEOUT_S).num_steps for a in addresses]
     deltas = [a - b for a, b in zip(after, before, strict=True)]
     assert sum(d > 0 for d in deltas) == 1, f"one engine ran it: {deltas}"
     assert max(deltas) < max_tokens // 2, f"the abort never reached its engine: {deltas}"
@@ -271,7 +272,7 @@ def test_a_killed_engine_core_is_restarted_and_every_api_process_takes_it_back(
         assert routed(m)[1] > before[i][1], f"API process {i} sent nothing to the new engine 1"
     assert engine_stats(engine_addresses(srv)[1]).num_steps > 0
     for address in engine_addresses(srv):
-        wait_address_idle(address)
+        wait_address_idle(address, IDLE_TIMEOUT_S)
 
 
 def test_an_engine_core_is_one_of_the_data_parallel_engines() -> None:
