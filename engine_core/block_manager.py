@@ -83,11 +83,6 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free) - len(self._cached)
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use by some request (cached ones count as available)."""
-        return self.num_used_blocks / self.num_blocks
-
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table (empty when it holds no blocks)."""
         return self._tables.get(request_id, _EMPTY_TABLE).tolist()

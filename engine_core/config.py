@@ -63,6 +63,19 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # processes (GPUs) one engine core shards the model over
     data_parallel_size: int = 1  # engine cores behind one `tandem serve` (frontend only)
 
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Each running sequence needs a token of the step's budget to decode: below that,
+            # the last decodes of a full batch would wait for ever and nothing new is admitted.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or "
+                f"equal to max_num_seqs ({self.max_num_seqs}): every running sequence takes a "
+                "token of each step's budget"
+            )
+
     @property
     def max_prefills_per_step(self) -> int:
         return self.prefill_max_batch_size or self.max_num_seqs

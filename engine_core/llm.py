@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.config import EngineConfig
+from engine_core.request import Request
+from protocol.codec import validate_sampling_params
 from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
 
 
@@ -54,14 +56,22 @@ class LLM:
         *,
         detokenize: bool = True,
     ) -> list[CompletionOutput]:
-        """Run every prompt (text or token ids) to completion; outputs in prompt order."""
+        """Run every prompt (text or token ids) to completion; outputs in prompt order.
+
+        All or nothing: a prompt or parameters the engine refuses raise ValueError before any
+        prompt runs, and leave the engine as it was."""
         params_list = self._params_per_prompt(params, len(prompts))
-        outputs: dict[str, CompletionOutput] = {}
-        for prompt, p in zip(prompts, params_list, strict=True):
-            ids = self._encode(prompt)
-            rid = f"offline-{next(self._ids)}"
-            self._add(rid, ids, p)
-            outputs[rid] = CompletionOutput(rid, ids, [], None)
+        for p in params_list:
+            validate_sampling_params(p)
+        requests = [
+            Request(f"offline-{next(self._ids)}", self._encode(prompt), p)
+            for prompt, p in zip(prompts, params_list, strict=True)
+        ]
+        self._add_all(requests)
+        outputs = {
+            r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids, [], None)
+            for r in requests
+        }
         self._run_until_done(outputs)
         results = list(outputs.values())
         if detokenize:
@@ -69,10 +79,16 @@ class LLM:
                 r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
         return results
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        from engine_core.request import Request
-
-        self.engine.add_request(Request(request_id, prompt_ids, params))
+    def _add_all(self, requests: list[Request]) -> None:
+        """Add every request, or none: one the engine refuses takes those added before it out."""
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.engine.add_request(request)
+                added.append(request.request_id)
+        except BaseException:
+            self.engine.abort(added)
+            raise
 
     def _run_until_done(self, outputs: dict[str, CompletionOutput]) -> None:
         while self.engine.has_unfinished():
@@ -123,23 +139,35 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from engine_core.args import engine_config_from_args
 
-    config = engine_config_from_args(args)
-    llm = LLM(**vars(config))
-    prompts: list = [_chat_ids(llm, p) if args.chat else p for p in args.prompt]
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
     )
-    for prompt, out in zip(args.prompt, llm.generate(prompts, params), strict=True):
+    try:
+        validate_sampling_params(params)
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"tandem generate: {exc}", file=sys.stderr)
+        return 2
+    llm = LLM(**vars(config))
+    prompts: list = [chat_ids(llm, p) if args.chat else p for p in args.prompt]
+    try:
+        outputs = llm.generate(prompts, params)
+    except ValueError as exc:  # a prompt the engine refuses (too long for the context, say)
+        print(f"tandem generate: {exc}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(args.prompt, outputs, strict=True):
         print(f"--- {prompt!r}\n{out.text}\n[finish: {out.finish_reason.openai_name}]")
     return 0
 
 
-def _chat_ids(llm: LLM, prompt: str) -> list[int]:
+def chat_ids(llm: LLM, prompt: str) -> list[int]:
     messages = [{"role": "user", "content": prompt}]
     text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # The template already holds the special tokens; adding BOS again would change the prompt.

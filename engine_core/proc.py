@@ -8,8 +8,10 @@ Only the busy loop touches the EngineCore, so the scheduler, block manager and r
 locks. Client request ids are scoped by the client's socket identity, so two clients may reuse an
 id. A client the output socket can no longer reach has its requests aborted, so a vanished
 client's requests never hold KV blocks. With ``parent_pid`` the engine exits on its own within
-about a second of that process vanishing, even where no death signal reaches it. Also the
-`tandem engine` subcommand.
+about a second of that process vanishing, even where no death signal reaches it. If either socket
+thread dies, the process ends with the cause logged (``SocketThreadDied``): an engine that can no
+longer hear requests or send outputs must not live on looking healthy, and its supervisor starts a
+new one. Also the `tandem engine` subcommand.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine_core.config import EngineConfig
@@ -45,6 +47,7 @@ from protocol.messages import (
     RequestOutput,
     StepOutputs,
 )
+from protocol.processes import ParentWatch
 
 if TYPE_CHECKING:
     from protocol.curve import CurveServerKeys
@@ -61,27 +64,20 @@ class _ClientGone:
     """Internal inbox item: the output thread could not reach this client."""
 
 
+class SocketThreadDied(RuntimeError):
+    """A socket thread of the engine process raised: the process must end (and be restarted)."""
+
+
+class _ThreadDied:
+    """Internal inbox item: a socket thread raised ``error``; the busy loop raises in turn."""
+
+    def __init__(self, name: str, error: BaseException) -> None:
+        self.name = name
+        self.error = error
+
+
 def scoped_id(client: bytes, request_id: str) -> str:
     return f"{client.hex()}/{request_id}"
-
-
-def parent_alive(pid: int, direct: bool) -> bool:
-    """Whether process ``pid`` still runs. For our own parent (``direct``) the test is whether we
-    were re-parented, which a recycled pid cannot fool; otherwise kill(pid, 0), with a zombie
-    counting as gone."""
-    if direct:
-        return os.getppid() == pid
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
 
 
 class EngineProc:
@@ -95,7 +91,9 @@ class EngineProc:
         self.address = address
         self.curve = curve
         self.parent_pid = parent_pid
-        self.inbox: queue.Queue[tuple[bytes, ClientMessage | _ClientGone]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[bytes, ClientMessage | _ClientGone | _ThreadDied]] = (
+            queue.Queue()
+        )
         self.outbox: queue.Queue[tuple[bytes, EngineMessage] | None] = queue.Queue()
         self.clients: set[bytes] = set()
         self.running = True
@@ -132,8 +130,8 @@ class EngineProc:
             ctx.term()
             raise
         threads = [
-            threading.Thread(target=self._input_loop, args=(in_sock,), daemon=True),
-            threading.Thread(target=self._output_loop, args=(out_sock,), daemon=True),
+            self._socket_thread("input", self._input_loop, in_sock),
+            self._socket_thread("output", self._output_loop, out_sock),
         ]
         for t in threads:
             t.start()
@@ -150,14 +148,26 @@ class EngineProc:
                 auth.stop()
             ctx.term()
 
+    def _socket_thread(self, name: str, loop: Callable[[Any], None], sock: Any) -> threading.Thread:
+        """A daemon thread running ``loop(sock)``; if it raises, the busy loop is told at once."""
+
+        def run() -> None:
+            try:
+                loop(sock)
+            except BaseException as exc:
+                logger.critical("the engine's %s thread died", name, exc_info=exc)
+                self.inbox.put((b"", _ThreadDied(name, exc)))
+
+        return threading.Thread(target=run, name=f"engine-{name}", daemon=True)
+
     def _watch_parent(self) -> None:
         """Stop when the parent process is gone; exit hard if a long step keeps us past the
         grace period, so an orphaned engine never holds the GPU."""
         assert self.parent_pid is not None
-        direct = os.getppid() == self.parent_pid
+        parent = ParentWatch(self.parent_pid)
         while self.running:
             time.sleep(PARENT_POLL_S)
-            if not parent_alive(self.parent_pid, direct):
+            if not parent.alive():
                 break
         else:
             return
@@ -218,7 +228,7 @@ class EngineProc:
             except queue.Empty:
                 return
 
-    def _handle(self, client: bytes, msg: ClientMessage | _ClientGone) -> None:
+    def _handle(self, client: bytes, msg: ClientMessage | _ClientGone | _ThreadDied) -> None:
         match msg:
             case AddRequest():
                 self._add(client, msg)
@@ -231,6 +241,11 @@ class EngineProc:
                 self._control(client, msg)
             case _ClientGone():
                 self._forget(client)
+            case _ThreadDied():
+                self.running = False
+                raise SocketThreadDied(
+                    f"the {msg.name} socket thread died: {msg.error!r}"
+                ) from msg.error
 
     def _forget(self, client: bytes) -> None:
         """The client is unreachable: stop heart-beating it and free what its requests hold."""
@@ -358,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        config = engine_config_from_args(args)
         address = EngineAddress.parse(args.address) if args.address else private_ipc_address()
         curve = _server_keys(args)
         if curve is None and not is_loopback(address):
@@ -368,10 +384,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
-    proc = EngineProc(engine_config_from_args(args), address, curve, args.parent_pid)
+    proc = EngineProc(config, address, curve, args.parent_pid)
     _stop_on_signals(proc)
     print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
-    proc.run()
+    try:
+        proc.run()
+    except SocketThreadDied as exc:
+        logger.critical("%s: the engine process exits", exc)
+        return 1
     return 0
 
 

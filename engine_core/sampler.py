@@ -151,6 +151,10 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         seen = _count_tokens(lists, logits) > 0  # [B, V]
         r = _to_device([p.repetition_penalty for p in params], logits.device)[:, None]  # [B, 1]
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        # A penalty near 0 (5e-324 is 0 in float32) would push logits to +-inf, and two +inf
+        # make the logprobs NaN: keep them finite (the order of the tokens is what counts).
+        big = torch.finfo(logits.dtype).max
+        logits = logits.clamp(-big, big)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
         lists = [r.output_token_ids if _has_output_penalty(r.params) else [] for r in requests]
         counts = _count_tokens(lists, logits)  # [B, V]

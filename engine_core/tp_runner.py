@@ -23,14 +23,10 @@ arguments are plain values (the EngineConfig as a dict).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import gc
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 import weakref
@@ -55,12 +51,12 @@ from engine_core.parallel import (
     leave_tp_group,
 )
 from engine_core.request import SchedulerOutput
+from protocol.processes import set_parent_death_signal
 
 logger = logging.getLogger("tandem.tp")
 
 _STOP, _STEP = 0, 1
 _STOP_TIMEOUT_S = 10.0
-_PR_SET_PDEATHSIG = 1
 _WORKER_KEY = "tandem/worker{}"
 _RENDEZVOUS_POLL_S = 0.05
 _WATCH_POLL_S = 0.2
@@ -356,7 +352,7 @@ def stop_processes(workers: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S)
 
 def run_worker(fields: dict[str, Any], rank: int, port: int, parent: int, log_level: int) -> None:
     """A worker process's entry point (spawned: it imports everything afresh)."""
-    die_with(parent)
+    set_parent_death_signal(parent)
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s"
     )
@@ -373,12 +369,3 @@ def run_worker(fields: dict[str, Any], rank: int, port: int, parent: int, log_le
     logging.shutdown()
     # Nothing is left to do: skip the interpreter's teardown (CUDA graphs, NCCL handles).
     os._exit(0)
-
-
-def die_with(parent: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (even by SIGKILL)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 PROTOCOL_VERSION = 2
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class MsgType(enum.IntEnum):
@@ -65,7 +66,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM: below this a temperature only overflows the scaled logits (1e-50 is 0 in
+        # float32), and the distribution it asks for is the argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,12 @@ class Stats:
     num_cached_blocks: int
     num_total_blocks: int
     num_steps: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests (cached free blocks count as free)."""
+        used = self.num_total_blocks - self.num_free_blocks - self.num_cached_blocks
+        return used / max(self.num_total_blocks, 1)
 
 
 @dataclass(frozen=True)

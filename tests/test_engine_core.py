@@ -60,7 +60,12 @@ def test_mixed_batch_equals_each_request_alone(tiny_llama: Path) -> None:
     )
 
     llm = LLM(
-        str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=256, max_num_batched_tokens=24
+        str(tiny_llama),
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=256,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
     )
     core = llm.engine
     got: dict[str, list[int]] = {k: [] for k in prompts}
@@ -127,3 +132,22 @@ def test_seeded_sampling_survives_preemption_and_batching(tiny_llama: Path) -> N
         str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=16, max_model_len=32
     ).generate(prompts, params, detokenize=False)
     assert [o.token_ids for o in crowded] == alone
+
+
+def test_generate_that_fails_on_a_later_prompt_leaves_the_engine_as_it_was(
+    tiny_llama: Path,
+) -> None:
+    """A prompt the engine refuses fails the whole call before anything runs: the prompts
+    before it are not left behind for the next call to trip over, and no block is held."""
+    llm = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64)
+    good = make_prompts(2, 6, seed=9)
+    with pytest.raises(ValueError, match="prompt token ids"):
+        llm.generate([*good, [10**6]], GREEDY, detokenize=False)  # out of the vocabulary
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate(good, [GREEDY, SamplingParams(top_p=0.0)], detokenize=False)
+    assert not llm.engine.has_unfinished()
+    bm = llm.engine.scheduler.block_manager
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+    again = [o.token_ids for o in llm.generate(good, GREEDY, detokenize=False)]
+    assert again == run_alone(tiny_llama, good, GREEDY)

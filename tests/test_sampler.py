@@ -382,3 +382,34 @@ def test_cuda_matches_cpu_for_seeded_and_greedy_rows() -> None:
     assert cuda.logprobs is not None and cpu.logprobs is not None
     rows = torch.tensor(seeded_or_greedy)
     assert torch.allclose(cuda.logprobs.cpu()[rows], cpu.logprobs[rows], atol=1e-5)
+
+
+# --- extreme values that the API admits ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"repetition_penalty": 5e-324, "temperature": 0.0},  # 0 in float32: logit / 0
+        {"repetition_penalty": 1e300, "temperature": 0.7},  # inf in float32
+        {"temperature": 1e-45},  # the scaled logits would overflow
+    ],
+)
+def test_extreme_parameters_give_finite_logprobs_and_a_real_token(params: dict) -> None:
+    """The schemathesis fuzz sent repetition_penalty 5e-324: the logprobs came out NaN, the
+    frontend had to drop the step's frame, and the request never finished."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, VOCAB) * 5
+    requests = [make_request(outputs=(9, 10, 11), logprobs=3, **params) for _ in range(4)]
+    out = make_sampler()(logits, requests)
+    assert out.logprobs is not None and out.top_logprobs is not None
+    assert not torch.isnan(out.logprobs).any() and not torch.isposinf(out.logprobs).any()
+    assert not torch.isnan(out.top_logprobs).any() and not torch.isposinf(out.top_logprobs).any()
+    assert ((out.token_ids >= 0) & (out.token_ids < VOCAB)).all()
+
+
+def test_a_temperature_below_the_greedy_threshold_is_greedy() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(6, VOCAB)
+    out = make_sampler()(logits, [make_request(temperature=1e-6) for _ in range(6)])
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))

@@ -152,7 +152,7 @@ def test_admission_cap_and_seq_cap() -> None:
 
 
 def test_long_prompt_is_split_into_budget_chunks() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=16)
+    scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=16)
     scheduler.add_request(make_request("long", list(range(3, 53)), max_tokens=2))  # 50 tokens
     plan = []
     while scheduler.has_unfinished():
@@ -164,7 +164,7 @@ def test_long_prompt_is_split_into_budget_chunks() -> None:
 
 
 def test_chunked_prefill_shares_the_step_with_decodes() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=16)
+    scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=16)
     scheduler.add_request(make_request("short", [3, 4, 5, 6], max_tokens=5))
     scheduler.add_request(make_request("long", list(range(3, 43)), max_tokens=1))  # 40 tokens
     plans = []

@@ -98,7 +98,13 @@ def case(
 
 def generate(folder: Path, tp: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and the chosen tokens' logprobs, run through the offline API."""
-    llm = LLM(str(folder), tensor_parallel_size=tp, max_num_batched_tokens=16, **ENGINE_ARGS)
+    llm = LLM(
+        str(folder),
+        tensor_parallel_size=tp,
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+        **ENGINE_ARGS,
+    )
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
         outs = llm.generate(PROMPTS, params, detokenize=False)
@@ -191,6 +197,7 @@ def test_tp2_engine_process_serves_hf_tokens_and_takes_its_workers_along(tmp_pat
     cmd = [sys.executable, "-m", "frontend.cli", "engine", "--model", str(tmp_path),
            "--address", str(address), "--tensor-parallel-size", "2", "--block-size", "4",
            "--num-kv-blocks", "96", "--max-model-len", "128", "--max-num-batched-tokens", "16",
+           "--max-num-seqs", "16",
            "--log-level", "WARNING"]  # fmt: skip
     proc = subprocess.Popen(cmd)
     try:

@@ -1,0 +1,102 @@
+"""The contract between a Tandem process and the processes it starts: none outlives its parent.
+
+Engine cores, API processes and tensor-parallel workers are all children of another Tandem
+process, and a child left behind holds a GPU or a port for good. Two guards, used by every kind:
+
+- ``die_with_parent()`` (for ``subprocess.Popen``) and ``set_parent_death_signal()`` (called in
+  the child itself, for processes started by multiprocessing) ask Linux to SIGKILL the child the
+  moment its parent dies, even by SIGKILL;
+- ``ParentWatch`` polls for the parent, which also covers what the death signal misses (other
+  platforms, a parent thread that exits, wrappers in between).
+
+``pid_alive`` is the one "does that process still run" test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGKILL the child when this process dies; None where
+    that is not possible (the child's ParentWatch still covers it)."""
+    prctl = _prctl()  # resolved here, not in the forked child
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return set_death_signal
+
+
+def set_parent_death_signal(parent: int) -> None:
+    """From inside a child: be SIGKILLed when ``parent`` dies; exit now if it already has."""
+    prctl = _prctl()
+    if prctl is not None:
+        with contextlib.suppress(OSError):
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class ParentWatch:
+    """Whether process ``pid``, which started us (or which we must not outlive), still runs.
+
+    For our own parent the test is whether we were re-parented, which a recycled pid cannot
+    fool; for another process (a launcher in between), ``pid_alive``.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._direct = os.getppid() == pid
+
+    def alive(self) -> bool:
+        if self._direct:
+            return os.getppid() == self.pid
+        return pid_alive(self.pid)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit (as Ctrl-C raises KeyboardInterrupt), so that ``finally``
+    blocks stop what this process started."""
+
+    def raise_exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, raise_exit)
