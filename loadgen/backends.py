@@ -5,31 +5,25 @@ carried output, end) on the shared run clock, fills in the token counts, and rai
 the runner turns a raise into a failed record. HTTP backends stream server-sent events from one
 ``httpx.AsyncClient`` whose pool is sized to the concurrency asked for, so the client library
 never caps the offered load; token counts come from the final usage chunk
-(``stream_options.include_usage``). The ZMQ backend keeps one reader task that routes each
-engine step's outputs to the waiting requests by id.
+(``stream_options.include_usage``). The ZMQ backend drives the raw asyncio client, whose one
+reader task routes each engine step's outputs to the waiting requests by id.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import argparse
 import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from frontend.loadgen.metrics import RequestRecord
-from frontend.loadgen.workload import RequestSpec
-from protocol.client import AsyncEngineClient, EngineRequestError
-from protocol.messages import (
-    FinishReason,
-    RequestError,
-    SamplingParams,
-    StepOutputs,
-)
+from loadgen.metrics import RequestRecord
+from loadgen.workload import RequestSpec
+from protocol.client import AsyncEngineClient, EngineRequest, RequestItem, is_last
+from protocol.messages import FinishReason, SamplingParams
 
 BACKENDS = ("openai-completions", "openai-chat", "zmq")
 
@@ -64,6 +58,20 @@ class RequestOptions:
 
 class BackendError(RuntimeError):
     """A request failed: an HTTP error status, an error event, or an engine error."""
+
+
+class Backend(Protocol):
+    """What the runner needs of a backend."""
+
+    kind: str
+    wants_ids: bool
+    clock: Clock
+
+    async def start(self) -> None: ...
+
+    async def send(self, spec: RequestSpec, rec: RequestRecord) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 # ---- HTTP -------------------------------------------------------------------------------------
@@ -227,14 +235,9 @@ async def engine_address(url: str, api_key: str | None = None) -> str:
 # ---- ZMQ --------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Pending:
-    rec: RequestRecord
-    done: asyncio.Future[None]
-
-
 class ZmqBackend:
-    """Token ids straight to the engine core through the raw asyncio client; one reader task."""
+    """Token ids straight to the engine core through the raw asyncio client (whose one reader
+    task routes each step's outputs to the request's queue)."""
 
     kind = "zmq"
     wants_ids = True
@@ -247,9 +250,6 @@ class ZmqBackend:
         self.options = options
         self.connect_timeout = connect_timeout
         self.client: AsyncEngineClient | None = None
-        self.pending: dict[str, _Pending] = {}
-        self.reader: asyncio.Task[None] | None = None
-        self.dead: str | None = None
         self.model: str | None = None
         self.vocab: list[int] | None = None
 
@@ -259,87 +259,66 @@ class ZmqBackend:
         self.model = ready.model
         eos = set(ready.eos_token_ids)
         self.vocab = [i for i in range(ready.vocab_size) if i not in eos]
-        self.reader = asyncio.create_task(self.read_loop())
 
     async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-            await asyncio.gather(self.reader, return_exceptions=True)
         if self.client is not None:
-            self.client.close()
+            await self.client.close()
 
     async def send(self, spec: RequestSpec, rec: RequestRecord) -> None:
+        """Run one request to its end; cancelling it (a timeout) aborts it in the engine, which
+        frees its KV blocks."""
         assert self.client is not None and spec.prompt_ids is not None
-        if self.dead:
-            raise BackendError(self.dead)
-        rid = rec.request_id
         params = SamplingParams(
             max_tokens=spec.output_len,
             temperature=self.options.temperature,
             ignore_eos=self.options.ignore_eos,
         )
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.pending[rid] = _Pending(rec, done)
-        try:
-            rec.submitted_at = self.clock.now()
-            await self.client.add_request(rid, spec.prompt_ids, params)
-            await done
-        except asyncio.CancelledError:
-            if self.pending.pop(rid, None) is not None:
-                with contextlib.suppress(Exception):  # the client may be closing as well
-                    await self.client.abort([rid])  # timed out: free its KV blocks in the engine
-            raise
-        finally:
-            self.pending.pop(rid, None)
-
-    async def read_loop(self) -> None:
-        """Route every engine message to the requests it concerns; fail them all if it dies."""
-        assert self.client is not None
-        try:
-            while True:
-                msg = await self.client.recv()
-                if msg is not None:
-                    self.route(msg, self.clock.now())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.dead = f"the ZMQ reader stopped: {exc!r}"
-            for p in list(self.pending.values()):
-                _settle(p, BackendError(self.dead))
-            self.pending.clear()
-
-    def route(self, msg: object, now: float) -> None:
-        if isinstance(msg, StepOutputs):
-            for out in msg.outputs:
-                if (p := self.pending.get(out.request_id)) is None:
-                    continue  # a request we gave up on
-                if out.new_token_ids:
-                    p.rec.chunk_times.append(now)
-                    p.rec.output_tokens += len(out.new_token_ids)
-                if out.finish_reason is not None:
-                    self.finish(out.request_id, out.finish_reason, now)
-            for rid, reason in msg.finished_without_tokens.items():
-                if rid in self.pending:
-                    self.finish(rid, reason, now)
-        elif isinstance(msg, RequestError) and (p := self.pending.pop(msg.request_id, None)):
-            p.rec.ended_at = now
-            _settle(p, BackendError(str(EngineRequestError(msg))))
-        # Heartbeats (and anything else) concern no request.
-
-    def finish(self, rid: str, reason: FinishReason, now: float) -> None:
-        p = self.pending.pop(rid)
-        p.rec.finish_reason = reason.openai_name
-        p.rec.ended_at = now
-        bad = reason in (FinishReason.ABORT, FinishReason.ERROR)
-        _settle(
-            p, BackendError(f"the engine finished it with '{reason.openai_name}'") if bad else None
-        )
+        request = EngineRequest(rec.request_id, spec.prompt_ids, params)
+        rec.submitted_at = self.clock.now()
+        async with self.client.open([request]) as group:
+            while group.unfinished:
+                batch = await group.next_batch()
+                now = self.clock.now()
+                for _, item in batch:
+                    if is_last(item):
+                        group.finished(0)
+                    record_item(rec, item, now)
 
 
-def _settle(p: _Pending, error: Exception | None) -> None:
-    if p.done.done():
-        return
-    if error is None:
-        p.done.set_result(None)
+def record_item(rec: RequestRecord, item: RequestItem, now: float) -> None:
+    """Account for one output (or the error) of a request; BackendError if it failed."""
+    if isinstance(item, Exception):
+        rec.ended_at = now
+        raise BackendError(str(item))
+    if item.new_token_ids:
+        rec.chunk_times.append(now)
+        rec.output_tokens += len(item.new_token_ids)
+    reason = item.finish_reason
+    if reason is not None:
+        rec.finish_reason = reason.openai_name
+        rec.ended_at = now
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
+            raise BackendError(f"the engine finished it with '{reason.openai_name}'")
+
+
+async def open_backend(args: argparse.Namespace, clock: Clock) -> Backend:
+    """The backend the flags name, started."""
+    options = RequestOptions(args.temperature, args.ignore_eos, args.pretok)
+    if args.backend == "zmq":
+        address = args.address or await engine_address(args.url, args.api_key)
+        backend: Backend = ZmqBackend(address, clock, options, args.connect_timeout)
     else:
-        p.done.set_exception(error)
+        backend = OpenAIBackend(
+            args.backend, args.url, clock, options, pool_size(args), args.model, args.api_key,
+            args.request_timeout,
+        )  # fmt: skip
+    await backend.start()
+    return backend
+
+
+def pool_size(args: argparse.Namespace) -> int:
+    """HTTP connections to keep: one per request that may be in flight at once."""
+    caps = [args.max_concurrency or args.num_requests]
+    if args.sweep is not None and args.sweep.param == "concurrency":
+        caps += [int(v) for v in args.sweep.values]
+    return min(max(caps), args.num_requests)

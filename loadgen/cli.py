@@ -1,4 +1,4 @@
-"""The load generator's command line (``scripts/loadgen.py`` and ``tandem bench``).
+"""The load generator's command line (``tandem bench`` and ``python -m loadgen``).
 
     tandem bench --backend openai-completions --url http://127.0.0.1:8000 \
         --num-requests 64 --input-len 128 --output-len 256 --ignore-eos --warmup-runs 1
@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -23,21 +24,13 @@ from typing import Any
 
 import httpx
 
-from frontend.loadgen.arrival import Arrival
-from frontend.loadgen.backends import (
-    BACKENDS,
-    BackendError,
-    Clock,
-    OpenAIBackend,
-    RequestOptions,
-    ZmqBackend,
-    engine_address,
-)
-from frontend.loadgen.metrics import RequestRecord, Slo, format_summary, summarize
-from frontend.loadgen.runner import Backend, RunPlan, run_once
-from frontend.loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
-from frontend.loadgen.workers import ClientPool
-from frontend.loadgen.workload import LenRange, WorkloadConfig, build_workload
+from loadgen.arrival import Arrival
+from loadgen.backends import BACKENDS, Backend, BackendError, Clock, open_backend
+from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
+from loadgen.runner import RunPlan, run_event_loop, run_once
+from loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
+from loadgen.workers import ClientPool
+from loadgen.workload import LenRange, WorkloadConfig, build_workload
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +76,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--pretok", action="store_true", help="openai-completions: send token ids, not text"
     )
     work.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
-    work.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    work.add_argument(
+        "--seed", type=int, default=None,
+        help="seeds the random prompts and arrival times; give it to repeat a run's prompts "
+        "(default: a fresh seed each invocation, printed, so that back-to-back runs against one "
+        "server never hit its prefix cache with the same prompts)",
+    )  # fmt: skip
 
     load = parser.add_argument_group("arrival")
     load.add_argument(
@@ -123,7 +121,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the flags describe; 0 when every reported request completed."""
     try:
-        check_args(args)
+        settle_args(args)
     except ValueError as exc:
         print(f"loadgen: {exc}", file=sys.stderr)
         return 2
@@ -135,18 +133,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def run_event_loop(main: Any) -> int:
-    """asyncio.run on uvloop where it is installed: at hundreds of streams the client's own
-    event loop is a cost to keep below the server's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    runner_cls = getattr(asyncio, "Runner", None)  # Python 3.11+
-    if runner_cls is None:
-        return asyncio.run(main)
-    with runner_cls(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
+def settle_args(args: argparse.Namespace) -> None:
+    """Check the flags (ValueError) and fix the seed of this invocation: the one given, else a
+    fresh one from the OS, so that two invocations never send the same random prompts."""
+    check_args(args)
+    if args.seed is None:
+        args.seed = secrets.randbits(31)
+
+
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    return WorkloadConfig(
+        num_requests=args.num_requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        prompt=args.prompt,
+        dataset=args.dataset,
+        dataset_format=args.dataset_format,
+        unique_prompts=args.unique_prompts,
+        seed=args.seed,
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -181,28 +186,6 @@ def base_arrival(args: argparse.Namespace) -> Arrival:
     if args.interval is not None:
         return Arrival("interval", interval=args.interval, interval_mode=args.interval_mode)
     return Arrival.from_rate(args.request_rate, args.burstiness, args.seed)
-
-
-def pool_size(args: argparse.Namespace) -> int:
-    """HTTP connections to keep: one per request that may be in flight at once."""
-    caps = [args.max_concurrency or args.num_requests]
-    if args.sweep is not None and args.sweep.param == "concurrency":
-        caps += [int(v) for v in args.sweep.values]
-    return min(max(caps), args.num_requests)
-
-
-async def open_backend(args: argparse.Namespace, clock: Clock) -> Backend:
-    options = RequestOptions(args.temperature, args.ignore_eos, args.pretok)
-    if args.backend == "zmq":
-        address = args.address or await engine_address(args.url, args.api_key)
-        backend: Backend = ZmqBackend(address, clock, options, args.connect_timeout)
-    else:
-        backend = OpenAIBackend(
-            args.backend, args.url, clock, options, pool_size(args), args.model, args.api_key,
-            args.request_timeout,
-        )  # fmt: skip
-    await backend.start()
-    return backend
 
 
 def load_tokenizer(args: argparse.Namespace, backend: Backend) -> Any | None:
@@ -259,16 +242,7 @@ class BenchRun:
         self.tokenizer = tokenizer
         self.pool = pool
         self.next_index = 0  # every run, warm-ups included, gets fresh random prompts
-        self.workload = WorkloadConfig(
-            num_requests=args.num_requests,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            prompt=args.prompt,
-            dataset=args.dataset,
-            dataset_format=args.dataset_format,
-            unique_prompts=args.unique_prompts,
-            seed=args.seed,
-        )
+        self.workload = workload_config(args)
 
     def describe(self) -> str:
         a = self.args
@@ -278,6 +252,7 @@ class BenchRun:
             f"loadgen: {a.backend} at {where}, model {model_name(self.backend)}; {a.num_requests} "
             f"requests x {a.repeat_runs} run(s) (+{a.warmup_runs} warm-up), prompts: {source}, "
             f"output {a.output_len or 'default'} tokens{' (EOS ignored)' if a.ignore_eos else ''}"
+            f"; --seed {a.seed}"
         )
 
     async def one_run(self, plan: RunPlan) -> list[RequestRecord]:

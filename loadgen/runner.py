@@ -9,27 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 from tqdm import tqdm
 
-from frontend.loadgen.arrival import Arrival
-from frontend.loadgen.backends import Clock
-from frontend.loadgen.metrics import RequestRecord
-from frontend.loadgen.workload import RequestSpec
-
-
-class Backend(Protocol):
-    kind: str
-    wants_ids: bool
-    clock: Clock
-
-    async def start(self) -> None: ...
-
-    async def send(self, spec: RequestSpec, rec: RequestRecord) -> None: ...
-
-    async def close(self) -> None: ...
+from loadgen.arrival import Arrival
+from loadgen.backends import Backend
+from loadgen.metrics import RequestRecord
+from loadgen.workload import RequestSpec
 
 
 @dataclass(frozen=True)
@@ -109,3 +98,14 @@ async def _send_one(
         if slots is not None:
             slots.release()
         bar.update(1)
+
+
+def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
+    """asyncio.run on uvloop where it is installed: at hundreds of streams the client's own
+    event loop is a cost to keep below the server's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)

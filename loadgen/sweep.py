@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from frontend.loadgen.metrics import Summary
+from loadgen.metrics import Summary
 
 PARAMS = ("rate", "concurrency")
 

@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from frontend.loadgen.arrival import Arrival
-from frontend.loadgen.backends import Clock
-from frontend.loadgen.metrics import RequestRecord
-from frontend.loadgen.runner import RunPlan, run_once
-from frontend.loadgen.workload import RequestSpec
+from loadgen.arrival import Arrival
+from loadgen.backends import Clock, open_backend
+from loadgen.metrics import RequestRecord
+from loadgen.runner import RunPlan, run_event_loop, run_once
+from loadgen.workload import RequestSpec
 
 # The flags a worker's backend needs; everything else stays with the parent.
 _BACKEND_ARGS = (
@@ -57,7 +57,7 @@ class ClientPool:
     async def start(self) -> None:
         for _ in range(self.count):
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "frontend.loadgen.workers",
+                sys.executable, "-m", "loadgen.workers",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 limit=_LINE_LIMIT, cwd=str(Path(__file__).resolve().parents[2]),
             )  # fmt: skip
@@ -127,8 +127,6 @@ async def _receive(proc: asyncio.subprocess.Process) -> dict[str, Any]:
 
 async def serve_runs() -> None:
     """Read settings, open the backend, then answer each run with its records until EOF."""
-    from frontend.loadgen.cli import open_backend
-
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=_LINE_LIMIT)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -166,6 +164,4 @@ def _reply(message: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    from frontend.loadgen.cli import run_event_loop
-
     run_event_loop(serve_runs())

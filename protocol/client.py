@@ -1,22 +1,33 @@
 """The raw ZMQ client of an engine core, synchronous and asyncio; the frontend and scripts share it.
 
 Token ids in, token ids out: no tokenizer here. The socket pattern and the HELLO/READY handshake
-are described in ``protocol/address.py``. Typical use::
+are described in ``protocol/address.py``.
+
+The synchronous ``EngineClient`` reads the socket in the caller's thread::
 
     with EngineClient("ipc:///run/user/1000/tandem-x/engine") as client:
         client.connect()
         for out in client.generate("r1", [1, 2, 3], SamplingParams(max_tokens=8)):
             print(out.new_token_ids)
 
-For many requests at once, call ``add_request`` for each and read ``recv()`` in one loop (in the
-asyncio client: one reader task), routing ``StepOutputs`` by request id.
+For many requests at once, call ``add_request`` for each and read ``recv()`` in one loop.
 
-HELLOs are sent without blocking: a DEALER whose connection was refused (a CURVE key the engine
-does not accept) has no pipe to queue into, and a blocking send would hang instead of timing out.
+The asyncio ``AsyncEngineClient`` owns one reader task that routes every message: a request's
+outputs and errors go to the queue of the ``RequestGroup`` that sent it, control replies resolve
+the future of the call that asked, and every message is a sign of life. A watchdog fails every
+queue with EngineDeadError once the engine's process has exited or been silent too long, so no
+caller waits forever::
 
-Frames from the engine that fail to decode are logged and skipped. READY messages after the
-handshake (answers to surplus HELLOs) refresh ``ready`` and are not returned; control replies
-are consumed by ``control()`` and never returned by ``recv()``.
+    async with AsyncEngineClient(address) as client:
+        await client.connect()
+        async with client.open([EngineRequest("r1", [1, 2, 3], params)]) as group:
+            ...  # await group.next_batch() until the request finishes
+
+Both clients cut a message into per-request items the same way (``split_outputs``). HELLOs are
+sent without blocking: a DEALER whose connection was refused (a CURVE key the engine does not
+accept) has no pipe to queue into, and a blocking send would hang instead of timing out. Frames
+from the engine that fail to decode are logged and skipped; the asyncio client also fails every
+request in flight with a 500 (a lost step would leave them waiting for ever).
 """
 
 from __future__ import annotations
@@ -27,8 +38,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -55,6 +68,7 @@ from protocol.messages import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    Stats,
     StepOutputs,
 )
 
@@ -64,18 +78,57 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HELLO_INTERVAL_S = 0.1
+HEALTH_WINDOW_S = 3.0  # healthy only if the engine spoke this recently (heartbeat every 0.5 s)
+DEAD_AFTER_S = 30.0  # requests in flight fail after this much silence (a long step is not death)
+WATCHDOG_INTERVAL_S = 0.25
+REHELLO_INTERVAL_S = 1.0
 
 
-class EngineRequestError(RuntimeError):
+class EngineDeadError(Exception):
+    """The engine core is gone (its process exited, or it was silent for too long)."""
+
+
+class EngineRequestError(Exception):
     """The engine refused or failed one request (a RequestError for it arrived)."""
 
-    def __init__(self, error: RequestError) -> None:
-        super().__init__(f"request {error.request_id!r} failed ({error.code}): {error.message}")
-        self.error = error
+    def __init__(self, request_id: str, message: str, code: int = 400) -> None:
+        super().__init__(f"request {request_id!r} failed ({code}): {message}")
+        self.request_id = request_id
+        self.message = message
+        self.code = code
 
 
-class _ClientBase:
-    """State and message routing shared by the sync and asyncio clients."""
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+
+
+RequestItem = RequestOutput | Exception  # what a request's consumer receives
+
+
+def split_outputs(msg: EngineMessage) -> list[tuple[str, RequestItem]]:
+    """Each request's share of one engine message, in order: its outputs (a finish without
+    tokens as an output with no tokens) or, for a RequestError, an EngineRequestError. Messages
+    that concern no request (heartbeats, READY, control replies) give nothing."""
+    if isinstance(msg, StepOutputs):
+        items: list[tuple[str, RequestItem]] = [(o.request_id, o) for o in msg.outputs]
+        for rid, reason in msg.finished_without_tokens.items():
+            items.append((rid, RequestOutput(rid, [], reason)))
+        return items
+    if isinstance(msg, RequestError):
+        return [(msg.request_id, EngineRequestError(msg.request_id, msg.message, msg.code))]
+    return []
+
+
+def is_last(item: RequestItem) -> bool:
+    """Whether nothing more will come for the request after ``item``."""
+    return isinstance(item, Exception) or item.finish_reason is not None
+
+
+class _Connection:
+    """The two DEALER sockets, the handshake frames and decoding, shared by both clients."""
 
     def __init__(
         self,
@@ -97,12 +150,11 @@ class _ClientBase:
         except BaseException:
             self._ctx.term()
             raise
-        self._buffer: deque[EngineMessage] = deque()  # read while waiting for something else
         self._tokens = itertools.count(1)
         self._closed = False
 
-    def close(self) -> None:
-        """Close both sockets and the context; pending messages are discarded."""
+    def _close_sockets(self) -> None:
+        """Close both sockets and the context; what they still queue is dropped."""
         if self._closed:
             return
         self._closed = True
@@ -113,31 +165,22 @@ class _ClientBase:
     def _hello(self) -> bytes:
         return encode(Hello(self.name))
 
-    def _add_frame(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> bytes:
+    @staticmethod
+    def _add_frame(request: EngineRequest) -> bytes:
+        """The ADD_REQUEST frame; invalid ids or params raise ProtocolError here."""
+        params = request.params
         # Any int sequence (tuple, numpy array) packs like a list, so no copy into one here.
-        return encode(AddRequest(request_id, prompt_token_ids, params))  # type: ignore[arg-type]
+        return encode(AddRequest(request.request_id, request.prompt_token_ids, params))  # type: ignore[arg-type]
 
     def _decode(self, frame: bytes) -> EngineMessage | None:
         try:
             return decode_engine_message(frame)
         except ProtocolError as exc:
-            logger.warning("skipped a malformed message from the engine: %s", exc)
+            self._malformed(exc)
             return None
 
-    def _absorb(self, msg: EngineMessage) -> EngineMessage | None:
-        """Keep what is not for the caller of recv(): late READYs and control replies."""
-        if isinstance(msg, Ready):
-            self.ready = msg
-            return None
-        if isinstance(msg, ControlReply):
-            self._on_control_reply(msg)
-            return None
-        return msg
-
-    def _on_control_reply(self, reply: ControlReply) -> None:
-        logger.debug("dropped a control reply nobody waits for (token %d)", reply.token)
+    def _malformed(self, error: ProtocolError) -> None:
+        logger.warning("skipped a malformed message from the engine: %s", error)
 
     def _timeout_error(self, timeout: float) -> TimeoutError:
         return TimeoutError(
@@ -147,7 +190,10 @@ class _ClientBase:
         )
 
 
-class EngineClient(_ClientBase):
+# ---- synchronous ------------------------------------------------------------------------------
+
+
+class EngineClient(_Connection):
     """Synchronous client. Not thread-safe: use it from one thread.
 
     ``curve``: this client's CURVE keys, for an engine on tcp:// that requires them
@@ -163,12 +209,17 @@ class EngineClient(_ClientBase):
         curve: CurveClientKeys | None = None,
     ) -> None:
         super().__init__(address, identity, name, zmq.Context, curve)
+        self._buffer: deque[EngineMessage] = deque()  # read while waiting for something else
 
     def __enter__(self) -> EngineClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def close(self) -> None:
+        """Close both sockets and the context; pending messages are discarded."""
+        self._close_sockets()
 
     def connect(self, timeout: float = 60.0) -> Ready:
         """HELLO/READY handshake; raises TimeoutError when no READY comes within ``timeout``."""
@@ -190,7 +241,7 @@ class EngineClient(_ClientBase):
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
         """Send a request; invalid ids or params raise ProtocolError here, before sending."""
-        self._input.send(self._add_frame(request_id, prompt_token_ids, params))
+        self._input.send(self._add_frame(EngineRequest(request_id, prompt_token_ids, params)))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._send(Abort(list(request_ids)))
@@ -242,20 +293,28 @@ class EngineClient(_ClientBase):
                 msg = self.recv(timeout)
                 if msg is None:
                     raise TimeoutError(f"no output for {request_id!r} within {timeout:g} s")
-                try:
-                    mine, rest = split_for_request(msg, request_id)
-                except EngineRequestError:
-                    finished = True  # the engine has already dropped it: nothing to abort
-                    raise
+                mine, rest = split_for_request(msg, request_id)
                 if rest is not None:
                     others.append(rest)
-                for out in mine:
-                    finished = out.finish_reason is not None
-                    yield out
+                for item in mine:
+                    finished = is_last(item)
+                    if isinstance(item, Exception):
+                        raise item  # the engine has already dropped it: nothing to abort
+                    yield item
         finally:
             if not finished and not self._closed:
                 self.abort([request_id])
             self._buffer.extendleft(reversed(others))
+
+    def _absorb(self, msg: EngineMessage) -> EngineMessage | None:
+        """Keep what is not for the caller of recv(): late READYs and stale control replies."""
+        if isinstance(msg, Ready):
+            self.ready = msg
+            return None
+        if isinstance(msg, ControlReply):
+            logger.debug("dropped a control reply nobody waits for (token %d)", msg.token)
+            return None
+        return msg
 
     def _send(self, msg: ClientMessage) -> None:
         self._input.send(encode(msg))
@@ -271,12 +330,38 @@ class EngineClient(_ClientBase):
                 return None
 
 
-class AsyncEngineClient(_ClientBase):
-    """asyncio client (zmq.asyncio). ``recv()`` is meant for ONE reader task.
+def split_for_request(
+    msg: EngineMessage, request_id: str
+) -> tuple[list[RequestItem], EngineMessage | None]:
+    """``request_id``'s items of a message (see ``split_outputs``) and what is left for others."""
+    items = split_outputs(msg)
+    mine = [item for rid, item in items if rid == request_id]
+    if not mine:
+        return [], msg
+    if not isinstance(msg, StepOutputs):
+        return mine, None  # a RequestError concerns one request
+    others = [o for o in msg.outputs if o.request_id != request_id]
+    finished = {rid: r for rid, r in msg.finished_without_tokens.items() if rid != request_id}
+    return mine, StepOutputs(others, finished) if others or finished else None
 
-    ``control()`` works with or without that reader: whoever is reading the socket hands the
-    reply to the waiting ``control()`` call, and messages read by ``control()`` itself are kept
-    for ``recv()``. An asyncio lock makes sure only one coroutine reads the socket at a time.
+
+# ---- asyncio ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Route:
+    queue: asyncio.Queue[tuple[int, RequestItem]]
+    index: int  # the request's place in its group
+
+
+class AsyncEngineClient(_Connection):
+    """asyncio client with one reader task (see the module docstring).
+
+    ``is_process_alive`` tells whether the engine's process lives (without it, death is seen
+    only as ``dead_after_s`` of silence). While the engine is down but its process lives (a
+    stall, or a remote engine that restarted and forgot us), the watchdog says HELLO every
+    second, so the engine is taken back as soon as it answers. Everything runs on the event
+    loop: routing is a dict lookup per output, with no locks.
     """
 
     def __init__(
@@ -286,165 +371,243 @@ class AsyncEngineClient(_ClientBase):
         identity: bytes | None = None,
         name: str = "",
         curve: CurveClientKeys | None = None,
+        is_process_alive: Callable[[], bool] | None = None,
+        dead_after_s: float = DEAD_AFTER_S,
     ) -> None:
         super().__init__(address, identity, name, zmq.asyncio.Context, curve)
-        self._lock = asyncio.Lock()
-        self._waiters: dict[int, asyncio.Future[ControlReply]] = {}
+        self._is_process_alive = is_process_alive or (lambda: True)
+        self._dead_after_s = dead_after_s
+        self._routes: dict[str, _Route] = {}
+        self._replies: dict[int, asyncio.Future[ControlReply]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._last_seen = 0.0
+        self._last_hello = 0.0
+        self._dead_reason: str | None = "not connected"
 
     async def __aenter__(self) -> AsyncEngineClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.close()
+        await self.close()
 
-    def close(self) -> None:
-        for fut in self._waiters.values():
-            fut.cancel()
-        self._waiters.clear()
-        super().close()
+    # ---- lifecycle ----------------------------------------------------------------------------
 
     async def connect(self, timeout: float = 60.0) -> Ready:
-        """HELLO/READY handshake; raises TimeoutError when no READY comes within ``timeout``."""
+        """HELLO/READY handshake, then start the reader and the watchdog. Raises TimeoutError
+        when no READY comes within ``timeout``, EngineDeadError if the process exits first."""
+        handshake = asyncio.ensure_future(self._handshake(timeout))
+        while not handshake.done():
+            if not self._is_process_alive():
+                handshake.cancel()
+                raise EngineDeadError("the engine process exited before its handshake")
+            await asyncio.wait({handshake}, timeout=0.2)
+        self.ready = handshake.result()
+        self._last_seen = time.monotonic()
+        self._dead_reason = None
+        self._spawn(self._read_loop())
+        self._spawn(self._watch_loop())
+        return self.ready
+
+    async def close(self, reason: str = "the client is closing") -> None:
+        """Fail what is in flight with ``reason``, refuse new requests, close the sockets (what
+        they still queue is dropped, so nothing reaches an engine started later)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._dead_reason = reason
+        self._fail_all(EngineDeadError(reason))
+        for reply in self._replies.values():
+            reply.cancel()
+        self._replies.clear()
+        self._close_sockets()
+
+    # ---- state --------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine answers: a message (heartbeats included) seen very recently."""
+        recent = time.monotonic() - self._last_seen < HEALTH_WINDOW_S
+        return self._dead_reason is None and recent and self._is_process_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why new requests are refused (None while the engine is up)."""
+        return self._dead_reason
+
+    @property
+    def num_requests(self) -> int:
+        """Requests sent and not yet finished, failed or aborted (as far as this client knows)."""
+        return len(self._routes)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def open(self, requests: Sequence[EngineRequest]) -> RequestGroup:
+        """Send requests whose outputs share one queue; abort what is unfinished on exit."""
+        return RequestGroup(self, requests)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Add one request and yield its outputs until it finishes; EngineRequestError or
+        EngineDeadError if it fails. Leaving early aborts it: at once inside
+        ``contextlib.aclosing(...)``, else when asyncio finalizes the abandoned generator."""
+        async with self.open([EngineRequest(request_id, prompt_token_ids, params)]) as group:
+            while group.unfinished:
+                for _, item in await group.next_batch():
+                    if is_last(item):
+                        group.finished(0)
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Tell the engine to drop these requests; never blocks (safe in cleanup paths)."""
+        ids = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
+        if ids and self._dead_reason is None:
+            self._spawn(self._send_abort(ids))
+
+    async def control(self, kind: ControlKind, timeout: float = 10.0) -> ControlReply:
+        """Send a control message; the reader hands its reply over."""
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        token = next(self._tokens)
+        reply: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self._replies[token] = reply
+        try:
+            await self._input.send(encode(Control(kind, token)))
+            return await asyncio.wait_for(reply, timeout)
+        except TimeoutError:  # asyncio's own since Python 3.11, the floor this project sets
+            raise TimeoutError(f"no reply to control {kind.name} within {timeout:g} s") from None
+        finally:
+            self._replies.pop(token, None)
+
+    async def stats(self, timeout: float = 2.0) -> Stats | None:
+        """The engine's counters (running, waiting, KV blocks) through a STATS control call."""
+        return (await self.control(ControlKind.STATS, timeout)).stats
+
+    async def _add(
+        self, queue: asyncio.Queue[tuple[int, RequestItem]], requests: Sequence[EngineRequest]
+    ) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        frames = [self._add_frame(r) for r in requests]  # ProtocolError before anything is sent
+        for index, r in enumerate(requests):
+            self._routes[r.request_id] = _Route(queue, index)
+        for frame in frames:
+            await self._input.send(frame)
+
+    async def _send_abort(self, ids: list[str]) -> None:
+        try:
+            await self._input.send(encode(Abort(ids)))
+        except Exception:  # the engine is going away; the watchdog reports it
+            logger.warning("could not send an abort for %d requests", len(ids))
+
+    # ---- the handshake, the reader and the watchdog -------------------------------------------
+
+    async def _handshake(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         hello = self._hello()
         while True:
             _send_nowait(self._input, hello)
             retry_at = min(time.monotonic() + HELLO_INTERVAL_S, deadline)
-            async with self._lock:
-                while (msg := await self._read(_remaining(retry_at))) is not None:
-                    if isinstance(msg, Ready):
-                        self.ready = msg
-                        return msg
-                    if (msg := self._absorb(msg)) is not None:
-                        self._buffer.append(msg)
+            while (msg := await self._read(_remaining(retry_at))) is not None:
+                if isinstance(msg, Ready):
+                    return msg  # anything else before READY concerns no request of ours
             if time.monotonic() >= deadline:
                 raise self._timeout_error(timeout)
 
-    async def hello(self) -> None:
-        """Send one HELLO without waiting: an engine that restarted (and so forgot this client)
-        answers READY and heart-beats it again; ``recv()`` absorbs the READY."""
-        _send_nowait(self._input, self._hello())
-
-    async def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> None:
-        """Send a request; invalid ids or params raise ProtocolError here, before sending."""
-        await self._input.send(self._add_frame(request_id, prompt_token_ids, params))
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        await self._send(Abort(list(request_ids)))
-
-    async def control(self, kind: ControlKind, timeout: float = 10.0) -> ControlReply:
-        """Send a control message and wait for its reply; other messages meanwhile are kept."""
-        token = next(self._tokens)
-        reply: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
-        self._waiters[token] = reply
-        try:
-            await self._send(Control(kind, token))
-            return await asyncio.wait_for(self._await_reply(reply), timeout)
-        except TimeoutError:
-            raise TimeoutError(f"no reply to control {kind.name} within {timeout:g} s") from None
-        finally:
-            self._waiters.pop(token, None)
-
-    async def recv(self, timeout: float | None = None) -> EngineMessage | None:
-        """The next message (StepOutputs, RequestError, Heartbeat); None after ``timeout`` s."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    async def _read_loop(self) -> None:
         while True:
-            if self._buffer:
-                return self._buffer.popleft()
-            if not await self._acquire(_remaining(deadline)):
-                return None
             try:
-                # control() may have filled the buffer while we waited for the lock.
-                msg = None if self._buffer else await self._read(_remaining(deadline))
-            finally:
-                self._lock.release()
+                msg = await self._read(None)
+            except zmq.ZMQError as exc:  # the socket is closed: the client is stopping
+                logger.debug("engine reader stopped: %s", exc)
+                return
             if msg is None:
-                if self._buffer:
-                    continue
-                return None
-            if (msg := self._absorb(msg)) is not None:
-                return msg
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        timeout: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Like EngineClient.generate; not to be mixed with a reader task on the same client."""
-        await self.add_request(request_id, prompt_token_ids, params)
-        others: list[EngineMessage] = []
-        finished = False
-        try:
-            while not finished:
-                msg = await self.recv(timeout)
-                if msg is None:
-                    raise TimeoutError(f"no output for {request_id!r} within {timeout:g} s")
-                try:
-                    mine, rest = split_for_request(msg, request_id)
-                except EngineRequestError:
-                    finished = True  # the engine has already dropped it: nothing to abort
-                    raise
-                if rest is not None:
-                    others.append(rest)
-                for out in mine:
-                    finished = out.finish_reason is not None
-                    yield out
-        finally:
-            if not finished and not self._closed:
-                await self.abort([request_id])
-            self._buffer.extendleft(reversed(others))
-
-    async def _acquire(self, timeout: float | None) -> bool:
-        """Take the read lock within ``timeout`` s (at once when it is free, even for 0 s)."""
-        if not self._lock.locked():
-            await self._lock.acquire()
-            return True
-        try:
-            await asyncio.wait_for(self._lock.acquire(), timeout)
-        except TimeoutError:
-            return False
-        return True
-
-    def _on_control_reply(self, reply: ControlReply) -> None:
-        waiter = self._waiters.get(reply.token)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(reply)
-        else:
-            super()._on_control_reply(reply)
-
-    async def _await_reply(self, reply: asyncio.Future[ControlReply]) -> ControlReply:
-        """Wait for the reader to deliver ``reply``, or read the socket ourselves when idle."""
-        while not reply.done():
-            acquire = asyncio.ensure_future(self._lock.acquire())
-            try:
-                await asyncio.wait({reply, acquire}, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:
-                _drop_acquire(self._lock, acquire)
-                raise
-            if not acquire.done():
-                _drop_acquire(self._lock, acquire)  # the reader delivered the reply
                 continue
-            try:
-                while not reply.done():
-                    msg = await self._read(None)
-                    if msg is not None and (msg := self._absorb(msg)) is not None:
-                        self._buffer.append(msg)
-            finally:
-                self._lock.release()
-        return reply.result()
+            self._last_seen = time.monotonic()
+            if self._dead_reason is not None and self._is_process_alive():
+                logger.warning("the engine core answers again")
+                self._dead_reason = None
+            self._route(msg)
 
-    async def _send(self, msg: ClientMessage) -> None:
-        await self._input.send(encode(msg))
+    def _route(self, msg: EngineMessage) -> None:
+        if isinstance(msg, Ready):
+            self.ready = msg
+        elif isinstance(msg, ControlReply):
+            reply = self._replies.get(msg.token)
+            if reply is not None and not reply.done():
+                reply.set_result(msg)
+        for rid, item in split_outputs(msg):
+            last = is_last(item)
+            route = self._routes.pop(rid, None) if last else self._routes.get(rid)
+            if route is not None:
+                route.queue.put_nowait((route.index, item))
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if self._dead_reason is None and (reason := self._why_dead()) is not None:
+                self._declare_dead(reason)
+            elif self._dead_reason is not None and self._is_process_alive():
+                self._hello_again()
+
+    def _hello_again(self) -> None:
+        now = time.monotonic()
+        if now - self._last_hello >= REHELLO_INTERVAL_S:
+            self._last_hello = now
+            _send_nowait(self._input, self._hello())
+
+    def _why_dead(self) -> str | None:
+        if not self._is_process_alive():
+            return "the engine process exited"
+        silent = time.monotonic() - self._last_seen
+        if silent > self._dead_after_s:
+            return f"the engine has not answered for {silent:.0f} s"
+        return None
+
+    def _declare_dead(self, reason: str) -> None:
+        """Fail every request in flight. A process exit is final; a silent engine that speaks
+        again is taken back (the reader clears the reason), so abort what we gave up on."""
+        logger.error("engine core unavailable: %s", reason)
+        self._dead_reason = reason
+        ids = self._fail_all(EngineDeadError(reason))
+        if ids and self._is_process_alive():
+            self._spawn(self._send_abort(ids))
+
+    def _malformed(self, error: ProtocolError) -> None:
+        """A frame that does not decode may have carried any request's tokens: rather than
+        leave every request in flight waiting for outputs that will never come, fail them (and
+        abort them in the engine). Before the handshake nothing is in flight: just skip it."""
+        if not self._routes:
+            super()._malformed(error)
+            return
+        logger.error(
+            "the engine sent a message that does not decode (%s): failing the %d requests in "
+            "flight, whose outputs it may have held",
+            error,
+            len(self._routes),
+        )
+        message = f"the engine sent a malformed message ({error}); this request was failed"
+        routes, self._routes = self._routes, {}
+        for rid, route in routes.items():
+            route.queue.put_nowait((route.index, EngineRequestError(rid, message, 500)))
+        self._spawn(self._send_abort(list(routes)))
+
+    def _fail_all(self, error: Exception) -> list[str]:
+        routes, self._routes = self._routes, {}
+        for route in routes.values():
+            route.queue.put_nowait((route.index, error))
+        return list(routes)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _read(self, timeout: float | None) -> EngineMessage | None:
-        """One decoded message from the output socket; None when ``timeout`` s pass first.
-
-        The caller holds ``_lock``.
-        """
+        """One decoded message from the output socket; None when ``timeout`` s pass first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             # A poll can wake with no event (pyzmq's asyncio poller); only the clock says when.
@@ -455,35 +618,53 @@ class AsyncEngineClient(_ClientBase):
                 return None
 
 
-def split_for_request(
-    msg: EngineMessage, request_id: str
-) -> tuple[list[RequestOutput], EngineMessage | None]:
-    """Split a message into ``request_id``'s outputs and what is left for other requests.
+class RequestGroup:
+    """Engine requests whose outputs share one queue (for the frontend: the prompts × n choices
+    of one HTTP request).
 
-    A finish without tokens becomes a RequestOutput with no tokens; a RequestError for the
-    request raises EngineRequestError.
+    ``async with client.open(requests) as group`` sends them; leaving the block, by return,
+    error or cancellation (a client that disconnected), aborts every request not finished.
     """
-    if isinstance(msg, RequestError) and msg.request_id == request_id:
-        raise EngineRequestError(msg)
-    if not isinstance(msg, StepOutputs):
-        return [], msg
-    mine = [o for o in msg.outputs if o.request_id == request_id]
-    reason = msg.finished_without_tokens.get(request_id)
-    if not mine and reason is None:
-        return [], msg
-    others = [o for o in msg.outputs if o.request_id != request_id]
-    finished = {rid: r for rid, r in msg.finished_without_tokens.items() if rid != request_id}
-    if reason is not None:
-        mine.append(RequestOutput(request_id, [], reason))
-    return mine, StepOutputs(others, finished) if others or finished else None
 
+    def __init__(self, client: AsyncEngineClient, requests: Sequence[EngineRequest]) -> None:
+        self._client = client
+        self.requests = list(requests)
+        self.queue: asyncio.Queue[tuple[int, RequestItem]] = asyncio.Queue()
+        self.unfinished = {r.request_id for r in self.requests}
 
-def _drop_acquire(lock: asyncio.Lock, acquire: asyncio.Future[bool]) -> None:
-    """Undo a lock.acquire() task that lost a race: cancel it, or release what it took."""
-    if not acquire.done():
-        acquire.cancel()  # asyncio.Lock hands the lock on if the grant raced the cancel
-    elif not acquire.cancelled() and acquire.exception() is None:
-        lock.release()
+    async def __aenter__(self) -> RequestGroup:
+        try:
+            await self._client._add(self.queue, self.requests)
+        except BaseException:
+            self._client.abort([r.request_id for r in self.requests])
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._client.abort(sorted(self.unfinished))
+
+    async def next_batch(self) -> list[tuple[int, RequestItem]]:
+        """Wait for at least one item, then take everything already queued: (index of the
+        request in the group, its output or its error)."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+    def finished(self, index: int) -> None:
+        """The caller saw request ``index`` end (or stopped it itself and aborted it)."""
+        self.unfinished.discard(self.requests[index].request_id)
+
+    def stop(self, index: int) -> None:
+        """End one request early (a stop string matched): abort it in the engine now."""
+        rid = self.requests[index].request_id
+        self.unfinished.discard(rid)
+        self._client.abort([rid])
 
 
 def _send_nowait(sock: zmq.Socket, frame: bytes) -> bool:

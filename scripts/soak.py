@@ -331,7 +331,7 @@ def engine_state(address: str, deadline: float) -> dict[str, Any]:
 
 
 def start_server(args: Any) -> tuple[subprocess.Popen[bytes], str]:
-    from frontend.launcher import die_with_parent
+    from protocol.processes import die_with_parent
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,6 @@ Import both names into a test module: ``from tests.server_fixture import server 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from frontend.launcher import die_with_parent
+from protocol.processes import die_with_parent, pid_alive
 
 if TYPE_CHECKING:
     from protocol.messages import Stats
@@ -150,18 +149,6 @@ def stop_server(srv: Server) -> None:
     stop_process(srv.process)
     assert srv.process.returncode == 0, srv.log_tail()
     assert not pid_alive(engine_pid), "the engine core outlived tandem serve"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0): look at its state.
-    with contextlib.suppress(OSError):
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    return True
 
 
 def wait_engine_idle(server: Server, timeout: float = 20.0) -> None:

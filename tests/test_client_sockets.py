@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import stat
@@ -28,7 +29,13 @@ from protocol.address import (
     remove_ipc_files,
     send_to_client,
 )
-from protocol.client import AsyncEngineClient, EngineClient, EngineRequestError
+from protocol.client import (
+    AsyncEngineClient,
+    EngineClient,
+    EngineDeadError,
+    EngineRequest,
+    EngineRequestError,
+)
 from protocol.codec import ProtocolError, decode_client_message, encode
 from protocol.curve import CurveServerKeys, start_authenticator
 from protocol.messages import (
@@ -56,11 +63,16 @@ PARAMS = SamplingParams(max_tokens=8)
 
 
 class EchoEngine:
-    """Transport double. For every Control it first sends a stale reply and a garbage frame,
-    which a client must skip, then the real reply. With ``curve`` it is a CURVE server that
-    lets in only the client keys in ``curve.authorized_dir`` (as the real engine does)."""
+    """Transport double. For every Control it first sends a stale reply and (unless told not
+    to) a garbage frame, which a client must skip, then the real reply. A request with
+    ``ignore_eos`` is echoed but never finished (until aborted). With ``curve`` it is a CURVE
+    server that lets in only the client keys in ``curve.authorized_dir`` (as the real engine
+    does)."""
 
-    def __init__(self, address: EngineAddress, curve: CurveServerKeys | None = None) -> None:
+    def __init__(
+        self, address: EngineAddress, curve: CurveServerKeys | None = None, garbage: bool = True
+    ) -> None:
+        self.garbage = garbage  # send an undecodable frame before each control reply
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, curve) if curve is not None else None
         try:
@@ -70,6 +82,7 @@ class EchoEngine:
             self.ctx.term()
             raise
         self.stopping = threading.Event()
+        self.aborted: list[str] = []  # every request id an Abort named, in order
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
@@ -103,6 +116,7 @@ class EchoEngine:
             case AddRequest():
                 self._echo(client, msg)
             case Abort():
+                self.aborted += msg.request_ids
                 self._send(
                     client, StepOutputs([], dict.fromkeys(msg.request_ids, FinishReason.ABORT))
                 )
@@ -110,7 +124,8 @@ class EchoEngine:
                 self._send(
                     client, ControlReply(msg.kind, msg.token + 1000, ok=False, message="stale")
                 )
-                send_to_client(self.out, client, b"\xc1 not msgpack")
+                if self.garbage:
+                    send_to_client(self.out, client, b"\xc1 not msgpack")
                 self._send(client, ControlReply(msg.kind, msg.token, stats=STATS))
 
     def _echo(self, client: bytes, msg: AddRequest) -> None:
@@ -119,7 +134,8 @@ class EchoEngine:
             return
         ids = msg.prompt_token_ids
         for i, tid in enumerate(ids):
-            reason = FinishReason.LENGTH if i == len(ids) - 1 else None
+            last = i == len(ids) - 1 and not msg.params.ignore_eos
+            reason = FinishReason.LENGTH if last else None
             self._send(client, StepOutputs([RequestOutput(msg.request_id, [tid], reason)]))
 
     def _send(self, client: bytes, msg: EngineMessage) -> None:
@@ -259,7 +275,7 @@ def test_generate_raises_on_request_error(address: EngineAddress, engine: EchoEn
         client.connect(timeout=10)
         with pytest.raises(EngineRequestError, match="out of vocabulary") as info:
             list(client.generate("bad", [VOCAB + 1], PARAMS, timeout=10))
-        assert info.value.error.request_id == "bad"
+        assert info.value.request_id == "bad"
 
 
 def test_leaving_generate_early_aborts(address: EngineAddress, engine: EchoEngine) -> None:
@@ -307,68 +323,128 @@ def test_async_handshake_and_timeout(address: EngineAddress) -> None:
     asyncio.run(main())
 
 
-def test_async_reader_task_routes_while_control_waits(
-    address: EngineAddress, engine: EchoEngine
-) -> None:
-    """The frontend's shape: one reader task routes outputs to per-request queues while other
-    coroutines add requests and make control calls."""
+def test_async_reader_routes_to_each_group_while_control_waits(address: EngineAddress) -> None:
+    """The frontend's shape: the client's one reader task routes outputs to each request's
+    queue while other coroutines add requests and make control calls; two clients on one
+    engine each get their own requests' outputs, even under the same request ids."""
 
-    async def reader(client: AsyncEngineClient, queues: dict[str, asyncio.Queue]) -> None:
-        while True:
-            msg = await client.recv()
-            assert isinstance(msg, StepOutputs), msg
-            for out in msg.outputs:
-                queues[out.request_id].put_nowait(out)
-
-    async def drain(queue: asyncio.Queue) -> list[int]:
-        tokens: list[int] = []
-        while True:
-            out = await asyncio.wait_for(queue.get(), 10)
-            tokens.extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                return tokens
+    async def tokens(client: AsyncEngineClient, rid: str, prompt: list[int]) -> list[int]:
+        return [t async for out in client.generate(rid, prompt, PARAMS) for t in out.new_token_ids]
 
     async def main() -> None:
         async with AsyncEngineClient(address) as a, AsyncEngineClient(address) as b:
             await asyncio.gather(a.connect(timeout=10), b.connect(timeout=10))
-            qa = {f"r{i}": asyncio.Queue() for i in range(4)}
-            qb = {f"r{i}": asyncio.Queue() for i in range(4)}
-            tasks = [asyncio.create_task(reader(a, qa)), asyncio.create_task(reader(b, qb))]
-            for i in range(4):
-                await a.add_request(f"r{i}", [10, i], PARAMS)
-                await b.add_request(f"r{i}", [20, i, i], PARAMS)
-            replies = await asyncio.gather(
-                a.control(ControlKind.STATS), b.control(ControlKind.STATS)
-            )
-            assert [r.stats for r in replies] == [STATS, STATS]
-            got_a = await asyncio.gather(*(drain(q) for q in qa.values()))
-            got_b = await asyncio.gather(*(drain(q) for q in qb.values()))
-            for t in tasks:
-                assert not t.done()  # a reader that died on an assertion would be done
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            assert got_a == [[10, i] for i in range(4)]
-            assert got_b == [[20, i, i] for i in range(4)]
+            work = [tokens(a, f"r{i}", [10, i]) for i in range(4)]
+            work += [tokens(b, f"r{i}", [20, i, i]) for i in range(4)]
+            controls = [a.control(ControlKind.STATS), b.control(ControlKind.STATS)]
+            *got, reply_a, reply_b = await asyncio.wait_for(asyncio.gather(*work, *controls), 10)
+            assert [reply_a.stats, reply_b.stats] == [STATS, STATS]  # the stale ones skipped
+            assert got[:4] == [[10, i] for i in range(4)]
+            assert got[4:] == [[20, i, i] for i in range(4)]
+            assert a.num_requests == b.num_requests == 0
+
+    eng = EchoEngine(address, garbage=False)  # garbage fails what is in flight: see below
+    try:
+        asyncio.run(main())
+    finally:
+        eng.stop()
+
+
+def test_async_undecodable_frame_fails_what_is_in_flight_not_later_requests(
+    address: EngineAddress, engine: EchoEngine
+) -> None:
+    """A frame that does not decode may have held any request's tokens: the requests in flight
+    end with a 500 instead of waiting for ever; the client goes on serving."""
+
+    async def main() -> None:
+        async with AsyncEngineClient(address) as client:
+            await client.connect(timeout=10)
+            open_ended = EngineRequest("waiting", [1], SamplingParams(ignore_eos=True))
+            async with client.open([open_ended]) as group:
+                [(_, first)] = await asyncio.wait_for(group.next_batch(), 10)
+                assert first.new_token_ids == [1] and first.finish_reason is None
+                await client.control(ControlKind.STATS)  # garbage comes before its reply
+                [(_, failed)] = await asyncio.wait_for(group.next_batch(), 10)
+            assert isinstance(failed, EngineRequestError) and failed.code == 500
+            assert "malformed" in failed.message and failed.request_id == "waiting"
+            assert client.num_requests == 0
+            outs = client.generate("after", [3, 4], PARAMS)
+            assert [t async for out in outs for t in out.new_token_ids] == [3, 4]
+        assert engine.aborted == ["waiting"]  # the engine was told to drop it
 
     asyncio.run(main())
 
 
-def test_async_control_without_reader_buffers_outputs(
+def test_async_group_sees_the_request_error_and_refuses_bad_params(
     address: EngineAddress, engine: EchoEngine
 ) -> None:
     async def main() -> None:
         async with AsyncEngineClient(address) as client:
             await client.connect(timeout=10)
-            await client.add_request("x", [7, 8], PARAMS)
-            reply = await client.control(ControlKind.CHECK_INTEGRITY)
-            assert reply.kind == ControlKind.CHECK_INTEGRITY and reply.ok
-            first = await client.recv(timeout=10)
-            second = await client.recv(timeout=10)
-            assert first == StepOutputs([RequestOutput("x", [7])])
-            assert second == StepOutputs([RequestOutput("x", [8], FinishReason.LENGTH)])
-            assert await client.recv(timeout=0.2) is None
-            outs = [o async for o in client.generate("g", [1, 2], PARAMS, timeout=10)]
-            assert [o.new_token_ids for o in outs] == [[1], [2]]
+            with pytest.raises(EngineRequestError, match="out of vocabulary") as info:
+                async for _ in client.generate("bad", [VOCAB + 1], PARAMS):
+                    pass
+            assert info.value.request_id == "bad" and info.value.code == 400
+            request = EngineRequest("p", [1], SamplingParams(top_p=0.0))
+            with pytest.raises(ProtocolError, match="top_p"):
+                async with client.open([request]):
+                    pass
+            assert client.num_requests == 0  # nothing sent, nothing left routed
+
+    asyncio.run(main())
+
+
+def test_async_leaving_a_group_early_aborts_the_rest(
+    address: EngineAddress, engine: EchoEngine
+) -> None:
+    async def main() -> None:
+        async with AsyncEngineClient(address) as client:
+            await client.connect(timeout=10)
+            async with contextlib.aclosing(client.generate("early", [1, 2, 3], PARAMS)) as outs:
+                async for out in outs:
+                    assert out.new_token_ids == [1]
+                    break
+            assert client.num_requests == 0
+            async for out in client.generate("next", [4], PARAMS):  # served as before
+                assert out.new_token_ids == [4]
+            assert engine.aborted == ["early"]  # sent before "next", so the engine has it
+
+    asyncio.run(main())
+
+
+def test_async_close_fails_what_is_in_flight(address: EngineAddress) -> None:
+    """A request waiting on an engine that never answers ends with EngineDeadError when the
+    client closes, rather than waiting forever."""
+
+    async def main() -> None:
+        eng = EchoEngine(address)
+        client = AsyncEngineClient(address)
+        await client.connect(timeout=10)
+        eng.stop()  # nobody answers from now on
+        group = client.open([EngineRequest("r", [1, 2], PARAMS)])
+        async with group:
+            await client.close("going away")
+            (index, item), *_ = await asyncio.wait_for(group.next_batch(), 5)
+        assert index == 0 and isinstance(item, EngineDeadError) and "going away" in str(item)
+
+    asyncio.run(main())
+
+
+def test_async_watchdog_fails_requests_when_the_process_dies(address: EngineAddress) -> None:
+    alive = [True]
+
+    async def main() -> None:
+        eng = EchoEngine(address)
+        async with AsyncEngineClient(address, is_process_alive=lambda: alive[0]) as client:
+            await client.connect(timeout=10)
+            eng.stop()  # the engine goes silent with a request on its way
+            async with client.open([EngineRequest("r", [1, 2], PARAMS)]) as group:
+                alive[0] = False  # its process "exits": the watchdog sees it within 0.25 s
+                [(index, item)] = await asyncio.wait_for(group.next_batch(), 5)
+            assert index == 0 and isinstance(item, EngineDeadError)
+            assert client.dead_reason == "the engine process exited" and not client.healthy
+            with pytest.raises(EngineDeadError):
+                await client.control(ControlKind.STATS)
 
     asyncio.run(main())
 

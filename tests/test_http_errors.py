@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from frontend.launcher import die_with_parent
 from protocol.address import EngineAddress
+from protocol.processes import die_with_parent
 from tests.server_fixture import (  # noqa: F401
     API_KEY,
     MAX_MODEL_LEN,
@@ -290,7 +290,7 @@ def test_sigterm_stops_the_server_and_cleans_up(keyed_server: Server) -> None:
 
 _PARENT = """
 import subprocess, sys, time
-from frontend.launcher import die_with_parent
+from protocol.processes import die_with_parent
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                          preexec_fn=die_with_parent())
 print(child.pid, flush=True)

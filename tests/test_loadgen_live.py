@@ -82,9 +82,9 @@ def test_openai_chat(server: Server, tmp_path: Path) -> None:
     wait_engine_idle(server)
 
 
-def test_zmq_through_the_script(server: Server, tmp_path: Path) -> None:
+def test_zmq_through_python_m_loadgen(server: Server, tmp_path: Path) -> None:
     out = tmp_path / "zmq.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "loadgen.py"), "--backend", "zmq",
+    cmd = [sys.executable, "-m", "loadgen", "--backend", "zmq",
            "--address", server.engine_address, *SMALL, "--request-rate", "20",
            "--result-json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)

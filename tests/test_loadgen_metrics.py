@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from frontend.loadgen.arrival import Arrival
-from frontend.loadgen.backends import Clock, OpenAIBackend, RequestOptions, sse_events
-from frontend.loadgen.metrics import RequestRecord, Slo, format_summary, summarize
-from frontend.loadgen.runner import RunPlan, run_once
-from frontend.loadgen.sweep import Sweep
-from frontend.loadgen.workload import (
+from loadgen.arrival import Arrival
+from loadgen.backends import Clock, OpenAIBackend, RequestOptions, sse_events
+from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
+from loadgen.runner import RunPlan, run_once
+from loadgen.sweep import Sweep
+from loadgen.workload import (
     LenRange,
     RequestSpec,
     WorkloadConfig,
@@ -343,3 +343,32 @@ def test_parsers() -> None:
     for bad in ("qps=1", "rate=", "concurrency=1.5", "rate=-1"):
         with pytest.raises(ValueError):
             Sweep.parse(bad)
+
+
+# ---- seeds: fresh prompts per invocation unless --seed is given --------------------------------
+
+
+def invocation_prompts(argv: list[str]) -> list[list[int]]:
+    """The random prompts the first run of one `tandem bench` invocation with ``argv`` sends."""
+    import argparse
+
+    from loadgen.cli import add_args, settle_args, workload_config
+    from loadgen.workload import build_workload
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--backend", "zmq", "-n", "4", "--input-len", "16", *argv])
+    settle_args(args)
+    specs = build_workload(workload_config(args), 0, True, None, vocab=list(range(1000)))
+    return [s.prompt_ids for s in specs]
+
+
+def test_every_invocation_draws_fresh_prompts_by_default() -> None:
+    """Back to back against one server, two default invocations must not send the same prompts
+    (the second would hit the prefix cache and report a TTFT several times too short)."""
+    assert invocation_prompts([]) != invocation_prompts([])
+
+
+def test_a_given_seed_repeats_the_prompts() -> None:
+    assert invocation_prompts(["--seed", "7"]) == invocation_prompts(["--seed", "7"])
+    assert invocation_prompts(["--seed", "7"]) != invocation_prompts(["--seed", "8"])

@@ -48,17 +48,19 @@ from engine_core.attention.base import AttentionMetadata  # noqa: E402
 from engine_core.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.attention.triton_kernels import (  # noqa: E402
-    gelu_new,
-    layer_norm,
     paged_decode_attention,
     paged_prefill_attention,
-    rms_norm,
-    rotary_inplace,
-    silu_and_mul,
     write_kv_cache,
 )
 from engine_core.loader import load_model  # noqa: E402
 from engine_core.models import layers  # noqa: E402
+from engine_core.models.triton_ops import (  # noqa: E402
+    gelu_new,
+    layer_norm,
+    rms_norm,
+    rotary_inplace,
+    silu_and_mul,
+)
 from tests.paged_harness import generate_greedy, hf_greedy  # noqa: E402
 from tests.test_models_hf import PROMPTS, make_hf_model  # noqa: E402
 

@@ -5,7 +5,7 @@ compute in float32 and cast back, rotary cos/sin are computed in float32 then ca
 activations' dtype.
 
 The norms, rotary and activations dispatch: CUDA tensors go through the fused Triton kernels of
-engine_core.attention.triton_kernels (a decode step of a small model is launch-bound, and each
+engine_core/models/triton_ops.py (a decode step of a small model is launch-bound, and each
 of these is one launch there instead of several), everything else through the plain torch code
 (the ``*_torch`` functions), which alone reproduces HF bit for bit. triton is imported only on the
 CUDA branch, so CPU use never needs it.
@@ -34,11 +34,11 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def triton_kernels() -> ModuleType:
+def triton_ops() -> ModuleType:
     """The fused kernels' module, imported on first use: importing it imports triton."""
-    from engine_core.attention import triton_kernels as kernels
+    from engine_core.models import triton_ops as ops
 
-    return kernels
+    return ops
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
         rides in the next norm, one launch on CUDA."""
         if use_triton(x):
             rows, res = as_rows(x), residual_rows(residual)
-            return as_shape(triton_kernels().rms_norm(rows, self.weight, self.eps, res), x.shape)
+            return as_shape(triton_ops().rms_norm(rows, self.weight, self.eps, res), x.shape)
         if residual is None:
             return rms_norm_torch(x, self.weight, self.eps)
         x = x + residual
@@ -99,7 +99,7 @@ class LayerNorm(nn.LayerNorm):
         return (normed, x + residual), one launch on CUDA."""
         if use_triton(x) and self.weight is not None and self.bias is not None:
             rows, res = as_rows(x), residual_rows(residual)
-            out = triton_kernels().layer_norm(rows, self.weight, self.bias, self.eps, res)
+            out = triton_ops().layer_norm(rows, self.weight, self.bias, self.eps, res)
             return as_shape(out, x.shape)
         if residual is None:
             return super().forward(x)
@@ -178,7 +178,7 @@ def rotate_qk(
     views of their own qkv projection, which nothing else reads. Elsewhere ``apply_rotary``.
     """
     if use_triton(q):
-        triton_kernels().rotary_inplace(q, k, cos, sin)
+        triton_ops().rotary_inplace(q, k, cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -362,7 +362,7 @@ def project_logits(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate then up) -> silu(gate) * up, [T, I]; one launch on CUDA."""
     if use_triton(gate_up):
-        return triton_kernels().silu_and_mul(as_rows(gate_up))
+        return triton_ops().silu_and_mul(as_rows(gate_up))
     return silu_and_mul_torch(gate_up)
 
 
@@ -374,7 +374,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh approximation of GELU (HF "gelu_new"); one launch on CUDA."""
     if use_triton(x):
-        return triton_kernels().gelu_new(x)
+        return triton_ops().gelu_new(x)
     return gelu_new_torch(x)
 
 

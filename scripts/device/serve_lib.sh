@@ -33,7 +33,7 @@ stop() { kill -TERM "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null; sleep 1; 
 
 bench() {  # bench NAME BACKEND OUTPUT_LEN [LOADGEN FLAGS...]: one loadgen run, one summary line
   local name=$1 backend=$2 olen=$3; shift 3
-  timeout 150 ${LG_PREFIX:-} python3 scripts/loadgen.py --ignore-eos -n "$N" --input-len 128 --output-len "$olen" \
+  timeout 150 ${LG_PREFIX:-} python3 -m loadgen --ignore-eos -n "$N" --input-len 128 --output-len "$olen" \
     --warmup-runs 1 --tokenizer "${TANDEM_TOKENIZER_DIR:-.tok}" --no-progress --url "$URL" \
     --backend "$backend" --result-json "$OUT/lg-$name.json" "$@" > "$OUT/lg-$name.log" 2>&1
   echo "$name: $(grep -E 'Failed requests|Output token throughput|Median TTFT|P99 TTFT|Median TPOT|load generator CPU' \
@@ -69,7 +69,7 @@ pin() {
   for pid in $(pgrep -f "frontend.cli engine"); do
     taskset -a -p -c $((8 * i))-$((8 * i + 7)) "$pid" > /dev/null; i=$((i + 1))
   done
-  for pid in $(pgrep -f "frontend.api_servers|frontend.cli serve"); do
+  for pid in $(pgrep -f "frontend.api_processes|frontend.cli serve"); do
     taskset -a -p -c "$FIRST_FREE_CORE-$(($(nproc) - 1))" "$pid" > /dev/null
   done
 }

@@ -1,0 +1,280 @@
+"""Fused Triton kernels for the elementwise layers: RMSNorm and LayerNorm with the residual add,
+rotary embedding in place, SiLU-and-multiply and gelu_new; models/layers.py dispatches CUDA
+tensors to them.
+
+A decode step of a small model is launch-bound: the profile of a smollm2-135m step showed RMSNorm
+(7 kernels), rotary (5 per tensor) and SiLU-and-multiply (2) costing more GPU time than its
+GEMMs. Numerics follow models/layers.py: float32 inside, rounded once on the way out.
+
+Importing this module imports triton: only the CUDA branches of models/layers.py (and GPU tests)
+may do so. Set ``TRITON_INTERPRET=1`` before the import to run these kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X,
+    R,
+    W,
+    Out,
+    ResOut,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the activations' dtype first, as the unfused `h = h + out` is.
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(
+            x.dtype
+        )
+        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv).to(x.dtype).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x, or of ``x + residual``: then returns (normed, x + residual), one launch."""
+    num_rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    if num_rows == 0:
+        return out if residual is None else (out, res_out)
+    res_in = residual if residual is not None else x
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(num_rows,)](
+        x,
+        res_in,
+        weight,
+        out,
+        res_out,
+        eps,
+        x.stride(0),
+        res_in.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        N=n,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=min(max(block // 512, 1), 8),
+    )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rotary_kernel(
+    Q,
+    K,
+    Cos,
+    Sin,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF  # head dims like 96 have a half that is not a power of two
+    cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
+    sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)  # halves are equal
+    _rotate(Q + token * stride_qt, h, d, stride_qh, cos, sin, (h < Q_HEADS) & d_mask, HALF)
+    _rotate(K + token * stride_kt, h, d, stride_kh, cos, sin, (h < K_HEADS) & d_mask, HALF)
+
+
+@triton.jit
+def _rotate(X, h, d, stride_h, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate-half in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    p1 = X + h * stride_h + d
+    p2 = p1 + HALF
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(p1, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
+    tl.store(p2, (f2 * cos + f1 * sin).to(x2.dtype), mask=mask)
+
+
+def rotary_inplace(
+    q: torch.Tensor,  # [T, heads, D], rows may be strided (a view of the qkv projection)
+    k: torch.Tensor,  # [T, kv_heads, D]
+    cos: torch.Tensor,  # [T, D] (both halves equal, as RotaryEmbedding builds them)
+    sin: torch.Tensor,  # [T, D]
+) -> None:
+    """Apply rotate-half rotary embedding to q and k in place, in one launch."""
+    num_tokens, q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("rotary_inplace needs the head dim contiguous")
+    k_heads = k.shape[1]
+    _rotary_kernel[(num_tokens,)](
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        Q_HEADS=q_heads,
+        K_HEADS=k_heads,
+        BLOCK_H=triton.next_power_of_2(max(q_heads, k_heads)),
+        HALF=head_dim // 2,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        num_warps=4 if q_heads * head_dim >= 2048 else 2,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(Out + row * stride_o + cols, out.to(Out.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up, [T, I], one launch."""
+    num_rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty((num_rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _layer_norm_kernel(
+    X,
+    R,
+    W,
+    B,
+    Out,
+    ResOut,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Rounded to the activations' dtype first, as the unfused `h = h + out` is.
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(
+            x.dtype
+        )
+        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, 0) / N
+    centered = tl.where(mask, xf - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, 0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        Out + row * stride_o + cols, (centered * rstd * w + b).to(Out.dtype.element_ty), mask=mask
+    )
+
+
+def layer_norm(
+    x: torch.Tensor,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    bias: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm of x, or of ``x + residual``: then returns (normed, x + residual), one launch.
+    Statistics in float32, as torch's CUDA LayerNorm keeps them."""
+    num_rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    if num_rows == 0:
+        return out if residual is None else (out, res_out)
+    res_in = residual if residual is not None else x
+    block = triton.next_power_of_2(n)
+    _layer_norm_kernel[(num_rows,)](
+        x,
+        res_in,
+        weight,
+        bias,
+        out,
+        res_out,
+        eps,
+        x.stride(0),
+        res_in.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        N=n,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=min(max(block // 512, 1), 8),
+    )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _gelu_new_kernel(X, Out, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u): one exp. Capping its argument at 80 keeps it finite
+    # in float32 while x / (1 + e^80) is still 0 in the far negative tail.
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) * (...)
+    out = x / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))
+    tl.store(Out + offs, out.to(Out.dtype.element_ty), mask=mask)
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh-approximated GELU of a contiguous tensor, one launch (float32 inside)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty_like(x)
+    numel = x.numel()
+    if numel == 0:
+        return out
+    block = 1024
+    _gelu_new_kernel[(triton.cdiv(numel, block),)](x, out, numel, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,86 @@
+"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}`` with a status.
+
+Everything that goes wrong while serving a request becomes an ``OpenAIError`` before it reaches
+the client (``as_openai_error``): a bad field is a 400 naming it, an engine that is down a 503
+with Retry-After, an unexpected exception a 500 without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import Response
+
+from frontend.admission import OverloadedError, TooManySequencesError
+from frontend.openai_schemas import ErrorInfo
+from protocol.client import EngineDeadError, EngineRequestError
+
+ENGINE_DOWN_RETRY_AFTER_S = 5  # about what an engine restart takes on a small model
+
+
+class OpenAIError(Exception):
+    """An error answered in the OpenAI shape with an HTTP status (and headers, if any)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type_, param=param, code=code)
+        self.headers = headers
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def engine_unavailable(reason: str) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"the engine core is unavailable: {reason}",
+        "service_unavailable",
+        code="engine_down",
+        headers={"Retry-After": str(ENGINE_DOWN_RETRY_AFTER_S)},
+    )
+
+
+def overloaded(exc: OverloadedError) -> OpenAIError:
+    return OpenAIError(
+        503,
+        str(exc),
+        "service_unavailable",
+        code="overloaded",
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )
+
+
+def as_openai_error(exc: Exception) -> OpenAIError:
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_unavailable(str(exc))
+    if isinstance(exc, OverloadedError):
+        return overloaded(exc)
+    if isinstance(exc, TooManySequencesError):
+        return bad_request(str(exc), "n", "too_many_sequences")
+    if isinstance(exc, EngineRequestError):
+        kind = "invalid_request_error" if exc.code < 500 else "internal_error"
+        return OpenAIError(exc.code, exc.message, kind)
+    return OpenAIError(500, "internal server error", "internal_error")
+
+
+def is_expected(exc: Exception) -> bool:
+    """Whether ``exc`` is one of the failures a request may meet (not a bug to log loudly)."""
+    return isinstance(exc, OpenAIError | EngineDeadError | EngineRequestError)
+
+
+def error_response(err: OpenAIError) -> Response:
+    # ensure_ascii: a message that quotes client input can never fail to encode.
+    body = json.dumps({"error": err.info.model_dump()}, ensure_ascii=True).encode()
+    return Response(body, err.status, err.headers, media_type="application/json")

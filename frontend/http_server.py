@@ -1,0 +1,182 @@
+"""One HTTP API process over its engine cores: connect, build the app, run uvicorn.
+
+`tandem serve` runs this in its own process (frontend/serve.py) or, with ``--api-servers N``, in
+each of N API processes (frontend/api_processes.py): the same code, told its place among its
+siblings by an ``ApiRole``. Startup: load the tokenizer while the engines load their weights,
+shake hands with every engine core, build the serving state (the admission gate holds this
+process's share of the bound), start the engines' supervisors if this process runs the engines,
+announce, and serve until a signal (uvicorn drains the requests in flight first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from frontend.admission import AdmissionGate
+from frontend.app import ServerState, build_app
+from frontend.engine_pool import EngineGauges, EnginePool
+from frontend.engines import EngineSpec, EngineTimeouts, connect_engine, supervise_engines
+from frontend.metrics import Metrics
+from frontend.serving_context import ServingContext
+from frontend.tokenizer import Tokenizer, load_hf_tokenizer
+from protocol.messages import Ready
+from protocol.processes import ParentWatch
+
+API_SERVER_HEADER = "x-tandem-api-server"
+PARENT_POLL_S = 1.0
+GRACEFUL_SHUTDOWN_S = 5
+
+
+@dataclass(frozen=True)
+class ApiRole:
+    """This API process's place among the ``count`` of `tandem serve --api-servers`; the
+    defaults describe the only one, which owns the engines it serves from."""
+
+    index: int = 0
+    count: int = 1
+    sock: socket.socket | None = None  # the listening socket its parent bound for it
+    parent_pid: int | None = None  # stop when that process is gone
+
+    @property
+    def alone(self) -> bool:
+        return self.count == 1 and self.parent_pid is None
+
+
+async def serve_http(
+    args: argparse.Namespace, model_dir: Path, specs: list[EngineSpec], role: ApiRole = ApiRole()
+) -> None:
+    """Serve the OpenAI API from ``specs`` until a signal stops uvicorn."""
+    timeouts = EngineTimeouts.from_args(args)
+    loop = asyncio.get_running_loop()
+    hf_tokenizer = loop.run_in_executor(None, load_hf_tokenizer, model_dir)  # while engines load
+    pool = EnginePool([])
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for spec in specs:  # they load in parallel; the handshakes just wait for each in turn
+            pool.engines.append(await connect_engine(spec, timeouts))
+        state = build_state(args, model_dir, specs, pool, await hf_tokenizer, role)
+        if role.alone and args.restart_engine:
+            on_restart = state.serving.metrics.record_restart
+            tasks += supervise_engines(specs, pool, timeouts, on_restart)
+        server = uvicorn.Server(uvicorn_config(args, build_app(state), role))
+        if role.parent_pid is not None:
+            tasks.append(asyncio.ensure_future(stop_with_parent(server, role.parent_pid)))
+        if role.alone:
+            announce(args, specs, pool.ready, args.port)
+        await server.serve(sockets=[role.sock] if role.sock is not None else None)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await pool.close()
+
+
+def build_state(
+    args: argparse.Namespace,
+    model_dir: Path,
+    specs: list[EngineSpec],
+    pool: EnginePool,
+    hf_tokenizer: Any,
+    role: ApiRole,
+) -> ServerState:
+    """The app's state: the serving context, with this process's share of the admission bound
+    (the shares of all API processes add up to the whole, each at least 1)."""
+    ready = pool.ready
+    name = args.served_model_name or args.model
+    waiting = args.max_waiting_requests
+    waiting = 3 * ready.max_num_seqs if waiting is None else max(waiting, 0)
+    metrics = Metrics(name)
+    if len(specs) > 1:
+        pool.gauges = EngineGauges(metrics.registry, name, len(specs))
+    serving = ServingContext(
+        engine=pool,
+        tokenizer=Tokenizer(hf_tokenizer),
+        served_model=name,
+        max_model_len=ready.max_model_len,
+        vocab_size=ready.vocab_size,
+        metrics=metrics,
+        admission=AdmissionGate(share_of(ready.max_num_seqs + waiting, role.index, role.count)),
+        stream_interval=args.stream_interval,
+    )
+
+    def engine_info() -> dict[str, Any]:
+        """GET /v1/engine: where the engine cores listen (pids change with each restart)."""
+        info: dict[str, Any] = {"address": str(specs[0].address), "pid": specs[0].pid}
+        info["model"] = name
+        if len(specs) > 1:
+            info["engines"] = [{"address": str(s.address), "pid": s.pid} for s in specs]
+        if not role.alone:
+            info.update(api_server=role.index, api_server_pid=os.getpid())
+        return info
+
+    return ServerState(
+        serving,
+        str(model_dir),
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key,
+        engine_info=engine_info,
+    )
+
+
+def share_of(total: int, index: int, count: int) -> int:
+    """Part ``index`` of ``total`` split in ``count`` parts that differ by at most one."""
+    return max(1, total // count + (1 if index < total % count else 0))
+
+
+def uvicorn_config(args: argparse.Namespace, app: Any, role: ApiRole) -> uvicorn.Config:
+    """The one uvicorn configuration; API processes tag their responses with their index."""
+    headers = [] if role.alone else [(API_SERVER_HEADER, str(role.index))]
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=args.access_log,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        headers=headers,
+    )
+
+
+async def stop_with_parent(server: uvicorn.Server, parent_pid: int) -> None:
+    """Stop the server once the parent is gone (the death signal covers that on Linux; this
+    covers what it misses)."""
+    parent = ParentWatch(parent_pid)
+    while parent.alive():
+        await asyncio.sleep(PARENT_POLL_S)
+    server.should_exit = True
+
+
+def announce(
+    args: argparse.Namespace,
+    specs: list[EngineSpec],
+    ready: Ready,
+    port: int,
+    api_pids: list[int] | None = None,
+) -> None:
+    """The start-up lines: the HTTP address, and each engine core's raw ZMQ address."""
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    several = len(specs) > 1
+    cores = f", {len(specs)} engine cores" if several else ""
+    http = f"  OpenAI API:  http://{host}:{port}/v1"
+    if api_pids:
+        http += f" ({len(api_pids)} API processes: pids {', '.join(map(str, api_pids))})"
+    lines = [
+        f"tandem serve: model {args.served_model_name or args.model}{cores} "
+        f"(max_model_len {ready.max_model_len}, {ready.num_kv_blocks} KV blocks"
+        f"{' in all' if several else ''})",
+        http,
+    ]
+    for spec in specs:
+        name = f"engine core {spec.index}" if several else "engine core"
+        where = f"pid {spec.pid}" if spec.process is not None else "remote"
+        raw = f"raw client: tandem client --address {spec.address}"
+        lines.append(f"  {name}: {spec.address} ({where}); {raw}")
+    print("\n".join(lines), flush=True)

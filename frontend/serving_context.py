@@ -1,0 +1,59 @@
+"""What the completion and chat handlers share: the engines, the tokenizer, the model's limits,
+the metrics and the admission gate, with the checks every request goes through."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from frontend.admission import Admission, AdmissionGate, OverloadedError, TooManySequencesError
+from frontend.engine_pool import EnginePool
+from frontend.errors import (
+    OpenAIError,
+    as_openai_error,
+    bad_request,
+    engine_unavailable,
+    overloaded,
+)
+from frontend.metrics import Metrics
+from frontend.tokenizer import Tokenizer
+
+
+@dataclass
+class ServingContext:
+    engine: EnginePool  # its connections are replaced when an engine core is restarted
+    tokenizer: Tokenizer
+    served_model: str
+    max_model_len: int
+    vocab_size: int
+    metrics: Metrics
+    admission: AdmissionGate = field(default_factory=AdmissionGate.unbounded)
+    stream_interval: int = 1  # tokens per SSE chunk and choice (--stream-interval)
+
+    def admit(self, num_sequences: int) -> Admission:
+        """Hold room for a request's sequences, or raise the 503 (or 400) that says why not."""
+        try:
+            return self.admission.admit(num_sequences)
+        except OverloadedError as exc:
+            self.metrics.record_rejected("overloaded")
+            raise overloaded(exc) from None
+        except TooManySequencesError as exc:
+            raise as_openai_error(exc) from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist. Served: `{self.served_model}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_engine(self) -> None:
+        reason = self.engine.dead_reason
+        if reason is not None:
+            raise engine_unavailable(reason)
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise bad_request(f"token ids must lie in [0, {self.vocab_size})", param)

@@ -1,0 +1,56 @@
+"""Text to token ids and back, for the frontend: the HF tokenizer behind one worker thread.
+
+Encoding and chat templates run on that thread, never on the event loop; decoding (the Rust
+backend, cheap) runs inline, for the incremental detokenizer and for logprob token texts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from frontend.errors import bad_request
+
+
+def load_hf_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class Tokenizer:
+    """The HF tokenizer behind one worker thread (encode), plus fast decode for the loop."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self._backend = hf_tokenizer.backend_tokenizer  # Rust tokenizers: decode is cheap
+        # One thread: the HF wrapper is not safe to call from several threads at once.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=True)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._backend.decode([token_id], skip_special_tokens=False)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a tokenizer call on the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.hf.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        """Apply the chat template; the text already holds special tokens, so add none."""
+        try:
+            text = self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja or a missing template: the client's messages or model
+            raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+        return self.hf.encode(text, add_special_tokens=False)
