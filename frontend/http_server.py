@@ -107,23 +107,24 @@ def build_state(
         stream_interval=args.stream_interval,
     )
 
-    def engine_info() -> dict[str, Any]:
-        """GET /v1/engine: where the engine cores listen (pids change with each restart)."""
-        info: dict[str, Any] = {"address": str(specs[0].address), "pid": specs[0].pid}
-        info["model"] = name
-        if len(specs) > 1:
-            info["engines"] = [{"address": str(s.address), "pid": s.pid} for s in specs]
-        if not role.alone:
-            info.update(api_server=role.index, api_server_pid=os.getpid())
-        return info
-
     return ServerState(
         serving,
         str(model_dir),
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key,
-        engine_info=engine_info,
+        engine_info=lambda: engine_info(specs, name, role),
     )
+
+
+def engine_info(specs: list[EngineSpec], model: str, role: ApiRole) -> dict[str, Any]:
+    """GET /v1/engine: where the engine cores listen (their pids change with each restart)."""
+    info: dict[str, Any] = {"address": str(specs[0].address), "pid": specs[0].pid}
+    info["model"] = model
+    if len(specs) > 1:
+        info["engines"] = [{"address": str(s.address), "pid": s.pid} for s in specs]
+    if not role.alone:
+        info.update(api_server=role.index, api_server_pid=os.getpid())
+    return info
 
 
 def share_of(total: int, index: int, count: int) -> int:

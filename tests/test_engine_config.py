@@ -38,3 +38,17 @@ def test_commands_refuse_it_with_the_message_and_no_traceback(command: str) -> N
         result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def test_engine_flags_with_a_remote_engine_are_refused() -> None:
+    """With --engine ADDRESS nothing is started here: an engine flag would be silently ignored
+    (the remote engine runs with its own), so it is refused, naming it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "serve", "--engine", "tcp://127.0.0.1:9",
+         "--max-num-seqs", "8"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "--max-num-seqs: engine flags set up an engine core that tandem serve starts" in (
+        result.stderr
+    )
