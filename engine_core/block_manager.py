@@ -93,12 +93,13 @@ class BlockManager:
 
     # --------------------------------------------------------------------------- allocation
 
-    def allocate_prefix(self, request: Request) -> int:
+    def allocate_prefix(self, request: Request, use_cache: bool = True) -> int:
         """Give a request with no blocks the cached blocks of its longest cached prefix.
 
         Returns how many of its tokens are already computed (a multiple of block_size). At most
         ``(num_tokens - 1) // block_size`` blocks are reused, so at least the last token is
-        recomputed and yields logits to sample from.
+        recomputed and yields logits to sample from. ``use_cache=False``: no hit, an empty table
+        (a request that needs every prompt position's logits).
         """
         rid = request.request_id
         if self._tables.get(rid):
@@ -106,7 +107,7 @@ class BlockManager:
         table = _new_table()
         chain: list[int] = []
         self._tables[rid], self._chain[rid] = table, chain
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not use_cache:
             return 0
         parent = ROOT_HASH
         max_hits = (request.num_tokens - 1) // self.block_size

@@ -10,19 +10,34 @@ N-1's tokens (placeholders, see engine_core/scheduler.py) and the runner feeds t
 on the device. Requests that stop or are aborted at N-1 have their row in N dropped. A step where
 a live request uses penalties (which read the real previous tokens on the host) settles the step
 in flight first and runs synchronously; so does every step with ``--no-async-scheduling``.
+
+Structured outputs (engine_core/grammar.py): a constrained request waits, unscheduled, while its
+grammar compiles on a worker thread; a grammar that fails to compile fails its request. When step
+N has constrained rows, their bitmask depends on step N-1's tokens, which are still on the GPU
+when N is planned: the runner enqueues N's forward first and only then asks for the bitmask
+(``_masks``), which settles step N-1 (the wait and the update that the overlapped loop does
+anyway, now while N's forward runs), lets each constrained request's matcher take its new token
+and fills their rows; then N's sampler is enqueued. Unconstrained steps are not touched.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+from typing import Any
+
+import torch
 
 from engine_core.config import EngineConfig
+from engine_core.grammar import BitmaskFiller, GrammarCompiler
 from engine_core.model_runner import LaunchedStep, ModelRunner
-from engine_core.request import EngineOutput, Request
+from engine_core.request import EngineOutput, Request, SchedulerOutput
 from engine_core.scheduler import Scheduler
 from engine_core.step_stats import StepStats
-from protocol.messages import Stats, TokenLogprobs
+from protocol.messages import FinishReason, Stats, TokenLogprobs
+
+GRAMMAR_WAIT_S = 0.005  # an idle loop with only compiling requests naps this long per turn
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +61,43 @@ class EngineCore:
         self.runner.stats = self.step_stats
         self._in_flight: LaunchedStep | None = None  # launched, not yet processed (overlap)
         self._penalised: set[str] = set()  # ids of requests that use penalties (maybe finished)
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._bitmasks: BitmaskFiller | None = None
+        self._compiling: list[Request] = []  # constrained requests whose grammar is not ready
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (with a message fit for the client) if it cannot run."""
         vocab = self.model_config.vocab_size
+        params = request.params
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in request.params.stop_token_ids):
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
         self.scheduler.add_request(request)
         if request.uses_penalties:
             self._penalised.add(request.request_id)
+        if params.constraint is not None:
+            request.grammar = self.grammar_compiler().start(params.constraint)
+            self._compiling.append(request)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The model's grammar compiler, created (with its token table) when first needed."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self._load_tokenizer, self.model_config.vocab_size)
+            pin = self.runner.device.type == "cuda"
+            self._bitmasks = BitmaskFiller(self.model_config.vocab_size, pin)
+        return self._grammars
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        from engine_core.loader import tokenizer_dir_for_random
+
+        return AutoTokenizer.from_pretrained(
+            str(self.runner.model_dir or tokenizer_dir_for_random())
+        )
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.abort_requests(request_ids)
@@ -72,8 +113,10 @@ class EngineCore:
         launch step N and return step N-1's outputs (so the first call returns none, and a
         request's tokens arrive one call later).
         """
+        failed = self._settle_grammars() if self._compiling else []
         try:
             outputs = self._step_sync() if self._must_sync() else self._step_overlapped()
+            outputs += failed
         except BaseException:
             self._in_flight = None  # the caller fails the live requests; nothing to settle
             raise
@@ -104,23 +147,82 @@ class EngineCore:
         with self.step_stats.phase("schedule"):
             plan = self.scheduler.schedule()
         if plan.is_empty:
+            self._nap_if_only_compiling()
             return []
-        return self._process(self.runner.launch(plan))
+        return self._process(self.runner.launch(plan, self._masks_now))
 
     def _step_overlapped(self) -> list[EngineOutput]:
         with self.step_stats.phase("schedule"):
             plan = self.scheduler.schedule()
-        launched = None if plan.is_empty else self.runner.launch(plan)
-        previous, self._in_flight = self._in_flight, launched
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[EngineOutput] = []
+
+        def masks(rows: list[Request]) -> torch.Tensor | None:
+            """Step N's bitmask, called by the runner once N's forward is enqueued: settle step
+            N-1 first (its tokens move the matchers), then fill the constrained rows."""
+            nonlocal previous
+            if not self._constrained(rows):
+                return None
+            if previous is not None:
+                outputs.extend(self._process(previous))
+                previous = None
+            return self._fill_bitmask(rows)
+
+        if plan.is_empty:
+            if previous is None:
+                self._nap_if_only_compiling()
+        else:
+            self._in_flight = self.runner.launch(plan, masks)
         # The GPU runs step N (if any) while the host waits for and applies step N-1.
-        return [] if previous is None else self._process(previous)
+        if previous is not None:
+            outputs += self._process(previous)
+        return outputs
+
+    def _masks_now(self, rows: list[Request]) -> torch.Tensor | None:
+        """The bitmask of a step's sampling ``rows`` when no step is in flight."""
+        return self._fill_bitmask(rows) if self._constrained(rows) else None
+
+    def _constrained(self, rows: list[Request]) -> bool:
+        return self._bitmasks is not None and any(r.grammar is not None for r in rows)
+
+    def _fill_bitmask(self, rows: list[Request]) -> torch.Tensor | None:
+        assert self._bitmasks is not None
+        with self.step_stats.phase("bitmask"):
+            return self._bitmasks.fill([r.grammar for r in rows])
+
+    def _settle_grammars(self) -> list[EngineOutput]:
+        """Fail the requests whose grammar did not compile; forget the ones that are ready."""
+        failed = []
+        still = []
+        for request in self._compiling:
+            grammar = request.grammar
+            assert grammar is not None
+            if not grammar.ready:
+                still.append(request)
+            elif grammar.matcher is None and not request.is_finished:
+                self.scheduler.abort_requests([request.request_id])
+                request.finish_reason = FinishReason.ERROR
+                message = f"invalid constraint: {grammar.error}"
+                failed.append(EngineOutput(request, [], FinishReason.ERROR, error=message))
+        self._compiling = still
+        return failed
+
+    def _nap_if_only_compiling(self) -> None:
+        """Nothing to run but grammars to wait for: nap on them rather than spin on the loop."""
+        if self._compiling:
+            futures = [r.grammar.future for r in self._compiling if r.grammar is not None]
+            concurrent.futures.wait(futures, GRAMMAR_WAIT_S, concurrent.futures.FIRST_COMPLETED)
 
     def _process(self, step: LaunchedStep) -> list[EngineOutput]:
         """Wait for a launched step's sampled ids and apply them to the scheduler."""
         result = self.runner.collect(step)
         with self.step_stats.phase("update"):
+            if step.prompt_logprobs:
+                record_prompt_logprobs(step.plan, step.prompt_logprobs)
             outputs = self.scheduler.update_from_output(step.plan, result.sampled_token_ids)
             self._attach_logprobs(step.sampling_requests, result.logprobs, outputs)
+            if step.plan.prompt_logprob_seqs:
+                attach_prompt_logprobs(outputs)
         self.num_steps += 1
         return outputs
 
@@ -150,6 +252,28 @@ class EngineCore:
             num_total_blocks=self.runner.num_kv_blocks,
             num_steps=self.num_steps,
         )
+
+
+def record_prompt_logprobs(
+    plan: SchedulerOutput, scored: dict[str, tuple[int, list[TokenLogprobs]]]
+) -> None:
+    """Keep what a step scored of each prompt, by position (a chunk recomputed after a
+    preemption overwrites the same entries rather than appending them again)."""
+    for s in plan.scheduled:
+        request = s.request
+        if request.request_id in scored:
+            first, entries = scored[request.request_id]
+            if first <= len(request.prompt_logprobs):
+                request.prompt_logprobs[first : first + len(entries)] = entries
+
+
+def attach_prompt_logprobs(outputs: list[EngineOutput]) -> None:
+    """A request's prompt logprobs go out with its first token, the prefill being done."""
+    for out in outputs:
+        request = out.request
+        if request.needs_prompt_logprobs and (out.new_token_ids or out.finish_reason is not None):
+            out.prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
 
 
 def make_runner(config: EngineConfig) -> ModelRunner:

@@ -28,6 +28,9 @@ class CompletionOutput:
     finish_reason: FinishReason | None
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str | None = None  # with FinishReason.ERROR: why the engine failed it
+    # With prompt_logprobs: one entry per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -63,6 +66,8 @@ class LLM:
         params_list = self._params_per_prompt(params, len(prompts))
         for p in params_list:
             validate_sampling_params(p)
+            if p.constraint is not None:
+                self.engine.grammar_compiler().check(p.constraint)
         requests = [
             Request(f"offline-{next(self._ids)}", self._encode(prompt), p)
             for prompt, p in zip(prompts, params_list, strict=True)
@@ -96,8 +101,11 @@ class LLM:
                 record = outputs[out.request.request_id]
                 record.token_ids.extend(out.new_token_ids)
                 record.logprobs.extend(out.logprobs or [])
+                if out.prompt_logprobs is not None:
+                    record.prompt_logprobs = out.prompt_logprobs
                 if out.finish_reason is not None:
                     record.finish_reason = out.finish_reason
+                    record.error = out.error
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

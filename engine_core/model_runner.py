@@ -15,6 +15,7 @@ for the next step, whose rows that wait on one of its ids (placeholders) gather 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,23 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: the last row of each sequence that samples
     sampling_requests: list[Request]
+    # [P] int64: the rows whose logits score prompt tokens (prompt logprobs), or None. Every
+    # tensor-parallel rank computes their logits too (the projection is a collective).
+    prompt_rows: torch.Tensor | None = None
+
+
+@dataclass
+class PromptScoring:
+    """The prompt tokens a step scores (requests that asked for prompt logprobs): for each
+    request, its first scored position and how many, then every row's target token."""
+
+    requests: list[Request]
+    first_positions: list[int]
+    counts: list[int]
+    targets: list[int]  # the prompt token each row predicts, in row order
+
+
+PROMPT_LOGITS_ROWS = 512  # logits [rows, vocab] float32 at a time: bounded memory for any prompt
 
 
 @dataclass
@@ -64,6 +82,8 @@ class LaunchedStep:
     done: torch.cuda.Event | None  # recorded after the copies (CUDA only)
     timeline: GpuTimeline | None = None  # timing events, with step stats on CUDA
     gpu_prev_end: torch.cuda.Event | None = None  # the previous step's end, for the idle gap
+    # request id -> (first scored prompt position, logprobs), for the prompt tokens scored
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,6 +145,7 @@ class ModelRunner:
         # The last launched step's sampled ids [S] (on the device) and each request's row in it.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        self._scoring: PromptScoring | None = None  # the prompt tokens this step scores
         # Pinned landing buffers for the sampled ids, in a ring: a step is collected only after
         # the next one is launched, so two must be live at once.
         self._host_ids = [self._host_ids_buffer(config.max_num_seqs) for _ in range(3)]
@@ -228,12 +249,18 @@ class ModelRunner:
         """Flatten the scheduled requests into one batch of tokens and attention metadata."""
         packed = self.input_batch.pack(out, self._prev_rows, self._prev_sampled)
         self._output_positions = packed.output_positions
+        prompt_rows = None
+        self._scoring = None
+        if out.prompt_logprob_seqs:
+            rows, self._scoring = plan_prompt_scoring(out, packed.meta.query_start_loc_cpu)
+            prompt_rows = torch.tensor(rows, dtype=torch.int64).to(self.device) if rows else None
         return ModelInputs(
             input_ids=packed.input_ids,
             positions=packed.positions,
             meta=packed.meta,
             logits_indices=packed.logits_indices,
             sampling_requests=packed.sampling_requests,
+            prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
@@ -242,8 +269,16 @@ class ModelRunner:
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
-        """Enqueue one step (inputs, forward, sampler, the copy of its ids to the host)."""
+    def launch(
+        self,
+        out: SchedulerOutput,
+        masks: Callable[[list[Request]], torch.Tensor | None] | None = None,
+    ) -> LaunchedStep:
+        """Enqueue one step (inputs, forward, sampler, the copy of its ids to the host).
+
+        ``masks(sampling_requests)``, called once the forward and the logits are enqueued and
+        before the sampler, gives the step's structured-output bitmask (or None): with overlap
+        the engine core settles the previous step in it, while this step's forward runs."""
         stats = self.stats
         timeline = GpuTimeline() if stats.enabled and self._on_cuda else None
         self.input_batch.timeline = timeline  # the input copy is the first stretch
@@ -257,23 +292,50 @@ class ModelRunner:
             hidden = self._forward(inputs)  # [T, hidden]
             if timeline is not None:
                 timeline.end()
+        prompt_logprobs = None
+        if inputs.prompt_rows is not None and self._scoring is not None:
+            prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
         requests = inputs.sampling_requests
         if not requests:
             self._prev_sampled, self._prev_rows = None, {}
-            return self._timed(self._launched(out, requests, None, None, timeline))
+            step = self._launched(out, requests, None, None, timeline)
+            step.prompt_logprobs = prompt_logprobs
+            return self._timed(step)
         with stats.phase("sample"):
             if timeline is not None:
                 timeline.begin()
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-            sampled = self.sampler(logits, requests, self._output_positions)
+        bitmask = masks(requests) if masks is not None else None
+        with stats.phase("sample"):
+            sampled = self.sampler(logits, requests, self._output_positions, bitmask)
         # The next step gathers its placeholder ids from here, on the device.
         self._prev_sampled = sampled.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
         with stats.phase("to_host"):
             step = self._to_host(out, sampled, requests, timeline)
+        step.prompt_logprobs = prompt_logprobs
         if timeline is not None:
             timeline.end()  # the sampler's stretch ends with the copy back
         return self._timed(step)
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, rows: torch.Tensor, scoring: PromptScoring
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """The logprob of each scored prompt token (and the top N at its position), on the
+        host. It waits for this step's forward: prompt logprobs are for evaluation, not speed."""
+        top_n = max(r.params.prompt_logprobs or 0 for r in scoring.requests)
+        targets = torch.tensor(scoring.targets, dtype=torch.int64, device=self.device)
+        chosen, top_ids, top_lps = [], [], []
+        for part, goal in zip(
+            rows.split(PROMPT_LOGITS_ROWS), targets.split(PROMPT_LOGITS_ROWS), strict=True
+        ):
+            logprobs = self.model.compute_logits(hidden[part]).log_softmax(dim=-1)  # [n, V]
+            chosen.append(logprobs.gather(1, goal[:, None]).squeeze(1))
+            if top_n:
+                lps, ids = logprobs.topk(top_n, dim=-1)
+                top_lps.append(lps)
+                top_ids.append(ids)
+        return split_prompt_logprobs(scoring, chosen, top_ids, top_lps)
 
     def _timed(self, step: LaunchedStep) -> LaunchedStep:
         """Chain the step's GPU timeline (step stats) to the previous step's, for the gap."""
@@ -343,6 +405,56 @@ class ModelRunner:
         if step.logprobs is None:
             return RunnerOutput(token_ids, [None] * len(token_ids))
         return RunnerOutput(token_ids, _logprobs_per_row(step.logprobs, step.sampling_requests))
+
+
+def plan_prompt_scoring(
+    out: SchedulerOutput, query_start: list[int]
+) -> tuple[list[int], PromptScoring]:
+    """The batch rows whose logits score prompt tokens, and what they score. Position p scores
+    prompt token p + 1; positions scored before a preemption are not scored again."""
+    rows: list[int] = []
+    scoring = PromptScoring([], [], [], [])
+    for seq in out.prompt_logprob_seqs:
+        s = out.scheduled[seq]
+        request = s.request
+        lo = max(s.start, len(request.prompt_logprobs))
+        hi = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
+        if hi <= lo:
+            continue
+        row_of_start = query_start[seq] - s.start
+        rows += range(row_of_start + lo, row_of_start + hi)
+        scoring.requests.append(request)
+        scoring.first_positions.append(lo)
+        scoring.counts.append(hi - lo)
+        scoring.targets += request.prompt_token_ids[lo + 1 : hi + 1]
+    return rows, scoring
+
+
+def split_prompt_logprobs(
+    scoring: PromptScoring,
+    chosen: list[torch.Tensor],
+    top_ids: list[torch.Tensor],
+    top_lps: list[torch.Tensor],
+) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    """The scored rows' logprobs, back on the host, per request (each its own top N)."""
+    values = torch.cat(chosen).tolist()
+    ids = torch.cat(top_ids).tolist() if top_ids else None
+    lps = torch.cat(top_lps).tolist() if top_lps else None
+    out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    row = 0
+    for request, first, count in zip(
+        scoring.requests, scoring.first_positions, scoring.counts, strict=True
+    ):
+        n = request.params.prompt_logprobs or 0
+        entries = [
+            TokenLogprobs(
+                values[i], ids[i][:n] if ids and n else [], lps[i][:n] if lps and n else []
+            )
+            for i in range(row, row + count)
+        ]
+        out[request.request_id] = (first, entries)
+        row += count
+    return out
 
 
 def _copy_to_pinned(tensor: torch.Tensor | None) -> torch.Tensor | None:

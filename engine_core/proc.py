@@ -302,14 +302,21 @@ class EngineProc:
             for client, batch in self._group_by_client(outputs).items():
                 self.outbox.put((client, StepOutputs(batch)))
 
-    @staticmethod
-    def _group_by_client(outputs: list[EngineOutput]) -> dict[bytes, list[RequestOutput]]:
+    def _group_by_client(self, outputs: list[EngineOutput]) -> dict[bytes, list[RequestOutput]]:
+        """The step's outputs by client; a request that failed gets its RequestError instead."""
         grouped: dict[bytes, list[RequestOutput]] = defaultdict(list)
         for out in outputs:
             r = out.request
+            if out.error is not None:
+                self.outbox.put((r.client_id, RequestError(r.client_request_id, out.error, 400)))
+                continue
             grouped[r.client_id].append(
                 RequestOutput(
-                    r.client_request_id, out.new_token_ids, out.finish_reason, out.logprobs
+                    r.client_request_id,
+                    out.new_token_ids,
+                    out.finish_reason,
+                    out.logprobs,
+                    out.prompt_logprobs,
                 )
             )
         return grouped

@@ -10,8 +10,12 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine_core.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -35,6 +39,11 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
+    grammar: RequestGrammar | None = None  # the matcher of its constraint (structured output)
+    # With params.prompt_logprobs: the logprobs of prompt tokens 1.. as the prefill computes them
+    # (a prefix-cache hit would skip their logits, so such a request takes none until complete).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # they went out with the request's first token
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -42,6 +51,7 @@ class Request:
         # Read by the sampler for every row of every step, so derived once here; they cannot go
         # stale: SamplingParams is frozen and a request's params are never replaced.
         self.uses_penalties = has_penalties(self.params)
+        self.wants_prompt_logprobs = self.params.prompt_logprobs is not None
         # Its token is the argmax of the raw logits: greedy, and no penalty, min_tokens mask or
         # logprobs to compute on the way.
         self.argmax_only = (
@@ -49,6 +59,8 @@ class Request:
             and not self.uses_penalties
             and self.params.min_tokens == 0
             and self.params.logprobs is None
+            and not self.params.logit_bias
+            and self.params.constraint is None
         )
 
     @property
@@ -66,6 +78,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and they have not gone out yet (with its first token)."""
+        return self.wants_prompt_logprobs and not self.prompt_logprobs_sent
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -105,6 +122,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prefills (in FCFS order)
     preempted_ids: list[str] = field(default_factory=list)
+    # Positions in ``scheduled`` of prompt chunks whose logits score prompt tokens (requests that
+    # asked for prompt logprobs); almost always empty.
+    prompt_logprob_seqs: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -123,3 +143,5 @@ class EngineOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None  # attached by the engine core when asked for
+    error: str | None = None  # with FinishReason.ERROR: why (told to the client as a 400)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # in the request's first output

@@ -4,12 +4,15 @@ Order of work on a row's logits (each stage is skipped when no row in the batch 
 
 1. drop padded vocabulary columns (``logits[:, :vocab_size]``);
 2. penalties (repetition over prompt + output, then frequency and presence over the output);
-3. min_tokens: EOS (unless ignore_eos) and the request's stop ids get -inf;
-4. logprobs, when asked for, are read HERE: the log_softmax of the model's distribution after the
+3. logit_bias: each request's biases added to their tokens' logits;
+4. the structured-output bitmask (engine_core/grammar.py): tokens the request's constraint does
+   not allow next get -inf (rows without a constraint have every bit set);
+5. min_tokens: EOS (unless ignore_eos) and the request's stop ids get -inf;
+6. logprobs, when asked for, are read HERE: the log_softmax of the model's distribution after the
    penalties and masks that change what the model may say, but before temperature and top-k/p,
    min-p, which are choices of how to draw from it (vLLM's "raw" logprobs; OpenAI reports the
    model's probabilities too, not those of the truncated sampling distribution);
-5. greedy rows: argmax; sampled rows: divide by temperature, filter (top-k, then top-p, then
+7. greedy rows: argmax; sampled rows: divide by temperature, filter (top-k, then top-p, then
    min-p) to -inf, and take the exponential race ``argmax(logits - log E)``, E ~ Exp(1) per
    token (the Gumbel-max trick: -log E is Gumbel). A filtered token stays at -inf, so it can
    never win.
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine_core.grammar import apply_bitmask
 from engine_core.request import Request
 from protocol.messages import SamplingParams
 
@@ -65,12 +69,14 @@ class Sampler:
         logits: torch.Tensor,
         requests: Sequence[Request],
         output_positions: Sequence[int] | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample from ``logits`` [B, V]; row i belongs to ``requests[i]``.
 
         The token drawn for row i is output number ``output_positions[i]`` of its request
         (default: ``request.num_output_tokens``, the next one). With overlap the request may
         already hold placeholders of steps planned after this one, so the runner passes them.
+        ``bitmask`` [B, ceil(V / 32)] int32, on any device: the tokens each row may sample.
         """
         logits = logits[:, : self.vocab_size].float()  # [B, V]
         if all(r.argmax_only for r in requests):
@@ -81,6 +87,10 @@ class Sampler:
             output_positions = [r.num_output_tokens for r in requests]
         if any(r.uses_penalties for r in requests):
             logits = apply_penalties(logits, requests)
+        if any(r.params.logit_bias for r in requests):
+            logits = apply_logit_bias(logits, requests)
+        if bitmask is not None:
+            logits = apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
         logits = apply_min_tokens(logits, requests, self.eos_token_ids, output_positions)
         token_ids = self._sample(logits, requests, output_positions)
         return _gather_logprobs(logits, token_ids, requests)
@@ -162,6 +172,24 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         presence = _to_device([p.presence_penalty for p in params], logits.device)[:, None]
         logits = logits - frequency * counts - presence * (counts > 0).float()
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Return ``logits`` [B, V] with each request's logit_bias added (OpenAI's definition: the
+    bias is added to the token's logit; -100 or 100 all but bans or forces it)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab = logits.shape[1]
+    for row, request in enumerate(requests):
+        for token, bias in request.params.logit_bias:
+            if token < vocab:  # the engine refuses ids outside the vocabulary at admission
+                rows.append(row)
+                cols.append(token)
+                values.append(bias)
+    device = logits.device
+    index = (_to_device(rows, device, torch.int64), _to_device(cols, device, torch.int64))
+    return logits.index_put(index, _to_device(values, device), accumulate=True)
 
 
 def apply_min_tokens(

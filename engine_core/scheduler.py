@@ -26,6 +26,7 @@ on before its update.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -39,6 +40,8 @@ from engine_core.request import (
     SchedulerOutput,
 )
 from protocol.messages import FinishReason
+
+logger = logging.getLogger(__name__)
 
 PLACEHOLDER = -1  # a sampled id still on the device (overlap only); never a real token id
 
@@ -179,22 +182,37 @@ class Scheduler:
             and num_admitted < self.config.max_prefills_per_step
             and len(self.running) < self.config.max_num_seqs
         ):
-            num_new = self._admit(self.waiting[0], budget)
+            request = self._next_to_admit()
+            if request is None:
+                break  # every waiting request still waits for its grammar to compile
+            num_new = self._admit(request, budget)
             if num_new == 0:
                 break  # no room in the KV pool: first come, first served, so wait
             self._add_scheduled(output, self.running[-1], num_new)
             budget -= num_new
             num_admitted += 1
 
+    def _next_to_admit(self) -> Request | None:
+        """The first waiting request that can run: one whose grammar still compiles waits
+        without holding up those behind it."""
+        for request in self.waiting:
+            if request.grammar is None or request.grammar.ready:
+                return request
+        return None
+
     def _admit(self, request: Request, budget: int) -> int:
-        """Move the head of the queue into the batch; the tokens it computes now, or 0."""
-        request.num_computed_tokens = self.block_manager.allocate_prefix(request)
+        """Move a waiting request into the batch; the tokens it computes now, or 0."""
+        use_cache = not request.needs_prompt_logprobs
+        request.num_computed_tokens = self.block_manager.allocate_prefix(request, use_cache)
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self.block_manager.allocate_slots(request, num_new):
             self.block_manager.free(request.request_id)  # give the prefix hits back
             request.num_computed_tokens = 0
             return 0
-        self.waiting.popleft()
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
         request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -203,6 +221,8 @@ class Scheduler:
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         block_ids = self.block_manager.block_table(request.request_id)
         scheduled = ScheduledRequest.plan(request, num_new, block_ids)
+        if request.wants_prompt_logprobs and request.needs_prompt_logprobs:
+            output.prompt_logprob_seqs.append(len(output.scheduled))
         output.scheduled.append(scheduled)
         if self.async_scheduling:
             request.num_computed_tokens += num_new
@@ -248,6 +268,8 @@ class Scheduler:
         self.block_manager.cache_computed_blocks(request, request.num_computed_tokens)
         if token is None:
             return None
+        if request.grammar is not None and not request.grammar.accept(token):
+            return self._dead_end(request)
         request.token_ids.append(token)
         reason = self._check_stop(request, token, request.num_tokens)
         if reason is not None:
@@ -274,6 +296,9 @@ class Scheduler:
             self.block_manager.cache_computed_blocks(request, end)
         if token is None:
             return None
+        if request.grammar is not None and not request.grammar.accept(token):
+            del request.token_ids[end:]  # its placeholder and those of later, void, steps
+            return self._dead_end(request)
         request.token_ids[end] = token
         reason = self._check_stop(request, token, end + 1)
         if reason is not None:
@@ -281,10 +306,23 @@ class Scheduler:
             self._finish(request, reason)
         return EngineOutput(request, [token], reason)
 
+    def _dead_end(self, request: Request) -> EngineOutput:
+        """The request's constraint refused the token sampled for it (no token was allowed):
+        end it with what it has, rather than emit text that breaks the constraint."""
+        assert request.grammar is not None
+        logger.warning(
+            "request %s: its constraint allows no token after %d output tokens (%s); ending it",
+            request.request_id, request.num_output_tokens, request.grammar.error,
+        )  # fmt: skip
+        self._finish(request, FinishReason.DEAD_END)  # update_from_output drops it from the queues
+        return EngineOutput(request, [], FinishReason.DEAD_END)
+
     def _check_stop(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:
         """Stop conditions for ``token``, the last of the first ``num_tokens`` tokens."""
         params = request.params
         num_output = num_tokens - request.num_prompt_tokens
+        if request.grammar is not None and request.grammar.terminated:
+            return FinishReason.STOP  # the output is complete: only EOS could follow
         if num_output >= params.min_tokens and (
             token in params.stop_token_ids
             or (not params.ignore_eos and token in self.eos_token_ids)

@@ -24,7 +24,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tandem.step_stats")
 
-PHASES = ("schedule", "prepare", "forward", "sample", "to_host", "wait", "update", "send")
+PHASES = (
+    "schedule",
+    "prepare",
+    "forward",
+    "sample",
+    "bitmask",
+    "to_host",
+    "wait",
+    "update",
+    "send",
+)
 ENV_VAR = "TANDEM_STEP_STATS"
 
 

@@ -40,7 +40,12 @@ import torch.distributed as dist
 
 from engine_core.attention.base import AttentionMetadata
 from engine_core.config import EngineConfig, ModelConfig
-from engine_core.model_runner import ModelInputs, ModelRunner, resolve_device
+from engine_core.model_runner import (
+    PROMPT_LOGITS_ROWS,
+    ModelInputs,
+    ModelRunner,
+    resolve_device,
+)
 from engine_core.parallel import (
     STORE_TIMEOUT,
     TPGroup,
@@ -235,6 +240,9 @@ class TPWorker(_ShardedRunner):
     def follow(self, inputs: ModelInputs) -> None:
         """Rank 0's execute() without the sampling: the same collectives in the same order."""
         hidden = self._forward(inputs)  # [T, hidden]
+        if inputs.prompt_rows is not None:  # rank 0 scores prompt tokens in these slices
+            for part in inputs.prompt_rows.split(PROMPT_LOGITS_ROWS):
+                self.model.compute_logits(hidden[part])
         if inputs.logits_indices.numel():
             self.model.compute_logits(hidden[inputs.logits_indices])
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from protocol.messages import RequestOutput, SamplingParams
+    from protocol.messages import Constraint, RequestOutput, SamplingParams
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,25 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-ids", type=_int_list, default=(), help="e.g. 2,13")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--logprobs", type=int, default=None, help="also the top N (0..20)")
+    constraint = parser.add_argument_group(
+        "structured output (one at most; the engine compiles it, a bad one is refused)"
+    )
+    constraint.add_argument(
+        "--json-schema", type=Path, default=None, metavar="FILE",
+        help="the output is JSON that matches the schema in FILE",
+    )  # fmt: skip
+    constraint.add_argument(
+        "--json-object", action="store_true", help="the output is a JSON object"
+    )
+    constraint.add_argument("--regex", default=None, help="the output matches this regex")
+    constraint.add_argument(
+        "--choice", action="append", default=None, metavar="TEXT",
+        help="the output is one of these (repeat the flag for each choice)",
+    )  # fmt: skip
+    constraint.add_argument(
+        "--grammar", type=Path, default=None, metavar="FILE",
+        help="the output follows the GBNF/EBNF (or Lark) grammar in FILE",
+    )  # fmt: skip
     parser.add_argument("--request-id", default=None, help="default: a random one")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for READY")
     add_client_args(parser)
@@ -62,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         curve = client_keys_from_args(args)
-    except ValueError as exc:
+        params = _sampling_params(args)
+    except (ValueError, OSError) as exc:
         print(f"tandem client: {exc}", file=sys.stderr)
         return 2
     request_id = args.request_id or f"cli-{uuid.uuid4().hex}"
@@ -78,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         )
         printer = _IdPrinter(sys.stdout) if tokenizer is None else _TextPrinter(tokenizer)
         try:
-            reason = _stream(client, request_id, prompt_ids, _sampling_params(args), printer)
+            reason = _stream(client, request_id, prompt_ids, params, printer)
         except (ProtocolError, EngineRequestError) as exc:
             print(f"\ntandem client: {exc}", file=sys.stderr)
             return 1
@@ -109,6 +130,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     from protocol.messages import SamplingParams
 
     return SamplingParams(
+        constraint=constraint_of(args),
         max_tokens=args.max_tokens,
         min_tokens=args.min_tokens,
         temperature=args.temperature,
@@ -123,6 +145,29 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
+
+
+def constraint_of(args: argparse.Namespace) -> Constraint | None:
+    """The structured-output flag given, as a Constraint; ValueError if more than one is."""
+    import json
+
+    from protocol.messages import Constraint, ConstraintKind
+
+    given = {
+        "--json-schema": args.json_schema and (ConstraintKind.JSON_SCHEMA, args.json_schema),
+        "--json-object": args.json_object and (ConstraintKind.JSON_OBJECT, ""),
+        "--regex": args.regex and (ConstraintKind.REGEX, args.regex),
+        "--choice": args.choice and (ConstraintKind.CHOICE, json.dumps(args.choice)),
+        "--grammar": args.grammar and (ConstraintKind.GRAMMAR, args.grammar),
+    }
+    chosen = {flag: value for flag, value in given.items() if value}
+    if len(chosen) > 1:
+        raise ValueError(f"give one structured-output flag, not {' and '.join(chosen)}")
+    if not chosen:
+        return None
+    kind, spec = next(iter(chosen.values()))
+    text = spec.read_text() if isinstance(spec, Path) else spec  # the two FILE flags
+    return Constraint(kind, text)
 
 
 def _load_tokenizer(model: str) -> Any:

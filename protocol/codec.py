@@ -14,7 +14,8 @@ the engine can answer ``RequestError`` for that request.
 Field layouts (after the type tag and the version):
 
     HELLO           client_name
-    ADD_REQUEST     request_id, prompt_ids: i32 bytes, params: [13 fields, see _encode_params]
+    ADD_REQUEST     request_id, prompt_ids: i32 bytes, params: [16 fields, see _encode_params;
+                    constraint = nil | [kind, spec], logit_bias = [ids: i32 bytes, f64 bytes]]
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
@@ -22,7 +23,8 @@ Field layouts (after the type tag and the version):
     STEP_OUTPUTS    [request_id, ...], counts: i32 bytes (new tokens per request),
                     new_ids: i32 bytes (every request's new tokens, in order),
                     [[index, finish_reason], ...], [[index, logprobs], ...],
-                    {request_id: finish_reason, ...} (requests that ended with no token)
+                    {request_id: finish_reason, ...} (requests that ended with no token),
+                    [[index, count, prompt logprobs], ...] (count = prompt tokens - 1)
                     logprobs = [sampled: f64 bytes (one per new token), top_counts: i32 bytes
                     (one per new token), top_ids: i32 bytes, top_logprobs: f64 bytes]
                     Columns, not one array per request: a step carries up to max_num_seqs
@@ -50,6 +52,8 @@ from protocol.messages import (
     Abort,
     AddRequest,
     ClientMessage,
+    Constraint,
+    ConstraintKind,
     Control,
     ControlKind,
     ControlReply,
@@ -76,6 +80,9 @@ MAX_ARRAY_LEN = 1 << 20  # outputs per step, ids per abort
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+MAX_CONSTRAINT_BYTES = 1 << 20  # a JSON schema or a grammar; compilation has its own bounds
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 
@@ -138,6 +145,33 @@ def validate_sampling_params(params: SamplingParams, request_id: str | None = No
     v.bool_(params.ignore_eos, "ignore_eos")
     if params.logprobs is not None:
         v.int_(params.logprobs, "logprobs", 0, MAX_LOGPROBS)
+    if params.prompt_logprobs is not None:
+        v.int_(params.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
+    _validate_logit_bias(params.logit_bias, v)
+    if params.constraint is not None:
+        _validate_constraint(params.constraint, v)
+
+
+def _validate_logit_bias(pairs: Any, v: _Validator) -> None:
+    if not isinstance(pairs, tuple) or len(pairs) > MAX_LOGIT_BIAS:
+        raise v.fail(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS} (id, bias) pairs")
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise v.fail("logit_bias must hold (token id, bias) pairs")
+        v.int_(pair[0], "a logit_bias token id", 0, INT32_MAX)
+        v.float_(pair[1], "a logit_bias value", -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
+    if len({tid for tid, _ in pairs}) != len(pairs):
+        raise v.fail("logit_bias names a token id twice")
+
+
+def _validate_constraint(constraint: Any, v: _Validator) -> None:
+    if not isinstance(constraint, Constraint):
+        raise v.fail(f"constraint must be a Constraint, got {type(constraint).__name__}")
+    if not isinstance(constraint.kind, ConstraintKind):
+        raise v.fail(f"unknown constraint kind {constraint.kind!r}")
+    v.str_(constraint.spec, "the constraint's spec", MAX_CONSTRAINT_BYTES)
+    if not constraint.spec and constraint.kind != ConstraintKind.JSON_OBJECT:
+        raise v.fail(f"a {constraint.kind.name.lower()} constraint needs a spec")
 
 
 def pack_token_ids(ids: Sequence[int] | np.ndarray) -> bytes:
@@ -360,7 +394,30 @@ def _encode_params(p: SamplingParams) -> list[Any]:
         pack_token_ids(p.stop_token_ids),
         p.ignore_eos,
         p.logprobs,
+        _encode_logit_bias(p.logit_bias),
+        None if p.constraint is None else [int(p.constraint.kind), p.constraint.spec],
+        p.prompt_logprobs,
     ]
+
+
+def _encode_logit_bias(pairs: tuple[tuple[int, float], ...]) -> list[bytes]:
+    ids = pack_token_ids([tid for tid, _ in pairs])
+    return [ids, np.array([bias for _, bias in pairs], dtype=_F64).tobytes()]
+
+
+def _decode_logit_bias(value: Any, v: _Validator) -> tuple[tuple[int, float], ...]:
+    f = v.list_(value, "logit_bias", 2)
+    ids = v.ids(f[0], "logit_bias ids", MAX_LOGIT_BIAS)
+    biases = v.f64(f[1], "logit_bias values", len(ids))
+    return tuple(zip(ids, biases, strict=True))
+
+
+def _decode_constraint(value: Any, v: _Validator) -> Constraint | None:
+    if value is None:
+        return None
+    f = v.list_(value, "constraint", 2)
+    kind = v.enum_(f[0], ConstraintKind, "constraint kind")
+    return Constraint(kind, v.str_(f[1], "the constraint's spec", MAX_CONSTRAINT_BYTES))
 
 
 _FLOAT_PARAMS = (
@@ -374,7 +431,7 @@ _FLOAT_PARAMS = (
 
 
 def _decode_params(value: Any, v: _Validator) -> SamplingParams:
-    f = v.list_(value, "sampling params", 13)
+    f = v.list_(value, "sampling params", 16)
     # Numbers to float first (ranges are checked below, on the built params).
     floats = {name: v.float_(f[i], name, -math.inf, math.inf) for i, name in _FLOAT_PARAMS}
     params = SamplingParams(
@@ -385,6 +442,9 @@ def _decode_params(value: Any, v: _Validator) -> SamplingParams:
         stop_token_ids=tuple(v.ids(f[10], "stop_token_ids", MAX_STOP_TOKEN_IDS)),
         ignore_eos=f[11],
         logprobs=f[12],
+        logit_bias=_decode_logit_bias(f[13], v),
+        constraint=_decode_constraint(f[14], v),
+        prompt_logprobs=f[15],
         **floats,
     )
     validate_sampling_params(params, v.request_id)
@@ -448,6 +508,7 @@ def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
     new_ids: list[int] = []
     finish: list[list[Any]] = []
     logprobs: list[list[Any]] = []
+    prompt_logprobs: list[list[Any]] = []
     for i, out in enumerate(msg.outputs):
         request_ids.append(out.request_id)
         counts.append(len(out.new_token_ids))
@@ -456,6 +517,9 @@ def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
             finish.append([i, int(out.finish_reason)])
         if out.logprobs is not None:
             logprobs.append([i, _encode_logprobs(out.logprobs)])
+        if out.prompt_logprobs is not None:
+            entries = out.prompt_logprobs
+            prompt_logprobs.append([i, len(entries), _encode_logprobs(entries)])
     finished = {rid: int(reason) for rid, reason in msg.finished_without_tokens.items()}
     return [
         request_ids,
@@ -464,12 +528,13 @@ def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
         finish,
         logprobs,
         finished,
+        prompt_logprobs,
     ]
 
 
 def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
     # The hot path of a client: one call per engine step, up to max_num_seqs requests in it.
-    v.list_(fields, "STEP_OUTPUTS fields", 6)
+    v.list_(fields, "STEP_OUTPUTS fields", 7)
     request_ids = _request_ids(fields[0], v)
     counts = v.i32(fields[1], "new token counts", MAX_TOKEN_IDS, min_value=0).tolist()
     if len(counts) != len(request_ids):
@@ -488,6 +553,9 @@ def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
         outputs[i].finish_reason = _finish_reason(reason, v)
     for i, value in _indexed(fields[4], len(outputs), "logprobs", v):
         outputs[i].logprobs = _decode_logprobs(value, counts[i], v)
+    for i, value in _indexed(fields[6], len(outputs), "prompt logprobs", v, width=3):
+        num = v.int_(value[0], "prompt logprobs count", 0, MAX_TOKEN_IDS)
+        outputs[i].prompt_logprobs = _decode_logprobs(value[1], num, v)
     if type(fields[5]) is not dict:
         raise v.fail("finished_without_tokens must be a map")
     finished = {
@@ -519,15 +587,18 @@ def _new_ids(value: Any, v: _Validator) -> list[int]:
     return ids
 
 
-def _indexed(value: Any, size: int, what: str, v: _Validator) -> list[list[Any]]:
-    """[[position, value], ...] with every position a request's in [0, size)."""
-    pairs = v.list_(value, what)
-    for pair in pairs:
-        if type(pair) is not list or len(pair) != 2:
-            raise v.fail(f"{what} must be [position, value] pairs")
-        if type(pair[0]) is not int or not 0 <= pair[0] < size:
+def _indexed(
+    value: Any, size: int, what: str, v: _Validator, width: int = 2
+) -> list[tuple[int, Any]]:
+    """[[position, value...], ...] with every position a request's in [0, size); returns
+    (position, value) pairs, the value being a list when ``width`` > 2."""
+    rows = v.list_(value, what)
+    for row in rows:
+        if type(row) is not list or len(row) != width:
+            raise v.fail(f"{what} must be [position, ...] arrays of {width}")
+        if type(row[0]) is not int or not 0 <= row[0] < size:
             raise v.fail(f"{what} must name request positions in [0, {size})")
-    return pairs
+    return [(row[0], row[1] if width == 2 else row[1:]) for row in rows]
 
 
 def _finish_reason(value: Any, v: _Validator) -> FinishReason:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -34,16 +34,42 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1  # max_tokens or the model's context limit
     ABORT = 2  # aborted by the client
     ERROR = 3  # the engine could not serve the request
+    DEAD_END = 4  # the request's constraint allowed no token (see engine_core/grammar.py)
 
     @property
     def openai_name(self) -> str:
-        return {0: "stop", 1: "length", 2: "abort", 3: "error"}[int(self)]
+        return _OPENAI_FINISH_NAMES[self]
+
+
+_OPENAI_FINISH_NAMES = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+    FinishReason.DEAD_END: "constraint_dead_end",
+}
+
+
+class ConstraintKind(enum.IntEnum):
+    """What a request's output must match (structured outputs); ``Constraint.spec`` holds it."""
+
+    JSON_SCHEMA = 1  # spec: the JSON schema, as JSON text
+    JSON_OBJECT = 2  # any JSON object; spec is empty
+    REGEX = 3  # spec: a regular expression the whole output matches
+    CHOICE = 4  # spec: a JSON list of strings, the output is one of them
+    GRAMMAR = 5  # spec: a grammar in GBNF/EBNF or in llguidance's Lark syntax
 
 
 class ControlKind(enum.IntEnum):
     STATS = 1  # reply: CONTROL_REPLY with a Stats payload
     SHUTDOWN = 2  # the engine stops its loop and exits
     CHECK_INTEGRITY = 3  # reply: CONTROL_REPLY after the block manager's integrity check
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: ConstraintKind
+    spec: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,6 +89,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the top N
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None  # structured output: what the text must match
+    # The logprobs of every prompt token after the first (and the top N at each position).
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +156,9 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None  # one entry per new token when asked for
+    # With prompt_logprobs: one entry per prompt token after the first, all in the request's
+    # first output (the one that carries its first token).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

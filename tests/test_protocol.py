@@ -26,6 +26,8 @@ from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
+    Constraint,
+    ConstraintKind,
     Control,
     ControlKind,
     ControlReply,
@@ -67,7 +69,14 @@ EXAMPLES = [
             stop_token_ids=(2, 13, INT32_MAX),
             ignore_eos=True,
             logprobs=20,
+            logit_bias=((0, -100.0), (INT32_MAX, 100.0), (7, 0.5)),
+            constraint=Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "object"}'),
+            prompt_logprobs=20,
         ),
+    ),
+    AddRequest("json", [1], SamplingParams(constraint=Constraint(ConstraintKind.JSON_OBJECT))),
+    AddRequest(
+        "choice", [1], SamplingParams(constraint=Constraint(ConstraintKind.CHOICE, '["a"]'))
     ),
     Abort([]),
     Abort(["a", "b" * MAX_REQUEST_ID_LEN]),
@@ -89,6 +98,12 @@ EXAMPLES = [
             ),
         ],
         {"d": FinishReason.ABORT, "e": FinishReason.ERROR},
+    ),
+    StepOutputs(
+        [
+            RequestOutput("p", [3], None, None, [TokenLogprobs(-1.5, [4, 3], [-0.5, -1.5])]),
+            RequestOutput("q", [], FinishReason.DEAD_END, None, []),  # a one-token prompt
+        ]
     ),
     RequestError("r", "prompt too long", 400),
     RequestError("r", "", 500),
@@ -205,6 +220,14 @@ def test_encoder_rejects_non_messages() -> None:
 # ---- malformed frames ---------------------------------------------------------------------------
 
 
+def i32(*ids: int) -> bytes:
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
+def f64(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}d", *values)
+
+
 def add_frame(**replace: Any) -> bytes:
     """A valid ADD_REQUEST frame for id "r", with the elements at some indexes replaced."""
     obj = unpack(encode(AddRequest("r", [1, 2])))
@@ -254,6 +277,19 @@ BAD_PARAMS = [
     (12, 21),  # logprobs
     (12, -1),
     (12, True),
+    (13, [i32(1), f64(100.5)]),  # a logit bias beyond [-100, 100]
+    (13, [i32(1), f64(math.nan)]),
+    (13, [i32(1, 1), f64(1.0, 2.0)]),  # one token twice
+    (13, [i32(1, 2), f64(1.0)]),  # fewer biases than ids
+    (13, [i32(-3), f64(1.0)]),
+    (13, None),
+    (14, [9, "x"]),  # an unknown constraint kind
+    (14, [int(ConstraintKind.REGEX), ""]),  # a regex constraint without its regex
+    (14, [int(ConstraintKind.REGEX), b"a+"]),  # bytes, not str
+    (14, [int(ConstraintKind.REGEX)]),
+    (14, "a+"),
+    (15, 21),  # prompt_logprobs
+    (15, -1),
 ]
 
 
@@ -341,6 +377,7 @@ def step_frame(
     finish: Any = None,
     logprobs: Any = None,
     finished: Any = None,
+    prompt_logprobs: Any = None,
 ) -> bytes:
     """A STEP_OUTPUTS frame from its columns; by default one request "a" with token 1."""
     tag = int(MsgType.STEP_OUTPUTS)
@@ -351,16 +388,9 @@ def step_frame(
         [] if finish is None else finish,
         [] if logprobs is None else logprobs,
         {} if finished is None else finished,
+        [] if prompt_logprobs is None else prompt_logprobs,
     ]
     return msgpack.packb([tag, PROTOCOL_VERSION, *fields])
-
-
-def i32(*ids: int) -> bytes:
-    return struct.pack(f"<{len(ids)}i", *ids)
-
-
-def f64(*values: float) -> bytes:
-    return struct.pack(f"<{len(values)}d", *values)
 
 
 BAD_ENGINE_FRAMES = [
@@ -379,6 +409,10 @@ BAD_ENGINE_FRAMES = [
     step_frame(new_ids=i32(-1)),
     step_frame(new_ids=[1]),  # not int32 bytes
     step_frame(new_ids=b"\x01\x00\x00"),  # not a multiple of 4 bytes
+    step_frame(prompt_logprobs=[[0, 1, [f64(-1.0), i32(0), b"", b""]], [0, 1]]),  # not 3 wide
+    step_frame(prompt_logprobs=[[0, 2, [f64(-1.0), i32(0), b"", b""]]]),  # 2 promised, 1 sent
+    step_frame(prompt_logprobs=[[0, 1, [f64(math.nan), i32(0), b"", b""]]]),
+    step_frame(prompt_logprobs=[[1, 1, [f64(-1.0), i32(0), b"", b""]]]),  # no such request
     step_frame(finish=[[0, 9]]),  # unknown finish reason
     step_frame(finish=[[1, 0]]),  # no request at that position
     step_frame(finish=[["a", 0]]),  # keyed by id, not position
@@ -560,6 +594,15 @@ def rand_params(rng: random.Random) -> SamplingParams:
         stop_token_ids=tuple(rand_ids(rng, 0, 5)),
         ignore_eos=rng.random() < 0.5,
         logprobs=rng.choice([None, 0, rng.randint(1, 20)]),
+        logit_bias=tuple((tid, rng.uniform(-100, 100)) for tid in set(rand_ids(rng, 0, 4))),
+        constraint=rng.choice(
+            [
+                None,
+                Constraint(ConstraintKind.REGEX, "[a-z]+"),
+                Constraint(ConstraintKind.JSON_OBJECT),
+            ]
+        ),
+        prompt_logprobs=rng.choice([None, 0, rng.randint(1, 20)]),
     )
 
 
@@ -576,7 +619,8 @@ def rand_output(rng: random.Random) -> RequestOutput:
     ids = rand_ids(rng, 0, 6)
     reason = rng.choice([None, *FinishReason])
     lps = rand_logprobs(rng, len(ids)) if rng.random() < 0.3 else None
-    return RequestOutput(rand_id(rng), ids, reason, lps)
+    prompt_lps = rand_logprobs(rng, rng.randint(0, 8)) if rng.random() < 0.2 else None
+    return RequestOutput(rand_id(rng), ids, reason, lps, prompt_lps)
 
 
 def random_message(rng: random.Random) -> Any:

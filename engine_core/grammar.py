@@ -1,0 +1,250 @@
+"""Structured outputs: a request's constraint (JSON schema, regex, choice, grammar) compiled into a
+matcher that says, before each token, which tokens keep the output valid.
+
+The grammar engine is llguidance (the Rust core of Microsoft's guidance, vLLM's "guidance"
+backend): its matcher parses lazily (an Earley parser over a lexer), so there is no token-mask
+precomputation per grammar, and a mask costs tens of microseconds per row. It is a maintained
+library, not our own automaton; this module only adapts it:
+
+- ``grammar_for(constraint)``: the llguidance grammar of a constraint (ValueError if malformed);
+- ``GrammarCompiler``: the tokenizer's token table, built once per model; compiles constraints on
+  worker threads (llguidance drops the GIL while it builds a matcher, which can take 100 ms for a
+  large schema), never on the caller's thread, and keeps the last ``max_cached`` compiled ones
+  (keyed by the constraint) as templates that each request copies;
+- ``RequestGrammar``: one constrained request's matcher; it advances with every sampled token
+  and fills that request's row of a step's bitmask (1 bit per token id, int32 words).
+
+The frontend compiles with the same code to answer a bad constraint with a 400 before anything
+reaches the engine (``check``); the engine compiles again, for its own matchers, since a compiled
+matcher does not travel between processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from protocol.messages import Constraint, ConstraintKind
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+COMPILE_THREADS = 2
+# Work bounds of one grammar (llguidance's own limits, explicit here): a grammar that needs more
+# is refused as invalid instead of taking unbounded time or memory.
+MAX_GRAMMAR_SIZE = 1_000_000  # symbols and rules after conversion
+MAX_LEXER_STATES = 250_000
+STEP_LEXER_FUEL = 1_000_000  # lexer work per token
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a small model cannot pad forever
+
+
+def grammar_for(constraint: Constraint) -> str:
+    """The llguidance grammar of ``constraint``; ValueError when it is malformed."""
+    import llguidance
+
+    kind, spec = constraint.kind, constraint.spec
+    if kind == ConstraintKind.JSON_OBJECT:
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', JSON_OPTIONS)
+    if kind == ConstraintKind.JSON_SCHEMA:
+        schema = json.loads(spec)  # ValueError (JSONDecodeError) when it is not JSON
+        if not isinstance(schema, dict | bool):
+            raise ValueError("a JSON schema must be a JSON object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
+    if kind == ConstraintKind.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == ConstraintKind.CHOICE:
+        return llguidance.grammar_from("choice", json.dumps(choices_of(spec)))
+    return llguidance.grammar_from("grammar", spec)  # GBNF/EBNF, converted; or Lark as it is
+
+
+def choices_of(spec: str) -> list[str]:
+    """The choices of a CHOICE constraint: a non-empty JSON list of non-empty strings."""
+    choices = json.loads(spec)
+    if not isinstance(choices, list) or not choices:
+        raise ValueError("choice needs a non-empty list of strings")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("every choice must be a non-empty string")
+    return choices
+
+
+def parser_limits() -> Any:
+    import llguidance
+
+    return llguidance.LLParserLimits(
+        max_grammar_size=MAX_GRAMMAR_SIZE,
+        max_lexer_states=MAX_LEXER_STATES,
+        step_lexer_fuel=STEP_LEXER_FUEL,
+    )
+
+
+def token_table(hf_tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of the tokenizer, padded to the model's vocabulary (a mask covers every
+    logit; ids the tokenizer does not know are never allowed)."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+
+def compile_matcher(constraint: Constraint, tokenizer: Any) -> Any:
+    """A fresh matcher for ``constraint``; ValueError naming what is wrong with it."""
+    import llguidance
+
+    grammar = grammar_for(constraint)
+    limits = parser_limits()
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, tokenizer, limits=limits
+    )
+    if is_error:
+        raise ValueError(messages[0] if messages else "invalid grammar")
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error())
+    return matcher
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model, off the caller's thread, with a bounded cache.
+
+    ``tokenizer_source`` builds the HF tokenizer; the token table is built from it on a worker
+    thread at construction, so neither the engine's start nor its loop waits for it. Only the
+    caller's thread touches the cache (``start`` reads it, ``take`` fills it); the workers only
+    compile.
+    """
+
+    def __init__(
+        self,
+        tokenizer_source: Callable[[], Any],
+        vocab_size: int,
+        max_cached: int = MAX_CACHED_GRAMMARS,
+        threads: int = COMPILE_THREADS,
+    ) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._tokenizer = self._pool.submit(lambda: token_table(tokenizer_source(), vocab_size))
+        self._cache: OrderedDict[Constraint, Any] = OrderedDict()  # template matchers, LRU
+        self.max_cached = max_cached
+        self.num_compiled = 0
+
+    def start(self, constraint: Constraint) -> RequestGrammar:
+        """The grammar of one request: ready at once on a cache hit, else compiling."""
+        template = self._cache.get(constraint)
+        if template is not None:
+            self._cache.move_to_end(constraint)
+            done: Future[Any] = Future()
+            done.set_result(template.deep_copy())
+            return RequestGrammar(constraint, done, self)
+        return RequestGrammar(constraint, self._pool.submit(self._compile, constraint), self)
+
+    def _compile(self, constraint: Constraint) -> Any:
+        return compile_matcher(constraint, self._tokenizer.result())
+
+    def check(self, constraint: Constraint) -> None:
+        """Compile now, on this thread: ValueError naming what is wrong (the offline API checks
+        every prompt's constraint before it runs any)."""
+        self.remember(constraint, self._compile(constraint))
+
+    def remember(self, constraint: Constraint, matcher: Any) -> None:
+        """Keep a copy of a request's fresh matcher as the constraint's template."""
+        if constraint in self._cache:
+            return
+        self.num_compiled += 1
+        self._cache[constraint] = matcher.deep_copy()
+        while len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One constrained request's matcher (once compiled): advanced by every token the request
+    samples, asked for the tokens allowed next."""
+
+    def __init__(
+        self, constraint: Constraint, compiled: Future[Any], compiler: GrammarCompiler
+    ) -> None:
+        self.constraint = constraint
+        self.future = compiled  # the matcher, once compiled
+        self._compiler = compiler
+        self.matcher: Any = None
+        self.error: str | None = None  # why it could not compile, or why it stopped accepting
+        self.dead_end = False  # no token was allowed at the last mask: the request must end
+
+    @property
+    def ready(self) -> bool:
+        """Compiled (or failed): the request may be scheduled, or must be failed."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self.future.done():
+            return False
+        try:
+            self.matcher = self.future.result()
+        except Exception as exc:  # ValueError from the grammar; anything else is ours
+            self.error = str(exc) or type(exc).__name__
+            return True
+        self._compiler.remember(self.constraint, self.matcher)
+        return True
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete: the grammar admits no token but EOS now."""
+        return self.matcher.is_stopped()
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False (with ``error`` set) if the grammar rejects it."""
+        if self.matcher.consume_token(token):
+            return True
+        self.error = self.matcher.get_error() or f"token {token} is not allowed here"
+        return False
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32 words, CPU)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+
+class BitmaskFiller:
+    """Builds each step's bitmask for the rows that sample: the constrained rows' matchers fill
+    theirs in parallel (llguidance's executor, outside the GIL), every other row allows all."""
+
+    def __init__(self, vocab_size: int, pin_memory: bool) -> None:
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.pin_memory = pin_memory  # so the copy to the GPU does not block the host
+        self._executor = llguidance.LLExecutor()
+
+    def fill(self, grammars: list[RequestGrammar | None]) -> torch.Tensor | None:
+        """The bitmask [len(grammars), W] for one step's sampling rows, or None when no row is
+        constrained. A matcher that allows nothing makes its row empty: the token sampled
+        there is then refused by ``accept``, which ends the request (a dead end)."""
+        import llguidance.torch
+
+        rows = [(g.matcher, i) for i, g in enumerate(grammars) if g is not None and g.matcher]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(grammars), self.vocab_size)
+        if self.pin_memory:
+            bitmask = bitmask.pin_memory()
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        return bitmask
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32, every bit set (every token allowed)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [B, V] with the tokens whose bit is clear in ``bitmask`` [B, W] at -inf."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()  # [B, V]
+    return logits.masked_fill(~allowed, float("-inf"))
