@@ -87,7 +87,8 @@ class EngineCore:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self._load_tokenizer, self.model_config.vocab_size)
             pin = self.runner.device.type == "cuda"
-            self._bitmasks = BitmaskFiller(self.model_config.vocab_size, pin)
+            vocab, rows = self.model_config.vocab_size, self.config.max_num_seqs
+            self._bitmasks = BitmaskFiller(vocab, pin, rows)
         return self._grammars
 
     def _load_tokenizer(self) -> Any:

@@ -131,6 +131,12 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         self.backend = select_backend(self.device)
         self.graph_runner = self._capture_graphs()  # None on the CPU or with enforce_eager
+        if self.device.type == "cuda":
+            # The host's tensor work is small here (the model runs on the GPU); torch's OpenMP
+            # workers would only spin between ops and take the cores that the grammar engine's
+            # mask threads need (measured: 64 constrained rows' masks 5.9 ms a step, 1.1 ms
+            # without the spinning).
+            torch.set_num_threads(1)
         self.sampler = Sampler(
             self.model_config.eos_token_ids, self.model_config.vocab_size, seed=config.seed
         )
