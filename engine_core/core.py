@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.grammar import BitmaskFiller, GrammarCompiler
+from engine_core.grammar import BitmaskFiller, GrammarCompiler, RequestGrammar
 from engine_core.model_runner import LaunchedStep, ModelRunner
 from engine_core.request import EngineOutput, Request, SchedulerOutput
 from engine_core.scheduler import Scheduler
@@ -220,6 +220,8 @@ class EngineCore:
         with self.step_stats.phase("update"):
             if step.prompt_logprobs:
                 record_prompt_logprobs(step.plan, step.prompt_logprobs)
+            if step.constrained and self._bitmasks is not None:
+                self._bitmasks.advance(constrained_tokens(step.plan, result.sampled_token_ids))
             outputs = self.scheduler.update_from_output(step.plan, result.sampled_token_ids)
             self._attach_logprobs(step.sampling_requests, result.logprobs, outputs)
             if step.plan.prompt_logprob_seqs:
@@ -253,6 +255,23 @@ class EngineCore:
             num_total_blocks=self.runner.num_kv_blocks,
             num_steps=self.num_steps,
         )
+
+
+def constrained_tokens(
+    plan: SchedulerOutput, sampled: list[int]
+) -> list[tuple[RequestGrammar, int]]:
+    """The live constrained rows of a step, with the token each sampled (the scheduler's
+    update would feed them to the matchers one by one; the engine feeds them all at once)."""
+    pairs = []
+    tokens = iter(sampled)
+    for s in plan.scheduled:
+        if not s.samples:
+            continue
+        token = next(tokens)
+        grammar = s.request.grammar
+        if grammar is not None and grammar.matcher is not None and not s.request.is_finished:
+            pairs.append((grammar, token))
+    return pairs
 
 
 def record_prompt_logprobs(

@@ -182,6 +182,7 @@ class RequestGrammar:
     def __init__(self, compiled: Future[Any]) -> None:
         self.future = compiled  # the request's matcher, once compiled
         self.matcher: Any = None
+        self.consumed: tuple[int, bool] | None = None  # a token advance() already fed it
         self.error: str | None = None  # why it could not compile, or why it stopped accepting
         self.dead_end = False  # no token was allowed at the last mask: the request must end
 
@@ -205,7 +206,9 @@ class RequestGrammar:
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False (with ``error`` set) if the grammar rejects it."""
-        if self.matcher.consume_token(token):
+        consumed, self.consumed = self.consumed, None
+        ok = consumed[1] if consumed and consumed[0] == token else self.matcher.consume_token(token)
+        if ok:
             return True
         self.error = self.matcher.get_error() or f"token {token} is not allowed here"
         return False
@@ -258,6 +261,19 @@ class BitmaskFiller:
         bitmask.fill_(-1)  # every row allows every token until its matcher says otherwise
         llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
         return bitmask
+
+    def advance(self, pairs: list[tuple[RequestGrammar, int]]) -> None:
+        """Let each matcher take its sampled token, in parallel; ``accept`` then reads the
+        verdict instead of consuming on the loop's thread, one request at a time."""
+        import llguidance.torch
+
+        if not pairs:
+            return
+        verdicts = llguidance.torch.consume_token_par(
+            self._executor, [(g.matcher, token) for g, token in pairs]
+        )
+        for (grammar, token), ok in zip(pairs, verdicts, strict=True):
+            grammar.consumed = (token, ok)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -84,6 +84,7 @@ class LaunchedStep:
     gpu_prev_end: torch.cuda.Event | None = None  # the previous step's end, for the idle gap
     # request id -> (first scored prompt position, logprobs), for the prompt tokens scored
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+    constrained: bool = False  # a structured-output bitmask masked its sampling
 
 
 def resolve_device(name: str) -> torch.device:
@@ -320,6 +321,7 @@ class ModelRunner:
         with stats.phase("to_host"):
             step = self._to_host(out, sampled, requests, timeline)
         step.prompt_logprobs = prompt_logprobs
+        step.constrained = bitmask is not None
         if timeline is not None:
             timeline.end()  # the sampler's stretch ends with the copy back
         return self._timed(step)
