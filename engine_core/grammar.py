@@ -36,6 +36,7 @@ from protocol.messages import Constraint, ConstraintKind
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_BYTES = 64 << 20  # the cached constraints and grammars' text, in all
 COMPILE_THREADS = 2
 # Work bounds of one grammar (llguidance's own limits, explicit here): a grammar that needs more
 # is refused as invalid instead of taking unbounded time or memory.
@@ -141,6 +142,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._tokenizer = self._pool.submit(lambda: token_table(tokenizer_source(), vocab_size))
         self._cache: OrderedDict[Constraint, str] = OrderedDict()  # validated grammars, LRU
+        self._cached_bytes = 0
         self._lock = threading.Lock()  # the cache is shared by the workers
         self.max_cached = max_cached
         self.num_compiled = 0  # constraints validated (cache misses)
@@ -166,9 +168,12 @@ class GrammarCompiler:
         grammar = checked_grammar(constraint, self._tokenizer.result())  # outside the lock
         with self._lock:
             self.num_compiled += 1
-            self._cache[constraint] = grammar
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+            if constraint not in self._cache:
+                self._cache[constraint] = grammar
+                self._cached_bytes += len(constraint.spec) + len(grammar)
+            while len(self._cache) > self.max_cached or self._cached_bytes > MAX_CACHED_BYTES:
+                oldest, text = self._cache.popitem(last=False)
+                self._cached_bytes -= len(oldest.spec) + len(text)
         return grammar
 
     def shutdown(self) -> None:

@@ -119,7 +119,10 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid request"))
+    if first.get("type") == "extra_forbidden" and len(loc) == 1:  # OpenAI's words for it
+        message = f"Unrecognized request argument supplied: {param}"
+        return OpenAIError(400, message, param=param, code="unknown_parameter")
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     message = f"{param}: {msg}" if param else msg
     return OpenAIError(400, message, param=param, code="invalid_value")
 
@@ -142,6 +145,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tandem_version()}
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -183,6 +190,15 @@ def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_model(body.model)
         ctx.check_token_ids(body.tokens, "tokens")
         return {"prompt": await ctx.tokenizer.run(ctx.tokenizer.decode, body.tokens)}
+
+
+def tandem_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 async def generate(

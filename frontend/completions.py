@@ -11,6 +11,7 @@ from frontend.generation import (
     Generation,
     check_context,
     check_stop_token_ids,
+    engine_extras,
 )
 from frontend.openai_schemas import (
     CompletionChoice,
@@ -28,14 +29,19 @@ async def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Gen
     arrival = time.monotonic()
     ctx.check_model(req.model)
     ctx.check_engine()
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     check_stop_token_ids(ctx, req)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1, or 0 with echo", "max_tokens")
+    # echo with logprobs reports the prompt's tokens too: the engine scores them.
+    echo_logprobs = req.logprobs if req.echo else None
+    extras = await engine_extras(ctx, req, echo_logprobs)
     prompts = await completion_prompts(ctx, req)
-    max_tokens = req.max_tokens or 16
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
     for p in prompts:
         check_context(ctx, len(p), max_tokens, "prompt")
-    return Generation.for_request(ctx, req, prompts, max_tokens, req.logprobs, "cmpl", arrival)
+    return Generation.for_request(
+        ctx, req, prompts, max_tokens, req.logprobs, extras, "cmpl", arrival
+    )
 
 
 async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
@@ -66,39 +72,53 @@ async def complete(ctx: ServingContext, req: CompletionRequest, gen: Generation)
         logprobs = None
         if req.logprobs is not None:
             logprobs = completion_logprobs(ctx, c.token_ids, c.logprobs, len(prefix))
-        choices.append(
-            CompletionChoice(
-                index=c.index,
-                text=prefix + c.text.text,
-                logprobs=logprobs,
-                finish_reason=c.finish_reason,
-            )
+            if req.echo:
+                logprobs = echoed_logprobs(ctx, c.prompt_ids, c.prompt_logprobs, logprobs)
+        choice = CompletionChoice(
+            index=c.index,
+            text=prefix + c.text.text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
         )
+        if req.prompt_logprobs is not None:
+            choice.prompt_logprobs = vllm_prompt_logprobs(ctx, c.prompt_ids, c.prompt_logprobs)
+        choices.append(choice)
     resp = CompletionResponse(id=gen.id, model=ctx.served_model, choices=choices, usage=gen.usage())
-    return resp.model_dump()
+    return resp.model_dump(exclude_none=False)
 
 
 async def stream_completion(
     ctx: ServingContext, req: CompletionRequest, gen: Generation
 ) -> AsyncIterator[str]:
+    """SSE chunks. The echo goes out first; with logprobs it waits for the choice's first output,
+    which brings the prompt's logprobs."""
     writer = ChunkWriter(gen.id, "text_completion", ctx.served_model, req.include_usage)
     offsets = [0] * len(gen.choices)
+    echo = echo_texts(ctx, req, gen)
+    echo_due = [bool(echo)] * len(gen.choices)  # choices whose echo is still to be sent
     try:
-        echo = echo_texts(ctx, req, gen)
-        if echo:
-            first = [completion_delta(c.index, echo[c.index // req.n]) for c in gen.choices]
-            yield writer.chunk(first)
+        if echo and req.logprobs is None:
+            yield writer.chunk(
+                [completion_delta(c.index, echo[c.index // req.n]) for c in gen.choices]
+            )
             offsets = [len(echo[c.index // req.n]) for c in gen.choices]
+            echo_due = [False] * len(gen.choices)
         async for deltas in gen.run():
             parts = []
             for d in deltas:
-                if not (d.text or d.finish_reason or d.logprobs):
-                    continue
-                lp = None
+                text, lp = d.text, None
                 if req.logprobs is not None:
                     lp = completion_logprobs(ctx, d.token_ids, d.logprobs, offsets[d.index])
-                    offsets[d.index] += sum(len(t) for t in lp.tokens)
-                parts.append(completion_delta(d.index, d.text, lp, d.finish_reason))
+                if echo_due[d.index]:
+                    choice = gen.choices[d.index]
+                    prefix = echo[d.index // req.n]
+                    lp = completion_logprobs(ctx, d.token_ids, d.logprobs, len(prefix))
+                    lp = echoed_logprobs(ctx, choice.prompt_ids, choice.prompt_logprobs, lp)
+                    text, echo_due[d.index] = prefix + text, False
+                if lp is not None:
+                    offsets[d.index] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
+                if text or d.finish_reason or (lp is not None and lp.tokens):
+                    parts.append(completion_delta(d.index, text, lp, d.finish_reason))
             if parts:
                 yield writer.chunk(parts)
         if req.include_usage:
@@ -141,3 +161,49 @@ def completion_logprobs(
         out.text_offset.append(offset)
         offset += len(token)
     return out
+
+
+def echoed_logprobs(
+    ctx: ServingContext,
+    prompt_ids: list[int],
+    prompt_logprobs: list[TokenLogprobs] | None,
+    generated: CompletionLogprobs,
+) -> CompletionLogprobs:
+    """OpenAI's echo with logprobs: the prompt's tokens first (the first one has no logprob, as
+    nothing precedes it), then the generated ones, offsets counted from the prompt's start."""
+    prompt = completion_logprobs(ctx, prompt_ids[1:], prompt_logprobs or [], 0)
+    first = ctx.tokenizer.token_text(prompt_ids[0])
+    shift = len(first)
+    out = CompletionLogprobs(
+        tokens=[first, *prompt.tokens],
+        token_logprobs=[None, *prompt.token_logprobs],
+        top_logprobs=[None, *prompt.top_logprobs],
+        text_offset=[0, *(o + shift for o in prompt.text_offset)],
+    )
+    out.tokens += generated.tokens
+    out.token_logprobs += generated.token_logprobs
+    out.top_logprobs += generated.top_logprobs
+    out.text_offset += generated.text_offset
+    return out
+
+
+def vllm_prompt_logprobs(
+    ctx: ServingContext, prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs] | None
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then for each later prompt token a map
+    token id -> {logprob, decoded_token} holding that token and the top N at its position."""
+    return [None] + [
+        prompt_logprob_entry(ctx, tid, lp)
+        for tid, lp in zip(prompt_ids[1:], prompt_logprobs or [], strict=False)
+    ]
+
+
+def prompt_logprob_entry(
+    ctx: ServingContext, token_id: int, lp: TokenLogprobs
+) -> dict[str, dict[str, Any]]:
+    text = ctx.tokenizer.token_text
+    entry = {str(token_id): {"logprob": lp.logprob, "decoded_token": text(token_id)}}
+    for rank, (tid, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+        entry.setdefault(str(tid), {"logprob": value, "decoded_token": text(tid)})
+        entry[str(tid)]["rank"] = rank
+    return entry

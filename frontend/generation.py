@@ -19,13 +19,20 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from frontend.constraints import constraint_of
 from frontend.detokenizer import TextStream
 from frontend.errors import OpenAIError, as_openai_error, bad_request
 from frontend.openai_schemas import SamplingFields, UsageInfo, random_id
 from frontend.serving_context import ServingContext
 from protocol.client import EngineDeadError, EngineRequest, RequestGroup, RequestItem
 from protocol.codec import ProtocolError, validate_sampling_params
-from protocol.messages import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from protocol.messages import (
+    Constraint,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 # ---- per-choice state -------------------------------------------------------------------------
 
@@ -43,6 +50,7 @@ class Choice:
     decoded: int = 0  # token_ids[:decoded] went through the detokenizer
     sent: int = 0  # token_ids[:sent] (and their logprobs) went out in a flush
     unsent_text: str = ""  # text the detokenizer released since the last flush
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with its first output, when asked
 
 
 @dataclass
@@ -61,6 +69,8 @@ class Generation:
 
     ``stream_interval``: flush a choice once this many new tokens have gathered (its first token
     and its end are flushed at once); None flushes each choice only at its end (no streaming).
+    ``keep_output=False``: the engine runs each prompt (for its prompt logprobs) but its one
+    generated token is dropped: OpenAI's ``max_tokens: 0``, which ends with "length".
     """
 
     def __init__(
@@ -73,8 +83,10 @@ class Generation:
         request_id: str,
         arrival: float,
         stream_interval: int | None = None,
+        keep_output: bool = True,
     ) -> None:
         self.ctx = ctx
+        self.keep_output = keep_output
         self.id = request_id  # the response id; engine requests are "{id}-{choice index}"
         self.arrival = arrival  # when the HTTP request came in: TTFT includes tokenization
         self.prompts = prompts
@@ -96,14 +108,19 @@ class Generation:
         prompts: list[list[int]],
         max_tokens: int,
         logprobs: int | None,
+        extras: EngineExtras,
         id_prefix: str,
         arrival: float,
     ) -> Generation:
-        """The generation of a checked, tokenized request; nothing is sent until it runs."""
-        params = params_per_choice(sampling_params(req, max_tokens, logprobs), req.n)
+        """The generation of a checked, tokenized request; nothing is sent until it runs.
+        ``max_tokens`` 0 runs the prompts for one token and drops it (see ``keep_output``)."""
+        engine_max = max(max_tokens, 1)
+        params = params_per_choice(sampling_params(req, engine_max, logprobs, extras), req.n)
         interval = ctx.stream_interval if req.stream else None
         rid = random_id(id_prefix)
-        return cls(ctx, prompts, params, req.n, req.stop_strings, rid, arrival, interval)
+        stop = req.stop_strings
+        keep = max_tokens > 0
+        return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep)
 
     async def run(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Yield the deltas of each flush until every choice has finished."""
@@ -144,18 +161,20 @@ class Generation:
 
     def _receive(self, group: RequestGroup, choice: Choice, out: RequestOutput) -> None:
         """Record one step's tokens (no decoding here: that waits for the flush)."""
-        new = out.new_token_ids
+        new = out.new_token_ids if self.keep_output else []
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         if new and choice.first_token_at is None:
             choice.first_token_at = time.monotonic()
             self.ctx.metrics.record_first_token(choice.first_token_at - self.arrival)
         self.ctx.metrics.record_tokens(len(new))
         choice.token_ids += new
-        choice.logprobs += out.logprobs or []
+        choice.logprobs += (out.logprobs or []) if self.keep_output else []
         if out.finish_reason is not None:
             group.finished(choice.index)
             if out.finish_reason == FinishReason.ERROR:
                 raise OpenAIError(500, "the engine failed this request", "internal_error")
-            choice.ended = out.finish_reason
+            choice.ended = out.finish_reason if self.keep_output else FinishReason.LENGTH
 
     def _advance(self, group: RequestGroup, choice: Choice) -> ChoiceDelta | None:
         """The choice's flush, if one is due: decoded here, once for all its new tokens."""
@@ -229,7 +248,36 @@ class Generation:
 # ---- request -> engine requests ---------------------------------------------------------------
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+@dataclass(frozen=True)
+class EngineExtras:
+    """What a request asks of the engine beyond sampling: checked, in the engine's terms."""
+
+    constraint: Constraint | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
+
+
+async def engine_extras(
+    ctx: ServingContext, req: SamplingFields, prompt_logprobs: int | None = None
+) -> EngineExtras:
+    """The request's constraint (compiled once to prove it valid), logit_bias and prompt
+    logprobs; a 400 naming the parameter when one is wrong."""
+    found = constraint_of(req)
+    constraint = None
+    if found is not None:
+        constraint, param = found
+        await ctx.check_constraint(constraint, param)
+    bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+    ctx.check_token_ids([t for t, _ in bias], "logit_bias")
+    if len({t for t, _ in bias}) != len(bias):
+        raise bad_request("logit_bias names a token twice", "logit_bias")
+    asked = [n for n in (prompt_logprobs, req.prompt_logprobs) if n is not None]
+    return EngineExtras(constraint, bias, max(asked) if asked else None)
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, extras: EngineExtras
+) -> SamplingParams:
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
     return SamplingParams(
         max_tokens=max_tokens,
@@ -245,6 +293,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        logit_bias=extras.logit_bias,
+        constraint=extras.constraint,
+        prompt_logprobs=extras.prompt_logprobs,
     )
 
 
@@ -265,7 +316,7 @@ def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, 
         raise bad_request("the prompt is empty", param)
     if max_tokens is None:
         max_tokens = ctx.max_model_len - prompt_len
-    if max_tokens < 1 or prompt_len + max_tokens > ctx.max_model_len:
+    if max_tokens < 0 or prompt_len + max(max_tokens, 1) > ctx.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
             f"requested {prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -22,13 +23,17 @@ import uvicorn
 
 from frontend.admission import AdmissionGate
 from frontend.app import ServerState, build_app
+from frontend.constraints import ConstraintChecker
 from frontend.engine_pool import EngineGauges, EnginePool
 from frontend.engines import EngineSpec, EngineTimeouts, connect_engine, supervise_engines
 from frontend.metrics import Metrics
 from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
+from frontend.tools import tool_support
 from protocol.messages import Ready
 from protocol.processes import ParentWatch
+
+logger = logging.getLogger("tandem.frontend")
 
 API_SERVER_HEADER = "x-tandem-api-server"
 PARENT_POLL_S = 1.0
@@ -56,7 +61,9 @@ async def serve_http(
     """Serve the OpenAI API from ``specs`` until a signal stops uvicorn."""
     timeouts = EngineTimeouts.from_args(args)
     loop = asyncio.get_running_loop()
-    hf_tokenizer = loop.run_in_executor(None, load_hf_tokenizer, model_dir)  # while engines load
+    hf_tokenizer = loop.run_in_executor(
+        None, load_hf_tokenizer, model_dir, args.chat_template
+    )  # while the engines load
     pool = EnginePool([])
     tasks: list[asyncio.Task[None]] = []
     try:
@@ -96,6 +103,9 @@ def build_state(
     metrics = Metrics(name)
     if len(specs) > 1:
         pool.gauges = EngineGauges(metrics.registry, name, len(specs))
+    support, how = tool_support(hf_tokenizer, args.tool_call_parser)
+    if role.index == 0:
+        logger.info("tools: %s", how)
     serving = ServingContext(
         engine=pool,
         tokenizer=Tokenizer(hf_tokenizer),
@@ -105,6 +115,8 @@ def build_state(
         metrics=metrics,
         admission=AdmissionGate(share_of(ready.max_num_seqs + waiting, role.index, role.count)),
         stream_interval=args.stream_interval,
+        constraints=ConstraintChecker(hf_tokenizer, ready.vocab_size, args.grammar_timeout),
+        tool_support=support,
     )
 
     return ServerState(

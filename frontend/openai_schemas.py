@@ -1,8 +1,13 @@
 """Pydantic schemas for the OpenAI-compatible API: requests (validated) and responses (built).
 
 Requests accept the OpenAI fields plus the vLLM-style extras the engine supports (top_k, min_p,
-repetition_penalty, stop_token_ids, ignore_eos). Unknown fields are ignored, as OpenAI does for
-fields a model does not use (so are unknown fields inside chat messages); known fields with the
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, structured_outputs and the guided_*
+spellings, prompt_logprobs). Nothing is accepted and ignored when it would change the output: an
+unknown top-level field is a 400 naming it ("Unrecognized request argument supplied", as OpenAI
+answers), and so is an OpenAI field this server does not implement (``UNSUPPORTED``); only fields
+that change nothing here (user, metadata, store, service_tier) are taken and left unused. Unknown
+fields inside a chat message are ignored (clients send back the messages they received, with
+fields like ``refusal``); known fields with the
 wrong type are a 400, except where pydantic's lax mode converts losslessly ("2" -> 2, 2.0 -> 2).
 Strings must be valid Unicode: a JSON escape of a lone surrogate ("\\udc80"), which no tokenizer
 or UTF-8 encoder accepts, is a 400 for the whole request (``valid_unicode``). Range checks live
@@ -13,12 +18,20 @@ max_tokens within the context (checked in serving.py, after tokenization).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -48,10 +61,22 @@ def reject_lone_surrogates(data: Any) -> None:
             stack.extend(value)
 
 
-class RequestBody(BaseModel):
-    """A top-level request: unknown fields ignored, every string valid Unicode."""
+# OpenAI fields that would change the output and that this server does not implement: each is a
+# 400 naming it when given a value that is not its default.
+UNSUPPORTED = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model does not reason: reasoning_effort is not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "functions is deprecated and not supported: use tools",
+    "function_call": "function_call is deprecated and not supported: use tool_choice",
+}
 
-    model_config = ConfigDict(extra="ignore")
+
+class RequestBody(BaseModel):
+    """A top-level request: unknown fields refused, every string valid Unicode."""
+
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -62,6 +87,58 @@ class RequestBody(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        schema = self.json_schema
+        if self.type == "json_schema" and (schema is None or schema.json_schema is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema goes with type json_schema, not {self.type}")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name, value in self.given().items() if value not in (None, False)]
+        if len(given) != 1:
+            names = "json, regex, choice, grammar, json_object"
+            raise ValueError(f"give exactly one of {names}; got {given or 'none'}")
+        return self
+
+    def given(self) -> dict[str, Any]:
+        return {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object,
+        }
 
 
 class SamplingFields(RequestBody):
@@ -83,7 +160,20 @@ class SamplingFields(RequestBody):
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # Structured outputs: at most one of these (frontend/constraints.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Accepted and unused: they change nothing in the output.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -108,6 +198,16 @@ class SamplingFields(RequestBody):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias}")
+        return v
+
     @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -124,10 +224,19 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only makes sense with echo (the prompt's own logprobs, as evaluation tools ask for).
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported (it would rank n choices)")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -158,22 +267,89 @@ class TextPart(BaseModel):
     text: str
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionCallIn(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, sent back by the client."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool turn: the result of that call
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def as_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it: content flattened to one string."""
+        """The message as chat templates expect it: content flattened to one string, tool-call
+        arguments as objects (templates write them with ``tojson``)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def template_tool_call(call: ToolCallIn) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments  # not JSON: the template gets the text as it is
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -183,12 +359,45 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[Literal["text"]] | None = None  # ["text"], the only one here
+    audio: Any = None  # UNSUPPORTED, as are the fields below
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError("two functions of the same name")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _names_a_tool(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"names the function {v.function.name!r}, which is not in tools")
+        if v == "required" and not names:
+            raise ValueError("'required' needs tools")
+        return v
+
+    @property
+    def unsupported(self) -> list[str]:
+        """The UNSUPPORTED fields this request gives."""
+        return [name for name in UNSUPPORTED if getattr(self, name) is not None]
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -243,11 +452,15 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]  # vLLM's: None, then {id: {logprob, ...}}
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -273,9 +486,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -292,6 +517,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
 
 
 class DeltaMessage(BaseModel):

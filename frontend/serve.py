@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem.serve")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt as JSON token ids is about 1 MiB
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # frontend/tool_parsers.py PARSERS
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +85,21 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )  # fmt: skip
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    group.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template to use instead of the model's own",
+    )  # fmt: skip
+    group.add_argument(
+        "--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+        help="how tool calls are read from the model's output (default: named by the chat "
+        "template's syntax; for a ChatML model whose template ignores tools, hermes with a "
+        "packaged tool template)",
+    )  # fmt: skip
+    group.add_argument(
+        "--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+        help="a structured-output constraint (JSON schema, regex, grammar) that does not "
+        "compile within this long is refused with 400 (default: %(default)s)",
+    )  # fmt: skip
 
 
 def add_engine_link_args(parser: argparse.ArgumentParser) -> None:

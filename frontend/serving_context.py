@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from frontend.admission import Admission, AdmissionGate, OverloadedError, TooManySequencesError
+from frontend.constraints import ConstraintChecker
 from frontend.engine_pool import EnginePool
 from frontend.errors import (
     OpenAIError,
@@ -17,6 +18,8 @@ from frontend.errors import (
 )
 from frontend.metrics import Metrics
 from frontend.tokenizer import Tokenizer
+from frontend.tools import ToolSupport
+from protocol.messages import Constraint
 
 
 @dataclass
@@ -29,6 +32,13 @@ class ServingContext:
     metrics: Metrics
     admission: AdmissionGate = field(default_factory=AdmissionGate.unbounded)
     stream_interval: int = 1  # tokens per SSE chunk and choice (--stream-interval)
+    constraints: ConstraintChecker | None = None  # structured outputs' compile check
+    tool_support: ToolSupport | None = None  # None: requests with tools are refused
+
+    async def check_constraint(self, constraint: Constraint, param: str) -> None:
+        if self.constraints is None:
+            raise bad_request("structured outputs are not enabled on this server", param)
+        await self.constraints.check(constraint, param)
 
     def admit(self, num_sequences: int) -> Admission:
         """Hold room for a request's sequences, or raise the 503 (or 400) that says why not."""

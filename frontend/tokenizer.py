@@ -16,10 +16,14 @@ from typing import Any
 from frontend.errors import bad_request
 
 
-def load_hf_tokenizer(model_dir: Path) -> Any:
+def load_hf_tokenizer(model_dir: Path, chat_template: str | Path | None = None) -> Any:
+    """The model's HF tokenizer; ``chat_template``: a Jinja file that replaces its template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    return tokenizer
 
 
 class Tokenizer:
@@ -45,11 +49,22 @@ class Tokenizer:
     def encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.hf.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        """Apply the chat template; the text already holds special tokens, so add none."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        template: str | None = None,
+    ) -> list[int]:
+        """Apply the chat template (``template``, else the model's), with ``tools`` if any; the
+        text already holds special tokens, so add none."""
         try:
             text = self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as exc:  # jinja or a missing template: the client's messages or model
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None

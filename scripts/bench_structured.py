@@ -15,8 +15,10 @@ tokens, greedy) twice after a warm-up:
   the grammar engine, whose lexer then meets a new state at every token);
 
 then prints tok/s of both and their ratio (the target: >= 0.9), the host ms per step spent filling
-bitmasks (the engine's step stats, a third constrained run), and the compile time p50/p99 of the
-JSON schemas the tests use (tests/structured_cases.py), each compiled afresh (no cache).
+bitmasks (the engine's step stats, a third constrained run), the compile time p50/p99 of the
+JSON schemas the tests use (tests/structured_cases.py), each compiled afresh (no cache), and
+whether every one of those schemas' outputs, 5 samples each at temperature 1 on this device,
+validates (the jsonschema package).
 
 Random presets use the default model's 49,152-token tokenizer; where its GGUF is absent set
 $TANDEM_TOKENIZER_DIR to a folder with its tokenizer files.
@@ -111,6 +113,36 @@ def bitmask_host_ms(core: EngineCore, work: Workload, schema: dict[str, Any]) ->
     return {k: round(v, 4) for k, v in summary.items()}
 
 
+def validate_outputs(core: EngineCore, samples: int = 5) -> dict[str, Any]:
+    """Every test schema, sampled at temperature 1: does each output parse and validate?"""
+    import jsonschema
+
+    hf = core._load_tokenizer()
+    prompt = hf.encode("Answer with JSON:")
+    failures, total = [], 0
+    for name, schema in SCHEMAS.items():
+        constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+        texts: dict[str, list[int]] = {}
+        for seed in range(samples):
+            rid = f"check-{name}-{seed}"
+            texts[rid] = []
+            params = SamplingParams(
+                max_tokens=512, temperature=1.0, seed=seed, constraint=constraint
+            )
+            core.add_request(Request(rid, prompt, params))
+        while core.has_unfinished():
+            for out in core.step():
+                texts[out.request.request_id] += out.new_token_ids
+        for rid, ids in texts.items():
+            total += 1
+            text = hf.decode(ids, skip_special_tokens=True)
+            try:
+                jsonschema.validate(json.loads(text), schema)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                failures.append(f"{rid}: {exc!s:.80} in {text[:80]!r}")
+    return {"outputs": total, "valid": total - len(failures), "failures": failures[:5]}
+
+
 def compile_times(core: EngineCore, repeats: int = 5) -> dict[str, float]:
     """Seconds to compile each test schema afresh (as a new constraint reaching the engine)."""
     hf = core._load_tokenizer()
@@ -160,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     stats_work = work.shorter(args.output_len, seed=5)
     results["step_stats_json"] = bitmask_host_ms(core, stats_work, schema)
     results["compile"] = compile_times(core)
+    results["validity"] = validate_outputs(core)
     print_table(results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
@@ -178,6 +211,9 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"  host ms per step (json, step stats): bitmask {stats.get('host_bitmask_ms', 0):.3f}, "
           f"wait {stats.get('host_wait_ms', 0):.3f}, update {stats.get('host_update_ms', 0):.3f}, "
           f"step wall {stats.get('step_wall_ms', 0):.3f}")  # fmt: skip
+    validity = results["validity"]
+    print(f"  test schemas at temperature 1: {validity['valid']} of {validity['outputs']} "
+          f"outputs valid {validity['failures'] or ''}")  # fmt: skip
     print(f"  compile: token table {comp['token_table_s']} s; schema p50 "
           f"{comp['compile_ms_p50']} ms, p99 {comp['compile_ms_p99']} ms over "
           f"{comp['compiles']} compiles")  # fmt: skip

@@ -154,15 +154,23 @@ def test_bodies_over_the_limit_are_413(tiny_server: Server) -> None:
     assert_error(post_raw(tiny_server, near), 400, "context_length_exceeded")
 
 
-def test_unknown_fields_are_ignored_like_openai(tiny_server: Server) -> None:
-    """OpenAI ignores fields it does not use; so do we, at the top level and in messages."""
+def test_unknown_fields_are_refused_like_openai(tiny_server: Server) -> None:
+    """OpenAI answers an unknown request field with a 400 naming it; so do we (a field that was
+    silently ignored could change nothing, or everything). Unknown fields inside a message are
+    ignored: clients send back the messages they were given, with fields like ``refusal``."""
     url = f"{tiny_server.base_url}/v1/completions"
     body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    plain = httpx.post(url, json=body, timeout=60)
-    extra = httpx.post(url, json=body | {"frobnicate": 1, "response_format": {}}, timeout=60)
-    assert plain.status_code == extra.status_code == 200
-    assert plain.json()["choices"][0]["text"] == extra.json()["choices"][0]["text"]
-    chat = {"messages": [{"role": "user", "content": "Hi", "tool_calls": []}], "max_tokens": 2}
+    assert httpx.post(url, json=body, timeout=60).status_code == 200
+    extra = httpx.post(url, json=body | {"frobnicate": 1}, timeout=60)
+    assert extra.status_code == 400
+    assert extra.json()["error"] == {
+        "message": "Unrecognized request argument supplied: frobnicate",
+        "type": "invalid_request_error",
+        "param": "frobnicate",
+        "code": "unknown_parameter",
+    }
+    message = {"role": "user", "content": "Hi", "tool_calls": [], "refusal": None}
+    chat = {"messages": [message], "max_tokens": 2}
     r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 200, r.text
 

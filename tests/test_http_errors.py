@@ -67,7 +67,7 @@ BAD_COMPLETIONS = [
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"stop": [""]}, "stop"),
     ({"stream_options": {"include_usage": True}}, None),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"suffix": "and then"}, "suffix"),  # echo with logprobs used to be here: now served
     ({"seed": -1}, None),
     ({"min_tokens": 9, "max_tokens": 4}, None),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),

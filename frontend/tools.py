@@ -1,0 +1,104 @@
+"""Tool calling on /v1/chat/completions: which template renders the tools, which parser reads the
+calls back, and the grammar that forces a call when the request demands one.
+
+Tools reach the model through a chat template (transformers' ``apply_chat_template(tools=...)``).
+At start-up ``tool_support`` looks at the served template: if it renders tools, the parser is
+``--tool-call-parser`` or the one its syntax names (frontend/tool_parsers.py ``detect_parser``);
+if it ignores them (SmolLM2's does) but speaks ChatML, requests with tools are rendered with the
+packaged ChatML template in the Hermes convention (frontend/chat_templates/chatml_tools.jinja) and
+read with the hermes parser; otherwise a request with tools is a 400, never a silent drop.
+
+Per request (``plan_tools``): ``tool_choice`` "none" leaves the tools out of the prompt and the
+output unparsed; "auto" renders them and parses whatever calls come; "required" and a named
+function also constrain generation by a grammar (``tool_call_grammar``), so the output is always
+one or more well-formed calls whose arguments match the function's ``parameters`` schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from frontend.errors import bad_request
+from frontend.openai_schemas import ChatCompletionRequest, NamedToolChoice
+from frontend.tool_parsers import ToolParser, detect_parser, get_parser, tool_call_grammar
+from protocol.messages import Constraint, ConstraintKind
+
+CHATML_TOOLS_TEMPLATE = Path(__file__).parent / "chat_templates" / "chatml_tools.jinja"
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "tandem_probe", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@dataclass(frozen=True)
+class ToolSupport:
+    """How this server does tools: the parser's name and, when the model's own template ignores
+    tools, the template that renders requests with tools instead."""
+
+    parser: str
+    template: str | None = None
+
+
+def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSupport | None, str]:
+    """The served model's tool support, and a sentence saying what was chosen (or why none)."""
+    template = hf_tokenizer.chat_template or ""
+    if renders_tools(hf_tokenizer):
+        name = parser_flag or detect_parser(template)
+        if name is None:
+            return None, (
+                "the chat template renders tools but names no known call syntax: start with "
+                "--tool-call-parser"
+            )
+        get_parser(name)  # ValueError for an unknown name
+        return ToolSupport(name), f"the model's chat template, parser {name}"
+    if "<|im_start|>" in template and parser_flag in (None, "hermes"):
+        packaged = CHATML_TOOLS_TEMPLATE.read_text()
+        return ToolSupport("hermes", packaged), "the packaged ChatML tool template, parser hermes"
+    return None, "the chat template does not render tools"
+
+
+def renders_tools(hf_tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template puts tools into the prompt."""
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        plain = hf_tokenizer.apply_chat_template(messages, tokenize=False)
+        with_tool = hf_tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False)
+    except Exception:  # no template, or one that fails on tools
+        return False
+    return plain != with_tool
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """One request's tools: what the template gets, the parser for the output (None: leave the
+    output as text) and the grammar that forces a call (None: the model chooses)."""
+
+    tools: list[dict[str, Any]] | None
+    template: str | None
+    parser: ToolParser | None
+    constraint: Constraint | None
+
+
+NO_TOOLS = ToolPlan(None, None, None, None)
+
+
+def plan_tools(req: ChatCompletionRequest, support: ToolSupport | None) -> ToolPlan:
+    """The request's ToolPlan; a 400 when it asks for tools this server cannot do."""
+    if not req.tools:
+        return NO_TOOLS
+    if support is None:
+        raise bad_request("tools are not supported by this model's chat template", "tools")
+    choice = req.tool_choice or "auto"
+    if choice == "none":
+        return NO_TOOLS
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    parser = get_parser(support.parser)
+    constraint = None
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        parallel = req.parallel_tool_calls is not False and forced is None
+        grammar = tool_call_grammar(support.parser, tools, forced, parallel)
+        constraint = Constraint(ConstraintKind.GRAMMAR, grammar)
+    return ToolPlan(tools, support.template, parser, constraint)

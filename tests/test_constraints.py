@@ -1,0 +1,54 @@
+"""The frontend's constraint checker on its own: the verdicts, the time limit and the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from frontend.constraints import ConstraintChecker
+from frontend.errors import OpenAIError
+from protocol.messages import Constraint, ConstraintKind
+from tests.structured_cases import SCHEMAS
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_model_dir: Path) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+def schema(name: str) -> Constraint:
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS[name]))
+
+
+def test_a_compile_over_the_time_limit_is_a_400_and_a_good_one_passes(hf_tokenizer: object) -> None:
+    async def main() -> None:
+        slow = ConstraintChecker(hf_tokenizer, 49152, timeout_s=1e-6)  # no compile is this fast
+        with pytest.raises(OpenAIError) as info:
+            await slow.check(schema("defs and ref"), "response_format")
+        assert info.value.status == 400 and info.value.info.param == "response_format"
+        assert "did not compile within" in info.value.info.message
+        checker = ConstraintChecker(hf_tokenizer, 49152, timeout_s=30)
+        await checker.check(schema("defs and ref"), "response_format")
+
+    asyncio.run(main())
+
+
+def test_verdicts_are_cached_and_one_compile_serves_a_burst(hf_tokenizer: object) -> None:
+    async def main() -> None:
+        checker = ConstraintChecker(hf_tokenizer, 49152, timeout_s=30)
+        constraint = schema("nested objects")
+        await asyncio.gather(*(checker.check(constraint, "p") for _ in range(8)))
+        await checker.check(constraint, "p")
+        assert checker.num_compiles == 1 and checker.num_cached == 1
+        bad = Constraint(ConstraintKind.REGEX, "a(b")
+        for _ in range(2):
+            with pytest.raises(OpenAIError, match="unclosed group"):
+                await checker.check(bad, "guided_regex")
+        assert checker.num_compiles == 2 and checker.num_cached == 2
+
+    asyncio.run(main())
