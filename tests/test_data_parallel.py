@@ -275,6 +275,28 @@ def test_a_killed_engine_core_is_restarted_and_every_api_process_takes_it_back(
         wait_address_idle(address, IDLE_TIMEOUT_S)
 
 
+def test_constraints_are_honoured_on_every_engine(dp_server: Deployment) -> None:
+    """Structured outputs under data parallelism: each engine core compiles the constraint of
+    the requests routed to it; eight at once spread over both, all valid."""
+    import json
+
+    body = {"prompt": "Pick:", "max_tokens": 16, "temperature": 1.0, "n": 2,
+            "guided_choice": ["alpha", "beta", "gamma"]}  # fmt: skip
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=dp_server.server.base_url, timeout=120) as http:
+            return await asyncio.gather(
+                *(http.post("/v1/completions", json=body | {"seed": i}) for i in range(8))
+            )
+
+    for r in asyncio.run(send_all()):
+        assert r.status_code == 200, r.text
+        assert all(c["text"] in body["guided_choice"] for c in r.json()["choices"]), r.text
+    bad = httpx.post(f"{dp_server.server.base_url}/v1/completions",
+                     json=body | {"guided_choice": []}, timeout=60)  # fmt: skip
+    assert bad.status_code == 400 and json.loads(bad.text)["error"]["param"] == "guided_choice"
+
+
 def test_an_engine_core_is_one_of_the_data_parallel_engines() -> None:
     """--data-parallel-size belongs to `tandem serve`; an engine core refuses it, before loading."""
     from engine_core.config import EngineConfig

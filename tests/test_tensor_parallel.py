@@ -248,3 +248,31 @@ def test_an_engine_whose_worker_dies_exits_instead_of_hanging(tmp_path: Path) ->
             proc.kill()
             proc.wait()
         remove_ipc_files(address)
+
+
+def test_tp2_honours_constraints_like_tp1(tiny_model_dir: Path) -> None:
+    """A JSON-schema constraint under TP=2 (sampling on rank 0) gives TP=1's tokens, and every
+    output validates."""
+    import json
+
+    import jsonschema
+
+    from protocol.messages import Constraint, ConstraintKind
+    from tests.structured_cases import SCHEMAS
+
+    schema = SCHEMAS["flat object"]
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+    params = [
+        SamplingParams(max_tokens=48, temperature=1.0, seed=s, constraint=constraint)
+        for s in range(3)
+    ]
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(tiny_model_dir), tensor_parallel_size=tp, max_num_seqs=8, **ENGINE_ARGS)
+        try:
+            runs.append(llm.generate([[1, 2, 3]] * 3, params))
+        finally:
+            llm.engine.shutdown()
+    assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
+    for out in runs[1]:
+        jsonschema.validate(json.loads(out.text), schema)
