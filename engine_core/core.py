@@ -69,7 +69,7 @@ class EngineCore:
         """Queue a request; ValueError (with a message fit for the client) if it cannot run."""
         vocab = self.model_config.vocab_size
         params = request.params
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+        if any(not 0 <= t < vocab for t in request.token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
@@ -79,7 +79,9 @@ class EngineCore:
         if request.uses_penalties:
             self._penalised.add(request.request_id)
         if params.constraint is not None:
-            request.grammar = self.grammar_compiler().start(params.constraint)
+            # A resumed request's matcher first takes the output it already has.
+            prefix = request.output_token_ids
+            request.grammar = self.grammar_compiler().start(params.constraint, prefix)
             self._compiling.append(request)
 
     def grammar_compiler(self) -> GrammarCompiler:

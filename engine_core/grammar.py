@@ -147,17 +147,23 @@ class GrammarCompiler:
         self.max_cached = max_cached
         self.num_compiled = 0  # constraints validated (cache misses)
 
-    def start(self, constraint: Constraint) -> RequestGrammar:
-        """The grammar of one request, compiling on a worker."""
-        return RequestGrammar(self._pool.submit(self._compile, constraint))
+    def start(self, constraint: Constraint, prefix: list[int] | None = None) -> RequestGrammar:
+        """The grammar of one request, compiling on a worker; ``prefix``: output it already has
+        (a resumed request), which the matcher takes before anything is sampled."""
+        return RequestGrammar(self._pool.submit(self._compile, constraint, prefix or []))
 
     def check(self, constraint: Constraint) -> None:
         """Validate now, on this thread: ValueError naming what is wrong (the offline API checks
         every prompt's constraint before it runs any)."""
         self._grammar(constraint)
 
-    def _compile(self, constraint: Constraint) -> Any:
-        return new_matcher(self._grammar(constraint), self._tokenizer.result())
+    def _compile(self, constraint: Constraint, prefix: list[int]) -> Any:
+        matcher = new_matcher(self._grammar(constraint), self._tokenizer.result())
+        if prefix and not matcher.consume_tokens(prefix):
+            raise ValueError(
+                f"the output so far does not match the constraint: {matcher.get_error()}"
+            )
+        return matcher
 
     def _grammar(self, constraint: Constraint) -> str:
         with self._lock:

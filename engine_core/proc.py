@@ -259,9 +259,10 @@ class EngineProc:
             self.core.abort(mine)
 
     def _add(self, client: bytes, msg: AddRequest) -> None:
-        request = Request(
+        request = Request.resumed(
             scoped_id(client, msg.request_id),
             msg.prompt_token_ids,
+            msg.num_output_tokens,
             msg.params,
             client_id=client,
             client_request_id=msg.request_id,

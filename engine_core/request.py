@@ -10,7 +10,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
 
@@ -62,6 +62,22 @@ class Request:
             and not self.params.logit_bias
             and self.params.constraint is None
         )
+
+    @classmethod
+    def resumed(
+        cls,
+        request_id: str,
+        token_ids: list[int],
+        num_output_tokens: int,
+        params: SamplingParams,
+        **fields: Any,
+    ) -> Request:
+        """A request whose last ``num_output_tokens`` tokens an earlier engine generated: they
+        count as its output (a preempted request is in the same state, and recomputes them)."""
+        split = len(token_ids) - num_output_tokens
+        request = cls(request_id, token_ids[:split], params, **fields)
+        request.token_ids.extend(token_ids[split:])
+        return request
 
     @property
     def num_tokens(self) -> int:

@@ -83,6 +83,11 @@ class Scheduler:
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "
                 f"leaves no room to generate within max_model_len={self.max_model_len}"
             )
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: its {request.num_tokens} tokens leave no room "
+                f"to generate within max_model_len={self.max_model_len}"
+            )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING

@@ -45,7 +45,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     """Check, render and tokenize; nothing reaches the engine until the Generation runs."""
     arrival = time.monotonic()
     ctx.check_model(req.model)
-    ctx.check_engine()
+    await ctx.wait_for_engine()
     for name in req.unsupported:
         raise bad_request(UNSUPPORTED[name], name, "unsupported_parameter")
     check_stop_token_ids(ctx, req)

@@ -28,7 +28,7 @@ async def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Gen
     """Check and tokenize; nothing reaches the engine until the Generation runs."""
     arrival = time.monotonic()
     ctx.check_model(req.model)
-    ctx.check_engine()
+    await ctx.wait_for_engine()
     check_stop_token_ids(ctx, req)
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be at least 1, or 0 with echo", "max_tokens")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -32,6 +33,8 @@ from protocol.client import (
     RequestGroup,
 )
 from protocol.messages import Ready, Stats
+
+WAIT_POLL_S = 0.05
 
 
 class EngineGauges:
@@ -117,6 +120,15 @@ class EnginePool:
     @property
     def num_requests(self) -> int:
         return sum(e.num_requests for e in self.engines)
+
+    async def wait_until_serving(self, timeout: float) -> None:
+        """Return once some engine core takes requests (at once while one does: with data
+        parallelism the others serve on); EngineDeadError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self.dead_reason is not None:
+            if time.monotonic() >= deadline:
+                raise EngineDeadError(f"{self.dead_reason}; no engine back within {timeout:.0f} s")
+            await asyncio.sleep(WAIT_POLL_S)
 
     # ---- routing ------------------------------------------------------------------------------
 

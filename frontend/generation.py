@@ -99,6 +99,12 @@ class Generation:
             EngineRequest(f"{request_id}-{c.index}", c.prompt_ids, params[c.index % n])
             for c in self.choices
         ]
+        # The open engine group's members, by their index in it: all choices at first; after
+        # an engine's death, the unfinished ones, resumed (``_resume``).
+        self.members = [c.index for c in self.choices]
+        self.resumes = 0
+        self.resume_wait_left = ctx.resume_timeout_s  # seconds it may still wait for an engine
+        self.resume_started: float | None = None  # when the last resume began, until output
 
     @classmethod
     def for_request(
@@ -123,32 +129,83 @@ class Generation:
         return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep)
 
     async def run(self) -> AsyncIterator[list[ChoiceDelta]]:
-        """Yield the deltas of each flush until every choice has finished."""
-        self.ctx.check_engine()
+        """Yield the deltas of each flush until every choice has finished. When the engine dies
+        the unfinished choices are resumed (``--max-request-resumes``): the stream goes on."""
+        await self.ctx.wait_for_engine()
         cut = "abort"  # how choices that never finished count: the client left, unless...
         try:
-            async with self.ctx.engine.open(self.requests) as group:
-                pending = len(self.choices)
-                while pending:
-                    deltas = self._apply_batch(group, await group.next_batch())
-                    if deltas:
-                        pending -= sum(d.finish_reason is not None for d in deltas)
+            while True:
+                try:
+                    async for deltas in self._follow([self.requests[i] for i in self.members]):
                         yield deltas
+                    return
+                except EngineDeadError:
+                    if self.resumes >= self.ctx.max_resumes:
+                        raise
+                    await self._resume()
         except (OpenAIError, EngineDeadError) as exc:
             cut = "error"  # ...the engine failed them
-            raise as_openai_error(exc) from None
+            raise as_openai_error(self._resumes_spent(exc)) from None
         finally:
             self._record_unfinished(cut)
+
+    async def _follow(self, requests: list[EngineRequest]) -> AsyncIterator[list[ChoiceDelta]]:
+        """Send ``requests`` (the members' engine requests) and flush their outputs."""
+        async with self.ctx.engine.open(requests) as group:
+            while any(self.choices[i].finish_reason is None for i in self.members):
+                items = await group.next_batch()
+                if self.resume_started is not None:
+                    self.ctx.metrics.record_resume_latency(time.monotonic() - self.resume_started)
+                    self.resume_started = None
+                dead = next((i for _, i in items if isinstance(i, EngineDeadError)), None)
+                deltas = self._apply_batch(group, items)
+                if deltas:
+                    yield deltas  # what came before the engine died, flushed first
+                if dead is not None:
+                    raise dead  # run() resumes the request if it may
+
+    async def _resume(self) -> None:
+        """The engine died: once one serves again, send every unfinished choice again with the
+        tokens it has as output (a seeded choice then draws what it would have drawn). All the
+        waits of one request together last at most --resume-timeout."""
+        self.resume_started = started = time.monotonic()
+        await self.ctx.engine.wait_until_serving(self.resume_wait_left)
+        self.resume_wait_left -= time.monotonic() - started
+        self.resumes += 1
+        self.members = [
+            c.index for c in self.choices if c.finish_reason is None and c.ended is None
+        ]
+        for i in self.members:
+            choice = self.choices[i]
+            request = self.requests[i]
+            rid = f"{self.id}-{i}-r{self.resumes}"  # a new id: the old one may linger somewhere
+            resumed = request.resumed(rid, choice.token_ids[request.num_output_tokens :])
+            if choice.prompt_logprobs is not None:  # they came already: do not ask again
+                params = replace(resumed.params, prompt_logprobs=None)
+                resumed = replace(resumed, params=params)
+            self.requests[i] = resumed
+        self.ctx.metrics.record_resumed(len(self.members))
+
+    def _resumes_spent(self, exc: Exception) -> Exception:
+        """The error a request fails with once it cannot be resumed (any more)."""
+        if isinstance(exc, EngineDeadError) and self.ctx.max_resumes:
+            return EngineDeadError(
+                f"{exc} (resumed {self.resumes} of at most {self.ctx.max_resumes} times)"
+            )
+        return exc
 
     def _apply_batch(
         self, group: RequestGroup, items: list[tuple[int, RequestItem]]
     ) -> list[ChoiceDelta]:
         """Take in every queued output, then flush each choice they touched that is due."""
         touched: dict[int, Choice] = {}
-        for index, item in items:
+        for slot, item in items:
+            index = self.members[slot]
             choice = self.choices[index]
             if choice.finish_reason is not None:
                 continue  # outputs that raced the abort after a stop string
+            if isinstance(item, EngineDeadError):
+                continue  # _follow raises it once the rest of the batch is flushed
             if isinstance(item, Exception):
                 raise as_openai_error(item)
             self._receive(group, choice, item)
@@ -171,7 +228,7 @@ class Generation:
         choice.token_ids += new
         choice.logprobs += (out.logprobs or []) if self.keep_output else []
         if out.finish_reason is not None:
-            group.finished(choice.index)
+            group.finished(self.members.index(choice.index))
             if out.finish_reason == FinishReason.ERROR:
                 raise OpenAIError(500, "the engine failed this request", "internal_error")
             choice.ended = out.finish_reason if self.keep_output else FinishReason.LENGTH
@@ -196,7 +253,7 @@ class Generation:
             return
         choice.unsent_text += choice.text.push(pending)
         if choice.text.stopped:
-            group.stop(choice.index)
+            group.stop(self.members.index(choice.index))
             self._finish(choice, "stop")
 
     def _due(self, choice: Choice) -> bool:

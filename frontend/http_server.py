@@ -117,6 +117,8 @@ def build_state(
         stream_interval=args.stream_interval,
         constraints=ConstraintChecker(hf_tokenizer, ready.vocab_size, args.grammar_timeout),
         tool_support=support,
+        max_resumes=resumes_allowed(args, specs),
+        resume_timeout_s=args.resume_timeout,
     )
 
     return ServerState(
@@ -137,6 +139,15 @@ def engine_info(specs: list[EngineSpec], model: str, role: ApiRole) -> dict[str,
     if not role.alone:
         info.update(api_server=role.index, api_server_pid=os.getpid())
     return info
+
+
+def resumes_allowed(args: argparse.Namespace, specs: list[EngineSpec]) -> int:
+    """--max-request-resumes, unless no engine can come back: engines we run, not restarted
+    (--no-restart-engine), and only one of them (with several, the others take the requests)."""
+    ours = [s for s in specs if s.process is not None or s.pid_file is not None]
+    if not args.restart_engine and len(ours) == len(specs) == 1:
+        return 0
+    return max(args.max_request_resumes, 0)
 
 
 def share_of(total: int, index: int, count: int) -> int:

@@ -82,6 +82,15 @@ class Metrics:
             "HTTP requests refused before reaching the engine, by reason (overloaded).",
             "reason",
         )
+        self.resumed = self._counter(
+            "tandem_requests_resumed",
+            "Engine requests sent again, with what they had generated, after their engine died.",
+        )
+        self.resume_latency = self._histogram(
+            "tandem_request_resume_seconds",
+            "A resume's extra latency: from the engine's death seen to the next output.",
+            _LATENCY_BUCKETS,
+        )
 
     def _define_engine_gauges(self) -> None:
         self.running = self._gauge("tandem_num_requests_running", "Requests running in the engine.")
@@ -159,6 +168,12 @@ class Metrics:
             (self.in_flight, in_flight),
         ):
             gauge.labels(**self._label).set_function(fn)
+
+    def record_resumed(self, count: int) -> None:
+        self.resumed.labels(**self._label).inc(count)
+
+    def record_resume_latency(self, seconds: float) -> None:
+        self.resume_latency.labels(**self._label).observe(seconds)
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.labels(reason=reason, **self._label).inc()

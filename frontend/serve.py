@@ -126,6 +126,18 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for an engine's handshake (default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
+        "--max-request-resumes", type=int, default=3, metavar="N",
+        help="when an engine core dies, each request in flight is sent again (to the restarted "
+        "engine, or at once to another with --data-parallel-size) with what it had generated, "
+        "and goes on as if nothing happened, at most N times; 0 fails them with 503 "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--resume-timeout", type=float, default=120.0, metavar="SECONDS",
+        help="how long in all a request may wait for an engine to resume on before it fails "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
         "--engine-timeout", type=float, default=30.0,
         help="seconds of engine silence after which requests in flight fail with 503 "
         "(default: %(default)s)",

@@ -19,6 +19,7 @@ from frontend.errors import (
 from frontend.metrics import Metrics
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
+from protocol.client import EngineDeadError
 from protocol.messages import Constraint
 
 
@@ -34,6 +35,8 @@ class ServingContext:
     stream_interval: int = 1  # tokens per SSE chunk and choice (--stream-interval)
     constraints: ConstraintChecker | None = None  # structured outputs' compile check
     tool_support: ToolSupport | None = None  # None: requests with tools are refused
+    max_resumes: int = 0  # times a request in flight is resumed after an engine dies
+    resume_timeout_s: float = 120.0  # how long in all it may wait for an engine to resume on
 
     async def check_constraint(self, constraint: Constraint, param: str) -> None:
         if self.constraints is None:
@@ -59,10 +62,19 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def check_engine(self) -> None:
+    async def wait_for_engine(self) -> None:
+        """Go on once an engine core serves. While the only one restarts, a new request waits
+        for it as the resumed ones do (at most --resume-timeout s); with resumes off
+        (--max-request-resumes 0) it gets 503 at once, as the requests in flight do."""
         reason = self.engine.dead_reason
-        if reason is not None:
+        if reason is None:
+            return
+        if not self.max_resumes:
             raise engine_unavailable(reason)
+        try:
+            await self.engine.wait_until_serving(self.resume_timeout_s)
+        except EngineDeadError as exc:
+            raise engine_unavailable(str(exc)) from None
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in ids):

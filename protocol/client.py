@@ -33,6 +33,7 @@ request in flight with a 500 (a lost step would leave them waiting for ever).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -103,6 +104,15 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
+    num_output_tokens: int = 0  # a resume: the prompt's tail that was generated already
+
+    def resumed(self, request_id: str, generated: Sequence[int]) -> EngineRequest:
+        """This request again, for another engine, with ``generated`` (the tokens it produced
+        since this request was sent) appended to its prompt as output."""
+        prompt = [*self.prompt_token_ids, *generated]
+        return EngineRequest(
+            request_id, prompt, self.params, self.num_output_tokens + len(generated)
+        )
 
 
 RequestItem = RequestOutput | Exception  # what a request's consumer receives
@@ -168,9 +178,14 @@ class _Connection:
     @staticmethod
     def _add_frame(request: EngineRequest) -> bytes:
         """The ADD_REQUEST frame; invalid ids or params raise ProtocolError here."""
-        params = request.params
         # Any int sequence (tuple, numpy array) packs like a list, so no copy into one here.
-        return encode(AddRequest(request.request_id, request.prompt_token_ids, params))  # type: ignore[arg-type]
+        msg = AddRequest(
+            request.request_id,
+            request.prompt_token_ids,  # type: ignore[arg-type]
+            request.params,
+            request.num_output_tokens,
+        )
+        return encode(msg)
 
     def _decode(self, frame: bytes) -> EngineMessage | None:
         try:
@@ -446,12 +461,43 @@ class AsyncEngineClient(_Connection):
         return RequestGroup(self, requests)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        max_resumes: int = 0,
+        resume_timeout: float = 60.0,
     ) -> AsyncIterator[RequestOutput]:
         """Add one request and yield its outputs until it finishes; EngineRequestError or
         EngineDeadError if it fails. Leaving early aborts it: at once inside
-        ``contextlib.aclosing(...)``, else when asyncio finalizes the abandoned generator."""
-        async with self.open([EngineRequest(request_id, prompt_token_ids, params)]) as group:
+        ``contextlib.aclosing(...)``, else when asyncio finalizes the abandoned generator.
+
+        ``max_resumes``: when the engine dies mid-request, wait for it to serve again
+        (``resume_timeout`` s in all, over every resume) and send the request again with what it
+        generated so far, as output, up to this many times: the outputs go on as if nothing
+        happened (a seeded request draws what it would have drawn). Death is seen when the
+        process exits (``is_process_alive``) or after ``dead_after_s`` of silence."""
+        request = EngineRequest(request_id, prompt_token_ids, params)
+        wait_left = resume_timeout
+        for attempt in range(max_resumes + 1):
+            generated: list[int] = []
+            try:
+                # aclosing: when our caller leaves early, the request is aborted at once.
+                async with contextlib.aclosing(self._outputs(request)) as outputs:
+                    async for out in outputs:
+                        generated += out.new_token_ids
+                        yield out
+                return
+            except EngineDeadError:
+                if attempt == max_resumes:
+                    raise
+                started = time.monotonic()
+                await self.wait_until_serving(wait_left)
+                wait_left -= time.monotonic() - started
+                request = request.resumed(f"{request_id}~{attempt + 1}", generated)
+
+    async def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        async with self.open([request]) as group:
             while group.unfinished:
                 for _, item in await group.next_batch():
                     if is_last(item):
@@ -459,6 +505,14 @@ class AsyncEngineClient(_Connection):
                     if isinstance(item, Exception):
                         raise item
                     yield item
+
+    async def wait_until_serving(self, timeout: float) -> None:
+        """Return once the engine answers (again); EngineDeadError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self._dead_reason is not None:
+            if time.monotonic() >= deadline:
+                raise EngineDeadError(f"{self._dead_reason}; not back within {timeout:.0f} s")
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Tell the engine to drop these requests; never blocks (safe in cleanup paths)."""

@@ -15,7 +15,8 @@ Field layouts (after the type tag and the version):
 
     HELLO           client_name
     ADD_REQUEST     request_id, prompt_ids: i32 bytes, params: [16 fields, see _encode_params;
-                    constraint = nil | [kind, spec], logit_bias = [ids: i32 bytes, f64 bytes]]
+                    constraint = nil | [kind, spec], logit_bias = [ids: i32 bytes, f64 bytes]],
+                    num_output_tokens (the tail of prompt_ids already generated: a resume)
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
@@ -367,16 +368,26 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
     v.i32(ids, "prompt_token_ids", MAX_TOKEN_IDS, min_value=0)
     if not ids:
         raise ProtocolError("prompt_token_ids must not be empty", rid)
-    return [rid, ids, _encode_params(msg.params)]
+    _check_resumed(msg.num_output_tokens, len(ids) // 4, msg.params, v)
+    return [rid, ids, _encode_params(msg.params), msg.num_output_tokens]
+
+
+def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Validator) -> None:
+    """A resumed request keeps at least one prompt token and has output left to generate."""
+    v.int_(num_output, "num_output_tokens", 0, max(num_ids - 1, 0))
+    if num_output >= params.max_tokens:
+        raise v.fail(f"num_output_tokens ({num_output}) leaves nothing of max_tokens to generate")
 
 
 def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
-    v.list_(fields, "ADD_REQUEST fields", 3)
+    v.list_(fields, "ADD_REQUEST fields", 4)
     rid = v.rid(fields[0])
     ids = v.ids(fields[1], "prompt_token_ids")
     if not ids:
         raise v.fail("prompt_token_ids must not be empty")
-    return AddRequest(rid, ids, _decode_params(fields[2], v))
+    params = _decode_params(fields[2], v)
+    _check_resumed(fields[3], len(ids), params, v)
+    return AddRequest(rid, ids, params, fields[3])
 
 
 def _encode_params(p: SamplingParams) -> list[Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: AddRequest carries num_output_tokens (a resumed request)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -112,6 +112,10 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # A resumed request (its engine died): the last this-many of prompt_token_ids are tokens it
+    # had already generated. The engine counts them as output (max_tokens, min_tokens,
+    # penalties, the seeded draw at each position, the constraint's state), not as prompt.
+    num_output_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ pytestmark = pytest.mark.slow
 
 # 500 tokens take seconds even on the tiny model: the requests are surely running when killed.
 LONG = {"prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
-FAULT_ARGS = [*TINY_ARGS, "--num-kv-blocks", "128"]  # the last flag wins: room for 3 x 502
+# The last flag wins: room for 3 x 502 tokens. No resumes: these tests are about what the
+# client sees when requests do fail with their engine (test_resume.py covers resuming).
+FAULT_ARGS = [*TINY_ARGS, "--num-kv-blocks", "128", "--max-request-resumes", "0"]
 RESTART_TIMEOUT_S = 120.0
 ORPHAN_TIMEOUT_S = 15.0  # the engine polls its parent every second, then has 5 s to stop
 

@@ -75,6 +75,7 @@ EXAMPLES = [
         ),
     ),
     AddRequest("json", [1], SamplingParams(constraint=Constraint(ConstraintKind.JSON_OBJECT))),
+    AddRequest("resumed", [5, 6, 7, 8], SamplingParams(max_tokens=9), num_output_tokens=3),
     AddRequest(
         "choice", [1], SamplingParams(constraint=Constraint(ConstraintKind.CHOICE, '["a"]'))
     ),
@@ -320,6 +321,22 @@ def test_bad_request_fields_carry_the_request_id() -> None:
 
 def nested(depth: int) -> bytes:
     return b"\x91" * depth + b"\x00"
+
+
+BAD_RESUMES = [
+    add_frame(_5=-1),  # num_output_tokens
+    add_frame(_5=2),  # the whole prompt (of 2 ids) would be output
+    add_frame(_5=True),
+    add_frame(_3=struct.pack("<20i", *range(20)), _5=16),  # max_tokens (16) already reached
+    msgpack.packb(unpack(encode(AddRequest("r", [1, 2])))[:5]),  # no num_output_tokens
+]
+
+
+@pytest.mark.parametrize("frame", BAD_RESUMES)
+def test_bad_resume_is_an_error_for_that_request(frame: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_client_message(frame)
+    assert info.value.request_id == "r"
 
 
 BAD_CLIENT_FRAMES = [
