@@ -13,7 +13,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) or "gpt2"
+    architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -29,10 +29,48 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None = None  # Mistral; honoured by attention when set
+    # Per layer "sliding_attention" or "full_attention" (Gemma 3): only the sliding layers get
+    # sliding_window. None: every layer gets it (Mistral, Phi-3).
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 3's sliding layers rotate with their own base (and scaling); None: one rope for all.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0  # Phi-3 family: rotary on the first part of each head
+    norm_unit_offset: bool = False  # Gemma: RMSNorm weight w is applied as (1 + w)
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of experts (Mixtral, Qwen3-MoE; engine_core/models/moe.py). num_experts 0: every
+    # layer has a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's width (intermediate_size: the dense MLP's)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE)
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None: full attention)."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head rotary embedding rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (else dense)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer has a dense MLP of ``intermediate_size``."""
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -118,11 +118,11 @@ def join_tp_group(
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """ValueError unless ``config``'s heads, KV heads and MLP split evenly over ``size`` ranks."""
-    parts = {
-        "attention heads": config.num_heads,
-        "KV heads": config.num_kv_heads,
-        "MLP width (intermediate_size)": config.intermediate_size,
-    }
+    parts = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads}
+    if config.has_dense_mlp:
+        parts["MLP width (intermediate_size)"] = config.intermediate_size
+    if config.num_experts:  # every expert is split along its own width
+        parts["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
     uneven = [f"{name} ({value})" for name, value in parts.items() if value % size]
     if size < 1 or uneven:
         raise ValueError(

@@ -50,10 +50,39 @@ def _llama(
     }
 
 
+def _qwen3_moe() -> dict[str, Any]:
+    """Qwen3-30B-A3B: 48 layers of 128 experts (top 8, width 768), q/k norms, head dim 128."""
+    return _llama(2048, 48, 32, 4, 6144, tied=False, theta=1000000.0) | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def _mixtral() -> dict[str, Any]:
+    """Mixtral-8x7B: 32 layers of 8 experts (top 2, width 14336), no sliding window."""
+    return _llama(4096, 32, 32, 8, 14336, tied=False, theta=1000000.0) | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    }
+
+
 _HF_CONFIGS: dict[str, dict[str, Any]] = {
     "smollm2-135m": _llama(576, 30, 9, 3, 1536, tied=True, theta=100000.0),
     "llama-1b": _llama(2048, 16, 32, 8, 8192, tied=True, theta=500000.0),
     "llama-8b": _llama(4096, 32, 32, 8, 14336, tied=False, theta=500000.0),
+    "qwen3-30b-a3b": _qwen3_moe(),
+    "mixtral-8x7b": _mixtral(),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -24,8 +24,10 @@ from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
+    Qwen3MoeConfig,
 )
 
 from engine_core.llm import LLM
@@ -49,6 +51,17 @@ SIZES = tiny_hf_sizes(VOCAB)
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=False),
     "qwen2_tied": lambda: Qwen2Config(**SIZES, tie_word_embeddings=True),
+    # Mixture of experts: every expert's width split over the ranks, the router replicated; the
+    # Qwen3-MoE has a dense layer (mlp_only_layers) between two sparse ones.
+    "mixtral": lambda: MixtralConfig(**SIZES, num_local_experts=6, num_experts_per_tok=2),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **(SIZES | {"num_hidden_layers": 3}),
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
     "gpt2": lambda: GPT2Config(
         vocab_size=VOCAB,
         n_positions=128,

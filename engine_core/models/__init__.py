@@ -10,30 +10,48 @@ Every model has the interface the model runner uses::
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from torch import nn
 
 from engine_core.config import ModelConfig
+from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
+from engine_core.models.layers import ROPE_TYPES
 from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 
 LLAMA_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
-SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, "GPT2LMHeadModel")
+SUPPORTED_ARCHITECTURES = (
+    *LLAMA_ARCHITECTURES,
+    *MOE_ARCHITECTURES,
+    "Gemma3ForCausalLM",
+    "GPT2LMHeadModel",
+)
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-_MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
-_ROPE_TYPES = ("default", "linear", "llama3")
+_MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
 
 
 def build_model(config: ModelConfig) -> nn.Module:
@@ -56,6 +74,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     architecture = hf_architecture(hf)
     if architecture == "GPT2LMHeadModel":
         return gpt2_config(hf)
+    if architecture == "Gemma3ForCausalLM":
+        return gemma3_config(hf)
+    if architecture in MOE_ARCHITECTURES:  # Llama-family attention, MoE MLPs (models/moe.py)
+        return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     return llama_config(hf, architecture)
 
 
@@ -92,6 +114,7 @@ def llama_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
+        partial_rotary_factor=partial_rotary_factor(hf, architecture),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
         qk_norm=architecture == "Qwen3ForCausalLM",
@@ -103,21 +126,68 @@ def llama_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
     )
 
 
-def rope_config(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None for plain rope) from either config layout."""
-    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+def rope_config(
+    hf: dict[str, Any], params: dict[str, Any] | None = None, default_theta: float = 10000.0
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None for plain rope) from either config layout; ``params``
+    overrides where the rope parameters live (Gemma 3 keeps one set per layer type)."""
+    if params is None:
+        params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    params = dict(params)
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in _ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_type {rope_type!r}; supported: {', '.join(_ROPE_TYPES)}"
+    if rope_type in ("su", "yarn") and hf.get("model_type") == "phi3":
+        rope_type = "longrope"  # Phi-3's names for it before transformers settled on longrope
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "longrope":
+        return theta, longrope_scaling(hf, params)
+    return theta, {**params, "rope_type": rope_type}
+
+
+def longrope_scaling(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's parameters with the factor set and the cos/sin factor resolved.
+
+    The long factors serve a model whose max_position_embeddings exceeds its original length
+    (Phi-3 128k), the short ones the others: one set for every token (see RotaryEmbedding). The
+    attention factor is HF's: sqrt(1 + ln(factor) / ln(original)), 1 when factor <= 1, where
+    factor defaults to max_position_embeddings / original_max_position_embeddings.
+    """
+    original = params.get("original_max_position_embeddings")
+    original = original or hf.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("longrope rope scaling needs original_max_position_embeddings")
+    max_len = hf.get("max_position_embeddings", original)
+    factor = params.get("factor") or max_len / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         )
-    return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
+    return {
+        "rope_type": "longrope",
+        "short_factor": list(params["short_factor"]),
+        "long_factor": list(params["long_factor"]),
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention_factor),
+        "use_long_factor": max_len > original,
+    }
+
+
+def partial_rotary_factor(hf: dict[str, Any], architecture: str) -> float:
+    """Phi-3's share of each head that rotary rotates (top level, or in rope_parameters)."""
+    params = hf.get("rope_parameters") or {}
+    factor = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
+    if factor != 1.0 and architecture != "Phi3ForCausalLM":
+        raise ValueError(f"{architecture}: partial_rotary_factor {factor} is not supported")
+    return factor
 
 
 def sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
     """Mistral windows every layer; Qwen only when use_sliding_window, and only for some layers."""
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return hf.get("sliding_window")
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return None
@@ -133,6 +203,89 @@ def sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
     if set(kinds) == {"sliding_attention"}:
         return hf["sliding_window"]
     raise ValueError(f"{architecture}: a sliding window on only some layers is not supported")
+
+
+def gemma3_config(hf: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's text model, with HF's Gemma3TextConfig defaults for absent fields."""
+    check_gemma3_supported(hf)
+    heads, num_layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    (rope_theta, rope_scaling), (local_theta, local_scaling) = gemma3_ropes(hf)
+    return ModelConfig(
+        architecture="gemma3",
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or 256,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 131072),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        attention_bias=bool(hf.get("attention_bias")),
+        qk_norm=True,
+        sliding_window=hf.get("sliding_window", 4096),
+        layer_types=gemma3_layer_types(hf),
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+        norm_unit_offset=True,
+        embedding_scale=hf["hidden_size"] ** 0.5,
+        attention_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+        hidden_act="gelu_pytorch_tanh",
+        eos_token_ids=token_ids(hf.get("eos_token_id", 1)),
+        bos_token_id=hf.get("bos_token_id", 2),
+        hf_config=hf,
+    )
+
+
+def check_gemma3_supported(hf: dict[str, Any]) -> None:
+    """Refuse the Gemma 3 options that would change the output and that we do not implement."""
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma3ForCausalLM: unsupported hidden_activation {act!r}")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError("Gemma3ForCausalLM: attn_logit_softcapping is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("Gemma3ForCausalLM: use_bidirectional_attention is not supported")
+
+
+def gemma3_layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
+    """``layer_types``, or from the older ``sliding_window_pattern``: every pattern-th layer is
+    global, the others slide (HF's default pattern is 6)."""
+    num_layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        pattern = hf.get("sliding_window_pattern", 6)
+        kinds = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if len(kinds) != num_layers or unknown:
+        raise ValueError(f"Gemma3ForCausalLM: unsupported layer_types {kinds!r}")
+    return tuple(kinds)
+
+
+def gemma3_ropes(
+    hf: dict[str, Any],
+) -> tuple[tuple[float, dict[str, Any] | None], tuple[float, dict[str, Any] | None]]:
+    """((theta, scaling) of the global layers, (theta, scaling) of the sliding layers).
+
+    transformers 5 keeps ``rope_parameters`` per layer type; transformers 4 has ``rope_theta``
+    and ``rope_scaling`` for the global layers and ``rope_local_base_freq`` for the sliding ones.
+    """
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:
+        full, local = {**(hf.get("rope_scaling") or {}), **params}, {}
+    global_rope = rope_config(hf, full, default_theta=1_000_000.0)
+    local_theta = hf.get("rope_local_base_freq", 10_000.0)
+    local_rope = rope_config(hf, {"rope_theta": local_theta, **local})
+    return global_rope, local_rope
 
 
 def gpt2_config(hf: dict[str, Any]) -> ModelConfig:

@@ -48,10 +48,13 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm scaled by ``weight``, or with ``unit_offset`` (Gemma) by ``1 + weight``: Gemma
+    checkpoints store the scale minus one."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -60,12 +63,16 @@ class RMSNorm(nn.Module):
         ``x + residual`` instead and return (normed, x + residual): the block's residual add
         rides in the next norm, one launch on CUDA."""
         if use_triton(x):
+            # The kernel rounds the normalized x to x's dtype before scaling, as Llama does;
+            # Gemma scales first. Identical in float32, within one rounding in bf16.
+            weight = self.weight + 1.0 if self.unit_offset else self.weight
             rows, res = as_rows(x), residual_rows(residual)
-            return as_shape(triton_ops().rms_norm(rows, self.weight, self.eps, res), x.shape)
+            return as_shape(triton_ops().rms_norm(rows, weight, self.eps, res), x.shape)
+        norm = gemma_rms_norm_torch if self.unit_offset else rms_norm_torch
         if residual is None:
-            return rms_norm_torch(x, self.weight, self.eps)
+            return norm(x, self.weight, self.eps)
         x = x + residual
-        return rms_norm_torch(x, self.weight, self.eps), x
+        return norm(x, self.weight, self.eps), x
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,6 +81,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def gemma_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Gemma RMSNorm: normalize and scale by (1 + weight) in float32, then round."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
 def residual_rows(residual: torch.Tensor | None) -> torch.Tensor | None:
@@ -108,16 +122,25 @@ class LayerNorm(nn.LayerNorm):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout), with the "linear" and "llama3" scalings.
+    """Rotary position embedding (rotate-half layout) over the first ``rotary_dim`` dims of each
+    head, with the "linear", "llama3" and "longrope" scalings.
 
-    cos/sin are computed from the positions on the fly: one [T, D] product per forward, shared by
-    all layers, no max-length table and nothing data-dependent (CUDA-graph friendly).
+    cos/sin are computed from the positions on the fly: one [T, rotary_dim] product per forward,
+    shared by all layers, no max-length table and nothing data-dependent (CUDA-graph friendly).
+
+    LongRoPE rotates with one factor set, chosen when the config is read (``use_long_factor``:
+    the long set when the model's context exceeds its original one), and multiplies cos/sin by
+    ``attention_factor``. HF switches sets as a sequence grows past the original length and
+    then recomputes the whole cache; one fixed set keeps every cached key valid (prefix cache,
+    chunks, preemption) and equals HF for prompts beyond the original length.
     """
 
-    def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None = None) -> None:
+    def __init__(self, rotary_dim: int, base: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.head_dim, self.base, self.scaling = head_dim, base, scaling
-        inv_freq = compute_inv_freq(head_dim, base, scaling)
+        self.head_dim, self.base, self.scaling = rotary_dim, base, scaling
+        is_longrope = rope_type_of(scaling) == "longrope"
+        self.attention_factor = float(scaling["attention_factor"]) if is_longrope else 1.0
+        inv_freq = compute_inv_freq(rotary_dim, base, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def reset_buffers(self) -> None:
@@ -128,10 +151,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, head_dim] in ``dtype``."""
+        """positions [T] -> (cos, sin), each [T, rotary_dim] in ``dtype``."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def reset_buffers(model: nn.Module) -> None:
@@ -141,18 +167,36 @@ def reset_buffers(model: nn.Module) -> None:
             module.reset_buffers()
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def rope_type_of(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
 def compute_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] in float32 for the supported rope types."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (base**exponents)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    rope_type = rope_type_of(scaling)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return scale_llama3(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    if rope_type == "longrope":
+        factors = scaling["long_factor" if scaling["use_long_factor"] else "short_factor"]
+        return scale_longrope(head_dim, base, factors)
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+
+
+def scale_longrope(dim: int, base: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE's per-frequency stretch, 1 / (factor_i * base^(2i / dim)), as HF computes it."""
+    if len(factors) != dim // 2:
+        raise ValueError(f"longrope factors have {len(factors)} entries, expected {dim // 2}")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
 
 
 def scale_llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -176,15 +220,21 @@ def rotate_qk(
 
     On CUDA q and k are rotated in place, both in one launch, and returned: the callers hand in
     views of their own qkv projection, which nothing else reads. Elsewhere ``apply_rotary``.
+    A cos/sin narrower than the head (partial rotary) rotates its leading dims only.
     """
     if use_triton(q):
-        triton_ops().rotary_inplace(q, k, cos, sin)
+        rot = cos.shape[-1]
+        triton_ops().rotary_inplace(q[..., :rot], k[..., :rot], cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D], cos/sin [T, D] -> x rotated, rotate-half layout (torch, out of place)."""
+    """x [T, heads, D], cos/sin [T, R] -> x with its first R dims rotated, rotate-half layout
+    (torch, out of place)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:  # partial rotary: the rest of each head passes through
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -197,6 +247,25 @@ class TPSharded:
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:
         """This rank's part of the full checkpoint ``tensor`` for parameter ``param_name``."""
+        raise NotImplementedError
+
+
+# Where a shard lives in its parameter: an index for ``param.data[...]`` (rows of a merged linear;
+# (expert, rows) of stacked experts).
+ShardIndex = slice | int | tuple[int, slice]
+
+
+class ShardedParameters:
+    """A module some of whose parameters checkpoints may provide in pieces ("shards"): q, k and v
+    apart for a merged qkv, or expert by expert for stacked experts. A whole tensor (shard None)
+    fills every shard of its parameter at once."""
+
+    def checkpoint_shards(self, param_name: str) -> range:
+        """The shards a checkpoint provides parameter ``param_name`` in (empty: only whole)."""
+        raise NotImplementedError
+
+    def shard_index(self, param_name: str, shard: int) -> ShardIndex:
+        """Where shard ``shard`` of parameter ``param_name`` lives in it."""
         raise NotImplementedError
 
 
@@ -217,7 +286,7 @@ def check_divisible(what: str, value: int, tp: TPGroup) -> int:
     return value // tp.size
 
 
-class MergedLinear(nn.Linear, TPSharded):
+class MergedLinear(nn.Linear, TPSharded, ShardedParameters):
     """Several linears sharing one input, stacked along the output dim: one GEMM instead of many.
 
     ``output_sizes`` gives each shard's rows in order (q, k, v or gate, up); checkpoints still
@@ -241,6 +310,12 @@ class MergedLinear(nn.Linear, TPSharded):
     def shard_slice(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
+
+    def checkpoint_shards(self, param_name: str) -> range:
+        return range(self.num_shards)
+
+    def shard_index(self, param_name: str, shard: int) -> ShardIndex:
+        return self.shard_slice(shard)
 
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
@@ -371,6 +446,20 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> gelu_tanh(gate) * up, [T, I]: Gemma's GeGLU (HF's
+    "gelu_pytorch_tanh"); torch on every device."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# hidden_act -> the gated activation of a merged gate/up projection's output.
+ACT_AND_MUL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+}
+
+
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh approximation of GELU (HF "gelu_new"); one launch on CUDA."""
     if use_triton(x):
@@ -403,6 +492,8 @@ def load_mapped_weights(
         tensor = narrow_for_rank(model, name, tensor, shard)
         copy_into(params[name], tensor, shard_rows(model, name, shard), hf_name)
         expected.discard((name, shard))
+        if shard is None:  # a whole tensor fills every shard of its parameter
+            expected.difference_update((name, i) for i in checkpoint_shards(model, name))
     if expected:
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected)
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
@@ -414,11 +505,21 @@ def expected_shards(model: nn.Module) -> set[tuple[str, int | None]]:
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
-            if isinstance(module, MergedLinear):
-                expected.update((name, i) for i in range(module.num_shards))
+            shards = checkpoint_shards(model, name)
+            if shards:
+                expected.update((name, i) for i in shards)
             else:
                 expected.add((name, None))
     return expected
+
+
+def checkpoint_shards(model: nn.Module, name: str) -> range:
+    """The shards a checkpoint may provide parameter ``name`` in (empty: only whole)."""
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, ShardedParameters):
+        return module.checkpoint_shards(param_name)
+    return range(0)
 
 
 def narrow_for_rank(
@@ -432,17 +533,20 @@ def narrow_for_rank(
     return tensor
 
 
-def shard_rows(model: nn.Module, name: str, shard: int | None) -> slice | None:
-    """The rows of parameter ``name`` that shard ``shard`` fills (None: the whole tensor)."""
+def shard_rows(model: nn.Module, name: str, shard: int | None) -> ShardIndex | None:
+    """Where in parameter ``name`` shard ``shard`` goes (None: the whole tensor)."""
     if shard is None:
         return None
-    module = model.get_submodule(name.rsplit(".", 1)[0])
-    if not isinstance(module, MergedLinear):
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if not isinstance(module, ShardedParameters):
         raise ValueError(f"{name} is not a merged parameter but got shard {shard}")
-    return module.shard_slice(shard)
+    return module.shard_index(param_name, shard)
 
 
-def copy_into(param: nn.Parameter, tensor: torch.Tensor, rows: slice | None, hf_name: str) -> None:
+def copy_into(
+    param: nn.Parameter, tensor: torch.Tensor, rows: ShardIndex | None, hf_name: str
+) -> None:
     target = param.data if rows is None else param.data[rows]
     if target.shape != tensor.shape:
         raise ValueError(

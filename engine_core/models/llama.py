@@ -1,9 +1,14 @@
-"""The Llama family over the paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3.
+"""The Llama family over the paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3;
+and the pieces Gemma 3 (models/gemma3.py) shares.
 
 One implementation, switched by ModelConfig flags: ``attention_bias`` (Qwen2's q/k/v bias),
-``qk_norm`` (Qwen3's per-head RMSNorm on q and k, before rotary), ``sliding_window`` (Mistral).
+``qk_norm`` (Qwen3's per-head RMSNorm on q and k, before rotary), ``sliding_window`` (Mistral,
+Phi-3; per layer through ``layer_types``), ``partial_rotary_factor`` and LongRoPE (Phi-3),
+``local_rope_theta`` (a second rope for the sliding layers), ``norm_unit_offset``,
+``embedding_scale``, ``attention_scale``, ``final_logit_softcapping`` and ``hidden_act`` (Gemma).
 q/k/v and gate/up are each one merged linear; ``load_weights`` maps HF's separate tensors into
-their rows. Parameter names otherwise follow HF, so the mapping stays a few renames.
+their rows (Phi-3's fused ones are split first). Parameter names otherwise follow HF, so the
+mapping stays a few renames.
 
 Under tensor parallelism (engine_core/parallel.py) each rank holds 1/N of the attention heads and
 KV heads (column-parallel qkv_proj, row-parallel o_proj), 1/N of the MLP (column-parallel
@@ -13,7 +18,7 @@ rotary are replicated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +26,7 @@ from torch import nn
 from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
 from engine_core.models.layers import (
+    ACT_AND_MUL,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -30,9 +36,9 @@ from engine_core.models.layers import (
     project_logits,
     rotate_qk,
     row_parallel_linear,
-    silu_and_mul,
     vocab_embedding,
 )
+from engine_core.models.moe import SparseMoE, map_moe_name
 from engine_core.parallel import SINGLE, TPGroup, get_tp_group
 
 # HF projection name -> (our merged projection, shard index).
@@ -43,10 +49,16 @@ _MERGED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# A checkpoint's fused projection (Phi-3) -> the HF names of the blocks its rows stack, in order.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, config.norm_eps, config.norm_unit_offset)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, layer: int = 0) -> None:
         super().__init__()
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
@@ -58,9 +70,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = row_parallel_linear(
             config.num_heads * head_dim, config.hidden_size, has_o_bias(config), tp
         )
-        self.q_norm = RMSNorm(head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.norm_eps) if config.qk_norm else None
-        self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, config.sliding_window)
+        self.q_norm = make_norm(config, head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, head_dim) if config.qk_norm else None
+        scale = config.attention_scale or head_dim**-0.5
+        window = config.layer_sliding_window(layer)
+        self.attn = Attention(heads, kv_heads, head_dim, scale, window)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden], cos/sin [T, D] -> [T, hidden]."""
@@ -86,18 +100,27 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], False, tp)
         self.down_proj = row_parallel_linear(size, config.hidden_size, False, tp)
+        self.act_and_mul = ACT_AND_MUL[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+def make_mlp(config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: a mixture of experts where the config has one (Mixtral, Qwen3-MoE;
+    engine_core/models/moe.py), else dense."""
+    if config.is_moe_layer(layer):
+        return SparseMoE(config, tp)
+    return LlamaMLP(config, tp)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.self_attn = LlamaAttention(config, tp, layer)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = make_mlp(config, tp, layer)
 
     def forward(
         self,
@@ -119,18 +142,48 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup = SINGLE,
+        layer_class: type[nn.Module] = LlamaDecoderLayer,
+    ) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.embedding_scale = config.embedding_scale
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
+        # Gemma 3: the sliding layers rotate with their own base; the global ones with rotary_emb.
+        self.local_rotary_emb = None
+        if config.local_rope_theta is not None:
+            self.local_rotary_emb = RotaryEmbedding(
+                config.rotary_dim, config.local_rope_theta, config.local_rope_scaling
+            )
+        self.uses_local_rope = [
+            self.local_rotary_emb is not None and kind == "sliding_attention"
+            for kind in config.layer_types or ["full_attention"] * config.num_layers
+        ]
+        self.layers = nn.ModuleList(layer_class(config, tp, i) for i in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]; Gemma scales by sqrt(hidden) rounded to the embedding's
+        dtype first, as HF does (in bf16 sqrt(3072) becomes 55.5)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_scale is None:
+            return hidden
+        return hidden * float(torch.tensor(self.embedding_scale, dtype=hidden.dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, D] each
+        hidden = self.embed(input_ids)  # [T, hidden]
+        rope = self.rotary_emb(positions, hidden.dtype)  # (cos, sin), [T, rotary_dim] each
+        local = (
+            rope
+            if self.local_rotary_emb is None
+            else self.local_rotary_emb(positions, hidden.dtype)
+        )
         residual = None
-        for layer in self.layers:
+        for layer, uses_local in zip(self.layers, self.uses_local_rope, strict=True):
+            cos, sin = local if uses_local else rope
             hidden, residual = layer(hidden, residual, cos, sin)
         if residual is None:  # no layers
             return self.norm(hidden)
@@ -140,11 +193,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family decoder; see the module docstring for the variants it covers."""
 
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # a family's own layer (Gemma 3)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.tp = get_tp_group()  # the tensor-parallel group this process builds for, read once
-        self.model = LlamaModel(config, self.tp)
+        self.model = LlamaModel(config, self.tp, self.decoder_layer)
         # Tied models read the embedding matrix directly rather than holding a second alias.
         self.lm_head = (
             None
@@ -159,23 +214,50 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return project_logits(hidden, weight, self.tp, self.config.vocab_size)
+        logits = project_logits(hidden, weight, self.tp, self.config.vocab_size)
+        cap = self.config.final_logit_softcapping
+        if logits is None or cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (q/k/v and gate/up separate) into the merged layout."""
-        load_mapped_weights(self, weights, self.map_name)
+        """Load HF-named tensors (q/k/v and gate/up separate or fused) into the merged layout."""
+        load_mapped_weights(self, split_fused(weights, self.config), self.map_name)
 
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None
         if hf_name.startswith("lm_head.") and self.lm_head is None:
             return None  # some tied checkpoints still store the alias
+        if self.config.num_experts and (target := map_moe_name(hf_name)) is not None:
+            return target
         module, _, param = hf_name.rpartition(".")
         parent, _, proj = module.rpartition(".")
         if proj in _MERGED:
             merged, shard = _MERGED[proj]
             return f"{parent}.{merged}.{param}", shard
         return hf_name, None
+
+
+def split_fused(
+    weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Phi-3 stores q/k/v and gate/up each as one tensor: split them by the full sizes into the
+    separate names, so each block is loaded (and, under tensor parallelism, sliced for this
+    rank) like a checkpoint that stores them apart."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [config.intermediate_size] * 2}
+    for name, tensor in weights:
+        module, _, param = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj not in _FUSED:
+            yield name, tensor
+            continue
+        rows = sum(sizes[proj])
+        if tensor.shape[0] != rows:
+            raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, not {rows}")
+        for block, part in zip(_FUSED[proj], tensor.split(sizes[proj]), strict=True):
+            yield f"{parent}.{block}.{param}", part

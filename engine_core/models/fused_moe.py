@@ -1,0 +1,232 @@
+"""Fused mixture-of-experts on CUDA: tokens grouped by expert, two grouped GEMMs.
+
+The torch path of an MoE layer (engine_core/models/moe.py) loops over experts on the host, which
+costs a launch or more per expert and a host sync; at decode, where a batch of 64 tokens with top 8
+of 128 experts touches most experts with a handful of rows each, that loop dominates the step.
+Here the whole layer is four launches whatever the routing, and every shape is static, so it runs
+inside CUDA graphs:
+
+1. ``align``: the (token, k) slots sorted by expert, each expert's run padded to a multiple of
+   BLOCK_M, so that a block of BLOCK_M sorted rows belongs to one expert (torch ops of fixed sizes:
+   the buffer is sized for the worst case, ``T*K + E*(BLOCK_M-1)`` rows; unused blocks say -1).
+2. ``_gate_up_kernel``: for each block of sorted rows and block of intermediate columns, the
+   tokens' rows times that expert's gate and up weights, SiLU(gate) * up written per slot.
+3. ``_down_kernel``: each slot's activation times its expert's down weights, scaled by the
+   slot's routing weight, written per slot.
+4. the combine: the K slots of each token summed (a torch sum, in a fixed order).
+
+Weights are stored as the MoE layer keeps them: ``w13 [E, 2*I, H]`` (gate rows, then up rows)
+and ``w2 [E, H, I]``. Accumulation is float32; the activation is rounded to the input dtype
+between the GEMMs, as the torch path does.
+
+Importing this module imports triton: only CUDA code paths and GPU tests may do so (or set
+``TRITON_INTERPRET=1`` first to run on CPU tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gate_up_kernel(
+    X,  # [T, H]
+    W13,  # [E, 2*I, H]
+    Act,  # [S, I] (S = T*K slots)
+    SortedSlots,  # [R] slot of each sorted row; S for padding
+    BlockExperts,  # [R // BLOCK_M] expert of each block of rows; -1 past the last one
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_as,
+    num_slots,
+    hidden,
+    inter,
+    TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block_m = tl.program_id(0)
+    block_n = tl.program_id(1)
+    expert = tl.load(BlockExperts + block_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(SortedSlots + rows)
+    row_ok = slots < num_slots
+    tokens = (slots // TOP_K).to(tl.int64)
+    cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tokens[:, None] * stride_xt + ks[None, :]
+    w_base = W13 + expert * stride_we + ks[:, None]
+    gate_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn
+    up_ptrs = w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = (ks + k0) < hidden
+        x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        gate_w = tl.load(gate_ptrs + k0, mask=w_mask, other=0.0)
+        up_w = tl.load(up_ptrs + k0, mask=w_mask, other=0.0)
+        gate = tl.dot(x, gate_w, gate, input_precision=PRECISION)
+        up = tl.dot(x, up_w, up, input_precision=PRECISION)
+    # Each GEMM's output is rounded to the activations' dtype, as the unfused path does.
+    gate = gate.to(Act.dtype.element_ty).to(tl.float32)
+    up = up.to(Act.dtype.element_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(Act.dtype.element_ty).to(tl.float32) * up
+    out_ptrs = Act + slots[:, None].to(tl.int64) * stride_as + cols[None, :]
+    tl.store(out_ptrs, act.to(Act.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    Act,  # [S, I]
+    W2,  # [E, H, I]
+    Out,  # [S, H]
+    SlotWeights,  # [S] float32
+    SortedSlots,
+    BlockExperts,
+    stride_as,
+    stride_we,
+    stride_wn,
+    stride_os,
+    num_slots,
+    hidden,
+    inter,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block_m = tl.program_id(0)
+    block_n = tl.program_id(1)
+    expert = tl.load(BlockExperts + block_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(SortedSlots + rows)
+    row_ok = slots < num_slots
+    cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = Act + slots[:, None].to(tl.int64) * stride_as + ks[None, :]
+    w_ptrs = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (ks + k0) < inter
+        a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    acc = acc.to(Out.dtype.element_ty).to(tl.float32)
+    weight = tl.load(SlotWeights + slots, mask=row_ok, other=0.0)
+    out_ptrs = Out + slots[:, None].to(tl.int64) * stride_os + cols[None, :]
+    out = (acc * weight[:, None]).to(Out.dtype.element_ty)
+    tl.store(out_ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_slots [R], block_experts [R // block_m]) for ``topk_ids`` [T, K].
+
+    Slot s = t*K + k. Rows of expert e occupy [start_e, start_e + count_e) of the sorted order,
+    with start_e a multiple of ``block_m``; padding rows hold S (no slot). Sizes depend only on
+    T, K, E and block_m, and nothing syncs with the host, so this is captured in CUDA graphs.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_slots = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    starts = padded_ends - padded  # where each expert's rows begin
+    count_starts = torch.cumsum(counts, 0) - counts  # ... in the unpadded sorted order
+    order = torch.sort(flat, stable=True).indices  # slots by expert, in slot order within one
+    sorted_experts = flat[order]
+    rank = torch.arange(num_slots, device=device) - count_starts[sorted_experts]
+    num_rows = num_slots + num_experts * (block_m - 1)
+    num_rows = (num_rows + block_m - 1) // block_m * block_m
+    sorted_slots = torch.full((num_rows,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots[starts[sorted_experts] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, num_rows, block_m, device=device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
+    return sorted_slots, block_experts.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes and launch settings of both kernels."""
+
+    m: int  # sorted rows per program (each expert's run is padded to a multiple)
+    n: int  # output columns per program
+    k: int  # reduction step
+    warps: int = 4
+    stages: int = 3
+
+
+def block_sizes(num_slots: int, num_experts: int, inter: int) -> Blocks:
+    """Small row blocks when each expert gets few rows (decode), large ones when many (prefill),
+    so padding wastes little either way. Chosen by scripts/device/moe_tune.py on an H200 at
+    qwen3-30b-a3b's shape (docs/benchmarks.md): the best or within 5% of it at 1, 64, 256 and
+    4,096 tokens, with uniform and with skewed routing."""
+    per_expert = num_slots / max(num_experts, 1)
+    if per_expert <= 8:
+        return Blocks(16, 64, 64)
+    if per_expert <= 64:
+        return Blocks(32, 64, 128)
+    return Blocks(128, 128, 64, warps=8)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2*I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int
+    blocks: Blocks | None = None,  # None: block_sizes' choice (a benchmark may sweep others)
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token: [T, H]."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_moe needs each weight row contiguous")
+    b = blocks or block_sizes(num_slots, num_experts, inter)
+    # float32 models (the tests' HF comparisons) need exact float32 products, not TF32's.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    sorted_slots, block_experts = align(topk_ids, num_experts, b.m)
+    num_blocks = block_experts.numel()
+    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
+        x, w13, act, sorted_slots, block_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        num_slots, hidden, inter,
+        TOP_K=top_k, PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
+        num_warps=b.warps, num_stages=b.stages,
+    )  # fmt: skip
+    out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
+        act, w2, out, weights, sorted_slots, block_experts,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        num_slots, hidden, inter,
+        PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
+        num_warps=b.warps, num_stages=b.stages,
+    )  # fmt: skip
+    # Summed in float32 in slot order: the same order the torch path adds the experts in.
+    return out.view(num_tokens, top_k, hidden).to(torch.float32).sum(1).to(x.dtype)

@@ -1,0 +1,241 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router sends each token to its top-k experts and
+the layer sums their SwiGLU outputs, weighted by the routing probabilities.
+
+The experts' weights are stacked: ``w13 [E, 2*I, H]`` (gate rows, then up rows, as llama's merged
+gate_up_proj) and ``w2 [E, H, I]``. Checkpoints hold them either expert by expert (the Hub's
+layout, which transformers' ``save_pretrained`` still writes) or already stacked (transformers 5's
+in-memory layout, ``save_pretrained(save_original_format=False)``); both load.
+
+Under tensor parallelism every rank holds 1/N of every expert's intermediate dimension (its rows
+of the gate and up halves of w13, its columns of w2): the same split as llama's column-parallel
+gate_up_proj and row-parallel down_proj, so each rank's output is a partial sum, all-reduced like
+a row-parallel linear's. The router is replicated, so every rank routes every token alike.
+
+The experts run through the fused Triton kernels of engine_core/models/fused_moe.py on CUDA (no
+host sync, so decode is captured in CUDA graphs) and through ``experts_reference`` elsewhere.
+
+A Llama-family decoder layer builds its MLP with ``make_mlp`` in engine_core/models/llama.py,
+which picks ``SparseMoE`` for the layers ``ModelConfig.is_moe_layer`` names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core.config import ModelConfig
+from engine_core.models.layers import (
+    ShardedParameters,
+    ShardIndex,
+    TPSharded,
+    check_divisible,
+    rank_rows,
+    silu_and_mul,
+    use_triton,
+)
+from engine_core.parallel import SINGLE, TPGroup
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+
+# Fields of other MoE families that would change the output, with the values that would not.
+# Present with any other value: refused, never silently ignored.
+_REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "shared_expert_intermediate_size": (None, 0),  # Qwen2-MoE's shared expert
+    "n_shared_experts": (None, 0),  # DeepSeek's shared experts
+    "num_shared_experts": (None, 0),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "scoring_func": (None, "softmax"),
+    "topk_method": (None, "greedy"),
+    "n_group": (None, 0, 1),
+    "topk_group": (None, 0, 1),
+    "moe_layer_freq": (None, 1),
+    "first_k_dense_replace": (None, 0),
+}
+
+# HF per-expert names: (layer prefix, expert, projection); Mixtral calls the block
+# block_sparse_moe and its projections w1 (gate), w3 (up), w2 (down).
+_PER_EXPERT = re.compile(
+    r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+# Stacked experts: (layer prefix, gate_up_proj [E, 2I, H] or down_proj [E, H, I]).
+_STACKED = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"^(.*)\.block_sparse_moe\.gate\.weight$")
+_GATE_UP_HALF = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
+
+
+class SparseMoE(nn.Module, TPSharded, ShardedParameters):
+    """Router (``gate``, replicated) and stacked experts (``w13``, ``w2``, this rank's slice of
+    every expert's intermediate dimension)."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        experts, hidden = config.num_experts, config.hidden_size
+        width = config.moe_intermediate_size
+        self.inter = check_divisible("expert width (moe_intermediate_size)", width, tp)
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.tp = tp
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, self.inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
+        out = run_experts(x, self.w13, self.w2, weights, ids)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def checkpoint_shards(self, param_name: str) -> range:
+        # w13: expert e's gate is shard 2e, its up 2e + 1; w2: expert e's down is shard e.
+        experts = self.w13.shape[0]
+        return range(2 * experts) if param_name == "w13" else range(experts)
+
+    def shard_index(self, param_name: str, shard: int) -> ShardIndex:
+        if param_name == "w2":
+            return shard
+        expert, half = divmod(shard, 2)
+        return expert, slice(half * self.inter, (half + 1) * self.inter)
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        if self.tp.size == 1:
+            return tensor
+        if param_name == "w2":  # [H, I] of one expert, or [E, H, I]
+            return rank_rows(tensor, self.tp, dim=tensor.dim() - 1)
+        if shard is not None:  # one expert's gate or up, [I, H]
+            return rank_rows(tensor, self.tp)
+        gate, up = tensor.chunk(2, dim=1)  # [E, I, H] each
+        return torch.cat([rank_rows(gate, self.tp, 1), rank_rows(up, self.tp, 1)], dim=1)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64): the top-k of
+    the softmax, renormalised to sum to one where the model does so (HF's numerics)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def run_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden]: the fused Triton
+    kernels on CUDA, the torch reference elsewhere."""
+    if use_triton(x):
+        from engine_core.models.fused_moe import fused_moe  # imports triton
+
+        return fused_moe(x, w13, w2, weights, ids)
+    return experts_reference(x, w13, w2, weights, ids)
+
+
+def experts_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """The experts in torch: (token, k) pairs grouped by expert, and for each expert with tokens
+    one gate_up and one down matmul over its tokens, scaled and added into the output.
+
+    One host sync (the per-expert counts), so this is no path for CUDA graphs; the sum is float32
+    and rounded to x's dtype once at the end.
+    """
+    top_k = ids.shape[1]
+    flat = ids.flatten()  # [T*K]
+    order = flat.argsort(stable=True)  # pairs by expert, in token order within one
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k  # [T*K] token of each sorted pair
+    pair_weights = weights.flatten()[order]  # [T*K]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, hidden]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = tokens[start : start + count]
+            y = expert_mlp(x.index_select(0, rows), w13[expert], w2[expert])  # [n, hidden]
+            out.index_add_(0, rows, y.float() * pair_weights[start : start + count, None])
+        start += count
+    return out.to(x.dtype)
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H]."""
+    return F.linear(silu_and_mul(F.linear(x, w13)), w2)
+
+
+def map_moe_name(hf_name: str) -> tuple[str, int | None] | None:
+    """An HF MoE checkpoint name -> (our parameter, shard), or None when it is no MoE name.
+
+    Our layer lives at ``<layer>.mlp`` with parameters ``gate.weight`` (router), ``w13``, ``w2``.
+    """
+    if match := _PER_EXPERT.match(hf_name):
+        prefix, expert, proj = match[1], int(match[2]), match[3]
+        if proj in ("w2", "down_proj"):
+            return f"{prefix}.mlp.w2", expert
+        return f"{prefix}.mlp.w13", 2 * expert + _GATE_UP_HALF[proj]
+    if match := _STACKED.match(hf_name):
+        return f"{match[1]}.mlp.{'w13' if match[2] == 'gate_up_proj' else 'w2'}", None
+    if match := _ROUTER.match(hf_name):
+        return f"{match[1]}.mlp.gate.weight", None
+    return None
+
+
+def moe_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The ModelConfig fields of an MoE config.json on top of its Llama-family ones (attention,
+    norms, rope). Raises ValueError for a field we do not implement."""
+    refuse_unsupported(hf, architecture)
+    # Hub configs of Qwen3-MoE say num_experts; transformers 5 writes num_local_experts.
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    top_k = hf.get("num_experts_per_tok")
+    if not isinstance(experts, int) or not isinstance(top_k, int) or not 0 < top_k <= experts:
+        raise ValueError(
+            f"{architecture}: num_experts_per_tok ({top_k}) must be between 1 and the number of "
+            f"experts ({experts})"
+        )
+    fields = {"num_experts": experts, "num_experts_per_tok": top_k}
+    if architecture == "MixtralForCausalLM":
+        # Mixtral always renormalises; its experts have the config's intermediate_size.
+        return fields | {
+            "moe_intermediate_size": hf["intermediate_size"],
+            "norm_topk_prob": True,
+            "sliding_window": hf.get("sliding_window"),
+        }
+    return fields | {
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "qk_norm": True,
+        # Qwen3-MoE windows every layer when use_sliding_window (transformers 5 does the same).
+        "sliding_window": hf.get("sliding_window") if hf.get("use_sliding_window") else None,
+        "dense_layers": qwen3_dense_layers(hf),
+    }
+
+
+def refuse_unsupported(hf: dict[str, Any], architecture: str) -> None:
+    for name, neutral in _REFUSED_FIELDS.items():
+        if hf.get(name) not in neutral:
+            raise ValueError(
+                f"{architecture}: config field {name}={hf[name]!r} is not supported "
+                "(only Mixtral and Qwen3-MoE routing: softmax top-k, no shared experts)"
+            )
+
+
+def qwen3_dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+    """Layers with a dense MLP: those in ``mlp_only_layers`` and, with ``decoder_sparse_step``
+    s, every layer i where (i + 1) is not a multiple of s (transformers' rule)."""
+    step = hf.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"Qwen3MoeForCausalLM: decoder_sparse_step must be >= 1, got {step!r}")
+    only_dense = set(hf.get("mlp_only_layers") or ())
+    layers = range(hf["num_hidden_layers"])
+    return tuple(i for i in layers if i in only_dense or (i + 1) % step)

@@ -1,0 +1,114 @@
+"""The fused-MoE Triton kernels (engine_core/models/fused_moe.py) against a dense computation:
+every token through each of its top-k experts, one at a time, weighted and summed.
+
+On a GPU: bf16 over token counts 1 to 4,096, 8 to 128 experts, top 1 to 8, widths that are and
+are not multiples of the blocks, and routing skewed onto a few experts. Without a GPU the module
+is skipped unless ``TRITON_INTERPRET=1``: then a few small float32 shapes run through Triton's
+CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.gpu
+if not (INTERPRET or torch.cuda.is_available()):
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from engine_core.models.fused_moe import align, fused_moe  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+DTYPE = torch.float32 if INTERPRET else torch.bfloat16
+
+# (tokens, experts, top_k, hidden, intermediate)
+if INTERPRET:
+    SHAPES = [(1, 4, 2, 32, 48), (7, 8, 2, 64, 32), (33, 6, 3, 48, 80)]
+else:
+    SHAPES = [
+        (1, 128, 8, 2048, 768),
+        (7, 8, 2, 4096, 1792),
+        (64, 128, 8, 2048, 768),
+        (256, 128, 8, 2048, 768),
+        (300, 60, 4, 1024, 1408),
+        (1000, 8, 2, 512, 1000),
+        (4096, 128, 8, 2048, 768),
+        (4096, 8, 1, 1024, 512),
+    ]
+
+
+def dense_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """One token and one expert at a time, in float32, rounding where the kernels round."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = (w13[e].float() @ x[t].float()).to(x.dtype).float()
+            gate, up = h[:inter], h[inter:]
+            act = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype).float()
+            y = (w2[e].float() @ act).to(x.dtype).float()
+            out[t] += (y * weights[t, k]).to(x.dtype).float()
+    return out.to(x.dtype)
+
+
+def routing(
+    num_tokens: int, num_experts: int, top_k: int, skewed: bool, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if skewed:  # most tokens on the first few experts: long runs, many empty experts
+        logits[:, : max(top_k, 2)] += 4.0
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(DEVICE), ids.to(torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fused_moe_matches_the_dense_computation(shape: tuple[int, ...], skewed: bool) -> None:
+    check_against_dense(shape, skewed, DTYPE)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter runs float32 above already")
+def test_fused_moe_is_exact_in_float32() -> None:
+    """float32 models (the HF comparisons) must not get TF32 products on the GPU."""
+    check_against_dense((64, 8, 2, 256, 192), False, torch.float32)
+
+
+def check_against_dense(shape: tuple[int, ...], skewed: bool, dtype: torch.dtype) -> None:
+    num_tokens, num_experts, top_k, hidden, inter = shape
+    gen = torch.Generator().manual_seed(sum(shape) + skewed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w13 = w13.to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, dtype)
+    weights, ids = routing(num_tokens, num_experts, top_k, skewed, gen)
+    got = fused_moe(x, w13, w2, weights, ids)
+    rows = torch.randperm(num_tokens, generator=gen)[:48].to(DEVICE)  # the reference is slow
+    want = dense_reference(x[rows], w13, w2, weights[rows], ids[rows])
+    atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (3e-2, 3e-2)
+    torch.testing.assert_close(got[rows], want, atol=atol, rtol=rtol)
+
+
+def test_align_puts_each_slot_once_in_its_experts_block() -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, num_experts, top_k, block_m = 37, 9, 3, 16
+    _, ids = routing(num_tokens, num_experts, top_k, True, gen)
+    sorted_slots, block_experts = align(ids, num_experts, block_m)
+    flat = ids.reshape(-1).cpu().long()
+    slots = sorted_slots.cpu().long()
+    experts = block_experts.cpu().long()
+    real = slots[slots < flat.numel()]
+    assert sorted(real.tolist()) == list(range(flat.numel()))  # every slot exactly once
+    for row, slot in enumerate(slots.tolist()):
+        if slot < flat.numel():
+            assert experts[row // block_m] == flat[slot]  # in a block of its own expert
+    used = experts[experts >= 0]
+    assert used.tolist() == sorted(used.tolist())  # blocks in expert order, the rest -1
+    assert (experts[len(used) :] == -1).all()

@@ -1,0 +1,83 @@
+"""A mixture-of-experts model through a real `tandem serve`, asked with the official openai
+client: a small random Qwen3-MoE (with the default model's vocabulary and tokenizer) answers each
+prompt, streamed and not, with HF transformers' greedy tokens on the same weights."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from tests.conftest import TOKENIZER_FILES
+from tests.server_fixture import Server, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+PROMPTS = ["The capital of France is", "1, 2, 3,", "Mixture of experts models route"]
+
+
+def write_tiny_qwen3_moe(path: Path, default_model_dir: Path) -> Path:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # well-separated greedy choices (see tests/factories.py)
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"), default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def moe_server(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("serve-moe"), model=str(moe_dir),
+                       args=["--max-model-len", "256", "--num-kv-blocks", "256"])  # fmt: skip
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def hf_greedy_text(moe_dir: Path, prompt: str) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(moe_dir)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_moe_model_serves_hf_greedy_text(moe_server: Server, moe_dir: Path, stream: bool) -> None:
+    client = openai.OpenAI(base_url=f"{moe_server.base_url}/v1", api_key="unused")
+    for prompt in PROMPTS:
+        args = {"model": str(moe_dir), "prompt": prompt, "max_tokens": NEW_TOKENS,
+                "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+        if stream:
+            text = "".join(
+                c.choices[0].text for c in client.completions.create(**args, stream=True)
+            )
+        else:
+            answer = client.completions.create(**args)
+            assert answer.usage is not None and answer.usage.completion_tokens == NEW_TOKENS
+            text = answer.choices[0].text
+        assert text == hf_greedy_text(moe_dir, prompt)
