@@ -78,15 +78,11 @@ class Scheduler:
         """Queue a request; ValueError when it can never be served or its id is live."""
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "
-                f"leaves no room to generate within max_model_len={self.max_model_len}"
-            )
+        # num_tokens: the prompt, plus the output a resumed request already has.
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r}: its {request.num_tokens} tokens leave no room "
-                f"to generate within max_model_len={self.max_model_len}"
+                f"request {request.request_id!r}: prompt of {request.num_tokens} tokens "
+                f"leaves no room to generate within max_model_len={self.max_model_len}"
             )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -31,6 +30,7 @@ from protocol.client import (
     EngineDeadError,
     EngineRequest,
     RequestGroup,
+    wait_while_dead,
 )
 from protocol.messages import Ready, Stats
 
@@ -121,14 +121,11 @@ class EnginePool:
     def num_requests(self) -> int:
         return sum(e.num_requests for e in self.engines)
 
-    async def wait_until_serving(self, timeout: float) -> None:
+    async def wait_until_serving(self, timeout: float) -> float:
         """Return once some engine core takes requests (at once while one does: with data
-        parallelism the others serve on); EngineDeadError after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while self.dead_reason is not None:
-            if time.monotonic() >= deadline:
-                raise EngineDeadError(f"{self.dead_reason}; no engine back within {timeout:.0f} s")
-            await asyncio.sleep(WAIT_POLL_S)
+        parallelism the others serve on), with the seconds waited; EngineDeadError after
+        ``timeout`` s."""
+        return await wait_while_dead(lambda: self.dead_reason, timeout, WAIT_POLL_S)
 
     # ---- routing ------------------------------------------------------------------------------
 

@@ -168,9 +168,8 @@ class Generation:
         """The engine died: once one serves again, send every unfinished choice again with the
         tokens it has as output (a seeded choice then draws what it would have drawn). All the
         waits of one request together last at most --resume-timeout."""
-        self.resume_started = started = time.monotonic()
-        await self.ctx.engine.wait_until_serving(self.resume_wait_left)
-        self.resume_wait_left -= time.monotonic() - started
+        self.resume_started = time.monotonic()
+        self.resume_wait_left -= await self.ctx.engine.wait_until_serving(self.resume_wait_left)
         self.resumes += 1
         self.members = [
             c.index for c in self.choices if c.finish_reason is None and c.ended is None

@@ -491,9 +491,7 @@ class AsyncEngineClient(_Connection):
             except EngineDeadError:
                 if attempt == max_resumes:
                     raise
-                started = time.monotonic()
-                await self.wait_until_serving(wait_left)
-                wait_left -= time.monotonic() - started
+                wait_left -= await self.wait_until_serving(wait_left)
                 request = request.resumed(f"{request_id}~{attempt + 1}", generated)
 
     async def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -506,13 +504,10 @@ class AsyncEngineClient(_Connection):
                         raise item
                     yield item
 
-    async def wait_until_serving(self, timeout: float) -> None:
-        """Return once the engine answers (again); EngineDeadError after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while self._dead_reason is not None:
-            if time.monotonic() >= deadline:
-                raise EngineDeadError(f"{self._dead_reason}; not back within {timeout:.0f} s")
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+    async def wait_until_serving(self, timeout: float) -> float:
+        """Return once the engine answers (again), with the seconds waited; EngineDeadError
+        after ``timeout`` s."""
+        return await wait_while_dead(lambda: self._dead_reason, timeout, WATCHDOG_INTERVAL_S)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Tell the engine to drop these requests; never blocks (safe in cleanup paths)."""
@@ -719,6 +714,19 @@ class RequestGroup:
         rid = self.requests[index].request_id
         self.unfinished.discard(rid)
         self._client.abort([rid])
+
+
+async def wait_while_dead(
+    dead_reason: Callable[[], str | None], timeout: float, poll_s: float
+) -> float:
+    """Poll ``dead_reason`` every ``poll_s`` until it is None; return the seconds waited, or
+    raise EngineDeadError with the last reason once ``timeout`` s have passed."""
+    started = time.monotonic()
+    while (reason := dead_reason()) is not None:
+        if time.monotonic() - started >= timeout:
+            raise EngineDeadError(f"{reason}; not back within {timeout:.0f} s")
+        await asyncio.sleep(poll_s)
+    return time.monotonic() - started
 
 
 def _send_nowait(sock: zmq.Socket, frame: bytes) -> bool:

@@ -6,7 +6,9 @@ forward inside forward_context, exactly as the interfaces describe, but without 
 runner's or scheduler's code. ``generate_greedy`` can start sequences at different steps and
 split prompts into chunks, so one forward mixes prefills, prefill chunks and decodes.
 
-``hf_greedy`` is the reference side: HF transformers ``generate`` on the same weights.
+``hf_greedy`` is the reference side: HF transformers ``generate`` on the same weights;
+``save_hf_case`` saves a random HF model and its references for the per-family tests, and
+``assert_matches`` compares our greedy run with them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from itertools import pairwise
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -185,3 +188,50 @@ def hf_greedy(hf_model: nn.Module, prompt: list[int], max_new_tokens: int) -> Gr
     new = out.sequences[0, len(prompt) :].tolist()
     logits = torch.stack([step[0] for step in out.logits]).float()  # [num_new, vocab]
     return GreedyResult(tokens=[new], logits=[logits])
+
+
+# ---- the per-family HF comparisons ---------------------------------------------------------------
+
+
+def random_prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """One prompt of random token ids per length, seeded by the length (the same every run)."""
+    return [
+        torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in lengths
+    ]
+
+
+def randomize(model: nn.Module, seed: int) -> None:
+    """Every parameter random (HF zero-initialises biases, which would hide a bias bug); norm
+    scales near 1 so activations keep a sane size."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen) * 0.1
+            is_scale = param.ndim == 1 and name.endswith("weight")
+            param.copy_(1 + noise if is_scale else noise)
+
+
+@dataclass
+class HFCase:
+    name: str
+    folder: Path  # the HF model, saved with save_pretrained
+    hf_model: nn.Module
+    prompts: list[list[int]]
+    reference: list[GreedyResult]  # HF generate, one per prompt
+
+
+def save_hf_case(
+    name: str, hf_model: nn.Module, prompts: list[list[int]], folder: Path, new_tokens: int
+) -> HFCase:
+    """Save ``hf_model`` in ``folder`` and take HF's greedy reference for each prompt."""
+    hf_model.save_pretrained(folder)
+    reference = [hf_greedy(hf_model, prompt, new_tokens) for prompt in prompts]
+    return HFCase(name, folder, hf_model, prompts, reference)
+
+
+def assert_matches(got: GreedyResult, reference: list[GreedyResult], atol: float) -> None:
+    """Our tokens equal HF's for each sequence, and the logits behind them agree within atol."""
+    for i, ref in enumerate(reference):
+        assert got.tokens[i] == ref.tokens[0], f"prompt {i}"
+        torch.testing.assert_close(got.logits[i].cpu(), ref.logits[0], atol=atol, rtol=0)

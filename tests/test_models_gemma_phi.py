@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,19 @@ from engine_core.config import ModelConfig
 from engine_core.loader import iter_checkpoint, load_model, load_model_config
 from engine_core.models import build_model, model_config_from_hf
 from tests.factories import tiny_hf_sizes
-from tests.paged_harness import GreedyResult, PagedRunner, Sequence, generate_greedy, hf_greedy
-from tests.test_models_hf import ATOL, randomize
+from tests.paged_harness import (
+    GreedyResult,
+    HFCase,
+    PagedRunner,
+    Sequence,
+    assert_matches,
+    generate_greedy,
+    hf_greedy,
+    random_prompts,
+    randomize,
+    save_hf_case,
+)
+from tests.test_models_hf import ATOL
 
 NEW_TOKENS = 32
 VOCAB = 320
@@ -77,16 +87,8 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 GEMMA = ["gemma3", "gemma3_softcap"]
 # Lengths 5, 11, 23 and 40: within the window, and up to five windows past it.
-PROMPTS = [
-    torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    for n in (5, 11, 23, 40)
-]
-
-
-LONG_PROMPTS = [
-    torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    for n in (33, 45)
-]
+PROMPTS = random_prompts(VOCAB, (5, 11, 23, 40))
+LONG_PROMPTS = random_prompts(VOCAB, (33, 45))
 
 
 def prompts_for(name: str) -> list[list[int]]:
@@ -98,15 +100,6 @@ def prompts_for(name: str) -> list[list[int]]:
     return PROMPTS[:2] if name == "phi3_shortrope" else PROMPTS
 
 
-@dataclass
-class Case:
-    name: str
-    folder: Path
-    hf_model: nn.Module
-    prompts: list[list[int]]
-    reference: list[GreedyResult]  # HF generate, one per prompt
-
-
 def make_hf_model(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
@@ -115,40 +108,31 @@ def make_hf_model(name: str, seed: int = 0) -> nn.Module:
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    hf_model = make_hf_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(folder)
-    prompts = prompts_for(request.param)
-    reference = [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in prompts]
-    return Case(request.param, folder, hf_model, prompts, reference)
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> HFCase:
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    return save_hf_case(name, make_hf_model(name), prompts_for(name), folder, NEW_TOKENS)
 
 
-def assert_matches(got: GreedyResult, reference: list[GreedyResult]) -> None:
-    for i, ref in enumerate(reference):
-        assert got.tokens[i] == ref.tokens[0], f"prompt {i}"
-        torch.testing.assert_close(got.logits[i], ref.logits[0], atol=ATOL, rtol=0)
-
-
-def load(case: Case) -> nn.Module:
+def load(case: HFCase) -> nn.Module:
     return load_model(str(case.folder), torch.device("cpu"), torch.float32).module
 
 
-def test_greedy_matches_hf(case: Case) -> None:
+def test_greedy_matches_hf(case: HFCase) -> None:
     """All prompts prefilled in one flattened batch, then decoded together."""
-    assert_matches(generate_greedy(load(case), case.prompts, NEW_TOKENS), case.reference)
+    assert_matches(generate_greedy(load(case), case.prompts, NEW_TOKENS), case.reference, ATOL)
 
 
-def test_chunked_prefill_matches_hf(case: Case) -> None:
+def test_chunked_prefill_matches_hf(case: HFCase) -> None:
     """5-token chunks (the 40-token prompt's later chunks read a full window of cached context
     through the sliding layers), staggered starts, shuffled blocks."""
     got = generate_greedy(
         load(case), case.prompts, NEW_TOKENS, prefill_chunk=5, stagger=3, shuffle_blocks=True
     )
-    assert_matches(got, case.reference)
+    assert_matches(got, case.reference, ATOL)
 
 
-def test_prefix_cached_prefill_matches_hf(case: Case) -> None:
+def test_prefix_cached_prefill_matches_hf(case: HFCase) -> None:
     """The longest prompt with its first half (whole blocks: 20 of 40 tokens, 8 of 23 for
     LongRoPE) already in the cache, written by another sequence that shares them: the prefill
     computes only the rest."""
@@ -156,7 +140,7 @@ def test_prefix_cached_prefill_matches_hf(case: Case) -> None:
     cached_blocks = len(prompt) // 2 // 4
     donor = prompt[: cached_blocks * 4] + [7] * 9
     got = greedy_with_cached_prefix(load(case), donor, prompt, cached_blocks)
-    assert_matches(got, case.reference[-1:])
+    assert_matches(got, case.reference[-1:], ATOL)
 
 
 def greedy_with_cached_prefix(

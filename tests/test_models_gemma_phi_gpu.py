@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
 from engine_core.models import layers  # noqa: E402
-from tests.paged_harness import GreedyResult, generate_greedy, hf_greedy  # noqa: E402
+from tests.paged_harness import assert_matches, generate_greedy, hf_greedy  # noqa: E402
 from tests.test_models_gemma_phi import (  # noqa: E402
     greedy_with_cached_prefix,
     make_hf_model,
@@ -48,12 +48,6 @@ def fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(layers, "use_triton", lambda x: True)
 
 
-def assert_matches(got: GreedyResult, reference: list[GreedyResult]) -> None:
-    for i, ref in enumerate(reference):
-        assert got.tokens[i] == ref.tokens[0], f"prompt {i}"
-        torch.testing.assert_close(got.logits[i].cpu(), ref.logits[0], atol=ATOL, rtol=0)
-
-
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.usefixtures("fused_path")
 def test_fused_path_matches_hf(name: str, tmp_path: Path) -> None:
@@ -73,11 +67,11 @@ def test_fused_path_matches_hf(name: str, tmp_path: Path) -> None:
         shuffle_blocks=True,
         backend=TritonBackend(),
     )
-    assert_matches(got, reference)
+    assert_matches(got, reference, ATOL)
     prompt = prompts[-1]
     cached_blocks = len(prompt) // 2 // 4
     donor = prompt[: cached_blocks * 4] + [7] * 9
     cached = greedy_with_cached_prefix(
         model, donor, prompt, cached_blocks, NEW_TOKENS, backend=TritonBackend()
     )
-    assert_matches(cached, reference[-1:])
+    assert_matches(cached, reference[-1:], ATOL)

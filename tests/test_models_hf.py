@@ -12,7 +12,6 @@ import dataclasses
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,15 @@ from transformers import (
 from engine_core.loader import iter_checkpoint, load_model, load_model_config
 from engine_core.models import build_model
 from tests.factories import tiny_hf_sizes
-from tests.paged_harness import GreedyResult, generate_greedy, hf_greedy
+from tests.paged_harness import (
+    HFCase,
+    assert_matches,
+    generate_greedy,
+    hf_greedy,
+    random_prompts,
+    randomize,
+    save_hf_case,
+)
 
 ATOL = 1e-4
 NEW_TOKENS = 32
@@ -64,18 +71,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     ),
 }
 # Lengths 5, 11 and 23: partial, multiple and many blocks of 4.
-PROMPTS = [
-    torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    for n in (5, 11, 23)
-]
-
-
-@dataclass
-class Case:
-    name: str
-    folder: Path
-    hf_model: torch.nn.Module
-    reference: list[GreedyResult]  # HF generate, one per prompt
+PROMPTS = random_prompts(VOCAB, (5, 11, 23))
 
 
 def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -85,39 +81,20 @@ def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter random (HF zero-initialises biases, which would hide a bias bug); norm
-    scales near 1 so activations keep a sane size."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen) * 0.1
-            is_scale = param.ndim == 1 and name.endswith("weight")
-            param.copy_(1 + noise if is_scale else noise)
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    hf_model = make_hf_model(request.param)
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> HFCase:
     folder = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(folder)
-    reference = [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in PROMPTS]
-    return Case(request.param, folder, hf_model, reference)
+    return save_hf_case(request.param, make_hf_model(request.param), PROMPTS, folder, NEW_TOKENS)
 
 
-def assert_matches(got: GreedyResult, reference: list[GreedyResult]) -> None:
-    for i, ref in enumerate(reference):
-        assert got.tokens[i] == ref.tokens[0], f"prompt {i}"
-        torch.testing.assert_close(got.logits[i], ref.logits[0], atol=ATOL, rtol=0)
-
-
-def test_greedy_matches_hf(case: Case) -> None:
+def test_greedy_matches_hf(case: HFCase) -> None:
     """All prompts prefilled in one flattened batch, then decoded together."""
     ours = load_model(str(case.folder), torch.device("cpu"), torch.float32)
-    assert_matches(generate_greedy(ours.module, PROMPTS, NEW_TOKENS, block_size=4), case.reference)
+    got = generate_greedy(ours.module, PROMPTS, NEW_TOKENS, block_size=4)
+    assert_matches(got, case.reference, ATOL)
 
 
-def test_mixed_batches_match_hf(case: Case) -> None:
+def test_mixed_batches_match_hf(case: HFCase) -> None:
     """Staggered starts and 5-token prefill chunks: one forward mixes a prompt chunk with other
     sequences' decodes; blocks come from a shuffled free list, so tables are not contiguous."""
     ours = load_model(str(case.folder), torch.device("cpu"), torch.float32)
@@ -130,7 +107,7 @@ def test_mixed_batches_match_hf(case: Case) -> None:
         stagger=3,
         shuffle_blocks=True,
     )
-    assert_matches(got, case.reference)
+    assert_matches(got, case.reference, ATOL)
 
 
 def test_sliding_window_is_exercised(tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,18 @@ from engine_core.models.layers import load_mapped_weights
 from engine_core.models.moe import SparseMoE, experts_reference, map_moe_name, route
 from engine_core.parallel import TPGroup
 from tests.factories import tiny_hf_sizes
-from tests.paged_harness import GreedyResult, PagedRunner, Sequence, generate_greedy, hf_greedy
+from tests.paged_harness import (
+    GreedyResult,
+    HFCase,
+    PagedRunner,
+    Sequence,
+    assert_matches,
+    generate_greedy,
+    hf_greedy,
+    random_prompts,
+    randomize,
+    save_hf_case,
+)
 
 ATOL = 1e-4
 NEW_TOKENS = 32
@@ -49,18 +59,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     ),
 }
 # Lengths 5, 11 and 23: partial, multiple and many blocks of 4.
-PROMPTS = [
-    torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    for n in (5, 11, 23)
-]
-
-
-@dataclass
-class Case:
-    name: str
-    folder: Path
-    hf_model: torch.nn.Module
-    reference: list[GreedyResult]  # HF generate, one per prompt
+PROMPTS = random_prompts(VOCAB, (5, 11, 23))
 
 
 def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -68,41 +67,27 @@ def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     so tokens spread over the experts (test_router_spreads_tokens checks)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen) * 0.1
-            is_scale = param.ndim == 1 and pname.endswith("weight")
-            param.copy_(1 + noise if is_scale else noise)
+    randomize(model, seed)
     return model
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    hf_model = make_hf_model(request.param)
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> HFCase:
     folder = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(folder)
-    reference = [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in PROMPTS]
-    return Case(request.param, folder, hf_model, reference)
+    return save_hf_case(request.param, make_hf_model(request.param), PROMPTS, folder, NEW_TOKENS)
 
 
 def load(folder: Path) -> torch.nn.Module:
     return load_model(str(folder), torch.device("cpu"), torch.float32).module
 
 
-def assert_matches(got: GreedyResult, reference: list[GreedyResult]) -> None:
-    for i, ref in enumerate(reference):
-        assert got.tokens[i] == ref.tokens[0], f"prompt {i}"
-        torch.testing.assert_close(got.logits[i], ref.logits[0], atol=ATOL, rtol=0)
-
-
-def test_greedy_matches_hf(case: Case) -> None:
+def test_greedy_matches_hf(case: HFCase) -> None:
     """All prompts prefilled in one flattened batch, then decoded together."""
     got = generate_greedy(load(case.folder), PROMPTS, NEW_TOKENS, block_size=4)
-    assert_matches(got, case.reference)
+    assert_matches(got, case.reference, ATOL)
 
 
-def test_chunked_prefill_mixed_with_decodes_matches_hf(case: Case) -> None:
+def test_chunked_prefill_mixed_with_decodes_matches_hf(case: HFCase) -> None:
     """Staggered starts and 5-token prefill chunks: one forward mixes a prompt chunk with other
     sequences' decodes (so the experts see tokens of several sequences at once)."""
     got = generate_greedy(
@@ -114,10 +99,10 @@ def test_chunked_prefill_mixed_with_decodes_matches_hf(case: Case) -> None:
         stagger=3,
         shuffle_blocks=True,
     )
-    assert_matches(got, case.reference)
+    assert_matches(got, case.reference, ATOL)
 
 
-def test_prefix_cached_prefill_matches_hf(case: Case) -> None:
+def test_prefix_cached_prefill_matches_hf(case: HFCase) -> None:
     """A prompt sharing its first 5 blocks with an earlier one prefills only its tail, reading
     the shared prefix's K/V from the earlier sequence's blocks."""
     prompt = PROMPTS[2][:20] + [7, 8, 9]
@@ -146,7 +131,7 @@ def generate_after_cached_prefix(
     return GreedyResult(tokens=[tokens], logits=[torch.stack(rows)])
 
 
-def test_router_spreads_tokens(case: Case) -> None:
+def test_router_spreads_tokens(case: HFCase) -> None:
     """The comparisons above prove the experts only if tokens reach many of them: over the
     prompts, every MoE layer routes tokens to most experts, and tokens disagree on their top-k."""
     model = load(case.folder)

@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from engine_core.config import ModelConfig
-from engine_core.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, make_norm
+from engine_core.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    first_norm,
+    make_mlp,
+    make_norm,
+)
 from engine_core.parallel import SINGLE, TPGroup
 
 
@@ -27,7 +33,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, tp, layer)
         self.post_attention_layernorm = make_norm(config, hidden)
         self.pre_feedforward_layernorm = make_norm(config, hidden)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = make_mlp(config, tp, layer)
         self.post_feedforward_layernorm = make_norm(config, hidden)
 
     def forward(
@@ -39,10 +45,7 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Same contract as LlamaDecoderLayer: (sublayer output, residual stream before it),
         each [T, hidden]; the residual adds ride in the pre-norms."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = first_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(hidden, cos, sin))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

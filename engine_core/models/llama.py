@@ -114,6 +114,16 @@ def make_mlp(config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
     return LlamaMLP(config, tp)
 
 
+def first_norm(
+    norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's input norm: (normed, residual stream). The first layer has no residual
+    yet (its input is the stream); later layers add theirs inside the norm."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, layer: int = 0) -> None:
         super().__init__()
@@ -132,10 +142,7 @@ class LlamaDecoderLayer(nn.Module):
         """(previous sublayer's output, residual stream before it; None for the first layer)
         -> (this layer's MLP output, residual stream before it), each [T, hidden]: every
         residual add happens inside the next norm."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = first_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, cos, sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
