@@ -147,7 +147,7 @@ def resumes_allowed(args: argparse.Namespace, specs: list[EngineSpec]) -> int:
     ours = [s for s in specs if s.process is not None or s.pid_file is not None]
     if not args.restart_engine and len(ours) == len(specs) == 1:
         return 0
-    return max(args.max_request_resumes, 0)
+    return args.max_request_resumes
 
 
 def share_of(total: int, index: int, count: int) -> int:

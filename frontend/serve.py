@@ -126,14 +126,14 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for an engine's handshake (default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
-        "--max-request-resumes", type=int, default=3, metavar="N",
+        "--max-request-resumes", type=non_negative_int, default=3, metavar="N",
         help="when an engine core dies, each request in flight is sent again (to the restarted "
         "engine, or at once to another with --data-parallel-size) with what it had generated, "
         "and goes on as if nothing happened, at most N times; 0 fails them with 503 "
         "(default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
-        "--resume-timeout", type=float, default=120.0, metavar="SECONDS",
+        "--resume-timeout", type=positive_float, default=120.0, metavar="SECONDS",
         help="how long in all a request may wait for an engine to resume on before it fails "
         "(default: %(default)s)",
     )  # fmt: skip
@@ -248,4 +248,18 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
     return value

@@ -316,3 +316,19 @@ def test_a_request_killed_past_the_limit_fails_with_the_documented_error(
         assert "resumed 1 of at most 1 times" in error["message"], error
     finally:
         stop_server(srv)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--max-request-resumes", "-1"), ("--resume-timeout", "0"), ("--resume-timeout", "nan")],
+)
+def test_bad_resume_flags_are_refused(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused at parse time with the flag named, not clamped to something else."""
+    from frontend.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be" in capsys.readouterr().err
