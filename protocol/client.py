@@ -477,6 +477,11 @@ class AsyncEngineClient(_Connection):
         generated so far, as output, up to this many times: the outputs go on as if nothing
         happened (a seeded request draws what it would have drawn). Death is seen when the
         process exits (``is_process_alive``) or after ``dead_after_s`` of silence."""
+        if max_resumes < 0 or not resume_timeout > 0:
+            raise ValueError(
+                f"max_resumes must be at least 0 and resume_timeout more than 0, got "
+                f"{max_resumes} and {resume_timeout}"
+            )
         request = EngineRequest(request_id, prompt_token_ids, params)
         wait_left = resume_timeout
         for attempt in range(max_resumes + 1):

@@ -488,3 +488,20 @@ def test_cli_streams_text_that_detokenizes_the_echo(
     captured = capsys.readouterr()
     assert captured.out == expected + "\n"
     assert "finish_reason: length" in captured.err
+
+
+@pytest.mark.parametrize(("max_resumes", "timeout"), [(-1, 60.0), (1, 0.0)])
+def test_async_generate_refuses_bad_resume_settings(
+    address: EngineAddress, engine: EchoEngine, max_resumes: int, timeout: float
+) -> None:
+    """Not a silent empty stream: a negative resume count or a timeout of nothing is an error."""
+
+    async def main() -> None:
+        async with AsyncEngineClient(address) as client:
+            await client.connect(timeout=10)
+            outputs = client.generate("bad", [1], PARAMS, max_resumes, resume_timeout=timeout)
+            with pytest.raises(ValueError, match="max_resumes must be at least 0"):
+                async for _ in outputs:
+                    pass
+
+    asyncio.run(main())
