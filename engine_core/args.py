@@ -30,6 +30,11 @@ _HELP = {
     "nvtx": "NVTX ranges around the parts of each step, for Nsight Systems",
     "tensor_parallel_size": "processes (one per GPU) that one engine core shards the model over: "
     "heads, KV heads, MLP and vocabulary split across them (gloo on the CPU, NCCL on CUDA)",
+    "quantization": "'fp8': quantize the checkpoint's weights to FP8 (e4m3, one scale per output "
+    "channel) as they load, activations per token at run time; FP8 checkpoints "
+    "(compressed-tensors, block-wise 'fp8') are read as they are without it",
+    "kv_cache_dtype": "'auto' (the model's dtype) or 'fp8' (e4m3, with the checkpoint's K/V "
+    "scales or 1.0): half the KV bytes of bf16",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
 }

@@ -10,6 +10,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+QUANTIZATION_METHODS = ("fp8",)  # --quantization values
+KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values; "fp8" is e4m3
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """How a model's linear layers hold FP8 (e4m3) weights (engine_core/models/fp8.py).
+
+    ``weight_scales``: "channel" (one scale per output row; a checkpoint's per-tensor scales are
+    spread over their rows, which dequantizes to the same values) or "block" (one scale per
+    ``block`` = (rows, columns) tile, the block-wise format). ``dynamic_activations``: each
+    token's activations get their own scale at run time, else the checkpoint's static
+    ``input_scale``. ``prequantized``: the checkpoint holds FP8 weights and scales; otherwise its
+    bf16/fp16/fp32 weights are quantized as they load (``--quantization fp8``).
+    """
+
+    weight_scales: str  # "channel" | "block"
+    dynamic_activations: bool = True
+    prequantized: bool = False
+    block: tuple[int, int] | None = None
+    source: str = "--quantization fp8"  # named in error messages
+    # Checkpoint module names (HF's) left in the model's dtype, as the checkpoint lists them.
+    ignore: tuple[str, ...] = ()  # as regular expressions over full module names
+    kv_scales: bool = False  # the checkpoint holds FP8 K/V scales (self_attn.k_scale, v_scale)
+
+    def __post_init__(self) -> None:
+        if self.weight_scales not in ("channel", "block"):
+            raise ValueError(f"unknown FP8 weight scale layout {self.weight_scales!r}")
+        if (self.weight_scales == "block") != (self.block is not None):
+            raise ValueError("FP8 block scales need a block shape, and only they have one")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -48,6 +79,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE)
     hidden_act: str = "silu"
+    quantization: Fp8Config | None = None  # None: weights in the model's dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -75,7 +107,11 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, at 2 bytes an element (bf16)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+        return self.kv_bytes_per_token_at(2)
+
+    def kv_bytes_per_token_at(self, element_bytes: int) -> int:
+        """Bytes of K and V per token over all layers at ``element_bytes`` an element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
 
 
 @dataclass(frozen=True)
@@ -100,8 +136,20 @@ class EngineConfig:
     nvtx: bool = False  # NVTX ranges around the parts of each step, for Nsight Systems
     tensor_parallel_size: int = 1  # processes (GPUs) one engine core shards the model over
     data_parallel_size: int = 1  # engine cores behind one `tandem serve` (frontend only)
+    quantization: str | None = None  # "fp8": quantize a bf16/fp16/fp32 checkpoint as it loads
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 with per-layer scales
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"--quantization {self.quantization!r} is not supported; choose one of "
+                f"{', '.join(QUANTIZATION_METHODS)} (or leave it out)"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; choose one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -22,7 +22,9 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -38,6 +40,8 @@ from torch import nn
 
 from engine_core.config import ModelConfig
 from engine_core.models import build_model, model_config_from_hf, token_ids
+from engine_core.models.fp8 import check_fp8_device
+from engine_core.models.fp8_config import with_quantization_flag
 from engine_core.models.layers import reset_buffers
 
 logger = logging.getLogger(__name__)
@@ -55,35 +59,61 @@ class LoadedModel:
     module: nn.Module
     config: ModelConfig
     model_dir: Path | None  # the checkpoint's folder (its tokenizer too); None for random weights
+    # layer -> (K scale, V scale) of an FP8 KV cache, where the checkpoint has them.
+    kv_scales: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
-def load_model(model: str, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
+def load_model(
+    model: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+) -> LoadedModel:
     """Resolve ``model``, build our implementation on ``device`` in ``dtype``, load its weights.
 
-    ``random:<preset>`` (see engine_core/presets.py) builds a benchmark model of real shape with
-    random weights instead.
+    ``quantization`` is ``--quantization`` ('fp8': quantize plain weights as they load; FP8
+    checkpoints are FP8 without it). ``random:<preset>`` (see engine_core/presets.py) builds a
+    benchmark model of real shape with random weights instead.
     """
     if model.startswith(RANDOM_PREFIX):
-        return load_random_model(model.removeprefix(RANDOM_PREFIX), device, dtype)
+        return load_random_model(model.removeprefix(RANDOM_PREFIX), device, dtype, quantization)
     model_dir = resolve_model_dir(model)
-    config = load_model_config(model_dir)
+    config = with_quantization(load_model_config(model_dir), quantization, device)
     # Built on the meta device, so no time goes into random init of weights about to be replaced.
     with torch.device("meta"), default_dtype(dtype):
         module = build_model(config)
     module.to_empty(device=device)
     reset_buffers(module)
-    module.load_weights(iter_checkpoint(model_dir))
+    kv_scales: dict[int, tuple[float, float]] = {}
+    module.load_weights(take_kv_scales(normalize_fp8_names(iter_checkpoint(model_dir)), kv_scales))
     module.eval().requires_grad_(False)
-    return LoadedModel(module=module, config=config, model_dir=model_dir)
+    return LoadedModel(module, config, model_dir, kv_scales=kv_scales_by_layer(kv_scales, config))
+
+
+def with_quantization(
+    config: ModelConfig, quantization: str | None, device: torch.device | str
+) -> ModelConfig:
+    """``config`` with ``--quantization`` merged in; FP8 refused on a GPU without it."""
+    fp8 = with_quantization_flag(config.quantization, quantization)
+    if fp8 is not None:
+        check_fp8_device(torch.device(device), f"FP8 weights ({fp8.source})")
+    return dataclasses.replace(config, quantization=fp8)
 
 
 RANDOM_PREFIX = "random:"
 
 
-def load_random_model(preset: str, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
+def load_random_model(
+    preset: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+) -> LoadedModel:
     from engine_core.presets import build_random_model
 
-    module, config = build_random_model(preset, device, dtype)
+    if quantization is not None:
+        check_fp8_device(torch.device(device), f"--quantization {quantization}")
+    module, config = build_random_model(preset, device, dtype, quantization=quantization)
     # No folder: an engine process (or a tensor-parallel worker) never needs a tokenizer, and the
     # default model's, which random presets borrow, may be absent where only benchmarks run.
     return LoadedModel(module=module, config=config, model_dir=None)
@@ -310,6 +340,56 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         # weights_only: a .bin is a pickle, and only plain tensors may come out of it.
         yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+# A checkpoint's FP8 K/V scale names: compressed-tensors' self_attn.k_scale, and the older
+# k_proj.output_scale.
+_KV_SCALE = re.compile(
+    r".*layers\.(\d+)\.self_attn\.(k_scale|v_scale|k_proj\.output_scale|v_proj\.output_scale)"
+)
+
+
+def normalize_fp8_names(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The block-wise FP8 format names its weight scales ``weight_scale_inv`` (they multiply,
+    despite the name); ours are ``weight_scale``, as compressed-tensors names them."""
+    for name, tensor in weights:
+        yield name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name, tensor
+
+
+def take_kv_scales(
+    weights: Iterator[tuple[str, torch.Tensor]], into: dict[tuple[int, str], float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the model's tensors on; keep FP8 K/V cache scales in ``into`` ((layer, "k" or "v")
+    -> scale) for the KV cache instead, which the model runner owns."""
+    for name, tensor in weights:
+        match = _KV_SCALE.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        if tensor.numel() != 1:
+            raise ValueError(f"KV cache scale {name!r} has {tensor.numel()} values, expected one")
+        into[(int(match.group(1)), match.group(2)[0])] = float(tensor.float().reshape(()))
+
+
+def kv_scales_by_layer(
+    scales: dict[tuple[int, str], float], config: ModelConfig
+) -> dict[int, tuple[float, float]]:
+    """layer -> (K scale, V scale); a checkpoint whose config declares K/V scales must hold
+    both for every layer, and every scale must be positive."""
+    declared = config.quantization is not None and config.quantization.kv_scales
+    if not scales and not declared:
+        return {}
+    out = {}
+    for layer in range(config.num_layers):
+        pair = (scales.get((layer, "k")), scales.get((layer, "v")))
+        if None in pair:
+            raise ValueError(f"checkpoint lacks the FP8 KV cache scales of layer {layer}")
+        if min(pair) <= 0 or not all(map(math.isfinite, pair)):
+            raise ValueError(f"layer {layer}'s FP8 KV cache scales {pair} are not positive")
+        out[layer] = pair
+    return out
 
 
 def checkpoint_files(model_dir: Path, index_name: str, pattern: str) -> list[Path]:

@@ -26,6 +26,7 @@ from engine_core.config import EngineConfig, ModelConfig
 from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch
 from engine_core.loader import load_model
+from engine_core.models.fp8 import FP8_DTYPE, FP8_DTYPES, check_fp8_device
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
@@ -101,6 +102,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype: 'auto' keeps the model's dtype; 'fp8' stores e4m3."""
+    if name == "auto":
+        return dtype
+    if name == "fp8":
+        check_fp8_device(device, "--kv-cache-dtype fp8")
+        return FP8_DTYPE
+    raise ValueError(f"--kv-cache-dtype {name!r} is not supported; choose 'auto' or 'fp8'")
+
+
 def select_backend(device: torch.device) -> AttentionBackend:
     if device.type == "cuda":
         try:
@@ -119,7 +130,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.device, self.dtype)
+        loaded = load_model(config.model, self.device, self.dtype, config.quantization)
         self.model = loaded.module
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
@@ -128,8 +139,10 @@ class ModelRunner:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_cache = self._allocate_kv_cache()
+        self._set_kv_scales(loaded.kv_scales)
         self.backend = select_backend(self.device)
         self.graph_runner = self._capture_graphs()  # None on the CPU or with enforce_eager
         if self.device.type == "cuda":
@@ -164,7 +177,7 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         mc = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def _kv_blocks_that_fit(self) -> int:
@@ -197,7 +210,7 @@ class ModelRunner:
             self.num_kv_heads,
             mc.head_dim,
         )
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
         logger.info(
@@ -207,6 +220,18 @@ class ModelRunner:
             cache.numel() * cache.element_size() / 2**30,
         )
         return cache
+
+    def _set_kv_scales(self, scales: dict[int, tuple[float, float]]) -> None:
+        """An FP8 cache's per-layer K and V scales: the checkpoint's, or 1.0 where it has none
+        (e4m3 reaches 448, far beyond the K/V values of the models we serve). A plain cache
+        stores K and V as they are and reads no scale."""
+        if self.kv_dtype not in FP8_DTYPES:
+            return
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_scale, layer.v_scale = scales.get(i, (1.0, 1.0))
+        logger.info(
+            "FP8 KV cache, scales %s", "from the checkpoint" if scales else "1.0 (none given)"
+        )
 
     def shutdown(self) -> None:
         """Release what outlives the object (tensor-parallel workers); nothing here."""

@@ -12,6 +12,7 @@ benchmark can build the transformers peer of exactly the same shape.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -19,7 +20,9 @@ from torch import nn
 
 from engine_core.config import ModelConfig
 from engine_core.models import build_model, model_config_from_hf
-from engine_core.models.layers import reset_buffers
+from engine_core.models.fp8 import quantize_rows
+from engine_core.models.fp8_config import with_quantization_flag
+from engine_core.models.layers import Linear, reset_buffers
 
 INIT_STD = 0.02  # small, so activations stay finite through every layer of a random model
 _VOCAB = 49152
@@ -110,15 +113,23 @@ def hf_config(name: str) -> dict[str, Any]:
 
 
 def build_random_model(
-    name: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+    name: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Our implementation of preset ``name`` on ``device`` in ``dtype``, weights ~ N(0, 0.02).
 
     Norm weights are 1 and biases 0, as a freshly initialised HF model has them. Built on the
     meta device and filled in place on ``device``: nothing is initialised twice, nothing touches
-    the host. Returns the model in eval mode without gradients, and its config.
+    the host. ``quantization="fp8"``: the linears hold those random weights quantized to FP8, as
+    ``--quantization fp8`` would load them. Returns the model in eval mode without gradients,
+    and its config.
     """
     config = PRESETS[_check_name(name)]
+    fp8 = with_quantization_flag(None, quantization)
+    config = dataclasses.replace(config, quantization=fp8)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -138,6 +149,9 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
+        if isinstance(module, Linear) and module.fp8 is not None:
+            init_random_fp8(module, gen)
+            continue
         for name, param in module.named_parameters(recurse=False):
             if name == "bias":
                 param.zero_()
@@ -145,6 +159,17 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, INIT_STD, generator=gen)
+
+
+def init_random_fp8(module: Linear, gen: torch.Generator) -> None:
+    """An FP8 linear's weight: Normal(0, INIT_STD) in bf16, quantized row by row, as a plain
+    checkpoint loads under --quantization fp8 (the bias, where there is one, zero)."""
+    weight = torch.empty(module.weight.shape, dtype=torch.bfloat16, device=module.weight.device)
+    quantized, scale = quantize_rows(weight.normal_(0.0, INIT_STD, generator=gen))
+    module.weight.copy_(quantized)
+    module.weight_scale.copy_(scale)
+    if module.bias is not None:
+        module.bias.zero_()
 
 
 def _is_norm(module: nn.Module) -> bool:

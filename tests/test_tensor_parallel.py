@@ -33,6 +33,7 @@ from transformers import (
 from engine_core.llm import LLM
 from engine_core.models.layers import (
     ColumnParallelLinear,
+    Linear,
     RowParallelLinear,
     TPSharded,
     VocabParallelEmbedding,
@@ -145,7 +146,7 @@ def test_tp1_builds_the_plain_layers(tmp_path: Path) -> None:
     sharded = (RowParallelLinear, ColumnParallelLinear, VocabParallelEmbedding)
     assert not any(isinstance(m, sharded) for m in model.modules())
     assert isinstance(model.model.embed_tokens, nn.Embedding)
-    assert type(model.model.layers[0].self_attn.o_proj) is nn.Linear
+    assert type(model.model.layers[0].self_attn.o_proj) is Linear
     # Merged q/k/v and gate/up keep their full widths.
     merged = [m for m in model.modules() if isinstance(m, TPSharded)]
     assert merged and all(m.out_features in (64 + 2 * 32, 2 * 128) for m in merged)

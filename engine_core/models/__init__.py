@@ -17,11 +17,13 @@ from typing import Any
 from torch import nn
 
 from engine_core.config import ModelConfig
+from engine_core.models.fp8_config import fp8_config_from_hf
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
 from engine_core.models.layers import ROPE_TYPES
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
+from engine_core.models.quantize import make_fp8_linears
 
 LLAMA_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -62,7 +64,9 @@ def build_model(config: ModelConfig) -> nn.Module:
         raise ValueError(
             f"unknown architecture {config.architecture!r}; expected one of {list(_MODEL_CLASSES)}"
         ) from None
-    return model_class(config)
+    model = model_class(config)
+    make_fp8_linears(model, config)
+    return model
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -71,7 +75,11 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     Accepts both the transformers 4 layout (rope_theta, rope_scaling) and the transformers 5 one
     (rope_parameters). Raises ValueError for an architecture or a feature we do not implement.
     """
-    architecture = hf_architecture(hf)
+    config = architecture_config(hf, hf_architecture(hf))
+    return dataclasses.replace(config, quantization=fp8_config_from_hf(hf))
+
+
+def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
     if architecture == "GPT2LMHeadModel":
         return gpt2_config(hf)
     if architecture == "Gemma3ForCausalLM":

@@ -22,6 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_core.config import Fp8Config
+from engine_core.models.fp8 import (
+    FP8_DTYPE,
+    FP8_DTYPES,
+    fp8_linear,
+    quantize_rows,
+    weight_scale_shape,
+)
 from engine_core.parallel import SINGLE, TPGroup
 
 # An HF checkpoint name -> (our parameter name, shard index in a merged parameter or None),
@@ -286,7 +294,99 @@ def check_divisible(what: str, value: int, tp: TPGroup) -> int:
     return value // tp.size
 
 
-class MergedLinear(nn.Linear, TPSharded, ShardedParameters):
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be FP8 (engine_core/models/fp8.py).
+
+    ``make_fp8`` turns it into an FP8 layer before its weights load: ``weight`` becomes e4m3,
+    ``weight_scale`` (and, with static activations, ``input_scale``) join it, and ``load_fp8``
+    takes checkpoint tensors in either form: FP8 with scales, or plain weights that it quantizes
+    row by row as they arrive (``--quantization fp8``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.fp8: Fp8Config | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is None:
+            return F.linear(x, self.weight, self.bias)
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] @ weight.T -> [..., out], without the bias."""
+        if self.fp8 is None:
+            return F.linear(x, self.weight)
+        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.fp8)
+
+    @property
+    def num_input_scales(self) -> int:
+        """How many static activation scales a checkpoint gives (one per merged part)."""
+        return 1
+
+    def make_fp8(self, config: Fp8Config) -> None:
+        """Hold the weight in FP8 from now on (call before loading, on any device)."""
+        rows, cols = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(
+            torch.empty(rows, cols, dtype=FP8_DTYPE, device=device), requires_grad=False
+        )
+        scale_shape = weight_scale_shape(config, rows, cols)
+        self.weight_scale = nn.Parameter(
+            torch.empty(scale_shape, dtype=torch.float32, device=device), requires_grad=False
+        )
+        if config.dynamic_activations:
+            self.register_parameter("input_scale", None)
+        else:
+            scales = torch.empty(self.num_input_scales, dtype=torch.float32, device=device)
+            self.input_scale = nn.Parameter(scales, requires_grad=False)
+        self.fp8 = config
+
+    @property
+    def quantizes_at_load(self) -> bool:
+        """Whether this FP8 layer quantizes plain checkpoint weights (``--quantization fp8``)."""
+        return self.fp8 is not None and not self.fp8.prequantized
+
+    def load_fp8(
+        self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
+    ) -> None:
+        """Load checkpoint tensor ``hf_name`` (this rank's part) into ``param_name`` at ``index``
+        (None: all of it) of this FP8 layer."""
+        assert self.fp8 is not None
+        if param_name == "weight" and tensor.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but the checkpoint's "
+                f"quantization_config ({self.fp8.source}) makes this layer FP8 (e4m3)"
+            )
+        if param_name in ("weight_scale", "input_scale"):
+            tensor = self.scale_for(param_name, tensor, index, hf_name)
+        copy_into(getattr(self, param_name), tensor, index, hf_name)
+
+    def scale_for(
+        self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
+    ) -> torch.Tensor:
+        """A checkpoint scale as our parameter holds it: float32; per-channel scales as [rows]
+        (a per-tensor scale spread over its rows); checked finite and positive."""
+        tensor = tensor.float()
+        if not bool(torch.isfinite(tensor).all()) or bool((tensor <= 0).any()):
+            raise ValueError(f"checkpoint scale {hf_name!r} has values that are not positive")
+        target = getattr(self, param_name).data
+        target = target if index is None else target[index]
+        if param_name == "input_scale" or self.fp8.block is None:
+            if tensor.numel() == 1:
+                return tensor.reshape(()).expand(target.shape)
+            if tensor.dim() == 2 and tensor.shape[1] == 1:  # compressed-tensors: [rows, 1]
+                return tensor[:, 0]
+        return tensor
+
+    def finish_loading(self) -> None:
+        """After the last tensor: merged parts share one input, so one static activation scale
+        serves them all: the largest, which clips none of them."""
+        if self.fp8 is not None and self.input_scale is not None and self.input_scale.numel() > 1:
+            self.input_scale = nn.Parameter(self.input_scale.amax().reshape(1), requires_grad=False)
+
+
+class MergedLinear(Linear, TPSharded, ShardedParameters):
     """Several linears sharing one input, stacked along the output dim: one GEMM instead of many.
 
     ``output_sizes`` gives each shard's rows in order (q, k, v or gate, up); checkpoints still
@@ -315,15 +415,35 @@ class MergedLinear(nn.Linear, TPSharded, ShardedParameters):
         return range(self.num_shards)
 
     def shard_index(self, param_name: str, shard: int) -> ShardIndex:
+        if param_name == "input_scale":
+            return shard
+        if param_name == "weight_scale" and self.fp8 is not None and self.fp8.block is not None:
+            rows = self.shard_slice(shard)
+            block_rows = self.fp8.block[0]
+            return slice(rows.start // block_rows, rows.stop // block_rows)
         return self.shard_slice(shard)
+
+    @property
+    def num_input_scales(self) -> int:
+        return self.num_shards
+
+    def make_fp8(self, config: Fp8Config) -> None:
+        if config.block is not None and any(size % config.block[0] for size in self.output_sizes):
+            raise ValueError(
+                f"block-wise FP8 ({config.block[0]}-row blocks) needs every part of a merged "
+                f"projection to be whole blocks; this rank's parts are {self.output_sizes} rows"
+            )
+        super().make_fp8(config)
 
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:
+        if param_name in ("weight_scale", "input_scale") and tensor.numel() == 1:
+            return tensor  # one scale for the whole part: every rank keeps it
         return rank_rows(tensor, self.tp)
 
 
-class ColumnParallelLinear(nn.Linear, TPSharded):
+class ColumnParallelLinear(Linear, TPSharded):
     """A linear whose output rows are split across ranks; the checkpoint holds it as one tensor.
 
     ``pieces`` are the full row counts of the blocks stacked in that tensor (GPT-2's c_attn holds
@@ -343,7 +463,7 @@ class ColumnParallelLinear(nn.Linear, TPSharded):
         return torch.cat([rank_rows(part, self.tp) for part in parts], dim=0)
 
 
-class RowParallelLinear(nn.Linear, TPSharded):
+class RowParallelLinear(Linear, TPSharded):
     """A linear whose input columns are split across ranks: partial products, summed by an
     all-reduce; the bias is added once, after the sum."""
 
@@ -352,13 +472,25 @@ class RowParallelLinear(nn.Linear, TPSharded):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out]
+        out = self.tp.all_reduce(self.matmul(x))  # [T, out]
         return out if self.bias is None else out + self.bias
+
+    def make_fp8(self, config: Fp8Config) -> None:
+        if config.block is not None and self.in_features % config.block[1]:
+            raise ValueError(
+                f"block-wise FP8 ({config.block[1]}-column blocks) needs this rank's share of "
+                f"a row-parallel projection's input ({self.in_features}) to be whole blocks"
+            )
+        super().make_fp8(config)
 
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:
-        return rank_rows(tensor, self.tp, dim=1) if param_name == "weight" else tensor
+        # Weights (and block scales) split along the input; per-row scales stay whole.
+        blockwise = self.fp8 is not None and self.fp8.block is not None
+        if param_name == "weight" or (param_name == "weight_scale" and blockwise):
+            return rank_rows(tensor, self.tp, dim=1)
+        return tensor
 
 
 class VocabParallelEmbedding(nn.Module, TPSharded):
@@ -398,14 +530,14 @@ def column_parallel_linear(
 ) -> nn.Linear:
     """nn.Linear at TP=1, else its column-parallel form (see ColumnParallelLinear)."""
     if tp.size == 1:
-        return nn.Linear(in_features, sum(pieces), bias=bias)
+        return Linear(in_features, sum(pieces), bias=bias)
     return ColumnParallelLinear(in_features, pieces, bias, tp)
 
 
-def row_parallel_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup) -> nn.Linear:
-    """nn.Linear at TP=1, else RowParallelLinear."""
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup) -> Linear:
+    """Linear at TP=1, else RowParallelLinear."""
     if tp.size == 1:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 
@@ -482,21 +614,63 @@ def load_mapped_weights(
     """
     params = dict(model.named_parameters())
     expected = expected_shards(model)
-    for hf_name, tensor in weights:
+    for hf_name, whole in weights:
         target = map_name(hf_name)
         if target is None:
             continue
-        name, shard = target
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {hf_name!r} maps to unknown parameter {name!r}")
-        tensor = narrow_for_rank(model, name, tensor, shard)
-        copy_into(params[name], tensor, shard_rows(model, name, shard), hf_name)
-        expected.discard((name, shard))
-        if shard is None:  # a whole tensor fills every shard of its parameter
-            expected.difference_update((name, i) for i in checkpoint_shards(model, name))
+        if target[0] not in params:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} maps to unknown parameter {target[0]!r}"
+            )
+        for name, full in quantized_at_load(model, target[0], whole, hf_name):
+            shard = target[1]
+            tensor = narrow_for_rank(model, name, full, shard)
+            load_tensor(model, name, tensor, shard_rows(model, name, shard), hf_name)
+            expected.discard((name, shard))
+            if shard is None:  # a whole tensor fills every shard of its parameter
+                expected.difference_update((name, i) for i in checkpoint_shards(model, name))
     if expected:
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected)
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.finish_loading()
+
+
+def quantized_at_load(
+    model: nn.Module, name: str, tensor: torch.Tensor, hf_name: str
+) -> list[tuple[str, torch.Tensor]]:
+    """[(parameter name, full checkpoint tensor)]: the tensor as it is, or, for the weight of a
+    layer that quantizes as it loads, its e4m3 rows and their scales. Whole rows are quantized
+    before tensor parallelism narrows them, so every rank holds TP=1's values."""
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if param_name != "weight" or not (isinstance(module, Linear) and module.quantizes_at_load):
+        return [(name, tensor)]
+    if tensor.dtype in FP8_DTYPES:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} is already {tensor.dtype}, but config.json declares "
+            "no FP8 quantization_config that says how to read its scales"
+        )
+    quantized, scale = quantize_rows(tensor.to(module.weight.device))
+    return [(name, quantized), (f"{module_name}.weight_scale", scale)]
+
+
+def load_tensor(
+    model: nn.Module, name: str, tensor: torch.Tensor, rows: ShardIndex | None, hf_name: str
+) -> None:
+    """Copy one checkpoint tensor into parameter ``name``; an FP8 layer takes it its own way."""
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, Linear) and module.fp8 is not None:
+        module.load_fp8(param_name, tensor, rows, hf_name)
+        return
+    if tensor.dtype in FP8_DTYPES:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but config.json declares no FP8 "
+            "quantization_config for it (or lists its module as not quantized)"
+        )
+    copy_into(getattr(module, param_name), tensor, rows, hf_name)
 
 
 def expected_shards(model: nn.Module) -> set[tuple[str, int | None]]:

@@ -50,7 +50,10 @@ _MERGED = {
     "up_proj": ("gate_up_proj", 1),
 }
 # A checkpoint's fused projection (Phi-3) -> the HF names of the blocks its rows stack, in order.
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
@@ -260,11 +263,14 @@ def split_fused(
     for name, tensor in weights:
         module, _, param = name.rpartition(".")
         parent, _, proj = module.rpartition(".")
-        if proj not in _FUSED:
+        if proj not in FUSED_PROJECTIONS:
             yield name, tensor
+            continue
+        if tensor.numel() == 1:  # an FP8 per-tensor scale: it holds for every block
+            yield from ((f"{parent}.{block}.{param}", tensor) for block in FUSED_PROJECTIONS[proj])
             continue
         rows = sum(sizes[proj])
         if tensor.shape[0] != rows:
             raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, not {rows}")
-        for block, part in zip(_FUSED[proj], tensor.split(sizes[proj]), strict=True):
+        for block, part in zip(FUSED_PROJECTIONS[proj], tensor.split(sizes[proj]), strict=True):
             yield f"{parent}.{block}.{param}", part

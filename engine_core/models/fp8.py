@@ -1,0 +1,115 @@
+"""FP8 (e4m3) weights: quantizing at load, dequantizing for reference, and the FP8 matmul.
+
+A linear layer in FP8 (``Linear`` in layers.py, with ``fp8`` set) holds ``weight`` [N, K] in
+e4m3, ``weight_scale`` in float32 ([N], one per output row; or [ceil(N / bn), ceil(K / bk)],
+one per block of the block-wise format) and, with static activations, ``input_scale`` [1]. The
+real weight is ``weight * scale`` of its row or block.
+
+The matmul dispatches on the device:
+
+- CUDA (compute capability 8.9 or newer): activations are quantized to e4m3 (per token, per
+  token and 128-column group for block weights, or with the static scale) and multiplied on the
+  FP8 tensor cores (engine_core/models/fp8_kernels.py, imported only there: it imports triton).
+- anywhere else: the dequantizing reference, which CI runs. Weights are dequantized (in float32,
+  then cast to the activations' dtype) and multiplied in the activations' dtype; activations are
+  not quantized. So the CPU path shows exactly what a format's weights are, and the GPU kernels'
+  activation rounding is measured against it by the GPU tests.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from engine_core.config import Fp8Config
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
+# A row of zeros still gets a finite, positive scale.
+MIN_SCALE = 1e-12
+
+
+def fp8_kernels() -> ModuleType:
+    """The CUDA kernels' module, imported on first use: importing it imports triton."""
+    from engine_core.models import fp8_kernels as kernels
+
+    return kernels
+
+
+def check_fp8_device(device: torch.device, what: str) -> None:
+    """Refuse FP8 on a CUDA device without FP8 tensor cores (before Ada, sm_89)."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"{what} needs a GPU with FP8 support (compute capability 8.9 or newer: Ada, Hopper "
+            f"or later); {name} has {capability[0]}.{capability[1]}"
+        )
+
+
+def weight_scale_shape(config: Fp8Config, rows: int, cols: int) -> tuple[int, ...]:
+    """The shape of ``weight_scale`` for a [rows, cols] weight."""
+    if config.block is None:
+        return (rows,)
+    block_rows, block_cols = config.block
+    return (-(-rows // block_rows), -(-cols // block_cols))
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype) -> (e4m3 [N, K], scale [N] float32), one scale per row:
+    absmax / 448, so each row uses e4m3's whole range."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)  # [N]
+    quantized = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config) -> torch.Tensor:
+    """e4m3 weight [N, K] and its scales -> float32 [N, K] (the values the weight stands for)."""
+    if config.block is None:
+        return weight.float() * scale[:, None]
+    rows, cols = weight.shape
+    block_rows, block_cols = config.block
+    expanded = scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)
+    return weight.float() * expanded[:, :cols]
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    config: Fp8Config,
+) -> torch.Tensor:
+    """x [..., K] @ the FP8 weight [N, K] transposed -> [..., N] in x's dtype (no bias)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
+        out = fp8_linear_cuda(rows, weight, weight_scale, input_scale, config)
+    else:
+        out = F.linear(rows, dequantize(weight, weight_scale, config).to(x.dtype))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_linear_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    config: Fp8Config,
+) -> torch.Tensor:
+    """x [M, K] -> [M, N] on the FP8 tensor cores: activations quantized, then one GEMM."""
+    kernels = fp8_kernels()
+    if config.block is not None:
+        xq, x_scale = kernels.quantize_per_token_group(x, config.block[1])  # [M, K], [M, K/bk]
+        return kernels.fp8_block_gemm(xq, x_scale, weight, weight_scale, config.block, x.dtype)
+    if input_scale is None:
+        xq, x_scale = kernels.quantize_per_token(x)  # [M, K], [M, 1]
+    else:
+        xq = kernels.quantize_static(x, input_scale)
+        x_scale = input_scale.view(1, 1).expand(x.shape[0], 1)
+    return kernels.fp8_rowwise_gemm(xq, x_scale, weight, weight_scale, x.dtype)

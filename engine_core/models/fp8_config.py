@@ -1,0 +1,195 @@
+"""Which FP8 format a checkpoint's config.json declares, and the ``--quantization`` flag.
+
+Two checkpoint formats are read, from ``quantization_config`` in config.json:
+
+- ``"quant_method": "compressed-tensors"`` (llm-compressor's output): FP8 weights with per-tensor
+  or per-channel scales (``weight_scale``) and static (``input_scale``) or dynamic per-token
+  activations, or 128 x 128 weight blocks with per-token-group activations; optionally FP8 KV
+  scales (``kv_cache_scheme``; ``self_attn.k_scale`` / ``v_scale``). The compressed-tensors
+  package validates the config and fills its defaults, so we read what its authors meant.
+- ``"quant_method": "fp8"`` (transformers' FP8 format; DeepSeek-V3, Qwen3-FP8): block-wise
+  weights (``weight_block_size``, scales in ``weight_scale_inv``) with dynamic per-token-group
+  activations; or, without a block size, per-tensor weight scales.
+
+Anything else in ``quantization_config`` is refused with the field that makes it so: a format we
+read wrongly would serve garbage that looks like an answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from engine_core.config import Fp8Config
+
+READABLE_METHODS = ("compressed-tensors", "fp8")
+
+
+def fp8_config_from_hf(hf: dict[str, Any]) -> Fp8Config | None:
+    """The FP8 layout that config.json's ``quantization_config`` declares (None: none)."""
+    qc = hf.get("quantization_config") or hf.get("compression_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return compressed_tensors_config(qc)
+    if method == "fp8":
+        return fp8_method_config(qc)
+    raise ValueError(
+        f"quantization_config.quant_method {method!r} is not a format Tandem reads; it reads "
+        f"{' and '.join(map(repr, READABLE_METHODS))} (FP8)"
+    )
+
+
+def with_quantization_flag(config: Fp8Config | None, flag: str | None) -> Fp8Config | None:
+    """Merge ``--quantization``: 'fp8' quantizes a plain checkpoint as it loads; on an FP8
+    checkpoint it changes nothing (the checkpoint's scales are kept)."""
+    if flag is None or config is not None:
+        return config
+    if flag != "fp8":
+        raise ValueError(f"--quantization {flag!r} is not supported; the only value is 'fp8'")
+    return Fp8Config(weight_scales="channel", dynamic_activations=True, prequantized=False)
+
+
+# ---- compressed-tensors -------------------------------------------------------------------------
+
+
+def compressed_tensors_config(qc: dict[str, Any]) -> Fp8Config:
+    from compressed_tensors.quantization import QuantizationConfig
+    from pydantic import ValidationError
+
+    where = "quantization_config (compressed-tensors)"
+    try:
+        parsed = QuantizationConfig.model_validate(qc)
+    except ValidationError as exc:
+        raise ValueError(f"{where} is malformed: {exc.errors()[0]['msg']}") from None
+    if parsed.format not in ("float-quantized", "naive-quantized", None):
+        raise ValueError(f"{where}.format {parsed.format!r} is not FP8; Tandem reads FP8 only")
+    schemes = list(parsed.config_groups.values())
+    if len(schemes) != 1:
+        raise ValueError(f"{where} has {len(schemes)} config_groups; Tandem reads one")
+    scheme = schemes[0]
+    if list(scheme.targets) != ["Linear"]:
+        raise ValueError(f"{where} targets {scheme.targets}; Tandem reads ['Linear'] only")
+    if scheme.output_activations is not None:
+        raise ValueError(f"{where}: output_activations quantization is not supported")
+    weights = fp8_args(scheme.weights, f"{where}.weights")
+    block = ct_weight_block(weights, where)
+    dynamic = ct_activations_dynamic(scheme.input_activations, block, where)
+    return Fp8Config(
+        weight_scales="channel" if block is None else "block",
+        dynamic_activations=dynamic,
+        prequantized=True,
+        block=block,
+        source="compressed-tensors",
+        ignore=tuple(ignore_pattern(entry, substring=False) for entry in parsed.ignore or ()),
+        kv_scales=ct_kv_scales(parsed.kv_cache_scheme, where),
+    )
+
+
+def fp8_args(args: Any, where: str) -> Any:
+    """``args`` (compressed-tensors QuantizationArgs) if it describes symmetric 8-bit floats."""
+    if args is None:
+        raise ValueError(f"{where} is missing")
+    if args.type != "float" or args.num_bits != 8:
+        raise ValueError(f"{where}: {args.num_bits}-bit {args.type} is not FP8; Tandem reads FP8")
+    if not args.symmetric:
+        raise ValueError(f"{where}: asymmetric (zero-point) FP8 is not supported")
+    return args
+
+
+def strategy_of(args: Any) -> str:
+    """A QuantizationArgs' strategy as a string ("tensor" where it names none)."""
+    return str(getattr(args.strategy, "value", args.strategy) or "tensor")
+
+
+def ct_weight_block(weights: Any, where: str) -> tuple[int, int] | None:
+    """None for per-tensor or per-channel weight scales, the block shape for block scales."""
+    strategy = strategy_of(weights)
+    if weights.dynamic:
+        raise ValueError(f"{where}.weights: dynamic weight scales are not supported")
+    if strategy in ("tensor", "channel"):
+        return None
+    if strategy == "block" and weights.block_structure and len(weights.block_structure) == 2:
+        return int(weights.block_structure[0]), int(weights.block_structure[1])
+    raise ValueError(f"{where}.weights.strategy {strategy!r} is not supported")
+
+
+def ct_activations_dynamic(args: Any, block: tuple[int, int] | None, where: str) -> bool:
+    """Whether activations are quantized at run time (True) or with the static input_scale."""
+    if args is None:
+        raise ValueError(
+            f"{where}: weight-only FP8 (no input_activations) is not supported; "
+            "Tandem runs FP8 weights with FP8 activations"
+        )
+    args = fp8_args(args, f"{where}.input_activations")
+    strategy = strategy_of(args)
+    if block is not None:
+        if strategy == "group" and args.dynamic and args.group_size == block[1]:
+            return True
+        raise ValueError(
+            f"{where}: block weights need dynamic per-group activations with group_size "
+            f"{block[1]}, not {strategy!r} (dynamic={args.dynamic}, group_size={args.group_size})"
+        )
+    if strategy == "token" and args.dynamic:
+        return True
+    if strategy == "tensor" and not args.dynamic:
+        return False
+    raise ValueError(
+        f"{where}.input_activations: strategy {strategy!r} with dynamic={args.dynamic} is not "
+        "supported (dynamic per token, or a static per-tensor scale)"
+    )
+
+
+def ct_kv_scales(args: Any, where: str) -> bool:
+    """Whether the checkpoint carries FP8 K/V scales (``kv_cache_scheme``)."""
+    if args is None:
+        return False
+    args = fp8_args(args, f"{where}.kv_cache_scheme")
+    strategy = strategy_of(args)
+    if strategy != "tensor" or args.dynamic:
+        raise ValueError(f"{where}.kv_cache_scheme: only static per-tensor K/V scales are read")
+    return True
+
+
+# ---- transformers' "fp8" ------------------------------------------------------------------------
+
+
+def fp8_method_config(qc: dict[str, Any]) -> Fp8Config:
+    where = "quantization_config (fp8)"
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{where}.fmt {qc['fmt']!r} is not supported; Tandem reads e4m3")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"{where}.activation_scheme {scheme!r} is not 'dynamic' or 'static'")
+    block = qc.get("weight_block_size")
+    if block is not None and (len(block) != 2 or scheme != "dynamic"):
+        raise ValueError(
+            f"{where}: weight_block_size {block} needs two sizes and dynamic activations"
+        )
+    ignore = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
+    return Fp8Config(
+        weight_scales="channel" if block is None else "block",
+        dynamic_activations=scheme == "dynamic",
+        prequantized=True,
+        block=None if block is None else (int(block[0]), int(block[1])),
+        source="fp8",
+        # transformers skips every module whose name contains an entry.
+        ignore=tuple(ignore_pattern(entry, substring=True) for entry in ignore),
+    )
+
+
+def ignore_pattern(entry: str, substring: bool) -> str:
+    """An ignore-list entry as a regular expression over full module names: compressed-tensors
+    entries are names (a module or its last parts) or ``re:``-prefixed patterns; transformers'
+    are substrings."""
+    if entry.startswith("re:"):  # compressed-tensors matches these with re.match: a prefix
+        return f"(?:{entry.removeprefix('re:')}).*"
+    if substring:
+        return f".*{re.escape(entry)}.*"
+    return f"(.*\\.)?{re.escape(entry)}"
+
+
+def is_ignored(module_name: str, config: Fp8Config) -> bool:
+    """Whether checkpoint module ``module_name`` stays unquantized under ``config``."""
+    return any(re.fullmatch(pattern, module_name) for pattern in config.ignore)

@@ -1,0 +1,363 @@
+"""FP8 weights on the CPU: each checkpoint format, written here in its own layout, loads through
+our loader and gives HF transformers' greedy tokens on the dequantized weights.
+
+The CPU runs FP8 layers through the dequantizing reference (engine_core/models/fp8.py): weights
+dequantized, activations not quantized. So the reference is exact: HF on a plain checkpoint
+holding the same dequantized values, computed here independently of our code (e4m3 values times
+their row's or block's scale), must give the same tokens, with logits within ATOL (float32, the
+two implementations' own rounding). Bad checkpoints each give their own clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine_core.config import EngineConfig
+from engine_core.loader import load_model
+from engine_core.models.fp8 import check_fp8_device
+from tests.factories import tiny_hf_sizes
+from tests.paged_harness import (
+    GreedyResult,
+    assert_matches,
+    generate_greedy,
+    hf_greedy,
+    random_prompts,
+    randomize,
+)
+
+VOCAB = 256
+NEW_TOKENS = 16
+ATOL = 1e-4
+PROMPTS = random_prompts(VOCAB, (5, 11, 23))
+E4M3 = torch.float8_e4m3fn
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BLOCK = (32, 32)  # divides every projection of the tiny model (64 and 128 wide, 32-wide k/v)
+
+
+# ---- the formats, written as their tools write them ---------------------------------------------
+
+
+def quantize_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1, keepdim=True) / 448.0  # [N, 1]
+    return (w / scale).to(E4M3), scale
+
+
+def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().max().reshape(1) / 448.0
+    return (w / scale).to(E4M3), scale
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    tiles = w.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
+    scale = tiles.abs().amax(dim=(1, 3)) / 448.0  # [N / 32, K / 32]
+    quantized = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(E4M3)
+    return quantized, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Independent of our code: a [N, 1] / [1] scale broadcasts; a block scale tiles."""
+    if scale.dim() == 2 and scale.shape[1] != 1:
+        scale = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+    return q.float() * scale
+
+
+def compressed_tensors_config(preset: str, kv_scales: bool = False) -> dict:
+    """quantization_config as llm-compressor writes it, from compressed-tensors' own presets."""
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        preset_name_to_scheme,
+    )
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if scheme.weights.block_structure:
+        scheme.weights.block_structure = list(BLOCK)
+        scheme.input_activations.group_size = BLOCK[1]
+    kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor") if kv_scales else None
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        ignore=["lm_head"],
+        format="float-quantized",
+        kv_cache_scheme=kv,
+        quantization_status="compressed",
+    )
+    return config.model_dump(mode="json")
+
+
+@dataclasses.dataclass
+class Format:
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    config: Callable[[], dict]
+    scale_name: str = "weight_scale"
+    static_input: bool = False
+
+
+FORMATS = {
+    "ct-channel-dynamic": Format(
+        quantize_per_row, lambda: compressed_tensors_config("FP8_DYNAMIC")
+    ),
+    "ct-tensor-static": Format(
+        quantize_per_tensor, lambda: compressed_tensors_config("FP8"), static_input=True
+    ),
+    "ct-block": Format(quantize_blocks, lambda: compressed_tensors_config("FP8_BLOCK")),
+    "fp8-block": Format(
+        quantize_blocks,
+        lambda: {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(BLOCK),
+        },
+        scale_name="weight_scale_inv",
+    ),
+    "fp8-tensor-static": Format(
+        quantize_per_tensor,
+        lambda: {"quant_method": "fp8", "activation_scheme": "static"},
+        static_input=True,
+    ),
+}
+
+
+def make_hf_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**tiny_hf_sizes(VOCAB))).eval()
+    randomize(model, seed)
+    return model
+
+
+def write_quantized(
+    hf_model: torch.nn.Module, fmt: Format, quantized_dir: Path, reference_dir: Path
+) -> None:
+    """``quantized_dir``: the FP8 checkpoint; ``reference_dir``: a plain float32 checkpoint of
+    the values it stands for (what HF runs as the reference)."""
+    hf_model.save_pretrained(reference_dir)
+    state = load_file(reference_dir / "model.safetensors")
+    quantized: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        module, _, param = name.rpartition(".")
+        if param != "weight" or module.rpartition(".")[2] not in LINEARS:
+            quantized[name] = tensor
+            continue
+        q, scale = fmt.quantize(tensor)
+        quantized[name], quantized[f"{module}.{fmt.scale_name}"] = q, scale
+        state[name] = dequantize(q, scale)
+        if fmt.static_input:
+            quantized[f"{module}.input_scale"] = torch.tensor([0.05])
+    save_file(state, str(reference_dir / "model.safetensors"))
+    write_folder(quantized_dir, reference_dir, quantized, fmt.config())
+
+
+def write_folder(
+    folder: Path, like: Path, tensors: dict[str, torch.Tensor], quantization_config: dict
+) -> None:
+    folder.mkdir(exist_ok=True)
+    config = json.loads((like / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def reference_run(folder: Path) -> list[GreedyResult]:
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    return [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> torch.nn.Module:
+    return make_hf_model()
+
+
+# ---- each format matches HF on its dequantized weights ------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_fp8_checkpoint_matches_dequantized_hf(
+    name: str, hf_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    write_quantized(hf_model, FORMATS[name], tmp_path / "fp8", tmp_path / "ref")
+    ours = load_model(str(tmp_path / "fp8"), torch.device("cpu"), torch.float32).module
+    qkv = ours.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == E4M3 and qkv.fp8 is not None  # held in FP8, not widened
+    got = generate_greedy(ours, PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=2)
+    assert_matches(got, reference_run(tmp_path / "ref"), ATOL)
+
+
+def test_quantization_flag_quantizes_per_row_as_it_loads(
+    hf_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    """--quantization fp8 on a plain checkpoint: e4m3 weights with one absmax scale per output
+    row, the same values as the test's own per-row quantization."""
+    plain, ref = tmp_path / "plain", tmp_path / "ref"
+    hf_model.save_pretrained(plain)
+    write_quantized(hf_model, FORMATS["ct-channel-dynamic"], tmp_path / "unused", ref)
+    ours = load_model(str(plain), torch.device("cpu"), torch.float32, quantization="fp8").module
+    assert ours.model.layers[1].mlp.down_proj.weight.dtype == E4M3
+    got = generate_greedy(ours, PROMPTS, NEW_TOKENS)
+    assert_matches(got, reference_run(ref), ATOL)
+
+
+def test_fp8_changes_the_logits_at_all(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    """The comparisons above only prove the format is read if ignoring the scales would fail."""
+    hf_model.save_pretrained(tmp_path)
+    plain = load_model(str(tmp_path), torch.device("cpu"), torch.float32).module
+    fp8 = load_model(str(tmp_path), torch.device("cpu"), torch.float32, quantization="fp8").module
+    a = generate_greedy(plain, PROMPTS[:1], 4).logits[0]
+    b = generate_greedy(fp8, PROMPTS[:1], 4).logits[0]
+    assert (a - b).abs().max() > 100 * ATOL
+
+
+# ---- bad checkpoints and flags ------------------------------------------------------------------
+
+
+def fp8_folder(hf_model: torch.nn.Module, tmp_path: Path, name: str = "ct-channel-dynamic") -> Path:
+    write_quantized(hf_model, FORMATS[name], tmp_path / "fp8", tmp_path / "ref")
+    return tmp_path / "fp8"
+
+
+def edit_tensors(folder: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def edit_config(folder: Path, edit: Callable[[dict], None]) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def load(folder: Path, **kwargs: str) -> None:
+    load_model(str(folder), torch.device("cpu"), torch.float32, **kwargs)
+
+
+SCALE = "model.layers.0.self_attn.k_proj.weight_scale"
+
+
+def test_missing_scale_is_named(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    folder = fp8_folder(hf_model, tmp_path)
+    edit_tensors(folder, lambda t: t.pop(SCALE))
+    with pytest.raises(ValueError, match=r"lacks 1 weights.*qkv_proj\.weight_scale\[1\]"):
+        load(folder)
+
+
+def test_scale_of_wrong_shape_is_named(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    folder = fp8_folder(hf_model, tmp_path)
+    edit_tensors(folder, lambda t: t.update({SCALE: torch.ones(7, 1)}))
+    with pytest.raises(ValueError, match=f"{SCALE}.*shape \\(7,\\), expected \\(32,\\)"):
+        load(folder)
+
+
+def test_non_positive_scale_is_refused(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    folder = fp8_folder(hf_model, tmp_path)
+    edit_tensors(folder, lambda t: t[SCALE].zero_())
+    with pytest.raises(ValueError, match=f"{SCALE}.*not positive"):
+        load(folder)
+
+
+def test_fp8_weights_without_a_quantization_config(
+    hf_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    folder = fp8_folder(hf_model, tmp_path)
+    edit_config(folder, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match="no FP8 quantization_config"):
+        load(folder)
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "message"),
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not a format Tandem reads"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
+        (
+            {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+            "needs two sizes and dynamic activations",
+        ),
+    ],
+)
+def test_unreadable_formats_are_named(
+    quantization_config: dict, message: str, hf_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    folder = fp8_folder(hf_model, tmp_path)
+    edit_config(folder, lambda c: c.update(quantization_config=quantization_config))
+    with pytest.raises(ValueError, match=message):
+        load(folder)
+
+
+def test_compressed_tensors_int8_is_refused(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    folder = fp8_folder(hf_model, tmp_path)
+    edit_config(folder, lambda c: c.update(quantization_config=compressed_tensors_config("W8A8")))
+    with pytest.raises(ValueError, match="8-bit int is not FP8"):
+        load(folder)
+
+
+def test_weight_only_fp8_is_refused(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    folder = fp8_folder(hf_model, tmp_path)
+    config = compressed_tensors_config("FP8_DYNAMIC")
+    config["config_groups"]["group_0"]["input_activations"] = None
+    edit_config(folder, lambda c: c.update(quantization_config=config))
+    with pytest.raises(ValueError, match="weight-only FP8"):
+        load(folder)
+
+
+def test_fp8_refused_for_moe(tmp_path: Path) -> None:
+    from transformers import MixtralConfig
+
+    sizes = tiny_hf_sizes(VOCAB)
+    model = AutoModelForCausalLM.from_config(MixtralConfig(**sizes, num_local_experts=4))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not implemented for mixture-of-experts"):
+        load(tmp_path, quantization="fp8")
+
+
+def test_unknown_quantization_flag_is_refused() -> None:
+    with pytest.raises(ValueError, match="--quantization 'int4' is not supported"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'fp16' is not supported"):
+        EngineConfig(kv_cache_dtype="fp16")
+
+
+def test_gpu_without_fp8_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An A100 (sm_80) has no FP8 tensor cores: refused at start-up, naming the GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="NVIDIA A100 has 8.0"):
+        check_fp8_device(torch.device("cuda"), "--quantization fp8")
+
+
+# ---- tensor parallelism and the engine ----------------------------------------------------------
+
+
+def generate_tokens(folder: Path, **engine_args: object) -> list[list[int]]:
+    from engine_core.llm import LLM
+    from protocol.messages import SamplingParams
+
+    llm = LLM(str(folder), block_size=4, num_kv_blocks=64, max_model_len=128, **engine_args)
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(PROMPTS, params, detokenize=False)]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["quantization-flag", "ct-tensor-static"])
+def test_tp2_fp8_matches_tp1(name: str, hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    """Each rank holds its rows (or columns) of the FP8 weights and their scales: per-row
+    scales split with the rows, per-tensor scales and static input scales stay whole."""
+    if name == "quantization-flag":
+        hf_model.save_pretrained(tmp_path / "fp8")
+        args: dict[str, object] = {"quantization": "fp8"}
+    else:
+        write_quantized(hf_model, FORMATS[name], tmp_path / "fp8", tmp_path / "ref")
+        args = {}
+    tp1 = generate_tokens(tmp_path / "fp8", **args)
+    tp2 = generate_tokens(tmp_path / "fp8", tensor_parallel_size=2, **args)
+    assert tp2 == tp1
