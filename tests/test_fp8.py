@@ -361,3 +361,22 @@ def test_tp2_fp8_matches_tp1(name: str, hf_model: torch.nn.Module, tmp_path: Pat
     tp1 = generate_tokens(tmp_path / "fp8", **args)
     tp2 = generate_tokens(tmp_path / "fp8", tensor_parallel_size=2, **args)
     assert tp2 == tp1
+
+
+def test_kv_cache_scales_are_read_per_layer(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    """compressed-tensors' kv_cache_scheme: self_attn.k_scale / v_scale per layer reach the
+    loaded model's KV scales (the model runner gives them to an FP8 cache)."""
+    folder = fp8_folder(hf_model, tmp_path)
+    scales = {
+        f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.5 + i + (kv == "v"))
+        for i in range(2)
+        for kv in "kv"
+    }
+    edit_tensors(folder, lambda t: t.update(scales))
+    config = compressed_tensors_config("FP8_DYNAMIC", kv_scales=True)
+    edit_config(folder, lambda c: c.update(quantization_config=config))
+    loaded = load_model(str(folder), torch.device("cpu"), torch.float32)
+    assert loaded.kv_scales == {0: (0.5, 1.5), 1: (1.5, 2.5)}
+    edit_tensors(folder, lambda t: t.pop("model.layers.1.self_attn.v_scale"))
+    with pytest.raises(ValueError, match="lacks the FP8 KV cache scales of layer 1"):
+        load(folder)

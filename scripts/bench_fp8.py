@@ -1,0 +1,186 @@
+"""FP8 benchmark on the GPU machine: bf16 against FP8 weights against FP8 weights + FP8 KV cache.
+
+    python scripts/bench_fp8.py [--model llama-8b] [--variants bf16,fp8,fp8+kv] [--json OUT]
+
+One engine core per variant, in this process (CUDA graphs, overlapped loop, random weights with
+the preset's real shapes; the FP8 variants quantize those same random weights per output row as
+``--quantization fp8`` does), each serving, with fresh random prompts and EOS ignored:
+
+- **decode-64**: 64 requests of 128 prompt tokens, 256 output tokens; output tok/s, TPOT p50 and
+  the share of the HBM roofline: the bytes a step must read (the model's parameters as that
+  variant holds them, plus the KV cache at the mean context in the cache's dtype) over the
+  measured copy bandwidth.
+- **long**: 32 requests of 3,800 prompt tokens, 256 output tokens (the same measures).
+- **prefill**: 64 prompts of 2,048 tokens, one output token each; tokens per second to the last
+  first token.
+
+Prints one table per variant and the ratios to bf16, with the command that made them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_decode import (  # noqa: E402
+    RunResult,
+    Workload,
+    device_name,
+    measure_hbm_bandwidth,
+    run_inproc,
+)
+
+from engine_core.config import EngineConfig  # noqa: E402
+from engine_core.presets import PRESETS  # noqa: E402
+
+BLOCK_SIZE = 16
+# variant -> (--quantization, --kv-cache-dtype)
+VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8+kv": ("fp8", "fp8")}
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    weight_bytes: int
+    kv_element_bytes: int
+    startup_s: float
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def workloads(args: argparse.Namespace) -> dict[str, Workload]:
+    return {
+        "decode-64": Workload(64, 128, args.output_len, 0),
+        "long": Workload(32, args.long_prompt_len, args.output_len, 0),
+        "prefill": Workload(64, 2048, 1, 0),
+    }
+
+
+def engine_config(args: argparse.Namespace, variant: str) -> EngineConfig:
+    quantization, kv_dtype = VARIANTS[variant]
+    blocks = max(w.num_requests * (-(-(w.prompt_len + w.output_len) // BLOCK_SIZE) + 1)
+                 for w in workloads(args).values())  # fmt: skip
+    return EngineConfig(
+        model=f"random:{args.model}",
+        device=args.device,
+        max_model_len=min(4096, PRESETS[args.model].max_position_embeddings),
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=blocks,  # the runs take turns: room for the largest
+        max_num_seqs=64,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=quantization,
+        kv_cache_dtype=kv_dtype,
+    )
+
+
+def bench_variant(args: argparse.Namespace, variant: str, bandwidth: float) -> VariantResult:
+    from engine_core.core import EngineCore
+
+    start = time.perf_counter()
+    core = EngineCore(engine_config(args, variant))
+    model = core.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = core.runner.kv_cache.element_size()
+    result = VariantResult(variant, weight_bytes, kv_bytes, time.perf_counter() - start)
+    vocab = core.model_config.vocab_size
+    seed = iter(range(1000 * (1 + list(VARIANTS).index(variant)), 10**6))
+    run_inproc(core, Workload(8, 64, 8, next(seed)), vocab, "warmup")
+    for name, work in workloads(args).items():
+        fresh = Workload(work.num_requests, work.prompt_len, work.output_len, next(seed))
+        run_inproc(core, fresh.shorter(min(8, work.output_len), next(seed)), vocab, f"w-{name}")
+        run = run_inproc(core, fresh, vocab, name)
+        result.runs[name] = measures(run, work, core, weight_bytes, kv_bytes, bandwidth)
+        print(f"{variant:7s} {name:9s} {summary(result.runs[name])}", flush=True)
+    del core, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def measures(
+    run: RunResult, work: Workload, core: Any, weight_bytes: int, kv_bytes: int, bandwidth: float
+) -> dict[str, Any]:
+    out = asdict(run)
+    if work.output_len == 1:  # a prefill: prompt tokens over the time to the last first token
+        out["prefill_tok_s"] = work.num_requests * work.prompt_len / run.duration_s
+        return out
+    mean_context = work.prompt_len + work.output_len / 2
+    kv = work.num_requests * mean_context * core.model_config.kv_bytes_per_token_at(kv_bytes)
+    step_bytes = weight_bytes + kv
+    out["step_bytes"] = step_bytes
+    out["roofline_tok_s"] = work.num_requests * bandwidth / step_bytes
+    out["roofline_share"] = run.tok_s / out["roofline_tok_s"]
+    return out
+
+
+def summary(m: dict[str, Any]) -> str:
+    if "prefill_tok_s" in m:
+        return f"{m['prefill_tok_s']:,.0f} prompt tok/s ({m['duration_s']:.2f} s)"
+    return (
+        f"{m['tok_s']:,.0f} tok/s, TPOT p50 {m['tpot_p50_ms']:.2f} ms, "
+        f"{m['roofline_share']:.0%} of roofline"
+    )
+
+
+def format_report(results: list[VariantResult], argv: list[str], bandwidth: float) -> str:
+    base = {r.variant: r for r in results}.get("bf16")
+    lines = [
+        f"{device_name()}, {time.strftime('%Y-%m-%d %H:%M')}",
+        f"command: python {shlex.join([sys.argv[0], *argv])}",
+        f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+        "",
+        "| variant | weights GiB | workload | tok/s | TPOT p50 ms | % of roofline | vs bf16 |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        for name, m in r.runs.items():
+            speed = m.get("prefill_tok_s", m["tok_s"])
+            ratio = ""
+            if base is not None and name in base.runs:
+                b = base.runs[name]
+                ratio = f"{speed / b.get('prefill_tok_s', b['tok_s']):.2f}x"
+            share = f"{m['roofline_share']:.0%}" if "roofline_share" in m else "-"
+            tpot = f"{m['tpot_p50_ms']:.2f}" if "prefill_tok_s" not in m else "-"
+            lines.append(
+                f"| {r.variant} | {r.weight_bytes / 2**30:.2f} | {name} | {speed:,.0f} | "
+                f"{tpot} | {share} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-8b", choices=sorted(PRESETS))
+    p.add_argument("--variants", default=",".join(VARIANTS), type=lambda s: s.split(","))
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--long-prompt-len", type=int, default=3800)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    bandwidth = measure_hbm_bandwidth(args.device)
+    results = [bench_variant(args, variant, bandwidth) for variant in args.variants]
+    report = format_report(results, argv, bandwidth)
+    print("\n" + report)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
