@@ -138,10 +138,10 @@ def main(argv: list[str]) -> int:
     totals = {name: [0, 0.0] for name in variants}
     positions = 0
     for text in PROMPTS:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
         )
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        prompt = tokenizer(chat, add_special_tokens=False).input_ids
         ids = prompt + greedy(bf16, prompt, args.new_tokens)
         scored = slice(len(prompt) - 1, len(ids) - 1)  # the logits that chose each new token
         reference = sequence_logits(bf16, ids, torch.bfloat16)[scored]

@@ -299,8 +299,8 @@ class Linear(nn.Linear):
 
     ``make_fp8`` turns it into an FP8 layer before its weights load: ``weight`` becomes e4m3,
     ``weight_scale`` (and, with static activations, ``input_scale``) join it, and ``load_fp8``
-    takes checkpoint tensors in either form: FP8 with scales, or plain weights that it quantizes
-    row by row as they arrive (``--quantization fp8``).
+    takes the checkpoint's FP8 tensors and scales. Under ``--quantization fp8`` the loader
+    quantizes plain weights into that same form first (``quantized_at_load``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
