@@ -174,7 +174,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     bandwidth = measure_hbm_bandwidth(args.device)
-    results = [bench_variant(args, variant, bandwidth) for variant in args.variants]
+    results = []
+    for variant in args.variants:
+        try:
+            results.append(bench_variant(args, variant, bandwidth))
+        except Exception as exc:  # one variant failing still leaves the others' figures
+            print(f"{variant}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
     report = format_report(results, argv, bandwidth)
     print("\n" + report)
     if args.json:

@@ -1,0 +1,176 @@
+"""GPU tests of the FP8 matmul kernels (engine_core/models/fp8_kernels.py) against torch
+references written here: the quantizers' scales are absmax / 448 and their values round-trip
+within e4m3's rounding; both GEMMs equal float32 matmuls of the dequantized operands (up to
+bf16 output rounding); a CUDA graph replays them exactly; an FP8 linear on the GPU equals the
+CPU's dequantizing reference within the activations' rounding, and an FP8 engine on the GPU
+picks the CPU reference's greedy tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("needs a CUDA GPU with FP8 (sm_89+)", allow_module_level=True)
+
+from engine_core.config import Fp8Config  # noqa: E402
+from engine_core.llm import LLM  # noqa: E402
+from engine_core.models.fp8 import fp8_linear, quantize_rows  # noqa: E402
+from engine_core.models.fp8_kernels import (  # noqa: E402
+    fp8_block_gemm,
+    fp8_rowwise_gemm,
+    quantize_per_token,
+    quantize_per_token_group,
+    quantize_static,
+)
+from protocol.messages import SamplingParams  # noqa: E402
+from tests.factories import write_tiny_llama  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+ROWS = (1, 7, 16, 64, 200, 2048)
+SHAPES = ((512, 256), (4096, 4096), (6144, 4096), (4096, 14336))  # (N, K)
+
+
+def activations(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return x * torch.rand(m, 1, device="cuda", generator=gen, dtype=torch.bfloat16) * 4
+
+
+def weight(n: int, k: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    return torch.randn(n, k, device="cuda", generator=gen) * 0.02
+
+
+def assert_close_relative(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    err = (got.float() - want).abs().max() / want.abs().max()
+    assert err < rel, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_quantize_per_token(m: int) -> None:
+    x = activations(m, 4096)
+    q, scale = quantize_per_token(x)
+    assert q.dtype == E4M3 and scale.shape == (m, 1)
+    want = x.float().abs().amax(dim=1, keepdim=True) / 448.0
+    torch.testing.assert_close(scale, want, rtol=1e-6, atol=0)
+    # e4m3 keeps 3 mantissa bits: each value within 2^-4 of itself (relative), or tiny
+    back = q.float() * scale
+    assert ((back - x.float()).abs() <= x.float().abs() * 2**-4 + scale * 2**-9).all()
+
+
+def test_quantize_static_and_groups() -> None:
+    x = activations(33, 1024)
+    s = torch.tensor([0.01], device="cuda")
+    q = quantize_static(x, s)
+    want = (x.float() / 0.01).clamp(-448, 448).to(E4M3)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    qg, sg = quantize_per_token_group(x, 128)
+    assert sg.shape == (33, 8)
+    groups = x.float().view(33, 8, 128)
+    torch.testing.assert_close(sg, groups.abs().amax(-1) / 448.0, rtol=1e-6, atol=0)
+    want_g = (groups / sg[..., None]).clamp(-448, 448).to(E4M3).view(33, 1024)
+    assert torch.equal(qg.view(torch.uint8), want_g.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_rowwise_gemm_matches_dequantized_matmul(m: int, n: int, k: int) -> None:
+    x, w = activations(m, k), weight(n, k)
+    w_scale = w.abs().amax(dim=1) / 448.0
+    wq = (w / w_scale[:, None]).to(E4M3)
+    xq, x_scale = quantize_per_token(x)
+    got = fp8_rowwise_gemm(xq, x_scale, wq, w_scale, torch.bfloat16)
+    want = (xq.float() * x_scale) @ (wq.float() * w_scale[:, None]).T
+    assert_close_relative(got, want, 1e-2)
+
+
+def block_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    tiles = w.view(n // block, block, k // block, block)
+    scale = tiles.abs().amax(dim=(1, 3)) / 448.0
+    q = (tiles / scale[:, None, :, None]).view(n, k).to(E4M3)
+    return q, scale
+
+
+def block_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_block_gemm_matches_dequantized_matmul(m: int, n: int, k: int) -> None:
+    x = activations(m, k)
+    wq, w_scale = block_quantize(weight(n, k))
+    xq, x_scale = quantize_per_token_group(x, 128)
+    got = fp8_block_gemm(xq, x_scale, wq, w_scale, (128, 128), torch.bfloat16)
+    x_deq = (xq.float().view(m, k // 128, 128) * x_scale[..., None]).view(m, k)
+    want = x_deq @ block_dequantize(wq, w_scale).T
+    assert_close_relative(got, want, 1e-2)
+
+
+def test_kernels_replay_in_a_cuda_graph() -> None:
+    x = activations(64, 4096)
+    wq, w_scale = block_quantize(weight(4096, 4096))
+    row_scale = torch.rand(4096, device="cuda") / 100 + 1e-3
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        xq, xs = quantize_per_token_group(x, 128)
+        block = fp8_block_gemm(xq, xs, wq, w_scale, (128, 128), torch.bfloat16)
+        tq, ts = quantize_per_token(x)
+        return block, fp8_rowwise_gemm(tq, ts, wq, row_scale, torch.bfloat16)
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up off the default stream, as capture needs
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x.mul_(-1.0)  # new inputs in place: the replay must see them
+    graph.replay()
+    x.mul_(-1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_fp8_linear_matches_its_cpu_reference() -> None:
+    """fp8_linear on CUDA (activations quantized per token, the row-wise FP8 GEMM) against the
+    same layer through the CPU's dequantizing reference: within activation rounding."""
+    wq, ws = quantize_rows(weight(2048, 2048))
+    x = activations(64, 2048)
+    config = Fp8Config(weight_scales="channel")
+    got = fp8_linear(x, wq, ws, None, config)
+    want = fp8_linear(x.float().cpu(), wq.cpu(), ws.cpu(), None, config)
+    assert_close_relative(got.cpu(), want, 5e-2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_fp8_engine_on_the_gpu_gives_the_cpu_reference_tokens(
+    tmp_path: Path, kv_cache_dtype: str
+) -> None:
+    """A tiny Llama under --quantization fp8 (and an FP8 KV cache), served by the engine on the
+    GPU in bf16 with CUDA graphs, greedily picks the tokens the CPU's float32 reference path
+    picks (its head is scaled so choices are well separated, see tests/factories.py)."""
+    write_tiny_llama(tmp_path, vocab_size=384)
+    prompts = [[5, 9, 33, 2 + i, 100] * (3 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def tokens(**engine: object) -> list[list[int]]:
+        llm = LLM(str(tmp_path), quantization="fp8", max_model_len=256, num_kv_blocks=64, **engine)
+        try:
+            return [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
+        finally:
+            llm.engine.shutdown()
+
+    cpu = tokens(device="cpu", dtype="float32")
+    gpu = tokens(device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    assert gpu == cpu
