@@ -14,6 +14,13 @@ from typing import Protocol
 
 import torch
 
+FP8_MAX = 448.0  # e4m3's largest finite value: what an FP8 cache's writes clamp to
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    """Whether a KV cache holds e4m3 values (with per-layer scales) rather than K and V."""
+    return cache.dtype == torch.float8_e4m3fn
+
 
 @dataclass
 class AttentionMetadata:
@@ -46,6 +53,8 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,  # [T, kv_heads, head_dim]
         v: torch.Tensor,  # [T, kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [T]
+        k_scale: float = 1.0,  # an FP8 cache stores k / k_scale (ignored by other dtypes)
+        v_scale: float = 1.0,
     ) -> None: ...
 
     def forward(
@@ -56,5 +65,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,  # an FP8 cache's values times these are K and V
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...

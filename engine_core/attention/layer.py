@@ -18,7 +18,8 @@ class Attention(nn.Module):
 
     ``k_cache`` and ``v_cache`` ([num_blocks, block_size, kv_heads, head_dim]) are plain attributes,
     not buffers: the model runner owns and sizes them after the weights are loaded, and they must
-    stay out of ``state_dict``.
+    stay out of ``state_dict``. So are ``k_scale`` and ``v_scale``: an FP8 cache holds K / k_scale
+    and V / v_scale (set by the runner; other caches ignore them).
     """
 
     def __init__(
@@ -39,6 +40,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]."""
@@ -48,7 +51,10 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        ctx.backend.write_kv(self.k_cache, self.v_cache, k, v, ctx.attn_metadata.slot_mapping)
+        scales = (self.k_scale, self.v_scale)
+        ctx.backend.write_kv(
+            self.k_cache, self.v_cache, k, v, ctx.attn_metadata.slot_mapping, *scales
+        )
         out = ctx.backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),  # [T, H, D]
             self.k_cache,
@@ -56,5 +62,6 @@ class Attention(nn.Module):
             ctx.attn_metadata,
             self.scale,
             self.sliding_window,
+            *scales,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

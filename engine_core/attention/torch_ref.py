@@ -1,14 +1,15 @@
 """The torch reference attention backend: plain tensor ops over the paged cache, per sequence.
 
 Slow but obviously right. It is the CPU path and the oracle the GPU kernels are tested against, so
-it computes in float32 and favours clarity over speed.
+it computes in float32 and favours clarity over speed. An FP8 (e4m3) cache stores K / k_scale and
+V / v_scale and is read back times the scales.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.base import FP8_MAX, AttentionMetadata, is_fp8_cache
 
 
 class TorchReferenceBackend:
@@ -21,14 +22,20 @@ class TorchReferenceBackend:
         k: torch.Tensor,  # [T, kv_heads, head_dim]
         v: torch.Tensor,  # [T, kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [T] int64, -1 = padding, not written
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        """Scatter each token's K/V into its cache slot."""
+        """Scatter each token's K/V into its cache slot; an FP8 cache stores them divided by
+        their scales, rounded to e4m3."""
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, kv_heads, head_dim]
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        flat_k.index_copy_(0, slots, k[keep].to(k_cache.dtype))
-        flat_v.index_copy_(0, slots, v[keep].to(v_cache.dtype))
+        for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+            rows = x[keep]
+            if is_fp8_cache(cache):  # torch has no index_copy_ for float8: copy its bytes
+                rows = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+                flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+            flat.index_copy_(0, slots, rows.to(flat.dtype))
 
     def forward(
         self,
@@ -38,6 +45,8 @@ class TorchReferenceBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         """Causal attention of each sequence's new tokens over its whole cached context."""
         out = torch.zeros_like(q)
@@ -47,6 +56,8 @@ class TorchReferenceBackend:
             if end == start:
                 continue
             k, v = gather_context(k_cache, v_cache, meta.block_tables[i], seq_len)
+            if is_fp8_cache(k_cache):
+                k, v = k.float() * k_scale, v.float() * v_scale
             out[start:end] = attend(q[start:end], k, v, scale, sliding_window).to(q.dtype)
         return out
 

@@ -32,8 +32,10 @@ class TritonBackend:
         k: torch.Tensor,  # [T, kv_heads, head_dim]
         v: torch.Tensor,  # [T, kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [T] int64, -1 = padding, not written
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,
@@ -43,7 +45,10 @@ class TritonBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, heads, head_dim]
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         if meta.is_decode_only:
             # T == B here; the launch reads no host value but shapes (CUDA-graph safe).
             return paged_decode_attention(
@@ -54,6 +59,7 @@ class TritonBackend:
                 meta.seq_lens,
                 scale,
                 sliding_window=sliding_window,
+                **scales,
             )
         return paged_prefill_attention(
             q,
@@ -65,4 +71,5 @@ class TritonBackend:
             meta.max_query_len,
             scale,
             sliding_window=sliding_window,
+            **scales,
         )

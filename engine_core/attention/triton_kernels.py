@@ -5,7 +5,9 @@ The three attention kernels read the paged cache layout
 ``[num_blocks, block_size, kv_heads, head_dim]`` through a block table, so any block size works
 and prefix-cached or chunked prefills need no copy. Scores, softmax statistics and the output
 accumulator are float32; Q, K and V stay in the cache dtype (bf16 on the GPU) going into the
-matrix units.
+matrix units. An FP8 (e4m3) cache is written as K / k_scale and V / v_scale; its kernels
+convert tiles to the query's dtype (exactly), fold k_scale into the softmax scale and multiply
+the output by v_scale, so the bf16 path compiles as it did.
 
 Decode (one query token per sequence) is memory-bound: a program owns one (sequence, kv head,
 context split) and all the query heads of that kv head, so each K/V row is read once per group.
@@ -25,6 +27,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from engine_core.attention.base import is_fp8_cache
 
 _LOG2E = 1.4426950408889634
 # A context split is never shorter than this many tokens: shorter pieces cost more in partial
@@ -49,9 +53,12 @@ def _write_kv_kernel(
     stride_kcs,
     stride_vcb,
     stride_vcs,
+    k_scale_inv,
+    v_scale_inv,
     PAGE: tl.constexpr,
     ROW: tl.constexpr,  # kv_heads * head_dim
     BLOCK: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # an FP8 cache: store clamp(x / scale), e4m3
 ):
     token = tl.program_id(0)
     slot = tl.load(SLOTS + token).to(tl.int64)
@@ -64,6 +71,9 @@ def _write_kv_kernel(
         v = tl.load(V + token * stride_vt + cols, mask=mask)
         k_dst = KC + block * stride_kcb + offset * stride_kcs + cols
         v_dst = VC + block * stride_vcb + offset * stride_vcs + cols
+        if QUANTIZE:
+            k = tl.clamp(k.to(tl.float32) * k_scale_inv, -448.0, 448.0)
+            v = tl.clamp(v.to(tl.float32) * v_scale_inv, -448.0, 448.0)
         tl.store(k_dst, k.to(KC.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(VC.dtype.element_ty), mask=mask)
 
@@ -74,8 +84,11 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter each token's K and V rows into cache slot ``slot_mapping[t]``."""
+    """Scatter each token's K and V rows into cache slot ``slot_mapping[t]``; an FP8 cache
+    stores them divided by their scales, rounded to e4m3."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -95,9 +108,12 @@ def write_kv_cache(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        1.0 / k_scale,
+        1.0 / v_scale,
         PAGE=k_cache.shape[1],
         ROW=row,
         BLOCK=triton.next_power_of_2(row),
+        QUANTIZE=is_fp8_cache(k_cache),
         num_warps=_row_warps(row),
     )
 
@@ -153,6 +169,7 @@ def _decode_kernel(
     PO,
     PL,
     scale_log2,
+    v_scale,
     window,
     min_split,
     stride_qt,
@@ -176,6 +193,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -214,6 +232,9 @@ def _decode_kernel(
         k = tl.load(k_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v_ptr = VC + blk[:, None] * stride_vb + in_page[:, None] * stride_vs + kvh * stride_vh
         v = tl.load(v_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        if KV_FP8:  # exact in q's dtype; the K scale is in scale_log2, the V scale applied last
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [H, N]
         else:
@@ -223,6 +244,8 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * v_scale
     if NUM_SPLITS == 1:
         o_ptr = Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=q_mask)
@@ -279,8 +302,11 @@ def paged_decode_attention(
     num_splits: int | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     out: torch.Tensor | None = None,  # [B, heads, head_dim]
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, heads, head_dim]
-    """Attention of each sequence's last token over its whole cached context.
+    """Attention of each sequence's last token over its whole cached context (an FP8 cache's
+    values times their scales).
 
     Reads nothing from the host but the tensors' shapes: ``num_splits`` defaults to a function
     of the batch size, the kv heads and the block table's width, so the launch is the same for
@@ -314,7 +340,8 @@ def paged_decode_attention(
         out,
         partial_out,
         partial_lse,
-        scale * _LOG2E,
+        scale * _LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
+        v_scale,
         sliding_window or 0,
         max(min_split_tokens, 1),
         q.stride(0),
@@ -338,6 +365,7 @@ def paged_decode_attention(
         HAS_WINDOW=sliding_window is not None,
         USE_DOT=use_dot,
         PRECISION=_precision(q.dtype),
+        KV_FP8=is_fp8_cache(k_cache),
         num_warps=4,
         num_stages=2,
     )
@@ -405,6 +433,7 @@ def _prefill_kernel(
     QSL,
     Out,
     scale_log2,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -425,6 +454,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -464,6 +494,9 @@ def _prefill_kernel(
             k = tl.load(k_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
             v_ptr = VC + blk[:, None] * stride_vb + in_page[:, None] * stride_vs + kvh * stride_vh
             v = tl.load(v_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            if KV_FP8:  # exact in q's dtype; the scales as in the decode kernel
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
             visible = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
@@ -472,6 +505,8 @@ def _prefill_kernel(
             m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            out = out * v_scale
         o_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=q_mask)
 
@@ -488,6 +523,8 @@ def paged_prefill_attention(
     *,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [T, heads, head_dim]
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Causal attention of every new token over its sequence's cached context (itself included).
 
@@ -514,7 +551,8 @@ def paged_prefill_attention(
         seq_lens,
         query_start_loc,
         out,
-        scale * _LOG2E,
+        scale * _LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
+        v_scale,
         sliding_window or 0,
         q.stride(0),
         q.stride(1),
@@ -535,6 +573,7 @@ def paged_prefill_attention(
         BLOCK_N=64 if head_dim <= 64 else 32,
         HAS_WINDOW=sliding_window is not None,
         PRECISION=_precision(q.dtype),
+        KV_FP8=is_fp8_cache(k_cache),
         num_warps=4,
         num_stages=2,
     )
