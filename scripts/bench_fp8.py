@@ -14,6 +14,9 @@ the preset's real shapes; the FP8 variants quantize those same random weights pe
 - **prefill**: 64 prompts of 2,048 tokens, one output token each; tokens per second to the last
   first token.
 
+``--profile`` adds, per variant, where a decode-64 step's time goes (the engine's step stats and
+the top GPU kernels, as scripts/bench_decode.py reports them).
+
 Prints one table per variant and the ratios to bf16, with the command that made them.
 """
 
@@ -39,6 +42,7 @@ from bench_decode import (  # noqa: E402
     Workload,
     device_name,
     measure_hbm_bandwidth,
+    profile_one_loop,
     run_inproc,
 )
 
@@ -57,6 +61,7 @@ class VariantResult:
     kv_element_bytes: int
     startup_s: float
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)  # a decode-64 step, --profile
 
 
 def workloads(args: argparse.Namespace) -> dict[str, Workload]:
@@ -102,6 +107,10 @@ def bench_variant(args: argparse.Namespace, variant: str, bandwidth: float) -> V
         run = run_inproc(core, fresh, vocab, name)
         result.runs[name] = measures(run, work, core, weight_bytes, kv_bytes, bandwidth)
         print(f"{variant:7s} {name:9s} {summary(result.runs[name])}", flush=True)
+    if args.profile:
+        work = Workload(64, 128, args.output_len, next(seed))
+        result.profile = profile_one_loop(core, work, vocab)
+        print(f"{variant} decode-64 step: {result.profile}", flush=True)
     del core, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -166,6 +175,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--long-prompt-len", type=int, default=3800)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--profile", action="store_true", help="profile a decode-64 step per variant")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(argv)
