@@ -347,6 +347,31 @@ def test_backend_write_then_attend_matches_reference(decode_only: bool) -> None:
     assert_close(out, ref)
 
 
+@pytest.mark.skipif(INTERPRET, reason="e4m3 tiles need the GPU")
+@pytest.mark.parametrize("decode_only", [True, False])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [HEAD_SHAPES[0], HEAD_SHAPES[-1]])
+@pytest.mark.parametrize("window", [None, 100])
+def test_fp8_cache_write_then_attend_matches_reference(
+    decode_only: bool, heads: int, kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    """--kv-cache-dtype fp8: an e4m3 cache with K and V scales, written and read by the Triton
+    kernels, against the torch reference over the same cache."""
+    specs = [(c - 1, 1) for c in DECODE_CONTEXTS] if decode_only else PREFILL_SPECS
+    batch = make_batch(specs, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=12)
+    scales, scale = (0.5, 2.0), head_dim**-0.5
+    k_cache = (batch.k_cache.float() / scales[0]).to(torch.float8_e4m3fn)
+    v_cache = (batch.v_cache.float() / scales[1]).to(torch.float8_e4m3fn)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    REFERENCE.write_kv(ref_k, ref_v, batch.k, batch.v, batch.meta.slot_mapping, *scales)
+    ref = REFERENCE.forward(batch.q, ref_k, ref_v, batch.meta, scale, window, *scales)
+    backend = TritonBackend()
+    backend.write_kv(k_cache, v_cache, batch.k, batch.v, batch.meta.slot_mapping, *scales)
+    torch.testing.assert_close(k_cache.float(), ref_k.float(), rtol=2**-3, atol=2**-9)
+    out = backend.forward(batch.q, k_cache, v_cache, batch.meta, scale, window, *scales)
+    assert batch.meta.is_decode_only == decode_only
+    assert_close(out, ref)
+
+
 # ---- fused elementwise kernels against the torch layers they replace ------------------------
 
 FUSED_TOKENS = [1, 5, 64] if INTERPRET else [1, 7, 64, 300]
