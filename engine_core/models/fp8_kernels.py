@@ -110,12 +110,6 @@ def quantize_per_token_group(
 # ---- GEMMs ---------------------------------------------------------------------------------------
 
 
-# Up to this many rows (decode batches) the row-wise GEMM runs as our Triton kernel: cuBLASLt
-# picks a 128 x 128 tile for M = 64 and streamed llama-8b's FP8 weights at about 2.1 TB/s on an
-# H100 (docs/benchmarks.md), where narrow N tiles keep every SM reading.
-SMALL_M = 128
-
-
 def fp8_rowwise_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -129,20 +123,6 @@ def fp8_rowwise_gemm(
     n, k = w.shape
     if k % 16 or n % 16:
         raise ValueError(f"FP8 GEMMs need K and N to be multiples of 16, got K={k}, N={n}")
-    if a.shape[0] <= SMALL_M and bias is None:
-        return fp8_rowwise_gemm_triton(a, a_scale, w, w_scale, out_dtype)
-    return fp8_rowwise_gemm_cublas(a, a_scale, w, w_scale, out_dtype, bias)
-
-
-def fp8_rowwise_gemm_cublas(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """fp8_rowwise_gemm through torch._scaled_mm."""
     # Row-wise scaling writes bf16 only; other activation dtypes (float32 on the GPU) convert.
     out = torch._scaled_mm(
         a,
@@ -155,86 +135,6 @@ def fp8_rowwise_gemm_cublas(
     if out_dtype == torch.bfloat16:
         return out
     return out.to(out_dtype) if bias is None else out.to(out_dtype) + bias
-
-
-@triton.jit
-def _rowwise_gemm_kernel(
-    A,
-    B,
-    C,
-    AScale,
-    BScale,
-    M,
-    N,
-    K,
-    stride_am,
-    stride_bn,
-    stride_cm,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """C[M, N] = (A @ B.T) * a_scale[m] * b_scale[n]: the scales are constant along K, so they
-    scale the float32 accumulator once. One program per N tile (all of M, at most 128 rows)."""
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(0)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < M
-    n_mask = rn < N
-    a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
-    b_ptrs = B + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = rk < K - k0
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(a, b)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    a_s = tl.load(AScale + rm, mask=m_mask, other=0.0)
-    b_s = tl.load(BScale + rn, mask=n_mask, other=0.0)
-    c = (acc * a_s[:, None] * b_s[None, :]).to(C.dtype.element_ty)
-    c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptrs, c, mask=m_mask[:, None] & n_mask[None, :])
-
-
-def fp8_rowwise_gemm_triton(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """fp8_rowwise_gemm as a weight-streaming Triton kernel, for decode-sized M."""
-    m, k = a.shape
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0:
-        return out
-    block_m = max(16, triton.next_power_of_2(min(m, 64)))
-    block_n = 32 if n <= 8192 else 64  # enough N tiles to give every SM a share of the bytes
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _rowwise_gemm_kernel[grid](
-        a,
-        w,
-        out,
-        a_scale.reshape(-1).float().contiguous(),
-        w_scale.reshape(-1).float().contiguous(),
-        m,
-        n,
-        k,
-        a.stride(0),
-        w.stride(0),
-        out.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=128,
-        num_warps=4,
-        num_stages=4,
-    )
-    return out
 
 
 @triton.jit
