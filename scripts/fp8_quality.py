@@ -91,7 +91,8 @@ def activations_in_fp8() -> Iterator[None]:
     original = layers.fp8_linear
 
     def quantized_input(x: torch.Tensor, *args: object) -> torch.Tensor:
-        scale = (x.float().abs().amax(dim=-1, keepdim=True) / fp8_module.FP8_MAX).clamp(min=1e-12)
+        absmax = x.float().abs().amax(dim=-1, keepdim=True)
+        scale = (absmax / fp8_module.FP8_MAX).clamp(min=fp8_module.MIN_SCALE)
         xq = (x.float() / scale).to(fp8_module.FP8_DTYPE).float() * scale
         return original(xq.to(x.dtype), *args)
 
