@@ -228,7 +228,10 @@ def fp8_block_gemm(
     if m == 0:
         return out
     block_m, tile_n, warps, stages = _block_config(m)
-    tile_n = min(tile_n, block_n)
+    # An N tile must sit inside one weight-scale block: its K steps read one scale per tile.
+    tile_n = tile_n if block_n % tile_n == 0 else 64
+    if any(t.stride(-1) != 1 for t in (a, w, a_scale, w_scale)):
+        raise ValueError("the block-scaled FP8 GEMM needs rows with unit stride in every operand")
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, tile_n),)
     _block_gemm_kernel[grid](
         a,
