@@ -185,3 +185,20 @@ def test_fp8_engine_on_the_gpu_scores_like_the_cpu_reference(
     graphs = [o.token_ids for o in run(decode, **gpu)]
     eager = [o.token_ids for o in run(decode, enforce_eager=True, **gpu)]
     assert graphs == eager
+
+
+@pytest.mark.parametrize("m", [7, 200])
+def test_block_gemm_with_192_row_blocks(m: int) -> None:
+    """A weight block that 128-wide N tiles do not divide: each tile still reads its own
+    block's scale."""
+    n, k, rows = 384, 256, 192
+    w = weight(n, k)
+    tiles = w.view(n // rows, rows, k // 128, 128)
+    w_scale = tiles.abs().amax(dim=(1, 3)) / 448.0
+    wq = (tiles / w_scale[:, None, :, None]).view(n, k).to(E4M3)
+    x = activations(m, k)
+    xq, x_scale = quantize_per_token_group(x, 128)
+    got = fp8_block_gemm(xq, x_scale, wq, w_scale, (rows, 128), torch.bfloat16)
+    w_deq = wq.float() * w_scale.repeat_interleave(rows, 0).repeat_interleave(128, 1)
+    x_deq = (xq.float().view(m, k // 128, 128) * x_scale[..., None]).view(m, k)
+    assert_close_relative(got, x_deq @ w_deq.T, 1e-2)
