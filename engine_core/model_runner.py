@@ -26,7 +26,7 @@ from engine_core.config import EngineConfig, ModelConfig
 from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch
 from engine_core.loader import load_model
-from engine_core.models.fp8 import FP8_DTYPE, FP8_DTYPES, check_fp8_device
+from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
@@ -103,13 +103,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """--kv-cache-dtype: 'auto' keeps the model's dtype; 'fp8' stores e4m3."""
-    if name == "auto":
+    """--kv-cache-dtype: 'auto' keeps the model's dtype; 'fp8' stores e4m3 (EngineConfig has
+    already refused any other value)."""
+    if name != "fp8":
         return dtype
-    if name == "fp8":
-        check_fp8_device(device, "--kv-cache-dtype fp8")
-        return FP8_DTYPE
-    raise ValueError(f"--kv-cache-dtype {name!r} is not supported; choose 'auto' or 'fp8'")
+    check_fp8_device(device, "--kv-cache-dtype fp8")
+    return FP8_DTYPE
 
 
 def select_backend(device: torch.device) -> AttentionBackend:
@@ -225,7 +224,7 @@ class ModelRunner:
         """An FP8 cache's per-layer K and V scales: the checkpoint's, or 1.0 where it has none
         (e4m3 reaches 448, far beyond the K/V values of the models we serve). A plain cache
         stores K and V as they are and reads no scale."""
-        if self.kv_dtype not in FP8_DTYPES:
+        if self.kv_dtype != FP8_DTYPE:
             return
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_scale, layer.v_scale = scales.get(i, (1.0, 1.0))
