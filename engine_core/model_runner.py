@@ -27,6 +27,7 @@ from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch
 from engine_core.loader import load_model
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
+from engine_core.models.layers import pack_cpu_weights
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
@@ -119,9 +120,12 @@ def select_backend(device: torch.device) -> AttentionBackend:
             logger.warning("Triton backend unavailable; using the torch reference attention")
         else:
             return TritonBackend()
-    from engine_core.attention.torch_ref import TorchReferenceBackend
+        from engine_core.attention.torch_ref import TorchReferenceBackend
 
-    return TorchReferenceBackend()
+        return TorchReferenceBackend()
+    from engine_core.attention.cpu_backend import CpuBackend
+
+    return CpuBackend()
 
 
 class ModelRunner:
@@ -131,6 +135,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.device, self.dtype, config.quantization)
         self.model = loaded.module
+        if self.device.type == "cpu":
+            pack_cpu_weights(self.model)  # oneDNN's layout: 2.5-4x faster linears (cpu_gemm.py)
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
         # This process's share of the KV heads: all of them unless tensor-parallel.

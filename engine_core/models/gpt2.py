@@ -125,6 +125,7 @@ class GPT2LMHeadModel(nn.Module):
             if config.tie_word_embeddings
             else lm_head(config.vocab_size, config.hidden_size, self.tp)
         )
+        self.packed_logits_weight: torch.Tensor | None = None  # CPU: pack_cpu_weights sets it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
@@ -132,8 +133,13 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers)."""
-        weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return project_logits(hidden, weight, self.tp, self.config.vocab_size)
+        return project_logits(
+            hidden, self.logits_weight(), self.tp, self.config.vocab_size, self.packed_logits_weight
+        )
+
+    def logits_weight(self) -> torch.Tensor:
+        """The LM head's matrix [vocab (this rank's), hidden]: the embedding's when tied."""
+        return self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def attention_layers(self) -> list[Attention]:
         return [block.attn.attn for block in self.transformer.h]

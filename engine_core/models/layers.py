@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.config import Fp8Config
+from engine_core.models.cpu_gemm import can_pack, pack_weight, packed_linear
 from engine_core.models.fp8 import (
     FP8_DTYPE,
     FP8_DTYPES,
@@ -306,8 +307,12 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.fp8: Fp8Config | None = None
+        # The weight in oneDNN's layout (models/cpu_gemm.py), once ``pack_for_cpu`` has run.
+        self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         if self.fp8 is None:
             return F.linear(x, self.weight, self.bias)
         out = self.matmul(x)
@@ -315,9 +320,20 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] @ weight.T -> [..., out], without the bias."""
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, None)
         if self.fp8 is None:
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.fp8)
+
+    def pack_for_cpu(self) -> bool:
+        """Hold a plain CPU weight in oneDNN's layout from now on (after loading); whether it
+        did. The packed copy replaces the plain one, so the model is not held twice."""
+        if self.fp8 is not None or not can_pack(self.weight):
+            return False
+        self.packed_weight = pack_weight(self.weight)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return True
 
     @property
     def num_input_scales(self) -> int:
@@ -556,11 +572,17 @@ def lm_head(vocab_size: int, hidden_size: int, tp: TPGroup) -> nn.Module:
 
 
 def project_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, tp: TPGroup, vocab_size: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tp: TPGroup,
+    vocab_size: int,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """hidden [N, hidden] -> logits [N, vocab] float32; under tensor parallelism the vocabulary
-    shards are gathered to rank 0, and the other ranks get None."""
-    logits = F.linear(hidden, weight)  # [N, vocab / tp]
+    shards are gathered to rank 0, and the other ranks get None. ``packed``: the same weight in
+    oneDNN's layout (CPU), used instead of ``weight`` where given."""
+    # [N, vocab / tp]
+    logits = F.linear(hidden, weight) if packed is None else packed_linear(hidden, packed, None)
     if tp.size == 1:
         return logits.float()
     return tp.gather_vocab(logits, vocab_size)
@@ -729,3 +751,13 @@ def copy_into(
         )
     with torch.no_grad():
         target.copy_(tensor)
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Pack every plain linear of a CPU model, and its LM head (a copy: a tied embedding still
+    needs the plain matrix for lookups), for oneDNN; how many linears were packed."""
+    packed = sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, Linear))
+    logits_weight = model.logits_weight()
+    if can_pack(logits_weight):
+        model.packed_logits_weight = pack_weight(logits_weight)
+    return packed

@@ -216,15 +216,21 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else lm_head(config.vocab_size, config.hidden_size, self.tp)
         )
+        self.packed_logits_weight: torch.Tensor | None = None  # CPU: pack_cpu_weights sets it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
+    def logits_weight(self) -> torch.Tensor:
+        """The LM head's matrix [vocab (this rank's), hidden]: the embedding's when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = project_logits(hidden, weight, self.tp, self.config.vocab_size)
+        logits = project_logits(
+            hidden, self.logits_weight(), self.tp, self.config.vocab_size, self.packed_logits_weight
+        )
         cap = self.config.final_logit_softcapping
         if logits is None or cap is None:
             return logits

