@@ -118,3 +118,23 @@ def test_plan_splits_decodes_from_prompts() -> None:
     assert plan.decode.rows.tolist() == [starts[0], starts[3], starts[4]]
     assert plan.decode.seq_lens.tolist() == [13, 31, 1]
     assert plan.decode.width == -(-31 // BLOCK)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_write_kv_matches_reference(padded: bool) -> None:
+    """Every written slot holds its token's K and V, padding (-1) writes nothing, the rest of
+    the cache keeps its values: the same cache as the reference's write."""
+    gen = torch.Generator().manual_seed(5)
+    shape = (10, BLOCK, 2, DIM)
+    before = torch.randn(shape, generator=gen)
+    slots = torch.randperm(10 * BLOCK, generator=gen)[:7]
+    if padded:
+        slots[[1, 4]] = -1
+    k, v = torch.randn(7, 2, DIM, generator=gen), torch.randn(7, 2, DIM, generator=gen)
+    got_k, got_v, want_k, want_v = (before.clone() for _ in range(4))
+    CpuBackend().write_kv(got_k, got_v, k, v, slots)
+    REFERENCE.write_kv(want_k, want_v, k, v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    written = slots[slots >= 0]
+    assert torch.equal(got_k.view(-1, 2, DIM)[written], k[slots >= 0])
+    assert not torch.equal(got_k, before)

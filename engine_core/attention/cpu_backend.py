@@ -37,22 +37,26 @@ class DecodeGroup:
     seq_lens: torch.Tensor  # [Bd] int64
     block_ids: torch.Tensor  # [Bd, nb] int64: each sequence's first nb blocks (padded with 0)
     chunk_seqs: int  # sequences per gather
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [Bd,1,1,W]
+    # window -> [Bd, 1, 1, W] float: 0 where attended, -inf elsewhere (SDPA would turn a
+    # boolean mask into this on every call: once a step here instead of once per layer)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
         """Context slots each gathered sequence holds: whole blocks, past its end masked."""
         return self.block_ids.shape[1]
 
-    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
-        """[Bd, 1, 1, nb * block_size] bool: the slots each sequence's query attends."""
+    def mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """[Bd, 1, 1, nb * block_size] additive mask: 0 on the slots each sequence's query
+        attends, -inf on the others."""
         if window not in self.masks:
             pos = torch.arange(self.width * block_size)[None, :]  # [1, W]
             lens = self.seq_lens[:, None]  # [Bd, 1]
             keep = pos < lens
             if window is not None:  # the query (at lens - 1) sees itself and window - 1 before
                 keep &= pos >= lens - window
-            self.masks[window] = keep[:, None, None, :]
+            mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
+            self.masks[window] = mask[:, None, None, :]
         return self.masks[window]
 
 
@@ -64,10 +68,37 @@ class StepPlan:
 
 
 class CpuBackend(TorchReferenceBackend):
-    """AttentionBackend for CPU tensors (``write_kv`` is the reference's)."""
+    """AttentionBackend for CPU tensors."""
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
+        # The last slot mapping seen, and whether it has no padding (-1): checked once a step.
+        self._slots: torch.Tensor | None = None
+        self._slots_unpadded = False
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64, -1 = padding, not written
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """The reference's write, without its boolean selection (two ops per tensor per layer)
+        when no slot is padding, as on the CPU's unpadded batches."""
+        if is_fp8_cache(k_cache) or not self._unpadded(slot_mapping):
+            super().write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+            return
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+    def _unpadded(self, slot_mapping: torch.Tensor) -> bool:
+        if self._slots is not slot_mapping:
+            self._slots = slot_mapping
+            self._slots_unpadded = slot_mapping.numel() == 0 or bool(slot_mapping.min() >= 0)
+        return self._slots_unpadded
 
     def forward(
         self,
@@ -147,7 +178,7 @@ def decode_attention(
     slots = group.width * block_size
     k_blocks = k_cache.view(k_cache.shape[0], -1)  # [num_blocks, block_size * KVH * D]
     v_blocks = v_cache.view(v_cache.shape[0], -1)
-    mask = group.mask(window, block_size)  # [Bd, 1, 1, W]
+    mask = group.mask(window, block_size, q.dtype)  # [Bd, 1, 1, W]
     out = torch.empty_like(q)
     for lo in range(0, num_seqs, group.chunk_seqs):
         hi = min(lo + group.chunk_seqs, num_seqs)
@@ -171,16 +202,22 @@ def prompt_attention(
 ) -> torch.Tensor:  # [Q, H, D]
     """Causal attention of a prompt's (or chunk's) queries over its whole context."""
     num_queries, seq_len = q.shape[0], k.shape[0]
-    q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
-    k_pos = torch.arange(seq_len)[None, :]  # [1, L]
-    keep = k_pos <= q_pos
-    if window is not None:
-        keep &= k_pos > q_pos - window
+    keep = None
+    if num_queries < seq_len or (window is not None and window < seq_len):
+        q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
+        k_pos = torch.arange(seq_len)[None, :]  # [1, L]
+        keep = k_pos <= q_pos
+        if window is not None:
+            keep &= k_pos > q_pos - window
+    # A whole prompt with no window is plain causal attention: SDPA's causal kernel skips the
+    # masked tiles (half the work) and reads no mask (torch's is_causal is top-left aligned,
+    # which is right only when the queries are the whole context).
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # [1, H, Q, D]
         k.transpose(0, 1)[None],  # [1, KVH, L, D]
         v.transpose(0, 1)[None],
         attn_mask=keep,
+        is_causal=keep is None,
         scale=scale,
         enable_gqa=True,
     )  # [1, H, Q, D]
