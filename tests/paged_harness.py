@@ -3,8 +3,10 @@
 An independent check of the models and the attention backend: it allocates the KV tensors,
 hands out blocks from a free list, builds AttentionMetadata for each flattened batch and runs the
 forward inside forward_context, exactly as the interfaces describe, but without any of the model
-runner's or scheduler's code. ``generate_greedy`` can start sequences at different steps and
-split prompts into chunks, so one forward mixes prefills, prefill chunks and decodes.
+runner's or scheduler's code. A CPU model runs as the engine runs it there: its linears packed
+for oneDNN (models/cpu_gemm.py) and the CPU attention backend, unless a backend is given.
+``generate_greedy`` can start sequences at different steps and split prompts into chunks, so
+one forward mixes prefills, prefill chunks and decodes.
 
 ``hf_greedy`` is the reference side: HF transformers ``generate`` on the same weights;
 ``save_hf_case`` saves a random HF model and its references for the per-family tests, and
@@ -22,8 +24,20 @@ import torch
 from torch import nn
 
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
+from engine_core.attention.cpu_backend import CpuBackend
 from engine_core.attention.torch_ref import TorchReferenceBackend
 from engine_core.forward_context import forward_context
+from engine_core.models.layers import pack_cpu_weights
+
+
+def engine_backend(model: nn.Module) -> AttentionBackend:
+    """The attention backend the engine runs ``model`` with, the model readied as the engine
+    readies it: on the CPU its linears packed for oneDNN and the CPU backend; elsewhere the
+    torch reference (the GPU tests pass the Triton backend themselves)."""
+    if next(model.parameters()).device.type != "cpu":
+        return TorchReferenceBackend()
+    pack_cpu_weights(model)
+    return CpuBackend()
 
 
 @dataclass
@@ -62,7 +76,7 @@ class PagedRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.backend = backend or TorchReferenceBackend()
+        self.backend = backend or engine_backend(model)
         weight = next(model.parameters())
         self.device = weight.device
         for layer in model.attention_layers():

@@ -45,6 +45,15 @@ def metadata(
     )
 
 
+def poison_unwritten(cache: torch.Tensor, meta: AttentionMetadata, value: float) -> None:
+    """Set every slot that no sequence's context holds (block tails, unused blocks) to value."""
+    used = torch.zeros(cache.shape[0] * BLOCK, dtype=torch.bool)
+    for seq, seq_len in enumerate(meta.seq_lens_cpu):
+        for pos in range(seq_len):
+            used[int(meta.block_tables[seq, pos // BLOCK]) * BLOCK + pos % BLOCK] = True
+    cache.view(-1, *cache.shape[2:])[~used] = value
+
+
 def compare(
     specs: list[tuple[int, int]],
     heads: int,
@@ -52,6 +61,7 @@ def compare(
     window: int | None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    unwritten: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = len(specs) * max(-(-(c + n) // BLOCK) for c, n in specs) + 3
@@ -59,6 +69,9 @@ def compare(
     shape = (num_blocks, BLOCK, kv_heads, DIM)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
+    if unwritten is not None:
+        poison_unwritten(k_cache, meta, unwritten)
+        poison_unwritten(v_cache, meta, unwritten)
     q = torch.randn(meta.query_start_loc_cpu[-1], heads, DIM, generator=gen).to(dtype)
     got = CpuBackend().forward(q, k_cache, v_cache, meta, SCALE, window)
     want = REFERENCE.forward(q, k_cache, v_cache, meta, SCALE, window)
@@ -86,6 +99,19 @@ def test_chunking_changes_nothing(monkeypatch: pytest.MonkeyPatch, chunk_bytes: 
     monkeypatch.setattr(cpu_backend, "CHUNK_BYTES", chunk_bytes)
     got, want = compare(DECODES * 3, 8, 2, None, seed=3)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_past_the_context_are_never_read(value: float, dtype: torch.dtype) -> None:
+    """What an earlier owner of a block left past a sequence's end (here NaN or inf) cannot
+    reach the output: the gathered blocks' tails and the padding blocks are masked and zeroed."""
+    got, want = compare(MIXED + DECODES, 8, 2, None, dtype=dtype, seed=2, unwritten=value)
+    assert torch.isfinite(got).all()
+    tolerance = (
+        {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    )
+    torch.testing.assert_close(got, want, **tolerance)
 
 
 def test_bf16_within_rounding() -> None:

@@ -37,27 +37,41 @@ class DecodeGroup:
     seq_lens: torch.Tensor  # [Bd] int64
     block_ids: torch.Tensor  # [Bd, nb] int64: each sequence's first nb blocks (padded with 0)
     chunk_seqs: int  # sequences per gather
-    # window -> [Bd, 1, 1, W] float: 0 where attended, -inf elsewhere (SDPA would turn a
+    # (window, dtype) -> [Bd, 1, 1, W]: 0 where attended, -inf elsewhere (SDPA would turn a
     # boolean mask into this on every call: once a step here instead of once per layer)
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    # Per chunk of chunk_seqs sequences: its gathered rows (of n * W) past their sequence's end.
+    padding: list[torch.Tensor] | None = None
 
     @property
     def width(self) -> int:
         """Context slots each gathered sequence holds: whole blocks, past its end masked."""
         return self.block_ids.shape[1]
 
+    def pad_rows(self, block_size: int) -> list[torch.Tensor]:
+        """For each chunk of sequences, the rows of its gather ([n * W] rows of KVH * D) that
+        lie past their sequence's end."""
+        if self.padding is None:
+            pos = torch.arange(self.width * block_size)[None, :]  # [1, W]
+            past_end = pos >= self.seq_lens[:, None]  # [Bd, W]
+            self.padding = [
+                chunk.reshape(-1).nonzero().squeeze(1) for chunk in past_end.split(self.chunk_seqs)
+            ]
+        return self.padding
+
     def mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """[Bd, 1, 1, nb * block_size] additive mask: 0 on the slots each sequence's query
         attends, -inf on the others."""
-        if window not in self.masks:
+        if (window, dtype) not in self.masks:
             pos = torch.arange(self.width * block_size)[None, :]  # [1, W]
             lens = self.seq_lens[:, None]  # [Bd, 1]
             keep = pos < lens
             if window is not None:  # the query (at lens - 1) sees itself and window - 1 before
                 keep &= pos >= lens - window
             mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
-            self.masks[window] = mask[:, None, None, :]
-        return self.masks[window]
+            self.masks[window, dtype] = mask[:, None, None, :]
+        return self.masks[window, dtype]
 
 
 @dataclass
@@ -173,24 +187,64 @@ def decode_attention(
     window: int | None,
 ) -> torch.Tensor:  # [Bd, H, D]
     """The decode sequences' attention, a chunk of sequences at a time."""
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs, _, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     slots = group.width * block_size
     k_blocks = k_cache.view(k_cache.shape[0], -1)  # [num_blocks, block_size * KVH * D]
     v_blocks = v_cache.view(v_cache.shape[0], -1)
-    mask = group.mask(window, block_size, q.dtype)  # [Bd, 1, 1, W]
+    # torch's fused CPU attention is the fastest in float32, and 5x slower than two einsums
+    # (oneDNN matmuls) in bf16, whose scores are then taken in float32.
+    attend = sdpa_decode if q.dtype == torch.float32 else einsum_decode
+    mask = group.mask(window, block_size, torch.float32)  # [Bd, 1, 1, W]
+    pad = group.pad_rows(block_size)
     out = torch.empty_like(q)
     for lo in range(0, num_seqs, group.chunk_seqs):
         hi = min(lo + group.chunk_seqs, num_seqs)
         ids = group.block_ids[lo:hi].reshape(-1)  # [n * nb]
         shape = (hi - lo, slots, num_kv_heads, head_dim)
-        k = k_blocks.index_select(0, ids).view(shape).transpose(1, 2)  # [n, KVH, W, D]
-        v = v_blocks.index_select(0, ids).view(shape).transpose(1, 2)  # [n, KVH, W, D]
-        attended = F.scaled_dot_product_attention(
-            q[lo:hi, :, None], k, v, attn_mask=mask[lo:hi], scale=scale, enable_gqa=True
-        )  # [n, H, 1, D]
-        out[lo:hi] = attended[:, :, 0]
+        k = k_blocks.index_select(0, ids).view(shape)  # [n, W, KVH, D]
+        v = v_blocks.index_select(0, ids).view(shape)  # [n, W, KVH, D]
+        # The slots past a sequence's end hold whatever an earlier owner of the block left
+        # (or were never written): masked scores weigh 0, but 0 * inf is NaN, so zero them.
+        rows = pad[lo // group.chunk_seqs]
+        k.view(-1, num_kv_heads * head_dim).index_fill_(0, rows, 0.0)
+        v.view(-1, num_kv_heads * head_dim).index_fill_(0, rows, 0.0)
+        out[lo:hi] = attend(q[lo:hi], k, v, mask[lo:hi], scale)
     return out
+
+
+def sdpa_decode(
+    q: torch.Tensor,  # [n, H, D]
+    k: torch.Tensor,  # [n, W, KVH, D]
+    v: torch.Tensor,  # [n, W, KVH, D]
+    mask: torch.Tensor,  # [n, 1, 1, W] float32, additive
+    scale: float,
+) -> torch.Tensor:  # [n, H, D]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None],  # [n, H, 1, D]
+        k.transpose(1, 2),  # [n, KVH, W, D]
+        v.transpose(1, 2),
+        attn_mask=mask.to(q.dtype),
+        scale=scale,
+        enable_gqa=True,
+    )  # [n, H, 1, D]
+    return out[:, :, 0]
+
+
+def einsum_decode(
+    q: torch.Tensor,  # [n, H, D]
+    k: torch.Tensor,  # [n, W, KVH, D]
+    v: torch.Tensor,  # [n, W, KVH, D]
+    mask: torch.Tensor,  # [n, 1, 1, W] float32, additive
+    scale: float,
+) -> torch.Tensor:  # [n, H, D]
+    """Query head h reads KV head h // G: the G heads of a group share one matmul."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    grouped = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, KVH, G, D]
+    scores = torch.einsum("nkgd,nwkd->nkgw", grouped, k).float() * scale + mask  # [n,KVH,G,W]
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.einsum("nkgw,nwkd->nkgd", probs, v).reshape(n, num_heads, head_dim)
 
 
 def prompt_attention(
