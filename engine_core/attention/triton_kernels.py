@@ -6,14 +6,20 @@ The three attention kernels read the paged cache layout
 and prefix-cached or chunked prefills need no copy. Scores, softmax statistics and the output
 accumulator are float32; Q, K and V stay in the cache dtype (bf16 on the GPU) going into the
 matrix units. An FP8 (e4m3) cache is written as K / k_scale and V / v_scale; its kernels
-convert tiles to the query's dtype (exactly), fold k_scale into the softmax scale and multiply
-the output by v_scale, so the bf16 path compiles as it did.
+convert tiles exactly to a 16-bit float (prefill: the query's dtype; decode: float16, below),
+fold k_scale into the softmax scale and multiply the output by v_scale, so the bf16 path
+compiles as it did.
 
-Decode (one query token per sequence) is memory-bound: a program owns one (sequence, kv head,
-context split) and all the query heads of that kv head, so each K/V row is read once per group.
-The number of splits is a launch constant chosen from the batch size and the block table's width,
-never from per-step device values, so a captured CUDA graph stays valid at any context length;
-a split that falls past the end of a sequence writes an empty partial result.
+Decode (one query token per sequence) is memory-bound: a program owns one (sequence, context
+split) and one or more neighbouring kv heads with all their query heads, so each K/V row is read
+once per group. The launch shape (tokens per iteration, kv heads per program, warps, pipeline
+stages) is tuned per head size and cache dtype (``_DECODE_TILES``). The number of splits is a
+launch constant chosen from the batch size and the block table's width, never from per-step
+device values, so a captured CUDA graph stays valid at any context length; each sequence then
+uses only the splits its own length needs (at least MIN_SPLIT_TOKENS each): the others return at
+once, and a sequence that one split covers is written directly, with no partials and no merge.
+An FP8 cache's tiles are widened to float16 (one instruction per pair, where bf16 goes through
+float32), q with them.
 
 Importing this module imports triton: only the CUDA branches of the model runner and of
 models/layers.py (and GPU tests) may do so. Set ``TRITON_INTERPRET=1`` before the import to run
@@ -23,6 +29,7 @@ these kernels on CPU tensors.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,10 +38,13 @@ import triton.language as tl
 from engine_core.attention.base import is_fp8_cache
 
 _LOG2E = 1.4426950408889634
-# A context split is never shorter than this many tokens: shorter pieces cost more in partial
-# writes and the merge than they gain in parallelism.
+# Decode context splits: a split is never shorter than MIN_SPLIT_TOKENS (shorter pieces cost
+# more in partial writes and the merge than they gain in parallelism), and there are enough of
+# them for PROGRAMS_PER_SM programs per multiprocessor, up to MAX_SPLITS. Measured on an H100
+# (scripts/device/decode_attention_bench.py --sweep).
 MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 16
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 64
 
 
 # ---- KV-cache write ----------------------------------------------------------------------------
@@ -158,7 +168,71 @@ def _softmax_step(s, m_i, l_i, acc, v, PRECISION: tl.constexpr, USE_DOT: tl.cons
 # ---- paged decode attention --------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class DecodeTile:
+    """Launch shape of the decode kernel: tokens per loop iteration, kv heads per program, warps
+    and software-pipeline stages.
+
+    A program takes ``kv_per_program`` neighbouring kv heads (fewer where the kv head count is
+    not a multiple, or where their query heads would overflow a 16-row tile): their slices of a
+    cache row are adjacent, so a tile reads 128-512 contiguous bytes per token instead of one
+    head's 64-256 bytes of rows that sit 0.5-2 KiB apart, and their query heads share the 16-row
+    matrix-unit tile that one GQA group leaves mostly empty."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    kv_per_program: int = 1
+
+
+# Measured on an H100 with scripts/device/decode_attention_bench.py --sweep (docs/bench-logs/
+# 2026-11-25-h100-decode-attention*.log): the best geometric mean over batch 1-256 and context
+# 512-8192 of llama-1b (GQA 32/8, head dim 64) and llama-8b (32/8, 128). Keyed by (head_dim,
+# FP8 cache). Two kv heads per program won only for e4m3 at head dim 64, whose 64-byte slices
+# are the smallest reads; elsewhere the halved program count cost more than it gained.
+_DECODE_TILES: dict[tuple[int, bool], DecodeTile] = {
+    (64, False): DecodeTile(block_n=128, num_warps=4, num_stages=2),
+    (64, True): DecodeTile(block_n=64, num_warps=4, num_stages=2, kv_per_program=2),
+    (128, False): DecodeTile(block_n=64, num_warps=4, num_stages=2),
+    (128, True): DecodeTile(block_n=64, num_warps=2, num_stages=3),
+}
+
+
+def decode_tile(head_dim: int, kv_fp8: bool) -> DecodeTile:
+    """The tuned launch shape for a head size and cache dtype (head dims between the tuned ones
+    take the next larger one's)."""
+    for tuned in sorted({d for d, _ in _DECODE_TILES}):
+        if head_dim <= tuned:
+            return _DECODE_TILES[(tuned, kv_fp8)]
+    return _DECODE_TILES[(max(d for d, _ in _DECODE_TILES), kv_fp8)]
+
+
 @triton.jit
+def _split_bounds(
+    seq_len,
+    window,
+    num_splits,
+    min_split,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """A sequence's split length (a multiple of BLOCK_N), the first key it attends to, and the
+    first and last splits that overlap [lo, seq_len). Splits outside that range do nothing; a
+    sequence covered by one split (or empty) is written by that split alone, with no merge."""
+    split_len = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    first = lo // split_len
+    last = tl.maximum(seq_len - 1, 0) // split_len
+    return split_len, lo, first, last
+
+
+# window == 1 or a split count of 1 must stay runtime values: Triton's specialization of an
+# argument equal to 1 made the window's bounds constant-fold into IR that its coalescing pass
+# asserts on (Triton 3.6).
+@triton.jit(do_not_specialize=["window", "min_split", "num_splits"])
 def _decode_kernel(
     Q,
     KC,
@@ -172,6 +246,8 @@ def _decode_kernel(
     v_scale,
     window,
     min_split,
+    num_splits,
+    num_heads,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -184,110 +260,137 @@ def _decode_kernel(
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    KPP: tl.constexpr,  # kv heads per program
+    BLOCK_H: tl.constexpr,  # >= GROUP * KPP query rows
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # tokens per iteration; the K/V tiles have BLOCK_N * KPP rows
     HAS_WINDOW: tl.constexpr,
     USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    # The kv heads of one (sequence, split) are neighbours in launch order, so programs that
+    # run together read the same cache rows.
+    kv0 = tl.program_id(0) * KPP
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
     seq_len = tl.load(SL + seq)
-
-    rows = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + rows
-    row_mask = rows < GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    q_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+    split_len, lo, first, last = _split_bounds(
+        seq_len, window, num_splits, min_split, BLOCK_N, HAS_WINDOW
     )
+    if (split >= first) & (split <= last):
+        rows = tl.arange(0, BLOCK_H)
+        heads = kv0 * GROUP + rows
+        row_mask = rows < GROUP * KPP
+        row_kv = rows // GROUP  # which of the program's kv heads a query row reads
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        q_mask = row_mask[:, None] & d_mask[None, :]
+        q_ptr = Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr, mask=q_mask, other=0.0)  # [H, D]
+        if FP8_AS_F16:
+            # e4m3 widens to float16 in one instruction per pair (to bf16 through float32),
+            # both exactly. float16 holds bf16's 8-bit mantissa between 6e-5 and 65504: q is
+            # clamped to that top, and entries under it lose bits, not weight in the dot.
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    # This split's token range; empty (start >= end) for splits past the sequence's end.
-    split_len = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split)
-    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    if HAS_WINDOW:
-        start = tl.maximum(start, seq_len - window)
+        start = tl.maximum(split * split_len, lo)
+        end = tl.minimum(split * split_len + split_len, seq_len)
+        # Tile row r holds token r // KPP of kv head kv0 + r % KPP: for KPP > 1 a token's
+        # heads are adjacent rows, as they are adjacent in the cache.
+        r = tl.arange(0, BLOCK_N * KPP)
+        r_kv = r % KPP
+        same_kv = row_kv[:, None] == r_kv[None, :]  # [H, N * KPP]
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        bt_row = BT + seq.to(tl.int64) * stride_bt
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + r // KPP
+            n_mask = tok < end
+            blk = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = tok % PAGE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k_row = blk * stride_kb + in_page * stride_ks + (kv0 + r_kv) * stride_kh
+            k = tl.load(KC + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N*KPP, D]
+            v_row = blk * stride_vb + in_page * stride_vs + (kv0 + r_kv) * stride_vh
+            v = tl.load(VC + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N*KPP, D]
+            if KV_FP8:  # exact in q's dtype; the K scale is in scale_log2, the V scale applied last
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            if USE_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [H, N*KPP]
+            else:
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+            # A query row sees its own kv head's rows only: the others weigh exactly 0 in P @ V.
+            visible = n_mask[None, :]
+            if KPP > 1:
+                visible = visible & same_kv
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, USE_DOT)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    bt_row = BT + seq.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs < end
-        blk = tl.load(bt_row + offs // PAGE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs % PAGE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptr = KC + blk[:, None] * stride_kb + in_page[:, None] * stride_ks + kvh * stride_kh
-        k = tl.load(k_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v_ptr = VC + blk[:, None] * stride_vb + in_page[:, None] * stride_vs + kvh * stride_vh
-        v = tl.load(v_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if KV_FP8:  # exact in q's dtype; the K scale is in scale_log2, the V scale applied last
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [H, N]
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]  # [H, D]; zeros for an empty (padding) row
+        if KV_FP8:
+            out = out * v_scale
+        if first == last:
+            o_ptr = Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=q_mask)
         else:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, USE_DOT)
-
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if KV_FP8:
-        out = out * v_scale
-    if NUM_SPLITS == 1:
-        o_ptr = Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=q_mask)
-    else:
-        # Partials are [B, H, NUM_SPLITS, HEAD_DIM] and [B, H, NUM_SPLITS], contiguous.
-        part = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
-        tl.store(PO + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(PL + part, lse, mask=row_mask)
+            # Partials are [B, heads, num_splits, HEAD_DIM] and [B, heads, num_splits].
+            part = (seq * num_heads + heads) * num_splits + split
+            tl.store(PO + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+            tl.store(PL + part, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "min_split", "num_splits"])
 def _decode_merge_kernel(
     PO,
     PL,
+    SL,
     Out,
+    window,
+    min_split,
+    num_splits,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    part = (seq * tl.num_programs(1) + head) * num_splits
     s = tl.arange(0, BLOCK_S)
-    s_mask = s < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    lse = tl.load(PL + part + s, mask=s_mask, other=float("-inf"))  # [S]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # empty splits weigh 0
-    total = tl.sum(w, 0)
-    total = tl.where(total > 0, total, 1.0)
-    mask = s_mask[:, None] & d_mask[None, :]
-    po = tl.load(PO + (part + s)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
-    out = tl.sum(po * w[:, None], 0) / total  # [D]
-    tl.store(
-        Out + seq * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_mask
-    )
+    in_buf = s < num_splits
+    # Every split's slot is read while seq_len is still on its way (the splits that hold a
+    # result follow from it), so the two loads' latencies overlap; unwritten slots are dropped
+    # by the selects below, never multiplied.
+    seq_len = tl.load(SL + seq)
+    lse = tl.load(PL + part + s, mask=in_buf, other=float("-inf"))  # [S]
+    po_ptr = PO + (part + s)[:, None] * HEAD_DIM + d[None, :]
+    po = tl.load(po_ptr, mask=in_buf[:, None] & d_mask[None, :], other=0.0)  # [S, D]
+    _, _, first, last = _split_bounds(seq_len, window, num_splits, min_split, BLOCK_N, HAS_WINDOW)
+    if first != last:  # otherwise the decode kernel wrote this row itself
+        valid = (s >= first) & (s <= last)
+        lse = tl.where(valid, lse, float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # splits outside [first, last] weigh 0
+        total = tl.sum(w, 0)
+        total = tl.where(total > 0, total, 1.0)
+        po = tl.where(valid[:, None], po, 0.0)
+        out = tl.sum(po * w[:, None], 0) / total  # [D]
+        o_ptr = Out + seq * stride_ot + head * stride_oh + d
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 def paged_decode_attention(
@@ -304,13 +407,15 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, heads, head_dim]
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tile: DecodeTile | None = None,
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """Attention of each sequence's last token over its whole cached context (an FP8 cache's
     values times their scales).
 
     Reads nothing from the host but the tensors' shapes: ``num_splits`` defaults to a function
     of the batch size, the kv heads and the block table's width, so the launch is the same for
-    every step that a CUDA graph replays.
+    every step that a CUDA graph replays. ``tile`` overrides the tuned launch shape (tests and
+    the tuning sweep).
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -320,18 +425,25 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
+    kv_fp8 = is_fp8_cache(k_cache)
+    tile = tile or decode_tile(head_dim, kv_fp8)
+    # The query heads of the program's kv heads go through tl.dot as one tile padded to its
+    # 16-row minimum, a group of one (MHA, GPT-2) too: the elementwise products that group 1
+    # used before were reported near 1 TB/s on an H100. They remain only for head dims under
+    # tl.dot's 16.
     group = num_heads // num_kv_heads
-    max_context = block_tables.shape[1] * page
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, q.device)
-    # The query heads of one kv head go through tl.dot as one tile padded to its 16-row minimum,
-    # a group of one (MHA, GPT-2) too: the elementwise products that group 1 used before were
-    # reported near 1 TB/s on an H100. They remain only for head dims under tl.dot's 16.
     use_dot = head_dim >= 16
-    block_h = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
-    block_n = 64 if use_dot else 32
+    kpp = _kv_per_program(tile.kv_per_program if use_dot else 1, num_kv_heads, group)
+    rows = triton.next_power_of_2(group * kpp)
+    block_h = max(16, rows) if use_dot else rows
+    block_n = tile.block_n if use_dot else 32
+    min_split = max(min_split_tokens, 1)
+    if num_splits is None:
+        max_context = block_tables.shape[1] * page
+        programs = num_kv_heads // kpp
+        num_splits = choose_num_splits(batch, programs, max_context, q.device, min_split)
     partial_out, partial_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads // kpp, num_splits, batch)](
         q,
         k_cache,
         v_cache,
@@ -340,10 +452,12 @@ def paged_decode_attention(
         out,
         partial_out,
         partial_lse,
-        scale * _LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
+        scale * _LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         sliding_window or 0,
-        max(min_split_tokens, 1),
+        min_split,
+        num_splits,
+        num_heads,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -356,33 +470,65 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         GROUP=group,
+        KPP=kpp,
         BLOCK_H=block_h,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE=page,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
         USE_DOT=use_dot,
         PRECISION=_precision(q.dtype),
-        KV_FP8=is_fp8_cache(k_cache),
-        num_warps=4,
-        num_stages=2,
+        KV_FP8=kv_fp8,
+        FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(batch, num_heads)](
-            partial_out,
-            partial_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=1 if head_dim <= 64 else 2,
-        )
+        _merge_partials(partial_out, partial_lse, seq_lens, out, sliding_window, min_split, block_n)
     return out
+
+
+def _kv_per_program(wanted: int, num_kv_heads: int, group: int) -> int:
+    """The largest power of two <= ``wanted`` that divides the kv heads and whose query heads
+    fit in the rows the matrix-unit tile has anyway (16, or the group's own power of two)."""
+    kpp = 1 << max(wanted.bit_length() - 1, 0)
+    rows = max(16, triton.next_power_of_2(group))
+    while kpp > 1 and (num_kv_heads % kpp or group * kpp > rows):
+        kpp //= 2
+    return kpp
+
+
+def _merge_partials(
+    partial_out: torch.Tensor,  # [B, heads, S, head_dim] float32
+    partial_lse: torch.Tensor,  # [B, heads, S] float32
+    seq_lens: torch.Tensor,  # [B] int32
+    out: torch.Tensor,  # [B, heads, head_dim]
+    sliding_window: int | None,
+    min_split: int,
+    block_n: int,
+) -> None:
+    """Combine each multi-split row's partial results, weighted by their log-sum-exps."""
+    batch, num_heads, num_splits, head_dim = partial_out.shape
+    block_d = triton.next_power_of_2(head_dim)
+    block_s = triton.next_power_of_2(num_splits)
+    _decode_merge_kernel[(batch, num_heads)](
+        partial_out,
+        partial_lse,
+        seq_lens,
+        out,
+        sliding_window or 0,
+        min_split,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=block_s,
+        BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None,
+        num_warps=max(1, min(4, block_s * block_d // 1024)),
+    )
 
 
 def _partials(
@@ -399,13 +545,22 @@ def _partials(
     )
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough (sequence, kv head, split) programs for about two per multiprocessor, with no split
-    shorter than MIN_SPLIT_TOKENS at the longest context the block table can hold."""
-    if max_context <= MIN_SPLIT_TOKENS:
+def choose_num_splits(
+    batch: int,
+    kv_programs: int,
+    max_context: int,
+    device: torch.device,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+) -> int:
+    """Enough (sequence, kv heads, split) programs for PROGRAMS_PER_SM per multiprocessor, with
+    no split shorter than ``min_split_tokens`` at the longest context the block table can hold.
+    ``kv_programs`` is the number of programs per sequence and split (kv heads over kv heads
+    per program). Sequences shorter than the longest use fewer splits (the rest return at
+    once), and one that fits in one split skips the merge."""
+    if max_context <= min_split_tokens:
         return 1
-    wanted = -(-2 * _num_sms(device) // (batch * num_kv_heads))
-    return max(1, min(wanted, -(-max_context // MIN_SPLIT_TOKENS), MAX_SPLITS))
+    wanted = -(-PROGRAMS_PER_SM * _num_sms(device) // (batch * kv_programs))
+    return max(1, min(wanted, -(-max_context // min_split_tokens), MAX_SPLITS))
 
 
 @functools.cache
