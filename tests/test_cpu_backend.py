@@ -143,7 +143,7 @@ def test_plan_splits_decodes_from_prompts() -> None:
     assert plan.decode.rows is not None
     assert plan.decode.rows.tolist() == [starts[0], starts[3], starts[4]]
     assert plan.decode.seq_lens.tolist() == [13, 31, 1]
-    assert plan.decode.width == -(-31 // BLOCK)
+    assert plan.decode.slots == -(-31 // BLOCK) * BLOCK
 
 
 @pytest.mark.parametrize("padded", [False, True])

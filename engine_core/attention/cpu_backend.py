@@ -36,42 +36,38 @@ class DecodeGroup:
     rows: torch.Tensor | None  # [Bd] int64 query rows; None: every row of the batch, in order
     seq_lens: torch.Tensor  # [Bd] int64
     block_ids: torch.Tensor  # [Bd, nb] int64: each sequence's first nb blocks (padded with 0)
+    block_size: int
     chunk_seqs: int  # sequences per gather
-    # (window, dtype) -> [Bd, 1, 1, W]: 0 where attended, -inf elsewhere (SDPA would turn a
+    # Per chunk of chunk_seqs sequences: its gathered rows (of n * slots) past their sequence's end.
+    pad_rows: list[torch.Tensor]
+    # window -> [Bd, 1, 1, slots] float32: 0 where attended, -inf elsewhere (SDPA would turn a
     # boolean mask into this on every call: once a step here instead of once per layer)
-    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
-
-    # Per chunk of chunk_seqs sequences: its gathered rows (of n * W) past their sequence's end.
-    padding: list[torch.Tensor] | None = None
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     @property
-    def width(self) -> int:
+    def slots(self) -> int:
         """Context slots each gathered sequence holds: whole blocks, past its end masked."""
-        return self.block_ids.shape[1]
+        return self.block_ids.shape[1] * self.block_size
 
-    def pad_rows(self, block_size: int) -> list[torch.Tensor]:
-        """For each chunk of sequences, the rows of its gather ([n * W] rows of KVH * D) that
-        lie past their sequence's end."""
-        if self.padding is None:
-            pos = torch.arange(self.width * block_size)[None, :]  # [1, W]
-            past_end = pos >= self.seq_lens[:, None]  # [Bd, W]
-            self.padding = [
-                chunk.reshape(-1).nonzero().squeeze(1) for chunk in past_end.split(self.chunk_seqs)
-            ]
-        return self.padding
-
-    def mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-        """[Bd, 1, 1, nb * block_size] additive mask: 0 on the slots each sequence's query
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[Bd, 1, 1, slots] additive float32 mask: 0 on the slots each sequence's query
         attends, -inf on the others."""
-        if (window, dtype) not in self.masks:
-            pos = torch.arange(self.width * block_size)[None, :]  # [1, W]
+        if window not in self.masks:
+            pos = torch.arange(self.slots)[None, :]  # [1, W]
             lens = self.seq_lens[:, None]  # [Bd, 1]
             keep = pos < lens
             if window is not None:  # the query (at lens - 1) sees itself and window - 1 before
                 keep &= pos >= lens - window
-            mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
-            self.masks[window, dtype] = mask[:, None, None, :]
-        return self.masks[window, dtype]
+            mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+            self.masks[window] = mask[:, None, None, :]
+        return self.masks[window]
+
+
+def rows_past_end(seq_lens: torch.Tensor, slots: int, chunk_seqs: int) -> list[torch.Tensor]:
+    """For each chunk of ``chunk_seqs`` sequences, the rows of its gather ([n * slots] rows of
+    KVH * D) that lie past their sequence's end."""
+    past_end = torch.arange(slots)[None, :] >= seq_lens[:, None]  # [Bd, W]
+    return [chunk.reshape(-1).nonzero().squeeze(1) for chunk in past_end.split(chunk_seqs)]
 
 
 @dataclass
@@ -130,15 +126,14 @@ class CpuBackend(TorchReferenceBackend):
                 q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale
             )
         plan = self._plan_for(meta, k_cache)
+        group = plan.decode
+        if group is not None and group.rows is None:  # every row decodes
+            return decode_attention(q, k_cache, v_cache, group, scale, sliding_window)
         out = torch.empty_like(q)
-        if plan.decode is not None:
-            group = plan.decode
-            rows = q if group.rows is None else q[group.rows]
-            attended = decode_attention(rows, k_cache, v_cache, group, scale, sliding_window)
-            if group.rows is None:
-                out = attended
-            else:
-                out[group.rows] = attended
+        if group is not None:
+            out[group.rows] = decode_attention(
+                q[group.rows], k_cache, v_cache, group, scale, sliding_window
+            )
         starts = meta.query_start_loc_cpu
         for seq in plan.prompts:
             start, end = starts[seq], starts[seq + 1]
@@ -175,7 +170,9 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     per_seq_bytes = 2 * num_blocks * k_cache[0].numel() * k_cache.element_size()
     chunk_seqs = max(1, CHUNK_BYTES // per_seq_bytes)
     lens = torch.tensor(seq_lens, dtype=torch.int64)
-    return StepPlan(meta, DecodeGroup(rows, lens, block_ids, chunk_seqs), prompts)
+    pad_rows = rows_past_end(lens, num_blocks * block_size, chunk_seqs)
+    group = DecodeGroup(rows, lens, block_ids, block_size, chunk_seqs, pad_rows)
+    return StepPlan(meta, group, prompts)
 
 
 def decode_attention(
@@ -188,25 +185,23 @@ def decode_attention(
 ) -> torch.Tensor:  # [Bd, H, D]
     """The decode sequences' attention, a chunk of sequences at a time."""
     num_seqs, _, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    slots = group.width * block_size
+    num_kv_heads = k_cache.shape[2]
     k_blocks = k_cache.view(k_cache.shape[0], -1)  # [num_blocks, block_size * KVH * D]
     v_blocks = v_cache.view(v_cache.shape[0], -1)
     # torch's fused CPU attention is the fastest in float32, and 5x slower than two einsums
     # (oneDNN matmuls) in bf16, whose scores are then taken in float32.
     attend = sdpa_decode if q.dtype == torch.float32 else einsum_decode
-    mask = group.mask(window, block_size, torch.float32)  # [Bd, 1, 1, W]
-    pad = group.pad_rows(block_size)
+    mask = group.mask(window)  # [Bd, 1, 1, W]
     out = torch.empty_like(q)
     for lo in range(0, num_seqs, group.chunk_seqs):
         hi = min(lo + group.chunk_seqs, num_seqs)
         ids = group.block_ids[lo:hi].reshape(-1)  # [n * nb]
-        shape = (hi - lo, slots, num_kv_heads, head_dim)
+        shape = (hi - lo, group.slots, num_kv_heads, head_dim)
         k = k_blocks.index_select(0, ids).view(shape)  # [n, W, KVH, D]
         v = v_blocks.index_select(0, ids).view(shape)  # [n, W, KVH, D]
         # The slots past a sequence's end hold whatever an earlier owner of the block left
         # (or were never written): masked scores weigh 0, but 0 * inf is NaN, so zero them.
-        rows = pad[lo // group.chunk_seqs]
+        rows = group.pad_rows[lo // group.chunk_seqs]
         k.view(-1, num_kv_heads * head_dim).index_fill_(0, rows, 0.0)
         v.view(-1, num_kv_heads * head_dim).index_fill_(0, rows, 0.0)
         out[lo:hi] = attend(q[lo:hi], k, v, mask[lo:hi], scale)
