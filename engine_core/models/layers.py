@@ -326,14 +326,14 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.fp8)
 
-    def pack_for_cpu(self) -> bool:
-        """Hold a plain CPU weight in oneDNN's layout from now on (after loading); whether it
-        did. The packed copy replaces the plain one, so the model is not held twice."""
+    def pack_for_cpu(self) -> None:
+        """Hold a plain CPU weight in oneDNN's layout from now on (after loading; FP8 and other
+        weights stay as they are). The packed copy replaces the plain one, so the model is not
+        held twice."""
         if self.fp8 is not None or not can_pack(self.weight):
-            return False
+            return
         self.packed_weight = pack_weight(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-        return True
 
     @property
     def num_input_scales(self) -> int:
@@ -753,11 +753,12 @@ def copy_into(
         target.copy_(tensor)
 
 
-def pack_cpu_weights(model: nn.Module) -> int:
+def pack_cpu_weights(model: nn.Module) -> None:
     """Pack every plain linear of a CPU model, and its LM head (a copy: a tied embedding still
-    needs the plain matrix for lookups), for oneDNN; how many linears were packed."""
-    packed = sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, Linear))
+    needs the plain matrix for lookups), for oneDNN."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack_for_cpu()
     logits_weight = model.logits_weight()
     if can_pack(logits_weight):
         model.packed_logits_weight = pack_weight(logits_weight)
-    return packed
