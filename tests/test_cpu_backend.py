@@ -22,12 +22,14 @@ REFERENCE = TorchReferenceBackend()
 
 
 def metadata(
-    specs: list[tuple[int, int]], num_blocks: int, gen: torch.Generator
+    specs: list[tuple[int, int]], num_blocks: int, gen: torch.Generator, shuffled: bool = True
 ) -> AttentionMetadata:
-    """Sequences of (cached context, new tokens) on shuffled blocks, for forward only (the cache
-    is filled with random values directly, so no slot mapping is needed)."""
+    """Sequences of (cached context, new tokens) on shuffled blocks (or on consecutive ones,
+    from block 1), for forward only (the cache is filled with random values directly, so no
+    slot mapping is needed)."""
     width = max(-(-(c + n) // BLOCK) for c, n in specs)
-    order = torch.randperm(num_blocks, generator=gen)[: len(specs) * width]
+    order = torch.randperm(num_blocks, generator=gen) if shuffled else torch.arange(1, num_blocks)
+    order = order[: len(specs) * width]
     tables = order.to(torch.int32).view(len(specs), width)
     starts = [0]
     for _, new in specs:
@@ -62,10 +64,11 @@ def compare(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     unwritten: float | None = None,
+    shuffled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = len(specs) * max(-(-(c + n) // BLOCK) for c, n in specs) + 3
-    meta = metadata(specs, num_blocks, gen)
+    meta = metadata(specs, num_blocks, gen, shuffled)
     shape = (num_blocks, BLOCK, kv_heads, DIM)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
@@ -112,6 +115,36 @@ def test_slots_past_the_context_are_never_read(value: float, dtype: torch.dtype)
         {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     )
     torch.testing.assert_close(got, want, **tolerance)
+
+
+@pytest.mark.parametrize("context", [0, 3, 4, 13, 30])
+@pytest.mark.parametrize("shuffled", [True, False], ids=["gathered", "viewed"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_decoding_sequence(
+    context: int, shuffled: bool, window: int | None, dtype: torch.dtype
+) -> None:
+    """A step of one decode reads its exact context (a view of consecutive blocks, else a
+    gather): NaN past its end or in other blocks never reaches the output."""
+    got, want = compare(
+        [(context, 1)], 9, 3, window, dtype, seed=context, unwritten=float("nan"), shuffled=shuffled
+    )
+    assert torch.isfinite(got).all()
+    tolerance = (
+        {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    )
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_one_decoding_sequence_is_planned_as_such() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.empty(20, BLOCK, 2, DIM)
+    viewed = plan_step(metadata([(13, 1)], 20, gen, shuffled=False), cache).single
+    assert viewed is not None and viewed.first_block == 1 and viewed.seq_len == 14
+    gathered = plan_step(metadata([(13, 1)], 20, gen), cache).single
+    assert gathered is not None and gathered.first_block is None
+    assert plan_step(metadata([(13, 1), (2, 1)], 20, gen), cache).single is None
+    assert plan_step(metadata([(13, 3)], 20, gen), cache).single is None
 
 
 def test_bf16_within_rounding() -> None:

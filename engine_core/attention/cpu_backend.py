@@ -5,7 +5,9 @@ a decode step of 64 sequences on a 30-layer model runs some 20,000 of them. Here
 of a step that decode (one new token) attend together: their context's KV blocks are gathered in a
 few block-granular copies, in chunks of sequences small enough that the copy is still in the
 last-level cache when torch's fused CPU attention (``scaled_dot_product_attention``) reads it, with
-one boolean mask per step (per sliding window) for the padding. Prompts, prompt chunks and
+one boolean mask per step (per sliding window) for the padding. A step whose one sequence decodes
+(one request at a time) reads its exact context instead: a view of the cache where its blocks are
+consecutive, else one gather, with no padding, mask or zeroing. Prompts, prompt chunks and
 prefix-cached prompts attend one by one, each a single SDPA call.
 
 What the gathers need is planned once per forward (``StepPlan``: the decode rows, each chunk's
@@ -70,11 +72,39 @@ def rows_past_end(seq_lens: torch.Tensor, slots: int, chunk_seqs: int) -> list[t
     return [chunk.reshape(-1).nonzero().squeeze(1) for chunk in past_end.split(chunk_seqs)]
 
 
+@dataclass(frozen=True)
+class SingleDecode:
+    """A step whose only sequence decodes: its context, read exactly (no padding to mask)."""
+
+    seq_len: int
+    block_ids: torch.Tensor  # [nb] int64, the blocks holding its seq_len slots
+    first_block: int | None  # where those blocks are consecutive, the first: a view, no gather
+
+    def context(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's K and V, [seq_len, KVH, D] each."""
+        if self.first_block is not None:
+            blocks = slice(self.first_block, self.first_block + len(self.block_ids))
+            k, v = k_cache[blocks], v_cache[blocks]
+        else:
+            k, v = k_cache.index_select(0, self.block_ids), v_cache.index_select(0, self.block_ids)
+        return k.flatten(0, 1)[: self.seq_len], v.flatten(0, 1)[: self.seq_len]
+
+
+def plan_single_decode(block_table: torch.Tensor, seq_len: int, block_size: int) -> SingleDecode:
+    block_ids = block_table[: -(-seq_len // block_size)].long()
+    first = int(block_ids[0])
+    consecutive = torch.equal(block_ids, torch.arange(first, first + len(block_ids)))
+    return SingleDecode(seq_len, block_ids, first if consecutive else None)
+
+
 @dataclass
 class StepPlan:
     meta: AttentionMetadata
     decode: DecodeGroup | None
     prompts: list[int]  # the sequences with more than one new token
+    single: SingleDecode | None = None  # set instead of decode when the step is one decode
 
 
 class CpuBackend(TorchReferenceBackend):
@@ -126,6 +156,9 @@ class CpuBackend(TorchReferenceBackend):
                 q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale
             )
         plan = self._plan_for(meta, k_cache)
+        if plan.single is not None:
+            k, v = plan.single.context(k_cache, v_cache)
+            return single_decode_attention(q, k, v, scale, sliding_window)
         group = plan.decode
         if group is not None and group.rows is None:  # every row decodes
             return decode_attention(q, k_cache, v_cache, group, scale, sliding_window)
@@ -161,6 +194,9 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     if not decodes:
         return StepPlan(meta, None, prompts)
     block_size = k_cache.shape[1]
+    if meta.num_seqs == 1:
+        single = plan_single_decode(meta.block_tables[0], meta.seq_lens_cpu[0], block_size)
+        return StepPlan(meta, None, prompts, single)
     seq_lens = [meta.seq_lens_cpu[s] for s in decodes]
     num_blocks = -(-max(seq_lens) // block_size)
     index = torch.tensor(decodes, dtype=torch.int64)
@@ -208,18 +244,33 @@ def decode_attention(
     return out
 
 
+def single_decode_attention(
+    q: torch.Tensor,  # [1, H, D]: the query at the sequence's last position
+    k: torch.Tensor,  # [L, KVH, D]: the whole context, the query's own slot included
+    v: torch.Tensor,  # [L, KVH, D]
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:  # [1, H, D]
+    """One sequence's decode: the last query sees every position (or the window's), so there
+    is nothing to mask."""
+    if window is not None:
+        k, v = k[-window:], v[-window:]
+    attend = sdpa_decode if q.dtype == torch.float32 else einsum_decode
+    return attend(q, k[None], v[None], None, scale)
+
+
 def sdpa_decode(
     q: torch.Tensor,  # [n, H, D]
     k: torch.Tensor,  # [n, W, KVH, D]
     v: torch.Tensor,  # [n, W, KVH, D]
-    mask: torch.Tensor,  # [n, 1, 1, W] float32, additive
+    mask: torch.Tensor | None,  # [n, 1, 1, W] float32, additive; None: every slot is read
     scale: float,
 ) -> torch.Tensor:  # [n, H, D]
     out = F.scaled_dot_product_attention(
         q[:, :, None],  # [n, H, 1, D]
         k.transpose(1, 2),  # [n, KVH, W, D]
         v.transpose(1, 2),
-        attn_mask=mask.to(q.dtype),
+        attn_mask=None if mask is None else mask.to(q.dtype),
         scale=scale,
         enable_gqa=True,
     )  # [n, H, 1, D]
@@ -230,14 +281,16 @@ def einsum_decode(
     q: torch.Tensor,  # [n, H, D]
     k: torch.Tensor,  # [n, W, KVH, D]
     v: torch.Tensor,  # [n, W, KVH, D]
-    mask: torch.Tensor,  # [n, 1, 1, W] float32, additive
+    mask: torch.Tensor | None,  # [n, 1, 1, W] float32, additive; None: every slot is read
     scale: float,
 ) -> torch.Tensor:  # [n, H, D]
     """Query head h reads KV head h // G: the G heads of a group share one matmul."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     grouped = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, KVH, G, D]
-    scores = torch.einsum("nkgd,nwkd->nkgw", grouped, k).float() * scale + mask  # [n,KVH,G,W]
+    scores = torch.einsum("nkgd,nwkd->nkgw", grouped, k).float() * scale  # [n, KVH, G, W]
+    if mask is not None:
+        scores = scores + mask
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.einsum("nkgw,nwkd->nkgd", probs, v).reshape(n, num_heads, head_dim)
 
