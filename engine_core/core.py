@@ -256,6 +256,7 @@ class EngineCore:
             num_cached_blocks=bm.num_cached_blocks,
             num_total_blocks=self.runner.num_kv_blocks,
             num_steps=self.num_steps,
+            counts=self.scheduler.counts(),
         )
 
 

@@ -311,13 +311,15 @@ class EngineProc:
             if out.error is not None:
                 self.outbox.put((r.client_id, RequestError(r.client_request_id, out.error, 400)))
                 continue
+            reason = out.finish_reason
             grouped[r.client_id].append(
                 RequestOutput(
                     r.client_request_id,
                     out.new_token_ids,
-                    out.finish_reason,
+                    reason,
                     out.logprobs,
                     out.prompt_logprobs,
+                    None if reason is None else r.timings(),
                 )
             )
         return grouped

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
+from protocol.messages import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from engine_core.grammar import RequestGrammar
@@ -44,6 +44,11 @@ class Request:
     # (a prefix-cache hit would skip their logits, so such a request takes none until complete).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # they went out with the request's first token
+    # Its timeline on time.monotonic() (0: not yet), for the timings its last output carries.
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+    first_token_index: int = 0  # where its first new token goes: len(token_ids) when admitted
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -94,6 +99,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    def timings(self) -> RequestTimings:
+        """Queue, prefill and decode time of a finished request (a request that ended before
+        a step or a token was its own has them end at its finish)."""
+        end = self.finish_time
+        scheduled = self.first_scheduled_time or end
+        first = min(self.first_token_time or end, end)
+        return RequestTimings(scheduled - self.arrival_time, first - scheduled, end - first)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -22,11 +22,19 @@ request that stops at step N has its step-N+1 row dropped, and a request whose p
 already reach max_tokens or max_model_len is not scheduled again. Each plan keeps the start and
 sampling flag it was made with (``ScheduledRequest.start``, ``.samples``), since the request moves
 on before its update.
+
+Counts (``counts()``, for the /metrics of the frontend) cost a few additions per step and per
+admission: prefix-cache lookups and hits at admission, preemptions, and the tokens of each step
+in a fixed set of buckets. A request's timeline (first scheduled, first token, finish) is
+stamped once each; only requests still waiting for their first token are looked at per step.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import random
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -39,7 +47,7 @@ from engine_core.request import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from protocol.messages import FinishReason
+from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +79,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: preemption takes from the end
+        self._awaiting_first_token: list[Request] = []  # admitted, no token of theirs yet
+        self._run_id = random.getrandbits(62)
+        self._prefix_queries = self._prefix_hits = self._preemptions = 0
+        self._step_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
+        self._step_tokens_sum = 0
 
     # ------------------------------------------------------------------------ request intake
 
@@ -103,6 +116,8 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, FinishReason.ABORT)
             aborted.append(request)
+        if not self.has_unfinished():
+            self._awaiting_first_token.clear()  # no step may come soon to drop them
         return aborted
 
     def has_unfinished(self) -> bool:
@@ -116,6 +131,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def counts(self) -> EngineCounts:
+        """What this scheduler counted since it started (see EngineCounts)."""
+        return EngineCounts(
+            self._run_id,
+            self._prefix_queries,
+            self._prefix_hits,
+            self._preemptions,
+            tuple(self._step_tokens),
+            self._step_tokens_sum,
+        )
+
     # ---------------------------------------------------------------------------- scheduling
 
     def schedule(self) -> SchedulerOutput:
@@ -124,8 +150,14 @@ class Scheduler:
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         # Right after a preemption the pool is full: admitting now would only thrash.
         if not output.preempted_ids:
-            self._schedule_waiting(output, budget)
+            budget = self._schedule_waiting(output, budget)
+        if output.scheduled:
+            self._count_step(self.config.max_num_batched_tokens - budget)
         return output
+
+    def _count_step(self, num_tokens: int) -> None:
+        self._step_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
+        self._step_tokens_sum += num_tokens
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         # Only the last admitted request can be mid-prompt (it took the budget that was left),
@@ -173,9 +205,11 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        self._preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests within ``budget``; returns the budget left."""
         num_admitted = 0
         while (
             self.waiting
@@ -192,6 +226,7 @@ class Scheduler:
             self._add_scheduled(output, self.running[-1], num_new)
             budget -= num_new
             num_admitted += 1
+        return budget
 
     def _next_to_admit(self) -> Request | None:
         """The first waiting request that can run: one whose grammar still compiles waits
@@ -217,6 +252,13 @@ class Scheduler:
         request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if use_cache and self.block_manager.enable_prefix_caching:
+            self._prefix_queries += request.num_tokens
+            self._prefix_hits += request.num_computed_tokens
+        if not request.first_scheduled_time:
+            request.first_scheduled_time = time.monotonic()
+            request.first_token_index = request.num_tokens  # no placeholder of its own yet
+            self._awaiting_first_token.append(request)
         return num_new
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
@@ -253,11 +295,28 @@ class Scheduler:
             event = update(scheduled, token)
             if event is not None:
                 events.append(event)
+        if self._awaiting_first_token:
+            self._stamp_first_tokens()
         if any(event.finish_reason is not None for event in events):
             self.running = [r for r in self.running if not r.is_finished]
             if any(r.is_finished for r in self.waiting):  # preempted while its step ran
                 self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return events
+
+    def _stamp_first_tokens(self) -> None:
+        """Time the first token of each request that got it in this step (sampled and known:
+        with overlap a placeholder stands in its place until then)."""
+        now = time.monotonic()
+        waiting = []
+        for request in self._awaiting_first_token:
+            token_ids, first = request.token_ids, request.first_token_index
+            if request.is_finished:
+                continue  # finished at its first token (or without one): its finish says when
+            if len(token_ids) > first and token_ids[first] != PLACEHOLDER:
+                request.first_token_time = now
+            else:
+                waiting.append(request)
+        self._awaiting_first_token = waiting
 
     def _update_request(
         self, scheduled: ScheduledRequest, token: int | None
@@ -346,5 +405,6 @@ class Scheduler:
         """
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.finish_time = time.monotonic()
         self.block_manager.free(request.request_id)
         del self.requests[request.request_id]

@@ -12,7 +12,9 @@ engine core and
   others (``dead_reason`` is set only when none is left), and each engine's supervisor restarts
   its own process;
 - ``stats()`` sums the engines' counters for the existing gauges and, with several engines,
-  records each engine's under an ``engine`` label (``tandem_engine_*{engine="i"}``);
+  records each engine's under an ``engine`` label (``tandem_engine_*{engine="i"}``); its
+  ``counts`` are the engines' ``EngineCounts`` summed over engines and over each engine's
+  restarts (``EngineCountTotals``), so the counters made of them never go backwards;
 - ``replace(index, client)``: the supervisor of a restarted engine core swaps in its new
   connection, while the others serve on.
 """
@@ -32,7 +34,7 @@ from protocol.client import (
     RequestGroup,
     wait_while_dead,
 )
-from protocol.messages import Ready, Stats
+from protocol.messages import EngineCounts, Ready, Stats
 
 WAIT_POLL_S = 0.05
 
@@ -78,12 +80,32 @@ class EngineGauges:
             self.kv_usage.labels(**name).set(stats.kv_cache_usage)
 
 
+class EngineCountTotals:
+    """Engine counts summed over the engines, and over each engine's runs: an engine core that
+    restarts (a new run id) counts from zero again, so the last counts seen of its previous run
+    are kept; a dead engine's last counts stay in the sum. The total never goes backwards."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, EngineCounts] = {}  # by engine index: its run's latest counts
+        self._ended = EngineCounts()  # runs that ended, summed
+
+    def update(self, index: int, counts: EngineCounts) -> None:
+        last = self._last.get(index)
+        if last is not None and last.run_id != counts.run_id:
+            self._ended += last
+        self._last[index] = counts
+
+    def total(self) -> EngineCounts:
+        return sum(self._last.values(), self._ended)
+
+
 class EnginePool:
     """The engine connections of one API process (see the module docstring)."""
 
     def __init__(self, engines: Sequence[AsyncEngineClient]) -> None:
         self.engines = list(engines)
         self.gauges: EngineGauges | None = None  # per-engine metrics, with several engines
+        self.totals = EngineCountTotals()
         self._next = 0  # where the next tie-break starts
 
     def replace(self, index: int, engine: AsyncEngineClient) -> None:
@@ -161,10 +183,13 @@ class EnginePool:
                 self.gauges.record(i, self.engines[i], stats)
             if stats is not None:
                 got.append(stats)
+                self.totals.update(i, stats.counts)
         if not got:
             failure = next((r for r in replies if isinstance(r, BaseException)), None)
             raise failure or EngineDeadError("no engine core answered")
-        return Stats(*(sum(getattr(s, f.name) for s in got) for f in dataclasses.fields(Stats)))
+        gauges = (f.name for f in dataclasses.fields(Stats) if f.name != "counts")
+        summed = {name: sum(getattr(s, name) for s in got) for name in gauges}
+        return Stats(**summed, counts=self.totals.total())
 
     async def close(self, reason: str = "the frontend is shutting down") -> None:
         await asyncio.gather(*(e.close(reason) for e in self.engines))

@@ -46,6 +46,7 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_at: float | None = None
+    last_token_at: float = 0.0  # when its latest output with tokens came (inter-token latency)
     ended: FinishReason | None = None  # the engine finished it; the text is not flushed yet
     decoded: int = 0  # token_ids[:decoded] went through the detokenizer
     sent: int = 0  # token_ids[:sent] (and their logprobs) went out in a flush
@@ -198,6 +199,7 @@ class Generation:
     ) -> list[ChoiceDelta]:
         """Take in every queued output, then flush each choice they touched that is due."""
         touched: dict[int, Choice] = {}
+        now = time.monotonic()  # one clock read for the batch: its outputs came together
         for slot, item in items:
             index = self.members[slot]
             choice = self.choices[index]
@@ -207,7 +209,7 @@ class Generation:
                 continue  # _follow raises it once the rest of the batch is flushed
             if isinstance(item, Exception):
                 raise as_openai_error(item)
-            self._receive(group, choice, item)
+            self._receive(group, choice, item, now)
             if choice.text.has_stop_strings:
                 # Step by step: a match ends the choice before its later outputs count.
                 self._decode(group, choice)
@@ -215,18 +217,25 @@ class Generation:
         deltas = (self._advance(group, c) for c in touched.values())
         return [d for d in deltas if d is not None]
 
-    def _receive(self, group: RequestGroup, choice: Choice, out: RequestOutput) -> None:
+    def _receive(self, group: RequestGroup, choice: Choice, out: RequestOutput, now: float) -> None:
         """Record one step's tokens (no decoding here: that waits for the flush)."""
         new = out.new_token_ids if self.keep_output else []
+        metrics = self.ctx.metrics
         if out.prompt_logprobs is not None:
             choice.prompt_logprobs = out.prompt_logprobs
-        if new and choice.first_token_at is None:
-            choice.first_token_at = time.monotonic()
-            self.ctx.metrics.record_first_token(choice.first_token_at - self.arrival)
-        self.ctx.metrics.record_tokens(len(new))
+        if new:
+            if choice.first_token_at is None:
+                choice.first_token_at = now
+                metrics.record_first_token(now - self.arrival)
+            else:
+                metrics.record_inter_token(now - choice.last_token_at)
+            choice.last_token_at = now
+        metrics.record_tokens(len(new))
         choice.token_ids += new
         choice.logprobs += (out.logprobs or []) if self.keep_output else []
         if out.finish_reason is not None:
+            if out.timings is not None:
+                metrics.record_engine_timings(out.timings)
             group.finished(self.members.index(choice.index))
             if out.finish_reason == FinishReason.ERROR:
                 raise OpenAIError(500, "the engine failed this request", "internal_error")

@@ -1,13 +1,17 @@
 """Prometheus metrics of the frontend, served as text at GET /metrics.
 
 Per-request figures (finish reasons, tokens, latencies) are recorded by the frontend as requests
-end; engine-wide gauges (running and waiting requests, KV-cache usage) come from a periodic
-ControlKind.STATS call. Each server owns its registry, so two apps in one process never clash.
+end; the engine's share of a request (queue, prefill and decode time) comes in the output that
+finishes it. Engine-wide gauges (running and waiting requests, KV-cache usage) and counters
+(prefix-cache queries and hits, preemptions, tokens per step) come from a periodic
+ControlKind.STATS call; the counters are the engines' own counts (summed over engines and
+restarts by the EnginePool), exported as they are at each scrape by ``EngineCountsCollector``.
+Each server owns its registry, so two apps in one process never clash.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -17,8 +21,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from protocol.messages import Stats
+from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, RequestTimings, Stats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -39,9 +45,14 @@ class Metrics:
         name = self._label
         self._prompt_tokens = self.prompt_tokens.labels(**name)
         self._generation_tokens = self.generation_tokens.labels(**name)
-        self._ttft, self._tpot, self._e2e = (
-            h.labels(**name) for h in (self.ttft, self.tpot, self.e2e)
+        self._ttft, self._tpot, self._e2e, self._itl = (
+            h.labels(**name) for h in (self.ttft, self.tpot, self.e2e, self.itl)
         )
+        self._queue, self._prefill, self._decode = (
+            h.labels(**name) for h in (self.queue_time, self.prefill_time, self.decode_time)
+        )
+        self.engine_counts = EngineCountsCollector(model_name)
+        self.registry.register(self.engine_counts)
 
     def _counter(self, name: str, doc: str, *labels: str) -> Counter:
         return Counter(name, doc, ["model_name", *labels], registry=self.registry)
@@ -75,6 +86,26 @@ class Metrics:
         self.e2e = self._histogram(
             "tandem_e2e_request_latency_seconds",
             "Time from arrival at the frontend to the end of the request.",
+            _LATENCY_BUCKETS,
+        )
+        self.itl = self._histogram(
+            "tandem_inter_token_latency_seconds",
+            "Time between two outputs of a request carrying tokens, as the frontend gets them.",
+            _TOKEN_BUCKETS,
+        )
+        self.queue_time = self._histogram(
+            "tandem_request_queue_time_seconds",
+            "Engine time from a request's arrival to its first step (finished requests).",
+            _LATENCY_BUCKETS,
+        )
+        self.prefill_time = self._histogram(
+            "tandem_request_prefill_time_seconds",
+            "Engine time from a request's first step to its first token (finished requests).",
+            _LATENCY_BUCKETS,
+        )
+        self.decode_time = self._histogram(
+            "tandem_request_decode_time_seconds",
+            "Engine time from a request's first token to its end (finished requests).",
             _LATENCY_BUCKETS,
         )
         self.rejected = self._counter(
@@ -143,6 +174,15 @@ class Metrics:
     def record_first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)
 
+    def record_inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def record_engine_timings(self, timings: RequestTimings) -> None:
+        """The engine's share of one request it finished (stop, length)."""
+        self._queue.observe(timings.queue_s)
+        self._prefill.observe(timings.prefill_s)
+        self._decode.observe(timings.decode_s)
+
     def record_tokens(self, num_tokens: int) -> None:
         self._generation_tokens.inc(num_tokens)
 
@@ -152,6 +192,7 @@ class Metrics:
         self.kv_usage.labels(**self._label).set(stats.kv_cache_usage)
         self.engine_steps.labels(**self._label).set(stats.num_steps)
         self.engine_healthy.labels(**self._label).set(1.0 if healthy else 0.0)
+        self.engine_counts.counts = stats.counts
 
     def watch_frontend(
         self,
@@ -186,3 +227,43 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineCountsCollector(Collector):
+    """The engines' counts as Prometheus counters and a histogram, at each scrape: a
+    prometheus_client Counter can only be incremented, and these arrive as totals."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.counts = EngineCounts()  # the latest totals (EnginePool.stats), zero until then
+
+    def collect(self) -> Iterator[Metric]:
+        c, label = self.counts, [self.model_name]
+        for name, doc, value in (
+            (
+                "tandem_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache when requests were admitted.",
+                c.prefix_cache_queries,
+            ),
+            (
+                "tandem_prefix_cache_hits",
+                "Of those, tokens found in the prefix cache (not computed again).",
+                c.prefix_cache_hits,
+            ),
+            ("tandem_num_preemptions", "Requests preempted for KV room.", c.preemptions),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(label, value)
+            yield counter
+        steps = HistogramMetricFamily(
+            "tandem_iteration_tokens_total",
+            "Tokens scheduled per engine step (prompt chunks and decodes).",
+            labels=["model_name"],
+        )
+        cumulative, buckets = 0, []
+        bounds = [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"]
+        for bound, count in zip(bounds, c.step_tokens, strict=True):
+            cumulative += count
+            buckets.append((str(bound), cumulative))
+        steps.add_metric(label, buckets, c.step_tokens_sum)
+        yield steps

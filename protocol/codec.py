@@ -25,7 +25,8 @@ Field layouts (after the type tag and the version):
                     new_ids: i32 bytes (every request's new tokens, in order),
                     [[index, finish_reason], ...], [[index, logprobs], ...],
                     {request_id: finish_reason, ...} (requests that ended with no token),
-                    [[index, count, prompt logprobs], ...] (count = prompt tokens - 1)
+                    [[index, count, prompt logprobs], ...] (count = prompt tokens - 1),
+                    [[index, queue_s, prefill_s, decode_s], ...] (timings of finished requests)
                     logprobs = [sampled: f64 bytes (one per new token), top_counts: i32 bytes
                     (one per new token), top_ids: i32 bytes, top_logprobs: f64 bytes]
                     Columns, not one array per request: a step carries up to max_num_seqs
@@ -33,7 +34,9 @@ Field layouts (after the type tag and the version):
                     the request id list; most steps finish few requests). Pairs, not maps:
                     the decoder admits only str map keys.
     REQUEST_ERROR   request_id, message, code
-    CONTROL_REPLY   kind, token, stats: [6 ints] | nil, ok, message
+    CONTROL_REPLY   kind, token, stats: [6 ints, counts] | nil, ok, message
+                    counts = [run_id, prefix_cache_queries, prefix_cache_hits, preemptions,
+                    step_tokens_sum, [one count per STEP_TOKEN_BUCKETS bucket, + 1]]
     HEARTBEAT       num_steps
 """
 
@@ -50,6 +53,7 @@ import numpy as np
 
 from protocol.messages import (
     PROTOCOL_VERSION,
+    STEP_TOKEN_BUCKETS,
     Abort,
     AddRequest,
     ClientMessage,
@@ -58,6 +62,7 @@ from protocol.messages import (
     Control,
     ControlKind,
     ControlReply,
+    EngineCounts,
     EngineMessage,
     FinishReason,
     Heartbeat,
@@ -66,6 +71,7 @@ from protocol.messages import (
     Ready,
     RequestError,
     RequestOutput,
+    RequestTimings,
     SamplingParams,
     Stats,
     StepOutputs,
@@ -520,6 +526,7 @@ def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
     finish: list[list[Any]] = []
     logprobs: list[list[Any]] = []
     prompt_logprobs: list[list[Any]] = []
+    timings: list[list[Any]] = []
     for i, out in enumerate(msg.outputs):
         request_ids.append(out.request_id)
         counts.append(len(out.new_token_ids))
@@ -531,6 +538,9 @@ def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
         if out.prompt_logprobs is not None:
             entries = out.prompt_logprobs
             prompt_logprobs.append([i, len(entries), _encode_logprobs(entries)])
+        if out.timings is not None:
+            t = out.timings
+            timings.append([i, float(t.queue_s), float(t.prefill_s), float(t.decode_s)])
     finished = {rid: int(reason) for rid, reason in msg.finished_without_tokens.items()}
     return [
         request_ids,
@@ -540,12 +550,13 @@ def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
         logprobs,
         finished,
         prompt_logprobs,
+        timings,
     ]
 
 
 def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
     # The hot path of a client: one call per engine step, up to max_num_seqs requests in it.
-    v.list_(fields, "STEP_OUTPUTS fields", 7)
+    v.list_(fields, "STEP_OUTPUTS fields", 8)
     request_ids = _request_ids(fields[0], v)
     counts = v.i32(fields[1], "new token counts", MAX_TOKEN_IDS, min_value=0).tolist()
     if len(counts) != len(request_ids):
@@ -567,6 +578,9 @@ def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
     for i, value in _indexed(fields[6], len(outputs), "prompt logprobs", v, width=3):
         num = v.int_(value[0], "prompt logprobs count", 0, MAX_TOKEN_IDS)
         outputs[i].prompt_logprobs = _decode_logprobs(value[1], num, v)
+    for i, value in _indexed(fields[7], len(outputs), "timings", v, width=4):
+        seconds = (v.float_(x, "a timing", 0.0, math.inf) for x in value)
+        outputs[i].timings = RequestTimings(*seconds)
     if type(fields[5]) is not dict:
         raise v.fail("finished_without_tokens must be a map")
     finished = {
@@ -665,26 +679,30 @@ def _encode_control_reply(msg: ControlReply) -> list[Any]:
     s = msg.stats
     stats = None
     if s is not None:
-        stats = [
-            int(x)
-            for x in (
-                s.num_running,
-                s.num_waiting,
-                s.num_free_blocks,
-                s.num_cached_blocks,
-                s.num_total_blocks,
-                s.num_steps,
-            )
-        ]
+        gauges = (
+            s.num_running,
+            s.num_waiting,
+            s.num_free_blocks,
+            s.num_cached_blocks,
+            s.num_total_blocks,
+            s.num_steps,
+        )
+        stats = [*(int(x) for x in gauges), _encode_counts(s.counts)]
     return [int(msg.kind), int(msg.token), stats, bool(msg.ok), msg.message]
+
+
+def _encode_counts(c: EngineCounts) -> list[Any]:
+    totals = (c.run_id, c.prefix_cache_queries, c.prefix_cache_hits, c.preemptions)
+    return [*(int(x) for x in totals), int(c.step_tokens_sum), [int(n) for n in c.step_tokens]]
 
 
 def _decode_control_reply(fields: list[Any], v: _Validator) -> ControlReply:
     v.list_(fields, "CONTROL_REPLY fields", 5)
     stats = None
     if fields[2] is not None:
-        s = v.list_(fields[2], "stats", 6)
-        stats = Stats(*(v.int_(x, "stats field", 0, UINT64_MAX) for x in s))
+        s = v.list_(fields[2], "stats", 7)
+        gauges = (v.int_(x, "stats field", 0, UINT64_MAX) for x in s[:6])
+        stats = Stats(*gauges, counts=_decode_counts(s[6], v))
     return ControlReply(
         kind=v.enum_(fields[0], ControlKind, "control kind"),
         token=_token(fields[1], v),
@@ -692,6 +710,14 @@ def _decode_control_reply(fields: list[Any], v: _Validator) -> ControlReply:
         ok=v.bool_(fields[3], "ok"),
         message=v.str_(fields[4], "message", MAX_STR_BYTES),
     )
+
+
+def _decode_counts(value: Any, v: _Validator) -> EngineCounts:
+    f = v.list_(value, "engine counts", 6)
+    totals = [v.int_(x, "an engine count", 0, UINT64_MAX) for x in f[:5]]
+    buckets = v.list_(f[5], "step token counts", len(STEP_TOKEN_BUCKETS) + 1)
+    steps = tuple(v.int_(n, "a step token count", 0, UINT64_MAX) for n in buckets)
+    return EngineCounts(*totals[:4], step_tokens=steps, step_tokens_sum=totals[4])
 
 
 def _encode_heartbeat(msg: Heartbeat) -> list[Any]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 4  # 4: AddRequest carries num_output_tokens (a resumed request)
+# 4: AddRequest carries num_output_tokens (a resumed request)
+# 5: a finished RequestOutput carries its engine timings; Stats carries EngineCounts
+PROTOCOL_VERSION = 5
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -151,6 +153,15 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """Where a finished request spent its time in the engine core, in seconds of its clock."""
+
+    queue_s: float  # arrival in the engine to first scheduled
+    prefill_s: float  # first scheduled to first token (preemptions before it included)
+    decode_s: float  # first token to finish
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One request's share of one engine step (mutable only so the decoder can build it in
@@ -163,6 +174,7 @@ class RequestOutput:
     # With prompt_logprobs: one entry per prompt token after the first, all in the request's
     # first output (the one that carries its first token).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    timings: RequestTimings | None = None  # in the output that finishes the request
 
 
 @dataclass(frozen=True)
@@ -181,6 +193,40 @@ class RequestError:
     code: int = 400
 
 
+# Upper bounds of the buckets of EngineCounts.step_tokens (as vLLM's iteration_tokens_total).
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _no_steps() -> tuple[int, ...]:
+    return (0,) * (len(STEP_TOKEN_BUCKETS) + 1)
+
+
+@dataclass(frozen=True)
+class EngineCounts:
+    """Counts an engine core keeps from its start, so a client may poll them at any rate; a new
+    ``run_id`` means a new engine core, whose counts began again at zero."""
+
+    run_id: int = 0  # random, drawn when the engine core starts
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admissions
+    prefix_cache_hits: int = 0  # of those, tokens found there (not computed again)
+    preemptions: int = 0
+    # Steps by tokens scheduled: one count per bucket of STEP_TOKEN_BUCKETS (a step with n
+    # tokens counts in the first bound >= n), then one for steps past the last bound.
+    step_tokens: tuple[int, ...] = field(default_factory=_no_steps)
+    step_tokens_sum: int = 0  # tokens scheduled, all steps together
+
+    def __add__(self, other: EngineCounts) -> EngineCounts:
+        """The sum of two engines' (or two runs') counts; the run id is meaningless in it."""
+        return EngineCounts(
+            0,
+            self.prefix_cache_queries + other.prefix_cache_queries,
+            self.prefix_cache_hits + other.prefix_cache_hits,
+            self.preemptions + other.preemptions,
+            tuple(a + b for a, b in zip(self.step_tokens, other.step_tokens, strict=True)),
+            self.step_tokens_sum + other.step_tokens_sum,
+        )
+
+
 @dataclass(frozen=True)
 class Stats:
     num_running: int
@@ -189,6 +235,7 @@ class Stats:
     num_cached_blocks: int
     num_total_blocks: int
     num_steps: int
+    counts: EngineCounts = field(default_factory=EngineCounts)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -1,11 +1,16 @@
 """GET /metrics: Prometheus text that prometheus-client's own parser reads, whose counters move
-by exactly what a request did, and whose engine gauges follow a running request."""
+by exactly what a request did, and whose engine gauges follow a running request; the engine's
+counters (prefix cache, preemptions, tokens per step) and per-request engine timings, on the
+tiny model's server."""
 
 # Fixtures arrive as parameters named like the imported fixture: F811 is expected here.
 # ruff: noqa: F811
 
 from __future__ import annotations
 
+import asyncio
+import json
+import random
 import time
 from collections.abc import Callable
 
@@ -13,7 +18,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_fixture import Server, server  # noqa: F401
+from protocol.messages import EngineCounts
+from tests.server_fixture import (  # noqa: F401
+    TINY_KV_BLOCKS,
+    TINY_MAX_NUM_SEQS,
+    Server,
+    server,
+    tiny_server,
+    wait_address_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +40,17 @@ FAMILIES = {
     "tandem_num_requests_running": "gauge",
     "tandem_num_requests_waiting": "gauge",
     "tandem_kv_cache_usage_perc": "gauge",
+    "tandem_inter_token_latency_seconds": "histogram",
+    "tandem_request_queue_time_seconds": "histogram",
+    "tandem_request_prefill_time_seconds": "histogram",
+    "tandem_request_decode_time_seconds": "histogram",
+    "tandem_prefix_cache_queries": "counter",
+    "tandem_prefix_cache_hits": "counter",
+    "tandem_num_preemptions": "counter",
+    "tandem_iteration_tokens_total": "histogram",
 }
+BLOCK = 16  # the servers' default --block-size
+ENGINE_TIMINGS = ("queue", "prefill", "decode")
 
 
 def scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -103,3 +126,83 @@ def test_engine_gauges_follow_a_running_request(server: Server) -> None:
     # The client left: the request is aborted, its blocks freed, and the gauges say so.
     wait_for(lambda: value(scrape(server), "tandem_num_requests_running") == 0)
     wait_for(lambda: value(scrape(server), "tandem_kv_cache_usage_perc") == 0)
+
+
+# ---- engine counters and timings (tiny model) ---------------------------------------------------
+
+
+def settled(server: Server) -> tuple[dict, EngineCounts]:
+    """/metrics once it reflects the idle engine (a stats poll after its last step), and the
+    engine's own counts then."""
+    stats = wait_address_idle(server.engine_address)
+    wait_for(lambda: value(scrape(server), "tandem_engine_steps") == stats.num_steps)
+    return scrape(server), stats.counts
+
+
+def complete(server: Server, prompt: list[int], max_tokens: int, stream: bool) -> int:
+    """A greedy completion of exactly ``max_tokens``; with ``stream``, the chunks with tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    url = f"{server.base_url}/v1/completions"
+    if not stream:
+        r = httpx.post(url, json=body, timeout=60)
+        usage = r.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), max_tokens)
+        return 0
+    chunks = 0
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += bool(json.loads(line[6:])["choices"])
+    return chunks
+
+
+def test_prefix_cache_step_tokens_and_request_timings(tiny_server: Server) -> None:
+    rng = random.Random(1234)
+    shared = [rng.randrange(3, 49152) for _ in range(3 * BLOCK)]
+    first = shared + [rng.randrange(3, 49152) for _ in range(5)]  # 53 tokens
+    second = shared + [rng.randrange(3, 49152) for _ in range(7)]  # 55, 3 full blocks shared
+    before, engine_before = settled(tiny_server)
+    chunks = complete(tiny_server, first, 4, stream=True)
+    complete(tiny_server, second, 4, stream=False)
+    after, engine_after = settled(tiny_server)
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert chunks == 4  # one token a step, one chunk each (--stream-interval 1)
+    assert delta("tandem_prefix_cache_queries_total") == len(first) + len(second)
+    assert delta("tandem_prefix_cache_hits_total") == 3 * BLOCK
+    assert delta("tandem_num_preemptions_total") == 0
+    # Tokens computed: each prompt less its hits, and each output but the last.
+    assert delta("tandem_iteration_tokens_total_sum") == (53 + 3) + (55 - 3 * BLOCK + 3)
+    assert delta("tandem_iteration_tokens_total_count") == 8  # a prefill and 3 decodes each
+    assert engine_after.step_tokens_sum - engine_before.step_tokens_sum == 66
+    # One observation per request for each engine timing; (tokens - 1) inter-token latencies.
+    for part in ENGINE_TIMINGS:
+        assert delta(f"tandem_request_{part}_time_seconds_count") == 2
+        assert delta(f"tandem_request_{part}_time_seconds_sum") >= 0
+    assert delta("tandem_inter_token_latency_seconds_count") == (chunks - 1) + (4 - 1)
+    assert delta("tandem_inter_token_latency_seconds_sum") >= 0
+    engine_time = sum(delta(f"tandem_request_{p}_time_seconds_sum") for p in ENGINE_TIMINGS)
+    assert 0 < engine_time <= delta("tandem_e2e_request_latency_seconds_sum")
+
+
+def test_preemptions_are_counted(tiny_server: Server) -> None:
+    rng = random.Random(99)
+    prompts = [[rng.randrange(3, 49152) for _ in range(20)] for _ in range(8)]
+    max_tokens = 100  # 20 + 100 tokens = 8 blocks each: four running need 32 of 16
+    assert TINY_MAX_NUM_SEQS * -(-(20 + max_tokens) // BLOCK) > TINY_KV_BLOCKS
+    before, engine_before = settled(tiny_server)
+
+    async def run_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=tiny_server.base_url, timeout=120) as client:
+            body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            posts = [client.post("/v1/completions", json={**body, "prompt": p}) for p in prompts]
+            return await asyncio.gather(*posts)
+
+    assert all(r.status_code == 200 for r in asyncio.run(run_all()))
+    after, engine_after = settled(tiny_server)
+    preempted = engine_after.preemptions - engine_before.preemptions
+    assert preempted > 0
+    name = "tandem_num_preemptions_total"
+    assert value(after, name) - value(before, name) == preempted

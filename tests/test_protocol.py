@@ -24,6 +24,7 @@ from protocol.codec import (
 )
 from protocol.messages import (
     PROTOCOL_VERSION,
+    STEP_TOKEN_BUCKETS,
     Abort,
     AddRequest,
     Constraint,
@@ -31,6 +32,7 @@ from protocol.messages import (
     Control,
     ControlKind,
     ControlReply,
+    EngineCounts,
     FinishReason,
     Heartbeat,
     Hello,
@@ -38,6 +40,7 @@ from protocol.messages import (
     Ready,
     RequestError,
     RequestOutput,
+    RequestTimings,
     SamplingParams,
     Stats,
     StepOutputs,
@@ -46,6 +49,7 @@ from protocol.messages import (
 
 CLIENT_TYPES = (Hello, AddRequest, Abort, Control)
 INT32_MAX = 2**31 - 1
+STEPS = tuple(range(len(STEP_TOKEN_BUCKETS) + 1))  # one count per step-token bucket
 
 EXAMPLES = [
     Hello(),
@@ -106,9 +110,20 @@ EXAMPLES = [
             RequestOutput("q", [], FinishReason.DEAD_END, None, []),  # a one-token prompt
         ]
     ),
+    StepOutputs(
+        [
+            RequestOutput("s", [4]),
+            RequestOutput("t", [5], FinishReason.LENGTH, timings=RequestTimings(0.0, 0.25, 1.5)),
+        ]
+    ),
     RequestError("r", "prompt too long", 400),
     RequestError("r", "", 500),
     ControlReply(ControlKind.STATS, 3, Stats(1, 2, 3, 4, 10, 2**40)),
+    ControlReply(
+        ControlKind.STATS,
+        4,
+        Stats(1, 2, 3, 4, 10, 7, EngineCounts(2**62 - 1, 300, 128, 2, STEPS, 2**40)),
+    ),
     ControlReply(ControlKind.CHECK_INTEGRITY, 0, None, False, "block 7 leaked"),
     Heartbeat(0),
     Heartbeat(123456789),
@@ -395,6 +410,7 @@ def step_frame(
     logprobs: Any = None,
     finished: Any = None,
     prompt_logprobs: Any = None,
+    timings: Any = None,
 ) -> bytes:
     """A STEP_OUTPUTS frame from its columns; by default one request "a" with token 1."""
     tag = int(MsgType.STEP_OUTPUTS)
@@ -406,8 +422,13 @@ def step_frame(
         [] if logprobs is None else logprobs,
         {} if finished is None else finished,
         [] if prompt_logprobs is None else prompt_logprobs,
+        [] if timings is None else timings,
     ]
     return msgpack.packb([tag, PROTOCOL_VERSION, *fields])
+
+
+def stats_frame(stats: Any) -> bytes:
+    return msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, stats, True, ""])
 
 
 BAD_ENGINE_FRAMES = [
@@ -418,6 +439,11 @@ BAD_ENGINE_FRAMES = [
     msgpack.packb([int(MsgType.READY), PROTOCOL_VERSION, "m", 8, 9, [2], 16, 4, 2]),
     step_frame("x"),
     msgpack.packb([int(MsgType.STEP_OUTPUTS), PROTOCOL_VERSION, ["a"], i32(1), i32(1), [], []]),
+    step_frame(timings=[[0, 0.1, 0.2]]),  # not 4 wide
+    step_frame(timings=[[0, -0.1, 0.2, 0.3]]),  # a negative duration
+    step_frame(timings=[[0, 0.1, math.nan, 0.3]]),
+    step_frame(timings=[[0, 0.1, 0.2, "0.3"]]),
+    step_frame(timings=[[1, 0.1, 0.2, 0.3]]),  # no request at that position
     step_frame([""]),  # empty request id
     step_frame([7]),  # not a str
     step_frame(counts=i32(1, 1)),  # more counts than ids
@@ -439,7 +465,7 @@ BAD_ENGINE_FRAMES = [
     step_frame(finished={b"a": 0}),  # bytes key
     step_frame(finished=[["a", 0]]),  # not a map
     msgpack.packb(
-        [int(MsgType.STEP_OUTPUTS), PROTOCOL_VERSION, [], b"", b"", [], [], {1: 0}],
+        [int(MsgType.STEP_OUTPUTS), PROTOCOL_VERSION, [], b"", b"", [], [], {1: 0}, []],
         strict_types=False,
     ),
     # logprobs: [sampled f64, top counts i32, top ids i32, top logprobs f64], one per token
@@ -455,6 +481,11 @@ BAD_ENGINE_FRAMES = [
     msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, [1, 2, 3, 4, 5], True, ""]),
     msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, [1, 2, 3, 4, 5, -6], 1, ""]),
     msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, None, 1, ""]),
+    stats_frame([1, 2, 3, 4, 5, 6]),  # no counts
+    stats_frame([1, 2, 3, 4, 5, 6, [0, 1, 2, 3, 4]]),  # counts without step tokens
+    stats_frame([1, 2, 3, 4, 5, 6, [0, 1, 2, 3, 4, [0] * 13]]),  # a bucket short
+    stats_frame([1, 2, 3, 4, 5, 6, [0, 1, -2, 3, 4, list(STEPS)]]),
+    stats_frame([1, 2, 3, 4, 5, 6, [0, 1, 2, 3, 4, [True] * 14]]),
     msgpack.packb([int(MsgType.REQUEST_ERROR), PROTOCOL_VERSION, "", "m", 400]),
     msgpack.packb([int(MsgType.REQUEST_ERROR), PROTOCOL_VERSION, "r", None, 400]),
 ]
@@ -637,7 +668,10 @@ def rand_output(rng: random.Random) -> RequestOutput:
     reason = rng.choice([None, *FinishReason])
     lps = rand_logprobs(rng, len(ids)) if rng.random() < 0.3 else None
     prompt_lps = rand_logprobs(rng, rng.randint(0, 8)) if rng.random() < 0.2 else None
-    return RequestOutput(rand_id(rng), ids, reason, lps, prompt_lps)
+    timings = None
+    if reason is not None and rng.random() < 0.5:
+        timings = RequestTimings(*(rng.uniform(0, 10) for _ in range(3)))
+    return RequestOutput(rand_id(rng), ids, reason, lps, prompt_lps, timings)
 
 
 def random_message(rng: random.Random) -> Any:
@@ -660,7 +694,10 @@ def random_message(rng: random.Random) -> Any:
     if kind == 6:
         return RequestError(rand_id(rng), rand_id(rng), rng.choice([400, 500]))
     if kind == 7:
-        stats = Stats(*(rng.randrange(10**9) for _ in range(6))) if rng.random() < 0.5 else None
+        steps = tuple(rng.randrange(10**9) for _ in STEPS)
+        counts = EngineCounts(*(rng.randrange(2**62) for _ in range(4)), steps, rng.randrange(9))
+        gauges = (rng.randrange(10**9) for _ in range(6))
+        stats = Stats(*gauges, counts) if rng.random() < 0.5 else None
         return ControlReply(
             rng.choice(list(ControlKind)),
             rng.randrange(2**64),
