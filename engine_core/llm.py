@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from engine_core.args import engine_config_from_args
+    from engine_core.memory_plan import ModelTooLargeError
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -163,7 +164,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
-    llm = LLM(**vars(config))
+    try:
+        llm = LLM(**vars(config))
+    except ModelTooLargeError as exc:  # refused before loading (engine_core/memory_plan.py)
+        print(f"tandem generate: {exc}", file=sys.stderr)
+        return 2
     prompts: list = [chat_ids(llm, p) if args.chat else p for p in args.prompt]
     try:
         outputs = llm.generate(prompts, params)

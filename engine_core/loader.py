@@ -28,7 +28,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +53,10 @@ _CONVERTER_VERSION = "1"
 _STALE_TMP_S = 3600.0
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
 
+# Called with the model built on the meta device (nothing allocated yet) and its config; raises
+# to stop the load (engine_core/memory_plan.py: does it fit?).
+FitCheck = Callable[[nn.Module, ModelConfig], None]
+
 
 @dataclass
 class LoadedModel:
@@ -68,20 +72,25 @@ def load_model(
     device: torch.device | str,
     dtype: torch.dtype,
     quantization: str | None = None,
+    check_fit: FitCheck | None = None,
 ) -> LoadedModel:
     """Resolve ``model``, build our implementation on ``device`` in ``dtype``, load its weights.
 
     ``quantization`` is ``--quantization`` ('fp8': quantize plain weights as they load; FP8
     checkpoints are FP8 without it). ``random:<preset>`` (see engine_core/presets.py) builds a
-    benchmark model of real shape with random weights instead.
+    benchmark model of real shape with random weights instead. ``check_fit`` sees the model
+    built on the meta device, before anything is allocated on ``device``.
     """
     if model.startswith(RANDOM_PREFIX):
-        return load_random_model(model.removeprefix(RANDOM_PREFIX), device, dtype, quantization)
+        name = model.removeprefix(RANDOM_PREFIX)
+        return load_random_model(name, device, dtype, quantization, check_fit)
     model_dir = resolve_model_dir(model)
     config = with_quantization(load_model_config(model_dir), quantization, device)
     # Built on the meta device, so no time goes into random init of weights about to be replaced.
     with torch.device("meta"), default_dtype(dtype):
         module = build_model(config)
+    if check_fit is not None:
+        check_fit(module, config)
     module.to_empty(device=device)
     reset_buffers(module)
     kv_scales: dict[int, tuple[float, float]] = {}
@@ -108,12 +117,15 @@ def load_random_model(
     device: torch.device | str,
     dtype: torch.dtype,
     quantization: str | None = None,
+    check_fit: FitCheck | None = None,
 ) -> LoadedModel:
     from engine_core.presets import build_random_model
 
     if quantization is not None:
         check_fp8_device(torch.device(device), f"--quantization {quantization}")
-    module, config = build_random_model(preset, device, dtype, quantization=quantization)
+    module, config = build_random_model(
+        preset, device, dtype, quantization=quantization, check_fit=check_fit
+    )
     # No folder: an engine process (or a tensor-parallel worker) never needs a tokenizer, and the
     # default model's, which random presets borrow, may be absent where only benchmarks run.
     return LoadedModel(module=module, config=config, model_dir=None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,7 @@ from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch
 from engine_core.loader import load_model
+from engine_core.memory_plan import CUDA_HEADROOM_BYTES, check_memory
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.layers import pack_cpu_weights
 from engine_core.request import Request, SchedulerOutput
@@ -134,7 +136,10 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.device, self.dtype, config.quantization)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        # Refused before any weight is allocated if it cannot fit (memory_plan.py).
+        fits = partial(check_memory, config, self.device, self.dtype, self.kv_dtype)
+        loaded = load_model(config.model, self.device, self.dtype, config.quantization, fits)
         self.model = loaded.module
         if self.device.type == "cpu":
             pack_cpu_weights(self.model)  # oneDNN's layout: 2.5-4x faster linears (cpu_gemm.py)
@@ -146,7 +151,6 @@ class ModelRunner:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_cache = self._allocate_kv_cache()
         self._set_kv_scales(loaded.kv_scales)
@@ -192,8 +196,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # Keep headroom for activations of the largest step and the allocator's slack.
-            headroom = 2 * 2**30
-            budget = self.config.gpu_memory_utilization * total - used - headroom
+            budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
         blocks = int(budget // self._block_bytes())

@@ -13,6 +13,7 @@ benchmark can build the transformers peer of exactly the same shape.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,14 +119,16 @@ def build_random_model(
     dtype: torch.dtype,
     seed: int = 0,
     quantization: str | None = None,
+    check_fit: Callable[[nn.Module, ModelConfig], None] | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Our implementation of preset ``name`` on ``device`` in ``dtype``, weights ~ N(0, 0.02).
 
     Norm weights are 1 and biases 0, as a freshly initialised HF model has them. Built on the
     meta device and filled in place on ``device``: nothing is initialised twice, nothing touches
     the host. ``quantization="fp8"``: the linears hold those random weights quantized to FP8, as
-    ``--quantization fp8`` would load them. Returns the model in eval mode without gradients,
-    and its config.
+    ``--quantization fp8`` would load them. ``check_fit`` (the loader's memory check) sees the
+    model on the meta device, before anything is allocated. Returns the model in eval mode
+    without gradients, and its config.
     """
     config = PRESETS[_check_name(name)]
     fp8 = with_quantization_flag(None, quantization)
@@ -137,6 +140,8 @@ def build_random_model(
             model = build_model(config)
     finally:
         torch.set_default_dtype(previous)
+    if check_fit is not None:
+        check_fit(model, config)
     model.to_empty(device=device)
     reset_buffers(model)
     init_random_weights(model, seed)

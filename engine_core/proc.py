@@ -377,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from engine_core.args import engine_config_from_args
+    from engine_core.memory_plan import ModelTooLargeError
     from protocol.address import is_loopback, private_ipc_address
 
     logging.basicConfig(
@@ -394,7 +395,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
-    proc = EngineProc(config, address, curve, args.parent_pid)
+    try:
+        proc = EngineProc(config, address, curve, args.parent_pid)
+    except ModelTooLargeError as exc:  # before anything was allocated: the sizes say it all
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 2
     _stop_on_signals(proc)
     print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
     try:

@@ -1,0 +1,256 @@
+"""Will the model fit? Checked at start-up, after the model is built on the meta device and before
+any weight or KV block is allocated (issue 19).
+
+A model that cannot fit used to fail late and badly: a CUDA out-of-memory error half-way through
+the weights, or on the CPU a ``--kv-cache-memory-gb`` past the machine's memory allocated
+(refused by the kernel with a traceback, or granted and then swapped or OOM-killed). Here the
+need is computed first and compared with what the device has, and the engine stops with one line
+naming the sizes and what to change.
+
+The need, per tensor-parallel rank:
+
+- weights: the bytes of every parameter and buffer of the model as ``build_model`` makes it on
+  the meta device, in the load dtype, FP8 where quantized, this rank's shard; exact, since it is
+  the very module the weights then load into. On the CPU the LM head is also packed into a copy
+  for oneDNN (engine_core/models/layers.py ``pack_cpu_weights``), counted too;
+- the KV cache: what ``ModelRunner`` will allocate: ``--num-kv-blocks`` blocks where given, on the
+  CPU ``--kv-cache-memory-gb``, and never less than one sequence of ``max_model_len`` tokens
+  (all layers, K and V, the KV dtype, this rank's KV heads), the least the engine can run with;
+- on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
+  slack (the KV sizing keeps the same headroom).
+
+The budget: on CUDA, total memory x ``--gpu-memory-utilization`` minus what is already in use;
+on the CPU, MemAvailable from /proc/meminfo (no check where that file does not exist), which
+every tensor-parallel rank on the host shares.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine_core.config import EngineConfig, ModelConfig
+from engine_core.models.cpu_gemm import PACKABLE_DTYPES
+
+# Kept free on a GPU for the activations of the largest step and the allocator's slack.
+CUDA_HEADROOM_BYTES = 2 * 2**30
+MEMINFO = Path("/proc/meminfo")
+
+
+class ModelTooLargeError(ValueError):
+    """The model and its minimum KV cache do not fit the memory budget; the message says why."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The bytes one engine may use on its device, and what that figure was derived from."""
+
+    bytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one engine core needs, against its budget (sizes in bytes, per tensor-parallel rank;
+    ``ranks`` of them share the budget: every rank on a CPU host, one per GPU)."""
+
+    model: str
+    device: torch.device
+    weight_bytes: int
+    kv_bytes: int  # the KV cache the engine will allocate
+    min_kv_bytes: int  # one sequence of max_model_len tokens
+    max_model_len: int
+    headroom_bytes: int
+    budget: Budget
+    ranks: int = 1
+    kv_source: str = "one sequence"
+    dtype: torch.dtype = torch.float32
+    kv_dtype: torch.dtype = torch.float32
+    quantized: bool = False
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.ranks * (self.weight_bytes + self.kv_bytes + self.headroom_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.budget.bytes
+
+
+def gib(n: float) -> str:
+    """Bytes for a message: GiB, or MiB where GiB would round a small cache to zero."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 / 100 else f"{n / 2**20:.2f} MiB"
+
+
+def number(x: float) -> str:
+    """A flag's value as the user typed it: 1000000, not 1e+06 or 1000000.0."""
+    return str(int(x)) if x == int(x) else f"{x:g}"
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers (a tied weight once); works on the meta
+    device, where nothing is allocated, so it sizes a model before its weights exist."""
+    tensors = [*module.parameters(), *module.buffers()]
+    unique = {id(t): t for t in tensors}.values()
+    return sum(t.numel() * t.element_size() for t in unique)
+
+
+def cpu_packing_bytes(module: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """The oneDNN copy of the LM head that a CPU model keeps next to its plain matrix (the
+    linears' packed copies replace their plain weights, so they add nothing)."""
+    if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
+        return 0
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    weight = module.logits_weight() if hasattr(module, "logits_weight") else None
+    return 0 if weight is None else weight.numel() * weight.element_size()
+
+
+def kv_block_bytes(
+    config: ModelConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype
+) -> int:
+    """Bytes of one KV block over all layers, K and V, for this rank's KV heads."""
+    per_token = 2 * config.num_layers * num_kv_heads * config.head_dim * kv_dtype.itemsize
+    return block_size * per_token
+
+
+def min_kv_bytes(
+    config: ModelConfig,
+    num_kv_heads: int,
+    max_model_len: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+) -> int:
+    """The smallest cache the engine runs with: the whole blocks one sequence of
+    ``max_model_len`` tokens takes."""
+    blocks = math.ceil(max_model_len / block_size)
+    return blocks * kv_block_bytes(config, num_kv_heads, block_size, kv_dtype)
+
+
+def host_budget(meminfo: Path = MEMINFO) -> Budget | None:
+    """MemAvailable (what can be allocated without swapping); None where the file is absent."""
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            return Budget(int(value.split()[0]) * 1024, f"MemAvailable in {meminfo}")
+    return None
+
+
+def cuda_budget(device: torch.device, utilization: float) -> Budget:
+    """total x --gpu-memory-utilization minus what is in use now (this and other processes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    source = (
+        f"--gpu-memory-utilization {utilization:g} x {gib(total)} total on {device} "
+        f"- {gib(used)} already in use"
+    )
+    return Budget(int(utilization * total - used), source)
+
+
+def plan_memory(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    module: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    budget: Budget,
+) -> MemoryPlan:
+    """The plan for ``module`` (built on the meta device) under ``config`` against ``budget``."""
+    tp = config.tensor_parallel_size
+    num_kv_heads = model_config.num_kv_heads // tp
+    limit = model_config.max_position_embeddings
+    max_model_len = min(config.max_model_len or limit, limit)
+    block = kv_block_bytes(model_config, num_kv_heads, config.block_size, kv_dtype)
+    least = min_kv_bytes(model_config, num_kv_heads, max_model_len, config.block_size, kv_dtype)
+    kv, source = least, f"one sequence of {max_model_len} tokens"
+    if config.num_kv_blocks:
+        kv, source = config.num_kv_blocks * block, f"--num-kv-blocks {config.num_kv_blocks}"
+    elif device.type != "cuda":
+        blocks = int(config.kv_cache_memory_gb * 2**30 // block)
+        kv, source = blocks * block, f"--kv-cache-memory-gb {number(config.kv_cache_memory_gb)}"
+    return MemoryPlan(
+        model=config.model,
+        device=device,
+        weight_bytes=module_bytes(module) + cpu_packing_bytes(module, device, dtype),
+        kv_bytes=max(kv, least),
+        min_kv_bytes=least,
+        max_model_len=max_model_len,
+        headroom_bytes=CUDA_HEADROOM_BYTES if device.type == "cuda" else 0,
+        budget=budget,
+        ranks=tp if device.type != "cuda" else 1,
+        kv_source=source,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        quantized=model_config.quantization is not None,
+    )
+
+
+def check_fits(plan: MemoryPlan) -> None:
+    """ModelTooLargeError, one line with the sizes and the flags that help, unless it fits."""
+    if plan.fits:
+        return
+    parts = [
+        f"weights {gib(plan.weight_bytes)}",
+        f"KV cache {gib(plan.kv_bytes)} ({plan.kv_source})",
+    ]
+    if plan.headroom_bytes:
+        parts.append(f"activation headroom {gib(plan.headroom_bytes)}")
+    need = " + ".join(parts)
+    if plan.ranks > 1:
+        need = f"{plan.ranks} tensor-parallel ranks on this host x ({need})"
+    raise ModelTooLargeError(
+        f"model {plan.model!r} does not fit on {plan.device}: it needs {need} = "
+        f"{gib(plan.needed_bytes)}, over the budget of {gib(max(plan.budget.bytes, 0))} "
+        f"({plan.budget.source}); the smallest KV cache it can run with is "
+        f"{gib(plan.min_kv_bytes)} (one sequence of {plan.max_model_len} tokens). "
+        f"Try {remedies(plan)}"
+    )
+
+
+def remedies(plan: MemoryPlan) -> str:
+    """What the user can change, for the device in the plan."""
+    options = []
+    if plan.kv_bytes > plan.min_kv_bytes:
+        flag = "--num-kv-blocks" if plan.kv_source.startswith("--num") else "--kv-cache-memory-gb"
+        options.append(f"a smaller {flag}")
+    options.append("a smaller --max-model-len")
+    if plan.device.type == "cuda":
+        options += [] if plan.quantized else ["--quantization fp8"]
+        options += [] if plan.kv_dtype.itemsize == 1 else ["--kv-cache-dtype fp8"]
+        options += [
+            "a larger --tensor-parallel-size",
+            "a higher --gpu-memory-utilization",
+            "freeing the GPU",
+        ]
+    else:
+        options += ["--dtype bfloat16"] if plan.dtype == torch.float32 else []
+        options.append("freeing memory")
+    return ", ".join(options[:-1]) + f" or {options[-1]}, or a smaller model"
+
+
+def check_memory(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    module: nn.Module,
+    model_config: ModelConfig,
+) -> None:
+    """The loader's hook (``load_model(..., check_fit=...)``): refuse, before any allocation, a
+    model whose weights and KV cache exceed this device's budget."""
+    if device.type == "cuda":
+        budget = cuda_budget(device, config.gpu_memory_utilization)
+    else:
+        budget = host_budget() if device.type == "cpu" else None
+    if budget is None:
+        return
+    check_fits(plan_memory(config, model_config, module, device, dtype, kv_dtype, budget))

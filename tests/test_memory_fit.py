@@ -1,0 +1,245 @@
+"""A model that cannot fit is refused at start-up, before any allocation, with the sizes
+(engine_core/memory_plan.py; issue 19).
+
+The estimate is checked against the real thing: the bytes of the model once loaded, the bytes
+of the KV cache the model runner allocates, and hand counts of the presets' parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine_core.config import EngineConfig, ModelConfig
+from engine_core.loader import default_dtype, load_model
+from engine_core.memory_plan import (
+    CUDA_HEADROOM_BYTES,
+    Budget,
+    MemoryPlan,
+    ModelTooLargeError,
+    check_fits,
+    cpu_packing_bytes,
+    host_budget,
+    min_kv_bytes,
+    module_bytes,
+    plan_memory,
+)
+from engine_core.models import build_model
+from engine_core.models.fp8_config import with_quantization_flag
+from engine_core.presets import PRESETS
+from tests.server_fixture import free_port
+
+CPU = torch.device("cpu")
+GPU = torch.device("cuda", 0)  # a name only: nothing here touches a GPU
+GiB = 2**30
+
+
+class Stop(Exception):
+    """Raised by the test's fit check to end a load before anything is allocated."""
+
+
+def meta_estimate(model: str, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig]:
+    """The meta-device model the loader hands its fit check, without loading anything."""
+    seen: list[tuple[nn.Module, ModelConfig]] = []
+
+    def capture(module: nn.Module, config: ModelConfig) -> None:
+        seen.append((module, config))
+        raise Stop
+
+    with pytest.raises(Stop):
+        load_model(model, CPU, dtype, check_fit=capture)
+    return seen[0]
+
+
+def loaded_bytes(module: nn.Module) -> int:
+    """What the loaded model holds, counted tensor by tensor (a tied weight once)."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    return params + sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def llama_params(c: ModelConfig) -> int:
+    """A dense Llama's parameter count by hand: embeddings, attention, MLP, norms, LM head."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attention = c.hidden_size * (2 * q + 2 * kv)  # q, o: hidden x q; k, v: hidden x kv
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    per_layer = attention + mlp + 2 * c.hidden_size  # two RMSNorms
+    head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    return c.vocab_size * c.hidden_size + c.num_layers * per_layer + c.hidden_size + head
+
+
+# ---- the weight estimate against the real thing -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.factories import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-fit"))
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_the_weight_estimate_is_what_the_loaded_model_holds(which: str, tiny_dir: Path) -> None:
+    """The estimate is the meta-device model the weights load into, so it matches the loaded
+    model's parameters and buffers (within 1%; in practice to the byte)."""
+    model = str(tiny_dir) if which == "tiny" else "default"
+    meta, config = meta_estimate(model, torch.float32)
+    estimate = module_bytes(meta)
+    loaded = load_model(model, CPU, torch.float32)
+    real = loaded_bytes(loaded.module)
+    assert estimate == pytest.approx(real, rel=0.01)
+    # And by hand: float32 parameters, plus a few hundred bytes of RoPE frequencies.
+    assert estimate == pytest.approx(4 * llama_params(config), rel=0.01)
+    # On the CPU the LM head also gets a oneDNN copy: vocab x hidden floats.
+    expected = 4 * config.vocab_size * config.hidden_size
+    assert cpu_packing_bytes(meta, CPU, torch.float32) in (0, expected)  # 0: no oneDNN
+
+
+def test_the_default_model_is_135m_float32_parameters() -> None:
+    """SmolLM2-135M: 134.5 M parameters (embedding tied), 4 bytes each on the CPU."""
+    meta, _ = meta_estimate("default", torch.float32)
+    assert module_bytes(meta) / 4 == pytest.approx(134.5e6, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["llama-8b", "llama-1b", "smollm2-135m"])
+def test_random_presets_are_estimated_by_their_parameter_count(name: str) -> None:
+    """The benchmark presets go through the same loader hook; bf16 is 2 bytes a parameter."""
+    meta, config = meta_estimate(f"random:{name}", torch.bfloat16)
+    assert module_bytes(meta) == pytest.approx(2 * llama_params(config), rel=0.01)
+
+
+def test_fp8_weights_count_one_byte_in_the_linears() -> None:
+    """--quantization fp8: the decoder's linears are 1 byte a weight (plus a float32 scale per
+    row); embeddings, LM head and norms stay bf16."""
+    config = PRESETS["llama-8b"]
+    fp8 = dataclasses.replace(config, quantization=with_quantization_flag(None, "fp8"))
+    with torch.device("meta"), default_dtype(torch.bfloat16):
+        module = build_model(fp8)
+    c = config
+    embed_and_head = 2 * c.vocab_size * c.hidden_size
+    linears = llama_params(c) - embed_and_head - (2 * c.num_layers + 1) * c.hidden_size
+    bf16_rest = llama_params(c) - linears
+    assert module_bytes(module) == pytest.approx(linears + 2 * bf16_rest, rel=0.01)
+
+
+# ---- the KV cache ------------------------------------------------------------------------------
+
+
+def test_minimum_kv_is_one_sequence_by_hand() -> None:
+    """SmolLM2-135M: 30 layers x K and V x 3 KV heads x 64 dims x 4 bytes a token; 2000 tokens
+    take 125 blocks of 16 (2000 tokens exactly), 2001 take 126."""
+    c = PRESETS["smollm2-135m"]
+    per_token = 30 * 2 * 3 * 64 * 4
+    assert min_kv_bytes(c, 3, 2000, 16, torch.float32) == 2000 * per_token
+    assert min_kv_bytes(c, 3, 2001, 16, torch.float32) == 2016 * per_token
+    # One rank of 3 holds one KV head; an FP8 cache is a byte an element.
+    assert min_kv_bytes(c, 1, 2000, 16, torch.float8_e4m3fn) == 2000 * per_token // 3 // 4
+
+
+def test_minimum_kv_is_what_the_runner_allocates_for_one_sequence(tiny_dir: Path) -> None:
+    from engine_core.model_runner import ModelRunner
+
+    max_len, block = 100, 16
+    config = EngineConfig(
+        model=str(tiny_dir),
+        device="cpu",
+        max_model_len=max_len,
+        block_size=block,
+        num_kv_blocks=math.ceil(max_len / block),
+    )
+    runner = ModelRunner(config)
+    real = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    assert real == min_kv_bytes(runner.model_config, 2, max_len, block, torch.float32)
+
+
+# ---- the check ---------------------------------------------------------------------------------
+
+
+def plan_for(model: str, device: torch.device, budget: Budget, **engine: object) -> MemoryPlan:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    meta, model_config = meta_estimate(model, dtype)
+    config = EngineConfig(model=model, device=device.type, **engine)
+    return plan_memory(config, model_config, meta, device, dtype, dtype, budget)
+
+
+def test_a_model_that_fits_passes() -> None:
+    budget = Budget(int(0.85 * 80 * GiB) - GiB, "0.85 x 80 GiB - 1 GiB in use")
+    plan = plan_for("random:llama-8b", GPU, budget, max_model_len=4096)
+    assert plan.fits
+    check_fits(plan)  # no error
+    assert plan.headroom_bytes == CUDA_HEADROOM_BYTES
+
+
+def test_mixtral_in_bf16_on_an_80_gb_gpu_is_refused_with_the_sizes() -> None:
+    """46.8 B parameters in bf16 are 87.25 GiB: over any 80 GB card, whatever the KV cache."""
+    budget = Budget(int(0.85 * 80 * GiB) - GiB, "0.85 x 80.00 GiB total - 1.00 GiB in use")
+    plan = plan_for("random:mixtral-8x7b", GPU, budget, max_model_len=4096)
+    assert not plan.fits
+    with pytest.raises(ModelTooLargeError) as info:
+        check_fits(plan)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "'random:mixtral-8x7b'" in message
+    assert "weights 87.25 GiB" in message
+    # 32 layers x 2 x 8 KV heads x 128 dims x 2 bytes x 4096 tokens = 0.5 GiB
+    assert "KV cache 0.50 GiB (one sequence of 4096 tokens)" in message
+    assert f"budget of {(int(0.85 * 80 * GiB) - GiB) / GiB:.2f} GiB" in message
+    assert "0.85 x 80.00 GiB total - 1.00 GiB in use" in message
+    for flag in ("--max-model-len", "--quantization fp8", "--tensor-parallel-size"):
+        assert flag in message
+
+
+def test_a_cpu_kv_cache_over_the_memory_is_refused(tiny_dir: Path) -> None:
+    budget = Budget(8 * GiB, "MemAvailable in /proc/meminfo")
+    plan = plan_for(str(tiny_dir), CPU, budget, kv_cache_memory_gb=10.0)
+    with pytest.raises(ModelTooLargeError, match=r"KV cache 10.00 GiB \(--kv-cache-memory-gb 10\)"):
+        check_fits(plan)
+    check_fits(plan_for(str(tiny_dir), CPU, budget, kv_cache_memory_gb=1.0))
+
+
+def test_cpu_tensor_parallel_ranks_share_the_host() -> None:
+    """On the CPU every rank is a process on this host: the budget covers all of them."""
+    budget = Budget(10 * GiB, "MemAvailable in /proc/meminfo")
+    one = plan_for("random:smollm2-135m", CPU, budget, kv_cache_memory_gb=1.0)
+    three = plan_for(
+        "random:smollm2-135m", CPU, budget, kv_cache_memory_gb=1.0, tensor_parallel_size=3
+    )
+    assert three.ranks == 3
+    # Each rank sizes its own cache from --kv-cache-memory-gb (whole blocks of its KV heads).
+    assert 0.99 * GiB < three.kv_bytes <= GiB and 0.99 * GiB < one.kv_bytes <= GiB
+    assert three.needed_bytes == 3 * (three.weight_bytes + three.kv_bytes)
+
+
+def test_host_budget_reads_mem_available(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684084 kB\nMemAvailable:   1048576 kB\n")
+    assert host_budget(meminfo) == Budget(GiB, f"MemAvailable in {meminfo}")
+    assert host_budget(tmp_path / "absent") is None
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["engine", "serve", "generate"])
+def test_a_kv_cache_larger_than_the_machine_exits_at_start_up(
+    command: str, tiny_model_dir: Path
+) -> None:
+    """A real process: refused before allocating, one line with the sizes, no traceback."""
+    extra = {"serve": ["--port", str(free_port())], "generate": ["--prompt", "hi"]}
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", command, "--model", str(tiny_model_dir),
+         "--device", "cpu", "--kv-cache-memory-gb", "1000000", *extra.get(command, [])],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode != 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "does not fit on cpu" in result.stderr
+    assert "KV cache 1000000.00 GiB (--kv-cache-memory-gb 1000000)" in result.stderr
+    assert "MemAvailable in /proc/meminfo" in result.stderr
+    assert "a smaller --kv-cache-memory-gb" in result.stderr
