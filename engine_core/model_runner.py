@@ -28,7 +28,7 @@ from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch
 from engine_core.loader import load_model
-from engine_core.memory_plan import CUDA_HEADROOM_BYTES, check_memory
+from engine_core.memory_plan import CUDA_HEADROOM_BYTES, check_memory, kv_block_bytes
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.layers import pack_cpu_weights
 from engine_core.request import Request, SchedulerOutput
@@ -186,11 +186,6 @@ class ModelRunner:
 
     # ---- set-up -------------------------------------------------------------------------------
 
-    def _block_bytes(self) -> int:
-        mc = self.model_config
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
-
     def _kv_blocks_that_fit(self) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -199,7 +194,8 @@ class ModelRunner:
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
-        blocks = int(budget // self._block_bytes())
+        block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
+        blocks = int(budget // block)
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         if blocks < max_blocks_per_seq:
             raise ValueError(

@@ -264,6 +264,6 @@ class EngineCountsCollector(Collector):
         bounds = [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"]
         for bound, count in zip(bounds, c.step_tokens, strict=True):
             cumulative += count
-            buckets.append((str(bound), cumulative))
+            buckets.append((bound, cumulative))
         steps.add_metric(label, buckets, c.step_tokens_sum)
         yield steps
