@@ -22,6 +22,9 @@ _HELP = {
     "prefill_max_batch_size": "most new requests admitted per step (default: --max-num-seqs)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enforce_eager": "never use CUDA graphs",
+    "max_prefill_graph_tokens": "steps with prompt tokens (whole prompts, chunks, decodes mixed "
+    "in) of up to this many tokens and 8 sequences replay a CUDA graph captured at start-up "
+    "instead of launching each kernel from Python; 0 runs them eagerly",
     "seed": "seed for requests that carry none",
     "async_scheduling": "overlap: schedule and prepare the next step while the GPU runs this one "
     "(--no-async-scheduling, or --no-overlap, keeps the simple loop)",

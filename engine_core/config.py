@@ -129,6 +129,9 @@ class EngineConfig:
     prefill_max_batch_size: int | None = None  # None: same as max_num_seqs
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Steps with prompt tokens of up to this many tokens (and 8 sequences) replay a CUDA graph
+    # (engine_core/cuda_graph.py); 0: they run eagerly. Capped at max_num_batched_tokens.
+    max_prefill_graph_tokens: int = 2048
     seed: int = 0
     # Overlap: schedule and prepare step N+1 while the GPU runs step N (engine_core/core.py).
     async_scheduling: bool = True
@@ -153,6 +156,11 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError(
+                f"max_prefill_graph_tokens must be 0 (no prefill graphs) or more, got "
+                f"{self.max_prefill_graph_tokens}"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Each running sequence needs a token of the step's budget to decode: below that,
             # the last decodes of a full batch would wait for ever and nothing new is admitted.

@@ -1,15 +1,23 @@
-"""CUDA graphs for decode steps: one graph per bucketed batch size, replayed with padded inputs.
+"""CUDA graphs: the model's forward captured at start-up, replayed with padded inputs.
 
-A decode step of a small model is hundreds of short kernels; launching them one by one from
-Python costs more than running them. At start-up we capture the model's forward for decode
-batches of sizes 1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs`` (largest first, all into one
-memory pool, so the smaller graphs reuse the largest one's memory). A step with n sequences copies
-its inputs into static buffers, pads them to the next captured size (slot -1: no KV write; seq_len
-0: no attention), replays that graph and returns the first n rows of the static output. Batches
-larger than the largest size, and any batch with a prefill, run eagerly.
+A decode step of a small model is hundreds of short kernels, and so is a short prefill; launching
+them one by one from Python costs more than running them (an idle llama-1b's 128-token prefill
+enqueued eagerly: about 7 ms of host time for under 2 ms of kernels). Two kinds of graph, all in
+one memory pool, captured largest first so that the smaller ones reuse its memory:
 
-Only the model's forward is captured: the logits of the rows that sample and the sampler run
-eagerly after it (their shapes and per-request choices change from step to step).
+- **decode**: batches of 1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs`` sequences of one new
+  token each. A step with n sequences pads to the next size (slot -1: no KV write; seq_len 0: no
+  attention).
+- **prefill**: any other step (whole prompts, prompt chunks, prefix-cached prompts, decodes mixed
+  in) of at most ``PREFILL_GRAPH_SEQS`` sequences and 16, 32, 64, ... up to
+  ``max_prefill_tokens`` new tokens. The prefill attention kernel's grid is (sequences, heads,
+  query tiles) at the captured size; the padding sequences (query length 0, seq_len 0) and the
+  tiles past a sequence's query return at once, the padding rows (slot -1) write no KV, and their
+  attention output is zero (``AttentionMetadata.padded``).
+
+Larger steps run eagerly, as does everything with ``enforce_eager``. Only the model's forward is
+captured: the logits of the rows that sample and the sampler run eagerly after it (their shapes
+and per-request choices change from step to step).
 """
 
 from __future__ import annotations
@@ -36,22 +44,48 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+PREFILL_GRAPH_SEQS = 8  # most sequences in a step that a prefill graph runs
+_MIN_PREFILL_TOKENS = 16
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """16, 32, 64, ... doubling while below ``max_tokens``, then ``max_tokens``; ascending.
+
+    Empty when ``max_tokens`` is 0 (no prefill graphs). A step pads to the next size, so it
+    computes at most twice its tokens: the price of launching the whole forward at once.
+    """
+    if max_tokens <= 0:
+        return []
+    sizes = []
+    size = _MIN_PREFILL_TOKENS
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max_tokens)
+    return sizes
+
+
 @dataclass
 class GraphBuffers:
-    """The static tensors every graph reads and writes; a replay first copies a step into them."""
+    """The static tensors every graph reads and writes; a replay first copies a step into them.
+
+    Rows are tokens (N: the most any graph runs), sequences are at most ``max_seqs``.
+    """
 
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
     slot_mapping: torch.Tensor  # [N] int64, -1 on padding rows
-    seq_lens: torch.Tensor  # [N] int32, 0 on padding rows
-    block_tables: torch.Tensor  # [N, max_blocks_per_seq] int32
-    query_start_loc: torch.Tensor  # [N + 1] int32: 0, 1, ..., N (one token per sequence)
+    seq_lens: torch.Tensor  # [max_seqs] int32, 0 on padding sequences
+    block_tables: torch.Tensor  # [max_seqs, max_blocks_per_seq] int32
+    decode_query_start: torch.Tensor  # [max_seqs + 1] int32: 0, 1, ... (one token a sequence)
+    prefill_query_start: torch.Tensor  # [PREFILL_GRAPH_SEQS + 1] int32, set by each replay
     hidden: torch.Tensor  # [N, hidden]: the captured forward's output
 
     @classmethod
     def allocate(
         cls,
-        max_batch: int,
+        max_tokens: int,
+        max_seqs: int,
         max_blocks_per_seq: int,
         hidden_size: int,
         dtype: torch.dtype,
@@ -61,16 +95,17 @@ class GraphBuffers:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         return cls(
-            input_ids=zeros(max_batch),
-            positions=zeros(max_batch),
-            slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
-            seq_lens=zeros(max_batch, dtype=torch.int32),
-            block_tables=zeros(max_batch, max_blocks_per_seq, dtype=torch.int32),
-            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
-            hidden=zeros(max_batch, hidden_size, dtype=dtype),
+            input_ids=zeros(max_tokens),
+            positions=zeros(max_tokens),
+            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+            seq_lens=zeros(max_seqs, dtype=torch.int32),
+            block_tables=zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32),
+            decode_query_start=torch.arange(max_seqs + 1, dtype=torch.int32, device=device),
+            prefill_query_start=zeros(PREFILL_GRAPH_SEQS + 1, dtype=torch.int32),
+            hidden=zeros(max_tokens, hidden_size, dtype=dtype),
         )
 
-    def metadata(self, batch: int, max_model_len: int) -> AttentionMetadata:
+    def decode_metadata(self, batch: int, max_model_len: int) -> AttentionMetadata:
         """Decode metadata over the first ``batch`` rows of the buffers.
 
         The host lists are placeholders (a graph cannot read per-step host values); the decode
@@ -78,7 +113,7 @@ class GraphBuffers:
         """
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
-            query_start_loc=self.query_start_loc[: batch + 1],
+            query_start_loc=self.decode_query_start[: batch + 1],
             seq_lens=self.seq_lens[:batch],
             block_tables=self.block_tables[:batch],
             max_query_len=1,
@@ -87,9 +122,28 @@ class GraphBuffers:
             seq_lens_cpu=[max_model_len] * batch,
         )
 
+    def prefill_metadata(self, tokens: int, max_model_len: int) -> AttentionMetadata:
+        """Metadata of a prefill graph of ``tokens`` rows and PREFILL_GRAPH_SEQS sequences.
+
+        ``max_query_len`` is the bucket's size: it sets the kernel's grid, whose tiles past a
+        sequence's real query length return at once. The host lists are placeholders.
+        """
+        seqs = PREFILL_GRAPH_SEQS
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc=self.prefill_query_start,
+            seq_lens=self.seq_lens[:seqs],
+            block_tables=self.block_tables[:seqs],
+            max_query_len=tokens,
+            max_seq_len=max_model_len,
+            query_start_loc_cpu=[0] * (seqs + 1),
+            seq_lens_cpu=[max_model_len] * seqs,
+            padded=True,
+        )
+
 
 class CudaGraphRunner:
-    """Captures and replays the model's forward for decode batches at bucketed sizes."""
+    """Captures and replays the model's forward for decode and small prefill steps."""
 
     def __init__(
         self,
@@ -102,83 +156,141 @@ class CudaGraphRunner:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_prefill_tokens: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch = self.batch_sizes[-1]
+        self.prefill_sizes = prefill_graph_sizes(max_prefill_tokens)
+        self.max_prefill_tokens = self.prefill_sizes[-1] if self.prefill_sizes else 0
         max_blocks = -(-max_model_len // block_size)
-        self.buffers = GraphBuffers.allocate(self.max_batch, max_blocks, hidden_size, dtype, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.buffers = GraphBuffers.allocate(
+            max(self.max_batch, self.max_prefill_tokens),
+            max(self.max_batch, PREFILL_GRAPH_SEQS),
+            max_blocks,
+            hidden_size,
+            dtype,
+            device,
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # prefill, by tokens
         self.pool: tuple[int, int] | None = None
-        # _bucket[n]: the smallest captured size >= n, for n in 0..max_batch
+        # _bucket[n]: the smallest captured decode size >= n, for n in 0..max_batch
         self._bucket = [
             next(s for s in self.batch_sizes if s >= n) for n in range(self.max_batch + 1)
         ]
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> float:
-        """Capture one graph per batch size, largest first; returns the seconds it took."""
+        """Capture every graph, the one needing the most memory first; returns the seconds."""
         from tqdm import tqdm
 
         start = time.perf_counter()
-        sizes = sorted(self.batch_sizes, reverse=True)
-        for batch in tqdm(sizes, desc="Capturing CUDA graphs", disable=not progress):
-            self.graphs[batch] = self._capture_one(batch)
+        plan = [("decode", n) for n in self.batch_sizes] + [
+            ("prefill", t) for t in self.prefill_sizes
+        ]
+        # Activation memory grows with the rows a graph runs: a prefill graph's rows are its
+        # tokens; on ties the prefill graph (more attention work) goes first.
+        plan.sort(key=lambda kind_size: (kind_size[1], kind_size[0] == "prefill"), reverse=True)
+        for kind, size in tqdm(plan, desc="Capturing CUDA graphs", disable=not progress):
+            if kind == "decode":
+                self.graphs[size] = self._capture_one(
+                    size, self.buffers.decode_metadata(size, self.max_model_len)
+                )
+            else:
+                meta = self.buffers.prefill_metadata(size, self.max_model_len)
+                self.prefill_graphs[size] = self._capture_one(size, meta)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         logger.info(
-            "captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",
-            len(sizes),
-            sizes[-1],
-            sizes[0],
+            "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of up to %d "
+            "sequences and %s tokens)",
+            len(plan),
             elapsed,
+            self.batch_sizes[0],
+            self.max_batch,
+            PREFILL_GRAPH_SEQS,
+            f"{self.prefill_sizes[0]}..{self.max_prefill_tokens}" if self.prefill_sizes else "no",
         )
         return elapsed
 
-    def _capture_one(self, batch: int) -> torch.cuda.CUDAGraph:
+    def _capture_one(self, rows: int, meta: AttentionMetadata) -> torch.cuda.CUDAGraph:
         buf = self.buffers
-        meta = buf.metadata(batch, self.max_model_len)
         with forward_context(meta, self.backend):
             # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
             # neither of which may happen during capture. Padding inputs write and read nothing.
-            buf.hidden[:batch] = self.model(buf.input_ids[:batch], buf.positions[:batch])
+            buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                buf.hidden[:batch] = self.model(buf.input_ids[:batch], buf.positions[:batch])
+                buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
         if self.pool is None:
             self.pool = graph.pool()
         return graph
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        """True for a decode-only batch no larger than the largest captured size."""
+        """True for a step that fits a captured graph: decode-only and no larger than the
+        largest decode batch, or a prefill step within the prefill graphs' bounds."""
+        if meta.block_tables.shape[1] > self.buffers.block_tables.shape[1]:
+            return False
+        if meta.is_decode_only:
+            return meta.num_seqs <= self.max_batch and bool(self.graphs)
         return (
-            meta.is_decode_only
-            and meta.num_seqs <= self.max_batch
-            and meta.block_tables.shape[1] <= self.buffers.block_tables.shape[1]
-            and bool(self.graphs)
+            meta.num_seqs <= PREFILL_GRAPH_SEQS
+            and meta.slot_mapping.shape[0] <= self.max_prefill_tokens
+            and bool(self.prefill_graphs)
         )
 
     def run(
         self,
-        input_ids: torch.Tensor,  # [n] int64
-        positions: torch.Tensor,  # [n] int64
-        meta: AttentionMetadata,  # decode-only, n sequences
-    ) -> torch.Tensor:  # [n, hidden], a view of the static output (valid until the next run)
-        """Copy a decode step into the static buffers, pad, replay, return the real rows."""
-        n = meta.num_seqs
-        batch = self._bucket[n]
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,  # a step ``can_run`` accepted
+    ) -> torch.Tensor:  # [T, hidden], a view of the static output (valid until the next run)
+        """Copy a step into the static buffers, pad, replay its graph, return the real rows."""
+        if meta.is_decode_only:
+            return self._run_decode(input_ids, positions, meta)
+        return self._run_prefill(input_ids, positions, meta)
+
+    def _copy_common(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: int
+    ) -> None:
+        """The step's tokens and sequences into the buffers; rows up to ``rows`` are padding."""
+        n, tokens = meta.num_seqs, input_ids.shape[0]
         buf = self.buffers
-        buf.input_ids[:n].copy_(input_ids, non_blocking=True)
-        buf.positions[:n].copy_(positions, non_blocking=True)
-        buf.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        buf.input_ids[:tokens].copy_(input_ids, non_blocking=True)
+        buf.positions[:tokens].copy_(positions, non_blocking=True)
+        buf.slot_mapping[:tokens].copy_(meta.slot_mapping, non_blocking=True)
+        if rows > tokens:
+            buf.slot_mapping[tokens:rows].fill_(-1)
         buf.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         width = meta.block_tables.shape[1]
         buf.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+
+    def _run_decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = meta.num_seqs
+        batch = self._bucket[n]
+        self._copy_common(input_ids, positions, meta, batch)
         if batch > n:
-            buf.slot_mapping[n:batch].fill_(-1)
-            buf.seq_lens[n:batch].zero_()
+            self.buffers.seq_lens[n:batch].zero_()
         self.graphs[batch].replay()
-        return buf.hidden[:n]
+        return self.buffers.hidden[:n]
+
+    def _run_prefill(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n, tokens = meta.num_seqs, input_ids.shape[0]
+        size = next(t for t in self.prefill_sizes if t >= tokens)
+        buf = self.buffers
+        self._copy_common(input_ids, positions, meta, size)
+        # Padding sequences: no query rows (their starts all equal the step's token count) and
+        # no context, so their programs return at once.
+        buf.seq_lens[n:PREFILL_GRAPH_SEQS].zero_()
+        buf.prefill_query_start[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
+        buf.prefill_query_start[n + 1 :].fill_(tokens)
+        self.prefill_graphs[size].replay()
+        return buf.hidden[:tokens]

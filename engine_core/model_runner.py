@@ -245,8 +245,8 @@ class ModelRunner:
     # ---- CUDA graphs (engine_core/cuda_graph.py) -----------------------------------------------
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
-        """Capture decode graphs at start-up on CUDA (after the KV cache exists: graphs bake in
-        its addresses); None on the CPU or when ``enforce_eager`` is set."""
+        """Capture the decode and prefill graphs at start-up on CUDA (after the KV cache exists:
+        graphs bake in its addresses); None on the CPU or when ``enforce_eager`` is set."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
         if not getattr(self.backend, "cuda_graph_safe", False):
@@ -263,12 +263,15 @@ class ModelRunner:
             hidden_size=self.model_config.hidden_size,
             dtype=self.dtype,
             device=self.device,
+            max_prefill_tokens=min(
+                self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens
+            ),
         )
         runner.capture()
         return runner
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The model's forward: a graph replay for a decode batch that fits one, else eager."""
+        """The model's forward: a graph replay for a step that fits one, else eager."""
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)
         with forward_context(inputs.meta, self.backend):

@@ -1,4 +1,5 @@
-"""CUDA-graph decode: replay equals eager, padding rows touch nothing, greedy tokens equal HF.
+"""CUDA graphs, decode and prefill: replay equals eager, padding rows touch nothing, greedy
+tokens equal HF (with chunked and prefix-cached prefills going through the prefill graphs).
 
 The GPU tests are skipped where there is no CUDA device; the bucket arithmetic runs everywhere.
 """
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from engine_core.attention.base import AttentionMetadata
-from engine_core.cuda_graph import graph_batch_sizes
+from engine_core.cuda_graph import PREFILL_GRAPH_SEQS, graph_batch_sizes, prefill_graph_sizes
 from engine_core.forward_context import forward_context
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -24,6 +25,14 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_cap() -> None:
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert graph_batch_sizes(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
     assert len(graph_batch_sizes(256)) == 4 + 31
+
+
+def test_prefill_graph_sizes_double_up_to_the_cap() -> None:
+    assert prefill_graph_sizes(0) == []
+    assert prefill_graph_sizes(8) == [8]
+    assert prefill_graph_sizes(16) == [16]
+    assert prefill_graph_sizes(100) == [16, 32, 64, 100]
+    assert prefill_graph_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
 
 
 # ---- replay against eager on a random-weight model ------------------------------------------
@@ -115,6 +124,117 @@ def test_graph_replay_equals_eager(preset: str) -> None:
         assert ((new_graph - new_eager).norm() / new_eager.norm()).item() < 2e-2
 
 
+def mixed_step(
+    specs: list[tuple[int, int]],
+    num_blocks: int,
+    rng: random.Random,
+    vocab: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One step over sequences given as (context already cached, new tokens): whole prompts
+    (context 0), prefix-cached prompts and chunks (context > 0), decodes (1 new token)."""
+    seq_lens = [context + new for context, new in specs]
+    width = max(-(-s // BLOCK_SIZE) for s in seq_lens)
+    tables = torch.tensor(rng.sample(range(num_blocks), len(specs) * width), dtype=torch.int32)
+    tables = tables.view(len(specs), width)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in specs])
+    seq_of_row = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(specs)])
+    slots = tables[seq_of_row, positions // BLOCK_SIZE].long() * BLOCK_SIZE
+    slots += positions % BLOCK_SIZE
+    starts = [0]
+    for _, n in specs:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        max_query_len=max(n for _, n in specs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    ids = torch.tensor([rng.randrange(vocab) for _ in range(starts[-1])], device=device)
+    return ids, positions.to(device), meta
+
+
+# Steps the prefill graphs must run as eager does: one prompt below, at and above a bucket's
+# size, a prefix-cached prompt, a chunk after earlier chunks, prompts mixed with decodes, and
+# the most sequences a prefill graph takes.
+PREFILL_STEPS = [
+    [(0, 5)],
+    [(0, 16)],
+    [(0, 17)],
+    [(0, 200)],
+    [(48, 30)],
+    [(300, 64), (90, 1), (0, 12)],
+    [(0, 40), (17, 1), (5, 1), (60, 33)],
+    [(i * 7, 9) for i in range(PREFILL_GRAPH_SEQS)],
+]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("preset", ["smollm2-135m", "gpt2"])
+def test_prefill_graph_replay_equals_eager(preset: str) -> None:
+    from engine_core.attention.triton_backend import TritonBackend
+    from engine_core.cuda_graph import CudaGraphRunner
+    from engine_core.presets import build_random_model
+
+    device = torch.device("cuda")
+    model, config = build_random_model(preset, device, torch.bfloat16, seed=4)
+    num_blocks = 512
+    cache = torch.randn(
+        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
+        device=device,
+    ).to(torch.bfloat16)  # fmt: skip
+    for i, layer in enumerate(model.attention_layers()):
+        layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+    backend = TritonBackend()
+    graphs = CudaGraphRunner(
+        model,
+        backend,
+        max_num_seqs=16,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        hidden_size=config.hidden_size,
+        dtype=torch.bfloat16,
+        device=device,
+        max_prefill_tokens=256,
+    )
+    graphs.capture(progress=False)
+    assert sorted(graphs.prefill_graphs) == [16, 32, 64, 128, 256]
+    rng = random.Random(1)
+    for specs in PREFILL_STEPS:
+        ids, positions, meta = mixed_step(specs, num_blocks, rng, config.vocab_size, device)
+        assert graphs.can_run(meta), specs
+        before = cache.clone()
+        with torch.inference_mode(), forward_context(meta, backend):
+            eager = model(ids, positions).float()
+        after_eager = cache.clone()
+        cache.copy_(before)
+        with torch.inference_mode():
+            replayed = graphs.run(ids, positions, meta).float()
+        assert replayed.shape == eager.shape
+        assert torch.isfinite(replayed).all()
+        err = ((replayed - eager).norm() / eager.norm()).item()
+        assert err < 2e-2, f"{specs}: graph vs eager relative error {err:.2e}"
+        # The same new K/V went into the same slots, and the padding rows wrote nothing.
+        written = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool, device=device)
+        written[meta.slot_mapping] = True
+        flat = (config.num_layers, 2, num_blocks * BLOCK_SIZE, -1)
+        assert torch.equal(cache.view(flat)[:, :, ~written], before.view(flat)[:, :, ~written])
+        new_graph = cache.view(flat)[:, :, written].float()
+        new_eager = after_eager.view(flat)[:, :, written].float()
+        assert ((new_graph - new_eager).norm() / new_eager.norm()).item() < 2e-2
+    # Steps past the graphs' bounds run eagerly.
+    too_many_seqs = [(0, 2)] * (PREFILL_GRAPH_SEQS + 1)
+    too_many_tokens = [(0, 257)]
+    for specs in (too_many_seqs, too_many_tokens):
+        _, _, meta = mixed_step(specs, num_blocks, rng, config.vocab_size, device)
+        assert not graphs.can_run(meta)
+
+
 # ---- greedy tokens through the engine, graphs on, against HF transformers on the GPU --------
 
 
@@ -188,4 +308,39 @@ def test_greedy_tokens_equal_hf_on_gpu(
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
+    assert ours == hf_greedy(model_dir, prompts, max_tokens)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_chunked_and_cached_prefills_through_graphs_equal_hf(tmp_path: Path) -> None:
+    """Prompts that share a prefix (prefix-cache hits) and prompts longer than the step budget
+    (chunks after earlier chunks), every prefill step small enough for a prefill graph."""
+    from engine_core.llm import LLM
+    from protocol.messages import SamplingParams
+    from tests.factories import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path)
+    rng = random.Random(8)
+    shared = [rng.randrange(3, 384) for _ in range(70)]
+    prompts = [shared + [rng.randrange(3, 384) for _ in range(n)] for n in (3, 20, 41)]
+    prompts.append([rng.randrange(3, 384) for _ in range(150)])  # three chunks of 64
+    max_tokens = 24
+    llm = LLM(
+        str(model_dir),
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+    )
+    graphs = llm.engine.runner.graph_runner
+    assert graphs is not None and graphs.max_prefill_tokens == 64
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # One at a time, so the later prompts find the shared prefix in the cache.
+    ours = [llm.generate([p], params, detokenize=False)[0].token_ids for p in prompts]
+    hits = llm.engine.scheduler.counts().prefix_cache_hits
+    assert hits >= 2 * (70 // 16) * 16, hits
     assert ours == hf_greedy(model_dir, prompts, max_tokens)

@@ -33,6 +33,9 @@ class AttentionMetadata:
     # Host copies, so the reference path and the launch logic never sync on the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # True in a prefill CUDA graph, whose buffers have rows past ``query_start_loc[-1]`` that
+    # belong to no sequence: the backend must leave finite values (zeros) in them.
+    padded: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -1,10 +1,11 @@
 """The Triton attention backend: the GPU implementation of AttentionBackend.
 
-Decode-only batches (every sequence has one new token) take the split-context decode kernel,
-whose launch depends only on tensor shapes, so it can be captured in a CUDA graph. Any batch with
-a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes) takes the
-varlen prefill kernel. Both read K/V through the block tables, after ``write_kv`` has put this
-step's tokens into the cache.
+Decode-only batches (every sequence has one new token) take the split-context decode kernel.
+Any batch with a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes)
+takes the varlen prefill kernel. Both launches depend only on tensor shapes and
+``max_query_len`` (the prefill kernel's grid), so the model runner captures both in CUDA
+graphs (engine_core/cuda_graph.py). Both read K/V through the block tables, after ``write_kv``
+has put this step's tokens into the cache.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class TritonBackend:
                 sliding_window=sliding_window,
                 **scales,
             )
+        # A prefill graph's padding rows are visited by no program: zero them, so nothing
+        # after attention reads memory left over from an earlier replay.
+        out = torch.zeros_like(q) if meta.padded else None
         return paged_prefill_attention(
             q,
             k_cache,
@@ -71,5 +75,6 @@ class TritonBackend:
             meta.max_query_len,
             scale,
             sliding_window=sliding_window,
+            out=out,
             **scales,
         )
