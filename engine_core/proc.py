@@ -47,7 +47,7 @@ from protocol.messages import (
     RequestOutput,
     StepOutputs,
 )
-from protocol.processes import ParentWatch
+from protocol.processes import ParentWatch, freeze_startup_heap
 
 if TYPE_CHECKING:
     from protocol.curve import CurveServerKeys
@@ -135,6 +135,8 @@ class EngineProc:
         ]
         for t in threads:
             t.start()
+        frozen = freeze_startup_heap()
+        logger.debug("froze %d start-up objects out of the garbage collector's reach", frozen)
         try:
             self.busy_loop()
         finally:

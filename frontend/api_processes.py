@@ -54,6 +54,7 @@ from frontend.engines import (
     supervise_engines,
 )
 from frontend.http_server import ApiRole, announce, serve_http
+from protocol import event_loop
 from protocol.address import EngineAddress
 from protocol.client import EngineDeadError
 from protocol.curve import client_keys_from_args
@@ -261,7 +262,7 @@ def main() -> int:
     )
     specs = child_specs(args, settings)
     try:
-        asyncio.run(serve_http(args, Path(settings["model_dir"]), specs, role))
+        event_loop.run(serve_http(args, Path(settings["model_dir"]), specs, role))
     except (KeyboardInterrupt, SystemExit):
         pass
     except (EngineDeadError, TimeoutError) as exc:

@@ -159,12 +159,12 @@ class EnginePool:
         self._next = (best + 1) % n
         return best
 
-    def open(self, requests: Sequence[EngineRequest]) -> RequestGroup:
+    def open(self, requests: Sequence[EngineRequest], wake_every: int | None = 1) -> RequestGroup:
         """The requests go to one engine (see ``pick``); its group aborts them there."""
         index = self.pick()
         if self.gauges is not None:
             self.gauges.record_routed(index, len(requests))
-        return self.engines[index].open(requests)
+        return self.engines[index].open(requests, wake_every)
 
     # ---- control ------------------------------------------------------------------------------
 

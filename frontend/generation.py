@@ -4,10 +4,12 @@ One HTTP request becomes ``len(prompts) * n`` engine requests sharing one queue 
 Each choice owns a TextStream (incremental detokenizer + stop strings); a matched stop string ends
 the choice and aborts it in the engine.
 
-Streaming costs per chunk, not per token: each wake-up takes every step output already queued for
-the request (a consumer that fell behind catches up in one chunk), and a choice is flushed only
-once ``--stream-interval`` new tokens have gathered since its last chunk, when it ends, or for its
-first token (so the interval never delays the time to first token). Text is decoded once per
+Streaming costs per chunk, not per token or per step: the request's task is woken only when a
+flush may be due (the group's ``wake_every``: ``--stream-interval`` tokens, a first token, an
+end), takes every step output delivered since, and a choice is flushed only once
+``--stream-interval`` new tokens have gathered since its last chunk, when it ends, or for its
+first token (so the interval never delays the time to first token). The metrics use each
+output's arrival time, not the wake-up's. Text is decoded once per
 flush; only a choice with stop strings decodes each step's output as it comes, so that a match
 aborts the engine request as early as it can and the usage counts the same tokens however the
 outputs were batched. A non-streamed response flushes each choice once, at its end.
@@ -24,7 +26,7 @@ from frontend.detokenizer import TextStream
 from frontend.errors import OpenAIError, as_openai_error, bad_request
 from frontend.openai_schemas import SamplingFields, UsageInfo, random_id
 from frontend.serving_context import ServingContext
-from protocol.client import EngineDeadError, EngineRequest, RequestGroup, RequestItem
+from protocol.client import Delivery, EngineDeadError, EngineRequest, RequestGroup
 from protocol.codec import ProtocolError, validate_sampling_params
 from protocol.messages import (
     Constraint,
@@ -152,18 +154,24 @@ class Generation:
 
     async def _follow(self, requests: list[EngineRequest]) -> AsyncIterator[list[ChoiceDelta]]:
         """Send ``requests`` (the members' engine requests) and flush their outputs."""
-        async with self.ctx.engine.open(requests) as group:
+        async with self.ctx.engine.open(requests, self._wake_every()) as group:
             while any(self.choices[i].finish_reason is None for i in self.members):
                 items = await group.next_batch()
                 if self.resume_started is not None:
                     self.ctx.metrics.record_resume_latency(time.monotonic() - self.resume_started)
                     self.resume_started = None
-                dead = next((i for _, i in items if isinstance(i, EngineDeadError)), None)
+                dead = next((d.item for d in items if isinstance(d.item, EngineDeadError)), None)
                 deltas = self._apply_batch(group, items)
                 if deltas:
                     yield deltas  # what came before the engine died, flushed first
                 if dead is not None:
                     raise dead  # run() resumes the request if it may
+
+    def _wake_every(self) -> int | None:
+        """How many tokens the group gathers before it wakes this task (see RequestGroup)."""
+        if any(c.text.has_stop_strings for c in self.choices):
+            return 1  # decoded step by step: a match aborts the engine request at once
+        return self.stream_interval  # None (not streamed): woken only by the ends
 
     async def _resume(self) -> None:
         """The engine died: once one serves again, send every unfinished choice again with the
@@ -194,31 +202,33 @@ class Generation:
             )
         return exc
 
-    def _apply_batch(
-        self, group: RequestGroup, items: list[tuple[int, RequestItem]]
-    ) -> list[ChoiceDelta]:
-        """Take in every queued output, then flush each choice they touched that is due."""
+    def _apply_batch(self, group: RequestGroup, items: list[Delivery]) -> list[ChoiceDelta]:
+        """Take in every delivered output, then flush each choice they touched that is due."""
         touched: dict[int, Choice] = {}
-        now = time.monotonic()  # one clock read for the batch: its outputs came together
-        for slot, item in items:
-            index = self.members[slot]
-            choice = self.choices[index]
-            if choice.finish_reason is not None:
-                continue  # outputs that raced the abort after a stop string
-            if isinstance(item, EngineDeadError):
-                continue  # _follow raises it once the rest of the batch is flushed
-            if isinstance(item, Exception):
-                raise as_openai_error(item)
-            self._receive(group, choice, item, now)
-            if choice.text.has_stop_strings:
-                # Step by step: a match ends the choice before its later outputs count.
-                self._decode(group, choice)
-            touched[index] = choice
+        received = 0  # tokens taken in, counted once for the batch
+        try:
+            for slot, item, arrived in items:
+                index = self.members[slot]
+                choice = self.choices[index]
+                if choice.finish_reason is not None:
+                    continue  # outputs that raced the abort after a stop string
+                if isinstance(item, EngineDeadError):
+                    continue  # _follow raises it once the rest of the batch is flushed
+                if isinstance(item, Exception):
+                    raise as_openai_error(item)
+                received += self._receive(group, choice, item, arrived)
+                if choice.text.has_stop_strings:
+                    # Step by step: a match ends the choice before its later outputs count.
+                    self._decode(group, choice)
+                touched[index] = choice
+        finally:
+            self.ctx.metrics.record_tokens(received)
         deltas = (self._advance(group, c) for c in touched.values())
         return [d for d in deltas if d is not None]
 
-    def _receive(self, group: RequestGroup, choice: Choice, out: RequestOutput, now: float) -> None:
-        """Record one step's tokens (no decoding here: that waits for the flush)."""
+    def _receive(self, group: RequestGroup, choice: Choice, out: RequestOutput, now: float) -> int:
+        """Record one step's tokens, which arrived at ``now`` (no decoding here: that waits for
+        the flush); returns how many."""
         new = out.new_token_ids if self.keep_output else []
         metrics = self.ctx.metrics
         if out.prompt_logprobs is not None:
@@ -230,7 +240,6 @@ class Generation:
             else:
                 metrics.record_inter_token(now - choice.last_token_at)
             choice.last_token_at = now
-        metrics.record_tokens(len(new))
         choice.token_ids += new
         choice.logprobs += (out.logprobs or []) if self.keep_output else []
         if out.finish_reason is not None:
@@ -240,6 +249,7 @@ class Generation:
             if out.finish_reason == FinishReason.ERROR:
                 raise OpenAIError(500, "the engine failed this request", "internal_error")
             choice.ended = out.finish_reason if self.keep_output else FinishReason.LENGTH
+        return len(new)
 
     def _advance(self, group: RequestGroup, choice: Choice) -> ChoiceDelta | None:
         """The choice's flush, if one is due: decoded here, once for all its new tokens."""
@@ -248,6 +258,8 @@ class Generation:
             self._decode(group, choice)
         if choice.finish_reason is None and not due:
             return None
+        if choice.finish_reason is None:
+            group.flushed(self.members.index(choice.index))
         return self._flush(choice)
 
     def _decode(self, group: RequestGroup, choice: Choice) -> None:

@@ -18,7 +18,6 @@ engines' raw ZMQ addresses are printed (and served at GET /v1/engine) so that `t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import socket
@@ -181,6 +180,7 @@ def launch(
     """Start the engines, serve until a signal, then stop the HTTP side and the engines."""
     from frontend.api_processes import ApiProcesses
     from frontend.http_server import serve_http
+    from protocol import event_loop
     from protocol.client import EngineDeadError
     from protocol.processes import exit_on_sigterm
 
@@ -189,7 +189,7 @@ def launch(
     try:
         for spec in specs:  # they load in parallel
             spec.start()
-        asyncio.run(api.run() if api is not None else serve_http(args, model_dir, specs))
+        event_loop.run(api.run() if api is not None else serve_http(args, model_dir, specs))
     except (KeyboardInterrupt, SystemExit):
         pass
     except (EngineDeadError, TimeoutError) as exc:

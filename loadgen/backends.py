@@ -279,7 +279,7 @@ class ZmqBackend:
             while group.unfinished:
                 batch = await group.next_batch()
                 now = self.clock.now()
-                for _, item in batch:
+                for _, item, _ in batch:
                     if is_last(item):
                         group.finished(0)
                     record_item(rec, item, now)

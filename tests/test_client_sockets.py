@@ -361,10 +361,10 @@ def test_async_undecodable_frame_fails_what_is_in_flight_not_later_requests(
             await client.connect(timeout=10)
             open_ended = EngineRequest("waiting", [1], SamplingParams(ignore_eos=True))
             async with client.open([open_ended]) as group:
-                [(_, first)] = await asyncio.wait_for(group.next_batch(), 10)
+                [(_, first, _)] = await asyncio.wait_for(group.next_batch(), 10)
                 assert first.new_token_ids == [1] and first.finish_reason is None
                 await client.control(ControlKind.STATS)  # garbage comes before its reply
-                [(_, failed)] = await asyncio.wait_for(group.next_batch(), 10)
+                [(_, failed, _)] = await asyncio.wait_for(group.next_batch(), 10)
             assert isinstance(failed, EngineRequestError) and failed.code == 500
             assert "malformed" in failed.message and failed.request_id == "waiting"
             assert client.num_requests == 0
@@ -400,7 +400,9 @@ def test_async_leaving_a_group_early_aborts_the_rest(
     async def main() -> None:
         async with AsyncEngineClient(address) as client:
             await client.connect(timeout=10)
-            async with contextlib.aclosing(client.generate("early", [1, 2, 3], PARAMS)) as outs:
+            # Never finished by the engine (ignore_eos): only leaving the loop ends it.
+            endless = SamplingParams(max_tokens=8, ignore_eos=True)
+            async with contextlib.aclosing(client.generate("early", [1, 2, 3], endless)) as outs:
                 async for out in outs:
                     assert out.new_token_ids == [1]
                     break
@@ -424,7 +426,7 @@ def test_async_close_fails_what_is_in_flight(address: EngineAddress) -> None:
         group = client.open([EngineRequest("r", [1, 2], PARAMS)])
         async with group:
             await client.close("going away")
-            (index, item), *_ = await asyncio.wait_for(group.next_batch(), 5)
+            (index, item, _), *_ = await asyncio.wait_for(group.next_batch(), 5)
         assert index == 0 and isinstance(item, EngineDeadError) and "going away" in str(item)
 
     asyncio.run(main())
@@ -440,7 +442,7 @@ def test_async_watchdog_fails_requests_when_the_process_dies(address: EngineAddr
             eng.stop()  # the engine goes silent with a request on its way
             async with client.open([EngineRequest("r", [1, 2], PARAMS)]) as group:
                 alive[0] = False  # its process "exits": the watchdog sees it within 0.25 s
-                [(index, item)] = await asyncio.wait_for(group.next_batch(), 5)
+                [(index, item, _)] = await asyncio.wait_for(group.next_batch(), 5)
             assert index == 0 and isinstance(item, EngineDeadError)
             assert client.dead_reason == "the engine process exited" and not client.healthy
             with pytest.raises(EngineDeadError):

@@ -169,7 +169,8 @@ def test_prefix_cache_step_tokens_and_request_timings(tiny_server: Server) -> No
     def delta(name: str) -> float:
         return value(after, name) - value(before, name)
 
-    assert chunks == 4  # one token a step, one chunk each (--stream-interval 1)
+    # One token a step; with --stream-interval 1 a chunk carries what arrived together.
+    assert 1 < chunks <= 4
     assert delta("tandem_prefix_cache_queries_total") == len(first) + len(second)
     assert delta("tandem_prefix_cache_hits_total") == 3 * BLOCK
     assert delta("tandem_num_preemptions_total") == 0
@@ -177,11 +178,12 @@ def test_prefix_cache_step_tokens_and_request_timings(tiny_server: Server) -> No
     assert delta("tandem_iteration_tokens_total_sum") == (53 + 3) + (55 - 3 * BLOCK + 3)
     assert delta("tandem_iteration_tokens_total_count") == 8  # a prefill and 3 decodes each
     assert engine_after.step_tokens_sum - engine_before.step_tokens_sum == 66
-    # One observation per request for each engine timing; (tokens - 1) inter-token latencies.
+    # One observation per request for each engine timing; (tokens - 1) inter-token latencies
+    # each, one per step output after the first, however the outputs were chunked or woken.
     for part in ENGINE_TIMINGS:
         assert delta(f"tandem_request_{part}_time_seconds_count") == 2
         assert delta(f"tandem_request_{part}_time_seconds_sum") >= 0
-    assert delta("tandem_inter_token_latency_seconds_count") == (chunks - 1) + (4 - 1)
+    assert delta("tandem_inter_token_latency_seconds_count") == (4 - 1) + (4 - 1)
     assert delta("tandem_inter_token_latency_seconds_sum") >= 0
     engine_time = sum(delta(f"tandem_request_{p}_time_seconds_sum") for p in ENGINE_TIMINGS)
     assert 0 < engine_time <= delta("tandem_e2e_request_latency_seconds_sum")

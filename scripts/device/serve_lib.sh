@@ -61,7 +61,7 @@ PY
 # parent) and the load generator on the cores above, so that they never take the engines' host
 # time. With no taskset (PIN=no) nothing is pinned.
 PIN=${PIN:-$(command -v taskset >/dev/null && echo yes || echo no)}
-FIRST_FREE_CORE=16
+FIRST_FREE_CORE=${FIRST_FREE_CORE:-16}
 [ "$PIN" = yes ] && LG_PREFIX="taskset -c $FIRST_FREE_CORE-$(($(nproc) - 1))"
 pin() {
   [ "$PIN" = yes ] || { echo "no taskset: not pinned"; return; }

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One API process at 256 streams (issue 17): llama-1b shape, 256 requests at once, 128-token
+# prompts, 512 output tokens each (EOS ignored), `--stream-interval 16`; raw ZMQ against HTTP
+# streaming through the `tandem serve` process itself (--api-servers 1), the load generator
+# sending HTTP from 4 client processes. Each run: one warm-up, then RUNS measured runs.
+#
+#   bash scripts/device/one_api_process.sh [NAME=DIR ...]
+#
+# Each NAME=DIR[=SITE] is a checkout whose server is measured in turn (default: now=.), with
+# SITE (default $SITE, /tmp/site) first on its PYTHONPATH; for a before/after, carry an old tree
+# (git archive REV | tar -x -C .before) and pass now=. before=.before[=/tmp/site-before].
+# PYSPY=path/to/py-spy also samples the serve process (the API process) during the runs: folded
+# stacks in $OUT/pyspy-NAME.txt. On the GPU machine from the repository root; results under $OUT.
+LONG=${LONG:-512}
+RUNS=${RUNS:-2}
+FIRST_FREE_CORE=${FIRST_FREE_CORE:-8}
+source scripts/device/serve_lib.sh
+ROOT=$PWD
+SITE=${SITE:-/tmp/site}
+
+serve_tree() {  # serve_tree NAME DIR SITE: that checkout's server, with py-spy if asked
+  local name=$1 dir=$2 site=$3 cmd
+  cmd=(python3 -m frontend.cli serve --model "$MODEL" --port "$PORT" --max-model-len "$MAX_MODEL_LEN"
+       --stream-interval 16)
+  [ -n "${PYSPY:-}" ] && cmd=("$ROOT/$PYSPY" record --rate 200 --format raw --nonblocking
+                              -o "$OUT/pyspy-$name.txt" -- "${cmd[@]}")
+  (cd "$dir" && PYTHONPATH=$site:$PWD exec "${cmd[@]}") > "$OUT/serve-$name.log" 2>&1 &
+  SERVER=$!
+  python3 - "$URL" <<'PY' || { echo "server $name did not come up"; tail -5 "$OUT/serve-$name.log"; }
+import sys, time, httpx
+for _ in range(240):
+    try:
+        if httpx.get(sys.argv[1] + "/health", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+PY
+}
+
+stop_tree() {  # the serve process first (py-spy then writes its file and exits)
+  pkill -TERM -f "^python3 -m frontend.cli serve" 2>/dev/null; wait "$SERVER" 2>/dev/null; sleep 1
+}
+
+nvidia-smi --query-gpu=name --format=csv,noheader; date -u +%FT%TZ; nproc
+[ $# -eq 0 ] && set -- now=.
+for spec in "$@"; do
+  name=${spec%%=*}; rest=${spec#*=}; dir=${rest%%=*}; site=$SITE
+  [ "$rest" != "$dir" ] && site=${rest#*=}
+  serve_tree "$name" "$dir" "$site"; pin
+  bench "zmq-$name" zmq "$LONG" --repeat-runs "$RUNS"; median "zmq-$name"
+  bench "http-$name" openai-completions "$LONG" --repeat-runs "$RUNS" --client-processes 4
+  median "http-$name"
+  stop_tree
+done
+date +%T
