@@ -175,3 +175,20 @@ def test_a_stop_string_cuts_the_same_text_whatever_the_runs(tokenizer: Any, long
     ids = tokenizer.encode(text, add_special_tokens=False)
     for seed in range(5):
         assert stream_text(tokenizer, ids, longest, seed, ["STOP 🇫"]) == "Emoji: 🚀🔥 then "
+
+
+def test_encode_all_gives_what_hf_encode_gives(tokenizer: Any) -> None:
+    """The frontend encodes through the Rust tokenizer directly; the ids must be HF's."""
+    from frontend.tokenizer import Tokenizer
+
+    texts = [
+        "Hello, world!",
+        "",
+        "  leading spaces and émojis 🤖 and 中文",
+        "<|im_start|>user\nhi<|im_end|>\n",  # special tokens written as text
+        "a" * 3000,
+    ]
+    ours = Tokenizer(tokenizer)
+    for special in (True, False):
+        want = [tokenizer.encode(t, add_special_tokens=special) for t in texts]
+        assert ours.encode_all(texts, add_special_tokens=special) == want

@@ -208,3 +208,22 @@ def test_preemptions_are_counted(tiny_server: Server) -> None:
     assert preempted > 0
     name = "tandem_num_preemptions_total"
     assert value(after, name) - value(before, name) == preempted
+
+
+def test_step_histogram_exposes_cumulative_buckets_like_prometheus() -> None:
+    """The lock-free histogram (inter-token latency) against counts worked out by hand: a value
+    equal to a bound falls in that bound's bucket (le), one above every bound only in +Inf."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from frontend.metrics import StepHistogram
+
+    registry = CollectorRegistry()
+    hist = StepHistogram("t_seconds", "a test histogram", (0.01, 0.1, 1.0), "m")
+    registry.register(hist)
+    for v in (0.005, 0.01, 0.05, 0.1, 0.5, 3.0):
+        hist.observe(v)
+    text = generate_latest(registry).decode()
+    for le, want in (("0.01", 2), ("0.1", 4), ("1.0", 5), ("+Inf", 6)):
+        assert f't_seconds_bucket{{le="{le}",model_name="m"}} {float(want)}' in text
+    assert 't_seconds_count{model_name="m"} 6.0' in text
+    assert 't_seconds_sum{model_name="m"} 3.665' in text
