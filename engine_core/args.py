@@ -23,7 +23,7 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enforce_eager": "never use CUDA graphs",
     "max_prefill_graph_tokens": "steps with prompt tokens (whole prompts, chunks, decodes mixed "
-    "in) of up to this many tokens and 8 sequences replay a CUDA graph captured at start-up "
+    "in) of up to this many tokens replay a CUDA graph captured at start-up "
     "instead of launching each kernel from Python; 0 runs them eagerly",
     "seed": "seed for requests that carry none",
     "async_scheduling": "overlap: schedule and prepare the next step while the GPU runs this one "

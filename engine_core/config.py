@@ -129,7 +129,7 @@ class EngineConfig:
     prefill_max_batch_size: int | None = None  # None: same as max_num_seqs
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    # Steps with prompt tokens of up to this many tokens (and 8 sequences) replay a CUDA graph
+    # Steps with prompt tokens of up to this many tokens replay a CUDA graph
     # (engine_core/cuda_graph.py); 0: they run eagerly. Capped at max_num_batched_tokens.
     max_prefill_graph_tokens: int = 2048
     seed: int = 0

@@ -9,11 +9,12 @@ one memory pool, captured largest first so that the smaller ones reuse its memor
   token each. A step with n sequences pads to the next size (slot -1: no KV write; seq_len 0: no
   attention).
 - **prefill**: any other step (whole prompts, prompt chunks, prefix-cached prompts, decodes mixed
-  in) of at most ``PREFILL_GRAPH_SEQS`` sequences and 16, 32, 64, ... up to
-  ``max_prefill_tokens`` new tokens. The prefill attention kernel's grid is (sequences, heads,
-  query tiles) at the captured size; the padding sequences (query length 0, seq_len 0) and the
-  tiles past a sequence's query return at once, the padding rows (slot -1) write no KV, and their
-  attention output is zero (``AttentionMetadata.padded``).
+  in, up to ``max_num_seqs`` sequences) of 16, 32, 64, ... up to ``max_prefill_tokens`` new
+  tokens. The prefill attention kernel runs one program per row of a work list of (sequence,
+  query tile) pairs (attention/prefill_tiles.py), captured at the most tiles a step of that many
+  tokens can have; each replay writes the step's list, the rows past it (sequence -1) return at
+  once, the padding rows (slot -1) write no KV, and their attention output is zero
+  (``AttentionMetadata.padded``).
 
 Larger steps run eagerly, as does everything with ``enforce_eager``. Only the model's forward is
 captured: the logits of the rows that sample and the sampler run eagerly after it (their shapes
@@ -30,6 +31,13 @@ import torch
 from torch import nn
 
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
+from engine_core.attention.prefill_tiles import (
+    NO_SEQUENCE,
+    capacity,
+    prefill_block_m,
+    query_lens,
+    tile_list,
+)
 from engine_core.forward_context import forward_context
 
 logger = logging.getLogger(__name__)
@@ -44,7 +52,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-PREFILL_GRAPH_SEQS = 8  # most sequences in a step that a prefill graph runs
 _MIN_PREFILL_TOKENS = 16
 
 
@@ -78,7 +85,8 @@ class GraphBuffers:
     seq_lens: torch.Tensor  # [max_seqs] int32, 0 on padding sequences
     block_tables: torch.Tensor  # [max_seqs, max_blocks_per_seq] int32
     decode_query_start: torch.Tensor  # [max_seqs + 1] int32: 0, 1, ... (one token a sequence)
-    prefill_query_start: torch.Tensor  # [PREFILL_GRAPH_SEQS + 1] int32, set by each replay
+    prefill_query_start: torch.Tensor  # [max_seqs + 1] int32, set by each prefill replay
+    prefill_tiles: torch.Tensor  # [most tiles, 2] int32: the prefill kernel's work list
     hidden: torch.Tensor  # [N, hidden]: the captured forward's output
 
     @classmethod
@@ -90,6 +98,7 @@ class GraphBuffers:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_tiles: int = 0,
     ) -> GraphBuffers:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -101,7 +110,8 @@ class GraphBuffers:
             seq_lens=zeros(max_seqs, dtype=torch.int32),
             block_tables=zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32),
             decode_query_start=torch.arange(max_seqs + 1, dtype=torch.int32, device=device),
-            prefill_query_start=zeros(PREFILL_GRAPH_SEQS + 1, dtype=torch.int32),
+            prefill_query_start=zeros(max_seqs + 1, dtype=torch.int32),
+            prefill_tiles=torch.full((max_tiles, 2), NO_SEQUENCE, dtype=torch.int32, device=device),
             hidden=zeros(max_tokens, hidden_size, dtype=dtype),
         )
 
@@ -123,15 +133,16 @@ class GraphBuffers:
         )
 
     def prefill_metadata(self, tokens: int, max_model_len: int) -> AttentionMetadata:
-        """Metadata of a prefill graph of ``tokens`` rows and PREFILL_GRAPH_SEQS sequences.
+        """Metadata of a prefill graph of ``tokens`` rows (and as many sequences at most).
 
-        ``max_query_len`` is the bucket's size: it sets the kernel's grid, whose tiles past a
-        sequence's real query length return at once. The host lists are placeholders.
+        ``max_query_len`` is the bucket's size: it sets the kernel's tile height, and the work
+        list has room for every tile such a step can have. The host lists are placeholders.
         """
-        seqs = PREFILL_GRAPH_SEQS
+        seqs = min(tokens, self.seq_lens.shape[0])
+        rows = capacity(tokens, seqs, prefill_block_m(tokens))
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens],
-            query_start_loc=self.prefill_query_start,
+            query_start_loc=self.prefill_query_start[: seqs + 1],
             seq_lens=self.seq_lens[:seqs],
             block_tables=self.block_tables[:seqs],
             max_query_len=tokens,
@@ -139,6 +150,7 @@ class GraphBuffers:
             query_start_loc_cpu=[0] * (seqs + 1),
             seq_lens_cpu=[max_model_len] * seqs,
             padded=True,
+            prefill_tiles=self.prefill_tiles[:rows],
         )
 
 
@@ -166,13 +178,15 @@ class CudaGraphRunner:
         self.prefill_sizes = prefill_graph_sizes(max_prefill_tokens)
         self.max_prefill_tokens = self.prefill_sizes[-1] if self.prefill_sizes else 0
         max_blocks = -(-max_model_len // block_size)
+        top = self.max_prefill_tokens
         self.buffers = GraphBuffers.allocate(
-            max(self.max_batch, self.max_prefill_tokens),
-            max(self.max_batch, PREFILL_GRAPH_SEQS),
+            max(self.max_batch, top),
+            self.max_batch,
             max_blocks,
             hidden_size,
             dtype,
             device,
+            max_tiles=capacity(top, min(top, self.max_batch), prefill_block_m(top)) if top else 0,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # prefill, by tokens
@@ -205,13 +219,11 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         logger.info(
-            "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of up to %d "
-            "sequences and %s tokens)",
+            "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of %s tokens)",
             len(plan),
             elapsed,
             self.batch_sizes[0],
             self.max_batch,
-            PREFILL_GRAPH_SEQS,
             f"{self.prefill_sizes[0]}..{self.max_prefill_tokens}" if self.prefill_sizes else "no",
         )
         return elapsed
@@ -238,7 +250,7 @@ class CudaGraphRunner:
         if meta.is_decode_only:
             return meta.num_seqs <= self.max_batch and bool(self.graphs)
         return (
-            meta.num_seqs <= PREFILL_GRAPH_SEQS
+            meta.num_seqs <= self.max_batch
             and meta.slot_mapping.shape[0] <= self.max_prefill_tokens
             and bool(self.prefill_graphs)
         )
@@ -287,10 +299,15 @@ class CudaGraphRunner:
         size = next(t for t in self.prefill_sizes if t >= tokens)
         buf = self.buffers
         self._copy_common(input_ids, positions, meta, size)
-        # Padding sequences: no query rows (their starts all equal the step's token count) and
-        # no context, so their programs return at once.
-        buf.seq_lens[n:PREFILL_GRAPH_SEQS].zero_()
+        seqs = min(size, self.max_batch)  # the sequences the graph was captured with
+        # Padding sequences: no query rows and no context (no tile names them anyway).
+        buf.seq_lens[n:seqs].zero_()
         buf.prefill_query_start[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
-        buf.prefill_query_start[n + 1 :].fill_(tokens)
+        buf.prefill_query_start[n + 1 : seqs + 1].fill_(tokens)
+        # The step's work list at the graph's tile height, padded to the captured length.
+        block_m = prefill_block_m(size)
+        rows = capacity(size, seqs, block_m)
+        tiles = tile_list(query_lens(meta.query_start_loc_cpu), block_m, rows)
+        buf.prefill_tiles[:rows].copy_(torch.from_numpy(tiles))
         self.prefill_graphs[size].replay()
         return buf.hidden[:tokens]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engine_core.attention.base import AttentionMetadata
-from engine_core.cuda_graph import PREFILL_GRAPH_SEQS, graph_batch_sizes, prefill_graph_sizes
+from engine_core.attention.prefill_tiles import capacity, tile_list
+from engine_core.cuda_graph import graph_batch_sizes, prefill_graph_sizes
 from engine_core.forward_context import forward_context
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -25,6 +26,18 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_cap() -> None:
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert graph_batch_sizes(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
     assert len(graph_batch_sizes(256)) == 4 + 31
+
+
+def test_tile_list_names_each_sequences_query_tiles_then_pads() -> None:
+    # Query lengths 5, 1, 40 at 16 rows a tile: 1, 1 and 3 tiles.
+    tiles = tile_list([5, 1, 40], block_m=16, rows=8)
+    padding = [[-1, 0]] * 3
+    assert tiles.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2], *padding]
+    assert tile_list([64, 65], block_m=64).tolist() == [[0, 0], [1, 0], [1, 1]]
+    # The bound a graph is captured with holds for any split of its tokens.
+    assert capacity(46, 3, 16) == 3 + 3 >= len(tile_list([5, 1, 40], 16))
+    with pytest.raises(ValueError, match="do not fit"):
+        tile_list([40], block_m=16, rows=2)
 
 
 def test_prefill_graph_sizes_double_up_to_the_cap() -> None:
@@ -158,9 +171,11 @@ def mixed_step(
     return ids, positions.to(device), meta
 
 
+GRAPH_SEQS = 16  # max_num_seqs of the graphs below
+
 # Steps the prefill graphs must run as eager does: one prompt below, at and above a bucket's
-# size, a prefix-cached prompt, a chunk after earlier chunks, prompts mixed with decodes, and
-# the most sequences a prefill graph takes.
+# size, a prefix-cached prompt, a chunk after earlier chunks, prompts mixed with decodes, the
+# most sequences a graph takes (one prompt among 15 decodes; 16 short prompts).
 PREFILL_STEPS = [
     [(0, 5)],
     [(0, 16)],
@@ -169,7 +184,8 @@ PREFILL_STEPS = [
     [(48, 30)],
     [(300, 64), (90, 1), (0, 12)],
     [(0, 40), (17, 1), (5, 1), (60, 33)],
-    [(i * 7, 9) for i in range(PREFILL_GRAPH_SEQS)],
+    [(0, 100)] + [(20 + 9 * i, 1) for i in range(GRAPH_SEQS - 1)],
+    [(i * 7, 9) for i in range(GRAPH_SEQS)],
 ]
 
 
@@ -194,7 +210,7 @@ def test_prefill_graph_replay_equals_eager(preset: str) -> None:
     graphs = CudaGraphRunner(
         model,
         backend,
-        max_num_seqs=16,
+        max_num_seqs=GRAPH_SEQS,
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK_SIZE,
         hidden_size=config.hidden_size,
@@ -228,7 +244,7 @@ def test_prefill_graph_replay_equals_eager(preset: str) -> None:
         new_eager = after_eager.view(flat)[:, :, written].float()
         assert ((new_graph - new_eager).norm() / new_eager.norm()).item() < 2e-2
     # Steps past the graphs' bounds run eagerly.
-    too_many_seqs = [(0, 2)] * (PREFILL_GRAPH_SEQS + 1)
+    too_many_seqs = [(0, 2)] * (GRAPH_SEQS + 1)
     too_many_tokens = [(0, 257)]
     for specs in (too_many_seqs, too_many_tokens):
         _, _, meta = mixed_step(specs, num_blocks, rng, config.vocab_size, device)

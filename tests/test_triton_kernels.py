@@ -309,6 +309,33 @@ def test_prefill_matches_reference(
     assert_close(out, reference_attention(batch, scale))
 
 
+def test_prefill_padded_work_list_matches_reference() -> None:
+    """A CUDA graph's work list: the step's tiles, then rows naming no sequence, which must
+    do nothing (the output is poisoned beforehand)."""
+    from engine_core.attention.prefill_tiles import capacity, prefill_block_m, query_lens, tile_list
+
+    heads, kv_heads, head_dim = HEAD_SHAPES[0]
+    batch = make_batch(PREFILL_SPECS, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=21)
+    meta = batch.meta
+    block_m = prefill_block_m(meta.max_query_len)
+    rows = capacity(batch.q.shape[0], meta.num_seqs, block_m) + 7
+    tiles = tile_list(query_lens(meta.query_start_loc_cpu), block_m, rows)
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_query_len,
+        scale,
+        out=poisoned(batch.q),
+        tiles=torch.from_numpy(tiles).to(DEVICE),
+    )
+    assert_close(out, reference_attention(batch, scale))
+
+
 @pytest.mark.parametrize("window", [1, 5, 64])
 def test_prefill_sliding_window(window: int) -> None:
     heads, kv_heads, head_dim = HEAD_SHAPES[1]

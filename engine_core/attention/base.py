@@ -36,6 +36,9 @@ class AttentionMetadata:
     # True in a prefill CUDA graph, whose buffers have rows past ``query_start_loc[-1]`` that
     # belong to no sequence: the backend must leave finite values (zeros) in them.
     padded: bool = False
+    # The Triton prefill kernel's work list (attention/prefill_tiles.py), on the device: made by
+    # the backend at the first layer of a step and kept here for the others, or a graph's buffer.
+    prefill_tiles: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

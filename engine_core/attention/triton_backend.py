@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.prefill_tiles import device_tiles
 from engine_core.attention.triton_kernels import (
     paged_decode_attention,
     paged_prefill_attention,
@@ -65,6 +66,10 @@ class TritonBackend:
         # A prefill graph's padding rows are visited by no program: zero them, so nothing
         # after attention reads memory left over from an earlier replay.
         out = torch.zeros_like(q) if meta.padded else None
+        if meta.prefill_tiles is None:  # once per step: every layer has the same work list
+            meta.prefill_tiles = device_tiles(
+                meta.query_start_loc_cpu, meta.max_query_len, q.device
+            )
         return paged_prefill_attention(
             q,
             k_cache,
@@ -76,5 +81,6 @@ class TritonBackend:
             scale,
             sliding_window=sliding_window,
             out=out,
+            tiles=meta.prefill_tiles,
             **scales,
         )

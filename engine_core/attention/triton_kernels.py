@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from engine_core.attention.base import is_fp8_cache
+from engine_core.attention.prefill_tiles import device_tiles, prefill_block_m
 
 _LOG2E = 1.4426950408889634
 # Decode context splits: a split is never shorter than MIN_SPLIT_TOKENS (shorter pieces cost
@@ -586,6 +587,7 @@ def _prefill_kernel(
     BT,
     SL,
     QSL,
+    TILES,
     Out,
     scale_log2,
     v_scale,
@@ -611,12 +613,15 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # Row t of the tile list (prefill_tiles.py): this program's sequence and query tile; a
+    # padding row (sequence -1, a CUDA graph's) has nothing to do.
+    t = tl.program_id(0)
     head = tl.program_id(1)
-    tile = tl.program_id(2)
+    seq = tl.maximum(tl.load(TILES + 2 * t), 0)
+    tile = tl.load(TILES + 2 * t + 1)
     q_start = tl.load(QSL + seq)
     q_len = tl.load(QSL + seq + 1) - q_start
-    if tile * BLOCK_M < q_len:
+    if tl.load(TILES + 2 * t) >= 0 and tile * BLOCK_M < q_len:
         seq_len = tl.load(SL + seq)
         context = seq_len - q_len  # tokens before this chunk (prefix cache, earlier chunks)
         kvh = head // GROUP
@@ -680,12 +685,15 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [T, heads, head_dim]
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tiles: torch.Tensor | None = None,  # [rows, 2] int32, see prefill_tiles.py
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Causal attention of every new token over its sequence's cached context (itself included).
 
     Sequence i's new tokens sit at positions ``seq_lens[i] - query_len_i ..``; its earlier
     context (prefix-cache hits, earlier chunks) is read from the cache like the new tokens, whose
     K/V must already be written. Rows of query length 1 (decodes in a mixed batch) work as well.
+    ``tiles`` is the step's (sequence, query tile) work list (prefill_tiles.py), built for
+    ``prefill_block_m(max_query_len)``; without it, it is worked out here.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -696,8 +704,10 @@ def paged_prefill_attention(
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    block_m = 64 if max_query_len > 16 else 16
-    grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
+    block_m = prefill_block_m(max_query_len)
+    if tiles is None:  # the direct call of a test: work the list out here (a device sync)
+        tiles = device_tiles(query_start_loc.tolist(), max_query_len, q.device)
+    grid = (tiles.shape[0], num_heads)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -705,6 +715,7 @@ def paged_prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        tiles,
         out,
         scale * _LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
         v_scale,
