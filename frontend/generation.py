@@ -102,6 +102,8 @@ class Generation:
             EngineRequest(f"{request_id}-{c.index}", c.prompt_ids, params[c.index % n])
             for c in self.choices
         ]
+        # Whether some choice decodes each output as it comes (stop strings; see _wake_every).
+        self._stepwise = any(c.text.has_stop_strings for c in self.choices)
         # The open engine group's members, by their index in it: all choices at first; after
         # an engine's death, the unfinished ones, resumed (``_resume``).
         self.members = [c.index for c in self.choices]
@@ -160,7 +162,9 @@ class Generation:
                 if self.resume_started is not None:
                     self.ctx.metrics.record_resume_latency(time.monotonic() - self.resume_started)
                     self.resume_started = None
-                dead = next((d.item for d in items if isinstance(d.item, EngineDeadError)), None)
+                dead = next(
+                    (item for _, item, _ in items if isinstance(item, EngineDeadError)), None
+                )
                 deltas = self._apply_batch(group, items)
                 if deltas:
                     yield deltas  # what came before the engine died, flushed first
@@ -169,7 +173,7 @@ class Generation:
 
     def _wake_every(self) -> int | None:
         """How many tokens the group gathers before it wakes this task (see RequestGroup)."""
-        if any(c.text.has_stop_strings for c in self.choices):
+        if self._stepwise:
             return 1  # decoded step by step: a match aborts the engine request at once
         return self.stream_interval  # None (not streamed): woken only by the ends
 
@@ -217,7 +221,7 @@ class Generation:
                 if isinstance(item, Exception):
                     raise as_openai_error(item)
                 received += self._receive(group, choice, item, arrived)
-                if choice.text.has_stop_strings:
+                if self._stepwise and choice.text.has_stop_strings:
                     # Step by step: a match ends the choice before its later outputs count.
                     self._decode(group, choice)
                 touched[index] = choice
@@ -241,7 +245,8 @@ class Generation:
                 metrics.record_inter_token(now - choice.last_token_at)
             choice.last_token_at = now
         choice.token_ids += new
-        choice.logprobs += (out.logprobs or []) if self.keep_output else []
+        if out.logprobs and self.keep_output:
+            choice.logprobs += out.logprobs
         if out.finish_reason is not None:
             if out.timings is not None:
                 metrics.record_engine_timings(out.timings)

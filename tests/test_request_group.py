@@ -44,7 +44,7 @@ def test_every_output_wakes_by_default() -> None:
         for step in range(3):
             group.deliver(0, tokens("r0", 1), arrived=float(step))
             batch = await woken(group)
-            assert batch == [Delivery(0, tokens("r0", 1), float(step))]
+            assert batch == [(0, tokens("r0", 1), float(step))]
 
     asyncio.run(scenario())
 
@@ -53,7 +53,7 @@ def test_wakes_for_first_tokens_then_every_n_since_the_last_flush() -> None:
     async def scenario() -> None:
         group = group_of(2, wake_every=4)
         group.deliver(0, tokens("r0", 1), arrived=1.0)
-        assert [d.index for d in await woken(group) or []] == [0]  # r0's first token
+        assert [index for index, _, _ in await woken(group) or []] == [0]  # r0's first token
         group.flushed(0)
         for t in range(3):
             group.deliver(0, tokens("r0", 1), arrived=2.0 + t)
@@ -61,10 +61,10 @@ def test_wakes_for_first_tokens_then_every_n_since_the_last_flush() -> None:
         group.deliver(1, tokens("r1", 1), arrived=5.0)  # r1's first token: wake
         batch = await woken(group)
         assert batch is not None
-        assert [(d.index, d.arrived) for d in batch] == [(0, 2.0), (0, 3.0), (0, 4.0), (1, 5.0)]
+        assert [(i, t) for i, _, t in batch] == [(0, 2.0), (0, 3.0), (0, 4.0), (1, 5.0)]
         group.flushed(1)  # the consumer flushed r1's first token; r0's 3 were not due
         group.deliver(0, tokens("r0", 1), arrived=6.0)  # r0: 4 since its last flush
-        assert [d.arrived for d in await woken(group) or []] == [6.0]
+        assert [t for _, _, t in await woken(group) or []] == [6.0]
         group.flushed(0)
         group.deliver(0, tokens("r0", 2), arrived=7.0)
         group.deliver(1, tokens("r1", 3), arrived=7.0)
@@ -88,10 +88,10 @@ def test_ends_and_errors_always_wake(wake_every: int | None) -> None:
         assert await woken(group) is None
         group.deliver(0, tokens("r0", 1, FinishReason.LENGTH), arrived=3.0)
         batch = await woken(group)
-        assert batch is not None and batch[-1].item.finish_reason == FinishReason.LENGTH
+        assert batch is not None and batch[-1][1].finish_reason == FinishReason.LENGTH
         error = EngineDeadError("gone")
         group.deliver(1, error, arrived=4.0)
-        assert await woken(group) == [Delivery(1, error, 4.0)]
+        assert await woken(group) == [(1, error, 4.0)]
 
     asyncio.run(scenario())
 
@@ -102,7 +102,7 @@ def test_a_waiting_consumer_is_woken_by_a_later_delivery() -> None:
         waiting = asyncio.ensure_future(group.next_batch())
         await asyncio.sleep(0)
         group.deliver(0, tokens("r0", 1), arrived=1.0)
-        assert await asyncio.wait_for(waiting, 1.0) == [Delivery(0, tokens("r0", 1), 1.0)]
+        assert await asyncio.wait_for(waiting, 1.0) == [(0, tokens("r0", 1), 1.0)]
 
     asyncio.run(scenario())
 
