@@ -34,9 +34,8 @@ from engine_core.attention.base import AttentionBackend, AttentionMetadata
 from engine_core.attention.prefill_tiles import (
     NO_SEQUENCE,
     capacity,
+    device_tiles,
     prefill_block_m,
-    query_lens,
-    tile_list,
 )
 from engine_core.forward_context import forward_context
 
@@ -304,10 +303,15 @@ class CudaGraphRunner:
         buf.seq_lens[n:seqs].zero_()
         buf.prefill_query_start[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
         buf.prefill_query_start[n + 1 : seqs + 1].fill_(tokens)
-        # The step's work list at the graph's tile height, padded to the captured length.
-        block_m = prefill_block_m(size)
-        rows = capacity(size, seqs, block_m)
-        tiles = tile_list(query_lens(meta.query_start_loc_cpu), block_m, rows)
-        buf.prefill_tiles[:rows].copy_(torch.from_numpy(tiles))
+        # The step's work list (packed with its inputs, at the same tile height as the graph's:
+        # prefill_block_m), then rows that name no sequence up to the captured length. All on
+        # the device: nothing here waits for the step still running (overlap).
+        tiles = meta.prefill_tiles
+        if tiles is None:
+            tiles = device_tiles(meta.query_start_loc_cpu, input_ids.device)
+        rows = capacity(size, seqs, prefill_block_m(size))
+        used = tiles.shape[0]
+        buf.prefill_tiles[:used].copy_(tiles, non_blocking=True)
+        buf.prefill_tiles[used:rows].fill_(NO_SEQUENCE)
         self.prefill_graphs[size].replay()
         return buf.hidden[:tokens]

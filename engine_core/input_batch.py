@@ -1,9 +1,9 @@
 """One step's model inputs, packed on the host into persistent buffers and sent in one copy.
 
 Every step needs the same handful of small tensors (token ids, positions, KV slots, the rows that
-sample, query starts, sequence lengths, block tables). Building each with its own numpy array,
-``pin_memory()`` and copy cost about a millisecond a step on the host, more than a small model's
-decode step on the GPU. Here they are laid out back to back in one byte buffer that lives for the
+sample, query starts, sequence lengths, block tables, and for a step with prompt tokens the
+prefill kernel's work list). Building each with its own numpy array, ``pin_memory()`` and copy
+cost about a millisecond a step on the host, more than a small model's decode step on the GPU. Here they are laid out back to back in one byte buffer that lives for the
 engine's life: the host fills it with a few vectorised numpy operations (a few comprehensions
 read the requests' fields; no numpy array per request), one ``non_blocking`` copy moves the used
 prefix to the device, and the device tensors are views into the device buffer.
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.prefill_tiles import capacity, prefill_block_m, tile_list
 from engine_core.request import Request, SchedulerOutput
 from engine_core.step_stats import GpuTimeline
 
@@ -60,7 +61,12 @@ class InputBatch:
         self.block_size = block_size
         self._pinned = device.type == "cuda"
         self._capacity = _packed_bytes(
-            max_num_tokens, max_num_seqs, max_num_seqs, max_num_seqs, max_blocks_per_seq
+            max_num_tokens,
+            max_num_seqs,
+            max_num_seqs,
+            max_num_seqs,
+            max_blocks_per_seq,
+            capacity(max_num_tokens, max_num_seqs, prefill_block_m(max_num_tokens)),
         )
         self._next = 0
         self._allocate(self._capacity)
@@ -148,7 +154,10 @@ class InputBatch:
         gather_dst = last[waiting]  # [G] token rows
         gather_src = _prev_rows_of(prev_rows, requests, waiting.tolist())
         num_gather, width = len(waiting), max(width_list)
-        layout = _Layout(num_tokens, num_seqs, num_sampling, num_gather, width)
+        # The Triton prefill kernel's work list (attention/prefill_tiles.py); decodes need none.
+        tiles = None if decode_only else tile_list(len_list, prefill_block_m(num_tokens))
+        num_tiles = 0 if tiles is None else len(tiles)
+        layout = _Layout(num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles)
         host = self._host_buffer(layout.nbytes)
 
         def view(name: str) -> np.ndarray:
@@ -184,6 +193,8 @@ class InputBatch:
         view("gather_src")[:] = gather_src
         view("query_start_loc")[:] = query_start
         view("seq_lens")[:] = seq_lens
+        if tiles is not None:
+            view("prefill_tiles")[:] = tiles.reshape(-1)
         dev = self._copy_to_device(layout.nbytes)
 
         def device_view(name: str) -> torch.Tensor:
@@ -210,6 +221,7 @@ class InputBatch:
             max_seq_len=max(seq_lens_list),
             query_start_loc_cpu=query_start_list,
             seq_lens_cpu=seq_lens_list,
+            prefill_tiles=device_view("prefill_tiles").view(-1, 2) if num_tiles else None,
         )
         return PackedInputs(
             input_ids=input_ids,
@@ -254,7 +266,13 @@ class _Layout:
     as int64 must at least start at a multiple of 8)."""
 
     def __init__(
-        self, num_tokens: int, num_seqs: int, num_sampling: int, num_gather: int, width: int
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        num_sampling: int,
+        num_gather: int,
+        width: int,
+        num_tiles: int = 0,
     ) -> None:
         counts = (
             ("input_ids", num_tokens, _I64),
@@ -266,6 +284,7 @@ class _Layout:
             ("query_start_loc", num_seqs + 1, _I32),
             ("seq_lens", num_seqs, _I32),
             ("block_tables", num_seqs * width, _I32),
+            ("prefill_tiles", 2 * num_tiles, _I32),
         )
         self.sections: dict[str, tuple[int, int, np.dtype]] = {}
         offset = 0
@@ -277,8 +296,10 @@ class _Layout:
         self.nbytes = offset
 
 
-def _packed_bytes(tokens: int, seqs: int, sampling: int, gather: int, width: int) -> int:
-    return _Layout(tokens, seqs, sampling, gather, width).nbytes
+def _packed_bytes(
+    tokens: int, seqs: int, sampling: int, gather: int, width: int, tiles: int
+) -> int:
+    return _Layout(tokens, seqs, sampling, gather, width, tiles).nbytes
 
 
 def _prev_rows_of(

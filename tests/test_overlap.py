@@ -341,6 +341,19 @@ def test_input_batch_matches_a_per_request_build() -> None:
     assert [r.request_id for r in packed.sampling_requests] == ["d", "f"]
     assert packed.output_positions == [1, 0]
     assert (packed.meta.max_query_len, packed.meta.max_seq_len) == (8, 16)
+    # The prefill kernel's work list: 14 tokens make 16-row tiles, one per sequence here.
+    assert packed.meta.prefill_tiles is not None
+    assert packed.meta.prefill_tiles.tolist() == [[0, 0], [1, 0], [2, 0]]
+    # 70 tokens of one prompt make 64-row tiles: two; a decode-only step has no list.
+    long = Request("l", list(range(100, 170)), params)
+    blocks = list(range(20, 38))
+    packed = batch.pack(SchedulerOutput([ScheduledRequest.plan(long, 70, blocks)]), {}, None)
+    assert packed.meta.prefill_tiles is not None
+    assert packed.meta.prefill_tiles.tolist() == [[0, 0], [0, 1]]
+    fresh.token_ids.append(70)  # its prompt computed, its first token known: it decodes
+    fresh.num_computed_tokens = 5
+    decode_only = SchedulerOutput([ScheduledRequest.plan(fresh, 1, [6, 8])])
+    assert batch.pack(decode_only, {}, None).meta.prefill_tiles is None
 
 
 def test_step_stats_and_flags(tiny_llama: Path) -> None:

@@ -317,7 +317,7 @@ def test_prefill_padded_work_list_matches_reference() -> None:
     heads, kv_heads, head_dim = HEAD_SHAPES[0]
     batch = make_batch(PREFILL_SPECS, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=21)
     meta = batch.meta
-    block_m = prefill_block_m(meta.max_query_len)
+    block_m = prefill_block_m(batch.q.shape[0])
     rows = capacity(batch.q.shape[0], meta.num_seqs, block_m) + 7
     tiles = tile_list(query_lens(meta.query_start_loc_cpu), block_m, rows)
     scale = head_dim**-0.5

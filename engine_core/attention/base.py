@@ -36,8 +36,8 @@ class AttentionMetadata:
     # True in a prefill CUDA graph, whose buffers have rows past ``query_start_loc[-1]`` that
     # belong to no sequence: the backend must leave finite values (zeros) in them.
     padded: bool = False
-    # The Triton prefill kernel's work list (attention/prefill_tiles.py), on the device: made by
-    # the backend at the first layer of a step and kept here for the others, or a graph's buffer.
+    # The Triton prefill kernel's work list (attention/prefill_tiles.py), [tiles, 2] int32 on
+    # the device: packed with the step's inputs (None for decode-only steps), or a graph's buffer.
     prefill_tiles: torch.Tensor | None = None
 
     @property

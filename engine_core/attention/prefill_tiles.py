@@ -6,7 +6,8 @@ whatever mix of long prompts and one-token decodes it has (a (sequences, heads, 
 tiles) grid launched a program for every sequence times the longest query's tiles, nearly all of
 them empty in a step with one prompt among many decodes). A CUDA graph fixes the list's length
 at capture, ``capacity(tokens, sequences)``; the rows past the step's tiles name sequence -1 and
-do nothing. No triton import here: the graph runner fills the list on the host.
+do nothing. The engine packs a step's list with its other inputs (engine_core/input_batch.py: no
+copy of its own) and a graph copies it on the device. No triton import here.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import torch
 NO_SEQUENCE = -1
 
 
-def prefill_block_m(max_query_len: int) -> int:
-    """Query rows per tile: 16 when no sequence has more than 16 new tokens, else 64."""
-    return 64 if max_query_len > 16 else 16
+def prefill_block_m(num_tokens: int) -> int:
+    """Query rows per tile for a step of ``num_tokens`` new tokens: 16 up to 16 tokens, else 64.
+
+    It depends on the step's token count (not its longest query) so that a CUDA graph captured
+    for the next bucket of tokens (16, 32, ...) has the same tile height as the step it runs:
+    the engine packs the step's work list once (engine_core/input_batch.py) for both."""
+    return 64 if num_tokens > 16 else 16
 
 
 def capacity(tokens: int, sequences: int, block_m: int) -> int:
@@ -50,9 +55,9 @@ def query_lens(query_start_loc: list[int]) -> list[int]:
     return [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
 
 
-def device_tiles(
-    query_start_loc: list[int], max_query_len: int, device: torch.device
-) -> torch.Tensor:
-    """The tile list of a step (host query starts) as a device tensor, for an eager launch."""
-    tiles = tile_list(query_lens(query_start_loc), prefill_block_m(max_query_len))
-    return torch.from_numpy(tiles).to(device, non_blocking=False)
+def device_tiles(query_start_loc: list[int], device: torch.device) -> torch.Tensor:
+    """The work list of a step given by its host query starts, copied to the device; for a
+    caller without the engine's packed list (a kernel test). The copy from pageable memory
+    waits for the device's queued work: the engine never takes this path."""
+    tiles = tile_list(query_lens(query_start_loc), prefill_block_m(query_start_loc[-1]))
+    return torch.from_numpy(tiles).to(device)

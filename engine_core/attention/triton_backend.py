@@ -66,10 +66,8 @@ class TritonBackend:
         # A prefill graph's padding rows are visited by no program: zero them, so nothing
         # after attention reads memory left over from an earlier replay.
         out = torch.zeros_like(q) if meta.padded else None
-        if meta.prefill_tiles is None:  # once per step: every layer has the same work list
-            meta.prefill_tiles = device_tiles(
-                meta.query_start_loc_cpu, meta.max_query_len, q.device
-            )
+        if meta.prefill_tiles is None:  # metadata made by hand (the engine packs the list)
+            meta.prefill_tiles = device_tiles(meta.query_start_loc_cpu, q.device)
         return paged_prefill_attention(
             q,
             k_cache,

@@ -693,7 +693,7 @@ def paged_prefill_attention(
     context (prefix-cache hits, earlier chunks) is read from the cache like the new tokens, whose
     K/V must already be written. Rows of query length 1 (decodes in a mixed batch) work as well.
     ``tiles`` is the step's (sequence, query tile) work list (prefill_tiles.py), built for
-    ``prefill_block_m(max_query_len)``; without it, it is worked out here.
+    ``prefill_block_m(T)``; without it, it is worked out here.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -704,9 +704,9 @@ def paged_prefill_attention(
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    block_m = prefill_block_m(max_query_len)
+    block_m = prefill_block_m(num_tokens)
     if tiles is None:  # the direct call of a test: work the list out here (a device sync)
-        tiles = device_tiles(query_start_loc.tolist(), max_query_len, q.device)
+        tiles = device_tiles(query_start_loc.tolist(), q.device)
     grid = (tiles.shape[0], num_heads)
     _prefill_kernel[grid](
         q,
