@@ -3,10 +3,11 @@
 Every step needs the same handful of small tensors (token ids, positions, KV slots, the rows that
 sample, query starts, sequence lengths, block tables, and for a step with prompt tokens the
 prefill kernel's work list). Building each with its own numpy array, ``pin_memory()`` and copy
-cost about a millisecond a step on the host, more than a small model's decode step on the GPU. Here they are laid out back to back in one byte buffer that lives for the
-engine's life: the host fills it with a few vectorised numpy operations (a few comprehensions
-read the requests' fields; no numpy array per request), one ``non_blocking`` copy moves the used
-prefix to the device, and the device tensors are views into the device buffer.
+cost about a millisecond a step on the host, more than a small model's decode step on the GPU.
+Here they are laid out back to back in one byte buffer that lives for the engine's life: the host
+fills it with a few vectorised numpy operations (a few comprehensions read the requests' fields;
+no numpy array per request), one ``non_blocking`` copy moves the used prefix to the device, and
+the device tensors are views into the device buffer.
 
 Host buffers are pinned on CUDA (so the copy is truly asynchronous) and used in a ring: the copy
 of step N may still be queued behind the GPU's work when the host packs step N+1, so step N+1
