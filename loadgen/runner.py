@@ -54,7 +54,9 @@ async def run_once(
         for spec, rec, gap in zip(specs, records, gaps, strict=True):
             due = (last_sent if plan.arrival.relative else due) + gap
             rec.scheduled_at = due
-            if (wait := due - clock.now()) > 0:
+            # A loop, not one sleep: uvloop's timers count whole milliseconds and may fire
+            # a fraction of one early, and a request must never go before its time.
+            while (wait := due - clock.now()) > 0:
                 await asyncio.sleep(wait)
             if slots is not None:
                 await slots.acquire()
