@@ -7,14 +7,16 @@ The GPU tests are skipped where there is no CUDA device; the bucket arithmetic r
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.base import AttentionBackend, AttentionMetadata
 from engine_core.attention.prefill_tiles import capacity, tile_list
-from engine_core.cuda_graph import graph_batch_sizes, prefill_graph_sizes
+from engine_core.config import ModelConfig
+from engine_core.cuda_graph import CudaGraphRunner, graph_batch_sizes, prefill_graph_sizes
 from engine_core.forward_context import forward_context
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,62 +81,90 @@ def decode_batch(
     return ids, positions.to(device), meta
 
 
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("preset", ["smollm2-135m", "gpt2"])
-def test_graph_replay_equals_eager(preset: str) -> None:
+@dataclass
+class GraphsOnRandomModel:
+    """A random-weight model on the GPU over a random bf16 KV cache, its graphs captured."""
+
+    model: torch.nn.Module
+    config: ModelConfig
+    cache: torch.Tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    backend: AttentionBackend
+    graphs: CudaGraphRunner
+
+
+def graphs_on_random_model(
+    preset: str, seed: int, num_blocks: int, max_num_seqs: int, max_prefill_tokens: int = 0
+) -> GraphsOnRandomModel:
     from engine_core.attention.triton_backend import TritonBackend
-    from engine_core.cuda_graph import CudaGraphRunner
     from engine_core.presets import build_random_model
 
     device = torch.device("cuda")
-    model, config = build_random_model(preset, device, torch.bfloat16, seed=3)
-    num_blocks = 1024  # room for 24 sequences of up to MAX_MODEL_LEN / 2 tokens
+    model, config = build_random_model(preset, device, torch.bfloat16, seed=seed)
     cache = torch.randn(
-        config.num_layers,
-        2,
-        num_blocks,
-        BLOCK_SIZE,
-        config.num_kv_heads,
-        config.head_dim,
+        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
         device=device,
-    ).to(torch.bfloat16)
+    ).to(torch.bfloat16)  # fmt: skip
     for i, layer in enumerate(model.attention_layers()):
         layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
     backend = TritonBackend()
     graphs = CudaGraphRunner(
         model,
         backend,
-        max_num_seqs=24,
+        max_num_seqs=max_num_seqs,
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK_SIZE,
         hidden_size=config.hidden_size,
         dtype=torch.bfloat16,
         device=device,
+        max_prefill_tokens=max_prefill_tokens,
     )
     graphs.capture(progress=False)
+    return GraphsOnRandomModel(model, config, cache, backend, graphs)
+
+
+def check_replay_equals_eager(
+    on: GraphsOnRandomModel,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    label: str,
+) -> None:
+    """The graph's output is eager's; it wrote the same new K/V into the same slots, and its
+    padding rows (slot -1) wrote nothing."""
+    cache = on.cache
+    before = cache.clone()
+    with torch.inference_mode(), forward_context(meta, on.backend):
+        eager = on.model(ids, positions).float()
+    after_eager = cache.clone()
+    cache.copy_(before)
+    with torch.inference_mode():
+        replayed = on.graphs.run(ids, positions, meta).float()
+    assert replayed.shape == eager.shape
+    assert torch.isfinite(replayed).all()
+    err = ((replayed - eager).norm() / eager.norm()).item()
+    assert err < 2e-2, f"{label}: graph vs eager relative error {err:.2e}"
+    num_slots = cache.shape[2] * BLOCK_SIZE
+    written = torch.zeros(num_slots, dtype=torch.bool, device=cache.device)
+    written[meta.slot_mapping] = True
+    flat = (on.config.num_layers, 2, num_slots, -1)
+    untouched = ~written
+    assert torch.equal(cache.view(flat)[:, :, untouched], before.view(flat)[:, :, untouched])
+    new_graph = cache.view(flat)[:, :, written].float()
+    new_eager = after_eager.view(flat)[:, :, written].float()
+    assert ((new_graph - new_eager).norm() / new_eager.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("preset", ["smollm2-135m", "gpt2"])
+def test_graph_replay_equals_eager(preset: str) -> None:
+    num_blocks = 1024  # room for 24 sequences of up to MAX_MODEL_LEN / 2 tokens
+    on = graphs_on_random_model(preset, seed=3, num_blocks=num_blocks, max_num_seqs=24)
     rng = random.Random(0)
+    device = on.cache.device
     for n in (1, 3, 8, 13, 24):
-        ids, positions, meta = decode_batch(n, num_blocks, rng, config.vocab_size, device)
-        before = cache.clone()
-        with torch.inference_mode(), forward_context(meta, backend):
-            eager = model(ids, positions).float()
-        after_eager = cache.clone()
-        cache.copy_(before)
-        with torch.inference_mode():
-            replayed = graphs.run(ids, positions, meta).float()
-        assert replayed.shape == eager.shape
-        err = ((replayed - eager).norm() / eager.norm()).item()
-        assert err < 2e-2, f"batch {n}: graph vs eager relative error {err:.2e}"
-        # The graph wrote the same new K/V, and its padding rows (slot -1) wrote nothing.
-        written = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool, device=device)
-        written[meta.slot_mapping] = True
-        flat = (config.num_layers, 2, num_blocks * BLOCK_SIZE, -1)
-        untouched = ~written
-        assert torch.equal(cache.view(flat)[:, :, untouched], before.view(flat)[:, :, untouched])
-        new_graph = cache.view(flat)[:, :, written].float()
-        new_eager = after_eager.view(flat)[:, :, written].float()
-        assert ((new_graph - new_eager).norm() / new_eager.norm()).item() < 2e-2
+        ids, positions, meta = decode_batch(n, num_blocks, rng, on.config.vocab_size, device)
+        check_replay_equals_eager(on, ids, positions, meta, f"batch {n}")
 
 
 def mixed_step(
@@ -193,62 +223,23 @@ PREFILL_STEPS = [
 @requires_cuda
 @pytest.mark.parametrize("preset", ["smollm2-135m", "gpt2"])
 def test_prefill_graph_replay_equals_eager(preset: str) -> None:
-    from engine_core.attention.triton_backend import TritonBackend
-    from engine_core.cuda_graph import CudaGraphRunner
-    from engine_core.presets import build_random_model
-
-    device = torch.device("cuda")
-    model, config = build_random_model(preset, device, torch.bfloat16, seed=4)
     num_blocks = 512
-    cache = torch.randn(
-        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
-        device=device,
-    ).to(torch.bfloat16)  # fmt: skip
-    for i, layer in enumerate(model.attention_layers()):
-        layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
-    backend = TritonBackend()
-    graphs = CudaGraphRunner(
-        model,
-        backend,
-        max_num_seqs=GRAPH_SEQS,
-        max_model_len=MAX_MODEL_LEN,
-        block_size=BLOCK_SIZE,
-        hidden_size=config.hidden_size,
-        dtype=torch.bfloat16,
-        device=device,
-        max_prefill_tokens=256,
+    on = graphs_on_random_model(
+        preset, seed=4, num_blocks=num_blocks, max_num_seqs=GRAPH_SEQS, max_prefill_tokens=256
     )
-    graphs.capture(progress=False)
-    assert sorted(graphs.prefill_graphs) == [16, 32, 64, 128, 256]
+    assert sorted(on.graphs.prefill_graphs) == [16, 32, 64, 128, 256]
     rng = random.Random(1)
+    vocab, device = on.config.vocab_size, on.cache.device
     for specs in PREFILL_STEPS:
-        ids, positions, meta = mixed_step(specs, num_blocks, rng, config.vocab_size, device)
-        assert graphs.can_run(meta), specs
-        before = cache.clone()
-        with torch.inference_mode(), forward_context(meta, backend):
-            eager = model(ids, positions).float()
-        after_eager = cache.clone()
-        cache.copy_(before)
-        with torch.inference_mode():
-            replayed = graphs.run(ids, positions, meta).float()
-        assert replayed.shape == eager.shape
-        assert torch.isfinite(replayed).all()
-        err = ((replayed - eager).norm() / eager.norm()).item()
-        assert err < 2e-2, f"{specs}: graph vs eager relative error {err:.2e}"
-        # The same new K/V went into the same slots, and the padding rows wrote nothing.
-        written = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool, device=device)
-        written[meta.slot_mapping] = True
-        flat = (config.num_layers, 2, num_blocks * BLOCK_SIZE, -1)
-        assert torch.equal(cache.view(flat)[:, :, ~written], before.view(flat)[:, :, ~written])
-        new_graph = cache.view(flat)[:, :, written].float()
-        new_eager = after_eager.view(flat)[:, :, written].float()
-        assert ((new_graph - new_eager).norm() / new_eager.norm()).item() < 2e-2
+        ids, positions, meta = mixed_step(specs, num_blocks, rng, vocab, device)
+        assert on.graphs.can_run(meta), specs
+        check_replay_equals_eager(on, ids, positions, meta, str(specs))
     # Steps past the graphs' bounds run eagerly.
     too_many_seqs = [(0, 2)] * (GRAPH_SEQS + 1)
     too_many_tokens = [(0, 257)]
     for specs in (too_many_seqs, too_many_tokens):
-        _, _, meta = mixed_step(specs, num_blocks, rng, config.vocab_size, device)
-        assert not graphs.can_run(meta)
+        _, _, meta = mixed_step(specs, num_blocks, rng, vocab, device)
+        assert not on.graphs.can_run(meta)
 
 
 # ---- greedy tokens through the engine, graphs on, against HF transformers on the GPU --------
