@@ -27,10 +27,11 @@ import httpx
 from loadgen.arrival import Arrival
 from loadgen.backends import BACKENDS, Backend, BackendError, Clock, open_backend
 from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
-from loadgen.runner import RunPlan, run_event_loop, run_once
+from loadgen.runner import RunPlan, run_once
 from loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
 from loadgen.workers import ClientPool
 from loadgen.workload import LenRange, WorkloadConfig, build_workload
+from protocol import event_loop
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"loadgen: {exc}", file=sys.stderr)
         return 2
     try:
-        return run_event_loop(bench(args))
+        return event_loop.run(bench(args))
     except (httpx.HTTPError, OSError, TimeoutError, BackendError) as exc:
         where = args.address or args.url  # the target could not be reached or answered wrong
         print(f"loadgen: cannot run against {where}: {type(exc).__name__}: {exc}", file=sys.stderr)

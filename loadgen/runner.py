@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 from tqdm import tqdm
 
@@ -100,14 +98,3 @@ async def _send_one(
         if slots is not None:
             slots.release()
         bar.update(1)
-
-
-def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
-    """asyncio.run on uvloop where it is installed: at hundreds of streams the client's own
-    event loop is a cost to keep below the server's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)

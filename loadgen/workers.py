@@ -33,8 +33,9 @@ from typing import Any
 from loadgen.arrival import Arrival
 from loadgen.backends import Clock, open_backend
 from loadgen.metrics import RequestRecord
-from loadgen.runner import RunPlan, run_event_loop, run_once
+from loadgen.runner import RunPlan, run_once
 from loadgen.workload import RequestSpec
+from protocol import event_loop
 
 # The flags a worker's backend needs; everything else stays with the parent.
 _BACKEND_ARGS = (
@@ -164,4 +165,4 @@ def _reply(message: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    run_event_loop(serve_runs())
+    event_loop.run(serve_runs())

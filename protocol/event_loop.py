@@ -1,4 +1,5 @@
-"""The event loop every Tandem asyncio process runs on: uvloop's where it is installed.
+"""The event loop every Tandem asyncio process (API processes, the load generator) runs on:
+uvloop's where it is installed.
 
 The API process spends its time in the event loop's own machinery (waking tasks, callbacks,
 socket reads and writes): at 256 streams a sample of the pure-Python loop showed its handles,
