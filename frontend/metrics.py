@@ -12,7 +12,7 @@ Each server owns its registry, so two apps in one process never clash.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -261,18 +261,34 @@ class EngineCountsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
-        steps = HistogramMetricFamily(
+        yield histogram_family(
             "tandem_iteration_tokens_total",
             "Tokens scheduled per engine step (prompt chunks and decodes).",
-            labels=["model_name"],
+            self.model_name,
+            STEP_TOKEN_BUCKETS,
+            c.step_tokens,
+            c.step_tokens_sum,
         )
-        cumulative, buckets = 0, []
-        bounds = [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"]
-        for bound, count in zip(bounds, c.step_tokens, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        steps.add_metric(label, buckets, c.step_tokens_sum)
-        yield steps
+
+
+def histogram_family(
+    name: str,
+    doc: str,
+    model_name: str,
+    bounds: Sequence[float],
+    counts: Sequence[int],
+    total: float,
+) -> HistogramMetricFamily:
+    """A histogram kept as per-bucket counts (the last above every bound), as Prometheus
+    exposes it: cumulative counts by upper bound, then +Inf."""
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    cumulative, buckets = 0, []
+    labels = [*(str(float(b)) for b in bounds), "+Inf"]
+    for bound, count in zip(labels, counts, strict=True):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    family.add_metric([model_name], buckets, total)
+    return family
 
 
 class StepHistogram(Collector):
@@ -296,11 +312,6 @@ class StepHistogram(Collector):
         self.sum += value
 
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
-        cumulative, buckets = 0, []
-        bounds = [*(str(float(b)) for b in self.bounds), "+Inf"]
-        for bound, count in zip(bounds, self.counts, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        family.add_metric([self.model_name], buckets, self.sum)
-        yield family
+        yield histogram_family(
+            self.name, self.doc, self.model_name, self.bounds, self.counts, self.sum
+        )
