@@ -71,6 +71,13 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
+def prefill_graph_shape(tokens: int, max_seqs: int) -> tuple[int, int]:
+    """(sequences, work-list rows) of the prefill graph of ``tokens`` tokens: as many
+    sequences as tokens up to ``max_seqs``, and room for every tile such a step can have."""
+    seqs = min(tokens, max_seqs)
+    return seqs, capacity(tokens, seqs, prefill_block_m(tokens))
+
+
 @dataclass
 class GraphBuffers:
     """The static tensors every graph reads and writes; a replay first copies a step into them.
@@ -137,8 +144,7 @@ class GraphBuffers:
         ``max_query_len`` is the bucket's size: it sets the kernel's tile height, and the work
         list has room for every tile such a step can have. The host lists are placeholders.
         """
-        seqs = min(tokens, self.seq_lens.shape[0])
-        rows = capacity(tokens, seqs, prefill_block_m(tokens))
+        seqs, rows = prefill_graph_shape(tokens, self.seq_lens.shape[0])
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens],
             query_start_loc=self.prefill_query_start[: seqs + 1],
@@ -185,7 +191,7 @@ class CudaGraphRunner:
             hidden_size,
             dtype,
             device,
-            max_tiles=capacity(top, min(top, self.max_batch), prefill_block_m(top)) if top else 0,
+            max_tiles=prefill_graph_shape(top, self.max_batch)[1] if top else 0,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # prefill, by tokens
@@ -298,7 +304,7 @@ class CudaGraphRunner:
         size = next(t for t in self.prefill_sizes if t >= tokens)
         buf = self.buffers
         self._copy_common(input_ids, positions, meta, size)
-        seqs = min(size, self.max_batch)  # the sequences the graph was captured with
+        seqs, rows = prefill_graph_shape(size, self.max_batch)  # as the graph was captured
         # Padding sequences: no query rows and no context (no tile names them anyway).
         buf.seq_lens[n:seqs].zero_()
         buf.prefill_query_start[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
@@ -309,7 +315,6 @@ class CudaGraphRunner:
         tiles = meta.prefill_tiles
         if tiles is None:
             tiles = device_tiles(meta.query_start_loc_cpu, input_ids.device)
-        rows = capacity(size, seqs, prefill_block_m(size))
         used = tiles.shape[0]
         buf.prefill_tiles[:used].copy_(tiles, non_blocking=True)
         buf.prefill_tiles[used:rows].fill_(NO_SEQUENCE)

@@ -617,11 +617,12 @@ def _prefill_kernel(
     # padding row (sequence -1, a CUDA graph's) has nothing to do.
     t = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.maximum(tl.load(TILES + 2 * t), 0)
+    named = tl.load(TILES + 2 * t)
+    seq = tl.maximum(named, 0)
     tile = tl.load(TILES + 2 * t + 1)
     q_start = tl.load(QSL + seq)
     q_len = tl.load(QSL + seq + 1) - q_start
-    if tl.load(TILES + 2 * t) >= 0 and tile * BLOCK_M < q_len:
+    if named >= 0 and tile * BLOCK_M < q_len:
         seq_len = tl.load(SL + seq)
         context = seq_len - q_len  # tokens before this chunk (prefix cache, earlier chunks)
         kvh = head // GROUP
