@@ -26,17 +26,7 @@ serve_tree() {  # serve_tree NAME DIR SITE: that checkout's server, with py-spy 
                               -o "$OUT/pyspy-$name.txt" -- "${cmd[@]}")
   (cd "$dir" && PYTHONPATH=$site:$PWD exec "${cmd[@]}") > "$OUT/serve-$name.log" 2>&1 &
   SERVER=$!
-  python3 - "$URL" <<'PY' || { echo "server $name did not come up"; tail -5 "$OUT/serve-$name.log"; }
-import sys, time, httpx
-for _ in range(240):
-    try:
-        if httpx.get(sys.argv[1] + "/health", timeout=1).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.5)
-sys.exit(1)
-PY
+  wait_healthy "$name"
 }
 
 stop_tree() {  # the serve process first (py-spy then writes its file and exits)

@@ -16,6 +16,11 @@ serve() {  # serve NAME FLAGS...: start `tandem serve` and wait until /health an
   python3 -m frontend.cli serve --model "$MODEL" --port "$PORT" --max-model-len "$MAX_MODEL_LEN" \
     "$@" > "$OUT/serve-$name.log" 2>&1 &
   SERVER=$!
+  wait_healthy "$name"
+}
+
+wait_healthy() {  # wait_healthy NAME: until the server at $URL answers /health (2 min at most)
+  local name=$1
   python3 - "$URL" <<'PY' || { echo "server $name did not come up"; tail -5 "$OUT/serve-$name.log"; }
 import sys, time, httpx
 for _ in range(240):
