@@ -758,7 +758,8 @@ class RequestGroup:
                 self._waiter.set_result(None)
 
     def _needs_consumer(self, index: int, item: RequestItem) -> bool:
-        """Whether ``item`` makes the group due (and count its tokens either way)."""
+        """Whether ``item`` makes the group due; with ``wake_every`` N it also counts the
+        request's tokens towards the next N."""
         if isinstance(item, Exception) or item.finish_reason is not None:
             return True
         tokens = len(item.new_token_ids)
