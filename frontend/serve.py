@@ -211,8 +211,10 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     refuse, so that they fail here, at once); the CURVE client keys, if given."""
     from engine_core.args import engine_config_from_args
     from frontend.engines import changed_engine_flags
+    from protocol import event_loop
     from protocol.curve import client_keys_from_args
 
+    event_loop.loop_name()  # a bad TANDEM_EVENT_LOOP fails here, with its message
     use_engine_flag(args)
     curve = client_keys_from_args(args)
     if args.remote_engine and not args.engine_address:

@@ -5,7 +5,8 @@ The API process spends its time in the event loop's own machinery (waking tasks,
 socket reads and writes): at 256 streams a sample of the pure-Python loop showed its handles,
 futures and queues taking more of the process than the per-chunk work itself. uvloop runs the
 same asyncio programs on libuv in C; it is a dependency on Linux and macOS, and elsewhere (or
-with TANDEM_EVENT_LOOP=asyncio, for comparisons) the standard loop runs.
+with TANDEM_EVENT_LOOP=asyncio, for comparisons) the standard loop runs; any other value of that
+variable is refused.
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+CHOICES = ("auto", "uvloop", "asyncio")
+
+
 def loop_name() -> str:
-    """'uvloop' or 'asyncio': the loop ``run`` uses here."""
-    if os.environ.get("TANDEM_EVENT_LOOP", "uvloop") == "asyncio":
+    """'uvloop' or 'asyncio': the loop ``run`` uses here. TANDEM_EVENT_LOOP: 'auto' (the
+    default: uvloop where installed), 'uvloop' (an error if it is not) or 'asyncio'."""
+    wanted = os.environ.get("TANDEM_EVENT_LOOP", "auto")
+    if wanted not in CHOICES:
+        raise ValueError(f"TANDEM_EVENT_LOOP={wanted!r}: choose one of {', '.join(CHOICES)}")
+    if wanted == "asyncio":
         return "asyncio"
     try:
         import uvloop  # noqa: F401
     except ImportError:
+        if wanted == "uvloop":
+            raise ImportError("TANDEM_EVENT_LOOP=uvloop, but uvloop is not installed") from None
         return "asyncio"
     return "uvloop"
 

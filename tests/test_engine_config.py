@@ -52,3 +52,9 @@ def test_engine_flags_with_a_remote_engine_are_refused() -> None:
     assert "--max-num-seqs: engine flags set up an engine core that tandem serve starts" in (
         result.stderr
     )
+
+
+def test_a_negative_prefill_graph_cap_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens must be 0"):
+        EngineConfig(max_prefill_graph_tokens=-1)
+    EngineConfig(max_prefill_graph_tokens=0)  # 0 turns prefill graphs off
