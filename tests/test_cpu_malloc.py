@@ -14,7 +14,10 @@ import sys
 import pytest
 
 # Minor page faults per round of the torch RMSNorm at a 2,048-row prefill chunk of the default
-# model (its temporaries are 4.7 MB each), after a warm-up.
+# model (its temporaries are 4.7 MB each), after a warm-up: the fewer of two windows of 50
+# rounds. Once in a while the kept heap still grows by one temporary after the warm-up (seen
+# once in a full suite: exactly 1,152 pages in a window, 23 a round); the steady state this
+# tests is the window without that one-time growth. The control faults every round in both.
 FAULTS_SCRIPT = """
 import ctypes, resource, sys
 import torch
@@ -28,10 +31,12 @@ def norm():
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
 for _ in range(20):
     norm()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(50):
-    norm()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50)
+def window():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(50):
+        norm()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50
+print(min(window(), window()))
 """
 PAGES_PER_TEMPORARY = 2048 * 576 * 4 // 4096
 
