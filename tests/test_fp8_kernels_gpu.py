@@ -23,9 +23,11 @@ from engine_core.models.fp8 import fp8_linear, quantize_rows  # noqa: E402
 from engine_core.models.fp8_kernels import (  # noqa: E402
     fp8_block_gemm,
     fp8_rowwise_gemm,
+    fp8_skinny_gemm,
     quantize_per_token,
     quantize_per_token_group,
     quantize_static,
+    skinny_block_k,
 )
 from protocol.messages import SamplingParams  # noqa: E402
 from tests.factories import write_tiny_llama  # noqa: E402
@@ -89,6 +91,46 @@ def test_rowwise_gemm_matches_dequantized_matmul(m: int, n: int, k: int) -> None
     got = fp8_rowwise_gemm(xq, x_scale, wq, w_scale, torch.bfloat16)
     want = (xq.float() * x_scale) @ (wq.float() * w_scale[:, None]).T
     assert_close_relative(got, want, 1e-2)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 96, 512), (13, 512, 576), (64, 6144, 4096)])
+def test_skinny_gemm_matches_dequantized_matmul(m: int, n: int, k: int, split_k: int) -> None:
+    """The decode-sized Triton GEMM, every K split, an N that is no multiple of its 64-row tile,
+    K = 576 (SmolLM2's hidden size: 64-wide K tiles), a bias, float32 and bf16 outputs."""
+    x, w = activations(m, k), weight(n, k)
+    w_scale = w.abs().amax(dim=1) / 448.0
+    wq = (w / w_scale[:, None]).to(E4M3)
+    xq, x_scale = quantize_per_token(x)
+    bias = torch.randn(n, device="cuda")
+    block_k = skinny_block_k(xq, wq)
+    if k % (block_k * split_k):
+        pytest.skip(f"K={k} does not split {split_k} ways in {block_k}-wide tiles")
+    want = (xq.float() * x_scale) @ (wq.float() * w_scale[:, None]).T + bias
+    got = fp8_skinny_gemm(
+        xq, x_scale, wq, w_scale, torch.float32, bias, block_k=block_k, split_k=split_k
+    )
+    # Each K tile's FP8 product is exact to about 2^-13; the sum over tiles is float32.
+    assert_close_relative(got, want, 1e-3)
+    got16 = fp8_skinny_gemm(xq, x_scale, wq, w_scale, torch.bfloat16, bias, block_k=block_k)
+    assert_close_relative(got16, want, 2**-8)
+
+
+def test_skinny_gemm_takes_decode_sizes_and_a_static_scale() -> None:
+    """fp8_rowwise_gemm runs the Triton kernel up to SKINNY_MAX_ROWS (64) rows, cuBLASLt above;
+    a static activation scale arrives expanded (stride 0) and is read right."""
+    w = weight(256, 1024)
+    w_scale = w.abs().amax(dim=1) / 448.0
+    wq = (w / w_scale[:, None]).to(E4M3)
+    assert skinny_block_k(activations(64, 1024), wq) == 256
+    assert skinny_block_k(activations(65, 1024), wq) == 0
+    assert skinny_block_k(activations(8, 1024)[:, ::2], wq[:, :512]) == 0  # strided rows
+    x = activations(9, 1024)
+    s = torch.tensor([0.02], device="cuda")
+    xq = quantize_static(x, s)
+    got = fp8_rowwise_gemm(xq, s.view(1, 1).expand(9, 1), wq, w_scale, torch.bfloat16)
+    want = (xq.float() * 0.02) @ (wq.float() * w_scale[:, None]).T
+    assert_close_relative(got, want, 2**-8)
 
 
 def block_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

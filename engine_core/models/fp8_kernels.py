@@ -3,7 +3,9 @@
 - ``quantize_per_token`` / ``quantize_static`` / ``quantize_per_token_group``: one Triton launch
   each, a row (or a row's group) per program; scales are absmax / 448 so a row uses e4m3's range.
 - ``fp8_rowwise_gemm``: per-token activation scales times per-output-row weight scales, on the
-  FP8 tensor cores through ``torch._scaled_mm`` (cuBLASLt / CUTLASS row-wise scaling).
+  FP8 tensor cores: decode-sized products (up to SKINNY_MAX_ROWS rows) through
+  ``fp8_skinny_gemm``, a Triton kernel that streams the weights with the few tokens on the matrix
+  unit's narrow side; larger ones through ``torch._scaled_mm`` (cuBLASLt row-wise scaling).
 - ``fp8_block_gemm``: the block-wise format (weights in [128, 128] tiles with a scale each,
   activations in 128-column groups with a scale each): a Triton GEMM whose K loop steps one group
   at a time, so every step multiplies its fp8 tile product by one activation scale per row and one
@@ -119,6 +121,9 @@ def fp8_rowwise_gemm(
     n, k = w.shape
     if k % 16 or n % 16:
         raise ValueError(f"FP8 GEMMs need K and N to be multiples of 16, got K={k}, N={n}")
+    block_k = skinny_block_k(a, w)
+    if block_k:
+        return fp8_skinny_gemm(a, a_scale, w, w_scale, out_dtype, bias, block_k=block_k)
     # Row-wise scaling writes bf16 only; other activation dtypes (float32 on the GPU) convert.
     out = torch._scaled_mm(
         a,
@@ -131,6 +136,182 @@ def fp8_rowwise_gemm(
     if out_dtype == torch.bfloat16:
         return out
     return out.to(out_dtype) if bias is None else out.to(out_dtype) + bias
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    A,
+    W,
+    C,
+    AScale,
+    WScale,
+    Bias,
+    Part,
+    M,
+    N,
+    stride_am,
+    stride_wn,
+    stride_cm,
+    K_PER_SPLIT,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Program (n tile, k split): the [BLOCK_N, BLOCK_M] tile of C.T over one K slice, as
+    W_tile @ A.T, so the weights' rows fill the matrix unit's M side and the few tokens its N
+    side ("swap AB"). With SPLIT_K == 1 it writes C; otherwise its scaled fp32 partial goes to
+    Part[split] and _skinny_reduce_kernel sums them."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = split * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    m_mask = rm < M
+    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, K_PER_SPLIT, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        # Each tile's product is added to acc in float32 rather than accumulated into it: on
+        # Hopper an FP8 dot's own accumulator keeps fewer bits (Triton's default there), so
+        # over a long K the error would grow; per tile it stays that of one BLOCK_K product.
+        acc += tl.dot(w, tl.trans(a))
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    w_s = tl.load(WScale + rn, mask=n_mask, other=0.0)
+    a_s = tl.load(AScale + rm, mask=m_mask, other=0.0)
+    acc = acc * w_s[:, None] * a_s[None, :]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(Bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+    else:
+        p_ptrs = Part + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _skinny_reduce_kernel(
+    Part,
+    C,
+    Bias,
+    M,
+    N,
+    stride_cm,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """C[m, n tile] = sum over splits of Part[split, m, n tile] (+ bias)."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(SPLIT_K):
+        acc += tl.load(Part + (split * M + m).to(tl.int64) * N + rn, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(C + m.to(tl.int64) * stride_cm + rn, acc.to(C.dtype.element_ty), mask=mask)
+
+
+# Decode-sized GEMMs (at most this many rows) run fp8_skinny_gemm: on an H100, inside CUDA graphs,
+# it streamed llama-8b's four projections 22% faster than cuBLASLt's row-wise FP8 GEMM at 64 rows
+# (93 against 120 us a layer) and 32% faster at 16; at 128 rows they were even (108 against 115,
+# cuBLASLt ahead on gate_up), so larger M keeps cuBLASLt. scripts/device/fp8_skinny_bench.py,
+# docs/benchmarks.md (issue 18).
+SKINNY_MAX_ROWS = 64
+
+
+def skinny_block_k(a: torch.Tensor, w: torch.Tensor) -> int:
+    """The K tile fp8_skinny_gemm takes for this product, or 0 where cuBLASLt should run it (more
+    rows than SKINNY_MAX_ROWS, K not a multiple of 64, rows of non-unit stride)."""
+    if a.shape[0] > SKINNY_MAX_ROWS or a.stride(-1) != 1 or w.stride(-1) != 1:
+        return 0
+    k = w.shape[1]
+    return next((bk for bk in (256, 128, 64) if k % bk == 0), 0)
+
+
+def fp8_skinny_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    *,
+    block_n: int = 64,
+    block_k: int = 256,
+    split_k: int = 1,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """fp8_rowwise_gemm for few rows (M <= 128): the same product, as a Triton kernel that
+    streams the weights with the tokens on the matrix unit's narrow side. ``num_stages``
+    defaults to as many (up to 5) as the device's shared memory holds."""
+    m, k = a.shape
+    n = w.shape[0]
+    if m > 128 or k % (block_k * split_k):
+        raise ValueError(f"skinny FP8 GEMM: M={m} > 128 or K={k} not a multiple of the splits")
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    block_m = max(16, triton.next_power_of_2(m))
+    if num_stages is None:
+        num_stages = _pipeline_stages(a.device, (block_m + block_n) * block_k)
+    part = out
+    if split_k > 1:
+        part = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+    a_scale = a_scale.reshape(-1).float().contiguous()  # a static scale comes expanded
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
+        a,
+        w,
+        out,
+        a_scale,
+        w_scale,
+        bias if bias is not None else out,
+        part,
+        m,
+        n,
+        a.stride(0),
+        w.stride(0),
+        out.stride(0),
+        k // split_k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        HAS_BIAS=bias is not None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split_k > 1:
+        block = 1024
+        _skinny_reduce_kernel[(m, triton.cdiv(n, block))](
+            part,
+            out,
+            bias if bias is not None else out,
+            m,
+            n,
+            out.stride(0),
+            SPLIT_K=split_k,
+            BLOCK=block,
+            HAS_BIAS=bias is not None,
+            num_warps=4,
+        )
+    return out
+
+
+def _pipeline_stages(device: torch.device, stage_bytes: int, most: int = 5) -> int:
+    """Pipeline stages of stage_bytes each that fit the device's shared memory (at least 2)."""
+    props = torch.cuda.get_device_properties(device)
+    shared = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
+    return max(2, min(most, (shared - 8 * 1024) // stage_bytes))
 
 
 @triton.jit
