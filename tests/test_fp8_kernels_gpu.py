@@ -197,6 +197,52 @@ def test_fp8_linear_matches_its_cpu_reference() -> None:
     assert_close_relative(got.cpu(), want, 5e-2)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize(("rows", "n"), [(1, 64), (7, 576), (64, 4096)])
+def test_rms_norm_quantizes_its_output_like_the_quantizer(
+    rows: int, n: int, residual: bool
+) -> None:
+    """The fused quantizer of an RMSNorm writes exactly what quantize_per_token makes of the
+    norm's output, and the norm's own outputs do not change."""
+    from engine_core.models import triton_ops
+
+    x, w = activations(rows, n), torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+    res = activations(rows, n, seed=3) if residual else None
+    plain = triton_ops.rms_norm(x, w, 1e-6, res)
+    fp8 = triton_ops.fp8_rows(rows, n, x.device)
+    fused = triton_ops.rms_norm(x, w, 1e-6, res, fp8)
+    if not residual:
+        fused, plain = (fused,), (plain,)
+    for got, want in zip(fused, plain, strict=True):
+        assert torch.equal(got, want)
+    q, scale = quantize_per_token(plain[0])
+    assert torch.equal(fp8[1], scale)
+    assert torch.equal(fp8[0].view(torch.uint8), q.view(torch.uint8))
+
+
+def test_fused_quantizers_leave_an_fp8_model_unchanged(tmp_path: Path) -> None:
+    """The GPU runner moves two quantizers a layer into the RMSNorms before them
+    (fuse_fp8_quantizers); an FP8 engine's prompt logprobs stay bit for bit those of the
+    separate quantizer launches."""
+    write_tiny_llama(tmp_path, vocab_size=384)
+    prompts = [[5, 9, 33, 2 + i, 100] * (3 + i) for i in range(4)]
+    score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    llm = LLM(str(tmp_path), quantization="fp8", max_model_len=256, num_kv_blocks=64,
+              device="cuda", dtype="bfloat16", enforce_eager=True)  # fmt: skip
+    try:
+        model = llm.engine.runner.model
+        norms = [m for m in model.modules() if getattr(m, "quantize_output", False)]
+        assert len(norms) == 4  # 2 layers, both norms each
+        fused = llm.generate(prompts, score, detokenize=False)
+        for module in norms:
+            module.quantize_output = False
+        plain = llm.generate(prompts, score, detokenize=False)
+    finally:
+        llm.engine.shutdown()
+    for a, b in zip(fused, plain, strict=True):
+        assert [lp.logprob for lp in a.prompt_logprobs] == [lp.logprob for lp in b.prompt_logprobs]
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_fp8_engine_on_the_gpu_scores_like_the_cpu_reference(
     tmp_path: Path, kv_cache_dtype: str

@@ -79,6 +79,18 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config) -> 
     return weight.float() * expanded[:, :cols]
 
 
+# An activation that the kernel which wrote it also quantized (per token, e4m3: an RMSNorm or
+# SiLU-and-mul in front of FP8 linears, models/triton_ops.py) carries that form under this
+# attribute, (e4m3 [T, K], scale [T, 1]); the linear then skips its own quantizer launch.
+FP8_ROWS_ATTR = "_tandem_fp8_rows"
+
+
+def attach_fp8_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mark x [T, K] with its per-token e4m3 form (rows); returns x."""
+    setattr(x, FP8_ROWS_ATTR, rows)
+    return x
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -89,10 +101,22 @@ def fp8_linear(
     """x [..., K] @ the FP8 weight [N, K] transposed -> [..., N] in x's dtype (no bias)."""
     rows = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
+        quantized = getattr(x, FP8_ROWS_ATTR, None)
+        if quantized is not None and input_scale is None and config.block is None:
+            xq, x_scale = quantized
+            out = fp8_kernels().fp8_rowwise_gemm(xq, x_scale, weight, weight_scale, x.dtype)
+            return out.view(*x.shape[:-1], out.shape[-1])
         out = fp8_linear_cuda(rows, weight, weight_scale, input_scale, config)
     else:
         out = F.linear(rows, dequantize(weight, weight_scale, config).to(x.dtype))
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def takes_fp8_rows(linear: torch.nn.Module) -> bool:
+    """Whether an FP8 linear quantizes its input per token (dynamic activations, row-wise
+    weights): then an input that arrives already quantized (FP8_ROWS_ATTR) can be used as is."""
+    config = getattr(linear, "fp8", None)
+    return config is not None and config.block is None and linear.input_scale is None
 
 
 def fp8_linear_cuda(

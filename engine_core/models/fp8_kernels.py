@@ -263,7 +263,11 @@ def fp8_skinny_gemm(
         return out
     block_m = max(16, triton.next_power_of_2(m))
     if num_stages is None:
-        num_stages = _pipeline_stages(a.device, (block_m + block_n) * block_k)
+        # Measured on an H100 at 64 rows: 5 stages were best where the N tiles are about as
+        # many as the multiprocessors (llama-8b's qkv, o, down); with 448 of them (gate_up) 3
+        # stages were 7% faster, more programs fitting on each multiprocessor instead.
+        most = 3 if triton.cdiv(n, block_n) >= 256 else 5
+        num_stages = _pipeline_stages(a.device, (block_m + block_n) * block_k, most)
     part = out
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)

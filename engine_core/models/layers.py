@@ -27,6 +27,7 @@ from engine_core.models.cpu_gemm import can_pack, pack_weight, packed_linear
 from engine_core.models.fp8 import (
     FP8_DTYPE,
     FP8_DTYPES,
+    attach_fp8_rows,
     fp8_linear,
     quantize_rows,
     weight_scale_shape,
@@ -64,6 +65,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        # Set when the norm feeds FP8 linears on CUDA (fuse_fp8_quantizers in models/llama.py):
+        # the kernel then also writes the per-token e4m3 form of its output (models/fp8.py).
+        self.quantize_output = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -76,7 +80,12 @@ class RMSNorm(nn.Module):
             # Gemma scales first. Identical in float32, within one rounding in bf16.
             weight = self.weight + 1.0 if self.unit_offset else self.weight
             rows, res = as_rows(x), residual_rows(residual)
-            return as_shape(triton_ops().rms_norm(rows, weight, self.eps, res), x.shape)
+            ops = triton_ops()
+            fp8 = ops.fp8_rows(*rows.shape, rows.device) if self.quantize_output else None
+            out = as_shape(ops.rms_norm(rows, weight, self.eps, res, fp8), x.shape)
+            if fp8 is not None:
+                attach_fp8_rows(out[0] if isinstance(out, tuple) else out, fp8)
+            return out
         norm = gemma_rms_norm_torch if self.unit_offset else rms_norm_torch
         if residual is None:
             return norm(x, self.weight, self.eps)

@@ -25,6 +25,7 @@ from torch import nn
 
 from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
+from engine_core.models.fp8 import takes_fp8_rows
 from engine_core.models.layers import (
     ACT_AND_MUL,
     MergedLinear,
@@ -149,6 +150,32 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, cos, sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def fuse_fp8_quantizers(model: nn.Module) -> int:
+    """On CUDA, let the RMSNorms in front of FP8 linears that quantize their input per token
+    (models/fp8.py: takes_fp8_rows) write that e4m3 form themselves: a Llama-layout layer's input
+    norm (for qkv_proj) and its post-attention norm (for a dense MLP's gate_up_proj). Saves one
+    quantizer launch each; returns how many norms were fused. (SiLU-and-mul before down_proj is
+    not: split over a row's columns it cannot know the row's scale, and one program a row was
+    slower on an H100 than the two launches, docs/benchmarks.md.)"""
+    fused = 0
+    for layer in model.modules():
+        if type(layer) is not LlamaDecoderLayer:  # other layouts place their norms elsewhere
+            continue
+        if isinstance(layer.input_layernorm, RMSNorm) and takes_fp8_rows(layer.self_attn.qkv_proj):
+            layer.input_layernorm.quantize_output = True
+            fused += 1
+        mlp = layer.mlp  # a mixture of experts is left alone: its router reads the norm
+        norm = layer.post_attention_layernorm
+        if (
+            isinstance(mlp, LlamaMLP)
+            and isinstance(norm, RMSNorm)
+            and takes_fp8_rows(mlp.gate_up_proj)
+        ):
+            norm.quantize_output = True
+            fused += 1
+    return fused
 
 
 class LlamaModel(nn.Module):

@@ -32,6 +32,9 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    Q,
+    QScale,
+    QUANTIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -47,7 +50,25 @@ def _rms_norm_kernel(
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     normed = (xf * inv).to(x.dtype).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+    y = (w * normed).to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, y, mask=mask)
+    if QUANTIZE:
+        _quantize_row(y.to(tl.float32), Q + row * N + cols, QScale + row, mask)
+
+
+@triton.jit
+def _quantize_row(y, q_ptrs, scale_ptr, mask):
+    """Store a whole row y (float32) as e4m3 with its absmax / 448 scale: what
+    fp8_kernels.quantize_per_token computes from the stored row, so fused and unfused agree."""
+    scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, 1e-12)
+    tl.store(scale_ptr, scale)
+    tl.store(q_ptrs, tl.clamp(y / scale, -448.0, 448.0).to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+def fp8_rows(num_rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty e4m3 rows [T, N] and their float32 scales [T, 1], for a fused quantizer."""
+    q = torch.empty((num_rows, n), dtype=torch.float8_e4m3fn, device=device)
+    return q, torch.empty((num_rows, 1), dtype=torch.float32, device=device)
 
 
 def rms_norm(
@@ -55,14 +76,18 @@ def rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
+    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp8_rows(T, N)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of x, or of ``x + residual``: then returns (normed, x + residual), one launch."""
+    """RMSNorm of x, or of ``x + residual``: then returns (normed, x + residual), one launch.
+    With ``fp8_out`` the same launch also quantizes each normed row into it (per-token e4m3,
+    as fp8_kernels.quantize_per_token would from the normed output)."""
     num_rows, n = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out
     if num_rows == 0:
         return out if residual is None else (out, res_out)
     res_in = residual if residual is not None else x
+    q, q_scale = fp8_out if fp8_out is not None else (out, out)
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(num_rows,)](
         x,
@@ -78,6 +103,9 @@ def rms_norm(
         N=n,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        Q=q,
+        QScale=q_scale,
+        QUANTIZE=fp8_out is not None,
         num_warps=min(max(block // 512, 1), 8),
     )
     return out if residual is None else (out, res_out)
@@ -197,6 +225,9 @@ def _layer_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    Q,
+    QScale,
+    QUANTIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
