@@ -266,7 +266,7 @@ def run_sweep(args: Any, bandwidth: float, baseline: ModuleType | None) -> list[
     the baseline (when given) and the new defaults at each point for comparison."""
     rows, started = [], time.perf_counter()
     for model, dtype, (batch, context) in itertools.product(
-        SWEEP_MODELS, args.dtypes, SWEEP_POINTS
+        args.sweep_models, args.dtypes, args.sweep_points
     ):
         case = PagedCase(model, dtype, batch, context, args)
         _, kv_heads, _ = MODELS[model]
@@ -379,6 +379,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="tune tiles and split counts")
     parser.add_argument("--no-grid", dest="grid", action="store_false")
     parser.add_argument("--sweep-budget-s", type=float, default=240.0)
+    parser.add_argument(
+        "--sweep-points",
+        default=",".join(f"{b}x{c}" for b, c in SWEEP_POINTS),
+        help="BATCHxCONTEXT,... the sweep times (default: %(default)s)",
+    )
+    parser.add_argument("--sweep-models", default=",".join(SWEEP_MODELS))
     parser.add_argument("--budget-s", type=float, default=0.03, help="timed replays per sample")
     parser.add_argument("--working-set-mib", type=int, default=256)
     parser.add_argument("--max-tables", type=int, default=128)
@@ -388,6 +394,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     args.dtypes = args.dtypes.split(",")
+    args.sweep_models = args.sweep_models.split(",")
+    args.sweep_points = [
+        tuple(int(v) for v in point.split("x")) for point in args.sweep_points.split(",")
+    ]
     return args
 
 
