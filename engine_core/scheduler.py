@@ -75,6 +75,7 @@ class Scheduler:
         # A sequence can never outgrow the whole pool, so the pool caps the context too; without
         # the cap a lone request that fills every block would preempt itself forever.
         self.max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
+        self._block_size = config.block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
         self.waiting: deque[Request] = deque()
@@ -324,8 +325,10 @@ class Scheduler:
         request = scheduled.request
         if request.is_finished:
             return None  # aborted while its step ran
-        request.num_computed_tokens += scheduled.num_new_tokens
-        self.block_manager.cache_computed_blocks(request, request.num_computed_tokens)
+        start = request.num_computed_tokens
+        request.num_computed_tokens = end = start + scheduled.num_new_tokens
+        if end // self._block_size > start // self._block_size:  # see _update_planned
+            self.block_manager.cache_computed_blocks(request, end)
         if token is None:
             return None
         if request.grammar is not None and not request.grammar.accept(token):
@@ -350,9 +353,13 @@ class Scheduler:
         status = request.status
         if status == RequestStatus.FINISHED:
             return None  # finished or aborted while this step ran: its row is void
-        end = scheduled.start + scheduled.num_new_tokens
-        if status == RequestStatus.RUNNING:
-            # Tokens [0, end) are real and their KV is in (or on its way to) the cache.
+        start = scheduled.start
+        end = start + scheduled.num_new_tokens
+        # Tokens [0, end) are real and their KV is in (or on its way to) the cache. A block can
+        # only have filled if this chunk reached a block's end: a decode step asks the block
+        # manager once every block_size steps, not every step (a skipped call could only delay
+        # a registration to the next one, which registers every full block it finds).
+        if status == RequestStatus.RUNNING and end // self._block_size > start // self._block_size:
             self.block_manager.cache_computed_blocks(request, end)
         if token is None:
             return None

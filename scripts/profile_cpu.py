@@ -1,6 +1,7 @@
 """Where a CPU engine step's time goes: the default model's decode step at several batch sizes.
 
     python scripts/profile_cpu.py [--batches 1,16,64] [--dtype float32] [--prompt-len 128]
+                                  [--model default]
 
 For each batch size, in this process (EngineCore, the offline path): admit that many random
 prompts, run their prefill and a few decode steps, then time 30 decode steps (the median of three
@@ -32,16 +33,17 @@ from protocol.messages import SamplingParams  # noqa: E402
 PROFILED_STEPS = 5
 
 
-def decode_engine(batch: int, prompt_len: int, dtype: str) -> EngineCore:
+def decode_engine(batch: int, prompt_len: int, dtype: str, model: str) -> EngineCore:
     """An engine whose ``batch`` requests have all been prefilled and are decoding."""
     config = EngineConfig(
-        model="default", dtype=dtype, max_model_len=2048, kv_cache_memory_gb=2, step_stats=True
+        model=model, dtype=dtype, max_model_len=2048, kv_cache_memory_gb=2, step_stats=True
     )
     engine = EngineCore(config)
     rng = random.Random(batch)
     params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
     for i in range(batch):
-        prompt = [rng.randrange(100, 49000) for _ in range(prompt_len)]
+        prompt = [rng.randrange(min(100, vocab // 2), vocab) for _ in range(prompt_len)]
         engine.add_request(Request(f"profile-{i}", prompt, params))
     for _ in range(4):
         engine.step()
@@ -59,8 +61,8 @@ def time_steps(engine: EngineCore, windows: int = 3, steps: int = 10) -> float:
     return statistics.median(means)
 
 
-def profile_batch(batch: int, prompt_len: int, dtype: str, rows: int) -> None:
-    engine = decode_engine(batch, prompt_len, dtype)
+def profile_batch(batch: int, prompt_len: int, dtype: str, rows: int, model: str) -> None:
+    engine = decode_engine(batch, prompt_len, dtype, model)
     engine.step_stats.reset()
     step_ms = time_steps(engine)
     phases = format_summary(engine.step_stats.summary())
@@ -85,9 +87,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rows", type=int, default=8, help="ops listed per batch")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="what `tandem serve --model` takes; a tiny model leaves the host's own work per "
+        "step in view (default: %(default)s)",
+    )
     args = parser.parse_args()
     for batch in (int(b) for b in args.batches.split(",")):
-        profile_batch(batch, args.prompt_len, args.dtype, args.rows)
+        profile_batch(batch, args.prompt_len, args.dtype, args.rows, args.model)
     print(f"\ncommand: python {' '.join(sys.argv)}")
 
 

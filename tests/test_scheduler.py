@@ -193,6 +193,35 @@ def test_prefix_cache_hit_starts_after_the_cached_blocks() -> None:
     assert second.block_ids[:2] == first.scheduled[0].block_ids[:2]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_blocks_filled_by_chunks_and_decodes_are_shared(overlap: bool) -> None:
+    """Every block that a prompt chunk or a decoded token fills is registered in the prefix
+    cache (the update asks the block manager only when a chunk reaches a block's end): a later
+    prompt made of a finished request's prompt and output reuses all its full blocks."""
+    config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=6, max_num_seqs=4)
+    scheduler = Scheduler(config, 64, 256, (EOS,), async_scheduling=overlap)
+    prompt = list(range(3, 17))  # 14 tokens: chunks of 6, 6 and 2
+    scheduler.add_request(make_request("a", prompt, max_tokens=11, ignore_eos=True))
+    outputs: list[int] = []
+    pending: SchedulerOutput | None = None  # with overlap: the planned step whose tokens wait
+    while scheduler.has_unfinished() or pending is not None:
+        plan = scheduler.schedule() if scheduler.has_unfinished() else None
+        settle, pending = (pending, plan) if overlap else (plan, None)
+        if settle is None:
+            continue
+        sampled = [fake_next_token(s.request.token_ids[: s.start + s.num_new_tokens])
+                   for s in settle.scheduled if s.samples]  # fmt: skip
+        for event in scheduler.update_from_output(settle, sampled):
+            outputs += event.new_token_ids
+    assert len(outputs) == 11
+    context = prompt + outputs  # 25 tokens; the last one's K/V was never computed
+    full = (len(context) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    scheduler.add_request(make_request("b", context + [5], max_tokens=1))
+    first = scheduler.schedule().scheduled[0]
+    assert first.request.num_cached_tokens == full
+    assert first.start == full
+
+
 # ---------------------------------------------------------------------------- preemption
 
 
