@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,7 +206,7 @@ async def generate(
     body: CompletionRequest | ChatCompletionRequest,
     request: Request,
     prepare: Callable[..., Awaitable[Any]],
-    stream: Callable[..., AsyncIterator[str]],
+    stream: Callable[..., AsyncGenerator[str, None]],
     whole: Callable[..., Awaitable[dict]],
 ) -> Response:
     """Admit, prepare (tokenize, check), then stream or answer once; the lease goes back when
@@ -226,17 +226,44 @@ async def generate(
 
 class AdmittedStreamingResponse(StreamingResponse):
     """An SSE response that returns its admission lease when it ends, however it ends: streamed
-    to the end, cancelled by a disconnect, or never started because the client had gone."""
+    to the end, cancelled by a disconnect, or never started because the client had gone.
 
-    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
+    It streams in the request's own task while one plain asyncio task waits for the client to
+    go away and cancels the stream if it does (the stream's generator then aborts its engine
+    requests). Starlette's own ``__call__``, under the ASGI 2.3 that uvicorn speaks, opens an
+    anyio task group per response for that watch: 55-61 us a response against 12-17 us here on
+    the 2-core CPU machine (scripts/bench_sse_response.py), about 3% of what the API process
+    spends on a one-token streamed request there."""
+
+    def __init__(self, content: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.content = content
         self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.current_task()
+        assert stream is not None  # an ASGI app always runs in a task
+        watcher = asyncio.ensure_future(cancel_on_disconnect(receive, stream))
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # not the watcher's doing: the server is stopping this task
+            stream.uncancel()  # the client left: the response is over, not the server
         finally:
-            self.release()
+            watcher.cancel()
+            try:
+                await self.content.aclose()  # a generator stopped at a yield runs its cleanup
+            finally:
+                self.release()
+
+
+async def cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` once the client has gone (uvicorn also answers the disconnect message
+    once the response is complete, by when the stream has cancelled this watcher)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    task.cancel()
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:

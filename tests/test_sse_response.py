@@ -1,0 +1,106 @@
+"""The app's SSE response (frontend/app.py: AdmittedStreamingResponse) over a hand-driven ASGI
+connection that behaves as uvicorn's does (receive() answers http.disconnect once the client
+has gone or the response is complete): a stream runs to its end with the lease returned once; a
+client that leaves mid-stream stops the stream, runs the generator's cleanup and ends the call
+normally; a server that cancels the task sees its cancellation, and the lease still returns."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import pytest
+
+from frontend.app import AdmittedStreamingResponse
+
+
+class Connection:
+    """One HTTP exchange as uvicorn runs it, from the app's side."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.gone = asyncio.Event()  # the client closed the connection
+        self.complete = asyncio.Event()  # the app sent its last body message
+
+    async def receive(self) -> dict[str, Any]:
+        done = [asyncio.ensure_future(e.wait()) for e in (self.gone, self.complete)]
+        try:
+            await asyncio.wait(done, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in done:
+                task.cancel()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if self.gone.is_set():
+            return  # uvicorn drops what is sent after a disconnect
+        self.sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete.set()
+
+    @property
+    def bodies(self) -> list[bytes]:
+        return [m["body"] for m in self.sent if m["type"] == "http.response.body"]
+
+
+class Chunks:
+    """An SSE generator that records whether its cleanup ran."""
+
+    def __init__(self, count: int, pause: asyncio.Event | None = None) -> None:
+        self.count, self.pause, self.cleaned_up = count, pause, False
+
+    async def stream(self) -> AsyncGenerator[str, None]:
+        try:
+            for i in range(self.count):
+                if i == 1 and self.pause is not None:
+                    await self.pause.wait()  # waits for tokens that never come
+                yield f"data: {i}\n\n"
+        finally:
+            self.cleaned_up = True
+
+
+def respond(chunks: Chunks, releases: list[int]) -> AdmittedStreamingResponse:
+    return AdmittedStreamingResponse(chunks.stream(), lambda: releases.append(1))
+
+
+SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}}
+
+
+def test_a_stream_runs_to_its_end_and_returns_its_lease_once() -> None:
+    async def main() -> None:
+        conn, chunks, releases = Connection(), Chunks(3), []
+        await respond(chunks, releases)(SCOPE, conn.receive, conn.send)
+        assert conn.sent[0]["type"] == "http.response.start"
+        assert conn.bodies == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+        assert releases == [1] and chunks.cleaned_up
+        await asyncio.sleep(0.01)  # the watcher, answered by the complete response, does nothing
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_mid_stream_stops_it_and_the_call_ends_normally() -> None:
+    async def main() -> None:
+        conn, chunks, releases = Connection(), Chunks(3, pause=asyncio.Event()), []
+        call = asyncio.ensure_future(respond(chunks, releases)(SCOPE, conn.receive, conn.send))
+        await asyncio.sleep(0.01)
+        assert conn.bodies == [b"data: 0\n\n"]  # the stream waits on its second chunk
+        conn.gone.set()
+        await asyncio.wait_for(call, 1)  # returns, without a CancelledError
+        assert chunks.cleaned_up and releases == [1]
+        assert not call.cancelled()
+
+    asyncio.run(main())
+
+
+def test_a_server_that_cancels_the_request_task_sees_the_cancellation() -> None:
+    async def main() -> None:
+        conn, chunks, releases = Connection(), Chunks(3, pause=asyncio.Event()), []
+        call = asyncio.ensure_future(respond(chunks, releases)(SCOPE, conn.receive, conn.send))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert chunks.cleaned_up and releases == [1]
+
+    asyncio.run(main())
