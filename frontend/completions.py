@@ -45,7 +45,8 @@ async def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Gen
 
 
 async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
-    """Token ids of each prompt; text prompts are encoded on the tokenizer thread."""
+    """Token ids of each prompt; text prompts are encoded on the tokenizer thread, with the
+    other requests' waiting texts (Tokenizer.encode)."""
     prompt = req.prompt
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
@@ -54,7 +55,7 @@ async def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> lis
     else:
         items = list(prompt)  # type: ignore[arg-type]
     texts = [p for p in items if isinstance(p, str)]
-    encoded = iter(await ctx.tokenizer.run(ctx.tokenizer.encode_all, texts) if texts else [])
+    encoded = iter(await ctx.tokenizer.encode(texts) if texts else [])
     prompts = [next(encoded) if isinstance(p, str) else p for p in items]
     for p in prompts:
         ctx.check_token_ids(p, "prompt")

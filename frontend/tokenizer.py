@@ -2,6 +2,8 @@
 
 Encoding and chat templates run on that thread, never on the event loop; decoding (the Rust
 backend, cheap) runs inline, for the incremental detokenizer and for logprob token texts.
+Prompt texts (``encode``) are coalesced: while one encode call runs on the thread, the texts
+of the requests that arrive queue, and the next call takes them all at once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class Tokenizer:
         # One thread: the HF wrapper is not safe to call from several threads at once.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+        # encode's queue: each waiting request's texts and the future its ids go to.
+        self._queued: list[tuple[list[str], asyncio.Future[list[list[int]]]]] = []
+        self._encoder: asyncio.Task[None] | None = None  # drains the queue while it is not empty
 
     def decode(self, token_ids: list[int]) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=True)
@@ -48,6 +53,46 @@ class Tokenizer:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a tokenizer call on the worker thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        """``encode_all(texts)`` on the worker thread, in one call with the texts of the other
+        requests waiting for it. One call per request left a burst of requests queued on the
+        single thread one after another; one ``encode_batch`` call spreads its texts over the
+        cores (on the 2-core CPU machine, 256 prompts of 128 tokens: 83 ms one call each, 40 ms
+        in one call). A lone request still goes at once."""
+        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
+        self._queued.append((texts, future))
+        if self._encoder is None:
+            self._encoder = asyncio.ensure_future(self._drain_encodes())
+        return await future
+
+    async def _drain_encodes(self) -> None:
+        try:
+            while self._queued:
+                batch, self._queued = self._queued, []
+                await self._encode_batch(batch)
+        finally:
+            self._encoder = None
+
+    async def _encode_batch(
+        self, batch: list[tuple[list[str], asyncio.Future[list[list[int]]]]]
+    ) -> None:
+        """Encode every request's texts in one call and hand each its ids; if the call fails,
+        each request is encoded on its own, so only the one whose text fails sees the error."""
+        try:
+            ids = await self.run(self.encode_all, [t for texts, _ in batch for t in texts])
+        except Exception as exc:
+            if len(batch) > 1:
+                for one in batch:
+                    await self._encode_batch([one])
+            elif not batch[0][1].done():
+                batch[0][1].set_exception(exc)
+            return
+        start = 0
+        for texts, future in batch:
+            if not future.done():  # done: cancelled, its client left while it waited
+                future.set_result(ids[start : start + len(texts)])
+            start += len(texts)
 
     def encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """The ids HF's ``encode`` gives, from the Rust tokenizer directly: HF's Python checks
