@@ -146,7 +146,7 @@ class ModelRunner:
             pack_cpu_weights(self.model)  # oneDNN's layout: 2.5-4x faster linears (cpu_gemm.py)
             keep_freed_memory()  # no page faults on every layer's temporaries (cpu_malloc.py)
         else:
-            fuse_fp8_quantizers(self.model)  # FP8 linears' input quantizers into the kernel before
+            fuse_fp8_quantizers(self.model)  # FP8 linears' input quantizers into the norms before
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
         # This process's share of the KV heads: all of them unless tensor-parallel.

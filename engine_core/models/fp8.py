@@ -79,8 +79,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config) -> 
     return weight.float() * expanded[:, :cols]
 
 
-# An activation that the kernel which wrote it also quantized (per token, e4m3: an RMSNorm or
-# SiLU-and-mul in front of FP8 linears, models/triton_ops.py) carries that form under this
+# An activation that the kernel which wrote it also quantized (per token, e4m3: an RMSNorm in
+# front of FP8 linears, models/llama.py fuse_fp8_quantizers) carries that form under this
 # attribute, (e4m3 [T, K], scale [T, 1]); the linear then skips its own quantizer launch.
 FP8_ROWS_ATTR = "_tandem_fp8_rows"
 
