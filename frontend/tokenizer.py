@@ -58,8 +58,9 @@ class Tokenizer:
         """``encode_all(texts)`` on the worker thread, in one call with the texts of the other
         requests waiting for it. One call per request left a burst of requests queued on the
         single thread one after another; one ``encode_batch`` call spreads its texts over the
-        cores (on the 2-core CPU machine, 256 prompts of 128 tokens: 83 ms one call each, 40 ms
-        in one call). A lone request still goes at once."""
+        cores (on the 2-core CPU machine, 256 prompts of 128 tokens arriving at once: 118-130 ms
+        one call each, 45-49 ms coalesced; scripts/bench_prompt_encode.py, docs/benchmarks.md).
+        A lone request still goes at once."""
         future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
         self._queued.append((texts, future))
         if self._encoder is None:
