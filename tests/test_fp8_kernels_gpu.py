@@ -27,7 +27,9 @@ from engine_core.models.fp8_kernels import (  # noqa: E402
     quantize_per_token,
     quantize_per_token_group,
     quantize_static,
+    silu_and_mul_quant,
     skinny_block_k,
+    tma_loads_fit,
 )
 from protocol.messages import SamplingParams  # noqa: E402
 from tests.factories import write_tiny_llama  # noqa: E402
@@ -93,11 +95,17 @@ def test_rowwise_gemm_matches_dequantized_matmul(m: int, n: int, k: int) -> None
     assert_close_relative(got, want, 1e-2)
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 96, 512), (13, 512, 576), (64, 6144, 4096)])
-def test_skinny_gemm_matches_dequantized_matmul(m: int, n: int, k: int, split_k: int) -> None:
-    """The decode-sized Triton GEMM, every K split, an N that is no multiple of its 64-row tile,
-    K = 576 (SmolLM2's hidden size: 64-wide K tiles), a bias, float32 and bf16 outputs."""
+def test_skinny_gemm_matches_dequantized_matmul(
+    m: int, n: int, k: int, split_k: int, tma: bool
+) -> None:
+    """The decode-sized Triton GEMM with per-thread and with TMA loads, every K split, an N that
+    is no multiple of its 64-row tile (TMA reads the rows past N and M as zeros), K = 576
+    (SmolLM2's hidden size: 64-wide K tiles), a bias, float32 and bf16 outputs."""
+    if tma and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm_90+")
     x, w = activations(m, k), weight(n, k)
     w_scale = w.abs().amax(dim=1) / 448.0
     wq = (w / w_scale[:, None]).to(E4M3)
@@ -108,12 +116,30 @@ def test_skinny_gemm_matches_dequantized_matmul(m: int, n: int, k: int, split_k:
         pytest.skip(f"K={k} does not split {split_k} ways in {block_k}-wide tiles")
     want = (xq.float() * x_scale) @ (wq.float() * w_scale[:, None]).T + bias
     got = fp8_skinny_gemm(
-        xq, x_scale, wq, w_scale, torch.float32, bias, block_k=block_k, split_k=split_k
+        xq, x_scale, wq, w_scale, torch.float32, bias, block_k=block_k, split_k=split_k, tma=tma
     )
     # Each K tile's FP8 product is exact to about 2^-13; the sum over tiles is float32.
     assert_close_relative(got, want, 1e-3)
-    got16 = fp8_skinny_gemm(xq, x_scale, wq, w_scale, torch.bfloat16, bias, block_k=block_k)
+    got16 = fp8_skinny_gemm(
+        xq, x_scale, wq, w_scale, torch.bfloat16, bias, block_k=block_k, tma=tma
+    )
     assert_close_relative(got16, want, 2**-8)
+
+
+def test_skinny_gemm_loads_by_tma_where_the_operands_allow() -> None:
+    """On Hopper the default is TMA; an operand whose base address is not 16-byte aligned (a
+    view one element in) falls back to per-thread loads and still gives the product."""
+    xq, x_scale = quantize_per_token(activations(8, 1024 + 16))
+    w = weight(256, 1024)
+    w_scale = w.abs().amax(dim=1) / 448.0
+    wq = (w / w_scale[:, None]).to(E4M3)
+    aligned = xq[:, :1024]
+    shifted = xq[:, 1:1025]  # 1-byte offset: TMA refuses such a base address
+    assert tma_loads_fit(aligned, wq) == (torch.cuda.get_device_capability() >= (9, 0))
+    assert not tma_loads_fit(shifted, wq)
+    for a in (aligned, shifted):
+        want = (a.float() * x_scale) @ (wq.float() * w_scale[:, None]).T
+        assert_close_relative(fp8_rowwise_gemm(a, x_scale, wq, w_scale, torch.float32), want, 1e-3)
 
 
 def test_skinny_gemm_takes_decode_sizes_and_a_static_scale() -> None:
@@ -220,22 +246,53 @@ def test_rms_norm_quantizes_its_output_like_the_quantizer(
     assert torch.equal(fp8[0].view(torch.uint8), q.view(torch.uint8))
 
 
-def test_fused_quantizers_leave_an_fp8_model_unchanged(tmp_path: Path) -> None:
-    """The GPU runner moves two quantizers a layer into the RMSNorms before them
-    (fuse_fp8_quantizers); an FP8 engine's prompt logprobs stay bit for bit those of the
-    separate quantizer launches."""
+@pytest.mark.parametrize(("rows", "inter"), [(1, 64), (37, 700), (512, 14336)])
+def test_silu_and_mul_quant_equals_the_two_launches(rows: int, inter: int) -> None:
+    """The prefill path's fused SiLU-and-mul quantizer writes exactly what silu_and_mul and
+    then quantize_per_token write: the activation, its e4m3 rows and their scales."""
+    from engine_core.models import triton_ops
+
+    gate_up = activations(rows, 2 * inter)
+    act, q, scale = silu_and_mul_quant(gate_up)
+    want_act = triton_ops.silu_and_mul(gate_up)
+    want_q, want_scale = quantize_per_token(want_act)
+    assert torch.equal(act, want_act)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_fused_quantizers_leave_an_fp8_model_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU runner moves two quantizers a layer into the RMSNorms before them, and in
+    prefill-sized batches a third into SiLU-and-mul (fuse_fp8_quantizers); an FP8 engine's
+    prompt logprobs stay bit for bit those of the separate quantizer launches, with short
+    prompts and a long one in the batch (570 tokens in one step: the fused SiLU path)."""
     write_tiny_llama(tmp_path, vocab_size=384)
     prompts = [[5, 9, 33, 2 + i, 100] * (3 + i) for i in range(4)]
+    prompts.append([(7 * i) % 380 + 3 for i in range(480)])
     score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    llm = LLM(str(tmp_path), quantization="fp8", max_model_len=256, num_kv_blocks=64,
+    llm = LLM(str(tmp_path), quantization="fp8", max_model_len=512, num_kv_blocks=128,
               device="cuda", dtype="bfloat16", enforce_eager=True)  # fmt: skip
     try:
         model = llm.engine.runner.model
         norms = [m for m in model.modules() if getattr(m, "quantize_output", False)]
         assert len(norms) == 4  # 2 layers, both norms each
+        mlps = [m for m in model.modules() if getattr(m, "quantize_act", False)]
+        assert len(mlps) == 2
+        from engine_core.models import fp8_kernels
+
+        calls = []
+        real = fp8_kernels.silu_and_mul_quant
+        monkeypatch.setattr(
+            fp8_kernels, "silu_and_mul_quant", lambda x: calls.append(x.shape[0]) or real(x)
+        )
         fused = llm.generate(prompts, score, detokenize=False)
+        assert calls and min(calls) >= fp8_kernels.FUSED_ACT_QUANT_MIN_ROWS
         for module in norms:
             module.quantize_output = False
+        for module in mlps:
+            module.quantize_act = False
         plain = llm.generate(prompts, score, detokenize=False)
     finally:
         llm.engine.shutdown()

@@ -17,9 +17,12 @@ this module imports triton: only the CUDA branch of models/fp8.py (and GPU tests
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The kernels write these constants inline: e4m3's largest value (448) and the smallest scale
@@ -42,8 +45,11 @@ def _quantize_rows_kernel(
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     STATIC: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Program (row, group): quantize X[row, group * GROUP : (group + 1) * GROUP]."""
+    if LAUNCH_DEPENDENTS:  # the FP8 GEMM after it may start (fp8_skinny_gemm's PDL)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, BLOCK)
@@ -81,6 +87,7 @@ def _quantize(
         GROUP=group,
         BLOCK=block,
         STATIC=static_scale is not None,
+        LAUNCH_DEPENDENTS=x.is_cuda,
         num_warps=min(max(block // 512, 1), 8),
     )
     return out, scale
@@ -103,6 +110,67 @@ def quantize_per_token_group(
     if x.shape[1] % group:
         raise ValueError(f"per-group FP8 needs K ({x.shape[1]}) to be a multiple of {group}")
     return _quantize(x, group, None)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    X,
+    Out,
+    Q,
+    Scale,
+    stride_x,
+    stride_o,
+    stride_q,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program row: Out[row] = silu(gate) * up in Out's dtype, then Q[row] = its per-token e4m3
+    form and Scale[row] the scale, as silu_and_mul followed by quantize_per_token would give."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, N, BLOCK):
+        cols = c0 + offs
+        mask = cols < N
+        gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+        out = (gate / (1.0 + tl.exp(-gate)) * up).to(Out.dtype.element_ty)
+        tl.store(Out + row * stride_o + cols, out, mask=mask)
+        amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+    tl.store(Scale + row, scale)
+    tl.debug_barrier()  # the row's activations, written above, are read back by every thread
+    for c0 in range(0, N, BLOCK):
+        cols = c0 + offs
+        mask = cols < N
+        x = tl.load(Out + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+
+
+# SiLU-and-mul quantizes its output in the same launch from this many rows (prefill chunks): one
+# program a row, so decode batches (64 rows: 64 programs on 132 multiprocessors) keep the
+# column-split SiLU launch and a separate quantizer, which was faster there (docs/benchmarks.md).
+FUSED_ACT_QUANT_MIN_ROWS = 512
+
+
+def silu_and_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, 2I] (gate then up) -> (silu(gate) * up [T, I], its e4m3 rows [T, I], their scales
+    [T, 1]): triton_ops.silu_and_mul and quantize_per_token in one launch, one row a program;
+    the rows' e4m3 form is read back from the row just written (L2), not from a second pass."""
+    rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    q = torch.empty((rows, n), dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    if rows == 0:
+        return out, q, scale
+    block = min(4096, triton.next_power_of_2(n))
+    _silu_and_mul_quant_kernel[(rows,)](
+        gate_up, out, q, scale, gate_up.stride(0), out.stride(0), q.stride(0),
+        N=n, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return out, q, scale
 
 
 # ---- GEMMs ---------------------------------------------------------------------------------------
@@ -139,6 +207,44 @@ def fp8_rowwise_gemm(
 
 
 @triton.jit
+def _skinny_epilogue(
+    acc,
+    C,
+    AScale,
+    WScale,
+    Bias,
+    Part,
+    pid_n,
+    split,
+    M,
+    N,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Scale the [BLOCK_N, BLOCK_M] tile of C.T and write it: to C with SPLIT_K == 1, else to
+    Part[split] as float32 for _skinny_reduce_kernel to sum."""
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_mask = rn < N
+    m_mask = rm < M
+    w_s = tl.load(WScale + rn, mask=n_mask, other=0.0)
+    a_s = tl.load(AScale + rm, mask=m_mask, other=0.0)
+    acc = acc * w_s[:, None] * a_s[None, :]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(Bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+    else:
+        p_ptrs = Part + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     A,
     W,
@@ -168,32 +274,82 @@ def _skinny_gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = split * K_PER_SPLIT + tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    m_mask = rm < M
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, K_PER_SPLIT, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptrs, mask=(rn < N)[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+        a = tl.load(a_ptrs, mask=(rm < M)[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         # Each tile's product is added to acc in float32 rather than accumulated into it: on
         # Hopper an FP8 dot's own accumulator keeps fewer bits (Triton's default there), so
         # over a long K the error would grow; per tile it stays that of one BLOCK_K product.
         acc += tl.dot(w, tl.trans(a))
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-    w_s = tl.load(WScale + rn, mask=n_mask, other=0.0)
-    a_s = tl.load(AScale + rm, mask=m_mask, other=0.0)
-    acc = acc * w_s[:, None] * a_s[None, :]
-    mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(Bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
-        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
-    else:
-        p_ptrs = Part + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
-        tl.store(p_ptrs, acc, mask=mask)
+    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_n, split, M, N, stride_cm,
+                     BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at ptrs in L2 (kept there first when space runs out)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _skinny_gemm_tma_kernel(
+    a_desc,
+    w_desc,
+    W,
+    stride_wn,
+    C,
+    AScale,
+    WScale,
+    Bias,
+    Part,
+    M,
+    N,
+    stride_cm,
+    K_PER_SPLIT,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+):
+    """_skinny_gemm_kernel with both operands' tiles brought in by the tensor memory
+    accelerator (Hopper's bulk copies; rows past M or N read as zeros) instead of per-thread
+    loads: 3.6% less time over llama-8b's four projections at 64 rows on an H100.
+
+    With PDL (launched as a programmatic dependent of the kernel before it, which lets it start
+    early) the program first asks L2 for its weights' first PREFETCH_K columns, which do not
+    depend on that kernel, and only then waits for the kernel's outputs (the activations)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    off_n = pid_n * BLOCK_N
+    k_start = split * K_PER_SPLIT
+    if PDL:
+        if PREFETCH_K >= 128:
+            rn = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
+            lines = k_start + tl.arange(0, PREFETCH_K // 128) * 128
+            _prefetch_l2(W + rn[:, None].to(tl.int64) * stride_wn + lines[None, :])
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        w = w_desc.load([off_n, k])  # [BLOCK_N, BLOCK_K]
+        a = a_desc.load([0, k])  # [BLOCK_M, BLOCK_K]
+        acc += tl.dot(w, tl.trans(a))  # float32 per tile, as in _skinny_gemm_kernel
+    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_n, split, M, N, stride_cm,
+                     BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit
@@ -226,6 +382,13 @@ def _skinny_reduce_kernel(
 # cuBLASLt ahead on gate_up), so larger M keeps cuBLASLt. scripts/device/fp8_skinny_bench.py,
 # docs/benchmarks.md (issue 18).
 SKINNY_MAX_ROWS = 64
+# The skinny GEMM with TMA starts as a programmatic dependent of the kernel before it (the norm or
+# quantizer that writes its activations), prefetching this many columns of its weights into L2
+# while that kernel finishes. On an H100, a llama-8b decode layer's launches at 64 rows without
+# attention (scripts/device/fp8_gemm_variants.py --chain): 107.0 us without PDL, 104.8 with it
+# and no prefetch, 103.6 prefetching 512 columns, 105.3 with 1024, 112.9 with 2048.
+SKINNY_PDL = True
+SKINNY_PREFETCH_K = 512
 
 
 def skinny_block_k(a: torch.Tensor, w: torch.Tensor) -> int:
@@ -250,10 +413,12 @@ def fp8_skinny_gemm(
     split_k: int = 1,
     num_warps: int = 4,
     num_stages: int | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """fp8_rowwise_gemm for few rows (M <= 128): the same product, as a Triton kernel that
-    streams the weights with the tokens on the matrix unit's narrow side. ``num_stages``
-    defaults to as many (up to 5) as the device's shared memory holds."""
+    streams the weights with the tokens on the matrix unit's narrow side. ``tma`` (default:
+    where the device and the operands allow it) loads the tiles through the tensor memory
+    accelerator; ``num_stages`` defaults to the measured best that the shared memory holds."""
     m, k = a.shape
     n = w.shape[0]
     if m > 128 or k % (block_k * split_k):
@@ -262,44 +427,39 @@ def fp8_skinny_gemm(
     if m == 0:
         return out
     block_m = max(16, triton.next_power_of_2(m))
+    if tma is None:
+        tma = tma_loads_fit(a, w)
     if num_stages is None:
-        # Measured on an H100 at 64 rows: 5 stages were best where the N tiles are about as
-        # many as the multiprocessors (llama-8b's qkv, o, down); with 448 of them (gate_up) 3
-        # stages were 7% faster, more programs fitting on each multiprocessor instead.
-        most = 3 if triton.cdiv(n, block_n) >= 256 else 5
+        most = _skinny_stages(triton.cdiv(n, block_n), tma)
         num_stages = _pipeline_stages(a.device, (block_m + block_n) * block_k, most)
     part = out
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
     a_scale = a_scale.reshape(-1).float().contiguous()  # a static scale comes expanded
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
-        a,
-        w,
-        out,
-        a_scale,
-        w_scale,
-        bias if bias is not None else out,
-        part,
-        m,
-        n,
-        a.stride(0),
-        w.stride(0),
-        out.stride(0),
-        k // split_k,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        SPLIT_K=split_k,
-        HAS_BIAS=bias is not None,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(n, block_n), split_k)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                HAS_BIAS=bias is not None, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    if tma:
+        a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
+        w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
+        pdl = SKINNY_PDL and a.is_cuda
+        _skinny_gemm_tma_kernel[grid](
+            a_desc, w_desc, w, w.stride(0), out, a_scale, w_scale, bias_arg, part, m, n,
+            out.stride(0), k // split_k, **meta, PDL=pdl,
+            PREFETCH_K=_prefetch_columns(k // split_k), launch_pdl=pdl,
+        )  # fmt: skip
+    else:
+        _skinny_gemm_kernel[grid](
+            a, w, out, a_scale, w_scale, bias_arg, part, m, n, a.stride(0), w.stride(0),
+            out.stride(0), k // split_k, **meta,
+        )  # fmt: skip
     if split_k > 1:
         block = 1024
         _skinny_reduce_kernel[(m, triton.cdiv(n, block))](
             part,
             out,
-            bias if bias is not None else out,
+            bias_arg,
             m,
             n,
             out.stride(0),
@@ -309,6 +469,41 @@ def fp8_skinny_gemm(
             num_warps=4,
         )
     return out
+
+
+def _prefetch_columns(k_per_split: int) -> int:
+    """A power of two of 128-byte lines, at most SKINNY_PREFETCH_K columns and no more than the
+    program's K range; 0 (no prefetch) under one line."""
+    columns = min(SKINNY_PREFETCH_K, k_per_split)
+    return 1 << (columns.bit_length() - 1) if columns >= 128 else 0
+
+
+def _skinny_stages(n_tiles: int, tma: bool) -> int:
+    """The most pipeline stages worth having, as measured on an H100 at 64 rows over llama-8b's
+    projections (scripts/device/fp8_gemm_variants.py, fp8_skinny_bench.py): with 256 N tiles
+    or more (gate_up's 448) 3 stages, more programs fitting on each multiprocessor; with fewer,
+    deeper pipelines: 5 for per-thread loads; with TMA 4 at qkv's 96 tiles, 6 at o's and
+    down's 64."""
+    if n_tiles >= 256:
+        return 3
+    if not tma:
+        return 5
+    return 4 if n_tiles >= 96 else 6
+
+
+def tma_loads_fit(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the skinny GEMM can load both operands by TMA: a Hopper (or later) GPU, 16-byte
+    aligned base addresses and row strides (TMA's rules), unit stride along K."""
+    if a.device.type != "cuda" or not _has_tma(a.device):
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (a, w)
+    )
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _pipeline_stages(device: torch.device, stage_bytes: int, most: int = 5) -> int:

@@ -25,7 +25,7 @@ from torch import nn
 
 from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
-from engine_core.models.fp8 import takes_fp8_rows
+from engine_core.models.fp8 import attach_fp8_rows, fp8_kernels, takes_fp8_rows
 from engine_core.models.layers import (
     ACT_AND_MUL,
     MergedLinear,
@@ -37,6 +37,7 @@ from engine_core.models.layers import (
     project_logits,
     rotate_qk,
     row_parallel_linear,
+    silu_and_mul,
     vocab_embedding,
 )
 from engine_core.models.moe import SparseMoE, map_moe_name
@@ -105,9 +106,18 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], False, tp)
         self.down_proj = row_parallel_linear(size, config.hidden_size, False, tp)
         self.act_and_mul = ACT_AND_MUL[config.hidden_act]
+        # Set by fuse_fp8_quantizers where down_proj quantizes its input per token and the
+        # activation is SiLU: prefill-sized batches then quantize in the SiLU launch.
+        self.quantize_act = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.quantize_act and gate_up.dim() == 2:
+            kernels = fp8_kernels()
+            if gate_up.shape[0] >= kernels.FUSED_ACT_QUANT_MIN_ROWS:
+                act, q, scale = kernels.silu_and_mul_quant(gate_up)
+                return self.down_proj(attach_fp8_rows(act, (q, scale)))
+        return self.down_proj(self.act_and_mul(gate_up))
 
 
 def make_mlp(config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
@@ -153,12 +163,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def fuse_fp8_quantizers(model: nn.Module) -> int:
-    """On CUDA, let the RMSNorms in front of FP8 linears that quantize their input per token
+    """On CUDA, let the kernels in front of FP8 linears that quantize their input per token
     (models/fp8.py: takes_fp8_rows) write that e4m3 form themselves: a Llama-layout layer's input
-    norm (for qkv_proj) and its post-attention norm (for a dense MLP's gate_up_proj). Saves one
-    quantizer launch each; returns how many norms were fused. (SiLU-and-mul before down_proj is
-    not: split over a row's columns it cannot know the row's scale, and one program a row was
-    slower on an H100 than the two launches, docs/benchmarks.md.)"""
+    norm (for qkv_proj), its post-attention norm (for a dense MLP's gate_up_proj), and a SiLU
+    MLP's activation (for down_proj) in prefill-sized batches only: it takes one program a row,
+    which at decode batches was slower on an H100 than the two launches (docs/benchmarks.md).
+    Saves one quantizer launch each; returns how many were fused."""
     fused = 0
     for layer in model.modules():
         if type(layer) is not LlamaDecoderLayer:  # other layouts place their norms elsewhere
@@ -174,6 +184,13 @@ def fuse_fp8_quantizers(model: nn.Module) -> int:
             and takes_fp8_rows(mlp.gate_up_proj)
         ):
             norm.quantize_output = True
+            fused += 1
+        if (
+            isinstance(mlp, LlamaMLP)
+            and mlp.act_and_mul is silu_and_mul
+            and takes_fp8_rows(mlp.down_proj)
+        ):
+            mlp.quantize_act = True
             fused += 1
     return fused
 

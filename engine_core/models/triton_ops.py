@@ -35,7 +35,12 @@ def _rms_norm_kernel(
     Q,
     QScale,
     QUANTIZE: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        # The FP8 GEMM after this norm may start now (programmatic dependent launch): it pulls
+        # its first weight tiles into L2 and waits for this kernel's rows (fp8_kernels.py).
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -106,6 +111,7 @@ def rms_norm(
         Q=q,
         QScale=q_scale,
         QUANTIZE=fp8_out is not None,
+        LAUNCH_DEPENDENTS=fp8_out is not None and x.is_cuda,
         num_warps=min(max(block // 512, 1), 8),
     )
     return out if residual is None else (out, res_out)
