@@ -15,9 +15,12 @@ the preset's real shapes; the FP8 variants quantize those same random weights pe
   first token.
 
 ``--profile`` adds, per variant, where a decode-64 step's time goes (the engine's step stats and
-the top GPU kernels, as scripts/bench_decode.py reports them).
+the top GPU kernels, as scripts/bench_decode.py reports them); ``--profile-prefill`` where the
+long workload's prefill goes: the GPU kernels of one step of 4 fresh 3,800-token prompts.
 
-Prints one table per variant and the ratios to bf16, with the command that made them.
+Each workload runs ``--repeats`` times (3) with fresh prompts after a warm-up; the table shows
+the run of median speed, and the log every run's. Prints one table per variant and the ratios to
+bf16, with the command that made them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from bench_decode import (  # noqa: E402
     measure_hbm_bandwidth,
     profile_one_loop,
     run_inproc,
+    top_kernels,
 )
 
 from engine_core.config import EngineConfig  # noqa: E402
@@ -62,6 +66,7 @@ class VariantResult:
     startup_s: float
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)  # a decode-64 step, --profile
+    prefill_profile: dict[str, Any] = field(default_factory=dict)  # --profile-prefill
 
 
 def workloads(args: argparse.Namespace) -> dict[str, Workload]:
@@ -104,17 +109,49 @@ def bench_variant(args: argparse.Namespace, variant: str, bandwidth: float) -> V
     for name, work in workloads(args).items():
         fresh = Workload(work.num_requests, work.prompt_len, work.output_len, next(seed))
         run_inproc(core, fresh.shorter(min(8, work.output_len), next(seed)), vocab, f"w-{name}")
-        run = run_inproc(core, fresh, vocab, name)
-        result.runs[name] = measures(run, work, core, weight_bytes, kv_bytes, bandwidth)
+        repeats = []
+        for _ in range(args.repeats):  # fresh prompts each time: no prefix-cache hits
+            fresh = Workload(work.num_requests, work.prompt_len, work.output_len, next(seed))
+            run = run_inproc(core, fresh, vocab, name)
+            repeats.append(measures(run, work, core, weight_bytes, kv_bytes, bandwidth))
+        result.runs[name] = median_run(repeats)
         print(f"{variant:7s} {name:9s} {summary(result.runs[name])}", flush=True)
     if args.profile:
         work = Workload(64, 128, args.output_len, next(seed))
         result.profile = profile_one_loop(core, work, vocab)
         print(f"{variant} decode-64 step: {result.profile}", flush=True)
+    if args.profile_prefill:
+        work = Workload(4, args.long_prompt_len, 1, next(seed))
+        result.prefill_profile = profile_prefill(core, work, vocab)
+        print(f"{variant} long prefill step: {result.prefill_profile}", flush=True)
     del core, model
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def profile_prefill(core: Any, work: Workload, vocab: int) -> dict[str, Any]:
+    """GPU kernel time of the step that prefills ``work``'s prompts (one step: they must fit
+    --max-num-batched-tokens), under torch.profiler: total and the top kernels."""
+    from engine_core.request import Request
+
+    for i, prompt in enumerate(work.prompts(vocab)):
+        core.add_request(Request(f"prefill-prof-{i}", prompt, work.params))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    while core.has_unfinished():
+        core.step()
+    kernel_ms = sum(e.device_time_total for e in prof.key_averages()) / 1e3
+    return {
+        "tokens": work.num_requests * work.prompt_len,
+        "step_wall_ms": wall_ms,
+        "gpu_kernel_ms": kernel_ms,
+        "top_kernels": top_kernels(prof, 1, count=12),
+    }
 
 
 def measures(
@@ -133,12 +170,20 @@ def measures(
     return out
 
 
+def median_run(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median speed, with every run's speed beside it (``repeat_speeds``)."""
+    speeds = [m.get("prefill_tok_s", m["tok_s"]) for m in repeats]
+    median = sorted(range(len(repeats)), key=lambda i: speeds[i])[len(repeats) // 2]
+    return {**repeats[median], "repeat_speeds": speeds}
+
+
 def summary(m: dict[str, Any]) -> str:
+    runs = ", ".join(f"{v:,.0f}" for v in m.get("repeat_speeds", []))
     if "prefill_tok_s" in m:
-        return f"{m['prefill_tok_s']:,.0f} prompt tok/s ({m['duration_s']:.2f} s)"
+        return f"{m['prefill_tok_s']:,.0f} prompt tok/s ({m['duration_s']:.2f} s; runs {runs})"
     return (
         f"{m['tok_s']:,.0f} tok/s, TPOT p50 {m['tpot_p50_ms']:.2f} ms, "
-        f"{m['roofline_share']:.0%} of roofline"
+        f"{m['roofline_share']:.0%} of roofline (runs {runs})"
     )
 
 
@@ -175,7 +220,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--long-prompt-len", type=int, default=3800)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument(
+        "--repeats", type=int, default=3, help="measured runs per workload (the median is shown)"
+    )
     p.add_argument("--profile", action="store_true", help="profile a decode-64 step per variant")
+    p.add_argument(
+        "--profile-prefill", action="store_true", help="profile a long-prompt prefill step"
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(argv)
