@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_skinny_bench import LAYERS, SHAPES, time_graph  # noqa: E402
 
 from engine_core.models import fp8_kernels, triton_ops  # noqa: E402
 from engine_core.models.fp8_kernels import (  # noqa: E402
@@ -42,37 +44,7 @@ from engine_core.models.fp8_kernels import (  # noqa: E402
     silu_and_mul_quant,
 )
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-LAYERS = 8
-
-
 # ---- decode sizes --------------------------------------------------------------------------------
-
-
-def time_graph(fn: Callable[[int], object], replays: int = 20) -> float:
-    """Microseconds per call of a graph of LAYERS calls fn(0..LAYERS-1)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(LAYERS):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            fn(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays / LAYERS)
-    return statistics.median(times)
 
 
 DECODE_SWEEP: list[dict[str, Any]] = [{"tma": False, "num_stages": st} for st in (3, 5)] + [
