@@ -17,12 +17,12 @@ this module imports triton: only the CUDA branch of models/fp8.py (and GPU tests
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from engine_core.models.triton_ops import hopper_or_later, launches_dependents
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The kernels write these constants inline: e4m3's largest value (448) and the smallest scale
@@ -87,7 +87,7 @@ def _quantize(
         GROUP=group,
         BLOCK=block,
         STATIC=static_scale is not None,
-        LAUNCH_DEPENDENTS=x.is_cuda,
+        LAUNCH_DEPENDENTS=launches_dependents(x),
         num_warps=min(max(block // 512, 1), 8),
     )
     return out, scale
@@ -443,7 +443,7 @@ def fp8_skinny_gemm(
     if tma:
         a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
         w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
-        pdl = SKINNY_PDL and a.is_cuda
+        pdl = SKINNY_PDL and launches_dependents(a)
         _skinny_gemm_tma_kernel[grid](
             a_desc, w_desc, w, w.stride(0), out, a_scale, w_scale, bias_arg, part, m, n,
             out.stride(0), k // split_k, **meta, PDL=pdl,
@@ -494,16 +494,11 @@ def _skinny_stages(n_tiles: int, tma: bool) -> int:
 def tma_loads_fit(a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the skinny GEMM can load both operands by TMA: a Hopper (or later) GPU, 16-byte
     aligned base addresses and row strides (TMA's rules), unit stride along K."""
-    if a.device.type != "cuda" or not _has_tma(a.device):
+    if not hopper_or_later(a.device):
         return False
     return all(
         t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (a, w)
     )
-
-
-@functools.cache
-def _has_tma(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _pipeline_stages(device: torch.device, stage_bytes: int, most: int = 5) -> int:

@@ -12,6 +12,8 @@ may do so. Set ``TRITON_INTERPRET=1`` before the import to run these kernels on 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -70,6 +72,18 @@ def _quantize_row(y, q_ptrs, scale_ptr, mask):
     tl.store(q_ptrs, tl.clamp(y / scale, -448.0, 448.0).to(q_ptrs.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def hopper_or_later(device: torch.device) -> bool:
+    """sm_90+: TMA and programmatic dependent launch (griddepcontrol) exist from Hopper on."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launches_dependents(x: torch.Tensor) -> bool:
+    """Whether a kernel over x may let a programmatic dependent launch start early (the FP8
+    skinny GEMM after a quantizing norm or quantizer): CUDA tensors on Hopper or later."""
+    return x.is_cuda and hopper_or_later(x.device)
+
+
 def fp8_rows(num_rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty e4m3 rows [T, N] and their float32 scales [T, 1], for a fused quantizer."""
     q = torch.empty((num_rows, n), dtype=torch.float8_e4m3fn, device=device)
@@ -111,7 +125,7 @@ def rms_norm(
         Q=q,
         QScale=q_scale,
         QUANTIZE=fp8_out is not None,
-        LAUNCH_DEPENDENTS=fp8_out is not None and x.is_cuda,
+        LAUNCH_DEPENDENTS=fp8_out is not None and launches_dependents(x),
         num_warps=min(max(block // 512, 1), 8),
     )
     return out if residual is None else (out, res_out)
