@@ -20,7 +20,12 @@ if not (INTERPRET or torch.cuda.is_available()):
     pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from engine_core.models.fused_moe import align, fused_moe  # noqa: E402
+from engine_core.models.fused_moe import (  # noqa: E402
+    align,
+    align_in_one_launch,
+    align_torch,
+    fused_moe,
+)
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 DTYPE = torch.float32 if INTERPRET else torch.bfloat16
@@ -96,11 +101,13 @@ def check_against_dense(shape: tuple[int, ...], skewed: bool, dtype: torch.dtype
     torch.testing.assert_close(got[rows], want, atol=atol, rtol=rtol)
 
 
-def test_align_puts_each_slot_once_in_its_experts_block() -> None:
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_align_puts_each_slot_once_in_its_experts_block(one_launch: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     num_tokens, num_experts, top_k, block_m = 37, 9, 3, 16
     _, ids = routing(num_tokens, num_experts, top_k, True, gen)
-    sorted_slots, block_experts = align(ids, num_experts, block_m)
+    run = align_in_one_launch if one_launch else align_torch
+    sorted_slots, block_experts = run(ids, num_experts, block_m)
     flat = ids.reshape(-1).cpu().long()
     slots = sorted_slots.cpu().long()
     experts = block_experts.cpu().long()
@@ -112,3 +119,24 @@ def test_align_puts_each_slot_once_in_its_experts_block() -> None:
     used = experts[experts >= 0]
     assert used.tolist() == sorted(used.tolist())  # blocks in expert order, the rest -1
     assert (experts[len(used) :] == -1).all()
+
+
+ALIGN_CASES = [(1, 128, 8, 16), (7, 8, 2, 16), (64, 128, 8, 16), (256, 128, 8, 32), (33, 60, 4, 64)]
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "block_m"), ALIGN_CASES)
+def test_align_in_one_launch_equals_the_torch_ops(
+    num_tokens: int, num_experts: int, top_k: int, block_m: int, skewed: bool
+) -> None:
+    """The one-launch align (decode sizes) writes exactly what the torch version writes: the
+    same padded runs, the slots of an expert in slot order, the same block experts."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    _, ids = routing(num_tokens, num_experts, top_k, skewed, gen)
+    want = align_torch(ids, num_experts, block_m)
+    got = align_in_one_launch(ids, num_experts, block_m)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    assert all(
+        torch.equal(a, b) for a, b in zip(align(ids, num_experts, block_m), got, strict=True)
+    )

@@ -7,8 +7,9 @@ Here the whole layer is four launches whatever the routing, and every shape is s
 inside CUDA graphs:
 
 1. ``align``: the (token, k) slots sorted by expert, each expert's run padded to a multiple of
-   BLOCK_M, so that a block of BLOCK_M sorted rows belongs to one expert (torch ops of fixed sizes:
-   the buffer is sized for the worst case, ``T*K + E*(BLOCK_M-1)`` rows; unused blocks say -1).
+   BLOCK_M, so that a block of BLOCK_M sorted rows belongs to one expert (fixed sizes: the buffer
+   is sized for the worst case, ``T*K + E*(BLOCK_M-1)`` rows; unused blocks say -1). One Triton
+   program up to ALIGN_KERNEL_MAX_SLOTS slots (decode), torch ops above.
 2. ``_gate_up_kernel``: for each block of sorted rows and block of intermediate columns, the
    tokens' rows times that expert's gate and up weights, SiLU(gate) * up written per slot.
 3. ``_down_kernel``: each slot's activation times its expert's down weights, scaled by the
@@ -132,6 +133,59 @@ def _down_kernel(
     tl.store(out_ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _align_kernel(
+    TopkIds,  # [S] expert of each slot
+    SortedSlots,  # [R] out
+    BlockExperts,  # [R // BLOCK_M] out
+    Starts,  # [2 * BLOCK_E] int32 scratch: padded starts, then unpadded starts, per expert
+    num_slots,
+    num_rows,
+    E: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_slots
+    BLOCK_E: tl.constexpr,  # >= E
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,  # rows and blocks written per loop iteration
+):
+    """align() in one program: the experts' counts, their padded runs, and each slot's place,
+    from one sort of (expert, slot) keys, which keeps the slots of an expert in slot order."""
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_slots
+    ids = tl.load(TopkIds + s, mask=s_ok, other=0).to(tl.int32)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.histogram(ids, BLOCK_E, mask=s_ok)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_ends = tl.cumsum(padded, 0)
+    tl.store(Starts + e, padded_ends - padded)
+    tl.store(Starts + BLOCK_E + e, tl.cumsum(counts, 0) - counts)
+    # Padding rows (no slot), and each block's expert: the one whose padded run holds its start.
+    c = tl.arange(0, CHUNK)
+    for r0 in range(0, num_rows, CHUNK):
+        tl.store(SortedSlots + r0 + c, num_slots, mask=r0 + c < num_rows)
+    num_blocks = num_rows // BLOCK_M
+    for b0 in range(0, num_blocks, CHUNK):
+        first_row = (b0 + c) * BLOCK_M
+        ended = (padded_ends[None, :] <= first_row[:, None]) & (e[None, :] < E)
+        expert = tl.sum(ended.to(tl.int32), 1)
+        expert = tl.where(expert < E, expert, -1)
+        tl.store(BlockExperts + b0 + c, expert, mask=b0 + c < num_blocks)
+    tl.debug_barrier()  # padding and starts written before any thread reads or overwrites them
+    keys = tl.where(s_ok, ids * BLOCK_S + s, E * BLOCK_S + s)  # padding keys sort last
+    keys = tl.sort(keys)
+    expert = keys // BLOCK_S
+    slot = keys % BLOCK_S
+    valid = expert < E
+    start = tl.load(Starts + expert, mask=valid, other=0)
+    rank = s - tl.load(Starts + BLOCK_E + expert, mask=valid, other=0)  # s: place in the sort
+    tl.store(SortedSlots + start + rank, slot, mask=valid)
+
+
+# align() runs _align_kernel up to this many (token, k) slots (every decode batch of the presets:
+# 256 tokens x top 8); above it, torch's sort, whose extra launches matter less next to a
+# prefill's GEMMs.
+ALIGN_KERNEL_MAX_SLOTS = 4096
+
+
 def align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +194,43 @@ def align(
     Slot s = t*K + k. Rows of expert e occupy [start_e, start_e + count_e) of the sorted order,
     with start_e a multiple of ``block_m``; padding rows hold S (no slot). Sizes depend only on
     T, K, E and block_m, and nothing syncs with the host, so this is captured in CUDA graphs.
+    One launch up to ALIGN_KERNEL_MAX_SLOTS slots, torch ops above.
     """
+    num_slots = topk_ids.numel()
+    if 0 < num_slots <= ALIGN_KERNEL_MAX_SLOTS:
+        return align_in_one_launch(topk_ids, num_experts, block_m)
+    return align_torch(topk_ids, num_experts, block_m)
+
+
+def _num_rows(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Sorted rows: every slot, plus each expert's run padded by at most block_m - 1."""
+    num_rows = num_slots + num_experts * (block_m - 1)
+    return (num_rows + block_m - 1) // block_m * block_m
+
+
+def align_in_one_launch(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """align() as one Triton launch (the torch version takes about ten)."""
+    flat = topk_ids.reshape(-1).contiguous()
+    num_slots = flat.numel()
+    num_rows = _num_rows(num_slots, num_experts, block_m)
+    block_e = triton.next_power_of_2(num_experts)
+    sorted_slots = torch.empty(num_rows, dtype=torch.int32, device=flat.device)
+    block_experts = torch.empty(num_rows // block_m, dtype=torch.int32, device=flat.device)
+    starts = torch.empty(2 * block_e, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](
+        flat, sorted_slots, block_experts, starts, num_slots, num_rows,
+        E=num_experts, BLOCK_S=triton.next_power_of_2(num_slots), BLOCK_E=block_e,
+        BLOCK_M=block_m, CHUNK=32, num_warps=8,
+    )  # fmt: skip
+    return sorted_slots, block_experts
+
+
+def align_torch(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """align() in torch ops (any number of slots)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     device = flat.device
@@ -153,8 +243,7 @@ def align(
     order = torch.sort(flat, stable=True).indices  # slots by expert, in slot order within one
     sorted_experts = flat[order]
     rank = torch.arange(num_slots, device=device) - count_starts[sorted_experts]
-    num_rows = num_slots + num_experts * (block_m - 1)
-    num_rows = (num_rows + block_m - 1) // block_m * block_m
+    num_rows = _num_rows(num_slots, num_experts, block_m)
     sorted_slots = torch.full((num_rows,), num_slots, dtype=torch.int32, device=device)
     sorted_slots[starts[sorted_experts] + rank] = order.to(torch.int32)
     block_starts = torch.arange(0, num_rows, block_m, device=device)

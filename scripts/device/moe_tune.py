@@ -4,6 +4,10 @@ experts) and print, per token count, the best settings, their time per layer and
 of the expert bytes they read.
 
     python scripts/device/moe_tune.py [--tokens 1,64,256,4096] [--json OUT]
+    python scripts/device/moe_tune.py --align-only
+
+``--align-only`` times just the grouping step (align) per token count, the torch ops against the
+one-launch kernel, each with the fused layer after it at the default tiles.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from engine_core.models import fused_moe as moe_module  # noqa: E402
 from engine_core.models.fused_moe import Blocks, align, block_sizes, fused_moe  # noqa: E402
 
 E, K, H, INTER = 128, 8, 2048, 768
@@ -75,15 +80,45 @@ def sweep(t: int, w13: torch.Tensor, w2: torch.Tensor, hot: int) -> dict:
     return row
 
 
+def align_only(tokens: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Per token count (uniform routing): align's torch ops against its one launch, alone and
+    with the fused layer after it (fused_moe with each align in turn)."""
+    for t in tokens:
+        times = time_aligns(t, w13, w2)
+        print(f"tokens {t:5d}: align " + ", ".join(
+            f"{name} {a * 1e3:.1f} us (layer {b * 1e3:.1f} us)" for name, (a, b) in times.items()
+        ), flush=True)  # fmt: skip
+
+
+def time_aligns(t: int, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[float, float]]:
+    x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(t, E, device="cuda"), -1).topk(K, -1)
+    ids = ids.to(torch.int32)
+    m = block_sizes(t * K, E, INTER).m
+    limit = moe_module.ALIGN_KERNEL_MAX_SLOTS
+    times = {}
+    for name, slots_limit in (("torch", 0), ("one launch", limit)):
+        moe_module.ALIGN_KERNEL_MAX_SLOTS = slots_limit
+        alone = time_ms(lambda: align(ids, E, m))
+        layer = time_ms(lambda: fused_moe(x, w13, w2, weights, ids))
+        times[name] = (alone, layer)
+    moe_module.ALIGN_KERNEL_MAX_SLOTS = limit
+    return times
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,64,256,4096")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--hot", type=int, default=40, help="also sweep routing skewed onto N experts")
+    p.add_argument("--align-only", action="store_true", help="time only the grouping step")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
+    if args.align_only:
+        align_only([int(t) for t in args.tokens.split(",")], w13, w2)
+        return 0
     results = [sweep(int(t), w13, w2, hot) for hot in (0, args.hot) for t in args.tokens.split(",")]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
