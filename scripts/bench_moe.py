@@ -16,6 +16,12 @@ preset's real shapes), serves every run, each with fresh random prompts:
   run's tokens (prefills run eagerly, so the hooks fire), and the distinct experts are counted
   over random groups of B tokens. What uniform routing would give, E (1 - (1 - k/E)^B), is
   printed beside it.
+- **routing**: ``--routing model`` (default) keeps the random-weight routers' own choices, which
+  pile onto few experts (the hidden states of random weights share a large common part);
+  ``--routing uniform`` replaces every router's logits by standard normals, drawn afresh at every
+  step (inside the CUDA graphs too), so that each token takes a uniformly random set of top-k
+  experts: the balance a trained router's load-balancing loss aims for. Both are measured as
+  above; the roofline always counts the experts the run's routing touched.
 - **prefill**: --prefill-requests prompts of --prefill-len tokens at once, one output token each;
   the achieved TFLOP/s are (2 x active parameters per token x tokens + causal attention FLOPs)
   over the time to the last first token, as a share of the GPU's dense bf16 peak (--peak-tflops,
@@ -78,6 +84,7 @@ class Report:
     bandwidth: float
     dense_bytes: int
     expert_bytes: int
+    routing: str  # "model": the random routers' own choices; "uniform": standard-normal logits
     decode: list[DecodeResult] = field(default_factory=list)
     prefill: dict[str, float] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)  # one decode step, --profile-batch
@@ -163,6 +170,25 @@ def is_router(name: str, module: nn.Module, num_experts: int) -> bool:
     )
 
 
+def uniform_routing(num_experts: int, hidden: int) -> Any:
+    """Replace every MoE router's logits [T, E] by standard normals, for modules built from now
+    on too: a global forward hook, which must be in place before the engine captures its CUDA
+    graphs (they then draw fresh normals at every replay). Returns the hook's handle."""
+
+    def draw(module: nn.Module, args: Any, logits: Any) -> Any:
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(weight, torch.Tensor)
+            and tuple(weight.shape) == (num_experts, hidden)
+            and isinstance(logits, torch.Tensor)
+            and logits.shape[-1] == num_experts
+        ):
+            return torch.randn_like(logits)
+        return None
+
+    return torch.nn.modules.module.register_module_forward_hook(draw)
+
+
 # ---- the runs ------------------------------------------------------------------------------------
 
 
@@ -197,9 +223,11 @@ def bench(args: argparse.Namespace) -> Report:
     config = PRESETS[args.model]
     bandwidth = measure_hbm_bandwidth(args.device)
     dense_bytes, expert_bytes = split_bytes(config)
-    report = Report(args.model, device_name(), bandwidth, dense_bytes, expert_bytes)
+    report = Report(args.model, device_name(), bandwidth, dense_bytes, expert_bytes, args.routing)
     sizes = f"dense weights {dense_bytes / 2**30:.2f} GiB, an expert {expert_bytes / 2**20:.1f} MiB"
     print(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s; {sizes}", flush=True)
+    if args.routing == "uniform":
+        uniform_routing(config.num_experts, config.hidden_size)
     core = EngineCore(engine_config(args.model, args))
     vocab = core.model_config.vocab_size
     seed = iter(range(1, 1000))
@@ -254,7 +282,7 @@ def format_report(report: Report, argv: list[str]) -> str:
     lines = [
         f"{report.gpu}, {time.strftime('%Y-%m-%d %H:%M')}",
         f"command: python {shlex.join([sys.argv[0], *argv])}",
-        f"model {report.model} (random bf16 weights), HBM copy bandwidth "
+        f"model {report.model} (random bf16 weights, {report.routing} routing), HBM copy bandwidth "
         f"{report.bandwidth / 1e12:.2f} TB/s",
         "",
         "| batch | tok/s | TPOT p50 ms | experts touched / layer (uniform) | bytes / step | "
@@ -285,6 +313,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--batches", default="1,64,256", type=lambda s: [int(b) for b in s.split(",")])
+    p.add_argument(
+        "--routing",
+        choices=("model", "uniform"),
+        default="model",
+        help="model: the random routers' own choices; uniform: each token's top-k drawn "
+        "uniformly at random every step (a load-balanced router)",
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill-requests", type=int, default=64)
