@@ -25,6 +25,7 @@ from engine_core.models.fused_moe import (  # noqa: E402
     align_in_one_launch,
     align_torch,
     fused_moe,
+    route_topk,
 )
 
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -121,7 +122,15 @@ def test_align_puts_each_slot_once_in_its_experts_block(one_launch: bool) -> Non
     assert (experts[len(used) :] == -1).all()
 
 
-ALIGN_CASES = [(1, 128, 8, 16), (7, 8, 2, 16), (64, 128, 8, 16), (256, 128, 8, 32), (33, 60, 4, 64)]
+# (tokens, experts, top_k, block_m); 512 x 8 = 4,096 slots, the one launch's largest.
+ALIGN_CASES = [
+    (1, 128, 8, 16),
+    (7, 8, 2, 16),
+    (64, 128, 8, 16),
+    (256, 128, 8, 32),
+    (33, 60, 4, 64),
+    (512, 128, 8, 16),
+]
 
 
 @pytest.mark.parametrize("skewed", [False, True])
@@ -140,3 +149,26 @@ def test_align_in_one_launch_equals_the_torch_ops(
     assert all(
         torch.equal(a, b) for a, b in zip(align(ids, num_experts, block_m), got, strict=True)
     )
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k"), [(1, 128, 8), (37, 60, 4), (5, 8, 2), (3, 8, 1)]
+)
+def test_route_topk_equals_the_torch_routing(
+    num_tokens: int, num_experts: int, top_k: int, renormalize: bool
+) -> None:
+    """The one-launch router (softmax, top-k, renormalisation) picks K distinct experts whose
+    probabilities are the K largest, largest first, with torch's weights to float32 rounding.
+    (Between equal probabilities, which bf16 logits often give, either choice is a top-k: it
+    takes the lower expert, torch's topk may not.)"""
+    gen = torch.Generator().manual_seed(num_tokens)
+    logits = (torch.randn(num_tokens, num_experts, generator=gen) * 3).to(DTYPE).to(DEVICE)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top = probs.topk(top_k, dim=-1).values
+    want_w = top / top.sum(dim=-1, keepdim=True) if renormalize else top
+    got_w, got_ids = route_topk(logits, top_k, renormalize)
+    ids = got_ids.long()
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    torch.testing.assert_close(probs.gather(1, ids), top, atol=0, rtol=0)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)

@@ -3,8 +3,9 @@
 The torch path of an MoE layer (engine_core/models/moe.py) loops over experts on the host, which
 costs a launch or more per expert and a host sync; at decode, where a batch of 64 tokens with top 8
 of 128 experts touches most experts with a handful of rows each, that loop dominates the step.
-Here the whole layer is four launches whatever the routing, and every shape is static, so it runs
-inside CUDA graphs:
+Here the whole layer is five launches whatever the routing at decode sizes (the router's top-k,
+the grouping, the two GEMMs, the combine), and every shape is static, so it runs inside CUDA
+graphs:
 
 1. ``align``: the (token, k) slots sorted by expert, each expert's run padded to a multiple of
    BLOCK_M, so that a block of BLOCK_M sorted rows belongs to one expert (fixed sizes: the buffer
@@ -14,7 +15,10 @@ inside CUDA graphs:
    tokens' rows times that expert's gate and up weights, SiLU(gate) * up written per slot.
 3. ``_down_kernel``: each slot's activation times its expert's down weights, scaled by the
    slot's routing weight, written per slot.
-4. the combine: the K slots of each token summed (a torch sum, in a fixed order).
+4. ``_combine_kernel``: the K slots of each token summed in float32, in slot order.
+
+The routing itself (softmax, top-k, renormalisation) is ``route_topk``, one launch, which
+moe.route takes on CUDA.
 
 Weights are stored as the MoE layer keeps them: ``w13 [E, 2*I, H]`` (gate rows, then up rows)
 and ``w2 [E, H, I]``. Accumulation is float32; the activation is rounded to the input dtype
@@ -131,6 +135,78 @@ def _down_kernel(
     out_ptrs = Out + slots[:, None].to(tl.int64) * stride_os + cols[None, :]
     out = (acc * weight[:, None]).to(Out.dtype.element_ty)
     tl.store(out_ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _route_kernel(
+    Logits,  # [T, E]
+    Weights,  # [T, K] float32 out
+    Ids,  # [T, K] int32 out
+    stride_l,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """Program t: the softmax of token t's router logits in float32, its K largest entries
+    (largest first; a tie goes to the lower expert) and, with RENORMALIZE, those K weights
+    divided by their sum: moe.route's torch ops in one launch."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(Logits + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    chosen = tl.zeros([BLOCK_E], dtype=tl.float32)  # the K weights at their experts, else 0
+    total = 0.0
+    for k in tl.static_range(K):
+        w = tl.max(p, 0)
+        idx = tl.min(tl.where(p == w, e, BLOCK_E), 0)  # the lowest expert holding the max
+        tl.store(Ids + t * K + k, idx)
+        chosen = tl.where(e == idx, w, chosen)
+        p = tl.where(e == idx, -1.0, p)  # below any probability: not chosen again
+        total += w
+    if RENORMALIZE:
+        chosen = chosen / total
+    # The weights in the order their experts were chosen: the k-th is the k-th largest.
+    for k in tl.static_range(K):
+        idx = tl.load(Ids + t * K + k)
+        tl.store(Weights + t * K + k, tl.sum(tl.where(e == idx, chosen, 0.0), 0))
+
+
+def route_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.route on CUDA in one launch: (weights [T, K] float32, expert ids [T, K] int32)."""
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    _route_kernel[(num_tokens,)](
+        logits, weights, ids, logits.stride(0), E=num_experts,
+        BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, RENORMALIZE=renormalize,
+        num_warps=1 if num_experts <= 256 else 4,
+    )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
+def _combine_kernel(
+    Slots,  # [T * K, H]: each (token, k) slot's weighted expert output
+    Out,  # [T, H]
+    hidden,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Out[t] = sum over k of Slots[t * K + k] in float32, k in order, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(Slots + (t * K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -317,5 +393,10 @@ def fused_moe(
         PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    # Summed in float32 in slot order: the same order the torch path adds the experts in.
-    return out.view(num_tokens, top_k, hidden).to(torch.float32).sum(1).to(x.dtype)
+    # Summed in float32 in slot order (the order the torch path adds the experts in), one launch.
+    combined = torch.empty_like(x)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
+    )
+    return combined

@@ -114,8 +114,13 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters):
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64): the top-k of
-    the softmax, renormalised to sum to one where the model does so (HF's numerics)."""
+    """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K]): the top-k of the
+    softmax, renormalised to sum to one where the model does so (HF's numerics). On CUDA one
+    Triton launch (fused_moe.route_topk, int32 ids), elsewhere torch's ops (int64 ids)."""
+    if use_triton(logits) and logits.dim() == 2:
+        from engine_core.models.fused_moe import route_topk  # imports triton
+
+        return route_topk(logits, top_k, renormalize)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:
