@@ -171,7 +171,8 @@ def measures(
 
 
 def median_run(repeats: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median speed, with every run's speed beside it (``repeat_speeds``)."""
+    """The run of median speed (the upper middle one for an even count), with every run's
+    speed beside it (``repeat_speeds``)."""
     speeds = [m.get("prefill_tok_s", m["tok_s"]) for m in repeats]
     median = sorted(range(len(repeats)), key=lambda i: speeds[i])[len(repeats) // 2]
     return {**repeats[median], "repeat_speeds": speeds}
@@ -213,6 +214,13 @@ def format_report(results: list[VariantResult], argv: list[str], bandwidth: floa
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-8b", choices=sorted(PRESETS))
@@ -221,7 +229,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--long-prompt-len", type=int, default=3800)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument(
-        "--repeats", type=int, default=3, help="measured runs per workload (the median is shown)"
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="measured runs per workload (the median is shown)",
     )
     p.add_argument("--profile", action="store_true", help="profile a decode-64 step per variant")
     p.add_argument(

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -170,10 +171,14 @@ def is_router(name: str, module: nn.Module, num_experts: int) -> bool:
     )
 
 
-def uniform_routing(num_experts: int, hidden: int) -> Any:
+def uniform_routing(num_experts: int, hidden: int) -> RemovableHandle:
     """Replace every MoE router's logits [T, E] by standard normals, for modules built from now
     on too: a global forward hook, which must be in place before the engine captures its CUDA
-    graphs (they then draw fresh normals at every replay). Returns the hook's handle."""
+    graphs (they then draw fresh normals at every replay). Returns the hook's handle.
+
+    Its costs are in the figures it produces: one normal-sampling launch a layer in every decode
+    step (a few microseconds each, so the uniform rows are slightly pessimistic at batch 1), and
+    every eager module call (the prefills) going through torch's hooked call path."""
 
     def draw(module: nn.Module, args: Any, logits: Any) -> Any:
         weight = getattr(module, "weight", None)

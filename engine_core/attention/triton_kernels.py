@@ -769,5 +769,7 @@ def prefill_launch(head_dim: int, kv_fp8: bool) -> PrefillLaunch:
     llama-8b's heads (scripts/device/prefill_attention_bench.py, docs/benchmarks.md): over an
     e4m3 cache, 64 keys an iteration took 1.79 ms for 4 prompts of 3,800 tokens against 2.26
     with 32, and 1.07 against 1.35 for 8 of 2,048; over a bf16 cache the two were within 3% of
-    each other (1.84 / 1.89 and 1.13 / 1.12 ms), so it keeps 32 at head dim 128."""
-    return PrefillLaunch(block_n=64 if head_dim <= 64 or kv_fp8 else 32)
+    each other (1.84 / 1.89 and 1.13 / 1.12 ms), so it keeps 32 at head dim 128. Larger heads
+    (Gemma 3's 256) keep 32 keys either way: 64 was not measured there, and its tiles would
+    hold twice the registers and shared memory."""
+    return PrefillLaunch(block_n=64 if head_dim <= 64 or (kv_fp8 and head_dim <= 128) else 32)

@@ -11,7 +11,8 @@
   at a time, so every step multiplies its fp8 tile product by one activation scale per row and one
   weight scale per column tile.
 
-Everything is CUDA-graph safe: no host synchronisation, launches depend on shapes only. Importing
+Everything is CUDA-graph safe: no host synchronisation; launches depend on shapes and, for the
+skinny GEMM's TMA path, on the operands' alignment, which a graph's static buffers keep. Importing
 this module imports triton: only the CUDA branch of models/fp8.py (and GPU tests) may.
 """
 
@@ -160,6 +161,8 @@ def silu_and_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     the rows' e4m3 form is read back from the row just written (L2), not from a second pass."""
     rows, width = gate_up.shape
     n = width // 2
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     q = torch.empty((rows, n), dtype=FP8_DTYPE, device=gate_up.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
@@ -497,7 +500,8 @@ def tma_loads_fit(a: torch.Tensor, w: torch.Tensor) -> bool:
     if not hopper_or_later(a.device):
         return False
     return all(
-        t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (a, w)
+        t.data_ptr() % 16 == 0 and t.stride(0) > 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1
+        for t in (a, w)
     )
 
 

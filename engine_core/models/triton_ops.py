@@ -74,8 +74,11 @@ def _quantize_row(y, q_ptrs, scale_ptr, mask):
 
 @functools.cache
 def hopper_or_later(device: torch.device) -> bool:
-    """sm_90+: TMA and programmatic dependent launch (griddepcontrol) exist from Hopper on."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """NVIDIA sm_90+: TMA and programmatic dependent launch (griddepcontrol) exist from Hopper
+    on (a ROCm GPU reports its own major version, 9 on MI300, and has neither)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def launches_dependents(x: torch.Tensor) -> bool:
