@@ -151,10 +151,12 @@ def test_align_in_one_launch_equals_the_torch_ops(
     )
 
 
+# (tokens, experts, top_k): E not a power of two, E > 256 (4 warps), K = 1 and K = E.
+ROUTE_CASES = [(1, 128, 8), (37, 60, 4), (5, 8, 2), (3, 8, 1), (4, 320, 8), (2, 8, 8)]
+
+
 @pytest.mark.parametrize("renormalize", [False, True])
-@pytest.mark.parametrize(
-    ("num_tokens", "num_experts", "top_k"), [(1, 128, 8), (37, 60, 4), (5, 8, 2), (3, 8, 1)]
-)
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), ROUTE_CASES)
 def test_route_topk_equals_the_torch_routing(
     num_tokens: int, num_experts: int, top_k: int, renormalize: bool
 ) -> None:
@@ -172,3 +174,15 @@ def test_route_topk_equals_the_torch_routing(
     assert all(len(set(row)) == top_k for row in ids.tolist())
     torch.testing.assert_close(probs.gather(1, ids), top, atol=0, rtol=0)
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+
+
+def test_route_topk_breaks_ties_to_the_lower_expert_and_keeps_nan_rows_in_range() -> None:
+    """Equal logits pick experts 0..K-1 in order, with equal weights; a row with a NaN logit
+    gets NaN weights (as torch's softmax gives) and ids that are valid experts."""
+    logits = torch.zeros(2, 12, dtype=DTYPE)
+    logits[1, 5] = float("nan")
+    weights, ids = route_topk(logits.to(DEVICE), 4, True)
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(weights[0].cpu(), torch.full((4,), 0.25))
+    assert ((ids[1] >= 0) & (ids[1] < 12)).all()
+    assert torch.isnan(weights[1]).all()

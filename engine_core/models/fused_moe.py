@@ -146,31 +146,33 @@ def _route_kernel(
     E: tl.constexpr,
     BLOCK_E: tl.constexpr,
     K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
     """Program t: the softmax of token t's router logits in float32, its K largest entries
     (largest first; a tie goes to the lower expert) and, with RENORMALIZE, those K weights
-    divided by their sum: moe.route's torch ops in one launch."""
+    divided by their sum: moe.route's torch ops in one launch. The K choices stay in registers
+    and are stored once. A row with NaN (or +inf) logits gets NaN weights, as torch gives, and
+    ids that stay in range."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(Logits + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    chosen = tl.zeros([BLOCK_E], dtype=tl.float32)  # the K weights at their experts, else 0
-    total = 0.0
+    p = tl.div_rn(p, tl.sum(p, 0))
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k in tl.static_range(K):
         w = tl.max(p, 0)
         idx = tl.min(tl.where(p == w, e, BLOCK_E), 0)  # the lowest expert holding the max
-        tl.store(Ids + t * K + k, idx)
-        chosen = tl.where(e == idx, w, chosen)
+        idx = tl.minimum(idx, E - 1)  # NaN matches nothing: stay in range
+        ids = tl.where(kk == k, idx, ids)
+        weights = tl.where(kk == k, w, weights)
         p = tl.where(e == idx, -1.0, p)  # below any probability: not chosen again
-        total += w
     if RENORMALIZE:
-        chosen = chosen / total
-    # The weights in the order their experts were chosen: the k-th is the k-th largest.
-    for k in tl.static_range(K):
-        idx = tl.load(Ids + t * K + k)
-        tl.store(Weights + t * K + k, tl.sum(tl.where(e == idx, chosen, 0.0), 0))
+        weights = tl.div_rn(weights, tl.sum(tl.where(kk < K, weights, 0.0), 0))
+    tl.store(Ids + t * K + kk, ids, mask=kk < K)
+    tl.store(Weights + t * K + kk, weights, mask=kk < K)
 
 
 def route_topk(
@@ -185,7 +187,8 @@ def route_topk(
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     _route_kernel[(num_tokens,)](
         logits, weights, ids, logits.stride(0), E=num_experts,
-        BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(num_experts), K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         num_warps=1 if num_experts <= 256 else 4,
     )  # fmt: skip
     return weights, ids
@@ -393,7 +396,7 @@ def fused_moe(
         PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    # Summed in float32 in slot order (the order the torch path adds the experts in), one launch.
+    # Summed in float32 in slot order (a fixed order, so a token's sum never varies), one launch.
     combined = torch.empty_like(x)
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
