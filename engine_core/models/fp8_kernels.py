@@ -23,12 +23,18 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from engine_core.models.triton_ops import hopper_or_later, launches_dependents
+from engine_core.models.triton_ops import (
+    e4m3_clamped,
+    e4m3_scale,
+    hopper_or_later,
+    launches_dependents,
+    silu_mul,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
-# The kernels write these constants inline: e4m3's largest value (448) and the smallest scale
-# (1e-12, so a row of zeros still gets a finite, positive one), as models/fp8.py's FP8_MAX and
-# MIN_SCALE.
+# The kernels take these constants from triton_ops' e4m3_scale and e4m3_clamped: e4m3's largest
+# value (448) and the smallest scale (1e-12, so a row of zeros still gets a finite, positive one),
+# as models/fp8.py's FP8_MAX and MIN_SCALE.
 
 
 # ---- activation quantizers -----------------------------------------------------------------------
@@ -59,9 +65,9 @@ def _quantize_rows_kernel(
     if STATIC:
         scale = tl.load(StaticScale)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
+        scale = e4m3_scale(tl.max(tl.abs(x), 0))
         tl.store(Scale + row * tl.num_programs(1) + group, scale)
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    q = e4m3_clamped(x, scale)
     tl.store(Out + row * stride_o + cols, q.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -135,17 +141,17 @@ def _silu_and_mul_quant_kernel(
         mask = cols < N
         gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
-        out = (gate / (1.0 + tl.exp(-gate)) * up).to(Out.dtype.element_ty)
+        out = silu_mul(gate, up).to(Out.dtype.element_ty)
         tl.store(Out + row * stride_o + cols, out, mask=mask)
         amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+    scale = e4m3_scale(tl.max(amax, 0))
     tl.store(Scale + row, scale)
     tl.debug_barrier()  # the row's activations, written above, are read back by every thread
     for c0 in range(0, N, BLOCK):
         cols = c0 + offs
         mask = cols < N
         x = tl.load(Out + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -448.0, 448.0)
+        q = e4m3_clamped(x, scale)
         tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
 
 

@@ -67,9 +67,30 @@ def _rms_norm_kernel(
 def _quantize_row(y, q_ptrs, scale_ptr, mask):
     """Store a whole row y (float32) as e4m3 with its absmax / 448 scale: what
     fp8_kernels.quantize_per_token computes from the stored row, so fused and unfused agree."""
-    scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, 1e-12)
+    scale = e4m3_scale(tl.max(tl.abs(y), 0))
     tl.store(scale_ptr, scale)
-    tl.store(q_ptrs, tl.clamp(y / scale, -448.0, 448.0).to(q_ptrs.dtype.element_ty), mask=mask)
+    tl.store(q_ptrs, e4m3_clamped(y, scale).to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+# The expressions that every kernel quantizing per token (and every SiLU-and-mul) shares: the
+# fused and the separate launches give the same bits only while they compute exactly this.
+@triton.jit
+def e4m3_scale(absmax):
+    """A row's scale from its largest magnitude: absmax / 448 (e4m3's largest value), at least
+    1e-12 so that a row of zeros still gets a finite, positive one."""
+    return tl.maximum(absmax / 448.0, 1e-12)
+
+
+@triton.jit
+def e4m3_clamped(x, scale):
+    """x / scale in e4m3's range (float32, for the caller's cast)."""
+    return tl.clamp(x / scale, -448.0, 448.0)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up, both float32."""
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @functools.cache
@@ -214,7 +235,7 @@ def _silu_and_mul_kernel(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.
     mask = cols < N
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    out = silu_mul(gate, up)
     tl.store(Out + row * stride_o + cols, out.to(Out.dtype.element_ty), mask=mask)
 
 
