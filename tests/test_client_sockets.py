@@ -14,6 +14,7 @@ import os
 import random
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -409,7 +410,12 @@ def test_async_leaving_a_group_early_aborts_the_rest(
             assert client.num_requests == 0
             async for out in client.generate("next", [4], PARAMS):  # served as before
                 assert out.new_token_ids == [4]
-            assert engine.aborted == ["early"]  # sent before "next", so the engine has it
+            # The abort goes out from a task the client spawns (abort() never blocks), so it can
+            # follow "next" onto the socket: wait for the engine's thread to have read it.
+            deadline = time.monotonic() + 5
+            while not engine.aborted and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert engine.aborted == ["early"]
 
     asyncio.run(main())
 
