@@ -327,8 +327,7 @@ class Scheduler:
             return None  # aborted while its step ran
         start = request.num_computed_tokens
         request.num_computed_tokens = end = start + scheduled.num_new_tokens
-        if end // self._block_size > start // self._block_size:  # see _update_planned
-            self.block_manager.cache_computed_blocks(request, end)
+        self._cache_full_blocks(request, start, end)
         if token is None:
             return None
         if request.grammar is not None and not request.grammar.accept(token):
@@ -338,6 +337,14 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
         return EngineOutput(request, [token], reason)
+
+    def _cache_full_blocks(self, request: Request, start: int, end: int) -> None:
+        """Register the blocks that tokens [start, end) filled, with the prefix cache. A block
+        can only have filled if the chunk reached a block's end: a decode step asks the block
+        manager once every block_size steps, not every step (a skipped call could only delay a
+        registration to the next one, which registers every full block it finds)."""
+        if end // self._block_size > start // self._block_size:
+            self.block_manager.cache_computed_blocks(request, end)
 
     def _update_planned(
         self, scheduled: ScheduledRequest, token: int | None
@@ -353,14 +360,10 @@ class Scheduler:
         status = request.status
         if status == RequestStatus.FINISHED:
             return None  # finished or aborted while this step ran: its row is void
-        start = scheduled.start
-        end = start + scheduled.num_new_tokens
-        # Tokens [0, end) are real and their KV is in (or on its way to) the cache. A block can
-        # only have filled if this chunk reached a block's end: a decode step asks the block
-        # manager once every block_size steps, not every step (a skipped call could only delay
-        # a registration to the next one, which registers every full block it finds).
-        if status == RequestStatus.RUNNING and end // self._block_size > start // self._block_size:
-            self.block_manager.cache_computed_blocks(request, end)
+        end = scheduled.start + scheduled.num_new_tokens
+        # Tokens [0, end) are real and their KV is in (or on its way to) the cache.
+        if status == RequestStatus.RUNNING:
+            self._cache_full_blocks(request, scheduled.start, end)
         if token is None:
             return None
         if request.grammar is not None and not request.grammar.accept(token):
