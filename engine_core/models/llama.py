@@ -177,19 +177,13 @@ def fuse_fp8_quantizers(model: nn.Module) -> int:
             layer.input_layernorm.quantize_output = True
             fused += 1
         mlp = layer.mlp  # a mixture of experts is left alone: its router reads the norm
+        if not isinstance(mlp, LlamaMLP):
+            continue
         norm = layer.post_attention_layernorm
-        if (
-            isinstance(mlp, LlamaMLP)
-            and isinstance(norm, RMSNorm)
-            and takes_fp8_rows(mlp.gate_up_proj)
-        ):
+        if isinstance(norm, RMSNorm) and takes_fp8_rows(mlp.gate_up_proj):
             norm.quantize_output = True
             fused += 1
-        if (
-            isinstance(mlp, LlamaMLP)
-            and mlp.act_and_mul is silu_and_mul
-            and takes_fp8_rows(mlp.down_proj)
-        ):
+        if mlp.act_and_mul is silu_and_mul and takes_fp8_rows(mlp.down_proj):
             mlp.quantize_act = True
             fused += 1
     return fused
