@@ -70,6 +70,7 @@ class InputBatch:
             capacity(max_num_tokens, max_num_seqs, prefill_block_m(max_num_tokens)),
         )
         self._next = 0
+        self._last: _Layout | None = None  # the last packed step's layout (``last_step``)
         self._allocate(self._capacity)
         # The runner's GPU timing of the next step (step stats), or None: the input copy and
         # the placeholder gather are its first stretch.
@@ -162,8 +163,7 @@ class InputBatch:
         host = self._host_buffer(layout.nbytes)
 
         def view(name: str) -> np.ndarray:
-            start, count, dtype = layout.sections[name]
-            return host[start : start + count * dtype.itemsize].view(dtype)
+            return layout.host_view(host, name)
 
         seq_lens = starts + lens  # [B]
         if decode_only:
@@ -196,14 +196,46 @@ class InputBatch:
         view("seq_lens")[:] = seq_lens
         if tiles is not None:
             view("prefill_tiles")[:] = tiles.reshape(-1)
+        self._last = layout
+        return self._upload(layout, host, prev_sampled, sampling, out_positions)
+
+    def last_step(self) -> tuple[tuple[int, ...], bytes]:
+        """The last packed step as ``unpack`` rebuilds it on another tensor-parallel rank: its
+        layout's counts and its host bytes (every field but the placeholders' ids, which each
+        rank gathers from its own copy of the previous step's sampled ids)."""
+        layout = self._last
+        assert layout is not None, "no step packed yet"
+        return layout.counts, self._host[self._next][: layout.nbytes].tobytes()
+
+    def unpack(
+        self, counts: tuple[int, ...], data: bytes, prev_sampled: torch.Tensor | None
+    ) -> PackedInputs:
+        """Another rank's ``last_step`` as this rank's device tensors (no sampling rows: only
+        rank 0 samples)."""
+        layout = _Layout(*counts)
+        if len(data) != layout.nbytes:
+            raise ValueError(f"a step of {len(data)} bytes for a layout of {layout.nbytes}")
+        host = self._host_buffer(layout.nbytes)
+        host[: layout.nbytes] = np.frombuffer(data, dtype=np.uint8)
+        return self._upload(layout, host, prev_sampled, [], [])
+
+    def _upload(
+        self,
+        layout: _Layout,
+        host: np.ndarray,
+        prev_sampled: torch.Tensor | None,
+        sampling: list[Request],
+        out_positions: list[int],
+    ) -> PackedInputs:
+        """Copy a filled host buffer to the device; the views, the placeholders' gather and the
+        attention metadata (its host lists read back from the buffer)."""
         dev = self._copy_to_device(layout.nbytes)
 
         def device_view(name: str) -> torch.Tensor:
-            start, count, dtype = layout.sections[name]
-            return dev[start : start + count * dtype.itemsize].view(_TORCH[dtype.char])
+            return layout.device_view(dev, name)
 
         input_ids = device_view("input_ids")
-        if num_gather:
+        if layout.count("gather_dst"):
             if prev_sampled is None:
                 raise RuntimeError("a placeholder token with no previous step to take it from")
             src = prev_sampled.index_select(0, device_view("gather_src"))
@@ -211,17 +243,19 @@ class InputBatch:
         if self.timeline is not None:
             self.timeline.end()
             self.timeline = None
-        query_start_list = query_start.tolist()
-        seq_lens_list = seq_lens.tolist()
+        query_start = layout.host_view(host, "query_start_loc")  # [B + 1]
+        seq_lens = layout.host_view(host, "seq_lens")  # [B]
+        num_seqs, width = len(seq_lens), layout.width
+        num_tiles = layout.count("prefill_tiles")
         meta = AttentionMetadata(
             slot_mapping=device_view("slot_mapping"),
             query_start_loc=device_view("query_start_loc"),
             seq_lens=device_view("seq_lens"),
             block_tables=device_view("block_tables").view(num_seqs, width),
-            max_query_len=max(len_list),
-            max_seq_len=max(seq_lens_list),
-            query_start_loc_cpu=query_start_list,
-            seq_lens_cpu=seq_lens_list,
+            max_query_len=int(np.diff(query_start).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
             prefill_tiles=device_view("prefill_tiles").view(-1, 2) if num_tiles else None,
         )
         return PackedInputs(
@@ -264,7 +298,7 @@ _TORCH = {_I64.char: torch.int64, _I32.char: torch.int32}
 
 class _Layout:
     """Byte offsets of one step's sections, each 16-byte aligned (a uint8 view reinterpreted
-    as int64 must at least start at a multiple of 8)."""
+    as int64 must at least start at a multiple of 8). ``counts`` rebuild it on another rank."""
 
     def __init__(
         self,
@@ -275,6 +309,8 @@ class _Layout:
         width: int,
         num_tiles: int = 0,
     ) -> None:
+        self.counts = (num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles)
+        self.width = width
         counts = (
             ("input_ids", num_tokens, _I64),
             ("positions", num_tokens, _I64),
@@ -295,6 +331,17 @@ class _Layout:
             # offsets that move with the batch's shape would compile extra variants.
             offset += -(-count * dtype.itemsize // 16) * 16
         self.nbytes = offset
+
+    def count(self, name: str) -> int:
+        return self.sections[name][1]
+
+    def host_view(self, buf: np.ndarray, name: str) -> np.ndarray:
+        start, count, dtype = self.sections[name]
+        return buf[start : start + count * dtype.itemsize].view(dtype)
+
+    def device_view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        start, count, dtype = self.sections[name]
+        return buf[start : start + count * dtype.itemsize].view(_TORCH[dtype.char])
 
 
 def _packed_bytes(

@@ -55,6 +55,7 @@ class ModelInputs:
     # [P] int64: the rows whose logits score prompt tokens (prompt logprobs), or None. Every
     # tensor-parallel rank computes their logits too (the projection is a collective).
     prompt_rows: torch.Tensor | None = None
+    prompt_rows_cpu: list[int] | None = None  # the same rows on the host
 
 
 @dataclass
@@ -293,18 +294,18 @@ class ModelRunner:
         """Flatten the scheduled requests into one batch of tokens and attention metadata."""
         packed = self.input_batch.pack(out, self._prev_rows, self._prev_sampled)
         self._output_positions = packed.output_positions
-        prompt_rows = None
+        rows: list[int] = []
         self._scoring = None
         if out.prompt_logprob_seqs:
             rows, self._scoring = plan_prompt_scoring(out, packed.meta.query_start_loc_cpu)
-            prompt_rows = torch.tensor(rows, dtype=torch.int64).to(self.device) if rows else None
         return ModelInputs(
             input_ids=packed.input_ids,
             positions=packed.positions,
             meta=packed.meta,
             logits_indices=packed.logits_indices,
             sampling_requests=packed.sampling_requests,
-            prompt_rows=prompt_rows,
+            prompt_rows=prompt_rows_on(rows, self.device),
+            prompt_rows_cpu=rows or None,
         )
 
     @torch.inference_mode()
@@ -354,6 +355,7 @@ class ModelRunner:
             sampled = self.sampler(logits, requests, self._output_positions, bitmask)
         # The next step gathers its placeholder ids from here, on the device.
         self._prev_sampled = sampled.token_ids
+        self._share_sampled(sampled.token_ids)
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
         with stats.phase("to_host"):
             step = self._to_host(out, sampled, requests, timeline)
@@ -362,6 +364,10 @@ class ModelRunner:
         if timeline is not None:
             timeline.end()  # the sampler's stretch ends with the copy back
         return self._timed(step)
+
+    def _share_sampled(self, token_ids: torch.Tensor) -> None:
+        """Hand a step's sampled ids [S] to whoever else gathers placeholders from them: nobody
+        here; the other ranks under tensor parallelism (engine_core/tp_runner.py)."""
 
     def _score_prompts(
         self, hidden: torch.Tensor, rows: torch.Tensor, scoring: PromptScoring
@@ -450,6 +456,11 @@ class ModelRunner:
         if step.logprobs is None:
             return RunnerOutput(token_ids, [None] * len(token_ids))
         return RunnerOutput(token_ids, _logprobs_per_row(step.logprobs, step.sampling_requests))
+
+
+def prompt_rows_on(rows: list[int] | None, device: torch.device) -> torch.Tensor | None:
+    """The rows that score prompt tokens as a [P] int64 tensor on ``device`` (None: no rows)."""
+    return torch.tensor(rows, dtype=torch.int64).to(device) if rows else None
 
 
 def plan_prompt_scoring(

@@ -6,8 +6,8 @@ process itself (it schedules and samples), ranks 1..N-1 are workers it spawns
 torch.distributed groups:
 
 - the device group (NCCL on CUDA, gloo on the CPU) for the tensors of a forward: the all-reduce
-  after every row-parallel layer and the vocabulary-parallel embedding, and the gather of the
-  logits shards to rank 0;
+  after every row-parallel layer and the vocabulary-parallel embedding, the gather of the
+  logits shards to rank 0, and rank 0's sampled ids to the other ranks;
 - a gloo group for the small host-side header rank 0 broadcasts before each step. Workers wait in
   it while the engine is idle, so it gets a long timeout; the device group keeps the default one.
 
@@ -54,6 +54,11 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
         dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into ``x`` on every rank (same shape and dtype everywhere); returns it."""
+        dist.broadcast(x, src=0, group=self.device_group)
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:

@@ -15,10 +15,14 @@ also die with the engine process (PR_SET_PDEATHSIG); ``shutdown()`` stops them c
 by itself at interpreter exit. On CUDA each rank captures its own decode graphs (the collectives
 inside them), in the same order, since every rank runs the same ModelRunner set-up.
 
-Each step's inputs cross as a msgpack header (every non-tensor field, and each tensor's name,
-dtype and shape) broadcast over the gloo group, then one flat device tensor per dtype broadcast
-over the device group. No pickle: the header is plain msgpack data, and a worker's start-up
-arguments are plain values (the EngineConfig as a dict).
+Each step's inputs cross as the host bytes rank 0 packed them in (engine_core/input_batch.py),
+in one msgpack message broadcast over the gloo group while the GPUs still run the step before;
+each worker copies them to its own GPU as rank 0 does, so no input broadcast waits on the
+devices. The one thing that exists only on rank 0's GPU, the ids it sampled (the next step's
+placeholder tokens, with overlap), follows right after its sampler as one [S] int64 broadcast
+over the device group, which each worker gathers its placeholders from, as rank 0 does. No
+pickle: the header is plain msgpack data, and a worker's start-up arguments are plain values
+(the EngineConfig as a dict).
 """
 
 from __future__ import annotations
@@ -34,16 +38,15 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgpack
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine_core.attention.base import AttentionMetadata
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.model_runner import (
     PROMPT_LOGITS_ROWS,
     ModelInputs,
     ModelRunner,
+    prompt_rows_on,
     resolve_device,
 )
 from engine_core.parallel import (
@@ -72,38 +75,25 @@ WORKER_LOST_EXIT_CODE = 70  # EX_SOFTWARE: the engine core ended itself, a worke
 
 
 class StepChannel:
-    """Rank 0 -> workers: each step's ModelInputs (sampling requests excepted: workers never
-    sample) as a msgpack header over the gloo group plus one flat tensor per dtype."""
+    """Rank 0 -> workers, over the gloo group: each step's packed inputs (the layout's counts and
+    the host bytes, ``InputBatch.last_step``) and the rows that score prompt tokens."""
 
-    def __init__(self, tp: TPGroup, device: torch.device) -> None:
+    def __init__(self, tp: TPGroup) -> None:
         self.tp = tp
-        self.device = device
 
-    def send(self, inputs: ModelInputs) -> None:
-        fields, tensors = split_fields(inputs)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors.values():
-            by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
-        specs = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors.items()]
-        self._send_header(_STEP, msgpack.packb([fields, specs], default=plain))
-        for parts in by_dtype.values():
-            dist.broadcast(torch.cat(parts), src=0, group=self.tp.device_group)
+    def send(self, counts: tuple[int, ...], data: bytes, prompt_rows: list[int] | None) -> None:
+        self._send_header(_STEP, msgpack.packb([list(counts), data, prompt_rows]))
 
     def send_stop(self) -> None:
         self._send_header(_STOP, b"")
 
-    def recv(self) -> ModelInputs | None:
-        """The next step's inputs on this worker's device; None when rank 0 stops."""
+    def recv(self) -> StepMessage | None:
+        """The next step as rank 0 sent it; None when rank 0 stops."""
         header = self._recv_header()
         if header is None:
             return None
-        fields, specs = msgpack.unpackb(header)
-        tensors = self._recv_tensors(specs)
-        meta_fields = {k.removeprefix("meta."): v for k, v in fields.items() if k[:5] == "meta."}
-        meta_tensors = {k.removeprefix("meta."): v for k, v in tensors.items() if k[:5] == "meta."}
-        top = {k: v for k, v in {**fields, **tensors}.items() if not k.startswith("meta.")}
-        meta = AttentionMetadata(**meta_fields, **meta_tensors)
-        return ModelInputs(meta=meta, sampling_requests=[], **top)
+        counts, data, prompt_rows = msgpack.unpackb(header)
+        return StepMessage(tuple(counts), data, prompt_rows)
 
     def _send_header(self, kind: int, payload: bytes) -> None:
         size = torch.tensor([kind, len(payload)], dtype=torch.int64)
@@ -122,53 +112,12 @@ class StepChannel:
         dist.broadcast(buf, src=0, group=self.tp.cpu_group)
         return buf.numpy().tobytes()
 
-    def _recv_tensors(self, specs: list[list[Any]]) -> dict[str, torch.Tensor]:
-        by_dtype: dict[str, list[tuple[str, list[int]]]] = {}
-        for name, dtype, shape in specs:
-            by_dtype.setdefault(dtype, []).append((name, shape))
-        out: dict[str, torch.Tensor] = {}
-        for dtype, entries in by_dtype.items():  # the order rank 0 sent them in
-            sizes = [int(np.prod(shape)) for _, shape in entries]
-            flat = torch.empty(sum(sizes), dtype=parse_dtype(dtype), device=self.device)
-            dist.broadcast(flat, src=0, group=self.tp.device_group)
-            for (name, shape), part in zip(entries, flat.split(sizes), strict=True):
-                out[name] = part.view(shape)
-        return out
 
-
-def split_fields(inputs: ModelInputs) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """ModelInputs (and its AttentionMetadata, as "meta.*") -> (host fields, tensors)."""
-    fields: dict[str, Any] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    items = [(f.name, getattr(inputs, f.name)) for f in dataclasses.fields(inputs)]
-    meta = inputs.meta
-    items += [(f"meta.{f.name}", getattr(meta, f.name)) for f in dataclasses.fields(meta)]
-    for name, value in items:
-        if name in ("meta", "sampling_requests"):
-            continue
-        if isinstance(value, torch.Tensor):
-            tensors[name] = value
-        else:
-            fields[name] = value
-    return fields, tensors
-
-
-def plain(value: object) -> object:
-    """msgpack's fallback for numpy values among the host fields."""
-    if isinstance(value, np.generic | np.ndarray):
-        return value.tolist()
-    raise TypeError(f"a step header cannot carry {type(value).__name__}")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a step header")
-    return dtype
+@dataclasses.dataclass(frozen=True)
+class StepMessage:
+    counts: tuple[int, ...]  # the packed step's layout (InputBatch.unpack)
+    data: bytes  # its host bytes
+    prompt_rows: list[int] | None  # rows whose logits score prompt tokens, or None
 
 
 # ---- the runners ------------------------------------------------------------------------------
@@ -199,7 +148,8 @@ class TPModelRunner(_ShardedRunner):
         try:
             wait_for_workers(store, self.workers)
             self.watch = WorkerWatch(self.workers)  # from here on, collectives with them
-            self.tp = join_tp_group(store, 0, size, resolve_device(config.device))
+            device = resolve_device(config.device)
+            self.tp = join_tp_group(store, 0, size, device)
             super().__init__(config)
         except BaseException:
             if self.watch is not None:
@@ -207,7 +157,7 @@ class TPModelRunner(_ShardedRunner):
             stop_processes(self.workers, timeout=0.0)  # they would wait for rank 0 forever
             leave_tp_group()
             raise
-        self.channel = StepChannel(self.tp, self.device)
+        self.channel = StepChannel(self.tp)
         # A weak reference: the finalizer must not keep the runner alive (it runs at exit too).
         args = (weakref.ref(self), self.channel, self.workers, self.watch)
         self._finalizer = weakref.finalize(self, shut_down, *args)
@@ -215,8 +165,11 @@ class TPModelRunner(_ShardedRunner):
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         inputs = super().prepare_inputs(out)
-        self.channel.send(inputs)
+        self.channel.send(*self.input_batch.last_step(), inputs.prompt_rows_cpu)
         return inputs
+
+    def _share_sampled(self, token_ids: torch.Tensor) -> None:
+        self.tp.broadcast_from_driver(token_ids)  # the workers' next placeholders
 
     def shutdown(self) -> None:
         """Stop the workers and leave the group (idempotent; also runs at interpreter exit)."""
@@ -228,23 +181,38 @@ class TPWorker(_ShardedRunner):
 
     def __init__(self, config: EngineConfig, rank: int, store: dist.TCPStore) -> None:
         device = resolve_device(config.device)
-        self.tp = join_tp_group(store, rank, config.tensor_parallel_size, device)
+        size = config.tensor_parallel_size
+        self.tp = join_tp_group(store, rank, size, device)
         super().__init__(config)
-        self.channel = StepChannel(self.tp, self.device)
+        self.channel = StepChannel(self.tp)
 
     def serve(self) -> None:
-        while (inputs := self.channel.recv()) is not None:
-            self.follow(inputs)
+        while (step := self.channel.recv()) is not None:
+            self.follow(step)
 
     @torch.inference_mode()
-    def follow(self, inputs: ModelInputs) -> None:
-        """Rank 0's execute() without the sampling: the same collectives in the same order."""
-        hidden = self._forward(inputs)  # [T, hidden]
-        if inputs.prompt_rows is not None:  # rank 0 scores prompt tokens in these slices
-            for part in inputs.prompt_rows.split(PROMPT_LOGITS_ROWS):
+    def follow(self, step: StepMessage) -> None:
+        """Rank 0's launch() without the sampling: the same collectives in the same order."""
+        packed = self.input_batch.unpack(step.counts, step.data, self._prev_sampled)
+        hidden = self._forward(
+            ModelInputs(
+                input_ids=packed.input_ids,
+                positions=packed.positions,
+                meta=packed.meta,
+                logits_indices=packed.logits_indices,
+                sampling_requests=[],
+            )
+        )  # [T, hidden]
+        prompt_rows = prompt_rows_on(step.prompt_rows, self.device)
+        if prompt_rows is not None:  # rank 0 scores prompt tokens in these slices
+            for part in prompt_rows.split(PROMPT_LOGITS_ROWS):
                 self.model.compute_logits(hidden[part])
-        if inputs.logits_indices.numel():
-            self.model.compute_logits(hidden[inputs.logits_indices])
+        num_sampled = packed.logits_indices.numel()
+        self._prev_sampled = None
+        if num_sampled:
+            self.model.compute_logits(hidden[packed.logits_indices])
+            ids = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+            self._prev_sampled = self.tp.broadcast_from_driver(ids)  # rank 0's sampled ids
 
 
 def shut_down(

@@ -30,7 +30,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from engine_core.llm import LLM
+from engine_core.llm import LLM, CompletionOutput
 from engine_core.models.layers import (
     ColumnParallelLinear,
     Linear,
@@ -110,8 +110,8 @@ def case(
     return folder, reference
 
 
-def generate(folder: Path, tp: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens and the chosen tokens' logprobs, run through the offline API."""
+def run_llm(folder: Path, tp: int, params: SamplingParams) -> list[CompletionOutput]:
+    """PROMPTS through the offline API at tensor-parallel size ``tp``."""
     llm = LLM(
         str(folder),
         tensor_parallel_size=tp,
@@ -120,10 +120,15 @@ def generate(folder: Path, tp: int) -> tuple[list[list[int]], list[list[float]]]
         **ENGINE_ARGS,
     )
     try:
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
-        outs = llm.generate(PROMPTS, params, detokenize=False)
+        return llm.generate(PROMPTS, params, detokenize=False)
     finally:
         llm.engine.shutdown()
+
+
+def generate(folder: Path, tp: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and the chosen tokens' logprobs, run through the offline API."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    outs = run_llm(folder, tp, params)
     return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
 
 
@@ -136,6 +141,22 @@ def test_tp2_matches_tp1_and_hf(case: tuple[Path, list[list[int]]]) -> None:
     # The whole distribution crossed the gather intact, not just its argmax.
     torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), atol=1e-4, rtol=0)
     assert get_tp_group().size == 1, "the group outlived its engine"
+
+
+def test_tp2_scores_prompt_tokens_like_tp1(tmp_path: Path) -> None:
+    """Prompt logprobs under tensor parallelism: rank 0 sends the scored rows with each step and
+    every rank projects them (the logits gather is a collective), in 16-token chunks here."""
+    write_model("llama", tmp_path)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    scored = []
+    for tp in (1, 2):
+        outs = run_llm(tmp_path, tp, params)
+        scored.append([[lp.logprob for lp in o.prompt_logprobs or []] for o in outs])
+    assert (
+        [len(s) for s in scored[1]] == [len(s) for s in scored[0]] == [len(p) - 1 for p in PROMPTS]
+    )
+    flat1, flat2 = (torch.tensor([lp for s in one for lp in s]) for one in scored)
+    torch.testing.assert_close(flat2, flat1, atol=1e-4, rtol=0)
 
 
 def test_tp1_builds_the_plain_layers(tmp_path: Path) -> None:
