@@ -12,6 +12,7 @@ from typing import Any
 
 QUANTIZATION_METHODS = ("fp8",)  # --quantization values
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values; "fp8" is e4m3
+TP_ALL_REDUCES = ("auto", "nccl")  # --tp-all-reduce values
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,9 @@ class EngineConfig:
     step_stats: bool = False  # per-step host/GPU timing, logged periodically (step_stats.py)
     nvtx: bool = False  # NVTX ranges around the parts of each step, for Nsight Systems
     tensor_parallel_size: int = 1  # processes (GPUs) one engine core shards the model over
+    # "auto": small all-reduces over peer-to-peer GPU memory where the GPUs allow it, NCCL for
+    # the rest (engine_core/peer_all_reduce.py); "nccl": NCCL for all of them.
+    tp_all_reduce: str = "auto"
     data_parallel_size: int = 1  # engine cores behind one `tandem serve` (frontend only)
     quantization: str | None = None  # "fp8": quantize a bf16/fp16/fp32 checkpoint as it loads
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 with per-layer scales
@@ -152,6 +156,11 @@ class EngineConfig:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; choose one of "
                 f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(
+                f"--tp-all-reduce {self.tp_all_reduce!r} is not supported; choose one of "
+                f"{', '.join(TP_ALL_REDUCES)}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:

@@ -7,7 +7,9 @@ torch.distributed groups:
 
 - the device group (NCCL on CUDA, gloo on the CPU) for the tensors of a forward: the all-reduce
   after every row-parallel layer and the vocabulary-parallel embedding, the gather of the
-  logits shards to rank 0, and rank 0's sampled ids to the other ranks;
+  logits shards to rank 0, and rank 0's sampled ids to the other ranks. On GPUs that reach each
+  other's memory, all-reduces of up to 4 MiB (a decode step's) take the
+  one-shot peer all-reduce instead of NCCL (engine_core/peer_all_reduce.py);
 - a gloo group for the small host-side header rank 0 broadcasts before each step. Workers wait in
   it while the engine is idle, so it gets a long timeout; the device group keeps the default one.
 
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from engine_core.config import ModelConfig
+from engine_core.peer_all_reduce import PeerAllReduce, PeerSumArgs, make_peer_all_reduce
 
 HOST = "127.0.0.1"
 # Workers block in the header broadcast while the engine has nothing to do; that is not a fault.
@@ -45,6 +48,7 @@ class TPGroup:
     size: int = 1
     device_group: Any = None  # torch ProcessGroup for the forward's tensors
     cpu_group: Any = None  # gloo ProcessGroup for host-side headers
+    peer: PeerAllReduce | None = None  # the one-shot all-reduce for small tensors, or None
 
     @property
     def is_driver(self) -> bool:
@@ -53,6 +57,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer.all_reduce(x)
         dist.all_reduce(x, group=self.device_group)
         return x
 
@@ -81,6 +87,31 @@ class TPGroup:
         return int(t.item())
 
 
+@dataclass(frozen=True)
+class PendingSum:
+    """A row-parallel layer's output before its all-reduce: this rank's share of the sum.
+
+    Only a layer whose output goes straight into an RMSNorm with the residual returns one
+    (models/llama.py ``defer_row_parallel_sums``): that norm sums the ranks' rows in its own
+    launch where the peer all-reduce's norm kernel takes them, else it all-reduces them first.
+    """
+
+    partial: torch.Tensor  # [T, hidden]
+    tp: TPGroup
+
+    def reduced(self) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial)
+
+    def for_norm(self) -> tuple[torch.Tensor, PeerSumArgs | None]:
+        """(this rank's rows, what the norm kernel needs to sum them over the ranks), or (the
+        summed rows, None) where the kernel cannot take them."""
+        peer = self.tp.peer
+        args = (
+            peer.norm_args(self.partial) if peer is not None and self.partial.dim() == 2 else None
+        )
+        return (self.partial, args) if args is not None else (self.reduced(), None)
+
+
 SINGLE = TPGroup()
 _current = SINGLE
 
@@ -103,9 +134,17 @@ def connect_store(port: int, world_size: int) -> dist.TCPStore:
 
 
 def join_tp_group(
-    store: dist.TCPStore, rank: int, world_size: int, device: torch.device
+    store: dist.TCPStore,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    all_reduce: str = "auto",
 ) -> TPGroup:
-    """Join the engine core's group (blocks until every rank has joined) and make it current."""
+    """Join the engine core's group (blocks until every rank has joined) and make it current.
+
+    ``all_reduce``: "auto" sets up the one-shot peer all-reduce where the GPUs allow it (a
+    collective: every rank passes the same value), "nccl" leaves every all-reduce to NCCL.
+    """
     global _current
     if dist.is_initialized():
         raise RuntimeError(
@@ -117,7 +156,10 @@ def join_tp_group(
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    _current = TPGroup(rank, world_size, dist.group.WORLD, cpu_group)
+    peer = None
+    if device.type == "cuda" and all_reduce == "auto":
+        peer = make_peer_all_reduce(dist.group.WORLD, device, world_size)
+    _current = TPGroup(rank, world_size, dist.group.WORLD, cpu_group, peer)
     return _current
 
 

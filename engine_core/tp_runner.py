@@ -149,7 +149,7 @@ class TPModelRunner(_ShardedRunner):
             wait_for_workers(store, self.workers)
             self.watch = WorkerWatch(self.workers)  # from here on, collectives with them
             device = resolve_device(config.device)
-            self.tp = join_tp_group(store, 0, size, device)
+            self.tp = join_tp_group(store, 0, size, device, config.tp_all_reduce)
             super().__init__(config)
         except BaseException:
             if self.watch is not None:
@@ -182,7 +182,7 @@ class TPWorker(_ShardedRunner):
     def __init__(self, config: EngineConfig, rank: int, store: dist.TCPStore) -> None:
         device = resolve_device(config.device)
         size = config.tensor_parallel_size
-        self.tp = join_tp_group(store, rank, size, device)
+        self.tp = join_tp_group(store, rank, size, device, config.tp_all_reduce)
         super().__init__(config)
         self.channel = StepChannel(self.tp)
 

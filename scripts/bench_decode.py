@@ -139,6 +139,7 @@ def engine_config(
     enforce_eager: bool,
     overlap: bool = True,
     tensor_parallel_size: int = 1,
+    tp_all_reduce: str = "auto",
 ) -> EngineConfig:
     """Room for the workload's sequences, a short max_model_len bound, no memory-sized cache."""
     block_size = 16
@@ -154,6 +155,7 @@ def engine_config(
         enforce_eager=enforce_eager,
         async_scheduling=overlap,
         tensor_parallel_size=tensor_parallel_size,
+        tp_all_reduce=tp_all_reduce,
     )
 
 
@@ -179,7 +181,7 @@ def run_inproc(core: Any, work: Workload, vocab: int, tag: str) -> RunResult:
     return summarize("inproc", start, list(times.values()))
 
 
-def profile_decode_step(core: Any, work: Workload, vocab: int) -> dict[str, Any]:
+def profile_decode_step(core: Any, work: Workload, vocab: int, top: int = 6) -> dict[str, Any]:
     """Where one steady decode step's time goes, with the overlapped loop and the simple one
     (``sync_*`` keys): graph replay alone, GPU kernel time per step under the profiler, the whole
     engine step, and the engine's own step stats (host ms per part, GPU ms per step from CUDA
@@ -188,14 +190,16 @@ def profile_decode_step(core: Any, work: Workload, vocab: int) -> dict[str, Any]
     for overlap in (True, False):
         prefix = "" if overlap else "sync_"
         core.set_async_scheduling(overlap)
-        for key, value in profile_one_loop(core, work, vocab).items():
+        for key, value in profile_one_loop(core, work, vocab, top=top).items():
             result[prefix + key] = value
     core.set_async_scheduling(True)
     result.update(time_graph_replay(core, work.num_requests))
     return result
 
 
-def profile_one_loop(core: Any, work: Workload, vocab: int, steps: int = 100) -> dict[str, Any]:
+def profile_one_loop(
+    core: Any, work: Workload, vocab: int, steps: int = 100, top: int = 6
+) -> dict[str, Any]:
     """Three windows of steady decode steps: plain (the step period, nothing instrumented), with
     step stats (host ms per part, GPU ms and idle from CUDA events), and under the profiler
     (kernel time per step; the profiler slows the host, so its busy share is taken against the
@@ -230,7 +234,7 @@ def profile_one_loop(core: Any, work: Workload, vocab: int, steps: int = 100) ->
             "profiled_step_ms": profiled_ms,
             "gpu_kernel_ms_per_step": kernel_ms,
             "gpu_busy_pct": 100 * kernel_ms / plain_ms,
-            "top_kernels": top_kernels(prof, profiled),
+            "top_kernels": top_kernels(prof, profiled, count=top),
         }
     )
     return result
@@ -262,8 +266,10 @@ def step_stats_window(core: Any, steps: int) -> dict[str, float]:
 
 
 def time_graph_replay(core: Any, batch: int) -> dict[str, float]:
+    """The decode graph replayed alone. Not under tensor parallelism: the graph holds
+    collectives, and replaying it on rank 0 alone would wait for the other ranks for ever."""
     graphs = getattr(core.runner, "graph_runner", None)
-    if graphs is None or batch not in graphs.graphs:
+    if graphs is None or batch not in graphs.graphs or core.config.tensor_parallel_size > 1:
         return {}
     graph = graphs.graphs[batch]
     for _ in range(3):
@@ -288,15 +294,21 @@ def bench_inproc(name: str, work: Workload, args: argparse.Namespace, result: Mo
     start = time.perf_counter()
     core = EngineCore(
         engine_config(
-            name, work, args.device, args.enforce_eager, args.overlap, args.tensor_parallel_size
-        )
+            name,
+            work,
+            args.device,
+            args.enforce_eager,
+            args.overlap,
+            args.tensor_parallel_size,
+            args.tp_all_reduce,
+        )  # fmt: skip
     )
     result.startup_s = time.perf_counter() - start
     vocab = core.model_config.vocab_size
     run_inproc(core, work.shorter(16, seed=1), vocab, "warmup")
     result.runs.append(run_inproc(core, work, vocab, "main"))
     if args.profile and args.device != "cpu":
-        result.step_profile = profile_decode_step(core, work, vocab)
+        result.step_profile = profile_decode_step(core, work, vocab, args.top_kernels)
     del core
 
 
@@ -312,8 +324,9 @@ def engine_process(
 
     address = str(private_ipc_address())
     config = engine_config(
-        name, work, args.device, args.enforce_eager, args.overlap, args.tensor_parallel_size
-    )
+        name, work, args.device, args.enforce_eager, args.overlap, args.tensor_parallel_size,
+        args.tp_all_reduce,
+    )  # fmt: skip
     command = [sys.executable, __file__, "engine", "--address", address, "--log-level", "WARNING"]
     command += [
         f"--model={config.model}",
@@ -323,6 +336,7 @@ def engine_process(
         f"--max-num-seqs={config.max_num_seqs}",
         f"--max-num-batched-tokens={config.max_num_batched_tokens}",
         f"--tensor-parallel-size={config.tensor_parallel_size}",
+        f"--tp-all-reduce={config.tp_all_reduce}",
     ]
     if config.enforce_eager:
         command.append("--enforce-eager")
@@ -556,6 +570,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hf-output-len", type=int, default=64)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument(
+        "--top-kernels", type=int, default=6, help="kernels listed per profiled step"
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
         "--no-overlap",
@@ -574,6 +591,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=1,
         help="GPUs per engine core (one worker process per extra rank; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tp-all-reduce",
+        default="auto",
+        choices=["auto", "nccl"],
+        help="with --tensor-parallel-size > 1: the engine's --tp-all-reduce (default: %(default)s)",
     )
     parser.add_argument("--engine-start-timeout", type=float, default=300.0)
     parser.add_argument("--json", type=Path, default=None, help="write all results here")

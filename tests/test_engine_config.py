@@ -58,3 +58,10 @@ def test_a_negative_prefill_graph_cap_is_refused() -> None:
     with pytest.raises(ValueError, match="max_prefill_graph_tokens must be 0"):
         EngineConfig(max_prefill_graph_tokens=-1)
     EngineConfig(max_prefill_graph_tokens=0)  # 0 turns prefill graphs off
+
+
+def test_an_unknown_tp_all_reduce_is_refused() -> None:
+    with pytest.raises(ValueError, match="--tp-all-reduce 'custom' is not supported; choose one"):
+        EngineConfig(tp_all_reduce="custom")
+    for value in ("auto", "nccl"):
+        EngineConfig(tp_all_reduce=value)

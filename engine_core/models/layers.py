@@ -32,7 +32,7 @@ from engine_core.models.fp8 import (
     quantize_rows,
     weight_scale_shape,
 )
-from engine_core.parallel import SINGLE, TPGroup
+from engine_core.parallel import SINGLE, PendingSum, TPGroup
 
 # An HF checkpoint name -> (our parameter name, shard index in a merged parameter or None),
 # or None for a checkpoint entry the model does not use (rotary caches, a tied lm_head).
@@ -70,11 +70,16 @@ class RMSNorm(nn.Module):
         self.quantize_output = False
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | PendingSum, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize x [..., N] over its last dim. With ``residual`` (x's shape), normalize
         ``x + residual`` instead and return (normed, x + residual): the block's residual add
-        rides in the next norm, one launch on CUDA."""
+        rides in the next norm, one launch on CUDA. ``x`` may be a row-parallel layer's
+        PendingSum (tensor parallelism): the same launch then sums it over the ranks first where
+        the peer all-reduce's norm kernel takes it."""
+        peer = None
+        if isinstance(x, PendingSum):
+            x, peer = x.for_norm() if residual is not None else (x.reduced(), None)
         if use_triton(x):
             # The kernel rounds the normalized x to x's dtype before scaling, as Llama does;
             # Gemma scales first. Identical in float32, within one rounding in bf16.
@@ -82,7 +87,7 @@ class RMSNorm(nn.Module):
             rows, res = as_rows(x), residual_rows(residual)
             ops = triton_ops()
             fp8 = ops.fp8_rows(*rows.shape, rows.device) if self.quantize_output else None
-            out = as_shape(ops.rms_norm(rows, weight, self.eps, res, fp8), x.shape)
+            out = as_shape(ops.rms_norm(rows, weight, self.eps, res, fp8, peer), x.shape)
             if fp8 is not None:
                 attach_fp8_rows(out[0] if isinstance(out, tuple) else out, fp8)
             return out
@@ -125,7 +130,7 @@ class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters, same torch numerics) that can take the residual add in."""
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | PendingSum, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize x [..., N]; with ``residual`` (x's shape), normalize ``x + residual`` and
         return (normed, x + residual), one launch on CUDA."""
@@ -495,9 +500,15 @@ class RowParallelLinear(Linear, TPSharded):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(check_divisible("projection input", in_features, tp), out_features, bias)
         self.tp = tp
+        # Set (bias-less layers only) where the output goes straight into an RMSNorm with the
+        # residual, which then does the all-reduce (models/llama.py defer_row_parallel_sums).
+        self.defer_sum = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.matmul(x))  # [T, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSum:
+        partial = self.matmul(x)  # [T, out]
+        if self.defer_sum:
+            return PendingSum(partial, self.tp)
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
     def make_fp8(self, config: Fp8Config) -> None:

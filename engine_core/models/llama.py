@@ -31,6 +31,7 @@ from engine_core.models.layers import (
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     check_divisible,
     lm_head,
     load_mapped_weights,
@@ -187,6 +188,30 @@ def fuse_fp8_quantizers(model: nn.Module) -> int:
             mlp.quantize_act = True
             fused += 1
     return fused
+
+
+def defer_row_parallel_sums(model: nn.Module) -> int:
+    """Under tensor parallelism with the peer all-reduce (engine_core/peer_all_reduce.py), let a
+    Llama-layout layer's o_proj and a dense MLP's down_proj leave their all-reduce to the RMSNorm
+    that takes their output next, with the residual: the post-attention norm, and the next
+    layer's input norm or the final norm. That norm then sums the ranks' rows in its own launch,
+    one launch and one pass over the rows fewer per all-reduce. Returns how many were deferred."""
+    deferred = 0
+    for llama in model.modules():
+        if not isinstance(llama, LlamaModel):
+            continue
+        if any(type(layer) is not LlamaDecoderLayer for layer in llama.layers):
+            continue  # other layouts (Gemma 3) normalize a sublayer's output without a residual
+        for layer in llama.layers:
+            projections = [layer.self_attn.o_proj]
+            if isinstance(layer.mlp, LlamaMLP):  # a mixture of experts sums its own output
+                projections.append(layer.mlp.down_proj)
+            for proj in projections:
+                peer = isinstance(proj, RowParallelLinear) and proj.tp.peer is not None
+                if peer and proj.bias is None:
+                    proj.defer_sum = True
+                    deferred += 1
+    return deferred
 
 
 class LlamaModel(nn.Module):

@@ -13,10 +13,16 @@ may do so. Set ``TRITON_INTERPRET=1`` before the import to run these kernels on 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
 import triton.language as tl
+
+from engine_core.peer_all_reduce_kernel import peer_sum
+
+if TYPE_CHECKING:
+    from engine_core.peer_all_reduce import PeerSumArgs
 
 
 @triton.jit
@@ -38,6 +44,15 @@ def _rms_norm_kernel(
     QScale,
     QUANTIZE: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
+    Peers,
+    Counters,
+    peer_half_elems,
+    peer_data_offset,
+    peer_signal_offset,
+    peer_slot_elems,
+    PEER_SUM: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         # The FP8 GEMM after this norm may start now (programmatic dependent launch): it pulls
@@ -47,6 +62,14 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if PEER_SUM:
+        # x is this rank's share of a row-parallel layer's output: first its all-reduce, rounded
+        # to the activations' dtype as the separate all-reduce's output is
+        # (engine_core/peer_all_reduce_kernel.py).
+        x = peer_sum(
+            x, row * peer_slot_elems + cols, mask, row, Peers, Counters, peer_half_elems,
+            peer_data_offset, peer_signal_offset, RANK, WORLD,
+        ).to(x.dtype)  # fmt: skip
     if HAS_RESIDUAL:
         # The sum is rounded to the activations' dtype first, as the unfused `h = h + out` is.
         x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(
@@ -120,10 +143,13 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
     fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp8_rows(T, N)
+    peer: PeerSumArgs | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or of ``x + residual``: then returns (normed, x + residual), one launch.
     With ``fp8_out`` the same launch also quantizes each normed row into it (per-token e4m3,
-    as fp8_kernels.quantize_per_token would from the normed output)."""
+    as fp8_kernels.quantize_per_token would from the normed output). With ``peer`` (tensor
+    parallelism) x is this rank's share of the rows, summed over the ranks first, in the same
+    launch (engine_core/peer_all_reduce.py ``norm_args``)."""
     num_rows, n = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out
@@ -150,9 +176,24 @@ def rms_norm(
         QScale=q_scale,
         QUANTIZE=fp8_out is not None,
         LAUNCH_DEPENDENTS=fp8_out is not None and launches_dependents(x),
+        **_peer_sum_args(x, peer),
         num_warps=min(max(block // 512, 1), 8),
     )
     return out if residual is None else (out, res_out)
+
+
+def _peer_sum_args(x: torch.Tensor, peer: PeerSumArgs | None) -> dict[str, Any]:
+    """The norm kernel's arguments for summing its input over the ranks (dummies without)."""
+    if peer is None:
+        return dict(
+            Peers=x, Counters=x, peer_half_elems=0, peer_data_offset=0, peer_signal_offset=0,
+            peer_slot_elems=0, PEER_SUM=False, RANK=0, WORLD=1,
+        )  # fmt: skip
+    return dict(
+        Peers=peer.peers, Counters=peer.counters, peer_half_elems=peer.half_elems,
+        peer_data_offset=peer.data_offset, peer_signal_offset=peer.signal_offset,
+        peer_slot_elems=peer.slot_elems, PEER_SUM=True, RANK=peer.rank, WORLD=peer.world,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -1,0 +1,163 @@
+"""One-shot all-reduce over peer-to-peer device memory, for the small tensors of decode.
+
+A tensor-parallel decode step all-reduces a [batch, hidden] activation twice a layer (llama-8b:
+64 times a step, 512 KiB each at batch 64). NCCL's ring all-reduce spends most of its time on
+latency at that size (18 us on two H100s, inside a CUDA graph). Here each rank copies its tensor
+into a buffer that every rank of the group has mapped, the ranks meet at a barrier on flags in
+that memory, and each rank sums every rank's copy straight over NVLink: one kernel with one
+barrier (engine_core/peer_all_reduce_kernel.py), whose addresses are fixed at start-up, so it is
+captured in the CUDA graphs.
+
+The buffer and its mappings are PyTorch's symmetric memory (``torch.distributed.
+_symmetric_memory``: CUDA IPC handles exchanged once through the group's store). NVLink
+multicast is never used, nor asked for: the GPU machines forbid it (it can take a shared host's
+GPUs out of service), and the kernel needs only peer loads and stores.
+
+Tensors over ``max_bytes``, other dtypes, non-contiguous ones, and groups whose GPUs cannot reach
+each other's memory take NCCL (``TPGroup.all_reduce``). ``scripts/device/all_reduce_bench.py``
+measures where NCCL catches up.
+
+The same protocol also runs inside the RMSNorm kernel (``norm_args``): a row-parallel layer
+whose output feeds the next residual add and norm leaves its sum to that norm (a ``PendingSum``,
+engine_core/parallel.py), which adds the ranks' rows, the residual, and normalizes in one launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("tandem.tp")
+
+# The largest tensor the plain kernel sums: 512 programs of 8 KiB. Every program of a launch
+# must be resident at once (a program waits for its peers, never for a program of its own rank
+# that could not be scheduled): so also at most 4 a multiprocessor (4 warps each, few registers).
+DEFAULT_MAX_BYTES = 4 * 2**20
+PLAIN_PROGRAMS_PER_SM = 4
+# The most rows the norm kernel sums, one program (up to 8 warps) a row: also at most one a
+# multiprocessor, for the same reason (132 on an H100: decode batches up to 132 fuse).
+MAX_NORM_ROWS = 256
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class PeerSumArgs(NamedTuple):
+    """What a kernel calling ``peer_sum`` (peer_all_reduce_kernel.py) needs for one family."""
+
+    peers: torch.Tensor  # [world] int64 buffer addresses
+    counters: torch.Tensor  # [programs] int64
+    half_elems: int  # elements of the tensor's dtype in each half of the family's data area
+    data_offset: int  # bytes
+    signal_offset: int  # bytes
+    slot_elems: int  # elements of one program's slot (the norm family: one row's)
+    rank: int
+    world: int
+
+
+class PeerAllReduce:
+    """Sum a tensor over the ranks of ``group`` in place, through symmetric memory.
+
+    Building one is a collective: every rank of the group must build it, in the same order
+    relative to the group's other collectives.
+    """
+
+    def __init__(
+        self, group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from engine_core import peer_all_reduce_kernel as kernel
+
+        # Never NVLink multicast (see the module docstring); torch reads this at rendezvous.
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed by older torch, deprecated (a no-op) in newer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(group.group_name)
+        self.rank, self.world = group.rank(), group.size()
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_bytes = min(max_bytes, PLAIN_PROGRAMS_PER_SM * sms * kernel.CHUNK_BYTES)
+        self.max_norm_rows = min(MAX_NORM_ROWS, sms)
+        programs = kernel.programs_for(self.max_bytes)
+        # [plain data: 2 halves | norm data: 2 halves | plain flags | norm flags]; the flags
+        # are [programs, world] int64 each.
+        self.norm_data_offset = 2 * self.max_bytes
+        self.signal_offset = self.norm_data_offset + 2 * MAX_NORM_ROWS * kernel.ROW_BYTES
+        self.norm_signal_offset = self.signal_offset + programs * self.world * 8
+        total = self.norm_signal_offset + MAX_NORM_ROWS * self.world * 8
+        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group)  # maps every peer's buffer
+        shift = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # the same on every rank
+        self.peers = torch.tensor(
+            [ptr + shift for ptr in handle.buffer_ptrs], dtype=torch.int64, device=device
+        )  # [world]
+        self.counters = torch.zeros(programs, dtype=torch.int64, device=device)  # [programs]
+        self.norm_counters = torch.zeros(MAX_NORM_ROWS, dtype=torch.int64, device=device)
+        self.buffer[self.signal_offset :].zero_()
+        # Every rank's flags are zero before any rank's first flag can land in them.
+        torch.cuda.synchronize(device)
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        torch.cuda.synchronize(device)
+        self._kernel = kernel.one_shot_all_reduce
+        self._row_bytes = kernel.ROW_BYTES
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` takes this path (the same answer on every rank for the same shape)."""
+        nbytes = x.numel() * x.element_size()
+        return x.dtype in DTYPES and 0 < nbytes <= self.max_bytes and x.is_contiguous()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it. Only for tensors that ``fits``."""
+        half_elems = self.max_bytes // x.element_size()
+        return self._kernel(
+            x, self.peers, self.counters, half_elems, self.signal_offset, self.rank, self.world
+        )
+
+    def norm_args(self, rows: torch.Tensor) -> PeerSumArgs | None:
+        """What the RMSNorm kernel needs to sum ``rows`` [T, N] over the ranks first, or None
+        where they do not fit it (too many rows, too wide, a dtype it lacks)."""
+        fits = (
+            rows.dtype in DTYPES
+            and 0 < rows.shape[0] <= self.max_norm_rows
+            and rows.shape[1] * rows.element_size() <= self._row_bytes
+        )
+        if not fits:
+            return None
+        size = rows.element_size()
+        return PeerSumArgs(
+            self.peers,
+            self.norm_counters,
+            MAX_NORM_ROWS * self._row_bytes // size,
+            self.norm_data_offset,
+            self.norm_signal_offset,
+            self._row_bytes // size,
+            self.rank,
+            self.world,
+        )
+
+
+def peers_reachable(size: int) -> bool:
+    """Whether every GPU of ranks 0..size-1 can read every other's memory (NVLink or PCIe P2P)."""
+    if torch.cuda.device_count() < size:
+        return False
+    pairs = [(a, b) for a in range(size) for b in range(size) if a != b]
+    return all(torch.cuda.can_device_access_peer(a, b) for a, b in pairs)
+
+
+def make_peer_all_reduce(group: Any, device: torch.device, size: int) -> PeerAllReduce | None:
+    """A PeerAllReduce for ``group`` where the GPUs allow one, else None (NCCL does it all).
+
+    Every rank reaches the same answer (the checks read the same devices), so either all build
+    one (a collective) or none does.
+    """
+    if not peers_reachable(size):
+        logger.info("GPUs without peer access: every all-reduce goes through NCCL")
+        return None
+    peer = PeerAllReduce(group, device)
+    logger.info("one-shot peer all-reduce up to %d KiB, NCCL above", peer.max_bytes // 1024)
+    return peer
