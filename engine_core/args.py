@@ -34,8 +34,9 @@ _HELP = {
     "tensor_parallel_size": "processes (one per GPU) that one engine core shards the model over: "
     "heads, KV heads, MLP and vocabulary split across them (gloo on the CPU, NCCL on CUDA)",
     "tp_all_reduce": "with --tensor-parallel-size > 1 on GPUs: 'auto' sums tensors of up to 4 MiB "
-    "(a decode step's activations) with a one-shot all-reduce over peer-to-peer GPU memory "
-    "where every GPU can reach the others', NCCL for the rest; 'nccl' uses NCCL for all",
+    "(a decode step's activations) with a one-shot all-reduce over peer-to-peer GPU memory, "
+    "and fuses it into the next RMSNorm, where every GPU reaches the others' memory with "
+    "native atomics (NVLink); NCCL for the rest; 'nccl' uses NCCL for all",
     "quantization": "'fp8': quantize the checkpoint's weights to FP8 (e4m3, one scale per output "
     "channel) as they load, activations per token at run time; FP8 checkpoints "
     "(compressed-tensors, block-wise 'fp8') are read as they are without it",

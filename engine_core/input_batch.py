@@ -70,7 +70,8 @@ class InputBatch:
             capacity(max_num_tokens, max_num_seqs, prefill_block_m(max_num_tokens)),
         )
         self._next = 0
-        self._last: _Layout | None = None  # the last packed step's layout (``last_step``)
+        # The last packed step's layout and ring buffer (``last_step``).
+        self._last: tuple[_Layout, int] | None = None
         self._allocate(self._capacity)
         # The runner's GPU timing of the next step (step stats), or None: the input copy and
         # the placeholder gather are its first stretch.
@@ -196,16 +197,16 @@ class InputBatch:
         view("seq_lens")[:] = seq_lens
         if tiles is not None:
             view("prefill_tiles")[:] = tiles.reshape(-1)
-        self._last = layout
+        self._last = layout, self._next
         return self._upload(layout, host, prev_sampled, sampling, out_positions)
 
     def last_step(self) -> tuple[tuple[int, ...], bytes]:
         """The last packed step as ``unpack`` rebuilds it on another tensor-parallel rank: its
         layout's counts and its host bytes (every field but the placeholders' ids, which each
         rank gathers from its own copy of the previous step's sampled ids)."""
-        layout = self._last
-        assert layout is not None, "no step packed yet"
-        return layout.counts, self._host[self._next][: layout.nbytes].tobytes()
+        assert self._last is not None, "no step packed yet"
+        layout, ring = self._last
+        return layout.counts, self._host[ring][: layout.nbytes].tobytes()
 
     def unpack(
         self, counts: tuple[int, ...], data: bytes, prev_sampled: torch.Tensor | None
@@ -310,7 +311,6 @@ class _Layout:
         num_tiles: int = 0,
     ) -> None:
         self.counts = (num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles)
-        self.width = width
         counts = (
             ("input_ids", num_tokens, _I64),
             ("positions", num_tokens, _I64),
@@ -331,6 +331,11 @@ class _Layout:
             # offsets that move with the batch's shape would compile extra variants.
             offset += -(-count * dtype.itemsize // 16) * 16
         self.nbytes = offset
+
+    @property
+    def width(self) -> int:
+        """The block tables' width (the widest table of the step)."""
+        return self.counts[4]
 
     def count(self, name: str) -> int:
         return self.sections[name][1]

@@ -26,7 +26,7 @@ from engine_core.attention.base import AttentionBackend, AttentionMetadata
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import forward_context
-from engine_core.input_batch import InputBatch
+from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.loader import load_model
 from engine_core.memory_plan import CUDA_HEADROOM_BYTES, check_memory, kv_block_bytes
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
@@ -299,15 +299,7 @@ class ModelRunner:
         self._scoring = None
         if out.prompt_logprob_seqs:
             rows, self._scoring = plan_prompt_scoring(out, packed.meta.query_start_loc_cpu)
-        return ModelInputs(
-            input_ids=packed.input_ids,
-            positions=packed.positions,
-            meta=packed.meta,
-            logits_indices=packed.logits_indices,
-            sampling_requests=packed.sampling_requests,
-            prompt_rows=prompt_rows_on(rows, self.device),
-            prompt_rows_cpu=rows or None,
-        )
+        return model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -457,6 +449,22 @@ class ModelRunner:
         if step.logprobs is None:
             return RunnerOutput(token_ids, [None] * len(token_ids))
         return RunnerOutput(token_ids, _logprobs_per_row(step.logprobs, step.sampling_requests))
+
+
+def model_inputs(
+    packed: PackedInputs, prompt_rows: torch.Tensor | None, prompt_rows_cpu: list[int] | None
+) -> ModelInputs:
+    """A packed step (engine_core/input_batch.py) and its prompt-scoring rows as the forward's
+    inputs."""
+    return ModelInputs(
+        input_ids=packed.input_ids,
+        positions=packed.positions,
+        meta=packed.meta,
+        logits_indices=packed.logits_indices,
+        sampling_requests=packed.sampling_requests,
+        prompt_rows=prompt_rows,
+        prompt_rows_cpu=prompt_rows_cpu,
+    )
 
 
 def prompt_rows_on(rows: list[int] | None, device: torch.device) -> torch.Tensor | None:

@@ -8,10 +8,13 @@ torch.distributed groups:
 - the device group (NCCL on CUDA, gloo on the CPU) for the tensors of a forward: the all-reduce
   after every row-parallel layer and the vocabulary-parallel embedding, the gather of the
   logits shards to rank 0, and rank 0's sampled ids to the other ranks. On GPUs that reach each
-  other's memory, all-reduces of up to 4 MiB (a decode step's) take the
-  one-shot peer all-reduce instead of NCCL (engine_core/peer_all_reduce.py);
-- a gloo group for the small host-side header rank 0 broadcasts before each step. Workers wait in
-  it while the engine is idle, so it gets a long timeout; the device group keeps the default one.
+  other's memory with native atomics (NVLink), contiguous bf16/fp16/fp32 all-reduces of up to
+  4 MiB (a decode step's; less on GPUs with under 128 multiprocessors) take the one-shot peer
+  all-reduce instead of NCCL (engine_core/peer_all_reduce.py);
+- a gloo group for the host side: each step's packed inputs, which rank 0 broadcasts before the
+  step (engine_core/tp_runner.py), and the vote on the peer all-reduce at start-up. Workers
+  wait in it while the engine is idle, so it gets a long timeout; the device group keeps the
+  default one.
 
 The models read the group once, when they are built (``get_tp_group()``), and size their layers
 by it; at TP=1 they build plain layers and never call a collective.
@@ -158,7 +161,7 @@ def join_tp_group(
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     peer = None
     if device.type == "cuda" and all_reduce == "auto":
-        peer = make_peer_all_reduce(dist.group.WORLD, device, world_size)
+        peer = make_peer_all_reduce(dist.group.WORLD, cpu_group, device, world_size)
     _current = TPGroup(rank, world_size, dist.group.WORLD, cpu_group, peer)
     return _current
 

@@ -24,6 +24,7 @@ engine_core/parallel.py), which adds the ranks' rows, the residual, and normaliz
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import warnings
@@ -58,6 +59,10 @@ class PeerSumArgs(NamedTuple):
     world: int
 
 
+class UnevenBuffers(RuntimeError):
+    """The ranks' symmetric buffers do not line up (every rank raises it alike)."""
+
+
 class PeerAllReduce:
     """Sum a tensor over the ranks of ``group`` in place, through symmetric memory.
 
@@ -66,39 +71,40 @@ class PeerAllReduce:
     """
 
     def __init__(
-        self, group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES
+        self, group: Any, device: torch.device, sms: int, max_bytes: int = DEFAULT_MAX_BYTES
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from engine_core import peer_all_reduce_kernel as kernel
 
-        # Never NVLink multicast (see the module docstring); torch reads this at rendezvous.
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        # Never NVLink multicast (see the module docstring), whatever the environment says;
+        # torch reads this at rendezvous.
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed by older torch, deprecated (a no-op) in newer
+        if enable is not None:  # registers the group's store (deprecated, still needed in 2.13)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(group.group_name)
         self.rank, self.world = group.rank(), group.size()
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # ``sms``: the fewest multiprocessors of any rank, so that every rank caps alike.
         self.max_bytes = min(max_bytes, PLAIN_PROGRAMS_PER_SM * sms * kernel.CHUNK_BYTES)
         self.max_norm_rows = min(MAX_NORM_ROWS, sms)
-        programs = kernel.programs_for(self.max_bytes)
-        # [plain data: 2 halves | norm data: 2 halves | plain flags | norm flags]; the flags
-        # are [programs, world] int64 each.
-        self.norm_data_offset = 2 * self.max_bytes
-        self.signal_offset = self.norm_data_offset + 2 * MAX_NORM_ROWS * kernel.ROW_BYTES
-        self.norm_signal_offset = self.signal_offset + programs * self.world * 8
-        total = self.norm_signal_offset + MAX_NORM_ROWS * self.world * 8
-        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        self.layout = kernel.BufferLayout.of(self.max_bytes, self.world, MAX_NORM_ROWS)
+        self.buffer = symm_mem.empty(self.layout.total, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group)  # maps every peer's buffer
-        shift = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # the same on every rank
+        # The buffer's start within torch's allocation, which every rank must share.
+        shift = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]
+        shifts = torch.tensor([shift, -shift], dtype=torch.int64, device=device)
+        dist.all_reduce(shifts, op=dist.ReduceOp.MAX, group=group)
+        if shifts.tolist() != [shift, -shift]:
+            raise UnevenBuffers(f"symmetric buffers at different offsets across ranks ({shift})")
         self.peers = torch.tensor(
             [ptr + shift for ptr in handle.buffer_ptrs], dtype=torch.int64, device=device
         )  # [world]
+        programs = self.layout.programs
         self.counters = torch.zeros(programs, dtype=torch.int64, device=device)  # [programs]
         self.norm_counters = torch.zeros(MAX_NORM_ROWS, dtype=torch.int64, device=device)
-        self.buffer[self.signal_offset :].zero_()
+        self.buffer[self.layout.signal_offset :].zero_()
         # Every rank's flags are zero before any rank's first flag can land in them.
         torch.cuda.synchronize(device)
         dist.all_reduce(torch.zeros(1, device=device), group=group)
@@ -114,8 +120,9 @@ class PeerAllReduce:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it. Only for tensors that ``fits``."""
         half_elems = self.max_bytes // x.element_size()
+        signals = self.layout.signal_offset
         return self._kernel(
-            x, self.peers, self.counters, half_elems, self.signal_offset, self.rank, self.world
+            x, self.peers, self.counters, half_elems, signals, self.rank, self.world
         )
 
     def norm_args(self, rows: torch.Tensor) -> PeerSumArgs | None:
@@ -133,31 +140,81 @@ class PeerAllReduce:
             self.peers,
             self.norm_counters,
             MAX_NORM_ROWS * self._row_bytes // size,
-            self.norm_data_offset,
-            self.norm_signal_offset,
+            self.layout.norm_data_offset,
+            self.layout.norm_signal_offset,
             self._row_bytes // size,
             self.rank,
             self.world,
         )
 
 
+# torch's symmetric memory keeps the store of a group by the group's name, and a group made after
+# the first is destroyed gets the same name ("0"): a second rendezvous in this process would wait
+# on the old store for ever. So one per process; a later group takes NCCL (set_up_once).
+_rendezvous_done = False
+
+
 def peers_reachable(size: int) -> bool:
-    """Whether every GPU of ranks 0..size-1 can read every other's memory (NVLink or PCIe P2P)."""
+    """Whether every GPU of ranks 0..size-1 can reach every other's memory with native atomics:
+    the kernel's flags are system-scope atomic stores into peer memory, which NVLink carries and
+    PCIe peer access mostly does not."""
     if torch.cuda.device_count() < size:
         return False
     pairs = [(a, b) for a in range(size) for b in range(size) if a != b]
-    return all(torch.cuda.can_device_access_peer(a, b) for a, b in pairs)
+    return all(
+        torch.cuda.can_device_access_peer(a, b) and native_p2p_atomics(a, b) for a, b in pairs
+    )
 
 
-def make_peer_all_reduce(group: Any, device: torch.device, size: int) -> PeerAllReduce | None:
-    """A PeerAllReduce for ``group`` where the GPUs allow one, else None (NCCL does it all).
+def native_p2p_atomics(src: int, dst: int) -> bool:
+    """CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED of the link between two CUDA devices,
+    from the driver API (torch does not expose it); False if the driver cannot say."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        devices = (ctypes.c_int(), ctypes.c_int())
+        value = ctypes.c_int(0)
+        ok = driver.cuInit(0) == 0
+        ok = ok and driver.cuDeviceGet(ctypes.byref(devices[0]), src) == 0
+        ok = ok and driver.cuDeviceGet(ctypes.byref(devices[1]), dst) == 0
+        # 3: CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
+        ok = ok and driver.cuDeviceGetP2PAttribute(ctypes.byref(value), 3, *devices) == 0
+    except OSError:
+        return False
+    return ok and value.value == 1
 
-    Every rank reaches the same answer (the checks read the same devices), so either all build
-    one (a collective) or none does.
+
+def agree(able: bool, sms: int, cpu_group: Any) -> tuple[bool, int]:
+    """(every rank is able, the fewest multiprocessors of any rank): the same on every rank."""
+    votes = torch.tensor([int(able), sms], dtype=torch.int64)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=cpu_group)
+    every, fewest = votes.tolist()
+    return bool(every), fewest
+
+
+def make_peer_all_reduce(
+    group: Any, cpu_group: Any, device: torch.device, size: int
+) -> PeerAllReduce | None:
+    """A PeerAllReduce for ``group`` where every rank can have one, else None (NCCL does it all).
+
+    The ranks vote over ``cpu_group`` first, so that either all build one (a collective) or none
+    does: a rank whose GPUs lack peer atomics, or whose process already set one up (see
+    ``_rendezvous_done``), makes them all take NCCL. The buffer is sized for the rank with the
+    fewest multiprocessors, so that every rank sends the same tensors the same way.
     """
-    if not peers_reachable(size):
-        logger.info("GPUs without peer access: every all-reduce goes through NCCL")
+    global _rendezvous_done
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    able, fewest_sms = agree(peers_reachable(size) and not _rendezvous_done, sms, cpu_group)
+    if not able:
+        logger.info(
+            "the peer all-reduce is off on some rank (GPUs without peer atomics, or a second "
+            "tensor-parallel group in one process): every all-reduce goes through NCCL"
+        )
         return None
-    peer = PeerAllReduce(group, device)
+    _rendezvous_done = True
+    try:
+        peer = PeerAllReduce(group, device, sms=fewest_sms)
+    except UnevenBuffers as exc:
+        logger.warning("%s: every all-reduce goes through NCCL", exc)
+        return None
     logger.info("one-shot peer all-reduce up to %d KiB, NCCL above", peer.max_bytes // 1024)
     return peer

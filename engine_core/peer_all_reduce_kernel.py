@@ -25,6 +25,8 @@ call leaves a larger flag, which satisfies the wait as well.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -100,6 +102,25 @@ def _one_shot_all_reduce_kernel(
 
 def programs_for(nbytes: int) -> int:
     return triton.cdiv(nbytes, CHUNK_BYTES)
+
+
+class BufferLayout(NamedTuple):
+    """Byte offsets in a rank's symmetric buffer: [plain data: 2 halves of max_bytes | norm data:
+    2 halves of norm_rows slots | plain flags | norm flags], the flags [programs, world] int64."""
+
+    programs: int  # plain programs (and flag rows) at most
+    norm_data_offset: int
+    signal_offset: int
+    norm_signal_offset: int
+    total: int
+
+    @classmethod
+    def of(cls, max_bytes: int, world: int, norm_rows: int) -> BufferLayout:
+        programs = programs_for(max_bytes)
+        norm_data = 2 * max_bytes
+        signals = norm_data + 2 * norm_rows * ROW_BYTES
+        norm_signals = signals + programs * world * 8
+        return cls(programs, norm_data, signals, norm_signals, norm_signals + norm_rows * world * 8)
 
 
 def one_shot_all_reduce(

@@ -2,10 +2,11 @@
 
     rank 0: the engine process (TPModelRunner)      ranks 1..N-1: spawned workers (TPWorker)
       EngineCore schedules
-      prepare_inputs ── header + tensors ─────────►  the same ModelInputs
+      prepare_inputs ── packed host bytes ────────►  the same ModelInputs
       forward  ◄──────── all-reduces ─────────────►  forward
       logits   ◄──────── vocabulary shards ────────  compute_logits (when a row samples)
-      sample, update requests
+      sample ──────────── sampled ids ────────────►  the next step's placeholders
+      update requests
 
 Every rank holds its share of the weights (sharded at load from the same checkpoint, see
 engine_core/models/layers.py) and its own KV cache for its share of the KV heads, with the same
@@ -46,6 +47,7 @@ from engine_core.model_runner import (
     PROMPT_LOGITS_ROWS,
     ModelInputs,
     ModelRunner,
+    model_inputs,
     prompt_rows_on,
     resolve_device,
 )
@@ -194,16 +196,9 @@ class TPWorker(_ShardedRunner):
     def follow(self, step: StepMessage) -> None:
         """Rank 0's launch() without the sampling: the same collectives in the same order."""
         packed = self.input_batch.unpack(step.counts, step.data, self._prev_sampled)
-        hidden = self._forward(
-            ModelInputs(
-                input_ids=packed.input_ids,
-                positions=packed.positions,
-                meta=packed.meta,
-                logits_indices=packed.logits_indices,
-                sampling_requests=[],
-            )
-        )  # [T, hidden]
+        # Copied before the forward is queued: a pageable copy after it would wait for it.
         prompt_rows = prompt_rows_on(step.prompt_rows, self.device)
+        hidden = self._forward(model_inputs(packed, prompt_rows, step.prompt_rows))  # [T, hidden]
         if prompt_rows is not None:  # rank 0 scores prompt tokens in these slices
             for part in prompt_rows.split(PROMPT_LOGITS_ROWS):
                 self.model.compute_logits(hidden[part])

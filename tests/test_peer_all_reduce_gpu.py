@@ -184,12 +184,9 @@ def test_one_shot_all_reduce_matches_nccl_bit_for_bit() -> None:
     mp.spawn(run_rank, args=(store.port,), nprocs=2, join=True)
 
 
-@pytest.mark.parametrize("all_reduce", ["auto", "nccl"])
-def test_tp2_on_two_gpus_gives_hf_greedy_tokens(all_reduce: str, tmp_path: Path) -> None:
-    hf_model = write_model("llama", tmp_path)
-    want = [hf_greedy(hf_model, prompt, 16).tokens[0] for prompt in PROMPTS]
-    llm = LLM(
-        str(tmp_path),
+def tp2_llm(folder: Path, all_reduce: str) -> LLM:
+    return LLM(
+        str(folder),
         device="cuda",
         dtype="float32",
         tensor_parallel_size=2,
@@ -199,14 +196,43 @@ def test_tp2_on_two_gpus_gives_hf_greedy_tokens(all_reduce: str, tmp_path: Path)
         max_num_batched_tokens=16,
         max_num_seqs=16,
     )
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(PROMPTS, params, detokenize=False)]
+
+
+@pytest.mark.parametrize("all_reduce", ["auto", "nccl"])
+def test_tp2_on_two_gpus_gives_hf_greedy_tokens(all_reduce: str, tmp_path: Path) -> None:
+    """The first tensor-parallel engine of this process (the test runs first in its module)."""
+    hf_model = write_model("llama", tmp_path)
+    want = [hf_greedy(hf_model, prompt, 16).tokens[0] for prompt in PROMPTS]
+    llm = tp2_llm(tmp_path, all_reduce)
     try:
         deferred = [
             m.defer_sum for m in llm.engine.runner.model.modules() if hasattr(m, "defer_sum")
         ]
-        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-        got = llm.generate(PROMPTS, params, detokenize=False)
+        got = greedy_tokens(llm)
     finally:
         llm.engine.shutdown()
     # With the peer all-reduce, every o_proj and down_proj leaves its sum to the next norm.
     assert deferred == [all_reduce == "auto"] * 4
-    assert [out.token_ids for out in got] == want
+    assert got == want
+
+
+def test_a_second_tp_engine_in_one_process_falls_back_to_nccl(tmp_path: Path) -> None:
+    """torch's symmetric memory cannot set up a second group of the same name in one process
+    (it would wait on the first one's store for ever): the ranks vote, and a later engine in
+    this process takes NCCL, with the same tokens and no hang."""
+    hf_model = write_model("llama", tmp_path)
+    want = [hf_greedy(hf_model, prompt, 16).tokens[0] for prompt in PROMPTS]
+    for _ in range(2):  # the first may already be a later one, after the test above
+        llm = tp2_llm(tmp_path, "auto")
+        try:
+            peer = llm.engine.runner.tp.peer
+            got = greedy_tokens(llm)
+        finally:
+            llm.engine.shutdown()
+        assert got == want
+    assert peer is None

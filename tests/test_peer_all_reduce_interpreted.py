@@ -27,11 +27,6 @@ pytest.importorskip("triton")
 WORLD = 2
 MAX_BYTES = 1 << 16
 NORM_ROWS = 8
-# [plain data: 2 halves | norm data: 2 halves | plain flags | norm flags], as PeerAllReduce's
-ROW_BYTES = 16384
-SIGNALS = 2 * MAX_BYTES + 2 * NORM_ROWS * ROW_BYTES
-NORM_SIGNALS = SIGNALS + (MAX_BYTES // 8192) * WORLD * 8
-TOTAL = NORM_SIGNALS + NORM_ROWS * WORLD * 8
 
 
 def make_calls() -> list[list[torch.Tensor]]:
@@ -61,18 +56,19 @@ def run_rank(rank: int, buffers: list[torch.Tensor], results: mp.Queue) -> None:
     from engine_core.models import triton_ops as ops
     from engine_core.peer_all_reduce import PeerSumArgs
 
+    layout = kernel.BufferLayout.of(MAX_BYTES, WORLD, NORM_ROWS)
     peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)  # this process's
-    counters = torch.zeros(kernel.programs_for(MAX_BYTES), dtype=torch.int64)
+    counters = torch.zeros(layout.programs, dtype=torch.int64)
     outs = []
     for call in make_calls():
         x = call[rank].clone()
-        half_elems = MAX_BYTES // x.element_size()
-        kernel.one_shot_all_reduce(x, peers, counters, half_elems, SIGNALS, rank, WORLD)
+        half = MAX_BYTES // x.element_size()
+        kernel.one_shot_all_reduce(x, peers, counters, half, layout.signal_offset, rank, WORLD)
         outs.append(x)
     slot = kernel.ROW_BYTES // 4
     args = PeerSumArgs(
-        peers, torch.zeros(NORM_ROWS, dtype=torch.int64), NORM_ROWS * slot, 2 * MAX_BYTES,
-        NORM_SIGNALS, slot, rank, WORLD,
+        peers, torch.zeros(NORM_ROWS, dtype=torch.int64), NORM_ROWS * slot,
+        layout.norm_data_offset, layout.norm_signal_offset, slot, rank, WORLD,
     )  # fmt: skip
     for partials, residual, weight in make_norm_calls():
         outs.extend(ops.rms_norm(partials[rank], weight, 1e-5, residual, None, args))
@@ -83,8 +79,8 @@ def test_two_interpreted_ranks_sum_exactly() -> None:
     from engine_core import peer_all_reduce_kernel as kernel
     from engine_core.models import triton_ops as ops
 
-    assert kernel.ROW_BYTES == ROW_BYTES and kernel.programs_for(MAX_BYTES) == MAX_BYTES // 8192
-    buffers = [torch.zeros(TOTAL, dtype=torch.uint8).share_memory_() for _ in range(WORLD)]
+    total = kernel.BufferLayout.of(MAX_BYTES, WORLD, NORM_ROWS).total
+    buffers = [torch.zeros(total, dtype=torch.uint8).share_memory_() for _ in range(WORLD)]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=run_rank, args=(r, buffers, results)) for r in range(WORLD)]

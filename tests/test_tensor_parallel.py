@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -311,3 +312,32 @@ def test_tp2_honours_constraints_like_tp1(tiny_model_dir: Path) -> None:
     assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
     for out in runs[1]:
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def vote_in_rank(rank: int, port: int, results: Any) -> None:
+    from engine_core.parallel import connect_store, join_tp_group, leave_tp_group
+    from engine_core.peer_all_reduce import agree
+
+    tp = join_tp_group(connect_store(port, 2), rank, 2, torch.device("cpu"))
+    try:
+        results.put((rank, agree(rank == 0, 132 - rank, tp.cpu_group)))
+    finally:
+        leave_tp_group()
+
+
+def test_the_ranks_agree_on_the_peer_all_reduce() -> None:
+    """One rank unable (no peer atomics, or a second group in its process) turns it off on every
+    rank, and all size the buffer for the GPU with the fewest multiprocessors: a rank that took
+    the peer kernel while another took NCCL would wait for ever."""
+    from engine_core.parallel import create_store
+
+    store = create_store(2)
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=vote_in_rank, args=(r, store.port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert got == {0: (False, 131), 1: (False, 131)}

@@ -130,7 +130,7 @@ class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters, same torch numerics) that can take the residual add in."""
 
     def forward(
-        self, x: torch.Tensor | PendingSum, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize x [..., N]; with ``residual`` (x's shape), normalize ``x + residual`` and
         return (normed, x + residual), one launch on CUDA."""

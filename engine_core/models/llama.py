@@ -42,7 +42,7 @@ from engine_core.models.layers import (
     vocab_embedding,
 )
 from engine_core.models.moe import SparseMoE, map_moe_name
-from engine_core.parallel import SINGLE, TPGroup, get_tp_group
+from engine_core.parallel import SINGLE, PendingSum, TPGroup, get_tp_group
 
 # HF projection name -> (our merged projection, shard index).
 _MERGED = {
@@ -82,8 +82,11 @@ class LlamaAttention(nn.Module):
         window = config.layer_sliding_window(layer)
         self.attn = Attention(heads, kv_heads, head_dim, scale, window)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """hidden [T, hidden], cos/sin [T, D] -> [T, hidden]."""
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | PendingSum:
+        """hidden [T, hidden], cos/sin [T, D] -> [T, hidden] (a PendingSum where o_proj defers
+        its all-reduce to the norm after it)."""
         num_tokens, head_dim = hidden.shape[0], self.attn.head_dim
         q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
         q = q.view(num_tokens, -1, head_dim)  # [T, H, D]
@@ -111,7 +114,7 @@ class LlamaMLP(nn.Module):
         # activation is SiLU: prefill-sized batches then quantize in the SiLU launch.
         self.quantize_act = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSum:
         gate_up = self.gate_up_proj(x)
         if self.quantize_act and gate_up.dim() == 2:
             kernels = fp8_kernels()
@@ -149,14 +152,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | PendingSum,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
         """(previous sublayer's output, residual stream before it; None for the first layer)
         -> (this layer's MLP output, residual stream before it), each [T, hidden]: every
-        residual add happens inside the next norm."""
+        residual add happens inside the next norm (and under tensor parallelism, where
+        defer_row_parallel_sums set it up, the sublayers' all-reduces too)."""
         hidden, residual = first_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, cos, sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)

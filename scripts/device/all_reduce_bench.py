@@ -72,7 +72,8 @@ def bench_rank(rank: int, port: int, world: int, dtype_name: str) -> None:
     dtype = getattr(torch, dtype_name)
     device = torch.device("cuda", rank)
     tp = join_tp_group(connect_store(port, world), rank, world, device, "nccl")
-    ours = PeerAllReduce(tp.device_group, device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ours = PeerAllReduce(tp.device_group, device, sms)
     symm = torch_symmetric_buffer(tp.device_group, device)
     group_name = tp.device_group.group_name
     shapes = [(n // dtype.itemsize,) for n in (2**k for k in range(10, 27))]
