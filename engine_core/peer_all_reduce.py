@@ -150,7 +150,7 @@ class PeerAllReduce:
 
 # torch's symmetric memory keeps the store of a group by the group's name, and a group made after
 # the first is destroyed gets the same name ("0"): a second rendezvous in this process would wait
-# on the old store for ever. So one per process; a later group takes NCCL (set_up_once).
+# on the old store for ever. So one per process; a later group takes NCCL (make_peer_all_reduce).
 _rendezvous_done = False
 
 
