@@ -285,7 +285,8 @@ def time_graph_replay(core: Any, batch: int) -> dict[str, float]:
 
 def top_kernels(prof: Any, steps: int, count: int = 6) -> str:
     rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:count]
-    return "; ".join(f"{e.key[:48]} {e.device_time_total / steps / 1e3:.3f} ms" for e in rows)
+    per_step = [(e.key[:48], e.device_time_total / steps / 1e3, e.count / steps) for e in rows]
+    return "; ".join(f"{key} {ms:.3f} ms x{calls:g}" for key, ms, calls in per_step)
 
 
 def bench_inproc(name: str, work: Workload, args: argparse.Namespace, result: ModelResult) -> None:

@@ -24,7 +24,9 @@ from engine_core.models.fused_moe import (  # noqa: E402
     align,
     align_in_one_launch,
     align_torch,
+    block_sizes,
     fused_moe,
+    fused_moe_one_token,
     route_topk,
 )
 
@@ -33,10 +35,12 @@ DTYPE = torch.float32 if INTERPRET else torch.bfloat16
 
 # (tokens, experts, top_k, hidden, intermediate)
 if INTERPRET:
-    SHAPES = [(1, 4, 2, 32, 48), (7, 8, 2, 64, 32), (33, 6, 3, 48, 80)]
+    SHAPES = [(1, 4, 2, 32, 48), (1, 8, 3, 40, 36), (7, 8, 2, 64, 32), (33, 6, 3, 48, 80)]
 else:
     SHAPES = [
         (1, 128, 8, 2048, 768),
+        (1, 8, 2, 4096, 14336),
+        (1, 60, 4, 1000, 1400),
         (7, 8, 2, 4096, 1792),
         (64, 128, 8, 2048, 768),
         (256, 128, 8, 2048, 768),
@@ -85,6 +89,31 @@ def test_fused_moe_matches_the_dense_computation(shape: tuple[int, ...], skewed:
 def test_fused_moe_is_exact_in_float32() -> None:
     """float32 models (the HF comparisons) must not get TF32 products on the GPU."""
     check_against_dense((64, 8, 2, 256, 192), False, torch.float32)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter runs float32 above already")
+def test_one_token_path_is_exact_in_float32() -> None:
+    """A single token takes fused_moe_one_token (batch-1 decode): float32 products too."""
+    check_against_dense((1, 16, 4, 320, 200), False, torch.float32)
+
+
+def test_one_token_path_equals_the_grouped_path() -> None:
+    """One token through the one-token kernels and through the grouped ones (align, two
+    grouped GEMMs, combine): the same rounding steps, so the same result up to the order of
+    float32 sums."""
+    gen = torch.Generator().manual_seed(5)
+    num_experts, top_k, hidden, inter = 12, 4, 96, 80
+    x = torch.randn(1, hidden, generator=gen).to(DEVICE, DTYPE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(
+        DEVICE, DTYPE
+    )
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, DTYPE)
+    weights, ids = routing(1, num_experts, top_k, False, gen)
+    one_token = fused_moe_one_token(x, w13, w2, weights, ids)
+    grouped = fused_moe(x, w13, w2, weights, ids, blocks=block_sizes(top_k, num_experts, inter))
+    atol = 2e-2 if DTYPE is torch.bfloat16 else 1e-5
+    torch.testing.assert_close(one_token, grouped, atol=atol, rtol=atol)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), one_token, atol=0, rtol=0)
 
 
 def check_against_dense(shape: tuple[int, ...], skewed: bool, dtype: torch.dtype) -> None:

@@ -57,6 +57,7 @@ from engine_core.models import layers  # noqa: E402
 from engine_core.models.triton_ops import (  # noqa: E402
     gelu_new,
     layer_norm,
+    qk_norm_rotary_inplace,
     rms_norm,
     rotary_inplace,
     silu_and_mul,
@@ -469,6 +470,42 @@ def test_rotary_inplace_matches_layer(
     rotary_inplace(q, k, cos, sin)
     assert_close(q, ref_q)
     assert_close(k, ref_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+
+
+@pytest.mark.parametrize("num_tokens", FUSED_TOKENS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ROTARY_SHAPES)
+def test_qk_norm_rotary_matches_the_layers(
+    num_tokens: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Qwen3's q_norm and k_norm (RMSNorm layers, each with its own weight) and the rotary, in
+    torch, against the one in-place launch; v, beside q and k in the projection, untouched."""
+    gen = torch.Generator().manual_seed(num_tokens + heads + 1)
+    qkv = randn(gen, num_tokens, (heads + 2 * kv_heads) * head_dim) * 3.0
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, -1)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    q_norm, k_norm = layers.RMSNorm(head_dim, 1e-6), layers.RMSNorm(head_dim, 1e-5)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+        k_norm.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+    q_norm, k_norm = q_norm.to(DEVICE, DTYPE), k_norm.to(DEVICE, DTYPE)
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = layers.RotaryEmbedding(head_dim, 10000.0).to(DEVICE)(positions, DTYPE)
+    ref_q = layers.apply_rotary(layers.rms_norm_torch(q, q_norm.weight, 1e-6), cos, sin)
+    ref_k = layers.apply_rotary(layers.rms_norm_torch(k, k_norm.weight, 1e-5), cos, sin)
+    with torch.no_grad():
+        qkv_layers = qkv.clone()
+        q2 = qkv_layers[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+        k2 = qkv_layers[:, heads * head_dim : (heads + kv_heads) * head_dim]
+        got_q, got_k = layers.norm_and_rotate_qk(
+            q2, k2.view(num_tokens, kv_heads, -1), q_norm, k_norm, cos, sin
+        )
+        qk_norm_rotary_inplace(q, k, q_norm.weight, k_norm.weight, 1e-6, 1e-5, cos, sin)
+    assert_close(q, ref_q)
+    assert_close(k, ref_k)
+    assert_close(got_q, ref_q)  # the layer helper takes the fused launch on this device
+    assert_close(got_k, ref_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
 
 

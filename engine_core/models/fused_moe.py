@@ -20,6 +20,10 @@ graphs:
 The routing itself (softmax, top-k, renormalisation) is ``route_topk``, one launch, which
 moe.route takes on CUDA.
 
+A single token (batch-1 decode) skips step 1: its K experts are distinct, so row block k can be
+slot k alone (``fused_moe_one_token``, the kernels' ONE_SLOT_PER_BLOCK), and the GEMM grids
+hold K blocks instead of align's worst case of one per expert, most of them empty.
+
 Weights are stored as the MoE layer keeps them: ``w13 [E, 2*I, H]`` (gate rows, then up rows)
 and ``w2 [E, H, I]``. Accumulation is float32; the activation is rounded to the input dtype
 between the GEMMs, as the torch path does.
@@ -35,6 +39,27 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _block_rows(
+    SortedSlots,
+    BlockExperts,
+    block_m,
+    num_slots,
+    BLOCK_M: tl.constexpr,
+    ONE_SLOT_PER_BLOCK: tl.constexpr,
+):
+    """Row block ``block_m``'s expert (-1: nothing to do) and the slot of each of its BLOCK_M
+    rows (num_slots for padding). Grouped: read from align's output. ONE_SLOT_PER_BLOCK (a
+    single token, whose K experts are distinct): block b is slot b alone, BlockExperts holds the
+    token's expert ids, and there is no grouping step at all."""
+    expert = tl.load(BlockExperts + block_m).to(tl.int64)
+    if ONE_SLOT_PER_BLOCK:
+        slots = tl.where(tl.arange(0, BLOCK_M) == 0, block_m, num_slots)
+    else:
+        slots = tl.load(SortedSlots + block_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, slots
 
 
 @triton.jit
@@ -56,14 +81,15 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_SLOT_PER_BLOCK: tl.constexpr = False,
 ):
     block_m = tl.program_id(0)
     block_n = tl.program_id(1)
-    expert = tl.load(BlockExperts + block_m).to(tl.int64)
+    expert, slots = _block_rows(
+        SortedSlots, BlockExperts, block_m, num_slots, BLOCK_M, ONE_SLOT_PER_BLOCK
+    )
     if expert < 0:
         return
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(SortedSlots + rows)
     row_ok = slots < num_slots
     tokens = (slots // TOP_K).to(tl.int64)
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,14 +136,15 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_SLOT_PER_BLOCK: tl.constexpr = False,
 ):
     block_m = tl.program_id(0)
     block_n = tl.program_id(1)
-    expert = tl.load(BlockExperts + block_m).to(tl.int64)
+    expert, slots = _block_rows(
+        SortedSlots, BlockExperts, block_m, num_slots, BLOCK_M, ONE_SLOT_PER_BLOCK
+    )
     if expert < 0:
         return
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(SortedSlots + rows)
     row_ok = slots < num_slots
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -363,38 +390,86 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, K] int
     blocks: Blocks | None = None,  # None: block_sizes' choice (a benchmark may sweep others)
 ) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token: [T, H]."""
-    num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
-    inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    num_slots = num_tokens * top_k
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token: [T, H].
+    A single token (batch-1 decode) takes fused_moe_one_token unless ``blocks`` is given."""
+    num_tokens = x.shape[0]
     if num_tokens == 0:
         return torch.zeros_like(x)
-    x = x.contiguous()
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_moe needs each weight row contiguous")
-    b = blocks or block_sizes(num_slots, num_experts, inter)
+    if num_tokens == 1 and blocks is None:
+        return fused_moe_one_token(x, w13, w2, topk_weights, topk_ids)
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    b = blocks or block_sizes(topk_ids.numel(), num_experts, inter)
+    sorted_slots, block_experts = align(topk_ids, num_experts, b.m)
+    return _grouped_gemms(x, w13, w2, topk_weights, topk_ids.shape[1],
+                          (sorted_slots, block_experts), b, b)  # fmt: skip
+
+
+# The one-token path's tiles (row block 16: one slot a block, the rest masked), gate/up and down:
+# scripts/device/moe_batch1.py on an H100 at qwen3-30b-a3b's layer (docs/benchmarks.md). Gate/up
+# tiles from 16 to 64 columns and 64 to 256 deep all gave the layer 34-36 us.
+ONE_TOKEN_GATE_UP = Blocks(16, 32, 128, warps=4, stages=4)
+ONE_TOKEN_DOWN = Blocks(16, 64, 64)
+
+
+def fused_moe_one_token(
+    x: torch.Tensor,  # [1, H]
+    w13: torch.Tensor,  # [E, 2*I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [1, K] float32
+    topk_ids: torch.Tensor,  # [1, K]
+    gate_up: Blocks | None = None,  # None: ONE_TOKEN_GATE_UP (a benchmark may sweep others)
+    down: Blocks | None = None,  # None: ONE_TOKEN_DOWN
+) -> torch.Tensor:
+    """fused_moe for one token without the grouping step: its K experts are distinct, so row
+    block k is slot k alone (the kernels' ONE_SLOT_PER_BLOCK), and the grids hold the K slots'
+    blocks only, where align's worst-case layout holds one per expert. Three launches."""
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    return _grouped_gemms(x, w13, w2, topk_weights, ids.numel(), (None, ids),
+                          gate_up or ONE_TOKEN_GATE_UP, down or ONE_TOKEN_DOWN)  # fmt: skip
+
+
+def _grouped_gemms(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    top_k: int,
+    rows: tuple[torch.Tensor | None, torch.Tensor],  # (sorted slots, block experts); see below
+    gate_up: Blocks,
+    down: Blocks,
+) -> torch.Tensor:
+    """The two GEMM launches and the combine over row blocks that ``rows`` describes: align's
+    (sorted slots, each block's expert), or (None, the single token's expert ids) for one slot
+    a block."""
+    sorted_slots, block_experts = rows
+    one_slot = sorted_slots is None
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    num_slots = num_tokens * top_k
+    num_blocks = block_experts.numel()
+    x = x.contiguous()
     # float32 models (the tests' HF comparisons) need exact float32 products, not TF32's.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    sorted_slots, block_experts = align(topk_ids, num_experts, b.m)
-    num_blocks = block_experts.numel()
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    b = gate_up
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
-        x, w13, act, sorted_slots, block_experts,
+        x, w13, act, block_experts if one_slot else sorted_slots, block_experts,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         num_slots, hidden, inter,
         TOP_K=top_k, PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
-        num_warps=b.warps, num_stages=b.stages,
+        ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
     out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    b = down
     _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
-        act, w2, out, weights, sorted_slots, block_experts,
+        act, w2, out, weights, block_experts if one_slot else sorted_slots, block_experts,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         num_slots, hidden, inter,
         PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
-        num_warps=b.warps, num_stages=b.stages,
+        ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
     # Summed in float32 in slot order (a fixed order, so a token's sum never varies), one launch.
     combined = torch.empty_like(x)

@@ -252,6 +252,28 @@ def rotate_qk(
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def norm_and_rotate_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, KVH, D] through their per-head norms where the model has them
+    (Qwen3), then rotated (rotate_qk). On CUDA, norms with a plain weight and a rotary over
+    whole heads run with the rotary in one launch, in place."""
+    if q_norm is None or k_norm is None:
+        return rotate_qk(q, k, cos, sin)
+    fusable = not (q_norm.unit_offset or k_norm.unit_offset) and cos.shape[-1] == q.shape[-1]
+    if fusable and use_triton(q):
+        triton_ops().qk_norm_rotary_inplace(
+            q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, cos, sin
+        )
+        return q, k
+    return rotate_qk(q_norm(q), k_norm(k), cos, sin)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D], cos/sin [T, R] -> x with its first R dims rotated, rotate-half layout
     (torch, out of place)."""

@@ -35,8 +35,8 @@ from engine_core.models.layers import (
     check_divisible,
     lm_head,
     load_mapped_weights,
+    norm_and_rotate_qk,
     project_logits,
-    rotate_qk,
     row_parallel_linear,
     silu_and_mul,
     vocab_embedding,
@@ -91,9 +91,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
         q = q.view(num_tokens, -1, head_dim)  # [T, H, D]
         k = k.view(num_tokens, -1, head_dim)  # [T, KVH, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_qk(q, k, cos, sin)  # in place on CUDA
+        q, k = norm_and_rotate_qk(q, k, self.q_norm, self.k_norm, cos, sin)  # in place on CUDA
         out = self.attn(q.flatten(1), k.flatten(1), v)  # [T, H*D]
         return self.o_proj(out)
 

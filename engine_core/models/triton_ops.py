@@ -270,6 +270,89 @@ def rotary_inplace(
 
 
 @triton.jit
+def _qk_norm_rotary_kernel(
+    Q,
+    K,
+    QW,
+    KW,
+    Cos,
+    Sin,
+    q_eps,
+    k_eps,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Token program_id(0)'s q and k heads: each head RMS-normalized over its dims and scaled
+    by its norm's weight (Qwen3's q_norm / k_norm, rounded as _rms_norm_kernel rounds), then
+    rotated (rotate-half, as _rotary_kernel), in place: three launches in one."""
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF
+    cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
+    sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)
+    q_mask = (h < Q_HEADS) & d_mask
+    k_mask = (h < K_HEADS) & d_mask
+    _norm_rotate(Q + token * stride_qt, h, d, stride_qh, QW, q_eps, cos, sin, q_mask, HALF)
+    _norm_rotate(K + token * stride_kt, h, d, stride_kh, KW, k_eps, cos, sin, k_mask, HALF)
+
+
+@triton.jit
+def _norm_rotate(X, h, d, stride_h, W, eps, cos, sin, mask, HALF: tl.constexpr):
+    p1 = X + h * stride_h + d
+    p2 = p1 + HALF
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    inv = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(W + d, mask=d < HALF, other=0.0).to(tl.float32)
+    w2 = tl.load(W + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    y1 = (w1 * (f1 * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    y2 = (w2 * (f2 * inv).to(x2.dtype).to(tl.float32)).to(x2.dtype).to(tl.float32)
+    tl.store(p1, (y1 * cos - y2 * sin).to(x1.dtype), mask=mask)
+    tl.store(p2, (y2 * cos + y1 * sin).to(x2.dtype), mask=mask)
+
+
+def qk_norm_rotary_inplace(
+    q: torch.Tensor,  # [T, heads, D], rows may be strided (a view of the qkv projection)
+    k: torch.Tensor,  # [T, kv_heads, D]
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    q_eps: float,
+    k_eps: float,
+    cos: torch.Tensor,  # [T, D] (both halves equal, as RotaryEmbedding builds them)
+    sin: torch.Tensor,  # [T, D]
+) -> None:
+    """Per-head RMSNorm of q and k (each with its weight) and rotary over the whole head, in
+    place, in one launch: what q_norm, k_norm and rotary_inplace do in three."""
+    num_tokens, q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("qk_norm_rotary_inplace needs the head dim contiguous")
+    if cos.shape[1] != head_dim or head_dim % 2:
+        raise ValueError("qk_norm_rotary_inplace rotates whole heads of an even size")
+    k_heads = k.shape[1]
+    _qk_norm_rotary_kernel[(num_tokens,)](
+        q, k, q_weight, k_weight, cos, sin, q_eps, k_eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        Q_HEADS=q_heads, K_HEADS=k_heads,
+        BLOCK_H=triton.next_power_of_2(max(q_heads, k_heads)),
+        HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        num_warps=4 if q_heads * head_dim >= 2048 else 2,
+    )  # fmt: skip
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
