@@ -42,8 +42,10 @@ _LOG2E = 1.4426950408889634
 # Decode context splits: a split is never shorter than MIN_SPLIT_TOKENS (shorter pieces cost
 # more in partial writes and the merge than they gain in parallelism), and there are enough of
 # them for PROGRAMS_PER_SM programs per multiprocessor, up to MAX_SPLITS. Measured on an H100
-# (scripts/device/decode_attention_bench.py --sweep).
-MIN_SPLIT_TOKENS = 256
+# (scripts/device/decode_attention_bench.py --sweep; the minimum by
+# scripts/device/moe_batch1.py: at batch 1-4 and 384-1,024 tokens 64 takes 7.6-10.4 us a call
+# where 256 took 12.4-14.7, and it ties elsewhere; below a tile of keys it changes nothing).
+MIN_SPLIT_TOKENS = 64
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 
