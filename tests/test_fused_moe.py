@@ -27,6 +27,7 @@ from engine_core.models.fused_moe import (  # noqa: E402
     block_sizes,
     fused_moe,
     fused_moe_one_token,
+    route_one_token,
     route_topk,
 )
 
@@ -215,3 +216,37 @@ def test_route_topk_breaks_ties_to_the_lower_expert_and_keeps_nan_rows_in_range(
     torch.testing.assert_close(weights[0].cpu(), torch.full((4,), 0.25))
     assert ((ids[1] >= 0) & (ids[1] < 12)).all()
     assert torch.isnan(weights[1]).all()
+
+
+# (experts, top_k, hidden): E not a power of two or of the 4 experts a program takes, H past
+# one 2,048-wide step.
+ONE_TOKEN_ROUTER_CASES = [(128, 8, 2048), (60, 4, 96), (8, 2, 4096), (10, 3, 72), (320, 8, 256)]
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize(("num_experts", "top_k", "hidden"), ONE_TOKEN_ROUTER_CASES)
+def test_one_token_router_equals_the_linear_then_the_routing(
+    num_experts: int, top_k: int, hidden: int, renormalize: bool
+) -> None:
+    """The one-launch router of a single token (the router's product, the last program to
+    arrive routing from all the logits) picks what the router linear's output, rounded to the
+    activations' dtype, gives through route_topk; and leaves its arrival count at zero, so
+    the next call (here three more) works alike."""
+    gen = torch.Generator().manual_seed(num_experts + hidden)
+    weight = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).to(DEVICE, DTYPE)
+    arrived = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for _ in range(4):
+        x = (torch.randn(1, hidden, generator=gen) * 3).to(DEVICE, DTYPE)
+        logits = (x.float() @ weight.float().T).to(DTYPE)
+        got_w, got_ids = route_one_token(x, weight, arrived, top_k, renormalize)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top = probs.topk(top_k, dim=-1).values
+        ids = got_ids.long()
+        assert len(set(ids[0].tolist())) == top_k
+        # Rounding the logits to bf16 may order near-equal experts either way: compare the
+        # chosen experts' probabilities with the K largest, within that rounding.
+        atol = 2e-2 if DTYPE is torch.bfloat16 else 1e-6
+        torch.testing.assert_close(probs.gather(1, ids), top, atol=atol, rtol=atol)
+        want_w, _ = route_topk(logits, top_k, renormalize)
+        torch.testing.assert_close(got_w, want_w, atol=atol, rtol=atol)
+        assert arrived.item() == 0

@@ -176,14 +176,30 @@ def _route_kernel(
     BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    """Program t: the softmax of token t's router logits in float32, its K largest entries
-    (largest first; a tie goes to the lower expert) and, with RENORMALIZE, those K weights
-    divided by their sum: moe.route's torch ops in one launch. The K choices stay in registers
-    and are stored once. A row with NaN (or +inf) logits gets NaN weights, as torch gives, and
-    ids that stay in range."""
+    """Program t: token t's routing from its router logits (_top_k_route), stored once."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(Logits + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    weights, ids = _top_k_route(x, E, BLOCK_E, K, BLOCK_K, RENORMALIZE)
+    kk = tl.arange(0, BLOCK_K)
+    tl.store(Ids + t * K + kk, ids, mask=kk < K)
+    tl.store(Weights + t * K + kk, weights, mask=kk < K)
+
+
+@triton.jit
+def _top_k_route(
+    x,  # [BLOCK_E] float32 logits, -inf past E
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """The softmax of one token's router logits in float32, its K largest entries (largest
+    first; a tie goes to the lower expert) and, with RENORMALIZE, those K weights divided by
+    their sum: moe.route's torch ops. The K choices stay in registers. A row with NaN (or +inf)
+    logits gets NaN weights, as torch gives, and ids that stay in range."""
+    e = tl.arange(0, BLOCK_E)
     p = tl.exp(x - tl.max(x, 0))
     p = tl.div_rn(p, tl.sum(p, 0))
     kk = tl.arange(0, BLOCK_K)
@@ -198,8 +214,80 @@ def _route_kernel(
         p = tl.where(e == idx, -1.0, p)  # below any probability: not chosen again
     if RENORMALIZE:
         weights = tl.div_rn(weights, tl.sum(tl.where(kk < K, weights, 0.0), 0))
-    tl.store(Ids + t * K + kk, ids, mask=kk < K)
-    tl.store(Weights + t * K + kk, weights, mask=kk < K)
+    return weights, ids
+
+
+@triton.jit
+def _one_token_router_kernel(
+    X,  # [1, H]
+    W,  # [E, H] the router's weight
+    Logits,  # [E] scratch, X's dtype
+    Arrived,  # [1] int32, zero between calls
+    Weights,  # [1, K] float32 out
+    Ids,  # [1, K] int32 out
+    hidden,
+    E: tl.constexpr,
+    EXPERTS_PER_PROGRAM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """One token's router logits and routing in one launch: each program computes the logits
+    of EXPERTS_PER_PROGRAM experts (rounded to X's dtype, as the router linear's output is) and
+    stores them; the program that arrives last routes the token from all of them
+    (_top_k_route) and sets Arrived back to zero for the next call."""
+    pid = tl.program_id(0)
+    experts = pid * EXPERTS_PER_PROGRAM + tl.arange(0, EXPERTS_PER_PROGRAM)
+    e_ok = experts < E
+    hs = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([EXPERTS_PER_PROGRAM], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h_ok = (hs + h0) < hidden
+        x = tl.load(X + h0 + hs, mask=h_ok, other=0.0).to(tl.float32)
+        w_ptrs = W + experts[:, None].to(tl.int64) * hidden + h0 + hs[None, :]
+        w = tl.load(w_ptrs, mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], 1)
+    tl.store(Logits + experts, acc.to(Logits.dtype.element_ty), mask=e_ok)
+    tl.debug_barrier()  # every thread's logits are written before the count says so
+    arrived = tl.atomic_add(Arrived, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        e = tl.arange(0, BLOCK_E)
+        # .cv: read the other programs' logits from L2, not from a stale L1 line.
+        logits = tl.load(Logits + e, mask=e < E, other=float("-inf"), cache_modifier=".cv")
+        weights, ids = _top_k_route(logits.to(tl.float32), E, BLOCK_E, K, BLOCK_K, RENORMALIZE)
+        kk = tl.arange(0, BLOCK_K)
+        tl.store(Ids + kk, ids, mask=kk < K)
+        tl.store(Weights + kk, weights, mask=kk < K)
+        tl.atomic_xchg(Arrived, 0, sem="relaxed", scope="gpu")
+
+
+def route_one_token(
+    x: torch.Tensor, weight: torch.Tensor, arrived: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.route(router(x)) for a single token x [1, H] and router weight [E, H] in one launch
+    (batch-1 decode, where the router's GEMM and the routing were two launches of a few
+    microseconds each): (weights [1, K] float32, expert ids [1, K] int32). ``arrived`` [1]
+    int32 is zero and belongs to the caller (one per layer: no two launches share it)."""
+    num_experts, hidden = weight.shape
+    if weight.stride(1) != 1 or weight.stride(0) != hidden:
+        raise ValueError("route_one_token needs a contiguous router weight")
+    weights = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
+    logits = torch.empty(num_experts, dtype=x.dtype, device=x.device)
+    # One expert a program, one warp (as route_topk): the last program's top-k is K rounds of
+    # reductions, which across four warps took 7 us of an H100 where the product takes ~2.
+    per_program = 1
+    _one_token_router_kernel[(triton.cdiv(num_experts, per_program),)](
+        x.contiguous(), weight, logits, arrived, weights, ids, hidden,
+        E=num_experts, EXPERTS_PER_PROGRAM=per_program,
+        BLOCK_H=min(2048, triton.next_power_of_2(hidden)),
+        BLOCK_E=triton.next_power_of_2(num_experts), K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        num_warps=1 if num_experts <= 256 else 4,
+    )  # fmt: skip
+    return weights, ids
 
 
 def route_topk(

@@ -184,10 +184,13 @@ class RotaryEmbedding(nn.Module):
 
 
 def reset_buffers(model: nn.Module) -> None:
-    """Recompute every computed (non-checkpoint) buffer, e.g. after ``model.to_empty(...)``."""
+    """Recompute every computed (non-checkpoint) buffer, e.g. after ``model.to_empty(...)``:
+    each module that has them says how in its own ``reset_buffers`` (RotaryEmbedding,
+    SparseMoE)."""
     for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.reset_buffers()
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")

@@ -82,12 +82,27 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters):
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * self.inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, self.inter))
+        # The one-token router's arrival count (fused_moe.route_one_token), zero between calls.
+        self.register_buffer("router_arrived", torch.zeros(1, dtype=torch.int32), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Zero the arrival count (after ``to_empty`` gave it uninitialised memory)."""
+        self.router_arrived.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
+        weights, ids = self.route_tokens(x)  # [T, K] each
         out = run_experts(x, self.w13, self.w2, weights, ids)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's linear, then moe.route; for one token on CUDA both in one launch."""
+        if x.shape[0] == 1 and use_triton(x) and self.gate.weight.dtype == x.dtype:
+            from engine_core.models.fused_moe import route_one_token  # imports triton
+
+            weight = self.gate.weight
+            return route_one_token(x, weight, self.router_arrived, self.top_k, self.renormalize)
+        return route(self.gate(x), self.top_k, self.renormalize)
 
     def checkpoint_shards(self, param_name: str) -> range:
         # w13: expert e's gate is shard 2e, its up 2e + 1; w2: expert e's down is shard e.
