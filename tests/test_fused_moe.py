@@ -218,9 +218,17 @@ def test_route_topk_breaks_ties_to_the_lower_expert_and_keeps_nan_rows_in_range(
     assert torch.isnan(weights[1]).all()
 
 
-# (experts, top_k, hidden): E not a power of two or of the 4 experts a program takes, H past
-# one 2,048-wide step.
-ONE_TOKEN_ROUTER_CASES = [(128, 8, 2048), (60, 4, 96), (8, 2, 4096), (10, 3, 72), (320, 8, 256)]
+# (experts, top_k, hidden): E not a power of two, E > 256 (four warps), K = E, one expert, H a
+# multiple of the 2,048-wide step and past it by a part.
+ONE_TOKEN_ROUTER_CASES = [
+    (128, 8, 2048),
+    (60, 4, 96),
+    (8, 2, 4096),
+    (10, 3, 72),
+    (320, 8, 256),
+    (4, 4, 3000),
+    (1, 1, 64),
+]
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -250,3 +258,20 @@ def test_one_token_router_equals_the_linear_then_the_routing(
         want_w, _ = route_topk(logits, top_k, renormalize)
         torch.testing.assert_close(got_w, want_w, atol=atol, rtol=atol)
         assert arrived.item() == 0
+
+
+def test_one_token_router_leaves_a_count_where_it_found_it() -> None:
+    """The arrival count is taken modulo the launch's programs and given back: a count left at
+    a multiple of them (as overlapping launches would leave it) still routes right and stays."""
+    gen = torch.Generator().manual_seed(3)
+    num_experts, hidden = 12, 64
+    weight = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).to(DEVICE, DTYPE)
+    x = torch.randn(1, hidden, generator=gen).to(DEVICE, DTYPE)
+    want_w, want_ids = route_one_token(
+        x, weight, torch.zeros(1, dtype=torch.int32, device=DEVICE), 3, True
+    )
+    arrived = torch.full((1,), 2 * num_experts, dtype=torch.int32, device=DEVICE)
+    got_w, got_ids = route_one_token(x, weight, arrived, 3, True)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_w, want_w)
+    assert arrived.item() == 2 * num_experts

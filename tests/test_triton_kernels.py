@@ -485,6 +485,7 @@ def test_qk_norm_rotary_matches_the_layers(
     q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, -1)
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    q_before, k_before = q.clone(), k.clone()
     q_norm, k_norm = layers.RMSNorm(head_dim, 1e-6), layers.RMSNorm(head_dim, 1e-5)
     with torch.no_grad():
         q_norm.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
@@ -504,9 +505,47 @@ def test_qk_norm_rotary_matches_the_layers(
         qk_norm_rotary_inplace(q, k, q_norm.weight, k_norm.weight, 1e-6, 1e-5, cos, sin)
     assert_close(q, ref_q)
     assert_close(k, ref_k)
-    assert_close(got_q, ref_q)  # the layer helper takes the fused launch on this device
+    assert_close(got_q, ref_q)  # the layer helper (fused on CUDA, torch under the interpreter)
     assert_close(got_k, ref_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+    # Against the unfused kernels (rms_norm, then rotary_inplace): the same roundings, so equal
+    # in bf16; float32 may differ in the last bit (the sum of squares is taken in two halves).
+    q3 = rms_norm(q_before.flatten(0, 1), q_norm.weight, 1e-6).view(q.shape)
+    k3 = rms_norm(k_before.flatten(0, 1), k_norm.weight, 1e-5).view(k.shape)
+    rotary_inplace(q3, k3, cos, sin)
+    tol = 0.0 if DTYPE is torch.bfloat16 else 1e-6
+    torch.testing.assert_close(q, q3, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, k3, atol=tol, rtol=tol)
+
+
+def test_qk_norms_with_a_unit_offset_or_a_partial_rotary_are_not_fused() -> None:
+    """Gemma's (1 + w) norms and a rotary over part of each head take the unfused layers: the
+    fused launch implements neither."""
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, heads, kv_heads, head_dim = 5, 4, 2, 64
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
+    for unit_offset, rotary_dim in [(True, head_dim), (False, head_dim // 2)]:
+        q = randn(gen, num_tokens, heads, head_dim)
+        k = randn(gen, num_tokens, kv_heads, head_dim)
+        norms = [layers.RMSNorm(head_dim, 1e-6, unit_offset) for _ in range(2)]
+        with torch.no_grad():
+            for norm in norms:
+                norm.weight.copy_(torch.rand(head_dim, generator=gen) * 0.5)
+        q_norm, k_norm = (norm.to(DEVICE, DTYPE) for norm in norms)
+        cos, sin = layers.RotaryEmbedding(rotary_dim, 10000.0).to(DEVICE)(positions, DTYPE)
+        with torch.no_grad():
+            want_q, want_k = (
+                layers.apply_rotary(norm_torch(x, norm), cos, sin)
+                for x, norm in [(q, q_norm), (k, k_norm)]
+            )
+            got_q, got_k = layers.norm_and_rotate_qk(q.clone(), k.clone(), q_norm, k_norm, cos, sin)
+        assert_close(got_q, want_q)
+        assert_close(got_k, want_k)
+
+
+def norm_torch(x: torch.Tensor, norm: layers.RMSNorm) -> torch.Tensor:
+    fn = layers.gemma_rms_norm_torch if norm.unit_offset else layers.rms_norm_torch
+    return fn(x, norm.weight, norm.eps)
 
 
 @pytest.mark.parametrize("num_tokens", FUSED_TOKENS)

@@ -18,7 +18,8 @@ graphs:
 4. ``_combine_kernel``: the K slots of each token summed in float32, in slot order.
 
 The routing itself (softmax, top-k, renormalisation) is ``route_topk``, one launch, which
-moe.route takes on CUDA.
+moe.route takes on CUDA; a single token's router product and routing together are
+``route_one_token``, one launch, which SparseMoE.route_tokens takes on CUDA.
 
 A single token (batch-1 decode) skips step 1: its K experts are distinct, so row block k can be
 slot k alone (``fused_moe_one_token``, the kernels' ONE_SLOT_PER_BLOCK), and the GEMM grids
@@ -237,7 +238,16 @@ def _one_token_router_kernel(
     """One token's router logits and routing in one launch: each program computes the logits
     of EXPERTS_PER_PROGRAM experts (rounded to X's dtype, as the router linear's output is) and
     stores them; the program that arrives last routes the token from all of them
-    (_top_k_route) and sets Arrived back to zero for the next call."""
+    (_top_k_route) and takes its launch's count back off Arrived.
+
+    Arrived counts arrivals modulo the number of programs: the one whose arrival completes a
+    multiple is last, and subtracting the launch's count (rather than writing 0) leaves Arrived
+    where it was, so even launches that overlapped (which the callers never do: one layer's
+    launches are stream-ordered) would leave no residue for the next.
+
+    The logits are summed in another order than cuBLAS sums the router linear, so a logit may
+    differ from that path's in its last bit, and between near-equal experts a token alone may
+    pick otherwise than in a batch."""
     pid = tl.program_id(0)
     experts = pid * EXPERTS_PER_PROGRAM + tl.arange(0, EXPERTS_PER_PROGRAM)
     e_ok = experts < E
@@ -250,17 +260,20 @@ def _one_token_router_kernel(
         w = tl.load(w_ptrs, mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
     tl.store(Logits + experts, acc.to(Logits.dtype.element_ty), mask=e_ok)
-    tl.debug_barrier()  # every thread's logits are written before the count says so
+    # Every thread's logits are written (the barrier) before one thread's release says so; the
+    # last program's acquire, and the barrier Triton puts before the count reaches its other
+    # threads, order its loads of all the logits after every program's stores.
+    tl.debug_barrier()
+    num_programs = tl.num_programs(0)
     arrived = tl.atomic_add(Arrived, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
+    if (arrived + 1) % num_programs == 0:
         e = tl.arange(0, BLOCK_E)
-        # .cv: read the other programs' logits from L2, not from a stale L1 line.
-        logits = tl.load(Logits + e, mask=e < E, other=float("-inf"), cache_modifier=".cv")
+        logits = tl.load(Logits + e, mask=e < E, other=float("-inf"))
         weights, ids = _top_k_route(logits.to(tl.float32), E, BLOCK_E, K, BLOCK_K, RENORMALIZE)
         kk = tl.arange(0, BLOCK_K)
         tl.store(Ids + kk, ids, mask=kk < K)
         tl.store(Weights + kk, weights, mask=kk < K)
-        tl.atomic_xchg(Arrived, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(Arrived, -num_programs, sem="relaxed", scope="gpu")
 
 
 def route_one_token(
@@ -269,7 +282,8 @@ def route_one_token(
     """moe.route(router(x)) for a single token x [1, H] and router weight [E, H] in one launch
     (batch-1 decode, where the router's GEMM and the routing were two launches of a few
     microseconds each): (weights [1, K] float32, expert ids [1, K] int32). ``arrived`` [1]
-    int32 is zero and belongs to the caller (one per layer: no two launches share it)."""
+    int32 starts at zero and belongs to the caller, one per layer; the launches that share one
+    must not overlap (one stream), as a layer's calls never do."""
     num_experts, hidden = weight.shape
     if weight.stride(1) != 1 or weight.stride(0) != hidden:
         raise ValueError("route_one_token needs a contiguous router weight")

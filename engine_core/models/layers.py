@@ -189,7 +189,7 @@ def reset_buffers(model: nn.Module) -> None:
     SparseMoE)."""
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
-        if callable(reset):
+        if module is not model and callable(reset):  # a root that delegates here would recurse
             reset()
 
 

@@ -82,7 +82,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters):
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * self.inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, self.inter))
-        # The one-token router's arrival count (fused_moe.route_one_token), zero between calls.
+        # The one-token router's arrival count (fused_moe.route_one_token): zero between calls,
+        # which this layer's forward makes one at a time.
         self.register_buffer("router_arrived", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def reset_buffers(self) -> None:
@@ -96,12 +97,14 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters):
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
     def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's linear, then moe.route; for one token on CUDA both in one launch."""
-        if x.shape[0] == 1 and use_triton(x) and self.gate.weight.dtype == x.dtype:
+        """The router's linear, then moe.route; for one token on CUDA both in one launch
+        (fused_moe.route_one_token), which does not call ``self.gate``: forward hooks on the
+        router see only batches of two tokens or more."""
+        gate = self.gate.weight
+        if x.shape[0] == 1 and use_triton(x) and gate.dtype == x.dtype and gate.is_contiguous():
             from engine_core.models.fused_moe import route_one_token  # imports triton
 
-            weight = self.gate.weight
-            return route_one_token(x, weight, self.router_arrived, self.top_k, self.renormalize)
+            return route_one_token(x, gate, self.router_arrived, self.top_k, self.renormalize)
         return route(self.gate(x), self.top_k, self.renormalize)
 
     def checkpoint_shards(self, param_name: str) -> range:
