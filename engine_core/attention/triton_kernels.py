@@ -16,7 +16,7 @@ once per group. The launch shape (tokens per iteration, kv heads per program, wa
 stages) is tuned per head size and cache dtype (``_DECODE_TILES``). The number of splits is a
 launch constant chosen from the batch size and the block table's width, never from per-step
 device values, so a captured CUDA graph stays valid at any context length; each sequence then
-uses only the splits its own length needs (at least MIN_SPLIT_TOKENS each): the others return at
+uses only the splits its own length needs (at least default_min_split's each): the others return at
 once, and a sequence that one split covers is written directly, with no partials and no merge.
 An FP8 cache's tiles are widened to float16 (one instruction per pair, where bf16 goes through
 float32), q with them.
@@ -42,10 +42,14 @@ _LOG2E = 1.4426950408889634
 # Decode context splits: a split is never shorter than MIN_SPLIT_TOKENS (shorter pieces cost
 # more in partial writes and the merge than they gain in parallelism), and there are enough of
 # them for PROGRAMS_PER_SM programs per multiprocessor, up to MAX_SPLITS. Measured on an H100
-# (scripts/device/decode_attention_bench.py --sweep; the minimum by
-# scripts/device/moe_batch1.py: at batch 1-4 and 384-1,024 tokens 64 takes 7.6-10.4 us a call
-# where 256 took 12.4-14.7, and it ties elsewhere; below a tile of keys it changes nothing).
-MIN_SPLIT_TOKENS = 64
+# (scripts/device/decode_attention_bench.py --sweep: at 64 sequences of 256 tokens one split
+# beat two by 10-15% for llama-1b, llama-8b and smollm2). Where the unsplit grid has at most
+# one program a multiprocessor (small batches), STARVED_MIN_SPLIT_TOKENS instead
+# (scripts/device/moe_batch1.py, batch 1-16 of 128-4,096 tokens, head size 128: 64 against 256
+# took 7.6-16.2 us a call against 12.4-18.7 at 384-1,024 tokens, ties elsewhere but one point
+# 4% slower).
+MIN_SPLIT_TOKENS = 256
+STARVED_MIN_SPLIT_TOKENS = 64
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 
@@ -406,7 +410,7 @@ def paged_decode_attention(
     *,
     sliding_window: int | None = None,
     num_splits: int | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    min_split_tokens: int | None = None,  # None: default_min_split's
     out: torch.Tensor | None = None,  # [B, heads, head_dim]
     k_scale: float = 1.0,
     v_scale: float = 1.0,
@@ -440,10 +444,12 @@ def paged_decode_attention(
     rows = triton.next_power_of_2(group * kpp)
     block_h = max(16, rows) if use_dot else rows
     block_n = tile.block_n if use_dot else 32
+    programs = num_kv_heads // kpp
+    if min_split_tokens is None:
+        min_split_tokens = default_min_split(batch, programs, q.device)
     min_split = max(min_split_tokens, 1)
     if num_splits is None:
         max_context = block_tables.shape[1] * page
-        programs = num_kv_heads // kpp
         num_splits = choose_num_splits(batch, programs, max_context, q.device, min_split)
     partial_out, partial_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
     _decode_kernel[(num_kv_heads // kpp, num_splits, batch)](
@@ -564,6 +570,14 @@ def choose_num_splits(
         return 1
     wanted = -(-PROGRAMS_PER_SM * _num_sms(device) // (batch * kv_programs))
     return max(1, min(wanted, -(-max_context // min_split_tokens), MAX_SPLITS))
+
+
+def default_min_split(batch: int, kv_programs: int, device: torch.device) -> int:
+    """The shortest context split: STARVED_MIN_SPLIT_TOKENS where one program per sequence and
+    kv heads leaves multiprocessors idle (at most one program each), MIN_SPLIT_TOKENS else."""
+    if batch * kv_programs <= _num_sms(device):
+        return STARVED_MIN_SPLIT_TOKENS
+    return MIN_SPLIT_TOKENS
 
 
 @functools.cache

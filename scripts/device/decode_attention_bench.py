@@ -191,7 +191,11 @@ def default_splits(module: ModuleType, case: PagedCase) -> int:
         tile = module.decode_tile(head_dim, p.dtype == "fp8")
         programs //= module._kv_per_program(tile.kv_per_program, kv_heads, heads // kv_heads)
     width = case.block_tables.shape[2] * PAGE
-    return module.choose_num_splits(p.batch, programs, width, torch.device("cuda"))
+    device = torch.device("cuda")
+    if not hasattr(module, "default_min_split"):  # a baseline from before the starved minimum
+        return module.choose_num_splits(p.batch, programs, width, device)
+    min_split = module.default_min_split(p.batch, programs, device)
+    return module.choose_num_splits(p.batch, programs, width, device, min_split)
 
 
 def measure_bandwidth() -> float:
