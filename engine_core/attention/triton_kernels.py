@@ -452,7 +452,7 @@ def paged_decode_attention(
         max_context = block_tables.shape[1] * page
         num_splits = choose_num_splits(batch, programs, max_context, q.device, min_split)
     partial_out, partial_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
-    _decode_kernel[(num_kv_heads // kpp, num_splits, batch)](
+    _decode_kernel[(programs, num_splits, batch)](
         q,
         k_cache,
         v_cache,

@@ -547,6 +547,7 @@ def _grouped_gemms(
     a block."""
     sorted_slots, block_experts = rows
     one_slot = sorted_slots is None
+    slots_arg = block_experts if one_slot else sorted_slots  # unread with ONE_SLOT_PER_BLOCK
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     num_slots = num_tokens * top_k
@@ -557,7 +558,7 @@ def _grouped_gemms(
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     b = gate_up
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
-        x, w13, act, block_experts if one_slot else sorted_slots, block_experts,
+        x, w13, act, slots_arg, block_experts,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         num_slots, hidden, inter,
         TOP_K=top_k, PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
@@ -567,7 +568,7 @@ def _grouped_gemms(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     b = down
     _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
-        act, w2, out, weights, block_experts if one_slot else sorted_slots, block_experts,
+        act, w2, out, weights, slots_arg, block_experts,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         num_slots, hidden, inter,
         PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
