@@ -12,7 +12,10 @@ prompt tokens, 256 output tokens each, EOS ignored, greedy, after a warm-up run)
 then HF transformers ``generate`` on the same shapes (batch 64, same prompts; fewer output
 tokens, --hf-output-len, to keep the run short). Prints one table: tok/s, TPOT and TTFT p50/p99,
 % of the HBM roofline (all weights + the KV cache at the mean context, read once per step, over
-the measured bandwidth) and the ratio to HF; then where one decode step's time goes (graph
+the measured bandwidth) two ways: the run's tok/s over the roofline's, which counts the prefill
+too, and the roofline step time over the median gap between a request's tokens (ITL p50, a
+steady decode step: the few gaps that span another request's prefill are outliers of it); and
+the ratio to HF; then where one decode step's time goes (graph
 replay alone, GPU kernel time under the profiler, the whole engine step), with the overlapped
 loop and with the simple one (``--no-async-scheduling``), each with the engine's step stats: host
 ms per part of the step, GPU ms per step and the share of the time the GPU sat idle between
@@ -63,6 +66,7 @@ class RunResult:
     ttft_p99_ms: float
     tpot_p50_ms: float
     tpot_p99_ms: float
+    itl_p50_ms: float  # the median gap between a request's tokens: a steady decode step
     duration_s: float
     output_tokens: int
 
@@ -73,6 +77,7 @@ class ModelResult:
     weight_bytes: int
     bytes_per_step: int
     roofline_tok_s: float
+    roofline_step_ms: float  # bytes_per_step over the measured bandwidth
     runs: list[RunResult] = field(default_factory=list)
     hf_tok_s: float | None = None
     hf_output_len: int = 0
@@ -85,6 +90,7 @@ def summarize(path: str, start: float, token_times: list[list[float]]) -> RunRes
     """Client-side metrics from each request's token arrival times (perf_counter seconds)."""
     ttft = [(times[0] - start) * 1e3 for times in token_times]
     tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in token_times if len(t) > 1]
+    itl = [gap * 1e3 for times in token_times for gap in token_gaps(times)]
     end = max(times[-1] for times in token_times)
     total = sum(len(times) for times in token_times)
     return RunResult(
@@ -94,17 +100,37 @@ def summarize(path: str, start: float, token_times: list[list[float]]) -> RunRes
         ttft_p99_ms=percentile(ttft, 99),
         tpot_p50_ms=percentile(tpot, 50),
         tpot_p99_ms=percentile(tpot, 99),
+        itl_p50_ms=percentile(itl, 50),
         duration_s=end - start,
         output_tokens=total,
     )
 
 
+def token_gaps(times: list[float]) -> list[float]:
+    """Each token's gap to the arrival before it. Tokens that arrive together (one message
+    carrying several) split their arrival's gap rather than counting as zero-length gaps."""
+    arrivals: list[list[float]] = []  # [time, tokens]
+    for now in times:
+        if arrivals and arrivals[-1][0] == now:
+            arrivals[-1][1] += 1
+        else:
+            arrivals.append([now, 1])
+    gaps: list[float] = []
+    for (before, _), (now, count) in zip(arrivals, arrivals[1:], strict=False):
+        gaps += [(now - before) / count] * int(count)
+    return gaps
+
+
 def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default): with two equal-sized
+    groups the median falls between them, not on whichever group the rounding picks."""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -480,7 +506,7 @@ def roofline(name: str, work: Workload, bandwidth: float) -> tuple[int, int, flo
 
 def bench_model(name: str, work: Workload, args: argparse.Namespace, bw: float) -> ModelResult:
     weights, step, roof = roofline(name, work, bw)
-    result = ModelResult(name, weights, step, roof)
+    result = ModelResult(name, weights, step, roof, 1e3 * step / bw)
     stages: list[tuple[str, Callable[..., None]]] = []
     if "inproc" in args.paths:
         stages.append(("inproc", bench_inproc))
@@ -510,7 +536,8 @@ def free_gpu() -> None:
 def format_table(results: list[ModelResult]) -> str:
     head = (
         f"{'model':<13} {'path':<7} {'tok/s':>9} {'TPOT p50':>9} {'p99':>7} {'TTFT p50':>9} "
-        f"{'p99':>8} {'roofline':>9} {'%roof':>6} {'HF tok/s':>9} {'xHF':>6}"
+        f"{'p99':>8} {'roofline':>9} {'%roof':>6} {'ITL p50':>8} {'step%':>6} {'HF tok/s':>9} "
+        f"{'xHF':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -523,8 +550,14 @@ def format_table(results: list[ModelResult]) -> str:
             lines.append(
                 f"{r.model:<13} {run.path:<7} {run.tok_s:9.0f} {run.tpot_p50_ms:8.2f}m "
                 f"{run.tpot_p99_ms:6.2f}m {run.ttft_p50_ms:8.1f}m {run.ttft_p99_ms:7.1f}m "
-                f"{r.roofline_tok_s:9.0f} {100 * run.tok_s / r.roofline_tok_s:5.1f}% {hf} {ratio}"
+                f"{r.roofline_tok_s:9.0f} {100 * run.tok_s / r.roofline_tok_s:5.1f}% "
+                f"{run.itl_p50_ms:7.2f}m {100 * r.roofline_step_ms / run.itl_p50_ms:5.1f}% "
+                f"{hf} {ratio}"
             )
+    lines.append(
+        "%roof: the run's tok/s over the roofline's (prefill time included); step%: the roofline "
+        "step time over the median inter-token gap (a steady decode step)"
+    )
     return "\n".join(lines)
 
 

@@ -508,14 +508,21 @@ def test_qk_norm_rotary_matches_the_layers(
     assert_close(got_q, ref_q)  # the layer helper (fused on CUDA, torch under the interpreter)
     assert_close(got_k, ref_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
-    # Against the unfused kernels (rms_norm, then rotary_inplace): the same roundings, so equal
-    # in bf16; float32 may differ in the last bit (the sum of squares is taken in two halves).
+    # Against the unfused kernels (rms_norm, then rotary_inplace): the same roundings, but the
+    # GPU compiler contracts multiply-adds differently in the two, so in bf16 a few elements in
+    # a hundred thousand land one rounding apart (seen on an H100), never more than one unit in
+    # the last place of the largest output; float32 differs in its last bits more often (the
+    # sum of squares is taken in two halves).
     q3 = rms_norm(q_before.flatten(0, 1), q_norm.weight, 1e-6).view(q.shape)
     k3 = rms_norm(k_before.flatten(0, 1), k_norm.weight, 1e-5).view(k.shape)
     rotary_inplace(q3, k3, cos, sin)
-    tol = 0.0 if DTYPE is torch.bfloat16 else 1e-6
-    torch.testing.assert_close(q, q3, atol=tol, rtol=tol)
-    torch.testing.assert_close(k, k3, atol=tol, rtol=tol)
+    for got, unfused in ((q, q3), (k, k3)):
+        if DTYPE is torch.bfloat16:
+            one_ulp = torch.finfo(DTYPE).eps * unfused.abs().max().item()
+            torch.testing.assert_close(got, unfused, atol=one_ulp, rtol=0.0)
+            assert (got != unfused).float().mean().item() < 1e-3
+        else:
+            torch.testing.assert_close(got, unfused, atol=1e-6, rtol=1e-6)
 
 
 def test_qk_norms_with_a_unit_offset_or_a_partial_rotary_are_not_fused() -> None:

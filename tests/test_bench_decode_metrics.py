@@ -1,0 +1,46 @@
+"""The decode benchmark's client-side metrics, against hand computations."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_decode_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tokens_that_arrive_together_split_their_gap(bench: ModuleType) -> None:
+    # Arrivals at 1 s (one token), 2 s (two tokens), 4 s (one token).
+    assert bench.token_gaps([1.0, 2.0, 2.0, 4.0]) == [0.5, 0.5, 2.0]
+    assert bench.token_gaps([3.0]) == []
+
+
+def test_percentile_interpolates_between_ranks(bench: ModuleType) -> None:
+    # Two equal groups: the median lies halfway between them, not on one of them.
+    assert bench.percentile([10.0, 10.0, 20.0, 20.0], 50) == 15.0
+    assert bench.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 25) == 2.0
+    assert bench.percentile([7.0], 99) == 7.0
+
+
+def test_itl_is_the_steady_step_despite_a_prefill_stall(bench: ModuleType) -> None:
+    # Request a: tokens every 10 ms but one 500 ms stall; request b: every 10 ms.
+    a = [0.1, 0.11, 0.12, 0.62, 0.63, 0.64]
+    b = [0.62, 0.63, 0.64, 0.65, 0.66, 0.67]
+    run = bench.summarize("inproc", 0.0, [a, b])
+    assert run.itl_p50_ms == pytest.approx(10.0)
+    assert run.tpot_p50_ms == pytest.approx((108.0 + 10.0) / 2)  # (540/5 + 50/5) / 2
+    assert run.ttft_p50_ms == pytest.approx(360.0)
+    assert run.tok_s == pytest.approx(12 / 0.67)
