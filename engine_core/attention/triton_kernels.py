@@ -37,6 +37,7 @@ import triton.language as tl
 
 from engine_core.attention.base import is_fp8_cache
 from engine_core.attention.prefill_tiles import device_tiles, prefill_block_m
+from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release
 
 _LOG2E = 1.4426950408889634
 # Decode context splits: a split is never shorter than MIN_SPLIT_TOKENS (shorter pieces cost
@@ -76,7 +77,9 @@ def _write_kv_kernel(
     ROW: tl.constexpr,  # kv_heads * head_dim
     BLOCK: tl.constexpr,
     QUANTIZE: tl.constexpr,  # an FP8 cache: store clamp(x / scale), e4m3
+    PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(PDL)
     token = tl.program_id(0)
     slot = tl.load(SLOTS + token).to(tl.int64)
     if slot >= 0:
@@ -113,6 +116,7 @@ def write_kv_cache(
     _check_cache(k_cache)
     _check_cache(v_cache)
     row = k.shape[1] * k.shape[2]
+    pdl = chain_pdl(k)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -131,6 +135,8 @@ def write_kv_cache(
         ROW=row,
         BLOCK=triton.next_power_of_2(row),
         QUANTIZE=is_fp8_cache(k_cache),
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=_row_warps(row),
     )
 
@@ -278,7 +284,9 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(PDL)
     # The kv heads of one (sequence, split) are neighbours in launch order, so programs that
     # run together read the same cache rows.
     kv0 = tl.program_id(0) * KPP
@@ -370,7 +378,9 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = (seq * tl.num_programs(1) + head) * num_splits
@@ -452,6 +462,7 @@ def paged_decode_attention(
         max_context = block_tables.shape[1] * page
         num_splits = choose_num_splits(batch, programs, max_context, q.device, min_split)
     partial_out, partial_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
+    pdl = chain_pdl(q)
     _decode_kernel[(programs, num_splits, batch)](
         q,
         k_cache,
@@ -490,6 +501,8 @@ def paged_decode_attention(
         PRECISION=_precision(q.dtype),
         KV_FP8=kv_fp8,
         FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -521,6 +534,7 @@ def _merge_partials(
     batch, num_heads, num_splits, head_dim = partial_out.shape
     block_d = triton.next_power_of_2(head_dim)
     block_s = triton.next_power_of_2(num_splits)
+    pdl = chain_pdl(out)
     _decode_merge_kernel[(batch, num_heads)](
         partial_out,
         partial_lse,
@@ -536,6 +550,8 @@ def _merge_partials(
         BLOCK_S=block_s,
         BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None,
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=max(1, min(4, block_s * block_d // 1024)),
     )
 

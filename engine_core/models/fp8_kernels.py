@@ -23,13 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from engine_core.models.triton_ops import (
-    e4m3_clamped,
-    e4m3_scale,
-    hopper_or_later,
-    launches_dependents,
-    silu_mul,
-)
+from engine_core.models.triton_ops import e4m3_clamped, e4m3_scale, silu_mul
+from engine_core.triton_pdl import hopper_or_later, launches_dependents
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The kernels take these constants from triton_ops' e4m3_scale and e4m3_clamped: e4m3's largest

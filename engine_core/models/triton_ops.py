@@ -12,7 +12,6 @@ may do so. Set ``TRITON_INTERPRET=1`` before the import to run these kernels on 
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine_core.peer_all_reduce_kernel import peer_sum
+from engine_core.triton_pdl import chain_pdl, launches_dependents, pdl_wait_then_release
 
 if TYPE_CHECKING:
     from engine_core.peer_all_reduce import PeerSumArgs
@@ -53,8 +53,10 @@ def _rms_norm_kernel(
     PEER_SUM: tl.constexpr,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:
+    pdl_wait_then_release(PDL)
+    if LAUNCH_DEPENDENTS and not PDL:
         # The FP8 GEMM after this norm may start now (programmatic dependent launch): it pulls
         # its first weight tiles into L2 and waits for this kernel's rows (fp8_kernels.py).
         tl.extra.cuda.gdc_launch_dependents()
@@ -116,21 +118,6 @@ def silu_mul(gate, up):
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
-@functools.cache
-def hopper_or_later(device: torch.device) -> bool:
-    """NVIDIA sm_90+: TMA and programmatic dependent launch (griddepcontrol) exist from Hopper
-    on (a ROCm GPU reports its own major version, 9 on MI300, and has neither)."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def launches_dependents(x: torch.Tensor) -> bool:
-    """Whether a kernel over x may let a programmatic dependent launch start early (the FP8
-    skinny GEMM after a quantizing norm or quantizer): CUDA tensors on Hopper or later."""
-    return x.is_cuda and hopper_or_later(x.device)
-
-
 def fp8_rows(num_rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty e4m3 rows [T, N] and their float32 scales [T, 1], for a fused quantizer."""
     q = torch.empty((num_rows, n), dtype=torch.float8_e4m3fn, device=device)
@@ -158,6 +145,7 @@ def rms_norm(
     res_in = residual if residual is not None else x
     q, q_scale = fp8_out if fp8_out is not None else (out, out)
     block = triton.next_power_of_2(n)
+    pdl = chain_pdl(x)
     _rms_norm_kernel[(num_rows,)](
         x,
         res_in,
@@ -177,6 +165,8 @@ def rms_norm(
         QUANTIZE=fp8_out is not None,
         LAUNCH_DEPENDENTS=fp8_out is not None and launches_dependents(x),
         **_peer_sum_args(x, peer),
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=min(max(block // 512, 1), 8),
     )
     return out if residual is None else (out, res_out)
@@ -213,7 +203,9 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -249,6 +241,7 @@ def rotary_inplace(
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
         raise ValueError("rotary_inplace needs the head dim contiguous")
     k_heads = k.shape[1]
+    pdl = chain_pdl(q)
     _rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -265,6 +258,8 @@ def rotary_inplace(
         BLOCK_H=triton.next_power_of_2(max(q_heads, k_heads)),
         HALF=head_dim // 2,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=4 if q_heads * head_dim >= 2048 else 2,
     )
 
@@ -290,10 +285,12 @@ def _qk_norm_rotary_kernel(
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Token program_id(0)'s q and k heads: each head RMS-normalized over its dims and scaled
     by its norm's weight (Qwen3's q_norm / k_norm, rounded as _rms_norm_kernel rounds), then
     rotated (rotate-half, as _rotary_kernel), in place: three launches in one."""
+    pdl_wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -342,18 +339,22 @@ def qk_norm_rotary_inplace(
     if cos.shape[1] != head_dim or head_dim % 2:
         raise ValueError("qk_norm_rotary_inplace rotates whole heads of an even size")
     k_heads = k.shape[1]
+    pdl = chain_pdl(q)
     _qk_norm_rotary_kernel[(num_tokens,)](
         q, k, q_weight, k_weight, cos, sin, q_eps, k_eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         Q_HEADS=q_heads, K_HEADS=k_heads,
         BLOCK_H=triton.next_power_of_2(max(q_heads, k_heads)),
         HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        num_warps=4 if q_heads * head_dim >= 2048 else 2,
+        PDL=pdl, launch_pdl=pdl, num_warps=4 if q_heads * head_dim >= 2048 else 2,
     )  # fmt: skip
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -371,9 +372,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows == 0:
         return out
     block = min(1024, triton.next_power_of_2(n))
+    pdl = chain_pdl(gate_up)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
-    )
+        gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, PDL=pdl,
+        launch_pdl=pdl, num_warps=4,
+    )  # fmt: skip
     return out
 
 

@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (PDL) for the small Triton kernels of a decode step.
+
+A decode layer of a small model is a chain of short kernels (norm, rotary, KV write, attention,
+its merge, SiLU-and-mul) whose own work takes a few microseconds each; between two of them the
+GPU drains one grid and launches the next. Launched as a programmatic dependent (sm_90+), a
+kernel's programs may become resident while the kernel before it finishes: each first waits for
+that kernel's completion and memory flush (``griddepcontrol.wait``), then lets the kernel after
+it start early (``griddepcontrol.launch_dependents``). The wait comes before any load or store,
+so a dependent sees everything every earlier kernel wrote: each kernel of the chain completes
+only after the one before it did.
+
+``TANDEM_PDL=0`` in the environment turns it off (read at import; for A/B measurements).
+
+Importing this module imports triton (see engine_core/attention/triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHAIN_PDL = os.environ.get("TANDEM_PDL", "1") != "0"
+
+
+@functools.cache
+def hopper_or_later(device: torch.device) -> bool:
+    """NVIDIA sm_90+: TMA and programmatic dependent launch (griddepcontrol) exist from Hopper
+    on (a ROCm GPU reports its own major version, 9 on MI300, and has neither)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launches_dependents(x: torch.Tensor) -> bool:
+    """Whether a kernel over x may let a programmatic dependent launch start early (the FP8
+    skinny GEMM after a quantizing norm or quantizer): CUDA tensors on Hopper or later."""
+    return x.is_cuda and hopper_or_later(x.device)
+
+
+def chain_pdl(x: torch.Tensor) -> bool:
+    """Whether a kernel of the decode chain over x launches as a programmatic dependent (pass
+    it as both the kernel's ``PDL`` and the launch's ``launch_pdl``)."""
+    return CHAIN_PDL and launches_dependents(x)
+
+
+@triton.jit
+def pdl_wait_then_release(PDL: tl.constexpr):
+    """First statement of a chain kernel: wait for the kernel before it, then let the kernel
+    after it become resident (it waits in turn for this one to complete)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,108 @@
+"""Programmatic dependent launch (engine_core/triton_pdl.py) changes when the decode chain's
+kernels start, never what they compute: a decode layer's chain (norm with residual, a cuBLAS
+projection, rotary in place, the KV write, split decode attention and its merge, a projection,
+SiLU-and-mul) captured in a CUDA graph and replayed on fresh inputs gives the same bits with PDL
+as without, and as the chain run eagerly. A kernel that read before waiting would see the
+previous kernel's half-written outputs (the unrotated K, last replay's cache row) and differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from engine_core import triton_pdl  # noqa: E402
+from engine_core.attention.triton_kernels import (  # noqa: E402
+    paged_decode_attention,
+    write_kv_cache,
+)
+from engine_core.models.triton_ops import rms_norm, rotary_inplace, silu_and_mul  # noqa: E402
+
+if not triton_pdl.hopper_or_later(torch.device("cuda")):
+    pytest.skip("programmatic dependent launch needs sm_90+", allow_module_level=True)
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, MLP = 8, 16, 4, 64, 1024, 2048
+PAGE, CONTEXT = 16, 300  # 300 tokens: 19 pages; num_splits=4 below makes the merge run
+DTYPE = torch.bfloat16
+
+
+class Chain:
+    """The chain's weights, its paged cache and its static inputs."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+
+        def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(DTYPE)
+
+        self.randn = randn
+        width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+        self.norm_w = randn(HIDDEN) + 1
+        self.w_qkv = randn(width, HIDDEN, scale=HIDDEN**-0.5)
+        self.w_up = randn(2 * MLP, HEADS * HEAD_DIM, scale=(HEADS * HEAD_DIM) ** -0.5)
+        pages = -(-CONTEXT // PAGE)
+        self.k_cache = randn(BATCH * pages, PAGE, KV_HEADS, HEAD_DIM)
+        self.v_cache = randn(BATCH * pages, PAGE, KV_HEADS, HEAD_DIM)
+        order = torch.randperm(BATCH * pages, generator=gen, device="cuda")
+        self.block_tables = order.view(BATCH, pages).to(torch.int32)
+        last = CONTEXT - 1  # each sequence's new token, written by the chain
+        self.slots = (self.block_tables[:, last // PAGE].long() * PAGE + last % PAGE).contiguous()
+        self.seq_lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device="cuda")
+        angles = torch.rand(BATCH, HEAD_DIM // 2, generator=gen, device="cuda") * 6.28
+        self.cos = torch.cat([angles.cos(), angles.cos()], 1).to(DTYPE)
+        self.sin = torch.cat([angles.sin(), angles.sin()], 1).to(DTYPE)
+        self.x = randn(BATCH, HIDDEN)
+        self.residual = randn(BATCH, HIDDEN)
+
+    def refill(self) -> None:
+        self.x.copy_(self.randn(BATCH, HIDDEN))
+        self.residual.copy_(self.randn(BATCH, HIDDEN))
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        h, summed = rms_norm(self.x, self.norm_w, 1e-6, residual=self.residual)
+        q, k, v = (h @ self.w_qkv.T).split(
+            [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1
+        )
+        q = q.view(BATCH, HEADS, HEAD_DIM)
+        k = k.view(BATCH, KV_HEADS, HEAD_DIM)
+        rotary_inplace(q, k, self.cos, self.sin)
+        write_kv_cache(k, v.view(BATCH, KV_HEADS, HEAD_DIM), self.k_cache, self.v_cache, self.slots)
+        attn = paged_decode_attention(
+            q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, HEAD_DIM**-0.5,
+            num_splits=4,
+        )  # fmt: skip
+        return silu_and_mul(attn.flatten(1) @ self.w_up.T), summed
+
+
+def replays(monkeypatch: pytest.MonkeyPatch, pdl: bool, rounds: int) -> list[torch.Tensor]:
+    """The chain captured with PDL on or off, replayed on ``rounds`` fresh inputs (the same
+    ones for both: the generator restarts)."""
+    monkeypatch.setattr(triton_pdl, "CHAIN_PDL", pdl)
+    chain = Chain()
+    chain.run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, summed = chain.run()
+    results = []
+    for _ in range(rounds):
+        chain.refill()
+        graph.replay()
+        results.append(torch.cat([out, summed], 1).clone())
+    eager_out, eager_summed = chain.run()  # the last round's inputs again, no graph
+    results.append(torch.cat([eager_out, eager_summed], 1))
+    torch.cuda.synchronize()
+    return results
+
+
+def test_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_pdl = replays(monkeypatch, True, rounds=50)
+    without = replays(monkeypatch, False, rounds=50)
+    assert torch.equal(with_pdl[-1], with_pdl[-2])  # the graph with PDL equals eager
+    for got, expected in zip(with_pdl, without, strict=True):
+        assert torch.equal(got, expected)
+    assert not torch.equal(with_pdl[0], with_pdl[1])  # fresh inputs gave fresh outputs
