@@ -35,7 +35,9 @@ BLOCK_SIZE = 16
 # Short ones that one split covers beside long ones split many ways, in one batch.
 CONTEXTS = [1, 16, 17, 200, 255, 1000, 2049, 4097, 8192]
 SPECS = [(c - 1, 1) for c in CONTEXTS]
-TUNED_TILES = sorted(set(triton_kernels._DECODE_TILES.values()), key=repr)
+TUNED_TILES = sorted(
+    {*triton_kernels._DECODE_TILES.values(), *triton_kernels._WIDE_DECODE_TILES.values()}, key=repr
+)
 TILES = [
     *TUNED_TILES,
     DecodeTile(16, 4, 2, kv_per_program=4),

@@ -602,3 +602,22 @@ def test_models_on_fused_path_match_hf(name: str, tmp_path: Path) -> None:
         assert got.tokens[i] == ref.tokens[0], f"prompt {i}"
         atol = 1e-4 if INTERPRET else 1e-3
         torch.testing.assert_close(got.logits[i].cpu(), ref.logits[0], atol=atol, rtol=0)
+
+
+def test_decode_tile_widens_only_grids_that_fill_the_gpu_many_times() -> None:
+    """Two kv heads a program where batch x kv heads reaches WIDE_GRID_WAVES programs a
+    multiprocessor (bf16 caches), the geometric-mean tile below that and for FP8."""
+    from engine_core.attention import triton_kernels as tk
+
+    device = torch.device(DEVICE)
+    sms = tk._num_sms(device)
+    threshold = tk.WIDE_GRID_WAVES * sms
+    assert tk.is_wide_grid(threshold // 8, 8, device) == (threshold % 8 == 0)
+    assert tk.is_wide_grid(-(-threshold // 8), 8, device)
+    assert not tk.is_wide_grid(-(-threshold // 8) - 1, 8, device)
+    for head_dim, tuned in ((64, 64), (96, 128), (128, 128)):
+        assert tk.decode_tile(head_dim, False) == tk._DECODE_TILES[(tuned, False)]
+        assert tk.decode_tile(head_dim, False, True) == tk._WIDE_DECODE_TILES[(tuned, False)]
+        assert tk.decode_tile(head_dim, True, True) == tk._DECODE_TILES[(tuned, True)]
+    assert tk.decode_tile(256, False) == tk._DECODE_TILES[(128, False)]  # past the largest
+    assert tk._WIDE_DECODE_TILES[(64, False)].kv_per_program == 2

@@ -211,13 +211,35 @@ _DECODE_TILES: dict[tuple[int, bool], DecodeTile] = {
 }
 
 
-def decode_tile(head_dim: int, kv_fp8: bool) -> DecodeTile:
+# Where one program per sequence and kv head already fills the GPU WIDE_GRID_WAVES times over
+# (batch x kv heads >= WIDE_GRID_WAVES x multiprocessors: llama-1b and llama-8b from batch 128
+# on an H100), two kv heads a program read 128-256 contiguous bytes a token at no cost in
+# parallelism. On an H100 (docs/bench-logs/2026-11-26-h100-decode-attention-batch256-sweep.log),
+# at batch 128 and 256 over 256-2,048 tokens: llama-1b 79-95% of the copy bandwidth with the
+# tiles above, 82-100% with its wide tile; llama-8b 89-101%, 90-101%. At batch 64 the two were
+# even (the earlier short-context sweep). bf16 caches only: FP8's head-dim-64 tile takes two kv
+# heads a program already, and its head-dim-128 points were not swept.
+WIDE_GRID_WAVES = 6
+_WIDE_DECODE_TILES: dict[tuple[int, bool], DecodeTile] = {
+    (64, False): DecodeTile(block_n=64, num_warps=4, num_stages=3, kv_per_program=2),
+    (128, False): DecodeTile(block_n=32, num_warps=4, num_stages=2, kv_per_program=2),
+}
+
+
+def decode_tile(head_dim: int, kv_fp8: bool, wide_grid: bool = False) -> DecodeTile:
     """The tuned launch shape for a head size and cache dtype (head dims between the tuned ones
-    take the next larger one's)."""
-    for tuned in sorted({d for d, _ in _DECODE_TILES}):
-        if head_dim <= tuned:
-            return _DECODE_TILES[(tuned, kv_fp8)]
-    return _DECODE_TILES[(max(d for d, _ in _DECODE_TILES), kv_fp8)]
+    take the next larger one's); ``wide_grid``: the batch fills the GPU many times over (see
+    WIDE_GRID_WAVES)."""
+    tuned = min((d for d, _ in _DECODE_TILES if head_dim <= d), default=max(_DECODE_TILES)[0])
+    if wide_grid and (tuned, kv_fp8) in _WIDE_DECODE_TILES:
+        return _WIDE_DECODE_TILES[(tuned, kv_fp8)]
+    return _DECODE_TILES[(tuned, kv_fp8)]
+
+
+def is_wide_grid(batch: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether one program per sequence and kv head gives every multiprocessor at least
+    WIDE_GRID_WAVES of them."""
+    return batch * num_kv_heads >= WIDE_GRID_WAVES * _num_sms(device)
 
 
 @triton.jit
@@ -443,7 +465,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     kv_fp8 = is_fp8_cache(k_cache)
-    tile = tile or decode_tile(head_dim, kv_fp8)
+    tile = tile or decode_tile(head_dim, kv_fp8, is_wide_grid(batch, num_kv_heads, q.device))
     # The query heads of the program's kv heads go through tl.dot as one tile padded to its
     # 16-row minimum, a group of one (MHA, GPT-2) too: the elementwise products that group 1
     # used before were reported near 1 TB/s on an H100. They remain only for head dims under
