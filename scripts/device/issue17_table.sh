@@ -2,7 +2,9 @@
 # Issue 17's decode table, every row with scripts/bench_decode.py in process and over raw ZMQ
 # (random weights with the presets' shapes, fresh prompts each run, greedy, EOS ignored):
 # 64 x (128 -> 256) on smollm2-135m, llama-1b and llama-8b; 256 x (128 -> 256) on llama-8b;
-# 256 x (128 -> 512) on llama-1b; 32 x (3,800 -> 256) on llama-8b. The GPU machine, from the
+# 256 x (128 -> 512) on llama-1b; 32 x (3,800 -> 256) on llama-8b. Each row gives the roofline
+# share two ways (bench_decode.py's docstring): %roof, the run's tok/s (prefill included), and
+# step%, the roofline step over the median inter-token gap. The GPU machine, from the
 # repository root; logs and JSON under $OUT, the rows printed last.
 set -u
 OUT=${OUT:-/tmp/out}
