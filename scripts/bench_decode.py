@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -121,15 +122,10 @@ def token_gaps(times: list[float]) -> list[float]:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default): with two equal-sized
-    groups the median falls between them, not on whichever group the rounding picks."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """numpy's linear interpolation between order statistics, as loadgen/metrics.py takes it:
+    with two equal-sized groups the median falls between them, not on whichever group a
+    nearest-rank rounding picks."""
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 # ---- the workload ------------------------------------------------------------------------------
