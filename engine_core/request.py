@@ -49,6 +49,11 @@ class Request:
     first_token_time: float = 0.0
     finish_time: float = 0.0
     first_token_index: int = 0  # where its first new token goes: len(token_ids) when admitted
+    # Its stopping rules as the scheduler checks them at every token, set by the scheduler when
+    # the request is added: the ids that stop it (its stop ids, and EOS unless ignore_eos) and
+    # the length at which it stops (prompt + max_tokens, or the model's limit if lower).
+    stop_ids: frozenset[int] = frozenset()
+    length_limit: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -164,7 +169,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineOutput:
     """What one step did to one request: tokens appended, and whether it finished."""
 

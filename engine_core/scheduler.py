@@ -100,6 +100,14 @@ class Scheduler:
             )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        params = request.params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        request.stop_ids = frozenset(stop_ids)
+        request.length_limit = min(
+            request.num_prompt_tokens + params.max_tokens, self.max_model_len
+        )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -162,37 +170,32 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         # Only the last admitted request can be mid-prompt (it took the budget that was left),
-        # so walking in admission order schedules the decodes before any prompt chunk.
+        # so walking in admission order schedules the decodes before any prompt chunk. This
+        # loop runs once per running request per step, so its common case is written out inline.
+        running = self.running
+        allocate = self.block_manager.allocate_slots
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if self._reaches_limit(request):
-                index += 1  # its pending token finishes it: nothing more to compute
+        while index < len(running) and budget > 0:
+            request = running[index]
+            token_ids = request.token_ids
+            num_tokens = len(token_ids)
+            if token_ids[-1] == PLACEHOLDER and num_tokens >= request.length_limit:
+                # Its pending token (overlap only) finishes it by length: another step would
+                # be wasted and could ask for a block past max_model_len. Without a pending
+                # token a request is never skipped (else it could wait forever).
+                index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, output):
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
+            if not allocate(request, num_new) and not self._preempt_for(request, num_new, output):
                 break  # it preempted itself: everything after it is gone too
             self._add_scheduled(output, request, num_new)
             budget -= num_new
             index += 1
         return budget
 
-    def _reaches_limit(self, request: Request) -> bool:
-        """True when the pending token (a placeholder, overlap only) will finish the request by
-        length: planning another step for it would be wasted, and could ask for a block past
-        max_model_len. Without a pending token it is never skipped (else it could wait forever).
-        """
-        token_ids = request.token_ids
-        if token_ids[-1] != PLACEHOLDER:
-            return False
-        num_tokens = len(token_ids)
-        return (
-            num_tokens - request.num_prompt_tokens >= request.params.max_tokens
-            or num_tokens >= self.max_model_len
-        )
-
-    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
-        """Make room by preempting from the end of the batch; False when it had to go itself."""
+    def _preempt_for(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Make room for ``request`` by preempting from the end of the batch (its allocation
+        just failed); False when it had to go itself."""
         while not self.block_manager.allocate_slots(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)
@@ -269,7 +272,7 @@ class Scheduler:
             output.prompt_logprob_seqs.append(len(output.scheduled))
         output.scheduled.append(scheduled)
         if self.async_scheduling:
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens = scheduled.start + num_new
             if scheduled.samples:
                 request.token_ids.append(PLACEHOLDER)
 
@@ -360,10 +363,13 @@ class Scheduler:
         status = request.status
         if status == RequestStatus.FINISHED:
             return None  # finished or aborted while this step ran: its row is void
-        end = scheduled.start + scheduled.num_new_tokens
-        # Tokens [0, end) are real and their KV is in (or on its way to) the cache.
-        if status == RequestStatus.RUNNING:
-            self._cache_full_blocks(request, scheduled.start, end)
+        start = scheduled.start
+        end = start + scheduled.num_new_tokens
+        # Tokens [0, end) are real and their KV is in (or on its way to) the cache. Only a
+        # chunk that reached a block's end can have filled one (``_cache_full_blocks``); the
+        # test is written out here because this runs once per row per step.
+        if status == RequestStatus.RUNNING and end // self._block_size > start // self._block_size:
+            self.block_manager.cache_computed_blocks(request, end)
         if token is None:
             return None
         if request.grammar is not None and not request.grammar.accept(token):
@@ -388,20 +394,17 @@ class Scheduler:
         return EngineOutput(request, [], FinishReason.DEAD_END)
 
     def _check_stop(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:
-        """Stop conditions for ``token``, the last of the first ``num_tokens`` tokens."""
-        params = request.params
-        num_output = num_tokens - request.num_prompt_tokens
+        """Stop conditions for ``token``, the last of the first ``num_tokens`` tokens (the rules
+        themselves were derived once, in ``add_request``)."""
         if request.grammar is not None and request.grammar.terminated:
             return FinishReason.STOP  # the output is complete: only EOS could follow
-        if num_output >= params.min_tokens and (
-            token in params.stop_token_ids
-            or (not params.ignore_eos and token in self.eos_token_ids)
+        if (
+            token in request.stop_ids
+            and num_tokens - request.num_prompt_tokens >= request.params.min_tokens
         ):
             return FinishReason.STOP
-        if num_output >= params.max_tokens:
-            return FinishReason.LENGTH
-        if num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
+        if num_tokens >= request.length_limit:
+            return FinishReason.LENGTH  # max_tokens, or the model's context
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
