@@ -47,7 +47,7 @@ from protocol.messages import (
     RequestOutput,
     StepOutputs,
 )
-from protocol.processes import ParentWatch, freeze_startup_heap
+from protocol.processes import ParentWatch, freeze_startup_heap, spread_young_collections
 
 if TYPE_CHECKING:
     from protocol.curve import CurveServerKeys
@@ -137,6 +137,7 @@ class EngineProc:
             t.start()
         frozen = freeze_startup_heap()
         logger.debug("froze %d start-up objects out of the garbage collector's reach", frozen)
+        spread_young_collections()
         try:
             self.busy_loop()
         finally:

@@ -31,7 +31,7 @@ from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
 from frontend.tools import tool_support
 from protocol.messages import Ready
-from protocol.processes import ParentWatch, freeze_startup_heap
+from protocol.processes import ParentWatch, freeze_startup_heap, spread_young_collections
 
 logger = logging.getLogger("tandem.frontend")
 
@@ -80,6 +80,7 @@ async def serve_http(
             announce(args, specs, pool.ready, args.port)
         frozen = freeze_startup_heap()  # before serving: no collection walks the start-up again
         logger.debug("froze %d start-up objects out of the garbage collector's reach", frozen)
+        spread_young_collections()
         await server.serve(sockets=[role.sock] if role.sock is not None else None)
     finally:
         for task in tasks:

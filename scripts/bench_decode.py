@@ -327,11 +327,29 @@ def bench_inproc(name: str, work: Workload, args: argparse.Namespace, result: Mo
     )
     result.startup_s = time.perf_counter() - start
     vocab = core.model_config.vocab_size
-    run_inproc(core, work.shorter(16, seed=1), vocab, "warmup")
-    result.runs.append(run_inproc(core, work, vocab, "main"))
-    if args.profile and args.device != "cpu":
-        result.step_profile = profile_decode_step(core, work, vocab, args.top_kernels)
+    with serving_collector():
+        run_inproc(core, work.shorter(16, seed=1), vocab, "warmup")
+        result.runs.append(run_inproc(core, work, vocab, "main"))
+        if args.profile and args.device != "cpu":
+            result.step_profile = profile_decode_step(core, work, vocab, args.top_kernels)
     del core
+
+
+@contextlib.contextmanager
+def serving_collector() -> Iterator[None]:
+    """The garbage collector as the engine process sets it before its loop (the start-up heap
+    frozen, young collections spread out), so that the in-process path measures the loop that
+    `tandem serve` runs; restored afterwards for the script's other stages."""
+    from protocol.processes import freeze_startup_heap, spread_young_collections
+
+    threshold = gc.get_threshold()
+    freeze_startup_heap()
+    spread_young_collections()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 # ---- engine process over raw ZMQ -----------------------------------------------------------------

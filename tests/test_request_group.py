@@ -126,3 +126,40 @@ def test_freeze_startup_heap_puts_what_lives_beyond_the_collector() -> None:
     finally:
         gc.unfreeze()  # the rest of the suite runs with the usual collector
     assert gc.get_freeze_count() == 0
+
+
+def _young_collections_during(steps: int, live_per_step: int) -> int:
+    """How many young collections a loop sets off whose every step holds ``live_per_step``
+    containers at once, all freed by reference count (an engine step's plan and outputs)."""
+    import gc
+
+    started: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 0:
+            started.append(1)
+
+    gc.callbacks.append(count)
+    try:
+        for _ in range(steps):
+            live = [[i] for i in range(live_per_step)]
+            del live
+    finally:
+        gc.callbacks.remove(count)
+    return len(started)
+
+
+def test_spread_young_collections_lets_a_step_die_before_any_collection() -> None:
+    import gc
+
+    from protocol.processes import YOUNG_COLLECTION_THRESHOLD, spread_young_collections
+
+    default = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *default[1:])  # CPython's default
+        assert _young_collections_during(50, 2_000) >= 50  # at least one per step
+        spread_young_collections()
+        assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, *default[1:])
+        assert _young_collections_during(50, 2_000) <= 1  # none, or one already due
+    finally:
+        gc.set_threshold(*default)
