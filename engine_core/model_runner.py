@@ -342,7 +342,8 @@ class ModelRunner:
         with stats.phase("sample"):
             if timeline is not None:
                 timeline.begin()
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
+            # [S, vocab], in the weights' dtype: the sampler widens what needs more than argmax
+            logits = self.model.compute_logits(hidden[inputs.logits_indices], widen=False)
         bitmask = masks(requests) if masks is not None else None
         with stats.phase("sample"):
             sampled = self.sampler(logits, requests, self._output_positions, bitmask)

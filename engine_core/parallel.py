@@ -70,8 +70,11 @@ class TPGroup:
         dist.broadcast(x, src=0, group=self.device_group)
         return x
 
-    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """Each rank's [N, V/size] logits -> [N, vocab_size] float32 on rank 0; None elsewhere.
+    def gather_vocab(
+        self, logits: torch.Tensor, vocab_size: int, widen: bool = True
+    ) -> torch.Tensor | None:
+        """Each rank's [N, V/size] logits -> [N, vocab_size] on rank 0 (float32, or as they
+        are with ``widen=False``); None elsewhere.
 
         Rank r holds the contiguous vocabulary slice r (the last one padded), so the full row is
         the shards side by side, cut back to ``vocab_size``.
@@ -81,7 +84,8 @@ class TPGroup:
         dist.gather(logits, parts, dst=0, group=self.device_group)
         if parts is None:
             return None
-        return torch.cat(parts, dim=-1)[:, :vocab_size].float()
+        full = torch.cat(parts, dim=-1)[:, :vocab_size]
+        return full.float() if widen else full
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's ``value`` (e.g. how many KV blocks fit on each GPU)."""

@@ -78,11 +78,13 @@ class Sampler:
         already hold placeholders of steps planned after this one, so the runner passes them.
         ``bitmask`` [B, ceil(V / 32)] int32, on any device: the tokens each row may sample.
         """
-        logits = logits[:, : self.vocab_size].float()  # [B, V]
+        logits = logits[:, : self.vocab_size]  # [B, V]
         if all(r.argmax_only for r in requests):
             # The common serving batch: skip building the per-row lists of every stage below,
-            # which would all leave the logits as they are.
+            # which would all leave the logits as they are. The argmax reads the logits in their
+            # own dtype: widening bf16 to float32 is exact, so it picks the same token.
             return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+        logits = logits.float()
         if output_positions is None:
             output_positions = [r.num_output_tokens for r in requests]
         if any(r.uses_penalties for r in requests):

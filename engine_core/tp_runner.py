@@ -205,7 +205,7 @@ class TPWorker(_ShardedRunner):
         num_sampled = packed.logits_indices.numel()
         self._prev_sampled = None
         if num_sampled:
-            self.model.compute_logits(hidden[packed.logits_indices])
+            self.model.compute_logits(hidden[packed.logits_indices], widen=False)
             ids = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
             self._prev_sampled = self.tp.broadcast_from_driver(ids)  # rank 0's sampled ids
 

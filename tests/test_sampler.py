@@ -66,6 +66,28 @@ def test_all_greedy_equals_argmax() -> None:
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_bf16_logits_pick_the_float32_argmax_with_ties_and_padding(device: str) -> None:
+    """The runner hands the sampler the LM head's bf16 logits; an all-greedy batch takes the
+    argmax without widening them. It must pick what the float32 argmax picks (the first of
+    tied maxima, never a padded column); a mixed batch widens and samples as before."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(2)
+    logits = torch.randn(64, VOCAB + 8).to(torch.bfloat16)
+    logits[:, VOCAB:] = 100.0  # padding columns beyond the real vocabulary
+    logits[::3, 5] = logits[::3, 17] = 50.0  # tied maxima: the first index wins
+    logits = logits.to(device)
+    expected = logits[:, :VOCAB].float().argmax(dim=-1)
+    assert bool((expected[::3] == 5).all())
+    greedy = make_sampler()(logits, [make_request(temperature=0.0) for _ in range(64)])
+    assert torch.equal(greedy.token_ids, expected)
+    mixed = [make_request(temperature=0.0 if i % 2 else 1.0) for i in range(64)]
+    out = make_sampler()(logits, mixed)
+    assert torch.equal(out.token_ids[1::2], expected[1::2])
+    assert bool((out.token_ids < VOCAB).all())
+
+
 def test_padded_vocab_columns_never_sampled() -> None:
     logits = torch.zeros(4, VOCAB + 8)
     logits[:, VOCAB:] = 100.0  # padding columns of the embedding, beyond the real vocabulary

@@ -131,10 +131,16 @@ class GPT2LMHeadModel(nn.Module):
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         return self.transformer(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers)."""
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers);
+        ``widen=False``: in the weights' dtype where nothing else needs float32."""
         return project_logits(
-            hidden, self.logits_weight(), self.tp, self.config.vocab_size, self.packed_logits_weight
+            hidden,
+            self.logits_weight(),
+            self.tp,
+            self.config.vocab_size,
+            self.packed_logits_weight,
+            widen=widen,
         )
 
     def logits_weight(self) -> torch.Tensor:

@@ -291,12 +291,18 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's matrix [vocab (this rank's), hidden]: the embedding's when tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers)."""
-        logits = project_logits(
-            hidden, self.logits_weight(), self.tp, self.config.vocab_size, self.packed_logits_weight
-        )
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers);
+        ``widen=False``: in the weights' dtype where nothing else needs float32."""
         cap = self.config.final_logit_softcapping
+        logits = project_logits(
+            hidden,
+            self.logits_weight(),
+            self.tp,
+            self.config.vocab_size,
+            self.packed_logits_weight,
+            widen=widen or cap is not None,  # the soft cap's tanh is computed in float32
+        )
         if logits is None or cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
