@@ -29,7 +29,7 @@ from frontend.chat import chat, prepare_chat, stream_chat
 from frontend.completions import complete, prepare_completion, stream_completion
 from frontend.errors import OpenAIError, as_openai_error, error_response
 from frontend.metrics import CONTENT_TYPE
-from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, StreamingLane, StreamRoute
 from frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,6 +72,8 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.tandem = state
     add_error_handlers(app)
+    # Added innermost first: the lane runs after the key check and within the body limit.
+    app.add_middleware(StreamingLane, routes=streaming_routes(state.serving))
     if state.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)  # outermost
@@ -211,17 +213,46 @@ async def generate(
 ) -> Response:
     """Admit, prepare (tokenize, check), then stream or answer once; the lease goes back when
     the response is over (the streaming response returns it itself)."""
+    if body.stream:
+        return await start_stream(ctx, body, prepare, stream)
     admission = ctx.admit(body.num_sequences)
-    streaming = False
     try:
         gen = await prepare(ctx, body)
-        if body.stream:
-            streaming = True
-            return AdmittedStreamingResponse(stream(ctx, body, gen), admission.release)
         return JSONResponse(await until_disconnect(request, whole(ctx, body, gen)))
     finally:
-        if not streaming:
-            admission.release()
+        admission.release()
+
+
+async def start_stream(
+    ctx: ServingContext,
+    body: CompletionRequest | ChatCompletionRequest,
+    prepare: Callable[..., Awaitable[Any]],
+    stream: Callable[..., AsyncGenerator[str, None]],
+) -> Response:
+    """Admit and prepare a streaming request; its response returns the lease when it ends."""
+    admission = ctx.admit(body.num_sequences)
+    try:
+        gen = await prepare(ctx, body)
+    except BaseException:
+        admission.release()
+        raise
+    return AdmittedStreamingResponse(stream(ctx, body, gen), admission.release)
+
+
+def streaming_routes(ctx: ServingContext) -> dict[str, StreamRoute]:
+    """The routes the streaming lane serves (frontend/middleware.py), as the app's own
+    completions and chat routes serve a streaming body."""
+
+    async def completion(body: CompletionRequest) -> Response:
+        return await start_stream(ctx, body, prepare_completion, stream_completion)
+
+    async def chat_completion(body: ChatCompletionRequest) -> Response:
+        return await start_stream(ctx, body, prepare_chat, stream_chat)
+
+    return {
+        "/v1/completions": (CompletionRequest, completion),
+        "/v1/chat/completions": (ChatCompletionRequest, chat_completion),
+    }
 
 
 class AdmittedStreamingResponse(StreamingResponse):

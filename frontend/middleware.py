@@ -1,4 +1,5 @@
-"""Plain ASGI middleware of the HTTP app: the API key check and the request-body limit.
+"""Plain ASGI middleware of the HTTP app: the API key check, the request-body limit, and the
+streaming lane.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which gets in the way of streaming and of
 disconnect detection.
@@ -7,12 +8,19 @@ disconnect detection.
 from __future__ import annotations
 
 import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.errors import OpenAIError, error_response
+from frontend.errors import OpenAIError, as_openai_error, error_response
+
+logger = logging.getLogger("tandem.frontend")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
 
@@ -71,3 +79,103 @@ class BodyLimitMiddleware:
     def too_large(self) -> OpenAIError:
         message = f"the request body is larger than {self.max_bytes} bytes"
         return OpenAIError(413, message, code="request_too_large")
+
+
+# A streaming route of the lane: the request's model, and what answers a valid, streaming body.
+StreamRoute = tuple[type[BaseModel], Callable[[Any], Awaitable[Response]]]
+
+
+class StreamingLane:
+    """POST bodies that ask to stream, on the routes given, served without FastAPI's routing.
+
+    At 256 concurrent streams one API process spends most of its CPU admitting requests, and
+    about a fifth of that went to the framework around the handler: FastAPI's and Starlette's
+    middleware layers (each wrapping every message the response sends), routing, and solving the
+    handler's dependencies (docs/benchmarks.md). The lane reads the body and parses it as
+    FastAPI does (``json.loads``, then the route's pydantic model), then hands the model to the
+    route's handler, whose response it sends.
+
+    Everything else goes to the app unchanged: another path or method, a body that is not
+    JSON, does not parse or does not validate, or does not stream. The body it already read is
+    replayed, so each of those errors is still answered by the one code path that answers it.
+    The handler's own errors are answered as the app's exception handlers answer them.
+    """
+
+    def __init__(self, app: ASGIApp, routes: Mapping[str, StreamRoute]) -> None:
+        self.app = app
+        self.routes = dict(routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = None
+        if scope["type"] == "http" and scope["method"] == "POST" and is_json(scope):
+            route = self.routes.get(scope["path"])
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            raw = await read_body(receive)
+        except HTTPException as exc:  # BodyLimitMiddleware's 413, answered as the app does
+            too_large = OpenAIError(exc.status_code, str(exc.detail), code="request_too_large")
+            await error_response(too_large)(scope, receive, send)
+            return
+        if raw is None:
+            return  # the client left while sending its body: nobody to answer
+        model, respond = route
+        body = parse_streaming(model, raw)
+        if body is None:
+            await self.app(scope, replayed(raw, receive), send)
+            return
+        try:
+            response = await respond(body)
+        except OpenAIError as exc:
+            response = error_response(exc)
+        except Exception as exc:  # as the app's last-resort handler: logged, 500 without a trace
+            logger.exception("unexpected error while serving a request")
+            response = error_response(as_openai_error(exc))
+        await response(scope, receive, send)
+
+
+def is_json(scope: Scope) -> bool:
+    """A JSON content type, as FastAPI reads a body as JSON (application/json or */*+json)."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media = value.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or (
+                media.startswith(b"application/") and media.endswith(b"+json")
+            )
+    return False
+
+
+async def read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None if the client disconnected first."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def parse_streaming(model: type[BaseModel], raw: bytes) -> Any | None:
+    """The body as ``model`` if it is valid JSON, validates, and asks to stream; else None."""
+    try:
+        body = model.model_validate(json.loads(raw))
+    except Exception:  # noqa: BLE001 - whatever fails here, the app answers it as it always has
+        return None
+    return body if getattr(body, "stream", False) else None
+
+
+def replayed(raw: bytes, receive: Receive) -> Receive:
+    """``receive`` with the body already read given back first."""
+    pending = True
+
+    async def receive_again() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return receive_again

@@ -89,6 +89,26 @@ def test_invalid_completion_fields_are_400(
         assert err["param"] is not None and err["param"].split(".")[0] == param
 
 
+def same_error_streamed(server: Server, path: str, body: dict[str, Any]) -> None:
+    """A bad request that asks to stream is answered as the same request that does not: the
+    streaming lane (frontend/middleware.py) hands what it cannot serve to the app, or answers
+    the handler's error as the app's handlers do."""
+    plain = post(server, path, {**body, "stream": False})
+    streamed = post(server, path, {**body, "stream": True})
+    assert_openai_error(plain, plain.status_code)
+    assert (streamed.status_code, streamed.json()) == (plain.status_code, plain.json())
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_COMPLETIONS)
+def test_streamed_invalid_completions_get_the_same_error(
+    server: Server, fields: dict[str, Any], param: str | None
+) -> None:
+    if "stream_options" in fields:
+        pytest.skip("stream_options are valid when streaming")
+    body = {"model": "default", "prompt": "Hello", "max_tokens": 2, **fields}
+    same_error_streamed(server, "/v1/completions", body)
+
+
 BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
@@ -98,6 +118,14 @@ BAD_CHATS = [
     ({"max_tokens": MAX_MODEL_LEN}, "messages"),  # prompt + max_tokens over the context
     ({"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, "messages"),
 ]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_CHATS)
+def test_streamed_invalid_chats_get_the_same_error(
+    server: Server, fields: dict[str, Any], param: str | None
+) -> None:
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    same_error_streamed(server, "/v1/chat/completions", body)
 
 
 @pytest.mark.parametrize(("fields", "param"), BAD_CHATS)
