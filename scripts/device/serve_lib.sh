@@ -5,6 +5,10 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off on the lent machines
+# The server as users start it: `tandem serve` leaves the tokenizer's threads on, and a caller's
+# TOKENIZERS_PARALLELISM=false would slow the API process's admission of a burst (see
+# docs/benchmarks.md, eighth session: 79% of raw ZMQ against 91%).
+unset TOKENIZERS_PARALLELISM
 MODEL=${MODEL:-random:llama-1b}
 N=${N:-256}  # concurrent requests
 PORT=${PORT:-8011}
