@@ -310,6 +310,42 @@ def test_prefill_matches_reference(
     assert_close(out, reference_attention(batch, scale))
 
 
+def compiled_variants(kernel: object) -> int:
+    """How many specializations of a Triton kernel this process has compiled (or loaded)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no per-device kernel cache to count")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
+def test_block_table_width_compiles_no_new_attention_variant() -> None:
+    """An eager step packs its block tables at its own widest width. The kernels must not be
+    specialized on that width: each new width class would compile a variant in the middle of
+    serving. Padded with unused columns to other widths, the tables give the same attention
+    and no new compiled variant."""
+    from engine_core.attention import triton_kernels
+
+    heads, kv_heads, head_dim = HEAD_SHAPES[0]
+    batch = make_batch(PREFILL_SPECS, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=5)
+    scale = head_dim**-0.5
+    expected = reference_attention(batch, scale)
+    tables = batch.meta.block_tables
+    narrow = tables.shape[1]
+    aligned = -(-(narrow + 2) // 16) * 16  # a multiple of 16 wider than the tables
+    counts = []
+    for width in (narrow, narrow + 1, aligned, aligned + 1):
+        wide = torch.zeros((tables.shape[0], width), dtype=tables.dtype, device=tables.device)
+        wide[:, : tables.shape[1]] = tables
+        out = paged_prefill_attention(
+            batch.q, batch.k_cache, batch.v_cache, wide, batch.meta.seq_lens,
+            batch.meta.query_start_loc, batch.meta.max_query_len, scale,
+        )  # fmt: skip
+        assert_close(out, expected)
+        counts.append(compiled_variants(triton_kernels._prefill_kernel))
+    assert counts == [counts[0]] * len(counts), counts
+
+
 def test_prefill_padded_work_list_matches_reference() -> None:
     """A CUDA graph's work list: the step's tiles, then rows naming no sequence, which must
     do nothing (the output is poisoned beforehand)."""

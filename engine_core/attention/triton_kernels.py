@@ -266,8 +266,10 @@ def _split_bounds(
 
 # window == 1 or a split count of 1 must stay runtime values: Triton's specialization of an
 # argument equal to 1 made the window's bounds constant-fold into IR that its coalescing pass
-# asserts on (Triton 3.6).
-@triton.jit(do_not_specialize=["window", "min_split", "num_splits"])
+# asserts on (Triton 3.6). stride_bt (the step's widest block table) stays one too: specialized,
+# every width class (1, a multiple of 16, other) would compile its own variant, mid-serving, the
+# first time an eager step has it (see _prefill_kernel).
+@triton.jit(do_not_specialize=["window", "min_split", "num_splits", "stride_bt"])
 def _decode_kernel(
     Q,
     KC,
@@ -633,7 +635,12 @@ def _precision(dtype: torch.dtype) -> str:
 # ---- varlen prefill attention over the paged cache ---------------------------------------------
 
 
-@triton.jit
+# stride_bt is the step's widest block table, which an eager step (over the prefill graphs'
+# bounds) packs at its own width: specialized on it, the kernel compiled a new variant whenever a
+# width class (1, a multiple of 16, other) first came up while serving, a stall of hundreds of
+# milliseconds in the busy loop on a machine whose Triton cache did not hold it yet (py-spy,
+# docs/benchmarks.md, eighth session).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     Q,
     KC,
