@@ -29,7 +29,7 @@ _HELP = {
     "async_scheduling": "overlap: schedule and prepare the next step while the GPU runs this one "
     "(--no-async-scheduling, or --no-overlap, keeps the simple loop)",
     "step_stats": "time each part of every step (host and GPU, and the GPU's idle gap) and log "
-    "a summary every 10 s (also TANDEM_STEP_STATS=1)",
+    "a summary every 10 s and whenever the engine goes idle (also TANDEM_STEP_STATS=1)",
     "nvtx": "NVTX ranges around the parts of each step, for Nsight Systems",
     "tensor_parallel_size": "processes (one per GPU) that one engine core shards the model over: "
     "heads, KV heads, MLP and vocabulary split across them (gloo on the CPU, NCCL on CUDA)",

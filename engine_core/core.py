@@ -123,9 +123,10 @@ class EngineCore:
         except BaseException:
             self._in_flight = None  # the caller fails the live requests; nothing to settle
             raise
+        self.step_stats.end_step()
         if not self.has_unfinished():
             self.runner.mark_idle()  # the GPU's wait for new work is no overhead of the loop
-        self.step_stats.end_step()
+            self.step_stats.log_window()  # the work that just ended, in a line of its own
         return outputs
 
     def set_async_scheduling(self, enabled: bool) -> None:

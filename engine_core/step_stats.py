@@ -170,11 +170,18 @@ class StepStats:
         if not self.enabled:
             return
         self.num_steps += 1
-        now = time.monotonic()
-        if now - self._last_log >= self.log_interval_s:
-            self._last_log = now
-            logger.info("step stats: %s", format_summary(self.summary()))
-            self.reset()
+        if time.monotonic() - self._last_log >= self.log_interval_s:
+            self.log_window()
+
+    def log_window(self) -> None:
+        """Log the summary of the steps since the last one, if any, and start a new window. The
+        engine also calls it when it goes idle, so a burst of work shorter than the interval (a
+        benchmark run) gets a line of its own, not one shared with the next burst."""
+        if not self.enabled or not self.num_steps:
+            return
+        self._last_log = time.monotonic()
+        logger.info("step stats: %s", format_summary(self.summary()))
+        self.reset()
 
     def summary(self) -> dict[str, float]:
         """Means per step over the window: host ms per phase, GPU ms, idle ms (before and inside

@@ -367,7 +367,9 @@ def engine_process(
         name, work, args.device, args.enforce_eager, args.overlap, args.tensor_parallel_size,
         args.tp_all_reduce,
     )  # fmt: skip
-    command = [sys.executable, __file__, "engine", "--address", address, "--log-level", "WARNING"]
+    # --engine-step-stats: the engine's step stats, a line per run (logged as it goes idle).
+    log_level = "INFO" if args.engine_step_stats else "WARNING"
+    command = [sys.executable, __file__, "engine", "--address", address, "--log-level", log_level]
     command += [
         f"--model={config.model}",
         f"--device={config.device}",
@@ -382,6 +384,8 @@ def engine_process(
         command.append("--enforce-eager")
     if not config.async_scheduling:
         command.append("--no-async-scheduling")
+    if args.engine_step_stats:
+        command.append("--step-stats")
     proc = subprocess.Popen(command)
     try:
         yield address, proc
@@ -657,6 +661,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="with --tensor-parallel-size > 1: the engine's --tp-all-reduce (default: %(default)s)",
     )
     parser.add_argument("--engine-start-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--engine-step-stats",
+        action="store_true",
+        help="zmq path: the engine process times each part of its steps and logs a summary of "
+        "each run (host ms per part, GPU ms and idle) on its stderr; the timing slows it a little",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     return parser.parse_args(argv)
 
