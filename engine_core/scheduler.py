@@ -363,13 +363,10 @@ class Scheduler:
         status = request.status
         if status == RequestStatus.FINISHED:
             return None  # finished or aborted while this step ran: its row is void
-        start = scheduled.start
-        end = start + scheduled.num_new_tokens
-        # Tokens [0, end) are real and their KV is in (or on its way to) the cache. Only a
-        # chunk that reached a block's end can have filled one (``_cache_full_blocks``); the
-        # test is written out here because this runs once per row per step.
-        if status == RequestStatus.RUNNING and end // self._block_size > start // self._block_size:
-            self.block_manager.cache_computed_blocks(request, end)
+        end = scheduled.start + scheduled.num_new_tokens
+        # Tokens [0, end) are real and their KV is in (or on its way to) the cache.
+        if status == RequestStatus.RUNNING:
+            self._cache_full_blocks(request, scheduled.start, end)
         if token is None:
             return None
         if request.grammar is not None and not request.grammar.accept(token):

@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from frontend.chat import chat, prepare_chat, stream_chat
 from frontend.completions import complete, prepare_completion, stream_completion
-from frontend.errors import OpenAIError, as_openai_error, error_response
+from frontend.errors import OpenAIError, as_openai_error, error_response, http_exception_error
 from frontend.metrics import CONTENT_TYPE
 from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, StreamingLane, StreamRoute
 from frontend.openai_schemas import (
@@ -106,9 +106,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_req: Request, exc: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        code = "request_too_large" if exc.status_code == 413 else None  # BodyLimitMiddleware
-        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind, code=code))
+        return error_response(http_exception_error(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def on_unexpected(_req: Request, exc: Exception) -> Response:

@@ -75,6 +75,13 @@ def as_openai_error(exc: Exception) -> OpenAIError:
     return OpenAIError(500, "internal server error", "internal_error")
 
 
+def http_exception_error(status: int, detail: str) -> OpenAIError:
+    """Starlette's HTTPException (an unknown route, a body over the limit) in the OpenAI shape."""
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    code = "request_too_large" if status == 413 else None  # BodyLimitMiddleware
+    return OpenAIError(status, detail, kind, code=code)
+
+
 def is_expected(exc: Exception) -> bool:
     """Whether ``exc`` is one of the failures a request may meet (not a bug to log loudly)."""
     return isinstance(exc, OpenAIError | EngineDeadError | EngineRequestError)

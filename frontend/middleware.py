@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.errors import OpenAIError, as_openai_error, error_response
+from frontend.errors import OpenAIError, as_openai_error, error_response, http_exception_error
 
 logger = logging.getLogger("tandem.frontend")
 
@@ -115,8 +115,9 @@ class StreamingLane:
         try:
             raw = await read_body(receive)
         except HTTPException as exc:  # BodyLimitMiddleware's 413, answered as the app does
-            too_large = OpenAIError(exc.status_code, str(exc.detail), code="request_too_large")
-            await error_response(too_large)(scope, receive, send)
+            await error_response(http_exception_error(exc.status_code, str(exc.detail)))(
+                scope, receive, send
+            )
             return
         if raw is None:
             return  # the client left while sending its body: nobody to answer
