@@ -16,9 +16,13 @@ one memory pool, captured largest first so that the smaller ones reuse its memor
   once, the padding rows (slot -1) write no KV, and their attention output is zero
   (``AttentionMetadata.padded``).
 
-Larger steps run eagerly, as does everything with ``enforce_eager``. Only the model's forward is
-captured: the logits of the rows that sample and the sampler run eagerly after it (their shapes
-and per-request choices change from step to step).
+Larger steps run eagerly, as does everything with ``enforce_eager``. A decode graph also captures
+the step's logits and their argmax (``DecodeTail``) where the model's logits are a plain product
+(``plain_logits_weight``: one rank, no soft cap): every row of a decode step samples, so they are
+always wanted. An all-greedy batch (argmax only) then takes its tokens straight from the graph; any
+other runs the eager sampler on the graph's logits. That is three launches and their Python a
+step fewer on the host, which the GPU of a small model would otherwise wait for. Prefill graphs
+capture the forward only: the rows that sample change from step to step.
 """
 
 from __future__ import annotations
@@ -76,6 +80,30 @@ def prefill_graph_shape(tokens: int, max_seqs: int) -> tuple[int, int]:
     sequences as tokens up to ``max_seqs``, and room for every tile such a step can have."""
     seqs = min(tokens, max_seqs)
     return seqs, capacity(tokens, seqs, prefill_block_m(tokens))
+
+
+@dataclass
+class DecodeTail:
+    """What a decode graph computes after the forward, into static buffers: the logits of every
+    row and their argmax over the vocabulary (the sampler's whole work for an argmax-only row)."""
+
+    weight: torch.Tensor  # [V', hidden]: logits == hidden @ weight.T (V' >= vocab: padding)
+    vocab_size: int
+    logits: torch.Tensor  # [max_seqs, V'] in the weights' dtype
+    argmax: torch.Tensor  # [max_seqs] int64
+
+    @classmethod
+    def allocate(cls, weight: torch.Tensor, vocab_size: int, max_seqs: int) -> DecodeTail:
+        logits = torch.empty(max_seqs, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        argmax = torch.zeros(max_seqs, dtype=torch.int64, device=weight.device)
+        return cls(weight, vocab_size, logits, argmax)
+
+    def run(self, hidden: torch.Tensor) -> None:
+        """hidden [B, hidden] -> logits[:B], argmax[:B] (the same product F.linear makes)."""
+        rows = hidden.shape[0]
+        logits = self.logits[:rows]
+        torch.mm(hidden, self.weight.t(), out=logits)
+        torch.argmax(logits[:, : self.vocab_size], dim=-1, out=self.argmax[:rows])
 
 
 @dataclass
@@ -174,7 +202,10 @@ class CudaGraphRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_prefill_tokens: int = 0,
+        vocab_size: int = 0,
     ) -> None:
+        """``vocab_size``: the model's vocabulary, for the decode graphs' argmax; with the
+        model's ``plain_logits_weight`` they capture the logits (0 or no such weight: not)."""
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
@@ -193,6 +224,11 @@ class CudaGraphRunner:
             device,
             max_tiles=prefill_graph_shape(top, self.max_batch)[1] if top else 0,
         )
+        weight = getattr(model, "plain_logits_weight", lambda: None)()
+        self.tail: DecodeTail | None = None
+        if weight is not None and vocab_size > 0:
+            self.tail = DecodeTail.allocate(weight, vocab_size, self.max_batch)
+        self._tail_rows = 0  # rows of the last replay's tail to hand out (0: none)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # prefill, by tokens
         self.pool: tuple[int, int] | None = None
@@ -216,7 +252,7 @@ class CudaGraphRunner:
         for kind, size in tqdm(plan, desc="Capturing CUDA graphs", disable=not progress):
             if kind == "decode":
                 self.graphs[size] = self._capture_one(
-                    size, self.buffers.decode_metadata(size, self.max_model_len)
+                    size, self.buffers.decode_metadata(size, self.max_model_len), self.tail
                 )
             else:
                 meta = self.buffers.prefill_metadata(size, self.max_model_len)
@@ -233,16 +269,24 @@ class CudaGraphRunner:
         )
         return elapsed
 
-    def _capture_one(self, rows: int, meta: AttentionMetadata) -> torch.cuda.CUDAGraph:
+    def _capture_one(
+        self, rows: int, meta: AttentionMetadata, tail: DecodeTail | None = None
+    ) -> torch.cuda.CUDAGraph:
         buf = self.buffers
+
+        def forward() -> None:
+            buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
+            if tail is not None:
+                tail.run(buf.hidden[:rows])
+
         with forward_context(meta, self.backend):
             # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
             # neither of which may happen during capture. Padding inputs write and read nothing.
-            buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
+            forward()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
+                forward()
         if self.pool is None:
             self.pool = graph.pool()
         return graph
@@ -267,6 +311,7 @@ class CudaGraphRunner:
         meta: AttentionMetadata,  # a step ``can_run`` accepted
     ) -> torch.Tensor:  # [T, hidden], a view of the static output (valid until the next run)
         """Copy a step into the static buffers, pad, replay its graph, return the real rows."""
+        self._tail_rows = 0
         if meta.is_decode_only:
             return self._run_decode(input_ids, positions, meta)
         return self._run_prefill(input_ids, positions, meta)
@@ -295,7 +340,20 @@ class CudaGraphRunner:
         if batch > n:
             self.buffers.seq_lens[n:batch].zero_()
         self.graphs[batch].replay()
+        if self.tail is not None:
+            self._tail_rows = n
         return self.buffers.hidden[:n]
+
+    def take_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last replay's logits [n, V'] and argmax [n] (views of static buffers, valid until
+        the next replay), if it was a decode graph with a tail; each replay's are handed out
+        once. Row i is the step's sequence i: every row of a decode graph's step is its own
+        sequence's last token."""
+        rows, self._tail_rows = self._tail_rows, 0
+        if not rows:
+            return None
+        assert self.tail is not None
+        return self.tail.logits[:rows], self.tail.argmax[:rows]
 
     def _run_prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -271,6 +271,7 @@ class ModelRunner:
             max_prefill_tokens=min(
                 self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens
             ),
+            vocab_size=self.model_config.vocab_size,
         )
         runner.capture()
         return runner
@@ -342,11 +343,10 @@ class ModelRunner:
         with stats.phase("sample"):
             if timeline is not None:
                 timeline.begin()
-            # [S, vocab], in the weights' dtype: the sampler widens what needs more than argmax
-            logits = self.model.compute_logits(hidden[inputs.logits_indices], widen=False)
+            logits, argmax = self._logits(hidden, inputs)
         bitmask = masks(requests) if masks is not None else None
         with stats.phase("sample"):
-            sampled = self.sampler(logits, requests, self._output_positions, bitmask)
+            sampled = self.sampler(logits, requests, self._output_positions, bitmask, argmax)
         # The next step gathers its placeholder ids from here, on the device.
         self._prev_sampled = sampled.token_ids
         self._share_sampled(sampled.token_ids)
@@ -358,6 +358,19 @@ class ModelRunner:
         if timeline is not None:
             timeline.end()  # the sampler's stretch ends with the copy back
         return self._timed(step)
+
+    def _logits(
+        self, hidden: torch.Tensor, inputs: ModelInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampling rows' logits [S, V'] in the weights' dtype (the sampler widens what
+        needs more than an argmax), and their argmax [S] where the decode graph computed both
+        (engine_core/cuda_graph.py DecodeTail), else None."""
+        tail = self.graph_runner.take_tail() if self.graph_runner is not None else None
+        # A decode graph's rows are the step's sequences; here each one samples (a one-token
+        # prompt chunk short of its prompt's end would not).
+        if tail is not None and tail[0].shape[0] == len(inputs.sampling_requests):
+            return tail
+        return self.model.compute_logits(hidden[inputs.logits_indices], widen=False), None
 
     def _share_sampled(self, token_ids: torch.Tensor) -> None:
         """Hand a step's sampled ids [S] to whoever else gathers placeholders from them: nobody

@@ -70,6 +70,7 @@ class Sampler:
         requests: Sequence[Request],
         output_positions: Sequence[int] | None = None,
         bitmask: torch.Tensor | None = None,
+        argmax: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample from ``logits`` [B, V]; row i belongs to ``requests[i]``.
 
@@ -77,13 +78,16 @@ class Sampler:
         (default: ``request.num_output_tokens``, the next one). With overlap the request may
         already hold placeholders of steps planned after this one, so the runner passes them.
         ``bitmask`` [B, ceil(V / 32)] int32, on any device: the tokens each row may sample.
+        ``argmax`` [B]: the logits' argmax over the vocabulary where it is already computed (a
+        decode CUDA graph's); an all-argmax-only batch then takes it as its tokens.
         """
         logits = logits[:, : self.vocab_size]  # [B, V]
         if all(r.argmax_only for r in requests):
             # The common serving batch: skip building the per-row lists of every stage below,
             # which would all leave the logits as they are. The argmax reads the logits in their
             # own dtype: widening bf16 to float32 is exact, so it picks the same token.
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            token_ids = logits.argmax(dim=-1) if argmax is None else argmax
+            return SamplerOutput(token_ids, None, None, None)
         logits = logits.float()
         if output_positions is None:
             output_positions = [r.num_output_tokens for r in requests]

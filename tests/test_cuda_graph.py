@@ -117,6 +117,7 @@ def graphs_on_random_model(
         dtype=torch.bfloat16,
         device=device,
         max_prefill_tokens=max_prefill_tokens,
+        vocab_size=config.vocab_size,  # the decode graphs capture the logits and their argmax
     )
     graphs.capture(progress=False)
     return GraphsOnRandomModel(model, config, cache, backend, graphs)
@@ -138,7 +139,9 @@ def check_replay_equals_eager(
     after_eager = cache.clone()
     cache.copy_(before)
     with torch.inference_mode():
-        replayed = on.graphs.run(ids, positions, meta).float()
+        hidden = on.graphs.run(ids, positions, meta)
+        check_decode_tail(on, hidden, meta)
+        replayed = hidden.float()
     assert replayed.shape == eager.shape
     assert torch.isfinite(replayed).all()
     err = ((replayed - eager).norm() / eager.norm()).item()
@@ -152,6 +155,24 @@ def check_replay_equals_eager(
     new_graph = cache.view(flat)[:, :, written].float()
     new_eager = after_eager.view(flat)[:, :, written].float()
     assert ((new_graph - new_eager).norm() / new_eager.norm()).item() < 2e-2
+
+
+def check_decode_tail(
+    on: GraphsOnRandomModel, hidden: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """A decode replay hands out, once, the logits the model projects from its output and their
+    argmax over the vocabulary; a prefill replay hands out none."""
+    tail = on.graphs.take_tail()
+    assert on.graphs.take_tail() is None
+    if not meta.is_decode_only:
+        assert tail is None
+        return
+    assert tail is not None
+    logits, argmax = tail
+    expected = on.model.compute_logits(hidden, widen=False)
+    assert logits.shape == expected.shape == (meta.num_seqs, on.config.vocab_size)
+    assert torch.equal(logits, expected)
+    assert torch.equal(argmax, expected[:, : on.config.vocab_size].argmax(dim=-1))
 
 
 @pytest.mark.gpu
@@ -351,3 +372,48 @@ def test_chunked_and_cached_prefills_through_graphs_equal_hf(tmp_path: Path) -> 
     hits = llm.engine.scheduler.counts().prefix_cache_hits
     assert hits >= 2 * (70 // 16) * 16, hits
     assert ours == hf_greedy(model_dir, prompts, max_tokens)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_sampled_penalized_and_logprob_rows_through_decode_graphs_equal_eager(
+    tmp_path: Path,
+) -> None:
+    """The decode graphs' logits feed the eager sampler for every row that needs more than an
+    argmax: seeded sampling, a penalty and logprobs come out as with no graphs at all, and the
+    argmax-only row, which takes the graph's argmax, as HF's greedy tokens."""
+    from engine_core.llm import LLM
+    from protocol.messages import SamplingParams
+    from tests.factories import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (4, 17, 30, 45)]
+    common = {"max_tokens": 20, "ignore_eos": True}
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, **common),
+        SamplingParams(temperature=0.0, logprobs=3, **common),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, **common),
+        SamplingParams(temperature=0.0, **common),
+    ]
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(
+            str(model_dir),
+            device="cuda",
+            dtype="float32",
+            block_size=16,
+            num_kv_blocks=128,
+            max_num_seqs=8,
+            enforce_eager=eager,
+        )
+        graphs = llm.engine.runner.graph_runner
+        assert (graphs is None) == eager and (eager or graphs.tail is not None)
+        runs[eager] = llm.generate(prompts, params, detokenize=False)
+        del llm
+    graphed, eager_outs = runs[False], runs[True]
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager_outs]
+    for mine, theirs in zip(graphed[1].logprobs, eager_outs[1].logprobs, strict=True):
+        assert mine.top_token_ids == theirs.top_token_ids
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+    assert graphed[3].token_ids == hf_greedy(model_dir, [prompts[3]], 20)[0]

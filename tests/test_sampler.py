@@ -435,3 +435,20 @@ def test_a_temperature_below_the_greedy_threshold_is_greedy() -> None:
     logits = torch.randn(6, VOCAB)
     out = make_sampler()(logits, [make_request(temperature=1e-6) for _ in range(6)])
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+
+
+def test_an_argmax_given_is_the_tokens_of_an_argmax_only_batch_and_unused_otherwise() -> None:
+    """The decode graphs' argmax (engine_core/cuda_graph.py) is taken as it is for a batch of
+    argmax-only rows; a batch with any other row samples from the logits as without it."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 1.0, 2.0]])
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    given = torch.tensor([1, 0])
+    requests = [Request(f"g{i}", [1], greedy) for i in range(2)]
+    out = Sampler(eos_token_ids=[], vocab_size=4)(logits, requests, argmax=given)
+    assert out.token_ids is given
+    # min_tokens with EOS 1: the first row may not end yet, so its token is 3, not the argmax 1.
+    holding = SamplingParams(temperature=0.0, min_tokens=2)
+    requests = [Request("m", [1], holding), Request("g", [1], greedy)]
+    stale = torch.tensor([2, 2])  # an argmax the sampler must not take for this batch
+    out = Sampler(eos_token_ids=[1], vocab_size=4)(logits, requests, argmax=stale)
+    assert out.token_ids.tolist() == [3, 0]

@@ -5,6 +5,8 @@ Every model has the interface the model runner uses::
     forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden]
     compute_logits(hidden [N, hidden], widen=True) -> logits [N, vocab] float32 (widen=False:
         in the weights' dtype, for the sampler, which widens the rows that need it)
+    plain_logits_weight() -> W [vocab rows, hidden] or None: where the logits are exactly
+        hidden @ W.T (one rank, no soft cap), the decode CUDA graphs project them themselves
     load_weights(Iterable[(hf_name, tensor)]) -> None
     attention_layers() -> list[Attention]
 """

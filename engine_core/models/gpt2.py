@@ -147,6 +147,11 @@ class GPT2LMHeadModel(nn.Module):
         """The LM head's matrix [vocab (this rank's), hidden]: the embedding's when tied."""
         return self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
 
+    def plain_logits_weight(self) -> torch.Tensor | None:
+        """The matrix W with logits == hidden @ W.T exactly (the decode graphs project them
+        themselves), or None under tensor parallelism (a gather)."""
+        return None if self.tp.size > 1 else self.logits_weight()
+
     def attention_layers(self) -> list[Attention]:
         return [block.attn.attn for block in self.transformer.h]
 

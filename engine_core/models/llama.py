@@ -307,6 +307,13 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return torch.tanh(logits / cap) * cap
 
+    def plain_logits_weight(self) -> torch.Tensor | None:
+        """The matrix W with logits == hidden @ W.T exactly (the decode graphs project them
+        themselves), or None: under tensor parallelism (a gather) or with a soft cap."""
+        if self.tp.size > 1 or self.config.final_logit_softcapping is not None:
+            return None
+        return self.logits_weight()
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
