@@ -35,6 +35,8 @@ from engine_core.request import Request, SchedulerOutput
 from engine_core.step_stats import GpuTimeline
 
 _RING = 3  # host buffers in flight: the one being packed, and up to two queued copies
+# Layouts kept for reuse (a steady decode repeats a handful of shapes); past this, start over.
+_MAX_LAYOUTS = 256
 
 
 @dataclass
@@ -72,6 +74,8 @@ class InputBatch:
         self._next = 0
         # The last packed step's layout and ring buffer (``last_step``).
         self._last: tuple[_Layout, int] | None = None
+        # Layouts by their counts, with their views of the device buffer (``_layout``).
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
         self._allocate(self._capacity)
         # The runner's GPU timing of the next step (step stats), or None: the input copy and
         # the placeholder gather are its first stretch.
@@ -86,6 +90,17 @@ class InputBatch:
         self._copied: list[torch.cuda.Event | None] = [None] * ring
         self._device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._capacity = nbytes
+        self._layouts.clear()  # their views are of the old device buffer
+
+    def _layout(self, *counts: int) -> _Layout:
+        """The layout of a step of these counts: made once, then reused with its device views
+        (building them costs some twenty tensor calls a step on the host)."""
+        layout = self._layouts.get(counts)
+        if layout is None:
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[counts] = _Layout(*counts)
+        return layout
 
     def pack(
         self,
@@ -160,11 +175,13 @@ class InputBatch:
         # The Triton prefill kernel's work list (attention/prefill_tiles.py); decodes need none.
         tiles = None if decode_only else tile_list(len_list, prefill_block_m(num_tokens))
         num_tiles = 0 if tiles is None else len(tiles)
-        layout = _Layout(num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles)
+        layout = self._layout(num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles)
         host = self._host_buffer(layout.nbytes)
 
+        host_views = layout.host_views(host)
+
         def view(name: str) -> np.ndarray:
-            return layout.host_view(host, name)
+            return host_views[name]
 
         seq_lens = starts + lens  # [B]
         if decode_only:
@@ -213,7 +230,7 @@ class InputBatch:
     ) -> PackedInputs:
         """Another rank's ``last_step`` as this rank's device tensors (no sampling rows: only
         rank 0 samples)."""
-        layout = _Layout(*counts)
+        layout = self._layout(*counts)
         if len(data) != layout.nbytes:
             raise ValueError(f"a step of {len(data)} bytes for a layout of {layout.nbytes}")
         host = self._host_buffer(layout.nbytes)
@@ -230,40 +247,35 @@ class InputBatch:
     ) -> PackedInputs:
         """Copy a filled host buffer to the device; the views, the placeholders' gather and the
         attention metadata (its host lists read back from the buffer)."""
-        dev = self._copy_to_device(layout.nbytes)
-
-        def device_view(name: str) -> torch.Tensor:
-            return layout.device_view(dev, name)
-
-        input_ids = device_view("input_ids")
+        views = layout.device_views(self._copy_to_device(layout.nbytes))
+        input_ids = views["input_ids"]
         if layout.count("gather_dst"):
             if prev_sampled is None:
                 raise RuntimeError("a placeholder token with no previous step to take it from")
-            src = prev_sampled.index_select(0, device_view("gather_src"))
-            input_ids.index_copy_(0, device_view("gather_dst"), src)
+            src = prev_sampled.index_select(0, views["gather_src"])
+            input_ids.index_copy_(0, views["gather_dst"], src)
         if self.timeline is not None:
             self.timeline.end()
             self.timeline = None
-        query_start = layout.host_view(host, "query_start_loc")  # [B + 1]
-        seq_lens = layout.host_view(host, "seq_lens")  # [B]
-        num_seqs, width = len(seq_lens), layout.width
-        num_tiles = layout.count("prefill_tiles")
+        host_views = layout.host_views(host)
+        query_start = host_views["query_start_loc"]  # [B + 1]
+        seq_lens = host_views["seq_lens"]  # [B]
         meta = AttentionMetadata(
-            slot_mapping=device_view("slot_mapping"),
-            query_start_loc=device_view("query_start_loc"),
-            seq_lens=device_view("seq_lens"),
-            block_tables=device_view("block_tables").view(num_seqs, width),
+            slot_mapping=views["slot_mapping"],
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_tables=views["block_tables"],
             max_query_len=int(np.diff(query_start).max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
-            prefill_tiles=device_view("prefill_tiles").view(-1, 2) if num_tiles else None,
+            prefill_tiles=views["prefill_tiles"] if layout.count("prefill_tiles") else None,
         )
         return PackedInputs(
             input_ids=input_ids,
-            positions=device_view("positions"),
+            positions=views["positions"],
             meta=meta,
-            logits_indices=device_view("logits_indices"),
+            logits_indices=views["logits_indices"],
             sampling_requests=sampling,
             output_positions=out_positions,
         )
@@ -324,6 +336,10 @@ class _Layout:
             ("prefill_tiles", 2 * num_tiles, _I32),
         )
         self.sections: dict[str, tuple[int, int, np.dtype]] = {}
+        self._views: dict[str, torch.Tensor] = {}
+        self._views_of: torch.Tensor | None = None  # the buffer ``_views`` are views of
+        # Each host ring buffer's views: id -> (the buffer, kept so the id stays its, views).
+        self._host_views: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
         offset = 0
         for name, count, dtype in counts:
             self.sections[name] = (offset, count, dtype)
@@ -340,9 +356,27 @@ class _Layout:
     def count(self, name: str) -> int:
         return self.sections[name][1]
 
+    def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """Every section as a view of the host buffer ``buf``; made once per buffer."""
+        entry = self._host_views.get(id(buf))
+        if entry is None or entry[0] is not buf:
+            entry = buf, {name: self.host_view(buf, name) for name in self.sections}
+            self._host_views[id(buf)] = entry
+        return entry[1]
+
     def host_view(self, buf: np.ndarray, name: str) -> np.ndarray:
         start, count, dtype = self.sections[name]
         return buf[start : start + count * dtype.itemsize].view(dtype)
+
+    def device_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every section as a view of ``buf`` (the block tables as [B, W], the prefill tiles as
+        [N, 2]); made on the first call for a buffer and reused after."""
+        if self._views_of is not buf:
+            views = {name: self.device_view(buf, name) for name in self.sections}
+            views["block_tables"] = views["block_tables"].view(self.counts[1], self.width)
+            views["prefill_tiles"] = views["prefill_tiles"].view(-1, 2)
+            self._views, self._views_of = views, buf
+        return self._views
 
     def device_view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         start, count, dtype = self.sections[name]
