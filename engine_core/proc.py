@@ -1,8 +1,8 @@
 """The engine-core process: two socket threads around a lock-free busy loop.
 
     input thread:  ROUTER recv -> decode/validate -> inbox queue
-    busy loop:     drain inbox (block only when idle) -> EngineCore.step() -> outbox queue
-    output thread: outbox queue -> encode -> ROUTER send to the owning client
+    busy loop:     drain inbox (block only when idle) -> EngineCore.step() -> encode -> outbox
+    output thread: outbox queue -> (encode the rare other messages) -> ROUTER send to the client
 
 Only the busy loop touches the EngineCore, so the scheduler, block manager and runner need no
 locks. Client request ids are scoped by the client's socket identity, so two clients may reuse an
@@ -23,7 +23,6 @@ import queue
 import signal
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
 from engine_core.request import EngineOutput, Request
 from protocol.address import EngineAddress
+from protocol.codec import StepOutputsFrame
 from protocol.messages import (
     Abort,
     AddRequest,
@@ -44,7 +44,6 @@ from protocol.messages import (
     Hello,
     Ready,
     RequestError,
-    RequestOutput,
     StepOutputs,
 )
 from protocol.processes import ParentWatch, freeze_startup_heap, spread_young_collections
@@ -94,7 +93,8 @@ class EngineProc:
         self.inbox: queue.Queue[tuple[bytes, ClientMessage | _ClientGone | _ThreadDied]] = (
             queue.Queue()
         )
-        self.outbox: queue.Queue[tuple[bytes, EngineMessage] | None] = queue.Queue()
+        # Messages for the output thread to send: step outputs already encoded (bytes).
+        self.outbox: queue.Queue[tuple[bytes, EngineMessage | bytes] | None] = queue.Queue()
         self.clients: set[bytes] = set()
         self.running = True
         self._last_heartbeat = 0.0
@@ -205,7 +205,8 @@ class EngineProc:
 
         while (item := self.outbox.get()) is not None:
             client, msg = item
-            if not send_to_client(sock, client, encode(msg)):
+            frame = msg if type(msg) is bytes else encode(msg)  # step outputs come encoded
+            if not send_to_client(sock, client, frame):
                 # The client is gone (or not connected yet); stop heart-beating it. The busy loop
                 # owns the set, so hand the removal over rather than touching it here.
                 self.inbox.put((client, _ClientGone()))
@@ -303,29 +304,32 @@ class EngineProc:
             self._fail_all(f"engine step failed: {exc}")
             return
         with self.core.step_stats.phase("send"):
-            for client, batch in self._group_by_client(outputs).items():
-                self.outbox.put((client, StepOutputs(batch)))
+            for client, frame in self._frames_by_client(outputs).items():
+                self.outbox.put((client, frame.encode()))
 
-    def _group_by_client(self, outputs: list[EngineOutput]) -> dict[bytes, list[RequestOutput]]:
-        """The step's outputs by client; a request that failed gets its RequestError instead."""
-        grouped: dict[bytes, list[RequestOutput]] = defaultdict(list)
+    def _frames_by_client(self, outputs: list[EngineOutput]) -> dict[bytes, StepOutputsFrame]:
+        """The step's outputs as one STEP_OUTPUTS frame per client, built here in one pass (the
+        output thread only sends the bytes: encoding there would hold the interpreter against
+        this loop anyway); a request that failed gets its RequestError instead."""
+        frames: dict[bytes, StepOutputsFrame] = {}
         for out in outputs:
             r = out.request
             if out.error is not None:
                 self.outbox.put((r.client_id, RequestError(r.client_request_id, out.error, 400)))
                 continue
+            frame = frames.get(r.client_id)
+            if frame is None:
+                frame = frames[r.client_id] = StepOutputsFrame()
             reason = out.finish_reason
-            grouped[r.client_id].append(
-                RequestOutput(
-                    r.client_request_id,
-                    out.new_token_ids,
-                    reason,
-                    out.logprobs,
-                    out.prompt_logprobs,
-                    None if reason is None else r.timings(),
-                )
+            frame.add(
+                r.client_request_id,
+                out.new_token_ids,
+                reason,
+                out.logprobs,
+                out.prompt_logprobs,
+                None if reason is None else r.timings(),
             )
-        return grouped
+        return frames
 
     def _fail_all(self, message: str) -> None:
         sched = self.core.scheduler

@@ -519,39 +519,79 @@ def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
     )
 
 
+class StepOutputsFrame:
+    """A STEP_OUTPUTS frame built one request at a time: the engine's per-step hot path. Its
+    ``encode`` gives the bytes ``encode(StepOutputs(...))`` gives for the same outputs, without
+    a RequestOutput per request or a second pass over them."""
+
+    __slots__ = ("request_ids", "counts", "new_ids", "finish", "logprobs", "prompt", "timings")
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.counts: list[int] = []
+        self.new_ids: list[int] = []
+        self.finish: list[list[Any]] = []
+        self.logprobs: list[list[Any]] = []
+        self.prompt: list[list[Any]] = []  # prompt logprobs
+        self.timings: list[list[Any]] = []
+
+    def add(
+        self,
+        request_id: str,
+        new_token_ids: list[int],
+        finish_reason: FinishReason | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
+        timings: RequestTimings | None = None,
+    ) -> None:
+        """One request's share of the step (RequestOutput's fields)."""
+        i = len(self.request_ids)
+        self.request_ids.append(request_id)
+        self.counts.append(len(new_token_ids))
+        self.new_ids += new_token_ids
+        if finish_reason is not None:
+            self.finish.append([i, int(finish_reason)])
+        if logprobs is not None:
+            self.logprobs.append([i, _encode_logprobs(logprobs)])
+        if prompt_logprobs is not None:
+            self.prompt.append([i, len(prompt_logprobs), _encode_logprobs(prompt_logprobs)])
+        if timings is not None:
+            t = timings
+            self.timings.append([i, float(t.queue_s), float(t.prefill_s), float(t.decode_s)])
+
+    def fields(self, finished_without_tokens: dict[str, FinishReason]) -> list[Any]:
+        finished = {rid: int(reason) for rid, reason in finished_without_tokens.items()}
+        return [
+            self.request_ids,
+            pack_token_ids(self.counts),
+            pack_token_ids(self.new_ids),
+            self.finish,
+            self.logprobs,
+            finished,
+            self.prompt,
+            self.timings,
+        ]
+
+    def encode(self) -> bytes:
+        """The frame of the requests added (none finished without tokens)."""
+        fields = self.fields({})
+        return msgpack.packb(
+            [int(MsgType.STEP_OUTPUTS), PROTOCOL_VERSION, *fields], use_bin_type=True
+        )
+
+
 def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
-    request_ids: list[str] = []
-    counts: list[int] = []
-    new_ids: list[int] = []
-    finish: list[list[Any]] = []
-    logprobs: list[list[Any]] = []
-    prompt_logprobs: list[list[Any]] = []
-    timings: list[list[Any]] = []
-    for i, out in enumerate(msg.outputs):
-        request_ids.append(out.request_id)
-        counts.append(len(out.new_token_ids))
-        new_ids += out.new_token_ids
-        if out.finish_reason is not None:
-            finish.append([i, int(out.finish_reason)])
-        if out.logprobs is not None:
-            logprobs.append([i, _encode_logprobs(out.logprobs)])
-        if out.prompt_logprobs is not None:
-            entries = out.prompt_logprobs
-            prompt_logprobs.append([i, len(entries), _encode_logprobs(entries)])
-        if out.timings is not None:
-            t = out.timings
-            timings.append([i, float(t.queue_s), float(t.prefill_s), float(t.decode_s)])
-    finished = {rid: int(reason) for rid, reason in msg.finished_without_tokens.items()}
-    return [
-        request_ids,
-        pack_token_ids(counts),
-        pack_token_ids(new_ids),
-        finish,
-        logprobs,
-        finished,
-        prompt_logprobs,
-        timings,
-    ]
+    frame = StepOutputsFrame()
+    for out in msg.outputs:
+        frame.add(
+            out.request_id,
+            out.new_token_ids,
+            out.finish_reason,
+            out.logprobs,
+            out.prompt_logprobs,
+            out.timings,
+        )
+    return frame.fields(msg.finished_without_tokens)
 
 
 def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:

@@ -18,6 +18,7 @@ from protocol.codec import (
     MAX_REQUEST_ID_LEN,
     MAX_TOKEN_IDS,
     ProtocolError,
+    StepOutputsFrame,
     decode_client_message,
     decode_engine_message,
     encode,
@@ -153,6 +154,27 @@ def test_random_messages_round_trip() -> None:
     for _ in range(600):
         msg = random_message(rng)
         assert decoder_for(msg)(encode(msg)) == msg, msg
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [m for m in EXAMPLES if isinstance(m, StepOutputs) and not m.finished_without_tokens],
+)
+def test_a_frame_built_request_by_request_is_the_step_outputs_frame(msg: StepOutputs) -> None:
+    """The engine's hot path (StepOutputsFrame) writes the bytes encode() writes, and they
+    decode to the outputs added."""
+    frame = StepOutputsFrame()
+    for out in msg.outputs:
+        frame.add(
+            out.request_id,
+            out.new_token_ids,
+            out.finish_reason,
+            out.logprobs,
+            out.prompt_logprobs,
+            out.timings,
+        )
+    assert frame.encode() == encode(msg)
+    assert decode_engine_message(frame.encode()) == msg
 
 
 def test_decoded_enums_are_enum_members() -> None:
