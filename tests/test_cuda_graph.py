@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from engine_core.attention.prefill_tiles import capacity, tile_list
 from engine_core.config import ModelConfig
 from engine_core.cuda_graph import CudaGraphRunner, graph_batch_sizes, prefill_graph_sizes
 from engine_core.forward_context import forward_context
+
+if TYPE_CHECKING:
+    from engine_core.llm import LLM
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -308,23 +312,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
     return outputs
 
 
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_greedy_tokens_equal_hf_on_gpu(
-    architecture: str, enforce_eager: bool, tmp_path: Path
-) -> None:
+def tiny_llm_on_cuda(model_dir: Path, enforce_eager: bool) -> LLM:
+    """An offline engine over a tiny test model on CUDA: float32, 8 sequences at most, 128
+    blocks of 16 tokens."""
     from engine_core.llm import LLM
-    from protocol.messages import SamplingParams
-    from tests.factories import write_tiny_llama
 
-    model_dir = write_tiny_llama(tmp_path) if architecture == "llama" else write_tiny_gpt2(tmp_path)
-    rng = random.Random(5)
-    # Five sequences: decode batches pad to the captured size 8; lengths cross block borders.
-    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (1, 9, 16, 33, 70)]
-    max_tokens = 24
-    llm = LLM(
+    return LLM(
         str(model_dir),
         device="cuda",
         dtype="float32",
@@ -333,6 +326,24 @@ def test_greedy_tokens_equal_hf_on_gpu(
         max_num_seqs=8,
         enforce_eager=enforce_eager,
     )
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_greedy_tokens_equal_hf_on_gpu(
+    architecture: str, enforce_eager: bool, tmp_path: Path
+) -> None:
+    from protocol.messages import SamplingParams
+    from tests.factories import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path) if architecture == "llama" else write_tiny_gpt2(tmp_path)
+    rng = random.Random(5)
+    # Five sequences: decode batches pad to the captured size 8; lengths cross block borders.
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (1, 9, 16, 33, 70)]
+    max_tokens = 24
+    llm = tiny_llm_on_cuda(model_dir, enforce_eager)
     assert (llm.engine.runner.graph_runner is None) == enforce_eager
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
@@ -382,7 +393,6 @@ def test_sampled_penalized_and_logprob_rows_through_decode_graphs_equal_eager(
     """The decode graphs' logits feed the eager sampler for every row that needs more than an
     argmax: seeded sampling, a penalty and logprobs come out as with no graphs at all, and the
     argmax-only row, which takes the graph's argmax, as HF's greedy tokens."""
-    from engine_core.llm import LLM
     from protocol.messages import SamplingParams
     from tests.factories import write_tiny_llama
 
@@ -398,15 +408,7 @@ def test_sampled_penalized_and_logprob_rows_through_decode_graphs_equal_eager(
     ]
     runs = {}
     for eager in (False, True):
-        llm = LLM(
-            str(model_dir),
-            device="cuda",
-            dtype="float32",
-            block_size=16,
-            num_kv_blocks=128,
-            max_num_seqs=8,
-            enforce_eager=eager,
-        )
+        llm = tiny_llm_on_cuda(model_dir, eager)
         graphs = llm.engine.runner.graph_runner
         assert (graphs is None) == eager and (eager or graphs.tail is not None)
         runs[eager] = llm.generate(prompts, params, detokenize=False)
