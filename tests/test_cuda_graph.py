@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -312,9 +312,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
     return outputs
 
 
-def tiny_llm_on_cuda(model_dir: Path, enforce_eager: bool) -> LLM:
+def tiny_llm_on_cuda(model_dir: Path, enforce_eager: bool = False, **options: Any) -> LLM:
     """An offline engine over a tiny test model on CUDA: float32, 8 sequences at most, 128
-    blocks of 16 tokens."""
+    blocks of 16 tokens, and ``options`` (more engine arguments)."""
     from engine_core.llm import LLM
 
     return LLM(
@@ -325,6 +325,7 @@ def tiny_llm_on_cuda(model_dir: Path, enforce_eager: bool) -> LLM:
         num_kv_blocks=128,
         max_num_seqs=8,
         enforce_eager=enforce_eager,
+        **options,
     )
 
 
@@ -355,7 +356,6 @@ def test_greedy_tokens_equal_hf_on_gpu(
 def test_chunked_and_cached_prefills_through_graphs_equal_hf(tmp_path: Path) -> None:
     """Prompts that share a prefix (prefix-cache hits) and prompts longer than the step budget
     (chunks after earlier chunks), every prefill step small enough for a prefill graph."""
-    from engine_core.llm import LLM
     from protocol.messages import SamplingParams
     from tests.factories import write_tiny_llama
 
@@ -365,16 +365,7 @@ def test_chunked_and_cached_prefills_through_graphs_equal_hf(tmp_path: Path) -> 
     prompts = [shared + [rng.randrange(3, 384) for _ in range(n)] for n in (3, 20, 41)]
     prompts.append([rng.randrange(3, 384) for _ in range(150)])  # three chunks of 64
     max_tokens = 24
-    llm = LLM(
-        str(model_dir),
-        device="cuda",
-        dtype="float32",
-        block_size=16,
-        num_kv_blocks=128,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        enable_prefix_caching=True,
-    )
+    llm = tiny_llm_on_cuda(model_dir, max_num_batched_tokens=64, enable_prefix_caching=True)
     graphs = llm.engine.runner.graph_runner
     assert graphs is not None and graphs.max_prefill_tokens == 64
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
