@@ -1,8 +1,7 @@
 """The engine-core process: two socket threads around a lock-free busy loop.
 
     input thread:  ROUTER recv -> decode/validate -> inbox queue
-    busy loop:     drain inbox (block only when idle; then take the rest of a burst already
-                   queued) -> EngineCore.step() -> encode -> outbox
+    busy loop:     drain inbox (block only when idle) -> EngineCore.step() -> encode -> outbox
     output thread: outbox queue -> (encode the rare other messages) -> ROUTER send to the client
 
 Only the busy loop touches the EngineCore, so the scheduler, block manager and runner need no
@@ -55,12 +54,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem.engine")
 
 HEARTBEAT_INTERVAL_S = 0.5
-# Once woken from idle by a burst (requests sent at once), the longest the engine waits for the
-# rest of it before its first step, and the gap between two of its messages that ends it (frames
-# reach the socket in batches, so it can look empty for a moment in the middle of a burst); see
-# EngineProc._absorb_burst.
-BURST_WAIT_S = 0.01
-BURST_GAP_S = 0.0005
 PARENT_POLL_S = 1.0
 PARENT_GRACE_S = 5.0  # after the parent is gone: time for a clean stop before os._exit
 _POLL_MS = 100
@@ -104,9 +97,6 @@ class EngineProc:
         self.outbox: queue.Queue[tuple[bytes, EngineMessage | bytes] | None] = queue.Queue()
         self.clients: set[bytes] = set()
         self.running = True
-        # Set by the input thread with each message it queues: whether another frame was
-        # already waiting on the socket behind it (a burst still arriving).
-        self._more_queued = False
         self._last_heartbeat = 0.0
         if parent_pid is not None:  # before loading: a parent may die while the weights load
             threading.Thread(target=self._watch_parent, daemon=True).start()
@@ -203,16 +193,11 @@ class EngineProc:
                 continue
             client, frame = parts
             try:
-                msg = decode_client_message(frame)
+                self.inbox.put((client, decode_client_message(frame)))
             except ProtocolError as exc:
                 logger.warning("rejected a malformed message: %s", exc)
-                self._more_queued = bool(sock.poll(0))
                 if exc.request_id is not None:
                     self.outbox.put((client, RequestError(exc.request_id, str(exc), 400)))
-                continue
-            # Before the put that may wake the busy loop: it reads this to know whether to wait.
-            self._more_queued = bool(sock.poll(0))
-            self.inbox.put((client, msg))
 
     def _output_loop(self, sock: Any) -> None:
         from protocol.address import send_to_client
@@ -241,27 +226,9 @@ class EngineProc:
                 self._handle(*self.inbox.get(timeout=HEARTBEAT_INTERVAL_S))
             except queue.Empty:
                 return
-            self._absorb_burst()
         while True:
             try:
                 self._handle(*self.inbox.get_nowait())
-            except queue.Empty:
-                return
-
-    def _absorb_burst(self) -> None:
-        """Woken from idle by a message with more frames already queued behind it on the
-        socket (requests sent at once): take the rest of that burst too before the first step,
-        so that it is prefilled together. Without this the first step carried the first request
-        or two and the rest waited for it. A lone message has nothing queued behind it and waits
-        for nothing; a burst ends with a message that has nothing queued behind it and no other
-        within BURST_GAP_S, or after BURST_WAIT_S in all."""
-        if not self._more_queued:
-            return
-        deadline = time.monotonic() + BURST_WAIT_S
-        while (remaining := deadline - time.monotonic()) > 0:
-            wait = remaining if self._more_queued else min(remaining, BURST_GAP_S)
-            try:
-                self._handle(*self.inbox.get(timeout=wait))
             except queue.Empty:
                 return
 

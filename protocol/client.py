@@ -268,14 +268,6 @@ class EngineClient(_Connection):
         """Send a request; invalid ids or params raise ProtocolError here, before sending."""
         self._input.send(self._add_frame(EngineRequest(request_id, prompt_token_ids, params)))
 
-    def add_requests(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
-        """Send several (request id, prompt ids, params) back to back, each encoded first: an
-        invalid one raises ProtocolError before any is sent. Sent together, they reach an idle
-        engine as one burst, which it admits into one step."""
-        frames = [self._add_frame(EngineRequest(*request)) for request in requests]
-        for frame in frames:
-            self._input.send(frame)
-
     def abort(self, request_ids: Sequence[str]) -> None:
         self._send(Abort(list(request_ids)))
 

@@ -405,9 +405,8 @@ def run_zmq(client: Any, work: Workload, vocab: int, tag: str) -> RunResult:
     times: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
     pending = set(times)
     start = time.perf_counter()
-    # One burst, as the in-process path adds them all before its first step.
-    burst = [(rid, prompt, work.params) for rid, prompt in zip(times, prompts, strict=True)]
-    client.add_requests(burst)
+    for rid, prompt in zip(times, prompts, strict=True):
+        client.add_request(rid, prompt, work.params)
     while pending:
         msg = client.recv(timeout=120.0)
         now = time.perf_counter()

@@ -16,7 +16,6 @@ import zmq
 
 from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
 from protocol.client import EngineClient
-from protocol.codec import ProtocolError
 from protocol.messages import (
     PROTOCOL_VERSION,
     ControlKind,
@@ -156,29 +155,6 @@ def test_fifty_concurrent_requests_match_hf(engine: Engine, chat_prompts: list[l
             assert tokens == expected[prompt_index], rid
             eos_stop = tokens and tokens[-1] == 2
             assert reason == (FinishReason.STOP if eos_stop else FinishReason.LENGTH)
-        assert_all_blocks_free(client)
-
-
-def test_requests_added_together_match_hf_and_a_bad_one_sends_none(
-    engine: Engine, chat_prompts: list[list[int]]
-) -> None:
-    """add_requests checks every request before sending any; sent together, the burst is
-    served as requests sent one by one are."""
-    max_tokens = 8
-    expected = hf_greedy(chat_prompts, max_tokens)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    with EngineClient(engine.address) as client:
-        client.connect(timeout=30)
-        bad = SamplingParams(max_tokens=max_tokens, temperature=-1.0)
-        with pytest.raises(ProtocolError, match="temperature"):
-            client.add_requests([("fine", chat_prompts[0], params), ("bad", chat_prompts[1], bad)])
-        stats = client.control(ControlKind.STATS).stats
-        assert stats.num_running == stats.num_waiting == 0  # "fine" was not sent either
-        burst = [(f"burst-{i}", chat_prompts[i % len(chat_prompts)], params) for i in range(20)]
-        client.add_requests(burst)
-        results = collect(client, {rid for rid, _, _ in burst})
-        for i, (rid, _, _) in enumerate(burst):
-            assert results[rid][0] == expected[i % len(chat_prompts)], rid
         assert_all_blocks_free(client)
 
 
