@@ -177,12 +177,7 @@ class InputBatch:
         num_tiles = 0 if tiles is None else len(tiles)
         layout = self._layout(num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles)
         host = self._host_buffer(layout.nbytes)
-
-        host_views = layout.host_views(host)
-
-        def view(name: str) -> np.ndarray:
-            return host_views[name]
-
+        view = layout.host_views(host)  # section name -> its view of the host buffer
         seq_lens = starts + lens  # [B]
         if decode_only:
             seq_of_token = np.arange(num_seqs)
@@ -190,7 +185,7 @@ class InputBatch:
         else:
             seq_of_token = np.repeat(np.arange(num_seqs), lens)  # [T]
             positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], lens)
-        block_tables = view("block_tables").reshape(num_seqs, width)  # [B, W] int32
+        block_tables = view["block_tables"].reshape(num_seqs, width)  # [B, W] int32
         flat_tables = np.frombuffer(tables, dtype=np.int32)
         if len(flat_tables) == num_seqs * width:  # every table is as wide as the widest
             block_tables[:] = flat_tables.reshape(num_seqs, width)
@@ -201,19 +196,19 @@ class InputBatch:
             cols = np.arange(len(flat_tables)) - np.repeat(np.cumsum(widths) - widths, widths)
             block_tables[rows, cols] = flat_tables
         bs = self.block_size
-        view("input_ids")[:] = tokens
-        view("positions")[:] = positions
-        slots = view("slot_mapping")
+        view["input_ids"][:] = tokens
+        view["positions"][:] = positions
+        slots = view["slot_mapping"]
         np.multiply(block_tables[seq_of_token, positions // bs].astype(np.int64), bs, out=slots)
         slots += positions % bs
         # Every sequence samples in a steady decode batch: sample_seqs is then 0..B-1.
-        view("logits_indices")[:] = last if num_sampling == num_seqs else last[sample_seqs]
-        view("gather_dst")[:] = gather_dst
-        view("gather_src")[:] = gather_src
-        view("query_start_loc")[:] = query_start
-        view("seq_lens")[:] = seq_lens
+        view["logits_indices"][:] = last if num_sampling == num_seqs else last[sample_seqs]
+        view["gather_dst"][:] = gather_dst
+        view["gather_src"][:] = gather_src
+        view["query_start_loc"][:] = query_start
+        view["seq_lens"][:] = seq_lens
         if tiles is not None:
-            view("prefill_tiles")[:] = tiles.reshape(-1)
+            view["prefill_tiles"][:] = tiles.reshape(-1)
         self._last = layout, self._next
         return self._upload(layout, host, prev_sampled, sampling, out_positions)
 
