@@ -224,7 +224,7 @@ class CudaGraphRunner:
             device,
             max_tiles=prefill_graph_shape(top, self.max_batch)[1] if top else 0,
         )
-        weight = getattr(model, "plain_logits_weight", lambda: None)()
+        weight = model.plain_logits_weight()  # see engine_core/models/__init__.py
         self.tail: DecodeTail | None = None
         if weight is not None and vocab_size > 0:
             self.tail = DecodeTail.allocate(weight, vocab_size, self.max_batch)

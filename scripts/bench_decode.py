@@ -665,7 +665,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--engine-step-stats",
         action="store_true",
         help="zmq path: the engine process times each part of its steps and logs a summary of "
-        "each run (host ms per part, GPU ms and idle) on its stderr; the timing slows it a little",
+        "each run (host ms per part, GPU ms and idle) on its stderr; the timing costs host time "
+        "of its own (about as much again at batch 64, docs/benchmarks.md)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     return parser.parse_args(argv)
