@@ -29,8 +29,8 @@ from engine_core.models.fp8_kernels import (  # noqa: E402
     quantize_static,
     silu_and_mul_quant,
     skinny_block_k,
-    tma_loads_fit,
 )
+from engine_core.models.skinny_gemm import tma_loads_fit  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
 from tests.factories import write_tiny_llama  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_skinny_gemm_loads_by_tma_where_the_operands_allow(monkeypatch: pytest.M
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     assert tma_loads_fit(aligned, wq) == hopper
     assert not tma_loads_fit(shifted, wq)
-    from engine_core.models import fp8_kernels
+    from engine_core.models import skinny_gemm
 
     class CountLaunches:  # stands in for the TMA kernel's launcher and counts its launches
         def __init__(self, kernel: object) -> None:
@@ -148,8 +148,8 @@ def test_skinny_gemm_loads_by_tma_where_the_operands_allow(monkeypatch: pytest.M
             self.launches += 1
             return self.kernel[grid]
 
-    spy = CountLaunches(fp8_kernels._skinny_gemm_tma_kernel)
-    monkeypatch.setattr(fp8_kernels, "_skinny_gemm_tma_kernel", spy)
+    spy = CountLaunches(skinny_gemm._skinny_gemm_tma_kernel)
+    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_tma_kernel", spy)
     for a, by_tma in ((aligned, hopper), (shifted, False)):
         before = spy.launches
         want = (a.float() * x_scale) @ (wq.float() * w_scale[:, None]).T

@@ -1,9 +1,11 @@
 """Programmatic dependent launch (engine_core/triton_pdl.py) changes when the decode chain's
-kernels start, never what they compute: a decode layer's chain (norm with residual, a cuBLAS
+kernels start, never what they compute: a decode layer's chain (norm with residual, the qkv
 projection, rotary in place, the KV write, split decode attention and its merge, a projection,
-SiLU-and-mul) captured in a CUDA graph and replayed on fresh inputs gives the same bits with PDL
-as without, and as the chain run eagerly. A kernel that read before waiting would see the
-previous kernel's half-written outputs (the unrotated K, last replay's cache row) and differ."""
+SiLU-and-mul, a projection; the projections by the skinny GEMM, which takes plain decode-sized
+products on Hopper and launches as a programmatic dependent too) captured in a CUDA graph and
+replayed on fresh inputs gives the same bits with PDL as without, and as the chain run eagerly.
+A kernel that read before waiting would see the previous kernel's half-written outputs (the
+unrotated K, last replay's cache row, the activations of the last replay) and differ."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from engine_core.attention.triton_kernels import (  # noqa: E402
     paged_decode_attention,
     write_kv_cache,
 )
+from engine_core.models import skinny_gemm  # noqa: E402
 from engine_core.models.triton_ops import rms_norm, rotary_inplace, silu_and_mul  # noqa: E402
 
 if not triton_pdl.hopper_or_later(torch.device("cuda")):
@@ -44,6 +47,7 @@ class Chain:
         self.norm_w = randn(HIDDEN) + 1
         self.w_qkv = randn(width, HIDDEN, scale=HIDDEN**-0.5)
         self.w_up = randn(2 * MLP, HEADS * HEAD_DIM, scale=(HEADS * HEAD_DIM) ** -0.5)
+        self.w_down = randn(HIDDEN, MLP, scale=MLP**-0.5)
         pages = -(-CONTEXT // PAGE)
         self.k_cache = randn(BATCH * pages, PAGE, KV_HEADS, HEAD_DIM)
         self.v_cache = randn(BATCH * pages, PAGE, KV_HEADS, HEAD_DIM)
@@ -64,7 +68,7 @@ class Chain:
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         h, summed = rms_norm(self.x, self.norm_w, 1e-6, residual=self.residual)
-        q, k, v = (h @ self.w_qkv.T).split(
+        q, k, v = self.project(h, self.w_qkv).split(
             [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1
         )
         q = q.view(BATCH, HEADS, HEAD_DIM)
@@ -75,13 +79,22 @@ class Chain:
             q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, HEAD_DIM**-0.5,
             num_splits=4,
         )  # fmt: skip
-        return silu_and_mul(attn.flatten(1) @ self.w_up.T), summed
+        act = silu_and_mul(self.project(attn.flatten(1), self.w_up))
+        return self.project(act, self.w_down), summed
+
+    @staticmethod
+    def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = skinny_gemm.decode_linear(x, w, None)  # the engine's plain-weight path
+        assert out is not None, "the skinny GEMM should take a decode-sized bf16 product"
+        return out
 
 
 def replays(monkeypatch: pytest.MonkeyPatch, pdl: bool, rounds: int) -> list[torch.Tensor]:
     """The chain captured with PDL on or off, replayed on ``rounds`` fresh inputs (the same
     ones for both: the generator restarts)."""
     monkeypatch.setattr(triton_pdl, "CHAIN_PDL", pdl)
+    monkeypatch.setattr(skinny_gemm, "SKINNY_PDL", pdl)
+    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
     chain = Chain()
     chain.run()  # compile outside the capture
     torch.cuda.synchronize()

@@ -4,8 +4,9 @@
   each, a row (or a row's group) per program; scales are absmax / 448 so a row uses e4m3's range.
 - ``fp8_rowwise_gemm``: per-token activation scales times per-output-row weight scales, on the
   FP8 tensor cores: decode-sized products (up to SKINNY_MAX_ROWS rows) through
-  ``fp8_skinny_gemm``, a Triton kernel that streams the weights with the few tokens on the matrix
-  unit's narrow side; larger ones through ``torch._scaled_mm`` (cuBLASLt row-wise scaling).
+  ``fp8_skinny_gemm``, the skinny GEMM of engine_core/models/skinny_gemm.py, which streams the
+  weights with the few tokens on the matrix unit's narrow side; larger ones through
+  ``torch._scaled_mm`` (cuBLASLt row-wise scaling).
 - ``fp8_block_gemm``: the block-wise format (weights in [128, 128] tiles with a scale each,
   activations in 128-column groups with a scale each): a Triton GEMM whose K loop steps one group
   at a time, so every step multiplies its fp8 tile product by one activation scale per row and one
@@ -21,10 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from engine_core.models.skinny_gemm import skinny_gemm
 from engine_core.models.triton_ops import e4m3_clamped, e4m3_scale, silu_mul
-from engine_core.triton_pdl import hopper_or_later, launches_dependents
+from engine_core.triton_pdl import launches_dependents
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The kernels take these constants from triton_ops' e4m3_scale and e4m3_clamped: e4m3's largest
@@ -210,189 +211,12 @@ def fp8_rowwise_gemm(
     return out.to(out_dtype) if bias is None else out.to(out_dtype) + bias
 
 
-@triton.jit
-def _skinny_epilogue(
-    acc,
-    C,
-    AScale,
-    WScale,
-    Bias,
-    Part,
-    pid_n,
-    split,
-    M,
-    N,
-    stride_cm,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """Scale the [BLOCK_N, BLOCK_M] tile of C.T and write it: to C with SPLIT_K == 1, else to
-    Part[split] as float32 for _skinny_reduce_kernel to sum."""
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    n_mask = rn < N
-    m_mask = rm < M
-    w_s = tl.load(WScale + rn, mask=n_mask, other=0.0)
-    a_s = tl.load(AScale + rm, mask=m_mask, other=0.0)
-    acc = acc * w_s[:, None] * a_s[None, :]
-    mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(Bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
-        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
-    else:
-        p_ptrs = Part + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
-        tl.store(p_ptrs, acc, mask=mask)
-
-
-@triton.jit
-def _skinny_gemm_kernel(
-    A,
-    W,
-    C,
-    AScale,
-    WScale,
-    Bias,
-    Part,
-    M,
-    N,
-    stride_am,
-    stride_wn,
-    stride_cm,
-    K_PER_SPLIT,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """Program (n tile, k split): the [BLOCK_N, BLOCK_M] tile of C.T over one K slice, as
-    W_tile @ A.T, so the weights' rows fill the matrix unit's M side and the few tokens its N
-    side ("swap AB"). With SPLIT_K == 1 it writes C; otherwise its scaled fp32 partial goes to
-    Part[split] and _skinny_reduce_kernel sums them."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = split * K_PER_SPLIT + tl.arange(0, BLOCK_K)
-    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, K_PER_SPLIT, BLOCK_K):
-        w = tl.load(w_ptrs, mask=(rn < N)[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
-        a = tl.load(a_ptrs, mask=(rm < M)[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        # Each tile's product is added to acc in float32 rather than accumulated into it: on
-        # Hopper an FP8 dot's own accumulator keeps fewer bits (Triton's default there), so
-        # over a long K the error would grow; per tile it stays that of one BLOCK_K product.
-        acc += tl.dot(w, tl.trans(a))
-        w_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_n, split, M, N, stride_cm,
-                     BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS)  # fmt: skip
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask for the 128-byte lines at ptrs in L2 (kept there first when space runs out)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _skinny_gemm_tma_kernel(
-    a_desc,
-    w_desc,
-    W,
-    stride_wn,
-    C,
-    AScale,
-    WScale,
-    Bias,
-    Part,
-    M,
-    N,
-    stride_cm,
-    K_PER_SPLIT,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
-):
-    """_skinny_gemm_kernel with both operands' tiles brought in by the tensor memory
-    accelerator (Hopper's bulk copies; rows past M or N read as zeros) instead of per-thread
-    loads: 3.6% less time over llama-8b's four projections at 64 rows on an H100.
-
-    With PDL (launched as a programmatic dependent of the kernel before it, which lets it start
-    early) the program first asks L2 for its weights' first PREFETCH_K columns, which do not
-    depend on that kernel, and only then waits for the kernel's outputs (the activations)."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    off_n = pid_n * BLOCK_N
-    k_start = split * K_PER_SPLIT
-    if PDL:
-        if PREFETCH_K >= 128:
-            rn = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
-            lines = k_start + tl.arange(0, PREFETCH_K // 128) * 128
-            _prefetch_l2(W + rn[:, None].to(tl.int64) * stride_wn + lines[None, :])
-        tl.extra.cuda.gdc_wait()
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        w = w_desc.load([off_n, k])  # [BLOCK_N, BLOCK_K]
-        a = a_desc.load([0, k])  # [BLOCK_M, BLOCK_K]
-        acc += tl.dot(w, tl.trans(a))  # float32 per tile, as in _skinny_gemm_kernel
-    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_n, split, M, N, stride_cm,
-                     BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS)  # fmt: skip
-
-
-@triton.jit
-def _skinny_reduce_kernel(
-    Part,
-    C,
-    Bias,
-    M,
-    N,
-    stride_cm,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """C[m, n tile] = sum over splits of Part[split, m, n tile] (+ bias)."""
-    m = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = rn < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(SPLIT_K):
-        acc += tl.load(Part + (split * M + m).to(tl.int64) * N + rn, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(Bias + rn, mask=mask, other=0.0).to(tl.float32)
-    tl.store(C + m.to(tl.int64) * stride_cm + rn, acc.to(C.dtype.element_ty), mask=mask)
-
-
 # Decode-sized GEMMs (at most this many rows) run fp8_skinny_gemm: on an H100, inside CUDA graphs,
 # it streamed llama-8b's four projections 22% faster than cuBLASLt's row-wise FP8 GEMM at 64 rows
 # (93 against 120 us a layer) and 32% faster at 16; at 128 rows they were even (108 against 115,
 # cuBLASLt ahead on gate_up), so larger M keeps cuBLASLt. scripts/device/fp8_skinny_bench.py,
 # docs/benchmarks.md (issue 18).
 SKINNY_MAX_ROWS = 64
-# The skinny GEMM with TMA starts as a programmatic dependent of the kernel before it (the norm or
-# quantizer that writes its activations), prefetching this many columns of its weights into L2
-# while that kernel finishes. On an H100, a llama-8b decode layer's launches at 64 rows without
-# attention (scripts/device/fp8_gemm_variants.py --chain): 107.0 us without PDL, 104.8 with it
-# and no prefetch, 103.6 prefetching 512 columns, 105.3 with 1024, 112.9 with 2048.
-SKINNY_PDL = True
-SKINNY_PREFETCH_K = 512
 
 
 def skinny_block_k(a: torch.Tensor, w: torch.Tensor) -> int:
@@ -411,106 +235,11 @@ def fp8_skinny_gemm(
     w_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
-    *,
-    block_n: int = 64,
-    block_k: int = 256,
-    split_k: int = 1,
-    num_warps: int = 4,
-    num_stages: int | None = None,
-    tma: bool | None = None,
+    **launch: int | bool | None,
 ) -> torch.Tensor:
-    """fp8_rowwise_gemm for few rows (M <= 128): the same product, as a Triton kernel that
-    streams the weights with the tokens on the matrix unit's narrow side. ``tma`` (default:
-    where the device and the operands allow it) loads the tiles through the tensor memory
-    accelerator; ``num_stages`` defaults to the measured best that the shared memory holds."""
-    m, k = a.shape
-    n = w.shape[0]
-    if m > 128 or k % (block_k * split_k):
-        raise ValueError(f"skinny FP8 GEMM: M={m} > 128 or K={k} not a multiple of the splits")
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0:
-        return out
-    block_m = max(16, triton.next_power_of_2(m))
-    if tma is None:
-        tma = tma_loads_fit(a, w)
-    if num_stages is None:
-        most = _skinny_stages(triton.cdiv(n, block_n), tma)
-        num_stages = _pipeline_stages(a.device, (block_m + block_n) * block_k, most)
-    part = out
-    if split_k > 1:
-        part = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
-    a_scale = a_scale.reshape(-1).float().contiguous()  # a static scale comes expanded
-    bias_arg = bias if bias is not None else out
-    grid = (triton.cdiv(n, block_n), split_k)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                HAS_BIAS=bias is not None, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
-    if tma:
-        a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
-        w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
-        pdl = SKINNY_PDL and launches_dependents(a)
-        _skinny_gemm_tma_kernel[grid](
-            a_desc, w_desc, w, w.stride(0), out, a_scale, w_scale, bias_arg, part, m, n,
-            out.stride(0), k // split_k, **meta, PDL=pdl,
-            PREFETCH_K=_prefetch_columns(k // split_k), launch_pdl=pdl,
-        )  # fmt: skip
-    else:
-        _skinny_gemm_kernel[grid](
-            a, w, out, a_scale, w_scale, bias_arg, part, m, n, a.stride(0), w.stride(0),
-            out.stride(0), k // split_k, **meta,
-        )  # fmt: skip
-    if split_k > 1:
-        block = 1024
-        _skinny_reduce_kernel[(m, triton.cdiv(n, block))](
-            part,
-            out,
-            bias_arg,
-            m,
-            n,
-            out.stride(0),
-            SPLIT_K=split_k,
-            BLOCK=block,
-            HAS_BIAS=bias is not None,
-            num_warps=4,
-        )
-    return out
-
-
-def _prefetch_columns(k_per_split: int) -> int:
-    """A power of two of 128-byte lines, at most SKINNY_PREFETCH_K columns and no more than the
-    program's K range; 0 (no prefetch) under one line."""
-    columns = min(SKINNY_PREFETCH_K, k_per_split)
-    return 1 << (columns.bit_length() - 1) if columns >= 128 else 0
-
-
-def _skinny_stages(n_tiles: int, tma: bool) -> int:
-    """The most pipeline stages worth having, as measured on an H100 at 64 rows over llama-8b's
-    projections (scripts/device/fp8_gemm_variants.py, fp8_skinny_bench.py): with 256 N tiles
-    or more (gate_up's 448) 3 stages, more programs fitting on each multiprocessor; with fewer,
-    deeper pipelines: 5 for per-thread loads; with TMA 4 at qkv's 96 tiles, 6 at o's and
-    down's 64."""
-    if n_tiles >= 256:
-        return 3
-    if not tma:
-        return 5
-    return 4 if n_tiles >= 96 else 6
-
-
-def tma_loads_fit(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the skinny GEMM can load both operands by TMA: a Hopper (or later) GPU, 16-byte
-    aligned base addresses and row strides (TMA's rules), unit stride along K."""
-    if not hopper_or_later(a.device):
-        return False
-    return all(
-        t.data_ptr() % 16 == 0 and t.stride(0) > 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1
-        for t in (a, w)
-    )
-
-
-def _pipeline_stages(device: torch.device, stage_bytes: int, most: int = 5) -> int:
-    """Pipeline stages of stage_bytes each that fit the device's shared memory (at least 2)."""
-    props = torch.cuda.get_device_properties(device)
-    shared = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
-    return max(2, min(most, (shared - 8 * 1024) // stage_bytes))
+    """fp8_rowwise_gemm for few rows: the same product by the skinny GEMM
+    (engine_core/models/skinny_gemm.py; ``launch``: its tile shape, splits, stages, TMA)."""
+    return skinny_gemm(a, w, out_dtype, a_scale, w_scale, bias, **launch)  # type: ignore[arg-type]
 
 
 @triton.jit

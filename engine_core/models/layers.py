@@ -51,6 +51,21 @@ def triton_ops() -> ModuleType:
     return ops
 
 
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a plain weight: on CUDA, decode-sized products by the skinny
+    GEMM where it takes them (engine_core/models/skinny_gemm.py ``decode_linear``), the rest
+    by ``F.linear``."""
+    if use_triton(x):
+        from engine_core.models import skinny_gemm
+
+        out = skinny_gemm.decode_linear(x, weight, bias)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., N] -> [rows, N] with unit stride along N, as the row kernels index it."""
     rows = x.reshape(-1, x.shape[-1])
@@ -353,7 +368,7 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
         if self.fp8 is None:
-            return F.linear(x, self.weight, self.bias)
+            return dense_linear(x, self.weight, self.bias)
         out = self.matmul(x)
         return out if self.bias is None else out + self.bias
 
@@ -362,7 +377,7 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, None)
         if self.fp8 is None:
-            return F.linear(x, self.weight)
+            return dense_linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.fp8)
 
     def pack_for_cpu(self) -> None:

@@ -13,7 +13,8 @@
 3. A decode layer's launch chain (``--chain``, 64 rows): RMSNorm with its fused quantizer, qkv,
    the o_proj input's quantizer, o, the residual RMSNorm, gate_up, SiLU-and-mul, the quantizer,
    down, over LAYERS layers in one CUDA graph (attention left out): the skinny GEMM launched
-   with and without programmatic dependent launch (SKINNY_PDL), over prefetch depths.
+   with and without programmatic dependent launch (SKINNY_PDL), over prefetch depths, and with
+   the release of the kernel after it (SKINNY_RELEASE).
 
 Prints microseconds and TB/s (decode) or TFLOP/s (prefill) per variant, and the layer sums.
 """
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_skinny_bench import LAYERS, SHAPES, time_graph  # noqa: E402
 
-from engine_core.models import fp8_kernels, triton_ops  # noqa: E402
+from engine_core.models import fp8_kernels, skinny_gemm, triton_ops  # noqa: E402
 from engine_core.models.fp8_kernels import (  # noqa: E402
     fp8_skinny_gemm,
     quantize_per_token,
@@ -263,17 +264,23 @@ def bench_chain(m: int = 64) -> list[dict[str, Any]]:
     out = torch.empty_like(x0)
     rows = []
     want = None
-    for pdl, prefetch in ((False, 0), (True, 0), (True, 512), (True, 1024), (True, 2048)):
-        fp8_kernels.SKINNY_PDL, fp8_kernels.SKINNY_PREFETCH_K = pdl, prefetch
+    variants = [(False, 0, False), (True, 0, False), (True, 512, False), (True, 1024, False),
+                (True, 2048, False), (True, 512, True)]  # fmt: skip
+    for pdl, prefetch, release in variants:
+        # FP8 weights: one byte a column, so the prefetch's bytes are its columns.
+        skinny_gemm.SKINNY_PDL, skinny_gemm.SKINNY_PREFETCH_BYTES = pdl, prefetch
+        skinny_gemm.SKINNY_RELEASE = release
         step(0)
         want = out.clone() if want is None else want
         same = torch.equal(out, want)
         us = time_graph(step, replays=10)  # per step of all the layers
-        rows.append({"shape": "chain", "m": m, "variant": f"pdl={pdl} prefetch={prefetch}",
+        variant = f"pdl={pdl} prefetch={prefetch} release={release}"
+        rows.append({"shape": "chain", "m": m, "variant": variant,
                      "us_per_layer": us / len(layers), "same_output": same})  # fmt: skip
-        print(f"chain    M={m:<4} pdl={pdl!s:5} prefetch={prefetch:<5} {us / len(layers):7.1f} us "
+        print(f"chain    M={m:<4} {variant:34} {us / len(layers):7.1f} us "
               f"a layer (output equal to no-PDL: {same})", flush=True)  # fmt: skip
-    fp8_kernels.SKINNY_PDL, fp8_kernels.SKINNY_PREFETCH_K = True, 1024
+    skinny_gemm.SKINNY_PDL, skinny_gemm.SKINNY_PREFETCH_BYTES = True, 512
+    skinny_gemm.SKINNY_RELEASE = True
     return rows
 
 

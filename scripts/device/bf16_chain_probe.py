@@ -1,0 +1,222 @@
+"""Small models' bf16 decode GEMMs: cuBLAS against the skinny Triton GEMM with programmatic
+dependent launch, alone and inside a decode layer's launch chain (issue 17), on the GPU machine:
+
+    python scripts/device/bf16_chain_probe.py [--models smollm2-135m,llama-1b] [--m 64]
+
+1. Each projection (qkv, o, gate_up, down) alone: a CUDA graph of one call per layer over every
+   layer's distinct weights, cuBLAS (``F.linear``) against ``skinny_gemm`` on the bf16 operands
+   over tile shapes and K splits.
+2. The chain: the model's layers in one CUDA graph, each RMSNorm (with the residual), qkv, the
+   rotary (a PDL chain kernel standing in for rotary, KV write and attention), o on q, the
+   residual RMSNorm, gate_up, SiLU-and-mul, down; with cuBLAS, and with the skinny GEMM at each
+   projection's best shape from 1, with and without PDL (and the release of the kernel after
+   it), and with what a plain Linear runs (``decode_linear``'s tiles). Outputs are compared with
+   cuBLAS's.
+
+Prints microseconds per call (1) and per layer (2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine_core.models import skinny_gemm, triton_ops  # noqa: E402
+from engine_core.presets import hf_config  # noqa: E402
+
+Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shapes(name: str) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """(projection -> (N, K), dims) from the preset's HF config."""
+    cfg = hf_config(name)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = hidden // heads
+    proj = {
+        "qkv": ((heads + 2 * kv) * head_dim, hidden),
+        "o": (hidden, heads * head_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+    }
+    dims = dict(
+        hidden=hidden, heads=heads, kv=kv, head_dim=head_dim, layers=cfg["num_hidden_layers"]
+    )
+    return proj, dims
+
+
+def time_graph(fn: Callable[[], object], calls: int, replays: int = 50) -> float:
+    """Microseconds per call of a CUDA graph of fn() that makes ``calls`` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays / calls)
+    return statistics.median(times)
+
+
+def skinny(cfg: dict[str, Any]) -> Gemm:
+    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return skinny_gemm.skinny_gemm(x, w, x.dtype, **cfg)
+
+    return gemm
+
+
+def engine_path(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What a plain Linear runs now: decode_linear's choice of tiles, else cuBLAS."""
+    out = skinny_gemm.decode_linear(x, w, None)
+    return F.linear(x, w) if out is None else out
+
+
+def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def configs(k: int, m: int) -> list[dict[str, Any]]:
+    warps = (4,) if m <= 64 else (4, 8)
+    out = []
+    for bn, bk, split, nw in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8), warps):
+        if k % (bk * split) == 0 and k // split >= bk:
+            out.append(dict(block_n=bn, block_k=bk, split_k=split, num_warps=nw))
+    return out
+
+
+def sweep_projection(
+    name: str, n: int, k: int, m: int, weights: list[torch.Tensor]
+) -> tuple[float, dict[str, Any], float]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gbytes = n * k * 2 / 1e3  # KB -> bytes per us gives GB/s... kept simple: MB per call
+    base = time_graph(lambda: [cublas(x, w) for w in weights], len(weights))
+    want = cublas(x, weights[0]).float()
+    results = []
+    for cfg in configs(k, m):
+        try:
+            got = skinny(cfg)(x, weights[0]).float()
+            err = (got - want).abs().max().item()
+            us = time_graph(lambda cfg=cfg: [skinny(cfg)(x, w) for w in weights], len(weights))
+        except Exception as exc:  # a shape the kernel refuses or shared memory cannot hold
+            print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+            continue
+        results.append((us, cfg, err))
+    results.sort(key=lambda r: r[0])
+    best = results[0]
+    top = "; ".join(
+        f"n{c['block_n']}k{c['block_k']}s{c['split_k']}w{c['num_warps']} {us:.1f}us"
+        for us, c, _ in results[:4]
+    )
+    print(
+        f"{name:8} N={n:<6} K={k:<6} {gbytes / 1e3:6.2f} MB | cuBLAS {base:6.2f} us "
+        f"({n * k * 2 / base / 1e6:5.2f} TB/s) | skinny best {best[0]:6.2f} us "
+        f"({n * k * 2 / best[0] / 1e6:5.2f} TB/s, max err {best[2]:.3g}) | top: {top}",
+        flush=True,
+    )
+    return base, best[1], best[0]
+
+
+def chain(
+    model: str, m: int, gemms: dict[str, Gemm], layers: list[dict[str, torch.Tensor]], dims: dict
+) -> tuple[Callable[[], None], torch.Tensor]:
+    hidden, heads, kv, hd = dims["hidden"], dims["heads"], dims["kv"], dims["head_dim"]
+    x0 = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    res0 = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(m, device="cuda", dtype=torch.float32)[:, None]
+    freqs = pos * torch.linspace(0, 1, hd // 2, device="cuda")[None, :]
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(torch.bfloat16)
+    out = torch.empty_like(x0)
+
+    def step() -> None:
+        x, res = x0, res0
+        for w in layers:
+            h, res = triton_ops.rms_norm(x, w["norm"], 1e-5, res)
+            qkv = gemms["qkv"](h, w["qkv"])
+            q = qkv[:, : heads * hd].view(m, heads, hd)
+            k = qkv[:, heads * hd : (heads + kv) * hd].view(m, kv, hd)
+            triton_ops.rotary_inplace(q, k, cos, sin)
+            o = gemms["o"](q.reshape(m, heads * hd), w["o"])
+            h, res = triton_ops.rms_norm(o, w["norm"], 1e-5, res)
+            act = triton_ops.silu_and_mul(gemms["gate_up"](h, w["gate_up"]))
+            x = gemms["down"](act, w["down"])
+        out.copy_(x)
+
+    return step, out
+
+
+def probe(model: str, m: int) -> None:
+    proj, dims = shapes(model)
+    n_layers = dims["layers"]
+    layers = []
+    for _ in range(n_layers):
+        w = {"norm": torch.ones(dims["hidden"], device="cuda", dtype=torch.bfloat16)}
+        for name, (n, k) in proj.items():
+            w[name] = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+        layers.append(w)
+    print(f"== {model}, M={m}, {n_layers} layers", flush=True)
+    best: dict[str, dict[str, Any]] = {}
+    for name, (n, k) in proj.items():
+        skinny_gemm.SKINNY_PDL = True
+        _, cfg, _ = sweep_projection(name, n, k, m, [w[name] for w in layers])
+        best[name] = cfg
+    tuned = {p: skinny(best[p]) for p in proj}
+    variants: list[tuple[str, dict[str, Gemm], bool, bool]] = [
+        ("cuBLAS", dict.fromkeys(proj, cublas), True, True),
+        ("skinny best, PDL+release", tuned, True, True),
+        ("skinny best, PDL", tuned, True, False),
+        ("skinny best, no PDL", tuned, False, False),
+        ("engine (decode_linear)", dict.fromkeys(proj, engine_path), True, True),
+    ]
+    want = None
+    for label, gemms, pdl, release in variants:
+        skinny_gemm.SKINNY_PDL, skinny_gemm.SKINNY_RELEASE = pdl, release
+        torch.manual_seed(0)
+        step, out = chain(model, m, gemms, layers, dims)
+        step()
+        torch.cuda.synchronize()
+        us = time_graph(step, n_layers)
+        if want is None:
+            want = out.float().clone()
+        rel = ((out.float() - want).norm() / want.norm()).item()
+        print(
+            f"chain {model:13} {label:24} {us:7.2f} us a layer (rel. diff to cuBLAS {rel:.2e})",
+            flush=True,
+        )
+    skinny_gemm.SKINNY_PDL, skinny_gemm.SKINNY_RELEASE = True, True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2-135m,llama-1b,llama-8b")
+    parser.add_argument("--m", default="64", help="comma-separated row counts")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for m in (int(v) for v in args.m.split(",")):
+        for model in args.models.split(","):
+            probe(model, m)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""GPU tests of the skinny GEMM on plain (bf16/fp16) weights (engine_core/models/skinny_gemm.py),
+against float32 products computed here: every tile shape and K split the engine picks, with and
+without bias, rows from 1 to 64, widths that leave a partial weight tile; ``decode_linear`` takes
+exactly the products it is meant for (decode-sized, bf16/fp16, TMA-aligned, on Hopper) and leaves
+the rest to cuBLAS; a plain Linear on the GPU runs it and matches ``F.linear``; a CUDA graph
+replays it exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from engine_core.models import skinny_gemm  # noqa: E402
+from engine_core.models.layers import Linear  # noqa: E402
+from engine_core.triton_pdl import hopper_or_later  # noqa: E402
+
+HOPPER = hopper_or_later(torch.device("cuda"))
+# (N, K): smollm2's qkv, o-sized, gate_up and down; llama-1b's down (two K splits); a router-sized
+# N of 8 and an N that leaves a partial 64-row tile.
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (2048, 8192), (8, 2048), (200, 1024))
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(m * 7919 + n * 31 + k)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(dtype)
+    return x, w
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ w.float().T
+    return out if bias is None else out + bias.float()
+
+
+def assert_within_rounding(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal to the float32 product up to the output's rounding (and float32 sums in another
+    order): at most a few units in the last place of the largest value."""
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2 * ulp * want.abs().max().item(), f"max error {err:.3g}"
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", (1, 7, 64))
+def test_dense_tiles_product_equals_float32(n: int, k: int, m: int) -> None:
+    x, w = operands(m, n, k, torch.bfloat16)
+    tiles = skinny_gemm.dense_tiles(n, k, x.device)
+    got = skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert_within_rounding(got, reference(x, w, None), torch.bfloat16)
+
+
+@pytest.mark.parametrize("split_k", (1, 2, 4))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_bias_splits_and_dtypes(split_k: int, dtype: torch.dtype) -> None:
+    x, w = operands(33, 200, 2048, dtype)
+    bias = torch.randn(200, device="cuda").to(dtype)
+    got = skinny_gemm.skinny_gemm(x, w, dtype, bias=bias, block_k=128, split_k=split_k)
+    assert_within_rounding(got, reference(x, w, bias), dtype)
+
+
+def test_per_thread_loads_give_the_same_product() -> None:
+    """The kernel without TMA (any GPU; on Hopper where an operand is misaligned)."""
+    x, w = operands(16, 576, 1536, torch.bfloat16)
+    got = skinny_gemm.skinny_gemm(x, w, x.dtype, block_k=128, tma=False)
+    assert_within_rounding(got, reference(x, w, None), torch.bfloat16)
+
+
+def test_scales_must_come_in_pairs() -> None:
+    x, w = operands(4, 64, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="scales"):
+        skinny_gemm.skinny_gemm(x, w, x.dtype, a_scale=torch.ones(4, device="cuda"), block_k=64)
+
+
+def test_decode_linear_takes_what_it_should(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
+    x, w = operands(64, 576, 576, torch.bfloat16)
+    taken = skinny_gemm.decode_linear(x, w, None)
+    assert (taken is not None) == HOPPER
+    if taken is not None:
+        assert_within_rounding(taken, reference(x, w, None), torch.bfloat16)
+    big, _ = operands(65, 576, 576, torch.bfloat16)
+    assert skinny_gemm.decode_linear(big, w, None) is None  # past DENSE_MAX_ROWS: cuBLAS
+    assert skinny_gemm.decode_linear(x.float(), w.float(), None) is None  # float32: cuBLAS
+    odd_x, odd_w = operands(8, 64, 96, torch.bfloat16)
+    assert skinny_gemm.decode_linear(odd_x, odd_w, None) is None  # K not whole 64-column tiles
+    wide, _ = operands(8, 576, 576 + 8, torch.bfloat16)
+    shifted = wide[:, 1:577]  # base address 2 bytes in: TMA refuses it
+    assert skinny_gemm.decode_linear(shifted, w, None) is None
+    monkeypatch.setattr(skinny_gemm, "DENSE_ON", False)
+    assert skinny_gemm.decode_linear(x, w, None) is None
+
+
+@pytest.mark.skipif(not HOPPER, reason="the skinny GEMM takes plain weights on Hopper only")
+def test_linear_on_the_gpu_runs_it_and_matches_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
+    launches = []
+    real = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(
+        skinny_gemm, "skinny_gemm", lambda *a, **kw: launches.append(1) or real(*a, **kw)
+    )
+    layer = Linear(1024, 200, bias=True).to("cuda", torch.bfloat16)
+    x, _ = operands(12, 200, 1024, torch.bfloat16)
+    got = layer(x)
+    assert launches == [1]
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert_within_rounding(got, want, torch.bfloat16)
+
+
+def test_a_cuda_graph_replays_it_exactly() -> None:
+    x, w = operands(64, 2048, 8192, torch.bfloat16)  # two K splits: the reduce launch too
+    tiles = skinny_gemm.dense_tiles(2048, 8192, x.device)
+    eager = skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles)
+    x.copy_(operands(64, 2048, 8192, torch.bfloat16)[0] * 0.5)
+    graph.replay()
+    assert torch.equal(out, skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles))
+    assert not torch.equal(out, eager)
