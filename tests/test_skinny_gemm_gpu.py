@@ -3,7 +3,8 @@ against float32 products computed here: every tile shape and K split the engine 
 without bias, rows from 1 to 64, widths that leave a partial weight tile; ``decode_linear`` takes
 exactly the products it is meant for (decode-sized, bf16/fp16, TMA-aligned, on Hopper) and leaves
 the rest to cuBLAS; a plain Linear on the GPU runs it and matches ``F.linear``; a CUDA graph
-replays it exactly."""
+replays it exactly; an eager call at a row count the CUDA graphs did not have compiles no new
+variant."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ pytest.importorskip("triton")
 from engine_core.models import skinny_gemm  # noqa: E402
 from engine_core.models.layers import Linear  # noqa: E402
 from engine_core.triton_pdl import hopper_or_later  # noqa: E402
+from tests.triton_variants import compiled_variants  # noqa: E402
 
 HOPPER = hopper_or_later(torch.device("cuda"))
 # (N, K): smollm2's qkv, o-sized, gate_up and down; llama-1b's down (two K splits); a router-sized
@@ -125,3 +127,20 @@ def test_a_cuda_graph_replays_it_exactly() -> None:
     graph.replay()
     assert torch.equal(out, skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles))
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.skipif(not HOPPER, reason="decode_linear runs the TMA kernel on Hopper only")
+def test_new_row_counts_compile_no_new_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager step (a short prompt's prefill, a batch no graph covers) may bring any row count.
+    Within one row tile (33 to 64 rows share BLOCK_M 64) none may compile a variant of its own:
+    that would stall serving for the compile."""
+    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
+    w = operands(1, 576, 1536, torch.bfloat16)[1]
+    counts = []
+    for m in (64, 63, 48, 33, 40):
+        x = operands(m, 576, 1536, torch.bfloat16)[0]
+        assert_within_rounding(
+            skinny_gemm.decode_linear(x, w, None), reference(x, w, None), torch.bfloat16
+        )
+        counts.append(compiled_variants(skinny_gemm._skinny_gemm_tma_kernel))
+    assert counts == [counts[0]] * len(counts), counts

@@ -64,6 +64,7 @@ from engine_core.models.triton_ops import (  # noqa: E402
 )
 from tests.paged_harness import generate_greedy, hf_greedy  # noqa: E402
 from tests.test_models_hf import PROMPTS, make_hf_model  # noqa: E402
+from tests.triton_variants import compiled_variants  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 DTYPE = torch.float32 if INTERPRET else torch.bfloat16
@@ -308,14 +309,6 @@ def test_prefill_matches_reference(
         out=poisoned(batch.q),
     )
     assert_close(out, reference_attention(batch, scale))
-
-
-def compiled_variants(kernel: object) -> int:
-    """How many specializations of a Triton kernel this process has compiled (or loaded)."""
-    caches = getattr(kernel, "device_caches", None)
-    if caches is None:
-        pytest.skip("this Triton keeps no per-device kernel cache to count")
-    return sum(len(entry[0]) for entry in caches.values())
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")

@@ -69,7 +69,10 @@ def _skinny_epilogue(
         tl.store(p_ptrs, acc, mask=mask)
 
 
-@triton.jit
+# M (the step's rows) stays a runtime value: specialized, each row-count class (1, a multiple of 16,
+# other) would compile its own variant the first time an eager step has it, mid-serving. The row
+# tile BLOCK_M is a power of two from 16 to SKINNY_MOST_ROWS, compiled when the CUDA graphs are.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     A,
     W,
@@ -129,7 +132,7 @@ def _prefetch_l2(ptrs):
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_tma_kernel(
     a_desc,
     w_desc,
@@ -185,7 +188,7 @@ def _skinny_gemm_tma_kernel(
                      BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _skinny_reduce_kernel(
     Part,
     C,
