@@ -216,11 +216,14 @@ def _skinny_reduce_kernel(
 # quantizer that writes its activations), prefetching this many bytes of each of its weight rows
 # into L2 while that kernel finishes. On an H100, a llama-8b FP8 decode layer's launches at 64 rows
 # without attention (scripts/device/fp8_gemm_variants.py --chain): 107.0 us without PDL, 104.8
-# with it and no prefetch, 103.6 prefetching 512 bytes, 105.3 with 1024, 112.9 with 2048.
+# with it and no prefetch, 103.6 prefetching 512 bytes, 105.3 with 1024, 112.9 with 2048; bf16
+# (bf16_chain_probe.py --prefetch-sweep) 512 bytes best or even on smollm2, llama-1b and llama-8b.
 SKINNY_PDL = True
 SKINNY_MOST_ROWS = 256  # all rows are one tile: its float32 accumulator lives in registers
 SKINNY_PREFETCH_BYTES = 512
-# ... and lets the kernel after it start early (bf16_chain_probe.py; docs/benchmarks.md).
+# ... and once its activations are in, lets the kernel after it become resident: a llama-8b FP8
+# layer's chain as above 102.4 -> 100.1 us; bf16 at 64 rows (bf16_chain_probe.py) llama-8b
+# 175.8 -> 168.1, llama-1b 62.1 -> 60.7, smollm2 20.5 -> 19.0.
 SKINNY_RELEASE = True
 
 
@@ -352,8 +355,9 @@ def skinny_gemm(
 # Plain (bf16/fp16) weights take the skinny GEMM instead of cuBLAS up to this many rows, on Hopper,
 # where every projection of a decode layer then starts early under the chain kernel before it and
 # lets the one after it start early. A decode layer's launches in one CUDA graph on an H100 at 64
-# rows (scripts/device/bf16_chain_probe.py): smollm2-135m 22.1 -> 20.1 us, llama-1b 68.5 -> 63.8
-# us; alone, each projection is even with cuBLAS (docs/benchmarks.md, tenth session).
+# rows (scripts/device/bf16_chain_probe.py): smollm2-135m 25.7 -> 19.0 us, llama-1b 68.4 -> 60.8,
+# llama-8b 182.5 -> 168.1. At 128 rows it gained 4% on llama-1b; at 256 it was 1.5 times slower,
+# as one tile holds all the rows (docs/benchmarks.md, tenth session).
 # TANDEM_DENSE_SKINNY=0 in the environment keeps cuBLAS for every plain product (read at import;
 # for A/B measurements).
 DENSE_MAX_ROWS = 64

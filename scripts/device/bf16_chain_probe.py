@@ -96,10 +96,16 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+QUICK = False  # --quick: the few shapes that won at 64 and 128 rows
+
+
 def configs(k: int, m: int) -> list[dict[str, Any]]:
     warps = (4,) if m <= 64 else (4, 8)
+    tiles, ks, splits = (
+        ((64, 128), (128,), (1, 2)) if QUICK else ((32, 64, 128), (64, 128, 256), (1, 2, 4, 8))
+    )
     out = []
-    for bn, bk, split, nw in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8), warps):
+    for bn, bk, split, nw in itertools.product(tiles, ks, splits, warps):
         if k % (bk * split) == 0 and k // split >= bk:
             out.append(dict(block_n=bn, block_k=bk, split_k=split, num_warps=nw))
     return out
@@ -166,15 +172,34 @@ def chain(
     return step, out
 
 
-def probe(model: str, m: int) -> None:
+def model_weights(model: str) -> tuple[dict[str, tuple[int, int]], dict, list[dict]]:
+    """(projection shapes, dims, every layer's random weights)."""
     proj, dims = shapes(model)
-    n_layers = dims["layers"]
     layers = []
-    for _ in range(n_layers):
+    for _ in range(dims["layers"]):
         w = {"norm": torch.ones(dims["hidden"], device="cuda", dtype=torch.bfloat16)}
         for name, (n, k) in proj.items():
             w[name] = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         layers.append(w)
+    return proj, dims, layers
+
+
+def prefetch_sweep(model: str, m: int) -> None:
+    """The engine's path (decode_linear) in the chain, over SKINNY_PREFETCH_BYTES."""
+    proj, dims, layers = model_weights(model)
+    gemms = dict.fromkeys(proj, engine_path)
+    for prefetch in (0, 256, 512, 1024, 2048, 512):
+        skinny_gemm.SKINNY_PREFETCH_BYTES = prefetch
+        torch.manual_seed(0)
+        step, _ = chain(model, m, gemms, layers, dims)
+        us = time_graph(step, dims["layers"])
+        print(f"prefetch {model:13} M={m} {prefetch:5} bytes a weight row: {us:7.2f} us a layer")
+    skinny_gemm.SKINNY_PREFETCH_BYTES = 512
+
+
+def probe(model: str, m: int) -> None:
+    proj, dims, layers = model_weights(model)
+    n_layers = dims["layers"]
     print(f"== {model}, M={m}, {n_layers} layers", flush=True)
     best: dict[str, dict[str, Any]] = {}
     for name, (n, k) in proj.items():
@@ -211,11 +236,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2-135m,llama-1b,llama-8b")
     parser.add_argument("--m", default="64", help="comma-separated row counts")
+    parser.add_argument("--quick", action="store_true", help="sweep only a few tile shapes")
+    parser.add_argument(
+        "--prefetch-sweep", action="store_true", help="only the engine's chain over prefetch depths"
+    )
     args = parser.parse_args()
+    global QUICK
+    QUICK = args.quick
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for m in (int(v) for v in args.m.split(",")):
         for model in args.models.split(","):
-            probe(model, m)
+            (prefetch_sweep if args.prefetch_sweep else probe)(model, m)
 
 
 if __name__ == "__main__":
