@@ -31,7 +31,11 @@ from engine_core.loader import load_model
 from engine_core.memory_plan import CUDA_HEADROOM_BYTES, check_memory, kv_block_bytes
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.layers import pack_cpu_weights
-from engine_core.models.llama import defer_row_parallel_sums, fuse_fp8_quantizers
+from engine_core.models.llama import (
+    defer_row_parallel_sums,
+    fuse_fp8_quantizers,
+    interleave_gate_ups,
+)
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
@@ -149,6 +153,7 @@ class ModelRunner:
         else:
             fuse_fp8_quantizers(self.model)  # FP8 linears' input quantizers into the norms before
             defer_row_parallel_sums(self.model)  # TP: all-reduces into the norms after them
+            interleave_gate_ups(self.model)  # Hopper: SiLU-and-mul into gate/up's epilogue
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
         # This process's share of the KV heads: all of them unless tensor-parallel.

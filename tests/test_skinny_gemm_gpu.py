@@ -4,7 +4,9 @@ without bias, rows from 1 to 64, widths that leave a partial weight tile; ``deco
 exactly the products it is meant for (decode-sized, bf16/fp16, TMA-aligned, on Hopper) and leaves
 the rest to cuBLAS; a plain Linear on the GPU runs it and matches ``F.linear``; a CUDA graph
 replays it exactly; an eager call at a row count the CUDA graphs did not have compiles no new
-variant."""
+variant. The SiLU-and-mul epilogue over an interleaved gate/up weight gives what the product
+followed by SiLU-and-mul gives, and a Llama MLP whose weight interleave_gate_ups rearranged
+computes what it did before, at decode sizes and above them."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from engine_core.models import skinny_gemm  # noqa: E402
+from engine_core.models import model_config_from_hf, skinny_gemm, triton_ops  # noqa: E402
 from engine_core.models.layers import Linear  # noqa: E402
+from engine_core.models.llama import LlamaMLP, interleave_gate_ups  # noqa: E402
+from engine_core.presets import hf_config  # noqa: E402
 from engine_core.triton_pdl import hopper_or_later  # noqa: E402
 from tests.triton_variants import compiled_variants  # noqa: E402
 
@@ -144,3 +148,60 @@ def test_new_row_counts_compile_no_new_variant(monkeypatch: pytest.MonkeyPatch) 
         )
         counts.append(compiled_variants(skinny_gemm._skinny_gemm_tma_kernel))
     assert counts == [counts[0]] * len(counts), counts
+
+
+def assert_within_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 values at most one rounding apart, element by element."""
+    diff = (got.float() - want.float()).abs()
+    bound = 2.0**-7 * want.float().abs() + 1e-6
+    assert bool((diff <= bound).all()), f"max difference {diff.max().item():.3g}"
+
+
+@pytest.mark.parametrize("m", (1, 7, 64))
+@pytest.mark.parametrize("n,k", ((3072, 576), (16384, 2048), (192, 1024)))
+def test_glu_epilogue_equals_product_then_silu_and_mul(n: int, k: int, m: int) -> None:
+    """(n: gate/up rows 2I.) The epilogue rounds the product as the separate GEMM writes it, then
+    applies the same SiLU-and-mul."""
+    x, w = operands(m, n, k, torch.bfloat16)
+    block_k = skinny_gemm.dense_tiles(n, k, x.device)["block_k"]
+    separate = triton_ops.silu_and_mul(
+        skinny_gemm.skinny_gemm(x, w, x.dtype, block_n=64, block_k=block_k)
+    )
+    interleaved = skinny_gemm.interleave_gate_up(w)
+    fused = skinny_gemm.skinny_gemm(x, interleaved, x.dtype, block_n=64, block_k=block_k, glu=True)
+    assert fused.shape == (m, n // 2)
+    assert_within_one_rounding(fused, separate)
+    product = reference(x, w, None).to(torch.bfloat16).float()
+    gate, up = product.chunk(2, dim=-1)
+    assert_within_rounding(fused, F.silu(gate) * up, torch.bfloat16)
+
+
+def test_interleaved_silu_and_mul_reads_the_tiles() -> None:
+    """Above decode sizes the product comes from cuBLAS in the interleaved column order and the
+    SiLU-and-mul kernel reads each tile's gate and up columns."""
+    x, w = operands(100, 3072, 576, torch.bfloat16)
+    product = F.linear(x, skinny_gemm.interleave_gate_up(w))
+    got = triton_ops.silu_and_mul(product, skinny_gemm.GLU_HALF)
+    assert_within_one_rounding(got, triton_ops.silu_and_mul(F.linear(x, w)))
+
+
+def test_glu_epilogue_refuses_what_it_cannot_do() -> None:
+    x, w = operands(8, 128, 1024, torch.bfloat16)
+    for bad in ({"block_n": 32}, {"split_k": 2}, {"bias": torch.zeros(128, device="cuda")}):
+        launch = {"block_n": 64, "block_k": 128, **bad}
+        with pytest.raises(ValueError, match="epilogue"):
+            skinny_gemm.skinny_gemm(x, w, x.dtype, glu=True, **launch)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the gate/up weights are interleaved on Hopper only")
+@pytest.mark.parametrize("m", (8, 64, 100))
+def test_interleaved_mlp_computes_what_it_did(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
+    monkeypatch.setattr(skinny_gemm, "GLU_ON", True)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(model_config_from_hf(hf_config("smollm2-135m"))).to("cuda", torch.bfloat16)
+    x = torch.randn(m, 576, device="cuda").to(torch.bfloat16)
+    before = mlp(x)
+    assert interleave_gate_ups(mlp) == 1 and mlp.gate_up_interleaved
+    after = mlp(x)
+    assert_within_rounding(after, before.float(), torch.bfloat16)

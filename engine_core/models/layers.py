@@ -658,6 +658,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_torch(gate_up)
 
 
+def interleaved_silu_glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [T, I] of x [T, K] through a gate/up weight whose rows
+    skinny_gemm.interleave_gate_up arranged (CUDA only, models/llama.py interleave_gate_ups): in
+    the skinny GEMM's epilogue where it takes the product (decode sizes), else the product by
+    cuBLAS and a SiLU-and-mul that reads the interleaved columns."""
+    from engine_core.models import skinny_gemm
+
+    rows = as_rows(x)
+    act = skinny_gemm.decode_glu(rows, weight)
+    if act is None:
+        act = triton_ops().silu_and_mul(F.linear(rows, weight), skinny_gemm.GLU_HALF)
+    return act.view(*x.shape[:-1], act.shape[-1])
+
+
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

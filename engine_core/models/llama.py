@@ -33,6 +33,7 @@ from engine_core.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     check_divisible,
+    interleaved_silu_glu,
     lm_head,
     load_mapped_weights,
     norm_and_rotate_qk,
@@ -111,8 +112,13 @@ class LlamaMLP(nn.Module):
         # Set by fuse_fp8_quantizers where down_proj quantizes its input per token and the
         # activation is SiLU: prefill-sized batches then quantize in the SiLU launch.
         self.quantize_act = False
+        # Set by interleave_gate_ups on Hopper: gate_up_proj's rows are interleaved and the
+        # SiLU-and-mul rides in the skinny GEMM's epilogue at decode sizes.
+        self.gate_up_interleaved = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSum:
+        if self.gate_up_interleaved:
+            return self.down_proj(interleaved_silu_glu(x, self.gate_up_proj.weight))
         gate_up = self.gate_up_proj(x)
         if self.quantize_act and gate_up.dim() == 2:
             kernels = fp8_kernels()
@@ -190,6 +196,35 @@ def fuse_fp8_quantizers(model: nn.Module) -> int:
             mlp.quantize_act = True
             fused += 1
     return fused
+
+
+def interleave_gate_ups(model: nn.Module) -> int:
+    """On Hopper, give every dense SiLU MLP with a plain bf16/fp16 gate/up weight (no bias, no
+    FP8) the interleaved row layout (models/skinny_gemm.py interleave_gate_up), so that decode
+    steps compute silu(gate) * up in the gate/up product's epilogue: one launch and one round
+    trip of the product fewer per layer. Call after loading; returns how many were changed."""
+    changed = 0
+    for mlp in model.modules():
+        if not isinstance(mlp, LlamaMLP) or mlp.act_and_mul is not silu_and_mul:
+            continue
+        if mlp.gate_up_interleaved:  # already: a second pass would scramble the rows
+            continue
+        proj = mlp.gate_up_proj
+        weight = proj.weight
+        if not weight.is_cuda or proj.fp8 is not None or proj.bias is not None:
+            continue
+        if weight.dtype not in (torch.bfloat16, torch.float16) or proj.packed_weight is not None:
+            continue
+        from engine_core.models import skinny_gemm  # imports triton: CUDA only
+        from engine_core.triton_pdl import hopper_or_later
+
+        usable = skinny_gemm.DENSE_ON and skinny_gemm.GLU_ON and hopper_or_later(weight.device)
+        if not usable or weight.shape[0] % (2 * skinny_gemm.GLU_HALF):
+            continue
+        proj.weight = nn.Parameter(skinny_gemm.interleave_gate_up(weight.data), requires_grad=False)
+        mlp.gate_up_interleaved = True
+        changed += 1
+    return changed
 
 
 def defer_row_parallel_sums(model: nn.Module) -> int:

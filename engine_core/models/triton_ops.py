@@ -352,20 +352,36 @@ def qk_norm_rotary_inplace(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+    X,
+    Out,
+    stride_x,
+    stride_o,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """Out[row] = silu(gate) * up. GROUP 0: X[row] is [gate (N); up (N)]; else it is tiles of
+    GROUP gate columns, then the same GROUP up columns (skinny_gemm.interleave_gate_up)."""
     pdl_wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    if GROUP == 0:
+        gate_cols = cols
+        up_cols = N + cols
+    else:
+        gate_cols = (cols // GROUP) * (2 * GROUP) + cols % GROUP
+        up_cols = gate_cols + GROUP
+    gate = tl.load(X + row * stride_x + gate_cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + up_cols, mask=mask, other=0.0).to(tl.float32)
     out = silu_mul(gate, up)
     tl.store(Out + row * stride_o + cols, out.to(Out.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate then up) -> silu(gate) * up, [T, I], one launch."""
+def silu_and_mul(gate_up: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """[T, 2I] (gate then up; with ``group``, tiles of that many gate columns then their up
+    columns) -> silu(gate) * up, [T, I], one launch."""
     num_rows, width = gate_up.shape
     n = width // 2
     out = torch.empty((num_rows, n), dtype=gate_up.dtype, device=gate_up.device)
@@ -374,7 +390,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     pdl = chain_pdl(gate_up)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, PDL=pdl,
+        gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, GROUP=group, PDL=pdl,
         launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return out
