@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_skinny_bench import time_graph_calls  # noqa: E402
 
 from engine_core.models import skinny_gemm, triton_ops  # noqa: E402
 from engine_core.presets import hf_config  # noqa: E402
@@ -55,28 +57,9 @@ def shapes(name: str) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
     return proj, dims
 
 
-def time_graph(fn: Callable[[], object], calls: int, replays: int = 50) -> float:
+def time_graph(fn: Callable[[], object], calls: int) -> float:
     """Microseconds per call of a CUDA graph of fn() that makes ``calls`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays / calls)
-    return statistics.median(times)
+    return time_graph_calls(fn, calls, replays=50, warmup=5, rounds=7)
 
 
 def skinny(cfg: dict[str, Any]) -> Gemm:

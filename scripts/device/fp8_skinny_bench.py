@@ -49,27 +49,33 @@ SWEEP = [
 
 def time_graph(fn: Callable[[int], object], replays: int = 20) -> float:
     """Microseconds per call of a graph of LAYERS calls fn(0..LAYERS-1)."""
+    return time_graph_calls(lambda: [fn(i) for i in range(LAYERS)], LAYERS, replays)
+
+
+def time_graph_calls(
+    fn: Callable[[], object], calls: int, replays: int = 20, warmup: int = 3, rounds: int = 5
+) -> float:
+    """Microseconds per call of a CUDA graph of fn(), which makes ``calls`` calls: the median
+    of ``rounds`` timings of ``replays`` replays each, after ``warmup`` replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(LAYERS):
-            fn(i)
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            fn(i)
-    for _ in range(3):
+        fn()
+    for _ in range(warmup):
         graph.replay()
     times = []
-    for _ in range(5):
+    for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays / LAYERS)
+        times.append(start.elapsed_time(end) * 1e3 / replays / calls)
     return statistics.median(times)
 
 
