@@ -1,8 +1,9 @@
 """Programmatic dependent launch (engine_core/triton_pdl.py) changes when the decode chain's
 kernels start, never what they compute: a decode layer's chain (norm with residual, the qkv
-projection, rotary in place, the KV write, split decode attention and its merge, a projection,
-SiLU-and-mul, a projection; the projections by the skinny GEMM, which takes plain decode-sized
-products on Hopper and launches as a programmatic dependent too) captured in a CUDA graph and
+projection, rotary in place, the KV write, split decode attention and its merge, the gate/up
+projection with SiLU-and-mul in its epilogue, the down projection; the projections by the skinny
+GEMM, which takes plain decode-sized products on Hopper and launches as a programmatic dependent
+too) captured in a CUDA graph and
 replayed on fresh inputs gives the same bits with PDL as without, and as the chain run eagerly.
 A kernel that read before waiting would see the previous kernel's half-written outputs (the
 unrotated K, last replay's cache row, the activations of the last replay) and differ."""
@@ -23,7 +24,7 @@ from engine_core.attention.triton_kernels import (  # noqa: E402
     write_kv_cache,
 )
 from engine_core.models import skinny_gemm  # noqa: E402
-from engine_core.models.triton_ops import rms_norm, rotary_inplace, silu_and_mul  # noqa: E402
+from engine_core.models.triton_ops import rms_norm, rotary_inplace  # noqa: E402
 
 if not triton_pdl.hopper_or_later(torch.device("cuda")):
     pytest.skip("programmatic dependent launch needs sm_90+", allow_module_level=True)
@@ -46,7 +47,8 @@ class Chain:
         width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         self.norm_w = randn(HIDDEN) + 1
         self.w_qkv = randn(width, HIDDEN, scale=HIDDEN**-0.5)
-        self.w_up = randn(2 * MLP, HEADS * HEAD_DIM, scale=(HEADS * HEAD_DIM) ** -0.5)
+        w_up = randn(2 * MLP, HEADS * HEAD_DIM, scale=(HEADS * HEAD_DIM) ** -0.5)
+        self.w_up = skinny_gemm.interleave_gate_up(w_up)
         self.w_down = randn(HIDDEN, MLP, scale=MLP**-0.5)
         pages = -(-CONTEXT // PAGE)
         self.k_cache = randn(BATCH * pages, PAGE, KV_HEADS, HEAD_DIM)
@@ -79,7 +81,10 @@ class Chain:
             q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, HEAD_DIM**-0.5,
             num_splits=4,
         )  # fmt: skip
-        act = silu_and_mul(self.project(attn.flatten(1), self.w_up))
+        # The MLP as the engine runs it on Hopper: SiLU-and-mul in the gate/up product's epilogue
+        # over the interleaved weight, then the down projection.
+        act = skinny_gemm.decode_glu(attn.flatten(1), self.w_up)
+        assert act is not None, "the skinny GEMM should take a decode-sized bf16 product"
         return self.project(act, self.w_down), summed
 
     @staticmethod

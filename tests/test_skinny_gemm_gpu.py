@@ -191,6 +191,12 @@ def test_glu_epilogue_refuses_what_it_cannot_do() -> None:
         launch = {"block_n": 64, "block_k": 128, **bad}
         with pytest.raises(ValueError, match="epilogue"):
             skinny_gemm.skinny_gemm(x, w, x.dtype, glu=True, **launch)
+    with pytest.raises(ValueError, match="epilogue"):  # N not whole 64-row tiles
+        skinny_gemm.skinny_gemm(x, w[:96], x.dtype, block_n=64, block_k=128, glu=True)
+    with pytest.raises(ValueError, match="tiles"):
+        skinny_gemm.interleave_gate_up(w[:96])
+    with pytest.raises(ValueError, match="groups"):
+        triton_ops.silu_and_mul(torch.zeros(4, 96, device="cuda"), skinny_gemm.GLU_HALF)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the gate/up weights are interleaved on Hopper only")
@@ -203,5 +209,16 @@ def test_interleaved_mlp_computes_what_it_did(monkeypatch: pytest.MonkeyPatch, m
     x = torch.randn(m, 576, device="cuda").to(torch.bfloat16)
     before = mlp(x)
     assert interleave_gate_ups(mlp) == 1 and mlp.gate_up_interleaved
+    assert interleave_gate_ups(mlp) == 0  # a second pass leaves the rows alone
+    epilogues = []
+    real = skinny_gemm.skinny_gemm
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        epilogues.append(kwargs.get("glu", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", spy)
     after = mlp(x)
+    # Decode sizes: the epilogue ran (and the down projection); above them cuBLAS ran both.
+    assert epilogues == ([True, False] if m <= skinny_gemm.DENSE_MAX_ROWS else [])
     assert_within_rounding(after, before.float(), torch.bfloat16)

@@ -202,12 +202,16 @@ def interleave_gate_ups(model: nn.Module) -> int:
     """On Hopper, give every dense SiLU MLP with a plain bf16/fp16 gate/up weight (no bias, no
     FP8) the interleaved row layout (models/skinny_gemm.py interleave_gate_up), so that decode
     steps compute silu(gate) * up in the gate/up product's epilogue: one launch and one round
-    trip of the product fewer per layer. Call after loading; returns how many were changed."""
+    trip of the product fewer per layer. Call after loading and after fuse_fp8_quantizers (an
+    MLP whose SiLU launch quantizes for an FP8 down_proj keeps its layout); returns how many
+    were changed."""
     changed = 0
     for mlp in model.modules():
         if not isinstance(mlp, LlamaMLP) or mlp.act_and_mul is not silu_and_mul:
             continue
         if mlp.gate_up_interleaved:  # already: a second pass would scramble the rows
+            continue
+        if mlp.quantize_act:  # an FP8 down_proj whose quantizer rides in the SiLU launch
             continue
         proj = mlp.gate_up_proj
         weight = proj.weight

@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from engine_core.models.triton_ops import silu_mul
-from engine_core.triton_pdl import hopper_or_later, launches_dependents
+from engine_core.triton_pdl import chain_pdl, hopper_or_later
 
 
 @triton.jit
@@ -314,9 +314,10 @@ def skinny_gemm(
     scaled = a_scale is not None
     if scaled != (w_scale is not None):
         raise ValueError("skinny GEMM: give both operands' scales (FP8) or neither")
-    if glu and (block_n != 2 * GLU_HALF or split_k != 1 or bias is not None or scaled):
+    glu_fits = block_n == 2 * GLU_HALF and split_k == 1 and n % block_n == 0
+    if glu and (not glu_fits or bias is not None or scaled):
         raise ValueError("the skinny GEMM's SiLU-and-mul epilogue takes block_n 2 * GLU_HALF, "
-                         "one split, no bias and no scales")  # fmt: skip
+                         "whole tiles of N, one split, no bias and no scales")  # fmt: skip
     out = torch.empty((m, n // 2 if glu else n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -342,7 +343,7 @@ def skinny_gemm(
     if tma:
         a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
         w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
-        pdl = SKINNY_PDL and launches_dependents(a)
+        pdl = SKINNY_PDL and chain_pdl(a)  # TANDEM_PDL=0 turns it off with the chain's
         line = 128 // w.element_size()
         _skinny_gemm_tma_kernel[grid](
             a_desc, w_desc, w, w.stride(0), out, a_scale, w_scale, bias_arg, part, m, n,
@@ -440,5 +441,7 @@ def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
     """A gate/up weight [gate; up] ([2I, K], I a multiple of GLU_HALF) with its rows in tiles of
     GLU_HALF gate rows followed by the same GLU_HALF up rows (a copy)."""
     rows, k = weight.shape
+    if rows % (2 * GLU_HALF):
+        raise ValueError(f"a gate/up weight of {rows} rows is not whole {2 * GLU_HALF}-row tiles")
     tiles = rows // 2 // GLU_HALF
-    return weight.view(2, tiles, GLU_HALF, k).transpose(0, 1).reshape(rows, k)
+    return weight.reshape(2, tiles, GLU_HALF, k).transpose(0, 1).reshape(rows, k)

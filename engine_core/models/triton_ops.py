@@ -384,6 +384,8 @@ def silu_and_mul(gate_up: torch.Tensor, group: int = 0) -> torch.Tensor:
     columns) -> silu(gate) * up, [T, I], one launch."""
     num_rows, width = gate_up.shape
     n = width // 2
+    if group and n % group:
+        raise ValueError(f"interleaved SiLU-and-mul: {n} columns are not whole groups of {group}")
     out = torch.empty((num_rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if num_rows == 0:
         return out
