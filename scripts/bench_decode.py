@@ -15,12 +15,13 @@ tokens, --hf-output-len, to keep the run short). Prints one table: tok/s, TPOT a
 the best of 20 timed device copies) two ways: the run's tok/s over the roofline's, which counts
 the prefill too, and the roofline step time over the median gap between a request's tokens
 (ITL p50, a steady decode step: the few gaps that span another request's prefill are outliers
-of it); and the ratio to HF; then where one decode step's time goes (graph
-replay alone, GPU kernel time under the profiler, the whole engine step), with the overlapped
-loop and with the simple one (``--no-async-scheduling``), each with the engine's step stats: host
-ms per part of the step, GPU ms per step and the share of the time the GPU sat idle between
-steps (the target: under 5% with overlap). ``--no-overlap`` runs the throughput table with the
-simple loop.
+of it); the steady decode's stalls (time lost to gaps of more than three steps once every
+request has started, which TPOT carries over ITL); and the ratio to HF; then where one decode
+step's time goes (graph replay alone, GPU kernel time under the profiler, the whole engine
+step), with the overlapped loop and with the simple one (``--no-async-scheduling``), each with
+the engine's step stats: host ms per part of the step, GPU ms per step and the share of the
+time the GPU sat idle between steps (the target: under 5% with overlap). ``--no-overlap`` runs
+the throughput table with the simple loop.
 
 The zmq path starts the engine through this script's own ``engine`` subcommand (the engine core
 of `tandem engine`, with this checkout on sys.path).
@@ -69,6 +70,7 @@ class RunResult:
     itl_p50_ms: float  # the median gap between a request's tokens: a steady decode step
     duration_s: float
     output_tokens: int
+    stall_ms: float = 0.0  # steady decode's time lost to long gaps (stall_ms below)
 
 
 @dataclass
@@ -93,6 +95,7 @@ def summarize(path: str, start: float, token_times: list[list[float]]) -> RunRes
     itl = [gap * 1e3 for times in token_times for gap in token_gaps(times)]
     end = max(times[-1] for times in token_times)
     total = sum(len(times) for times in token_times)
+    itl_p50 = percentile(itl, 50)
     return RunResult(
         path=path,
         tok_s=total / (end - start),
@@ -100,10 +103,28 @@ def summarize(path: str, start: float, token_times: list[list[float]]) -> RunRes
         ttft_p99_ms=percentile(ttft, 99),
         tpot_p50_ms=percentile(tpot, 50),
         tpot_p99_ms=percentile(tpot, 99),
-        itl_p50_ms=percentile(itl, 50),
+        itl_p50_ms=itl_p50,
         duration_s=end - start,
         output_tokens=total,
+        stall_ms=stall_ms(token_times, itl_p50),
     )
+
+
+# A gap between arrivals longer than this many steady steps is a stall.
+STALL_FACTOR = 3.0
+
+
+def stall_ms(token_times: list[list[float]], itl_ms: float) -> float:
+    """The steady decode's stalls: from the moment every request has its first token to the
+    last token, the milliseconds by which gaps between arrivals (of any request's tokens) longer
+    than STALL_FACTOR steady steps (``itl_ms``) exceed one step. 0 in a run that streamed
+    evenly; what TPOT carries over ITL when a few steps took much longer than the rest."""
+    if itl_ms <= 0:
+        return 0.0
+    begin = max(times[0] for times in token_times if times)
+    arrivals = sorted({t for times in token_times for t in times if t >= begin})
+    gaps = [(after - before) * 1e3 for before, after in zip(arrivals, arrivals[1:], strict=False)]
+    return sum(gap - itl_ms for gap in gaps if gap > STALL_FACTOR * itl_ms)
 
 
 def token_gaps(times: list[float]) -> list[float]:
@@ -562,8 +583,8 @@ def free_gpu() -> None:
 def format_table(results: list[ModelResult]) -> str:
     head = (
         f"{'model':<13} {'path':<7} {'tok/s':>9} {'TPOT p50':>9} {'p99':>7} {'TTFT p50':>9} "
-        f"{'p99':>8} {'roofline':>9} {'%roof':>6} {'ITL p50':>8} {'step%':>6} {'HF tok/s':>9} "
-        f"{'xHF':>6}"
+        f"{'p99':>8} {'roofline':>9} {'%roof':>6} {'ITL p50':>8} {'step%':>6} {'stall':>7} "
+        f"{'HF tok/s':>9} {'xHF':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -578,11 +599,12 @@ def format_table(results: list[ModelResult]) -> str:
                 f"{run.tpot_p99_ms:6.2f}m {run.ttft_p50_ms:8.1f}m {run.ttft_p99_ms:7.1f}m "
                 f"{r.roofline_tok_s:9.0f} {100 * run.tok_s / r.roofline_tok_s:5.1f}% "
                 f"{run.itl_p50_ms:7.2f}m {100 * r.roofline_step_ms / run.itl_p50_ms:5.1f}% "
-                f"{hf} {ratio}"
+                f"{run.stall_ms:6.1f}m {hf} {ratio}"
             )
     lines.append(
         "%roof: the run's tok/s over the roofline's (prefill time included); step%: the roofline "
-        "step time over the median inter-token gap (a steady decode step)"
+        "step time over the median inter-token gap (a steady decode step); stall: steady "
+        f"decode's time lost to gaps longer than {STALL_FACTOR:g} steps"
     )
     return "\n".join(lines)
 
