@@ -396,17 +396,21 @@ GLU_ON = os.environ.get("TANDEM_GLU_EPILOGUE", "1") != "0"
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """x [M, K] @ w.T (+ bias) by the skinny GEMM where it is the plain-weight path: at most
-    DENSE_MAX_ROWS rows of bf16/fp16, both operands loadable by TMA on Hopper, K whole 64-column
-    tiles. None where cuBLAS should run it."""
-    if not DENSE_ON or x.dim() != 2 or x.shape[0] > DENSE_MAX_ROWS or x.shape[0] == 0:
+    """x [M, K] @ w.T (+ bias) by the skinny GEMM where it is the plain-weight path
+    (takes_plain_product); None where cuBLAS should run it."""
+    if not takes_plain_product(x, w):
         return None
+    return skinny_gemm(x, w, x.dtype, bias=bias, **dense_tiles(w.shape[0], w.shape[1], x.device))
+
+
+def takes_plain_product(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the skinny GEMM runs x [M, K] @ w.T for a plain weight: at most DENSE_MAX_ROWS
+    rows of bf16/fp16, K whole 64-column tiles, both operands loadable by TMA (on Hopper)."""
+    if not DENSE_ON or x.dim() != 2 or not 0 < x.shape[0] <= DENSE_MAX_ROWS:
+        return False
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        return None
-    k = w.shape[1]
-    if k % 64 or not tma_loads_fit(x, w):
-        return None
-    return skinny_gemm(x, w, x.dtype, bias=bias, **dense_tiles(w.shape[0], k, x.device))
+        return False
+    return w.shape[1] % 64 == 0 and tma_loads_fit(x, w)
 
 
 @functools.cache
@@ -426,14 +430,9 @@ def dense_tiles(n: int, k: int, device: torch.device) -> dict[str, int]:
 def decode_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up [M, N / 2] of x [M, K] and an interleaved gate/up weight w [N, K], by the
     skinny GEMM's epilogue where decode_linear would take the product; None elsewhere."""
-    if not DENSE_ON or x.dim() != 2 or x.shape[0] > DENSE_MAX_ROWS or x.shape[0] == 0:
+    if not takes_plain_product(x, w):
         return None
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        return None
-    k = w.shape[1]
-    if k % 64 or not tma_loads_fit(x, w):
-        return None
-    block_k = dense_tiles(w.shape[0], k, x.device)["block_k"]
+    block_k = dense_tiles(w.shape[0], w.shape[1], x.device)["block_k"]
     return skinny_gemm(x, w, x.dtype, block_n=2 * GLU_HALF, block_k=block_k, glu=True)
 
 
