@@ -55,6 +55,19 @@ def assert_within_rounding(got: torch.Tensor, want: torch.Tensor, dtype: torch.d
     assert err <= 2 * ulp * want.abs().max().item(), f"max error {err:.3g}"
 
 
+def spy_on_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """From now on, each skinny GEMM launch appends whether it ran the SiLU-and-mul epilogue."""
+    launches: list[bool] = []
+    real = skinny_gemm.skinny_gemm
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        launches.append(bool(kwargs.get("glu", False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", spy)
+    return launches
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", (1, 7, 64))
 def test_dense_tiles_product_equals_float32(n: int, k: int, m: int) -> None:
@@ -109,15 +122,11 @@ def test_decode_linear_takes_what_it_should(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.skipif(not HOPPER, reason="the skinny GEMM takes plain weights on Hopper only")
 def test_linear_on_the_gpu_runs_it_and_matches_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
-    launches = []
-    real = skinny_gemm.skinny_gemm
-    monkeypatch.setattr(
-        skinny_gemm, "skinny_gemm", lambda *a, **kw: launches.append(1) or real(*a, **kw)
-    )
+    launches = spy_on_launches(monkeypatch)
     layer = Linear(1024, 200, bias=True).to("cuda", torch.bfloat16)
     x, _ = operands(12, 200, 1024, torch.bfloat16)
     got = layer(x)
-    assert launches == [1]
+    assert launches == [False]  # one launch, a plain product
     want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     assert_within_rounding(got, want, torch.bfloat16)
 
@@ -213,14 +222,7 @@ def test_interleaved_mlp_computes_what_it_did(monkeypatch: pytest.MonkeyPatch, m
     before = mlp(x)
     assert interleave_gate_ups(mlp) == 1 and mlp.gate_up_interleaved
     assert interleave_gate_ups(mlp) == 0  # a second pass leaves the rows alone
-    epilogues = []
-    real = skinny_gemm.skinny_gemm
-
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        epilogues.append(kwargs.get("glu", False))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(skinny_gemm, "skinny_gemm", spy)
+    epilogues = spy_on_launches(monkeypatch)
     after = mlp(x)
     # Decode sizes: the epilogue ran (and the down projection); above them cuBLAS ran both.
     assert epilogues == ([True, False] if m <= skinny_gemm.DENSE_MAX_ROWS else [])
@@ -257,14 +259,7 @@ def test_bf16_model_on_the_skinny_path_matches_hf(
     monkeypatch.setattr(skinny_gemm, "GLU_ON", True)
     model = load_model(str(tmp_path), torch.device("cuda"), torch.bfloat16).module
     assert interleave_gate_ups(model) == 2  # both layers
-    epilogues = []
-    real = skinny_gemm.skinny_gemm
-
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        epilogues.append(kwargs.get("glu", False))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(skinny_gemm, "skinny_gemm", spy)
+    epilogues = spy_on_launches(monkeypatch)
     ours = first_logits(model)
     assert True in epilogues and False in epilogues  # the epilogue and the plain products ran
     for i, prompt in enumerate(PROMPTS):
