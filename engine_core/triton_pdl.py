@@ -5,9 +5,12 @@ its merge, SiLU-and-mul) whose own work takes a few microseconds each; between t
 GPU drains one grid and launches the next. Launched as a programmatic dependent (sm_90+), a
 kernel's programs may become resident while the kernel before it finishes: each first waits for
 that kernel's completion and memory flush (``griddepcontrol.wait``), then lets the kernel after
-it start early (``griddepcontrol.launch_dependents``). The wait comes before any load or store,
-so a dependent sees everything every earlier kernel wrote: each kernel of the chain completes
-only after the one before it did.
+it start early (``griddepcontrol.launch_dependents``). So each kernel of the chain completes
+only after the one before it did, and a kernel becomes resident only once the one before it has
+passed its wait: everything the kernels before that one wrote is in memory by then. Before its
+own wait a kernel may therefore read what none but the kernel just before it writes (the step's
+inputs, weights, the cache rows of earlier tokens) and ask L2 for it (``prefetch_l2``); what
+that kernel writes, only after.
 
 ``TANDEM_PDL=0`` in the environment turns it off (read at import; for A/B measurements).
 
@@ -54,3 +57,28 @@ def pdl_wait_then_release(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, EVICT_LAST: tl.constexpr):
+    """Ask for the 128-byte lines at ptrs in L2, which every later load sees coherently (with
+    EVICT_LAST kept there first when space runs out); the kernel's own first step while the
+    kernel before it finishes."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+            "=r,l",
+            [ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+            "=r,l",
+            [ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

@@ -1,12 +1,14 @@
 """Programmatic dependent launch (engine_core/triton_pdl.py) changes when the decode chain's
 kernels start, never what they compute: a decode layer's chain (norm with residual, the qkv
 projection, rotary in place, the KV write, split decode attention and its merge, the gate/up
-projection with SiLU-and-mul in its epilogue, the down projection; the projections by the skinny
-GEMM, which takes plain decode-sized products on Hopper and launches as a programmatic dependent
-too) captured in a CUDA graph and
-replayed on fresh inputs gives the same bits with PDL as without, and as the chain run eagerly.
-A kernel that read before waiting would see the previous kernel's half-written outputs (the
-unrotated K, last replay's cache row, the activations of the last replay) and differ."""
+projection with SiLU-and-mul in its epilogue, the down projection over two K splits and their
+reduction; the projections by the skinny GEMM, which takes plain decode-sized products on Hopper
+and launches as a programmatic dependent too) captured in a CUDA graph and replayed on fresh
+inputs gives the same bits with PDL as without, and as the chain run eagerly. A kernel that read
+before waiting what the kernel before it writes would see half-written outputs (the unrotated
+K, last replay's cache row, the activations or partial sums of the last replay) and differ. The
+decode kernel asks L2 for its cache rows before it waits, the newest one among them while the
+KV write is still writing it: L2 is coherent, so that changes no bit either."""
 
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from engine_core.models.triton_ops import rms_norm, rotary_inplace  # noqa: E402
 if not triton_pdl.hopper_or_later(torch.device("cuda")):
     pytest.skip("programmatic dependent launch needs sm_90+", allow_module_level=True)
 
-BATCH, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, MLP = 8, 16, 4, 64, 1024, 2048
+# An MLP width of 8,192 over 16 N tiles of the hidden size takes two K splits in the down
+# projection (skinny_gemm.dense_tiles), as llama-1b's does.
+BATCH, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, MLP = 8, 16, 4, 64, 1024, 8192
 PAGE, CONTEXT = 16, 300  # 300 tokens: 19 pages; num_splits=4 below makes the merge run
 DTYPE = torch.bfloat16
 
@@ -85,6 +89,7 @@ class Chain:
         # over the interleaved weight, then the down projection.
         act = skinny_gemm.decode_glu(attn.flatten(1), self.w_up)
         assert act is not None, "the skinny GEMM should take a decode-sized bf16 product"
+        assert skinny_gemm.dense_tiles(HIDDEN, MLP, act.device)["split_k"] == 2
         return self.project(act, self.w_down), summed
 
     @staticmethod

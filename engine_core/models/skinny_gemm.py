@@ -27,7 +27,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from engine_core.models.triton_ops import silu_mul
-from engine_core.triton_pdl import chain_pdl, hopper_or_later
+from engine_core.triton_pdl import (
+    chain_pdl,
+    hopper_or_later,
+    pdl_wait_then_release,
+    prefetch_l2,
+)
 
 
 @triton.jit
@@ -132,19 +137,6 @@ def _skinny_gemm_kernel(
                      BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED, GLU)  # fmt: skip
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask for the 128-byte lines at ptrs in L2 (kept there first when space runs out)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_tma_kernel(
     a_desc,
@@ -189,7 +181,7 @@ def _skinny_gemm_tma_kernel(
         if PREFETCH_K >= LINE:
             rn = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
             lines = k_start + tl.arange(0, PREFETCH_K // LINE) * LINE
-            _prefetch_l2(W + rn[:, None].to(tl.int64) * stride_wn + lines[None, :])
+            prefetch_l2(W + rn[:, None].to(tl.int64) * stride_wn + lines[None, :], True)
         tl.extra.cuda.gdc_wait()
         if RELEASE:
             tl.extra.cuda.gdc_launch_dependents()
@@ -213,8 +205,12 @@ def _skinny_reduce_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """C[m, n tile] = sum over splits of Part[split, m, n tile] (+ bias)."""
+    """C[m, n tile] = sum over splits of Part[split, m, n tile] (+ bias). With PDL a link of the
+    decode chain (engine_core/triton_pdl.py): resident while the GEMM's programs finish, and
+    letting the kernel after it start early in turn."""
+    pdl_wait_then_release(PDL)
     m = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
@@ -239,6 +235,8 @@ SKINNY_PREFETCH_BYTES = 512
 # layer's chain as above 102.4 -> 100.1 us; bf16 at 64 rows (bf16_chain_probe.py) llama-8b
 # 175.8 -> 168.1, llama-1b 62.1 -> 60.7, smollm2 20.5 -> 19.0.
 SKINNY_RELEASE = True
+# ... and the reduction of its K splits is a chain kernel too (_reduce_splits; for the A/B).
+SKINNY_REDUCE_PDL = True
 
 
 def _prefetch_columns(k_per_split: int, line: int) -> int:
@@ -357,20 +355,32 @@ def skinny_gemm(
             out.stride(0), k // split_k, **meta,
         )  # fmt: skip
     if split_k > 1:
-        block = 1024
-        _skinny_reduce_kernel[(m, triton.cdiv(n, block))](
-            part,
-            out,
-            bias_arg,
-            m,
-            n,
-            out.stride(0),
-            SPLIT_K=split_k,
-            BLOCK=block,
-            HAS_BIAS=bias is not None,
-            num_warps=4,
-        )
+        _reduce_splits(part, out, bias)
     return out
+
+
+def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out = the sum of the split-K partials part [splits, M, N] (+ bias), as a link of the
+    decode chain where the GEMM's operands are on Hopper, so the chain has no plain launch in
+    it. llama-1b's chain at 64 rows on an H100 (bf16_chain_probe.py --reduce-pdl-ab): 59.4 and
+    60.8 us a layer as a plain launch, 59.7 and 59.7 as a chain kernel; no gain measured."""
+    splits, m, n = part.shape
+    block = 1024
+    pdl = SKINNY_PDL and SKINNY_REDUCE_PDL and chain_pdl(part)
+    _skinny_reduce_kernel[(m, triton.cdiv(n, block))](
+        part,
+        out,
+        bias if bias is not None else out,
+        m,
+        n,
+        out.stride(0),
+        SPLIT_K=splits,
+        BLOCK=block,
+        HAS_BIAS=bias is not None,
+        PDL=pdl,
+        launch_pdl=pdl,
+        num_warps=4,
+    )
 
 
 # Plain (bf16/fp16) weights take the skinny GEMM instead of cuBLAS up to this many rows, on Hopper,

@@ -2,6 +2,7 @@
 dependent launch, alone and inside a decode layer's launch chain (issue 17), on the GPU machine:
 
     python scripts/device/bf16_chain_probe.py [--models smollm2-135m,llama-1b] [--m 64]
+        [--quick | --prefetch-sweep | --reduce-pdl-ab]
 
 1. Each projection (qkv, o, gate_up, down) alone: a CUDA graph of one call per layer over every
    layer's distinct weights, cuBLAS (``F.linear``) against ``skinny_gemm`` on the bf16 operands
@@ -180,6 +181,21 @@ def prefetch_sweep(model: str, m: int) -> None:
     skinny_gemm.SKINNY_PREFETCH_BYTES = 512
 
 
+def reduce_pdl_ab(model: str, m: int) -> None:
+    """The engine's path in the chain with the K splits' reduction as a chain kernel and as a
+    plain launch, alternating (models whose down projection takes two splits: llama-1b)."""
+    proj, dims, layers = model_weights(model)
+    gemms = dict.fromkeys(proj, engine_path)
+    for reduce_pdl in (False, True, False, True):
+        skinny_gemm.SKINNY_REDUCE_PDL = reduce_pdl
+        torch.manual_seed(0)
+        step, _ = chain(model, m, gemms, layers, dims)
+        us = time_graph(step, dims["layers"])
+        label = "a chain kernel" if reduce_pdl else "a plain launch"
+        print(f"reduce {model:13} M={m} split-K reduction as {label}: {us:7.2f} us a layer")
+    skinny_gemm.SKINNY_REDUCE_PDL = True
+
+
 def probe(model: str, m: int) -> None:
     proj, dims, layers = model_weights(model)
     n_layers = dims["layers"]
@@ -223,13 +239,23 @@ def main() -> None:
     parser.add_argument(
         "--prefetch-sweep", action="store_true", help="only the engine's chain over prefetch depths"
     )
+    parser.add_argument(
+        "--reduce-pdl-ab",
+        action="store_true",
+        help="only the engine's chain with the split-K reduction as a chain kernel and not",
+    )
     args = parser.parse_args()
     global QUICK
     QUICK = args.quick
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    run = probe
+    if args.prefetch_sweep:
+        run = prefetch_sweep
+    elif args.reduce_pdl_ab:
+        run = reduce_pdl_ab
     for m in (int(v) for v in args.m.split(",")):
         for model in args.models.split(","):
-            (prefetch_sweep if args.prefetch_sweep else probe)(model, m)
+            run(model, m)
 
 
 if __name__ == "__main__":
