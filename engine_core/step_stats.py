@@ -8,6 +8,11 @@ work the step enqueues, see ``GpuTimeline``; they are read only after the step's
 arrived, so they add no synchronisation). A summary is logged every ``log_interval_s`` seconds
 and is available from ``summary()``.
 
+It also counts the time the loop's thread spent off the CPU between one step's end and the next
+(wall time less the thread's CPU time): a spinning loop has almost none, so off-CPU time is the
+thread preempted by another (its run-queue wait, from ``/proc/thread-self/schedstat``), the
+host taking the virtual CPU (steal, ``/proc/stat``), or the thread blocked (the GIL, a lock).
+
 With ``--nvtx`` each part is also an NVTX range, for Nsight Systems.
 """
 
@@ -147,7 +152,13 @@ class StepStats:
         self.inner_idle_ms = 0.0  # waits for the host between a step's own stretches
         self.busy_ms_with_gap = 0.0  # GPU time of the steps whose idle gap is known
         self.num_gaps = 0
+        self.off_cpu_ms = 0.0
+        self.off_cpu_max_ms = 0.0
+        self.off_cpu_steps = 0  # steps with over OFF_CPU_STEP_MS off the CPU
+        self._last_clocks: tuple[float, float] | None = None  # (wall, thread CPU) at end_step
         self._window_start = time.perf_counter()
+        self._window_wait_ms = _run_queue_wait_ms()
+        self._window_steal_ms = _steal_ms()
 
     def phase(self, name: str) -> _Phase | _NullPhase:
         """``with stats.phase("prepare"): ...`` times the block (and names an NVTX range)."""
@@ -170,8 +181,21 @@ class StepStats:
         if not self.enabled:
             return
         self.num_steps += 1
+        self._count_off_cpu()
         if time.monotonic() - self._last_log >= self.log_interval_s:
             self.log_window()
+
+    def _count_off_cpu(self) -> None:
+        """The loop thread's time off the CPU since the last step ended (not counted for a
+        window's first step: before it the loop may have been idle, blocked on its inbox)."""
+        clocks = (time.perf_counter(), time.thread_time())
+        if self._last_clocks is not None:
+            wall, cpu = (now - last for now, last in zip(clocks, self._last_clocks, strict=True))
+            off_ms = max(wall - cpu, 0.0) * 1e3
+            self.off_cpu_ms += off_ms
+            self.off_cpu_max_ms = max(self.off_cpu_max_ms, off_ms)
+            self.off_cpu_steps += off_ms > OFF_CPU_STEP_MS
+        self._last_clocks = clocks
 
     def log_window(self) -> None:
         """Log the summary of the steps since the last one, if any, and start a new window. The
@@ -185,7 +209,9 @@ class StepStats:
 
     def summary(self) -> dict[str, float]:
         """Means per step over the window: host ms per phase, GPU ms, idle ms (before and inside
-        the step) and the idle fraction (idle over idle + GPU time)."""
+        the step) and the idle fraction (idle over idle + GPU time); totals over the window:
+        the loop thread's time off the CPU (its longest stretch, the steps with over
+        OFF_CPU_STEP_MS), its run-queue wait and the host's steal."""
         steps = max(self.num_steps, 1)
         out = {f"host_{name}_ms": seconds * 1e3 / steps for name, seconds in self.host_s.items()}
         out["steps"] = float(self.num_steps)
@@ -197,7 +223,37 @@ class StepStats:
             out["gpu_inner_idle_ms"] = self.inner_idle_ms / self.num_gaps
             total = self.idle_ms + self.busy_ms_with_gap
             out["gpu_idle_fraction"] = self.idle_ms / total if total > 0 else 0.0
+        out["off_cpu_ms"] = self.off_cpu_ms
+        out["off_cpu_max_ms"] = self.off_cpu_max_ms
+        out["off_cpu_steps"] = float(self.off_cpu_steps)
+        out["run_queue_wait_ms"] = _run_queue_wait_ms() - self._window_wait_ms
+        out["steal_ms"] = _steal_ms() - self._window_steal_ms
         return out
+
+
+# A step whose thread was off the CPU longer than this is counted (off_cpu_steps).
+OFF_CPU_STEP_MS = 1.0
+
+
+def _run_queue_wait_ms() -> float:
+    """This thread's time so far runnable but waiting for a CPU (0 where Linux's schedstat is
+    not readable)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _steal_ms() -> float:
+    """The CPU time the hypervisor took from this machine's virtual CPUs so far, all of them
+    together (0 where /proc/stat is not readable)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = int(f.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return ticks * 1e3 / os.sysconf("SC_CLK_TCK")
 
 
 def _cuda_available() -> bool:
@@ -217,4 +273,11 @@ def format_summary(summary: dict[str, float]) -> str:
         )
     host = ", ".join(f"{name} {summary[f'host_{name}_ms']:.3f}" for name in PHASES)
     parts.append(f"host ms: {host}")
+    if "off_cpu_ms" in summary:
+        parts.append(
+            f"loop thread off the CPU {summary['off_cpu_ms']:.1f} ms in all, longest "
+            f"{summary['off_cpu_max_ms']:.2f} ms, {int(summary['off_cpu_steps'])} steps over "
+            f"{OFF_CPU_STEP_MS:g} ms (its run-queue wait {summary['run_queue_wait_ms']:.1f} ms, "
+            f"host steal {summary['steal_ms']:.0f} ms, all CPUs)"
+        )
     return "; ".join(parts)

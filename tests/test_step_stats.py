@@ -6,9 +6,11 @@ events with a known completion time (in ms) check it by hand computation on the 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from engine_core.step_stats import GpuTimeline, StepStats
+from engine_core.step_stats import GpuTimeline, StepStats, format_summary
 
 
 class _At:
@@ -47,3 +49,23 @@ def test_idle_fraction_counts_gaps_before_and_inside_steps() -> None:
     assert summary["gpu_idle_ms"] == pytest.approx(0.4)
     assert summary["gpu_inner_idle_ms"] == pytest.approx(0.1)
     assert summary["gpu_idle_fraction"] == pytest.approx(0.4 / 1.6)
+
+
+def test_a_sleeping_loop_thread_is_counted_off_the_cpu() -> None:
+    """Sleeping between two steps' ends puts the thread off the CPU for at least the sleep
+    (wall time passes, its CPU time does not); the window's first step is not counted, since
+    before it the loop may have been idle."""
+    stats = StepStats(enabled=True)
+    time.sleep(0.02)  # idle before the window's first step: not counted
+    stats.end_step()
+    assert stats.summary()["off_cpu_ms"] == 0.0
+    time.sleep(0.02)
+    stats.end_step()
+    summary = stats.summary()
+    assert summary["off_cpu_ms"] >= 19.0
+    assert summary["off_cpu_max_ms"] == summary["off_cpu_ms"]
+    assert summary["off_cpu_steps"] == 1.0
+    assert summary["run_queue_wait_ms"] >= 0.0 and summary["steal_ms"] >= 0.0
+    assert "loop thread off the CPU" in format_summary(summary)
+    stats.reset()
+    assert stats.summary()["off_cpu_ms"] == 0.0
