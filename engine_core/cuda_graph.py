@@ -272,6 +272,8 @@ class CudaGraphRunner:
     def _capture_one(
         self, rows: int, meta: AttentionMetadata, tail: DecodeTail | None = None
     ) -> torch.cuda.CUDAGraph:
+        from engine_core.models import skinny_gemm  # imports triton: CUDA only
+
         buf = self.buffers
 
         def forward() -> None:
@@ -279,7 +281,7 @@ class CudaGraphRunner:
             if tail is not None:
                 tail.run(buf.hidden[:rows])
 
-        with forward_context(meta, self.backend):
+        with forward_context(meta, self.backend), skinny_gemm.for_graphs():
             # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
             # neither of which may happen during capture. Padding inputs write and read nothing.
             forward()

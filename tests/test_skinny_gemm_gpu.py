@@ -11,6 +11,7 @@ gives HF's logits."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -125,8 +126,14 @@ def test_linear_on_the_gpu_runs_it_and_matches_f_linear(monkeypatch: pytest.Monk
     launches = spy_on_launches(monkeypatch)
     layer = Linear(1024, 200, bias=True).to("cuda", torch.bfloat16)
     x, _ = operands(12, 200, 1024, torch.bfloat16)
-    got = layer(x)
-    assert launches == [False]  # one launch, a plain product
+    eager = layer(x)
+    assert launches == []  # eagerly cuBLAS: its launch costs the host less
+    with skinny_gemm.for_graphs():
+        got = layer(x)
+    assert launches == [False]  # for a graph, one launch, a plain product
+    assert not skinny_gemm.graphed()  # the block ended
+    assert_within_rounding(eager, F.linear(x.float(), layer.weight.float(), layer.bias.float()),
+                           torch.bfloat16)  # fmt: skip
     want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     assert_within_rounding(got, want, torch.bfloat16)
 
@@ -223,10 +230,14 @@ def test_interleaved_mlp_computes_what_it_did(monkeypatch: pytest.MonkeyPatch, m
     assert interleave_gate_ups(mlp) == 1 and mlp.gate_up_interleaved
     assert interleave_gate_ups(mlp) == 0  # a second pass leaves the rows alone
     epilogues = spy_on_launches(monkeypatch)
-    after = mlp(x)
+    eager = mlp(x)  # cuBLAS and the SiLU-and-mul that reads the interleaved columns
+    assert epilogues == []
+    with skinny_gemm.for_graphs():
+        after = mlp(x)
     # Decode sizes: the epilogue ran (and the down projection); above them cuBLAS ran both.
     assert epilogues == ([True, False] if m <= skinny_gemm.DENSE_MAX_ROWS else [])
     assert_within_rounding(after, before.float(), torch.bfloat16)
+    assert_within_rounding(eager, before.float(), torch.bfloat16)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -260,9 +271,30 @@ def test_bf16_model_on_the_skinny_path_matches_hf(
     model = load_model(str(tmp_path), torch.device("cuda"), torch.bfloat16).module
     assert interleave_gate_ups(model) == 2  # both layers
     epilogues = spy_on_launches(monkeypatch)
-    ours = first_logits(model)
+    with skinny_gemm.for_graphs():  # as the runner's graph capture runs the layers
+        ours = first_logits(model)
     assert True in epilogues and False in epilogues  # the epilogue and the plain products ran
     for i, prompt in enumerate(PROMPTS):
         reference = hf_greedy(hf_model, prompt, 1).logits[0][0]
         assert relative_error(ours[i], reference) < 3e-2, f"prompt {i} against HF"
         assert relative_error(ours[i], cublas[i]) < 3e-2, f"prompt {i} against cuBLAS"
+
+
+@pytest.mark.skipif(not HOPPER, reason="the skinny GEMM takes plain weights on Hopper only")
+def test_the_layers_take_it_in_cuda_graphs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's CUDA-graph warm-up and capture run a bf16 model's decode-sized products on
+    the skinny GEMM; an eager forward keeps cuBLAS (the graphs' replay against eager, across
+    the two paths: tests/test_cuda_graph.py)."""
+    from engine_core.forward_context import forward_context
+    from tests.test_cuda_graph import decode_batch, graphs_on_random_model
+
+    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
+    launches = spy_on_launches(monkeypatch)
+    on = graphs_on_random_model("smollm2-135m", seed=0, num_blocks=512, max_num_seqs=4)
+    assert launches and not any(launches)  # plain products (this model's MLP is not interleaved)
+    launches.clear()
+    device = torch.device("cuda")
+    ids, positions, meta = decode_batch(4, 512, random.Random(0), on.config.vocab_size, device)
+    with torch.inference_mode(), forward_context(meta, on.backend):
+        on.model(ids, positions)
+    assert launches == []

@@ -54,13 +54,13 @@ def triton_ops() -> ModuleType:
 def dense_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a plain weight: on CUDA, decode-sized products by the skinny
-    GEMM where it takes them (engine_core/models/skinny_gemm.py ``decode_linear``), the rest
-    by ``F.linear``."""
+    """x @ weight.T (+ bias) for a plain weight: on CUDA, in a CUDA graph, decode-sized products
+    by the skinny GEMM where it takes them (engine_core/models/skinny_gemm.py ``decode_linear``),
+    the rest by ``F.linear``."""
     if use_triton(x):
         from engine_core.models import skinny_gemm
 
-        out = skinny_gemm.decode_linear(x, weight, bias)
+        out = skinny_gemm.decode_linear(x, weight, bias) if skinny_gemm.graphed() else None
         if out is not None:
             return out
     return F.linear(x, weight, bias)
@@ -661,12 +661,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def interleaved_silu_glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up [T, I] of x [T, K] through a gate/up weight whose rows
     skinny_gemm.interleave_gate_up arranged (CUDA only, models/llama.py interleave_gate_ups): in
-    the skinny GEMM's epilogue where it takes the product (decode sizes), else the product by
-    cuBLAS and a SiLU-and-mul that reads the interleaved columns."""
+    a CUDA graph, in the skinny GEMM's epilogue where it takes the product (decode sizes), else
+    the product by cuBLAS and a SiLU-and-mul that reads the interleaved columns."""
     from engine_core.models import skinny_gemm
 
     rows = as_rows(x)
-    act = skinny_gemm.decode_glu(rows, weight)
+    act = skinny_gemm.decode_glu(rows, weight) if skinny_gemm.graphed() else None
     if act is None:
         act = triton_ops().silu_and_mul(F.linear(rows, weight), skinny_gemm.GLU_HALF)
     return act.view(*x.shape[:-1], act.shape[-1])

@@ -4,7 +4,9 @@ a Triton kernel that streams the weights with the tokens on the matrix unit's na
 - ``skinny_gemm``: C = A @ W.T for A [M <= 128, K], W [N, K]: FP8 operands with their row-wise
   scales (engine_core/models/fp8_kernels.py ``fp8_rowwise_gemm``), or bf16/fp16 ones.
 - ``decode_linear``: where plain (bf16/fp16) weights take it instead of cuBLAS (``F.linear``):
-  products of at most DENSE_MAX_ROWS rows on Hopper, with the tiles brought in by TMA.
+  products of at most DENSE_MAX_ROWS rows on Hopper, with the tiles brought in by TMA. The
+  model's layers ask for it only inside ``for_graphs()`` (the runner's CUDA-graph warm-up and
+  capture): eagerly, its launch costs the host several times cuBLAS's.
 
 On Hopper the kernel launches as a programmatic dependent of the kernel before it
 (engine_core/triton_pdl.py): it asks L2 for the start of its weights, which do not depend on that
@@ -18,8 +20,10 @@ graph's static buffers keep. Importing this module imports triton: only CUDA bra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -393,6 +397,30 @@ def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
 # for A/B measurements).
 DENSE_MAX_ROWS = 64
 DENSE_ON = os.environ.get("TANDEM_DENSE_SKINNY", "1") != "0"
+# The model's layers take it only for CUDA graphs (for_graphs), where its launch is recorded once.
+# Eagerly its Python launch path (descriptors, PDL attributes) costs the host 86-168 us a call
+# against cuBLAS's 16-24 us, 64 rows on an H100 (scripts/device/eager_launch_probe.py); an eager
+# smollm2 decode step makes 120 such calls.
+_for_graphs = False
+
+
+@contextlib.contextmanager
+def for_graphs() -> Iterator[None]:
+    """Within this block the layers' decode-sized plain products and gate/up epilogues take the
+    skinny GEMM (``graphed``): the model runner's warm-up and capture of each CUDA graph."""
+    global _for_graphs
+    previous, _for_graphs = _for_graphs, True
+    try:
+        yield
+    finally:
+        _for_graphs = previous
+
+
+def graphed() -> bool:
+    """Whether the products being launched are for a CUDA graph (``for_graphs``)."""
+    return _for_graphs
+
+
 # A SiLU-gated MLP's gate/up weight rows are interleaved in tiles of this many gate rows, then
 # their up rows (interleave_gate_up), so that one 2 * GLU_HALF-row tile of the skinny GEMM holds
 # both halves of GLU_HALF activations and its epilogue writes them: no SiLU-and-mul launch, no
