@@ -153,7 +153,8 @@ class ModelRunner:
         else:
             fuse_fp8_quantizers(self.model)  # FP8 linears' input quantizers into the norms before
             defer_row_parallel_sums(self.model)  # TP: all-reduces into the norms after them
-            if interleave_gate_ups(self.model):  # Hopper: SiLU-and-mul into gate/up's epilogue
+            # Hopper, for the CUDA graphs: SiLU-and-mul into gate/up's epilogue.
+            if not config.enforce_eager and interleave_gate_ups(self.model):
                 torch.cuda.empty_cache()  # the plain weights' blocks: not counted as used below
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir

@@ -157,6 +157,8 @@ class StepStats:
         self.off_cpu_steps = 0  # steps with over OFF_CPU_STEP_MS off the CPU
         self._last_clocks: tuple[float, float] | None = None  # (wall, thread CPU) at end_step
         self._window_start = time.perf_counter()
+        # Read again at the window's first step, as off-CPU time starts there: not start-up
+        # or the idle wait before a burst.
         self._window_wait_ms = _run_queue_wait_ms()
         self._window_steal_ms = _steal_ms()
 
@@ -189,7 +191,10 @@ class StepStats:
         """The loop thread's time off the CPU since the last step ended (not counted for a
         window's first step: before it the loop may have been idle, blocked on its inbox)."""
         clocks = (time.perf_counter(), time.thread_time())
-        if self._last_clocks is not None:
+        if self._last_clocks is None:
+            self._window_wait_ms = _run_queue_wait_ms()
+            self._window_steal_ms = _steal_ms()
+        else:
             wall, cpu = (now - last for now, last in zip(clocks, self._last_clocks, strict=True))
             off_ms = max(wall - cpu, 0.0) * 1e3
             self.off_cpu_ms += off_ms
@@ -211,7 +216,8 @@ class StepStats:
         """Means per step over the window: host ms per phase, GPU ms, idle ms (before and inside
         the step) and the idle fraction (idle over idle + GPU time); totals over the window:
         the loop thread's time off the CPU (its longest stretch, the steps with over
-        OFF_CPU_STEP_MS), its run-queue wait and the host's steal."""
+        OFF_CPU_STEP_MS), its run-queue wait and the host's steal, from the window's first step
+        on (0 where Linux's /proc is not there to read)."""
         steps = max(self.num_steps, 1)
         out = {f"host_{name}_ms": seconds * 1e3 / steps for name, seconds in self.host_s.items()}
         out["steps"] = float(self.num_steps)

@@ -7,10 +7,12 @@ kernel's programs may become resident while the kernel before it finishes: each 
 that kernel's completion and memory flush (``griddepcontrol.wait``), then lets the kernel after
 it start early (``griddepcontrol.launch_dependents``). So each kernel of the chain completes
 only after the one before it did, and a kernel becomes resident only once the one before it has
-passed its wait: everything the kernels before that one wrote is in memory by then. Before its
-own wait a kernel may therefore read what none but the kernel just before it writes (the step's
-inputs, weights, the cache rows of earlier tokens) and ask L2 for it (``prefetch_l2``); what
-that kernel writes, only after.
+passed its wait: everything the kernels before that one wrote is in memory by then. (Kernels
+that release at entry, before any wait, are plain launches, never programmatic dependents, so
+this holds by induction along the chain.) Before its own wait a kernel may therefore read, and
+ask L2 for (``prefetch_l2``), anything except what the kernel just before it writes: the step's
+inputs, the weights. It stores nothing before its wait, since the kernel before it may still
+be reading the memory it would write.
 
 ``TANDEM_PDL=0`` in the environment turns it off (read at import; for A/B measurements).
 
@@ -60,25 +62,15 @@ def pdl_wait_then_release(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, EVICT_LAST: tl.constexpr):
-    """Ask for the 128-byte lines at ptrs in L2, which every later load sees coherently (with
-    EVICT_LAST kept there first when space runs out); the kernel's own first step while the
-    kernel before it finishes."""
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-            "=r,l",
-            [ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-            "=r,l",
-            [ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+def prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at ptrs in L2 (kept there first when space runs out), which
+    every later load sees coherently: a kernel's first step while the kernel before it
+    finishes."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

@@ -6,9 +6,7 @@ reduction; the projections by the skinny GEMM, which takes plain decode-sized pr
 and launches as a programmatic dependent too) captured in a CUDA graph and replayed on fresh
 inputs gives the same bits with PDL as without, and as the chain run eagerly. A kernel that read
 before waiting what the kernel before it writes would see half-written outputs (the unrotated
-K, last replay's cache row, the activations or partial sums of the last replay) and differ. The
-decode kernel asks L2 for its cache rows before it waits, the newest one among them while the
-KV write is still writing it: L2 is coherent, so that changes no bit either."""
+K, last replay's cache row, the activations or partial sums of the last replay) and differ."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 against float32 products computed here: every tile shape and K split the engine picks, with and
 without bias, rows from 1 to 64, widths that leave a partial weight tile; ``decode_linear`` takes
 exactly the products it is meant for (decode-sized, bf16/fp16, TMA-aligned, on Hopper) and leaves
-the rest to cuBLAS; a plain Linear on the GPU runs it and matches ``F.linear``; a CUDA graph
-replays it exactly; an eager call at a row count the CUDA graphs did not have compiles no new
+the rest to cuBLAS; a plain Linear on the GPU runs it inside ``for_graphs()`` (the runner's
+graph capture) and cuBLAS outside, both matching ``F.linear``; a CUDA graph replays it exactly;
+a call at a row count the CUDA graphs did not have (the FP8 path's eager steps) compiles no new
 variant. The SiLU-and-mul epilogue over an interleaved gate/up weight gives what the product
 followed by SiLU-and-mul gives, and a Llama MLP whose weight interleave_gate_ups rearranged
 computes what it did before, at decode sizes and above them; a bf16 model on the skinny path
@@ -154,9 +155,10 @@ def test_a_cuda_graph_replays_it_exactly() -> None:
 
 @pytest.mark.skipif(not HOPPER, reason="decode_linear runs the TMA kernel on Hopper only")
 def test_new_row_counts_compile_no_new_variant(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An eager step (a short prompt's prefill, a batch no graph covers) may bring any row count.
-    Within one row tile (33 to 64 rows share BLOCK_M 64) none may compile a variant of its own:
-    that would stall serving for the compile."""
+    """An eager step (a short prompt's prefill, a batch no graph covers) may bring any row count
+    to the FP8 path's skinny GEMM (plain weights take cuBLAS eagerly). Within one row tile (33
+    to 64 rows share BLOCK_M 64) none may compile a variant of its own: that would stall serving
+    for the compile."""
     monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
     w = operands(1, 576, 1536, torch.bfloat16)[1]
     counts = []

@@ -113,7 +113,7 @@ class LlamaMLP(nn.Module):
         # activation is SiLU: prefill-sized batches then quantize in the SiLU launch.
         self.quantize_act = False
         # Set by interleave_gate_ups on Hopper: gate_up_proj's rows are interleaved and the
-        # SiLU-and-mul rides in the skinny GEMM's epilogue at decode sizes.
+        # SiLU-and-mul rides in the skinny GEMM's epilogue at decode sizes in CUDA graphs.
         self.gate_up_interleaved = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSum:
@@ -201,8 +201,10 @@ def fuse_fp8_quantizers(model: nn.Module) -> int:
 def interleave_gate_ups(model: nn.Module) -> int:
     """On Hopper, give every dense SiLU MLP with a plain bf16/fp16 gate/up weight (no bias, no
     FP8) the interleaved row layout (models/skinny_gemm.py interleave_gate_up), so that decode
-    steps compute silu(gate) * up in the gate/up product's epilogue: one launch and one round
-    trip of the product fewer per layer. Call after loading and after fuse_fp8_quantizers (an
+    steps in CUDA graphs compute silu(gate) * up in the gate/up product's epilogue: one launch
+    and one round trip of the product fewer per layer (the runner skips it with enforce_eager:
+    eager steps take cuBLAS, skinny_gemm.for_graphs). Call after loading and after
+    fuse_fp8_quantizers (an
     MLP whose SiLU launch quantizes for an FP8 down_proj keeps its layout); returns how many
     were changed."""
     changed = 0

@@ -185,7 +185,7 @@ def _skinny_gemm_tma_kernel(
         if PREFETCH_K >= LINE:
             rn = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
             lines = k_start + tl.arange(0, PREFETCH_K // LINE) * LINE
-            prefetch_l2(W + rn[:, None].to(tl.int64) * stride_wn + lines[None, :], True)
+            prefetch_l2(W + rn[:, None].to(tl.int64) * stride_wn + lines[None, :])
         tl.extra.cuda.gdc_wait()
         if RELEASE:
             tl.extra.cuda.gdc_launch_dependents()

@@ -71,7 +71,7 @@ def skinny(cfg: dict[str, Any]) -> Gemm:
 
 
 def engine_path(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What a plain Linear runs now: decode_linear's choice of tiles, else cuBLAS."""
+    """What a plain Linear runs in a CUDA graph: decode_linear's choice of tiles, else cuBLAS."""
     out = skinny_gemm.decode_linear(x, w, None)
     return F.linear(x, w) if out is None else out
 
@@ -186,14 +186,16 @@ def reduce_pdl_ab(model: str, m: int) -> None:
     plain launch, alternating (models whose down projection takes two splits: llama-1b)."""
     proj, dims, layers = model_weights(model)
     gemms = dict.fromkeys(proj, engine_path)
-    for reduce_pdl in (False, True, False, True):
-        skinny_gemm.SKINNY_REDUCE_PDL = reduce_pdl
-        torch.manual_seed(0)
-        step, _ = chain(model, m, gemms, layers, dims)
-        us = time_graph(step, dims["layers"])
-        label = "a chain kernel" if reduce_pdl else "a plain launch"
-        print(f"reduce {model:13} M={m} split-K reduction as {label}: {us:7.2f} us a layer")
-    skinny_gemm.SKINNY_REDUCE_PDL = True
+    try:
+        for reduce_pdl in (False, True, False, True):
+            skinny_gemm.SKINNY_REDUCE_PDL = reduce_pdl
+            torch.manual_seed(0)
+            step, _ = chain(model, m, gemms, layers, dims)
+            us = time_graph(step, dims["layers"])
+            label = "a chain kernel" if reduce_pdl else "a plain launch"
+            print(f"reduce {model:13} M={m} split-K reduction as {label}: {us:7.2f} us a layer")
+    finally:
+        skinny_gemm.SKINNY_REDUCE_PDL = True
 
 
 def probe(model: str, m: int) -> None:
@@ -236,10 +238,11 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2-135m,llama-1b,llama-8b")
     parser.add_argument("--m", default="64", help="comma-separated row counts")
     parser.add_argument("--quick", action="store_true", help="sweep only a few tile shapes")
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--prefetch-sweep", action="store_true", help="only the engine's chain over prefetch depths"
     )
-    parser.add_argument(
+    only.add_argument(
         "--reduce-pdl-ab",
         action="store_true",
         help="only the engine's chain with the split-K reduction as a chain kernel and not",

@@ -7,7 +7,8 @@ For smollm2-135m's and llama-1b's projections at ``rows`` rows: ``F.linear`` (cu
 skinny GEMM (``skinny_gemm.decode_linear``) and, for gate_up, the GLU epilogue
 (``decode_glu``) against cuBLAS with the interleaved SiLU-and-mul. Each path is called
 ``calls`` times back to back, eagerly; the GPU work of a call is a few microseconds, so the
-time per call is the host's launch path. The paths alternate over five rounds in one process
+time per call is the host's launch path (where the GPU work is longer, as llama-1b's down
+projection's 17 us, the faster path's figure is bounded by the GPU instead). The paths alternate over five rounds in one process
 (host speed differs between processes on these machines); the medians are printed.
 """
 
