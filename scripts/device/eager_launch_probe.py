@@ -8,8 +8,9 @@ skinny GEMM (``skinny_gemm.decode_linear``) and, for gate_up, the GLU epilogue
 (``decode_glu``) against cuBLAS with the interleaved SiLU-and-mul. Each path is called
 ``calls`` times back to back, eagerly; the GPU work of a call is a few microseconds, so the
 time per call is the host's launch path (where the GPU work is longer, as llama-1b's down
-projection's 17 us, the faster path's figure is bounded by the GPU instead). The paths alternate over five rounds in one process
-(host speed differs between processes on these machines); the medians are printed.
+projection's 17 us, the faster path's figure is bounded by the GPU instead). The paths
+alternate over five rounds in one process (host speed differs between processes on these
+machines); the medians are printed.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bf16_chain_probe import shapes  # noqa: E402
 
 from engine_core.models import skinny_gemm, triton_ops  # noqa: E402
-from engine_core.presets import hf_config  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -41,17 +44,11 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
 
 
 def paths(model: str, rows: int) -> dict[str, Callable[[], object]]:
-    cfg = hf_config(model)
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = hidden // heads
-    shapes = {
-        "qkv": ((heads + 2 * kv) * head_dim, hidden),
-        "o": (hidden, hidden),
-        "down": (hidden, inter),
-    }
+    proj, dims = shapes(model)
+    hidden, inter = dims["hidden"], proj["down"][1]
     out: dict[str, Callable[[], object]] = {}
-    for name, (n, k) in shapes.items():
+    for name in ("qkv", "o", "down"):
+        n, k = proj[name]
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         out[f"{name} cuBLAS"] = lambda x=x, w=w: F.linear(x, w)
