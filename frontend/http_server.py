@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import socket
@@ -158,11 +159,25 @@ def share_of(total: int, index: int, count: int) -> int:
     return max(1, total // count + (1 if index < total % count else 0))
 
 
+def http_parser() -> str:
+    """uvicorn's HTTP/1.1 implementation here: 'httptools' (C, a dependency) where installed,
+    else 'h11' (pure Python), which costs a busy API process a share of its streaming rate;
+    the fallback is logged as a warning, so that a slow server says why."""
+    if importlib.util.find_spec("httptools") is not None:
+        return "httptools"
+    logger.warning(
+        "httptools is not installed (a dependency of tandem): HTTP is parsed by h11, in pure "
+        "Python, and one API process streams less; pip install httptools"
+    )
+    return "h11"
+
+
 def uvicorn_config(args: argparse.Namespace, app: Any, role: ApiRole) -> uvicorn.Config:
     """The one uvicorn configuration; API processes tag their responses with their index."""
     headers = [] if role.alone else [(API_SERVER_HEADER, str(role.index))]
     return uvicorn.Config(
         app,
+        http=http_parser(),
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),

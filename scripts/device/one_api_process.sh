@@ -11,6 +11,9 @@
 # (git archive REV | tar -x -C .before) and pass now=. before=.before[=/tmp/site-before].
 # PYSPY=path/to/py-spy also samples the serve process (the API process) during the runs: folded
 # stacks in $OUT/pyspy-NAME.txt. On the GPU machine from the repository root; results under $OUT.
+# The wheels must include httptools (`bash ../shared/device/fetch-wheels.sh httptools`), a
+# dependency the GPU machine lacks: without it uvicorn parses HTTP with h11 (pure Python), and
+# the serve log and this script say so.
 LONG=${LONG:-512}
 RUNS=${RUNS:-2}
 FIRST_FREE_CORE=${FIRST_FREE_CORE:-8}
