@@ -157,10 +157,10 @@ class StepStats:
         self.off_cpu_steps = 0  # steps with over OFF_CPU_STEP_MS off the CPU
         self._last_clocks: tuple[float, float] | None = None  # (wall, thread CPU) at end_step
         self._window_start = time.perf_counter()
-        # Read again at the window's first step, as off-CPU time starts there: not start-up
-        # or the idle wait before a burst.
-        self._window_wait_ms = _run_queue_wait_ms()
-        self._window_steal_ms = _steal_ms()
+        # Read at the window's first step, as off-CPU time starts there: not start-up or the
+        # idle wait before a burst.
+        self._window_wait_ms = 0.0
+        self._window_steal_ms = 0.0
 
     def phase(self, name: str) -> _Phase | _NullPhase:
         """``with stats.phase("prepare"): ...`` times the block (and names an NVTX range)."""
@@ -232,8 +232,9 @@ class StepStats:
         out["off_cpu_ms"] = self.off_cpu_ms
         out["off_cpu_max_ms"] = self.off_cpu_max_ms
         out["off_cpu_steps"] = float(self.off_cpu_steps)
-        out["run_queue_wait_ms"] = _run_queue_wait_ms() - self._window_wait_ms
-        out["steal_ms"] = _steal_ms() - self._window_steal_ms
+        counted = self._last_clocks is not None  # the baselines below were read
+        out["run_queue_wait_ms"] = _run_queue_wait_ms() - self._window_wait_ms if counted else 0.0
+        out["steal_ms"] = _steal_ms() - self._window_steal_ms if counted else 0.0
         return out
 
 
