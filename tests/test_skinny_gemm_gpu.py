@@ -32,9 +32,18 @@ from engine_core.triton_pdl import hopper_or_later  # noqa: E402
 from tests.triton_variants import compiled_variants  # noqa: E402
 
 HOPPER = hopper_or_later(torch.device("cuda"))
-# (N, K): smollm2's qkv, o-sized, gate_up and down; llama-1b's down (two K splits); a router-sized
-# N of 8 and an N that leaves a partial 64-row tile.
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (2048, 8192), (8, 2048), (200, 1024))
+# (N, K): smollm2's qkv, o-sized, gate_up and down; llama-1b's and llama-8b's down (two K splits);
+# a router-sized N of 8 and an N that leaves a partial 64-row tile.
+SHAPES = (
+    (960, 576),
+    (576, 576),
+    (3072, 576),
+    (576, 1536),
+    (2048, 8192),
+    (4096, 14336),
+    (8, 2048),
+    (200, 1024),
+)
 
 
 def operands(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +149,7 @@ def test_linear_on_the_gpu_runs_it_and_matches_f_linear(monkeypatch: pytest.Monk
 
 
 def test_a_cuda_graph_replays_it_exactly() -> None:
-    x, w = operands(64, 2048, 8192, torch.bfloat16)  # two K splits: the reduce launch too
+    x, w = operands(64, 2048, 8192, torch.bfloat16)  # K splits: the reduce launch too
     tiles = skinny_gemm.dense_tiles(2048, 8192, x.device)
     eager = skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles)
     torch.cuda.synchronize()

@@ -396,6 +396,7 @@ def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
 # TANDEM_DENSE_SKINNY=0 in the environment keeps cuBLAS for every plain product (read at import;
 # for A/B measurements).
 DENSE_MAX_ROWS = 64
+LONG_K = 8192  # dense_tiles splits the K range of products this long
 DENSE_ON = os.environ.get("TANDEM_DENSE_SKINNY", "1") != "0"
 # The model's layers take it only for CUDA graphs (for_graphs), where its launch is recorded once.
 # Eagerly its Python launch path (descriptors, PDL attributes) costs the host 86-168 us a call
@@ -455,13 +456,21 @@ def takes_plain_product(x: torch.Tensor, w: torch.Tensor) -> bool:
 def dense_tiles(n: int, k: int, device: torch.device) -> dict[str, int]:
     """The launch shape for a plain [N, K] weight, as measured on an H100 at 64 rows
     (bf16_chain_probe.py): 64-row weight tiles and 128-column K tiles (64 where K is not a
-    multiple of 128: smollm2's 576); two K splits where the N tiles fill under a quarter of the
-    multiprocessors over a long K (llama-1b's down projection: 17.4 against 18+ us)."""
+    multiple of 128: smollm2's 576); two K splits over a long K (LONG_K or more: the down
+    projections) where the multiprocessors hold a program of each split.
+
+    Measured on H100s (docs/benchmarks.md, twelfth session): inside a decode layer's chain,
+    llama-8b's down projection (64 N tiles) took 174.1 us a layer unsplit and 166.6 in two
+    splits, and its decode-64 ITL went from 6.83 to 6.50 ms on one machine, 6.55 to 6.46 on
+    another. Four splits were slower for llama-8b (169.1 us). For llama-1b's (32 N tiles) the
+    chain gained 2 us a layer from two splits to four, but the engine's ITL did not move and
+    four of six runs had stretches of steps four times as long, which no run with two had.
+    Shorter K ranges (qkv, o, smollm2's down) were slower split, alone and in the chain."""
     block_n = 64
     block_k = 128 if k % 128 == 0 else 64
     n_tiles = triton.cdiv(n, block_n)
-    few_tiles = n_tiles * 4 <= torch.cuda.get_device_properties(device).multi_processor_count
-    split_k = 2 if few_tiles and k >= 8192 and k % (2 * block_k) == 0 else 1
+    room = n_tiles * 2 <= torch.cuda.get_device_properties(device).multi_processor_count
+    split_k = 2 if room and k >= LONG_K and k % (2 * block_k) == 0 else 1
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k}
 
 
