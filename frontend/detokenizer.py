@@ -3,7 +3,8 @@
 Byte-level BPE splits a multi-byte UTF-8 character across tokens, so decoding a token on its own
 can give U+FFFD. IncrementalDetokenizer decodes a short window of recent tokens twice (without and
 with the new ones) and releases only the text the new tokens add once it no longer ends in U+FFFD;
-the window keeps the cost per step constant. flush() at the end reconciles with a full decode, so
+the window (at most CONTEXT_TOKENS released tokens before the new ones) keeps the cost per step
+constant. flush() at the end reconciles with a full decode, so
 the concatenated deltas equal ``decode(all ids)`` exactly. push() takes any number of tokens at
 once: the serving code hands it everything that arrived since its last flush (a coalesced SSE
 chunk, or --stream-interval tokens), so it decodes once per chunk rather than once per token, and
@@ -22,6 +23,12 @@ logger = logging.getLogger(__name__)
 
 Decode = Callable[[list[int]], str]
 _REPLACEMENT = "\ufffd"
+# Released tokens decoded before the new ones, for the context a token's text may depend on (a
+# SentencePiece word's leading space, the bytes of a character split across tokens). A decode
+# costs about its length: with --stream-interval 16, four instead of the whole last chunk took a
+# push of 16 tokens from 14.0-14.6 to 10.5-10.8 us on the 2-core CPU machine, SmolLM2's tokenizer
+# (scripts/bench_detokenizer.py).
+CONTEXT_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -40,8 +47,15 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         self.token_ids.extend(token_ids)
-        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
-        new_text = self._decode(self.token_ids[self._prefix :])
+        start = max(self._prefix, self._read - CONTEXT_TOKENS)
+        prefix_text = self._decode(self.token_ids[start : self._read])
+        if start > self._prefix and prefix_text.startswith(_REPLACEMENT):
+            # The short window starts inside a character. A byte-fallback decoder (Llama 2,
+            # Gemma) then replaces the whole run of byte tokens, the new ones too, so widen it
+            # to the last release, which starts on a character.
+            start = self._prefix
+            prefix_text = self._decode(self.token_ids[start : self._read])
+        new_text = self._decode(self.token_ids[start:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return ""  # a character is still split across tokens: wait for the rest
         delta = new_text[len(prefix_text) :]

@@ -85,6 +85,51 @@ def test_random_ids_reassemble_to_the_full_decode(tokenizer: Any) -> None:
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def sentencepiece_style_tokenizer() -> Any:
+    """A Llama-2/Gemma-style tokenizer built here: words marked by a leading "▁" that the
+    decoder turns into a space (and strips at the start of a decode), characters outside the
+    vocabulary as byte tokens (<0xE6>) that the decoder fuses back into UTF-8."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{i:02X}>": 3 + i for i in range(256)})
+    for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ,.!?▁":
+        vocab[c] = len(vocab)
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("▁", "w"), ("o", "r"), ("▁", "a")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return tok
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 16])
+def test_sentencepiece_byte_fallback_stream_reassembles(chunk: int) -> None:
+    """Chunks longer than the decode window's context (CONTEXT_TOKENS), whose window then starts
+    inside a character's bytes or on a word's stripped leading space, still add up to the full
+    decode, with no broken character in any piece."""
+    tok = sentencepiece_style_tokenizer()
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    for text in TEXTS:
+        ids = tok.encode(text).ids
+        detok = IncrementalDetokenizer(decode)
+        deltas = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+        deltas.append(detok.flush())
+        assert all("\ufffd" not in d for d in deltas)
+        assert "".join(deltas) == decode(ids)
+
+
 def test_stop_string_is_trimmed_and_never_streamed(tokenizer: Any) -> None:
     text = "The answer is forty-two. END of the answer, and more text after it."
     stop = "END of"
