@@ -1,14 +1,14 @@
 """GPU tests of the skinny GEMM on plain (bf16/fp16) weights (engine_core/models/skinny_gemm.py),
 against float32 products computed here: every tile shape and K split the engine picks, with and
-without bias, rows from 1 to 64, widths that leave a partial weight tile; ``decode_linear`` takes
-exactly the products it is meant for (decode-sized, bf16/fp16, TMA-aligned, on Hopper) and leaves
-the rest to cuBLAS; a plain Linear on the GPU runs it inside ``for_graphs()`` (the runner's
-graph capture) and cuBLAS outside, both matching ``F.linear``; a CUDA graph replays it exactly;
-a call at a row count the CUDA graphs did not have (the FP8 path's eager steps) compiles no new
-variant. The SiLU-and-mul epilogue over an interleaved gate/up weight gives what the product
-followed by SiLU-and-mul gives, and a Llama MLP whose weight interleave_gate_ups rearranged
-computes what it did before, at decode sizes and above them; a bf16 model on the skinny path
-gives HF's logits."""
+without bias, rows from 1 to 128 (past 64 in row tiles), widths that leave a partial weight tile;
+``decode_linear`` takes exactly the products it is meant for (decode-sized, bf16/fp16,
+TMA-aligned, on Hopper) and leaves the rest to cuBLAS; a plain Linear on the GPU runs it inside
+``for_graphs()`` (the runner's graph capture) and cuBLAS outside, both matching ``F.linear``; a
+CUDA graph replays it exactly; a call at a row count the CUDA graphs did not have (the FP8 path's
+eager steps) compiles no new variant. The SiLU-and-mul epilogue over an interleaved gate/up
+weight gives what the product followed by SiLU-and-mul gives, and a Llama MLP whose weight
+interleave_gate_ups rearranged computes what it did before, at decode sizes and above them; a
+bf16 model on the skinny path gives HF's logits."""
 
 from __future__ import annotations
 
@@ -80,11 +80,14 @@ def spy_on_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", (1, 7, 64))
+@pytest.mark.parametrize("m", (1, 7, 64, 65, 100, 128))
 def test_dense_tiles_product_equals_float32(n: int, k: int, m: int) -> None:
+    """Every row count a decode graph may have, in one row tile or (past ONE_TILE_ROWS) in
+    several, the last one partial."""
     x, w = operands(m, n, k, torch.bfloat16)
     tiles = skinny_gemm.dense_tiles(n, k, x.device)
-    got = skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles)
+    block_m = skinny_gemm.dense_row_tile(m)
+    got = skinny_gemm.skinny_gemm(x, w, x.dtype, block_m=block_m, **tiles)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     assert_within_rounding(got, reference(x, w, None), torch.bfloat16)
 
@@ -118,7 +121,16 @@ def test_decode_linear_takes_what_it_should(monkeypatch: pytest.MonkeyPatch) -> 
     assert (taken is not None) == HOPPER
     if taken is not None:
         assert_within_rounding(taken, reference(x, w, None), torch.bfloat16)
-    big, _ = operands(65, 576, 576, torch.bfloat16)
+    tiled, _ = operands(100, 576, 576, torch.bfloat16)  # in row tiles
+    taken = skinny_gemm.decode_linear(tiled, w, None)
+    assert (taken is not None) == HOPPER
+    if taken is not None:
+        assert_within_rounding(taken, reference(tiled, w, None), torch.bfloat16)
+    # Past 64 rows, only weights with a side of at most 2,048 (llama-1b's, not llama-8b's).
+    for n, k, tiled in ((3072, 2048, True), (2048, 8192, True), (4096, 4096, False)):
+        x_k, w_k = operands(100, n, k, torch.bfloat16)
+        assert (skinny_gemm.decode_linear(x_k, w_k, None) is not None) == (tiled and HOPPER)
+    big, _ = operands(skinny_gemm.DENSE_MAX_ROWS + 1, 576, 576, torch.bfloat16)
     assert skinny_gemm.decode_linear(big, w, None) is None  # past DENSE_MAX_ROWS: cuBLAS
     assert skinny_gemm.decode_linear(x.float(), w.float(), None) is None  # float32: cuBLAS
     odd_x, odd_w = operands(8, 64, 96, torch.bfloat16)
@@ -166,12 +178,12 @@ def test_a_cuda_graph_replays_it_exactly() -> None:
 def test_new_row_counts_compile_no_new_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """An eager step (a short prompt's prefill, a batch no graph covers) may bring any row count
     to the FP8 path's skinny GEMM (plain weights take cuBLAS eagerly). Within one row tile (33
-    to 64 rows share BLOCK_M 64) none may compile a variant of its own: that would stall serving
-    for the compile."""
+    to 64 rows share BLOCK_M 64, as do the tiles of 65 to 128 rows) none may compile a variant
+    of its own: that would stall serving for the compile."""
     monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
     w = operands(1, 576, 1536, torch.bfloat16)[1]
     counts = []
-    for m in (64, 63, 48, 33, 40):
+    for m in (64, 63, 48, 33, 40, 100, 65, 128):
         x = operands(m, 576, 1536, torch.bfloat16)[0]
         assert_within_rounding(
             skinny_gemm.decode_linear(x, w, None), reference(x, w, None), torch.bfloat16
@@ -187,18 +199,17 @@ def assert_within_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     assert bool((diff <= bound).all()), f"max difference {diff.max().item():.3g}"
 
 
-@pytest.mark.parametrize("m", (1, 7, 64))
+@pytest.mark.parametrize("m", (1, 7, 64, 100))
 @pytest.mark.parametrize("n,k", ((3072, 576), (16384, 2048), (192, 1024)))
 def test_glu_epilogue_equals_product_then_silu_and_mul(n: int, k: int, m: int) -> None:
     """(n: gate/up rows 2I.) The epilogue rounds the product as the separate GEMM writes it, then
-    applies the same SiLU-and-mul."""
+    applies the same SiLU-and-mul (in one row tile, and in several past 64 rows)."""
     x, w = operands(m, n, k, torch.bfloat16)
-    block_k = skinny_gemm.dense_tiles(n, k, x.device)["block_k"]
-    separate = triton_ops.silu_and_mul(
-        skinny_gemm.skinny_gemm(x, w, x.dtype, block_n=64, block_k=block_k)
-    )
+    tiles = dict(block_n=64, block_k=skinny_gemm.dense_tiles(n, k, x.device)["block_k"])
+    tiles["block_m"] = skinny_gemm.dense_row_tile(m)
+    separate = triton_ops.silu_and_mul(skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles))
     interleaved = skinny_gemm.interleave_gate_up(w)
-    fused = skinny_gemm.skinny_gemm(x, interleaved, x.dtype, block_n=64, block_k=block_k, glu=True)
+    fused = skinny_gemm.skinny_gemm(x, interleaved, x.dtype, glu=True, **tiles)
     assert fused.shape == (m, n // 2)
     assert_within_one_rounding(fused, separate)
     product = reference(x, w, None).to(torch.bfloat16).float()
@@ -230,7 +241,7 @@ def test_glu_epilogue_refuses_what_it_cannot_do() -> None:
 
 
 @pytest.mark.skipif(not HOPPER, reason="the gate/up weights are interleaved on Hopper only")
-@pytest.mark.parametrize("m", (8, 64, 100))
+@pytest.mark.parametrize("m", (8, 64, 100, 200))
 def test_interleaved_mlp_computes_what_it_did(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
     monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
     monkeypatch.setattr(skinny_gemm, "GLU_ON", True)

@@ -1,12 +1,14 @@
 """The skinny GEMM: decode-sized products (a few rows of activations against a weight matrix) as
 a Triton kernel that streams the weights with the tokens on the matrix unit's narrow side.
 
-- ``skinny_gemm``: C = A @ W.T for A [M <= 128, K], W [N, K]: FP8 operands with their row-wise
-  scales (engine_core/models/fp8_kernels.py ``fp8_rowwise_gemm``), or bf16/fp16 ones.
+- ``skinny_gemm``: C = A @ W.T for A [M, K] (the rows in one tile, or in tiles side by side),
+  W [N, K]: FP8 operands with their row-wise scales (engine_core/models/fp8_kernels.py
+  ``fp8_rowwise_gemm``), or bf16/fp16 ones.
 - ``decode_linear``: where plain (bf16/fp16) weights take it instead of cuBLAS (``F.linear``):
-  products of at most DENSE_MAX_ROWS rows on Hopper, with the tiles brought in by TMA. The
-  model's layers ask for it only inside ``for_graphs()`` (the runner's CUDA-graph warm-up and
-  capture): eagerly, its launch costs the host several times cuBLAS's.
+  products of at most DENSE_MAX_ROWS rows on Hopper, with the tiles brought in by TMA (past
+  ONE_TILE_ROWS rows, in row tiles). The model's layers ask for it only inside
+  ``for_graphs()`` (the runner's CUDA-graph warm-up and capture): eagerly, its launch costs the
+  host several times cuBLAS's.
 
 On Hopper the kernel launches as a programmatic dependent of the kernel before it
 (engine_core/triton_pdl.py): it asks L2 for the start of its weights, which do not depend on that
@@ -47,6 +49,7 @@ def _skinny_epilogue(
     WScale,
     Bias,
     Part,
+    pid_m,
     pid_n,
     split,
     M,
@@ -64,7 +67,7 @@ def _skinny_epilogue(
     tile's first half of weight rows are gate rows and its second half their up rows
     (interleave_gate_up): it writes silu(gate) * up, [BLOCK_N / 2, BLOCK_M] of C [M, N / 2]."""
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = rn < N
     m_mask = rm < M
     if SCALED:
@@ -120,10 +123,9 @@ def _skinny_gemm_kernel(
     W_tile @ A.T, so the weights' rows fill the matrix unit's M side and the few tokens its N
     side ("swap AB"). With SPLIT_K == 1 it writes C; otherwise its scaled fp32 partial goes to
     Part[split] and _skinny_reduce_kernel sums them."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = split * K_PER_SPLIT + tl.arange(0, BLOCK_K)
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
@@ -137,7 +139,7 @@ def _skinny_gemm_kernel(
         acc += tl.dot(w, tl.trans(a))
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_n, split, M, N, stride_cm,
+    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_m, pid_n, split, M, N, stride_cm,
                      BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED, GLU)  # fmt: skip
 
 
@@ -177,8 +179,7 @@ def _skinny_gemm_tma_kernel(
     depend on that kernel, and only then waits for the kernel's outputs (the activations). With
     RELEASE it then lets the kernel after it become resident (a chain kernel, which waits in turn
     for this one to complete: engine_core/triton_pdl.py)."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     off_n = pid_n * BLOCK_N
     k_start = split * K_PER_SPLIT
     if PDL:
@@ -192,9 +193,9 @@ def _skinny_gemm_tma_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         w = w_desc.load([off_n, k])  # [BLOCK_N, BLOCK_K]
-        a = a_desc.load([0, k])  # [BLOCK_M, BLOCK_K]
+        a = a_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
         acc += tl.dot(w, tl.trans(a))  # float32 per tile, as in _skinny_gemm_kernel
-    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_n, split, M, N, stride_cm,
+    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_m, pid_n, split, M, N, stride_cm,
                      BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED, GLU)  # fmt: skip
 
 
@@ -299,8 +300,10 @@ def skinny_gemm(
     num_stages: int | None = None,
     tma: bool | None = None,
     glu: bool = False,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """a [M <= SKINNY_MOST_ROWS, K] @ w [N, K].T (+ bias) -> [M, N] out_dtype. FP8 operands
+    """a [M, K] @ w [N, K].T (+ bias) -> [M, N] out_dtype, the rows in tiles of ``block_m`` (a
+    power of two from 16; default: all M <= SKINNY_MOST_ROWS rows in one tile). FP8 operands
     come with their scales, a_scale [M] (or [M, 1]) and w_scale [N], that multiply the product;
     bf16/fp16 ones with none. ``tma`` (default: where the device and the operands allow it)
     loads the tiles through the tensor memory accelerator; ``num_stages`` defaults to the
@@ -309,7 +312,7 @@ def skinny_gemm(
     2 * GLU_HALF, one split, no bias, no scales)."""
     m, k = a.shape
     n = w.shape[0]
-    if m > SKINNY_MOST_ROWS:
+    if block_m is None and m > SKINNY_MOST_ROWS:
         raise ValueError(f"the skinny GEMM takes at most {SKINNY_MOST_ROWS} rows, got {m}")
     if k % (block_k * split_k):
         raise ValueError(f"skinny GEMM: K={k} is not a multiple of block_k * split_k")
@@ -323,7 +326,8 @@ def skinny_gemm(
     out = torch.empty((m, n // 2 if glu else n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    block_m = max(16, triton.next_power_of_2(m))
+    if block_m is None:
+        block_m = max(16, triton.next_power_of_2(m))
     if tma is None:
         tma = tma_loads_fit(a, w)
     if num_stages is None:
@@ -338,7 +342,8 @@ def skinny_gemm(
     else:
         a_scale = w_scale = out  # never read
     bias_arg = bias if bias is not None else out
-    grid = (triton.cdiv(n, block_n), split_k)
+    # Row tiles vary fastest: the programs of one weight tile run together and share its reads.
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                 HAS_BIAS=bias is not None, SCALED=scaled, GLU=glu, num_warps=num_warps,
                 num_stages=num_stages)  # fmt: skip
@@ -391,11 +396,18 @@ def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
 # where every projection of a decode layer then starts early under the chain kernel before it and
 # lets the one after it start early. A decode layer's launches in one CUDA graph on an H100 at 64
 # rows (scripts/device/bf16_chain_probe.py): smollm2-135m 25.7 -> 19.0 us, llama-1b 68.4 -> 60.8,
-# llama-8b 182.5 -> 168.1. At 128 rows it gained 4% on llama-1b; at 256 it was 1.5 times slower,
-# as one tile holds all the rows (docs/benchmarks.md, tenth session).
+# llama-8b 182.5 -> 168.1. Past ONE_TILE_ROWS the rows go in tiles of ONE_TILE_ROWS, the programs
+# of one weight tile side by side, for weights with a side of at most TILED_ROWS_MAX_SIDE (every
+# projection of a model of hidden size 2,048 or less). In the engine at decode-128 on an H100
+# (docs/benchmarks.md, twelfth session) that took smollm2's ITL from 1.35-1.37 to 1.15-1.25 ms
+# and llama-1b's from 1.79-1.81 to 1.67-1.68. llama-8b's projections keep cuBLAS there: in row
+# tiles its ITL went from 8.14-8.18 to 8.63 ms, and with only its down projection so, to 8.19-8.20.
+# At 256 rows cuBLAS was faster for llama-1b's and llama-8b's layers, so larger products keep it.
 # TANDEM_DENSE_SKINNY=0 in the environment keeps cuBLAS for every plain product (read at import;
 # for A/B measurements).
-DENSE_MAX_ROWS = 64
+DENSE_MAX_ROWS = 128
+ONE_TILE_ROWS = 64
+TILED_ROWS_MAX_SIDE = 2048
 LONG_K = 8192  # dense_tiles splits the K range of products this long
 DENSE_ON = os.environ.get("TANDEM_DENSE_SKINNY", "1") != "0"
 # The model's layers take it only for CUDA graphs (for_graphs), where its launch is recorded once.
@@ -439,15 +451,25 @@ def decode_linear(
     (takes_plain_product); None where cuBLAS should run it."""
     if not takes_plain_product(x, w):
         return None
-    return skinny_gemm(x, w, x.dtype, bias=bias, **dense_tiles(w.shape[0], w.shape[1], x.device))
+    tiles = dense_tiles(w.shape[0], w.shape[1], x.device)
+    return skinny_gemm(x, w, x.dtype, bias=bias, block_m=dense_row_tile(x.shape[0]), **tiles)
+
+
+def dense_row_tile(m: int) -> int | None:
+    """The row tile of a plain product of m rows: all in one up to ONE_TILE_ROWS (None), else
+    tiles of ONE_TILE_ROWS (its float32 accumulator has to fit the registers)."""
+    return None if m <= ONE_TILE_ROWS else ONE_TILE_ROWS
 
 
 def takes_plain_product(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the skinny GEMM runs x [M, K] @ w.T for a plain weight: at most DENSE_MAX_ROWS
-    rows of bf16/fp16, K whole 64-column tiles, both operands loadable by TMA (on Hopper)."""
+    rows of bf16/fp16 (past ONE_TILE_ROWS, only for a weight with a side of at most
+    TILED_ROWS_MAX_SIDE), K whole 64-column tiles, both operands loadable by TMA (on Hopper)."""
     if not DENSE_ON or x.dim() != 2 or not 0 < x.shape[0] <= DENSE_MAX_ROWS:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        return False
+    if x.shape[0] > ONE_TILE_ROWS and min(w.shape) > TILED_ROWS_MAX_SIDE:
         return False
     return w.shape[1] % 64 == 0 and tma_loads_fit(x, w)
 
@@ -480,7 +502,10 @@ def decode_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not takes_plain_product(x, w):
         return None
     block_k = dense_tiles(w.shape[0], w.shape[1], x.device)["block_k"]
-    return skinny_gemm(x, w, x.dtype, block_n=2 * GLU_HALF, block_k=block_k, glu=True)
+    block_m = dense_row_tile(x.shape[0])
+    return skinny_gemm(
+        x, w, x.dtype, block_n=2 * GLU_HALF, block_k=block_k, glu=True, block_m=block_m
+    )
 
 
 def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
