@@ -86,7 +86,7 @@ def test_dense_tiles_product_equals_float32(n: int, k: int, m: int) -> None:
     several, the last one partial."""
     x, w = operands(m, n, k, torch.bfloat16)
     tiles = skinny_gemm.dense_tiles(n, k, x.device)
-    block_m = skinny_gemm.dense_row_tile(m)
+    block_m = skinny_gemm.dense_row_tile(m, k)
     got = skinny_gemm.skinny_gemm(x, w, x.dtype, block_m=block_m, **tiles)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     assert_within_rounding(got, reference(x, w, None), torch.bfloat16)
@@ -175,20 +175,26 @@ def test_a_cuda_graph_replays_it_exactly() -> None:
 
 
 @pytest.mark.skipif(not HOPPER, reason="decode_linear runs the TMA kernel on Hopper only")
-def test_new_row_counts_compile_no_new_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("k", (1536, 2048))  # a short K (16-row tiles) and another
+def test_new_row_counts_compile_no_new_variant(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
     """An eager step (a short prompt's prefill, a batch no graph covers) may bring any row count
     to the FP8 path's skinny GEMM (plain weights take cuBLAS eagerly). Within one row tile (33
-    to 64 rows share BLOCK_M 64, as do the tiles of 65 to 128 rows) none may compile a variant
-    of its own: that would stall serving for the compile."""
+    to 64 rows share BLOCK_M 64, as do the tiles of 65 to 128 rows, and a short K's 16-row
+    tiles up to 64) none may compile a variant of its own: that would stall serving for the
+    compile."""
     monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
-    w = operands(1, 576, 1536, torch.bfloat16)[1]
-    counts = []
-    for m in (64, 63, 48, 33, 40, 100, 65, 128):
-        x = operands(m, 576, 1536, torch.bfloat16)[0]
+    w = operands(1, 576, k, torch.bfloat16)[1]
+
+    def run(m: int) -> int:
+        x = operands(m, 576, k, torch.bfloat16)[0]
         assert_within_rounding(
             skinny_gemm.decode_linear(x, w, None), reference(x, w, None), torch.bfloat16
         )
-        counts.append(compiled_variants(skinny_gemm._skinny_gemm_tma_kernel))
+        return compiled_variants(skinny_gemm._skinny_gemm_tma_kernel)
+
+    run(64)  # the two row-tile classes, compiled
+    run(100)
+    counts = [run(m) for m in (63, 48, 33, 40, 65, 128)]
     assert counts == [counts[0]] * len(counts), counts
 
 
@@ -206,7 +212,7 @@ def test_glu_epilogue_equals_product_then_silu_and_mul(n: int, k: int, m: int) -
     applies the same SiLU-and-mul (in one row tile, and in several past 64 rows)."""
     x, w = operands(m, n, k, torch.bfloat16)
     tiles = dict(block_n=64, block_k=skinny_gemm.dense_tiles(n, k, x.device)["block_k"])
-    tiles["block_m"] = skinny_gemm.dense_row_tile(m)
+    tiles["block_m"] = skinny_gemm.dense_row_tile(m, k)
     separate = triton_ops.silu_and_mul(skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles))
     interleaved = skinny_gemm.interleave_gate_up(w)
     fused = skinny_gemm.skinny_gemm(x, interleaved, x.dtype, glu=True, **tiles)

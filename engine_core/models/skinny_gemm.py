@@ -408,6 +408,8 @@ def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
 DENSE_MAX_ROWS = 128
 ONE_TILE_ROWS = 64
 TILED_ROWS_MAX_SIDE = 2048
+SHORT_K = 1536  # up to 64 rows, smollm2's products (K 576 and 1,536) go in 16-row tiles
+SHORT_K_ROW_TILE = 16
 LONG_K = 8192  # dense_tiles splits the K range of products this long
 DENSE_ON = os.environ.get("TANDEM_DENSE_SKINNY", "1") != "0"
 # The model's layers take it only for CUDA graphs (for_graphs), where its launch is recorded once.
@@ -452,13 +454,24 @@ def decode_linear(
     if not takes_plain_product(x, w):
         return None
     tiles = dense_tiles(w.shape[0], w.shape[1], x.device)
-    return skinny_gemm(x, w, x.dtype, bias=bias, block_m=dense_row_tile(x.shape[0]), **tiles)
+    block_m = dense_row_tile(x.shape[0], w.shape[1])
+    return skinny_gemm(x, w, x.dtype, bias=bias, block_m=block_m, **tiles)
 
 
-def dense_row_tile(m: int) -> int | None:
-    """The row tile of a plain product of m rows: all in one up to ONE_TILE_ROWS (None), else
-    tiles of ONE_TILE_ROWS (its float32 accumulator has to fit the registers)."""
-    return None if m <= ONE_TILE_ROWS else ONE_TILE_ROWS
+def dense_row_tile(m: int, k: int) -> int | None:
+    """The row tile of a plain product of m rows over K = k: all in one up to ONE_TILE_ROWS
+    (None), in tiles of SHORT_K_ROW_TILE rows there for a short K (SHORT_K or less), and in
+    tiles of ONE_TILE_ROWS past it (its float32 accumulator has to fit the registers).
+
+    A short product's few weight tiles (smollm2's o projection: 9) leave most multiprocessors
+    idle; 16-row tiles put four programs on each. On an H100 (docs/benchmarks.md, twelfth
+    session): smollm2's decode layer at 64 rows took 17.0 us instead of 17.85
+    (scripts/device/dense_tiles_probe.py --row-tiles), its decode-64 ITL 0.97-0.98 ms instead
+    of 0.99; llama-1b's layer (K 2,048 and 8,192) gained nothing (58.2 against 58.4). At 128
+    rows 16-row tiles were slower for smollm2 (ITL 1.20-1.24 against 1.15-1.18 ms)."""
+    if m > ONE_TILE_ROWS:
+        return ONE_TILE_ROWS
+    return SHORT_K_ROW_TILE if k <= SHORT_K else None
 
 
 def takes_plain_product(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -502,7 +515,7 @@ def decode_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not takes_plain_product(x, w):
         return None
     block_k = dense_tiles(w.shape[0], w.shape[1], x.device)["block_k"]
-    block_m = dense_row_tile(x.shape[0])
+    block_m = dense_row_tile(x.shape[0], w.shape[1])
     return skinny_gemm(
         x, w, x.dtype, block_n=2 * GLU_HALF, block_k=block_k, glu=True, block_m=block_m
     )
