@@ -127,9 +127,14 @@ def sweep_projection(
     return base, best[1], best[0]
 
 
-def chain(
-    model: str, m: int, gemms: dict[str, Gemm], layers: list[dict[str, torch.Tensor]], dims: dict
+def layer_chain(
+    m: int,
+    layers: list[dict[str, torch.Tensor]],
+    dims: dict,
+    project: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> tuple[Callable[[], None], torch.Tensor]:
+    """A decode layer's launches over every layer, and its output. ``project(name, x, w)`` runs
+    projection ``name`` of x; for "gate_up" it returns the activation, silu(gate) * up."""
     hidden, heads, kv, hd = dims["hidden"], dims["heads"], dims["kv"], dims["head_dim"]
     x0 = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     res0 = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
@@ -143,17 +148,29 @@ def chain(
         x, res = x0, res0
         for w in layers:
             h, res = triton_ops.rms_norm(x, w["norm"], 1e-5, res)
-            qkv = gemms["qkv"](h, w["qkv"])
+            qkv = project("qkv", h, w["qkv"])
             q = qkv[:, : heads * hd].view(m, heads, hd)
             k = qkv[:, heads * hd : (heads + kv) * hd].view(m, kv, hd)
             triton_ops.rotary_inplace(q, k, cos, sin)
-            o = gemms["o"](q.reshape(m, heads * hd), w["o"])
+            o = project("o", q.reshape(m, heads * hd), w["o"])
             h, res = triton_ops.rms_norm(o, w["norm"], 1e-5, res)
-            act = triton_ops.silu_and_mul(gemms["gate_up"](h, w["gate_up"]))
-            x = gemms["down"](act, w["down"])
+            act = project("gate_up", h, w["gate_up"])
+            x = project("down", act, w["down"])
         out.copy_(x)
 
     return step, out
+
+
+def chain(
+    model: str, m: int, gemms: dict[str, Gemm], layers: list[dict[str, torch.Tensor]], dims: dict
+) -> tuple[Callable[[], None], torch.Tensor]:
+    """layer_chain with these products; gate_up's followed by SiLU-and-mul."""
+
+    def project(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = gemms[name](x, w)
+        return triton_ops.silu_and_mul(y) if name == "gate_up" else y
+
+    return layer_chain(m, layers, dims, project)
 
 
 def model_weights(model: str) -> tuple[dict[str, tuple[int, int]], dict, list[dict]]:

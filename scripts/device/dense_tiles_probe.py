@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bf16_chain_probe import model_weights, time_graph  # noqa: E402
+from bf16_chain_probe import layer_chain, model_weights, time_graph  # noqa: E402
 
 from engine_core.models import skinny_gemm, triton_ops  # noqa: E402
 
@@ -51,34 +51,13 @@ def skinny(cfg: dict[str, Any]) -> Gemm:
     return gemm
 
 
-def layer_chain(
-    m: int, layers: list[dict[str, torch.Tensor]], dims: dict, gemms: dict[str, Gemm]
-) -> tuple[Callable[[], None], torch.Tensor]:
-    """The layers' launches; gate_up weights interleaved (interleave_gate_up)."""
-    hidden, heads, kv, hd = dims["hidden"], dims["heads"], dims["kv"], dims["head_dim"]
-    x0 = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    res0 = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    pos = torch.arange(m, device="cuda", dtype=torch.float32)[:, None]
-    freqs = pos * torch.linspace(0, 1, hd // 2, device="cuda")[None, :]
-    cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(torch.bfloat16)
-    sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(torch.bfloat16)
-    out = torch.empty_like(x0)
+def by_name(gemms: dict[str, Gemm]) -> Gemm:
+    """One projection function over the named ones (layer_chain's ``project``)."""
 
-    def step() -> None:
-        x, res = x0, res0
-        for w in layers:
-            h, res = triton_ops.rms_norm(x, w["norm"], 1e-5, res)
-            qkv = gemms["qkv"]("qkv", h, w["qkv"])
-            q = qkv[:, : heads * hd].view(m, heads, hd)
-            k = qkv[:, heads * hd : (heads + kv) * hd].view(m, kv, hd)
-            triton_ops.rotary_inplace(q, k, cos, sin)
-            o = gemms["o"]("o", q.reshape(m, heads * hd), w["o"])
-            h, res = triton_ops.rms_norm(o, w["norm"], 1e-5, res)
-            act = gemms["gate_up"]("gate_up", h, w["gate_up"])
-            x = gemms["down"]("down", act, w["down"])
-        out.copy_(x)
+    def project(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return gemms[name](name, x, w)
 
-    return step, out
+    return project
 
 
 def interleaved_weights(model: str) -> tuple[dict[str, tuple[int, int]], dict, list[dict]]:
@@ -97,7 +76,9 @@ def down_splits(model: str) -> None:
         for split in (1, 2, 4):
             cfgs = dict(tiles, down=dict(tiles["down"], split_k=split))
             torch.manual_seed(0)
-            step, _ = layer_chain(64, layers, dims, {p: skinny(c) for p, c in cfgs.items()})
+            step, _ = layer_chain(
+                64, layers, dims, by_name({p: skinny(c) for p, c in cfgs.items()})
+            )
             us = time_graph(step, dims["layers"])
             print(
                 f"chain {model:13} M=64 round {rnd} down in {split} K splits: {us:7.2f} us a layer"
@@ -152,7 +133,7 @@ def row_tiles(model: str, m: int) -> None:
     for rnd in range(2):
         for label, gemms in variants:
             torch.manual_seed(0)
-            step, _ = layer_chain(m, layers, dims, gemms)
+            step, _ = layer_chain(m, layers, dims, by_name(gemms))
             us = time_graph(step, dims["layers"])
             print(f"chain {model:13} M={m} round {rnd} {label:21} {us:7.2f} us a layer", flush=True)
 
