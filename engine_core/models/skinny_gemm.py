@@ -234,7 +234,7 @@ def _skinny_reduce_kernel(
 # with it and no prefetch, 103.6 prefetching 512 bytes, 105.3 with 1024, 112.9 with 2048; bf16
 # (bf16_chain_probe.py --prefetch-sweep) 512 bytes best or even on smollm2, llama-1b and llama-8b.
 SKINNY_PDL = True
-SKINNY_MOST_ROWS = 256  # all rows are one tile: its float32 accumulator lives in registers
+SKINNY_MOST_ROWS = 256  # the most rows one tile holds: its float32 accumulator is in registers
 SKINNY_PREFETCH_BYTES = 512
 # ... and once its activations are in, lets the kernel after it become resident: a llama-8b FP8
 # layer's chain as above 102.4 -> 100.1 us; bf16 at 64 rows (bf16_chain_probe.py) llama-8b
@@ -496,10 +496,11 @@ def dense_tiles(n: int, k: int, device: torch.device) -> dict[str, int]:
 
     Measured on H100s (docs/benchmarks.md, twelfth session): inside a decode layer's chain,
     llama-8b's down projection (64 N tiles) took 174.1 us a layer unsplit and 166.6 in two
-    splits, and its decode-64 ITL went from 6.83 to 6.50 ms on one machine, 6.55 to 6.46 on
-    another. Four splits were slower for llama-8b (169.1 us). For llama-1b's (32 N tiles) the
-    chain gained 2 us a layer from two splits to four, but the engine's ITL did not move and
-    four of six runs had stretches of steps four times as long, which no run with two had.
+    splits on one machine (166.3 and 165.7 on another), and its decode-64 ITL went from 6.83 to
+    6.50 ms on the first, 6.55 to 6.46 on a third. Four splits were slower for llama-8b
+    (169.1 us). For llama-1b's (32 N tiles) the chain gained 2 us a layer from two splits to
+    four, but the engine's ITL did not move and four of six runs had stretches of steps four
+    times as long, which no run with two had.
     Shorter K ranges (qkv, o, smollm2's down) were slower split, alone and in the chain."""
     block_n = 64
     block_k = 128 if k % 128 == 0 else 64
