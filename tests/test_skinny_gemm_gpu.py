@@ -101,10 +101,12 @@ def test_bias_splits_and_dtypes(split_k: int, dtype: torch.dtype) -> None:
     assert_within_rounding(got, reference(x, w, bias), dtype)
 
 
-def test_per_thread_loads_give_the_same_product() -> None:
-    """The kernel without TMA (any GPU; on Hopper where an operand is misaligned)."""
-    x, w = operands(16, 576, 1536, torch.bfloat16)
-    got = skinny_gemm.skinny_gemm(x, w, x.dtype, block_k=128, tma=False)
+@pytest.mark.parametrize("m,block_m", ((16, None), (40, 16), (100, 64)))
+def test_per_thread_loads_give_the_same_product(m: int, block_m: int | None) -> None:
+    """The kernel without TMA (any GPU; on Hopper where an operand is misaligned), in one row
+    tile and in several, the last one partial."""
+    x, w = operands(m, 576, 1536, torch.bfloat16)
+    got = skinny_gemm.skinny_gemm(x, w, x.dtype, block_k=128, tma=False, block_m=block_m)
     assert_within_rounding(got, reference(x, w, None), torch.bfloat16)
 
 

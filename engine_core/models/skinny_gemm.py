@@ -119,7 +119,7 @@ def _skinny_gemm_kernel(
     SCALED: tl.constexpr,
     GLU: tl.constexpr,
 ):
-    """Program (n tile, k split): the [BLOCK_N, BLOCK_M] tile of C.T over one K slice, as
+    """Program (row tile, n tile, k split): the [BLOCK_N, BLOCK_M] tile of C.T over one K slice, as
     W_tile @ A.T, so the weights' rows fill the matrix unit's M side and the few tokens its N
     side ("swap AB"). With SPLIT_K == 1 it writes C; otherwise its scaled fp32 partial goes to
     Part[split] and _skinny_reduce_kernel sums them."""
@@ -500,8 +500,9 @@ def dense_tiles(n: int, k: int, device: torch.device) -> dict[str, int]:
     6.50 ms on the first, 6.55 to 6.46 on a third. Four splits were slower for llama-8b
     (169.1 us). For llama-1b's (32 N tiles) the chain gained 2 us a layer from two splits to
     four, but the engine's ITL did not move and four of six runs had stretches of steps four
-    times as long, which no run with two had.
-    Shorter K ranges (qkv, o, smollm2's down) were slower split, alone and in the chain."""
+    times as long, which no run with two had. Shorter K ranges are not split: alone, two splits
+    were slower for qkv, while llama-1b's o and smollm2's down were 5-7% faster in two to four
+    (with the reduction kernel), which the layer chain has not tested."""
     block_n = 64
     block_k = 128 if k % 128 == 0 else 64
     n_tiles = triton.cdiv(n, block_n)
