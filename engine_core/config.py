@@ -131,8 +131,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     # Steps with prompt tokens of up to this many tokens replay a CUDA graph
-    # (engine_core/cuda_graph.py); 0: they run eagerly. Capped at max_num_batched_tokens.
-    max_prefill_graph_tokens: int = 2048
+    # (engine_core/cuda_graph.py); 0: they run eagerly. Capped at max_num_batched_tokens. None:
+    # 2048, and up to max_num_batched_tokens where start-up measures the host slower to launch
+    # a step eagerly than the GPU is to run it (a small model: cuda_graph.py, "host-bound").
+    max_prefill_graph_tokens: int | None = None
     seed: int = 0
     # Overlap: schedule and prepare step N+1 while the GPU runs step N (engine_core/core.py).
     async_scheduling: bool = True
@@ -165,7 +167,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_prefill_graph_tokens < 0:
+        if self.max_prefill_graph_tokens is not None and self.max_prefill_graph_tokens < 0:
             raise ValueError(
                 f"max_prefill_graph_tokens must be 0 (no prefill graphs) or more, got "
                 f"{self.max_prefill_graph_tokens}"

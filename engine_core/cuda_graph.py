@@ -16,7 +16,11 @@ one memory pool, captured largest first so that the smaller ones reuse its memor
   once, the padding rows (slot -1) write no KV, and their attention output is zero
   (``AttentionMetadata.padded``).
 
-Larger steps run eagerly, as does everything with ``enforce_eager``. A decode graph also captures
+Larger steps run eagerly, as does everything with ``enforce_eager``, unless the model is small
+enough for the host to be its bottleneck: with ``--max-prefill-graph-tokens`` unset, start-up times
+an eager 2,048-token step's launches against its graph's kernels, and where launching takes
+longer than the GPU would need for a whole step's tokens, prefill graphs go on doubling up to
+``--max-num-batched-tokens`` (``extends_prefill_graphs``). A decode graph also captures
 the step's logits and their argmax (``DecodeTail``) where the model's logits are a plain product
 (``plain_logits_weight``: one rank, no soft cap): every row of a decode step samples, so they are
 always wanted. An all-greedy batch (argmax only) then takes its tokens straight from the graph; any
@@ -56,6 +60,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 _MIN_PREFILL_TOKENS = 16
+# Prefill graphs always cover steps of up to this many tokens (--max-prefill-graph-tokens unset);
+# past it, only where the host is the bottleneck (``extends_prefill_graphs``).
+DEFAULT_PREFILL_GRAPH_TOKENS = 2048
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
@@ -73,6 +80,21 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
         size *= 2
     sizes.append(max_tokens)
     return sizes
+
+
+def extends_prefill_graphs(host_s: float, gpu_s: float, top: int, extend_to: int) -> bool:
+    """Whether steps of up to ``extend_to`` tokens should replay graphs too, given an eager
+    ``top``-token step's host time (launching its kernels one by one) and its graph's GPU time.
+
+    Past ``top`` a step pads to the next of ``top``x2, x4, ... (or ``extend_to``): up to twice the
+    GPU work. That is free only where the GPU has time to spare, so the graphs extend where even
+    a whole ``extend_to``-token step's GPU time (scaled from ``top``'s, as the products' work
+    is) is shorter than launching the ``top``-token step eagerly, which takes the same host time
+    at any token count. For a small model (smollm2-135m on an H100: 15-40 ms of eager launches
+    against about 1 ms of kernels at 2,048 tokens) they extend; for a larger one (llama-1b:
+    10-25 ms against about 5 ms, x4 at 8,192) they do not.
+    """
+    return extend_to > top > 0 and host_s > gpu_s * extend_to / top
 
 
 def prefill_graph_shape(tokens: int, max_seqs: int) -> tuple[int, int]:
@@ -202,10 +224,13 @@ class CudaGraphRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_prefill_tokens: int = 0,
+        extend_prefill_to: int = 0,
         vocab_size: int = 0,
     ) -> None:
         """``vocab_size``: the model's vocabulary, for the decode graphs' argmax; with the
-        model's ``plain_logits_weight`` they capture the logits (0 or no such weight: not)."""
+        model's ``plain_logits_weight`` they capture the logits (0 or no such weight: not).
+        ``extend_prefill_to``: after capture, prefill graphs up to this many tokens too, where
+        ``extends_prefill_graphs`` says the host is the bottleneck (0: never)."""
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
@@ -213,8 +238,11 @@ class CudaGraphRunner:
         self.max_batch = self.batch_sizes[-1]
         self.prefill_sizes = prefill_graph_sizes(max_prefill_tokens)
         self.max_prefill_tokens = self.prefill_sizes[-1] if self.prefill_sizes else 0
+        # Room in the buffers for the graphs an extension may add (captured graphs bake in the
+        # buffers' addresses, so they cannot grow later).
+        self.extend_prefill_to = extend_prefill_to if self.max_prefill_tokens else 0
         max_blocks = -(-max_model_len // block_size)
-        top = self.max_prefill_tokens
+        top = max(self.max_prefill_tokens, self.extend_prefill_to)
         self.buffers = GraphBuffers.allocate(
             max(self.max_batch, top),
             self.max_batch,
@@ -258,6 +286,7 @@ class CudaGraphRunner:
                 meta = self.buffers.prefill_metadata(size, self.max_model_len)
                 self.prefill_graphs[size] = self._capture_one(size, meta)
         torch.cuda.synchronize()
+        self._extend_prefill_if_host_bound()
         elapsed = time.perf_counter() - start
         logger.info(
             "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of %s tokens)",
@@ -268,6 +297,56 @@ class CudaGraphRunner:
             f"{self.prefill_sizes[0]}..{self.max_prefill_tokens}" if self.prefill_sizes else "no",
         )
         return elapsed
+
+    def _extend_prefill_if_host_bound(self) -> None:
+        """Capture prefill graphs past ``max_prefill_tokens`` up to ``extend_prefill_to`` where
+        the largest captured one shows the host to be the bottleneck (see there)."""
+        top, extend_to = self.max_prefill_tokens, self.extend_prefill_to
+        if extend_to <= top or not top:
+            return
+        host_s, gpu_s = self._eager_and_graph_seconds(top)
+        if not extends_prefill_graphs(host_s, gpu_s, top, extend_to):
+            logger.info(
+                "prefill graphs stay at %d tokens: an eager %d-token step took %.1f ms on the "
+                "host, its graph %.2f ms on the GPU (x%.1f for %d tokens is longer)",
+                top, top, 1e3 * host_s, 1e3 * gpu_s, extend_to / top, extend_to,
+            )  # fmt: skip
+            return
+        extra = [size for size in prefill_graph_sizes(extend_to) if size > top]
+        for size in extra:
+            meta = self.buffers.prefill_metadata(size, self.max_model_len)
+            self.prefill_graphs[size] = self._capture_one(size, meta)
+        torch.cuda.synchronize()
+        self.prefill_sizes += extra
+        self.max_prefill_tokens = extra[-1]
+        logger.info(
+            "prefill graphs extended to %d tokens: an eager %d-token step took %.1f ms on the "
+            "host, its graph %.2f ms on the GPU",
+            extend_to, top, 1e3 * host_s, 1e3 * gpu_s,
+        )  # fmt: skip
+
+    def _eager_and_graph_seconds(self, size: int) -> tuple[float, float]:
+        """(host seconds to launch a ``size``-token prefill eagerly, GPU seconds of its graph's
+        replay), each the best of three. The eager launch is timed with the GPU idle, so it
+        never waits for a full queue: it is the host's own time. The graph's replay has no gaps
+        between kernels: it is the GPU's own time."""
+        buf = self.buffers
+        meta = self.buffers.prefill_metadata(size, self.max_model_len)
+        host, gpu = [], []
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            torch.cuda.synchronize()
+            with forward_context(meta, self.backend):
+                started = time.perf_counter()
+                self.model(buf.input_ids[:size], buf.positions[:size])
+                host.append(time.perf_counter() - started)
+            torch.cuda.synchronize()
+            begin.record()
+            self.prefill_graphs[size].replay()
+            end.record()
+            end.synchronize()
+            gpu.append(begin.elapsed_time(end) / 1e3)
+        return min(host), min(gpu)
 
     def _capture_one(
         self, rows: int, meta: AttentionMetadata, tail: DecodeTail | None = None

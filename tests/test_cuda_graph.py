@@ -17,7 +17,12 @@ import torch
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
 from engine_core.attention.prefill_tiles import capacity, tile_list
 from engine_core.config import ModelConfig
-from engine_core.cuda_graph import CudaGraphRunner, graph_batch_sizes, prefill_graph_sizes
+from engine_core.cuda_graph import (
+    CudaGraphRunner,
+    extends_prefill_graphs,
+    graph_batch_sizes,
+    prefill_graph_sizes,
+)
 from engine_core.forward_context import forward_context
 
 if TYPE_CHECKING:
@@ -52,6 +57,19 @@ def test_prefill_graph_sizes_double_up_to_the_cap() -> None:
     assert prefill_graph_sizes(16) == [16]
     assert prefill_graph_sizes(100) == [16, 32, 64, 100]
     assert prefill_graph_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+def test_prefill_graphs_extend_only_where_the_host_outlasts_a_whole_steps_gpu_work() -> None:
+    # 2,048-token graph: 1 ms on the GPU. To 8,192 tokens that is 4 ms of GPU work at most.
+    assert extends_prefill_graphs(host_s=0.015, gpu_s=0.001, top=2048, extend_to=8192)
+    assert not extends_prefill_graphs(host_s=0.0039, gpu_s=0.001, top=2048, extend_to=8192)
+    # llama-1b-like: 12 ms of launches against 5 ms of kernels (20 ms at 8,192 tokens).
+    assert not extends_prefill_graphs(host_s=0.012, gpu_s=0.005, top=2048, extend_to=8192)
+    # To 4,096 only: twice the GPU work, which 12 ms of launches still outlast.
+    assert extends_prefill_graphs(host_s=0.012, gpu_s=0.005, top=2048, extend_to=4096)
+    # Nothing to extend to, or no prefill graph to measure.
+    assert not extends_prefill_graphs(host_s=1.0, gpu_s=0.001, top=2048, extend_to=2048)
+    assert not extends_prefill_graphs(host_s=1.0, gpu_s=0.001, top=0, extend_to=8192)
 
 
 # ---- replay against eager on a random-weight model ------------------------------------------
@@ -97,7 +115,12 @@ class GraphsOnRandomModel:
 
 
 def graphs_on_random_model(
-    preset: str, seed: int, num_blocks: int, max_num_seqs: int, max_prefill_tokens: int = 0
+    preset: str,
+    seed: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_prefill_tokens: int = 0,
+    extend_prefill_to: int = 0,
 ) -> GraphsOnRandomModel:
     from engine_core.attention.triton_backend import TritonBackend
     from engine_core.presets import build_random_model
@@ -121,6 +144,7 @@ def graphs_on_random_model(
         dtype=torch.bfloat16,
         device=device,
         max_prefill_tokens=max_prefill_tokens,
+        extend_prefill_to=extend_prefill_to,
         vocab_size=config.vocab_size,  # the decode graphs capture the logits and their argmax
     )
     graphs.capture(progress=False)
@@ -265,6 +289,88 @@ def test_prefill_graph_replay_equals_eager(preset: str) -> None:
     for specs in (too_many_seqs, too_many_tokens):
         _, _, meta = mixed_step(specs, num_blocks, rng, vocab, device)
         assert not on.graphs.can_run(meta)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_extended_prefill_graphs_replay_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where start-up finds the host the bottleneck, prefill graphs go on to the step's whole
+    budget, and the steps past the old bound replay as eager runs them."""
+    import engine_core.cuda_graph as cuda_graph
+
+    timings: list[int] = []
+    measure = CudaGraphRunner._eager_and_graph_seconds
+
+    def measured(self: CudaGraphRunner, size: int) -> tuple[float, float]:
+        host_s, gpu_s = measure(self, size)  # the real measurement runs (and must not fail) ...
+        timings.append(size)
+        return 1.0, gpu_s  # ... then a host this slow makes the decision certain
+
+    monkeypatch.setattr(cuda_graph.CudaGraphRunner, "_eager_and_graph_seconds", measured)
+    num_blocks = 512
+    on = graphs_on_random_model(
+        "smollm2-135m", seed=4, num_blocks=num_blocks, max_num_seqs=GRAPH_SEQS,
+        max_prefill_tokens=64, extend_prefill_to=300,
+    )  # fmt: skip
+    assert timings == [64]
+    assert sorted(on.graphs.prefill_graphs) == [16, 32, 64, 128, 256, 300]
+    assert on.graphs.max_prefill_tokens == 300
+    rng = random.Random(2)
+    vocab, device = on.config.vocab_size, on.cache.device
+    for specs in ([(0, 65)], [(0, 200), (40, 1)], [(0, 290), (7, 10)], [(16, 260)]):
+        ids, positions, meta = mixed_step(specs, num_blocks, rng, vocab, device)
+        assert on.graphs.can_run(meta), specs
+        check_replay_equals_eager(on, ids, positions, meta, str(specs))
+    _, _, meta = mixed_step([(0, 301)], num_blocks, rng, vocab, device)
+    assert not on.graphs.can_run(meta)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_prefill_graphs_stay_where_the_gpu_is_the_bottleneck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import engine_core.cuda_graph as cuda_graph
+
+    monkeypatch.setattr(
+        cuda_graph.CudaGraphRunner, "_eager_and_graph_seconds", lambda self, size: (0.001, 0.001)
+    )
+    on = graphs_on_random_model(
+        "gpt2", seed=4, num_blocks=64, max_num_seqs=GRAPH_SEQS, max_prefill_tokens=64,
+        extend_prefill_to=300,
+    )  # fmt: skip
+    assert sorted(on.graphs.prefill_graphs) == [16, 32, 64]
+    assert on.graphs.max_prefill_tokens == 64
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_engine_measures_its_host_for_prefill_graphs_only_when_unset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the engine: with --max-prefill-graph-tokens unset, start-up measures and (here
+    told the host is slow) extends the prefill graphs to the step budget; set, it measures
+    nothing and keeps the bound given."""
+    import engine_core.cuda_graph as cuda_graph
+
+    measured: list[int] = []
+    measure = CudaGraphRunner._eager_and_graph_seconds
+
+    def slow_host(self: CudaGraphRunner, size: int) -> tuple[float, float]:
+        measured.append(size)
+        return 1.0, measure(self, size)[1]
+
+    monkeypatch.setattr(cuda_graph.CudaGraphRunner, "_eager_and_graph_seconds", slow_host)
+    model_dir = write_tiny_gpt2(tmp_path / "gpt2")
+    auto = tiny_llm_on_cuda(model_dir, max_num_batched_tokens=4096)
+    graphs = auto.engine.runner.graph_runner
+    assert graphs is not None and measured == [2048]
+    assert graphs.max_prefill_tokens == 4096 and 4096 in graphs.prefill_graphs
+    measured.clear()
+    fixed = tiny_llm_on_cuda(model_dir, max_num_batched_tokens=4096, max_prefill_graph_tokens=64)
+    graphs = fixed.engine.runner.graph_runner
+    assert graphs is not None and measured == []
+    assert sorted(graphs.prefill_graphs) == [16, 32, 64]
 
 
 # ---- greedy tokens through the engine, graphs on, against HF transformers on the GPU --------
