@@ -182,6 +182,7 @@ def engine_config(
     overlap: bool = True,
     tensor_parallel_size: int = 1,
     tp_all_reduce: str = "auto",
+    max_prefill_graph_tokens: int | None = None,
 ) -> EngineConfig:
     """Room for the workload's sequences, a short max_model_len bound, no memory-sized cache."""
     block_size = 16
@@ -198,6 +199,11 @@ def engine_config(
         async_scheduling=overlap,
         tensor_parallel_size=tensor_parallel_size,
         tp_all_reduce=tp_all_reduce,
+        **(
+            {}
+            if max_prefill_graph_tokens is None
+            else {"max_prefill_graph_tokens": max_prefill_graph_tokens}
+        ),
     )
 
 
@@ -344,6 +350,7 @@ def bench_inproc(name: str, work: Workload, args: argparse.Namespace, result: Mo
             args.overlap,
             args.tensor_parallel_size,
             args.tp_all_reduce,
+            args.max_prefill_graph_tokens,
         )  # fmt: skip
     )
     result.startup_s = time.perf_counter() - start
@@ -386,7 +393,7 @@ def engine_process(
     address = str(private_ipc_address())
     config = engine_config(
         name, work, args.device, args.enforce_eager, args.overlap, args.tensor_parallel_size,
-        args.tp_all_reduce,
+        args.tp_all_reduce, args.max_prefill_graph_tokens,
     )  # fmt: skip
     # --engine-step-stats: the engine's step stats, a line per run (logged as it goes idle).
     log_level = "INFO" if args.engine_step_stats else "WARNING"
@@ -401,6 +408,8 @@ def engine_process(
         f"--tensor-parallel-size={config.tensor_parallel_size}",
         f"--tp-all-reduce={config.tp_all_reduce}",
     ]
+    if config.max_prefill_graph_tokens is not None:
+        command.append(f"--max-prefill-graph-tokens={config.max_prefill_graph_tokens}")
     if config.enforce_eager:
         command.append("--enforce-eager")
     if not config.async_scheduling:
@@ -658,6 +667,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--top-kernels", type=int, default=6, help="kernels listed per profiled step"
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--max-prefill-graph-tokens",
+        type=int,
+        default=None,
+        help="the engines' --max-prefill-graph-tokens (default: the engine's own)",
+    )
     parser.add_argument(
         "--no-overlap",
         dest="overlap",
