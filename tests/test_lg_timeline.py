@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "lg_timeline.py"
+from tests.script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def lg_timeline() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lg_timeline_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("lg_timeline")
 
 
 def _request(submitted: float, chunks: list[float]) -> dict:
