@@ -24,9 +24,9 @@ _HELP = {
     "enforce_eager": "never use CUDA graphs",
     "max_prefill_graph_tokens": "steps with prompt tokens (whole prompts, chunks, decodes mixed "
     "in) of up to this many tokens replay a CUDA graph captured at start-up "
-    "instead of launching each kernel from Python; 0 runs them eagerly; None: 2048, and up to "
-    "--max-num-batched-tokens where start-up measures the host slower to launch a 2048-token "
-    "step eagerly than the GPU would be to run a whole step's tokens (a small model)",
+    "instead of launching each kernel from Python; 0 runs them eagerly; unset (None): 2048, "
+    "and up to --max-num-batched-tokens where start-up measures the host slower to launch a "
+    "2048-token step eagerly than the GPU would be to run a whole step's tokens (a small model)",
     "seed": "seed for requests that carry none",
     "async_scheduling": "overlap: schedule and prepare the next step while the GPU runs this one "
     "(--no-async-scheduling, or --no-overlap, keeps the simple loop)",

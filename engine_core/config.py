@@ -133,7 +133,8 @@ class EngineConfig:
     # Steps with prompt tokens of up to this many tokens replay a CUDA graph
     # (engine_core/cuda_graph.py); 0: they run eagerly. Capped at max_num_batched_tokens. None:
     # 2048, and up to max_num_batched_tokens where start-up measures the host slower to launch
-    # a step eagerly than the GPU is to run it (a small model: cuda_graph.py, "host-bound").
+    # a 2048-token step eagerly than the GPU would be to run a whole step's tokens (a small
+    # model: cuda_graph.py, extends_prefill_graphs).
     max_prefill_graph_tokens: int | None = None
     seed: int = 0
     # Overlap: schedule and prepare step N+1 while the GPU runs step N (engine_core/core.py).

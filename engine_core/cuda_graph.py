@@ -3,7 +3,8 @@
 A decode step of a small model is hundreds of short kernels, and so is a short prefill; launching
 them one by one from Python costs more than running them (an idle llama-1b's 128-token prefill
 enqueued eagerly: about 7 ms of host time for under 2 ms of kernels). Two kinds of graph, all in
-one memory pool, captured largest first so that the smaller ones reuse its memory:
+one memory pool, captured largest first so that the smaller ones reuse its memory (the
+prefill graphs a host-bound model adds past the default come after, see below):
 
 - **decode**: batches of 1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs`` sequences of one new
   token each. A step with n sequences pads to the next size (slot -1: no KV write; seq_len 0: no
@@ -82,6 +83,21 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
+def prefill_graph_bounds(
+    asked: int | None, step_budget: int, tensor_parallel_size: int
+) -> tuple[int, int]:
+    """(the prefill graphs always captured, in tokens; how far they may extend, 0: not) for
+    ``--max-prefill-graph-tokens`` ``asked`` (None: unset) and ``--max-num-batched-tokens``.
+
+    Unset, they cover DEFAULT_PREFILL_GRAPH_TOKENS and may extend to the step budget where the
+    host is the bottleneck (``extends_prefill_graphs``); set, exactly what was asked. Never past
+    the budget, and never extended across tensor-parallel ranks: each would time its own host,
+    and they must not disagree on which steps replay a graph."""
+    floor = DEFAULT_PREFILL_GRAPH_TOKENS if asked is None else asked
+    may_extend = asked is None and tensor_parallel_size == 1
+    return min(floor, step_budget), step_budget if may_extend else 0
+
+
 def extends_prefill_graphs(host_s: float, gpu_s: float, top: int, extend_to: int) -> bool:
     """Whether steps of up to ``extend_to`` tokens should replay graphs too, given an eager
     ``top``-token step's host time (launching its kernels one by one) and its graph's GPU time.
@@ -90,9 +106,11 @@ def extends_prefill_graphs(host_s: float, gpu_s: float, top: int, extend_to: int
     GPU work. That is free only where the GPU has time to spare, so the graphs extend where even
     a whole ``extend_to``-token step's GPU time (scaled from ``top``'s, as the products' work
     is) is shorter than launching the ``top``-token step eagerly, which takes the same host time
-    at any token count. For a small model (smollm2-135m on an H100: 15-40 ms of eager launches
-    against about 1 ms of kernels at 2,048 tokens) they extend; for a larger one (llama-1b:
-    10-25 ms against about 5 ms, x4 at 8,192) they do not.
+    at any token count. For a small model (smollm2-135m on an H100: 26.5 ms of eager launches
+    against 1.76 ms of kernels at 2,048 tokens) they extend; for a larger one (llama-1b: 8-16 ms
+    against 5.9 ms, x4 at 8,192) they do not. The host time is measured at start-up, and
+    varies between processes: a model near the line may decide either way from one start to
+    the next (both are correct; only speed differs).
     """
     return extend_to > top > 0 and host_s > gpu_s * extend_to / top
 
@@ -239,7 +257,8 @@ class CudaGraphRunner:
         self.prefill_sizes = prefill_graph_sizes(max_prefill_tokens)
         self.max_prefill_tokens = self.prefill_sizes[-1] if self.prefill_sizes else 0
         # Room in the buffers for the graphs an extension may add (captured graphs bake in the
-        # buffers' addresses, so they cannot grow later).
+        # buffers' addresses, so they cannot grow later), kept even where it declines: the rows
+        # of the step budget, e.g. 64 MiB of hidden states for llama-8b at 8,192 tokens.
         self.extend_prefill_to = extend_prefill_to if self.max_prefill_tokens else 0
         max_blocks = -(-max_model_len // block_size)
         top = max(self.max_prefill_tokens, self.extend_prefill_to)
@@ -290,7 +309,7 @@ class CudaGraphRunner:
         elapsed = time.perf_counter() - start
         logger.info(
             "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of %s tokens)",
-            len(plan),
+            len(self.graphs) + len(self.prefill_graphs),
             elapsed,
             self.batch_sizes[0],
             self.max_batch,

@@ -264,10 +264,13 @@ class ModelRunner:
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.warning("the attention backend reads host values; running decode eagerly")
             return None
-        from engine_core.cuda_graph import DEFAULT_PREFILL_GRAPH_TOKENS, CudaGraphRunner
+        from engine_core.cuda_graph import CudaGraphRunner, prefill_graph_bounds
 
-        budget = self.config.max_num_batched_tokens
-        asked = self.config.max_prefill_graph_tokens
+        max_prefill_tokens, extend_prefill_to = prefill_graph_bounds(
+            self.config.max_prefill_graph_tokens,
+            self.config.max_num_batched_tokens,
+            self.config.tensor_parallel_size,
+        )
         runner = CudaGraphRunner(
             self.model,
             self.backend,
@@ -277,22 +280,12 @@ class ModelRunner:
             hidden_size=self.model_config.hidden_size,
             dtype=self.dtype,
             device=self.device,
-            max_prefill_tokens=min(
-                DEFAULT_PREFILL_GRAPH_TOKENS if asked is None else asked, budget
-            ),
-            extend_prefill_to=self._prefill_graphs_may_extend_to(budget),
+            max_prefill_tokens=max_prefill_tokens,
+            extend_prefill_to=extend_prefill_to,
             vocab_size=self.model_config.vocab_size,
         )
         runner.capture()
         return runner
-
-    def _prefill_graphs_may_extend_to(self, budget: int) -> int:
-        """Where prefill graphs may go past the default (cuda_graph.py): to the whole step with
-        --max-prefill-graph-tokens unset, on one GPU. Tensor-parallel ranks would each time the
-        host on their own, and must not disagree on which steps replay a graph."""
-        if self.config.max_prefill_graph_tokens is None and self.config.tensor_parallel_size == 1:
-            return budget
-        return 0
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The model's forward: a graph replay for a step that fits one, else eager."""

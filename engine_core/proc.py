@@ -64,7 +64,8 @@ _POLL_MS = 100
 # waited 2-4 ms of its 4-9 ms for the GIL). So where a second message is already queued behind
 # the first, the input thread keeps reading while more arrive within BURST_GAP_S of the last
 # (BURST_MAX_S in all) before it wakes the busy loop. A lone request never waits. A stepping
-# engine gets what is queued at once: it takes new requests in at every step anyway.
+# engine gets what is queued without waiting (it takes new requests in at every step anyway),
+# and a long backlog in slices of BURST_MAX_S of reading.
 BURST_GAP_S = 0.0005
 BURST_MAX_S = 0.004
 
@@ -202,26 +203,27 @@ class EngineProc:
     def _read_burst(self, sock: Any) -> list[tuple[bytes, ClientMessage]]:
         """The message that woke the socket and every one queued behind it, decoded; while the
         busy loop waits for work and a burst is arriving, also those that follow within
-        BURST_GAP_S of the last (see there why)."""
+        BURST_GAP_S of the last (see there why). Reading stops after BURST_MAX_S however many
+        remain, so a long backlog reaches the busy loop in slices."""
         import zmq
 
         taken: list[tuple[bytes, ClientMessage]] = []
         self._decode_into(taken, sock.recv_multipart())
         start = last = time.perf_counter()
         burst = False
-        while True:
+        while time.perf_counter() - start <= BURST_MAX_S:
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                now = time.perf_counter()
-                waiting = burst and self.waiting_for_work
-                if not waiting or now - last > BURST_GAP_S or now - start > BURST_MAX_S:
+                idle_burst = burst and self.waiting_for_work
+                if not idle_burst or time.perf_counter() - last > BURST_GAP_S:
                     return taken
                 time.sleep(BURST_GAP_S / 5)
                 continue
             burst = True
             self._decode_into(taken, parts)
             last = time.perf_counter()
+        return taken
 
     def _decode_into(self, taken: list[tuple[bytes, ClientMessage]], parts: list[bytes]) -> None:
         """Decode one (client, frame) message onto ``taken``; a malformed one is dropped, and
@@ -264,11 +266,12 @@ class EngineProc:
         if block:
             self.waiting_for_work = True  # read by the input thread (see BURST_GAP_S)
             try:
-                self._handle(*self.inbox.get(timeout=HEARTBEAT_INTERVAL_S))
+                item = self.inbox.get(timeout=HEARTBEAT_INTERVAL_S)
             except queue.Empty:
                 return
             finally:
                 self.waiting_for_work = False
+            self._handle(*item)
         while True:
             try:
                 self._handle(*self.inbox.get_nowait())

@@ -29,7 +29,7 @@ class Timeline:
     first_tokens_ms: tuple[float, float, float]  # first, median, last
     ends_ms: tuple[float, float, float]  # first, median, last
     mid_pace_ms: float  # median over requests of the time per chunk, 25% to 75% of its chunks
-    chunks: int  # the first request's chunks
+    chunks: int  # the most chunks a request had
 
     def line(self) -> str:
         def ms(values: tuple[float, ...]) -> str:
@@ -42,12 +42,18 @@ class Timeline:
         )
 
 
-def timeline(run: dict[str, Any]) -> Timeline:
-    """One run of a result file (its ``requests`` with submit, chunk and end times in s)."""
-    requests = run["requests"]
+def timeline(run: dict[str, Any]) -> Timeline | None:
+    """One run of a result file (its ``requests`` with submit, chunk and end times in s), over
+    the requests that completed; None where none did."""
+    requests = [
+        r for r in run["requests"]
+        if r["submitted_at"] is not None and r["ended_at"] is not None and r["chunk_times"]
+    ]  # fmt: skip
+    if not requests:
+        return None
     submits = sorted(1e3 * r["submitted_at"] for r in requests)
-    firsts = sorted(1e3 * r["chunk_times"][0] for r in requests if r["chunk_times"])
-    ends = sorted(1e3 * r["ended_at"] for r in requests if r["ended_at"] is not None)
+    firsts = sorted(1e3 * r["chunk_times"][0] for r in requests)
+    ends = sorted(1e3 * r["ended_at"] for r in requests)
     paces = []
     for r in requests:
         chunks = r["chunk_times"]
@@ -61,7 +67,7 @@ def timeline(run: dict[str, Any]) -> Timeline:
         first_tokens_ms=(firsts[0], statistics.median(firsts), firsts[-1]),
         ends_ms=(ends[0], statistics.median(ends), ends[-1]),
         mid_pace_ms=statistics.median(paces) if paces else float("nan"),
-        chunks=len(requests[0]["chunk_times"]),
+        chunks=max(len(r["chunk_times"]) for r in requests),
     )
 
 
@@ -71,7 +77,8 @@ def main(paths: list[str]) -> int:
         return 2
     for path in paths:
         for run in json.loads(Path(path).read_text())["runs"]:
-            print(f"{path} {timeline(run).line()}")
+            t = timeline(run)
+            print(f"{path} {t.line() if t else run.get('label', '') + ': no request completed'}")
     return 0
 
 

@@ -21,6 +21,7 @@ from engine_core.cuda_graph import (
     CudaGraphRunner,
     extends_prefill_graphs,
     graph_batch_sizes,
+    prefill_graph_bounds,
     prefill_graph_sizes,
 )
 from engine_core.forward_context import forward_context
@@ -57,6 +58,17 @@ def test_prefill_graph_sizes_double_up_to_the_cap() -> None:
     assert prefill_graph_sizes(16) == [16]
     assert prefill_graph_sizes(100) == [16, 32, 64, 100]
     assert prefill_graph_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+def test_prefill_graph_bounds_follow_the_flag() -> None:
+    # Unset: 2,048 always, up to the step budget where measured worth it; one GPU only.
+    assert prefill_graph_bounds(None, 8192, 1) == (2048, 8192)
+    assert prefill_graph_bounds(None, 8192, 2) == (2048, 0)
+    assert prefill_graph_bounds(None, 1024, 1) == (1024, 1024)  # nothing past the budget
+    # Set: exactly that (within the budget), never measured or extended.
+    assert prefill_graph_bounds(4096, 8192, 1) == (4096, 0)
+    assert prefill_graph_bounds(16384, 8192, 1) == (8192, 0)
+    assert prefill_graph_bounds(0, 8192, 1) == (0, 0)
 
 
 def test_prefill_graphs_extend_only_where_the_host_outlasts_a_whole_steps_gpu_work() -> None:

@@ -45,6 +45,14 @@ def test_timeline_of_a_run(lg_timeline: ModuleType) -> None:
     assert t.chunks == 8
 
 
+def test_failed_requests_are_left_out(lg_timeline: ModuleType) -> None:
+    failed = {"submitted_at": 0.001, "chunk_times": [], "ended_at": None}
+    never_sent = {"submitted_at": None, "chunk_times": [], "ended_at": None}
+    run = dict(RUN, requests=[failed, *RUN["requests"], never_sent])
+    assert lg_timeline.timeline(run) == lg_timeline.timeline(RUN)
+    assert lg_timeline.timeline(dict(RUN, requests=[failed, never_sent])) is None
+
+
 def test_main_prints_a_line_per_run(lg_timeline: ModuleType, tmp_path: Path, capsys) -> None:
     path = tmp_path / "result.json"
     path.write_text(json.dumps({"config": {}, "runs": [RUN, RUN]}))
