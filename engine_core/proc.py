@@ -30,7 +30,7 @@ from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
 from engine_core.request import EngineOutput, Request
 from protocol.address import EngineAddress
-from protocol.codec import ProtocolError, StepOutputsFrame, decode_client_message
+from protocol.codec import StepOutputsFrame
 from protocol.messages import (
     Abort,
     AddRequest,
@@ -228,6 +228,8 @@ class EngineProc:
     def _decode_into(self, taken: list[tuple[bytes, ClientMessage]], parts: list[bytes]) -> None:
         """Decode one (client, frame) message onto ``taken``; a malformed one is dropped, and
         refused to its client where it names a request."""
+        from protocol.codec import ProtocolError, decode_client_message
+
         if len(parts) != 2:
             logger.warning("dropped a message of %d frames (expected 2)", len(parts))
             return
