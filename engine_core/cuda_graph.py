@@ -302,8 +302,7 @@ class CudaGraphRunner:
                     size, self.buffers.decode_metadata(size, self.max_model_len), self.tail
                 )
             else:
-                meta = self.buffers.prefill_metadata(size, self.max_model_len)
-                self.prefill_graphs[size] = self._capture_one(size, meta)
+                self._capture_prefill(size)
         torch.cuda.synchronize()
         self._extend_prefill_if_host_bound()
         elapsed = time.perf_counter() - start
@@ -333,8 +332,7 @@ class CudaGraphRunner:
             return
         extra = [size for size in prefill_graph_sizes(extend_to) if size > top]
         for size in extra:
-            meta = self.buffers.prefill_metadata(size, self.max_model_len)
-            self.prefill_graphs[size] = self._capture_one(size, meta)
+            self._capture_prefill(size)
         torch.cuda.synchronize()
         self.prefill_sizes += extra
         self.max_prefill_tokens = extra[-1]
@@ -350,7 +348,7 @@ class CudaGraphRunner:
         never waits for a full queue: it is the host's own time. The graph's replay has no gaps
         between kernels: it is the GPU's own time."""
         buf = self.buffers
-        meta = self.buffers.prefill_metadata(size, self.max_model_len)
+        meta = buf.prefill_metadata(size, self.max_model_len)
         host, gpu = [], []
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(3):
@@ -366,6 +364,10 @@ class CudaGraphRunner:
             end.synchronize()
             gpu.append(begin.elapsed_time(end) / 1e3)
         return min(host), min(gpu)
+
+    def _capture_prefill(self, size: int) -> None:
+        meta = self.buffers.prefill_metadata(size, self.max_model_len)
+        self.prefill_graphs[size] = self._capture_one(size, meta)
 
     def _capture_one(
         self, rows: int, meta: AttentionMetadata, tail: DecodeTail | None = None

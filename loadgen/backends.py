@@ -208,10 +208,13 @@ class ConnectionLanes:
     own, lent to one request at a time; a request past ``size`` waits for a lane to come back.
 
     Why not one client with a pool of ``size``: httpcore 1.0's pool walks every connection it holds
-    on each request and each release (encode/httpx#3215), so a burst of n requests costs O(n²).
-    On the CPU machine one process took about 0.5 s of CPU to put 64 streamed requests on the
-    wire through one pool of 64, the last arriving 450-530 ms after the first was sent; in lanes,
-    50-90 ms of CPU and 14-48 ms. The servers' first tokens carried the difference."""
+    on each request and each release (encode/httpx#3215), so a burst of n requests over kept
+    connections costs O(n²). On the CPU machine one process took about 0.5 s of CPU to put 64
+    streamed requests on the wire through one pool of 64 idle connections, the last arriving
+    450-530 ms after the first was sent; in lanes, 50-90 ms of CPU and 14-48 ms. (The load
+    generator used to close each connection at [DONE] instead, which kept it clear of that; on
+    an H100 host the lanes changed no measured throughput: docs/benchmarks.md, thirteenth
+    session.)"""
 
     def __init__(self, size: int, headers: dict[str, str], timeout: httpx.Timeout) -> None:
         self._headers = headers
