@@ -3,6 +3,8 @@
 
     python scripts/device/dense_tiles_probe.py --down-splits [--models llama-1b,llama-8b]
     python scripts/device/dense_tiles_probe.py --row-tiles [--models ...] [--m 128,256]
+    python scripts/device/dense_tiles_probe.py --wide-tiles [--models ...] [--m 256]
+    python scripts/device/dense_tiles_probe.py --engine-chain [--models ...] [--m 256]
 
 --down-splits: a decode layer's launches at 64 rows (RMSNorm with the residual, qkv, rotary, o,
 RMSNorm, gate/up with the SiLU-and-mul epilogue, down) over all the model's layers in one CUDA
@@ -12,6 +14,14 @@ graph, the engine's tiles except the down projection's K splits (1, 2, 4), two r
 a CUDA graph) against cuBLAS, over row tiles (block_m 16 to 128), K tiles and (down) two K splits;
 then the layer's launches with cuBLAS (and the SiLU-and-mul that reads the interleaved columns),
 with the skinny GEMM at the engine's shapes and at each projection's best, two rounds.
+
+--wide-tiles: as --row-tiles, over larger tiles for batches past 128 rows: weight tiles of 64,
+128 and 256 rows, row tiles of 64 to 256, one to four K splits for every projection, 4 or 8
+warps (where the float32 accumulator fits the registers); each projection's best checked
+against cuBLAS's output.
+
+--engine-chain: the layer's launches with cuBLAS against the engine's path (``decode_linear``,
+``decode_glu``, else cuBLAS), three rounds alternating, outputs compared.
 
 Prints microseconds per call and per layer.
 """
@@ -99,32 +109,61 @@ def row_tile_configs(name: str, k: int, m: int) -> list[dict[str, Any]]:
     return out
 
 
-def sweep(name: str, n: int, k: int, m: int, weights: list[torch.Tensor]) -> dict[str, Any]:
+def wide_tile_configs(name: str, k: int, m: int) -> list[dict[str, Any]]:
+    """Weight tiles of 64-256 rows (64 for the gate/up epilogue), row tiles of 64-256, K tiles
+    of 64, one to four K splits (one for the epilogue), 4 or 8 warps, where the float32
+    accumulator takes at most 128 registers a thread."""
+    out = []
+    block_ns = (2 * skinny_gemm.GLU_HALF,) if name == "gate_up" else (64, 128, 256)
+    splits = (1,) if name == "gate_up" else (1, 2, 4)
+    for bn, bm, nw, split in itertools.product(block_ns, (64, 128, 256), (4, 8), splits):
+        if bm > max(64, 1 << (m - 1).bit_length()) or bn * bm > 128 * 32 * nw:
+            continue
+        if k % (64 * split) == 0:
+            out.append(dict(block_m=bm, block_n=bn, block_k=64, split_k=split, num_warps=nw))
+    return out
+
+
+def sweep(
+    name: str, n: int, k: int, m: int, weights: list[torch.Tensor], wide: bool = False
+) -> dict[str, Any]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     base = time_graph(lambda: [cublas(name, x, w) for w in weights], len(weights))
     rows = []
-    for cfg in row_tile_configs(name, k, m):
+    configs = wide_tile_configs(name, k, m) if wide else row_tile_configs(name, k, m)
+    for cfg in configs:
         gemm = skinny(cfg)
-        rows.append(
-            (time_graph(lambda g=gemm: [g(name, x, w) for w in weights], len(weights)), cfg)
-        )
+        try:
+            us = time_graph(lambda g=gemm: [g(name, x, w) for w in weights], len(weights))
+        except Exception as exc:  # a tile the shared memory or the compiler refuses
+            print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            continue
+        rows.append((us, cfg))
     rows.sort(key=lambda r: r[0])
     top = "; ".join(
-        f"m{c['block_m']}k{c['block_k']}s{c['split_k']}w{c['num_warps']} {us:.1f}"
+        f"n{c['block_n']}m{c['block_m']}k{c['block_k']}s{c['split_k']}w{c['num_warps']} {us:.1f}"
         for us, c in rows[:4]
     )
-    print(f"{name:8} N={n:<6} K={k:<6} M={m}: cuBLAS {base:6.2f} us | skinny {top}", flush=True)
+    want = cublas(name, x, weights[0]).float()
+    got = skinny(rows[0][1])(name, x, weights[0]).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    print(
+        f"{name:8} N={n:<6} K={k:<6} M={m}: cuBLAS {base:6.2f} us "
+        f"({n * k * 2 / base / 1e6:4.2f} TB/s) | skinny {top} | best's max diff {err:.2g} "
+        "of cuBLAS's largest",
+        flush=True,
+    )
     return rows[0][1]
 
 
-def row_tiles(model: str, m: int) -> None:
+def row_tiles(model: str, m: int, wide: bool = False) -> None:
     proj, dims, layers = interleaved_weights(model)
-    best = {p: sweep(p, *proj[p], m, [w[p] for w in layers]) for p in proj}
+    best = {p: sweep(p, *proj[p], m, [w[p] for w in layers], wide) for p in proj}
     dev = torch.device("cuda")
     engine = {p: dict(skinny_gemm.dense_tiles(*proj[p], dev)) for p in proj}
     engine["gate_up"] = dict(block_n=2 * skinny_gemm.GLU_HALF, block_k=engine["gate_up"]["block_k"])
     for name, cfg in engine.items():
-        cfg["block_m"] = skinny_gemm.dense_row_tile(m, proj[name][1])
+        cfg["block_m"] = skinny_gemm.dense_row_tile(m, *proj[name], dev)
     variants = (
         ("cuBLAS", dict.fromkeys(proj, cublas)),
         ("skinny, engine shapes", {p: skinny(engine[p]) for p in proj}),
@@ -138,6 +177,29 @@ def row_tiles(model: str, m: int) -> None:
             print(f"chain {model:13} M={m} round {rnd} {label:21} {us:7.2f} us a layer", flush=True)
 
 
+def engine_path(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the model's layers run in a CUDA graph: the skinny GEMM where it takes the product."""
+    if name == "gate_up":
+        out = skinny_gemm.decode_glu(x, w)
+    else:
+        out = skinny_gemm.decode_linear(x, w, None)
+    return cublas(name, x, w) if out is None else out
+
+
+def engine_chain(model: str, m: int) -> None:
+    proj, dims, layers = interleaved_weights(model)
+    outs = {}
+    for rnd in range(3):
+        for label, gemm in (("cuBLAS", cublas), ("engine path", engine_path)):
+            torch.manual_seed(0)
+            step, out = layer_chain(m, layers, dims, by_name(dict.fromkeys(proj, gemm)))
+            us = time_graph(step, dims["layers"])
+            outs[label] = out.float()
+            print(f"chain {model:13} M={m} round {rnd} {label:12} {us:7.2f} us a layer", flush=True)
+    diff = (outs["engine path"] - outs["cuBLAS"]).norm() / outs["cuBLAS"].norm()
+    print(f"chain {model:13} M={m}: engine path against cuBLAS, relative difference {diff:.3g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="llama-1b,llama-8b")
@@ -145,15 +207,20 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--down-splits", action="store_true")
     mode.add_argument("--row-tiles", action="store_true")
+    mode.add_argument("--wide-tiles", action="store_true")
+    mode.add_argument("--engine-chain", action="store_true")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     with skinny_gemm.for_graphs():
         for model in args.models.split(","):
             if args.down_splits:
                 down_splits(model)
+            elif args.engine_chain:
+                for m in (int(v) for v in args.m.split(",")):
+                    engine_chain(model, m)
             else:
                 for m in (int(v) for v in args.m.split(",")):
-                    row_tiles(model, m)
+                    row_tiles(model, m, wide=args.wide_tiles)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 # Each NAME=DIR[=SITE] is a checkout whose server is measured in turn (default: now=.), with
 # SITE (default $SITE, /tmp/site) first on its PYTHONPATH; for a before/after, carry an old tree
 # (git archive REV | tar -x -C .before) and pass now=. before=.before[=/tmp/site-before].
+# SERVE_FLAGS="..." adds flags to each `tandem serve` (for an A/B of a serving setting).
 # PYSPY=path/to/py-spy also samples the serve process (the API process) during the runs: folded
 # stacks in $OUT/pyspy-NAME.txt. On the GPU machine from the repository root; results under $OUT.
 # The wheels must include httptools (`bash ../shared/device/fetch-wheels.sh httptools`), a
@@ -24,7 +25,7 @@ SITE=${SITE:-/tmp/site}
 serve_tree() {  # serve_tree NAME DIR SITE: that checkout's server, with py-spy if asked
   local name=$1 dir=$2 site=$3 cmd
   cmd=(python3 -m frontend.cli serve --model "$MODEL" --port "$PORT" --max-model-len "$MAX_MODEL_LEN"
-       --stream-interval 16)
+       --stream-interval 16 ${SERVE_FLAGS:-})
   [ -n "${PYSPY:-}" ] && cmd=("$ROOT/$PYSPY" record --rate 200 --format raw --nonblocking
                               -o "$OUT/pyspy-$name.txt" -- "${cmd[@]}")
   (cd "$dir" && PYTHONPATH=$site:$PWD exec "${cmd[@]}") > "$OUT/serve-$name.log" 2>&1 &
