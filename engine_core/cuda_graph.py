@@ -122,6 +122,12 @@ def prefill_graph_shape(tokens: int, max_seqs: int) -> tuple[int, int]:
     return seqs, capacity(tokens, seqs, prefill_block_m(tokens))
 
 
+# The decode graphs' tail on our kernels: the LM head's product by the skinny GEMM (a chain
+# kernel after the final norm) and the argmax by row_argmax, against cuBLAS and torch.argmax
+# (False; for A/B measurements).
+TAIL_KERNELS = True
+
+
 @dataclass
 class DecodeTail:
     """What a decode graph computes after the forward, into static buffers: the logits of every
@@ -139,11 +145,23 @@ class DecodeTail:
         return cls(weight, vocab_size, logits, argmax)
 
     def run(self, hidden: torch.Tensor) -> None:
-        """hidden [B, hidden] -> logits[:B], argmax[:B] (the same product F.linear makes)."""
+        """hidden [B, hidden] -> logits[:B], argmax[:B] (the same product F.linear makes), for a
+        graph: the product by the skinny GEMM where a plain Linear would take it, and the argmax
+        by two chain kernels (TAIL_KERNELS)."""
+        from engine_core.models import skinny_gemm, triton_ops  # import triton: CUDA only
+
         rows = hidden.shape[0]
         logits = self.logits[:rows]
-        torch.mm(hidden, self.weight.t(), out=logits)
-        torch.argmax(logits[:, : self.vocab_size], dim=-1, out=self.argmax[:rows])
+        argmax = self.argmax[:rows]
+        product = None
+        if TAIL_KERNELS:
+            product = skinny_gemm.decode_linear(hidden, self.weight, None, out=logits)
+        if product is None:
+            torch.mm(hidden, self.weight.t(), out=logits)
+        if TAIL_KERNELS:
+            triton_ops.row_argmax(logits, self.vocab_size, out=argmax)
+        else:
+            torch.argmax(logits[:, : self.vocab_size], dim=-1, out=argmax)
 
 
 @dataclass

@@ -200,8 +200,9 @@ def check_replay_equals_eager(
 def check_decode_tail(
     on: GraphsOnRandomModel, hidden: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """A decode replay hands out, once, the logits the model projects from its output and their
-    argmax over the vocabulary; a prefill replay hands out none."""
+    """A decode replay hands out, once, the logits the model projects from its output (within
+    the rounding of F.linear's: on Hopper the skinny GEMM computes them) and their argmax over
+    the vocabulary; a prefill replay hands out none."""
     tail = on.graphs.take_tail()
     assert on.graphs.take_tail() is None
     if not meta.is_decode_only:
@@ -211,8 +212,9 @@ def check_decode_tail(
     logits, argmax = tail
     expected = on.model.compute_logits(hidden, widen=False)
     assert logits.shape == expected.shape == (meta.num_seqs, on.config.vocab_size)
-    assert torch.equal(logits, expected)
-    assert torch.equal(argmax, expected[:, : on.config.vocab_size].argmax(dim=-1))
+    err = (logits.float() - expected.float()).abs().max() / expected.float().abs().max()
+    assert err.item() <= 2**-7, f"logits differ from F.linear's by {err.item():.2e}"
+    assert torch.equal(argmax, logits[:, : on.config.vocab_size].argmax(dim=-1))
 
 
 @pytest.mark.gpu

@@ -86,7 +86,7 @@ def test_dense_tiles_product_equals_float32(n: int, k: int, m: int) -> None:
     several, the last one partial."""
     x, w = operands(m, n, k, torch.bfloat16)
     tiles = skinny_gemm.dense_tiles(n, k, x.device)
-    block_m = skinny_gemm.dense_row_tile(m, k)
+    block_m = skinny_gemm.dense_row_tile(m, n, k, x.device)
     got = skinny_gemm.skinny_gemm(x, w, x.dtype, block_m=block_m, **tiles)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     assert_within_rounding(got, reference(x, w, None), torch.bfloat16)
@@ -108,6 +108,19 @@ def test_per_thread_loads_give_the_same_product(m: int, block_m: int | None) -> 
     x, w = operands(m, 576, 1536, torch.bfloat16)
     got = skinny_gemm.skinny_gemm(x, w, x.dtype, block_k=128, tma=False, block_m=block_m)
     assert_within_rounding(got, reference(x, w, None), torch.bfloat16)
+
+
+def test_out_receives_the_product() -> None:
+    """``out`` (the decode graphs' static logits rows) gets the product and nothing around it;
+    a buffer of another shape is refused."""
+    x, w = operands(64, 3072, 1024, torch.bfloat16)
+    buf = torch.full((80, 3072), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = skinny_gemm.skinny_gemm(x, w, torch.bfloat16, out=buf[:64])
+    assert got.data_ptr() == buf.data_ptr()
+    assert_within_rounding(buf[:64], reference(x, w, None), torch.bfloat16)
+    assert buf[64:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_gemm.skinny_gemm(x, w, torch.bfloat16, out=buf[:63])
 
 
 def test_scales_must_come_in_pairs() -> None:
@@ -214,7 +227,7 @@ def test_glu_epilogue_equals_product_then_silu_and_mul(n: int, k: int, m: int) -
     applies the same SiLU-and-mul (in one row tile, and in several past 64 rows)."""
     x, w = operands(m, n, k, torch.bfloat16)
     tiles = dict(block_n=64, block_k=skinny_gemm.dense_tiles(n, k, x.device)["block_k"])
-    tiles["block_m"] = skinny_gemm.dense_row_tile(m, k)
+    tiles["block_m"] = skinny_gemm.dense_row_tile(m, n, k, x.device)
     separate = triton_ops.silu_and_mul(skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles))
     interleaved = skinny_gemm.interleave_gate_up(w)
     fused = skinny_gemm.skinny_gemm(x, interleaved, x.dtype, glu=True, **tiles)

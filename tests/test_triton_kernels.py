@@ -60,6 +60,7 @@ from engine_core.models.triton_ops import (  # noqa: E402
     qk_norm_rotary_inplace,
     rms_norm,
     rotary_inplace,
+    row_argmax,
     silu_and_mul,
 )
 from tests.paged_harness import generate_greedy, hf_greedy  # noqa: E402
@@ -590,6 +591,36 @@ def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
     gen = torch.Generator().manual_seed(intermediate)
     gate_up = randn(gen, num_tokens, 2 * intermediate)
     assert_close(silu_and_mul(gate_up), layers.silu_and_mul_torch(gate_up))
+
+
+# The decode graphs' argmax (cuda_graph.py DecodeTail) over a vocabulary of several 2,048-column
+# chunks with a partial last one, in a logits buffer wider than the vocabulary (padding columns).
+ARGMAX_VOCAB = 5000 if INTERPRET else 49152
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_row_argmax_is_torch_argmax(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    logits = randn(gen, rows, ARGMAX_VOCAB + 64)
+    logits[:, ARGMAX_VOCAB:] = 1e4  # padding past the vocabulary: never an answer
+    out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    row_argmax(logits, ARGMAX_VOCAB, out)
+    assert torch.equal(out, logits[:, :ARGMAX_VOCAB].argmax(dim=-1))
+
+
+def test_row_argmax_takes_the_first_of_equal_largest_values() -> None:
+    """Ties within a chunk, across chunks and over a whole row go to the first column, as
+    torch.argmax's do; a row of -inf answers 0."""
+    vocab = ARGMAX_VOCAB
+    logits = torch.zeros(4, vocab, device=DEVICE, dtype=DTYPE)
+    logits[0, [5, 6, vocab - 1]] = 3.0  # within the first chunk, and in the last
+    logits[1, [vocab - 1, 2100, 4100]] = 2.0  # the second chunk's holds the first
+    logits[2] = float("-inf")
+    logits[3, 7] = float("nan")  # NaN counts as the largest (+inf)
+    logits[3, 9] = float("inf")
+    out = torch.empty(4, dtype=torch.int64, device=DEVICE)
+    row_argmax(logits, vocab, out)
+    assert out.tolist() == [5, 2100, 0, 7]
 
 
 # ---- the models on the fused path, against HF ---------------------------------------------

@@ -301,6 +301,7 @@ def skinny_gemm(
     tma: bool | None = None,
     glu: bool = False,
     block_m: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a [M, K] @ w [N, K].T (+ bias) -> [M, N] out_dtype, the rows in tiles of ``block_m`` (a
     power of two from 16; default: all M <= SKINNY_MOST_ROWS rows in one tile). FP8 operands
@@ -309,7 +310,8 @@ def skinny_gemm(
     loads the tiles through the tensor memory accelerator; ``num_stages`` defaults to the
     measured best that the shared memory holds. ``glu``: w is a gate/up projection's weight as
     interleave_gate_up arranges it, and the result is silu(gate) * up, [M, N / 2] (block_n
-    2 * GLU_HALF, one split, no bias, no scales)."""
+    2 * GLU_HALF, one split, no bias, no scales). ``out``: where to write the result (rows of
+    unit column stride), else a new tensor."""
     m, k = a.shape
     n = w.shape[0]
     if block_m is None and m > SKINNY_MOST_ROWS:
@@ -323,7 +325,12 @@ def skinny_gemm(
     if glu and (not glu_fits or bias is not None or scaled):
         raise ValueError("the skinny GEMM's SiLU-and-mul epilogue takes block_n 2 * GLU_HALF, "
                          "whole tiles of N, one split, no bias and no scales")  # fmt: skip
-    out = torch.empty((m, n // 2 if glu else n), dtype=out_dtype, device=a.device)
+    shape = (m, n // 2 if glu else n)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    elif out.shape != shape or out.dtype != out_dtype or out.stride(1) != 1:
+        raise ValueError(f"skinny GEMM: out must be {shape} {out_dtype} rows, got "
+                         f"{tuple(out.shape)} {out.dtype}")  # fmt: skip
     if m == 0:
         return out
     if block_m is None:
@@ -447,31 +454,40 @@ GLU_ON = os.environ.get("TANDEM_GLU_EPILOGUE", "1") != "0"
 
 
 def decode_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """x [M, K] @ w.T (+ bias) by the skinny GEMM where it is the plain-weight path
-    (takes_plain_product); None where cuBLAS should run it."""
+    (takes_plain_product), into ``out`` if given; None where cuBLAS should run it."""
     if not takes_plain_product(x, w):
         return None
     tiles = dense_tiles(w.shape[0], w.shape[1], x.device)
-    block_m = dense_row_tile(x.shape[0], w.shape[1])
-    return skinny_gemm(x, w, x.dtype, bias=bias, block_m=block_m, **tiles)
+    block_m = dense_row_tile(x.shape[0], w.shape[0], w.shape[1], x.device)
+    return skinny_gemm(x, w, x.dtype, bias=bias, block_m=block_m, out=out, **tiles)
 
 
-def dense_row_tile(m: int, k: int) -> int | None:
-    """The row tile of a plain product of m rows over K = k: all in one up to ONE_TILE_ROWS
-    (None), in tiles of SHORT_K_ROW_TILE rows there for a short K (SHORT_K or less), and in
-    tiles of ONE_TILE_ROWS past it (its float32 accumulator has to fit the registers).
+def dense_row_tile(m: int, n: int, k: int, device: torch.device) -> int | None:
+    """The row tile of a plain product of m rows by an [N, K] = [n, k] weight: all in one up to
+    ONE_TILE_ROWS (None), in tiles of SHORT_K_ROW_TILE rows there for a short K (SHORT_K or
+    less) whose 64-row weight tiles are fewer than the multiprocessors, and in tiles of
+    ONE_TILE_ROWS past it (its float32 accumulator has to fit the registers).
 
     A short product's few weight tiles (smollm2's o projection: 9) leave most multiprocessors
     idle; 16-row tiles put four programs on each. On an H100 (docs/benchmarks.md, twelfth
     session): smollm2's decode layer at 64 rows took 17.0 us instead of 17.85
     (scripts/device/dense_tiles_probe.py --row-tiles), its decode-64 ITL 0.97-0.98 ms instead
     of 0.99; llama-1b's layer (K 2,048 and 8,192) gained nothing (58.2 against 58.4). At 128
-    rows 16-row tiles were slower for smollm2 (ITL 1.20-1.24 against 1.15-1.18 ms)."""
+    rows 16-row tiles were slower for smollm2 (ITL 1.20-1.24 against 1.15-1.18 ms). A wide
+    weight fills the GPU anyway: smollm2's LM head (768 weight tiles) took 36.5 us in 16-row
+    tiles, 25.7 in one (fourteenth session)."""
     if m > ONE_TILE_ROWS:
         return ONE_TILE_ROWS
-    return SHORT_K_ROW_TILE if k <= SHORT_K else None
+    few_tiles = triton.cdiv(n, 64) < _multiprocessors(device)
+    return SHORT_K_ROW_TILE if k <= SHORT_K and few_tiles else None
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def takes_plain_product(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -507,7 +523,7 @@ def dense_tiles(n: int, k: int, device: torch.device) -> dict[str, int]:
     block_n = 64
     block_k = 128 if k % 128 == 0 else 64
     n_tiles = triton.cdiv(n, block_n)
-    room = n_tiles * 2 <= torch.cuda.get_device_properties(device).multi_processor_count
+    room = n_tiles * 2 <= _multiprocessors(device)
     split_k = 2 if room and k >= LONG_K and k % (2 * block_k) == 0 else 1
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k}
 
@@ -518,7 +534,7 @@ def decode_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not takes_plain_product(x, w):
         return None
     block_k = dense_tiles(w.shape[0], w.shape[1], x.device)["block_k"]
-    block_m = dense_row_tile(x.shape[0], w.shape[1])
+    block_m = dense_row_tile(x.shape[0], w.shape[0], w.shape[1], x.device)
     return skinny_gemm(
         x, w, x.dtype, block_n=2 * GLU_HALF, block_k=block_k, glu=True, block_m=block_m
     )
