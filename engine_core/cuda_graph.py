@@ -122,9 +122,12 @@ def prefill_graph_shape(tokens: int, max_seqs: int) -> tuple[int, int]:
     return seqs, capacity(tokens, seqs, prefill_block_m(tokens))
 
 
-# The decode graphs' tail on our kernels: the LM head's product by the skinny GEMM (a chain
-# kernel after the final norm) and the argmax by row_argmax, against cuBLAS and torch.argmax
-# (False; for A/B measurements).
+# The decode graphs' tail on our kernels: the LM head's product by the skinny GEMM where a plain
+# Linear would take it, and the argmax by row_argmax's two chain kernels; False: cuBLAS and
+# torch.argmax (for A/B measurements). The graph's logits then differ from an eager step's
+# (compute_logits, cuBLAS) by the rounding of another summation order, as its layers' products do.
+# On an H100 at decode-64 (docs/benchmarks.md, fourteenth session) the decode graph's replay took
+# 6-13 us less for smollm2 and llama-1b, 21-26 us less for llama-8b.
 TAIL_KERNELS = True
 
 
@@ -145,9 +148,9 @@ class DecodeTail:
         return cls(weight, vocab_size, logits, argmax)
 
     def run(self, hidden: torch.Tensor) -> None:
-        """hidden [B, hidden] -> logits[:B], argmax[:B] (the same product F.linear makes), for a
-        graph: the product by the skinny GEMM where a plain Linear would take it, and the argmax
-        by two chain kernels (TAIL_KERNELS)."""
+        """hidden [B, hidden] -> logits[:B] (hidden @ weight.T, within rounding of F.linear's)
+        and argmax[:B], for a graph: the product by the skinny GEMM where a plain Linear would
+        take it, and the argmax by two chain kernels (TAIL_KERNELS)."""
         from engine_core.models import skinny_gemm, triton_ops  # import triton: CUDA only
 
         rows = hidden.shape[0]

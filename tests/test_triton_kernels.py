@@ -594,8 +594,9 @@ def test_silu_and_mul_matches_layer(num_tokens: int, intermediate: int) -> None:
 
 
 # The decode graphs' argmax (cuda_graph.py DecodeTail) over a vocabulary of several 2,048-column
-# chunks with a partial last one, in a logits buffer wider than the vocabulary (padding columns).
-ARGMAX_VOCAB = 5000 if INTERPRET else 49152
+# chunks with a partial last one (GPT-2's on the GPU), in a logits buffer wider than the
+# vocabulary (padding columns).
+ARGMAX_VOCAB = 5000 if INTERPRET else 50257
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -616,11 +617,21 @@ def test_row_argmax_takes_the_first_of_equal_largest_values() -> None:
     logits[0, [5, 6, vocab - 1]] = 3.0  # within the first chunk, and in the last
     logits[1, [vocab - 1, 2100, 4100]] = 2.0  # the second chunk's holds the first
     logits[2] = float("-inf")
-    logits[3, 7] = float("nan")  # NaN counts as the largest (+inf)
+    logits[3, 7] = float("nan")  # NaN counts as +inf (the first of them wins, as in torch)
     logits[3, 9] = float("inf")
     out = torch.empty(4, dtype=torch.int64, device=DEVICE)
     row_argmax(logits, vocab, out)
     assert out.tolist() == [5, 2100, 0, 7]
+
+
+def test_row_argmax_refuses_what_it_cannot_answer() -> None:
+    logits = torch.zeros(2, 100, device=DEVICE, dtype=DTYPE)
+    out = torch.empty(2, dtype=torch.int64, device=DEVICE)
+    for n_cols in (0, 101):
+        with pytest.raises(ValueError, match="row_argmax"):
+            row_argmax(logits, n_cols, out)
+    with pytest.raises(ValueError, match="int64"):
+        row_argmax(logits, 100, out.to(torch.int32))
 
 
 # ---- the models on the fused path, against HF ---------------------------------------------

@@ -413,9 +413,12 @@ def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
 # TANDEM_DENSE_SKINNY=0 in the environment keeps cuBLAS for every plain product (read at import;
 # for A/B measurements).
 DENSE_MAX_ROWS = 128
+DENSE_BLOCK_N = 64  # weight rows a program takes (dense_tiles)
 ONE_TILE_ROWS = 64
 TILED_ROWS_MAX_SIDE = 2048
-SHORT_K = 1536  # up to 64 rows, smollm2's products (K 576 and 1,536) go in 16-row tiles
+# Up to 64 rows, products over a K this short (smollm2's 576 and 1,536) go in 16-row tiles where
+# the weight has few tiles (dense_row_tile: smollm2's projections, not its LM head).
+SHORT_K = 1536
 SHORT_K_ROW_TILE = 16
 LONG_K = 8192  # dense_tiles splits the K range of products this long
 DENSE_ON = os.environ.get("TANDEM_DENSE_SKINNY", "1") != "0"
@@ -468,8 +471,8 @@ def decode_linear(
 def dense_row_tile(m: int, n: int, k: int, device: torch.device) -> int | None:
     """The row tile of a plain product of m rows by an [N, K] = [n, k] weight: all in one up to
     ONE_TILE_ROWS (None), in tiles of SHORT_K_ROW_TILE rows there for a short K (SHORT_K or
-    less) whose 64-row weight tiles are fewer than the multiprocessors, and in tiles of
-    ONE_TILE_ROWS past it (its float32 accumulator has to fit the registers).
+    less) whose weight tiles (DENSE_BLOCK_N rows) are fewer than the multiprocessors, and in
+    tiles of ONE_TILE_ROWS past it (its float32 accumulator has to fit the registers).
 
     A short product's few weight tiles (smollm2's o projection: 9) leave most multiprocessors
     idle; 16-row tiles put four programs on each. On an H100 (docs/benchmarks.md, twelfth
@@ -481,7 +484,7 @@ def dense_row_tile(m: int, n: int, k: int, device: torch.device) -> int | None:
     tiles, 25.7 in one (fourteenth session)."""
     if m > ONE_TILE_ROWS:
         return ONE_TILE_ROWS
-    few_tiles = triton.cdiv(n, 64) < _multiprocessors(device)
+    few_tiles = triton.cdiv(n, DENSE_BLOCK_N) < _multiprocessors(device)
     return SHORT_K_ROW_TILE if k <= SHORT_K and few_tiles else None
 
 
@@ -520,7 +523,7 @@ def dense_tiles(n: int, k: int, device: torch.device) -> dict[str, int]:
     were slower for qkv, while llama-1b's o and smollm2's down were 5-7% faster in two to four
     (with the reduction kernel); in the engine, splitting every K from 1,536 gained nothing
     (llama-1b's decode-64 ITL 1.35-1.37 -> 1.38-1.41 ms)."""
-    block_n = 64
+    block_n = DENSE_BLOCK_N
     block_k = 128 if k % 128 == 0 else 64
     n_tiles = triton.cdiv(n, block_n)
     room = n_tiles * 2 <= _multiprocessors(device)

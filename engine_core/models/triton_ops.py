@@ -434,16 +434,22 @@ ARGMAX_CHUNK = 2048  # columns per program: a 49,152-token vocabulary in 24 prog
 
 
 def row_argmax(x: torch.Tensor, n_cols: int, out: torch.Tensor) -> torch.Tensor:
-    """out[r] = the first column of x[r, :n_cols] holding its largest value (NaN counts as
-    +inf; torch.argmax's answer otherwise), x [R, >= n_cols] with unit column stride, out [R]
-    int64. Two launches, chain kernels of the decode step: many programs a row read the row's
-    chunks at once, then one a row picks the best. torch.argmax, one block a row, took 13-14 us
-    for 64 rows of a 49,152-token vocabulary on an H100 (docs/benchmarks.md)."""
+    """out[r] = the first column of x[r, :n_cols] holding its largest value, x [R, >= n_cols]
+    with unit column stride, out [R] int64: torch.argmax's answer, except that NaN counts as
+    +inf here (torch ranks it above +inf; a row holding both is broken logits either way).
+
+    Two launches, chain kernels of the decode step: many programs a row read the row's chunks at
+    once, then one a row picks the best. torch.argmax runs one block a row: with the LM head
+    before it, 64 rows of a 49,152-token vocabulary, 8-11 us more on an H100
+    (scripts/device/decode_tail_probe.py, docs/benchmarks.md)."""
     rows = x.shape[0]
+    if x.dim() != 2 or x.stride(1) != 1 or not 0 < n_cols <= x.shape[1]:
+        raise ValueError(f"row_argmax: x must be [R, >= {n_cols}] rows of unit column stride, "
+                         f"n_cols at least 1; got {tuple(x.shape)}")  # fmt: skip
+    if out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"row_argmax: out must be [{rows}] int64, contiguous")
     if rows == 0:
         return out
-    if x.stride(1) != 1:
-        raise ValueError("row_argmax needs unit stride along the columns")
     chunks = triton.cdiv(n_cols, ARGMAX_CHUNK)
     best = torch.empty(rows * chunks, dtype=torch.float32, device=x.device)
     where = torch.empty(rows * chunks, dtype=torch.int32, device=x.device)
