@@ -156,15 +156,13 @@ class DecodeTail:
         rows = hidden.shape[0]
         logits = self.logits[:rows]
         argmax = self.argmax[:rows]
-        product = None
-        if TAIL_KERNELS:
-            product = skinny_gemm.decode_linear(hidden, self.weight, None, out=logits)
-        if product is None:
+        if not TAIL_KERNELS:
             torch.mm(hidden, self.weight.t(), out=logits)
-        if TAIL_KERNELS:
-            triton_ops.row_argmax(logits, self.vocab_size, out=argmax)
-        else:
             torch.argmax(logits[:, : self.vocab_size], dim=-1, out=argmax)
+            return
+        if skinny_gemm.decode_linear(hidden, self.weight, None, out=logits) is None:
+            torch.mm(hidden, self.weight.t(), out=logits)
+        triton_ops.row_argmax(logits, self.vocab_size, out=argmax)
 
 
 @dataclass
