@@ -39,10 +39,12 @@ from frontend.openai_schemas import (
     TokenizeRequest,
 )
 from frontend.serving_context import ServingContext
+from frontend.sse import DONE
 
 logger = logging.getLogger("tandem.frontend")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE_BYTES = DONE.encode()
 STATS_TIMEOUT_S = 10.0  # the engine answers between steps, and a CPU prefill step can be slow
 
 
@@ -268,6 +270,21 @@ class AdmittedStreamingResponse(StreamingResponse):
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self.content = content
         self.release = release
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but the chunk that ends with ``[DONE]`` (our streams end with one chunk
+        holding the last deltas, the usage and ``[DONE]``) also ends the response: one write
+        instead of three, when a burst of streams ends together."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self.content:
+            body = chunk.encode()
+            if body.endswith(DONE_BYTES):
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.current_task()

@@ -135,6 +135,7 @@ async def stream_chat(
 ) -> AsyncIterator[str]:
     writer = ChunkWriter(gen.id, "chat.completion.chunk", ctx.served_model, req.include_usage)
     streams = [ChoiceStream(gen.tools, req) for _ in gen.choices]
+    last = ""  # the stream's end, sent in one write (see AdmittedStreamingResponse)
     try:
         role = {"role": "assistant", "content": ""}
         yield writer.chunk([chat_delta(c.index, role) for c in gen.choices])
@@ -148,12 +149,15 @@ async def stream_chat(
                 if delta or finish or (lp is not None and lp.content):
                     parts.append(chat_delta(d.index, delta, lp, finish))
             if parts:
-                yield writer.chunk(parts)
+                if gen.finished:  # the last chunk: it goes out with what ends the stream
+                    last = writer.chunk(parts)
+                else:
+                    yield writer.chunk(parts)
         if req.include_usage:
-            yield writer.chunk([], gen.usage())
+            last += writer.chunk([], gen.usage())
     except Exception as exc:
-        yield sse_error(exc)
-    yield DONE
+        last += sse_error(exc)
+    yield last + DONE
 
 
 class ChoiceStream:

@@ -97,6 +97,7 @@ async def stream_completion(
     offsets = [0] * len(gen.choices)
     echo = echo_texts(ctx, req, gen)
     echo_due = [bool(echo)] * len(gen.choices)  # choices whose echo is still to be sent
+    last = ""  # the stream's end, sent in one write (see AdmittedStreamingResponse)
     try:
         if echo and req.logprobs is None:
             yield writer.chunk(
@@ -121,12 +122,15 @@ async def stream_completion(
                 if text or d.finish_reason or (lp is not None and lp.tokens):
                     parts.append(completion_delta(d.index, text, lp, d.finish_reason))
             if parts:
-                yield writer.chunk(parts)
+                if gen.finished:  # the last chunk: it goes out with what ends the stream
+                    last = writer.chunk(parts)
+                else:
+                    yield writer.chunk(parts)
         if req.include_usage:
-            yield writer.chunk([], gen.usage())
+            last += writer.chunk([], gen.usage())
     except Exception as exc:
-        yield sse_error(exc)
-    yield DONE
+        last += sse_error(exc)
+    yield last + DONE
 
 
 def completion_delta(

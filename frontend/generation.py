@@ -321,6 +321,11 @@ class Generation:
                     reason, len(choice.prompt_ids), None, time.monotonic() - self.arrival, 0
                 )
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has flushed its finish: the stream's last chunk is the one just built."""
+        return all(c.finish_reason is not None for c in self.choices)
+
     def usage(self) -> UsageInfo:
         return UsageInfo.of(
             sum(len(p) for p in self.prompts), sum(len(c.token_ids) for c in self.choices)

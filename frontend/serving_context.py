@@ -77,5 +77,5 @@ class ServingContext:
             raise engine_unavailable(str(exc)) from None
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        if any(not 0 <= t < self.vocab_size for t in ids):
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise bad_request(f"token ids must lie in [0, {self.vocab_size})", param)

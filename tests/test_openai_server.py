@@ -12,6 +12,7 @@ do not depend on each other are sent at once, so the engine batches them (the CP
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -123,6 +124,53 @@ def test_greedy_matches_hf_streamed_or_not(client: openai.OpenAI, hf: tuple[Any,
         tok, want_chat
     )
     assert h_chunks[-1].usage == h_whole.usage
+
+
+def chunked_frames(server: Server, path: str, body: dict[str, Any]) -> list[bytes]:
+    """POST ``body`` over a raw socket; the response body's chunks as the server framed them
+    (one per write), without the closing empty one."""
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    auth = "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=300) as sock:
+        sock.sendall(head.encode() + payload)
+        data = b""
+        while received := sock.recv(65536):
+            data += received
+    headers, _, rest = data.partition(b"\r\n\r\n")
+    assert headers.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in headers.lower()
+    frames = []
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return frames
+        frames.append(rest[:size])
+        assert rest[size : size + 2] == b"\r\n"
+        rest = rest[size + 2 :]
+
+
+def test_a_stream_ends_in_one_write(server: Server) -> None:
+    """The last deltas, the usage and [DONE] leave in one chunk of the body, so the streams of a
+    burst that end together cost one write each; every chunk before it holds one event."""
+    usage = {"include_usage": True}
+    common = dict(model="default", max_tokens=5, ignore_eos=True, stream=True, stream_options=usage)
+    messages = [{"role": "user", "content": QUESTION}]
+    for path, body in (
+        ("/v1/completions", {**common, "prompt": PROMPT}),
+        ("/v1/chat/completions", {**common, "messages": messages}),
+    ):
+        frames = chunked_frames(server, path, body)
+        events = [e for e in frames[-1].decode().split("\n\n") if e]
+        assert len(events) == 3 and events[-1] == "data: [DONE]", (path, events)
+        last, totals = (json.loads(e.removeprefix("data: ")) for e in events[:2])
+        assert last["choices"][0]["finish_reason"] == "length", path
+        assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == 5, path
+        assert all(frame.count(b"data: ") == 1 for frame in frames[:-1]), path
 
 
 def test_token_id_and_batched_prompts_match_hf(client: openai.OpenAI, hf: tuple[Any, Any]) -> None:

@@ -104,3 +104,26 @@ def test_a_server_that_cancels_the_request_task_sees_the_cancellation() -> None:
         assert chunks.cleaned_up and releases == [1]
 
     asyncio.run(main())
+
+
+def test_the_chunk_that_ends_with_done_ends_the_response() -> None:
+    """Our streams end with one chunk (last deltas, usage, [DONE]): it goes out as the response's
+    last body, with no empty body after it, and the generator still cleans up."""
+
+    async def stream(cleaned: list[bool]) -> AsyncGenerator[str, None]:
+        try:
+            yield "data: 0\n\n"
+            yield "data: 1\n\ndata: [DONE]\n\n"
+            yield "data: never\n\n"  # nothing follows [DONE]: the response has ended
+        finally:
+            cleaned.append(True)
+
+    async def main() -> None:
+        conn, releases, cleaned = Connection(), [], []
+        response = AdmittedStreamingResponse(stream(cleaned), lambda: releases.append(1))
+        await response(SCOPE, conn.receive, conn.send)
+        assert conn.bodies == [b"data: 0\n\n", b"data: 1\n\ndata: [DONE]\n\n"]
+        assert [m.get("more_body") for m in conn.sent[1:]] == [True, False]
+        assert releases == [1] and cleaned == [True]
+
+    asyncio.run(main())
