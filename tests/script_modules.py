@@ -11,8 +11,9 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 def load_script(name: str) -> ModuleType:
-    """scripts/``name``.py under the module name ``<name>_under_test``."""
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", SCRIPTS / f"{name}.py")
+    """scripts/``name``.py (``name`` may hold a folder) as the module ``<stem>_under_test``."""
+    module_name = f"{Path(name).name}_under_test"
+    spec = importlib.util.spec_from_file_location(module_name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the body runs
