@@ -168,8 +168,8 @@ class Generation:
                 deltas = self._apply_batch(group, items)
                 if deltas:
                     yield deltas  # what came before the engine died, flushed first
-                if dead is not None:
-                    raise dead  # run() resumes the request if it may
+                if dead is not None and not self.finished:
+                    raise dead  # run() resumes the request if it may (not one already done)
 
     def _wake_every(self) -> int | None:
         """How many tokens the group gathers before it wakes this task (see RequestGroup)."""
