@@ -37,7 +37,8 @@ def load(folder: Path) -> list[Record]:
 
 
 def bursts(records: list[Record]) -> list[list[Record]]:
-    """Cut where a request arrives after the engine's live requests had all finished."""
+    """Cut where a request arrives after the engine's live requests had all finished or been
+    aborted."""
     out: list[list[Record]] = []
     current: list[Record] = []
     live, idle = 0, False
@@ -48,8 +49,8 @@ def bursts(records: list[Record]) -> list[list[Record]]:
         current.append(r)
         if r[1] == "add":
             live += 1
-        elif r[1] == "upd":
-            live -= r[3]
+        elif r[1] in ("upd", "abort"):
+            live -= r[3] if r[1] == "upd" else r[2]
             idle = live == 0
     if current:
         out.append(current)

@@ -8,9 +8,10 @@ host), when
 - the API process read an HTTP request (``http``), encoded prompts (``enc``: prompts, seconds),
   sent an AddRequest (``send``), took in a request's first token (``ft``) and its end (``fin``),
   and wrote a response's first body chunk (``chunk1``);
-- the engine took a request in (``add``), planned a step (``step``: prompt tokens, decode
-  rows, running, waiting; a row of one token counts as a decode) and applied one (``upd``:
-  first tokens, finished requests).
+- the engine took a request in (``add``, once accepted), planned a step that runs something
+  (``step``: prompt tokens, decode rows, running, waiting; a row of one token counts as a
+  decode), applied one (``upd``: first tokens, finished requests) and aborted requests
+  (``abort``: how many).
 
 Every half second each process writes what it has to BURST_TRACE_OUT/trace-PID.json;
 ``python scripts/device/burst_trace_report.py FOLDER`` reads them. With one_api_process.sh:
@@ -62,28 +63,47 @@ def _trace_engine() -> None:
     from engine_core.scheduler import Scheduler
 
     add, schedule, update = Scheduler.add_request, Scheduler.schedule, Scheduler.update_from_output
+    abort = Scheduler.abort_requests
 
     def add_request(self: Scheduler, request: Any) -> None:
+        add(self, request)  # raises for a request it refuses: that one is not recorded
         _record("add")
-        add(self, request)
+
+    def abort_requests(self: Scheduler, request_ids: Any) -> list[Any]:
+        aborted = abort(self, request_ids)
+        if aborted:
+            _record("abort", len(aborted))
+        return aborted
 
     def traced_schedule(self: Scheduler) -> Any:
         plan = schedule(self)
+        if not plan.scheduled:
+            return plan  # nothing runs (with overlap, the step that settles the last one)
         steps = [s.num_new_tokens for s in plan.scheduled]
         prompt_tokens = sum(n for n in steps if n > 1)
         _record("step", prompt_tokens, steps.count(1), len(self.running), len(self.waiting))
         return plan
 
     def update_from_output(self: Scheduler, plan: Any, sampled: list[int]) -> Any:
-        awaiting = len(self._awaiting_first_token)
+        awaiting = self._awaiting_first_token  # the scheduler replaces it with those still waiting
         events = update(self, plan, sampled)
-        firsts = awaiting - len(self._awaiting_first_token)
+        firsts = sum(1 for r in awaiting if _got_first_token(r))
         _record("upd", firsts, sum(e.finish_reason is not None for e in events))
         return events
 
     Scheduler.add_request = add_request  # type: ignore[method-assign]
+    Scheduler.abort_requests = abort_requests  # type: ignore[method-assign]
     Scheduler.schedule = traced_schedule  # type: ignore[method-assign]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+
+
+def _got_first_token(request: Any) -> bool:
+    """Whether a request that waited for its first token has it now: stamped, or finished with
+    tokens of its own (a request that ends at its first token is not stamped); not an abort."""
+    if request.first_token_time:
+        return True
+    output = len(request.token_ids) - request.first_token_index
+    return request.is_finished and request.finish_reason.name != "ABORT" and output > 0
 
 
 def _trace_api() -> None:
