@@ -162,6 +162,7 @@ def test_a_stream_ends_in_one_write(server: Server) -> None:
     messages = [{"role": "user", "content": QUESTION}]
     for path, body in (
         ("/v1/completions", {**common, "prompt": PROMPT}),
+        ("/v1/completions", {**common, "prompt": PROMPT, "n": 2, "temperature": 1.0, "seed": 7}),
         ("/v1/chat/completions", {**common, "messages": messages}),
     ):
         frames = chunked_frames(server, path, body)
@@ -169,7 +170,8 @@ def test_a_stream_ends_in_one_write(server: Server) -> None:
         assert len(events) == 3 and events[-1] == "data: [DONE]", (path, events)
         last, totals = (json.loads(e.removeprefix("data: ")) for e in events[:2])
         assert last["choices"][0]["finish_reason"] == "length", path
-        assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == 5, path
+        n = body.get("n", 1)
+        assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == 5 * n, path
         assert all(frame.count(b"data: ") == 1 for frame in frames[:-1]), path
 
 
