@@ -61,6 +61,17 @@ def _dump_every(seconds: float) -> None:
 
 def _trace_engine() -> None:
     from engine_core.scheduler import Scheduler
+    from protocol.messages import FinishReason
+
+    def got_first_token(request: Any) -> bool:
+        """Whether a request that waited for its first token has it now: stamped, or finished
+        with tokens of its own (one that ends at its first token is not stamped); no abort."""
+        if request.first_token_time:
+            return True
+        has_output = len(request.token_ids) > request.first_token_index
+        return (
+            request.is_finished and request.finish_reason is not FinishReason.ABORT and has_output
+        )
 
     add, schedule, update = Scheduler.add_request, Scheduler.schedule, Scheduler.update_from_output
     abort = Scheduler.abort_requests
@@ -87,7 +98,7 @@ def _trace_engine() -> None:
     def update_from_output(self: Scheduler, plan: Any, sampled: list[int]) -> Any:
         awaiting = self._awaiting_first_token  # the scheduler replaces it with those still waiting
         events = update(self, plan, sampled)
-        firsts = sum(1 for r in awaiting if _got_first_token(r))
+        firsts = sum(1 for r in awaiting if got_first_token(r))
         _record("upd", firsts, sum(e.finish_reason is not None for e in events))
         return events
 
@@ -95,15 +106,6 @@ def _trace_engine() -> None:
     Scheduler.abort_requests = abort_requests  # type: ignore[method-assign]
     Scheduler.schedule = traced_schedule  # type: ignore[method-assign]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
-
-
-def _got_first_token(request: Any) -> bool:
-    """Whether a request that waited for its first token has it now: stamped, or finished with
-    tokens of its own (a request that ends at its first token is not stamped); not an abort."""
-    if request.first_token_time:
-        return True
-    output = len(request.token_ids) - request.first_token_index
-    return request.is_finished and request.finish_reason.name != "ABORT" and output > 0
 
 
 def _trace_api() -> None:
