@@ -45,6 +45,7 @@ from protocol.messages import (
     Ready,
     RequestError,
     StepOutputs,
+    TokenLogprobs,
 )
 from protocol.processes import ParentWatch, freeze_startup_heap, spread_young_collections
 
@@ -316,6 +317,7 @@ class EngineProc:
             msg.params,
             client_id=client,
             client_request_id=msg.request_id,
+            output_interval=msg.output_interval,
         )
         try:
             self.core.add_request(request)
@@ -363,15 +365,21 @@ class EngineProc:
             if out.error is not None:
                 self.outbox.put((r.client_id, RequestError(r.client_request_id, out.error, 400)))
                 continue
+            tokens, logprobs = out.new_token_ids, out.logprobs
+            if r.output_interval > 1:
+                released = release_held(out)
+                if released is None:
+                    continue  # held back until the request's output interval fills
+                tokens, logprobs = released
             frame = frames.get(r.client_id)
             if frame is None:
                 frame = frames[r.client_id] = StepOutputsFrame()
             reason = out.finish_reason
             frame.add(
                 r.client_request_id,
-                out.new_token_ids,
+                tokens,
                 reason,
-                out.logprobs,
+                logprobs,
                 out.prompt_logprobs,
                 None if reason is None else r.timings(),
             )
@@ -389,6 +397,31 @@ class EngineProc:
             self._last_heartbeat = now
             for client in self.clients:
                 self.outbox.put((client, Heartbeat(self.core.num_steps)))
+
+
+def release_held(out: EngineOutput) -> tuple[list[int], list[TokenLogprobs] | None] | None:
+    """A request with an output interval: hold this step's tokens (and logprobs) back and
+    return None, or return every held token and logprob to send now: its first token, once
+    ``output_interval`` tokens have gathered, and with its end. An abort or an error drops what
+    is held: the client gets no more tokens of an aborted or failed request anyway."""
+    r = out.request
+    r.held_token_ids += out.new_token_ids
+    if out.logprobs is not None:
+        r.held_logprobs += out.logprobs
+    due = (
+        out.finish_reason is not None
+        or not r.has_sent_output
+        or len(r.held_token_ids) >= r.output_interval
+        or not out.new_token_ids  # an output without tokens carries something else: send it
+    )
+    if not due:
+        return None
+    tokens, r.held_token_ids = r.held_token_ids, []
+    logprobs = None
+    if r.held_logprobs:  # one per held token, when the request asked for them
+        logprobs, r.held_logprobs = r.held_logprobs, []
+    r.has_sent_output = True
+    return tokens, logprobs
 
 
 # ---- `tandem engine` --------------------------------------------------------------------------

@@ -54,6 +54,12 @@ class Request:
     # the length at which it stops (prompt + max_tokens, or the model's limit if lower).
     stop_ids: frozenset[int] = frozenset()
     length_limit: int = 0
+    # Its client asked for its tokens once this many have gathered (AddRequest's
+    # output_interval); until then the engine process holds them here (engine_core/proc.py).
+    output_interval: int = 1
+    held_token_ids: list[int] = field(default_factory=list)
+    held_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    has_sent_output: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

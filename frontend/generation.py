@@ -36,6 +36,11 @@ from protocol.messages import (
     TokenLogprobs,
 )
 
+# A non-streamed choice's tokens come from the engine in outputs of this many (and its first
+# token and its end at once): it needs them only at its end, and an engine that dies loses no
+# more than this many tokens' work to the resume.
+UNSTREAMED_OUTPUT_INTERVAL = 64
+
 # ---- per-choice state -------------------------------------------------------------------------
 
 
@@ -98,12 +103,13 @@ class Generation:
             Choice(i, prompts[i // n], TextStream(ctx.tokenizer.decode, stop))
             for i in range(len(prompts) * n)
         ]
-        self.requests = [
-            EngineRequest(f"{request_id}-{c.index}", c.prompt_ids, params[c.index % n])
-            for c in self.choices
-        ]
         # Whether some choice decodes each output as it comes (stop strings; see _wake_every).
         self._stepwise = any(c.text.has_stop_strings for c in self.choices)
+        interval = self._output_interval()
+        self.requests = [
+            EngineRequest(f"{request_id}-{c.index}", c.prompt_ids, params[c.index % n], 0, interval)
+            for c in self.choices
+        ]
         # The open engine group's members, by their index in it: all choices at first; after
         # an engine's death, the unfinished ones, resumed (``_resume``).
         self.members = [c.index for c in self.choices]
@@ -170,6 +176,15 @@ class Generation:
                     yield deltas  # what came before the engine died, flushed first
                 if dead is not None and not self.finished:
                     raise dead  # run() resumes the request if it may (not one already done)
+
+    def _output_interval(self) -> int:
+        """How many tokens the engine gathers before it sends a choice's outputs: as many as
+        a chunk needs, so neither process handles the choice at the steps in between."""
+        if self._stepwise:
+            return 1  # a stop string is matched at the step that completes it
+        if self.stream_interval is None:
+            return UNSTREAMED_OUTPUT_INTERVAL
+        return self.stream_interval
 
     def _wake_every(self) -> int | None:
         """How many tokens the group gathers before it wakes this task (see RequestGroup)."""
@@ -241,8 +256,8 @@ class Generation:
             if choice.first_token_at is None:
                 choice.first_token_at = now
                 metrics.record_first_token(now - self.arrival)
-            else:
-                metrics.record_inter_token(now - choice.last_token_at)
+            else:  # an output of several tokens (an output interval) spreads its gap over them
+                metrics.record_inter_token(now - choice.last_token_at, len(new))
             choice.last_token_at = now
         choice.token_ids += new
         if out.logprobs and self.keep_output:

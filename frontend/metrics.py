@@ -94,7 +94,8 @@ class Metrics:
         # streams): a plain histogram of our own, without prometheus_client's locks.
         self.itl = StepHistogram(
             "tandem_inter_token_latency_seconds",
-            "Time between two outputs of a request carrying tokens, as the frontend gets them.",
+            "Time between two tokens of a request, as the frontend gets them (an output of n "
+            "tokens counts n times, its gap to the last output spread over them).",
             _TOKEN_BUCKETS,
             self.model_name,
         )
@@ -180,8 +181,10 @@ class Metrics:
     def record_first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)
 
-    def record_inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+    def record_inter_token(self, seconds: float, tokens: int = 1) -> None:
+        """``seconds`` since the request's last output, for an output of ``tokens`` tokens:
+        one observation per token, of the mean gap."""
+        self.itl.observe(seconds / tokens, tokens)
 
     def record_engine_timings(self, timings: RequestTimings) -> None:
         """The engine's share of one request it finished (stop, length)."""
@@ -306,9 +309,10 @@ class StepHistogram(Collector):
         self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """``count`` observations of ``value``."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
 
     def collect(self) -> Iterator[Metric]:
         yield histogram_family(

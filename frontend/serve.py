@@ -70,8 +70,9 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "--stream-interval", type=positive_int, default=1,
         help="tokens per SSE chunk: a streamed choice is sent once this many new tokens have "
         "gathered (its first token and its end go out at once, and a client that falls behind "
-        "gets everything queued in one chunk); larger values cost the server less per token "
-        "at the price of smoothness (default: %(default)s)",
+        "gets everything queued in one chunk; the engine sends the stream's tokens as many at a "
+        "time); larger values cost the server less per token at the price of smoothness "
+        "(default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
         "--api-servers", type=positive_int, default=1,

@@ -57,6 +57,7 @@ class RequestOptions:
     temperature: float = 0.0
     ignore_eos: bool = False
     pretok: bool = False  # HTTP: send token ids as the prompt rather than text
+    output_interval: int = 1  # zmq: tokens the engine gathers before it sends them
 
 
 class BackendError(RuntimeError):
@@ -339,7 +340,8 @@ class ZmqBackend:
             temperature=self.options.temperature,
             ignore_eos=self.options.ignore_eos,
         )
-        request = EngineRequest(rec.request_id, spec.prompt_ids, params)
+        interval = self.options.output_interval
+        request = EngineRequest(rec.request_id, spec.prompt_ids, params, 0, interval)
         rec.submitted_at = self.clock.now()
         async with self.client.open([request]) as group:
             while group.unfinished:
@@ -369,7 +371,7 @@ def record_item(rec: RequestRecord, item: RequestItem, now: float) -> None:
 
 async def open_backend(args: argparse.Namespace, clock: Clock) -> Backend:
     """The backend the flags name, started."""
-    options = RequestOptions(args.temperature, args.ignore_eos, args.pretok)
+    options = RequestOptions(args.temperature, args.ignore_eos, args.pretok, args.output_interval)
     if args.backend == "zmq":
         address = args.address or await engine_address(args.url, args.api_key)
         backend: Backend = ZmqBackend(address, clock, options, args.connect_timeout)

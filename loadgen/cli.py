@@ -76,6 +76,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--pretok", action="store_true", help="openai-completions: send token ids, not text"
     )
+    work.add_argument(
+        "--output-interval", type=int, default=1,
+        help="zmq: ask the engine to send each request's tokens once this many have gathered "
+        "(its first token and its end at once), as the API process does for a stream with "
+        "--stream-interval N (default: 1, every step)",
+    )  # fmt: skip
     work.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
     work.add_argument(
         "--seed", type=int, default=None,
@@ -171,6 +177,13 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.pretok and args.backend != "openai-completions":
         raise ValueError("--pretok applies to openai-completions only")
+    if args.output_interval < 1:
+        raise ValueError("--output-interval must be >= 1")
+    if args.output_interval != 1 and args.backend != "zmq":
+        raise ValueError(
+            "--output-interval applies to --backend zmq only (over HTTP the server's "
+            "--stream-interval sets it)"
+        )
     if args.prompt is not None and args.dataset is not None:
         raise ValueError("give --prompt or --dataset, not both")
     if args.interval is not None and not math.isinf(args.request_rate):

@@ -40,7 +40,7 @@ from protocol import event_loop
 # The flags a worker's backend needs; everything else stays with the parent.
 _BACKEND_ARGS = (
     "backend", "url", "address", "api_key", "model", "temperature", "ignore_eos", "pretok",
-    "request_timeout", "connect_timeout",
+    "output_interval", "request_timeout", "connect_timeout",
 )  # fmt: skip
 _LINE_LIMIT = 1 << 30  # a run's specs travel as one line: room for long prompts
 

@@ -108,14 +108,14 @@ class EngineRequest:
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     num_output_tokens: int = 0  # a resume: the prompt's tail that was generated already
+    output_interval: int = 1  # tokens the engine gathers before it sends them (AddRequest)
 
     def resumed(self, request_id: str, generated: Sequence[int]) -> EngineRequest:
         """This request again, for another engine, with ``generated`` (the tokens it produced
         since this request was sent) appended to its prompt as output."""
         prompt = [*self.prompt_token_ids, *generated]
-        return EngineRequest(
-            request_id, prompt, self.params, self.num_output_tokens + len(generated)
-        )
+        num_output = self.num_output_tokens + len(generated)
+        return EngineRequest(request_id, prompt, self.params, num_output, self.output_interval)
 
 
 RequestItem = RequestOutput | Exception  # what a request's consumer receives
@@ -194,6 +194,7 @@ class _Connection:
             request.prompt_token_ids,  # type: ignore[arg-type]
             request.params,
             request.num_output_tokens,
+            request.output_interval,
         )
         return encode(msg)
 
@@ -263,10 +264,17 @@ class EngineClient(_Connection):
                 raise self._timeout_error(timeout)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_interval: int = 1,
     ) -> None:
-        """Send a request; invalid ids or params raise ProtocolError here, before sending."""
-        self._input.send(self._add_frame(EngineRequest(request_id, prompt_token_ids, params)))
+        """Send a request; invalid ids or params raise ProtocolError here, before sending.
+        ``output_interval``: the engine sends its tokens once this many have gathered (and its
+        first token and its end at once), not every step."""
+        request = EngineRequest(request_id, prompt_token_ids, params, 0, output_interval)
+        self._input.send(self._add_frame(request))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._send(Abort(list(request_ids)))

@@ -16,7 +16,8 @@ Field layouts (after the type tag and the version):
     HELLO           client_name
     ADD_REQUEST     request_id, prompt_ids: i32 bytes, params: [16 fields, see _encode_params;
                     constraint = nil | [kind, spec], logit_bias = [ids: i32 bytes, f64 bytes]],
-                    num_output_tokens (the tail of prompt_ids already generated: a resume)
+                    num_output_tokens (the tail of prompt_ids already generated: a resume),
+                    output_interval (tokens the engine gathers before it sends them; >= 1)
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
@@ -375,7 +376,8 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
     if not ids:
         raise ProtocolError("prompt_token_ids must not be empty", rid)
     _check_resumed(msg.num_output_tokens, len(ids) // 4, msg.params, v)
-    return [rid, ids, _encode_params(msg.params), msg.num_output_tokens]
+    v.int_(msg.output_interval, "output_interval", 1, INT32_MAX)
+    return [rid, ids, _encode_params(msg.params), msg.num_output_tokens, msg.output_interval]
 
 
 def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Validator) -> None:
@@ -386,14 +388,15 @@ def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Va
 
 
 def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
-    v.list_(fields, "ADD_REQUEST fields", 4)
+    v.list_(fields, "ADD_REQUEST fields", 5)
     rid = v.rid(fields[0])
     ids = v.ids(fields[1], "prompt_token_ids")
     if not ids:
         raise v.fail("prompt_token_ids must not be empty")
     params = _decode_params(fields[2], v)
     _check_resumed(fields[3], len(ids), params, v)
-    return AddRequest(rid, ids, params, fields[3])
+    interval = v.int_(fields[4], "output_interval", 1, INT32_MAX)
+    return AddRequest(rid, ids, params, fields[3], interval)
 
 
 def _encode_params(p: SamplingParams) -> list[Any]:

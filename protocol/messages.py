@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 # 4: AddRequest carries num_output_tokens (a resumed request)
 # 5: a finished RequestOutput carries its engine timings; Stats carries EngineCounts
-PROTOCOL_VERSION = 5
+# 6: AddRequest carries output_interval (the engine holds a request's tokens back)
+PROTOCOL_VERSION = 6
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -118,6 +119,11 @@ class AddRequest:
     # had already generated. The engine counts them as output (max_tokens, min_tokens,
     # penalties, the seeded draw at each position, the constraint's state), not as prompt.
     num_output_tokens: int = 0
+    # Send this request's tokens once this many have gathered since its last output, besides
+    # its first token and its end (which go out at once). 1: every step. A consumer that acts
+    # only every N tokens (a stream with --stream-interval N) asks for N, so neither side
+    # handles the request at the steps in between.
+    output_interval: int = 1
 
 
 @dataclass(frozen=True)

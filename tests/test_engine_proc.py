@@ -177,6 +177,85 @@ def test_abort_mid_generation_returns_every_block(
         assert_all_blocks_free(client)
 
 
+def outputs_of(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:
+    """Read StepOutputs until every expected id has finished: id -> its RequestOutputs."""
+    outputs: dict[str, list] = {rid: [] for rid in expected}
+    pending = set(expected)
+    deadline = time.monotonic() + timeout
+    while pending:
+        assert time.monotonic() < deadline, f"requests never finished: {sorted(pending)}"
+        msg = client.recv(timeout=1.0)
+        if isinstance(msg, RequestError):
+            raise AssertionError(f"engine error for {msg.request_id}: {msg.message}")
+        if isinstance(msg, StepOutputs):
+            for out in msg.outputs:
+                outputs[out.request_id].append(out)
+                if out.finish_reason is not None:
+                    pending.discard(out.request_id)
+    return outputs
+
+
+def test_an_output_interval_sends_tokens_in_runs_of_that_many(
+    engine: Engine, chat_prompts: list[list[int]]
+) -> None:
+    """A request's first token comes alone, then its tokens come ``output_interval`` at a time
+    (one token a step), then what is left with its end: HF's greedy tokens all the same, with
+    one logprob per token when asked for."""
+    max_tokens = 14
+    prompts = chat_prompts[:3]
+    expected = hf_greedy(prompts, max_tokens)
+    requests = {  # id -> (prompt index, output interval, logprobs)
+        "every-step": (0, 1, None),
+        "by-4": (1, 4, None),
+        "by-5-logprobs": (2, 5, 2),
+        "by-13": (0, 13, 0),
+        "longer-than-the-output": (1, 1000, None),
+    }
+    with EngineClient(engine.address) as client:
+        client.connect(timeout=30)
+        for rid, (i, interval, logprobs) in requests.items():
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
+            client.add_request(rid, prompts[i], params, output_interval=interval)
+        outputs = outputs_of(client, set(requests))
+        for rid, (i, interval, logprobs) in requests.items():
+            runs = [len(out.new_token_ids) for out in outputs[rid]]
+            tokens = [t for out in outputs[rid] for t in out.new_token_ids]
+            assert tokens == expected[i], rid
+            assert runs[0] == 1, (rid, runs)
+            assert all(n == interval for n in runs[1:-1]), (rid, runs)
+            assert 1 <= runs[-1] <= interval or len(runs) == 1, (rid, runs)
+            assert [out.finish_reason is not None for out in outputs[rid]][-1]
+            for out in outputs[rid]:
+                if logprobs is None:
+                    assert out.logprobs is None
+                else:
+                    assert len(out.logprobs) == len(out.new_token_ids), rid
+                    assert all(len(lp.top_token_ids) == logprobs for lp in out.logprobs)
+        assert_all_blocks_free(client)
+
+
+def test_an_abort_drops_the_held_tokens_and_frees_the_blocks(
+    engine: Engine, chat_prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    with EngineClient(engine.address) as client:
+        client.connect(timeout=30)
+        client.add_request("held", chat_prompts[0], params, output_interval=10_000)
+        first: list[int] = []
+        while not first:
+            msg = client.recv(timeout=30)
+            if isinstance(msg, StepOutputs):
+                first = [t for o in msg.outputs for t in o.new_token_ids]
+        assert len(first) == 1  # the first token comes at once
+        steps = client.control(ControlKind.STATS).stats.num_steps
+        while client.control(ControlKind.STATS).stats.num_steps < steps + 5:
+            time.sleep(0.01)  # the request ran on, its tokens held back
+        client.abort(["held"])
+        results = collect(client, {"held"})
+        assert results["held"] == [[], FinishReason.ABORT]
+        assert_all_blocks_free(client)
+
+
 def _bad_frames() -> list[bytes]:
     rng = random.Random(0)
     good = msgpack.packb([int(MsgType.ABORT), PROTOCOL_VERSION, ["x"]])

@@ -10,6 +10,7 @@ block. A run with one impossible request shows a failure is counted, not lost.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,17 @@ def test_zmq_through_python_m_loadgen(server: Server, tmp_path: Path) -> None:
     wait_engine_idle(server)
 
 
+def test_zmq_with_an_output_interval_gets_runs_of_tokens(server: Server, tmp_path: Path) -> None:
+    interval = 3
+    argv = ["--backend", "zmq", "--url", server.base_url, "--output-interval", str(interval)]
+    rc, doc = bench([*argv, *SMALL], tmp_path / "runs.json")
+    assert rc == 0
+    reqs = check_complete_run(doc, IN)
+    # The first token alone, then runs of 3, then the rest with the end: 1 + 3 + 3 + 1.
+    assert all(len(r["chunk_times"]) == 1 + math.ceil((OUT - 1) / interval) for r in reqs)
+    wait_engine_idle(server)
+
+
 @pytest.mark.parametrize("backend", ["openai-completions", "zmq"])
 def test_a_failed_request_is_counted_not_lost(server: Server, tmp_path: Path, backend: str) -> None:
     """Three requests, one with a prompt longer than the model's context: two complete, one
@@ -136,4 +148,8 @@ def test_client_processes_refuse_what_they_cannot_do(tmp_path: Path) -> None:
     rc = tandem_main(["bench", "--backend", "zmq", "--client-processes", "2"])
     assert rc == 2
     rc = tandem_main(["bench", "--client-processes", "2", "--request-rate", "5"])
+    assert rc == 2
+    rc = tandem_main(["bench", "--backend", "openai-chat", "--output-interval", "16"])
+    assert rc == 2  # over HTTP the server's --stream-interval sets it
+    rc = tandem_main(["bench", "--backend", "zmq", "--output-interval", "0"])
     assert rc == 2

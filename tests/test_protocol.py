@@ -82,6 +82,8 @@ EXAMPLES = [
     ),
     AddRequest("json", [1], SamplingParams(constraint=Constraint(ConstraintKind.JSON_OBJECT))),
     AddRequest("resumed", [5, 6, 7, 8], SamplingParams(max_tokens=9), num_output_tokens=3),
+    AddRequest("held", [5, 6], SamplingParams(max_tokens=9), output_interval=16),
+    AddRequest("held-long", [5], output_interval=INT32_MAX),
     AddRequest(
         "choice", [1], SamplingParams(constraint=Constraint(ConstraintKind.CHOICE, '["a"]'))
     ),
@@ -367,6 +369,31 @@ def test_bad_resume_is_an_error_for_that_request(frame: bytes) -> None:
     with pytest.raises(ProtocolError) as info:
         decode_client_message(frame)
     assert info.value.request_id == "r"
+
+
+BAD_OUTPUT_INTERVALS = [
+    add_frame(_6=0),
+    add_frame(_6=-16),
+    add_frame(_6=True),
+    add_frame(_6=16.0),
+    add_frame(_6=INT32_MAX + 1),
+    msgpack.packb(unpack(encode(AddRequest("r", [1, 2])))[:6]),  # no output_interval
+    msgpack.packb([*unpack(encode(AddRequest("r", [1, 2]))), 1]),  # a field too many
+]
+
+
+@pytest.mark.parametrize("frame", BAD_OUTPUT_INTERVALS)
+def test_bad_output_interval_is_an_error_for_that_request(frame: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_client_message(frame)
+    assert info.value.request_id == "r"
+
+
+@pytest.mark.parametrize("interval", [0, -1, True])
+def test_encoder_rejects_a_bad_output_interval(interval: Any) -> None:
+    with pytest.raises(ProtocolError, match="output_interval") as info:
+        encode(AddRequest("mine", [1], output_interval=interval))
+    assert info.value.request_id == "mine"
 
 
 BAD_CLIENT_FRAMES = [

@@ -10,6 +10,11 @@
 # SITE (default $SITE, /tmp/site) first on its PYTHONPATH; for a before/after, carry an old tree
 # (git archive REV | tar -x -C .before) and pass now=. before=.before[=/tmp/site-before].
 # SERVE_FLAGS="..." adds flags to each `tandem serve` (for an A/B of a serving setting).
+# Each checkout's own load generator drives its server (their protocols may differ); where it
+# has --output-interval, a third line runs raw ZMQ with --output-interval 16, as the API
+# process asks for each stream. After each load: the CPU seconds the API process (the serve
+# process) and the engine process used during it (its warm-up and RUNS runs).
+# CLIENTS=N: the load generator's HTTP client processes (default 4).
 # PYSPY=path/to/py-spy also samples the serve process (the API process) during the runs: folded
 # stacks in $OUT/pyspy-NAME.txt. On the GPU machine from the repository root; results under $OUT.
 # The wheels must include httptools (`bash ../shared/device/fetch-wheels.sh httptools`), a
@@ -37,15 +42,27 @@ stop_tree() {  # the serve process first (py-spy then writes its file and exits)
   pkill -TERM -f "^python3 -m frontend.cli serve" 2>/dev/null; wait "$SERVER" 2>/dev/null; sleep 1
 }
 
+measured() {  # measured NAME BACKEND OUTPUT_LEN [FLAGS...]: bench, its median, the CPU it took
+  local engine api0 engine0
+  engine=$(pgrep -f "frontend.cli engine" | head -1)
+  api0=$(cpu_s "$SERVER"); engine0=$(cpu_s "$engine")
+  bench "$@"; median "$1"
+  echo "$1: CPU s during it: API process $(python3 -c "print(round($(cpu_s "$SERVER") - $api0, 2))"), engine process $(python3 -c "print(round($(cpu_s "$engine") - $engine0, 2))")"
+}
+
 nvidia-smi --query-gpu=name --format=csv,noheader; date -u +%FT%TZ; nproc
 [ $# -eq 0 ] && set -- now=.
 for spec in "$@"; do
   name=${spec%%=*}; rest=${spec#*=}; dir=${rest%%=*}; site=$SITE
   [ "$rest" != "$dir" ] && site=${rest#*=}
   serve_tree "$name" "$dir" "$site"; pin
-  bench "zmq-$name" zmq "$LONG" --repeat-runs "$RUNS"; median "zmq-$name"
-  bench "http-$name" openai-completions "$LONG" --repeat-runs "$RUNS" --client-processes 4
-  median "http-$name"
-  stop_tree
+  export LG_DIR=$dir
+  measured "zmq-$name" zmq "$LONG" --repeat-runs "$RUNS"
+  measured "http-$name" openai-completions "$LONG" --repeat-runs "$RUNS" \
+    --client-processes "${CLIENTS:-4}"
+  if grep -q -- "--output-interval" "$dir/loadgen/cli.py"; then
+    measured "zmq16-$name" zmq "$LONG" --repeat-runs "$RUNS" --output-interval 16
+  fi
+  stop_tree; unset LG_DIR
 done
 date +%T

@@ -45,10 +45,12 @@ PY
 stop() { kill -TERM "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null; sleep 1; }
 
 bench() {  # bench NAME BACKEND OUTPUT_LEN [LOADGEN FLAGS...]: one loadgen run, one summary line
-  local name=$1 backend=$2 olen=$3; shift 3
-  timeout 150 ${LG_PREFIX:-} python3 -m loadgen --ignore-eos -n "$N" --input-len 128 --output-len "$olen" \
-    --warmup-runs 1 --tokenizer "${TANDEM_TOKENIZER_DIR:-.tok}" --no-progress --url "$URL" \
-    --backend "$backend" --result-json "$OUT/lg-$name.json" "$@" > "$OUT/lg-$name.log" 2>&1
+  # (the load generator of the checkout in $LG_DIR, default here: its protocol is its server's)
+  local name=$1 backend=$2 olen=$3 tok=${TANDEM_TOKENIZER_DIR:-$PWD/.tok}; shift 3
+  (cd "${LG_DIR:-.}" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} \
+    timeout 150 ${LG_PREFIX:-} python3 -m loadgen --ignore-eos -n "$N" --input-len 128 --output-len "$olen" \
+    --warmup-runs 1 --tokenizer "$tok" --no-progress --url "$URL" \
+    --backend "$backend" --result-json "$OUT/lg-$name.json" "$@" > "$OUT/lg-$name.log" 2>&1)
   echo "$name: $(grep -E 'Failed requests|Output token throughput|Median TTFT|P99 TTFT|Median TPOT|load generator CPU' \
     "$OUT/lg-$name.log" | tr -s ' ' | paste -sd ';')"
 }
@@ -85,6 +87,18 @@ pin() {
   for pid in $(pgrep -f "frontend.api_processes|frontend.cli serve"); do
     taskset -a -p -c "$FIRST_FREE_CORE-$(($(nproc) - 1))" "$pid" > /dev/null
   done
+}
+
+cpu_s() {  # cpu_s PID...: the user + system CPU seconds these processes have used so far
+  python3 - "$@" <<'PY'
+import os, sys
+tick = os.sysconf("SC_CLK_TCK")
+total = 0.0
+for pid in sys.argv[1:]:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+print(f"{total:.2f}")
+PY
 }
 
 median() {  # median NAME: the median output tok/s of the runs a loadgen JSON reports
