@@ -40,6 +40,9 @@ from protocol.messages import (
 # token and its end at once): it needs them only at its end, and an engine that dies loses no
 # more than this many tokens' work to the resume.
 UNSTREAMED_OUTPUT_INTERVAL = 64
+# The longest run the engine is asked for, whatever --stream-interval says: a run's logprobs
+# travel in one frame, and a frame has a size limit (protocol/codec.py).
+MAX_OUTPUT_INTERVAL = 1024
 
 # ---- per-choice state -------------------------------------------------------------------------
 
@@ -184,7 +187,7 @@ class Generation:
             return 1  # a stop string is matched at the step that completes it
         if self.stream_interval is None:
             return UNSTREAMED_OUTPUT_INTERVAL
-        return self.stream_interval
+        return min(self.stream_interval, MAX_OUTPUT_INTERVAL)  # a longer chunk takes several
 
     def _wake_every(self) -> int | None:
         """How many tokens the group gathers before it wakes this task (see RequestGroup)."""

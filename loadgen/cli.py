@@ -177,8 +177,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.pretok and args.backend != "openai-completions":
         raise ValueError("--pretok applies to openai-completions only")
-    if args.output_interval < 1:
-        raise ValueError("--output-interval must be >= 1")
+    if not 1 <= args.output_interval <= 2**31 - 1:
+        raise ValueError("--output-interval must be in [1, 2^31 - 1]")
     if args.output_interval != 1 and args.backend != "zmq":
         raise ValueError(
             "--output-interval applies to --backend zmq only (over HTTP the server's "

@@ -214,9 +214,18 @@ def test_an_output_interval_sends_tokens_in_runs_of_that_many(
     with EngineClient(engine.address) as client:
         client.connect(timeout=30)
         for rid, (i, interval, logprobs) in requests.items():
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.0,
+                logprobs=logprobs,
+                prompt_logprobs=1 if rid == "by-4" else None,
+            )
             client.add_request(rid, prompts[i], params, output_interval=interval)
         outputs = outputs_of(client, set(requests))
+        # Prompt logprobs come with the first token, not held back with the tokens after it.
+        prompt_logprobs = [out.prompt_logprobs for out in outputs["by-4"]]
+        assert len(prompt_logprobs[0]) == len(prompts[1]) - 1
+        assert prompt_logprobs[1:] == [None] * (len(prompt_logprobs) - 1)
         for rid, (i, interval, logprobs) in requests.items():
             runs = [len(out.new_token_ids) for out in outputs[rid]]
             tokens = [t for out in outputs[rid] for t in out.new_token_ids]
@@ -242,8 +251,10 @@ def test_an_abort_drops_the_held_tokens_and_frees_the_blocks(
         client.connect(timeout=30)
         client.add_request("held", chat_prompts[0], params, output_interval=10_000)
         first: list[int] = []
+        deadline = time.monotonic() + 300
         while not first:
-            msg = client.recv(timeout=30)
+            assert time.monotonic() < deadline, "no first token"
+            msg = client.recv(timeout=1.0)
             if isinstance(msg, StepOutputs):
                 first = [t for o in msg.outputs for t in o.new_token_ids]
         assert len(first) == 1  # the first token comes at once

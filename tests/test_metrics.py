@@ -179,7 +179,8 @@ def test_prefix_cache_step_tokens_and_request_timings(tiny_server: Server) -> No
     assert delta("tandem_iteration_tokens_total_count") == 8  # a prefill and 3 decodes each
     assert engine_after.step_tokens_sum - engine_before.step_tokens_sum == 66
     # One observation per request for each engine timing; (tokens - 1) inter-token latencies
-    # each, one per step output after the first, however the outputs were chunked or woken.
+    # each, one per token after the first, however the engine batched them or the outputs were
+    # chunked or woken.
     for part in ENGINE_TIMINGS:
         assert delta(f"tandem_request_{part}_time_seconds_count") == 2
         assert delta(f"tandem_request_{part}_time_seconds_sum") >= 0

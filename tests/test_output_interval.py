@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from frontend.generation import UNSTREAMED_OUTPUT_INTERVAL, Generation
+from frontend.generation import MAX_OUTPUT_INTERVAL, UNSTREAMED_OUTPUT_INTERVAL, Generation
 from frontend.metrics import Metrics
 from protocol.messages import SamplingParams
 
@@ -36,6 +36,7 @@ def generation(stream_interval: int | None, stop: list[str]) -> Generation:
         (16, ["\n"], 1),  # stop strings are matched at the step that completes them
         (None, [], UNSTREAMED_OUTPUT_INTERVAL),  # not streamed: needed only at the end
         (None, ["END"], 1),
+        (5000, [], MAX_OUTPUT_INTERVAL),  # a longer chunk gathers several runs
     ],
 )
 def test_each_choice_asks_for_runs_as_long_as_its_chunks(

@@ -344,7 +344,7 @@ def test_bad_request_fields_carry_the_request_id() -> None:
         add_frame(_4=[*params, 0]),
         add_frame(_4=None),
         msgpack.packb([int(MsgType.ADD_REQUEST), PROTOCOL_VERSION, "r", b"\x01\x00\x00\x00"]),
-        msgpack.packb([int(MsgType.ADD_REQUEST), PROTOCOL_VERSION, "r", b"", params, 1]),
+        msgpack.packb([int(MsgType.ADD_REQUEST), PROTOCOL_VERSION, "r", b"", params, 0, 1]),
     ]:
         with pytest.raises(ProtocolError) as info:
             decode_client_message(frame)

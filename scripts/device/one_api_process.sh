@@ -45,6 +45,9 @@ stop_tree() {  # the serve process first (py-spy then writes its file and exits)
 measured() {  # measured NAME BACKEND OUTPUT_LEN [FLAGS...]: bench, its median, the CPU it took
   local engine api0 engine0
   engine=$(pgrep -f "frontend.cli engine" | head -1)
+  if [ -n "${PYSPY:-}" ] || [ -z "$engine" ]; then  # $SERVER is py-spy, or no engine to read
+    bench "$@"; median "$1"; return
+  fi
   api0=$(cpu_s "$SERVER"); engine0=$(cpu_s "$engine")
   bench "$@"; median "$1"
   echo "$1: CPU s during it: API process $(python3 -c "print(round($(cpu_s "$SERVER") - $api0, 2))"), engine process $(python3 -c "print(round($(cpu_s "$engine") - $engine0, 2))")"
