@@ -1,22 +1,25 @@
-"""What the API process asks the engine for: each choice's tokens in runs as long as its chunks
-need (AddRequest's output_interval), and an inter-token latency that counts every token however
-the tokens were batched.
+"""The engine output interval: what the API process asks for (each choice's tokens in runs as
+long as its chunks need), what the engine process sends and when (release_held, fed by hand), and
+an inter-token latency that counts every token however the tokens were batched.
 
-The engine's side (runs of exactly that many, the HF tokens all the same, aborts) is tested on a
-real engine process in tests/test_engine_proc.py; streams and stop strings through a real server
-with --stream-interval 4 in tests/test_api_servers.py.
+The engine's side end to end (runs of exactly that many, the HF tokens all the same, prompt
+logprobs, aborts) is tested on a real engine process in tests/test_engine_proc.py; streams and
+stop strings through a real server with --stream-interval 4 in tests/test_api_servers.py.
 """
 
 from __future__ import annotations
 
 import bisect
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from engine_core.proc import release_held
+from engine_core.request import EngineOutput, Request
 from frontend.generation import MAX_OUTPUT_INTERVAL, UNSTREAMED_OUTPUT_INTERVAL, Generation
 from frontend.metrics import Metrics
-from protocol.messages import SamplingParams
+from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
 
 
 def generation(stream_interval: int | None, stop: list[str]) -> Generation:
@@ -59,3 +62,35 @@ def test_a_run_of_tokens_counts_one_gap_per_token() -> None:
     below_10ms = itl.counts[: bisect.bisect_left(itl.bounds, 0.01) + 1]
     assert sum(below_10ms) == 16 and sum(itl.counts) == 17
     assert itl.sum == pytest.approx(0.36)
+
+
+# ---- the engine's side: what release_held sends and when ------------------------------------
+
+
+def lp(value: float) -> TokenLogprobs:
+    return TokenLogprobs(value, [], [])
+
+
+def test_held_tokens_go_out_in_runs_and_with_the_end() -> None:
+    request = Request("r", [1, 2], SamplingParams(max_tokens=20, logprobs=0), output_interval=3)
+
+    def step(tokens: list[int], reason: FinishReason | None = None) -> Any:
+        logprobs = [lp(-t) for t in tokens] or None
+        return release_held(EngineOutput(request, tokens, reason, logprobs))
+
+    assert step([5]) == ([5], [lp(-5)])  # the first token at once
+    assert step([6]) is None and step([7]) is None
+    assert step([8]) == ([6, 7, 8], [lp(-6), lp(-7), lp(-8)])
+    assert step([9]) is None
+    assert step([10], FinishReason.LENGTH) == ([9, 10], [lp(-9), lp(-10)])
+
+
+def test_an_output_without_tokens_takes_the_held_ones_with_it() -> None:
+    """A constraint's dead end comes as an output with no token: what was held goes with it."""
+    request = Request("r", [1], SamplingParams(max_tokens=20), output_interval=16)
+    assert release_held(EngineOutput(request, [5])) == ([5], None)
+    assert release_held(EngineOutput(request, [6])) is None
+    assert release_held(EngineOutput(request, [7])) is None
+    dead_end = EngineOutput(request, [], FinishReason.DEAD_END)
+    assert release_held(dead_end) == ([6, 7], None)
+    assert request.held_token_ids == [] and request.held_logprobs == []
