@@ -3,14 +3,12 @@
 Encoding and chat templates run on that thread, never on the event loop; decoding (the Rust
 backend, cheap) runs inline, for the incremental detokenizer and for logprob token texts.
 Prompt texts (``encode``) are coalesced: while one encode call runs on the thread, the texts
-of the requests that arrive queue, and the thread's next call takes them all at once.
+of the requests that arrive queue, and the next call takes them all at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -30,21 +28,6 @@ def load_hf_tokenizer(model_dir: Path, chat_template: str | Path | None = None) 
     return tokenizer
 
 
-Future = asyncio.Future[list[list[int]]]
-_Queued = tuple[list[str], Future]  # a request's texts, and the future its ids go to
-
-
-def _settle(results: list[tuple[Future, Any]]) -> None:
-    """On the event loop: hand each request its ids or its error (unless its client left)."""
-    for future, value in results:
-        if future.done():  # cancelled: its client left while it waited
-            continue
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-
-
 class Tokenizer:
     """The HF tokenizer behind one worker thread (encode), plus fast decode for the loop."""
 
@@ -57,12 +40,9 @@ class Tokenizer:
         # One thread: the HF wrapper is not safe to call from several threads at once.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
-        # encode's queue: each waiting request's texts and the future its ids go to. The event
-        # loop appends, the worker thread takes (_drain_encodes); the lock guards both and
-        # whether the thread is draining.
-        self._lock = threading.Lock()
-        self._queued: list[_Queued] = []
-        self._draining = False
+        # encode's queue: each waiting request's texts and the future its ids go to.
+        self._queued: list[tuple[list[str], asyncio.Future[list[list[int]]]]] = []
+        self._encoder: asyncio.Task[None] | None = None  # drains the queue while it is not empty
 
     def decode(self, token_ids: list[int]) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=True)
@@ -81,46 +61,39 @@ class Tokenizer:
         cores (on the 2-core CPU machine, 256 prompts of 128 tokens arriving at once: 118-130 ms
         one call each, 45-49 ms coalesced; scripts/bench_prompt_encode.py, docs/benchmarks.md).
         A lone request still goes at once."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[list[int]]] = loop.create_future()
-        with self._lock:
-            self._queued.append((texts, future))
-            start, self._draining = not self._draining, True
-        if start:
-            self._pool.submit(self._drain_encodes, loop)
+        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
+        self._queued.append((texts, future))
+        if self._encoder is None:
+            self._encoder = asyncio.ensure_future(self._drain_encodes())
         return await future
 
-    def _drain_encodes(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the worker thread: encode what is queued, one call at a time, until nothing is.
-        Each call takes every request that queued while the last one ran, straight from the
-        queue: handing the next call over through the event loop made it wait behind
-        everything the loop had queued (a burst's validation, 18 ms at 256 requests on the
-        H100 host), while the thread sat idle."""
-        while True:
-            with self._lock:
-                batch, self._queued = self._queued, []
-                if not batch:
-                    self._draining = False
-                    return
-            results = self._encode_requests(batch)
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-                loop.call_soon_threadsafe(_settle, results)
-
-    def _encode_requests(self, batch: list[_Queued]) -> list[tuple[Future, Any]]:
-        """Every request's texts in one call: each request's future with its ids. If the call
-        fails, each request is encoded on its own, so only the one whose text fails gets the
-        error."""
+    async def _drain_encodes(self) -> None:
         try:
-            ids = self.encode_all([t for texts, _ in batch for t in texts])
+            while self._queued:
+                batch, self._queued = self._queued, []
+                await self._encode_batch(batch)
+        finally:
+            self._encoder = None
+
+    async def _encode_batch(
+        self, batch: list[tuple[list[str], asyncio.Future[list[list[int]]]]]
+    ) -> None:
+        """Encode every request's texts in one call and hand each its ids; if the call fails,
+        each request is encoded on its own, so only the one whose text fails sees the error."""
+        try:
+            ids = await self.run(self.encode_all, [t for texts, _ in batch for t in texts])
         except Exception as exc:
-            if len(batch) == 1:
-                return [(batch[0][1], exc)]
-            return [result for one in batch for result in self._encode_requests([one])]
-        results, start = [], 0
+            if len(batch) > 1:
+                for one in batch:
+                    await self._encode_batch([one])
+            elif not batch[0][1].done():
+                batch[0][1].set_exception(exc)
+            return
+        start = 0
         for texts, future in batch:
-            results.append((future, ids[start : start + len(texts)]))
+            if not future.done():  # done: cancelled, its client left while it waited
+                future.set_result(ids[start : start + len(texts)])
             start += len(texts)
-        return results
 
     def encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """The ids HF's ``encode`` gives, from the Rust tokenizer directly: HF's Python checks

@@ -2,13 +2,11 @@
 together into one encode call on the worker thread. Checked against HF's own encode of each
 text, with the default model's tokenizer: every request gets exactly its own ids; a burst takes
 far fewer calls than requests; a text that fails fails only its own request; a request whose
-client left while it waited does not disturb the others; the thread starts its next call without
-waiting for the event loop."""
+client left while it waited does not disturb the others."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -105,34 +103,3 @@ def test_a_request_whose_client_left_does_not_disturb_the_others(hf: Any) -> Non
     for i, texts in enumerate(burst):
         if i != 4:
             assert got[i] == hf_ids(hf, texts)
-
-
-def test_the_thread_takes_the_next_call_while_the_event_loop_is_busy(hf: Any) -> None:
-    """While a call runs, requests queue; once it ends, the thread's next call takes them at
-    once, even while the event loop is busy (a burst's validation) and could not hand it over."""
-    first_call_may_end = threading.Event()
-    second_call_began = threading.Event()
-
-    class GatedTokenizer(CountingTokenizer):
-        def encode_all(self, texts: list[str], add_special_tokens: bool = True) -> Any:
-            if not self.calls:
-                first_call_may_end.wait(30)
-            else:
-                second_call_began.set()
-            return super().encode_all(texts, add_special_tokens)
-
-    tok = GatedTokenizer(hf)
-    burst = requests(10)
-
-    async def main() -> list[list[list[int]]]:
-        first = asyncio.ensure_future(tok.encode(burst[0]))
-        await asyncio.sleep(0.05)  # the first call is on the thread, held at its gate
-        rest = [asyncio.ensure_future(tok.encode(t)) for t in burst[1:]]
-        await asyncio.sleep(0)  # every other request has queued
-        first_call_may_end.set()
-        # The event loop stays busy here, in this very task: the thread must go on alone.
-        assert second_call_began.wait(30), "the next call waited for the event loop"
-        return await asyncio.gather(first, *rest)
-
-    assert asyncio.run(main()) == [hf_ids(hf, texts) for texts in burst]
-    assert tok.calls == [1, sum(len(t) for t in burst[1:])]
