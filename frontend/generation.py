@@ -36,13 +36,12 @@ from protocol.messages import (
     TokenLogprobs,
 )
 
-# A non-streamed choice's tokens come from the engine in outputs of this many (and its first
-# token and its end at once): it needs them only at its end, and an engine that dies loses no
-# more than this many tokens' work to the resume.
-UNSTREAMED_OUTPUT_INTERVAL = 64
-# The longest run the engine is asked for, whatever --stream-interval says: a run's logprobs
-# travel in one frame, and a frame has a size limit (protocol/codec.py).
-MAX_OUTPUT_INTERVAL = 1024
+# The longest run of tokens the engine is asked for (and what a non-streamed choice, which
+# needs its tokens only at its end, asks for). An engine that dies loses no more than this many
+# tokens' work to the resume. And a step's runs travel in one frame, which has a size limit
+# (protocol/codec.py): 64 tokens with 20 top logprobs are 16 KB a request, 16 MB at 1,024
+# requests, where 1,024 tokens would have been about 260 MB.
+MAX_OUTPUT_INTERVAL = 64
 
 # ---- per-choice state -------------------------------------------------------------------------
 
@@ -186,7 +185,7 @@ class Generation:
         if self._stepwise:
             return 1  # a stop string is matched at the step that completes it
         if self.stream_interval is None:
-            return UNSTREAMED_OUTPUT_INTERVAL
+            return MAX_OUTPUT_INTERVAL
         return min(self.stream_interval, MAX_OUTPUT_INTERVAL)  # a longer chunk takes several
 
     def _wake_every(self) -> int | None:

@@ -122,7 +122,8 @@ class AddRequest:
     # Send this request's tokens once this many have gathered since its last output, besides
     # its first token and its end (which go out at once). 1: every step. A consumer that acts
     # only every N tokens (a stream with --stream-interval N) asks for N, so neither side
-    # handles the request at the steps in between.
+    # handles the request at the steps in between. A step's runs travel in one frame, so a
+    # long run with many top logprobs makes a large frame (the decoder's limit: codec.py).
     output_interval: int = 1
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from engine_core.proc import release_held
 from engine_core.request import EngineOutput, Request
-from frontend.generation import MAX_OUTPUT_INTERVAL, UNSTREAMED_OUTPUT_INTERVAL, Generation
+from frontend.generation import MAX_OUTPUT_INTERVAL, Generation
 from frontend.metrics import Metrics
 from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
 
@@ -37,9 +37,9 @@ def generation(stream_interval: int | None, stop: list[str]) -> Generation:
         (16, [], 16),  # a stream: one run per chunk
         (1, [], 1),  # a stream of every token
         (16, ["\n"], 1),  # stop strings are matched at the step that completes them
-        (None, [], UNSTREAMED_OUTPUT_INTERVAL),  # not streamed: needed only at the end
+        (None, [], MAX_OUTPUT_INTERVAL),  # not streamed: needed only at the end
         (None, ["END"], 1),
-        (5000, [], MAX_OUTPUT_INTERVAL),  # a longer chunk gathers several runs
+        (200, [], MAX_OUTPUT_INTERVAL),  # a longer chunk gathers several runs
     ],
 )
 def test_each_choice_asks_for_runs_as_long_as_its_chunks(
