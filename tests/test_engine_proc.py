@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
-from protocol.client import EngineClient
+from protocol.client import EngineClient, split_outputs
 from protocol.messages import (
     PROTOCOL_VERSION,
     ControlKind,
@@ -108,9 +108,10 @@ def hf_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     return results
 
 
-def collect(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:
-    """Read StepOutputs until every expected id has finished: id -> [tokens, reason]."""
-    results: dict[str, list] = {rid: [[], None] for rid in expected}
+def outputs_of(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:
+    """Read StepOutputs until every expected id has finished: id -> its RequestOutputs (an end
+    without tokens, an abort, as an output without tokens, as split_outputs gives it)."""
+    outputs: dict[str, list] = {rid: [] for rid in expected}
     pending = set(expected)
     deadline = time.monotonic() + timeout
     while pending:
@@ -120,15 +121,19 @@ def collect(client: EngineClient, expected: set[str], timeout: float = 300) -> d
             raise AssertionError(f"engine error for {msg.request_id}: {msg.message}")
         if not isinstance(msg, StepOutputs):
             continue
-        for out in msg.outputs:
-            results[out.request_id][0].extend(out.new_token_ids)
+        for rid, out in split_outputs(msg):
+            outputs[rid].append(out)
             if out.finish_reason is not None:
-                results[out.request_id][1] = out.finish_reason
-                pending.discard(out.request_id)
-        for rid, reason in msg.finished_without_tokens.items():
-            results[rid][1] = reason
-            pending.discard(rid)
-    return results
+                pending.discard(rid)
+    return outputs
+
+
+def collect(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:
+    """Read StepOutputs until every expected id has finished: id -> [tokens, reason]."""
+    return {
+        rid: [[t for out in outs for t in out.new_token_ids], outs[-1].finish_reason]
+        for rid, outs in outputs_of(client, expected, timeout).items()
+    }
 
 
 def assert_all_blocks_free(client: EngineClient) -> None:
@@ -175,24 +180,6 @@ def test_abort_mid_generation_returns_every_block(
         assert results["long"][1] == FinishReason.ABORT
         assert len(results["long"][0]) < 500
         assert_all_blocks_free(client)
-
-
-def outputs_of(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:
-    """Read StepOutputs until every expected id has finished: id -> its RequestOutputs."""
-    outputs: dict[str, list] = {rid: [] for rid in expected}
-    pending = set(expected)
-    deadline = time.monotonic() + timeout
-    while pending:
-        assert time.monotonic() < deadline, f"requests never finished: {sorted(pending)}"
-        msg = client.recv(timeout=1.0)
-        if isinstance(msg, RequestError):
-            raise AssertionError(f"engine error for {msg.request_id}: {msg.message}")
-        if isinstance(msg, StepOutputs):
-            for out in msg.outputs:
-                outputs[out.request_id].append(out)
-                if out.finish_reason is not None:
-                    pending.discard(out.request_id)
-    return outputs
 
 
 def test_an_output_interval_sends_tokens_in_runs_of_that_many(
