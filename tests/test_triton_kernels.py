@@ -50,6 +50,7 @@ from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.attention.triton_kernels import (  # noqa: E402
     paged_decode_attention,
     paged_prefill_attention,
+    rotary_write_kv_cache,
     write_kv_cache,
 )
 from engine_core.loader import load_model  # noqa: E402
@@ -198,6 +199,49 @@ def test_write_kv_matches_reference_and_skips_padding(
     write_kv_cache(k, batch.v, batch.k_cache, batch.v_cache, slots)
     assert torch.equal(batch.k_cache, ref_k)
     assert torch.equal(batch.v_cache, ref_v)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-heads", "partial-rotary"])
+@pytest.mark.parametrize("kv", ["cache-dtype", "fp8"])
+def test_rotary_in_the_kv_write_equals_rotary_then_write(
+    block_size: int, heads: int, kv_heads: int, head_dim: int, partial: bool, kv: str
+) -> None:
+    """One launch (rotary_write_kv_cache) against the two it replaces (rotary_inplace over the
+    rotary dims, then write_kv_cache), on q, k, v viewed from one qkv projection as the Llama
+    attention hands them over: the same rotated q, bit for bit, and the same cache, padding
+    slots (-1) untouched; k and v are read, not written. Half-head rotary as Phi-3's; an e4m3
+    cache with scales on the GPU."""
+    if kv == "fp8" and INTERPRET:
+        pytest.skip("e4m3 caches need the GPU")
+    specs = [(c, n) for c, n in PREFILL_SPECS]
+    batch = make_batch(specs, heads, kv_heads, head_dim, block_size, seed=block_size + heads)
+    slots = batch.meta.slot_mapping.clone()
+    slots[::3] = -1
+    num_tokens = batch.q.shape[0]
+    qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(widths, dim=1))
+    rot = head_dim // 2 if partial else head_dim
+    gen = torch.Generator().manual_seed(heads)
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = layers.RotaryEmbedding(rot, 10000.0).to(DEVICE)(positions, DTYPE)
+    scales = (0.5, 2.0) if kv == "fp8" else (1.0, 1.0)
+    k_cache, v_cache = batch.k_cache, batch.v_cache
+    if kv == "fp8":
+        k_cache = (k_cache.float() / scales[0]).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / scales[1]).to(torch.float8_e4m3fn)
+    ref_q, ref_k = q.clone(), k.clone()
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    rotary_inplace(ref_q[..., :rot], ref_k[..., :rot], cos, sin)
+    write_kv_cache(ref_k, v, ref_k_cache, ref_v_cache, slots, *scales)
+    k_before, v_before = k.clone(), v.clone()
+    rotary_write_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slots, *scales)
+    assert torch.equal(q, ref_q)
+    assert torch.equal(k_cache.float(), ref_k_cache.float())
+    assert torch.equal(v_cache.float(), ref_v_cache.float())
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
 
 
 # ---- decode ---------------------------------------------------------------------------------

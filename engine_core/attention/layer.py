@@ -43,20 +43,36 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]."""
+    def rotates_in_kv_write(self) -> bool:
+        """Whether this forward's backend can rotate q and k in its KV write (``forward``'s
+        ``rotary``): one launch for both on the Triton backend."""
+        return getattr(get_forward_context().backend, "rotates_in_kv_write", False)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]. With ``rotary`` (cos, sin [T, R], where
+        rotates_in_kv_write), q and k are not yet rotated: the KV write rotates them (q in
+        place), as models/layers.py rotate_qk would."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention.k_cache/v_cache are unset: allocate the KV cache first")
         ctx = get_forward_context()
         num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         scales = (self.k_scale, self.v_scale)
-        ctx.backend.write_kv(
-            self.k_cache, self.v_cache, k, v, ctx.attn_metadata.slot_mapping, *scales
-        )
+        caches, slots = (self.k_cache, self.v_cache), ctx.attn_metadata.slot_mapping
+        if rotary is None:
+            ctx.backend.write_kv(*caches, k, v, slots, *scales)
+        else:
+            ctx.backend.write_kv_rotated(q, k, v, *rotary, *caches, slots, *scales)
         out = ctx.backend.forward(
-            q.view(num_tokens, self.num_heads, self.head_dim),  # [T, H, D]
+            q,
             self.k_cache,
             self.v_cache,
             ctx.attn_metadata,

@@ -17,6 +17,7 @@ from engine_core.attention.prefill_tiles import device_tiles
 from engine_core.attention.triton_kernels import (
     paged_decode_attention,
     paged_prefill_attention,
+    rotary_write_kv_cache,
     write_kv_cache,
 )
 
@@ -26,6 +27,8 @@ class TritonBackend:
 
     # Decode launches depend on tensor shapes only, so the model runner may capture them.
     cuda_graph_safe = True
+    # write_kv_rotated: the rotary embedding rides in the KV write's launch (attention/layer.py).
+    rotates_in_kv_write = True
 
     def write_kv(
         self,
@@ -38,6 +41,21 @@ class TritonBackend:
         v_scale: float = 1.0,
     ) -> None:
         write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def write_kv_rotated(
+        self,
+        q: torch.Tensor,  # [T, heads, head_dim]: rotated in place
+        k: torch.Tensor,  # [T, kv_heads, head_dim]: rotated into the cache
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        cos: torch.Tensor,  # [T, rotary_dim]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        rotary_write_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,

@@ -141,6 +141,144 @@ def write_kv_cache(
     )
 
 
+@triton.jit
+def _rotated_halves(p1, mask, cos, sin, HALF: tl.constexpr):
+    """Rotate-half of the values at p1 (first halves) and p1 + HALF: (x1 cos - x2 sin,
+    x2 cos + x1 sin) in float32, as models/triton_ops.py's rotary kernel computes it."""
+    f1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    f2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    return f1 * cos - f2 * sin, f2 * cos + f1 * sin
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    Q,
+    K,
+    V,
+    KC,
+    VC,
+    SLOTS,
+    Cos,
+    Sin,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_ct,
+    stride_st,
+    stride_kcb,
+    stride_kcs,
+    stride_vcb,
+    stride_vcs,
+    k_scale_inv,
+    v_scale_inv,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,  # half the rotary dims (all of the head's, or its leading ones)
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,  # the dims past the rotary ones (partial rotary), else 0
+    PAGE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (token, part): part 0 rotates q's heads in place; part 1 rotates k's heads and
+    writes them, with v's row, to the token's cache slot (none for slot -1, a padding row), FP8
+    caches as _write_kv_kernel. Two programs a token, as the two kernels it replaces had one
+    each: a program doing both took longer than the pair for llama-8b's 32 query heads."""
+    pdl_wait_then_release(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF
+    cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
+    sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)  # halves are equal
+    if tl.program_id(1) == 0:
+        q1 = Q + token * stride_qt + h * stride_qh + d
+        q_mask = (h < Q_HEADS) & d_mask
+        y1, y2 = _rotated_halves(q1, q_mask, cos, sin, HALF)
+        tl.store(q1, y1.to(Q.dtype.element_ty), mask=q_mask)
+        tl.store(q1 + HALF, y2.to(Q.dtype.element_ty), mask=q_mask)
+    else:
+        slot = tl.load(SLOTS + token)
+        if slot >= 0:
+            k_src = K + token * stride_kt + h * stride_kh
+            k_mask = (h < K_HEADS) & d_mask
+            k_dst = KC + (slot // PAGE) * stride_kcb + (slot % PAGE) * stride_kcs + h * HEAD_DIM
+            y1, y2 = _rotated_halves(k_src + d, k_mask, cos, sin, HALF)
+            # Rounded to k's dtype first, as the separate rotary's output is before the write.
+            y1 = y1.to(K.dtype.element_ty).to(tl.float32)
+            y2 = y2.to(K.dtype.element_ty).to(tl.float32)
+            _store_cache_row(k_dst + d, y1, k_mask, k_scale_inv, QUANTIZE)
+            _store_cache_row(k_dst + HALF + d, y2, k_mask, k_scale_inv, QUANTIZE)
+            if BLOCK_REST > 0:  # partial rotary: the rest of each head goes in as it is
+                rest = 2 * HALF + tl.arange(0, BLOCK_REST)[None, :]
+                rest_mask = (h < K_HEADS) & (rest < HEAD_DIM)
+                k_rest = tl.load(k_src + rest, mask=rest_mask, other=0.0).to(tl.float32)
+                _store_cache_row(k_dst + rest, k_rest, rest_mask, k_scale_inv, QUANTIZE)
+            cols = tl.arange(0, BLOCK_V)
+            v_mask = cols < K_HEADS * HEAD_DIM
+            v = tl.load(V + token * stride_vt + cols, mask=v_mask).to(tl.float32)
+            v_dst = VC + (slot // PAGE) * stride_vcb + (slot % PAGE) * stride_vcs + cols
+            _store_cache_row(v_dst, v, v_mask, v_scale_inv, QUANTIZE)
+
+
+@triton.jit
+def _store_cache_row(ptrs, x, mask, scale_inv, QUANTIZE: tl.constexpr):
+    """Store float32 x into the cache: rounded to its dtype, an FP8 cache's divided by its
+    scale and clamped to e4m3's range first."""
+    if QUANTIZE:
+        x = tl.clamp(x * scale_inv, -448.0, 448.0)
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+def rotary_write_kv_cache(
+    q: torch.Tensor,  # [T, heads, head_dim], rows may be strided (a view of the qkv projection)
+    k: torch.Tensor,  # [T, kv_heads, head_dim], not yet rotated
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, R], R <= head_dim (both halves equal, as RotaryEmbedding builds them)
+    sin: torch.Tensor,  # [T, R]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Rotary embedding (rotate-half over the first R dims of each head) and the KV-cache write
+    in one launch: q rotated in place, k rotated into the cache, v copied there; what
+    ``rotary_inplace`` and ``write_kv_cache`` do in two (one launch fewer per layer of a
+    decode step, whose launches are its cost on small models)."""
+    num_tokens, q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    v = _rows_contiguous(v)
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("rotary_write_kv_cache needs the head dim contiguous")
+    rot = cos.shape[1]
+    if rot % 2 or rot > head_dim:
+        raise ValueError(f"rotary over {rot} dims of a {head_dim}-dim head")
+    _check_cache(k_cache)
+    _check_cache(v_cache)
+    kv_heads = k.shape[1]
+    pdl = chain_pdl(q)
+    _rotary_write_kv_kernel[(num_tokens, 2)](
+        q, k, v, k_cache, v_cache, slot_mapping, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), cos.stride(0),
+        sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), 1.0 / k_scale, 1.0 / v_scale,
+        Q_HEADS=q_heads, K_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=rot // 2,
+        BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)),
+        BLOCK_HALF=triton.next_power_of_2(rot // 2),
+        BLOCK_REST=triton.next_power_of_2(head_dim - rot) if rot < head_dim else 0,
+        PAGE=k_cache.shape[1], BLOCK_V=triton.next_power_of_2(kv_heads * head_dim),
+        QUANTIZE=is_fp8_cache(k_cache), PDL=pdl, launch_pdl=pdl,
+        num_warps=4 if q_heads * head_dim >= 2048 else 2,
+    )  # fmt: skip
+
+
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] with each token's heads*D values contiguous (a row may be a strided view)."""
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:

@@ -90,6 +90,9 @@ class LlamaAttention(nn.Module):
         its all-reduce to the norm after it)."""
         num_tokens, head_dim = hidden.shape[0], self.attn.head_dim
         q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        if self.q_norm is None and self.attn.rotates_in_kv_write():
+            out = self.attn(q, k, v, rotary=(cos, sin))  # [T, H*D]; one launch for both
+            return self.o_proj(out)
         q = q.view(num_tokens, -1, head_dim)  # [T, H, D]
         k = k.view(num_tokens, -1, head_dim)  # [T, KVH, D]
         q, k = norm_and_rotate_qk(q, k, self.q_norm, self.k_norm, cos, sin)  # in place on CUDA
