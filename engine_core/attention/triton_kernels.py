@@ -142,12 +142,21 @@ def write_kv_cache(
 
 
 @triton.jit
-def _rotated_halves(p1, mask, cos, sin, HALF: tl.constexpr):
+def rotated_halves(p1, mask, cos, sin, HALF: tl.constexpr):
     """Rotate-half of the values at p1 (first halves) and p1 + HALF: (x1 cos - x2 sin,
-    x2 cos + x1 sin) in float32, as models/triton_ops.py's rotary kernel computes it."""
+    x2 cos + x1 sin) in float32. Shared with models/triton_ops.py's rotary kernels."""
     f1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     f2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     return f1 * cos - f2 * sin, f2 * cos + f1 * sin
+
+
+@triton.jit
+def rotate_in_place(X, h, d, stride_h, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate-half, in place, heads h (rows stride_h apart) of the row at X over dims d."""
+    p1 = X + h * stride_h + d
+    y1, y2 = rotated_halves(p1, mask, cos, sin, HALF)
+    tl.store(p1, y1.to(p1.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, y2.to(p1.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -197,18 +206,15 @@ def _rotary_write_kv_kernel(
     cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
     sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)  # halves are equal
     if tl.program_id(1) == 0:
-        q1 = Q + token * stride_qt + h * stride_qh + d
-        q_mask = (h < Q_HEADS) & d_mask
-        y1, y2 = _rotated_halves(q1, q_mask, cos, sin, HALF)
-        tl.store(q1, y1.to(Q.dtype.element_ty), mask=q_mask)
-        tl.store(q1 + HALF, y2.to(Q.dtype.element_ty), mask=q_mask)
+        rotate_in_place(Q + token * stride_qt, h, d, stride_qh, cos, sin, (h < Q_HEADS) & d_mask,
+                        HALF)  # fmt: skip
     else:
         slot = tl.load(SLOTS + token)
         if slot >= 0:
             k_src = K + token * stride_kt + h * stride_kh
             k_mask = (h < K_HEADS) & d_mask
             k_dst = KC + (slot // PAGE) * stride_kcb + (slot % PAGE) * stride_kcs + h * HEAD_DIM
-            y1, y2 = _rotated_halves(k_src + d, k_mask, cos, sin, HALF)
+            y1, y2 = rotated_halves(k_src + d, k_mask, cos, sin, HALF)
             # Rounded to k's dtype first, as the separate rotary's output is before the write.
             y1 = y1.to(K.dtype.element_ty).to(tl.float32)
             y2 = y2.to(K.dtype.element_ty).to(tl.float32)

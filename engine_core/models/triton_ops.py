@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_core.attention.triton_kernels import rotate_in_place
 from engine_core.peer_all_reduce_kernel import peer_sum
 from engine_core.triton_pdl import chain_pdl, launches_dependents, pdl_wait_then_release
 
@@ -212,20 +213,8 @@ def _rotary_kernel(
     d_mask = d < HALF  # head dims like 96 have a half that is not a power of two
     cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
     sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)  # halves are equal
-    _rotate(Q + token * stride_qt, h, d, stride_qh, cos, sin, (h < Q_HEADS) & d_mask, HALF)
-    _rotate(K + token * stride_kt, h, d, stride_kh, cos, sin, (h < K_HEADS) & d_mask, HALF)
-
-
-@triton.jit
-def _rotate(X, h, d, stride_h, cos, sin, mask, HALF: tl.constexpr):
-    """Rotate-half in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    p1 = X + h * stride_h + d
-    p2 = p1 + HALF
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p2, mask=mask, other=0.0)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(p1, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
-    tl.store(p2, (f2 * cos + f1 * sin).to(x2.dtype), mask=mask)
+    rotate_in_place(Q + token * stride_qt, h, d, stride_qh, cos, sin, (h < Q_HEADS) & d_mask, HALF)
+    rotate_in_place(K + token * stride_kt, h, d, stride_kh, cos, sin, (h < K_HEADS) & d_mask, HALF)
 
 
 def rotary_inplace(
