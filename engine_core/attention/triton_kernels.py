@@ -198,38 +198,39 @@ def _rotary_write_kv_kernel(
     writes them, with v's row, to the token's cache slot (none for slot -1, a padding row), FP8
     caches as _write_kv_kernel. Two programs a token, as the two kernels it replaces had one
     each: a program doing both took longer than the pair for llama-8b's 32 query heads."""
-    pdl_wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_mask = d < HALF
+    # cos/sin and the slots are no output of the kernel just before (the qkv product): read
+    # them while it finishes (engine_core/triton_pdl.py).
     cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
     sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)  # halves are equal
+    slot = tl.load(SLOTS + token)
+    pdl_wait_then_release(PDL)
     if tl.program_id(1) == 0:
         rotate_in_place(Q + token * stride_qt, h, d, stride_qh, cos, sin, (h < Q_HEADS) & d_mask,
                         HALF)  # fmt: skip
-    else:
-        slot = tl.load(SLOTS + token)
-        if slot >= 0:
-            k_src = K + token * stride_kt + h * stride_kh
-            k_mask = (h < K_HEADS) & d_mask
-            k_dst = KC + (slot // PAGE) * stride_kcb + (slot % PAGE) * stride_kcs + h * HEAD_DIM
-            y1, y2 = rotated_halves(k_src + d, k_mask, cos, sin, HALF)
-            # Rounded to k's dtype first, as the separate rotary's output is before the write.
-            y1 = y1.to(K.dtype.element_ty).to(tl.float32)
-            y2 = y2.to(K.dtype.element_ty).to(tl.float32)
-            _store_cache_row(k_dst + d, y1, k_mask, k_scale_inv, QUANTIZE)
-            _store_cache_row(k_dst + HALF + d, y2, k_mask, k_scale_inv, QUANTIZE)
-            if BLOCK_REST > 0:  # partial rotary: the rest of each head goes in as it is
-                rest = 2 * HALF + tl.arange(0, BLOCK_REST)[None, :]
-                rest_mask = (h < K_HEADS) & (rest < HEAD_DIM)
-                k_rest = tl.load(k_src + rest, mask=rest_mask, other=0.0).to(tl.float32)
-                _store_cache_row(k_dst + rest, k_rest, rest_mask, k_scale_inv, QUANTIZE)
-            cols = tl.arange(0, BLOCK_V)
-            v_mask = cols < K_HEADS * HEAD_DIM
-            v = tl.load(V + token * stride_vt + cols, mask=v_mask).to(tl.float32)
-            v_dst = VC + (slot // PAGE) * stride_vcb + (slot % PAGE) * stride_vcs + cols
-            _store_cache_row(v_dst, v, v_mask, v_scale_inv, QUANTIZE)
+    elif slot >= 0:
+        k_src = K + token * stride_kt + h * stride_kh
+        k_mask = (h < K_HEADS) & d_mask
+        k_dst = KC + (slot // PAGE) * stride_kcb + (slot % PAGE) * stride_kcs + h * HEAD_DIM
+        y1, y2 = rotated_halves(k_src + d, k_mask, cos, sin, HALF)
+        # Rounded to k's dtype first, as the separate rotary's output is before the write.
+        y1 = y1.to(K.dtype.element_ty).to(tl.float32)
+        y2 = y2.to(K.dtype.element_ty).to(tl.float32)
+        _store_cache_row(k_dst + d, y1, k_mask, k_scale_inv, QUANTIZE)
+        _store_cache_row(k_dst + HALF + d, y2, k_mask, k_scale_inv, QUANTIZE)
+        if BLOCK_REST > 0:  # partial rotary: the rest of each head goes in as it is
+            rest = 2 * HALF + tl.arange(0, BLOCK_REST)[None, :]
+            rest_mask = (h < K_HEADS) & (rest < HEAD_DIM)
+            k_rest = tl.load(k_src + rest, mask=rest_mask, other=0.0).to(tl.float32)
+            _store_cache_row(k_dst + rest, k_rest, rest_mask, k_scale_inv, QUANTIZE)
+        cols = tl.arange(0, BLOCK_V)
+        v_mask = cols < K_HEADS * HEAD_DIM
+        v = tl.load(V + token * stride_vt + cols, mask=v_mask).to(tl.float32)
+        v_dst = VC + (slot // PAGE) * stride_vcb + (slot % PAGE) * stride_vcs + cols
+        _store_cache_row(v_dst, v, v_mask, v_scale_inv, QUANTIZE)
 
 
 @triton.jit
@@ -454,16 +455,27 @@ def _decode_kernel(
     FP8_AS_F16: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     # The kv heads of one (sequence, split) are neighbours in launch order, so programs that
     # run together read the same cache rows.
     kv0 = tl.program_id(0) * KPP
     split = tl.program_id(1)
     seq = tl.program_id(2)
+    # The sequence's length and block table are step inputs, not outputs of the kernel just
+    # before (the KV write): read them, and the first tile's blocks, while it finishes
+    # (engine_core/triton_pdl.py). q and the new token's K/V come after the wait.
     seq_len = tl.load(SL + seq)
     split_len, lo, first, last = _split_bounds(
         seq_len, window, num_splits, min_split, BLOCK_N, HAS_WINDOW
     )
+    start = tl.maximum(split * split_len, lo)
+    end = tl.minimum(split * split_len + split_len, seq_len)
+    # Tile row r holds token r // KPP of kv head kv0 + r % KPP: for KPP > 1 a token's heads are
+    # adjacent rows, as they are adjacent in the cache.
+    r = tl.arange(0, BLOCK_N * KPP)
+    bt_row = BT + seq.to(tl.int64) * stride_bt
+    next_tok = start + r // KPP
+    next_blk = tl.load(bt_row + next_tok // PAGE, mask=next_tok < end, other=0)
+    pdl_wait_then_release(PDL)
     if (split >= first) & (split <= last):
         rows = tl.arange(0, BLOCK_H)
         heads = kv0 * GROUP + rows
@@ -480,21 +492,18 @@ def _decode_kernel(
             # clamped to that top, and entries under it lose bits, not weight in the dot.
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-        start = tl.maximum(split * split_len, lo)
-        end = tl.minimum(split * split_len + split_len, seq_len)
-        # Tile row r holds token r // KPP of kv head kv0 + r % KPP: for KPP > 1 a token's
-        # heads are adjacent rows, as they are adjacent in the cache.
-        r = tl.arange(0, BLOCK_N * KPP)
         r_kv = r % KPP
         same_kv = row_kv[:, None] == r_kv[None, :]  # [H, N * KPP]
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        bt_row = BT + seq.to(tl.int64) * stride_bt
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + r // KPP
+        for _ in range(start, end, BLOCK_N):
+            tok = next_tok
             n_mask = tok < end
-            blk = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
+            blk = next_blk.to(tl.int64)
+            # The next tile's blocks, asked for before this tile's K/V are used.
+            next_tok = tok + BLOCK_N
+            next_blk = tl.load(bt_row + next_tok // PAGE, mask=next_tok < end, other=0)
             in_page = tok % PAGE
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k_row = blk * stride_kb + in_page * stride_ks + (kv0 + r_kv) * stride_kh
@@ -548,7 +557,6 @@ def _decode_merge_kernel(
     HAS_WINDOW: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = (seq * tl.num_programs(1) + head) * num_splits
@@ -556,10 +564,11 @@ def _decode_merge_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     in_buf = s < num_splits
-    # Every split's slot is read while seq_len is still on its way (the splits that hold a
-    # result follow from it), so the two loads' latencies overlap; unwritten slots are dropped
-    # by the selects below, never multiplied.
+    # seq_len is a step input: read while the decode kernel finishes (engine_core/triton_pdl.py).
+    # Every split's slot is read after the wait, whichever hold a result (they follow from
+    # seq_len); unwritten slots are dropped by the selects below, never multiplied.
     seq_len = tl.load(SL + seq)
+    pdl_wait_then_release(PDL)
     lse = tl.load(PL + part + s, mask=in_buf, other=float("-inf"))  # [S]
     po_ptr = PO + (part + s)[:, None] * HEAD_DIM + d[None, :]
     po = tl.load(po_ptr, mask=in_buf[:, None] & d_mask[None, :], other=0.0)  # [S, D]
