@@ -79,9 +79,11 @@ def _write_kv_kernel(
     QUANTIZE: tl.constexpr,  # an FP8 cache: store clamp(x / scale), e4m3
     PDL: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     token = tl.program_id(0)
+    # The slots are a step input, no output of the kernel just before: read while it finishes
+    # (engine_core/triton_pdl.py).
     slot = tl.load(SLOTS + token).to(tl.int64)
+    pdl_wait_then_release(PDL)
     if slot >= 0:
         block = slot // PAGE
         offset = slot % PAGE

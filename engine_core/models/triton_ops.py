@@ -206,13 +206,15 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_mask = d < HALF  # head dims like 96 have a half that is not a power of two
+    # cos/sin are no output of the kernel just before (the qkv product): read while it
+    # finishes (engine_core/triton_pdl.py).
     cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
     sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)  # halves are equal
+    pdl_wait_then_release(PDL)
     rotate_in_place(Q + token * stride_qt, h, d, stride_qh, cos, sin, (h < Q_HEADS) & d_mask, HALF)
     rotate_in_place(K + token * stride_kt, h, d, stride_kh, cos, sin, (h < K_HEADS) & d_mask, HALF)
 
@@ -279,13 +281,15 @@ def _qk_norm_rotary_kernel(
     """Token program_id(0)'s q and k heads: each head RMS-normalized over its dims and scaled
     by its norm's weight (Qwen3's q_norm / k_norm, rounded as _rms_norm_kernel rounds), then
     rotated (rotate-half, as _rotary_kernel), in place: three launches in one."""
-    pdl_wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_mask = d < HALF
+    # cos/sin are no output of the kernel just before (the qkv product): read while it
+    # finishes (engine_core/triton_pdl.py).
     cos = tl.load(Cos + token * stride_ct + d, mask=d_mask).to(tl.float32)  # [1, HALF]
     sin = tl.load(Sin + token * stride_st + d, mask=d_mask).to(tl.float32)
+    pdl_wait_then_release(PDL)
     q_mask = (h < Q_HEADS) & d_mask
     k_mask = (h < K_HEADS) & d_mask
     _norm_rotate(Q + token * stride_qt, h, d, stride_qh, QW, q_eps, cos, sin, q_mask, HALF)
