@@ -14,6 +14,12 @@ ask L2 for (``prefetch_l2``), anything except what the kernel just before it wri
 inputs, the weights. It stores nothing before its wait, since the kernel before it may still
 be reading the memory it would write.
 
+The attention chain kernels read their step inputs before the wait (the KV writes their slots,
+the rotary kernels their cos/sin, decode attention and its merge the sequence lengths and block
+tables): whoever calls them must not have those written by the kernel launched just before. The
+engine writes them at the step's start (the input copy, the rotary embedding's lookup), several
+kernels earlier.
+
 ``TANDEM_PDL=0`` in the environment turns it off (read at import; for A/B measurements).
 
 Importing this module imports triton (see engine_core/attention/triton_kernels.py).
