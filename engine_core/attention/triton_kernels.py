@@ -93,11 +93,8 @@ def _write_kv_kernel(
         v = tl.load(V + token * stride_vt + cols, mask=mask)
         k_dst = KC + block * stride_kcb + offset * stride_kcs + cols
         v_dst = VC + block * stride_vcb + offset * stride_vcs + cols
-        if QUANTIZE:
-            k = tl.clamp(k.to(tl.float32) * k_scale_inv, -448.0, 448.0)
-            v = tl.clamp(v.to(tl.float32) * v_scale_inv, -448.0, 448.0)
-        tl.store(k_dst, k.to(KC.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(VC.dtype.element_ty), mask=mask)
+        _store_cache_row(k_dst, k, mask, k_scale_inv, QUANTIZE)
+        _store_cache_row(v_dst, v, mask, v_scale_inv, QUANTIZE)
 
 
 def write_kv_cache(
@@ -237,10 +234,10 @@ def _rotary_write_kv_kernel(
 
 @triton.jit
 def _store_cache_row(ptrs, x, mask, scale_inv, QUANTIZE: tl.constexpr):
-    """Store float32 x into the cache: rounded to its dtype, an FP8 cache's divided by its
-    scale and clamped to e4m3's range first."""
+    """Store x into the cache: rounded to its dtype, an FP8 cache's divided by its scale (in
+    float32) and clamped to e4m3's range first."""
     if QUANTIZE:
-        x = tl.clamp(x * scale_inv, -448.0, 448.0)
+        x = tl.clamp(x.to(tl.float32) * scale_inv, -448.0, 448.0)
     tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
