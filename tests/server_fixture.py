@@ -15,6 +15,7 @@ Import both names into a test module: ``from tests.server_fixture import server 
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import socket
 import subprocess
@@ -80,10 +81,37 @@ class Server:
         return httpx.get(f"{self.base_url}/v1/engine", headers=self.headers, timeout=10).json()
 
 
-def free_port() -> int:
+def _ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux's default is 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A PORT with PORT .. PORT + count - 1 free on loopback, below the ephemeral range.
+
+    A port from bind(0) is an ephemeral one: between our check and the server's bind, any
+    outgoing connection on the machine may take it (or the next one, for an engine's pair of
+    sockets), and the server then dies with EADDRINUSE. Below the ephemeral range only another
+    listener can take it."""
+    ceiling = _ephemeral_port_floor() - count
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, ceiling)
+        if all(_bindable(port + i) for i in range(count)):
+            return port
+    raise RuntimeError(f"no {count} free consecutive ports below {ceiling + count}")
 
 
 def start_server(

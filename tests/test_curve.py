@@ -10,10 +10,10 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +63,23 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
 
 def free_port_pair() -> int:
     """A PORT with PORT + 1 also free (the engine's output socket)."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as s:
+    return free_port(count=2)
+
+
+def wait_engine_ready(
+    engine: subprocess.Popen, address: str, curve: CurveClientKeys, timeout: float = 120
+) -> None:
+    """READY from the engine process at ``address``; fails at once if that process exits."""
+    deadline = time.monotonic() + timeout
+    with EngineClient(address, curve=curve) as client:
+        while True:
+            assert engine.poll() is None, f"the engine exited with {engine.returncode}"
             try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free pair of ports")
+                client.connect(timeout=2)
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
 
 
 @pytest.fixture
@@ -169,8 +177,7 @@ def test_curve_engine_with_tandem_client_and_remote_serve(
     )  # fmt: skip
     serve = None
     try:
-        with EngineClient(address, curve=keys.client()) as client:
-            client.connect(timeout=120)  # the engine is up
+        wait_engine_ready(engine, address, keys.client())
         stranger = keys.client(secret=keys.stranger_secret)
         with EngineClient(address, curve=stranger) as client, pytest.raises(TimeoutError):
             client.connect(timeout=REFUSED_TIMEOUT_S)
