@@ -101,8 +101,9 @@ class Generation:
         self.arrival = arrival  # when the HTTP request came in: TTFT includes tokenization
         self.prompts = prompts
         self.stream_interval = stream_interval
+        tok = ctx.tokenizer
         self.choices = [
-            Choice(i, prompts[i // n], TextStream(ctx.tokenizer.decode, stop))
+            Choice(i, prompts[i // n], TextStream(tok.decode, stop, tok.byte_level))
             for i in range(len(prompts) * n)
         ]
         # Whether some choice decodes each output as it comes (stop strings; see _wake_every).

@@ -15,6 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from tokenizers import decoders
+
 from frontend.errors import bad_request
 
 
@@ -34,6 +36,8 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
         self._backend = hf_tokenizer.backend_tokenizer  # Rust tokenizers: decode is cheap
+        # Its decode is the UTF-8 of the tokens' bytes, piece by piece (IncrementalDetokenizer).
+        self.byte_level = isinstance(self._backend.decoder, decoders.ByteLevel)
         # One call through HF first: it sets the Rust tokenizer up as every HF call would (no
         # truncation or padding, its split_special_tokens), which encode_all then relies on.
         hf_tokenizer.encode("", add_special_tokens=False)

@@ -1,7 +1,8 @@
 """What the incremental detokenizer costs a streamed response: microseconds per push of
---chunk tokens (--stream-interval's chunks), with the decode window as it is
-(detokenizer.CONTEXT_TOKENS released tokens before the new ones) against the whole previous
-chunk (the window before it), alternating, three rounds.
+--chunk tokens (--stream-interval's chunks), the end's flush included, three ways, alternating,
+three rounds: a window of the whole previous chunk before the new tokens (the window before
+detokenizer.CONTEXT_TOKENS), a window of CONTEXT_TOKENS released tokens (any tokenizer), and no
+window (byte-level BPE, as the server runs SmolLM2's tokenizer).
 
     python scripts/bench_detokenizer.py [--chunk 16] [--tokens 512]
 
@@ -24,16 +25,20 @@ from engine_core.loader import resolve_model_dir  # noqa: E402
 from frontend.tokenizer import load_hf_tokenizer  # noqa: E402
 
 
-def us_per_push(decode: detokenizer.Decode, ids: list[int], chunk: int, repeats: int) -> float:
-    start = time.perf_counter()
+def us_per_push(
+    decode: detokenizer.Decode, ids: list[int], chunk: int, repeats: int, byte_level: bool
+) -> float:
+    elapsed = 0.0
     for _ in range(repeats):
-        detok = detokenizer.IncrementalDetokenizer(decode)
-        pieces = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
-        pieces.append(detok.flush())
-        if "".join(pieces) != decode(ids):
+        start = time.perf_counter()
+        detok = detokenizer.IncrementalDetokenizer(decode, byte_level)
+        pieces = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids) - chunk, chunk)]
+        pieces.append(detok.flush(ids[len(pieces) * chunk :]))  # the last chunk ends it
+        elapsed += time.perf_counter() - start
+        if "".join(pieces) != decode(ids):  # checked outside the timing
             raise AssertionError("the pieces do not add up to the full decode")
     pushes = repeats * -(-len(ids) // chunk)
-    return (time.perf_counter() - start) / pushes * 1e6
+    return elapsed / pushes * 1e6
 
 
 def main() -> None:
@@ -50,11 +55,16 @@ def main() -> None:
         return backend.decode(token_ids, skip_special_tokens=True)
 
     context = detokenizer.CONTEXT_TOKENS
+    ways = (
+        ("whole last chunk", 1 << 30, False),
+        (f"{context} tokens", context, False),
+        ("none (byte-level)", context, True),
+    )
     for round_ in range(3):
-        for label, window in (("whole last chunk", 1 << 30), (f"{context} tokens", context)):
+        for label, window, byte_level in ways:
             detokenizer.CONTEXT_TOKENS = window
-            us = us_per_push(decode, ids, args.chunk, args.repeats)
-            print(f"round {round_}: context {label:16} {us:6.2f} us a push of {args.chunk}")
+            us = us_per_push(decode, ids, args.chunk, args.repeats, byte_level)
+            print(f"round {round_}: window {label:17} {us:6.2f} us a push of {args.chunk}")
     detokenizer.CONTEXT_TOKENS = context
 
 

@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextStream
+from frontend.detokenizer import (
+    CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    TextStream,
+)
 
 TEXTS = [
     "Hello, world! This is a plain ASCII sentence.",
@@ -27,6 +32,13 @@ def tokenizer(default_model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(params=[False, True], ids=["window", "byte-level"])
+def byte_level(request: pytest.FixtureRequest) -> bool:
+    """Both ways the detokenizer decodes SmolLM2's byte-level BPE: with a window of released
+    tokens before the new ones (any tokenizer), and the new tokens alone (byte-level only)."""
+    return request.param
 
 
 def decode_fn(tokenizer: Any) -> Any:
@@ -46,12 +58,12 @@ def chunked(ids: list[int], rng: random.Random) -> list[list[int]]:
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("step", ["one", "chunks"])
 def test_stream_reassembles_exact_text_without_broken_chars(
-    tokenizer: Any, text: str, step: str
+    tokenizer: Any, text: str, step: str, byte_level: bool
 ) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     expected = tokenizer.decode(ids, skip_special_tokens=True)
     assert "\ufffd" not in expected
-    detok = IncrementalDetokenizer(decode_fn(tokenizer))
+    detok = IncrementalDetokenizer(decode_fn(tokenizer), byte_level)
     pieces = [[t] for t in ids] if step == "one" else chunked(ids, random.Random(len(text)))
     deltas = [detok.push(p) for p in pieces]
     deltas.append(detok.flush())
@@ -59,19 +71,19 @@ def test_stream_reassembles_exact_text_without_broken_chars(
     assert "".join(deltas) == expected
 
 
-def test_split_character_is_held_until_complete(tokenizer: Any) -> None:
+def test_split_character_is_held_until_complete(tokenizer: Any, byte_level: bool) -> None:
     ids = tokenizer.encode(" 🚀", add_special_tokens=False)
     # The tokenizer really does split the emoji over several byte tokens.
     assert len(ids) > 1
     assert tokenizer.decode(ids[:-1]).endswith("\ufffd")
-    detok = IncrementalDetokenizer(decode_fn(tokenizer))
+    detok = IncrementalDetokenizer(decode_fn(tokenizer), byte_level)
     early = [detok.push([t]) for t in ids[:-1]]
     last = detok.push(ids[-1:])
     assert "".join(early) + last == " 🚀"
     assert "🚀" in last
 
 
-def test_random_ids_reassemble_to_the_full_decode(tokenizer: Any) -> None:
+def test_random_ids_reassemble_to_the_full_decode(tokenizer: Any, byte_level: bool) -> None:
     rng = random.Random(0)
     vocab = len(tokenizer)
     special = set(tokenizer.all_special_ids)
@@ -80,9 +92,43 @@ def test_random_ids_reassemble_to_the_full_decode(tokenizer: Any) -> None:
         if trial % 2:  # only single-byte tokens (ids 17..272 here): characters split a lot
             ids = [rng.randrange(17, 273) for _ in ids]
         ids = [t for t in ids if t not in special] or [42]
-        detok = IncrementalDetokenizer(decode_fn(tokenizer))
+        detok = IncrementalDetokenizer(decode_fn(tokenizer), byte_level)
         text = "".join(detok.push(p) for p in chunked(ids, rng)) + detok.flush()
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_end_of_a_long_stream_decodes_only_its_window(tokenizer: Any) -> None:
+    """flush() after 512 streamed tokens decodes the window (CONTEXT_TOKENS and the last chunk),
+    not the whole sequence, and still adds up to the full decode."""
+    rng = random.Random(3)
+    ids = [rng.randrange(300, 40000) for _ in range(512)]
+    decoded: list[int] = []
+
+    def counting(seq: list[int]) -> str:
+        decoded.append(len(seq))
+        return tokenizer.decode(seq, skip_special_tokens=True)
+
+    detok = IncrementalDetokenizer(counting)
+    text = "".join(detok.push(ids[i : i + 16]) for i in range(0, 496, 16))
+    decoded.clear()
+    text += detok.flush(ids[496:])
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(decoded) <= CONTEXT_TOKENS + 16 + 16  # what push held back, plus the last chunk
+
+
+def test_a_window_that_cannot_settle_the_end_falls_back_to_the_full_decode() -> None:
+    """A decoder whose text changes before the window when a token comes (here: all of it turns
+    upper case once id 0 appears) makes flush() reconcile with the full decode; what was sent
+    already cannot change, so it adds nothing rather than contradict it."""
+
+    def decode(ids: list[int]) -> str:
+        text = "".join(chr(ord("a") + i) for i in ids)
+        return text.upper() if 0 in ids else text
+
+    detok = IncrementalDetokenizer(decode)
+    assert detok.push([1, 2, 3, 4, 5, 6]) == "bcdefg"
+    assert detok.flush([0]) == ""
+    assert detok.text == "bcdefg"
 
 
 def sentencepiece_style_tokenizer() -> Any:
@@ -130,12 +176,12 @@ def test_sentencepiece_byte_fallback_stream_reassembles(chunk: int) -> None:
         assert "".join(deltas) == decode(ids)
 
 
-def test_stop_string_is_trimmed_and_never_streamed(tokenizer: Any) -> None:
+def test_stop_string_is_trimmed_and_never_streamed(tokenizer: Any, byte_level: bool) -> None:
     text = "The answer is forty-two. END of the answer, and more text after it."
     stop = "END of"
     ids = tokenizer.encode(text, add_special_tokens=False)
     expected = text[: text.index(stop)]
-    stream = TextStream(decode_fn(tokenizer), [stop])
+    stream = TextStream(decode_fn(tokenizer), [stop], byte_level)
     sent = ""
     for t in ids:
         sent += stream.push([t])
@@ -170,10 +216,10 @@ def test_earliest_of_several_stop_strings_wins() -> None:
     assert m.matched == "at the"
 
 
-def test_stop_string_with_a_multibyte_character(tokenizer: Any) -> None:
+def test_stop_string_with_a_multibyte_character(tokenizer: Any, byte_level: bool) -> None:
     text = "ready 🚀 go now"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    stream = TextStream(decode_fn(tokenizer), ["🚀 go"])
+    stream = TextStream(decode_fn(tokenizer), ["🚀 go"], byte_level)
     sent = "".join(stream.push([t]) for t in ids) + stream.finish()
     assert sent == "ready "
     assert stream.stopped
@@ -193,9 +239,11 @@ def runs(ids: list[int], longest: int, rng: random.Random) -> list[list[int]]:
     return out
 
 
-def stream_text(tokenizer: Any, ids: list[int], longest: int, seed: int, stop: list[str]) -> str:
+def stream_text(
+    tokenizer: Any, ids: list[int], longest: int, seed: int, stop: list[str], byte_level: bool
+) -> str:
     """Push all runs but the last, then finish() with the last, as serving.Generation does."""
-    stream = TextStream(decode_fn(tokenizer), stop)
+    stream = TextStream(decode_fn(tokenizer), stop, byte_level)
     pieces = runs(ids, longest, random.Random(seed))
     sent = [stream.push(p) for p in pieces[:-1] if not stream.stopped]
     sent.append(stream.finish(pieces[-1]))
@@ -206,20 +254,25 @@ def stream_text(tokenizer: Any, ids: list[int], longest: int, seed: int, stop: l
 @pytest.mark.parametrize("longest", [1, 4, 16, 1000])
 @pytest.mark.parametrize("text", TEXTS)
 def test_runs_of_any_length_reassemble_the_full_decode(
-    tokenizer: Any, text: str, longest: int
+    tokenizer: Any, text: str, longest: int, byte_level: bool
 ) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     want = tokenizer.decode(ids, skip_special_tokens=True)
     for seed in range(5):
-        assert stream_text(tokenizer, ids, longest, seed, []) == want
+        assert stream_text(tokenizer, ids, longest, seed, [], byte_level) == want
 
 
 @pytest.mark.parametrize("longest", [1, 4, 1000])
-def test_a_stop_string_cuts_the_same_text_whatever_the_runs(tokenizer: Any, longest: int) -> None:
+def test_a_stop_string_cuts_the_same_text_whatever_the_runs(
+    tokenizer: Any, longest: int, byte_level: bool
+) -> None:
     text = "Emoji: 🚀🔥 then STOP 🇫🇷 and more text after the stop."
     ids = tokenizer.encode(text, add_special_tokens=False)
     for seed in range(5):
-        assert stream_text(tokenizer, ids, longest, seed, ["STOP 🇫"]) == "Emoji: 🚀🔥 then "
+        assert (
+            stream_text(tokenizer, ids, longest, seed, ["STOP 🇫"], byte_level)
+            == "Emoji: 🚀🔥 then "
+        )
 
 
 def test_encode_all_gives_what_hf_encode_gives(tokenizer: Any) -> None:
@@ -237,3 +290,15 @@ def test_encode_all_gives_what_hf_encode_gives(tokenizer: Any) -> None:
     for special in (True, False):
         want = [tokenizer.encode(t, add_special_tokens=special) for t in texts]
         assert ours.encode_all(texts, add_special_tokens=special) == want
+
+
+def test_only_a_byte_level_decoder_streams_without_a_window(tokenizer: Any) -> None:
+    """The serving tokenizer takes the window-free path for SmolLM2's byte-level BPE and keeps
+    the window for a SentencePiece-style decoder, whose text depends on the tokens before."""
+    from transformers import PreTrainedTokenizerFast
+
+    from frontend.tokenizer import Tokenizer
+
+    assert Tokenizer(tokenizer).byte_level
+    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=sentencepiece_style_tokenizer())
+    assert not Tokenizer(sentencepiece).byte_level

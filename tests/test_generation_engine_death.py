@@ -59,7 +59,9 @@ def test_an_engine_death_in_the_batch_that_ends_every_choice_ends_the_stream() -
         max_resumes=3,
         resume_timeout_s=120.0,
         wait_for_engine=wait_for_engine,
-        tokenizer=SimpleNamespace(decode=lambda ids: "".join(f"<{i}>" for i in ids)),
+        tokenizer=SimpleNamespace(
+            decode=lambda ids: "".join(f"<{i}>" for i in ids), byte_level=False
+        ),
     )
     params = SamplingParams(max_tokens=2)
     gen = Generation(ctx, [[1, 2, 3]], [params] * 2, 2, [], "cmpl-x", 0.0, 16)  # type: ignore[arg-type]

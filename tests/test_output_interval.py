@@ -25,7 +25,9 @@ from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
 def generation(stream_interval: int | None, stop: list[str]) -> Generation:
     ctx = SimpleNamespace(
         resume_timeout_s=60.0,
-        tokenizer=SimpleNamespace(decode=lambda ids: "".join(f"<{i}>" for i in ids)),
+        tokenizer=SimpleNamespace(
+            decode=lambda ids: "".join(f"<{i}>" for i in ids), byte_level=False
+        ),
     )
     params = [SamplingParams(max_tokens=100)] * 2
     return Generation(ctx, [[1, 2], [3]], params, 2, stop, "cmpl-x", 0.0, stream_interval)  # type: ignore[arg-type]
