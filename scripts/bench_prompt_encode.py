@@ -6,7 +6,8 @@ the requests that wait into one call.
 
 The prompts are the default model's decodes of random token ids (as the load generator makes
 them), all submitted at once, as 256 streams arriving together do. Prints the milliseconds until
-the last request has its ids, three rounds.
+the last request has its ids, three rounds; then one Rust call on all the prompts, with the
+character offsets (``encode_batch``) and without (``encode_batch_fast``, what encode_all calls).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
@@ -35,6 +38,12 @@ async def burst_ms(tok: Tokenizer, texts: list[str], coalesced: bool) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def one_call_ms(encode_batch: Callable[[list[str]], Any], texts: list[str]) -> float:
+    start = time.perf_counter()
+    encode_batch(texts)
+    return (time.perf_counter() - start) * 1e3
+
+
 async def main(args: argparse.Namespace) -> None:
     tok = Tokenizer(load_hf_tokenizer(resolve_model_dir("default")))
     rng = random.Random(0)
@@ -47,6 +56,11 @@ async def main(args: argparse.Namespace) -> None:
         each = await burst_ms(tok, texts, coalesced=False)
         coalesced = await burst_ms(tok, texts, coalesced=True)
         print(f"{args.requests} prompts: one call each {each:.1f} ms, coalesced {coalesced:.1f} ms")
+    backend = tok.hf.backend_tokenizer
+    for _ in range(3):
+        with_offsets = one_call_ms(backend.encode_batch, texts)
+        without = one_call_ms(backend.encode_batch_fast, texts)
+        print(f"one call: with offsets {with_offsets:.1f} ms, without {without:.1f} ms")
     print(f"command: python {' '.join(sys.argv)}")
 
 
