@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from engine_core.config import EngineConfig, ModelConfig
-from engine_core.models.cpu_gemm import PACKABLE_DTYPES
+from engine_core.models.cpu_gemm import packs
 
 # Kept free on a GPU for the activations of the largest step and the allocator's slack.
 CUDA_HEADROOM_BYTES = 2 * 2**30
@@ -102,9 +102,7 @@ def module_bytes(module: nn.Module) -> int:
 def cpu_packing_bytes(module: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """The oneDNN copy of the LM head that a CPU model keeps next to its plain matrix (the
     linears' packed copies replace their plain weights, so they add nothing)."""
-    if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
-        return 0
-    if not torch.backends.mkldnn.is_available():
+    if device.type != "cpu" or not packs(dtype):
         return 0
     weight = module.logits_weight() if hasattr(module, "logits_weight") else None
     return 0 if weight is None else weight.numel() * weight.element_size()

@@ -33,6 +33,7 @@ from engine_core.memory_plan import (
 )
 from engine_core.models import build_model
 from engine_core.models.fp8_config import with_quantization_flag
+from engine_core.models.layers import pack_cpu_weights
 from engine_core.presets import PRESETS
 from tests.server_fixture import free_port
 
@@ -99,6 +100,20 @@ def test_the_weight_estimate_is_what_the_loaded_model_holds(which: str, tiny_dir
     # On the CPU the LM head also gets a oneDNN copy: vocab x hidden floats.
     expected = 4 * config.vocab_size * config.hidden_size
     assert cpu_packing_bytes(meta, CPU, torch.float32) in (0, expected)  # 0: no oneDNN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_packed_head_is_counted_only_where_the_loaded_model_packs_it(
+    dtype: torch.dtype, tiny_dir: Path
+) -> None:
+    """The plan counts the LM head's oneDNN copy exactly when loading makes one: not for bf16 on
+    a CPU without oneDNN's bf16 kernels (an EPYC without AVX-512, as the CPU machine has)."""
+    meta, config = meta_estimate(str(tiny_dir), dtype)
+    loaded = load_model(str(tiny_dir), CPU, dtype).module
+    pack_cpu_weights(loaded)  # as the model runner does on the CPU
+    packed = loaded.packed_logits_weight is not None
+    expected = config.vocab_size * config.hidden_size * dtype.itemsize if packed else 0
+    assert cpu_packing_bytes(meta, CPU, dtype) == expected
 
 
 def test_the_default_model_is_135m_float32_parameters() -> None:

@@ -17,17 +17,18 @@ import torch
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` [out, in] can be packed for oneDNN: a float32 or bf16 CPU matrix, with
-    torch built with oneDNN, and for bf16 a CPU with oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or
+def packs(dtype: torch.dtype) -> bool:
+    """Whether CPU weights of ``dtype`` are packed for oneDNN here: float32 or bf16, torch built
+    with oneDNN, and for bf16 a CPU with oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT; without them the reorder raises, and the layer keeps ``F.linear``)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.dtype in PACKABLE_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` [out, in] can be packed for oneDNN: a CPU matrix of a dtype ``packs``."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and packs(weight.dtype)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
