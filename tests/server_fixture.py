@@ -105,13 +105,15 @@ def free_port(count: int = 1) -> int:
     outgoing connection on the machine may take it (or the next one, for an engine's pair of
     sockets), and the server then dies with EADDRINUSE. Below the ephemeral range only another
     listener can take it."""
-    ceiling = _ephemeral_port_floor() - count
+    floor = _ephemeral_port_floor()
+    low, high = (20000, floor - count) if floor - count > 21000 else (1024, 65536 - count)
+    # (a host whose ephemeral range starts low, or covers everything: any free port will do)
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, ceiling)
+        port = rng.randrange(low, high)
         if all(_bindable(port + i) for i in range(count)):
             return port
-    raise RuntimeError(f"no {count} free consecutive ports below {ceiling + count}")
+    raise RuntimeError(f"no {count} free consecutive ports in [{low}, {high + count})")
 
 
 def start_server(
