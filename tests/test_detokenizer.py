@@ -131,6 +131,38 @@ def test_a_window_that_cannot_settle_the_end_falls_back_to_the_full_decode() -> 
     assert detok.text == "bcdefg"
 
 
+def test_a_window_that_misreads_its_context_is_settled_by_the_full_decode() -> None:
+    """A decoder whose text depends on more than the window holds (here: a decode of fewer than
+    five tokens comes out in upper case) fails the window's check at the end, and the full
+    decode supplies the rest."""
+
+    def decode(ids: list[int]) -> str:
+        text = "".join(chr(ord("a") + i) for i in ids)
+        return text.upper() if len(ids) < 5 else text
+
+    detok = IncrementalDetokenizer(decode)
+    assert detok.push([1, 2, 3, 4, 5]) == "bcdef"
+    assert detok.flush([6]) == "g"
+    assert detok.text == decode([1, 2, 3, 4, 5, 6])
+
+
+def test_special_tokens_inside_split_characters_reassemble(
+    tokenizer: Any, byte_level: bool
+) -> None:
+    """Special tokens (dropped by the decode) between the byte tokens of a character, and runs
+    that hold nothing but them, still add up to the full decode."""
+    rng = random.Random(5)
+    special = sorted(tokenizer.all_special_ids)
+    for _ in range(40):
+        ids = [
+            rng.choice(special) if rng.random() < 0.3 else rng.randrange(17, 273)
+            for _ in range(rng.randint(1, 40))
+        ]
+        detok = IncrementalDetokenizer(decode_fn(tokenizer), byte_level)
+        text = "".join(detok.push(p) for p in chunked(ids, rng)) + detok.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def sentencepiece_style_tokenizer() -> Any:
     """A Llama-2/Gemma-style tokenizer built here: words marked by a leading "▁" that the
     decoder turns into a space (and strips at the start of a decode), characters outside the

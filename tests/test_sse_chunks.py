@@ -46,3 +46,15 @@ def test_a_chat_chunk_carries_usage_only_when_asked() -> None:
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 4)
     assert last.usage.total_tokens == 7
     assert first["created"] == last.created  # one creation time for the whole stream
+
+
+def test_a_plain_chunk_is_compact_json_in_openai_key_order() -> None:
+    """No spaces and the keys in the order OpenAI sends them: clients that read the stream as
+    text (curl, log scrapers) see what they would from OpenAI or vLLM."""
+    writer = ChunkWriter("cmpl-1", "text_completion", "m", include_usage=False)
+    created = parse(writer.chunk([]))["created"]
+    choice = {"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}
+    assert writer.chunk([choice]) == (
+        f'data: {{"id":"cmpl-1","object":"text_completion","created":{created},"model":"m",'
+        '"choices":[{"index":0,"text":"hi","logprobs":null,"finish_reason":null}]}\n\n'
+    )
