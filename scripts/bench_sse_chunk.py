@@ -1,6 +1,6 @@
 """What one SSE chunk's JSON costs the API process: microseconds per ``ChunkWriter.chunk`` for a
 completion chunk of one choice (16 tokens' worth of text), against building the whole body as a
-dict and calling ``json.dumps`` on it each time (the chunk builder before f812ef9), alternating,
+dict and calling ``json.dumps`` on it each time (the chunk builder before 8d4206c), alternating,
 three rounds; both must give the same JSON.
 
     python scripts/bench_sse_chunk.py [--chunks 200000]
