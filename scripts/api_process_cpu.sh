@@ -22,21 +22,14 @@ trap 'rm -rf "$WORK"' EXIT
 unset TOKENIZERS_PARALLELISM  # as users start the server
 
 (cd "$ROOT" && "$PY" - "$WORK/model" <<'PY') || exit 1
-import json, shutil, sys
+import sys
 from pathlib import Path
 from engine_core.loader import resolve_model_dir
-from tests.conftest import TOKENIZER_FILES
-from tests.factories import write_tiny_llama
-path = write_tiny_llama(Path(sys.argv[1]), vocab_size=49152)
-config = json.loads((path / "config.json").read_text())
-config["max_position_embeddings"] = 2048  # room for 128-token prompts and 512 outputs
-(path / "config.json").write_text(json.dumps(config))
-default = resolve_model_dir("default")
-for name in TOKENIZER_FILES:
-    if (default / name).exists():
-        shutil.copy(default / name, path / name)
+from tests.factories import copy_tokenizer, write_tiny_llama
+# 2,048 positions: room for 128-token prompts and 512 outputs
+path = write_tiny_llama(Path(sys.argv[1]), vocab_size=49152, max_positions=2048)
+copy_tokenizer(resolve_model_dir("default"), path)
 PY
-
 cpu_s() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
 
 measure() {  # measure NAME DIR

@@ -24,20 +24,12 @@ def default_model_dir() -> Path:
     return resolve_model_dir("default")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with the default model's 49,152-token vocabulary and tokenizer: a
     server on it starts in seconds and steps in milliseconds, for tests of the serving machinery
     (faults, overload, bad input) rather than of the model."""
-    import shutil
-
-    from tests.factories import write_tiny_llama
+    from tests.factories import copy_tokenizer, write_tiny_llama
 
     path = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab_size=49152)
-    for name in TOKENIZER_FILES:
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
-    return path
+    return copy_tokenizer(default_model_dir, path)

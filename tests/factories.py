@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-def write_tiny_llama(path: Path, *, vocab_size: int = 384, seed: int = 0) -> Path:
+
+def copy_tokenizer(source: Path, path: Path) -> Path:
+    """The tokenizer files of the model folder ``source`` (the default model's, say) copied
+    into the model folder ``path``, which then tokenizes as ``source`` does."""
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    return path
+
+
+def write_tiny_llama(
+    path: Path, *, vocab_size: int = 384, seed: int = 0, max_positions: int = 512
+) -> Path:
     """A 2-layer random Llama with GQA, saved with save_pretrained (what users hand us)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -20,7 +34,7 @@ def write_tiny_llama(path: Path, *, vocab_size: int = 384, seed: int = 0) -> Pat
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
     )

@@ -4,7 +4,6 @@ prompt, streamed and not, with HF transformers' greedy tokens on the same weight
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from tests.conftest import TOKENIZER_FILES
+from tests.factories import copy_tokenizer
 from tests.server_fixture import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -34,10 +33,7 @@ def write_tiny_qwen3_moe(path: Path, default_model_dir: Path) -> Path:
     with torch.no_grad():  # well-separated greedy choices (see tests/factories.py)
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
-    return path
+    return copy_tokenizer(default_model_dir, path)
 
 
 @pytest.fixture(scope="module")
