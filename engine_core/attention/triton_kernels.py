@@ -216,18 +216,18 @@ def _rotary_write_kv_kernel(
         k_dst = KC + (slot // PAGE) * stride_kcb + (slot % PAGE) * stride_kcs + h * HEAD_DIM
         y1, y2 = rotated_halves(k_src + d, k_mask, cos, sin, HALF)
         # Rounded to k's dtype first, as the separate rotary's output is before the write.
-        y1 = y1.to(K.dtype.element_ty).to(tl.float32)
-        y2 = y2.to(K.dtype.element_ty).to(tl.float32)
+        y1 = y1.to(K.dtype.element_ty)
+        y2 = y2.to(K.dtype.element_ty)
         _store_cache_row(k_dst + d, y1, k_mask, k_scale_inv, QUANTIZE)
         _store_cache_row(k_dst + HALF + d, y2, k_mask, k_scale_inv, QUANTIZE)
         if BLOCK_REST > 0:  # partial rotary: the rest of each head goes in as it is
             rest = 2 * HALF + tl.arange(0, BLOCK_REST)[None, :]
             rest_mask = (h < K_HEADS) & (rest < HEAD_DIM)
-            k_rest = tl.load(k_src + rest, mask=rest_mask, other=0.0).to(tl.float32)
+            k_rest = tl.load(k_src + rest, mask=rest_mask, other=0.0)
             _store_cache_row(k_dst + rest, k_rest, rest_mask, k_scale_inv, QUANTIZE)
         cols = tl.arange(0, BLOCK_V)
         v_mask = cols < K_HEADS * HEAD_DIM
-        v = tl.load(V + token * stride_vt + cols, mask=v_mask).to(tl.float32)
+        v = tl.load(V + token * stride_vt + cols, mask=v_mask)
         v_dst = VC + (slot // PAGE) * stride_vcb + (slot % PAGE) * stride_vcs + cols
         _store_cache_row(v_dst, v, v_mask, v_scale_inv, QUANTIZE)
 
