@@ -17,6 +17,7 @@ outputs were batched. A non-streamed response flushes each choice once, at its e
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -119,6 +120,7 @@ class Generation:
         self.resumes = 0
         self.resume_wait_left = ctx.resume_timeout_s  # seconds it may still wait for an engine
         self.resume_started: float | None = None  # when the last resume began, until output
+        self._sent: RequestGroup | None = None  # sent by ``send``, not yet followed by ``run``
 
     @classmethod
     def for_request(
@@ -142,6 +144,25 @@ class Generation:
         keep = max_tokens > 0
         return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep)
 
+    async def send(self) -> None:
+        """Send the engine requests now; ``run`` then follows them. A streamed response sends
+        before it sets up (see frontend/app.py ``start_stream``). If ``run`` never comes,
+        ``close`` aborts them."""
+        await self.ctx.wait_for_engine()
+        # An engine that died meanwhile: ``run`` sends them, resuming as after any death.
+        with contextlib.suppress(EngineDeadError):
+            self._sent = await self._open([self.requests[i] for i in self.members])
+
+    def close(self) -> None:
+        """Abort what ``send`` sent, unless ``run`` took it over (which aborts on its own)."""
+        group, self._sent = self._sent, None
+        if group is not None:
+            group.abort_unfinished()
+
+    async def _open(self, requests: list[EngineRequest]) -> RequestGroup:
+        """Send ``requests`` to an engine as one group (aborted there if the send fails)."""
+        return await self.ctx.engine.open(requests, self._wake_every()).__aenter__()
+
     async def run(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Yield the deltas of each flush until every choice has finished. When the engine dies
         the unfinished choices are resumed (``--max-request-resumes``): the stream goes on."""
@@ -164,8 +185,12 @@ class Generation:
             self._record_unfinished(cut)
 
     async def _follow(self, requests: list[EngineRequest]) -> AsyncIterator[list[ChoiceDelta]]:
-        """Send ``requests`` (the members' engine requests) and flush their outputs."""
-        async with self.ctx.engine.open(requests, self._wake_every()) as group:
+        """Send ``requests`` (the members' engine requests; already sent if ``send`` was
+        called) and flush their outputs; leaving, by any way, aborts what is unfinished."""
+        group, self._sent = self._sent, None
+        if group is None:
+            group = await self._open(requests)
+        try:
             while any(self.choices[i].finish_reason is None for i in self.members):
                 items = await group.next_batch()
                 if self.resume_started is not None:
@@ -179,6 +204,8 @@ class Generation:
                     yield deltas  # what came before the engine died, flushed first
                 if dead is not None and not self.finished:
                     raise dead  # run() resumes the request if it may (not one already done)
+        finally:
+            group.abort_unfinished()
 
     def _output_interval(self) -> int:
         """How many tokens the engine gathers before it sends a choice's outputs: as many as

@@ -755,6 +755,10 @@ class RequestGroup:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.abort_unfinished()
+
+    def abort_unfinished(self) -> None:
+        """Abort every request of the group that has not finished (never blocks)."""
         self._client.abort(sorted(self.unfinished))
 
     def deliver(self, index: int, item: RequestItem, arrived: float) -> None:

@@ -10,8 +10,7 @@ tests/test_resume.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,22 +24,33 @@ class NoMetrics:
         return lambda *args, **kwargs: None
 
 
+class HandFedGroup(RequestGroup):
+    """A RequestGroup on no client: opening sends nothing, and what it would abort is kept."""
+
+    aborted: list[str] | None = None
+
+    async def __aenter__(self) -> HandFedGroup:
+        return self
+
+    def abort_unfinished(self) -> None:
+        self.aborted = sorted(self.unfinished)
+
+
 class DyingEngine:
     """Delivers each request's last tokens and the engine's death in one batch."""
 
     def __init__(self) -> None:
         self.resume_waits = 0
+        self.groups: list[HandFedGroup] = []
 
-    @contextlib.asynccontextmanager
-    async def open(
-        self, requests: Sequence[EngineRequest], wake_every: int | None
-    ) -> AsyncIterator[RequestGroup]:
-        group = RequestGroup(None, requests, wake_every)  # type: ignore[arg-type]  # not opened
+    def open(self, requests: Sequence[EngineRequest], wake_every: int | None) -> RequestGroup:
+        group = HandFedGroup(None, requests, wake_every)  # type: ignore[arg-type]
         now = asyncio.get_running_loop().time()
         for i, r in enumerate(requests):
             group.deliver(i, RequestOutput(r.request_id, [5, 6], FinishReason.LENGTH), now)
             group.deliver(i, EngineDeadError("the engine core exited"), now)
-        yield group
+        self.groups.append(group)
+        return group
 
     async def wait_until_serving(self, timeout: float) -> float:
         self.resume_waits += 1
@@ -75,3 +85,5 @@ def test_an_engine_death_in_the_batch_that_ends_every_choice_ends_the_stream() -
         (1, "<5><6>", "length"),
     ]
     assert gen.finished and engine.resume_waits == 0
+    # One group, left with nothing unfinished to abort.
+    assert [g.aborted for g in engine.groups] == [[]]
