@@ -455,11 +455,19 @@ class CudaGraphRunner:
     def _run_decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        from engine_core.models.triton_ops import stage_decode_inputs  # imports triton
+
         n = meta.num_seqs
         batch = self._bucket[n]
-        self._copy_common(input_ids, positions, meta, batch)
-        if batch > n:
-            self.buffers.seq_lens[n:batch].zero_()
+        buf = self.buffers
+        # One launch for the copies and padding fills of _copy_common (five to seven).
+        stage_decode_inputs(
+            (input_ids, positions, meta.slot_mapping, meta.seq_lens),
+            meta.block_tables,
+            (buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens),
+            buf.block_tables,
+            batch,
+        )
         self.graphs[batch].replay()
         if self.tail is not None:
             self._tail_rows = n

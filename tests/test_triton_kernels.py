@@ -60,9 +60,11 @@ from engine_core.models.triton_ops import (  # noqa: E402
     layer_norm,
     qk_norm_rotary_inplace,
     rms_norm,
+    rotary_cos_sin,
     rotary_inplace,
     row_argmax,
     silu_and_mul,
+    stage_decode_inputs,
 )
 from tests.paged_harness import generate_greedy, hf_greedy  # noqa: E402
 from tests.test_models_hf import PROMPTS, make_hf_model  # noqa: E402
@@ -525,6 +527,57 @@ def test_gelu_new_matches_torch(num_tokens: int, width: int) -> None:
     gen = torch.Generator().manual_seed(num_tokens + width)
     x = randn(gen, num_tokens, width) * 4.0  # well into both tails
     assert_close(gelu_new(x), layers.gelu_new_torch(x))
+
+
+@pytest.mark.parametrize(("rotary_dim", "attention_factor"), [(64, 1.0), (96, 1.0), (128, 1.19)])
+def test_rotary_cos_sin_is_the_torch_code_bit_for_bit(
+    rotary_dim: int, attention_factor: float
+) -> None:
+    """One launch for RotaryEmbedding's seven: on a GPU the same bits (libdevice's cosf and
+    sinf, which torch's CUDA cos and sin call); the interpreter's NumPy cos and sin may differ
+    from torch's in the last place. Positions up to a 128k context, a partial rotary dim (96:
+    a half of 48, no power of two) and a LongRoPE attention factor."""
+    gen = torch.Generator().manual_seed(rotary_dim)
+    positions = torch.randint(0, 131072, (300,), generator=gen).to(DEVICE)
+    positions[:3] = torch.tensor([0, 1, 131071])
+    rope = layers.RotaryEmbedding(rotary_dim, 500000.0).to(DEVICE)
+    for dtype in (torch.float32, DTYPE):
+        ref = layers.rotary_cos_sin_torch(positions, rope.inv_freq, attention_factor, dtype)
+        got = rotary_cos_sin(positions, rope.inv_freq, attention_factor, dtype)
+        for g, r in zip(got, ref, strict=True):
+            assert g.shape == r.shape == (300, rotary_dim) and g.dtype == r.dtype == dtype
+            if INTERPRET:
+                torch.testing.assert_close(g, r, atol=2e-6, rtol=0)
+            else:
+                assert torch.equal(g, r)
+
+
+@pytest.mark.parametrize(("n", "rows", "width"), [(5, 8, 3), (8, 8, 130), (1, 4, 1)])
+def test_stage_decode_inputs_copies_and_pads_as_the_copies_did(
+    n: int, rows: int, width: int
+) -> None:
+    """The decode graph's inputs staged in one launch: the first n rows copied, rows n..rows
+    padding (slot -1, no context), everything else of the buffers left as it was."""
+    gen = torch.Generator().manual_seed(n * 1000 + width)
+
+    def ints(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.randint(0, 10_000, shape, generator=gen, dtype=dtype).to(DEVICE)
+
+    inputs = (ints(n), ints(n), ints(n), ints(n, dtype=torch.int32))
+    tables = ints(n, width, dtype=torch.int32)
+    buffers = (ints(16), ints(16), ints(16), ints(16, dtype=torch.int32))
+    table_buffer = ints(16, 200, dtype=torch.int32)
+    want = [b.clone() for b in buffers]
+    want_tables = table_buffer.clone()
+    for w, x in zip(want, inputs, strict=True):
+        w[:n] = x
+    want[2][n:rows] = -1
+    want[3][n:rows] = 0
+    want_tables[:n, :width] = tables
+    stage_decode_inputs(inputs, tables, buffers, table_buffer, rows)
+    for got, w in zip(buffers, want, strict=True):
+        assert torch.equal(got, w)
+    assert torch.equal(table_buffer, want_tables)
 
 
 @pytest.mark.parametrize("num_tokens", FUSED_TOKENS)

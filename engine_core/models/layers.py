@@ -164,7 +164,8 @@ class RotaryEmbedding(nn.Module):
     head, with the "linear", "llama3" and "longrope" scalings.
 
     cos/sin are computed from the positions on the fly: one [T, rotary_dim] product per forward,
-    shared by all layers, no max-length table and nothing data-dependent (CUDA-graph friendly).
+    shared by all layers, no max-length table and nothing data-dependent (CUDA-graph friendly);
+    on CUDA in one Triton launch (triton_ops.rotary_cos_sin), bit for bit the torch code's.
 
     LongRoPE rotates with one factor set, chosen when the config is read (``use_long_factor``:
     the long set when the model's context exceeds its original one), and multiplies cos/sin by
@@ -190,12 +191,23 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, rotary_dim] in ``dtype``."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos, sin = emb.cos(), emb.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
+        if use_triton(positions):  # the same numbers in one launch (seven in the torch code)
+            ops = triton_ops()
+            return ops.rotary_cos_sin(positions, self.inv_freq, self.attention_factor, dtype)
+        return rotary_cos_sin_torch(positions, self.inv_freq, self.attention_factor, dtype)
+
+
+def rotary_cos_sin_torch(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> (cos, sin), each [T, rotary_dim] in ``dtype``: float32 inside, the
+    halves equal (rotate-half layout)."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def reset_buffers(model: nn.Module) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from engine_core.attention.triton_kernels import rotate_in_place
 from engine_core.peer_all_reduce_kernel import peer_sum
@@ -187,6 +188,45 @@ def _peer_sum_args(x: torch.Tensor, peer: PeerSumArgs | None) -> dict[str, Any]:
     )  # fmt: skip
 
 
+# n and width change from step to step: specialized, their values 1 and multiples of 16 would
+# each compile a variant mid-serving.
+@triton.jit(do_not_specialize=["n", "width"])
+def _stage_decode_kernel(
+    Ids, Pos, Slots, SeqLens, Tables, DIds, DPos, DSlots, DSeqLens, DTables,
+    n, width, stride_t, stride_dt, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    if row < n:
+        tl.store(DIds + row, tl.load(Ids + row))
+        tl.store(DPos + row, tl.load(Pos + row))
+        tl.store(DSlots + row, tl.load(Slots + row))
+        tl.store(DSeqLens + row, tl.load(SeqLens + row))
+        cols = tl.arange(0, BLOCK_W)
+        src, dst = Tables + row.to(tl.int64) * stride_t, DTables + row.to(tl.int64) * stride_dt
+        for start in range(0, width, BLOCK_W):
+            mask = start + cols < width
+            tl.store(dst + start + cols, tl.load(src + start + cols, mask=mask), mask=mask)
+    else:  # a padding row: it writes no KV slot and attends to nothing
+        tl.store(DSlots + row, -1)
+        tl.store(DSeqLens + row, 0)
+
+
+def stage_decode_inputs(
+    inputs: tuple[torch.Tensor, ...],  # input ids, positions, slots [n] int64; seq lens [n]
+    block_tables: torch.Tensor,  # [n, width] int32
+    buffers: tuple[torch.Tensor, ...],  # the graph's: ids, positions, slots, seq lens [>= rows]
+    table_buffer: torch.Tensor,  # the graph's block tables [>= rows, >= width] int32
+    rows: int,  # the graph's batch: rows n.. are padding
+) -> None:
+    """A decode step's inputs into a CUDA graph's static buffers, its padding rows made inert
+    (no KV slot, no context), in one launch instead of one copy or fill each."""
+    n, width = block_tables.shape
+    _stage_decode_kernel[(rows,)](
+        *inputs, block_tables, *buffers, table_buffer, n, width, block_tables.stride(0),
+        table_buffer.stride(0), BLOCK_W=128, num_warps=1,
+    )  # fmt: skip
+
+
 @triton.jit
 def _rotary_kernel(
     Q,
@@ -217,6 +257,54 @@ def _rotary_kernel(
     pdl_wait_then_release(PDL)
     rotate_in_place(Q + token * stride_qt, h, d, stride_qh, cos, sin, (h < Q_HEADS) & d_mask, HALF)
     rotate_in_place(K + token * stride_kt, h, d, stride_kh, cos, sin, (h < K_HEADS) & d_mask, HALF)
+
+
+@triton.jit
+def _rotary_cos_sin_kernel(
+    Positions, InvFreq, Cos, Sin, factor, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    SCALED: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    mask = d < HALF
+    # As RotaryEmbedding's torch code: one float32 product, libdevice's cosf/sinf (what torch's
+    # CUDA cos/sin call; the interpreter has no libdevice), the factor, one rounding to the
+    # output dtype; both halves equal.
+    freq = tl.load(Positions + token).to(tl.float32) * tl.load(InvFreq + d, mask=mask, other=0.0)
+    if LIBDEVICE:
+        cos, sin = libdevice.cos(freq), libdevice.sin(freq)
+    else:
+        cos, sin = tl.cos(freq), tl.sin(freq)
+    if SCALED:
+        cos, sin = cos * factor, sin * factor
+    row = token * (2 * HALF) + d
+    cos, sin = cos.to(Cos.dtype.element_ty), sin.to(Sin.dtype.element_ty)
+    tl.store(Cos + row, cos, mask=mask)
+    tl.store(Cos + row + HALF, cos, mask=mask)
+    tl.store(Sin + row, sin, mask=mask)
+    tl.store(Sin + row + HALF, sin, mask=mask)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor,  # [T] int64
+    inv_freq: torch.Tensor,  # [rotary_dim / 2]
+    attention_factor: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RotaryEmbedding's (cos, sin), each [T, rotary_dim] in ``dtype``, in one launch where its
+    torch code takes seven (a plain launch: the rotary kernels read cos/sin before their PDL
+    wait, several kernels later, see engine_core/triton_pdl.py)."""
+    inv_freq = inv_freq.float().contiguous()
+    num_tokens, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(num_tokens, 2 * half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if num_tokens:
+        _rotary_cos_sin_kernel[(num_tokens,)](
+            positions.contiguous(), inv_freq, cos, sin, float(attention_factor),
+            HALF=half, BLOCK=triton.next_power_of_2(half), SCALED=attention_factor != 1.0,
+            LIBDEVICE=positions.is_cuda, num_warps=1,
+        )  # fmt: skip
+    return cos, sin
 
 
 def rotary_inplace(
