@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 from collections import defaultdict
@@ -36,26 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def run(args: argparse.Namespace) -> None:
     import torch
+    from launch_host_probe import decoding_engine  # scripts/device, this script's folder
 
-    from engine_core.config import EngineConfig
-    from engine_core.core import EngineCore
-    from engine_core.request import Request
-    from protocol.messages import SamplingParams
-
-    config = EngineConfig(
-        model=f"random:{args.model}",
-        device="cuda",
-        max_model_len=4096,
-        block_size=16,
-        num_kv_blocks=2 * args.batch * 40,
-        max_num_seqs=args.batch,
-        max_num_batched_tokens=8192,
-    )
-    core = EngineCore(config)
-    params = SamplingParams(max_tokens=args.steps + 200, temperature=0.0, ignore_eos=True)
-    rng = random.Random(0)
-    for i in range(args.batch):
-        core.add_request(Request(f"r{i}", [rng.randrange(1000) for _ in range(128)], params))
+    core = decoding_engine(args.model, args.batch, args.steps + 200)
     for _ in range(100):  # the prefill, then about 100 tokens of context more
         core.step()
     torch.cuda.synchronize()

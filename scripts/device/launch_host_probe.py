@@ -57,6 +57,27 @@ class TimedLaunch:
         return ordered[len(ordered) // 2] * 1e3
 
 
+def decoding_engine(model: str, batch: int, max_tokens: int) -> EngineCore:
+    """An in-process engine on a preset's random weights (CUDA graphs and overlap on) with
+    ``batch`` requests added: 128 random prompt tokens, greedy, ``max_tokens`` each, EOS
+    ignored. Also used by decode_timeline.py."""
+    config = EngineConfig(
+        model=f"random:{model}",
+        device="cuda",
+        max_model_len=4096,
+        block_size=16,
+        num_kv_blocks=2 * batch * 40,
+        max_num_seqs=batch,
+        max_num_batched_tokens=8192,
+    )
+    core = EngineCore(config)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    for i in range(batch):
+        core.add_request(Request(f"r{i}", [rng.randrange(1000) for _ in range(128)], params))
+    return core
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="preset (random weights)")
@@ -64,24 +85,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=100, help="steady steps timed")
     parser.add_argument("--profile", action="store_true", help="then cProfile as many steps")
     args = parser.parse_args(argv)
-    config = EngineConfig(
-        model=f"random:{args.model}",
-        device="cuda",
-        max_model_len=4096,
-        block_size=16,
-        num_kv_blocks=2 * args.batch * 40,
-        max_num_seqs=args.batch,
-        max_num_batched_tokens=8192,
-    )
-    core = EngineCore(config)
+    core = decoding_engine(args.model, args.batch, 3 * args.steps + 40)
     freeze_startup_heap()  # as the engine process runs
     spread_young_collections()
     timed = TimedLaunch(core.runner.launch)
     core.runner.launch = timed
-    params = SamplingParams(max_tokens=3 * args.steps + 40, temperature=0.0, ignore_eos=True)
-    rng = random.Random(0)
-    for i in range(args.batch):
-        core.add_request(Request(f"r{i}", [rng.randrange(1000) for _ in range(128)], params))
     for _ in range(30):  # the prefill and the first decode steps
         core.step()
     timed.seconds.clear()
