@@ -161,7 +161,9 @@ class Generation:
 
     async def _open(self, requests: list[EngineRequest]) -> RequestGroup:
         """Send ``requests`` to an engine as one group (aborted there if the send fails)."""
-        return await self.ctx.engine.open(requests, self._wake_every()).__aenter__()
+        group = self.ctx.engine.open(requests, self._wake_every())
+        await group.send()
+        return group
 
     async def run(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Yield the deltas of each flush until every choice has finished. When the engine dies

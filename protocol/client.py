@@ -742,12 +742,17 @@ class RequestGroup:
         self._started = [False] * len(self.requests)  # whether a token came yet
 
     async def __aenter__(self) -> RequestGroup:
+        await self.send()
+        return self
+
+    async def send(self) -> None:
+        """Send the group's requests (what entering the block does); if sending fails, abort
+        them all, since some may have gone."""
         try:
             await self._client._add(self, self.requests)
         except BaseException:
             self._client.abort([r.request_id for r in self.requests])
             raise
-        return self
 
     async def __aexit__(
         self,

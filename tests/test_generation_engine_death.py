@@ -29,8 +29,8 @@ class HandFedGroup(RequestGroup):
 
     aborted: list[str] | None = None
 
-    async def __aenter__(self) -> HandFedGroup:
-        return self
+    async def send(self) -> None:
+        pass
 
     def abort_unfinished(self) -> None:
         self.aborted = sorted(self.unfinished)

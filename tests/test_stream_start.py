@@ -33,9 +33,8 @@ class RecordingGroup(RequestGroup):
     log: list[tuple[str, str]]
     aborted: list[str] | None = None
 
-    async def __aenter__(self) -> RecordingGroup:
+    async def send(self) -> None:
         self.log.append(("send", self.requests[0].request_id))
-        return self
 
     def abort_unfinished(self) -> None:
         self.aborted = sorted(self.unfinished)
