@@ -58,9 +58,9 @@ class TimedLaunch:
 
 
 def decoding_engine(model: str, batch: int, max_tokens: int) -> EngineCore:
-    """An in-process engine on a preset's random weights (CUDA graphs and overlap on) with
-    ``batch`` requests added: 128 random prompt tokens, greedy, ``max_tokens`` each, EOS
-    ignored. Also used by decode_timeline.py."""
+    """An in-process engine on a preset's random weights (CUDA graphs and overlap on; the
+    collector set as the engine process sets it) with ``batch`` requests added: 128 random
+    prompt tokens, greedy, ``max_tokens`` each, EOS ignored. Also used by decode_timeline.py."""
     config = EngineConfig(
         model=f"random:{model}",
         device="cuda",
@@ -71,6 +71,8 @@ def decoding_engine(model: str, batch: int, max_tokens: int) -> EngineCore:
         max_num_batched_tokens=8192,
     )
     core = EngineCore(config)
+    freeze_startup_heap()  # as the engine process runs, before any request comes
+    spread_young_collections()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     for i in range(batch):
@@ -86,8 +88,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile", action="store_true", help="then cProfile as many steps")
     args = parser.parse_args(argv)
     core = decoding_engine(args.model, args.batch, 3 * args.steps + 40)
-    freeze_startup_heap()  # as the engine process runs
-    spread_young_collections()
     timed = TimedLaunch(core.runner.launch)
     core.runner.launch = timed
     for _ in range(30):  # the prefill and the first decode steps
