@@ -87,6 +87,16 @@ class BlockManager:
         """A copy of the request's block table (empty when it holds no blocks)."""
         return self._tables.get(request_id, _EMPTY_TABLE).tolist()
 
+    def table_if_room(self, request_id: str, num_tokens: int) -> array[int] | None:
+        """A copy of the request's block table when it already covers ``num_tokens`` tokens
+        (the common decode step: the last block still has room), else None: then
+        ``allocate_slots`` has to grow it. One call where the scheduler's hot loop would make
+        two (``allocate_slots``, then ``block_table``)."""
+        table = self._tables.get(request_id)
+        if table is not None and num_tokens <= len(table) * self.block_size:
+            return table[:]
+        return None
+
     def block_table(self, request_id: str) -> array[int]:
         """A copy of the request's block table as an int32 array (what a step's plan carries)."""
         return self._tables.get(request_id, _EMPTY_TABLE)[:]

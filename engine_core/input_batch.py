@@ -22,7 +22,7 @@ from the previous step's sampled tensor with one gather on the device.
 from __future__ import annotations
 
 import array
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -46,7 +46,13 @@ class PackedInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: the last row of each sequence that samples
     sampling_requests: list[Request]
-    output_positions: list[int]  # [S]: which output of its request each sampling row draws
+    sample_ends: np.ndarray  # [S] int64: where each sampling row's chunk ends (its seq_len)
+
+    def output_positions(self) -> list[int]:
+        """[S]: which output of its request each sampling row draws. Computed when asked: the
+        sampler needs them only for rows that do more than take the argmax."""
+        prompts = [r.num_prompt_tokens for r in self.sampling_requests]
+        return (self.sample_ends - np.array(prompts, dtype=np.int64)).tolist()
 
 
 class InputBatch:
@@ -105,13 +111,13 @@ class InputBatch:
     def pack(
         self,
         plan: SchedulerOutput,
-        prev_rows: Mapping[str, int],
+        prev_sampling: Sequence[Request],
         prev_sampled: torch.Tensor | None,
     ) -> PackedInputs:
         """Flatten ``plan`` into device tensors; placeholder ids come from ``prev_sampled``.
 
-        ``prev_rows`` maps a request id to its row in ``prev_sampled`` [S_prev] (the previous
-        step's sampled ids, still on the device).
+        ``prev_sampled`` [S_prev] holds the previous step's sampled ids, still on the device:
+        row i is ``prev_sampling[i]``'s.
         """
         # The requests' fields into flat lists of Python ints (one comprehension each: cheaper
         # than one loop of appends), then numpy on the whole batch: no numpy array per request.
@@ -123,7 +129,9 @@ class InputBatch:
         tables = array.array("i")
         for s in scheduled:
             tables.extend(s.block_ids)  # a memcpy for the block manager's int32 arrays
-        sample_seqs = [i for i, s in enumerate(scheduled) if s.samples]
+        samples = [s.samples for s in scheduled]
+        # A steady decode step samples every row: the lists below are then the step's own.
+        sample_seqs = None if all(samples) else [i for i, s in enumerate(samples) if s]
         if len(requests) == sum(lens):  # decode only: one token each
             tokens = [r.token_ids[start] for r, start in zip(requests, starts, strict=True)]
         else:
@@ -133,11 +141,10 @@ class InputBatch:
                     for r, start, n in zip(requests, starts, lens, strict=True)
                 )
             )
-        sampling = [requests[i] for i in sample_seqs]
-        out_positions = [starts[i] + lens[i] - requests[i].num_prompt_tokens for i in sample_seqs]
+        sampling = requests if sample_seqs is None else [requests[i] for i in sample_seqs]
         return self._fill(
-            tokens, tables, starts, lens, widths, sample_seqs, requests, prev_rows,
-            prev_sampled, sampling, out_positions,
+            tokens, tables, starts, lens, widths, sample_seqs, requests, prev_sampling,
+            prev_sampled, sampling,
         )  # fmt: skip
 
     def _fill(
@@ -147,12 +154,11 @@ class InputBatch:
         start_list: list[int],
         len_list: list[int],
         width_list: list[int],
-        sample_seqs: list[int],
+        sample_seqs: list[int] | None,
         requests: list[Request],
-        prev_rows: Mapping[str, int],
+        prev_sampling: Sequence[Request],
         prev_sampled: torch.Tensor | None,
         sampling: list[Request],
-        out_positions: list[int],
     ) -> PackedInputs:
         # Each numpy call costs microseconds whatever its size, so the decode-only batch (one
         # token per sequence) takes shortcuts, and maxima of short lists are taken in Python.
@@ -170,7 +176,7 @@ class InputBatch:
         # Placeholders (ids still on the device) can only be the last token of a chunk.
         waiting = np.flatnonzero(tokens[last] < 0)  # [G] sequence indices
         gather_dst = last[waiting]  # [G] token rows
-        gather_src = _prev_rows_of(prev_rows, requests, waiting.tolist())
+        gather_src = _prev_rows_of(prev_sampling, requests, waiting)
         num_gather, width = len(waiting), max(width_list)
         # The Triton prefill kernel's work list (attention/prefill_tiles.py); decodes need none.
         tiles = None if decode_only else tile_list(len_list, prefill_block_m(num_tokens))
@@ -202,7 +208,7 @@ class InputBatch:
         np.multiply(block_tables[seq_of_token, positions // bs].astype(np.int64), bs, out=slots)
         slots += positions % bs
         # Every sequence samples in a steady decode batch: sample_seqs is then 0..B-1.
-        view["logits_indices"][:] = last if num_sampling == num_seqs else last[sample_seqs]
+        view["logits_indices"][:] = last if sample_seqs is None else last[sample_seqs]
         view["gather_dst"][:] = gather_dst
         view["gather_src"][:] = gather_src
         view["query_start_loc"][:] = query_start
@@ -210,7 +216,10 @@ class InputBatch:
         if tiles is not None:
             view["prefill_tiles"][:] = tiles.reshape(-1)
         self._last = layout, self._next
-        return self._upload(layout, host, prev_sampled, sampling, out_positions)
+        sample_ends = seq_lens if sample_seqs is None else seq_lens[sample_seqs]
+        # Every token is the one its row sampled last step, row for row (a steady decode).
+        in_order = decode_only and gather_src is waiting and num_gather == num_seqs
+        return self._upload(layout, host, prev_sampled, sampling, sample_ends, in_order)
 
     def last_step(self) -> tuple[tuple[int, ...], bytes]:
         """The last packed step as ``unpack`` rebuilds it on another tensor-parallel rank: its
@@ -230,7 +239,11 @@ class InputBatch:
             raise ValueError(f"a step of {len(data)} bytes for a layout of {layout.nbytes}")
         host = self._host_buffer(layout.nbytes)
         host[: layout.nbytes] = np.frombuffer(data, dtype=np.uint8)
-        return self._upload(layout, host, prev_sampled, [], [])
+        views = layout.host_views(host)
+        num_prev = 0 if prev_sampled is None else len(prev_sampled)
+        in_order = layout.counts[0] == layout.count("gather_dst") == num_prev
+        in_order = in_order and _is_range(views["gather_dst"]) and _is_range(views["gather_src"])
+        return self._upload(layout, host, prev_sampled, [], np.zeros(0, dtype=np.int64), in_order)
 
     def _upload(
         self,
@@ -238,29 +251,38 @@ class InputBatch:
         host: np.ndarray,
         prev_sampled: torch.Tensor | None,
         sampling: list[Request],
-        out_positions: list[int],
+        sample_ends: np.ndarray,
+        in_order: bool,
     ) -> PackedInputs:
         """Copy a filled host buffer to the device; the views, the placeholders' gather and the
-        attention metadata (its host lists read back from the buffer)."""
+        attention metadata (its host lists read back from the buffer). ``in_order``: every
+        token is a placeholder for the id sampled by the same row last step, so the gather is
+        one copy."""
         views = layout.device_views(self._copy_to_device(layout.nbytes))
         input_ids = views["input_ids"]
         if layout.count("gather_dst"):
             if prev_sampled is None:
                 raise RuntimeError("a placeholder token with no previous step to take it from")
-            src = prev_sampled.index_select(0, views["gather_src"])
-            input_ids.index_copy_(0, views["gather_dst"], src)
+            if in_order:
+                input_ids.copy_(prev_sampled)
+            else:
+                src = prev_sampled.index_select(0, views["gather_src"])
+                input_ids.index_copy_(0, views["gather_dst"], src)
         if self.timeline is not None:
             self.timeline.end()
             self.timeline = None
         host_views = layout.host_views(host)
         query_start = host_views["query_start_loc"]  # [B + 1]
         seq_lens = host_views["seq_lens"]  # [B]
+        num_tokens, num_seqs = layout.counts[:2]
+        # As many tokens as sequences: one each (a decode step).
+        max_query_len = 1 if num_tokens == num_seqs else int(np.diff(query_start).max())
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"],
             query_start_loc=views["query_start_loc"],
             seq_lens=views["seq_lens"],
             block_tables=views["block_tables"],
-            max_query_len=int(np.diff(query_start).max()),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
@@ -272,7 +294,7 @@ class InputBatch:
             meta=meta,
             logits_indices=views["logits_indices"],
             sampling_requests=sampling,
-            output_positions=out_positions,
+            sample_ends=sample_ends,
         )
 
     def _host_buffer(self, nbytes: int) -> np.ndarray:
@@ -384,13 +406,24 @@ def _packed_bytes(
     return _Layout(tokens, seqs, sampling, gather, width, tiles).nbytes
 
 
+def _is_range(values: np.ndarray) -> bool:
+    """Whether ``values`` are 0, 1, ..., len - 1."""
+    return bool(np.array_equal(values, np.arange(len(values))))
+
+
 def _prev_rows_of(
-    prev_rows: Mapping[str, int], requests: list[Request], seqs: list[int]
-) -> list[int]:
-    """The row in the previous step's sampled ids of each request in ``seqs``."""
+    prev_sampling: Sequence[Request], requests: list[Request], seqs: np.ndarray
+) -> np.ndarray | list[int]:
+    """The row in the previous step's sampled ids of each request in ``seqs`` (sequence indices
+    of this step): in a steady decode every row waits on the row it had last step, which the
+    list comparison (by identity, in C) finds without a lookup per request."""
+    if len(seqs) == len(requests) and requests == prev_sampling:
+        return seqs  # 0..B-1: each request's row is its own
+    rows = {id(r): i for i, r in enumerate(prev_sampling)}
     try:
-        return [prev_rows[requests[i].request_id] for i in seqs]
-    except KeyError as exc:
+        return [rows[id(requests[i])] for i in seqs.tolist()]
+    except KeyError:
+        missing = next(r.request_id for r in requests if id(r) not in rows)
         raise RuntimeError(
-            f"request {exc.args[0]!r} waits on a token that the previous step did not sample"
+            f"request {missing!r} waits on a token that the previous step did not sample"
         ) from None

@@ -185,9 +185,9 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
         )
-        # The last launched step's sampled ids [S] (on the device) and each request's row in it.
+        # The last launched step's sampled ids [S] (on the device) and the request of each row.
         self._prev_sampled: torch.Tensor | None = None
-        self._prev_rows: dict[str, int] = {}
+        self._prev_sampling: list[Request] = []
         self._scoring: PromptScoring | None = None  # the prompt tokens this step scores
         # Pinned landing buffers for the sampled ids, in a ring: a step is collected only after
         # the next one is launched, so two must be live at once.
@@ -305,7 +305,7 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         """Flatten the scheduled requests into one batch of tokens and attention metadata."""
-        packed = self.input_batch.pack(out, self._prev_rows, self._prev_sampled)
+        packed = self.input_batch.pack(out, self._prev_sampling, self._prev_sampled)
         self._output_positions = packed.output_positions
         rows: list[int] = []
         self._scoring = None
@@ -347,7 +347,7 @@ class ModelRunner:
             prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
         requests = inputs.sampling_requests
         if not requests:
-            self._prev_sampled, self._prev_rows = None, {}
+            self._prev_sampled, self._prev_sampling = None, []
             step = self._launched(out, requests, None, None, timeline)
             step.prompt_logprobs = prompt_logprobs
             return self._timed(step)
@@ -361,7 +361,7 @@ class ModelRunner:
         # The next step gathers its placeholder ids from here, on the device.
         self._prev_sampled = sampled.token_ids
         self._share_sampled(sampled.token_ids)
-        self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
+        self._prev_sampling = requests
         with stats.phase("to_host"):
             step = self._to_host(out, sampled, requests, timeline)
         step.prompt_logprobs = prompt_logprobs

@@ -356,33 +356,12 @@ class EngineProc:
                 self.outbox.put((client, frame.encode()))
 
     def _frames_by_client(self, outputs: list[EngineOutput]) -> dict[bytes, StepOutputsFrame]:
-        """The step's outputs as one STEP_OUTPUTS frame per client, built here in one pass (the
-        output thread only sends the bytes: encoding there would hold the interpreter against
-        this loop anyway); a request that failed gets its RequestError instead."""
-        frames: dict[bytes, StepOutputsFrame] = {}
-        for out in outputs:
-            r = out.request
-            if out.error is not None:
-                self.outbox.put((r.client_id, RequestError(r.client_request_id, out.error, 400)))
-                continue
-            tokens, logprobs = out.new_token_ids, out.logprobs
-            if r.output_interval > 1:
-                released = release_held(out)
-                if released is None:
-                    continue  # held back until the request's output interval fills
-                tokens, logprobs = released
-            frame = frames.get(r.client_id)
-            if frame is None:
-                frame = frames[r.client_id] = StepOutputsFrame()
-            reason = out.finish_reason
-            frame.add(
-                r.client_request_id,
-                tokens,
-                reason,
-                logprobs,
-                out.prompt_logprobs,
-                None if reason is None else r.timings(),
-            )
+        """The step's outputs as one STEP_OUTPUTS frame per client (``step_frames``); a request
+        that failed gets its RequestError instead, queued here."""
+        errors: list[tuple[bytes, RequestError]] = []
+        frames = step_frames(outputs, errors)
+        for item in errors:
+            self.outbox.put(item)
         return frames
 
     def _fail_all(self, message: str) -> None:
@@ -397,6 +376,44 @@ class EngineProc:
             self._last_heartbeat = now
             for client in self.clients:
                 self.outbox.put((client, Heartbeat(self.core.num_steps)))
+
+
+def step_frames(
+    outputs: list[EngineOutput], errors: list[tuple[bytes, RequestError]]
+) -> dict[bytes, StepOutputsFrame]:
+    """A step's outputs as one STEP_OUTPUTS frame per client, built in the busy loop in one
+    pass (the output thread only sends the bytes: encoding there would hold the interpreter
+    against the busy loop anyway). A request that failed goes to ``errors`` (client, its
+    RequestError) instead. Held tokens (an output interval) wait for ``release_held``.
+    """
+    frames: dict[bytes, StepOutputsFrame] = {}
+    for out in outputs:
+        r = out.request
+        if out.error is not None:
+            errors.append((r.client_id, RequestError(r.client_request_id, out.error, 400)))
+            continue
+        tokens, logprobs = out.new_token_ids, out.logprobs
+        if r.output_interval > 1:
+            released = release_held(out)
+            if released is None:
+                continue  # held back until the request's output interval fills
+            tokens, logprobs = released
+        frame = frames.get(r.client_id)
+        if frame is None:
+            frame = frames[r.client_id] = StepOutputsFrame()
+        reason = out.finish_reason
+        if reason is None and logprobs is None and out.prompt_logprobs is None:
+            frame.add_tokens(r.client_request_id, tokens)
+            continue
+        frame.add(
+            r.client_request_id,
+            tokens,
+            reason,
+            logprobs,
+            out.prompt_logprobs,
+            None if reason is None else r.timings(),
+        )
+    return frames
 
 
 def release_held(out: EngineOutput) -> tuple[list[int], list[TokenLogprobs] | None] | None:

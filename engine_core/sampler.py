@@ -30,7 +30,7 @@ tensors from the requests' parameters.
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +68,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         requests: Sequence[Request],
-        output_positions: Sequence[int] | None = None,
+        output_positions: Sequence[int] | Callable[[], Sequence[int]] | None = None,
         bitmask: torch.Tensor | None = None,
         argmax: torch.Tensor | None = None,
     ) -> SamplerOutput:
@@ -76,7 +76,8 @@ class Sampler:
 
         The token drawn for row i is output number ``output_positions[i]`` of its request
         (default: ``request.num_output_tokens``, the next one). With overlap the request may
-        already hold placeholders of steps planned after this one, so the runner passes them.
+        already hold placeholders of steps planned after this one, so the runner passes them,
+        as a function that computes them: a batch that only takes argmaxes never reads them.
         ``bitmask`` [B, ceil(V / 32)] int32, on any device: the tokens each row may sample.
         ``argmax`` [B]: the logits' argmax over the vocabulary where it is already computed (a
         decode CUDA graph's); an all-argmax-only batch then takes it as its tokens.
@@ -91,6 +92,8 @@ class Sampler:
         logits = logits.float()
         if output_positions is None:
             output_positions = [r.num_output_tokens for r in requests]
+        elif callable(output_positions):
+            output_positions = output_positions()
         if any(r.uses_penalties for r in requests):
             logits = apply_penalties(logits, requests)
         if any(r.params.logit_bias for r in requests):

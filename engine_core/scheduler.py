@@ -171,9 +171,14 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         # Only the last admitted request can be mid-prompt (it took the budget that was left),
         # so walking in admission order schedules the decodes before any prompt chunk. This
-        # loop runs once per running request per step, so its common case is written out inline.
+        # loop runs once per running request per step, so its common case (a request whose
+        # blocks already have room, with nothing to score) is written out inline: what
+        # allocate_slots, _add_scheduled and ScheduledRequest.plan do for it, in one place.
         running = self.running
         allocate = self.block_manager.allocate_slots
+        table_if_room = self.block_manager.table_if_room
+        scheduled = output.scheduled
+        advance = self.async_scheduling
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -185,10 +190,23 @@ class Scheduler:
                 # token a request is never skipped (else it could wait forever).
                 index += 1
                 continue
-            num_new = min(num_tokens - request.num_computed_tokens, budget)
-            if not allocate(request, num_new) and not self._preempt_for(request, num_new, output):
-                break  # it preempted itself: everything after it is gone too
-            self._add_scheduled(output, request, num_new)
+            start = request.num_computed_tokens
+            num_new = min(num_tokens - start, budget)
+            end = start + num_new
+            block_ids = table_if_room(request.request_id, end)
+            if block_ids is None or request.wants_prompt_logprobs:
+                if not allocate(request, num_new) and not self._preempt_for(
+                    request, num_new, output
+                ):
+                    break  # it preempted itself: everything after it is gone too
+                self._add_scheduled(output, request, num_new)
+            else:
+                samples = end == num_tokens
+                scheduled.append(ScheduledRequest(request, num_new, block_ids, start, samples))
+                if advance:
+                    request.num_computed_tokens = end
+                    if samples:
+                        token_ids.append(PLACEHOLDER)
             budget -= num_new
             index += 1
         return budget
@@ -286,7 +304,25 @@ class Scheduler:
         ``sampled_token_ids`` holds one id per scheduled request whose chunk samples, in order.
         Returns one event per sampled token; finished requests are already freed.
         """
-        samples = [s.samples for s in output.scheduled]  # before num_computed_tokens moves
+        scheduled = output.scheduled
+        if len(sampled_token_ids) == len(scheduled) and self.async_scheduling:
+            # Every row sampled (a decode step, the common case): the overlap update inline.
+            events, any_finished = self._update_decodes(scheduled, sampled_token_ids)
+        else:
+            events, any_finished = self._update_rows(scheduled, sampled_token_ids)
+        if self._awaiting_first_token:
+            self._stamp_first_tokens()
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            if any(r.is_finished for r in self.waiting):  # preempted while its step ran
+                self.waiting = deque(r for r in self.waiting if not r.is_finished)
+        return events
+
+    def _update_rows(
+        self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]
+    ) -> tuple[list[EngineOutput], bool]:
+        """Every row's update, sampling or not: the events and whether any finished."""
+        samples = [s.samples for s in scheduled]  # before num_computed_tokens moves
         if sum(samples) != len(sampled_token_ids):
             raise ValueError(
                 f"{len(sampled_token_ids)} sampled tokens for {sum(samples)} sampling requests"
@@ -294,18 +330,45 @@ class Scheduler:
         tokens = iter(sampled_token_ids)
         events = []
         update = self._update_planned if self.async_scheduling else self._update_request
-        for scheduled, sampled in zip(output.scheduled, samples, strict=True):
-            token = next(tokens) if sampled else None
-            event = update(scheduled, token)
+        for row, sampled in zip(scheduled, samples, strict=True):
+            event = update(row, next(tokens) if sampled else None)
             if event is not None:
                 events.append(event)
-        if self._awaiting_first_token:
-            self._stamp_first_tokens()
-        if any(event.finish_reason is not None for event in events):
-            self.running = [r for r in self.running if not r.is_finished]
-            if any(r.is_finished for r in self.waiting):  # preempted while its step ran
-                self.waiting = deque(r for r in self.waiting if not r.is_finished)
-        return events
+        return events, any(event.finish_reason is not None for event in events)
+
+    def _update_decodes(
+        self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]
+    ) -> tuple[list[EngineOutput], bool]:
+        """The overlap update of a step in which every row sampled one token, with
+        ``_update_planned``'s common case (a running request with no grammar that a full block
+        did not reach, or that did not stop) written out inline: this runs once per request per
+        step. Anything else takes ``_update_planned`` itself."""
+        events = []
+        any_finished = False
+        block_size = self._block_size
+        running = RequestStatus.RUNNING
+        for row, token in zip(scheduled, sampled_token_ids, strict=True):
+            request = row.request
+            start = row.start
+            end = start + row.num_new_tokens
+            if (
+                request.status != running
+                or request.grammar is not None
+                or end // block_size > start // block_size  # a block filled: cache it
+            ):
+                event = self._update_planned(row, token)
+                if event is not None:
+                    events.append(event)
+                    any_finished = any_finished or event.finish_reason is not None
+                continue
+            request.token_ids[end] = token
+            reason = self._check_stop(request, token, end + 1)
+            if reason is not None:
+                del request.token_ids[end + 1 :]  # placeholders of steps that are now void
+                self._finish(request, reason)
+                any_finished = True
+            events.append(EngineOutput(request, [token], reason))
+        return events, any_finished
 
     def _stamp_first_tokens(self) -> None:
         """Time the first token of each request that got it in this step (sampled and known:

@@ -321,8 +321,9 @@ def test_input_batch_matches_a_per_request_build() -> None:
             ScheduledRequest.plan(fresh, 5, [6, 8]),
         ]
     )
+    other = Request("x", [1, 2], params)
     prev_sampled = torch.tensor([111, 222])  # [S_prev]: "d" sampled row 1 last step
-    packed = batch.pack(plan, {"x": 0, "d": 1}, prev_sampled)
+    packed = batch.pack(plan, [other, decode], prev_sampled)
     ids, positions, slots, tables = [], [], [], np.zeros((3, 4), dtype=np.int32)
     for i, s in enumerate(plan.scheduled):
         for pos in range(s.start, s.start + s.num_new_tokens):
@@ -339,7 +340,7 @@ def test_input_batch_matches_a_per_request_build() -> None:
     assert packed.meta.seq_lens.tolist() == [10, 16, 5]
     assert packed.logits_indices.tolist() == [0, 13]
     assert [r.request_id for r in packed.sampling_requests] == ["d", "f"]
-    assert packed.output_positions == [1, 0]
+    assert packed.output_positions() == [1, 0]
     assert (packed.meta.max_query_len, packed.meta.max_seq_len) == (8, 16)
     # The prefill kernel's work list: 14 tokens make 16-row tiles, one per sequence here.
     assert packed.meta.prefill_tiles is not None
@@ -347,13 +348,49 @@ def test_input_batch_matches_a_per_request_build() -> None:
     # 70 tokens of one prompt make 64-row tiles: two; a decode-only step has no list.
     long = Request("l", list(range(100, 170)), params)
     blocks = list(range(20, 38))
-    packed = batch.pack(SchedulerOutput([ScheduledRequest.plan(long, 70, blocks)]), {}, None)
+    packed = batch.pack(SchedulerOutput([ScheduledRequest.plan(long, 70, blocks)]), [], None)
     assert packed.meta.prefill_tiles is not None
     assert packed.meta.prefill_tiles.tolist() == [[0, 0], [0, 1]]
     fresh.token_ids.append(70)  # its prompt computed, its first token known: it decodes
     fresh.num_computed_tokens = 5
     decode_only = SchedulerOutput([ScheduledRequest.plan(fresh, 1, [6, 8])])
-    assert batch.pack(decode_only, {}, None).meta.prefill_tiles is None
+    assert batch.pack(decode_only, [], None).meta.prefill_tiles is None
+
+
+def _decoding(request_id: str, known: int, blocks: list[int]) -> ScheduledRequest:
+    """A decode row whose last token is a placeholder (overlap): ``known`` tokens computed."""
+    request = Request(request_id, list(range(10, 10 + known)), SamplingParams(max_tokens=8))
+    request.token_ids.append(PLACEHOLDER)
+    request.num_computed_tokens = known
+    return ScheduledRequest.plan(request, 1, blocks)
+
+
+def test_placeholders_take_the_id_their_request_sampled_last_step() -> None:
+    """Each placeholder gets the id sampled by its own request's row of the previous step,
+    whether the batch kept its order (one copy), changed it, or grew; another tensor-parallel
+    rank's unpack of the same bytes gathers the same ids; a request that sampled nothing last
+    step is an error that names it."""
+    import torch
+
+    def pack_ids(batch: InputBatch, rows: list[ScheduledRequest], prev: list[Request]) -> list:
+        sampled = torch.tensor([100 + i for i in range(len(prev))])  # row i sampled 100 + i
+        packed = batch.pack(SchedulerOutput(rows), prev, sampled)
+        counts, data = batch.last_step()
+        other = InputBatch(torch.device("cpu"), 4, 64, 8, 16).unpack(counts, data, sampled)
+        assert other.input_ids.tolist() == packed.input_ids.tolist()
+        return packed.input_ids.tolist()
+
+    batch = InputBatch(torch.device("cpu"), 4, 64, 8, 16)
+    rows = [_decoding(name, 5 + i, [i, 9]) for i, name in enumerate("abc")]
+    a, b, c = (row.request for row in rows)
+    assert pack_ids(batch, rows, [a, b, c]) == [100, 101, 102]  # in order
+    assert pack_ids(batch, rows, [c, a, b]) == [101, 102, 100]  # reordered
+    assert pack_ids(batch, rows[:2], [c, b, a]) == [102, 101]  # one left the batch
+    fresh = Request("f", [7, 8, 9], SamplingParams(max_tokens=8))  # a prompt: no placeholder
+    grown = [*rows, ScheduledRequest.plan(fresh, 3, [4])]
+    assert pack_ids(batch, grown, [a, b, c]) == [100, 101, 102, 7, 8, 9]
+    with pytest.raises(RuntimeError, match="'c' waits on a token"):
+        batch.pack(SchedulerOutput(rows), [a, b], torch.tensor([1, 2]))
 
 
 def test_step_stats_and_flags(tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,24 @@
+"""scripts/bench_host_step.py drives the engine's real host path: after its steps every request
+holds the tokens its steps sampled, each at its own place, and its block table covers them."""
+
+from __future__ import annotations
+
+from engine_core.scheduler import PLACEHOLDER
+from tests.script_modules import load_script
+
+
+def test_decode_loop_gives_every_request_its_tokens_in_order() -> None:
+    bench = load_script("bench_host_step")
+    loop = bench.DecodeLoop(batch=6)
+    for _ in range(40):  # past two 16-token block boundaries
+        timed = loop.step()
+        assert set(timed) == set(bench.PHASES)
+    prompt = bench.PROMPT_TOKENS
+    for request in loop.requests:
+        outputs = request.token_ids[prompt:]
+        assert outputs[-1] == PLACEHOLDER  # the step still in flight (overlap)
+        # The token sampled at seq_len n goes to index n: 128, 129, ... (the first at 128).
+        assert outputs[:-1] == list(range(prompt, prompt + len(outputs) - 1))
+        assert len(outputs) == 40
+        table = loop.scheduler.block_manager.block_table(request.request_id)
+        assert len(table) * 16 >= request.num_computed_tokens
