@@ -13,6 +13,7 @@ is unreliable, hence float32 there)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,10 @@ from engine_core.attention.base import AttentionMetadata  # noqa: E402
 from engine_core.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.attention.triton_kernels import (  # noqa: E402
+    NewTokens,
     paged_decode_attention,
     paged_prefill_attention,
+    rotary_decode_attention,
     rotary_write_kv_cache,
     write_kv_cache,
 )
@@ -332,6 +335,76 @@ def test_decode_sliding_window(window: int) -> None:
         min_split_tokens=16,
     )
     assert_close(out, reference_attention(batch, scale, window))
+
+
+# Every head shape and block size with the engine's split count; forced splits and a window on
+# one shape (each variant compiles its own kernel: the GPU run's time goes there).
+ROTARY_DECODE_CASES = [(b, *shape, None, None) for b in BLOCK_SIZES for shape in HEAD_SHAPES]
+ROTARY_DECODE_CASES += [(BLOCK_SIZES[0], *HEAD_SHAPES[1], 1, None)]
+ROTARY_DECODE_CASES += [(BLOCK_SIZES[0], *HEAD_SHAPES[1], 3, 20)]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "heads", "kv_heads", "head_dim", "num_splits", "window"), ROTARY_DECODE_CASES
+)
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-heads", "partial-rotary"])
+@pytest.mark.parametrize("kv", ["cache-dtype", "fp8"])
+def test_rotary_decode_equals_rotary_write_then_decode(
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    partial: bool,
+    kv: str,
+    num_splits: int | None,
+    window: int | None,
+) -> None:
+    """A decode step's rotary, KV write and attention in one launch (rotary_decode_attention)
+    against the two launches it replaces (rotary_write_kv_cache, paged_decode_attention) and
+    the torch reference over what they wrote: the same caches bit for bit, a padding row's
+    (seq_len 0, slot -1) zeros and untouched slot, q and k not written, the attention within
+    rounding (the new token folds in after the cache's tiles, not inside the last one)."""
+    if kv == "fp8" and INTERPRET:
+        pytest.skip("e4m3 caches need the GPU")
+    specs = [(c - 1, 1) for c in DECODE_CONTEXTS]
+    batch = make_batch(specs, heads, kv_heads, head_dim, block_size, seed=heads + head_dim)
+    num_tokens = batch.q.shape[0]
+    qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(widths, dim=1))
+    rot = head_dim // 2 if partial else head_dim
+    gen = torch.Generator().manual_seed(head_dim)
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = layers.RotaryEmbedding(rot, 10000.0).to(DEVICE)(positions, DTYPE)
+    slots, seq_lens = batch.meta.slot_mapping.clone(), batch.meta.seq_lens.clone()
+    slots[1], seq_lens[1] = -1, 0  # a CUDA-graph padding row
+    scales = (0.5, 2.0) if kv == "fp8" else (1.0, 1.0)
+    k_cache, v_cache = batch.k_cache, batch.v_cache
+    if kv == "fp8":
+        k_cache = (k_cache.float() / scales[0]).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / scales[1]).to(torch.float8_e4m3fn)
+    ref_q, ref_k_cache, ref_v_cache = q.clone(), k_cache.clone(), v_cache.clone()
+    rotary_write_kv_cache(ref_q, k, v, cos, sin, ref_k_cache, ref_v_cache, slots, *scales)
+    launch = {"sliding_window": window, "num_splits": num_splits, "k_scale": scales[0]}
+    launch |= {"v_scale": scales[1], "min_split_tokens": 16 if num_splits else None}
+    tables, scale = batch.meta.block_tables, head_dim**-0.5
+    two_launches = paged_decode_attention(
+        ref_q, ref_k_cache, ref_v_cache, tables, seq_lens, scale, **launch
+    )
+    q_before, k_before = q.clone(), k.clone()
+    out = rotary_decode_attention(
+        q, NewTokens(k, v, cos, sin, slots), k_cache, v_cache, tables, seq_lens, scale,
+        out=poisoned(q), **launch,
+    )  # fmt: skip
+    assert torch.equal(k_cache.float(), ref_k_cache.float())
+    assert torch.equal(v_cache.float(), ref_v_cache.float())
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    real = [i for i in range(num_tokens) if i != 1]
+    meta = dataclasses.replace(batch.meta, seq_lens=seq_lens)
+    ref = REFERENCE.forward(ref_q, ref_k_cache, ref_v_cache, meta, scale, window, *scales)
+    assert_close(out[real], ref[real])
+    assert_close(out[real], two_launches[real])
 
 
 # ---- prefill (varlen, paged, prefix-cached, mixed with decodes) -----------------------------

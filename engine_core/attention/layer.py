@@ -48,6 +48,12 @@ class Attention(nn.Module):
         ``rotary``): one launch for both on the Triton backend."""
         return getattr(get_forward_context().backend, "rotates_in_kv_write", False)
 
+    def _rotates_in_decode(self, backend: object) -> bool:
+        """Whether the backend's decode attention can also rotate q and k and write the new
+        K/V (``decode_rotated``) for this layer's heads: one launch for all three."""
+        rotates = getattr(backend, "rotates_in_decode", None)
+        return rotates is not None and rotates(self.head_dim)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -57,7 +63,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]. With ``rotary`` (cos, sin [T, R], where
         rotates_in_kv_write), q and k are not yet rotated: the KV write rotates them (q in
-        place), as models/layers.py rotate_qk would."""
+        place), as models/layers.py rotate_qk would; a decode step's attention does, where the
+        backend rotates_in_decode (q is then not written)."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention.k_cache/v_cache are unset: allocate the KV cache first")
         ctx = get_forward_context()
@@ -66,7 +73,13 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         scales = (self.k_scale, self.v_scale)
-        caches, slots = (self.k_cache, self.v_cache), ctx.attn_metadata.slot_mapping
+        caches, meta = (self.k_cache, self.v_cache), ctx.attn_metadata
+        if rotary is not None and meta.is_decode_only and self._rotates_in_decode(ctx.backend):
+            out = ctx.backend.decode_rotated(
+                q, k, v, *rotary, *caches, meta, self.scale, self.sliding_window, *scales
+            )
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        slots = meta.slot_mapping
         if rotary is None:
             ctx.backend.write_kv(*caches, k, v, slots, *scales)
         else:
@@ -75,7 +88,7 @@ class Attention(nn.Module):
             q,
             self.k_cache,
             self.v_cache,
-            ctx.attn_metadata,
+            meta,
             self.scale,
             self.sliding_window,
             *scales,

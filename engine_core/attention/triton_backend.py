@@ -10,16 +10,30 @@ has put this step's tokens into the cache.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.prefill_tiles import device_tiles
 from engine_core.attention.triton_kernels import (
+    NewTokens,
     paged_decode_attention,
     paged_prefill_attention,
+    rotary_decode_attention,
     rotary_write_kv_cache,
     write_kv_cache,
 )
+
+# A decode step's rotary and KV write ride in the decode kernel's launch (decode_rotated) for
+# heads of at most ROPE_IN_DECODE_MAX_HEAD_DIM dims. Measured on an H100
+# (scripts/device/decode_graph_ab.py, decode graphs at batch 64 and about 256 tokens): one
+# launch fewer a layer took smollm2's graph from 880 to 845 us and llama-1b's from 1255 to
+# 1236 (llama-1b at batch 256: 2248 to 2238), but llama-8b's (head dim 128) from 6297 to 6366.
+# TANDEM_DECODE_ROPE=0 in the environment keeps them in their own launch everywhere (read at
+# import; for A/B measurements).
+DECODE_ROPE = os.environ.get("TANDEM_DECODE_ROPE", "1") != "0"
+ROPE_IN_DECODE_MAX_HEAD_DIM = 64
 
 
 class TritonBackend:
@@ -29,6 +43,12 @@ class TritonBackend:
     cuda_graph_safe = True
     # write_kv_rotated: the rotary embedding rides in the KV write's launch (attention/layer.py).
     rotates_in_kv_write = True
+    # decode_rotated: a decode step's rotary and KV write ride in the attention's launch.
+    rotary_in_decode = DECODE_ROPE
+
+    def rotates_in_decode(self, head_dim: int) -> bool:
+        """Whether decode_rotated serves heads of ``head_dim`` dims (see DECODE_ROPE)."""
+        return self.rotary_in_decode and head_dim <= ROPE_IN_DECODE_MAX_HEAD_DIM
 
     def write_kv(
         self,
@@ -56,6 +76,28 @@ class TritonBackend:
         v_scale: float = 1.0,
     ) -> None:
         rotary_write_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def decode_rotated(
+        self,
+        q: torch.Tensor,  # [B, heads, head_dim], not yet rotated
+        k: torch.Tensor,  # [B, kv_heads, head_dim], not yet rotated
+        v: torch.Tensor,  # [B, kv_heads, head_dim]
+        cos: torch.Tensor,  # [B, rotary_dim]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,  # decode only: one new token a sequence
+        scale: float,
+        sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:  # [B, heads, head_dim]
+        """write_kv_rotated then forward, for a decode step, in the decode kernel's launch."""
+        new = NewTokens(k, v, cos, sin, meta.slot_mapping)
+        return rotary_decode_attention(
+            q, new, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
 
     def forward(
         self,

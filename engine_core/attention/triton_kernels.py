@@ -236,9 +236,32 @@ def _rotary_write_kv_kernel(
 def _store_cache_row(ptrs, x, mask, scale_inv, QUANTIZE: tl.constexpr):
     """Store x into the cache: rounded to its dtype, an FP8 cache's divided by its scale (in
     float32) and clamped to e4m3's range first."""
+    tl.store(ptrs, _as_cached(x, scale_inv, ptrs.dtype.element_ty, QUANTIZE), mask=mask)
+
+
+@triton.jit
+def _as_cached(x, scale_inv, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
+    """x as a cache of ``dtype`` holds it (see _store_cache_row)."""
     if QUANTIZE:
         x = tl.clamp(x.to(tl.float32) * scale_inv, -448.0, 448.0)
-    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rotated_rows(rows, d, mask, cos, sin, HALF: tl.constexpr):
+    """Rotate-half of the rows at ``rows`` [R, 1] (pointers) over dims ``d`` [D], float32: the
+    first 2 * HALF dims rotated as rotated_halves computes them (the same expression for each
+    half), the rest as they are. ``cos``/``sin`` [D] hold each dim's angle (dims past the
+    rotary ones: 1 and 0)."""
+    first = (d < HALF)[None, :]
+    in_rot = (d < 2 * HALF)[None, :]
+    partner = tl.where(d < HALF, d + HALF, d - HALF)[None, :]
+    x = tl.load(rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(rows + partner, mask=mask & in_rot, other=0.0).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    y = tl.where(first, x * c - p * s, x * c + p * s)
+    return tl.where(in_rot, y, x)
 
 
 def rotary_write_kv_cache(
@@ -423,14 +446,27 @@ def _decode_kernel(
     Out,
     PO,
     PL,
+    KN,  # ROPE: the new token's k [B, kv heads, D], not yet rotated
+    VN,  # ROPE: its v
+    COS,  # ROPE: [B, 2 * HALF] (both halves equal)
+    SIN,
+    SLOTS,  # ROPE: [B] its cache slot (-1: none)
     scale_log2,
     v_scale,
+    k_scale_inv,
+    v_scale_inv,
     window,
     min_split,
     num_splits,
     num_heads,
     stride_qt,
     stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_cos,
+    stride_sin,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -453,7 +489,13 @@ def _decode_kernel(
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
     PDL: tl.constexpr,
+    ROPE: tl.constexpr,  # q and the new token's k come unrotated; this kernel writes its k, v
+    HALF: tl.constexpr,  # ROPE: half the rotary dims
 ):
+    """Attention of a sequence's last token over its cache. With ROPE (a decode step's rotary
+    and KV write in the same launch, rotary_decode_attention) it also rotates q and the new
+    token's k, has the split that holds the new token write its k and v to the cache, and
+    attends to it from registers: the cache loop reads only the earlier tokens."""
     # The kv heads of one (sequence, split) are neighbours in launch order, so programs that
     # run together read the same cache rows.
     kv0 = tl.program_id(0) * KPP
@@ -468,6 +510,18 @@ def _decode_kernel(
     )
     start = tl.maximum(split * split_len, lo)
     end = tl.minimum(split * split_len + split_len, seq_len)
+    d = tl.arange(0, BLOCK_D)
+    has_new = False
+    if ROPE:
+        # The new token (the last) is not in the cache yet: the split that holds it takes it
+        # from registers after its loop. Its angles and slot are step inputs (read before the
+        # wait); dims past the rotary ones turn by nothing.
+        has_new = (end == seq_len) & (seq_len > 0)
+        end = end - has_new.to(end.dtype)
+        in_rot = d < 2 * HALF
+        cos = tl.load(COS + seq * stride_cos + d % HALF, mask=in_rot, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + seq * stride_sin + d % HALF, mask=in_rot, other=0.0).to(tl.float32)
+        slot = tl.load(SLOTS + seq)
     # Tile row r holds token r // KPP of kv head kv0 + r % KPP: for KPP > 1 a token's heads are
     # adjacent rows, as they are adjacent in the cache.
     r = tl.arange(0, BLOCK_N * KPP)
@@ -480,11 +534,13 @@ def _decode_kernel(
         heads = kv0 * GROUP + rows
         row_mask = rows < GROUP * KPP
         row_kv = rows // GROUP  # which of the program's kv heads a query row reads
-        d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
         q_mask = row_mask[:, None] & d_mask[None, :]
-        q_ptr = Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr, mask=q_mask, other=0.0)  # [H, D]
+        q_rows = Q + seq * stride_qt + heads[:, None] * stride_qh
+        if ROPE:  # rounded to q's dtype, as the rotary kernels store it
+            q = _rotated_rows(q_rows, d, q_mask, cos, sin, HALF).to(Q.dtype.element_ty)
+        else:
+            q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)  # [H, D]
         if FP8_AS_F16:
             # e4m3 widens to float16 in one instruction per pair (to bf16 through float32),
             # both exactly. float16 holds bf16's 8-bit mantissa between 6e-5 and 65504: q is
@@ -493,9 +549,22 @@ def _decode_kernel(
 
         r_kv = r % KPP
         same_kv = row_kv[:, None] == r_kv[None, :]  # [H, N * KPP]
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        if ROPE:
+            # The new token opens the softmax (its loads go out with q's, its cache write
+            # before the loop): in the program of the split that holds it, all others start
+            # empty. The cache's tiles fold in after it.
+            m_i, l_i, acc = _open_with_new_token(
+                q, KN + seq * stride_knt, VN + seq * stride_vnt, stride_knh, stride_vnh,
+                KC + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks,
+                VC + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs,
+                stride_kh, stride_vh, has_new, slot >= 0, kv0 + row_kv, row_mask,
+                rows % GROUP == 0, d, d_mask, cos, sin, scale_log2, k_scale_inv, v_scale_inv,
+                HALF, KV_FP8,
+            )  # fmt: skip
+        else:
+            m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for _ in range(start, end, BLOCK_N):
             tok = next_tok
             n_mask = tok < end
@@ -536,6 +605,59 @@ def _decode_kernel(
             tl.store(PO + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
             lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(PL + part, lse, mask=row_mask)
+
+
+@triton.jit
+def _open_with_new_token(
+    q,
+    k_new,
+    v_new,
+    stride_knh,
+    stride_vnh,
+    k_slot,
+    v_slot,
+    stride_kh,
+    stride_vh,
+    has_new,
+    has_slot,
+    kv_head,
+    row_mask,
+    writer,
+    d,
+    d_mask,
+    cos,
+    sin,
+    scale_log2,
+    k_scale_inv,
+    v_scale_inv,
+    HALF: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """A ROPE decode program's online-softmax state (max, sum, accumulator) after the new
+    token alone, for the query rows of ``q`` [H, D] (``row_mask`` [H]: the real ones) when the
+    program's split holds it (``has_new``; otherwise every row starts empty): its k rotated and
+    rounded to k's dtype, k and v as the cache holds them, written to the slot (when it
+    ``has_slot``) by the first query row of each kv head (``writer``). ``kv_head`` [H]: the kv
+    head each row reads. A lone key's probability is 1, so the accumulator is its v: the loop's
+    tiles then fold in after it."""
+    # Scalar conditions join the row masks through tl.where: Triton's interpreter (the CPU
+    # tests) refuses a mask built with & from a scalar comparison.
+    rows_new = tl.where(has_new, row_mask, False)
+    mask = rows_new[:, None] & d_mask[None, :]
+    k_rows = k_new + kv_head[:, None] * stride_knh
+    k = _rotated_rows(k_rows, d, mask, cos, sin, HALF).to(k_new.dtype.element_ty)
+    v = tl.load(v_new + kv_head[:, None] * stride_vnh + d[None, :], mask=mask, other=0.0)
+    k = _as_cached(k, k_scale_inv, k_slot.dtype.element_ty, KV_FP8)  # [H, D]
+    v = _as_cached(v, v_scale_inv, v_slot.dtype.element_ty, KV_FP8)
+    store = tl.where(has_slot, writer, False)[:, None] & mask
+    tl.store(k_slot + kv_head[:, None] * stride_kh + d[None, :], k, mask=store)
+    tl.store(v_slot + kv_head[:, None] * stride_vh + d[None, :], v, mask=store)
+    k = k.to(q.dtype).to(tl.float32)  # the loop's conversions (exact)
+    s = tl.sum(q.to(tl.float32) * k, 1) * scale_log2  # [H]
+    m_i = tl.where(rows_new, s, float("-inf"))
+    l_i = rows_new.to(tl.float32)
+    acc = v.to(q.dtype).to(tl.float32)  # zeros on the other rows (masked loads)
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["window", "min_split", "num_splits"])
@@ -610,6 +732,77 @@ def paged_decode_attention(
     every step that a CUDA graph replays. ``tile`` overrides the tuned launch shape (tests and
     the tuning sweep).
     """
+    return _decode(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, None, sliding_window, num_splits,
+        min_split_tokens, out, k_scale, v_scale, tile,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    """What a decode step adds to the cache, as rotary_decode_attention takes it: each
+    sequence's new k and v (k not yet rotated), its rotary angles and its cache slot."""
+
+    k: torch.Tensor  # [B, kv_heads, head_dim]
+    v: torch.Tensor  # [B, kv_heads, head_dim]
+    cos: torch.Tensor  # [B, R], R <= head_dim (both halves equal, as RotaryEmbedding builds them)
+    sin: torch.Tensor  # [B, R]
+    slot_mapping: torch.Tensor  # [B] int64, -1 = padding: not written
+
+
+def rotary_decode_attention(
+    q: torch.Tensor,  # [B, heads, head_dim], not yet rotated; rows may be strided (a qkv view)
+    new: NewTokens,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    min_split_tokens: int | None = None,
+    out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    tile: DecodeTile | None = None,
+) -> torch.Tensor:  # [B, heads, head_dim]
+    """A decode step's rotary, KV write and attention in the decode kernel's launch: what
+    ``rotary_write_kv_cache`` then ``paged_decode_attention`` do in two (one launch fewer per
+    layer: a small model's decode step is a chain of short launches). q and the new k are
+    rotated (rotate-half over the first R dims), the new k and v are written to their slots,
+    and each sequence attends to its cache and its new token. q and k are not written."""
+    num_tokens, _, head_dim = q.shape
+    if q.stride(2) != 1 or new.k.stride(2) != 1 or new.v.stride(2) != 1:
+        raise ValueError("rotary_decode_attention needs the head dim contiguous")
+    if new.cos.stride(1) != 1 or new.sin.stride(1) != 1:
+        raise ValueError("rotary_decode_attention needs each row's angles contiguous")
+    rot = new.cos.shape[1]
+    if rot % 2 or rot > head_dim or rot == 0:
+        raise ValueError(f"rotary over {rot} dims of a {head_dim}-dim head")
+    return _decode(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, new, sliding_window, num_splits,
+        min_split_tokens, out, k_scale, v_scale, tile,
+    )  # fmt: skip
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    new: NewTokens | None,
+    sliding_window: int | None,
+    num_splits: int | None,
+    min_split_tokens: int | None,
+    out: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
+    tile: DecodeTile | None,
+) -> torch.Tensor:
+    """The decode kernel's launch (and the merge's), with ``new`` tokens or without."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     _check_cache(k_cache)
@@ -638,6 +831,12 @@ def paged_decode_attention(
         max_context = block_tables.shape[1] * page
         num_splits = choose_num_splits(batch, programs, max_context, q.device, min_split)
     partial_out, partial_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
+    # Without new tokens their arguments are never read: any tensors do.
+    k_new, v_new, cos, sin, slots = (
+        (q, q, q[:, 0], q[:, 0], seq_lens)
+        if new is None
+        else (new.k, new.v, new.cos, new.sin, new.slot_mapping)
+    )
     pdl = chain_pdl(q)
     _decode_kernel[(programs, num_splits, batch)](
         q,
@@ -648,14 +847,27 @@ def paged_decode_attention(
         out,
         partial_out,
         partial_lse,
+        k_new,
+        v_new,
+        cos,
+        sin,
+        slots,
         scale * _LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
+        1.0 / k_scale,
+        1.0 / v_scale,
         sliding_window or 0,
         min_split,
         num_splits,
         num_heads,
         q.stride(0),
         q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos.stride(0),
+        sin.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -678,6 +890,8 @@ def paged_decode_attention(
         KV_FP8=kv_fp8,
         FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),
         PDL=pdl,
+        ROPE=new is not None,
+        HALF=1 if new is None else new.cos.shape[1] // 2,
         launch_pdl=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
