@@ -21,6 +21,7 @@ from engine_core.attention.triton_kernels import (  # noqa: E402
     MAX_SPLITS,
     DecodeTile,
     choose_num_splits,
+    default_min_split,
     paged_decode_attention,
 )
 from tests.test_fp8_kv_gpu import fp8_caches, pick_scales, reference  # noqa: E402
@@ -148,6 +149,15 @@ def test_split_policy_bounds() -> None:
             assert 1 <= splits <= MAX_SPLITS
             assert splits <= -(-max_context // triton_kernels.MIN_SPLIT_TOKENS)
     assert choose_num_splits(1, 8, 131072, device) > choose_num_splits(256, 8, 131072, device)
+    # The shortest split shrinks as the unsplit grid thins: many programs a multiprocessor,
+    # fewer than PROGRAMS_PER_SM, at most one.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    minimums = [default_min_split(b, 1, device) for b in (4 * sms, sms + 1, sms)]
+    assert minimums == [
+        triton_kernels.MIN_SPLIT_TOKENS,
+        triton_kernels.THIN_MIN_SPLIT_TOKENS,
+        triton_kernels.STARVED_MIN_SPLIT_TOKENS,
+    ]
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])

@@ -51,6 +51,13 @@ _LOG2E = 1.4426950408889634
 # 4% slower).
 MIN_SPLIT_TOKENS = 256
 STARVED_MIN_SPLIT_TOKENS = 64
+# Between the two, grids of more than one and fewer than PROGRAMS_PER_SM unsplit programs a
+# multiprocessor take THIN_MIN_SPLIT_TOKENS: a short context then runs in two splits where 256
+# left it in one. Measured on an H100 (scripts/device/decode_graph_ab.py, decode graphs, us a
+# step, 256 against 128): smollm2 at batch 64 844 -> 822 at about 256 tokens, 835 -> 774 at
+# 160, 1240 -> 1231 at 1,024, even at 384; at batch 80 924 -> 905; llama-1b at batch 32 1181
+# -> 1171 at 256, even at 1,024; llama-8b at batch 32 6032 -> 6005 at 256.
+THIN_MIN_SPLIT_TOKENS = 128
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 
@@ -980,9 +987,13 @@ def choose_num_splits(
 
 def default_min_split(batch: int, kv_programs: int, device: torch.device) -> int:
     """The shortest context split: STARVED_MIN_SPLIT_TOKENS where one program per sequence and
-    kv heads leaves multiprocessors idle (at most one program each), MIN_SPLIT_TOKENS else."""
-    if batch * kv_programs <= _num_sms(device):
+    kv heads leaves multiprocessors idle (at most one program each), THIN_MIN_SPLIT_TOKENS
+    where it gives them fewer than PROGRAMS_PER_SM each, MIN_SPLIT_TOKENS else."""
+    programs, sms = batch * kv_programs, _num_sms(device)
+    if programs <= sms:
         return STARVED_MIN_SPLIT_TOKENS
+    if programs < PROGRAMS_PER_SM * sms:
+        return THIN_MIN_SPLIT_TOKENS
     return MIN_SPLIT_TOKENS
 
 

@@ -1,19 +1,26 @@
-"""A decode step's CUDA graph with its rotary and KV write in the attention's launch, against
-the same graph with them in their own launch, side by side in one process.
+"""Decode CUDA graphs of differently built engines, replayed side by side in one process: the
+GPU time of a decode step, without the host, precise to about a microsecond.
 
     python scripts/device/decode_graph_ab.py --model smollm2-135m --batch 64 [--context 256]
-        [--rounds 6] [--replays 200]
+        [--rounds 6] [--replays 200] [--variant LABEL:KEY=VALUE,... ...]
 
-It builds two in-process engines on a preset's random weights (launch_host_probe.py's
-``decoding_engine``: CUDA graphs and overlap on), one with ``TritonBackend.rotary_in_decode``
-on (the engine's default) and one with it off, as ``TANDEM_DECODE_ROPE=0`` would set it. The
-engine takes that path for head dims up to ``ROPE_IN_DECODE_MAX_HEAD_DIM`` (64);
-``--max-head-dim`` moves that limit for both engines (128: llama-8b's heads too). Each
-decodes its batch to about ``--context`` tokens. Then each engine's decode graph is replayed
-``--replays`` times back to back and timed by CUDA events, the two engines taking turns for
-``--rounds`` rounds, so both see the same clocks and neighbours. It prints each round's
-microseconds per replay and the medians: the GPU time of a decode step's graph, without the
-host (bench_decode.py's "graph replay" column measures the same thing, one engine a run).
+Each variant is an in-process engine on the preset's random weights (launch_host_probe.py's
+``decoding_engine``: CUDA graphs and overlap on) built with some launch settings, which its
+graphs capture. KEY=VALUE settings:
+
+- ``rope=0|1``: a decode step's rotary and KV write in the attention's launch
+  (``TritonBackend.rotary_in_decode``; 0 is what ``TANDEM_DECODE_ROPE=0`` sets);
+- ``max_head_dim=N``: the largest head dim that takes that path (``ROPE_IN_DECODE_MAX_HEAD_DIM``);
+- ``tile=nNwWsS[kK]``: the decode kernel's launch shape for the model's head size with a bf16
+  cache (tokens per iteration N, W warps, S pipeline stages, K kv heads per program), and
+  ``wide_tile=...`` the one for grids that fill the GPU many times over (``_WIDE_DECODE_TILES``);
+- ``min_split=N``: the shortest context split (``MIN_SPLIT_TOKENS``).
+
+Without ``--variant``: ``in-attention:rope=1`` against ``own-launch:rope=0``. Each engine decodes
+its batch to about ``--context`` tokens; then each one's decode graph is replayed ``--replays``
+times back to back and timed by CUDA events, the engines taking turns for ``--rounds`` rounds
+(the same clocks and neighbours for all). It prints each round's microseconds per replay and
+the medians (bench_decode.py's "graph replay" column measures the same, one engine a run).
 
 On the GPU machine from the repository root.
 """
@@ -21,8 +28,11 @@ On the GPU machine from the repository root.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,17 +41,74 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch_host_probe import decoding_engine  # noqa: E402  (scripts/device, this folder)
 
-from engine_core.attention import triton_backend  # noqa: E402
+from engine_core.attention import triton_backend, triton_kernels  # noqa: E402
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
+from engine_core.attention.triton_kernels import DecodeTile  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
+from engine_core.presets import PRESETS  # noqa: E402
 
 PROMPT_TOKENS = 128  # decoding_engine's prompts
 
 
-def engine_at_context(model: str, batch: int, context: int, fused: bool) -> EngineCore:
-    """An engine whose graphs were captured with the rotary in the attention's launch (or not),
-    stepped until its requests hold about ``context`` tokens."""
-    TritonBackend.rotary_in_decode = fused
+def parse_tile(text: str) -> DecodeTile:
+    """``n64w4s3`` or ``n64w4s3k2`` as a DecodeTile."""
+    match = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:k(\d+))?", text)
+    if match is None:
+        raise ValueError(f"a tile is nNwWsS[kK], not {text!r}")
+    block_n, warps, stages, kpp = match.groups()
+    return DecodeTile(int(block_n), int(warps), int(stages), int(kpp or 1))
+
+
+@contextlib.contextmanager
+def launch_settings(settings: dict[str, str], head_dim: int) -> Iterator[None]:
+    """The variant's settings applied while its engine is built (its graphs captured), then
+    the defaults back."""
+    tile_key = (head_dim, False)
+    saved = (
+        TritonBackend.rotary_in_decode,
+        triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM,
+        triton_kernels.MIN_SPLIT_TOKENS,
+        dict(triton_kernels._DECODE_TILES),
+        dict(triton_kernels._WIDE_DECODE_TILES),
+    )
+    for key, value in settings.items():
+        if key == "rope":
+            TritonBackend.rotary_in_decode = value == "1"
+        elif key == "max_head_dim":
+            triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM = int(value)
+        elif key == "min_split":
+            triton_kernels.MIN_SPLIT_TOKENS = int(value)
+        elif key == "tile":
+            triton_kernels._DECODE_TILES[tile_key] = parse_tile(value)
+        elif key == "wide_tile":
+            triton_kernels._WIDE_DECODE_TILES[tile_key] = parse_tile(value)
+        else:
+            raise ValueError(f"unknown setting {key!r}")
+    try:
+        yield
+    finally:
+        (
+            TritonBackend.rotary_in_decode,
+            triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM,
+            triton_kernels.MIN_SPLIT_TOKENS,
+            tiles,
+            wide,
+        ) = saved
+        triton_kernels._DECODE_TILES.clear()
+        triton_kernels._DECODE_TILES.update(tiles)
+        triton_kernels._WIDE_DECODE_TILES.clear()
+        triton_kernels._WIDE_DECODE_TILES.update(wide)
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``label:key=value,key=value`` as (label, settings)."""
+    label, _, spec = text.partition(":")
+    settings = dict(item.split("=", 1) for item in spec.split(",") if item)
+    return label, settings
+
+
+def engine_at_context(model: str, batch: int, context: int) -> EngineCore:
+    """An engine stepped until its requests hold about ``context`` tokens."""
     core = decoding_engine(model, batch, context)
     for _ in range(context - PROMPT_TOKENS + 1):  # the prefill, then one token a step
         core.step()
@@ -74,25 +141,29 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--replays", type=int, default=200, help="replays timed per round")
     parser.add_argument(
-        "--max-head-dim",
-        type=int,
-        default=triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM,
-        help="the largest head dim whose rotary rides in the attention's launch",
+        "--variant",
+        action="append",
+        default=None,
+        help="LABEL:KEY=VALUE,... (see the docstring); default: rotary in the attention or not",
     )
     args = parser.parse_args(argv)
-    triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM = args.max_head_dim
     print("# python " + " ".join([sys.argv[0], *argv]))
-    engines = {
-        "in-attention": engine_at_context(args.model, args.batch, args.context, fused=True),
-        "own-launch": engine_at_context(args.model, args.batch, args.context, fused=False),
-    }
+    variants = dict(
+        parse_variant(v) for v in args.variant or ["in-attention:rope=1", "own-launch:rope=0"]
+    )
+    head_dim = PRESETS[args.model].head_dim
+    tuned = min((d for d, _ in triton_kernels._DECODE_TILES if head_dim <= d), default=head_dim)
+    engines = {}
+    for label, settings in variants.items():
+        with launch_settings(settings, tuned):
+            engines[label] = engine_at_context(args.model, args.batch, args.context)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, core in engines.items():
             times[name].append(replay_us(core, args.batch, args.replays))
     for name, values in times.items():
         rounds = " ".join(f"{v:.1f}" for v in values)
-        print(f"{args.model} batch {args.batch} context ~{args.context}, rotary {name}: "
+        print(f"{args.model} batch {args.batch} context ~{args.context}, {name}: "
               f"median {statistics.median(values):.1f} us a replay ({rounds})")  # fmt: skip
     return 0
 
