@@ -184,6 +184,22 @@ def reference_attention(batch: PagedBatch, scale: float, window: int | None = No
     return REFERENCE.forward(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, window)
 
 
+def qkv_views_and_angles(batch: PagedBatch, partial: bool, seed: int) -> tuple[torch.Tensor, ...]:
+    """The batch's q, k, v as strided views of one qkv projection (as the Llama attention hands
+    them over) and rotary cos/sin at random positions, over the whole head or its first half
+    (Phi-3's partial rotary)."""
+    num_tokens, heads, head_dim = batch.q.shape
+    kv_heads = batch.k.shape[1]
+    qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(widths, dim=1))
+    rot = head_dim // 2 if partial else head_dim
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = layers.RotaryEmbedding(rot, 10000.0).to(DEVICE)(positions, DTYPE)
+    return q, k, v, cos, sin
+
+
 # ---- KV-cache write -------------------------------------------------------------------------
 
 
@@ -224,14 +240,8 @@ def test_rotary_in_the_kv_write_equals_rotary_then_write(
     batch = make_batch(specs, heads, kv_heads, head_dim, block_size, seed=block_size + heads)
     slots = batch.meta.slot_mapping.clone()
     slots[::3] = -1
-    num_tokens = batch.q.shape[0]
-    qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
-    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(widths, dim=1))
-    rot = head_dim // 2 if partial else head_dim
-    gen = torch.Generator().manual_seed(heads)
-    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
-    cos, sin = layers.RotaryEmbedding(rot, 10000.0).to(DEVICE)(positions, DTYPE)
+    q, k, v, cos, sin = qkv_views_and_angles(batch, partial, seed=heads)
+    rot = cos.shape[1]
     scales = (0.5, 2.0) if kv == "fp8" else (1.0, 1.0)
     k_cache, v_cache = batch.k_cache, batch.v_cache
     if kv == "fp8":
@@ -363,19 +373,13 @@ def test_rotary_decode_equals_rotary_write_then_decode(
     against the two launches it replaces (rotary_write_kv_cache, paged_decode_attention) and
     the torch reference over what they wrote: the same caches bit for bit, a padding row's
     (seq_len 0, slot -1) zeros and untouched slot, q and k not written, the attention within
-    rounding (the new token folds in after the cache's tiles, not inside the last one)."""
+    rounding (the new token opens the softmax before the cache's tiles, not inside the last)."""
     if kv == "fp8" and INTERPRET:
         pytest.skip("e4m3 caches need the GPU")
     specs = [(c - 1, 1) for c in DECODE_CONTEXTS]
     batch = make_batch(specs, heads, kv_heads, head_dim, block_size, seed=heads + head_dim)
     num_tokens = batch.q.shape[0]
-    qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
-    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(widths, dim=1))
-    rot = head_dim // 2 if partial else head_dim
-    gen = torch.Generator().manual_seed(head_dim)
-    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
-    cos, sin = layers.RotaryEmbedding(rot, 10000.0).to(DEVICE)(positions, DTYPE)
+    q, k, v, cos, sin = qkv_views_and_angles(batch, partial, seed=head_dim)
     slots, seq_lens = batch.meta.slot_mapping.clone(), batch.meta.seq_lens.clone()
     slots[1], seq_lens[1] = -1, 0  # a CUDA-graph padding row
     scales = (0.5, 2.0) if kv == "fp8" else (1.0, 1.0)
