@@ -779,7 +779,7 @@ def rotary_decode_attention(
     layer: a small model's decode step is a chain of short launches). q and the new k are
     rotated (rotate-half over the first R dims), the new k and v are written to their slots,
     and each sequence attends to its cache and its new token. q and k are not written."""
-    num_tokens, _, head_dim = q.shape
+    head_dim = q.shape[2]
     if q.stride(2) != 1 or new.k.stride(2) != 1 or new.v.stride(2) != 1:
         raise ValueError("rotary_decode_attention needs the head dim contiguous")
     if new.cos.stride(1) != 1 or new.sin.stride(1) != 1:
