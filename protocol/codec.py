@@ -549,9 +549,7 @@ class StepOutputsFrame:
     ) -> None:
         """One request's share of the step (RequestOutput's fields)."""
         i = len(self.request_ids)
-        self.request_ids.append(request_id)
-        self.counts.append(len(new_token_ids))
-        self.new_ids += new_token_ids
+        self.add_tokens(request_id, new_token_ids)
         if finish_reason is not None:
             self.finish.append([i, int(finish_reason)])
         if logprobs is not None:

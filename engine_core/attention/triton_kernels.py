@@ -521,8 +521,8 @@ def _decode_kernel(
     has_new = False
     if ROPE:
         # The new token (the last) is not in the cache yet: the split that holds it takes it
-        # from registers after its loop. Its angles and slot are step inputs (read before the
-        # wait); dims past the rotary ones turn by nothing.
+        # from registers before its loop, which stops short of it. Its angles and slot are
+        # step inputs (read before the wait); dims past the rotary ones turn by nothing.
         has_new = (end == seq_len) & (seq_len > 0)
         end = end - has_new.to(end.dtype)
         in_rot = d < 2 * HALF
