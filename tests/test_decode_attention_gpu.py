@@ -37,7 +37,12 @@ BLOCK_SIZE = 16
 CONTEXTS = [1, 16, 17, 200, 255, 1000, 2049, 4097, 8192]
 SPECS = [(c - 1, 1) for c in CONTEXTS]
 TUNED_TILES = sorted(
-    {*triton_kernels._DECODE_TILES.values(), *triton_kernels._WIDE_DECODE_TILES.values()}, key=repr
+    {
+        *triton_kernels._DECODE_TILES.values(),
+        *triton_kernels._WIDE_DECODE_TILES.values(),
+        *triton_kernels._SPARSE_DECODE_TILES.values(),
+    },
+    key=repr,
 )
 TILES = [
     *TUNED_TILES,

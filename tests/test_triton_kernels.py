@@ -808,6 +808,56 @@ def test_row_argmax_refuses_what_it_cannot_answer() -> None:
         row_argmax(logits, 100, out.to(torch.int32))
 
 
+# The decode graphs' LM head (cuda_graph.py DecodeTail): the skinny GEMM's epilogue takes each
+# weight tile's argmax, argmax_of_parts each row's. N leaves a partial last tile; the columns past
+# n_cols (a padded vocabulary) hold the largest values and are never an answer.
+ARGMAX_N, ARGMAX_COLS, ARGMAX_K = 300, 290, 64
+
+
+def skinny_logits_argmax(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product x @ w.T as the skinny GEMM writes it, and its argmax by the epilogue."""
+    from engine_core.models.skinny_gemm import TileArgmax, skinny_gemm
+    from engine_core.models.triton_ops import argmax_of_parts
+
+    rows, n, block_n = x.shape[0], w.shape[0], 64
+    out = torch.empty(rows, n, dtype=DTYPE, device=DEVICE)
+    parts = TileArgmax.allocate(rows, -(-n // block_n), ARGMAX_COLS, DEVICE)
+    skinny_gemm(x, w, DTYPE, block_n=block_n, block_k=64, num_stages=2, tma=False, out=out,
+                tile_argmax=parts)  # fmt: skip
+    argmax = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    return out, argmax_of_parts(parts.best, parts.at, argmax)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_skinny_gemm_argmax_epilogue_is_the_argmax_of_its_product(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = randn(gen, rows, ARGMAX_K)
+    w = randn(gen, ARGMAX_N, ARGMAX_K)
+    w[ARGMAX_COLS:] = x[0] * 100  # padding columns: row 0's largest products
+    out, argmax = skinny_logits_argmax(x, w)
+    assert_close(out, (x.float() @ w.float().T).to(DTYPE))
+    assert torch.equal(argmax, out[:, :ARGMAX_COLS].argmax(dim=-1))
+
+
+def test_skinny_gemm_argmax_epilogue_takes_the_first_of_equal_largest() -> None:
+    """Ties within a tile and across tiles go to the first column, as torch.argmax's do; NaN
+    counts as +inf (the first of them wins), also in a row of NaN only."""
+    x = torch.ones(3, ARGMAX_K, dtype=DTYPE, device=DEVICE)
+    x[2] = float("-inf")
+    w = torch.zeros(ARGMAX_N, ARGMAX_K, dtype=DTYPE, device=DEVICE)
+    w[[70, 75, 130], 0] = 2.0  # the second tile's first and fifth rows, and in the third
+    w[[20], 1] = 1.0
+    _, argmax = skinny_logits_argmax(x[:1], w)
+    assert argmax.tolist() == [70]
+    w[[200, 250], 3] = float("nan")
+    out, argmax = skinny_logits_argmax(x, w)
+    assert argmax[:2].tolist() == [200, 200]
+    # Row 2's products are -inf or NaN (-inf times 0): whatever they are, torch.argmax's answer
+    # with NaN as +inf.
+    row = out[2, :ARGMAX_COLS].float()
+    assert argmax[2].item() == torch.where(row.isnan(), float("inf"), row).argmax().item()
+
+
 # ---- the models on the fused path, against HF ---------------------------------------------
 
 # GQA with the fused residual norms; q/k norms on [T, heads, D] views; GPT-2's LayerNorm, gelu_new
@@ -849,20 +899,35 @@ def test_models_on_fused_path_match_hf(name: str, tmp_path: Path) -> None:
         torch.testing.assert_close(got.logits[i].cpu(), ref.logits[0], atol=atol, rtol=0)
 
 
-def test_decode_tile_widens_only_grids_that_fill_the_gpu_many_times() -> None:
+def test_decode_tile_follows_the_grid_density() -> None:
     """Two kv heads a program where batch x kv heads reaches WIDE_GRID_WAVES programs a
-    multiprocessor (bf16 caches), the geometric-mean tile below that and for FP8."""
+    multiprocessor (bf16 caches); the sparse grids' own tile for the shapes that have one where
+    it gives each more than one and at most SPARSE_GRID_PROGRAMS_PER_SM; the geometric-mean tile
+    elsewhere and for what the other tables do not hold."""
     from engine_core.attention import triton_kernels as tk
 
     device = torch.device(DEVICE)
     sms = tk._num_sms(device)
-    threshold = tk.WIDE_GRID_WAVES * sms
-    assert tk.is_wide_grid(threshold // 8, 8, device) == (threshold % 8 == 0)
-    assert tk.is_wide_grid(-(-threshold // 8), 8, device)
-    assert not tk.is_wide_grid(-(-threshold // 8) - 1, 8, device)
+    wide = tk.WIDE_GRID_WAVES * sms
+    assert (tk.decode_grid(wide // 8, 8, device) == "wide") == (wide % 8 == 0)
+    assert tk.decode_grid(-(-wide // 8), 8, device) == "wide"
+    assert tk.decode_grid(-(-wide // 8) - 1, 8, device) == "default"
+    sparse = int(tk.SPARSE_GRID_PROGRAMS_PER_SM * sms)  # the most programs of a sparse grid
+    assert [tk.decode_grid(p, 1, device) for p in (sms, sms + 1, sparse, sparse + 1)] == [
+        "default", "sparse", "sparse", "default"
+    ]  # fmt: skip
     for head_dim, tuned in ((64, 64), (96, 128), (128, 128)):
         assert tk.decode_tile(head_dim, False) == tk._DECODE_TILES[(tuned, False)]
-        assert tk.decode_tile(head_dim, False, True) == tk._WIDE_DECODE_TILES[(tuned, False)]
-        assert tk.decode_tile(head_dim, True, True) == tk._DECODE_TILES[(tuned, True)]
+        assert tk.decode_tile(head_dim, False, "wide") == tk._WIDE_DECODE_TILES[(tuned, False)]
+        assert tk.decode_tile(head_dim, True, "wide") == tk._DECODE_TILES[(tuned, True)]
+        for kv_heads in (1, 3, 8):
+            for fp8 in (False, True):
+                sparse_tile = tk._SPARSE_DECODE_TILES.get(
+                    (tuned, fp8, kv_heads), tk._DECODE_TILES[(tuned, fp8)]
+                )
+                assert tk.decode_tile(head_dim, fp8, "sparse", kv_heads) == sparse_tile
     assert tk.decode_tile(256, False) == tk._DECODE_TILES[(128, False)]  # past the largest
+    assert tk.decode_tile(64, False, "sparse", 3) != tk._DECODE_TILES[(64, False)]
+    assert tk.decode_tile(64, False, "sparse", 8) == tk._DECODE_TILES[(64, False)]
+    assert tk.decode_tile(64, False, "default", 3) == tk._DECODE_TILES[(64, False)]
     assert tk._WIDE_DECODE_TILES[(64, False)].kv_per_program == 2

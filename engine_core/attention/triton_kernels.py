@@ -13,11 +13,12 @@ compiles as it did.
 Decode (one query token per sequence) is memory-bound: a program owns one (sequence, context
 split) and one or more neighbouring kv heads with all their query heads, so each K/V row is read
 once per group. The launch shape (tokens per iteration, kv heads per program, warps, pipeline
-stages) is tuned per head size and cache dtype (``_DECODE_TILES``). The number of splits is a
-launch constant chosen from the batch size and the block table's width, never from per-step
-device values, so a captured CUDA graph stays valid at any context length; each sequence then
-uses only the splits its own length needs (at least default_min_split's each): the others return at
-once, and a sequence that one split covers is written directly, with no partials and no merge.
+stages) is tuned per head size, cache dtype and grid density (``decode_tile``). The number of
+splits is a launch constant chosen from the batch size and the block table's width, never from
+per-step device values, so a captured CUDA graph stays valid at any context length; each
+sequence then uses only the splits its own length needs (at least default_min_split's each): the
+others return at once, and a sequence that one split covers is written directly, with no
+partials and no merge.
 An FP8 cache's tiles are widened to float16 (one instruction per pair, where bf16 goes through
 float32), q with them.
 
@@ -400,20 +401,47 @@ _WIDE_DECODE_TILES: dict[tuple[int, bool], DecodeTile] = {
 }
 
 
-def decode_tile(head_dim: int, kv_fp8: bool, wide_grid: bool = False) -> DecodeTile:
+# Where one program per sequence and kv head gives each multiprocessor more than one and at most
+# SPARSE_GRID_PROGRAMS_PER_SM, some model shapes take their own tile, keyed by (head dim, FP8
+# cache, kv heads). Measured in the engine's decode graphs on an H100
+# (scripts/device/decode_graph_ab.py, us a replay, docs/bench-logs/2026-11-27-h100-session23-*):
+# - smollm2 (head dim 64, 3 kv heads) takes 64 tokens, 2 warps and 3 stages. At batch 64 over
+#   160, 256, 384 and 1,024 tokens: 774 -> 771, 825 -> 797, 908 -> 879, 1240 -> 1226; at batch
+#   48 and 256 tokens 759 -> 751. At batch 80 (1.8 programs a multiprocessor) it lost, 901 -> 905.
+# - llama-1b (head dim 64, 8 kv heads) lost with the same tile, in its sparse grids too: at batch
+#   24 1124 -> 1134 at 256 tokens and 1331 -> 1362 at 1,024 (at batch 32, 1437 -> 1494 at 1,024).
+#   So the entry is smollm2's shape only.
+SPARSE_GRID_PROGRAMS_PER_SM = 1.5
+_SPARSE_DECODE_TILES: dict[tuple[int, bool, int], DecodeTile] = {
+    (64, False, 3): DecodeTile(block_n=64, num_warps=2, num_stages=3),
+}
+
+
+def decode_tile(
+    head_dim: int, kv_fp8: bool, grid: str = "default", num_kv_heads: int = 0
+) -> DecodeTile:
     """The tuned launch shape for a head size and cache dtype (head dims between the tuned ones
-    take the next larger one's); ``wide_grid``: the batch fills the GPU many times over (see
-    WIDE_GRID_WAVES)."""
+    take the next larger one's), a grid density (``decode_grid``) and, in sparse grids, the
+    kv head count."""
     tuned = min((d for d, _ in _DECODE_TILES if head_dim <= d), default=max(_DECODE_TILES)[0])
-    if wide_grid and (tuned, kv_fp8) in _WIDE_DECODE_TILES:
-        return _WIDE_DECODE_TILES[(tuned, kv_fp8)]
-    return _DECODE_TILES[(tuned, kv_fp8)]
+    default = _DECODE_TILES[(tuned, kv_fp8)]
+    if grid == "wide":
+        return _WIDE_DECODE_TILES.get((tuned, kv_fp8), default)
+    if grid == "sparse":
+        return _SPARSE_DECODE_TILES.get((tuned, kv_fp8, num_kv_heads), default)
+    return default
 
 
-def is_wide_grid(batch: int, num_kv_heads: int, device: torch.device) -> bool:
-    """Whether one program per sequence and kv head gives every multiprocessor at least
-    WIDE_GRID_WAVES of them."""
-    return batch * num_kv_heads >= WIDE_GRID_WAVES * _num_sms(device)
+def decode_grid(batch: int, num_kv_heads: int, device: torch.device) -> str:
+    """How densely one program per sequence and kv head fills the GPU: "wide" where it gives
+    every multiprocessor at least WIDE_GRID_WAVES of them, "sparse" where more than one and at
+    most SPARSE_GRID_PROGRAMS_PER_SM, "default" else."""
+    programs, sms = batch * num_kv_heads, _num_sms(device)
+    if programs >= WIDE_GRID_WAVES * sms:
+        return "wide"
+    if sms < programs <= SPARSE_GRID_PROGRAMS_PER_SM * sms:
+        return "sparse"
+    return "default"
 
 
 @triton.jit
@@ -819,7 +847,8 @@ def _decode(
     if batch == 0:
         return out
     kv_fp8 = is_fp8_cache(k_cache)
-    tile = tile or decode_tile(head_dim, kv_fp8, is_wide_grid(batch, num_kv_heads, q.device))
+    grid = decode_grid(batch, num_kv_heads, q.device)
+    tile = tile or decode_tile(head_dim, kv_fp8, grid, num_kv_heads)
     # The query heads of the program's kv heads go through tl.dot as one tile padded to its
     # 16-row minimum, a group of one (MHA, GPT-2) too: the elementwise products that group 1
     # used before were reported near 1 TB/s on an H100. They remain only for head dims under

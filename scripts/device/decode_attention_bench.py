@@ -188,10 +188,12 @@ def default_splits(module: ModuleType, case: PagedCase) -> int:
     heads, kv_heads, head_dim = MODELS[p.model]
     programs = kv_heads
     if hasattr(module, "decode_tile"):
-        wide = []  # the batch-dependent tile, where the module has one
-        if hasattr(module, "is_wide_grid"):
-            wide = [module.is_wide_grid(p.batch, kv_heads, torch.device("cuda"))]
-        tile = module.decode_tile(head_dim, p.dtype == "fp8", *wide)
+        grid = []  # the batch-dependent tile, where the module has one
+        if hasattr(module, "decode_grid"):
+            grid = [module.decode_grid(p.batch, kv_heads, torch.device("cuda")), kv_heads]
+        elif hasattr(module, "is_wide_grid"):  # a baseline from before the sparse tile
+            grid = [module.is_wide_grid(p.batch, kv_heads, torch.device("cuda"))]
+        tile = module.decode_tile(head_dim, p.dtype == "fp8", *grid)
         programs //= module._kv_per_program(tile.kv_per_program, kv_heads, heads // kv_heads)
     width = case.block_tables.shape[2] * PAGE
     device = torch.device("cuda")

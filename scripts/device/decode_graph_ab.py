@@ -13,8 +13,12 @@ graphs capture. KEY=VALUE settings:
 - ``max_head_dim=N``: the largest head dim that takes that path (``ROPE_IN_DECODE_MAX_HEAD_DIM``);
 - ``tile=nNwWsS[kK]``: the decode kernel's launch shape for the model's head size with a bf16
   cache (tokens per iteration N, W warps, S pipeline stages, K kv heads per program), and
-  ``wide_tile=...`` the one for grids that fill the GPU many times over (``_WIDE_DECODE_TILES``);
-- ``min_split=N``: the shortest context split (``MIN_SPLIT_TOKENS``).
+  ``wide_tile=...`` the one for grids that fill the GPU many times over (``_WIDE_DECODE_TILES``),
+  ``sparse_tile=...`` the one for grids of 1-1.5 programs a multiprocessor
+  (``_SPARSE_DECODE_TILES``);
+- ``min_split=N``: the shortest context split (``MIN_SPLIT_TOKENS``);
+- ``argmax_epilogue=0|1``: the LM head's product takes the argmax's first step in its epilogue
+  (``cuda_graph.TAIL_ARGMAX_EPILOGUE``).
 
 Without ``--variant``: ``in-attention:rope=1`` against ``own-launch:rope=0``. Each engine decodes
 its batch to about ``--context`` tokens; then each one's decode graph is replayed ``--replays``
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch_host_probe import decoding_engine  # noqa: E402  (scripts/device, this folder)
 
+from engine_core import cuda_graph  # noqa: E402
 from engine_core.attention import triton_backend, triton_kernels  # noqa: E402
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.attention.triton_kernels import DecodeTile  # noqa: E402
@@ -60,7 +65,7 @@ def parse_tile(text: str) -> DecodeTile:
 
 
 @contextlib.contextmanager
-def launch_settings(settings: dict[str, str], head_dim: int) -> Iterator[None]:
+def launch_settings(settings: dict[str, str], head_dim: int, kv_heads: int) -> Iterator[None]:
     """The variant's settings applied while its engine is built (its graphs captured), then
     the defaults back."""
     tile_key = (head_dim, False)
@@ -70,9 +75,13 @@ def launch_settings(settings: dict[str, str], head_dim: int) -> Iterator[None]:
         triton_kernels.MIN_SPLIT_TOKENS,
         dict(triton_kernels._DECODE_TILES),
         dict(triton_kernels._WIDE_DECODE_TILES),
+        dict(triton_kernels._SPARSE_DECODE_TILES),
+        cuda_graph.TAIL_ARGMAX_EPILOGUE,
     )
     for key, value in settings.items():
-        if key == "rope":
+        if key == "argmax_epilogue":
+            cuda_graph.TAIL_ARGMAX_EPILOGUE = value == "1"
+        elif key == "rope":
             TritonBackend.rotary_in_decode = value == "1"
         elif key == "max_head_dim":
             triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM = int(value)
@@ -82,6 +91,8 @@ def launch_settings(settings: dict[str, str], head_dim: int) -> Iterator[None]:
             triton_kernels._DECODE_TILES[tile_key] = parse_tile(value)
         elif key == "wide_tile":
             triton_kernels._WIDE_DECODE_TILES[tile_key] = parse_tile(value)
+        elif key == "sparse_tile":  # for the model's kv head count
+            triton_kernels._SPARSE_DECODE_TILES[(*tile_key, kv_heads)] = parse_tile(value)
         else:
             raise ValueError(f"unknown setting {key!r}")
     try:
@@ -93,11 +104,15 @@ def launch_settings(settings: dict[str, str], head_dim: int) -> Iterator[None]:
             triton_kernels.MIN_SPLIT_TOKENS,
             tiles,
             wide,
+            sparse,
+            cuda_graph.TAIL_ARGMAX_EPILOGUE,
         ) = saved
         triton_kernels._DECODE_TILES.clear()
         triton_kernels._DECODE_TILES.update(tiles)
         triton_kernels._WIDE_DECODE_TILES.clear()
         triton_kernels._WIDE_DECODE_TILES.update(wide)
+        triton_kernels._SPARSE_DECODE_TILES.clear()
+        triton_kernels._SPARSE_DECODE_TILES.update(sparse)
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -155,7 +170,7 @@ def main(argv: list[str]) -> int:
     tuned = min((d for d, _ in triton_kernels._DECODE_TILES if head_dim <= d), default=head_dim)
     engines = {}
     for label, settings in variants.items():
-        with launch_settings(settings, tuned):
+        with launch_settings(settings, tuned, PRESETS[args.model].num_key_value_heads):
             engines[label] = engine_at_context(args.model, args.batch, args.context)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
