@@ -7,8 +7,9 @@ TMA-aligned, on Hopper) and leaves the rest to cuBLAS; a plain Linear on the GPU
 CUDA graph replays it exactly; a call at a row count the CUDA graphs did not have (the FP8 path's
 eager steps) compiles no new variant. The SiLU-and-mul epilogue over an interleaved gate/up
 weight gives what the product followed by SiLU-and-mul gives, and a Llama MLP whose weight
-interleave_gate_ups rearranged computes what it did before, at decode sizes and above them; a
-bf16 model on the skinny path gives HF's logits."""
+interleave_gate_ups rearranged computes what it did before, at decode sizes and above them; the
+argmax epilogue gives the argmax of the logits it wrote; a bf16 model on the skinny path gives
+HF's logits."""
 
 from __future__ import annotations
 
@@ -236,6 +237,41 @@ def test_glu_epilogue_equals_product_then_silu_and_mul(n: int, k: int, m: int) -
     product = reference(x, w, None).to(torch.bfloat16).float()
     gate, up = product.chunk(2, dim=-1)
     assert_within_rounding(fused, F.silu(gate) * up, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", (1, 7, 64, 100))
+@pytest.mark.parametrize("n,k", ((49152, 576), (128256, 2048), (50304, 768)))
+def test_argmax_epilogue_gives_the_logits_and_their_argmax(n: int, k: int, m: int) -> None:
+    """The decode graphs' LM head (smollm2's, llama's, GPT-2's padded vocabularies): the product
+    as decode_linear writes it, and the argmax over the columns under the vocabulary of what it
+    wrote (the padding columns hold the largest values and are never an answer)."""
+    x, w = operands(m, n, k, torch.bfloat16)
+    vocab = n - 47
+    w[vocab:] = x.mean(0) * 50  # every row's largest products: padding
+    logits = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    argmax = torch.full((m,), -1, dtype=torch.int64, device="cuda")
+    took = skinny_gemm.decode_linear_argmax(x, w, vocab, logits, argmax)
+    assert took == (HOPPER and skinny_gemm.takes_plain_product(x, w))
+    if not took:
+        pytest.skip("decode_linear leaves this product to cuBLAS here")
+    wanted = torch.empty_like(logits)
+    assert skinny_gemm.decode_linear(x, w, None, out=wanted) is not None
+    assert torch.equal(logits, wanted)
+    assert_within_rounding(logits, reference(x, w, None), torch.bfloat16)
+    assert torch.equal(argmax, logits[:, :vocab].argmax(dim=-1))
+
+
+def test_argmax_epilogue_refuses_what_it_cannot_do() -> None:
+    x, w = operands(8, 256, 1024, torch.bfloat16)
+    parts = skinny_gemm.TileArgmax.allocate(8, 4, 200, x.device)
+    with pytest.raises(ValueError, match="argmax"):
+        skinny_gemm.skinny_gemm(x, w, x.dtype, block_n=64, block_k=128, split_k=2,
+                                tile_argmax=parts)  # fmt: skip
+    with pytest.raises(ValueError, match="parts"):  # 128-row weight tiles: 2 parts a row
+        skinny_gemm.skinny_gemm(x, w, x.dtype, block_n=128, block_k=128, tile_argmax=parts)
+    too_many = skinny_gemm.TileArgmax.allocate(8, 4, 257, x.device)
+    with pytest.raises(ValueError, match="columns"):
+        skinny_gemm.skinny_gemm(x, w, x.dtype, block_n=64, block_k=128, tile_argmax=too_many)
 
 
 def test_interleaved_silu_and_mul_reads_the_tiles() -> None:

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,6 +50,9 @@ def _skinny_epilogue(
     WScale,
     Bias,
     Part,
+    ArgBest,
+    ArgAt,
+    argmax_cols,
     pid_m,
     pid_n,
     split,
@@ -61,11 +65,14 @@ def _skinny_epilogue(
     HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     GLU: tl.constexpr,
+    ARGMAX: tl.constexpr,
 ):
     """Scale the [BLOCK_N, BLOCK_M] tile of C.T (FP8 operands: SCALED) and write it: to C with
     SPLIT_K == 1, else to Part[split] as float32 for _skinny_reduce_kernel to sum. With GLU the
     tile's first half of weight rows are gate rows and its second half their up rows
-    (interleave_gate_up): it writes silu(gate) * up, [BLOCK_N / 2, BLOCK_M] of C [M, N / 2]."""
+    (interleave_gate_up): it writes silu(gate) * up, [BLOCK_N / 2, BLOCK_M] of C [M, N / 2].
+    With ARGMAX (SPLIT_K == 1) it also writes each row's argmax over the tile's columns under
+    argmax_cols to ArgBest/ArgAt (_tile_argmax)."""
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = rn < N
@@ -87,10 +94,60 @@ def _skinny_epilogue(
         if HAS_BIAS:
             acc += tl.load(Bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
-        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+        tile = acc.to(C.dtype.element_ty)
+        tl.store(c_ptrs, tile, mask=mask)
+        if ARGMAX:
+            _tile_argmax(tile, rn, rm, m_mask, pid_n, ArgBest, ArgAt, argmax_cols, BLOCK_N)
     else:
         p_ptrs = Part + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
         tl.store(p_ptrs, acc, mask=mask)
+
+
+@dataclass(frozen=True)
+class TileArgmax:
+    """Where the skinny GEMM's epilogue writes, for each row of C and each weight tile, the
+    largest of the tile's columns under ``n_cols`` and the first column holding it
+    (triton_ops.argmax_of_parts then picks each row's answer)."""
+
+    best: torch.Tensor  # [M, N tiles] float32
+    at: torch.Tensor  # [M, N tiles] int32
+    n_cols: int
+
+    @classmethod
+    def allocate(cls, rows: int, n_tiles: int, n_cols: int, device: torch.device) -> TileArgmax:
+        return cls(
+            torch.empty((rows, n_tiles), dtype=torch.float32, device=device),
+            torch.empty((rows, n_tiles), dtype=torch.int32, device=device),
+            n_cols,
+        )
+
+    def check(self, rows: int, n: int, block_n: int, fits: bool) -> None:
+        """Refuse what the epilogue cannot write: a product of ``rows`` x ``n`` in weight
+        tiles of ``block_n``, in one split without GLU where ``fits``."""
+        if not fits:
+            raise ValueError("the skinny GEMM's argmax epilogue takes one split and no GLU")
+        n_tiles = triton.cdiv(n, block_n)
+        for t, dtype in ((self.best, torch.float32), (self.at, torch.int32)):
+            if t.shape != (rows, n_tiles) or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"the tile argmax needs contiguous [{rows}, {n_tiles}] {dtype} "
+                                 f"parts, got {tuple(t.shape)} {t.dtype}")  # fmt: skip
+        if not 0 < self.n_cols <= n:
+            raise ValueError(f"the tile argmax takes 1 to {n} columns, got {self.n_cols}")
+
+
+@triton.jit
+def _tile_argmax(tile, rn, rm, m_mask, pid_n, Best, At, n_cols, BLOCK_N: tl.constexpr):
+    """For each row of the [BLOCK_N, BLOCK_M] tile of C.T (C's values as stored, rounded), the
+    largest of its columns under n_cols and the first column holding it, into Best and At
+    [M, N tiles] at the tile's column: what triton_ops.argmax_of_parts reduces per row. NaN counts
+    as +inf, as in triton_ops.row_argmax; a tile past n_cols gives -inf at its first column."""
+    vals = tile.to(tl.float32)
+    vals = tl.where(vals != vals, float("inf"), vals)
+    vals = tl.where((rn < n_cols)[:, None], vals, float("-inf"))
+    best, at = tl.max(vals, 0, return_indices=True, return_indices_tie_break_left=True)
+    slot = rm.to(tl.int64) * tl.num_programs(1) + pid_n
+    tl.store(Best + slot, best, mask=m_mask)
+    tl.store(At + slot, pid_n * BLOCK_N + at, mask=m_mask)
 
 
 # M (the step's rows) stays a runtime value: specialized, each row-count class (1, a multiple of 16,
@@ -105,6 +162,9 @@ def _skinny_gemm_kernel(
     WScale,
     Bias,
     Part,
+    ArgBest,
+    ArgAt,
+    argmax_cols,
     M,
     N,
     stride_am,
@@ -118,6 +178,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     GLU: tl.constexpr,
+    ARGMAX: tl.constexpr,
 ):
     """Program (row tile, n tile, k split): the [BLOCK_N, BLOCK_M] tile of C.T over one K slice, as
     W_tile @ A.T, so the weights' rows fill the matrix unit's M side and the few tokens its N
@@ -139,8 +200,9 @@ def _skinny_gemm_kernel(
         acc += tl.dot(w, tl.trans(a))
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_m, pid_n, split, M, N, stride_cm,
-                     BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED, GLU)  # fmt: skip
+    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, ArgBest, ArgAt, argmax_cols, pid_m,
+                     pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED,
+                     GLU, ARGMAX)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -154,6 +216,9 @@ def _skinny_gemm_tma_kernel(
     WScale,
     Bias,
     Part,
+    ArgBest,
+    ArgAt,
+    argmax_cols,
     M,
     N,
     stride_cm,
@@ -165,6 +230,7 @@ def _skinny_gemm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr,
     GLU: tl.constexpr,
+    ARGMAX: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,  # weight elements per 128-byte line
@@ -195,8 +261,9 @@ def _skinny_gemm_tma_kernel(
         w = w_desc.load([off_n, k])  # [BLOCK_N, BLOCK_K]
         a = a_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
         acc += tl.dot(w, tl.trans(a))  # float32 per tile, as in _skinny_gemm_kernel
-    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, pid_m, pid_n, split, M, N, stride_cm,
-                     BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED, GLU)  # fmt: skip
+    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, ArgBest, ArgAt, argmax_cols, pid_m,
+                     pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED,
+                     GLU, ARGMAX)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -302,6 +369,7 @@ def skinny_gemm(
     glu: bool = False,
     block_m: int | None = None,
     out: torch.Tensor | None = None,
+    tile_argmax: TileArgmax | None = None,
 ) -> torch.Tensor:
     """a [M, K] @ w [N, K].T (+ bias) -> [M, N] out_dtype, the rows in tiles of ``block_m`` (a
     power of two from 16; default: all M <= SKINNY_MOST_ROWS rows in one tile). FP8 operands
@@ -311,7 +379,8 @@ def skinny_gemm(
     measured best that the shared memory holds. ``glu``: w is a gate/up projection's weight as
     interleave_gate_up arranges it, and the result is silu(gate) * up, [M, N / 2] (block_n
     2 * GLU_HALF, one split, no bias, no scales). ``out``: where to write the result (rows of
-    unit column stride), else a new tensor."""
+    unit column stride), else a new tensor. ``tile_argmax``: the epilogue also writes each
+    row's argmax over each weight tile's columns there (one split, no GLU)."""
     m, k = a.shape
     n = w.shape[0]
     if block_m is None and m > SKINNY_MOST_ROWS:
@@ -325,6 +394,8 @@ def skinny_gemm(
     if glu and (not glu_fits or bias is not None or scaled):
         raise ValueError("the skinny GEMM's SiLU-and-mul epilogue takes block_n 2 * GLU_HALF, "
                          "whole tiles of N, one split, no bias and no scales")  # fmt: skip
+    if tile_argmax is not None:
+        tile_argmax.check(m, n, block_n, split_k == 1 and not glu)
     shape = (m, n // 2 if glu else n)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=a.device)
@@ -349,10 +420,16 @@ def skinny_gemm(
     else:
         a_scale = w_scale = out  # never read
     bias_arg = bias if bias is not None else out
+    best, at, argmax_cols = (
+        (out, out, 0)
+        if tile_argmax is None
+        else (tile_argmax.best, tile_argmax.at, tile_argmax.n_cols)
+    )
     # Row tiles vary fastest: the programs of one weight tile run together and share its reads.
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                HAS_BIAS=bias is not None, SCALED=scaled, GLU=glu, num_warps=num_warps,
+                HAS_BIAS=bias is not None, SCALED=scaled, GLU=glu,
+                ARGMAX=tile_argmax is not None, num_warps=num_warps,
                 num_stages=num_stages)  # fmt: skip
     if tma:
         a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
@@ -360,15 +437,15 @@ def skinny_gemm(
         pdl = SKINNY_PDL and chain_pdl(a)  # TANDEM_PDL=0 turns it off with the chain's
         line = 128 // w.element_size()
         _skinny_gemm_tma_kernel[grid](
-            a_desc, w_desc, w, w.stride(0), out, a_scale, w_scale, bias_arg, part, m, n,
-            out.stride(0), k // split_k, **meta, PDL=pdl,
+            a_desc, w_desc, w, w.stride(0), out, a_scale, w_scale, bias_arg, part, best, at,
+            argmax_cols, m, n, out.stride(0), k // split_k, **meta, PDL=pdl,
             PREFETCH_K=_prefetch_columns(k // split_k, line), LINE=line,
             RELEASE=pdl and SKINNY_RELEASE, launch_pdl=pdl,
         )  # fmt: skip
     else:
         _skinny_gemm_kernel[grid](
-            a, w, out, a_scale, w_scale, bias_arg, part, m, n, a.stride(0), w.stride(0),
-            out.stride(0), k // split_k, **meta,
+            a, w, out, a_scale, w_scale, bias_arg, part, best, at, argmax_cols, m, n,
+            a.stride(0), w.stride(0), out.stride(0), k // split_k, **meta,
         )  # fmt: skip
     if split_k > 1:
         _reduce_splits(part, out, bias)
@@ -466,6 +543,29 @@ def decode_linear(
     tiles = dense_tiles(w.shape[0], w.shape[1], x.device)
     block_m = dense_row_tile(x.shape[0], w.shape[0], w.shape[1], x.device)
     return skinny_gemm(x, w, x.dtype, bias=bias, block_m=block_m, out=out, **tiles)
+
+
+def decode_linear_argmax(
+    x: torch.Tensor, w: torch.Tensor, n_cols: int, out: torch.Tensor, argmax: torch.Tensor
+) -> bool:
+    """out = x [M, K] @ w.T as decode_linear computes it, and argmax [M] int64 the first
+    column under ``n_cols`` holding each row's largest value of out (NaN as +inf, as
+    triton_ops.row_argmax): the product's epilogue takes each weight tile's best, one small
+    launch each row's. False (nothing written) where decode_linear would leave the product to
+    cuBLAS or split its K."""
+    from engine_core.models.triton_ops import argmax_of_parts
+
+    if not takes_plain_product(x, w):
+        return False
+    tiles = dense_tiles(w.shape[0], w.shape[1], x.device)
+    if tiles["split_k"] != 1:
+        return False
+    rows, n_tiles = x.shape[0], triton.cdiv(w.shape[0], tiles["block_n"])
+    parts = TileArgmax.allocate(rows, n_tiles, n_cols, x.device)
+    block_m = dense_row_tile(rows, w.shape[0], w.shape[1], x.device)
+    skinny_gemm(x, w, x.dtype, block_m=block_m, out=out, tile_argmax=parts, **tiles)
+    argmax_of_parts(parts.best, parts.at, argmax)
+    return True
 
 
 def dense_row_tile(m: int, n: int, k: int, device: torch.device) -> int | None:

@@ -532,16 +532,27 @@ def row_argmax(x: torch.Tensor, n_cols: int, out: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     chunks = triton.cdiv(n_cols, ARGMAX_CHUNK)
-    best = torch.empty(rows * chunks, dtype=torch.float32, device=x.device)
-    where = torch.empty(rows * chunks, dtype=torch.int32, device=x.device)
+    best = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
+    where = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
     pdl = chain_pdl(x)
     _argmax_chunks_kernel[(rows, chunks)](
         x, best, where, n_cols, x.stride(0), CHUNK=ARGMAX_CHUNK, PDL=pdl, launch_pdl=pdl,
         num_warps=4,
     )  # fmt: skip
+    return argmax_of_parts(best, where, out)
+
+
+def argmax_of_parts(best: torch.Tensor, where: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[r] = where[r, c] for the first part c holding the largest best[r, :]: the second
+    step of an argmax whose first step (``row_argmax``'s chunks, the skinny GEMM's epilogue)
+    took each part's largest value and first column. best [R, C] float32 and where [R, C]
+    int32 contiguous, out [R] int64; a chain kernel of the decode step."""
+    rows, parts = best.shape
+    pdl = chain_pdl(best)
+    block_c = max(2, triton.next_power_of_2(parts))
     _argmax_merge_kernel[(rows,)](
-        best, where, out, chunks, BLOCK_C=max(2, triton.next_power_of_2(chunks)), PDL=pdl,
-        launch_pdl=pdl, num_warps=1,
+        best, where, out, parts, BLOCK_C=block_c, PDL=pdl, launch_pdl=pdl,
+        num_warps=max(1, min(4, block_c // 256)),
     )  # fmt: skip
     return out
 
