@@ -16,7 +16,8 @@ graphs capture. KEY=VALUE settings:
   ``wide_tile=...`` the one for grids that fill the GPU many times over (``_WIDE_DECODE_TILES``),
   ``sparse_tile=...`` the one for grids of 1-1.5 programs a multiprocessor
   (``_SPARSE_DECODE_TILES``);
-- ``min_split=N``: the shortest context split (``MIN_SPLIT_TOKENS``);
+- ``min_split=N``: the shortest context split (``MIN_SPLIT_TOKENS``), and ``thin_split=N``
+  the one for grids of 1-2 programs a multiprocessor (``THIN_MIN_SPLIT_TOKENS``);
 - ``argmax_epilogue=0|1``: the LM head's product takes the argmax's first step in its epilogue
   (``cuda_graph.TAIL_ARGMAX_EPILOGUE``).
 
@@ -73,6 +74,7 @@ def launch_settings(settings: dict[str, str], head_dim: int, kv_heads: int) -> I
         TritonBackend.rotary_in_decode,
         triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM,
         triton_kernels.MIN_SPLIT_TOKENS,
+        triton_kernels.THIN_MIN_SPLIT_TOKENS,
         dict(triton_kernels._DECODE_TILES),
         dict(triton_kernels._WIDE_DECODE_TILES),
         dict(triton_kernels._SPARSE_DECODE_TILES),
@@ -87,6 +89,8 @@ def launch_settings(settings: dict[str, str], head_dim: int, kv_heads: int) -> I
             triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM = int(value)
         elif key == "min_split":
             triton_kernels.MIN_SPLIT_TOKENS = int(value)
+        elif key == "thin_split":
+            triton_kernels.THIN_MIN_SPLIT_TOKENS = int(value)
         elif key == "tile":
             triton_kernels._DECODE_TILES[tile_key] = parse_tile(value)
         elif key == "wide_tile":
@@ -102,6 +106,7 @@ def launch_settings(settings: dict[str, str], head_dim: int, kv_heads: int) -> I
             TritonBackend.rotary_in_decode,
             triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM,
             triton_kernels.MIN_SPLIT_TOKENS,
+            triton_kernels.THIN_MIN_SPLIT_TOKENS,
             tiles,
             wide,
             sparse,
@@ -170,7 +175,7 @@ def main(argv: list[str]) -> int:
     tuned = min((d for d, _ in triton_kernels._DECODE_TILES if head_dim <= d), default=head_dim)
     engines = {}
     for label, settings in variants.items():
-        with launch_settings(settings, tuned, PRESETS[args.model].num_key_value_heads):
+        with launch_settings(settings, tuned, PRESETS[args.model].num_kv_heads):
             engines[label] = engine_at_context(args.model, args.batch, args.context)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
