@@ -439,11 +439,14 @@ class CudaGraphRunner:
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,  # a step ``can_run`` accepted
+        ids_from: torch.Tensor | None = None,  # [T]: the input ids, where input_ids lacks them
     ) -> torch.Tensor:  # [T, hidden], a view of the static output (valid until the next run)
         """Copy a step into the static buffers, pad, replay its graph, return the real rows."""
         self._tail_rows = 0
         if meta.is_decode_only:
-            return self._run_decode(input_ids, positions, meta)
+            return self._run_decode(input_ids, positions, meta, ids_from)
+        if ids_from is not None:
+            input_ids.copy_(ids_from)
         return self._run_prefill(input_ids, positions, meta)
 
     def _copy_common(
@@ -462,21 +465,27 @@ class CudaGraphRunner:
         buf.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
 
     def _run_decode(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        ids_from: torch.Tensor | None,
     ) -> torch.Tensor:
         from engine_core.models.triton_ops import stage_decode_inputs  # imports triton
 
         n = meta.num_seqs
         batch = self._bucket[n]
         buf = self.buffers
-        # One launch for the copies and padding fills of _copy_common (five to seven).
+        # One launch for the copies and padding fills of _copy_common (five to seven), and the
+        # ids from where they are when input_ids lacks them (the previous step's sampled ids).
         stage_decode_inputs(
-            (input_ids, positions, meta.slot_mapping, meta.seq_lens),
+            (input_ids if ids_from is None else ids_from, positions, meta.slot_mapping,
+             meta.seq_lens),
             meta.block_tables,
             (buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens),
             buf.block_tables,
             batch,
-        )
+        )  # fmt: skip
         self.graphs[batch].replay()
         if self.tail is not None:
             self._tail_rows = n

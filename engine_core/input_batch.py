@@ -47,6 +47,11 @@ class PackedInputs:
     logits_indices: torch.Tensor  # [S] int64: the last row of each sequence that samples
     sampling_requests: list[Request]
     sample_ends: np.ndarray  # [S] int64: where each sampling row's chunk ends (its seq_len)
+    # A steady decode step whose every token is a placeholder for the id its row sampled last
+    # step: those ids [T], not yet in input_ids. The forward takes them (model_runner.py
+    # ModelRunner._forward): the decode graph's staging launch reads them in place of
+    # input_ids, any other forward copies them in first.
+    ids_from: torch.Tensor | None = None
 
     def output_positions(self) -> list[int]:
         """[S]: which output of its request each sampling row draws. Computed when asked: the
@@ -69,6 +74,9 @@ class InputBatch:
         self.device = device
         self.block_size = block_size
         self._pinned = device.type == "cuda"
+        # The engine's one stream (its copies' events record on it): looked up once, as each
+        # lookup costs the host microseconds a step.
+        self._stream = torch.cuda.current_stream(device) if self._pinned else None
         self._capacity = _packed_bytes(
             max_num_tokens,
             max_num_seqs,
@@ -256,15 +264,16 @@ class InputBatch:
     ) -> PackedInputs:
         """Copy a filled host buffer to the device; the views, the placeholders' gather and the
         attention metadata (its host lists read back from the buffer). ``in_order``: every
-        token is a placeholder for the id sampled by the same row last step, so the gather is
-        one copy."""
+        token is a placeholder for the id sampled by the same row last step, so there is no
+        gather: the forward takes ``prev_sampled`` itself (PackedInputs.ids_from)."""
         views = layout.device_views(self._copy_to_device(layout.nbytes))
         input_ids = views["input_ids"]
+        ids_from = None
         if layout.count("gather_dst"):
             if prev_sampled is None:
                 raise RuntimeError("a placeholder token with no previous step to take it from")
             if in_order:
-                input_ids.copy_(prev_sampled)
+                ids_from = prev_sampled
             else:
                 src = prev_sampled.index_select(0, views["gather_src"])
                 input_ids.index_copy_(0, views["gather_dst"], src)
@@ -295,13 +304,14 @@ class InputBatch:
             logits_indices=views["logits_indices"],
             sampling_requests=sampling,
             sample_ends=sample_ends,
+            ids_from=ids_from,
         )
 
     def _host_buffer(self, nbytes: int) -> np.ndarray:
         """The next ring buffer, once the copy that last read it has completed."""
         if nbytes > self._capacity:
-            if self._pinned:
-                torch.cuda.current_stream(self.device).synchronize()  # no copy still reads them
+            if self._stream is not None:
+                self._stream.synchronize()  # no copy still reads them
             self._allocate(max(nbytes, 2 * self._capacity))
         self._next = (self._next + 1) % len(self._host)
         event = self._copied[self._next]
@@ -317,7 +327,7 @@ class InputBatch:
         self._device_buf[:nbytes].copy_(src, non_blocking=self._pinned)
         if self._pinned:
             event = self._copied[self._next] or torch.cuda.Event()
-            event.record()
+            event.record(self._stream)
             self._copied[self._next] = event
         return self._device_buf
 

@@ -60,6 +60,7 @@ class ModelInputs:
     # tensor-parallel rank computes their logits too (the projection is a collective).
     prompt_rows: torch.Tensor | None = None
     prompt_rows_cpu: list[int] | None = None  # the same rows on the host
+    ids_from: torch.Tensor | None = None  # the input ids not yet in input_ids (PackedInputs)
 
 
 @dataclass
@@ -194,6 +195,9 @@ class ModelRunner:
         self._host_ids = [self._host_ids_buffer(config.max_num_seqs) for _ in range(3)]
         self._host_ids_next = 0
         self._done_events = [torch.cuda.Event() for _ in range(3)] if self._on_cuda else []
+        # The engine's one stream, for its events: looked up once (each lookup costs the host
+        # microseconds a step).
+        self._stream = torch.cuda.current_stream(self.device) if self._on_cuda else None
         self._last_gpu_end: torch.cuda.Event | None = None
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -290,7 +294,11 @@ class ModelRunner:
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The model's forward: a graph replay for a step that fits one, else eager."""
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
-            return self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.meta)
+            return self.graph_runner.run(
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from
+            )
+        if inputs.ids_from is not None:
+            inputs.input_ids.copy_(inputs.ids_from)
         with forward_context(inputs.meta, self.backend):
             return self.model(inputs.input_ids, inputs.positions)
 
@@ -450,7 +458,7 @@ class ModelRunner:
         done = None
         if self._on_cuda:
             done = self._done_events[self._host_ids_next]
-            done.record()
+            done.record(self._stream)
         return LaunchedStep(out, requests, host_ids, logprobs, done, timeline)
 
     def mark_idle(self) -> None:
@@ -489,6 +497,7 @@ def model_inputs(
         sampling_requests=packed.sampling_requests,
         prompt_rows=prompt_rows,
         prompt_rows_cpu=prompt_rows_cpu,
+        ids_from=packed.ids_from,
     )
 
 

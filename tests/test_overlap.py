@@ -367,18 +367,27 @@ def _decoding(request_id: str, known: int, blocks: list[int]) -> ScheduledReques
 
 def test_placeholders_take_the_id_their_request_sampled_last_step() -> None:
     """Each placeholder gets the id sampled by its own request's row of the previous step,
-    whether the batch kept its order (one copy), changed it, or grew; another tensor-parallel
-    rank's unpack of the same bytes gathers the same ids; a request that sampled nothing last
-    step is an error that names it."""
+    whether the batch kept its order (no gather: the forward takes the sampled ids as they
+    are), changed it, or grew; another tensor-parallel rank's unpack of the same bytes gathers
+    the same ids; a request that sampled nothing last step is an error that names it."""
     import torch
+
+    from engine_core.input_batch import PackedInputs
+
+    def forward_ids(packed: PackedInputs) -> list[int]:
+        """The ids the forward runs on (model_runner.py ModelRunner._forward)."""
+        return (packed.input_ids if packed.ids_from is None else packed.ids_from).tolist()
 
     def pack_ids(batch: InputBatch, rows: list[ScheduledRequest], prev: list[Request]) -> list:
         sampled = torch.tensor([100 + i for i in range(len(prev))])  # row i sampled 100 + i
         packed = batch.pack(SchedulerOutput(rows), prev, sampled)
         counts, data = batch.last_step()
         other = InputBatch(torch.device("cpu"), 4, 64, 8, 16).unpack(counts, data, sampled)
-        assert other.input_ids.tolist() == packed.input_ids.tolist()
-        return packed.input_ids.tolist()
+        assert forward_ids(other) == forward_ids(packed)
+        # Only a batch in its old order leaves its ids where the sampler wrote them.
+        in_order = prev == [r.request for r in rows]
+        assert (packed.ids_from is sampled) == (other.ids_from is sampled) == in_order
+        return forward_ids(packed)
 
     batch = InputBatch(torch.device("cpu"), 4, 64, 8, 16)
     rows = [_decoding(name, 5 + i, [i, 9]) for i, name in enumerate("abc")]
