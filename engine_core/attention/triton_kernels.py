@@ -847,8 +847,9 @@ def _decode(
     if batch == 0:
         return out
     kv_fp8 = is_fp8_cache(k_cache)
-    grid = decode_grid(batch, num_kv_heads, q.device)
-    tile = tile or decode_tile(head_dim, kv_fp8, grid, num_kv_heads)
+    if tile is None:
+        grid = decode_grid(batch, num_kv_heads, q.device)
+        tile = decode_tile(head_dim, kv_fp8, grid, num_kv_heads)
     # The query heads of the program's kv heads go through tl.dot as one tile padded to its
     # 16-row minimum, a group of one (MHA, GPT-2) too: the elementwise products that group 1
     # used before were reported near 1 TB/s on an H100. They remain only for head dims under
