@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from engine_core.models.triton_ops import silu_mul
+from engine_core.models.triton_ops import argmax_of_parts, silu_mul
 from engine_core.triton_pdl import (
     chain_pdl,
     hopper_or_later,
@@ -553,8 +553,6 @@ def decode_linear_argmax(
     triton_ops.row_argmax): the product's epilogue takes each weight tile's best, one small
     launch each row's. False (nothing written) where decode_linear would leave the product to
     cuBLAS or split its K."""
-    from engine_core.models.triton_ops import argmax_of_parts
-
     if not takes_plain_product(x, w):
         return False
     tiles = dense_tiles(w.shape[0], w.shape[1], x.device)
