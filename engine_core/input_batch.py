@@ -17,6 +17,11 @@ stream after every kernel that reads this step's views.
 
 Rows whose last input token is still on the device (a placeholder, with overlap) get their id
 from the previous step's sampled tensor with one gather on the device.
+
+A steady decode step (the same requests as the step before, in the same order, one token each,
+every one a placeholder for the id its row sampled last step) is not packed anew: the last
+step's buffer is copied and advanced by one token, and only the rows that enter a new KV block
+read their block table again (``_advance``). Its bytes are the ones a full pack would write.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from engine_core.request import Request, SchedulerOutput
 from engine_core.step_stats import GpuTimeline
 
 _RING = 3  # host buffers in flight: the one being packed, and up to two queued copies
+# A steady decode step advances the last step's buffer instead of packing anew (for A/B runs).
+ADVANCE_STEADY_DECODE = True
 # Layouts kept for reuse (a steady decode repeats a handful of shapes); past this, start over.
 _MAX_LAYOUTS = 256
 
@@ -58,6 +65,17 @@ class PackedInputs:
         sampler needs them only for rows that do more than take the argmax."""
         prompts = [r.num_prompt_tokens for r in self.sampling_requests]
         return (self.sample_ends - np.array(prompts, dtype=np.int64)).tolist()
+
+
+@dataclass
+class _SteadyStep:
+    """A packed decode step that the next one can advance (InputBatch._advance): every row
+    took one placeholder token, sampled, and had its id from the same row last step."""
+
+    layout: _Layout
+    ring: int  # its host ring buffer
+    requests: list[Request]  # its rows, the list returned as its sampling requests
+    sample_ends: np.ndarray  # [B] int64: each row's seq_len
 
 
 class InputBatch:
@@ -90,6 +108,8 @@ class InputBatch:
         self._last: tuple[_Layout, int] | None = None
         # Layouts by their counts, with their views of the device buffer (``_layout``).
         self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._steady: _SteadyStep | None = None  # the last step, where the next can advance it
+        self.advance_steady = ADVANCE_STEADY_DECODE
         self._allocate(self._capacity)
         # The runner's GPU timing of the next step (step stats), or None: the input copy and
         # the placeholder gather are its first stretch.
@@ -105,6 +125,7 @@ class InputBatch:
         self._device_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._capacity = nbytes
         self._layouts.clear()  # their views are of the old device buffer
+        self._steady = None  # its host buffer is gone
 
     def _layout(self, *counts: int) -> _Layout:
         """The layout of a step of these counts: made once, then reused with its device views
@@ -131,6 +152,18 @@ class InputBatch:
         # than one loop of appends), then numpy on the whole batch: no numpy array per request.
         scheduled = plan.scheduled
         requests = [s.request for s in scheduled]
+        steady = self._steady
+        self._steady = None  # set again below where this step can be advanced in turn
+        if (
+            steady is not None
+            and plan.decode_only
+            and prev_sampled is not None
+            and prev_sampling is steady.requests  # the runner's last step is that one
+            and requests == prev_sampling  # the same rows in the same order (identity, in C)
+        ):
+            advanced = self._advance(steady, plan, requests, prev_sampled)
+            if advanced is not None:
+                return advanced
         starts = [s.start for s in scheduled]
         lens = [s.num_new_tokens for s in scheduled]
         widths = [len(s.block_ids) for s in scheduled]
@@ -227,7 +260,51 @@ class InputBatch:
         sample_ends = seq_lens if sample_seqs is None else seq_lens[sample_seqs]
         # Every token is the one its row sampled last step, row for row (a steady decode).
         in_order = decode_only and gather_src is waiting and num_gather == num_seqs
+        if in_order and sample_seqs is None and self.advance_steady:
+            self._steady = _SteadyStep(layout, self._next, sampling, sample_ends)
         return self._upload(layout, host, prev_sampled, sampling, sample_ends, in_order)
+
+    def _advance(
+        self,
+        last: _SteadyStep,
+        plan: SchedulerOutput,
+        requests: list[Request],
+        prev_sampled: torch.Tensor,
+    ) -> PackedInputs | None:
+        """The step after ``last`` when it decodes the same rows: each row's position, length
+        and KV slot move on by one token, and a row whose token starts a new block takes the
+        block's id from its table (a block table only grows, by a block at a time, as its last
+        block fills). None where a table outgrows the last step's width (the layout changes):
+        then the step is packed in full. The ids and sampling rows are the last step's."""
+        layout, bs = last.layout, self.block_size
+        last_host = self._host[last.ring]
+        positions = layout.host_views(last_host)["positions"] + 1  # [B]
+        entering = np.flatnonzero(positions % bs == 0)  # rows whose token starts a block
+        cols = positions[entering] // bs  # that block's place in the row's table
+        scheduled = plan.scheduled
+        tables = [scheduled[row].block_ids for row in entering.tolist()]
+        # A table past the layout's width changes the layout; one without the new block would
+        # break the growth rule above (not seen; packed in full, whatever the cause).
+        wanted = zip(tables, cols.tolist(), strict=True)
+        if any(not col < len(table) <= layout.width for table, col in wanted):
+            return None
+        host = self._host_buffer(layout.nbytes)
+        if host is not last_host:  # a ring of one (no pinned memory) advances in place
+            host[: layout.nbytes] = last_host[: layout.nbytes]
+        view = layout.host_views(host)
+        view["positions"][:] = positions
+        view["seq_lens"] += 1
+        slots = view["slot_mapping"]
+        slots += 1
+        if tables:
+            block_tables = view["block_tables"].reshape(layout.counts[1], layout.width)
+            for row, table in zip(entering.tolist(), tables, strict=True):
+                block_tables[row, : len(table)] = table
+            slots[entering] = block_tables[entering, cols].astype(np.int64) * bs
+        self._last = layout, self._next
+        sample_ends = last.sample_ends + 1
+        self._steady = _SteadyStep(layout, self._next, requests, sample_ends)
+        return self._upload(layout, host, prev_sampled, requests, sample_ends, True)
 
     def last_step(self) -> tuple[tuple[int, ...], bytes]:
         """The last packed step as ``unpack`` rebuilds it on another tensor-parallel rank: its
@@ -242,6 +319,7 @@ class InputBatch:
     ) -> PackedInputs:
         """Another rank's ``last_step`` as this rank's device tensors (no sampling rows: only
         rank 0 samples)."""
+        self._steady = None  # the ring buffer written below may be the one it advances
         layout = self._layout(*counts)
         if len(data) != layout.nbytes:
             raise ValueError(f"a step of {len(data)} bytes for a layout of {layout.nbytes}")

@@ -165,6 +165,9 @@ class SchedulerOutput:
     # Positions in ``scheduled`` of prompt chunks whose logits score prompt tokens (requests that
     # asked for prompt logprobs); almost always empty.
     prompt_logprob_seqs: list[int] = field(default_factory=list)
+    # Set by the scheduler: every row computes one token and samples (a decode step), which
+    # lets the input batch advance the last step's inputs instead of packing anew.
+    decode_only: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

@@ -160,8 +160,12 @@ class Scheduler:
         # Right after a preemption the pool is full: admitting now would only thrash.
         if not output.preempted_ids:
             budget = self._schedule_waiting(output, budget)
-        if output.scheduled:
-            self._count_step(self.config.max_num_batched_tokens - budget)
+        scheduled = output.scheduled
+        if scheduled:
+            num_tokens = self.config.max_num_batched_tokens - budget
+            self._count_step(num_tokens)
+            # Every row has at least one token: as many tokens as rows is one each.
+            output.decode_only = num_tokens == len(scheduled) and all(s.samples for s in scheduled)
         return output
 
     def _count_step(self, num_tokens: int) -> None:

@@ -1,7 +1,7 @@
 """The engine process's host work per steady decode step, without a model: what it costs the
 busy loop to plan, pack, update and frame a step of B decoding requests.
 
-    python scripts/bench_host_step.py [--batch 64 256] [--steps 600] [--warmup 100]
+    python scripts/bench_host_step.py [--batch 64 256] [--steps 600] [--warmup 100] [--full-pack]
 
 Each batch size runs the engine's own code on this machine's CPU, with overlap on (placeholders
 and all): ``Scheduler.schedule`` (plan), ``InputBatch.pack`` on a CPU device (the host buffer
@@ -11,7 +11,9 @@ stops), and ``proc.step_frames`` plus the frames' ``encode`` (the STEP_OUTPUTS b
 the median microseconds of each phase per step and per request. The prompts are 128 tokens and
 every request has the same length, so the block tables grow in step, as in bench_decode.py's
 runs. On the GPU machine the same code takes this host's CPU; launch_host_probe.py
-(scripts/device) times the runner's launch with the GPU in the loop.
+(scripts/device) times the runner's launch with the GPU in the loop. ``--full-pack`` packs every
+step in full, where a steady decode step would advance the last one (InputBatch._advance): the
+A/B of that path, in the same process.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ MAX_MODEL_LEN = 8192
 class DecodeLoop:
     """B requests decoding in step through the scheduler, the input batch and the frames."""
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, advance: bool = True) -> None:
         config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=PROMPT_TOKENS * batch)
         blocks = batch * MAX_MODEL_LEN // config.block_size
         self.scheduler = Scheduler(config, blocks, MAX_MODEL_LEN, [0], async_scheduling=True)
@@ -53,6 +55,7 @@ class DecodeLoop:
             batch,
             MAX_MODEL_LEN // config.block_size,
         )
+        self.inputs.advance_steady = advance
         params = SamplingParams(max_tokens=MAX_MODEL_LEN - PROMPT_TOKENS, ignore_eos=True)
         self.requests = []
         for i in range(batch):
@@ -90,9 +93,9 @@ class DecodeLoop:
         return {"schedule": t1 - t0, "pack": t2 - t1, "update": t4 - t3, "frames": t5 - t4}
 
 
-def run(batch: int, steps: int, warmup: int) -> dict[str, float]:
+def run(batch: int, steps: int, warmup: int, advance: bool = True) -> dict[str, float]:
     """Median seconds of each phase over ``steps`` steady steps after ``warmup``."""
-    loop = DecodeLoop(batch)
+    loop = DecodeLoop(batch, advance)
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for i in range(warmup + steps):
         timed = loop.step()
@@ -107,11 +110,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=600, help="timed steps per batch size")
     parser.add_argument("--warmup", type=int, default=100, help="steps before the timed ones")
+    parser.add_argument(
+        "--full-pack",
+        action="store_true",
+        help="pack every step in full (no advancing of a steady decode step)",
+    )
     args = parser.parse_args()
     print("# python " + " ".join(sys.argv))
     print(f"{'batch':>6} {'phase':>9} {'us/step':>9} {'us/request':>11}")
     for batch in args.batch:
-        medians = run(batch, args.steps, args.warmup)
+        medians = run(batch, args.steps, args.warmup, advance=not args.full_pack)
         for phase in PHASES:
             us = medians[phase] * 1e6
             print(f"{batch:6d} {phase:>9} {us:9.1f} {us / batch:11.2f}")

@@ -3,13 +3,17 @@ holds the tokens its steps sampled, each at its own place, and its block table c
 
 from __future__ import annotations
 
+import pytest
+
 from engine_core.scheduler import PLACEHOLDER
 from tests.script_modules import load_script
 
 
-def test_decode_loop_gives_every_request_its_tokens_in_order() -> None:
+@pytest.mark.parametrize("advance", [True, False])
+def test_decode_loop_gives_every_request_its_tokens_in_order(advance: bool) -> None:
+    """Whether steady decode steps advance the last step's inputs or are packed in full."""
     bench = load_script("bench_host_step")
-    loop = bench.DecodeLoop(batch=6)
+    loop = bench.DecodeLoop(batch=6, advance=advance)
     for _ in range(40):  # past two 16-token block boundaries
         timed = loop.step()
         assert set(timed) == set(bench.PHASES)

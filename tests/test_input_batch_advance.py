@@ -1,0 +1,179 @@
+"""A steady decode step advances the last step's packed inputs (InputBatch._advance) instead of
+packing them anew. Driven by the real scheduler with overlap, through admissions, stops, aborts,
+preemptions and block boundaries, every step's inputs must equal both a full pack of the same
+plan (the same bytes) and a per-request construction from the plan itself."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine_core.config import EngineConfig
+from engine_core.input_batch import InputBatch, PackedInputs
+from engine_core.request import Request, SchedulerOutput
+from engine_core.scheduler import PLACEHOLDER, Scheduler
+from protocol.messages import SamplingParams
+
+BLOCK = 4
+MAX_SEQS = 6
+MAX_TOKENS = 64
+MAX_MODEL_LEN = 96
+STOP = 7  # a stop token some requests ask for; sampled now and then
+
+
+class TwoBatches:
+    """Two input batches packing the same plans, one advancing steady steps and one packing
+    every step in full, each with its own previous-step state as the runner keeps it."""
+
+    def __init__(self) -> None:
+        make = lambda: InputBatch(  # noqa: E731
+            torch.device("cpu"), BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK
+        )
+        self.fast, self.full = make(), make()
+        self.full.advance_steady = False
+        self.prev = {"fast": [], "full": []}
+        self.sampled: torch.Tensor | None = None
+        self.advanced = 0
+        original = self.fast._advance
+
+        def counted(*args: object) -> PackedInputs | None:
+            result = original(*args)  # type: ignore[arg-type]
+            self.advanced += result is not None
+            return result
+
+        self.fast._advance = counted  # type: ignore[method-assign]
+
+    def pack(self, plan: SchedulerOutput) -> PackedInputs:
+        fast = self.fast.pack(plan, self.prev["fast"], self.sampled)
+        full = self.full.pack(plan, self.prev["full"], self.sampled)
+        assert sections(self.fast) == sections(self.full)  # the same layout and contents
+        assert [id(r) for r in fast.sampling_requests] == [id(r) for r in full.sampling_requests]
+        np.testing.assert_array_equal(fast.sample_ends, full.sample_ends)
+        assert (fast.ids_from is None) == (full.ids_from is None)
+        assert fast.ids_from is None or fast.ids_from is self.sampled
+        assert fast.meta.seq_lens_cpu == full.meta.seq_lens_cpu
+        assert fast.meta.max_seq_len == full.meta.max_seq_len
+        self.prev = {"fast": fast.sampling_requests, "full": full.sampling_requests}
+        return fast
+
+
+def sections(batch: InputBatch) -> tuple[tuple[int, ...], dict[str, list[int]]]:
+    """The last packed step's layout counts and each section's values (the bytes between
+    sections, alignment padding, are never written)."""
+    counts, data = batch.last_step()
+    layout = batch._layout(*counts)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    return counts, {name: layout.host_view(buf, name).tolist() for name in layout.sections}
+
+
+def expected_inputs(plan: SchedulerOutput, sampled: torch.Tensor | None, prev: list) -> dict:
+    """The step's inputs built request by request from the plan (placeholders from the ids the
+    previous step sampled, found by request)."""
+    ids, positions, slots, seq_lens = [], [], [], []
+    width = max(len(s.block_ids) for s in plan.scheduled)
+    tables = np.zeros((len(plan.scheduled), width), dtype=np.int32)
+    prev_row = {id(r): i for i, r in enumerate(prev)}
+    for i, s in enumerate(plan.scheduled):
+        tables[i, : len(s.block_ids)] = list(s.block_ids)
+        for pos in range(s.start, s.start + s.num_new_tokens):
+            token = s.request.token_ids[pos]
+            if token == PLACEHOLDER:
+                assert sampled is not None
+                token = int(sampled[prev_row[id(s.request)]])
+            ids.append(token)
+            positions.append(pos)
+            slots.append(int(tables[i, pos // BLOCK]) * BLOCK + pos % BLOCK)
+        seq_lens.append(s.start + s.num_new_tokens)
+    return {"ids": ids, "positions": positions, "slots": slots, "tables": tables,
+            "seq_lens": seq_lens}  # fmt: skip
+
+
+def check_against_plan(packed: PackedInputs, plan: SchedulerOutput, expected: dict) -> None:
+    ids = packed.input_ids.clone()
+    if packed.ids_from is not None:
+        ids.copy_(packed.ids_from)  # what the forward does (model_runner.py _forward)
+    assert ids.tolist() == expected["ids"]
+    assert packed.positions.tolist() == expected["positions"]
+    assert packed.meta.slot_mapping.tolist() == expected["slots"]
+    np.testing.assert_array_equal(packed.meta.block_tables.numpy(), expected["tables"])
+    assert packed.meta.seq_lens.tolist() == expected["seq_lens"]
+    assert packed.sampling_requests == [s.request for s in plan.scheduled if s.samples]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_advanced_steps_equal_full_packs_and_the_plan(seed: int) -> None:
+    rng = random.Random(seed)
+    config = EngineConfig(
+        block_size=BLOCK, max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS
+    )
+    # A pool that cannot hold every request at full length: preemptions happen.
+    scheduler = Scheduler(config, 30, MAX_MODEL_LEN, [0], async_scheduling=True)
+    batches = TwoBatches()
+    in_flight: tuple[SchedulerOutput, list[int]] | None = None
+    names = iter(range(10**6))
+    steps = 0
+    for step in range(400):
+        if step < 300 and (not scheduler.has_unfinished() or rng.random() < 0.04):
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 60),
+                stop_token_ids=(STOP,) if rng.random() < 0.5 else (),
+                ignore_eos=True,
+            )
+            prompt = [rng.randrange(10, 100) for _ in range(rng.randrange(1, 24))]
+            scheduler.add_request(Request(f"r{next(names)}", prompt, params))
+        if rng.random() < 0.02 and scheduler.running:
+            scheduler.abort_requests([rng.choice(scheduler.running).request_id])
+        plan = scheduler.schedule()
+        if plan.is_empty:
+            previous, in_flight = in_flight, None
+            if previous is not None:
+                scheduler.update_from_output(*previous)
+            continue
+        expected = expected_inputs(plan, batches.sampled, batches.prev["fast"])
+        packed = batches.pack(plan)
+        check_against_plan(packed, plan, expected)
+        steps += 1
+        sampled = [STOP if rng.random() < 0.01 else rng.randrange(10, 100) for _ in
+                   packed.sampling_requests]  # fmt: skip
+        batches.sampled = torch.tensor(sampled, dtype=torch.int64) if sampled else None
+        previous, in_flight = in_flight, (plan, sampled)
+        if previous is not None:
+            scheduler.update_from_output(*previous)
+    assert steps > 200
+    # Most steps are steady decodes: the advance must have been taken, not only the full pack.
+    assert batches.advanced > steps // 3
+
+
+def test_a_step_is_packed_in_full_when_a_table_outgrows_the_layout() -> None:
+    """Rows that all enter a new block at once widen the block tables: that step is packed in
+    full (a new layout), and the steps after it advance again."""
+    config = EngineConfig(block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=MAX_TOKENS)
+    scheduler = Scheduler(config, 64, MAX_MODEL_LEN, [0], async_scheduling=True)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for name in ("a", "b"):  # the same length: their tables grow at the same step
+        scheduler.add_request(Request(name, [11, 12, 13], params))
+    batches = TwoBatches()
+    in_flight = None
+    widths, advanced = [], []
+    for _ in range(12):
+        plan = scheduler.schedule()
+        before = batches.advanced
+        expected = expected_inputs(plan, batches.sampled, batches.prev["fast"])
+        packed = batches.pack(plan)
+        check_against_plan(packed, plan, expected)
+        widths.append(packed.meta.block_tables.shape[1])
+        advanced.append(batches.advanced > before)
+        sampled = [50] * len(packed.sampling_requests)
+        batches.sampled = torch.tensor(sampled, dtype=torch.int64)
+        previous, in_flight = in_flight, (plan, sampled)
+        if previous is not None:
+            scheduler.update_from_output(*previous)
+    # Positions 2 (the prompt's last token), then 3, 4, ...: the tables widen at 4, 8, 12.
+    assert widths == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
+    # The prefill and the first decode (its ids gathered after a prefill) are packed in full,
+    # and so is each step that widens the tables.
+    assert advanced == [False, False, False, True, True, True, False, True, True, True, False,
+                        True]  # fmt: skip
