@@ -28,9 +28,10 @@ class TwoBatches:
     """Two input batches packing the same plans, one advancing steady steps and one packing
     every step in full, each with its own previous-step state as the runner keeps it."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
         make = lambda: InputBatch(  # noqa: E731
-            torch.device("cpu"), BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK
+            self.device, BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK
         )
         self.fast, self.full = make(), make()
         self.full.advance_steady = False
@@ -98,20 +99,32 @@ def check_against_plan(packed: PackedInputs, plan: SchedulerOutput, expected: di
     assert ids.tolist() == expected["ids"]
     assert packed.positions.tolist() == expected["positions"]
     assert packed.meta.slot_mapping.tolist() == expected["slots"]
-    np.testing.assert_array_equal(packed.meta.block_tables.numpy(), expected["tables"])
+    np.testing.assert_array_equal(packed.meta.block_tables.cpu().numpy(), expected["tables"])
     assert packed.meta.seq_lens.tolist() == expected["seq_lens"]
     assert packed.sampling_requests == [s.request for s in plan.scheduled if s.samples]
 
 
+ON_CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ],
+)
+
+
+# On CUDA the host buffers are pinned and used in a ring of three: a step advances another
+# buffer than the one it copies; on the CPU a ring of one advances in place.
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_advanced_steps_equal_full_packs_and_the_plan(seed: int) -> None:
+def test_advanced_steps_equal_full_packs_and_the_plan(seed: int, device: str) -> None:
     rng = random.Random(seed)
     config = EngineConfig(
         block_size=BLOCK, max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS
     )
     # A pool that cannot hold every request at full length: preemptions happen.
     scheduler = Scheduler(config, 30, MAX_MODEL_LEN, [0], async_scheduling=True)
-    batches = TwoBatches()
+    batches = TwoBatches(device)
     in_flight: tuple[SchedulerOutput, list[int]] | None = None
     names = iter(range(10**6))
     steps = 0
@@ -138,7 +151,9 @@ def test_advanced_steps_equal_full_packs_and_the_plan(seed: int) -> None:
         steps += 1
         sampled = [STOP if rng.random() < 0.01 else rng.randrange(10, 100) for _ in
                    packed.sampling_requests]  # fmt: skip
-        batches.sampled = torch.tensor(sampled, dtype=torch.int64) if sampled else None
+        batches.sampled = (
+            torch.tensor(sampled, dtype=torch.int64, device=batches.device) if sampled else None
+        )
         previous, in_flight = in_flight, (plan, sampled)
         if previous is not None:
             scheduler.update_from_output(*previous)
