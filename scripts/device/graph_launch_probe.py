@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_graph_ab import replay_us  # noqa: E402
 from launch_host_probe import decoding_engine  # noqa: E402
 
 from engine_core.triton_pdl import CHAIN_PDL  # noqa: E402
@@ -58,17 +59,6 @@ def queued_launch_us(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
     return times
 
 
-def gpu_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """GPU microseconds a replay, by CUDA events over ``replays`` back-to-back replays."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="preset (random weights)")
@@ -79,11 +69,13 @@ def main() -> None:
     for _ in range(30):  # the prefill and the first decode steps
         core.step()
     torch.cuda.synchronize()
-    graph = core.runner.graph_runner.graphs[args.batch]
+    runner = core.runner.graph_runner
+    assert runner is not None, "no CUDA graphs: run on the GPU"
+    graph = runner.graphs[runner._bucket[args.batch]]
     idle_launch_us(graph, 20)  # warm-up
     idle = idle_launch_us(graph, args.samples)
     queued = queued_launch_us(graph, args.samples)
-    gpu = gpu_us(graph, args.samples)
+    gpu = replay_us(core, args.batch, args.samples)
     head = queued[: min(8, len(queued))]
     print(f"{args.model} batch {args.batch} (PDL {'on' if CHAIN_PDL else 'off'}): "
           f"replay() on an idle GPU: median {statistics.median(idle):.1f} us, "
