@@ -1,7 +1,7 @@
 """A steady decode step advances the last step's packed inputs (InputBatch._advance) instead of
 packing them anew. Driven by the real scheduler with overlap, through admissions, stops, aborts,
 preemptions and block boundaries, every step's inputs must equal both a full pack of the same
-plan (the same bytes) and a per-request construction from the plan itself."""
+plan (every section of the host buffer) and a per-request construction from the plan itself."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ class TwoBatches:
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = torch.device(device)
-        make = lambda: InputBatch(  # noqa: E731
-            self.device, BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK
+        self.fast, self.full = (
+            InputBatch(self.device, BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK)
+            for _ in range(2)
         )
-        self.fast, self.full = make(), make()
         self.full.advance_steady = False
         self.prev = {"fast": [], "full": []}
         self.sampled: torch.Tensor | None = None
