@@ -69,11 +69,10 @@ class PackedInputs:
 
 @dataclass
 class _SteadyStep:
-    """A packed decode step that the next one can advance (InputBatch._advance): every row
-    took one placeholder token, sampled, and had its id from the same row last step."""
+    """The last packed step (its layout and ring buffer: InputBatch._last) where the next one
+    can advance it (InputBatch._advance): every row took one placeholder token, sampled, and
+    had its id from the same row last step."""
 
-    layout: _Layout
-    ring: int  # its host ring buffer
     requests: list[Request]  # its rows, the list returned as its sampling requests
     sample_ends: np.ndarray  # [B] int64: each row's seq_len
 
@@ -261,7 +260,7 @@ class InputBatch:
         # Every token is the one its row sampled last step, row for row (a steady decode).
         in_order = decode_only and gather_src is waiting and num_gather == num_seqs
         if in_order and sample_seqs is None and self.advance_steady:
-            self._steady = _SteadyStep(layout, self._next, sampling, sample_ends)
+            self._steady = _SteadyStep(sampling, sample_ends)
         return self._upload(layout, host, prev_sampled, sampling, sample_ends, in_order)
 
     def _advance(
@@ -276,8 +275,10 @@ class InputBatch:
         block's id from its table (a block table only grows, by a block at a time, as its last
         block fills). None where a table outgrows the last step's width (the layout changes):
         then the step is packed in full. The ids and sampling rows are the last step's."""
-        layout, bs = last.layout, self.block_size
-        last_host = self._host[last.ring]
+        assert self._last is not None, "a steady step is always the last one packed"
+        layout, ring = self._last
+        bs = self.block_size
+        last_host = self._host[ring]
         positions = layout.host_views(last_host)["positions"] + 1  # [B]
         entering = np.flatnonzero(positions % bs == 0)  # rows whose token starts a block
         cols = positions[entering] // bs  # that block's place in the row's table
@@ -303,7 +304,7 @@ class InputBatch:
             slots[entering] = block_tables[entering, cols].astype(np.int64) * bs
         self._last = layout, self._next
         sample_ends = last.sample_ends + 1
-        self._steady = _SteadyStep(layout, self._next, requests, sample_ends)
+        self._steady = _SteadyStep(requests, sample_ends)
         return self._upload(layout, host, prev_sampled, requests, sample_ends, True)
 
     def last_step(self) -> tuple[tuple[int, ...], bytes]:
