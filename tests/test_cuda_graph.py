@@ -498,6 +498,44 @@ def test_chunked_and_cached_prefills_through_graphs_equal_hf(tmp_path: Path) -> 
 
 @pytest.mark.gpu
 @requires_cuda
+def test_nothing_compiles_mid_serving_as_contexts_and_batches_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a workload has run, another with the same features at other sizes compiles no Triton
+    kernel: decode past 16 blocks of context (block tables 16 wide, whose row stride Triton
+    would specialize as a multiple of 16), batches shrinking to one row, prompts of new lengths.
+    A compilation there stalls every running request (85-104 ms on an H100 with an empty Triton
+    cache, the first time a context passed 240 tokens)."""
+    import triton
+
+    from protocol.messages import SamplingParams
+    from tests.factories import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path)
+    llm = tiny_llm_on_cuda(model_dir)
+    rng = random.Random(3)
+
+    def workload(lengths: tuple[int, ...], max_tokens: tuple[int, ...]) -> None:
+        prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in lengths]
+        kinds = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1}, {"logprobs": 2}]
+        params = [
+            SamplingParams(max_tokens=m, ignore_eos=True, **kinds[i % len(kinds)])
+            for i, m in enumerate(max_tokens)
+        ]
+        llm.generate(prompts, params, detokenize=False)
+
+    workload((40, 50, 60), (8, 8, 8))  # the warm-up: tables 3 to 5 blocks wide, 3 rows
+    compiled: list[str] = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_cache_hook", lambda **kw: compiled.append(kw["repr"])
+    )
+    # Contexts from 20 to 300 tokens (tables 2 to 19 blocks wide); the requests end one by one.
+    workload((20, 33, 47, 70, 90), (280, 200, 150, 100, 60))
+    assert compiled == []
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_sampled_penalized_and_logprob_rows_through_decode_graphs_equal_eager(
     tmp_path: Path,
 ) -> None:

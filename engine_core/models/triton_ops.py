@@ -188,9 +188,10 @@ def _peer_sum_args(x: torch.Tensor, peer: PeerSumArgs | None) -> dict[str, Any]:
     )  # fmt: skip
 
 
-# n and width change from step to step: specialized, their values 1 and multiples of 16 would
-# each compile a variant mid-serving.
-@triton.jit(do_not_specialize=["n", "width"])
+# n and width change from step to step, and so does the tables' row stride (their width):
+# specialized, their values 1 and multiples of 16 would each compile a variant mid-serving (the
+# first step past 240 tokens of context stalled 85 ms on an H100, with an empty Triton cache).
+@triton.jit(do_not_specialize=["n", "width", "stride_t"])
 def _stage_decode_kernel(
     Ids, Pos, Slots, SeqLens, Tables, DIds, DPos, DSlots, DSeqLens, DTables,
     n, width, stride_t, stride_dt, BLOCK_W: tl.constexpr,
