@@ -63,7 +63,11 @@ def _block_rows(
     return expert, slots
 
 
-@triton.jit
+# The slot count (tokens x top-k) changes from step to step: specialized, a count that is a
+# multiple of 16 and one that is not would each compile a variant, the second in the middle of
+# serving. qwen3-30b-a3b on an H100: an eager prefill of an odd token count after the warm-up
+# built both kernels again and stalled every running request 1.2 s (docs/benchmarks.md).
+@triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
     X,  # [T, H]
     W13,  # [E, 2*I, H]
@@ -118,7 +122,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, act.to(Act.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # as _gate_up_kernel
 def _down_kernel(
     Act,  # [S, I]
     W2,  # [E, H, I]
@@ -341,7 +345,7 @@ def _combine_kernel(
     tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_rows"])  # as _gate_up_kernel
 def _align_kernel(
     TopkIds,  # [S] expert of each slot
     SortedSlots,  # [R] out

@@ -1,15 +1,16 @@
 """Triton compilations after a warm-up, and the steps that took far longer than the median, in
 an in-process engine on the GPU machine (issue 17: what stalls a running batch):
 
-    python scripts/device/compile_watch.py [--model smollm2-135m]
+    python scripts/device/compile_watch.py [--model smollm2-135m] [--batch 64]
 
 A compilation mid-serving stalls every running request for as long as it takes (85-104 ms for
 a small kernel on an H100 with an empty Triton cache, 2-3 ms to load it from a warm one). The
 engine (bench_decode.py's configuration, random weights, CUDA graphs) runs the decode
-benchmark's warm-up (64 prompts of 128 tokens, 16 tokens out). Then, with Triton's
+benchmark's warm-up (``--batch`` prompts of 128 tokens, 16 tokens out). Then, with Triton's
 ``jit_cache_hook`` recording every kernel it has to build, three phases of new sizes:
 
-- decode: 64 prompts of 128 tokens to 728 tokens of context (block tables 9 to 46 wide);
+- decode: ``--batch`` prompts of 128 tokens to 728 tokens of context (block tables 9 to 46
+  wide);
 - mixed prompts: 48 prompts of 1 to 3,000 tokens (prefill graphs, eager and chunked prefills),
   greedy and sampled, 1 to 40 tokens out;
 - cached prompts: 16 of them again (prefix-cache hits).
@@ -93,6 +94,7 @@ def prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="preset (random weights)")
+    parser.add_argument("--batch", type=int, default=64, help="requests decoding together")
     args = parser.parse_args(argv)
     print("# python " + " ".join([sys.argv[0], *argv]), flush=True)
     log = CompileLog()
@@ -100,18 +102,18 @@ def main(argv: list[str]) -> int:
     gc.callbacks.append(log.on_gc)
     options = bench_decode.parse_args(["--models", args.model, "--no-hf", "--no-profile"])
     config = bench_decode.engine_config(
-        args.model, bench_decode.Workload(64, 128, 700, 0), "cuda", False, options.overlap
+        args.model, bench_decode.Workload(args.batch, 128, 700, 0), "cuda", False, options.overlap
     )
     core = EngineCore(config)
     vocab = core.model_config.vocab_size
     print(f"start-up: {len(log.entries)} compilations")
     rng = random.Random(5)
     with bench_decode.serving_collector():
-        warmup = bench_decode.Workload(64, 128, 256, 0).shorter(16, seed=1)
+        warmup = bench_decode.Workload(args.batch, 128, 256, 0).shorter(16, seed=1)
         bench_decode.run_inproc(core, warmup, vocab, "warmup")
         warm = len(log.entries)
         decode = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
-        batch = prompts(rng, vocab, [128] * 64)
+        batch = prompts(rng, vocab, [128] * args.batch)
         drive(core, log, "decode", [Request(f"d{i}", p, decode) for i, p in enumerate(batch)])
         lengths = [1, 15, 16, 17, 100, 255, 256, 257, 1000, 2047, 2048, 2049, 3000]
         mixed = []
