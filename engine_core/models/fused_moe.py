@@ -65,9 +65,9 @@ def _block_rows(
 
 # The slot count (tokens x top-k) changes from step to step: specialized, a count that is a
 # multiple of 16 and one that is not would each compile a variant, the second in the middle of
-# serving. qwen3-30b-a3b on an H100: an eager prefill of an odd token count after the warm-up
-# built a second variant of both kernels and stalled every running request 1.2 s
-# (docs/benchmarks.md).
+# serving. qwen3-30b-a3b on an H100: after the warm-up, an eager prefill whose slot count was
+# not a multiple of 16 (every prefill graph's is) built a second variant of both kernels and
+# stalled every running request 1.2 s (docs/benchmarks.md).
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
     X,  # [T, H]
