@@ -2,6 +2,7 @@
 an in-process engine on the GPU machine (issue 17: what stalls a running batch):
 
     python scripts/device/compile_watch.py [--model smollm2-135m] [--batch 64]
+        [--quantization fp8] [--kv-cache-dtype fp8]
 
 A compilation mid-serving stalls every running request for as long as it takes (85-104 ms for
 a small kernel on an H100 with an empty Triton cache, 2-3 ms to load it from a warm one). The
@@ -22,6 +23,7 @@ garbage collections of 1 ms or more, then every compilation with its phase and s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import random
@@ -95,14 +97,24 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="preset (random weights)")
     parser.add_argument("--batch", type=int, default=64, help="requests decoding together")
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="weights in FP8")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = parser.parse_args(argv)
     print("# python " + " ".join([sys.argv[0], *argv]), flush=True)
     log = CompileLog()
     triton.knobs.runtime.jit_cache_hook = log.hook
     gc.callbacks.append(log.on_gc)
     options = bench_decode.parse_args(["--models", args.model, "--no-hf", "--no-profile"])
-    config = bench_decode.engine_config(
-        args.model, bench_decode.Workload(args.batch, 128, 700, 0), "cuda", False, options.overlap
+    config = dataclasses.replace(
+        bench_decode.engine_config(
+            args.model,
+            bench_decode.Workload(args.batch, 128, 700, 0),
+            "cuda",
+            False,
+            options.overlap,
+        ),
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     core = EngineCore(config)
     vocab = core.model_config.vocab_size
