@@ -242,7 +242,11 @@ def fp8_skinny_gemm(
     return skinny_gemm(a, w, out_dtype, a_scale, w_scale, bias, **launch)  # type: ignore[arg-type]
 
 
-@triton.jit
+# M, the step's tokens, changes from step to step: specialized, a count that is a multiple of 16
+# (every prefill graph's) and one that is not would each compile a variant, the second at the
+# first eager prefill of such a count, in the middle of serving (as the fused MoE kernels' slot
+# count did: docs/benchmarks.md, twenty-fifth session).
+@triton.jit(do_not_specialize=["M"])
 def _block_gemm_kernel(
     A,
     B,
