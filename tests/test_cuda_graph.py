@@ -432,14 +432,16 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
     return outputs
 
 
-def tiny_llm_on_cuda(model_dir: Path, enforce_eager: bool = False, **options: Any) -> LLM:
-    """An offline engine over a tiny test model on CUDA: float32, 8 sequences at most, 128
-    blocks of 16 tokens, and ``options`` (more engine arguments)."""
+def tiny_llm_on_cuda(
+    model_dir: Path, enforce_eager: bool = False, device: str = "cuda", **options: Any
+) -> LLM:
+    """An offline engine over a tiny test model on CUDA (or ``device``): float32, 8 sequences
+    at most, 128 blocks of 16 tokens, and ``options`` (more engine arguments)."""
     from engine_core.llm import LLM
 
     return LLM(
         str(model_dir),
-        device="cuda",
+        device=device,
         dtype="float32",
         block_size=16,
         num_kv_blocks=128,
@@ -509,47 +511,100 @@ def write_tiny_qwen3_moe(path: Path, vocab_size: int = 384) -> Path:
     return path
 
 
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("architecture", ["llama", "qwen3_moe"])
-def test_nothing_compiles_mid_serving_as_contexts_and_batches_change(
-    architecture: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Once a workload has run, another with the same features at other sizes compiles no Triton
-    kernel: an eager prefill of another token count (prefill graphs up to 32 tokens only),
-    decode past 16 blocks of context (block tables 16 wide, whose row stride Triton would
-    specialize as a multiple of 16), batches shrinking to one row. A compilation there stalls
-    every running request: 85-116 ms on an H100 with an empty Triton cache for the decode
-    inputs' launch, 1.2 s for qwen3-30b-a3b's expert kernels (docs/benchmarks.md)."""
-    import triton
+SECOND_WORKLOAD_TOKENS = 280 + 200 + 150 + 100 + 60  # compiled_after_warm_up's, EOS ignored
 
+
+def compiled_after_warm_up(
+    architecture: str, model_dir: Path, device: str
+) -> tuple[list[str], int]:
+    """The Triton kernels this process builds for a second workload, and the tokens it
+    generates, after a warm-up workload with the same features at other sizes: an eager
+    prefill of another token count (prefill graphs up to 32 tokens only), decode past 16
+    blocks of context (block tables 16 wide, whose row stride Triton would specialize as a
+    multiple of 16), batches shrinking to one row.
+    Run in a fresh process (see the test): a variant some earlier work in the process built
+    would not show. On the CPU (no Triton there) it only runs the workloads."""
     from protocol.messages import SamplingParams
     from tests.factories import write_tiny_llama
 
     write = write_tiny_llama if architecture == "llama" else write_tiny_qwen3_moe
-    llm = tiny_llm_on_cuda(write(tmp_path), max_prefill_graph_tokens=32)
+    llm = tiny_llm_on_cuda(write(model_dir), device=device, max_prefill_graph_tokens=32)
     rng = random.Random(3)
 
-    def workload(lengths: tuple[int, ...], max_tokens: tuple[int, ...]) -> None:
+    def workload(lengths: tuple[int, ...], max_tokens: tuple[int, ...]) -> int:
         prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in lengths]
         kinds = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1}, {"logprobs": 2}]
         params = [
             SamplingParams(max_tokens=m, ignore_eos=True, **kinds[i % len(kinds)])
             for i, m in enumerate(max_tokens)
         ]
-        llm.generate(prompts, params, detokenize=False)
+        return sum(len(o.token_ids) for o in llm.generate(prompts, params, detokenize=False))
 
     # The warm-up: one eager prefill of 150 tokens (300 expert slots), then 3 rows decoding
     # with tables 3 to 5 blocks wide.
     workload((40, 50, 60), (8, 8, 8))
     compiled: list[str] = []
-    monkeypatch.setattr(
-        triton.knobs.runtime, "jit_cache_hook", lambda **kw: compiled.append(kw["repr"])
-    )
+    if device != "cpu":
+        import triton
+
+        triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["repr"])
     # An eager prefill of 248 tokens (496 slots: a multiple of 16; with 8 experts the same
-    # expert tiles as 300), then contexts up to 300 tokens (tables 2 to 19 blocks wide), the
-    # requests ending one by one.
-    workload((20, 33, 47, 70, 78), (280, 200, 150, 100, 60))
+    # expert tiles and grouping block as 300), then contexts up to 300 tokens (tables 2 to 19
+    # blocks wide), the requests ending one by one.
+    tokens = workload((20, 33, 47, 70, 78), (280, 200, 150, 100, 60))
+    return compiled, tokens
+
+
+def _compiled_after_warm_up_main() -> None:
+    """Child process entry: compiled_after_warm_up(*argv) as JSON on stdout's last line."""
+    import json
+    import sys
+
+    architecture, model_dir, device = sys.argv[1:4]
+    print(json.dumps(compiled_after_warm_up(architecture, Path(model_dir), device)))
+
+
+def compiled_in_a_fresh_process(
+    architecture: str, model_dir: Path, device: str
+) -> tuple[list[str], int]:
+    import json
+    import subprocess
+    import sys
+
+    code = "from tests.test_cuda_graph import _compiled_after_warm_up_main as m; m()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, architecture, str(model_dir), device],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled, tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    return compiled, tokens
+
+
+def test_the_no_compile_check_runs_its_workloads_in_a_child_process(tmp_path: Path) -> None:
+    """The plumbing of the GPU test below, on the CPU (no Triton kernel runs there): the child
+    builds the model, runs both workloads to the end and answers in JSON."""
+    assert compiled_in_a_fresh_process("llama", tmp_path, "cpu") == ([], SECOND_WORKLOAD_TOKENS)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("architecture", ["llama", "qwen3_moe"])
+def test_nothing_compiles_mid_serving_as_contexts_and_batches_change(
+    architecture: str, tmp_path: Path
+) -> None:
+    """Once a workload has run, another with the same features at other sizes compiles no
+    Triton kernel (compiled_after_warm_up says which sizes). A compilation there stalls every
+    running request: 85-116 ms on an H100 with an empty Triton cache for the decode inputs'
+    launch, 1.2 s for qwen3-30b-a3b's expert kernels (docs/benchmarks.md). In a fresh process,
+    since a variant an earlier test built (test_graph_replay_equals_eager's tables reach 32
+    blocks) would hide one the serving path needs."""
+    compiled, tokens = compiled_in_a_fresh_process(architecture, tmp_path, "cuda")
+    assert tokens == SECOND_WORKLOAD_TOKENS  # the workload ran to the end
     assert compiled == []
 
 

@@ -20,7 +20,8 @@ kill $sampler
 python3 - "$csv" "$LABEL" <<'PY'
 import statistics, sys
 rows = [[f.strip() for f in line.split(",")] for line in open(sys.argv[1]) if line.strip()]
-busy = [r for r in rows if r[0].isdigit() and int(r[0]) >= 90]
+# The sampler is killed mid-line at the end: a short last row is skipped.
+busy = [r for r in rows if len(r) >= 6 and r[0].isdigit() and int(r[0]) >= 90]
 if not busy:
     sys.exit(f"{sys.argv[2]}: no busy samples among {len(rows)}")
 clock = [float(r[1]) for r in busy]
