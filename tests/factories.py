@@ -47,6 +47,25 @@ def write_tiny_llama(
     return path
 
 
+def write_tiny_qwen3_moe(path: Path, *, vocab_size: int = 384, head_dim: int = 16) -> Path:
+    """A 2-layer random Qwen3-MoE with GQA: 8 experts, 2 a token, top-k weights renormalised,
+    its head scaled as write_tiny_llama's."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return path
+
+
 def tiny_hf_sizes(vocab_size: int) -> dict[str, Any]:
     """Config fields of a 2-layer GQA model small enough to compare with HF in a second; no
     special token ids, so neither side stops early."""

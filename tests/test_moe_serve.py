@@ -10,9 +10,9 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.factories import copy_tokenizer
+from tests.factories import copy_tokenizer, write_tiny_qwen3_moe
 from tests.server_fixture import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -21,24 +21,11 @@ NEW_TOKENS = 24
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Mixture of experts models route"]
 
 
-def write_tiny_qwen3_moe(path: Path, default_model_dir: Path) -> Path:
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    model = Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():  # well-separated greedy choices (see tests/factories.py)
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(path)
-    return copy_tokenizer(default_model_dir, path)
-
-
 @pytest.fixture(scope="module")
 def moe_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"), default_model_dir)
+    """The default model's vocabulary and tokenizer, so prompts are text."""
+    path = write_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"), vocab_size=49152)
+    return copy_tokenizer(default_model_dir, path)
 
 
 @pytest.fixture(scope="module")
