@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_decode  # noqa: E402
 
+from engine_core.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
 from engine_core.request import Request  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
@@ -97,22 +98,18 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="preset (random weights)")
     parser.add_argument("--batch", type=int, default=64, help="requests decoding together")
-    parser.add_argument("--quantization", choices=["fp8"], default=None, help="weights in FP8")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATION_METHODS, default=None, help="weights in FP8"
+    )
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     args = parser.parse_args(argv)
     print("# python " + " ".join([sys.argv[0], *argv]), flush=True)
     log = CompileLog()
     triton.knobs.runtime.jit_cache_hook = log.hook
     gc.callbacks.append(log.on_gc)
-    options = bench_decode.parse_args(["--models", args.model, "--no-hf", "--no-profile"])
+    work = bench_decode.Workload(args.batch, 128, 700, 0)
     config = dataclasses.replace(
-        bench_decode.engine_config(
-            args.model,
-            bench_decode.Workload(args.batch, 128, 700, 0),
-            "cuda",
-            False,
-            options.overlap,
-        ),
+        bench_decode.engine_config(args.model, work, "cuda", enforce_eager=False),
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
     )

@@ -136,12 +136,18 @@ def engine_at_context(model: str, batch: int, context: int) -> EngineCore:
     return core
 
 
+def decode_graph(core: EngineCore, batch: int) -> torch.cuda.CUDAGraph:
+    """The engine's decode graph for ``batch`` rows (also power_cap_probe.py's and
+    graph_launch_probe.py's)."""
+    runner = core.runner.graph_runner
+    assert runner is not None, "no CUDA graphs: run on the GPU"
+    return runner.graphs[runner._bucket[batch]]
+
+
 def replay_us(core: EngineCore, batch: int, replays: int) -> float:
     """Microseconds per replay of the engine's decode graph for ``batch`` rows, on the inputs
     its last step staged (each replay rewrites the same cache slots with the same values)."""
-    runner = core.runner.graph_runner
-    assert runner is not None, "no CUDA graphs: run on the GPU"
-    graph = runner.graphs[runner._bucket[batch]]
+    graph = decode_graph(core, batch)
     graph.replay()  # warm
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()

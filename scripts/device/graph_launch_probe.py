@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_graph_ab import replay_us  # noqa: E402
+from decode_graph_ab import decode_graph, replay_us  # noqa: E402
 from launch_host_probe import decoding_engine  # noqa: E402
 
 from engine_core.triton_pdl import CHAIN_PDL  # noqa: E402
@@ -69,9 +69,7 @@ def main() -> None:
     for _ in range(30):  # the prefill and the first decode steps
         core.step()
     torch.cuda.synchronize()
-    runner = core.runner.graph_runner
-    assert runner is not None, "no CUDA graphs: run on the GPU"
-    graph = runner.graphs[runner._bucket[args.batch]]
+    graph = decode_graph(core, args.batch)
     idle_launch_us(graph, 20)  # warm-up
     idle = idle_launch_us(graph, args.samples)
     queued = queued_launch_us(graph, args.samples)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import Workload, measure_hbm_bandwidth, roofline  # noqa: E402
-from decode_graph_ab import engine_at_context  # noqa: E402
+from decode_graph_ab import decode_graph, engine_at_context  # noqa: E402
 
 FIELDS = "clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap"
 
@@ -109,9 +109,7 @@ def main(argv: list[str]) -> int:
     _, step_bytes, _ = roofline(args.model, Workload(args.batch, args.context, 0, 0), bandwidth)
     roof_ms = 1e3 * step_bytes / bandwidth
     core = engine_at_context(args.model, args.batch, args.context)
-    runner = core.runner.graph_runner
-    assert runner is not None, "no CUDA graphs: run on the GPU"
-    graph = runner.graphs[runner._bucket[args.batch]]
+    graph = decode_graph(core, args.batch)
     graph.replay()
     torch.cuda.synchronize()
     head = f"{args.model} batch {args.batch} context ~{args.context}"
