@@ -15,6 +15,7 @@ for the next step, whose rows that wait on one of its ids (placeholders) gather 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -39,6 +40,7 @@ from engine_core.models.llama import (
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
+from engine_core.warm_up import warm_up_plan
 from protocol.messages import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -199,6 +201,10 @@ class ModelRunner:
         # microseconds a step).
         self._stream = torch.cuda.current_stream(self.device) if self._on_cuda else None
         self._last_gpu_end: torch.cuda.Event | None = None
+        # Tensor-parallel ranks are left out: rank 0's steps reach the others through the step
+        # channel (engine_core/tp_runner.py), which their start-up has not opened yet.
+        if self._on_cuda and config.tensor_parallel_size == 1:
+            self.warm_up()
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -257,6 +263,38 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Release what outlives the object (tensor-parallel workers); nothing here."""
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run one dummy step through the paths a first request would load and build on its
+        own time (engine_core/warm_up.py), with a sampler of its own: the engine's seeded
+        generator draws nothing for it."""
+        started = time.perf_counter()
+        mc = self.model_config
+        plan = warm_up_plan(
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+            self.num_kv_blocks,
+            mc.vocab_size,
+        )
+        words = -(-mc.vocab_size // 32)
+
+        def allow_all(rows: list[Request]) -> torch.Tensor:
+            return torch.full((len(rows), words), -1, dtype=torch.int32)  # every bit set
+
+        sampler, self.sampler = self.sampler, Sampler(mc.eos_token_ids, mc.vocab_size, seed=0)
+        try:
+            self.collect(self.launch(plan, masks=allow_all))
+        finally:
+            self.sampler = sampler
+            self._prev_sampled, self._prev_sampling = None, []
+        logger.info(
+            "warm-up step of %d tokens in %.0f ms",
+            plan.num_batched_tokens,
+            1e3 * (time.perf_counter() - started),
+        )
 
     # ---- CUDA graphs (engine_core/cuda_graph.py) -----------------------------------------------
 
