@@ -201,8 +201,8 @@ class ModelRunner:
         # microseconds a step).
         self._stream = torch.cuda.current_stream(self.device) if self._on_cuda else None
         self._last_gpu_end: torch.cuda.Event | None = None
-        # Tensor-parallel ranks are left out: rank 0's steps reach the others through the step
-        # channel (engine_core/tp_runner.py), which their start-up has not opened yet.
+        # Under tensor parallelism rank 0 warms up once its step channel to the other ranks is
+        # open, and they follow (engine_core/tp_runner.py).
         if self._on_cuda and config.tensor_parallel_size == 1:
             self.warm_up()
 

@@ -164,6 +164,8 @@ class TPModelRunner(_ShardedRunner):
         args = (weakref.ref(self), self.channel, self.workers, self.watch)
         self._finalizer = weakref.finalize(self, shut_down, *args)
         logger.info("tensor parallel over %d ranks (pids %s)", size, [p.pid for p in self.workers])
+        if self._on_cuda:
+            self.warm_up()  # through the channel: the workers follow it as any step
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         inputs = super().prepare_inputs(out)

@@ -1,11 +1,11 @@
 """The start-up step that a first request would otherwise pay for (CUDA).
 
-The first time a process runs a torch kernel, CUDA loads its module (lazy loading, CUDA's
-default), and the first eager step of a size no graph covers builds Triton variants and grows the
-caching allocator. Measured on an H100 (docs/benchmarks.md, twenty-sixth session): the first
-3,000-token prompt after start-up took 45.6 ms to its first token on smollm2-135m where the next
-took 8.7, and 58.7 ms on llama-1b where the next took 19.5; most of it was the eager tail's
-``index``, ``mm`` and ``argmax`` on their first call.
+The first time a process runs a torch kernel, CUDA loads it (lazy loading, CUDA's default); the
+first step of the largest size grows the caching allocator; the first eager step of a size tier
+builds the MoE kernels' variant for it. Measured on an H100 (docs/benchmarks.md, twenty-sixth
+session): the first 3,000-token prompt after start-up took 27-28 ms to its first token on
+smollm2-135m where the next took 8-11, and 45-55 ms on llama-1b where the next took 15-17; a
+profile put most of it in the first calls of the eager tail's ``index``, ``argmax`` and ``mm``.
 
 So the runner runs one dummy step before it serves (``warm_up_plan``): prompts that fill the
 step budget (the largest step the scheduler can plan, eager where the prefill graphs stop short

@@ -160,6 +160,38 @@ def test_tp2_scores_prompt_tokens_like_tp1(tmp_path: Path) -> None:
     torch.testing.assert_close(flat2, flat1, atol=1e-4, rtol=0)
 
 
+def test_tp2_warm_up_changes_no_later_token(tmp_path: Path) -> None:
+    """The start-up warm-up step (engine_core/warm_up.py), which rank 0 runs on CUDA once its
+    step channel is open: the worker follows it as any step, and greedy, sampled and
+    prompt-logprob outputs after it are those of an engine that never ran it. Called by hand:
+    on the CPU no runner runs it."""
+    write_model("llama", tmp_path)
+    params = [
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True, prompt_logprobs=1),
+        SamplingParams(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+    ]
+
+    def outputs(warm_up: bool) -> list[tuple[object, ...]]:
+        llm = LLM(
+            str(tmp_path),
+            tensor_parallel_size=2,
+            max_num_batched_tokens=64,  # the warm-up: both sampler rows and a greedy one
+            max_num_seqs=16,
+            **ENGINE_ARGS,
+        )
+        try:
+            if warm_up:
+                llm.engine.runner.warm_up()
+            outs = llm.generate(PROMPTS, params, detokenize=False)
+        finally:
+            llm.engine.shutdown()
+        return [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs]
+
+    assert outputs(warm_up=True) == outputs(warm_up=False)
+
+
 def test_tp1_builds_the_plain_layers(tmp_path: Path) -> None:
     """TP=1 keeps the single-process path: plain torch layers, no collective anywhere."""
     write_model("llama", tmp_path)

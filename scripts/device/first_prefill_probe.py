@@ -3,7 +3,7 @@ in-process engine configured as ``tandem serve`` configures it (issue 17: the fi
 prompts after start-up took 50-250 ms steps where later ones took a few):
 
     python scripts/device/first_prefill_probe.py [--model smollm2-135m]
-        [--lengths 3000,3000,2048,2048,...] [--profile]
+        [--lengths 3000,3000,2048,2048,...] [--profile] [--tensor-parallel-size 2]
 
 Each length runs as one request of fresh random tokens (no prefix-cache hit) with one token out;
 the figure is the time from ``add_request`` until the request finished (its first token, in
@@ -65,13 +65,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="preset (random weights)")
     parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt lengths, in order")
     parser.add_argument("--profile", action="store_true", help="profile the first prefill")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs for the model")
     args = parser.parse_args(argv)
     loading = os.environ.get("CUDA_MODULE_LOADING", "(unset: lazy)")
     print(f"# python {' '.join([sys.argv[0], *argv])}  CUDA_MODULE_LOADING={loading}", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     max_len = min(16384, PRESETS[args.model].max_position_embeddings)
     start = time.perf_counter()
-    core = EngineCore(EngineConfig(model=f"random:{args.model}", max_model_len=max_len))
+    config = EngineConfig(
+        model=f"random:{args.model}",
+        max_model_len=max_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    core = EngineCore(config)
     print(f"start-up {time.perf_counter() - start:.1f} s", flush=True)
     rng = random.Random(7)
     budget = core.config.max_num_batched_tokens
