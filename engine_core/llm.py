@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         llm = LLM(**vars(config))
-    except ModelTooLargeError as exc:  # refused before loading (engine_core/memory_plan.py)
+    except ModelTooLargeError as exc:  # refused at start-up (memory_plan.py, warm_up.py)
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
     prompts: list = [chat_ids(llm, p) if args.chat else p for p in args.prompt]

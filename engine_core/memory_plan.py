@@ -42,7 +42,8 @@ MEMINFO = Path("/proc/meminfo")
 
 
 class ModelTooLargeError(ValueError):
-    """The model and its minimum KV cache do not fit the memory budget; the message says why."""
+    """The model and its minimum KV cache do not fit the memory budget, or the largest step does
+    not fit beside them (engine_core/warm_up.py); the message says why."""
 
 
 @dataclass(frozen=True)

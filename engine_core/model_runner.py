@@ -29,7 +29,12 @@ from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.loader import load_model
-from engine_core.memory_plan import CUDA_HEADROOM_BYTES, check_memory, kv_block_bytes
+from engine_core.memory_plan import (
+    CUDA_HEADROOM_BYTES,
+    ModelTooLargeError,
+    check_memory,
+    kv_block_bytes,
+)
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.layers import pack_cpu_weights
 from engine_core.models.llama import (
@@ -287,6 +292,14 @@ class ModelRunner:
         sampler, self.sampler = self.sampler, Sampler(mc.eos_token_ids, mc.vocab_size, seed=0)
         try:
             self.collect(self.launch(plan, masks=allow_all))
+        except torch.cuda.OutOfMemoryError as exc:
+            # A step this large would fail the same way in the middle of serving.
+            raise ModelTooLargeError(
+                f"a step of {plan.num_batched_tokens} tokens (--max-num-batched-tokens "
+                f"{self.config.max_num_batched_tokens}) runs out of GPU memory beside the model "
+                "and its KV cache; try a smaller --max-num-batched-tokens, a lower "
+                "--gpu-memory-utilization or a smaller --num-kv-blocks"
+            ) from exc
         finally:
             self.sampler = sampler
             self._prev_sampled, self._prev_sampling = None, []

@@ -500,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         proc = EngineProc(config, address, curve, args.parent_pid)
-    except ModelTooLargeError as exc:  # before anything was allocated: the sizes say it all
+    except ModelTooLargeError as exc:  # at start-up: the message names the sizes and flags
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
     _stop_on_signals(proc)

@@ -12,8 +12,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_core.llm import LLM
+from engine_core.memory_plan import ModelTooLargeError
 from engine_core.warm_up import EVERY_SAMPLER_STAGE, SEEDED, warm_up_plan
 from protocol.messages import SamplingParams
 from tests.factories import write_tiny_llama
@@ -97,3 +99,23 @@ def test_warm_up_changes_no_later_token(tiny_llama: Path) -> None:
         return [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outputs]
 
     assert generate(warm_up=True) == generate(warm_up=False)
+
+
+def test_a_step_that_runs_out_of_memory_is_refused_naming_the_flags(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up step is the largest step the scheduler can plan: where it runs out of GPU
+    memory, start-up stops with the flags that help (tandem serve prints the message), rather
+    than a request failing the same way later. The launch is made to fail as CUDA would."""
+    llm = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64)
+    runner = llm.engine.runner
+    sampler = runner.sampler
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(runner, "launch", out_of_memory)
+    with pytest.raises(ModelTooLargeError, match="--max-num-batched-tokens 8192") as caught:
+        runner.warm_up()
+    assert "--gpu-memory-utilization" in str(caught.value)
+    assert runner.sampler is sampler
