@@ -45,7 +45,7 @@ from engine_core.models.llama import (
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
-from engine_core.warm_up import warm_up_plan
+from engine_core.warm_up import warm_up_plans
 from protocol.messages import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -271,18 +271,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run one dummy step through the paths a first request would load and build on its
-        own time (engine_core/warm_up.py), with a sampler of its own: the engine's seeded
-        generator draws nothing for it."""
+        """Run the dummy steps that reach what a first request would otherwise load and allocate
+        on its own time (engine_core/warm_up.py), with a sampler of their own: the engine's
+        seeded generator draws nothing for them."""
         started = time.perf_counter()
         mc = self.model_config
-        plan = warm_up_plan(
+        plans = warm_up_plans(
             self.config.max_num_batched_tokens,
             self.config.max_num_seqs,
             self.max_model_len,
             self.block_size,
             self.num_kv_blocks,
             mc.vocab_size,
+            PROMPT_LOGITS_ROWS,
         )
         words = -(-mc.vocab_size // 32)
 
@@ -291,23 +292,34 @@ class ModelRunner:
 
         sampler, self.sampler = self.sampler, Sampler(mc.eos_token_ids, mc.vocab_size, seed=0)
         try:
-            self.collect(self.launch(plan, masks=allow_all))
-        except torch.cuda.OutOfMemoryError as exc:
-            # A step this large would fail the same way in the middle of serving.
-            raise ModelTooLargeError(
-                f"a step of {plan.num_batched_tokens} tokens (--max-num-batched-tokens "
-                f"{self.config.max_num_batched_tokens}) runs out of GPU memory beside the model "
-                "and its KV cache; try a smaller --max-num-batched-tokens, a lower "
-                "--gpu-memory-utilization or a smaller --num-kv-blocks"
-            ) from exc
+            for plan in plans:
+                self._warm_up_step(plan, allow_all)
         finally:
             self.sampler = sampler
             self._prev_sampled, self._prev_sampling = None, []
+            self.mark_idle()  # the wait for the first request is no step's overhead
         logger.info(
-            "warm-up step of %d tokens in %.0f ms",
-            plan.num_batched_tokens,
+            "warm-up: %d steps (up to %d tokens, %d rows) in %.0f ms",
+            len(plans),
+            max(plan.num_batched_tokens for plan in plans),
+            max(len(plan.scheduled) for plan in plans),
             1e3 * (time.perf_counter() - started),
         )
+
+    def _warm_up_step(
+        self, plan: SchedulerOutput, masks: Callable[[list[Request]], torch.Tensor]
+    ) -> None:
+        try:
+            self.collect(self.launch(plan, masks=masks))
+        except torch.cuda.OutOfMemoryError as exc:
+            # A step this large would fail the same way in the middle of serving.
+            raise ModelTooLargeError(
+                f"a step of {plan.num_batched_tokens} tokens and {len(plan.scheduled)} "
+                f"sequences (--max-num-batched-tokens {self.config.max_num_batched_tokens}, "
+                f"--max-num-seqs {self.config.max_num_seqs}) runs out of GPU memory beside the "
+                "model and its KV cache; try a smaller --max-num-batched-tokens or "
+                "--max-num-seqs, a lower --gpu-memory-utilization or a smaller --num-kv-blocks"
+            ) from exc
 
     # ---- CUDA graphs (engine_core/cuda_graph.py) -----------------------------------------------
 

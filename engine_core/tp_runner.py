@@ -153,19 +153,19 @@ class TPModelRunner(_ShardedRunner):
             device = resolve_device(config.device)
             self.tp = join_tp_group(store, 0, size, device, config.tp_all_reduce)
             super().__init__(config)
+            self.channel = StepChannel(self.tp)
+            if self._on_cuda:
+                self.warm_up()  # through the channel: the workers follow it as any step
         except BaseException:
             if self.watch is not None:
                 self.watch.stop()
             stop_processes(self.workers, timeout=0.0)  # they would wait for rank 0 forever
             leave_tp_group()
             raise
-        self.channel = StepChannel(self.tp)
         # A weak reference: the finalizer must not keep the runner alive (it runs at exit too).
         args = (weakref.ref(self), self.channel, self.workers, self.watch)
         self._finalizer = weakref.finalize(self, shut_down, *args)
         logger.info("tensor parallel over %d ranks (pids %s)", size, [p.pid for p in self.workers])
-        if self._on_cuda:
-            self.warm_up()  # through the channel: the workers follow it as any step
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         inputs = super().prepare_inputs(out)

@@ -1,4 +1,4 @@
-"""The start-up step that a first request would otherwise pay for (CUDA).
+"""The start-up steps that a first request would otherwise pay for (CUDA).
 
 The first time a process runs a torch kernel, CUDA loads it (lazy loading, CUDA's default); the
 first step of the largest size grows the caching allocator; the first eager step of a size tier
@@ -7,26 +7,35 @@ session): the first 3,000-token prompt after start-up took 27-28 ms to its first
 smollm2-135m where the next took 8-11, and 45-55 ms on llama-1b where the next took 15-17; a
 profile put most of it in the first calls of the eager tail's ``index``, ``argmax`` and ``mm``.
 
-So the runner runs one dummy step before it serves (``warm_up_plan``): prompts that fill the
-step budget (the largest step the scheduler can plan, eager where the prefill graphs stop short
-of it), one row through every stage of the sampler (temperature, top-k/top-p/min-p, the three
-penalties, logit bias, min_tokens, logprobs, a seeded and an unseeded draw, a structured-output
-bitmask) and prompt logprobs. It writes K/V into blocks that no request holds yet: whatever
-request gets them later writes its own K/V before it reads any (the prefix cache registers only
-blocks a request has computed).
+So the runner runs a few dummy steps before it serves (``warm_up_plans``), which between them
+reach the largest step the scheduler can plan in each dimension and each path of the sampler:
+
+- the most tokens: prompts that fill the step budget (eager where the prefill graphs stop short
+  of it), with a row through every sampler stage and the most prompt logprobs a chunk scores,
+  and a seeded row (so the temperatures differ per row);
+- the most sampled rows: ``max_num_seqs`` one-token prompts, each through every sampler stage
+  with the most top logprobs (the sampler's [rows, vocab] temporaries at their largest);
+- greedy alone (the argmax shortcut of an all-greedy batch);
+- top-k alone at temperature 1 (the top-k filter without the sort).
+
+The runner adds a structured-output bitmask to each. The steps write K/V into blocks that no
+request holds yet: whatever request gets them later writes its own K/V before it reads any (the
+prefix cache registers only blocks a request has computed).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from itertools import chain, repeat
 
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
+from protocol.codec import MAX_LOGPROBS
 from protocol.messages import SamplingParams
 
-# Short prompts for the rows that exercise the sampler; the rest of the budget goes to greedy.
-SAMPLER_PROMPT_TOKENS = 16
+SHORT_PROMPT = 16  # the steps that only exercise the sampler
 
-# Every stage of the sampler and of prompt scoring at once (engine_core/sampler.py).
+# Every stage of the sampler at once (engine_core/sampler.py).
 EVERY_SAMPLER_STAGE = SamplingParams(
     max_tokens=2,
     min_tokens=1,
@@ -37,39 +46,76 @@ EVERY_SAMPLER_STAGE = SamplingParams(
     presence_penalty=0.1,
     frequency_penalty=0.1,
     repetition_penalty=1.1,
-    logprobs=2,
+    logprobs=MAX_LOGPROBS,
     logit_bias=((0, 0.5),),
-    prompt_logprobs=1,
+)
+EVERY_STAGE_AND_PROMPT_LOGPROBS = dataclasses.replace(
+    EVERY_SAMPLER_STAGE, prompt_logprobs=MAX_LOGPROBS
 )
 SEEDED = SamplingParams(max_tokens=2, temperature=1.0, seed=1)
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
+TOP_K_ALONE = SamplingParams(max_tokens=2, temperature=1.0, top_k=20)
 
 
-def warm_up_plan(
+def warm_up_plans(
     budget: int,
     max_rows: int,
     max_model_len: int,
     block_size: int,
     num_blocks: int,
     vocab_size: int,
-) -> SchedulerOutput:
-    """One step of at most ``budget`` tokens and ``max_rows`` requests (fewer tokens where the KV
-    cache holds fewer): a row with every sampler stage, a seeded row, then greedy prompts of at
-    most ``max_model_len - 1`` tokens each; every request on blocks of its own from block 0."""
-    tokens_left, blocks_left = budget, num_blocks
-    scheduled: list[ScheduledRequest] = []
-    for i, params in enumerate(chain((EVERY_SAMPLER_STAGE, SEEDED), repeat(GREEDY))):
-        if len(scheduled) == max_rows or tokens_left <= 0 or blocks_left <= 0:
-            break
-        wanted = max_model_len - 1 if params is GREEDY else SAMPLER_PROMPT_TOKENS
-        length = min(wanted, tokens_left, blocks_left * block_size)
-        blocks = -(-length // block_size)
-        prompt = [(i * 7919 + t * 104729) % vocab_size for t in range(length)]
-        first_block = num_blocks - blocks_left
-        block_ids = list(range(first_block, first_block + blocks))
-        scheduled.append(
-            ScheduledRequest.plan(Request(f"warm-up-{i}", prompt, params), length, block_ids)
-        )
-        tokens_left -= length
-        blocks_left -= blocks
-    return SchedulerOutput(scheduled, prompt_logprob_seqs=[0])
+    scored_chunk: int,
+) -> list[SchedulerOutput]:
+    """The warm-up's steps (see the module's docstring), each within ``budget`` tokens,
+    ``max_rows`` requests, ``num_blocks`` KV blocks and prompts of ``max_model_len - 1``
+    tokens; ``scored_chunk``: how many prompt rows the runner scores at a time."""
+    limits = _Limits(budget, max_rows, max_model_len, block_size, num_blocks, vocab_size)
+    most_tokens = [
+        (EVERY_STAGE_AND_PROMPT_LOGPROBS, scored_chunk + 1),
+        (SEEDED, SHORT_PROMPT),
+    ]
+    return [
+        limits.step(chain(most_tokens, repeat((GREEDY, max_model_len - 1)))),
+        limits.step(repeat((EVERY_SAMPLER_STAGE, 1))),
+        limits.step([(GREEDY, SHORT_PROMPT)]),
+        limits.step([(TOP_K_ALONE, SHORT_PROMPT)]),
+    ]
+
+
+class _Limits:
+    """What one step may hold: the scheduler's limits and the KV cache's blocks."""
+
+    def __init__(
+        self,
+        budget: int,
+        max_rows: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int,
+    ) -> None:
+        self.budget, self.max_rows, self.max_model_len = budget, max_rows, max_model_len
+        self.block_size, self.num_blocks, self.vocab_size = block_size, num_blocks, vocab_size
+
+    def step(self, rows: Iterable[tuple[SamplingParams, int]]) -> SchedulerOutput:
+        """One prompt per (params, wanted length) in order, each cut to what is left, until a
+        limit is reached; every request on blocks of its own from block 0."""
+        tokens_left, blocks_left = self.budget, self.num_blocks
+        scheduled: list[ScheduledRequest] = []
+        for i, (params, wanted) in enumerate(rows):
+            longest = min(
+                wanted, self.max_model_len - 1, tokens_left, blocks_left * self.block_size
+            )
+            if len(scheduled) == self.max_rows or longest < 1:
+                break
+            blocks = -(-longest // self.block_size)
+            prompt = [(i * 7919 + t * 104729) % self.vocab_size for t in range(longest)]
+            first = self.num_blocks - blocks_left
+            request = Request(f"warm-up-{i}", prompt, params)
+            scheduled.append(
+                ScheduledRequest.plan(request, longest, list(range(first, first + blocks)))
+            )
+            tokens_left -= longest
+            blocks_left -= blocks
+        scored = [i for i, s in enumerate(scheduled) if s.request.wants_prompt_logprobs]
+        return SchedulerOutput(scheduled, prompt_logprob_seqs=scored)

@@ -1,9 +1,10 @@
-"""The start-up warm-up step (engine_core/warm_up.py): it stays inside the step budget and the KV
-cache, reaches every sampler stage, and changes nothing a later request generates.
+"""The start-up warm-up steps (engine_core/warm_up.py): they stay inside the step budget, the
+rows and the KV cache, reach every sampler stage and shortcut, and change nothing a later
+request generates.
 
-On CUDA the runner runs it at start-up (its effect on the first token is measured on the GPU,
-docs/benchmarks.md); here the same step runs on the CPU, called by hand, so that what it leaves
-behind can be compared with an engine that never ran it.
+On CUDA the runner runs them at start-up (their effect on the first token is measured on the
+GPU, docs/benchmarks.md); here the same steps run on the CPU, called by hand, so that what they
+leave behind can be compared with an engine that never ran them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 
 from engine_core.llm import LLM
 from engine_core.memory_plan import ModelTooLargeError
-from engine_core.warm_up import EVERY_SAMPLER_STAGE, SEEDED, warm_up_plan
+from engine_core.request import SchedulerOutput
+from engine_core.warm_up import warm_up_plans
+from protocol.codec import MAX_LOGPROBS
 from protocol.messages import SamplingParams
 from tests.factories import write_tiny_llama
 
@@ -30,53 +33,88 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-warm-up"))
 
 
-@pytest.mark.parametrize(
-    ("budget", "max_rows", "max_model_len", "block_size", "num_blocks"),
-    [
-        (8192, 256, 4096, 16, 100_000),  # the defaults: three greedy prompts fill the rest
-        (8192, 256, 2048, 16, 300),  # the cache holds fewer tokens than the budget
-        (8192, 3, 4096, 16, 100_000),  # rows run out before the budget
-        (40, 256, 64, 16, 100),  # a small budget: the greedy row takes what is left
-        (20, 256, 64, 16, 100),  # smaller than two sampler rows: the second is cut short
-        (1, 1, 64, 32, 1),
-        (100, 256, 64, 32, 2),  # two blocks of 32: the second row ends the step
-    ],
-)
-def test_plan_stays_inside_the_step_and_the_cache(
-    budget: int, max_rows: int, max_model_len: int, block_size: int, num_blocks: int
+LIMITS = [
+    # budget, max_rows, max_model_len, block_size, num_blocks
+    (8192, 256, 4096, 16, 100_000),  # the defaults: greedy prompts fill the rest
+    (8192, 256, 2048, 16, 300),  # the cache holds fewer tokens than the budget
+    (8192, 3, 4096, 16, 100_000),  # rows run out before the budget
+    (40, 256, 64, 16, 100),  # a small budget: the first row takes most of it
+    (20, 256, 64, 16, 100),
+    (1, 1, 64, 32, 1),
+    (100, 256, 64, 32, 2),  # two blocks of 32
+    (8192, 256, 8, 4, 1000),  # prompts shorter than the sampler rows want
+    (8192, 256, 2, 16, 1000),  # one-token prompts only
+]
+SCORED_CHUNK = 512
+
+
+def plans_for(limits: tuple[int, int, int, int, int]) -> list[SchedulerOutput]:
+    return warm_up_plans(*limits, vocab_size=50, scored_chunk=SCORED_CHUNK)
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+def test_plans_stay_inside_the_step_and_the_cache(limits: tuple[int, int, int, int, int]) -> None:
+    budget, max_rows, max_model_len, block_size, num_blocks = limits
+    for plan in plans_for(limits):
+        assert 0 < plan.num_batched_tokens <= budget
+        assert len(plan.scheduled) <= max_rows
+        used: list[int] = []
+        for s in plan.scheduled:
+            request = s.request
+            assert s.start == 0 and s.samples and s.num_new_tokens == request.num_prompt_tokens
+            assert 1 <= request.num_prompt_tokens <= max_model_len - 1
+            assert len(s.block_ids) * block_size >= request.num_prompt_tokens
+            assert (len(s.block_ids) - 1) * block_size < request.num_prompt_tokens
+            assert all(0 <= t < 50 for t in request.prompt_token_ids)
+            used += s.block_ids
+        assert len(used) == len(set(used)) and all(0 <= b < num_blocks for b in used)
+        scored = [i for i, s in enumerate(plan.scheduled) if s.request.wants_prompt_logprobs]
+        assert plan.prompt_logprob_seqs == scored
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+def test_the_first_two_plans_take_all_the_step_allows(
+    limits: tuple[int, int, int, int, int],
 ) -> None:
-    plan = warm_up_plan(budget, max_rows, max_model_len, block_size, num_blocks, vocab_size=50)
-    assert 0 < plan.num_batched_tokens <= budget
-    assert len(plan.scheduled) <= max_rows
-    used: list[int] = []
-    for s in plan.scheduled:
-        request = s.request
-        assert s.start == 0 and s.samples and s.num_new_tokens == request.num_prompt_tokens
-        assert request.num_prompt_tokens <= max_model_len - 1
-        assert len(s.block_ids) * block_size >= request.num_prompt_tokens
-        assert (len(s.block_ids) - 1) * block_size < request.num_prompt_tokens
-        assert all(0 <= t < 50 for t in request.prompt_token_ids)
-        used += s.block_ids
-    assert len(used) == len(set(used)) and all(0 <= b < num_blocks for b in used)
-    assert plan.scheduled[0].request.params is EVERY_SAMPLER_STAGE
-    assert plan.prompt_logprob_seqs == [0]
-    # Whatever the budget, the cache and the rows leave, the plan takes it all.
-    blocks_left = num_blocks - len(used)
-    assert min(budget - plan.num_batched_tokens, blocks_left, max_rows - len(plan.scheduled)) == 0
+    """The most tokens, then the most sampled rows: whatever the budget, the cache and the rows
+    leave, each takes it all."""
+    budget, max_rows, max_model_len, block_size, num_blocks = limits
+    most_tokens, most_rows = plans_for(limits)[:2]
+    for plan in (most_tokens, most_rows):
+        blocks_left = num_blocks - sum(len(s.block_ids) for s in plan.scheduled)
+        assert (
+            min(budget - plan.num_batched_tokens, blocks_left, max_rows - len(plan.scheduled)) == 0
+        )
+    assert all(s.num_new_tokens == 1 for s in most_rows.scheduled)
+    assert all(s.request.params.logprobs == MAX_LOGPROBS for s in most_rows.scheduled)
+    scored = most_tokens.scheduled[0]
+    assert scored.request.params.prompt_logprobs == MAX_LOGPROBS
+    # A whole chunk of scored rows (the runner's largest logits block) where the limits allow.
+    assert scored.num_new_tokens == min(
+        SCORED_CHUNK + 1, max_model_len - 1, budget, num_blocks * block_size
+    )
 
 
-def test_every_sampler_stage_is_reached() -> None:
-    """Each field that changes how a token is drawn differs from its default in one of the
-    warm-up's sampling rows: a new sampler stage needs a value here, or its first request
-    pays for the kernels it loads."""
+def test_every_sampler_path_is_reached() -> None:
+    """Each field that changes how a token is drawn differs from its default in some warm-up
+    row, and the batch-wide shortcuts of engine_core/sampler.py each get a step of their own: a
+    new stage or path needs a row here, or its first request pays for the kernels it loads."""
+    plans = plans_for(LIMITS[0])
+    params = [s.request.params for plan in plans for s in plan.scheduled]
     defaults = SamplingParams()
     for f in dataclasses.fields(SamplingParams):
-        if f.name in NOT_SAMPLER_STAGES:
-            continue
-        default = getattr(defaults, f.name)
-        assert getattr(EVERY_SAMPLER_STAGE, f.name) != default or (
-            getattr(SEEDED, f.name) != default
-        ), f.name
+        if f.name not in NOT_SAMPLER_STAGES:
+            assert any(getattr(p, f.name) != getattr(defaults, f.name) for p in params), f.name
+    steps = [[s.request for s in plan.scheduled] for plan in plans]
+    # All rows argmax only: the sampler's shortcut.
+    assert any(all(r.argmax_only for r in step) for step in steps)
+    # Top-k without top-p: topk, not the sort.
+    assert any(all(r.params.top_k > 0 and r.params.top_p == 1.0 for r in step) for step in steps)
+    # One temperature for the whole batch, and several.
+    temperatures = [{r.params.temperature for r in step if not r.params.greedy} for step in steps]
+    assert {1, 2} <= {len(t) for t in temperatures}
+    # Greedy and sampled rows in one batch.
+    assert any(len({r.params.greedy for r in step}) == 2 for step in steps)
 
 
 def test_warm_up_changes_no_later_token(tiny_llama: Path) -> None:
@@ -104,7 +142,7 @@ def test_warm_up_changes_no_later_token(tiny_llama: Path) -> None:
 def test_a_step_that_runs_out_of_memory_is_refused_naming_the_flags(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The warm-up step is the largest step the scheduler can plan: where it runs out of GPU
+    """The warm-up's steps are the largest the scheduler can plan: where one runs out of GPU
     memory, start-up stops with the flags that help (tandem serve prints the message), rather
     than a request failing the same way later. The launch is made to fail as CUDA would."""
     llm = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64)
@@ -115,7 +153,9 @@ def test_a_step_that_runs_out_of_memory_is_refused_naming_the_flags(
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(runner, "launch", out_of_memory)
-    with pytest.raises(ModelTooLargeError, match="--max-num-batched-tokens 8192") as caught:
+    with pytest.raises(
+        ModelTooLargeError, match="--max-num-batched-tokens 8192, --max-num-seqs"
+    ) as caught:
         runner.warm_up()
     assert "--gpu-memory-utilization" in str(caught.value)
     assert runner.sampler is sampler
