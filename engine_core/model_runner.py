@@ -45,7 +45,7 @@ from engine_core.models.llama import (
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
-from engine_core.warm_up import warm_up_plans
+from engine_core.warm_up import StepLimits, warm_up_plans
 from protocol.messages import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -276,15 +276,15 @@ class ModelRunner:
         seeded generator draws nothing for them."""
         started = time.perf_counter()
         mc = self.model_config
-        plans = warm_up_plans(
-            self.config.max_num_batched_tokens,
-            self.config.max_num_seqs,
-            self.max_model_len,
-            self.block_size,
-            self.num_kv_blocks,
-            mc.vocab_size,
-            PROMPT_LOGITS_ROWS,
+        limits = StepLimits(
+            budget=self.config.max_num_batched_tokens,
+            max_rows=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_kv_blocks,
+            vocab_size=mc.vocab_size,
         )
+        plans = warm_up_plans(limits, PROMPT_LOGITS_ROWS)
         words = -(-mc.vocab_size // 32)
 
         def allow_all(rows: list[Request]) -> torch.Tensor:

@@ -57,45 +57,16 @@ GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
 TOP_K_ALONE = SamplingParams(max_tokens=2, temperature=1.0, top_k=20)
 
 
-def warm_up_plans(
-    budget: int,
-    max_rows: int,
-    max_model_len: int,
-    block_size: int,
-    num_blocks: int,
-    vocab_size: int,
-    scored_chunk: int,
-) -> list[SchedulerOutput]:
-    """The warm-up's steps (see the module's docstring), each within ``budget`` tokens,
-    ``max_rows`` requests, ``num_blocks`` KV blocks and prompts of ``max_model_len - 1``
-    tokens; ``scored_chunk``: how many prompt rows the runner scores at a time."""
-    limits = _Limits(budget, max_rows, max_model_len, block_size, num_blocks, vocab_size)
-    most_tokens = [
-        (EVERY_STAGE_AND_PROMPT_LOGPROBS, scored_chunk + 1),
-        (SEEDED, SHORT_PROMPT),
-    ]
-    return [
-        limits.step(chain(most_tokens, repeat((GREEDY, max_model_len - 1)))),
-        limits.step(repeat((EVERY_SAMPLER_STAGE, 1))),
-        limits.step([(GREEDY, SHORT_PROMPT)]),
-        limits.step([(TOP_K_ALONE, SHORT_PROMPT)]),
-    ]
-
-
-class _Limits:
+@dataclasses.dataclass(frozen=True)
+class StepLimits:
     """What one step may hold: the scheduler's limits and the KV cache's blocks."""
 
-    def __init__(
-        self,
-        budget: int,
-        max_rows: int,
-        max_model_len: int,
-        block_size: int,
-        num_blocks: int,
-        vocab_size: int,
-    ) -> None:
-        self.budget, self.max_rows, self.max_model_len = budget, max_rows, max_model_len
-        self.block_size, self.num_blocks, self.vocab_size = block_size, num_blocks, vocab_size
+    budget: int  # tokens (--max-num-batched-tokens)
+    max_rows: int  # requests (--max-num-seqs)
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int
 
     def step(self, rows: Iterable[tuple[SamplingParams, int]]) -> SchedulerOutput:
         """One prompt per (params, wanted length) in order, each cut to what is left, until a
@@ -119,3 +90,19 @@ class _Limits:
             blocks_left -= blocks
         scored = [i for i, s in enumerate(scheduled) if s.request.wants_prompt_logprobs]
         return SchedulerOutput(scheduled, prompt_logprob_seqs=scored)
+
+
+def warm_up_plans(limits: StepLimits, scored_chunk: int) -> list[SchedulerOutput]:
+    """The warm-up's steps (see the module's docstring), each within ``limits``, prompts of at
+    most ``max_model_len - 1`` tokens; ``scored_chunk``: how many prompt rows the runner scores
+    at a time."""
+    most_tokens = [
+        (EVERY_STAGE_AND_PROMPT_LOGPROBS, scored_chunk + 1),
+        (SEEDED, SHORT_PROMPT),
+    ]
+    return [
+        limits.step(chain(most_tokens, repeat((GREEDY, limits.max_model_len - 1)))),
+        limits.step(repeat((EVERY_SAMPLER_STAGE, 1))),
+        limits.step([(GREEDY, SHORT_PROMPT)]),
+        limits.step([(TOP_K_ALONE, SHORT_PROMPT)]),
+    ]

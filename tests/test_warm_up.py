@@ -18,7 +18,7 @@ import torch
 from engine_core.llm import LLM
 from engine_core.memory_plan import ModelTooLargeError
 from engine_core.request import SchedulerOutput
-from engine_core.warm_up import warm_up_plans
+from engine_core.warm_up import StepLimits, warm_up_plans
 from protocol.codec import MAX_LOGPROBS
 from protocol.messages import SamplingParams
 from tests.factories import write_tiny_llama
@@ -49,7 +49,7 @@ SCORED_CHUNK = 512
 
 
 def plans_for(limits: tuple[int, int, int, int, int]) -> list[SchedulerOutput]:
-    return warm_up_plans(*limits, vocab_size=50, scored_chunk=SCORED_CHUNK)
+    return warm_up_plans(StepLimits(*limits, vocab_size=50), scored_chunk=SCORED_CHUNK)
 
 
 @pytest.mark.parametrize("limits", LIMITS)
