@@ -285,6 +285,8 @@ class ModelRunner:
             vocab_size=mc.vocab_size,
         )
         plans = warm_up_plans(limits, PROMPT_LOGITS_ROWS)
+        if not plans:  # no prompt fits --max-model-len: this engine serves nothing anyway
+            return
         words = -(-mc.vocab_size // 32)
 
         def allow_all(rows: list[Request]) -> torch.Tensor:
@@ -475,6 +477,9 @@ class ModelRunner:
                 lps, ids = logprobs.topk(top_n, dim=-1)
                 top_lps.append(lps)
                 top_ids.append(ids)
+            # Freed before the next chunk's logits exist: one chunk's [n, V] blocks at a time,
+            # as the warm-up (engine_core/warm_up.py) allocated them.
+            del logprobs
         return split_prompt_logprobs(scoring, chosen, top_ids, top_lps)
 
     def _timed(self, step: LaunchedStep) -> LaunchedStep:

@@ -11,8 +11,9 @@ So the runner runs a few dummy steps before it serves (``warm_up_plans``), which
 reach the largest step the scheduler can plan in each dimension and each path of the sampler:
 
 - the most tokens: prompts that fill the step budget (eager where the prefill graphs stop short
-  of it), with a row through every sampler stage and the most prompt logprobs a chunk scores,
-  and a seeded row (so the temperatures differ per row);
+  of it): a seeded row and a greedy row (so temperatures differ per row, and greedy rows sit
+  beside sampled ones), a row through every sampler stage with a whole chunk of scored prompt
+  rows, then greedy prompts;
 - the most sampled rows: ``max_num_seqs`` one-token prompts, each through every sampler stage
   with the most top logprobs (the sampler's [rows, vocab] temporaries at their largest);
 - greedy alone (the argmax shortcut of an all-greedy batch);
@@ -96,13 +97,17 @@ def warm_up_plans(limits: StepLimits, scored_chunk: int) -> list[SchedulerOutput
     """The warm-up's steps (see the module's docstring), each within ``limits``, prompts of at
     most ``max_model_len - 1`` tokens; ``scored_chunk``: how many prompt rows the runner scores
     at a time."""
+    # The short rows first, so that a small budget or cache still holds a seeded, a greedy and
+    # an every-stage row together (per-row temperatures, the seeded draw, greedy beside sampled).
     most_tokens = [
-        (EVERY_STAGE_AND_PROMPT_LOGPROBS, scored_chunk + 1),
         (SEEDED, SHORT_PROMPT),
+        (GREEDY, SHORT_PROMPT),
+        (EVERY_STAGE_AND_PROMPT_LOGPROBS, scored_chunk + 1),
     ]
-    return [
+    plans = [
         limits.step(chain(most_tokens, repeat((GREEDY, limits.max_model_len - 1)))),
         limits.step(repeat((EVERY_SAMPLER_STAGE, 1))),
         limits.step([(GREEDY, SHORT_PROMPT)]),
         limits.step([(TOP_K_ALONE, SHORT_PROMPT)]),
     ]
+    return [plan for plan in plans if not plan.is_empty]  # none where no prompt fits

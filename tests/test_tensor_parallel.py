@@ -177,7 +177,7 @@ def test_tp2_warm_up_changes_no_later_token(tmp_path: Path) -> None:
         llm = LLM(
             str(tmp_path),
             tensor_parallel_size=2,
-            max_num_batched_tokens=64,  # the warm-up: both sampler rows and a greedy one
+            max_num_batched_tokens=64,  # every sampler path (tests/test_warm_up.py)
             max_num_seqs=16,
             **ENGINE_ARGS,
         )

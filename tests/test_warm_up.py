@@ -44,6 +44,8 @@ LIMITS = [
     (100, 256, 64, 32, 2),  # two blocks of 32
     (8192, 256, 8, 4, 1000),  # prompts shorter than the sampler rows want
     (8192, 256, 2, 16, 1000),  # one-token prompts only
+    (8192, 256, 128, 4, 64),  # test_warm_up_changes_no_later_token's engine
+    (64, 16, 128, 4, 96),  # test_tensor_parallel.py's warm-up test's engine
 ]
 SCORED_CHUNK = 512
 
@@ -79,7 +81,9 @@ def test_the_first_two_plans_take_all_the_step_allows(
     """The most tokens, then the most sampled rows: whatever the budget, the cache and the rows
     leave, each takes it all."""
     budget, max_rows, max_model_len, block_size, num_blocks = limits
-    most_tokens, most_rows = plans_for(limits)[:2]
+    plans = plans_for(limits)
+    assert len(plans) == 4
+    most_tokens, most_rows = plans[:2]
     for plan in (most_tokens, most_rows):
         blocks_left = num_blocks - sum(len(s.block_ids) for s in plan.scheduled)
         assert (
@@ -87,19 +91,32 @@ def test_the_first_two_plans_take_all_the_step_allows(
         )
     assert all(s.num_new_tokens == 1 for s in most_rows.scheduled)
     assert all(s.request.params.logprobs == MAX_LOGPROBS for s in most_rows.scheduled)
-    scored = most_tokens.scheduled[0]
-    assert scored.request.params.prompt_logprobs == MAX_LOGPROBS
     # A whole chunk of scored rows (the runner's largest logits block) where the limits allow.
-    assert scored.num_new_tokens == min(
-        SCORED_CHUNK + 1, max_model_len - 1, budget, num_blocks * block_size
-    )
+    for i, s in enumerate(most_tokens.scheduled):
+        if s.request.wants_prompt_logprobs:
+            assert s.request.params.prompt_logprobs == MAX_LOGPROBS
+            before = most_tokens.scheduled[:i]
+            tokens_left = budget - sum(b.num_new_tokens for b in before)
+            blocks_left = num_blocks - sum(len(b.block_ids) for b in before)
+            wanted = min(SCORED_CHUNK + 1, max_model_len - 1)
+            assert s.num_new_tokens == min(wanted, tokens_left, blocks_left * block_size)
 
 
-def test_every_sampler_path_is_reached() -> None:
+def test_no_step_where_no_prompt_fits(tiny_llama: Path) -> None:
+    """--max-model-len 1 leaves no room for a prompt and a token: nothing to run (the engine
+    refuses every request of such a server anyway), and the runner's warm-up does nothing."""
+    assert plans_for((8192, 256, 1, 16, 1000)) == []
+    llm = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=1)
+    llm.engine.runner.warm_up()
+
+
+@pytest.mark.parametrize("limits", [LIMITS[0], *LIMITS[-2:]])
+def test_every_sampler_path_is_reached(limits: tuple[int, int, int, int, int]) -> None:
     """Each field that changes how a token is drawn differs from its default in some warm-up
     row, and the batch-wide shortcuts of engine_core/sampler.py each get a step of their own: a
-    new stage or path needs a row here, or its first request pays for the kernels it loads."""
-    plans = plans_for(LIMITS[0])
+    new stage or path needs a row here, or its first request pays for the kernels it loads.
+    Also at the two engine tests' small limits, so that those tests run every path."""
+    plans = plans_for(limits)
     params = [s.request.params for plan in plans for s in plan.scheduled]
     defaults = SamplingParams()
     for f in dataclasses.fields(SamplingParams):
