@@ -276,15 +276,7 @@ class ModelRunner:
         seeded generator draws nothing for them."""
         started = time.perf_counter()
         mc = self.model_config
-        limits = StepLimits(
-            budget=self.config.max_num_batched_tokens,
-            max_rows=self.config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            num_blocks=self.num_kv_blocks,
-            vocab_size=mc.vocab_size,
-        )
-        plans = warm_up_plans(limits, PROMPT_LOGITS_ROWS)
+        plans = self.warm_up_plans()
         if not plans:  # no prompt fits --max-model-len: this engine serves nothing anyway
             return
         words = -(-mc.vocab_size // 32)
@@ -307,6 +299,18 @@ class ModelRunner:
             max(len(plan.scheduled) for plan in plans),
             1e3 * (time.perf_counter() - started),
         )
+
+    def warm_up_plans(self) -> list[SchedulerOutput]:
+        """The steps ``warm_up`` runs, within this engine's limits and KV cache."""
+        limits = StepLimits(
+            budget=self.config.max_num_batched_tokens,
+            max_rows=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_kv_blocks,
+            vocab_size=self.model_config.vocab_size,
+        )
+        return warm_up_plans(limits, PROMPT_LOGITS_ROWS)
 
     def _warm_up_step(
         self, plan: SchedulerOutput, masks: Callable[[list[Request]], torch.Tensor]

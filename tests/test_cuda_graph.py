@@ -498,7 +498,24 @@ def test_chunked_and_cached_prefills_through_graphs_equal_hf(tmp_path: Path) -> 
     assert ours == hf_greedy(model_dir, prompts, max_tokens)
 
 
-SECOND_WORKLOAD_TOKENS = 280 + 200 + 150 + 100 + 60  # compiled_after_warm_up's, EOS ignored
+# compiled_after_warm_up's workloads: prompt lengths, and the tokens each prompt generates.
+FIRST_PROMPTS, FIRST_MAX_TOKENS = (40, 50, 60), (8, 8, 8)
+SECOND_PROMPTS, SECOND_MAX_TOKENS = (20, 33, 47, 70, 78), (280, 200, 150, 100, 60)
+SECOND_WORKLOAD_TOKENS = sum(SECOND_MAX_TOKENS)  # EOS ignored
+NO_COMPILE_PREFILL_GRAPH_TOKENS = 32  # longer prompt steps run eagerly
+
+
+def no_compile_check_engine(architecture: str, model_dir: Path, device: str) -> LLM:
+    """compiled_after_warm_up's engine over a tiny model of ``architecture`` it writes."""
+    from tests.factories import write_tiny_llama, write_tiny_qwen3_moe
+
+    if architecture == "llama":
+        model_dir = write_tiny_llama(model_dir)
+    else:  # head dim 32, as the GPU run that showed the MoE kernels compiling
+        model_dir = write_tiny_qwen3_moe(model_dir, head_dim=32)
+    return tiny_llm_on_cuda(
+        model_dir, device=device, max_prefill_graph_tokens=NO_COMPILE_PREFILL_GRAPH_TOKENS
+    )
 
 
 def compiled_after_warm_up(
@@ -512,13 +529,8 @@ def compiled_after_warm_up(
     Run in a fresh process (see the test): a variant some earlier work in the process built
     would not show. On the CPU (no Triton there) it only runs the workloads."""
     from protocol.messages import SamplingParams
-    from tests.factories import write_tiny_llama, write_tiny_qwen3_moe
 
-    if architecture == "llama":
-        model_dir = write_tiny_llama(model_dir)
-    else:  # head dim 32, as the GPU run that showed the MoE kernels compiling
-        model_dir = write_tiny_qwen3_moe(model_dir, head_dim=32)
-    llm = tiny_llm_on_cuda(model_dir, device=device, max_prefill_graph_tokens=32)
+    llm = no_compile_check_engine(architecture, model_dir, device)
     rng = random.Random(3)
 
     def workload(lengths: tuple[int, ...], max_tokens: tuple[int, ...]) -> int:
@@ -532,7 +544,7 @@ def compiled_after_warm_up(
 
     # The warm-up: one eager prefill of 150 tokens (300 expert slots), then 3 rows decoding
     # with tables 3 to 5 blocks wide.
-    workload((40, 50, 60), (8, 8, 8))
+    workload(FIRST_PROMPTS, FIRST_MAX_TOKENS)
     compiled: list[str] = []
     if device != "cpu":
         import triton
@@ -541,7 +553,7 @@ def compiled_after_warm_up(
     # An eager prefill of 248 tokens (496 slots: a multiple of 16; with 8 experts the same
     # expert tiles and grouping block as 300), then contexts up to 300 tokens (tables 2 to 19
     # blocks wide), the requests ending one by one.
-    tokens = workload((20, 33, 47, 70, 78), (280, 200, 150, 100, 60))
+    tokens = workload(SECOND_PROMPTS, SECOND_MAX_TOKENS)
     return compiled, tokens
 
 
@@ -579,6 +591,27 @@ def test_the_no_compile_check_runs_its_workloads_in_a_child_process(tmp_path: Pa
     """The plumbing of the GPU test below, on the CPU (no Triton kernel runs there): the child
     builds the model, runs both workloads to the end and answers in JSON."""
     assert compiled_in_a_fresh_process("llama", tmp_path, "cpu") == ([], SECOND_WORKLOAD_TOKENS)
+
+
+def test_the_no_compile_checks_second_prefill_is_a_size_class_no_warm_up_built(
+    tmp_path: Path,
+) -> None:
+    """Were the expert kernels' slot count (tokens x top-k) specialized again, Triton would
+    build one variant for multiples of 16 and one for other counts. The engine's own start-up
+    warm-up (engine_core/warm_up.py) and the first workload run eager MoE steps before the
+    second workload: the GPU test below catches such a regression only while neither of them
+    has a multiple of 16 and the second workload's eager prefill has one."""
+    llm = no_compile_check_engine("qwen3_moe", tmp_path, "cpu")
+    top_k = llm.engine.model_config.num_experts_per_tok
+    warm_up_eager = [
+        plan.num_batched_tokens
+        for plan in llm.engine.runner.warm_up_plans()
+        if plan.num_batched_tokens > NO_COMPILE_PREFILL_GRAPH_TOKENS
+    ]
+    assert warm_up_eager  # the budget-sized step
+    for tokens in [*warm_up_eager, sum(FIRST_PROMPTS)]:
+        assert tokens * top_k % 16 != 0, tokens
+    assert sum(SECOND_PROMPTS) * top_k % 16 == 0
 
 
 @pytest.mark.gpu

@@ -161,8 +161,8 @@ def test_tp2_scores_prompt_tokens_like_tp1(tmp_path: Path) -> None:
 
 
 def test_tp2_warm_up_changes_no_later_token(tmp_path: Path) -> None:
-    """The start-up warm-up step (engine_core/warm_up.py), which rank 0 runs on CUDA once its
-    step channel is open: the worker follows it as any step, and greedy, sampled and
+    """The start-up warm-up steps (engine_core/warm_up.py), which rank 0 runs on CUDA once its
+    step channel is open: the worker follows them as any step, and greedy, sampled and
     prompt-logprob outputs after it are those of an engine that never ran it. Called by hand:
     on the CPU no runner runs it."""
     write_model("llama", tmp_path)
