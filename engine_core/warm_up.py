@@ -19,6 +19,11 @@ reach the largest step the scheduler can plan in each dimension and each path of
 - greedy alone (the argmax shortcut of an all-greedy batch);
 - top-k alone at temperature 1 (the top-k filter without the sort).
 
+What no warm-up step covers: cuBLAS's first call at each new row count (an eager step's products
+run at exactly its token count), 0.1-0.2 ms of host time a product and about 2.5 ms for some
+shapes on an H100, per exact count (scripts/device/cublas_first_call_probe.py; twenty-seventh
+session).
+
 The runner adds a structured-output bitmask to each. The steps write K/V into blocks that no
 request holds yet: whatever request gets them later writes its own K/V before it reads any (the
 prefix cache registers only blocks a request has computed).
