@@ -8,8 +8,9 @@ CUDA graph replays it exactly; a call at a row count the CUDA graphs did not hav
 eager steps) compiles no new variant. The SiLU-and-mul epilogue over an interleaved gate/up
 weight gives what the product followed by SiLU-and-mul gives, and a Llama MLP whose weight
 interleave_gate_ups rearranged computes what it did before, at decode sizes and above them; the
-argmax epilogue gives the argmax of the logits it wrote; a bf16 model on the skinny path gives
-HF's logits."""
+argmax epilogue gives the argmax of the logits it wrote; the RMSNorm split between two products
+(decode_norm_between) gives HF's norm between them; a bf16 model on the skinny path gives HF's
+logits."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from engine_core.models import model_config_from_hf, skinny_gemm, triton_ops  # noqa: E402
-from engine_core.models.layers import Linear  # noqa: E402
+from engine_core.models.layers import Linear, rms_norm_torch  # noqa: E402
 from engine_core.models.llama import LlamaMLP, interleave_gate_ups  # noqa: E402
 from engine_core.presets import hf_config  # noqa: E402
 from engine_core.triton_pdl import hopper_or_later  # noqa: E402
@@ -319,6 +320,121 @@ def test_interleaved_mlp_computes_what_it_did(monkeypatch: pytest.MonkeyPatch, m
     assert_within_rounding(eager, before.float(), torch.bfloat16)
 
 
+NORM_EPS = 1e-5
+
+
+def stream_operands(
+    m: int, k: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention output x [m, k], o_proj's weight [n, k], the residual stream [m, n] before
+    it and the post-attention norm's weight [n]."""
+    x, first = operands(m, n, k, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(m * 31 + n)
+    residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+    norm_weight = (1 + 0.2 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+    return x, first, residual, norm_weight
+
+
+@pytest.mark.skipif(not HOPPER, reason="the norm halves need TMA loads (Hopper)")
+@pytest.mark.parametrize("m", (1, 7, 64, 100))
+@pytest.mark.parametrize(
+    "k,n,second_rows,glu,biases",
+    (
+        (576, 576, 3072, True, False),  # smollm2's o, then its gate/up
+        (2048, 2048, 16384, True, False),  # llama-1b's (past NORM_BETWEEN_MAX_K: lifted here)
+        (1536, 576, 960, False, False),  # smollm2's down, then the next layer's qkv
+        (896, 896, 1152, False, True),  # Qwen2-0.5B-like: o with bias, qkv with bias
+    ),
+)
+def test_norm_between_gives_the_norm_between_the_products(
+    monkeypatch: pytest.MonkeyPatch, k: int, n: int, second_rows: int, glu: bool, biases: bool,
+    m: int,
+) -> None:  # fmt: skip
+    """The stream is the first product (as decode_linear writes it) plus the residual, bit for
+    bit; the second product is HF's norm of that stream followed by the float32 product (and
+    SiLU-and-mul, or the bias), within the output's rounding, and within a rounding of the
+    separate norm and product's; it runs where decode_linear takes both products."""
+    monkeypatch.setattr(skinny_gemm, "NORM_BETWEEN_MAX_K", 1 << 20)
+    x, first, residual, norm_weight = stream_operands(m, k, n)
+    _, second = operands(m, second_rows, n, torch.bfloat16)
+    first_bias = second_bias = None
+    if biases:
+        first_bias = torch.linspace(-1, 1, n, device="cuda").to(torch.bfloat16)
+        second_bias = torch.linspace(2, -2, second_rows, device="cuda").to(torch.bfloat16)
+    product = skinny_gemm.decode_linear(x, first, first_bias)
+    if glu:
+        second = skinny_gemm.interleave_gate_up(second)
+    got = skinny_gemm.decode_norm_between(
+        x, first, first_bias, residual, norm_weight, NORM_EPS, second, second_bias, glu
+    )
+    if product is None:
+        assert got is None
+        pytest.skip("decode_linear leaves these products to cuBLAS")
+    assert got is not None
+    y, stream = got
+    assert torch.equal(stream, product + residual)  # bf16 + bf16: one rounding, as the kernel's
+    normed, _ = triton_ops.rms_norm(product, norm_weight, NORM_EPS, residual)
+    hf = reference(rms_norm_torch(stream, norm_weight, NORM_EPS), second, second_bias)
+    if glu:
+        separate = skinny_gemm.decode_glu(normed, second)
+        gate_up = hf.to(torch.bfloat16).float().view(m, -1, 2, skinny_gemm.GLU_HALF)
+        hf = (F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]).reshape(m, -1)
+    else:
+        separate = skinny_gemm.decode_linear(normed, second, second_bias)
+    assert separate is not None and y.shape == separate.shape
+    assert_within_rounding(y, hf, torch.bfloat16)
+    assert_within_rounding(y, separate.float(), torch.bfloat16)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the norm halves need TMA loads (Hopper)")
+def test_norm_halves_refuse_what_they_cannot_do() -> None:
+    x, first, residual, norm_weight = stream_operands(8, 1024, 256)
+    scaled = torch.empty_like(residual)
+    parts = torch.empty((4, 8), device="cuda")  # 256 columns in 64-row weight tiles
+    good = skinny_gemm.NormOut(residual, norm_weight, scaled, parts)
+    launch = {"block_n": 64, "block_k": 128}
+    for bad in ({"split_k": 2}, {"tma": False}):
+        with pytest.raises(ValueError, match="norm halves take TMA"):
+            skinny_gemm.skinny_gemm(x, first, x.dtype, norm_out=good, **launch, **bad)
+    refused = {
+        "residual must be": skinny_gemm.NormOut(residual[:4], norm_weight, scaled, parts),
+        "weight must be": skinny_gemm.NormOut(residual, norm_weight[:-1], scaled, parts),
+        "sums of squares": skinny_gemm.NormOut(residual, norm_weight, scaled, parts[:3]),
+    }
+    for message, bad_out in refused.items():
+        with pytest.raises(ValueError, match=message):
+            skinny_gemm.skinny_gemm(x, first, x.dtype, norm_out=bad_out, **launch)
+    with pytest.raises(ValueError, match="sums of squares"):
+        skinny_gemm.skinny_gemm(scaled, first[:, :256], x.dtype,
+                                norm_in=skinny_gemm.NormIn(parts.double(), NORM_EPS),
+                                **launch)  # fmt: skip
+
+
+@pytest.mark.skipif(not HOPPER, reason="the norm halves need TMA loads (Hopper)")
+def test_norm_between_leaves_long_products_alone() -> None:
+    """Past NORM_BETWEEN_MAX_K (llama-1b's o, K 2,048) the norm keeps its own launch."""
+    x, first, residual, norm_weight = stream_operands(64, 2048, 2048)
+    _, second = operands(64, 16384, 2048, torch.bfloat16)
+    assert skinny_gemm.decode_linear(x, first, None) is not None  # the product alone: taken
+    second = skinny_gemm.interleave_gate_up(second)
+    args = (x, first, None, residual, norm_weight, NORM_EPS, second, None, True)
+    assert skinny_gemm.decode_norm_between(*args) is None
+
+
+def spy_on_norms_between(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """From now on, each decode_norm_between call appends whether it ran the products."""
+    calls: list[bool] = []
+    real = skinny_gemm.decode_norm_between
+
+    def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+        result = real(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(skinny_gemm, "decode_norm_between", spy)
+    return calls
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
@@ -350,9 +466,11 @@ def test_bf16_model_on_the_skinny_path_matches_hf(
     model = load_model(str(tmp_path), torch.device("cuda"), torch.bfloat16).module
     assert interleave_gate_ups(model) == 2  # both layers
     epilogues = spy_on_launches(monkeypatch)
+    norms_between = spy_on_norms_between(monkeypatch)
     with skinny_gemm.for_graphs():  # as the runner's graph capture runs the layers
         ours = first_logits(model)
     assert True in epilogues and False in epilogues  # the epilogue and the plain products ran
+    assert norms_between and all(norms_between)  # every post-attention norm split
     for i, prompt in enumerate(PROMPTS):
         reference = hf_greedy(hf_model, prompt, 1).logits[0][0]
         assert relative_error(ours[i], reference) < 3e-2, f"prompt {i} against HF"

@@ -128,6 +128,41 @@ def gemma_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
+def norm_between(
+    first: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: nn.Module,
+    second: nn.Module,
+    glu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(second(norm(first(x) + residual)), first(x) + residual) in two launches, the norm in
+    neither of its own: on CUDA, in a CUDA graph, where the skinny GEMM takes both products
+    (skinny_gemm ``decode_norm_between``; with ``glu`` ``second`` is an interleaved gate/up
+    projection and the result its SiLU-and-mul). None where the three run as they are: no
+    residual yet, a norm other than a plain RMSNorm (Gemma's, one that quantizes for FP8), a
+    row-parallel ``first`` (tensor parallelism sums it in the norm), FP8 or packed weights,
+    eager steps, larger products."""
+    plain_norm = type(norm) is RMSNorm and not norm.unit_offset and not norm.quantize_output
+    if residual is None or not plain_norm or not use_triton(x) or x.dim() != 2:
+        return None
+    if type(first) is not Linear or not plain_weights(first) or not plain_weights(second):
+        return None
+    from engine_core.models import skinny_gemm
+
+    if not skinny_gemm.graphed():
+        return None
+    return skinny_gemm.decode_norm_between(
+        x, first.weight, first.bias, as_rows(residual), norm.weight, norm.eps, second.weight,
+        second.bias, glu,
+    )  # fmt: skip
+
+
+def plain_weights(linear: nn.Module) -> bool:
+    """Whether ``linear`` is a Linear holding a plain (not FP8, not CPU-packed) weight."""
+    return isinstance(linear, Linear) and linear.fp8 is None and linear.packed_weight is None
+
+
 def residual_rows(residual: torch.Tensor | None) -> torch.Tensor | None:
     return None if residual is None else as_rows(residual)
 

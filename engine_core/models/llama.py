@@ -37,6 +37,7 @@ from engine_core.models.layers import (
     lm_head,
     load_mapped_weights,
     norm_and_rotate_qk,
+    norm_between,
     project_logits,
     row_parallel_linear,
     silu_and_mul,
@@ -88,16 +89,18 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor | PendingSum:
         """hidden [T, hidden], cos/sin [T, D] -> [T, hidden] (a PendingSum where o_proj defers
         its all-reduce to the norm after it)."""
-        num_tokens, head_dim = hidden.shape[0], self.attn.head_dim
-        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(hidden), cos, sin))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qkv_proj's output [T, q + k + v] -> the attention's output [T, H*D], before o_proj."""
+        num_tokens, head_dim = qkv.shape[0], self.attn.head_dim
+        q, k, v = qkv.split(self.sizes, dim=-1)
         if self.q_norm is None and self.attn.rotates_in_kv_write():
-            out = self.attn(q, k, v, rotary=(cos, sin))  # [T, H*D]; one launch for both
-            return self.o_proj(out)
+            return self.attn(q, k, v, rotary=(cos, sin))  # one launch for both
         q = q.view(num_tokens, -1, head_dim)  # [T, H, D]
         k = k.view(num_tokens, -1, head_dim)  # [T, KVH, D]
         q, k = norm_and_rotate_qk(q, k, self.q_norm, self.k_norm, cos, sin)  # in place on CUDA
-        out = self.attn(q.flatten(1), k.flatten(1), v)  # [T, H*D]
-        return self.o_proj(out)
+        return self.attn(q.flatten(1), k.flatten(1), v)
 
 
 def has_o_bias(config: ModelConfig) -> bool:
@@ -168,10 +171,25 @@ class LlamaDecoderLayer(nn.Module):
         -> (this layer's MLP output, residual stream before it), each [T, hidden]: every
         residual add happens inside the next norm (and under tensor parallelism, where
         defer_row_parallel_sums set it up, the sublayers' all-reduces too)."""
-        hidden, residual = first_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        attn = self.self_attn
+        normed, residual = first_norm(self.input_layernorm, hidden, residual)
+        heads = attn.attend(attn.qkv_proj(normed), cos, sin)  # before o_proj: mlp_block's
+        return self.mlp_block(heads, residual)
+
+    def mlp_block(
+        self, heads: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
+        """o_proj, the post-attention norm and the MLP: (the MLP's output, the residual stream).
+        In a CUDA graph the norm rides in o_proj's and gate_up_proj's launches (with the
+        SiLU-and-mul) where norm_between takes them."""
+        attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
+        if isinstance(mlp, LlamaMLP) and mlp.gate_up_interleaved:
+            fused = norm_between(attn.o_proj, heads, residual, norm, mlp.gate_up_proj, glu=True)
+            if fused is not None:
+                act, residual = fused
+                return mlp.down_proj(act), residual
+        hidden, residual = norm(attn.o_proj(heads), residual)
+        return mlp(hidden), residual
 
 
 def fuse_fp8_quantizers(model: nn.Module) -> int:

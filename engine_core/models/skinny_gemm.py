@@ -150,6 +150,46 @@ def _tile_argmax(tile, rn, rm, m_mask, pid_n, Best, At, n_cols, BLOCK_N: tl.cons
     tl.store(At + slot, pid_n * BLOCK_N + at, mask=m_mask)
 
 
+@dataclass(frozen=True)
+class NormOut:
+    """What a product writes beside its output for the RMSNorm after it (the first half of
+    decode_norm_between): its output becomes the residual stream, output + ``residual``."""
+
+    residual: torch.Tensor  # [M, N], the output's dtype, unit column stride
+    weight: torch.Tensor  # [N], the norm's
+    scaled: torch.Tensor  # [M, N] written: the stream times the norm's weight
+    parts: torch.Tensor  # [N tiles, M] float32 written: each row's sum of squares per tile
+
+    def check(self, m: int, n: int, n_tiles: int, dtype: torch.dtype) -> None:
+        """Refuse what the epilogue cannot read or write for an [m, n] output of ``dtype``."""
+        for name, t in (("residual", self.residual), ("scaled", self.scaled)):
+            if t.shape != (m, n) or t.dtype != dtype or t.stride(1) != 1:
+                raise ValueError(f"the norm epilogue's {name} must be [{m}, {n}] {dtype} rows, "
+                                 f"got {tuple(t.shape)} {t.dtype}")  # fmt: skip
+        if self.weight.shape != (n,):
+            raise ValueError(f"the norm epilogue's weight must be [{n}], got "
+                             f"{tuple(self.weight.shape)}")  # fmt: skip
+        _check_parts(self.parts, n_tiles, m)
+
+
+@dataclass(frozen=True)
+class NormIn:
+    """The second half of decode_norm_between: the product's A is a NormOut's ``scaled`` and
+    each row of its result is multiplied by the row's 1 / RMS, from the NormOut's ``parts``."""
+
+    parts: torch.Tensor  # [P, M] float32
+    eps: float
+
+    def check(self, m: int) -> None:
+        _check_parts(self.parts, self.parts.shape[0], m)
+
+
+def _check_parts(parts: torch.Tensor, n_parts: int, m: int) -> None:
+    if parts.shape != (n_parts, m) or parts.dtype != torch.float32 or not parts.is_contiguous():
+        raise ValueError(f"the norm's sums of squares must be contiguous [{n_parts}, {m}] "
+                         f"float32, got {tuple(parts.shape)} {parts.dtype}")  # fmt: skip
+
+
 # M (the step's rows) stays a runtime value: specialized, each row-count class (1, a multiple of 16,
 # other) would compile its own variant the first time an eager step has it, mid-serving. The row
 # tile BLOCK_M is a power of two from 16 to SKINNY_MOST_ROWS, compiled when the CUDA graphs are.
@@ -205,6 +245,39 @@ def _skinny_gemm_kernel(
                      GLU, ARGMAX)  # fmt: skip
 
 
+@triton.jit
+def _row_inverse_norms(InParts, in_parts, M, rm, m_mask, n_cols, eps, IN_PARTS: tl.constexpr):
+    """Each row's 1 / RMS from the sums of squares that a NORM_OUT product left per weight tile
+    (InParts [in_parts, M] float32), summed in a fixed order: [BLOCK_M] float32."""
+    rp = tl.arange(0, IN_PARTS)
+    mask = (rp < in_parts)[:, None] & m_mask[None, :]
+    parts = tl.load(InParts + rp[:, None] * M + rm[None, :], mask=mask, other=0.0)
+    return tl.rsqrt(tl.sum(parts, 0) / n_cols + eps)
+
+
+@triton.jit
+def _norm_out_epilogue(acc, C, Bias, Residual, NormW, Scaled, OutParts, rn, rm, n_mask, m_mask,
+                       pid_n, M, stride_cm, stride_rm, stride_sm,
+                       HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The NORM_OUT product's epilogue, over its [BLOCK_N, BLOCK_M] tile of C.T: C gets the
+    residual stream h = product (+ bias) + residual, each sum rounded as the norm kernel rounds
+    it (triton_ops._rms_norm_kernel); Scaled gets h * the norm's weight, rounded; OutParts
+    [pid_n] each row's sum of h squared over the tile's columns (float32), from which the
+    consumer takes the rows' norms (_row_inverse_norms)."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out_ty = C.dtype.element_ty
+    mask = n_mask[:, None] & m_mask[None, :]
+    rows = rm[None, :].to(tl.int64)
+    residual = tl.load(Residual + rows * stride_rm + rn[:, None], mask=mask, other=0.0)
+    h = (acc.to(out_ty).to(tl.float32) + residual.to(tl.float32)).to(out_ty)
+    tl.store(C + rows * stride_cm + rn[:, None], h, mask=mask)
+    hf = h.to(tl.float32)
+    norm_w = tl.load(NormW + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(Scaled + rows * stride_sm + rn[:, None], (hf * norm_w[:, None]).to(out_ty), mask=mask)
+    tl.store(OutParts + pid_n * M + rm, tl.sum(hf * hf, 0), mask=m_mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_tma_kernel(
     a_desc,
@@ -223,6 +296,15 @@ def _skinny_gemm_tma_kernel(
     N,
     stride_cm,
     K_PER_SPLIT,
+    Residual,
+    NormW,
+    Scaled,
+    OutParts,
+    InParts,
+    in_parts,
+    eps,
+    stride_rm,
+    stride_sm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -235,6 +317,9 @@ def _skinny_gemm_tma_kernel(
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,  # weight elements per 128-byte line
     RELEASE: tl.constexpr,
+    NORM_OUT: tl.constexpr,
+    NORM_IN: tl.constexpr,
+    IN_PARTS: tl.constexpr,
 ):
     """_skinny_gemm_kernel with both operands' tiles brought in by the tensor memory
     accelerator (Hopper's bulk copies; rows past M or N read as zeros) instead of per-thread
@@ -244,7 +329,13 @@ def _skinny_gemm_tma_kernel(
     early) the program first asks L2 for its weights' first PREFETCH_K columns, which do not
     depend on that kernel, and only then waits for the kernel's outputs (the activations). With
     RELEASE it then lets the kernel after it become resident (a chain kernel, which waits in turn
-    for this one to complete: engine_core/triton_pdl.py)."""
+    for this one to complete: engine_core/triton_pdl.py).
+
+    NORM_OUT and NORM_IN split an RMSNorm between two products (decode_norm_between):
+    the first adds the residual to its output, writes it scaled by the norm's weight and each
+    row's sum of squares per weight tile (_norm_out_epilogue); the second, reading that scaled
+    output as its A, multiplies each row of its product by the row's 1 / RMS
+    (_row_inverse_norms). The norm then costs no launch of its own."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     off_n = pid_n * BLOCK_N
     k_start = split * K_PER_SPLIT
@@ -256,14 +347,29 @@ def _skinny_gemm_tma_kernel(
         tl.extra.cuda.gdc_wait()
         if RELEASE:
             tl.extra.cuda.gdc_launch_dependents()
+    rn = off_n + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask, m_mask = rn < N, rm < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         w = w_desc.load([off_n, k])  # [BLOCK_N, BLOCK_K]
         a = a_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
         acc += tl.dot(w, tl.trans(a))  # float32 per tile, as in _skinny_gemm_kernel
-    _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, ArgBest, ArgAt, argmax_cols, pid_m,
-                     pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, SCALED,
-                     GLU, ARGMAX)  # fmt: skip
+    # What the norm halves read beside the operands is read after the product: read before it,
+    # it held registers across the product's loop, and smollm2's and llama-1b's decode graphs
+    # ran 21 and about 50 us slower than with the loads here (docs/benchmarks.md, twenty-seventh
+    # session).
+    if NORM_IN:
+        inv = _row_inverse_norms(InParts, in_parts, M, rm, m_mask, K_PER_SPLIT, eps, IN_PARTS)
+        acc = acc * inv[None, :]
+    if NORM_OUT:
+        _norm_out_epilogue(acc, C, Bias, Residual, NormW, Scaled, OutParts, rn, rm, n_mask,
+                           m_mask, pid_n, M, stride_cm, stride_rm, stride_sm,
+                           HAS_BIAS)  # fmt: skip
+    else:
+        _skinny_epilogue(acc, C, AScale, WScale, Bias, Part, ArgBest, ArgAt, argmax_cols,
+                         pid_m, pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, SPLIT_K,
+                         HAS_BIAS, SCALED, GLU, ARGMAX)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -370,6 +476,8 @@ def skinny_gemm(
     block_m: int | None = None,
     out: torch.Tensor | None = None,
     tile_argmax: TileArgmax | None = None,
+    norm_out: NormOut | None = None,
+    norm_in: NormIn | None = None,
 ) -> torch.Tensor:
     """a [M, K] @ w [N, K].T (+ bias) -> [M, N] out_dtype, the rows in tiles of ``block_m`` (a
     power of two from 16; default: all M <= SKINNY_MOST_ROWS rows in one tile). FP8 operands
@@ -380,7 +488,9 @@ def skinny_gemm(
     interleave_gate_up arranges it, and the result is silu(gate) * up, [M, N / 2] (block_n
     2 * GLU_HALF, one split, no bias, no scales). ``out``: where to write the result (rows of
     unit column stride), else a new tensor. ``tile_argmax``: the epilogue also writes each
-    row's argmax over each weight tile's columns there (one split, no GLU)."""
+    row's argmax over each weight tile's columns there (one split, no GLU). ``norm_out`` and
+    ``norm_in``: the two halves of an RMSNorm between two products (decode_norm_between; TMA,
+    one split, no scales; norm_out without GLU or argmax)."""
     m, k = a.shape
     n = w.shape[0]
     if block_m is None and m > SKINNY_MOST_ROWS:
@@ -408,6 +518,15 @@ def skinny_gemm(
         block_m = max(16, triton.next_power_of_2(m))
     if tma is None:
         tma = tma_loads_fit(a, w)
+    if norm_out is not None or norm_in is not None:
+        first_half_fits = norm_out is None or (not glu and tile_argmax is None)
+        if not (tma and split_k == 1 and not scaled and first_half_fits):
+            raise ValueError("the skinny GEMM's norm halves take TMA loads, one split and no "
+                             "scales, and the first half no GLU or argmax")  # fmt: skip
+        if norm_out is not None:
+            norm_out.check(m, n, triton.cdiv(n, block_n), out_dtype)
+        if norm_in is not None:
+            norm_in.check(m)
     if num_stages is None:
         most = _skinny_stages(triton.cdiv(n, block_n), tma)
         stage_bytes = (block_m + block_n) * block_k * a.element_size()
@@ -438,9 +557,12 @@ def skinny_gemm(
         line = 128 // w.element_size()
         _skinny_gemm_tma_kernel[grid](
             a_desc, w_desc, w, w.stride(0), out, a_scale, w_scale, bias_arg, part, best, at,
-            argmax_cols, m, n, out.stride(0), k // split_k, **meta, PDL=pdl,
-            PREFETCH_K=_prefetch_columns(k // split_k, line), LINE=line,
-            RELEASE=pdl and SKINNY_RELEASE, launch_pdl=pdl,
+            argmax_cols, m, n, out.stride(0), k // split_k, *_norm_arguments(out, norm_out,
+            norm_in), **meta, PDL=pdl, PREFETCH_K=_prefetch_columns(k // split_k, line),
+            LINE=line, RELEASE=pdl and SKINNY_RELEASE, NORM_OUT=norm_out is not None,
+            NORM_IN=norm_in is not None,
+            IN_PARTS=triton.next_power_of_2(norm_in.parts.shape[0]) if norm_in else 1,
+            launch_pdl=pdl,
         )  # fmt: skip
     else:
         _skinny_gemm_kernel[grid](
@@ -450,6 +572,23 @@ def skinny_gemm(
     if split_k > 1:
         _reduce_splits(part, out, bias)
     return out
+
+
+def _norm_arguments(
+    out: torch.Tensor, norm_out: NormOut | None, norm_in: NormIn | None
+) -> tuple[object, ...]:
+    """The TMA kernel's Residual, NormW, Scaled, OutParts, InParts, in_parts, eps and the
+    residual's and scaled's row strides (``out``, never read, in place of what is absent)."""
+    residual = weight = scaled = out_parts = in_parts = out
+    n_parts, eps, stride_r, stride_s = 0, 0.0, out.stride(0), out.stride(0)
+    if norm_out is not None:
+        residual, weight, scaled, out_parts = (
+            norm_out.residual, norm_out.weight, norm_out.scaled, norm_out.parts,
+        )  # fmt: skip
+        stride_r, stride_s = residual.stride(0), scaled.stride(0)
+    if norm_in is not None:
+        in_parts, n_parts, eps = norm_in.parts, norm_in.parts.shape[0], norm_in.eps
+    return residual, weight, scaled, out_parts, in_parts, n_parts, eps, stride_r, stride_s
 
 
 def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -639,6 +778,75 @@ def decode_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return skinny_gemm(
         x, w, x.dtype, block_n=2 * GLU_HALF, block_k=block_k, glu=True, block_m=block_m
     )
+
+
+# A decode layer's post-attention RMSNorm rides in the launches of its o and gate/up products
+# (decode_norm_between) where o is short (K at most NORM_BETWEEN_MAX_K). On an H100 at
+# decode-64 (scripts/device/decode_graph_ab.py --variant ...:norm_between=0|1, docs/benchmarks.md
+# twenty-seventh session) smollm2's decode graph took 776.2 us instead of 794.9, and its
+# bench_decode step% went from 25.2-25.4% (one run 23.3%) to 25.9-26.1%. With o's K of 2,048 or
+# more the split did not pay: llama-1b's graph took 1,243.8 us instead of 1,240.9, llama-8b's
+# 6,285 instead of 6,294 (0.1%), so longer products keep the norm's own launch. Splitting the
+# input norm between down and the next layer's qkv the same way gained smollm2 nothing more; it
+# is not done. TANDEM_NORM_BETWEEN=0 keeps the norm's own launch everywhere (A/B).
+NORM_BETWEEN_ON = os.environ.get("TANDEM_NORM_BETWEEN", "1") != "0"
+NORM_BETWEEN_MAX_K = SHORT_K
+
+
+def norm_between_takes(x: torch.Tensor, first: torch.Tensor) -> bool:
+    """Whether decode_norm_between takes ``first`` as its first product of ``x``: a short one
+    (K at most NORM_BETWEEN_MAX_K) that decode_linear would run in one split."""
+    if not NORM_BETWEEN_ON or not takes_plain_product(x, first):
+        return False
+    n, k = first.shape
+    return k <= NORM_BETWEEN_MAX_K and dense_tiles(n, k, x.device)["split_k"] == 1
+
+
+def decode_norm_between(
+    x: torch.Tensor,
+    first: torch.Tensor,
+    first_bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    second: torch.Tensor,
+    second_bias: torch.Tensor | None = None,
+    glu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(y, h) for h = x @ first.T (+ first_bias) + residual (the residual stream) and
+    y = rms_norm(h, norm_weight, eps) @ second.T (+ second_bias), or with ``glu`` (no second
+    bias) the SiLU-and-mul of that product through an interleaved gate/up weight ``second``:
+    two launches, the norm split between them (NormOut, NormIn). The normalization moves past
+    the second product (each row's 1 / RMS multiplies its result rather than its operand), so
+    y differs from the separate norm's by the rounding of the operand. None where
+    norm_between_takes does not take the first product, or decode_linear (decode_glu) would not
+    take the second in one split."""
+    if not norm_between_takes(x, first) or (glu and second_bias is not None):
+        return None
+    first_tiles = dense_tiles(first.shape[0], first.shape[1], x.device)
+    m, n = x.shape[0], first.shape[0]
+    stream = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    scaled = torch.empty_like(stream)
+    if not takes_plain_product(scaled, second):
+        return None
+    second_tiles = dict(dense_tiles(second.shape[0], second.shape[1], x.device))  # cached: copy
+    if second_tiles["split_k"] != 1:
+        return None
+    if glu:
+        second_tiles["block_n"] = 2 * GLU_HALF
+    parts = torch.empty(
+        (triton.cdiv(n, first_tiles["block_n"]), m), dtype=torch.float32, device=x.device
+    )
+    skinny_gemm(
+        x, first, x.dtype, bias=first_bias, block_m=dense_row_tile(m, n, first.shape[1], x.device),
+        out=stream, norm_out=NormOut(residual, norm_weight, scaled, parts), **first_tiles,
+    )  # fmt: skip
+    y = skinny_gemm(
+        scaled, second, x.dtype, bias=second_bias,
+        block_m=dense_row_tile(m, second.shape[0], n, x.device), glu=glu,
+        norm_in=NormIn(parts, eps), **second_tiles,
+    )  # fmt: skip
+    return y, stream
 
 
 def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,10 @@ graphs capture. KEY=VALUE settings:
 - ``min_split=N``: the shortest context split (``MIN_SPLIT_TOKENS``), and ``thin_split=N``
   the one for grids of 1-2 programs a multiprocessor (``THIN_MIN_SPLIT_TOKENS``);
 - ``argmax_epilogue=0|1``: the LM head's product takes the argmax's first step in its epilogue
-  (``cuda_graph.TAIL_ARGMAX_EPILOGUE``).
+  (``cuda_graph.TAIL_ARGMAX_EPILOGUE``);
+- ``norm_between=0|1``: a layer's post-attention RMSNorm split between its o and gate/up
+  products' launches, where o is short (``skinny_gemm.NORM_BETWEEN_ON``; 0 is what
+  ``TANDEM_NORM_BETWEEN=0`` sets).
 
 Without ``--variant``: ``in-attention:rope=1`` against ``own-launch:rope=0``. Each engine decodes
 its batch to about ``--context`` tokens; then each one's decode graph is replayed ``--replays``
@@ -51,6 +54,7 @@ from engine_core.attention import triton_backend, triton_kernels  # noqa: E402
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.attention.triton_kernels import DecodeTile  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
+from engine_core.models import skinny_gemm  # noqa: E402
 from engine_core.presets import PRESETS  # noqa: E402
 
 PROMPT_TOKENS = 128  # decoding_engine's prompts
@@ -79,10 +83,13 @@ def launch_settings(settings: dict[str, str], head_dim: int, kv_heads: int) -> I
         dict(triton_kernels._WIDE_DECODE_TILES),
         dict(triton_kernels._SPARSE_DECODE_TILES),
         cuda_graph.TAIL_ARGMAX_EPILOGUE,
+        skinny_gemm.NORM_BETWEEN_ON,
     )
     for key, value in settings.items():
         if key == "argmax_epilogue":
             cuda_graph.TAIL_ARGMAX_EPILOGUE = value == "1"
+        elif key == "norm_between":
+            skinny_gemm.NORM_BETWEEN_ON = value == "1"
         elif key == "rope":
             TritonBackend.rotary_in_decode = value == "1"
         elif key == "max_head_dim":
@@ -111,6 +118,7 @@ def launch_settings(settings: dict[str, str], head_dim: int, kv_heads: int) -> I
             wide,
             sparse,
             cuda_graph.TAIL_ARGMAX_EPILOGUE,
+            skinny_gemm.NORM_BETWEEN_ON,
         ) = saved
         triton_kernels._DECODE_TILES.clear()
         triton_kernels._DECODE_TILES.update(tiles)
