@@ -342,7 +342,7 @@ def stream_operands(
     (
         (576, 576, 3072, True, False),  # smollm2's o, then its gate/up
         (2048, 2048, 16384, True, False),  # llama-1b's (past NORM_BETWEEN_MAX_K: lifted here)
-        (1536, 576, 960, False, False),  # smollm2's down, then the next layer's qkv
+        (1536, 576, 960, False, False),  # a plain second product (smollm2's down, qkv shapes)
         (896, 896, 1152, False, True),  # Qwen2-0.5B-like: o with bias, qkv with bias
     ),
 )
