@@ -673,15 +673,22 @@ GLU_ON = os.environ.get("TANDEM_GLU_EPILOGUE", "1") != "0"
 
 
 def decode_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    norm_out: NormOut | None = None,
+    norm_in: NormIn | None = None,
 ) -> torch.Tensor | None:
     """x [M, K] @ w.T (+ bias) by the skinny GEMM where it is the plain-weight path
-    (takes_plain_product), into ``out`` if given; None where cuBLAS should run it."""
+    (takes_plain_product), into ``out`` if given; None where cuBLAS should run it. ``norm_out``
+    and ``norm_in``: a half of a norm between two products (decode_norm_between)."""
     if not takes_plain_product(x, w):
         return None
     tiles = dense_tiles(w.shape[0], w.shape[1], x.device)
     block_m = dense_row_tile(x.shape[0], w.shape[0], w.shape[1], x.device)
-    return skinny_gemm(x, w, x.dtype, bias=bias, block_m=block_m, out=out, **tiles)
+    return skinny_gemm(x, w, x.dtype, bias=bias, block_m=block_m, out=out, norm_out=norm_out,
+                       norm_in=norm_in, **tiles)  # fmt: skip
 
 
 def decode_linear_argmax(
@@ -768,16 +775,18 @@ def dense_tiles(n: int, k: int, device: torch.device) -> dict[str, int]:
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k}
 
 
-def decode_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+def decode_glu(
+    x: torch.Tensor, w: torch.Tensor, norm_in: NormIn | None = None
+) -> torch.Tensor | None:
     """silu(gate) * up [M, N / 2] of x [M, K] and an interleaved gate/up weight w [N, K], by the
-    skinny GEMM's epilogue where decode_linear would take the product; None elsewhere."""
+    skinny GEMM's epilogue where decode_linear would take the product; None elsewhere.
+    ``norm_in``: the second half of a norm between two products (decode_norm_between)."""
     if not takes_plain_product(x, w):
         return None
     block_k = dense_tiles(w.shape[0], w.shape[1], x.device)["block_k"]
     block_m = dense_row_tile(x.shape[0], w.shape[0], w.shape[1], x.device)
-    return skinny_gemm(
-        x, w, x.dtype, block_n=2 * GLU_HALF, block_k=block_k, glu=True, block_m=block_m
-    )
+    return skinny_gemm(x, w, x.dtype, block_n=2 * GLU_HALF, block_k=block_k, glu=True,
+                       block_m=block_m, norm_in=norm_in)  # fmt: skip
 
 
 # A decode layer's post-attention RMSNorm rides in the launches of its o and gate/up products
@@ -823,29 +832,23 @@ def decode_norm_between(
     take the second in one split."""
     if not norm_between_takes(x, first) or (glu and second_bias is not None):
         return None
-    first_tiles = dense_tiles(first.shape[0], first.shape[1], x.device)
     m, n = x.shape[0], first.shape[0]
     stream = torch.empty((m, n), dtype=x.dtype, device=x.device)
     scaled = torch.empty_like(stream)
+    # Both products must be taken before the first runs: its output is only half a norm.
     if not takes_plain_product(scaled, second):
         return None
-    second_tiles = dict(dense_tiles(second.shape[0], second.shape[1], x.device))  # cached: copy
-    if second_tiles["split_k"] != 1:
+    if not glu and dense_tiles(second.shape[0], second.shape[1], x.device)["split_k"] != 1:
         return None
+    n_tiles = triton.cdiv(n, dense_tiles(n, first.shape[1], x.device)["block_n"])
+    parts = torch.empty((n_tiles, m), dtype=torch.float32, device=x.device)
+    norm_out = NormOut(residual, norm_weight, scaled, parts)
+    decode_linear(x, first, first_bias, out=stream, norm_out=norm_out)
+    norm_in = NormIn(parts, eps)
     if glu:
-        second_tiles["block_n"] = 2 * GLU_HALF
-    parts = torch.empty(
-        (triton.cdiv(n, first_tiles["block_n"]), m), dtype=torch.float32, device=x.device
-    )
-    skinny_gemm(
-        x, first, x.dtype, bias=first_bias, block_m=dense_row_tile(m, n, first.shape[1], x.device),
-        out=stream, norm_out=NormOut(residual, norm_weight, scaled, parts), **first_tiles,
-    )  # fmt: skip
-    y = skinny_gemm(
-        scaled, second, x.dtype, bias=second_bias,
-        block_m=dense_row_tile(m, second.shape[0], n, x.device), glu=glu,
-        norm_in=NormIn(parts, eps), **second_tiles,
-    )  # fmt: skip
+        y = decode_glu(scaled, second, norm_in)
+    else:
+        y = decode_linear(scaled, second, second_bias, norm_in=norm_in)
     return y, stream
 
 
