@@ -43,7 +43,9 @@ Field layouts (after the type tag and the version):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import operator
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -367,7 +369,7 @@ def _decode_hello(fields: list[Any], v: _Validator) -> Hello:
 def _encode_add_request(msg: AddRequest) -> list[Any]:
     v = _Validator(msg.request_id if _is_request_id(msg.request_id) else None)
     rid = v.rid(msg.request_id)
-    validate_sampling_params(msg.params, rid)
+    params = _validated_wire_params(msg.params, rid)
     try:
         ids = pack_token_ids(msg.prompt_token_ids)
     except (OverflowError, TypeError) as exc:
@@ -377,7 +379,7 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
         raise ProtocolError("prompt_token_ids must not be empty", rid)
     _check_resumed(msg.num_output_tokens, len(ids) // 4, msg.params, v)
     v.int_(msg.output_interval, "output_interval", 1, INT32_MAX)
-    return [rid, ids, _encode_params(msg.params), msg.num_output_tokens, msg.output_interval]
+    return [rid, ids, params, msg.num_output_tokens, msg.output_interval]
 
 
 def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Validator) -> None:
@@ -450,8 +452,105 @@ _FLOAT_PARAMS = (
 )
 
 
+class _PlainParamsCache:
+    """Plain sampling params (no stop ids, logit bias or constraint) that passed validation,
+    kept by their key (``_plain_params_key``, ``_plain_wire_key``): their wire form on the
+    encoding side, their decoded object on the decoding side. The requests of a burst mostly
+    carry equal params, and checking and converting them field by field was most of an
+    ADD_REQUEST's cost at either end. A key holds every field's type as well as its value, so a
+    hit is a value that passed the same checks (True never stands in for 1, nor 1 for 1.0).
+    Bounded: emptied when full. Its dict operations are atomic under the GIL, so the threads of
+    one process may share it."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._entries: dict[tuple[Any, ...], Any] = {}
+
+    def get(self, key: tuple[Any, ...]) -> Any:
+        return self._entries.get(key)
+
+    def put(self, key: tuple[Any, ...], value: Any) -> None:
+        if len(self._entries) >= self._size:
+            self._entries.clear()
+        self._entries[key] = value
+
+
+# SamplingParams' fields that travel as one scalar each; the other three are the "plain" test.
+_SCALAR_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.name not in ("stop_token_ids", "logit_bias", "constraint")
+)
+# Their positions in the wire form (_encode_params): every one but 10, 13 and 14.
+_SCALAR_POSITIONS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 15)
+assert len(_SCALAR_FIELDS) == len(_SCALAR_POSITIONS), "a new SamplingParams field: see above"
+_scalar_fields_of = operator.attrgetter(*_SCALAR_FIELDS)  # a tuple, in one C call
+_scalars_on_the_wire = operator.itemgetter(*_SCALAR_POSITIONS)
+_EMPTY_LOGIT_BIAS = [b"", b""]
+_WIRE_PARAMS = _PlainParamsCache()
+_DECODED_PARAMS = _PlainParamsCache()
+
+
+def _typed_key(values: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The values and their types, or None where one is unhashable (a malformed field)."""
+    key = (values, tuple(map(type, values)))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _plain_params_key(p: SamplingParams) -> tuple[Any, ...] | None:
+    """The cache key of params with no stop ids, logit bias or constraint; None for others."""
+    plain = (
+        type(p.stop_token_ids) is tuple
+        and not p.stop_token_ids
+        and type(p.logit_bias) is tuple
+        and not p.logit_bias
+        and p.constraint is None
+    )
+    return _typed_key(_scalar_fields_of(p)) if plain else None
+
+
+def _plain_wire_key(f: list[Any]) -> tuple[Any, ...] | None:
+    """The cache key of wire params (a 16-item list) that carry no stop ids, logit bias or
+    constraint; None for others."""
+    plain = (
+        type(f[10]) is bytes
+        and not f[10]
+        and type(f[13]) is list
+        and f[13] == _EMPTY_LOGIT_BIAS
+        and all(type(x) is bytes for x in f[13])
+        and f[14] is None
+    )
+    return _typed_key(_scalars_on_the_wire(f)) if plain else None
+
+
+def _validated_wire_params(p: SamplingParams, request_id: str) -> list[Any]:
+    """``p`` checked (ProtocolError naming its first bad field) and in its wire form."""
+    key = _plain_params_key(p)
+    if key is not None and (wire := _WIRE_PARAMS.get(key)) is not None:
+        return wire  # never mutated: msgpack only reads it
+    validate_sampling_params(p, request_id)
+    wire = _encode_params(p)
+    if key is not None:
+        _WIRE_PARAMS.put(key, wire)
+    return wire
+
+
 def _decode_params(value: Any, v: _Validator) -> SamplingParams:
     f = v.list_(value, "sampling params", 16)
+    key = _plain_wire_key(f)
+    if key is not None and (params := _DECODED_PARAMS.get(key)) is not None:
+        return params  # frozen: requests may share it
+    params = _decode_fields_of_params(f, v)
+    if key is not None:
+        _DECODED_PARAMS.put(key, params)
+    return params
+
+
+def _decode_fields_of_params(f: list[Any], v: _Validator) -> SamplingParams:
     # Numbers to float first (ranges are checked below, on the built params).
     floats = {name: v.float_(f[i], name, -math.inf, math.inf) for i, name in _FLOAT_PARAMS}
     params = SamplingParams(

@@ -333,6 +333,92 @@ def test_bad_sampling_param_is_an_error_for_that_request(index: int, value: Any)
     assert info.value.request_id == "r"
 
 
+# ---- repeated sampling params (the codec's cache of validated plain params) ---------------------
+
+
+def decoded_params(frame: bytes) -> SamplingParams:
+    msg = decode_client_message(frame)
+    assert isinstance(msg, AddRequest)
+    return msg.params
+
+
+def test_repeated_plain_params_decode_once_to_a_shared_object() -> None:
+    params = SamplingParams(max_tokens=77, temperature=0.25, top_k=5, seed=9, logprobs=2)
+    first = decoded_params(encode(AddRequest("a", [1, 2], params)))
+    second = decoded_params(encode(AddRequest("b", [3], params)))
+    assert first == params
+    assert second is first  # the second request's params came from the cache
+
+
+def test_params_with_stop_ids_or_logit_bias_are_decoded_each_time() -> None:
+    for params in [
+        SamplingParams(max_tokens=78, stop_token_ids=(5, 6)),
+        SamplingParams(max_tokens=78, logit_bias=((3, -1.5),)),
+        SamplingParams(max_tokens=78, constraint=Constraint(ConstraintKind.REGEX, "a+")),
+    ]:
+        first = decoded_params(encode(AddRequest("a", [1], params)))
+        second = decoded_params(encode(AddRequest("b", [1], params)))
+        assert first == second == params
+        assert second is not first
+
+
+@pytest.mark.parametrize(
+    ("index", "lookalike"),
+    [(0, True), (0, 1.0), (1, False), (2, True), (6, 4.0), (11, 0), (12, False), (15, 1.0)],
+)
+def test_a_cached_params_value_admits_no_lookalike(index: int, lookalike: Any) -> None:
+    """A value equal to a cached valid one but of another type (True == 1 == 1.0 in Python)
+    is still refused: the cache keys hold each field's type."""
+    valid = SamplingParams(max_tokens=1, temperature=1.0, seed=4, logprobs=0, prompt_logprobs=1)
+    frame = encode(AddRequest("r", [1], valid))
+    assert decoded_params(frame) == decoded_params(frame) == valid  # now cached
+    params = unpack(frame)[4]
+    assert params[index] == lookalike and type(params[index]) is not type(lookalike)
+    with pytest.raises(ProtocolError) as info:
+        decode_client_message(with_param_of(frame, index, lookalike))
+    assert info.value.request_id == "r"
+
+
+def with_param_of(frame: bytes, index: int, value: Any) -> bytes:
+    obj = unpack(frame)
+    obj[4][index] = value
+    return msgpack.packb(obj)
+
+
+@pytest.mark.parametrize(
+    "lookalike",
+    [
+        SamplingParams(max_tokens=True, seed=2),  # type: ignore[arg-type]
+        SamplingParams(max_tokens=1, ignore_eos=0, seed=2),  # type: ignore[arg-type]
+        SamplingParams(max_tokens=1, seed=2.0),  # type: ignore[arg-type]
+    ],
+)
+def test_the_encoder_refuses_lookalikes_of_cached_params(lookalike: SamplingParams) -> None:
+    valid = SamplingParams(max_tokens=1, ignore_eos=False, seed=2)
+    encode(AddRequest("r", [1], valid))
+    encode(AddRequest("r", [1], valid))  # its wire form is cached
+    assert lookalike == valid  # equal as Python compares them, field by field
+    with pytest.raises(ProtocolError):
+        encode(AddRequest("r", [1], lookalike))
+
+
+def test_invalid_params_are_refused_every_time() -> None:
+    for _ in range(3):
+        with pytest.raises(ProtocolError):
+            encode(AddRequest("r", [1], SamplingParams(max_tokens=0)))
+        with pytest.raises(ProtocolError):
+            decode_client_message(with_param(0, 0))
+
+
+def test_many_distinct_params_all_decode_right() -> None:
+    """More distinct params than the cache holds: each decodes to itself (the cache empties
+    itself when full rather than growing)."""
+    for n in range(1, 200):
+        params = SamplingParams(max_tokens=n, temperature=n / 200)
+        assert decoded_params(encode(AddRequest("r", [1], params))) == params
+        assert decoded_params(encode(AddRequest("r", [2], params))) == params
+
+
 def test_bad_request_fields_carry_the_request_id() -> None:
     params = unpack(encode(AddRequest("r", [1])))[4]
     for frame in [
