@@ -69,7 +69,9 @@ class EngineCore:
         """Queue a request; ValueError (with a message fit for the client) if it cannot run."""
         vocab = self.model_config.vocab_size
         params = request.params
-        if any(not 0 <= t < vocab for t in request.token_ids):
+        ids = request.token_ids
+        # Two C-level scans: a generator over the ids cost ~10 us per 128-token prompt.
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")

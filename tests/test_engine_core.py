@@ -134,6 +134,18 @@ def test_seeded_sampling_survives_preemption_and_batching(tiny_llama: Path) -> N
     assert [o.token_ids for o in crowded] == alone
 
 
+def test_prompt_ids_are_checked_against_the_vocabulary_at_its_bounds(tiny_llama: Path) -> None:
+    core = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=16).engine
+    vocab = core.model_config.vocab_size
+    for bad in ([vocab], [1, -1], [3, vocab + 5, 2]):
+        with pytest.raises(ValueError, match=rf"prompt token ids must lie in \[0, {vocab}\)"):
+            core.add_request(Request("bad", bad, GREEDY))
+    assert not core.has_unfinished()  # nothing of the refused ones was queued
+    core.add_request(Request("edges", [0, vocab - 1], GREEDY))
+    while core.has_unfinished():
+        core.step()
+
+
 def test_generate_that_fails_on_a_later_prompt_leaves_the_engine_as_it_was(
     tiny_llama: Path,
 ) -> None:
