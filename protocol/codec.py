@@ -481,8 +481,9 @@ _SCALAR_FIELDS = tuple(
     for f in dataclasses.fields(SamplingParams)
     if f.name not in ("stop_token_ids", "logit_bias", "constraint")
 )
-# Their positions in the wire form (_encode_params): every one but 10, 13 and 14.
-_SCALAR_POSITIONS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 15)
+# Their positions in the wire form (_encode_params): every one but the stop ids (10), the
+# logit bias (13) and the constraint (14), which _plain_wire_key checks for emptiness.
+_SCALAR_POSITIONS = tuple(i for i in range(16) if i not in (10, 13, 14))
 assert len(_SCALAR_FIELDS) == len(_SCALAR_POSITIONS), "a new SamplingParams field: see above"
 _scalar_fields_of = operator.attrgetter(*_SCALAR_FIELDS)  # a tuple, in one C call
 _scalars_on_the_wire = operator.itemgetter(*_SCALAR_POSITIONS)

@@ -270,9 +270,14 @@ def add_frame(**replace: Any) -> bytes:
 
 
 def with_param(index: int, value: Any) -> bytes:
-    params = unpack(encode(AddRequest("r", [1])))[4]
-    params[index] = value
-    return add_frame(_4=params)
+    return with_param_of(add_frame(), index, value)
+
+
+def with_param_of(frame: bytes, index: int, value: Any) -> bytes:
+    """An ADD_REQUEST frame with its sampling param at ``index`` replaced."""
+    obj = unpack(frame)
+    obj[4][index] = value
+    return msgpack.packb(obj)
 
 
 BAD_PARAMS = [
@@ -377,12 +382,6 @@ def test_a_cached_params_value_admits_no_lookalike(index: int, lookalike: Any) -
     with pytest.raises(ProtocolError) as info:
         decode_client_message(with_param_of(frame, index, lookalike))
     assert info.value.request_id == "r"
-
-
-def with_param_of(frame: bytes, index: int, value: Any) -> bytes:
-    obj = unpack(frame)
-    obj[4][index] = value
-    return msgpack.packb(obj)
 
 
 @pytest.mark.parametrize(
