@@ -8,12 +8,16 @@ and all): ``Scheduler.schedule`` (plan), ``InputBatch.pack`` on a CPU device (th
 and its numpy fill; on the GPU the copy and the gather launches come on top),
 ``Scheduler.update_from_output`` with the tokens a step sampled (every request decodes, none
 stops), and ``proc.step_frames`` plus the frames' ``encode`` (the STEP_OUTPUTS bytes). It prints
-the median microseconds of each phase per step and per request. The prompts are 128 tokens and
-every request has the same length, so the block tables grow in step, as in bench_decode.py's
-runs. On the GPU machine the same code takes this host's CPU; launch_host_probe.py
-(scripts/device) times the runner's launch with the GPU in the loop. ``--full-pack`` packs every
-step in full, where a steady decode step would advance the last one (InputBatch._advance): the
-A/B of that path, in the same process.
+the median microseconds of each phase per step and per request, over the steady steps and,
+apart, over the block-boundary steps. The prompts are 128 tokens and every request has the
+same length, so the block tables grow in step, as in bench_decode.py's runs: in one step of
+every block_size (16) each request's token enters a new block, its table grows (the plan),
+the inputs take the new block ids (the pack), and each request's filled block joins the
+prefix cache (the update of the step before, in the same busy-loop step under overlap). On the
+GPU machine the same code takes this host's CPU; launch_host_probe.py (scripts/device) times the
+runner's launch with the GPU in the loop. ``--full-pack`` packs every step in full, where a
+steady decode step would advance the last one (InputBatch._advance): the A/B of that path, in
+the same process.
 """
 
 from __future__ import annotations
@@ -68,6 +72,12 @@ class DecodeLoop:
         self._in_flight = None  # the plan launched last step (overlap: updated one step later)
         self.num_steps = 0
 
+    def at_boundary(self) -> bool:
+        """Whether the next step is a block-boundary step: its plan grows every table (each
+        request's last block is full) and its update registers the blocks just filled."""
+        known = len(self.requests[0].token_ids)  # every request has as many (one a step)
+        return known % self.scheduler.config.block_size == 1
+
     def step(self, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
         """One step: plan and pack step N, update step N-1 with its tokens, frame them."""
         t0 = clock()
@@ -93,16 +103,21 @@ class DecodeLoop:
         return {"schedule": t1 - t0, "pack": t2 - t1, "update": t4 - t3, "frames": t5 - t4}
 
 
-def run(batch: int, steps: int, warmup: int, advance: bool = True) -> dict[str, float]:
-    """Median seconds of each phase over ``steps`` steady steps after ``warmup``."""
+def run(batch: int, steps: int, warmup: int, advance: bool = True) -> dict[str, dict[str, float]]:
+    """Median seconds of each phase over the ``steps`` steps after ``warmup``, apart for the
+    steps at a block boundary (DecodeLoop.at_boundary) and the others."""
     loop = DecodeLoop(batch, advance)
-    times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    times = {kind: {phase: [] for phase in PHASES} for kind in ("steady", "boundary")}
     for i in range(warmup + steps):
+        kind = "boundary" if loop.at_boundary() else "steady"
         timed = loop.step()
         if i >= warmup:
             for phase in PHASES:
-                times[phase].append(timed[phase])
-    return {phase: statistics.median(values) for phase, values in times.items()}
+                times[kind][phase].append(timed[phase])
+    return {
+        kind: {phase: statistics.median(values) for phase, values in phases.items()}
+        for kind, phases in times.items()
+    }
 
 
 def main() -> None:
@@ -117,14 +132,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     print("# python " + " ".join(sys.argv))
-    print(f"{'batch':>6} {'phase':>9} {'us/step':>9} {'us/request':>11}")
+    print(f"{'batch':>6} {'steps':>9} {'phase':>9} {'us/step':>9} {'us/request':>11}")
     for batch in args.batch:
-        medians = run(batch, args.steps, args.warmup, advance=not args.full_pack)
-        for phase in PHASES:
-            us = medians[phase] * 1e6
-            print(f"{batch:6d} {phase:>9} {us:9.1f} {us / batch:11.2f}")
-        total = sum(medians.values()) * 1e6
-        print(f"{batch:6d} {'total':>9} {total:9.1f} {total / batch:11.2f}")
+        for kind, medians in run(batch, args.steps, args.warmup, not args.full_pack).items():
+            for phase in PHASES:
+                us = medians[phase] * 1e6
+                print(f"{batch:6d} {kind:>9} {phase:>9} {us:9.1f} {us / batch:11.2f}")
+            total = sum(medians.values()) * 1e6
+            print(f"{batch:6d} {kind:>9} {'total':>9} {total:9.1f} {total / batch:11.2f}")
 
 
 if __name__ == "__main__":

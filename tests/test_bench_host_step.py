@@ -26,3 +26,22 @@ def test_decode_loop_gives_every_request_its_tokens_in_order(advance: bool) -> N
         assert len(outputs) == 40
         table = loop.scheduler.block_manager.block_table(request.request_id)
         assert len(table) * 16 >= request.num_computed_tokens
+
+
+def test_boundary_steps_are_those_whose_tables_grow() -> None:
+    """The block-boundary steps that the script reports apart are exactly those in which every
+    request's block table grows by a block: one step in every block_size."""
+    bench = load_script("bench_host_step")
+    loop = bench.DecodeLoop(batch=4)
+    manager = loop.scheduler.block_manager
+    for _ in range(3):  # the prefill and the first decodes
+        loop.step()
+    boundaries = 0
+    for _ in range(48):
+        before = [len(manager.block_table(r.request_id)) for r in loop.requests]
+        boundary = loop.at_boundary()
+        loop.step()
+        after = [len(manager.block_table(r.request_id)) for r in loop.requests]
+        assert after == [n + boundary for n in before]
+        boundaries += boundary
+    assert boundaries == 48 // loop.scheduler.config.block_size
