@@ -87,15 +87,26 @@ class BlockManager:
         """A copy of the request's block table (empty when it holds no blocks)."""
         return self._tables.get(request_id, _EMPTY_TABLE).tolist()
 
-    def table_if_room(self, request_id: str, num_tokens: int) -> array[int] | None:
-        """A copy of the request's block table when it already covers ``num_tokens`` tokens
-        (the common decode step: the last block still has room), else None: then
-        ``allocate_slots`` has to grow it. One call where the scheduler's hot loop would make
-        two (``allocate_slots``, then ``block_table``)."""
-        table = self._tables.get(request_id)
-        if table is not None and num_tokens <= len(table) * self.block_size:
-            return table[:]
-        return None
+    def table_covering(self, request: Request, num_new_tokens: int) -> array[int] | None:
+        """A copy of the request's block table once it covers ``num_computed_tokens +
+        num_new_tokens`` tokens: as it is in the common decode step (the last block still has
+        room), grown by ``allocate_slots`` where it must be (every block_size-th step); None,
+        changing nothing, where free plus evictable blocks are too few. One call where the
+        scheduler's hot loop would make two (``allocate_slots``, then ``block_table``)."""
+        table = self._tables.get(request.request_id)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if table is not None:
+            room = len(table) * self.block_size
+            if num_tokens <= room:
+                return table[:]
+            if num_tokens <= room + self.block_size and (self._free or self._cached):
+                # The decode step after its last block filled: one more block, as
+                # allocate_slots would take it, without its general case's bookkeeping.
+                table.append(self._take_new())
+                return table[:]
+        if not self.allocate_slots(request, num_new_tokens):
+            return None
+        return self._tables[request.request_id][:]
 
     def block_table(self, request_id: str) -> array[int]:
         """A copy of the request's block table as an int32 array (what a step's plan carries)."""
@@ -162,11 +173,14 @@ class BlockManager:
         if num_full <= len(chain):
             return  # most steps: no block became full
         table = self._tables[request.request_id]
+        token_ids, size = request.token_ids, self.block_size
         parent = chain[-1] if chain else ROOT_HASH
-        start = len(chain) * self.block_size
-        for tokens in self._full_blocks(request.token_ids[start:], num_full - len(chain)):
+        # Block by block, slicing each from the token list: a decode step fills one block, and
+        # building the list of the full blocks first cost that common case twice as much.
+        for index in range(len(chain), num_full):
+            tokens = tuple(token_ids[index * size : (index + 1) * size])
             block_hash = hash_block(parent, tokens)
-            self._register(self._blocks[table[len(chain)]], block_hash, parent, tokens)
+            self._register(self._blocks[table[index]], block_hash, parent, tokens)
             chain.append(block_hash)
             parent = block_hash
 

@@ -44,6 +44,14 @@ _RING = 3  # host buffers in flight: the one being packed, and up to two queued 
 ADVANCE_STEADY_DECODE = True
 # Layouts kept for reuse (a steady decode repeats a handful of shapes); past this, start over.
 _MAX_LAYOUTS = 256
+# A step's layout gives the block tables room for the widest table rounded up to whole
+# TABLE_ROOM blocks (InputBatch._room), so a steady decode whose tables grow by a block keeps
+# its layout and advances (``_advance``) instead of packing in full; the attention metadata
+# still gets tables as wide as the widest (the eager decode kernel sizes its splits by it).
+# scripts/bench_host_step.py's boundary steps, on an H100 machine's host: the step in which 64
+# requests each enter a new block packed in 117 us this way, against 272 us packed in full
+# (256 requests: 242 against 500; docs/benchmarks.md, twenty-ninth session).
+TABLE_ROOM = 8
 
 
 @dataclass
@@ -90,6 +98,7 @@ class InputBatch:
     ) -> None:
         self.device = device
         self.block_size = block_size
+        self._max_width = max_blocks_per_seq
         self._pinned = device.type == "cuda"
         # The engine's one stream (its copies' events record on it): looked up once, as each
         # lookup costs the host microseconds a step.
@@ -103,8 +112,8 @@ class InputBatch:
             capacity(max_num_tokens, max_num_seqs, prefill_block_m(max_num_tokens)),
         )
         self._next = 0
-        # The last packed step's layout and ring buffer (``last_step``).
-        self._last: tuple[_Layout, int] | None = None
+        # The last packed step's layout, ring buffer and widest block table (``last_step``).
+        self._last: tuple[_Layout, int, int] | None = None
         # Layouts by their counts, with their views of the device buffer (``_layout``).
         self._layouts: dict[tuple[int, ...], _Layout] = {}
         self._steady: _SteadyStep | None = None  # the last step, where the next can advance it
@@ -218,10 +227,11 @@ class InputBatch:
         gather_dst = last[waiting]  # [G] token rows
         gather_src = _prev_rows_of(prev_sampling, requests, waiting)
         num_gather, width = len(waiting), max(width_list)
+        room = self._room(width)
         # The Triton prefill kernel's work list (attention/prefill_tiles.py); decodes need none.
         tiles = None if decode_only else tile_list(len_list, prefill_block_m(num_tokens))
         num_tiles = 0 if tiles is None else len(tiles)
-        layout = self._layout(num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles)
+        layout = self._layout(num_tokens, num_seqs, num_sampling, num_gather, room, num_tiles)
         host = self._host_buffer(layout.nbytes)
         view = layout.host_views(host)  # section name -> its view of the host buffer
         seq_lens = starts + lens  # [B]
@@ -231,10 +241,11 @@ class InputBatch:
         else:
             seq_of_token = np.repeat(np.arange(num_seqs), lens)  # [T]
             positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], lens)
-        block_tables = view["block_tables"].reshape(num_seqs, width)  # [B, W] int32
+        block_tables = view["block_tables"].reshape(num_seqs, room)  # [B, room] int32
         flat_tables = np.frombuffer(tables, dtype=np.int32)
         if len(flat_tables) == num_seqs * width:  # every table is as wide as the widest
-            block_tables[:] = flat_tables.reshape(num_seqs, width)
+            block_tables[:, :width] = flat_tables.reshape(num_seqs, width)
+            block_tables[:, width:] = 0
         else:
             widths = np.array(width_list, dtype=np.int64)  # [B]
             block_tables.fill(0)
@@ -255,13 +266,18 @@ class InputBatch:
         view["seq_lens"][:] = seq_lens
         if tiles is not None:
             view["prefill_tiles"][:] = tiles.reshape(-1)
-        self._last = layout, self._next
+        self._last = layout, self._next, width
         sample_ends = seq_lens if sample_seqs is None else seq_lens[sample_seqs]
         # Every token is the one its row sampled last step, row for row (a steady decode).
         in_order = decode_only and gather_src is waiting and num_gather == num_seqs
         if in_order and sample_seqs is None and self.advance_steady:
             self._steady = _SteadyStep(sampling, sample_ends)
-        return self._upload(layout, host, prev_sampled, sampling, sample_ends, in_order)
+        return self._upload(layout, host, prev_sampled, sampling, sample_ends, in_order, width)
+
+    def _room(self, width: int) -> int:
+        """The block tables' width in the layout of a step whose widest table has ``width``
+        blocks: rounded up to whole TABLE_ROOM blocks, within max_blocks_per_seq."""
+        return max(width, min(-(-width // TABLE_ROOM) * TABLE_ROOM, self._max_width))
 
     def _advance(
         self,
@@ -273,10 +289,11 @@ class InputBatch:
         """The step after ``last`` when it decodes the same rows: each row's position, length
         and KV slot move on by one token, and a row whose token starts a new block takes the
         block's id from its table (a block table only grows, by a block at a time, as its last
-        block fills). None where a table outgrows the last step's width (the layout changes):
-        then the step is packed in full. The ids and sampling rows are the last step's."""
+        block fills). None where a table outgrows the layout's room (the layout changes), or
+        did not grow by just that block: then the step is packed in full. The ids and sampling
+        rows are the last step's."""
         assert self._last is not None, "a steady step is always the last one packed"
-        layout, ring = self._last
+        layout, ring, width = self._last
         bs = self.block_size
         last_host = self._host[ring]
         positions = layout.host_views(last_host)["positions"] + 1  # [B]
@@ -284,10 +301,11 @@ class InputBatch:
         cols = positions[entering] // bs  # that block's place in the row's table
         scheduled = plan.scheduled
         tables = [scheduled[row].block_ids for row in entering.tolist()]
-        # A table past the layout's width changes the layout; one without the new block would
-        # break the growth rule above (not seen; packed in full, whatever the cause).
+        # A table past the layout's room changes the layout; one that did not grow by just the
+        # entered block would break the growth rule above (not seen; packed in full, whatever
+        # the cause).
         wanted = zip(tables, cols.tolist(), strict=True)
-        if any(not col < len(table) <= layout.width for table, col in wanted):
+        if any(len(table) != col + 1 or col >= layout.width for table, col in wanted):
             return None
         host = self._host_buffer(layout.nbytes)
         if host is not last_host:  # a ring of one (no pinned memory) advances in place
@@ -298,22 +316,25 @@ class InputBatch:
         slots = view["slot_mapping"]
         slots += 1
         if tables:
+            # Each entered block is its table's last; the columns before it are as they were.
+            entered = np.array([table[-1] for table in tables], dtype=np.int32)
             block_tables = view["block_tables"].reshape(layout.counts[1], layout.width)
-            for row, table in zip(entering.tolist(), tables, strict=True):
-                block_tables[row, : len(table)] = table
-            slots[entering] = block_tables[entering, cols].astype(np.int64) * bs
-        self._last = layout, self._next
+            block_tables[entering, cols] = entered
+            slots[entering] = entered.astype(np.int64) * bs
+            width = max(width, int(cols.max()) + 1)
+        self._last = layout, self._next, width
         sample_ends = last.sample_ends + 1
         self._steady = _SteadyStep(requests, sample_ends)
-        return self._upload(layout, host, prev_sampled, requests, sample_ends, True)
+        return self._upload(layout, host, prev_sampled, requests, sample_ends, True, width)
 
     def last_step(self) -> tuple[tuple[int, ...], bytes]:
         """The last packed step as ``unpack`` rebuilds it on another tensor-parallel rank: its
-        layout's counts and its host bytes (every field but the placeholders' ids, which each
-        rank gathers from its own copy of the previous step's sampled ids)."""
+        layout's counts followed by its widest block table, and its host bytes (every field but
+        the placeholders' ids, which each rank gathers from its own copy of the previous step's
+        sampled ids)."""
         assert self._last is not None, "no step packed yet"
-        layout, ring = self._last
-        return layout.counts, self._host[ring][: layout.nbytes].tobytes()
+        layout, ring, width = self._last
+        return (*layout.counts, width), self._host[ring][: layout.nbytes].tobytes()
 
     def unpack(
         self, counts: tuple[int, ...], data: bytes, prev_sampled: torch.Tensor | None
@@ -321,7 +342,8 @@ class InputBatch:
         """Another rank's ``last_step`` as this rank's device tensors (no sampling rows: only
         rank 0 samples)."""
         self._steady = None  # the ring buffer written below may be the one it advances
-        layout = self._layout(*counts)
+        *layout_counts, width = counts
+        layout = self._layout(*layout_counts)
         if len(data) != layout.nbytes:
             raise ValueError(f"a step of {len(data)} bytes for a layout of {layout.nbytes}")
         host = self._host_buffer(layout.nbytes)
@@ -330,7 +352,8 @@ class InputBatch:
         num_prev = 0 if prev_sampled is None else len(prev_sampled)
         in_order = layout.counts[0] == layout.count("gather_dst") == num_prev
         in_order = in_order and _is_range(views["gather_dst"]) and _is_range(views["gather_src"])
-        return self._upload(layout, host, prev_sampled, [], np.zeros(0, dtype=np.int64), in_order)
+        no_rows = np.zeros(0, dtype=np.int64)
+        return self._upload(layout, host, prev_sampled, [], no_rows, in_order, width)
 
     def _upload(
         self,
@@ -340,11 +363,14 @@ class InputBatch:
         sampling: list[Request],
         sample_ends: np.ndarray,
         in_order: bool,
+        width: int,
     ) -> PackedInputs:
         """Copy a filled host buffer to the device; the views, the placeholders' gather and the
         attention metadata (its host lists read back from the buffer). ``in_order``: every
         token is a placeholder for the id sampled by the same row last step, so there is no
-        gather: the forward takes ``prev_sampled`` itself (PackedInputs.ids_from)."""
+        gather: the forward takes ``prev_sampled`` itself (PackedInputs.ids_from). ``width``:
+        the widest block table, the width of the metadata's block tables (the layout's room
+        past it is padding: the kernels size their work by the tables' width)."""
         views = layout.device_views(self._copy_to_device(layout.nbytes))
         input_ids = views["input_ids"]
         ids_from = None
@@ -369,7 +395,7 @@ class InputBatch:
             slot_mapping=views["slot_mapping"],
             query_start_loc=views["query_start_loc"],
             seq_lens=views["seq_lens"],
-            block_tables=views["block_tables"],
+            block_tables=layout.block_tables_view(views, width),
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start.tolist(),
@@ -444,6 +470,8 @@ class _Layout:
         self.sections: dict[str, tuple[int, int, np.dtype]] = {}
         self._views: dict[str, torch.Tensor] = {}
         self._views_of: torch.Tensor | None = None  # the buffer ``_views`` are views of
+        # The last narrowed block tables: (the views they narrow, width, the view).
+        self._narrowed: tuple[dict[str, torch.Tensor], int, torch.Tensor] | None = None
         # Each host ring buffer's views: id -> (the buffer, kept so the id stays its, views).
         self._host_views: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
         offset = 0
@@ -483,6 +511,17 @@ class _Layout:
             views["prefill_tiles"] = views["prefill_tiles"].view(-1, 2)
             self._views, self._views_of = views, buf
         return self._views
+
+    def block_tables_view(self, views: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+        """The device block tables [B, width] of ``device_views``' [B, room]: the first
+        ``width`` columns, rows strided by the room; made once per width while the views last
+        (a steady decode asks for the same width block_size steps in a row)."""
+        if width == self.width:
+            return views["block_tables"]
+        cached = self._narrowed
+        if cached is None or cached[0] is not views or cached[1] != width:
+            cached = self._narrowed = views, width, views["block_tables"][:, :width]
+        return cached[2]
 
     def device_view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         start, count, dtype = self.sections[name]

@@ -176,11 +176,12 @@ class Scheduler:
         # Only the last admitted request can be mid-prompt (it took the budget that was left),
         # so walking in admission order schedules the decodes before any prompt chunk. This
         # loop runs once per running request per step, so its common case (a request whose
-        # blocks already have room, with nothing to score) is written out inline: what
-        # allocate_slots, _add_scheduled and ScheduledRequest.plan do for it, in one place.
+        # table covers its chunk, grown by a block if its last one filled, with nothing to
+        # score) is written out inline: what _add_scheduled and ScheduledRequest.plan do for
+        # it, in one place. Where the pool has too few blocks, _preempt_for makes room.
         running = self.running
         allocate = self.block_manager.allocate_slots
-        table_if_room = self.block_manager.table_if_room
+        table_covering = self.block_manager.table_covering
         scheduled = output.scheduled
         advance = self.async_scheduling
         index = 0
@@ -197,7 +198,7 @@ class Scheduler:
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
             end = start + num_new
-            block_ids = table_if_room(request.request_id, end)
+            block_ids = table_covering(request, num_new)
             if block_ids is None or request.wants_prompt_logprobs:
                 if not allocate(request, num_new) and not self._preempt_for(
                     request, num_new, output
@@ -344,27 +345,26 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]
     ) -> tuple[list[EngineOutput], bool]:
         """The overlap update of a step in which every row sampled one token, with
-        ``_update_planned``'s common case (a running request with no grammar that a full block
-        did not reach, or that did not stop) written out inline: this runs once per request per
-        step. Anything else takes ``_update_planned`` itself."""
+        ``_update_planned``'s common case (a running request with no grammar) written out
+        inline: this runs once per request per step. Anything else takes ``_update_planned``
+        itself."""
         events = []
         any_finished = False
         block_size = self._block_size
         running = RequestStatus.RUNNING
+        cache_blocks = self.block_manager.cache_computed_blocks
         for row, token in zip(scheduled, sampled_token_ids, strict=True):
             request = row.request
             start = row.start
             end = start + row.num_new_tokens
-            if (
-                request.status != running
-                or request.grammar is not None
-                or end // block_size > start // block_size  # a block filled: cache it
-            ):
+            if request.status != running or request.grammar is not None:
                 event = self._update_planned(row, token)
                 if event is not None:
                     events.append(event)
                     any_finished = any_finished or event.finish_reason is not None
                 continue
+            if end // block_size > start // block_size:  # a block filled: register it
+                cache_blocks(request, end)
             request.token_ids[end] = token
             reason = self._check_stop(request, token, end + 1)
             if reason is not None:

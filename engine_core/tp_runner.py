@@ -117,7 +117,7 @@ class StepChannel:
 
 @dataclasses.dataclass(frozen=True)
 class StepMessage:
-    counts: tuple[int, ...]  # the packed step's layout (InputBatch.unpack)
+    counts: tuple[int, ...]  # the packed step's layout, its widest table (InputBatch.unpack)
     data: bytes  # its host bytes
     prompt_rows: list[int] | None  # rows whose logits score prompt tokens, or None
 

@@ -127,6 +127,43 @@ def test_failed_allocate_slots_changes_nothing() -> None:
     bm.check_integrity()
 
 
+def test_table_covering_grows_a_table_as_allocate_slots_would() -> None:
+    """The scheduler's one call for a row's table: a copy as it is while it covers the chunk,
+    grown by a block (a free one first, then the least recently used cached one) where the last
+    block filled, by allocate_slots where it needs more; None and nothing changed without
+    room."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    old = make_request("old", list(range(100, 104)))  # one full block, cached once freed
+    admit(bm, old)
+    compute_all(bm, old)
+    bm.free("old")
+    a = make_request("a", list(range(4)))
+    admit(bm, a)
+    a.num_computed_tokens = 4
+    assert list(bm.table_covering(a, 0)) == bm.block_ids("a") == [1]
+    assert list(bm.table_covering(a, 1)) == bm.block_ids("a") == [1, 2]  # a free block
+    a.num_computed_tokens = 8
+    assert list(bm.table_covering(a, 1)) == bm.block_ids("a") == [1, 2, 3]
+    a.num_computed_tokens = 12
+    assert list(bm.table_covering(a, 1)) == bm.block_ids("a") == [1, 2, 3, 0]  # evicted
+    assert bm.num_cached_blocks == 0
+    a.num_computed_tokens = 16
+    assert bm.table_covering(a, 1) is None  # no block left
+    assert bm.block_ids("a") == [1, 2, 3, 0] and bm.num_free_blocks == 0
+    table = bm.table_covering(a, 0)
+    table.append(9)  # a copy: the block manager's table is not touched
+    assert bm.block_ids("a") == [1, 2, 3, 0]
+    bm.check_integrity()
+
+    bm = BlockManager(num_blocks=4, block_size=4)
+    b = make_request("b", list(range(3)))
+    admit(bm, b)
+    b.num_computed_tokens = 3
+    assert list(bm.table_covering(b, 9)) == bm.block_ids("b") == [0, 1, 2]  # two more blocks
+    assert bm.table_covering(b, 14) is None and bm.block_ids("b") == [0, 1, 2]
+    bm.check_integrity()
+
+
 def test_hash_collision_is_never_a_false_hit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: 7)  # everything collides
     bm = BlockManager(num_blocks=8, block_size=4)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_core import input_batch
 from engine_core.config import EngineConfig
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.request import Request, SchedulerOutput
@@ -62,10 +63,10 @@ class TwoBatches:
 
 
 def sections(batch: InputBatch) -> tuple[tuple[int, ...], dict[str, list[int]]]:
-    """The last packed step's layout counts and each section's values (the bytes between
-    sections, alignment padding, are never written)."""
+    """The last packed step's layout counts (and its widest block table) and each section's
+    values (the bytes between sections, alignment padding, are never written)."""
     counts, data = batch.last_step()
-    layout = batch._layout(*counts)
+    layout = batch._layout(*counts[:-1])
     buf = np.frombuffer(data, dtype=np.uint8)
     return counts, {name: layout.host_view(buf, name).tolist() for name in layout.sections}
 
@@ -162,9 +163,15 @@ def test_advanced_steps_equal_full_packs_and_the_plan(seed: int, device: str) ->
     assert batches.advanced > steps // 3
 
 
-def test_a_step_is_packed_in_full_when_a_table_outgrows_the_layout() -> None:
-    """Rows that all enter a new block at once widen the block tables: that step is packed in
-    full (a new layout), and the steps after it advance again."""
+@pytest.mark.parametrize("room", [1, input_batch.TABLE_ROOM])
+def test_a_step_is_packed_in_full_when_a_table_outgrows_the_layout(
+    monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    """Rows that all enter a new block at once widen the block tables. Within the layout's room
+    (TABLE_ROOM blocks) that step advances like any other; past it (a room of one block here)
+    it is packed in full (a new layout), and the steps after it advance again. Either way the
+    metadata's block tables are as wide as the widest table."""
+    monkeypatch.setattr(input_batch, "TABLE_ROOM", room)
     config = EngineConfig(block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=MAX_TOKENS)
     scheduler = Scheduler(config, 64, MAX_MODEL_LEN, [0], async_scheduling=True)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -188,7 +195,10 @@ def test_a_step_is_packed_in_full_when_a_table_outgrows_the_layout() -> None:
             scheduler.update_from_output(*previous)
     # Positions 2 (the prompt's last token), then 3, 4, ...: the tables widen at 4, 8, 12.
     assert widths == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
-    # The prefill and the first decode (its ids gathered after a prefill) are packed in full,
-    # and so is each step that widens the tables.
-    assert advanced == [False, False, False, True, True, True, False, True, True, True, False,
-                        True]  # fmt: skip
+    # The prefill and the first decode (its ids gathered after a prefill) are packed in full;
+    # so is each step that widens the tables past the room.
+    if room == 1:
+        assert advanced == [False, False, False, True, True, True, False, True, True, True,
+                            False, True]  # fmt: skip
+    else:
+        assert advanced == [False, False] + [True] * 10
