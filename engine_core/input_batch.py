@@ -484,7 +484,8 @@ class _Layout:
 
     @property
     def width(self) -> int:
-        """The block tables' width (the widest table of the step)."""
+        """The block tables' width in the layout: their room (InputBatch._room), at least
+        the step's widest table."""
         return self.counts[4]
 
     def count(self, name: str) -> int:
@@ -503,8 +504,8 @@ class _Layout:
         return buf[start : start + count * dtype.itemsize].view(dtype)
 
     def device_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every section as a view of ``buf`` (the block tables as [B, W], the prefill tiles as
-        [N, 2]); made on the first call for a buffer and reused after."""
+        """Every section as a view of ``buf`` (the block tables as [B, room], the prefill
+        tiles as [N, 2]); made on the first call for a buffer and reused after."""
         if self._views_of is not buf:
             views = {name: self.device_view(buf, name) for name in self.sections}
             views["block_tables"] = views["block_tables"].view(self.counts[1], self.width)

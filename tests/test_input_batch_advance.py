@@ -202,3 +202,13 @@ def test_a_step_is_packed_in_full_when_a_table_outgrows_the_layout(
                             False, True]  # fmt: skip
     else:
         assert advanced == [False, False] + [True] * 10
+
+
+def test_room_rounds_the_widest_table_up_within_the_longest() -> None:
+    """A layout's block tables have room for the widest table rounded up to whole TABLE_ROOM
+    blocks, but never past max_blocks_per_seq (here 20, and 7: not a multiple of the room)."""
+    room = input_batch.TABLE_ROOM
+    wide = InputBatch(torch.device("cpu"), BLOCK, MAX_TOKENS, MAX_SEQS, 20)
+    assert [wide._room(w) for w in (1, room, room + 1, 2 * room + 1)] == [room, room, 2 * room, 20]
+    narrow = InputBatch(torch.device("cpu"), BLOCK, MAX_TOKENS, MAX_SEQS, 7)
+    assert [narrow._room(w) for w in (1, 7)] == [7, 7]

@@ -384,6 +384,7 @@ def test_placeholders_take_the_id_their_request_sampled_last_step() -> None:
         counts, data = batch.last_step()
         other = InputBatch(torch.device("cpu"), 4, 64, 8, 16).unpack(counts, data, sampled)
         assert forward_ids(other) == forward_ids(packed)
+        assert torch.equal(other.meta.block_tables, packed.meta.block_tables)  # width too
         # Only a batch in its old order leaves its ids where the sampler wrote them.
         in_order = prev == [r.request for r in rows]
         assert (packed.ids_from is sampled) == (other.ids_from is sampled) == in_order

@@ -304,6 +304,26 @@ def test_decode_splits_give_the_same_attention(num_splits: int) -> None:
     assert_close(out, reference_attention(batch, scale))
 
 
+def test_decode_reads_block_tables_through_their_row_stride() -> None:
+    """The input batch hands the kernels a narrowed view of block tables that have room past
+    the widest (rows strided by the room): the same attention as from contiguous tables, and
+    nothing read past a row's width (the room holds block ids far out of the cache)."""
+    heads, kv_heads, head_dim = HEAD_SHAPES[-1]
+    specs = [(c - 1, 1) for c in DECODE_CONTEXTS]
+    batch = make_batch(specs, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=11)
+    tables = batch.meta.block_tables
+    rows, width = tables.shape
+    room = torch.full((rows, width + 5), 1 << 30, dtype=tables.dtype, device=tables.device)
+    room[:, :width] = tables
+    narrowed = room[:, :width]
+    assert narrowed.stride(0) == width + 5
+    common = dict(num_splits=3, min_split_tokens=16)
+    args = (batch.q, batch.k_cache, batch.v_cache)
+    want = paged_decode_attention(*args, tables, batch.meta.seq_lens, head_dim**-0.5, **common)
+    got = paged_decode_attention(*args, narrowed, batch.meta.seq_lens, head_dim**-0.5, **common)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_padding_rows_give_zeros(num_splits: int) -> None:
     """Rows with seq_len 0 (CUDA-graph padding) read nothing and write zeros, not NaN."""
@@ -629,19 +649,22 @@ def test_rotary_cos_sin_is_the_torch_code_bit_for_bit(
                 assert torch.equal(g, r)
 
 
+@pytest.mark.parametrize("room", [0, 5])
 @pytest.mark.parametrize(("n", "rows", "width"), [(5, 8, 3), (8, 8, 130), (1, 4, 1)])
 def test_stage_decode_inputs_copies_and_pads_as_the_copies_did(
-    n: int, rows: int, width: int
+    n: int, rows: int, width: int, room: int
 ) -> None:
     """The decode graph's inputs staged in one launch: the first n rows copied, rows n..rows
-    padding (slot -1, no context), everything else of the buffers left as it was."""
+    padding (slot -1, no context), everything else of the buffers left as it was; block tables
+    with ``room`` columns past their width (the input batch's narrowed view) as contiguous
+    ones."""
     gen = torch.Generator().manual_seed(n * 1000 + width)
 
     def ints(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.randint(0, 10_000, shape, generator=gen, dtype=dtype).to(DEVICE)
 
     inputs = (ints(n), ints(n), ints(n), ints(n, dtype=torch.int32))
-    tables = ints(n, width, dtype=torch.int32)
+    tables = ints(n, width + room, dtype=torch.int32)[:, :width]
     buffers = (ints(16), ints(16), ints(16), ints(16, dtype=torch.int32))
     table_buffer = ints(16, 200, dtype=torch.int32)
     want = [b.clone() for b in buffers]

@@ -27,7 +27,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset); -1 = skip
     query_start_loc: torch.Tensor  # [B + 1] int32, on the device
     seq_lens: torch.Tensor  # [B] int32, on the device
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    # [B, max_blocks] int32, padded with 0; rows may be strided past max_blocks (a view)
+    block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
     # Host copies, so the reference path and the launch logic never sync on the device.
