@@ -1,17 +1,19 @@
-"""The engine-core process: two socket threads around a lock-free busy loop.
+"""The engine-core process: an input thread beside a lock-free busy loop.
 
     input thread:  ROUTER recv (a burst at a time) -> decode/validate -> inbox queue
-    busy loop:     drain inbox (block only when idle) -> EngineCore.step() -> encode -> outbox
-    output thread: outbox queue -> (encode the rare other messages) -> ROUTER send to the client
+    busy loop:     drain inbox (block only when idle) -> EngineCore.step() -> encode -> ROUTER send
 
 Only the busy loop touches the EngineCore, so the scheduler, block manager and runner need no
-locks. Client request ids are scoped by the client's socket identity, so two clients may reuse an
-id. A client the output socket can no longer reach has its requests aborted, so a vanished
-client's requests never hold KV blocks. With ``parent_pid`` the engine exits on its own within
-about a second of that process vanishing, even where no death signal reaches it. If either socket
-thread dies, the process ends with the cause logged (``SocketThreadDied``): an engine that can no
-longer hear requests or send outputs must not live on looking healthy, and its supervisor starts a
-new one. Also the `tandem engine` subcommand.
+locks. It also owns the output socket and sends every message itself: a ZMQ send only hands the
+frame to ZMQ's own I/O thread (high-water marks are off, so it never blocks), while handing it to
+a Python output thread made the busy loop wait for the interpreter lock about 1.6 times a step
+(see ``_send``). Client request ids are scoped by the client's socket identity, so two clients may
+reuse an id. A client the output socket can no longer reach has its requests aborted, so a
+vanished client's requests never hold KV blocks. With ``parent_pid`` the engine exits on its own
+within about a second of that process vanishing, even where no death signal reaches it. If the
+input thread dies or a send fails, the process ends with the cause logged (``SocketFailed``): an
+engine that can no longer hear requests or send outputs must not live on looking healthy, and its
+supervisor starts a new one. Also the `tandem engine` subcommand.
 """
 
 from __future__ import annotations
@@ -71,12 +73,12 @@ BURST_GAP_S = 0.0005
 BURST_MAX_S = 0.004
 
 
-class _ClientGone:
-    """Internal inbox item: the output thread could not reach this client."""
+class _Wake:
+    """Internal inbox item: wakes an idle busy loop (to see that ``running`` went False)."""
 
 
-class SocketThreadDied(RuntimeError):
-    """A socket thread of the engine process raised: the process must end (and be restarted)."""
+class SocketFailed(RuntimeError):
+    """The input thread died or a send raised: the process must end (and be restarted)."""
 
 
 class _ThreadDied:
@@ -102,11 +104,12 @@ class EngineProc:
         self.address = address
         self.curve = curve
         self.parent_pid = parent_pid
-        self.inbox: queue.Queue[tuple[bytes, ClientMessage | _ClientGone | _ThreadDied]] = (
-            queue.Queue()
-        )
-        # Messages for the output thread to send: step outputs already encoded (bytes).
-        self.outbox: queue.Queue[tuple[bytes, EngineMessage | bytes] | None] = queue.Queue()
+        # From the input thread: requests, and its refusals of malformed ones (RequestError) for
+        # the busy loop to send, as it owns the output socket.
+        self.inbox: queue.Queue[
+            tuple[bytes, ClientMessage | RequestError | _Wake | _ThreadDied]
+        ] = queue.Queue()
+        self.out_sock: Any = None  # the output ROUTER, bound in run(); only the busy loop sends
         self.clients: set[bytes] = set()
         self.running = True
         # Written by the busy loop only: True while it blocks on an empty inbox.
@@ -143,12 +146,9 @@ class EngineProc:
                 auth.stop()
             ctx.term()
             raise
-        threads = [
-            self._socket_thread("input", self._input_loop, in_sock),
-            self._socket_thread("output", self._output_loop, out_sock),
-        ]
-        for t in threads:
-            t.start()
+        self.out_sock = out_sock
+        input_thread = self._socket_thread("input", self._input_loop, in_sock)
+        input_thread.start()
         frozen = freeze_startup_heap()
         logger.debug("froze %d start-up objects out of the garbage collector's reach", frozen)
         spread_young_collections()
@@ -156,9 +156,7 @@ class EngineProc:
             self.busy_loop()
         finally:
             self.running = False
-            self.outbox.put(None)
-            for t in threads:
-                t.join(timeout=5)
+            input_thread.join(timeout=5)
             in_sock.close(linger=0)
             out_sock.close(linger=0)
             if auth is not None:
@@ -190,7 +188,7 @@ class EngineProc:
             return
         logger.error("parent process %d is gone: stopping", self.parent_pid)
         self.running = False
-        self.inbox.put((b"", _ClientGone()))  # wake an idle busy loop now
+        self.inbox.put((b"", _Wake()))
         time.sleep(PARENT_GRACE_S)
         logger.error("still running %.0f s after the parent died: exiting", PARENT_GRACE_S)
         os._exit(1)
@@ -240,19 +238,33 @@ class EngineProc:
         except ProtocolError as exc:
             logger.warning("rejected a malformed message: %s", exc)
             if exc.request_id is not None:
-                self.outbox.put((client, RequestError(exc.request_id, str(exc), 400)))
+                self.inbox.put((client, RequestError(exc.request_id, str(exc), 400)))
 
-    def _output_loop(self, sock: Any) -> None:
+    # ---- sending (busy loop only) ---------------------------------------------------------------
+
+    def _send(self, client: bytes, msg: EngineMessage | bytes) -> None:
+        """Send one message (step outputs come encoded) to ``client`` on the output ROUTER.
+
+        The busy loop sends itself: with high-water marks off the send never blocks, it only
+        queues the frame for ZMQ's I/O thread (a few microseconds). An output thread cost more:
+        each hand-off woke it, and it took the interpreter lock in the middle of the next step
+        (at a torch call that let go of it), so the busy loop slept about 1.6 times a step
+        waiting to get it back (on the H100 hosts the step's host work ran up to 0.25 ms slower
+        over ZMQ than in process).
+        A client the ROUTER does not know (not connected yet, or gone) is forgotten; any other
+        failure ends the engine (``SocketFailed``)."""
         from protocol.address import send_to_client
         from protocol.codec import encode
 
-        while (item := self.outbox.get()) is not None:
-            client, msg = item
-            frame = msg if type(msg) is bytes else encode(msg)  # step outputs come encoded
-            if not send_to_client(sock, client, frame):
-                # The client is gone (or not connected yet); stop heart-beating it. The busy loop
-                # owns the set, so hand the removal over rather than touching it here.
-                self.inbox.put((client, _ClientGone()))
+        frame = msg if type(msg) is bytes else encode(msg)
+        try:
+            delivered = send_to_client(self.out_sock, client, frame)
+        except Exception as exc:
+            logger.critical("the engine's output socket failed", exc_info=exc)
+            self.running = False
+            raise SocketFailed(f"the output socket failed: {exc!r}") from exc
+        if not delivered:
+            self._forget(client)
 
     # ---- busy loop ----------------------------------------------------------------------------
 
@@ -279,7 +291,9 @@ class EngineProc:
             except queue.Empty:
                 return
 
-    def _handle(self, client: bytes, msg: ClientMessage | _ClientGone | _ThreadDied) -> None:
+    def _handle(
+        self, client: bytes, msg: ClientMessage | RequestError | _Wake | _ThreadDied
+    ) -> None:
         match msg:
             case AddRequest():
                 self._add(client, msg)
@@ -287,21 +301,21 @@ class EngineProc:
                 self._abort(client, msg.request_ids)
             case Hello():
                 self.clients.add(client)
-                self.outbox.put((client, self.ready))
+                self._send(client, self.ready)
             case Control():
                 self._control(client, msg)
-            case _ClientGone():
-                self._forget(client)
+            case RequestError():  # the input thread refused a malformed request
+                self._send(client, msg)
+            case _Wake():
+                pass
             case _ThreadDied():
                 self.running = False
-                raise SocketThreadDied(
+                raise SocketFailed(
                     f"the {msg.name} socket thread died: {msg.error!r}"
                 ) from msg.error
 
     def _forget(self, client: bytes) -> None:
         """The client is unreachable: stop heart-beating it and free what its requests hold."""
-        if not client:
-            return
         self.clients.discard(client)
         live = self.core.scheduler.requests.values()
         mine = [r.request_id for r in live if r.client_id == client]
@@ -322,13 +336,13 @@ class EngineProc:
         try:
             self.core.add_request(request)
         except ValueError as exc:
-            self.outbox.put((client, RequestError(msg.request_id, str(exc), 400)))
+            self._send(client, RequestError(msg.request_id, str(exc), 400))
 
     def _abort(self, client: bytes, request_ids: list[str]) -> None:
         aborted = self.core.abort([scoped_id(client, rid) for rid in request_ids])
         if aborted:
             finished = {r.client_request_id: FinishReason.ABORT for r in aborted}
-            self.outbox.put((client, StepOutputs([], finished)))
+            self._send(client, StepOutputs([], finished))
 
     def _control(self, client: bytes, msg: Control) -> None:
         reply = ControlReply(msg.kind, msg.token)
@@ -342,7 +356,7 @@ class EngineProc:
         elif msg.kind == ControlKind.SHUTDOWN:
             logger.info("shutdown requested by a client")
             self.running = False
-        self.outbox.put((client, reply))
+        self._send(client, reply)
 
     def _step(self) -> None:
         try:
@@ -353,37 +367,36 @@ class EngineProc:
             return
         with self.core.step_stats.phase("send"):
             for client, frame in self._frames_by_client(outputs).items():
-                self.outbox.put((client, frame.encode()))
+                self._send(client, frame.encode())
 
     def _frames_by_client(self, outputs: list[EngineOutput]) -> dict[bytes, StepOutputsFrame]:
         """The step's outputs as one STEP_OUTPUTS frame per client (``step_frames``); a request
-        that failed gets its RequestError instead, queued here."""
+        that failed gets its RequestError instead, sent here."""
         errors: list[tuple[bytes, RequestError]] = []
         frames = step_frames(outputs, errors)
-        for item in errors:
-            self.outbox.put(item)
+        for client, error in errors:
+            self._send(client, error)
         return frames
 
     def _fail_all(self, message: str) -> None:
         sched = self.core.scheduler
         live = [r.request_id for r in [*sched.running, *sched.waiting]]
         for r in self.core.abort(live):
-            self.outbox.put((r.client_id, RequestError(r.client_request_id, message, 500)))
+            self._send(r.client_id, RequestError(r.client_request_id, message, 500))
 
     def _maybe_heartbeat(self) -> None:
         now = time.monotonic()
         if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
             self._last_heartbeat = now
-            for client in self.clients:
-                self.outbox.put((client, Heartbeat(self.core.num_steps)))
+            for client in list(self.clients):  # a failed send forgets its client
+                self._send(client, Heartbeat(self.core.num_steps))
 
 
 def step_frames(
     outputs: list[EngineOutput], errors: list[tuple[bytes, RequestError]]
 ) -> dict[bytes, StepOutputsFrame]:
     """A step's outputs as one STEP_OUTPUTS frame per client, built in the busy loop in one
-    pass (the output thread only sends the bytes: encoding there would hold the interpreter
-    against the busy loop anyway). A request that failed goes to ``errors`` (client, its
+    pass. A request that failed goes to ``errors`` (client, its
     RequestError) instead. Held tokens (an output interval) wait for ``release_held``.
     """
     frames: dict[bytes, StepOutputsFrame] = {}
@@ -507,7 +520,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
     try:
         proc.run()
-    except SocketThreadDied as exc:
+    except SocketFailed as exc:
         logger.critical("%s: the engine process exits", exc)
         return 1
     return 0

@@ -20,8 +20,8 @@ that carry the same routing id (16 random bytes per client): one to the engine's
 its output. A request therefore reaches the engine as ``[routing id, frame]``, telling it which
 client sent it, and the engine sends that client's replies as ``[routing id, frame]`` on the
 output ROUTER, which delivers ``frame`` to that client's output DEALER alone. Two sockets rather
-than one so the engine's input thread and output thread each own a socket (ZMQ sockets are not
-thread-safe) and a burst of step outputs never queues behind incoming requests.
+than one so the engine's input thread and its busy loop (which sends) each own a socket (ZMQ
+sockets are not thread-safe) and a burst of step outputs never queues behind incoming requests.
 
 Handshake: the client sends HELLO on its input DEALER every ~100 ms until READY arrives on its
 output DEALER; the engine answers every HELLO with READY. The retry covers the moment when the
@@ -221,7 +221,7 @@ def send_to_client(sock: zmq.Socket, identity: bytes, frame: bytes) -> bool:
     """Send a frame to one client on the engine's output ROUTER.
 
     Returns False when the ROUTER does not know that client (not yet connected, or gone) rather
-    than raising, so the output thread can drop the message and carry on.
+    than raising, so the engine can forget that client and carry on.
     """
     import zmq
 

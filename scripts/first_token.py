@@ -19,7 +19,7 @@ to first token sampled and known on the host: schedule, prepare, forward, sample
 client reads them, and so the table splits the first token into:
 
 - engine: queue + prefill;
-- engine wake-up, IPC both ways and the output thread: zmq - queue - prefill;
+- engine wake-up, IPC both ways and the send: zmq - queue - prefill;
 - frontend (HTTP, JSON, tokenizer, detokenizer, SSE): http - zmq, and chat - zmq;
 - of which the tokenizer: the same prompt text tokenized in this process (the frontend's
   tokenizer, HF tokenizers).
@@ -212,7 +212,7 @@ def print_table(trials: Trials, args: argparse.Namespace) -> None:
     for label, name in rows:
         print(f"| {label} | {med[name]:.2f} | {p90[name]:.2f} |")
     print(
-        f"|   wake-up, IPC and output thread (zmq - queue - prefill) | "
+        f"|   wake-up, IPC and send (zmq - queue - prefill) | "
         f"{statistics.median(ipc):.2f} | {quantile(ipc, 0.9):.2f} |"
     )
     for label, name in (("completions", "http"), ("chat", "chat")):

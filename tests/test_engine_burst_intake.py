@@ -35,7 +35,7 @@ def _reader(waiting_for_work: bool) -> EngineProc:
     """An EngineProc with only what the input thread touches (no model behind it)."""
     engine = object.__new__(EngineProc)
     engine.waiting_for_work = waiting_for_work
-    engine.outbox = queue.Queue()
+    engine.inbox = queue.Queue()
     return engine
 
 
@@ -138,7 +138,7 @@ def test_malformed_message_in_a_burst_is_refused_and_the_rest_kept(sockets, monk
     router, dealer = sockets
     monkeypatch.setattr(proc.time, "sleep", lambda _s: None)
     dealer.send(_add(0))
-    dealer.send(_max_tokens_zero("bad"))
+    dealer.send(max_tokens_zero_frame("bad"))
     dealer.send(b"\xc1 not msgpack")
     dealer.send(encode(Hello("test")))
     dealer.send(_add(1))
@@ -149,12 +149,13 @@ def test_malformed_message_in_a_burst_is_refused_and_the_rest_kept(sockets, monk
         taken += reader._read_burst(router)
     assert [type(msg).__name__ for _, msg in taken] == ["AddRequest", "Hello", "AddRequest"]
     assert _ids([t for t in taken if isinstance(t[1], AddRequest)]) == ["r0", "r1"]
-    refusals = [reader.outbox.get_nowait()[1] for _ in range(reader.outbox.qsize())]
-    # The frame that names its request is refused to it; the unreadable one is only dropped.
+    refusals = [reader.inbox.get_nowait()[1] for _ in range(reader.inbox.qsize())]
+    # The frame that names its request is refused to it (through the busy loop, which sends);
+    # the unreadable one is only dropped.
     assert [(type(r), r.request_id) for r in refusals] == [(RequestError, "bad")]
 
 
-def _max_tokens_zero(request_id: str) -> bytes:
+def max_tokens_zero_frame(request_id: str) -> bytes:
     """A readable ADD_REQUEST for ``request_id`` whose max_tokens (0) the engine must refuse."""
     fields = msgpack.unpackb(encode(AddRequest(request_id, [1])), raw=False)
     fields[4][0] = 0  # the sampling parameters' first field: max_tokens

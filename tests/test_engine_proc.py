@@ -291,11 +291,25 @@ def test_malformed_frames_are_rejected_and_engine_keeps_serving(
         assert len(tokens) >= 1 and reason is not None
         # A readable id with invalid fields is answered with an error for that id.
         client.add_request("bad-token", [10**9], params)
-        msg = client.recv(timeout=30)
-        while not isinstance(msg, RequestError):
-            msg = client.recv(timeout=30)
-        assert msg.request_id == "bad-token"
+        assert next_error(client).request_id == "bad-token"
+        # A readable frame whose fields the input thread refuses (max_tokens 0) is answered
+        # with an error for its id too: the input thread hands it to the busy loop to send.
+        from tests.test_engine_burst_intake import max_tokens_zero_frame
+
+        client._input.send(max_tokens_zero_frame("refused-by-decoder"))
+        error = next_error(client)
+        assert error.request_id == "refused-by-decoder" and "max_tokens" in error.message
         assert_all_blocks_free(client)
+
+
+def next_error(client: EngineClient, timeout: float = 30.0) -> RequestError:
+    """The next RequestError the client receives (other messages skipped); fails at timeout."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        msg = client.recv(timeout=left)
+        if isinstance(msg, RequestError):
+            return msg
+    raise AssertionError(f"no RequestError within {timeout:.0f} s")
 
 
 def wait_idle(client: EngineClient, timeout: float = 60.0) -> Any:

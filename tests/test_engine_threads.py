@@ -1,5 +1,6 @@
-"""An engine process whose socket thread dies must end (so its supervisor starts a new one),
-with the cause logged: never live on, heart-beating, with requests that can never finish."""
+"""An engine process whose input thread dies, or whose output socket fails to send, must end (so
+its supervisor starts a new one), with the cause logged: never live on, heart-beating, with
+requests that can never finish."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import protocol.address
 import protocol.codec
 from engine_core.config import EngineConfig
-from engine_core.proc import EngineProc, SocketThreadDied
+from engine_core.proc import EngineProc, SocketFailed
 from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
 from protocol.client import EngineClient
 
@@ -56,20 +57,28 @@ def broken(what: str) -> object:
 
 
 @pytest.mark.parametrize(
-    ("thread", "module", "name"),
+    ("module", "name", "cause", "logged"),
     [
-        ("input", protocol.codec, "decode_client_message"),  # the input thread decodes
-        ("output", protocol.address, "send_to_client"),  # the output thread sends
+        # The input thread decodes: it dies.
+        (
+            protocol.codec,
+            "decode_client_message",
+            "the input socket thread died",
+            "input thread died",
+        ),
+        # The busy loop sends (the HELLO's READY is the first send): the send fails.
+        (protocol.address, "send_to_client", "the output socket failed", "output socket failed"),
     ],
 )
-def test_a_dead_socket_thread_ends_the_engine_with_its_cause(
+def test_a_broken_socket_ends_the_engine_with_its_cause(
     tiny_model_dir: Path,
     address: EngineAddress,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    thread: str,
     module: object,
     name: str,
+    cause: str,
+    logged: str,
 ) -> None:
     proc = make_engine(tiny_model_dir, address)
     monkeypatch.setattr(module, name, broken(name))
@@ -77,10 +86,10 @@ def test_a_dead_socket_thread_ends_the_engine_with_its_cause(
     runner, raised = run_in_thread(proc)
     with EngineClient(address) as client:
         with pytest.raises(TimeoutError):
-            client.connect(timeout=2)  # the HELLO is what the broken thread chokes on
+            client.connect(timeout=2)  # the HELLO (or its READY) is what breaks
         runner.join(END_WITHIN_S)
-    assert not runner.is_alive(), f"the engine lived on without its {thread} thread"
-    assert len(raised) == 1 and isinstance(raised[0], SocketThreadDied)
-    assert f"the {thread} socket thread died" in str(raised[0])
+    assert not runner.is_alive(), f"the engine lived on after {cause}"
+    assert len(raised) == 1 and isinstance(raised[0], SocketFailed)
+    assert cause in str(raised[0])
     assert f"{name} broke" in str(raised[0])
-    assert any(f"{thread} thread died" in r.getMessage() for r in caplog.records)
+    assert any(logged in r.getMessage() for r in caplog.records)
