@@ -256,8 +256,8 @@ class EngineProc:
         from protocol.address import send_to_client
         from protocol.codec import encode
 
-        frame = msg if type(msg) is bytes else encode(msg)
         try:
+            frame = msg if type(msg) is bytes else encode(msg)
             delivered = send_to_client(self.out_sock, client, frame)
         except Exception as exc:
             logger.critical("the engine's output socket failed", exc_info=exc)

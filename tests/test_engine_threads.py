@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,3 +94,42 @@ def test_a_broken_socket_ends_the_engine_with_its_cause(
     assert cause in str(raised[0])
     assert f"{name} broke" in str(raised[0])
     assert any(logged in r.getMessage() for r in caplog.records)
+
+
+def test_only_the_busy_loop_sends(
+    tiny_model_dir: Path, address: EngineAddress, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The output socket is the busy loop's alone (ZMQ sockets are not thread-safe): READY, step
+    outputs, an abort's reply, a STATS reply and a refusal of a malformed request (which the
+    input thread finds) are all sent from the thread that runs the loop."""
+    from protocol.messages import ControlKind, RequestError, SamplingParams, StepOutputs
+    from tests.test_engine_burst_intake import max_tokens_zero_frame
+
+    senders: list[int] = []
+    send = protocol.address.send_to_client
+
+    def recording_send(*args: object) -> bool:
+        senders.append(threading.get_ident())
+        return send(*args)
+
+    monkeypatch.setattr(protocol.address, "send_to_client", recording_send)
+    proc = make_engine(tiny_model_dir, address)
+    runner, raised = run_in_thread(proc)
+    kinds: set[type] = set()
+    with EngineClient(address) as client:
+        client.connect(timeout=30)
+        client.add_request("done", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+        client.add_request("aborted", [4, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True))
+        client._input.send(max_tokens_zero_frame("refused"))
+        client.abort(["aborted"])
+        assert client.control(ControlKind.STATS).stats is not None
+        deadline = time.monotonic() + 30
+        while {StepOutputs, RequestError} - kinds and time.monotonic() < deadline:
+            msg = client.recv(timeout=1)
+            if msg is not None:
+                kinds.add(type(msg))
+        proc.running = False
+        runner.join(END_WITHIN_S)
+    assert not raised and not runner.is_alive()
+    assert {StepOutputs, RequestError} <= kinds
+    assert len(senders) >= 4 and set(senders) == {runner.ident}
