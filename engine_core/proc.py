@@ -251,8 +251,9 @@ class EngineProc:
         (at a torch call that let go of it), so the busy loop slept about 1.6 times a step
         waiting to get it back (on the H100 hosts the step's host work ran up to 0.25 ms slower
         over ZMQ than in process).
+
         A client the ROUTER does not know (not connected yet, or gone) is forgotten; any other
-        failure ends the engine (``SocketFailed``)."""
+        failure, encoding included, ends the engine (``SocketFailed``)."""
         from protocol.address import send_to_client
         from protocol.codec import encode
 
@@ -396,8 +397,8 @@ def step_frames(
     outputs: list[EngineOutput], errors: list[tuple[bytes, RequestError]]
 ) -> dict[bytes, StepOutputsFrame]:
     """A step's outputs as one STEP_OUTPUTS frame per client, built in the busy loop in one
-    pass. A request that failed goes to ``errors`` (client, its
-    RequestError) instead. Held tokens (an output interval) wait for ``release_held``.
+    pass. A request that failed goes to ``errors`` (client, its RequestError) instead. Held
+    tokens (an output interval) wait for ``release_held``.
     """
     frames: dict[bytes, StepOutputsFrame] = {}
     for out in outputs:
