@@ -20,7 +20,8 @@ client reads them, and so the table splits the first token into:
 
 - engine: queue + prefill;
 - engine wake-up, IPC both ways and the send: zmq - queue - prefill;
-- frontend (HTTP, JSON, tokenizer, detokenizer, SSE): http - zmq, and chat - zmq;
+- frontend (HTTP, JSON, tokenizer, detokenizer, SSE): http - zmq, and chat - zmq (whose
+  prefill also holds the chat template's tokens);
 - of which the tokenizer: the same prompt text tokenized in this process (the frontend's
   tokenizer, HF tokenizers).
 
@@ -67,6 +68,8 @@ class Trials:
     queue: list[float] = field(default_factory=list)
     prefill: list[float] = field(default_factory=list)
     tokenize: list[float] = field(default_factory=list)
+    http_prompt_tokens: list[int] = field(default_factory=list)  # as the server counted them
+    chat_prompt_tokens: list[int] = field(default_factory=list)  # the chat template's included
 
 
 def start_server(model: str, port: int, extra: list[str], log: Path) -> tuple[Any, str]:
@@ -103,9 +106,22 @@ def stop(proc: Any) -> None:
 
 
 def random_prompt(rng: random.Random, tokenizer: Any, length: int) -> tuple[list[int], str]:
-    """``length`` random token ids and their text (which may tokenize to a few more or fewer)."""
+    """``length`` random token ids and their text, which tokenizes back to exactly those ids.
+
+    Random ids decode to a text that tokenizes to a few more (134 for 128 on SmolLM2's
+    vocabulary): a prompt sent as text would then prefill more tokens over HTTP than the raw
+    ZMQ trial, and its longer prefill would be counted as the frontend's. So the text is
+    tokenized again and cut to ``length``, until it tokenizes back to itself (one round, as a
+    rule)."""
     ids = [rng.randrange(1000, tokenizer.get_vocab_size()) for _ in range(length)]
-    return ids, tokenizer.decode(ids)
+    for _ in range(10):
+        text = tokenizer.decode(ids)
+        again = tokenizer.encode(text).ids
+        if again == ids:
+            return ids, text
+        ids = again[:length]
+        ids += [rng.randrange(1000, tokenizer.get_vocab_size()) for _ in range(length - len(ids))]
+    raise RuntimeError(f"no random text of {length} tokens that tokenizes back to itself")
 
 
 def carries_token(event: dict[str, Any]) -> bool:
@@ -118,20 +134,26 @@ def carries_token(event: dict[str, Any]) -> bool:
     return False
 
 
-def first_sse_text(client: httpx.Client, url: str, body: dict[str, Any]) -> float:
-    """ms from sending a streamed request to the first SSE event that carries its token."""
+def first_sse_text(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[float, int]:
+    """(ms from sending a streamed request to the first SSE event that carries its token, the
+    prompt tokens the server counted in its usage chunk)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    elapsed = None
+    elapsed = prompt_tokens = None
     with client.stream("POST", url, json=body, timeout=120) as resp:
         resp.raise_for_status()
         # Read to the end, so the next trial starts on an idle server.
         for line in resp.iter_lines():
-            starts = elapsed is None and line.startswith("data: {")
-            if starts and carries_token(json.loads(line[6:])):
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if elapsed is None and carries_token(event):
                 elapsed = (time.perf_counter() - start) * 1e3
-    if elapsed is not None:
-        return elapsed
-    raise RuntimeError(f"no token came back from {url}")
+            if event.get("usage"):
+                prompt_tokens = event["usage"]["prompt_tokens"]
+    if elapsed is None or prompt_tokens is None:
+        raise RuntimeError(f"no token or no usage came back from {url}")
+    return elapsed, prompt_tokens
 
 
 def zmq_first_token(client: EngineClient, rid: str, ids: list[int], trials: Trials) -> None:
@@ -176,19 +198,25 @@ def run_trials(port: int, address: str, args: argparse.Namespace) -> Trials:
             tokenizer.encode(text)
             sample.tokenize.append((time.perf_counter() - start) * 1e3)
             body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}
-            sample.http.append(
-                first_sse_text(http, f"{base}/completions", {**body, "stream": True})
-            )
+            ms, prompt_tokens = first_sse_text(http, f"{base}/completions", body)
+            sample.http.append(ms)
+            sample.http_prompt_tokens.append(prompt_tokens)
             _, text = random_prompt(rng, tokenizer, args.prompt_len)
-            chat = {"messages": [{"role": "user", "content": text}], "stream": True}
+            chat = {"messages": [{"role": "user", "content": text}]}
             chat |= {k: body[k] for k in ("model", "max_tokens", "temperature")}
-            sample.chat.append(first_sse_text(http, f"{base}/chat/completions", chat))
+            ms, prompt_tokens = first_sse_text(http, f"{base}/chat/completions", chat)
+            sample.chat.append(ms)
+            sample.chat_prompt_tokens.append(prompt_tokens)
             ids, _ = random_prompt(rng, tokenizer, args.prompt_len)
             zmq_first_token(raw, f"first-token-{trial}", ids, sample)
             if keep:
                 for name, values in asdict(sample).items():
                     getattr(trials, name).extend(values)
     return trials
+
+
+def count_summary(counts: list[int]) -> str:
+    return f"{statistics.median(counts):g} ({min(counts)}-{max(counts)})"
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -208,6 +236,12 @@ def print_table(trials: Trials, args: argparse.Namespace) -> None:
         ("  engine: first step to first token on the host (prefill)", "prefill"),
     ]
     print(f"\n{args.model}, prompt {args.prompt_len} tokens, {len(trials.zmq)} trials each")
+    completions, chat = trials.http_prompt_tokens, trials.chat_prompt_tokens
+    print(
+        f"prompt tokens as the server counted them, median (range): completions "
+        f"{count_summary(completions)}, chat {count_summary(chat)} (its template's included); "
+        f"raw ZMQ {args.prompt_len}"
+    )
     print("| part | median ms | p90 ms |\n|---|---|---|")
     for label, name in rows:
         print(f"| {label} | {med[name]:.2f} | {p90[name]:.2f} |")
