@@ -70,6 +70,7 @@ class Trials:
     tokenize: list[float] = field(default_factory=list)
     http_prompt_tokens: list[int] = field(default_factory=list)  # as the server counted them
     chat_prompt_tokens: list[int] = field(default_factory=list)  # the chat template's included
+    zmq_prompt_tokens: list[int] = field(default_factory=list)
 
 
 def start_server(model: str, port: int, extra: list[str], log: Path) -> tuple[Any, str]:
@@ -106,21 +107,23 @@ def stop(proc: Any) -> None:
 
 
 def random_prompt(rng: random.Random, tokenizer: Any, length: int) -> tuple[list[int], str]:
-    """``length`` random token ids and their text, which tokenizes back to exactly those ids.
+    """A random text of exactly ``length`` tokens, and the ids the frontend sends for it.
 
     Random ids decode to a text that tokenizes to a few more (134 for 128 on SmolLM2's
     vocabulary): a prompt sent as text would then prefill more tokens over HTTP than the raw
     ZMQ trial, and its longer prefill would be counted as the frontend's. So the text is
     tokenized again and cut to ``length``, until it tokenizes back to itself (one round, as a
-    rule)."""
-    ids = [rng.randrange(1000, tokenizer.get_vocab_size()) for _ in range(length)]
+    rule). The ids returned are the text's with the tokenizer's special tokens (a BOS, where it
+    adds one), as the frontend tokenizes a completions prompt."""
+    vocab = tokenizer.get_vocab_size()
+    ids = [rng.randrange(1000, vocab) for _ in range(length)]
     for _ in range(10):
         text = tokenizer.decode(ids)
-        again = tokenizer.encode(text).ids
+        again = tokenizer.encode(text, add_special_tokens=False).ids
         if again == ids:
-            return ids, text
+            return tokenizer.encode(text).ids, text
         ids = again[:length]
-        ids += [rng.randrange(1000, tokenizer.get_vocab_size()) for _ in range(length - len(ids))]
+        ids += [rng.randrange(1000, vocab) for _ in range(length - len(ids))]
     raise RuntimeError(f"no random text of {length} tokens that tokenizes back to itself")
 
 
@@ -209,6 +212,7 @@ def run_trials(port: int, address: str, args: argparse.Namespace) -> Trials:
             sample.chat_prompt_tokens.append(prompt_tokens)
             ids, _ = random_prompt(rng, tokenizer, args.prompt_len)
             zmq_first_token(raw, f"first-token-{trial}", ids, sample)
+            sample.zmq_prompt_tokens.append(len(ids))
             if keep:
                 for name, values in asdict(sample).items():
                     getattr(trials, name).extend(values)
@@ -240,7 +244,7 @@ def print_table(trials: Trials, args: argparse.Namespace) -> None:
     print(
         f"prompt tokens as the server counted them, median (range): completions "
         f"{count_summary(completions)}, chat {count_summary(chat)} (its template's included); "
-        f"raw ZMQ {args.prompt_len}"
+        f"raw ZMQ {count_summary(trials.zmq_prompt_tokens)}"
     )
     print("| part | median ms | p90 ms |\n|---|---|---|")
     for label, name in rows:

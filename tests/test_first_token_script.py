@@ -19,7 +19,24 @@ def test_random_prompt_text_tokenizes_back_to_its_ids(default_model_dir: Path, l
     rng = random.Random(length)
     for _ in range(20):
         ids, text = first_token.random_prompt(rng, tokenizer, length)
-        assert len(ids) == length
+        assert len(tokenizer.encode(text, add_special_tokens=False).ids) == length
         # The frontend tokenizes a completions prompt with the special tokens on (encode's
-        # default): what the server will prefill.
+        # default): what the server prefills, and what the raw ZMQ trial must send.
         assert tokenizer.encode(text).ids == ids
+        assert len(ids) == length  # SmolLM2's tokenizer adds no BOS to a prompt
+
+
+def test_random_prompt_sends_the_bos_a_tokenizer_adds(default_model_dir: Path) -> None:
+    """A tokenizer that puts a BOS before every prompt (Llama's do): the text still holds
+    exactly ``length`` tokens of its own, and the ids sent over raw ZMQ carry the BOS too."""
+    from tokenizers.processors import TemplateProcessing
+
+    first_token = load_script("first_token")
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    bos = tokenizer.token_to_id("<|endoftext|>")
+    tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    ids, text = first_token.random_prompt(random.Random(0), tokenizer, 64)
+    assert ids[0] == bos and len(ids) == 65
+    assert tokenizer.encode(text, add_special_tokens=False).ids == ids[1:]
