@@ -17,6 +17,9 @@ nvidia-smi's SM clock, board power and software power cap sampled during each:
    weight reads, set the pace;
 4. **square 8,192 products**: the shape GEMM libraries are tuned and published for.
 
+Graphs 1 and 2 are also timed rested: the first three replays after 0.5 s of idle GPU, at the
+idle clock, before the power limiter cuts it (power_cap_probe.py's).
+
 Then the products' pace that the target step asks for, with everything else in the step as it
 is: (the target step) - (the step less its products) is the time the products may take. A pace
 above what 3 and 4 reach asks the 256-row products to beat the board's best product shapes.
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import Workload, measure_hbm_bandwidth, roofline  # noqa: E402
 from bf16_chain_probe import shapes  # noqa: E402
 from decode_graph_ab import decode_graph, engine_at_context  # noqa: E402
-from power_cap_probe import sustained  # noqa: E402
+from power_cap_probe import rested, sustained  # noqa: E402
 
 from engine_core.presets import hf_config  # noqa: E402
 
@@ -110,6 +113,16 @@ def report(label: str, graph: torch.cuda.CUDAGraph, seconds: float, flops: int =
     return ms
 
 
+def report_rested(label: str, graph: torch.cuda.CUDAGraph, rests: int, flops: int = 0) -> None:
+    """The first three replays after 0.5 s of idle GPU (medians over ``rests`` rests): the
+    graph at the idle clock, before the power limiter has cut it."""
+    by_position, samples = rested(graph, rests, 0.5)
+    paces = f" ({', '.join(f'{flops / ms / 1e9:.0f}' for ms in by_position)} TFLOP/s)"
+    shown = ", ".join(f"{ms:.3f}" for ms in by_position)
+    print(f"{label}, rested: replays 1-3 after 0.5 s idle {shown} ms{paces if flops else ''}; "
+          f"samples after them: {' | '.join(samples[:5])}", flush=True)  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-8b", help="preset (random weights)")
@@ -117,6 +130,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--context", type=int, default=256, help="tokens per request, about")
     parser.add_argument("--target", type=float, default=80.0, help="roofline share, percent")
     parser.add_argument("--seconds", type=float, default=4.0, help="sustained, per graph")
+    parser.add_argument("--rests", type=int, default=10, help="rested groups, step and products")
     args = parser.parse_args(argv)
     print("# python " + " ".join([sys.argv[0], *argv]), flush=True)
     print(torch.cuda.get_device_name(0), flush=True)
@@ -127,9 +141,12 @@ def main(argv: list[str]) -> int:
     print(f"{head}: roofline step {roof_ms:.2f} ms ({bandwidth / 1e12:.2f} TB/s copies)")
 
     core = engine_at_context(args.model, args.batch, args.context)
-    step_ms = report(f"{head}, decode graph", decode_graph(core, args.batch), args.seconds)
+    step_graph = decode_graph(core, args.batch)
+    step_ms = report(f"{head}, decode graph", step_graph, args.seconds)
+    report_rested(f"{head}, decode graph", step_graph, args.rests)
     graph, flops, held = model_products(args.model, args.batch)
     products_ms = report(f"{head}, products alone", graph, args.seconds, flops)
+    report_rested(f"{head}, products alone", graph, args.rests, flops)
     del graph, held
     torch.cuda.empty_cache()
     graph, big_flops, held = model_products(args.model, 4096)
