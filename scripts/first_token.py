@@ -21,7 +21,9 @@ client reads them, and so the table splits the first token into:
 - engine: queue + prefill;
 - engine wake-up, IPC both ways and the send: zmq - queue - prefill;
 - frontend (HTTP, JSON, tokenizer, detokenizer, SSE): http - zmq, and chat - zmq (whose
-  prefill also holds the chat template's tokens);
+  prefill also holds the chat template's tokens); and the same less each HTTP request's own
+  engine time (queue + prefill, from the server's /metrics before and after it) rather than
+  the raw trial's, with the raw trials' wake-up and IPC;
 - of which the tokenizer: the same prompt text tokenized in this process (the frontend's
   tokenizer, HF tokenizers).
 
@@ -56,6 +58,11 @@ from protocol.client import EngineClient  # noqa: E402
 from protocol.messages import RequestError, SamplingParams, StepOutputs  # noqa: E402
 
 ENGINE_ADDRESS = re.compile(r"engine core: (\S+) \(pid")
+# The API process's running sums of the engine's own queue and prefill times, over the requests
+# it has finished: their change over one HTTP trial is that request's (one request at a time).
+ENGINE_TIME_SUMS = re.compile(
+    r"^tandem_request_(queue|prefill)_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M
+)
 
 
 @dataclass
@@ -71,6 +78,8 @@ class Trials:
     http_prompt_tokens: list[int] = field(default_factory=list)  # as the server counted them
     chat_prompt_tokens: list[int] = field(default_factory=list)  # the chat template's included
     zmq_prompt_tokens: list[int] = field(default_factory=list)
+    http_engine: list[float] = field(default_factory=list)  # the HTTP request's queue + prefill
+    chat_engine: list[float] = field(default_factory=list)
 
 
 def start_server(model: str, port: int, extra: list[str], log: Path) -> tuple[Any, str]:
@@ -159,6 +168,29 @@ def first_sse_text(client: httpx.Client, url: str, body: dict[str, Any]) -> tupl
     return elapsed, prompt_tokens
 
 
+def engine_time_sums(client: httpx.Client, root: str) -> dict[str, float]:
+    """{"queue_sum", "queue_count", "prefill_sum", "prefill_count"} from the server's /metrics."""
+    return parse_engine_time_sums(client.get(f"{root}/metrics").text)
+
+
+def parse_engine_time_sums(text: str) -> dict[str, float]:
+    return {f"{kind}_{stat}": float(value) for kind, stat, value in ENGINE_TIME_SUMS.findall(text)}
+
+
+def http_trial(
+    client: httpx.Client, root: str, path: str, body: dict[str, Any]
+) -> tuple[float, int, float]:
+    """(first_sse_text's ms and prompt tokens, the engine's queue + prefill ms for the request,
+    read from the server's /metrics before and after it)."""
+    before = engine_time_sums(client, root)
+    ms, prompt_tokens = first_sse_text(client, f"{root}/v1/{path}", body)
+    after = engine_time_sums(client, root)
+    if after["prefill_count"] - before["prefill_count"] != 1:
+        raise RuntimeError(f"/metrics did not count exactly one finished request for {path}")
+    engine_s = sum(after[f"{kind}_sum"] - before[f"{kind}_sum"] for kind in ("queue", "prefill"))
+    return ms, prompt_tokens, engine_s * 1e3
+
+
 def zmq_first_token(client: EngineClient, rid: str, ids: list[int], trials: Trials) -> None:
     """The raw client's first token, and the engine's own queue and prefill times."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -189,10 +221,10 @@ def run_trials(port: int, address: str, args: argparse.Namespace) -> Trials:
     tokenizer = Tokenizer.from_file(str((tokenizer_dir or Path(args.tokenizer)) / "tokenizer.json"))
     rng = random.Random(args.seed)
     trials = Trials()
-    base = f"http://127.0.0.1:{port}/v1"
+    root = f"http://127.0.0.1:{port}"
     with httpx.Client() as http, EngineClient(address) as raw:
         raw.connect()
-        model = http.get(f"{base}/models").json()["data"][0]["id"]
+        model = http.get(f"{root}/v1/models").json()["data"][0]["id"]
         for trial in range(args.warmup + args.trials):
             keep = trial >= args.warmup
             sample = Trials()
@@ -201,15 +233,17 @@ def run_trials(port: int, address: str, args: argparse.Namespace) -> Trials:
             tokenizer.encode(text)
             sample.tokenize.append((time.perf_counter() - start) * 1e3)
             body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}
-            ms, prompt_tokens = first_sse_text(http, f"{base}/completions", body)
+            ms, prompt_tokens, engine_ms = http_trial(http, root, "completions", body)
             sample.http.append(ms)
             sample.http_prompt_tokens.append(prompt_tokens)
+            sample.http_engine.append(engine_ms)
             _, text = random_prompt(rng, tokenizer, args.prompt_len)
             chat = {"messages": [{"role": "user", "content": text}]}
             chat |= {k: body[k] for k in ("model", "max_tokens", "temperature")}
-            ms, prompt_tokens = first_sse_text(http, f"{base}/chat/completions", chat)
+            ms, prompt_tokens, engine_ms = http_trial(http, root, "chat/completions", chat)
             sample.chat.append(ms)
             sample.chat_prompt_tokens.append(prompt_tokens)
+            sample.chat_engine.append(engine_ms)
             ids, _ = random_prompt(rng, tokenizer, args.prompt_len)
             zmq_first_token(raw, f"first-token-{trial}", ids, sample)
             sample.zmq_prompt_tokens.append(len(ids))
@@ -234,7 +268,9 @@ def print_table(trials: Trials, args: argparse.Namespace) -> None:
     ipc = [z - q - p for z, q, p in zip(trials.zmq, trials.queue, trials.prefill, strict=True)]
     rows = [
         ("first token over HTTP, /v1/completions (text prompt)", "http"),
+        ("  its engine time: queue + prefill (the server's /metrics)", "http_engine"),
         ("first token over HTTP, /v1/chat/completions", "chat"),
+        ("  its engine time: queue + prefill (the server's /metrics)", "chat_engine"),
         ("first token over raw ZMQ (token ids)", "zmq"),
         ("  engine: arrival to first step (queue)", "queue"),
         ("  engine: first step to first token on the host (prefill)", "prefill"),
@@ -258,6 +294,13 @@ def print_table(trials: Trials, args: argparse.Namespace) -> None:
         print(
             f"| frontend, {label} ({name} - zmq) | {statistics.median(diff):.2f} | "
             f"{quantile(diff, 0.9):.2f} |"
+        )
+        # Its own engine time, not the raw trial's: the two requests' prefills may differ.
+        engine = getattr(trials, f"{name}_engine")
+        own = [h - e - i for h, e, i in zip(getattr(trials, name), engine, ipc, strict=True)]
+        print(
+            f"|   the same, less its own engine time ({name} - {name}_engine - wake-up and "
+            f"IPC) | {statistics.median(own):.2f} | {quantile(own, 0.9):.2f} |"
         )
     print(
         f"|   of which tokenizing the prompt (here) | {med['tokenize']:.2f} | "

@@ -40,3 +40,22 @@ def test_random_prompt_sends_the_bos_a_tokenizer_adds(default_model_dir: Path) -
     ids, text = first_token.random_prompt(random.Random(0), tokenizer, 64)
     assert ids[0] == bos and len(ids) == 65
     assert tokenizer.encode(text, add_special_tokens=False).ids == ids[1:]
+
+
+def test_engine_time_sums_read_the_servers_exposition() -> None:
+    """The script's /metrics pattern against what the API process renders: the engine's queue
+    and prefill sums and counts, over the requests it recorded (hand-added here)."""
+    from frontend.metrics import Metrics
+    from protocol.messages import RequestTimings
+
+    first_token = load_script("first_token")
+    metrics = Metrics("random:llama-1b")
+    metrics.record_engine_timings(RequestTimings(queue_s=0.25, prefill_s=0.5, decode_s=2.0))
+    metrics.record_engine_timings(RequestTimings(queue_s=0.125, prefill_s=1.0, decode_s=0.0))
+    found = first_token.parse_engine_time_sums(metrics.render().decode())
+    assert found == {
+        "queue_sum": 0.375,
+        "queue_count": 2.0,
+        "prefill_sum": 1.5,
+        "prefill_count": 2.0,
+    }
