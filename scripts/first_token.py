@@ -60,9 +60,11 @@ from protocol.messages import RequestError, SamplingParams, StepOutputs  # noqa:
 ENGINE_ADDRESS = re.compile(r"engine core: (\S+) \(pid")
 # The API process's running sums of the engine's own queue and prefill times, over the requests
 # it has finished: their change over one HTTP trial is that request's (one request at a time).
-ENGINE_TIME_SUMS = re.compile(
-    r"^tandem_request_(queue|prefill)_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M
-)
+ENGINE_TIME_SAMPLES = {
+    f"tandem_request_{kind}_time_seconds_{stat}": f"{kind}_{stat}"
+    for kind in ("queue", "prefill")
+    for stat in ("sum", "count")
+}
 
 
 @dataclass
@@ -174,7 +176,15 @@ def engine_time_sums(client: httpx.Client, root: str) -> dict[str, float]:
 
 
 def parse_engine_time_sums(text: str) -> dict[str, float]:
-    return {f"{kind}_{stat}": float(value) for kind, stat, value in ENGINE_TIME_SUMS.findall(text)}
+    """ENGINE_TIME_SAMPLES' values in a /metrics text, each summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums = dict.fromkeys(ENGINE_TIME_SAMPLES.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (key := ENGINE_TIME_SAMPLES.get(sample.name)) is not None:
+                sums[key] += sample.value
+    return sums
 
 
 def http_trial(

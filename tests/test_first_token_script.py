@@ -43,7 +43,7 @@ def test_random_prompt_sends_the_bos_a_tokenizer_adds(default_model_dir: Path) -
 
 
 def test_engine_time_sums_read_the_servers_exposition() -> None:
-    """The script's /metrics pattern against what the API process renders: the engine's queue
+    """The script's /metrics reading against what the API process renders: the engine's queue
     and prefill sums and counts, over the requests it recorded (hand-added here)."""
     from frontend.metrics import Metrics
     from protocol.messages import RequestTimings

@@ -52,11 +52,8 @@ def time_graph(fn: Callable[[int], object], replays: int = 20) -> float:
     return time_graph_calls(lambda: [fn(i) for i in range(LAYERS)], LAYERS, replays)
 
 
-def time_graph_calls(
-    fn: Callable[[], object], calls: int, replays: int = 20, warmup: int = 3, rounds: int = 5
-) -> float:
-    """Microseconds per call of a CUDA graph of fn(), which makes ``calls`` calls: the median
-    of ``rounds`` timings of ``replays`` replays each, after ``warmup`` replays."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of fn(), run once on a side stream first (as torch asks before a capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -65,6 +62,15 @@ def time_graph_calls(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def time_graph_calls(
+    fn: Callable[[], object], calls: int, replays: int = 20, warmup: int = 3, rounds: int = 5
+) -> float:
+    """Microseconds per call of a CUDA graph of fn(), which makes ``calls`` calls: the median
+    of ``rounds`` timings of ``replays`` replays each, after ``warmup`` replays."""
+    graph = capture_graph(fn)
     for _ in range(warmup):
         graph.replay()
     times = []

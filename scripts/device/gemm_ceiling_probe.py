@@ -28,8 +28,8 @@ above what 3 and 4 reach asks the 256-row products to beat the board's best prod
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,24 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import Workload, measure_hbm_bandwidth, roofline  # noqa: E402
 from bf16_chain_probe import shapes  # noqa: E402
 from decode_graph_ab import decode_graph, engine_at_context  # noqa: E402
-from power_cap_probe import rested, sustained  # noqa: E402
+from fp8_skinny_bench import capture_graph  # noqa: E402
+from power_cap_probe import rested, sustained, timed_replays  # noqa: E402
 
 from engine_core.presets import hf_config  # noqa: E402
-
-
-def capture(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``calls()``, warmed on a side stream first (as torch asks)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
 
 
 def model_products(model: str, rows: int) -> tuple[torch.cuda.CUDAGraph, int, list[torch.Tensor]]:
@@ -78,7 +64,7 @@ def model_products(model: str, rows: int) -> tuple[torch.cuda.CUDAGraph, int, li
             F.linear(inputs[w.shape[1]], w)
 
     flops = sum(2 * rows * n * k for n, k in pairs)
-    return capture(calls), flops, weights
+    return capture_graph(calls), flops, weights
 
 
 def square_products(size: int, count: int) -> tuple[torch.cuda.CUDAGraph, int, list[torch.Tensor]]:
@@ -90,18 +76,12 @@ def square_products(size: int, count: int) -> tuple[torch.cuda.CUDAGraph, int, l
         for w in weights:
             F.linear(x, w)
 
-    return capture(calls), 2 * size**3 * count, [x, *weights]
+    return capture_graph(calls), 2 * size**3 * count, [x, *weights]
 
 
 def replays_for(graph: torch.cuda.CUDAGraph, seconds: float) -> int:
     """How many back-to-back replays take about ``seconds``."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return max(20, int(seconds * 1e3 / (start.elapsed_time(end) / 3)))
+    return max(20, int(seconds * 1e3 / statistics.mean(timed_replays(graph, 3))))
 
 
 def report(label: str, graph: torch.cuda.CUDAGraph, seconds: float, flops: int = 0) -> float:
