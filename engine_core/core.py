@@ -3,21 +3,24 @@
 The offline API (engine_core/llm.py) drives it directly; the engine process (engine_core/proc.py)
 drives it from its busy loop. One thread calls it; it takes no locks.
 
-Overlap (``async_scheduling``, the default): each ``step()`` schedules and launches step N, then,
-while the GPU runs it, waits for step N-1's sampled ids (one event, one copy into pinned memory),
-applies them to the scheduler and returns N-1's outputs. The scheduler plans N before it knows
-N-1's tokens (placeholders, see engine_core/scheduler.py) and the runner feeds those tokens to N
-on the device. Requests that stop or are aborted at N-1 have their row in N dropped. A step where
-a live request uses penalties (which read the real previous tokens on the host) settles the step
-in flight first and runs synchronously; so does every step with ``--no-async-scheduling``.
+A step reads in order: schedule, forward, (grammar bitmask), sample, update. With overlap
+(``async_scheduling``, the default) the update is the previous step's: each ``step()`` schedules
+step N and enqueues its forward and sampler, and while the GPU runs them it waits for step
+N-1's sampled ids (one event, one copy into pinned memory), applies them to the scheduler and
+returns N-1's outputs. The scheduler plans N before it knows N-1's tokens (placeholders, see
+engine_core/scheduler.py) and the runner feeds those tokens to N on the device. Requests that
+stop or are aborted at N-1 have their row in N dropped. A step where a live request uses
+penalties (which read the real previous tokens on the host) settles the step in flight first and
+runs synchronously; so does every step with ``--no-async-scheduling``. Why:
+docs/design/overlap-scheduling.md.
 
 Structured outputs (engine_core/grammar.py): a constrained request waits, unscheduled, while its
-grammar compiles on a worker thread; a grammar that fails to compile fails its request. When step
-N has constrained rows, their bitmask depends on step N-1's tokens, which are still on the GPU
-when N is planned: the runner enqueues N's forward first and only then asks for the bitmask
-(``_masks``), which settles step N-1 (the wait and the update that the overlapped loop does
-anyway, now while N's forward runs), lets each constrained request's matcher take its new token
-and fills their rows; then N's sampler is enqueued. Unconstrained steps are not touched.
+grammar compiles on a worker thread; a grammar that fails to compile fails its request. When
+step N has constrained rows, their bitmask depends on step N-1's tokens, which are still on the
+GPU when N is planned. So the bitmask is its own stage between N's forward and N's sampler: with
+N's forward enqueued, the core settles step N-1 (the wait and update the overlapped loop does
+anyway, now while N's forward runs), each constrained request's matcher takes its new token, the
+rows' bitmask is filled, and then N's sampler is enqueued. Unconstrained steps skip the stage.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.grammar import BitmaskFiller, GrammarCompiler, RequestGrammar
-from engine_core.model_runner import LaunchedStep, ModelRunner
+from engine_core.model_runner import ForwardStep, LaunchedStep, ModelRunner
 from engine_core.request import EngineOutput, Request, SchedulerOutput
 from engine_core.scheduler import Scheduler
 from engine_core.step_stats import StepStats
@@ -52,7 +55,6 @@ class EngineCore:
             num_kv_blocks=self.runner.num_kv_blocks,
             max_model_len=self.runner.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
-            async_scheduling=config.async_scheduling,
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.
         self.max_model_len = self.scheduler.max_model_len
@@ -136,7 +138,6 @@ class EngineCore:
         if self.has_unfinished():
             raise RuntimeError("switch the loop only while no request is live")
         self.config = dataclasses.replace(self.config, async_scheduling=enabled)
-        self.scheduler.async_scheduling = enabled
 
     def _must_sync(self) -> bool:
         if not self.config.async_scheduling:
@@ -155,46 +156,44 @@ class EngineCore:
         if plan.is_empty:
             self._nap_if_only_compiling()
             return []
-        return self._process(self.runner.launch(plan, self._masks_now))
+        forward = self.runner.forward(plan)
+        bitmask = self._bitmask(forward) if self._constrained(forward) else None
+        return self._process(self.runner.sample(forward, bitmask))
 
     def _step_overlapped(self) -> list[EngineOutput]:
         with self.step_stats.phase("schedule"):
             plan = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
         outputs: list[EngineOutput] = []
-
-        def masks(rows: list[Request]) -> torch.Tensor | None:
-            """Step N's bitmask, called by the runner once N's forward is enqueued: settle step
-            N-1 first (its tokens move the matchers), then fill the constrained rows."""
-            nonlocal previous
-            if not self._constrained(rows):
-                return None
-            if previous is not None:
-                outputs.extend(self._process(previous))
-                previous = None
-            return self._fill_bitmask(rows)
-
         if plan.is_empty:
             if previous is None:
                 self._nap_if_only_compiling()
         else:
-            self._in_flight = self.runner.launch(plan, masks)
+            forward = self.runner.forward(plan)
+            bitmask = None
+            if self._constrained(forward):
+                # The rows' bitmask needs step N-1's tokens: settle it while N's forward runs.
+                if previous is not None:
+                    outputs += self._process(previous)
+                    previous = None
+                bitmask = self._bitmask(forward)
+            self._in_flight = self.runner.sample(forward, bitmask)
         # The GPU runs step N (if any) while the host waits for and applies step N-1.
         if previous is not None:
             outputs += self._process(previous)
         return outputs
 
-    def _masks_now(self, rows: list[Request]) -> torch.Tensor | None:
-        """The bitmask of a step's sampling ``rows`` when no step is in flight."""
-        return self._fill_bitmask(rows) if self._constrained(rows) else None
+    def _constrained(self, step: ForwardStep) -> bool:
+        """Whether a row of the step samples under a structured-output constraint."""
+        return self._bitmasks is not None and any(
+            r.grammar is not None for r in step.sampling_requests
+        )
 
-    def _constrained(self, rows: list[Request]) -> bool:
-        return self._bitmasks is not None and any(r.grammar is not None for r in rows)
-
-    def _fill_bitmask(self, rows: list[Request]) -> torch.Tensor | None:
+    def _bitmask(self, step: ForwardStep) -> torch.Tensor | None:
+        """The bitmask of the step's sampling rows, from their matchers' current states."""
         assert self._bitmasks is not None
         with self.step_stats.phase("bitmask"):
-            return self._bitmasks.fill([r.grammar for r in rows])
+            return self._bitmasks.fill([r.grammar for r in step.sampling_requests])
 
     def _settle_grammars(self) -> list[EngineOutput]:
         """Fail the requests whose grammar did not compile; forget the ones that are ready."""

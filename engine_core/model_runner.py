@@ -4,12 +4,14 @@ It turns a SchedulerOutput into one flattened forward (prefills, prompt chunks, 
 prefills and decodes together), samples the rows that reached the end of their known tokens, and
 copies the sampled ids to the host once per step.
 
-A step is split in two so the engine core can overlap them: ``launch`` packs the inputs
-(engine_core/input_batch.py: one host-to-device copy), enqueues the forward, the sampler and the
-device-to-host copy of the sampled ids into pinned memory, records a CUDA event and returns at
-once; ``collect`` waits for that event and reads the ids. The sampled tensor stays on the device
-for the next step, whose rows that wait on one of its ids (placeholders) gather it there.
-``execute`` is the two back to back.
+A step is three calls, each of which returns at once, so the engine core can overlap them with
+its own work (docs/design/overlap-scheduling.md): ``forward`` packs the inputs
+(engine_core/input_batch.py: one host-to-device copy) and enqueues the forward and the sampling
+rows' logits; ``sample`` enqueues the sampler (with a structured-output bitmask, if the step has
+one), the device-to-host copy of the sampled ids into pinned memory and a CUDA event; ``collect``
+waits for that event and reads the ids. The sampled tensor stays on the device for the next
+step, whose rows that wait on one of its ids (placeholders) gather it there. ``execute`` is the
+three back to back.
 """
 
 from __future__ import annotations
@@ -88,6 +90,20 @@ PROMPT_LOGITS_ROWS = 512  # logits [rows, vocab] float32 at a time: bounded memo
 class RunnerOutput:
     sampled_token_ids: list[int]  # one per sampling request, in schedule order
     logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward and logits are enqueued; ``ModelRunner.sample`` finishes it."""
+
+    plan: SchedulerOutput
+    sampling_requests: list[Request]  # the rows that sample, in order
+    output_positions: Callable[[], list[int]]  # [S]: which output each sampling row draws
+    logits: torch.Tensor | None  # [S, V'] in the weights' dtype, None when no row samples
+    argmax: torch.Tensor | None  # [S], where the decode graph computed it with the logits
+    timeline: GpuTimeline | None  # timing events, with step stats on CUDA
+    # request id -> (first scored prompt position, logprobs), for the prompt tokens scored
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 @dataclass
@@ -316,7 +332,8 @@ class ModelRunner:
         self, plan: SchedulerOutput, masks: Callable[[list[Request]], torch.Tensor]
     ) -> None:
         try:
-            self.collect(self.launch(plan, masks=masks))
+            step = self.forward(plan)
+            self.collect(self.sample(step, masks(step.sampling_requests)))
         except torch.cuda.OutOfMemoryError as exc:
             # A step this large would fail the same way in the middle of serving.
             raise ModelTooLargeError(
@@ -392,25 +409,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one step and wait for its sampled ids (``launch`` then ``collect``)."""
-        return self.collect(self.launch(out))
+        """Run one unconstrained step and wait for its sampled ids."""
+        return self.collect(self.sample(self.forward(out)))
 
     @torch.inference_mode()
-    def launch(
-        self,
-        out: SchedulerOutput,
-        masks: Callable[[list[Request]], torch.Tensor | None] | None = None,
-    ) -> LaunchedStep:
-        """Enqueue one step (inputs, forward, sampler, the copy of its ids to the host).
-
-        ``masks(sampling_requests)``, called once the forward and the logits are enqueued and
-        before the sampler, gives the step's structured-output bitmask (or None): with overlap
-        the engine core settles the previous step in it, while this step's forward runs."""
+    def forward(self, out: SchedulerOutput) -> ForwardStep:
+        """Enqueue one step's inputs, forward and sampling logits (and score prompt tokens)."""
         stats = self.stats
         timeline = GpuTimeline() if stats.enabled and self._on_cuda else None
         self.input_batch.timeline = timeline  # the input copy is the first stretch
-        # This step's slot in the ring of host landing buffers and their events.
-        self._host_ids_next = (self._host_ids_next + 1) % len(self._host_ids)
         with stats.phase("prepare"):
             inputs = self.prepare_inputs(out)
         with stats.phase("forward"):
@@ -419,33 +426,45 @@ class ModelRunner:
             hidden = self._forward(inputs)  # [T, hidden]
             if timeline is not None:
                 timeline.end()
-        prompt_logprobs = None
-        if inputs.prompt_rows is not None and self._scoring is not None:
-            prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
         requests = inputs.sampling_requests
+        step = ForwardStep(out, requests, self._output_positions, None, None, timeline)
+        if inputs.prompt_rows is not None and self._scoring is not None:
+            step.prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
+        if requests:
+            with stats.phase("sample"):
+                if timeline is not None:
+                    timeline.begin()  # the sampler's stretch ends with the copy back
+                step.logits, step.argmax = self._logits(hidden, inputs)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: ForwardStep, bitmask: torch.Tensor | None = None) -> LaunchedStep:
+        """Enqueue the sampler over ``step``'s logits (masked by the structured-output
+        ``bitmask`` of its sampling rows, if any) and the copy of its ids to the host."""
+        # This step's slot in the ring of host landing buffers and their events.
+        self._host_ids_next = (self._host_ids_next + 1) % len(self._host_ids)
+        requests = step.sampling_requests
         if not requests:
             self._prev_sampled, self._prev_sampling = None, []
-            step = self._launched(out, requests, None, None, timeline)
-            step.prompt_logprobs = prompt_logprobs
-            return self._timed(step)
-        with stats.phase("sample"):
-            if timeline is not None:
-                timeline.begin()
-            logits, argmax = self._logits(hidden, inputs)
-        bitmask = masks(requests) if masks is not None else None
-        with stats.phase("sample"):
-            sampled = self.sampler(logits, requests, self._output_positions, bitmask, argmax)
+            launched = self._launched(step.plan, requests, None, None, step.timeline)
+            launched.prompt_logprobs = step.prompt_logprobs
+            return self._timed(launched)
+        assert step.logits is not None
+        with self.stats.phase("sample"):
+            sampled = self.sampler(
+                step.logits, requests, step.output_positions, bitmask, step.argmax
+            )
         # The next step gathers its placeholder ids from here, on the device.
         self._prev_sampled = sampled.token_ids
         self._share_sampled(sampled.token_ids)
         self._prev_sampling = requests
-        with stats.phase("to_host"):
-            step = self._to_host(out, sampled, requests, timeline)
-        step.prompt_logprobs = prompt_logprobs
-        step.constrained = bitmask is not None
-        if timeline is not None:
-            timeline.end()  # the sampler's stretch ends with the copy back
-        return self._timed(step)
+        with self.stats.phase("to_host"):
+            launched = self._to_host(step.plan, sampled, requests, step.timeline)
+        launched.prompt_logprobs = step.prompt_logprobs
+        launched.constrained = bitmask is not None
+        if step.timeline is not None:
+            step.timeline.end()
+        return self._timed(launched)
 
     def _logits(
         self, hidden: torch.Tensor, inputs: ModelInputs

@@ -10,18 +10,18 @@ When the KV pool runs out, the most recently admitted running request is preempt
 its blocks are freed and it goes back to the front of the waiting queue, to recompute its prompt
 and the outputs it already has (cheaply, where the prefix cache still holds them).
 
-``num_computed_tokens`` advances in ``update_from_output``, not in ``schedule``, so during a step
-``ScheduledRequest.start`` is where its chunk begins.
-
-Overlap (``async_scheduling``): the engine core schedules step N+1 while step N still runs, before
-N's tokens are known. Then ``schedule`` advances ``num_computed_tokens`` at once and appends a
-placeholder (``PLACEHOLDER``) for each row that samples; the model runner feeds a placeholder's
-real id from the previous step's sampled tensor on the device, and ``update_from_output``
-replaces it when the id reaches the host. Stop conditions are checked there, one step late: a
-request that stops at step N has its step-N+1 row dropped, and a request whose pending tokens
-already reach max_tokens or max_model_len is not scheduled again. Each plan keeps the start and
-sampling flag it was made with (``ScheduledRequest.start``, ``.samples``), since the request moves
-on before its update.
+A step is planned before its tokens are known: ``schedule`` advances each request's
+``num_computed_tokens`` at once and appends a placeholder (``PLACEHOLDER``) for each row that
+samples, so that the engine core may plan step N+1 while step N still runs (overlap, see
+docs/design/overlap-scheduling.md). The model runner feeds a placeholder's real id from the
+previous step's sampled tensor on the device, and ``update_from_output`` replaces it when the id
+reaches the host. Stop conditions are checked there, possibly one step late: a request that
+stops at step N has its step-N+1 row dropped, and a request whose pending tokens already reach
+max_tokens or max_model_len is not scheduled again. Each plan keeps the start and sampling flag
+it was made with (``ScheduledRequest.start``, ``.samples``), since the request moves on before
+its update. Without overlap the same bookkeeping holds; the update simply comes before the next
+plan. There is one update rule (``_update_row``); ``_update_decodes`` is its common case written
+out inline, and tests check the two agree.
 
 Counts (``counts()``, for the /metrics of the frontend) cost a few additions per step and per
 admission: prefix-cache lookups and hits at admission, preemptions, and the tokens of each step
@@ -51,7 +51,7 @@ from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, FinishReason
 
 logger = logging.getLogger(__name__)
 
-PLACEHOLDER = -1  # a sampled id still on the device (overlap only); never a real token id
+PLACEHOLDER = -1  # a sampled id not yet on the host; never a real token id
 
 
 class Scheduler:
@@ -63,12 +63,8 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         eos_token_ids: Sequence[int],
-        async_scheduling: bool = False,
-    ):
-        """``async_scheduling``: advance requests and append placeholders at schedule time, so
-        the next step can be planned before this one's tokens are known (see the module doc)."""
+    ) -> None:
         self.config = config
-        self.async_scheduling = async_scheduling
         self.block_manager = BlockManager(
             num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -183,16 +179,15 @@ class Scheduler:
         allocate = self.block_manager.allocate_slots
         table_covering = self.block_manager.table_covering
         scheduled = output.scheduled
-        advance = self.async_scheduling
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             token_ids = request.token_ids
             num_tokens = len(token_ids)
             if token_ids[-1] == PLACEHOLDER and num_tokens >= request.length_limit:
-                # Its pending token (overlap only) finishes it by length: another step would
-                # be wasted and could ask for a block past max_model_len. Without a pending
-                # token a request is never skipped (else it could wait forever).
+                # Its pending token (a step still in flight) finishes it by length: another
+                # step would be wasted and could ask for a block past max_model_len. Without a
+                # pending token a request is never skipped (else it could wait forever).
                 index += 1
                 continue
             start = request.num_computed_tokens
@@ -208,10 +203,9 @@ class Scheduler:
             else:
                 samples = end == num_tokens
                 scheduled.append(ScheduledRequest(request, num_new, block_ids, start, samples))
-                if advance:
-                    request.num_computed_tokens = end
-                    if samples:
-                        token_ids.append(PLACEHOLDER)
+                request.num_computed_tokens = end
+                if samples:
+                    token_ids.append(PLACEHOLDER)
             budget -= num_new
             index += 1
         return budget
@@ -294,24 +288,22 @@ class Scheduler:
         if request.wants_prompt_logprobs and request.needs_prompt_logprobs:
             output.prompt_logprob_seqs.append(len(output.scheduled))
         output.scheduled.append(scheduled)
-        if self.async_scheduling:
-            request.num_computed_tokens = scheduled.start + num_new
-            if scheduled.samples:
-                request.token_ids.append(PLACEHOLDER)
+        request.num_computed_tokens = scheduled.start + num_new
+        if scheduled.samples:
+            request.token_ids.append(PLACEHOLDER)
 
     # ------------------------------------------------------------------------------ updates
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: list[int]
     ) -> list[EngineOutput]:
-        """Apply one step's results: advance, cache full blocks, append samples, finish.
+        """Apply one step's results: cache full blocks, fill placeholders, finish.
 
         ``sampled_token_ids`` holds one id per scheduled request whose chunk samples, in order.
         Returns one event per sampled token; finished requests are already freed.
         """
         scheduled = output.scheduled
-        if len(sampled_token_ids) == len(scheduled) and self.async_scheduling:
-            # Every row sampled (a decode step, the common case): the overlap update inline.
+        if len(sampled_token_ids) == len(scheduled):
             events, any_finished = self._update_decodes(scheduled, sampled_token_ids)
         else:
             events, any_finished = self._update_rows(scheduled, sampled_token_ids)
@@ -327,16 +319,15 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]
     ) -> tuple[list[EngineOutput], bool]:
         """Every row's update, sampling or not: the events and whether any finished."""
-        samples = [s.samples for s in scheduled]  # before num_computed_tokens moves
-        if sum(samples) != len(sampled_token_ids):
+        num_sampling = sum(s.samples for s in scheduled)
+        if num_sampling != len(sampled_token_ids):
             raise ValueError(
-                f"{len(sampled_token_ids)} sampled tokens for {sum(samples)} sampling requests"
+                f"{len(sampled_token_ids)} sampled tokens for {num_sampling} sampling requests"
             )
         tokens = iter(sampled_token_ids)
         events = []
-        update = self._update_planned if self.async_scheduling else self._update_request
-        for row, sampled in zip(scheduled, samples, strict=True):
-            event = update(row, next(tokens) if sampled else None)
+        for row in scheduled:
+            event = self._update_row(row, next(tokens) if row.samples else None)
             if event is not None:
                 events.append(event)
         return events, any(event.finish_reason is not None for event in events)
@@ -344,10 +335,9 @@ class Scheduler:
     def _update_decodes(
         self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]
     ) -> tuple[list[EngineOutput], bool]:
-        """The overlap update of a step in which every row sampled one token, with
-        ``_update_planned``'s common case (a running request with no grammar) written out
-        inline: this runs once per request per step. Anything else takes ``_update_planned``
-        itself."""
+        """The update of a step in which every row sampled one token, with ``_update_row``'s
+        common case (a running request with no grammar) written out inline: this runs once
+        per request per step. Anything else takes ``_update_row`` itself."""
         events = []
         any_finished = False
         block_size = self._block_size
@@ -358,7 +348,7 @@ class Scheduler:
             start = row.start
             end = start + row.num_new_tokens
             if request.status != running or request.grammar is not None:
-                event = self._update_planned(row, token)
+                event = self._update_row(row, token)
                 if event is not None:
                     events.append(event)
                     any_finished = any_finished or event.finish_reason is not None
@@ -376,7 +366,7 @@ class Scheduler:
 
     def _stamp_first_tokens(self) -> None:
         """Time the first token of each request that got it in this step (sampled and known:
-        with overlap a placeholder stands in its place until then)."""
+        a placeholder stands in its place until then)."""
         now = time.monotonic()
         waiting = []
         for request in self._awaiting_first_token:
@@ -389,25 +379,6 @@ class Scheduler:
                 waiting.append(request)
         self._awaiting_first_token = waiting
 
-    def _update_request(
-        self, scheduled: ScheduledRequest, token: int | None
-    ) -> EngineOutput | None:
-        request = scheduled.request
-        if request.is_finished:
-            return None  # aborted while its step ran
-        start = request.num_computed_tokens
-        request.num_computed_tokens = end = start + scheduled.num_new_tokens
-        self._cache_full_blocks(request, start, end)
-        if token is None:
-            return None
-        if request.grammar is not None and not request.grammar.accept(token):
-            return self._dead_end(request)
-        request.token_ids.append(token)
-        reason = self._check_stop(request, token, request.num_tokens)
-        if reason is not None:
-            self._finish(request, reason)
-        return EngineOutput(request, [token], reason)
-
     def _cache_full_blocks(self, request: Request, start: int, end: int) -> None:
         """Register the blocks that tokens [start, end) filled, with the prefix cache. A block
         can only have filled if the chunk reached a block's end: a decode step asks the block
@@ -416,10 +387,8 @@ class Scheduler:
         if end // self._block_size > start // self._block_size:
             self.block_manager.cache_computed_blocks(request, end)
 
-    def _update_planned(
-        self, scheduled: ScheduledRequest, token: int | None
-    ) -> EngineOutput | None:
-        """The overlap update: the request already advanced when it was planned.
+    def _update_row(self, scheduled: ScheduledRequest, token: int | None) -> EngineOutput | None:
+        """One row's update (the request advanced already, when it was planned).
 
         Fill the placeholder this step sampled, register the blocks now full of known tokens,
         and check the stop conditions at the token's own position (later placeholders may
@@ -478,7 +447,7 @@ class Scheduler:
         step is enqueued on one CUDA stream, so a later step that is given a freed block (or
         reads it as a prefix-cache hit) runs after those writes; and the in-flight step writes
         only slots at or after the request's last known token, never a block registered in the
-        prefix cache (those hold known tokens only, see ``_update_planned``).
+        prefix cache (those hold known tokens only, see ``_update_row``).
         """
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

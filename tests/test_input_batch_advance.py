@@ -124,7 +124,7 @@ def test_advanced_steps_equal_full_packs_and_the_plan(seed: int, device: str) ->
         block_size=BLOCK, max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS
     )
     # A pool that cannot hold every request at full length: preemptions happen.
-    scheduler = Scheduler(config, 30, MAX_MODEL_LEN, [0], async_scheduling=True)
+    scheduler = Scheduler(config, 30, MAX_MODEL_LEN, [0])
     batches = TwoBatches(device)
     in_flight: tuple[SchedulerOutput, list[int]] | None = None
     names = iter(range(10**6))
@@ -173,7 +173,7 @@ def test_a_step_is_packed_in_full_when_a_table_outgrows_the_layout(
     metadata's block tables are as wide as the widest table."""
     monkeypatch.setattr(input_batch, "TABLE_ROOM", room)
     config = EngineConfig(block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=MAX_TOKENS)
-    scheduler = Scheduler(config, 64, MAX_MODEL_LEN, [0], async_scheduling=True)
+    scheduler = Scheduler(config, 64, MAX_MODEL_LEN, [0])
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for name in ("a", "b"):  # the same length: their tables grow at the same step
         scheduler.add_request(Request(name, [11, 12, 13], params))

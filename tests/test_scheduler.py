@@ -68,8 +68,8 @@ class FakeRunner:
                 self.slots[self._slot(s.block_ids, pos)] = request.token_ids[pos]
             for pos in range(end):  # attention reads the whole context through the table
                 assert self.slots[self._slot(s.block_ids, pos)] == request.token_ids[pos]
-            if s.samples:
-                sampled.append(fake_next_token(request.token_ids))
+            if s.samples:  # the context is the known tokens, before the step's placeholder
+                sampled.append(fake_next_token(request.token_ids[:end]))
         return sampled
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
@@ -199,7 +199,7 @@ def test_blocks_filled_by_chunks_and_decodes_are_shared(overlap: bool) -> None:
     cache (the update asks the block manager only when a chunk reaches a block's end): a later
     prompt made of a finished request's prompt and output reuses all its full blocks."""
     config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=6, max_num_seqs=4)
-    scheduler = Scheduler(config, 64, 256, (EOS,), async_scheduling=overlap)
+    scheduler = Scheduler(config, 64, 256, (EOS,))
     prompt = list(range(3, 17))  # 14 tokens: chunks of 6, 6 and 2
     scheduler.add_request(make_request("a", prompt, max_tokens=11, ignore_eos=True))
     outputs: list[int] = []

@@ -91,7 +91,7 @@ def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
 
 
 def test_constrained_and_free_requests_share_batches_in_both_loops(llm: LLM) -> None:
-    """The overlapped loop settles the step in flight inside a constrained step's launch: the
+    """The overlapped loop settles the step in flight before a constrained step's bitmask: the
     same seeded requests give the same tokens with and without overlap, and the unconstrained
     ones the same tokens as when run alone."""
     prompt = chat_prompt(llm, "Describe a cat in JSON.")
@@ -247,3 +247,53 @@ def test_tandem_client_flags(engine_address: str, tmp_path: Path, llm: LLM) -> N
         [*base, "--regex", "a", "--json-object"], capture_output=True, text=True, timeout=60
     )
     assert both.returncode == 2 and "not --json-object and --regex" in both.stderr
+
+
+def record_calls(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, each stage of a step appends its name as the engine core calls it (the real
+    methods run: the recorder only wraps them)."""
+    core, calls = llm.engine, []
+
+    def spy(owner: object, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        def wrapped(*args: object, **kwargs: object) -> object:
+            calls.append(label)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+    spy(core.scheduler, "schedule", "P")
+    spy(core.runner, "forward", "F")
+    spy(core, "_bitmask", "B")
+    spy(core.runner, "sample", "S")
+    spy(core.runner, "collect", "C")
+    return calls
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_a_step_runs_its_stages_in_order_and_the_runner_calls_nothing_back(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, constrained: bool
+) -> None:
+    """With overlap, step N is scheduled and its forward enqueued; a constrained step then
+    settles step N-1 (collect) before its bitmask and sampler, since the bitmask needs N-1's
+    token; an unconstrained one enqueues its sampler first and settles N-1 while N runs. The
+    runner's stages take data only: no callable reaches it."""
+    import inspect
+
+    for stage in (llm.engine.runner.forward, llm.engine.runner.sample):
+        for parameter in inspect.signature(stage).parameters.values():
+            assert "Callable" not in str(parameter.annotation), parameter
+    prompt = chat_prompt(llm, "Describe a cat in JSON.")
+    constraint = schema_constraint(SCHEMAS["flat object"]) if constrained else None
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, constraint=constraint)
+    calls = record_calls(llm, monkeypatch)
+    llm.generate([prompt], params, detokenize=False)
+    # Plan, Forward, Bitmask, Sample, Collect, six steps of one token each. Plans with nothing
+    # to run (while the grammar compiles) come first; the last step is settled by a turn whose
+    # plan is empty, as the request's pending token already reaches max_tokens.
+    steps = "P" + "".join(calls).lstrip("P")
+    if constrained:
+        assert steps == "PFBS" + "PFCBS" * 5 + "PC", steps
+    else:
+        assert steps == "PFS" + "PFSC" * 5 + "PC", steps

@@ -169,7 +169,7 @@ def test_a_step_that_runs_out_of_memory_is_refused_naming_the_flags(
     def out_of_memory(*args: object, **kwargs: object) -> None:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(runner, "launch", out_of_memory)
+    monkeypatch.setattr(runner, "forward", out_of_memory)
     with pytest.raises(
         ModelTooLargeError, match="--max-num-batched-tokens 8192, --max-num-seqs"
     ) as caught:
