@@ -205,8 +205,7 @@ class EngineCore:
             if not grammar.ready:
                 still.append(request)
             elif grammar.matcher is None and not request.is_finished:
-                self.scheduler.abort_requests([request.request_id])
-                request.finish_reason = FinishReason.ERROR
+                self.scheduler.abort_requests([request.request_id], FinishReason.ERROR)
                 message = f"invalid constraint: {grammar.error}"
                 failed.append(EngineOutput(request, [], FinishReason.ERROR, error=message))
         self._compiling = still

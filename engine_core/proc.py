@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
-from engine_core.request import EngineOutput, Request
+from engine_core.request import EngineOutput, HeldTokens, Request
 from protocol.address import EngineAddress
 from protocol.codec import StepOutputsFrame
 from protocol.messages import (
@@ -49,6 +49,7 @@ from protocol.messages import (
     StepOutputs,
     TokenLogprobs,
 )
+from protocol.output_interval import IntervalCounter, OutputInterval
 from protocol.processes import ParentWatch, freeze_startup_heap, spread_young_collections
 
 if TYPE_CHECKING:
@@ -332,8 +333,9 @@ class EngineProc:
             msg.params,
             client_id=client,
             client_request_id=msg.request_id,
-            output_interval=msg.output_interval,
         )
+        if msg.output_interval > 1:
+            request.held = HeldTokens(IntervalCounter(OutputInterval(msg.output_interval)))
         try:
             self.core.add_request(request)
         except ValueError as exc:
@@ -407,8 +409,8 @@ def step_frames(
             errors.append((r.client_id, RequestError(r.client_request_id, out.error, 400)))
             continue
         tokens, logprobs = out.new_token_ids, out.logprobs
-        if r.output_interval > 1:
-            released = release_held(out)
+        if r.held is not None:
+            released = release_held(r.held, out)
             if released is None:
                 continue  # held back until the request's output interval fills
             tokens, logprobs = released
@@ -430,28 +432,25 @@ def step_frames(
     return frames
 
 
-def release_held(out: EngineOutput) -> tuple[list[int], list[TokenLogprobs] | None] | None:
+def release_held(
+    held: HeldTokens, out: EngineOutput
+) -> tuple[list[int], list[TokenLogprobs] | None] | None:
     """A request with an output interval: hold this step's tokens (and logprobs) back and
-    return None, or return every held token and logprob to send now: its first token, once
-    ``output_interval`` tokens have gathered, and with its end. An abort or an error drops what
-    is held: the client gets no more tokens of an aborted or failed request anyway."""
-    r = out.request
-    r.held_token_ids += out.new_token_ids
+    return None, or return every held token and logprob to send now, as the interval says (its
+    first token, once enough have gathered, and with its end; an output without tokens carries
+    something else and goes at once). An abort or an error drops what is held: the client gets
+    no more tokens of an aborted or failed request anyway."""
+    held.token_ids += out.new_token_ids
     if out.logprobs is not None:
-        r.held_logprobs += out.logprobs
-    due = (
-        out.finish_reason is not None
-        or not r.has_sent_output
-        or len(r.held_token_ids) >= r.output_interval
-        or not out.new_token_ids  # an output without tokens carries something else: send it
-    )
-    if not due:
+        held.logprobs += out.logprobs
+    ending = out.finish_reason is not None or not out.new_token_ids
+    if not held.counter.add(len(out.new_token_ids), ending):
         return None
-    tokens, r.held_token_ids = r.held_token_ids, []
+    held.counter.went_on()
+    tokens, held.token_ids = held.token_ids, []
     logprobs = None
-    if r.held_logprobs:  # one per held token, when the request asked for them
-        logprobs, r.held_logprobs = r.held_logprobs, []
-    r.has_sent_output = True
+    if held.logprobs:  # one per held token, when the request asked for them
+        logprobs, held.logprobs = held.logprobs, []
     return tokens, logprobs
 
 

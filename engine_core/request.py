@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from protocol.messages import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
+from protocol.output_interval import IntervalCounter
 
 if TYPE_CHECKING:
     from engine_core.grammar import RequestGrammar
@@ -24,14 +25,29 @@ class RequestStatus(enum.IntEnum):
     FINISHED = 2
 
 
+@dataclass(slots=True)
+class HeldTokens:
+    """A request's tokens (and their logprobs) that the engine process holds back until its
+    client's output interval says they are due (protocol/output_interval.py)."""
+
+    counter: IntervalCounter
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class Request:
+    """One request inside the engine core. Each group of fields below has one writer."""
+
+    # What the request is, fixed when it is made (engine_core/proc.py, engine_core/llm.py).
     request_id: str  # unique inside this engine (the engine scopes client ids by client)
     prompt_token_ids: list[int]
     params: SamplingParams
     client_id: bytes = b""  # whom outputs go to
     client_request_id: str = ""  # the id the client chose
     arrival_time: float = field(default_factory=time.monotonic)
+
+    # Written by the scheduler (engine_core/scheduler.py) only.
     # token_ids = prompt + outputs; the tokens [0, num_computed_tokens) have K/V in the cache.
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -39,27 +55,27 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
-    grammar: RequestGrammar | None = None  # the matcher of its constraint (structured output)
-    # With params.prompt_logprobs: the logprobs of prompt tokens 1.. as the prefill computes them
-    # (a prefix-cache hit would skip their logits, so such a request takes none until complete).
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs_sent: bool = False  # they went out with the request's first token
+    # Its stopping rules as checked at every token, set when the request is added: the ids that
+    # stop it (its stop ids, and EOS unless ignore_eos) and the length at which it stops
+    # (prompt + max_tokens, or the model's limit if lower).
+    stop_ids: frozenset[int] = frozenset()
+    length_limit: int = 0
     # Its timeline on time.monotonic() (0: not yet), for the timings its last output carries.
     first_scheduled_time: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0
     first_token_index: int = 0  # where its first new token goes: len(token_ids) when admitted
-    # Its stopping rules as the scheduler checks them at every token, set by the scheduler when
-    # the request is added: the ids that stop it (its stop ids, and EOS unless ignore_eos) and
-    # the length at which it stops (prompt + max_tokens, or the model's limit if lower).
-    stop_ids: frozenset[int] = frozenset()
-    length_limit: int = 0
-    # Its client asked for its tokens once this many have gathered (AddRequest's
-    # output_interval); until then the engine process holds them here (engine_core/proc.py).
-    output_interval: int = 1
-    held_token_ids: list[int] = field(default_factory=list)
-    held_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    has_sent_output: bool = False
+
+    # Written by the engine core (engine_core/core.py) only.
+    grammar: RequestGrammar | None = None  # the matcher of its constraint (structured output)
+    # With params.prompt_logprobs: the logprobs of prompt tokens 1.. as the prefill computes them
+    # (a prefix-cache hit would skip their logits, so such a request takes none until complete).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # they went out with the request's first token
+
+    # Written by the engine process (engine_core/proc.py) only: what it holds back for the
+    # request's output interval, or None where every step's tokens go out at once.
+    held: HeldTokens | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -108,8 +108,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Finish the given live requests with ABORT and free their blocks now; others ignored."""
+    def abort_requests(
+        self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT
+    ) -> list[Request]:
+        """Finish the given live requests (with ``reason``: an abort, or the engine's error)
+        and free their blocks now; ids that are not live are ignored."""
         aborted = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -119,7 +122,7 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, FinishReason.ABORT)
+            self._finish(request, reason)
             aborted.append(request)
         if not self.has_unfinished():
             self._awaiting_first_token.clear()  # no step may come soon to drop them

@@ -4,15 +4,15 @@ One HTTP request becomes ``len(prompts) * n`` engine requests sharing one queue 
 Each choice owns a TextStream (incremental detokenizer + stop strings); a matched stop string ends
 the choice and aborts it in the engine.
 
-Streaming costs per chunk, not per token or per step: the request's task is woken only when a
-flush may be due (the group's ``wake_every``: ``--stream-interval`` tokens, a first token, an
-end), takes every step output delivered since, and a choice is flushed only once
-``--stream-interval`` new tokens have gathered since its last chunk, when it ends, or for its
-first token (so the interval never delays the time to first token). The metrics use each
-output's arrival time, not the wake-up's. Text is decoded once per
-flush; only a choice with stop strings decodes each step's output as it comes, so that a match
-aborts the engine request as early as it can and the usage counts the same tokens however the
-outputs were batched. A non-streamed response flushes each choice once, at its end.
+Streaming costs per chunk, not per token or per step. One rule (protocol/output_interval.py:
+a first token and an end at once, otherwise every N tokens) is applied at three stages with the
+same N: the engine sends a choice's tokens by it, the request group wakes this task by it, and a
+choice is flushed by it (``--stream-interval``), so the interval never delays the time to first
+token and no stage handles a choice at the steps in between. The metrics use each output's
+arrival time, not the wake-up's. Text is decoded once per flush; only a choice with stop
+strings decodes each step's output as it comes, so that a match aborts the engine request as
+early as it can and the usage counts the same tokens however the outputs were batched. A
+non-streamed response flushes each choice once, at its end.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from protocol.messages import (
     SamplingParams,
     TokenLogprobs,
 )
+from protocol.output_interval import OutputInterval
 
 # The longest run of tokens the engine is asked for (and what a non-streamed choice, which
 # needs its tokens only at its end, asks for). An engine that dies loses no more than this many
@@ -102,6 +103,7 @@ class Generation:
         self.arrival = arrival  # when the HTTP request came in: TTFT includes tokenization
         self.prompts = prompts
         self.stream_interval = stream_interval
+        self.flush_rule = OutputInterval(stream_interval)  # when a choice's chunk goes out
         tok = ctx.tokenizer
         self.choices = [
             Choice(i, prompts[i // n], TextStream(tok.decode, stop, tok.byte_level))
@@ -330,11 +332,7 @@ class Generation:
 
     def _due(self, choice: Choice) -> bool:
         """Whether a streamed choice has gathered enough tokens for a chunk (or its first)."""
-        interval = self.stream_interval
-        if interval is None:
-            return False
-        unsent = len(choice.token_ids) - choice.sent
-        return unsent >= interval or (choice.sent == 0 and unsent > 0)
+        return self.flush_rule.due(len(choice.token_ids) - choice.sent, choice.sent > 0)
 
     @staticmethod
     def _flush(choice: Choice) -> ChoiceDelta:

@@ -75,6 +75,7 @@ from protocol.messages import (
     Stats,
     StepOutputs,
 )
+from protocol.output_interval import IntervalCounter, OutputInterval
 
 if TYPE_CHECKING:
     from protocol.curve import CurveClientKeys
@@ -715,12 +716,12 @@ class RequestGroup:
     error or cancellation (a client that disconnected), aborts every request not finished.
 
     The reader hands each item over with ``deliver``; ``next_batch`` waits until the consumer
-    has something to do, then takes everything delivered so far. When that is depends on
-    ``wake_every``: 1 (the default) wakes it for every output; N wakes it once some request has
-    gathered N tokens since the consumer last said it ``flushed`` that request, or has its first
-    tokens; None wakes it only for what ends a request. Errors and ends always wake it. Each
-    item keeps the time it arrived, so what the consumer measures does not depend on when it
-    was woken.
+    has something to do, then takes everything delivered so far. When that is, the output
+    interval ``wake_every`` says (protocol/output_interval.py), counting each request's tokens
+    since the consumer last said it ``flushed`` that request: 1 (the default) wakes it for every
+    output; N for a request's first tokens and once N have gathered; None only for what ends a
+    request. Errors and ends always wake it. Each item keeps the time it arrived, so what the
+    consumer measures does not depend on when it was woken.
     """
 
     def __init__(
@@ -729,17 +730,14 @@ class RequestGroup:
         requests: Sequence[EngineRequest],
         wake_every: int | None = 1,
     ) -> None:
-        if wake_every is not None and wake_every < 1:
-            raise ValueError(f"wake_every must be None or at least 1, got {wake_every}")
+        interval = OutputInterval(wake_every)
         self._client = client
         self.requests = list(requests)
         self.unfinished = {r.request_id for r in self.requests}
-        self.wake_every = wake_every
         self._delivered: list[Delivery] = []
         self._due = False  # something delivered needs the consumer
         self._waiter: asyncio.Future[None] | None = None
-        self._unflushed = [0] * len(self.requests)  # tokens since the consumer's last flush
-        self._started = [False] * len(self.requests)  # whether a token came yet
+        self._counters = [IntervalCounter(interval) for _ in self.requests]
 
     async def __aenter__(self) -> RequestGroup:
         await self.send()
@@ -775,20 +773,13 @@ class RequestGroup:
                 self._waiter.set_result(None)
 
     def _needs_consumer(self, index: int, item: RequestItem) -> bool:
-        """Whether ``item`` makes the group due; with ``wake_every`` N it also counts the
-        request's tokens towards the next N."""
-        if isinstance(item, Exception) or item.finish_reason is not None:
+        """Whether ``item`` makes the group due (an error, an end, an output without tokens, or
+        tokens the interval says are due)."""
+        if isinstance(item, Exception):
             return True
         tokens = len(item.new_token_ids)
-        if not tokens or self.wake_every == 1:
-            return True  # an output without tokens is rare and may carry anything
-        if self.wake_every is None:
-            return False
-        self._unflushed[index] += tokens
-        if not self._started[index]:
-            self._started[index] = True
-            return True
-        return self._unflushed[index] >= self.wake_every
+        ending = item.finish_reason is not None or not tokens
+        return self._counters[index].add(tokens, ending)
 
     async def next_batch(self) -> list[Delivery]:
         """Wait until the consumer has something to do, then take every item delivered so far
@@ -805,7 +796,7 @@ class RequestGroup:
 
     def flushed(self, index: int) -> None:
         """The consumer sent out what request ``index`` had (``wake_every`` counts from here)."""
-        self._unflushed[index] = 0
+        self._counters[index].went_on()
 
     def finished(self, index: int) -> None:
         """The caller saw request ``index`` end (or stopped it itself and aborted it)."""

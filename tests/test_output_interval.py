@@ -1,6 +1,7 @@
-"""The engine output interval: what the API process asks for (each choice's tokens in runs as
-long as its chunks need), what the engine process sends and when (release_held, fed by hand), and
-an inter-token latency that counts every token however the tokens were batched.
+"""The output interval: the rule itself (against a hand-written table), what the API process
+asks for (each choice's tokens in runs as long as its chunks need), what the engine process sends
+and when (release_held, fed by hand), and an inter-token latency that counts every token however
+the tokens were batched.
 
 The engine's side end to end (runs of exactly that many, the HF tokens all the same, prompt
 logprobs, aborts) is tested on a real engine process in tests/test_engine_proc.py; streams and
@@ -16,10 +17,45 @@ from typing import Any
 import pytest
 
 from engine_core.proc import release_held
-from engine_core.request import EngineOutput, Request
+from engine_core.request import EngineOutput, HeldTokens, Request
 from frontend.generation import MAX_OUTPUT_INTERVAL, Generation
 from frontend.metrics import Metrics
 from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
+from protocol.output_interval import IntervalCounter, OutputInterval
+
+
+@pytest.mark.parametrize(
+    ("every", "gathered", "sent_any", "ending", "due"),
+    [
+        (4, 1, False, False, True),  # a request's first tokens go at once
+        (4, 3, True, False, False),  # then they gather...
+        (4, 4, True, False, True),  # ...until four wait
+        (4, 9, True, False, True),
+        (4, 0, True, True, True),  # the end goes at once, with or without tokens
+        (4, 0, False, False, False),  # nothing gathered, nothing due
+        (1, 1, True, False, True),  # every token
+        (None, 1, False, False, False),  # only the end: not even the first tokens
+        (None, 500, True, False, False),
+        (None, 2, True, True, True),
+    ],
+)
+def test_the_rule(
+    every: int | None, gathered: int, sent_any: bool, ending: bool, due: bool
+) -> None:
+    assert OutputInterval(every).due(gathered, sent_any, ending) is due
+
+
+def test_a_counter_counts_from_what_last_went_on() -> None:
+    counter = IntervalCounter(OutputInterval(3))
+    assert counter.add(1)  # the first token
+    assert not counter.add(1)  # the first went (or is going): the next ones gather
+    counter.went_on()
+    assert [counter.add(1) for _ in range(3)] == [False, False, True]
+    assert counter.add(2)  # four gathered: it stays due until what gathered went on
+    counter.went_on()
+    assert not counter.add(1) and counter.add(0, ending=True)
+    with pytest.raises(ValueError, match="at least 1"):
+        OutputInterval(0)
 
 
 def generation(stream_interval: int | None, stop: list[str]) -> Generation:
@@ -73,12 +109,17 @@ def lp(value: float) -> TokenLogprobs:
     return TokenLogprobs(value, [], [])
 
 
+def held(interval: int) -> HeldTokens:
+    return HeldTokens(IntervalCounter(OutputInterval(interval)))
+
+
 def test_held_tokens_go_out_in_runs_and_with_the_end() -> None:
-    request = Request("r", [1, 2], SamplingParams(max_tokens=20, logprobs=0), output_interval=3)
+    request = Request("r", [1, 2], SamplingParams(max_tokens=20, logprobs=0))
+    hold = held(3)
 
     def step(tokens: list[int], reason: FinishReason | None = None) -> Any:
         logprobs = [lp(-t) for t in tokens] or None
-        return release_held(EngineOutput(request, tokens, reason, logprobs))
+        return release_held(hold, EngineOutput(request, tokens, reason, logprobs))
 
     assert step([5]) == ([5], [lp(-5)])  # the first token at once
     assert step([6]) is None and step([7]) is None
@@ -89,10 +130,11 @@ def test_held_tokens_go_out_in_runs_and_with_the_end() -> None:
 
 def test_an_output_without_tokens_takes_the_held_ones_with_it() -> None:
     """A constraint's dead end comes as an output with no token: what was held goes with it."""
-    request = Request("r", [1], SamplingParams(max_tokens=20), output_interval=16)
-    assert release_held(EngineOutput(request, [5])) == ([5], None)
-    assert release_held(EngineOutput(request, [6])) is None
-    assert release_held(EngineOutput(request, [7])) is None
+    request = Request("r", [1], SamplingParams(max_tokens=20))
+    hold = held(16)
+    assert release_held(hold, EngineOutput(request, [5])) == ([5], None)
+    assert release_held(hold, EngineOutput(request, [6])) is None
+    assert release_held(hold, EngineOutput(request, [7])) is None
     dead_end = EngineOutput(request, [], FinishReason.DEAD_END)
-    assert release_held(dead_end) == ([6, 7], None)
-    assert request.held_token_ids == [] and request.held_logprobs == []
+    assert release_held(hold, dead_end) == ([6, 7], None)
+    assert hold.token_ids == [] and hold.logprobs == []

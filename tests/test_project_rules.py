@@ -122,3 +122,11 @@ def test_the_load_generator_imports_nothing_from_the_frontend() -> None:
     graph = project_graph()
     assert {t for m, ts in graph.items() if m.startswith("loadgen") for t in ts if
             t.startswith("frontend")} == set()  # fmt: skip
+
+
+def test_the_output_interval_rule_is_written_once() -> None:
+    """The engine process, the client library and the frontend apply one rule for when a
+    request's tokens go on (protocol/output_interval.py), rather than each its own copy."""
+    users = {"engine_core.proc", "protocol.client", "frontend.generation"}
+    graph = project_graph()
+    assert all("protocol.output_interval" in graph[name] for name in users)

@@ -108,7 +108,7 @@ def test_a_waiting_consumer_is_woken_by_a_later_delivery() -> None:
 
 
 def test_wake_every_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="wake_every"):
+    with pytest.raises(ValueError, match="output interval"):
         group_of(1, wake_every=0)
 
 
