@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("frontend", "engine_core", "protocol", "loadgen")
+PACKAGES = ("common", "frontend", "engine_core", "protocol", "loadgen")
 
 
 def python_floor() -> tuple[int, int]:
