@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from types import TracebackType
 
+from common import env
 from common.processes import die_with_parent, pid_alive
 from engine_core.config import EngineConfig
 from frontend.engine_pool import EnginePool
@@ -291,10 +292,8 @@ def gpu_slices(num_engines: int, per_engine: int, device: str) -> list[str] | No
     own (then they share what the frontend sees)."""
     if device == "cpu":
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [d.strip() for d in visible.split(",") if d.strip()]
-    else:
+    ids = env.cuda_visible_devices()
+    if ids is None:
         import torch
 
         ids = [str(i) for i in range(torch.cuda.device_count())]
