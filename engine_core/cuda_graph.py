@@ -122,19 +122,6 @@ def prefill_graph_shape(tokens: int, max_seqs: int) -> tuple[int, int]:
     return seqs, capacity(tokens, seqs, prefill_block_m(tokens))
 
 
-# The decode graphs' tail on our kernels: the LM head's product by the skinny GEMM where a plain
-# Linear would take it, and the argmax by row_argmax's two chain kernels; False: cuBLAS and
-# torch.argmax (for A/B measurements). The graph's logits then differ from an eager step's
-# (compute_logits, cuBLAS) by the rounding of another summation order, as its layers' products do.
-# On an H100 at decode-64 (docs/benchmarks.md, fourteenth session) the decode graph's replay took
-# 6-13 us less for smollm2 and llama-1b, 21-26 us less for llama-8b.
-TAIL_KERNELS = True
-# ... and where the skinny GEMM takes the product, its epilogue takes each weight tile's argmax, so
-# the logits are not read again (one launch fewer a step); False: row_argmax after the product
-# (for A/B measurements).
-TAIL_ARGMAX_EPILOGUE = True
-
-
 @dataclass
 class DecodeTail:
     """What a decode graph computes after the forward, into static buffers: the logits of every
@@ -153,21 +140,19 @@ class DecodeTail:
 
     def run(self, hidden: torch.Tensor) -> None:
         """hidden [B, hidden] -> logits[:B] (hidden @ weight.T, within rounding of F.linear's)
-        and argmax[:B], for a graph: the product by the skinny GEMM where a plain Linear would
-        take it, with the argmax's first step in its epilogue, and the argmax's second step in
-        a chain kernel (TAIL_KERNELS, TAIL_ARGMAX_EPILOGUE)."""
+        and argmax[:B], for a graph, on our kernels rather than cuBLAS and torch.argmax: the
+        product by the skinny GEMM where a plain Linear would take it, with the argmax's first
+        step in its epilogue (so the logits are not read again: one launch fewer a step), and
+        the argmax's second step in a chain kernel. The graph's logits then differ from an eager
+        step's (compute_logits, cuBLAS) by the rounding of another summation order, as its
+        layers' products do; the replay of a decode graph took 6-13 us less for smollm2 and
+        llama-1b at decode-64, 21-26 us less for llama-8b."""
         from engine_core.models import skinny_gemm, triton_ops  # import triton: CUDA only
 
         rows = hidden.shape[0]
         logits = self.logits[:rows]
         argmax = self.argmax[:rows]
-        if not TAIL_KERNELS:
-            torch.mm(hidden, self.weight.t(), out=logits)
-            torch.argmax(logits[:, : self.vocab_size], dim=-1, out=argmax)
-            return
-        if TAIL_ARGMAX_EPILOGUE and skinny_gemm.decode_linear_argmax(
-            hidden, self.weight, self.vocab_size, logits, argmax
-        ):
+        if skinny_gemm.decode_linear_argmax(hidden, self.weight, self.vocab_size, logits, argmax):
             return
         if skinny_gemm.decode_linear(hidden, self.weight, None, out=logits) is None:
             torch.mm(hidden, self.weight.t(), out=logits)

@@ -40,8 +40,6 @@ from engine_core.request import Request, SchedulerOutput
 from engine_core.step_stats import GpuTimeline
 
 _RING = 3  # host buffers in flight: the one being packed, and up to two queued copies
-# A steady decode step advances the last step's buffer instead of packing anew (for A/B runs).
-ADVANCE_STEADY_DECODE = True
 # Layouts kept for reuse (a steady decode repeats a handful of shapes); past this, start over.
 _MAX_LAYOUTS = 256
 # A step's layout gives the block tables room for the widest table rounded up to whole
@@ -117,7 +115,9 @@ class InputBatch:
         # Layouts by their counts, with their views of the device buffer (``_layout``).
         self._layouts: dict[tuple[int, ...], _Layout] = {}
         self._steady: _SteadyStep | None = None  # the last step, where the next can advance it
-        self.advance_steady = ADVANCE_STEADY_DECODE
+        # A steady decode step advances the last step's buffer instead of packing anew; False
+        # packs every step in full, the reference the tests and bench_host_step.py compare with.
+        self.advance_steady = True
         self._allocate(self._capacity)
         # The runner's GPU timing of the next step (step stats), or None: the input copy and
         # the placeholder gather are its first stretch.

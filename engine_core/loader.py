@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from common import env
 from engine_core.config import ModelConfig
 from engine_core.models import build_model, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_device
@@ -146,8 +147,7 @@ def resolve_for_serving(model: str) -> tuple[str, Path]:
 def tokenizer_dir_for_random() -> Path:
     """Random presets share the default model's 49,152-token vocabulary, so its tokenizer serves
     them; $TANDEM_TOKENIZER_DIR points at a tokenizer-only folder where the default is absent."""
-    override = os.environ.get("TANDEM_TOKENIZER_DIR")
-    return Path(override) if override else resolve_model_dir("default")
+    return env.tokenizer_dir() or resolve_model_dir("default")
 
 
 @contextmanager
@@ -251,17 +251,12 @@ def download_from_hub(repo_id: str) -> Path:
 # GGUF conversion cache
 
 
-def cache_root() -> Path:
-    configured = os.environ.get("TANDEM_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tandem"
-
-
 def gguf_cache_dir(gguf: Path) -> Path:
     """Where ``gguf``'s converted folder lives: keyed by path, size and mtime of the file."""
     stat = gguf.stat()
     key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{_CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_root() / f"{gguf.stem}-{digest}"
+    return env.cache_dir() / f"{gguf.stem}-{digest}"
 
 
 def convert_gguf_cached(gguf: Path) -> Path:

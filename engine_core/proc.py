@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from common.processes import ParentWatch, freeze_startup_heap, spread_young_collections
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
 from engine_core.request import EngineOutput, HeldTokens, Request
@@ -50,7 +51,6 @@ from protocol.messages import (
     TokenLogprobs,
 )
 from protocol.output_interval import IntervalCounter, OutputInterval
-from protocol.processes import ParentWatch, freeze_startup_heap, spread_young_collections
 
 if TYPE_CHECKING:
     from protocol.curve import CurveServerKeys

@@ -24,6 +24,8 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from common import env
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,7 +42,6 @@ PHASES = (
     "update",
     "send",
 )
-ENV_VAR = "TANDEM_STEP_STATS"
 
 
 class _NullPhase:
@@ -131,7 +132,7 @@ class StepStats:
     """Accumulates per-step host and GPU times; ``phase(name)`` is a no-op when disabled."""
 
     def __init__(self, enabled: bool = False, nvtx: bool = False, log_interval_s: float = 10.0):
-        self.enabled = enabled or os.environ.get(ENV_VAR, "") not in ("", "0")
+        self.enabled = enabled or env.step_stats()
         self.nvtx = nvtx and _cuda_available()  # NVTX calls need a CUDA build
         self.log_interval_s = log_interval_s
         self._phases = {name: _Phase(self, name) for name in PHASES}

@@ -42,6 +42,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from common.processes import set_parent_death_signal
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.model_runner import (
     PROMPT_LOGITS_ROWS,
@@ -61,7 +62,6 @@ from engine_core.parallel import (
     leave_tp_group,
 )
 from engine_core.request import SchedulerOutput
-from protocol.processes import set_parent_death_signal
 
 logger = logging.getLogger("tandem.tp")
 

@@ -20,21 +20,16 @@ tables): whoever calls them must not have those written by the kernel launched j
 engine writes them at the step's start (the input copy, the rotary embedding's lookup), several
 kernels earlier.
 
-``TANDEM_PDL=0`` in the environment turns it off (read at import; for A/B measurements).
-
 Importing this module imports triton (see engine_core/attention/triton_kernels.py).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-
-CHAIN_PDL = os.environ.get("TANDEM_PDL", "1") != "0"
 
 
 @functools.cache
@@ -54,8 +49,9 @@ def launches_dependents(x: torch.Tensor) -> bool:
 
 def chain_pdl(x: torch.Tensor) -> bool:
     """Whether a kernel of the decode chain over x launches as a programmatic dependent (pass
-    it as both the kernel's ``PDL`` and the launch's ``launch_pdl``)."""
-    return CHAIN_PDL and launches_dependents(x)
+    it as both the kernel's ``PDL`` and the launch's ``launch_pdl``): wherever it may let the
+    kernel after it start early too."""
+    return launches_dependents(x)
 
 
 @triton.jit

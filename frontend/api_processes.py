@@ -13,7 +13,7 @@ parent process (frontend/serve.py, which also starts the engine cores)
   parent meanwhile, so connections the kernel routed to it wait in its queue rather than fail;
 - on SIGTERM or Ctrl-C stops the API processes (each drains its requests, uvicorn's graceful
   shutdown), then the engines. Every child gets the death signal of
-  protocol.processes.die_with_parent, so none outlives a parent killed outright; an API process
+  common.processes.die_with_parent, so none outlives a parent killed outright; an API process
   also polls for its parent.
 
 Each API process is the usual frontend (frontend/http_server.py) with its own engine connections,
@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import event_loop
+from common.processes import die_with_parent, exit_on_sigterm
 from frontend.engine_pool import EnginePool
 from frontend.engines import (
     EXIT_POLL_S,
@@ -54,11 +56,9 @@ from frontend.engines import (
     supervise_engines,
 )
 from frontend.http_server import ApiRole, announce, serve_http
-from protocol import event_loop
 from protocol.address import EngineAddress
 from protocol.client import EngineDeadError
 from protocol.curve import client_keys_from_args
-from protocol.processes import die_with_parent, exit_on_sigterm
 
 logger = logging.getLogger("tandem.frontend")
 

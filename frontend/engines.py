@@ -11,7 +11,7 @@ else runs) and, when API processes serve from it, the ``EnginePidFile`` that tel
 
 An engine is `python -m frontend.cli engine --address ADDR --model DIR --parent-pid PID [engine
 flags]` with the model folder the frontend resolved (so the default model's GGUF is converted
-once). It never outlives us: it gets the death signal of ``protocol.processes.die_with_parent``,
+once). It never outlives us: it gets the death signal of ``common.processes.die_with_parent``,
 and ``--parent-pid`` makes it poll for us as well.
 
 ``EngineSupervisor`` watches one engine process under a live server: when it exits, the requests
@@ -34,12 +34,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from types import TracebackType
 
+from common import env
+from common.processes import die_with_parent, pid_alive
 from engine_core.config import EngineConfig
 from frontend.engine_pool import EnginePool
 from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
 from protocol.client import AsyncEngineClient, EngineDeadError
 from protocol.curve import CurveClientKeys
-from protocol.processes import die_with_parent, pid_alive
 
 logger = logging.getLogger("tandem.frontend")
 
@@ -291,10 +292,8 @@ def gpu_slices(num_engines: int, per_engine: int, device: str) -> list[str] | No
     own (then they share what the frontend sees)."""
     if device == "cpu":
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [d.strip() for d in visible.split(",") if d.strip()]
-    else:
+    ids = env.cuda_visible_devices()
+    if ids is None:
         import torch
 
         ids = [str(i) for i in range(torch.cuda.device_count())]

@@ -22,6 +22,7 @@ from typing import Any
 
 import uvicorn
 
+from common.processes import ParentWatch, freeze_startup_heap, spread_young_collections
 from frontend.admission import AdmissionGate
 from frontend.app import ServerState, build_app
 from frontend.constraints import ConstraintChecker
@@ -32,7 +33,6 @@ from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
 from frontend.tools import tool_support
 from protocol.messages import Ready
-from protocol.processes import ParentWatch, freeze_startup_heap, spread_young_collections
 
 logger = logging.getLogger("tandem.frontend")
 

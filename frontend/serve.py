@@ -179,11 +179,11 @@ def launch(
     listeners: list[socket.socket] | None,
 ) -> int:
     """Start the engines, serve until a signal, then stop the HTTP side and the engines."""
+    from common import event_loop
+    from common.processes import exit_on_sigterm
     from frontend.api_processes import ApiProcesses
     from frontend.http_server import serve_http
-    from protocol import event_loop
     from protocol.client import EngineDeadError
-    from protocol.processes import exit_on_sigterm
 
     exit_on_sigterm()  # so the finally below runs on SIGTERM too
     api = ApiProcesses(args, model_dir, specs, listeners) if listeners else None
@@ -210,9 +210,9 @@ def launch(
 def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     """ValueError for flags that do not go together (and for engine limits the engine would
     refuse, so that they fail here, at once); the CURVE client keys, if given."""
+    from common import event_loop
     from engine_core.args import engine_config_from_args
     from frontend.engines import changed_engine_flags
-    from protocol import event_loop
     from protocol.curve import client_keys_from_args
 
     event_loop.loop_name()  # a bad TANDEM_EVENT_LOOP fails here, with its message

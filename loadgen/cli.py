@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from common import event_loop
 from loadgen.arrival import Arrival
 from loadgen.backends import BACKENDS, Backend, BackendError, Clock, open_backend
 from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
@@ -31,7 +32,6 @@ from loadgen.runner import RunPlan, run_once
 from loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
 from loadgen.workers import ClientPool
 from loadgen.workload import LenRange, WorkloadConfig, build_workload
-from protocol import event_loop
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

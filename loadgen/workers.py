@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import event_loop
 from loadgen.arrival import Arrival
 from loadgen.backends import Clock, open_backend
 from loadgen.metrics import RequestRecord
 from loadgen.runner import RunPlan, run_once
 from loadgen.workload import RequestSpec
-from protocol import event_loop
 
 # The flags a worker's backend needs; everything else stays with the parent.
 _BACKEND_ARGS = (

@@ -44,6 +44,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common import env
+
 if TYPE_CHECKING:
     import zmq
 
@@ -282,7 +284,7 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
 
 def _runtime_dirs() -> list[str]:
     dirs = []
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    xdg = env.xdg_runtime_dir()
     if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK | os.X_OK):
         dirs.append(xdg)
     dirs.append(tempfile.gettempdir())

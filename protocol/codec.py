@@ -14,7 +14,8 @@ the engine can answer ``RequestError`` for that request.
 Field layouts (after the type tag and the version):
 
     HELLO           client_name
-    ADD_REQUEST     request_id, prompt_ids: i32 bytes, params: [16 fields, see _encode_params;
+    ADD_REQUEST     request_id, prompt_ids: i32 bytes, params: [one per SamplingParams field,
+                    in their order (ParamsLayout); stop_token_ids = i32 bytes,
                     constraint = nil | [kind, spec], logit_bias = [ids: i32 bytes, f64 bytes]],
                     num_output_tokens (the tail of prompt_ids already generated: a resume),
                     output_interval (tokens the engine gathers before it sends them; >= 1)
@@ -35,9 +36,10 @@ Field layouts (after the type tag and the version):
                     the request id list; most steps finish few requests). Pairs, not maps:
                     the decoder admits only str map keys.
     REQUEST_ERROR   request_id, message, code
-    CONTROL_REPLY   kind, token, stats: [6 ints, counts] | nil, ok, message
-                    counts = [run_id, prefix_cache_queries, prefix_cache_hits, preemptions,
-                    step_tokens_sum, [one count per STEP_TOKEN_BUCKETS bucket, + 1]]
+    CONTROL_REPLY   kind, token, stats: [Stats' int fields in their order, counts] | nil, ok,
+                    message; counts = [EngineCounts' int fields in their order (run_id,
+                    prefix_cache_queries, prefix_cache_hits, preemptions, step_tokens_sum),
+                    [one count per STEP_TOKEN_BUCKETS bucket, + 1]]
     HEARTBEAT       num_steps
 """
 
@@ -49,7 +51,7 @@ import operator
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, get_type_hints
 
 import msgpack
 import numpy as np
@@ -369,7 +371,7 @@ def _decode_hello(fields: list[Any], v: _Validator) -> Hello:
 def _encode_add_request(msg: AddRequest) -> list[Any]:
     v = _Validator(msg.request_id if _is_request_id(msg.request_id) else None)
     rid = v.rid(msg.request_id)
-    params = _validated_wire_params(msg.params, rid)
+    params = _SAMPLING_PARAMS.to_wire(msg.params, rid)
     try:
         ids = pack_token_ids(msg.prompt_token_ids)
     except (OverflowError, TypeError) as exc:
@@ -390,36 +392,30 @@ def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Va
 
 
 def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
-    v.list_(fields, "ADD_REQUEST fields", 5)
-    rid = v.rid(fields[0])
-    ids = v.ids(fields[1], "prompt_token_ids")
+    rid, ids, params, num_output, interval = v.list_(fields, "ADD_REQUEST fields", 5)
+    rid = v.rid(rid)
+    ids = v.ids(ids, "prompt_token_ids")
     if not ids:
         raise v.fail("prompt_token_ids must not be empty")
-    params = _decode_params(fields[2], v)
-    _check_resumed(fields[3], len(ids), params, v)
-    interval = v.int_(fields[4], "output_interval", 1, INT32_MAX)
-    return AddRequest(rid, ids, params, fields[3], interval)
+    params = _SAMPLING_PARAMS.from_wire(params, v)
+    _check_resumed(num_output, len(ids), params, v)
+    interval = v.int_(interval, "output_interval", 1, INT32_MAX)
+    return AddRequest(rid, ids, params, num_output, interval)
 
 
-def _encode_params(p: SamplingParams) -> list[Any]:
-    return [
-        p.max_tokens,
-        p.min_tokens,
-        float(p.temperature),
-        float(p.top_p),
-        p.top_k,
-        float(p.min_p),
-        p.seed,
-        float(p.presence_penalty),
-        float(p.frequency_penalty),
-        float(p.repetition_penalty),
-        pack_token_ids(p.stop_token_ids),
-        p.ignore_eos,
-        p.logprobs,
-        _encode_logit_bias(p.logit_bias),
-        None if p.constraint is None else [int(p.constraint.kind), p.constraint.spec],
-        p.prompt_logprobs,
-    ]
+# ---- sampling params --------------------------------------------------------------------------
+
+
+class _WireForm(NamedTuple):
+    """How one SamplingParams field travels: its encoder, and its decoder (which checks the
+    wire value's shape; ranges are checked later, by validate_sampling_params)."""
+
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any, _Validator], Any]
+
+
+def _decode_stop_token_ids(value: Any, v: _Validator) -> tuple[int, ...]:
+    return tuple(v.ids(value, "stop_token_ids", MAX_STOP_TOKEN_IDS))
 
 
 def _encode_logit_bias(pairs: tuple[tuple[int, float], ...]) -> list[bytes]:
@@ -434,6 +430,10 @@ def _decode_logit_bias(value: Any, v: _Validator) -> tuple[tuple[int, float], ..
     return tuple(zip(ids, biases, strict=True))
 
 
+def _encode_constraint(constraint: Constraint | None) -> list[Any] | None:
+    return None if constraint is None else [int(constraint.kind), constraint.spec]
+
+
 def _decode_constraint(value: Any, v: _Validator) -> Constraint | None:
     if value is None:
         return None
@@ -442,25 +442,55 @@ def _decode_constraint(value: Any, v: _Validator) -> Constraint | None:
     return Constraint(kind, v.str_(f[1], "the constraint's spec", MAX_CONSTRAINT_BYTES))
 
 
-_FLOAT_PARAMS = (
-    (2, "temperature"),
-    (3, "top_p"),
-    (5, "min_p"),
-    (7, "presence_penalty"),
-    (8, "frequency_penalty"),
-    (9, "repetition_penalty"),
-)
+# The fields that do not travel as one msgpack scalar. Every other field does: a float field as a
+# float, anything else (an int, a bool, an optional int) as the value it holds.
+_PARAM_WIRE_FORMS = {
+    "stop_token_ids": _WireForm(pack_token_ids, _decode_stop_token_ids),  # i32 bytes
+    "logit_bias": _WireForm(_encode_logit_bias, _decode_logit_bias),  # [ids: i32, biases: f64]
+    "constraint": _WireForm(_encode_constraint, _decode_constraint),  # nil | [kind, spec]
+}
+
+
+def _float_form(name: str) -> _WireForm:
+    """Packed as a float whatever number the field holds; read back from any finite number
+    (another encoder may pack 1.0 as 1)."""
+
+    def decode(value: Any, v: _Validator) -> float:
+        return v.float_(value, name, -math.inf, math.inf)
+
+    return _WireForm(float, decode)
+
+
+def _optional_form(form: _WireForm) -> _WireForm:
+    def encode(value: Any) -> Any:
+        return None if value is None else form.encode(value)
+
+    def decode(value: Any, v: _Validator) -> Any:
+        return None if value is None else form.decode(value, v)
+
+    return _WireForm(encode, decode)
+
+
+def _wire_form(name: str, hint: Any) -> _WireForm | None:
+    """How the field ``name`` of type ``hint`` travels; None: as the value it holds."""
+    if name in _PARAM_WIRE_FORMS:
+        return _PARAM_WIRE_FORMS[name]
+    if hint is float:
+        return _float_form(name)
+    if hint == float | None:
+        return _optional_form(_float_form(name))
+    return None
 
 
 class _PlainParamsCache:
     """Plain sampling params (no stop ids, logit bias or constraint) that passed validation,
-    kept by their key (``_plain_params_key``, ``_plain_wire_key``): their wire form on the
-    encoding side, their decoded object on the decoding side. The requests of a burst mostly
-    carry equal params, and checking and converting them field by field was most of an
-    ADD_REQUEST's cost at either end. A key holds every field's type as well as its value, so a
-    hit is a value that passed the same checks (True never stands in for 1, nor 1 for 1.0).
-    Bounded: emptied when full. Its dict operations are atomic under the GIL, so the threads of
-    one process may share it."""
+    kept by the values of their fields (``ParamsLayout``): their wire form on the encoding side,
+    their decoded object on the decoding side. The requests of a burst mostly carry equal
+    params, and checking and converting them field by field was most of an ADD_REQUEST's cost
+    at either end. A key holds every field's type as well as its value, so a hit is a value
+    that passed the same checks (True never stands in for 1, nor 1 for 1.0). Bounded: emptied
+    when full. Its dict operations are atomic under the GIL, so the threads of one process may
+    share it."""
 
     def __init__(self, size: int = 64) -> None:
         self._size = size
@@ -475,23 +505,6 @@ class _PlainParamsCache:
         self._entries[key] = value
 
 
-# SamplingParams' fields that travel as one scalar each; the other three are the "plain" test.
-_SCALAR_FIELDS = tuple(
-    f.name
-    for f in dataclasses.fields(SamplingParams)
-    if f.name not in ("stop_token_ids", "logit_bias", "constraint")
-)
-# Their positions in the wire form (_encode_params): every one but the stop ids (10), the
-# logit bias (13) and the constraint (14), which _plain_wire_key checks for emptiness.
-_SCALAR_POSITIONS = tuple(i for i in range(16) if i not in (10, 13, 14))
-assert len(_SCALAR_FIELDS) == len(_SCALAR_POSITIONS), "a new SamplingParams field: see above"
-_scalar_fields_of = operator.attrgetter(*_SCALAR_FIELDS)  # a tuple, in one C call
-_scalars_on_the_wire = operator.itemgetter(*_SCALAR_POSITIONS)
-_EMPTY_LOGIT_BIAS = [b"", b""]
-_WIRE_PARAMS = _PlainParamsCache()
-_DECODED_PARAMS = _PlainParamsCache()
-
-
 def _typed_key(values: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The values and their types, or None where one is unhashable (a malformed field)."""
     key = (values, tuple(map(type, values)))
@@ -502,73 +515,82 @@ def _typed_key(values: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return key
 
 
-def _plain_params_key(p: SamplingParams) -> tuple[Any, ...] | None:
-    """The cache key of params with no stop ids, logit bias or constraint; None for others."""
-    plain = (
-        type(p.stop_token_ids) is tuple
-        and not p.stop_token_ids
-        and type(p.logit_bias) is tuple
-        and not p.logit_bias
-        and p.constraint is None
-    )
-    return _typed_key(_scalar_fields_of(p)) if plain else None
+class ParamsLayout:
+    """The wire form of a SamplingParams class, derived from its dataclass fields: an array with
+    one position per field, in the fields' order, each field in its ``_wire_form``. Params whose
+    stop ids, logit bias and constraint are all at their defaults (plain params) are cached on
+    either side (``_PlainParamsCache``). A new field needs no change here: only its line in
+    ``SamplingParams`` and its check in ``validate_sampling_params``."""
+
+    def __init__(self, cls: type[SamplingParams]) -> None:
+        self.cls = cls
+        self.names = tuple(f.name for f in dataclasses.fields(cls))
+        hints = get_type_hints(cls)
+        forms = [_wire_form(name, hints[name]) for name in self.names]
+        # (position, function) for each field whose wire value is not the value it holds
+        converted = [(i, form) for i, form in enumerate(forms) if form is not None]
+        self._encoders = [(i, form.encode) for i, form in converted]
+        self._decoders = [(i, form.decode) for i, form in converted]
+        self._fields_of = operator.attrgetter(*self.names)  # a tuple, in one C call
+        scalars = [i for i, name in enumerate(self.names) if name not in _PARAM_WIRE_FORMS]
+        others = [i for i, name in enumerate(self.names) if name in _PARAM_WIRE_FORMS]
+        self._scalars_on_the_wire = operator.itemgetter(*scalars)
+        self._others_on_the_wire = operator.itemgetter(*others)
+        self._plain_others = self._others_on_the_wire(self.encode(cls()))
+        self._plain_types = tuple(map(type, self._plain_others))
+        self._wire_cache = _PlainParamsCache()
+        self._decoded_cache = _PlainParamsCache()
+
+    def encode(self, p: SamplingParams) -> list[Any]:
+        """``p`` in its wire form, unchecked."""
+        wire = list(self._fields_of(p))
+        for i, encode in self._encoders:
+            wire[i] = encode(wire[i])
+        return wire
+
+    def decode(self, f: list[Any], v: _Validator) -> SamplingParams:
+        """The params of a wire array of the right length, every field checked."""
+        values = list(f)
+        for i, decode in self._decoders:
+            values[i] = decode(f[i], v)
+        params = self.cls(**dict(zip(self.names, values, strict=True)))
+        validate_sampling_params(params, v.request_id)
+        return params
+
+    def plain_wire_key(self, f: list[Any]) -> tuple[Any, ...] | None:
+        """The cache key of a wire array of plain params; None for others."""
+        return _typed_key(self._scalars_on_the_wire(f)) if self._is_plain(f) else None
+
+    def _is_plain(self, f: list[Any]) -> bool:
+        others = self._others_on_the_wire(f)
+        return tuple(map(type, others)) == self._plain_types and others == self._plain_others
+
+    def to_wire(self, p: SamplingParams, request_id: str | None) -> list[Any]:
+        """``p`` checked (ProtocolError naming its first bad field) and in its wire form."""
+        # Keyed by every field (the stop ids, logit bias and constraint are empty in a cached
+        # key, so no tuple inside it can hold a lookalike).
+        key = _typed_key(self._fields_of(p))
+        if key is not None and (wire := self._wire_cache.get(key)) is not None:
+            return wire  # never mutated: msgpack only reads it
+        validate_sampling_params(p, request_id)
+        wire = self.encode(p)
+        if key is not None and self._is_plain(wire):
+            self._wire_cache.put(key, wire)
+        return wire
+
+    def from_wire(self, value: Any, v: _Validator) -> SamplingParams:
+        """The params a wire value holds; ProtocolError if it is not valid params."""
+        f = v.list_(value, "sampling params", len(self.names))
+        key = self.plain_wire_key(f)
+        if key is not None and (params := self._decoded_cache.get(key)) is not None:
+            return params  # frozen: requests may share it
+        params = self.decode(f, v)
+        if key is not None:
+            self._decoded_cache.put(key, params)
+        return params
 
 
-def _plain_wire_key(f: list[Any]) -> tuple[Any, ...] | None:
-    """The cache key of wire params (a 16-item list) that carry no stop ids, logit bias or
-    constraint; None for others."""
-    plain = (
-        type(f[10]) is bytes
-        and not f[10]
-        and type(f[13]) is list
-        and f[13] == _EMPTY_LOGIT_BIAS
-        and all(type(x) is bytes for x in f[13])
-        and f[14] is None
-    )
-    return _typed_key(_scalars_on_the_wire(f)) if plain else None
-
-
-def _validated_wire_params(p: SamplingParams, request_id: str) -> list[Any]:
-    """``p`` checked (ProtocolError naming its first bad field) and in its wire form."""
-    key = _plain_params_key(p)
-    if key is not None and (wire := _WIRE_PARAMS.get(key)) is not None:
-        return wire  # never mutated: msgpack only reads it
-    validate_sampling_params(p, request_id)
-    wire = _encode_params(p)
-    if key is not None:
-        _WIRE_PARAMS.put(key, wire)
-    return wire
-
-
-def _decode_params(value: Any, v: _Validator) -> SamplingParams:
-    f = v.list_(value, "sampling params", 16)
-    key = _plain_wire_key(f)
-    if key is not None and (params := _DECODED_PARAMS.get(key)) is not None:
-        return params  # frozen: requests may share it
-    params = _decode_fields_of_params(f, v)
-    if key is not None:
-        _DECODED_PARAMS.put(key, params)
-    return params
-
-
-def _decode_fields_of_params(f: list[Any], v: _Validator) -> SamplingParams:
-    # Numbers to float first (ranges are checked below, on the built params).
-    floats = {name: v.float_(f[i], name, -math.inf, math.inf) for i, name in _FLOAT_PARAMS}
-    params = SamplingParams(
-        max_tokens=f[0],
-        min_tokens=f[1],
-        top_k=f[4],
-        seed=f[6],
-        stop_token_ids=tuple(v.ids(f[10], "stop_token_ids", MAX_STOP_TOKEN_IDS)),
-        ignore_eos=f[11],
-        logprobs=f[12],
-        logit_bias=_decode_logit_bias(f[13], v),
-        constraint=_decode_constraint(f[14], v),
-        prompt_logprobs=f[15],
-        **floats,
-    )
-    validate_sampling_params(params, v.request_id)
-    return params
+_SAMPLING_PARAMS = ParamsLayout(SamplingParams)
 
 
 def _encode_abort(msg: Abort) -> list[Any]:
@@ -610,15 +632,17 @@ def _encode_ready(msg: Ready) -> list[Any]:
 
 
 def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
-    v.list_(fields, "READY fields", 7)
+    model, max_model_len, vocab_size, eos_ids, block_size, num_kv_blocks, max_num_seqs = v.list_(
+        fields, "READY fields", 7
+    )
     return Ready(
-        model=v.str_(fields[0], "model", MAX_STR_BYTES),
-        max_model_len=v.int_(fields[1], "max_model_len", 1, INT32_MAX),
-        vocab_size=v.int_(fields[2], "vocab_size", 1, INT32_MAX),
-        eos_token_ids=v.ids(fields[3], "eos_token_ids", MAX_STOP_TOKEN_IDS),
-        block_size=v.int_(fields[4], "block_size", 1, INT32_MAX),
-        num_kv_blocks=v.int_(fields[5], "num_kv_blocks", 0, INT32_MAX),
-        max_num_seqs=v.int_(fields[6], "max_num_seqs", 1, INT32_MAX),
+        model=v.str_(model, "model", MAX_STR_BYTES),
+        max_model_len=v.int_(max_model_len, "max_model_len", 1, INT32_MAX),
+        vocab_size=v.int_(vocab_size, "vocab_size", 1, INT32_MAX),
+        eos_token_ids=v.ids(eos_ids, "eos_token_ids", MAX_STOP_TOKEN_IDS),
+        block_size=v.int_(block_size, "block_size", 1, INT32_MAX),
+        num_kv_blocks=v.int_(num_kv_blocks, "num_kv_blocks", 0, INT32_MAX),
+        max_num_seqs=v.int_(max_num_seqs, "max_num_seqs", 1, INT32_MAX),
     )
 
 
@@ -704,12 +728,14 @@ def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
 
 def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
     # The hot path of a client: one call per engine step, up to max_num_seqs requests in it.
-    v.list_(fields, "STEP_OUTPUTS fields", 8)
-    request_ids = _request_ids(fields[0], v)
-    counts = v.i32(fields[1], "new token counts", MAX_TOKEN_IDS, min_value=0).tolist()
+    request_ids, counts, new_ids, finish, logprobs, finished, prompt, timings = v.list_(
+        fields, "STEP_OUTPUTS fields", 8
+    )
+    request_ids = _request_ids(request_ids, v)
+    counts = v.i32(counts, "new token counts", MAX_TOKEN_IDS, min_value=0).tolist()
     if len(counts) != len(request_ids):
         raise v.fail(f"{len(counts)} new token counts for {len(request_ids)} request ids")
-    new_ids = _new_ids(fields[2], v)
+    new_ids = _new_ids(new_ids, v)
     if len(new_ids) != sum(counts):
         raise v.fail(f"{len(new_ids)} new token ids where the counts add up to {sum(counts)}")
     if len(new_ids) == len(request_ids) and all(n == 1 for n in counts):
@@ -719,21 +745,21 @@ def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
         for rid, n in zip(request_ids, counts, strict=True):
             outputs.append(RequestOutput(rid, new_ids[start : start + n]))
             start += n
-    for i, reason in _indexed(fields[3], len(outputs), "finish reasons", v):
+    for i, reason in _indexed(finish, len(outputs), "finish reasons", v):
         outputs[i].finish_reason = _finish_reason(reason, v)
-    for i, value in _indexed(fields[4], len(outputs), "logprobs", v):
+    for i, value in _indexed(logprobs, len(outputs), "logprobs", v):
         outputs[i].logprobs = _decode_logprobs(value, counts[i], v)
-    for i, value in _indexed(fields[6], len(outputs), "prompt logprobs", v, width=3):
+    for i, value in _indexed(prompt, len(outputs), "prompt logprobs", v, width=3):
         num = v.int_(value[0], "prompt logprobs count", 0, MAX_TOKEN_IDS)
         outputs[i].prompt_logprobs = _decode_logprobs(value[1], num, v)
-    for i, value in _indexed(fields[7], len(outputs), "timings", v, width=4):
+    for i, value in _indexed(timings, len(outputs), "timings", v, width=4):
         seconds = (v.float_(x, "a timing", 0.0, math.inf) for x in value)
         outputs[i].timings = RequestTimings(*seconds)
-    if type(fields[5]) is not dict:
+    if type(finished) is not dict:
         raise v.fail("finished_without_tokens must be a map")
     finished = {
         v.rid(rid): v.enum_(reason, FinishReason, "finish reason")
-        for rid, reason in fields[5].items()
+        for rid, reason in finished.items()
     }
     return StepOutputs(outputs, finished)
 
@@ -823,49 +849,48 @@ def _decode_request_error(fields: list[Any], v: _Validator) -> RequestError:
     )
 
 
+# Stats travels as its gauges (every int field, in their order), then its counts; EngineCounts
+# as its totals (every int field, in their order), then its step-token buckets.
+_STATS_GAUGES = tuple(f.name for f in dataclasses.fields(Stats) if f.name != "counts")
+_COUNT_TOTALS = tuple(f.name for f in dataclasses.fields(EngineCounts) if f.name != "step_tokens")
+_gauges_of = operator.attrgetter(*_STATS_GAUGES)
+_totals_of = operator.attrgetter(*_COUNT_TOTALS)
+
+
 def _encode_control_reply(msg: ControlReply) -> list[Any]:
-    s = msg.stats
     stats = None
-    if s is not None:
-        gauges = (
-            s.num_running,
-            s.num_waiting,
-            s.num_free_blocks,
-            s.num_cached_blocks,
-            s.num_total_blocks,
-            s.num_steps,
-        )
-        stats = [*(int(x) for x in gauges), _encode_counts(s.counts)]
+    if msg.stats is not None:
+        stats = [*(int(x) for x in _gauges_of(msg.stats)), _encode_counts(msg.stats.counts)]
     return [int(msg.kind), int(msg.token), stats, bool(msg.ok), msg.message]
 
 
 def _encode_counts(c: EngineCounts) -> list[Any]:
-    totals = (c.run_id, c.prefix_cache_queries, c.prefix_cache_hits, c.preemptions)
-    return [*(int(x) for x in totals), int(c.step_tokens_sum), [int(n) for n in c.step_tokens]]
+    return [*(int(x) for x in _totals_of(c)), [int(n) for n in c.step_tokens]]
 
 
 def _decode_control_reply(fields: list[Any], v: _Validator) -> ControlReply:
-    v.list_(fields, "CONTROL_REPLY fields", 5)
-    stats = None
-    if fields[2] is not None:
-        s = v.list_(fields[2], "stats", 7)
-        gauges = (v.int_(x, "stats field", 0, UINT64_MAX) for x in s[:6])
-        stats = Stats(*gauges, counts=_decode_counts(s[6], v))
+    kind, token, stats, ok, message = v.list_(fields, "CONTROL_REPLY fields", 5)
     return ControlReply(
-        kind=v.enum_(fields[0], ControlKind, "control kind"),
-        token=_token(fields[1], v),
-        stats=stats,
-        ok=v.bool_(fields[3], "ok"),
-        message=v.str_(fields[4], "message", MAX_STR_BYTES),
+        kind=v.enum_(kind, ControlKind, "control kind"),
+        token=_token(token, v),
+        stats=None if stats is None else _decode_stats(stats, v),
+        ok=v.bool_(ok, "ok"),
+        message=v.str_(message, "message", MAX_STR_BYTES),
     )
 
 
+def _decode_stats(value: Any, v: _Validator) -> Stats:
+    *gauges, counts = v.list_(value, "stats", len(_STATS_GAUGES) + 1)
+    gauges = [v.int_(x, "stats field", 0, UINT64_MAX) for x in gauges]
+    return Stats(**dict(zip(_STATS_GAUGES, gauges, strict=True)), counts=_decode_counts(counts, v))
+
+
 def _decode_counts(value: Any, v: _Validator) -> EngineCounts:
-    f = v.list_(value, "engine counts", 6)
-    totals = [v.int_(x, "an engine count", 0, UINT64_MAX) for x in f[:5]]
-    buckets = v.list_(f[5], "step token counts", len(STEP_TOKEN_BUCKETS) + 1)
+    *totals, buckets = v.list_(value, "engine counts", len(_COUNT_TOTALS) + 1)
+    totals = [v.int_(x, "an engine count", 0, UINT64_MAX) for x in totals]
+    buckets = v.list_(buckets, "step token counts", len(STEP_TOKEN_BUCKETS) + 1)
     steps = tuple(v.int_(n, "a step token count", 0, UINT64_MAX) for n in buckets)
-    return EngineCounts(*totals[:4], step_tokens=steps, step_tokens_sum=totals[4])
+    return EngineCounts(**dict(zip(_COUNT_TOTALS, totals, strict=True)), step_tokens=steps)
 
 
 def _encode_heartbeat(msg: Heartbeat) -> list[Any]:

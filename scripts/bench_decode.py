@@ -368,7 +368,7 @@ def serving_collector() -> Iterator[None]:
     """The garbage collector as the engine process sets it before its loop (the start-up heap
     frozen, young collections spread out), so that the in-process path measures the loop that
     `tandem serve` runs; restored afterwards for the script's other stages."""
-    from protocol.processes import freeze_startup_heap, spread_young_collections
+    from common.processes import freeze_startup_heap, spread_young_collections
 
     threshold = gc.get_threshold()
     freeze_startup_heap()

@@ -341,7 +341,7 @@ def engine_state(address: str, deadline: float) -> dict[str, Any]:
 
 
 def start_server(args: Any) -> tuple[subprocess.Popen[bytes], str]:
-    from protocol.processes import die_with_parent
+    from common.processes import die_with_parent
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from protocol.processes import die_with_parent, pid_alive
+from common.processes import die_with_parent, pid_alive
 
 if TYPE_CHECKING:
     from protocol.messages import Stats

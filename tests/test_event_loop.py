@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol import event_loop
+from common import event_loop
 
 
 def running_loop_module() -> str:

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
+from common.processes import die_with_parent
 from protocol.address import EngineAddress
-from protocol.processes import die_with_parent
 from tests.server_fixture import (  # noqa: F401
     API_KEY,
     MAX_MODEL_LEN,
@@ -318,7 +318,7 @@ def test_sigterm_stops_the_server_and_cleans_up(keyed_server: Server) -> None:
 
 _PARENT = """
 import subprocess, sys, time
-from protocol.processes import die_with_parent
+from common.processes import die_with_parent
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                          preexec_fn=die_with_parent())
 print(child.pid, flush=True)

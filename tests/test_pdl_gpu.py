@@ -99,10 +99,10 @@ class Chain:
 
 def replays(monkeypatch: pytest.MonkeyPatch, pdl: bool, rounds: int) -> list[torch.Tensor]:
     """The chain captured with PDL on or off, replayed on ``rounds`` fresh inputs (the same
-    ones for both: the generator restarts)."""
-    monkeypatch.setattr(triton_pdl, "CHAIN_PDL", pdl)
-    monkeypatch.setattr(skinny_gemm, "SKINNY_PDL", pdl)
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
+    ones for both: the generator restarts). Off, every chain kernel launches as it does on a
+    GPU before Hopper (chain_pdl asks launches_dependents)."""
+    if not pdl:
+        monkeypatch.setattr(triton_pdl, "launches_dependents", lambda x: False)
     chain = Chain()
     chain.run()  # compile outside the capture
     torch.cuda.synchronize()

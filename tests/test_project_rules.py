@@ -1,7 +1,9 @@
 """Rules of the code base that a reader relies on, checked on the source itself: the Python the
 project promises is the one it is written for and tested on; no import cycles between modules
 (imports inside functions count); no private name imported across modules; the load generator,
-a client of the server, imports nothing from the frontend."""
+a client of the server, imports nothing from the frontend; common/ imports nothing from the other
+packages; only common/env.py reads the environment, and the README lists every variable it
+reads."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import ast
 import configparser
 import re
 import sys
+import textwrap
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+from common import env
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("frontend", "engine_core", "protocol", "loadgen")
+PACKAGES = ("common", "frontend", "engine_core", "protocol", "loadgen")
 
 
 def python_floor() -> tuple[int, int]:
@@ -130,3 +135,83 @@ def test_the_output_interval_rule_is_written_once() -> None:
     users = {"engine_core.proc", "protocol.client", "frontend.generation"}
     graph = project_graph()
     assert all("protocol.output_interval" in graph[name] for name in users)
+
+
+def test_common_imports_nothing_from_the_other_packages() -> None:
+    graph = project_graph()
+    assert {t for m, ts in graph.items() if m.startswith("common") for t in ts if
+            not t.startswith("common")} == set()  # fmt: skip
+
+
+def environment_reads(tree: ast.Module) -> list[int]:
+    """Lines that read the environment: os.getenv, environ or getenv imported from os, and any
+    use of os.environ but setting a variable (os.environ[NAME] = ...) or copying the whole of it
+    for a child process ({**os.environ, ...}, dict(os.environ), os.environ.copy())."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            lines += [node.lineno for a in node.names if a.name in ("environ", "getenv")]
+        elif _is_os(node, "getenv") or (_is_os(node, "environ") and not _writes(node, parents)):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def _is_os(node: ast.AST, attr: str) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == attr
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "os"
+    )
+
+
+def _writes(environ: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    parent = parents[environ]
+    if isinstance(parent, ast.Subscript):
+        return isinstance(parent.ctx, (ast.Store, ast.Del))
+    if isinstance(parent, ast.Dict):
+        pairs = zip(parent.keys, parent.values, strict=True)
+        return any(key is None and value is environ for key, value in pairs)
+    if isinstance(parent, ast.Call):
+        return isinstance(parent.func, ast.Name) and parent.func.id == "dict"
+    return isinstance(parent, ast.Attribute) and parent.attr == "copy"
+
+
+def test_the_environment_read_finder_finds_reads_not_writes() -> None:
+    source = textwrap.dedent(
+        """
+        import os
+        from os import getenv
+        a = os.environ.get("A")
+        b = os.getenv("B")
+        c = os.environ["C"]
+        d = "D" in os.environ
+        os.environ["E"] = "1"
+        del os.environ["E"]
+        child = {**os.environ, "F": "1"}
+        other = dict(os.environ), os.environ.copy()
+        """
+    )
+    assert environment_reads(ast.parse(source)) == [3, 4, 5, 6, 7]
+
+
+def test_only_common_env_reads_the_environment() -> None:
+    offenders = [
+        f"{name}, line {line}"
+        for name, tree in modules()
+        if name != "common.env"
+        for line in environment_reads(tree)
+    ]
+    assert offenders == []
+
+
+def test_the_readme_lists_every_environment_variable() -> None:
+    """common/env.py's VARIABLES, and only those, in README.md's "Environment variables" table;
+    every Variable the module defines is one of them."""
+    defined = {v.name for v in vars(env).values() if isinstance(v, env.Variable)}
+    assert defined == {v.name for v in env.VARIABLES}
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `")]
+    assert sorted(row.strip("`") for row in rows) == sorted(defined)

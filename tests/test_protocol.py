@@ -13,16 +13,19 @@ import msgpack
 import numpy as np
 import pytest
 
+from protocol import codec
 from protocol.address import EngineAddress, check_identity, is_loopback, new_identity
 from protocol.codec import (
     MAX_FRAME_BYTES,
     MAX_REQUEST_ID_LEN,
     MAX_TOKEN_IDS,
+    ParamsLayout,
     ProtocolError,
     StepOutputsFrame,
     decode_client_message,
     decode_engine_message,
     encode,
+    validate_sampling_params,
 )
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -336,6 +339,55 @@ def test_bad_sampling_param_is_an_error_for_that_request(index: int, value: Any)
     with pytest.raises(ProtocolError) as info:
         decode_client_message(with_param(index, value))
     assert info.value.request_id == "r"
+
+
+# ---- the params array is laid out from SamplingParams' fields ------------------------------------
+
+
+def test_each_params_position_is_the_field_at_that_position() -> None:
+    params = SamplingParams(max_tokens=7, top_k=3, seed=5, ignore_eos=True, prompt_logprobs=2)
+    wire = unpack(encode(AddRequest("r", [1], params)))[4]
+    scalars = {
+        i: getattr(params, f.name)
+        for i, f in enumerate(dataclasses.fields(SamplingParams))
+        if f.name not in ("stop_token_ids", "logit_bias", "constraint")
+    }
+    assert len(wire) == len(dataclasses.fields(SamplingParams))
+    assert {i: wire[i] for i in scalars} == scalars
+
+
+Knobbed = dataclasses.make_dataclass(
+    "Knobbed",
+    [("knob", float | None, None), ("flag", bool, False)],
+    bases=(SamplingParams,),
+    frozen=True,
+)
+
+
+@pytest.mark.parametrize("knob", [None, 2, 0.5])
+def test_a_new_params_field_travels_with_no_change_to_the_codec(
+    monkeypatch: pytest.MonkeyPatch, knob: float | None
+) -> None:
+    """Fields added to SamplingParams (here by a subclass) get the next positions of the
+    params array, a float field packed as a float; both ends read them back."""
+    monkeypatch.setattr(codec, "_SAMPLING_PARAMS", ParamsLayout(Knobbed))
+    msg = AddRequest("r", [1], Knobbed(max_tokens=3, knob=knob, flag=True))
+    for _ in range(2):  # the second time through the caches of plain params
+        frame = encode(msg)
+        assert unpack(frame)[4][-2:] == [knob if knob is None else float(knob), True]
+        decoded = decode_client_message(frame)
+        assert isinstance(decoded, AddRequest) and decoded == msg
+        assert type(decoded.params) is Knobbed
+        assert type(decoded.params.knob) is type(unpack(frame)[4][-2])
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(SamplingParams)])
+def test_every_params_field_is_validated(name: str) -> None:
+    """A new SamplingParams field needs its check in validate_sampling_params (at least of its
+    type): the codec sends what passes it as it is."""
+    bad = dataclasses.replace(SamplingParams(), **{name: object()})
+    with pytest.raises(ProtocolError, match=name):
+        validate_sampling_params(bad)
 
 
 # ---- repeated sampling params (the codec's cache of validated plain params) ---------------------

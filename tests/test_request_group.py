@@ -115,7 +115,7 @@ def test_wake_every_must_be_positive() -> None:
 def test_freeze_startup_heap_puts_what_lives_beyond_the_collector() -> None:
     import gc
 
-    from protocol.processes import freeze_startup_heap
+    from common.processes import freeze_startup_heap
 
     startup = [[i] for i in range(50_000)]  # long-lived containers, as a process's start-up
     try:
@@ -152,7 +152,7 @@ def _young_collections_during(steps: int, live_per_step: int) -> int:
 def test_spread_young_collections_lets_a_step_die_before_any_collection() -> None:
     import gc
 
-    from protocol.processes import YOUNG_COLLECTION_THRESHOLD, spread_young_collections
+    from common.processes import YOUNG_COLLECTION_THRESHOLD, spread_young_collections
 
     default = gc.get_threshold()
     try:

@@ -131,8 +131,7 @@ def test_scales_must_come_in_pairs() -> None:
         skinny_gemm.skinny_gemm(x, w, x.dtype, a_scale=torch.ones(4, device="cuda"), block_k=64)
 
 
-def test_decode_linear_takes_what_it_should(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
+def test_decode_linear_takes_what_it_should() -> None:
     x, w = operands(64, 576, 576, torch.bfloat16)
     taken = skinny_gemm.decode_linear(x, w, None)
     assert (taken is not None) == HOPPER
@@ -155,13 +154,10 @@ def test_decode_linear_takes_what_it_should(monkeypatch: pytest.MonkeyPatch) -> 
     wide, _ = operands(8, 576, 576 + 8, torch.bfloat16)
     shifted = wide[:, 1:577]  # base address 2 bytes in: TMA refuses it
     assert skinny_gemm.decode_linear(shifted, w, None) is None
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", False)
-    assert skinny_gemm.decode_linear(x, w, None) is None
 
 
 @pytest.mark.skipif(not HOPPER, reason="the skinny GEMM takes plain weights on Hopper only")
 def test_linear_on_the_gpu_runs_it_and_matches_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
     launches = spy_on_launches(monkeypatch)
     layer = Linear(1024, 200, bias=True).to("cuda", torch.bfloat16)
     x, _ = operands(12, 200, 1024, torch.bfloat16)
@@ -193,13 +189,12 @@ def test_a_cuda_graph_replays_it_exactly() -> None:
 
 @pytest.mark.skipif(not HOPPER, reason="decode_linear runs the TMA kernel on Hopper only")
 @pytest.mark.parametrize("k", (1536, 2048))  # a short K (16-row tiles) and another
-def test_new_row_counts_compile_no_new_variant(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+def test_new_row_counts_compile_no_new_variant(k: int) -> None:
     """An eager step (a short prompt's prefill, a batch no graph covers) may bring any row count
     to the FP8 path's skinny GEMM (plain weights take cuBLAS eagerly). Within one row tile (33
     to 64 rows share BLOCK_M 64, as do the tiles of 65 to 128 rows, and a short K's 16-row
     tiles up to 64) none may compile a variant of its own: that would stall serving for the
     compile."""
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
     w = operands(1, 576, k, torch.bfloat16)[1]
 
     def run(m: int) -> int:
@@ -301,8 +296,6 @@ def test_glu_epilogue_refuses_what_it_cannot_do() -> None:
 @pytest.mark.skipif(not HOPPER, reason="the gate/up weights are interleaved on Hopper only")
 @pytest.mark.parametrize("m", (8, 64, 100, 200))
 def test_interleaved_mlp_computes_what_it_did(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
-    monkeypatch.setattr(skinny_gemm, "GLU_ON", True)
     torch.manual_seed(0)
     mlp = LlamaMLP(model_config_from_hf(hf_config("smollm2-135m"))).to("cuda", torch.bfloat16)
     x = torch.randn(m, 576, device="cuda").to(torch.bfloat16)
@@ -459,10 +452,7 @@ def test_bf16_model_on_the_skinny_path_matches_hf(
         got = generate_greedy(model, PROMPTS, 4, block_size=4, backend=TritonBackend())
         return [rows[0].float().cpu() for rows in got.logits]
 
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", False)
     cublas = first_logits(load_model(str(tmp_path), torch.device("cuda"), torch.bfloat16).module)
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
-    monkeypatch.setattr(skinny_gemm, "GLU_ON", True)
     model = load_model(str(tmp_path), torch.device("cuda"), torch.bfloat16).module
     assert interleave_gate_ups(model) == 2  # both layers
     epilogues = spy_on_launches(monkeypatch)
@@ -485,7 +475,6 @@ def test_the_layers_take_it_in_cuda_graphs_only(monkeypatch: pytest.MonkeyPatch)
     from engine_core.forward_context import forward_context
     from tests.test_cuda_graph import decode_batch, graphs_on_random_model
 
-    monkeypatch.setattr(skinny_gemm, "DENSE_ON", True)
     launches = spy_on_launches(monkeypatch)
     on = graphs_on_random_model("smollm2-135m", seed=0, num_blocks=512, max_num_seqs=4)
     assert launches and not any(launches)  # plain products (this model's MLP is not interleaved)

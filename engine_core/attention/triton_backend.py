@@ -10,8 +10,6 @@ has put this step's tokens into the cache.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine_core.attention.base import AttentionMetadata
@@ -26,13 +24,9 @@ from engine_core.attention.triton_kernels import (
 )
 
 # A decode step's rotary and KV write ride in the decode kernel's launch (decode_rotated) for
-# heads of at most ROPE_IN_DECODE_MAX_HEAD_DIM dims. Measured on an H100
-# (scripts/device/decode_graph_ab.py, decode graphs at batch 64 and about 256 tokens): one
-# launch fewer a layer took smollm2's graph from 880 to 845 us and llama-1b's from 1255 to
-# 1236 (llama-1b at batch 256: 2248 to 2238), but llama-8b's (head dim 128) from 6297 to 6366.
-# TANDEM_DECODE_ROPE=0 in the environment keeps them in their own launch everywhere (read at
-# import; for A/B measurements).
-DECODE_ROPE = os.environ.get("TANDEM_DECODE_ROPE", "1") != "0"
+# heads of at most ROPE_IN_DECODE_MAX_HEAD_DIM dims: one launch fewer a layer shortened the
+# decode graphs of head dim 64 (smollm2, llama-1b) by 1-4%, while at head dim 128 (llama-8b)
+# the heavier attention kernel cost more than the launch it saved (1% longer).
 ROPE_IN_DECODE_MAX_HEAD_DIM = 64
 
 
@@ -43,12 +37,11 @@ class TritonBackend:
     cuda_graph_safe = True
     # write_kv_rotated: the rotary embedding rides in the KV write's launch (attention/layer.py).
     rotates_in_kv_write = True
-    # decode_rotated: a decode step's rotary and KV write ride in the attention's launch.
-    rotary_in_decode = DECODE_ROPE
 
     def rotates_in_decode(self, head_dim: int) -> bool:
-        """Whether decode_rotated serves heads of ``head_dim`` dims (see DECODE_ROPE)."""
-        return self.rotary_in_decode and head_dim <= ROPE_IN_DECODE_MAX_HEAD_DIM
+        """Whether decode_rotated (a decode step's rotary and KV write in the attention's
+        launch) serves heads of ``head_dim`` dims (see ROPE_IN_DECODE_MAX_HEAD_DIM)."""
+        return head_dim <= ROPE_IN_DECODE_MAX_HEAD_DIM
 
     def write_kv(
         self,

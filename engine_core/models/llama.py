@@ -245,8 +245,7 @@ def interleave_gate_ups(model: nn.Module) -> int:
         from engine_core.models import skinny_gemm  # imports triton: CUDA only
         from engine_core.triton_pdl import hopper_or_later
 
-        usable = skinny_gemm.DENSE_ON and skinny_gemm.GLU_ON and hopper_or_later(weight.device)
-        if not usable or weight.shape[0] % (2 * skinny_gemm.GLU_HALF):
+        if not hopper_or_later(weight.device) or weight.shape[0] % (2 * skinny_gemm.GLU_HALF):
             continue
         proj.weight = nn.Parameter(skinny_gemm.interleave_gate_up(weight.data), requires_grad=False)
         mlp.gate_up_interleaved = True

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -402,19 +401,14 @@ def _skinny_reduce_kernel(
 
 # The skinny GEMM with TMA starts as a programmatic dependent of the kernel before it (the norm or
 # quantizer that writes its activations), prefetching this many bytes of each of its weight rows
-# into L2 while that kernel finishes. On an H100, a llama-8b FP8 decode layer's launches at 64 rows
-# without attention (scripts/device/fp8_gemm_variants.py --chain): 107.0 us without PDL, 104.8
-# with it and no prefetch, 103.6 prefetching 512 bytes, 105.3 with 1024, 112.9 with 2048; bf16
-# (bf16_chain_probe.py --prefetch-sweep) 512 bytes best or even on smollm2, llama-1b and llama-8b.
-SKINNY_PDL = True
+# into L2 while that kernel finishes, and once its activations are in, lets the kernel after it
+# become resident. A llama-8b FP8 decode layer's launches at 64 rows without attention: 107.0 us
+# without PDL, 104.8 with it and no prefetch, 103.6 prefetching 512 bytes, 105.3 with 1024, 112.9
+# with 2048; in bf16 512 bytes was best or even on smollm2, llama-1b and llama-8b. Letting the
+# next kernel start early took a bf16 layer at 64 rows from 175.8 to 168.1 us on llama-8b, 62.1
+# to 60.7 on llama-1b, 20.5 to 19.0 on smollm2.
 SKINNY_MOST_ROWS = 256  # the most rows one tile holds: its float32 accumulator is in registers
 SKINNY_PREFETCH_BYTES = 512
-# ... and once its activations are in, lets the kernel after it become resident: a llama-8b FP8
-# layer's chain as above 102.4 -> 100.1 us; bf16 at 64 rows (bf16_chain_probe.py) llama-8b
-# 175.8 -> 168.1, llama-1b 62.1 -> 60.7, smollm2 20.5 -> 19.0.
-SKINNY_RELEASE = True
-# ... and the reduction of its K splits is a chain kernel too (_reduce_splits; for the A/B).
-SKINNY_REDUCE_PDL = True
 
 
 def _prefetch_columns(k_per_split: int, line: int) -> int:
@@ -553,13 +547,13 @@ def skinny_gemm(
     if tma:
         a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
         w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
-        pdl = SKINNY_PDL and chain_pdl(a)  # TANDEM_PDL=0 turns it off with the chain's
+        pdl = chain_pdl(a)
         line = 128 // w.element_size()
         _skinny_gemm_tma_kernel[grid](
             a_desc, w_desc, w, w.stride(0), out, a_scale, w_scale, bias_arg, part, best, at,
             argmax_cols, m, n, out.stride(0), k // split_k, *_norm_arguments(out, norm_out,
             norm_in), **meta, PDL=pdl, PREFETCH_K=_prefetch_columns(k // split_k, line),
-            LINE=line, RELEASE=pdl and SKINNY_RELEASE, NORM_OUT=norm_out is not None,
+            LINE=line, RELEASE=pdl, NORM_OUT=norm_out is not None,
             NORM_IN=norm_in is not None,
             IN_PARTS=triton.next_power_of_2(norm_in.parts.shape[0]) if norm_in else 1,
             launch_pdl=pdl,
@@ -594,11 +588,10 @@ def _norm_arguments(
 def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
     """out = the sum of the split-K partials part [splits, M, N] (+ bias), as a link of the
     decode chain where the GEMM's operands are on Hopper, so the chain has no plain launch in
-    it. llama-1b's chain at 64 rows on an H100 (bf16_chain_probe.py --reduce-pdl-ab): 59.4 and
-    60.8 us a layer as a plain launch, 59.7 and 59.7 as a chain kernel; no gain measured."""
+    it (as a plain launch it measured no faster)."""
     splits, m, n = part.shape
     block = 1024
-    pdl = SKINNY_PDL and SKINNY_REDUCE_PDL and chain_pdl(part)
+    pdl = chain_pdl(part)
     _skinny_reduce_kernel[(m, triton.cdiv(n, block))](
         part,
         out,
@@ -617,17 +610,15 @@ def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
 
 # Plain (bf16/fp16) weights take the skinny GEMM instead of cuBLAS up to this many rows, on Hopper,
 # where every projection of a decode layer then starts early under the chain kernel before it and
-# lets the one after it start early. A decode layer's launches in one CUDA graph on an H100 at 64
-# rows (scripts/device/bf16_chain_probe.py): smollm2-135m 25.7 -> 19.0 us, llama-1b 68.4 -> 60.8,
-# llama-8b 182.5 -> 168.1. Past ONE_TILE_ROWS the rows go in tiles of ONE_TILE_ROWS, the programs
-# of one weight tile side by side, for weights with a side of at most TILED_ROWS_MAX_SIDE (every
-# projection of a model of hidden size 2,048 or less). In the engine at decode-128 on an H100
-# (docs/benchmarks.md, twelfth session) that took smollm2's ITL from 1.35-1.37 to 1.15-1.25 ms
-# and llama-1b's from 1.79-1.81 to 1.67-1.68. llama-8b's projections keep cuBLAS there: in row
-# tiles its ITL went from 8.14-8.18 to 8.63 ms, and with only its down projection so, to 8.19-8.20.
-# At 256 rows cuBLAS was faster for llama-1b's and llama-8b's layers, so larger products keep it.
-# TANDEM_DENSE_SKINNY=0 in the environment keeps cuBLAS for every plain product (read at import;
-# for A/B measurements).
+# lets the one after it start early. A decode layer's launches in one CUDA graph at 64 rows:
+# smollm2-135m 25.7 -> 19.0 us, llama-1b 68.4 -> 60.8, llama-8b 182.5 -> 168.1. Past
+# ONE_TILE_ROWS the rows go in tiles of ONE_TILE_ROWS, the programs of one weight tile side by
+# side, for weights with a side of at most TILED_ROWS_MAX_SIDE (every projection of a model of
+# hidden size 2,048 or less). In the engine at decode-128 that took smollm2's ITL from 1.35-1.37
+# to 1.15-1.25 ms and llama-1b's from 1.79-1.81 to 1.67-1.68. llama-8b's projections keep cuBLAS
+# there: in row tiles its ITL went from 8.14-8.18 to 8.63 ms, and with only its down projection
+# so, to 8.19-8.20. At 256 rows cuBLAS was faster for llama-1b's and llama-8b's layers, so larger
+# products keep it.
 DENSE_MAX_ROWS = 128
 DENSE_BLOCK_N = 64  # weight rows a program takes (dense_tiles)
 ONE_TILE_ROWS = 64
@@ -637,7 +628,6 @@ TILED_ROWS_MAX_SIDE = 2048
 SHORT_K = 1536
 SHORT_K_ROW_TILE = 16
 LONG_K = 8192  # dense_tiles splits the K range of products this long
-DENSE_ON = os.environ.get("TANDEM_DENSE_SKINNY", "1") != "0"
 # The model's layers take it only for CUDA graphs (for_graphs), where its launch is recorded once.
 # Eagerly its Python launch path (descriptors, PDL attributes) costs the host 86-168 us a call
 # against cuBLAS's 16-24 us, 64 rows on an H100 (scripts/device/eager_launch_probe.py); an eager
@@ -665,11 +655,9 @@ def graphed() -> bool:
 # A SiLU-gated MLP's gate/up weight rows are interleaved in tiles of this many gate rows, then
 # their up rows (interleave_gate_up), so that one 2 * GLU_HALF-row tile of the skinny GEMM holds
 # both halves of GLU_HALF activations and its epilogue writes them: no SiLU-and-mul launch, no
-# gate/up product written and read back. On an H100 at decode-64 (bench_decode.py, in process):
-# ITL smollm2 1.01 -> 0.98 ms, llama-1b 1.39-1.40 -> 1.37-1.38, llama-8b 6.61-6.63 -> 6.48-6.52.
-# TANDEM_GLU_EPILOGUE=0 keeps the plain layout (A/B).
+# gate/up product written and read back. At decode-64 (bench_decode.py, in process): ITL
+# smollm2 1.01 -> 0.98 ms, llama-1b 1.39-1.40 -> 1.37-1.38, llama-8b 6.61-6.63 -> 6.48-6.52.
 GLU_HALF = 32
-GLU_ON = os.environ.get("TANDEM_GLU_EPILOGUE", "1") != "0"
 
 
 def decode_linear(
@@ -741,7 +729,7 @@ def takes_plain_product(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the skinny GEMM runs x [M, K] @ w.T for a plain weight: at most DENSE_MAX_ROWS
     rows of bf16/fp16 (past ONE_TILE_ROWS, only for a weight with a side of at most
     TILED_ROWS_MAX_SIDE), K whole 64-column tiles, both operands loadable by TMA (on Hopper)."""
-    if not DENSE_ON or x.dim() != 2 or not 0 < x.shape[0] <= DENSE_MAX_ROWS:
+    if x.dim() != 2 or not 0 < x.shape[0] <= DENSE_MAX_ROWS:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         return False
@@ -790,22 +778,18 @@ def decode_glu(
 
 
 # A decode layer's post-attention RMSNorm rides in the launches of its o and gate/up products
-# (decode_norm_between) where o is short (K at most NORM_BETWEEN_MAX_K). On an H100 at
-# decode-64 (scripts/device/decode_graph_ab.py --variant ...:norm_between=0|1, docs/benchmarks.md
-# twenty-seventh session) smollm2's decode graph took 776.2 us instead of 794.9, and its
-# bench_decode step% went from 25.2-25.4% (one run 23.3%) to 25.9-26.1%. With o's K of 2,048 or
-# more the split did not pay: llama-1b's graph took 1,243.8 us instead of 1,240.9, llama-8b's
-# 6,285 instead of 6,294 (0.1%), so longer products keep the norm's own launch. Splitting the
-# input norm between down and the next layer's qkv the same way gained smollm2 nothing more; it
-# is not done. TANDEM_NORM_BETWEEN=0 keeps the norm's own launch everywhere (A/B).
-NORM_BETWEEN_ON = os.environ.get("TANDEM_NORM_BETWEEN", "1") != "0"
+# (decode_norm_between) where o is short (K at most NORM_BETWEEN_MAX_K). At decode-64
+# smollm2's decode graph took 776.2 us instead of 794.9 this way. With o's K of 2,048 or more
+# the split did not pay (llama-1b's and llama-8b's graphs within 0.3% either way), so longer
+# products keep the norm's own launch. Splitting the input norm between down and the next
+# layer's qkv the same way gained smollm2 nothing more; it is not done.
 NORM_BETWEEN_MAX_K = SHORT_K
 
 
 def norm_between_takes(x: torch.Tensor, first: torch.Tensor) -> bool:
     """Whether decode_norm_between takes ``first`` as its first product of ``x``: a short one
     (K at most NORM_BETWEEN_MAX_K) that decode_linear would run in one split."""
-    if not NORM_BETWEEN_ON or not takes_plain_product(x, first):
+    if not takes_plain_product(x, first):
         return False
     n, k = first.shape
     return k <= NORM_BETWEEN_MAX_K and dense_tiles(n, k, x.device)["split_k"] == 1

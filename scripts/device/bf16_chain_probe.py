@@ -2,17 +2,16 @@
 dependent launch, alone and inside a decode layer's launch chain (issue 17), on the GPU machine:
 
     python scripts/device/bf16_chain_probe.py [--models smollm2-135m,llama-1b] [--m 64]
-        [--quick | --prefetch-sweep | --reduce-pdl-ab]
+        [--quick | --prefetch-sweep]
 
 1. Each projection (qkv, o, gate_up, down) alone: a CUDA graph of one call per layer over every
    layer's distinct weights, cuBLAS (``F.linear``) against ``skinny_gemm`` on the bf16 operands
    over tile shapes and K splits.
 2. The chain: the model's layers in one CUDA graph, each RMSNorm (with the residual), qkv, the
    rotary (a PDL chain kernel standing in for rotary, KV write and attention), o on q, the
-   residual RMSNorm, gate_up, SiLU-and-mul, down; with cuBLAS, and with the skinny GEMM at each
-   projection's best shape from 1, with and without PDL (and the release of the kernel after
-   it), and with what a plain Linear runs (``decode_linear``'s tiles). Outputs are compared with
-   cuBLAS's.
+   residual RMSNorm, gate_up, SiLU-and-mul, down; with cuBLAS, and with the skinny GEMM (with
+   PDL, as the engine launches it) at each projection's best shape from 1 and at what a plain
+   Linear runs (``decode_linear``'s tiles). Outputs are compared with cuBLAS's.
 
 Prints microseconds per call (1) and per layer (2).
 """
@@ -198,43 +197,22 @@ def prefetch_sweep(model: str, m: int) -> None:
     skinny_gemm.SKINNY_PREFETCH_BYTES = 512
 
 
-def reduce_pdl_ab(model: str, m: int) -> None:
-    """The engine's path in the chain with the K splits' reduction as a chain kernel and as a
-    plain launch, alternating (models whose down projection takes two splits: llama-1b)."""
-    proj, dims, layers = model_weights(model)
-    gemms = dict.fromkeys(proj, engine_path)
-    try:
-        for reduce_pdl in (False, True, False, True):
-            skinny_gemm.SKINNY_REDUCE_PDL = reduce_pdl
-            torch.manual_seed(0)
-            step, _ = chain(model, m, gemms, layers, dims)
-            us = time_graph(step, dims["layers"])
-            label = "a chain kernel" if reduce_pdl else "a plain launch"
-            print(f"reduce {model:13} M={m} split-K reduction as {label}: {us:7.2f} us a layer")
-    finally:
-        skinny_gemm.SKINNY_REDUCE_PDL = True
-
-
 def probe(model: str, m: int) -> None:
     proj, dims, layers = model_weights(model)
     n_layers = dims["layers"]
     print(f"== {model}, M={m}, {n_layers} layers", flush=True)
     best: dict[str, dict[str, Any]] = {}
     for name, (n, k) in proj.items():
-        skinny_gemm.SKINNY_PDL = True
         _, cfg, _ = sweep_projection(name, n, k, m, [w[name] for w in layers])
         best[name] = cfg
     tuned = {p: skinny(best[p]) for p in proj}
-    variants: list[tuple[str, dict[str, Gemm], bool, bool]] = [
-        ("cuBLAS", dict.fromkeys(proj, cublas), True, True),
-        ("skinny best, PDL+release", tuned, True, True),
-        ("skinny best, PDL", tuned, True, False),
-        ("skinny best, no PDL", tuned, False, False),
-        ("engine (decode_linear)", dict.fromkeys(proj, engine_path), True, True),
+    variants: list[tuple[str, dict[str, Gemm]]] = [
+        ("cuBLAS", dict.fromkeys(proj, cublas)),
+        ("skinny best", tuned),
+        ("engine (decode_linear)", dict.fromkeys(proj, engine_path)),
     ]
     want = None
-    for label, gemms, pdl, release in variants:
-        skinny_gemm.SKINNY_PDL, skinny_gemm.SKINNY_RELEASE = pdl, release
+    for label, gemms in variants:
         torch.manual_seed(0)
         step, out = chain(model, m, gemms, layers, dims)
         step()
@@ -247,7 +225,6 @@ def probe(model: str, m: int) -> None:
             f"chain {model:13} {label:24} {us:7.2f} us a layer (rel. diff to cuBLAS {rel:.2e})",
             flush=True,
         )
-    skinny_gemm.SKINNY_PDL, skinny_gemm.SKINNY_RELEASE = True, True
 
 
 def main() -> None:
@@ -259,11 +236,6 @@ def main() -> None:
     only.add_argument(
         "--prefetch-sweep", action="store_true", help="only the engine's chain over prefetch depths"
     )
-    only.add_argument(
-        "--reduce-pdl-ab",
-        action="store_true",
-        help="only the engine's chain with the split-K reduction as a chain kernel and not",
-    )
     args = parser.parse_args()
     global QUICK
     QUICK = args.quick
@@ -271,8 +243,6 @@ def main() -> None:
     run = probe
     if args.prefetch_sweep:
         run = prefetch_sweep
-    elif args.reduce_pdl_ab:
-        run = reduce_pdl_ab
     for m in (int(v) for v in args.m.split(",")):
         for model in args.models.split(","):
             run(model, m)

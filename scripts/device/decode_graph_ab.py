@@ -8,9 +8,8 @@ Each variant is an in-process engine on the preset's random weights (launch_host
 ``decoding_engine``: CUDA graphs and overlap on) built with some launch settings, which its
 graphs capture. KEY=VALUE settings:
 
-- ``rope=0|1``: a decode step's rotary and KV write in the attention's launch
-  (``TritonBackend.rotary_in_decode``; 0 is what ``TANDEM_DECODE_ROPE=0`` sets);
-- ``max_head_dim=N``: the largest head dim that takes that path (``ROPE_IN_DECODE_MAX_HEAD_DIM``);
+- ``max_head_dim=N``: the largest head dim whose decode step's rotary and KV write ride in the
+  attention's launch (``ROPE_IN_DECODE_MAX_HEAD_DIM``; 0: none do);
 - ``tile=nNwWsS[kK]``: the decode kernel's launch shape for the model's head size with a bf16
   cache (tokens per iteration N, W warps, S pipeline stages, K kv heads per program), and
   ``wide_tile=...`` the one for grids that fill the GPU many times over (``_WIDE_DECODE_TILES``),
@@ -18,13 +17,11 @@ graphs capture. KEY=VALUE settings:
   (``_SPARSE_DECODE_TILES``);
 - ``min_split=N``: the shortest context split (``MIN_SPLIT_TOKENS``), and ``thin_split=N``
   the one for grids of 1-2 programs a multiprocessor (``THIN_MIN_SPLIT_TOKENS``);
-- ``argmax_epilogue=0|1``: the LM head's product takes the argmax's first step in its epilogue
-  (``cuda_graph.TAIL_ARGMAX_EPILOGUE``);
-- ``norm_between=0|1``: a layer's post-attention RMSNorm split between its o and gate/up
-  products' launches, where o is short (``skinny_gemm.NORM_BETWEEN_ON``; 0 is what
-  ``TANDEM_NORM_BETWEEN=0`` sets).
+- ``norm_between_max_k=N``: the longest o product whose launch and the gate/up product's
+  share the post-attention RMSNorm (``skinny_gemm.NORM_BETWEEN_MAX_K``; 0: none).
 
-Without ``--variant``: ``in-attention:rope=1`` against ``own-launch:rope=0``. Each engine decodes
+Without ``--variant``: ``in-attention`` (the defaults) against ``own-launch:max_head_dim=0``.
+Each engine decodes
 its batch to about ``--context`` tokens; then each one's decode graph is replayed ``--replays``
 times back to back and timed by CUDA events, the engines taking turns for ``--rounds`` rounds
 (the same clocks and neighbours for all). It prints each round's microseconds per replay and
@@ -49,9 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch_host_probe import decoding_engine  # noqa: E402  (scripts/device, this folder)
 
-from engine_core import cuda_graph  # noqa: E402
 from engine_core.attention import triton_backend, triton_kernels  # noqa: E402
-from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.attention.triton_kernels import DecodeTile  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
 from engine_core.models import skinny_gemm  # noqa: E402
@@ -75,23 +70,17 @@ def launch_settings(settings: dict[str, str], head_dim: int, kv_heads: int) -> I
     the defaults back."""
     tile_key = (head_dim, False)
     saved = (
-        TritonBackend.rotary_in_decode,
         triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM,
         triton_kernels.MIN_SPLIT_TOKENS,
         triton_kernels.THIN_MIN_SPLIT_TOKENS,
         dict(triton_kernels._DECODE_TILES),
         dict(triton_kernels._WIDE_DECODE_TILES),
         dict(triton_kernels._SPARSE_DECODE_TILES),
-        cuda_graph.TAIL_ARGMAX_EPILOGUE,
-        skinny_gemm.NORM_BETWEEN_ON,
+        skinny_gemm.NORM_BETWEEN_MAX_K,
     )
     for key, value in settings.items():
-        if key == "argmax_epilogue":
-            cuda_graph.TAIL_ARGMAX_EPILOGUE = value == "1"
-        elif key == "norm_between":
-            skinny_gemm.NORM_BETWEEN_ON = value == "1"
-        elif key == "rope":
-            TritonBackend.rotary_in_decode = value == "1"
+        if key == "norm_between_max_k":
+            skinny_gemm.NORM_BETWEEN_MAX_K = int(value)
         elif key == "max_head_dim":
             triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM = int(value)
         elif key == "min_split":
@@ -110,15 +99,13 @@ def launch_settings(settings: dict[str, str], head_dim: int, kv_heads: int) -> I
         yield
     finally:
         (
-            TritonBackend.rotary_in_decode,
             triton_backend.ROPE_IN_DECODE_MAX_HEAD_DIM,
             triton_kernels.MIN_SPLIT_TOKENS,
             triton_kernels.THIN_MIN_SPLIT_TOKENS,
             tiles,
             wide,
             sparse,
-            cuda_graph.TAIL_ARGMAX_EPILOGUE,
-            skinny_gemm.NORM_BETWEEN_ON,
+            skinny_gemm.NORM_BETWEEN_MAX_K,
         ) = saved
         triton_kernels._DECODE_TILES.clear()
         triton_kernels._DECODE_TILES.update(tiles)
@@ -183,7 +170,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     print("# python " + " ".join([sys.argv[0], *argv]))
     variants = dict(
-        parse_variant(v) for v in args.variant or ["in-attention:rope=1", "own-launch:rope=0"]
+        parse_variant(v) for v in args.variant or ["in-attention", "own-launch:max_head_dim=0"]
     )
     head_dim = PRESETS[args.model].head_dim
     tuned = min((d for d, _ in triton_kernels._DECODE_TILES if head_dim <= d), default=head_dim)

@@ -12,9 +12,9 @@
    quantizer against ``silu_and_mul_quant`` (one launch).
 3. A decode layer's launch chain (``--chain``, 64 rows): RMSNorm with its fused quantizer, qkv,
    the o_proj input's quantizer, o, the residual RMSNorm, gate_up, SiLU-and-mul, the quantizer,
-   down, over LAYERS layers in one CUDA graph (attention left out): the skinny GEMM launched
-   with and without programmatic dependent launch (SKINNY_PDL), over prefetch depths, and with
-   the release of the kernel after it (SKINNY_RELEASE).
+   down, over LAYERS layers in one CUDA graph (attention left out): the skinny GEMM launched as
+   the engine launches it (a programmatic dependent that releases the kernel after it), over
+   prefetch depths (SKINNY_PREFETCH_BYTES).
 
 Prints microseconds and TB/s (decode) or TFLOP/s (prefill) per variant, and the layer sums.
 """
@@ -264,23 +264,19 @@ def bench_chain(m: int = 64) -> list[dict[str, Any]]:
     out = torch.empty_like(x0)
     rows = []
     want = None
-    variants = [(False, 0, False), (True, 0, False), (True, 512, False), (True, 1024, False),
-                (True, 2048, False), (True, 512, True)]  # fmt: skip
-    for pdl, prefetch, release in variants:
+    for prefetch in (0, 512, 1024, 2048):
         # FP8 weights: one byte a column, so the prefetch's bytes are its columns.
-        skinny_gemm.SKINNY_PDL, skinny_gemm.SKINNY_PREFETCH_BYTES = pdl, prefetch
-        skinny_gemm.SKINNY_RELEASE = release
+        skinny_gemm.SKINNY_PREFETCH_BYTES = prefetch
         step(0)
         want = out.clone() if want is None else want
         same = torch.equal(out, want)
         us = time_graph(step, replays=10)  # per step of all the layers
-        variant = f"pdl={pdl} prefetch={prefetch} release={release}"
+        variant = f"prefetch={prefetch}"
         rows.append({"shape": "chain", "m": m, "variant": variant,
                      "us_per_layer": us / len(layers), "same_output": same})  # fmt: skip
         print(f"chain    M={m:<4} {variant:34} {us / len(layers):7.1f} us "
-              f"a layer (output equal to no-PDL: {same})", flush=True)  # fmt: skip
-    skinny_gemm.SKINNY_PDL, skinny_gemm.SKINNY_PREFETCH_BYTES = True, 512
-    skinny_gemm.SKINNY_RELEASE = True
+              f"a layer (output equal to no prefetch: {same})", flush=True)  # fmt: skip
+    skinny_gemm.SKINNY_PREFETCH_BYTES = 512
     return rows
 
 

@@ -12,8 +12,7 @@ replayed by itself:
   replay takes once the queue is full (then it waits for the GPU, which is not host work);
 - **GPU**: the replay's GPU time by CUDA events, for scale.
 
-Run it with ``TANDEM_PDL=0`` in the environment for graphs without programmatic dependent
-launches (read at import), to see what those edges cost the launch. Prints microseconds.
+Prints microseconds.
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_graph_ab import decode_graph, replay_us  # noqa: E402
 from launch_host_probe import decoding_engine  # noqa: E402
-
-from engine_core.triton_pdl import CHAIN_PDL  # noqa: E402
 
 
 def idle_launch_us(graph: torch.cuda.CUDAGraph, samples: int) -> list[float]:
@@ -75,7 +72,7 @@ def main() -> None:
     queued = queued_launch_us(graph, args.samples)
     gpu = replay_us(core, args.batch, args.samples)
     head = queued[: min(8, len(queued))]
-    print(f"{args.model} batch {args.batch} (PDL {'on' if CHAIN_PDL else 'off'}): "
+    print(f"{args.model} batch {args.batch}: "
           f"replay() on an idle GPU: median {statistics.median(idle):.1f} us, "
           f"p10 {sorted(idle)[len(idle) // 10]:.1f}, p90 {sorted(idle)[9 * len(idle) // 10]:.1f}; "
           f"back to back: median {statistics.median(queued):.1f} us "

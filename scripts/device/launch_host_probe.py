@@ -26,11 +26,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from common.processes import freeze_startup_heap, spread_young_collections  # noqa: E402
 from engine_core.config import EngineConfig  # noqa: E402
 from engine_core.core import EngineCore  # noqa: E402
 from engine_core.request import Request  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
-from protocol.processes import freeze_startup_heap, spread_young_collections  # noqa: E402
 
 
 class TimedLaunch:

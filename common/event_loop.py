@@ -12,22 +12,18 @@ variable is refused.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from common import env
+
 T = TypeVar("T")
-
-
-CHOICES = ("auto", "uvloop", "asyncio")
 
 
 def loop_name() -> str:
     """'uvloop' or 'asyncio': the loop ``run`` uses here. TANDEM_EVENT_LOOP: 'auto' (the
     default: uvloop where installed), 'uvloop' (an error if it is not) or 'asyncio'."""
-    wanted = os.environ.get("TANDEM_EVENT_LOOP", "auto")
-    if wanted not in CHOICES:
-        raise ValueError(f"TANDEM_EVENT_LOOP={wanted!r}: choose one of {', '.join(CHOICES)}")
+    wanted = env.event_loop()
     if wanted == "asyncio":
         return "asyncio"
     try:

@@ -1,0 +1,253 @@
+"""The bytes on the wire, pinned: each message below encodes to exactly the frame stored here (and
+the frame decodes back to it). A change to the codec that moves a byte of any of them changes the
+protocol, and must come with a new PROTOCOL_VERSION and new frames here.
+
+The frames were written by the codec of protocol version 6; ``python -m tests.test_wire_golden``
+prints the table for the codec as it is now.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import pytest
+
+from protocol.codec import StepOutputsFrame, decode_client_message, decode_engine_message, encode
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    Constraint,
+    ConstraintKind,
+    Control,
+    ControlKind,
+    ControlReply,
+    EngineCounts,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    Ready,
+    RequestError,
+    RequestOutput,
+    RequestTimings,
+    SamplingParams,
+    Stats,
+    StepOutputs,
+    TokenLogprobs,
+)
+
+INT32_MAX = 2**31 - 1
+
+EVERY_PARAM = SamplingParams(
+    max_tokens=INT32_MAX,
+    min_tokens=5,
+    temperature=0.7,
+    top_p=0.5,
+    top_k=40,
+    min_p=0.05,
+    seed=2**64 - 1,
+    presence_penalty=-2.0,
+    frequency_penalty=1.5,
+    repetition_penalty=1.1,
+    stop_token_ids=(2, 13, INT32_MAX),
+    ignore_eos=True,
+    logprobs=20,
+    logit_bias=((0, -100.0), (INT32_MAX, 100.0), (7, 0.5)),
+    constraint=Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "object"}'),
+    prompt_logprobs=3,
+)
+
+MESSAGES: dict[str, Any] = {
+    "hello": Hello(),
+    "hello named": Hello("frontend-1"),
+    "add default params": AddRequest("r", [0]),
+    "add greedy params": AddRequest("r1", [5, 49151], SamplingParams(256, temperature=0.0)),
+    "add every param": AddRequest("all", [1, 2, INT32_MAX], EVERY_PARAM, 1, 4),
+    "add stop ids": AddRequest("s", [1], SamplingParams(stop_token_ids=(7, 8))),
+    "add logit bias": AddRequest("b", [1], SamplingParams(logit_bias=((3, -1.5),))),
+    "add json object": AddRequest(
+        "j", [1], SamplingParams(constraint=Constraint(ConstraintKind.JSON_OBJECT))
+    ),
+    "add regex": AddRequest(
+        "x", [1], SamplingParams(constraint=Constraint(ConstraintKind.REGEX, "a+"))
+    ),
+    "add optional ints": AddRequest("o", [1], SamplingParams(seed=0, logprobs=0)),
+    "add resumed": AddRequest("z", [5, 6, 7, 8], SamplingParams(max_tokens=9), 3, 16),
+    "abort none": Abort([]),
+    "abort two": Abort(["a", "b"]),
+    "control stats": Control(ControlKind.STATS, 7),
+    "control shutdown": Control(ControlKind.SHUTDOWN, 2**64 - 1),
+    "ready": Ready("default", 2048, 49152, [2, 0], 16, 1000, 256),
+    "step empty": StepOutputs([]),
+    "step one token": StepOutputs([RequestOutput("a", [5])]),
+    "step finishes and logprobs": StepOutputs(
+        [
+            RequestOutput("a", [5, 6], FinishReason.STOP),
+            RequestOutput("b", [], FinishReason.LENGTH),
+            RequestOutput(
+                "c",
+                [7, 8],
+                None,
+                [TokenLogprobs(-0.25, [7, 9], [-0.25, -1.5]), TokenLogprobs(-math.inf, [], [])],
+            ),
+        ],
+        {"d": FinishReason.ABORT, "e": FinishReason.ERROR},
+    ),
+    "step prompt logprobs and timings": StepOutputs(
+        [
+            RequestOutput("p", [3], None, None, [TokenLogprobs(-1.5, [4, 3], [-0.5, -1.5])]),
+            RequestOutput("q", [], FinishReason.DEAD_END, None, []),
+            RequestOutput("t", [5], FinishReason.LENGTH, timings=RequestTimings(0.0, 0.25, 1.5)),
+        ]
+    ),
+    "request error": RequestError("r", "prompt too long", 413),
+    "control reply stats": ControlReply(
+        ControlKind.STATS,
+        3,
+        Stats(1, 2, 3, 4, 10, 2**40, EngineCounts(2**62 - 1, 300, 128, 2, tuple(range(14)), 99)),
+    ),
+    "control reply failed": ControlReply(ControlKind.CHECK_INTEGRITY, 0, None, False, "leak"),
+    "heartbeat": Heartbeat(123456789),
+}
+
+FRAMES: dict[str, str] = {
+    "hello": "930106a0",
+    "hello named": "930106aa66726f6e74656e642d31",
+    "add default params": (
+        "970206a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
+        "00c0c00001"
+    ),
+    "add greedy params": (
+        "970206a27231c40805000000ffbf0000dc0010cd010000cb0000000000000000cb3ff00000000000"
+        "0000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c4"
+        "00c2c092c400c400c0c00001"
+    ),
+    "add every param": (
+        "970206a3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
+        "3fe000000000000028cb3fa999999999999acfffffffffffffffffcbc000000000000000cb3ff800"
+        "0000000000cb3ff199999999999ac40c020000000d000000ffffff7fc31492c40c00000000ffffff"
+        "7f07000000c41800000000000059c00000000000005940000000000000e03f9201b27b2274797065"
+        "223a20226f626a656374227d030104"
+    ),
+    "add stop ids": (
+        "970206a173c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c408070000000800"
+        "0000c2c092c400c400c0c00001"
+    ),
+    "add logit bias": (
+        "970206a162c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c40403"
+        "000000c408000000000000f8bfc0c00001"
+    ),
+    "add json object": (
+        "970206a16ac40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
+        "009202a0c00001"
+    ),
+    "add regex": (
+        "970206a178c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
+        "009203a2612bc00001"
+    ),
+    "add optional ints": (
+        "970206a16fc40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "0000000000cb0000000000000000cb0000000000000000cb3ff0000000000000c400c20092c400c4"
+        "00c0c00001"
+    ),
+    "add resumed": (
+        "970206a17ac41005000000060000000700000008000000dc00100900cb3ff0000000000000cb3ff0"
+        "00000000000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000"
+        "00000000c400c2c092c400c400c0c00310"
+    ),
+    "abort none": "93030690",
+    "abort two": "93030692a161a162",
+    "control stats": "9404060107",
+    "control shutdown": "94040602cfffffffffffffffff",
+    "ready": "991006a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
+    "step empty": "9a110690c400c4009090809090",
+    "step one token": "9a110691a161c40401000000c404050000009090809090",
+    "step finishes and logprobs": (
+        "9a110693a161a162a163c40c020000000000000002000000c4100500000006000000070000000800"
+        "00009292000092010191920294c410000000000000d0bf000000000000f0ffc40802000000000000"
+        "00c4080700000009000000c410000000000000d0bf000000000000f8bf82a16402a165039090"
+    ),
+    "step prompt logprobs and timings": (
+        "9a110693a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
+        "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
+        "0000e0bf000000000000f8bf93010094c400c400c400c400919402cb0000000000000000cb3fd000"
+        "0000000000cb3ff8000000000000"
+    ),
+    "request error": "951206a172af70726f6d707420746f6f206c6f6e67cd019d",
+    "control reply stats": (
+        "971306010397010203040acf000001000000000096cf3fffffffffffffffcd012ccc8002639e0001"
+        "02030405060708090a0b0c0dc3a0"
+    ),
+    "control reply failed": "9713060300c0c2a46c65616b",
+    "heartbeat": "931406ce075bcd15",
+}
+
+CLIENT_TYPES = (Hello, AddRequest, Abort, Control)
+
+
+@pytest.mark.parametrize("name", list(MESSAGES))
+def test_a_message_encodes_to_its_stored_frame(name: str) -> None:
+    assert encode(MESSAGES[name]).hex() == FRAMES[name]
+
+
+@pytest.mark.parametrize("name", list(MESSAGES))
+def test_a_stored_frame_decodes_to_its_message(name: str) -> None:
+    msg = MESSAGES[name]
+    decode = decode_client_message if isinstance(msg, CLIENT_TYPES) else decode_engine_message
+    assert decode(bytes.fromhex(FRAMES[name])) == msg
+
+
+# StepOutputsFrame.encode is the engine's frame of outputs alone (no request ended without one).
+BUILT_STEPS = [
+    name
+    for name, msg in MESSAGES.items()
+    if isinstance(msg, StepOutputs) and not msg.finished_without_tokens
+]
+
+
+@pytest.mark.parametrize("name", BUILT_STEPS)
+def test_a_frame_built_request_by_request_is_the_stored_frame(name: str) -> None:
+    msg = MESSAGES[name]
+    frame = StepOutputsFrame()
+    for out in msg.outputs:
+        frame.add(
+            out.request_id,
+            out.new_token_ids,
+            out.finish_reason,
+            out.logprobs,
+            out.prompt_logprobs,
+            out.timings,
+        )
+    assert frame.encode().hex() == FRAMES[name]
+
+
+def test_the_frames_are_of_this_protocol_version() -> None:
+    assert PROTOCOL_VERSION == 6, "a new protocol version: write the frames anew"
+
+
+def print_frames() -> None:
+    """The FRAMES table as the codec writes it now, wrapped at 100 columns."""
+    print("FRAMES: dict[str, str] = {")
+    for name, msg in MESSAGES.items():
+        text = encode(msg).hex()
+        chunks = [text[i : i + 80] for i in range(0, len(text), 80)]
+        if len(chunks) == 1:
+            print(f'    "{name}": "{text}",')
+            continue
+        print(f'    "{name}": (')
+        for chunk in chunks:
+            print(f'        "{chunk}"')
+        print("    ),")
+    print("}")
+
+
+if __name__ == "__main__":
+    print_frames()
+    sys.exit(0)
