@@ -301,14 +301,19 @@ def attach_prompt_logprobs(outputs: list[EngineOutput]) -> None:
 
 
 def make_runner(config: EngineConfig) -> ModelRunner:
-    """The plain runner, or rank 0 of a tensor-parallel group (which starts the other ranks)."""
+    """The plain runner, or rank 0 of a tensor-parallel group (which starts the other ranks),
+    warmed up on CUDA (the other ranks follow its warm-up steps)."""
     if config.data_parallel_size != 1:
         raise ValueError(
             "data_parallel_size is for `tandem serve`, which starts that many engine cores; "
             "one engine core is always one of them"
         )
     if config.tensor_parallel_size == 1:
-        return ModelRunner(config)
-    from engine_core.tp_runner import TPModelRunner
+        runner = ModelRunner(config)
+    else:
+        from engine_core.tp_runner import TPModelRunner
 
-    return TPModelRunner(config)
+        runner = TPModelRunner(config)
+    if runner.device.type == "cuda":
+        runner.warm_up()
+    return runner

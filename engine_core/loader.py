@@ -40,10 +40,11 @@ from torch import nn
 
 from common import env
 from engine_core.config import ModelConfig
-from engine_core.models import build_model, model_config_from_hf, token_ids
+from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_device
 from engine_core.models.fp8_config import with_quantization_flag
 from engine_core.models.layers import reset_buffers
+from engine_core.models.target import BuildTarget
 
 logger = logging.getLogger(__name__)
 
@@ -74,22 +75,25 @@ def load_model(
     dtype: torch.dtype,
     quantization: str | None = None,
     check_fit: FitCheck | None = None,
+    target: BuildTarget | None = None,
 ) -> LoadedModel:
     """Resolve ``model``, build our implementation on ``device`` in ``dtype``, load its weights.
 
     ``quantization`` is ``--quantization`` ('fp8': quantize plain weights as they load; FP8
     checkpoints are FP8 without it). ``random:<preset>`` (see engine_core/presets.py) builds a
     benchmark model of real shape with random weights instead. ``check_fit`` sees the model
-    built on the meta device, before anything is allocated on ``device``.
+    built on the meta device, before anything is allocated on ``device``. ``target``: the model
+    is built and loaded in its final form for serving there (models/target.py); None keeps
+    the plain form.
     """
     if model.startswith(RANDOM_PREFIX):
         name = model.removeprefix(RANDOM_PREFIX)
-        return load_random_model(name, device, dtype, quantization, check_fit)
+        return load_random_model(name, device, dtype, quantization, check_fit, target)
     model_dir = resolve_model_dir(model)
     config = with_quantization(load_model_config(model_dir), quantization, device)
     # Built on the meta device, so no time goes into random init of weights about to be replaced.
     with torch.device("meta"), default_dtype(dtype):
-        module = build_model(config)
+        module = build_model(config, target)
     if check_fit is not None:
         check_fit(module, config)
     module.to_empty(device=device)
@@ -97,6 +101,7 @@ def load_model(
     kv_scales: dict[int, tuple[float, float]] = {}
     module.load_weights(take_kv_scales(normalize_fp8_names(iter_checkpoint(model_dir)), kv_scales))
     module.eval().requires_grad_(False)
+    finish_loading(module, target)
     return LoadedModel(module, config, model_dir, kv_scales=kv_scales_by_layer(kv_scales, config))
 
 
@@ -119,13 +124,14 @@ def load_random_model(
     dtype: torch.dtype,
     quantization: str | None = None,
     check_fit: FitCheck | None = None,
+    target: BuildTarget | None = None,
 ) -> LoadedModel:
     from engine_core.presets import build_random_model
 
     if quantization is not None:
         check_fp8_device(torch.device(device), f"--quantization {quantization}")
     module, config = build_random_model(
-        preset, device, dtype, quantization=quantization, check_fit=check_fit
+        preset, device, dtype, quantization=quantization, check_fit=check_fit, target=target
     )
     # No folder: an engine process (or a tensor-parallel worker) never needs a tokenizer, and the
     # default model's, which random presets borrow, may be absent where only benchmarks run.

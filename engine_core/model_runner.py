@@ -30,7 +30,7 @@ from engine_core.config import EngineConfig, ModelConfig
 from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
-from engine_core.loader import load_model
+from engine_core.loader import LoadedModel, load_model
 from engine_core.memory_plan import (
     CUDA_HEADROOM_BYTES,
     ModelTooLargeError,
@@ -38,12 +38,7 @@ from engine_core.memory_plan import (
     kv_block_bytes,
 )
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
-from engine_core.models.layers import pack_cpu_weights
-from engine_core.models.llama import (
-    defer_row_parallel_sums,
-    fuse_fp8_quantizers,
-    interleave_gate_ups,
-)
+from engine_core.models.target import BuildTarget
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
@@ -162,24 +157,17 @@ def select_backend(device: torch.device) -> AttentionBackend:
 
 
 class ModelRunner:
+    """Built in order: the model in its final form (loaded for its target), the KV cache sized
+    to what is left, the attention backend and CUDA graphs, the sampler and the step buffers.
+    The engine core then warms it up (``warm_up``) before the first request."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        # Refused before any weight is allocated if it cannot fit (memory_plan.py).
-        fits = partial(check_memory, config, self.device, self.dtype, self.kv_dtype)
-        loaded = load_model(config.model, self.device, self.dtype, config.quantization, fits)
+        loaded = self._load_model()
         self.model = loaded.module
-        if self.device.type == "cpu":
-            pack_cpu_weights(self.model)  # oneDNN's layout: 2.5-4x faster linears (cpu_gemm.py)
-            keep_freed_memory()  # no page faults on every layer's temporaries (cpu_malloc.py)
-        else:
-            fuse_fp8_quantizers(self.model)  # FP8 linears' input quantizers into the norms before
-            defer_row_parallel_sums(self.model)  # TP: all-reduces into the norms after them
-            # Hopper, for the CUDA graphs: SiLU-and-mul into gate/up's epilogue.
-            if not config.enforce_eager and interleave_gate_ups(self.model):
-                torch.cuda.empty_cache()  # the plain weights' blocks: not counted as used below
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
         # This process's share of the KV heads: all of them unless tensor-parallel.
@@ -192,12 +180,6 @@ class ModelRunner:
         self._set_kv_scales(loaded.kv_scales)
         self.backend = select_backend(self.device)
         self.graph_runner = self._capture_graphs()  # None on the CPU or with enforce_eager
-        if self.device.type == "cuda":
-            # The host's tensor work is small here (the model runs on the GPU); torch's OpenMP
-            # workers would only spin between ops and take the cores that the grammar engine's
-            # mask threads need (measured: 64 constrained rows' masks 5.9 ms a step, 1.1 ms
-            # without the spinning).
-            torch.set_num_threads(1)
         self.sampler = Sampler(
             self.model_config.eos_token_ids, self.model_config.vocab_size, seed=config.seed
         )
@@ -209,23 +191,39 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
         )
+        self._init_step_state()
+
+    def _load_model(self) -> LoadedModel:
+        """The model, built and loaded in its final form for this device (models/target.py);
+        refused before any weight is allocated if it cannot fit (memory_plan.py)."""
+        config = self.config
+        if self.device.type == "cpu":
+            keep_freed_memory()  # no page faults on every layer's temporaries (cpu_malloc.py)
+        else:
+            # The host's tensor work is small here (the model runs on the GPU); torch's OpenMP
+            # workers would only spin between ops and take the cores that the grammar engine's
+            # mask threads need (docs/design/structured-outputs.md).
+            torch.set_num_threads(1)
+        graphs = self.device.type == "cuda" and not config.enforce_eager
+        target = BuildTarget(self.device, self.dtype, cuda_graphs=graphs)
+        fits = partial(check_memory, config, self.device, self.dtype, self.kv_dtype)
+        return load_model(config.model, self.device, self.dtype, config.quantization, fits, target)
+
+    def _init_step_state(self) -> None:
+        """What carries from one step to the next: the last step's sampled ids, the ring of
+        pinned landing buffers for the ids and their events, the GPU timeline's last end."""
         # The last launched step's sampled ids [S] (on the device) and the request of each row.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_sampling: list[Request] = []
         self._scoring: PromptScoring | None = None  # the prompt tokens this step scores
-        # Pinned landing buffers for the sampled ids, in a ring: a step is collected only after
-        # the next one is launched, so two must be live at once.
-        self._host_ids = [self._host_ids_buffer(config.max_num_seqs) for _ in range(3)]
+        # A step is collected only after the next one is launched, so two must be live at once.
+        self._host_ids = [self._host_ids_buffer(self.config.max_num_seqs) for _ in range(3)]
         self._host_ids_next = 0
         self._done_events = [torch.cuda.Event() for _ in range(3)] if self._on_cuda else []
         # The engine's one stream, for its events: looked up once (each lookup costs the host
         # microseconds a step).
         self._stream = torch.cuda.current_stream(self.device) if self._on_cuda else None
         self._last_gpu_end: torch.cuda.Event | None = None
-        # Under tensor parallelism rank 0 warms up once its step channel to the other ranks is
-        # open, and they follow (engine_core/tp_runner.py).
-        if self._on_cuda and config.tensor_parallel_size == 1:
-            self.warm_up()
 
     # ---- set-up -------------------------------------------------------------------------------
 

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from engine_core.config import ModelConfig
-from engine_core.models import build_model, model_config_from_hf
+from engine_core.models import build_model, finish_loading, model_config_from_hf
 from engine_core.models.fp8 import quantize_rows
 from engine_core.models.fp8_config import with_quantization_flag
 from engine_core.models.layers import Linear, reset_buffers
+from engine_core.models.target import BuildTarget
 
 INIT_STD = 0.02  # small, so activations stay finite through every layer of a random model
 _VOCAB = 49152
@@ -120,6 +121,7 @@ def build_random_model(
     seed: int = 0,
     quantization: str | None = None,
     check_fit: Callable[[nn.Module, ModelConfig], None] | None = None,
+    target: BuildTarget | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Our implementation of preset ``name`` on ``device`` in ``dtype``, weights ~ N(0, 0.02).
 
@@ -127,8 +129,9 @@ def build_random_model(
     meta device and filled in place on ``device``: nothing is initialised twice, nothing touches
     the host. ``quantization="fp8"``: the linears hold those random weights quantized to FP8, as
     ``--quantization fp8`` would load them. ``check_fit`` (the loader's memory check) sees the
-    model on the meta device, before anything is allocated. Returns the model in eval mode
-    without gradients, and its config.
+    model on the meta device, before anything is allocated. ``target``: built in its final
+    form for serving there (models/target.py). Returns the model in eval mode without
+    gradients, and its config.
     """
     config = PRESETS[_check_name(name)]
     fp8 = with_quantization_flag(None, quantization)
@@ -137,7 +140,7 @@ def build_random_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = build_model(config)
+            model = build_model(config, target)
     finally:
         torch.set_default_dtype(previous)
     if check_fit is not None:
@@ -145,7 +148,9 @@ def build_random_model(
     model.to_empty(device=device)
     reset_buffers(model)
     init_random_weights(model, seed)
-    return model.eval().requires_grad_(False), config
+    model.eval().requires_grad_(False)
+    finish_loading(model, target)
+    return model, config
 
 
 @torch.no_grad()

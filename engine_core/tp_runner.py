@@ -153,19 +153,31 @@ class TPModelRunner(_ShardedRunner):
             device = resolve_device(config.device)
             self.tp = join_tp_group(store, 0, size, device, config.tp_all_reduce)
             super().__init__(config)
-            self.channel = StepChannel(self.tp)
-            if self._on_cuda:
-                self.warm_up()  # through the channel: the workers follow it as any step
+            self.channel = StepChannel(self.tp)  # the engine core's warm-up steps go through it
         except BaseException:
-            if self.watch is not None:
-                self.watch.stop()
-            stop_processes(self.workers, timeout=0.0)  # they would wait for rank 0 forever
-            leave_tp_group()
+            self._abandon_workers()
             raise
         # A weak reference: the finalizer must not keep the runner alive (it runs at exit too).
         args = (weakref.ref(self), self.channel, self.workers, self.watch)
         self._finalizer = weakref.finalize(self, shut_down, *args)
         logger.info("tensor parallel over %d ranks (pids %s)", size, [p.pid for p in self.workers])
+
+    def warm_up(self) -> None:
+        """Rank 0's warm-up steps, which the workers follow through the channel as any step.
+        If one fails (a step too large for some rank), the workers are stopped at once: they
+        may wait in a collective that rank 0 will never join."""
+        try:
+            super().warm_up()
+        except BaseException:
+            self._finalizer.detach()
+            self._abandon_workers()
+            raise
+
+    def _abandon_workers(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        stop_processes(self.workers, timeout=0.0)  # they would wait for rank 0 forever
+        leave_tp_group()
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         inputs = super().prepare_inputs(out)

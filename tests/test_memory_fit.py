@@ -110,7 +110,7 @@ def test_the_packed_head_is_counted_only_where_the_loaded_model_packs_it(
     a CPU without oneDNN's bf16 kernels (an EPYC without AVX-512, as the CPU machine has)."""
     meta, config = meta_estimate(str(tiny_dir), dtype)
     loaded = load_model(str(tiny_dir), CPU, dtype).module
-    pack_cpu_weights(loaded)  # as the model runner does on the CPU
+    pack_cpu_weights(loaded)  # as finish_loading does for a CPU target
     packed = loaded.packed_logits_weight is not None
     expected = config.vocab_size * config.hidden_size * dtype.itemsize if packed else 0
     assert cpu_packing_bytes(meta, CPU, dtype) == expected

@@ -24,6 +24,7 @@ from engine_core.attention.triton_kernels import (  # noqa: E402
     write_kv_cache,
 )
 from engine_core.models import skinny_gemm  # noqa: E402
+from engine_core.models.gate_up_layout import interleave_gate_up  # noqa: E402
 from engine_core.models.triton_ops import rms_norm, rotary_inplace  # noqa: E402
 
 if not triton_pdl.hopper_or_later(torch.device("cuda")):
@@ -50,7 +51,7 @@ class Chain:
         self.norm_w = randn(HIDDEN) + 1
         self.w_qkv = randn(width, HIDDEN, scale=HIDDEN**-0.5)
         w_up = randn(2 * MLP, HEADS * HEAD_DIM, scale=(HEADS * HEAD_DIM) ** -0.5)
-        self.w_up = skinny_gemm.interleave_gate_up(w_up)
+        self.w_up = interleave_gate_up(w_up)
         self.w_down = randn(HIDDEN, MLP, scale=MLP**-0.5)
         pages = -(-CONTEXT // PAGE)
         self.k_cache = randn(BATCH * pages, PAGE, KV_HEADS, HEAD_DIM)

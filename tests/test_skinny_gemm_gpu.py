@@ -27,8 +27,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from engine_core.models import model_config_from_hf, skinny_gemm, triton_ops  # noqa: E402
+from engine_core.models.gate_up_layout import interleave_gate_up  # noqa: E402
 from engine_core.models.layers import Linear, rms_norm_torch  # noqa: E402
-from engine_core.models.llama import LlamaMLP, interleave_gate_ups  # noqa: E402
+from engine_core.models.llama import (  # noqa: E402
+    LlamaMLP,
+    interleave_gate_ups,
+    interleave_loaded_gate_ups,
+)
+from engine_core.models.target import BuildTarget  # noqa: E402
 from engine_core.presets import hf_config  # noqa: E402
 from engine_core.triton_pdl import hopper_or_later  # noqa: E402
 from tests.triton_variants import compiled_variants  # noqa: E402
@@ -226,7 +232,7 @@ def test_glu_epilogue_equals_product_then_silu_and_mul(n: int, k: int, m: int) -
     tiles = dict(block_n=64, block_k=skinny_gemm.dense_tiles(n, k, x.device)["block_k"])
     tiles["block_m"] = skinny_gemm.dense_row_tile(m, n, k, x.device)
     separate = triton_ops.silu_and_mul(skinny_gemm.skinny_gemm(x, w, x.dtype, **tiles))
-    interleaved = skinny_gemm.interleave_gate_up(w)
+    interleaved = interleave_gate_up(w)
     fused = skinny_gemm.skinny_gemm(x, interleaved, x.dtype, glu=True, **tiles)
     assert fused.shape == (m, n // 2)
     assert_within_one_rounding(fused, separate)
@@ -274,7 +280,7 @@ def test_interleaved_silu_and_mul_reads_the_tiles() -> None:
     """Above decode sizes the product comes from cuBLAS in the interleaved column order and the
     SiLU-and-mul kernel reads each tile's gate and up columns."""
     x, w = operands(100, 3072, 576, torch.bfloat16)
-    product = F.linear(x, skinny_gemm.interleave_gate_up(w))
+    product = F.linear(x, interleave_gate_up(w))
     got = triton_ops.silu_and_mul(product, skinny_gemm.GLU_HALF)
     assert_within_one_rounding(got, triton_ops.silu_and_mul(F.linear(x, w)))
 
@@ -288,7 +294,7 @@ def test_glu_epilogue_refuses_what_it_cannot_do() -> None:
     with pytest.raises(ValueError, match="epilogue"):  # N not whole 64-row tiles
         skinny_gemm.skinny_gemm(x, w[:96], x.dtype, block_n=64, block_k=128, glu=True)
     with pytest.raises(ValueError, match="tiles"):
-        skinny_gemm.interleave_gate_up(w[:96])
+        interleave_gate_up(w[:96])
     with pytest.raises(ValueError, match="groups"):
         triton_ops.silu_and_mul(torch.zeros(4, 96, device="cuda"), skinny_gemm.GLU_HALF)
 
@@ -300,8 +306,8 @@ def test_interleaved_mlp_computes_what_it_did(monkeypatch: pytest.MonkeyPatch, m
     mlp = LlamaMLP(model_config_from_hf(hf_config("smollm2-135m"))).to("cuda", torch.bfloat16)
     x = torch.randn(m, 576, device="cuda").to(torch.bfloat16)
     before = mlp(x)
-    assert interleave_gate_ups(mlp) == 1 and mlp.gate_up_interleaved
-    assert interleave_gate_ups(mlp) == 0  # a second pass leaves the rows alone
+    assert interleave_gate_ups(mlp) == 1 and mlp.gate_up_interleaved  # marked...
+    interleave_loaded_gate_ups(mlp)  # ...and its rows moved, as loading finishes
     epilogues = spy_on_launches(monkeypatch)
     eager = mlp(x)  # cuBLAS and the SiLU-and-mul that reads the interleaved columns
     assert epilogues == []
@@ -356,7 +362,7 @@ def test_norm_between_gives_the_norm_between_the_products(
         second_bias = torch.linspace(2, -2, second_rows, device="cuda").to(torch.bfloat16)
     product = skinny_gemm.decode_linear(x, first, first_bias)
     if glu:
-        second = skinny_gemm.interleave_gate_up(second)
+        second = interleave_gate_up(second)
     got = skinny_gemm.decode_norm_between(
         x, first, first_bias, residual, norm_weight, NORM_EPS, second, second_bias, glu
     )
@@ -409,7 +415,7 @@ def test_norm_between_leaves_long_products_alone() -> None:
     x, first, residual, norm_weight = stream_operands(64, 2048, 2048)
     _, second = operands(64, 16384, 2048, torch.bfloat16)
     assert skinny_gemm.decode_linear(x, first, None) is not None  # the product alone: taken
-    second = skinny_gemm.interleave_gate_up(second)
+    second = interleave_gate_up(second)
     args = (x, first, None, residual, norm_weight, NORM_EPS, second, None, True)
     assert skinny_gemm.decode_norm_between(*args) is None
 
@@ -452,9 +458,11 @@ def test_bf16_model_on_the_skinny_path_matches_hf(
         got = generate_greedy(model, PROMPTS, 4, block_size=4, backend=TritonBackend())
         return [rows[0].float().cpu() for rows in got.logits]
 
-    cublas = first_logits(load_model(str(tmp_path), torch.device("cuda"), torch.bfloat16).module)
-    model = load_model(str(tmp_path), torch.device("cuda"), torch.bfloat16).module
-    assert interleave_gate_ups(model) == 2  # both layers
+    cuda = torch.device("cuda")
+    cublas = first_logits(load_model(str(tmp_path), cuda, torch.bfloat16).module)
+    target = BuildTarget(cuda, torch.bfloat16, cuda_graphs=True)  # as the runner serves it
+    model = load_model(str(tmp_path), cuda, torch.bfloat16, target=target).module
+    assert sum(m.gate_up_interleaved for m in model.modules() if isinstance(m, LlamaMLP)) == 2
     epilogues = spy_on_launches(monkeypatch)
     norms_between = spy_on_norms_between(monkeypatch)
     with skinny_gemm.for_graphs():  # as the runner's graph capture runs the layers

@@ -9,6 +9,10 @@ Every model has the interface the model runner uses::
         hidden @ W.T (one rank, no soft cap), the decode CUDA graphs project them themselves
     load_weights(Iterable[(hf_name, tensor)]) -> None
     attention_layers() -> list[Attention]
+
+A served model is built for its target (models/target.py): ``build_model(config, target)``
+gives its layers their final form before any weight exists, and ``finish_loading`` puts the
+loaded weights into the layouts they chose.
 """
 
 from __future__ import annotations
@@ -23,10 +27,15 @@ from engine_core.config import ModelConfig
 from engine_core.models.fp8_config import fp8_config_from_hf
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
-from engine_core.models.layers import ROPE_TYPES
-from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.layers import ROPE_TYPES, pack_cpu_weights
+from engine_core.models.llama import (
+    LlamaForCausalLM,
+    choose_layer_forms,
+    interleave_loaded_gate_ups,
+)
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quantize import make_fp8_linears
+from engine_core.models.target import BuildTarget
 
 LLAMA_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -59,8 +68,10 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(config: ModelConfig) -> nn.Module:
-    """An uninitialised model for ``config`` (load_weights fills it), on the current device."""
+def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Module:
+    """An uninitialised model for ``config`` (load_weights fills it), on the current device, in
+    the form its layers take on ``target`` (None: the plain form, every kernel choice's
+    reference)."""
     try:
         model_class = _MODEL_CLASSES[config.architecture]
     except KeyError:
@@ -69,7 +80,20 @@ def build_model(config: ModelConfig) -> nn.Module:
         ) from None
     model = model_class(config)
     make_fp8_linears(model, config)
+    if target is not None:
+        choose_layer_forms(model, target)
     return model
+
+
+def finish_loading(model: nn.Module, target: BuildTarget | None) -> None:
+    """After the weights are in: the weight layouts the layers chose for ``target`` (gate/up
+    rows interleaved on CUDA; plain CPU weights packed for oneDNN, models/cpu_gemm.py)."""
+    if target is None:
+        return
+    if target.on_cuda:
+        interleave_loaded_gate_ups(model)
+    elif target.device.type == "cpu":
+        pack_cpu_weights(model)
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:

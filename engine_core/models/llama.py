@@ -26,6 +26,7 @@ from torch import nn
 from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
 from engine_core.models.fp8 import attach_fp8_rows, fp8_kernels, takes_fp8_rows
+from engine_core.models.gate_up_layout import GLU_HALF, interleave_gate_up
 from engine_core.models.layers import (
     ACT_AND_MUL,
     MergedLinear,
@@ -44,6 +45,7 @@ from engine_core.models.layers import (
     vocab_embedding,
 )
 from engine_core.models.moe import SparseMoE, map_moe_name
+from engine_core.models.target import BuildTarget
 from engine_core.parallel import SINGLE, PendingSum, TPGroup, get_tp_group
 
 # HF projection name -> (our merged projection, shard index).
@@ -115,11 +117,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], False, tp)
         self.down_proj = row_parallel_linear(size, config.hidden_size, False, tp)
         self.act_and_mul = ACT_AND_MUL[config.hidden_act]
-        # Set by fuse_fp8_quantizers where down_proj quantizes its input per token and the
-        # activation is SiLU: prefill-sized batches then quantize in the SiLU launch.
+        # Chosen when the model is built for its target (choose_layer_forms), never after: with
+        # an FP8 down_proj that quantizes its input per token and a SiLU activation,
+        # prefill-sized batches quantize in the SiLU launch; with interleaved gate/up rows (on
+        # Hopper, with CUDA graphs) the SiLU-and-mul rides in the skinny GEMM's epilogue.
         self.quantize_act = False
-        # Set by interleave_gate_ups on Hopper: gate_up_proj's rows are interleaved and the
-        # SiLU-and-mul rides in the skinny GEMM's epilogue at decode sizes in CUDA graphs.
         self.gate_up_interleaved = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSum:
@@ -192,13 +194,25 @@ class LlamaDecoderLayer(nn.Module):
         return mlp(hidden), residual
 
 
+def choose_layer_forms(model: nn.Module, target: BuildTarget) -> None:
+    """Give a Llama-family model, built and not yet loaded, the forms its layers take on
+    ``target`` (see models/target.py): on CUDA, fused FP8 input quantizers, deferred
+    tensor-parallel sums and, on Hopper with CUDA graphs, interleaved gate/up rows."""
+    if not target.on_cuda:
+        return
+    fuse_fp8_quantizers(model)  # before the interleaving, which skips an MLP that fused
+    defer_row_parallel_sums(model)
+    if target.cuda_graphs and target.hopper:
+        interleave_gate_ups(model)
+
+
 def fuse_fp8_quantizers(model: nn.Module) -> int:
-    """On CUDA, let the kernels in front of FP8 linears that quantize their input per token
+    """Let the kernels in front of FP8 linears that quantize their input per token
     (models/fp8.py: takes_fp8_rows) write that e4m3 form themselves: a Llama-layout layer's input
     norm (for qkv_proj), its post-attention norm (for a dense MLP's gate_up_proj), and a SiLU
     MLP's activation (for down_proj) in prefill-sized batches only: it takes one program a row,
-    which at decode batches was slower on an H100 than the two launches (docs/benchmarks.md).
-    Saves one quantizer launch each; returns how many were fused."""
+    which at decode batches was slower than the two launches
+    (docs/design/kernels-and-limits.md). Saves one quantizer launch each; returns how many."""
     fused = 0
     for layer in model.modules():
         if type(layer) is not LlamaDecoderLayer:  # other layouts place their norms elsewhere
@@ -220,37 +234,42 @@ def fuse_fp8_quantizers(model: nn.Module) -> int:
 
 
 def interleave_gate_ups(model: nn.Module) -> int:
-    """On Hopper, give every dense SiLU MLP with a plain bf16/fp16 gate/up weight (no bias, no
-    FP8) the interleaved row layout (models/skinny_gemm.py interleave_gate_up), so that decode
-    steps in CUDA graphs compute silu(gate) * up in the gate/up product's epilogue: one launch
-    and one round trip of the product fewer per layer (the runner skips it with enforce_eager:
-    eager steps take cuBLAS, skinny_gemm.for_graphs). Call after loading and after
-    fuse_fp8_quantizers (an
-    MLP whose SiLU launch quantizes for an FP8 down_proj keeps its layout); returns how many
-    were changed."""
-    changed = 0
+    """Mark every dense SiLU MLP with a plain bf16/fp16 gate/up weight (no bias, no FP8) for the
+    interleaved row layout (models/skinny_gemm.py interleave_gate_up), so that decode steps in
+    CUDA graphs compute silu(gate) * up in the gate/up product's epilogue: one launch and one
+    round trip of the product fewer per layer (eager steps take cuBLAS either way). An MLP whose
+    SiLU launch quantizes for an FP8 down_proj keeps its layout. The rows move once the weights
+    are in (``interleave_loaded_gate_ups``); returns how many were marked."""
+    marked = 0
     for mlp in model.modules():
         if not isinstance(mlp, LlamaMLP) or mlp.act_and_mul is not silu_and_mul:
-            continue
-        if mlp.gate_up_interleaved:  # already: a second pass would scramble the rows
             continue
         if mlp.quantize_act:  # an FP8 down_proj whose quantizer rides in the SiLU launch
             continue
         proj = mlp.gate_up_proj
         weight = proj.weight
-        if not weight.is_cuda or proj.fp8 is not None or proj.bias is not None:
+        if proj.fp8 is not None or proj.bias is not None:
             continue
-        if weight.dtype not in (torch.bfloat16, torch.float16) or proj.packed_weight is not None:
+        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.shape[0] % (2 * GLU_HALF):
             continue
-        from engine_core.models import skinny_gemm  # imports triton: CUDA only
-        from engine_core.triton_pdl import hopper_or_later
-
-        if not hopper_or_later(weight.device) or weight.shape[0] % (2 * skinny_gemm.GLU_HALF):
-            continue
-        proj.weight = nn.Parameter(skinny_gemm.interleave_gate_up(weight.data), requires_grad=False)
         mlp.gate_up_interleaved = True
-        changed += 1
-    return changed
+        marked += 1
+    return marked
+
+
+def interleave_loaded_gate_ups(model: nn.Module) -> None:
+    """Move the loaded gate/up rows of the MLPs ``interleave_gate_ups`` marked into that layout
+    (the plain weights' memory goes back to the allocator)."""
+    moved = False
+    for mlp in model.modules():
+        if isinstance(mlp, LlamaMLP) and mlp.gate_up_interleaved:
+            weight = mlp.gate_up_proj.weight
+            mlp.gate_up_proj.weight = nn.Parameter(
+                interleave_gate_up(weight.data), requires_grad=False
+            )
+            moved = True
+    if moved:
+        torch.cuda.empty_cache()  # the plain weights' blocks: not counted as used by KV sizing
 
 
 def defer_row_parallel_sums(model: nn.Module) -> int:

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from engine_core.models.gate_up_layout import GLU_HALF
 from engine_core.models.triton_ops import argmax_of_parts, silu_mul
 from engine_core.triton_pdl import (
     chain_pdl,
@@ -652,14 +653,6 @@ def graphed() -> bool:
     return _for_graphs
 
 
-# A SiLU-gated MLP's gate/up weight rows are interleaved in tiles of this many gate rows, then
-# their up rows (interleave_gate_up), so that one 2 * GLU_HALF-row tile of the skinny GEMM holds
-# both halves of GLU_HALF activations and its epilogue writes them: no SiLU-and-mul launch, no
-# gate/up product written and read back. At decode-64 (bench_decode.py, in process): ITL
-# smollm2 1.01 -> 0.98 ms, llama-1b 1.39-1.40 -> 1.37-1.38, llama-8b 6.61-6.63 -> 6.48-6.52.
-GLU_HALF = 32
-
-
 def decode_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -834,13 +827,3 @@ def decode_norm_between(
     else:
         y = decode_linear(scaled, second, second_bias, norm_in=norm_in)
     return y, stream
-
-
-def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
-    """A gate/up weight [gate; up] ([2I, K], I a multiple of GLU_HALF) with its rows in tiles of
-    GLU_HALF gate rows followed by the same GLU_HALF up rows (a copy)."""
-    rows, k = weight.shape
-    if rows % (2 * GLU_HALF):
-        raise ValueError(f"a gate/up weight of {rows} rows is not whole {2 * GLU_HALF}-row tiles")
-    tiles = rows // 2 // GLU_HALF
-    return weight.reshape(2, tiles, GLU_HALF, k).transpose(0, 1).reshape(rows, k)
