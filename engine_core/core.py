@@ -1,6 +1,6 @@
 """EngineCore: scheduler + model runner behind add / abort / step, with no sockets.
 
-The offline API (engine_core/llm.py) drives it directly; the engine process (engine_core/proc.py)
+The offline API (engine_core/llm.py) drives it directly; the engine process (engine_core/server.py)
 drives it from its busy loop. One thread calls it; it takes no locks.
 
 A step reads in order: schedule, forward, (grammar bitmask), sample, update. With overlap

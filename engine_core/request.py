@@ -39,7 +39,7 @@ class HeldTokens:
 class Request:
     """One request inside the engine core. Each group of fields below has one writer."""
 
-    # What the request is, fixed when it is made (engine_core/proc.py, engine_core/llm.py).
+    # What the request is, fixed when it is made (engine_core/server.py, engine_core/llm.py).
     request_id: str  # unique inside this engine (the engine scopes client ids by client)
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -73,7 +73,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # they went out with the request's first token
 
-    # Written by the engine process (engine_core/proc.py) only: what it holds back for the
+    # Written by the engine process (engine_core/server.py) only: what it holds back for the
     # request's output interval, or None where every step's tokens go out at once.
     held: HeldTokens | None = None
 

@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "engine",
         "run only the engine core process, serving the raw ZMQ protocol",
-        "engine_core.proc",
+        "engine_core.server",
     )
     _add(
         sub,

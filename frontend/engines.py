@@ -9,7 +9,7 @@ else runs) and, when API processes serve from it, the ``EnginePidFile`` that tel
   enough GPUs, its own ``--tensor-parallel-size`` of them (CUDA_VISIBLE_DEVICES);
 - ``--engine ADDRESS``: no child; the engine core already serving there (CURVE keys over tcp://).
 
-An engine is `python -m frontend.cli engine --address ADDR --model DIR --parent-pid PID [engine
+An engine is `python -m engine_core --address ADDR --model DIR --parent-pid PID [engine
 flags]` with the model folder the frontend resolved (so the default model's GGUF is converted
 once). It never outlives us: it gets the death signal of ``common.processes.die_with_parent``,
 and ``--parent-pid`` makes it poll for us as well.
@@ -122,7 +122,7 @@ class EngineProcess:
     @property
     def argv(self) -> list[str]:
         return [
-            sys.executable, "-m", "frontend.cli", "engine",
+            sys.executable, "-m", "engine_core",
             "--address", str(self.address), "--model", self.model_dir,
             "--parent-pid", str(os.getpid()),
             "--log-level", self.log_level, *self.flags,

@@ -7,7 +7,7 @@ request, as the load generator and the API server build them), then decodes the 
 the codec of ``protocol/codec.py`` on this machine's CPU. Prints the median over the bursts of
 the microseconds per request at each end. On the engine the decode runs in the input thread,
 which shares the interpreter with the busy loop: a burst that takes longer to decode than the
-intake window (``engine_core/proc.py`` BURST_MAX_S) reaches an idle engine in slices.
+intake window (``engine_core/server.py`` BURST_MAX_S) reaches an idle engine in slices.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ preset (engine_core/presets.py) run the "decode-64" workload (64 requests at onc
 prompt tokens, 256 output tokens each, EOS ignored, greedy, after a warm-up run) through
 
 - ``inproc``: EngineCore stepped in this process (the offline path), and
-- ``zmq``:    a real engine-core process (engine_core/proc.py) driven by the raw ZMQ client,
+- ``zmq``:    a real engine-core process (engine_core/server.py) driven by the raw ZMQ client,
 
 then HF transformers ``generate`` on the same shapes (batch 64, same prompts; fewer output
 tokens, --hf-output-len, to keep the run short). Prints one table: tok/s, TPOT and TTFT p50/p99,

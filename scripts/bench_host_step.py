@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_core.config import EngineConfig  # noqa: E402
 from engine_core.input_batch import InputBatch  # noqa: E402
-from engine_core.proc import step_frames  # noqa: E402
 from engine_core.request import Request  # noqa: E402
 from engine_core.scheduler import Scheduler  # noqa: E402
+from engine_core.server import step_frames  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
 
 PHASES = ("schedule", "pack", "update", "frames")

@@ -1,4 +1,4 @@
-"""The engine process's input thread reads a burst whole (engine_core/proc.py, BURST_GAP_S):
+"""The engine process's input thread reads a burst whole (engine_core/server.py, BURST_GAP_S):
 real ZMQ sockets and the real codec, with the arrivals during its short waits played by a stand-in
 for ``time.sleep`` so that nothing depends on this machine's timing."""
 
@@ -11,8 +11,8 @@ import msgpack
 import pytest
 import zmq
 
-import engine_core.proc as proc
-from engine_core.proc import EngineProc
+import engine_core.server as proc
+from engine_core.server import EngineServer
 from protocol.codec import encode
 from protocol.messages import AddRequest, Hello, RequestError, SamplingParams
 
@@ -31,9 +31,9 @@ def sockets() -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
     ctx.term()
 
 
-def _reader(waiting_for_work: bool) -> EngineProc:
-    """An EngineProc with only what the input thread touches (no model behind it)."""
-    engine = object.__new__(EngineProc)
+def _reader(waiting_for_work: bool) -> EngineServer:
+    """An EngineServer with only what the input thread touches (no model behind it)."""
+    engine = object.__new__(EngineServer)
     engine.waiting_for_work = waiting_for_work
     engine.inbox = queue.Queue()
     return engine

@@ -15,7 +15,7 @@ import pytest
 import protocol.address
 import protocol.codec
 from engine_core.config import EngineConfig
-from engine_core.proc import EngineProc, SocketFailed
+from engine_core.server import EngineServer, SocketFailed
 from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
 from protocol.client import EngineClient
 
@@ -29,7 +29,7 @@ def address() -> Iterator[EngineAddress]:
     remove_ipc_files(addr)
 
 
-def run_in_thread(proc: EngineProc) -> tuple[threading.Thread, list[BaseException]]:
+def run_in_thread(proc: EngineServer) -> tuple[threading.Thread, list[BaseException]]:
     raised: list[BaseException] = []
 
     def run() -> None:
@@ -43,11 +43,11 @@ def run_in_thread(proc: EngineProc) -> tuple[threading.Thread, list[BaseExceptio
     return thread, raised
 
 
-def make_engine(model_dir: Path, address: EngineAddress) -> EngineProc:
+def make_engine(model_dir: Path, address: EngineAddress) -> EngineServer:
     config = EngineConfig(
         model=str(model_dir), device="cpu", num_kv_blocks=32, max_model_len=64, max_num_seqs=4
     )
-    return EngineProc(config, address)
+    return EngineServer(config, address)
 
 
 def broken(what: str) -> object:

@@ -4,7 +4,7 @@ and when (release_held, fed by hand), and an inter-token latency that counts eve
 the tokens were batched.
 
 The engine's side end to end (runs of exactly that many, the HF tokens all the same, prompt
-logprobs, aborts) is tested on a real engine process in tests/test_engine_proc.py; streams and
+logprobs, aborts) is tested on a real engine process in tests/test_engine_server.py; streams and
 stop strings through a real server with --stream-interval 4 in tests/test_api_servers.py.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from engine_core.proc import release_held
 from engine_core.request import EngineOutput, HeldTokens, Request
+from engine_core.server import release_held
 from frontend.generation import MAX_OUTPUT_INTERVAL, Generation
 from frontend.metrics import Metrics
 from protocol.messages import FinishReason, SamplingParams, TokenLogprobs

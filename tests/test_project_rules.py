@@ -132,7 +132,7 @@ def test_the_load_generator_imports_nothing_from_the_frontend() -> None:
 def test_the_output_interval_rule_is_written_once() -> None:
     """The engine process, the client library and the frontend apply one rule for when a
     request's tokens go on (protocol/output_interval.py), rather than each its own copy."""
-    users = {"engine_core.proc", "protocol.client", "frontend.generation"}
+    users = {"engine_core.server", "protocol.client", "frontend.generation"}
     graph = project_graph()
     assert all("protocol.output_interval" in graph[name] for name in users)
 

@@ -1,4 +1,5 @@
-"""The engine-core process: an input thread beside a lock-free busy loop.
+"""The engine core served over ZeroMQ (``EngineServer``, the engine-core process): an input
+thread beside a lock-free busy loop.
 
     input thread:  ROUTER recv (a burst at a time) -> decode/validate -> inbox queue
     busy loop:     drain inbox (block only when idle) -> EngineCore.step() -> encode -> ROUTER send
@@ -13,7 +14,7 @@ vanished client's requests never hold KV blocks. With ``parent_pid`` the engine 
 within about a second of that process vanishing, even where no death signal reaches it. If the
 input thread dies or a send fails, the process ends with the cause logged (``SocketFailed``): an
 engine that can no longer hear requests or send outputs must not live on looking healthy, and its
-supervisor starts a new one. Also the `tandem engine` subcommand.
+supervisor starts a new one. Run as `tandem engine` or ``python -m engine_core``.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def scoped_id(client: bytes, request_id: str) -> str:
     return f"{client.hex()}/{request_id}"
 
 
-class EngineProc:
+class EngineServer:
     def __init__(
         self,
         config: EngineConfig,
@@ -512,7 +513,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
     try:
-        proc = EngineProc(config, address, curve, args.parent_pid)
+        proc = EngineServer(config, address, curve, args.parent_pid)
     except ModelTooLargeError as exc:  # at start-up: the message names the sizes and flags
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
@@ -535,7 +536,7 @@ def _server_keys(args: argparse.Namespace) -> CurveServerKeys | None:
     return None if secret is None else load_server_keys(secret, authorized)
 
 
-def _stop_on_signals(proc: EngineProc) -> None:
+def _stop_on_signals(proc: EngineServer) -> None:
     def stop(signum: int, _frame: object) -> None:
         logger.info("signal %d: stopping", signum)
         proc.running = False

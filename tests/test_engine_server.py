@@ -396,3 +396,14 @@ def test_a_vanished_client_has_its_requests_aborted(
         stats = wait_idle(watcher)
         assert stats.num_steps - steps_before < max_tokens  # cut short, not run to the end
         assert watcher.control(ControlKind.CHECK_INTEGRITY).ok
+
+
+def test_python_dash_m_engine_core_is_the_engine_command() -> None:
+    """`tandem serve` starts its engine cores as ``python -m engine_core``: it takes the same
+    flags as `tandem engine` and refuses a bad one the same way (exit status 2, the flag named)."""
+    for argv in (["-m", "engine_core"], ["-m", "frontend.cli", "engine"]):
+        done = subprocess.run(
+            [sys.executable, *argv, "--max-num-seqs", "0"], capture_output=True, text=True
+        )
+        assert done.returncode == 2, done.stderr
+        assert "max_num_seqs" in done.stderr or "max-num-seqs" in done.stderr, done.stderr
