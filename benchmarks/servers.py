@@ -195,7 +195,7 @@ def free_port() -> int:
 def start(server: Server, log: Path, timeout_s: float = 900.0) -> None:
     """Start ``server`` in its own process group, output to ``log``; return once it answers
     GET /v1/models. Raises if it exits or is not ready in time."""
-    print(f"[{server.name}] $ {server.shown()}", flush=True)
+    print(f"[{server.name}] $ {server.shown()}\n[{server.name}] log: {log}", flush=True)
     with open(log, "wb") as out:
         server.proc = subprocess.Popen(
             server.command, cwd=ROOT, env=server.env, stdout=out, stderr=subprocess.STDOUT,
