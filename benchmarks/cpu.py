@@ -55,7 +55,8 @@ def build_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
         vllm = vllm_serve_command(
             install, model_dir, args.port + 1, MAX_MODEL_LEN, "float32", dummy_weights=False
         )
-        servers.append(Server("vllm", vllm, args.port + 1, install.env(server_env())))
+        env = install.env(server_env())
+        servers.append(Server("vllm", vllm, args.port + 1, env, cwd=model_dir))
     return servers
 
 

@@ -204,13 +204,13 @@ def bench_inproc(name: str, work: Workload, args: argparse.Namespace) -> Run:
     from engine_core.core import EngineCore
 
     core = EngineCore(engine_config(name, work, args))
+    vocab = core.model_config.vocab_size
     try:
-        vocab = core.model_config.vocab_size
         with serving_collector():
             run_inproc(core, work.warmup(), vocab, "warmup")
             return run_inproc(core, work, vocab, "main")
     finally:
-        del core
+        core.shutdown()  # tensor-parallel workers, before the next engine takes the GPUs
 
 
 @contextlib.contextmanager

@@ -155,10 +155,14 @@ def loadgen_command(
 
 @dataclass
 class Server:
+    """A server's command line and environment; ``cwd`` is where it starts (a peer starts
+    outside this checkout, whose top-level packages would otherwise shadow its imports)."""
+
     name: str
     command: list[str]
     port: int
     env: dict[str, str] = field(default_factory=lambda: server_env())
+    cwd: Path = ROOT
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -198,7 +202,7 @@ def start(server: Server, log: Path, timeout_s: float = 900.0) -> None:
     print(f"[{server.name}] $ {server.shown()}\n[{server.name}] log: {log}", flush=True)
     with open(log, "wb") as out:
         server.proc = subprocess.Popen(
-            server.command, cwd=ROOT, env=server.env, stdout=out, stderr=subprocess.STDOUT,
+            server.command, cwd=server.cwd, env=server.env, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     started = time.monotonic()

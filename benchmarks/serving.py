@@ -128,7 +128,7 @@ def build_servers(args: argparse.Namespace, model_dir: Path | None) -> list[Serv
             dummy_weights=preset, extra=shlex.split(args.vllm_args),
         )  # fmt: skip
         env = install.env(server_env())
-        servers.append(Server("vllm", command, args.port + 1, env))
+        servers.append(Server("vllm", command, args.port + 1, env, cwd=model_dir))
     if not servers:
         raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
     return servers
