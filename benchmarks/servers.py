@@ -2,9 +2,9 @@
 wait until ready, stop (with every child), wait for the GPU's memory to be free again, and one
 load-generator run against a server.
 
-    server = Server("tandem", tandem_serve_command("random:llama-1b", port=8101), port=8101)
+    server = Server("tandem", tandem_serve_command("random:llama-1b", 8101, 4096), 8101)
     with running(server, log_dir):
-        summary = run_loadgen(server.url, Workload.parse("64:128:256"), tokenizer, out)
+        summaries = run_loadgen(server.url, Workload.parse("64:128:256"), tokenizer, out)
 
 Servers listen on 127.0.0.1 only.
 """
