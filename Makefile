@@ -7,6 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL ?= default
 PROMPT ?= Write a haiku about GPUs.
 PYTEST_ARGS ?=
+# One benchmark and its flags, e.g. BENCH="decode --models llama-1b" (docs/benchmarks.md).
+BENCH ?= --help
 
 .PHONY: install test serve generate lint bench clean
 
@@ -28,6 +30,9 @@ serve: $(STAMP)
 
 generate: $(STAMP)
 	$(VENV)/bin/tandem generate --model $(MODEL) --prompt "$(PROMPT)"
+
+bench: $(STAMP)
+	$(PY) -m benchmarks $(BENCH)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

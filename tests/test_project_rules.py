@@ -3,7 +3,7 @@ project promises is the one it is written for and tested on; no import cycles be
 (imports inside functions count); no private name imported across modules; the load generator,
 a client of the server, imports nothing from the frontend; common/ imports nothing from the other
 packages; only common/env.py reads the environment, and the README lists every variable it
-reads."""
+reads; no product package imports the benchmarks."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from common import env
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "frontend", "engine_core", "protocol", "loadgen")
+PACKAGES = ("common", "frontend", "engine_core", "protocol", "loadgen", "benchmarks")
 
 
 def python_floor() -> tuple[int, int]:
@@ -215,3 +215,10 @@ def test_the_readme_lists_every_environment_variable() -> None:
     section = readme.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `")]
     assert sorted(row.strip("`") for row in rows) == sorted(defined)
+
+
+def test_no_product_package_imports_the_benchmarks() -> None:
+    """The benchmarks drive the product from outside; nothing the server runs depends on them."""
+    graph = project_graph()
+    assert {m for m, ts in graph.items() if not m.startswith("benchmarks") for t in ts if
+            t.startswith("benchmarks")} == set()  # fmt: skip

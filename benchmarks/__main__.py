@@ -1,0 +1,64 @@
+"""``python -m benchmarks NAME [flags]``: run one benchmark; ``NAME --help`` explains it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+# name -> (module, what it measures); modules load only when chosen, so --help stays quick.
+BENCHMARKS = {
+    "decode": ("benchmarks.decode", "decode throughput of random-weight presets vs the roofline"),
+    "serving": ("benchmarks.serving", "Tandem beside vLLM over HTTP, one server at a time"),
+    "first-token": ("benchmarks.first_token", "an idle server's first token, part by part"),
+    "prefill": ("benchmarks.prefill", "time to first token of 64 x 2,048-token prompts"),
+    "soak": ("benchmarks.soak", "mixed load with faults; nothing may be lost"),
+    "cpu": ("benchmarks.cpu", "Tandem beside vLLM's CPU build on the default model"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m benchmarks NAME [flags]   (NAME --help for each)", ""]
+    lines += [f"  {name:<12} {what}" for name, (_, what) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def load(name: str) -> ModuleType:
+    return importlib.import_module(BENCHMARKS[name][0])
+
+
+def build_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of benchmark ``name``: its module's docstring as the description."""
+    module = load(name)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m benchmarks {name}",
+        description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_args(parser)
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``argv`` (NAME and its flags) parsed; ``args.argv`` keeps it for the printed command."""
+    name = argv[0]
+    args = build_parser(name).parse_args(argv[1:])
+    args.name, args.argv = name, list(argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] not in BENCHMARKS:
+        print(f"unknown benchmark {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    args = parse(argv)
+    return load(args.name).run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

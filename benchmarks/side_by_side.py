@@ -1,0 +1,190 @@
+"""Servers side by side under the same load generator: the driver of `serving`, `prefill` and
+`cpu`, and the table with the ratios.
+
+Two ways to take turns:
+
+- ``sequential`` (GPUs): one server at a time: start it, wait until it is ready, run every
+  workload (a warm-up run, then the reported runs), stop it, wait until its GPU memory is free,
+  then the next. Two servers never share the GPU.
+- ``alternating`` (CPUs): every server up at once (an idle engine takes no CPU), each workload's
+  runs alternating between them, so that each meets the machine in the same state (a CPU's
+  memory bandwidth drifts over minutes).
+
+Each figure is from the reported run of median output tok/s (of two, the better).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import Provenance, fmt, format_table, ratio
+from benchmarks.servers import Server, Workload, run_loadgen, running, start, stop
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One server's figures on one workload, from the load generator's summary of a run."""
+
+    server: str
+    workload: str
+    output_tok_s: float
+    prompt_tok_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    duration_s: float
+    runs_output_tok_s: tuple[float, ...]  # every reported run, in order
+
+    @classmethod
+    def of(cls, server: str, workload: Workload, summaries: list[dict[str, Any]]) -> Figures:
+        ranked = sorted(summaries, key=lambda s: s["output_throughput"])
+        s = ranked[len(ranked) // 2]
+        return cls(
+            server=server,
+            workload=workload.label,
+            output_tok_s=s["output_throughput"],
+            prompt_tok_s=s["total_input_tokens"] / s["duration_s"],
+            ttft_p50_ms=s["ttft"]["p50"],
+            ttft_p99_ms=s["ttft"]["p99"],
+            tpot_p50_ms=s["tpot"]["p50"],
+            duration_s=s["duration_s"],
+            runs_output_tok_s=tuple(x["output_throughput"] for x in summaries),
+        )
+
+
+def progress(f: Figures) -> str:
+    """One line as each result comes in."""
+    ttft = fmt(f.ttft_p50_ms, ",.1f")
+    return f"{f.server} {f.workload}: {f.output_tok_s:,.0f} tok/s, TTFT p50 {ttft} ms"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A column of the table: a Figures field, its format, and which way is better."""
+
+    label: str
+    field: str
+    spec: str
+    higher_is_better: bool
+
+
+SERVING_METRICS = (
+    Metric("tok/s", "output_tok_s", ",.0f", True),
+    Metric("TTFT p50 ms", "ttft_p50_ms", ",.1f", False),
+    Metric("TTFT p99 ms", "ttft_p99_ms", ",.1f", False),
+    Metric("TPOT p50 ms", "tpot_p50_ms", ".2f", False),
+)
+
+
+def run_sequential(
+    servers: list[Server], workloads: list[Workload], tokenizer: str, out_dir: Path, runs: int,
+    loadgen_extra: list[str] | None = None,
+) -> list[Figures]:  # fmt: skip
+    """One server at a time, every workload on it (a warm-up run before each). A server that
+    does not start, or a workload that fails, is reported and skipped: the others' figures
+    still come out."""
+    results = []
+    for server in servers:
+        try:
+            with running(server, out_dir):
+                for i, workload in enumerate(workloads):
+                    out = out_dir / f"{server.name}-w{i}.json"
+                    figures = attempt(server, workload, tokenizer, out, runs, loadgen_extra)
+                    results += [figures] if figures else []
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"  {server.name} failed: {exc}", flush=True)
+    return results
+
+
+def attempt(
+    server: Server, workload: Workload, tokenizer: str, out: Path, runs: int,
+    loadgen_extra: list[str] | None,
+) -> Figures | None:  # fmt: skip
+    """One workload on a running server; None (and a line saying why) if it failed."""
+    try:
+        summaries = run_loadgen(server.url, workload, tokenizer, out, runs, extra=loadgen_extra)
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        print(f"  {server.name} {workload.label} failed: {exc}", flush=True)
+        return None
+    figures = Figures.of(server.name, workload, summaries)
+    print(f"  {progress(figures)}", flush=True)
+    return figures
+
+
+def run_alternating(
+    servers: list[Server], workloads: list[Workload], tokenizer: str, out_dir: Path, runs: int,
+    loadgen_extra: list[str] | None = None,
+) -> list[Figures]:  # fmt: skip
+    """Every server up at once; each workload's runs alternate between them."""
+    results = []
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            start(server, out_dir / f"{server.name}-server.log")
+            stack.callback(stop, server)
+        for i, workload in enumerate(workloads):
+            summaries: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
+            for run in range(runs):
+                for server in servers:
+                    out = out_dir / f"{server.name}-w{i}-r{run}.json"
+                    warmup = 1 if run == 0 else 0  # each workload's shapes warmed once
+                    got = run_loadgen(
+                        server.url, workload, tokenizer, out, 1, warmup, loadgen_extra
+                    )
+                    summaries[server.name] += got
+            for server in servers:
+                results.append(Figures.of(server.name, workload, summaries[server.name]))
+                print(f"  {progress(results[-1])}", flush=True)
+    return results
+
+
+def format_comparison(results: list[Figures], metrics: tuple[Metric, ...] = SERVING_METRICS) -> str:
+    """One row per workload: each server's figures, then the first server's advantage over the
+    second on each metric (its throughput over the other's; the other's latency over its own),
+    so that above 1 is better for the first server in every column."""
+    servers = list(dict.fromkeys(r.server for r in results))
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    by = {(r.server, r.workload): r for r in results}
+    headers = ["workload"] + [f"{s} {m.label}" for s in servers for m in metrics]
+    pair = servers[:2] if len(servers) > 1 else []
+    headers += [f"{m.label} x" for m in metrics] if pair else []
+    rows = []
+    for workload in workloads:
+        row = [workload]
+        for server in servers:
+            figures = by.get((server, workload))
+            row += [fmt(getattr(figures, m.field) if figures else None, m.spec) for m in metrics]
+        if pair:
+            ours, theirs = by.get((pair[0], workload)), by.get((pair[1], workload))
+            row += [fmt(advantage(m, ours, theirs), ".2f") for m in metrics]
+        rows.append(row)
+    table = format_table(headers, rows)
+    if not pair:
+        return table
+    note = (
+        f"x: {pair[0]}'s advantage over {pair[1]}, above 1 better for {pair[0]} "
+        f"(throughputs {pair[0]} / {pair[1]}, latencies {pair[1]} / {pair[0]})"
+    )
+    return f"{table}\n{note}"
+
+
+def advantage(metric: Metric, ours: Figures | None, theirs: Figures | None) -> float | None:
+    if ours is None or theirs is None:
+        return None
+    mine, other = getattr(ours, metric.field), getattr(theirs, metric.field)
+    return ratio(mine, other) if metric.higher_is_better else ratio(other, mine)
+
+
+def print_comparison(
+    provenance: Provenance, servers: list[Server], results: list[Figures],
+    metrics: tuple[Metric, ...], out_dir: Path,
+) -> None:  # fmt: skip
+    """The provenance, each server's command line, where the logs are, and the table."""
+    print(f"\n{provenance.format()}")
+    for server in servers:
+        print(f"{server.name}: {server.shown()}")
+    print(f"logs: {out_dir}\n")
+    print(format_comparison(results, metrics))

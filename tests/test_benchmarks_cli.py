@@ -1,0 +1,61 @@
+"""`python -m benchmarks NAME [flags]`: the list of benchmarks, each one's --help, and the
+defaults each parses to."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.__main__ import BENCHMARKS, build_parser, main, parse
+from benchmarks.servers import Workload
+
+
+def test_without_a_name_it_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("decode", "serving", "first-token", "prefill", "soak", "cpu"):
+        assert f"\n  {name} " in listed
+    assert main([]) == 2
+
+
+def test_an_unknown_name_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["decod"]) == 2
+    assert "unknown benchmark 'decod'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_each_help_explains_and_shows_its_command(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([name, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: python -m benchmarks {name}")
+    assert f"python -m benchmarks {name} " in text.split("options:")[0]  # an example command
+    assert "--json" in text
+
+
+def test_parsed_arguments_keep_the_command_line() -> None:
+    args = parse(["decode", "--models", "llama-8b", "--num-requests", "256"])
+    assert args.argv == ["decode", "--models", "llama-8b", "--num-requests", "256"]
+    assert (args.models, args.num_requests, args.paths) == (["llama-8b"], 256, ["inproc", "zmq"])
+
+
+def test_defaults_are_the_design_cards_workloads() -> None:
+    serving = parse(["serving"])
+    assert serving.workloads == [Workload(64, 128, 256), Workload(256, 128, 256),
+                                 Workload(32, 3600, 256)]  # fmt: skip
+    assert (serving.model, serving.max_model_len, serving.vllm_python) == ("llama-8b", 4096, None)
+    assert parse(["prefill"]).workloads == [Workload(64, 2048, 1)]
+    assert parse(["cpu"]).workloads == [Workload(20, 128, 32, 1), Workload(16, 128, 64),
+                                        Workload(64, 256, 128)]  # fmt: skip
+    decode = parse(["decode"])
+    assert (decode.num_requests, decode.prompt_len, decode.output_len) == (64, 128, 256)
+    assert decode.models == ["smollm2-135m", "llama-1b", "llama-8b"]
+
+
+def test_bad_flags_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        build_parser("serving").parse_args(["--workloads", "64:128"])
+    assert done.value.code == 2
+    assert "--workloads" in capsys.readouterr().err

@@ -1,0 +1,75 @@
+"""The servers each side-by-side benchmark starts, from its flags: Tandem on the random preset,
+vLLM on a folder of the same shapes with dummy weights, each with its own import path."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cpu, serving
+from benchmarks.__main__ import parse
+from benchmarks.report import ROOT
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("TANDEM_TOKENIZER_DIR", str(folder))
+    return folder
+
+
+def test_serving_a_preset_gives_both_servers_the_same_shapes(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    args = parse([
+        "serving", "--model", "llama-1b", "--port", "8300", "--tandem-args", "--api-servers 4",
+        "--vllm-python", "python3", "--vllm-pythonpath", "/tmp/vsite",
+        "--vllm-args", "--api-server-count 4",
+    ])  # fmt: skip
+    model_dir, tokenizer = serving.model_folder(args.model, tmp_path)
+    assert tokenizer == str(tokenizer_dir)
+    assert json.loads((model_dir / "config.json").read_text())["hidden_size"] == 2048
+    tandem, vllm = serving.build_servers(args, model_dir)
+    assert tandem.command == [
+        sys.executable, "-m", "frontend.cli", "serve", "--model", "random:llama-1b",
+        "--host", "127.0.0.1", "--port", "8300", "--max-model-len", "4096", "--api-servers", "4",
+    ]  # fmt: skip
+    assert vllm.command == [
+        "python3", "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        "--host", "127.0.0.1", "--port", "8301", "--max-model-len", "4096",
+        "--served-model-name", "default", "--dtype", "bfloat16", "--load-format", "dummy",
+        "--api-server-count", "4",
+    ]  # fmt: skip
+    assert tandem.cwd == ROOT and str(ROOT) in tandem.env["PYTHONPATH"]
+    assert vllm.cwd == model_dir and vllm.env["PYTHONPATH"] == "/tmp/vsite"
+
+
+def test_serving_a_folder_loads_its_weights(tmp_path: Path) -> None:
+    args = parse(["serving", "--model", str(tmp_path), "--vllm-python", "python3"])
+    model_dir, tokenizer = serving.model_folder(args.model, tmp_path / "out")
+    assert (model_dir, tokenizer) == (tmp_path, str(tmp_path))
+    tandem, vllm = serving.build_servers(args, model_dir)
+    assert tandem.command[5] == str(tmp_path) and "--load-format" not in vllm.command
+
+
+def test_serving_without_vllm_is_tandem_alone_and_without_either_refused() -> None:
+    assert [s.name for s in serving.build_servers(parse(["serving"]), None)] == ["tandem"]
+    with pytest.raises(SystemExit, match="nothing to run"):
+        serving.build_servers(parse(["serving", "--no-tandem"]), None)
+
+
+def test_cpu_serves_the_default_model_in_float32_on_both(tmp_path: Path) -> None:
+    args = parse(["cpu", "--vllm-python", "/venv/bin/python", "--port", "8150"])
+    tandem, vllm = cpu.build_servers(args, tmp_path)
+    assert tandem.command[4:] == [
+        "--model", "default", "--host", "127.0.0.1", "--port", "8150", "--max-model-len", "2048",
+        "--kv-cache-memory-gb", "4", "--dtype", "float32",
+    ]  # fmt: skip
+    assert vllm.command[1] == "-c" and vllm.command[3:5] == ["serve", str(tmp_path)]
+    assert vllm.command[-2:] == ["--dtype", "float32"] and "--load-format" not in vllm.command
+    assert vllm.env["VLLM_TARGET_DEVICE"] == "cpu" and "PYTHONPATH" not in vllm.env

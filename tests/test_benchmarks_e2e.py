@@ -1,0 +1,92 @@
+"""Benchmarks run end to end on the CPU, as documented (`python -m benchmarks NAME ...` in a
+fresh process), on small models and workloads: the real engine, servers and load generator.
+What is checked is what they print and write, never how fast anything was."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.report import ROOT
+from benchmarks.servers import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def run_benchmark(*argv: str, timeout: float = 600) -> str:
+    """The benchmark's stdout; fails with its output when it exits non-zero."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    return [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in text.splitlines()
+        if line.startswith(f"| {first_cell}")
+    ]
+
+
+def test_decode_on_the_cpu_both_paths(tmp_path: Path) -> None:
+    flags = "--device cpu --models smollm2-135m --num-requests 2 --prompt-len 8 --output-len 4"
+    argv = ["decode", *flags.split(), "--json", str(tmp_path / "d.json")]
+    out = run_benchmark(*argv)
+    assert f"command: python -m benchmarks {' '.join(argv)}" in out
+    assert "| model" in out and "%roof" in out and "step%" in out
+    rows = table_rows(out, "smollm2-135m")
+    assert [row[1] for row in rows] == ["inproc", "zmq"]
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert result["provenance"]["command"] == f"python -m benchmarks {' '.join(argv)}"
+    (model,) = result["results"]["models"]
+    assert [run["output_tokens"] for run in model["runs"]] == [8, 8] and model["errors"] == []
+    assert model["bytes_per_step"] == 269_030_016 + 2 * (8 + 2) * 23_040
+
+
+def test_serving_driver_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    argv = ["serving", "--model", str(tiny_model_dir), "--workloads", "4:16:4,2:16:1:1",
+            "--max-model-len", "512", "--port", str(free_port()), "--out-dir", str(tmp_path),
+            "--json", str(tmp_path / "s.json")]  # fmt: skip
+    out = run_benchmark(*argv)
+    assert f"command: python -m benchmarks {' '.join(argv)}" in out
+    assert f"tandem: {sys.executable} -m frontend.cli serve --model {tiny_model_dir}" in out
+    rows = table_rows(out, "4 x (16 -> 4)") + table_rows(out, "2 x (16 -> 1), 1 at a time")
+    assert len(rows) == 2 and rows[1][-1] == "-"  # one output token: no TPOT
+    figures = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert [(f["server"], f["workload"]) for f in figures] == [
+        ("tandem", "4 x (16 -> 4)"), ("tandem", "2 x (16 -> 1), 1 at a time"),
+    ]  # fmt: skip
+    assert all(f["output_tok_s"] > 0 for f in figures)
+    assert (tmp_path / "tandem-server.log").exists()
+
+
+def test_first_token_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    flags = f"--model {tiny_model_dir} --trials 2 --warmup 1 --prompt-len 32 --port {free_port()}"
+    argv = ["first-token", *flags.split(), "--json", str(tmp_path / "f.json")]
+    out = run_benchmark(*argv)
+    assert f"command: python -m benchmarks {' '.join(argv)}" in out
+    assert table_rows(out, "first token over raw ZMQ")
+    assert "prompt tokens as the server counted them, median: completions 32" in out
+    trials = json.loads((tmp_path / "f.json").read_text())["results"]
+    assert len(trials["zmq"]) == len(trials["http"]) == len(trials["chat"]) == 2
+    assert trials["http_prompt_tokens"] == [32, 32]
+
+
+def test_a_short_soak_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    argv = ["soak", "--model", str(tiny_model_dir), "--duration", "8", "--kill-every", "4",
+            "--concurrency", "4", "--json", str(tmp_path / "k.json")]  # fmt: skip
+    out = run_benchmark(*argv)
+    assert f"command: python -m benchmarks {' '.join(argv)}" in out
+    result = json.loads((tmp_path / "k.json").read_text())["results"]
+    counts = result["counts"]
+    assert counts["sent"] > 0 and counts["lost"] == 0 and counts["engine_kills"] == 1
+    assert result["end_state"]["kv_all_free"] and result["end_state"]["kv_integrity"]

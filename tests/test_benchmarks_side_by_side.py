@@ -1,0 +1,66 @@
+"""The comparison table of `serving`, `prefill` and `cpu`: each figure from the run of median
+throughput, and the ratios oriented so that above 1 is better for the first server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.servers import Workload
+from benchmarks.side_by_side import SERVING_METRICS, Figures, Metric, format_comparison
+
+WORK = Workload(64, 128, 256)
+
+
+def summary(tok_s: float, ttft_p50: float, tpot_p50: float | None = 5.0) -> dict[str, Any]:
+    """The parts of a load-generator summary (its --result-json) the figures read."""
+    return {
+        "output_throughput": tok_s,
+        "total_input_tokens": 8192,
+        "duration_s": 2.0,
+        "ttft": {"p50": ttft_p50, "p99": 2 * ttft_p50},
+        "tpot": {"p50": tpot_p50},
+    }
+
+
+def test_figures_come_from_the_run_of_median_throughput() -> None:
+    runs = [summary(100.0, 10.0), summary(300.0, 30.0), summary(200.0, 20.0)]
+    figures = Figures.of("tandem", WORK, runs)
+    assert (figures.output_tok_s, figures.ttft_p50_ms) == (200.0, 20.0)
+    assert figures.runs_output_tok_s == (100.0, 300.0, 200.0)
+    assert figures.prompt_tok_s == 4096.0 and figures.workload == "64 x (128 -> 256)"
+    # Of two runs, the better one.
+    assert Figures.of("tandem", WORK, runs[:2]).output_tok_s == 300.0
+
+
+def test_ratios_favour_higher_throughput_and_lower_latency() -> None:
+    ours = Figures.of("tandem", WORK, [summary(1180.0, 80.0, 4.0)])
+    theirs = Figures.of("vllm", WORK, [summary(1000.0, 100.0, 5.0)])
+    table = format_comparison([ours, theirs]).splitlines()
+    assert table[0].split("|")[1:-1] == [
+        " workload          ", " tandem tok/s ", " tandem TTFT p50 ms ", " tandem TTFT p99 ms ",
+        " tandem TPOT p50 ms ", " vllm tok/s ", " vllm TTFT p50 ms ", " vllm TTFT p99 ms ",
+        " vllm TPOT p50 ms ", " tok/s x ", " TTFT p50 ms x ", " TTFT p99 ms x ",
+        " TPOT p50 ms x ",
+    ]  # fmt: skip
+    cells = [c.strip() for c in table[2].split("|")[1:-1]]
+    assert cells == [
+        "64 x (128 -> 256)", "1,180", "80.0", "160.0", "4.00", "1,000", "100.0", "200.0",
+        "5.00", "1.18", "1.25", "1.25", "1.25",
+    ]  # fmt: skip
+    assert table[-1].startswith("x: tandem's advantage over vllm, above 1 better for tandem")
+
+
+def test_a_prefill_has_no_tpot_and_one_server_no_ratios() -> None:
+    alone = Figures.of("tandem", Workload(64, 2048, 1), [summary(32.0, 900.0, None)])
+    table = format_comparison([alone], SERVING_METRICS).splitlines()
+    assert len(table) == 3 and "x" not in table[0].split("|")[-2]
+    assert [c.strip() for c in table[2].split("|")[1:-1]][-1] == "-"
+
+
+def test_a_workload_one_server_failed_shows_dashes() -> None:
+    ours = Figures.of("tandem", WORK, [summary(1180.0, 80.0)])
+    theirs = Figures.of("vllm", Workload(1, 1, 1), [summary(1.0, 1.0)])
+    metrics = (Metric("tok/s", "output_tok_s", ",.0f", True),)
+    rows = format_comparison([ours, theirs], metrics).splitlines()[2:4]
+    assert [c.strip() for c in rows[0].split("|")[1:-1]] == ["64 x (128 -> 256)", "1,180", "-", "-"]
+    assert [c.strip() for c in rows[1].split("|")[1:-1]] == ["1 x (1 -> 1)", "-", "1", "-"]
