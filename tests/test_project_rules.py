@@ -3,8 +3,7 @@ project promises is the one it is written for and tested on; no import cycles be
 (imports inside functions count); no private name imported across modules; the load generator,
 a client of the server, imports nothing from the frontend; common/ imports nothing from the other
 packages; only common/env.py reads the environment, and the README lists every variable it
-reads; product code points to design notes that exist, never to the experiment diary, a probe,
-an issue number or one machine."""
+reads."""
 
 from __future__ import annotations
 
@@ -144,80 +143,6 @@ def test_common_imports_nothing_from_the_other_packages() -> None:
             not t.startswith("common")} == set()  # fmt: skip
 
 
-def environment_reads(tree: ast.Module) -> list[int]:
-    """Lines that read the environment: os.getenv, environ or getenv imported from os, and any
-    use of os.environ but setting a variable (os.environ[NAME] = ...) or copying the whole of it
-    for a child process ({**os.environ, ...}, dict(os.environ), os.environ.copy())."""
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    lines = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "os":
-            lines += [node.lineno for a in node.names if a.name in ("environ", "getenv")]
-        elif _is_os(node, "getenv") or (_is_os(node, "environ") and not _writes(node, parents)):
-            lines.append(node.lineno)
-    return sorted(lines)
-
-
-def _is_os(node: ast.AST, attr: str) -> bool:
-    return (
-        isinstance(node, ast.Attribute)
-        and node.attr == attr
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "os"
-    )
-
-
-def _writes(environ: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    parent = parents[environ]
-    if isinstance(parent, ast.Subscript):
-        return isinstance(parent.ctx, (ast.Store, ast.Del))
-    if isinstance(parent, ast.Dict):
-        pairs = zip(parent.keys, parent.values, strict=True)
-        return any(key is None and value is environ for key, value in pairs)
-    if isinstance(parent, ast.Call):
-        return isinstance(parent.func, ast.Name) and parent.func.id == "dict"
-    return isinstance(parent, ast.Attribute) and parent.attr == "copy"
-
-
-def test_the_environment_read_finder_finds_reads_not_writes() -> None:
-    source = textwrap.dedent(
-        """
-        import os
-        from os import getenv
-        a = os.environ.get("A")
-        b = os.getenv("B")
-        c = os.environ["C"]
-        d = "D" in os.environ
-        os.environ["E"] = "1"
-        del os.environ["E"]
-        child = {**os.environ, "F": "1"}
-        other = dict(os.environ), os.environ.copy()
-        """
-    )
-    assert environment_reads(ast.parse(source)) == [3, 4, 5, 6, 7]
-
-
-def test_only_common_env_reads_the_environment() -> None:
-    offenders = [
-        f"{name}, line {line}"
-        for name, tree in modules()
-        if name != "common.env"
-        for line in environment_reads(tree)
-    ]
-    assert offenders == []
-
-
-def test_the_readme_lists_every_environment_variable() -> None:
-    """common/env.py's VARIABLES, and only those, in README.md's "Environment variables" table;
-    every Variable the module defines is one of them."""
-    defined = {v.name for v in vars(env).values() if isinstance(v, env.Variable)}
-    assert defined == {v.name for v in env.VARIABLES}
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `")]
-    assert sorted(row.strip("`") for row in rows) == sorted(defined)
-
-
 # What product code may not point at: the diary of experiments and its logs, the one-off probes,
 # a numbered entry of the diary, the issue tracker (not in the repository), one particular GPU.
 DIARY_REFERENCES = {
@@ -237,7 +162,7 @@ DESIGN_CITATION = re.compile(r'(docs/design/[\w.-]+\.md)((?:,| and) "[^"]+")*')
 def product_files() -> Iterator[tuple[str, str]]:
     """(path, text with each line break and its indentation or comment marker one space) of
     every text file in the product packages, and in benchmarks/ where the tree has it."""
-    for folder in (*PACKAGES, "benchmarks"):
+    for folder in dict.fromkeys((*PACKAGES, "benchmarks")):  # once, if PACKAGES names it
         for path in sorted((ROOT / folder).rglob("*")):
             if not path.is_file() or "__pycache__" in path.parts:
                 continue
@@ -320,3 +245,77 @@ def test_every_design_note_cited_in_product_code_exists_with_its_sections() -> N
                 if not any(heading.startswith(section) for heading in known)
             ]
     assert offenders == []
+
+
+def environment_reads(tree: ast.Module) -> list[int]:
+    """Lines that read the environment: os.getenv, environ or getenv imported from os, and any
+    use of os.environ but setting a variable (os.environ[NAME] = ...) or copying the whole of it
+    for a child process ({**os.environ, ...}, dict(os.environ), os.environ.copy())."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            lines += [node.lineno for a in node.names if a.name in ("environ", "getenv")]
+        elif _is_os(node, "getenv") or (_is_os(node, "environ") and not _writes(node, parents)):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def _is_os(node: ast.AST, attr: str) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == attr
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "os"
+    )
+
+
+def _writes(environ: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    parent = parents[environ]
+    if isinstance(parent, ast.Subscript):
+        return isinstance(parent.ctx, (ast.Store, ast.Del))
+    if isinstance(parent, ast.Dict):
+        pairs = zip(parent.keys, parent.values, strict=True)
+        return any(key is None and value is environ for key, value in pairs)
+    if isinstance(parent, ast.Call):
+        return isinstance(parent.func, ast.Name) and parent.func.id == "dict"
+    return isinstance(parent, ast.Attribute) and parent.attr == "copy"
+
+
+def test_the_environment_read_finder_finds_reads_not_writes() -> None:
+    source = textwrap.dedent(
+        """
+        import os
+        from os import getenv
+        a = os.environ.get("A")
+        b = os.getenv("B")
+        c = os.environ["C"]
+        d = "D" in os.environ
+        os.environ["E"] = "1"
+        del os.environ["E"]
+        child = {**os.environ, "F": "1"}
+        other = dict(os.environ), os.environ.copy()
+        """
+    )
+    assert environment_reads(ast.parse(source)) == [3, 4, 5, 6, 7]
+
+
+def test_only_common_env_reads_the_environment() -> None:
+    offenders = [
+        f"{name}, line {line}"
+        for name, tree in modules()
+        if name != "common.env"
+        for line in environment_reads(tree)
+    ]
+    assert offenders == []
+
+
+def test_the_readme_lists_every_environment_variable() -> None:
+    """common/env.py's VARIABLES, and only those, in README.md's "Environment variables" table;
+    every Variable the module defines is one of them."""
+    defined = {v.name for v in vars(env).values() if isinstance(v, env.Variable)}
+    assert defined == {v.name for v in env.VARIABLES}
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `")]
+    assert sorted(row.strip("`") for row in rows) == sorted(defined)
