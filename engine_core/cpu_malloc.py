@@ -4,9 +4,10 @@ A CPU forward allocates and frees the same large temporaries every layer (at a 2
 chunk of the default model: 4.7 MB per norm, 12-25 MB per MLP activation). glibc's malloc returns
 such blocks to the kernel on free (mmap'd chunks, and the top of the heap past its trim threshold),
 so the next layer's allocation page-faults and zeroes every 4 KiB page again. Measured on the
-2-core machine (docs/benchmarks.md, "CPU path"): an RMSNorm of [2048, 576] 3.6 ms -> 0.22 ms,
-SiLU-and-mul of [2048, 3072] 9.9 ms -> 1.5 ms, a batch-64 decode step 208 -> 168 ms, once freed
-memory stays in the heap. vLLM's CPU backend gets the same from tcmalloc, which it preloads.
+2-core machine: an RMSNorm of [2048, 576] 3.6 ms -> 0.22 ms, SiLU-and-mul of [2048, 3072]
+9.9 ms -> 1.5 ms, a batch-64 decode step 208 -> 168 ms, once freed memory stays in the heap
+(docs/design/cpu-backend.md, "malloc keeps freed memory"). vLLM's CPU backend gets the same from
+tcmalloc, which it preloads.
 
 The cost: the process keeps its peak heap (the largest step's temporaries) resident instead of
 handing it back between steps. Nothing else changes: malloc's results are the same memory.

@@ -106,9 +106,10 @@ def extends_prefill_graphs(host_s: float, gpu_s: float, top: int, extend_to: int
     GPU work. That is free only where the GPU has time to spare, so the graphs extend where even
     a whole ``extend_to``-token step's GPU time (scaled from ``top``'s, as the products' work
     is) is shorter than launching the ``top``-token step eagerly, which takes the same host time
-    at any token count. For a small model (smollm2-135m on an H100: 26.5 ms of eager launches
-    against 1.76 ms of kernels at 2,048 tokens) they extend; for a larger one (llama-1b: 8-16 ms
-    against 5.9 ms, x4 at 8,192) they do not. The host time is measured at start-up, and
+    at any token count. For a small model (smollm2-135m: 26.5 ms of eager launches against
+    1.76 ms of kernels at 2,048 tokens) they extend; for a larger one (llama-1b: 8-16 ms
+    against 5.9 ms, x4 at 8,192) they do not (docs/design/cuda-graphs-and-warm-up.md,
+    "Extended prefill graphs for host-bound models"). The host time is measured at start-up, and
     varies between processes: a model near the line may decide either way from one start to
     the next (both are correct; only speed differs).
     """
@@ -146,7 +147,8 @@ class DecodeTail:
         the argmax's second step in a chain kernel. The graph's logits then differ from an eager
         step's (compute_logits, cuBLAS) by the rounding of another summation order, as its
         layers' products do; the replay of a decode graph took 6-13 us less for smollm2 and
-        llama-1b at decode-64, 21-26 us less for llama-8b."""
+        llama-1b at decode-64, 21-26 us less for llama-8b (docs/design/cuda-graphs-and-warm-up.md,
+        "The decode tail")."""
         from engine_core.models import skinny_gemm, triton_ops  # import triton: CUDA only
 
         rows = hidden.shape[0]

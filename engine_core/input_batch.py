@@ -46,9 +46,9 @@ _MAX_LAYOUTS = 256
 # TABLE_ROOM blocks (InputBatch._room), so a steady decode whose tables grow by a block keeps
 # its layout and advances (``_advance``) instead of packing in full; the attention metadata
 # still gets tables as wide as the widest (the eager decode kernel sizes its splits by it).
-# scripts/bench_host_step.py's boundary steps, on an H100 machine's host: the step in which 64
-# requests each enter a new block packed in 117 us this way, against 272 us packed in full
-# (256 requests: 242 against 500; docs/benchmarks.md, twenty-ninth session).
+# Timed on the engine's host code alone: the step in which 64 requests each enter a new block
+# packed in 117 us this way, against 272 us packed in full (256 requests: 242 against 500;
+# docs/design/cuda-graphs-and-warm-up.md, "Staging and the input batch").
 TABLE_ROOM = 8
 
 

@@ -1,5 +1,6 @@
 """Will the model fit? Checked at start-up, after the model is built on the meta device and before
-any weight or KV block is allocated (issue 19).
+any weight or KV block is allocated (docs/design/memory-planning.md, "Refuse at start-up what
+cannot fit").
 
 A model that cannot fit used to fail late and badly: a CUDA out-of-memory error half-way through
 the weights, or on the CPU a ``--kv-cache-memory-gb`` past the machine's memory allocated

@@ -202,7 +202,8 @@ class ModelRunner:
         else:
             # The host's tensor work is small here (the model runs on the GPU); torch's OpenMP
             # workers would only spin between ops and take the cores that the grammar engine's
-            # mask threads need (docs/design/structured-outputs.md).
+            # mask threads need (docs/design/structured-outputs.md, "The bitmask inside the
+            # overlapped step").
             torch.set_num_threads(1)
         graphs = self.device.type == "cuda" and not config.enforce_eager
         target = BuildTarget(self.device, self.dtype, cuda_graphs=graphs)

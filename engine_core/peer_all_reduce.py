@@ -2,20 +2,20 @@
 
 A tensor-parallel decode step all-reduces a [batch, hidden] activation twice a layer (llama-8b:
 64 times a step, 512 KiB each at batch 64). NCCL's ring all-reduce spends most of its time on
-latency at that size (18 us on two H100s, inside a CUDA graph). Here each rank copies its tensor
-into a buffer that every rank of the group has mapped, the ranks meet at a barrier on flags in
-that memory, and each rank sums every rank's copy straight over NVLink: one kernel with one
-barrier (engine_core/peer_all_reduce_kernel.py), whose addresses are fixed at start-up, so it is
-captured in the CUDA graphs.
+latency at that size (16-18 us between two GPUs, inside a CUDA graph, against 7.3 us for the
+kernel here: docs/design/kernels-and-limits.md, "Peer all-reduce"). Here each rank copies its
+tensor into a buffer that every rank of the group has mapped, the ranks meet at a barrier on
+flags in that memory, and each rank sums every rank's copy straight over NVLink: one kernel with
+one barrier (engine_core/peer_all_reduce_kernel.py), whose addresses are fixed at start-up, so
+it is captured in the CUDA graphs.
 
 The buffer and its mappings are PyTorch's symmetric memory (``torch.distributed.
 _symmetric_memory``: CUDA IPC handles exchanged once through the group's store). NVLink
-multicast is never used, nor asked for: the GPU machines forbid it (it can take a shared host's
-GPUs out of service), and the kernel needs only peer loads and stores.
+multicast is never used, nor asked for: it can take a shared host's GPUs out of service, and
+the kernel needs only peer loads and stores.
 
 Tensors over ``max_bytes``, other dtypes, non-contiguous ones, and groups whose GPUs cannot reach
-each other's memory take NCCL (``TPGroup.all_reduce``). ``scripts/device/all_reduce_bench.py``
-measures where NCCL catches up.
+each other's memory take NCCL (``TPGroup.all_reduce``).
 
 The same protocol also runs inside the RMSNorm kernel (``norm_args``): a row-parallel layer
 whose output feeds the next residual add and norm leaves its sum to that norm (a ``PendingSum``,
@@ -41,7 +41,7 @@ logger = logging.getLogger("tandem.tp")
 DEFAULT_MAX_BYTES = 4 * 2**20
 PLAIN_PROGRAMS_PER_SM = 4
 # The most rows the norm kernel sums, one program (up to 8 warps) a row: also at most one a
-# multiprocessor, for the same reason (132 on an H100: decode batches up to 132 fuse).
+# multiprocessor, for the same reason (on 132 multiprocessors, decode batches up to 132 fuse).
 MAX_NORM_ROWS = 256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -65,12 +65,13 @@ _POLL_MS = 100
 # A burst (requests sent together: a client's batch, a benchmark's 64 at once) should meet an idle
 # engine whole. Woken by its first message alone, the busy loop would prefill that one while
 # holding the GIL, and this thread would decode the rest only in the gaps of that step: the burst
-# would take two or three prefill steps, not one (on an H100, a first step of 1-6 requests that
-# waited 2-4 ms of its 4-9 ms for the GIL). So where a second message is already queued behind
-# the first, the input thread keeps reading while more arrive within BURST_GAP_S of the last
-# (BURST_MAX_S in all) before it wakes the busy loop. A lone request never waits. A stepping
-# engine gets what is queued without waiting (it takes new requests in at every step anyway),
-# and a long backlog in slices of BURST_MAX_S of reading.
+# would take two or three prefill steps, not one (measured: a first step of 1-6 requests that
+# waited 2-4 ms of its 4-9 ms for the GIL; docs/design/overlap-scheduling.md, "Burst intake in
+# the input thread"). So where a second message is already queued behind the first, the input
+# thread keeps reading while more arrive within BURST_GAP_S of the last (BURST_MAX_S in all)
+# before it wakes the busy loop. A lone request never waits. A stepping engine gets what is
+# queued without waiting (it takes new requests in at every step anyway), and a long backlog in
+# slices of BURST_MAX_S of reading.
 BURST_GAP_S = 0.0005
 BURST_MAX_S = 0.004
 
@@ -251,8 +252,8 @@ class EngineServer:
         queues the frame for ZMQ's I/O thread (a few microseconds). An output thread cost more:
         each hand-off woke it, and it took the interpreter lock in the middle of the next step
         (at a torch call that let go of it), so the busy loop slept about 1.6 times a step
-        waiting to get it back (on the H100 hosts the step's host work ran up to 0.25 ms slower
-        over ZMQ than in process).
+        waiting to get it back (the step's host work ran up to 0.25 ms slower over ZMQ than in
+        process; docs/design/overlap-scheduling.md, "The engine process's threads").
 
         A client the ROUTER does not know (not connected yet, or gone) is forgotten; any other
         failure, encoding included, ends the engine (``SocketFailed``)."""

@@ -2,10 +2,10 @@
 
 The first time a process runs a torch kernel, CUDA loads it (lazy loading, CUDA's default); the
 first step of the largest size grows the caching allocator; the first eager step of a size tier
-builds the MoE kernels' variant for it. Measured on an H100 (docs/benchmarks.md, twenty-sixth
-session): the first 3,000-token prompt after start-up took 27-28 ms to its first token on
-smollm2-135m where the next took 8-11, and 45-55 ms on llama-1b where the next took 15-17; a
-profile put most of it in the first calls of the eager tail's ``index``, ``argmax`` and ``mm``.
+builds the MoE kernels' variant for it. The first 3,000-token prompt after start-up took 27-28
+ms to its first token on smollm2-135m where the next took 8-11, and 45-55 ms on llama-1b where
+the next took 15-17; a profile put most of it in the first calls of the eager tail's ``index``,
+``argmax`` and ``mm`` (docs/design/cuda-graphs-and-warm-up.md, "The warm-up steps").
 
 So the runner runs a few dummy steps before it serves (``warm_up_plans``), which between them
 reach the largest step the scheduler can plan in each dimension and each path of the sampler:
@@ -21,8 +21,7 @@ reach the largest step the scheduler can plan in each dimension and each path of
 
 What no warm-up step covers: cuBLAS's first call at each new row count (an eager step's products
 run at exactly its token count), 0.1-0.2 ms of host time a product and about 2.5 ms for some
-shapes on an H100, per exact count (scripts/device/cublas_first_call_probe.py; twenty-seventh
-session).
+shapes, per exact count (docs/design/cuda-graphs-and-warm-up.md, "What no warm-up covers").
 
 The runner adds a structured-output bitmask to each. The steps write K/V into blocks that no
 request holds yet: whatever request gets them later writes its own K/V before it reads any (the

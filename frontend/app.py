@@ -280,8 +280,9 @@ class AdmittedStreamingResponse(StreamingResponse):
     go away and cancels the stream if it does (the stream's generator then aborts its engine
     requests). Starlette's own ``__call__``, under the ASGI 2.3 that uvicorn speaks, opens an
     anyio task group per response for that watch: 55-61 us a response against 12-17 us here on
-    the 2-core CPU machine (scripts/bench_sse_response.py), about 3% of what the API process
-    spends on a one-token streamed request there."""
+    the 2-core CPU machine, about 3% of what the API process spends on a one-token streamed
+    request there (docs/design/output-intervals-and-streaming.md, "SSE and the streaming
+    lane")."""
 
     def __init__(self, content: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -29,7 +29,7 @@ _REPLACEMENT = "\ufffd"
 # SentencePiece word's leading space, the bytes of a character split across tokens). A decode
 # costs about its length: with --stream-interval 16, four instead of the whole last chunk took a
 # push of 16 tokens from 14.0-14.6 to 10.5-10.8 us on the 2-core CPU machine, SmolLM2's tokenizer
-# (scripts/bench_detokenizer.py).
+# (docs/design/frontend-host-costs.md, "What moved it", item 7).
 CONTEXT_TOKENS = 4
 
 

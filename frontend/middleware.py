@@ -91,7 +91,8 @@ class StreamingLane:
     At 256 concurrent streams one API process spends most of its CPU admitting requests, and
     about a fifth of that went to the framework around the handler: FastAPI's and Starlette's
     middleware layers (each wrapping every message the response sends), routing, and solving the
-    handler's dependencies (docs/benchmarks.md). The lane reads the body and parses it as
+    handler's dependencies (docs/design/output-intervals-and-streaming.md, "SSE and the streaming
+    lane"). The lane reads the body and parses it as
     FastAPI does (``json.loads``, then the route's pydantic model), then hands the model to the
     route's handler, whose response it sends.
 

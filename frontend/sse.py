@@ -47,7 +47,7 @@ class ChunkWriter:
         }
         # Every chunk opens with the same head: encoded once, then only the choices each time
         # (a chunk's JSON: 11.8-11.9 us with the head encoded each time, 6.2-6.3 without;
-        # scripts/bench_sse_chunk.py).
+        # docs/design/output-intervals-and-streaming.md, "SSE and the streaming lane").
         self._open = f'data: {_JSON.encode(head)[:-1]},"choices":'
         self.include_usage = include_usage
 

@@ -63,8 +63,8 @@ class Tokenizer:
         requests waiting for it. One call per request left a burst of requests queued on the
         single thread one after another; one ``encode_batch`` call spreads its texts over the
         cores (on the 2-core CPU machine, 256 prompts of 128 tokens arriving at once: 118-130 ms
-        one call each, 45-49 ms coalesced; scripts/bench_prompt_encode.py, docs/benchmarks.md).
-        A lone request still goes at once."""
+        one call each, 45-49 ms coalesced; docs/design/frontend-host-costs.md, "What moved it",
+        item 5). A lone request still goes at once."""
         future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
         self._queued.append((texts, future))
         if self._encoder is None:

@@ -213,9 +213,9 @@ class ConnectionLanes:
     connections costs O(n²). On the CPU machine one process took about 0.5 s of CPU to put 64
     streamed requests on the wire through one pool of 64 idle connections, the last arriving
     450-530 ms after the first was sent; in lanes, 50-90 ms of CPU and 14-48 ms. (The load
-    generator used to close each connection at [DONE] instead, which kept it clear of that; on
-    an H100 host the lanes changed no measured throughput: docs/benchmarks.md, thirteenth
-    session.)"""
+    generator used to close each connection at [DONE] instead, which kept it clear of that; on a
+    GPU machine's host the lanes changed no measured throughput: they are for small machines.
+    docs/design/frontend-host-costs.md, "Tried and dropped", the last paragraph.)"""
 
     def __init__(self, size: int, headers: dict[str, str], timeout: httpx.Timeout) -> None:
         self._headers = headers

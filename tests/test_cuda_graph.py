@@ -622,10 +622,11 @@ def test_nothing_compiles_mid_serving_as_contexts_and_batches_change(
 ) -> None:
     """Once a workload has run, another with the same features at other sizes compiles no
     Triton kernel (compiled_after_warm_up says which sizes). A compilation there stalls every
-    running request: 85-116 ms on an H100 with an empty Triton cache for the decode inputs'
-    launch, 1.2 s for qwen3-30b-a3b's expert kernels (docs/benchmarks.md). In a fresh process,
-    since a variant an earlier test built (test_graph_replay_equals_eager's tables reach 32
-    blocks) would hide one the serving path needs."""
+    running request: 85-116 ms with an empty Triton cache for the decode inputs' launch, 1.2 s
+    for qwen3-30b-a3b's expert kernels (docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles
+    mid-serving"). In a fresh process, since a variant an earlier test built
+    (test_graph_replay_equals_eager's tables reach 32 blocks) would hide one the serving path
+    needs."""
     compiled, tokens = compiled_in_a_fresh_process(architecture, tmp_path, "cuda")
     assert tokens == SECOND_WORKLOAD_TOKENS  # the workload ran to the end
     assert compiled == []

@@ -1,5 +1,6 @@
 """A model that cannot fit is refused at start-up, before any allocation, with the sizes
-(engine_core/memory_plan.py; issue 19).
+(engine_core/memory_plan.py; docs/design/memory-planning.md, "Refuse at start-up what cannot
+fit").
 
 The estimate is checked against the real thing: the bytes of the model once loaded, the bytes
 of the KV cache the model runner allocates, and hand counts of the presets' parameters.

@@ -143,6 +143,110 @@ def test_common_imports_nothing_from_the_other_packages() -> None:
             not t.startswith("common")} == set()  # fmt: skip
 
 
+# What product code may not point at: the diary of experiments and its logs, the one-off probes,
+# a numbered entry of the diary, the issue tracker (not in the repository), one particular GPU.
+DIARY_REFERENCES = {
+    "the experiment diary": re.compile(r"docs/benchmarks\.md"),
+    "a benchmark log": re.compile(r"docs/bench-logs"),
+    "a device probe": re.compile(r"scripts/device"),
+    "a numbered session": re.compile(r"\b\w+(th|st|nd|rd) session\b", re.IGNORECASE),
+    "an issue number": re.compile(r"\bissue \d+", re.IGNORECASE),
+    "one machine": re.compile(r"\b(an?|the) H[12]00s?\b"),
+}
+# benchmarks/ prints the tables that docs/benchmarks.md holds, so it may name that file, but
+# not cite it by section.
+RESULTS_BY_SECTION = re.compile(r'docs/benchmarks\.md,? "')
+DESIGN_CITATION = re.compile(r'(docs/design/[\w.-]+\.md)((?:,| and) "[^"]+")*')
+
+
+def product_files() -> Iterator[tuple[str, str]]:
+    """(path, text with each line break and its indentation or comment marker one space) of
+    every text file in the product packages, and in benchmarks/ where the tree has it."""
+    for folder in dict.fromkeys((*PACKAGES, "benchmarks")):  # once, if PACKAGES names it
+        for path in sorted((ROOT / folder).rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError:
+                continue
+            yield str(path.relative_to(ROOT)), joined(text)
+
+
+def joined(text: str) -> str:
+    """A comment or docstring wrapped over lines, as one line: a citation may be split."""
+    return re.sub(r"\n[ \t]*(#[ \t]*)?", " ", text)
+
+
+def design_citations(text: str) -> Iterator[tuple[str, list[str]]]:
+    """(note path, the sections named after it) for each docs/design/ note the text cites, as
+    in (docs/design/note.md, "Section") or (docs/design/note.md, "One" and "Other")."""
+    for match in DESIGN_CITATION.finditer(text):
+        yield match[1], re.findall(r'"([^"]+)"', match[0])
+
+
+def note_sections(note: Path) -> list[str]:
+    """A note's headings and bold labels: what a citation may name (or the start of one)."""
+    text = note.read_text()
+    headings = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    return headings + [label.strip() for label in re.findall(r"\*\*(.+?)\*\*", text)]
+
+
+def test_the_citation_finder_reads_wrapped_citations() -> None:
+    source = textwrap.dedent(
+        """
+        # slower (docs/design/kernels-and-limits.md, "Decode
+        # attention"); see docs/design/overlap-scheduling.md.
+        x = 1  # docs/design/a.md, "One" and "Other"
+        \"\"\"Or in a docstring (docs/design/b.md, "The
+            warm-up steps").\"\"\"
+        """
+    )
+    assert list(design_citations(joined(source))) == [
+        ("docs/design/kernels-and-limits.md", ["Decode attention"]),
+        ("docs/design/overlap-scheduling.md", []),
+        ("docs/design/a.md", ["One", "Other"]),
+        ("docs/design/b.md", ["The warm-up steps"]),
+    ]
+    assert DIARY_REFERENCES["a numbered session"].search(joined("# twenty-seventh\n# session"))
+
+
+def test_product_code_points_to_no_diary_entry_probe_issue_or_machine() -> None:
+    """Comments say why and point to a design note: never to docs/benchmarks.md (current
+    figures, rewritten as they change), a log, a probe, an entry of the old diary, an issue
+    number or one GPU model as if the code were for one machine. benchmarks/, whose tables the
+    results page holds, may name that page but not a section of it."""
+    offenders = []
+    for path, text in product_files():
+        patterns = dict(DIARY_REFERENCES)
+        if path.startswith("benchmarks/"):
+            patterns["the experiment diary"] = RESULTS_BY_SECTION
+        offenders += [
+            f"{path}: {what} ({match[0]!r})"
+            for what, pattern in patterns.items()
+            for match in pattern.finditer(text)
+        ]
+    assert offenders == []
+
+
+def test_every_design_note_cited_in_product_code_exists_with_its_sections() -> None:
+    """Each docs/design/ note that product code cites exists, and each section a citation names
+    is the start of one of that note's headings or bold labels."""
+    offenders = []
+    for path, text in product_files():
+        for note, sections in design_citations(text):
+            if not (ROOT / note).is_file():
+                offenders.append(f"{path}: {note} does not exist")
+                continue
+            known = note_sections(ROOT / note)
+            offenders += [
+                f'{path}: {note} has no section "{section}"'
+                for section in sections
+                if not any(heading.startswith(section) for heading in known)
+            ]
+    assert offenders == []
+
+
 def environment_reads(tree: ast.Module) -> list[int]:
     """Lines that read the environment: os.getenv, environ or getenv imported from os, and any
     use of os.environ but setting a variable (os.environ[NAME] = ...) or copying the whole of it

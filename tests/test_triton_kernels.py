@@ -737,7 +737,7 @@ def test_qk_norm_rotary_matches_the_layers(
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
     # Against the unfused kernels (rms_norm, then rotary_inplace): the same roundings, but the
     # GPU compiler contracts multiply-adds differently in the two, so in bf16 a few elements in
-    # a hundred thousand land one rounding apart (seen on an H100), never more than one unit in
+    # a hundred thousand land one rounding apart (observed), never more than one unit in
     # the last place of the largest output; float32 differs in its last bits more often (the
     # sum of squares is taken in two halves).
     q3 = rms_norm(q_before.flatten(0, 1), q_norm.weight, 1e-6).view(q.shape)

@@ -3,8 +3,9 @@ rows and the KV cache, reach every sampler stage and shortcut, and change nothin
 request generates.
 
 On CUDA the runner runs them at start-up (their effect on the first token is measured on the
-GPU, docs/benchmarks.md); here the same steps run on the CPU, called by hand, so that what they
-leave behind can be compared with an engine that never ran them.
+GPU: docs/design/cuda-graphs-and-warm-up.md, "The warm-up steps"); here the same steps run on
+the CPU, called by hand, so that what they leave behind can be compared with an engine that
+never ran them.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from engine_core.attention.triton_kernels import (
 # A decode step's rotary and KV write ride in the decode kernel's launch (decode_rotated) for
 # heads of at most ROPE_IN_DECODE_MAX_HEAD_DIM dims: one launch fewer a layer shortened the
 # decode graphs of head dim 64 (smollm2, llama-1b) by 1-4%, while at head dim 128 (llama-8b)
-# the heavier attention kernel cost more than the launch it saved (1% longer).
+# the heavier attention kernel cost more than the launch it saved (1% longer;
+# docs/design/kernels-and-limits.md, "Decode attention").
 ROPE_IN_DECODE_MAX_HEAD_DIM = 64
 
 

@@ -43,21 +43,21 @@ from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release
 _LOG2E = 1.4426950408889634
 # Decode context splits: a split is never shorter than MIN_SPLIT_TOKENS (shorter pieces cost
 # more in partial writes and the merge than they gain in parallelism), and there are enough of
-# them for PROGRAMS_PER_SM programs per multiprocessor, up to MAX_SPLITS. Measured on an H100
-# (scripts/device/decode_attention_bench.py --sweep: at 64 sequences of 256 tokens one split
-# beat two by 10-15% for llama-1b, llama-8b and smollm2). Where the unsplit grid has at most
-# one program a multiprocessor (small batches), STARVED_MIN_SPLIT_TOKENS instead
-# (scripts/device/moe_batch1.py, batch 1-16 of 128-4,096 tokens, head size 128: 64 against 256
-# took 7.6-16.2 us a call against 12.4-18.7 at 384-1,024 tokens, ties elsewhere but one point
-# 4% slower).
+# them for PROGRAMS_PER_SM programs per multiprocessor, up to MAX_SPLITS (at 64 sequences of 256
+# tokens one split beat two by 10-15% for llama-1b, llama-8b and smollm2). Where the unsplit
+# grid has at most one program a multiprocessor (small batches), STARVED_MIN_SPLIT_TOKENS
+# instead: there the idle multiprocessors outweigh the merge (batch 1-16 of 128-4,096 tokens,
+# head size 128: 64 against 256 took 7.6-16.2 us a call against 12.4-18.7 at 384-1,024 tokens,
+# ties elsewhere but one point 4% slower; docs/design/kernels-and-limits.md, "Decode
+# attention").
 MIN_SPLIT_TOKENS = 256
 STARVED_MIN_SPLIT_TOKENS = 64
 # Between the two, grids of more than one and fewer than PROGRAMS_PER_SM unsplit programs a
 # multiprocessor take THIN_MIN_SPLIT_TOKENS: a short context then runs in two splits where 256
-# left it in one. Measured on an H100 (scripts/device/decode_graph_ab.py, decode graphs, us a
-# step, 256 against 128): smollm2 at batch 64 844 -> 822 at about 256 tokens, 835 -> 774 at
-# 160, 1240 -> 1231 at 1,024, even at 384; at batch 80 924 -> 905; llama-1b at batch 32 1181
-# -> 1171 at 256, even at 1,024; llama-8b at batch 32 6032 -> 6005 at 256.
+# left it in one. In the engine's decode graphs that was never slower and up to 8% faster
+# (smollm2 at batch 64 and 160 tokens: 835 -> 774 us a step; under 3% or even at the other
+# batches and contexts of smollm2, llama-1b and llama-8b; docs/design/kernels-and-limits.md,
+# "Decode attention").
 THIN_MIN_SPLIT_TOKENS = 128
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
@@ -373,11 +373,11 @@ class DecodeTile:
     kv_per_program: int = 1
 
 
-# Measured on an H100 with scripts/device/decode_attention_bench.py --sweep (docs/bench-logs/
-# 2026-11-25-h100-decode-attention*.log): the best geometric mean over batch 1-256 and context
-# 512-8192 of llama-1b (GQA 32/8, head dim 64) and llama-8b (32/8, 128). Keyed by (head_dim,
-# FP8 cache). Two kv heads per program won only for e4m3 at head dim 64, whose 64-byte slices
-# are the smallest reads; elsewhere the halved program count cost more than it gained.
+# The best geometric mean of a kernel-alone sweep over batch 1-256 and context 512-8192 of
+# llama-1b (GQA 32/8, head dim 64) and llama-8b (32/8, 128) (docs/design/kernels-and-limits.md,
+# "Decode attention"). Keyed by (head_dim, FP8 cache). Two kv heads per program won only for
+# e4m3 at head dim 64, whose 64-byte slices are the smallest reads; elsewhere the halved
+# program count cost more than it gained.
 _DECODE_TILES: dict[tuple[int, bool], DecodeTile] = {
     (64, False): DecodeTile(block_n=128, num_warps=4, num_stages=2),
     (64, True): DecodeTile(block_n=64, num_warps=4, num_stages=2, kv_per_program=2),
@@ -388,12 +388,12 @@ _DECODE_TILES: dict[tuple[int, bool], DecodeTile] = {
 
 # Where one program per sequence and kv head already fills the GPU WIDE_GRID_WAVES times over
 # (batch x kv heads >= WIDE_GRID_WAVES x multiprocessors: llama-1b and llama-8b from batch 128
-# on an H100), two kv heads a program read 128-256 contiguous bytes a token at no cost in
-# parallelism. On an H100 (docs/bench-logs/2026-11-26-h100-decode-attention-batch256-sweep.log),
-# at batch 128 and 256 over 256-2,048 tokens: llama-1b 79-95% of the copy bandwidth with the
-# tiles above, 82-100% with its wide tile; llama-8b 89-101%, 90-101%. At batch 64 the two were
-# even (the earlier short-context sweep). bf16 caches only: FP8's head-dim-64 tile takes two kv
-# heads a program already, and its head-dim-128 points were not swept.
+# on 132 multiprocessors), two kv heads a program read 128-256 contiguous bytes a token at no
+# cost in parallelism. At batch 128 and 256 over 256-2,048 tokens: llama-1b 79-95% of the copy
+# bandwidth with the tiles above, 82-100% with its wide tile; llama-8b 89-101%, 90-101%
+# (docs/design/kernels-and-limits.md, "Decode attention"). At batch 64 the two were even (the
+# earlier short-context sweep). bf16 caches only: FP8's head-dim-64 tile takes two kv heads a
+# program already, and its head-dim-128 points were not swept.
 WIDE_GRID_WAVES = 6
 _WIDE_DECODE_TILES: dict[tuple[int, bool], DecodeTile] = {
     (64, False): DecodeTile(block_n=64, num_warps=4, num_stages=3, kv_per_program=2),
@@ -403,8 +403,8 @@ _WIDE_DECODE_TILES: dict[tuple[int, bool], DecodeTile] = {
 
 # Where one program per sequence and kv head gives each multiprocessor more than one and at most
 # SPARSE_GRID_PROGRAMS_PER_SM, some model shapes take their own tile, keyed by (head dim, FP8
-# cache, kv heads). Measured in the engine's decode graphs on an H100
-# (scripts/device/decode_graph_ab.py, us a replay, docs/bench-logs/2026-11-27-h100-session23-*):
+# cache, kv heads). Measured in the engine's decode graphs, us a replay
+# (docs/design/kernels-and-limits.md, "Decode attention"):
 # - smollm2 (head dim 64, 3 kv heads) takes 64 tokens, 2 warps and 3 stages. At batch 64 over
 #   160, 256, 384 and 1,024 tokens: 774 -> 771, 825 -> 797, 908 -> 879, 1240 -> 1226; at batch
 #   48 and 256 tokens 759 -> 751. At batch 80 (1.8 programs a multiprocessor) it lost, 901 -> 905.
@@ -852,8 +852,8 @@ def _decode(
         tile = decode_tile(head_dim, kv_fp8, grid, num_kv_heads)
     # The query heads of the program's kv heads go through tl.dot as one tile padded to its
     # 16-row minimum, a group of one (MHA, GPT-2) too: the elementwise products that group 1
-    # used before were reported near 1 TB/s on an H100. They remain only for head dims under
-    # tl.dot's 16.
+    # used before were reported to read at only about 1 TB/s. They remain only for head dims
+    # under tl.dot's 16.
     group = num_heads // num_kv_heads
     use_dot = head_dim >= 16
     kpp = _kv_per_program(tile.kv_per_program if use_dot else 1, num_kv_heads, group)
@@ -1045,8 +1045,8 @@ def _precision(dtype: torch.dtype) -> str:
 # stride_bt is the step's widest block table, which an eager step (over the prefill graphs'
 # bounds) packs at its own width: specialized on it, the kernel compiled a new variant whenever a
 # width class (1, a multiple of 16, other) first came up while serving, a stall of hundreds of
-# milliseconds in the busy loop on a machine whose Triton cache did not hold it yet (py-spy,
-# docs/benchmarks.md, eighth session).
+# milliseconds in the busy loop on a machine whose Triton cache did not hold it yet
+# (docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles mid-serving").
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     Q,
@@ -1233,8 +1233,8 @@ class PrefillLaunch:
 
 
 def prefill_launch(head_dim: int, kv_fp8: bool) -> PrefillLaunch:
-    """The prefill kernel's launch shape for a head size and cache dtype. Measured on an H100 at
-    llama-8b's heads (scripts/device/prefill_attention_bench.py, docs/benchmarks.md): over an
+    """The prefill kernel's launch shape for a head size and cache dtype. Measured at llama-8b's
+    heads (docs/design/kernels-and-limits.md, "Decode attention", the prefill kernel): over an
     e4m3 cache, 64 keys an iteration took 1.79 ms for 4 prompts of 3,800 tokens against 2.26
     with 32, and 1.07 against 1.35 for 8 of 2,048; over a bf16 cache the two were within 3% of
     each other (1.84 / 1.89 and 1.13 / 1.12 ms), so it keeps 32 at head dim 128. Larger heads

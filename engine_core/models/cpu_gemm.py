@@ -1,11 +1,11 @@
 """Linear layers on the CPU through oneDNN, each weight packed once after loading.
 
-torch's float32 CPU matmul goes through MKL, which on the project's AMD EPYC machine reads a decode
-GEMV's weights at about 15 GB/s and is 2.5-3.5x slower than oneDNN at 16 and 64 rows; oneDNN with
-its weights reordered once into its blocked layout reads 50-60 GB/s (measured on the 2-core
-machine, docs/benchmarks.md "CPU path"). bf16 linears already run on oneDNN; packing saves them
-the reorder on every call. The packed tensor is opaque (torch's mkldnn layout): only
-``packed_linear`` reads it.
+torch's float32 CPU matmul goes through MKL, which on the project's 2-core AMD EPYC machine read
+a decode GEMV's weights at about 15 GB/s and was 2.5-3.5x slower than oneDNN at 16 and 64 rows;
+oneDNN with its weights reordered once into its blocked layout read 50-60 GB/s
+(docs/design/cpu-backend.md, "Linears: oneDNN with weights packed once"). bf16 linears already
+run on oneDNN; packing saves them the reorder on every call. The packed tensor is opaque (torch's
+mkldnn layout): only ``packed_linear`` reads it.
 
 Results equal ``F.linear``'s to float32 rounding (another summation order), not bit for bit.
 """

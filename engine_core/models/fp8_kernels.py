@@ -153,7 +153,8 @@ def _silu_and_mul_quant_kernel(
 
 # SiLU-and-mul quantizes its output in the same launch from this many rows (prefill chunks): one
 # program a row, so decode batches (64 rows: 64 programs on 132 multiprocessors) keep the
-# column-split SiLU launch and a separate quantizer, which was faster there (docs/benchmarks.md).
+# column-split SiLU launch and a separate quantizer, which was faster there (0.138 against 0.332 ms
+# a step; docs/design/kernels-and-limits.md, "Tried and dropped").
 FUSED_ACT_QUANT_MIN_ROWS = 512
 
 
@@ -211,11 +212,10 @@ def fp8_rowwise_gemm(
     return out.to(out_dtype) if bias is None else out.to(out_dtype) + bias
 
 
-# Decode-sized GEMMs (at most this many rows) run fp8_skinny_gemm: on an H100, inside CUDA graphs,
-# it streamed llama-8b's four projections 22% faster than cuBLASLt's row-wise FP8 GEMM at 64 rows
-# (93 against 120 us a layer) and 32% faster at 16; at 128 rows they were even (108 against 115,
-# cuBLASLt ahead on gate_up), so larger M keeps cuBLASLt. scripts/device/fp8_skinny_bench.py,
-# docs/benchmarks.md (issue 18).
+# Decode-sized GEMMs (at most this many rows) run fp8_skinny_gemm: inside CUDA graphs it streamed
+# llama-8b's four projections 22% faster than cuBLASLt's row-wise FP8 GEMM at 64 rows (93 against
+# 120 us a layer) and 32% faster at 16; at 128 rows they were even (108 against 115, cuBLASLt
+# ahead on gate_up), so larger M keeps cuBLASLt (docs/design/kernels-and-limits.md, "FP8").
 SKINNY_MAX_ROWS = 64
 
 
@@ -245,7 +245,7 @@ def fp8_skinny_gemm(
 # M, the step's tokens, changes from step to step: specialized, a count that is a multiple of 16
 # (every prefill graph's) and one that is not would each compile a variant, the second at the
 # first eager prefill of such a count, in the middle of serving (as the fused MoE kernels' slot
-# count did: docs/benchmarks.md, twenty-fifth session).
+# count did: docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles mid-serving").
 @triton.jit(do_not_specialize=["M"])
 def _block_gemm_kernel(
     A,

@@ -65,9 +65,9 @@ def _block_rows(
 
 # The slot count (tokens x top-k) changes from step to step: specialized, a count that is a
 # multiple of 16 and one that is not would each compile a variant, the second in the middle of
-# serving. qwen3-30b-a3b on an H100: after the warm-up, an eager prefill whose slot count was
-# not a multiple of 16 (every prefill graph's is) built a second variant of both kernels and
-# stalled every running request 1.2 s (docs/benchmarks.md).
+# serving. qwen3-30b-a3b: after the warm-up, an eager prefill whose slot count was not a multiple
+# of 16 (every prefill graph's is) built a second variant of both kernels and stalled every
+# running request 1.2 s (docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles mid-serving").
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
     X,  # [T, H]
@@ -296,7 +296,8 @@ def route_one_token(
     ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
     logits = torch.empty(num_experts, dtype=x.dtype, device=x.device)
     # One expert a program, one warp (as route_topk): the last program's top-k is K rounds of
-    # reductions, which across four warps took 7 us of an H100 where the product takes ~2.
+    # reductions, which across four warps took 7 us where the product takes ~2
+    # (docs/design/kernels-and-limits.md, "Tried and dropped").
     per_program = 1
     _one_token_router_kernel[(triton.cdiv(num_experts, per_program),)](
         x.contiguous(), weight, logits, arrived, weights, ids, hidden,
@@ -478,8 +479,8 @@ class Blocks:
 
 def block_sizes(num_slots: int, num_experts: int, inter: int) -> Blocks:
     """Small row blocks when each expert gets few rows (decode), large ones when many (prefill),
-    so padding wastes little either way. Chosen by scripts/device/moe_tune.py on an H200 at
-    qwen3-30b-a3b's shape (docs/benchmarks.md): the best or within 5% of it at 1, 64, 256 and
+    so padding wastes little either way. Chosen by a tile sweep at qwen3-30b-a3b's shape
+    (docs/design/kernels-and-limits.md, "MoE"): the best or within 5% of it at 1, 64, 256 and
     4,096 tokens, with uniform and with skewed routing."""
     per_expert = num_slots / max(num_experts, 1)
     if per_expert <= 8:
@@ -513,9 +514,9 @@ def fused_moe(
                           (sorted_slots, block_experts), b, b)  # fmt: skip
 
 
-# The one-token path's tiles (row block 16: one slot a block, the rest masked), gate/up and down:
-# scripts/device/moe_batch1.py on an H100 at qwen3-30b-a3b's layer (docs/benchmarks.md). Gate/up
-# tiles from 16 to 64 columns and 64 to 256 deep all gave the layer 34-36 us.
+# The one-token path's tiles (row block 16: one slot a block, the rest masked), gate/up and down,
+# swept at qwen3-30b-a3b's layer (docs/design/kernels-and-limits.md, "MoE"): gate/up tiles from
+# 16 to 64 columns and 64 to 256 deep all gave the layer 34-36 us.
 ONE_TOKEN_GATE_UP = Blocks(16, 32, 128, warps=4, stages=4)
 ONE_TOKEN_DOWN = Blocks(16, 64, 64)
 

@@ -3,7 +3,7 @@
 The rows are interleaved in tiles of ``GLU_HALF`` gate rows, then their ``GLU_HALF`` up rows, so
 that one 2 * GLU_HALF-row tile of the skinny GEMM (models/skinny_gemm.py) holds both halves of
 GLU_HALF activations and its epilogue writes silu(gate) * up: no SiLU-and-mul launch, no gate/up
-product written and read back. What it saved: docs/design/kernels-and-limits.md.
+product written and read back. What it saved: docs/design/kernels-and-limits.md, "SiLU-and-mul".
 """
 
 from __future__ import annotations

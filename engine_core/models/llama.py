@@ -211,8 +211,8 @@ def fuse_fp8_quantizers(model: nn.Module) -> int:
     (models/fp8.py: takes_fp8_rows) write that e4m3 form themselves: a Llama-layout layer's input
     norm (for qkv_proj), its post-attention norm (for a dense MLP's gate_up_proj), and a SiLU
     MLP's activation (for down_proj) in prefill-sized batches only: it takes one program a row,
-    which at decode batches was slower than the two launches
-    (docs/design/kernels-and-limits.md). Saves one quantizer launch each; returns how many."""
+    which at decode batches was slower than the two launches (docs/design/kernels-and-limits.md,
+    "FP8" and "Tried and dropped"). Saves one quantizer launch each; returns how many."""
     fused = 0
     for layer in model.modules():
         if type(layer) is not LlamaDecoderLayer:  # other layouts place their norms elsewhere

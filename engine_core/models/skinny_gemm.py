@@ -323,7 +323,7 @@ def _skinny_gemm_tma_kernel(
 ):
     """_skinny_gemm_kernel with both operands' tiles brought in by the tensor memory
     accelerator (Hopper's bulk copies; rows past M or N read as zeros) instead of per-thread
-    loads: 3.6% less time over llama-8b's four projections at 64 rows on an H100.
+    loads (measured: 3.6% less time over llama-8b's four projections at 64 rows).
 
     With PDL (launched as a programmatic dependent of the kernel before it, which lets it start
     early) the program first asks L2 for its weights' first PREFETCH_K columns, which do not
@@ -357,8 +357,8 @@ def _skinny_gemm_tma_kernel(
         acc += tl.dot(w, tl.trans(a))  # float32 per tile, as in _skinny_gemm_kernel
     # What the norm halves read beside the operands is read after the product: read before it,
     # it held registers across the product's loop, and smollm2's and llama-1b's decode graphs
-    # ran 21 and about 50 us slower than with the loads here (docs/benchmarks.md, twenty-seventh
-    # session).
+    # ran 21 and about 50 us slower than with the loads here (docs/design/kernels-and-limits.md,
+    # "The post-attention RMSNorm split").
     if NORM_IN:
         inv = _row_inverse_norms(InParts, in_parts, M, rm, m_mask, K_PER_SPLIT, eps, IN_PARTS)
         acc = acc * inv[None, :]
@@ -407,7 +407,8 @@ def _skinny_reduce_kernel(
 # without PDL, 104.8 with it and no prefetch, 103.6 prefetching 512 bytes, 105.3 with 1024, 112.9
 # with 2048; in bf16 512 bytes was best or even on smollm2, llama-1b and llama-8b. Letting the
 # next kernel start early took a bf16 layer at 64 rows from 175.8 to 168.1 us on llama-8b, 62.1
-# to 60.7 on llama-1b, 20.5 to 19.0 on smollm2.
+# to 60.7 on llama-1b, 20.5 to 19.0 on smollm2 (docs/design/kernels-and-limits.md, "The skinny
+# GEMM").
 SKINNY_MOST_ROWS = 256  # the most rows one tile holds: its float32 accumulator is in registers
 SKINNY_PREFETCH_BYTES = 512
 
@@ -420,11 +421,10 @@ def _prefetch_columns(k_per_split: int, line: int) -> int:
 
 
 def _skinny_stages(n_tiles: int, tma: bool) -> int:
-    """The most pipeline stages worth having, as measured on an H100 at 64 rows over llama-8b's
-    projections (scripts/device/fp8_gemm_variants.py, fp8_skinny_bench.py): with 256 N tiles
-    or more (gate_up's 448) 3 stages, more programs fitting on each multiprocessor; with fewer,
-    deeper pipelines: 5 for per-thread loads; with TMA 4 at qkv's 96 tiles, 6 at o's and
-    down's 64."""
+    """The most pipeline stages worth having, as measured at 64 rows over llama-8b's projections
+    (docs/design/kernels-and-limits.md, "The skinny GEMM"): with 256 N tiles or more (gate_up's
+    448) 3 stages, more programs fitting on each multiprocessor; with fewer, deeper pipelines: 5
+    for per-thread loads; with TMA 4 at qkv's 96 tiles, 6 at o's and down's 64."""
     if n_tiles >= 256:
         return 3
     if not tma:
@@ -589,7 +589,8 @@ def _norm_arguments(
 def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
     """out = the sum of the split-K partials part [splits, M, N] (+ bias), as a link of the
     decode chain where the GEMM's operands are on Hopper, so the chain has no plain launch in
-    it (as a plain launch it measured no faster)."""
+    it (as a plain launch it measured no faster: docs/design/kernels-and-limits.md, "The skinny
+    GEMM")."""
     splits, m, n = part.shape
     block = 1024
     pdl = chain_pdl(part)
@@ -619,7 +620,7 @@ def _reduce_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
 # to 1.15-1.25 ms and llama-1b's from 1.79-1.81 to 1.67-1.68. llama-8b's projections keep cuBLAS
 # there: in row tiles its ITL went from 8.14-8.18 to 8.63 ms, and with only its down projection
 # so, to 8.19-8.20. At 256 rows cuBLAS was faster for llama-1b's and llama-8b's layers, so larger
-# products keep it.
+# products keep it (docs/design/kernels-and-limits.md, "The skinny GEMM").
 DENSE_MAX_ROWS = 128
 DENSE_BLOCK_N = 64  # weight rows a program takes (dense_tiles)
 ONE_TILE_ROWS = 64
@@ -631,8 +632,8 @@ SHORT_K_ROW_TILE = 16
 LONG_K = 8192  # dense_tiles splits the K range of products this long
 # The model's layers take it only for CUDA graphs (for_graphs), where its launch is recorded once.
 # Eagerly its Python launch path (descriptors, PDL attributes) costs the host 86-168 us a call
-# against cuBLAS's 16-24 us, 64 rows on an H100 (scripts/device/eager_launch_probe.py); an eager
-# smollm2 decode step makes 120 such calls.
+# against cuBLAS's 16-24 us at 64 rows, and an eager smollm2 decode step makes 120 such calls
+# (docs/design/cuda-graphs-and-warm-up.md, "Tried and dropped").
 _for_graphs = False
 
 
@@ -700,13 +701,12 @@ def dense_row_tile(m: int, n: int, k: int, device: torch.device) -> int | None:
     tiles of ONE_TILE_ROWS past it (its float32 accumulator has to fit the registers).
 
     A short product's few weight tiles (smollm2's o projection: 9) leave most multiprocessors
-    idle; 16-row tiles put four programs on each. On an H100 (docs/benchmarks.md, twelfth
-    session): smollm2's decode layer at 64 rows took 17.0 us instead of 17.85
-    (scripts/device/dense_tiles_probe.py --row-tiles), its decode-64 ITL 0.97-0.98 ms instead
-    of 0.99; llama-1b's layer (K 2,048 and 8,192) gained nothing (58.2 against 58.4). At 128
-    rows 16-row tiles were slower for smollm2 (ITL 1.20-1.24 against 1.15-1.18 ms). A wide
-    weight fills the GPU anyway: smollm2's LM head (768 weight tiles) took 36.5 us in 16-row
-    tiles, 25.7 in one (fourteenth session)."""
+    idle; 16-row tiles put four programs on each. smollm2's decode layer at 64 rows took 17.0 us
+    instead of 17.85, its decode-64 ITL 0.97-0.98 ms instead of 0.99; llama-1b's layer (K 2,048
+    and 8,192) gained nothing (58.2 against 58.4). At 128 rows 16-row tiles were slower for
+    smollm2 (ITL 1.20-1.24 against 1.15-1.18 ms). A wide weight fills the GPU anyway: smollm2's
+    LM head (768 weight tiles) took 36.5 us in 16-row tiles, 25.7 in one
+    (docs/design/kernels-and-limits.md, "The skinny GEMM")."""
     if m > ONE_TILE_ROWS:
         return ONE_TILE_ROWS
     few_tiles = triton.cdiv(n, DENSE_BLOCK_N) < _multiprocessors(device)
@@ -733,21 +733,21 @@ def takes_plain_product(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 @functools.cache
 def dense_tiles(n: int, k: int, device: torch.device) -> dict[str, int]:
-    """The launch shape for a plain [N, K] weight, as measured on an H100 at 64 rows
-    (bf16_chain_probe.py): 64-row weight tiles and 128-column K tiles (64 where K is not a
-    multiple of 128: smollm2's 576); two K splits over a long K (LONG_K or more: the down
-    projections) where the multiprocessors hold a program of each split.
+    """The launch shape for a plain [N, K] weight, as measured at 64 rows: 64-row weight tiles
+    and 128-column K tiles (64 where K is not a multiple of 128: smollm2's 576); two K splits
+    over a long K (LONG_K or more: the down projections) where the multiprocessors hold a
+    program of each split.
 
-    Measured on H100s (docs/benchmarks.md, twelfth session): inside a decode layer's chain,
-    llama-8b's down projection (64 N tiles) took 174.1 us a layer unsplit and 166.6 in two
-    splits on one machine (166.3 and 165.7 on another), and its decode-64 ITL went from 6.83 to
-    6.50 ms on the first, 6.55 to 6.46 on a third. Four splits were slower for llama-8b
-    (169.1 us). For llama-1b's (32 N tiles) the chain gained 2 us a layer from two splits to
-    four, but the engine's ITL did not move and four of six runs had stretches of steps four
-    times as long, which no run with two had. Shorter K ranges are not split: alone, two splits
-    were slower for qkv, while llama-1b's o and smollm2's down were 5-7% faster in two to four
-    (with the reduction kernel); in the engine, splitting every K from 1,536 gained nothing
-    (llama-1b's decode-64 ITL 1.35-1.37 -> 1.38-1.41 ms)."""
+    Measured inside a decode layer's chain (docs/design/kernels-and-limits.md, "The skinny GEMM" and
+    "Tried and dropped"): llama-8b's down projection (64 N tiles) took 174.1 us a layer unsplit and
+    166.6 in two splits on one machine (166.3 and 165.7 on another), and its decode-64 ITL went from
+    6.83 to 6.50 ms on the first, 6.55 to 6.46 on a third. Four splits were slower for llama-8b
+    (169.1 us). For llama-1b's (32 N tiles) the chain gained 2 us a layer from two splits to four,
+    but the engine's ITL did not move and four of six runs had stretches of steps four times as
+    long, which no run with two had. Shorter K ranges are not split: alone, two splits were slower
+    for qkv, while llama-1b's o and smollm2's down were 5-7% faster in two to four (with the
+    reduction kernel); in the engine, splitting every K from 1,536 gained nothing (llama-1b's
+    decode-64 ITL 1.35-1.37 -> 1.38-1.41 ms)."""
     block_n = DENSE_BLOCK_N
     block_k = 128 if k % 128 == 0 else 64
     n_tiles = triton.cdiv(n, block_n)
@@ -775,7 +775,8 @@ def decode_glu(
 # smollm2's decode graph took 776.2 us instead of 794.9 this way. With o's K of 2,048 or more
 # the split did not pay (llama-1b's and llama-8b's graphs within 0.3% either way), so longer
 # products keep the norm's own launch. Splitting the input norm between down and the next
-# layer's qkv the same way gained smollm2 nothing more; it is not done.
+# layer's qkv the same way gained smollm2 nothing more; it is not done
+# (docs/design/kernels-and-limits.md, "The post-attention RMSNorm split").
 NORM_BETWEEN_MAX_K = SHORT_K
 
 

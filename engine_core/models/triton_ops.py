@@ -190,7 +190,8 @@ def _peer_sum_args(x: torch.Tensor, peer: PeerSumArgs | None) -> dict[str, Any]:
 
 # n and width change from step to step, and so does the tables' row stride (their width):
 # specialized, their values 1 and multiples of 16 would each compile a variant mid-serving (the
-# first step past 240 tokens of context stalled 85 ms on an H100, with an empty Triton cache).
+# first step past 240 tokens of context stalled 85 ms with an empty Triton cache:
+# docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles mid-serving").
 @triton.jit(do_not_specialize=["n", "width", "stride_t"])
 def _stage_decode_kernel(
     Ids, Pos, Slots, SeqLens, Tables, DIds, DPos, DSlots, DSeqLens, DTables,
@@ -522,8 +523,8 @@ def row_argmax(x: torch.Tensor, n_cols: int, out: torch.Tensor) -> torch.Tensor:
 
     Two launches, chain kernels of the decode step: many programs a row read the row's chunks at
     once, then one a row picks the best. torch.argmax runs one block a row: with the LM head
-    before it, 64 rows of a 49,152-token vocabulary, 8-11 us more on an H100
-    (scripts/device/decode_tail_probe.py, docs/benchmarks.md)."""
+    before it, 64 rows of a 49,152-token vocabulary, 8-11 us more
+    (docs/design/cuda-graphs-and-warm-up.md, "The decode tail")."""
     rows = x.shape[0]
     if x.dim() != 2 or x.stride(1) != 1 or not 0 < n_cols <= x.shape[1]:
         raise ValueError(f"row_argmax: x must be [R, >= {n_cols}] rows of unit column stride, "
