@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import configparser
+import dataclasses
 import re
 import sys
 import textwrap
@@ -326,3 +327,79 @@ def test_no_product_package_imports_the_benchmarks() -> None:
     graph = project_graph()
     assert {m for m, ts in graph.items() if not m.startswith("benchmarks") for t in ts if
             t.startswith("benchmarks")} == set()  # fmt: skip
+
+
+# Request's fields by their one writer (engine_core/request.py groups them the same way); the
+# fields set when a request is made are written by nobody afterwards.
+REQUEST_FIELD_OWNERS = {
+    "engine_core.scheduler": {
+        "token_ids", "num_computed_tokens", "status", "finish_reason", "num_preemptions",
+        "num_cached_tokens", "stop_ids", "length_limit", "first_scheduled_time",
+        "first_token_time", "finish_time", "first_token_index",
+    },
+    "engine_core.core": {"grammar", "prompt_logprobs", "prompt_logprobs_sent"},
+    "engine_core.server": {"held"},
+}  # fmt: skip
+REQUEST_NAMES = {"request", "r", "req", "victim"}  # what the engine core calls a Request
+MUTATORS = {"append", "extend", "clear", "pop", "insert", "remove"}
+
+
+def request_field_written(node: ast.AST) -> str | None:
+    """The Request field that ``node`` (an assignment target, a deleted item or a mutating
+    call) writes, where it is one of a request's (``request.x``, ``r.x[i]``, ``s.request.x``)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        node = node.func.value if node.func.attr in MUTATORS else node
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if not isinstance(node, ast.Attribute):
+        return None
+    owner = node.value
+    named = isinstance(owner, ast.Name) and owner.id in REQUEST_NAMES
+    nested = isinstance(owner, ast.Attribute) and owner.attr == "request"
+    return node.attr if named or nested else None
+
+
+def request_writes(tree: ast.Module) -> Iterator[str]:
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.Call):
+            targets = [node]
+        for target in targets:
+            for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                field = request_field_written(part)
+                if field is not None:
+                    yield field
+
+
+def test_each_request_field_has_one_writer() -> None:
+    """Every write to a Request's mutable fields in the engine core comes from the module that
+    owns the field; the fields it is made with are never written again."""
+    from engine_core.request import Request
+
+    owned = set().union(*REQUEST_FIELD_OWNERS.values())
+    fields = {f.name for f in dataclasses.fields(Request)}
+    assert owned <= fields
+    wrong = []
+    for name, tree in modules():
+        if not name.startswith("engine_core") or name == "engine_core.request":
+            continue
+        mine = REQUEST_FIELD_OWNERS.get(name, set())
+        wrong += [(name, f) for f in request_writes(tree) if f in fields and f not in mine]
+    assert wrong == []
+
+
+def test_the_writer_finder_sees_each_kind_of_write() -> None:
+    sample = ast.parse(
+        "request.status = 1\nr.token_ids[3] = 5\ns.request.finish_time += 1.0\n"
+        "del request.token_ids[4:]\nrequest.token_ids.append(-1)\nheld.token_ids += [1]\n"
+        "x = request.status\n"
+    )
+    assert sorted(request_writes(sample)) == sorted(
+        ["status", "token_ids", "finish_time", "token_ids", "token_ids"]
+    )
