@@ -62,7 +62,31 @@ def grammar_for(constraint: Constraint) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == ConstraintKind.CHOICE:
         return llguidance.grammar_from("choice", json.dumps(choices_of(spec)))
+    if kind == ConstraintKind.LLGUIDANCE:
+        return top_level_grammar(spec)
     return llguidance.grammar_from("grammar", spec)  # GBNF/EBNF, converted; or Lark as it is
+
+
+def top_level_grammar(spec: str) -> str:
+    """An LLGUIDANCE constraint's grammar: a JSON object with a non-empty "grammars" list (what
+    each grammar holds, llguidance checks when it compiles)."""
+    value = json.loads(spec)  # ValueError (JSONDecodeError) when it is not JSON
+    grammars = value.get("grammars") if isinstance(value, dict) else None
+    if not isinstance(grammars, list) or not grammars:
+        raise ValueError('an llguidance grammar is a JSON object with a non-empty "grammars" list')
+    return spec
+
+
+def named_grammar(constraint: Constraint, name: str) -> dict[str, Any]:
+    """The constraint's grammar as one entry of a top-level grammar, under ``name``, for another
+    grammar to reference as ``@name`` (frontend/reasoning.py composes them)."""
+    grammar = grammar_for(constraint)
+    if not grammar.lstrip().startswith("{"):
+        return {"name": name, "lark_grammar": grammar}  # a Lark text
+    entries = json.loads(grammar)["grammars"]
+    if len(entries) != 1:
+        raise ValueError("a grammar of several grammars cannot be nested in another")
+    return {**entries[0], "name": name}
 
 
 def choices_of(spec: str) -> list[str]:

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from frontend.chat import chat, prepare_chat, stream_chat
+from frontend.chat import chat, checked_template_kwargs, prepare_chat, stream_chat
 from frontend.completions import complete, prepare_completion, stream_completion
 from frontend.errors import OpenAIError, as_openai_error, error_response, http_exception_error
 from frontend.metrics import CONTENT_TYPE
@@ -40,6 +40,7 @@ from frontend.openai_schemas import (
 )
 from frontend.serving_context import ServingContext
 from frontend.sse import DONE
+from frontend.tokenizer import ChatRender
 
 logger = logging.getLogger("tandem.frontend")
 
@@ -181,8 +182,13 @@ def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_model(body.model)
         tok = ctx.tokenizer
         if body.messages is not None:
-            messages = [m.as_template_dict() for m in body.messages]
-            ids = await tok.run(tok.render_chat, messages, body.add_generation_prompt)
+            render = ChatRender(
+                messages=[m.as_template_dict() for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=checked_template_kwargs(ctx, body.chat_template_kwargs or {}),
+            )
+            ids = (await tok.run(tok.render_chat, render)).token_ids
         else:
             ids = (await tok.run(tok.encode_all, [body.prompt], body.add_special_tokens))[0]
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}

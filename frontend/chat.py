@@ -1,10 +1,13 @@
-"""/v1/chat/completions: messages rendered by the chat template, a response or a stream; tool
-calls parsed out of the generated text (frontend/tools.py)."""
+"""/v1/chat/completions: messages rendered by the chat template, a response or a stream; a
+reasoning model's reasoning split from its answer (frontend/reasoning.py), tool calls parsed
+out of the answer (frontend/tools.py)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from frontend.completions import vllm_prompt_logprobs
@@ -13,6 +16,7 @@ from frontend.generation import (
     Choice,
     Generation,
     check_context,
+    check_decoding,
     check_stop_token_ids,
     engine_extras,
 )
@@ -24,21 +28,52 @@ from frontend.openai_schemas import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
+    CompletionTokensDetails,
     FunctionCallOut,
     ToolCallOut,
     TopLogprob,
+    UsageInfo,
 )
+from frontend.reasoning import ReasoningParser, Splitter, after_reasoning
 from frontend.serving_context import ServingContext
 from frontend.sse import DONE, ChunkWriter, sse_error
+from frontend.tokenizer import ChatRender
 from frontend.tool_parsers import ToolCall, ToolCallStreamer
 from frontend.tools import NO_TOOLS, ToolPlan, plan_tools
 from protocol.messages import TokenLogprobs
 
+logger = logging.getLogger("tandem.frontend")
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """How a chat request's output is split: the parser, whether the output starts inside the
+    reasoning (the rendered prompt says), and whether the reasoning is sent."""
+
+    parser: ReasoningParser
+    in_reasoning: bool
+    include: bool
+
+    def splitter(self) -> Splitter:
+        return self.parser.splitter(self.in_reasoning)
+
 
 class ChatGeneration(Generation):
-    """A chat request's Generation with its tool plan (what parses the output, if anything)."""
+    """A chat request's Generation with its tool plan (what parses the output, if anything),
+    its reasoning plan and the text it echoes."""
 
     tools: ToolPlan = NO_TOOLS
+    reasoning: ReasoningPlan | None = None
+    echo: str = ""  # the last message's text, which the answer continues (echo)
+
+    def usage(self) -> UsageInfo:
+        usage = super().usage()
+        plan = self.reasoning
+        if plan is not None:
+            count = plan.parser.reasoning_tokens
+            tokens = sum(count(c.token_ids, plan.in_reasoning) for c in self.choices)
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=tokens)
+        return usage
 
 
 async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatGeneration:
@@ -49,8 +84,11 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     for name in req.unsupported:
         raise bad_request(UNSUPPORTED[name], name, "unsupported_parameter")
     check_stop_token_ids(ctx, req)
+    check_decoding(req)
+    log_user(req)
     tools = plan_tools(req, ctx.tool_support)
     extras = await engine_extras(ctx, req)
+    constraint_param = "tools"
     if tools.constraint is not None:
         if extras.constraint is not None:
             raise bad_request(
@@ -59,19 +97,89 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
                 "tool_choice",
             )
         await ctx.check_constraint(tools.constraint, "tools")
-        extras = type(extras)(tools.constraint, extras.logit_bias, extras.prompt_logprobs)
-    messages = [m.as_template_dict() for m in req.messages]
+        extras = replace(extras, constraint=tools.constraint)
+    elif extras.constraint is not None:
+        constraint_param = "response_format"
     tok = ctx.tokenizer
-    prompt = await tok.run(
-        tok.render_chat, messages, req.add_generation_prompt, tools.tools, tools.template
-    )
+    rendered = await tok.run(tok.render_chat, chat_render(ctx, req, tools))
+    reasoning = reasoning_plan(ctx, req, rendered.text)
+    if reasoning is not None and (extras.constraint or req.thinking_token_budget is not None):
+        constraint = after_reasoning(
+            reasoning.parser, reasoning.in_reasoning, extras.constraint, req.thinking_token_budget
+        )
+        await ctx.check_constraint(constraint, constraint_param)
+        extras = replace(extras, constraint=constraint)
+    prompt = rendered.token_ids
     max_tokens = check_context(ctx, len(prompt), req.max_output_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     gen = ChatGeneration.for_request(
         ctx, req, [prompt], max_tokens, logprobs, extras, "chatcmpl", arrival
     )
     gen.tools = tools
+    gen.reasoning = reasoning
+    gen.echo = req.messages[-1].text() if req.echo else ""
     return gen
+
+
+# Variables every chat template is rendered with, which chat_template_kwargs may not replace.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+)
+
+
+def chat_render(ctx: ServingContext, req: ChatCompletionRequest, tools: ToolPlan) -> ChatRender:
+    """What the prompt is rendered from (reasoning_effort goes to the template too)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    return ChatRender(
+        messages=[m.as_template_dict() for m in req.messages],
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        tools=tools.tools,
+        template=tools.template,
+        template_kwargs=checked_template_kwargs(ctx, kwargs, tools.template),
+    )
+
+
+def checked_template_kwargs(
+    ctx: ServingContext, kwargs: dict[str, Any], template: str | None = None
+) -> dict[str, Any]:
+    """``kwargs`` for the chat template; 400 for one the server sets itself, or that the
+    template never reads (it could not change the prompt)."""
+    variables = ctx.tokenizer.template_variables(template)
+    for key in kwargs:
+        param = "reasoning_effort" if key == "reasoning_effort" else "chat_template_kwargs"
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise bad_request(f"{key} is set by the request itself, not by {param}", param)
+        if key not in variables:
+            raise bad_request(
+                f"the chat template does not read {key!r}, so {param} could not change the prompt",
+                param,
+            )
+    return kwargs
+
+
+def reasoning_plan(
+    ctx: ServingContext, req: ChatCompletionRequest, prompt: str
+) -> ReasoningPlan | None:
+    """The request's reasoning plan under --reasoning-parser; without one, the reasoning fields
+    are refused (there is no reasoning to drop or to bound)."""
+    parser = ctx.reasoning
+    if parser is None:
+        for name, given in (
+            ("include_reasoning", not req.include_reasoning),
+            ("thinking_token_budget", req.thinking_token_budget is not None),
+        ):
+            if given:
+                raise bad_request(f"{name} needs a server with --reasoning-parser", name)
+        return None
+    return ReasoningPlan(parser, parser.in_reasoning(prompt), req.include_reasoning)
+
+
+def log_user(req: ChatCompletionRequest) -> None:
+    if req.user is not None:
+        logger.info("chat request for user %r", req.user)
 
 
 async def chat(ctx: ServingContext, req: ChatCompletionRequest, gen: ChatGeneration) -> dict:
@@ -96,21 +204,38 @@ async def chat(ctx: ServingContext, req: ChatCompletionRequest, gen: ChatGenerat
         first = gen.choices[0]
         resp.prompt_logprobs = vllm_prompt_logprobs(ctx, first.prompt_ids, first.prompt_logprobs)
     body = resp.model_dump(exclude_none=False)
-    for choice in body["choices"]:  # OpenAI leaves tool_calls out of a message without any
-        if choice["message"]["tool_calls"] is None:
-            del choice["message"]["tool_calls"]
+    for choice in body["choices"]:  # OpenAI leaves out what a message does not have
+        for key in ("tool_calls", "reasoning_content", "reasoning"):
+            if choice["message"][key] is None:
+                del choice["message"][key]
     if body["prompt_logprobs"] is None:
         del body["prompt_logprobs"]
+    if body["usage"]["completion_tokens_details"] is None:
+        del body["usage"]["completion_tokens_details"]
     return body
 
 
 def response_message(
     gen: ChatGeneration, req: ChatCompletionRequest, choice: Choice
 ) -> ChatResponseMessage:
+    text, reasoning = choice.text.text, None
+    if gen.reasoning is not None:
+        split = gen.reasoning.parser.split(text, gen.reasoning.in_reasoning)
+        text = split.content
+        reasoning = split.reasoning if gen.reasoning.include else None
+    message = answer_message(gen, req, gen.echo + text)
+    message.reasoning_content = message.reasoning = reasoning
+    return message
+
+
+def answer_message(
+    gen: ChatGeneration, req: ChatCompletionRequest, text: str
+) -> ChatResponseMessage:
+    """The answer as a message: its content, and the tool calls parsed out of it."""
     parser = gen.tools.parser
     if parser is None:
-        return ChatResponseMessage(content=choice.text.text)
-    parsed = parser.extract(choice.text.text)
+        return ChatResponseMessage(content=text)
+    parsed = parser.extract(text)
     calls = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
     if not calls:
         return ChatResponseMessage(content=parsed.content or "")
@@ -134,10 +259,10 @@ async def stream_chat(
     ctx: ServingContext, req: ChatCompletionRequest, gen: ChatGeneration
 ) -> AsyncIterator[str]:
     writer = ChunkWriter(gen.id, "chat.completion.chunk", ctx.served_model, req.include_usage)
-    streams = [ChoiceStream(gen.tools, req) for _ in gen.choices]
+    streams = [ChoiceStream(gen.tools, req, gen.reasoning) for _ in gen.choices]
     last = ""  # the stream's end, sent in one write (see AdmittedStreamingResponse)
     try:
-        role = {"role": "assistant", "content": ""}
+        role = {"role": "assistant", "content": gen.echo}
         yield writer.chunk([chat_delta(c.index, role) for c in gen.choices])
         async for deltas in gen.run():
             parts = []
@@ -161,17 +286,36 @@ async def stream_chat(
 
 
 class ChoiceStream:
-    """One streamed choice's deltas: plain text, or (with tools) the parser's content and
-    tool-call fragments in OpenAI's shape (index, id and name first, then argument pieces)."""
+    """One streamed choice's deltas: the reasoning (``reasoning_content``, and ``reasoning``)
+    split from the answer where the request has a reasoning plan; the answer as plain text, or
+    (with tools) the parser's content and tool-call fragments in OpenAI's shape (index, id and
+    name first, then argument pieces)."""
 
-    def __init__(self, tools: ToolPlan, req: ChatCompletionRequest) -> None:
+    def __init__(
+        self, tools: ToolPlan, req: ChatCompletionRequest, reasoning: ReasoningPlan | None
+    ) -> None:
         self.streamer: ToolCallStreamer | None = (
             tools.parser.streamer() if tools.parser is not None else None
         )
+        self.splitter = reasoning.splitter() if reasoning is not None else None
+        self.send_reasoning = reasoning is not None and reasoning.include
         self.single = req.parallel_tool_calls is False
         self.called = False
 
     def delta(self, text: str, last: bool) -> dict[str, Any]:
+        reasoning = ""
+        if self.splitter is not None:
+            split = self.splitter.push(text)
+            if last:
+                split += self.splitter.finish()
+            text, reasoning = split.content, split.reasoning
+        out: dict[str, Any] = {}
+        if reasoning and self.send_reasoning:
+            out["reasoning_content"] = out["reasoning"] = reasoning
+        out.update(self.answer_delta(text, last))
+        return out
+
+    def answer_delta(self, text: str, last: bool) -> dict[str, Any]:
         if self.streamer is None:
             return {"content": text} if text else {}  # OpenAI sends only the set fields
         step = self.streamer.push(text)

@@ -10,6 +10,7 @@ from frontend.errors import bad_request
 from frontend.generation import (
     Generation,
     check_context,
+    check_decoding,
     check_stop_token_ids,
     engine_extras,
 )
@@ -30,6 +31,7 @@ async def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> Gen
     ctx.check_model(req.model)
     await ctx.wait_for_engine()
     check_stop_token_ids(ctx, req)
+    check_decoding(req)
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be at least 1, or 0 with echo", "max_tokens")
     # echo with logprobs reports the prompt's tokens too: the engine scores them.

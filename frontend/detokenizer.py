@@ -13,7 +13,8 @@ once per token, and flush() takes the last tokens itself so a response that stre
 decodes once in all.
 
 StopStringMatcher sits after it: it holds back the longest suffix of the text that could still
-grow into a stop string, so no partial stop text is ever sent, and truncates at the first match.
+grow into a stop string, so no partial stop text is ever sent, and truncates at the first match
+(after it, with ``include_stop``: vLLM's include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Finds stop strings in a growing text and says how much of it is safe to send."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
         self._longest = max((len(s) for s in self.stop), default=0)
         self.text = ""  # everything seen, truncated at the stop string once one matched
         self.sent = 0  # chars of text already released
@@ -128,7 +130,8 @@ class StopStringMatcher:
         if not hits:
             return False
         index, self.matched = min(hits)
-        self.text = self.text[:index]
+        end = index + len(self.matched) if self.include_stop else index
+        self.text = self.text[:end]
         return True
 
     def _holdback(self) -> int:
@@ -151,9 +154,15 @@ class StopStringMatcher:
 class TextStream:
     """Token ids in, releasable text out: detokenizer + stop strings for one sequence."""
 
-    def __init__(self, decode: Decode, stop: Sequence[str] = (), byte_level: bool = False) -> None:
+    def __init__(
+        self,
+        decode: Decode,
+        stop: Sequence[str] = (),
+        byte_level: bool = False,
+        include_stop: bool = False,
+    ) -> None:
         self.detok = IncrementalDetokenizer(decode, byte_level)
-        self.matcher = StopStringMatcher(stop)
+        self.matcher = StopStringMatcher(stop, include_stop)
 
     def push(self, token_ids: Sequence[int]) -> str:
         return self.matcher.feed(self.detok.push(token_ids))
@@ -175,5 +184,5 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        """The output text so far, cut before the stop string when one matched."""
+        """The output text so far, cut at the stop string when one matched."""
         return self.matcher.text

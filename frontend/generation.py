@@ -48,6 +48,14 @@ MAX_OUTPUT_INTERVAL = 64
 # ---- per-choice state -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """How a choice's tokens become text (the request's vLLM fields)."""
+
+    skip_special_tokens: bool = True
+    include_stop: bool = False  # include_stop_str_in_output
+
+
 @dataclass
 class Choice:
     index: int
@@ -96,6 +104,7 @@ class Generation:
         arrival: float,
         stream_interval: int | None = None,
         keep_output: bool = True,
+        text: TextOptions = TextOptions(),
     ) -> None:
         self.ctx = ctx
         self.keep_output = keep_output
@@ -105,8 +114,9 @@ class Generation:
         self.stream_interval = stream_interval
         self.flush_rule = OutputInterval(stream_interval)  # when a choice's chunk goes out
         tok = ctx.tokenizer
+        decode = tok.decode if text.skip_special_tokens else tok.decode_keeping_special_tokens
         self.choices = [
-            Choice(i, prompts[i // n], TextStream(tok.decode, stop, tok.byte_level))
+            Choice(i, prompts[i // n], TextStream(decode, stop, tok.byte_level, text.include_stop))
             for i in range(len(prompts) * n)
         ]
         # Whether some choice decodes each output as it comes (stop strings; see _wake_every).
@@ -144,7 +154,8 @@ class Generation:
         rid = random_id(id_prefix)
         stop = req.stop_strings
         keep = max_tokens > 0
-        return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep)
+        text = TextOptions(req.skip_special_tokens, req.include_stop_str_in_output)
+        return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep, text)
 
     async def send(self) -> None:
         """Send the engine requests now; ``run`` then follows them. A streamed response sends
@@ -462,3 +473,13 @@ def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, 
 def check_stop_token_ids(ctx: ServingContext, req: SamplingFields) -> None:
     if req.stop_token_ids:
         ctx.check_token_ids(req.stop_token_ids, "stop_token_ids")
+
+
+def check_decoding(req: SamplingFields) -> None:
+    """The decoding fields this server cannot honour, refused by name."""
+    if req.spaces_between_special_tokens:
+        raise bad_request(
+            "spaces_between_special_tokens: this server's (fast) tokenizers join special tokens "
+            "as they decode them, without spaces; only false is accepted",
+            "spaces_between_special_tokens",
+        )

@@ -29,6 +29,7 @@ from frontend.constraints import ConstraintChecker
 from frontend.engine_pool import EngineGauges, EnginePool
 from frontend.engines import EngineSpec, EngineTimeouts, connect_engine, supervise_engines
 from frontend.metrics import Metrics
+from frontend.reasoning import ReasoningParser, get_reasoning_parser
 from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
 from frontend.tools import tool_support
@@ -121,6 +122,7 @@ def build_state(
         stream_interval=args.stream_interval,
         constraints=ConstraintChecker(hf_tokenizer, ready.vocab_size, args.grammar_timeout),
         tool_support=support,
+        reasoning=reasoning_parser(args, hf_tokenizer),
         max_resumes=resumes_allowed(args, specs),
         resume_timeout_s=args.resume_timeout,
     )
@@ -222,3 +224,9 @@ def announce(
         raw = f"raw client: tandem client --address {spec.address}"
         lines.append(f"  {name}: {spec.address} ({where}); {raw}")
     print("\n".join(lines), flush=True)
+
+
+def reasoning_parser(args: argparse.Namespace, hf_tokenizer: Any) -> ReasoningParser | None:
+    """The parser --reasoning-parser names, bound to the model's tokenizer, or None."""
+    name = getattr(args, "reasoning_parser", None)
+    return None if name is None else get_reasoning_parser(name, hf_tokenizer)

@@ -66,7 +66,6 @@ def reject_lone_surrogates(data: Any) -> None:
 UNSUPPORTED = {
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "this model does not reason: reasoning_effort is not supported",
     "web_search_options": "web search is not supported",
     "functions": "functions is deprecated and not supported: use tools",
     "function_call": "function_call is deprecated and not supported: use tool_choice",
@@ -169,7 +168,13 @@ class SamplingFields(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Accepted and unused: they change nothing in the output.
+    # How the output's tokens become text (vLLM's fields).
+    skip_special_tokens: bool = True
+    # The fast tokenizers this server loads join special tokens without spaces (as vLLM does
+    # with them): false is what they do; true is refused (generation.py).
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    # Accepted and unused: they change nothing in the output (user is logged with the request).
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -291,6 +296,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool turn: the result of that call
+    # An earlier assistant turn's reasoning, as this server sent it (templates that render it)
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
@@ -300,13 +307,19 @@ class ChatMessage(BaseModel):
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
+    def text(self) -> str:
+        """The content flattened to one string."""
+        content = self.content
+        if isinstance(content, list):
+            return "".join(p.text for p in content)
+        return content or ""
+
     def as_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content flattened to one string, tool-call
         arguments as objects (templates write them with ``tojson``)."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.name:
             out["name"] = self.name
         if self.tool_calls:
@@ -359,13 +372,20 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the output continues the last (assistant) message
+    echo: bool = False  # the response's text starts with that message's (vLLM's echo)
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
+    # Reasoning models (--reasoning-parser): whether the reasoning is sent, at most how many
+    # tokens it may take, and OpenAI's effort, for templates that read it.
+    include_reasoning: bool = True
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None  # ["text"], the only one here
     audio: Any = None  # UNSUPPORTED, as are the fields below
     prediction: Any = None
-    reasoning_effort: Any = None
     web_search_options: Any = None
     functions: Any = None
     function_call: Any = None
@@ -374,6 +394,13 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _continue_an_assistant_message(self) -> ChatCompletionRequest:
+        check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
+        if self.echo and self.messages[-1].role != "assistant":
+            raise ValueError("echo repeats the last message, which must be the assistant's")
         return self
 
     @field_validator("tools")
@@ -409,17 +436,35 @@ class ChatCompletionRequest(SamplingFields):
         return self.n
 
 
+def check_continuation(
+    messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+) -> None:
+    """continue_final_message continues an assistant message, so no new turn may open."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError("continue_final_message needs add_generation_prompt false")
+    if messages[-1].role != "assistant":
+        raise ValueError("continue_final_message continues a last message of the assistant")
+
+
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.messages is not None:
+            check_continuation(
+                self.messages, self.add_generation_prompt, self.continue_final_message
+            )
         return self
 
 
@@ -431,10 +476,15 @@ class DetokenizeRequest(RequestBody):
 # ---- responses --------------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None  # with reasoning
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
@@ -500,6 +550,10 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
+    # The model's reasoning, under both its spellings (vLLM's and the newer one), where a
+    # reasoning parser split it from the answer.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 

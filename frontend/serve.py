@@ -33,6 +33,7 @@ logger = logging.getLogger("tandem.serve")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt as JSON token ids is about 1 MiB
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # frontend/tool_parsers.py PARSERS
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # frontend/reasoning.py PARSERS
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +95,13 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         help="how tool calls are read from the model's output (default: named by the chat "
         "template's syntax; for a ChatML model whose template ignores tools, hermes with a "
         "packaged tool template)",
+    )  # fmt: skip
+    group.add_argument(
+        "--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+        help="split a thinking model's reasoning from its answer: message.reasoning_content "
+        "(and reasoning), streamed as delta.reasoning_content; also what lets structured "
+        "outputs, forced tool calls and thinking_token_budget start after the reasoning "
+        "(default: none, the whole output is the answer)",
     )  # fmt: skip
     group.add_argument(
         "--grammar-timeout", type=float, default=10.0, metavar="SECONDS",

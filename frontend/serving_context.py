@@ -17,6 +17,7 @@ from frontend.errors import (
     overloaded,
 )
 from frontend.metrics import Metrics
+from frontend.reasoning import ReasoningParser
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
 from protocol.client import EngineDeadError
@@ -35,6 +36,7 @@ class ServingContext:
     stream_interval: int = 1  # tokens per SSE chunk and choice (--stream-interval)
     constraints: ConstraintChecker | None = None  # structured outputs' compile check
     tool_support: ToolSupport | None = None  # None: requests with tools are refused
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: splits reasoning from answer
     max_resumes: int = 0  # times a request in flight is resumed after an engine dies
     resume_timeout_s: float = 120.0  # how long in all it may wait for an engine to resume on
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,11 @@ class Tokenizer:
         self._queued: list[tuple[list[str], asyncio.Future[list[list[int]]]]] = []
         self._encoder: asyncio.Task[None] | None = None  # drains the queue while it is not empty
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._backend.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_keeping_special_tokens(self, token_ids: list[int]) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
         return self._backend.decode([token_id], skip_special_tokens=False)
@@ -108,23 +112,55 @@ class Tokenizer:
         encodings = self._backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
 
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-        template: str | None = None,
-    ) -> list[int]:
-        """Apply the chat template (``template``, else the model's), with ``tools`` if any; the
-        text already holds special tokens, so add none."""
+    def render_chat(self, chat: ChatRender) -> RenderedChat:
+        """Apply the chat template (``chat.template``, else the model's); the text already holds
+        special tokens, so none are added."""
         try:
             text = self.hf.apply_chat_template(
-                messages,
-                tools=tools,
-                chat_template=template,
+                chat.messages,
+                tools=chat.tools,
+                chat_template=chat.template,
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                **chat.template_kwargs,
             )
         except Exception as exc:  # jinja or a missing template: the client's messages or model
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
-        return self.hf.encode(text, add_special_tokens=False)
+        return RenderedChat(text, self.hf.encode(text, add_special_tokens=False))
+
+    def template_variables(self, template: str | None = None) -> frozenset[str]:
+        """The variables a chat template reads (``template``, else the model's): a
+        ``chat_template_kwargs`` key it never reads could not change the prompt."""
+        source = template or self.hf.chat_template
+        if not isinstance(source, str):
+            return frozenset()
+        return template_variables(source)
+
+
+@dataclass(frozen=True)
+class ChatRender:
+    """What a chat prompt is rendered from."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    template: str | None = None  # a template in place of the model's (tools, say)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    text: str
+    token_ids: list[int]
+
+
+@lru_cache(maxsize=16)
+def template_variables(source: str) -> frozenset[str]:
+    """The undeclared variables of a Jinja template: those its caller can set."""
+    from jinja2 import ext, meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=[ext.loopcontrols])  # as HF renders them
+    return frozenset(meta.find_undeclared_variables(env.parse(source)))

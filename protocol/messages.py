@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 # 4: AddRequest carries num_output_tokens (a resumed request)
 # 5: a finished RequestOutput carries its engine timings; Stats carries EngineCounts
 # 6: AddRequest carries output_interval (the engine holds a request's tokens back)
-PROTOCOL_VERSION = 6
+# 7: ConstraintKind.LLGUIDANCE (a composed llguidance grammar)
+PROTOCOL_VERSION = 7
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -61,6 +62,9 @@ class ConstraintKind(enum.IntEnum):
     REGEX = 3  # spec: a regular expression the whole output matches
     CHOICE = 4  # spec: a JSON list of strings, the output is one of them
     GRAMMAR = 5  # spec: a grammar in GBNF/EBNF or in llguidance's Lark syntax
+    # spec: an llguidance top-level grammar as JSON ({"grammars": [...]}), several grammars that
+    # reference each other: what the frontend composes for an answer after a model's reasoning
+    LLGUIDANCE = 6
 
 
 class ControlKind(enum.IntEnum):

@@ -81,3 +81,48 @@ def tiny_hf_sizes(vocab_size: int) -> dict[str, Any]:
         "eos_token_id": None,
         "pad_token_id": None,
     }
+
+
+# A chat template that thinks as Qwen3's thinking templates do (ChatML; written from Qwen3's
+# published template, shortened): the assistant's turn opens a <think> block in the prompt, or,
+# with enable_thinking false, closes an empty one; earlier turns render their reasoning_content.
+THINKING_TEMPLATE = """\
+{%- for message in messages %}
+{{- '<|im_start|>' + message['role'] + '\\n' }}
+{%- if message['role'] == 'assistant' and message.get('reasoning_content') %}
+{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}
+{%- endif %}
+{{- message['content'] }}
+{%- if not (loop.last and continue_final_message) %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- else %}
+{{- '<think>\\n' }}
+{%- endif %}
+{%- endif %}
+"""
+
+
+def write_thinking_model(path: Path, tokenizer_source: Path) -> Path:
+    """A 2-layer random Qwen3 whose tokenizer (the default model's, with <think> and </think>
+    added as single tokens, as Qwen3's has them) and chat template think."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return path

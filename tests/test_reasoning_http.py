@@ -1,0 +1,164 @@
+"""Reasoning through a real `tandem serve --reasoning-parser qwen3` on a tiny random Qwen3 whose
+chat template thinks (tests/factories.py ``write_thinking_model``), with the official openai
+client: the reasoning split from the answer whole and streamed, the usage's reasoning tokens,
+a thinking budget, a JSON schema that holds after the reasoning, chat_template_kwargs changing
+the prompt (seen through /tokenize), and the fields refused where they cannot be honoured."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server_fixture import Server, server, start_server, stop_server  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+BUDGET = 3
+MAX_TOKENS = 12
+MESSAGES = [{"role": "user", "content": "Is the sky blue?"}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"blue": {"type": "boolean"}},
+    "required": ["blue"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def thinking_server(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Iterator[Server]:
+    from tests.factories import write_thinking_model
+
+    model = write_thinking_model(tmp_path_factory.mktemp("thinking"), default_model_dir)
+    args = ["--max-model-len", "512", "--num-kv-blocks", "128", "--reasoning-parser", "qwen3"]
+    args += ["--served-model-name", "default"]
+    srv = start_server(tmp_path_factory.mktemp("serve-thinking"), model=str(model), args=args)
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def client_of(srv: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def budgeted(**extra: Any) -> dict[str, Any]:
+    """A greedy chat of MAX_TOKENS tokens whose thinking is cut after BUDGET tokens."""
+    body = {"thinking_token_budget": BUDGET, "ignore_eos": True, **extra.pop("extra_body", {})}
+    return {
+        "model": "default", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "extra_body": body, **extra,
+    }  # fmt: skip
+
+
+def reasoning_of(message: Any) -> str | None:
+    return (message.model_extra or {}).get("reasoning_content")
+
+
+def test_the_reasoning_and_the_answer_come_apart(thinking_server: Server) -> None:
+    resp = client_of(thinking_server).chat.completions.create(**budgeted())
+    message = resp.choices[0].message
+    reasoning = reasoning_of(message)
+    assert reasoning is not None and message.content
+    assert message.model_extra["reasoning"] == reasoning  # the newer spelling, the same text
+    assert "<think>" not in message.content and "</think>" not in message.content
+    assert "</think>" not in reasoning
+    # The budget's tokens of thinking at most, and the end marker: the rest is the answer.
+    details = resp.usage.completion_tokens_details
+    assert resp.usage.completion_tokens == MAX_TOKENS
+    assert 1 <= details.reasoning_tokens <= BUDGET + 1
+    # Without the reasoning: the same answer, no reasoning field.
+    bare = client_of(thinking_server).chat.completions.create(
+        **budgeted(extra_body={"include_reasoning": False})
+    )
+    assert bare.choices[0].message.content == message.content
+    assert reasoning_of(bare.choices[0].message) is None
+
+
+def test_a_stream_sends_the_reasoning_then_the_answer(thinking_server: Server) -> None:
+    client = client_of(thinking_server)
+    whole = client.chat.completions.create(**budgeted()).choices[0].message
+    parts: list[tuple[str, str]] = []
+    for chunk in client.chat.completions.create(**budgeted(stream=True)):
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        if extra.get("reasoning_content"):
+            assert extra["reasoning"] == extra["reasoning_content"]
+            parts.append(("reasoning", extra["reasoning_content"]))
+        if delta.content:
+            parts.append(("content", delta.content))
+    kinds = [kind for kind, _ in parts]
+    assert kinds == sorted(kinds, key=lambda k: k == "content")  # no reasoning after the answer
+    assert "".join(t for k, t in parts if k == "reasoning") == reasoning_of(whole)
+    assert "".join(t for k, t in parts if k == "content") == whole.content
+
+
+def test_a_json_schema_holds_after_the_reasoning(thinking_server: Server) -> None:
+    resp = client_of(thinking_server).chat.completions.create(
+        model="default",
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "sky", "schema": SCHEMA}},
+        extra_body={"thinking_token_budget": BUDGET},
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop"
+    assert reasoning_of(choice.message) is not None  # it reasoned first...
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)  # ...then answered in JSON
+
+
+def tokenize(srv: Server, **extra: Any) -> list[int]:
+    body = {"messages": MESSAGES, **extra}
+    resp = httpx.post(f"{srv.base_url}/tokenize", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["tokens"]
+
+
+def test_chat_template_kwargs_change_the_prompt(thinking_server: Server) -> None:
+    thinking = tokenize(thinking_server)
+    plain = tokenize(thinking_server, chat_template_kwargs={"enable_thinking": False})
+    assert thinking != plain
+    detok = httpx.post(f"{thinking_server.base_url}/detokenize", json={"tokens": plain}).json()
+    assert detok["prompt"].endswith("<think>\n\n</think>\n\n")
+    # The template closed the block: the output is all answer.
+    resp = client_of(thinking_server).chat.completions.create(
+        **budgeted(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    )
+    message = resp.choices[0].message
+    assert reasoning_of(message) is None and message.content
+    assert resp.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"chat_template_kwargs": {"not_in_the_template": 1}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),  # this template does not read it
+    ],
+)
+def test_what_the_template_cannot_take_is_refused(
+    thinking_server: Server, extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 4, **extra}
+    resp = httpx.post(f"{thinking_server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("extra", [{"thinking_token_budget": 4}, {"include_reasoning": False}])
+def test_reasoning_fields_need_a_reasoning_parser(server: Server, extra: dict[str, Any]) -> None:  # noqa: F811
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 4, **extra}
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == next(iter(extra))
