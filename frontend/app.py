@@ -38,6 +38,8 @@ from frontend.openai_schemas import (
     ModelList,
     TokenizeRequest,
 )
+from frontend.responses import not_found, prepare_response, respond, stream_response
+from frontend.responses_schemas import ResponsesRequest
 from frontend.serving_context import ServingContext
 from frontend.sse import DONE
 from frontend.tokenizer import ChatRender
@@ -173,7 +175,36 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate(ctx, body, request, prepare_chat, stream_chat, chat)
 
+    add_response_routes(app, ctx)
+
     add_token_routes(app, ctx)
+
+
+def add_response_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """The Responses API (frontend/responses.py): create, and read or delete a stored one."""
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await generate(ctx, body, request, prepare_response, stream_response, respond)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        stored = ctx.responses.get(response_id)
+        if stored is None:
+            raise stored_not_found(response_id)
+        return stored.body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        if not ctx.responses.delete(response_id):
+            raise stored_not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def stored_not_found(response_id: str) -> OpenAIError:
+    error = not_found(response_id)
+    error.info.param = "response_id"
+    return error
 
 
 def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -211,7 +242,7 @@ def tandem_version() -> str:
 
 async def generate(
     ctx: ServingContext,
-    body: CompletionRequest | ChatCompletionRequest,
+    body: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
     request: Request,
     prepare: Callable[..., Awaitable[Any]],
     stream: Callable[..., AsyncGenerator[str, None]],
@@ -231,7 +262,7 @@ async def generate(
 
 async def start_stream(
     ctx: ServingContext,
-    body: CompletionRequest | ChatCompletionRequest,
+    body: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
     prepare: Callable[..., Awaitable[Any]],
     stream: Callable[..., AsyncGenerator[str, None]],
 ) -> Response:

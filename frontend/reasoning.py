@@ -221,11 +221,7 @@ class ThinkTagParser(ReasoningParser):
             start = f"<[{self.start_id}]>? {block}"
         # A few characters of whitespace may part the end marker from the answer (Qwen3 writes
         # two newlines); bounded, or a model could spend its tokens there.
-        return (
-            f"start: {start} @answer\n"
-            f"thinking{limit}: /(.|\\n)+/\n"
-            "ws: /[ \\t\\r\\n]{1,8}/\n"
-        )
+        return f"start: {start} @answer\nthinking{limit}: /(.|\\n)+/\nws: /[ \\t\\r\\n]{{1,8}}/\n"
 
 
 class DeepSeekR1Parser(ThinkTagParser):

@@ -18,6 +18,7 @@ from frontend.errors import (
 )
 from frontend.metrics import Metrics
 from frontend.reasoning import ReasoningParser
+from frontend.response_store import ResponseStore
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
 from protocol.client import EngineDeadError
@@ -37,6 +38,7 @@ class ServingContext:
     constraints: ConstraintChecker | None = None  # structured outputs' compile check
     tool_support: ToolSupport | None = None  # None: requests with tools are refused
     reasoning: ReasoningParser | None = None  # --reasoning-parser: splits reasoning from answer
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored /v1/responses
     max_resumes: int = 0  # times a request in flight is resumed after an engine dies
     resume_timeout_s: float = 120.0  # how long in all it may wait for an engine to resume on
 

@@ -162,3 +162,30 @@ def test_reasoning_fields_need_a_reasoning_parser(server: Server, extra: dict[st
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == next(iter(extra))
+
+
+def test_the_responses_api_gives_a_reasoning_item_then_the_answer(thinking_server: Server) -> None:
+    client = client_of(thinking_server)
+    resp = client.responses.create(
+        model="default",
+        input="Is the sky blue?",
+        temperature=0,
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "sky", "schema": SCHEMA}},
+        extra_body={"thinking_token_budget": BUDGET},
+    )
+    assert [item.type for item in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text  # the reasoning text itself
+    jsonschema.validate(json.loads(resp.output_text), SCHEMA)
+    assert 1 <= resp.usage.output_tokens_details.reasoning_tokens <= BUDGET + 1
+    kinds = []
+    with client.responses.stream(
+        model="default", input="Is the sky blue?", temperature=0, max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "sky", "schema": SCHEMA}},
+        extra_body={"thinking_token_budget": BUDGET},
+    ) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert final.output_text == resp.output_text
+    assert final.output[0].content[0].text == resp.output[0].content[0].text

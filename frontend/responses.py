@@ -1,0 +1,440 @@
+"""/v1/responses: OpenAI's Responses API on the chat pipeline, whole or streamed as its typed
+events, with stored responses that a later request continues (``previous_response_id``).
+
+A request is translated into a chat request (frontend/responses_schemas.py) and prepared and run
+by frontend/chat.py as any chat request is; only the output's shape differs. Its output items:
+a ``reasoning`` item where a reasoning parser split the model's thinking off, a ``message`` with
+the answer's text, and a ``function_call`` item per tool call. Streamed, the same items are
+opened, filled and closed by events in OpenAI's order (``response.created``, ``.in_progress``,
+``.output_item.added``, ``.content_part.added``, ``.output_text.delta``, ... ``.completed``, or
+``.incomplete`` when ``max_output_tokens`` cut it), each numbered by ``sequence_number``.
+
+Stored responses (``store``, the default) live in this API process's memory
+(frontend/response_store.py): they are lost when the server restarts, and with
+``--api-servers N`` each API process keeps its own, so a ``previous_response_id`` made by another
+process is not found (404).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from frontend.chat import ChatGeneration, ChoiceStream, prepare_chat, response_message
+from frontend.errors import OpenAIError, bad_request
+from frontend.openai_schemas import ChatCompletionRequest, ChatResponseMessage
+from frontend.responses_schemas import (
+    ItemError,
+    ResponsesRequest,
+    chat_messages,
+    chat_request_body,
+)
+from frontend.serving_context import ServingContext
+from frontend.sse import sse_error
+
+logger = logging.getLogger("tandem.frontend")
+
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+# Chat parameter names as the Responses API calls them, for the errors of the chat pipeline.
+PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
+}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"no stored response {response_id!r} (responses are kept in the memory of the API "
+        "process that made them, until the server restarts)",
+        param="previous_response_id",
+        code="not_found",
+    )
+
+
+# ---- a request's run ---------------------------------------------------------------------------
+
+
+@dataclass
+class ResponseRun:
+    """One Responses request on the chat pipeline: the chat request and Generation that run it,
+    and the conversation it continues (without the instructions, which do not carry over)."""
+
+    req: ResponsesRequest
+    chat: ChatCompletionRequest
+    gen: ChatGeneration
+    conversation: list[dict[str, Any]]
+    id: str = field(default_factory=lambda: new_id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    async def send(self) -> None:
+        await self.gen.send()
+
+    def close(self) -> None:
+        self.gen.close()
+
+
+async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> ResponseRun:
+    """Check, translate and prepare; nothing reaches the engine until the Generation runs."""
+    refused = req.refused()
+    if refused is not None:
+        raise bad_request(refused[1], refused[0], "unsupported_parameter")
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        stored = ctx.responses.get(req.previous_response_id)
+        if stored is None:
+            raise not_found(req.previous_response_id)
+        history = stored.history
+    try:
+        new = input_messages(req)
+        chat = ChatCompletionRequest.model_validate(chat_request_body(req, history + new))
+    except ItemError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    except ValidationError as exc:
+        raise chat_validation_error(exc) from None
+    if req.user is not None:
+        logger.info("response request for user %r", req.user)
+    try:
+        gen = await prepare_chat(ctx, chat)
+    except OpenAIError as exc:
+        exc.info.param = PARAMS.get(exc.info.param or "", exc.info.param)
+        raise
+    return ResponseRun(req, chat, gen, history + new)
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as chat messages (a string is one user message)."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    return chat_messages(req.input)
+
+
+def chat_validation_error(exc: ValidationError) -> OpenAIError:
+    """A check of the chat request it became, in the Responses API's names."""
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ())]
+    param = PARAMS.get(loc[0], loc[0]) if loc else None
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def output_items(run: ResponseRun, message: ChatResponseMessage) -> list[dict[str, Any]]:
+    """The response's output items for the answer ``message``: reasoning, text, calls."""
+    items: list[dict[str, Any]] = []
+    if message.reasoning_content is not None:
+        items.append(reasoning_item(new_id("rs"), message.reasoning_content))
+    if message.content:
+        items.append(message_item(new_id("msg"), message.content))
+    calls = message.tool_calls or []
+    if run.req.max_tool_calls is not None:
+        calls = calls[: run.req.max_tool_calls]
+    for call in calls:
+        items.append(call_item(new_id("fc"), call.id, call.function.name, call.function.arguments))
+    return items
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
+    content = [] if text is None else [text_part(text)]
+    return {
+        "type": "message", "id": item_id, "status": status, "role": "assistant",
+        "content": content,
+    }  # fmt: skip
+
+
+def call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
+) -> dict[str, Any]:
+    return {
+        "type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+        "arguments": arguments, "status": status,
+    }  # fmt: skip
+
+
+def response_body(
+    ctx: ServingContext, run: ResponseRun, output: list[dict[str, Any]], status: str
+) -> dict[str, Any]:
+    """The response object: the request's settings echoed, its output, usage and status."""
+    req = run.req
+    usage = run.gen.usage()
+    details = usage.completion_tokens_details
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {
+        "id": run.id,
+        "object": "response",
+        "created_at": run.created_at,
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "model": ctx.served_model,
+        "instructions": req.instructions,
+        "output": output,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "tool_choice": tool_choice_echo(req),
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+        "text": {"format": text_format_echo(req)},
+        "truncation": "disabled",
+        "store": req.store,
+        "background": False,
+        "metadata": req.metadata or {},
+        "user": req.user,
+        "usage": {
+            "input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {
+                "reasoning_tokens": details.reasoning_tokens if details else 0
+            },
+            "total_tokens": usage.total_tokens,
+        },
+    }
+
+
+def tool_choice_echo(req: ResponsesRequest) -> Any:
+    choice = req.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def text_format_echo(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"type": "text"}
+    return fmt.model_dump(by_alias=True, exclude_none=True)
+
+
+def status_of(run: ResponseRun) -> str:
+    return "incomplete" if run.gen.choices[0].finish_reason == "length" else "completed"
+
+
+def remember(ctx: ServingContext, run: ResponseRun, body: dict[str, Any]) -> None:
+    """Store the response and its conversation, its answer as the assistant's turn."""
+    if not run.req.store:
+        return
+    turn: dict[str, Any] = {"role": "assistant", "content": ""}
+    for item in body["output"]:
+        if item["type"] == "reasoning":
+            turn["reasoning_content"] = "".join(c["text"] for c in item["content"])
+        elif item["type"] == "message":
+            turn["content"] = "".join(c["text"] for c in item["content"])
+        elif item["type"] == "function_call":
+            call = {"name": item["name"], "arguments": item["arguments"]}
+            tool_call = {"id": item["call_id"], "type": "function", "function": call}
+            turn.setdefault("tool_calls", []).append(tool_call)
+    ctx.responses.put(body, [*run.conversation, turn])
+
+
+async def respond(ctx: ServingContext, req: ResponsesRequest, run: ResponseRun) -> dict[str, Any]:
+    """The whole response, once the model has finished."""
+    async for _ in run.gen.run():
+        pass
+    message = response_message(run.gen, run.chat, run.gen.choices[0])
+    body = response_body(ctx, run, output_items(run, message), status_of(run))
+    remember(ctx, run, body)
+    return body
+
+
+# ---- streaming ---------------------------------------------------------------------------------
+
+
+class EventWriter:
+    """The response's events, numbered, in SSE form (``event:`` and ``data:`` lines)."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {_JSON.encode(body)}\n\n"
+
+
+@dataclass
+class OpenItem:
+    """The output item being filled: its index, its item as it stands, its text so far."""
+
+    index: int
+    item: dict[str, Any]
+    text: str = ""
+
+
+class OutputStream:
+    """Turns a streamed choice's deltas (reasoning, content, tool-call fragments) into the
+    events that open, fill and close output items, one at a time, in order."""
+
+    def __init__(self, events: EventWriter, max_tool_calls: int | None) -> None:
+        self.events = events
+        self.items: list[dict[str, Any]] = []  # finished items, in output order
+        self.open: OpenItem | None = None
+        self.max_tool_calls = max_tool_calls
+        self.calls = 0
+        self.call_of_index: dict[int, OpenItem] = {}
+
+    def feed(self, delta: dict[str, Any]) -> str:
+        out = ""
+        if delta.get("reasoning_content"):
+            out += self.text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            out += self.text("message", delta["content"])
+        for fragment in delta.get("tool_calls", ()):
+            out += self.call_fragment(fragment)
+        return out
+
+    def text(self, kind: str, text: str) -> str:
+        out = ""
+        if self.open is None or self.open.item["type"] != kind:
+            out += self.close()
+            out += self.start(kind)
+        assert self.open is not None
+        self.open.text += text
+        item_id, index = self.open.item["id"], self.open.index
+        if kind == "reasoning":
+            return out + self.events.event(
+                "response.reasoning_text.delta", item_id=item_id, output_index=index,
+                content_index=0, delta=text,
+            )  # fmt: skip
+        return out + self.events.event(
+            "response.output_text.delta", item_id=item_id, output_index=index,
+            content_index=0, delta=text, logprobs=[],
+        )  # fmt: skip
+
+    def start(self, kind: str) -> str:
+        index = len(self.items)
+        if kind == "reasoning":
+            item = reasoning_item(new_id("rs"), "", status="in_progress")
+        else:
+            item = message_item(new_id("msg"), None, status="in_progress")
+        self.open = OpenItem(index, item)
+        out = self.events.event("response.output_item.added", output_index=index, item=item)
+        if kind == "message":
+            out += self.events.event(
+                "response.content_part.added", item_id=item["id"], output_index=index,
+                content_index=0, part=text_part(""),
+            )  # fmt: skip
+        return out
+
+    def call_fragment(self, fragment: dict[str, Any]) -> str:
+        out = ""
+        if "id" in fragment:  # a new call: its item opens with its name
+            out += self.close()
+            if self.max_tool_calls is not None and self.calls >= self.max_tool_calls:
+                return out
+            self.calls += 1
+            item = call_item(
+                new_id("fc"), fragment["id"], fragment["function"]["name"], "", "in_progress"
+            )
+            self.open = OpenItem(len(self.items), item)
+            self.call_of_index[fragment["index"]] = self.open
+            out += self.events.event(
+                "response.output_item.added", output_index=self.open.index, item=item
+            )
+        piece = fragment.get("function", {}).get("arguments", "")
+        target = self.call_of_index.get(fragment["index"])
+        if piece and target is not None and target is self.open:
+            target.text += piece
+            out += self.events.event(
+                "response.function_call_arguments.delta", item_id=target.item["id"],
+                output_index=target.index, delta=piece,
+            )  # fmt: skip
+        return out
+
+    def close(self) -> str:
+        """Finish the open item, if any: its done events, then it joins the output."""
+        opened, self.open = self.open, None
+        if opened is None:
+            return ""
+        item, index, text = opened.item, opened.index, opened.text
+        item_id = item["id"]
+        kind = item["type"]
+        out = ""
+        if kind == "reasoning":
+            done = reasoning_item(item_id, text)
+            out += self.events.event(
+                "response.reasoning_text.done", item_id=item_id, output_index=index,
+                content_index=0, text=text,
+            )  # fmt: skip
+        elif kind == "message":
+            done = message_item(item_id, text)
+            out += self.events.event(
+                "response.output_text.done", item_id=item_id, output_index=index,
+                content_index=0, text=text, logprobs=[],
+            )  # fmt: skip
+            out += self.events.event(
+                "response.content_part.done", item_id=item_id, output_index=index,
+                content_index=0, part=text_part(text),
+            )  # fmt: skip
+        else:
+            done = call_item(item_id, item["call_id"], item["name"], text)
+            out += self.events.event(
+                "response.function_call_arguments.done", item_id=item_id, output_index=index,
+                name=item["name"], arguments=text,
+            )  # fmt: skip
+        self.items.append(done)
+        return out + self.events.event("response.output_item.done", output_index=index, item=done)
+
+
+async def stream_response(
+    ctx: ServingContext, req: ResponsesRequest, run: ResponseRun
+) -> AsyncIterator[str]:
+    events = EventWriter()
+    start = response_body(ctx, run, [], "in_progress")
+    start["usage"] = None
+    yield events.event("response.created", response=start)
+    yield events.event("response.in_progress", response=start)
+    output = OutputStream(events, req.max_tool_calls)
+    stream = ChoiceStream(run.gen.tools, run.chat, run.gen.reasoning)
+    try:
+        async for deltas in run.gen.run():
+            text = ""
+            for d in deltas:
+                text += output.feed(stream.delta(d.text, d.finish_reason is not None))
+            if text:
+                yield text
+        last = output.close()
+        status = status_of(run)
+        body = response_body(ctx, run, output.items, status)
+        remember(ctx, run, body)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        yield last + events.event(kind, response=body)
+    except Exception as exc:
+        yield error_event(events, exc)
+
+
+def error_event(events: EventWriter, exc: Exception) -> str:
+    """An error after the stream began: OpenAI's ``error`` event."""
+    payload = json.loads(sse_error(exc).removeprefix("data: "))["error"]
+    return events.event(
+        "error", code=payload.get("code"), message=payload.get("message"),
+        param=payload.get("param"),
+    )  # fmt: skip

@@ -1,0 +1,317 @@
+"""The Responses API's request (``POST /v1/responses``), validated, and its translation into the
+chat request that frontend/chat.py runs: the Responses API is another door onto the same
+pipeline (template, reasoning, tools, constraints, Generation), not a second one.
+
+Input items become chat messages: text and message items by role, ``function_call`` items an
+assistant turn's tool calls, ``function_call_output`` items tool turns, ``reasoning`` items the
+next assistant turn's ``reasoning_content``. What this server cannot honour is a 400 naming it
+(images and files, ``background``, reasoning summaries, ``include`` entries, logprobs,
+``truncation: auto``, ``text.verbosity``, tools other than functions); fields that change
+nothing (``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``user``) are taken.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from frontend.openai_schemas import FUNCTION_NAME, MAX_LOGPROBS, RequestBody
+
+MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64, values of 512
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+class FunctionTool(BaseModel):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    """``text.format``: plain text, any JSON object, or JSON that matches a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> TextFormat:
+        if self.type == "json_schema" and (self.json_schema is None or not self.name):
+            raise ValueError("a json_schema format needs its name and schema")
+        return self
+
+
+class ResponseText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # refused: no model here reads it
+
+
+class ReasoningOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # refused: no summaries here
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(RequestBody):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    text: ResponseText | None = None
+    reasoning: ReasoningOptions | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    # Taken, changing nothing here.
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's sampling and template extras, as on chat.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+
+    @field_validator("input")
+    @classmethod
+    def _input_not_empty(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(v, list) and not v:
+            raise ValueError("input must not be empty")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_limits(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} metadata pairs")
+        for key, value in v.items():
+            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                raise ValueError(
+                    f"metadata keys are at most {MAX_METADATA_KEY} characters, values "
+                    f"{MAX_METADATA_VALUE}"
+                )
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _known_stream_options(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        unknown = set(v or {}) - {"include_obfuscation"}  # padding only: changes no output
+        if unknown:
+            raise ValueError(f"unsupported stream_options: {sorted(unknown)}")
+        return v
+
+    @property
+    def num_sequences(self) -> int:
+        """Engine requests behind this request: one (the Responses API has no n)."""
+        return 1
+
+    def refused(self) -> tuple[str, str] | None:
+        """The first field given that this server cannot honour: (param, why)."""
+        checks = [
+            ("background", bool(self.background), "background responses are not supported"),
+            ("include", bool(self.include), "include is not supported (no logprobs, "
+             "encrypted reasoning or tool sources to include)"),
+            ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported here"),
+            ("truncation", self.truncation == "auto", "truncation 'auto' is not supported: "
+             "an input longer than the context is refused"),
+            ("text.verbosity", self.text is not None and self.text.verbosity is not None,
+             "text.verbosity is not supported"),
+            ("reasoning.summary", self.reasoning is not None
+             and (self.reasoning.summary or self.reasoning.generate_summary) is not None,
+             "reasoning summaries are not supported (the reasoning text itself comes as a "
+             "reasoning item)"),
+        ]  # fmt: skip
+        for param, given, why in checks:
+            if given:
+                return param, why
+        return None
+
+
+# ---- input items -> chat messages ---------------------------------------------------------------
+
+
+class ItemError(ValueError):
+    """An input item this server cannot take: ``param`` names where it is."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def item_text(content: Any, param: str) -> str:
+    """A message item's content as one string: text parts joined; images and files refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ItemError("content must be a string or a list of parts", param)
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text", "reasoning_text"):
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ItemError("a text part needs its text", f"{param}.{i}.text")
+            texts.append(text)
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise ItemError(f"{kind} is not supported: this server takes text", f"{param}.{i}")
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            raise ItemError(f"unknown content part type {kind!r}", f"{param}.{i}.type")
+    return "".join(texts)
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat messages (the shape of ChatMessage)."""
+    messages: list[dict[str, Any]] = []
+    reasoning: str | None = None  # a reasoning item's text, for the next assistant turn
+    for i, item in enumerate(items):
+        param = f"input.{i}"
+        if not isinstance(item, dict):
+            raise ItemError("an input item is an object", param)
+        kind = item.get("type", "message")
+        if kind == "message":
+            message = message_of(item, param)
+            if message["role"] == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "function_call":
+            call = function_call_of(item, param)
+            assistant = open_assistant_turn(messages, reasoning)
+            reasoning = None
+            assistant.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            messages.append(tool_message_of(item, param))
+        elif kind == "reasoning":
+            reasoning = reasoning_text_of(item, param)
+        else:
+            raise ItemError(f"input items of type {kind!r} are not supported", f"{param}.type")
+    return messages
+
+
+def message_of(item: dict[str, Any], param: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise ItemError(f"unknown role {role!r}", f"{param}.role")
+    return {"role": role, "content": item_text(item.get("content", ""), f"{param}.content")}
+
+
+def function_call_of(item: dict[str, Any], param: str) -> dict[str, Any]:
+    fields = {k: item.get(k) for k in ("call_id", "name", "arguments")}
+    for key, value in fields.items():
+        if not isinstance(value, str) or (key != "arguments" and not value):
+            raise ItemError(f"a function_call item needs its {key}", f"{param}.{key}")
+    return {
+        "id": fields["call_id"],
+        "type": "function",
+        "function": {"name": fields["name"], "arguments": fields["arguments"]},
+    }
+
+
+def open_assistant_turn(messages: list[dict[str, Any]], reasoning: str | None) -> dict[str, Any]:
+    """The assistant turn a function call belongs to: the last message if it is the assistant's
+    own (its text, or calls before this one), else a new one."""
+    if messages and messages[-1]["role"] == "assistant" and reasoning is None:
+        return messages[-1]
+    turn: dict[str, Any] = {"role": "assistant", "content": ""}
+    if reasoning is not None:
+        turn["reasoning_content"] = reasoning
+    messages.append(turn)
+    return turn
+
+
+def tool_message_of(item: dict[str, Any], param: str) -> dict[str, Any]:
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise ItemError("a function_call_output item needs its call_id", f"{param}.call_id")
+    output = item.get("output")
+    text = output if isinstance(output, str) else item_text(output, f"{param}.output")
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def reasoning_text_of(item: dict[str, Any], param: str) -> str:
+    if item.get("encrypted_content"):
+        raise ItemError("encrypted reasoning is not supported", f"{param}.encrypted_content")
+    return item_text(item.get("content") or [], f"{param}.content")
+
+
+def chat_request_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat request that runs ``req`` on ``messages`` (a stored response's conversation
+    and the new input), after the instructions."""
+    if req.instructions is not None:
+        messages = [{"role": "system", "content": req.instructions}, *messages]
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "repetition_penalty": req.repetition_penalty,
+        "stream": req.stream,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "chat_template_kwargs": req.chat_template_kwargs,
+        "thinking_token_budget": req.thinking_token_budget,
+        "user": req.user,
+    }
+    if req.tools:
+        body["tools"] = [chat_tool(t) for t in req.tools]
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        named = isinstance(choice, NamedFunction)
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}} if named else choice
+        )
+    if req.text is not None and req.text.format is not None:
+        body["response_format"] = response_format(req.text.format)
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def chat_tool(tool: FunctionTool) -> dict[str, Any]:
+    function = tool.model_dump(exclude={"type"}, exclude_none=True)
+    return {"type": "function", "function": function}
+
+
+def response_format(fmt: TextFormat) -> dict[str, Any]:
+    if fmt.type != "json_schema":
+        return {"type": fmt.type}
+    schema = {"name": fmt.name, "schema": fmt.json_schema}
+    if fmt.strict is not None:
+        schema["strict"] = fmt.strict
+    return {"type": "json_schema", "json_schema": schema}

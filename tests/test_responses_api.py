@@ -1,0 +1,215 @@
+"""The Responses API (/v1/responses) through a real server on the default model with the official
+openai client: a text answer, a function tool forced and fed its output in a second turn, the
+same streamed (the client's own event accumulator builds the response), a stored response
+continued by previous_response_id, GET and DELETE of a stored response, structured output by
+text.format, and the refusals. Where a Responses request has a chat equivalent, the greedy answer
+must be the chat answer: the Responses API is a door onto the same pipeline."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server_fixture import Server, server  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": WEATHER_SCHEMA,
+}
+ASK = "What is the weather in Paris?"
+GREEDY = {"model": "default", "temperature": 0, "max_output_tokens": 48}
+
+
+def client_of(srv: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def chat_text(srv: Server, messages: list[dict[str, Any]], **extra: Any) -> str:
+    resp = client_of(srv).chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=48, **extra
+    )
+    return resp.choices[0].message.content or ""
+
+
+def test_a_text_answer_is_the_chat_answer(server: Server) -> None:  # noqa: F811
+    resp = client_of(server).responses.create(
+        input="Name a color.", instructions="Answer in one word.", **GREEDY
+    )
+    assert resp.object == "response" and resp.status in ("completed", "incomplete")
+    assert [item.type for item in resp.output] == ["message"]
+    messages = [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Name a color."},
+    ]
+    assert resp.output_text == chat_text(server, messages)
+    assert resp.usage.output_tokens >= 1 and resp.usage.input_tokens > 10
+    assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
+
+
+FORCED = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+
+
+def forced_call(srv: Server, **extra: Any) -> Any:
+    """One call of the weather function, forced (a grammar of the call syntax)."""
+    return client_of(srv).responses.create(input=ASK, **FORCED, **GREEDY, **extra)
+
+
+def the_call(resp: Any) -> Any:
+    calls = [item for item in resp.output if item.type == "function_call"]
+    assert len(calls) >= 1, resp.output
+    return calls[0]
+
+
+def test_a_function_call_then_its_output_in_a_second_turn(server: Server) -> None:  # noqa: F811
+    first = forced_call(server)
+    call = the_call(first)
+    assert call.name == "get_weather" and call.call_id.startswith("call")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    second = client_of(server).responses.create(
+        input=[{"role": "user", "content": ASK}, call.model_dump(), result],
+        tools=[WEATHER],
+        **GREEDY,
+    )
+    # The same conversation over chat completions: the tool call and its result as messages.
+    tool_call = {
+        "id": call.call_id, "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }  # fmt: skip
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
+    ]
+    chat_tools = [
+        {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    ]
+    assert second.output_text == chat_text(server, messages, tools=chat_tools)
+    # And continued from the stored first response instead of resending it: the same answer.
+    third = client_of(server).responses.create(
+        input=[result], previous_response_id=first.id, tools=[WEATHER], **GREEDY
+    )
+    assert third.output_text == second.output_text
+
+
+def test_a_stream_builds_the_same_response(server: Server) -> None:  # noqa: F811
+    whole = forced_call(server, store=False)
+    events = []
+    with client_of(server).responses.stream(input=ASK, **FORCED, **GREEDY) as stream:
+        for event in stream:
+            events.append(event)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds
+    numbers = [e.sequence_number for e in events]
+    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
+    streamed, plain = the_call(final), the_call(whole)
+    assert (streamed.name, streamed.arguments) == (plain.name, plain.arguments)
+    assert final.status == "completed"
+
+
+def test_text_output_streams_its_deltas(server: Server) -> None:  # noqa: F811
+    whole = client_of(server).responses.create(input="Say hello.", store=False, **GREEDY)
+    deltas = []
+    with client_of(server).responses.stream(input="Say hello.", **GREEDY) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == whole.output_text
+
+
+def test_a_stored_response_is_read_continued_and_deleted(server: Server) -> None:  # noqa: F811
+    client = client_of(server)
+    first = client.responses.create(input="My name is Ada.", metadata={"session": "42"}, **GREEDY)
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    assert got.metadata == {"session": "42"}
+    follow = client.responses.create(
+        input="What is my name?", previous_response_id=first.id, **GREEDY
+    )
+    explicit = client.responses.create(
+        input=[
+            {"role": "user", "content": "My name is Ada."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+        **GREEDY,
+    )
+    assert follow.output_text == explicit.output_text
+    assert follow.previous_response_id == first.id
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unstored = client.responses.create(input="Hi.", store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input="Again.", previous_response_id=unstored.id, **GREEDY)
+
+
+def test_text_format_json_schema(server: Server) -> None:  # noqa: F811
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    resp = client_of(server).responses.create(
+        input="Pick a color as JSON.",
+        text={"format": {"type": "json_schema", "name": "pick", "schema": schema}},
+        **GREEDY,
+    )
+    jsonschema.validate(json.loads(resp.output_text), schema)
+    assert resp.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"background": True}, 400, "background"),
+        ({"include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({"reasoning": {"summary": "auto"}}, 400, "reasoning.summary"),
+        ({"truncation": "auto"}, 400, "truncation"),
+        ({"previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+        ({"conversation": "conv_1"}, 400, "conversation"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            400,
+            "input.0.content.0",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input.0.type"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused(
+    server: Server,  # noqa: F811
+    body: dict[str, Any],
+    status: int,
+    param: str,
+) -> None:
+    request = {"model": "default", "input": "Hi.", "max_output_tokens": 4, **body}
+    resp = httpx.post(f"{server.base_url}/v1/responses", json=request, timeout=30)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+def test_an_unknown_stored_response_is_a_404(server: Server) -> None:  # noqa: F811
+    for method in ("GET", "DELETE"):
+        resp = httpx.request(method, f"{server.base_url}/v1/responses/resp_missing", timeout=30)
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
