@@ -16,7 +16,8 @@ one or more well-formed calls whose arguments match the function's ``parameters`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,19 @@ _PROBE_TOOL = {
 
 @dataclass(frozen=True)
 class ToolSupport:
-    """How this server does tools: the parser's name and, when the model's own template ignores
-    tools, the template that renders requests with tools instead."""
+    """How this server does tools: the parser's name; when the model's own template ignores
+    tools, the template that renders requests with tools instead; the tokenizer's added tokens
+    (text to id), which a grammar writes markers as."""
 
     parser: str
     template: str | None = None
+    added_tokens: Mapping[str, int] = field(default_factory=dict, compare=False)
 
 
 def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSupport | None, str]:
     """The served model's tool support, and a sentence saying what was chosen (or why none)."""
     template = hf_tokenizer.chat_template or ""
+    added = hf_tokenizer.get_added_vocab()
     if renders_tools(hf_tokenizer):
         name = parser_flag or detect_parser(template)
         if name is None:
@@ -52,10 +56,11 @@ def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSuppor
                 "--tool-call-parser"
             )
         get_parser(name)  # ValueError for an unknown name
-        return ToolSupport(name), f"the model's chat template, parser {name}"
+        return ToolSupport(name, None, added), f"the model's chat template, parser {name}"
     if "<|im_start|>" in template and parser_flag in (None, "hermes"):
         packaged = CHATML_TOOLS_TEMPLATE.read_text()
-        return ToolSupport("hermes", packaged), "the packaged ChatML tool template, parser hermes"
+        support = ToolSupport("hermes", packaged, added)
+        return support, "the packaged ChatML tool template, parser hermes"
     return None, "the chat template does not render tools"
 
 
@@ -94,11 +99,22 @@ def plan_tools(req: ChatCompletionRequest, support: ToolSupport | None) -> ToolP
     if choice == "none":
         return NO_TOOLS
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    parser = get_parser(support.parser)
     constraint = None
     if choice == "required" or isinstance(choice, NamedToolChoice):
-        forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        parallel = req.parallel_tool_calls is not False and forced is None
-        grammar = tool_call_grammar(support.parser, tools, forced, parallel)
-        constraint = Constraint(ConstraintKind.GRAMMAR, grammar)
-    return ToolPlan(tools, support.template, parser, constraint)
+        constraint = forcing_constraint(req, support, tools)
+    return ToolPlan(tools, support.template, get_parser(support.parser, tools), constraint)
+
+
+def forcing_constraint(
+    req: ChatCompletionRequest, support: ToolSupport, tools: list[dict[str, Any]]
+) -> Constraint:
+    """The grammar constraint of ``tool_choice`` "required" or a named function; a 400 when the
+    parser's syntax cannot write such a call (never a silent fall back to "auto")."""
+    choice = req.tool_choice
+    forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    parallel = req.parallel_tool_calls is not False and forced is None
+    try:
+        grammar = tool_call_grammar(support.parser, tools, forced, parallel, support.added_tokens)
+    except ValueError as exc:
+        raise bad_request(f"tool_choice cannot be honoured: {exc}", "tool_choice") from None
+    return Constraint(ConstraintKind.GRAMMAR, grammar)
