@@ -55,7 +55,11 @@ def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSuppor
                 "the chat template renders tools but names no known call syntax: start with "
                 "--tool-call-parser"
             )
-        get_parser(name)  # ValueError for an unknown name
+        if get_parser(name).needs_special_tokens:  # (ValueError for an unknown name)
+            return None, (
+                f"parser {name} reads the special tokens that frame its calls, and this "
+                "server's text drops special tokens (skip_special_tokens): tools are refused"
+            )
         return ToolSupport(name, None, added), f"the model's chat template, parser {name}"
     if "<|im_start|>" in template and parser_flag in (None, "hermes"):
         packaged = CHATML_TOOLS_TEMPLATE.read_text()
