@@ -3,15 +3,18 @@ calls back, and the grammar that forces a call when the request demands one.
 
 Tools reach the model through a chat template (transformers' ``apply_chat_template(tools=...)``).
 At start-up ``tool_support`` looks at the served template: if it renders tools, the parser is
-``--tool-call-parser`` or the one its syntax names (frontend/tool_parsers.py ``detect_parser``);
+``--tool-call-parser`` or the one its syntax names (frontend/tool_parsers ``detect_parser``);
 if it ignores them (SmolLM2's does) but speaks ChatML, requests with tools are rendered with the
 packaged ChatML template in the Hermes convention (frontend/chat_templates/chatml_tools.jinja) and
-read with the hermes parser; otherwise a request with tools is a 400, never a silent drop.
+read with the hermes parser; otherwise a request with tools is a 400, never a silent drop. So is
+one for a parser whose markers are special tokens (harmony's), which the served text drops.
 
 Per request (``plan_tools``): ``tool_choice`` "none" leaves the tools out of the prompt and the
 output unparsed; "auto" renders them and parses whatever calls come; "required" and a named
 function also constrain generation by a grammar (``tool_call_grammar``), so the output is always
-one or more well-formed calls whose arguments match the function's ``parameters`` schema.
+one or more well-formed calls whose arguments match the function's ``parameters`` schema; a call
+the parser's syntax cannot write (a pythonic parameter name that is no Python identifier) is a
+400 on ``tool_choice``, never a fall back to "auto".
 """
 
 from __future__ import annotations

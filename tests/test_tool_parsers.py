@@ -1,4 +1,4 @@
-"""Tool-call parsing (frontend/tool_parsers.py): each convention's whole-output reading, the
+"""Tool-call parsing (frontend/tool_parsers/): each convention's whole-output reading, the
 stream's equality with it under every chunking, hold-back of partial markers, template detection,
 and the grammars that force calls, checked by llguidance on the default model's tokenizer."""
 
