@@ -137,6 +137,14 @@ FIXTURES: list[Fixture] = [
             ("get_time", {}),
         ],
     ),
+    (  # Jinja writes Python's words: None is null where null is allowed, a string stays one
+        "qwen3_coder",
+        "<tool_call>\n<function=write_file>\n<parameter=path>\nx\n</parameter>\n"
+        "<parameter=content>\nNone\n</parameter>\n<parameter=note>\nNone\n</parameter>\n"
+        "<parameter=overwrite>\nfalse\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [("write_file", {"path": "x", "content": "None", "note": None, "overwrite": False})],
+    ),
     (  # a block without </function> is content; the retry after it is a call
         "qwen3_coder",
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</tool_call>\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from frontend.tool_parsers.core import (
@@ -124,21 +125,26 @@ def declared_types(schema: dict[str, Any]) -> list[str]:
     return sorted((k for k in kinds if isinstance(k, str)), key=lambda k: k == "string")
 
 
+# What a parsed JSON value must be to count as each type (bool is an int in Python).
+JSON_KINDS: dict[str, Callable[[Any], bool]] = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+# The template writes values with Jinja's ``string`` filter: Python's True, False and None.
+WORDS = {"boolean": {"true": True, "false": False}, "null": {"null": None, "none": None}}
+
+
 def as_type(text: str, kind: str) -> Any:
     """``text`` as a value of JSON type ``kind``; MISSING when it is not one."""
     if kind == "string":
         return text
-    if kind == "boolean":  # the template writes Python's True and False
-        return {"true": True, "false": False}.get(text.strip().lower(), MISSING)
+    if kind in WORDS:
+        return WORDS[kind].get(text.strip().lower(), MISSING)
     value = json_value(text.strip())
-    wanted = {
-        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-        "object": lambda v: isinstance(v, dict),
-        "array": lambda v: isinstance(v, list),
-        "null": lambda v: v is None,
-    }.get(kind)
-    return value if value is not MISSING and wanted and wanted(value) else MISSING
+    fits = JSON_KINDS.get(kind)
+    return value if value is not MISSING and fits is not None and fits(value) else MISSING
 
 
 def json_value(text: str) -> Any:
