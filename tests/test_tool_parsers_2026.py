@@ -30,7 +30,7 @@ from frontend.tool_parsers import (
     tool_call_grammar,
 )
 from frontend.tools import ToolSupport, plan_tools, tool_support
-from tests.test_tool_parsers import random_pieces, reassemble, summary
+from tests.test_tool_parsers import calls_text, random_pieces, reassemble, summary
 
 
 def function_tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -534,8 +534,8 @@ def test_detect_parser(template: str, parser: str) -> None:
 # ---- grammars ----------------------------------------------------------------------------
 
 # Each family's markers, as its tokenizer has them: added tokens (harmony's special ones).
-PLAIN_MARKERS = ["<tool_call>", "</tool_call>", "<|python_start|>", "<|python_end|>",
-                 CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP]  # fmt: skip
+PLAIN_MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_start|>",
+                 "<|python_end|>", CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -698,6 +698,17 @@ def test_markers_are_written_as_the_tokens_they_are(
     grammar = grammar_for("deepseek_v31", vocabularies["markers"])
     assert f"<[{hf.convert_tokens_to_ids(CALL_BEGIN)}]>" in grammar and CALL_BEGIN not in grammar
     assert '"<tool_call>' in grammar_for("qwen3_coder", vocabularies["plain"])
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral"])
+def test_json_conventions_write_their_markers_as_tokens(
+    parser: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    vocabulary = vocabularies["markers"]
+    grammar = grammar_for(parser, vocabulary)
+    text = calls_text(parser, [PARIS, ("get_time", {})])
+    assert "<[" in grammar and accepts(vocabulary, grammar, text)
+    assert summary(get_parser(parser).extract(text)) == expected(None, [PARIS, ("get_time", {})])
 
 
 @pytest.mark.parametrize(
