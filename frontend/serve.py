@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem.serve")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt as JSON token ids is about 1 MiB
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # frontend/tool_parsers.py PARSERS
+# frontend/tool_parsers PARSERS, named here so that the CLI starts without importing it
+TOOL_PARSERS = (
+    "deepseek_v3", "deepseek_v31", "hermes", "llama3_json", "llama4_pythonic", "mistral",
+    "openai", "pythonic", "qwen3_coder", "qwen3_xml",
+)  # fmt: skip
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # frontend/reasoning.py PARSERS
 
 

@@ -3,20 +3,24 @@ calls back, and the grammar that forces a call when the request demands one.
 
 Tools reach the model through a chat template (transformers' ``apply_chat_template(tools=...)``).
 At start-up ``tool_support`` looks at the served template: if it renders tools, the parser is
-``--tool-call-parser`` or the one its syntax names (frontend/tool_parsers.py ``detect_parser``);
+``--tool-call-parser`` or the one its syntax names (frontend/tool_parsers ``detect_parser``);
 if it ignores them (SmolLM2's does) but speaks ChatML, requests with tools are rendered with the
 packaged ChatML template in the Hermes convention (frontend/chat_templates/chatml_tools.jinja) and
-read with the hermes parser; otherwise a request with tools is a 400, never a silent drop.
+read with the hermes parser; otherwise a request with tools is a 400, never a silent drop. So is
+one for a parser whose markers are special tokens (harmony's), which the served text drops.
 
 Per request (``plan_tools``): ``tool_choice`` "none" leaves the tools out of the prompt and the
 output unparsed; "auto" renders them and parses whatever calls come; "required" and a named
 function also constrain generation by a grammar (``tool_call_grammar``), so the output is always
-one or more well-formed calls whose arguments match the function's ``parameters`` schema.
+one or more well-formed calls whose arguments match the function's ``parameters`` schema; a call
+the parser's syntax cannot write (a pythonic parameter name that is no Python identifier) is a
+400 on ``tool_choice``, never a fall back to "auto".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +38,19 @@ _PROBE_TOOL = {
 
 @dataclass(frozen=True)
 class ToolSupport:
-    """How this server does tools: the parser's name and, when the model's own template ignores
-    tools, the template that renders requests with tools instead."""
+    """How this server does tools: the parser's name; when the model's own template ignores
+    tools, the template that renders requests with tools instead; the tokenizer's added tokens
+    (text to id), which a grammar writes markers as."""
 
     parser: str
     template: str | None = None
+    added_tokens: Mapping[str, int] = field(default_factory=dict, compare=False)
 
 
 def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSupport | None, str]:
     """The served model's tool support, and a sentence saying what was chosen (or why none)."""
     template = hf_tokenizer.chat_template or ""
+    added = hf_tokenizer.get_added_vocab()
     if renders_tools(hf_tokenizer):
         name = parser_flag or detect_parser(template)
         if name is None:
@@ -51,11 +58,16 @@ def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSuppor
                 "the chat template renders tools but names no known call syntax: start with "
                 "--tool-call-parser"
             )
-        get_parser(name)  # ValueError for an unknown name
-        return ToolSupport(name), f"the model's chat template, parser {name}"
+        if get_parser(name).needs_special_tokens:  # (ValueError for an unknown name)
+            return None, (
+                f"parser {name} reads the special tokens that frame its calls, and this "
+                "server's text drops special tokens (skip_special_tokens): tools are refused"
+            )
+        return ToolSupport(name, None, added), f"the model's chat template, parser {name}"
     if "<|im_start|>" in template and parser_flag in (None, "hermes"):
         packaged = CHATML_TOOLS_TEMPLATE.read_text()
-        return ToolSupport("hermes", packaged), "the packaged ChatML tool template, parser hermes"
+        support = ToolSupport("hermes", packaged, added)
+        return support, "the packaged ChatML tool template, parser hermes"
     return None, "the chat template does not render tools"
 
 
@@ -94,11 +106,22 @@ def plan_tools(req: ChatCompletionRequest, support: ToolSupport | None) -> ToolP
     if choice == "none":
         return NO_TOOLS
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    parser = get_parser(support.parser)
     constraint = None
     if choice == "required" or isinstance(choice, NamedToolChoice):
-        forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        parallel = req.parallel_tool_calls is not False and forced is None
-        grammar = tool_call_grammar(support.parser, tools, forced, parallel)
-        constraint = Constraint(ConstraintKind.GRAMMAR, grammar)
-    return ToolPlan(tools, support.template, parser, constraint)
+        constraint = forcing_constraint(req, support, tools)
+    return ToolPlan(tools, support.template, get_parser(support.parser, tools), constraint)
+
+
+def forcing_constraint(
+    req: ChatCompletionRequest, support: ToolSupport, tools: list[dict[str, Any]]
+) -> Constraint:
+    """The grammar constraint of ``tool_choice`` "required" or a named function; a 400 when the
+    parser's syntax cannot write such a call (never a silent fall back to "auto")."""
+    choice = req.tool_choice
+    forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    parallel = req.parallel_tool_calls is not False and forced is None
+    try:
+        grammar = tool_call_grammar(support.parser, tools, forced, parallel, support.added_tokens)
+    except ValueError as exc:
+        raise bad_request(f"tool_choice cannot be honoured: {exc}", "tool_choice") from None
+    return Constraint(ConstraintKind.GRAMMAR, grammar)

@@ -1,4 +1,4 @@
-"""Tool-call parsing (frontend/tool_parsers.py): each convention's whole-output reading, the
+"""Tool-call parsing (frontend/tool_parsers/): each convention's whole-output reading, the
 stream's equality with it under every chunking, hold-back of partial markers, template detection,
 and the grammars that force calls, checked by llguidance on the default model's tokenizer."""
 
@@ -250,11 +250,20 @@ def test_never_raises(parser: str, text: str) -> None:
 
 
 def test_get_parser_by_name() -> None:
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral"]
+    assert sorted(PARSERS) == [
+        "deepseek_v3", "deepseek_v31", "hermes", "llama3_json", "llama4_pythonic", "mistral",
+        "openai", "pythonic", "qwen3_coder", "qwen3_xml",
+    ]  # fmt: skip
     for name in PARSERS:
         assert get_parser(name).name == name
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, qwen3_coder"):
         get_parser("qwen")
+
+
+def test_the_cli_offers_every_parser() -> None:
+    from frontend.serve import TOOL_PARSERS
+
+    assert sorted(TOOL_PARSERS) == sorted(PARSERS)
 
 
 @pytest.mark.parametrize(
@@ -318,6 +327,10 @@ def call_json(name: str, args: dict[str, Any], key: str = "arguments") -> str:
     return json.dumps({"name": name, key: args})
 
 
+# The JSON conventions; the others' grammars are tested in tests/test_tool_parsers_2026.py.
+JSON_PARSERS = ["hermes", "llama3_json", "mistral"]
+
+
 def calls_text(parser: str, calls: list[tuple[str, dict[str, Any]]]) -> str:
     """``calls`` written as the model writes them in ``parser``'s convention."""
     if parser == "hermes":
@@ -330,7 +343,7 @@ def calls_text(parser: str, calls: list[tuple[str, dict[str, Any]]]) -> str:
 PARIS = ("get_weather", {"city": "Paris", "days": 3})
 
 
-@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize("parser", JSON_PARSERS)
 def test_grammar_accepts_a_call_that_the_parser_reads_back(
     parser: str, tokenizers: tuple[Any, Any]
 ) -> None:
@@ -340,7 +353,7 @@ def test_grammar_accepts_a_call_that_the_parser_reads_back(
     assert (call.name, json.loads(call.arguments)) == PARIS
 
 
-@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize("parser", JSON_PARSERS)
 def test_grammar_takes_several_calls_only_when_parallel(
     parser: str, tokenizers: tuple[Any, Any]
 ) -> None:
@@ -352,7 +365,7 @@ def test_grammar_takes_several_calls_only_when_parallel(
     assert [(c.name, json.loads(c.arguments)) for c in extracted] == calls
 
 
-@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize("parser", JSON_PARSERS)
 @pytest.mark.parametrize(
     "call",
     [
@@ -369,7 +382,7 @@ def test_grammar_rejects_a_wrong_call(
     assert not accepts(tokenizers, grammar, calls_text(parser, [call]))
 
 
-@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize("parser", JSON_PARSERS)
 def test_grammar_rejects_unfinished_or_extra_text(parser: str, tokenizers: tuple[Any, Any]) -> None:
     grammar = tool_call_grammar(parser, TOOLS, None, True)
     text = calls_text(parser, [PARIS])
@@ -378,7 +391,7 @@ def test_grammar_rejects_unfinished_or_extra_text(parser: str, tokenizers: tuple
     assert not accepts(tokenizers, grammar, text + " Done.")
 
 
-@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize("parser", JSON_PARSERS)
 def test_forced_grammar_allows_only_that_function(parser: str, tokenizers: tuple[Any, Any]) -> None:
     grammar = tool_call_grammar(parser, TOOLS, "noop", False)
     assert accepts(tokenizers, grammar, calls_text(parser, [("noop", {})]))
@@ -423,7 +436,7 @@ def function_tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
 
 def test_grammar_refuses_what_cannot_be_called() -> None:
     with pytest.raises(ValueError, match="llama3_json"):
-        tool_call_grammar("pythonic", TOOLS, None, False)
+        tool_call_grammar("nonesuch", TOOLS, None, False)
     with pytest.raises(ValueError, match="not among the tools"):
         tool_call_grammar("hermes", TOOLS, "get_time", False)
     with pytest.raises(ValueError, match="no function tools"):

@@ -1,0 +1,187 @@
+"""Grammars that force a tool call: an llguidance Lark grammar whose only outputs are calls, in a
+convention's syntax, to the request's functions, with arguments that match each function's
+``parameters`` schema (``%json`` sub-grammars). Each convention describes its syntax with a
+``CallSyntax``; ``build_grammar`` puts the pieces together.
+
+A marker that the tokenizer has as one added token (``<tool_call>`` in Qwen's, harmony's
+``<|channel|>``) is written as that token (``<[id]>``): llguidance treats every added token as
+special, so a quoted marker could only be spelled out of ordinary tokens, which the model was
+never trained to do."""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# The JSON layout the grammar allows: fixed separators as the models were trained (", " and ": ")
+# and no free whitespace, which a small model can pad with forever.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+PARAMETERS_DEF = "tandem_parameters"  # where a property's schema finds its function's schema
+
+
+class LarkWriter:
+    """Lark pieces for one tokenizer: literal text, with ``markers`` that are added tokens of
+    the tokenizer written as those tokens."""
+
+    def __init__(self, markers: Iterable[str], added_tokens: Mapping[str, int]) -> None:
+        self.tokens = {m: added_tokens[m] for m in markers if m in added_tokens}
+        longest_first = sorted(self.tokens, key=len, reverse=True)
+        self.splitter = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def text(self, text: str) -> str:
+        """A Lark expression for exactly ``text``; nothing for no text."""
+        parts = self.splitter.split(text) if self.tokens else [text]
+        return lark_sequence(*(self.piece(p) for p in parts if p))
+
+    def piece(self, part: str) -> str:
+        return f"<[{self.tokens[part]}]>" if part in self.tokens else literal(part)
+
+    def token(self, marker: str) -> str:
+        """``marker`` as the special token it must be; ValueError when the tokenizer lacks it."""
+        if marker not in self.tokens:
+            raise ValueError(f"the model's tokenizer has no {marker} token to force a call with")
+        return f"<[{self.tokens[marker]}]>"
+
+    @staticmethod
+    def json(schema: dict[str, Any]) -> str:
+        """A ``%json`` sub-grammar for ``schema`` in the models' compact layout."""
+        return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+
+
+class CallSyntax(ABC):
+    """How one convention writes calls: ``frame`` gives the Lark expressions before the first
+    call, between two calls and after the last; ``call`` the rules of one call to a function.
+    ``markers``: the texts that may be added tokens; ``single_call``: the call ends generation
+    (its end marker is a stop token), so there is never more than one."""
+
+    markers: tuple[str, ...] = ()
+    single_call: bool = False
+
+    def frame(self, lark: LarkWriter) -> tuple[str, str, str]:
+        return "", "", ""
+
+    def rules(self, lark: LarkWriter) -> list[str]:
+        """Rules the calls share."""
+        return []
+
+    @abstractmethod
+    def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
+        """Lark rules defining ``rule`` as one call to ``function`` (helpers named ``rule_*``)."""
+
+
+def build_grammar(
+    syntax: CallSyntax,
+    tools: list[dict[str, Any]],
+    forced: str | None,
+    parallel: bool,
+    added_tokens: Mapping[str, int] | None = None,
+) -> str:
+    """The grammar whose outputs are one call (``parallel``: one or more) written in
+    ``syntax``, each to one of ``tools`` (only ``forced``, when given). ValueError when no tool
+    can be called or the syntax cannot write a call to one."""
+    lark = LarkWriter(syntax.markers, added_tokens or {})
+    functions = callable_functions(tools, forced)
+    before, between, after = syntax.frame(lark)
+    more = f"({lark_sequence(between, 'call')})*" if parallel and not syntax.single_call else ""
+    lines = ["start: " + lark_sequence(before, "call", more, after)]
+    lines.append("call: " + " | ".join(f"tool_{i}" for i in range(len(functions))))
+    lines += syntax.rules(lark)
+    for i, function in enumerate(functions):
+        lines += syntax.call(lark, function, f"tool_{i}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class JsonEnvelope(CallSyntax):
+    """Calls as ``{"name": ..., "<arguments_key>": {...}}`` objects, framed by fixed text."""
+
+    arguments_key: str
+    before: str  # before the first call
+    between: str  # between two calls
+    after: str  # after the last call
+    call_before: str = ""  # around every call
+    call_after: str = ""
+    markers: tuple[str, ...] = ()
+
+    def frame(self, lark: LarkWriter) -> tuple[str, str, str]:
+        return lark.text(self.before), lark.text(self.between), lark.text(self.after)
+
+    def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
+        body = lark.json(call_schema(function, self.arguments_key))
+        text = lark_sequence(lark.text(self.call_before), body, lark.text(self.call_after))
+        return [f"{rule}: {text}"]
+
+
+def lark_sequence(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
+
+
+def literal(text: str) -> str:
+    """``text`` as a Lark string literal (a JSON string is one); nothing for no text."""
+    return json.dumps(text) if text else ""
+
+
+def callable_functions(tools: list[dict[str, Any]], forced: str | None) -> list[dict[str, Any]]:
+    """The function objects of ``tools`` the output may call."""
+    functions = [t["function"] for t in tools if t.get("type", "function") == "function"]
+    if forced is not None:
+        functions = [f for f in functions if f.get("name") == forced]
+        if not functions:
+            raise ValueError(f"tool_choice names {forced!r}, which is not among the tools")
+    if not functions:
+        raise ValueError("a tool call is required but there are no function tools")
+    return functions
+
+
+def parameters_of(function: dict[str, Any]) -> dict[str, Any]:
+    """The function's arguments schema; an object of anything when it gives none."""
+    parameters = function.get("parameters")
+    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+def call_schema(function: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+    """A JSON schema for a call to ``function``: its name as a constant, so that the name and the
+    arguments' schema agree."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            arguments_key: rebase_refs(parameters_of(function), f"#/properties/{arguments_key}"),
+        },
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def property_schema(parameters: dict[str, Any], name: str) -> dict[str, Any]:
+    """The schema of one argument, standing alone: where it refers into the function's schema
+    ("#/$defs/x", "#"), that schema comes along under ``$defs``."""
+    schema = parameters.get("properties", {}).get(name)
+    schema = schema if isinstance(schema, dict) else {}
+    if not has_ref(schema):
+        return schema
+    base = f"#/$defs/{PARAMETERS_DEF}"
+    return {**rebase_refs(schema, base), "$defs": {PARAMETERS_DEF: rebase_refs(parameters, base)}}
+
+
+def has_ref(schema: Any) -> bool:
+    if isinstance(schema, list):
+        return any(map(has_ref, schema))
+    return isinstance(schema, dict) and ("$ref" in schema or any(map(has_ref, schema.values())))
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s ("#/$defs/x", "#") pointing to where it now sits."""
+    if isinstance(schema, list):
+        return [rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: rebase_refs(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
