@@ -103,7 +103,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     tok = ctx.tokenizer
     rendered = await tok.run(tok.render_chat, chat_render(ctx, req, tools))
     reasoning = reasoning_plan(ctx, req, rendered.text)
-    if reasoning is not None and (extras.constraint or req.thinking_token_budget is not None):
+    if composes_after_reasoning(reasoning, tools, req, extras.constraint is not None):
         constraint = after_reasoning(
             reasoning.parser, reasoning.in_reasoning, extras.constraint, req.thinking_token_budget
         )
@@ -112,6 +112,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     prompt = rendered.token_ids
     max_tokens = check_context(ctx, len(prompt), req.max_output_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if keeps_special_tokens(tools, reasoning):
+        req = req.model_copy(update={"skip_special_tokens": False})
     gen = ChatGeneration.for_request(
         ctx, req, [prompt], max_tokens, logprobs, extras, "chatcmpl", arrival
     )
@@ -177,6 +179,34 @@ def reasoning_plan(
     return ReasoningPlan(parser, parser.in_reasoning(prompt), req.include_reasoning)
 
 
+def composes_after_reasoning(
+    reasoning: ReasoningPlan | None,
+    tools: ToolPlan,
+    req: ChatCompletionRequest,
+    constrained: bool,
+) -> bool:
+    """Whether the request's constraint (or its thinking budget) needs a grammar that starts
+    after the reasoning. A forced harmony call's own grammar already opens with an optional
+    analysis message, which a budget cannot bound (refused)."""
+    if reasoning is None:
+        return False
+    if tools.constraint is not None and reasoning.parser.needs_special_tokens:
+        if req.thinking_token_budget is not None:
+            raise bad_request(
+                "thinking_token_budget cannot bound the analysis before a forced harmony tool call",
+                "thinking_token_budget",
+            )
+        return False
+    return constrained or req.thinking_token_budget is not None
+
+
+def keeps_special_tokens(tools: ToolPlan, reasoning: ReasoningPlan | None) -> bool:
+    """Whether the output's text must keep special tokens: a parser's markers are some
+    (harmony's), whatever skip_special_tokens asks."""
+    parsers = [tools.parser, reasoning.parser if reasoning is not None else None]
+    return any(p is not None and p.needs_special_tokens for p in parsers)
+
+
 def log_user(req: ChatCompletionRequest) -> None:
     if req.user is not None:
         logger.info("chat request for user %r", req.user)
@@ -219,13 +249,31 @@ def response_message(
     gen: ChatGeneration, req: ChatCompletionRequest, choice: Choice
 ) -> ChatResponseMessage:
     text, reasoning = choice.text.text, None
-    if gen.reasoning is not None:
-        split = gen.reasoning.parser.split(text, gen.reasoning.in_reasoning)
-        text = split.content
-        reasoning = split.reasoning if gen.reasoning.include else None
-    message = answer_message(gen, req, gen.echo + text)
+    plan = gen.reasoning
+    if plan is None:
+        return answer_message(gen, req, gen.echo + text)
+    split = plan.parser.split(text, plan.in_reasoning)
+    if plan.splitter().reads_tool_calls:  # the split read the calls too (harmony)
+        message = called_message(gen, req, gen.echo + split.content, list(split.tool_calls))
+    else:
+        message = answer_message(gen, req, gen.echo + split.content)
+    reasoning = split.reasoning if plan.include else None
     message.reasoning_content = message.reasoning = reasoning
     return message
+
+
+def called_message(
+    gen: ChatGeneration, req: ChatCompletionRequest, content: str, calls: list[ToolCall]
+) -> ChatResponseMessage:
+    """The answer and the calls a reasoning parser read (kept only where tools were offered)."""
+    if gen.tools.parser is None:
+        calls = []
+    if req.parallel_tool_calls is False:
+        calls = calls[:1]
+    if not calls:
+        return ChatResponseMessage(content=content)
+    out = [tool_call_out(c) for c in calls]
+    return ChatResponseMessage(content=content or None, tool_calls=out)
 
 
 def answer_message(
@@ -294,25 +342,44 @@ class ChoiceStream:
     def __init__(
         self, tools: ToolPlan, req: ChatCompletionRequest, reasoning: ReasoningPlan | None
     ) -> None:
-        self.streamer: ToolCallStreamer | None = (
-            tools.parser.streamer() if tools.parser is not None else None
-        )
         self.splitter = reasoning.splitter() if reasoning is not None else None
+        # A splitter that reads the calls itself (harmony) takes the tool parser's place.
+        self.split_calls = self.splitter is not None and self.splitter.reads_tool_calls
+        self.streamer: ToolCallStreamer | None = (
+            tools.parser.streamer() if tools.parser is not None and not self.split_calls else None
+        )
+        self.offered_tools = tools.parser is not None
         self.send_reasoning = reasoning is not None and reasoning.include
         self.single = req.parallel_tool_calls is False
         self.called = False
 
     def delta(self, text: str, last: bool) -> dict[str, Any]:
         reasoning = ""
+        calls: list[dict[str, Any]] = []
         if self.splitter is not None:
             split = self.splitter.push(text)
             if last:
                 split += self.splitter.finish()
-            text, reasoning = split.content, split.reasoning
+            text, reasoning, calls = split.content, split.reasoning, split.tool_calls
         out: dict[str, Any] = {}
         if reasoning and self.send_reasoning:
             out["reasoning_content"] = out["reasoning"] = reasoning
-        out.update(self.answer_delta(text, last))
+        if self.split_calls:
+            out.update(self.split_delta(text, calls if self.offered_tools else []))
+        else:
+            out.update(self.answer_delta(text, last))
+        return out
+
+    def split_delta(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """The answer and call fragments a splitter read (harmony)."""
+        if self.single:
+            calls = [c for c in calls if c["index"] == 0]
+        self.called = self.called or bool(calls)
+        out: dict[str, Any] = {}
+        if content:
+            out["content"] = content
+        if calls:
+            out["tool_calls"] = calls
         return out
 
     def answer_delta(self, text: str, last: bool) -> dict[str, Any]:

@@ -10,6 +10,11 @@ Chosen by ``--reasoning-parser`` (vLLM's names; our own code):
   with ``<think>`` or the prompt left a ``<think>`` block open (a thinking-only template); an
   output that does neither is all answer (``enable_thinking: false`` closes an empty block in
   the prompt).
+- ``openai_gptoss`` (gpt-oss, the harmony format): the ``analysis`` channel is the reasoning,
+  the ``final`` channel (and commentary preambles) the answer, and messages to
+  ``functions.NAME`` tool calls: the harmony tool-call parser's state machine
+  (frontend/tool_parsers/harmony.py) reads all three, so this parser also carries the calls.
+  Its markers are special tokens, which the text then keeps.
 
 Both share one state machine (``ThinkSplitter``), so a streamed split reassembles to the whole
 text's split for every way the text may be chunked: text that could still be the start of a
@@ -28,9 +33,17 @@ from __future__ import annotations
 import enum
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from frontend.tool_parsers import StreamDelta, ToolCall, assemble
+from frontend.tool_parsers.harmony import (
+    CHANNEL,
+    END,
+    MESSAGE,
+    START,
+    HarmonyStreamer,
+)
 from protocol.messages import Constraint, ConstraintKind
 
 THINK_START = "<think>"
@@ -40,19 +53,24 @@ _WHITESPACE = " \t\r\n"
 
 @dataclass
 class ReasoningDelta:
-    """What a piece of output adds to the reasoning and to the answer."""
+    """What a piece of output adds to the reasoning and to the answer (and, from a splitter
+    that reads calls, tool-call fragments in OpenAI's streamed shape)."""
 
     reasoning: str = ""
     content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def __iadd__(self, other: ReasoningDelta) -> ReasoningDelta:
         self.reasoning += other.reasoning
         self.content += other.content
+        self.tool_calls += other.tool_calls
         return self
 
 
 class Splitter(ABC):
     """One choice's split, fed its text as it is released."""
+
+    reads_tool_calls: ClassVar[bool] = False  # its deltas carry the calls (harmony)
 
     @abstractmethod
     def push(self, text: str) -> ReasoningDelta: ...
@@ -159,12 +177,14 @@ class ThinkSplitter(Splitter):
 class ReasoningSplit:
     reasoning: str | None  # None: the output had no reasoning part
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # from a parser that reads calls (harmony)
 
 
 class ReasoningParser(ABC):
     """A reasoning convention, bound to a tokenizer (its marker tokens)."""
 
     name: ClassVar[str]
+    needs_special_tokens: ClassVar[bool] = False  # its markers are special tokens
 
     @abstractmethod
     def in_reasoning(self, prompt: str) -> bool:
@@ -178,7 +198,9 @@ class ReasoningParser(ABC):
         splitter = self.splitter(in_reasoning)
         delta = splitter.push(text)
         delta += splitter.finish()
-        return ReasoningSplit(delta.reasoning if splitter.reasoned else None, delta.content)
+        reasoning = delta.reasoning if splitter.reasoned else None
+        calls = assemble([StreamDelta(tool_calls=delta.tool_calls)]).tool_calls
+        return ReasoningSplit(reasoning, delta.content, tuple(calls))
 
     @abstractmethod
     def reasoning_tokens(self, token_ids: list[int], in_reasoning: bool) -> int:
@@ -241,9 +263,76 @@ class Qwen3Parser(ThinkTagParser):
         return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
 
 
+class HarmonySplitter(Splitter):
+    """The harmony tool-call parser's state machine, read for all three parts."""
+
+    reads_tool_calls = True
+
+    def __init__(self) -> None:
+        self.streamer = HarmonyStreamer()
+        self._reasoned = False
+
+    @property
+    def reasoned(self) -> bool:
+        return self._reasoned
+
+    def push(self, text: str) -> ReasoningDelta:
+        return self._of(self.streamer.push(text))
+
+    def finish(self) -> ReasoningDelta:
+        return self._of(self.streamer.finish())
+
+    def _of(self, delta: StreamDelta) -> ReasoningDelta:
+        self._reasoned = self._reasoned or bool(delta.reasoning)
+        return ReasoningDelta(delta.reasoning, delta.content, list(delta.tool_calls))
+
+
+class HarmonyParser(ReasoningParser):
+    """gpt-oss's harmony messages: ``<|channel|>analysis<|message|>...<|end|>`` then
+    ``<|start|>assistant<|channel|>final<|message|>...``."""
+
+    name = "openai_gptoss"
+    needs_special_tokens = True
+    markers = (CHANNEL, MESSAGE, END, START)
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.ids = {m: single_token_id(hf_tokenizer, m) for m in self.markers}
+
+    def in_reasoning(self, prompt: str) -> bool:
+        return False  # every message of the output opens with its own header
+
+    def splitter(self, in_reasoning: bool) -> Splitter:
+        return HarmonySplitter()
+
+    def reasoning_tokens(self, token_ids: list[int], in_reasoning: bool) -> int:
+        """The analysis message's tokens, its header and end included, where the output opens
+        with one (the tokens of a later analysis message are not counted)."""
+        end = self.ids[END]
+        if end is None or end not in token_ids:
+            return 0
+        head = token_ids[: token_ids.index(end) + 1]
+        return len(head) if head[:1] == [self.ids[CHANNEL]] else 0
+
+    def reasoning_grammar(self, in_reasoning: bool, budget: int | None) -> str:
+        missing = [m for m, token in self.ids.items() if token is None]
+        if missing:
+            raise ValueError(
+                f"the tokenizer has no harmony tokens {missing}, which a grammar after the "
+                "reasoning (structured output, tool_choice or a thinking budget) needs"
+            )
+        channel, message, end, start = (f"<[{self.ids[m]}]>" for m in self.markers)
+        limit = "" if budget is None else f"[max_tokens={budget}]"
+        analysis = f'{channel} "analysis" {message} thinking? {end} {start} "assistant"'
+        return (
+            f'start: ({analysis})? {channel} "final" {message} @answer\n'
+            f"thinking{limit}: /(.|\\n)+/\n"
+        )
+
+
 PARSERS: dict[str, type[ReasoningParser]] = {
     DeepSeekR1Parser.name: DeepSeekR1Parser,
     Qwen3Parser.name: Qwen3Parser,
+    HarmonyParser.name: HarmonyParser,
 }
 
 

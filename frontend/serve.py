@@ -37,7 +37,7 @@ TOOL_PARSERS = (
     "deepseek_v3", "deepseek_v31", "hermes", "llama3_json", "llama4_pythonic", "mistral",
     "openai", "pythonic", "qwen3_coder", "qwen3_xml",
 )  # fmt: skip
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # frontend/reasoning.py PARSERS
+REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")  # frontend/reasoning.py PARSERS
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ At start-up ``tool_support`` looks at the served template: if it renders tools, 
 ``--tool-call-parser`` or the one its syntax names (frontend/tool_parsers ``detect_parser``);
 if it ignores them (SmolLM2's does) but speaks ChatML, requests with tools are rendered with the
 packaged ChatML template in the Hermes convention (frontend/chat_templates/chatml_tools.jinja) and
-read with the hermes parser; otherwise a request with tools is a 400, never a silent drop. So is
-one for a parser whose markers are special tokens (harmony's), which the served text drops.
+read with the hermes parser; otherwise a request with tools is a 400, never a silent drop. A
+parser whose markers are special tokens (harmony's) has the output decoded keeping them.
 
 Per request (``plan_tools``): ``tool_choice`` "none" leaves the tools out of the prompt and the
 output unparsed; "auto" renders them and parses whatever calls come; "required" and a named
@@ -58,11 +58,7 @@ def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSuppor
                 "the chat template renders tools but names no known call syntax: start with "
                 "--tool-call-parser"
             )
-        if get_parser(name).needs_special_tokens:  # (ValueError for an unknown name)
-            return None, (
-                f"parser {name} reads the special tokens that frame its calls, and this "
-                "server's text drops special tokens (skip_special_tokens): tools are refused"
-            )
+        get_parser(name)  # ValueError for an unknown name
         return ToolSupport(name, None, added), f"the model's chat template, parser {name}"
     if "<|im_start|>" in template and parser_flag in (None, "hermes"):
         packaged = CHATML_TOOLS_TEMPLATE.read_text()

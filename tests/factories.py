@@ -126,3 +126,43 @@ def write_thinking_model(path: Path, tokenizer_source: Path) -> Path:
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     return path
+
+
+HARMONY_TOKENS = (
+    "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
+)  # fmt: skip
+# A chat template in gpt-oss's harmony format (written from OpenAI's harmony guide, shortened):
+# every message framed by <|start|>ROLE ... <|message|> ... <|end|>, tools in a developer message,
+# the assistant's turn opened for the model to pick its channel (<|channel|>analysis or final).
+HARMONY_TEMPLATE = """\
+{#- the assistant writes <|channel|>analysis or <|channel|>final, then <|message|> -#}
+{%- if tools %}<|start|>developer<|message|># Tools
+{{ tools | tojson }}<|end|>{%- endif %}
+{%- for message in messages %}<|start|>{{ message['role'] }}<|message|>
+{{- message['content'] }}<|end|>
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"""
+
+
+def write_harmony_model(path: Path, tokenizer_source: Path) -> Path:
+    """A 2-layer random Llama whose tokenizer has gpt-oss's harmony markers as special tokens
+    (<|return|> its end of turn) and whose template speaks harmony."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_TOKENS)})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    tokenizer.eos_token = "<|return|>"
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(1)
+    end = tokenizer.convert_tokens_to_ids("<|return|>")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=end, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return path

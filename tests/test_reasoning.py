@@ -14,6 +14,7 @@ import pytest
 from frontend.reasoning import (
     DeepSeekR1Parser,
     Qwen3Parser,
+    ReasoningDelta,
     ReasoningParser,
     ReasoningSplit,
     after_reasoning,
@@ -213,3 +214,96 @@ def test_the_schema_does_not_bind_the_reasoning(thinking_tokenizer: object) -> N
     schema = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
     matcher = matcher_for(after_reasoning(DeepSeekR1Parser(tok), True, schema, None), tok)
     assert matcher.consume_tokens(tok.encode("not json {{ at all", add_special_tokens=False))
+
+
+# ---- harmony (gpt-oss) --------------------------------------------------------------------------
+
+HARMONY = (
+    "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer(default_model_dir: Path) -> object:
+    """The default model's tokenizer with gpt-oss's harmony markers added as special tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    tok.add_special_tokens({"additional_special_tokens": list(HARMONY)})
+    return tok
+
+
+# Written from OpenAI's harmony guide: the analysis channel, then a final answer or a call.
+HARMONY_CASES = [
+    (
+        "<|channel|>analysis<|message|>The user greets me.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hello there!<|return|>",
+        ReasoningSplit("The user greets me.", "Hello there!"),
+        [],
+    ),
+    (
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
+        ReasoningSplit("Need the weather.", ""),
+        [("get_weather", '{"city":"Paris"}')],
+    ),
+    (
+        "<|channel|>final<|message|>No thinking, just this.<|return|>",
+        ReasoningSplit(None, "No thinking, just this."),
+        [],
+    ),
+    (
+        "<|channel|>analysis<|message|>cut off while thinking",
+        ReasoningSplit("cut off while thinking", ""),
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", HARMONY_CASES)
+def test_harmony_splits_reasoning_answer_and_calls_whole_and_streamed(
+    harmony_tokenizer: object, case: tuple[str, ReasoningSplit, list[tuple[str, str]]]
+) -> None:
+    text, expected, calls = case
+    parser = parser_of("openai_gptoss", harmony_tokenizer)
+    got = parser.split(text, False)
+    assert (got.reasoning, got.content) == (expected.reasoning, expected.content)
+    assert [(c.name, c.arguments) for c in got.tool_calls] == calls
+    for pieces in cuts(text):
+        splitter = parser.splitter(False)
+        delta = ReasoningDelta()
+        for piece in pieces:
+            delta += splitter.push(piece)
+        delta += splitter.finish()
+        assert (delta.reasoning, delta.content) == (expected.reasoning or "", expected.content)
+        named = [c["function"]["name"] for c in delta.tool_calls if "id" in c]
+        assert named == [name for name, _ in calls], pieces
+
+
+def test_harmony_reasoning_tokens_are_the_analysis_message(harmony_tokenizer: object) -> None:
+    tok = harmony_tokenizer
+    parser = parser_of("openai_gptoss", tok)
+    analysis = tok.encode(
+        "<|channel|>analysis<|message|>think think<|end|>", add_special_tokens=False
+    )
+    final = tok.encode("<|start|>assistant<|channel|>final<|message|>hi", add_special_tokens=False)
+    assert parser.reasoning_tokens(analysis + final, False) == len(analysis)
+    assert parser.reasoning_tokens(final, False) == 0
+
+
+def test_a_budget_ends_the_analysis_then_the_final_answer_holds_the_schema(
+    harmony_tokenizer: object,
+) -> None:
+    tok = harmony_tokenizer
+    ids = {m: tok.convert_tokens_to_ids(m) for m in HARMONY}
+    schema = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    matcher = matcher_for(after_reasoning(parser_of("openai_gptoss", tok), False, schema, 2), tok)
+    header = tok.encode("<|channel|>analysis<|message|>", add_special_tokens=False)
+    assert matcher.consume_tokens(header)
+    thought = tok.encode(" hmm let me see", add_special_tokens=False)
+    assert matcher.consume_tokens(thought[:2])
+    assert allowed(matcher, len(tok)) == {ids["<|end|>"]}  # the budget is spent
+    rest = tok.encode(
+        '<|end|><|start|>assistant<|channel|>final<|message|>{"ok":false}', add_special_tokens=False
+    )
+    assert matcher.consume_tokens(rest) and matcher.is_accepting()

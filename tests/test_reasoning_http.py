@@ -189,3 +189,92 @@ def test_the_responses_api_gives_a_reasoning_item_then_the_answer(thinking_serve
     assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
     assert final.output_text == resp.output_text
     assert final.output[0].content[0].text == resp.output[0].content[0].text
+
+
+# ---- harmony (gpt-oss's format), on a tiny model whose tokenizer and template speak it -------
+
+
+@pytest.fixture(scope="module")
+def harmony_server(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Iterator[Server]:
+    from tests.factories import write_harmony_model
+
+    model = write_harmony_model(tmp_path_factory.mktemp("harmony"), default_model_dir)
+    args = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "default"]
+    args += ["--reasoning-parser", "openai_gptoss"]
+    srv = start_server(tmp_path_factory.mktemp("serve-harmony"), model=str(model), args=args)
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_harmony_answer_in_the_final_channel_holds_the_schema(harmony_server: Server) -> None:
+    resp = client_of(harmony_server).chat.completions.create(
+        model="default",
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "sky", "schema": SCHEMA}},
+        extra_body={"thinking_token_budget": BUDGET},
+    )
+    message = resp.choices[0].message
+    assert "<|" not in message.content  # the harmony markers are framing, not the answer
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+    reasoning = reasoning_of(message)
+    assert reasoning is None or "<|" not in reasoning
+
+
+def not_analysis(srv: Server) -> dict[str, float]:
+    """A logit bias that keeps the model from opening an analysis message (the tiny random
+    model would think until max_tokens): against every token that starts "analysis"."""
+    from transformers import AutoTokenizer
+
+    model_dir = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["root"]
+    vocab = AutoTokenizer.from_pretrained(model_dir).get_vocab()
+    prefixes = [t for t in vocab if t and "analysis".startswith(t.lstrip("Ġ"))]
+    return {str(vocab[t]): -100.0 for t in prefixes}
+
+
+def test_harmony_tool_call_is_read_from_its_commentary_message(harmony_server: Server) -> None:
+    body = {
+        "model": "default", "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
+        "tools": [WEATHER], "tool_choice": "required", "logit_bias": not_analysis(harmony_server),
+    }  # fmt: skip
+    resp = client_of(harmony_server).chat.completions.create(**body)
+    choice = resp.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and choice.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed = [
+        c.choices[0].delta
+        for c in client_of(harmony_server).chat.completions.create(**body, stream=True)
+        if c.choices
+    ]
+    fragments = [tc for d in streamed for tc in (d.tool_calls or [])]
+    assert fragments[0].function.name == "get_weather"
+    assert "".join(f.function.arguments or "" for f in fragments) == call.function.arguments
+
+
+def test_a_budget_cannot_bound_a_forced_harmony_call(harmony_server: Server) -> None:
+    body = {
+        "model": "default", "messages": MESSAGES, "max_tokens": 8, "tools": [WEATHER],
+        "tool_choice": "required", "thinking_token_budget": 4,
+    }  # fmt: skip
+    resp = httpx.post(f"{harmony_server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "thinking_token_budget"

@@ -30,8 +30,8 @@ or format guide writes it:
   (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``) is a
   call, the ``final`` channel and commentary preambles are content, the ``analysis`` channel is
   the model's thinking (``StreamDelta.reasoning``; ``split_harmony`` splits a whole output).
-  Its markers are special tokens, so the text must keep them (``needs_special_tokens``; until
-  the served text does, frontend/tools.py refuses tools with this parser).
+  Its markers are special tokens, so the text keeps them (``needs_special_tokens``: the chat
+  route decodes with special tokens for it).
 
 One state machine per convention does both jobs: ``extract`` runs the streamer over the whole text
 at once, so the calls and content a client reassembles from a stream are, by construction, the
