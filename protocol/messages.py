@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 # 4: AddRequest carries num_output_tokens (a resumed request)
 # 5: a finished RequestOutput carries its engine timings; Stats carries EngineCounts
 # 6: AddRequest carries output_interval (the engine holds a request's tokens back)
-PROTOCOL_VERSION = 6
+# 7: embeddings: AddRequest may carry pooling, a step's output its pooled vector, Ready the
+#    engine's embedding model; each a trailing field that a frame without it leaves out
+PROTOCOL_VERSION = 7
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -38,6 +40,10 @@ class FinishReason(enum.IntEnum):
     ABORT = 2  # aborted by the client
     ERROR = 3  # the engine could not serve the request
     DEAD_END = 4  # the request's constraint allowed no token (see engine_core/grammar.py)
+    # A pooling (embedding) request's prompt has run: its output is the vector, not a token
+    # (RequestOutput.embedding). Its own reason, not LENGTH or STOP, so that no reader takes
+    # it for the end of a generation.
+    POOLED = 5
 
     @property
     def openai_name(self) -> str:
@@ -50,6 +56,7 @@ _OPENAI_FINISH_NAMES = {
     FinishReason.ABORT: "abort",
     FinishReason.ERROR: "error",
     FinishReason.DEAD_END: "constraint_dead_end",
+    FinishReason.POOLED: "stop",  # as vLLM reports a finished pooling request
 }
 
 
@@ -61,6 +68,13 @@ class ConstraintKind(enum.IntEnum):
     REGEX = 3  # spec: a regular expression the whole output matches
     CHOICE = 4  # spec: a JSON list of strings, the output is one of them
     GRAMMAR = 5  # spec: a grammar in GBNF/EBNF or in llguidance's Lark syntax
+
+
+class PoolingKind(enum.IntEnum):
+    """How an embedding request's vector is made from its prompt's final hidden states."""
+
+    LAST = 1  # the last prompt token's (Qwen3-Embedding, e5-mistral)
+    MEAN = 2  # the mean over every prompt token's
 
 
 class ControlKind(enum.IntEnum):
@@ -106,6 +120,29 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: its prompt runs through the model with nothing sampled, and its
+    vector comes back: pooled (``kind``), cut to its first ``dimensions`` values where given
+    (Matryoshka), then scaled to unit L2 norm where ``normalize``."""
+
+    kind: PoolingKind = PoolingKind.LAST
+    normalize: bool = True
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingModel:
+    """What an embedding engine's model gives, as its checkpoint says (Ready.embedding)."""
+
+    pooling: PoolingKind
+    normalize: bool
+    size: int  # the vector's length: the hidden size
+    matryoshka: bool = False  # trained so that a vector's first N values embed too
+    # The only lengths it may be cut to, where the checkpoint names them; empty: any of 1..size.
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Hello:
     client_name: str = ""
 
@@ -125,6 +162,9 @@ class AddRequest:
     # handles the request at the steps in between. A step's runs travel in one frame, so a
     # long run with many top logprobs makes a large frame (the decoder's limit: codec.py).
     output_interval: int = 1
+    # An embedding request (params, num_output_tokens and output_interval at their defaults:
+    # it samples nothing); None: a generation.
+    pooling: PoolingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +189,7 @@ class Ready:
     block_size: int
     num_kv_blocks: int
     max_num_seqs: int
+    embedding: EmbeddingModel | None = None  # None: the engine generates; else it only embeds
 
 
 @dataclass(frozen=True)
@@ -182,6 +223,8 @@ class RequestOutput:
     # first output (the one that carries its first token).
     prompt_logprobs: list[TokenLogprobs] | None = None
     timings: RequestTimings | None = None  # in the output that finishes the request
+    # A pooling request's vector (float32 values), in the output that ends it (POOLED).
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True)

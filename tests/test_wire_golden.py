@@ -2,8 +2,10 @@
 the frame decodes back to it). A change to the codec that moves a byte of any of them changes the
 protocol, and must come with a new PROTOCOL_VERSION and new frames here.
 
-The frames were written by the codec of protocol version 6; ``python -m tests.test_wire_golden``
-prints the table for the codec as it is now.
+The frames were written by the codec of protocol version 7; ``python -m tests.test_wire_golden``
+prints the table for the codec as it is now. Version 7 added embeddings as trailing fields that
+only embedding frames carry: every frame of version 6 is the same here but for its version byte
+(``test_generation_frames_changed_only_their_version``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from protocol.messages import (
     Control,
     ControlKind,
     ControlReply,
+    EmbeddingModel,
     EngineCounts,
     FinishReason,
     Heartbeat,
     Hello,
+    PoolingKind,
+    PoolingParams,
     Ready,
     RequestError,
     RequestOutput,
@@ -75,11 +80,28 @@ MESSAGES: dict[str, Any] = {
     ),
     "add optional ints": AddRequest("o", [1], SamplingParams(seed=0, logprobs=0)),
     "add resumed": AddRequest("z", [5, 6, 7, 8], SamplingParams(max_tokens=9), 3, 16),
+    "add pooling last": AddRequest("e", [5, 6], pooling=PoolingParams()),
+    "add pooling mean cut": AddRequest(
+        "m", [7], pooling=PoolingParams(PoolingKind.MEAN, False, 256)
+    ),
     "abort none": Abort([]),
     "abort two": Abort(["a", "b"]),
     "control stats": Control(ControlKind.STATS, 7),
     "control shutdown": Control(ControlKind.SHUTDOWN, 2**64 - 1),
     "ready": Ready("default", 2048, 49152, [2, 0], 16, 1000, 256),
+    "ready embedding": Ready(
+        "embed", 512, 49152, [2], 16, 64, 8, EmbeddingModel(PoolingKind.LAST, True, 1024)
+    ),
+    "ready mrl": Ready(
+        "mrl",
+        512,
+        49152,
+        [],
+        16,
+        64,
+        8,
+        EmbeddingModel(PoolingKind.MEAN, False, 64, True, (16, 32, 64)),
+    ),  # fmt: skip
     "step empty": StepOutputs([]),
     "step one token": StepOutputs([RequestOutput("a", [5])]),
     "step finishes and logprobs": StepOutputs(
@@ -102,6 +124,15 @@ MESSAGES: dict[str, Any] = {
             RequestOutput("t", [5], FinishReason.LENGTH, timings=RequestTimings(0.0, 0.25, 1.5)),
         ]
     ),
+    "step pooled": StepOutputs(
+        [
+            RequestOutput("a", [5]),
+            RequestOutput("e", [], FinishReason.POOLED, embedding=[0.5, -0.25, 1.0]),
+            RequestOutput(
+                "f", [], FinishReason.POOLED, timings=RequestTimings(0.0, 0.5, 0.0), embedding=[2.0]
+            ),
+        ]
+    ),
     "request error": RequestError("r", "prompt too long", 413),
     "control reply stats": ControlReply(
         ControlKind.STATS,
@@ -113,80 +144,97 @@ MESSAGES: dict[str, Any] = {
 }
 
 FRAMES: dict[str, str] = {
-    "hello": "930106a0",
-    "hello named": "930106aa66726f6e74656e642d31",
+    "hello": "930107a0",
+    "hello named": "930107aa66726f6e74656e642d31",
     "add default params": (
-        "970206a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970207a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "00c0c00001"
     ),
     "add greedy params": (
-        "970206a27231c40805000000ffbf0000dc0010cd010000cb0000000000000000cb3ff00000000000"
+        "970207a27231c40805000000ffbf0000dc0010cd010000cb0000000000000000cb3ff00000000000"
         "0000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c4"
         "00c2c092c400c400c0c00001"
     ),
     "add every param": (
-        "970206a3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
+        "970207a3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
         "3fe000000000000028cb3fa999999999999acfffffffffffffffffcbc000000000000000cb3ff800"
         "0000000000cb3ff199999999999ac40c020000000d000000ffffff7fc31492c40c00000000ffffff"
         "7f07000000c41800000000000059c00000000000005940000000000000e03f9201b27b2274797065"
         "223a20226f626a656374227d030104"
     ),
     "add stop ids": (
-        "970206a173c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970207a173c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c408070000000800"
         "0000c2c092c400c400c0c00001"
     ),
     "add logit bias": (
-        "970206a162c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970207a162c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c40403"
         "000000c408000000000000f8bfc0c00001"
     ),
     "add json object": (
-        "970206a16ac40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970207a16ac40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "009202a0c00001"
     ),
     "add regex": (
-        "970206a178c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970207a178c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "009203a2612bc00001"
     ),
     "add optional ints": (
-        "970206a16fc40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970207a16fc40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "0000000000cb0000000000000000cb0000000000000000cb3ff0000000000000c400c20092c400c4"
         "00c0c00001"
     ),
     "add resumed": (
-        "970206a17ac41005000000060000000700000008000000dc00100900cb3ff0000000000000cb3ff0"
+        "970207a17ac41005000000060000000700000008000000dc00100900cb3ff0000000000000cb3ff0"
         "00000000000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000"
         "00000000c400c2c092c400c400c0c00310"
     ),
-    "abort none": "93030690",
-    "abort two": "93030692a161a162",
-    "control stats": "9404060107",
-    "control shutdown": "94040602cfffffffffffffffff",
-    "ready": "991006a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
-    "step empty": "9a110690c400c4009090809090",
-    "step one token": "9a110691a161c40401000000c404050000009090809090",
+    "add pooling last": (
+        "980207a165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
+        "0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c0"
+        "92c400c400c0c000019301c3c0"
+    ),
+    "add pooling mean cut": (
+        "980207a16dc40407000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
+        "00c0c000019302c2cd0100"
+    ),
+    "abort none": "93030790",
+    "abort two": "93030792a161a162",
+    "control stats": "9404070107",
+    "control shutdown": "94040702cfffffffffffffffff",
+    "ready": "991007a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
+    "ready embedding": "9a1007a5656d626564cd0200cdc000c404020000001040089501c3cd0400c2c400",
+    "ready mrl": "9a1007a36d726ccd0200cdc000c4001040089502c240c3c40c100000002000000040000000",
+    "step empty": "9a110790c400c4009090809090",
+    "step one token": "9a110791a161c40401000000c404050000009090809090",
     "step finishes and logprobs": (
-        "9a110693a161a162a163c40c020000000000000002000000c4100500000006000000070000000800"
+        "9a110793a161a162a163c40c020000000000000002000000c4100500000006000000070000000800"
         "00009292000092010191920294c410000000000000d0bf000000000000f0ffc40802000000000000"
         "00c4080700000009000000c410000000000000d0bf000000000000f8bf82a16402a165039090"
     ),
     "step prompt logprobs and timings": (
-        "9a110693a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
+        "9a110793a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
         "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
         "0000e0bf000000000000f8bf93010094c400c400c400c400919402cb0000000000000000cb3fd000"
         "0000000000cb3ff8000000000000"
     ),
-    "request error": "951206a172af70726f6d707420746f6f206c6f6e67cd019d",
+    "step pooled": (
+        "9b110793a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
+        "919402cb0000000000000000cb3fe0000000000000cb0000000000000000929201c40c0000003f00"
+        "0080be0000803f9202c40400000040"
+    ),
+    "request error": "951207a172af70726f6d707420746f6f206c6f6e67cd019d",
     "control reply stats": (
-        "971306010397010203040acf000001000000000096cf3fffffffffffffffcd012ccc8002639e0001"
+        "971307010397010203040acf000001000000000096cf3fffffffffffffffcd012ccc8002639e0001"
         "02030405060708090a0b0c0dc3a0"
     ),
-    "control reply failed": "9713060300c0c2a46c65616b",
-    "heartbeat": "931406ce075bcd15",
+    "control reply failed": "9713070300c0c2a46c65616b",
+    "heartbeat": "931407ce075bcd15",
 }
 
 CLIENT_TYPES = (Hello, AddRequest, Abort, Control)
@@ -224,12 +272,44 @@ def test_a_frame_built_request_by_request_is_the_stored_frame(name: str) -> None
             out.logprobs,
             out.prompt_logprobs,
             out.timings,
+            out.embedding,
         )
     assert frame.encode().hex() == FRAMES[name]
 
 
 def test_the_frames_are_of_this_protocol_version() -> None:
-    assert PROTOCOL_VERSION == 6, "a new protocol version: write the frames anew"
+    assert PROTOCOL_VERSION == 7, "a new protocol version: write the frames anew"
+
+
+# The frames of protocol version 6, byte for byte where version 7 kept them (every message
+# without pooling): version 7 must change none of them but for the version byte.
+VERSION_6_FRAMES = {
+    "add default params": (
+        "970206a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
+        "00c0c00001"
+    ),
+    "ready": "991006a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
+    "step one token": "9a110691a161c40401000000c404050000009090809090",
+    "step prompt logprobs and timings": (
+        "9a110693a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
+        "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
+        "0000e0bf000000000000f8bf93010094c400c400c400c400919402cb0000000000000000cb3fd000"
+        "0000000000cb3ff8000000000000"
+    ),
+    "control reply stats": (
+        "971306010397010203040acf000001000000000096cf3fffffffffffffffcd012ccc8002639e0001"
+        "02030405060708090a0b0c0dc3a0"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VERSION_6_FRAMES))
+def test_generation_frames_changed_only_their_version(name: str) -> None:
+    old, new = bytes.fromhex(VERSION_6_FRAMES[name]), bytes.fromhex(FRAMES[name])
+    # After the array's header byte: the type tag, then the version (each a positive fixint).
+    assert old[2] == 6 and new[2] == 7
+    assert old[:2] + old[3:] == new[:2] + new[3:]
 
 
 def print_frames() -> None:
