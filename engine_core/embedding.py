@@ -122,21 +122,10 @@ def matryoshka_of(
 
 
 def check_pooling(pooling: PoolingParams, model: EmbeddingModel) -> None:
-    """ValueError (a message for the client) where the model cannot pool as asked: a length
-    other than its own for a model that is not Matryoshka, or one it was not trained for."""
-    dims = pooling.dimensions
-    if dims is None or dims == model.size:
-        return
-    if not model.matryoshka:
-        raise ValueError(
-            "this model does not support Matryoshka dimensions: its vectors cannot be cut "
-            f"short of {model.size} values"
-        )
-    allowed = model.matryoshka_dimensions
-    fits = dims in allowed if allowed else 1 <= dims <= model.size
-    if not fits:
-        sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {model.size}"
-        raise ValueError(f"dimensions must be one of {sizes}, got {dims}")
+    """ValueError (a message for the client) where the model cannot pool as asked."""
+    refusal = None if pooling.dimensions is None else model.refuses_dimensions(pooling.dimensions)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def read_json(path: Path) -> Any:

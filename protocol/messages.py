@@ -141,6 +141,23 @@ class EmbeddingModel:
     # The only lengths it may be cut to, where the checkpoint names them; empty: any of 1..size.
     matryoshka_dimensions: tuple[int, ...] = ()
 
+    def refuses_dimensions(self, dimensions: int) -> str | None:
+        """Why its vectors cannot be cut to ``dimensions`` values (None: they can). Its own
+        length always can: there is nothing to cut."""
+        if dimensions == self.size:
+            return None
+        if not self.matryoshka:
+            return (
+                "this model does not support Matryoshka dimensions: its vectors cannot be cut "
+                f"short of {self.size} values"
+            )
+        allowed = self.matryoshka_dimensions
+        fits = dimensions in allowed if allowed else 1 <= dimensions <= self.size
+        if fits:
+            return None
+        sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {self.size}"
+        return f"dimensions must be one of {sizes}, got {dimensions}"
+
 
 @dataclass(frozen=True)
 class Hello:
