@@ -129,8 +129,14 @@ class Embedding:
         try:
             await group.send()
             while group.unfinished:
+                dead = None
                 for slot, item, _ in await group.next_batch():
-                    self._take(group, slot, pending[slot], item)
+                    if isinstance(item, EngineDeadError):
+                        dead = item  # what the engine sent before it died counts first
+                    else:
+                        self._take(group, slot, pending[slot], item)
+                if dead is not None and group.unfinished:
+                    raise dead
         finally:
             group.abort_unfinished()
 
@@ -140,8 +146,6 @@ class Embedding:
 
     def _take(self, group: RequestGroup, slot: int, index: int, item: Any) -> None:
         """One engine request's end: its vector, or the error it failed with."""
-        if isinstance(item, EngineDeadError):
-            raise item
         if isinstance(item, Exception):
             raise as_openai_error(item)
         if item.finish_reason is None:
