@@ -307,3 +307,20 @@ def test_an_engine_serves_one_kind_of_request(tmp_path: Path) -> None:
         generator.embed([[1, 2]])
     with pytest.raises(ValueError, match="it does not embed"):
         generator.engine.add_request(pooling_request("p", [1, 2]))
+
+
+def test_the_warm_up_pools_the_largest_steps_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """An embedding engine's warm-up (on CUDA before the first request; run here on the CPU):
+    a budget-filling step of mean-pooled prompts and a step of the most one-token rows, nothing
+    sampled; afterwards the engine embeds as before."""
+    path = write_tiny_embedding_model(tmp_path, architecture="llama", pooling="mean_tokens")
+    llm = small_llm(path)
+    runner = llm.engine.runner
+    plans = runner.warm_up_plans()
+    assert [p.num_batched_tokens for p in plans] == [16, 4]  # the budget; --max-num-seqs rows
+    assert all(not s.samples and s.request.pooling is not None for p in plans for s in p.scheduled)
+    before = llm.embed(PROMPTS)
+    runner.warm_up()
+    assert not runner.pooler._sums
+    after = llm.embed(PROMPTS)
+    assert [o.embedding for o in after] == [o.embedding for o in before]
