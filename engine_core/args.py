@@ -44,6 +44,10 @@ _HELP = {
     "(compressed-tensors, block-wise 'fp8') are read as they are without it",
     "kv_cache_dtype": "'auto' (the model's dtype) or 'fp8' (e4m3, with the checkpoint's K/V "
     "scales or 1.0): half the KV bytes of bf16",
+    "runner": "'auto' (an embedding model where the checkpoint says so: a sentence-transformers "
+    "Pooling module, or a bare *Model architecture; else generate), 'generate', or 'pooling' "
+    "(serve /v1/embeddings: each prompt's pooled final hidden state, pooled and normalised as "
+    "the checkpoint says, else last-token and normalised)",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
 }

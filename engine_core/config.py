@@ -10,9 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.messages import EmbeddingModel
+
 QUANTIZATION_METHODS = ("fp8",)  # --quantization values
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values; "fp8" is e4m3
 TP_ALL_REDUCES = ("auto", "nccl")  # --tp-all-reduce values
+# --runner values (vLLM's): "auto" reads the checkpoint (engine_core/embedding.py), "generate"
+# samples tokens, "pooling" embeds (the engine answers with each prompt's pooled vector).
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,9 @@ class ModelConfig:
     quantization: Fp8Config | None = None  # None: weights in the model's dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Set where the engine runs the model as an embedding model (the loader decides, from the
+    # checkpoint and --runner): how it pools. Such a model is built without its LM head.
+    embedding: EmbeddingModel | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def layer_sliding_window(self, layer: int) -> int | None:
@@ -148,6 +156,7 @@ class EngineConfig:
     data_parallel_size: int = 1  # engine cores behind one `tandem serve` (frontend only)
     quantization: str | None = None  # "fp8": quantize a bf16/fp16/fp32 checkpoint as it loads
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 with per-layer scales
+    runner: str = "auto"  # RUNNERS: generate, embed ("pooling"), or as the checkpoint says
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -159,6 +168,10 @@ class EngineConfig:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; choose one of "
                 f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.runner not in RUNNERS:
+            raise ValueError(
+                f"--runner {self.runner!r} is not supported; choose one of {', '.join(RUNNERS)}"
             )
         if self.tp_all_reduce not in TP_ALL_REDUCES:
             raise ValueError(

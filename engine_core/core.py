@@ -21,6 +21,13 @@ GPU when N is planned. So the bitmask is its own stage between N's forward and N
 N's forward enqueued, the core settles step N-1 (the wait and update the overlapped loop does
 anyway, now while N's forward runs), each constrained request's matcher takes its new token, the
 rows' bitmask is filled, and then N's sampler is enqueued. Unconstrained steps skip the stage.
+
+An embedding engine (``model_config.embedding``: engine_core/embedding.py) serves pooling
+requests only, as a generative one serves no pooling request. Its steps are prompt chunks that
+sample nothing: the runner pools the hidden states (engine_core/pooler.py), the scheduler ends a
+request with the step that ran its last chunk (POOLED), and the core hands the vector to that
+end. It runs without overlap: a request whose last chunk is planned has no token left to
+compute, and only the update (which the next plan would otherwise precede) says it has ended.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 import torch
 
 from engine_core.config import EngineConfig
+from engine_core.embedding import check_pooling
 from engine_core.grammar import BitmaskFiller, GrammarCompiler, RequestGrammar
 from engine_core.model_runner import ForwardStep, LaunchedStep, ModelRunner
 from engine_core.request import EngineOutput, Request, SchedulerOutput
@@ -50,6 +58,9 @@ class EngineCore:
         self.config = config
         self.runner = make_runner(config)
         self.model_config = self.runner.model_config
+        self.embedding = self.model_config.embedding  # None: the engine generates
+        if self.embedding is not None:
+            self.config = config = dataclasses.replace(config, async_scheduling=False)
         self.scheduler = Scheduler(
             config,
             num_kv_blocks=self.runner.num_kv_blocks,
@@ -75,6 +86,10 @@ class EngineCore:
         # Two C-level scans: a generator over the ids cost ~10 us per 128-token prompt.
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if (request.pooling is None) != (self.embedding is None):
+            raise ValueError(self._runner_mismatch())
+        if request.pooling is not None and self.embedding is not None:
+            check_pooling(request.pooling, self.embedding)
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
@@ -87,6 +102,15 @@ class EngineCore:
             prefix = request.output_token_ids
             request.grammar = self.grammar_compiler().start(params.constraint, prefix)
             self._compiling.append(request)
+
+    def _runner_mismatch(self) -> str:
+        """Why a request of the other kind than this engine's cannot run here."""
+        if self.embedding is None:
+            return (
+                "this engine serves a generative model: it does not embed (an embedding model, "
+                "or --runner pooling, serves embeddings)"
+            )
+        return "this engine serves an embedding model (--runner pooling): it does not generate"
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The model's grammar compiler, created (with its token table) when first needed."""
@@ -137,6 +161,8 @@ class EngineCore:
         """Switch between the overlapped and the simple loop; only while idle (benchmarks)."""
         if self.has_unfinished():
             raise RuntimeError("switch the loop only while no request is live")
+        if enabled and self.embedding is not None:
+            raise RuntimeError("an embedding engine runs without overlap (see the docstring)")
         self.config = dataclasses.replace(self.config, async_scheduling=enabled)
 
     def _must_sync(self) -> bool:
@@ -226,6 +252,8 @@ class EngineCore:
             if step.constrained and self._bitmasks is not None:
                 self._bitmasks.advance(constrained_tokens(step.plan, result.sampled_token_ids))
             outputs = self.scheduler.update_from_output(step.plan, result.sampled_token_ids)
+            if result.embeddings:
+                attach_embeddings(outputs, result.embeddings)
             self._attach_logprobs(step.sampling_requests, result.logprobs, outputs)
             if step.plan.prompt_logprob_seqs:
                 attach_prompt_logprobs(outputs)
@@ -300,6 +328,20 @@ def attach_prompt_logprobs(outputs: list[EngineOutput]) -> None:
             request.prompt_logprobs_sent = True
 
 
+def attach_embeddings(outputs: list[EngineOutput], vectors: dict[str, list[float] | None]) -> None:
+    """Each pooled request's vector goes out with its end; one whose vector is not finite (a
+    model that overflowed on it) fails instead, as the wire carries only finite values."""
+    for out in outputs:
+        if out.finish_reason != FinishReason.POOLED:
+            continue
+        vector = vectors[out.request.request_id]
+        if vector is None:
+            out.finish_reason = FinishReason.ERROR
+            out.error = "the model's hidden states for this input are not finite"
+        else:
+            out.embedding = vector
+
+
 def make_runner(config: EngineConfig) -> ModelRunner:
     """The plain runner, or rank 0 of a tensor-parallel group (which starts the other ranks),
     warmed up on CUDA (the other ranks follow its warm-up steps)."""
@@ -314,6 +356,9 @@ def make_runner(config: EngineConfig) -> ModelRunner:
         from engine_core.tp_runner import TPModelRunner
 
         runner = TPModelRunner(config)
+        if runner.model_config.embedding is not None:
+            runner.shutdown()
+            raise ValueError("an embedding model runs on one GPU: --tensor-parallel-size 1")
     if runner.device.type == "cuda":
         runner.warm_up()
     return runner

@@ -3,6 +3,9 @@
     llm = LLM("default")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
+    embedder = LLM("path/to/Qwen3-Embedding")  # or runner="pooling" with a causal LM
+    vectors = [out.embedding for out in embedder.embed(["Hello", "world"])]
+
 Also the `tandem generate` subcommand.
 """
 
@@ -15,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.config import EngineConfig
+from engine_core.embedding import check_pooling
 from engine_core.request import Request
-from protocol.codec import validate_sampling_params
-from protocol.messages import FinishReason, SamplingParams, TokenLogprobs
+from protocol.codec import validate_pooling_params, validate_sampling_params
+from protocol.messages import FinishReason, PoolingParams, SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -31,6 +35,14 @@ class CompletionOutput:
     error: str | None = None  # with FinishReason.ERROR: why the engine failed it
     # With prompt_logprobs: one entry per prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float] | None = None  # None only with an error
+    error: str | None = None  # why the engine failed it
 
 
 class LLM:
@@ -83,6 +95,38 @@ class LLM:
             for r in results:
                 r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
         return results
+
+    def embed(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], *, dimensions: int | None = None
+    ) -> list[EmbeddingOutput]:
+        """Each prompt's vector (text or token ids), pooled and normalised as the model says,
+        cut to ``dimensions`` first where given (a Matryoshka model); outputs in prompt order.
+        ValueError, before any prompt runs, where the model does not embed or a prompt or
+        ``dimensions`` cannot be served."""
+        model = self.engine.embedding
+        if model is None:
+            raise ValueError(
+                "this model generates: it does not embed (give an embedding model, or "
+                "runner='pooling')"
+            )
+        pooling = PoolingParams(model.pooling, model.normalize, dimensions)
+        validate_pooling_params(pooling)
+        check_pooling(pooling, model)
+        requests = [
+            Request(
+                f"offline-{next(self._ids)}", self._encode(p), SamplingParams(), pooling=pooling
+            )
+            for p in prompts
+        ]
+        self._add_all(requests)
+        outputs = {
+            r.request_id: EmbeddingOutput(r.request_id, r.prompt_token_ids) for r in requests
+        }
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                record = outputs[out.request.request_id]
+                record.embedding, record.error = out.embedding, out.error
+        return list(outputs.values())
 
     def _add_all(self, requests: list[Request]) -> None:
         """Add every request, or none: one the engine refuses takes those added before it out."""

@@ -40,6 +40,7 @@ from torch import nn
 
 from common import env
 from engine_core.config import ModelConfig
+from engine_core.embedding import embedding_model
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_device
 from engine_core.models.fp8_config import with_quantization_flag
@@ -76,6 +77,7 @@ def load_model(
     quantization: str | None = None,
     check_fit: FitCheck | None = None,
     target: BuildTarget | None = None,
+    runner: str = "auto",
 ) -> LoadedModel:
     """Resolve ``model``, build our implementation on ``device`` in ``dtype``, load its weights.
 
@@ -84,13 +86,15 @@ def load_model(
     benchmark model of real shape with random weights instead. ``check_fit`` sees the model
     built on the meta device, before anything is allocated on ``device``. ``target``: the model
     is built and loaded in its final form for serving there (models/target.py); None keeps
-    the plain form.
+    the plain form. ``runner`` is ``--runner``: whether the model embeds (its config's
+    ``embedding``, engine_core/embedding.py) or generates.
     """
     if model.startswith(RANDOM_PREFIX):
         name = model.removeprefix(RANDOM_PREFIX)
-        return load_random_model(name, device, dtype, quantization, check_fit, target)
+        return load_random_model(name, device, dtype, quantization, check_fit, target, runner)
     model_dir = resolve_model_dir(model)
     config = with_quantization(load_model_config(model_dir), quantization, device)
+    config = dataclasses.replace(config, embedding=embedding_model(runner, model_dir, config))
     # Built on the meta device, so no time goes into random init of weights about to be replaced.
     with torch.device("meta"), default_dtype(dtype):
         module = build_model(config, target)
@@ -125,13 +129,22 @@ def load_random_model(
     quantization: str | None = None,
     check_fit: FitCheck | None = None,
     target: BuildTarget | None = None,
+    runner: str = "auto",
 ) -> LoadedModel:
-    from engine_core.presets import build_random_model
+    from engine_core.presets import PRESETS, build_random_model
 
     if quantization is not None:
         check_fp8_device(torch.device(device), f"--quantization {quantization}")
+    # A preset is a causal LM: it embeds only when asked to (--runner pooling).
+    embedding = embedding_model(runner, None, PRESETS[preset]) if preset in PRESETS else None
     module, config = build_random_model(
-        preset, device, dtype, quantization=quantization, check_fit=check_fit, target=target
+        preset,
+        device,
+        dtype,
+        quantization=quantization,
+        check_fit=check_fit,
+        target=target,
+        embedding=embedding,
     )
     # No folder: an engine process (or a tensor-parallel worker) never needs a tokenizer, and the
     # default model's, which random presets borrow, may be absent where only benchmarks run.

@@ -39,10 +39,11 @@ from engine_core.memory_plan import (
 )
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
+from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.step_stats import GpuTimeline, StepStats
-from engine_core.warm_up import StepLimits, warm_up_plans
+from engine_core.warm_up import StepLimits, pooling_warm_up_plans, warm_up_plans
 from protocol.messages import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -85,6 +86,9 @@ PROMPT_LOGITS_ROWS = 512  # logits [rows, vocab] float32 at a time: bounded memo
 class RunnerOutput:
     sampled_token_ids: list[int]  # one per sampling request, in schedule order
     logprobs: list[TokenLogprobs | None]
+    # An embedding engine's: the vector of each request whose prompt ended this step, by
+    # request id (None: not finite).
+    embeddings: dict[str, list[float] | None] | None = None
 
 
 @dataclass
@@ -99,6 +103,7 @@ class ForwardStep:
     timeline: GpuTimeline | None  # timing events, with step stats on CUDA
     # request id -> (first scored prompt position, logprobs), for the prompt tokens scored
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+    pooled: PooledStep | None = None  # an embedding engine's vectors that the step finished
 
 
 @dataclass
@@ -115,6 +120,7 @@ class LaunchedStep:
     # request id -> (first scored prompt position, logprobs), for the prompt tokens scored
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
     constrained: bool = False  # a structured-output bitmask masked its sampling
+    pooled: PooledStep | None = None  # an embedding engine's vectors that the step finished
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,6 +189,8 @@ class ModelRunner:
         self.sampler = Sampler(
             self.model_config.eos_token_ids, self.model_config.vocab_size, seed=config.seed
         )
+        # An embedding model's engine pools the steps' hidden states; it never samples.
+        self.pooler = Pooler() if self.model_config.embedding is not None else None
         self.stats = StepStats()  # the engine core hands its own in
         self.input_batch = InputBatch(
             self.device,
@@ -208,7 +216,9 @@ class ModelRunner:
         graphs = self.device.type == "cuda" and not config.enforce_eager
         target = BuildTarget(self.device, self.dtype, cuda_graphs=graphs)
         fits = partial(check_memory, config, self.device, self.dtype, self.kv_dtype)
-        return load_model(config.model, self.device, self.dtype, config.quantization, fits, target)
+        return load_model(
+            config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
+        )
 
     def _init_step_state(self) -> None:
         """What carries from one step to the next: the last step's sampled ids, the ring of
@@ -325,6 +335,8 @@ class ModelRunner:
             num_blocks=self.num_kv_blocks,
             vocab_size=self.model_config.vocab_size,
         )
+        if self.pooler is not None:
+            return pooling_warm_up_plans(limits)
         return warm_up_plans(limits, PROMPT_LOGITS_ROWS)
 
     def _warm_up_step(
@@ -349,6 +361,10 @@ class ModelRunner:
         """Capture the decode and prefill graphs at start-up on CUDA (after the KV cache exists:
         graphs bake in its addresses); None on the CPU or when ``enforce_eager`` is set."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.model_config.embedding is not None:
+            # Embedding engines run eagerly (for now): their steps are prompt chunks, and the
+            # decode graphs would compute logits that they never read, with no head for them.
             return None
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.warning("the attention backend reads host values; running decode eagerly")
@@ -427,6 +443,8 @@ class ModelRunner:
                 timeline.end()
         requests = inputs.sampling_requests
         step = ForwardStep(out, requests, self._output_positions, None, None, timeline)
+        if self.pooler is not None:
+            step.pooled = self.pooler.pool(out, hidden, inputs.meta.query_start_loc_cpu)
         if inputs.prompt_rows is not None and self._scoring is not None:
             step.prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
         if requests:
@@ -447,6 +465,7 @@ class ModelRunner:
             self._prev_sampled, self._prev_sampling = None, []
             launched = self._launched(step.plan, requests, None, None, step.timeline)
             launched.prompt_logprobs = step.prompt_logprobs
+            launched.pooled = step.pooled
             return self._timed(launched)
         assert step.logits is not None
         with self.stats.phase("sample"):
@@ -567,7 +586,8 @@ class ModelRunner:
             busy, inner_idle = step.timeline.busy_and_idle_ms()
             self.stats.add_gpu(busy, inner_idle, gap)
         if step.token_ids is None:
-            return RunnerOutput([], [])
+            pooled = Pooler.to_host(step.pooled) if step.pooled is not None else None
+            return RunnerOutput([], [], pooled)
         token_ids = step.token_ids.tolist()
         if step.logprobs is None:
             return RunnerOutput(token_ids, [None] * len(token_ids))

@@ -25,6 +25,7 @@ from engine_core.models.fp8 import quantize_rows
 from engine_core.models.fp8_config import with_quantization_flag
 from engine_core.models.layers import Linear, reset_buffers
 from engine_core.models.target import BuildTarget
+from protocol.messages import EmbeddingModel
 
 INIT_STD = 0.02  # small, so activations stay finite through every layer of a random model
 _VOCAB = 49152
@@ -122,6 +123,7 @@ def build_random_model(
     quantization: str | None = None,
     check_fit: Callable[[nn.Module, ModelConfig], None] | None = None,
     target: BuildTarget | None = None,
+    embedding: EmbeddingModel | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Our implementation of preset ``name`` on ``device`` in ``dtype``, weights ~ N(0, 0.02).
 
@@ -130,12 +132,12 @@ def build_random_model(
     the host. ``quantization="fp8"``: the linears hold those random weights quantized to FP8, as
     ``--quantization fp8`` would load them. ``check_fit`` (the loader's memory check) sees the
     model on the meta device, before anything is allocated. ``target``: built in its final
-    form for serving there (models/target.py). Returns the model in eval mode without
-    gradients, and its config.
+    form for serving there (models/target.py). ``embedding``: built as that embedding model (no
+    LM head). Returns the model in eval mode without gradients, and its config.
     """
     config = PRESETS[_check_name(name)]
     fp8 = with_quantization_flag(None, quantization)
-    config = dataclasses.replace(config, quantization=fp8)
+    config = dataclasses.replace(config, quantization=fp8, embedding=embedding)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

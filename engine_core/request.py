@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from protocol.messages import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
+from protocol.messages import (
+    FinishReason,
+    PoolingKind,
+    PoolingParams,
+    RequestTimings,
+    SamplingParams,
+    TokenLogprobs,
+)
 from protocol.output_interval import IntervalCounter
 
 if TYPE_CHECKING:
@@ -46,6 +53,9 @@ class Request:
     client_id: bytes = b""  # whom outputs go to
     client_request_id: str = ""  # the id the client chose
     arrival_time: float = field(default_factory=time.monotonic)
+    # An embedding request: its prompt runs, nothing is sampled, and it ends (POOLED) with the
+    # step that ran its last prompt token, its vector pooled by the runner (engine_core/pooler.py).
+    pooling: PoolingParams | None = None
 
     # Written by the scheduler (engine_core/scheduler.py) only.
     # token_ids = prompt + outputs; the tokens [0, num_computed_tokens) have K/V in the cache.
@@ -84,6 +94,11 @@ class Request:
         # stale: SamplingParams is frozen and a request's params are never replaced.
         self.uses_penalties = has_penalties(self.params)
         self.wants_prompt_logprobs = self.params.prompt_logprobs is not None
+        # Its chunks take the scheduler's general planning, never the inline common case of a
+        # running request (Scheduler._schedule_running): it scores or pools its prompt tokens.
+        self.planned_apart = self.wants_prompt_logprobs or self.pooling is not None
+        # Its vector needs every prompt token's hidden state: no prefix-cache hit may skip one.
+        self.pools_every_token = self.pooling is not None and self.pooling.kind == PoolingKind.MEAN
         # Its token is the argmax of the raw logits: greedy, and no penalty, min_tokens mask or
         # logprobs to compute on the way.
         self.argmax_only = (
@@ -162,7 +177,9 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: Sequence[int]  # the request's whole block table, a copy (int32 array or list)
     start: int  # where the chunk begins: the request's num_computed_tokens when planned
-    samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
+    # The chunk reaches the end of the known tokens, so a token is sampled (never for a pooling
+    # request: its last chunk ends it instead).
+    samples: bool
 
     @classmethod
     def plan(
@@ -170,7 +187,7 @@ class ScheduledRequest:
     ) -> ScheduledRequest:
         """The chunk of ``num_new_tokens`` tokens that starts at the request's computed ones."""
         start = request.num_computed_tokens
-        samples = start + num_new_tokens == len(request.token_ids)
+        samples = start + num_new_tokens == len(request.token_ids) and request.pooling is None
         return cls(request, num_new_tokens, block_ids, start, samples)
 
 
@@ -204,3 +221,4 @@ class EngineOutput:
     logprobs: list[TokenLogprobs] | None = None  # attached by the engine core when asked for
     error: str | None = None  # with FinishReason.ERROR: why (told to the client as a 400)
     prompt_logprobs: list[TokenLogprobs] | None = None  # in the request's first output
+    embedding: list[float] | None = None  # a pooling request's vector, with its end (POOLED)

@@ -88,12 +88,7 @@ class Scheduler:
         """Queue a request; ValueError when it can never be served or its id is live."""
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        # num_tokens: the prompt, plus the output a resumed request already has.
-        if request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt of {request.num_tokens} tokens "
-                f"leaves no room to generate within max_model_len={self.max_model_len}"
-            )
+        self._check_length(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         params = request.params
@@ -107,6 +102,21 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _check_length(self, request: Request) -> None:
+        """ValueError unless the request fits the context: a generation needs room for a token
+        after its prompt (and what a resumed request already has), an embedding request only
+        for its prompt."""
+        num_tokens, limit, rid = request.num_tokens, self.max_model_len, request.request_id
+        if request.pooling is not None and num_tokens > limit:
+            raise ValueError(
+                f"request {rid!r}: prompt of {num_tokens} tokens exceeds max_model_len={limit}"
+            )
+        if request.pooling is None and num_tokens >= limit:
+            raise ValueError(
+                f"request {rid!r}: prompt of {num_tokens} tokens leaves no room to generate "
+                f"within max_model_len={limit}"
+            )
 
     def abort_requests(
         self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT
@@ -197,7 +207,7 @@ class Scheduler:
             num_new = min(num_tokens - start, budget)
             end = start + num_new
             block_ids = table_covering(request, num_new)
-            if block_ids is None or request.wants_prompt_logprobs:
+            if block_ids is None or request.planned_apart:
                 if not allocate(request, num_new) and not self._preempt_for(
                     request, num_new, output
                 ):
@@ -262,7 +272,7 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> int:
         """Move a waiting request into the batch; the tokens it computes now, or 0."""
-        use_cache = not request.needs_prompt_logprobs
+        use_cache = not request.needs_prompt_logprobs and not request.pools_every_token
         request.num_computed_tokens = self.block_manager.allocate_prefix(request, use_cache)
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self.block_manager.allocate_slots(request, num_new):
@@ -407,7 +417,8 @@ class Scheduler:
         if status == RequestStatus.RUNNING:
             self._cache_full_blocks(request, scheduled.start, end)
         if token is None:
-            return None
+            pooled = request.pooling is not None and end == request.num_tokens
+            return self._pooled(request) if pooled and status == RequestStatus.RUNNING else None
         if request.grammar is not None and not request.grammar.accept(token):
             del request.token_ids[end:]  # its placeholder and those of later, void, steps
             return self._dead_end(request)
@@ -417,6 +428,12 @@ class Scheduler:
             del request.token_ids[end + 1 :]  # placeholders of steps that are now void
             self._finish(request, reason)
         return EngineOutput(request, [token], reason)
+
+    def _pooled(self, request: Request) -> EngineOutput:
+        """A pooling request whose last prompt chunk ran: it is done (the engine core attaches
+        the vector the runner pooled) and its blocks go back now."""
+        self._finish(request, FinishReason.POOLED)
+        return EngineOutput(request, [], FinishReason.POOLED)
 
     def _dead_end(self, request: Request) -> EngineOutput:
         """The request's constraint refused the token sampled for it (no token was allowed):

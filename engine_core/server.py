@@ -130,6 +130,7 @@ class EngineServer:
             block_size=config.block_size,
             num_kv_blocks=self.core.runner.num_kv_blocks,
             max_num_seqs=config.max_num_seqs,
+            embedding=mc.embedding,
         )
 
     # ---- threads ------------------------------------------------------------------------------
@@ -335,6 +336,7 @@ class EngineServer:
             msg.params,
             client_id=client,
             client_request_id=msg.request_id,
+            pooling=msg.pooling,
         )
         if msg.output_interval > 1:
             request.held = HeldTokens(IntervalCounter(OutputInterval(msg.output_interval)))
@@ -430,6 +432,7 @@ def step_frames(
             logprobs,
             out.prompt_logprobs,
             None if reason is None else r.timings(),
+            out.embedding,
         )
     return frames
 

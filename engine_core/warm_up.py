@@ -23,6 +23,9 @@ What no warm-up step covers: cuBLAS's first call at each new row count (an eager
 run at exactly its token count), 0.1-0.2 ms of host time a product and about 2.5 ms for some
 shapes, per exact count (docs/design/cuda-graphs-and-warm-up.md, "What no warm-up covers").
 
+An embedding engine samples nothing: its warm-up is ``pooling_warm_up_plans``, the most
+tokens (mean pooling's float32 sums over a whole step) and the most rows (last-token pooling).
+
 The runner adds a structured-output bitmask to each. The steps write K/V into blocks that no
 request holds yet: whatever request gets them later writes its own K/V before it reads any (the
 prefix cache registers only blocks a request has computed).
@@ -36,7 +39,7 @@ from itertools import chain, repeat
 
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from protocol.codec import MAX_LOGPROBS
-from protocol.messages import SamplingParams
+from protocol.messages import PoolingKind, PoolingParams, SamplingParams
 
 SHORT_PROMPT = 16  # the steps that only exercise the sampler
 
@@ -73,9 +76,12 @@ class StepLimits:
     num_blocks: int
     vocab_size: int
 
-    def step(self, rows: Iterable[tuple[SamplingParams, int]]) -> SchedulerOutput:
+    def step(
+        self, rows: Iterable[tuple[SamplingParams, int]], pooling: PoolingParams | None = None
+    ) -> SchedulerOutput:
         """One prompt per (params, wanted length) in order, each cut to what is left, until a
-        limit is reached; every request on blocks of its own from block 0."""
+        limit is reached; every request on blocks of its own from block 0 (and pooled as
+        ``pooling`` says, where given: an embedding engine's)."""
         tokens_left, blocks_left = self.budget, self.num_blocks
         scheduled: list[ScheduledRequest] = []
         for i, (params, wanted) in enumerate(rows):
@@ -87,7 +93,7 @@ class StepLimits:
             blocks = -(-longest // self.block_size)
             prompt = [(i * 7919 + t * 104729) % self.vocab_size for t in range(longest)]
             first = self.num_blocks - blocks_left
-            request = Request(f"warm-up-{i}", prompt, params)
+            request = Request(f"warm-up-{i}", prompt, params, pooling=pooling)
             scheduled.append(
                 ScheduledRequest.plan(request, longest, list(range(first, first + blocks)))
             )
@@ -115,3 +121,14 @@ def warm_up_plans(limits: StepLimits, scored_chunk: int) -> list[SchedulerOutput
         limits.step([(TOP_K_ALONE, SHORT_PROMPT)]),
     ]
     return [plan for plan in plans if not plan.is_empty]  # none where no prompt fits
+
+
+def pooling_warm_up_plans(limits: StepLimits) -> list[SchedulerOutput]:
+    """An embedding engine's warm-up steps: the most tokens, mean-pooled (a float32 sum over
+    every row), then the most rows, one token each, last-token pooled."""
+    plain = SamplingParams()
+    plans = [
+        limits.step(repeat((plain, limits.max_model_len - 1)), PoolingParams(PoolingKind.MEAN)),
+        limits.step(repeat((plain, 1)), PoolingParams(PoolingKind.LAST)),
+    ]
+    return [plan for plan in plans if not plan.is_empty]

@@ -7,7 +7,9 @@ logged here and answered 500 without a traceback. With an API key set, every rou
 and /metrics needs ``Authorization: Bearer KEY``. Bodies over ``max_body_bytes`` are refused with
 413 before they are parsed (frontend/middleware.py). Completions and chat take a lease from the
 admission gate (frontend/admission.py) before any work and return it when the response ends,
-however it ends; when the gate is full they answer 503 with Retry-After.
+however it ends; when the gate is full they answer 503 with Retry-After. An embedding engine's
+server answers /v1/embeddings (frontend/embeddings.py) and refuses completions and chat with a
+400 that says why; a generative one the other way round.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from frontend.chat import chat, checked_template_kwargs, prepare_chat, stream_chat
 from frontend.completions import complete, prepare_completion, stream_completion
+from frontend.embeddings import check_embedding_request, embed
 from frontend.errors import OpenAIError, as_openai_error, error_response, http_exception_error
 from frontend.metrics import CONTENT_TYPE
 from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, StreamingLane, StreamRoute
@@ -34,6 +37,7 @@ from frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -176,6 +180,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return await generate(ctx, body, request, prepare_chat, stream_chat, chat)
 
     add_response_routes(app, ctx)
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        pooling = check_embedding_request(ctx, body)
+        admission = ctx.admit(len(body.inputs))
+        try:
+            return JSONResponse(await until_disconnect(request, embed(ctx, body, pooling)))
+        finally:
+            admission.release()
 
     add_token_routes(app, ctx)
 
@@ -252,6 +264,7 @@ async def generate(
     the response is over (the streaming response returns it itself)."""
     if body.stream:
         return await start_stream(ctx, body, prepare, stream)
+    ctx.check_generates()
     admission = ctx.admit(body.num_sequences)
     try:
         gen = await prepare(ctx, body)
@@ -274,6 +287,7 @@ async def start_stream(
     tokenized all reach the engine before any of them sets up its response (about half of what
     a request costs the event loop before it waits for tokens), so the engine starts on all of
     them sooner."""
+    ctx.check_generates()
     admission = ctx.admit(body.num_sequences)
     gen = None
     try:

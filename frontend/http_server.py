@@ -33,7 +33,7 @@ from frontend.reasoning import ReasoningParser, get_reasoning_parser
 from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
 from frontend.tools import tool_support
-from protocol.messages import Ready
+from protocol.messages import EmbeddingModel, PoolingKind, Ready
 
 logger = logging.getLogger("tandem.frontend")
 
@@ -125,6 +125,7 @@ def build_state(
         reasoning=reasoning_parser(args, hf_tokenizer),
         max_resumes=resumes_allowed(args, specs),
         resume_timeout_s=args.resume_timeout,
+        embedding=ready.embedding,
     )
 
     return ServerState(
@@ -154,6 +155,13 @@ def resumes_allowed(args: argparse.Namespace, specs: list[EngineSpec]) -> int:
     if not args.restart_engine and len(ours) == len(specs) == 1:
         return 0
     return args.max_request_resumes
+
+
+def describe_embedding(model: EmbeddingModel) -> str:
+    """An embedding model for the start-up line: "embeds: 1024 values, last-token, normalised"."""
+    pooling = {PoolingKind.LAST: "last-token", PoolingKind.MEAN: "mean"}[model.pooling]
+    normalised = ", normalised" if model.normalize else ""
+    return f"embeds: {model.size} values, {pooling} pooling{normalised}"
 
 
 def share_of(total: int, index: int, count: int) -> int:
@@ -212,10 +220,11 @@ def announce(
     http = f"  OpenAI API:  http://{host}:{port}/v1"
     if api_pids:
         http += f" ({len(api_pids)} API processes: pids {', '.join(map(str, api_pids))})"
+    kind = "" if ready.embedding is None else f", {describe_embedding(ready.embedding)}"
     lines = [
         f"tandem serve: model {args.served_model_name or args.model}{cores} "
         f"(max_model_len {ready.max_model_len}, {ready.num_kv_blocks} KV blocks"
-        f"{' in all' if several else ''})",
+        f"{' in all' if several else ''}{kind})",
         http,
     ]
     for spec in specs:

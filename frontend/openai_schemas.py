@@ -473,6 +473,40 @@ class DetokenizeRequest(RequestBody):
     tokens: list[int]
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(RequestBody):
+    """OpenAI's embeddings request: one input or a batch, as text or token ids."""
+
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)  # Matryoshka: the vector's first N values
+    user: str | None = None  # accepted and unused: it changes nothing in the output
+
+    @field_validator("input")
+    @classmethod
+    def _inputs_not_empty(cls, v: EmbeddingInput) -> EmbeddingInput:
+        items = [v] if isinstance(v, str) else v
+        if not items or any(isinstance(item, str | list) and not item for item in items):
+            raise ValueError("input must not be empty, nor hold an empty string or token list")
+        if len(items) > MAX_EMBEDDING_INPUTS and not all(isinstance(t, int) for t in items):
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+        return v
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text, or one input's token ids."""
+        v = self.input
+        if isinstance(v, str):
+            return [v]
+        if all(isinstance(t, int) for t in v):
+            return [list(v)]  # type: ignore[arg-type]
+        return list(v)  # type: ignore[arg-type]
+
+
 # ---- responses --------------------------------------------------------------------------------
 
 
@@ -593,6 +627,24 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # base64: the float32 values' little-endian bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

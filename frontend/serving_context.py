@@ -22,7 +22,7 @@ from frontend.response_store import ResponseStore
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
 from protocol.client import EngineDeadError
-from protocol.messages import Constraint
+from protocol.messages import Constraint, EmbeddingModel
 
 
 @dataclass
@@ -41,6 +41,32 @@ class ServingContext:
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored /v1/responses
     max_resumes: int = 0  # times a request in flight is resumed after an engine dies
     resume_timeout_s: float = 120.0  # how long in all it may wait for an engine to resume on
+    # The engine's embedding model (its Ready says): it serves /v1/embeddings and refuses to
+    # generate. None: a generative model, which refuses /v1/embeddings.
+    embedding: EmbeddingModel | None = None
+
+    def check_generates(self) -> None:
+        """The 400 of completions and chat on an embedding model."""
+        if self.embedding is not None:
+            raise OpenAIError(
+                400,
+                f"The model `{self.served_model}` is an embedding model (served with --runner "
+                "pooling): it does not generate text, so completions and chat are not served; "
+                "use /v1/embeddings",
+                code="model_does_not_generate",
+            )
+
+    def embedding_model(self) -> EmbeddingModel:
+        """The model's pooling; the 400 of /v1/embeddings on a generative model."""
+        if self.embedding is None:
+            raise OpenAIError(
+                400,
+                f"The model `{self.served_model}` generates text: it is not an embedding model, "
+                "so /v1/embeddings is not served (start tandem serve with an embedding model, or "
+                "with --runner pooling)",
+                code="model_does_not_embed",
+            )
+        return self.embedding
 
     async def check_constraint(self, constraint: Constraint, param: str) -> None:
         if self.constraints is None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -68,6 +69,7 @@ from protocol.messages import (
     ControlReply,
     EngineMessage,
     Hello,
+    PoolingParams,
     Ready,
     RequestError,
     RequestOutput,
@@ -110,13 +112,16 @@ class EngineRequest:
     params: SamplingParams
     num_output_tokens: int = 0  # a resume: the prompt's tail that was generated already
     output_interval: int = 1  # tokens the engine gathers before it sends them (AddRequest)
+    pooling: PoolingParams | None = None  # an embedding request (AddRequest)
 
     def resumed(self, request_id: str, generated: Sequence[int]) -> EngineRequest:
         """This request again, for another engine, with ``generated`` (the tokens it produced
         since this request was sent) appended to its prompt as output."""
         prompt = [*self.prompt_token_ids, *generated]
         num_output = self.num_output_tokens + len(generated)
-        return EngineRequest(request_id, prompt, self.params, num_output, self.output_interval)
+        return dataclasses.replace(
+            self, request_id=request_id, prompt_token_ids=prompt, num_output_tokens=num_output
+        )
 
 
 RequestItem = RequestOutput | Exception  # what a request's consumer receives
@@ -196,6 +201,7 @@ class _Connection:
             request.params,
             request.num_output_tokens,
             request.output_interval,
+            request.pooling,
         )
         return encode(msg)
 

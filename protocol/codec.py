@@ -18,17 +18,21 @@ Field layouts (after the type tag and the version):
                     in their order (ParamsLayout); stop_token_ids = i32 bytes,
                     constraint = nil | [kind, spec], logit_bias = [ids: i32 bytes, f64 bytes]],
                     num_output_tokens (the tail of prompt_ids already generated: a resume),
-                    output_interval (tokens the engine gathers before it sends them; >= 1)
+                    output_interval (tokens the engine gathers before it sends them; >= 1),
+                    [pooling = [kind, normalize, dimensions | nil]] (an embedding request only)
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
-                    num_kv_blocks, max_num_seqs
+                    num_kv_blocks, max_num_seqs,
+                    [embedding = [pooling kind, normalize, size, matryoshka,
+                    matryoshka_dimensions: i32 bytes]] (an embedding engine only)
     STEP_OUTPUTS    [request_id, ...], counts: i32 bytes (new tokens per request),
                     new_ids: i32 bytes (every request's new tokens, in order),
                     [[index, finish_reason], ...], [[index, logprobs], ...],
                     {request_id: finish_reason, ...} (requests that ended with no token),
                     [[index, count, prompt logprobs], ...] (count = prompt tokens - 1),
                     [[index, queue_s, prefill_s, decode_s], ...] (timings of finished requests)
+                    [[[index, vector: f32 bytes], ...]] (pooled vectors, only where any)
                     logprobs = [sampled: f64 bytes (one per new token), top_counts: i32 bytes
                     (one per new token), top_ids: i32 bytes, top_logprobs: f64 bytes]
                     Columns, not one array per request: a step carries up to max_num_seqs
@@ -41,6 +45,11 @@ Field layouts (after the type tag and the version):
                     prefix_cache_queries, prefix_cache_hits, preemptions, step_tokens_sum),
                     [one count per STEP_TOKEN_BUCKETS bucket, + 1]]
     HEARTBEAT       num_steps
+
+Fields in [brackets] above are trailing ones that a frame carries only when it has them (an
+embedding request, an embedding engine, a step that pooled): the frames of generation keep the
+bytes they had before embeddings existed, and a decoder reads a missing one as none. Where one
+is present it must hold something: one encoding per message.
 """
 
 from __future__ import annotations
@@ -67,12 +76,15 @@ from protocol.messages import (
     Control,
     ControlKind,
     ControlReply,
+    EmbeddingModel,
     EngineCounts,
     EngineMessage,
     FinishReason,
     Heartbeat,
     Hello,
     MsgType,
+    PoolingKind,
+    PoolingParams,
     Ready,
     RequestError,
     RequestOutput,
@@ -95,11 +107,13 @@ MAX_LOGPROBS = 20
 MAX_CONSTRAINT_BYTES = 1 << 20  # a JSON schema or a grammar; compilation has its own bounds
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
+MAX_EMBEDDING_DIMS = 1 << 16  # values of one pooled vector: beyond any model's hidden size
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 
 _SMALL_IDS_BYTES = 1024
 _I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
 _F64 = np.dtype("<f8")
 _NATIVE_LITTLE = sys.byteorder == "little"
 assert array("i").itemsize == 4, "array('i') must be 32-bit for the token id fast path"
@@ -184,6 +198,18 @@ def _validate_constraint(constraint: Any, v: _Validator) -> None:
     v.str_(constraint.spec, "the constraint's spec", MAX_CONSTRAINT_BYTES)
     if not constraint.spec and constraint.kind != ConstraintKind.JSON_OBJECT:
         raise v.fail(f"a {constraint.kind.name.lower()} constraint needs a spec")
+
+
+def validate_pooling_params(pooling: PoolingParams, request_id: str | None = None) -> None:
+    """Check an embedding request's pooling; raises ProtocolError naming the bad field."""
+    v = _Validator(request_id)
+    if not isinstance(pooling, PoolingParams):
+        raise v.fail(f"pooling must be PoolingParams, got {type(pooling).__name__}")
+    if not isinstance(pooling.kind, PoolingKind):
+        raise v.fail(f"unknown pooling kind {pooling.kind!r}")
+    v.bool_(pooling.normalize, "pooling normalize")
+    if pooling.dimensions is not None:
+        v.int_(pooling.dimensions, "pooling dimensions", 1, MAX_EMBEDDING_DIMS)
 
 
 def pack_token_ids(ids: Sequence[int] | np.ndarray) -> bytes:
@@ -303,6 +329,17 @@ class _Validator:
             raise self.fail(f"{what} contains NaN or +inf")  # -inf is log(0), legitimate
         return arr.tolist()
 
+    def f32(self, value: Any, what: str, max_len: int) -> list[float]:
+        """Unpack float32 bytes (a pooled vector): 1 to ``max_len`` finite values."""
+        if type(value) is not bytes or not value or len(value) % 4:
+            raise self.fail(f"{what} must be float32 values as bytes")
+        if len(value) // 4 > max_len:
+            raise self.fail(f"{what} has more than {max_len} values")
+        arr = np.frombuffer(value, dtype=_F32)
+        if not np.isfinite(arr).all():
+            raise self.fail(f"{what} contains NaN or an infinity")
+        return arr.tolist()
+
     def rid(self, value: Any, what: str = "request_id") -> str:
         self.str_(value, what, MAX_REQUEST_ID_LEN)
         if not value:
@@ -356,6 +393,19 @@ def _is_request_id(value: Any) -> bool:
     return type(value) is str and 0 < len(value) <= MAX_REQUEST_ID_LEN
 
 
+def _with_trailing(fields: Any, what: str, length: int, v: _Validator) -> tuple[list[Any], Any]:
+    """A message's ``length`` fixed fields and its optional trailing one (None where the frame
+    leaves it out; see the module docstring)."""
+    if type(fields) is list and len(fields) == length + 1:
+        if fields[length] is None:
+            raise v.fail(f"{what}: a trailing field is left out, never nil")
+        return fields[:length], fields[length]
+    if type(fields) is not list or len(fields) != length:
+        count = len(fields) if type(fields) is list else type(fields).__name__
+        raise v.fail(f"{what} must have {length} or {length + 1} elements, got {count}")
+    return fields, None
+
+
 # ---- client -> engine -------------------------------------------------------------------------
 
 
@@ -381,7 +431,12 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
         raise ProtocolError("prompt_token_ids must not be empty", rid)
     _check_resumed(msg.num_output_tokens, len(ids) // 4, msg.params, v)
     v.int_(msg.output_interval, "output_interval", 1, INT32_MAX)
-    return [rid, ids, params, msg.num_output_tokens, msg.output_interval]
+    fields = [rid, ids, params, msg.num_output_tokens, msg.output_interval]
+    if msg.pooling is not None:
+        validate_pooling_params(msg.pooling, rid)
+        _check_pooled(msg, v)
+        fields.append(_encode_pooling(msg.pooling))
+    return fields
 
 
 def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Validator) -> None:
@@ -391,8 +446,30 @@ def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Va
         raise v.fail(f"num_output_tokens ({num_output}) leaves nothing of max_tokens to generate")
 
 
+def _check_pooled(msg: AddRequest, v: _Validator) -> None:
+    """An embedding request samples nothing: what would steer sampling stays at its default,
+    rather than travel and be ignored."""
+    if msg.params != _DEFAULT_PARAMS:
+        raise v.fail("an embedding request samples nothing: its params must be the defaults")
+    if msg.num_output_tokens != 0 or msg.output_interval != 1:
+        raise v.fail("an embedding request has no output tokens and no output interval")
+
+
+def _encode_pooling(pooling: PoolingParams) -> list[Any]:
+    return [int(pooling.kind), pooling.normalize, pooling.dimensions]
+
+
+def _decode_pooling(value: Any, v: _Validator) -> PoolingParams:
+    kind, normalize, dimensions = v.list_(value, "pooling", 3)
+    if dimensions is not None:
+        dimensions = v.int_(dimensions, "pooling dimensions", 1, MAX_EMBEDDING_DIMS)
+    kind = v.enum_(kind, PoolingKind, "pooling kind")
+    return PoolingParams(kind, v.bool_(normalize, "pooling normalize"), dimensions)
+
+
 def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
-    rid, ids, params, num_output, interval = v.list_(fields, "ADD_REQUEST fields", 5)
+    fixed, pooling = _with_trailing(fields, "ADD_REQUEST fields", 5, v)
+    rid, ids, params, num_output, interval = fixed
     rid = v.rid(rid)
     ids = v.ids(ids, "prompt_token_ids")
     if not ids:
@@ -400,7 +477,12 @@ def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
     params = _SAMPLING_PARAMS.from_wire(params, v)
     _check_resumed(num_output, len(ids), params, v)
     interval = v.int_(interval, "output_interval", 1, INT32_MAX)
-    return AddRequest(rid, ids, params, num_output, interval)
+    msg = AddRequest(rid, ids, params, num_output, interval)
+    if pooling is None:
+        return msg
+    msg = dataclasses.replace(msg, pooling=_decode_pooling(pooling, v))
+    _check_pooled(msg, v)
+    return msg
 
 
 # ---- sampling params --------------------------------------------------------------------------
@@ -591,6 +673,7 @@ class ParamsLayout:
 
 
 _SAMPLING_PARAMS = ParamsLayout(SamplingParams)
+_DEFAULT_PARAMS = SamplingParams()
 
 
 def _encode_abort(msg: Abort) -> list[Any]:
@@ -620,7 +703,7 @@ def _token(value: Any, v: _Validator) -> int:
 
 
 def _encode_ready(msg: Ready) -> list[Any]:
-    return [
+    fields = [
         msg.model,
         int(msg.max_model_len),
         int(msg.vocab_size),
@@ -629,12 +712,30 @@ def _encode_ready(msg: Ready) -> list[Any]:
         int(msg.num_kv_blocks),
         int(msg.max_num_seqs),
     ]
+    if msg.embedding is not None:
+        fields.append(_encode_embedding_model(msg.embedding))
+    return fields
+
+
+def _encode_embedding_model(e: EmbeddingModel) -> list[Any]:
+    dims = pack_token_ids(e.matryoshka_dimensions)
+    return [int(e.pooling), bool(e.normalize), int(e.size), bool(e.matryoshka), dims]
+
+
+def _decode_embedding_model(value: Any, v: _Validator) -> EmbeddingModel:
+    pooling, normalize, size, matryoshka, dims = v.list_(value, "embedding model", 5)
+    size = v.int_(size, "embedding size", 1, MAX_EMBEDDING_DIMS)
+    matryoshka = v.bool_(matryoshka, "matryoshka")
+    dims = v.ids(dims, "matryoshka_dimensions", MAX_EMBEDDING_DIMS)
+    if any(not 1 <= d <= size for d in dims) or (dims and not matryoshka):
+        raise v.fail(f"matryoshka_dimensions must lie in [1, {size}], for a Matryoshka model")
+    kind = v.enum_(pooling, PoolingKind, "pooling kind")
+    return EmbeddingModel(kind, v.bool_(normalize, "normalize"), size, matryoshka, tuple(dims))
 
 
 def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
-    model, max_model_len, vocab_size, eos_ids, block_size, num_kv_blocks, max_num_seqs = v.list_(
-        fields, "READY fields", 7
-    )
+    fixed, embedding = _with_trailing(fields, "READY fields", 7, v)
+    model, max_model_len, vocab_size, eos_ids, block_size, num_kv_blocks, max_num_seqs = fixed
     return Ready(
         model=v.str_(model, "model", MAX_STR_BYTES),
         max_model_len=v.int_(max_model_len, "max_model_len", 1, INT32_MAX),
@@ -643,6 +744,7 @@ def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
         block_size=v.int_(block_size, "block_size", 1, INT32_MAX),
         num_kv_blocks=v.int_(num_kv_blocks, "num_kv_blocks", 0, INT32_MAX),
         max_num_seqs=v.int_(max_num_seqs, "max_num_seqs", 1, INT32_MAX),
+        embedding=None if embedding is None else _decode_embedding_model(embedding, v),
     )
 
 
@@ -651,7 +753,9 @@ class StepOutputsFrame:
     ``encode`` gives the bytes ``encode(StepOutputs(...))`` gives for the same outputs, without
     a RequestOutput per request or a second pass over them."""
 
-    __slots__ = ("request_ids", "counts", "new_ids", "finish", "logprobs", "prompt", "timings")
+    __slots__ = (
+        "request_ids", "counts", "new_ids", "finish", "logprobs", "prompt", "timings", "pooled",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.request_ids: list[str] = []
@@ -661,6 +765,7 @@ class StepOutputsFrame:
         self.logprobs: list[list[Any]] = []
         self.prompt: list[list[Any]] = []  # prompt logprobs
         self.timings: list[list[Any]] = []
+        self.pooled: list[list[Any]] = []  # embeddings
 
     def add(
         self,
@@ -670,6 +775,7 @@ class StepOutputsFrame:
         logprobs: list[TokenLogprobs] | None = None,
         prompt_logprobs: list[TokenLogprobs] | None = None,
         timings: RequestTimings | None = None,
+        embedding: list[float] | None = None,
     ) -> None:
         """One request's share of the step (RequestOutput's fields)."""
         i = len(self.request_ids)
@@ -683,6 +789,8 @@ class StepOutputsFrame:
         if timings is not None:
             t = timings
             self.timings.append([i, float(t.queue_s), float(t.prefill_s), float(t.decode_s)])
+        if embedding is not None:
+            self.pooled.append([i, np.asarray(embedding, dtype=_F32).tobytes()])
 
     def add_tokens(self, request_id: str, new_token_ids: list[int]) -> None:
         """``add`` for an output of tokens only (no finish, logprobs or timings): most
@@ -693,7 +801,7 @@ class StepOutputsFrame:
 
     def fields(self, finished_without_tokens: dict[str, FinishReason]) -> list[Any]:
         finished = {rid: int(reason) for rid, reason in finished_without_tokens.items()}
-        return [
+        fields = [
             self.request_ids,
             pack_token_ids(self.counts),
             pack_token_ids(self.new_ids),
@@ -703,6 +811,9 @@ class StepOutputsFrame:
             self.prompt,
             self.timings,
         ]
+        if self.pooled:
+            fields.append(self.pooled)
+        return fields
 
     def encode(self) -> bytes:
         """The frame of the requests added (none finished without tokens)."""
@@ -722,15 +833,15 @@ def _encode_step_outputs(msg: StepOutputs) -> list[Any]:
             out.logprobs,
             out.prompt_logprobs,
             out.timings,
+            out.embedding,
         )
     return frame.fields(msg.finished_without_tokens)
 
 
 def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
     # The hot path of a client: one call per engine step, up to max_num_seqs requests in it.
-    request_ids, counts, new_ids, finish, logprobs, finished, prompt, timings = v.list_(
-        fields, "STEP_OUTPUTS fields", 8
-    )
+    fixed, pooled = _with_trailing(fields, "STEP_OUTPUTS fields", 8, v)
+    request_ids, counts, new_ids, finish, logprobs, finished, prompt, timings = fixed
     request_ids = _request_ids(request_ids, v)
     counts = v.i32(counts, "new token counts", MAX_TOKEN_IDS, min_value=0).tolist()
     if len(counts) != len(request_ids):
@@ -745,8 +856,13 @@ def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
         for rid, n in zip(request_ids, counts, strict=True):
             outputs.append(RequestOutput(rid, new_ids[start : start + n]))
             start += n
+    ended_pooled = []
     for i, reason in _indexed(finish, len(outputs), "finish reasons", v):
-        outputs[i].finish_reason = _finish_reason(reason, v)
+        outputs[i].finish_reason = ended = _finish_reason(reason, v)
+        if ended is FinishReason.POOLED:
+            ended_pooled.append(i)
+    if ended_pooled or pooled is not None:
+        _attach_embeddings(outputs, ended_pooled, pooled, counts, v)
     for i, value in _indexed(logprobs, len(outputs), "logprobs", v):
         outputs[i].logprobs = _decode_logprobs(value, counts[i], v)
     for i, value in _indexed(prompt, len(outputs), "prompt logprobs", v, width=3):
@@ -761,7 +877,29 @@ def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
         v.rid(rid): v.enum_(reason, FinishReason, "finish reason")
         for rid, reason in finished.items()
     }
+    if FinishReason.POOLED in finished.values():
+        raise v.fail("a pooled request ends with its vector, not without an output")
     return StepOutputs(outputs, finished)
+
+
+def _attach_embeddings(
+    outputs: list[RequestOutput],
+    ended_pooled: list[int],
+    column: Any,
+    counts: list[int],
+    v: _Validator,
+) -> None:
+    """Give each output that ended POOLED its vector: every such output has one and no
+    tokens, and no other output has one."""
+    rows = [] if column is None else _indexed(column, len(outputs), "embeddings", v)
+    if column is not None and not rows:
+        raise v.fail("an empty embeddings column is left out")
+    if sorted(i for i, _ in rows) != sorted(ended_pooled):
+        raise v.fail("each output that ends POOLED, and no other, carries one embedding")
+    for i, vector in rows:
+        if counts[i]:
+            raise v.fail("a pooled output carries no tokens")
+        outputs[i].embedding = v.f32(vector, "an embedding", MAX_EMBEDDING_DIMS)
 
 
 def _request_ids(value: Any, v: _Validator) -> list[str]:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 # 4: AddRequest carries num_output_tokens (a resumed request)
 # 5: a finished RequestOutput carries its engine timings; Stats carries EngineCounts
 # 6: AddRequest carries output_interval (the engine holds a request's tokens back)
-# 7: ConstraintKind.LLGUIDANCE (a composed llguidance grammar)
+# 7: ConstraintKind.LLGUIDANCE (a composed llguidance grammar); embeddings: AddRequest may carry
+#    pooling, a step's output its pooled vector, Ready the engine's embedding model; each a
+#    trailing field that a frame without it leaves out
 PROTOCOL_VERSION = 7
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -39,6 +41,10 @@ class FinishReason(enum.IntEnum):
     ABORT = 2  # aborted by the client
     ERROR = 3  # the engine could not serve the request
     DEAD_END = 4  # the request's constraint allowed no token (see engine_core/grammar.py)
+    # A pooling (embedding) request's prompt has run: its output is the vector, not a token
+    # (RequestOutput.embedding). Its own reason, not LENGTH or STOP, so that no reader takes
+    # it for the end of a generation.
+    POOLED = 5
 
     @property
     def openai_name(self) -> str:
@@ -51,6 +57,7 @@ _OPENAI_FINISH_NAMES = {
     FinishReason.ABORT: "abort",
     FinishReason.ERROR: "error",
     FinishReason.DEAD_END: "constraint_dead_end",
+    FinishReason.POOLED: "stop",  # as vLLM reports a finished pooling request
 }
 
 
@@ -65,6 +72,13 @@ class ConstraintKind(enum.IntEnum):
     # spec: an llguidance top-level grammar as JSON ({"grammars": [...]}), several grammars that
     # reference each other: what the frontend composes for an answer after a model's reasoning
     LLGUIDANCE = 6
+
+
+class PoolingKind(enum.IntEnum):
+    """How an embedding request's vector is made from its prompt's final hidden states."""
+
+    LAST = 1  # the last prompt token's (Qwen3-Embedding, e5-mistral)
+    MEAN = 2  # the mean over every prompt token's
 
 
 class ControlKind(enum.IntEnum):
@@ -110,6 +124,46 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: its prompt runs through the model with nothing sampled, and its
+    vector comes back: pooled (``kind``), cut to its first ``dimensions`` values where given
+    (Matryoshka), then scaled to unit L2 norm where ``normalize``."""
+
+    kind: PoolingKind = PoolingKind.LAST
+    normalize: bool = True
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingModel:
+    """What an embedding engine's model gives, as its checkpoint says (Ready.embedding)."""
+
+    pooling: PoolingKind
+    normalize: bool
+    size: int  # the vector's length: the hidden size
+    matryoshka: bool = False  # trained so that a vector's first N values embed too
+    # The only lengths it may be cut to, where the checkpoint names them; empty: any of 1..size.
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+    def refuses_dimensions(self, dimensions: int) -> str | None:
+        """Why its vectors cannot be cut to ``dimensions`` values (None: they can). Its own
+        length always can: there is nothing to cut."""
+        if dimensions == self.size:
+            return None
+        if not self.matryoshka:
+            return (
+                "this model does not support Matryoshka dimensions: its vectors cannot be cut "
+                f"short of {self.size} values"
+            )
+        allowed = self.matryoshka_dimensions
+        fits = dimensions in allowed if allowed else 1 <= dimensions <= self.size
+        if fits:
+            return None
+        sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {self.size}"
+        return f"dimensions must be one of {sizes}, got {dimensions}"
+
+
+@dataclass(frozen=True)
 class Hello:
     client_name: str = ""
 
@@ -129,6 +183,9 @@ class AddRequest:
     # handles the request at the steps in between. A step's runs travel in one frame, so a
     # long run with many top logprobs makes a large frame (the decoder's limit: codec.py).
     output_interval: int = 1
+    # An embedding request (params, num_output_tokens and output_interval at their defaults:
+    # it samples nothing); None: a generation.
+    pooling: PoolingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +210,7 @@ class Ready:
     block_size: int
     num_kv_blocks: int
     max_num_seqs: int
+    embedding: EmbeddingModel | None = None  # None: the engine generates; else it only embeds
 
 
 @dataclass(frozen=True)
@@ -186,6 +244,8 @@ class RequestOutput:
     # first output (the one that carries its first token).
     prompt_logprobs: list[TokenLogprobs] | None = None
     timings: RequestTimings | None = None  # in the output that finishes the request
+    # A pooling request's vector (float32 values), in the output that ends it (POOLED).
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True)

@@ -165,4 +165,50 @@ def write_harmony_model(path: Path, tokenizer_source: Path) -> Path:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
+
+
+def write_tiny_embedding_model(
+    path: Path,
+    *,
+    architecture: str = "qwen3",
+    pooling: str = "lasttoken",
+    normalize: bool = True,
+    matryoshka: bool = False,
+    vocab_size: int = 384,
+    seed: int = 0,
+) -> Path:
+    """A 2-layer random decoder embedding model as sentence-transformers lays one out: a bare
+    body (HF's ``Qwen3Model`` or ``LlamaModel``, no LM head) saved with save_pretrained, then
+    modules.json, its Pooling config (``pooling_mode_<pooling>``) and a Normalize module where
+    ``normalize``; ``matryoshka`` marks its config ``is_matryoshka`` (vLLM's name)."""
+    import json
+
+    from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    sizes = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    if architecture == "qwen3":
+        model = Qwen3Model(Qwen3Config(**sizes, head_dim=16)).eval()
+    else:
+        model = LlamaModel(LlamaConfig(**sizes)).eval()
+    if matryoshka:
+        model.config.is_matryoshka = True
+    model.save_pretrained(path)
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling")]
+    kinds += [("2_Normalize", "Normalize")] if normalize else []
+    modules = [
+        {"idx": i, "name": str(i), "path": folder, "type": f"sentence_transformers.models.{kind}"}
+        for i, (folder, kind) in enumerate(kinds)
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    modes = ("cls_token", "mean_tokens", "max_tokens", "lasttoken")
+    config = {f"pooling_mode_{m}": m == pooling for m in modes}
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, **config})
+    )
     return path

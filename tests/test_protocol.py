@@ -37,11 +37,14 @@ from protocol.messages import (
     Control,
     ControlKind,
     ControlReply,
+    EmbeddingModel,
     EngineCounts,
     FinishReason,
     Heartbeat,
     Hello,
     MsgType,
+    PoolingKind,
+    PoolingParams,
     Ready,
     RequestError,
     RequestOutput,
@@ -94,8 +97,12 @@ EXAMPLES = [
     Abort(["a", "b" * MAX_REQUEST_ID_LEN]),
     Control(ControlKind.STATS),
     Control(ControlKind.SHUTDOWN, 2**64 - 1),
+    AddRequest("embed", [1, 2, 3], pooling=PoolingParams()),
+    AddRequest("embed-mean", [1], pooling=PoolingParams(PoolingKind.MEAN, False, 65536)),
     Ready("default", 2048, 49152, [2], 16, 1000, 256),
     Ready("/models/x", 1, 1, [], 1, 0, 1),
+    Ready("e", 8, 9, [], 16, 4, 2, EmbeddingModel(PoolingKind.MEAN, True, 1, True, (1,))),
+    Ready("e", 8, 9, [2], 16, 4, 2, EmbeddingModel(PoolingKind.LAST, False, 65536, True)),
     StepOutputs([]),
     StepOutputs([RequestOutput("a", [5])]),
     StepOutputs(
@@ -115,6 +122,15 @@ EXAMPLES = [
         [
             RequestOutput("p", [3], None, None, [TokenLogprobs(-1.5, [4, 3], [-0.5, -1.5])]),
             RequestOutput("q", [], FinishReason.DEAD_END, None, []),  # a one-token prompt
+        ]
+    ),
+    StepOutputs(
+        [
+            RequestOutput(
+                "v", [], FinishReason.POOLED, embedding=[0.5, -(2.0**127), 2.0**-149, 0.0]
+            ),
+            RequestOutput("w", [7]),
+            RequestOutput("x", [], FinishReason.POOLED, embedding=[1.0] * 4096),
         ]
     ),
     StepOutputs(
@@ -610,6 +626,133 @@ def stats_frame(stats: Any) -> bytes:
     return msgpack.packb([int(MsgType.CONTROL_REPLY), PROTOCOL_VERSION, 1, 0, stats, True, ""])
 
 
+# ---- embeddings: the trailing pooling fields --------------------------------------------------
+
+
+def pooled_add_frame(pooling: Any = None, **replace: Any) -> bytes:
+    """A valid pooling ADD_REQUEST frame for id "r", its pooling (and other elements) replaced."""
+    obj = unpack(encode(AddRequest("r", [1, 2], pooling=PoolingParams())))
+    if pooling is not None:
+        obj[7] = pooling
+    for index, value in replace.items():
+        obj[int(index.lstrip("_"))] = value
+    return msgpack.packb(obj)
+
+
+LAST, MEAN = int(PoolingKind.LAST), int(PoolingKind.MEAN)
+BAD_POOLING_REQUESTS = [
+    msgpack.packb([*unpack(encode(AddRequest("r", [1, 2]))), None]),  # a trailing nil
+    pooled_add_frame([9, True, None]),  # an unknown kind
+    pooled_add_frame([0, True, None]),
+    pooled_add_frame([True, True, None]),
+    pooled_add_frame([LAST, 1, None]),  # normalize must be a bool
+    pooled_add_frame([LAST, True, 0]),  # dimensions in [1, 65536]
+    pooled_add_frame([LAST, True, 65537]),
+    pooled_add_frame([MEAN, True, 8.0]),
+    pooled_add_frame([MEAN, True, True]),
+    pooled_add_frame([LAST, True]),  # not 3 wide
+    pooled_add_frame([LAST, True, None, 1]),
+    pooled_add_frame("last"),
+    pooled_add_frame({"kind": LAST}),
+    pooled_add_frame(_4=unpack(encode(AddRequest("r", [1], SamplingParams(max_tokens=9))))[4]),
+    pooled_add_frame(_5=1),  # a resumed embedding request: it has no output
+    pooled_add_frame(_6=4),  # an output interval: it has no tokens to hold
+    msgpack.packb([*unpack(encode(AddRequest("r", [1], pooling=PoolingParams()))), 1]),
+]
+
+
+@pytest.mark.parametrize("frame", BAD_POOLING_REQUESTS)
+def test_malformed_pooling_is_an_error_for_that_request(frame: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_client_message(frame)
+    assert info.value.request_id == "r"
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        AddRequest("mine", [1], pooling=PoolingParams(3)),  # type: ignore[arg-type]
+        AddRequest("mine", [1], pooling=PoolingParams(normalize=1)),  # type: ignore[arg-type]
+        AddRequest("mine", [1], pooling=PoolingParams(dimensions=0)),
+        AddRequest("mine", [1], pooling=PoolingParams(dimensions=True)),
+        AddRequest("mine", [1], pooling="last"),  # type: ignore[arg-type]
+        AddRequest("mine", [1], SamplingParams(temperature=0.0), pooling=PoolingParams()),
+        AddRequest("mine", [1], output_interval=2, pooling=PoolingParams()),
+    ],
+)
+def test_encoder_rejects_a_bad_pooling_request(msg: AddRequest) -> None:
+    with pytest.raises(ProtocolError) as info:
+        encode(msg)
+    assert info.value.request_id == "mine"
+
+
+def test_pooling_travels_as_a_trailing_field_of_its_own() -> None:
+    """A generation's frame has no pooling field at all; an embedding request's has one more."""
+    plain = unpack(encode(AddRequest("r", [1])))
+    pooled = unpack(encode(AddRequest("r", [1], pooling=PoolingParams(PoolingKind.MEAN, False, 8))))
+    assert len(pooled) == len(plain) + 1 == 8
+    assert pooled[:7] == plain and pooled[7] == [MEAN, False, 8]
+    step = unpack(
+        encode(StepOutputs([RequestOutput("a", [], FinishReason.POOLED, embedding=[1.5])]))
+    )
+    assert len(step) == 11 and step[10] == [[0, struct.pack("<f", 1.5)]]
+
+
+def f32(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def pooled_step(column: Any, finish: Any = None, counts: Any = None, new_ids: Any = None) -> bytes:
+    """A STEP_OUTPUTS frame of request "a" ending POOLED with no tokens, with ``column``."""
+    finish = [[0, int(FinishReason.POOLED)]] if finish is None else finish
+    counts = i32(0) if counts is None else counts
+    frame = unpack(
+        step_frame(finish=finish, counts=counts, new_ids=b"" if new_ids is None else new_ids)
+    )
+    return msgpack.packb([*frame, column])
+
+
+def ready_frame(embedding: Any) -> bytes:
+    return msgpack.packb([*unpack(encode(Ready("m", 8, 9, [2], 16, 4, 2))), embedding])
+
+
+BAD_POOLED_ENGINE_FRAMES = [
+    pooled_step(None),  # a trailing nil
+    pooled_step([]),  # an empty column is left out
+    step_frame(finish=[[0, int(FinishReason.POOLED)]], counts=i32(0), new_ids=b""),  # no vector
+    pooled_step([[0, f32(1.0)]], finish=[]),  # a vector without the POOLED end
+    pooled_step([[0, f32(1.0)]], finish=[[0, int(FinishReason.STOP)]]),
+    pooled_step([[0, f32(1.0)]], counts=i32(1), new_ids=i32(5)),  # pooled, yet a token
+    pooled_step([[0, f32(1.0)], [0, f32(2.0)]]),  # two vectors for one request
+    pooled_step([[1, f32(1.0)]]),  # no request at that position
+    pooled_step([[0, f32(math.nan)]]),
+    pooled_step([[0, f32(1.0, math.inf)]]),
+    pooled_step([[0, b""]]),  # no values
+    pooled_step([[0, b"\x00\x00\x80"]]),  # not a multiple of 4 bytes
+    pooled_step([[0, [1.0, 2.0]]]),  # a list, not float32 bytes
+    pooled_step([[0, f32(0.0) * 65537]]),  # past MAX_EMBEDDING_DIMS
+    pooled_step([[0, f32(1.0), 3]]),  # not a pair
+    msgpack.packb([*unpack(pooled_step([[0, f32(1.0)]])), []]),  # a field too many
+    step_frame(finished={"a": int(FinishReason.POOLED)}),  # pooled, yet without its output
+    ready_frame(None),
+    ready_frame([9, True, 8, False, b""]),  # an unknown pooling kind
+    ready_frame([LAST, True, 0, False, b""]),  # size 0
+    ready_frame([LAST, True, 65537, False, b""]),
+    ready_frame([LAST, 1, 8, False, b""]),  # normalize not a bool
+    ready_frame([LAST, True, 8, False, i32(4)]),  # dimensions, yet not Matryoshka
+    ready_frame([LAST, True, 8, True, i32(9)]),  # a dimension beyond the size
+    ready_frame([LAST, True, 8, True, i32(0)]),
+    ready_frame([LAST, True, 8, True, [4]]),  # not int32 bytes
+    ready_frame([LAST, True, 8, True]),  # not 5 wide
+]
+
+
+@pytest.mark.parametrize("frame", BAD_POOLED_ENGINE_FRAMES)
+def test_malformed_pooled_engine_frame_is_rejected(frame: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_engine_message(frame)
+
+
 BAD_ENGINE_FRAMES = [
     encode(Hello()),  # a client message sent the wrong way
     msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, -1]),
@@ -843,20 +986,35 @@ def rand_logprobs(rng: random.Random, n: int) -> list[TokenLogprobs]:
 
 
 def rand_output(rng: random.Random) -> RequestOutput:
-    ids = rand_ids(rng, 0, 6)
     reason = rng.choice([None, *FinishReason])
+    pooled = reason is FinishReason.POOLED
+    ids = [] if pooled else rand_ids(rng, 0, 6)
     lps = rand_logprobs(rng, len(ids)) if rng.random() < 0.3 else None
     prompt_lps = rand_logprobs(rng, rng.randint(0, 8)) if rng.random() < 0.2 else None
     timings = None
     if reason is not None and rng.random() < 0.5:
         timings = RequestTimings(*(rng.uniform(0, 10) for _ in range(3)))
-    return RequestOutput(rand_id(rng), ids, reason, lps, prompt_lps, timings)
+    vector = rand_vector(rng) if pooled else None
+    return RequestOutput(rand_id(rng), ids, reason, lps, prompt_lps, timings, vector)
+
+
+def rand_vector(rng: random.Random) -> list[float]:
+    """Float32 values (as the wire carries them), 1 to 64 of them."""
+    values = [rng.gauss(0.0, 1.0) for _ in range(rng.randint(1, 64))]
+    return np.array(values, dtype=np.float32).tolist()
+
+
+def rand_pooling(rng: random.Random) -> PoolingParams:
+    dimensions = rng.choice([None, 1, rng.randint(1, 4096)])
+    return PoolingParams(rng.choice(list(PoolingKind)), rng.random() < 0.5, dimensions)
 
 
 def random_message(rng: random.Random) -> Any:
     kind = rng.randrange(9)
     if kind == 0:
         return Hello(rand_id(rng) if rng.random() < 0.5 else "")
+    if kind == 1 and rng.random() < 0.2:
+        return AddRequest(rand_id(rng), rand_ids(rng, 1, 200), pooling=rand_pooling(rng))
     if kind == 1:
         return AddRequest(rand_id(rng), rand_ids(rng, 1, 200), rand_params(rng))
     if kind == 2:
@@ -865,10 +1023,15 @@ def random_message(rng: random.Random) -> Any:
         return Control(rng.choice(list(ControlKind)), rng.randrange(2**64))
     if kind == 4:
         sizes = [rng.randint(1, 10**6) for _ in range(5)]
-        return Ready(rand_id(rng), sizes[0], sizes[1], rand_ids(rng, 0, 3), *sizes[2:])
+        size = rng.randint(1, 8192)
+        dims = tuple(sorted(rng.sample(range(1, size + 1), min(size, 3))))
+        embedding = EmbeddingModel(rng.choice(list(PoolingKind)), True, size, True, dims)
+        embedding = embedding if rng.random() < 0.3 else None
+        return Ready(rand_id(rng), sizes[0], sizes[1], rand_ids(rng, 0, 3), *sizes[2:], embedding)
     if kind == 5:
         outputs = [rand_output(rng) for _ in range(rng.randint(0, 8))]
-        finished = {rand_id(rng): rng.choice(list(FinishReason)) for _ in range(rng.randint(0, 3))}
+        reasons = [r for r in FinishReason if r is not FinishReason.POOLED]  # it has an output
+        finished = {rand_id(rng): rng.choice(reasons) for _ in range(rng.randint(0, 3))}
         return StepOutputs(outputs, finished)
     if kind == 6:
         return RequestError(rand_id(rng), rand_id(rng), rng.choice([400, 500]))

@@ -2,9 +2,10 @@
 the frame decodes back to it). A change to the codec that moves a byte of any of them changes the
 protocol, and must come with a new PROTOCOL_VERSION and new frames here.
 
-The frames were written by the codec of protocol version 7 (version 6 wrote the same bytes but
-for the version and knew no LLGUIDANCE constraint); ``python -m tests.test_wire_golden``
-prints the table for the codec as it is now.
+The frames were written by the codec of protocol version 7; ``python -m tests.test_wire_golden``
+prints the table for the codec as it is now. Version 7 added the LLGUIDANCE constraint kind and
+embeddings as trailing fields that only embedding frames carry: every frame of version 6 is the
+same here but for its version byte (``test_generation_frames_changed_only_their_version``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from protocol.messages import (
     Control,
     ControlKind,
     ControlReply,
+    EmbeddingModel,
     EngineCounts,
     FinishReason,
     Heartbeat,
     Hello,
+    PoolingKind,
+    PoolingParams,
     Ready,
     RequestError,
     RequestOutput,
@@ -85,11 +89,28 @@ MESSAGES: dict[str, Any] = {
     ),
     "add optional ints": AddRequest("o", [1], SamplingParams(seed=0, logprobs=0)),
     "add resumed": AddRequest("z", [5, 6, 7, 8], SamplingParams(max_tokens=9), 3, 16),
+    "add pooling last": AddRequest("e", [5, 6], pooling=PoolingParams()),
+    "add pooling mean cut": AddRequest(
+        "m", [7], pooling=PoolingParams(PoolingKind.MEAN, False, 256)
+    ),
     "abort none": Abort([]),
     "abort two": Abort(["a", "b"]),
     "control stats": Control(ControlKind.STATS, 7),
     "control shutdown": Control(ControlKind.SHUTDOWN, 2**64 - 1),
     "ready": Ready("default", 2048, 49152, [2, 0], 16, 1000, 256),
+    "ready embedding": Ready(
+        "embed", 512, 49152, [2], 16, 64, 8, EmbeddingModel(PoolingKind.LAST, True, 1024)
+    ),
+    "ready mrl": Ready(
+        "mrl",
+        512,
+        49152,
+        [],
+        16,
+        64,
+        8,
+        EmbeddingModel(PoolingKind.MEAN, False, 64, True, (16, 32, 64)),
+    ),  # fmt: skip
     "step empty": StepOutputs([]),
     "step one token": StepOutputs([RequestOutput("a", [5])]),
     "step finishes and logprobs": StepOutputs(
@@ -110,6 +131,15 @@ MESSAGES: dict[str, Any] = {
             RequestOutput("p", [3], None, None, [TokenLogprobs(-1.5, [4, 3], [-0.5, -1.5])]),
             RequestOutput("q", [], FinishReason.DEAD_END, None, []),
             RequestOutput("t", [5], FinishReason.LENGTH, timings=RequestTimings(0.0, 0.25, 1.5)),
+        ]
+    ),
+    "step pooled": StepOutputs(
+        [
+            RequestOutput("a", [5]),
+            RequestOutput("e", [], FinishReason.POOLED, embedding=[0.5, -0.25, 1.0]),
+            RequestOutput(
+                "f", [], FinishReason.POOLED, timings=RequestTimings(0.0, 0.5, 0.0), embedding=[2.0]
+            ),
         ]
     ),
     "request error": RequestError("r", "prompt too long", 413),
@@ -178,11 +208,23 @@ FRAMES: dict[str, str] = {
         "00000000000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000"
         "00000000c400c2c092c400c400c0c00310"
     ),
+    "add pooling last": (
+        "980207a165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
+        "0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c0"
+        "92c400c400c0c000019301c3c0"
+    ),
+    "add pooling mean cut": (
+        "980207a16dc40407000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
+        "00c0c000019302c2cd0100"
+    ),
     "abort none": "93030790",
     "abort two": "93030792a161a162",
     "control stats": "9404070107",
     "control shutdown": "94040702cfffffffffffffffff",
     "ready": "991007a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
+    "ready embedding": "9a1007a5656d626564cd0200cdc000c404020000001040089501c3cd0400c2c400",
+    "ready mrl": "9a1007a36d726ccd0200cdc000c4001040089502c240c3c40c100000002000000040000000",
     "step empty": "9a110790c400c4009090809090",
     "step one token": "9a110791a161c40401000000c404050000009090809090",
     "step finishes and logprobs": (
@@ -195,6 +237,11 @@ FRAMES: dict[str, str] = {
         "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
         "0000e0bf000000000000f8bf93010094c400c400c400c400919402cb0000000000000000cb3fd000"
         "0000000000cb3ff8000000000000"
+    ),
+    "step pooled": (
+        "9b110793a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
+        "919402cb0000000000000000cb3fe0000000000000cb0000000000000000929201c40c0000003f00"
+        "0080be0000803f9202c40400000040"
     ),
     "request error": "951207a172af70726f6d707420746f6f206c6f6e67cd019d",
     "control reply stats": (
@@ -240,12 +287,44 @@ def test_a_frame_built_request_by_request_is_the_stored_frame(name: str) -> None
             out.logprobs,
             out.prompt_logprobs,
             out.timings,
+            out.embedding,
         )
     assert frame.encode().hex() == FRAMES[name]
 
 
 def test_the_frames_are_of_this_protocol_version() -> None:
     assert PROTOCOL_VERSION == 7, "a new protocol version: write the frames anew"
+
+
+# The frames of protocol version 6, byte for byte where version 7 kept them (every message
+# without pooling): version 7 must change none of them but for the version byte.
+VERSION_6_FRAMES = {
+    "add default params": (
+        "970206a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
+        "00c0c00001"
+    ),
+    "ready": "991006a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
+    "step one token": "9a110691a161c40401000000c404050000009090809090",
+    "step prompt logprobs and timings": (
+        "9a110693a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
+        "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
+        "0000e0bf000000000000f8bf93010094c400c400c400c400919402cb0000000000000000cb3fd000"
+        "0000000000cb3ff8000000000000"
+    ),
+    "control reply stats": (
+        "971306010397010203040acf000001000000000096cf3fffffffffffffffcd012ccc8002639e0001"
+        "02030405060708090a0b0c0dc3a0"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VERSION_6_FRAMES))
+def test_generation_frames_changed_only_their_version(name: str) -> None:
+    old, new = bytes.fromhex(VERSION_6_FRAMES[name]), bytes.fromhex(FRAMES[name])
+    # After the array's header byte: the type tag, then the version (each a positive fixint).
+    assert old[2] == 6 and new[2] == 7
+    assert old[:2] + old[3:] == new[:2] + new[3:]
 
 
 def print_frames() -> None:

@@ -44,6 +44,14 @@ LLAMA_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
 )
+# Bare decoder bodies (a checkpoint saved from HF's *Model: no LM head), as embedding models
+# are: built as the causal LM of their family, without the head (engine_core/embedding.py).
+BARE_BODIES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
 SUPPORTED_ARCHITECTURES = (
     *LLAMA_ARCHITECTURES,
     *MOE_ARCHITECTURES,
@@ -123,9 +131,18 @@ def hf_architecture(hf: dict[str, Any]) -> str:
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
             return name
+        if name in BARE_BODIES:
+            return BARE_BODIES[name]
     found = names or hf.get("model_type")
-    raise ValueError(
-        f"unsupported model architecture {found!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    supported = [*SUPPORTED_ARCHITECTURES, *BARE_BODIES]
+    raise ValueError(f"unsupported model architecture {found!r}; supported: {', '.join(supported)}")
+
+
+def is_bare_body(hf: dict[str, Any]) -> bool:
+    """Whether the checkpoint is a decoder body without an LM head (it can only embed)."""
+    names = list(hf.get("architectures") or [])
+    return any(name in BARE_BODIES for name in names) and not any(
+        name in SUPPORTED_ARCHITECTURES for name in names
     )
 
 

@@ -355,10 +355,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = get_tp_group()  # the tensor-parallel group this process builds for, read once
         self.model = LlamaModel(config, self.tp, self.decoder_layer)
-        # Tied models read the embedding matrix directly rather than holding a second alias.
+        # Tied models read the embedding matrix directly rather than holding a second alias; an
+        # embedding model (config.embedding) computes no logits, so it has no head to hold.
         self.lm_head = (
             None
-            if config.tie_word_embeddings
+            if config.tie_word_embeddings or config.embedding is not None
             else lm_head(config.vocab_size, config.hidden_size, self.tp)
         )
         self.packed_logits_weight: torch.Tensor | None = None  # CPU: pack_cpu_weights sets it
@@ -405,7 +406,11 @@ class LlamaForCausalLM(nn.Module):
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None
         if hf_name.startswith("lm_head.") and self.lm_head is None:
-            return None  # some tied checkpoints still store the alias
+            return None  # some tied checkpoints still store the alias; an embedding model's unused
+        if not hf_name.startswith(("model.", "lm_head.")):
+            # A bare body's checkpoint (HF's *Model, as embedding models are saved) names its
+            # tensors from the body down: "layers.0...", "embed_tokens.weight", "norm.weight".
+            hf_name = "model." + hf_name
         if self.config.num_experts and (target := map_moe_name(hf_name)) is not None:
             return target
         module, _, param = hf_name.rpartition(".")

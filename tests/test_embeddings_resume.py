@@ -1,0 +1,96 @@
+"""An embedding request whose engine dies: the inputs that have their vectors keep them, the
+others are sent again (and only they); a death in the batch that brings the last vector ends
+nothing early and resumes nothing.
+
+The engine side is a real RequestGroup fed by hand, as the client's reader feeds it (the group
+is never opened on a client); the serving context holds only what an Embedding reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from frontend.embeddings import Embedding
+from protocol.client import EngineDeadError, EngineRequest, RequestGroup
+from protocol.messages import FinishReason, PoolingParams, RequestOutput
+
+PROMPTS = [[1, 2], [3], [4, 5, 6]]
+
+
+class NoMetrics:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class HandFedGroup(RequestGroup):
+    """A RequestGroup on no client: opening sends nothing, and what it would abort is kept."""
+
+    aborted: list[str] | None = None
+
+    async def send(self) -> None:
+        pass
+
+    def abort_unfinished(self) -> None:
+        self.aborted = sorted(self.unfinished)
+
+
+class DyingEngine:
+    """The first group gets the vectors of its first ``before_death`` requests, then the
+    engine's death; a later group gets every vector."""
+
+    def __init__(self, before_death: int) -> None:
+        self.before_death = before_death
+        self.groups: list[HandFedGroup] = []
+        self.resume_waits = 0
+
+    def open(self, requests: Sequence[EngineRequest], wake_every: int | None) -> RequestGroup:
+        group = HandFedGroup(None, requests, wake_every)  # type: ignore[arg-type]
+        now = asyncio.get_running_loop().time()
+        dies = not self.groups
+        for i, r in enumerate(requests):
+            if not dies or i < self.before_death:
+                vector = [float(len(r.prompt_token_ids))]
+                output = RequestOutput(r.request_id, [], FinishReason.POOLED, embedding=vector)
+                group.deliver(i, output, now)
+        if dies:
+            group.deliver(0, EngineDeadError("the engine core exited"), now)
+        self.groups.append(group)
+        return group
+
+    async def wait_until_serving(self, timeout: float) -> float:
+        self.resume_waits += 1
+        return 0.0
+
+
+async def no_wait() -> None:
+    return None
+
+
+def embed_with(engine: DyingEngine) -> list[list[float]]:
+    ctx = SimpleNamespace(
+        engine=engine,
+        metrics=NoMetrics(),
+        max_resumes=3,
+        resume_timeout_s=120.0,
+        wait_for_engine=no_wait,
+    )
+    return asyncio.run(Embedding(ctx, PROMPTS, PoolingParams(), 0.0).run())  # type: ignore[arg-type]
+
+
+def test_the_inputs_without_a_vector_are_sent_again() -> None:
+    engine = DyingEngine(before_death=1)
+    assert embed_with(engine) == [[2.0], [1.0], [3.0]]
+    assert engine.resume_waits == 1
+    sent = [[list(r.prompt_token_ids) for r in g.requests] for g in engine.groups]
+    assert sent == [PROMPTS, PROMPTS[1:]]
+    assert engine.groups[1].requests[0].pooling == PoolingParams()
+
+
+def test_a_death_after_the_last_vector_resumes_nothing() -> None:
+    engine = DyingEngine(before_death=len(PROMPTS))
+    assert embed_with(engine) == [[2.0], [1.0], [3.0]]
+    assert engine.resume_waits == 0 and len(engine.groups) == 1
+    assert engine.groups[0].aborted == []
