@@ -180,6 +180,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return await generate(ctx, body, request, prepare_chat, stream_chat, chat)
 
     add_response_routes(app, ctx)
+
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         pooling = check_embedding_request(ctx, body)

@@ -51,7 +51,8 @@ class ServingContext:
             raise OpenAIError(
                 400,
                 f"The model `{self.served_model}` is an embedding model (served with --runner "
-                "pooling): it does not generate text, so completions and chat are not served; "
+                "pooling): it does not generate text, so completions, chat and responses are not "
+                "served; "
                 "use /v1/embeddings",
                 code="model_does_not_generate",
             )

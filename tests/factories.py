@@ -165,6 +165,7 @@ def write_harmony_model(path: Path, tokenizer_source: Path) -> Path:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
+    return path
 
 
 def write_tiny_embedding_model(
