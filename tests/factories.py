@@ -85,8 +85,12 @@ def tiny_hf_sizes(vocab_size: int) -> dict[str, Any]:
 
 # A chat template that thinks as Qwen3's thinking templates do (ChatML; written from Qwen3's
 # published template, shortened): the assistant's turn opens a <think> block in the prompt, or,
-# with enable_thinking false, closes an empty one; earlier turns render their reasoning_content.
+# with enable_thinking false, closes an empty one; earlier turns render their reasoning_content;
+# a reasoning_effort (gpt-oss's templates read one) goes into a system line.
 THINKING_TEMPLATE = """\
+{%- if reasoning_effort is defined %}
+{{- '<|im_start|>system\nReasoning effort: ' + reasoning_effort + '<|im_end|>\n' }}
+{%- endif %}
 {%- for message in messages %}
 {{- '<|im_start|>' + message['role'] + '\\n' }}
 {%- if message['role'] == 'assistant' and message.get('reasoning_content') %}

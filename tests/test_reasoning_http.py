@@ -144,7 +144,6 @@ def test_chat_template_kwargs_change_the_prompt(thinking_server: Server) -> None
     [
         ({"chat_template_kwargs": {"not_in_the_template": 1}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
-        ({"reasoning_effort": "low"}, "reasoning_effort"),  # this template does not read it
     ],
 )
 def test_what_the_template_cannot_take_is_refused(
@@ -156,7 +155,25 @@ def test_what_the_template_cannot_take_is_refused(
     assert resp.json()["error"]["param"] == param
 
 
-@pytest.mark.parametrize("extra", [{"thinking_token_budget": 4}, {"include_reasoning": False}])
+def test_reasoning_effort_goes_to_a_template_that_reads_it(thinking_server: Server) -> None:
+    def prompt_tokens(**extra: Any) -> int:
+        resp = client_of(thinking_server).chat.completions.create(
+            model="default", messages=MESSAGES, max_tokens=1, **extra
+        )
+        return resp.usage.prompt_tokens
+
+    plain, effort = prompt_tokens(), prompt_tokens(reasoning_effort="high")
+    assert effort > plain  # the template's "Reasoning effort: high" line
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"thinking_token_budget": 4},
+        {"include_reasoning": False},
+        {"reasoning_effort": "low"},  # the default model's template does not read it
+    ],
+)
 def test_reasoning_fields_need_a_reasoning_parser(server: Server, extra: dict[str, Any]) -> None:  # noqa: F811
     body = {"model": "default", "messages": MESSAGES, "max_tokens": 4, **extra}
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)

@@ -179,6 +179,26 @@ def test_text_format_json_schema(server: Server) -> None:  # noqa: F811
     assert resp.text.format.type == "json_schema"
 
 
+def test_max_output_tokens_leaves_the_response_incomplete(server: Server) -> None:  # noqa: F811
+    resp = client_of(server).responses.create(
+        model="default", input="Tell me a long story.", max_output_tokens=3, temperature=0
+    )
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.output_tokens == 3
+
+
+def test_max_tool_calls_caps_the_calls(server: Server) -> None:  # noqa: F811
+    """Forced calls in parallel: the grammar lets the model write several; at most one is
+    returned with max_tool_calls 1."""
+    body = {"input": ASK, "tools": [WEATHER], "tool_choice": "required", **GREEDY}
+    body["max_output_tokens"] = 90
+    many = client_of(server).responses.create(**body)
+    capped = client_of(server).responses.create(**body, max_tool_calls=1)
+    calls = [i for i in capped.output if i.type == "function_call"]
+    assert len(calls) == 1
+    assert len([i for i in many.output if i.type == "function_call"]) >= len(calls)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
