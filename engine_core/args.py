@@ -48,6 +48,10 @@ _HELP = {
     "Pooling module, or a bare *Model architecture; else generate), 'generate', or 'pooling' "
     "(serve /v1/embeddings: each prompt's pooled final hidden state, pooled and normalised as "
     "the checkpoint says, else last-token and normalised)",
+    "speculative_config": "speculative decoding, as JSON (the peers' spelling): "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}\': greedy requests take the tokens that followed the last n '
+    "tokens' earlier occurrence as drafts, scored in one step (engine_core/speculative.py)",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
 }

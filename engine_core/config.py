@@ -8,9 +8,12 @@ construction is derived in a property or built into a new object with ``dataclas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol.messages import EmbeddingModel
+
+if TYPE_CHECKING:
+    from engine_core.speculative import SpeculativeConfig
 
 QUANTIZATION_METHODS = ("fp8",)  # --quantization values
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values; "fp8" is e4m3
@@ -157,6 +160,16 @@ class EngineConfig:
     quantization: str | None = None  # "fp8": quantize a bf16/fp16/fp32 checkpoint as it loads
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 with per-layer scales
     runner: str = "auto"  # RUNNERS: generate, embed ("pooling"), or as the checkpoint says
+    # JSON, as the peers spell it (engine_core/speculative.py SpeculativeConfig); None: off
+    speculative_config: str | None = None
+
+    def speculation(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config, or None."""
+        from engine_core.speculative import SpeculativeConfig
+
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -173,6 +186,12 @@ class EngineConfig:
             raise ValueError(
                 f"--runner {self.runner!r} is not supported; choose one of {', '.join(RUNNERS)}"
             )
+        if self.speculative_config is not None:
+            self.speculation()  # ValueError naming what is wrong
+            if self.tensor_parallel_size != 1:
+                raise ValueError(
+                    "--speculative-config with --tensor-parallel-size > 1 is not supported yet"
+                )
         if self.tp_all_reduce not in TP_ALL_REDUCES:
             raise ValueError(
                 f"--tp-all-reduce {self.tp_all_reduce!r} is not supported; choose one of "

@@ -45,6 +45,7 @@ from engine_core.grammar import BitmaskFiller, GrammarCompiler, RequestGrammar
 from engine_core.model_runner import ForwardStep, LaunchedStep, ModelRunner
 from engine_core.request import EngineOutput, Request, SchedulerOutput
 from engine_core.scheduler import Scheduler
+from engine_core.speculative import make_proposer
 from engine_core.step_stats import StepStats
 from protocol.messages import FinishReason, Stats, TokenLogprobs
 
@@ -66,6 +67,7 @@ class EngineCore:
             num_kv_blocks=self.runner.num_kv_blocks,
             max_model_len=self.runner.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
+            proposer=make_proposer(config.speculation()),
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.
         self.max_model_len = self.scheduler.max_model_len
@@ -166,8 +168,8 @@ class EngineCore:
         self.config = dataclasses.replace(self.config, async_scheduling=enabled)
 
     def _must_sync(self) -> bool:
-        if not self.config.async_scheduling:
-            return True
+        if not self.config.async_scheduling or self.scheduler.proposer is not None:
+            return True  # speculation: each step's kept drafts decide the next plan
         if self._penalised:
             self._penalised.intersection_update(self.scheduler.requests)
         return bool(self._penalised)
@@ -251,7 +253,9 @@ class EngineCore:
                 record_prompt_logprobs(step.plan, step.prompt_logprobs)
             if step.constrained and self._bitmasks is not None:
                 self._bitmasks.advance(constrained_tokens(step.plan, result.sampled_token_ids))
-            outputs = self.scheduler.update_from_output(step.plan, result.sampled_token_ids)
+            outputs = self.scheduler.update_from_output(
+                step.plan, result.sampled_token_ids, result.draft_checks
+            )
             if result.embeddings:
                 attach_embeddings(outputs, result.embeddings)
             self._attach_logprobs(step.sampling_requests, result.logprobs, outputs)

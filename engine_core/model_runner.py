@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -89,6 +89,9 @@ class RunnerOutput:
     # An embedding engine's: the vector of each request whose prompt ended this step, by
     # request id (None: not finite).
     embeddings: dict[str, list[float] | None] | None = None
+    # Speculation: for each row with drafts, in schedule order, the target's token after its
+    # last known token and after each of its drafts but the last (engine_core/speculative.py).
+    draft_checks: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -104,6 +107,23 @@ class ForwardStep:
     # request id -> (first scored prompt position, logprobs), for the prompt tokens scored
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
     pooled: PooledStep | None = None  # an embedding engine's vectors that the step finished
+    draft_checks: DraftChecks | None = None  # speculation: the target's argmax at the drafts
+
+
+@dataclass
+class DraftChecks:
+    """The target's argmax at each drafted row's positions but the last (those check the
+    drafts; the last one's token is the row's sampled token), and how many a row has."""
+
+    token_ids: torch.Tensor  # [sum of drafts] int64
+    counts: list[int]
+
+    def per_row(self) -> list[list[int]]:
+        ids, out, at = self.token_ids.tolist(), [], 0
+        for count in self.counts:
+            out.append(ids[at : at + count])
+            at += count
+        return out
 
 
 @dataclass
@@ -121,6 +141,7 @@ class LaunchedStep:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
     constrained: bool = False  # a structured-output bitmask masked its sampling
     pooled: PooledStep | None = None  # an embedding engine's vectors that the step finished
+    draft_checks: DraftChecks | None = None  # speculation, copied to the host with the ids
 
 
 def resolve_device(name: str) -> torch.device:
@@ -447,6 +468,8 @@ class ModelRunner:
             step.pooled = self.pooler.pool(out, hidden, inputs.meta.query_start_loc_cpu)
         if inputs.prompt_rows is not None and self._scoring is not None:
             step.prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
+        if any(s.drafts for s in out.scheduled):
+            step.draft_checks = self._check_drafts(out, hidden, inputs.meta.query_start_loc_cpu)
         if requests:
             with stats.phase("sample"):
                 if timeline is not None:
@@ -480,9 +503,28 @@ class ModelRunner:
             launched = self._to_host(step.plan, sampled, requests, step.timeline)
         launched.prompt_logprobs = step.prompt_logprobs
         launched.constrained = bitmask is not None
+        launched.draft_checks = step.draft_checks
         if step.timeline is not None:
             step.timeline.end()
         return self._timed(launched)
+
+    def _check_drafts(
+        self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]
+    ) -> DraftChecks:
+        """The target's argmax at every drafted row's positions but its last: the rows that
+        say whether each draft was right (the row's last position samples as usual)."""
+        rows: list[int] = []
+        counts: list[int] = []
+        for i, s in enumerate(out.scheduled):
+            if s.drafts:
+                rows += range(query_start[i], query_start[i] + len(s.drafts))
+                counts.append(len(s.drafts))
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        logits = self.model.compute_logits(hidden[index], widen=False)  # [D, V]
+        token_ids = logits.argmax(dim=-1)  # [D]
+        if self._on_cuda:
+            token_ids = _copy_to_pinned(token_ids)
+        return DraftChecks(token_ids, counts)
 
     def _logits(
         self, hidden: torch.Tensor, inputs: ModelInputs
@@ -589,9 +631,11 @@ class ModelRunner:
             pooled = Pooler.to_host(step.pooled) if step.pooled is not None else None
             return RunnerOutput([], [], pooled)
         token_ids = step.token_ids.tolist()
+        checks = step.draft_checks.per_row() if step.draft_checks is not None else []
         if step.logprobs is None:
-            return RunnerOutput(token_ids, [None] * len(token_ids))
-        return RunnerOutput(token_ids, _logprobs_per_row(step.logprobs, step.sampling_requests))
+            return RunnerOutput(token_ids, [None] * len(token_ids), draft_checks=checks)
+        logprobs = _logprobs_per_row(step.logprobs, step.sampling_requests)
+        return RunnerOutput(token_ids, logprobs, draft_checks=checks)
 
 
 def model_inputs(

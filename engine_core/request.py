@@ -109,6 +109,8 @@ class Request:
             and not self.params.logit_bias
             and self.params.constraint is None
         )
+        # Speculative decoding cannot change what it decodes (engine_core/speculative.py).
+        self.speculates = self.argmax_only and not self.planned_apart
 
     @classmethod
     def resumed(
@@ -180,6 +182,9 @@ class ScheduledRequest:
     # The chunk reaches the end of the known tokens, so a token is sampled (never for a pooling
     # request: its last chunk ends it instead).
     samples: bool
+    # Speculation: the drafts that follow the request's last known token in this chunk (the
+    # chunk is that token and them); the target's tokens after each decide which are kept.
+    drafts: tuple[int, ...] = ()
 
     @classmethod
     def plan(

@@ -47,6 +47,7 @@ from engine_core.request import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from engine_core.speculative import Proposer, accepted_run
 from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, FinishReason
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,13 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         eos_token_ids: Sequence[int],
+        proposer: Proposer | None = None,
     ) -> None:
+        """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
+        next tokens of the greedy requests that decode."""
         self.config = config
+        self.proposer = proposer
+        self.max_drafts = proposer.max_drafts if proposer is not None else 0
         self.block_manager = BlockManager(
             num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -79,6 +85,8 @@ class Scheduler:
         self._awaiting_first_token: list[Request] = []  # admitted, no token of theirs yet
         self._run_id = random.getrandbits(62)
         self._prefix_queries = self._prefix_hits = self._preemptions = 0
+        # Speculative decoding: rows planned with drafts, their drafts, the drafts kept.
+        self._spec_drafts = self._drafted = self._accepted = 0
         self._step_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
         self._step_tokens_sum = 0
 
@@ -158,6 +166,9 @@ class Scheduler:
             self._preemptions,
             tuple(self._step_tokens),
             self._step_tokens_sum,
+            self._spec_drafts,
+            self._drafted,
+            self._accepted,
         )
 
     # ---------------------------------------------------------------------------- scheduling
@@ -204,6 +215,12 @@ class Scheduler:
                 index += 1
                 continue
             start = request.num_computed_tokens
+            if self.max_drafts and request.speculates and num_tokens - start == 1:
+                drafted = self._plan_drafts(output, request, budget)
+                if drafted:
+                    budget -= drafted
+                    index += 1
+                    continue
             num_new = min(num_tokens - start, budget)
             end = start + num_new
             block_ids = table_covering(request, num_new)
@@ -222,6 +239,23 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _plan_drafts(self, output: SchedulerOutput, request: Request, budget: int) -> int:
+        """Plan a decode with the proposer's drafts after the last known token (at most what
+        the budget, the pool and the request's length limit leave room for): the tokens it
+        computes, or 0 where nothing was drafted (the request then decodes as usual)."""
+        assert self.proposer is not None
+        room = min(self.max_drafts, budget - 1, request.length_limit - request.num_tokens - 1)
+        drafts = self.proposer.propose(request.token_ids, room) if room > 0 else []
+        num_new = 1 + len(drafts)
+        if not drafts or not self.block_manager.allocate_slots(request, num_new):
+            return 0  # no room for the drafts' KV: decode one token, preempting if it must
+        request.token_ids.extend(drafts)
+        self._add_scheduled(output, request, num_new)
+        output.scheduled[-1].drafts = tuple(drafts)
+        self._spec_drafts += 1
+        self._drafted += len(drafts)
+        return num_new
 
     def _preempt_for(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room for ``request`` by preempting from the end of the batch (its allocation
@@ -308,15 +342,23 @@ class Scheduler:
     # ------------------------------------------------------------------------------ updates
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: list[int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: list[int],
+        draft_checks: list[list[int]] | None = None,
     ) -> list[EngineOutput]:
         """Apply one step's results: cache full blocks, fill placeholders, finish.
 
         ``sampled_token_ids`` holds one id per scheduled request whose chunk samples, in order.
-        Returns one event per sampled token; finished requests are already freed.
+        ``draft_checks`` holds, for each row with drafts in order, the target's token after its
+        last known token and after each draft but the last (the sampled id is the one after
+        the last). Returns one event per row that produced tokens; finished requests are
+        already freed.
         """
         scheduled = output.scheduled
-        if len(sampled_token_ids) == len(scheduled):
+        if draft_checks:
+            events, any_finished = self._update_rows(scheduled, sampled_token_ids, draft_checks)
+        elif len(sampled_token_ids) == len(scheduled):
             events, any_finished = self._update_decodes(scheduled, sampled_token_ids)
         else:
             events, any_finished = self._update_rows(scheduled, sampled_token_ids)
@@ -329,7 +371,10 @@ class Scheduler:
         return events
 
     def _update_rows(
-        self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]
+        self,
+        scheduled: list[ScheduledRequest],
+        sampled_token_ids: list[int],
+        draft_checks: list[list[int]] | None = None,
     ) -> tuple[list[EngineOutput], bool]:
         """Every row's update, sampling or not: the events and whether any finished."""
         num_sampling = sum(s.samples for s in scheduled)
@@ -338,12 +383,45 @@ class Scheduler:
                 f"{len(sampled_token_ids)} sampled tokens for {num_sampling} sampling requests"
             )
         tokens = iter(sampled_token_ids)
+        checks = iter(draft_checks or ())
         events = []
         for row in scheduled:
-            event = self._update_row(row, next(tokens) if row.samples else None)
+            token = next(tokens) if row.samples else None
+            if row.drafts:
+                check = next(checks, None)
+                if check is None or token is None:
+                    raise ValueError("a row with drafts needs the target's tokens after them")
+                event = self._update_drafted(row, [*check, token])
+            else:
+                event = self._update_row(row, token)
             if event is not None:
                 events.append(event)
         return events, any(event.finish_reason is not None for event in events)
+
+    def _update_drafted(self, row: ScheduledRequest, target: list[int]) -> EngineOutput | None:
+        """A speculating row's update: keep the drafts the target agrees with and its own token
+        after them (engine_core/speculative.py), checking the stop rules at each kept token;
+        the computed tokens move back to the last kept draft, whose KV is the last right one."""
+        request = row.request
+        if request.is_finished:
+            return None
+        kept = accepted_run(row.drafts, target)
+        self._accepted += len(kept) - 1
+        first = row.start + 1  # where the drafts began
+        del request.token_ids[first:]
+        reason = None
+        for token in kept:
+            request.token_ids.append(token)
+            reason = self._check_stop(request, token, request.num_tokens)
+            if reason is not None:
+                break
+        output = request.token_ids[first:]
+        request.num_computed_tokens = first + len(output) - 1
+        if reason is not None:
+            self._finish(request, reason)
+        else:
+            self._cache_full_blocks(request, row.start, request.num_computed_tokens)
+        return EngineOutput(request, output, reason)
 
     def _update_decodes(
         self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]

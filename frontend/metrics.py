@@ -260,6 +260,21 @@ class EngineCountsCollector(Collector):
                 c.prefix_cache_hits,
             ),
             ("tandem_num_preemptions", "Requests preempted for KV room.", c.preemptions),
+            (
+                "tandem_spec_decode_num_drafts",
+                "Speculative decoding: request steps that carried drafts.",
+                c.spec_drafts,
+            ),
+            (
+                "tandem_spec_decode_num_draft_tokens",
+                "Speculative decoding: draft tokens scored by the target model.",
+                c.spec_draft_tokens,
+            ),
+            (
+                "tandem_spec_decode_num_accepted_tokens",
+                "Speculative decoding: of those, drafts the target agreed with (kept).",
+                c.spec_accepted_tokens,
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)

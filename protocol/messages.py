@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 # 4: AddRequest carries num_output_tokens (a resumed request)
 # 5: a finished RequestOutput carries its engine timings; Stats carries EngineCounts
 # 6: AddRequest carries output_interval (the engine holds a request's tokens back)
-# 7: ConstraintKind.LLGUIDANCE (a composed llguidance grammar); embeddings: AddRequest may carry
-#    pooling, a step's output its pooled vector, Ready the engine's embedding model; each a
-#    trailing field that a frame without it leaves out
+# 7: ConstraintKind.LLGUIDANCE (a composed llguidance grammar); EngineCounts counts speculative
+#    decoding; embeddings: AddRequest may carry pooling, a step's output its pooled vector,
+#    Ready the engine's embedding model; each a trailing field that a frame without it leaves out
 PROTOCOL_VERSION = 7
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -285,6 +285,10 @@ class EngineCounts:
     # tokens counts in the first bound >= n), then one for steps past the last bound.
     step_tokens: tuple[int, ...] = field(default_factory=_no_steps)
     step_tokens_sum: int = 0  # tokens scheduled, all steps together
+    # Speculative decoding: rows that carried drafts, the drafts, and the drafts kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def __add__(self, other: EngineCounts) -> EngineCounts:
         """The sum of two engines' (or two runs') counts; the run id is meaningless in it."""
@@ -295,6 +299,9 @@ class EngineCounts:
             self.preemptions + other.preemptions,
             tuple(a + b for a, b in zip(self.step_tokens, other.step_tokens, strict=True)),
             self.step_tokens_sum + other.step_tokens_sum,
+            self.spec_drafts + other.spec_drafts,
+            self.spec_draft_tokens + other.spec_draft_tokens,
+            self.spec_accepted_tokens + other.spec_accepted_tokens,
         )
 
 

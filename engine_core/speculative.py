@@ -1,0 +1,135 @@
+"""Speculative decoding: a proposer guesses a request's next tokens, the target model scores the
+guesses in the same step as the request's own next token, and the scheduler keeps the longest
+run of guesses the target agrees with, plus the target's own token after it.
+
+One step of a speculating request computes its last known token and its K drafts together
+(K + 1 positions of one forward). The target's argmax after each position says whether the draft
+there was right: the accepted drafts and the first token where the target disagrees (or, when
+every draft was right, the target's token after the last one) are the step's output, 1 to K + 1
+tokens; the KV of the rejected drafts is written but never read, as the next step writes over
+it (the scheduler moves the request's computed tokens back to the accepted ones). A greedy
+request's output is therefore the non-speculative greedy output, token for token.
+
+Proposers: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of
+the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), no
+weights. Requests that sample (temperature > 0), or use penalties, logit bias, logprobs,
+min_tokens, a constraint or prompt logprobs decode one token a step as before: speculation is
+for the greedy requests it cannot change. A speculating engine runs the simple loop (each
+step's accepted count decides the next plan), not the overlapped one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import numpy as np
+
+METHODS = ("ngram",)
+# The peers' other methods, refused by name until built.
+NOT_YET = {
+    "eagle": "EAGLE heads are not supported yet",
+    "eagle3": "EAGLE-3 heads are not supported yet",
+    "draft_model": "draft models are not supported yet",
+    "mtp": "multi-token prediction heads are not supported yet",
+    "medusa": "Medusa heads are not supported",
+}
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` (the peers' spelling, JSON)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """The config of ``text``; ValueError naming the field that is wrong or unknown."""
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config is a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown field {unknown[0]!r}")
+        method = value.get("method")
+        if method in NOT_YET:
+            raise ValueError(f"--speculative-config method {method!r}: {NOT_YET[method]}")
+        if method not in METHODS:
+            raise ValueError(f"--speculative-config method must be one of {list(METHODS)}")
+        config = cls(**value)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        checks: list[tuple[str, Any, int, int]] = [
+            ("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS),
+            ("prompt_lookup_max", self.prompt_lookup_max, 1, 64),
+            ("prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max),
+        ]
+        for name, value, low, high in checks:
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(
+                    f"--speculative-config {name} must be an integer in [{low}, {high}], "
+                    f"got {value!r}"
+                )
+
+
+class Proposer(Protocol):
+    """What the scheduler asks for drafts: at most ``max_drafts`` a step."""
+
+    max_drafts: int
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
+
+
+class NgramProposer:
+    """Prompt lookup over a request's own tokens (prompt and output)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.max_drafts = config.num_speculative_tokens
+        self.max_n = config.prompt_lookup_max
+        self.min_n = config.prompt_lookup_min
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens: those that followed the latest earlier occurrence of the last n
+        tokens, for the longest n that occurs; none where nothing repeats."""
+        if k < 1 or len(token_ids) < self.min_n + 1:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = latest_match(tokens, n)
+            if start >= 0:
+                return tokens[start + n : start + n + k].tolist()
+        return []
+
+
+def latest_match(tokens: np.ndarray, n: int) -> int:
+    """Where the latest earlier occurrence of the last ``n`` tokens starts (one that has a
+    token after it, so not the tail itself), or -1."""
+    tail = tokens[-n:]
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [L - n, n]
+    hits = np.flatnonzero((windows == tail).all(axis=1))
+    return int(hits[-1]) if hits.size else -1
+
+
+def accepted_run(drafts: tuple[int, ...], target: list[int]) -> list[int]:
+    """The step's output: the drafts the target agrees with (``target[i]`` is its token after
+    the context up to draft i), then its own token where it first disagrees (``target`` has one
+    more than ``drafts``: its token after the last draft)."""
+    accepted = 0
+    while accepted < len(drafts) and target[accepted] == drafts[accepted]:
+        accepted += 1
+    return [*drafts[:accepted], target[accepted]]
+
+
+def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+    return None if config is None else NgramProposer(config)

@@ -1,0 +1,313 @@
+"""Speculative decoding (engine_core/speculative.py): the config and its refusals, the n-gram
+proposer and the acceptance rule against hand-worked cases, the scheduler's bookkeeping of a
+drafted step (kept tokens, computed tokens moved back, no rejected KV in the prefix cache, every
+block free at the end), and exactness: greedy requests give the non-speculative engine's tokens,
+token for token, on the default model and on a tiny random one, beside requests that do not
+speculate (sampled, penalties, logprobs, a constraint) and with stops and max_tokens mid-draft."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_core.config import EngineConfig
+from engine_core.llm import LLM
+from engine_core.request import Request
+from engine_core.scheduler import Scheduler
+from engine_core.speculative import (
+    NgramProposer,
+    SpeculativeConfig,
+    accepted_run,
+    latest_match,
+)
+from protocol.messages import Constraint, ConstraintKind, FinishReason, SamplingParams
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+
+
+# ---- config --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', "method 'eagle3'"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft models"),
+        ('{"method": "bogus", "num_speculative_tokens": 3}', "method must be one of"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "extra": 1}', "unknown field 'extra'"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 9}',
+         "prompt_lookup_min"),
+        ("not json", "not JSON"),
+    ],
+)  # fmt: skip
+def test_a_bad_config_is_refused_naming_the_field(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(speculative_config=text)
+
+
+def test_speculation_with_tensor_parallelism_is_refused() -> None:
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+# ---- the proposer and the acceptance rule --------------------------------------------------------
+
+
+def proposer(k: int = 3, max_n: int = 3, min_n: int = 1) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig("ngram", k, max_n, min_n))
+
+
+def test_the_longest_tail_that_occurred_before_proposes_what_followed_it() -> None:
+    #          0  1  2  3  4  5  6  7  8
+    tokens = [7, 1, 2, 3, 4, 9, 1, 2, 3]
+    assert proposer().propose(tokens, 3) == [4, 9, 1]  # [1, 2, 3] occurred at 1
+    assert proposer().propose(tokens, 1) == [4]
+    assert proposer(min_n=2).propose([5, 6, 7, 8], 3) == []  # nothing repeats
+    # The latest earlier occurrence wins: [1, 2] at 0 and at 3, then the tail.
+    assert proposer(max_n=2).propose([1, 2, 8, 1, 2, 9, 1, 2], 2) == [9, 1]
+    assert proposer().propose([4, 4, 4, 4], 3) == [4]  # a run: only what is known follows
+
+
+def test_latest_match_never_returns_the_tail_itself() -> None:
+    import numpy as np
+
+    assert latest_match(np.array([3, 1, 2]), 2) == -1
+    assert latest_match(np.array([1, 2, 1, 2]), 2) == 0
+
+
+@pytest.mark.parametrize(
+    ("drafts", "target", "kept"),
+    [
+        ((5, 6, 7), [5, 6, 7, 8], [5, 6, 7, 8]),  # every draft right: the bonus token too
+        ((5, 6, 7), [5, 9, 7, 8], [5, 9]),  # the second is wrong: the target's token there
+        ((5, 6, 7), [4, 6, 7, 8], [4]),  # the first is wrong: one token, as without drafts
+    ],
+)
+def test_the_kept_run_is_the_agreed_drafts_and_the_targets_next(
+    drafts: tuple[int, ...], target: list[int], kept: list[int]
+) -> None:
+    assert accepted_run(drafts, target) == kept
+
+
+# ---- the scheduler's bookkeeping -----------------------------------------------------------------
+
+
+class ListProposer:
+    """Proposes whatever the test set, at most k of it."""
+
+    max_drafts = 4
+
+    def __init__(self) -> None:
+        self.next: list[int] = []
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return self.next[:k]
+
+
+def drafted_scheduler(num_blocks: int = 32) -> tuple[Scheduler, ListProposer]:
+    config = EngineConfig(block_size=4, speculative_config=NGRAM)
+    fake = ListProposer()
+    return Scheduler(config, num_blocks, 256, (0,), proposer=fake), fake
+
+
+def greedy(request_id: str, prompt: list[int], **params: object) -> Request:
+    return Request(request_id, prompt, SamplingParams(temperature=0.0, **params))
+
+
+def test_a_drafted_step_keeps_the_agreed_tokens_and_moves_back_what_was_rejected() -> None:
+    scheduler, fake = drafted_scheduler()
+    request = greedy("r", [10, 11, 12, 13, 14], max_tokens=20)
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), [20])  # the prefill: token 20
+    fake.next = [21, 22, 23]
+    plan = scheduler.schedule()
+    (row,) = plan.scheduled
+    assert (row.start, row.num_new_tokens, row.drafts) == (5, 4, (21, 22, 23))
+    assert plan.num_batched_tokens == 4
+    # The target agrees with 21, disagrees at 22 (it says 30): 21 and 30 are the output.
+    (event,) = scheduler.update_from_output(plan, [99], [[21, 30, 77]])
+    assert event.new_token_ids == [21, 30]
+    assert request.token_ids == [10, 11, 12, 13, 14, 20, 21, 30]
+    assert request.num_computed_tokens == 7  # through 21; 30's KV comes next step
+    fake.next = []
+    plan = scheduler.schedule()
+    assert (plan.scheduled[0].start, plan.scheduled[0].num_new_tokens) == (7, 1)
+    # Block 1 (positions 4..7) held 22's KV at position 7, where the output has 30: a prompt
+    # of the kept tokens may reuse block 0 only, never that block.
+    twin = greedy("twin", [10, 11, 12, 13, 14, 20, 21, 30, 1], max_tokens=2)
+    scheduler.add_request(twin)
+    scheduler.schedule()
+    assert twin.num_cached_tokens == 4
+
+
+def test_every_draft_right_gives_the_bonus_token() -> None:
+    scheduler, fake = drafted_scheduler()
+    request = greedy("r", [10, 11, 12], max_tokens=20)
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), [20])
+    fake.next = [21, 22]
+    (event,) = scheduler.update_from_output(scheduler.schedule(), [23], [[21, 22]])
+    assert event.new_token_ids == [21, 22, 23]
+    assert request.num_computed_tokens == 6  # 10 11 12 20 21 22
+
+
+def test_a_stop_or_the_length_limit_inside_the_run_ends_it_there() -> None:
+    scheduler, fake = drafted_scheduler()
+    stops = greedy("stop", [10, 11], max_tokens=20, stop_token_ids=(22,))
+    short = greedy("short", [40, 41], max_tokens=3)
+    for request in (stops, short):
+        scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), [20, 50])
+    fake.next = [21, 22, 23]
+    plan = scheduler.schedule()
+    # max_tokens 3 with one token out: at most one draft, so the run fits the limit.
+    assert [len(s.drafts) for s in plan.scheduled] == [3, 1]
+    events = scheduler.update_from_output(plan, [24, 52], [[21, 22, 23], [21]])
+    by_id = {e.request.request_id: e for e in events}
+    assert (by_id["stop"].new_token_ids, by_id["stop"].finish_reason) == (
+        [21, 22],
+        FinishReason.STOP,
+    )
+    assert (by_id["short"].new_token_ids, by_id["short"].finish_reason) == (
+        [21, 52], FinishReason.LENGTH,
+    )  # fmt: skip
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_requests_that_cannot_speculate_decode_one_token() -> None:
+    scheduler, fake = drafted_scheduler()
+    sampled = Request("s", [10, 11], SamplingParams(temperature=0.8, max_tokens=9))
+    penalised = greedy("p", [10, 11], max_tokens=9, repetition_penalty=1.2)
+    logprobs = greedy("l", [10, 11], max_tokens=9, logprobs=0)
+    for request in (sampled, penalised, logprobs):
+        scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), [20, 20, 20])
+    fake.next = [21, 22]
+    assert all(not s.drafts for s in scheduler.schedule().scheduled)
+
+
+# ---- exactness through the engine ----------------------------------------------------------------
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+
+
+def chat_ids(llm: LLM, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    rendered = llm.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    return llm.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def default_pair() -> tuple[LLM, LLM]:
+    options = {"device": "cpu", "max_model_len": 1024, "num_kv_blocks": 256}
+    return LLM("default", **options), LLM("default", speculative_config=NGRAM, **options)
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_same_with_drafts_beside_requests_that_do_not_speculate(
+    default_pair: tuple[LLM, LLM],
+) -> None:
+    plain, spec = default_pair
+    prompt = chat_ids(plain, f"Rename add to plus and print the whole code:\n{CODE}")
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    params = [
+        SamplingParams(max_tokens=48, temperature=0.0),
+        SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=(28,)),  # ")" stops it
+        SamplingParams(max_tokens=7, temperature=0.0),  # max_tokens falls inside a run
+        SamplingParams(max_tokens=24, temperature=0.9, seed=5),
+        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=24, temperature=0.0, constraint=constraint),
+    ]
+    want = plain.generate([prompt] * len(params), params, detokenize=False)
+    got = spec.generate([prompt] * len(params), params, detokenize=False)
+    for w, g in zip(want, got, strict=True):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+    assert [lp.logprob for lp in got[5].logprobs] == pytest.approx(
+        [lp.logprob for lp in want[5].logprobs], abs=1e-4
+    )
+    scheduler = spec.engine.scheduler
+    assert scheduler._accepted > 0  # the greedy requests did take drafts
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_a_tiny_random_model_gives_the_same_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A random model falls into loops, which prompt lookup then drafts from."""
+    options = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 128, "block_size": 4}
+    plain = LLM(str(tiny_model_dir), **options)
+    spec = LLM(str(tiny_model_dir), speculative_config=NGRAM, **options)
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [100, 200, 300], list(range(1000, 1040))]
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    want = plain.generate(prompts, params, detokenize=False)
+    got = spec.generate(prompts, params, detokenize=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.scheduler._accepted > 0
+    # A prompt sharing a prefix with an earlier one: the prefix cache holds only right tokens.
+    again = spec.generate([prompts[2] + want[2].token_ids[:30]], params, detokenize=False)
+    fresh = plain.generate([prompts[2] + want[2].token_ids[:30]], params, detokenize=False)
+    assert again[0].token_ids == fresh[0].token_ids
+    assert spec.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+# ---- through a server --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> None:
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server_fixture import start_server, stop_server, wait_engine_idle
+
+    args = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "default"]
+    srv = start_server(
+        tmp_path_factory.mktemp("serve-spec"), model=str(tiny_model_dir),
+        args=[*args, "--speculative-config", NGRAM],
+    )  # fmt: skip
+    try:
+        plain = LLM(str(tiny_model_dir), device="cpu", max_model_len=512, num_kv_blocks=128)
+        prompt = [5, 6, 7, 8, 5, 6, 7]
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        want = plain.generate([prompt], params)[0].text
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+        greedy_body = {"model": "default", "prompt": prompt, "max_tokens": 60, "temperature": 0}
+        extra = {"ignore_eos": True}
+        whole = client.completions.create(**greedy_body, extra_body=extra)
+        assert whole.choices[0].text == want
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(**greedy_body, stream=True, extra_body=extra)
+        )
+        assert streamed == want
+        stop = want[len(want) // 2 : len(want) // 2 + 3]  # a stop string inside a drafted run
+        cut = client.completions.create(**greedy_body, stop=[stop], extra_body=extra)
+        assert cut.choices[0].text == want[: want.index(stop)]
+        wait_engine_idle(srv)  # every KV block free, the integrity check passing
+
+        def counters() -> dict[str, float]:
+            text = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
+            families = text_string_to_metric_families(text)
+            return {s.name: s.value for family in families for s in family.samples}
+
+        deadline = time.monotonic() + 10  # the engine's counts come with its stats, each second
+        while (values := counters())["tandem_spec_decode_num_draft_tokens_total"] == 0:
+            assert time.monotonic() < deadline, "no drafts counted"
+            time.sleep(0.2)
+        drafted = values["tandem_spec_decode_num_draft_tokens_total"]
+        assert 0 < values["tandem_spec_decode_num_accepted_tokens_total"] <= drafted
+        assert values["tandem_spec_decode_num_drafts_total"] > 0
+    finally:
+        stop_server(srv)
