@@ -113,9 +113,9 @@ def cpu_packing_bytes(module: nn.Module, device: torch.device, dtype: torch.dtyp
 def kv_block_bytes(
     config: ModelConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype
 ) -> int:
-    """Bytes of one KV block over all layers, K and V, for this rank's KV heads."""
-    per_token = 2 * config.num_layers * num_kv_heads * config.head_dim * kv_dtype.itemsize
-    return block_size * per_token
+    """Bytes of one KV block over all layers, K and V, for this rank's KV heads (MLA: the latent
+    and the rotary key, one per token and layer, a fraction of what K and V would take)."""
+    return block_size * config.kv_elements_per_token(num_kv_heads) * kv_dtype.itemsize
 
 
 def min_kv_bytes(
