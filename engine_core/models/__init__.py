@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from engine_core.config import ModelConfig
+from engine_core.models.deepseek import DeepseekForCausalLM, deepseek_fields
 from engine_core.models.fp8_config import fp8_config_from_hf
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
@@ -60,7 +61,10 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "GPT2LMHeadModel",
     "GptOssForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -72,12 +76,16 @@ _BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "gpt_oss": GptOssForCausalLM,
+    "deepseek": DeepseekForCausalLM,
 }
 # Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
 # caches, gpt-oss's and DeepSeek's experts) have no tensor-parallel split yet.
@@ -139,6 +147,10 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return gemma3_config(hf)
     if architecture == "GptOssForCausalLM":
         return dataclasses.replace(llama_config(hf, architecture), **gpt_oss_fields(hf))
+    if architecture in DEEPSEEK_ARCHITECTURES:  # MLA and DeepSeekMoE (models/deepseek.py)
+        return dataclasses.replace(
+            llama_config(hf, architecture), **deepseek_fields(hf, architecture)
+        )
     if architecture in MOE_ARCHITECTURES:  # Llama-family attention, MoE MLPs (models/moe.py)
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     return llama_config(hf, architecture)
