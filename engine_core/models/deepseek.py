@@ -215,6 +215,10 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2/V3; checkpoint names follow HF's DeepseekV3ForCausalLM."""
 
+    # Its experts (and DeepSeek's latent attention) are torch code that reads host values:
+    # no CUDA graphs until they have fused kernels (model_runner.py _capture_graphs).
+    cuda_graph_safe = False
+
     decoder_layer = DeepseekDecoderLayer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -33,6 +33,10 @@ _SUFFIX = {None: "", "_bias": "", "_blocks": "_blocks", "_scales": "_scales"}
 class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss; checkpoint names follow HF's GptOssForCausalLM."""
 
+    # Its experts (and DeepSeek's latent attention) are torch code that reads host values:
+    # no CUDA graphs until they have fused kernels (model_runner.py _capture_graphs).
+    cuda_graph_safe = False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_mapped_weights(self, gpt_oss_tensors(weights), self.map_name)
 
