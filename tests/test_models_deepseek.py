@@ -11,6 +11,7 @@ expanded one it replaces.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,3 +189,28 @@ def drop_mscale(model: torch.nn.Module) -> None:
 def drop_shared_experts(model: torch.nn.Module) -> None:
     for moe in moe_layers(model):
         moe.shared_experts = None
+
+
+BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "field"),
+    [
+        ("v3", {"quantization_config": BLOCK_FP8}, "quantization_config"),
+        ("v3", {"scoring_func": "softmax"}, "scoring_func"),
+        ("v3", {"n_group": 3}, "n_group"),
+        ("v2_lite", {"norm_topk_prob": True}, "norm_topk_prob"),
+        ("v2_lite", {"topk_method": "noaux_tc"}, "topk_method"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(
+    name: str, change: dict, field: str, tmp_path: Path
+) -> None:
+    """V3's published block-FP8 checkpoints (no FP8 experts yet) and routing we do not
+    implement are refused at start-up, naming the field."""
+    make_hf_model(name).config.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text()) | change
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=field):
+        load_model_config(tmp_path)
