@@ -243,7 +243,7 @@ def yarn_scaling(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """
     original = params.get("original_max_position_embeddings")
     if not original:
-        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+        raise ValueError("rope_type yarn needs original_max_position_embeddings")
     factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     attention_factor = params.get("attention_factor")
