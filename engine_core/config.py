@@ -52,8 +52,31 @@ class Fp8Config:
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3, Kimi-K2; models/deepseek.py).
+
+    Each token caches ``kv_lora_rank`` latent values and one ``qk_rope_head_dim`` rotary key
+    shared by every head; ``kv_b_proj`` expands the latent into each head's no-rope key
+    (``qk_nope_head_dim``) and value (``v_head_dim``). ``q_lora_rank`` None: q is one projection.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True  # rotary over (even, odd) pairs, as DeepSeek's weights expect
+
+    @property
+    def cache_width(self) -> int:
+        """Elements one token holds in a layer's latent cache."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2"
+    architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2",
+    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -87,6 +110,20 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's width (intermediate_size: the dense MLP's)
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE)
+    # How the router picks experts: "softmax" (top-k of the softmax: Mixtral, Qwen3-MoE),
+    # "gpt_oss" (softmax over the top-k logits, biased router, experts with biases and a clamped
+    # SwiGLU), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, correction bias, top groups),
+    # "softmax_grouped" (DeepSeek-V2: softmax scores, optionally the top groups' experts only).
+    moe_router: str = "softmax"
+    n_group: int = 1  # expert groups, of which each token's experts come from topk_group
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # routed experts' weights times this (DeepSeek)
+    n_shared_experts: int = 0  # DeepSeek: a dense MLP of n x moe_intermediate_size beside them
+    swiglu_limit: float = 7.0  # gpt-oss: gate clamped above, up both sides, at this
+    swiglu_alpha: float = 1.702  # gpt-oss: the sigmoid's gain in gate * sigmoid(alpha * gate)
+    expert_format: str = "dense"  # "mxfp4": gpt-oss's experts held as e2m1 blocks + e8m0 scales
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
+    mla: MlaConfig | None = None  # DeepSeek's multi-head latent attention
     hidden_act: str = "silu"
     quantization: Fp8Config | None = None  # None: weights in the model's dtype
     eos_token_ids: tuple[int, ...] = ()
@@ -123,7 +160,14 @@ class ModelConfig:
 
     def kv_bytes_per_token_at(self, element_bytes: int) -> int:
         """Bytes of K and V per token over all layers at ``element_bytes`` an element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+        return self.kv_elements_per_token(self.num_kv_heads) * element_bytes
+
+    def kv_elements_per_token(self, num_kv_heads: int) -> int:
+        """Cache elements per token over all layers for ``num_kv_heads`` KV heads (this rank's):
+        K and V of every head; with MLA, the latent and rotary key alone, whatever the heads."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.cache_width
+        return 2 * self.num_layers * num_kv_heads * self.head_dim
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ The need, per tensor-parallel rank:
   for oneDNN (engine_core/models/layers.py ``pack_cpu_weights``), counted too;
 - the KV cache: what ``ModelRunner`` will allocate: ``--num-kv-blocks`` blocks where given, on the
   CPU ``--kv-cache-memory-gb``, and never less than one sequence of ``max_model_len`` tokens
-  (all layers, K and V, the KV dtype, this rank's KV heads), the least the engine can run with;
+  (all layers, K and V, the KV dtype, this rank's KV heads; with MLA the latent and rotary key
+  per token and layer instead, ``ModelConfig.kv_elements_per_token``), the least the engine can
+  run with. Sliding-window layers count in full: every layer's blocks are held for the whole
+  sequence until a per-group block manager frees what falls out of the window;
 - on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
   slack (the KV sizing keeps the same headroom).
 
@@ -113,9 +116,9 @@ def cpu_packing_bytes(module: nn.Module, device: torch.device, dtype: torch.dtyp
 def kv_block_bytes(
     config: ModelConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype
 ) -> int:
-    """Bytes of one KV block over all layers, K and V, for this rank's KV heads."""
-    per_token = 2 * config.num_layers * num_kv_heads * config.head_dim * kv_dtype.itemsize
-    return block_size * per_token
+    """Bytes of one KV block over all layers, K and V, for this rank's KV heads (MLA: the latent
+    and the rotary key, one per token and layer, a fraction of what K and V would take)."""
+    return block_size * config.kv_elements_per_token(num_kv_heads) * kv_dtype.itemsize
 
 
 def min_kv_bytes(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
+from engine_core.attention.layer import Attention
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import forward_context
@@ -278,7 +279,10 @@ class ModelRunner:
             )
         return blocks
 
-    def _allocate_kv_cache(self) -> torch.Tensor:
+    def _allocate_kv_cache(self) -> torch.Tensor | list[torch.Tensor]:
+        layers = self.model.attention_layers()
+        if any(type(layer) is not Attention for layer in layers):
+            return self._allocate_layer_caches(layers)
         mc = self.model_config
         # [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]
         shape = (
@@ -290,15 +294,35 @@ class ModelRunner:
             mc.head_dim,
         )
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        for i, layer in enumerate(self.model.attention_layers()):
+        for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+        self._log_kv_cache(cache.numel() * cache.element_size())
+        return cache
+
+    def _allocate_layer_caches(self, layers: list[torch.nn.Module]) -> list[torch.Tensor]:
+        """Caches of the shapes each layer declares (``cache_shapes``: MLA's latent rows), one
+        tensor each, all with the same blocks: the block manager's ids index every layer."""
+        if self.kv_dtype != self.dtype:
+            raise ValueError(
+                "--kv-cache-dtype fp8 is not supported for this model's attention (its layers "
+                "cache MLA latents, which have no FP8 form yet)"
+            )
+        tensors = []
+        for layer in layers:
+            shapes = layer.cache_shapes(self.num_kv_blocks, self.block_size)
+            own = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for shape in shapes]
+            layer.bind_cache(own)
+            tensors += own
+        self._log_kv_cache(sum(t.numel() * t.element_size() for t in tensors))
+        return tensors
+
+    def _log_kv_cache(self, num_bytes: int) -> None:
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)",
             self.num_kv_blocks,
             self.block_size,
-            cache.numel() * cache.element_size() / 2**30,
+            num_bytes / 2**30,
         )
-        return cache
 
     def _set_kv_scales(self, scales: dict[int, tuple[float, float]]) -> None:
         """An FP8 cache's per-layer K and V scales: the checkpoint's, or 1.0 where it has none
@@ -386,6 +410,11 @@ class ModelRunner:
         if self.model_config.embedding is not None:
             # Embedding engines run eagerly (for now): their steps are prompt chunks, and the
             # decode graphs would compute logits that they never read, with no head for them.
+            return None
+        if not getattr(self.model, "cuda_graph_safe", True):
+            # gpt-oss's experts and DeepSeek's latent attention run torch code that reads host
+            # values (no fused kernels for them yet): every step runs eagerly.
+            logger.warning("%s runs without CUDA graphs for now", type(self.model).__name__)
             return None
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.warning("the attention backend reads host values; running decode eagerly")

@@ -83,12 +83,122 @@ def _mixtral() -> dict[str, Any]:
     }
 
 
+def _gpt_oss_20b() -> dict[str, Any]:
+    """gpt-oss-20b (openai/gpt-oss-20b's config.json): 24 layers alternating a 128-token window
+    and full attention, 64 heads of 64 with 8 KV heads and sinks, 32 experts (top 4, width
+    2880) in MXFP4, YaRN x32 over 4,096; the vocabulary is the presets' (201,088 there)."""
+    return _llama(2880, 24, 64, 8, 2880, tied=False, theta=150000.0) | {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "head_dim": 64,
+        "attention_bias": True,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "swiglu_limit": 7.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "quantization_config": {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        },
+    }
+
+
+def _deepseek(hidden: int, layers: int, heads: int, mlp: int, **fields: Any) -> dict[str, Any]:
+    """The MLA and DeepSeekMoE fields both DeepSeek shapes share (kv_lora_rank 512, rotary key
+    64, no-rope key 128, value 128; YaRN x40 over 4,096)."""
+    return _llama(hidden, layers, heads, heads, mlp, tied=False, theta=10000.0) | {
+        "head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        **fields,
+    }
+
+
+def _deepseek_v2_lite() -> dict[str, Any]:
+    """DeepSeek-V2-Lite: 27 layers, 16 heads, q in one projection, 64 experts (top 6, width
+    1408) and 2 shared, softmax greedy routing, the first layer dense (10944)."""
+    yarn = {"mscale": 0.707, "mscale_all_dim": 0.707}
+    return _deepseek(2048, 27, 16, 10944) | {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "q_lora_rank": None,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1408,
+        "first_k_dense_replace": 1,
+        "topk_method": "greedy",
+        "scoring_func": "softmax",
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "rope_scaling": _deepseek_yarn() | yarn,
+    }
+
+
+def _deepseek_v3(layers: int) -> dict[str, Any]:
+    """DeepSeek-V3 (and R1, V3.1; Kimi-K2 differs in experts and heads) at full width with
+    ``layers`` layers, the first dense: 128 heads, q_lora_rank 1536, 256 experts (top 8, width
+    2048) and one shared, grouped sigmoid routing (8 groups, top 4), scaling 2.5."""
+    return _deepseek(7168, layers, 128, 18432) | {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "q_lora_rank": 1536,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "rope_interleave": True,
+        "rope_scaling": _deepseek_yarn() | {"mscale": 1.0, "mscale_all_dim": 1.0},
+    }
+
+
+def _deepseek_yarn() -> dict[str, Any]:
+    return {
+        "type": "yarn",
+        "factor": 40,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 4096,
+    }
+
+
 _HF_CONFIGS: dict[str, dict[str, Any]] = {
     "smollm2-135m": _llama(576, 30, 9, 3, 1536, tied=True, theta=100000.0),
     "llama-1b": _llama(2048, 16, 32, 8, 8192, tied=True, theta=500000.0),
     "llama-8b": _llama(4096, 32, 32, 8, 14336, tied=False, theta=500000.0),
     "qwen3-30b-a3b": _qwen3_moe(),
     "mixtral-8x7b": _mixtral(),
+    "gpt-oss-20b": _gpt_oss_20b(),
+    "deepseek-v2-lite": _deepseek_v2_lite(),
+    # The real model has 61 layers (3 dense): 4 here (1 dense, 3 MoE, ~75 GB in bf16) measure
+    # the kernels at full width on one GPU.
+    "deepseek-v3-4l": _deepseek_v3(4),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -165,12 +275,22 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
             init_random_fp8(module, gen)
             continue
         for name, param in module.named_parameters(recurse=False):
-            if name == "bias":
+            if param.dtype == torch.uint8:  # MXFP4 experts: random codes, scales of 2^-7
+                _init_mxfp4(name, param, gen)
+            elif name == "bias":
                 param.zero_()
             elif _is_norm(module):
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, INIT_STD, generator=gen)
+
+
+def _init_mxfp4(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
+    """Random e2m1 codes (values up to 6 x 2^-7 = 0.047, a spread like INIT_STD's)."""
+    if name.endswith("_scales"):
+        param.fill_(127 - 7)
+    else:
+        param.random_(0, 256, generator=gen)
 
 
 def init_random_fp8(module: Linear, gen: torch.Generator) -> None:

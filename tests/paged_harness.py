@@ -80,9 +80,10 @@ class PagedRunner:
         weight = next(model.parameters())
         self.device = weight.device
         for layer in model.attention_layers():
-            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.full(shape, fill, dtype=weight.dtype, device=weight.device)
-            layer.v_cache = torch.full(shape, fill, dtype=weight.dtype, device=weight.device)
+            shapes = layer.cache_shapes(num_blocks, block_size)
+            layer.bind_cache(
+                [torch.full(s, fill, dtype=weight.dtype, device=weight.device) for s in shapes]
+            )
         self.free_blocks = list(range(num_blocks))
         if shuffle_blocks:
             random.Random(0).shuffle(self.free_blocks)

@@ -74,5 +74,6 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,
         k_scale: float = 1.0,  # an FP8 cache's values times these are K and V
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [heads]: a logit in each softmax's denominator
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...

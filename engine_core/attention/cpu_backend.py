@@ -5,7 +5,9 @@ a decode step of 64 sequences on a 30-layer model runs some 20,000 of them. Here
 of a step that decode (one new token) attend together: their context's KV blocks are gathered in a
 few block-granular copies, in chunks of sequences small enough that the copy is still in the
 last-level cache when torch's fused CPU attention (``scaled_dot_product_attention``) reads it, with
-one boolean mask per step (per sliding window) for the padding. A step whose one sequence decodes
+one boolean mask per step (per sliding window) for the padding. A layer with attention sinks
+(gpt-oss) takes the same gathers with the scores written out (``einsum_decode``,
+``sink_prompt_attention``): SDPA has no sink term. A step whose one sequence decodes
 (one request at a time) reads its exact context instead: a view of the cache where its blocks are
 consecutive, else one gather, with no padding, mask or zeroing. Prompts, prompt chunks and
 prefix-cached prompts attend one by one, each a single SDPA call.
@@ -150,28 +152,33 @@ class CpuBackend(TorchReferenceBackend):
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [heads]
     ) -> torch.Tensor:  # [T, heads, head_dim]
         if is_fp8_cache(k_cache):
             return super().forward(
-                q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale
+                q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, sinks
             )
         plan = self._plan_for(meta, k_cache)
+        window = sliding_window
         if plan.single is not None:
             k, v = plan.single.context(k_cache, v_cache)
-            return single_decode_attention(q, k, v, scale, sliding_window)
+            return single_decode_attention(q, k, v, scale, window, sinks)
         group = plan.decode
         if group is not None and group.rows is None:  # every row decodes
-            return decode_attention(q, k_cache, v_cache, group, scale, sliding_window)
+            return decode_attention(q, k_cache, v_cache, group, scale, window, sinks)
         out = torch.empty_like(q)
         if group is not None:
             out[group.rows] = decode_attention(
-                q[group.rows], k_cache, v_cache, group, scale, sliding_window
+                q[group.rows], k_cache, v_cache, group, scale, window, sinks
             )
         starts = meta.query_start_loc_cpu
         for seq in plan.prompts:
             start, end = starts[seq], starts[seq + 1]
             k, v = gather_context(k_cache, v_cache, meta.block_tables[seq], meta.seq_lens_cpu[seq])
-            out[start:end] = prompt_attention(q[start:end], k, v, scale, sliding_window)
+            if sinks is None:
+                out[start:end] = prompt_attention(q[start:end], k, v, scale, window)
+            else:
+                out[start:end] = sink_prompt_attention(q[start:end], k, v, scale, window, sinks)
         return out
 
     def _plan_for(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
@@ -218,6 +225,7 @@ def decode_attention(
     group: DecodeGroup,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:  # [Bd, H, D]
     """The decode sequences' attention, a chunk of sequences at a time."""
     num_seqs, _, head_dim = q.shape
@@ -226,7 +234,7 @@ def decode_attention(
     v_blocks = v_cache.view(v_cache.shape[0], -1)
     # torch's fused CPU attention is the fastest in float32, and 5x slower than two einsums
     # (oneDNN matmuls) in bf16, whose scores are then taken in float32.
-    attend = sdpa_decode if q.dtype == torch.float32 else einsum_decode
+    attend = sdpa_decode if q.dtype == torch.float32 and sinks is None else einsum_decode
     mask = group.mask(window)  # [Bd, 1, 1, W]
     out = torch.empty_like(q)
     for lo in range(0, num_seqs, group.chunk_seqs):
@@ -240,7 +248,7 @@ def decode_attention(
         rows = group.pad_rows[lo // group.chunk_seqs]
         k.view(-1, num_kv_heads * head_dim).index_fill_(0, rows, 0.0)
         v.view(-1, num_kv_heads * head_dim).index_fill_(0, rows, 0.0)
-        out[lo:hi] = attend(q[lo:hi], k, v, mask[lo:hi], scale)
+        out[lo:hi] = attend(q[lo:hi], k, v, mask[lo:hi], scale, sinks)
     return out
 
 
@@ -250,13 +258,14 @@ def single_decode_attention(
     v: torch.Tensor,  # [L, KVH, D]
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:  # [1, H, D]
     """One sequence's decode: the last query sees every position (or the window's), so there
     is nothing to mask."""
     if window is not None:
         k, v = k[-window:], v[-window:]
-    attend = sdpa_decode if q.dtype == torch.float32 else einsum_decode
-    return attend(q, k[None], v[None], None, scale)
+    attend = sdpa_decode if q.dtype == torch.float32 and sinks is None else einsum_decode
+    return attend(q, k[None], v[None], None, scale, sinks)
 
 
 def sdpa_decode(
@@ -265,6 +274,7 @@ def sdpa_decode(
     v: torch.Tensor,  # [n, W, KVH, D]
     mask: torch.Tensor | None,  # [n, 1, 1, W] float32, additive; None: every slot is read
     scale: float,
+    sinks: None = None,  # SDPA has no sink term: einsum_decode serves layers with sinks
 ) -> torch.Tensor:  # [n, H, D]
     out = F.scaled_dot_product_attention(
         q[:, :, None],  # [n, H, 1, D]
@@ -283,15 +293,21 @@ def einsum_decode(
     v: torch.Tensor,  # [n, W, KVH, D]
     mask: torch.Tensor | None,  # [n, 1, 1, W] float32, additive; None: every slot is read
     scale: float,
+    sinks: torch.Tensor | None = None,  # [H]: a logit in each head's denominator
 ) -> torch.Tensor:  # [n, H, D]
     """Query head h reads KV head h // G: the G heads of a group share one matmul."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
-    grouped = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, KVH, G, D]
+    group = num_heads // num_kv_heads
+    grouped = q.view(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
     scores = torch.einsum("nkgd,nwkd->nkgw", grouped, k).float() * scale  # [n, KVH, G, W]
     if mask is not None:
         scores = scores + mask
-    probs = scores.softmax(dim=-1).to(v.dtype)
+    if sinks is not None:  # head h = kv head h // G, member h % G: the view's order
+        sink = sinks.float().view(1, num_kv_heads, group, 1).expand(n, -1, -1, 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1].to(v.dtype)
+    else:
+        probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.einsum("nkgw,nwkd->nkgd", probs, v).reshape(n, num_heads, head_dim)
 
 
@@ -324,3 +340,30 @@ def prompt_attention(
         enable_gqa=True,
     )  # [1, H, Q, D]
     return out[0].transpose(0, 1)
+
+
+def sink_prompt_attention(
+    q: torch.Tensor,  # [Q, H, D]: the last Q positions of the sequence
+    k: torch.Tensor,  # [L, KVH, D]
+    v: torch.Tensor,  # [L, KVH, D]
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor,  # [H]
+) -> torch.Tensor:  # [Q, H, D]
+    """prompt_attention with each head's sink logit in the denominator, the scores written
+    out in float32."""
+    num_queries, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    grouped = q.view(num_queries, num_kv_heads, group, head_dim)  # [Q, KVH, G, D]
+    scores = torch.einsum("qkgd,lkd->kgql", grouped, k).float() * scale  # [KVH, G, Q, L]
+    q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
+    k_pos = torch.arange(seq_len)[None, :]  # [1, L]
+    keep = k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
+    scores = scores.masked_fill(~keep, float("-inf"))
+    sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, num_queries, 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1].to(v.dtype)
+    out = torch.einsum("kgql,lkd->qkgd", probs, v)  # [Q, KVH, G, D]
+    return out.reshape(num_queries, num_heads, head_dim)

@@ -20,6 +20,9 @@ class Attention(nn.Module):
     not buffers: the model runner owns and sizes them after the weights are loaded, and they must
     stay out of ``state_dict``. So are ``k_scale`` and ``v_scale``: an FP8 cache holds K / k_scale
     and V / v_scale (set by the runner; other caches ignore them).
+
+    ``sinks`` (gpt-oss): a learned logit per query head that joins every softmax's denominator
+    and weighs no value, so a head can attend to nothing; a parameter the checkpoint fills.
     """
 
     def __init__(
@@ -29,6 +32,7 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -42,6 +46,16 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None  # [H]
+
+    def cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """The paged cache tensors this layer needs (``bind_cache`` takes them in this order):
+        K and V, [num_blocks, block_size, kv_heads, head_dim] each."""
+        return [(num_blocks, block_size, self.num_kv_heads, self.head_dim)] * 2
+
+    def bind_cache(self, tensors: list[torch.Tensor]) -> None:
+        """Attach the cache tensors the model runner allocated from ``cache_shapes``."""
+        self.k_cache, self.v_cache = tensors
 
     def rotates_in_kv_write(self) -> bool:
         """Whether this forward's backend can rotate q and k in its KV write (``forward``'s
@@ -74,7 +88,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         scales = (self.k_scale, self.v_scale)
         caches, meta = (self.k_cache, self.v_cache), ctx.attn_metadata
-        if rotary is not None and meta.is_decode_only and self._rotates_in_decode(ctx.backend):
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        fused = self.sinks is None and self._rotates_in_decode(ctx.backend)  # no sink term there
+        if rotary is not None and meta.is_decode_only and fused:
             out = ctx.backend.decode_rotated(
                 q, k, v, *rotary, *caches, meta, self.scale, self.sliding_window, *scales
             )
@@ -92,5 +108,6 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             *scales,
+            **sinks,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

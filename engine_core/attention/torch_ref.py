@@ -47,6 +47,7 @@ class TorchReferenceBackend:
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [heads]
     ) -> torch.Tensor:  # [T, heads, head_dim]
         """Causal attention of each sequence's new tokens over its whole cached context."""
         out = torch.zeros_like(q)
@@ -58,7 +59,7 @@ class TorchReferenceBackend:
             k, v = gather_context(k_cache, v_cache, meta.block_tables[i], seq_len)
             if is_fp8_cache(k_cache):
                 k, v = k.float() * k_scale, v.float() * v_scale
-            out[start:end] = attend(q[start:end], k, v, scale, sliding_window).to(q.dtype)
+            out[start:end] = attend(q[start:end], k, v, scale, sliding_window, sinks).to(q.dtype)
         return out
 
 
@@ -82,8 +83,10 @@ def attend(
     v: torch.Tensor,  # [L, kv_heads, head_dim]
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,  # [heads]
 ) -> torch.Tensor:  # [Q, heads, head_dim] float32
-    """Softmax attention in float32; query j sits at position L - Q + j."""
+    """Softmax attention in float32; query j sits at position L - Q + j. ``sinks``: one more
+    logit per head in the softmax, whose probability weighs no value (as HF's gpt-oss)."""
     num_queries, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -98,4 +101,13 @@ def attend(
         # A query sees itself and the sliding_window - 1 tokens before it.
         masked |= k_pos <= q_pos - sliding_window
     scores = scores.masked_fill(masked, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)  # [Q, H, D]
+    return torch.einsum("hqk,khd->qhd", softmax_with_sinks(scores, sinks), v)  # [Q, H, D]
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """scores [H, ..., L] float32 -> probabilities over L; with ``sinks`` [H] each head's sink
+    logit joins the denominator (its own probability is dropped)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.float().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]

@@ -103,8 +103,9 @@ class TritonBackend:
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
     ) -> torch.Tensor:  # [T, heads, head_dim]
-        scales = {"k_scale": k_scale, "v_scale": v_scale}
+        scales = {"k_scale": k_scale, "v_scale": v_scale, "sinks": sinks}
         if meta.is_decode_only:
             # T == B here; the launch reads no host value but shapes (CUDA-graph safe).
             return paged_decode_attention(

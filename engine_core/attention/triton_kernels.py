@@ -486,6 +486,7 @@ def _decode_kernel(
     COS,  # ROPE: [B, 2 * HALF] (both halves equal)
     SIN,
     SLOTS,  # ROPE: [B] its cache slot (-1: none)
+    SINKS,  # HAS_SINKS: [heads] float32, each head's sink logit times log2(e)
     scale_log2,
     v_scale,
     k_scale_inv,
@@ -526,6 +527,7 @@ def _decode_kernel(
     PDL: tl.constexpr,
     ROPE: tl.constexpr,  # q and the new token's k come unrotated; this kernel writes its k, v
     HALF: tl.constexpr,  # ROPE: half the rotary dims
+    HAS_SINKS: tl.constexpr = False,  # gpt-oss: a sink logit per head joins the denominator
 ):
     """Attention of a sequence's last token over its cache. With ROPE (a decode step's rotary
     and KV write in the same launch, rotary_decode_attention) it also rotates q and the new
@@ -627,6 +629,11 @@ def _decode_kernel(
             s = tl.where(visible, s * scale_log2, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, USE_DOT)
 
+        # Nested: a constexpr and a runtime value do not mix in one Triton condition. A
+        # split's partial leaves the sink to the merge.
+        if HAS_SINKS:  # noqa: SIM102
+            if first == last:
+                m_i, l_i, acc = _add_sink(SINKS + heads, row_mask, m_i, l_i, acc)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]  # [H, D]; zeros for an empty (padding) row
         if KV_FP8:
@@ -695,12 +702,23 @@ def _open_with_new_token(
     return m_i, l_i, acc
 
 
+@triton.jit
+def _add_sink(sink_ptrs, mask, m_i, l_i, acc):
+    """Fold each row's sink logit (log2 units) into its softmax state: one more term in the
+    denominator that weighs no value. Masked rows take a sink of 0 (their output is dropped)."""
+    sink = tl.load(sink_ptrs, mask=mask, other=0.0)
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
 @triton.jit(do_not_specialize=["window", "min_split", "num_splits"])
 def _decode_merge_kernel(
     PO,
     PL,
     SL,
     Out,
+    SINKS,
     window,
     min_split,
     num_splits,
@@ -712,6 +730,7 @@ def _decode_merge_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -734,8 +753,13 @@ def _decode_merge_kernel(
         lse = tl.where(valid, lse, float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
+        if HAS_SINKS:
+            sink = tl.load(SINKS + head)
+            m = tl.maximum(m, sink)
         w = tl.exp2(lse - m)  # splits outside [first, last] weigh 0
         total = tl.sum(w, 0)
+        if HAS_SINKS:
+            total += tl.exp2(sink - m)
         total = tl.where(total > 0, total, 1.0)
         po = tl.where(valid[:, None], po, 0.0)
         out = tl.sum(po * w[:, None], 0) / total  # [D]
@@ -758,9 +782,10 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tile: DecodeTile | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """Attention of each sequence's last token over its whole cached context (an FP8 cache's
-    values times their scales).
+    values times their scales; with ``sinks``, each head's sink logit in the denominator).
 
     Reads nothing from the host but the tensors' shapes: ``num_splits`` defaults to a function
     of the batch size, the kv heads and the block table's width, so the launch is the same for
@@ -769,8 +794,14 @@ def paged_decode_attention(
     """
     return _decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, None, sliding_window, num_splits,
-        min_split_tokens, out, k_scale, v_scale, tile,
+        min_split_tokens, out, k_scale, v_scale, tile, sinks,
     )  # fmt: skip
+
+
+def sinks_log2(sinks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The sink logits [H] in the kernels' log2 units, float32 (``like``: any tensor, passed
+    where there are no sinks: the kernels never read it then)."""
+    return like if sinks is None else (sinks.float() * _LOG2E).contiguous()
 
 
 @dataclass(frozen=True)
@@ -836,6 +867,7 @@ def _decode(
     k_scale: float,
     v_scale: float,
     tile: DecodeTile | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode kernel's launch (and the merge's), with ``new`` tokens or without."""
     batch, num_heads, head_dim = q.shape
@@ -875,6 +907,7 @@ def _decode(
         else (new.k, new.v, new.cos, new.sin, new.slot_mapping)
     )
     pdl = chain_pdl(q)
+    sink_logits = sinks_log2(sinks, q)
     _decode_kernel[(programs, num_splits, batch)](
         q,
         k_cache,
@@ -889,6 +922,7 @@ def _decode(
         cos,
         sin,
         slots,
+        sink_logits,
         scale * _LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         1.0 / k_scale,
@@ -929,12 +963,15 @@ def _decode(
         PDL=pdl,
         ROPE=new is not None,
         HALF=1 if new is None else new.cos.shape[1] // 2,
+        HAS_SINKS=sinks is not None,
         launch_pdl=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     if num_splits > 1:
-        _merge_partials(partial_out, partial_lse, seq_lens, out, sliding_window, min_split, block_n)
+        _merge_partials(
+            partial_out, partial_lse, seq_lens, out, sliding_window, min_split, block_n, sinks
+        )
     return out
 
 
@@ -956,8 +993,10 @@ def _merge_partials(
     sliding_window: int | None,
     min_split: int,
     block_n: int,
+    sinks: torch.Tensor | None = None,  # [heads]
 ) -> None:
-    """Combine each multi-split row's partial results, weighted by their log-sum-exps."""
+    """Combine each multi-split row's partial results, weighted by their log-sum-exps (and each
+    head's sink logit in the denominator)."""
     batch, num_heads, num_splits, head_dim = partial_out.shape
     block_d = triton.next_power_of_2(head_dim)
     block_s = triton.next_power_of_2(num_splits)
@@ -967,6 +1006,7 @@ def _merge_partials(
         partial_lse,
         seq_lens,
         out,
+        sinks_log2(sinks, partial_lse),
         sliding_window or 0,
         min_split,
         num_splits,
@@ -978,6 +1018,7 @@ def _merge_partials(
         BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None,
         PDL=pdl,
+        HAS_SINKS=sinks is not None,
         launch_pdl=pdl,
         num_warps=max(1, min(4, block_s * block_d // 1024)),
     )
@@ -1057,6 +1098,7 @@ def _prefill_kernel(
     QSL,
     TILES,
     Out,
+    SINKS,  # HAS_SINKS: [heads] float32, sink logits times log2(e)
     scale_log2,
     v_scale,
     window,
@@ -1081,6 +1123,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     # Row t of the tile list (prefill_tiles.py): this program's sequence and query tile; a
     # padding row (sequence -1, a CUDA graph's) has nothing to do.
@@ -1136,6 +1179,8 @@ def _prefill_kernel(
             s = tl.where(visible, s * scale_log2, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
 
+        if HAS_SINKS:
+            m_i, l_i, acc = _add_sink(SINKS + head + 0 * rows, row_mask, m_i, l_i, acc)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if KV_FP8:
             out = out * v_scale
@@ -1159,6 +1204,7 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     tiles: torch.Tensor | None = None,  # [rows, 2] int32, see prefill_tiles.py
     launch: PrefillLaunch | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Causal attention of every new token over its sequence's cached context (itself included).
 
@@ -1193,6 +1239,7 @@ def paged_prefill_attention(
         query_start_loc,
         tiles,
         out,
+        sinks_log2(sinks, q),
         scale * _LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
         v_scale,
         sliding_window or 0,
@@ -1217,6 +1264,7 @@ def paged_prefill_attention(
         PRECISION=_precision(q.dtype),
         KV_FP8=kv_fp8,
         FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),
+        HAS_SINKS=sinks is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

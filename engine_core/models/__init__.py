@@ -24,9 +24,11 @@ from typing import Any
 from torch import nn
 
 from engine_core.config import ModelConfig
+from engine_core.models.deepseek import DeepseekForCausalLM, deepseek_fields
 from engine_core.models.fp8_config import fp8_config_from_hf
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
+from engine_core.models.gpt_oss import GptOssForCausalLM, gpt_oss_fields
 from engine_core.models.layers import ROPE_TYPES, pack_cpu_weights
 from engine_core.models.llama import (
     LlamaForCausalLM,
@@ -36,6 +38,7 @@ from engine_core.models.llama import (
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quantize import make_fp8_linears
 from engine_core.models.target import BuildTarget
+from engine_core.parallel import get_tp_group
 
 LLAMA_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -57,7 +60,11 @@ SUPPORTED_ARCHITECTURES = (
     *MOE_ARCHITECTURES,
     "Gemma3ForCausalLM",
     "GPT2LMHeadModel",
+    "GptOssForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -68,12 +75,21 @@ _BY_MODEL_TYPE = {
     "gpt2": "GPT2LMHeadModel",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "gpt_oss": GptOssForCausalLM,
+    "deepseek": DeepseekForCausalLM,
 }
+# Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
+# caches, gpt-oss's and DeepSeek's experts) have no tensor-parallel split yet.
+SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "deepseek")
 
 
 def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Module:
@@ -86,6 +102,13 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
         raise ValueError(
             f"unknown architecture {config.architecture!r}; expected one of {list(_MODEL_CLASSES)}"
         ) from None
+    tp_size = get_tp_group().size
+    if tp_size > 1 and config.architecture in SINGLE_RANK_ARCHITECTURES:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size}: {config.architecture} models run on one rank "
+            "only for now (their sinks, latent attention and experts have no tensor-parallel "
+            "split yet)"
+        )
     model = model_class(config)
     make_fp8_linears(model, config)
     if target is not None:
@@ -110,7 +133,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     Accepts both the transformers 4 layout (rope_theta, rope_scaling) and the transformers 5 one
     (rope_parameters). Raises ValueError for an architecture or a feature we do not implement.
     """
-    config = architecture_config(hf, hf_architecture(hf))
+    architecture = hf_architecture(hf)
+    config = architecture_config(hf, architecture)
+    if architecture == "GptOssForCausalLM":  # its quantization_config is MXFP4 experts, read there
+        return config
     return dataclasses.replace(config, quantization=fp8_config_from_hf(hf))
 
 
@@ -119,6 +145,12 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return gpt2_config(hf)
     if architecture == "Gemma3ForCausalLM":
         return gemma3_config(hf)
+    if architecture == "GptOssForCausalLM":
+        return dataclasses.replace(llama_config(hf, architecture), **gpt_oss_fields(hf))
+    if architecture in DEEPSEEK_ARCHITECTURES:  # MLA and DeepSeekMoE (models/deepseek.py)
+        return dataclasses.replace(
+            llama_config(hf, architecture), **deepseek_fields(hf, architecture)
+        )
     if architecture in MOE_ARCHITECTURES:  # Llama-family attention, MoE MLPs (models/moe.py)
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     return llama_config(hf, architecture)
@@ -196,7 +228,44 @@ def rope_config(
         return theta, None
     if rope_type == "longrope":
         return theta, longrope_scaling(hf, params)
+    if rope_type == "yarn":
+        return theta, yarn_scaling(hf, params)
     return theta, {**params, "rope_type": rope_type}
+
+
+def yarn_scaling(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's parameters with HF's defaults resolved (models/layers.py scale_yarn reads them).
+
+    factor defaults to max_position_embeddings / original_max_position_embeddings; the
+    attention factor (cos/sin times it) is 0.1 ln(factor) + 1, or with DeepSeek's ``mscale``
+    and ``mscale_all_dim`` the ratio of the two such terms; DeepSeek also multiplies its softmax
+    scale by the square of the ``mscale_all_dim`` term (``yarn_softmax_factor``).
+    """
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_type yarn needs original_max_position_embeddings")
+    factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = yarn_mscale(factor)
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(params.get("beta_fast") or 32),
+        "beta_slow": float(params.get("beta_slow") or 1),
+        "truncate": bool(params.get("truncate", True)),
+        "attention_factor": float(attention_factor),
+        "mscale_all_dim": float(mscale_all_dim or 0.0),
+    }
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times (HF's get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def longrope_scaling(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -212,8 +212,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, base: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim, self.base, self.scaling = rotary_dim, base, scaling
-        is_longrope = rope_type_of(scaling) == "longrope"
-        self.attention_factor = float(scaling["attention_factor"]) if is_longrope else 1.0
+        # LongRoPE and YaRN scale cos/sin (their config's attention_factor, resolved when read).
+        scaled = rope_type_of(scaling) in ("longrope", "yarn")
+        self.attention_factor = float(scaling["attention_factor"]) if scaled else 1.0
         inv_freq = compute_inv_freq(rotary_dim, base, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -255,7 +256,7 @@ def reset_buffers(model: nn.Module) -> None:
             reset()
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_type_of(scaling: dict[str, Any] | None) -> str:
@@ -276,6 +277,8 @@ def compute_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None)
     if rope_type == "longrope":
         factors = scaling["long_factor" if scaling["use_long_factor"] else "short_factor"]
         return scale_longrope(head_dim, base, factors)
+    if rope_type == "yarn":
+        return scale_yarn(inv_freq, head_dim, base, scaling)
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
 
 
@@ -285,6 +288,28 @@ def scale_longrope(dim: int, base: float, factors: list[float]) -> torch.Tensor:
         raise ValueError(f"longrope factors have {len(factors)} entries, expected {dim // 2}")
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
+
+
+def scale_yarn(
+    inv_freq: torch.Tensor, dim: int, base: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN (gpt-oss, DeepSeek-V3): each frequency blends the original one (extrapolation, the
+    fast ones) and the one divided by factor (interpolation, the slow ones) along a linear ramp
+    between the correction dims of beta_fast and beta_slow rotations, as HF computes it."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # [dim / 2]
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def scale_llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

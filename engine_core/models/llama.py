@@ -27,6 +27,7 @@ from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
 from engine_core.models.fp8 import attach_fp8_rows, fp8_kernels, takes_fp8_rows
 from engine_core.models.gate_up_layout import GLU_HALF, interleave_gate_up
+from engine_core.models.gpt_oss_moe import GptOssMoE
 from engine_core.models.layers import (
     ACT_AND_MUL,
     MergedLinear,
@@ -84,7 +85,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = make_norm(config, head_dim) if config.qk_norm else None
         scale = config.attention_scale or head_dim**-0.5
         window = config.layer_sliding_window(layer)
-        self.attn = Attention(heads, kv_heads, head_dim, scale, window)
+        self.attn = Attention(heads, kv_heads, head_dim, scale, window, config.attention_sinks)
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -138,7 +139,9 @@ class LlamaMLP(nn.Module):
 
 def make_mlp(config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
     """Layer ``layer``'s MLP: a mixture of experts where the config has one (Mixtral, Qwen3-MoE;
-    engine_core/models/moe.py), else dense."""
+    engine_core/models/moe.py; gpt-oss's, models/gpt_oss_moe.py), else dense."""
+    if config.is_moe_layer(layer) and config.moe_router == "gpt_oss":
+        return GptOssMoE(config)
     if config.is_moe_layer(layer):
         return SparseMoE(config, tp)
     return LlamaMLP(config, tp)

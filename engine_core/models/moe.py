@@ -21,6 +21,7 @@ which picks ``SparseMoE`` for the layers ``ModelConfig.is_moe_layer`` names.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -175,10 +176,26 @@ def experts_reference(
     One host sync (the per-expert counts), so this is no path for CUDA graphs; the sum is float32
     and rounded to x's dtype once at the end.
     """
+
+    def run(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return expert_mlp(rows, w13[expert], w2[expert])
+
+    return grouped_experts(x, weights, ids, w13.shape[0], run)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    run: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum over k of weights[t, k] * run(ids[t, k], x[t]) [T, hidden]: the (token, k) pairs
+    grouped by expert, ``run(expert, rows [n, H]) -> [n, H]`` once per expert with tokens."""
     top_k = ids.shape[1]
     flat = ids.flatten()  # [T*K]
     order = flat.argsort(stable=True)  # pairs by expert, in token order within one
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     tokens = order // top_k  # [T*K] token of each sorted pair
     pair_weights = weights.flatten()[order]  # [T*K]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, hidden]
@@ -186,7 +203,7 @@ def experts_reference(
     for expert, count in enumerate(counts):
         if count:
             rows = tokens[start : start + count]
-            y = expert_mlp(x.index_select(0, rows), w13[expert], w2[expert])  # [n, hidden]
+            y = run(expert, x.index_select(0, rows))  # [n, hidden]
             out.index_add_(0, rows, y.float() * pair_weights[start : start + count, None])
         start += count
     return out.to(x.dtype)

@@ -1,0 +1,175 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) over a paged latent cache.
+
+Each token caches one row of ``kv_lora_rank + qk_rope_head_dim`` values per layer: its
+normalized KV latent c and its rotated rotary key, shared by every head (a 61-layer DeepSeek-V3
+token takes 70 KB in bf16, where K and V of 128 heads would take 4.6 MB). Every head's no-rope
+key and value are linear in c: ``kv_b_proj`` [H * (N + V), R] holds W_UK [H, N, R] and
+W_UV [H, V, R]. Two ways to attend, one result:
+
+- expanded (prompts and prompt chunks, many queries over one context): the context's latents
+  go through kv_b_proj into per-head keys [L, H, N + P] and values [L, H, V], then ordinary
+  causal attention;
+- absorbed (decodes, one query over a long context): W_UK is folded into the query
+  (q_lat = q_nope W_UK, [H, R]), so the scores are q_lat . c + q_pe . k_pe against the cache
+  rows as they are, the probabilities weigh the latents (o_lat [H, R]), and W_UV maps o_lat to
+  each head's output. No per-token expansion: the cache is read once, not H times.
+
+``tests/test_models_deepseek.py`` checks the two against each other and both against HF.
+
+This is the torch path, on every device: plain tensor ops per sequence, reading host copies of
+the lengths (no CUDA graphs). A Triton MLA kernel is still to come.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core.attention.base import AttentionMetadata
+from engine_core.forward_context import get_forward_context
+
+
+class LatentAttention(nn.Module):
+    """The cache side of MLA: writes each token's latent row, attends per sequence.
+
+    ``cache`` [num_blocks, block_size, R + P] is a plain attribute, sized and bound by the model
+    runner (``cache_shapes``/``bind_cache``), as Attention's K/V caches are.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.rank, self.nope, self.rope, self.v_dim = (
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+        )
+        self.scale = scale
+        self.sliding_window = None
+        self.cache: torch.Tensor | None = None
+        self.absorb_decode = True  # decodes take the absorbed path (tests switch it off)
+
+    @property
+    def width(self) -> int:
+        """Elements per token in the cache: the latent and the rotary key."""
+        return self.rank + self.rope
+
+    def cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        return [(num_blocks, block_size, self.width)]
+
+    def bind_cache(self, tensors: list[torch.Tensor]) -> None:
+        (self.cache,) = tensors
+
+    def forward(
+        self,
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_pe: torch.Tensor,  # [T, H, P], rotated
+        latent: torch.Tensor,  # [T, R], normalized
+        k_pe: torch.Tensor,  # [T, P], rotated
+        kv_b_weight: torch.Tensor,  # [H * (N + V), R]
+    ) -> torch.Tensor:  # [T, H, V]
+        if self.cache is None:
+            raise RuntimeError("LatentAttention.cache is unset: allocate the KV cache first")
+        meta = get_forward_context().attn_metadata
+        write_latents(self.cache, torch.cat((latent, k_pe), dim=-1), meta.slot_mapping)
+        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
+        starts = meta.query_start_loc_cpu
+        decodes = [s for s in range(meta.num_seqs) if starts[s + 1] - starts[s] == 1]
+        if self.absorb_decode and decodes:
+            rows = torch.tensor([starts[s] for s in decodes], device=q_nope.device)
+            out[rows] = self.absorbed(q_nope[rows], q_pe[rows], meta, decodes, kv_b_weight)
+        for seq in range(meta.num_seqs):
+            start, end = starts[seq], starts[seq + 1]
+            if end == start or (self.absorb_decode and seq in decodes):
+                continue
+            context = self.context(meta, seq)
+            out[start:end] = self.expanded(q_nope[start:end], q_pe[start:end], context, kv_b_weight)
+        return out
+
+    def context(self, meta: AttentionMetadata, seq: int) -> torch.Tensor:
+        """Sequence ``seq``'s cached rows [L, R + P], through its block table."""
+        assert self.cache is not None
+        seq_len, block_size = meta.seq_lens_cpu[seq], self.cache.shape[1]
+        blocks = meta.block_tables[seq][: -(-seq_len // block_size)].long()
+        return self.cache[blocks].flatten(0, 1)[:seq_len]
+
+    def expanded(
+        self,
+        q_nope: torch.Tensor,  # [Q, H, N]: the last Q positions of the context
+        q_pe: torch.Tensor,  # [Q, H, P]
+        context: torch.Tensor,  # [L, R + P]
+        kv_b_weight: torch.Tensor,  # [H * (N + V), R]
+    ) -> torch.Tensor:  # [Q, H, V]
+        """Per-head keys and values from the context's latents, then causal attention."""
+        seq_len = context.shape[0]
+        latent, k_pe = context.split((self.rank, self.rope), dim=-1)
+        kv = F.linear(latent, kv_b_weight).view(seq_len, self.num_heads, -1)  # [L, H, N + V]
+        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
+        k = torch.cat((k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [Q, H, N + P]
+        return causal_attention(q, k, v, self.scale)
+
+    def absorbed(
+        self,
+        q_nope: torch.Tensor,  # [B, H, N]: one query per decoding sequence
+        q_pe: torch.Tensor,  # [B, H, P]
+        meta: AttentionMetadata,
+        seqs: list[int],
+        kv_b_weight: torch.Tensor,  # [H * (N + V), R]
+    ) -> torch.Tensor:  # [B, H, V]
+        """Decodes against the latent rows as cached: W_UK folded into the queries, W_UV
+        applied to the attended latents."""
+        w_uk, w_uv = absorbed_weights(kv_b_weight, self.num_heads, self.nope)
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # [B, H, R]
+        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, R + P]
+        o_lat = torch.empty_like(q_lat)  # [B, H, R]
+        for i, seq in enumerate(seqs):
+            context = self.context(meta, seq)  # [L, R + P]
+            scores = (q[i].float() @ context.float().T) * self.scale  # [H, L]
+            probs = scores.softmax(dim=-1)
+            o_lat[i] = (probs @ context[:, : self.rank].float()).to(q.dtype)
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+
+
+def absorbed_weights(
+    kv_b_weight: torch.Tensor, num_heads: int, nope: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj's weight [H * (N + V), R] as (W_UK [H, N, R], W_UV [H, V, R])."""
+    per_head = kv_b_weight.view(num_heads, -1, kv_b_weight.shape[-1])  # [H, N + V, R]
+    return per_head[:, :nope], per_head[:, nope:]
+
+
+def write_latents(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rows [T, R + P] into their cache slots; slot -1 (padding) is skipped."""
+    keep = slot_mapping >= 0
+    flat = cache.view(-1, cache.shape[-1])  # [num_slots, R + P]
+    flat.index_copy_(0, slot_mapping[keep], rows[keep].to(cache.dtype))
+
+
+def causal_attention(
+    q: torch.Tensor,  # [Q, H, Dk]: the last Q positions
+    k: torch.Tensor,  # [L, H, Dk]
+    v: torch.Tensor,  # [L, H, Dv]
+    scale: float,
+) -> torch.Tensor:  # [Q, H, Dv]
+    num_queries, seq_len = q.shape[0], k.shape[0]
+    q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device)[:, None]  # [Q, 1]
+    keep = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [Q, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, H, Q, Dk]
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=keep,
+        scale=scale,
+    )  # [1, H, Q, Dv]
+    return out[0].transpose(0, 1)
