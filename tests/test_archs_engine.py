@@ -65,3 +65,24 @@ def test_mla_engine_allocates_latent_caches(tmp_path: Path) -> None:
         assert all(c.shape == (8, 4, 32 + 8) and c.dtype == torch.float32 for c in caches)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_speculation_keeps_hf_greedy_tokens(name: str, tmp_path: Path) -> None:
+    """n-gram drafts on a window-and-sinks model and on the latent cache: the rejected drafts'
+    rows (K/V or latent) are written over by the next step, so the tokens stay HF's."""
+    hf_model = MAKERS[name]()
+    hf_model.save_pretrained(tmp_path)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], PROMPTS[2]]
+    expected = [hf_greedy(hf_model, p, 24).tokens[0] for p in prompts]
+    draft = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    llm = LLM(
+        str(tmp_path), block_size=4, num_kv_blocks=64, max_model_len=128, speculative_config=draft
+    )
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        got = llm.generate(prompts, params, detokenize=False)
+        assert [o.token_ids for o in got] == expected
+        assert llm.engine.scheduler.counts().spec_draft_tokens > 0
+    finally:
+        llm.engine.shutdown()

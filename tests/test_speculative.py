@@ -251,7 +251,7 @@ def test_a_tiny_random_model_gives_the_same_tokens(tmp_path: Path, tiny_model_di
     want = plain.generate(prompts, params, detokenize=False)
     got = spec.generate(prompts, params, detokenize=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert spec.engine.scheduler._accepted > 0
+    assert spec.engine.scheduler.counts().spec_accepted_tokens > 0
     # A prompt sharing a prefix with an earlier one: the prefix cache holds only right tokens.
     again = spec.generate([prompts[2] + want[2].token_ids[:30]], params, detokenize=False)
     fresh = plain.generate([prompts[2] + want[2].token_ids[:30]], params, detokenize=False)
