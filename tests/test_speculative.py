@@ -236,8 +236,27 @@ def test_greedy_output_is_the_same_with_drafts_beside_requests_that_do_not_specu
         [lp.logprob for lp in want[5].logprobs], abs=1e-4
     )
     scheduler = spec.engine.scheduler
-    assert scheduler._accepted > 0  # the greedy requests did take drafts
+    assert scheduler.counts().spec_accepted_tokens > 0  # the greedy requests did take drafts
     assert scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_aborting_requests_with_drafts_in_flight_frees_every_block(
+    default_pair: tuple[LLM, LLM],
+) -> None:
+    _, spec = default_pair
+    engine = spec.engine
+    prompt = chat_ids(spec, f"Print this code again, unchanged:\n{CODE}")
+    drafted_before = engine.scheduler.counts().spec_drafts
+    for i in range(3):
+        engine.add_request(greedy(f"abort-{i}", prompt, max_tokens=200))
+    while engine.scheduler.counts().spec_drafts - drafted_before < 3:
+        engine.step()
+    engine.abort(["abort-0", "abort-2"])
+    while engine.has_unfinished():  # the one left finishes while the others' blocks go back
+        engine.step()
+    engine.scheduler.block_manager.check_integrity()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.slow
