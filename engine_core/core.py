@@ -42,7 +42,7 @@ import torch
 from engine_core.config import EngineConfig
 from engine_core.embedding import check_pooling
 from engine_core.grammar import BitmaskFiller, GrammarCompiler, RequestGrammar
-from engine_core.model_runner import ForwardStep, LaunchedStep, ModelRunner
+from engine_core.model_runner import ForwardStep, LaunchedStep, ModelRunner, RunnerOutput
 from engine_core.request import EngineOutput, Request, SchedulerOutput
 from engine_core.scheduler import Scheduler
 from engine_core.speculative import make_proposer
@@ -258,7 +258,7 @@ class EngineCore:
             )
             if result.embeddings:
                 attach_embeddings(outputs, result.embeddings)
-            self._attach_logprobs(step.sampling_requests, result.logprobs, outputs)
+            self._attach_logprobs(step, result, outputs)
             if step.plan.prompt_logprob_seqs:
                 attach_prompt_logprobs(outputs)
         self.num_steps += 1
@@ -266,15 +266,22 @@ class EngineCore:
 
     @staticmethod
     def _attach_logprobs(
-        sampling: list[Request], logprobs: list[TokenLogprobs | None], outputs: list[EngineOutput]
+        step: LaunchedStep, result: RunnerOutput, outputs: list[EngineOutput]
     ) -> None:
-        if not any(lp is not None for lp in logprobs):
+        """Each output's tokens' logprobs, where its request asked: the sampled token's, after
+        those of the drafts it kept (each drawn at its own position, engine_core/speculative.py)."""
+        if not any(lp is not None for lp in result.logprobs):
             return
-        by_request = {id(r): lp for r, lp in zip(sampling, logprobs, strict=True)}
+        by_request = {
+            id(r): [lp] for r, lp in zip(step.sampling_requests, result.logprobs, strict=True)
+        }
+        drafted = [s.request for s in step.plan.scheduled if s.drafts]
+        for request, checks in zip(drafted, result.draft_logprobs, strict=True):
+            by_request[id(request)] = [*checks, *by_request[id(request)]]
         for out in outputs:
-            lp = by_request.get(id(out.request))
-            if lp is not None and out.new_token_ids:
-                out.logprobs = [lp]
+            lps = by_request.get(id(out.request))
+            if lps is not None and lps[-1] is not None and out.new_token_ids:
+                out.logprobs = lps[: len(out.new_token_ids)]
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

@@ -91,8 +91,10 @@ class RunnerOutput:
     # request id (None: not finite).
     embeddings: dict[str, list[float] | None] | None = None
     # Speculation: for each row with drafts, in schedule order, the target's token after its
-    # last known token and after each of its drafts but the last (engine_core/speculative.py).
+    # last known token and after each of its drafts but the last (engine_core/speculative.py),
+    # and their logprobs where the request asked (else Nones).
     draft_checks: list[list[int]] = field(default_factory=list)
+    draft_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -113,18 +115,26 @@ class ForwardStep:
 
 @dataclass
 class DraftChecks:
-    """The target's argmax at each drafted row's positions but the last (those check the
+    """The target's token at each drafted row's positions but the last (those check the
     drafts; the last one's token is the row's sampled token), and how many a row has."""
 
-    token_ids: torch.Tensor  # [sum of drafts] int64
+    token_ids: torch.Tensor  # [D] int64, D = the step's drafts
     counts: list[int]
+    requests: list[Request]  # [D]: each position's request
+    logprobs: tuple[torch.Tensor | None, ...] | None  # as LaunchedStep's, where one asked
 
-    def per_row(self) -> list[list[int]]:
-        ids, out, at = self.token_ids.tolist(), [], 0
+    def per_row(self) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+        """Each drafted row's tokens and their logprobs, in schedule order."""
+        ids = self.token_ids.tolist()
+        lps: list[TokenLogprobs | None] = [None] * len(ids)
+        if self.logprobs is not None:
+            lps = _logprobs_per_row(self.logprobs, self.requests)
+        tokens, logprobs, at = [], [], 0
         for count in self.counts:
-            out.append(ids[at : at + count])
+            tokens.append(ids[at : at + count])
+            logprobs.append(lps[at : at + count])
             at += count
-        return out
+        return tokens, logprobs
 
 
 @dataclass
@@ -540,20 +550,39 @@ class ModelRunner:
     def _check_drafts(
         self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]
     ) -> DraftChecks:
-        """The target's argmax at every drafted row's positions but its last: the rows that
-        say whether each draft was right (the row's last position samples as usual)."""
+        """The target's token at every drafted row's positions but its last (the row's last
+        position samples as usual): drawn as the non-speculative step would draw it there, so a
+        draft is kept exactly when the target's own token equals it (engine_core/speculative.py).
+        Row j draws the token at index start + 1 + j of its request, whose penalties count only
+        the tokens before that index (not the later drafts, nor the placeholder after them)."""
         rows: list[int] = []
         counts: list[int] = []
+        requests: list[Request] = []
+        positions: list[int] = []
+        ahead: list[int] = []
         for i, s in enumerate(out.scheduled):
             if s.drafts:
-                rows += range(query_start[i], query_start[i] + len(s.drafts))
-                counts.append(len(s.drafts))
+                num = len(s.drafts)
+                rows += range(query_start[i], query_start[i] + num)
+                counts.append(num)
+                requests += [s.request] * num
+                drawn = range(s.start + 1, s.start + 1 + num)  # the indices the rows draw
+                positions += [index - s.request.num_prompt_tokens for index in drawn]
+                ahead += [len(s.request.token_ids) - index for index in drawn]
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)
         logits = self.model.compute_logits(hidden[index], widen=False)  # [D, V]
-        token_ids = logits.argmax(dim=-1)  # [D]
-        if self._on_cuda:
-            token_ids = _copy_to_pinned(token_ids)
-        return DraftChecks(token_ids, counts)
+        sampled = self.sampler(logits, requests, positions, ahead=ahead)
+        lps = None
+        if sampled.logprobs is not None:
+            lps = (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)
+        if self._on_cuda:  # copied behind the step's event, with the sampled ids
+            return DraftChecks(
+                _copy_to_pinned(sampled.token_ids),
+                counts,
+                requests,
+                None if lps is None else tuple(_copy_to_pinned(t) for t in lps),
+            )
+        return DraftChecks(sampled.token_ids, counts, requests, lps)
 
     def _logits(
         self, hidden: torch.Tensor, inputs: ModelInputs
@@ -660,11 +689,14 @@ class ModelRunner:
             pooled = Pooler.to_host(step.pooled) if step.pooled is not None else None
             return RunnerOutput([], [], pooled)
         token_ids = step.token_ids.tolist()
-        checks = step.draft_checks.per_row() if step.draft_checks is not None else []
         if step.logprobs is None:
-            return RunnerOutput(token_ids, [None] * len(token_ids), draft_checks=checks)
-        logprobs = _logprobs_per_row(step.logprobs, step.sampling_requests)
-        return RunnerOutput(token_ids, logprobs, draft_checks=checks)
+            logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        else:
+            logprobs = _logprobs_per_row(step.logprobs, step.sampling_requests)
+        result = RunnerOutput(token_ids, logprobs)
+        if step.draft_checks is not None:
+            result.draft_checks, result.draft_logprobs = step.draft_checks.per_row()
+        return result
 
 
 def model_inputs(

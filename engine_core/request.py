@@ -109,8 +109,9 @@ class Request:
             and not self.params.logit_bias
             and self.params.constraint is None
         )
-        # Speculative decoding cannot change what it decodes (engine_core/speculative.py).
-        self.speculates = self.argmax_only and not self.planned_apart
+        # Speculative decoding draws each drafted position's token as a plain step would
+        # (engine_core/speculative.py); a grammar is not carried over drafts yet.
+        self.speculates = self.params.constraint is None and not self.planned_apart
 
     @classmethod
     def resumed(

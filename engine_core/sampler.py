@@ -71,6 +71,7 @@ class Sampler:
         output_positions: Sequence[int] | Callable[[], Sequence[int]] | None = None,
         bitmask: torch.Tensor | None = None,
         argmax: torch.Tensor | None = None,
+        ahead: Sequence[int] | None = None,
     ) -> SamplerOutput:
         """Sample from ``logits`` [B, V]; row i belongs to ``requests[i]``.
 
@@ -81,6 +82,9 @@ class Sampler:
         ``bitmask`` [B, ceil(V / 32)] int32, on any device: the tokens each row may sample.
         ``argmax`` [B]: the logits' argmax over the vocabulary where it is already computed (a
         decode CUDA graph's); an all-argmax-only batch then takes it as its tokens.
+        ``ahead`` [B]: how many of the request's last tokens lie after the token row i draws
+        (speculation's later drafts, engine_core/speculative.py), which its penalties must not
+        count; default none.
         """
         logits = logits[:, : self.vocab_size]  # [B, V]
         if all(r.argmax_only for r in requests):
@@ -95,7 +99,7 @@ class Sampler:
         elif callable(output_positions):
             output_positions = output_positions()
         if any(r.uses_penalties for r in requests):
-            logits = apply_penalties(logits, requests)
+            logits = apply_penalties(logits, requests, ahead)
         if any(r.params.logit_bias for r in requests):
             logits = apply_logit_bias(logits, requests)
         if bitmask is not None:
@@ -156,17 +160,24 @@ class Sampler:
         return generator
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, requests: Sequence[Request], ahead: Sequence[int] | None = None
+) -> torch.Tensor:
     """Return ``logits`` [B, V] with each row's penalties applied (vLLM / OpenAI definitions).
 
     Repetition r (HF/CTRL) over prompt + output tokens: a seen token's logit becomes logit / r if
     positive, else logit * r. Then, over output tokens only with c = the token's count:
-    logit -= frequency_penalty * c + presence_penalty * (c > 0).
+    logit -= frequency_penalty * c + presence_penalty * (c > 0). ``ahead[i]``: row i counts
+    all of its request's tokens but that many last ones.
     """
     params = [r.params for r in requests]
+    cuts = [None] * len(requests) if ahead is None else [-n if n else None for n in ahead]
     if any(p.repetition_penalty != 1.0 for p in params):
         # Only penalised rows pay for listing their tokens; the others get an empty list.
-        lists = [r.token_ids if r.params.repetition_penalty != 1.0 else [] for r in requests]
+        lists = [
+            r.token_ids[:cut] if r.params.repetition_penalty != 1.0 else []
+            for r, cut in zip(requests, cuts, strict=True)
+        ]
         seen = _count_tokens(lists, logits) > 0  # [B, V]
         r = _to_device([p.repetition_penalty for p in params], logits.device)[:, None]  # [B, 1]
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
@@ -175,7 +186,10 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         big = torch.finfo(logits.dtype).max
         logits = logits.clamp(-big, big)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        lists = [r.output_token_ids if _has_output_penalty(r.params) else [] for r in requests]
+        lists = [
+            r.output_token_ids[:cut] if _has_output_penalty(r.params) else []
+            for r, cut in zip(requests, cuts, strict=True)
+        ]
         counts = _count_tokens(lists, logits)  # [B, V]
         frequency = _to_device([p.frequency_penalty for p in params], logits.device)[:, None]
         presence = _to_device([p.presence_penalty for p in params], logits.device)[:, None]

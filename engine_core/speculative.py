@@ -3,19 +3,23 @@ guesses in the same step as the request's own next token, and the scheduler keep
 run of guesses the target agrees with, plus the target's own token after it.
 
 One step of a speculating request computes its last known token and its K drafts together
-(K + 1 positions of one forward). The target's argmax after each position says whether the draft
-there was right: the accepted drafts and the first token where the target disagrees (or, when
-every draft was right, the target's token after the last one) are the step's output, 1 to K + 1
-tokens; the KV of the rejected drafts is written but never read, as the next step writes over
-it (the scheduler moves the request's computed tokens back to the accepted ones). A greedy
-request's output is therefore the non-speculative greedy output, token for token.
+(K + 1 positions of one forward). At each position the runner draws the target's token exactly
+as a step without drafts would draw it there (greedy or sampled, its penalties counting only the
+tokens before the position, a seeded row's noise keyed by its output position): a draft is kept
+when the target's own token equals it. The kept drafts and the target's token at the first
+disagreement (or, when every draft was right, its token after the last one) are the step's
+output, 1 to K + 1 tokens. Every output token is thus the target's own draw given the tokens
+before it, so greedy and seeded requests give the non-speculative output token for token and
+unseeded ones its distribution; for a draft that is one token (n-gram), keeping it exactly when
+the target draws it is the rejection-sampling rule (accept with probability p(draft), else draw
+from p without the draft). The KV of the rejected drafts is written but never read, as the next
+step writes over it (the scheduler moves the request's computed tokens back).
 
 Proposers: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), no
-weights. Requests that sample (temperature > 0), or use penalties, logit bias, logprobs,
-min_tokens, a constraint or prompt logprobs decode one token a step as before: speculation is
-for the greedy requests it cannot change. A speculating engine runs the simple loop (each
-step's accepted count decides the next plan), not the overlapped one.
+weights. A request with a constraint or prompt logprobs decodes one token a step as before (its
+grammar is not carried over drafts). A speculating engine runs the simple loop (each step's
+accepted count decides the next plan), not the overlapped one.
 """
 
 from __future__ import annotations

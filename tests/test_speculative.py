@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM
@@ -24,6 +25,7 @@ from engine_core.speculative import (
     latest_match,
 )
 from protocol.messages import Constraint, ConstraintKind, FinishReason, SamplingParams
+from tests.factories import write_tiny_llama
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
 
@@ -178,16 +180,33 @@ def test_a_stop_or_the_length_limit_inside_the_run_ends_it_there() -> None:
     assert scheduler.block_manager.num_used_blocks == 0
 
 
-def test_requests_that_cannot_speculate_decode_one_token() -> None:
+def test_which_requests_speculate() -> None:
+    """Sampling, penalties and logprobs are drawn at every drafted position as a plain step
+    would; a grammar is not carried over drafts, so a constrained request decodes one token."""
     scheduler, fake = drafted_scheduler()
-    sampled = Request("s", [10, 11], SamplingParams(temperature=0.8, max_tokens=9))
-    penalised = greedy("p", [10, 11], max_tokens=9, repetition_penalty=1.2)
-    logprobs = greedy("l", [10, 11], max_tokens=9, logprobs=0)
-    for request in (sampled, penalised, logprobs):
-        scheduler.add_request(request)
+    constraint = Constraint(ConstraintKind.REGEX, "[a-z]+")
+    requests = {
+        "sampled": Request("s", [10, 11], SamplingParams(temperature=0.8, max_tokens=9)),
+        "penalised": greedy("p", [10, 11], max_tokens=9, repetition_penalty=1.2),
+        "min_tokens": greedy("m", [10, 11], max_tokens=9, min_tokens=3),
+        "logprobs": greedy("l", [10, 11], max_tokens=9, logprobs=0),
+        "constraint": greedy("c", [10, 11], max_tokens=9, constraint=constraint),
+        "prompt logprobs": greedy("q", [10, 11], max_tokens=9, prompt_logprobs=0),
+    }
+    assert {name: r.speculates for name, r in requests.items()} == {
+        "sampled": True,
+        "penalised": True,
+        "min_tokens": True,
+        "logprobs": True,
+        "constraint": False,
+        "prompt logprobs": False,
+    }
+    for name in ("sampled", "penalised", "prompt logprobs"):
+        scheduler.add_request(requests[name])
     scheduler.update_from_output(scheduler.schedule(), [20, 20, 20])
     fake.next = [21, 22]
-    assert all(not s.drafts for s in scheduler.schedule().scheduled)
+    drafted = {s.request.request_id: s.drafts for s in scheduler.schedule().scheduled}
+    assert drafted == {"s": (21, 22), "p": (21, 22), "q": ()}
 
 
 # ---- exactness through the engine ----------------------------------------------------------------
@@ -213,7 +232,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 
 @pytest.mark.slow
-def test_greedy_output_is_the_same_with_drafts_beside_requests_that_do_not_speculate(
+def test_outputs_are_the_same_with_drafts_beside_requests_that_do_not_speculate(
     default_pair: tuple[LLM, LLM],
 ) -> None:
     plain, spec = default_pair
@@ -225,16 +244,34 @@ def test_greedy_output_is_the_same_with_drafts_beside_requests_that_do_not_specu
         SamplingParams(max_tokens=7, temperature=0.0),  # max_tokens falls inside a run
         SamplingParams(max_tokens=24, temperature=0.9, seed=5),
         SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3),
+        # Seeded draws at each drafted position are the plain step's draws there, penalties
+        # counting only the tokens before it: the same tokens, not just the same distribution.
+        SamplingParams(
+            max_tokens=32,
+            temperature=0.7,
+            seed=11,
+            top_k=40,
+            top_p=0.95,
+            repetition_penalty=1.1,
+            frequency_penalty=0.3,
+            presence_penalty=0.2,
+            min_tokens=8,
+            logit_bias=((28, 2.0),),
+        ),
         SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=3, logprobs=3),
         SamplingParams(max_tokens=24, temperature=0.0, constraint=constraint),
     ]
     want = plain.generate([prompt] * len(params), params, detokenize=False)
     got = spec.generate([prompt] * len(params), params, detokenize=False)
     for w, g in zip(want, got, strict=True):
         assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
-    assert [lp.logprob for lp in got[5].logprobs] == pytest.approx(
-        [lp.logprob for lp in want[5].logprobs], abs=1e-4
-    )
+    for w, g in zip(want[6:8], got[6:8], strict=True):  # every token's, drafted or not
+        assert len(g.logprobs) == len(g.token_ids)
+        assert [lp.top_token_ids for lp in g.logprobs] == [lp.top_token_ids for lp in w.logprobs]
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx(
+            [lp.logprob for lp in w.logprobs], abs=1e-4
+        )
     scheduler = spec.engine.scheduler
     assert scheduler.counts().spec_accepted_tokens > 0  # the greedy requests did take drafts
     assert scheduler.block_manager.num_used_blocks == 0
@@ -330,3 +367,73 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
         assert values["tandem_spec_decode_num_drafts_total"] > 0
     finally:
         stop_server(srv)
+
+
+# ---- sampled requests: the target's distribution -------------------------------------------------
+
+VOCAB = 16
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of ``counts`` [V] against ``probs`` [V]; categories expecting fewer than
+    5 draws are pooled into one, as the test's approximation needs."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((len(expected) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, statistic.double() / 2))
+
+
+def target_marginals(path: Path, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's distributions of the second and third output tokens at temperature 1, summed over
+    the tokens before them: [V] each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def next_probs(contexts: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor(contexts)).logits[:, -1, :VOCAB]
+        return logits.softmax(dim=-1).double()  # [len(contexts), V]
+
+    first = next_probs([prompt])[0]  # [V]
+    second = next_probs([[*prompt, a] for a in range(VOCAB)])  # [V, V]: row a, token b
+    pairs = [[*prompt, a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    third = next_probs(pairs).view(VOCAB, VOCAB, VOCAB)
+    joint = first[:, None] * second  # [V, V]
+    return joint.sum(dim=0), (joint[:, :, None] * third).sum(dim=(0, 1))
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_targets_distribution(tmp_path: Path) -> None:
+    """Drafts on a 16-token random model (every token occurs in the prompt, so a draft follows
+    almost every token): the second and third output tokens of 3,000 unseeded requests match
+    HF's distribution by a chi-square test, and drafts were checked and some kept on the way."""
+    write_tiny_llama(tmp_path, vocab_size=VOCAB)
+    prompt = [*range(VOCAB), *range(VOCAB - 1, -1, -1), 5]
+    drafts = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(
+        str(tmp_path),
+        device="cpu",
+        max_model_len=64,
+        num_kv_blocks=4096,
+        block_size=4,
+        max_num_seqs=256,
+        speculative_config=json.dumps(drafts),
+    )
+    try:
+        params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+        outputs = llm.generate([prompt] * 3000, params, detokenize=False)
+        counts = llm.engine.scheduler.counts()
+    finally:
+        llm.engine.shutdown()
+    second, third = target_marginals(tmp_path, prompt)
+    for position, probs in ((1, second), (2, third)):
+        drawn = torch.tensor([o.token_ids[position] for o in outputs])
+        observed = torch.bincount(drawn, minlength=VOCAB).double()
+        assert chi_square_p_value(observed, probs) > 1e-3, position
+    assert counts.spec_draft_tokens > 3000 and counts.spec_accepted_tokens > 300
