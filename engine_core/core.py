@@ -185,8 +185,12 @@ class EngineCore:
             self._nap_if_only_compiling()
             return []
         forward = self.runner.forward(plan)
-        bitmask = self._bitmask(forward) if self._constrained(forward) else None
-        return self._process(self.runner.sample(forward, bitmask))
+        bitmask = draft_bitmask = None
+        if self._constrained(forward):
+            bitmask = self._bitmask(forward)
+            if bitmask is not None and forward.drafted is not None:
+                draft_bitmask = self._draft_bitmask(plan, bitmask)
+        return self._process(self.runner.sample(forward, bitmask, draft_bitmask))
 
     def _step_overlapped(self) -> list[EngineOutput]:
         with self.step_stats.phase("schedule"):
@@ -222,6 +226,19 @@ class EngineCore:
         assert self._bitmasks is not None
         with self.step_stats.phase("bitmask"):
             return self._bitmasks.fill([r.grammar for r in step.sampling_requests])
+
+    def _draft_bitmask(self, plan: SchedulerOutput, bitmask: torch.Tensor) -> torch.Tensor | None:
+        """The masks of the step's drafted positions; a constrained drafted row's sampling row
+        of ``bitmask`` becomes the mask after its drafts (engine_core/speculative.py)."""
+        assert self._bitmasks is not None
+        rows = []
+        sampling_row = 0
+        for s in plan.scheduled:
+            if s.drafts:
+                rows.append((s.request.grammar, s.drafts, sampling_row))
+            sampling_row += s.samples
+        with self.step_stats.phase("bitmask"):
+            return self._bitmasks.fill_drafted(rows, bitmask)
 
     def _settle_grammars(self) -> list[EngineOutput]:
         """Fail the requests whose grammar did not compile; forget the ones that are ready."""
@@ -312,6 +329,8 @@ def constrained_tokens(
             continue
         token = next(tokens)
         grammar = s.request.grammar
+        if s.drafts:
+            continue  # its grammar takes its kept tokens in the scheduler's update
         if grammar is not None and grammar.matcher is not None and not s.request.is_finished:
             pairs.append((grammar, token))
     return pairs

@@ -255,6 +255,21 @@ class RequestGrammar:
 
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
+    def fill_drafted(self, drafts: tuple[int, ...], masks: torch.Tensor) -> None:
+        """Write the allowed tokens before each draft into ``masks[j]`` ([K + 1, W], CPU) and
+        after the last into ``masks[K]``: the matcher takes the drafts one by one, as far as it
+        allows them, and gives them back. Rows past a draft it refuses are left as they are:
+        the target's token there cannot be that draft, so nothing after it is kept."""
+        self.fill(masks, 0)
+        taken = 0
+        for token in drafts:
+            if self.matcher.try_consume_tokens([token]) != 1:
+                break
+            taken += 1
+            self.fill(masks, taken)
+        if taken:
+            self.matcher.rollback(taken)
+
 
 class BitmaskFiller:
     """Builds each step's bitmask for the rows that sample: the constrained rows' matchers fill
@@ -297,6 +312,28 @@ class BitmaskFiller:
         bitmask.fill_(-1)  # every row allows every token until its matcher says otherwise
         llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
         return bitmask
+
+    def fill_drafted(
+        self,
+        rows: list[tuple[RequestGrammar | None, tuple[int, ...], int]],
+        bitmask: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The masks [D, W] of a step's drafted positions (each drafted row's K positions, in
+        order), given each drafted row's grammar, drafts and sampling row: a constrained row
+        also gets its sampling row of ``bitmask`` (the step's, from ``fill``) replaced by the
+        mask after its last draft. None when no drafted row is constrained."""
+        if not any(g is not None and g.matcher is not None for g, _, _ in rows):
+            return None
+        masks = allocate_bitmask(sum(len(d) for _, d, _ in rows), self.vocab_size)
+        at = 0
+        for grammar, drafts, row in rows:
+            if grammar is not None and grammar.matcher is not None:
+                own = allocate_bitmask(len(drafts) + 1, self.vocab_size)
+                grammar.fill_drafted(drafts, own)
+                masks[at : at + len(drafts)] = own[:-1]
+                bitmask[row] = own[-1]
+            at += len(drafts)
+        return masks
 
     def advance(self, pairs: list[tuple[RequestGrammar, int]]) -> None:
         """Let each matcher take its sampled token, in parallel; ``accept`` then reads the

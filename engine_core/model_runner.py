@@ -110,7 +110,19 @@ class ForwardStep:
     # request id -> (first scored prompt position, logprobs), for the prompt tokens scored
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
     pooled: PooledStep | None = None  # an embedding engine's vectors that the step finished
-    draft_checks: DraftChecks | None = None  # speculation: the target's argmax at the drafts
+    drafted: DraftedRows | None = None  # speculation: the logits at the drafted positions
+
+
+@dataclass
+class DraftedRows:
+    """A step's drafted positions (each drafted row's positions but its last, in schedule
+    order): their logits and what the sampler needs to draw each as a plain step would."""
+
+    logits: torch.Tensor  # [D, V']
+    counts: list[int]  # positions per drafted row
+    requests: list[Request]  # [D]
+    positions: list[int]  # [D]: the output each draws
+    ahead: list[int]  # [D]: the request's tokens after it, which its penalties do not count
 
 
 @dataclass
@@ -508,7 +520,7 @@ class ModelRunner:
         if inputs.prompt_rows is not None and self._scoring is not None:
             step.prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
         if any(s.drafts for s in out.scheduled):
-            step.draft_checks = self._check_drafts(out, hidden, inputs.meta.query_start_loc_cpu)
+            step.drafted = self._drafted_rows(out, hidden, inputs.meta.query_start_loc_cpu)
         if requests:
             with stats.phase("sample"):
                 if timeline is not None:
@@ -517,9 +529,15 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def sample(self, step: ForwardStep, bitmask: torch.Tensor | None = None) -> LaunchedStep:
+    def sample(
+        self,
+        step: ForwardStep,
+        bitmask: torch.Tensor | None = None,
+        draft_bitmask: torch.Tensor | None = None,
+    ) -> LaunchedStep:
         """Enqueue the sampler over ``step``'s logits (masked by the structured-output
-        ``bitmask`` of its sampling rows, if any) and the copy of its ids to the host."""
+        ``bitmask`` of its sampling rows, if any; its drafted positions' by ``draft_bitmask``)
+        and the copy of its ids to the host."""
         # This step's slot in the ring of host landing buffers and their events.
         self._host_ids_next = (self._host_ids_next + 1) % len(self._host_ids)
         requests = step.sampling_requests
@@ -530,10 +548,13 @@ class ModelRunner:
             launched.pooled = step.pooled
             return self._timed(launched)
         assert step.logits is not None
+        checks = None
         with self.stats.phase("sample"):
             sampled = self.sampler(
                 step.logits, requests, step.output_positions, bitmask, step.argmax
             )
+            if step.drafted is not None:  # enqueued before the step's event, as its copy must
+                checks = self._check_drafts(step.drafted, draft_bitmask)
         # The next step gathers its placeholder ids from here, on the device.
         self._prev_sampled = sampled.token_ids
         self._share_sampled(sampled.token_ids)
@@ -542,17 +563,15 @@ class ModelRunner:
             launched = self._to_host(step.plan, sampled, requests, step.timeline)
         launched.prompt_logprobs = step.prompt_logprobs
         launched.constrained = bitmask is not None
-        launched.draft_checks = step.draft_checks
+        launched.draft_checks = checks
         if step.timeline is not None:
             step.timeline.end()
         return self._timed(launched)
 
-    def _check_drafts(
+    def _drafted_rows(
         self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]
-    ) -> DraftChecks:
-        """The target's token at every drafted row's positions but its last (the row's last
-        position samples as usual): drawn as the non-speculative step would draw it there, so a
-        draft is kept exactly when the target's own token equals it (engine_core/speculative.py).
+    ) -> DraftedRows:
+        """The logits at every drafted row's positions but its last (which samples as usual).
         Row j draws the token at index start + 1 + j of its request, whose penalties count only
         the tokens before that index (not the later drafts, nor the placeholder after them)."""
         rows: list[int] = []
@@ -570,19 +589,27 @@ class ModelRunner:
                 positions += [index - s.request.num_prompt_tokens for index in drawn]
                 ahead += [len(s.request.token_ids) - index for index in drawn]
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        logits = self.model.compute_logits(hidden[index], widen=False)  # [D, V]
-        sampled = self.sampler(logits, requests, positions, ahead=ahead)
+        logits = self.model.compute_logits(hidden[index], widen=False)  # [D, V']
+        return DraftedRows(logits, counts, requests, positions, ahead)
+
+    def _check_drafts(self, rows: DraftedRows, bitmask: torch.Tensor | None) -> DraftChecks:
+        """The target's token at each drafted position, drawn as the non-speculative step would
+        draw it there, so a draft is kept exactly when the target's own token equals it
+        (engine_core/speculative.py)."""
+        sampled = self.sampler(
+            rows.logits, rows.requests, rows.positions, bitmask, ahead=rows.ahead
+        )
         lps = None
         if sampled.logprobs is not None:
             lps = (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)
         if self._on_cuda:  # copied behind the step's event, with the sampled ids
             return DraftChecks(
                 _copy_to_pinned(sampled.token_ids),
-                counts,
-                requests,
+                rows.counts,
+                rows.requests,
                 None if lps is None else tuple(_copy_to_pinned(t) for t in lps),
             )
-        return DraftChecks(sampled.token_ids, counts, requests, lps)
+        return DraftChecks(sampled.token_ids, rows.counts, rows.requests, lps)
 
     def _logits(
         self, hidden: torch.Tensor, inputs: ModelInputs

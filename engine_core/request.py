@@ -109,9 +109,10 @@ class Request:
             and not self.params.logit_bias
             and self.params.constraint is None
         )
-        # Speculative decoding draws each drafted position's token as a plain step would
-        # (engine_core/speculative.py); a grammar is not carried over drafts yet.
-        self.speculates = self.params.constraint is None and not self.planned_apart
+        # Speculative decoding draws each drafted position's token as a plain step would, under
+        # its grammar's mask there (engine_core/speculative.py); prompt scoring and pooling
+        # plan their chunks apart.
+        self.speculates = not self.planned_apart
 
     @classmethod
     def resumed(

@@ -411,6 +411,9 @@ class Scheduler:
         del request.token_ids[first:]
         reason = None
         for token in kept:
+            if request.grammar is not None and not request.grammar.accept(token):
+                reason = self._dead_end(request).finish_reason
+                return EngineOutput(request, request.token_ids[first:], reason)
             request.token_ids.append(token)
             reason = self._check_stop(request, token, request.num_tokens)
             if reason is not None:

@@ -11,6 +11,7 @@ import json
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
@@ -181,8 +182,8 @@ def test_a_stop_or_the_length_limit_inside_the_run_ends_it_there() -> None:
 
 
 def test_which_requests_speculate() -> None:
-    """Sampling, penalties and logprobs are drawn at every drafted position as a plain step
-    would; a grammar is not carried over drafts, so a constrained request decodes one token."""
+    """Sampling, penalties, logprobs and grammars apply at every drafted position as at a plain
+    step; only requests that score or pool their prompt plan their chunks apart."""
     scheduler, fake = drafted_scheduler()
     constraint = Constraint(ConstraintKind.REGEX, "[a-z]+")
     requests = {
@@ -198,7 +199,7 @@ def test_which_requests_speculate() -> None:
         "penalised": True,
         "min_tokens": True,
         "logprobs": True,
-        "constraint": False,
+        "constraint": True,
         "prompt logprobs": False,
     }
     for name in ("sampled", "penalised", "prompt logprobs"):
@@ -275,6 +276,42 @@ def test_outputs_are_the_same_with_drafts_beside_requests_that_do_not_speculate(
     scheduler = spec.engine.scheduler
     assert scheduler.counts().spec_accepted_tokens > 0  # the greedy requests did take drafts
     assert scheduler.block_manager.num_used_blocks == 0
+
+
+ITEMS = [{"name": "pen", "price": 2}, {"name": "ink", "price": 5}, {"name": "pad", "price": 3}]
+ITEMS_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "price": {"type": "integer"}},
+        "required": ["name", "price"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.slow
+def test_a_constrained_request_keeps_drafts_its_grammar_allows(
+    default_pair: tuple[LLM, LLM],
+) -> None:
+    """JSON that repeats the prompt's: the drafts come from the prompt, the grammar's mask at
+    each drafted position is the one after the drafts before it, and the output is the
+    non-speculative one (greedy and seeded), valid against the schema."""
+    plain, spec = default_pair
+    prompt = chat_ids(plain, f"Copy this JSON list exactly:\n{json.dumps(ITEMS)}")
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(ITEMS_SCHEMA))
+    params = [
+        SamplingParams(max_tokens=60, temperature=0.0, constraint=constraint),
+        SamplingParams(max_tokens=60, temperature=0.8, seed=2, constraint=constraint),
+    ]
+    accepted_before = spec.engine.scheduler.counts().spec_accepted_tokens
+    want = plain.generate([prompt] * 2, params)
+    got = spec.generate([prompt] * 2, params)
+    assert spec.engine.scheduler.counts().spec_accepted_tokens - accepted_before > 10
+    for w, g in zip(want, got, strict=True):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+    jsonschema.validate(json.loads(got[0].text), ITEMS_SCHEMA)
+    assert spec.engine.scheduler.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.slow
