@@ -75,6 +75,9 @@ class Request:
     first_token_time: float = 0.0
     finish_time: float = 0.0
     first_token_index: int = 0  # where its first new token goes: len(token_ids) when admitted
+    # Speculation (engine_core/speculative.py): the drafts planned for it, and those it kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     # Written by the engine core (engine_core/core.py) only.
     grammar: RequestGrammar | None = None  # the matcher of its constraint (structured output)
@@ -152,7 +155,13 @@ class Request:
         end = self.finish_time
         scheduled = self.first_scheduled_time or end
         first = min(self.first_token_time or end, end)
-        return RequestTimings(scheduled - self.arrival_time, first - scheduled, end - first)
+        return RequestTimings(
+            scheduled - self.arrival_time,
+            first - scheduled,
+            end - first,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+        )
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -255,6 +255,7 @@ class Scheduler:
         output.scheduled[-1].drafts = tuple(drafts)
         self._spec_drafts += 1
         self._drafted += len(drafts)
+        request.num_draft_tokens += len(drafts)
         return num_new
 
     def _preempt_for(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
@@ -407,6 +408,7 @@ class Scheduler:
             return None
         kept = accepted_run(row.drafts, target)
         self._accepted += len(kept) - 1
+        request.num_accepted_tokens += len(kept) - 1
         first = row.start + 1  # where the drafts began
         del request.token_ids[first:]
         reason = None

@@ -50,8 +50,9 @@ class Metrics:
         self._ttft, self._tpot, self._e2e = (
             h.labels(**name) for h in (self.ttft, self.tpot, self.e2e)
         )
-        self._queue, self._prefill, self._decode = (
-            h.labels(**name) for h in (self.queue_time, self.prefill_time, self.decode_time)
+        self._queue, self._prefill, self._decode, self._spec_acceptance = (
+            h.labels(**name)
+            for h in (self.queue_time, self.prefill_time, self.decode_time, self.spec_acceptance)
         )
         self.engine_counts = EngineCountsCollector(model_name)
         self.registry.register(self.engine_counts)
@@ -114,6 +115,11 @@ class Metrics:
             "tandem_request_decode_time_seconds",
             "Engine time from a request's first token to its end (finished requests).",
             _LATENCY_BUCKETS,
+        )
+        self.spec_acceptance = self._histogram(
+            "tandem_request_spec_decode_acceptance_rate",
+            "Per finished request that was drafted for: the share of its draft tokens it kept.",
+            (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
         )
         self.rejected = self._counter(
             "tandem_requests_rejected",
@@ -191,6 +197,8 @@ class Metrics:
         self._queue.observe(timings.queue_s)
         self._prefill.observe(timings.prefill_s)
         self._decode.observe(timings.decode_s)
+        if timings.draft_tokens:
+            self._spec_acceptance.observe(timings.accepted_tokens / timings.draft_tokens)
 
     def record_tokens(self, num_tokens: int) -> None:
         self._generation_tokens.inc(num_tokens)

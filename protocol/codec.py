@@ -31,7 +31,8 @@ Field layouts (after the type tag and the version):
                     [[index, finish_reason], ...], [[index, logprobs], ...],
                     {request_id: finish_reason, ...} (requests that ended with no token),
                     [[index, count, prompt logprobs], ...] (count = prompt tokens - 1),
-                    [[index, queue_s, prefill_s, decode_s], ...] (timings of finished requests)
+                    [[index, queue_s, prefill_s, decode_s, draft_tokens, accepted_tokens], ...]
+                    (timings of finished requests)
                     [[[index, vector: f32 bytes], ...]] (pooled vectors, only where any)
                     logprobs = [sampled: f64 bytes (one per new token), top_counts: i32 bytes
                     (one per new token), top_ids: i32 bytes, top_logprobs: f64 bytes]
@@ -788,7 +789,12 @@ class StepOutputsFrame:
             self.prompt.append([i, len(prompt_logprobs), _encode_logprobs(prompt_logprobs)])
         if timings is not None:
             t = timings
-            self.timings.append([i, float(t.queue_s), float(t.prefill_s), float(t.decode_s)])
+            self.timings.append(
+                [
+                    i, float(t.queue_s), float(t.prefill_s), float(t.decode_s),
+                    int(t.draft_tokens), int(t.accepted_tokens),
+                ]
+            )  # fmt: skip
         if embedding is not None:
             self.pooled.append([i, np.asarray(embedding, dtype=_F32).tobytes()])
 
@@ -868,9 +874,11 @@ def _decode_step_outputs(fields: list[Any], v: _Validator) -> StepOutputs:
     for i, value in _indexed(prompt, len(outputs), "prompt logprobs", v, width=3):
         num = v.int_(value[0], "prompt logprobs count", 0, MAX_TOKEN_IDS)
         outputs[i].prompt_logprobs = _decode_logprobs(value[1], num, v)
-    for i, value in _indexed(timings, len(outputs), "timings", v, width=4):
-        seconds = (v.float_(x, "a timing", 0.0, math.inf) for x in value)
-        outputs[i].timings = RequestTimings(*seconds)
+    for i, value in _indexed(timings, len(outputs), "timings", v, width=6):
+        seconds = (v.float_(x, "a timing", 0.0, math.inf) for x in value[:3])
+        drafted = v.int_(value[3], "draft tokens", 0, 2**31 - 1)
+        accepted = v.int_(value[4], "accepted tokens", 0, drafted)
+        outputs[i].timings = RequestTimings(*seconds, drafted, accepted)
     if type(finished) is not dict:
         raise v.fail("finished_without_tokens must be a map")
     finished = {

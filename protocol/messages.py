@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 # 5: a finished RequestOutput carries its engine timings; Stats carries EngineCounts
 # 6: AddRequest carries output_interval (the engine holds a request's tokens back)
 # 7: ConstraintKind.LLGUIDANCE (a composed llguidance grammar); EngineCounts counts speculative
-#    decoding; embeddings: AddRequest may carry pooling, a step's output its pooled vector,
-#    Ready the engine's embedding model; each a trailing field that a frame without it leaves out
+#    decoding and RequestTimings a request's draft and accepted tokens; embeddings: AddRequest
+#    may carry pooling, a step's output its pooled vector, Ready the engine's embedding model;
+#    each a trailing field that a frame without it leaves out
 PROTOCOL_VERSION = 7
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -229,6 +230,9 @@ class RequestTimings:
     queue_s: float  # arrival in the engine to first scheduled
     prefill_s: float  # first scheduled to first token (preemptions before it included)
     decode_s: float  # first token to finish
+    # Speculative decoding: the draft tokens its steps scored, and how many of them it kept.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

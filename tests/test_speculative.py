@@ -402,6 +402,10 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
         drafted = values["tandem_spec_decode_num_draft_tokens_total"]
         assert 0 < values["tandem_spec_decode_num_accepted_tokens_total"] <= drafted
         assert values["tandem_spec_decode_num_drafts_total"] > 0
+        # A request's timings carry its own drafts: the two that ran to their length (the third
+        # was aborted at its stop string, and an aborted request reports no timings).
+        assert values["tandem_request_spec_decode_acceptance_rate_count"] == 2
+        assert 0 < values["tandem_request_spec_decode_acceptance_rate_sum"] <= 2
     finally:
         stop_server(srv)
 

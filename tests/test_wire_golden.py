@@ -4,8 +4,9 @@ protocol, and must come with a new PROTOCOL_VERSION and new frames here.
 
 The frames were written by the codec of protocol version 7; ``python -m tests.test_wire_golden``
 prints the table for the codec as it is now. Version 7 added the LLGUIDANCE constraint kind and
-embeddings as trailing fields that only embedding frames carry: every frame of version 6 is the
-same here but for its version byte (``test_generation_frames_changed_only_their_version``).
+embeddings as trailing fields that only embedding frames carry, and speculation's counts to the
+control reply's counts and a request's timings: every other frame of version 6 is the same here
+but for its version byte (``test_generation_frames_changed_only_their_version``).
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ MESSAGES: dict[str, Any] = {
         [
             RequestOutput("p", [3], None, None, [TokenLogprobs(-1.5, [4, 3], [-0.5, -1.5])]),
             RequestOutput("q", [], FinishReason.DEAD_END, None, []),
-            RequestOutput("t", [5], FinishReason.LENGTH, timings=RequestTimings(0.0, 0.25, 1.5)),
+            RequestOutput(
+                "t", [5], FinishReason.LENGTH, timings=RequestTimings(0.0, 0.25, 1.5, 8, 5)
+            ),
         ]
     ),
     "step pooled": StepOutputs(
@@ -235,13 +238,13 @@ FRAMES: dict[str, str] = {
     "step prompt logprobs and timings": (
         "9a110793a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
         "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
-        "0000e0bf000000000000f8bf93010094c400c400c400c400919402cb0000000000000000cb3fd000"
-        "0000000000cb3ff8000000000000"
+        "0000e0bf000000000000f8bf93010094c400c400c400c400919602cb0000000000000000cb3fd000"
+        "0000000000cb3ff80000000000000805"
     ),
     "step pooled": (
         "9b110793a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
-        "919402cb0000000000000000cb3fe0000000000000cb0000000000000000929201c40c0000003f00"
-        "0080be0000803f9202c40400000040"
+        "919602cb0000000000000000cb3fe0000000000000cb00000000000000000000929201c40c000000"
+        "3f000080be0000803f9202c40400000040"
     ),
     "request error": "951207a172af70726f6d707420746f6f206c6f6e67cd019d",
     "control reply stats": (
@@ -297,8 +300,9 @@ def test_the_frames_are_of_this_protocol_version() -> None:
 
 
 # The frames of protocol version 6, byte for byte where version 7 kept them (every message
-# without pooling; a control reply's counts grew speculative decoding's three): version 7 must
-# change none of them but for the version byte.
+# without pooling; a control reply's counts grew speculative decoding's three, and a finished
+# request's timings its draft and accepted tokens): version 7 must change none of them but for
+# the version byte.
 VERSION_6_FRAMES = {
     "add default params": (
         "970206a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
@@ -307,12 +311,6 @@ VERSION_6_FRAMES = {
     ),
     "ready": "991006a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
     "step one token": "9a110691a161c40401000000c404050000009090809090",
-    "step prompt logprobs and timings": (
-        "9a110693a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
-        "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
-        "0000e0bf000000000000f8bf93010094c400c400c400c400919402cb0000000000000000cb3fd000"
-        "0000000000cb3ff8000000000000"
-    ),
 }
 
 
