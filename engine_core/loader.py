@@ -39,12 +39,12 @@ from safetensors import safe_open
 from torch import nn
 
 from common import env
-from engine_core.config import ModelConfig
+from engine_core.config import Fp8Config, ModelConfig
 from engine_core.embedding import embedding_model
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_device
-from engine_core.models.fp8_config import with_quantization_flag
 from engine_core.models.layers import reset_buffers
+from engine_core.models.quant_config import with_quantization_flag
 from engine_core.models.target import BuildTarget
 
 logger = logging.getLogger(__name__)
@@ -113,13 +113,15 @@ def with_quantization(
     config: ModelConfig, quantization: str | None, device: torch.device | str
 ) -> ModelConfig:
     """``config`` with ``--quantization`` merged in; FP8 refused on a GPU without it."""
-    fp8 = with_quantization_flag(config.quantization, quantization)
-    if fp8 is not None:
-        check_fp8_device(torch.device(device), f"FP8 weights ({fp8.source})")
-    return dataclasses.replace(config, quantization=fp8)
+    quant = with_quantization_flag(config.quantization, quantization)
+    if isinstance(quant, Fp8Config):
+        check_fp8_device(torch.device(device), f"FP8 weights ({quant.source})")
+    return dataclasses.replace(config, quantization=quant)
 
 
 RANDOM_PREFIX = "random:"
+# Where checkpoints from before transformers' quantization_config keep it (AutoGPTQ, AutoAWQ).
+QUANT_SIDECARS = ("quantize_config.json", "quant_config.json")
 
 
 def load_random_model(
@@ -133,7 +135,7 @@ def load_random_model(
 ) -> LoadedModel:
     from engine_core.presets import PRESETS, build_random_model
 
-    if quantization is not None:
+    if quantization == "fp8":
         check_fp8_device(torch.device(device), f"--quantization {quantization}")
     # A preset is a causal LM: it embeds only when asked to (--runner pooling).
     embedding = embedding_model(runner, None, PRESETS[preset]) if preset in PRESETS else None
@@ -180,8 +182,15 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
-    """ModelConfig from config.json, with stop ids merged from generation_config.json."""
+    """ModelConfig from config.json, with stop ids merged from generation_config.json and the
+    quantization config from a ``quantize_config.json`` beside it where config.json has none
+    (older AutoGPTQ and AutoAWQ checkpoints keep it there)."""
     hf = read_json(model_dir / "config.json")
+    if not (hf.get("quantization_config") or hf.get("compression_config")):
+        for name in QUANT_SIDECARS:
+            if (model_dir / name).is_file():
+                hf["quantization_config"] = read_json(model_dir / name)
+                break
     config = model_config_from_hf(hf)
     generation = model_dir / "generation_config.json"
     gen = read_json(generation) if generation.is_file() else {}

@@ -24,7 +24,6 @@ from typing import Any
 from torch import nn
 
 from engine_core.config import ModelConfig
-from engine_core.models.fp8_config import fp8_config_from_hf
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
 from engine_core.models.layers import ROPE_TYPES, pack_cpu_weights
@@ -34,7 +33,8 @@ from engine_core.models.llama import (
     interleave_loaded_gate_ups,
 )
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
-from engine_core.models.quantize import make_fp8_linears
+from engine_core.models.quant_config import quant_config_from_hf
+from engine_core.models.quantize import make_quantized_linears
 from engine_core.models.target import BuildTarget
 
 LLAMA_ARCHITECTURES = (
@@ -87,7 +87,7 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
             f"unknown architecture {config.architecture!r}; expected one of {list(_MODEL_CLASSES)}"
         ) from None
     model = model_class(config)
-    make_fp8_linears(model, config)
+    make_quantized_linears(model, config)
     if target is not None:
         choose_layer_forms(model, target)
     return model
@@ -111,7 +111,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     (rope_parameters). Raises ValueError for an architecture or a feature we do not implement.
     """
     config = architecture_config(hf, hf_architecture(hf))
-    return dataclasses.replace(config, quantization=fp8_config_from_hf(hf))
+    return dataclasses.replace(config, quantization=quant_config_from_hf(hf))
 
 
 def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
