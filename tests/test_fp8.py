@@ -40,7 +40,15 @@ from tests.paged_harness import (
     random_prompts,
     randomize,
 )
-from tests.quant_fixtures import e4m3_per_token, e4m3_static, quantize_inputs, sliced
+from tests.quant_fixtures import (
+    assert_matches_quantized,
+    e4m3_per_token,
+    e4m3_static,
+    quantize_inputs,
+    sliced,
+    write_compressed_tensors,
+)
+from tests.quant_fixtures import make_hf_model as make_llama
 
 VOCAB = 256
 NEW_TOKENS = 16
@@ -216,6 +224,17 @@ def test_fp8_checkpoint_matches_hf(name: str, hf_model: torch.nn.Module, tmp_pat
     assert qkv.weight.dtype == E4M3 and qkv.fp8 is not None  # held in FP8, not widened
     got = generate_greedy(ours, PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=2)
     assert_matches(got, format_reference(FORMATS[name], tmp_path), ATOL)
+
+
+def test_llm_compressors_fp8_dynamic_matches_hf(tmp_path: Path) -> None:
+    """FP8_DYNAMIC as llm-compressor writes it (by the compressed-tensors package itself,
+    tests/quant_fixtures.py): HF runs the checkpoint."""
+    plain = tmp_path / "plain"
+    make_llama(seed=2).save_pretrained(plain)
+    folder = write_compressed_tensors(plain, tmp_path / "fp8", "FP8_DYNAMIC")
+    ours = load_model(str(folder), torch.device("cpu"), torch.float32).module
+    got = generate_greedy(ours, PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=2)
+    assert_matches_quantized(got, reference_run(folder))
 
 
 def test_activations_are_quantized_on_the_cpu(hf_model: torch.nn.Module, tmp_path: Path) -> None:
