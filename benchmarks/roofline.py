@@ -46,7 +46,8 @@ def meta_model(preset: str, quantization: str | None = None) -> tuple[Any, Any]:
     from engine_core.models.quant_config import random_weights_config
     from engine_core.presets import PRESETS
 
-    config = dataclasses.replace(PRESETS[preset], quantization=random_weights_config(quantization))
+    quant = random_weights_config(quantization, PRESETS[preset])
+    config = dataclasses.replace(PRESETS[preset], quantization=quant)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

@@ -137,7 +137,7 @@ def build_random_model(
     LM head). Returns the model in eval mode without gradients, and its config.
     """
     config = PRESETS[_check_name(name)]
-    quant = random_weights_config(quantization)
+    quant = random_weights_config(quantization, config)
     config = dataclasses.replace(config, quantization=quant, embedding=embedding)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

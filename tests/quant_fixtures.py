@@ -49,10 +49,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds column
 E4M3 = torch.float8_e4m3fn
 
 
-def make_hf_model(seed: int = 0) -> nn.Module:
-    """A random float32 Llama of SIZES, its LM head scaled so greedy choices are well apart."""
+def make_hf_model(seed: int = 0, **overrides: object) -> nn.Module:
+    """A random float32 Llama of SIZES (and ``overrides``), its LM head scaled so greedy
+    choices are well apart."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES)).eval()
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES | overrides)).eval()
     randomize(model, seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)

@@ -23,7 +23,7 @@ from engine_core.config import W4A16Config
 from engine_core.loader import load_model
 from engine_core.memory_plan import module_bytes
 from engine_core.models import build_model
-from engine_core.models.w4a16 import pack_int4, to_layout, unpack_int4
+from engine_core.models.w4a16 import dequantize, pack_int4, to_layout, unpack_int4
 from tests.paged_harness import assert_matches, generate_greedy, random_prompts
 from tests.quant_fixtures import (
     AWQ_ORDER,
@@ -131,6 +131,19 @@ def test_compressed_tensors_w4a16_with_zero_points(plain: Path, tmp_path: Path) 
     reference = write_dequantized(plain, tmp_path / "ref", ct_dequantized(plain, "W4A16_ASYM", 64))
     ours = load(folder)
     assert ours.model.layers[0].mlp.gate_up_proj.zeros.dtype == torch.uint8
+    got = generate_greedy(ours, PROMPTS, NEW_TOKENS)
+    assert_matches(got, reference_run(reference, PROMPTS, NEW_TOKENS), ATOL)
+
+
+def test_biases_load_beside_the_packed_weights(tmp_path: Path) -> None:
+    """A model with q/k/v/o biases (Qwen2's q/k/v, Llama's attention_bias): the biases stay in
+    the model's dtype next to the 4-bit weights."""
+    make_hf_model(seed=3, attention_bias=True).save_pretrained(tmp_path / "plain")
+    case = CASES["gptq-g64-asym-act-order"]
+    folder, dequantized = write_w4a16(tmp_path / "plain", tmp_path / "q", case.make, case.qc)
+    reference = write_dequantized(tmp_path / "plain", tmp_path / "ref", dequantized)
+    ours = load(folder)
+    assert ours.model.layers[0].self_attn.qkv_proj.bias.dtype == torch.float32
     got = generate_greedy(ours, PROMPTS, NEW_TOKENS)
     assert_matches(got, reference_run(reference, PROMPTS, NEW_TOKENS), ATOL)
 
@@ -289,6 +302,31 @@ def test_the_quantization_flag_must_name_the_checkpoint_format(plain: Path, tmp_
         load(folder, quantization="gptq")
     with pytest.raises(ValueError, match="has no quantization_config"):
         load(plain, quantization="awq")
+
+
+def test_w4a16_under_tensor_parallelism_is_refused() -> None:
+    from engine_core.models.layers import MergedLinear
+    from engine_core.models.quantize import make_quantized
+    from engine_core.parallel import TPGroup
+
+    with torch.device("meta"):
+        qkv = MergedLinear(128, [128, 64, 64], False, TPGroup(rank=0, size=2))
+        config = W4A16Config(source="gptq", group_size=64, zero_points=True)
+        with pytest.raises(ValueError, match="W4A16 under tensor parallelism is not implemented"):
+            make_quantized(qkv, config, "qkv_proj")
+
+
+def test_random_presets_take_a_w4a16_layout() -> None:
+    """`random:<preset> --quantization gptq` (the GPU benchmarks' W4A16 runs): packed random
+    weights in 128-column groups, or 64 where 128 does not divide smollm2's 576 inputs."""
+    from engine_core.presets import build_random_model
+
+    model, config = build_random_model("smollm2-135m", "cpu", torch.float32, quantization="gptq")
+    assert config.quantization.group_size == 64
+    down = model.model.layers[0].mlp.down_proj
+    assert down.qweight.shape == (576, 1536 // 8) and down.zeros.shape == (1536 // 64, 576)
+    weight = dequantize(down.qweight, down.scales, down.zeros, 64)
+    assert 0.015 < float(weight.std()) < 0.025  # the presets' 0.02
 
 
 def test_w4a16_experts_are_refused(tmp_path: Path) -> None:

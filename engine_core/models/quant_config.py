@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_core.config import Fp8Config, Int8Config, QuantConfig, W4A16Config
+from engine_core.config import Fp8Config, Int8Config, ModelConfig, QuantConfig, W4A16Config
 from engine_core.models.fp8_config import (
     ct_fp8_config,
     ct_kv_scales,
@@ -89,15 +89,18 @@ def with_quantization_flag(config: QuantConfig | None, flag: str | None) -> Quan
     )
 
 
-def random_weights_config(flag: str | None) -> QuantConfig | None:
+def random_weights_config(flag: str | None, model: ModelConfig) -> QuantConfig | None:
     """The format a random preset's linears take under ``--quantization`` (there is no
     checkpoint to read one from): 'fp8' and 'w8a8' as a plain checkpoint loads under them; a
     4-bit format's name (compressed-tensors: its W4A16 scheme), that layout with 128-column
-    groups (AWQ and GPTQ with zero points, as they store them)."""
+    groups, or 64 or 32 where 128 does not divide every input (smollm2's 576), AWQ and GPTQ with
+    zero points, as they store them."""
     if flag is None or flag in ("fp8", "w8a8"):
         return with_quantization_flag(None, flag)
     source = FLAG_SOURCES[flag]
-    return W4A16Config(source=source, group_size=128, zero_points=source != "compressed-tensors")
+    inputs = (model.hidden_size, model.intermediate_size, model.num_heads * model.head_dim)
+    group = next(size for size in (128, 64, 32, 8) if not any(k % size for k in inputs))
+    return W4A16Config(source=source, group_size=group, zero_points=source != "compressed-tensors")
 
 
 def config_source(config: QuantConfig) -> str:
