@@ -67,7 +67,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     rows, cols = values.shape
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
     words = (values.to(torch.int64).reshape(rows, cols // PACK, PACK) << shifts).sum(-1)
-    # Words past 2^31 are negative as int32: wrap them explicitly (the cast would saturate).
+    # Words past 2^31 are negative as int32: wrapped here, not left to an out-of-range cast.
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
