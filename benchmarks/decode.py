@@ -4,6 +4,7 @@
     python -m benchmarks decode --models llama-8b --num-requests 256
     python -m benchmarks decode --models llama-8b --num-requests 32 --prompt-len 3800
     python -m benchmarks decode --models llama-8b --quantization fp8 --kv-cache-dtype fp8
+    python -m benchmarks decode --models llama-8b --quantization gptq --num-requests 1
     python -m benchmarks decode --models qwen3-30b-a3b --paths inproc --routing uniform
     python -m benchmarks decode --models llama-8b --tensor-parallel-size 2
 
@@ -411,7 +412,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="the simple loop instead of the overlapped one")  # fmt: skip
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--tp-all-reduce", default="auto", choices=("auto", "nccl"))
-    parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights")
+    parser.add_argument(
+        "--quantization", choices=("fp8", "w8a8", "gptq", "awq", "compressed-tensors"),
+        help="quantized random weights: FP8, W8A8 int8, or W4A16 in the GPTQ, AWQ or "
+        "compressed-tensors layout (128-column groups where they divide the inputs)",
+    )  # fmt: skip
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     parser.add_argument(
         "--routing", choices=("model", "uniform"), default="model",

@@ -43,11 +43,11 @@ def meta_model(preset: str, quantization: str | None = None) -> tuple[Any, Any]:
     import torch
 
     from engine_core.models import build_model
-    from engine_core.models.fp8_config import with_quantization_flag
+    from engine_core.models.quant_config import random_weights_config
     from engine_core.presets import PRESETS
 
-    fp8 = with_quantization_flag(None, quantization)
-    config = dataclasses.replace(PRESETS[preset], quantization=fp8)
+    quant = random_weights_config(quantization, PRESETS[preset])
+    config = dataclasses.replace(PRESETS[preset], quantization=quant)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

@@ -39,9 +39,10 @@ _HELP = {
     "(a decode step's activations) with a one-shot all-reduce over peer-to-peer GPU memory, "
     "and fuses it into the next RMSNorm, where every GPU reaches the others' memory with "
     "native atomics (NVLink); NCCL for the rest; 'nccl' uses NCCL for all",
-    "quantization": "'fp8': quantize the checkpoint's weights to FP8 (e4m3, one scale per output "
-    "channel) as they load, activations per token at run time; FP8 checkpoints "
-    "(compressed-tensors, block-wise 'fp8') are read as they are without it",
+    "quantization": "'fp8' or 'w8a8': quantize a plain checkpoint's weights to FP8 (e4m3) or "
+    "int8 as they load, one scale per output channel, activations per token at run time; "
+    "'awq', 'awq_marlin', 'gptq', 'gptq_marlin', 'compressed-tensors' name the checkpoint's "
+    "format, which must match (quantized checkpoints are read as they are without the flag)",
     "kv_cache_dtype": "'auto' (the model's dtype) or 'fp8' (e4m3, with the checkpoint's K/V "
     "scales or 1.0): half the KV bytes of bf16",
     "runner": "'auto' (an embedding model where the checkpoint says so: a sentence-transformers "

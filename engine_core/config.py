@@ -15,7 +15,18 @@ from protocol.messages import EmbeddingModel
 if TYPE_CHECKING:
     from engine_core.speculative import SpeculativeConfig
 
-QUANTIZATION_METHODS = ("fp8",)  # --quantization values
+# --quantization values: "fp8" and "w8a8" quantize a plain checkpoint as it loads; the others name
+# the format of a quantized checkpoint (vLLM's names: the *_marlin ones mean the same checkpoints)
+# and must agree with its quantization_config (engine_core/models/quant_config.py).
+QUANTIZATION_METHODS = (
+    "fp8",
+    "w8a8",
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "compressed-tensors",
+)
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values; "fp8" is e4m3
 TP_ALL_REDUCES = ("auto", "nccl")  # --tp-all-reduce values
 # --runner values (vLLM's): "auto" reads the checkpoint (engine_core/embedding.py), "generate"
@@ -74,6 +85,51 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class W4A16Config:
+    """4-bit integer weights, 16-bit activations (engine_core/models/w4a16.py): AWQ, GPTQ and
+    compressed-tensors pack-quantized checkpoints, repacked once at load into one layout.
+
+    ``source`` names the checkpoint layout ("awq", "gptq", "compressed-tensors"). Each group of
+    ``group_size`` input columns of an output row has a scale (-1: one group spans the whole
+    input); with ``zero_points`` the checkpoint stores a zero point per group, else it is 8 (the
+    middle of 0..15). ``act_order``: the checkpoint's ``g_idx`` assigns columns to groups (GPTQ
+    desc_act). ``zero_offset``: what to add to a stored zero point (GPTQ's original format stores
+    zero - 1). A weight is ``(q - zero) * scale``.
+    """
+
+    source: str
+    group_size: int
+    zero_points: bool
+    act_order: bool = False
+    zero_offset: int = 0
+    ignore: tuple[str, ...] = ()  # as Fp8Config.ignore
+    kv_scales: bool = False  # as Fp8Config.kv_scales (compressed-tensors' kv_cache_scheme)
+
+    def __post_init__(self) -> None:
+        if self.source not in ("awq", "gptq", "compressed-tensors"):
+            raise ValueError(f"unknown W4A16 checkpoint layout {self.source!r}")
+        if self.group_size != -1 and self.group_size < 8:
+            raise ValueError(f"W4A16 group size {self.group_size} is not -1 or at least 8")
+
+
+@dataclass(frozen=True)
+class Int8Config:
+    """W8A8 INT8 (engine_core/models/int8.py): int8 weights with one scale per output row (a
+    per-tensor scale is spread over the rows), and activations quantized to int8 per token at
+    run time (symmetric, scale = absmax / 127.5, as compressed-tensors computes it).
+    ``prequantized`` False: a plain checkpoint is quantized as it loads."""
+
+    prequantized: bool = True
+    source: str = "compressed-tensors"
+    ignore: tuple[str, ...] = ()  # as Fp8Config.ignore
+    kv_scales: bool = False
+
+
+# The weight format of a model's linear layers; None in ModelConfig: the model's dtype.
+QuantConfig = Fp8Config | W4A16Config | Int8Config
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2",
     # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2)
@@ -125,7 +181,7 @@ class ModelConfig:
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
     mla: MlaConfig | None = None  # DeepSeek's multi-head latent attention
     hidden_act: str = "silu"
-    quantization: Fp8Config | None = None  # None: weights in the model's dtype
+    quantization: QuantConfig | None = None  # None: weights in the model's dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # Set where the engine runs the model as an embedding model (the loader decides, from the
@@ -201,7 +257,9 @@ class EngineConfig:
     # the rest (engine_core/peer_all_reduce.py); "nccl": NCCL for all of them.
     tp_all_reduce: str = "auto"
     data_parallel_size: int = 1  # engine cores behind one `tandem serve` (frontend only)
-    quantization: str | None = None  # "fp8": quantize a bf16/fp16/fp32 checkpoint as it loads
+    # QUANTIZATION_METHODS: "fp8" and "w8a8" quantize a bf16/fp16/fp32 checkpoint as it loads;
+    # the others name a quantized checkpoint's format (which is read without the flag too).
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 with per-layer scales
     runner: str = "auto"  # RUNNERS: generate, embed ("pooling"), or as the checkpoint says
     # JSON, as the peers spell it (engine_core/speculative.py SpeculativeConfig); None: off

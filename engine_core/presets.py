@@ -22,8 +22,9 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.models import build_model, finish_loading, model_config_from_hf
 from engine_core.models.fp8 import quantize_rows
-from engine_core.models.fp8_config import with_quantization_flag
+from engine_core.models.int8 import quantize_rows as int8_rows
 from engine_core.models.layers import Linear, reset_buffers
+from engine_core.models.quant_config import random_weights_config
 from engine_core.models.target import BuildTarget
 from protocol.messages import EmbeddingModel
 
@@ -246,8 +247,8 @@ def build_random_model(
     LM head). Returns the model in eval mode without gradients, and its config.
     """
     config = PRESETS[_check_name(name)]
-    fp8 = with_quantization_flag(None, quantization)
-    config = dataclasses.replace(config, quantization=fp8, embedding=embedding)
+    quant = random_weights_config(quantization, config)
+    config = dataclasses.replace(config, quantization=quant, embedding=embedding)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -271,8 +272,8 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
-        if isinstance(module, Linear) and module.fp8 is not None:
-            init_random_fp8(module, gen)
+        if isinstance(module, Linear) and module.quantized:
+            init_random_quantized(module, gen)
             continue
         for name, param in module.named_parameters(recurse=False):
             if param.dtype == torch.uint8:  # MXFP4 experts: random codes, scales of 2^-7
@@ -293,15 +294,30 @@ def _init_mxfp4(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
         param.random_(0, 256, generator=gen)
 
 
-def init_random_fp8(module: Linear, gen: torch.Generator) -> None:
-    """An FP8 linear's weight: Normal(0, INIT_STD) in bf16, quantized row by row, as a plain
-    checkpoint loads under --quantization fp8 (the bias, where there is one, zero)."""
-    weight = torch.empty(module.weight.shape, dtype=torch.bfloat16, device=module.weight.device)
-    quantized, scale = quantize_rows(weight.normal_(0.0, INIT_STD, generator=gen))
-    module.weight.copy_(quantized)
-    module.weight_scale.copy_(scale)
+def init_random_quantized(module: Linear, gen: torch.Generator) -> None:
+    """A quantized linear's weight: Normal(0, INIT_STD) in bf16, quantized row by row, as a plain
+    checkpoint loads under --quantization fp8 or w8a8; W4A16: random 4-bit values around the
+    zero point 8 with a scale that gives them INIT_STD. The bias, where there is one, zero."""
+    if module.w4a16 is not None:
+        init_random_w4a16(module, gen)
+    else:
+        weight = torch.empty(module.weight.shape, dtype=torch.bfloat16, device=module.weight.device)
+        quantize = int8_rows if module.int8 is not None else quantize_rows
+        quantized, scale = quantize(weight.normal_(0.0, INIT_STD, generator=gen))
+        module.weight.copy_(quantized)
+        module.weight_scale.copy_(scale)
     if module.bias is not None:
         module.bias.zero_()
+
+
+def init_random_w4a16(module: Linear, gen: torch.Generator) -> None:
+    """Uniform 4-bit values (std 4.6 around 8): each word's bits at random."""
+    words = module.qweight
+    words.copy_(torch.randint(-(2**31), 2**31 - 1, words.shape, generator=gen,
+                              dtype=torch.int32, device=words.device))  # fmt: skip
+    module.scales.fill_(INIT_STD / 4.6)
+    if module.zeros is not None:
+        module.zeros.fill_(8)
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -17,9 +17,9 @@ from engine_core.config import EngineConfig
 from engine_core.loader import default_dtype
 from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
-from engine_core.models.fp8_config import with_quantization_flag
 from engine_core.models.layers import Linear, RMSNorm
 from engine_core.models.llama import LlamaMLP
+from engine_core.models.quant_config import with_quantization_flag
 from engine_core.models.target import BuildTarget
 from engine_core.presets import PRESETS
 

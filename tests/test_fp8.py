@@ -1,11 +1,19 @@
 """FP8 weights on the CPU: each checkpoint format, written here in its own layout, loads through
-our loader and gives HF transformers' greedy tokens on the dequantized weights.
+our loader and gives HF transformers' greedy tokens for what the checkpoint means.
 
-The CPU runs FP8 layers through the dequantizing reference (engine_core/models/fp8.py): weights
-dequantized, activations not quantized. So the reference is exact: HF on a plain checkpoint
-holding the same dequantized values, computed here independently of our code (e4m3 values times
-their row's or block's scale), must give the same tokens, with logits within ATOL (float32, the
-two implementations' own rounding). Bad checkpoints each give their own clear error.
+The CPU runs FP8 layers through the reference (engine_core/models/fp8.py): weights dequantized,
+activations quantized to e4m3 and back as the scheme says (per token, per token and column
+group, or with the static scale), as the GPU kernels quantize them. The references:
+
+- compressed-tensors checkpoints: HF running the checkpoint itself (transformers applies
+  compressed-tensors' activation quantization on the CPU);
+- transformers' "fp8" format, which transformers dequantizes on the CPU and runs without
+  activation quantization: HF on a plain checkpoint of the dequantized values, computed here
+  independently of our code (e4m3 values times their row's or block's scale), with the scheme's
+  activation round trip added by forward pre-hooks (tests/quant_fixtures.py quantize_inputs).
+
+Same tokens, logits within ATOL (float32, the two implementations' own rounding). Bad
+checkpoints each give their own clear error.
 """
 
 from __future__ import annotations
@@ -32,6 +40,15 @@ from tests.paged_harness import (
     random_prompts,
     randomize,
 )
+from tests.quant_fixtures import (
+    assert_matches_quantized,
+    e4m3_per_token,
+    e4m3_static,
+    quantize_inputs,
+    sliced,
+    write_compressed_tensors,
+)
+from tests.quant_fixtures import make_hf_model as make_llama
 
 VOCAB = 256
 NEW_TOKENS = 16
@@ -40,6 +57,7 @@ PROMPTS = random_prompts(VOCAB, (5, 11, 23))
 E4M3 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BLOCK = (32, 32)  # divides every projection of the tiny model (64 and 128 wide, 32-wide k/v)
+STATIC_SCALE = 0.05
 
 
 # ---- the formats, written as their tools write them ---------------------------------------------
@@ -99,6 +117,9 @@ class Format:
     config: Callable[[], dict]
     scale_name: str = "weight_scale"
     static_input: bool = False
+    # The activations' round trip, for a reference HF runs on the dequantized weights; None:
+    # HF runs the checkpoint itself.
+    activations: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 FORMATS = {
@@ -118,11 +139,13 @@ FORMATS = {
             "weight_block_size": list(BLOCK),
         },
         scale_name="weight_scale_inv",
+        activations=lambda x: e4m3_per_token(x, BLOCK[1]),
     ),
     "fp8-tensor-static": Format(
         quantize_per_tensor,
         lambda: {"quant_method": "fp8", "activation_scheme": "static"},
         static_input=True,
+        activations=e4m3_static(STATIC_SCALE),
     ),
 }
 
@@ -151,7 +174,7 @@ def write_quantized(
         quantized[name], quantized[f"{module}.{fmt.scale_name}"] = q, scale
         state[name] = dequantize(q, scale)
         if fmt.static_input:
-            quantized[f"{module}.input_scale"] = torch.tensor([0.05])
+            quantized[f"{module}.input_scale"] = torch.tensor([STATIC_SCALE])
     save_file(state, str(reference_dir / "model.safetensors"))
     write_folder(quantized_dir, reference_dir, quantized, fmt.config())
 
@@ -166,9 +189,23 @@ def write_folder(
     save_file(tensors, str(folder / "model.safetensors"))
 
 
-def reference_run(folder: Path) -> list[GreedyResult]:
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+def reference_run(
+    folder: Path, activations: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> list[GreedyResult]:
+    """HF's greedy run of ``folder``; with ``activations``, every decoder linear's input goes
+    through it first."""
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if activations is not None:
+        quantize_inputs(hf_model, activations)
     return [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+def format_reference(fmt: Format, tmp_path: Path) -> list[GreedyResult]:
+    """HF on the checkpoint (compressed-tensors), else on its dequantized weights with the
+    activations' round trip."""
+    if fmt.activations is None:
+        return reference_run(tmp_path / "fp8")
+    return reference_run(tmp_path / "ref", fmt.activations)
 
 
 @pytest.fixture(scope="module")
@@ -176,19 +213,38 @@ def hf_model() -> torch.nn.Module:
     return make_hf_model()
 
 
-# ---- each format matches HF on its dequantized weights ------------------------------------------
+# ---- each format matches HF on what the checkpoint means -----------------------------------------
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_fp8_checkpoint_matches_dequantized_hf(
-    name: str, hf_model: torch.nn.Module, tmp_path: Path
-) -> None:
+def test_fp8_checkpoint_matches_hf(name: str, hf_model: torch.nn.Module, tmp_path: Path) -> None:
     write_quantized(hf_model, FORMATS[name], tmp_path / "fp8", tmp_path / "ref")
     ours = load_model(str(tmp_path / "fp8"), torch.device("cpu"), torch.float32).module
     qkv = ours.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == E4M3 and qkv.fp8 is not None  # held in FP8, not widened
     got = generate_greedy(ours, PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=2)
-    assert_matches(got, reference_run(tmp_path / "ref"), ATOL)
+    assert_matches(got, format_reference(FORMATS[name], tmp_path), ATOL)
+
+
+def test_llm_compressors_fp8_dynamic_matches_hf(tmp_path: Path) -> None:
+    """FP8_DYNAMIC as llm-compressor writes it (by the compressed-tensors package itself,
+    tests/quant_fixtures.py): HF runs the checkpoint."""
+    plain = tmp_path / "plain"
+    make_llama(seed=2).save_pretrained(plain)
+    folder = write_compressed_tensors(plain, tmp_path / "fp8", "FP8_DYNAMIC")
+    ours = load_model(str(folder), torch.device("cpu"), torch.float32).module
+    got = generate_greedy(ours, PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=2)
+    assert_matches_quantized(got, reference_run(folder))
+
+
+def test_activations_are_quantized_on_the_cpu(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    """The FP8-dynamic checkpoint's own forward is not its dequantized weights' (issue 66: 21 of
+    32 tokens agreed): the CPU must quantize the activations to differ from the latter."""
+    write_quantized(hf_model, FORMATS["ct-channel-dynamic"], tmp_path / "fp8", tmp_path / "ref")
+    ours = load_model(str(tmp_path / "fp8"), torch.device("cpu"), torch.float32).module
+    got = generate_greedy(ours, PROMPTS[:1], 4).logits[0]
+    weights_only = reference_run(tmp_path / "ref")[0].logits[0][:4]
+    assert (got - weights_only).abs().max() > 100 * ATOL
 
 
 def test_quantization_flag_quantizes_per_row_as_it_loads(
@@ -202,7 +258,7 @@ def test_quantization_flag_quantizes_per_row_as_it_loads(
     ours = load_model(str(plain), torch.device("cpu"), torch.float32, quantization="fp8").module
     assert ours.model.layers[1].mlp.down_proj.weight.dtype == E4M3
     got = generate_greedy(ours, PROMPTS, NEW_TOKENS)
-    assert_matches(got, reference_run(ref), ATOL)
+    assert_matches(got, reference_run(ref, e4m3_per_token), ATOL)
 
 
 def test_fp8_changes_the_logits_at_all(hf_model: torch.nn.Module, tmp_path: Path) -> None:
@@ -268,14 +324,14 @@ def test_fp8_weights_without_a_quantization_config(
 ) -> None:
     folder = fp8_folder(hf_model, tmp_path)
     edit_config(folder, lambda c: c.pop("quantization_config"))
-    with pytest.raises(ValueError, match="no FP8 quantization_config"):
+    with pytest.raises(ValueError, match="declares no quantization_config for it"):
         load(folder)
 
 
 @pytest.mark.parametrize(
     ("quantization_config", "message"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not a format Tandem reads"),
+        ({"quant_method": "hqq", "bits": 4}, "quant_method 'hqq' is not a format Tandem reads"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
         (
             {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
@@ -292,10 +348,13 @@ def test_unreadable_formats_are_named(
         load(folder)
 
 
-def test_compressed_tensors_int8_is_refused(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+def test_fp8_weights_under_an_int8_config_are_refused(
+    hf_model: torch.nn.Module, tmp_path: Path
+) -> None:
     folder = fp8_folder(hf_model, tmp_path)
-    edit_config(folder, lambda c: c.update(quantization_config=compressed_tensors_config("W8A8")))
-    with pytest.raises(ValueError, match="8-bit int is not FP8"):
+    config = compressed_tensors_config("W8A8") | {"format": "int-quantized"}
+    edit_config(folder, lambda c: c.update(quantization_config=config))
+    with pytest.raises(ValueError, match=r"is torch.float8_e4m3fn, but .* makes this layer torch"):
         load(folder)
 
 
@@ -348,19 +407,27 @@ def generate_tokens(folder: Path, **engine_args: object) -> list[list[int]]:
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("name", ["quantization-flag", "ct-tensor-static"])
-def test_tp2_fp8_matches_tp1(name: str, hf_model: torch.nn.Module, tmp_path: Path) -> None:
-    """Each rank holds its rows (or columns) of the FP8 weights and their scales: per-row
-    scales split with the rows, per-tensor scales and static input scales stay whole."""
-    if name == "quantization-flag":
-        hf_model.save_pretrained(tmp_path / "fp8")
-        args: dict[str, object] = {"quantization": "fp8"}
-    else:
-        write_quantized(hf_model, FORMATS[name], tmp_path / "fp8", tmp_path / "ref")
-        args = {}
-    tp1 = generate_tokens(tmp_path / "fp8", **args)
-    tp2 = generate_tokens(tmp_path / "fp8", tensor_parallel_size=2, **args)
+def test_tp2_fp8_with_a_static_scale_matches_tp1(hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    """Each rank holds its rows (or columns) of the FP8 weights and their scales: per-tensor
+    scales and static input scales stay whole, so two ranks compute TP=1's values."""
+    write_quantized(hf_model, FORMATS["ct-tensor-static"], tmp_path / "fp8", tmp_path / "ref")
+    tp1 = generate_tokens(tmp_path / "fp8")
+    tp2 = generate_tokens(tmp_path / "fp8", tensor_parallel_size=2)
     assert tp2 == tp1
+
+
+def test_tp2_fp8_quantizes_each_ranks_share_per_token(
+    hf_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    """--quantization fp8 at TP=2: per-row scales split with the rows; a row-parallel layer's
+    rank quantizes its half of each token's input with that half's own scale (as the GPU
+    kernels do), which the reference's hooks do for o_proj and down_proj."""
+    hf_model.save_pretrained(tmp_path / "plain")
+    write_quantized(hf_model, FORMATS["ct-channel-dynamic"], tmp_path / "unused", tmp_path / "ref")
+    tp2 = generate_tokens(tmp_path / "plain", tensor_parallel_size=2, quantization="fp8")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    quantize_inputs(hf, e4m3_per_token, sliced(e4m3_per_token, 2))
+    assert tp2 == [hf_greedy(hf, prompt, NEW_TOKENS).tokens[0] for prompt in PROMPTS]
 
 
 def test_kv_cache_scales_are_read_per_layer(hf_model: torch.nn.Module, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """`tandem serve --quantization fp8` answers the official openai client with the greedy text of
-HF transformers on the same weights quantized per output row (e4m3) and dequantized: the flag
-reaches the engine process and the engine serves the FP8 model. The tiny random Llama borrows
-the default model's tokenizer."""
+HF transformers on the same weights quantized per output row (e4m3) and dequantized, each
+linear's input quantized per token and back (as the FP8 kernels quantize it): the flag reaches
+the engine process and the engine serves the FP8 model. The tiny random Llama borrows the
+default model's tokenizer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.quant_fixtures import e4m3_per_token, quantize_inputs
 from tests.server_fixture import start_server, stop_server
 from tests.test_fp8 import LINEARS, dequantize, quantize_per_row
 
@@ -33,10 +35,15 @@ def dequantized_reference(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def hf_greedy(model_dir: Path, tokenizer_dir: Path, prompt: str) -> tuple[str, list[float]]:
-    """HF's greedy text and the logprob of each token it chose."""
+def hf_greedy(
+    model_dir: Path, tokenizer_dir: Path, prompt: str, fp8_activations: bool = False
+) -> tuple[str, list[float]]:
+    """HF's greedy text and the logprob of each token it chose (``fp8_activations``: each
+    linear's input per token through e4m3 and back)."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if fp8_activations:
+        quantize_inputs(model, e4m3_per_token)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(
@@ -68,7 +75,7 @@ def test_fp8_server_gives_hf_greedy_text(
     try:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
         for prompt in PROMPTS:
-            text, logprobs = hf_greedy(reference, tiny_model_dir, prompt)
+            text, logprobs = hf_greedy(reference, tiny_model_dir, prompt, fp8_activations=True)
             _, unquantized = hf_greedy(tiny_model_dir, tiny_model_dir, prompt)
             args = {"model": str(tiny_model_dir), "prompt": prompt, "max_tokens": NEW_TOKENS,
                     "temperature": 0, "logprobs": 1,

@@ -33,8 +33,8 @@ from engine_core.memory_plan import (
     plan_memory,
 )
 from engine_core.models import build_model
-from engine_core.models.fp8_config import with_quantization_flag
 from engine_core.models.layers import pack_cpu_weights
+from engine_core.models.quant_config import with_quantization_flag
 from engine_core.presets import PRESETS
 from tests.server_fixture import free_port
 

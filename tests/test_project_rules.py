@@ -335,7 +335,8 @@ REQUEST_FIELD_OWNERS = {
     "engine_core.scheduler": {
         "token_ids", "num_computed_tokens", "status", "finish_reason", "num_preemptions",
         "num_cached_tokens", "stop_ids", "length_limit", "first_scheduled_time",
-        "first_token_time", "finish_time", "first_token_index",
+        "first_token_time", "finish_time", "first_token_index", "num_draft_tokens",
+        "num_accepted_tokens",
     },
     "engine_core.core": {"grammar", "prompt_logprobs", "prompt_logprobs_sent"},
     "engine_core.server": {"held"},

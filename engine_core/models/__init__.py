@@ -25,7 +25,6 @@ from torch import nn
 
 from engine_core.config import ModelConfig
 from engine_core.models.deepseek import DeepseekForCausalLM, deepseek_fields
-from engine_core.models.fp8_config import fp8_config_from_hf
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
 from engine_core.models.gpt_oss import GptOssForCausalLM, gpt_oss_fields
@@ -36,7 +35,8 @@ from engine_core.models.llama import (
     interleave_loaded_gate_ups,
 )
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
-from engine_core.models.quantize import make_fp8_linears
+from engine_core.models.quant_config import quant_config_from_hf
+from engine_core.models.quantize import make_quantized_linears
 from engine_core.models.target import BuildTarget
 from engine_core.parallel import get_tp_group
 
@@ -110,7 +110,7 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
             "split yet)"
         )
     model = model_class(config)
-    make_fp8_linears(model, config)
+    make_quantized_linears(model, config)
     if target is not None:
         choose_layer_forms(model, target)
     return model
@@ -137,7 +137,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     config = architecture_config(hf, architecture)
     if architecture == "GptOssForCausalLM":  # its quantization_config is MXFP4 experts, read there
         return config
-    return dataclasses.replace(config, quantization=fp8_config_from_hf(hf))
+    return dataclasses.replace(config, quantization=quant_config_from_hf(hf))
 
 
 def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:

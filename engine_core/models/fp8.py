@@ -11,9 +11,11 @@ The matmul dispatches on the device:
   token and 128-column group for block weights, or with the static scale) and multiplied on the
   FP8 tensor cores (engine_core/models/fp8_kernels.py, imported only there: it imports triton).
 - anywhere else: the dequantizing reference, which CI runs. Weights are dequantized (in float32,
-  then cast to the activations' dtype) and multiplied in the activations' dtype; activations are
-  not quantized. So the CPU path shows exactly what a format's weights are, and the GPU kernels'
-  activation rounding is measured against it by the GPU tests.
+  then cast to the activations' dtype); activations are quantized to e4m3 and back as the scheme
+  says (``quantize_dequantize``: per token, per token and column group for block weights, or
+  with the static scale), in the activations' dtype, the way compressed-tensors computes it (and
+  HF transformers with it, running such a checkpoint): scale = absmax / 448, x / scale clamped
+  to +-448 and rounded to e4m3, times the scale. So the CPU computes the model the GPU runs.
 """
 
 from __future__ import annotations
@@ -108,8 +110,39 @@ def fp8_linear(
             return out.view(*x.shape[:-1], out.shape[-1])
         out = fp8_linear_cuda(rows, weight, weight_scale, input_scale, config)
     else:
+        rows = quantize_dequantize(rows, input_scale, config)
         out = F.linear(rows, dequantize(weight, weight_scale, config).to(x.dtype))
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def quantize_dequantize(
+    x: torch.Tensor, input_scale: torch.Tensor | None, config: Fp8Config
+) -> torch.Tensor:
+    """x [T, K] as its e4m3 form stands for it, in x's dtype: per token (dynamic), per token and
+    ``block[1]``-column group (block weights), or with the static ``input_scale``."""
+    if input_scale is not None:
+        return e4m3_round_trip(x.float(), input_scale.float().reshape(())).to(x.dtype)
+    if config.block is None:
+        return e4m3_round_trip(x, dynamic_scales(x))
+    if x.shape[-1] % config.block[1]:  # a last, narrower group
+        parts = x.split(config.block[1], dim=-1)
+        return torch.cat([e4m3_round_trip(part, dynamic_scales(part)) for part in parts], -1)
+    groups = x.unflatten(-1, (-1, config.block[1]))  # [T, K / bk, bk]
+    return e4m3_round_trip(groups, dynamic_scales(groups)).flatten(-2)
+
+
+def dynamic_scales(x: torch.Tensor) -> torch.Tensor:
+    """absmax / 448 over the last dim, keepdim, in x's dtype; a zero scale becomes the dtype's
+    eps (compressed-tensors' calculate_qparams)."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    eps = torch.finfo(scale.dtype).eps
+    return torch.where(scale == 0, torch.full_like(scale, eps), scale)
+
+
+def e4m3_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale clamped to e4m3's range, rounded to e4m3, times scale (x's dtype)."""
+    scaled = torch.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    return scaled.to(FP8_DTYPE).to(scaled.dtype) * scale
 
 
 def takes_fp8_rows(linear: torch.nn.Module) -> bool:

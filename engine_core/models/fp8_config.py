@@ -1,6 +1,7 @@
-"""Which FP8 format a checkpoint's config.json declares, and the ``--quantization`` flag.
+"""The FP8 formats a checkpoint's config.json declares (engine_core/models/quant_config.py reads
+``quantization_config`` and hands the FP8 ones here).
 
-Two checkpoint formats are read, from ``quantization_config`` in config.json:
+Two checkpoint formats are FP8:
 
 - ``"quant_method": "compressed-tensors"`` (llm-compressor's output): FP8 weights with per-tensor
   or per-channel scales (``weight_scale``) and static (``input_scale``) or dynamic per-token
@@ -11,8 +12,8 @@ Two checkpoint formats are read, from ``quantization_config`` in config.json:
   weights (``weight_block_size``, scales in ``weight_scale_inv``) with dynamic per-token-group
   activations; or, without a block size, per-tensor weight scales.
 
-Anything else in ``quantization_config`` is refused with the field that makes it so: a format we
-read wrongly would serve garbage that looks like an answer.
+A field we do not read the way its authors meant is refused, naming it: a format read wrongly
+would serve garbage that looks like an answer.
 """
 
 from __future__ import annotations
@@ -20,59 +21,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine_core.config import Fp8Config
-
-READABLE_METHODS = ("compressed-tensors", "fp8")
+from engine_core.config import Fp8Config, QuantConfig
 
 
-def fp8_config_from_hf(hf: dict[str, Any]) -> Fp8Config | None:
-    """The FP8 layout that config.json's ``quantization_config`` declares (None: none)."""
-    qc = hf.get("quantization_config") or hf.get("compression_config")
-    if not qc:
-        return None
-    method = qc.get("quant_method")
-    if method == "compressed-tensors":
-        return compressed_tensors_config(qc)
-    if method == "fp8":
-        return fp8_method_config(qc)
-    raise ValueError(
-        f"quantization_config.quant_method {method!r} is not a format Tandem reads; it reads "
-        f"{' and '.join(map(repr, READABLE_METHODS))} (FP8)"
-    )
-
-
-def with_quantization_flag(config: Fp8Config | None, flag: str | None) -> Fp8Config | None:
-    """Merge ``--quantization``: 'fp8' quantizes a plain checkpoint as it loads; on an FP8
-    checkpoint it changes nothing (the checkpoint's scales are kept)."""
-    if flag is None or config is not None:
-        return config
-    if flag != "fp8":
-        raise ValueError(f"--quantization {flag!r} is not supported; the only value is 'fp8'")
-    return Fp8Config(weight_scales="channel", dynamic_activations=True, prequantized=False)
-
-
-# ---- compressed-tensors -------------------------------------------------------------------------
-
-
-def compressed_tensors_config(qc: dict[str, Any]) -> Fp8Config:
-    from compressed_tensors.quantization import QuantizationConfig
-    from pydantic import ValidationError
-
-    where = "quantization_config (compressed-tensors)"
-    try:
-        parsed = QuantizationConfig.model_validate(qc)
-    except ValidationError as exc:
-        raise ValueError(f"{where} is malformed: {exc.errors()[0]['msg']}") from None
+def ct_fp8_config(parsed: Any, scheme: Any, where: str) -> Fp8Config:
+    """The FP8 layout of a compressed-tensors config (``parsed``, compressed-tensors'
+    QuantizationConfig) whose one scheme has FP8 weights."""
     if parsed.format not in ("float-quantized", "naive-quantized", None):
-        raise ValueError(f"{where}.format {parsed.format!r} is not FP8; Tandem reads FP8 only")
-    schemes = list(parsed.config_groups.values())
-    if len(schemes) != 1:
-        raise ValueError(f"{where} has {len(schemes)} config_groups; Tandem reads one")
-    scheme = schemes[0]
-    if list(scheme.targets) != ["Linear"]:
-        raise ValueError(f"{where} targets {scheme.targets}; Tandem reads ['Linear'] only")
-    if scheme.output_activations is not None:
-        raise ValueError(f"{where}: output_activations quantization is not supported")
+        raise ValueError(f"{where}.format {parsed.format!r} does not hold FP8 weights")
     weights = fp8_args(scheme.weights, f"{where}.weights")
     block = ct_weight_block(weights, where)
     dynamic = ct_activations_dynamic(scheme.input_activations, block, where)
@@ -156,6 +112,7 @@ def ct_kv_scales(args: Any, where: str) -> bool:
 
 
 def fp8_method_config(qc: dict[str, Any]) -> Fp8Config:
+    """transformers' "fp8" format: block-wise (or per-tensor) e4m3 weights."""
     where = "quantization_config (fp8)"
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{where}.fmt {qc['fmt']!r} is not supported; Tandem reads e4m3")
@@ -190,6 +147,6 @@ def ignore_pattern(entry: str, substring: bool) -> str:
     return f"(.*\\.)?{re.escape(entry)}"
 
 
-def is_ignored(module_name: str, config: Fp8Config) -> bool:
+def is_ignored(module_name: str, config: QuantConfig) -> bool:
     """Whether checkpoint module ``module_name`` stays unquantized under ``config``."""
     return any(re.fullmatch(pattern, module_name) for pattern in config.ignore)

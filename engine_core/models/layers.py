@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.config import Fp8Config
+from engine_core.config import Fp8Config, Int8Config, W4A16Config
 from engine_core.models.cpu_gemm import can_pack, pack_weight, packed_linear
 from engine_core.models.fp8 import (
     FP8_DTYPE,
@@ -31,6 +31,18 @@ from engine_core.models.fp8 import (
     fp8_linear,
     quantize_rows,
     weight_scale_shape,
+)
+from engine_core.models.int8 import int8_linear
+from engine_core.models.int8 import quantize_rows as int8_rows
+from engine_core.models.w4a16 import (
+    PACK,
+    act_order_permutation,
+    check_trivial_g_idx,
+    check_weight_shape,
+    held_name,
+    permute_columns,
+    to_layout,
+    w4a16_linear,
 )
 from engine_core.parallel import SINGLE, PendingSum, TPGroup
 
@@ -159,8 +171,8 @@ def norm_between(
 
 
 def plain_weights(linear: nn.Module) -> bool:
-    """Whether ``linear`` is a Linear holding a plain (not FP8, not CPU-packed) weight."""
-    return isinstance(linear, Linear) and linear.fp8 is None and linear.packed_weight is None
+    """Whether ``linear`` is a Linear holding a plain (not quantized, not CPU-packed) weight."""
+    return isinstance(linear, Linear) and not linear.quantized and linear.packed_weight is None
 
 
 def residual_rows(residual: torch.Tensor | None) -> torch.Tensor | None:
@@ -386,8 +398,8 @@ class TPSharded:
 
 
 # Where a shard lives in its parameter: an index for ``param.data[...]`` (rows of a merged linear;
-# (expert, rows) of stacked experts).
-ShardIndex = slice | int | tuple[int, slice]
+# (expert, rows) of stacked experts; (all groups, rows) of a W4A16 layer's per-group scales).
+ShardIndex = slice | int | tuple[int, slice] | tuple[slice, slice]
 
 
 class ShardedParameters:
@@ -422,24 +434,38 @@ def check_divisible(what: str, value: int, tp: TPGroup) -> int:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight may be FP8 (engine_core/models/fp8.py).
+    """nn.Linear whose weight may be held in a quantized format, chosen before it loads:
 
-    ``make_fp8`` turns it into an FP8 layer before its weights load: ``weight`` becomes e4m3,
-    ``weight_scale`` (and, with static activations, ``input_scale``) join it, and ``load_fp8``
-    takes the checkpoint's FP8 tensors and scales. Under ``--quantization fp8`` the loader
-    quantizes plain weights into that same form first (``quantized_at_load``).
+    - ``make_fp8`` (engine_core/models/fp8.py): ``weight`` e4m3, ``weight_scale`` (and, with
+      static activations, ``input_scale``);
+    - ``make_int8`` (W8A8, engine_core/models/int8.py): ``weight`` int8, ``weight_scale``;
+    - ``make_w4a16`` (engine_core/models/w4a16.py): ``qweight``, ``scales``, ``zeros`` and, with
+      act-order, ``g_idx`` in place of ``weight``; checkpoint tensors are repacked into that
+      layout as they load (``w4a16_form``) and act-order columns sorted once they are in
+      (``finish_loading``).
+
+    ``load_quantized`` takes the checkpoint's tensors into them. Under ``--quantization fp8`` or
+    ``w8a8`` the loader quantizes plain weights first (``held_form``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.fp8: Fp8Config | None = None
+        self.int8: Int8Config | None = None
+        self.w4a16: W4A16Config | None = None
+        self.group_size = 0  # W4A16: input columns per scale
         # The weight in oneDNN's layout (models/cpu_gemm.py), once ``pack_for_cpu`` has run.
         self.packed_weight: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the weight is held in a quantized format."""
+        return self.fp8 is not None or self.int8 is not None or self.w4a16 is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
-        if self.fp8 is None:
+        if not self.quantized:
             return dense_linear(x, self.weight, self.bias)
         out = self.matmul(x)
         return out if self.bias is None else out + self.bias
@@ -448,15 +474,21 @@ class Linear(nn.Linear):
         """x [..., in] @ weight.T -> [..., out], without the bias."""
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, None)
+        if self.w4a16 is not None:
+            return w4a16_linear(
+                x, self.qweight, self.scales, self.zeros, self.perm, self.group_size
+            )
+        if self.int8 is not None:
+            return int8_linear(x, self.weight, self.weight_scale)
         if self.fp8 is None:
             return dense_linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.fp8)
 
     def pack_for_cpu(self) -> None:
-        """Hold a plain CPU weight in oneDNN's layout from now on (after loading; FP8 and other
+        """Hold a plain CPU weight in oneDNN's layout from now on (after loading; quantized
         weights stay as they are). The packed copy replaces the plain one, so the model is not
         held twice."""
-        if self.fp8 is not None or not can_pack(self.weight):
+        if self.quantized or not can_pack(self.weight):
             return
         self.packed_weight = pack_weight(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
@@ -466,42 +498,93 @@ class Linear(nn.Linear):
         """How many static activation scales a checkpoint gives (one per merged part)."""
         return 1
 
+    @property
+    def output_parts(self) -> list[int]:
+        """The row counts of the linears this one holds (one; a merged linear's parts)."""
+        return [self.out_features]
+
     def make_fp8(self, config: Fp8Config) -> None:
         """Hold the weight in FP8 from now on (call before loading, on any device)."""
-        rows, cols = self.weight.shape
-        device = self.weight.device
-        self.weight = nn.Parameter(
-            torch.empty(rows, cols, dtype=FP8_DTYPE, device=device), requires_grad=False
-        )
-        scale_shape = weight_scale_shape(config, rows, cols)
-        self.weight_scale = nn.Parameter(
-            torch.empty(scale_shape, dtype=torch.float32, device=device), requires_grad=False
+        (rows, cols), device = self.weight.shape, self.weight.device
+        self.weight = empty_param((rows, cols), FP8_DTYPE, device)
+        self.weight_scale = empty_param(
+            weight_scale_shape(config, rows, cols), torch.float32, device
         )
         if config.dynamic_activations:
             self.register_parameter("input_scale", None)
         else:
-            scales = torch.empty(self.num_input_scales, dtype=torch.float32, device=device)
-            self.input_scale = nn.Parameter(scales, requires_grad=False)
+            self.input_scale = empty_param((self.num_input_scales,), torch.float32, device)
         self.fp8 = config
+
+    def make_int8(self, config: Int8Config) -> None:
+        """Hold the weight in int8 with a scale per row from now on (W8A8)."""
+        (rows, cols), device = self.weight.shape, self.weight.device
+        self.weight = empty_param((rows, cols), torch.int8, device)
+        self.weight_scale = empty_param((rows,), torch.float32, device)
+        self.int8 = config
+
+    def make_w4a16(self, config: W4A16Config, where: str) -> None:
+        """Hold the weight in the W4A16 layout from now on (engine_core/models/w4a16.py);
+        ``where`` names the layer in errors about shapes the format cannot hold."""
+        (rows, cols), device = self.weight.shape, self.weight.device
+        self.group_size = check_w4a16_shapes(config, cols, self.output_parts, where)
+        groups = cols // self.group_size
+        self.register_parameter("weight", None)
+        self.qweight = empty_param((rows, cols // PACK), torch.int32, device)
+        self.scales = empty_param((groups, rows), torch.float32, device)
+        zeros = empty_param((groups, rows), torch.uint8, device) if config.zero_points else None
+        self.register_parameter("zeros", zeros)
+        g_idx = empty_param((self.num_input_scales, cols), torch.int32, device)
+        self.register_parameter("g_idx", g_idx if config.act_order else None)
+        self.register_buffer("perm", None)  # finish_loading sets it for act-order columns
+        self.w4a16 = config
 
     @property
     def quantizes_at_load(self) -> bool:
-        """Whether this FP8 layer quantizes plain checkpoint weights (``--quantization fp8``)."""
-        return self.fp8 is not None and not self.fp8.prequantized
+        """Whether this layer quantizes plain checkpoint weights (``--quantization fp8``,
+        ``w8a8``)."""
+        config = self.fp8 or self.int8
+        return config is not None and not config.prequantized
 
-    def load_fp8(
+    def w4a16_form(
+        self, param_name: str, tensor: torch.Tensor, hf_name: str
+    ) -> list[tuple[str, torch.Tensor]]:
+        """[(our parameter, tensor)] for a W4A16 layer's checkpoint tensor: repacked into our
+        layout, or checked and dropped (compressed-tensors' weight_shape, GPTQ's g_idx without
+        act-order)."""
+        config = self.w4a16
+        assert config is not None
+        if param_name == "weight":
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} is a plain weight, but the checkpoint's "
+                f"quantization_config ({config.source}) makes this layer 4-bit"
+            )
+        name = held_name(config, param_name)
+        if name is None:
+            check_weight_shape(tensor, self.output_parts, self.in_features, hf_name)
+            return []
+        if name == "g_idx" and not config.act_order:
+            check_trivial_g_idx(tensor, self.group_size, hf_name)
+            return []
+        held = to_layout(config, name, tensor, hf_name)
+        return [(name, held.reshape(1, -1) if name == "g_idx" else held)]
+
+    def load_quantized(
         self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
     ) -> None:
-        """Load checkpoint tensor ``hf_name`` (this rank's part) into ``param_name`` at ``index``
-        (None: all of it) of this FP8 layer."""
-        assert self.fp8 is not None
-        if param_name == "weight" and tensor.dtype != FP8_DTYPE:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but the checkpoint's "
-                f"quantization_config ({self.fp8.source}) makes this layer FP8 (e4m3)"
-            )
+        """Load checkpoint tensor ``hf_name`` (this rank's part, in our layout) into
+        ``param_name`` at ``index`` (None: all of it) of this quantized layer."""
+        if param_name == "weight" and self.w4a16 is None:
+            config, dtype = (self.int8, torch.int8) if self.int8 else (self.fp8, FP8_DTYPE)
+            if tensor.dtype != dtype:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but the checkpoint's "
+                    f"quantization_config ({config.source}) makes this layer {dtype}"
+                )
         if param_name in ("weight_scale", "input_scale"):
             tensor = self.scale_for(param_name, tensor, index, hf_name)
+        if param_name == "scales":
+            check_positive(tensor, hf_name)
         copy_into(getattr(self, param_name), tensor, index, hf_name)
 
     def scale_for(
@@ -510,22 +593,57 @@ class Linear(nn.Linear):
         """A checkpoint scale as our parameter holds it: float32; per-channel scales as [rows]
         (a per-tensor scale spread over its rows); checked finite and positive."""
         tensor = tensor.float()
-        if not bool(torch.isfinite(tensor).all()) or bool((tensor <= 0).any()):
-            raise ValueError(f"checkpoint scale {hf_name!r} has values that are not positive")
+        check_positive(tensor, hf_name)
         target = getattr(self, param_name).data
         target = target if index is None else target[index]
-        if param_name == "input_scale" or self.fp8.block is None:
+        if param_name == "input_scale" or self.fp8 is None or self.fp8.block is None:
             if tensor.numel() == 1:
                 return tensor.reshape(()).expand(target.shape)
             if tensor.dim() == 2 and tensor.shape[1] == 1:  # compressed-tensors: [rows, 1]
                 return tensor[:, 0]
         return tensor
 
-    def finish_loading(self) -> None:
+    def finish_loading(self, name: str) -> None:
         """After the last tensor: merged parts share one input, so one static activation scale
-        serves them all: the largest, which clips none of them."""
+        serves them all: the largest, which clips none of them. An act-order W4A16 layer sorts
+        its columns by group (w4a16.py: ``perm``)."""
         if self.fp8 is not None and self.input_scale is not None and self.input_scale.numel() > 1:
             self.input_scale = nn.Parameter(self.input_scale.amax().reshape(1), requires_grad=False)
+        if self.w4a16 is not None and self.g_idx is not None:
+            perm = act_order_permutation(self.g_idx.data, self.group_size, name)
+            if perm is not None:
+                self.qweight.data = permute_columns(self.qweight.data, perm)
+                self.perm = perm
+            self.register_parameter("g_idx", None)
+
+
+def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised, frozen parameter (on the meta device while a model is built)."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def check_positive(scale: torch.Tensor, hf_name: str) -> None:
+    if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+        raise ValueError(f"checkpoint scale {hf_name!r} has values that are not positive")
+
+
+def check_w4a16_shapes(config: W4A16Config, cols: int, parts: list[int], where: str) -> int:
+    """The layer's group size (``cols`` for -1), or a ValueError naming what the checkpoint's
+    format cannot hold: every layout packs eight columns to a word, and AWQ's weights and every
+    zero point eight rows."""
+    group = cols if config.group_size == -1 else config.group_size
+    if cols % PACK:
+        raise ValueError(f"{where}: W4A16 needs the input size ({cols}) to be a multiple of 8")
+    if cols % group:
+        raise ValueError(
+            f"quantization_config.group_size {config.group_size} does not divide the input size "
+            f"({cols}) of {where}"
+        )
+    packs_rows = config.source == "awq" or config.zero_points
+    if packs_rows and any(part % PACK for part in parts):
+        raise ValueError(f"{where}: {config.source} packs 8 output rows to a word, and its "
+                         f"parts have {parts} rows")  # fmt: skip
+    return group
 
 
 class MergedLinear(Linear, TPSharded, ShardedParameters):
@@ -559,6 +677,10 @@ class MergedLinear(Linear, TPSharded, ShardedParameters):
     def shard_index(self, param_name: str, shard: int) -> ShardIndex:
         if param_name == "input_scale":
             return shard
+        if param_name == "g_idx":  # W4A16 act-order: one row per part
+            return slice(shard, shard + 1)
+        if param_name in ("scales", "zeros"):  # W4A16: [groups, rows]
+            return slice(None), self.shard_slice(shard)
         if param_name == "weight_scale" and self.fp8 is not None and self.fp8.block is not None:
             rows = self.shard_slice(shard)
             block_rows = self.fp8.block[0]
@@ -568,6 +690,10 @@ class MergedLinear(Linear, TPSharded, ShardedParameters):
     @property
     def num_input_scales(self) -> int:
         return self.num_shards
+
+    @property
+    def output_parts(self) -> list[int]:
+        return list(self.output_sizes)
 
     def make_fp8(self, config: Fp8Config) -> None:
         if config.block is not None and any(size % config.block[0] for size in self.output_sizes):
@@ -789,59 +915,73 @@ def load_mapped_weights(
         target = map_name(hf_name)
         if target is None:
             continue
-        if target[0] not in params:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} maps to unknown parameter {target[0]!r}"
-            )
-        for name, full in quantized_at_load(model, target[0], whole, hf_name):
-            shard = target[1]
-            tensor = narrow_for_rank(model, name, full, shard)
-            load_tensor(model, name, tensor, shard_rows(model, name, shard), hf_name)
-            expected.discard((name, shard))
+        name, shard = target
+        for held, full in held_form(model, name, whole, hf_name):
+            if held not in params:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} maps to unknown parameter {held!r}"
+                )
+            tensor = narrow_for_rank(model, held, full, shard)
+            load_tensor(model, held, tensor, shard_rows(model, held, shard), hf_name)
+            expected.discard((held, shard))
             if shard is None:  # a whole tensor fills every shard of its parameter
-                expected.difference_update((name, i) for i in checkpoint_shards(model, name))
+                expected.difference_update((held, i) for i in checkpoint_shards(model, held))
     if expected:
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected)
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         if isinstance(module, Linear):
-            module.finish_loading()
+            module.finish_loading(module_name)
 
 
-def quantized_at_load(
+def held_form(
     model: nn.Module, name: str, tensor: torch.Tensor, hf_name: str
 ) -> list[tuple[str, torch.Tensor]]:
-    """[(parameter name, full checkpoint tensor)]: the tensor as it is, or, for the weight of a
-    layer that quantizes as it loads, its e4m3 rows and their scales. Whole rows are quantized
-    before tensor parallelism narrows them, so every rank holds TP=1's values."""
+    """[(parameter name, full tensor)] for the checkpoint tensor of parameter ``name``: as it
+    is; for a W4A16 layer, in its layout (or nothing: a tensor only checked); for the weight of
+    a layer that quantizes as it loads, its e4m3 or int8 rows and their scales. Whole rows are
+    quantized before tensor parallelism narrows them, so every rank holds TP=1's values."""
     module_name, _, param_name = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if param_name != "weight" or not (isinstance(module, Linear) and module.quantizes_at_load):
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return [(name, tensor)]  # no such module: reported as an unknown parameter
+    if not isinstance(module, Linear) or not module.quantized:
         return [(name, tensor)]
-    if tensor.dtype in FP8_DTYPES:
+    if module.w4a16 is not None:
+        return [
+            (f"{module_name}.{p}", t) for p, t in module.w4a16_form(param_name, tensor, hf_name)
+        ]
+    if param_name != "weight" or not module.quantizes_at_load:
+        return [(name, tensor)]
+    if not tensor.is_floating_point() or tensor.dtype in FP8_DTYPES:
         raise ValueError(
             f"checkpoint tensor {hf_name!r} is already {tensor.dtype}, but config.json declares "
-            "no FP8 quantization_config that says how to read its scales"
+            "no quantization_config that says how to read its scales"
         )
-    quantized, scale = quantize_rows(tensor.to(module.weight.device))
+    quantize = int8_rows if module.int8 is not None else quantize_rows
+    quantized, scale = quantize(tensor.to(module.weight.device))
     return [(name, quantized), (f"{module_name}.weight_scale", scale)]
 
 
 def load_tensor(
     model: nn.Module, name: str, tensor: torch.Tensor, rows: ShardIndex | None, hf_name: str
 ) -> None:
-    """Copy one checkpoint tensor into parameter ``name``; an FP8 layer takes it its own way."""
+    """Copy one checkpoint tensor into parameter ``name``; a quantized layer takes it its own
+    way; a quantized tensor is refused for a plain parameter."""
     module_name, _, param_name = name.rpartition(".")
     module = model.get_submodule(module_name)
-    if isinstance(module, Linear) and module.fp8 is not None:
-        module.load_fp8(param_name, tensor, rows, hf_name)
+    if isinstance(module, Linear) and module.quantized:
+        module.load_quantized(param_name, tensor, rows, hf_name)
         return
-    if tensor.dtype in FP8_DTYPES:
+    param = getattr(module, param_name)
+    # A parameter that is itself integer (MXFP4 experts' codes and scales) takes integers.
+    if tensor.dtype in FP8_DTYPES or (not tensor.is_floating_point() and param.is_floating_point()):
         raise ValueError(
-            f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but config.json declares no FP8 "
+            f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but config.json declares no "
             "quantization_config for it (or lists its module as not quantized)"
         )
-    copy_into(getattr(module, param_name), tensor, rows, hf_name)
+    copy_into(param, tensor, rows, hf_name)
 
 
 def expected_shards(model: nn.Module) -> set[tuple[str, int | None]]:

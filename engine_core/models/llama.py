@@ -237,8 +237,8 @@ def fuse_fp8_quantizers(model: nn.Module) -> int:
 
 
 def interleave_gate_ups(model: nn.Module) -> int:
-    """Mark every dense SiLU MLP with a plain bf16/fp16 gate/up weight (no bias, no FP8) for the
-    interleaved row layout (models/skinny_gemm.py interleave_gate_up), so that decode steps in
+    """Mark every dense SiLU MLP with a plain bf16/fp16 gate/up weight (no bias, unquantized) for
+    the interleaved row layout (models/skinny_gemm.py interleave_gate_up), so that decode steps in
     CUDA graphs compute silu(gate) * up in the gate/up product's epilogue: one launch and one
     round trip of the product fewer per layer (eager steps take cuBLAS either way). An MLP whose
     SiLU launch quantizes for an FP8 down_proj keeps its layout. The rows move once the weights
@@ -250,9 +250,9 @@ def interleave_gate_ups(model: nn.Module) -> int:
         if mlp.quantize_act:  # an FP8 down_proj whose quantizer rides in the SiLU launch
             continue
         proj = mlp.gate_up_proj
-        weight = proj.weight
-        if proj.fp8 is not None or proj.bias is not None:
+        if proj.quantized or proj.bias is not None:
             continue
+        weight = proj.weight
         if weight.dtype not in (torch.bfloat16, torch.float16) or weight.shape[0] % (2 * GLU_HALF):
             continue
         mlp.gate_up_interleaved = True

@@ -1,32 +1,33 @@
-"""Turn a freshly built model's linear layers into FP8 ones, as its ModelConfig says.
+"""Give a freshly built model's linear layers the weight format its ModelConfig says (FP8, W8A8
+INT8 or W4A16), before any weight loads.
 
 Which layers: every ``Linear`` of the decoder layers (attention's qkv and output projections,
 the MLP's gate/up and down), except the modules a checkpoint lists as ignored. The embeddings,
-the LM head, norms and a mixture of experts' router stay in the model's dtype, as every FP8
-checkpoint we read keeps them.
+the LM head, norms and a mixture of experts' router stay in the model's dtype, as every
+quantized checkpoint we read keeps them.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from engine_core.config import ModelConfig
+from engine_core.config import Fp8Config, Int8Config, ModelConfig, QuantConfig
 from engine_core.models.fp8_config import is_ignored
 from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
 
 
-def make_fp8_linears(model: nn.Module, config: ModelConfig) -> None:
-    """Make every quantizable Linear of ``model`` FP8 (before its weights load)."""
-    fp8 = config.quantization
-    if fp8 is None:
+def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
+    """Make every quantizable Linear of ``model`` hold the config's format (before loading)."""
+    quant = config.quantization
+    if quant is None:
         return
-    check_fp8_architecture(config)
+    check_architecture(config, quant)
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
         parts = checkpoint_names(name)
-        ignored = [is_ignored(part, fp8) for part in parts]
+        ignored = [is_ignored(part, quant) for part in parts]
         if all(ignored):
             continue
         if any(ignored):
@@ -34,18 +35,47 @@ def make_fp8_linears(model: nn.Module, config: ModelConfig) -> None:
                 f"the checkpoint's ignore list leaves some of {parts} unquantized but not all; "
                 "Tandem runs them as one merged projection"
             )
-        module.make_fp8(fp8)
+        make_quantized(module, quant, name)
 
 
-def check_fp8_architecture(config: ModelConfig) -> None:
-    """FP8 covers the dense Llama-family layers (Llama, Mistral, Qwen2/3, Phi-3, Gemma 3)."""
+def make_quantized(module: Linear, quant: QuantConfig, name: str) -> None:
+    if isinstance(quant, Fp8Config):
+        module.make_fp8(quant)
+    elif isinstance(quant, Int8Config):
+        module.make_int8(quant)
+    else:
+        tp = getattr(module, "tp", None)
+        if tp is not None and tp.size > 1:
+            raise ValueError(
+                "W4A16 under tensor parallelism is not implemented yet (its packed rows and "
+                "groups are not split across ranks); serve it with --tensor-parallel-size 1"
+            )
+        module.make_w4a16(quant, name)
+
+
+def format_name(quant: QuantConfig) -> str:
+    """The weight format, for messages."""
+    if isinstance(quant, Fp8Config):
+        return "FP8"
+    if isinstance(quant, Int8Config):
+        return "W8A8 (int8)"
+    return f"W4A16 ({quant.source})"
+
+
+def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
+    """Quantized linears cover the dense Llama-family layers (Llama, Mistral, Qwen2/3, Phi-3,
+    Gemma 3); W4A16 not Phi-3's fused projections, whose packed layouts split differently."""
+    name = format_name(quant)
     if config.num_experts:
         raise ValueError(
-            "FP8 is not implemented for mixture-of-experts models (their experts have no FP8 "
-            "kernel yet); serve this model without --quantization or an FP8 checkpoint"
+            f"{name} is not implemented for mixture-of-experts models (their experts have no "
+            f"{name} kernel yet); serve this model unquantized or in another format"
         )
     if config.architecture == "gpt2":
-        raise ValueError("FP8 is not implemented for GPT-2; serve it without --quantization")
+        raise ValueError(f"{name} is not implemented for GPT-2; serve it unquantized")
+    fused = config.hf_config.get("model_type") == "phi3"
+    if fused and not isinstance(quant, Fp8Config | Int8Config):
+        raise ValueError(f"{name} is not implemented for Phi-3's fused qkv and gate/up weights")
 
 
 def checkpoint_names(module_name: str) -> list[str]:

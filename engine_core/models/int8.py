@@ -1,0 +1,83 @@
+"""W8A8 INT8: int8 weights with one scale per output row, activations quantized to int8 per token
+at run time; the dequantizing reference and the CUDA path.
+
+A linear layer in INT8 (``Linear`` in layers.py, with ``int8`` set) holds ``weight`` [N, K] int8
+and ``weight_scale`` [N] float32: the real weight is ``weight * scale`` of its row.
+
+Activations are quantized the way compressed-tensors does it (its ``calculate_qparams`` and
+``_quantize_dequantize``, which HF transformers applies when it runs such a checkpoint): each
+token's scale is absmax / 127.5 (the int8 range's width over two, in the activations' dtype;
+a zero scale becomes the dtype's eps), values are clamped to -128..127 and rounded half to even.
+
+- CUDA: the activations quantized so, then int8 x int8 -> int32 on the tensor cores
+  (``torch._int_mm``, cuBLASLt), scaled by both scales. Not yet run on a GPU:
+  tests/test_int8_gpu.py checks it against the reference.
+- anywhere else: the reference, which CI runs: weights dequantized (float32, then the
+  activations' dtype), activations quantized and dequantized per token, one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT8_MIN, INT8_MAX = -128, 127
+HALF_RANGE = (INT8_MAX - INT8_MIN) / 2  # 127.5: compressed-tensors' symmetric scale divisor
+# _int_mm (cuBLASLt int8) takes more than 16 rows: smaller products are padded to this many.
+INT_MM_MIN_ROWS = 32
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype) -> (int8 [N, K], scale [N] float32), one symmetric scale
+    per row (absmax / 127), for ``--quantization w8a8``."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-12)  # [N]
+    quantized = torch.round(w / scale[:, None]).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+    return quantized, scale
+
+
+def token_scales(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> each token's scale [T, 1] in x's dtype, as compressed-tensors computes it."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / HALF_RANGE
+    eps = torch.finfo(scale.dtype).eps
+    return torch.where(scale == 0, torch.full_like(scale, eps), scale)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (the int8 values as x's dtype [T, K], scales [T, 1])."""
+    scale = token_scales(x)
+    return torch.round(torch.clamp(x / scale, INT8_MIN, INT8_MAX)), scale
+
+
+def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] as its per-token int8 form stands for it, in x's dtype."""
+    q, scale = quantize_per_token(x)
+    return q * scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 weight [N, K] and its row scales [N] -> float32 [N, K]."""
+    return weight.float() * scale[:, None]
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ the int8 weight [N, K] transposed -> [..., N] in x's dtype (no bias)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.is_cuda:
+        out = int8_linear_cuda(rows, weight, weight_scale)
+    else:
+        out = F.linear(quantize_dequantize(rows), dequantize(weight, weight_scale).to(x.dtype))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def int8_linear_cuda(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """x [M, K] -> [M, N]: per-token int8 activations, one int8 GEMM with int32 accumulation,
+    both scales applied in float32."""
+    q, scale = quantize_per_token(x)
+    rows = q.shape[0]
+    if rows < INT_MM_MIN_ROWS:  # _int_mm refuses 16 rows or fewer
+        q = F.pad(q, (0, 0, 0, INT_MM_MIN_ROWS - rows))
+    acc = torch._int_mm(q.to(torch.int8), weight.t())[:rows]  # [M, N] int32
+    return (acc.float() * scale.float() * weight_scale[None, :]).to(x.dtype)
