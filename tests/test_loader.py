@@ -188,8 +188,14 @@ def test_gpt2_config() -> None:
 
 
 def test_unsupported_rope_type_is_rejected() -> None:
+    hf = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"type": "dynamic"}}
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        model_config_from_hf(hf)
+
+
+def test_yarn_without_its_original_length_is_rejected() -> None:
     hf = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"type": "yarn"}}
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         model_config_from_hf(hf)
 
 
