@@ -15,6 +15,7 @@ BENCHMARKS = {
     "prefill": ("benchmarks.prefill", "time to first token of 64 x 2,048-token prompts"),
     "soak": ("benchmarks.soak", "mixed load with faults; nothing may be lost"),
     "cpu": ("benchmarks.cpu", "Tandem beside vLLM's CPU build on the default model"),
+    "gemm": ("benchmarks.gemm", "one projection's product: bf16, W4A16 and W8A8 against HBM"),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),
 }
 
