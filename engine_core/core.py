@@ -68,6 +68,7 @@ class EngineCore:
             max_model_len=self.runner.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
             proposer=make_proposer(config.speculation()),
+            loras=self.runner.loras,
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.
         self.max_model_len = self.scheduler.max_model_len
@@ -79,6 +80,7 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._bitmasks: BitmaskFiller | None = None
         self._compiling: list[Request] = []  # constrained requests whose grammar is not ready
+        self._adapter_loading: list[Request] = []  # LoRA requests whose adapter is being read
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (with a message fit for the client) if it cannot run."""
@@ -96,7 +98,15 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
+        if request.lora is not None and self.runner.loras is None:
+            raise ValueError(
+                f"LoRA adapter {request.lora.name!r}: this engine serves none (--enable-lora)"
+            )
         self.scheduler.add_request(request)
+        if request.lora is not None:
+            assert self.runner.loras is not None
+            self.runner.loras.prepare(request.lora)  # read on a worker thread, if it must be
+            self._adapter_loading.append(request)
         if request.uses_penalties:
             self._penalised.add(request.request_id)
         if params.constraint is not None:
@@ -147,6 +157,8 @@ class EngineCore:
         request's tokens arrive one call later).
         """
         failed = self._settle_grammars() if self._compiling else []
+        if self._adapter_loading:
+            failed += self._settle_adapters()
         try:
             outputs = self._step_sync() if self._must_sync() else self._step_overlapped()
             outputs += failed
@@ -256,10 +268,35 @@ class EngineCore:
         self._compiling = still
         return failed
 
+    def _settle_adapters(self) -> list[EngineOutput]:
+        """Fail the requests whose adapter could not be read (missing, refused); forget the
+        ones whose adapter is in host memory (the scheduler gives them a slot)."""
+        loras = self.runner.loras
+        assert loras is not None
+        failed = []
+        still = []
+        for request in self._adapter_loading:
+            assert request.lora is not None
+            if request.is_finished:
+                continue
+            error = loras.load_error(request.lora)
+            if error is not None:
+                self.scheduler.abort_requests([request.request_id], FinishReason.ERROR)
+                failed.append(EngineOutput(request, [], FinishReason.ERROR, error=error))
+            elif loras.is_loading(request.lora):
+                still.append(request)
+        self._adapter_loading = still
+        return failed
+
     def _nap_if_only_compiling(self) -> None:
-        """Nothing to run but grammars to wait for: nap on them rather than spin on the loop."""
-        if self._compiling:
-            futures = [r.grammar.future for r in self._compiling if r.grammar is not None]
+        """Nothing to run but grammars or adapters to wait for: nap on them rather than spin
+        on the loop."""
+        futures: list[concurrent.futures.Future[Any]] = [
+            r.grammar.future for r in self._compiling if r.grammar is not None
+        ]
+        if self._adapter_loading and self.runner.loras is not None:
+            futures += self.runner.loras.loading_futures()
+        if futures:
             concurrent.futures.wait(futures, GRAMMAR_WAIT_S, concurrent.futures.FIRST_COMPLETED)
 
     def _process(self, step: LaunchedStep) -> list[EngineOutput]:
