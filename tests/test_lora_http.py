@@ -18,6 +18,7 @@ import pytest
 
 from tests.lora_fixtures import peft_greedy, write_adapter
 from tests.server_fixture import Server, start_server, stop_server, wait_engine_idle
+from tests.test_resume import kill_mid_generation, metric, run_undisturbed, wait_restarted
 
 pytestmark = pytest.mark.slow
 
@@ -195,6 +196,28 @@ def test_lora_requests_are_counted_per_adapter(fixed_server: Server) -> None:
     assert counts.get("chat", 0) >= 1 and counts.get("sql", 0) >= 1
 
 
+def test_requests_resume_with_their_adapter_after_the_engine_dies(
+    fixed_server: Server, tiny_model_dir: Path
+) -> None:
+    """SIGKILL the engine core mid-generation: the supervisor starts a new one, each request is
+    resent with its adapter (the new engine reads the folder again) and ends with the text the
+    same request gets undisturbed."""
+    models = ["sql", "chat", str(tiny_model_dir)] * 2
+    load = [
+        {"model": model, "prompt": f"Story {i}: once upon a time", "max_tokens": 200,
+         "temperature": 0.0, "ignore_eos": True, "stream": i % 2 == 1}
+        for i, model in enumerate(models)
+    ]  # fmt: skip
+    reference = run_undisturbed(fixed_server, load)
+    resumed_before = metric(fixed_server, "tandem_requests_resumed_total")
+    old_pid = fixed_server.engine_info()["pid"]
+    results = kill_mid_generation(fixed_server, load, old_pid).join()
+    assert results == reference
+    assert metric(fixed_server, "tandem_requests_resumed_total") > resumed_before
+    wait_restarted(fixed_server, old_pid)
+    wait_engine_idle(fixed_server)
+
+
 def test_load_and_unload_at_run_time(
     dynamic_server: Server, adapters: dict[str, Path], expected: dict
 ) -> None:
@@ -287,3 +310,31 @@ def test_unload_under_load_lets_the_requests_in_flight_finish(
     results = asyncio.run(run())
     assert [reason for reason, _ in results] == ["length"] * 6
     wait_engine_idle(dynamic_server)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--enable-lora", "--lora-modules", "wide={wide}"], "rank 32, over --max-lora-rank 16"),
+        (["--enable-lora", "--lora-modules", "gone=/nonexistent/x"], "no such adapter folder"),
+        (["--lora-modules", "sql={sql}"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "sql"], "give NAME=PATH"),
+        (["--enable-lora", "--lora-modules", "a={sql}", "a={sql}"], "given twice"),
+        (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras"),
+        (
+            ["--enable-lora", "--allow-runtime-lora-updates", "--api-servers", "2"],
+            "--api-servers > 1",
+        ),
+    ],
+)
+def test_bad_lora_flags_stop_the_server_before_it_starts(
+    tiny_model_dir: Path, adapters: dict[str, Path], flags: list[str], needle: str
+) -> None:
+    import subprocess
+    import sys
+
+    given = [f.format(wide=adapters["wide"], sql=adapters["sql"]) for f in flags]
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", str(tiny_model_dir), *given]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert needle in done.stderr
