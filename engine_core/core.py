@@ -80,7 +80,6 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._bitmasks: BitmaskFiller | None = None
         self._compiling: list[Request] = []  # constrained requests whose grammar is not ready
-        self._adapter_loading: list[Request] = []  # LoRA requests whose adapter is being read
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (with a message fit for the client) if it cannot run."""
@@ -106,7 +105,6 @@ class EngineCore:
         if request.lora is not None:
             assert self.runner.loras is not None
             self.runner.loras.prepare(request.lora)  # read on a worker thread, if it must be
-            self._adapter_loading.append(request)
         if request.uses_penalties:
             self._penalised.add(request.request_id)
         if params.constraint is not None:
@@ -157,8 +155,8 @@ class EngineCore:
         request's tokens arrive one call later).
         """
         failed = self._settle_grammars() if self._compiling else []
-        if self._adapter_loading:
-            failed += self._settle_adapters()
+        if self.runner.loras is not None and self.runner.loras.has_errors:
+            failed += self._fail_unreadable_adapters()
         try:
             outputs = self._step_sync() if self._must_sync() else self._step_overlapped()
             outputs += failed
@@ -268,24 +266,19 @@ class EngineCore:
         self._compiling = still
         return failed
 
-    def _settle_adapters(self) -> list[EngineOutput]:
-        """Fail the requests whose adapter could not be read (missing, refused); forget the
-        ones whose adapter is in host memory (the scheduler gives them a slot)."""
-        loras = self.runner.loras
-        assert loras is not None
+    def _fail_unreadable_adapters(self) -> list[EngineOutput]:
+        """Fail the waiting requests whose adapter could not be read (a missing folder, a
+        refused config), with why. Rare, so the waiting queue is scanned only then."""
+        assert self.runner.loras is not None
+        errors = self.runner.loras.take_errors()
+        if not errors:
+            return []  # the reads that ended all succeeded
         failed = []
-        still = []
-        for request in self._adapter_loading:
+        for request in [r for r in self.scheduler.waiting if r.lora in errors]:
             assert request.lora is not None
-            if request.is_finished:
-                continue
-            error = loras.load_error(request.lora)
-            if error is not None:
-                self.scheduler.abort_requests([request.request_id], FinishReason.ERROR)
-                failed.append(EngineOutput(request, [], FinishReason.ERROR, error=error))
-            elif loras.is_loading(request.lora):
-                still.append(request)
-        self._adapter_loading = still
+            self.scheduler.abort_requests([request.request_id], FinishReason.ERROR)
+            error = errors[request.lora]
+            failed.append(EngineOutput(request, [], FinishReason.ERROR, error=error))
         return failed
 
     def _nap_if_only_compiling(self) -> None:
@@ -294,7 +287,7 @@ class EngineCore:
         futures: list[concurrent.futures.Future[Any]] = [
             r.grammar.future for r in self._compiling if r.grammar is not None
         ]
-        if self._adapter_loading and self.runner.loras is not None:
+        if self.runner.loras is not None:
             futures += self.runner.loras.loading_futures()
         if futures:
             concurrent.futures.wait(futures, GRAMMAR_WAIT_S, concurrent.futures.FIRST_COMPLETED)

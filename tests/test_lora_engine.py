@@ -93,11 +93,13 @@ def test_each_adapter_alone_gives_peft_tokens(case: dict[str, Path], expected: d
 def test_a_batch_mixing_three_adapters_and_the_base(case: dict[str, Path], expected: dict) -> None:
     """Twelve requests in one batch, three adapters and the base model on every prompt, with
     three slots (each adapter resident): each gets the tokens it gets alone. With two slots the
-    third adapter's requests wait for a slot and still get theirs."""
+    third adapter's requests wait for a slot and still get theirs; with one slot and room for
+    one adapter in host memory, adapters read and then evicted before their turn are read
+    again."""
     names: list[str | None] = ["all", None, "qv", "pattern"]
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in names]
-    for slots in (3, 2):
-        llm = make_llm(case, max_loras=slots, max_cpu_loras=3)
+    for slots, host in ((3, 3), (2, 3), (1, 1)):
+        llm = make_llm(case, max_loras=slots, max_cpu_loras=host)
         try:
             out = llm.generate(
                 [PROMPTS[i] for _, i in jobs],

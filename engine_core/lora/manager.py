@@ -41,13 +41,14 @@ class LoraManager:
         self.max_cpu_loras = max_cpu_loras
         self._host: OrderedDict[LoraRef, LoraAdapter] = OrderedDict()  # oldest use first
         self._loading: dict[LoraRef, concurrent.futures.Future[LoraAdapter]] = {}
-        self._errors: dict[LoraRef, str] = {}  # loads that failed, until a request is told
+        self._errors: dict[LoraRef, str] = {}  # reads that failed, until take_errors
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self._slots: list[LoraRef | None] = [None] * max_loras
         self._users: list[set[str]] = [set() for _ in range(max_loras)]
         self._slot_used: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         self._slot_of: dict[str, int] = {}  # request id -> its slot
         self.loads = 0  # slot writes, for the tests and the log
+        self.reads = 0  # folders read
 
     # ---- host memory ---------------------------------------------------------------------------
 
@@ -56,18 +57,21 @@ class LoraManager:
         if ref in self._host:
             self._host.move_to_end(ref)
         elif ref not in self._loading:
-            self._errors.pop(ref, None)  # a new request tries again (the folder may be fixed)
             self._loading[ref] = self._pool.submit(self._load, ref.path)
+            self.reads += 1
 
-    def load_error(self, ref: LoraRef) -> str | None:
-        """Why ``ref`` could not be read (once its read has ended), else None."""
-        self._settle(ref)
-        return self._errors.get(ref)
+    def take_errors(self) -> dict[LoraRef, str]:
+        """The adapters whose read failed since the last call, with why (a missing folder, a
+        refused config...): the engine core fails the waiting requests that name them. A later
+        request naming one reads its folder again."""
+        for ref in list(self._loading):
+            self._settle(ref)
+        errors, self._errors = self._errors, {}
+        return errors
 
-    def is_loading(self, ref: LoraRef) -> bool:
-        """Whether ``ref`` is still being read (after moving a finished read where it goes)."""
-        self._settle(ref)
-        return ref in self._loading
+    @property
+    def has_errors(self) -> bool:
+        return any(future.done() for future in self._loading.values()) or bool(self._errors)
 
     def loading_futures(self) -> list[concurrent.futures.Future[LoraAdapter]]:
         return list(self._loading.values())
@@ -101,10 +105,12 @@ class LoraManager:
             return True
         if ref in self._slots:
             return self._pin(request_id, self._slots.index(ref))
-        if not self._settle(ref):
-            return False
         idle = [s for s in self._slot_used if not self._users[s]]  # least recently used first
         if not idle:
+            return False  # checked first: a read now could evict a copy that gets a slot sooner
+        if not self._settle(ref):
+            if ref not in self._errors:
+                self.prepare(ref)  # evicted from host memory since its request came: read again
             return False
         free = next((s for s in idle if self._slots[s] is None), idle[0])
         self._write(free, ref)
