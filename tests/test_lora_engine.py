@@ -279,3 +279,22 @@ def test_the_grouped_product_matches_each_row_alone() -> None:
         want = base[row] if slot == NO_SLOT else base[row] + b[slot] @ (a[slot] @ x[row])
         torch.testing.assert_close(got[row], want)
     assert lora_batch([(4, NO_SLOT)], torch.device("cpu")) is None
+
+
+@pytest.mark.slow
+def test_the_default_model_with_an_adapter_gives_peft_tokens(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """SmolLM2-135M (tied embeddings, 30 layers) with a rank-16 adapter on every projection:
+    the engine's greedy tokens are HF + PEFT's, and not the base model's."""
+    adapter = write_adapter(default_model_dir, tmp_path / "smol", seed=5, r=16, lora_alpha=32)
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    want = peft_greedy(default_model_dir, adapter, prompt, NEW_TOKENS)
+    base = peft_greedy(default_model_dir, None, prompt, NEW_TOKENS)
+    assert want != base
+    llm = LLM(str(default_model_dir), max_model_len=128, num_kv_blocks=64, enable_lora=True)
+    try:
+        out = llm.generate([prompt], GREEDY, detokenize=False, lora=LoraRef("smol", str(adapter)))
+        assert out[0].token_ids == want
+    finally:
+        llm.engine.shutdown()
