@@ -4,6 +4,7 @@ and the base model; slots are shared out by LRU; the prefix cache keeps adapters
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -298,3 +299,70 @@ def test_the_default_model_with_an_adapter_gives_peft_tokens(
         assert out[0].token_ids == want
     finally:
         llm.engine.shutdown()
+
+
+# ---- LoRA on MoE experts ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Qwen3-MoE (8 experts, 2 a token) and two adapters that peft writes with
+    target_parameters on the stacked experts (per-expert A and B), one with attention too."""
+    from tests.factories import write_tiny_qwen3_moe
+
+    root = tmp_path_factory.mktemp("lora-moe")
+    base = write_tiny_qwen3_moe(root / "base")
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return {
+        "base": base,
+        "experts": write_adapter(
+            base, root / "experts", seed=21, target_modules=[], target_parameters=experts
+        ),
+        "both": write_adapter(
+            base, root / "both", seed=22, r=6, lora_alpha=12,
+            target_modules=["q_proj", "o_proj"], target_parameters=experts[:1],
+        ),
+    }  # fmt: skip
+
+
+def test_moe_expert_adapters_give_peft_tokens_mixed_in_one_batch(moe_case: dict[str, Path]) -> None:
+    """Each adapter alone gives HF + PEFT's tokens, and one batch of both adapters and the base
+    gives each request the same."""
+    names: list[str | None] = [None, "experts", "both"]
+    want = {
+        name: [
+            peft_greedy(moe_case["base"], None if name is None else moe_case[name], p, NEW_TOKENS)
+            for p in PROMPTS
+        ]
+        for name in names
+    }
+    assert want["experts"] != want[None] and want["both"] != want[None]
+    llm = LLM(
+        str(moe_case["base"]), block_size=4, num_kv_blocks=128, max_model_len=128,
+        max_num_seqs=8, enable_lora=True, max_loras=2, max_lora_rank=8,
+    )  # fmt: skip
+    try:
+        jobs = [(name, i) for i in range(len(PROMPTS)) for name in names]
+        out = llm.generate(
+            [PROMPTS[i] for _, i in jobs],
+            GREEDY,
+            detokenize=False,
+            lora=[None if n is None else LoraRef(n, str(moe_case[n])) for n, _ in jobs],
+        )
+        assert [o.token_ids for o in out] == [want[name][i] for name, i in jobs]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_expert_targets_are_checked(moe_case: dict[str, Path], tmp_path: Path) -> None:
+    """A target parameter other than the experts' is refused by name; an expert adapter on a
+    dense model names the module the model lacks; a rank over the maximum is refused."""
+    config = load_model_config(moe_case["base"])
+    odd = edited_adapter(moe_case["experts"], tmp_path / "odd", target_parameters=["mlp.w"])
+    with pytest.raises(LoraError, match="target parameter 'mlp.w'"):
+        load_adapter(odd, config, 16)
+    with pytest.raises(LoraError, match="rank 4, over --max-lora-rank 2"):
+        load_adapter(moe_case["experts"], config, 2)
+    dense = dataclasses.replace(config, num_experts=0)
+    with pytest.raises(LoraError, match=r"model\.layers\.\d\.mlp\.experts"):
+        load_adapter(moe_case["experts"], dense, 16)

@@ -55,13 +55,24 @@ _READ_OR_INERT = frozenset(
         "lora_dropout", "use_rslora", "layers_to_transform", "layers_pattern", "rank_pattern",
         "alpha_pattern", "init_lora_weights", "megatron_config", "megatron_core",
         "loftq_config", "eva_config", "corda_config", "lora_ga_config", "runtime_config",
-        "ensure_weight_tying", "qalora_group_size",
+        "ensure_weight_tying", "qalora_group_size", "target_parameters",
     }
 )  # fmt: skip
 # init_lora_weights values that only chose the starting A/B. The others (PiSSA, OLoRA, CorDA,
 # LoftQ, LoRA-GA) also rewrote the base weights, which an adapter saved without converting
 # them expects: it would run here on the original weights and give other output.
 _PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
+
+# The experts of an MoE layer, targeted as parameters (peft's target_parameters on transformers'
+# stacked experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]): peft nests one
+# wrapper per parameter, so the keys name the module (".experts", ".experts.base_layer"), not
+# the parameter; the shapes tell the two apart.
+_EXPERTS_KEY = re.compile(
+    r"^base_model\.model\.(?P<module>model\.layers\.(?P<layer>\d+)\.mlp\.experts"
+    r"(?:\.base_layer)*)\.lora_(?P<which>[AB])\.weight$"
+)
+EXPERTS = "mlp.experts"  # our module for a layer's expert LoRA (engine_core/lora/layers.py)
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")  # shard 0, 1
 
 _KEY = re.compile(
     r"^base_model\.model\.(?P<module>model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."
@@ -76,16 +87,20 @@ class LoraError(ValueError):
 @dataclass(frozen=True)
 class TargetShape:
     """One projection of a decoder layer that LoRA can target: its input width and its
-    shards' output widths (q, k, v or gate, up; one shard for o_proj and down_proj)."""
+    shards' output widths (q, k, v or gate, up; one shard for o_proj and down_proj). For an MoE
+    layer's experts (``num_experts`` > 0): shard 0 is every expert's gate_up [2I, H], shard 1
+    its down [H, I]; ``in_features`` is H."""
 
     in_features: int
     output_sizes: tuple[int, ...]
+    num_experts: int = 0
 
 
 @dataclass(frozen=True)
 class LoraWeights:
     """One target's matrices: ``a`` [r, in] and ``b`` [out, r] with the scale folded in, for
-    shard ``shard`` of our module (None: its whole output)."""
+    shard ``shard`` of our module (None: its whole output); for experts, one pair per expert:
+    ``a`` [E, r, in], ``b`` [E, out, r]."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -93,7 +108,7 @@ class LoraWeights:
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        return self.a.shape[-2]
 
 
 @dataclass
@@ -110,8 +125,8 @@ class LoraAdapter:
 
 
 def target_shapes(config: ModelConfig) -> dict[tuple[int, str], TargetShape]:
-    """Every (layer, module) of the model that LoRA can target, with its shapes. A layer whose
-    MLP is a mixture of experts has attention targets only."""
+    """Every (layer, module) of the model that LoRA can target, with its shapes: attention, and
+    a dense MLP's projections or an MoE layer's experts."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes = {}
@@ -121,6 +136,9 @@ def target_shapes(config: ModelConfig) -> dict[tuple[int, str], TargetShape]:
         if not config.is_moe_layer(layer):
             shapes[layer, "mlp.gate_up_proj"] = TargetShape(hidden, (inter, inter))
             shapes[layer, "mlp.down_proj"] = TargetShape(inter, (hidden,))
+        elif config.moe_router == "softmax":  # Mixtral's and Qwen3-MoE's stacked SwiGLU experts
+            width = config.moe_intermediate_size
+            shapes[layer, EXPERTS] = TargetShape(hidden, (2 * width, hidden), config.num_experts)
     return shapes
 
 
@@ -210,7 +228,6 @@ _WHY = {
     "modules_to_save": "whole modules saved beside the adapter are not served",
     "fan_in_fan_out": "transposed (Conv1D) targets are not implemented",
     "trainable_token_indices": "trained embedding rows are not served",
-    "target_parameters": "LoRA on parameters (MoE experts) is not implemented",
     "layer_replication": "replicated layers change the base model",
     "alora_invocation_tokens": "activated LoRA is not implemented",
     "use_qalora": "QA-LoRA is not implemented",
@@ -239,9 +256,11 @@ def lay_out(
 ) -> dict[tuple[int, str], list[LoraWeights]]:
     """The adapter's A/B pairs by (layer, our module), checked and scaled."""
     check_target_names(lora_config.target_modules, folder)
-    pairs = pair_tensors(tensors, folder)
+    check_target_parameters(lora_config.target_parameters, folder)
+    experts = {k: t for k, t in tensors.items() if _EXPERTS_KEY.match(k)}
+    pairs = pair_tensors({k: t for k, t in tensors.items() if k not in experts}, folder)
     shapes = target_shapes(config)
-    weights: dict[tuple[int, str], list[LoraWeights]] = {}
+    weights = lay_out_experts(experts, lora_config, shapes, max_rank, folder)
     for module_name, (a, b) in sorted(pairs.items()):
         match = _KEY.match(f"base_model.model.{module_name}.lora_A.weight")
         assert match is not None
@@ -258,6 +277,82 @@ def lay_out(
     if not weights:
         raise LoraError(f"{folder}: {WEIGHTS_FILE} holds no LoRA weights")
     return weights
+
+
+def check_target_parameters(targets: Any, folder: Path) -> None:
+    """target_parameters may name only the MoE experts' stacked gate_up and down projections."""
+    for name in sorted(targets or []):
+        if not name.endswith(EXPERT_PARAMETERS):
+            raise LoraError(
+                f"{folder}: target parameter {name!r} is not one LoRA can target in this model "
+                f"(it targets the experts' {' and '.join(EXPERT_PARAMETERS)})"
+            )
+
+
+def lay_out_experts(
+    tensors: dict[str, torch.Tensor],
+    lora_config: Any,
+    shapes: dict[tuple[int, str], TargetShape],
+    max_rank: int,
+    folder: Path,
+) -> dict[tuple[int, str], list[LoraWeights]]:
+    """The experts' LoRA pairs by layer: peft's A [r*E, in] and B [out, r*E] as per-expert
+    A [E, r, in] and B [E, out, r] (expert e's rank rows of A, its columns of B, interleaved as
+    peft's ParamWrapper reshapes them), scaled, shard 0 for gate_up and 1 for down."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _EXPERTS_KEY.match(key)
+        assert match is not None
+        modules.setdefault(match["module"], {})[match["which"]] = tensor
+    weights: dict[tuple[int, str], list[LoraWeights]] = {}
+    for module, half in sorted(modules.items()):
+        layer = int(module.split(".")[2])
+        shape = shapes.get((layer, EXPERTS))
+        if shape is None:
+            raise LoraError(f"{folder}: targets {module}, which the model does not have")
+        if set(half) != {"A", "B"}:
+            raise LoraError(f"{folder}: {module} has only lora_{''.join(half)}")
+        part = expert_pair(module, half["A"], half["B"], shape, max_rank, folder)
+        shards = [p.shard for p in weights.get((layer, EXPERTS), [])]
+        if part.shard in shards:
+            raise LoraError(f"{folder}: {module}: two LoRA pairs for one expert projection")
+        scale = lora_scale(lora_config, module, part.rank, folder)
+        scaled = LoraWeights(part.a.float(), part.b.float() * scale, part.shard)
+        weights.setdefault((layer, EXPERTS), []).append(scaled)
+    return weights
+
+
+def expert_pair(
+    module: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    shape: TargetShape,
+    max_rank: int,
+    folder: Path,
+) -> LoraWeights:
+    """One stacked expert projection's pair, unscaled: which of gate_up [2I, H] and down
+    [H, I] it fits is read from the shapes (A's input width and B's output width differ
+    between the two for every model)."""
+    experts, hidden = shape.num_experts, shape.in_features
+    gate_up, down = (shape.output_sizes[0], hidden), (hidden, shape.output_sizes[0] // 2)
+    fits = [
+        shard
+        for shard, (out, inp) in enumerate((gate_up, down))
+        if a.dim() == b.dim() == 2 and a.shape[1] == inp and b.shape[0] == out
+    ]
+    total = a.shape[0] if a.dim() == 2 else -1
+    if len(fits) != 1 or total % experts or b.shape[1] != total:
+        raise LoraError(
+            f"{folder}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither "
+            f"the experts' gate_up {gate_up} nor their down {down} ({experts} experts, A "
+            "[r * experts, in], B [out, r * experts])"
+        )
+    rank = total // experts
+    if rank > max_rank:
+        raise LoraError(f"{folder}: {module} has rank {rank}, over --max-lora-rank {max_rank}")
+    per_a = a.reshape(experts, rank, a.shape[1])  # [E, r, in]
+    per_b = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)  # [E, out, r]
+    return LoraWeights(per_a, per_b.contiguous(), fits[0])
 
 
 def check_target_names(targets: Any, folder: Path) -> None:

@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from engine_core.forward_context import current_lora_batch
-from engine_core.lora.adapter import LoraWeights, TargetShape
+from engine_core.lora.adapter import EXPERTS, LoraWeights, TargetShape
 from engine_core.lora.batch import LoraBatch
+from engine_core.models.layers import silu_and_mul
+from engine_core.models.moe import SparseMoE
 
 
 def add_lora(
@@ -94,6 +96,104 @@ class LoraLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b))
 
 
+class LoraExperts(nn.Module):
+    """An MoE layer (models/moe.py SparseMoE) with LoRA slots on every expert's gate_up and down
+    projections: per slot and expert, ``a13`` [R, H] / ``b13`` [2I, R] and ``a2`` [R, I] /
+    ``b2`` [H, R]. Rows of the base model run the layer as it is; a step with adapter rows runs
+    the experts in torch, (token, k) pairs grouped by expert and slot (``lora_experts``)."""
+
+    def __init__(
+        self,
+        base: SparseMoE,
+        shape: TargetShape,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        experts, hidden, gate_up = shape.num_experts, shape.in_features, shape.output_sizes[0]
+        self.max_rank = max_rank
+
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(num_slots, experts, *size, dtype=dtype, device=device)
+
+        self.a13, self.b13 = zeros(max_rank, hidden), zeros(gate_up, max_rank)
+        self.a2, self.b2 = zeros(max_rank, gate_up // 2), zeros(hidden, max_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = current_lora_batch()
+        if batch is None:
+            return self.base(x)
+        weights, ids = self.base.route_tokens(x)  # [T, K] each
+        return lora_experts(x, self.base, weights, ids, batch.token_slots, self)
+
+    def write_slot(self, slot: int, parts: list[LoraWeights]) -> None:
+        self.clear_slot(slot)
+        for part in parts:
+            a, b = (self.a13, self.b13) if part.shard == 0 else (self.a2, self.b2)
+            a[slot, :, : part.rank].copy_(part.a)
+            b[slot, :, :, : part.rank].copy_(part.b)
+
+    def clear_slot(self, slot: int) -> None:
+        for t in (self.a13, self.b13, self.a2, self.b2):
+            t[slot].zero_()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a13, self.b13, self.a2, self.b2))
+
+
+def lora_experts(
+    x: torch.Tensor,
+    moe: SparseMoE,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    lora: LoraExperts,
+) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert ids[t, k] (x[t]) with row t's adapter on that
+    expert (x [T, H] -> [T, H]): the (token, k) pairs grouped by (expert, slot), one SwiGLU per
+    group with the slot's deltas added to its gate_up and down products. float32 sum, as the
+    base model's reference (models/moe.py grouped_experts)."""
+    num_slots = lora.a13.shape[0] + 1  # slot -1 (the base model) is key 0
+    top_k = ids.shape[1]
+    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)  # [T*K]
+    keys = ids.flatten().long() * num_slots + token_slots.long()[tokens] + 1
+    order = keys.argsort(stable=True)
+    counts = torch.bincount(keys, minlength=moe.w13.shape[0] * num_slots).tolist()
+    pair_weights = weights.flatten()[order]
+    tokens = tokens[order]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for key, count in enumerate(counts):
+        if count:
+            expert, slot = divmod(key, num_slots)
+            rows = tokens[start : start + count]
+            y = expert_with_lora(x.index_select(0, rows), moe, lora, expert, slot - 1)
+            out.index_add_(0, rows, y.float() * pair_weights[start : start + count, None])
+        start += count
+    return out.to(x.dtype)
+
+
+def expert_with_lora(
+    x: torch.Tensor, moe: SparseMoE, lora: LoraExperts, expert: int, slot: int
+) -> torch.Tensor:
+    """One expert's SwiGLU over rows x [n, H], with slot ``slot``'s deltas (none for -1)."""
+    gate_up = x @ moe.w13[expert].T  # [n, 2I]
+    if slot >= 0:
+        gate_up += (x @ lora.a13[slot, expert].T) @ lora.b13[slot, expert].T
+    act = silu_and_mul(gate_up)  # [n, I]
+    y = act @ moe.w2[expert].T  # [n, H]
+    if slot >= 0:
+        y += (act @ lora.a2[slot, expert].T) @ lora.b2[slot, expert].T
+    return y
+
+
+LoraModule = LoraLinear | LoraExperts
+
+
 def install_lora(
     model: nn.Module,
     shapes: dict[tuple[int, str], TargetShape],
@@ -101,17 +201,26 @@ def install_lora(
     max_rank: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> dict[tuple[int, str], LoraLinear]:
-    """Wrap every targetable projection of a loaded Llama-family model in a LoraLinear; the
-    wrappers by (layer, module)."""
+) -> dict[tuple[int, str], LoraModule]:
+    """Wrap every targetable projection of a loaded Llama-family model in a LoraLinear (an MoE
+    layer's experts in a LoraExperts); the wrappers by (layer, module)."""
     layers = model.model.layers
-    wrapped = {}
+    wrapped: dict[tuple[int, str], LoraModule] = {}
     for (layer, name), shape in shapes.items():
         parent_name, attr = name.split(".")
-        parent = getattr(layers[layer], parent_name)
+        if name == EXPERTS:
+            parent, attr = layers[layer], "mlp"
+        else:
+            parent = getattr(layers[layer], parent_name)
         base = getattr(parent, attr)
-        check_shape(base, shape, layer, name)
-        lora = LoraLinear(base, shape, num_slots, max_rank, dtype, device)
+        lora: LoraModule
+        if name == EXPERTS:
+            if not isinstance(base, SparseMoE):
+                raise ValueError(f"LoRA: layer {layer}'s MLP is a {type(base).__name__}")
+            lora = LoraExperts(base, shape, num_slots, max_rank, dtype, device)
+        else:
+            check_shape(base, shape, layer, name)
+            lora = LoraLinear(base, shape, num_slots, max_rank, dtype, device)
         setattr(parent, attr, lora)
         wrapped[layer, name] = lora
     return wrapped

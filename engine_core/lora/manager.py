@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from engine_core.lora.adapter import LoraAdapter, LoraError
 from engine_core.lora.batch import NO_SLOT
-from engine_core.lora.layers import LoraLinear
+from engine_core.lora.layers import LoraModule
 from protocol.messages import LoraRef
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 class LoraManager:
     def __init__(
         self,
-        layers: dict[tuple[int, str], LoraLinear],
+        layers: dict[tuple[int, str], LoraModule],
         load: Callable[[str], LoraAdapter],
         max_loras: int,
         max_cpu_loras: int,
