@@ -278,14 +278,20 @@ class ModelRunner:
         check_lora_model(model_config)
         if model_config.embedding is not None:
             raise ValueError("--enable-lora: an embedding model serves no LoRA adapters")
-        layers = install_lora(
-            self.model,
-            target_shapes(model_config),
-            config.max_loras,
-            config.max_lora_rank,
-            self.dtype,
-            self.device,
-        )
+        try:
+            layers = install_lora(
+                self.model,
+                target_shapes(model_config),
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+            )
+        except torch.cuda.OutOfMemoryError:
+            raise ModelTooLargeError(
+                f"--max-loras {config.max_loras} LoRA slots of rank {config.max_lora_rank} do "
+                "not fit beside the model; lower --max-loras or --max-lora-rank"
+            ) from None
         load = partial(load_adapter, config=model_config, max_rank=config.max_lora_rank)
         logger.info(
             "LoRA: %d slots of rank %d (%.1f MiB), %d adapters in host memory",

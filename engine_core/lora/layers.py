@@ -20,14 +20,27 @@ from torch import nn
 from engine_core.forward_context import current_lora_batch
 from engine_core.lora.adapter import EXPERTS, LoraWeights, TargetShape
 from engine_core.lora.batch import LoraBatch
-from engine_core.models.layers import silu_and_mul
+from engine_core.models.layers import silu_and_mul, use_triton
 from engine_core.models.moe import SparseMoE
 
 
 def add_lora(
     out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch
 ) -> torch.Tensor:
-    """out [T, O] += each row's slot's x @ A.T @ B.T (x [T, I], a [S, R, I], b [S, O, R])."""
+    """out [T, O] += each row's slot's x @ A.T @ B.T (x [T, I], a [S, R, I], b [S, O, R]): the
+    segment kernels on CUDA (triton_lora.py, not yet run on a GPU), the torch reference
+    elsewhere."""
+    if use_triton(x):
+        from engine_core.lora.triton_lora import add_lora_segments  # imports triton
+
+        return add_lora_segments(out, x, a, b, batch.segments)
+    return add_lora_reference(out, x, a, b, batch)
+
+
+def add_lora_reference(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch
+) -> torch.Tensor:
+    """The torch form: rows grouped by slot, one gather, shrink, expand and index_add_ each."""
     for slot, rows in batch.groups:
         if rows is None:
             out += (x @ a[slot].T) @ b[slot].T
