@@ -366,3 +366,23 @@ def test_expert_targets_are_checked(moe_case: dict[str, Path], tmp_path: Path) -
     dense = dataclasses.replace(config, num_experts=0)
     with pytest.raises(LoraError, match=r"model\.layers\.\d\.mlp\.experts"):
         load_adapter(moe_case["experts"], dense, 16)
+
+
+def test_phi3_fused_targets_give_peft_tokens(tmp_path: Path) -> None:
+    """Phi-3 fuses q/k/v and gate/up in HF too, so its adapters target qkv_proj and
+    gate_up_proj whole: each B spans the fused rows."""
+    from tests.test_models_gemma_phi import make_hf_model
+
+    base = tmp_path / "phi3"
+    make_hf_model("phi3_shortrope").save_pretrained(base)
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    adapter = write_adapter(base, tmp_path / "adapter", seed=31, target_modules=targets)
+    prompt = PROMPTS[1]
+    want = peft_greedy(base, adapter, prompt, NEW_TOKENS)
+    assert want != peft_greedy(base, None, prompt, NEW_TOKENS)
+    llm = LLM(str(base), block_size=4, num_kv_blocks=64, max_model_len=64, enable_lora=True)
+    try:
+        out = llm.generate([prompt], GREEDY, detokenize=False, lora=LoraRef("a", str(adapter)))
+        assert out[0].token_ids == want
+    finally:
+        llm.engine.shutdown()
