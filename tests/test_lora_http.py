@@ -127,10 +127,22 @@ def test_a_completion_with_an_adapter_gives_its_tokens(
     client = client_of(fixed_server)
     for name in ("sql", None, "chat", "sql"):
         assert complete(client, name or str(tiny_model_dir)) == expected[name], name
-    chat = client.chat.completions.create(
-        model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-    )
-    assert chat.model == "sql"
+    messages = [{"role": "user", "content": "hi"}]
+    chats = {
+        name: client.chat.completions.create(
+            model=name,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        for name in ("sql", str(tiny_model_dir))
+    }
+    assert chats["sql"].model == "sql"
+    answer = chats["sql"].choices[0].message.content
+    assert answer != chats[str(tiny_model_dir)].choices[0].message.content
+    # The Responses API runs the same chat with the same adapter.
+    response = client.responses.create(model="sql", input="hi", max_output_tokens=6, temperature=0)
+    assert response.model == "sql" and response.output_text == answer
 
 
 def test_mixed_concurrent_requests_each_get_their_own_tokens(
