@@ -386,3 +386,19 @@ def test_phi3_fused_targets_give_peft_tokens(tmp_path: Path) -> None:
         assert out[0].token_ids == want
     finally:
         llm.engine.shutdown()
+
+
+def test_speculative_decoding_keeps_each_adapters_tokens(
+    case: dict[str, Path], expected: dict
+) -> None:
+    """n-gram drafts are verified by the adapted model: greedy tokens stay PEFT's, per adapter,
+    with drafts planned (a prompt that repeats itself)."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    llm = make_llm(case, speculative_config=spec)
+    try:
+        for name in ("all", "qv"):
+            out = llm.generate(PROMPTS, GREEDY, detokenize=False, lora=ref(case, name))
+            assert [o.token_ids for o in out] == expected[name], name
+        assert llm.engine.scheduler.counts().spec_drafts > 0
+    finally:
+        llm.engine.shutdown()
