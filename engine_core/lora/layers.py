@@ -7,9 +7,9 @@ its own output rows of B, so one shrink and one expand per slot serve all its sh
 ranks and shards are zeros. The scale is folded into B when a slot is written.
 
 A step's rows are grouped by slot (``LoraBatch``): for each slot in use,
-``out[rows] += (x[rows] @ a[slot].T) @ b[slot].T``. This torch form is the reference; on CUDA
-a segment kernel (shrink then expand over each request's contiguous rows, grouped by slot, as
-the peers' SGMV/BGMV do) can take its place from ``LoraBatch.token_slots``.
+``out[rows] += (x[rows] @ a[slot].T) @ b[slot].T``. This torch form is the reference, which the
+CPU runs; on CUDA the segment kernels of ``triton_lora.py`` (shrink then expand over runs of one
+slot's rows) take its place. An MoE layer's experts carry slots of their own (``LoraExperts``).
 """
 
 from __future__ import annotations
