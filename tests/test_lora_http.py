@@ -208,6 +208,38 @@ def test_lora_requests_are_counted_per_adapter(fixed_server: Server) -> None:
     assert counts.get("chat", 0) >= 1 and counts.get("sql", 0) >= 1
 
 
+def test_the_load_generator_spreads_requests_over_adapters(
+    fixed_server: Server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`tandem bench --model sql,chat,BASE` names each in turn: every request completes and
+    each adapter is counted for its third of them."""
+    from tests.test_loadgen_live import bench
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(f"{fixed_server.base_url}/metrics", timeout=10).text
+        return {
+            name: metric_value(text, f'tandem_lora_requests_total{{lora_name="{name}"')
+            for name in ("sql", "chat")
+        }
+
+    before = counts()
+    models = f"sql,chat,{tiny_model_dir}"
+    args = [
+        "--backend", "openai-completions", "--url", fixed_server.base_url, "--model", models,
+        "-n", "6", "--input-len", "8", "--output-len", "4", "--ignore-eos", "--no-progress",
+    ]  # fmt: skip
+    rc, doc = bench(args, tmp_path / "run.json")
+    assert rc == 0
+    assert doc["runs"][0]["summary"]["completed"] == 6
+    assert {name: counts()[name] - before[name] for name in before} == {"sql": 2, "chat": 2}
+
+
+def metric_value(text: str, prefix: str) -> float:
+    """The value of the one sample whose line starts with ``prefix`` (0 where none does)."""
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
 def test_requests_resume_with_their_adapter_after_the_engine_dies(
     fixed_server: Server, tiny_model_dir: Path
 ) -> None:
