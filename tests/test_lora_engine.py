@@ -402,3 +402,20 @@ def test_speculative_decoding_keeps_each_adapters_tokens(
         assert llm.engine.scheduler.counts().spec_drafts > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_the_benchmark_writes_adapters_that_load(tmp_path: Path) -> None:
+    """`python -m benchmarks serving --lora N`'s random adapters (benchmarks/lora_adapters.py)
+    pass the loader against their preset, every projection of every layer at the rank asked."""
+    from benchmarks.lora_adapters import model_config, serve_flags, write_random_adapters
+
+    config = model_config("smollm2-135m")
+    folders = write_random_adapters(config, tmp_path, count=2, rank=4)
+    assert list(folders) == ["lora0", "lora1"]
+    for folder in folders.values():
+        adapter = load_adapter(folder, config, max_rank=4)
+        assert len(adapter.weights) == 4 * config.num_layers
+        assert {p.rank for parts in adapter.weights.values() for p in parts} == {4}
+    flags = serve_flags(folders, 4)
+    assert flags[:5] == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "4"]
+    assert flags[6:] == [f"lora0={folders['lora0']}", f"lora1={folders['lora1']}"]
