@@ -14,6 +14,12 @@ and one table with Tandem's advantage per column.
 
 Random presets take the default model's tokenizer ($TANDEM_TOKENIZER_DIR where the default
 model is absent, as on the GPU machine).
+
+With --lora N, both servers serve N random rank-R adapters (benchmarks/lora_adapters.py, PEFT's
+layout) beside the base model, and the requests name them in turn: the issue's many-adapter
+figure is this run's output tok/s over the same run without --lora.
+
+    python -m benchmarks serving --model llama-8b --workloads 64:128:256 --lora 8
 """
 
 from __future__ import annotations
@@ -66,6 +72,11 @@ def add_args(parser: argparse.ArgumentParser, workloads: str = DEFAULT_WORKLOADS
         "--loadgen-args", default="",
         help="extra load-generator flags, e.g. '--client-processes 4' at hundreds of streams",
     )  # fmt: skip
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="N",
+        help="serve N random LoRA adapters and spread the requests over them (default: none)",
+    )  # fmt: skip
+    parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default: 16)")
     parser.add_argument("--port", type=int, default=8100, help="Tandem's; vLLM's is one more")
     parser.add_argument("--out-dir", type=Path, help="server logs and loadgen JSON (default: tmp)")
     parser.add_argument("--json", type=Path, help="write the provenance and figures here")
@@ -85,10 +96,11 @@ def compare(
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="tandem-serving-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = model_folder(args.model, out_dir)
+    loadgen_args = shlex.split(args.loadgen_args)
+    if args.lora:
+        loadgen_args += add_lora_flags(args, out_dir)
     servers = build_servers(args, model_dir)
-    results = run_sequential(
-        servers, args.workloads, tokenizer, out_dir, args.runs, shlex.split(args.loadgen_args)
-    )
+    results = run_sequential(servers, args.workloads, tokenizer, out_dir, args.runs, loadgen_args)
     provenance = Provenance.here(args.argv)
     print_comparison(provenance, servers, results, metrics, out_dir)
     for line in notes(results) if notes else []:
@@ -96,6 +108,19 @@ def compare(
     if args.json:
         write_json(args.json, provenance, results)
     return 0
+
+
+def add_lora_flags(args: argparse.Namespace, out_dir: Path) -> list[str]:
+    """Write args.lora random adapters, add the flags that serve them to both servers' extra
+    flags, and return the load generator's (the adapters' names, each in turn)."""
+    from benchmarks.lora_adapters import model_config, serve_flags, write_random_adapters
+
+    config = model_config(args.model)
+    folders = write_random_adapters(config, out_dir / "lora", args.lora, args.lora_rank)
+    flags = shlex.join(serve_flags(folders, args.lora_rank))
+    args.tandem_args = f"{args.tandem_args} {flags}"
+    args.vllm_args = f"{args.vllm_args} {flags}"
+    return ["--model", ",".join(folders)]
 
 
 def model_folder(model: str, out_dir: Path) -> tuple[Path | None, str]:

@@ -53,6 +53,12 @@ _HELP = {
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
     '"prompt_lookup_min": 2}\': greedy requests take the tokens that followed the last n '
     "tokens' earlier occurrence as drafts, scored in one step (engine_core/speculative.py)",
+    "enable_lora": "serve LoRA adapters (PEFT folders) that requests name: q/k/v/o and "
+    "gate/up/down targets, mixed with each other and the base model in one batch",
+    "max_loras": "LoRA adapters resident in device slots at once (a request waits for a slot)",
+    "max_cpu_loras": "LoRA adapters kept in host memory, least recently used out first "
+    "(default: --max-loras)",
+    "max_lora_rank": "the largest LoRA rank served; each slot is sized for it",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
 }

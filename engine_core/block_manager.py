@@ -13,7 +13,8 @@ Every block is in exactly one of three states:
 - used: reference count > 0 (appears in that many block tables).
 
 Prefix caching hashes full blocks as a chain, ``h_i = hash_block(h_{i-1}, tokens of block i)``,
-so a block's hash names the whole prefix up to its end.
+so a block's hash names the whole prefix up to its end. The chain starts from the request's
+LoRA adapter (``prefix_root``): the base model and every adapter cache apart.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from dataclasses import dataclass
 from engine_core.request import Request
 
 ROOT_HASH = 0  # the parent hash of a request's first block
+
+
+def prefix_root(request: Request) -> int:
+    """The parent hash of a request's first block: ROOT_HASH for the base model, the adapter's
+    own for a LoRA request (its K/V differ from the base model's on the same tokens), so the
+    base model and each adapter have prefix chains of their own and never share a block."""
+    if request.lora is None:
+        return ROOT_HASH
+    return hash(("lora", request.lora.name, request.lora.path))
 
 
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -130,7 +140,7 @@ class BlockManager:
         self._tables[rid], self._chain[rid] = table, chain
         if not self.enable_prefix_caching or not use_cache:
             return 0
-        parent = ROOT_HASH
+        parent = prefix_root(request)
         max_hits = (request.num_tokens - 1) // self.block_size
         for tokens in self._full_blocks(request.token_ids, max_hits):
             block_hash = hash_block(parent, tokens)
@@ -174,7 +184,7 @@ class BlockManager:
             return  # most steps: no block became full
         table = self._tables[request.request_id]
         token_ids, size = request.token_ids, self.block_size
-        parent = chain[-1] if chain else ROOT_HASH
+        parent = chain[-1] if chain else prefix_root(request)
         # Block by block, slicing each from the token list: a decode step fills one block, and
         # building the list of the full blocks first cost that common case twice as much.
         for index in range(len(chain), num_full):

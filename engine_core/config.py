@@ -264,6 +264,12 @@ class EngineConfig:
     runner: str = "auto"  # RUNNERS: generate, embed ("pooling"), or as the checkpoint says
     # JSON, as the peers spell it (engine_core/speculative.py SpeculativeConfig); None: off
     speculative_config: str | None = None
+    # LoRA (engine_core/lora/): adapters named by requests, at most max_loras in device slots at
+    # once and max_cpu_loras (None: max_loras) in host memory, of rank up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
 
     def speculation(self) -> SpeculativeConfig | None:
         """The parsed --speculative-config, or None."""
@@ -315,6 +321,23 @@ class EngineConfig:
                 f"equal to max_num_seqs ({self.max_num_seqs}): every running sequence takes a "
                 "token of each step's budget"
             )
+        self.check_lora()
+
+    def check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                f"({self.max_loras}): every adapter in a slot is also kept in host memory"
+            )
+        if self.enable_lora and self.tensor_parallel_size != 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+
+    @property
+    def lora_host_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def max_prefills_per_step(self) -> int:

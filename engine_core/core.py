@@ -68,6 +68,7 @@ class EngineCore:
             max_model_len=self.runner.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
             proposer=make_proposer(config.speculation()),
+            loras=self.runner.loras,
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.
         self.max_model_len = self.scheduler.max_model_len
@@ -96,7 +97,14 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
+        if request.lora is not None and self.runner.loras is None:
+            raise ValueError(
+                f"LoRA adapter {request.lora.name!r}: this engine serves none (--enable-lora)"
+            )
         self.scheduler.add_request(request)
+        if request.lora is not None:
+            assert self.runner.loras is not None
+            self.runner.loras.prepare(request.lora)  # read on a worker thread, if it must be
         if request.uses_penalties:
             self._penalised.add(request.request_id)
         if params.constraint is not None:
@@ -147,6 +155,8 @@ class EngineCore:
         request's tokens arrive one call later).
         """
         failed = self._settle_grammars() if self._compiling else []
+        if self.runner.loras is not None and self.runner.loras.has_errors:
+            failed += self._fail_unreadable_adapters()
         try:
             outputs = self._step_sync() if self._must_sync() else self._step_overlapped()
             outputs += failed
@@ -256,10 +266,30 @@ class EngineCore:
         self._compiling = still
         return failed
 
+    def _fail_unreadable_adapters(self) -> list[EngineOutput]:
+        """Fail the waiting requests whose adapter could not be read (a missing folder, a
+        refused config), with why. Rare, so the waiting queue is scanned only then."""
+        assert self.runner.loras is not None
+        errors = self.runner.loras.take_errors()
+        if not errors:
+            return []  # the reads that ended all succeeded
+        failed = []
+        for request in [r for r in self.scheduler.waiting if r.lora in errors]:
+            assert request.lora is not None
+            self.scheduler.abort_requests([request.request_id], FinishReason.ERROR)
+            error = errors[request.lora]
+            failed.append(EngineOutput(request, [], FinishReason.ERROR, error=error))
+        return failed
+
     def _nap_if_only_compiling(self) -> None:
-        """Nothing to run but grammars to wait for: nap on them rather than spin on the loop."""
-        if self._compiling:
-            futures = [r.grammar.future for r in self._compiling if r.grammar is not None]
+        """Nothing to run but grammars or adapters to wait for: nap on them rather than spin
+        on the loop."""
+        futures: list[concurrent.futures.Future[Any]] = [
+            r.grammar.future for r in self._compiling if r.grammar is not None
+        ]
+        if self.runner.loras is not None:
+            futures += self.runner.loras.loading_futures()
+        if futures:
             concurrent.futures.wait(futures, GRAMMAR_WAIT_S, concurrent.futures.FIRST_COMPLETED)
 
     def _process(self, step: LaunchedStep) -> list[EngineOutput]:

@@ -1,8 +1,9 @@
-"""Per-forward state (attention metadata and backend) in a scoped context, not loose globals.
+"""Per-forward state (attention metadata and backend, the step's LoRA rows) in a scoped context,
+not loose globals.
 
 The model runner enters ``forward_context(...)`` around each forward; attention layers read it with
-``get_forward_context()``. Layers therefore keep the plain ``forward(positions, hidden)`` shape
-that CUDA-graph capture needs.
+``get_forward_context()``, LoRA projections with ``current_lora_batch()``. Layers therefore keep
+the plain ``forward(positions, hidden)`` shape that CUDA-graph capture needs.
 """
 
 from __future__ import annotations
@@ -10,23 +11,30 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine_core.lora.batch import LoraBatch
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
     backend: AttentionBackend
+    lora: LoraBatch | None = None  # which rows use which adapter slot; None: no row does
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata, backend: AttentionBackend) -> Iterator[None]:
+def forward_context(
+    meta: AttentionMetadata, backend: AttentionBackend, lora: LoraBatch | None = None
+) -> Iterator[None]:
     global _current
-    previous, _current = _current, ForwardContext(meta, backend)
+    previous, _current = _current, ForwardContext(meta, backend, lora)
     try:
         yield
     finally:
@@ -37,3 +45,8 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention called outside forward_context()")
     return _current
+
+
+def current_lora_batch() -> LoraBatch | None:
+    """The step's LoRA rows; None outside a forward or where no row uses an adapter."""
+    return None if _current is None else _current.lora

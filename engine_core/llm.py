@@ -21,7 +21,13 @@ from engine_core.config import EngineConfig
 from engine_core.embedding import check_pooling
 from engine_core.request import Request
 from protocol.codec import validate_pooling_params, validate_sampling_params
-from protocol.messages import FinishReason, PoolingParams, SamplingParams, TokenLogprobs
+from protocol.messages import (
+    FinishReason,
+    LoraRef,
+    PoolingParams,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 @dataclass
@@ -70,8 +76,11 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         detokenize: bool = True,
+        lora: LoraRef | Sequence[LoraRef | None] | None = None,
     ) -> list[CompletionOutput]:
         """Run every prompt (text or token ids) to completion; outputs in prompt order.
+        ``lora``: the LoRA adapter of every prompt, or one per prompt (None: the base model;
+        the engine needs ``enable_lora=True``).
 
         All or nothing: a prompt or parameters the engine refuses raise ValueError before any
         prompt runs, and leave the engine as it was."""
@@ -80,9 +89,12 @@ class LLM:
             validate_sampling_params(p)
             if p.constraint is not None:
                 self.engine.grammar_compiler().check(p.constraint)
+        loras = list(lora) if isinstance(lora, Sequence) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
         requests = [
-            Request(f"offline-{next(self._ids)}", self._encode(prompt), p)
-            for prompt, p in zip(prompts, params_list, strict=True)
+            Request(f"offline-{next(self._ids)}", self._encode(prompt), p, lora=adapter)
+            for prompt, p, adapter in zip(prompts, params_list, loras, strict=True)
         ]
         self._add_all(requests)
         outputs = {

@@ -32,6 +32,10 @@ from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.loader import LoadedModel, load_model
+from engine_core.lora.adapter import check_lora_model, load_adapter, target_shapes
+from engine_core.lora.batch import LoraBatch, lora_batch
+from engine_core.lora.layers import install_lora
+from engine_core.lora.manager import LoraManager
 from engine_core.memory_plan import (
     CUDA_HEADROOM_BYTES,
     ModelTooLargeError,
@@ -67,6 +71,7 @@ class ModelInputs:
     prompt_rows: torch.Tensor | None = None
     prompt_rows_cpu: list[int] | None = None  # the same rows on the host
     ids_from: torch.Tensor | None = None  # the input ids not yet in input_ids (PackedInputs)
+    lora: LoraBatch | None = None  # which rows use which LoRA slot; None: none does
 
 
 @dataclass
@@ -220,6 +225,8 @@ class ModelRunner:
         self.model = loaded.module
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
+        # Adapter slots take their memory before the KV cache is sized from what is left.
+        self.loras = self._install_lora() if config.enable_lora else None
         # This process's share of the KV heads: all of them unless tensor-parallel.
         self.num_kv_heads = self.model_config.num_kv_heads // config.tensor_parallel_size
         limit = self.model_config.max_position_embeddings
@@ -263,6 +270,37 @@ class ModelRunner:
         return load_model(
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
         )
+
+    def _install_lora(self) -> LoraManager:
+        """Give every targetable projection its adapter slots (engine_core/lora/), and the
+        manager that fills them."""
+        config, model_config = self.config, self.model_config
+        check_lora_model(model_config)
+        if model_config.embedding is not None:
+            raise ValueError("--enable-lora: an embedding model serves no LoRA adapters")
+        try:
+            layers = install_lora(
+                self.model,
+                target_shapes(model_config),
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+            )
+        except torch.cuda.OutOfMemoryError:
+            raise ModelTooLargeError(
+                f"--max-loras {config.max_loras} LoRA slots of rank {config.max_lora_rank} do "
+                "not fit beside the model; lower --max-loras or --max-lora-rank"
+            ) from None
+        load = partial(load_adapter, config=model_config, max_rank=config.max_lora_rank)
+        logger.info(
+            "LoRA: %d slots of rank %d (%.1f MiB), %d adapters in host memory",
+            config.max_loras,
+            config.max_lora_rank,
+            sum(layer.num_bytes for layer in layers.values()) / 2**20,
+            config.lora_host_capacity,
+        )
+        return LoraManager(layers, load, config.max_loras, config.lora_host_capacity)
 
     def _init_step_state(self) -> None:
         """What carries from one step to the next: the last step's sampled ids, the ring of
@@ -359,7 +397,9 @@ class ModelRunner:
         )
 
     def shutdown(self) -> None:
-        """Release what outlives the object (tensor-parallel workers); nothing here."""
+        """Release what outlives the object (tensor-parallel workers; here the LoRA reader)."""
+        if self.loras is not None:
+            self.loras.shutdown()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -429,6 +469,11 @@ class ModelRunner:
         graphs bake in its addresses); None on the CPU or when ``enforce_eager`` is set."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
+        if self.loras is not None:
+            # The LoRA product groups rows by slot on the host each step (no graph-safe kernel
+            # yet): every step runs eagerly (docs/design/lora.md).
+            logger.warning("--enable-lora: running without CUDA graphs for now")
+            return None
         if self.model_config.embedding is not None:
             # Embedding engines run eagerly (for now): their steps are prompt chunks, and the
             # decode graphs would compute logits that they never read, with no head for them.
@@ -472,7 +517,7 @@ class ModelRunner:
             )
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)
-        with forward_context(inputs.meta, self.backend):
+        with forward_context(inputs.meta, self.backend, inputs.lora):
             return self.model(inputs.input_ids, inputs.positions)
 
     # ---- one step -----------------------------------------------------------------------------
@@ -492,7 +537,20 @@ class ModelRunner:
         self._scoring = None
         if out.prompt_logprob_seqs:
             rows, self._scoring = plan_prompt_scoring(out, packed.meta.query_start_loc_cpu)
-        return model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
+        inputs = model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
+        if self.loras is not None:
+            inputs.lora = self._lora_rows(out, packed.meta.query_start_loc_cpu)
+        return inputs
+
+    def _lora_rows(self, out: SchedulerOutput, query_start: list[int]) -> LoraBatch | None:
+        """Which of the step's rows use which adapter slot (None: only the base model's)."""
+        assert self.loras is not None
+        slot_of = self.loras.slot_of
+        row_slots = [
+            (query_start[i + 1] - query_start[i], slot_of(s.request.request_id))
+            for i, s in enumerate(out.scheduled)
+        ]
+        return lora_batch(row_slots, self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.messages import (
     FinishReason,
+    LoraRef,
     PoolingKind,
     PoolingParams,
     RequestTimings,
@@ -56,6 +57,7 @@ class Request:
     # An embedding request: its prompt runs, nothing is sampled, and it ends (POOLED) with the
     # step that ran its last prompt token, its vector pooled by the runner (engine_core/pooler.py).
     pooling: PoolingParams | None = None
+    lora: LoraRef | None = None  # its LoRA adapter (engine_core/lora/); None: the base model
 
     # Written by the scheduler (engine_core/scheduler.py) only.
     # token_ids = prompt + outputs; the tokens [0, num_computed_tokens) have K/V in the cache.

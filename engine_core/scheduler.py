@@ -37,6 +37,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
@@ -49,6 +50,9 @@ from engine_core.request import (
 )
 from engine_core.speculative import Proposer, accepted_run
 from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, FinishReason
+
+if TYPE_CHECKING:
+    from engine_core.lora.manager import LoraManager
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +69,14 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Sequence[int],
         proposer: Proposer | None = None,
+        loras: LoraManager | None = None,
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
-        next tokens of the greedy requests that decode."""
+        next tokens of the greedy requests that decode. ``loras``: the adapter slots
+        (engine_core/lora/manager.py), which a request with an adapter needs one of to run."""
         self.config = config
         self.proposer = proposer
+        self.loras = loras
         self.max_drafts = proposer.max_drafts if proposer is not None else 0
         self.block_manager = BlockManager(
             num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -271,6 +278,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
+        if self.loras is not None:
+            self.loras.release(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -298,12 +307,20 @@ class Scheduler:
         return budget
 
     def _next_to_admit(self) -> Request | None:
-        """The first waiting request that can run: one whose grammar still compiles waits
-        without holding up those behind it."""
+        """The first waiting request that can run: one whose grammar still compiles, or whose
+        LoRA adapter is still loading or finds no free slot, waits without holding up those
+        behind it."""
         for request in self.waiting:
-            if request.grammar is None or request.grammar.ready:
+            if request.grammar is not None and not request.grammar.ready:
+                continue
+            if request.lora is None or self._holds_adapter(request):
                 return request
         return None
+
+    def _holds_adapter(self, request: Request) -> bool:
+        """Whether the request's adapter is in a slot it holds (taking one if it can)."""
+        assert request.lora is not None and self.loras is not None  # EngineCore checked
+        return self.loras.acquire(request.request_id, request.lora)
 
     def _admit(self, request: Request, budget: int) -> int:
         """Move a waiting request into the batch; the tokens it computes now, or 0."""
@@ -556,4 +573,6 @@ class Scheduler:
         request.finish_reason = reason
         request.finish_time = time.monotonic()
         self.block_manager.free(request.request_id)
+        if self.loras is not None:
+            self.loras.release(request.request_id)
         del self.requests[request.request_id]

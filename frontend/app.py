@@ -23,14 +23,21 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from frontend.chat import chat, checked_template_kwargs, prepare_chat, stream_chat
 from frontend.completions import complete, prepare_completion, stream_completion
 from frontend.embeddings import check_embedding_request, embed
-from frontend.errors import OpenAIError, as_openai_error, error_response, http_exception_error
+from frontend.errors import (
+    OpenAIError,
+    as_openai_error,
+    bad_request,
+    error_response,
+    http_exception_error,
+)
+from frontend.lora import LoraRegistry
 from frontend.metrics import CONTENT_TYPE
 from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, StreamingLane, StreamRoute
 from frontend.openai_schemas import (
@@ -38,9 +45,11 @@ from frontend.openai_schemas import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from frontend.responses import not_found, prepare_response, respond, stream_response
 from frontend.responses_schemas import ResponsesRequest
@@ -164,7 +173,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         card = ModelCard(
             id=ctx.served_model, root=state.model_root, max_model_len=ctx.max_model_len
         )
-        return ModelList(data=[card])
+        return ModelList(data=[card, *lora_cards(ctx)])
 
     @app.get("/v1/engine")
     async def engine() -> dict[str, Any]:
@@ -191,6 +200,36 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             admission.release()
 
     add_token_routes(app, ctx)
+    add_lora_routes(app, ctx)
+
+
+def lora_cards(ctx: ServingContext) -> list[ModelCard]:
+    """/v1/models' entries of the LoRA adapters: each with its folder and its base model."""
+    if ctx.loras is None:
+        return []
+    return [
+        ModelCard(id=name, root=ref.path, parent=ctx.served_model, max_model_len=ctx.max_model_len)
+        for name, ref in ctx.loras.adapters.items()
+    ]
+
+
+def add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """vLLM's routes for adapters at run time (frontend/lora.py): 403 unless
+    --allow-runtime-lora-updates, 400 where LoRA is off."""
+
+    def registry() -> LoraRegistry:
+        if ctx.loras is None:
+            raise bad_request("LoRA is not enabled on this server (--enable-lora)")
+        return ctx.loras
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        message = await registry().load(body.lora_name, body.lora_path)
+        return PlainTextResponse(message)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        return PlainTextResponse(registry().unload(body.lora_name))
 
 
 def add_response_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -227,9 +227,7 @@ async def chat(ctx: ServingContext, req: ChatCompletionRequest, gen: ChatGenerat
                 finish_reason=finish_reason(c.finish_reason, bool(message.tool_calls)),
             )
         )
-    resp = ChatCompletionResponse(
-        id=gen.id, model=ctx.served_model, choices=choices, usage=gen.usage()
-    )
+    resp = ChatCompletionResponse(id=gen.id, model=gen.model, choices=choices, usage=gen.usage())
     if req.prompt_logprobs is not None:
         first = gen.choices[0]
         resp.prompt_logprobs = vllm_prompt_logprobs(ctx, first.prompt_ids, first.prompt_logprobs)
@@ -306,7 +304,7 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
 async def stream_chat(
     ctx: ServingContext, req: ChatCompletionRequest, gen: ChatGeneration
 ) -> AsyncIterator[str]:
-    writer = ChunkWriter(gen.id, "chat.completion.chunk", ctx.served_model, req.include_usage)
+    writer = ChunkWriter(gen.id, "chat.completion.chunk", gen.model, req.include_usage)
     streams = [ChoiceStream(gen.tools, req, gen.reasoning) for _ in gen.choices]
     last = ""  # the stream's end, sent in one write (see AdmittedStreamingResponse)
     try:

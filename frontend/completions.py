@@ -86,7 +86,7 @@ async def complete(ctx: ServingContext, req: CompletionRequest, gen: Generation)
         if req.prompt_logprobs is not None:
             choice.prompt_logprobs = vllm_prompt_logprobs(ctx, c.prompt_ids, c.prompt_logprobs)
         choices.append(choice)
-    resp = CompletionResponse(id=gen.id, model=ctx.served_model, choices=choices, usage=gen.usage())
+    resp = CompletionResponse(id=gen.id, model=gen.model, choices=choices, usage=gen.usage())
     return resp.model_dump(exclude_none=False)
 
 
@@ -95,7 +95,7 @@ async def stream_completion(
 ) -> AsyncIterator[str]:
     """SSE chunks. The echo goes out first; with logprobs it waits for the choice's first output,
     which brings the prompt's logprobs."""
-    writer = ChunkWriter(gen.id, "text_completion", ctx.served_model, req.include_usage)
+    writer = ChunkWriter(gen.id, "text_completion", gen.model, req.include_usage)
     offsets = [0] * len(gen.choices)
     echo = echo_texts(ctx, req, gen)
     echo_due = [bool(echo)] * len(gen.choices)  # choices whose echo is still to be sent

@@ -32,6 +32,7 @@ from protocol.codec import ProtocolError, validate_sampling_params
 from protocol.messages import (
     Constraint,
     FinishReason,
+    LoraRef,
     RequestOutput,
     SamplingParams,
     TokenLogprobs,
@@ -105,8 +106,11 @@ class Generation:
         stream_interval: int | None = None,
         keep_output: bool = True,
         text: TextOptions = TextOptions(),
+        lora: LoraRef | None = None,
     ) -> None:
         self.ctx = ctx
+        # The name the response reports: the LoRA adapter's the request chose, or the base's.
+        self.model = ctx.served_model if lora is None else lora.name
         self.keep_output = keep_output
         self.id = request_id  # the response id; engine requests are "{id}-{choice index}"
         self.arrival = arrival  # when the HTTP request came in: TTFT includes tokenization
@@ -123,7 +127,9 @@ class Generation:
         self._stepwise = any(c.text.has_stop_strings for c in self.choices)
         interval = self._output_interval()
         self.requests = [
-            EngineRequest(f"{request_id}-{c.index}", c.prompt_ids, params[c.index % n], 0, interval)
+            EngineRequest(
+                f"{request_id}-{c.index}", c.prompt_ids, params[c.index % n], 0, interval, lora=lora
+            )
             for c in self.choices
         ]
         # The open engine group's members, by their index in it: all choices at first; after
@@ -155,7 +161,12 @@ class Generation:
         stop = req.stop_strings
         keep = max_tokens > 0
         text = TextOptions(req.skip_special_tokens, req.include_stop_str_in_output)
-        return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep, text)
+        # Resolved here, once: an adapter unloaded since the request's first check is a 404
+        # now, never a silent run on the base model.
+        lora = ctx.lora_for(req.model)
+        if lora is not None:
+            ctx.metrics.record_lora_request(lora.name)
+        return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep, text, lora)
 
     async def send(self) -> None:
         """Send the engine requests now; ``run`` then follows them. A streamed response sends

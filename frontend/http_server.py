@@ -23,11 +23,13 @@ from typing import Any
 import uvicorn
 
 from common.processes import ParentWatch, freeze_startup_heap, spread_young_collections
+from engine_core.loader import RANDOM_PREFIX
 from frontend.admission import AdmissionGate
 from frontend.app import ServerState, build_app
 from frontend.constraints import ConstraintChecker
 from frontend.engine_pool import EngineGauges, EnginePool
 from frontend.engines import EngineSpec, EngineTimeouts, connect_engine, supervise_engines
+from frontend.lora import lora_registry
 from frontend.metrics import Metrics
 from frontend.reasoning import ReasoningParser, get_reasoning_parser
 from frontend.serving_context import ServingContext
@@ -126,6 +128,7 @@ def build_state(
         max_resumes=resumes_allowed(args, specs),
         resume_timeout_s=args.resume_timeout,
         embedding=ready.embedding,
+        loras=lora_registry(args, engine_model_of(args, model_dir)),
     )
 
     return ServerState(
@@ -135,6 +138,12 @@ def build_state(
         api_key=args.api_key,
         engine_info=lambda: engine_info(specs, name, role),
     )
+
+
+def engine_model_of(args: argparse.Namespace, model_dir: Path) -> str:
+    """What the engine cores load (frontend/serve.py): a random preset by name, else the folder
+    the model resolved to."""
+    return args.model if args.model.startswith(RANDOM_PREFIX) else str(model_dir)
 
 
 def engine_info(specs: list[EngineSpec], model: str, role: ApiRole) -> dict[str, Any]:

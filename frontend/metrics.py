@@ -121,6 +121,11 @@ class Metrics:
             "Per finished request that was drafted for: the share of its draft tokens it kept.",
             (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
         )
+        self.lora_requests = self._counter(
+            "tandem_lora_requests",
+            "Completion, chat and responses requests served with a LoRA adapter, by adapter.",
+            "lora_name",
+        )
         self.rejected = self._counter(
             "tandem_requests_rejected",
             "HTTP requests refused before reaching the engine, by reason (overloaded).",
@@ -232,6 +237,9 @@ class Metrics:
 
     def record_resume_latency(self, seconds: float) -> None:
         self.resume_latency.labels(**self._label).observe(seconds)
+
+    def record_lora_request(self, lora_name: str) -> None:
+        self.lora_requests.labels(lora_name=lora_name, **self._label).inc()
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.labels(reason=reason, **self._label).inc()

@@ -448,6 +448,19 @@ def check_continuation(
         raise ValueError("continue_final_message continues a last message of the assistant")
 
 
+class LoadLoraAdapterRequest(RequestBody):
+    """POST /v1/load_lora_adapter, vLLM's body (its load_inplace is not served: refused)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(RequestBody):
+    """POST /v1/unload_lora_adapter, vLLM's body (lora_int_id is vLLM's own id: refused)."""
+
+    lora_name: str
+
+
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
@@ -653,6 +666,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -190,7 +190,7 @@ def response_body(
         "status": status,
         "error": None,
         "incomplete_details": incomplete,
-        "model": ctx.served_model,
+        "model": run.gen.model,
         "instructions": req.instructions,
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,

@@ -42,10 +42,12 @@ REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")  # frontend/reason
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     from engine_core.args import add_engine_args
+    from frontend.lora import add_lora_args
     from protocol.curve import add_client_args
 
     add_http_args(parser)
     add_engine_link_args(parser)
+    add_lora_args(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     add_client_args(parser)
     add_engine_args(parser)
@@ -177,6 +179,11 @@ def run(args: argparse.Namespace) -> int:
             logger.error("cannot listen on %s port %s: %s", args.host, args.port, exc)
             return 1
     engine_model, model_dir = resolve_for_serving(args.model)
+    try:
+        check_lora_modules(args, engine_model)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     # API processes read the engines' pids from files here (mkdtemp: 0700, only we read them).
     pid_dir = tempfile.TemporaryDirectory(prefix="tandem-api-", ignore_cleanup_errors=True)
     with pid_dir if listeners else contextlib.nullcontext():
@@ -225,6 +232,7 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     from common import event_loop
     from engine_core.args import engine_config_from_args
     from frontend.engines import changed_engine_flags
+    from frontend.lora import check_lora_args
     from protocol.curve import client_keys_from_args
 
     event_loop.loop_name()  # a bad TANDEM_EVENT_LOOP fails here, with its message
@@ -246,7 +254,16 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
             "`tandem engine`)"
         )
     engine_config_from_args(args)  # raises ValueError on limits that do not fit together
+    check_lora_args(args)
     return curve
+
+
+def check_lora_modules(args: argparse.Namespace, engine_model: str) -> None:
+    """Read and check every --lora-modules adapter against the model, before any engine
+    starts (ValueError naming a bad one)."""
+    from frontend.lora import lora_registry
+
+    lora_registry(args, engine_model, check=True)
 
 
 def use_engine_flag(args: argparse.Namespace) -> None:

@@ -16,13 +16,14 @@ from frontend.errors import (
     engine_unavailable,
     overloaded,
 )
+from frontend.lora import LoraRegistry
 from frontend.metrics import Metrics
 from frontend.reasoning import ReasoningParser
 from frontend.response_store import ResponseStore
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
 from protocol.client import EngineDeadError
-from protocol.messages import Constraint, EmbeddingModel
+from protocol.messages import Constraint, EmbeddingModel, LoraRef
 
 
 @dataclass
@@ -44,6 +45,8 @@ class ServingContext:
     # The engine's embedding model (its Ready says): it serves /v1/embeddings and refuses to
     # generate. None: a generative model, which refuses /v1/embeddings.
     embedding: EmbeddingModel | None = None
+    # The LoRA adapters served by name (frontend/lora.py); None: LoRA is off.
+    loras: LoraRegistry | None = None
 
     def check_generates(self) -> None:
         """The 400 of completions and chat on an embedding model."""
@@ -85,6 +88,14 @@ class ServingContext:
             raise as_openai_error(exc) from None
 
     def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the base model or a served LoRA adapter (or not given)."""
+        self.lora_for(model)
+
+    def lora_for(self, model: str | None) -> LoraRef | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a name
+        that is not served."""
+        if self.loras is not None:
+            return self.loras.resolve(model)
         if model is not None and model != self.served_model:
             raise OpenAIError(
                 404,
@@ -92,6 +103,7 @@ class ServingContext:
                 param="model",
                 code="model_not_found",
             )
+        return None
 
     async def wait_for_engine(self) -> None:
         """Go on once an engine core serves. While the only one restarts, a new request waits

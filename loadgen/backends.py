@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -104,6 +105,8 @@ class OpenAIBackend:
         self.clock = clock
         self.options = options
         self.model = model
+        # --model A,B,...: the requests name each in turn (LoRA adapters of one base model).
+        self._names = itertools.cycle(model.split(",")) if model and "," in model else None
         self.model_root: str | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeouts = httpx.Timeout(timeout, connect=30.0)
@@ -128,7 +131,7 @@ class OpenAIBackend:
     def body(self, spec: RequestSpec) -> tuple[str, dict[str, Any]]:
         """The route and JSON body for one request."""
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": self.model if self._names is None else next(self._names),
             "max_tokens": spec.output_len,
             "temperature": self.options.temperature,
             "stream": True,

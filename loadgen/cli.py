@@ -46,7 +46,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument("--api-key", default=None, help="HTTP: sent as 'Authorization: Bearer'")
     target.add_argument(
-        "--model", default=None, help="HTTP: model name in requests (default: the server's)"
+        "--model",
+        default=None,
+        help="HTTP: model name in requests (default: the server's); NAME,NAME,... names each "
+        "in turn (LoRA adapters served beside their base model)",
     )
     target.add_argument(
         "--tokenizer",

@@ -19,7 +19,8 @@ Field layouts (after the type tag and the version):
                     constraint = nil | [kind, spec], logit_bias = [ids: i32 bytes, f64 bytes]],
                     num_output_tokens (the tail of prompt_ids already generated: a resume),
                     output_interval (tokens the engine gathers before it sends them; >= 1),
-                    [pooling = [kind, normalize, dimensions | nil]] (an embedding request only)
+                    [pooling = [kind, normalize, dimensions | nil]] (an embedding request only),
+                    [lora = [name, path]] (a LoRA request only: its pooling then travels as nil)
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
@@ -83,6 +84,7 @@ from protocol.messages import (
     FinishReason,
     Heartbeat,
     Hello,
+    LoraRef,
     MsgType,
     PoolingKind,
     PoolingParams,
@@ -109,6 +111,7 @@ MAX_CONSTRAINT_BYTES = 1 << 20  # a JSON schema or a grammar; compilation has it
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
 MAX_EMBEDDING_DIMS = 1 << 16  # values of one pooled vector: beyond any model's hidden size
+MAX_LORA_STR_LEN = 4096  # a LoRA adapter's name or folder path (PATH_MAX)
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 
@@ -437,7 +440,29 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
         validate_pooling_params(msg.pooling, rid)
         _check_pooled(msg, v)
         fields.append(_encode_pooling(msg.pooling))
+    if msg.lora is not None:
+        if msg.pooling is None:
+            fields.append(None)
+        fields.append(_encode_lora(msg.lora, v))
     return fields
+
+
+def _encode_lora(lora: LoraRef, v: _Validator) -> list[Any]:
+    if not isinstance(lora, LoraRef):
+        raise v.fail(f"lora must be LoraRef, got {type(lora).__name__}")
+    return [_lora_part(lora.name, "lora name", v), _lora_part(lora.path, "lora path", v)]
+
+
+def _decode_lora(value: Any, v: _Validator) -> LoraRef:
+    name, path = v.list_(value, "lora", 2)
+    return LoraRef(_lora_part(name, "lora name", v), _lora_part(path, "lora path", v))
+
+
+def _lora_part(value: Any, what: str, v: _Validator) -> str:
+    text = v.str_(value, what, MAX_LORA_STR_LEN)
+    if not text or "\0" in text:
+        raise v.fail(f"{what} must be a non-empty string without NUL")
+    return text
 
 
 def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Validator) -> None:
@@ -469,21 +494,34 @@ def _decode_pooling(value: Any, v: _Validator) -> PoolingParams:
 
 
 def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
+    fields, lora_field = _lora_tail(fields)
     fixed, pooling = _with_trailing(fields, "ADD_REQUEST fields", 5, v)
     rid, ids, params, num_output, interval = fixed
     rid = v.rid(rid)
+    lora = None if lora_field is _NO_LORA else _decode_lora(lora_field, v)
     ids = v.ids(ids, "prompt_token_ids")
     if not ids:
         raise v.fail("prompt_token_ids must not be empty")
     params = _SAMPLING_PARAMS.from_wire(params, v)
     _check_resumed(num_output, len(ids), params, v)
     interval = v.int_(interval, "output_interval", 1, INT32_MAX)
-    msg = AddRequest(rid, ids, params, num_output, interval)
+    msg = AddRequest(rid, ids, params, num_output, interval, lora=lora)
     if pooling is None:
         return msg
     msg = dataclasses.replace(msg, pooling=_decode_pooling(pooling, v))
     _check_pooled(msg, v)
     return msg
+
+
+_NO_LORA = object()  # an ADD_REQUEST frame without the LoRA field (not one that holds nil)
+
+
+def _lora_tail(fields: Any) -> tuple[Any, Any]:
+    """An ADD_REQUEST's fields before its LoRA adapter, and the adapter as it travels: only a
+    frame of 7 fields has one (its sixth, the pooling, nil where the request has none)."""
+    if type(fields) is not list or len(fields) != 7:
+        return fields, _NO_LORA
+    return (fields[:5] if fields[5] is None else fields[:6]), fields[6]
 
 
 # ---- sampling params --------------------------------------------------------------------------

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 #    decoding and RequestTimings a request's draft and accepted tokens; embeddings: AddRequest
 #    may carry pooling, a step's output its pooled vector, Ready the engine's embedding model;
 #    each a trailing field that a frame without it leaves out
-PROTOCOL_VERSION = 7
+# 8: AddRequest may carry a LoRA adapter (``lora``: name and folder), a trailing field after
+#    pooling (nil there where a LoRA request has no pooling); every other frame is unchanged
+PROTOCOL_VERSION = 8
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -187,6 +189,18 @@ class AddRequest:
     # An embedding request (params, num_output_tokens and output_interval at their defaults:
     # it samples nothing); None: a generation.
     pooling: PoolingParams | None = None
+    # The LoRA adapter the request runs with; None: the base model.
+    lora: LoraRef | None = None
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """A LoRA adapter as a request names it: the name it is served under and the PEFT folder
+    the engine loads it from (on the engine's host) when it has no copy of it. The pair is the
+    adapter's identity in the engine: its cached weights and its prefix-cache blocks."""
+
+    name: str
+    path: str
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def test_an_engine_death_in_the_batch_that_ends_every_choice_ends_the_stream() -
         engine=engine,
         metrics=NoMetrics(),
         max_resumes=3,
+        served_model="m",
         resume_timeout_s=120.0,
         wait_for_engine=wait_for_engine,
         tokenizer=SimpleNamespace(

@@ -42,6 +42,7 @@ from protocol.messages import (
     FinishReason,
     Heartbeat,
     Hello,
+    LoraRef,
     MsgType,
     PoolingKind,
     PoolingParams,
@@ -99,6 +100,9 @@ EXAMPLES = [
     Control(ControlKind.SHUTDOWN, 2**64 - 1),
     AddRequest("embed", [1, 2, 3], pooling=PoolingParams()),
     AddRequest("embed-mean", [1], pooling=PoolingParams(PoolingKind.MEAN, False, 65536)),
+    AddRequest("lora", [1, 2], lora=LoraRef("sql", "/adapters/sql")),
+    AddRequest("lora-resumed", [5, 6], SamplingParams(max_tokens=9), 1, 4, lora=LoraRef("a", "b")),
+    AddRequest("lora-pooled", [1], pooling=PoolingParams(), lora=LoraRef("a", "b")),
     Ready("default", 2048, 49152, [2], 16, 1000, 256),
     Ready("/models/x", 1, 1, [], 1, 0, 1),
     Ready("e", 8, 9, [], 16, 4, 2, EmbeddingModel(PoolingKind.MEAN, True, 1, True, (1,))),
@@ -696,6 +700,46 @@ def test_pooling_travels_as_a_trailing_field_of_its_own() -> None:
         encode(StepOutputs([RequestOutput("a", [], FinishReason.POOLED, embedding=[1.5])]))
     )
     assert len(step) == 11 and step[10] == [[0, struct.pack("<f", 1.5)]]
+
+
+# ---- LoRA: a trailing field after the pooling ------------------------------------------------
+
+
+def lora_add_frame(lora: Any) -> bytes:
+    """A valid LoRA ADD_REQUEST frame for id "r", its adapter replaced by ``lora``."""
+    obj = unpack(encode(AddRequest("r", [1, 2], lora=LoraRef("a", "/p"))))
+    obj[8] = lora
+    return msgpack.packb(obj)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        lora_add_frame(None),
+        lora_add_frame(["a"]),
+        lora_add_frame(["a", "/p", "x"]),
+        lora_add_frame(["", "/p"]),
+        lora_add_frame(["a", ""]),
+        lora_add_frame(["a", 5]),
+        lora_add_frame(["a", "/p\0"]),
+        lora_add_frame(["a" * 5000, "/p"]),
+        lora_add_frame({"name": "a"}),
+    ],
+)
+def test_malformed_lora_is_an_error_for_that_request(frame: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_client_message(frame)
+    assert info.value.request_id == "r"
+
+
+def test_lora_travels_after_a_nil_pooling() -> None:
+    """A generation's frame has no LoRA field; a LoRA request's has the pooling as nil, then it."""
+    plain = unpack(encode(AddRequest("r", [1])))
+    lora = unpack(encode(AddRequest("r", [1], lora=LoraRef("sql", "/a/sql"))))
+    assert len(lora) == len(plain) + 2 == 9
+    assert lora[:7] == plain and lora[7] is None and lora[8] == ["sql", "/a/sql"]
+    with pytest.raises(ProtocolError):
+        encode(AddRequest("r", [1], lora=LoraRef("", "/a")))
 
 
 def f32(*values: float) -> bytes:

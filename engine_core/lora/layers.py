@@ -1,0 +1,250 @@
+"""Projections with LoRA slots, and the LoRA product of a batch that mixes adapters.
+
+Each targeted projection keeps, for every slot, one stacked A and one B sized for the largest
+rank: ``a`` [slots, shards * max_rank, in] and ``b`` [slots, out, shards * max_rank]. Shard i of
+a merged projection (q, k, v; gate, up) owns rank columns [i * max_rank, i * max_rank + r) and
+its own output rows of B, so one shrink and one expand per slot serve all its shards; unused
+ranks and shards are zeros. The scale is folded into B when a slot is written.
+
+A step's rows are grouped by slot (``LoraBatch``): for each slot in use,
+``out[rows] += (x[rows] @ a[slot].T) @ b[slot].T``. This torch form is the reference, which the
+CPU runs; on CUDA the segment kernels of ``triton_lora.py`` (shrink then expand over runs of one
+slot's rows) take its place. An MoE layer's experts carry slots of their own (``LoraExperts``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_core.forward_context import current_lora_batch
+from engine_core.lora.adapter import EXPERTS, LoraWeights, TargetShape
+from engine_core.lora.batch import LoraBatch
+from engine_core.models.layers import silu_and_mul, use_triton
+from engine_core.models.moe import SparseMoE
+
+
+def add_lora(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch
+) -> torch.Tensor:
+    """out [T, O] += each row's slot's x @ A.T @ B.T (x [T, I], a [S, R, I], b [S, O, R]): the
+    segment kernels on CUDA (triton_lora.py, not yet run on a GPU), the torch reference
+    elsewhere."""
+    if use_triton(x):
+        from engine_core.lora.triton_lora import add_lora_segments  # imports triton
+
+        return add_lora_segments(out, x, a, b, batch.segments)
+    return add_lora_reference(out, x, a, b, batch)
+
+
+def add_lora_reference(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch
+) -> torch.Tensor:
+    """The torch form: rows grouped by slot, one gather, shrink, expand and index_add_ each."""
+    for slot, rows in batch.groups:
+        if rows is None:
+            out += (x @ a[slot].T) @ b[slot].T
+        else:
+            xs = x.index_select(0, rows)  # [n, I]
+            out.index_add_(0, rows, (xs @ a[slot].T) @ b[slot].T)
+    return out
+
+
+class LoraLinear(nn.Module):
+    """A projection with LoRA slots: the base layer's output plus, for each row whose request
+    has an adapter, that adapter's delta. The base layer keeps its form (packed for the CPU,
+    quantized); the delta reads the plain input."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        shape: TargetShape,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.shape = shape
+        self.max_rank = max_rank
+        width = len(shape.output_sizes) * max_rank
+        out = sum(shape.output_sizes)
+        # Plain attributes, not parameters: the checkpoint loader and the memory plan see the
+        # base model's weights only; these are the adapters' (the runner counts them).
+        self.lora_a = torch.zeros(num_slots, width, shape.in_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(num_slots, out, width, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        batch = current_lora_batch()
+        if batch is None:
+            return out
+        return add_lora(out, x, self.lora_a, self.lora_b, batch)
+
+    def write_slot(self, slot: int, parts: list[LoraWeights]) -> None:
+        """Put an adapter's parts for this projection into ``slot`` (zeros where it has none)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        offsets = [0]
+        for size in self.shape.output_sizes:
+            offsets.append(offsets[-1] + size)
+        for part in parts:
+            shard = 0 if part.shard is None else part.shard
+            cols = slice(shard * self.max_rank, shard * self.max_rank + part.rank)
+            rows = (
+                slice(0, offsets[-1])
+                if part.shard is None
+                else slice(offsets[shard], offsets[shard + 1])
+            )
+            self.lora_a[slot, cols].copy_(part.a)
+            self.lora_b[slot, rows, cols].copy_(part.b)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b))
+
+
+class LoraExperts(nn.Module):
+    """An MoE layer (models/moe.py SparseMoE) with LoRA slots on every expert's gate_up and down
+    projections: per slot and expert, ``a13`` [R, H] / ``b13`` [2I, R] and ``a2`` [R, I] /
+    ``b2`` [H, R]. Rows of the base model run the layer as it is; a step with adapter rows runs
+    the experts in torch, (token, k) pairs grouped by expert and slot (``lora_experts``)."""
+
+    def __init__(
+        self,
+        base: SparseMoE,
+        shape: TargetShape,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        experts, hidden, gate_up = shape.num_experts, shape.in_features, shape.output_sizes[0]
+        self.max_rank = max_rank
+
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(num_slots, experts, *size, dtype=dtype, device=device)
+
+        self.a13, self.b13 = zeros(max_rank, hidden), zeros(gate_up, max_rank)
+        self.a2, self.b2 = zeros(max_rank, gate_up // 2), zeros(hidden, max_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = current_lora_batch()
+        if batch is None:
+            return self.base(x)
+        weights, ids = self.base.route_tokens(x)  # [T, K] each
+        return lora_experts(x, self.base, weights, ids, batch.token_slots, self)
+
+    def write_slot(self, slot: int, parts: list[LoraWeights]) -> None:
+        self.clear_slot(slot)
+        for part in parts:
+            a, b = (self.a13, self.b13) if part.shard == 0 else (self.a2, self.b2)
+            a[slot, :, : part.rank].copy_(part.a)
+            b[slot, :, :, : part.rank].copy_(part.b)
+
+    def clear_slot(self, slot: int) -> None:
+        for t in (self.a13, self.b13, self.a2, self.b2):
+            t[slot].zero_()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a13, self.b13, self.a2, self.b2))
+
+
+def lora_experts(
+    x: torch.Tensor,
+    moe: SparseMoE,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    lora: LoraExperts,
+) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert ids[t, k] (x[t]) with row t's adapter on that
+    expert (x [T, H] -> [T, H]): the (token, k) pairs grouped by (expert, slot), one SwiGLU per
+    group with the slot's deltas added to its gate_up and down products. float32 sum, as the
+    base model's reference (models/moe.py grouped_experts)."""
+    num_slots = lora.a13.shape[0] + 1  # slot -1 (the base model) is key 0
+    top_k = ids.shape[1]
+    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)  # [T*K]
+    keys = ids.flatten().long() * num_slots + token_slots.long()[tokens] + 1
+    order = keys.argsort(stable=True)
+    counts = torch.bincount(keys, minlength=moe.w13.shape[0] * num_slots).tolist()
+    pair_weights = weights.flatten()[order]
+    tokens = tokens[order]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for key, count in enumerate(counts):
+        if count:
+            expert, slot = divmod(key, num_slots)
+            rows = tokens[start : start + count]
+            y = expert_with_lora(x.index_select(0, rows), moe, lora, expert, slot - 1)
+            out.index_add_(0, rows, y.float() * pair_weights[start : start + count, None])
+        start += count
+    return out.to(x.dtype)
+
+
+def expert_with_lora(
+    x: torch.Tensor, moe: SparseMoE, lora: LoraExperts, expert: int, slot: int
+) -> torch.Tensor:
+    """One expert's SwiGLU over rows x [n, H], with slot ``slot``'s deltas (none for -1)."""
+    gate_up = x @ moe.w13[expert].T  # [n, 2I]
+    if slot >= 0:
+        gate_up += (x @ lora.a13[slot, expert].T) @ lora.b13[slot, expert].T
+    act = silu_and_mul(gate_up)  # [n, I]
+    y = act @ moe.w2[expert].T  # [n, H]
+    if slot >= 0:
+        y += (act @ lora.a2[slot, expert].T) @ lora.b2[slot, expert].T
+    return y
+
+
+LoraModule = LoraLinear | LoraExperts
+
+
+def install_lora(
+    model: nn.Module,
+    shapes: dict[tuple[int, str], TargetShape],
+    num_slots: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[tuple[int, str], LoraModule]:
+    """Wrap every targetable projection of a loaded Llama-family model in a LoraLinear (an MoE
+    layer's experts in a LoraExperts); the wrappers by (layer, module)."""
+    layers = model.model.layers
+    wrapped: dict[tuple[int, str], LoraModule] = {}
+    for (layer, name), shape in shapes.items():
+        parent_name, attr = name.split(".")
+        if name == EXPERTS:
+            parent, attr = layers[layer], "mlp"
+        else:
+            parent = getattr(layers[layer], parent_name)
+        base = getattr(parent, attr)
+        lora: LoraModule
+        if name == EXPERTS:
+            if not isinstance(base, SparseMoE):
+                raise ValueError(f"LoRA: layer {layer}'s MLP is a {type(base).__name__}")
+            lora = LoraExperts(base, shape, num_slots, max_rank, dtype, device)
+        else:
+            check_shape(base, shape, layer, name)
+            lora = LoraLinear(base, shape, num_slots, max_rank, dtype, device)
+        setattr(parent, attr, lora)
+        wrapped[layer, name] = lora
+    return wrapped
+
+
+def check_shape(base: nn.Module, shape: TargetShape, layer: int, name: str) -> None:
+    """The model's projection is the one the adapters are checked against."""
+    in_features = getattr(base, "in_features", None)
+    out_features = getattr(base, "out_features", None)
+    if (in_features, out_features) != (shape.in_features, sum(shape.output_sizes)):
+        raise ValueError(
+            f"LoRA: layer {layer}'s {name} is {in_features} -> {out_features}, not the "
+            f"{shape.in_features} -> {sum(shape.output_sizes)} its config says"
+        )

@@ -1,0 +1,182 @@
+"""The LoRA adapters this API process serves by name: ``--lora-modules NAME=PATH ...`` at start,
+and, with ``--allow-runtime-lora-updates``, ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (vLLM's routes and bodies: ``lora_name``, ``lora_path``).
+
+A request picks an adapter with ``"model": NAME``; its engine requests then carry the adapter's
+``LoraRef`` (name and folder), and the engine core reads the folder when it has no copy
+(docs/design/lora.md). Each adapter is read and checked here before its name is served, with
+the engine's own loader, so a bad adapter is refused at start or by the load route naming the
+problem rather than failing the requests that name it. Unloading stops serving the name; the
+requests already sent with it finish with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_core.config import ModelConfig
+from engine_core.lora.adapter import LoraError, check_lora_model, load_adapter
+from frontend.errors import OpenAIError, bad_request
+from protocol.messages import LoraRef
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    group.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="PEFT LoRA adapters to serve, each under its NAME: a request with "
+        '"model": NAME runs with it (listed by /v1/models with the base model as parent)',
+    )  # fmt: skip
+    group.add_argument(
+        "--allow-runtime-lora-updates", action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (bodies: "
+        "lora_name, lora_path; behind --api-key when set): vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING as a flag (default: off)",
+    )  # fmt: skip
+
+
+def parse_lora_modules(values: list[str] | None) -> dict[str, str]:
+    """``NAME=PATH`` pairs by name; ValueError naming a malformed or repeated one."""
+    modules: dict[str, str] = {}
+    for value in values or []:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {value!r}: give NAME=PATH")
+        if name in modules:
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        modules[name] = path
+    return modules
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """ValueError for LoRA flags that do not go together."""
+    modules = parse_lora_modules(args.lora_modules)
+    local = not args.remote_engine
+    if local and not args.enable_lora and (modules or args.allow_runtime_lora_updates):
+        given = "--lora-modules" if modules else "--allow-runtime-lora-updates"
+        raise ValueError(f"{given} needs --enable-lora (the engine core's adapter slots)")
+    if args.allow_runtime_lora_updates and args.api_servers > 1:
+        raise ValueError(
+            "--allow-runtime-lora-updates with --api-servers > 1 is not supported: each API "
+            "process keeps its own list of adapters, and a load would reach only one of them"
+        )
+    name = args.served_model_name or args.model
+    if name in modules:
+        raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+
+
+@dataclass
+class LoraRegistry:
+    """The adapters served by name; every one was read and checked before it was added."""
+
+    base_name: str  # the base model's served name: /v1/models lists it as their parent
+    model_config: ModelConfig  # what adapters are checked against
+    max_rank: int  # --max-lora-rank
+    runtime_updates: bool = False  # --allow-runtime-lora-updates
+    adapters: dict[str, LoraRef] = field(default_factory=dict)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        check_lora_model(self.model_config)
+
+    def check(self, path: str) -> None:
+        """Read the adapter at ``path`` as the engine will; LoraError naming what is wrong."""
+        load_adapter(path, self.model_config, self.max_rank)
+
+    def add_checked(self, modules: dict[str, str]) -> None:
+        """The --lora-modules adapters, each read and checked (ValueError naming a bad one)."""
+        for name, path in modules.items():
+            try:
+                self.check(path)
+            except LoraError as exc:
+                raise ValueError(f"--lora-modules {name}: {exc}") from None
+            self.adapters[name] = LoraRef(name, str(Path(path).resolve()))
+
+    def resolve(self, model: str | None) -> LoraRef | None:
+        """The adapter a request's ``model`` names; None for the base model (or no name)."""
+        if model is None or model == self.base_name:
+            return None
+        ref = self.adapters.get(model)
+        if ref is None:
+            raise model_not_found(model, self.base_name, list(self.adapters))
+        return ref
+
+    async def load(self, name: str, path: str) -> str:
+        """Check and add an adapter (load_lora_adapter); the success message."""
+        self._check_updates()
+        if not name or not path:
+            raise bad_request("give both lora_name and lora_path", "lora_name")
+        async with self._lock:  # two loads of one name: the second is told it exists
+            if name == self.base_name or name in self.adapters:
+                raise bad_request(f"The lora adapter '{name}' has already been loaded.")
+            try:
+                await asyncio.to_thread(self.check, path)
+            except LoraError as exc:
+                raise bad_request(str(exc), "lora_path", "invalid_lora_adapter") from None
+            self.adapters[name] = LoraRef(name, str(Path(path).resolve()))
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload(self, name: str) -> str:
+        """Stop serving an adapter (unload_lora_adapter): requests already sent with it finish
+        with it; new ones naming it get 404."""
+        self._check_updates()
+        if self.adapters.pop(name, None) is None:
+            raise OpenAIError(
+                404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name"
+            )
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _check_updates(self) -> None:
+        if not self.runtime_updates:
+            raise OpenAIError(
+                403,
+                "Loading and unloading LoRA adapters at run time is off: start tandem serve "
+                "with --allow-runtime-lora-updates",
+                "forbidden",
+                code="lora_updates_disabled",
+            )
+
+
+def lora_registry(
+    args: argparse.Namespace, engine_model: str, check: bool = False
+) -> LoraRegistry | None:
+    """The API process's adapters: None unless LoRA is on (``--enable-lora``, or adapters
+    named for a remote engine). ``check``: read and check each --lora-modules adapter first
+    (the serve process does, before the engines start; the API processes then trust it)."""
+    modules = parse_lora_modules(args.lora_modules)
+    if not (args.enable_lora or modules):
+        return None
+    name = args.served_model_name or args.model
+    registry = LoraRegistry(
+        name, served_model_config(engine_model), args.max_lora_rank,
+        args.allow_runtime_lora_updates,
+    )  # fmt: skip
+    if check:
+        registry.add_checked(modules)
+    else:
+        registry.adapters = {n: LoraRef(n, str(Path(p).resolve())) for n, p in modules.items()}
+    return registry
+
+
+def served_model_config(engine_model: str) -> ModelConfig:
+    """The base model's config, as the engine core reads it (a folder or a random preset)."""
+    from engine_core.loader import RANDOM_PREFIX, load_model_config
+    from engine_core.models import model_config_from_hf
+    from engine_core.presets import hf_config
+
+    if engine_model.startswith(RANDOM_PREFIX):
+        return model_config_from_hf(hf_config(engine_model.removeprefix(RANDOM_PREFIX)))
+    return load_model_config(Path(engine_model))
+
+
+def model_not_found(model: str, base: str, adapters: list[str]) -> OpenAIError:
+    served = ", ".join(f"`{name}`" for name in [base, *adapters])
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist. Served: {served}.",
+        param="model",
+        code="model_not_found",
+    )

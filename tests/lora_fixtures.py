@@ -1,0 +1,54 @@
+"""LoRA adapters for tests, written by the peft library in its real layout, with random A and B
+(peft starts B at zero, which would make every adapter the base model), and HF transformers +
+PEFT's greedy tokens as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(
+    base_dir: Path, out: Path, seed: int, *, std: float = 0.2, **lora_fields: Any
+) -> Path:
+    """A LoRA adapter of the model at ``base_dir`` (``LoraConfig(**lora_fields)``: every
+    projection by default), its A and B drawn from N(0, std) with ``seed``, saved by peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    fields = {"r": 4, "lora_alpha": 8, "target_modules": ALL_TARGETS, **lora_fields}
+    model = get_peft_model(base, LoraConfig(**fields))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_greedy(base_dir: Path, adapter: Path | None, prompt: list[int], new: int) -> list[int]:
+    """HF transformers + PEFT's greedy tokens for ``prompt`` (the base model's without an
+    adapter), EOS disabled so both sides generate ``new`` tokens."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
