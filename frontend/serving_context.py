@@ -21,6 +21,7 @@ from frontend.reasoning import ReasoningParser
 from frontend.response_store import ResponseStore
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
+from frontend.tracing import RequestTracer
 from protocol.client import EngineDeadError
 from protocol.messages import Constraint, EmbeddingModel
 
@@ -44,6 +45,7 @@ class ServingContext:
     # The engine's embedding model (its Ready says): it serves /v1/embeddings and refuses to
     # generate. None: a generative model, which refuses /v1/embeddings.
     embedding: EmbeddingModel | None = None
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint: the engine's spans go here
 
     def check_generates(self) -> None:
         """The 400 of completions and chat on an embedding model."""
