@@ -156,7 +156,10 @@ class TracingMiddleware:
 
         async def send_recording_status(message: Message) -> None:
             if message["type"] == "http.response.start":
-                span.set_attribute("http.response.status_code", message["status"])
+                status = message["status"]
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:  # a server's span is an error for 5xx only (OTel's HTTP rules)
+                    span.set_status(trace.StatusCode.ERROR)
             await send(message)
 
         try:

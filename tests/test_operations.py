@@ -21,13 +21,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.metrics import VLLM_NAMES
 from tests.server_fixture import Server, free_port, start_server, stop_server, tiny_server
-
-pytest.importorskip("opentelemetry.proto")
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
 __all__ = ["tiny_server"]  # the fixture, imported for pytest
 
@@ -204,6 +202,20 @@ def test_request_id_is_returned_and_logged(ops_server: Server) -> None:
     while wanted not in ops_server.log_path.read_text(errors="replace"):
         assert time.monotonic() < deadline, ops_server.log_tail()
         time.sleep(0.1)
+
+
+def test_a_stream_carries_the_request_id(ops_server: Server) -> None:
+    body = {
+        "model": client_of(ops_server).models.list().data[0].id,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    url = f"{ops_server.base_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, headers={"X-Request-Id": "stream-7"}) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["x-request-id"] == "stream-7"
+        assert reply.read().endswith(b"data: [DONE]\n\n")
 
 
 def test_request_id_is_made_when_none_is_sent(tiny_server: Server) -> None:
