@@ -280,6 +280,10 @@ def test_multi_node_passes_the_issue_65_flags(tmp_path: Path) -> None:
             "remoteEngine.curve.frontendSecretKey (or existingSecret) is required",
         ),
         (
+            {"model": {"path": "m"}, "tensorParallelSize": 4, "gpu": {"count": 2}},
+            "tensorParallelSize 4 needs 4 GPUs, but gpu.count gives the engine 2",
+        ),
+        (
             {"model": {"path": "m"}, "multiNode": {"enabled": True}, **REMOTE_ENGINE},
             "does not go with remoteEngine.enabled",
         ),
@@ -294,6 +298,7 @@ def test_multi_node_passes_the_issue_65_flags(tmp_path: Path) -> None:
         "misspelt-value",
         "remote-without-address",
         "remote-without-keys",
+        "too-few-gpus",
         "multi-node-and-remote",
     ],
 )

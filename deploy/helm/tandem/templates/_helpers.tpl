@@ -62,6 +62,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - --curve-server-key
 - /etc/tandem/curve/engine.key
 {{- else }}
+{{- include "tandem.checkGpus" . }}
 - --tensor-parallel-size
 - {{ .Values.tensorParallelSize | quote }}
 {{- end }}
@@ -200,4 +201,13 @@ terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
 - $(LWS_LEADER_ADDRESS)
 - --master-port
 - {{ .root.Values.multiNode.masterPort | quote }}
+{{- end -}}
+
+{{/* One engine's tensor-parallel ranks need a GPU each: the pod's (all the group's pods'). */}}
+{{- define "tandem.checkGpus" -}}
+{{- $pods := ternary (int .Values.multiNode.nodes) 1 .Values.multiNode.enabled -}}
+{{- $gpus := mul (int .Values.gpu.count) $pods -}}
+{{- if and .Values.gpu.count (gt (int .Values.tensorParallelSize) (int $gpus)) -}}
+{{- fail (printf "tensorParallelSize %d needs %d GPUs, but gpu.count gives the engine %d" (int .Values.tensorParallelSize) (int .Values.tensorParallelSize) (int $gpus)) -}}
+{{- end -}}
 {{- end -}}
