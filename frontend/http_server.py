@@ -70,7 +70,7 @@ async def serve_http(
     )  # while the engines load
     pool = EnginePool([])
     tasks: list[asyncio.Task[None]] = []
-    state = None
+    state: ServerState | None = None
     try:
         for spec in specs:  # they load in parallel; the handshakes just wait for each in turn
             pool.engines.append(await connect_engine(spec, timeouts))

@@ -24,7 +24,7 @@ from frontend.errors import OpenAIError, error_response
 HEADER = b"x-request-id"
 MAX_REQUEST_ID_LEN = 128
 REQUEST_ID_CHARS = "letters, digits and . _ : - / + = @"
-_VALID = re.compile(r"[A-Za-z0-9._:\-/+=@]{1,128}")
+_VALID = re.compile(rf"[A-Za-z0-9._:\-/+=@]{{1,{MAX_REQUEST_ID_LEN}}}")
 
 # The id of the request the current task serves; tasks it starts inherit it (asyncio copies
 # the context), so a handler's helpers log under the same id.

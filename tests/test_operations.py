@@ -25,7 +25,14 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.metrics import VLLM_NAMES
-from tests.server_fixture import Server, free_port, start_server, stop_server, tiny_server
+from tests.server_fixture import (
+    API_KEY,
+    Server,
+    free_port,
+    start_server,
+    stop_server,
+    tiny_server,
+)
 
 __all__ = ["tiny_server"]  # the fixture, imported for pytest
 
@@ -109,7 +116,9 @@ def ops_server(
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
     try:
         log_dir = tmp_path_factory.mktemp("serve-ops")
-        srv = start_server(log_dir, model=str(tiny_model_dir), args=(), extra=extra)
+        srv = start_server(
+            log_dir, api_key=API_KEY, model=str(tiny_model_dir), args=(), extra=extra
+        )
     finally:
         if old is None:
             del os.environ["OTEL_BSP_SCHEDULE_DELAY"]
@@ -122,7 +131,8 @@ def ops_server(
 
 
 def client_of(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    key = server.api_key or "unused"
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
 
 
 def chat(server: Server, headers: dict[str, str]) -> openai.APIResponse:
@@ -153,8 +163,14 @@ def test_cors_preflight_answers_an_allowed_origin(ops_server: Server) -> None:
     assert reply.headers["access-control-allow-origin"] == ORIGIN
     assert reply.headers["access-control-allow-credentials"] == "true"
     assert set(reply.headers["access-control-allow-methods"].split(", ")) == {"GET", "POST"}
-    # And a simple cross-origin request gets the header on its answer.
-    models = httpx.get(f"{ops_server.base_url}/v1/models", headers={"Origin": ORIGIN})
+    # The preflight needed no API key; the request itself does, and its answers, the 401 too
+    # (so that the page can read why), carry the header.
+    url = f"{ops_server.base_url}/v1/models"
+    refused = httpx.get(url, headers={"Origin": ORIGIN})
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == ORIGIN
+    models = httpx.get(url, headers={"Origin": ORIGIN, **ops_server.headers})
+    assert models.status_code == 200
     assert models.headers["access-control-allow-origin"] == ORIGIN
 
 
@@ -212,7 +228,8 @@ def test_a_stream_carries_the_request_id(ops_server: Server) -> None:
         "stream": True,
     }
     url = f"{ops_server.base_url}/v1/chat/completions"
-    with httpx.stream("POST", url, json=body, headers={"X-Request-Id": "stream-7"}) as reply:
+    headers = {"X-Request-Id": "stream-7", **ops_server.headers}
+    with httpx.stream("POST", url, json=body, headers=headers) as reply:
         assert reply.status_code == 200
         assert reply.headers["x-request-id"] == "stream-7"
         assert reply.read().endswith(b"data: [DONE]\n\n")
@@ -318,7 +335,8 @@ def test_probes_are_not_traced(ops_server: Server, collector: Collector) -> None
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     headers = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}
     httpx.get(f"{ops_server.base_url}/health", headers=headers)
-    httpx.get(f"{ops_server.base_url}/v1/models", headers=headers)  # traced: a marker
+    models = f"{ops_server.base_url}/v1/models"
+    httpx.get(models, headers={**headers, **ops_server.headers})  # traced: a marker
     spans = collector.spans_of_trace(trace_id, 1)
     assert [s.name for s in spans] == ["llm_request"]
     path = {a.key: a.value.string_value for a in spans[0].attributes}["url.path"]
