@@ -56,6 +56,7 @@ from frontend.engines import (
     supervise_engines,
 )
 from frontend.http_server import ApiRole, announce, serve_http
+from frontend.request_id import tag_log_records
 from protocol.address import EngineAddress
 from protocol.client import EngineDeadError
 from protocol.curve import client_keys_from_args
@@ -251,8 +252,10 @@ def main() -> int:
     args = argparse.Namespace(**settings["args"])
     logging.basicConfig(
         level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s [api {settings['index']}]: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s [api {settings['index']}]%(request_tag)s: "
+        "%(message)s",
     )
+    tag_log_records()
     exit_on_sigterm()  # uvicorn drains, then the SystemExit ends the run
     role = ApiRole(
         settings["index"],

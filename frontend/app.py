@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from frontend.chat import chat, checked_template_kwargs, prepare_chat, stream_chat
@@ -51,11 +53,14 @@ from frontend.openai_schemas import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
+from frontend.operations import CorsSettings
+from frontend.request_id import RequestIdMiddleware
 from frontend.responses import not_found, prepare_response, respond, stream_response
 from frontend.responses_schemas import ResponsesRequest
 from frontend.serving_context import ServingContext
 from frontend.sse import DONE
 from frontend.tokenizer import ChatRender
+from frontend.tracing import TracingMiddleware
 
 logger = logging.getLogger("tandem.frontend")
 
@@ -72,6 +77,7 @@ class ServerState:
     api_key: str | None = None
     engine_info: Callable[[], dict[str, Any]] = dict  # GET /v1/engine: address, pid, ...
     stats_interval_s: float = 1.0
+    cors: CorsSettings | None = None  # --allowed-origins and its companions; None: no CORS
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -94,7 +100,12 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(StreamingLane, routes=streaming_routes(state.serving))
     if state.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)  # outermost
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)
+    if state.cors is not None:  # a preflight needs no API key: browsers send it without one
+        app.add_middleware(CORSMiddleware, **dataclasses.asdict(state.cors))
+    if state.serving.tracer is not None:
+        app.add_middleware(TracingMiddleware, tracer=state.serving.tracer)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries the id
     add_routes(app, state)
     watch_frontend_state(state.serving)
     return app

@@ -18,6 +18,7 @@ non-streamed response flushes each choice once, at its end.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,8 @@ from protocol.output_interval import OutputInterval
 # (protocol/codec.py): 64 tokens with 20 top logprobs are 16 KB a request, 16 MB at 1,024
 # requests, where 1,024 tokens would have been about 260 MB.
 MAX_OUTPUT_INTERVAL = 64
+
+logger = logging.getLogger("tandem.frontend")
 
 # ---- per-choice state -------------------------------------------------------------------------
 
@@ -166,6 +169,8 @@ class Generation:
         lora = ctx.lora_for(req.model)
         if lora is not None:
             ctx.metrics.record_lora_request(lora.name)
+        # Logged under the client's X-Request-Id (frontend/request_id.py): the mapping to ours.
+        logger.debug("engine requests %s-*", rid)
         return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep, text, lora)
 
     async def send(self) -> None:
@@ -321,6 +326,8 @@ class Generation:
         if out.finish_reason is not None:
             if out.timings is not None:
                 metrics.record_engine_timings(out.timings)
+                if self.ctx.tracer is not None:
+                    self.ctx.tracer.record_engine_request(out.request_id, out.timings, now)
             group.finished(self.members.index(choice.index))
             if out.finish_reason == FinishReason.ERROR:
                 raise OpenAIError(500, "the engine failed this request", "internal_error")

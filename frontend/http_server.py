@@ -31,10 +31,12 @@ from frontend.engine_pool import EngineGauges, EnginePool
 from frontend.engines import EngineSpec, EngineTimeouts, connect_engine, supervise_engines
 from frontend.lora import lora_registry
 from frontend.metrics import Metrics
+from frontend.operations import cors_settings
 from frontend.reasoning import ReasoningParser, get_reasoning_parser
 from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
 from frontend.tools import tool_support
+from frontend.tracing import RequestTracer
 from protocol.messages import EmbeddingModel, PoolingKind, Ready
 
 logger = logging.getLogger("tandem.frontend")
@@ -70,6 +72,7 @@ async def serve_http(
     )  # while the engines load
     pool = EnginePool([])
     tasks: list[asyncio.Task[None]] = []
+    state: ServerState | None = None
     try:
         for spec in specs:  # they load in parallel; the handshakes just wait for each in turn
             pool.engines.append(await connect_engine(spec, timeouts))
@@ -91,6 +94,8 @@ async def serve_http(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await pool.close()
+        if state is not None and state.serving.tracer is not None:
+            state.serving.tracer.shutdown()  # the spans still batched go out
 
 
 def build_state(
@@ -107,7 +112,7 @@ def build_state(
     name = args.served_model_name or args.model
     waiting = args.max_waiting_requests
     waiting = 3 * ready.max_num_seqs if waiting is None else max(waiting, 0)
-    metrics = Metrics(name)
+    metrics = Metrics(name, args.metrics_name_alias)
     if len(specs) > 1:
         pool.gauges = EngineGauges(metrics.registry, name, len(specs))
     support, how = tool_support(hf_tokenizer, args.tool_call_parser)
@@ -129,6 +134,7 @@ def build_state(
         resume_timeout_s=args.resume_timeout,
         embedding=ready.embedding,
         loras=lora_registry(args, engine_model_of(args, model_dir)),
+        tracer=request_tracer(args, name),
     )
 
     return ServerState(
@@ -137,6 +143,7 @@ def build_state(
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key,
         engine_info=lambda: engine_info(specs, name, role),
+        cors=cors_settings(args),
     )
 
 
@@ -144,6 +151,10 @@ def engine_model_of(args: argparse.Namespace, model_dir: Path) -> str:
     """What the engine cores load (frontend/serve.py): a random preset by name, else the folder
     the model resolved to."""
     return args.model if args.model.startswith(RANDOM_PREFIX) else str(model_dir)
+def request_tracer(args: argparse.Namespace, model: str) -> RequestTracer | None:
+    """This process's tracer (each API process exports its own spans), or None: not traced."""
+    endpoint = args.otlp_traces_endpoint
+    return None if endpoint is None else RequestTracer(endpoint, model)
 
 
 def engine_info(specs: list[EngineSpec], model: str, role: ApiRole) -> dict[str, Any]:

@@ -6,7 +6,9 @@ finishes it. Engine-wide gauges (running and waiting requests, KV-cache usage) a
 (prefix-cache queries and hits, preemptions, tokens per step) come from a periodic
 ControlKind.STATS call; the counters are the engines' own counts (summed over engines and
 restarts by the EnginePool), exported as they are at each scrape by ``EngineCountsCollector``.
-Each server owns its registry, so two apps in one process never clash.
+Each server owns its registry, so two apps in one process never clash. With
+``--metrics-name-alias vllm`` the families whose meaning is vLLM's are also exposed under vLLM's
+names (``VLLM_NAMES``; docs/deployment.md lists them), so vLLM's Grafana dashboard reads them.
 """
 
 from __future__ import annotations
@@ -30,14 +32,48 @@ from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, RequestTimings, 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Our family -> vLLM's names for it, where the meaning is the same (vLLM v1's metrics; a few
+# have a second, older name that dashboards still read). Label names are vLLM's already
+# (model_name, finished_reason).
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "tandem_request_success": ("vllm:request_success",),
+    "tandem_prompt_tokens": ("vllm:prompt_tokens",),
+    "tandem_generation_tokens": ("vllm:generation_tokens",),
+    "tandem_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "tandem_time_per_output_token_seconds": (
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:time_per_output_token_seconds",
+    ),
+    "tandem_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",),
+    "tandem_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "tandem_request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "tandem_request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "tandem_request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "tandem_num_requests_running": ("vllm:num_requests_running",),
+    "tandem_num_requests_waiting": ("vllm:num_requests_waiting",),
+    "tandem_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "tandem_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "tandem_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "tandem_num_preemptions": ("vllm:num_preemptions",),
+    "tandem_iteration_tokens_total": ("vllm:iteration_tokens_total",),
+    "tandem_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "tandem_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "tandem_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+}
+METRIC_NAME_ALIASES = {"vllm": VLLM_NAMES}  # --metrics-name-alias
+
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
     """The server's metric families; record_* methods are called from the request handlers."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, alias: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        # The aliases live in a registry of their own: one that collected itself would loop.
+        self.aliases = CollectorRegistry()
+        if alias is not None:
+            self.aliases.register(RenamedCollector(self.registry, METRIC_NAME_ALIASES[alias]))
         self.model_name = model_name
         self._label = {"model_name": model_name}
         self._define_request_metrics()
@@ -251,7 +287,30 @@ class Metrics:
         self.engine_healthy.labels(**self._label).set(1.0 if healthy else 0.0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.aliases)
+
+
+class RenamedCollector(Collector):
+    """Each family of ``source`` named in ``names`` again under each of its other names (same
+    samples, same labels), collected at the scrape, so both names always agree."""
+
+    def __init__(self, source: CollectorRegistry, names: dict[str, tuple[str, ...]]) -> None:
+        self.source = source
+        self.names = names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            for alias in self.names.get(family.name, ()):
+                yield renamed(family, alias)
+
+
+def renamed(family: Metric, name: str) -> Metric:
+    """A copy of ``family`` called ``name``: its samples' names keep their suffixes."""
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    copy.samples = [
+        s._replace(name=name + s.name.removeprefix(family.name)) for s in family.samples
+    ]
+    return copy
 
 
 class EngineCountsCollector(Collector):

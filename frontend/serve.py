@@ -43,9 +43,11 @@ REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")  # frontend/reason
 def add_args(parser: argparse.ArgumentParser) -> None:
     from engine_core.args import add_engine_args
     from frontend.lora import add_lora_args
+    from frontend.operations import add_operations_args
     from protocol.curve import add_client_args
 
     add_http_args(parser)
+    add_operations_args(parser)
     add_engine_link_args(parser)
     add_lora_args(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -162,10 +164,13 @@ def run(args: argparse.Namespace) -> int:
     from engine_core.loader import resolve_for_serving
     from frontend.api_processes import bind_sockets
     from frontend.engines import plan_engines
+    from frontend.request_id import tag_log_records
 
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s%(request_tag)s: %(message)s",
     )
+    tag_log_records()
     try:
         curve = check_args(args)
     except ValueError as exc:
@@ -233,9 +238,11 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     from engine_core.args import engine_config_from_args
     from frontend.engines import changed_engine_flags
     from frontend.lora import check_lora_args
+    from frontend.operations import check_operations_args
     from protocol.curve import client_keys_from_args
 
     event_loop.loop_name()  # a bad TANDEM_EVENT_LOOP fails here, with its message
+    check_operations_args(args)
     use_engine_flag(args)
     curve = client_keys_from_args(args)
     if args.remote_engine and not args.engine_address:

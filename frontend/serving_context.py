@@ -22,6 +22,7 @@ from frontend.reasoning import ReasoningParser
 from frontend.response_store import ResponseStore
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
+from frontend.tracing import RequestTracer
 from protocol.client import EngineDeadError
 from protocol.messages import Constraint, EmbeddingModel, LoraRef
 
@@ -47,6 +48,7 @@ class ServingContext:
     embedding: EmbeddingModel | None = None
     # The LoRA adapters served by name (frontend/lora.py); None: LoRA is off.
     loras: LoraRegistry | None = None
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint: the engine's spans go here
 
     def check_generates(self) -> None:
         """The 400 of completions and chat on an embedding model."""

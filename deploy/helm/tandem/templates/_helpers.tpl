@@ -1,0 +1,213 @@
+{{- define "tandem.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tandem.labels" -}}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "tandem.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "tandem.apiKeySecret" -}}
+{{- .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "tandem.fullname" .)) -}}
+{{- end -}}
+
+{{- define "tandem.curveSecret" -}}
+{{- .Values.remoteEngine.curve.existingSecret | default (printf "%s-curve" (include "tandem.fullname" .)) -}}
+{{- end -}}
+
+{{- define "tandem.apiKeyEnabled" -}}
+{{- if or .Values.apiKey.value .Values.apiKey.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{/* The flags every `tandem serve` of this chart takes (the leader's too, in multi-node mode). */}}
+{{- define "tandem.serveArgs" -}}
+- --host
+- 0.0.0.0
+- --port
+- {{ .Values.service.port | quote }}
+- --model
+- {{ required "model.path is required (--model: a folder under model.mountPath, or \"default\")" .Values.model.path | quote }}
+{{- with .Values.model.servedModelName }}
+- --served-model-name
+- {{ . | quote }}
+{{- end }}
+{{- if include "tandem.apiKeyEnabled" . }}
+- --api-key
+- $(TANDEM_API_KEY)
+{{- end }}
+{{- if .Values.remoteEngine.enabled }}
+- --engine
+- {{ required "remoteEngine.engineAddress is required with remoteEngine.enabled" .Values.remoteEngine.engineAddress | quote }}
+- --curve-secret-key
+- /etc/tandem/curve/frontend.key_secret
+- --curve-server-key
+- /etc/tandem/curve/engine.key
+{{- else }}
+{{- include "tandem.checkGpus" . }}
+- --tensor-parallel-size
+- {{ .Values.tensorParallelSize | quote }}
+{{- end }}
+{{- with .Values.tracing.otlpTracesEndpoint }}
+- --otlp-traces-endpoint
+- {{ . | quote }}
+{{- end }}
+{{- with .Values.metricsNameAlias }}
+- --metrics-name-alias
+- {{ . | quote }}
+{{- end }}
+{{- with .Values.cors.allowedOrigins }}
+- --allowed-origins
+- {{ toJson . | quote }}
+{{- with $.Values.cors.allowedMethods }}
+- --allowed-methods
+- {{ toJson . | quote }}
+{{- end }}
+{{- with $.Values.cors.allowedHeaders }}
+- --allowed-headers
+- {{ toJson . | quote }}
+{{- end }}
+{{- if $.Values.cors.allowCredentials }}
+- --allow-credentials
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Environment, volume mounts and volumes shared by the Deployment and the LWS leader. */}}
+{{- define "tandem.env" -}}
+{{- if include "tandem.apiKeyEnabled" . }}
+- name: TANDEM_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.apiKeySecret" . }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.volumeMounts" -}}
+- name: shm
+  mountPath: /dev/shm
+{{- if .Values.model.volume }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if .Values.remoteEngine.enabled }}
+- name: curve
+  mountPath: /etc/tandem/curve
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.volumes" -}}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.shmSizeLimit }}
+{{- with .Values.model.volume }}
+- name: model
+{{ toYaml . | indent 2 }}
+{{- end }}
+{{- if .Values.remoteEngine.enabled }}
+- name: curve
+  secret:
+    secretName: {{ include "tandem.curveSecret" . }}
+    defaultMode: 0400  # tandem refuses secret key files that others may read
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.resources" -}}
+{{- $resources := deepCopy .Values.resources -}}
+{{- if and .Values.gpu.count (not .Values.remoteEngine.enabled) -}}
+{{- $limits := get $resources "limits" | default dict -}}
+{{- $_ := set $limits .Values.gpu.resourceName .Values.gpu.count -}}
+{{- $_ := set $resources "limits" $limits -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
+
+{{- define "tandem.probes" -}}
+startupProbe:
+  httpGet:
+    path: /health
+    port: http
+  periodSeconds: {{ .Values.probes.startup.periodSeconds }}
+  failureThreshold: {{ .Values.probes.startup.failureThreshold }}
+  timeoutSeconds: {{ .Values.probes.startup.timeoutSeconds }}
+readinessProbe:
+  httpGet:
+    path: /health
+    port: http
+  periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
+  timeoutSeconds: {{ .Values.probes.readiness.timeoutSeconds }}
+livenessProbe:
+  httpGet:
+    path: /health
+    port: http
+  periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
+  timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
+{{- end -}}
+
+{{- define "tandem.podSpecCommon" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+{{ toYaml . }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+{{ toYaml . | indent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+{{ toYaml . }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+{{ toYaml . | indent 2 }}
+{{- end }}
+terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+{{- end -}}
+
+{{/* Issue 65's multi-node flags (not in tandem yet); LWS sets the two variables in each pod. */}}
+{{- define "tandem.multiNodeArgs" -}}
+- --nnodes
+- {{ .root.Values.multiNode.nodes | quote }}
+- --node-rank
+- {{ .rank | quote }}
+- --master-addr
+- $(LWS_LEADER_ADDRESS)
+- --master-port
+- {{ .root.Values.multiNode.masterPort | quote }}
+{{- end -}}
+
+{{/* One engine's tensor-parallel ranks need a GPU each: the pod's (all the group's pods'). */}}
+{{- define "tandem.checkGpus" -}}
+{{- $pods := ternary (int .Values.multiNode.nodes) 1 .Values.multiNode.enabled -}}
+{{- $gpus := mul (int .Values.gpu.count) $pods -}}
+{{- if and .Values.gpu.count (gt (int .Values.tensorParallelSize) (int $gpus)) -}}
+{{- fail (printf "tensorParallelSize %d needs %d GPUs, but gpu.count gives the engine %d" (int .Values.tensorParallelSize) (int .Values.tensorParallelSize) (int $gpus)) -}}
+{{- end -}}
+{{- end -}}
