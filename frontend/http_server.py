@@ -151,6 +151,8 @@ def engine_model_of(args: argparse.Namespace, model_dir: Path) -> str:
     """What the engine cores load (frontend/serve.py): a random preset by name, else the folder
     the model resolved to."""
     return args.model if args.model.startswith(RANDOM_PREFIX) else str(model_dir)
+
+
 def request_tracer(args: argparse.Namespace, model: str) -> RequestTracer | None:
     """This process's tracer (each API process exports its own spans), or None: not traced."""
     endpoint = args.otlp_traces_endpoint
