@@ -1,0 +1,89 @@
+"""Layer groups of the KV cache: which layers share a block table, and how the tensors are laid out.
+
+Layers are grouped by kind (today: full attention, or a sliding window of W tokens; a chunked
+local-attention group of chunk C or a linear-attention state group would be further kinds). Every
+group has the same number of layers (``group_size``), so the cache is ``group_size`` K/V tensor
+pairs of ``num_blocks`` blocks each, and layer j of every group uses pair j: one block id names
+memory in one layer of each group, and a block held by a group costs that group's layers only. A
+window group can therefore give a block back to the shared pool and another group (or request)
+reuses the very bytes. The grouping follows vLLM's hybrid allocator (``kv_cache_utils``): the
+group size is the fewest layers of any kind (all of the most numerous kind when the counts are
+within 25%), and each kind is cut into groups of that size in layer order; a kind whose count is
+not a multiple pads its last group (those pairs go unused for its blocks).
+
+A model with one kind is one group of all its layers: the cache is laid out as it always was.
+docs/design/kv-layer-groups.md gives the reasons.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share one block table per request."""
+
+    window: int | None  # the layers' sliding window in tokens; None: full attention
+    layers: tuple[int, ...]  # model layer indices, in order; layer k uses cache pair k
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The model's layer groups and the cache pairs they share."""
+
+    groups: tuple[KVGroup, ...]  # full-attention groups first: group 0 is the plan's main table
+    group_size: int  # K/V tensor pairs in the cache; a block id costs this many layers
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(group.window for group in self.groups)
+
+    def placement(self, layer: int) -> tuple[int, int]:
+        """(group, cache pair) of model layer ``layer``."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise ValueError(f"layer {layer} is in no KV group")
+
+
+def group_layers(layer_windows: Sequence[int | None]) -> KVLayout:
+    """Group layers by their window (see the module's docstring)."""
+    if not layer_windows:
+        raise ValueError("a model with no attention layer has no KV cache to group")
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        if window is not None and window <= 0:
+            raise ValueError(f"layer {layer}: a sliding window must be positive, got {window}")
+        kinds.setdefault(window, []).append(layer)
+    counts = [len(layers) for layers in kinds.values()]
+    size = min(counts)
+    if max(counts) < 1.25 * size:
+        size = max(counts)
+    # Full attention first (None sorts before any window), then the windows smallest first.
+    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    groups = tuple(
+        KVGroup(window, tuple(kinds[window][i : i + size]))
+        for window in order
+        for i in range(0, len(kinds[window]), size)
+    )
+    return KVLayout(groups, size)
+
+
+def blocks_for_tokens(
+    windows: Sequence[int | None], num_tokens: int, block_size: int, chunk: int
+) -> int:
+    """The most blocks one sequence of ``num_tokens`` tokens holds at once over every group,
+    computed in chunks of at most ``chunk`` tokens: a full group keeps every block; a window
+    group the blocks of the window behind a chunk's first token and of the chunk itself (plus
+    one, as neither need start on a block boundary)."""
+    total = math.ceil(num_tokens / block_size)
+    held = 0
+    for window in windows:
+        if window is None:
+            held += total
+        else:
+            held += min(total, math.ceil((window - 1 + chunk) / block_size) + 1)
+    return held
