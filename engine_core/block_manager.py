@@ -472,15 +472,15 @@ class BlockManager:
                     f"{request_id}: group {group}'s table differs in length from group 0's",
                 )
                 assert other is not None
-                real = [b for b in other if b != self.null_block]
-                _require(len(set(real)) == len(real), f"block twice in one table: {other}")
                 behind = self._behind[request_id][group] if self._window_groups else 0
+                real = other[behind:]
+                _require(len(set(real)) == len(real), f"block twice in one table: {other}")
                 _require(
-                    all(b == self.null_block for b in other[:behind]) and self.null_block not in real,
-                    f"{request_id}: group {group}'s null entries are not its leading ones",
+                    all(b == self.null_block for b in other[:behind]),
+                    f"{request_id}: group {group}'s leading entries are not the null block",
                 )
                 _require(
-                    self.null_block is None or self.null_block not in other[behind:],
+                    self.null_block is None or self.null_block not in real,
                     f"{request_id}: group {group} holds the null block past its window",
                 )
         for tables in self._group_tables:

@@ -179,7 +179,7 @@ class _KVContent:
             table = self.bm.block_ids(request.request_id, group)
             for pos in range(request.num_computed_tokens, end):
                 block = table[pos // size]
-                assert block != self.bm.null_block, "a token is written where its table holds no block"
+                assert block != self.bm.null_block, "a token written where its table has no block"
                 self.slots[block * size + pos % size] = (group, request.token_ids[pos])
 
     def verify(self, request: Request) -> None:
