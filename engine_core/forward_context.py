@@ -7,7 +7,7 @@ that CUDA-graph capture needs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,17 +16,24 @@ from engine_core.attention.base import AttentionBackend, AttentionMetadata
 
 @dataclass
 class ForwardContext:
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata  # layer group 0's (the only one of most models)
     backend: AttentionBackend
+    # Every layer group's metadata, group 0's first (engine_core/kv_groups.py): they share all
+    # but the block tables and the slot mapping. Empty where the model has one group.
+    group_metadata: Sequence[AttentionMetadata] = ()
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata, backend: AttentionBackend) -> Iterator[None]:
+def forward_context(
+    meta: AttentionMetadata,
+    backend: AttentionBackend,
+    group_metadata: Sequence[AttentionMetadata] = (),
+) -> Iterator[None]:
     global _current
-    previous, _current = _current, ForwardContext(meta, backend)
+    previous, _current = _current, ForwardContext(meta, backend, group_metadata)
     try:
         yield
     finally:

@@ -21,6 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine_core.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class KVGroup:
@@ -87,3 +89,18 @@ def blocks_for_tokens(
         else:
             held += min(total, math.ceil((window - 1 + chunk) / block_size) + 1)
     return held
+
+
+def model_kv_layout(config: ModelConfig) -> KVLayout:
+    """The layer groups of a model: its layers' windows as the config gives them (the attention
+    layers take theirs from ``layer_sliding_window`` too; the runner checks they agree)."""
+    return group_layers([config.layer_sliding_window(i) for i in range(config.num_layers)])
+
+
+def pool_blocks_for_one_sequence(
+    layout: KVLayout, num_tokens: int, block_size: int, chunk: int
+) -> int:
+    """The pool a sequence of ``num_tokens`` tokens needs at its peak: its blocks over every
+    group, and the null block where a group has a window (block_manager.py)."""
+    has_window = any(w is not None for w in layout.windows)
+    return blocks_for_tokens(layout.windows, num_tokens, block_size, chunk) + int(has_window)
