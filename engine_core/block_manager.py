@@ -299,7 +299,7 @@ class BlockManager:
         table = self._tables.get(rid)
         num_tokens = request.num_computed_tokens + num_new_tokens
         if self._window_groups and table is not None:
-            self._release_behind_windows(rid, request.num_computed_tokens)
+            self._release_behind_windows(request, request.num_computed_tokens)
         if table is not None and num_tokens <= len(table) * self.block_size:
             return True  # the common decode step: the last block still has room
         width = 0 if table is None else len(table)
@@ -318,20 +318,29 @@ class BlockManager:
                 grown.append(self._take_new())
         return True
 
-    def _release_behind_windows(self, rid: str, next_position: int) -> None:
+    def _release_behind_windows(self, request: Request, next_position: int) -> None:
         """Give back each window group's blocks that no query at ``next_position`` or later
-        sees, putting the null block in their place."""
+        sees, putting the null block in their place. They are registered with the prefix cache
+        first (their tokens are known: a placeholder is never behind a window), or a later
+        request could never hit the prefix they end: with overlap, the update that would
+        register them comes after the plan that gives them back."""
+        rid = request.request_id
         behind = self._behind[rid]
-        for group, window in self._window_groups:
-            first = max(0, next_position - window + 1) // self.block_size
+        firsts = [
+            (group, max(0, next_position - window + 1) // self.block_size)
+            for group, window in self._window_groups
+        ]
+        if all(first <= behind[group] for group, first in firsts):
+            return  # most steps: no block fell behind a window
+        self.cache_computed_blocks(request, max(first for _, first in firsts) * self.block_size)
+        for group, first in firsts:
             start = behind[group]
-            if first <= start:
-                continue
             table = self._group_tables[group][rid]
-            for index in range(start, min(first, len(table))):
+            end = min(first, len(table))
+            for index in range(start, end):
                 self._release(table[index])
                 table[index] = NULL_BLOCK
-            behind[group] = max(start, min(first, len(table)))
+            behind[group] = max(start, end)
 
     def cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the blocks that became full of computed tokens, so others can share them
