@@ -36,7 +36,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine_core.kv_groups import blocks_for_tokens
+from engine_core.kv_groups import KVGroup, blocks_for_tokens
 from engine_core.request import Request
 
 ROOT_HASH = 0  # the parent hash of a request's first block
@@ -101,9 +101,10 @@ class BlockManager:
         # Chain hashes of the request's leading full blocks that are already accounted for
         # (one chain for every group: a hash names the tokens, not the memory).
         self._chain: dict[str, list[int]] = {}
-        # Window groups: (group, window), and per request how many leading entries of each
-        # such group's table are the null block.
-        self._window_groups = [(g, w) for g, w in enumerate(self.windows) if w is not None]
+        # Groups that give blocks back (windows): (index, group), and per request how many
+        # leading entries of each such group's table are the null block.
+        groups = [KVGroup(w) for w in self.windows]
+        self._window_groups = [(g, group) for g, group in enumerate(groups) if group.gives_back]
         self._behind: dict[str, list[int]] = {}
 
     # ----------------------------------------------------------------------------- counters
@@ -259,33 +260,29 @@ class BlockManager:
     ) -> list[list[_Block | None]]:
         """Every group's blocks of the longest hit all groups allow, each list as long as the
         hit; a window group's entries behind the first recomputed token's window are None."""
-        found = []
-        limit = len(hashes)
-        for group, window in enumerate(self.windows):
-            if window is None:
-                limit = min(limit, len(self._leading_hits(group, hashes[:limit])))
-        for group, window in enumerate(self.windows):
-            if window is None:
-                found.append(self._leading_hits(group, hashes[:limit]))
+        giving_back = dict(self._window_groups)
+        found: list[list[_Block | None]] = []
+        limit = len(hashes)  # no longer than any full group's leading run of hits
+        for g in range(self.num_groups):
+            if g in giving_back:
+                found.append([self._lookup(g, *entry) for entry in hashes])
             else:
-                found.append([self._lookup(group, *entry) for entry in hashes[:limit]])
+                found.append(self._leading_hits(g, hashes[:limit]))
+                limit = len(found[-1])
         while limit > 0 and not all(
-            all(b is not None for b in found[g][self._first_seen(limit, w) : limit])
-            for g, w in self._window_groups
+            all(b is not None for b in found[g][self._first_seen(limit, group) : limit])
+            for g, group in self._window_groups
         ):
             limit -= 1
-        hits: list[list[_Block | None]] = []
-        for group, window in enumerate(self.windows):
-            blocks = found[group][:limit]
-            if window is not None:
-                first = self._first_seen(limit, window)
-                blocks = [None] * first + blocks[first:]
-            hits.append(blocks)
+        hits = [found[group][:limit] for group in range(self.num_groups)]
+        for g, group in self._window_groups:
+            first = self._first_seen(limit, group)
+            hits[g] = [None] * first + hits[g][first:]
         return hits
 
-    def _first_seen(self, num_blocks: int, window: int) -> int:
-        """The first block the token at ``num_blocks * block_size`` sees through ``window``."""
-        return max(0, num_blocks * self.block_size - window + 1) // self.block_size
+    def _first_seen(self, num_blocks: int, group: KVGroup) -> int:
+        """The first block the token at ``num_blocks * block_size`` sees in ``group``."""
+        return group.first_seen(num_blocks * self.block_size) // self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the block tables to cover ``num_computed_tokens + num_new_tokens`` tokens.
@@ -327,20 +324,20 @@ class BlockManager:
         rid = request.request_id
         behind = self._behind[rid]
         firsts = [
-            (group, max(0, next_position - window + 1) // self.block_size)
-            for group, window in self._window_groups
+            (g, group.first_seen(next_position) // self.block_size)
+            for g, group in self._window_groups
         ]
-        if all(first <= behind[group] for group, first in firsts):
+        if all(first <= behind[g] for g, first in firsts):
             return  # most steps: no block fell behind a window
         self.cache_computed_blocks(request, max(first for _, first in firsts) * self.block_size)
-        for group, first in firsts:
-            start = behind[group]
-            table = self._group_tables[group][rid]
+        for g, first in firsts:
+            start = behind[g]
+            table = self._group_tables[g][rid]
             end = min(first, len(table))
             for index in range(start, end):
                 self._release(table[index])
                 table[index] = NULL_BLOCK
-            behind[group] = max(start, end)
+            behind[g] = max(start, end)
 
     def cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the blocks that became full of computed tokens, so others can share them

@@ -26,10 +26,33 @@ from engine_core.config import ModelConfig
 
 @dataclass(frozen=True)
 class KVGroup:
-    """Layers that share one block table per request."""
+    """Layers that share one block table per request. Its kind decides which positions a
+    query sees (``first_seen``); the block manager gives back the blocks before that and the
+    prefix cache asks only for the blocks from there. A chunked local-attention kind (chunk C)
+    changes ``first_seen`` to ``position // C * C`` and ``peak_blocks`` to match."""
 
     window: int | None  # the layers' sliding window in tokens; None: full attention
-    layers: tuple[int, ...]  # model layer indices, in order; layer k uses cache pair k
+    layers: tuple[int, ...] = ()  # model layer indices, in order; layer k uses cache pair k
+
+    @property
+    def gives_back(self) -> bool:
+        """Whether blocks fall out of what its queries see as a request advances."""
+        return self.window is not None
+
+    def first_seen(self, position: int) -> int:
+        """The first position a query at ``position`` attends to (itself and the window - 1
+        tokens before it; 0 for full attention)."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+    def peak_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` tokens holds in this group at once,
+        computed in chunks of at most ``chunk`` tokens: every block for full attention; for a
+        window, those of the window behind a chunk's first token and of the chunk (plus one:
+        neither need start on a block boundary)."""
+        total = math.ceil(num_tokens / block_size)
+        if self.window is None:
+            return total
+        return min(total, math.ceil((self.window - 1 + chunk) / block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -77,18 +100,9 @@ def group_layers(layer_windows: Sequence[int | None]) -> KVLayout:
 def blocks_for_tokens(
     windows: Sequence[int | None], num_tokens: int, block_size: int, chunk: int
 ) -> int:
-    """The most blocks one sequence of ``num_tokens`` tokens holds at once over every group,
-    computed in chunks of at most ``chunk`` tokens: a full group keeps every block; a window
-    group the blocks of the window behind a chunk's first token and of the chunk itself (plus
-    one, as neither need start on a block boundary)."""
-    total = math.ceil(num_tokens / block_size)
-    held = 0
-    for window in windows:
-        if window is None:
-            held += total
-        else:
-            held += min(total, math.ceil((window - 1 + chunk) / block_size) + 1)
-    return held
+    """The most blocks one sequence of ``num_tokens`` tokens holds at once over groups of these
+    windows, computed in chunks of at most ``chunk`` tokens (``KVGroup.peak_blocks``)."""
+    return sum(KVGroup(w).peak_blocks(num_tokens, block_size, chunk) for w in windows)
 
 
 def model_kv_layout(config: ModelConfig) -> KVLayout:
