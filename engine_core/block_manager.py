@@ -85,6 +85,12 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
+        # One table per request, no block ever given back: the hot paths take their shortcuts;
+        # otherwise the scheduler's two per-row calls are the general ones.
+        self._one_full_group = self.windows == (None,)
+        if not self._one_full_group:
+            self.table_covering = self._table_covering_groups  # type: ignore[method-assign]
+            self.cache_computed_blocks = self._cache_group_blocks  # type: ignore[method-assign]
         # The placeholder of given-back blocks (never handed out), where a group has a window.
         self.null_block = NULL_BLOCK if has_window else None
         first = int(has_window)  # the null block is no block of the pool
@@ -153,11 +159,12 @@ class BlockManager:
         num_new_tokens`` tokens: as it is in the common decode step (the last block still has
         room), grown by ``allocate_slots`` where it must be (every block_size-th step); None,
         changing nothing, where free plus evictable blocks are too few. One call where the
-        scheduler's hot loop would make two (``allocate_slots``, then ``block_table``). With
-        more than one group this is ``allocate_slots``, then group 0's table."""
+        scheduler's hot loop would make two (``allocate_slots``, then ``block_table``). A
+        manager with a window group or more than one group has ``_table_covering_groups`` in
+        its place (set in ``__init__``), so this body stays the one-table hot path."""
         table = self._tables.get(request.request_id)
         num_tokens = request.num_computed_tokens + num_new_tokens
-        if table is not None and self.num_groups == 1 and self.null_block is None:
+        if table is not None:
             room = len(table) * self.block_size
             if num_tokens <= room:
                 return table[:]
@@ -166,6 +173,13 @@ class BlockManager:
                 # allocate_slots would take it, without its general case's bookkeeping.
                 table.append(self._take_new())
                 return table[:]
+        if not self.allocate_slots(request, num_new_tokens):
+            return None
+        return self._tables[request.request_id][:]
+
+    def _table_covering_groups(self, request: Request, num_new_tokens: int) -> array[int] | None:
+        """``table_covering`` with groups: ``allocate_slots`` (which also gives back what fell
+        behind a window), then group 0's table."""
         if not self.allocate_slots(request, num_new_tokens):
             return None
         return self._tables[request.request_id][:]
@@ -201,7 +215,7 @@ class BlockManager:
         if not self.enable_prefix_caching or not use_cache:
             return 0
         max_hits = (request.num_tokens - 1) // self.block_size
-        if self.num_groups > 1 or self.null_block is not None:
+        if not self._one_full_group:
             return self._allocate_group_prefix(rid, request.token_ids, max_hits)
         table, parent = self._tables[rid], ROOT_HASH
         for tokens in self._full_blocks(request.token_ids, max_hits):
@@ -340,19 +354,38 @@ class BlockManager:
             behind[g] = max(start, end)
 
     def cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the blocks that became full of computed tokens, so others can share them
-        (in every group; a window group's block already given back is not registered)."""
+        """Register the blocks that became full of computed tokens, so others can share them.
+        With groups, ``_cache_group_blocks`` takes its place (set in ``__init__``)."""
         if not self.enable_prefix_caching:
             return
         chain = self._chain[request.request_id]
         num_full = min(num_computed_tokens, len(request.token_ids)) // self.block_size
         if num_full <= len(chain):
             return  # most steps: no block became full
-        tables = [t[request.request_id] for t in self._group_tables]
-        token_ids, size, null = request.token_ids, self.block_size, self.null_block
+        table = self._tables[request.request_id]
+        token_ids, size = request.token_ids, self.block_size
         parent = chain[-1] if chain else ROOT_HASH
         # Block by block, slicing each from the token list: a decode step fills one block, and
         # building the list of the full blocks first cost that common case twice as much.
+        for index in range(len(chain), num_full):
+            tokens = tuple(token_ids[index * size : (index + 1) * size])
+            block_hash = hash_block(parent, tokens)
+            self._register(self._blocks[table[index]], 0, block_hash, parent, tokens)
+            chain.append(block_hash)
+            parent = block_hash
+
+    def _cache_group_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """``cache_computed_blocks`` in every group; a window group's block already given back
+        (the null block in its place) is not registered."""
+        if not self.enable_prefix_caching:
+            return
+        chain = self._chain[request.request_id]
+        num_full = min(num_computed_tokens, len(request.token_ids)) // self.block_size
+        if num_full <= len(chain):
+            return
+        tables = [t[request.request_id] for t in self._group_tables]
+        token_ids, size, null = request.token_ids, self.block_size, self.null_block
+        parent = chain[-1] if chain else ROOT_HASH
         for index in range(len(chain), num_full):
             tokens = tuple(token_ids[index * size : (index + 1) * size])
             block_hash = hash_block(parent, tokens)

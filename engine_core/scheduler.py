@@ -211,6 +211,7 @@ class Scheduler:
         allocate = self.block_manager.allocate_slots
         table_covering = self.block_manager.table_covering
         group_tables = self.block_manager.group_tables
+        grouped = self._grouped
         scheduled = output.scheduled
         index = 0
         while index < len(running) and budget > 0:
@@ -242,7 +243,7 @@ class Scheduler:
             else:
                 samples = end == num_tokens
                 scheduled.append(ScheduledRequest(request, num_new, block_ids, start, samples))
-                if self._grouped:
+                if grouped:
                     scheduled[-1].group_block_ids = group_tables(request.request_id)
                 request.num_computed_tokens = end
                 if samples:

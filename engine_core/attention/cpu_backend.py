@@ -132,6 +132,7 @@ class CpuBackend(TorchReferenceBackend):
         # This forward's plans by (metadata, window): a model with KV layer groups passes each
         # group's metadata to its layers, and each is planned once per forward.
         self._plans: dict[tuple[int, int | None], StepPlan] = {}
+        self._last_plan: StepPlan | None = None
         # The last slot mapping seen, and whether it has no padding (-1): checked once a step.
         self._slots: torch.Tensor | None = None
         self._slots_unpadded = False
@@ -207,12 +208,16 @@ class CpuBackend(TorchReferenceBackend):
         """This forward's plan for ``meta`` and ``window``: made by the first attention layer
         that reads them, reused by the others (a plan keeps its metadata, so the id in the key
         is not reused while the plan is kept)."""
+        plan = self._last_plan
+        if plan is not None and plan.meta is meta and plan.window == window:
+            return plan  # the common case: the layer before read the same plan
         key = (id(meta), window)
         plan = self._plans.get(key)
         if plan is None or plan.meta is not meta:
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
             plan = self._plans[key] = plan_step(meta, k_cache, window)
+        self._last_plan = plan
         return plan
 
 
@@ -239,9 +244,11 @@ def plan_step(
         single = plan_single_decode(meta.block_tables[0], seq_len, block_size, first)
         return StepPlan(meta, None, prompts, single, window)
     index = torch.tensor(decodes, dtype=torch.int64)
-    # Each decode's context from its first visible block, its length counted from there.
-    firsts = [first_visible_block(meta.seq_lens_cpu[s] - 1, window, block_size) for s in decodes]
-    seq_lens = [meta.seq_lens_cpu[s] - f * block_size for s, f in zip(decodes, firsts, strict=True)]
+    seq_lens = [meta.seq_lens_cpu[s] for s in decodes]
+    # With a window, each decode's context from its first visible block, its length from there.
+    firsts = [first_visible_block(n - 1, window, block_size) for n in seq_lens] if window else []
+    if any(firsts):
+        seq_lens = [n - f * block_size for n, f in zip(seq_lens, firsts, strict=True)]
     num_blocks = -(-max(seq_lens) // block_size)
     if any(firsts):
         width = meta.block_tables.shape[1]
