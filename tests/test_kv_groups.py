@@ -4,12 +4,16 @@ abort / preempt / resume sequences over a full group, a window group and both to
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
+import torch
 
 from engine_core.block_manager import NULL_BLOCK, BlockManager
 from engine_core.kv_groups import KVGroup, blocks_for_tokens, group_layers
+from engine_core.memory_plan import kv_block_bytes, min_kv_bytes
+from engine_core.presets import PRESETS
 from engine_core.request import Request
 from protocol.messages import SamplingParams
 
@@ -61,6 +65,22 @@ def test_blocks_for_tokens_counts_each_groups_peak() -> None:
     assert blocks_for_tokens([None], 1024, 16, 32) == 64
     assert blocks_for_tokens([None, 64, 64], 1024, 16, 32) == 64 + 7 + 7
     assert blocks_for_tokens([64], 40, 16, 32) == 3  # never more than the tokens take
+
+
+def test_memory_plan_counts_one_groups_layers_and_each_groups_peak() -> None:
+    """SmolLM2's shape with Gemma 3's pattern: 25 sliding layers (window 512) and 5 full, so
+    groups of 5 layers. A block id costs 5 layers' K and V; one 2,000-token sequence in chunks
+    of 512 holds 125 blocks in the full group, ceil((511 + 512) / 16) + 1 = 65 in each of the
+    5 sliding groups, and the null block."""
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30))
+    config = dataclasses.replace(PRESETS["smollm2-135m"], sliding_window=512, layer_types=types)
+    per_layer = 16 * 2 * 3 * 64 * 4  # a block of one layer: K and V, 3 heads of 64, float32
+    assert kv_block_bytes(config, 3, 16, torch.float32) == 5 * per_layer
+    want = (125 + 5 * 65 + 1) * 5 * per_layer  # 60% of the single table's 125 x 30 layers
+    assert min_kv_bytes(config, 3, 2000, 16, torch.float32, chunk=512) == want
+    plain = PRESETS["smollm2-135m"]  # one kind: every layer in a block, as before groups
+    assert kv_block_bytes(plain, 3, 16, torch.float32) == 30 * per_layer
+    assert min_kv_bytes(plain, 3, 2000, 16, torch.float32, chunk=512) == 125 * 30 * per_layer
 
 
 # --------------------------------------------------------------------------------- by hand
