@@ -9,12 +9,16 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_core.block_manager import NULL_BLOCK, BlockManager
+from engine_core.config import EngineConfig
 from engine_core.kv_groups import KVGroup, blocks_for_tokens, group_layers
 from engine_core.memory_plan import kv_block_bytes, min_kv_bytes
 from engine_core.presets import PRESETS
-from engine_core.request import Request
+from engine_core.request import Request, ScheduledRequest, SchedulerOutput
+from engine_core.scheduler import Scheduler
 from protocol.messages import SamplingParams
 
 
@@ -385,3 +389,67 @@ def test_random_operations_keep_every_invariant(seed: int, windows: tuple[int | 
     if all(w is None for w in windows):
         assert stats.pop("released") == 0
     assert min(stats.values()) > 0, stats
+
+
+# ------------------------------------------------------------------------ through the scheduler
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    windows=st.sampled_from([(None, 6), (6,), (None, 5, 9)]),
+    num_blocks=st.integers(20, 60),
+    budget=st.integers(8, 40),
+    overlap=st.booleans(),
+)
+def test_scheduler_with_groups_keeps_the_invariants(
+    seed: int, windows: tuple[int | None, ...], num_blocks: int, budget: int, overlap: bool
+) -> None:
+    """Random requests (shared prefixes, prompt logprobs, stops) through the real scheduler on
+    a small pool (preemptions), with aborts, planned ahead of the last step's tokens (overlap)
+    or not: every plan carries a table per group, as long as group 0's, with a real block
+    wherever the step's queries look; the manager's integrity holds at every step; at the end
+    every block is free or cached."""
+    rng = random.Random(seed)
+    config = EngineConfig(block_size=4, max_num_seqs=min(6, budget), max_num_batched_tokens=budget)
+    scheduler = Scheduler(config, num_blocks, 128, (1,), kv_windows=windows)
+    bm = scheduler.block_manager
+    prefixes = [[rng.randrange(2, 40) for _ in range(16)] for _ in range(2)]
+    pending: SchedulerOutput | None = None
+    for step in range(150):
+        if step < 80 and rng.random() < 0.4:
+            prompt = rng.choice(prefixes)[: rng.randint(0, 16)]
+            prompt += [rng.randrange(2, 40) for _ in range(rng.randint(1, 20))]
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 30), prompt_logprobs=rng.choice([None, None, 0])
+            )
+            if len(prompt) < scheduler.max_model_len:  # longer ones are refused: a small pool
+                scheduler.add_request(Request(f"r{step}", prompt, params))
+        live = list(scheduler.requests)
+        if live and rng.random() < 0.04:
+            scheduler.abort_requests([rng.choice(live)])
+        plan = scheduler.schedule()
+        for row in plan.scheduled:
+            check_row_tables(row, bm)
+        settle, pending = (pending, plan) if overlap else (plan, None)
+        if settle is not None:
+            count = sum(s.samples for s in settle.scheduled)
+            scheduler.update_from_output(settle, [rng.randrange(1, 40) for _ in range(count)])
+        bm.check_integrity()
+    if pending is not None:
+        scheduler.update_from_output(pending, [2] * sum(s.samples for s in pending.scheduled))
+    scheduler.abort_requests(list(scheduler.requests))
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == bm.num_blocks
+
+
+def check_row_tables(row: ScheduledRequest, bm: BlockManager) -> None:
+    """The row's tables: one per group, all as long, covering its chunk; in a window group a
+    real block from the one its first query's window starts in (the null block before)."""
+    tables = [row.block_ids, *row.group_block_ids]
+    assert len(tables) == bm.num_groups
+    assert {len(t) for t in tables} == {len(row.block_ids)}
+    assert len(row.block_ids) * bm.block_size >= row.start + row.num_new_tokens
+    for table, window in zip(tables, bm.windows, strict=True):
+        first = KVGroup(window).first_seen(row.start) // bm.block_size
+        assert NULL_BLOCK not in list(table)[first:] or bm.null_block is None
