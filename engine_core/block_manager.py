@@ -135,13 +135,14 @@ class BlockManager:
             for tables in self._group_tables
         )
 
-    def max_tokens_per_sequence(self, chunk: int) -> int:
-        """The longest sequence the whole pool can hold at once, computed in chunks of at most
-        ``chunk`` tokens (what every group holds at its peak)."""
+    def max_tokens_per_sequence(self, chunk: int, limit: int) -> int:
+        """The longest sequence, at most ``limit`` tokens, that the whole pool can hold at
+        once, computed in chunks of at most ``chunk`` tokens (what every group holds at its
+        peak: with window groups only, any length may fit)."""
         size, windows = self.block_size, self.windows
         if all(w is None for w in windows):
-            return self.num_blocks // self.num_groups * size
-        lo, hi = 0, self.num_blocks * size  # a window group holds at least one block per chunk
+            return min(limit, self.num_blocks // self.num_groups * size)
+        lo, hi = 0, limit
         while lo < hi:  # the largest length whose peak fits: the peak only grows with it
             mid = (lo + hi + 1) // 2
             if blocks_for_tokens(windows, mid, size, chunk) <= self.num_blocks:

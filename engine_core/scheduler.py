@@ -83,8 +83,9 @@ class Scheduler:
         self._grouped = self.block_manager.num_groups > 1
         # A sequence can never outgrow the whole pool, so the pool caps the context too; without
         # the cap a lone request that fills every block would preempt itself forever.
-        pool_limit = self.block_manager.max_tokens_per_sequence(config.max_num_batched_tokens)
-        self.max_model_len = min(max_model_len, pool_limit)
+        self.max_model_len = self.block_manager.max_tokens_per_sequence(
+            config.max_num_batched_tokens, max_model_len
+        )
         self._block_size = config.block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id

@@ -176,14 +176,18 @@ def test_no_window_keeps_todays_block_ids() -> None:
     bm.allocate_prefix(a)
     assert bm.allocate_slots(a, 10)
     assert bm.block_ids("a") == [0, 1, 2] and bm.group_tables("a") == ()
-    assert bm.max_tokens_per_sequence(chunk=8) == 40
+    assert bm.max_tokens_per_sequence(chunk=8, limit=1000) == 40
+    assert bm.max_tokens_per_sequence(chunk=8, limit=30) == 30
 
 
 def test_max_tokens_per_sequence_counts_every_group() -> None:
     bm = BlockManager(num_blocks=41, block_size=4, windows=(None, 8))
     # 40 blocks: a full group holding n blocks beside a window group's at most
     # ceil((7 + 8) / 4) + 1 = 5 blocks: n = 35, 140 tokens.
-    assert bm.max_tokens_per_sequence(chunk=8) == 140
+    assert bm.max_tokens_per_sequence(chunk=8, limit=1000) == 140
+    # Windows only (Mistral-style): a window's peak of 5 blocks fits 9, at any length.
+    windowed = BlockManager(num_blocks=10, block_size=4, windows=(8,))
+    assert windowed.max_tokens_per_sequence(chunk=8, limit=10_000) == 10_000
     assert blocks_for_tokens(bm.windows, 140, 4, 8) <= 40 < blocks_for_tokens(bm.windows, 141, 4, 8)
 
 
