@@ -97,13 +97,15 @@ class InputBatch:
         max_num_tokens: int,
         max_num_seqs: int,
         max_blocks_per_seq: int,
-        num_kv_groups: int = 1,
+        kv_windows: Sequence[int | None] = (None,),
     ) -> None:
-        """``num_kv_groups``: the model's KV layer groups (engine_core/kv_groups.py), each with
-        its own block tables and slot mapping in the step."""
+        """``kv_windows``: the window of each of the model's KV layer groups (None: full
+        attention; engine_core/kv_groups.py), each with its own block tables and slot mapping
+        in the step."""
         self.device = device
         self.block_size = block_size
-        self.num_groups = num_kv_groups
+        self.kv_windows = tuple(kv_windows)
+        self.num_groups = len(self.kv_windows)
         self._max_width = max_blocks_per_seq
         self._pinned = device.type == "cuda"
         # The engine's one stream (its copies' events record on it): looked up once, as each
@@ -116,7 +118,7 @@ class InputBatch:
             max_num_seqs,
             max_blocks_per_seq,
             capacity(max_num_tokens, max_num_seqs, prefill_block_m(max_num_tokens)),
-            num_kv_groups,
+            self.num_groups,
         )
         self._next = 0
         # The last packed step's layout, ring buffer and widest block table (``last_step``).
@@ -336,9 +338,7 @@ class InputBatch:
         wanted = zip(tables, cols.tolist(), strict=True)
         if any(len(table) != col + 1 or col >= layout.width for table, col in wanted):
             return None
-        if self.num_groups > 1 and any(
-            not scheduled[row].group_block_ids for row in entering.tolist()
-        ):
+        if self.num_groups > 1 and not all(s.group_block_ids for s in scheduled):
             return None  # a row planned without its groups' tables: packed in full
         host = self._host_buffer(layout.nbytes)
         if host is not last_host:  # a ring of one (no pinned memory) advances in place
@@ -349,8 +349,7 @@ class InputBatch:
         slots = view["slot_mapping"]
         slots += 1
         if self.num_groups > 1:
-            entered = [scheduled[row] for row in entering.tolist()]
-            self._advance_groups(view, layout, entering, cols, entered)
+            self._advance_groups(view, layout, entering, cols, scheduled)
         if tables:
             # Each entered block is its table's last; the columns before it are as they were.
             entered = np.array([table[-1] for table in tables], dtype=np.int32)
@@ -369,24 +368,35 @@ class InputBatch:
         layout: _Layout,
         entering: np.ndarray,
         cols: np.ndarray,
-        entered: list[ScheduledRequest],
+        scheduled: list[ScheduledRequest],
     ) -> None:
-        """``_advance`` for groups 1..: every slot moves on by one, and each row entering a
-        block (``entering``, at column ``cols``) takes each group's new last block. A window
-        group's entries that its manager has given back since stay as they were: no backend
-        reads a block behind the window."""
+        """``_advance`` for groups 1..: every slot moves on by one; each row entering a block
+        (``entering``, at column ``cols``) takes each group's new last block; and in a window
+        group, each row whose window start crossed into a new block takes the entry before it
+        from its table (the block manager gave that block back when it planned this step: the
+        null block now), so the bytes stay those of a full pack."""
         num_tokens, num_seqs = layout.counts[:2]
         more_slots = view["group_slot_mapping"].reshape(-1, num_tokens)  # [G-1, T]
         more_slots += 1
-        if not entered:
-            return
         bs = self.block_size
+        positions = view["positions"]  # [B]: the step's, one token each
         more_tables = view["group_block_tables"].reshape(-1, num_seqs, layout.width)
         for group in range(1, self.num_groups):
-            ids = [s.group_block_ids[group - 1][-1] for s in entered]
-            block_ids = np.array(ids, dtype=np.int32)
-            more_tables[group - 1][entering, cols] = block_ids
-            more_slots[group - 1][entering] = block_ids.astype(np.int64) * bs
+            tables = more_tables[group - 1]
+            if len(entering):
+                ids = [scheduled[row].group_block_ids[group - 1][-1] for row in entering.tolist()]
+                block_ids = np.array(ids, dtype=np.int32)
+                tables[entering, cols] = block_ids
+                more_slots[group - 1][entering] = block_ids.astype(np.int64) * bs
+            window = self.kv_windows[group]
+            if window is not None:
+                start = positions - (window - 1)  # [B]: each row's window start
+                left = np.flatnonzero((start > 0) & (start % bs == 0))
+                given_back = start[left] // bs - 1
+                tables[left, given_back] = [
+                    scheduled[row].group_block_ids[group - 1][col]
+                    for row, col in zip(left.tolist(), given_back.tolist(), strict=True)
+                ]
 
     def last_step(self) -> tuple[tuple[int, ...], bytes]:
         """The last packed step as ``unpack`` rebuilds it on another tensor-parallel rank: its

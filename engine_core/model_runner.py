@@ -247,7 +247,7 @@ class ModelRunner:
             max_num_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-            num_kv_groups=len(self.kv_layout.groups),
+            kv_windows=self.kv_layout.windows,
         )
         self._init_step_state()
 
