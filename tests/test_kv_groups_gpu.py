@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.llm import LLM  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
-from tests import test_kv_groups_gemma  # noqa: E402
+from tests import test_kv_groups_engine  # noqa: E402
 from tests.paged_harness import hf_greedy, random_prompts  # noqa: E402
 from tests.test_triton_kernels import (  # noqa: E402
     REFERENCE,
@@ -36,8 +36,8 @@ from tests.test_triton_kernels import (  # noqa: E402
     make_batch,
 )
 
-BLOCK, VOCAB = test_kv_groups_gemma.BLOCK, test_kv_groups_gemma.VOCAB
-gemma = test_kv_groups_gemma.gemma  # the fixture: the random Gemma 3 saved for HF and us
+BLOCK, VOCAB = test_kv_groups_engine.BLOCK, test_kv_groups_engine.VOCAB
+gemma = test_kv_groups_engine.gemma  # the fixture: the random Gemma 3 saved for HF and us
 
 # Under Triton's interpreter (on the CPU) the contexts are kept short.
 DECODES = [(c - 1, 1) for c in ((1, 17, 70, 130) if INTERPRET else (1, 17, 200, 1000, 4097))]

@@ -1,5 +1,6 @@
-"""Gemma 3 on KV layer groups through the real engine on the CPU (``engine_core.llm.LLM``), against
-HF transformers' greedy tokens on the same random weights (saved with ``save_pretrained``).
+"""Gemma 3 and a Mistral-style model on KV layer groups through the real engine on the CPU
+(``engine_core.llm.LLM``), against HF transformers' greedy tokens on the same random weights
+(saved with ``save_pretrained``).
 
 The issue's case is a 16k-token request with Gemma 3's window of 1,024: a sliding layer needs the
 last 1,024 tokens, a sixteenth of the context. Here it is scaled down in the same ratio for the
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig
 
 from engine_core.llm import LLM
 from engine_core.memory_plan import kv_block_bytes
@@ -144,6 +145,45 @@ def test_prefix_hit_takes_the_window_blocks_it_needs(gemma: tuple[Path, torch.nn
         out = llm.generate([shared], greedy(), detokenize=False)[0]
         assert out.token_ids == expected[1]
         assert llm.engine.scheduler.counts().prefix_cache_hits - hits_before == 176
+        bm.check_integrity()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_mistral_windows_every_layer_in_one_group(tmp_path: Path) -> None:
+    """Mistral's ``sliding_window`` on every layer: one window group (the null block beside
+    it), no full table at all. Prompts past the window in chunks, HF's tokens, and a long
+    request holds only its window's blocks at its end."""
+    window = 16
+    sizes = tiny_hf_sizes(VOCAB) | {"max_position_embeddings": 512}
+    torch.manual_seed(1)
+    hf_model = AutoModelForCausalLM.from_config(MistralConfig(**sizes, sliding_window=window))
+    hf_model = hf_model.eval()
+    randomize(hf_model, 1)
+    hf_model.save_pretrained(tmp_path)
+    prompts = random_prompts(VOCAB, (40, 23, 300))
+    expected = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in prompts]
+    llm = LLM(
+        str(tmp_path), block_size=4, num_kv_blocks=64, max_model_len=400,
+        max_num_batched_tokens=32, max_num_seqs=4,
+    )  # fmt: skip
+    try:
+        assert llm.engine.runner.kv_layout.windows == (window,)
+        outs = llm.generate(prompts[:2], greedy(), detokenize=False)
+        assert [o.token_ids for o in outs] == expected[:2]
+        engine, bm = llm.engine, llm.engine.scheduler.block_manager
+        engine.add_request(Request("long", prompts[2], greedy()))
+        tokens: list[int] = []
+        held_at_end = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+            if engine.has_unfinished():
+                held_at_end = bm.num_used_blocks
+        assert tokens == expected[2]
+        # 324 tokens would be 81 blocks in one table, more than the pool's 63; the window
+        # group holds the 15 tokens behind the last query and the query's own: 5 blocks.
+        assert held_at_end <= 5
         bm.check_integrity()
     finally:
         llm.engine.shutdown()
