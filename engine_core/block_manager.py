@@ -10,8 +10,9 @@ names memory in one layer of each group, so any group may take any free block. A
 group has one table per request and nothing below changes for it. With a window group:
 
 - block 0 is the null block, never handed out: a window group's table holds it in place of the
-  blocks wholly behind the window, which are given back as the request advances (the attention
-  backends never read a position behind a query's window, so the placeholder is never read);
+  blocks wholly behind the window, which are given back (registered with the prefix cache
+  first) as the request advances; the attention backends never read a position behind a
+  query's window, so the placeholder is never read;
 - a prefix-cache hit of n blocks needs every full group's blocks 0..n-1 and each window group's
   blocks that the first recomputed token (at n * block_size) still sees: those from position
   n * block_size - W + 1 on. The longest n for which every group has them is the hit.
