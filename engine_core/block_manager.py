@@ -73,7 +73,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         windows: Sequence[int | None] = (None,),
-    ):
+    ) -> None:
         """``windows``: each layer group's sliding window (None: full attention), group 0
         first; its table is the one a step's plan carries as ``block_ids``."""
         has_window = any(w is not None for w in windows)
