@@ -360,16 +360,18 @@ class ModelRunner:
         return tensors
 
     def _log_kv_cache(self, num_bytes: int) -> None:
-        groups = self.kv_layout.groups
+        layout, groups = self.kv_layout, ""
+        if layout.windows != (None,):  # kv_groups.py: a block is one layer of each group
+            groups = (
+                f", {len(layout.groups)} layer group(s) of {layout.group_size} layers, "
+                f"windows {list(layout.windows)}"
+            )
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)%s",
             self.num_kv_blocks,
             self.block_size,
             num_bytes / 2**30,
-            ""
-            if len(groups) == 1
-            else f", {len(groups)} layer groups of "
-            f"{self.kv_layout.group_size} layers (windows {list(self.kv_layout.windows)})",
+            groups,
         )
 
     def _set_kv_scales(self, scales: dict[int, tuple[float, float]]) -> None:
