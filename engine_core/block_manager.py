@@ -1,19 +1,33 @@
 """The paged KV cache's bookkeeping: fixed-size blocks, reference counts and the prefix cache.
 
-This is the one owner of block state: the free list, the reference counts, the prefix hash map
+This is the one owner of block state: the free list, the reference counts, the prefix hash maps
 and the per-request block tables. The scheduler asks it for room (an opaque yes/no) and the model
 runner reads block tables; neither touches the structures below.
 
-Every block is in exactly one of three states:
+Layers come in groups (engine_core/kv_groups.py): full attention, or a sliding window of W
+tokens. Every group has its own block table per request, all drawn from one pool: a block id
+names memory in one layer of each group, so any group may take any free block. A model with one
+group has one table per request and nothing below changes for it. With a window group:
+
+- block 0 is the null block, never handed out: a window group's table holds it in place of the
+  blocks wholly behind the window, which are given back (registered with the prefix cache
+  first) as the request advances; the attention backends never read a position behind a
+  query's window, so the placeholder is never read;
+- a prefix-cache hit of n blocks needs every full group's blocks 0..n-1 and each window group's
+  blocks that the first recomputed token (at n * block_size) still sees: those from position
+  n * block_size - W + 1 on. The longest n for which every group has them is the hit.
+
+Every block but the null one is in exactly one of three states:
 
 - free: reference count 0, no hash; handed out first.
-- cached: reference count 0 but registered in the prefix hash map, so a later request with the
-  same prefix can take it back; kept in LRU order and evicted (hash dropped) only when no free
-  block is left.
+- cached: reference count 0 but registered in its group's prefix hash map, so a later request
+  with the same prefix can take it back; kept in LRU order and evicted (hash dropped) only when no
+  free block is left.
 - used: reference count > 0 (appears in that many block tables).
 
 Prefix caching hashes full blocks as a chain, ``h_i = hash_block(h_{i-1}, tokens of block i)``,
-so a block's hash names the whole prefix up to its end. The chain starts from the request's
+so a block's hash names the whole prefix up to its end; each group keeps its own map from hash to
+block (the same prefix is a different block in each group). The chain starts from the request's
 LoRA adapter (``prefix_root``): the base model and every adapter cache apart.
 """
 
@@ -24,9 +38,11 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine_core.kv_groups import KVGroup, blocks_for_tokens
 from engine_core.request import Request
 
 ROOT_HASH = 0  # the parent hash of a request's first block
+NULL_BLOCK = 0  # with a window group: the placeholder for blocks behind the window
 
 
 def prefix_root(request: Request) -> int:
@@ -47,7 +63,8 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 class _Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set while the block is registered in the prefix hash map
+    hash: int | None = None  # set while the block is registered in its group's prefix map
+    group: int = 0  # whose prefix map holds its hash (meaningful while hash is set)
     # What the hash was computed from, compared on a hit so a collision is never a false hit.
     parent_hash: int = ROOT_HASH
     token_ids: tuple[int, ...] = ()
@@ -57,26 +74,55 @@ class _Block:
 
 
 class BlockManager:
-    """Reference-counted KV blocks with block tables per request and an LRU prefix cache."""
+    """Reference-counted KV blocks with block tables per request (one per layer group) and an
+    LRU prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks <= 0 or block_size <= 0:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        windows: Sequence[int | None] = (None,),
+    ) -> None:
+        """``windows``: each layer group's sliding window (None: full attention), group 0
+        first; its table is the one a step's plan carries as ``block_ids``."""
+        has_window = any(w is not None for w in windows)
+        if num_blocks <= int(has_window) or block_size <= 0 or not windows:
             raise ValueError(
-                f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
+                f"need num_blocks > {int(has_window)}, block_size > 0 and a group, got "
+                f"{num_blocks}, {block_size}, {list(windows)}"
             )
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        # One table per request, no block ever given back: the hot paths take their shortcuts;
+        # otherwise the scheduler's two per-row calls are the general ones.
+        self._one_full_group = self.windows == (None,)
+        if not self._one_full_group:
+            self.table_covering = self._table_covering_groups  # type: ignore[method-assign]
+            self.cache_computed_blocks = self._cache_group_blocks  # type: ignore[method-assign]
+        # The placeholder of given-back blocks (never handed out), where a group has a window.
+        self.null_block = NULL_BLOCK if has_window else None
+        first = int(has_window)  # the null block is no block of the pool
+        self.num_blocks = num_blocks - first  # blocks the pool hands out
         self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(first, num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # evictable, oldest first
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: list[dict[int, int]] = [{} for _ in self.windows]
         # Block tables as int32 arrays, not lists: the scheduler copies each running request's
         # table every step and the runner flattens them all, both a memcpy for an array but a
         # per-element conversion for a list (thousands of ids a step at a large batch).
-        self._tables: dict[str, array[int]] = {}
-        # Chain hashes of the request's leading full blocks that are already accounted for.
+        self._group_tables: list[dict[str, array[int]]] = [{} for _ in self.windows]
+        self._tables = self._group_tables[0]  # the hot path's: group 0
+        # Chain hashes of the request's leading full blocks that are already accounted for
+        # (one chain for every group: a hash names the tokens, not the memory).
         self._chain: dict[str, list[int]] = {}
+        # Groups that give blocks back (windows): (index, group), and per request how many
+        # leading entries of each such group's table are the null block.
+        groups = [KVGroup(w) for w in self.windows]
+        self._window_groups = [(g, group) for g, group in enumerate(groups) if group.gives_back]
+        self._behind: dict[str, list[int]] = {}
 
     # ----------------------------------------------------------------------------- counters
 
@@ -93,16 +139,41 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free) - len(self._cached)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (empty when it holds no blocks)."""
-        return self._tables.get(request_id, _EMPTY_TABLE).tolist()
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request's tables reference over every group (the null block not counted)."""
+        return sum(
+            sum(1 for b in tables.get(request_id, _EMPTY_TABLE) if b != self.null_block)
+            for tables in self._group_tables
+        )
+
+    def max_tokens_per_sequence(self, chunk: int, limit: int) -> int:
+        """The longest sequence, at most ``limit`` tokens, that the whole pool can hold at
+        once, computed in chunks of at most ``chunk`` tokens (what every group holds at its
+        peak: with window groups only, any length may fit)."""
+        size, windows = self.block_size, self.windows
+        if all(w is None for w in windows):
+            return min(limit, self.num_blocks // self.num_groups * size)
+        lo, hi = 0, limit
+        while lo < hi:  # the largest length whose peak fits: the peak only grows with it
+            mid = (lo + hi + 1) // 2
+            if blocks_for_tokens(windows, mid, size, chunk) <= self.num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """A copy of the request's block table in ``group`` (empty when it holds no blocks)."""
+        return self._group_tables[group].get(request_id, _EMPTY_TABLE).tolist()
 
     def table_covering(self, request: Request, num_new_tokens: int) -> array[int] | None:
         """A copy of the request's block table once it covers ``num_computed_tokens +
         num_new_tokens`` tokens: as it is in the common decode step (the last block still has
         room), grown by ``allocate_slots`` where it must be (every block_size-th step); None,
         changing nothing, where free plus evictable blocks are too few. One call where the
-        scheduler's hot loop would make two (``allocate_slots``, then ``block_table``)."""
+        scheduler's hot loop would make two (``allocate_slots``, then ``block_table``). A
+        manager with a window group or more than one group has ``_table_covering_groups`` in
+        its place (set in ``__init__``), so this body stays the one-table hot path."""
         table = self._tables.get(request.request_id)
         num_tokens = request.num_computed_tokens + num_new_tokens
         if table is not None:
@@ -118,9 +189,20 @@ class BlockManager:
             return None
         return self._tables[request.request_id][:]
 
+    def _table_covering_groups(self, request: Request, num_new_tokens: int) -> array[int] | None:
+        """``table_covering`` with groups: ``allocate_slots`` (which also gives back what fell
+        behind a window), then group 0's table."""
+        if not self.allocate_slots(request, num_new_tokens):
+            return None
+        return self._tables[request.request_id][:]
+
     def block_table(self, request_id: str) -> array[int]:
-        """A copy of the request's block table as an int32 array (what a step's plan carries)."""
+        """A copy of group 0's block table as an int32 array (what a step's plan carries)."""
         return self._tables.get(request_id, _EMPTY_TABLE)[:]
+
+    def group_tables(self, request_id: str) -> tuple[array[int], ...]:
+        """Copies of the request's tables in groups 1.. (empty with one group)."""
+        return tuple(t.get(request_id, _EMPTY_TABLE)[:] for t in self._group_tables[1:])
 
     # --------------------------------------------------------------------------- allocation
 
@@ -129,22 +211,28 @@ class BlockManager:
 
         Returns how many of its tokens are already computed (a multiple of block_size). At most
         ``(num_tokens - 1) // block_size`` blocks are reused, so at least the last token is
-        recomputed and yields logits to sample from. ``use_cache=False``: no hit, an empty table
-        (a request that needs every prompt position's logits).
+        recomputed and yields logits to sample from. ``use_cache=False``: no hit, empty tables
+        (a request that needs every prompt position's logits). With window groups, see the
+        module's docstring for what a hit needs.
         """
         rid = request.request_id
         if self._tables.get(rid):
             raise ValueError(f"request {rid!r} already holds blocks")
-        table = _new_table()
         chain: list[int] = []
-        self._tables[rid], self._chain[rid] = table, chain
+        for tables in self._group_tables:
+            tables[rid] = _new_table()
+        self._chain[rid] = chain
+        if self._window_groups:
+            self._behind[rid] = [0] * self.num_groups
         if not self.enable_prefix_caching or not use_cache:
             return 0
-        parent = prefix_root(request)
         max_hits = (request.num_tokens - 1) // self.block_size
+        if not self._one_full_group:
+            return self._allocate_group_prefix(rid, request, max_hits)
+        table, parent = self._tables[rid], prefix_root(request)
         for tokens in self._full_blocks(request.token_ids, max_hits):
             block_hash = hash_block(parent, tokens)
-            block = self._lookup(block_hash, parent, tokens)
+            block = self._lookup(0, block_hash, parent, tokens)
             if block is None:
                 break
             self._take_cached(block)
@@ -153,29 +241,134 @@ class BlockManager:
             parent = block_hash
         return len(table) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the block table to cover ``num_computed_tokens + num_new_tokens`` tokens.
+    def _allocate_group_prefix(self, rid: str, request: Request, max_hits: int) -> int:
+        """``allocate_prefix`` with more than one group or a window group."""
+        hashes = self._chain_hashes(request.token_ids, max_hits, prefix_root(request))
+        hits = self._group_hits(hashes)
+        num_hits = len(hits[0])
+        for group, blocks in enumerate(hits):
+            table = self._group_tables[group][rid]
+            for block in blocks:
+                if block is None:
+                    table.append(NULL_BLOCK)
+                    self._behind[rid][group] += 1
+                else:
+                    self._take_cached(block)
+                    table.append(block.block_id)
+        self._chain[rid].extend(h for h, _, _ in hashes[:num_hits])
+        return num_hits * self.block_size
 
-        Returns False, changing nothing, when free plus evictable blocks are too few.
+    def _chain_hashes(
+        self, token_ids: Sequence[int], limit: int, root: int
+    ) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(hash, parent hash, tokens) of the first ``limit`` full blocks of ``token_ids``, the
+        chain starting from ``root`` (``prefix_root``)."""
+        parent, out = root, []
+        for tokens in self._full_blocks(token_ids, limit):
+            block_hash = hash_block(parent, tokens)
+            out.append((block_hash, parent, tokens))
+            parent = block_hash
+        return out
+
+    def _leading_hits(
+        self, group: int, hashes: list[tuple[int, int, tuple[int, ...]]]
+    ) -> list[_Block | None]:
+        """One group's cached blocks for the leading run of ``hashes`` that it holds."""
+        found: list[_Block | None] = []
+        for block_hash, parent, tokens in hashes:
+            block = self._lookup(group, block_hash, parent, tokens)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def _group_hits(
+        self, hashes: list[tuple[int, int, tuple[int, ...]]]
+    ) -> list[list[_Block | None]]:
+        """Every group's blocks of the longest hit all groups allow, each list as long as the
+        hit; a window group's entries behind the first recomputed token's window are None."""
+        giving_back = dict(self._window_groups)
+        found: list[list[_Block | None]] = []
+        limit = len(hashes)  # no longer than any full group's leading run of hits
+        for g in range(self.num_groups):
+            if g in giving_back:
+                found.append([self._lookup(g, *entry) for entry in hashes])
+            else:
+                found.append(self._leading_hits(g, hashes[:limit]))
+                limit = len(found[-1])
+        while limit > 0 and not all(
+            all(b is not None for b in found[g][self._first_seen(limit, group) : limit])
+            for g, group in self._window_groups
+        ):
+            limit -= 1
+        hits = [found[group][:limit] for group in range(self.num_groups)]
+        for g, group in self._window_groups:
+            first = self._first_seen(limit, group)
+            hits[g] = [None] * first + hits[g][first:]
+        return hits
+
+    def _first_seen(self, num_blocks: int, group: KVGroup) -> int:
+        """The first block the token at ``num_blocks * block_size`` sees in ``group``."""
+        return group.first_seen(num_blocks * self.block_size) // self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Grow the block tables to cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        Returns False, changing nothing else, when free plus evictable blocks are too few. With
+        a window group, the blocks wholly behind the window of the next token to compute
+        (``num_computed_tokens``) are given back first, whatever the answer: no query of this
+        request will read them again (a speculative rollback never moves below it).
         """
         rid = request.request_id
         table = self._tables.get(rid)
         num_tokens = request.num_computed_tokens + num_new_tokens
+        if self._window_groups and table is not None:
+            self._release_behind_windows(request, request.num_computed_tokens)
         if table is not None and num_tokens <= len(table) * self.block_size:
             return True  # the common decode step: the last block still has room
-        if table is None:
-            table = _new_table()
-        num_needed = -(-num_tokens // self.block_size) - len(table)
+        width = 0 if table is None else len(table)
+        num_needed = (-(-num_tokens // self.block_size) - width) * self.num_groups
         if num_needed > len(self._free) + len(self._cached):
             return False
-        if rid not in self._tables:
-            self._tables[rid], self._chain[rid] = table, []
-        for _ in range(num_needed):
-            table.append(self._take_new())
+        if table is None:
+            for tables in self._group_tables:
+                tables[rid] = _new_table()
+            self._chain[rid] = []
+            if self._window_groups:
+                self._behind[rid] = [0] * self.num_groups
+        for tables in self._group_tables:
+            grown = tables[rid]
+            for _ in range(num_needed // self.num_groups):
+                grown.append(self._take_new())
         return True
 
+    def _release_behind_windows(self, request: Request, next_position: int) -> None:
+        """Give back each window group's blocks that no query at ``next_position`` or later
+        sees, putting the null block in their place. They are registered with the prefix cache
+        first (their tokens are known: a placeholder is never behind a window), or a later
+        request could never hit the prefix they end: with overlap, the update that would
+        register them comes after the plan that gives them back."""
+        rid = request.request_id
+        behind = self._behind[rid]
+        firsts = [
+            (g, group.first_seen(next_position) // self.block_size)
+            for g, group in self._window_groups
+        ]
+        if all(first <= behind[g] for g, first in firsts):
+            return  # most steps: no block fell behind a window
+        self.cache_computed_blocks(request, max(first for _, first in firsts) * self.block_size)
+        for g, first in firsts:
+            start = behind[g]
+            table = self._group_tables[g][rid]
+            end = min(first, len(table))
+            for index in range(start, end):
+                self._release(table[index])
+                table[index] = NULL_BLOCK
+            behind[g] = max(start, end)
+
     def cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the blocks that became full of computed tokens, so others can share them."""
+        """Register the blocks that became full of computed tokens, so others can share them.
+        With groups, ``_cache_group_blocks`` takes its place (set in ``__init__``)."""
         if not self.enable_prefix_caching:
             return
         chain = self._chain[request.request_id]
@@ -190,7 +383,29 @@ class BlockManager:
         for index in range(len(chain), num_full):
             tokens = tuple(token_ids[index * size : (index + 1) * size])
             block_hash = hash_block(parent, tokens)
-            self._register(self._blocks[table[index]], block_hash, parent, tokens)
+            self._register(self._blocks[table[index]], 0, block_hash, parent, tokens)
+            chain.append(block_hash)
+            parent = block_hash
+
+    def _cache_group_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """``cache_computed_blocks`` in every group; a window group's block already given back
+        (the null block in its place) is not registered."""
+        if not self.enable_prefix_caching:
+            return
+        chain = self._chain[request.request_id]
+        num_full = min(num_computed_tokens, len(request.token_ids)) // self.block_size
+        if num_full <= len(chain):
+            return
+        tables = [t[request.request_id] for t in self._group_tables]
+        token_ids, size, null = request.token_ids, self.block_size, self.null_block
+        parent = chain[-1] if chain else prefix_root(request)
+        for index in range(len(chain), num_full):
+            tokens = tuple(token_ids[index * size : (index + 1) * size])
+            block_hash = hash_block(parent, tokens)
+            for group, table in enumerate(tables):
+                block_id = table[index]
+                if block_id != null:
+                    self._register(self._blocks[block_id], group, block_hash, parent, tokens)
             chain.append(block_hash)
             parent = block_hash
 
@@ -200,17 +415,22 @@ class BlockManager:
         Blocks are released tail first, so the tail of a prefix is the first to be evicted and
         the shared head of a prefix stays longest.
         """
-        table = self._tables.pop(request_id, _EMPTY_TABLE)
         self._chain.pop(request_id, None)
-        for block_id in reversed(table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count > 0:
-                continue
-            if block.hash is None:
-                self._free.append(block_id)
-            else:
-                self._cached[block_id] = None
+        self._behind.pop(request_id, None)
+        for tables in self._group_tables:
+            for block_id in reversed(tables.pop(request_id, _EMPTY_TABLE)):
+                if block_id != self.null_block:
+                    self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return
+        if block.hash is None:
+            self._free.append(block_id)
+        else:
+            self._cached[block_id] = None
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -219,8 +439,10 @@ class BlockManager:
         count = min(limit, len(token_ids) // size)
         return [tuple(token_ids[i * size : (i + 1) * size]) for i in range(count)]
 
-    def _lookup(self, block_hash: int, parent: int, tokens: tuple[int, ...]) -> _Block | None:
-        block_id = self._hash_to_block.get(block_hash)
+    def _lookup(
+        self, group: int, block_hash: int, parent: int, tokens: tuple[int, ...]
+    ) -> _Block | None:
+        block_id = self._hash_to_block[group].get(block_hash)
         if block_id is None:
             return None
         block = self._blocks[block_id]
@@ -240,48 +462,90 @@ class BlockManager:
         else:
             block_id, _ = self._cached.popitem(last=False)
             block = self._blocks[block_id]
-            del self._hash_to_block[block.hash]
+            del self._hash_to_block[block.group][block.hash]
             block.reset_hash()
         self._blocks[block_id].ref_count = 1
         return block_id
 
     def _register(
-        self, block: _Block, block_hash: int, parent: int, tokens: tuple[int, ...]
+        self, block: _Block, group: int, block_hash: int, parent: int, tokens: tuple[int, ...]
     ) -> None:
         # When the hash is taken (the same prefix computed twice at once, or a collision) the
         # first block keeps it; this one stays unhashed and goes to the free list when released.
-        if block.hash is not None or block_hash in self._hash_to_block:
+        hashes = self._hash_to_block[group]
+        if block.hash is not None or block_hash in hashes:
             return
-        block.hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
-        self._hash_to_block[block_hash] = block.block_id
+        block.hash, block.group, block.parent_hash, block.token_ids = (
+            block_hash, group, parent, tokens,
+        )  # fmt: skip
+        hashes[block_hash] = block.block_id
 
     # ---------------------------------------------------------------------------- integrity
 
     def check_integrity(self) -> None:
         """Raise AssertionError when any two views of the block state disagree."""
-        refs = Counter(b for table in self._tables.values() for b in table)
+        null = self.null_block
+        refs = Counter(
+            b for tables in self._group_tables for t in tables.values() for b in t if b != null
+        )
         free, cached = set(self._free), set(self._cached)
         _require(len(free) == len(self._free), "duplicate block in the free list")
         _require(not free & cached, f"blocks both free and cached: {sorted(free & cached)}")
-        for table in self._tables.values():
-            _require(len(set(table)) == len(table), f"block twice in one table: {table}")
-        for request_id, chain in self._chain.items():
-            _require(len(chain) <= len(self._tables[request_id]), f"chain too long: {request_id}")
+        self._check_tables()
         for block in self._blocks:
+            if block.block_id == null:
+                _require(
+                    block.ref_count == 0 and block.hash is None and null not in free | cached,
+                    "the null block was handed out or hashed",
+                )
+                continue
             self._check_block(block, refs[block.block_id], free, cached)
-        for block_hash, block_id in self._hash_to_block.items():
-            _require(self._blocks[block_id].hash == block_hash, f"stale hash entry {block_id}")
+        for group, hashes in enumerate(self._hash_to_block):
+            for block_hash, block_id in hashes.items():
+                block = self._blocks[block_id]
+                _require(
+                    block.hash == block_hash and block.group == group,
+                    f"stale hash entry {block_id} in group {group}",
+                )
         used = sum(1 for b in self._blocks if b.ref_count > 0)
         _require(
             len(free) + len(cached) + used == self.num_blocks,
             f"free {len(free)} + cached {len(cached)} + used {used} != {self.num_blocks}",
         )
 
+    def _check_tables(self) -> None:
+        """One table per group for each request, all as long; nulls only where a window
+        group gave blocks back (its leading entries)."""
+        for request_id, table in self._tables.items():
+            for group, tables in enumerate(self._group_tables):
+                other = tables.get(request_id)
+                _require(
+                    other is not None and len(other) == len(table),
+                    f"{request_id}: group {group}'s table differs in length from group 0's",
+                )
+                assert other is not None
+                behind = self._behind[request_id][group] if self._window_groups else 0
+                real = other[behind:]
+                _require(len(set(real)) == len(real), f"block twice in one table: {other}")
+                _require(
+                    all(b == self.null_block for b in other[:behind]),
+                    f"{request_id}: group {group}'s leading entries are not the null block",
+                )
+                _require(
+                    self.null_block is None or self.null_block not in real,
+                    f"{request_id}: group {group} holds the null block past its window",
+                )
+        for tables in self._group_tables:
+            _require(tables.keys() == self._tables.keys(), "a request lacks a group's table")
+        for request_id, chain in self._chain.items():
+            _require(len(chain) <= len(self._tables[request_id]), f"chain too long: {request_id}")
+
     def _check_block(self, block: _Block, refs: int, free: set[int], cached: set[int]) -> None:
         bid = block.block_id
         _require(block.ref_count == refs, f"block {bid}: ref {block.ref_count}, in {refs} tables")
         if block.hash is not None:
-            _require(self._hash_to_block.get(block.hash) == bid, f"block {bid}: hash not mapped")
+            group_map = self._hash_to_block[block.group]
+            _require(group_map.get(block.hash) == bid, f"block {bid}: hash not mapped")
         if bid in free:
             _require(block.ref_count == 0 and block.hash is None, f"free block {bid} in use")
         elif bid in cached:

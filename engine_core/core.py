@@ -69,6 +69,7 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             proposer=make_proposer(config.speculation()),
             loras=self.runner.loras,
+            kv_windows=self.runner.kv_layout.windows,
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.
         self.max_model_len = self.scheduler.max_model_len
@@ -341,7 +342,7 @@ class EngineCore:
             num_waiting=self.scheduler.num_waiting,
             num_free_blocks=bm.num_free_blocks,
             num_cached_blocks=bm.num_cached_blocks,
-            num_total_blocks=self.runner.num_kv_blocks,
+            num_total_blocks=bm.num_blocks,  # the pool (with a window group, less the null block)
             num_steps=self.num_steps,
             counts=self.scheduler.counts(),
         )

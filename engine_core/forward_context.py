@@ -8,7 +8,7 @@ the plain ``forward(positions, hidden)`` shape that CUDA-graph capture needs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,9 +21,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardContext:
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata  # layer group 0's (the only one of most models)
     backend: AttentionBackend
     lora: LoraBatch | None = None  # which rows use which adapter slot; None: no row does
+    # Every layer group's metadata, group 0's first (engine_core/kv_groups.py): they share all
+    # but the block tables and the slot mapping. Empty where the model has one group.
+    group_metadata: Sequence[AttentionMetadata] = ()
 
 
 _current: ForwardContext | None = None
@@ -31,10 +34,13 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def forward_context(
-    meta: AttentionMetadata, backend: AttentionBackend, lora: LoraBatch | None = None
+    meta: AttentionMetadata,
+    backend: AttentionBackend,
+    lora: LoraBatch | None = None,
+    group_metadata: Sequence[AttentionMetadata] = (),
 ) -> Iterator[None]:
     global _current
-    previous, _current = _current, ForwardContext(meta, backend, lora)
+    previous, _current = _current, ForwardContext(meta, backend, lora, group_metadata)
     try:
         yield
     finally:

@@ -27,6 +27,7 @@ read their block table again (``_advance``). Its bytes are the ones a full pack 
 from __future__ import annotations
 
 import array
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -36,7 +37,7 @@ import torch
 
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.prefill_tiles import capacity, prefill_block_m, tile_list
-from engine_core.request import Request, SchedulerOutput
+from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.step_stats import GpuTimeline
 
 _RING = 3  # host buffers in flight: the one being packed, and up to two queued copies
@@ -65,6 +66,9 @@ class PackedInputs:
     # ModelRunner._forward): the decode graph's staging launch reads them in place of
     # input_ids, any other forward copies them in first.
     ids_from: torch.Tensor | None = None
+    # With more than one KV layer group: every group's metadata, ``meta`` (group 0's) first,
+    # each with its own block tables and slot mapping; empty with one group.
+    group_metadata: tuple[AttentionMetadata, ...] = ()
 
     def output_positions(self) -> list[int]:
         """[S]: which output of its request each sampling row draws. Computed when asked: the
@@ -93,9 +97,15 @@ class InputBatch:
         max_num_tokens: int,
         max_num_seqs: int,
         max_blocks_per_seq: int,
+        kv_windows: Sequence[int | None] = (None,),
     ) -> None:
+        """``kv_windows``: the window of each of the model's KV layer groups (None: full
+        attention; engine_core/kv_groups.py), each with its own block tables and slot mapping
+        in the step."""
         self.device = device
         self.block_size = block_size
+        self.kv_windows = tuple(kv_windows)
+        self.num_groups = len(self.kv_windows)
         self._max_width = max_blocks_per_seq
         self._pinned = device.type == "cuda"
         # The engine's one stream (its copies' events record on it): looked up once, as each
@@ -108,6 +118,7 @@ class InputBatch:
             max_num_seqs,
             max_blocks_per_seq,
             capacity(max_num_tokens, max_num_seqs, prefill_block_m(max_num_tokens)),
+            self.num_groups,
         )
         self._next = 0
         # The last packed step's layout, ring buffer and widest block table (``last_step``).
@@ -178,6 +189,8 @@ class InputBatch:
         tables = array.array("i")
         for s in scheduled:
             tables.extend(s.block_ids)  # a memcpy for the block manager's int32 arrays
+        if self.num_groups > 1:
+            tables = self._group_tables(scheduled, tables)
         samples = [s.samples for s in scheduled]
         # A steady decode step samples every row: the lists below are then the step's own.
         sample_seqs = None if all(samples) else [i for i, s in enumerate(samples) if s]
@@ -196,10 +209,25 @@ class InputBatch:
             prev_sampled, sampling,
         )  # fmt: skip
 
+    def _group_tables(
+        self, scheduled: Sequence[ScheduledRequest], main: array.array
+    ) -> list[array.array]:
+        """Every group's tables flattened, group 0's (``main``) first. A row planned without
+        group tables (the warm-up's) uses group 0's ids in every group."""
+        out = [main]
+        for group in range(1, self.num_groups):
+            flat = array.array("i")
+            for s in scheduled:
+                flat.extend(s.group_block_ids[group - 1] if s.group_block_ids else s.block_ids)
+            if len(flat) != len(main):
+                raise ValueError(f"KV group {group}'s block tables differ from group 0's in size")
+            out.append(flat)
+        return out
+
     def _fill(
         self,
         token_list: list[int],
-        tables: array.array,
+        tables: array.array | list[array.array],
         start_list: list[int],
         len_list: list[int],
         width_list: list[int],
@@ -231,7 +259,9 @@ class InputBatch:
         # The Triton prefill kernel's work list (attention/prefill_tiles.py); decodes need none.
         tiles = None if decode_only else tile_list(len_list, prefill_block_m(num_tokens))
         num_tiles = 0 if tiles is None else len(tiles)
-        layout = self._layout(num_tokens, num_seqs, num_sampling, num_gather, room, num_tiles)
+        layout = self._layout(
+            num_tokens, num_seqs, num_sampling, num_gather, room, num_tiles, self.num_groups
+        )
         host = self._host_buffer(layout.nbytes)
         view = layout.host_views(host)  # section name -> its view of the host buffer
         seq_lens = starts + lens  # [B]
@@ -241,23 +271,24 @@ class InputBatch:
         else:
             seq_of_token = np.repeat(np.arange(num_seqs), lens)  # [T]
             positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], lens)
+        group_tables = [tables] if isinstance(tables, array.array) else tables
         block_tables = view["block_tables"].reshape(num_seqs, room)  # [B, room] int32
-        flat_tables = np.frombuffer(tables, dtype=np.int32)
-        if len(flat_tables) == num_seqs * width:  # every table is as wide as the widest
-            block_tables[:, :width] = flat_tables.reshape(num_seqs, width)
-            block_tables[:, width:] = 0
-        else:
-            widths = np.array(width_list, dtype=np.int64)  # [B]
-            block_tables.fill(0)
-            rows = np.repeat(np.arange(num_seqs), widths)
-            cols = np.arange(len(flat_tables)) - np.repeat(np.cumsum(widths) - widths, widths)
-            block_tables[rows, cols] = flat_tables
+        _fill_tables(block_tables, group_tables[0], width_list, width)
         bs = self.block_size
         view["input_ids"][:] = tokens
         view["positions"][:] = positions
         slots = view["slot_mapping"]
         np.multiply(block_tables[seq_of_token, positions // bs].astype(np.int64), bs, out=slots)
         slots += positions % bs
+        if len(group_tables) > 1:
+            more_tables = view["group_block_tables"].reshape(-1, num_seqs, room)  # [G-1, B, room]
+            more_slots = view["group_slot_mapping"].reshape(-1, num_tokens)  # [G-1, T]
+            for flat, table, group_slots in zip(
+                group_tables[1:], more_tables, more_slots, strict=True
+            ):
+                _fill_tables(table, flat, width_list, width)
+                np.multiply(table[seq_of_token, positions // bs], bs, out=group_slots)
+                group_slots += positions % bs
         # Every sequence samples in a steady decode batch: sample_seqs is then 0..B-1.
         view["logits_indices"][:] = last if sample_seqs is None else last[sample_seqs]
         view["gather_dst"][:] = gather_dst
@@ -307,6 +338,8 @@ class InputBatch:
         wanted = zip(tables, cols.tolist(), strict=True)
         if any(len(table) != col + 1 or col >= layout.width for table, col in wanted):
             return None
+        if self.num_groups > 1 and not all(s.group_block_ids for s in scheduled):
+            return None  # a row planned without its groups' tables: packed in full
         host = self._host_buffer(layout.nbytes)
         if host is not last_host:  # a ring of one (no pinned memory) advances in place
             host[: layout.nbytes] = last_host[: layout.nbytes]
@@ -315,6 +348,8 @@ class InputBatch:
         view["seq_lens"] += 1
         slots = view["slot_mapping"]
         slots += 1
+        if self.num_groups > 1:
+            self._advance_groups(view, layout, entering, cols, scheduled)
         if tables:
             # Each entered block is its table's last; the columns before it are as they were.
             entered = np.array([table[-1] for table in tables], dtype=np.int32)
@@ -326,6 +361,42 @@ class InputBatch:
         sample_ends = last.sample_ends + 1
         self._steady = _SteadyStep(requests, sample_ends)
         return self._upload(layout, host, prev_sampled, requests, sample_ends, True, width)
+
+    def _advance_groups(
+        self,
+        view: dict[str, np.ndarray],
+        layout: _Layout,
+        entering: np.ndarray,
+        cols: np.ndarray,
+        scheduled: list[ScheduledRequest],
+    ) -> None:
+        """``_advance`` for groups 1..: every slot moves on by one; each row entering a block
+        (``entering``, at column ``cols``) takes each group's new last block; and in a window
+        group, each row whose window start crossed into a new block takes the entry before it
+        from its table (the block manager gave that block back when it planned this step: the
+        null block now), so the bytes stay those of a full pack."""
+        num_tokens, num_seqs = layout.counts[:2]
+        more_slots = view["group_slot_mapping"].reshape(-1, num_tokens)  # [G-1, T]
+        more_slots += 1
+        bs = self.block_size
+        positions = view["positions"]  # [B]: the step's, one token each
+        more_tables = view["group_block_tables"].reshape(-1, num_seqs, layout.width)
+        for group in range(1, self.num_groups):
+            tables = more_tables[group - 1]
+            if len(entering):
+                ids = [scheduled[row].group_block_ids[group - 1][-1] for row in entering.tolist()]
+                block_ids = np.array(ids, dtype=np.int32)
+                tables[entering, cols] = block_ids
+                more_slots[group - 1][entering] = block_ids.astype(np.int64) * bs
+            window = self.kv_windows[group]
+            if window is not None:
+                start = positions - (window - 1)  # [B]: each row's window start
+                left = np.flatnonzero((start > 0) & (start % bs == 0))
+                given_back = start[left] // bs - 1
+                tables[left, given_back] = [
+                    scheduled[row].group_block_ids[group - 1][col]
+                    for row, col in zip(left.tolist(), given_back.tolist(), strict=True)
+                ]
 
     def last_step(self) -> tuple[tuple[int, ...], bytes]:
         """The last packed step as ``unpack`` rebuilds it on another tensor-parallel rank: its
@@ -402,15 +473,31 @@ class InputBatch:
             seq_lens_cpu=seq_lens.tolist(),
             prefill_tiles=views["prefill_tiles"] if layout.count("prefill_tiles") else None,
         )
+        group_metadata = ()
+        if layout.counts[6] > 1:
+            group_metadata = (meta, *self._more_group_metadata(layout, views, meta, width))
         return PackedInputs(
             input_ids=input_ids,
             positions=views["positions"],
             meta=meta,
+            group_metadata=group_metadata,
             logits_indices=views["logits_indices"],
             sampling_requests=sampling,
             sample_ends=sample_ends,
             ids_from=ids_from,
         )
+
+    @staticmethod
+    def _more_group_metadata(
+        layout: _Layout, views: dict[str, torch.Tensor], meta: AttentionMetadata, width: int
+    ) -> list[AttentionMetadata]:
+        """Groups 1..'s metadata: group 0's with their own block tables and slot mapping."""
+        tables = views["group_block_tables"][:, :, :width]  # [G-1, B, width], rows strided
+        slots = views["group_slot_mapping"]  # [G-1, T]
+        return [
+            dataclasses.replace(meta, slot_mapping=slots[g], block_tables=tables[g])
+            for g in range(layout.counts[6] - 1)
+        ]
 
     def _host_buffer(self, nbytes: int) -> np.ndarray:
         """The next ring buffer, once the copy that last read it has completed."""
@@ -453,8 +540,11 @@ class _Layout:
         num_gather: int,
         width: int,
         num_tiles: int = 0,
+        num_groups: int = 1,
     ) -> None:
-        self.counts = (num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles)
+        self.counts = (
+            num_tokens, num_seqs, num_sampling, num_gather, width, num_tiles, num_groups
+        )  # fmt: skip
         counts = (
             ("input_ids", num_tokens, _I64),
             ("positions", num_tokens, _I64),
@@ -466,6 +556,9 @@ class _Layout:
             ("seq_lens", num_seqs, _I32),
             ("block_tables", num_seqs * width, _I32),
             ("prefill_tiles", 2 * num_tiles, _I32),
+            # KV layer groups 1.. (none with one group): their slots and tables, group by group.
+            ("group_slot_mapping", (num_groups - 1) * num_tokens, _I64),
+            ("group_block_tables", (num_groups - 1) * num_seqs * width, _I32),
         )
         self.sections: dict[str, tuple[int, int, np.dtype]] = {}
         self._views: dict[str, torch.Tensor] = {}
@@ -510,6 +603,11 @@ class _Layout:
             views = {name: self.device_view(buf, name) for name in self.sections}
             views["block_tables"] = views["block_tables"].view(self.counts[1], self.width)
             views["prefill_tiles"] = views["prefill_tiles"].view(-1, 2)
+            num_more = self.counts[6] - 1
+            views["group_block_tables"] = views["group_block_tables"].view(
+                num_more, self.counts[1], self.width
+            )
+            views["group_slot_mapping"] = views["group_slot_mapping"].view(num_more, self.counts[0])
             self._views, self._views_of = views, buf
         return self._views
 
@@ -530,9 +628,30 @@ class _Layout:
 
 
 def _packed_bytes(
-    tokens: int, seqs: int, sampling: int, gather: int, width: int, tiles: int
+    tokens: int, seqs: int, sampling: int, gather: int, width: int, tiles: int, groups: int
 ) -> int:
-    return _Layout(tokens, seqs, sampling, gather, width, tiles).nbytes
+    return _Layout(tokens, seqs, sampling, gather, width, tiles, groups).nbytes
+
+
+def _fill_tables(
+    block_tables: np.ndarray,  # [B, room] int32
+    flat_tables: array.array,
+    width_list: list[int],
+    width: int,
+) -> None:
+    """Lay the step's flattened tables (row i ``width_list[i]`` ids) into ``block_tables``,
+    padded with 0 past each row's end."""
+    flat = np.frombuffer(flat_tables, dtype=np.int32)
+    num_seqs = len(width_list)
+    if len(flat) == num_seqs * width:  # every table is as wide as the widest
+        block_tables[:, :width] = flat.reshape(num_seqs, width)
+        block_tables[:, width:] = 0
+        return
+    widths = np.array(width_list, dtype=np.int64)  # [B]
+    block_tables.fill(0)
+    rows = np.repeat(np.arange(num_seqs), widths)
+    cols = np.arange(len(flat)) - np.repeat(np.cumsum(widths) - widths, widths)
+    block_tables[rows, cols] = flat
 
 
 def _is_range(values: np.ndarray) -> bool:

@@ -18,8 +18,9 @@ The need, per tensor-parallel rank:
   CPU ``--kv-cache-memory-gb``, and never less than one sequence of ``max_model_len`` tokens
   (all layers, K and V, the KV dtype, this rank's KV heads; with MLA the latent and rotary key
   per token and layer instead, ``ModelConfig.kv_elements_per_token``), the least the engine can
-  run with. Sliding-window layers count in full: every layer's blocks are held for the whole
-  sequence until a per-group block manager frees what falls out of the window;
+  run with. With layer groups (engine_core/kv_groups.py) a block costs one group's layers, and one
+  sequence needs what every group holds at its peak: all its blocks in a full group, the
+  window's and a chunk's in a window group (and the null block);
 - on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
   slack (the KV sizing keeps the same headroom).
 
@@ -30,7 +31,6 @@ every tensor-parallel rank on the host shares.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from engine_core.config import EngineConfig, ModelConfig
+from engine_core.kv_groups import model_kv_layout, pool_blocks_for_one_sequence
 from engine_core.models.cpu_gemm import packs
 
 # Kept free on a GPU for the activations of the largest step and the allocator's slack.
@@ -116,9 +117,12 @@ def cpu_packing_bytes(module: nn.Module, device: torch.device, dtype: torch.dtyp
 def kv_block_bytes(
     config: ModelConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype
 ) -> int:
-    """Bytes of one KV block over all layers, K and V, for this rank's KV heads (MLA: the latent
-    and the rotary key, one per token and layer, a fraction of what K and V would take)."""
-    return block_size * config.kv_elements_per_token(num_kv_heads) * kv_dtype.itemsize
+    """Bytes of one KV block id: K and V of this rank's KV heads (MLA: the latent and the
+    rotary key, a fraction of what K and V would take) in one layer of each layer group, so
+    over all layers where the model has one group."""
+    per_layer = config.kv_elements_per_token(num_kv_heads) // config.num_layers
+    layers = model_kv_layout(config).group_size
+    return block_size * per_layer * layers * kv_dtype.itemsize
 
 
 def min_kv_bytes(
@@ -127,10 +131,12 @@ def min_kv_bytes(
     max_model_len: int,
     block_size: int,
     kv_dtype: torch.dtype,
+    chunk: int | None = None,
 ) -> int:
-    """The smallest cache the engine runs with: the whole blocks one sequence of
-    ``max_model_len`` tokens takes."""
-    blocks = math.ceil(max_model_len / block_size)
+    """The smallest cache the engine runs with: the blocks one sequence of ``max_model_len``
+    tokens holds at its peak, computed in chunks of ``chunk`` tokens (None: in one)."""
+    layout = model_kv_layout(config)
+    blocks = pool_blocks_for_one_sequence(layout, max_model_len, block_size, chunk or max_model_len)
     return blocks * kv_block_bytes(config, num_kv_heads, block_size, kv_dtype)
 
 
@@ -173,7 +179,14 @@ def plan_memory(
     limit = model_config.max_position_embeddings
     max_model_len = min(config.max_model_len or limit, limit)
     block = kv_block_bytes(model_config, num_kv_heads, config.block_size, kv_dtype)
-    least = min_kv_bytes(model_config, num_kv_heads, max_model_len, config.block_size, kv_dtype)
+    least = min_kv_bytes(
+        model_config,
+        num_kv_heads,
+        max_model_len,
+        config.block_size,
+        kv_dtype,
+        config.max_num_batched_tokens,
+    )
     kv, source = least, f"one sequence of {max_model_len} tokens"
     if config.num_kv_blocks:
         kv, source = config.num_kv_blocks * block, f"--num-kv-blocks {config.num_kv_blocks}"

@@ -31,6 +31,7 @@ from engine_core.config import EngineConfig, ModelConfig
 from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
+from engine_core.kv_groups import model_kv_layout, pool_blocks_for_one_sequence
 from engine_core.loader import LoadedModel, load_model
 from engine_core.lora.adapter import check_lora_model, load_adapter, target_shapes
 from engine_core.lora.batch import LoraBatch, lora_batch
@@ -72,6 +73,8 @@ class ModelInputs:
     prompt_rows_cpu: list[int] | None = None  # the same rows on the host
     ids_from: torch.Tensor | None = None  # the input ids not yet in input_ids (PackedInputs)
     lora: LoraBatch | None = None  # which rows use which LoRA slot; None: none does
+    # Every KV layer group's metadata, group 0's (``meta``) first; empty with one group.
+    group_metadata: tuple[AttentionMetadata, ...] = ()
 
 
 @dataclass
@@ -232,6 +235,8 @@ class ModelRunner:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
+        # Layers grouped by kind, each group its own block tables (engine_core/kv_groups.py).
+        self.kv_layout = model_kv_layout(self.model_config)
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_cache = self._allocate_kv_cache()
         self._set_kv_scales(loaded.kv_scales)
@@ -249,6 +254,7 @@ class ModelRunner:
             max_num_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            kv_windows=self.kv_layout.windows,
         )
         self._init_step_state()
 
@@ -330,8 +336,10 @@ class ModelRunner:
             budget = self.config.kv_cache_memory_gb * 2**30
         block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
         blocks = int(budget // block)
-        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        if blocks < max_blocks_per_seq:
+        one_sequence = pool_blocks_for_one_sequence(
+            self.kv_layout, self.max_model_len, self.block_size, self.config.max_num_batched_tokens
+        )
+        if blocks < one_sequence:
             raise ValueError(
                 f"the KV cache fits only {blocks} blocks of {self.block_size} tokens, fewer than "
                 f"one sequence of {self.max_model_len} tokens needs; lower --max-model-len or "
@@ -343,10 +351,11 @@ class ModelRunner:
         layers = self.model.attention_layers()
         if any(type(layer) is not Attention for layer in layers):
             return self._allocate_layer_caches(layers)
-        mc = self.model_config
-        # [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]
+        mc, layout = self.model_config, self.kv_layout
+        # [group_size, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]: layer j of every
+        # group uses pair j (kv_groups.py); with one group, pair i is layer i.
         shape = (
-            mc.num_layers,
+            layout.group_size,
             2,
             self.num_kv_blocks,
             self.block_size,
@@ -355,7 +364,14 @@ class ModelRunner:
         )
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+            group, pair = layout.placement(i)
+            if layer.sliding_window != layout.groups[group].window:
+                raise ValueError(
+                    f"layer {i} attends through a window of {layer.sliding_window} but the "
+                    f"config puts it in a group of window {layout.groups[group].window}"
+                )
+            layer.k_cache, layer.v_cache = cache[pair, 0], cache[pair, 1]
+            layer.kv_group = group
         self._log_kv_cache(cache.numel() * cache.element_size())
         return cache
 
@@ -367,6 +383,11 @@ class ModelRunner:
                 "--kv-cache-dtype fp8 is not supported for this model's attention (its layers "
                 "cache MLA latents, which have no FP8 form yet)"
             )
+        if len(self.kv_layout.groups) > 1:
+            raise ValueError(
+                "layer groups (sliding-window layers beside full ones) are supported for plain "
+                "K/V attention only, not for this model's cache layout"
+            )
         tensors = []
         for layer in layers:
             shapes = layer.cache_shapes(self.num_kv_blocks, self.block_size)
@@ -377,11 +398,18 @@ class ModelRunner:
         return tensors
 
     def _log_kv_cache(self, num_bytes: int) -> None:
+        layout, groups = self.kv_layout, ""
+        if layout.windows != (None,):  # kv_groups.py: a block is one layer of each group
+            groups = (
+                f", {len(layout.groups)} layer group(s) of {layout.group_size} layers, "
+                f"windows {list(layout.windows)}"
+            )
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB)",
+            "KV cache: %d blocks x %d tokens (%.2f GiB)%s",
             self.num_kv_blocks,
             self.block_size,
             num_bytes / 2**30,
+            groups,
         )
 
     def _set_kv_scales(self, scales: dict[int, tuple[float, float]]) -> None:
@@ -483,6 +511,11 @@ class ModelRunner:
             # values (no fused kernels for them yet): every step runs eagerly.
             logger.warning("%s runs without CUDA graphs for now", type(self.model).__name__)
             return None
+        if len(self.kv_layout.groups) > 1:
+            # The graphs' static buffers hold one block table and slot mapping per row; a
+            # table per layer group is not captured yet.
+            logger.warning("%d KV layer groups: running eagerly", len(self.kv_layout.groups))
+            return None
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.warning("the attention backend reads host values; running decode eagerly")
             return None
@@ -517,7 +550,7 @@ class ModelRunner:
             )
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)
-        with forward_context(inputs.meta, self.backend, inputs.lora):
+        with forward_context(inputs.meta, self.backend, inputs.lora, inputs.group_metadata):
             return self.model(inputs.input_ids, inputs.positions)
 
     # ---- one step -----------------------------------------------------------------------------
@@ -798,6 +831,7 @@ def model_inputs(
         prompt_rows=prompt_rows,
         prompt_rows_cpu=prompt_rows_cpu,
         ids_from=packed.ids_from,
+        group_metadata=packed.group_metadata,
     )
 
 

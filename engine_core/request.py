@@ -198,6 +198,9 @@ class ScheduledRequest:
     # Speculation: the drafts that follow the request's last known token in this chunk (the
     # chunk is that token and them); the target's tokens after each decide which are kept.
     drafts: tuple[int, ...] = ()
+    # With more than one KV layer group (engine_core/kv_groups.py): the tables of groups 1..,
+    # copies, as long as ``block_ids`` (group 0's); empty with one group.
+    group_block_ids: tuple[Sequence[int], ...] = ()
 
     @classmethod
     def plan(

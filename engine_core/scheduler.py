@@ -70,20 +70,30 @@ class Scheduler:
         eos_token_ids: Sequence[int],
         proposer: Proposer | None = None,
         loras: LoraManager | None = None,
+        kv_windows: Sequence[int | None] = (None,),
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
         next tokens of the greedy requests that decode. ``loras``: the adapter slots
-        (engine_core/lora/manager.py), which a request with an adapter needs one of to run."""
+        (engine_core/lora/manager.py), which a request with an adapter needs one of to run.
+        ``kv_windows``: each KV layer group's sliding window (engine_core/kv_groups.py), None
+        for full attention."""
         self.config = config
         self.proposer = proposer
         self.loras = loras
         self.max_drafts = proposer.max_drafts if proposer is not None else 0
         self.block_manager = BlockManager(
-            num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_kv_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            windows=kv_windows,
         )
+        # Plans carry the tables of groups 1.. too (ScheduledRequest.group_block_ids).
+        self._grouped = self.block_manager.num_groups > 1
         # A sequence can never outgrow the whole pool, so the pool caps the context too; without
         # the cap a lone request that fills every block would preempt itself forever.
-        self.max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
+        self.max_model_len = self.block_manager.max_tokens_per_sequence(
+            config.max_num_batched_tokens, max_model_len
+        )
         self._block_size = config.block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
@@ -209,6 +219,8 @@ class Scheduler:
         running = self.running
         allocate = self.block_manager.allocate_slots
         table_covering = self.block_manager.table_covering
+        group_tables = self.block_manager.group_tables
+        grouped = self._grouped
         scheduled = output.scheduled
         index = 0
         while index < len(running) and budget > 0:
@@ -240,6 +252,8 @@ class Scheduler:
             else:
                 samples = end == num_tokens
                 scheduled.append(ScheduledRequest(request, num_new, block_ids, start, samples))
+                if grouped:
+                    scheduled[-1].group_block_ids = group_tables(request.request_id)
                 request.num_computed_tokens = end
                 if samples:
                     token_ids.append(PLACEHOLDER)
@@ -350,6 +364,8 @@ class Scheduler:
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         block_ids = self.block_manager.block_table(request.request_id)
         scheduled = ScheduledRequest.plan(request, num_new, block_ids)
+        if self._grouped:
+            scheduled.group_block_ids = self.block_manager.group_tables(request.request_id)
         if request.wants_prompt_logprobs and request.needs_prompt_logprobs:
             output.prompt_logprob_seqs.append(len(output.scheduled))
         output.scheduled.append(scheduled)

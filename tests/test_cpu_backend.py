@@ -160,11 +160,50 @@ def test_plan_is_made_once_per_forward() -> None:
     k_cache = torch.randn(60, BLOCK, 2, DIM, generator=gen)
     q = torch.randn(meta.query_start_loc_cpu[-1], 8, DIM, generator=gen)
     backend.forward(q, k_cache, k_cache, meta, SCALE)
-    first = backend._plan
+    first = backend._plans[(id(meta), None)]
     backend.forward(q, k_cache, k_cache, meta, SCALE)
-    assert backend._plan is first
-    backend.forward(q, k_cache, k_cache, metadata(MIXED, 60, gen), SCALE)
-    assert backend._plan is not first
+    assert backend._plans[(id(meta), None)] is first
+    other = metadata(MIXED, 60, gen)
+    backend.forward(q, k_cache, k_cache, other, SCALE)
+    assert backend._plans[(id(other), None)] is not first
+    backend.forward(q, k_cache, k_cache, other, SCALE, sliding_window=5)
+    assert backend._plans[(id(other), 5)].window == 5  # a window group's own plan
+
+
+WINDOWED = [(12, 1), (0, 9), (7, 6), (30, 1), (21, 4), (17, 1), (40, 1), (33, 7)]
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 13])
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("specs", [WINDOWED, [(29, 1)], [(26, 5)]], ids=["batch", "one", "chunk"])
+def test_blocks_behind_the_window_are_never_read(
+    window: int, backend: str, specs: list[tuple[int, int]]
+) -> None:
+    """A window KV group gives back the blocks wholly behind the window of a sequence's first
+    new token and holds the null block in their place (engine_core/block_manager.py): point
+    those entries at a block of NaN and the output is what the intact tables give, for decodes,
+    batched or alone, and for prompt chunks whose first query needs the window behind it."""
+    gen = torch.Generator().manual_seed(window)
+    num_blocks = len(specs) * 11 + 1
+    meta = metadata(specs, num_blocks, gen)
+    shape = (num_blocks + 1, BLOCK, 2, DIM)  # the last block: the stand-in for the null block
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_cache[-1], v_cache[-1] = float("nan"), float("nan")
+    q = torch.randn(meta.query_start_loc_cpu[-1], 8, DIM, generator=gen)
+    want = REFERENCE.forward(q, k_cache, v_cache, meta, SCALE, window)
+    nulled = meta.block_tables.clone()
+    starts, behind = meta.query_start_loc_cpu, 0
+    for seq, seq_len in enumerate(meta.seq_lens_cpu):
+        first_query = seq_len - (starts[seq + 1] - starts[seq])
+        first = max(0, first_query - window + 1) // BLOCK
+        nulled[seq, :first] = num_blocks
+        behind += first
+    assert behind > 0  # the case holds blocks behind the window
+    meta.block_tables = nulled
+    run = CpuBackend() if backend == "cpu" else REFERENCE
+    got = run.forward(q, k_cache, v_cache, meta, SCALE, window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
 def test_plan_splits_decodes_from_prompts() -> None:

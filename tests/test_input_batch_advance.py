@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine_core import input_batch
+from engine_core.attention.base import AttentionMetadata
 from engine_core.config import EngineConfig
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.request import Request, SchedulerOutput
@@ -29,10 +30,10 @@ class TwoBatches:
     """Two input batches packing the same plans, one advancing steady steps and one packing
     every step in full, each with its own previous-step state as the runner keeps it."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", windows: tuple[int | None, ...] = (None,)) -> None:
         self.device = torch.device(device)
         self.fast, self.full = (
-            InputBatch(self.device, BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK)
+            InputBatch(self.device, BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK, windows)
             for _ in range(2)
         )
         self.full.advance_steady = False
@@ -103,6 +104,24 @@ def check_against_plan(packed: PackedInputs, plan: SchedulerOutput, expected: di
     np.testing.assert_array_equal(packed.meta.block_tables.cpu().numpy(), expected["tables"])
     assert packed.meta.seq_lens.tolist() == expected["seq_lens"]
     assert packed.sampling_requests == [s.request for s in plan.scheduled if s.samples]
+    for group, meta in enumerate(packed.group_metadata[1:], start=1):
+        check_group(meta, plan, group)
+
+
+def check_group(meta: AttentionMetadata, plan: SchedulerOutput, group: int) -> None:
+    """KV layer group ``group``'s tables and slots are the plan's for that group."""
+    width = meta.block_tables.shape[1]
+    tables = np.zeros((len(plan.scheduled), width), dtype=np.int32)
+    slots = []
+    for i, s in enumerate(plan.scheduled):
+        table = list(s.group_block_ids[group - 1])
+        tables[i, : len(table)] = table
+        slots += [
+            table[p // BLOCK] * BLOCK + p % BLOCK
+            for p in range(s.start, s.start + s.num_new_tokens)
+        ]
+    np.testing.assert_array_equal(meta.block_tables.cpu().numpy(), tables)
+    assert meta.slot_mapping.tolist() == slots
 
 
 ON_CUDA = pytest.param(
@@ -116,16 +135,25 @@ ON_CUDA = pytest.param(
 
 # On CUDA the host buffers are pinned and used in a ring of three: a step advances another
 # buffer than the one it copies; on the CPU a ring of one advances in place.
+# KV layer groups (engine_core/kv_groups.py): a full group beside a window group, whose tables
+# lose a block to the null block as each row's window moves past it, and a pool twice as large
+# (a block is one group's layers).
+GROUPED = pytest.param((None, 6), 60, id="groups")
+
+
 @pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_advanced_steps_equal_full_packs_and_the_plan(seed: int, device: str) -> None:
+@pytest.mark.parametrize(("windows", "num_blocks"), [((None,), 30), GROUPED])
+def test_advanced_steps_equal_full_packs_and_the_plan(
+    seed: int, device: str, windows: tuple[int | None, ...], num_blocks: int
+) -> None:
     rng = random.Random(seed)
     config = EngineConfig(
         block_size=BLOCK, max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS
     )
     # A pool that cannot hold every request at full length: preemptions happen.
-    scheduler = Scheduler(config, 30, MAX_MODEL_LEN, [0])
-    batches = TwoBatches(device)
+    scheduler = Scheduler(config, num_blocks, MAX_MODEL_LEN, [0], kv_windows=windows)
+    batches = TwoBatches(device, windows)
     in_flight: tuple[SchedulerOutput, list[int]] | None = None
     names = iter(range(10**6))
     steps = 0

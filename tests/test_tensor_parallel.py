@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MixtralConfig,
@@ -63,6 +64,11 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         moe_intermediate_size=32,
         norm_topk_prob=True,
         mlp_only_layers=[1],
+    ),
+    # KV layer groups (engine_core/kv_groups.py): a sliding layer beside a full one, so each
+    # rank unpacks a table and a slot mapping per group, and gives window blocks back.
+    "gemma3_groups": lambda: Gemma3TextConfig(
+        **SIZES, head_dim=16, sliding_window=4, sliding_window_pattern=2
     ),
     "gpt2": lambda: GPT2Config(
         vocab_size=VOCAB,

@@ -25,7 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.attention.base import AttentionMetadata, is_fp8_cache
-from engine_core.attention.torch_ref import TorchReferenceBackend, gather_context
+from engine_core.attention.torch_ref import (
+    TorchReferenceBackend,
+    first_visible_block,
+    gather_context,
+)
 
 # Bytes of gathered K and V per chunk of decode sequences: small enough to stay in the last-level
 # cache between the gather and the attention that reads it (measured on a 32 MiB L3: 2-8 MiB
@@ -38,8 +42,11 @@ class DecodeGroup:
     """The sequences of a step that decode, planned for batched attention."""
 
     rows: torch.Tensor | None  # [Bd] int64 query rows; None: every row of the batch, in order
-    seq_lens: torch.Tensor  # [Bd] int64
-    block_ids: torch.Tensor  # [Bd, nb] int64: each sequence's first nb blocks (padded with 0)
+    # [Bd] int64: each sequence's context length counted from its first gathered block
+    seq_lens: torch.Tensor
+    # [Bd, nb] int64: each sequence's nb blocks from the first its window sees (block 0 without
+    # a window); past its table's end, whatever block: those rows are zeroed
+    block_ids: torch.Tensor
     block_size: int
     chunk_seqs: int  # sequences per gather
     # Per chunk of chunk_seqs sequences: its gathered rows (of n * slots) past their sequence's end.
@@ -94,11 +101,15 @@ class SingleDecode:
         return k.flatten(0, 1)[: self.seq_len], v.flatten(0, 1)[: self.seq_len]
 
 
-def plan_single_decode(block_table: torch.Tensor, seq_len: int, block_size: int) -> SingleDecode:
-    block_ids = block_table[: -(-seq_len // block_size)].long()
+def plan_single_decode(
+    block_table: torch.Tensor, seq_len: int, block_size: int, first_block: int = 0
+) -> SingleDecode:
+    """The sequence's context from block ``first_block`` on (the first its window sees)."""
+    block_ids = block_table[first_block : -(-seq_len // block_size)].long()
     first = int(block_ids[0])
     consecutive = torch.equal(block_ids, torch.arange(first, first + len(block_ids)))
-    return SingleDecode(seq_len, block_ids, first if consecutive else None)
+    length = seq_len - first_block * block_size
+    return SingleDecode(length, block_ids, first if consecutive else None)
 
 
 @dataclass
@@ -107,13 +118,21 @@ class StepPlan:
     decode: DecodeGroup | None
     prompts: list[int]  # the sequences with more than one new token
     single: SingleDecode | None = None  # set instead of decode when the step is one decode
+    window: int | None = None  # the layers' sliding window it was planned for
+
+
+# Plans kept per forward: one per KV layer group's metadata and window (a few at most).
+_MAX_PLANS = 16
 
 
 class CpuBackend(TorchReferenceBackend):
     """AttentionBackend for CPU tensors."""
 
     def __init__(self) -> None:
-        self._plan: StepPlan | None = None
+        # This forward's plans by (metadata, window): a model with KV layer groups passes each
+        # group's metadata to its layers, and each is planned once per forward.
+        self._plans: dict[tuple[int, int | None], StepPlan] = {}
+        self._last_plan: StepPlan | None = None
         # The last slot mapping seen, and whether it has no padding (-1): checked once a step.
         self._slots: torch.Tensor | None = None
         self._slots_unpadded = False
@@ -158,8 +177,8 @@ class CpuBackend(TorchReferenceBackend):
             return super().forward(
                 q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, sinks
             )
-        plan = self._plan_for(meta, k_cache)
         window = sliding_window
+        plan = self._plan_for(meta, k_cache, window)
         if plan.single is not None:
             k, v = plan.single.context(k_cache, v_cache)
             return single_decode_attention(q, k, v, scale, window, sinks)
@@ -171,25 +190,43 @@ class CpuBackend(TorchReferenceBackend):
             out[group.rows] = decode_attention(
                 q[group.rows], k_cache, v_cache, group, scale, window, sinks
             )
-        starts = meta.query_start_loc_cpu
+        starts, block_size = meta.query_start_loc_cpu, k_cache.shape[1]
         for seq in plan.prompts:
             start, end = starts[seq], starts[seq + 1]
-            k, v = gather_context(k_cache, v_cache, meta.block_tables[seq], meta.seq_lens_cpu[seq])
+            seq_len = meta.seq_lens_cpu[seq]
+            first = first_visible_block(seq_len - (end - start), window, block_size)
+            k, v = gather_context(k_cache, v_cache, meta.block_tables[seq], seq_len, first)
             if sinks is None:
                 out[start:end] = prompt_attention(q[start:end], k, v, scale, window)
             else:
                 out[start:end] = sink_prompt_attention(q[start:end], k, v, scale, window, sinks)
         return out
 
-    def _plan_for(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
-        """This forward's plan: made by its first attention layer, reused by the others."""
-        if self._plan is None or self._plan.meta is not meta:
-            self._plan = plan_step(meta, k_cache)
-        return self._plan
+    def _plan_for(
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None
+    ) -> StepPlan:
+        """This forward's plan for ``meta`` and ``window``: made by the first attention layer
+        that reads them, reused by the others (a plan keeps its metadata, so the id in the key
+        is not reused while the plan is kept)."""
+        plan = self._last_plan
+        if plan is not None and plan.meta is meta and plan.window == window:
+            return plan  # the common case: the layer before read the same plan
+        key = (id(meta), window)
+        plan = self._plans.get(key)
+        if plan is None or plan.meta is not meta:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = plan_step(meta, k_cache, window)
+        self._last_plan = plan
+        return plan
 
 
-def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
-    """Split a step's sequences into decodes (batched) and prompts (one by one)."""
+def plan_step(
+    meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None = None
+) -> StepPlan:
+    """Split a step's sequences into decodes (batched) and prompts (one by one). With a
+    ``window``, each decode reads its context from the first block its window sees: the
+    blocks before it are never gathered (a window KV group holds the null block there)."""
     starts = meta.query_start_loc_cpu
     decodes, prompts = [], []
     for seq in range(meta.num_seqs):
@@ -199,15 +236,27 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
         elif query_len > 1:
             prompts.append(seq)
     if not decodes:
-        return StepPlan(meta, None, prompts)
+        return StepPlan(meta, None, prompts, window=window)
     block_size = k_cache.shape[1]
     if meta.num_seqs == 1:
-        single = plan_single_decode(meta.block_tables[0], meta.seq_lens_cpu[0], block_size)
-        return StepPlan(meta, None, prompts, single)
-    seq_lens = [meta.seq_lens_cpu[s] for s in decodes]
-    num_blocks = -(-max(seq_lens) // block_size)
+        seq_len = meta.seq_lens_cpu[0]
+        first = first_visible_block(seq_len - 1, window, block_size)
+        single = plan_single_decode(meta.block_tables[0], seq_len, block_size, first)
+        return StepPlan(meta, None, prompts, single, window)
     index = torch.tensor(decodes, dtype=torch.int64)
-    block_ids = meta.block_tables[index, :num_blocks].long()  # [Bd, nb]
+    seq_lens = [meta.seq_lens_cpu[s] for s in decodes]
+    # With a window, each decode's context from its first visible block, its length from there.
+    firsts = [first_visible_block(n - 1, window, block_size) for n in seq_lens] if window else []
+    if any(firsts):
+        seq_lens = [n - f * block_size for n, f in zip(seq_lens, firsts, strict=True)]
+    num_blocks = -(-max(seq_lens) // block_size)
+    if any(firsts):
+        width = meta.block_tables.shape[1]
+        columns = torch.tensor(firsts)[:, None] + torch.arange(num_blocks)[None, :]  # [Bd, nb]
+        # Columns past a table's width are past its sequence's end: their rows are zeroed.
+        block_ids = meta.block_tables[index[:, None], columns.clamp_(max=width - 1)].long()
+    else:
+        block_ids = meta.block_tables[index, :num_blocks].long()  # [Bd, nb]
     # Every sequence has one query row, at row starts[seq]; in a decode-only batch row i is seq i.
     rows = None if len(decodes) == len(starts) - 1 else torch.tensor([starts[s] for s in decodes])
     per_seq_bytes = 2 * num_blocks * k_cache[0].numel() * k_cache.element_size()
@@ -215,7 +264,7 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     pad_rows = rows_past_end(lens, num_blocks * block_size, chunk_seqs)
     group = DecodeGroup(rows, lens, block_ids, block_size, chunk_seqs, pad_rows)
-    return StepPlan(meta, group, prompts)
+    return StepPlan(meta, group, prompts, window=window)
 
 
 def decode_attention(

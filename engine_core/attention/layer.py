@@ -21,6 +21,9 @@ class Attention(nn.Module):
     stay out of ``state_dict``. So are ``k_scale`` and ``v_scale``: an FP8 cache holds K / k_scale
     and V / v_scale (set by the runner; other caches ignore them).
 
+    ``kv_group``: the layer group whose block tables it reads (the runner sets it; group 0's
+    are the forward's ``attn_metadata``).
+
     ``sinks`` (gpt-oss): a learned logit per query head that joins every softmax's denominator
     and weighs no value, so a head can attend to nothing; a parameter the checkpoint fills.
     """
@@ -46,6 +49,9 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # Its KV layer group (engine_core/kv_groups.py), set by the runner with its cache: whose
+        # block tables and slots of the forward context it reads.
+        self.kv_group = 0
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None  # [H]
 
     def cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
@@ -87,7 +93,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         scales = (self.k_scale, self.v_scale)
-        caches, meta = (self.k_cache, self.v_cache), ctx.attn_metadata
+        caches = (self.k_cache, self.v_cache)
+        meta = ctx.attn_metadata if self.kv_group == 0 else ctx.group_metadata[self.kv_group]
         sinks = {} if self.sinks is None else {"sinks": self.sinks}
         fused = self.sinks is None and self._rotates_in_decode(ctx.backend)  # no sink term there
         if rotary is not None and meta.is_decode_only and fused:

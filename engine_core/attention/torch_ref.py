@@ -49,18 +49,32 @@ class TorchReferenceBackend:
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]
     ) -> torch.Tensor:  # [T, heads, head_dim]
-        """Causal attention of each sequence's new tokens over its whole cached context."""
+        """Causal attention of each sequence's new tokens over its cached context (from the
+        first block their window sees: the positions are relative, so dropping whole leading
+        blocks that every query masks changes nothing)."""
         out = torch.zeros_like(q)
         starts = meta.query_start_loc_cpu
+        block_size = k_cache.shape[1]
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             start, end = starts[i], starts[i + 1]
             if end == start:
                 continue
-            k, v = gather_context(k_cache, v_cache, meta.block_tables[i], seq_len)
+            first = first_visible_block(seq_len - (end - start), sliding_window, block_size)
+            k, v = gather_context(k_cache, v_cache, meta.block_tables[i], seq_len, first)
             if is_fp8_cache(k_cache):
                 k, v = k.float() * k_scale, v.float() * v_scale
             out[start:end] = attend(q[start:end], k, v, scale, sliding_window, sinks).to(q.dtype)
         return out
+
+
+def first_visible_block(first_query: int, window: int | None, block_size: int) -> int:
+    """The first block a sequence's queries from position ``first_query`` on can see: 0, or
+    with a sliding window the block of the window's first position. The blocks before it are
+    never read: a window KV group gives them back and holds the null block in their place
+    (engine_core/block_manager.py)."""
+    if window is None:
+        return 0
+    return max(0, first_query - window + 1) // block_size
 
 
 def gather_context(
@@ -68,12 +82,15 @@ def gather_context(
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # [max_blocks] int32
     seq_len: int,
+    first_block: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's K and V, [seq_len, kv_heads, head_dim] each, read through its block table."""
+    """One sequence's K and V from block ``first_block`` on, [seq_len - first_block *
+    block_size, kv_heads, head_dim] each, read through its block table."""
     block_size = k_cache.shape[1]
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len]
+    blocks = block_table[first_block : -(-seq_len // block_size)].long()
+    length = seq_len - first_block * block_size
+    k = k_cache[blocks].flatten(0, 1)[:length]  # [length, kv_heads, head_dim]
+    v = v_cache[blocks].flatten(0, 1)[:length]
     return k, v
 
 
