@@ -19,7 +19,7 @@ from engine_core.memory_plan import kv_block_bytes, min_kv_bytes
 from engine_core.presets import PRESETS
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.scheduler import Scheduler
-from protocol.messages import SamplingParams
+from protocol.messages import LoraRef, SamplingParams
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
@@ -134,6 +134,29 @@ def test_a_window_hit_needs_only_the_blocks_the_window_sees() -> None:
     assert bm.block_ids("b", 1) == [NULL_BLOCK, NULL_BLOCK, window[2], window[3]]
     bm.check_integrity()
     bm.free("b")
+    bm.check_integrity()
+
+
+def test_a_lora_adapter_shares_no_group_block_with_the_base_or_another_adapter() -> None:
+    """The group path's hash chain starts from the request's adapter, as the one-table path's
+    does: the same tokens under another adapter (or none) hit nothing; under the same one, all."""
+    bm = BlockManager(num_blocks=60, block_size=4, windows=(None, 6))
+    tokens = list(range(17))
+
+    def run(request_id: str, lora: LoraRef | None) -> int:
+        request = make_request(request_id, tokens)
+        request.lora = lora
+        hit = bm.allocate_prefix(request)
+        assert bm.allocate_slots(request, 17 - hit)
+        request.num_computed_tokens = 17
+        bm.cache_computed_blocks(request, 17)
+        return hit
+
+    assert run("base", None) == 0
+    assert run("a", LoraRef("a", "/adapters/a")) == 0
+    assert run("b", LoraRef("b", "/adapters/b")) == 0
+    assert run("a-again", LoraRef("a", "/adapters/a")) == 16
+    assert run("base-again", None) == 16
     bm.check_integrity()
 
 
