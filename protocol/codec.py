@@ -19,7 +19,9 @@ Field layouts (after the type tag and the version):
                     constraint = nil | [kind, spec], logit_bias = [ids: i32 bytes, f64 bytes]],
                     num_output_tokens (the tail of prompt_ids already generated: a resume),
                     output_interval (tokens the engine gathers before it sends them; >= 1),
-                    [pooling = [kind, normalize, dimensions | nil]] (an embedding request only)
+                    [pooling = [kind, normalize, dimensions | nil]] (an embedding request only;
+                    nil where images follow), [images = [[hash: 32 bytes, offset, length,
+                    dtype, shape: [ints], pixels: bytes, [t, h, w]], ...]] (a prompt with images)
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
@@ -50,7 +52,8 @@ Field layouts (after the type tag and the version):
 Fields in [brackets] above are trailing ones that a frame carries only when it has them (an
 embedding request, an embedding engine, a step that pooled): the frames of generation keep the
 bytes they had before embeddings existed, and a decoder reads a missing one as none. Where one
-is present it must hold something: one encoding per message.
+is present it must hold something: one encoding per message (an image prompt's frame holds
+pooling's place with nil, the one nil a trailing field takes: images never go with pooling).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ import msgpack
 import numpy as np
 
 from protocol.messages import (
+    PIXEL_DTYPES,
     PROTOCOL_VERSION,
     STEP_TOKEN_BUCKETS,
     Abort,
@@ -83,6 +87,7 @@ from protocol.messages import (
     FinishReason,
     Heartbeat,
     Hello,
+    ImageInput,
     MsgType,
     PoolingKind,
     PoolingParams,
@@ -93,6 +98,7 @@ from protocol.messages import (
     SamplingParams,
     Stats,
     StepOutputs,
+    TensorBytes,
     TokenLogprobs,
 )
 
@@ -109,6 +115,9 @@ MAX_CONSTRAINT_BYTES = 1 << 20  # a JSON schema or a grammar; compilation has it
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
 MAX_EMBEDDING_DIMS = 1 << 16  # values of one pooled vector: beyond any model's hidden size
+MAX_IMAGES = 256  # images of one prompt (the API process's --limit-mm-per-prompt is lower)
+MAX_TENSOR_DIMS = 4
+IMAGE_HASH_BYTES = 32
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 
@@ -437,7 +446,63 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
         validate_pooling_params(msg.pooling, rid)
         _check_pooled(msg, v)
         fields.append(_encode_pooling(msg.pooling))
+    if msg.images:
+        if msg.pooling is not None:
+            raise v.fail("an embedding request takes no images")
+        images = [_encode_image(image) for image in msg.images]
+        _decode_images(images, len(ids) // 4, v)  # the decoder's checks, before it goes out
+        fields += [None, images]
     return fields
+
+
+def _encode_image(image: ImageInput) -> list[Any]:
+    pixels = image.pixels
+    return [
+        image.hash,
+        image.offset,
+        image.length,
+        pixels.dtype,
+        list(pixels.shape),
+        pixels.data,
+        list(image.grid_thw),
+    ]
+
+
+_PIXEL_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _decode_images(value: Any, num_ids: int, v: _Validator) -> tuple[ImageInput, ...]:
+    """A prompt's images: 1 to MAX_IMAGES, each's placeholder run inside the prompt, in prompt
+    order and apart, its bytes as many as its dtype and shape say."""
+    v.list_(value, "images")
+    if not 0 < len(value) <= MAX_IMAGES:
+        raise v.fail(f"images must hold 1 to {MAX_IMAGES} images, got {len(value)}")
+    images, end = [], 0
+    for fields in value:
+        image = _decode_image(fields, num_ids, v)
+        if image.offset < end:
+            raise v.fail("images' placeholder runs must be in prompt order and apart")
+        end = image.offset + image.length
+        images.append(image)
+    return tuple(images)
+
+
+def _decode_image(value: Any, num_ids: int, v: _Validator) -> ImageInput:
+    hash_, offset, length, dtype, shape, data, grid = v.list_(value, "image", 7)
+    if type(hash_) is not bytes or len(hash_) != IMAGE_HASH_BYTES:
+        raise v.fail(f"image hash must be {IMAGE_HASH_BYTES} bytes")
+    offset = v.int_(offset, "image offset", 0, max(num_ids - 1, 0))
+    length = v.int_(length, "image length", 1, num_ids - offset)
+    if dtype not in PIXEL_DTYPES:
+        raise v.fail(f"image dtype must be one of {', '.join(PIXEL_DTYPES)}, got {dtype!r}")
+    v.list_(shape, "image shape")
+    if not 1 <= len(shape) <= MAX_TENSOR_DIMS:
+        raise v.fail(f"image shape must have 1 to {MAX_TENSOR_DIMS} dims, got {len(shape)}")
+    dims = tuple(v.int_(d, "image shape", 1, INT32_MAX) for d in shape)
+    if type(data) is not bytes or len(data) != math.prod(dims) * _PIXEL_ITEM_BYTES[dtype]:
+        raise v.fail(f"image pixels must be {dtype} bytes of shape {list(dims)}")
+    t, h, w = (v.int_(n, "image grid_thw", 1, INT32_MAX) for n in v.list_(grid, "grid_thw", 3))
+    return ImageInput(hash_, offset, length, TensorBytes(dtype, dims, data), (t, h, w))
 
 
 def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Validator) -> None:
@@ -469,6 +534,11 @@ def _decode_pooling(value: Any, v: _Validator) -> PoolingParams:
 
 
 def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
+    images: Any = None
+    if type(fields) is list and len(fields) == 7:  # an image prompt: pooling's place is nil
+        if fields[5] is not None:
+            raise v.fail("an embedding request takes no images")
+        fields, images = fields[:5], fields[6]
     fixed, pooling = _with_trailing(fields, "ADD_REQUEST fields", 5, v)
     rid, ids, params, num_output, interval = fixed
     rid = v.rid(rid)
@@ -479,6 +549,8 @@ def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
     _check_resumed(num_output, len(ids), params, v)
     interval = v.int_(interval, "output_interval", 1, INT32_MAX)
     msg = AddRequest(rid, ids, params, num_output, interval)
+    if images is not None:
+        return dataclasses.replace(msg, images=_decode_images(images, len(ids), v))
     if pooling is None:
         return msg
     msg = dataclasses.replace(msg, pooling=_decode_pooling(pooling, v))

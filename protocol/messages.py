@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 #    decoding and RequestTimings a request's draft and accepted tokens; embeddings: AddRequest
 #    may carry pooling, a step's output its pooled vector, Ready the engine's embedding model;
 #    each a trailing field that a frame without it leaves out
-PROTOCOL_VERSION = 7
+# 8: AddRequest may carry images (processed pixels, their grid, hash and placeholder run), a
+#    trailing field after pooling's place
+PROTOCOL_VERSION = 8
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -164,6 +166,36 @@ class EmbeddingModel:
         return f"dimensions must be one of {sizes}, got {dimensions}"
 
 
+# The dtypes an image's pixels may travel in (what the API process's image processor gives).
+PIXEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """A tensor as raw little-endian bytes with its dtype (one of PIXEL_DTYPES) and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, processed by the API process (the model's HF image processor).
+
+    Its embeddings replace the prompt's tokens ``[offset, offset + length)``, every one of them
+    the model's image placeholder token. ``grid_thw`` is the patch grid (temporal, height,
+    width) that the vision tower and M-RoPE positions read; ``hash`` (32 bytes, SHA-256 of the
+    pixels, their dtype, shape and grid) names the image in the encoder cache and in the
+    prefix-cache keys of the KV blocks its placeholders fill."""
+
+    hash: bytes
+    offset: int
+    length: int
+    pixels: TensorBytes
+    grid_thw: tuple[int, int, int]
+
+
 @dataclass(frozen=True)
 class Hello:
     client_name: str = ""
@@ -187,6 +219,8 @@ class AddRequest:
     # An embedding request (params, num_output_tokens and output_interval at their defaults:
     # it samples nothing); None: a generation.
     pooling: PoolingParams | None = None
+    # The prompt's images in prompt order, their placeholder runs apart (a generation only).
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,10 @@
 the frame decodes back to it). A change to the codec that moves a byte of any of them changes the
 protocol, and must come with a new PROTOCOL_VERSION and new frames here.
 
-The frames were written by the codec of protocol version 7; ``python -m tests.test_wire_golden``
-prints the table for the codec as it is now. Version 7 added the LLGUIDANCE constraint kind and
-embeddings as trailing fields that only embedding frames carry, and speculation's counts to the
-control reply's counts and a request's timings: every other frame of version 6 is the same here
-but for its version byte (``test_generation_frames_changed_only_their_version``).
+The frames were written by the codec of protocol version 8; ``python -m tests.test_wire_golden``
+prints the table for the codec as it is now. Version 8 added a prompt's images as a trailing
+field that only image frames carry: every other frame of version 7 is the same here but for its
+version byte (``test_frames_without_images_changed_only_their_version``).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from protocol.messages import (
     FinishReason,
     Heartbeat,
     Hello,
+    ImageInput,
     PoolingKind,
     PoolingParams,
     Ready,
@@ -41,6 +41,7 @@ from protocol.messages import (
     SamplingParams,
     Stats,
     StepOutputs,
+    TensorBytes,
     TokenLogprobs,
 )
 
@@ -91,6 +92,16 @@ MESSAGES: dict[str, Any] = {
     "add optional ints": AddRequest("o", [1], SamplingParams(seed=0, logprobs=0)),
     "add resumed": AddRequest("z", [5, 6, 7, 8], SamplingParams(max_tokens=9), 3, 16),
     "add pooling last": AddRequest("e", [5, 6], pooling=PoolingParams()),
+    "add images": AddRequest(
+        "i",
+        [1, 9, 9, 2, 9, 3],
+        images=(
+            ImageInput(
+                bytes(range(32)), 1, 2, TensorBytes("float32", (2, 1), b"\0" * 8), (1, 2, 4)
+            ),
+            ImageInput(b"\xff" * 32, 4, 1, TensorBytes("bfloat16", (1,), b"\x80?"), (1, 2, 2)),
+        ),
+    ),
     "add pooling mean cut": AddRequest(
         "m", [7], pooling=PoolingParams(PoolingKind.MEAN, False, 256)
     ),
@@ -156,103 +167,111 @@ MESSAGES: dict[str, Any] = {
 }
 
 FRAMES: dict[str, str] = {
-    "hello": "930107a0",
-    "hello named": "930107aa66726f6e74656e642d31",
+    "hello": "930108a0",
+    "hello named": "930108aa66726f6e74656e642d31",
     "add default params": (
-        "970207a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970208a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "00c0c00001"
     ),
     "add greedy params": (
-        "970207a27231c40805000000ffbf0000dc0010cd010000cb0000000000000000cb3ff00000000000"
+        "970208a27231c40805000000ffbf0000dc0010cd010000cb0000000000000000cb3ff00000000000"
         "0000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c4"
         "00c2c092c400c400c0c00001"
     ),
     "add every param": (
-        "970207a3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
+        "970208a3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
         "3fe000000000000028cb3fa999999999999acfffffffffffffffffcbc000000000000000cb3ff800"
         "0000000000cb3ff199999999999ac40c020000000d000000ffffff7fc31492c40c00000000ffffff"
         "7f07000000c41800000000000059c00000000000005940000000000000e03f9201b27b2274797065"
         "223a20226f626a656374227d030104"
     ),
     "add stop ids": (
-        "970207a173c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970208a173c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c408070000000800"
         "0000c2c092c400c400c0c00001"
     ),
     "add logit bias": (
-        "970207a162c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970208a162c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c40403"
         "000000c408000000000000f8bfc0c00001"
     ),
     "add json object": (
-        "970207a16ac40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970208a16ac40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "009202a0c00001"
     ),
     "add regex": (
-        "970207a178c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970208a178c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "009203a2612bc00001"
     ),
     "add llguidance grammar": (
-        "970207a167c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970208a167c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "009206d92f7b226772616d6d617273223a205b7b226c61726b5f6772616d6d6172223a2022737461"
         "72743a202f612b2f227d5d7dc00001"
     ),
     "add optional ints": (
-        "970207a16fc40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970208a16fc40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "0000000000cb0000000000000000cb0000000000000000cb3ff0000000000000c400c20092c400c4"
         "00c0c00001"
     ),
     "add resumed": (
-        "970207a17ac41005000000060000000700000008000000dc00100900cb3ff0000000000000cb3ff0"
+        "970208a17ac41005000000060000000700000008000000dc00100900cb3ff0000000000000cb3ff0"
         "00000000000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000"
         "00000000c400c2c092c400c400c0c00310"
     ),
     "add pooling last": (
-        "980207a165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
+        "980208a165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
         "0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c0"
         "92c400c400c0c000019301c3c0"
     ),
+    "add images": (
+        "990208a169c418010000000900000009000000020000000900000003000000dc00101000cb3ff000"
+        "0000000000cb3ff000000000000000cb0000000000000000c0cb0000000000000000cb0000000000"
+        "000000cb3ff0000000000000c400c2c092c400c400c0c00001c09297c42000010203040506070809"
+        "0a0b0c0d0e0f101112131415161718191a1b1c1d1e1f0102a7666c6f61743332920201c408000000"
+        "00000000009301020497c420ffffffffffffffffffffffffffffffffffffffffffffffffffffffff"
+        "ffffffff0401a862666c6f617431369101c402803f93010202"
+    ),
     "add pooling mean cut": (
-        "980207a16dc40407000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "980208a16dc40407000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "00c0c000019302c2cd0100"
     ),
-    "abort none": "93030790",
-    "abort two": "93030792a161a162",
-    "control stats": "9404070107",
-    "control shutdown": "94040702cfffffffffffffffff",
-    "ready": "991007a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
-    "ready embedding": "9a1007a5656d626564cd0200cdc000c404020000001040089501c3cd0400c2c400",
-    "ready mrl": "9a1007a36d726ccd0200cdc000c4001040089502c240c3c40c100000002000000040000000",
-    "step empty": "9a110790c400c4009090809090",
-    "step one token": "9a110791a161c40401000000c404050000009090809090",
+    "abort none": "93030890",
+    "abort two": "93030892a161a162",
+    "control stats": "9404080107",
+    "control shutdown": "94040802cfffffffffffffffff",
+    "ready": "991008a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
+    "ready embedding": "9a1008a5656d626564cd0200cdc000c404020000001040089501c3cd0400c2c400",
+    "ready mrl": "9a1008a36d726ccd0200cdc000c4001040089502c240c3c40c100000002000000040000000",
+    "step empty": "9a110890c400c4009090809090",
+    "step one token": "9a110891a161c40401000000c404050000009090809090",
     "step finishes and logprobs": (
-        "9a110793a161a162a163c40c020000000000000002000000c4100500000006000000070000000800"
+        "9a110893a161a162a163c40c020000000000000002000000c4100500000006000000070000000800"
         "00009292000092010191920294c410000000000000d0bf000000000000f0ffc40802000000000000"
         "00c4080700000009000000c410000000000000d0bf000000000000f8bf82a16402a165039090"
     ),
     "step prompt logprobs and timings": (
-        "9a110793a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
+        "9a110893a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
         "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
         "0000e0bf000000000000f8bf93010094c400c400c400c400919602cb0000000000000000cb3fd000"
         "0000000000cb3ff80000000000000805"
     ),
     "step pooled": (
-        "9b110793a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
+        "9b110893a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
         "919602cb0000000000000000cb3fe0000000000000cb00000000000000000000929201c40c000000"
         "3f000080be0000803f9202c40400000040"
     ),
-    "request error": "951207a172af70726f6d707420746f6f206c6f6e67cd019d",
+    "request error": "951208a172af70726f6d707420746f6f206c6f6e67cd019d",
     "control reply stats": (
-        "971307010397010203040acf000001000000000099cf3fffffffffffffffcd012ccc800263000000"
+        "971308010397010203040acf000001000000000099cf3fffffffffffffffcd012ccc800263000000"
         "9e000102030405060708090a0b0c0dc3a0"
     ),
-    "control reply failed": "9713070300c0c2a46c65616b",
-    "heartbeat": "931407ce075bcd15",
+    "control reply failed": "9713080300c0c2a46c65616b",
+    "heartbeat": "931408ce075bcd15",
 }
 
 CLIENT_TYPES = (Hello, AddRequest, Abort, Control)
@@ -296,29 +315,32 @@ def test_a_frame_built_request_by_request_is_the_stored_frame(name: str) -> None
 
 
 def test_the_frames_are_of_this_protocol_version() -> None:
-    assert PROTOCOL_VERSION == 7, "a new protocol version: write the frames anew"
+    assert PROTOCOL_VERSION == 8, "a new protocol version: write the frames anew"
 
 
-# The frames of protocol version 6, byte for byte where version 7 kept them (every message
-# without pooling; a control reply's counts grew speculative decoding's three, and a finished
-# request's timings its draft and accepted tokens): version 7 must change none of them but for
-# the version byte.
-VERSION_6_FRAMES = {
+# The frames of protocol version 7, byte for byte where version 8 kept them (every message
+# without images): version 8 must change none of them but for the version byte.
+VERSION_7_FRAMES = {
     "add default params": (
-        "970206a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970207a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "00c0c00001"
     ),
-    "ready": "991006a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
-    "step one token": "9a110691a161c40401000000c404050000009090809090",
+    "ready": "991007a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
+    "step one token": "9a110791a161c40401000000c404050000009090809090",
+    "add pooling last": (
+        "980207a165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
+        "0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c0"
+        "92c400c400c0c000019301c3c0"
+    ),
 }
 
 
-@pytest.mark.parametrize("name", list(VERSION_6_FRAMES))
-def test_generation_frames_changed_only_their_version(name: str) -> None:
-    old, new = bytes.fromhex(VERSION_6_FRAMES[name]), bytes.fromhex(FRAMES[name])
+@pytest.mark.parametrize("name", list(VERSION_7_FRAMES))
+def test_frames_without_images_changed_only_their_version(name: str) -> None:
+    old, new = bytes.fromhex(VERSION_7_FRAMES[name]), bytes.fromhex(FRAMES[name])
     # After the array's header byte: the type tag, then the version (each a positive fixint).
-    assert old[2] == 6 and new[2] == 7
+    assert old[2] == 7 and new[2] == 8
     assert old[:2] + old[3:] == new[:2] + new[3:]
 
 
