@@ -53,6 +53,9 @@ _HELP = {
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
     '"prompt_lookup_min": 2}\': greedy requests take the tokens that followed the last n '
     "tokens' earlier occurrence as drafts, scored in one step (engine_core/speculative.py)",
+    "encoder_cache_memory_gb": "a vision-language model's encoder cache, in GiB: image "
+    "embeddings kept by image hash for the next chunk or request with the same image, least "
+    "recently used evicted first",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
 }

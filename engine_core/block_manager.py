@@ -13,7 +13,10 @@ Every block is in exactly one of three states:
 - used: reference count > 0 (appears in that many block tables).
 
 Prefix caching hashes full blocks as a chain, ``h_i = hash_block(h_{i-1}, tokens of block i)``,
-so a block's hash names the whole prefix up to its end.
+so a block's hash names the whole prefix up to its end. A block that holds any of an image's
+placeholder tokens hashes the image's hash with its tokens (``block_key``; vLLM's "extra keys"):
+the placeholders are the same token whatever the image, so without it two prompts with different
+images would share the blocks after the first image.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine_core.request import Request
 
@@ -31,6 +35,15 @@ ROOT_HASH = 0  # the parent hash of a request's first block
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     """Chained hash of one full block: the whole prefix up to the block's end is in it."""
     return hash((parent_hash, token_ids))
+
+
+def block_key(request: Request, index: int, tokens: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What block ``index`` of ``request`` is keyed by: its tokens, then the hash of each image
+    whose placeholders it holds (bytes, so never equal to a token)."""
+    size = len(tokens)
+    lo, hi = index * size, (index + 1) * size
+    images = [i.hash for i in request.images if i.offset < hi and i.offset + i.length > lo]
+    return tokens + tuple(images) if images else tokens
 
 
 @dataclass
@@ -132,7 +145,9 @@ class BlockManager:
             return 0
         parent = ROOT_HASH
         max_hits = (request.num_tokens - 1) // self.block_size
-        for tokens in self._full_blocks(request.token_ids, max_hits):
+        for index, tokens in enumerate(self._full_blocks(request.token_ids, max_hits)):
+            if request.images:
+                tokens = block_key(request, index, tokens)
             block_hash = hash_block(parent, tokens)
             block = self._lookup(block_hash, parent, tokens)
             if block is None:
@@ -179,6 +194,8 @@ class BlockManager:
         # building the list of the full blocks first cost that common case twice as much.
         for index in range(len(chain), num_full):
             tokens = tuple(token_ids[index * size : (index + 1) * size])
+            if request.images:
+                tokens = block_key(request, index, tokens)
             block_hash = hash_block(parent, tokens)
             self._register(self._blocks[table[index]], block_hash, parent, tokens)
             chain.append(block_hash)

@@ -21,7 +21,13 @@ from engine_core.config import EngineConfig
 from engine_core.embedding import check_pooling
 from engine_core.request import Request
 from protocol.codec import validate_pooling_params, validate_sampling_params
-from protocol.messages import FinishReason, PoolingParams, SamplingParams, TokenLogprobs
+from protocol.messages import (
+    FinishReason,
+    ImageInput,
+    PoolingParams,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 @dataclass
@@ -70,19 +76,25 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         detokenize: bool = True,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> list[CompletionOutput]:
         """Run every prompt (text or token ids) to completion; outputs in prompt order.
+        ``images``: each prompt's processed images (a vision-language model; the prompt's token
+        ids then hold their placeholder runs, as frontend/vision.py places them).
 
         All or nothing: a prompt or parameters the engine refuses raise ValueError before any
         prompt runs, and leave the engine as it was."""
         params_list = self._params_per_prompt(params, len(prompts))
+        per_prompt = [()] * len(prompts) if images is None else [tuple(i) for i in images]
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"images for {len(per_prompt)} prompts, not {len(prompts)}")
         for p in params_list:
             validate_sampling_params(p)
             if p.constraint is not None:
                 self.engine.grammar_compiler().check(p.constraint)
         requests = [
-            Request(f"offline-{next(self._ids)}", self._encode(prompt), p)
-            for prompt, p in zip(prompts, params_list, strict=True)
+            Request(f"offline-{next(self._ids)}", self._encode(prompt), p, images=imgs)
+            for prompt, p, imgs in zip(prompts, params_list, per_prompt, strict=True)
         ]
         self._add_all(requests)
         outputs = {

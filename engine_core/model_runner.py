@@ -40,6 +40,7 @@ from engine_core.memory_plan import (
 )
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
+from engine_core.multimodal import MultimodalRunner, MultimodalStep
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
@@ -67,6 +68,7 @@ class ModelInputs:
     prompt_rows: torch.Tensor | None = None
     prompt_rows_cpu: list[int] | None = None  # the same rows on the host
     ids_from: torch.Tensor | None = None  # the input ids not yet in input_ids (PackedInputs)
+    multimodal: MultimodalStep | None = None  # the step's image embeddings and M-RoPE positions
 
 
 @dataclass
@@ -235,6 +237,7 @@ class ModelRunner:
         )
         # An embedding model's engine pools the steps' hidden states; it never samples.
         self.pooler = Pooler() if self.model_config.embedding is not None else None
+        self.multimodal = self._multimodal_runner()  # None: the model takes no images
         self.stats = StepStats()  # the engine core hands its own in
         self.input_batch = InputBatch(
             self.device,
@@ -263,6 +266,13 @@ class ModelRunner:
         return load_model(
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
         )
+
+    def _multimodal_runner(self) -> MultimodalRunner | None:
+        vision = self.model_config.vision
+        if vision is None:
+            return None
+        budget = int(self.config.encoder_cache_memory_gb * 2**30)
+        return MultimodalRunner(self.model, vision, self.device, budget)
 
     def _init_step_state(self) -> None:
         """What carries from one step to the next: the last step's sampled ids, the ring of
@@ -465,7 +475,13 @@ class ModelRunner:
         return runner
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The model's forward: a graph replay for a step that fits one, else eager."""
+        """The model's forward: a graph replay for a step that fits one, else eager (always
+        for a step with images: their embeddings and M-RoPE positions are not graph inputs)."""
+        if inputs.multimodal is not None:
+            if inputs.ids_from is not None:
+                inputs.input_ids.copy_(inputs.ids_from)
+            with forward_context(inputs.meta, self.backend):
+                return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
             return self.graph_runner.run(
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from
@@ -492,7 +508,10 @@ class ModelRunner:
         self._scoring = None
         if out.prompt_logprob_seqs:
             rows, self._scoring = plan_prompt_scoring(out, packed.meta.query_start_loc_cpu)
-        return model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
+        inputs = model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
+        if self.multimodal is not None:
+            inputs.multimodal = self.multimodal.prepare(out, packed.meta.query_start_loc_cpu)
+        return inputs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

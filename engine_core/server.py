@@ -337,6 +337,7 @@ class EngineServer:
             client_id=client,
             client_request_id=msg.request_id,
             pooling=msg.pooling,
+            images=msg.images,
         )
         if msg.output_interval > 1:
             request.held = HeldTokens(IntervalCounter(OutputInterval(msg.output_interval)))
