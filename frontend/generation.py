@@ -32,6 +32,7 @@ from protocol.codec import ProtocolError, validate_sampling_params
 from protocol.messages import (
     Constraint,
     FinishReason,
+    ImageInput,
     RequestOutput,
     SamplingParams,
     TokenLogprobs,
@@ -156,6 +157,10 @@ class Generation:
         keep = max_tokens > 0
         text = TextOptions(req.skip_special_tokens, req.include_stop_str_in_output)
         return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep, text)
+
+    def with_images(self, images: tuple[ImageInput, ...]) -> None:
+        """The one prompt's images (a chat request's), on every choice's engine request."""
+        self.requests = [replace(r, images=images) for r in self.requests]
 
     async def send(self) -> None:
         """Send the engine requests now; ``run`` then follows them. A streamed response sends

@@ -33,6 +33,7 @@ from frontend.reasoning import ReasoningParser, get_reasoning_parser
 from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
 from frontend.tools import tool_support
+from frontend.vision import MediaOptions, VisionProcessor
 from protocol.messages import EmbeddingModel, PoolingKind, Ready
 
 logger = logging.getLogger("tandem.frontend")
@@ -126,6 +127,8 @@ def build_state(
         max_resumes=resumes_allowed(args, specs),
         resume_timeout_s=args.resume_timeout,
         embedding=ready.embedding,
+        vision=VisionProcessor.load(model_dir),
+        media=MediaOptions.from_args(args),
     )
 
     return ServerState(

@@ -21,6 +21,7 @@ from frontend.reasoning import ReasoningParser
 from frontend.response_store import ResponseStore
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
+from frontend.vision import MediaOptions, VisionProcessor
 from protocol.client import EngineDeadError
 from protocol.messages import Constraint, EmbeddingModel
 
@@ -44,6 +45,10 @@ class ServingContext:
     # The engine's embedding model (its Ready says): it serves /v1/embeddings and refuses to
     # generate. None: a generative model, which refuses /v1/embeddings.
     embedding: EmbeddingModel | None = None
+    # A vision-language model's image processor (None: the model takes no images), and how
+    # the server may get images (--limit-mm-per-prompt, --allowed-media-domains, ...).
+    vision: VisionProcessor | None = None
+    media: MediaOptions = field(default_factory=MediaOptions)
 
     def check_generates(self) -> None:
         """The 400 of completions and chat on an embedding model."""

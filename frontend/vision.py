@@ -13,6 +13,7 @@ into a 400 (frontend/chat.py), never a 500 and never an engine error.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import binascii
@@ -58,6 +59,18 @@ class MediaOptions:
     max_decoded_pixels: int = 64 << 20
 
     @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MediaOptions:
+        """From tandem serve's flags (frontend/serve.py add_media_args); ValueError for a bad
+        one."""
+        return cls.from_flags(
+            args.limit_mm_per_prompt,
+            args.allowed_media_domains,
+            args.allowed_local_media_path,
+            args.media_fetch_timeout,
+            args.max_image_bytes,
+        )
+
+    @classmethod
     def from_flags(
         cls,
         limit_mm_per_prompt: str | None,
@@ -66,11 +79,12 @@ class MediaOptions:
         fetch_timeout_s: float,
         max_image_bytes: int,
     ) -> MediaOptions:
+        local = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
+        if local is not None and not local.is_dir():
+            raise ValueError(f"--allowed-local-media-path {local} is not a folder")
         return cls(
             allowed_hosts=frozenset(h.lower() for h in allowed_media_domains or ()),
-            allowed_local_path=(
-                Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
-            ),
+            allowed_local_path=local,
             max_images=parse_image_limit(limit_mm_per_prompt),
             fetch_timeout_s=fetch_timeout_s,
             max_image_bytes=max_image_bytes,
@@ -297,3 +311,48 @@ class ProcessedImage:
         digest.update(data)
         pixels = TensorBytes("float32", shape, data)
         return ImageInput(digest.digest(), offset, length, pixels, self.grid_thw)
+
+
+# ---- a chat request's images ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImagePartRef:
+    """An image part of a chat request, with the name a 400 gives it."""
+
+    param: str  # "messages[1].content[0]"
+    url: str
+    detail: str | None
+
+
+async def chat_images(
+    vision: VisionProcessor | None, media: MediaOptions, parts: list[ImagePartRef]
+) -> list[ProcessedImage]:
+    """A chat request's images, fetched, decoded and processed (off the event loop), in order;
+    BadImage for the first part the server cannot take."""
+    if not parts:
+        return []
+    if vision is None:
+        raise BadImage("this model takes no images: send text parts only", parts[0].param)
+    if len(parts) > media.max_images:
+        raise BadImage(
+            f"at most {media.max_images} images a prompt (--limit-mm-per-prompt), got {len(parts)}",
+            parts[media.max_images].param,
+        )
+    for part in parts:
+        if part.detail not in (None, "auto"):
+            raise BadImage(
+                f"detail {part.detail!r} is not supported: the model's processor sizes every "
+                "image by its own pixel bounds; send 'auto' or leave it out",
+                f"{part.param}.image_url.detail",
+            )
+    raws = await asyncio.gather(*(fetch_image_bytes(p.url, media, p.param) for p in parts))
+    return await asyncio.to_thread(decode_and_process, vision, media, list(raws), parts)
+
+
+def decode_and_process(
+    vision: VisionProcessor, media: MediaOptions, raws: list[bytes], parts: list[ImagePartRef]
+) -> list[ProcessedImage]:
+    params = [p.param for p in parts]
+    images = [decode_image(raw, media, param) for raw, param in zip(raws, params, strict=True)]
+    return vision.process(images, params)

@@ -69,6 +69,7 @@ from protocol.messages import (
     ControlReply,
     EngineMessage,
     Hello,
+    ImageInput,
     PoolingParams,
     Ready,
     RequestError,
@@ -113,6 +114,7 @@ class EngineRequest:
     num_output_tokens: int = 0  # a resume: the prompt's tail that was generated already
     output_interval: int = 1  # tokens the engine gathers before it sends them (AddRequest)
     pooling: PoolingParams | None = None  # an embedding request (AddRequest)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (AddRequest)
 
     def resumed(self, request_id: str, generated: Sequence[int]) -> EngineRequest:
         """This request again, for another engine, with ``generated`` (the tokens it produced
@@ -202,6 +204,7 @@ class _Connection:
             request.num_output_tokens,
             request.output_interval,
             request.pooling,
+            request.images,
         )
         return encode(msg)
 

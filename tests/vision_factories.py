@@ -83,8 +83,9 @@ def random_image(seed: int, width: int = 100, height: int = 80) -> Any:
 
 
 def png_bytes(image: Any, format: str = "PNG") -> bytes:
+    """The image's file bytes, losslessly (WebP too: the server must see HF's pixels)."""
     out = io.BytesIO()
-    image.save(out, format=format)
+    image.save(out, format=format, **({"lossless": True} if format == "WEBP" else {}))
     return out.getvalue()
 
 
