@@ -157,3 +157,48 @@ def test_images_the_prompt_does_not_hold_are_refused(
             llm.generate([ids], PARAMS, detokenize=False, images=[shifted])
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize(("cache_gb", "encoded", "hits"), [(0.5, 1, 1), (0.0, 2, 0)])
+def test_an_image_split_across_chunks_takes_its_slices(
+    vl_dir: Path,
+    processor: VisionProcessor,
+    hf: tuple[Any, Any],
+    cache_gb: float,
+    encoded: int,
+    hits: int,
+) -> None:
+    """One prompt alone, in chunks of 16 tokens, its image's placeholders across a chunk's end:
+    each chunk takes its rows of the whole image's embeddings, from the cache (one encoder
+    run) or, with no room in the cache, from encoding the image again."""
+    ids, images, pil = prompt(vl_dir, processor, [LONG_TEXT, random_image(2, 60, 150), "?"])
+    start, end = images[0].offset, images[0].offset + images[0].length
+    assert start // 16 != (end - 1) // 16  # the run crosses a chunk boundary
+    llm = make_llm(vl_dir, encoder_cache_memory_gb=cache_gb)
+    try:
+        out = llm.generate([ids], PARAMS, detokenize=False, images=[images])
+        assert out[0].token_ids == hf_vl_greedy(*hf, ids, pil, NEW_TOKENS)
+        multimodal = llm.engine.runner.multimodal
+        assert (multimodal.encoded_images, multimodal.cache.hits) == (encoded, hits)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_mrope_positions_are_hf_get_rope_index(
+    vl_dir: Path, processor: VisionProcessor, hf: tuple[Any, Any]
+) -> None:
+    import torch
+
+    from engine_core.multimodal import mrope_positions
+
+    parts = ["a", random_image(1), "b c", random_image(2, 60, 150), "d e f"]
+    ids, images, _ = prompt(vl_dir, processor, parts)
+    model = hf[0]
+    tokens = torch.tensor([ids])
+    grids = torch.tensor([image.grid_thw for image in images])
+    types = (tokens == model.config.image_token_id).int()
+    expected, delta = model.model.get_rope_index(tokens, types, image_grid_thw=grids)
+    assert mrope_positions(images, 2, 0, len(ids)).tolist() == expected[:, 0].tolist()
+    # A decode step's positions: its index plus HF's rope delta.
+    after = mrope_positions(images, 2, len(ids), len(ids) + 1)
+    assert after.tolist() == [[len(ids) + int(delta)]] * 3
