@@ -198,7 +198,7 @@ class MultimodalRunner:
     def _encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
         """One encoder run over ``images``: each image's embeddings, in order."""
         pixels = torch.cat([pixels_tensor(image) for image in images]).to(self.device)
-        grid = torch.tensor([image.grid_thw for image in images], device=self.device)
-        embeds = self.model.encode_images(pixels, grid)  # [sum of tokens, hidden]
+        grids = [image.grid_thw for image in images]
+        embeds = self.model.encode_images(pixels, grids)  # [sum of tokens, hidden]
         self.encoded_images += len(images)
         return list(embeds.split([image.length for image in images]))

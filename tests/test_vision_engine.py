@@ -202,3 +202,21 @@ def test_mrope_positions_are_hf_get_rope_index(
     # A decode step's positions: its index plus HF's rope delta.
     after = mrope_positions(images, 2, len(ids), len(ids) + 1)
     assert after.tolist() == [[len(ids) + int(delta)]] * 3
+
+
+def test_our_vision_tower_is_hf_s(vl_dir: Path, hf: tuple[Any, Any]) -> None:
+    """Our encoder (models/qwen2_5_vl_vision.py) on the checkpoint's weights against HF's vision
+    tower on random pixels of three images at once, one of them two frames deep and one with
+    more than one window per side (window attention's reorder, its cut edges, full blocks)."""
+    import torch
+
+    from engine_core.loader import load_model
+
+    loaded = load_model(str(vl_dir), "cpu", torch.float32)
+    grids = [(1, 4, 6), (2, 8, 4), (1, 10, 14)]
+    patches = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(patches, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))
+    ours = loaded.module.encode_images(pixels, grids)
+    with torch.no_grad():
+        theirs = hf[0].model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -8,15 +8,14 @@ height, width) give its rotary angles, each frequency taking the position its se
 ``mrope_section`` names. A text token's three positions are equal, where M-RoPE is plain RoPE,
 so a step without one runs the plain rotary on its one position per token.
 
-The vision tower (patch embedding, window and full attention blocks with 2D rotary, the patch
-merger) is HF transformers' module, built from the checkpoint's vision config and loaded with
-its weights here; it runs eagerly on the engine core's device (docs/design/vision.md).
+The vision tower (models/qwen2_5_vl_vision.py: patch embedding, window and full attention blocks
+with 2D rotary, the patch merger) runs eagerly on the engine core's device
+(docs/design/vision.md).
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,33 +23,10 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.models.layers import RotaryEmbedding
 from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 
 if TYPE_CHECKING:
     from engine_core.multimodal import MultimodalStep
-
-
-def build_vision_tower(tower: dict[str, Any]) -> nn.Module:
-    """HF's Qwen2.5-VL vision transformer for the checkpoint's ``vision_config``; its rotary
-    module is given the ``reset_buffers`` the loader calls after ``to_empty`` (its inverse
-    frequencies are computed, not in the checkpoint)."""
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-        Qwen2_5_VisionTransformerPretrainedModel,
-    )
-
-    vision_config = Qwen2_5_VLConfig(vision_config=tower).vision_config
-    vision_config._attn_implementation = "sdpa"
-    model = Qwen2_5_VisionTransformerPretrainedModel(vision_config)
-    rotary = model.rotary_pos_emb
-    rotary.reset_buffers = partial(reset_vision_rotary, rotary)
-    return model
-
-
-def reset_vision_rotary(rotary: nn.Module) -> None:
-    inv_freq, _ = rotary.compute_axial_rope_parameters(rotary.config)
-    device = rotary.inv_freq.device
-    rotary.inv_freq = inv_freq.to(device)
-    rotary.original_inv_freq = inv_freq.clone().to(device)
 
 
 class MRopeSections(nn.Module):
@@ -93,7 +69,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                 f"mrope_section {list(vision.mrope_section)} does not split the rotary's "
                 f"{config.rotary_dim // 2} frequencies"
             )
-        self.visual = build_vision_tower(vision.tower)
+        self.visual = Qwen2_5_VisionTransformer(vision.tower)
         self.mrope = MRopeSections(vision.mrope_section)
 
     def forward(
@@ -120,12 +96,12 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return body.norm(hidden, residual)[0]
 
     @torch.inference_mode()
-    def encode_images(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """pixels [patches, C * T * P * P] of one or more images, grid_thw [N, 3] -> their
+    def encode_images(
+        self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """pixels [patches, C * T * P * P] of one or more images, their patch grids -> their
         embeddings [tokens, hidden], the images' tokens one after another."""
-        dtype = self.visual.patch_embed.proj.weight.dtype
-        out = self.visual(pixels.to(dtype), grid_thw=grid_thw)
-        return out.pooler_output
+        return self.visual(pixels, grids)
 
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         """The checkpoint's names in either layout: transformers 4's (``model.layers``,
