@@ -26,6 +26,7 @@ from frontend.openai_schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
     CompletionTokensDetails,
@@ -101,7 +102,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
         extras = replace(extras, constraint=tools.constraint)
     elif extras.constraint is not None:
         constraint_param = "response_format"
-    images = await load_images(ctx, req)
+    images = await load_images(ctx, req.messages)
     tok = ctx.tokenizer
     rendered = await tok.run(tok.render_chat, chat_render(ctx, req, tools))
     reasoning = reasoning_plan(ctx, req, rendered.text)
@@ -127,12 +128,12 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     return gen
 
 
-async def load_images(ctx: ServingContext, req: ChatCompletionRequest) -> list[ProcessedImage]:
-    """The request's image parts, fetched, decoded and processed; a 400 naming the part for
+async def load_images(ctx: ServingContext, messages: list[ChatMessage]) -> list[ProcessedImage]:
+    """The messages' image parts, fetched, decoded and processed; a 400 naming the part for
     one the server cannot take (a text-only model takes none)."""
     parts = [
         ImagePartRef(f"messages[{m}].content[{i}]", part.image_url.url, part.image_url.detail)
-        for m, message in enumerate(req.messages)
+        for m, message in enumerate(messages)
         for i, part in message.image_parts()
     ]
     try:

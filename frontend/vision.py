@@ -22,7 +22,7 @@ import io
 import json
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +234,6 @@ class VisionProcessor:
     hf: Any  # the HF image processor (its PIL backend: no torchvision needed)
     marker: ImageMarker
     pixel_bytes_limit: int = MAX_PIXEL_BYTES
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @classmethod
     def load(cls, model_dir: Path) -> VisionProcessor | None:

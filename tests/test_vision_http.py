@@ -222,3 +222,16 @@ def test_a_text_model_refuses_image_parts(tiny_server: Server) -> None:  # noqa:
     with pytest.raises(openai.BadRequestError) as info:
         chat(tiny_server, [{"type": "text", "text": "hi"}, image_part(data_url(b"x"))])
     assert_openai_400(info.value, "messages[0].content[1]", "takes no images")
+
+
+def test_tokenize_counts_the_image_tokens(vl_server: Server, vl_dir: Path) -> None:
+    import httpx
+
+    _, prompt_tokens = expected_reply(vl_dir, ["What is this?", random_image(7)])
+    content = [
+        {"type": "text", "text": "What is this?"},
+        image_part(data_url(png_bytes(random_image(7)))),
+    ]
+    body = {"messages": [{"role": "user", "content": content}]}
+    reply = httpx.post(f"{vl_server.base_url}/tokenize", json=body, timeout=60).json()
+    assert reply["count"] == prompt_tokens
