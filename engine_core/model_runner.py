@@ -476,7 +476,7 @@ class ModelRunner:
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The model's forward: a graph replay for a step that fits one, else eager (always
-        for a step with images: their embeddings and M-RoPE positions are not graph inputs)."""
+        for a step with image rows: their embeddings and 3D positions are not graph inputs)."""
         if inputs.multimodal is not None:
             if inputs.ids_from is not None:
                 inputs.input_ids.copy_(inputs.ids_from)
@@ -510,7 +510,13 @@ class ModelRunner:
             rows, self._scoring = plan_prompt_scoring(out, packed.meta.query_start_loc_cpu)
         inputs = model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
         if self.multimodal is not None:
-            inputs.multimodal = self.multimodal.prepare(out, packed.meta.query_start_loc_cpu)
+            step = self.multimodal.prepare(out, packed.meta.query_start_loc_cpu)
+            if step is not None and not step.rows.numel():
+                # No image rows: every row's three M-RoPE positions are equal, where M-RoPE is
+                # plain RoPE at that position, so the step runs as any other (graphs too).
+                inputs.positions = step.positions[0]
+            else:
+                inputs.multimodal = step
         return inputs
 
     @torch.inference_mode()
