@@ -235,3 +235,37 @@ def test_tokenize_counts_the_image_tokens(vl_server: Server, vl_dir: Path) -> No
     body = {"messages": [{"role": "user", "content": content}]}
     reply = httpx.post(f"{vl_server.base_url}/tokenize", json=body, timeout=60).json()
     assert reply["count"] == prompt_tokens
+
+
+def test_a_streamed_image_chat_with_two_choices(vl_server: Server, vl_dir: Path) -> None:
+    import io
+
+    from PIL import Image
+
+    jpeg = png_bytes(random_image(11), "JPEG")
+    # JPEG is lossy: HF gets the pixels the server decodes from it.
+    decoded = Image.open(io.BytesIO(jpeg)).convert("RGB")
+    text, _ = expected_reply(vl_dir, [decoded, "Describe it."])
+    client = client_of(vl_server)
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    image_part(data_url(jpeg, "image/jpeg")),
+                    {"type": "text", "text": "Describe it."},
+                ],
+            }
+        ],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        n=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [text, text]
