@@ -220,3 +220,33 @@ def test_our_vision_tower_is_hf_s(vl_dir: Path, hf: tuple[Any, Any]) -> None:
     with torch.no_grad():
         theirs = hf[0].model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_a_prefix_hit_that_ends_inside_an_image_takes_the_rest_of_it(
+    vl_dir: Path, processor: VisionProcessor, hf: tuple[Any, Any]
+) -> None:
+    """Two prompts with the same image and different text after it: the second's prefix-cache
+    hit ends at a block that holds the image's last placeholders, so its first chunk starts
+    inside the image and takes the rest of its embeddings (from the encoder cache)."""
+    image = random_image(12)
+    for prefix in ("Look", "Look here", "Look at this", "Now look at this"):
+        first_ids, first_images, _ = prompt(vl_dir, processor, [prefix, image, "alpha"])
+        end = first_images[0].offset + first_images[0].length  # then <|vision_end|>, then text
+        if end % BLOCK in (1, 2):  # the block of the image's end holds text after it
+            break
+    else:
+        pytest.fail("no prefix puts the image's end and the text in one block")
+    ids, images, pil = prompt(vl_dir, processor, [prefix, image, "beta gamma"])
+    assert ids[: end + 1] == first_ids[: end + 1] and ids[end + 1] != first_ids[end + 1]
+    llm = make_llm(vl_dir, max_num_batched_tokens=256)
+    try:
+        llm.generate([first_ids], PARAMS, detokenize=False, images=[first_images])
+        hits = llm.engine.scheduler.counts().prefix_cache_hits
+        out = llm.generate([ids], PARAMS, detokenize=False, images=[images])
+        hit = llm.engine.scheduler.counts().prefix_cache_hits - hits
+        assert images[0].offset < hit < end  # the hit ends inside the image's run
+        assert out[0].token_ids == hf_vl_greedy(*hf, ids, pil, NEW_TOKENS)
+        multimodal = llm.engine.runner.multimodal
+        assert (multimodal.encoded_images, multimodal.cache.hits) == (1, 1)
+    finally:
+        llm.engine.shutdown()
