@@ -250,3 +250,24 @@ def test_a_prefix_hit_that_ends_inside_an_image_takes_the_rest_of_it(
         assert (multimodal.encoded_images, multimodal.cache.hits) == (1, 1)
     finally:
         llm.engine.shutdown()
+
+
+def test_image_requests_preempted_and_recomputed_keep_hf_tokens(
+    vl_dir: Path, processor: VisionProcessor, hf: tuple[Any, Any]
+) -> None:
+    """Three image prompts in a KV pool too small for them together: requests are preempted
+    and recomputed (their images encoded again or taken from the cache), with HF's tokens."""
+    built = [prompt(vl_dir, processor, [f"Picture {i}:", random_image(20 + i)]) for i in range(3)]
+    expected = [hf_vl_greedy(*hf, ids, pil, NEW_TOKENS) for ids, _, pil in built]
+    llm = make_llm(vl_dir, num_kv_blocks=20, max_model_len=64, max_num_batched_tokens=64)
+    try:
+        outs = llm.generate(
+            [ids for ids, _, _ in built],
+            PARAMS,
+            detokenize=False,
+            images=[images for _, images, _ in built],
+        )
+        assert [o.token_ids for o in outs] == expected
+        assert llm.engine.scheduler.counts().preemptions > 0
+    finally:
+        llm.engine.shutdown()
