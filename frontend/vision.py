@@ -157,10 +157,12 @@ async def fetch_http(url: str, options: MediaOptions, param: str) -> bytes:
             f"(not {host!r}); send the image as a data: URL",
             param,
         )
-    limit = options.max_image_bytes
+    limit, seconds = options.max_image_bytes, options.fetch_timeout_s
     try:
+        # httpx's timeout bounds each read; this bounds the whole fetch (a slow drip too).
         async with (
-            httpx.AsyncClient(timeout=options.fetch_timeout_s) as client,
+            asyncio.timeout(seconds),
+            httpx.AsyncClient(timeout=seconds) as client,
             client.stream("GET", url) as response,
         ):
             if response.status_code != 200:
@@ -171,6 +173,8 @@ async def fetch_http(url: str, options: MediaOptions, param: str) -> bytes:
                 if len(body) > limit:
                     raise BadImage(f"the image is larger than {limit} bytes", param)
             return bytes(body)
+    except TimeoutError:
+        raise BadImage(f"the image was not fetched within {seconds} s", param) from None
     except httpx.HTTPError as exc:
         raise BadImage(f"could not fetch the image: {type(exc).__name__}", param) from None
 

@@ -15,6 +15,7 @@ from frontend.vision import (
     BadImage,
     MediaOptions,
     data_url_bytes,
+    fetch_http,
     parse_image_limit,
     read_local_file,
 )
@@ -101,3 +102,46 @@ def test_data_urls() -> None:
     for url in ("data:image/png,hi", "data:text/plain;base64,aGk=", "data:image/png;base64,a"):
         with pytest.raises(BadImage):
             data_url_bytes(url, "p")
+
+
+def test_a_fetch_is_bounded_in_size_and_time() -> None:
+    """An allowed host's image larger than the limit, or one that never finishes arriving,
+    is a BadImage (never a hang); a redirect is not followed."""
+    import asyncio
+    import http.server
+    import threading
+
+    release = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "http://example.com/cat.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"x" * (10 if self.path == "/drip" else 100))
+            self.wfile.flush()
+            if self.path == "/drip":
+                release.wait(30)  # the rest never comes while the client waits
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    options = MediaOptions(allowed_hosts=frozenset({"127.0.0.1"}), fetch_timeout_s=0.5,
+                           max_image_bytes=50)  # fmt: skip
+    try:
+        for path, words in [("/big", "larger than 50"), ("/drip", "within 0.5 s"),
+                            ("/moved", "HTTP 302")]:  # fmt: skip
+            with pytest.raises(BadImage, match=words):
+                asyncio.run(fetch_http(f"{base}{path}", options, "p"))
+    finally:
+        release.set()
+        httpd.shutdown()
