@@ -59,6 +59,9 @@ _HELP = {
     "max_cpu_loras": "LoRA adapters kept in host memory, least recently used out first "
     "(default: --max-loras)",
     "max_lora_rank": "the largest LoRA rank served; each slot is sized for it",
+    "encoder_cache_memory_gb": "a vision-language model's encoder cache, in GiB: image "
+    "embeddings kept by image hash for the next chunk or request with the same image, least "
+    "recently used evicted first",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
 }

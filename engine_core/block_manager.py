@@ -29,6 +29,9 @@ Prefix caching hashes full blocks as a chain, ``h_i = hash_block(h_{i-1}, tokens
 so a block's hash names the whole prefix up to its end; each group keeps its own map from hash to
 block (the same prefix is a different block in each group). The chain starts from the request's
 LoRA adapter (``prefix_root``): the base model and every adapter cache apart.
+A block that holds any of an image's placeholder tokens hashes the image's hash with its tokens
+(``block_key``; vLLM's "extra keys"): the placeholders are the same token whatever the image, so
+without it two prompts with different images would share the blocks after the first image.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine_core.kv_groups import KVGroup, blocks_for_tokens
 from engine_core.request import Request
@@ -57,6 +61,15 @@ def prefix_root(request: Request) -> int:
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     """Chained hash of one full block: the whole prefix up to the block's end is in it."""
     return hash((parent_hash, token_ids))
+
+
+def block_key(request: Request, index: int, tokens: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What block ``index`` of ``request`` is keyed by: its tokens, then the hash of each image
+    whose placeholders it holds (bytes, so never equal to a token)."""
+    size = len(tokens)
+    lo, hi = index * size, (index + 1) * size
+    images = [i.hash for i in request.images if i.offset < hi and i.offset + i.length > lo]
+    return tokens + tuple(images) if images else tokens
 
 
 @dataclass
@@ -230,7 +243,9 @@ class BlockManager:
         if not self._one_full_group:
             return self._allocate_group_prefix(rid, request, max_hits)
         table, parent = self._tables[rid], prefix_root(request)
-        for tokens in self._full_blocks(request.token_ids, max_hits):
+        for index, tokens in enumerate(self._full_blocks(request.token_ids, max_hits)):
+            if request.images:
+                tokens = block_key(request, index, tokens)
             block_hash = hash_block(parent, tokens)
             block = self._lookup(0, block_hash, parent, tokens)
             if block is None:
@@ -243,7 +258,7 @@ class BlockManager:
 
     def _allocate_group_prefix(self, rid: str, request: Request, max_hits: int) -> int:
         """``allocate_prefix`` with more than one group or a window group."""
-        hashes = self._chain_hashes(request.token_ids, max_hits, prefix_root(request))
+        hashes = self._chain_hashes(request, max_hits)
         hits = self._group_hits(hashes)
         num_hits = len(hits[0])
         for group, blocks in enumerate(hits):
@@ -258,13 +273,13 @@ class BlockManager:
         self._chain[rid].extend(h for h, _, _ in hashes[:num_hits])
         return num_hits * self.block_size
 
-    def _chain_hashes(
-        self, token_ids: Sequence[int], limit: int, root: int
-    ) -> list[tuple[int, int, tuple[int, ...]]]:
-        """(hash, parent hash, tokens) of the first ``limit`` full blocks of ``token_ids``, the
-        chain starting from ``root`` (``prefix_root``)."""
-        parent, out = root, []
-        for tokens in self._full_blocks(token_ids, limit):
+    def _chain_hashes(self, request: Request, limit: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(hash, parent hash, key) of the first ``limit`` full blocks of ``request``, the chain
+        starting from its adapter's root (``prefix_root``), each key its ``block_key``."""
+        parent, out = prefix_root(request), []
+        for index, tokens in enumerate(self._full_blocks(request.token_ids, limit)):
+            if request.images:
+                tokens = block_key(request, index, tokens)
             block_hash = hash_block(parent, tokens)
             out.append((block_hash, parent, tokens))
             parent = block_hash
@@ -382,6 +397,8 @@ class BlockManager:
         # building the list of the full blocks first cost that common case twice as much.
         for index in range(len(chain), num_full):
             tokens = tuple(token_ids[index * size : (index + 1) * size])
+            if request.images:
+                tokens = block_key(request, index, tokens)
             block_hash = hash_block(parent, tokens)
             self._register(self._blocks[table[index]], 0, block_hash, parent, tokens)
             chain.append(block_hash)
@@ -401,6 +418,8 @@ class BlockManager:
         parent = chain[-1] if chain else prefix_root(request)
         for index in range(len(chain), num_full):
             tokens = tuple(token_ids[index * size : (index + 1) * size])
+            if request.images:
+                tokens = block_key(request, index, tokens)
             block_hash = hash_block(parent, tokens)
             for group, table in enumerate(tables):
                 block_id = table[index]

@@ -130,6 +130,19 @@ QuantConfig = Fp8Config | W4A16Config | Int8Config
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language model's image side (engine_core/multimodal.py): its vision tower's
+    config as the checkpoint has it, the prompt's placeholder token for an image's embeddings,
+    how many patches (per side) merge into one of them, and M-RoPE's split of each head's
+    rotary frequencies among the temporal, height and width positions."""
+
+    tower: dict[str, Any] = field(compare=False, repr=False)
+    image_token_id: int = 0
+    spatial_merge_size: int = 2
+    mrope_section: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2",
     # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2)
@@ -187,6 +200,7 @@ class ModelConfig:
     # Set where the engine runs the model as an embedding model (the loader decides, from the
     # checkpoint and --runner): how it pools. Such a model is built without its LM head.
     embedding: EmbeddingModel | None = None
+    vision: VisionConfig | None = None  # a vision-language model's image side
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def layer_sliding_window(self, layer: int) -> int | None:
@@ -270,6 +284,9 @@ class EngineConfig:
     max_loras: int = 1
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    # A vision-language model's encoder cache: image embeddings kept by image hash, least
+    # recently used evicted past this many GiB (engine_core/multimodal.py).
+    encoder_cache_memory_gb: float = 0.5
 
     def speculation(self) -> SpeculativeConfig | None:
         """The parsed --speculative-config, or None."""

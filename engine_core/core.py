@@ -94,6 +94,7 @@ class EngineCore:
             raise ValueError(self._runner_mismatch())
         if request.pooling is not None and self.embedding is not None:
             check_pooling(request.pooling, self.embedding)
+        self._check_images(request)
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
@@ -113,6 +114,15 @@ class EngineCore:
             prefix = request.output_token_ids
             request.grammar = self.grammar_compiler().start(params.constraint, prefix)
             self._compiling.append(request)
+
+    def _check_images(self, request: Request) -> None:
+        """A vision-language model checks every prompt's placeholders against its images; any
+        other model refuses images."""
+        multimodal = getattr(self.runner, "multimodal", None)
+        if multimodal is not None:
+            multimodal.check(request)
+        elif request.images:
+            raise ValueError(f"this model ({self.config.model}) takes no images")
 
     def _runner_mismatch(self) -> str:
         """Why a request of the other kind than this engine's cannot run here."""

@@ -23,6 +23,7 @@ from engine_core.request import Request
 from protocol.codec import validate_pooling_params, validate_sampling_params
 from protocol.messages import (
     FinishReason,
+    ImageInput,
     LoraRef,
     PoolingParams,
     SamplingParams,
@@ -77,14 +78,20 @@ class LLM:
         *,
         detokenize: bool = True,
         lora: LoraRef | Sequence[LoraRef | None] | None = None,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> list[CompletionOutput]:
         """Run every prompt (text or token ids) to completion; outputs in prompt order.
         ``lora``: the LoRA adapter of every prompt, or one per prompt (None: the base model;
-        the engine needs ``enable_lora=True``).
+        the engine needs ``enable_lora=True``). ``images``: each prompt's processed images (a
+        vision-language model; the prompt's token ids then hold their placeholder runs, as
+        frontend/vision.py places them).
 
         All or nothing: a prompt or parameters the engine refuses raise ValueError before any
         prompt runs, and leave the engine as it was."""
         params_list = self._params_per_prompt(params, len(prompts))
+        per_prompt = [()] * len(prompts) if images is None else [tuple(i) for i in images]
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"images for {len(per_prompt)} prompts, not {len(prompts)}")
         for p in params_list:
             validate_sampling_params(p)
             if p.constraint is not None:
@@ -93,8 +100,12 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
         requests = [
-            Request(f"offline-{next(self._ids)}", self._encode(prompt), p, lora=adapter)
-            for prompt, p, adapter in zip(prompts, params_list, loras, strict=True)
+            Request(
+                f"offline-{next(self._ids)}", self._encode(prompt), p, lora=adapter, images=imgs
+            )
+            for prompt, p, adapter, imgs in zip(
+                prompts, params_list, loras, per_prompt, strict=True
+            )
         ]
         self._add_all(requests)
         outputs = {

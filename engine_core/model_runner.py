@@ -45,6 +45,7 @@ from engine_core.memory_plan import (
 )
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
+from engine_core.multimodal import MultimodalRunner, MultimodalStep
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
@@ -75,6 +76,7 @@ class ModelInputs:
     lora: LoraBatch | None = None  # which rows use which LoRA slot; None: none does
     # Every KV layer group's metadata, group 0's (``meta``) first; empty with one group.
     group_metadata: tuple[AttentionMetadata, ...] = ()
+    multimodal: MultimodalStep | None = None  # the step's image embeddings and M-RoPE positions
 
 
 @dataclass
@@ -247,6 +249,7 @@ class ModelRunner:
         )
         # An embedding model's engine pools the steps' hidden states; it never samples.
         self.pooler = Pooler() if self.model_config.embedding is not None else None
+        self.multimodal = self._multimodal_runner()  # None: the model takes no images
         self.stats = StepStats()  # the engine core hands its own in
         self.input_batch = InputBatch(
             self.device,
@@ -307,6 +310,13 @@ class ModelRunner:
             config.lora_host_capacity,
         )
         return LoraManager(layers, load, config.max_loras, config.lora_host_capacity)
+
+    def _multimodal_runner(self) -> MultimodalRunner | None:
+        vision = self.model_config.vision
+        if vision is None:
+            return None
+        budget = int(self.config.encoder_cache_memory_gb * 2**30)
+        return MultimodalRunner(self.model, vision, self.device, budget)
 
     def _init_step_state(self) -> None:
         """What carries from one step to the next: the last step's sampled ids, the ring of
@@ -543,14 +553,18 @@ class ModelRunner:
         return runner
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The model's forward: a graph replay for a step that fits one, else eager."""
-        if self.graph_runner is not None and self.graph_runner.can_run(inputs.meta):
+        """The model's forward: a graph replay for a step that fits one, else eager (always
+        for a step with image rows: their embeddings and 3D positions are not graph inputs)."""
+        graphs = self.graph_runner is not None and inputs.multimodal is None
+        if graphs and self.graph_runner.can_run(inputs.meta):
             return self.graph_runner.run(
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from
             )
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)
         with forward_context(inputs.meta, self.backend, inputs.lora, inputs.group_metadata):
+            if inputs.multimodal is not None:
+                return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
             return self.model(inputs.input_ids, inputs.positions)
 
     # ---- one step -----------------------------------------------------------------------------
@@ -573,6 +587,14 @@ class ModelRunner:
         inputs = model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
         if self.loras is not None:
             inputs.lora = self._lora_rows(out, packed.meta.query_start_loc_cpu)
+        if self.multimodal is not None:
+            step = self.multimodal.prepare(out, packed.meta.query_start_loc_cpu)
+            if step is not None and not step.rows.numel():
+                # No image rows: every row's three M-RoPE positions are equal, where M-RoPE is
+                # plain RoPE at that position, so the step runs as any other (graphs too).
+                inputs.positions = step.positions[0]
+            else:
+                inputs.multimodal = step
         return inputs
 
     def _lora_rows(self, out: SchedulerOutput, query_start: list[int]) -> LoraBatch | None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.messages import (
     FinishReason,
+    ImageInput,
     LoraRef,
     PoolingKind,
     PoolingParams,
@@ -58,6 +59,9 @@ class Request:
     # step that ran its last prompt token, its vector pooled by the runner (engine_core/pooler.py).
     pooling: PoolingParams | None = None
     lora: LoraRef | None = None  # its LoRA adapter (engine_core/lora/); None: the base model
+    # Its prompt's images (processed by the API process), in prompt order: their embeddings
+    # replace the placeholder runs they name (engine_core/multimodal.py).
+    images: tuple[ImageInput, ...] = ()
 
     # Written by the scheduler (engine_core/scheduler.py) only.
     # token_ids = prompt + outputs; the tokens [0, num_computed_tokens) have K/V in the cache.

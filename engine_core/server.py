@@ -338,6 +338,7 @@ class EngineServer:
             client_request_id=msg.request_id,
             pooling=msg.pooling,
             lora=msg.lora,
+            images=msg.images,
         )
         if msg.output_interval > 1:
             request.held = HeldTokens(IntervalCounter(OutputInterval(msg.output_interval)))

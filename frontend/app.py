@@ -29,7 +29,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
-from frontend.chat import chat, checked_template_kwargs, prepare_chat, stream_chat
+from frontend.chat import (
+    chat,
+    checked_template_kwargs,
+    load_images,
+    place_images,
+    prepare_chat,
+    stream_chat,
+)
 from frontend.completions import complete, prepare_completion, stream_completion
 from frontend.embeddings import check_embedding_request, embed
 from frontend.errors import (
@@ -282,7 +289,9 @@ def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
                 continue_final_message=body.continue_final_message,
                 template_kwargs=checked_template_kwargs(ctx, body.chat_template_kwargs or {}),
             )
+            images = await load_images(ctx, body.messages)
             ids = (await tok.run(tok.render_chat, render)).token_ids
+            ids, _ = place_images(ctx, ids, images)  # each image's tokens counted
         else:
             ids = (await tok.run(tok.encode_all, [body.prompt], body.add_special_tokens))[0]
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}

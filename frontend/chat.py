@@ -26,6 +26,7 @@ from frontend.openai_schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
     CompletionTokensDetails,
@@ -40,7 +41,8 @@ from frontend.sse import DONE, ChunkWriter, sse_error
 from frontend.tokenizer import ChatRender
 from frontend.tool_parsers import ToolCall, ToolCallStreamer
 from frontend.tools import NO_TOOLS, ToolPlan, plan_tools
-from protocol.messages import TokenLogprobs
+from frontend.vision import BadImage, ImagePartRef, ProcessedImage, chat_images
+from protocol.messages import ImageInput, TokenLogprobs
 
 logger = logging.getLogger("tandem.frontend")
 
@@ -100,6 +102,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
         extras = replace(extras, constraint=tools.constraint)
     elif extras.constraint is not None:
         constraint_param = "response_format"
+    images = await load_images(ctx, req.messages)
     tok = ctx.tokenizer
     rendered = await tok.run(tok.render_chat, chat_render(ctx, req, tools))
     reasoning = reasoning_plan(ctx, req, rendered.text)
@@ -109,7 +112,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
         )
         await ctx.check_constraint(constraint, constraint_param)
         extras = replace(extras, constraint=constraint)
-    prompt = rendered.token_ids
+    prompt, wire_images = place_images(ctx, rendered.token_ids, images)
     max_tokens = check_context(ctx, len(prompt), req.max_output_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if keeps_special_tokens(tools, reasoning):
@@ -119,8 +122,38 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     )
     gen.tools = tools
     gen.reasoning = reasoning
+    if wire_images:
+        gen.with_images(wire_images)
     gen.echo = req.messages[-1].text() if req.echo else ""
     return gen
+
+
+async def load_images(ctx: ServingContext, messages: list[ChatMessage]) -> list[ProcessedImage]:
+    """The messages' image parts, fetched, decoded and processed; a 400 naming the part for
+    one the server cannot take (a text-only model takes none)."""
+    parts = [
+        ImagePartRef(f"messages[{m}].content[{i}]", part.image_url.url, part.image_url.detail)
+        for m, message in enumerate(messages)
+        for i, part in message.image_parts()
+    ]
+    try:
+        return await chat_images(ctx.vision, ctx.media, parts)
+    except BadImage as exc:
+        raise bad_request(str(exc), exc.param, "invalid_image") from None
+
+
+def place_images(
+    ctx: ServingContext, token_ids: list[int], images: list[ProcessedImage]
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """The prompt with each image's placeholder run, and the images as the engine takes them;
+    the prompt's tokens count each image's placeholders (usage.prompt_tokens)."""
+    if not images:
+        return token_ids, ()
+    assert ctx.vision is not None
+    try:
+        return ctx.vision.place(token_ids, images)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
 
 
 # Variables every chat template is rendered with, which chat_template_kwargs may not replace.

@@ -33,6 +33,7 @@ from protocol.codec import ProtocolError, validate_sampling_params
 from protocol.messages import (
     Constraint,
     FinishReason,
+    ImageInput,
     LoraRef,
     RequestOutput,
     SamplingParams,
@@ -172,6 +173,10 @@ class Generation:
         # Logged under the client's X-Request-Id (frontend/request_id.py): the mapping to ours.
         logger.debug("engine requests %s-*", rid)
         return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep, text, lora)
+
+    def with_images(self, images: tuple[ImageInput, ...]) -> None:
+        """The one prompt's images (a chat request's), on every choice's engine request."""
+        self.requests = [replace(r, images=images) for r in self.requests]
 
     async def send(self) -> None:
         """Send the engine requests now; ``run`` then follows them. A streamed response sends

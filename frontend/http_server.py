@@ -37,6 +37,7 @@ from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
 from frontend.tools import tool_support
 from frontend.tracing import RequestTracer
+from frontend.vision import MediaOptions, VisionProcessor
 from protocol.messages import EmbeddingModel, PoolingKind, Ready
 
 logger = logging.getLogger("tandem.frontend")
@@ -135,6 +136,8 @@ def build_state(
         embedding=ready.embedding,
         loras=lora_registry(args, engine_model_of(args, model_dir)),
         tracer=request_tracer(args, name),
+        vision=VisionProcessor.load(model_dir),
+        media=MediaOptions.from_args(args),
     )
 
     return ServerState(

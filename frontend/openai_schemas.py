@@ -22,7 +22,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -272,6 +272,21 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str
+    # OpenAI's resolution hint. The model's processor has one resolution rule (its pixel
+    # bounds), so only "auto" is honoured; "low" and "high" are refused by name (frontend/chat.py).
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
@@ -292,7 +307,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool turn: the result of that call
@@ -308,16 +323,34 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        """The content flattened to one string."""
+        """The content's text flattened to one string (image parts hold none)."""
         content = self.content
         if isinstance(content, list):
-            return "".join(p.text for p in content)
+            return "".join(p.text for p in content if isinstance(p, TextPart))
         return content or ""
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """The content's image parts, with their index in it."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, p) for i, p in enumerate(self.content) if isinstance(p, ImagePart)]
+
+    def template_content(self) -> str | list[dict[str, Any]]:
+        """The content as the chat template takes it: one string, or where the message holds
+        images, its parts in order, each image as ``{"type": "image"}`` (the vision models'
+        templates write their image marker for it)."""
+        if not self.image_parts():
+            return self.text()
+        assert isinstance(self.content, list)
+        return [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in self.content
+        ]
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content flattened to one string, tool-call
         arguments as objects (templates write them with ``tojson``)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": self.role, "content": self.template_content()}
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
         if self.name:

@@ -116,6 +116,33 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         help="a structured-output constraint (JSON schema, regex, grammar) that does not "
         "compile within this long is refused with 400 (default: %(default)s)",
     )  # fmt: skip
+    add_media_args(parser)
+
+
+def add_media_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("images (vision-language models)")
+    group.add_argument(
+        "--limit-mm-per-prompt", default=None, metavar="JSON",
+        help='the most images one prompt may hold, as vLLM spells it: \'{"image": 4}\' '
+        "(default: 4)",
+    )  # fmt: skip
+    group.add_argument(
+        "--allowed-media-domains", nargs="*", default=None, metavar="HOST",
+        help="hosts whose http(s) image URLs the API process fetches (default: none; images "
+        "come as data: URLs)",
+    )  # fmt: skip
+    group.add_argument(
+        "--allowed-local-media-path", default=None, metavar="DIR",
+        help="file:// image URLs are read from under this folder only (default: none are)",
+    )  # fmt: skip
+    group.add_argument(
+        "--media-fetch-timeout", type=float, default=10.0, metavar="SECONDS",
+        help="an image URL not fetched within this long is a 400 (default: %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--max-image-bytes", type=positive_int, default=20 << 20,
+        help="a larger image (its encoded bytes) is a 400 (default: %(default)s)",
+    )  # fmt: skip
 
 
 def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +266,7 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     from frontend.engines import changed_engine_flags
     from frontend.lora import check_lora_args
     from frontend.operations import check_operations_args
+    from frontend.vision import MediaOptions
     from protocol.curve import client_keys_from_args
 
     event_loop.loop_name()  # a bad TANDEM_EVENT_LOOP fails here, with its message
@@ -262,6 +290,7 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
         )
     engine_config_from_args(args)  # raises ValueError on limits that do not fit together
     check_lora_args(args)
+    MediaOptions.from_args(args)  # --limit-mm-per-prompt and the media paths
     return curve
 
 

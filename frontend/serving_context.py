@@ -23,6 +23,7 @@ from frontend.response_store import ResponseStore
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
 from frontend.tracing import RequestTracer
+from frontend.vision import MediaOptions, VisionProcessor
 from protocol.client import EngineDeadError
 from protocol.messages import Constraint, EmbeddingModel, LoraRef
 
@@ -49,6 +50,10 @@ class ServingContext:
     # The LoRA adapters served by name (frontend/lora.py); None: LoRA is off.
     loras: LoraRegistry | None = None
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint: the engine's spans go here
+    # A vision-language model's image processor (None: the model takes no images), and how
+    # the server may get images (--limit-mm-per-prompt, --allowed-media-domains, ...).
+    vision: VisionProcessor | None = None
+    media: MediaOptions = field(default_factory=MediaOptions)
 
     def check_generates(self) -> None:
         """The 400 of completions and chat on an embedding model."""

@@ -69,6 +69,7 @@ from protocol.messages import (
     ControlReply,
     EngineMessage,
     Hello,
+    ImageInput,
     LoraRef,
     PoolingParams,
     Ready,
@@ -115,6 +116,7 @@ class EngineRequest:
     output_interval: int = 1  # tokens the engine gathers before it sends them (AddRequest)
     pooling: PoolingParams | None = None  # an embedding request (AddRequest)
     lora: LoraRef | None = None  # its LoRA adapter; a resume names it again (AddRequest)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (AddRequest)
 
     def resumed(self, request_id: str, generated: Sequence[int]) -> EngineRequest:
         """This request again, for another engine, with ``generated`` (the tokens it produced
@@ -205,6 +207,7 @@ class _Connection:
             request.output_interval,
             request.pooling,
             request.lora,
+            request.images,
         )
         return encode(msg)
 

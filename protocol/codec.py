@@ -20,7 +20,9 @@ Field layouts (after the type tag and the version):
                     num_output_tokens (the tail of prompt_ids already generated: a resume),
                     output_interval (tokens the engine gathers before it sends them; >= 1),
                     [pooling = [kind, normalize, dimensions | nil]] (an embedding request only),
-                    [lora = [name, path]] (a LoRA request only: its pooling then travels as nil)
+                    [lora = [name, path]] (a LoRA request only), [images = [[hash: 32 bytes,
+                    offset, length, dtype, shape: [ints], pixels: bytes, [t, h, w]], ...]] (a
+                    prompt with images): trailing, each absent one nil where a later one follows
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
@@ -51,7 +53,8 @@ Field layouts (after the type tag and the version):
 Fields in [brackets] above are trailing ones that a frame carries only when it has them (an
 embedding request, an embedding engine, a step that pooled): the frames of generation keep the
 bytes they had before embeddings existed, and a decoder reads a missing one as none. Where one
-is present it must hold something: one encoding per message.
+is present it must hold something: one encoding per message (an image prompt's frame holds
+pooling's place with nil, the one nil a trailing field takes: images never go with pooling).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ import msgpack
 import numpy as np
 
 from protocol.messages import (
+    PIXEL_DTYPES,
     PROTOCOL_VERSION,
     STEP_TOKEN_BUCKETS,
     Abort,
@@ -84,6 +88,7 @@ from protocol.messages import (
     FinishReason,
     Heartbeat,
     Hello,
+    ImageInput,
     LoraRef,
     MsgType,
     PoolingKind,
@@ -95,6 +100,7 @@ from protocol.messages import (
     SamplingParams,
     Stats,
     StepOutputs,
+    TensorBytes,
     TokenLogprobs,
 )
 
@@ -112,6 +118,9 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
 MAX_EMBEDDING_DIMS = 1 << 16  # values of one pooled vector: beyond any model's hidden size
 MAX_LORA_STR_LEN = 4096  # a LoRA adapter's name or folder path (PATH_MAX)
+MAX_IMAGES = 256  # images of one prompt (the API process's --limit-mm-per-prompt is lower)
+MAX_TENSOR_DIMS = 4
+IMAGE_HASH_BYTES = 32
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 
@@ -436,15 +445,22 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
     _check_resumed(msg.num_output_tokens, len(ids) // 4, msg.params, v)
     v.int_(msg.output_interval, "output_interval", 1, INT32_MAX)
     fields = [rid, ids, params, msg.num_output_tokens, msg.output_interval]
+    tail: list[Any] = [None, None, None]  # pooling, lora, images
     if msg.pooling is not None:
         validate_pooling_params(msg.pooling, rid)
         _check_pooled(msg, v)
-        fields.append(_encode_pooling(msg.pooling))
+        tail[0] = _encode_pooling(msg.pooling)
     if msg.lora is not None:
-        if msg.pooling is None:
-            fields.append(None)
-        fields.append(_encode_lora(msg.lora, v))
-    return fields
+        tail[1] = _encode_lora(msg.lora, v)
+    if msg.images:
+        if msg.pooling is not None:
+            raise v.fail("an embedding request takes no images")
+        images = [_encode_image(image) for image in msg.images]
+        _decode_images(images, len(ids) // 4, v)  # the decoder's checks, before it goes out
+        tail[2] = images
+    while tail and tail[-1] is None:
+        tail.pop()
+    return fields + tail
 
 
 def _encode_lora(lora: LoraRef, v: _Validator) -> list[Any]:
@@ -463,6 +479,56 @@ def _lora_part(value: Any, what: str, v: _Validator) -> str:
     if not text or "\0" in text:
         raise v.fail(f"{what} must be a non-empty string without NUL")
     return text
+
+
+def _encode_image(image: ImageInput) -> list[Any]:
+    pixels = image.pixels
+    return [
+        image.hash,
+        image.offset,
+        image.length,
+        pixels.dtype,
+        list(pixels.shape),
+        pixels.data,
+        list(image.grid_thw),
+    ]
+
+
+_PIXEL_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _decode_images(value: Any, num_ids: int, v: _Validator) -> tuple[ImageInput, ...]:
+    """A prompt's images: 1 to MAX_IMAGES, each's placeholder run inside the prompt, in prompt
+    order and apart, its bytes as many as its dtype and shape say."""
+    v.list_(value, "images")
+    if not 0 < len(value) <= MAX_IMAGES:
+        raise v.fail(f"images must hold 1 to {MAX_IMAGES} images, got {len(value)}")
+    images, end = [], 0
+    for fields in value:
+        image = _decode_image(fields, num_ids, v)
+        if image.offset < end:
+            raise v.fail("images' placeholder runs must be in prompt order and apart")
+        end = image.offset + image.length
+        images.append(image)
+    return tuple(images)
+
+
+def _decode_image(value: Any, num_ids: int, v: _Validator) -> ImageInput:
+    hash_, offset, length, dtype, shape, data, grid = v.list_(value, "image", 7)
+    if type(hash_) is not bytes or len(hash_) != IMAGE_HASH_BYTES:
+        raise v.fail(f"image hash must be {IMAGE_HASH_BYTES} bytes")
+    offset = v.int_(offset, "image offset", 0, max(num_ids - 1, 0))
+    length = v.int_(length, "image length", 1, num_ids - offset)
+    if dtype not in PIXEL_DTYPES:
+        raise v.fail(f"image dtype must be one of {', '.join(PIXEL_DTYPES)}, got {dtype!r}")
+    v.list_(shape, "image shape")
+    if not 1 <= len(shape) <= MAX_TENSOR_DIMS:
+        raise v.fail(f"image shape must have 1 to {MAX_TENSOR_DIMS} dims, got {len(shape)}")
+    dims = tuple(v.int_(d, "image shape", 1, INT32_MAX) for d in shape)
+    if type(data) is not bytes or len(data) != math.prod(dims) * _PIXEL_ITEM_BYTES[dtype]:
+        raise v.fail(f"image pixels must be {dtype} bytes of shape {list(dims)}")
+    t, h, w = (v.int_(n, "image grid_thw", 1, INT32_MAX) for n in v.list_(grid, "grid_thw", 3))
+    return ImageInput(hash_, offset, length, TensorBytes(dtype, dims, data), (t, h, w))
 
 
 def _check_resumed(num_output: Any, num_ids: int, params: SamplingParams, v: _Validator) -> None:
@@ -494,7 +560,7 @@ def _decode_pooling(value: Any, v: _Validator) -> PoolingParams:
 
 
 def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
-    fields, lora_field = _lora_tail(fields)
+    fields, lora_field, images = _optional_tail(fields, v)
     fixed, pooling = _with_trailing(fields, "ADD_REQUEST fields", 5, v)
     rid, ids, params, num_output, interval = fixed
     rid = v.rid(rid)
@@ -506,6 +572,10 @@ def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
     _check_resumed(num_output, len(ids), params, v)
     interval = v.int_(interval, "output_interval", 1, INT32_MAX)
     msg = AddRequest(rid, ids, params, num_output, interval, lora=lora)
+    if images is not None:
+        if pooling is not None:
+            raise v.fail("an embedding request takes no images")
+        return dataclasses.replace(msg, images=_decode_images(images, len(ids), v))
     if pooling is None:
         return msg
     msg = dataclasses.replace(msg, pooling=_decode_pooling(pooling, v))
@@ -516,12 +586,17 @@ def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
 _NO_LORA = object()  # an ADD_REQUEST frame without the LoRA field (not one that holds nil)
 
 
-def _lora_tail(fields: Any) -> tuple[Any, Any]:
-    """An ADD_REQUEST's fields before its LoRA adapter, and the adapter as it travels: only a
-    frame of 7 fields has one (its sixth, the pooling, nil where the request has none)."""
-    if type(fields) is not list or len(fields) != 7:
-        return fields, _NO_LORA
-    return (fields[:5] if fields[5] is None else fields[:6]), fields[6]
+def _optional_tail(fields: Any, v: _Validator) -> tuple[Any, Any, Any]:
+    """An ADD_REQUEST's fields up to its pooling, its LoRA field (``_NO_LORA`` if none) and its
+    images (None if none). Frames of 7 or 8 fields carry a LoRA adapter or images at 6 and 7,
+    each absent one before the last nil; the pooling's place (5) is then nil where it has none."""
+    if type(fields) is not list or len(fields) not in (7, 8):
+        return fields, _NO_LORA, None
+    if fields[-1] is None:
+        raise v.fail("ADD_REQUEST's last optional field must not be nil")
+    lora = fields[6] if fields[6] is not None else _NO_LORA
+    images = fields[7] if len(fields) == 8 else None
+    return (fields[:5] if fields[5] is None else fields[:6]), lora, images
 
 
 # ---- sampling params --------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 #    decoding and RequestTimings a request's draft and accepted tokens; embeddings: AddRequest
 #    may carry pooling, a step's output its pooled vector, Ready the engine's embedding model;
 #    each a trailing field that a frame without it leaves out
-# 8: AddRequest may carry a LoRA adapter (``lora``: name and folder), a trailing field after
-#    pooling (nil there where a LoRA request has no pooling); every other frame is unchanged
+# 8: AddRequest may carry a LoRA adapter (``lora``: name and folder) and images (processed
+#    pixels, their grid, hash and placeholder run), trailing fields after pooling's place (nil
+#    where a later one follows); every other frame is unchanged
 PROTOCOL_VERSION = 8
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -166,6 +167,36 @@ class EmbeddingModel:
         return f"dimensions must be one of {sizes}, got {dimensions}"
 
 
+# The dtypes an image's pixels may travel in (what the API process's image processor gives).
+PIXEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """A tensor as raw little-endian bytes with its dtype (one of PIXEL_DTYPES) and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, processed by the API process (the model's HF image processor).
+
+    Its embeddings replace the prompt's tokens ``[offset, offset + length)``, every one of them
+    the model's image placeholder token. ``grid_thw`` is the patch grid (temporal, height,
+    width) that the vision tower and M-RoPE positions read; ``hash`` (32 bytes, SHA-256 of the
+    pixels, their dtype, shape and grid) names the image in the encoder cache and in the
+    prefix-cache keys of the KV blocks its placeholders fill."""
+
+    hash: bytes
+    offset: int
+    length: int
+    pixels: TensorBytes
+    grid_thw: tuple[int, int, int]
+
+
 @dataclass(frozen=True)
 class Hello:
     client_name: str = ""
@@ -191,6 +222,8 @@ class AddRequest:
     pooling: PoolingParams | None = None
     # The LoRA adapter the request runs with; None: the base model.
     lora: LoraRef | None = None
+    # The prompt's images in prompt order, their placeholder runs apart (a generation only).
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)

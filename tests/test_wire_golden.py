@@ -3,9 +3,10 @@ the frame decodes back to it). A change to the codec that moves a byte of any of
 protocol, and must come with a new PROTOCOL_VERSION and new frames here.
 
 The frames were written by the codec of protocol version 8; ``python -m tests.test_wire_golden``
-prints the table for the codec as it is now. Version 8 added a request's LoRA adapter as a
-trailing field that only LoRA frames carry: every frame of version 7 is the same here but for its
-version byte (``test_frames_without_lora_changed_only_their_version``).
+prints the table for the codec as it is now. Version 8 added a request's LoRA adapter and a
+prompt's images as trailing fields that only such frames carry: every frame of version 7 is the
+same here but for its version byte
+(``test_frames_without_lora_or_images_changed_only_their_version``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from protocol.messages import (
     FinishReason,
     Heartbeat,
     Hello,
+    ImageInput,
     LoraRef,
     PoolingKind,
     PoolingParams,
@@ -41,6 +43,7 @@ from protocol.messages import (
     SamplingParams,
     Stats,
     StepOutputs,
+    TensorBytes,
     TokenLogprobs,
 )
 
@@ -91,12 +94,28 @@ MESSAGES: dict[str, Any] = {
     "add optional ints": AddRequest("o", [1], SamplingParams(seed=0, logprobs=0)),
     "add resumed": AddRequest("z", [5, 6, 7, 8], SamplingParams(max_tokens=9), 3, 16),
     "add pooling last": AddRequest("e", [5, 6], pooling=PoolingParams()),
+    "add images": AddRequest(
+        "i",
+        [1, 9, 9, 2, 9, 3],
+        images=(
+            ImageInput(
+                bytes(range(32)), 1, 2, TensorBytes("float32", (2, 1), b"\0" * 8), (1, 2, 4)
+            ),
+            ImageInput(b"\xff" * 32, 4, 1, TensorBytes("bfloat16", (1,), b"\x80?"), (1, 2, 2)),
+        ),
+    ),
     "add pooling mean cut": AddRequest(
         "m", [7], pooling=PoolingParams(PoolingKind.MEAN, False, 256)
     ),
     "add lora": AddRequest("l", [1, 2], lora=LoraRef("sql", "/adapters/sql")),
     "add lora resumed": AddRequest(
         "lr", [5, 6, 7], SamplingParams(max_tokens=9), 1, 16, lora=LoraRef("a", "/x")
+    ),
+    "add lora images": AddRequest(
+        "li",
+        [1, 9, 2],
+        lora=LoraRef("v", "/v"),
+        images=(ImageInput(b"\x01" * 32, 1, 1, TensorBytes("float16", (1,), b"\0<"), (1, 1, 1)),),
     ),
     "abort none": Abort([]),
     "abort two": Abort(["a", "b"]),
@@ -220,6 +239,14 @@ FRAMES: dict[str, str] = {
         "0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c0"
         "92c400c400c0c000019301c3c0"
     ),
+    "add images": (
+        "9a0208a169c418010000000900000009000000020000000900000003000000dc00101000cb3ff000"
+        "0000000000cb3ff000000000000000cb0000000000000000c0cb0000000000000000cb0000000000"
+        "000000cb3ff0000000000000c400c2c092c400c400c0c00001c0c09297c420000102030405060708"
+        "090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f0102a7666c6f61743332920201c4080000"
+        "0000000000009301020497c420ffffffffffffffffffffffffffffffffffffffffffffffffffffff"
+        "ffffffffff0401a862666c6f617431369101c402803f93010202"
+    ),
     "add pooling mean cut": (
         "980208a16dc40407000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
@@ -234,6 +261,12 @@ FRAMES: dict[str, str] = {
         "990208a26c72c40c050000000600000007000000dc00100900cb3ff0000000000000cb3ff0000000"
         "00000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000000000"
         "00c400c2c092c400c400c0c00110c092a161a22f78"
+    ),
+    "add lora images": (
+        "9a0208a26c69c40c010000000900000002000000dc00101000cb3ff0000000000000cb3ff0000000"
+        "00000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000000000"
+        "00c400c2c092c400c400c0c00001c092a176a22f769197c420010101010101010101010101010101"
+        "01010101010101010101010101010101010101a7666c6f617431369101c402003c93010101"
     ),
     "abort none": "93030890",
     "abort two": "93030892a161a162",
@@ -313,8 +346,8 @@ def test_the_frames_are_of_this_protocol_version() -> None:
     assert PROTOCOL_VERSION == 8, "a new protocol version: write the frames anew"
 
 
-# The frames of protocol version 7, byte for byte: version 8 only added a trailing LoRA field
-# that frames without an adapter leave out, so it must change none of them but for the version
+# The frames of protocol version 7, byte for byte: version 8 only added trailing LoRA and image
+# fields that frames without them leave out, so it must change none of them but for the version
 # byte.
 VERSION_7_FRAMES = {
     "add default params": (
@@ -349,7 +382,7 @@ VERSION_7_FRAMES = {
 
 
 @pytest.mark.parametrize("name", list(VERSION_7_FRAMES))
-def test_frames_without_lora_changed_only_their_version(name: str) -> None:
+def test_frames_without_lora_or_images_changed_only_their_version(name: str) -> None:
     old, new = bytes.fromhex(VERSION_7_FRAMES[name]), bytes.fromhex(FRAMES[name])
     # After the array's header byte: the type tag, then the version (each a positive fixint).
     assert old[2] == 7 and new[2] == 8

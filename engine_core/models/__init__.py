@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from engine_core.config import ModelConfig
+from engine_core.config import ModelConfig, VisionConfig
 from engine_core.models.deepseek import DeepseekForCausalLM, deepseek_fields
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
@@ -37,6 +37,7 @@ from engine_core.models.llama import (
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
 from engine_core.models.quantize import make_quantized_linears
+from engine_core.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine_core.models.target import BuildTarget
 from engine_core.parallel import get_tp_group
 
@@ -63,6 +64,7 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
 )
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _BY_MODEL_TYPE = {
@@ -86,6 +88,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt2": GPT2LMHeadModel,
     "gpt_oss": GptOssForCausalLM,
     "deepseek": DeepseekForCausalLM,
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
 }
 # Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
 # caches, gpt-oss's and DeepSeek's experts) have no tensor-parallel split yet.
@@ -108,6 +111,11 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
             f"--tensor-parallel-size {tp_size}: {config.architecture} models run on one rank "
             "only for now (their sinks, latent attention and experts have no tensor-parallel "
             "split yet)"
+        )
+    if tp_size > 1 and config.vision is not None:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size}: vision-language models run on one rank only for "
+            "now (a step's images do not reach the other ranks)"
         )
     model = model_class(config)
     make_quantized_linears(model, config)
@@ -153,7 +161,35 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         )
     if architecture in MOE_ARCHITECTURES:  # Llama-family attention, MoE MLPs (models/moe.py)
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
+    if architecture == "Qwen2_5_VLForConditionalGeneration":
+        return qwen2_5_vl_config(hf)
     return llama_config(hf, architecture)
+
+
+def qwen2_5_vl_config(hf: dict[str, Any]) -> ModelConfig:
+    """Qwen2.5-VL: Qwen2's language model (``text_config``, or the top level in transformers
+    4's layout) with M-RoPE, and its vision tower (models/qwen2_5_vl.py)."""
+    text = dict(hf.get("text_config") or hf)
+    rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
+    section = tuple(rope.pop("mrope_section", ()))
+    if not section:
+        raise ValueError("Qwen2_5_VLForConditionalGeneration: the config has no mrope_section")
+    if rope.get("rope_type", rope.get("type")) == "mrope":  # transformers 4's name for it
+        rope["rope_type"] = "default"
+        rope.pop("type", None)
+    text.update(rope_scaling=None, rope_parameters=rope, model_type="qwen2")
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):  # top level in some
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    tower = hf["vision_config"]
+    vision = VisionConfig(
+        tower=tower,
+        image_token_id=hf.get("image_token_id", text.get("image_token_id", 151655)),
+        spatial_merge_size=tower.get("spatial_merge_size", 2),
+        mrope_section=section,
+    )
+    config = llama_config(text, "Qwen2ForCausalLM")
+    return dataclasses.replace(config, architecture="qwen2_5_vl", vision=vision)
 
 
 def hf_architecture(hf: dict[str, Any]) -> str:

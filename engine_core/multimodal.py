@@ -1,0 +1,204 @@
+"""Images on the engine core: the vision encoder's runs, its cache, and what a step's forward
+takes from them (the embeddings that replace placeholder rows, M-RoPE positions).
+
+A request's images arrive processed (``ImageInput``: pixels, patch grid, hash, placeholder run;
+the API process ran the model's HF image processor). At each step whose chunks hold any of an
+image's placeholders, the image's embeddings come from the encoder cache (by hash), or the
+encoder runs once over every image the step misses, batched across its requests. A chunk that
+holds only part of an image's placeholders (chunked prefill, or a prefix-cache hit that ends
+inside the run) takes the matching slice of the whole image's embeddings: the encoder always
+encodes whole images, and the cache keeps them for the next chunk.
+
+The encoder cache holds embeddings up to a byte budget, least recently used evicted first. An
+entry in use by the step being built is held by the step itself, so evicting it mid-step only
+means the next chunk encodes the image again. An image larger than the whole budget is encoded
+for its step and not kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine_core.config import VisionConfig
+from engine_core.request import Request, SchedulerOutput
+from protocol.messages import ImageInput
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class MultimodalStep:
+    """What a step's forward takes from its images: ``embeds`` [K, hidden] go to the rows
+    ``rows`` [K] of the token embeddings; ``positions`` [3, T] are every row's M-RoPE
+    (temporal, height, width) positions."""
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+    positions: torch.Tensor
+
+
+class EncoderCache:
+    """Image embeddings by image hash, least recently used evicted past ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.hits = 0  # lookups that found the image's embeddings
+        self.misses = 0  # lookups that had to encode it
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, image_hash: bytes) -> torch.Tensor | None:
+        embeds = self._entries.get(image_hash)
+        if embeds is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(image_hash)
+        return embeds
+
+    def put(self, image_hash: bytes, embeds: torch.Tensor) -> None:
+        size = embeds.numel() * embeds.element_size()
+        if size > self.budget_bytes or image_hash in self._entries:
+            return
+        while self.used_bytes + size > self.budget_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.used_bytes -= evicted.numel() * evicted.element_size()
+        self._entries[image_hash] = embeds
+        self.used_bytes += size
+
+
+def image_tokens(image: ImageInput, merge: int) -> int:
+    """The placeholders one image's embeddings fill: its patches over merge x merge."""
+    t, h, w = image.grid_thw
+    return t * h * w // (merge * merge)
+
+
+def mrope_positions(images: Sequence[ImageInput], merge: int, lo: int, hi: int) -> np.ndarray:
+    """[3, hi - lo] int64: the M-RoPE positions of a request's tokens ``[lo, hi)``, as HF's
+    Qwen2.5-VL get_rope_index gives them. A text token's three are equal: its index plus the
+    shift the images before it left. An image's token at grid cell (t, y, x) is at the image's
+    start position plus (t, y, x); the text after an image goes on from one past its largest
+    position, so each image shifts what follows by max(t, h, w) - its token count."""
+    index = np.arange(lo, hi, dtype=np.int64)
+    out = np.repeat(index[None, :], 3, axis=0)
+    shift = 0
+    for image in images:
+        start, end = image.offset, image.offset + image.length
+        if start >= hi:
+            break
+        t, h, w = image.grid_thw[0], image.grid_thw[1] // merge, image.grid_thw[2] // merge
+        inside = (index >= start) & (index < end)
+        if inside.any():
+            cell = index[inside] - start
+            base = start + shift
+            out[0, inside] = base + cell // (h * w)
+            out[1, inside] = base + (cell // w) % h
+            out[2, inside] = base + cell % w
+        shift += max(t, h, w) - image.length
+        out[:, index >= end] += max(t, h, w) - image.length
+    return out
+
+
+def pixels_tensor(image: ImageInput) -> torch.Tensor:
+    """An image's pixels as a tensor, from its wire bytes (copied: the bytes are read-only)."""
+    pixels = image.pixels
+    data = torch.frombuffer(bytearray(pixels.data), dtype=_TORCH_DTYPES[pixels.dtype])
+    return data.view(pixels.shape)
+
+
+class MultimodalRunner:
+    """The model runner's image side: checks a request's images against the model, runs the
+    encoder (batched, cached) and builds each step's ``MultimodalStep``."""
+
+    def __init__(
+        self, model: nn.Module, vision: VisionConfig, device: torch.device, budget_bytes: int
+    ) -> None:
+        self.model = model
+        self.vision = vision
+        self.merge = vision.spatial_merge_size
+        self.device = device
+        self.cache = EncoderCache(budget_bytes)
+        self.encoded_images = 0  # images run through the encoder (a batch counts each)
+
+    def check(self, request: Request) -> None:
+        """ValueError (fit for the client) where the request's images do not match its prompt:
+        each image's run is its placeholder token, as many as its grid gives, and no
+        placeholder stands outside a run."""
+        ids = request.prompt_token_ids
+        placeholder = self.vision.image_token_id
+        for image in request.images:
+            expected = image_tokens(image, self.merge)
+            if image.length != expected:
+                raise ValueError(
+                    f"an image of grid {list(image.grid_thw)} fills {expected} placeholders, "
+                    f"not {image.length}"
+                )
+            run = ids[image.offset : image.offset + image.length]
+            if len(run) != image.length or any(t != placeholder for t in run):
+                raise ValueError(
+                    f"an image's placeholder run at {image.offset} is not all {placeholder}"
+                )
+        if ids.count(placeholder) != sum(image.length for image in request.images):
+            raise ValueError(
+                f"the prompt holds image placeholder tokens ({placeholder}) with no image"
+            )
+
+    def prepare(
+        self, out: SchedulerOutput, query_start_loc: Sequence[int]
+    ) -> MultimodalStep | None:
+        """The step's image embeddings and M-RoPE positions; None where no scheduled request
+        has an image (its positions are then the plain ones, which M-RoPE equals)."""
+        if not any(s.request.images for s in out.scheduled):
+            return None
+        num_rows = int(query_start_loc[len(out.scheduled)])
+        positions = np.empty((3, num_rows), dtype=np.int64)
+        pieces: list[tuple[ImageInput, int, int, int]] = []  # image, slice lo/hi, first row
+        for i, s in enumerate(out.scheduled):
+            lo, hi, row = s.start, s.start + s.num_new_tokens, int(query_start_loc[i])
+            images = s.request.images
+            positions[:, row : row + hi - lo] = mrope_positions(images, self.merge, lo, hi)
+            for image in images:
+                a, b = max(lo, image.offset), min(hi, image.offset + image.length)
+                if a < b:
+                    pieces.append((image, a - image.offset, b - image.offset, row + a - lo))
+        embeds = self._embeddings({image.hash: image for image, *_ in pieces})
+        rows = [np.arange(row, row + hi - lo) for _, lo, hi, row in pieces]
+        parts = [embeds[image.hash][lo:hi] for image, lo, hi, _ in pieces]
+        return MultimodalStep(
+            rows=torch.from_numpy(np.concatenate(rows or [np.empty(0, np.int64)])).to(self.device),
+            embeds=torch.cat(parts) if parts else torch.empty(0, device=self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+        )
+
+    def _embeddings(self, images: dict[bytes, ImageInput]) -> dict[bytes, torch.Tensor]:
+        """Each image's embeddings [tokens, hidden]: from the cache, or encoded in one batch."""
+        found: dict[bytes, torch.Tensor] = {}
+        missing: list[ImageInput] = []
+        for image_hash, image in images.items():
+            embeds = self.cache.get(image_hash)
+            if embeds is None:
+                missing.append(image)
+            else:
+                found[image_hash] = embeds
+        if missing:
+            for image, embeds in zip(missing, self._encode(missing), strict=True):
+                self.cache.put(image.hash, embeds)
+                found[image.hash] = embeds
+        return found
+
+    def _encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """One encoder run over ``images``: each image's embeddings, in order."""
+        pixels = torch.cat([pixels_tensor(image) for image in images]).to(self.device)
+        grids = [image.grid_thw for image in images]
+        embeds = self.model.encode_images(pixels, grids)  # [sum of tokens, hidden]
+        self.encoded_images += len(images)
+        return list(embeds.split([image.length for image in images]))

@@ -1,0 +1,361 @@
+"""Images in the API process: fetched or decoded, checked, processed by the model's HF image
+processor, and placed in the prompt as runs of placeholder tokens (what goes on the wire).
+
+The chat template renders each image part as the model's image marker (Qwen2.5-VL's
+``<|vision_start|><|image_pad|><|vision_end|>``); after tokenizing, each marker's one
+placeholder token becomes as many as the image has embeddings (its patch grid over the merge
+size squared), as HF's processor expands it. The processor's pixels travel as float32 bytes with
+their grid, named by a SHA-256 over what the encoder reads (engine_core/multimodal.py).
+
+Every failure here is the client's image: a ``BadImage`` naming the part, which the route turns
+into a 400 (frontend/chat.py), never a 500 and never an engine error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import hashlib
+import io
+import json
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protocol.messages import ImageInput, TensorBytes
+
+# Architectures whose image side the engine implements (engine_core/models/qwen2_5_vl.py).
+VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+# The wire's frame limit is 64 MiB (protocol/codec.py): a prompt's pixels stay under this.
+MAX_PIXEL_BYTES = 48 << 20
+IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp")
+
+
+class BadImage(ValueError):
+    """An image part the server cannot take; ``param`` names it (``messages[1].content[0]``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class MediaOptions:
+    """How the API process may get images: hosts it may fetch http(s) URLs from (empty: none),
+    the folder ``file://`` URLs may name (None: none), the limits on a fetch, the most images a
+    prompt may hold and the most pixels an image may decode to."""
+
+    allowed_hosts: frozenset[str] = frozenset()
+    allowed_local_path: Path | None = None
+    max_images: int = 4
+    fetch_timeout_s: float = 10.0
+    max_image_bytes: int = 20 << 20
+    max_decoded_pixels: int = 64 << 20
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MediaOptions:
+        """From tandem serve's flags (frontend/serve.py add_media_args); ValueError for a bad
+        one."""
+        return cls.from_flags(
+            args.limit_mm_per_prompt,
+            args.allowed_media_domains,
+            args.allowed_local_media_path,
+            args.media_fetch_timeout,
+            args.max_image_bytes,
+        )
+
+    @classmethod
+    def from_flags(
+        cls,
+        limit_mm_per_prompt: str | None,
+        allowed_media_domains: Sequence[str] | None,
+        allowed_local_media_path: str | None,
+        fetch_timeout_s: float,
+        max_image_bytes: int,
+    ) -> MediaOptions:
+        local = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
+        if local is not None and not local.is_dir():
+            raise ValueError(f"--allowed-local-media-path {local} is not a folder")
+        return cls(
+            allowed_hosts=frozenset(h.lower() for h in allowed_media_domains or ()),
+            allowed_local_path=local,
+            max_images=parse_image_limit(limit_mm_per_prompt),
+            fetch_timeout_s=fetch_timeout_s,
+            max_image_bytes=max_image_bytes,
+        )
+
+
+def parse_image_limit(text: str | None) -> int:
+    """``--limit-mm-per-prompt`` as vLLM spells it ('{"image": 4}'): the most images a prompt
+    may hold. A modality the server cannot take is refused, not ignored."""
+    if text is None:
+        return MediaOptions.max_images
+    try:
+        limits = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--limit-mm-per-prompt must be JSON, got {text!r}") from None
+    if not isinstance(limits, dict):
+        raise ValueError('--limit-mm-per-prompt must be an object such as {"image": 4}')
+    unknown = sorted(set(limits) - {"image"})
+    if unknown:
+        raise ValueError(f"--limit-mm-per-prompt: this server takes images only, not {unknown}")
+    count = limits.get("image", MediaOptions.max_images)
+    if type(count) is not int or count < 0:
+        raise ValueError(f"--limit-mm-per-prompt: image must be a count >= 0, got {count!r}")
+    return count
+
+
+# ---- getting the bytes ------------------------------------------------------------------------
+
+
+def data_url_bytes(url: str, param: str) -> bytes:
+    """The image bytes of a ``data:image/...;base64,...`` URL."""
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise BadImage("a data URL image must be base64: data:image/png;base64,...", param)
+    mime = header.removeprefix("data:").removesuffix(";base64").lower()
+    if mime not in IMAGE_MIME_TYPES:
+        raise BadImage(f"a data URL image must be one of {', '.join(IMAGE_MIME_TYPES)}", param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadImage("the data URL's base64 does not decode", param) from None
+
+
+async def fetch_image_bytes(url: str, options: MediaOptions, param: str) -> bytes:
+    """The bytes behind an image URL: a data URL's, an allowed host's (fetched within the time
+    and size limits) or an allowed local file's."""
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme == "data":
+        raw = data_url_bytes(url, param)
+    elif scheme in ("http", "https"):
+        raw = await fetch_http(url, options, param)
+    elif scheme == "file":
+        raw = await asyncio.to_thread(read_local_file, url, options, param)
+    else:
+        raise BadImage(f"image URLs must be data:, http(s): or file:, not {scheme or url!r}", param)
+    if len(raw) > options.max_image_bytes:
+        raise BadImage(f"the image is larger than {options.max_image_bytes} bytes", param)
+    return raw
+
+
+async def fetch_http(url: str, options: MediaOptions, param: str) -> bytes:
+    """GET an allowed host's image, at most ``max_image_bytes`` of it within the time limit;
+    redirects are not followed (they could leave the allowed hosts)."""
+    import httpx
+
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in options.allowed_hosts:
+        raise BadImage(
+            f"this server fetches image URLs only from the hosts --allowed-media-domains names "
+            f"(not {host!r}); send the image as a data: URL",
+            param,
+        )
+    limit, seconds = options.max_image_bytes, options.fetch_timeout_s
+    try:
+        # httpx's timeout bounds each read; this bounds the whole fetch (a slow drip too).
+        async with (
+            asyncio.timeout(seconds),
+            httpx.AsyncClient(timeout=seconds) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise BadImage(f"fetching the image gave HTTP {response.status_code}", param)
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise BadImage(f"the image is larger than {limit} bytes", param)
+            return bytes(body)
+    except TimeoutError:
+        raise BadImage(f"the image was not fetched within {seconds} s", param) from None
+    except httpx.HTTPError as exc:
+        raise BadImage(f"could not fetch the image: {type(exc).__name__}", param) from None
+
+
+def read_local_file(url: str, options: MediaOptions, param: str) -> bytes:
+    """A ``file://`` image, only from under --allowed-local-media-path (symlinks resolved first,
+    so none leads out of it)."""
+    root = options.allowed_local_path
+    if root is None:
+        raise BadImage(
+            "file:// images need a server started with --allowed-local-media-path", param
+        )
+    path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).resolve()
+    if not path.is_relative_to(root) or not path.is_file():
+        raise BadImage(f"file:// images must be files under {root}", param)
+    if path.stat().st_size > options.max_image_bytes:
+        raise BadImage(f"the image is larger than {options.max_image_bytes} bytes", param)
+    return path.read_bytes()
+
+
+def decode_image(raw: bytes, options: MediaOptions, param: str) -> Any:
+    """PNG, JPEG or WebP bytes as an RGB PIL image, fully decoded (a truncated file fails here,
+    not in the processor); images that would decode to too many pixels are refused unread."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            if image.format not in ("PNG", "JPEG", "WEBP"):
+                raise BadImage(f"images must be PNG, JPEG or WebP, not {image.format}", param)
+            width, height = image.size
+            if width * height > options.max_decoded_pixels:
+                raise BadImage(
+                    f"the image has {width}x{height} pixels, more than "
+                    f"{options.max_decoded_pixels}",
+                    param,
+                )
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, BadImage):
+            raise
+        raise BadImage(f"the image does not decode: {exc}", param) from None
+
+
+# ---- the model's processor --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageMarker:
+    """How a model's prompt holds an image: the placeholder token that the chat template writes
+    once per image, and how many patches per side merge into one embedding."""
+
+    placeholder_id: int
+    merge_size: int
+
+
+@dataclass
+class VisionProcessor:
+    """The model's HF image processor and its prompt convention, for one model folder."""
+
+    hf: Any  # the HF image processor (its PIL backend: no torchvision needed)
+    marker: ImageMarker
+    pixel_bytes_limit: int = MAX_PIXEL_BYTES
+
+    @classmethod
+    def load(cls, model_dir: Path) -> VisionProcessor | None:
+        """The folder's image processor, or None for a model that takes no images."""
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            return None
+        config = json.loads(config_path.read_text())
+        if not set(config.get("architectures") or ()) & set(VISION_ARCHITECTURES):
+            return None
+        from transformers import AutoImageProcessor
+
+        hf = AutoImageProcessor.from_pretrained(str(model_dir))
+        merge = int(getattr(hf, "merge_size", config["vision_config"].get("spatial_merge_size", 2)))
+        return cls(hf, ImageMarker(int(config["image_token_id"]), merge))
+
+    def process(self, images: list[Any], params: list[str]) -> list[ProcessedImage]:
+        """Each image's pixels and patch grid, as the HF processor makes them (run off the event
+        loop: resizing and normalising take milliseconds per image)."""
+        out, total = [], 0
+        for image, param in zip(images, params, strict=True):
+            result = self.hf(images=[image], return_tensors="np")
+            pixels = np.ascontiguousarray(result["pixel_values"], dtype=np.float32)
+            total += pixels.nbytes
+            if total > self.pixel_bytes_limit:
+                raise BadImage(
+                    f"the prompt's images come to {total} bytes of pixels after resizing, more "
+                    f"than {self.pixel_bytes_limit}: send fewer or smaller images",
+                    param,
+                )
+            grid = tuple(int(n) for n in result["image_grid_thw"][0])
+            out.append(ProcessedImage(pixels, (grid[0], grid[1], grid[2])))
+        return out
+
+    def num_tokens(self, image: ProcessedImage) -> int:
+        t, h, w = image.grid_thw
+        return t * h * w // (self.marker.merge_size**2)
+
+    def place(
+        self, token_ids: list[int], images: list[ProcessedImage]
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt with each image's placeholder token repeated for its embeddings, and the
+        images as they go on the wire; ValueError where the template wrote another count."""
+        placeholder = self.marker.placeholder_id
+        found = [i for i, t in enumerate(token_ids) if t == placeholder]
+        if len(found) != len(images):
+            raise ValueError(
+                f"the chat template wrote {len(found)} image placeholders for {len(images)} images"
+            )
+        ids: list[int] = []
+        inputs: list[ImageInput] = []
+        previous = 0
+        for at, image in zip(found, images, strict=True):
+            ids += token_ids[previous:at]
+            count = self.num_tokens(image)
+            inputs.append(image.wire(len(ids), count))
+            ids += [placeholder] * count
+            previous = at + 1
+        ids += token_ids[previous:]
+        return ids, tuple(inputs)
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixels: np.ndarray  # [patches, channels * temporal patch * patch * patch] float32
+    grid_thw: tuple[int, int, int]
+
+    def wire(self, offset: int, length: int) -> ImageInput:
+        """The image as an AddRequest carries it, its placeholders at ``offset``."""
+        data = self.pixels.tobytes()
+        shape = tuple(int(n) for n in self.pixels.shape)
+        digest = hashlib.sha256()
+        digest.update(f"float32{shape}{self.grid_thw}".encode())
+        digest.update(data)
+        pixels = TensorBytes("float32", shape, data)
+        return ImageInput(digest.digest(), offset, length, pixels, self.grid_thw)
+
+
+# ---- a chat request's images ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImagePartRef:
+    """An image part of a chat request, with the name a 400 gives it."""
+
+    param: str  # "messages[1].content[0]"
+    url: str
+    detail: str | None
+
+
+async def chat_images(
+    vision: VisionProcessor | None, media: MediaOptions, parts: list[ImagePartRef]
+) -> list[ProcessedImage]:
+    """A chat request's images, fetched, decoded and processed (off the event loop), in order;
+    BadImage for the first part the server cannot take."""
+    if not parts:
+        return []
+    if vision is None:
+        raise BadImage("this model takes no images: send text parts only", parts[0].param)
+    if len(parts) > media.max_images:
+        raise BadImage(
+            f"at most {media.max_images} images a prompt (--limit-mm-per-prompt), got {len(parts)}",
+            parts[media.max_images].param,
+        )
+    for part in parts:
+        if part.detail not in (None, "auto"):
+            raise BadImage(
+                f"detail {part.detail!r} is not supported: the model's processor sizes every "
+                "image by its own pixel bounds; send 'auto' or leave it out",
+                f"{part.param}.image_url.detail",
+            )
+    raws = await asyncio.gather(*(fetch_image_bytes(p.url, media, p.param) for p in parts))
+    return await asyncio.to_thread(decode_and_process, vision, media, list(raws), parts)
+
+
+def decode_and_process(
+    vision: VisionProcessor, media: MediaOptions, raws: list[bytes], parts: list[ImagePartRef]
+) -> list[ProcessedImage]:
+    params = [p.param for p in parts]
+    images = [decode_image(raw, media, param) for raw, param in zip(raws, params, strict=True)]
+    return vision.process(images, params)

@@ -1,0 +1,147 @@
+"""The pieces of the image path that need no model: the encoder cache's budget and eviction,
+M-RoPE positions by hand, --limit-mm-per-prompt, file:// confinement, data URLs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_core.multimodal import EncoderCache, mrope_positions
+from frontend.vision import (
+    BadImage,
+    MediaOptions,
+    data_url_bytes,
+    fetch_http,
+    parse_image_limit,
+    read_local_file,
+)
+from protocol.messages import ImageInput, TensorBytes
+
+
+def embeds(rows: int) -> torch.Tensor:
+    return torch.zeros(rows, 4)  # 16 bytes a row
+
+
+def test_the_encoder_cache_evicts_the_least_recently_used_past_its_budget() -> None:
+    cache = EncoderCache(budget_bytes=3 * 16)
+    cache.put(b"a", embeds(1))
+    cache.put(b"b", embeds(1))
+    assert cache.get(b"a") is not None  # a is now the most recently used
+    cache.put(b"c", embeds(2))  # 4 rows > 3: b, the least recently used, goes
+    assert (cache.get(b"b"), cache.used_bytes, len(cache)) == (None, 48, 2)
+    assert cache.get(b"a") is not None and cache.get(b"c") is not None
+    cache.put(b"huge", embeds(4))  # larger than the whole budget: not kept, nothing evicted
+    assert (cache.get(b"huge"), len(cache)) == (None, 2)
+    assert (cache.hits, cache.misses) == (3, 2)
+
+
+def image(offset: int, grid: tuple[int, int, int]) -> ImageInput:
+    length = grid[0] * grid[1] * grid[2] // 4
+    return ImageInput(b"\0" * 32, offset, length, TensorBytes("float32", (1,), b"\0" * 4), grid)
+
+
+def test_mrope_positions_by_hand() -> None:
+    # Two text tokens, a 2 x 3 merged grid (4 x 6 patches) at 2..7, two text tokens, then a
+    # 1 x 2 grid at 10..11 and one text token. HF's get_rope_index gives, by hand:
+    first, second = image(2, (1, 4, 6)), image(10, (1, 2, 4))
+    expected = np.array(
+        [
+            [0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 7, 7, 9],  # temporal: an image's t is 0
+            [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 7, 7, 9],  # rows
+            [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 8, 9],  # columns
+        ]
+    )
+    assert mrope_positions([first, second], 2, 0, 13).tolist() == expected.tolist()
+    # Any window of it (a chunk, a decode step past the prompt) is the same columns.
+    assert mrope_positions([first, second], 2, 4, 9).tolist() == expected[:, 4:9].tolist()
+    assert mrope_positions([first, second], 2, 13, 15).tolist() == [[10, 11]] * 3
+
+
+def test_limit_mm_per_prompt_takes_images_only() -> None:
+    assert parse_image_limit('{"image": 2}') == 2
+    assert parse_image_limit(None) == 4
+    for bad, words in [('{"video": 1}', "images only"), ("[1]", "object"), ("{", "JSON"),
+                       ('{"image": -1}', ">= 0")]:  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            parse_image_limit(bad)
+
+
+def test_file_urls_stay_under_the_allowed_path(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "cat.png").write_bytes(b"cat")
+    (tmp_path / "secret.png").write_bytes(b"secret")
+    (root / "link.png").symlink_to(tmp_path / "secret.png")
+    options = MediaOptions(allowed_local_path=root.resolve())
+    assert read_local_file(f"file://{root}/cat.png", options, "p") == b"cat"
+    for url in (f"file://{tmp_path}/secret.png", f"file://{root}/../secret.png",
+                f"file://{root}/link.png", f"file://{root}/missing.png"):  # fmt: skip
+        with pytest.raises(BadImage, match="under"):
+            read_local_file(url, options, "p")
+    with pytest.raises(BadImage, match="--allowed-local-media-path"):
+        read_local_file(f"file://{root}/cat.png", MediaOptions(), "p")
+
+
+def test_media_flags_are_checked() -> None:
+    args = argparse.Namespace(
+        limit_mm_per_prompt=None, allowed_media_domains=["Example.COM"],
+        allowed_local_media_path="/no/such/folder", media_fetch_timeout=1.0, max_image_bytes=10,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="not a folder"):
+        MediaOptions.from_args(args)
+    args.allowed_local_media_path = None
+    assert MediaOptions.from_args(args).allowed_hosts == frozenset({"example.com"})
+
+
+def test_data_urls() -> None:
+    assert data_url_bytes("data:image/png;base64,aGk=", "p") == b"hi"
+    for url in ("data:image/png,hi", "data:text/plain;base64,aGk=", "data:image/png;base64,a"):
+        with pytest.raises(BadImage):
+            data_url_bytes(url, "p")
+
+
+def test_a_fetch_is_bounded_in_size_and_time() -> None:
+    """An allowed host's image larger than the limit, or one that never finishes arriving,
+    is a BadImage (never a hang); a redirect is not followed."""
+    import asyncio
+    import http.server
+    import threading
+
+    release = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "http://example.com/cat.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"x" * (10 if self.path == "/drip" else 100))
+            self.wfile.flush()
+            if self.path == "/drip":
+                release.wait(30)  # the rest never comes while the client waits
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    options = MediaOptions(allowed_hosts=frozenset({"127.0.0.1"}), fetch_timeout_s=0.5,
+                           max_image_bytes=50)  # fmt: skip
+    try:
+        for path, words in [("/big", "larger than 50"), ("/drip", "within 0.5 s"),
+                            ("/moved", "HTTP 302")]:  # fmt: skip
+            with pytest.raises(BadImage, match=words):
+                asyncio.run(fetch_http(f"{base}{path}", options, "p"))
+    finally:
+        release.set()
+        httpd.shutdown()
