@@ -60,6 +60,7 @@ def test_a_counter_counts_from_what_last_went_on() -> None:
 
 def generation(stream_interval: int | None, stop: list[str]) -> Generation:
     ctx = SimpleNamespace(
+        served_model="m",
         resume_timeout_s=60.0,
         tokenizer=SimpleNamespace(
             decode=lambda ids: "".join(f"<{i}>" for i in ids), byte_level=False

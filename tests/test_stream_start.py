@@ -69,6 +69,7 @@ def serving_context(engine: RecordingEngine, leases: list[Lease]) -> Any:
         return leases[-1]
 
     return SimpleNamespace(
+        served_model="m",
         engine=engine,
         metrics=NoMetrics(),
         max_resumes=0,
