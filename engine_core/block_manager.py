@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -391,18 +391,8 @@ class BlockManager:
         if num_full <= len(chain):
             return  # most steps: no block became full
         table = self._tables[request.request_id]
-        token_ids, size = request.token_ids, self.block_size
-        parent = chain[-1] if chain else prefix_root(request)
-        # Block by block, slicing each from the token list: a decode step fills one block, and
-        # building the list of the full blocks first cost that common case twice as much.
-        for index in range(len(chain), num_full):
-            tokens = tuple(token_ids[index * size : (index + 1) * size])
-            if request.images:
-                tokens = block_key(request, index, tokens)
-            block_hash = hash_block(parent, tokens)
-            self._register(self._blocks[table[index]], 0, block_hash, parent, tokens)
-            chain.append(block_hash)
-            parent = block_hash
+        for index, block_hash, parent, key in self._newly_full(request, chain, num_full):
+            self._register(self._blocks[table[index]], 0, block_hash, parent, key)
 
     def _cache_group_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """``cache_computed_blocks`` in every group; a window group's block already given back
@@ -414,18 +404,28 @@ class BlockManager:
         if num_full <= len(chain):
             return
         tables = [t[request.request_id] for t in self._group_tables]
-        token_ids, size, null = request.token_ids, self.block_size, self.null_block
-        parent = chain[-1] if chain else prefix_root(request)
-        for index in range(len(chain), num_full):
-            tokens = tuple(token_ids[index * size : (index + 1) * size])
-            if request.images:
-                tokens = block_key(request, index, tokens)
-            block_hash = hash_block(parent, tokens)
+        for index, block_hash, parent, key in self._newly_full(request, chain, num_full):
             for group, table in enumerate(tables):
                 block_id = table[index]
-                if block_id != null:
-                    self._register(self._blocks[block_id], group, block_hash, parent, tokens)
+                if block_id != self.null_block:
+                    self._register(self._blocks[block_id], group, block_hash, parent, key)
+
+    def _newly_full(
+        self, request: Request, chain: list[int], num_full: int
+    ) -> Iterator[tuple[int, int, int, tuple[Any, ...]]]:
+        """(index, hash, parent hash, key) of each block from ``len(chain)`` to ``num_full``,
+        each hash appended to ``chain`` as it is made. Block by block, slicing each from the
+        token list: a decode step fills one block, and building the list of the full blocks
+        first cost that common case twice as much."""
+        token_ids, size = request.token_ids, self.block_size
+        parent = chain[-1] if chain else prefix_root(request)
+        for index in range(len(chain), num_full):
+            key = tuple(token_ids[index * size : (index + 1) * size])
+            if request.images:
+                key = block_key(request, index, key)
+            block_hash = hash_block(parent, key)
             chain.append(block_hash)
+            yield index, block_hash, parent, key
             parent = block_hash
 
     def free(self, request_id: str) -> None:

@@ -46,8 +46,8 @@ def test_images_round_trip() -> None:
 
 def frame_with_images(images: Any, pooling: Any = None) -> bytes:
     """An ADD_REQUEST frame built by hand around ``images`` (as another encoder might)."""
-    fields = msgpack.unpackb(encode(request(image())))
-    fields[-2], fields[-1] = pooling, images
+    fields = msgpack.unpackb(encode(request(image())))  # [..., pooling, lora, images]
+    fields[-3], fields[-1] = pooling, images
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -98,3 +98,13 @@ def test_the_encoder_checks_images_as_the_decoder_does() -> None:
     with pytest.raises(ProtocolError, match="image length"):
         encode(request(image(offset=5, length=3)))
     assert msgpack.unpackb(encode(request(image())))[:2] == [MsgType.ADD_REQUEST, PROTOCOL_VERSION]
+
+
+def test_a_frame_ending_in_an_absent_optional_field_is_refused() -> None:
+    """Absent trailing fields are left out, never sent as nil (one spelling for each frame)."""
+    fields = msgpack.unpackb(encode(request(image())))
+    fields[-1] = None
+    with pytest.raises(ProtocolError, match="last optional field"):
+        decode_client_message(msgpack.packb(fields, use_bin_type=True))
+    with pytest.raises(ProtocolError, match="last optional field"):
+        decode_client_message(msgpack.packb(fields[:-1], use_bin_type=True))
