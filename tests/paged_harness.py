@@ -208,6 +208,14 @@ def hf_greedy(hf_model: nn.Module, prompt: list[int], max_new_tokens: int) -> Gr
 # ---- the per-family HF comparisons ---------------------------------------------------------------
 
 
+def load_float32(folder: Path, **kwargs: object) -> nn.Module:
+    """A checkpoint folder through our loader, on the CPU in float32 (as the HF comparisons run);
+    ``kwargs`` go to ``load_model`` (e.g. a quantization)."""
+    from engine_core.loader import load_model
+
+    return load_model(str(folder), torch.device("cpu"), torch.float32, **kwargs).module
+
+
 def random_prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
     """One prompt of random token ids per length, seeded by the length (the same every run)."""
     return [

@@ -20,9 +20,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engine_core.loader import load_model
 from engine_core.memory_plan import module_bytes
-from tests.paged_harness import generate_greedy, hf_greedy, random_prompts
+from tests.paged_harness import generate_greedy, hf_greedy, load_float32, random_prompts
 from tests.quant_fixtures import (
     VOCAB,
     assert_matches_quantized,
@@ -66,12 +65,8 @@ def w8a8(plain: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_compressed_tensors(plain, tmp_path_factory.mktemp("w8a8"), "W8A8")
 
 
-def load(folder: Path, **kwargs: object) -> torch.nn.Module:
-    return load_model(str(folder), torch.device("cpu"), torch.float32, **kwargs).module
-
-
 def test_compressed_tensors_w8a8_matches_hf_running_it(w8a8: Path) -> None:
-    ours = load(w8a8)
+    ours = load_float32(w8a8)
     down = ours.model.layers[0].mlp.down_proj
     assert down.weight.dtype == torch.int8 and down.weight_scale.shape == (128,)
     got = generate_greedy(ours, PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=2)
@@ -81,7 +76,7 @@ def test_compressed_tensors_w8a8_matches_hf_running_it(w8a8: Path) -> None:
 def test_the_activations_are_quantized(plain: Path, w8a8: Path, tmp_path: Path) -> None:
     """HF on the dequantized weights without the activations' round trip is another model."""
     reference = write_dequantized(plain, tmp_path / "ref", ct_dequantized(plain, "W8A8"))
-    got = generate_greedy(load(w8a8), PROMPTS[:1], 4).logits[0]
+    got = generate_greedy(load_float32(w8a8), PROMPTS[:1], 4).logits[0]
     weights_only = reference_run(reference, PROMPTS[:1], 4)[0].logits[0]
     assert (got - weights_only).abs().max() > 1e-2
 
@@ -90,7 +85,7 @@ def test_quantization_flag_w8a8_quantizes_rows_as_it_loads(plain: Path, tmp_path
     state = load_file(plain / "model.safetensors")
     dequantized = {name: int8_rows(w) for name, w in state.items() if is_linear_weight(name)}
     reference = write_dequantized(plain, tmp_path / "ref", dequantized)
-    ours = load(plain, quantization="w8a8")
+    ours = load_float32(plain, quantization="w8a8")
     assert ours.model.layers[1].self_attn.o_proj.weight.dtype == torch.int8
     hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     quantize_inputs(hf, int8_per_token)
@@ -102,7 +97,10 @@ def test_int8_weights_take_one_byte(plain: Path, w8a8: Path) -> None:
     """Every decoder linear holds one byte a weight and a float32 scale a row."""
     rows = 2 * (256 + 128 + 512 + 128)  # qkv, o, gate/up, down; two layers
     weights = 2 * (256 * 128 + 128 * 128 + 512 * 128 + 128 * 256)
-    assert module_bytes(load(plain)) - module_bytes(load(w8a8)) == 3 * weights - 4 * rows
+    assert (
+        module_bytes(load_float32(plain)) - module_bytes(load_float32(w8a8))
+        == 3 * weights - 4 * rows
+    )
 
 
 def test_tp2_quantizes_each_ranks_share_per_token(plain: Path, w8a8: Path, tmp_path: Path) -> None:
@@ -161,4 +159,4 @@ def test_unsupported_int8_schemes_are_refused(
         config["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized"
         (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
-        load(folder)
+        load_float32(folder)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, PretrainedConfig
 
 from engine_core.attention.mla import LatentAttention
-from engine_core.loader import load_model, load_model_config
+from engine_core.loader import load_model_config
 from engine_core.memory_plan import kv_block_bytes
 from tests.factories import tiny_hf_sizes
 from tests.paged_harness import (
@@ -28,6 +28,7 @@ from tests.paged_harness import (
     assert_matches,
     generate_greedy,
     hf_greedy,
+    load_float32,
     random_prompts,
     randomize,
     save_hf_case,
@@ -103,19 +104,20 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return save_hf_case(request.param, make_hf_model(request.param), PROMPTS, folder, NEW_TOKENS)
 
 
-def load(folder: Path) -> torch.nn.Module:
-    return load_model(str(folder), torch.device("cpu"), torch.float32).module
-
-
 def test_greedy_matches_hf(case: HFCase) -> None:
-    got = generate_greedy(load(case.folder), PROMPTS, NEW_TOKENS, block_size=4)
+    got = generate_greedy(load_float32(case.folder), PROMPTS, NEW_TOKENS, block_size=4)
     assert_matches(got, case.reference, ATOL)
 
 
 def test_mixed_batches_match_hf(case: HFCase) -> None:
     """Prompt chunks beside other sequences' decodes (absorbed), on shuffled blocks."""
     got = generate_greedy(
-        load(case.folder), PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=3, shuffle_blocks=True
+        load_float32(case.folder),
+        PROMPTS,
+        NEW_TOKENS,
+        prefill_chunk=5,
+        stagger=3,
+        shuffle_blocks=True,
     )
     assert_matches(got, case.reference, ATOL)
 
@@ -123,7 +125,7 @@ def test_mixed_batches_match_hf(case: HFCase) -> None:
 def test_prefix_cached_prefill_matches_hf(case: HFCase) -> None:
     """A prompt that starts from another sequence's cached latent blocks."""
     prompt = PROMPTS[2][:20] + [7, 8, 9]
-    got = generate_after_cached_prefix(load(case.folder), PROMPTS[2], prompt, NEW_TOKENS)
+    got = generate_after_cached_prefix(load_float32(case.folder), PROMPTS[2], prompt, NEW_TOKENS)
     ref = hf_greedy(case.hf_model, prompt, NEW_TOKENS)
     assert got.tokens[0] == ref.tokens[0]
     torch.testing.assert_close(got.logits[0], ref.logits[0], atol=ATOL, rtol=0)
@@ -132,8 +134,8 @@ def test_prefix_cached_prefill_matches_hf(case: HFCase) -> None:
 def test_absorbed_decode_equals_expanded(case: HFCase) -> None:
     """The same decodes through the expanded path (every layer's absorb_decode off) give the
     same logits within float32 rounding."""
-    absorbed = generate_greedy(load(case.folder), PROMPTS, 8)
-    model = load(case.folder)
+    absorbed = generate_greedy(load_float32(case.folder), PROMPTS, 8)
+    model = load_float32(case.folder)
     for layer in model.attention_layers():
         assert isinstance(layer, LatentAttention)
         layer.absorb_decode = False
@@ -147,7 +149,7 @@ def test_latent_cache_is_per_token_not_per_head(case: HFCase) -> None:
     """The cache holds kv_lora_rank + qk_rope_head_dim values per token and layer, and the
     memory plan counts exactly that."""
     config = load_model_config(case.folder)
-    model = load(case.folder)
+    model = load_float32(case.folder)
     layer = model.attention_layers()[0]
     assert layer.cache_shapes(10, 4) == [(10, 4, 32 + 8)]
     per_block = kv_block_bytes(config, config.num_kv_heads, 4, torch.bfloat16)
@@ -161,7 +163,7 @@ def test_router_bias_groups_and_mscale_are_exercised(tmp_path: Path) -> None:
     hf_model.save_pretrained(tmp_path)
     ref = hf_greedy(hf_model, PROMPTS[-1], 4)
     for undo in (zero_router_bias, drop_group_limit, drop_mscale, drop_shared_experts):
-        model = load(tmp_path)
+        model = load_float32(tmp_path)
         undo(model)
         got = generate_greedy(model, PROMPTS[-1:], 4)
         assert (got.logits[0] - ref.logits[0]).abs().max() > 100 * ATOL, undo.__name__

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GptOssConfig
 
-from engine_core.loader import load_model, load_model_config
+from engine_core.loader import load_model_config
 from engine_core.models import mxfp4
 from engine_core.models.gpt_oss_moe import GptOssMoE
 from tests.factories import tiny_hf_sizes
@@ -33,6 +33,7 @@ from tests.paged_harness import (
     assert_matches,
     generate_greedy,
     hf_greedy,
+    load_float32,
     random_prompts,
     randomize,
     save_hf_case,
@@ -95,10 +96,6 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> HFCase:
     return save_hf_case("gpt_oss", make_hf_model(), PROMPTS, folder, NEW_TOKENS)
 
 
-def load(folder: Path) -> torch.nn.Module:
-    return load_model(str(folder), torch.device("cpu"), torch.float32).module
-
-
 def test_config_reads_the_real_shape(case: HFCase) -> None:
     config = load_model_config(case.folder)
     assert config.architecture == "gpt_oss"
@@ -110,7 +107,7 @@ def test_config_reads_the_real_shape(case: HFCase) -> None:
 
 def test_greedy_matches_hf(case: HFCase) -> None:
     """All prompts prefilled in one flattened batch, then decoded together."""
-    got = generate_greedy(load(case.folder), PROMPTS, NEW_TOKENS, block_size=4)
+    got = generate_greedy(load_float32(case.folder), PROMPTS, NEW_TOKENS, block_size=4)
     assert_matches(got, case.reference, ATOL)
 
 
@@ -118,7 +115,12 @@ def test_mixed_batches_match_hf(case: HFCase) -> None:
     """Staggered starts and 5-token chunks: prompt chunks beside other sequences' decodes, on
     shuffled blocks."""
     got = generate_greedy(
-        load(case.folder), PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=3, shuffle_blocks=True
+        load_float32(case.folder),
+        PROMPTS,
+        NEW_TOKENS,
+        prefill_chunk=5,
+        stagger=3,
+        shuffle_blocks=True,
     )
     assert_matches(got, case.reference, ATOL)
 
@@ -126,7 +128,7 @@ def test_mixed_batches_match_hf(case: HFCase) -> None:
 def test_sinks_window_and_clamp_are_exercised(case: HFCase) -> None:
     """Each feature must change the output, or matching HF proves nothing about it."""
     for undo in (drop_sinks, drop_window, drop_clamp):
-        model = load(case.folder)
+        model = load_float32(case.folder)
         undo(model)
         got = generate_greedy(model, PROMPTS[-1:], 4)
         assert (got.logits[0] - case.reference[2].logits[0][:4]).abs().max() > 100 * ATOL
@@ -184,7 +186,7 @@ def dequantized_copy(
 
 def test_mxfp4_checkpoint_matches_dequantized_reference(tmp_path: Path) -> None:
     reference = write_mxfp4_checkpoint(make_hf_model(), tmp_path)
-    model = load(tmp_path)
+    model = load_float32(tmp_path)
     moe = model.model.layers[0].mlp
     assert isinstance(moe, GptOssMoE) and moe.mxfp4
     assert moe.w13_blocks.dtype == torch.uint8 and not hasattr(moe, "w13")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
 from engine_core.config import ModelConfig
-from engine_core.loader import iter_checkpoint, load_model, load_model_config
+from engine_core.loader import iter_checkpoint, load_model_config
 from engine_core.models import build_model, model_config_from_hf
 from engine_core.models.layers import load_mapped_weights
 from engine_core.models.moe import SparseMoE, experts_reference, map_moe_name, route
@@ -34,6 +34,7 @@ from tests.paged_harness import (
     assert_matches,
     generate_greedy,
     hf_greedy,
+    load_float32,
     random_prompts,
     randomize,
     save_hf_case,
@@ -77,13 +78,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return save_hf_case(request.param, make_hf_model(request.param), PROMPTS, folder, NEW_TOKENS)
 
 
-def load(folder: Path) -> torch.nn.Module:
-    return load_model(str(folder), torch.device("cpu"), torch.float32).module
-
-
 def test_greedy_matches_hf(case: HFCase) -> None:
     """All prompts prefilled in one flattened batch, then decoded together."""
-    got = generate_greedy(load(case.folder), PROMPTS, NEW_TOKENS, block_size=4)
+    got = generate_greedy(load_float32(case.folder), PROMPTS, NEW_TOKENS, block_size=4)
     assert_matches(got, case.reference, ATOL)
 
 
@@ -91,7 +88,7 @@ def test_chunked_prefill_mixed_with_decodes_matches_hf(case: HFCase) -> None:
     """Staggered starts and 5-token prefill chunks: one forward mixes a prompt chunk with other
     sequences' decodes (so the experts see tokens of several sequences at once)."""
     got = generate_greedy(
-        load(case.folder),
+        load_float32(case.folder),
         PROMPTS,
         NEW_TOKENS,
         block_size=4,
@@ -106,7 +103,7 @@ def test_prefix_cached_prefill_matches_hf(case: HFCase) -> None:
     """A prompt sharing its first 5 blocks with an earlier one prefills only its tail, reading
     the shared prefix's K/V from the earlier sequence's blocks."""
     prompt = PROMPTS[2][:20] + [7, 8, 9]
-    got = generate_after_cached_prefix(load(case.folder), PROMPTS[2], prompt, NEW_TOKENS)
+    got = generate_after_cached_prefix(load_float32(case.folder), PROMPTS[2], prompt, NEW_TOKENS)
     ref = hf_greedy(case.hf_model, prompt, NEW_TOKENS)
     assert got.tokens[0] == ref.tokens[0]
     torch.testing.assert_close(got.logits[0], ref.logits[0], atol=ATOL, rtol=0)
@@ -134,7 +131,7 @@ def generate_after_cached_prefix(
 def test_router_spreads_tokens(case: HFCase) -> None:
     """The comparisons above prove the experts only if tokens reach many of them: over the
     prompts, every MoE layer routes tokens to most experts, and tokens disagree on their top-k."""
-    model = load(case.folder)
+    model = load_float32(case.folder)
     chosen: list[torch.Tensor] = []  # [T, K] expert ids of each MoE layer
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoE):
@@ -158,8 +155,8 @@ def test_both_checkpoint_layouts_load_alike(tmp_path: Path) -> None:
         hf_model.save_pretrained(tmp_path / name / "stacked", save_original_format=False)
         stacked_names = [n for n, _ in iter_checkpoint(tmp_path / name / "stacked")]
         assert any(n.endswith("experts.gate_up_proj") for n in stacked_names)
-        per_expert = load(tmp_path / name / "per_expert").state_dict()
-        stacked = load(tmp_path / name / "stacked").state_dict()
+        per_expert = load_float32(tmp_path / name / "per_expert").state_dict()
+        stacked = load_float32(tmp_path / name / "stacked").state_dict()
         assert per_expert.keys() == stacked.keys()
         for key, value in per_expert.items():
             assert torch.equal(value, stacked[key]), key

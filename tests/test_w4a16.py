@@ -24,7 +24,7 @@ from engine_core.loader import load_model
 from engine_core.memory_plan import module_bytes
 from engine_core.models import build_model
 from engine_core.models.w4a16 import dequantize, pack_int4, to_layout, unpack_int4
-from tests.paged_harness import assert_matches, generate_greedy, random_prompts
+from tests.paged_harness import assert_matches, generate_greedy, load_float32, random_prompts
 from tests.quant_fixtures import (
     AWQ_ORDER,
     VOCAB,
@@ -86,10 +86,6 @@ CASES = {
 }
 
 
-def load(folder: Path, **kwargs: object) -> torch.nn.Module:
-    return load_model(str(folder), torch.device("cpu"), torch.float32, **kwargs).module
-
-
 def write_case(name: str, plain: Path, tmp_path: Path) -> tuple[Path, Path]:
     """(the quantized checkpoint, a plain one of the weights it stands for)."""
     case = CASES[name]
@@ -105,7 +101,7 @@ def test_awq_and_gptq_match_hf_on_the_dequantized_weights(
     name: str, plain: Path, tmp_path: Path
 ) -> None:
     folder, reference = write_case(name, plain, tmp_path)
-    ours = load(folder)
+    ours = load_float32(folder)
     qkv = ours.model.layers[0].self_attn.qkv_proj
     assert qkv.weight is None and qkv.qweight.dtype == torch.int32  # held packed, not widened
     act_order = CASES[name].qc.get("desc_act", False)
@@ -117,7 +113,7 @@ def test_awq_and_gptq_match_hf_on_the_dequantized_weights(
 def test_compressed_tensors_w4a16_matches_hf_running_it(plain: Path, tmp_path: Path) -> None:
     """llm-compressor's W4A16 scheme (symmetric, 128-column groups): HF runs the checkpoint."""
     folder = write_compressed_tensors(plain, tmp_path / "w4a16", "W4A16")
-    ours = load(folder)
+    ours = load_float32(folder)
     assert ours.model.layers[1].mlp.down_proj.scales.shape == (2, 128)  # [groups, rows]
     got = generate_greedy(ours, PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=2)
     assert_matches(got, reference_run(folder, PROMPTS, NEW_TOKENS), ATOL)
@@ -129,7 +125,7 @@ def test_compressed_tensors_w4a16_with_zero_points(plain: Path, tmp_path: Path) 
     on compressed-tensors' own fake-quantized weights."""
     folder = write_compressed_tensors(plain, tmp_path / "asym", "W4A16_ASYM", group_size=64)
     reference = write_dequantized(plain, tmp_path / "ref", ct_dequantized(plain, "W4A16_ASYM", 64))
-    ours = load(folder)
+    ours = load_float32(folder)
     assert ours.model.layers[0].mlp.gate_up_proj.zeros.dtype == torch.uint8
     got = generate_greedy(ours, PROMPTS, NEW_TOKENS)
     assert_matches(got, reference_run(reference, PROMPTS, NEW_TOKENS), ATOL)
@@ -142,7 +138,7 @@ def test_biases_load_beside_the_packed_weights(tmp_path: Path) -> None:
     case = CASES["gptq-g64-asym-act-order"]
     folder, dequantized = write_w4a16(tmp_path / "plain", tmp_path / "q", case.make, case.qc)
     reference = write_dequantized(tmp_path / "plain", tmp_path / "ref", dequantized)
-    ours = load(folder)
+    ours = load_float32(folder)
     assert ours.model.layers[0].self_attn.qkv_proj.bias.dtype == torch.float32
     got = generate_greedy(ours, PROMPTS, NEW_TOKENS)
     assert_matches(got, reference_run(reference, PROMPTS, NEW_TOKENS), ATOL)
@@ -152,8 +148,8 @@ def test_the_quantization_changes_the_tokens(plain: Path, tmp_path: Path) -> Non
     """The comparisons above only show a format is read if reading it as plain weights would
     fail: the 4-bit weights' logits are far from the float ones'."""
     folder, _ = write_case("gptq-g64-asym-act-order", plain, tmp_path)
-    a = generate_greedy(load(plain), PROMPTS[:1], 4).logits[0]
-    b = generate_greedy(load(folder), PROMPTS[:1], 4).logits[0]
+    a = generate_greedy(load_float32(plain), PROMPTS[:1], 4).logits[0]
+    b = generate_greedy(load_float32(folder), PROMPTS[:1], 4).logits[0]
     assert (a - b).abs().max() > 1000 * ATOL
 
 
@@ -163,7 +159,7 @@ def test_a_quantize_config_json_beside_config_json_is_read(plain: Path, tmp_path
     config = json.loads((folder / "config.json").read_text())
     (folder / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
     (folder / "config.json").write_text(json.dumps(config))
-    got = generate_greedy(load(folder), PROMPTS[:1], NEW_TOKENS)
+    got = generate_greedy(load_float32(folder), PROMPTS[:1], NEW_TOKENS)
     assert_matches(got, reference_run(reference, PROMPTS[:1], NEW_TOKENS), ATOL)
 
 
@@ -222,7 +218,7 @@ def test_the_engine_serves_an_act_order_checkpoint(plain: Path, tmp_path: Path) 
     from protocol.messages import SamplingParams
 
     folder, _ = write_case("gptq-g64-asym-act-order", plain, tmp_path)
-    expected = generate_greedy(load(folder), PROMPTS, NEW_TOKENS).tokens
+    expected = generate_greedy(load_float32(folder), PROMPTS, NEW_TOKENS).tokens
     llm = LLM(str(folder), block_size=4, num_kv_blocks=64, max_model_len=128)
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -275,14 +271,14 @@ def test_unsupported_configs_are_refused_naming_the_field(
         save_file(tensors, str(folder / "model.safetensors"))
     edit_config(folder, lambda qc: qc.update(edit))
     with pytest.raises(ValueError, match=message):
-        load(folder)
+        load_float32(folder)
 
 
 def test_a_g_idx_out_of_order_without_act_order_is_refused(plain: Path, tmp_path: Path) -> None:
     folder, _ = write_case("gptq-g64-asym-act-order", plain, tmp_path)
     edit_config(folder, lambda qc: qc.update(desc_act=False))
     with pytest.raises(ValueError, match="out of order, but quantization_config.desc_act"):
-        load(folder)
+        load_float32(folder)
 
 
 def test_merged_parts_with_different_column_orders_are_refused(plain: Path, tmp_path: Path) -> None:
@@ -292,16 +288,16 @@ def test_merged_parts_with_different_column_orders_are_refused(plain: Path, tmp_
     make = lambda w, seed: case.make(w, seed + int(w.shape[0]))  # noqa: E731 (per projection)
     folder, _ = write_w4a16(plain, tmp_path / "mixed", make, case.qc)
     with pytest.raises(ValueError, match="qkv_proj: the merged parts' g_idx differ"):
-        load(folder)
+        load_float32(folder)
 
 
 def test_the_quantization_flag_must_name_the_checkpoint_format(plain: Path, tmp_path: Path) -> None:
     folder, _ = write_case("awq-g64", plain, tmp_path)
-    load(folder, quantization="awq_marlin")  # vLLM's name for the same checkpoints
+    load_float32(folder, quantization="awq_marlin")  # vLLM's name for the same checkpoints
     with pytest.raises(ValueError, match="--quantization gptq does not match the checkpoint"):
-        load(folder, quantization="gptq")
+        load_float32(folder, quantization="gptq")
     with pytest.raises(ValueError, match="has no quantization_config"):
-        load(plain, quantization="awq")
+        load_float32(plain, quantization="awq")
 
 
 def test_w4a16_under_tensor_parallelism_is_refused() -> None:
