@@ -371,11 +371,7 @@ def prompt_attention(
     num_queries, seq_len = q.shape[0], k.shape[0]
     keep = None
     if num_queries < seq_len or (window is not None and window < seq_len):
-        q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
-        k_pos = torch.arange(seq_len)[None, :]  # [1, L]
-        keep = k_pos <= q_pos
-        if window is not None:
-            keep &= k_pos > q_pos - window
+        keep = visible_keys(num_queries, seq_len, window)
     # A whole prompt with no window is plain causal attention: SDPA's causal kernel skips the
     # masked tiles (half the work) and reads no mask (torch's is_causal is top-left aligned,
     # which is right only when the queries are the whole context).
@@ -389,6 +385,17 @@ def prompt_attention(
         enable_gqa=True,
     )  # [1, H, Q, D]
     return out[0].transpose(0, 1)
+
+
+def visible_keys(num_queries: int, seq_len: int, window: int | None) -> torch.Tensor:
+    """[Q, L] bool: which keys each of the last Q queries of a sequence of L sees (itself and
+    those before it, within the window)."""
+    q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
+    k_pos = torch.arange(seq_len)[None, :]  # [1, L]
+    keep = k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
+    return keep
 
 
 def sink_prompt_attention(
@@ -406,12 +413,7 @@ def sink_prompt_attention(
     group = num_heads // num_kv_heads
     grouped = q.view(num_queries, num_kv_heads, group, head_dim)  # [Q, KVH, G, D]
     scores = torch.einsum("qkgd,lkd->kgql", grouped, k).float() * scale  # [KVH, G, Q, L]
-    q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
-    k_pos = torch.arange(seq_len)[None, :]  # [1, L]
-    keep = k_pos <= q_pos
-    if window is not None:
-        keep &= k_pos > q_pos - window
-    scores = scores.masked_fill(~keep, float("-inf"))
+    scores = scores.masked_fill(~visible_keys(num_queries, seq_len, window), float("-inf"))
     sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, num_queries, 1)
     probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1].to(v.dtype)
     out = torch.einsum("kgql,lkd->qkgd", probs, v)  # [Q, KVH, G, D]
