@@ -216,6 +216,15 @@ def select_backend(device: torch.device) -> AttentionBackend:
     return CpuBackend()
 
 
+def build_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> BuildTarget:
+    """What the model is built for. Decode steps replay CUDA graphs on CUDA unless eager is
+    forced or LoRA is on: LoRA steps run eagerly (``_capture_graphs``), and its adapters wrap the
+    projections in the checkpoint's row order, which the graph-only layouts (interleaved gate/up
+    rows) would change under them."""
+    graphs = device.type == "cuda" and not config.enforce_eager and not config.enable_lora
+    return BuildTarget(device, dtype, cuda_graphs=graphs)
+
+
 class ModelRunner:
     """Built in order: the model in its final form (loaded for its target), the KV cache sized
     to what is left, the attention backend and CUDA graphs, the sampler and the step buffers.
@@ -273,8 +282,7 @@ class ModelRunner:
             # mask threads need (docs/design/structured-outputs.md, "The bitmask inside the
             # overlapped step").
             torch.set_num_threads(1)
-        graphs = self.device.type == "cuda" and not config.enforce_eager
-        target = BuildTarget(self.device, self.dtype, cuda_graphs=graphs)
+        target = build_target(config, self.device, self.dtype)
         fits = partial(check_memory, config, self.device, self.dtype, self.kv_dtype)
         return load_model(
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
