@@ -9,7 +9,7 @@ which is the packing's column order), takes its group's scale (and zero) once pe
 dequantizes ``(q - zero) * scale`` in float32, rounds it to the activations' dtype (the
 reference's rounding) and multiplies on the tensor cores with the weight rows on the matrix
 unit's wide side ("swap AB": at decode a few tokens fill its narrow side). Loading each word once
-matters: a load per column (eight per word) ran the decode products ten times slower on an H200.
+matters: a load per column (eight per word) ran the decode products about ten times slower.
 Decode is memory-bound: the weights are a quarter of bf16's bytes, and a product with few weight
 tiles splits K (SPLIT_K) so that every multiprocessor streams some; the float32 partials are
 summed after. Prefill-sized products take 128-row tiles without a split.
@@ -118,8 +118,8 @@ def block_k_for(k: int, group: int, largest: int = 128) -> int | None:
 def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Tiles | None:
     """Tiles for an [M, K] x [N, K] product, or None where the kernel does not take it: rows in
     one tile up to 64 (decode, 128-column K tiles, K split until the programs cover the GPU
-    twice over), 128-row tiles of 64 columns beyond. The sizes are the fastest of a sweep over
-    llama-8b's projections on an H200 (benchmarks/gemm.py measures them)."""
+    twice over), 128-row tiles of 64 columns beyond. The sizes are within about 20% of the
+    fastest of a sweep over llama-8b's projections (docs/design/quantization.md)."""
     block_k = block_k_for(k, group, 128 if m <= 64 else 64)
     if block_k is None:
         return None
