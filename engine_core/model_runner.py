@@ -524,9 +524,9 @@ class ModelRunner:
             # Embedding engines run eagerly (for now): their steps are prompt chunks, and the
             # decode graphs would compute logits that they never read, with no head for them.
             return None
-        if not getattr(self.model, "cuda_graph_safe", True):
-            # gpt-oss's experts and DeepSeek's latent attention run torch code that reads host
-            # values (no fused kernels for them yet): every step runs eagerly.
+        if not all(getattr(module, "cuda_graph_safe", True) for module in self.model.modules()):
+            # gpt-oss's experts, DeepSeek's latent attention and FP8 experts run code that reads
+            # host values (no fused kernels for them yet): every step runs eagerly.
             logger.warning("%s runs without CUDA graphs for now", type(self.model).__name__)
             return None
         if len(self.kv_layout.groups) > 1:

@@ -37,7 +37,7 @@ from engine_core.attention.mla import LatentAttention
 from engine_core.config import MlaConfig, ModelConfig
 from engine_core.models.layers import Linear, RMSNorm, apply_rotary, load_mapped_weights
 from engine_core.models.llama import LlamaForCausalLM, LlamaMLP, first_norm, make_norm
-from engine_core.models.moe import SparseMoE, run_experts
+from engine_core.models.moe import SparseMoE
 from engine_core.parallel import SINGLE, TPGroup
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -143,7 +143,7 @@ class DeepseekMoE(SparseMoE):
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         else:
             weights, ids = route_softmax_grouped(logits, self.top_k, self.n_group, self.topk_group)
-        out = run_experts(x, self.w13, self.w2, weights * self.scaling, ids)
+        out = self.run_routed(x, weights * self.scaling, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
