@@ -127,12 +127,13 @@ def quantize_inputs(
     hf_model: nn.Module,
     fn: Callable[[torch.Tensor], torch.Tensor],
     row_parallel: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    leaves: tuple[str, ...] = LINEARS,
 ) -> nn.Module:
-    """Hooks that pass every decoder linear's input through ``fn`` (o_proj's and down_proj's
-    through ``row_parallel`` where given) before the linear sees it."""
+    """Hooks that pass every decoder linear's input (those named ``leaves``) through ``fn``
+    (o_proj's and down_proj's through ``row_parallel`` where given) before the linear sees it."""
     for name, module in hf_model.named_modules():
         leaf = name.rpartition(".")[2]
-        if isinstance(module, nn.Linear) and leaf in LINEARS:
+        if isinstance(module, nn.Linear) and leaf in leaves:
             hook = row_parallel if row_parallel and leaf in ("o_proj", "down_proj") else fn
             module.register_forward_pre_hook(lambda _m, args, f=hook: (f(args[0]),))
     return hf_model

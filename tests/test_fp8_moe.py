@@ -4,7 +4,7 @@ float32) loads with its experts held in e4m3 and gives the greedy tokens of the 
 for. The reference is HF transformers on the dequantized weights (computed by the test itself,
 independently of our code) with the scheme's activation round trip added in front of every
 linear and every expert's products (tests/quant_fixtures.py): transformers runs no FP8 experts
-on the CPU. Then what is refused, by name.
+on the CPU. Then DeepSeek-V3's published FP8 form, and what is refused, by name.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from engine_core.loader import load_model
 from tests.factories import tiny_hf_sizes
 from tests.paged_harness import GreedyResult, generate_greedy, hf_greedy, randomize
 from tests.quant_fixtures import (
+    LINEARS,
     assert_matches_quantized,
     e4m3_per_token,
     quantize_expert_inputs,
@@ -147,3 +148,37 @@ def test_experts_width_not_a_whole_number_of_blocks_is_refused(tmp_path: Path) -
     )
     with pytest.raises(ValueError, match=r"experts' width \(48\) is not a whole number of 32-row"):
         load_model(str(tmp_path / "fp8"), torch.device("cpu"), torch.float32)
+
+
+# DeepSeek-V3's published FP8: its latent attention's projections too, in 32 x 32 blocks here
+# (128 x 128 there), the partial blocks of q_b_proj's 48 columns and kv_a_proj's 40 rows (576 in
+# 128-row blocks there) with their own scales.
+MLA_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def e4m3_groups(x: torch.Tensor) -> torch.Tensor:
+    """Per token and 32-column group, a last narrower group its own (K of 48)."""
+    return torch.cat([e4m3_per_token(part) for part in x.split(BLOCK[1], dim=-1)], dim=-1)
+
+
+def test_deepseek_v3_fp8_checkpoint_matches_hf(tmp_path: Path) -> None:
+    """Every linear and expert in e4m3 but kv_b_proj, which the absorbed decode reads as a
+    matrix: dequantized at load, and the latent it multiplies not quantized (as vLLM computes
+    it), so the reference hooks every other linear."""
+    from tests import test_models_deepseek as deepseek
+
+    hf_model = deepseek.make_hf_model("v3")
+    write_quantized(
+        hf_model, FORMATS["fp8-block"], tmp_path / "fp8", tmp_path / "ref", LINEARS + MLA_LINEARS
+    )
+    ours = load_model(str(tmp_path / "fp8"), torch.device("cpu"), torch.float32).module
+    attn = ours.model.layers[0].self_attn
+    assert attn.q_a_proj.weight.dtype == attn.kv_a_proj_with_mqa.weight.dtype == E4M3
+    assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.fp8 is None
+    assert ours.model.layers[1].mlp.w13.dtype == E4M3
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    quantize_inputs(hf, e4m3_groups, leaves=LINEARS + MLA_LINEARS[:3])
+    quantize_expert_inputs(hf, e4m3_groups)
+    want = [hf_greedy(hf, prompt, NEW_TOKENS) for prompt in deepseek.PROMPTS]
+    got = generate_greedy(ours, deepseek.PROMPTS, NEW_TOKENS, block_size=4)
+    assert_matches_quantized(got, want)

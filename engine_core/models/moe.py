@@ -150,13 +150,14 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
     def load_quantized(
         self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
     ) -> None:
-        """An FP8 expert's weight (checked e4m3) or scale (per-channel scales as [rows])."""
+        """An FP8 expert's weight (checked e4m3) or scale (per-channel scales as [rows]); the
+        layer's other parameters (a router's bias) as they are."""
         target = getattr(self, param_name).data
         target = target if index is None else target[index]
-        if param_name.endswith("_scale"):
+        if param_name in ("w13_scale", "w2_scale"):
             per_channel = self.fp8 is not None and self.fp8.block is None
             tensor = checkpoint_scale(tensor, target, per_channel, hf_name)
-        elif tensor.dtype != FP8_DTYPE:
+        elif param_name in ("w13", "w2") and tensor.dtype != FP8_DTYPE:
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but the checkpoint's "
                 f"quantization_config makes the experts {FP8_DTYPE}"
