@@ -120,7 +120,7 @@ def kv_block_bytes(
     """Bytes of one KV block id: K and V of this rank's KV heads (MLA: the latent and the
     rotary key, a fraction of what K and V would take) in one layer of each layer group, so
     over all layers where the model has one group."""
-    per_layer = config.kv_elements_per_token(num_kv_heads) // config.num_layers
+    per_layer = config.kv_elements_per_token(num_kv_heads) // len(config.attention_layer_ids)
     layers = model_kv_layout(config).group_size
     return block_size * per_layer * layers * kv_dtype.itemsize
 
