@@ -8,6 +8,7 @@ the plain ``forward(positions, hidden)`` shape that CUDA-graph capture needs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,11 @@ class StateRows:
     decode_slots: torch.Tensor | None  # [N] int64: their slots
     chunk_slots: list[tuple[int, int]]  # (sequence, slot) of each longer chunk
     fresh_slots: torch.Tensor | None  # [F] int64
+    # The longer chunks as one variable-length batch (the CUDA kernels' form): their token
+    # rows [M], their slots [n] and cumulative lengths [n + 1], int64 on the device.
+    chunk_rows: torch.Tensor | None = None
+    chunk_slot_ids: torch.Tensor | None = None
+    chunk_cu_seqlens: torch.Tensor | None = None
 
     @classmethod
     def plan(
@@ -48,11 +54,16 @@ class StateRows:
         def tensor(values: list[int]) -> torch.Tensor | None:
             return torch.tensor(values, dtype=torch.int64).to(device) if values else None
 
+        chunks = [(i, slots[i]) for i in range(len(slots)) if i not in singles]
+        lengths = [starts[i + 1] - starts[i] for i, _ in chunks]
         return cls(
             tensor([starts[i] for i in one]),
             tensor([slots[i] for i in one]),
-            [(i, slots[i]) for i in range(len(slots)) if i not in singles],
+            chunks,
             tensor([s for s, new in zip(slots, fresh, strict=True) if new]),
+            tensor([r for i, _ in chunks for r in range(starts[i], starts[i + 1])]),
+            tensor([slot for _, slot in chunks]),
+            tensor([0, *itertools.accumulate(lengths)]) if chunks else None,
         )
 
     def zero_fresh(self, *states: torch.Tensor) -> None:

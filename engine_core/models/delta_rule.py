@@ -12,14 +12,40 @@ writes are condensed into triangular solves (the WY/UT form of the DeltaNet pape
 blocks are sequential. It is the same math as HF transformers' torch fallback
 (``torch_chunk_gated_delta_rule``), written for one sequence whose state comes in and goes out,
 so a prompt split into chunks continues exactly where the last chunk ended.
+
+On CUDA the same math runs in flash-linear-attention's Triton kernels (PyPI ``fla-core``, import
+``fla``; what HF transformers itself uses on GPUs) where that package is installed: an optional
+dependency, never needed on the CPU (``fla_kernels``; tests/test_qwen3_next_gpu.py holds the two
+paths to each other).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 BLOCK = 64  # tokens per block of the chunked form (HF's and FLA's chunk size)
+
+
+class FlaKernels(NamedTuple):
+    """flash-linear-attention's gated delta rule: variable-length chunked, and fused recurrent."""
+
+    chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@functools.cache
+def fla_kernels() -> FlaKernels | None:
+    """The kernels where ``fla`` imports (it needs Triton, so CUDA builds of torch), else None."""
+    try:
+        from fla.ops import gated_delta_rule as fla
+    except ImportError:
+        return None
+    return FlaKernels(fla.chunk_gated_delta_rule, fla.fused_recurrent_gated_delta_rule)
 
 
 def recurrent_gated_delta_step(

@@ -17,7 +17,8 @@ output times its sigmoid (``attention_output_gate``). What is its own, here:
   sigmoid(shared_expert_gate(x)).
 
 The delta rule runs as torch code (models/delta_rule.py): chunked for a prompt chunk, one
-recurrent step for decodes, the state carried from chunk to chunk through the slot. The math
+recurrent step for decodes, the state carried from chunk to chunk through the slot; on CUDA,
+where flash-linear-attention is installed, its Triton kernels instead (``fla_kernels``). The math
 follows HF transformers' torch fallback (modeling_qwen3_next.py), the reference the tests hold it
 to. docs/design/kv-layer-groups.md says how the slots are owned, and why a prefix hit is a miss.
 """
@@ -33,8 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.config import LinearAttentionConfig, ModelConfig
-from engine_core.forward_context import get_forward_context
-from engine_core.models.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
+from engine_core.forward_context import StateRows, get_forward_context
+from engine_core.models.delta_rule import (
+    FlaKernels,
+    chunk_gated_delta_rule,
+    fla_kernels,
+    recurrent_gated_delta_step,
+)
 from engine_core.models.layers import Linear, load_mapped_weights
 from engine_core.models.llama import (
     LlamaAttention,
@@ -96,16 +102,14 @@ class GatedDeltaNet(nn.Module):
         rows.zero_fresh(self.conv_state, self.recurrent_state)
         qkv, z, b, a = self.project(hidden)
         beta = b.sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
-        core = qkv.new_empty(qkv.shape[0], self.la.num_value_heads, self.la.value_head_dim)
-        if rows.decode_rows is not None and rows.decode_slots is not None:
-            one = rows.decode_rows
-            core[one] = self.decode(qkv[one], g[one], beta[one], rows.decode_slots)
-        for seq, slot in rows.chunk_slots:
-            lo, hi = starts[seq], starts[seq + 1]
-            core[lo:hi] = self.prefill(qkv[lo:hi], g[lo:hi], beta[lo:hi], slot)
-        out = self.norm(core, z)  # [T, Hv, Dv]
-        return self.out_proj(out.flatten(1))
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32
+        mixed = self.convolve(qkv, rows, starts)
+        kernels = fla_kernels() if mixed.is_cuda else None
+        if kernels is not None:
+            core = self.delta_rule_fla(kernels, mixed, g, beta, rows)
+        else:
+            core = self.delta_rule_torch(mixed, g, beta, rows, starts)
+        return self.out_proj(self.norm(core, z).flatten(1))
 
     def project(
         self, hidden: torch.Tensor
@@ -124,39 +128,96 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(num_tokens, la.num_value_heads, la.value_head_dim)
         return qkv, z, b.flatten(1), a.flatten(1)
 
-    def decode(
-        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor
-    ) -> torch.Tensor:
-        """One token of each of N sequences: qkv [N, C], g/beta [N, Hv], slots [N] ->
-        [N, Hv, Dv]; the slots' convolution windows and recurrent states move one token on."""
-        assert self.conv_state is not None and self.recurrent_state is not None
-        window = torch.cat([self.conv_state[slots], qkv.unsqueeze(-1)], dim=-1)  # [N, C, K]
-        self.conv_state[slots] = window[..., 1:]
-        mixed = F.silu((window * self.conv1d.weight.squeeze(1)).sum(-1))  # [N, C]
-        q, k, v = self.heads(mixed)
-        state = self.recurrent_state[slots].float()  # [N, Hv, Dk, Dv]
-        out, state = recurrent_gated_delta_step(q, k, v, g, beta.float(), state)
-        self.recurrent_state[slots] = state.to(self.recurrent_state.dtype)
-        return out.to(qkv.dtype)
-
-    def prefill(
-        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int
-    ) -> torch.Tensor:
-        """A chunk of L tokens of one sequence: qkv [L, C], g/beta [L, Hv] -> [L, Hv, Dv];
-        the slot's state continues from the chunk before and ends at this chunk's last token."""
-        assert self.conv_state is not None and self.recurrent_state is not None
-        kernel = self.la.conv_kernel
-        window = torch.cat([self.conv_state[slot], qkv.T], dim=-1)  # [C, K - 1 + L]
-        self.conv_state[slot] = window[:, -(kernel - 1) :]
+    def convolve(self, qkv: torch.Tensor, rows: StateRows, starts: list[int]) -> torch.Tensor:
+        """The causal depthwise convolution (then SiLU) of each sequence's chunk [T, C] after
+        the last kernel - 1 inputs kept in its slot, which move on to the chunk's last ones."""
+        assert self.conv_state is not None
         weight = self.conv1d.weight  # [C, 1, K]
-        mixed = F.silu(F.conv1d(window.unsqueeze(0), weight, groups=weight.shape[0]))[0].T
-        q, k, v = self.heads(mixed)  # [L, Hv, D] each
-        state = self.recurrent_state[slot].float()
-        out, state = chunk_gated_delta_rule(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.float().T, state
-        )
-        self.recurrent_state[slot] = state.to(self.recurrent_state.dtype)
-        return out.transpose(0, 1).to(qkv.dtype)
+        mixed = torch.empty_like(qkv)
+        if rows.decode_rows is not None and rows.decode_slots is not None:
+            one, slots = rows.decode_rows, rows.decode_slots
+            window = torch.cat([self.conv_state[slots], qkv[one].unsqueeze(-1)], dim=-1)
+            self.conv_state[slots] = window[..., 1:]  # [N, C, K - 1]
+            mixed[one] = F.silu((window * weight.squeeze(1)).sum(-1))
+        kernel = self.la.conv_kernel
+        for seq, slot in rows.chunk_slots:
+            lo, hi = starts[seq], starts[seq + 1]
+            window = torch.cat([self.conv_state[slot], qkv[lo:hi].T], dim=-1)  # [C, K - 1 + L]
+            self.conv_state[slot] = window[:, -(kernel - 1) :]
+            out = F.conv1d(window.unsqueeze(0), weight, groups=weight.shape[0])[0]  # [C, L]
+            mixed[lo:hi] = F.silu(out.T)
+        return mixed
+
+    def delta_rule_torch(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: StateRows,
+        starts: list[int],
+    ) -> torch.Tensor:
+        """The gated delta rule in torch (models/delta_rule.py): the decodes in one recurrent
+        step, each longer chunk in the chunked form. mixed [T, C] -> [T, Hv, Dv]."""
+        state = self.recurrent_state
+        assert state is not None
+        la = self.la
+        core = mixed.new_empty(mixed.shape[0], la.num_value_heads, la.value_head_dim)
+        if rows.decode_rows is not None and rows.decode_slots is not None:
+            one, slots = rows.decode_rows, rows.decode_slots
+            q, k, v = self.heads(mixed[one])
+            out, after = recurrent_gated_delta_step(
+                q, k, v, g[one], beta[one].float(), state[slots].float()
+            )
+            state[slots] = after.to(state.dtype)
+            core[one] = out.to(core.dtype)
+        for seq, slot in rows.chunk_slots:
+            lo, hi = starts[seq], starts[seq + 1]
+            q, k, v = (x.transpose(0, 1) for x in self.heads(mixed[lo:hi]))  # [Hv, L, D]
+            out, after = chunk_gated_delta_rule(
+                q, k, v, g[lo:hi].T, beta[lo:hi].float().T, state[slot].float()
+            )
+            state[slot] = after.to(state.dtype)
+            core[lo:hi] = out.transpose(0, 1).to(core.dtype)
+        return core
+
+    def delta_rule_fla(
+        self,
+        kernels: FlaKernels,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: StateRows,
+    ) -> torch.Tensor:
+        """The gated delta rule in flash-linear-attention's Triton kernels (CUDA): the decodes
+        in one fused recurrent launch, every longer chunk in one variable-length chunked
+        launch; they L2-normalise q and k and serve several value heads per key head
+        themselves. mixed [T, C] -> [T, Hv, Dv]."""
+        state = self.recurrent_state
+        assert state is not None
+        la, num = self.la, mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.view(num, la.num_key_heads, -1), k.view(num, la.num_key_heads, -1)
+        v = v.view(num, la.num_value_heads, -1)
+        core = mixed.new_empty(num, la.num_value_heads, la.value_head_dim)
+        if rows.decode_rows is not None and rows.decode_slots is not None:
+            one, slots = rows.decode_rows, rows.decode_slots  # a batch of N one-token sequences
+            out, after = kernels.recurrent(
+                q[one, None], k[one, None], v[one, None], g=g[one, None], beta=beta[one, None],
+                initial_state=state[slots], output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            state[slots] = after.to(state.dtype)
+            core[one] = out[:, 0]
+        if rows.chunk_rows is not None and rows.chunk_slot_ids is not None:
+            many, slots = rows.chunk_rows, rows.chunk_slot_ids  # one batch of varied lengths
+            out, after = kernels.chunk(
+                q[None, many], k[None, many], v[None, many], g=g[None, many],
+                beta=beta[None, many], initial_state=state[slots], output_final_state=True,
+                cu_seqlens=rows.chunk_cu_seqlens, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            state[slots] = after.to(state.dtype)
+            core[many] = out[0]
+        return core
 
     def heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [N, C] -> q, k, v [N, Hv, D] in float32: q and k
