@@ -385,6 +385,12 @@ class ModelRunner:
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
+        if states >= budget:
+            raise ValueError(
+                f"--max-num-seqs {self.num_state_slots} linear-attention state slots need "
+                f"{states / 2**30:.2f} GiB, all the KV cache's memory or more; lower "
+                "--max-num-seqs or give the cache more memory"
+            )
         budget -= states
         block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
         blocks = int(budget // block)

@@ -14,10 +14,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
-from engine_core.config import LinearAttentionConfig
+from engine_core.config import EngineConfig, LinearAttentionConfig
 from engine_core.llm import LLM
-from engine_core.memory_plan import state_slot_bytes
-from engine_core.models import model_config_from_hf
+from engine_core.memory_plan import (
+    Budget,
+    kv_block_bytes,
+    min_kv_bytes,
+    plan_memory,
+    state_slot_bytes,
+)
+from engine_core.models import build_model, model_config_from_hf
 from engine_core.models.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
 from engine_core.presets import PRESETS, hf_config
 from engine_core.request import Request
@@ -279,10 +285,29 @@ def test_speculative_decoding_is_refused(qwen3_next: tuple[Path, torch.nn.Module
 
 def test_state_slots_are_counted_in_the_memory_plan() -> None:
     """A slot of the tiny model: per linear layer the convolution's last 3 inputs of its
-    2 * 2 * 8 + 4 * 8 = 64 channels and 4 value heads' 8 x 8 states, float32."""
+    2 * 2 * 8 + 4 * 8 = 64 channels and 4 value heads' 8 x 8 states, float32; the start-up
+    plan adds one per --max-num-seqs to the least KV cache and to the one it will allocate."""
     config = model_config_from_hf(hf_dict())
-    assert state_slot_bytes(config, torch.float32) == 2 * (64 * 3 + 4 * 8 * 8) * 4
+    slot = 2 * (64 * 3 + 4 * 8 * 8) * 4
+    assert state_slot_bytes(config, torch.float32) == slot
     assert state_slot_bytes(PRESETS["smollm2-135m"], torch.float32) == 0
+    with torch.device("meta"):
+        module = build_model(config)
+    cpu, f32 = torch.device("cpu"), torch.float32
+    engine = EngineConfig(max_num_seqs=8, max_model_len=256, num_kv_blocks=40, block_size=16)
+    plan = plan_memory(engine, config, module, cpu, f32, f32, Budget(2**40, "test"))
+    least = min_kv_bytes(config, config.num_kv_heads, 256, 16, f32, engine.max_num_batched_tokens)
+    assert plan.min_kv_bytes == least + 8 * slot
+    assert plan.kv_bytes == 40 * kv_block_bytes(config, config.num_kv_heads, 16, f32) + 8 * slot
+
+
+def test_more_slots_than_the_cache_holds_are_refused(
+    qwen3_next: tuple[Path, torch.nn.Module],
+) -> None:
+    """Slots of 3 KiB each: 1,024 of them need more than a 2 MiB KV budget, named by flag."""
+    folder, _ = qwen3_next
+    with pytest.raises(ValueError, match="--max-num-seqs 1024"):
+        LLM(str(folder), kv_cache_memory_gb=2 / 1024, max_num_seqs=1024, max_model_len=64)
 
 
 def test_the_80b_preset_has_the_real_layer_shapes() -> None:

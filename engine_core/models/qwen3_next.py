@@ -326,9 +326,7 @@ def qwen3_next_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a Qwen3-Next config.json beyond the Llama family's; ValueError
     naming any field whose value we do not implement."""
     arch = "Qwen3NextForCausalLM"
-    refuse_unsupported(
-        {k: v for k, v in hf.items() if k != "shared_expert_intermediate_size"}, arch
-    )
+    refuse_unsupported(hf, arch, implemented=("shared_expert_intermediate_size",))
     for name in ("use_sliding_window", "sliding_window"):
         if hf.get(name) not in (None, False):
             raise ValueError(f"{arch}: config field {name}={hf[name]!r} is not supported")
