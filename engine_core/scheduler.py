@@ -225,7 +225,8 @@ class Scheduler:
         allocate = self.block_manager.allocate_slots
         table_covering = self.block_manager.table_covering
         group_tables = self.block_manager.group_tables
-        grouped = self._grouped
+        grouped, stateful = self._grouped, self._stateful
+        state_slot = self.block_manager.state_slot
         scheduled = output.scheduled
         index = 0
         while index < len(running) and budget > 0:
@@ -259,8 +260,8 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, num_new, block_ids, start, samples))
                 if grouped:
                     scheduled[-1].group_block_ids = group_tables(request.request_id)
-                if self._stateful:
-                    scheduled[-1].state_slot = self.block_manager.state_slot(request.request_id)
+                if stateful:
+                    scheduled[-1].state_slot = state_slot(request.request_id)
                 request.num_computed_tokens = end
                 if samples:
                     token_ids.append(PLACEHOLDER)
