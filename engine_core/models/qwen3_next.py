@@ -26,7 +26,6 @@ to. docs/design/kv-layer-groups.md says how the slots are owned, and why a prefi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ from engine_core.models.delta_rule import (
     fla_kernels,
     recurrent_gated_delta_step,
 )
-from engine_core.models.layers import Linear, load_mapped_weights
+from engine_core.models.layers import Linear
 from engine_core.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -49,7 +48,6 @@ from engine_core.models.llama import (
     first_norm,
     make_mlp,
     make_norm,
-    split_fused,
 )
 from engine_core.models.moe import SparseMoE, qwen3_dense_layers, refuse_unsupported
 from engine_core.parallel import SINGLE, TPGroup
@@ -312,9 +310,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_mapped_weights(self, split_fused(weights, self.config), self.map_name)
 
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         if hf_name.startswith("mtp."):
