@@ -198,6 +198,36 @@ def test_an_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(
         engine.shutdown()
 
 
+VARIANTS = {
+    # q/k/v/o biases, a dense MLP in layer 0, as many value heads as key heads.
+    "bias+dense+no-gva": {
+        "attention_bias": True, "mlp_only_layers": [0], "linear_num_value_heads": 2,
+    },
+    # HF's own pattern (three linear layers, then a full one), experts without renormalising,
+    # no shared expert, a convolution of 2.
+    "pattern-of-4": {
+        "num_hidden_layers": 5, "full_attention_interval": 4, "norm_topk_prob": False,
+        "shared_expert_intermediate_size": 0, "linear_conv_kernel_dim": 2,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides", list(VARIANTS.values()), ids=list(VARIANTS))
+def test_config_variants_match_hf(overrides: dict[str, Any], tmp_path: Path) -> None:
+    """Other values of the fields the model honours, through a batch with a chunked prompt."""
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(tiny_config(**overrides)).eval()
+    randomize(hf_model, 1)
+    hf_model.save_pretrained(tmp_path)
+    prompts = random_prompts(VOCAB, (90, 13))
+    llm = make_llm(tmp_path, max_num_batched_tokens=40)
+    try:
+        got = llm.generate(prompts, greedy(), detokenize=False)
+        assert [o.token_ids for o in got] == expected_tokens(hf_model, prompts)
+    finally:
+        llm.engine.shutdown()
+
+
 # ------------------------------------------------------------------------------ the delta rule
 
 

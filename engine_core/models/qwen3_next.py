@@ -314,6 +314,8 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         if hf_name.startswith("mtp."):
             return None  # the multi-token-prediction head: a draft model, unused here
+        if ".shared_expert" in hf_name and not self.config.shared_expert_intermediate_size:
+            return None  # HF builds a shared expert of width 0 there: it adds exactly zero
         return super().map_name(hf_name)
 
 
