@@ -155,14 +155,22 @@ def test_chunked_prefill_carries_the_state_across_chunks(
         engine.shutdown()
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_preempted_requests_recompute_their_state(
-    qwen3_next: tuple[Path, torch.nn.Module],
+    qwen3_next: tuple[Path, torch.nn.Module], overlap: bool
 ) -> None:
     """Three long requests in a pool too small for all three: the preempted ones give their
-    slot back and, admitted again, recompute their state from prompt and outputs from zero."""
+    slot back and, admitted again, recompute their state from prompt and outputs from zero;
+    planned ahead of the step in flight (overlap) or not."""
     folder, hf_model = qwen3_next
     prompts = random_prompts(VOCAB, (150, 210, 97))
-    llm = make_llm(folder, num_kv_blocks=20, max_num_batched_tokens=48, max_num_seqs=3)
+    llm = make_llm(
+        folder,
+        num_kv_blocks=20,
+        max_num_batched_tokens=48,
+        max_num_seqs=3,
+        async_scheduling=overlap,
+    )
     try:
         got = llm.generate(prompts, greedy(), detokenize=False)
         assert [o.token_ids for o in got] == expected_tokens(hf_model, prompts)
@@ -226,6 +234,26 @@ def test_config_variants_match_hf(overrides: dict[str, Any], tmp_path: Path) -> 
         assert [o.token_ids for o in got] == expected_tokens(hf_model, prompts)
     finally:
         llm.engine.shutdown()
+
+
+def test_a_resumed_request_continues_hfs_tokens(qwen3_next: tuple[Path, torch.nn.Module]) -> None:
+    """As after an engine's death: a new request of the prompt and HF's first 5 tokens, those
+    counted as its output, computes its state from all of them and goes on with HF's tokens."""
+    folder, hf_model = qwen3_next
+    prompt = random_prompts(VOCAB, (60,))[0]
+    want = expected_tokens(hf_model, [prompt])[0]
+    llm = make_llm(folder)
+    try:
+        engine = llm.engine
+        engine.add_request(Request.resumed("again", prompt + want[:5], 5, greedy()))
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        assert tokens == want[5:]
+        check_all_given_back(llm)
+    finally:
+        engine.shutdown()
 
 
 # ------------------------------------------------------------------------------ the delta rule
