@@ -7,6 +7,7 @@ token-by-token recurrence, and the config fields we do not implement are refused
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
 from engine_core.config import EngineConfig, LinearAttentionConfig
+from engine_core.forward_context import StateRows
 from engine_core.llm import LLM
 from engine_core.memory_plan import (
     Budget,
@@ -24,7 +26,12 @@ from engine_core.memory_plan import (
     state_slot_bytes,
 )
 from engine_core.models import build_model, model_config_from_hf
-from engine_core.models.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
+from engine_core.models.delta_rule import (
+    FlaKernels,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_step,
+)
+from engine_core.models.qwen3_next import GatedDeltaNet
 from engine_core.presets import PRESETS, hf_config
 from engine_core.request import Request
 from protocol.messages import SamplingParams
@@ -293,6 +300,98 @@ def test_chunked_form_equals_the_token_by_token_recurrence() -> None:
     )
     torch.testing.assert_close(torch.cat([first, second], dim=1), want_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(end, want_state, atol=1e-4, rtol=1e-4)
+
+
+def fla_contract_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-linear-attention's ``chunk_gated_delta_rule`` as its docstring states it (q, k
+    [1, T, H, K] normalised inside, v [1, T, HV, V], one initial state per sequence of
+    ``cu_seqlens``, value head i reading key head i // (HV / H)), in our torch code."""
+    assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for n, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        qn, kn, vn = contract_heads(q[0, lo:hi], k[0, lo:hi], v[0, lo:hi])
+        out, final = chunk_gated_delta_rule(
+            qn.transpose(0, 1), kn.transpose(0, 1), vn.transpose(0, 1), g[0, lo:hi].T,
+            beta[0, lo:hi].float().T, initial_state[n].float(),
+        )  # fmt: skip
+        outs.append(out.transpose(0, 1))
+        finals.append(final)
+    return torch.cat(outs)[None].to(v.dtype), torch.stack(finals)
+
+
+def fla_contract_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_recurrent_gated_delta_rule`` for B sequences of one token each ([B, 1, ...])."""
+    assert q.shape[1] == 1 and output_final_state and use_qk_l2norm_in_kernel
+    qn, kn, vn = contract_heads(q[:, 0], k[:, 0], v[:, 0])
+    out, final = recurrent_gated_delta_step(
+        qn, kn, vn, g[:, 0], beta[:, 0].float(), initial_state.float()
+    )
+    return out[:, None].to(v.dtype), final
+
+
+def contract_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per_key = v.shape[1] // q.shape[1]
+    q = torch.nn.functional.normalize(q.float(), dim=-1, eps=0).repeat_interleave(per_key, 1)
+    k = torch.nn.functional.normalize(k.float(), dim=-1, eps=0).repeat_interleave(per_key, 1)
+    return q * q.shape[-1] ** -0.5, k, v.float()
+
+
+def test_the_cuda_kernels_call_matches_the_torch_path() -> None:
+    """The CUDA path's plumbing (which rows and slots go to which launch, the heads' layout,
+    the variable-length batch, the states gathered and scattered back), run on the CPU with
+    kernels that follow flash-linear-attention's stated contract: the torch path's outputs and
+    states. tests/test_qwen3_next_gpu.py holds the real kernels to the same."""
+    config = model_config_from_hf(hf_dict())
+    layer = GatedDeltaNet(config)
+    la = config.linear_attention
+    assert la is not None
+    lengths, fresh = [1, 1, 70, 1, 130, 5], [False, False, False, True, True, False]
+    starts = [0, *itertools.accumulate(lengths)]
+    rows = StateRows.plan(list(range(6)), fresh, starts, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    mixed = torch.randn(starts[-1], la.conv_dim, generator=gen)
+    g = -torch.rand(starts[-1], la.num_value_heads, generator=gen)
+    beta = torch.rand(starts[-1], la.num_value_heads, generator=gen)
+    shape = layer.state_shapes(6)[1]
+    initial = torch.randn(shape, generator=gen)
+    results = []
+    for run in ("torch", "fla"):
+        state = initial.clone()
+        layer.bind_state(torch.zeros(layer.state_shapes(6)[0]), state)
+        if run == "torch":
+            out = layer.delta_rule_torch(mixed, g, beta, rows, starts)
+        else:
+            kernels = FlaKernels(fla_contract_chunk, fla_contract_recurrent)
+            out = layer.delta_rule_fla(kernels, mixed, g, beta, rows)
+        results.append((out, state))
+    (want_out, want_state), (got_out, got_state) = results
+    torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(want_state, initial)  # every slot was written
 
 
 # ----------------------------------------------------------------------------- config and plan
