@@ -60,7 +60,8 @@ def run_layer(
     return out, conv, recurrent
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-3), (torch.bfloat16, 5e-2)])
+# Triton's dots take float32 inputs as TF32 (10-bit mantissas): hence 1e-2 in float32.
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-2), (torch.bfloat16, 5e-2)])
 def test_fla_kernels_match_the_torch_path(
     dtype: torch.dtype, tol: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -103,6 +104,7 @@ def test_engine_on_cuda_gives_hf_greedy_tokens(tmp_path: Path) -> None:
     hf_model = AutoModelForCausalLM.from_config(config).eval()
     randomize(hf_model, 0)
     hf_model.save_pretrained(tmp_path)
+    hf_model.to(CUDA)  # where fla is installed HF may take its kernels: CUDA tensors only
     prompts = random_prompts(VOCAB, (150, 210, 97, 5))
     want = [hf_greedy(hf_model, prompt, 16).tokens[0] for prompt in prompts]
     llm = LLM(
