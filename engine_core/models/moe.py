@@ -345,12 +345,16 @@ def moe_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
     }
 
 
-def refuse_unsupported(hf: dict[str, Any], architecture: str) -> None:
+def refuse_unsupported(
+    hf: dict[str, Any], architecture: str, implemented: tuple[str, ...] = ()
+) -> None:
+    """ValueError for a field of ``_REFUSED_FIELDS`` with a value that changes the output,
+    but for those the architecture ``implemented`` (Qwen3-Next: its shared expert)."""
     for name, neutral in _REFUSED_FIELDS.items():
-        if hf.get(name) not in neutral:
+        if name not in implemented and hf.get(name) not in neutral:
             raise ValueError(
                 f"{architecture}: config field {name}={hf[name]!r} is not supported "
-                "(only Mixtral and Qwen3-MoE routing: softmax top-k, no shared experts)"
+                "(only softmax top-k routing, and no shared experts but Qwen3-Next's one)"
             )
 
 
