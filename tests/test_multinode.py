@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from transformers import LlamaConfig
 
 from engine_core.config import EngineConfig
 from engine_core.parallel import create_store
@@ -28,6 +29,7 @@ from tests.server_fixture import free_port, start_server, stop_server
 from tests.test_tensor_parallel import (
     NEW_TOKENS,
     PROMPTS,
+    SIZES,
     alive,
     children_running_spawn,
     collect,
@@ -39,9 +41,9 @@ ENGINE_FLAGS = ["--block-size", "4", "--num-kv-blocks", "96", "--max-model-len",
                 "--max-num-batched-tokens", "16", "--max-num-seqs", "16"]  # fmt: skip
 
 
-def node_command(folder: Path, rank: int, port: int, *extra: str) -> list[str]:
+def node_command(folder: Path, rank: int, port: int, *extra: str, tp: int = 2) -> list[str]:
     return [sys.executable, "-m", "frontend.cli", "engine", "--model", str(folder),
-            "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(rank),
+            "--tensor-parallel-size", str(tp), "--nnodes", "2", "--node-rank", str(rank),
             "--master-addr", "127.0.0.1", "--master-port", str(port),
             "--dist-timeout", str(DIST_TIMEOUT_S), "--log-level", "INFO",
             *ENGINE_FLAGS, *extra]  # fmt: skip
@@ -69,14 +71,18 @@ class Node:
 
 @contextlib.contextmanager
 def two_nodes(
-    folder: Path, logs: Path, node0_extra: tuple[str, ...] = (), node1_extra: tuple[str, ...] = ()
+    folder: Path,
+    logs: Path,
+    node0_extra: tuple[str, ...] = (),
+    node1_extra: tuple[str, ...] = (),
+    tp: int = 2,
 ) -> Iterator[tuple[Node, Node, EngineAddress]]:
     """Node 1 first (it waits for node 0, as a pod that starts early does), then node 0."""
     port = free_port()
     address = private_ipc_address()
-    node1 = Node(node_command(folder, 1, port, *node1_extra), logs / "node1.log")
+    node1 = Node(node_command(folder, 1, port, *node1_extra, tp=tp), logs / "node1.log")
     node0 = Node(
-        node_command(folder, 0, port, "--address", str(address), *node0_extra),
+        node_command(folder, 0, port, "--address", str(address), *node0_extra, tp=tp),
         logs / "node0.log",
     )
     try:
@@ -121,6 +127,26 @@ def test_two_nodes_serve_hf_tokens_and_a_lost_node_ends_the_engine(tmp_path: Pat
         # Node 1 waits --dist-timeout for node 0's restart, which does not come, then exits.
         assert node1.wait(timeout=DIST_TIMEOUT_S + 60) == 1
         assert "did not admit this node" in node1.text()
+
+
+@pytest.mark.slow
+def test_two_ranks_on_each_of_two_nodes_serve_hf_tokens(tmp_path: Path) -> None:
+    """TP=4 over 2 nodes: node 0 is ranks 0-1 (rank 1 its spawned worker), node 1 ranks 2-3.
+    4 KV heads, so each rank holds one."""
+    config = LlamaConfig(**(SIZES | {"num_key_value_heads": 4}), tie_word_embeddings=False)
+    hf_model = write_model("", tmp_path, config)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    with two_nodes(tmp_path, tmp_path, tp=4) as (node0, node1, address):
+        with EngineClient(address) as client:
+            client.connect(timeout=240)
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+            for i, prompt in enumerate(PROMPTS):
+                client.add_request(f"r{i}", prompt, params)
+            got = collect(client, {f"r{i}" for i in range(len(PROMPTS))})
+            assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
+            assert len(children_running_spawn(node0.proc.pid)) == 1
+            assert len(children_running_spawn(node1.proc.pid)) == 2
+        assert "running ranks [2, 3]" in node1.text()
 
 
 @pytest.mark.slow
