@@ -281,6 +281,8 @@ class EngineConfig:
     master_port: int = 29500
     dist_secret_file: str | None = None
     dist_timeout: float = 600.0  # seconds a node waits for the others at a rendezvous
+    # MoE layers: each tensor-parallel rank holds 1/size of the experts, whole (models/moe.py).
+    enable_expert_parallel: bool = False
     # QUANTIZATION_METHODS: "fp8" and "w8a8" quantize a bf16/fp16/fp32 checkpoint as it loads;
     # the others name a quantized checkpoint's format (which is read without the flag too).
     quantization: str | None = None
@@ -350,6 +352,11 @@ class EngineConfig:
             )
         self.check_lora()
         self.check_nodes()
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "--enable-expert-parallel shards the experts over the tensor-parallel ranks: it "
+                "needs --tensor-parallel-size > 1"
+            )
 
     def check_nodes(self) -> None:
         """The multi-node flags fit together (engine_core/nodes.py reads the secret file)."""

@@ -54,6 +54,8 @@ class TPGroup:
     device_group: Any = None  # torch ProcessGroup for the forward's tensors
     cpu_group: Any = None  # gloo ProcessGroup for host-side headers
     peer: PeerAllReduce | None = None  # the one-shot all-reduce for small tensors, or None
+    # MoE layers hold whole experts, 1/size of them each, instead of 1/size of every expert.
+    expert_parallel: bool = False
 
     @property
     def is_driver(self) -> bool:
@@ -169,12 +171,14 @@ def join_tp_group(
     device: torch.device,
     all_reduce: str = "auto",
     local_rank: int | None = None,
+    expert_parallel: bool = False,
 ) -> TPGroup:
     """Join the engine core's group (blocks until every rank has joined) and make it current.
 
     ``all_reduce``: "auto" sets up the one-shot peer all-reduce where the GPUs allow it (a
     collective: every rank passes the same value), "nccl" leaves every all-reduce to NCCL.
     ``local_rank``: the rank's GPU on its host (default: ``rank``, every rank on one host).
+    ``expert_parallel``: how the models built for the group split MoE experts.
     """
     global _current
     if dist.is_initialized():
@@ -190,16 +194,21 @@ def join_tp_group(
     peer = None
     if device.type == "cuda" and all_reduce == "auto":
         peer = make_peer_all_reduce(dist.group.WORLD, cpu_group, device, world_size)
-    _current = TPGroup(rank, world_size, dist.group.WORLD, cpu_group, peer)
+    _current = TPGroup(rank, world_size, dist.group.WORLD, cpu_group, peer, expert_parallel)
     return _current
 
 
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
-    """ValueError unless ``config``'s heads, KV heads and MLP split evenly over ``size`` ranks."""
+def check_tensor_parallel(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """ValueError unless ``config``'s heads, KV heads and MLP split evenly over ``size`` ranks
+    (and, with ``expert_parallel``, its experts)."""
+    if expert_parallel and not config.num_experts:
+        raise ValueError("--enable-expert-parallel is for mixture-of-experts models; this has none")
     parts = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads}
     if config.has_dense_mlp:
         parts["MLP width (intermediate_size)"] = config.intermediate_size
-    if config.num_experts:  # every expert is split along its own width
+    if expert_parallel:  # whole experts, 1/size of them on each rank
+        parts["number of experts (num_experts)"] = config.num_experts
+    elif config.num_experts:  # every expert is split along its own width
         parts["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
     uneven = [f"{name} ({value})" for name, value in parts.items() if value % size]
     if size < 1 or uneven:

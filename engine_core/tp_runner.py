@@ -151,9 +151,10 @@ class TPModelRunner(_ShardedRunner):
 
     def __init__(self, config: EngineConfig) -> None:
         size = config.tensor_parallel_size
+        check_expert_parallel_device(config)
         model_config = peek_model_config(config.model)
-        if model_config is not None:
-            check_tensor_parallel(model_config, size)  # before any process starts
+        if model_config is not None:  # before any process starts
+            check_tensor_parallel(model_config, size, config.enable_expert_parallel)
         store = open_store(config)
         layout = NodeLayout.of(config)
         self.workers = spawn_workers(config, store.port, layout.ranks[1:])
@@ -163,7 +164,7 @@ class TPModelRunner(_ShardedRunner):
             wait_for_workers(store, self.workers, size, nodes)
             self.watch = WorkerWatch(self.workers, nodes)  # from here on, collectives with them
             device = resolve_device(config.device)
-            self.tp = join_tp_group(store, 0, size, device, all_reduce_of(config))
+            self.tp = join_group(store, 0, config, device)
             super().__init__(config)
             self.channel = StepChannel(self.tp)  # the engine core's warm-up steps go through it
         except BaseException:
@@ -224,9 +225,7 @@ class TPWorker(_ShardedRunner):
 
     def __init__(self, config: EngineConfig, rank: int, store: dist.TCPStore) -> None:
         device = resolve_device(config.device)
-        size = config.tensor_parallel_size
-        local_rank = NodeLayout.of(config).local_rank(rank)
-        self.tp = join_tp_group(store, rank, size, device, all_reduce_of(config), local_rank)
+        self.tp = join_group(store, rank, config, device)
         super().__init__(config)
         self.channel = StepChannel(self.tp)
 
@@ -290,9 +289,24 @@ def peek_model_config(model: str) -> ModelConfig | None:
     return load_model_config(resolve_model_dir(model))
 
 
-def all_reduce_of(config: EngineConfig) -> str:
-    """The peer all-reduce reaches the GPUs of one host only: over several, NCCL does them all."""
-    return config.tp_all_reduce if config.nnodes == 1 else "nccl"
+def join_group(
+    store: dist.TCPStore, rank: int, config: EngineConfig, device: torch.device
+) -> TPGroup:
+    """This rank's place in the engine's group. The peer all-reduce reaches the GPUs of one
+    host only: over several nodes, NCCL does them all."""
+    all_reduce = config.tp_all_reduce if config.nnodes == 1 else "nccl"
+    local_rank = NodeLayout.of(config).local_rank(rank)
+    size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
+    return join_tp_group(store, rank, size, device, all_reduce, local_rank, expert_parallel)
+
+
+def check_expert_parallel_device(config: EngineConfig) -> None:
+    """Expert parallelism runs the MoE layers' torch path only (models/moe.py)."""
+    if config.enable_expert_parallel and resolve_device(config.device).type == "cuda":
+        raise ValueError(
+            "--enable-expert-parallel runs on the CPU only for now: the fused CUDA MoE kernels "
+            "do not yet skip the other ranks' experts (docs/design/multi-node.md)"
+        )
 
 
 # ---- worker processes -------------------------------------------------------------------------
