@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,10 +53,10 @@ def node_command(folder: Path, rank: int, port: int, *extra: str, tp: int = 2) -
 class Node:
     """One node's `tandem engine` process, its log in a file (a pipe nobody reads could fill)."""
 
-    def __init__(self, command: list[str], log: Path) -> None:
+    def __init__(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
@@ -318,3 +319,89 @@ def test_serve_restarts_an_engine_that_lost_a_node_and_the_request_resumes(
         assert node1.wait(timeout=90) == 1
     finally:
         node1.stop()
+
+
+# ---- two network namespaces: two hosts joined by a veth link ----------------------------------
+
+SUBNET = "10.231.{}.{}"
+
+
+def can_make_namespaces() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    name = f"tandem{os.getpid()}probe"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
+    """Two network namespaces, each with one end of a veth pair: [(namespace, interface,
+    address)] for host 0 and host 1. Neither sees the other's loopback."""
+    tag = os.getpid() % 250 + 1
+    hosts = [(f"tandem{os.getpid()}h{i}", f"td{os.getpid()}h{i}", SUBNET.format(tag, i + 1))
+             for i in range(2)]  # fmt: skip
+    commands = [["ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1]]]
+    for namespace, link, address in hosts:
+        commands = [["ip", "netns", "add", namespace], *commands]
+        commands += [["ip", "link", "set", link, "netns", namespace],
+                     ["ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", link],
+                     ["ip", "-n", namespace, "link", "set", link, "up"],
+                     ["ip", "-n", namespace, "link", "set", "lo", "up"]]  # fmt: skip
+    try:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True)
+        yield hosts
+    finally:
+        for namespace, _, _ in hosts:  # the veth pair goes with them
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_make_namespaces(), reason="needs root and `ip netns`")
+def test_two_hosts_in_network_namespaces_meet_over_a_secret(tmp_path: Path) -> None:
+    """Node 0 and node 1 in two network namespaces (two hosts as far as the network goes),
+    meeting at node 0's veth address: not loopback, so the secret is required; gloo is told
+    each host's interface, as on real hosts whose name does not resolve to it."""
+    hf_model = write_model("llama", tmp_path)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    secret = write_secret(tmp_path / "dist.secret", "s" * 32)
+    address = private_ipc_address()  # a path: reachable from every network namespace
+    port = free_port()
+    with two_hosts() as hosts:
+        master = hosts[0][2]
+        nodes = []
+        for rank, (namespace, link, _) in reversed(list(enumerate(hosts))):
+            command = node_command(tmp_path, rank, port, "--dist-secret-file", str(secret))
+            command[command.index("--master-addr") + 1] = master
+            if rank == 0:
+                command += ["--address", str(address)]
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": link}
+            log = tmp_path / f"node{rank}.log"
+            nodes.append(Node(["ip", "netns", "exec", namespace, *command], log, env))
+        node1, node0 = nodes
+        try:
+            with EngineClient(address) as client:
+                client.connect(timeout=180)
+                params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+                for i, prompt in enumerate(PROMPTS):
+                    client.add_request(f"r{i}", prompt, params)
+                got = collect(client, {f"r{i}" for i in range(len(PROMPTS))})
+                assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
+            # The store listens on the veth address only, inside host 0.
+            tables = subprocess.run(
+                ["ip", "netns", "exec", hosts[0][0], "cat", "/proc/net/tcp"],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+            listening = [
+                line.split()[1] for line in tables.splitlines()[1:] if line.split()[3] == "0A"
+            ]
+            hex_master = "".join(f"{int(b):02X}" for b in reversed(master.split(".")))
+            assert f"{hex_master}:{port:04X}" in listening
+            assert f"00000000:{port:04X}" not in listening
+        finally:
+            node0.stop()
+            node1.stop()
+            remove_ipc_files(address)
