@@ -33,6 +33,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -148,13 +149,14 @@ def admit_nodes(
     store: dist.TCPStore,
     config: EngineConfig,
     session: bytes,
-    check_local: Any,
+    check_local: Callable[[], None],
 ) -> None:
     """Wait for every other node's hello and admit it, or raise: NodeRefused for a node that
     fails the check (it is told why too), TimeoutError for one that does not come within
     --dist-timeout. ``check_local()`` raises if one of node 0's own workers died meanwhile."""
     secret = read_secret(config.dist_secret_file)
-    ours = compared_config(config)
+    # Through msgpack as the hellos came, so that a tuple compares equal to its list.
+    ours = msgpack.unpackb(msgpack.packb(compared_config(config)))
     pending = set(range(1, config.nnodes))
     deadline = time.monotonic() + config.dist_timeout
     while pending:
