@@ -53,7 +53,6 @@ _VERDICT_KEY = "tandem/node{}/verdict"
 _READ_KEY = "tandem/node{}/verdict_read"
 _LOST_KEY = "tandem/node{}/lost"
 _BEAT_KEY = "tandem/node{}/beat"
-ADMITTED = b"admitted"
 BEAT_S = 1.0  # a node's heartbeat period
 SILENT_AFTER_S = 15.0  # a node with no heartbeat for this long is lost
 _POLL_S = 0.05
@@ -162,8 +161,10 @@ def admit_nodes(
     while pending:
         for node in sorted(pending):
             if store.check([_HELLO_KEY.format(node)]):
-                why = judge(store.get(_HELLO_KEY.format(node)), node, session, secret, ours)
-                store.set(_VERDICT_KEY.format(node), ADMITTED if why is None else why.encode())
+                hello = store.get(_HELLO_KEY.format(node))
+                why = judge(hello, node, session, secret, ours)
+                verdict = [why is None, why or "", caller_of(hello)]
+                store.set(_VERDICT_KEY.format(node), msgpack.packb(verdict))
                 if why is not None:
                     wait_until_read(store, node)
                     raise NodeRefused(f"node {node} refused: {why}")
@@ -187,15 +188,32 @@ def wait_until_read(store: dist.TCPStore, node: int) -> None:
         store.wait([_READ_KEY.format(node)], timedelta(seconds=_REFUSAL_READ_S))
 
 
+def read_hello(hello: bytes) -> list[Any] | None:
+    """[session, proof, configuration, caller] as a node sent them, or None if unreadable. The
+    hello came through an unauthenticated store: it is parsed as plain data, its shape checked."""
+    try:
+        fields = msgpack.unpackb(hello)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    if not isinstance(fields, list) or len(fields) != 4 or not isinstance(fields[3], bytes):
+        return None
+    return fields
+
+
+def caller_of(hello: bytes) -> bytes:
+    """Which launcher process sent ``hello`` (b"": unreadable)."""
+    fields = read_hello(hello)
+    return b"" if fields is None else fields[3]
+
+
 def judge(
     hello: bytes, node: int, session: bytes, secret: bytes | None, ours: dict[str, Any]
 ) -> str | None:
-    """Why node ``node``'s hello is refused, or None to admit it. The hello came through an
-    unauthenticated store: it is parsed as plain data and checked for shape first."""
-    try:
-        their_session, their_proof, theirs = msgpack.unpackb(hello)
-    except (ValueError, TypeError, msgpack.UnpackException):
+    """Why node ``node``'s hello is refused, or None to admit it."""
+    fields = read_hello(hello)
+    if fields is None:
         return "its join message is not readable"
+    their_session, their_proof, theirs, _ = fields
     if not isinstance(their_session, bytes) or not isinstance(their_proof, bytes):
         return "its join message is not readable"
     if their_session != session:
@@ -250,12 +268,16 @@ class NodeWatch:
 # ---- nodes 1..N-1 -----------------------------------------------------------------------------
 
 
-def join_session(config: EngineConfig, timeout_s: float, last: bytes | None) -> JoinedSession:
+def join_session(
+    config: EngineConfig, timeout_s: float, last: bytes | None, caller: bytes
+) -> JoinedSession:
     """Connect to node 0's store, prove the secret and wait to be admitted.
 
     ``last``: the session this node served before; while node 0 still shows it (its engine is
-    ending), wait for the next one. NodeRefused when node 0 refuses this node; RuntimeError
-    (torch.distributed's) when node 0 cannot be reached within ``timeout_s``.
+    ending), wait for the next one. ``caller``: this launcher's random id, the same in every
+    attempt, so that node 0's verdict names whom it admitted. NodeRefused when node 0 refuses
+    this node or admitted another process as the same node; RuntimeError (torch.distributed's)
+    when node 0 cannot be reached within ``timeout_s``.
     """
     secret = read_secret(config.dist_secret_file)
     deadline = time.monotonic() + timeout_s
@@ -272,15 +294,31 @@ def join_session(config: EngineConfig, timeout_s: float, last: bytes | None) -> 
         time.sleep(BEAT_S)
         session = store.get(SESSION_KEY)
     node = config.node_rank
-    hello = [session, proof(secret, session, node), compared_config(config)]
+    hello = [session, proof(secret, session, node), compared_config(config), caller]
     store.set(_HELLO_KEY.format(node), msgpack.packb(hello))
     left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     store.wait([_VERDICT_KEY.format(node)], left)
-    verdict = store.get(_VERDICT_KEY.format(node))
+    admitted, why, admitted_caller = read_verdict(store.get(_VERDICT_KEY.format(node)))
+    if admitted_caller != caller:
+        raise NodeRefused(
+            f"node 0 took another process as node {node}: is --node-rank {node} given to two nodes?"
+        )
     store.set(_READ_KEY.format(node), b"")
-    if verdict != ADMITTED:
-        raise NodeRefused(f"node 0 refused node {node}: {verdict.decode(errors='replace')}")
+    if not admitted:
+        raise NodeRefused(f"node 0 refused node {node}: {why}")
     return JoinedSession(store, session)
+
+
+def read_verdict(verdict: bytes) -> tuple[bool, str, bytes]:
+    """(admitted, why not, whom) as node 0 wrote them; NodeRefused if unreadable (the store is
+    unauthenticated: anything may have written it)."""
+    try:
+        admitted, why, caller = msgpack.unpackb(verdict)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        raise NodeRefused("node 0's verdict is not readable") from None
+    if not isinstance(admitted, bool) or not isinstance(why, str) or not isinstance(caller, bytes):
+        raise NodeRefused("node 0's verdict is not readable")
+    return admitted, why, caller
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ node 0 refuses it (2: a restart would be refused again), or on SIGTERM / SIGINT 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -35,9 +36,10 @@ def serve_node(config: EngineConfig) -> int:
     layout = NodeLayout.of(config)
     where = f"{config.master_addr}:{config.master_port}"
     last: bytes | None = None
+    caller = os.urandom(16)  # this launcher, in its hellos to node 0
     while not stop.is_set():
         try:
-            joined = join_until(config, last, stop)
+            joined = join_until(config, last, caller, stop)
         except NodeRefused as exc:
             logger.error("%s", exc)
             return 2
@@ -57,7 +59,7 @@ def serve_node(config: EngineConfig) -> int:
 
 
 def join_until(
-    config: EngineConfig, last: bytes | None, stop: threading.Event
+    config: EngineConfig, last: bytes | None, caller: bytes, stop: threading.Event
 ) -> JoinedSession | None:
     """Join node 0's next session, retrying while it cannot be reached (it may be starting or
     restarting) until --dist-timeout has passed; None if stopped first."""
@@ -66,7 +68,7 @@ def join_until(
         left = deadline - time.monotonic()
         try:
             # Short attempts, so that a signal is seen between them.
-            return join_session(config, max(1.0, min(left, _ATTEMPT_S)), last)
+            return join_session(config, max(1.0, min(left, _ATTEMPT_S)), last, caller)
         except NodeRefused:
             raise
         except (RuntimeError, TimeoutError):

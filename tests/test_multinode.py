@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import LlamaConfig
@@ -194,6 +195,43 @@ def test_nodes_with_different_engine_flags_are_refused(tmp_path: Path) -> None:
         assert node1.wait(timeout=120) == 2
         assert node0.wait(timeout=60) == 2
         assert "--max-num-seqs (node 0: 16, node 1: 8)" in node0.text()
+
+
+@pytest.mark.slow
+def test_a_node_rank_given_twice_admits_one_process(tmp_path: Path) -> None:
+    """Two processes both say --node-rank 1: node 0 admits one, the other is told why and
+    exits, and the engine serves with the one admitted."""
+    write_model("llama", tmp_path)
+    with two_nodes(tmp_path, tmp_path) as (node0, node1, address):
+        port = int(node_arg(node1.proc.args, "--master-port"))
+        twin = Node(node_command(tmp_path, 1, port), tmp_path / "twin.log")
+        try:
+            with EngineClient(address) as client:
+                client.connect(timeout=180)
+                params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+                client.add_request("r", PROMPTS[0], params)
+                assert len(collect(client, {"r"})["r"]) == 4
+            deadline = time.monotonic() + 60
+            while all(n.proc.poll() is None for n in (node1, twin)):
+                assert time.monotonic() < deadline, "neither twin was refused"
+                time.sleep(0.2)
+            loser = next(n for n in (node1, twin) if n.proc.poll() is not None)
+            assert loser.wait(timeout=1) == 2
+            assert "is --node-rank 1 given to two nodes?" in loser.text()
+        finally:
+            twin.stop()
+
+
+def node_arg(command: Any, flag: str) -> str:
+    command = list(command)
+    return command[command.index(flag) + 1]
+
+
+def test_engine_socket_flags_are_refused_on_a_worker_node(tmp_path: Path) -> None:
+    command = node_command(tmp_path, 1, free_port(), "--address", "ipc:///tmp/x/engine")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--address: node 1 runs no engine sockets" in done.stderr
 
 
 def test_a_node_that_never_joins_ends_the_start_within_the_timeout(tmp_path: Path) -> None:
