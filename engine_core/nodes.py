@@ -8,9 +8,11 @@ launcher process (engine_core/worker_node.py) that spawns ranks R*k..R*k+k-1 and
 Node 0 opens a TCPStore on ``--master-addr:--master-port`` (bound to that address only) and a
 session: a random nonce. Each node R connects, reads the nonce, and writes a hello: the nonce,
 its proof of the shared secret (HMAC-SHA256 of the nonce and its node rank under the contents of
-``--dist-secret-file``; the secret itself never crosses the network) and its engine
-configuration. Node 0 answers each hello with a verdict: admitted, or why not (a wrong secret, a
-stale session, engine flags that differ from its own). Only admitted nodes start their ranks, and
+``--dist-secret-file``; the secret itself never crosses the network), its engine configuration
+and its launcher's random id. Node 0 answers each hello with a verdict for that launcher:
+admitted, or why not (a wrong secret, a stale session, engine flags that differ from its own); a
+second launcher with the same node rank learns that another was taken. Only admitted nodes
+start their ranks, and
 no rank joins the torch.distributed group before its node is admitted, so no step's data reaches
 a node that failed the check. What the secret does not do: encrypt or authenticate the traffic
 after it (torch.distributed's store and gloo/NCCL connections have no such thing), so a host on
