@@ -152,6 +152,21 @@ def test_two_ranks_on_each_of_two_nodes_serve_hf_tokens(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_expert_parallel_over_two_nodes_serves_hf_tokens(tmp_path: Path) -> None:
+    """--enable-expert-parallel across the nodes: each node's rank holds half the experts."""
+    hf_model = write_model("qwen3_moe", tmp_path)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    ep = ("--enable-expert-parallel",)
+    with two_nodes(tmp_path, tmp_path, ep, ep) as (_, _, address), EngineClient(address) as client:
+        client.connect(timeout=180)
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            client.add_request(f"r{i}", prompt, params)
+        got = collect(client, {f"r{i}" for i in range(len(PROMPTS))})
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
+
+
+@pytest.mark.slow
 def test_node_one_and_its_ranks_exit_when_node_zero_dies(tmp_path: Path) -> None:
     write_model("llama", tmp_path)
     with two_nodes(tmp_path, tmp_path) as (node0, node1, address):
