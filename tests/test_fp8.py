@@ -376,16 +376,6 @@ def test_weight_only_fp8_is_refused(hf_model: torch.nn.Module, tmp_path: Path) -
         load(folder)
 
 
-def test_fp8_quantizing_moe_at_load_is_refused(tmp_path: Path) -> None:
-    from transformers import MixtralConfig
-
-    sizes = tiny_hf_sizes(VOCAB)
-    model = AutoModelForCausalLM.from_config(MixtralConfig(**sizes, num_local_experts=4))
-    model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="does not quantize a mixture of experts' experts"):
-        load(tmp_path, quantization="fp8")
-
-
 def test_unknown_quantization_flag_is_refused() -> None:
     with pytest.raises(ValueError, match="--quantization 'int4' is not supported"):
         EngineConfig(quantization="int4")

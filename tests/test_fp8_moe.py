@@ -4,7 +4,8 @@ float32) loads with its experts held in e4m3 and gives the greedy tokens of the 
 for. The reference is HF transformers on the dequantized weights (computed by the test itself,
 independently of our code) with the scheme's activation round trip added in front of every
 linear and every expert's products (tests/quant_fixtures.py): transformers runs no FP8 experts
-on the CPU. Then DeepSeek-V3's published FP8 form, and what is refused, by name.
+on the CPU. Then ``--quantization fp8`` quantizing a plain checkpoint's experts as they load
+(Qwen3-MoE and Mixtral), DeepSeek-V3's published FP8 form, and what is refused, by name.
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from engine_core.loader import load_model
 from tests.factories import tiny_hf_sizes
-from tests.paged_harness import GreedyResult, generate_greedy, hf_greedy, randomize
+from tests.paged_harness import (
+    GreedyResult,
+    generate_greedy,
+    hf_greedy,
+    load_float32,
+    randomize,
+)
 from tests.quant_fixtures import (
     LINEARS,
     assert_matches_quantized,
@@ -118,10 +125,31 @@ def test_a_missing_or_plain_expert_tensor_is_named(
         load_model(str(folder), torch.device("cpu"), torch.float32)
 
 
-def test_quantizing_experts_at_load_is_refused(hf_model: torch.nn.Module, tmp_path: Path) -> None:
-    hf_model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="does not quantize a mixture of experts' experts"):
-        load_model(str(tmp_path), torch.device("cpu"), torch.float32, quantization="fp8")
+def mixtral_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    config = MixtralConfig(**tiny_hf_sizes(VOCAB), num_local_experts=4, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    randomize(model, 1)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_quantization_flag_quantizes_experts_per_row_as_they_load(
+    family: str, hf_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    """--quantization fp8 on a plain MoE checkpoint: every expert's rows in e4m3 with one absmax
+    scale each, the values of the test's own per-row quantization (Mixtral's experts are w1, w3
+    and w2 in its checkpoints)."""
+    model = hf_model if family == "qwen3_moe" else mixtral_model()
+    model.save_pretrained(tmp_path / "plain")
+    linears = LINEARS + (("w1", "w2", "w3") if family == "mixtral" else ())
+    fmt = FORMATS["ct-channel-dynamic"]
+    write_quantized(model, fmt, tmp_path / "unused", tmp_path / "ref", linears)
+    ours = load_float32(tmp_path / "plain", quantization="fp8")
+    moe = ours.model.layers[1].mlp
+    assert moe.w13.dtype == moe.w2.dtype == E4M3 and moe.w13_scale.shape == moe.w13.shape[:2]
+    got = generate_greedy(ours, PROMPTS, NEW_TOKENS)
+    assert_matches_quantized(got, reference(tmp_path / "ref", e4m3_per_token))
 
 
 def test_static_activation_scales_for_experts_are_refused(

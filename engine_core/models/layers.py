@@ -451,6 +451,13 @@ class LoadsQuantized:
     ) -> None:
         raise NotImplementedError
 
+    def quantized_form(
+        self, param_name: str, tensor: torch.Tensor, hf_name: str
+    ) -> list[tuple[str, torch.Tensor]]:
+        """[(parameter name, tensor)] the module holds for a checkpoint tensor of
+        ``param_name``: as it is, unless the module quantizes plain weights as they load."""
+        return [(param_name, tensor)]
+
 
 def checkpoint_scale(
     tensor: torch.Tensor, target: torch.Tensor, per_channel: bool, hf_name: str
@@ -975,8 +982,11 @@ def held_form(
         module = model.get_submodule(module_name)
     except AttributeError:
         return [(name, tensor)]  # no such module: reported as an unknown parameter
-    if not isinstance(module, Linear) or not module.quantized:
+    if not isinstance(module, LoadsQuantized) or not module.quantized:
         return [(name, tensor)]
+    if not isinstance(module, Linear):
+        form = module.quantized_form(param_name, tensor, hf_name)
+        return [(f"{module_name}.{p}", t) for p, t in form]
     if module.w4a16 is not None:
         return [
             (f"{module_name}.{p}", t) for p, t in module.w4a16_form(param_name, tensor, hf_name)

@@ -21,7 +21,8 @@ The experts run through the fused Triton kernels of engine_core/models/fused_moe
 host sync, so decode is captured in CUDA graphs) and through ``experts_reference`` elsewhere.
 
 FP8 experts (``make_fp8``: an FP8 checkpoint's e4m3 experts with a scale per output row or per
-block, ``w13_scale`` and ``w2_scale`` stacked like the weights) run expert by expert through the
+block, or a plain checkpoint's quantized per row as it loads under ``--quantization fp8``;
+``w13_scale`` and ``w2_scale`` stacked like the weights) run expert by expert through the
 FP8 linear of engine_core/models/fp8.py: on CUDA its FP8 tensor-core kernels, elsewhere its
 dequantizing reference, activations quantized per token (and column group) as the checkpoint
 says. Grouping the tokens by expert reads their counts on the host, so a model with FP8 experts
@@ -42,7 +43,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.config import Fp8Config, ModelConfig
-from engine_core.models.fp8 import FP8_DTYPE, fp8_linear, weight_scale_shape
+from engine_core.models.fp8 import (
+    FP8_DTYPE,
+    FP8_DTYPES,
+    fp8_linear,
+    quantize_rows,
+    weight_scale_shape,
+)
 from engine_core.models.layers import (
     LoadsQuantized,
     ShardedParameters,
@@ -117,11 +124,6 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
     def make_fp8(self, config: Fp8Config) -> None:
         """Hold the experts in e4m3 from now on, with ``w13_scale`` [E, rows or row blocks, 1 or
         column blocks] and ``w2_scale`` alike (call before loading, on any device)."""
-        if not config.prequantized:
-            raise ValueError(
-                f"{config.source} does not quantize a mixture of experts' experts as they load "
-                "yet; serve an FP8 checkpoint of this model, or this one unquantized"
-            )
         if not config.dynamic_activations:
             raise ValueError(
                 f"{config.source}: FP8 experts with static activation scales (input_scale) are "
@@ -177,6 +179,26 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
                 f"quantization_config makes the experts {FP8_DTYPE}"
             )
         copy_into(getattr(self, param_name), tensor, index, hf_name)
+
+    def quantized_form(
+        self, param_name: str, tensor: torch.Tensor, hf_name: str
+    ) -> list[tuple[str, torch.Tensor]]:
+        """A plain checkpoint's expert weight under ``--quantization fp8``: its e4m3 rows and one
+        absmax scale per row (one expert's gate, up or down, or all of them stacked)."""
+        config = self.fp8
+        if param_name not in ("w13", "w2") or config is None or config.prequantized:
+            return [(param_name, tensor)]
+        if not tensor.is_floating_point() or tensor.dtype in FP8_DTYPES:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} is already {tensor.dtype}, but config.json "
+                "declares no quantization_config that says how to read its scales"
+            )
+        rows = tensor.to(self.w13.device).reshape(-1, tensor.shape[-1])
+        quantized, scale = quantize_rows(rows)
+        return [
+            (param_name, quantized.view(tensor.shape)),
+            (f"{param_name}_scale", scale.view(tensor.shape[:-1])),
+        ]
 
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden]; under expert
