@@ -162,8 +162,10 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None = None  # Mistral; honoured by attention when set
     # Per layer "sliding_attention" or "full_attention" (Gemma 3): only the sliding layers get
-    # sliding_window. None: every layer gets it (Mistral, Phi-3).
+    # sliding_window. None: every layer gets it (Mistral, Phi-3). "chunked_attention" (Llama 4):
+    # the layer gets attention_chunk_size.
     layer_types: tuple[str, ...] | None = None
+    attention_chunk_size: int | None = None  # Llama 4: a query at p sees [p // C * C, p]
     # Gemma 3's sliding layers rotate with their own base (and scaling); None: one rope for all.
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
@@ -207,6 +209,12 @@ class ModelConfig:
         """The attention window of layer ``layer`` (None: full attention)."""
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
+        return None
+
+    def layer_attention_chunk(self, layer: int) -> int | None:
+        """The attention chunk of layer ``layer`` (None: the layer is not chunked)."""
+        if self.layer_types is not None and self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk_size
         return None
 
     @property

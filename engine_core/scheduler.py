@@ -71,12 +71,13 @@ class Scheduler:
         proposer: Proposer | None = None,
         loras: LoraManager | None = None,
         kv_windows: Sequence[int | None] = (None,),
+        kv_attention_chunks: Sequence[int | None] = (),
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
         next tokens of the greedy requests that decode. ``loras``: the adapter slots
         (engine_core/lora/manager.py), which a request with an adapter needs one of to run.
         ``kv_windows``: each KV layer group's sliding window (engine_core/kv_groups.py), None
-        for full attention."""
+        for full attention; ``kv_attention_chunks`` its attention chunk (empty: none)."""
         self.config = config
         self.proposer = proposer
         self.loras = loras
@@ -86,6 +87,7 @@ class Scheduler:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             windows=kv_windows,
+            attention_chunks=kv_attention_chunks,
         )
         # Plans carry the tables of groups 1.. too (ScheduledRequest.group_block_ids).
         self._grouped = self.block_manager.num_groups > 1

@@ -1,6 +1,7 @@
-"""Layer groups in the KV cache: the grouping, window groups giving blocks back, what a prefix hit
-means per group, and the block manager's invariants under random add / advance / speculate /
-abort / preempt / resume sequences over a full group, a window group and both together."""
+"""Layer groups in the KV cache: the grouping, window and chunked groups giving blocks back, what a
+prefix hit means per group, and the block manager's invariants under random add / advance /
+speculate / abort / preempt / resume sequences over full, window and chunked groups, alone and
+together."""
 
 from __future__ import annotations
 
@@ -24,6 +25,19 @@ from protocol.messages import LoraRef, SamplingParams
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
     return Request(request_id, list(token_ids), SamplingParams())
+
+
+def first_seen(window: int | None, chunk: int | None, position: int) -> int:
+    """The first position a query at ``position`` reads, by the kinds' definitions: the last
+    ``window`` positions; the chunk of ``chunk`` positions it lies in; else all."""
+    if chunk is not None:
+        return position // chunk * chunk
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def kinds(bm: BlockManager) -> list[tuple[int | None, int | None]]:
+    """(window, attention chunk) of each of the manager's groups."""
+    return list(zip(bm.windows, bm.attention_chunks, strict=True))
 
 
 # ------------------------------------------------------------------------------------ grouping
@@ -214,6 +228,102 @@ def test_max_tokens_per_sequence_counts_every_group() -> None:
     assert blocks_for_tokens(bm.windows, 140, 4, 8) <= 40 < blocks_for_tokens(bm.windows, 141, 4, 8)
 
 
+def test_llama4_pattern_is_a_full_group_beside_chunked_ones() -> None:
+    # Llama 4: every fourth layer global (no rope), the others chunked: 2 full, 6 chunked.
+    chunks = [None if (i + 1) % 4 == 0 else 16 for i in range(8)]
+    layout = group_layers([None] * 8, chunks)
+    assert layout.group_size == 2
+    assert layout.groups == (
+        KVGroup(None, (3, 7)),
+        KVGroup(None, (0, 1), 16),
+        KVGroup(None, (2, 4), 16),
+        KVGroup(None, (5, 6), 16),
+    )
+    assert layout.attention_chunks == (None, 16, 16, 16) and layout.gives_back
+    with pytest.raises(ValueError, match="attention chunk"):
+        group_layers([8, None], [16, None])  # a window and a chunk on one layer: no such kind
+
+
+def test_a_chunked_group_gives_back_the_blocks_before_its_chunk() -> None:
+    """Chunks of 6 tokens, blocks of 4: the token at p sees [p // 6 * 6, p]. Nothing goes back
+    until a query enters chunk 1 (at 6), which needs block 1 (4..7) on; then at 12, block 3
+    (12..15) on: blocks 1 and 2 go back together (the bound jumps at chunk edges)."""
+    bm = BlockManager(num_blocks=20, block_size=4, windows=(None, None), attention_chunks=(None, 6))
+    request = make_request("a", list(range(5)))
+    bm.allocate_prefix(request)
+    assert bm.allocate_slots(request, 5)
+    request.num_computed_tokens = 5
+    request.token_ids.append(5)
+    assert bm.allocate_slots(request, 1)  # the token at 5 is in chunk 0: all kept
+    assert NULL_BLOCK not in bm.block_ids("a", 1)
+    request.num_computed_tokens = 6
+    request.token_ids += [6, 7, 8, 9, 10, 11]
+    assert bm.allocate_slots(request, 6)  # from 6: chunk 1 starts in block 1
+    assert bm.block_ids("a", 1)[0] == NULL_BLOCK and NULL_BLOCK not in bm.block_ids("a", 1)[1:]
+    request.num_computed_tokens = 12
+    request.token_ids.append(12)
+    assert bm.allocate_slots(request, 1)  # from 12: chunk 2 starts at block 3
+    assert bm.block_ids("a", 1)[:3] == [NULL_BLOCK] * 3
+    assert len(bm.block_ids("a", 1)) == 4 and bm.block_ids("a")[0] != NULL_BLOCK
+    bm.check_integrity()
+    bm.free("a")
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+
+
+def test_a_chunked_hit_needs_the_blocks_from_its_chunk_start() -> None:
+    """A hit of n blocks (first recomputed token at L = 4n) needs the chunked group's blocks
+    from C * floor(L / C) // 4 to n - 1: chunks of 8 and a 21-token prompt cached, a
+    22-token request hits 5 blocks (L = 20, chunk start 16: block 4 only)."""
+    bm = BlockManager(num_blocks=40, block_size=4, windows=(None, None), attention_chunks=(None, 8))
+    first = make_request("a", list(range(21)))
+    bm.allocate_prefix(first)
+    assert bm.allocate_slots(first, 21)
+    first.num_computed_tokens = 21
+    bm.cache_computed_blocks(first, 21)
+    full, chunked = bm.block_ids("a"), bm.block_ids("a", 1)
+    bm.free("a")
+    second = make_request("b", list(range(21)) + [99])
+    assert bm.allocate_prefix(second) == 20
+    assert bm.block_ids("b") == full[:5]
+    assert bm.block_ids("b", 1) == [NULL_BLOCK] * 4 + [chunked[4]]
+    # A hit ending on a chunk edge (L = 16) needs no chunked block at all.
+    bm.free("b")
+    third = make_request("c", list(range(16)) + [77])
+    assert bm.allocate_prefix(third) == 16
+    assert bm.block_ids("c", 1) == [NULL_BLOCK] * 4
+    bm.check_integrity()
+
+
+def test_a_chunked_hit_is_shortened_to_where_its_blocks_remain() -> None:
+    """Only the chunked group's block 4 is evicted: a hit of 5 blocks (needs it) becomes a hit
+    of 4, on the chunk edge at 16, which needs no chunked block."""
+    bm = BlockManager(num_blocks=40, block_size=4, windows=(None, None), attention_chunks=(None, 8))
+    first = make_request("a", list(range(21)))
+    bm.allocate_prefix(first)
+    assert bm.allocate_slots(first, 21)
+    first.num_computed_tokens = 21
+    bm.cache_computed_blocks(first, 21)
+    block = bm.block_ids("a", 1)[4]
+    bm.free("a")
+    bm._hash_to_block[1].pop(bm._blocks[block].hash)  # evicted: as _take_new would drop it
+    bm._blocks[block].reset_hash()
+    del bm._cached[block]
+    bm._free.append(block)
+    second = make_request("b", list(range(21)) + [99])
+    assert bm.allocate_prefix(second) == 16
+    bm.check_integrity()
+
+
+def test_chunked_peak_and_sequence_cap() -> None:
+    # Chunk 8, blocks of 4, steps of 8 tokens: a step's first token at most 7 past its chunk's
+    # start, so ceil((7 + 8) / 4) + 1 = 5 blocks at most.
+    assert blocks_for_tokens([None], 1000, 4, 8, [8]) == 5
+    assert blocks_for_tokens([None, None], 1000, 4, 8, [None, 8]) == 250 + 5
+    chunked = BlockManager(num_blocks=10, block_size=4, windows=(None,), attention_chunks=(8,))
+    assert chunked.max_tokens_per_sequence(chunk=8, limit=10_000) == 10_000
+
+
 # ------------------------------------------------------------------------------ property tests
 
 
@@ -239,10 +349,9 @@ class _KVContent:
         """Every position a query at or after ``num_computed_tokens`` may read holds the
         request's own token, written by the same group."""
         size, computed = self.bm.block_size, request.num_computed_tokens
-        for group, window in enumerate(self.bm.windows):
+        for group, (window, chunk) in enumerate(kinds(self.bm)):
             table = self.bm.block_ids(request.request_id, group)
-            seen = 0 if window is None else max(0, computed - window + 1)
-            for pos in range(seen, computed):
+            for pos in range(first_seen(window, chunk, computed), computed):
                 slot = table[pos // size] * size + pos % size
                 assert self.slots.get(slot) == (group, request.token_ids[pos]), (group, pos)
 
@@ -251,9 +360,13 @@ class _Driver:
     """Random admissions (with prefix hits), prompt chunks, decodes, speculative steps with
     rollback, aborts, preemptions (recompute) and resumes of the preempted requests."""
 
-    def __init__(self, seed: int, windows: tuple[int | None, ...]) -> None:
+    def __init__(
+        self, seed: int, windows: tuple[int | None, ...], chunks: tuple[int | None, ...] = ()
+    ) -> None:
         self.rng = random.Random(seed)
-        self.bm = BlockManager(num_blocks=64, block_size=4, windows=windows)
+        self.bm = BlockManager(
+            num_blocks=64, block_size=4, windows=windows, attention_chunks=chunks
+        )
         self.kv = _KVContent(self.bm)
         self.live: list[Request] = []
         self.preempted: list[Request] = []
@@ -349,20 +462,21 @@ class _Driver:
     def _nulls(self, request: Request) -> int:
         return sum(
             self.bm.block_ids(request.request_id, g).count(NULL_BLOCK)
-            for g, w in enumerate(self.bm.windows)
-            if w is not None
+            for g, (w, c) in enumerate(kinds(self.bm))
+            if w is not None or c is not None
         )
 
     def _check_window_bound(self, request: Request) -> None:
         """A window group holds exactly the blocks from the one its next query's window starts
         in to its table's end (which covers the chunk just allocated, or more: a chunk may have
-        been allocated and computed only in part, a speculative rollback leaves blocks)."""
+        been allocated and computed only in part, a speculative rollback leaves blocks); a
+        chunked group likewise from the block its next query's attention chunk starts in."""
         first = request.num_computed_tokens
-        for group, window in enumerate(self.bm.windows):
-            if window is None:
+        for group, (window, chunk) in enumerate(kinds(self.bm)):
+            if window is None and chunk is None:
                 continue
             table = self.bm.block_ids(request.request_id, group)
-            behind = max(0, first - window + 1) // 4
+            behind = first_seen(window, chunk, first) // 4
             assert table[:behind] == [NULL_BLOCK] * behind, (table, behind)
             assert NULL_BLOCK not in table[behind:], (table, behind)
 
@@ -389,18 +503,26 @@ class _Driver:
             self.kv.verify(request)  # nobody overwrote a block this request still reads
 
 
+# Groups as (windows, attention chunks); Llama 4 is a full group beside chunked ones.
 WINDOW_CASES = {
-    "full": (None,),
-    "window": (6,),
-    "full+window": (None, 6),
-    "full+two windows": (None, 9, 9),
+    "full": ((None,), ()),
+    "window": ((6,), ()),
+    "full+window": ((None, 6), ()),
+    "full+two windows": ((None, 9, 9), ()),
+    "chunked": ((None,), (6,)),
+    "full+chunked": ((None, None), (None, 8)),
+    "full+window+chunked": ((None, 6, None), (None, None, 5)),
+    "full+two chunked": ((None, None, None), (None, 12, 12)),
 }
 
 
-@pytest.mark.parametrize("windows", list(WINDOW_CASES.values()), ids=list(WINDOW_CASES))
+@pytest.mark.parametrize("kinds", list(WINDOW_CASES.values()), ids=list(WINDOW_CASES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_operations_keep_every_invariant(seed: int, windows: tuple[int | None]) -> None:
-    driver = _Driver(seed, windows)
+def test_random_operations_keep_every_invariant(
+    seed: int, kinds: tuple[tuple[int | None, ...], tuple[int | None, ...]]
+) -> None:
+    windows, chunks = kinds
+    driver = _Driver(seed, windows, chunks)
     for _ in range(1500):
         driver.step()
         driver.check()
@@ -413,7 +535,7 @@ def test_random_operations_keep_every_invariant(seed: int, windows: tuple[int | 
     # The run exercised what it claims to: hits, refusals, rollbacks, resumes, and (with a
     # window group) blocks given back.
     stats = dict(driver.stats)
-    if all(w is None for w in windows):
+    if all(w is None for w in windows) and all(c is None for c in chunks):
         assert stats.pop("released") == 0
     assert min(stats.values()) > 0, stats
 
@@ -424,13 +546,25 @@ def test_random_operations_keep_every_invariant(seed: int, windows: tuple[int | 
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    windows=st.sampled_from([(None, 6), (6,), (None, 5, 9)]),
+    kinds=st.sampled_from(
+        [
+            ((None, 6), ()),
+            ((6,), ()),
+            ((None, 5, 9), ()),
+            ((None, None), (None, 8)),
+            ((None, None, 6), (None, 5, None)),
+        ]
+    ),
     num_blocks=st.integers(20, 60),
     budget=st.integers(8, 40),
     overlap=st.booleans(),
 )
 def test_scheduler_with_groups_keeps_the_invariants(
-    seed: int, windows: tuple[int | None, ...], num_blocks: int, budget: int, overlap: bool
+    seed: int,
+    kinds: tuple[tuple[int | None, ...], tuple[int | None, ...]],
+    num_blocks: int,
+    budget: int,
+    overlap: bool,
 ) -> None:
     """Random requests (shared prefixes, prompt logprobs, stops) through the real scheduler on
     a small pool (preemptions), with aborts, planned ahead of the last step's tokens (overlap)
@@ -439,7 +573,10 @@ def test_scheduler_with_groups_keeps_the_invariants(
     every block is free or cached."""
     rng = random.Random(seed)
     config = EngineConfig(block_size=4, max_num_seqs=min(6, budget), max_num_batched_tokens=budget)
-    scheduler = Scheduler(config, num_blocks, 128, (1,), kv_windows=windows)
+    windows, chunks = kinds
+    scheduler = Scheduler(
+        config, num_blocks, 128, (1,), kv_windows=windows, kv_attention_chunks=chunks
+    )
     bm = scheduler.block_manager
     prefixes = [[rng.randrange(2, 40) for _ in range(16)] for _ in range(2)]
     pending: SchedulerOutput | None = None
@@ -472,11 +609,11 @@ def test_scheduler_with_groups_keeps_the_invariants(
 
 def check_row_tables(row: ScheduledRequest, bm: BlockManager) -> None:
     """The row's tables: one per group, all as long, covering its chunk; in a window group a
-    real block from the one its first query's window starts in (the null block before)."""
+    real block from the one its first query's window (or attention chunk) starts in."""
     tables = [row.block_ids, *row.group_block_ids]
     assert len(tables) == bm.num_groups
     assert {len(t) for t in tables} == {len(row.block_ids)}
     assert len(row.block_ids) * bm.block_size >= row.start + row.num_new_tokens
-    for table, window in zip(tables, bm.windows, strict=True):
-        first = KVGroup(window).first_seen(row.start) // bm.block_size
+    for table, (window, chunk) in zip(tables, kinds(bm), strict=True):
+        first = first_seen(window, chunk, row.start) // bm.block_size
         assert NULL_BLOCK not in list(table)[first:] or bm.null_block is None
