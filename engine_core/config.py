@@ -145,7 +145,7 @@ class VisionConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2",
-    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2)
+    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2), "llama4" (Llama 4's text model)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -166,6 +166,11 @@ class ModelConfig:
     # the layer gets attention_chunk_size.
     layer_types: tuple[str, ...] | None = None
     attention_chunk_size: int | None = None  # Llama 4: a query at p sees [p // C * C, p]
+    # Llama 4 (models/llama4.py): layers without rotary ("NoPE"); their queries' temperature
+    # (floor_scale, attn_scale), None: unscaled; an L2 norm of q and k on the rotary layers.
+    nope_layers: tuple[int, ...] = ()
+    query_temperature: tuple[float, float] | None = None
+    qk_l2_norm: bool = False
     # Gemma 3's sliding layers rotate with their own base (and scaling); None: one rope for all.
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
@@ -183,7 +188,7 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE)
     # How the router picks experts: "softmax" (top-k of the softmax: Mixtral, Qwen3-MoE),
     # "gpt_oss" (softmax over the top-k logits, biased router, experts with biases and a clamped
-    # SwiGLU), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, correction bias, top groups),
+    # SwiGLU), "llama4" (sigmoid of the top-1 logit, scaling the expert's input; a shared expert), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, correction bias, top groups),
     # "softmax_grouped" (DeepSeek-V2: softmax scores, optionally the top groups' experts only).
     moe_router: str = "softmax"
     n_group: int = 1  # expert groups, of which each token's experts come from topk_group

@@ -34,6 +34,12 @@ from engine_core.models.llama import (
     choose_layer_forms,
     interleave_loaded_gate_ups,
 )
+from engine_core.models.llama4 import (
+    LLAMA4_ARCHITECTURES,
+    Llama4ForCausalLM,
+    llama4_fields,
+    llama4_text_config,
+)
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
 from engine_core.models.quantize import make_quantized_linears
@@ -65,6 +71,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
+    *LLAMA4_ARCHITECTURES,
 )
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _BY_MODEL_TYPE = {
@@ -81,6 +88,8 @@ _BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -89,10 +98,11 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "deepseek": DeepseekForCausalLM,
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "llama4": Llama4ForCausalLM,
 }
 # Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
 # caches, gpt-oss's and DeepSeek's experts) have no tensor-parallel split yet.
-SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "deepseek")
+SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "deepseek", "llama4")
 
 
 def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Module:
@@ -110,7 +120,7 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
         raise ValueError(
             f"--tensor-parallel-size {tp_size}: {config.architecture} models run on one rank "
             "only for now (their sinks, latent attention and experts have no tensor-parallel "
-            "split yet)"
+            "split yet; Llama 4's has not been tested at TP > 1)"
         )
     if tp_size > 1 and config.vision is not None:
         raise ValueError(
@@ -163,6 +173,10 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     if architecture == "Qwen2_5_VLForConditionalGeneration":
         return qwen2_5_vl_config(hf)
+    if architecture in LLAMA4_ARCHITECTURES:  # models/llama4.py; the text model only
+        text = llama4_text_config(hf) | {"quantization_config": hf.get("quantization_config")}
+        fields = llama4_fields(text, architecture)
+        return dataclasses.replace(llama_config(text, architecture), **fields)
     return llama_config(hf, architecture)
 
 
