@@ -188,7 +188,8 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE)
     # How the router picks experts: "softmax" (top-k of the softmax: Mixtral, Qwen3-MoE),
     # "gpt_oss" (softmax over the top-k logits, biased router, experts with biases and a clamped
-    # SwiGLU), "llama4" (sigmoid of the top-1 logit, scaling the expert's input; a shared expert), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, correction bias, top groups),
+    # SwiGLU), "llama4" (sigmoid of the top-1 logit, scaling the expert's input; a shared
+    # expert), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, correction bias, top groups),
     # "softmax_grouped" (DeepSeek-V2: softmax scores, optionally the top groups' experts only).
     moe_router: str = "softmax"
     n_group: int = 1  # expert groups, of which each token's experts come from topk_group
