@@ -25,7 +25,14 @@ from engine_core.llm import LLM
 from engine_core.models import model_config_from_hf
 from engine_core.request import Request
 from protocol.messages import ImageInput, SamplingParams, TensorBytes
-from tests.paged_harness import hf_greedy, random_prompts, randomize
+from tests.paged_harness import (
+    assert_matches,
+    generate_greedy,
+    hf_greedy,
+    load_float32,
+    random_prompts,
+    randomize,
+)
 
 VOCAB = 320
 CHUNK = 16
@@ -92,6 +99,19 @@ def test_the_config_maps_to_layer_kinds_and_groups(llama4: tuple[Path, torch.nn.
         assert [g.layers for g in layout.groups] == [(3,), (0,), (1,), (2,)]
     finally:
         llm.engine.shutdown()
+
+
+def test_logits_match_hf(llama4: tuple[Path, torch.nn.Module]) -> None:
+    """The model alone over a paged cache (tests/paged_harness.py: no scheduler, every block
+    kept), prompts in chunks of 11 beside the other's decodes: HF's tokens and, within float32
+    rounding, its logits (which a token-level test could miss, e.g. the router's score on the
+    expert's output rather than its input)."""
+    folder, hf_model = llama4
+    prompts = random_prompts(VOCAB, (45, 70))
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    model = load_float32(folder)
+    got = generate_greedy(model, prompts, NEW_TOKENS, prefill_chunk=11, stagger=3)
+    assert_matches(got, reference, atol=1e-4)
 
 
 def test_single_requests_and_a_batch_match_hf(llama4: tuple[Path, torch.nn.Module]) -> None:
