@@ -1,6 +1,6 @@
 """KV layer groups on the GPU: the Triton decode and prefill kernels never read a block behind a
-query's window (a window group's table holds the null block there), and Gemma 3 on layer groups
-through the engine on CUDA gives HF's greedy tokens.
+query's window or before its attention chunk (a window or chunked group's table holds the null
+block there), and Gemma 3 on layer groups through the engine on CUDA gives HF's greedy tokens.
 
 The kernels' claim is tested as the CPU backend's is (tests/test_cpu_backend.py): the table
 entries wholly behind the window of each sequence's first new token point at a block of NaN,
@@ -63,6 +63,37 @@ def test_blocks_behind_the_window_are_never_read(window: int, specs: list[tuple[
     assert behind > 0
     meta.block_tables = tables
     out = TritonBackend().forward(batch.q, k_cache, v_cache, meta, head_dim**-0.5, window)
+    assert_close(out, want)
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 24, 64])
+@pytest.mark.parametrize("specs", [DECODES, CHUNKS], ids=["decode", "chunks"])
+def test_blocks_before_the_attention_chunk_are_never_read(
+    chunk: int, specs: list[tuple[int, int]]
+) -> None:
+    """Llama 4's chunked local attention: the entries wholly before the chunk of each
+    sequence's first new token point at a block of NaN (a chunked group's null block), and the
+    output is the torch reference's over the intact tables (itself checked query by query in
+    tests/test_cpu_backend.py), decodes split or not, prompt chunks crossing chunk edges."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    batch = make_batch(specs, heads, kv_heads, head_dim, 16, seed=chunk)
+    meta, scale = batch.meta, head_dim**-0.5
+    want = REFERENCE.forward(
+        batch.q, batch.k_cache, batch.v_cache, meta, scale, attention_chunk=chunk
+    )
+    nan_block = torch.full_like(batch.k_cache[:1], float("nan"))
+    k_cache = torch.cat([batch.k_cache, nan_block])
+    v_cache = torch.cat([batch.v_cache, nan_block])
+    null = k_cache.shape[0] - 1
+    tables, starts, behind = meta.block_tables.clone(), meta.query_start_loc_cpu, 0
+    for seq, seq_len in enumerate(meta.seq_lens_cpu):
+        first_query = seq_len - (starts[seq + 1] - starts[seq])
+        first = first_query // chunk * chunk // 16
+        tables[seq, :first] = null
+        behind += first
+    assert behind > 0
+    meta.block_tables = tables
+    out = TritonBackend().forward(batch.q, k_cache, v_cache, meta, scale, attention_chunk=chunk)
     assert_close(out, want)
 
 
