@@ -102,7 +102,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 # Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
 # caches, gpt-oss's and DeepSeek's experts) have no tensor-parallel split yet.
-SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "deepseek", "llama4")
+SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "deepseek")
 
 
 def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Module:
@@ -120,7 +120,7 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
         raise ValueError(
             f"--tensor-parallel-size {tp_size}: {config.architecture} models run on one rank "
             "only for now (their sinks, latent attention and experts have no tensor-parallel "
-            "split yet; Llama 4's has not been tested at TP > 1)"
+            "split yet)"
         )
     if tp_size > 1 and config.vision is not None:
         raise ValueError(
