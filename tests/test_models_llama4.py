@@ -114,6 +114,27 @@ def test_logits_match_hf(llama4: tuple[Path, torch.nn.Module]) -> None:
     assert_matches(got, reference, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # Maverick's switches: no QK norm, MoE on given layers only; and q/k/v/o biases (whose
+        # q and k rows are permuted with the weights') with the temperature off.
+        {"use_qk_norm": False, "moe_layers": [2]},
+        {"attention_bias": True, "attn_temperature_tuning": False, "no_rope_layers": [1, 0, 1, 1]},
+    ],
+    ids=["no-qk-norm", "bias-no-temperature"],
+)
+def test_config_variants_match_hf_logits(tmp_path: Path, variant: dict[str, object]) -> None:
+    torch.manual_seed(2)
+    hf_model = Llama4ForCausalLM(text_config(**variant)).eval()
+    randomize(hf_model, 2)
+    hf_model.save_pretrained(tmp_path)
+    prompts = random_prompts(VOCAB, (45, 38))
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    got = generate_greedy(load_float32(tmp_path), prompts, NEW_TOKENS, prefill_chunk=13, stagger=2)
+    assert_matches(got, reference, atol=1e-4)
+
+
 def test_single_requests_and_a_batch_match_hf(llama4: tuple[Path, torch.nn.Module]) -> None:
     """Prompts of two to four chunks, alone and batched together (prefills beside decodes)."""
     folder, hf_model = llama4
