@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine_core.block_manager import NULL_BLOCK, BlockManager
 from engine_core.config import EngineConfig
-from engine_core.kv_groups import KVGroup, blocks_for_tokens, group_layers
+from engine_core.kv_groups import KVGroup, blocks_for_tokens, group_layers, model_kv_layout
 from engine_core.memory_plan import kv_block_bytes, min_kv_bytes
 from engine_core.presets import PRESETS
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
@@ -99,6 +99,23 @@ def test_memory_plan_counts_one_groups_layers_and_each_groups_peak() -> None:
     plain = PRESETS["smollm2-135m"]  # one kind: every layer in a block, as before groups
     assert kv_block_bytes(plain, 3, 16, torch.float32) == 30 * per_layer
     assert min_kv_bytes(plain, 3, 2000, 16, torch.float32, chunk=512) == 125 * 30 * per_layer
+
+
+def test_memory_plan_counts_llama4_scouts_chunked_groups() -> None:
+    """The llama4-scout preset (24 layers: 6 NoPE global, 18 chunked over 8,192): groups of 6
+    layers, one full and three chunked. One 32,768-token sequence in steps of 8,192 holds 2,048
+    blocks of 16 in the full group and ceil((8,191 + 8,192) / 16) + 1 = 1,025 in each chunked
+    one, plus the null block: 5,124 blocks of 6 layers, 63% of the single table's 2,048 x 24
+    (a chunked layer holds up to a chunk behind a step and the step: the share falls as the
+    context grows past the chunk)."""
+    config = PRESETS["llama4-scout"]
+    layout = model_kv_layout(config)
+    assert layout.group_size == 6 and layout.attention_chunks == (None, 8192, 8192, 8192)
+    per_layer = 16 * 2 * 8 * 128 * 2  # a block of one layer: K and V, 8 heads of 128, bf16
+    assert kv_block_bytes(config, 8, 16, torch.bfloat16) == 6 * per_layer
+    want = (2048 + 3 * 1025 + 1) * 6 * per_layer
+    assert min_kv_bytes(config, 8, 32768, 16, torch.bfloat16, chunk=8192) == want
+    assert want == 30744 * per_layer and 30744 / (2048 * 24) < 0.63
 
 
 # --------------------------------------------------------------------------------- by hand
