@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from benchmarks.report import Provenance, fmt, format_table, write_json
@@ -31,7 +32,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--rows", default="1,16,64,2048", help="row counts M (default: 1,16,64,2048)"
     )
     parser.add_argument("--iters", type=int, default=50, help="timed calls each (default: 50)")
-    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--json", type=Path, help="write the figures here")
 
 
 def projection_shapes(model: str) -> dict[str, tuple[int, int]]:

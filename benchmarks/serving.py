@@ -132,8 +132,9 @@ def model_folder(model: str, out_dir: Path) -> tuple[Path | None, str]:
         return Path(model), model
     from engine_core.loader import tokenizer_dir_for_random
 
-    tokenizer_dir = tokenizer_dir_for_random()
-    return peer_model_dir(model, tokenizer_dir, out_dir / f"{model}-model"), str(tokenizer_dir)
+    # The folder holds the tokenizer's files and a config.json: the load generator's tokenizer.
+    folder = peer_model_dir(model, tokenizer_dir_for_random(), out_dir / f"{model}-model")
+    return folder, str(folder)
 
 
 def build_servers(args: argparse.Namespace, model_dir: Path | None) -> list[Server]:

@@ -20,6 +20,13 @@ window starts at its chunk's start):
   n * block_size - W + 1 on, or for a chunked group from C * floor(n * block_size / C) on. The
   longest n for which every group has them is the hit.
 
+A model with linear-attention layers (Qwen3-Next) also has the state kind: each running request
+holds one state slot (``state_slots`` of them, as many as the running cap), taken by its first
+``allocate_slots`` and given back by ``free``; the runner keeps the slot's tensors and the model
+reads and writes them. Its state is a function of every token before it and no state is saved at
+block boundaries, so such a manager takes no prefix-cache hit (caching is off): a preempted or
+resumed request recomputes its state from its prompt and outputs, from a zero state.
+
 Every block but the null one is in exactly one of three states:
 
 - free: reference count 0, no hash; handed out first.
@@ -100,10 +107,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         windows: Sequence[int | None] = (None,),
         attention_chunks: Sequence[int | None] = (),
+        state_slots: int = 0,
     ) -> None:
         """``windows``: each layer group's sliding window (None: full attention), group 0
         first; its table is the one a step's plan carries as ``block_ids``.
-        ``attention_chunks``: each group's attention chunk beside it (empty: none chunked)."""
+        ``attention_chunks``: each group's attention chunk beside it (empty: none chunked).
+        ``state_slots``: the linear-attention state slots (0: the model has no such layers)."""
         chunks = tuple(attention_chunks) or (None,) * len(windows)
         if len(chunks) != len(windows):
             raise ValueError(f"{len(chunks)} attention chunks for {len(windows)} groups")
@@ -115,14 +124,18 @@ class BlockManager:
                 f"{num_blocks}, {block_size}, {list(windows)}"
             )
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        # A hit would need the state at the hit's end, and none is saved (module docstring).
+        self.enable_prefix_caching = enable_prefix_caching and not state_slots
+        self.num_state_slots = state_slots
+        self._free_slots: deque[int] = deque(range(state_slots))
+        self._slots: dict[str, int] = {}  # request id -> the state slot it holds
         self.windows = tuple(windows)
         self.attention_chunks = chunks
         self.num_groups = len(self.windows)
         # One table per request, no block ever given back: the hot paths take their shortcuts;
         # otherwise the scheduler's two per-row calls are the general ones.
         self._one_full_group = self.num_groups == 1 and not has_window
-        if not self._one_full_group:
+        if not self._one_full_group or state_slots:  # the general path takes a state slot
             self.table_covering = self._table_covering_groups  # type: ignore[method-assign]
             self.cache_computed_blocks = self._cache_group_blocks  # type: ignore[method-assign]
         # The placeholder of given-back blocks (never handed out), where a group has a window.
@@ -160,6 +173,14 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)
+
+    def state_slot(self, request_id: str) -> int:
+        """The state slot the request holds (KeyError where it holds none)."""
+        return self._slots[request_id]
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request's tables reference over every group (the null block not counted)."""
@@ -347,14 +368,21 @@ class BlockManager:
         rid = request.request_id
         table = self._tables.get(rid)
         num_tokens = request.num_computed_tokens + num_new_tokens
+        needs_slot = self.num_state_slots > 0 and rid not in self._slots
+        if needs_slot and not self._free_slots:
+            return False  # as many requests as slots run already
         if self._window_groups and table is not None:
             self._release_behind_windows(request, request.num_computed_tokens)
         if table is not None and num_tokens <= len(table) * self.block_size:
+            if needs_slot:
+                self._slots[rid] = self._free_slots.popleft()
             return True  # the common decode step: the last block still has room
         width = 0 if table is None else len(table)
         num_needed = (-(-num_tokens // self.block_size) - width) * self.num_groups
         if num_needed > len(self._free) + len(self._cached):
             return False
+        if needs_slot:
+            self._slots[rid] = self._free_slots.popleft()
         if table is None:
             for tables in self._group_tables:
                 tables[rid] = _new_table()
@@ -446,6 +474,9 @@ class BlockManager:
         """
         self._chain.pop(request_id, None)
         self._behind.pop(request_id, None)
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         for tables in self._group_tables:
             for block_id in reversed(tables.pop(request_id, _EMPTY_TABLE)):
                 if block_id != self.null_block:
@@ -541,6 +572,21 @@ class BlockManager:
             len(free) + len(cached) + used == self.num_blocks,
             f"free {len(free)} + cached {len(cached)} + used {used} != {self.num_blocks}",
         )
+        self._check_state_slots()
+
+    def _check_state_slots(self) -> None:
+        """Every state slot free or held by exactly one request, each holder with tables, and
+        every request whose tables hold a block holding a slot."""
+        held = list(self._slots.values())
+        slots = sorted(held + list(self._free_slots))
+        _require(slots == list(range(self.num_state_slots)), f"state slots lost: {slots}")
+        _require(self._slots.keys() <= self._tables.keys(), "a slot held by a request gone")
+        if self.num_state_slots:
+            for request_id, table in self._tables.items():
+                _require(
+                    not table or request_id in self._slots,
+                    f"{request_id} holds blocks but no state slot",
+                )
 
     def _check_tables(self) -> None:
         """One table per group for each request, all as long; nulls only where a window

@@ -85,6 +85,33 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet's sizes (Qwen3-Next's linear-attention layers; models/qwen3_next.py).
+
+    Each layer keeps, per request, a state of fixed size whatever the context: the last
+    ``conv_kernel - 1`` inputs of its causal depthwise convolution over q, k and v, and the
+    recurrent state ``[value_heads, key_head_dim, value_head_dim]`` of the delta rule."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q and k of every key head, v of every value head."""
+        keys = self.num_key_heads * self.key_head_dim
+        return 2 * keys + self.num_value_heads * self.value_head_dim
+
+    @property
+    def state_elements(self) -> int:
+        """Elements of one layer's state for one request (convolution and recurrent)."""
+        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim
+        return self.conv_dim * (self.conv_kernel - 1) + recurrent
+
+
+@dataclass(frozen=True)
 class W4A16Config:
     """4-bit integer weights, 16-bit activations (engine_core/models/w4a16.py): AWQ, GPTQ and
     compressed-tensors pack-quantized checkpoints, repacked once at load into one layout.
@@ -145,7 +172,7 @@ class VisionConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2",
-    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2), "llama4" (Llama 4's text model)
+    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2), "qwen3_next", "llama4" (Llama 4's text)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -162,8 +189,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None = None  # Mistral; honoured by attention when set
     # Per layer "sliding_attention" or "full_attention" (Gemma 3): only the sliding layers get
-    # sliding_window. None: every layer gets it (Mistral, Phi-3). "chunked_attention" (Llama 4):
-    # the layer gets attention_chunk_size.
+    # sliding_window. None: every layer gets it (Mistral, Phi-3). "linear_attention" (Qwen3-Next):
+    # a gated DeltaNet layer, which has no KV cache but a state (``linear_attention``).
+    # "chunked_attention" (Llama 4): the layer gets attention_chunk_size.
     layer_types: tuple[str, ...] | None = None
     attention_chunk_size: int | None = None  # Llama 4: a query at p sees [p // C * C, p]
     # Llama 4 (models/llama4.py): layers without rotary ("NoPE"); their queries' temperature
@@ -201,6 +229,12 @@ class ModelConfig:
     expert_format: str = "dense"  # "mxfp4": gpt-oss's experts held as e2m1 blocks + e8m0 scales
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
     mla: MlaConfig | None = None  # DeepSeek's multi-head latent attention
+    # Qwen3-Next: the gated DeltaNet layers' sizes, and the shared expert beside the routed ones
+    # (a SwiGLU of this width, scaled by sigmoid(shared_expert_gate(x))); 0: none.
+    linear_attention: LinearAttentionConfig | None = None
+    shared_expert_intermediate_size: int = 0
+    # Qwen3-Next: q_proj also yields a gate per head dim, the attention output times its sigmoid.
+    attention_output_gate: bool = False
     hidden_act: str = "silu"
     quantization: QuantConfig | None = None  # None: weights in the model's dtype
     eos_token_ids: tuple[int, ...] = ()
@@ -222,6 +256,15 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer] == "chunked_attention":
             return self.attention_chunk_size
         return None
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a linear-attention (gated DeltaNet) layer: no KV cache."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """The layers that attend over a KV cache (every layer but the linear-attention ones)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_attention_layer(i))
 
     @property
     def rotary_dim(self) -> int:
@@ -247,11 +290,13 @@ class ModelConfig:
         return self.kv_elements_per_token(self.num_kv_heads) * element_bytes
 
     def kv_elements_per_token(self, num_kv_heads: int) -> int:
-        """Cache elements per token over all layers for ``num_kv_heads`` KV heads (this rank's):
-        K and V of every head; with MLA, the latent and rotary key alone, whatever the heads."""
+        """Cache elements per token over all attention layers for ``num_kv_heads`` KV heads
+        (this rank's): K and V of every head; with MLA, the latent and rotary key alone, whatever
+        the heads. Linear-attention layers hold a state per request instead (no KV cache)."""
+        layers = len(self.attention_layer_ids)
         if self.mla is not None:
-            return self.num_layers * self.mla.cache_width
-        return 2 * self.num_layers * num_kv_heads * self.head_dim
+            return layers * self.mla.cache_width
+        return 2 * layers * num_kv_heads * self.head_dim
 
 
 @dataclass(frozen=True)

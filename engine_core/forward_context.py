@@ -8,15 +8,69 @@ the plain ``forward(positions, hidden)`` shape that CUDA-graph capture needs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from engine_core.lora.batch import LoraBatch
+
+
+@dataclass
+class StateRows:
+    """Linear-attention layers' view of a step (Qwen3-Next): each sequence's state slot,
+    split once per step into the one-token sequences (decodes, run together) and the longer
+    chunks (run one by one), and the slots to zero first (sequences whose chunk starts at
+    position 0: a new, preempted or resumed request recomputes its state from nothing)."""
+
+    decode_rows: torch.Tensor | None  # [N] int64: the token row of each one-token sequence
+    decode_slots: torch.Tensor | None  # [N] int64: their slots
+    chunk_slots: list[tuple[int, int]]  # (sequence, slot) of each longer chunk
+    fresh_slots: torch.Tensor | None  # [F] int64
+    # The longer chunks as one variable-length batch (the CUDA kernels' form): their token
+    # rows [M], their slots [n] and cumulative lengths [n + 1], int64 on the device.
+    chunk_rows: torch.Tensor | None = None
+    chunk_slot_ids: torch.Tensor | None = None
+    chunk_cu_seqlens: torch.Tensor | None = None
+
+    @classmethod
+    def plan(
+        cls,
+        slots: Sequence[int],
+        fresh: Sequence[bool],
+        starts: Sequence[int],
+        device: torch.device,
+    ) -> StateRows:
+        """``slots``, ``fresh`` per sequence; ``starts`` the step's query_start_loc."""
+        one = [i for i in range(len(slots)) if starts[i + 1] - starts[i] == 1]
+        singles = set(one)
+
+        def tensor(values: list[int]) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=torch.int64).to(device) if values else None
+
+        chunks = [(i, slots[i]) for i in range(len(slots)) if i not in singles]
+        lengths = [starts[i + 1] - starts[i] for i, _ in chunks]
+        return cls(
+            tensor([starts[i] for i in one]),
+            tensor([slots[i] for i in one]),
+            chunks,
+            tensor([s for s, new in zip(slots, fresh, strict=True) if new]),
+            tensor([r for i, _ in chunks for r in range(starts[i], starts[i + 1])]),
+            tensor([slot for _, slot in chunks]),
+            tensor([0, *itertools.accumulate(lengths)]) if chunks else None,
+        )
+
+    def zero_fresh(self, *states: torch.Tensor) -> None:
+        """Zero the fresh sequences' slots in each of a layer's state tensors [slots, ...]."""
+        if self.fresh_slots is not None:
+            for state in states:
+                state.index_fill_(0, self.fresh_slots, 0)
 
 
 @dataclass
@@ -27,6 +81,7 @@ class ForwardContext:
     # Every layer group's metadata, group 0's first (engine_core/kv_groups.py): they share all
     # but the block tables and the slot mapping. Empty where the model has one group.
     group_metadata: Sequence[AttentionMetadata] = ()
+    state: StateRows | None = None  # the linear-attention slots; None: the model has none
 
 
 _current: ForwardContext | None = None
@@ -38,9 +93,10 @@ def forward_context(
     backend: AttentionBackend,
     lora: LoraBatch | None = None,
     group_metadata: Sequence[AttentionMetadata] = (),
+    state: StateRows | None = None,
 ) -> Iterator[None]:
     global _current
-    previous, _current = _current, ForwardContext(meta, backend, lora, group_metadata)
+    previous, _current = _current, ForwardContext(meta, backend, lora, group_metadata, state)
     try:
         yield
     finally:

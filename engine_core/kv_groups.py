@@ -1,7 +1,7 @@
 """Layer groups of the KV cache: which layers share a block table, and how the tensors are laid out.
 
-Layers are grouped by kind (today: full attention, a sliding window of W tokens, or chunked local
-attention of chunk C, Llama 4's; a linear-attention state group would be a further kind). Every
+Layers are grouped by kind (full attention, a sliding window of W tokens, or chunked local
+attention of chunk C, Llama 4's; linear-attention layers are the state kind, below). Every
 group has the same number of layers (``group_size``), so the cache is ``group_size`` K/V tensor
 pairs of ``num_blocks`` blocks each, and layer j of every group uses pair j: one block id names
 memory in one layer of each group, and a block held by a group costs that group's layers only. A
@@ -12,11 +12,17 @@ within 25%), and each kind is cut into groups of that size in layer order; a kin
 not a multiple pads its last group (those pairs go unused for its blocks).
 
 A model with one kind is one group of all its layers: the cache is laid out as it always was.
+
+Linear-attention layers (Qwen3-Next's gated DeltaNet) are a state kind: they hold no blocks but a
+fixed-size state per request (``KVLayout.state_layers``), in one state slot per running request
+that the block manager hands out and takes back; the groups above are then over the model's
+attention layers only, ``KVGroup.layers`` counting those (the runner's ``attention_layers()``).
 docs/design/kv-layer-groups.md gives the reasons.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +72,9 @@ class KVLayout:
 
     groups: tuple[KVGroup, ...]  # full-attention groups first: group 0 is the plan's main table
     group_size: int  # K/V tensor pairs in the cache; a block id costs this many layers
+    # The state kind: model layer indices of the linear-attention layers, each holding one state
+    # slot's tensors per running request instead of blocks; empty for most models.
+    state_layers: tuple[int, ...] = ()
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -136,14 +145,17 @@ def blocks_for_tokens(
 
 
 def model_kv_layout(config: ModelConfig) -> KVLayout:
-    """The layer groups of a model: its layers' windows and attention chunks as the config gives
-    them (the attention layers take theirs from ``layer_sliding_window`` and
-    ``layer_attention_chunk`` too; the runner checks they agree)."""
-    layers = range(config.num_layers)
-    return group_layers(
-        [config.layer_sliding_window(i) for i in layers],
-        [config.layer_attention_chunk(i) for i in layers],
+    """The layer groups of a model: its attention layers' windows and attention chunks as the
+    config gives them (the attention layers take theirs from ``layer_sliding_window`` and
+    ``layer_attention_chunk`` too; the runner checks they agree), and its linear-attention
+    layers as the state kind."""
+    attention = config.attention_layer_ids
+    layout = group_layers(
+        [config.layer_sliding_window(i) for i in attention],
+        [config.layer_attention_chunk(i) for i in attention],
     )
+    state_layers = tuple(i for i in range(config.num_layers) if i not in attention)
+    return dataclasses.replace(layout, state_layers=state_layers) if state_layers else layout
 
 
 def pool_blocks_for_one_sequence(

@@ -20,7 +20,9 @@ The need, per tensor-parallel rank:
   per token and layer instead, ``ModelConfig.kv_elements_per_token``), the least the engine can
   run with. With layer groups (engine_core/kv_groups.py) a block costs one group's layers, and one
   sequence needs what every group holds at its peak: all its blocks in a full group, the
-  window's and a chunk's in a window group (and the null block);
+  window's and a chunk's in a window group (and the null block). A model with linear-attention
+  layers (Qwen3-Next) also holds one state slot per running sequence (``--max-num-seqs`` of
+  them, ``state_slot_bytes`` each), taken from the same budget and counted here;
 - on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
   slack (the KV sizing keeps the same headroom).
 
@@ -67,7 +69,7 @@ class MemoryPlan:
     model: str
     device: torch.device
     weight_bytes: int
-    kv_bytes: int  # the KV cache the engine will allocate
+    kv_bytes: int  # the KV cache the engine will allocate (with the state slots, if any)
     min_kv_bytes: int  # one sequence of max_model_len tokens
     max_model_len: int
     headroom_bytes: int
@@ -120,9 +122,19 @@ def kv_block_bytes(
     """Bytes of one KV block id: K and V of this rank's KV heads (MLA: the latent and the
     rotary key, a fraction of what K and V would take) in one layer of each layer group, so
     over all layers where the model has one group."""
-    per_layer = config.kv_elements_per_token(num_kv_heads) // config.num_layers
+    per_layer = config.kv_elements_per_token(num_kv_heads) // len(config.attention_layer_ids)
     layers = model_kv_layout(config).group_size
     return block_size * per_layer * layers * kv_dtype.itemsize
+
+
+def state_slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one linear-attention state slot (Qwen3-Next): every such layer's convolution
+    inputs and recurrent state, in the model's dtype; 0 for a model without such layers."""
+    la = config.linear_attention
+    if la is None:
+        return 0
+    layers = config.num_layers - len(config.attention_layer_ids)
+    return layers * la.state_elements * dtype.itemsize
 
 
 def min_kv_bytes(
@@ -187,12 +199,18 @@ def plan_memory(
         kv_dtype,
         config.max_num_batched_tokens,
     )
+    # Linear-attention state slots, one per running sequence, beside the blocks (the runner
+    # takes them out of the same budget).
+    states = config.max_num_seqs * state_slot_bytes(model_config, dtype)
+    least += states
     kv, source = least, f"one sequence of {max_model_len} tokens"
     if config.num_kv_blocks:
-        kv, source = config.num_kv_blocks * block, f"--num-kv-blocks {config.num_kv_blocks}"
+        kv = config.num_kv_blocks * block + states
+        source = f"--num-kv-blocks {config.num_kv_blocks}"
     elif device.type != "cuda":
-        blocks = int(config.kv_cache_memory_gb * 2**30 // block)
-        kv, source = blocks * block, f"--kv-cache-memory-gb {number(config.kv_cache_memory_gb)}"
+        blocks = int((config.kv_cache_memory_gb * 2**30 - states) // block)
+        kv = blocks * block + states
+        source = f"--kv-cache-memory-gb {number(config.kv_cache_memory_gb)}"
     return MemoryPlan(
         model=config.model,
         device=device,

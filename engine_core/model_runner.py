@@ -29,7 +29,7 @@ from engine_core.attention.base import AttentionBackend, AttentionMetadata
 from engine_core.attention.layer import Attention
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.cpu_malloc import keep_freed_memory
-from engine_core.forward_context import forward_context
+from engine_core.forward_context import StateRows, forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.kv_groups import model_kv_layout, pool_blocks_for_one_sequence
 from engine_core.loader import LoadedModel, load_model
@@ -42,6 +42,7 @@ from engine_core.memory_plan import (
     ModelTooLargeError,
     check_memory,
     kv_block_bytes,
+    state_slot_bytes,
 )
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
@@ -77,6 +78,7 @@ class ModelInputs:
     # Every KV layer group's metadata, group 0's (``meta``) first; empty with one group.
     group_metadata: tuple[AttentionMetadata, ...] = ()
     multimodal: MultimodalStep | None = None  # the step's image embeddings and M-RoPE positions
+    state: StateRows | None = None  # the linear-attention layers' slots; None: no such layers
 
 
 @dataclass
@@ -216,6 +218,15 @@ def select_backend(device: torch.device) -> AttentionBackend:
     return CpuBackend()
 
 
+def build_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> BuildTarget:
+    """What the model is built for. Decode steps replay CUDA graphs on CUDA unless eager is
+    forced or LoRA is on: LoRA steps run eagerly (``_capture_graphs``), and its adapters wrap the
+    projections in the checkpoint's row order, which the graph-only layouts (interleaved gate/up
+    rows) would change under them."""
+    graphs = device.type == "cuda" and not config.enforce_eager and not config.enable_lora
+    return BuildTarget(device, dtype, cuda_graphs=graphs)
+
+
 class ModelRunner:
     """Built in order: the model in its final form (loaded for its target), the KV cache sized
     to what is left, the attention backend and CUDA graphs, the sampler and the step buffers.
@@ -239,8 +250,12 @@ class ModelRunner:
         self.block_size = config.block_size
         # Layers grouped by kind, each group its own block tables (engine_core/kv_groups.py).
         self.kv_layout = model_kv_layout(self.model_config)
+        # Linear-attention layers: one state slot per running request (block_manager.py).
+        self.num_state_slots = config.max_num_seqs if self.kv_layout.state_layers else 0
+        self._check_state_kind()
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_cache = self._allocate_kv_cache()
+        self.state_cache = self._allocate_state_slots()
         self._set_kv_scales(loaded.kv_scales)
         self.backend = select_backend(self.device)
         self.graph_runner = self._capture_graphs()  # None on the CPU or with enforce_eager
@@ -274,8 +289,7 @@ class ModelRunner:
             # mask threads need (docs/design/structured-outputs.md, "The bitmask inside the
             # overlapped step").
             torch.set_num_threads(1)
-        graphs = self.device.type == "cuda" and not config.enforce_eager
-        target = BuildTarget(self.device, self.dtype, cuda_graphs=graphs)
+        target = build_target(config, self.device, self.dtype)
         fits = partial(check_memory, config, self.device, self.dtype, self.kv_dtype)
         return load_model(
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
@@ -337,7 +351,42 @@ class ModelRunner:
 
     # ---- set-up -------------------------------------------------------------------------------
 
+    def _check_state_kind(self) -> None:
+        """Refuse what a linear-attention state cannot do yet."""
+        if not self.num_state_slots:
+            return
+        if self.config.speculative_config is not None:
+            raise ValueError(
+                "--speculative-config is not supported for models with linear-attention layers "
+                "(Qwen3-Next): their state cannot roll rejected drafts back"
+            )
+        if self.config.enable_prefix_caching:
+            logger.warning(
+                "prefix caching is off for this model: its linear-attention layers would need "
+                "a state saved at each cached block's end, which is not kept"
+            )
+
+    def _allocate_state_slots(self) -> list[torch.Tensor]:
+        """The linear-attention layers' state slots, in the model's dtype: per layer, each
+        slot's convolution inputs and recurrent state (models/qwen3_next.py)."""
+        if not self.num_state_slots:
+            return []
+        tensors = []
+        for layer in self.model.linear_attention_layers():
+            shapes = layer.state_shapes(self.num_state_slots)
+            own = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
+            layer.bind_state(*own)
+            tensors += own
+        logger.info(
+            "linear-attention state: %d slots (%.2f GiB)",
+            self.num_state_slots,
+            sum(t.numel() * t.element_size() for t in tensors) / 2**30,
+        )
+        return tensors
+
     def _kv_blocks_that_fit(self) -> int:
+        # The state slots come out of the same budget as the blocks (memory_plan.py).
+        states = self.num_state_slots * state_slot_bytes(self.model_config, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -345,6 +394,13 @@ class ModelRunner:
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
+        if states >= budget:
+            raise ValueError(
+                f"--max-num-seqs {self.num_state_slots} linear-attention state slots need "
+                f"{states / 2**30:.2f} GiB, all the KV cache's memory or more; lower "
+                "--max-num-seqs or give the cache more memory"
+            )
+        budget -= states
         block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
         blocks = int(budget // block)
         one_sequence = pool_blocks_for_one_sequence(
@@ -483,9 +539,15 @@ class ModelRunner:
             num_blocks=self.num_kv_blocks,
             vocab_size=self.model_config.vocab_size,
         )
-        if self.pooler is not None:
-            return pooling_warm_up_plans(limits)
-        return warm_up_plans(limits, PROMPT_LOGITS_ROWS)
+        plans = (
+            pooling_warm_up_plans(limits)
+            if self.pooler is not None
+            else warm_up_plans(limits, PROMPT_LOGITS_ROWS)
+        )
+        for plan in plans if self.num_state_slots else ():
+            for i, row in enumerate(plan.scheduled):  # no more rows than slots (max_num_seqs)
+                row.state_slot = i
+        return plans
 
     def _warm_up_step(
         self, plan: SchedulerOutput, masks: Callable[[list[Request]], torch.Tensor]
@@ -519,9 +581,9 @@ class ModelRunner:
             # Embedding engines run eagerly (for now): their steps are prompt chunks, and the
             # decode graphs would compute logits that they never read, with no head for them.
             return None
-        if not getattr(self.model, "cuda_graph_safe", True):
-            # gpt-oss's experts and DeepSeek's latent attention run torch code that reads host
-            # values (no fused kernels for them yet): every step runs eagerly.
+        if not all(getattr(module, "cuda_graph_safe", True) for module in self.model.modules()):
+            # gpt-oss's experts, DeepSeek's latent attention and FP8 experts run code that reads
+            # host values (no fused kernels for them yet): every step runs eagerly.
             logger.warning("%s runs without CUDA graphs for now", type(self.model).__name__)
             return None
         if len(self.kv_layout.groups) > 1:
@@ -565,7 +627,9 @@ class ModelRunner:
             )
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)
-        with forward_context(inputs.meta, self.backend, inputs.lora, inputs.group_metadata):
+        with forward_context(
+            inputs.meta, self.backend, inputs.lora, inputs.group_metadata, inputs.state
+        ):
             if inputs.multimodal is not None:
                 return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
             return self.model(inputs.input_ids, inputs.positions)
@@ -590,6 +654,14 @@ class ModelRunner:
         inputs = model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
         if self.loras is not None:
             inputs.lora = self._lora_rows(out, packed.meta.query_start_loc_cpu)
+        if self.num_state_slots:
+            scheduled = out.scheduled
+            inputs.state = StateRows.plan(
+                [s.state_slot for s in scheduled],
+                [s.start == 0 for s in scheduled],
+                packed.meta.query_start_loc_cpu,
+                self.device,
+            )
         if self.multimodal is not None:
             step = self.multimodal.prepare(out, packed.meta.query_start_loc_cpu)
             if step is not None and not step.rows.numel():

@@ -208,6 +208,34 @@ def _deepseek_v3(layers: int) -> dict[str, Any]:
     }
 
 
+def _qwen3_next(layers: int) -> dict[str, Any]:
+    """Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct's config.json) on ``layers`` layers:
+    every fourth a gated full attention (16 heads of 256, 2 KV heads, a quarter of each head
+    rotating), the others gated DeltaNet (16 key heads and 32 value heads of 128, convolution of
+    4); 512 experts (top 10, width 512) and a shared expert of 512 in every layer."""
+    return _llama(2048, layers, 16, 2, 5120, tied=False, theta=10_000_000.0) | {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "partial_rotary_factor": 0.25,
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 def _deepseek_yarn() -> dict[str, Any]:
     return {
         "type": "yarn",
@@ -232,6 +260,9 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     # The real model has 48 layers (about 216 GB of weights in bf16, past one 141 GB H200): 24
     # here (about 108 GB; 6 NoPE, 18 chunked) leave room for the KV cache on one GPU.
     "llama4-scout": _llama4_scout(24),
+    # The real model has 48 layers, ~160 GB in bf16 (its experts alone 3.2 GB a layer): 24 here
+    # (six of its four-layer patterns, ~80 GB) leave one H200 room for the KV cache and states.
+    "qwen3-next-80b": _qwen3_next(24),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

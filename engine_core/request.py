@@ -205,6 +205,9 @@ class ScheduledRequest:
     # With more than one KV layer group (engine_core/kv_groups.py): the tables of groups 1..,
     # copies, as long as ``block_ids`` (group 0's); empty with one group.
     group_block_ids: tuple[Sequence[int], ...] = ()
+    # With linear-attention layers (Qwen3-Next): the state slot the request holds, whose
+    # tensors its chunk reads and writes (zeroed first where ``start`` is 0); -1 without.
+    state_slot: int = -1
 
     @classmethod
     def plan(

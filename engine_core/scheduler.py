@@ -72,12 +72,15 @@ class Scheduler:
         loras: LoraManager | None = None,
         kv_windows: Sequence[int | None] = (None,),
         kv_attention_chunks: Sequence[int | None] = (),
+        state_slots: int = 0,
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
         next tokens of the greedy requests that decode. ``loras``: the adapter slots
         (engine_core/lora/manager.py), which a request with an adapter needs one of to run.
         ``kv_windows``: each KV layer group's sliding window (engine_core/kv_groups.py), None
-        for full attention; ``kv_attention_chunks`` its attention chunk (empty: none)."""
+        for full attention; ``kv_attention_chunks`` its attention chunk (empty: none).
+        ``state_slots``: linear-attention state slots, 0 where the model has no such layers
+        (block_manager.py)."""
         self.config = config
         self.proposer = proposer
         self.loras = loras
@@ -88,9 +91,12 @@ class Scheduler:
             enable_prefix_caching=config.enable_prefix_caching,
             windows=kv_windows,
             attention_chunks=kv_attention_chunks,
+            state_slots=state_slots,
         )
-        # Plans carry the tables of groups 1.. too (ScheduledRequest.group_block_ids).
+        # Plans carry the tables of groups 1.. too (ScheduledRequest.group_block_ids), and
+        # the request's state slot where the model has linear-attention layers.
         self._grouped = self.block_manager.num_groups > 1
+        self._stateful = state_slots > 0
         # A sequence can never outgrow the whole pool, so the pool caps the context too; without
         # the cap a lone request that fills every block would preempt itself forever.
         self.max_model_len = self.block_manager.max_tokens_per_sequence(
@@ -222,7 +228,8 @@ class Scheduler:
         allocate = self.block_manager.allocate_slots
         table_covering = self.block_manager.table_covering
         group_tables = self.block_manager.group_tables
-        grouped = self._grouped
+        grouped, stateful = self._grouped, self._stateful
+        state_slot = self.block_manager.state_slot
         scheduled = output.scheduled
         index = 0
         while index < len(running) and budget > 0:
@@ -256,6 +263,8 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, num_new, block_ids, start, samples))
                 if grouped:
                     scheduled[-1].group_block_ids = group_tables(request.request_id)
+                if stateful:
+                    scheduled[-1].state_slot = state_slot(request.request_id)
                 request.num_computed_tokens = end
                 if samples:
                     token_ids.append(PLACEHOLDER)
@@ -368,6 +377,8 @@ class Scheduler:
         scheduled = ScheduledRequest.plan(request, num_new, block_ids)
         if self._grouped:
             scheduled.group_block_ids = self.block_manager.group_tables(request.request_id)
+        if self._stateful:
+            scheduled.state_slot = self.block_manager.state_slot(request.request_id)
         if request.wants_prompt_logprobs and request.needs_prompt_logprobs:
             output.prompt_logprob_seqs.append(len(output.scheduled))
         output.scheduled.append(scheduled)

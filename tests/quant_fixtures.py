@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -125,15 +127,42 @@ def quantize_inputs(
     hf_model: nn.Module,
     fn: Callable[[torch.Tensor], torch.Tensor],
     row_parallel: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    leaves: tuple[str, ...] = LINEARS,
 ) -> nn.Module:
-    """Hooks that pass every decoder linear's input through ``fn`` (o_proj's and down_proj's
-    through ``row_parallel`` where given) before the linear sees it."""
+    """Hooks that pass every decoder linear's input (those named ``leaves``) through ``fn``
+    (o_proj's and down_proj's through ``row_parallel`` where given) before the linear sees it."""
     for name, module in hf_model.named_modules():
         leaf = name.rpartition(".")[2]
-        if isinstance(module, nn.Linear) and leaf in LINEARS:
+        if isinstance(module, nn.Linear) and leaf in leaves:
             hook = row_parallel if row_parallel and leaf in ("o_proj", "down_proj") else fn
             module.register_forward_pre_hook(lambda _m, args, f=hook: (f(args[0]),))
     return hf_model
+
+
+def quantize_expert_inputs(hf_model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace the forward of every stacked-experts module (transformers 5's ``*Experts``: 3-D
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]) with HF's own expert loop written
+    out, each expert's gate/up input and down input passed through ``fn`` first: what the
+    forward pre-hooks of ``quantize_inputs`` do for plain linears, where no hook can reach."""
+    for module in hf_model.modules():
+        if type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            module.forward = partial(_experts_with_quantized_inputs, module, fn)
+
+
+def _experts_with_quantized_inputs(
+    experts: nn.Module,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    out = torch.zeros_like(hidden_states)
+    for expert in top_k_index.unique().tolist():
+        token, slot = torch.where(top_k_index == expert)
+        gate, up = F.linear(fn(hidden_states[token]), experts.gate_up_proj[expert]).chunk(2, -1)
+        down = F.linear(fn(experts.act_fn(gate) * up), experts.down_proj[expert])
+        out.index_add_(0, token, down * top_k_weights[token, slot, None])
+    return out
 
 
 def assert_matches_quantized(

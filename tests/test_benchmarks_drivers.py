@@ -32,7 +32,12 @@ def test_serving_a_preset_gives_both_servers_the_same_shapes(
         "--vllm-args", "--api-server-count 4",
     ])  # fmt: skip
     model_dir, tokenizer = serving.model_folder(args.model, tmp_path)
-    assert tokenizer == str(tokenizer_dir)
+    # The load generator reads the folder both servers load: the same tokenizer files, and the
+    # config.json a Hugging Face folder needs.
+    assert tokenizer == str(model_dir)
+    assert (model_dir / "tokenizer.json").read_bytes() == (
+        tokenizer_dir / "tokenizer.json"
+    ).read_bytes()
     assert json.loads((model_dir / "config.json").read_text())["hidden_size"] == 2048
     tandem, vllm = serving.build_servers(args, model_dir)
     assert tandem.command == [

@@ -83,3 +83,15 @@ def test_a_cpu_runner_serves_the_loaded_model_as_built(tmp_path: object) -> None
     source = inspect.getsource(engine_core.model_runner)
     for name in ("pack_cpu_weights", "fuse_fp8_quantizers", "interleave_gate_ups"):
         assert name not in source, name
+
+
+@pytest.mark.parametrize(
+    ("flags", "graphs"),
+    [({}, True), ({"enforce_eager": True}, False), ({"enable_lora": True}, False)],
+)
+def test_lora_builds_for_eager_steps(as_hopper: None, flags: dict, graphs: bool) -> None:
+    """LoRA steps run eagerly and wrap gate_up_proj in the checkpoint's row order: its model is
+    built without the graph-only interleaved layout (a wrapped MLP has no weight to read)."""
+    target = engine_core.model_runner.build_target(EngineConfig(**flags), CUDA, torch.bfloat16)
+    assert target.cuda_graphs is graphs
+    assert all(mlp.gate_up_interleaved is graphs for mlp in mlps(built("smollm2-135m", target)))

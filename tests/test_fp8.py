@@ -41,6 +41,7 @@ from tests.paged_harness import (
     randomize,
 )
 from tests.quant_fixtures import (
+    LINEARS,
     assert_matches_quantized,
     e4m3_per_token,
     e4m3_static,
@@ -55,7 +56,6 @@ NEW_TOKENS = 16
 ATOL = 1e-4
 PROMPTS = random_prompts(VOCAB, (5, 11, 23))
 E4M3 = torch.float8_e4m3fn
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BLOCK = (32, 32)  # divides every projection of the tiny model (64 and 128 wide, 32-wide k/v)
 STATIC_SCALE = 0.05
 
@@ -74,17 +74,21 @@ def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scale per 32 x 32 block; a last partial block of rows or columns (DeepSeek-V3's
+    576-row kv_a_proj in 128-row blocks) has its own scale, as the published checkpoints do."""
     rows, cols = w.shape
-    tiles = w.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
-    scale = tiles.abs().amax(dim=(1, 3)) / 448.0  # [N / 32, K / 32]
-    quantized = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(E4M3)
-    return quantized, scale
+    padded = torch.nn.functional.pad(w, (0, -cols % BLOCK[1], 0, -rows % BLOCK[0]))
+    tiles = padded.unflatten(0, (-1, BLOCK[0])).unflatten(2, (-1, BLOCK[1]))
+    scale = tiles.abs().amax(dim=(1, 3)) / 448.0  # [ceil(N / 32), ceil(K / 32)]
+    quantized = (tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :cols]
+    return quantized.to(E4M3), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Independent of our code: a [N, 1] / [1] scale broadcasts; a block scale tiles."""
-    if scale.dim() == 2 and scale.shape[1] != 1:
+    if scale.dim() == 2 and tuple(scale.shape) != (q.shape[0], 1):
         scale = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+        scale = scale[: q.shape[0], : q.shape[1]]
     return q.float() * scale
 
 
@@ -158,16 +162,21 @@ def make_hf_model(seed: int = 0) -> torch.nn.Module:
 
 
 def write_quantized(
-    hf_model: torch.nn.Module, fmt: Format, quantized_dir: Path, reference_dir: Path
+    hf_model: torch.nn.Module,
+    fmt: Format,
+    quantized_dir: Path,
+    reference_dir: Path,
+    linears: tuple[str, ...] = LINEARS,
 ) -> None:
-    """``quantized_dir``: the FP8 checkpoint; ``reference_dir``: a plain float32 checkpoint of
-    the values it stands for (what HF runs as the reference)."""
+    """``quantized_dir``: the FP8 checkpoint (every linear whose leaf name is in ``linears``
+    quantized); ``reference_dir``: a plain float32 checkpoint of the values it stands for (what
+    HF runs as the reference)."""
     hf_model.save_pretrained(reference_dir)
     state = load_file(reference_dir / "model.safetensors")
     quantized: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         module, _, param = name.rpartition(".")
-        if param != "weight" or module.rpartition(".")[2] not in LINEARS:
+        if param != "weight" or module.rpartition(".")[2] not in linears:
             quantized[name] = tensor
             continue
         q, scale = fmt.quantize(tensor)
@@ -367,13 +376,13 @@ def test_weight_only_fp8_is_refused(hf_model: torch.nn.Module, tmp_path: Path) -
         load(folder)
 
 
-def test_fp8_refused_for_moe(tmp_path: Path) -> None:
+def test_fp8_quantizing_moe_at_load_is_refused(tmp_path: Path) -> None:
     from transformers import MixtralConfig
 
     sizes = tiny_hf_sizes(VOCAB)
     model = AutoModelForCausalLM.from_config(MixtralConfig(**sizes, num_local_experts=4))
     model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="not implemented for mixture-of-experts"):
+    with pytest.raises(ValueError, match="does not quantize a mixture of experts' experts"):
         load(tmp_path, quantization="fp8")
 
 

@@ -341,6 +341,34 @@ def test_chunked_peak_and_sequence_cap() -> None:
     assert chunked.max_tokens_per_sequence(chunk=8, limit=10_000) == 10_000
 
 
+def test_a_state_slot_is_taken_with_the_first_blocks_and_given_back_on_free() -> None:
+    """Two slots: a third request is refused (nothing taken) until one is freed; a request
+    that asks again keeps its slot; no prefix is hit with a state kind (no state is saved)."""
+    bm = BlockManager(num_blocks=20, block_size=4, state_slots=2)
+    assert not bm.enable_prefix_caching
+    requests = [make_request(name, list(range(9))) for name in "abc"]
+    for request in requests[:2]:
+        assert bm.allocate_prefix(request) == 0
+        assert bm.allocate_slots(request, 9)
+    assert (bm.state_slot("a"), bm.state_slot("b"), bm.num_free_state_slots) == (0, 1, 0)
+    free_blocks = bm.num_free_blocks
+    assert bm.allocate_prefix(requests[2]) == 0
+    assert not bm.allocate_slots(requests[2], 9)
+    assert bm.num_free_blocks == free_blocks and bm.block_ids("c") == []
+    requests[0].num_computed_tokens = 9
+    assert bm.allocate_slots(requests[0], 4) and bm.state_slot("a") == 0
+    bm.check_integrity()
+    bm.free("a")
+    assert bm.allocate_slots(requests[2], 9) and bm.state_slot("c") == 0
+    bm.cache_computed_blocks(requests[2], 9)
+    assert bm.num_cached_blocks == 0
+    bm.check_integrity()
+    bm.free("b")
+    bm.free("c")
+    assert bm.num_free_state_slots == 2 and bm.num_free_blocks == bm.num_blocks
+    bm.check_integrity()
+
+
 # ------------------------------------------------------------------------------ property tests
 
 
@@ -378,11 +406,19 @@ class _Driver:
     rollback, aborts, preemptions (recompute) and resumes of the preempted requests."""
 
     def __init__(
-        self, seed: int, windows: tuple[int | None, ...], chunks: tuple[int | None, ...] = ()
+        self,
+        seed: int,
+        windows: tuple[int | None, ...],
+        chunks: tuple[int | None, ...] = (),
+        state_slots: int = 0,
     ) -> None:
         self.rng = random.Random(seed)
         self.bm = BlockManager(
-            num_blocks=64, block_size=4, windows=windows, attention_chunks=chunks
+            num_blocks=64,
+            block_size=4,
+            windows=windows,
+            attention_chunks=chunks,
+            state_slots=state_slots,
         )
         self.kv = _KVContent(self.bm)
         self.live: list[Request] = []
@@ -412,7 +448,7 @@ class _Driver:
             end = self.rng.randint(request.num_computed_tokens + 1, request.num_tokens)
             if self._allocate(request, end - request.num_computed_tokens):
                 self._write(request, end)
-        elif self.rng.random() < 0.3:
+        elif self.rng.random() < 0.3 and not self.bm.num_state_slots:  # no state rollback
             self.speculate(request)
         elif self._allocate(request, 1):  # fully computed: it "samples" and appends a token
             request.token_ids.append(self.rng.randrange(50))
@@ -518,6 +554,10 @@ class _Driver:
         assert held >= bm.num_used_blocks  # shared prefix blocks count once in the pool
         for request in self.live:
             self.kv.verify(request)  # nobody overwrote a block this request still reads
+        if bm.num_state_slots:  # one slot of its own for each live request, none for the rest
+            slots = [bm.state_slot(r.request_id) for r in self.live]
+            assert len(set(slots)) == len(slots)
+            assert bm.num_free_state_slots == bm.num_state_slots - len(slots)
 
 
 # Groups as (windows, attention chunks); Llama 4 is a full group beside chunked ones.
@@ -533,13 +573,16 @@ WINDOW_CASES = {
 }
 
 
+@pytest.mark.parametrize("state_slots", [0, 3], ids=["blocks", "blocks+state"])
 @pytest.mark.parametrize("kinds", list(WINDOW_CASES.values()), ids=list(WINDOW_CASES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operations_keep_every_invariant(
-    seed: int, kinds: tuple[tuple[int | None, ...], tuple[int | None, ...]]
+    seed: int, kinds: tuple[tuple[int | None, ...], tuple[int | None, ...]], state_slots: int
 ) -> None:
+    """With a state kind (3 slots: fewer than the requests that would run), admissions are
+    also refused for want of a slot, and no prefix is ever hit."""
     windows, chunks = kinds
-    driver = _Driver(seed, windows, chunks)
+    driver = _Driver(seed, windows, chunks, state_slots)
     for _ in range(1500):
         driver.step()
         driver.check()
@@ -551,9 +594,12 @@ def test_random_operations_keep_every_invariant(
     assert driver.bm.num_free_blocks + driver.bm.num_cached_blocks == driver.bm.num_blocks
     # The run exercised what it claims to: hits, refusals, rollbacks, resumes, and (with a
     # window group) blocks given back.
+    assert driver.bm.num_free_state_slots == state_slots
     stats = dict(driver.stats)
     if all(w is None for w in windows) and all(c is None for c in chunks):
         assert stats.pop("released") == 0
+    if state_slots:  # no saved state: no hit; no rollback of a state: no speculation
+        assert stats.pop("hits") == 0 and stats.pop("rollbacks") == 0
     assert min(stats.values()) > 0, stats
 
 
@@ -568,6 +614,7 @@ def test_random_operations_keep_every_invariant(
             ((None, 6), ()),
             ((6,), ()),
             ((None, 5, 9), ()),
+            ((None,), ()),
             ((None, None), (None, 8)),
             ((None, None, 6), (None, 5, None)),
         ]
@@ -575,6 +622,7 @@ def test_random_operations_keep_every_invariant(
     num_blocks=st.integers(20, 60),
     budget=st.integers(8, 40),
     overlap=st.booleans(),
+    stateful=st.booleans(),
 )
 def test_scheduler_with_groups_keeps_the_invariants(
     seed: int,
@@ -582,6 +630,7 @@ def test_scheduler_with_groups_keeps_the_invariants(
     num_blocks: int,
     budget: int,
     overlap: bool,
+    stateful: bool,
 ) -> None:
     """Random requests (shared prefixes, prompt logprobs, stops) through the real scheduler on
     a small pool (preemptions), with aborts, planned ahead of the last step's tokens (overlap)
@@ -591,8 +640,15 @@ def test_scheduler_with_groups_keeps_the_invariants(
     rng = random.Random(seed)
     config = EngineConfig(block_size=4, max_num_seqs=min(6, budget), max_num_batched_tokens=budget)
     windows, chunks = kinds
+    slots = config.max_num_seqs if stateful else 0  # as the engine sizes them: one per running
     scheduler = Scheduler(
-        config, num_blocks, 128, (1,), kv_windows=windows, kv_attention_chunks=chunks
+        config,
+        num_blocks,
+        128,
+        (1,),
+        kv_windows=windows,
+        kv_attention_chunks=chunks,
+        state_slots=slots,
     )
     bm = scheduler.block_manager
     prefixes = [[rng.randrange(2, 40) for _ in range(16)] for _ in range(2)]
@@ -612,6 +668,7 @@ def test_scheduler_with_groups_keeps_the_invariants(
         plan = scheduler.schedule()
         for row in plan.scheduled:
             check_row_tables(row, bm)
+        check_state_slots(plan, scheduler, slots)
         settle, pending = (pending, plan) if overlap else (plan, None)
         if settle is not None:
             count = sum(s.samples for s in settle.scheduled)
@@ -622,6 +679,23 @@ def test_scheduler_with_groups_keeps_the_invariants(
     scheduler.abort_requests(list(scheduler.requests))
     bm.check_integrity()
     assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == bm.num_blocks
+    assert bm.num_free_state_slots == slots
+
+
+def check_state_slots(plan: SchedulerOutput, scheduler: Scheduler, slots: int) -> None:
+    """Each row carries the slot its request holds (-1 without a state kind), no two rows one
+    slot; every running request holds a slot, and a waiting (or preempted) one none."""
+    rows = [row.state_slot for row in plan.scheduled]
+    if not slots:
+        assert set(rows) <= {-1}
+        return
+    assert len(set(rows)) == len(rows) and all(0 <= s < slots for s in rows)
+    bm = scheduler.block_manager
+    assert {bm.state_slot(r.request_id) for r in scheduler.running} >= set(rows)
+    assert bm.num_free_state_slots == slots - len(scheduler.running)
+    for request in scheduler.waiting:
+        with pytest.raises(KeyError):
+            bm.state_slot(request.request_id)
 
 
 def check_row_tables(row: ScheduledRequest, bm: BlockManager) -> None:

@@ -1,7 +1,7 @@
 """The LoRA segment kernels (engine_core/lora/triton_lora.py) on the CPU, through Triton's
 interpreter, against the torch reference (layers.add_lora_reference): rows of three slots and of
 the base model interleaved, segments longer than a tile, ranks and widths that are not multiples
-of the tiles, an output added to in place. They have not run on a GPU.
+of the tiles, an output added to in place (on a GPU: tests/test_lora_gpu.py).
 
 Skipped unless ``TRITON_INTERPRET=1`` (and triton installed):
 

@@ -8,8 +8,7 @@
   kernels).
 - ``layers.py``: the projections and MoE layers that carry LoRA slots (``LoraLinear``,
   ``LoraExperts``), and the product for a batch whose rows use different adapters, in torch.
-- ``triton_lora.py``: the segment kernels that replace the torch product on CUDA (not yet run
-  on a GPU).
+- ``triton_lora.py``: the segment kernels that replace the torch product on CUDA.
 - ``manager.py``: adapters in host memory (LRU, read on a worker thread) and in a fixed number
   of slots on the device; the scheduler admits a request once its adapter holds a slot.
 

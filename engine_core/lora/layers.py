@@ -28,7 +28,7 @@ def add_lora(
     out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch
 ) -> torch.Tensor:
     """out [T, O] += each row's slot's x @ A.T @ B.T (x [T, I], a [S, R, I], b [S, O, R]): the
-    segment kernels on CUDA (triton_lora.py, not yet run on a GPU), the torch reference
+    segment kernels on CUDA (triton_lora.py), the torch reference
     elsewhere."""
     if use_triton(x):
         from engine_core.lora.triton_lora import add_lora_segments  # imports triton

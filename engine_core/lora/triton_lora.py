@@ -8,9 +8,10 @@ of one segment, so rows of different adapters never share a tile and rows of the
 are never read; a slot's A or B tile is read once per row tile, not once per row (the peers'
 SGMV idea, our own kernels).
 
-Unrun on a GPU so far: tested against the torch reference (``layers.add_lora``) through Triton's
-interpreter on the CPU (tests/test_lora_triton_interpreted.py, under ``TRITON_INTERPRET=1``).
-Not yet graph-safe: the grid's row-tile count comes from the host (``max_rows``).
+Tested against the torch reference (``layers.add_lora``) on a GPU (tests/test_lora_gpu.py) and
+through Triton's interpreter on the CPU (tests/test_lora_triton_interpreted.py, under
+``TRITON_INTERPRET=1``). Not yet graph-safe: the grid's row-tile count comes from the host
+(``max_rows``).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
 from engine_core.models.quantize import make_quantized_linears
 from engine_core.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from engine_core.models.qwen3_next import Qwen3NextForCausalLM, qwen3_next_fields
 from engine_core.models.target import BuildTarget
 from engine_core.parallel import get_tp_group
 
@@ -72,6 +73,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
     *LLAMA4_ARCHITECTURES,
+    "Qwen3NextForCausalLM",
 )
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _BY_MODEL_TYPE = {
@@ -90,6 +92,7 @@ _BY_MODEL_TYPE = {
     "kimi_k2": "DeepseekV3ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -99,10 +102,12 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "deepseek": DeepseekForCausalLM,
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     "llama4": Llama4ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 # Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
-# caches, gpt-oss's and DeepSeek's experts) have no tensor-parallel split yet.
-SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "deepseek")
+# caches, gpt-oss's and DeepSeek's experts, Qwen3-Next's linear attention) have no
+# tensor-parallel split yet.
+SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "deepseek", "qwen3_next")
 
 
 def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Module:
@@ -169,6 +174,8 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return dataclasses.replace(
             llama_config(hf, architecture), **deepseek_fields(hf, architecture)
         )
+    if architecture == "Qwen3NextForCausalLM":  # linear + gated attention (models/qwen3_next.py)
+        return dataclasses.replace(llama_config(hf, architecture), **qwen3_next_fields(hf))
     if architecture in MOE_ARCHITECTURES:  # Llama-family attention, MoE MLPs (models/moe.py)
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     if architecture == "Qwen2_5_VLForConditionalGeneration":
@@ -348,10 +355,11 @@ def longrope_scaling(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, An
 
 
 def partial_rotary_factor(hf: dict[str, Any], architecture: str) -> float:
-    """Phi-3's share of each head that rotary rotates (top level, or in rope_parameters)."""
+    """Phi-3's and Qwen3-Next's share of each head that rotary rotates (top level, or in
+    rope_parameters)."""
     params = hf.get("rope_parameters") or {}
     factor = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
-    if factor != 1.0 and architecture != "Phi3ForCausalLM":
+    if factor != 1.0 and architecture not in ("Phi3ForCausalLM", "Qwen3NextForCausalLM"):
         raise ValueError(f"{architecture}: partial_rotary_factor {factor} is not supported")
     return factor
 

@@ -16,8 +16,13 @@ What it adds to the Llama implementation, as HF transformers computes it:
   experts (a dense MLP of ``n_shared_experts`` x ``moe_intermediate_size``) added to them;
 - the first ``first_k_dense_replace`` layers have a dense MLP of ``intermediate_size``.
 
-Refused by name (models/__init__.py ``deepseek_fields``): FP8 checkpoints (V3's published
-block-FP8: its experts have no FP8 path yet), tensor parallelism, ``--kv-cache-dtype fp8``.
+FP8 checkpoints (V3's published block-FP8) keep every linear and every expert in e4m3 (as
+models/quantize.py does for any model) except ``kv_b_proj``, which the absorbed decode reads as
+a matrix: it is dequantized into the model's dtype once loaded (``LatentUpProjection``), and the
+latent it multiplies is not quantized, as vLLM computes it too.
+
+Refused by name (models/__init__.py ``deepseek_fields``): quantization formats other than FP8,
+tensor parallelism, ``--kv-cache-dtype fp8``.
 The multi-token-prediction layer some checkpoints carry (``model.layers.<num_layers>``) is
 skipped: speculative decoding does not use it yet.
 """
@@ -34,10 +39,11 @@ import torch
 from torch import nn
 
 from engine_core.attention.mla import LatentAttention
-from engine_core.config import MlaConfig, ModelConfig
+from engine_core.config import Fp8Config, MlaConfig, ModelConfig
+from engine_core.models.fp8 import dequantize
 from engine_core.models.layers import Linear, RMSNorm, apply_rotary, load_mapped_weights
 from engine_core.models.llama import LlamaForCausalLM, LlamaMLP, first_norm, make_norm
-from engine_core.models.moe import SparseMoE, run_experts
+from engine_core.models.moe import SparseMoE
 from engine_core.parallel import SINGLE, TPGroup
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -62,9 +68,7 @@ class MlaAttention(nn.Module):
             self.q_b_proj = Linear(mla.q_lora_rank, heads * qk_dim, bias=False)
         self.kv_a_proj_with_mqa = Linear(hidden, mla.cache_width, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
-        # A plain nn.Linear: the absorbed decode reads its weight as W_UK and W_UV, so it must
-        # not be packed for oneDNN (models/layers.py pack_cpu_weights packs Linear only).
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = LatentUpProjection(
             mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
         )
         self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
@@ -102,6 +106,29 @@ class MlaAttention(nn.Module):
         if self.mla.rope_interleave:
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rotary(x, cos, sin)
+
+
+class LatentUpProjection(Linear):
+    """``kv_b_proj``: the absorbed decode reads its weight as W_UK and W_UV, so the weight stays a
+    plain matrix in the model's dtype: never packed for oneDNN, and an FP8 checkpoint's e4m3
+    weight dequantized once it is in (the memory plan counted it in e4m3: the difference is one
+    byte per element of this projection, about 1 GiB over DeepSeek-V3's 61 layers)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.plain_dtype = self.weight.dtype  # the model's, as it is built
+
+    def pack_for_cpu(self) -> None:
+        return
+
+    def finish_loading(self, name: str) -> None:
+        super().finish_loading(name)
+        if not isinstance(self.fp8, Fp8Config):
+            return
+        plain = dequantize(self.weight.data, self.weight_scale.data, self.fp8)
+        self.weight = nn.Parameter(plain.to(self.plain_dtype), requires_grad=False)
+        del self.weight_scale
+        self.fp8 = None
 
 
 def softmax_mscale(scaling: dict[str, Any] | None) -> float:
@@ -143,7 +170,7 @@ class DeepseekMoE(SparseMoE):
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         else:
             weights, ids = route_softmax_grouped(logits, self.top_k, self.n_group, self.topk_group)
-        out = run_experts(x, self.w13, self.w2, weights * self.scaling, ids)
+        out = self.run_routed(x, weights * self.scaling, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -288,10 +315,11 @@ def check_deepseek_supported(hf: dict[str, Any], architecture: str, v3: bool) ->
     for name, allowed in (_V3_FIELDS if v3 else _V2_FIELDS).items():
         if name in hf and hf[name] is not None and hf[name] not in allowed:
             raise ValueError(f"{architecture}: config field {name}={hf[name]!r} is not supported")
-    if hf.get("quantization_config"):
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "fp8"):
         raise ValueError(
-            f"{architecture}: quantization_config (FP8) is not supported for DeepSeek models "
-            "yet: their experts have no FP8 path; serve a bf16 checkpoint"
+            f"{architecture}: quantization_config quant_method {method!r} is not supported for "
+            "DeepSeek models; their FP8 checkpoints (quant_method 'fp8') are"
         )
     if hf.get("mlp_bias"):
         raise ValueError(f"{architecture}: mlp_bias is not supported")

@@ -10,8 +10,8 @@ token's scale is absmax / 127.5 (the int8 range's width over two, in the activat
 a zero scale becomes the dtype's eps), values are clamped to -128..127 and rounded half to even.
 
 - CUDA: the activations quantized so, then int8 x int8 -> int32 on the tensor cores
-  (``torch._int_mm``, cuBLASLt), scaled by both scales. Not yet run on a GPU:
-  tests/test_int8_gpu.py checks it against the reference.
+  (``torch._int_mm``, cuBLASLt), scaled by both scales; tests/test_int8_gpu.py checks it
+  against the reference.
 - anywhere else: the reference, which CI runs: weights dequantized (float32, then the
   activations' dtype), activations quantized and dequantized per token, one matmul.
 """

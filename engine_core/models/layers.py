@@ -433,7 +433,36 @@ def check_divisible(what: str, value: int, tp: TPGroup) -> int:
     return value // tp.size
 
 
-class Linear(nn.Linear):
+class LoadsQuantized:
+    """A module that takes the tensors of a quantized checkpoint its own way (scales in its
+    layout, weights checked to be in its format) once it holds a quantized format."""
+
+    @property
+    def quantized(self) -> bool:
+        raise NotImplementedError
+
+    def load_quantized(
+        self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
+    ) -> None:
+        raise NotImplementedError
+
+
+def checkpoint_scale(
+    tensor: torch.Tensor, target: torch.Tensor, per_channel: bool, hf_name: str
+) -> torch.Tensor:
+    """A checkpoint scale as parameter ``target`` holds it: float32; per-channel scales as
+    [rows] (a per-tensor scale spread over its rows); checked finite and positive."""
+    tensor = tensor.float()
+    check_positive(tensor, hf_name)
+    if per_channel:
+        if tensor.numel() == 1:
+            return tensor.reshape(()).expand(target.shape)
+        if tensor.dim() == 2 and tensor.shape[1] == 1:  # compressed-tensors: [rows, 1]
+            return tensor[:, 0]
+    return tensor
+
+
+class Linear(nn.Linear, LoadsQuantized):
     """nn.Linear whose weight may be held in a quantized format, chosen before it loads:
 
     - ``make_fp8`` (engine_core/models/fp8.py): ``weight`` e4m3, ``weight_scale`` (and, with
@@ -590,18 +619,11 @@ class Linear(nn.Linear):
     def scale_for(
         self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
     ) -> torch.Tensor:
-        """A checkpoint scale as our parameter holds it: float32; per-channel scales as [rows]
-        (a per-tensor scale spread over its rows); checked finite and positive."""
-        tensor = tensor.float()
-        check_positive(tensor, hf_name)
+        """A checkpoint scale as our parameter holds it (``checkpoint_scale``)."""
         target = getattr(self, param_name).data
         target = target if index is None else target[index]
-        if param_name == "input_scale" or self.fp8 is None or self.fp8.block is None:
-            if tensor.numel() == 1:
-                return tensor.reshape(()).expand(target.shape)
-            if tensor.dim() == 2 and tensor.shape[1] == 1:  # compressed-tensors: [rows, 1]
-                return tensor[:, 0]
-        return tensor
+        per_channel = param_name == "input_scale" or self.fp8 is None or self.fp8.block is None
+        return checkpoint_scale(tensor, target, per_channel, hf_name)
 
     def finish_loading(self, name: str) -> None:
         """After the last tensor: merged parts share one input, so one static activation scale
@@ -971,7 +993,7 @@ def load_tensor(
     way; a quantized tensor is refused for a plain parameter."""
     module_name, _, param_name = name.rpartition(".")
     module = model.get_submodule(module_name)
-    if isinstance(module, Linear) and module.quantized:
+    if isinstance(module, LoadsQuantized) and module.quantized:
         module.load_quantized(param_name, tensor, rows, hf_name)
         return
     param = getattr(module, param_name)

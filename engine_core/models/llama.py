@@ -72,7 +72,10 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, layer: int = 0) -> None:
         super().__init__()
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        # Qwen3-Next: each head's query rows are followed by as many rows of its output gate.
+        self.output_gate = config.attention_output_gate
+        q_rows = heads * head_dim * (2 if self.output_gate else 1)
+        sizes = [q_rows, kv_heads * head_dim, kv_heads * head_dim]
         # This rank's heads and KV heads (all of them at TP=1).
         heads = check_divisible("number of attention heads", heads, tp)
         kv_heads = check_divisible("number of KV heads", kv_heads, tp)
@@ -103,9 +106,26 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attend(self.qkv_proj(hidden), cos, sin))
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """qkv_proj's output [T, q + k + v] -> the attention's output [T, H*D], before o_proj."""
+        """qkv_proj's output [T, q + k + v] -> the attention's output [T, H*D], before o_proj
+        (with an output gate: times the sigmoid of the gate)."""
         num_tokens, head_dim = qkv.shape[0], self.attn.head_dim
         q, k, v = qkv.split(self.sizes, dim=-1)
+        if self.output_gate:
+            q, gate = q.reshape(num_tokens, -1, 2 * head_dim).chunk(2, dim=-1)
+            out = self.attend_qkv(q.reshape(num_tokens, -1), k, v, cos, sin)
+            return out * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.attend_qkv(q, k, v, cos, sin)
+
+    def attend_qkv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [T, H*D], k and v [T, KVH*D] -> the attention's output [T, H*D]."""
+        num_tokens, head_dim = q.shape[0], self.attn.head_dim
         if self.q_norm is None and self.attn.rotates_in_kv_write():
             return self.attn(q, k, v, rotary=(cos, sin))  # one launch for both
         q = q.view(num_tokens, -1, head_dim)  # [T, H, D]

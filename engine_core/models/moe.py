@@ -14,6 +14,13 @@ a row-parallel linear's. The router is replicated, so every rank routes every to
 The experts run through the fused Triton kernels of engine_core/models/fused_moe.py on CUDA (no
 host sync, so decode is captured in CUDA graphs) and through ``experts_reference`` elsewhere.
 
+FP8 experts (``make_fp8``: an FP8 checkpoint's e4m3 experts with a scale per output row or per
+block, ``w13_scale`` and ``w2_scale`` stacked like the weights) run expert by expert through the
+FP8 linear of engine_core/models/fp8.py: on CUDA its FP8 tensor-core kernels, elsewhere its
+dequantizing reference, activations quantized per token (and column group) as the checkpoint
+says. Grouping the tokens by expert reads their counts on the host, so a model with FP8 experts
+runs eagerly; the fused kernels take no FP8 weights yet.
+
 A Llama-family decoder layer builds its MLP with ``make_mlp`` in engine_core/models/llama.py,
 which picks ``SparseMoE`` for the layers ``ModelConfig.is_moe_layer`` names.
 """
@@ -28,12 +35,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.config import ModelConfig
+from engine_core.config import Fp8Config, ModelConfig
+from engine_core.models.fp8 import FP8_DTYPE, fp8_linear, weight_scale_shape
 from engine_core.models.layers import (
+    LoadsQuantized,
     ShardedParameters,
     ShardIndex,
     TPSharded,
     check_divisible,
+    checkpoint_scale,
+    copy_into,
+    empty_param,
     rank_rows,
     silu_and_mul,
     use_triton,
@@ -61,7 +73,7 @@ _REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
 # block_sparse_moe and its projections w1 (gate), w3 (up), w2 (down).
 _PER_EXPERT = re.compile(
     r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale)$"
 )
 # Stacked experts: (layer prefix, gate_up_proj [E, 2I, H] or down_proj [E, H, I]).
 _STACKED = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
@@ -69,7 +81,7 @@ _ROUTER = re.compile(r"^(.*)\.block_sparse_moe\.gate\.weight$")
 _GATE_UP_HALF = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 
-class SparseMoE(nn.Module, TPSharded, ShardedParameters):
+class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
     """Router (``gate``, replicated) and stacked experts (``w13``, ``w2``, this rank's slice of
     every expert's intermediate dimension)."""
 
@@ -86,6 +98,40 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters):
         # The one-token router's arrival count (fused_moe.route_one_token): zero between calls,
         # which this layer's forward makes one at a time.
         self.register_buffer("router_arrived", torch.zeros(1, dtype=torch.int32), persistent=False)
+        self.fp8: Fp8Config | None = None  # set by make_fp8, before loading
+
+    def make_fp8(self, config: Fp8Config) -> None:
+        """Hold the experts in e4m3 from now on, with ``w13_scale`` [E, rows or row blocks, 1 or
+        column blocks] and ``w2_scale`` alike (call before loading, on any device)."""
+        if not config.prequantized:
+            raise ValueError(
+                f"{config.source} does not quantize a mixture of experts' experts as they load "
+                "yet; serve an FP8 checkpoint of this model, or this one unquantized"
+            )
+        if not config.dynamic_activations:
+            raise ValueError(
+                f"{config.source}: FP8 experts with static activation scales (input_scale) are "
+                "not implemented; only dynamic activations are"
+            )
+        if self.tp.size > 1:
+            raise ValueError(
+                "FP8 experts under tensor parallelism are not implemented yet; serve this model "
+                "with --tensor-parallel-size 1"
+            )
+        if config.block is not None and self.inter % config.block[0]:
+            raise ValueError(
+                f"{config.source}: the experts' width ({self.inter}) is not a whole number of "
+                f"{config.block[0]}-row blocks, so the gate and up scales cannot be stacked"
+            )
+        (experts, rows, hidden), device = self.w13.shape, self.w13.device
+        self.w13 = empty_param((experts, rows, hidden), FP8_DTYPE, device)
+        self.w2 = empty_param((experts, hidden, self.inter), FP8_DTYPE, device)
+        scale_13 = weight_scale_shape(config, rows, hidden)
+        scale_2 = weight_scale_shape(config, hidden, self.inter)
+        self.w13_scale = empty_param((experts, *scale_13), torch.float32, device)
+        self.w2_scale = empty_param((experts, *scale_2), torch.float32, device)
+        self.fp8 = config
+        self.cuda_graph_safe = False  # tokens grouped by expert on the host (module docstring)
 
     def reset_buffers(self) -> None:
         """Zero the arrival count (after ``to_empty`` gave it uninitialised memory)."""
@@ -94,8 +140,43 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         weights, ids = self.route_tokens(x)  # [T, K] each
-        out = run_experts(x, self.w13, self.w2, weights, ids)
+        out = self.run_routed(x, weights, ids)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    @property
+    def quantized(self) -> bool:
+        return self.fp8 is not None
+
+    def load_quantized(
+        self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
+    ) -> None:
+        """An FP8 expert's weight (checked e4m3) or scale (per-channel scales as [rows]); the
+        layer's other parameters (a router's bias) as they are."""
+        target = getattr(self, param_name).data
+        target = target if index is None else target[index]
+        if param_name in ("w13_scale", "w2_scale"):
+            per_channel = self.fp8 is not None and self.fp8.block is None
+            tensor = checkpoint_scale(tensor, target, per_channel, hf_name)
+        elif param_name in ("w13", "w2") and tensor.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but the checkpoint's "
+                f"quantization_config makes the experts {FP8_DTYPE}"
+            )
+        copy_into(getattr(self, param_name), tensor, index, hf_name)
+
+    def run_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden]."""
+        if self.fp8 is None:
+            return run_experts(x, self.w13, self.w2, weights, ids)
+        return grouped_experts(x, weights, ids, self.w13.shape[0], self.fp8_expert)
+
+    def fp8_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One FP8 expert's SwiGLU over its tokens x [n, H] -> [n, H]."""
+        config = self.fp8
+        assert config is not None
+        gate_up = fp8_linear(x, self.w13[expert], self.w13_scale[expert], None, config)
+        down = self.w2[expert], self.w2_scale[expert]
+        return fp8_linear(silu_and_mul(gate_up), *down, None, config)
 
     def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's linear, then moe.route; for one token on CUDA both in one launch
@@ -109,15 +190,17 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters):
         return route(self.gate(x), self.top_k, self.renormalize)
 
     def checkpoint_shards(self, param_name: str) -> range:
-        # w13: expert e's gate is shard 2e, its up 2e + 1; w2: expert e's down is shard e.
+        # w13: expert e's gate is shard 2e, its up 2e + 1; w2: expert e's down is shard e; their
+        # FP8 scales alike.
         experts = self.w13.shape[0]
-        return range(2 * experts) if param_name == "w13" else range(experts)
+        return range(2 * experts) if param_name in ("w13", "w13_scale") else range(experts)
 
     def shard_index(self, param_name: str, shard: int) -> ShardIndex:
-        if param_name == "w2":
+        if param_name in ("w2", "w2_scale"):
             return shard
         expert, half = divmod(shard, 2)
-        return expert, slice(half * self.inter, (half + 1) * self.inter)
+        rows = getattr(self, param_name).shape[1] // 2  # the gate's rows (or row blocks)
+        return expert, slice(half * rows, (half + 1) * rows)
 
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
@@ -221,9 +304,10 @@ def map_moe_name(hf_name: str) -> tuple[str, int | None] | None:
     """
     if match := _PER_EXPERT.match(hf_name):
         prefix, expert, proj = match[1], int(match[2]), match[3]
+        suffix = "_scale" if match[4] == "weight_scale" else ""
         if proj in ("w2", "down_proj"):
-            return f"{prefix}.mlp.w2", expert
-        return f"{prefix}.mlp.w13", 2 * expert + _GATE_UP_HALF[proj]
+            return f"{prefix}.mlp.w2{suffix}", expert
+        return f"{prefix}.mlp.w13{suffix}", 2 * expert + _GATE_UP_HALF[proj]
     if match := _STACKED.match(hf_name):
         return f"{match[1]}.mlp.{'w13' if match[2] == 'gate_up_proj' else 'w2'}", None
     if match := _ROUTER.match(hf_name):
@@ -261,12 +345,16 @@ def moe_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
     }
 
 
-def refuse_unsupported(hf: dict[str, Any], architecture: str) -> None:
+def refuse_unsupported(
+    hf: dict[str, Any], architecture: str, implemented: tuple[str, ...] = ()
+) -> None:
+    """ValueError for a field of ``_REFUSED_FIELDS`` with a value that changes the output,
+    but for those the architecture ``implemented`` (Qwen3-Next: its shared expert)."""
     for name, neutral in _REFUSED_FIELDS.items():
-        if hf.get(name) not in neutral:
+        if name not in implemented and hf.get(name) not in neutral:
             raise ValueError(
                 f"{architecture}: config field {name}={hf[name]!r} is not supported "
-                "(only Mixtral and Qwen3-MoE routing: softmax top-k, no shared experts)"
+                "(only softmax top-k routing, and no shared experts but Qwen3-Next's one)"
             )
 
 

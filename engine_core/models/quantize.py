@@ -2,9 +2,9 @@
 INT8 or W4A16), before any weight loads.
 
 Which layers: every ``Linear`` of the decoder layers (attention's qkv and output projections,
-the MLP's gate/up and down), except the modules a checkpoint lists as ignored. The embeddings,
-the LM head, norms and a mixture of experts' router stay in the model's dtype, as every
-quantized checkpoint we read keeps them.
+the MLP's gate/up and down) and, in FP8, a mixture of experts' experts, except the modules a
+checkpoint lists as ignored. The embeddings, the LM head, norms and a mixture of experts' router
+stay in the model's dtype, as every quantized checkpoint we read keeps them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from engine_core.config import Fp8Config, Int8Config, ModelConfig, QuantConfig
 from engine_core.models.fp8_config import is_ignored
 from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
+from engine_core.models.moe import SparseMoE
 
 
 def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
@@ -24,6 +25,10 @@ def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
         return
     check_architecture(config, quant)
     for name, module in model.named_modules():
+        if isinstance(module, SparseMoE) and isinstance(quant, Fp8Config):
+            if not is_ignored(f"{name}.experts", quant):
+                module.make_fp8(quant)
+            continue
         if not isinstance(module, Linear):
             continue
         parts = checkpoint_names(name)
@@ -64,9 +69,10 @@ def format_name(quant: QuantConfig) -> str:
 
 def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
     """Quantized linears cover the dense Llama-family layers (Llama, Mistral, Qwen2/3, Phi-3,
-    Gemma 3); W4A16 not Phi-3's fused projections, whose packed layouts split differently."""
+    Gemma 3) and, in FP8, mixtures of experts; W4A16 not Phi-3's fused projections, whose packed
+    layouts split differently."""
     name = format_name(quant)
-    if config.num_experts:
+    if config.num_experts and not isinstance(quant, Fp8Config):
         raise ValueError(
             f"{name} is not implemented for mixture-of-experts models (their experts have no "
             f"{name} kernel yet); serve this model unquantized or in another format"

@@ -3,21 +3,25 @@ the layout of engine_core/models/w4a16.py (qweight int32 [N, K / 8], scales floa
 zeros uint8 [G, N] or none), the weight dequantized in registers, never written out.
 
 One kernel for every row count. A program takes BLOCK_N weight rows and BLOCK_M activation rows
-over a K range: it loads each weight word once per column it holds (from L1 after the first), its
-group's scale (and zero) once per row, dequantizes ``(q - zero) * scale`` in float32, rounds it to
-the activations' dtype (the reference's rounding) and multiplies on the tensor cores with the
-weight rows on the matrix unit's wide side ("swap AB": at decode a few tokens fill its narrow
-side). Decode is memory-bound: the weights are a quarter of bf16's bytes, and a product with few
-weight tiles splits K (SPLIT_K) so that every multiprocessor streams some; the float32 partials
-are summed after. Prefill-sized products take 64-row tiles without a split.
+over a K range: it loads its weight words as one contiguous [BLOCK_N, BLOCK_K / 8] tile, shifts
+the eight nibbles of each word out in registers (a [BLOCK_N, BLOCK_K / 8, 8] broadcast laid flat,
+which is the packing's column order), takes its group's scale (and zero) once per row,
+dequantizes ``(q - zero) * scale`` in float32, rounds it to the activations' dtype (the
+reference's rounding) and multiplies on the tensor cores with the weight rows on the matrix
+unit's wide side ("swap AB": at decode a few tokens fill its narrow side). Loading each word once
+matters: a load per column (eight per word) ran the decode products about ten times slower.
+Decode is memory-bound: the weights are a quarter of bf16's bytes, and a product with few weight
+tiles splits K (SPLIT_K) so that every multiprocessor streams some; the float32 partials are
+summed after. Prefill-sized products take 128-row tiles without a split.
 
 Every shape here is static and nothing syncs with the host, so the decode steps' products are
 captured in CUDA graphs. Shapes the kernel does not take (a K range no 16-column tile divides,
 groups under 16 columns) are dequantized and multiplied by cuBLAS instead.
 
-Not yet run on a GPU: tests/test_w4a16_gpu.py checks it against the reference over the presets'
-shapes. Importing this module imports triton: only CUDA code paths and GPU tests may do so (or
-set ``TRITON_INTERPRET=1`` first to run it on CPU tensors).
+tests/test_w4a16_gpu.py checks it against the reference over the presets' shapes; `python -m
+benchmarks gemm` times it against bf16 and the copy bandwidth. Importing this module imports
+triton: only CUDA code paths and GPU tests may do so (or set ``TRITON_INTERPRET=1`` first to run
+it on CPU tensors).
 """
 
 from __future__ import annotations
@@ -65,14 +69,16 @@ def _w4a16_kernel(
     words = K // 8
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k0 = split * K_PER_SPLIT
+    shifts = tl.arange(0, 8) * 4  # nibble j of a word is column 8 * word + j
     for _ in range(0, K_PER_SPLIT, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
         a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        # Each column reads its word (8 columns share one) and shifts its nibble out.
-        w_ptrs = QWeight + rn[:, None].to(tl.int64) * words + (rk // 8)[None, :]
-        packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K] int32
-        q = ((packed >> ((rk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        w_ptrs = QWeight + rn[:, None].to(tl.int64) * words + rw[None, :]
+        packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8] int32
+        nibbles = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
+        q = tl.reshape(nibbles, (BLOCK_N, BLOCK_K)).to(tl.float32)
         group = k0 // GROUP
         scale = tl.load(Scales + group * N + rn, mask=n_ok, other=0.0)  # [BLOCK_N]
         if HAS_ZEROS:
@@ -97,12 +103,13 @@ class Tiles:
     block_n: int
     block_k: int
     split_k: int
+    stages: int = 4
 
 
-def block_k_for(k: int, group: int) -> int | None:
-    """The K tile: the largest power of two from 128 down to 16 that divides K and the group
-    (so a tile lies in one group); None where there is none."""
-    for block in (128, 64, 32, 16):
+def block_k_for(k: int, group: int, largest: int = 128) -> int | None:
+    """The K tile: the largest power of two from ``largest`` down to 16 that divides K and the
+    group (so a tile lies in one group); None where there is none."""
+    for block in (b for b in (128, 64, 32, 16) if b <= largest):
         if k % block == 0 and (group >= k or group % block == 0):
             return block
     return None
@@ -110,12 +117,14 @@ def block_k_for(k: int, group: int) -> int | None:
 
 def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Tiles | None:
     """Tiles for an [M, K] x [N, K] product, or None where the kernel does not take it: rows in
-    one tile up to 64 (decode), K split until the programs cover the GPU twice over."""
-    block_k = block_k_for(k, group)
+    one tile up to 64 (decode, 128-column K tiles, K split until the programs cover the GPU
+    twice over), 128-row tiles of 64 columns beyond. The sizes are within about 20% of the
+    fastest of a sweep over llama-8b's projections (docs/design/quantization.md)."""
+    block_k = block_k_for(k, group, 128 if m <= 64 else 64)
     if block_k is None:
         return None
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = 128
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
     while (
@@ -167,7 +176,7 @@ def run_w4a16(
         HAS_ZEROS=zeros is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SPLIT_K=tiles.split_k, num_warps=4,
+        SPLIT_K=tiles.split_k, num_warps=4, num_stages=tiles.stages,
     )  # fmt: skip
     if tiles.split_k > 1:
         out.copy_(part.sum(0))  # float32 partials, rounded once

@@ -1,0 +1,389 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): gated DeltaNet linear attention interleaved with gated
+full attention, and a sparse MoE with a shared expert; the Llama implementation for the rest.
+
+What it takes from the Llama family as ModelConfig flags: q/k RMSNorm per head, RMSNorm applied as
+(1 + w) (``norm_unit_offset``), rotary on the first quarter of each head
+(``partial_rotary_factor``), and q_proj yielding a gate beside each head's query, the attention
+output times its sigmoid (``attention_output_gate``). What is its own, here:
+
+- ``GatedDeltaNet``, the ``linear_attention`` layers of ``layer_types``: in_proj_qkvz / in_proj_ba
+  project q, k, v, the output gate z and the per-head b (the write strength beta = sigmoid(b))
+  and a (the decay g = -exp(A_log) * softplus(a + dt_bias)); a causal depthwise convolution
+  (SiLU) over q, k and v; the gated delta rule over L2-normalised q and k; an RMSNorm of the
+  output gated by silu(z); out_proj. Its state per request (the convolution's last inputs and
+  the recurrent matrix of each value head) lives in the request's state slot
+  (engine_core/block_manager.py), whose tensors the runner binds here (``bind_state``).
+- ``SharedExpertMoE``: the routed experts of models/moe.py plus a dense SwiGLU expert scaled by
+  sigmoid(shared_expert_gate(x)).
+
+The delta rule runs as torch code (models/delta_rule.py): chunked for a prompt chunk, one
+recurrent step for decodes, the state carried from chunk to chunk through the slot; on CUDA,
+where flash-linear-attention is installed, its Triton kernels instead (``fla_kernels``). The math
+follows HF transformers' torch fallback (modeling_qwen3_next.py), the reference the tests hold it
+to. docs/design/kv-layer-groups.md says how the slots are owned, and why a prefix hit is a miss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core.config import LinearAttentionConfig, ModelConfig
+from engine_core.forward_context import StateRows, get_forward_context
+from engine_core.models.delta_rule import (
+    FlaKernels,
+    chunk_gated_delta_rule,
+    fla_kernels,
+    recurrent_gated_delta_step,
+)
+from engine_core.models.layers import Linear
+from engine_core.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    first_norm,
+    make_mlp,
+    make_norm,
+)
+from engine_core.models.moe import SparseMoE, qwen3_dense_layers, refuse_unsupported
+from engine_core.parallel import SINGLE, TPGroup
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer; parameter names follow HF's ``linear_attn``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        la = config.linear_attention
+        assert la is not None
+        self.la = la
+        self.key_dim = la.num_key_heads * la.key_head_dim
+        self.value_dim = la.num_value_heads * la.value_head_dim
+        hidden = config.hidden_size
+        self.in_proj_qkvz = Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden, 2 * la.num_value_heads, bias=False)
+        conv_dim = la.conv_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, la.conv_kernel, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(la.num_value_heads))
+        self.norm = GatedRMSNorm(la.value_head_dim, config.norm_eps)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
+        # The state slots' tensors, bound by the runner: [slots, conv_dim, kernel - 1] and
+        # [slots, value_heads, key_head_dim, value_head_dim].
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    def state_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
+        la = self.la
+        return [
+            (num_slots, la.conv_dim, la.conv_kernel - 1),
+            (num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim),
+        ]
+
+    def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; each sequence of the step continues from its
+        slot's state (from zero where its chunk starts the sequence) and leaves it there."""
+        context = get_forward_context()
+        rows, starts = context.state, context.attn_metadata.query_start_loc_cpu
+        if rows is None:
+            raise RuntimeError("a linear-attention layer ran without the step's state rows")
+        assert self.conv_state is not None and self.recurrent_state is not None
+        rows.zero_fresh(self.conv_state, self.recurrent_state)
+        qkv, z, b, a = self.project(hidden)
+        beta = b.sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32
+        mixed = self.convolve(qkv, rows, starts)
+        kernels = fla_kernels() if mixed.is_cuda else None
+        if kernels is not None:
+            core = self.delta_rule_fla(kernels, mixed, g, beta, rows)
+        else:
+            core = self.delta_rule_torch(mixed, g, beta, rows, starts)
+        return self.out_proj(self.norm(core, z).flatten(1))
+
+    def project(
+        self, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (q, k, v side by side [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]).
+        HF's projections group their rows by key head: for each, its q, k, then the v and z of
+        the value heads it serves (and its b's, then its a's)."""
+        la, num_tokens = self.la, hidden.shape[0]
+        per_key = la.num_value_heads // la.num_key_heads
+        dk, vdims = la.key_head_dim, per_key * la.value_head_dim
+        qkvz = self.in_proj_qkvz(hidden).view(num_tokens, la.num_key_heads, -1)
+        q, k, v, z = qkvz.split([dk, dk, vdims, vdims], dim=-1)
+        ba = self.in_proj_ba(hidden).view(num_tokens, la.num_key_heads, 2 * per_key)
+        b, a = ba.split([per_key, per_key], dim=-1)
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+        z = z.reshape(num_tokens, la.num_value_heads, la.value_head_dim)
+        return qkv, z, b.flatten(1), a.flatten(1)
+
+    def convolve(self, qkv: torch.Tensor, rows: StateRows, starts: list[int]) -> torch.Tensor:
+        """The causal depthwise convolution (then SiLU) of each sequence's chunk [T, C] after
+        the last kernel - 1 inputs kept in its slot, which move on to the chunk's last ones."""
+        assert self.conv_state is not None
+        weight = self.conv1d.weight  # [C, 1, K]
+        mixed = torch.empty_like(qkv)
+        if rows.decode_rows is not None and rows.decode_slots is not None:
+            one, slots = rows.decode_rows, rows.decode_slots
+            window = torch.cat([self.conv_state[slots], qkv[one].unsqueeze(-1)], dim=-1)
+            self.conv_state[slots] = window[..., 1:]  # [N, C, K - 1]
+            mixed[one] = F.silu((window * weight.squeeze(1)).sum(-1))
+        kernel = self.la.conv_kernel
+        for seq, slot in rows.chunk_slots:
+            lo, hi = starts[seq], starts[seq + 1]
+            window = torch.cat([self.conv_state[slot], qkv[lo:hi].T], dim=-1)  # [C, K - 1 + L]
+            self.conv_state[slot] = window[:, -(kernel - 1) :]
+            out = F.conv1d(window.unsqueeze(0), weight, groups=weight.shape[0])[0]  # [C, L]
+            mixed[lo:hi] = F.silu(out.T)
+        return mixed
+
+    def delta_rule_torch(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: StateRows,
+        starts: list[int],
+    ) -> torch.Tensor:
+        """The gated delta rule in torch (models/delta_rule.py): the decodes in one recurrent
+        step, each longer chunk in the chunked form. mixed [T, C] -> [T, Hv, Dv]."""
+        state = self.recurrent_state
+        assert state is not None
+        la = self.la
+        core = mixed.new_empty(mixed.shape[0], la.num_value_heads, la.value_head_dim)
+        if rows.decode_rows is not None and rows.decode_slots is not None:
+            one, slots = rows.decode_rows, rows.decode_slots
+            q, k, v = self.heads(mixed[one])
+            out, after = recurrent_gated_delta_step(
+                q, k, v, g[one], beta[one].float(), state[slots].float()
+            )
+            state[slots] = after.to(state.dtype)
+            core[one] = out.to(core.dtype)
+        for seq, slot in rows.chunk_slots:
+            lo, hi = starts[seq], starts[seq + 1]
+            q, k, v = (x.transpose(0, 1) for x in self.heads(mixed[lo:hi]))  # [Hv, L, D]
+            out, after = chunk_gated_delta_rule(
+                q, k, v, g[lo:hi].T, beta[lo:hi].float().T, state[slot].float()
+            )
+            state[slot] = after.to(state.dtype)
+            core[lo:hi] = out.transpose(0, 1).to(core.dtype)
+        return core
+
+    def delta_rule_fla(
+        self,
+        kernels: FlaKernels,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: StateRows,
+    ) -> torch.Tensor:
+        """The gated delta rule in flash-linear-attention's Triton kernels (CUDA): the decodes
+        in one fused recurrent launch, every longer chunk in one variable-length chunked
+        launch; they L2-normalise q and k and serve several value heads per key head
+        themselves. mixed [T, C] -> [T, Hv, Dv]."""
+        state = self.recurrent_state
+        assert state is not None
+        la, num = self.la, mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.view(num, la.num_key_heads, -1), k.view(num, la.num_key_heads, -1)
+        v = v.view(num, la.num_value_heads, -1)
+        core = mixed.new_empty(num, la.num_value_heads, la.value_head_dim)
+        if rows.decode_rows is not None and rows.decode_slots is not None:
+            one, slots = rows.decode_rows, rows.decode_slots  # a batch of N one-token sequences
+            out, after = kernels.recurrent(
+                q[one, None], k[one, None], v[one, None], g=g[one, None], beta=beta[one, None],
+                initial_state=state[slots], output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            state[slots] = after.to(state.dtype)
+            core[one] = out[:, 0]
+        if rows.chunk_rows is not None and rows.chunk_slot_ids is not None:
+            many, slots = rows.chunk_rows, rows.chunk_slot_ids  # one batch of varied lengths
+            out, after = kernels.chunk(
+                q[None, many], k[None, many], v[None, many], g=g[None, many],
+                beta=beta[None, many], initial_state=state[slots], output_final_state=True,
+                cu_seqlens=rows.chunk_cu_seqlens, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            state[slots] = after.to(state.dtype)
+            core[many] = out[0]
+        return core
+
+    def heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output [N, C] -> q, k, v [N, Hv, D] in float32: q and k
+        L2-normalised, q scaled by Dk^-0.5, each key head repeated for the value heads it
+        serves."""
+        la, num = self.la, mixed.shape[0]
+        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        per_key = la.num_value_heads // la.num_key_heads
+        q = l2norm(q.view(num, la.num_key_heads, -1)).repeat_interleave(per_key, dim=1)
+        k = l2norm(k.view(num, la.num_key_heads, -1)).repeat_interleave(per_key, dim=1)
+        return q * la.key_head_dim**-0.5, k, v.view(num, la.num_value_heads, -1)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x over its last dim scaled to unit length (eps inside the root, as HF and FLA do)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output (plain weight), times silu of the gate z."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [..., dim] -> [..., dim] in x's dtype (normalised in float32)."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+class SharedExpertMoE(SparseMoE):
+    """Routed experts plus one shared SwiGLU expert, scaled by sigmoid(shared_expert_gate)."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
+        super().__init__(config, tp)
+        width = config.shared_expert_intermediate_size
+        self.shared_expert = LlamaMLP(dataclasses.replace(config, intermediate_size=width), tp)
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    """LlamaDecoderLayer's contract, its mixer either gated attention or a GatedDeltaNet."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, layer: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.self_attn: LlamaAttention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if config.is_linear_attention_layer(layer):
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = LlamaAttention(config, tp, layer)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        shared = config.is_moe_layer(layer) and config.shared_expert_intermediate_size
+        self.mlp = SharedExpertMoE(config, tp) if shared else make_mlp(config, tp, layer)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = first_norm(self.input_layernorm, hidden, residual)
+        if self.linear_attn is not None:
+            mixed = self.linear_attn(normed)
+        else:
+            assert self.self_attn is not None
+            mixed = self.self_attn(normed, cos, sin)
+        hidden, residual = self.post_attention_layernorm(mixed, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    """Qwen3-Next; checkpoint names follow HF's Qwen3NextForCausalLM."""
+
+    decoder_layer = Qwen3NextDecoderLayer
+    # The delta rule's torch code loops over chunks and sequences on the host: eager only.
+    cuda_graph_safe = False
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn.attn for layer in self.model.layers if layer.self_attn is not None]
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
+
+    def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
+        if hf_name.startswith("mtp."):
+            return None  # the multi-token-prediction head: a draft model, unused here
+        if ".shared_expert" in hf_name and not self.config.shared_expert_intermediate_size:
+            return None  # HF builds a shared expert of width 0 there: it adds exactly zero
+        return super().map_name(hf_name)
+
+
+def qwen3_next_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a Qwen3-Next config.json beyond the Llama family's; ValueError
+    naming any field whose value we do not implement."""
+    arch = "Qwen3NextForCausalLM"
+    refuse_unsupported(hf, arch, implemented=("shared_expert_intermediate_size",))
+    for name in ("use_sliding_window", "sliding_window"):
+        if hf.get(name) not in (None, False):
+            raise ValueError(f"{arch}: config field {name}={hf[name]!r} is not supported")
+    kinds = qwen3_next_layer_types(hf)
+    fields: dict[str, Any] = {
+        "architecture": "qwen3_next",
+        "qk_norm": True,
+        "norm_unit_offset": True,
+        "attention_output_gate": True,
+        "layer_types": kinds,
+        "linear_attention": linear_attention_config(hf),
+    }
+    experts = hf.get("num_experts") or 0
+    if not experts:
+        return fields
+    top_k = hf.get("num_experts_per_tok")
+    if not isinstance(top_k, int) or not 0 < top_k <= experts:
+        raise ValueError(
+            f"{arch}: num_experts_per_tok ({top_k}) must be between 1 and num_experts ({experts})"
+        )
+    return fields | {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "dense_layers": qwen3_dense_layers(hf),
+        "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0,
+    }
+
+
+def qwen3_next_layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
+    """``layer_types``, or from ``full_attention_interval`` (HF's default 4): every
+    interval-th layer attends fully, the others are linear attention."""
+    num_layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        interval = hf.get("full_attention_interval", 4)
+        kinds = [LAYER_KINDS[(i + 1) % interval == 0] for i in range(num_layers)]
+    unknown = set(kinds) - set(LAYER_KINDS)
+    if len(kinds) != num_layers or unknown:
+        raise ValueError(f"Qwen3NextForCausalLM: unsupported layer_types {kinds!r}")
+    return tuple(kinds)
+
+
+def linear_attention_config(hf: dict[str, Any]) -> LinearAttentionConfig:
+    la = LinearAttentionConfig(
+        num_key_heads=hf.get("linear_num_key_heads", 16),
+        num_value_heads=hf.get("linear_num_value_heads", 32),
+        key_head_dim=hf.get("linear_key_head_dim", 128),
+        value_head_dim=hf.get("linear_value_head_dim", 128),
+        conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+    )
+    if la.num_value_heads % la.num_key_heads:
+        raise ValueError(
+            f"Qwen3NextForCausalLM: linear_num_value_heads ({la.num_value_heads}) must be a "
+            f"multiple of linear_num_key_heads ({la.num_key_heads})"
+        )
+    if la.conv_kernel < 2:
+        raise ValueError(
+            f"Qwen3NextForCausalLM: linear_conv_kernel_dim {la.conv_kernel} is not supported "
+            "(at least 2)"
+        )
+    return la
