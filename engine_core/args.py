@@ -64,6 +64,23 @@ _HELP = {
     "recently used evicted first",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
+    "nnodes": "hosts one engine's tensor-parallel group spans, --tensor-parallel-size / "
+    "--nnodes ranks on each; run the same command on every host, each with its --node-rank "
+    "(docs/design/multi-node.md)",
+    "node_rank": "this host's place: 0 runs the engine core (and, with `tandem serve`, the API) "
+    "and ranks 0..k-1; node R runs only ranks R*k..R*k+k-1, no API and no engine sockets, and "
+    "follows node 0's engine across its restarts; k = tensor-parallel-size / nnodes",
+    "master_addr": "node 0's address, where the nodes meet (a TCP store on --master-port, "
+    "bound to this address only); not loopback: --dist-secret-file is required",
+    "master_port": "the rendezvous port on --master-addr",
+    "dist_secret_file": "a file (mode 0600, the same on every node) whose contents node 0 checks "
+    "each node's proof against (HMAC) before it takes part in any step; a node with another "
+    "secret is refused. Traffic stays unencrypted: keep the network private",
+    "enable_expert_parallel": "MoE models: each tensor-parallel rank holds 1/N of the experts, "
+    "whole, instead of 1/N of every expert's width (attention stays tensor-parallel); CPU only "
+    "for now (docs/design/multi-node.md)",
+    "dist_timeout": "seconds node 0 waits for the other nodes to join, and a node waits for node "
+    "0 (at start, and after node 0's engine ends, for its restart) before giving up",
 }
 
 

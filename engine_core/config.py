@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from protocol.address import is_loopback_host
 from protocol.messages import EmbeddingModel
 
 if TYPE_CHECKING:
@@ -330,6 +331,17 @@ class EngineConfig:
     # the rest (engine_core/peer_all_reduce.py); "nccl": NCCL for all of them.
     tp_all_reduce: str = "auto"
     data_parallel_size: int = 1  # engine cores behind one `tandem serve` (frontend only)
+    # One engine's tensor-parallel group over several hosts (engine_core/nodes.py): node 0 runs
+    # the engine core (and the API), the others only their ranks, all meeting at
+    # master_addr:master_port; a non-loopback master_addr needs the shared dist_secret_file.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29500
+    dist_secret_file: str | None = None
+    dist_timeout: float = 600.0  # seconds a node waits for the others at a rendezvous
+    # MoE layers: each tensor-parallel rank holds 1/size of the experts, whole (models/moe.py).
+    enable_expert_parallel: bool = False
     # QUANTIZATION_METHODS: "fp8" and "w8a8" quantize a bf16/fp16/fp32 checkpoint as it loads;
     # the others name a quantized checkpoint's format (which is read without the flag too).
     quantization: str | None = None
@@ -398,6 +410,52 @@ class EngineConfig:
                 "token of each step's budget"
             )
         self.check_lora()
+        self.check_nodes()
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "--enable-expert-parallel shards the experts over the tensor-parallel ranks: it "
+                "needs --tensor-parallel-size > 1"
+            )
+
+    def check_nodes(self) -> None:
+        """The multi-node flags fit together (engine_core/nodes.py reads the secret file)."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} must be in [0, --nnodes) and --nnodes "
+                f"{self.nnodes} at least 1"
+            )
+        if self.nnodes == 1:
+            given = [f for f in ("master_addr", "dist_secret_file") if getattr(self, f)]
+            if given:
+                flags = ", ".join("--" + f.replace("_", "-") for f in given)
+                raise ValueError(f"{flags}: for an engine over several nodes (--nnodes > 1)")
+            return
+        self._check_node_layout()
+        if not self.master_addr:
+            raise ValueError(f"--nnodes {self.nnodes} needs --master-addr (node 0's address)")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port {self.master_port} is not a TCP port")
+        if self.dist_secret_file is None and not is_loopback_host(self.master_addr):
+            raise ValueError(
+                f"--master-addr {self.master_addr} is not a loopback address: the nodes' "
+                "rendezvous and tensors would cross a network, which torch.distributed does "
+                "not authenticate; give every node the same --dist-secret-file (and keep the "
+                "network private: docs/security.md)"
+            )
+        if self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout {self.dist_timeout} must be positive (seconds)")
+
+    def _check_node_layout(self) -> None:
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} must be a multiple of "
+                f"--nnodes {self.nnodes}: each node runs tensor_parallel_size / nnodes ranks"
+            )
+        if self.data_parallel_size != 1:
+            raise ValueError(
+                "--data-parallel-size > 1 with --nnodes > 1 is not supported: one engine core "
+                "spans the nodes"
+            )
 
     def check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -423,6 +423,11 @@ def make_runner(config: EngineConfig) -> ModelRunner:
             "data_parallel_size is for `tandem serve`, which starts that many engine cores; "
             "one engine core is always one of them"
         )
+    if config.node_rank != 0:
+        raise ValueError(
+            f"--node-rank {config.node_rank} runs only that node's ranks, no engine core: it is "
+            "for `tandem serve` / `tandem engine` on the other nodes"
+        )
     if config.tensor_parallel_size == 1:
         runner = ModelRunner(config)
     else:

@@ -493,6 +493,10 @@ class ModelRunner:
             "FP8 KV cache, scales %s", "from the checkpoint" if scales else "1.0 (none given)"
         )
 
+    def step_failed(self, error: BaseException) -> None:
+        """A step raised ``error``. One process can go on (the server fails the step's requests);
+        a tensor-parallel rank 0 cannot, and ends its process (tp_runner.py)."""
+
     def shutdown(self) -> None:
         """Release what outlives the object (tensor-parallel workers; here the LoRA reader)."""
         if self.loras is not None:

@@ -1,8 +1,9 @@
 """The tensor-parallel group of one engine core: this process's rank and the collectives it runs.
 
-An engine core with ``--tensor-parallel-size N`` is N processes on one host: rank 0 is the engine
-process itself (it schedules and samples), ranks 1..N-1 are workers it spawns
-(engine_core/tp_runner.py). They meet through a TCPStore on the loopback interface and form two
+An engine core with ``--tensor-parallel-size N`` is N processes: rank 0 is the engine process
+itself (it schedules and samples), ranks 1..N-1 are workers it spawns (engine_core/tp_runner.py),
+or, with ``--nnodes``, that other hosts' launchers spawn (engine_core/nodes.py). They meet through
+a TCPStore bound to the loopback interface (or to ``--master-addr``) and form two
 torch.distributed groups:
 
 - the device group (NCCL on CUDA, gloo on the CPU) for the tensors of a forward: the all-reduce
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +54,8 @@ class TPGroup:
     device_group: Any = None  # torch ProcessGroup for the forward's tensors
     cpu_group: Any = None  # gloo ProcessGroup for host-side headers
     peer: PeerAllReduce | None = None  # the one-shot all-reduce for small tensors, or None
+    # MoE layers hold whole experts, 1/size of them each, instead of 1/size of every expert.
+    expert_parallel: bool = False
 
     @property
     def is_driver(self) -> bool:
@@ -128,16 +132,36 @@ def get_tp_group() -> TPGroup:
     return _current
 
 
-def create_store(world_size: int) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free loopback port (read it from ``store.port``)."""
+def create_store(
+    world_size: int, host: str = HOST, port: int = 0, timeout: datetime.timedelta = STORE_TIMEOUT
+) -> dist.TCPStore:
+    """Rank 0's rendezvous store on ``host``:``port`` (0: a free port; read it from
+    ``store.port``), listening on that address only.
+
+    Given a host alone, TCPStore listens on every interface of the machine: an unauthenticated
+    port open to the network. So the socket is bound here and handed to it.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart reuses the port
+        sock.bind(address)
+        sock.listen()
+        bound_port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
     return dist.TCPStore(
-        HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
-    )
+        host, bound_port, world_size, is_master=True, wait_for_workers=False, timeout=timeout,
+        master_listen_fd=sock.detach(),  # the store owns the socket from here on
+    )  # fmt: skip
 
 
-def connect_store(port: int, world_size: int) -> dist.TCPStore:
-    """A worker's handle on rank 0's store."""
-    return dist.TCPStore(HOST, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+def connect_store(
+    port: int, world_size: int, host: str = HOST, timeout: datetime.timedelta = STORE_TIMEOUT
+) -> dist.TCPStore:
+    """A worker's handle on rank 0's store (it retries the connection for ``timeout``)."""
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
 def join_tp_group(
@@ -146,11 +170,15 @@ def join_tp_group(
     world_size: int,
     device: torch.device,
     all_reduce: str = "auto",
+    local_rank: int | None = None,
+    expert_parallel: bool = False,
 ) -> TPGroup:
     """Join the engine core's group (blocks until every rank has joined) and make it current.
 
     ``all_reduce``: "auto" sets up the one-shot peer all-reduce where the GPUs allow it (a
     collective: every rank passes the same value), "nccl" leaves every all-reduce to NCCL.
+    ``local_rank``: the rank's GPU on its host (default: ``rank``, every rank on one host).
+    ``expert_parallel``: how the models built for the group split MoE experts.
     """
     global _current
     if dist.is_initialized():
@@ -159,23 +187,28 @@ def join_tp_group(
             "engine core per process (shut the previous one down first)"
         )
     if device.type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     peer = None
     if device.type == "cuda" and all_reduce == "auto":
         peer = make_peer_all_reduce(dist.group.WORLD, cpu_group, device, world_size)
-    _current = TPGroup(rank, world_size, dist.group.WORLD, cpu_group, peer)
+    _current = TPGroup(rank, world_size, dist.group.WORLD, cpu_group, peer, expert_parallel)
     return _current
 
 
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
-    """ValueError unless ``config``'s heads, KV heads and MLP split evenly over ``size`` ranks."""
+def check_tensor_parallel(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """ValueError unless ``config``'s heads, KV heads and MLP split evenly over ``size`` ranks
+    (and, with ``expert_parallel``, its experts)."""
+    if expert_parallel and not config.num_experts:
+        raise ValueError("--enable-expert-parallel is for mixture-of-experts models; this has none")
     parts = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads}
     if config.has_dense_mlp:
         parts["MLP width (intermediate_size)"] = config.intermediate_size
-    if config.num_experts:  # every expert is split along its own width
+    if expert_parallel:  # whole experts, 1/size of them on each rank
+        parts["number of experts (num_experts)"] = config.num_experts
+    elif config.num_experts:  # every expert is split along its own width
         parts["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
     uneven = [f"{name} ({value})" for name, value in parts.items() if value % size]
     if size < 1 or uneven:

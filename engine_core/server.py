@@ -371,6 +371,7 @@ class EngineServer:
         try:
             outputs = self.core.step()
         except Exception as exc:  # never die silently with requests in flight: fail them instead
+            self.core.runner.step_failed(exc)  # unless the runner cannot go on (and exits)
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(f"engine step failed: {exc}")
             return
@@ -501,6 +502,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine_core.args import engine_config_from_args
     from engine_core.memory_plan import ModelTooLargeError
+    from engine_core.nodes import NodeRefused, read_secret
     from protocol.address import is_loopback, private_ipc_address
 
     logging.basicConfig(
@@ -508,6 +510,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = engine_config_from_args(args)
+        if config.node_rank > 0:
+            return run_worker_node(args, config)
         address = EngineAddress.parse(args.address) if args.address else private_ipc_address()
         curve = _server_keys(args)
         if curve is None and not is_loopback(address):
@@ -515,14 +519,18 @@ def run(args: argparse.Namespace) -> int:
                 f"refusing to listen on {address} without authentication: give "
                 "--curve-secret-key and --curve-authorized-keys (see `tandem keygen`)"
             )
+        read_secret(config.dist_secret_file)
     except ValueError as exc:
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
     try:
         proc = EngineServer(config, address, curve, args.parent_pid)
-    except ModelTooLargeError as exc:  # at start-up: the message names the sizes and flags
+    except (ModelTooLargeError, NodeRefused) as exc:  # the message names the sizes and flags
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
+    except TimeoutError as exc:  # a node that never joined
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 1
     _stop_on_signals(proc)
     print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
     try:
@@ -531,6 +539,37 @@ def run(args: argparse.Namespace) -> int:
         logger.critical("%s: the engine process exits", exc)
         return 1
     return 0
+
+
+def run_worker_node(args: argparse.Namespace, config: EngineConfig) -> int:
+    """`tandem engine --node-rank R` (R > 0): only this node's ranks
+    (engine_core/worker_node.py)."""
+    import sys
+
+    from engine_core.nodes import read_secret
+    from engine_core.worker_node import serve_node
+
+    given = [flag for flag, value in NODE_ZERO_FLAGS.items() if getattr(args, value) is not None]
+    try:
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: node {config.node_rank} runs no engine sockets (they are "
+                "node 0's)"
+            )
+        read_secret(config.dist_secret_file)
+    except ValueError as exc:
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 2
+    return serve_node(config)
+
+
+# `tandem engine` flags of the engine core's sockets, which only node 0 has.
+NODE_ZERO_FLAGS = {
+    "--address": "address",
+    "--curve-secret-key": "curve_secret_key",
+    "--curve-authorized-keys": "curve_authorized_keys",
+    "--parent-pid": "parent_pid",
+}
 
 
 def _server_keys(args: argparse.Namespace) -> CurveServerKeys | None:

@@ -29,6 +29,7 @@ pickle: the header is plain msgpack data, and a worker's start-up arguments are 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import gc
 import logging
 import os
@@ -52,6 +53,14 @@ from engine_core.model_runner import (
     prompt_rows_on,
     resolve_device,
 )
+from engine_core.nodes import (
+    NodeLayout,
+    NodeWatch,
+    admit_nodes,
+    open_session,
+    read_secret,
+    rendezvous_host,
+)
 from engine_core.parallel import (
     STORE_TIMEOUT,
     TPGroup,
@@ -70,6 +79,7 @@ _STOP_TIMEOUT_S = 10.0
 _WORKER_KEY = "tandem/worker{}"
 _RENDEZVOUS_POLL_S = 0.05
 _WATCH_POLL_S = 0.2
+_NAME_THE_LOSS_S = 3.0  # a failed step waits this long for the watch to name a lost rank
 WORKER_LOST_EXIT_CODE = 70  # EX_SOFTWARE: the engine core ended itself, a worker being gone
 
 
@@ -141,17 +151,20 @@ class TPModelRunner(_ShardedRunner):
 
     def __init__(self, config: EngineConfig) -> None:
         size = config.tensor_parallel_size
+        check_expert_parallel_device(config)
         model_config = peek_model_config(config.model)
-        if model_config is not None:
-            check_tensor_parallel(model_config, size)  # before any process starts
-        store = create_store(size)
-        self.workers = spawn_workers(config, store.port)
+        if model_config is not None:  # before any process starts
+            check_tensor_parallel(model_config, size, config.enable_expert_parallel)
+        store = open_store(config)
+        layout = NodeLayout.of(config)
+        self.workers = spawn_workers(config, store.port, layout.ranks[1:])
         self.watch: WorkerWatch | None = None
         try:
-            wait_for_workers(store, self.workers)
-            self.watch = WorkerWatch(self.workers)  # from here on, collectives with them
+            nodes = meet_nodes(store, config, self.workers) if config.nnodes > 1 else None
+            wait_for_workers(store, self.workers, size, nodes)
+            self.watch = WorkerWatch(self.workers, nodes)  # from here on, collectives with them
             device = resolve_device(config.device)
-            self.tp = join_tp_group(store, 0, size, device, config.tp_all_reduce)
+            self.tp = join_group(store, 0, config, device)
             super().__init__(config)
             self.channel = StepChannel(self.tp)  # the engine core's warm-up steps go through it
         except BaseException:
@@ -184,6 +197,21 @@ class TPModelRunner(_ShardedRunner):
         self.channel.send(*self.input_batch.last_step(), inputs.prompt_rows_cpu)
         return inputs
 
+    def step_failed(self, error: BaseException) -> None:
+        """A step that raised left the ranks out of step: some wait in a collective that rank 0
+        left (or that a lost rank broke), so no later step can run. Failing the requests would
+        keep a dead group serving errors; the process ends instead, and `tandem serve` starts a
+        new engine core, to which the requests in flight move (docs/reliability.md). A lost
+        rank is the usual cause; the watch is given a moment to name it."""
+        cause = self.watch.wait_for_loss(_NAME_THE_LOSS_S) if self.watch is not None else None
+        logger.critical(
+            "a tensor-parallel step failed (%s); the group cannot run another, so this engine "
+            "core exits (code %d)",
+            cause or first_line(error), WORKER_LOST_EXIT_CODE,
+        )  # fmt: skip
+        logging.shutdown()
+        os._exit(WORKER_LOST_EXIT_CODE)
+
     def _share_sampled(self, token_ids: torch.Tensor) -> None:
         self.tp.broadcast_from_driver(token_ids)  # the workers' next placeholders
 
@@ -197,8 +225,7 @@ class TPWorker(_ShardedRunner):
 
     def __init__(self, config: EngineConfig, rank: int, store: dist.TCPStore) -> None:
         device = resolve_device(config.device)
-        size = config.tensor_parallel_size
-        self.tp = join_tp_group(store, rank, size, device, config.tp_all_reduce)
+        self.tp = join_group(store, rank, config, device)
         super().__init__(config)
         self.channel = StepChannel(self.tp)
 
@@ -262,14 +289,59 @@ def peek_model_config(model: str) -> ModelConfig | None:
     return load_model_config(resolve_model_dir(model))
 
 
+def join_group(
+    store: dist.TCPStore, rank: int, config: EngineConfig, device: torch.device
+) -> TPGroup:
+    """This rank's place in the engine's group. The peer all-reduce reaches the GPUs of one
+    host only: over several nodes, NCCL does them all."""
+    all_reduce = config.tp_all_reduce if config.nnodes == 1 else "nccl"
+    local_rank = NodeLayout.of(config).local_rank(rank)
+    size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
+    return join_tp_group(store, rank, size, device, all_reduce, local_rank, expert_parallel)
+
+
+def check_expert_parallel_device(config: EngineConfig) -> None:
+    """Expert parallelism runs the MoE layers' torch path only (models/moe.py)."""
+    if config.enable_expert_parallel and resolve_device(config.device).type == "cuda":
+        raise ValueError(
+            "--enable-expert-parallel runs on the CPU only for now: the fused CUDA MoE kernels "
+            "do not yet skip the other ranks' experts (docs/design/multi-node.md)"
+        )
+
+
 # ---- worker processes -------------------------------------------------------------------------
 
 
-def spawn_workers(config: EngineConfig, port: int) -> list[BaseProcess]:
+def open_store(config: EngineConfig) -> dist.TCPStore:
+    """Rank 0's store: on a free loopback port, or on --master-addr:--master-port for nodes."""
+    if config.nnodes == 1:
+        return create_store(config.tensor_parallel_size)
+    read_secret(config.dist_secret_file)  # a bad file fails before any port opens
+    timeout = datetime.timedelta(seconds=config.dist_timeout)
+    host, port = rendezvous_host(config), config.master_port
+    store = create_store(config.tensor_parallel_size, host, port, timeout)
+    logger.warning(
+        "rendezvous for %d nodes on %s:%d; torch.distributed's store and collectives are "
+        "neither authenticated nor encrypted past it: keep this network private "
+        "(docs/security.md)",
+        config.nnodes, host, port,
+    )  # fmt: skip
+    return store
+
+
+def meet_nodes(store: dist.TCPStore, config: EngineConfig, workers: list[BaseProcess]) -> NodeWatch:
+    """Admit the other nodes (engine_core/nodes.py) and start watching them."""
+    session = open_session(store)
+    admit_nodes(store, config, session, lambda: check_started(workers))
+    return NodeWatch(config, store.port)
+
+
+def spawn_workers(config: EngineConfig, port: int, ranks: range) -> list[BaseProcess]:
+    """This node's worker processes for ``ranks``, meeting at the store on ``port``."""
     ctx = torch.multiprocessing.get_context("spawn")
     level = logging.getLogger().getEffectiveLevel()
     workers = []
-    for rank in range(1, config.tensor_parallel_size):
+    for rank in ranks:
         args = (dataclasses.asdict(config), rank, port, os.getpid(), level)
         p = ctx.Process(target=run_worker, args=args, name=f"tandem-tp{rank}", daemon=True)
         p.start()
@@ -277,24 +349,34 @@ def spawn_workers(config: EngineConfig, port: int) -> list[BaseProcess]:
     return workers
 
 
-def wait_for_workers(store: dist.TCPStore, workers: list[BaseProcess]) -> None:
-    """Wait until every worker reached the store, failing fast if one exits first."""
-    keys = [_WORKER_KEY.format(rank) for rank in range(1, len(workers) + 1)]
+def wait_for_workers(
+    store: dist.TCPStore, workers: list[BaseProcess], size: int, nodes: NodeWatch | None = None
+) -> None:
+    """Wait until ranks 1..size-1 reached the store, failing fast if one of ours exits first
+    or another node is lost."""
+    keys = [_WORKER_KEY.format(rank) for rank in range(1, size)]
     deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
     while not store.check(keys):
-        dead = [p for p in workers if p.exitcode is not None]
-        if dead:
-            raise RuntimeError(
-                f"tensor-parallel worker {dead[0].name} exited with {dead[0].exitcode} "
-                "during start-up (see its log above)"
-            )
+        check_started(workers)
+        lost = nodes.lost() if nodes is not None else None
+        if lost is not None:
+            raise RuntimeError(f"{lost} during start-up (see its log)")
         if time.monotonic() > deadline:
             raise TimeoutError("tensor-parallel workers did not start within the store timeout")
         time.sleep(_RENDEZVOUS_POLL_S)
 
 
+def check_started(workers: list[BaseProcess]) -> None:
+    dead = [p for p in workers if p.exitcode is not None]
+    if dead:
+        raise RuntimeError(
+            f"tensor-parallel worker {dead[0].name} exited with {dead[0].exitcode} "
+            "during start-up (see its log above)"
+        )
+
+
 class WorkerWatch:
-    """Ends rank 0's process when a worker exits before shutdown.
+    """Ends rank 0's process when a worker exits before shutdown, or another node is lost.
 
     Rank 0's next collective would wait for the lost rank as long as the group's timeout
     allows (days on the header group, which must outwait an idle engine), and no exception can
@@ -304,8 +386,9 @@ class WorkerWatch:
     API on several GPUs exits too, for the same reason.
     """
 
-    def __init__(self, workers: list[BaseProcess]) -> None:
+    def __init__(self, workers: list[BaseProcess], nodes: NodeWatch | None = None) -> None:
         self.workers = workers
+        self.nodes = nodes
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tp-worker-watch", daemon=True)
         self._thread.start()
@@ -315,15 +398,34 @@ class WorkerWatch:
 
     def _run(self) -> None:
         while not self._stopped.wait(_WATCH_POLL_S):
-            lost = next((p for p in self.workers if p.exitcode is not None), None)
+            lost = self._lost()
             if lost is not None and not self._stopped.is_set():
                 logger.critical(
-                    "tensor-parallel worker %s (pid %s) exited with %s; this engine core cannot "
-                    "run without it and exits (code %d)",
-                    lost.name, lost.pid, lost.exitcode, WORKER_LOST_EXIT_CODE,
+                    "%s; this engine core cannot run without it and exits (code %d)",
+                    lost, WORKER_LOST_EXIT_CODE,
                 )  # fmt: skip
                 logging.shutdown()
                 os._exit(WORKER_LOST_EXIT_CODE)
+
+    def wait_for_loss(self, timeout: float) -> str | None:
+        """Why a worker or node is lost, polled for up to ``timeout`` s (None: none seen)."""
+        deadline = time.monotonic() + timeout
+        while (lost := self._lost()) is None and time.monotonic() < deadline:
+            time.sleep(_WATCH_POLL_S)
+        return lost
+
+    def _lost(self) -> str | None:
+        dead = next((p for p in self.workers if p.exitcode is not None), None)
+        if dead is not None:
+            code = dead.exitcode
+            return f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with {code}"
+        return self.nodes.lost() if self.nodes is not None else None
+
+
+def first_line(error: BaseException) -> str:
+    """torch.distributed's errors carry a C++ stack after their first line."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def stop_processes(workers: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S) -> None:
@@ -343,9 +445,10 @@ def run_worker(fields: dict[str, Any], rank: int, port: int, parent: int, log_le
     )
     config = EngineConfig(**fields)
     if resolve_device(config.device).type == "cpu":
-        # The CPU's cores are shared by every rank; more threads each only oversubscribe them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    store = connect_store(port, config.tensor_parallel_size)
+        # The node's cores are shared by its ranks; more threads each only oversubscribe them.
+        per_node = NodeLayout.of(config).ranks_per_node
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    store = connect_store(port, config.tensor_parallel_size, rendezvous_host(config))
     store.set(_WORKER_KEY.format(rank), "up")
     worker = TPWorker(config, rank, store)
     worker.serve()

@@ -203,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
+    if args.node_rank > 0:
+        return serve_worker_node(args)
     listeners = None
     if args.api_servers > 1:
         try:
@@ -221,6 +223,16 @@ def run(args: argparse.Namespace) -> int:
     with pid_dir if listeners else contextlib.nullcontext():
         specs = plan_engines(args, engine_model, curve, Path(pid_dir.name) if listeners else None)
         return launch(args, model_dir, specs, listeners)
+
+
+def serve_worker_node(args: argparse.Namespace) -> int:
+    """--node-rank R > 0: no API and no engine core here, only this node's tensor-parallel
+    ranks of node 0's engine (engine_core/worker_node.py). The same command runs on every node
+    (torchrun's convention); its HTTP flags take effect on node 0, which serves the API."""
+    from engine_core.args import engine_config_from_args
+    from engine_core.worker_node import serve_node
+
+    return serve_node(engine_config_from_args(args))
 
 
 def launch(
@@ -289,6 +301,10 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
             "`tandem engine`)"
         )
     engine_config_from_args(args)  # raises ValueError on limits that do not fit together
+    if args.dist_secret_file is not None:  # checked before any engine starts or port opens
+        from engine_core.nodes import read_secret
+
+        read_secret(args.dist_secret_file)
     check_lora_args(args)
     MediaOptions.from_args(args)  # --limit-mm-per-prompt and the media paths
     return curve

@@ -316,6 +316,12 @@ def _endpoint_is_loopback(endpoint: str) -> bool:
     if not endpoint.startswith(_TCP):
         return False
     host, _ = _split_host_port(endpoint)
+    return is_loopback_host(host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """localhost, 127.x or ::1 (bracketed or not); any other name is not resolved and counts
+    as remote."""
     host = host.strip("[]")
     if host.lower() == "localhost":
         return True

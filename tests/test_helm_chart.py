@@ -13,6 +13,7 @@ parsed by tandem's own CLI parser, so a flag the server does not have fails here
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from engine_core.args import engine_config_from_args
 from frontend.cli import build_parser
 from frontend.operations import check_operations_args
 
@@ -79,8 +81,9 @@ MULTI_NODE = {
     "tensorParallelSize": 16,
     "gpu": {"count": 8},
     "apiKey": {"value": "s3cret"},
-    "multiNode": {"enabled": True, "groups": 1, "nodes": 2},
+    "multiNode": {"enabled": True, "groups": 1, "nodes": 2, "secret": {"value": "x" * 32}},
     "serviceMonitor": {"enabled": True},
+    "extraArgs": ["--max-model-len", "8192"],
 }
 
 
@@ -240,19 +243,32 @@ def test_remote_engine_mounts_the_curve_keys(tmp_path: Path) -> None:
     assert main["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "tandem-key", "key": "key"}
 
 
-def test_multi_node_passes_the_issue_65_flags(tmp_path: Path) -> None:
-    """Templated against flags tandem does not have yet (values.yaml says so)."""
-    lws = by_kind(documents(MULTI_NODE, tmp_path))["LeaderWorkerSet"][0]
-    template = lws["spec"]["leaderWorkerTemplate"]
+def test_multi_node_pods_run_one_command_that_tandem_accepts_as_nodes(tmp_path: Path) -> None:
+    """Every pod runs the same `tandem serve` but for --node-rank, so node 0 admits the workers
+    (their engine configurations must match: engine_core/nodes.py), with the shared secret
+    mounted as a file tandem accepts (mode 0400)."""
+    kinds = by_kind(documents(MULTI_NODE, tmp_path))
+    template = kinds["LeaderWorkerSet"][0]["spec"]["leaderWorkerTemplate"]
     assert template["size"] == 2
     leader = container(template["leaderTemplate"]["spec"])
     worker = container(template["workerTemplate"]["spec"])
-    assert leader["command"] == ["tandem", "serve"] and worker["command"] == ["tandem", "engine"]
-    for pod, rank in ((leader, "0"), (worker, "$(LWS_WORKER_INDEX)")):
-        flags = dict(zip(pod["args"][::2], pod["args"][1::2], strict=False))
-        assert flags["--node-rank"] == rank
-        assert flags["--master-addr"] == "$(LWS_LEADER_ADDRESS)"
-        assert flags["--nnodes"] == "2"
+    assert leader["command"] == worker["command"] == ["tandem", "serve"]
+    configs = []
+    for pod, rank in ((leader, "0"), (worker, "1")):
+        args = [rank if a == "$(LWS_WORKER_INDEX)" else a for a in pod["args"]]
+        parsed = parsed_serve_args(args)
+        config = engine_config_from_args(parsed)  # the node flags fit together
+        assert config.node_rank == int(rank) and config.nnodes == 2
+        assert config.master_addr == "$(LWS_LEADER_ADDRESS)" and config.max_model_len == 8192
+        configs.append({k: v for k, v in dataclasses.asdict(config).items() if k != "node_rank"})
+        mounts = {m["name"]: m["mountPath"] for m in pod["volumeMounts"]}
+        assert Path(config.dist_secret_file or "").parent == Path(mounts["dist-secret"])
+    assert configs[0] == configs[1]
+    volumes = {v["name"]: v for v in template["workerTemplate"]["spec"]["volumes"]}
+    assert volumes["dist-secret"]["secret"]["defaultMode"] == 0o400
+    secret = next(s for s in kinds["Secret"] if s["metadata"]["name"].endswith("-dist"))
+    assert volumes["dist-secret"]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert sorted(secret["data"]) == ["dist-secret"]
 
 
 @pytest.mark.parametrize(
@@ -284,8 +300,20 @@ def test_multi_node_passes_the_issue_65_flags(tmp_path: Path) -> None:
             "tensorParallelSize 4 needs 4 GPUs, but gpu.count gives the engine 2",
         ),
         (
-            {"model": {"path": "m"}, "multiNode": {"enabled": True}, **REMOTE_ENGINE},
+            {
+                "model": {"path": "m"},
+                "multiNode": {"enabled": True, "secret": {"value": "x" * 32}},
+                **REMOTE_ENGINE,
+            },
             "does not go with remoteEngine.enabled",
+        ),
+        (
+            {"model": {"path": "m"}, "multiNode": {"enabled": True}},
+            "multiNode.secret.value (or existingSecret) is required",
+        ),
+        (
+            {**MULTI_NODE, "tensorParallelSize": 3},
+            "tensorParallelSize 3 must be a multiple of multiNode.nodes 2",
         ),
     ],
     ids=[
@@ -300,6 +328,8 @@ def test_multi_node_passes_the_issue_65_flags(tmp_path: Path) -> None:
         "remote-without-keys",
         "too-few-gpus",
         "multi-node-and-remote",
+        "multi-node-without-secret",
+        "multi-node-uneven",
     ],
 )
 def test_bad_values_fail_rendering_naming_the_value(

@@ -426,6 +426,7 @@ def test_config_fields() -> None:
         ("n_shared_experts", 2),
         ("routed_scaling_factor", 2.5),
         ("hidden_act", "gelu"),
+        ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}),
     ],
 )
 def test_fields_we_do_not_implement_are_refused_by_name(field: str, value: object) -> None:

@@ -107,11 +107,12 @@ def make_prompts() -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
-def write_model(name: str, folder: Path) -> nn.Module:
-    """A random HF model saved to ``folder``; every parameter random (HF zero-initialises biases,
-    which would hide a bias-sharding bug), norm scales near 1."""
+def write_model(name: str, folder: Path, config: PretrainedConfig | None = None) -> nn.Module:
+    """A random HF model (CONFIGS[name], or ``config``) saved to ``folder``; every parameter
+    random (HF zero-initialises biases, which would hide a bias-sharding bug), norm scales
+    near 1."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    model = AutoModelForCausalLM.from_config(config or CONFIGS[name]()).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for pname, param in model.named_parameters():

@@ -415,6 +415,11 @@ class ShardedParameters:
         """Where shard ``shard`` of parameter ``param_name`` lives in it."""
         raise NotImplementedError
 
+    def holds_shard(self, param_name: str, shard: int) -> bool:
+        """Whether this rank keeps shard ``shard`` at all (expert parallelism keeps only its
+        own experts' shards; the others are other ranks')."""
+        return True
+
 
 def rank_rows(tensor: torch.Tensor, tp: TPGroup, dim: int = 0) -> torch.Tensor:
     """Rank ``tp.rank``'s contiguous 1/size of ``tensor`` along ``dim``."""
@@ -943,6 +948,8 @@ def load_mapped_weights(
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} maps to unknown parameter {held!r}"
                 )
+            if shard is not None and not holds_shard(model, held, shard):
+                continue
             tensor = narrow_for_rank(model, held, full, shard)
             load_tensor(model, held, tensor, shard_rows(model, held, shard), hf_name)
             expected.discard((held, shard))
@@ -1027,6 +1034,13 @@ def checkpoint_shards(model: nn.Module, name: str) -> range:
     if isinstance(module, ShardedParameters):
         return module.checkpoint_shards(param_name)
     return range(0)
+
+
+def holds_shard(model: nn.Module, name: str, shard: int) -> bool:
+    """Whether this rank keeps shard ``shard`` of parameter ``name``."""
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return not isinstance(module, ShardedParameters) or module.holds_shard(param_name, shard)
 
 
 def narrow_for_rank(

@@ -11,6 +11,12 @@ of the gate and up halves of w13, its columns of w2): the same split as llama's 
 gate_up_proj and row-parallel down_proj, so each rank's output is a partial sum, all-reduced like
 a row-parallel linear's. The router is replicated, so every rank routes every token alike.
 
+With ``--enable-expert-parallel`` (``tp.expert_parallel``) rank r holds experts
+[r*E/N, (r+1)*E/N) whole instead: every rank routes every token, computes the (token, k) pairs of
+its own experts and zero for the rest, and the same all-reduce sums the ranks' parts. No
+all-to-all: each rank reads all T tokens and sends a [T, hidden] sum, as under plain TP
+(docs/design/multi-node.md, "Expert parallelism"). The torch path only, for now.
+
 The experts run through the fused Triton kernels of engine_core/models/fused_moe.py on CUDA (no
 host sync, so decode is captured in CUDA graphs) and through ``experts_reference`` elsewhere.
 
@@ -89,12 +95,20 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         super().__init__()
         experts, hidden = config.num_experts, config.hidden_size
         width = config.moe_intermediate_size
-        self.inter = check_divisible("expert width (moe_intermediate_size)", width, tp)
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        self.first_expert = 0
+        if self.expert_parallel:  # whole experts, 1/size of them
+            self.inter = width
+            local = check_divisible("number of experts (num_experts)", experts, tp)
+            self.first_expert = tp.rank * local
+        else:  # every expert, 1/size of its width
+            self.inter = check_divisible("expert width (moe_intermediate_size)", width, tp)
+            local = experts
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.tp = tp
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * self.inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, self.inter))
+        self.w13 = nn.Parameter(torch.empty(local, 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, self.inter))
         # The one-token router's arrival count (fused_moe.route_one_token): zero between calls,
         # which this layer's forward makes one at a time.
         self.register_buffer("router_arrived", torch.zeros(1, dtype=torch.int32), persistent=False)
@@ -165,10 +179,14 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         copy_into(getattr(self, param_name), tensor, index, hf_name)
 
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden]."""
-        if self.fp8 is None:
-            return run_experts(x, self.w13, self.w2, weights, ids)
-        return grouped_experts(x, weights, ids, self.w13.shape[0], self.fp8_expert)
+        """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden]; under expert
+        parallelism this rank's experts' share only."""
+        if self.fp8 is not None:
+            return grouped_experts(x, weights, ids, self.w13.shape[0], self.fp8_expert)
+        if self.expert_parallel:
+            ids = local_expert_ids(ids, self.first_expert, self.w13.shape[0])
+            return experts_reference(x, self.w13, self.w2, weights, ids)
+        return run_experts(x, self.w13, self.w2, weights, ids)
 
     def fp8_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One FP8 expert's SwiGLU over its tokens x [n, H] -> [n, H]."""
@@ -190,29 +208,44 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         return route(self.gate(x), self.top_k, self.renormalize)
 
     def checkpoint_shards(self, param_name: str) -> range:
-        # w13: expert e's gate is shard 2e, its up 2e + 1; w2: expert e's down is shard e; their
-        # FP8 scales alike.
-        experts = self.w13.shape[0]
-        return range(2 * experts) if param_name in ("w13", "w13_scale") else range(experts)
+        # w13: expert e's gate is shard 2e, its up 2e + 1; w2: expert e's down is shard e (e
+        # over the whole model: under expert parallelism, this rank's experts only); their FP8
+        # scales alike.
+        first, experts = self.first_expert, self.w13.shape[0]
+        if param_name in ("w13", "w13_scale"):
+            return range(2 * first, 2 * (first + experts))
+        return range(first, first + experts)
+
+    def holds_shard(self, param_name: str, shard: int) -> bool:
+        return shard in self.checkpoint_shards(param_name)
 
     def shard_index(self, param_name: str, shard: int) -> ShardIndex:
         if param_name in ("w2", "w2_scale"):
-            return shard
+            return shard - self.first_expert
         expert, half = divmod(shard, 2)
         rows = getattr(self, param_name).shape[1] // 2  # the gate's rows (or row blocks)
-        return expert, slice(half * rows, (half + 1) * rows)
+        return expert - self.first_expert, slice(half * rows, (half + 1) * rows)
 
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:
         if self.tp.size == 1:
             return tensor
+        if self.expert_parallel:  # this rank's experts of a stacked tensor, whole
+            return tensor if shard is not None else rank_rows(tensor, self.tp)
         if param_name == "w2":  # [H, I] of one expert, or [E, H, I]
             return rank_rows(tensor, self.tp, dim=tensor.dim() - 1)
         if shard is not None:  # one expert's gate or up, [I, H]
             return rank_rows(tensor, self.tp)
         gate, up = tensor.chunk(2, dim=1)  # [E, I, H] each
         return torch.cat([rank_rows(gate, self.tp, 1), rank_rows(up, self.tp, 1)], dim=1)
+
+
+def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Expert ids [T, K] -> this rank's indices of its experts [first, first + count); the
+    other ranks' experts become ``count``, which ``grouped_experts`` skips."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, count)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +307,8 @@ def grouped_experts(
     run: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """sum over k of weights[t, k] * run(ids[t, k], x[t]) [T, hidden]: the (token, k) pairs
-    grouped by expert, ``run(expert, rows [n, H]) -> [n, H]`` once per expert with tokens."""
+    grouped by expert, ``run(expert, rows [n, H]) -> [n, H]`` once per expert with tokens.
+    Pairs with an id of ``num_experts`` or more (another rank's expert) add nothing."""
     top_k = ids.shape[1]
     flat = ids.flatten()  # [T*K]
     order = flat.argsort(stable=True)  # pairs by expert, in token order within one
@@ -283,7 +317,7 @@ def grouped_experts(
     pair_weights = weights.flatten()[order]  # [T*K]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, hidden]
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):  # the others' pairs sort last
         if count:
             rows = tokens[start : start + count]
             y = run(expert, x.index_select(0, rows))  # [n, hidden]

@@ -118,6 +118,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   mountPath: /etc/tandem/curve
   readOnly: true
 {{- end }}
+{{- if .Values.multiNode.enabled }}
+- name: dist-secret
+  mountPath: /etc/tandem/dist
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "tandem.volumes" -}}
@@ -134,6 +139,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   secret:
     secretName: {{ include "tandem.curveSecret" . }}
     defaultMode: 0400  # tandem refuses secret key files that others may read
+{{- end }}
+{{- if .Values.multiNode.enabled }}
+- name: dist-secret
+  secret:
+    secretName: {{ include "tandem.distSecret" . }}
+    defaultMode: 0400  # as --dist-secret-file must be
 {{- end }}
 {{- end -}}
 
@@ -191,8 +202,11 @@ affinity:
 terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
 {{- end -}}
 
-{{/* Issue 65's multi-node flags (not in tandem yet); LWS sets the two variables in each pod. */}}
+{{/* The multi-node flags; LWS sets the two variables in each pod. */}}
 {{- define "tandem.multiNodeArgs" -}}
+{{- if mod (int .root.Values.tensorParallelSize) (int .root.Values.multiNode.nodes) -}}
+{{- fail (printf "tensorParallelSize %d must be a multiple of multiNode.nodes %d (each node runs tensorParallelSize / nodes ranks)" (int .root.Values.tensorParallelSize) (int .root.Values.multiNode.nodes)) -}}
+{{- end }}
 - --nnodes
 - {{ .root.Values.multiNode.nodes | quote }}
 - --node-rank
@@ -201,6 +215,12 @@ terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
 - $(LWS_LEADER_ADDRESS)
 - --master-port
 - {{ .root.Values.multiNode.masterPort | quote }}
+- --dist-secret-file
+- /etc/tandem/dist/{{ .root.Values.multiNode.secret.secretKey }}
+{{- end -}}
+
+{{- define "tandem.distSecret" -}}
+{{- .Values.multiNode.secret.existingSecret | default (printf "%s-dist" (include "tandem.fullname" .)) -}}
 {{- end -}}
 
 {{/* One engine's tensor-parallel ranks need a GPU each: the pod's (all the group's pods'). */}}
