@@ -48,7 +48,7 @@ from engine_core.models.llama import (
     first_norm,
     make_norm,
 )
-from engine_core.models.moe import SparseMoE, run_experts
+from engine_core.models.moe import SparseMoE
 from engine_core.parallel import SINGLE, PendingSum, TPGroup
 
 LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
@@ -115,7 +115,7 @@ class Llama4MoE(SparseMoE):
         top, ids = self.gate(x).topk(1, dim=-1)  # [T, 1] each
         score = torch.sigmoid(top.float()).to(x.dtype)
         unweighted = torch.ones(score.shape, dtype=torch.float32, device=x.device)
-        routed = run_experts(x * score, self.w13, self.w2, unweighted, ids)
+        routed = self.run_routed(x * score, unweighted, ids)  # this rank's experts (EP) too
         if self.tp.size > 1:
             routed = self.tp.all_reduce(routed)
         return routed + self.shared_expert(x)
