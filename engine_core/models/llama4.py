@@ -110,8 +110,8 @@ class Llama4MoE(SparseMoE):
         self.shared_expert = LlamaMLP(dataclasses.replace(config, intermediate_size=width), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> the chosen expert of x times its sigmoid score, plus the shared
-        expert of x, [T, hidden]."""
+        """x [T, hidden] -> the chosen expert applied to x scaled by its sigmoid score (on the
+        input, as HF), plus the shared expert applied to x, [T, hidden]."""
         top, ids = self.gate(x).topk(1, dim=-1)  # [T, 1] each
         score = torch.sigmoid(top.float()).to(x.dtype)
         unweighted = torch.ones(score.shape, dtype=torch.float32, device=x.device)
