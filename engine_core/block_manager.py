@@ -4,10 +4,12 @@ This is the one owner of block state: the free list, the reference counts, the p
 and the per-request block tables. The scheduler asks it for room (an opaque yes/no) and the model
 runner reads block tables; neither touches the structures below.
 
-Layers come in groups (engine_core/kv_groups.py): full attention, or a sliding window of W
-tokens. Every group has its own block table per request, all drawn from one pool: a block id
-names memory in one layer of each group, so any group may take any free block. A model with one
-group has one table per request and nothing below changes for it. With a window group:
+Layers come in groups (engine_core/kv_groups.py): full attention, a sliding window of W
+tokens, or chunked local attention of chunk C (a query at p sees [p // C * C, p]). Every group
+has its own block table per request, all drawn from one pool: a block id names memory in one
+layer of each group, so any group may take any free block. A model with one group has one table
+per request and nothing below changes for it. With a window group (a chunked group is one whose
+window starts at its chunk's start):
 
 - block 0 is the null block, never handed out: a window group's table holds it in place of the
   blocks wholly behind the window, which are given back (registered with the prefix cache
@@ -15,7 +17,8 @@ group has one table per request and nothing below changes for it. With a window 
   query's window, so the placeholder is never read;
 - a prefix-cache hit of n blocks needs every full group's blocks 0..n-1 and each window group's
   blocks that the first recomputed token (at n * block_size) still sees: those from position
-  n * block_size - W + 1 on. The longest n for which every group has them is the hit.
+  n * block_size - W + 1 on, or for a chunked group from C * floor(n * block_size / C) on. The
+  longest n for which every group has them is the hit.
 
 A model with linear-attention layers (Qwen3-Next) also has the state kind: each running request
 holds one state slot (``state_slots`` of them, as many as the running cap), taken by its first
@@ -103,12 +106,18 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         windows: Sequence[int | None] = (None,),
+        attention_chunks: Sequence[int | None] = (),
         state_slots: int = 0,
     ) -> None:
         """``windows``: each layer group's sliding window (None: full attention), group 0
-        first; its table is the one a step's plan carries as ``block_ids``. ``state_slots``:
-        the linear-attention state slots (0: the model has no such layers)."""
-        has_window = any(w is not None for w in windows)
+        first; its table is the one a step's plan carries as ``block_ids``.
+        ``attention_chunks``: each group's attention chunk beside it (empty: none chunked).
+        ``state_slots``: the linear-attention state slots (0: the model has no such layers)."""
+        chunks = tuple(attention_chunks) or (None,) * len(windows)
+        if len(chunks) != len(windows):
+            raise ValueError(f"{len(chunks)} attention chunks for {len(windows)} groups")
+        groups = [KVGroup(w, (), c) for w, c in zip(windows, chunks, strict=True)]
+        has_window = any(group.gives_back for group in groups)
         if num_blocks <= int(has_window) or block_size <= 0 or not windows:
             raise ValueError(
                 f"need num_blocks > {int(has_window)}, block_size > 0 and a group, got "
@@ -121,10 +130,11 @@ class BlockManager:
         self._free_slots: deque[int] = deque(range(state_slots))
         self._slots: dict[str, int] = {}  # request id -> the state slot it holds
         self.windows = tuple(windows)
+        self.attention_chunks = chunks
         self.num_groups = len(self.windows)
         # One table per request, no block ever given back: the hot paths take their shortcuts;
         # otherwise the scheduler's two per-row calls are the general ones.
-        self._one_full_group = self.windows == (None,)
+        self._one_full_group = self.num_groups == 1 and not has_window
         if not self._one_full_group or state_slots:  # the general path takes a state slot
             self.table_covering = self._table_covering_groups  # type: ignore[method-assign]
             self.cache_computed_blocks = self._cache_group_blocks  # type: ignore[method-assign]
@@ -144,9 +154,8 @@ class BlockManager:
         # Chain hashes of the request's leading full blocks that are already accounted for
         # (one chain for every group: a hash names the tokens, not the memory).
         self._chain: dict[str, list[int]] = {}
-        # Groups that give blocks back (windows): (index, group), and per request how many
-        # leading entries of each such group's table are the null block.
-        groups = [KVGroup(w) for w in self.windows]
+        # Groups that give blocks back (windows, attention chunks): (index, group), and per
+        # request how many leading entries of each such group's table are the null block.
         self._window_groups = [(g, group) for g, group in enumerate(groups) if group.gives_back]
         self._behind: dict[str, list[int]] = {}
 
@@ -185,12 +194,13 @@ class BlockManager:
         once, computed in chunks of at most ``chunk`` tokens (what every group holds at its
         peak: with window groups only, any length may fit)."""
         size, windows = self.block_size, self.windows
-        if all(w is None for w in windows):
+        if not self._window_groups:
             return min(limit, self.num_blocks // self.num_groups * size)
         lo, hi = 0, limit
         while lo < hi:  # the largest length whose peak fits: the peak only grows with it
             mid = (lo + hi + 1) // 2
-            if blocks_for_tokens(windows, mid, size, chunk) <= self.num_blocks:
+            peak = blocks_for_tokens(windows, mid, size, chunk, self.attention_chunks)
+            if peak <= self.num_blocks:
                 lo = mid
             else:
                 hi = mid - 1

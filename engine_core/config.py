@@ -173,7 +173,7 @@ class VisionConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2",
-    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2), "qwen3_next"
+    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2), "qwen3_next", "llama4" (Llama 4's text)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -192,7 +192,14 @@ class ModelConfig:
     # Per layer "sliding_attention" or "full_attention" (Gemma 3): only the sliding layers get
     # sliding_window. None: every layer gets it (Mistral, Phi-3). "linear_attention" (Qwen3-Next):
     # a gated DeltaNet layer, which has no KV cache but a state (``linear_attention``).
+    # "chunked_attention" (Llama 4): the layer gets attention_chunk_size.
     layer_types: tuple[str, ...] | None = None
+    attention_chunk_size: int | None = None  # Llama 4: a query at p sees [p // C * C, p]
+    # Llama 4 (models/llama4.py): layers without rotary ("NoPE"); their queries' temperature
+    # (floor_scale, attn_scale), None: unscaled; an L2 norm of q and k on the rotary layers.
+    nope_layers: tuple[int, ...] = ()
+    query_temperature: tuple[float, float] | None = None
+    qk_l2_norm: bool = False
     # Gemma 3's sliding layers rotate with their own base (and scaling); None: one rope for all.
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
@@ -210,7 +217,8 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE)
     # How the router picks experts: "softmax" (top-k of the softmax: Mixtral, Qwen3-MoE),
     # "gpt_oss" (softmax over the top-k logits, biased router, experts with biases and a clamped
-    # SwiGLU), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, correction bias, top groups),
+    # SwiGLU), "llama4" (sigmoid of the top-1 logit, scaling the expert's input; a shared
+    # expert), "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, correction bias, top groups),
     # "softmax_grouped" (DeepSeek-V2: softmax scores, optionally the top groups' experts only).
     moe_router: str = "softmax"
     n_group: int = 1  # expert groups, of which each token's experts come from topk_group
@@ -242,6 +250,12 @@ class ModelConfig:
         """The attention window of layer ``layer`` (None: full attention)."""
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
+        return None
+
+    def layer_attention_chunk(self, layer: int) -> int | None:
+        """The attention chunk of layer ``layer`` (None: the layer is not chunked)."""
+        if self.layer_types is not None and self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk_size
         return None
 
     def is_linear_attention_layer(self, layer: int) -> bool:

@@ -70,6 +70,7 @@ class EngineCore:
             proposer=make_proposer(config.speculation()),
             loras=self.runner.loras,
             kv_windows=self.runner.kv_layout.windows,
+            kv_attention_chunks=self.runner.kv_layout.attention_chunks,
             state_slots=self.runner.num_state_slots,
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.

@@ -98,13 +98,15 @@ class InputBatch:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         kv_windows: Sequence[int | None] = (None,),
+        kv_attention_chunks: Sequence[int | None] = (),
     ) -> None:
         """``kv_windows``: the window of each of the model's KV layer groups (None: full
         attention; engine_core/kv_groups.py), each with its own block tables and slot mapping
-        in the step."""
+        in the step; ``kv_attention_chunks``: each group's attention chunk (empty: none)."""
         self.device = device
         self.block_size = block_size
         self.kv_windows = tuple(kv_windows)
+        self.kv_attention_chunks = tuple(c for c in kv_attention_chunks if c is not None)
         self.num_groups = len(self.kv_windows)
         self._max_width = max_blocks_per_seq
         self._pinned = device.type == "cuda"
@@ -340,6 +342,11 @@ class InputBatch:
             return None
         if self.num_groups > 1 and not all(s.group_block_ids for s in scheduled):
             return None  # a row planned without its groups' tables: packed in full
+        if any(np.any(positions % chunk == 0) for chunk in self.kv_attention_chunks):
+            # A row entering a new attention chunk: its chunked groups gave back every block
+            # before the chunk (many entries at once, in group 0 too where it is chunked), so
+            # this step, once every C steps of a row, is packed in full.
+            return None
         host = self._host_buffer(layout.nbytes)
         if host is not last_host:  # a ring of one (no pinned memory) advances in place
             host[: layout.nbytes] = last_host[: layout.nbytes]

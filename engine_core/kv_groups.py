@@ -1,7 +1,7 @@
 """Layer groups of the KV cache: which layers share a block table, and how the tensors are laid out.
 
-Layers are grouped by kind (today: full attention, or a sliding window of W tokens; a chunked
-local-attention group of chunk C or a linear-attention state group would be further kinds). Every
+Layers are grouped by kind (full attention, a sliding window of W tokens, or chunked local
+attention of chunk C, Llama 4's; linear-attention layers are the state kind, below). Every
 group has the same number of layers (``group_size``), so the cache is ``group_size`` K/V tensor
 pairs of ``num_blocks`` blocks each, and layer j of every group uses pair j: one block id names
 memory in one layer of each group, and a block held by a group costs that group's layers only. A
@@ -34,31 +34,36 @@ from engine_core.config import ModelConfig
 class KVGroup:
     """Layers that share one block table per request. Its kind decides which positions a
     query sees (``first_seen``); the block manager gives back the blocks before that and the
-    prefix cache asks only for the blocks from there. A chunked local-attention kind (chunk C)
-    changes ``first_seen`` to ``position // C * C`` and ``peak_blocks`` to match."""
+    prefix cache asks only for the blocks from there."""
 
     window: int | None  # the layers' sliding window in tokens; None: full attention
     layers: tuple[int, ...] = ()  # model layer indices, in order; layer k uses cache pair k
+    # Chunked local attention (Llama 4): a query at p sees [p // C * C, p]. None: not chunked.
+    attention_chunk: int | None = None
 
     @property
     def gives_back(self) -> bool:
         """Whether blocks fall out of what its queries see as a request advances."""
-        return self.window is not None
+        return self.window is not None or self.attention_chunk is not None
 
     def first_seen(self, position: int) -> int:
-        """The first position a query at ``position`` attends to (itself and the window - 1
-        tokens before it; 0 for full attention)."""
+        """The first position a query at ``position`` attends to: itself and the window - 1
+        tokens before it; the start of its attention chunk; 0 for full attention."""
+        if self.attention_chunk is not None:
+            return position - position % self.attention_chunk
         return 0 if self.window is None else max(0, position - self.window + 1)
 
     def peak_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
         """The most blocks a sequence of ``num_tokens`` tokens holds in this group at once,
         computed in chunks of at most ``chunk`` tokens: every block for full attention; for a
         window, those of the window behind a chunk's first token and of the chunk (plus one:
-        neither need start on a block boundary)."""
+        neither need start on a block boundary); for an attention chunk of C the same with C
+        in place of the window (a step's first token is at most C - 1 past its chunk's start)."""
         total = math.ceil(num_tokens / block_size)
-        if self.window is None:
+        reach = self.window if self.attention_chunk is None else self.attention_chunk
+        if reach is None:
             return total
-        return min(total, math.ceil((self.window - 1 + chunk) / block_size) + 1)
+        return min(total, math.ceil((reach - 1 + chunk) / block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,16 @@ class KVLayout:
     def windows(self) -> tuple[int | None, ...]:
         return tuple(group.window for group in self.groups)
 
+    @property
+    def attention_chunks(self) -> tuple[int | None, ...]:
+        """Each group's attention chunk (None: not chunked), beside ``windows``."""
+        return tuple(group.attention_chunk for group in self.groups)
+
+    @property
+    def gives_back(self) -> bool:
+        """Whether some group gives blocks back (the pool then keeps a null block)."""
+        return any(group.gives_back for group in self.groups)
+
     def placement(self, layer: int) -> tuple[int, int]:
         """(group, cache pair) of model layer ``layer``."""
         for g, group in enumerate(self.groups):
@@ -83,43 +98,62 @@ class KVLayout:
         raise ValueError(f"layer {layer} is in no KV group")
 
 
-def group_layers(layer_windows: Sequence[int | None]) -> KVLayout:
-    """Group layers by their window (see the module's docstring)."""
+def group_layers(
+    layer_windows: Sequence[int | None], layer_chunks: Sequence[int | None] = ()
+) -> KVLayout:
+    """Group layers by their window and attention chunk (see the module's docstring);
+    ``layer_chunks`` empty: no layer is chunked."""
     if not layer_windows:
         raise ValueError("a model with no attention layer has no KV cache to group")
-    kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
+    chunks = list(layer_chunks) or [None] * len(layer_windows)
+    kinds: dict[tuple[int | None, int | None], list[int]] = {}
+    for layer, (window, chunk) in enumerate(zip(layer_windows, chunks, strict=True)):
         if window is not None and window <= 0:
             raise ValueError(f"layer {layer}: a sliding window must be positive, got {window}")
-        kinds.setdefault(window, []).append(layer)
+        if chunk is not None and (chunk <= 0 or window is not None):
+            raise ValueError(
+                f"layer {layer}: an attention chunk must be positive and without a sliding "
+                f"window, got chunk {chunk}, window {window}"
+            )
+        kinds.setdefault((window, chunk), []).append(layer)
     counts = [len(layers) for layers in kinds.values()]
     size = min(counts)
     if max(counts) < 1.25 * size:
         size = max(counts)
-    # Full attention first (None sorts before any window), then the windows smallest first.
-    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    # Full attention first, then the windows smallest first, then the chunks smallest first.
+    order = sorted(kinds, key=lambda k: (k[1] is not None, k[0] is not None, k[0] or 0, k[1] or 0))
     groups = tuple(
-        KVGroup(window, tuple(kinds[window][i : i + size]))
-        for window in order
-        for i in range(0, len(kinds[window]), size)
+        KVGroup(window, tuple(kinds[window, chunk][i : i + size]), chunk)
+        for window, chunk in order
+        for i in range(0, len(kinds[window, chunk]), size)
     )
     return KVLayout(groups, size)
 
 
 def blocks_for_tokens(
-    windows: Sequence[int | None], num_tokens: int, block_size: int, chunk: int
+    windows: Sequence[int | None],
+    num_tokens: int,
+    block_size: int,
+    chunk: int,
+    attention_chunks: Sequence[int | None] = (),
 ) -> int:
     """The most blocks one sequence of ``num_tokens`` tokens holds at once over groups of these
-    windows, computed in chunks of at most ``chunk`` tokens (``KVGroup.peak_blocks``)."""
-    return sum(KVGroup(w).peak_blocks(num_tokens, block_size, chunk) for w in windows)
+    windows (and attention chunks; empty: none), computed in chunks of at most ``chunk`` tokens
+    (``KVGroup.peak_blocks``)."""
+    kinds = zip(windows, list(attention_chunks) or [None] * len(windows), strict=True)
+    return sum(KVGroup(w, (), c).peak_blocks(num_tokens, block_size, chunk) for w, c in kinds)
 
 
 def model_kv_layout(config: ModelConfig) -> KVLayout:
-    """The layer groups of a model: its attention layers' windows as the config gives them (the
-    attention layers take theirs from ``layer_sliding_window`` too; the runner checks they
-    agree), and its linear-attention layers as the state kind."""
+    """The layer groups of a model: its attention layers' windows and attention chunks as the
+    config gives them (the attention layers take theirs from ``layer_sliding_window`` and
+    ``layer_attention_chunk`` too; the runner checks they agree), and its linear-attention
+    layers as the state kind."""
     attention = config.attention_layer_ids
-    layout = group_layers([config.layer_sliding_window(i) for i in attention])
+    layout = group_layers(
+        [config.layer_sliding_window(i) for i in attention],
+        [config.layer_attention_chunk(i) for i in attention],
+    )
     state_layers = tuple(i for i in range(config.num_layers) if i not in attention)
     return dataclasses.replace(layout, state_layers=state_layers) if state_layers else layout
 
@@ -128,6 +162,8 @@ def pool_blocks_for_one_sequence(
     layout: KVLayout, num_tokens: int, block_size: int, chunk: int
 ) -> int:
     """The pool a sequence of ``num_tokens`` tokens needs at its peak: its blocks over every
-    group, and the null block where a group has a window (block_manager.py)."""
-    has_window = any(w is not None for w in layout.windows)
-    return blocks_for_tokens(layout.windows, num_tokens, block_size, chunk) + int(has_window)
+    group, and the null block where a group gives blocks back (block_manager.py)."""
+    blocks = blocks_for_tokens(
+        layout.windows, num_tokens, block_size, chunk, layout.attention_chunks
+    )
+    return blocks + int(layout.gives_back)

@@ -273,6 +273,7 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             kv_windows=self.kv_layout.windows,
+            kv_attention_chunks=self.kv_layout.attention_chunks,
         )
         self._init_step_state()
 
@@ -431,10 +432,12 @@ class ModelRunner:
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(layers):
             group, pair = layout.placement(i)
-            if layer.sliding_window != layout.groups[group].window:
+            kind = layout.groups[group]
+            if (layer.sliding_window, layer.attention_chunk) != (kind.window, kind.attention_chunk):
                 raise ValueError(
-                    f"layer {i} attends through a window of {layer.sliding_window} but the "
-                    f"config puts it in a group of window {layout.groups[group].window}"
+                    f"layer {i} attends through a window of {layer.sliding_window} and chunks "
+                    f"of {layer.attention_chunk} but the config puts it in a group of window "
+                    f"{kind.window} and chunks of {kind.attention_chunk}"
                 )
             layer.k_cache, layer.v_cache = cache[pair, 0], cache[pair, 1]
             layer.kv_group = group
@@ -465,10 +468,10 @@ class ModelRunner:
 
     def _log_kv_cache(self, num_bytes: int) -> None:
         layout, groups = self.kv_layout, ""
-        if layout.windows != (None,):  # kv_groups.py: a block is one layer of each group
-            groups = (
+        if len(layout.groups) > 1 or layout.gives_back:  # kv_groups.py: a block is one layer
+            groups = (  # of each group
                 f", {len(layout.groups)} layer group(s) of {layout.group_size} layers, "
-                f"windows {list(layout.windows)}"
+                f"windows {list(layout.windows)}, attention chunks {list(layout.attention_chunks)}"
             )
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)%s",

@@ -119,6 +119,35 @@ def _gpt_oss_20b() -> dict[str, Any]:
     }
 
 
+def _llama4_scout(layers: int) -> dict[str, Any]:
+    """Llama-4-Scout-17B-16E's text model at full width with ``layers`` layers: 40 heads of 128
+    with 8 KV heads, every layer an MoE of 16 experts (top 1, width 8192) beside a shared one,
+    every fourth layer NoPE and global, the others chunked over 8,192 tokens, QK L2 norm,
+    llama3 rope x16 over 8,192. Its context is 32,768 here, so prompts run past the chunk."""
+    return _llama(5120, layers, 40, 8, 8192, tied=False, theta=500000.0) | {
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "head_dim": 128,
+        "intermediate_size_mlp": 16384,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1,
+        "attention_chunk_size": 8192,
+        "use_qk_norm": True,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "max_position_embeddings": 32768,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+
+
 def _deepseek(hidden: int, layers: int, heads: int, mlp: int, **fields: Any) -> dict[str, Any]:
     """The MLA and DeepSeekMoE fields both DeepSeek shapes share (kv_lora_rank 512, rotary key
     64, no-rope key 128, value 128; YaRN x40 over 4,096)."""
@@ -228,6 +257,9 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     # The real model has 61 layers (3 dense): 4 here (1 dense, 3 MoE, ~75 GB in bf16) measure
     # the kernels at full width on one GPU.
     "deepseek-v3-4l": _deepseek_v3(4),
+    # The real model has 48 layers (about 216 GB of weights in bf16, past one 141 GB H200): 24
+    # here (about 108 GB; 6 NoPE, 18 chunked) leave room for the KV cache on one GPU.
+    "llama4-scout": _llama4_scout(24),
     # The real model has 48 layers, ~160 GB in bf16 (its experts alone 3.2 GB a layer): 24 here
     # (six of its four-layer patterns, ~80 GB) leave one H200 room for the KV cache and states.
     "qwen3-next-80b": _qwen3_next(24),

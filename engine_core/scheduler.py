@@ -71,14 +71,16 @@ class Scheduler:
         proposer: Proposer | None = None,
         loras: LoraManager | None = None,
         kv_windows: Sequence[int | None] = (None,),
+        kv_attention_chunks: Sequence[int | None] = (),
         state_slots: int = 0,
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
         next tokens of the greedy requests that decode. ``loras``: the adapter slots
         (engine_core/lora/manager.py), which a request with an adapter needs one of to run.
         ``kv_windows``: each KV layer group's sliding window (engine_core/kv_groups.py), None
-        for full attention. ``state_slots``: linear-attention state slots, 0 where the model
-        has no such layers (block_manager.py)."""
+        for full attention; ``kv_attention_chunks`` its attention chunk (empty: none).
+        ``state_slots``: linear-attention state slots, 0 where the model has no such layers
+        (block_manager.py)."""
         self.config = config
         self.proposer = proposer
         self.loras = loras
@@ -88,6 +90,7 @@ class Scheduler:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             windows=kv_windows,
+            attention_chunks=kv_attention_chunks,
             state_slots=state_slots,
         )
         # Plans carry the tables of groups 1.. too (ScheduledRequest.group_block_ids), and

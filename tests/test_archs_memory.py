@@ -61,3 +61,18 @@ def test_a_model_that_does_not_fit_is_refused_naming_the_parts() -> None:
     assert plan.kv_bytes == 256 * 16 * 4 * 576 * 2
     with pytest.raises(ModelTooLargeError, match=r"weights 6\d\.\d\d GiB \+ KV cache 0\.02 GiB"):
         check_fits(plan)
+
+
+def test_llama4_scout_preset_fits_one_h200_in_bf16() -> None:
+    """Scout's layer shapes on 24 of its 48 layers: per layer q/o 5120 x 5120, k/v 5120 x 1024,
+    16 experts and a shared one of 3 x 5120 x 8192, a router of 16 rows; about 108 GB in bf16,
+    with room for the KV cache on a 141 GB H200 (the whole 48 would not fit)."""
+    config = PRESETS["llama4-scout"]
+    assert (config.num_layers, config.num_experts, config.attention_chunk_size) == (24, 16, 8192)
+    assert config.nope_layers == (3, 7, 11, 15, 19, 23) and config.dense_layers == ()
+    per_layer = 2 * 5120 * 5120 + 2 * 5120 * 1024 + 17 * 3 * 5120 * 8192 + 16 * 5120 + 2 * 5120
+    embeddings = 2 * 49152 * 5120 + 5120  # input, untied head, final norm
+    model = meta_model("llama4-scout")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights == 2 * (24 * per_layer + embeddings)
+    assert 100e9 < module_bytes(model) < 110e9  # with the buffers (inv_freq, router counts)

@@ -14,7 +14,7 @@ import torch
 from engine_core.attention import cpu_backend
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.cpu_backend import CpuBackend, plan_step
-from engine_core.attention.torch_ref import TorchReferenceBackend
+from engine_core.attention.torch_ref import TorchReferenceBackend, Visibility
 
 BLOCK, DIM = 4, 16
 SCALE = DIM**-0.5
@@ -160,14 +160,14 @@ def test_plan_is_made_once_per_forward() -> None:
     k_cache = torch.randn(60, BLOCK, 2, DIM, generator=gen)
     q = torch.randn(meta.query_start_loc_cpu[-1], 8, DIM, generator=gen)
     backend.forward(q, k_cache, k_cache, meta, SCALE)
-    first = backend._plans[(id(meta), None)]
+    first = backend._plans[(id(meta), Visibility())]
     backend.forward(q, k_cache, k_cache, meta, SCALE)
-    assert backend._plans[(id(meta), None)] is first
+    assert backend._plans[(id(meta), Visibility())] is first
     other = metadata(MIXED, 60, gen)
     backend.forward(q, k_cache, k_cache, other, SCALE)
-    assert backend._plans[(id(other), None)] is not first
+    assert backend._plans[(id(other), Visibility())] is not first
     backend.forward(q, k_cache, k_cache, other, SCALE, sliding_window=5)
-    assert backend._plans[(id(other), 5)].window == 5  # a window group's own plan
+    assert backend._plans[(id(other), Visibility(5))].see == Visibility(5)  # its own plan
 
 
 WINDOWED = [(12, 1), (0, 9), (7, 6), (30, 1), (21, 4), (17, 1), (40, 1), (33, 7)]
@@ -236,3 +236,64 @@ def test_write_kv_matches_reference(padded: bool) -> None:
     written = slots[slots >= 0]
     assert torch.equal(got_k.view(-1, 2, DIM)[written], k[slots >= 0])
     assert not torch.equal(got_k, before)
+
+
+def chunked_by_hand(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    chunk: int,
+) -> torch.Tensor:
+    """Chunked local attention query by query: the query at position p attends to the keys at
+    positions p // chunk * chunk .. p, read through the intact block tables."""
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc_cpu
+    for seq, seq_len in enumerate(meta.seq_lens_cpu):
+        slots = [
+            int(meta.block_tables[seq, p // BLOCK]) * BLOCK + p % BLOCK for p in range(seq_len)
+        ]
+        keys = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [L, KVH, D]
+        values = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        group = q.shape[1] // keys.shape[1]
+        for row in range(starts[seq], starts[seq + 1]):
+            p = seq_len - (starts[seq + 1] - row)
+            lo = p // chunk * chunk
+            k = keys[lo : p + 1].repeat_interleave(group, dim=1)  # [n, H, D]
+            v = values[lo : p + 1].repeat_interleave(group, dim=1)
+            weights = torch.einsum("hd,nhd->hn", q[row], k).mul(SCALE).softmax(dim=-1)
+            out[row] = torch.einsum("hn,nhd->hd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 6, 16])
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("specs", [WINDOWED, [(29, 1)], [(26, 5)]], ids=["batch", "one", "chunk"])
+def test_chunked_attention_reads_only_its_chunk(
+    chunk: int, backend: str, specs: list[tuple[int, int]]
+) -> None:
+    """Llama 4's chunked local attention: each query sees only its own chunk of positions. A
+    chunked KV group gives back the blocks wholly before the chunk of a sequence's first new
+    token (the null block in their place): with those entries on a block of NaN, the output is
+    the attention computed query by query over the intact tables."""
+    gen = torch.Generator().manual_seed(chunk)
+    num_blocks = len(specs) * 11 + 1
+    meta = metadata(specs, num_blocks, gen)
+    shape = (num_blocks + 1, BLOCK, 2, DIM)  # the last block: the stand-in for the null block
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_cache[-1], v_cache[-1] = float("nan"), float("nan")
+    q = torch.randn(meta.query_start_loc_cpu[-1], 8, DIM, generator=gen)
+    want = chunked_by_hand(q, k_cache, v_cache, meta, chunk)
+    nulled = meta.block_tables.clone()
+    starts, behind = meta.query_start_loc_cpu, 0
+    for seq, seq_len in enumerate(meta.seq_lens_cpu):
+        first_query = seq_len - (starts[seq + 1] - starts[seq])
+        first = first_query // chunk * chunk // BLOCK
+        nulled[seq, :first] = num_blocks
+        behind += first
+    assert behind > 0  # the case holds blocks before the chunk
+    meta.block_tables = nulled
+    run = CpuBackend() if backend == "cpu" else REFERENCE
+    got = run.forward(q, k_cache, v_cache, meta, SCALE, attention_chunk=chunk)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)

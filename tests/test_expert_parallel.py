@@ -72,6 +72,24 @@ def test_ep2_matches_tp1_and_hf_and_holds_half_the_experts(name: str, tmp_path: 
     torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), atol=1e-4, rtol=0)
 
 
+def test_ep2_serves_llama4_like_tp1(tmp_path: Path) -> None:
+    """Llama 4's MoE (top-1, the score on the expert's input, a shared expert that stays split
+    by width) with half of the experts on each rank: TP=1's and HF's tokens."""
+    hf_model = write_model("llama4", tmp_path)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    tokens1, logprobs1, llm1 = generate(tmp_path, tp=1, expert_parallel=False)
+    llm1.engine.shutdown()
+    tokens2, logprobs2, llm2 = generate(tmp_path, tp=2, expert_parallel=True)
+    try:
+        moes = [m for m in llm2.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+        assert moes and all(moe.w13.shape[0] == 2 for moe in moes)  # 2 of the 4 experts
+    finally:
+        llm2.engine.shutdown()
+    assert tokens1 == reference
+    assert tokens2 == tokens1
+    torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), atol=1e-4, rtol=0)
+
+
 def hf_layer_experts(hf_model: torch.nn.Module) -> list[tuple[torch.Tensor, ...]]:
     """(gate [E, I, H], up [E, I, H], down [E, H, I]) of each sparse layer of the HF model."""
     out = []

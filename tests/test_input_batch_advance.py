@@ -30,10 +30,16 @@ class TwoBatches:
     """Two input batches packing the same plans, one advancing steady steps and one packing
     every step in full, each with its own previous-step state as the runner keeps it."""
 
-    def __init__(self, device: str = "cpu", windows: tuple[int | None, ...] = (None,)) -> None:
+    def __init__(
+        self,
+        device: str = "cpu",
+        windows: tuple[int | None, ...] = (None,),
+        chunks: tuple[int | None, ...] = (),
+    ) -> None:
         self.device = torch.device(device)
+        width = MAX_MODEL_LEN // BLOCK
         self.fast, self.full = (
-            InputBatch(self.device, BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK, windows)
+            InputBatch(self.device, BLOCK, MAX_TOKENS, MAX_SEQS, width, windows, chunks)
             for _ in range(2)
         )
         self.full.advance_steady = False
@@ -138,22 +144,31 @@ ON_CUDA = pytest.param(
 # KV layer groups (engine_core/kv_groups.py): a full group beside a window group, whose tables
 # lose a block to the null block as each row's window moves past it, and a pool twice as large
 # (a block is one group's layers).
-GROUPED = pytest.param((None, 6), 60, id="groups")
+GROUPED = pytest.param((None, 6), (), 60, id="groups")
+# Llama 4's: a full group beside a chunked one (chunk 8), whose tables lose every block before
+# the chunk as a row enters it (that step is packed in full).
+CHUNKED = pytest.param((None, None), (None, 8), 60, id="chunked")
 
 
 @pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize(("windows", "num_blocks"), [((None,), 30), GROUPED])
+@pytest.mark.parametrize(("windows", "chunks", "num_blocks"), [((None,), (), 30), GROUPED, CHUNKED])
 def test_advanced_steps_equal_full_packs_and_the_plan(
-    seed: int, device: str, windows: tuple[int | None, ...], num_blocks: int
+    seed: int,
+    device: str,
+    windows: tuple[int | None, ...],
+    chunks: tuple[int | None, ...],
+    num_blocks: int,
 ) -> None:
     rng = random.Random(seed)
     config = EngineConfig(
         block_size=BLOCK, max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS
     )
     # A pool that cannot hold every request at full length: preemptions happen.
-    scheduler = Scheduler(config, num_blocks, MAX_MODEL_LEN, [0], kv_windows=windows)
-    batches = TwoBatches(device, windows)
+    scheduler = Scheduler(
+        config, num_blocks, MAX_MODEL_LEN, [0], kv_windows=windows, kv_attention_chunks=chunks
+    )
+    batches = TwoBatches(device, windows, chunks)
     in_flight: tuple[SchedulerOutput, list[int]] | None = None
     names = iter(range(10**6))
     steps = 0

@@ -1,6 +1,7 @@
-"""Layer groups in the KV cache: the grouping, window groups giving blocks back, what a prefix hit
-means per group, and the block manager's invariants under random add / advance / speculate /
-abort / preempt / resume sequences over a full group, a window group and both together."""
+"""Layer groups in the KV cache: the grouping, window and chunked groups giving blocks back, what a
+prefix hit means per group, and the block manager's invariants under random add / advance /
+speculate / abort / preempt / resume sequences over full, window and chunked groups, alone and
+together."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine_core.block_manager import NULL_BLOCK, BlockManager
 from engine_core.config import EngineConfig
-from engine_core.kv_groups import KVGroup, blocks_for_tokens, group_layers
+from engine_core.kv_groups import KVGroup, blocks_for_tokens, group_layers, model_kv_layout
 from engine_core.memory_plan import kv_block_bytes, min_kv_bytes
 from engine_core.presets import PRESETS
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
@@ -24,6 +25,19 @@ from protocol.messages import LoraRef, SamplingParams
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
     return Request(request_id, list(token_ids), SamplingParams())
+
+
+def first_seen(window: int | None, chunk: int | None, position: int) -> int:
+    """The first position a query at ``position`` reads, by the kinds' definitions: the last
+    ``window`` positions; the chunk of ``chunk`` positions it lies in; else all."""
+    if chunk is not None:
+        return position // chunk * chunk
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def kinds(bm: BlockManager) -> list[tuple[int | None, int | None]]:
+    """(window, attention chunk) of each of the manager's groups."""
+    return list(zip(bm.windows, bm.attention_chunks, strict=True))
 
 
 # ------------------------------------------------------------------------------------ grouping
@@ -85,6 +99,23 @@ def test_memory_plan_counts_one_groups_layers_and_each_groups_peak() -> None:
     plain = PRESETS["smollm2-135m"]  # one kind: every layer in a block, as before groups
     assert kv_block_bytes(plain, 3, 16, torch.float32) == 30 * per_layer
     assert min_kv_bytes(plain, 3, 2000, 16, torch.float32, chunk=512) == 125 * 30 * per_layer
+
+
+def test_memory_plan_counts_llama4_scouts_chunked_groups() -> None:
+    """The llama4-scout preset (24 layers: 6 NoPE global, 18 chunked over 8,192): groups of 6
+    layers, one full and three chunked. One 32,768-token sequence in steps of 8,192 holds 2,048
+    blocks of 16 in the full group and ceil((8,191 + 8,192) / 16) + 1 = 1,025 in each chunked
+    one, plus the null block: 5,124 blocks of 6 layers, 63% of the single table's 2,048 x 24
+    (a chunked layer holds up to a chunk behind a step and the step: the share falls as the
+    context grows past the chunk)."""
+    config = PRESETS["llama4-scout"]
+    layout = model_kv_layout(config)
+    assert layout.group_size == 6 and layout.attention_chunks == (None, 8192, 8192, 8192)
+    per_layer = 16 * 2 * 8 * 128 * 2  # a block of one layer: K and V, 8 heads of 128, bf16
+    assert kv_block_bytes(config, 8, 16, torch.bfloat16) == 6 * per_layer
+    want = (2048 + 3 * 1025 + 1) * 6 * per_layer
+    assert min_kv_bytes(config, 8, 32768, 16, torch.bfloat16, chunk=8192) == want
+    assert want == 30744 * per_layer and 30744 / (2048 * 24) < 0.63
 
 
 # --------------------------------------------------------------------------------- by hand
@@ -214,6 +245,102 @@ def test_max_tokens_per_sequence_counts_every_group() -> None:
     assert blocks_for_tokens(bm.windows, 140, 4, 8) <= 40 < blocks_for_tokens(bm.windows, 141, 4, 8)
 
 
+def test_llama4_pattern_is_a_full_group_beside_chunked_ones() -> None:
+    # Llama 4: every fourth layer global (no rope), the others chunked: 2 full, 6 chunked.
+    chunks = [None if (i + 1) % 4 == 0 else 16 for i in range(8)]
+    layout = group_layers([None] * 8, chunks)
+    assert layout.group_size == 2
+    assert layout.groups == (
+        KVGroup(None, (3, 7)),
+        KVGroup(None, (0, 1), 16),
+        KVGroup(None, (2, 4), 16),
+        KVGroup(None, (5, 6), 16),
+    )
+    assert layout.attention_chunks == (None, 16, 16, 16) and layout.gives_back
+    with pytest.raises(ValueError, match="attention chunk"):
+        group_layers([8, None], [16, None])  # a window and a chunk on one layer: no such kind
+
+
+def test_a_chunked_group_gives_back_the_blocks_before_its_chunk() -> None:
+    """Chunks of 6 tokens, blocks of 4: the token at p sees [p // 6 * 6, p]. Nothing goes back
+    until a query enters chunk 1 (at 6), which needs block 1 (4..7) on; then at 12, block 3
+    (12..15) on: blocks 1 and 2 go back together (the bound jumps at chunk edges)."""
+    bm = BlockManager(num_blocks=20, block_size=4, windows=(None, None), attention_chunks=(None, 6))
+    request = make_request("a", list(range(5)))
+    bm.allocate_prefix(request)
+    assert bm.allocate_slots(request, 5)
+    request.num_computed_tokens = 5
+    request.token_ids.append(5)
+    assert bm.allocate_slots(request, 1)  # the token at 5 is in chunk 0: all kept
+    assert NULL_BLOCK not in bm.block_ids("a", 1)
+    request.num_computed_tokens = 6
+    request.token_ids += [6, 7, 8, 9, 10, 11]
+    assert bm.allocate_slots(request, 6)  # from 6: chunk 1 starts in block 1
+    assert bm.block_ids("a", 1)[0] == NULL_BLOCK and NULL_BLOCK not in bm.block_ids("a", 1)[1:]
+    request.num_computed_tokens = 12
+    request.token_ids.append(12)
+    assert bm.allocate_slots(request, 1)  # from 12: chunk 2 starts at block 3
+    assert bm.block_ids("a", 1)[:3] == [NULL_BLOCK] * 3
+    assert len(bm.block_ids("a", 1)) == 4 and bm.block_ids("a")[0] != NULL_BLOCK
+    bm.check_integrity()
+    bm.free("a")
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+
+
+def test_a_chunked_hit_needs_the_blocks_from_its_chunk_start() -> None:
+    """A hit of n blocks (first recomputed token at L = 4n) needs the chunked group's blocks
+    from C * floor(L / C) // 4 to n - 1: chunks of 8 and a 21-token prompt cached, a
+    22-token request hits 5 blocks (L = 20, chunk start 16: block 4 only)."""
+    bm = BlockManager(num_blocks=40, block_size=4, windows=(None, None), attention_chunks=(None, 8))
+    first = make_request("a", list(range(21)))
+    bm.allocate_prefix(first)
+    assert bm.allocate_slots(first, 21)
+    first.num_computed_tokens = 21
+    bm.cache_computed_blocks(first, 21)
+    full, chunked = bm.block_ids("a"), bm.block_ids("a", 1)
+    bm.free("a")
+    second = make_request("b", list(range(21)) + [99])
+    assert bm.allocate_prefix(second) == 20
+    assert bm.block_ids("b") == full[:5]
+    assert bm.block_ids("b", 1) == [NULL_BLOCK] * 4 + [chunked[4]]
+    # A hit ending on a chunk edge (L = 16) needs no chunked block at all.
+    bm.free("b")
+    third = make_request("c", list(range(16)) + [77])
+    assert bm.allocate_prefix(third) == 16
+    assert bm.block_ids("c", 1) == [NULL_BLOCK] * 4
+    bm.check_integrity()
+
+
+def test_a_chunked_hit_is_shortened_to_where_its_blocks_remain() -> None:
+    """Only the chunked group's block 4 is evicted: a hit of 5 blocks (needs it) becomes a hit
+    of 4, on the chunk edge at 16, which needs no chunked block."""
+    bm = BlockManager(num_blocks=40, block_size=4, windows=(None, None), attention_chunks=(None, 8))
+    first = make_request("a", list(range(21)))
+    bm.allocate_prefix(first)
+    assert bm.allocate_slots(first, 21)
+    first.num_computed_tokens = 21
+    bm.cache_computed_blocks(first, 21)
+    block = bm.block_ids("a", 1)[4]
+    bm.free("a")
+    bm._hash_to_block[1].pop(bm._blocks[block].hash)  # evicted: as _take_new would drop it
+    bm._blocks[block].reset_hash()
+    del bm._cached[block]
+    bm._free.append(block)
+    second = make_request("b", list(range(21)) + [99])
+    assert bm.allocate_prefix(second) == 16
+    bm.check_integrity()
+
+
+def test_chunked_peak_and_sequence_cap() -> None:
+    # Chunk 8, blocks of 4, steps of 8 tokens: a step's first token at most 7 past its chunk's
+    # start, so ceil((7 + 8) / 4) + 1 = 5 blocks at most.
+    assert blocks_for_tokens([None], 1000, 4, 8, [8]) == 5
+    assert blocks_for_tokens([None, None], 1000, 4, 8, [None, 8]) == 250 + 5
+    chunked = BlockManager(num_blocks=10, block_size=4, windows=(None,), attention_chunks=(8,))
+    assert chunked.max_tokens_per_sequence(chunk=8, limit=10_000) == 10_000
+
+
 def test_a_state_slot_is_taken_with_the_first_blocks_and_given_back_on_free() -> None:
     """Two slots: a third request is refused (nothing taken) until one is freed; a request
     that asks again keeps its slot; no prefix is hit with a state kind (no state is saved)."""
@@ -267,10 +394,9 @@ class _KVContent:
         """Every position a query at or after ``num_computed_tokens`` may read holds the
         request's own token, written by the same group."""
         size, computed = self.bm.block_size, request.num_computed_tokens
-        for group, window in enumerate(self.bm.windows):
+        for group, (window, chunk) in enumerate(kinds(self.bm)):
             table = self.bm.block_ids(request.request_id, group)
-            seen = 0 if window is None else max(0, computed - window + 1)
-            for pos in range(seen, computed):
+            for pos in range(first_seen(window, chunk, computed), computed):
                 slot = table[pos // size] * size + pos % size
                 assert self.slots.get(slot) == (group, request.token_ids[pos]), (group, pos)
 
@@ -279,10 +405,20 @@ class _Driver:
     """Random admissions (with prefix hits), prompt chunks, decodes, speculative steps with
     rollback, aborts, preemptions (recompute) and resumes of the preempted requests."""
 
-    def __init__(self, seed: int, windows: tuple[int | None, ...], state_slots: int = 0) -> None:
+    def __init__(
+        self,
+        seed: int,
+        windows: tuple[int | None, ...],
+        chunks: tuple[int | None, ...] = (),
+        state_slots: int = 0,
+    ) -> None:
         self.rng = random.Random(seed)
         self.bm = BlockManager(
-            num_blocks=64, block_size=4, windows=windows, state_slots=state_slots
+            num_blocks=64,
+            block_size=4,
+            windows=windows,
+            attention_chunks=chunks,
+            state_slots=state_slots,
         )
         self.kv = _KVContent(self.bm)
         self.live: list[Request] = []
@@ -379,20 +515,21 @@ class _Driver:
     def _nulls(self, request: Request) -> int:
         return sum(
             self.bm.block_ids(request.request_id, g).count(NULL_BLOCK)
-            for g, w in enumerate(self.bm.windows)
-            if w is not None
+            for g, (w, c) in enumerate(kinds(self.bm))
+            if w is not None or c is not None
         )
 
     def _check_window_bound(self, request: Request) -> None:
         """A window group holds exactly the blocks from the one its next query's window starts
         in to its table's end (which covers the chunk just allocated, or more: a chunk may have
-        been allocated and computed only in part, a speculative rollback leaves blocks)."""
+        been allocated and computed only in part, a speculative rollback leaves blocks); a
+        chunked group likewise from the block its next query's attention chunk starts in."""
         first = request.num_computed_tokens
-        for group, window in enumerate(self.bm.windows):
-            if window is None:
+        for group, (window, chunk) in enumerate(kinds(self.bm)):
+            if window is None and chunk is None:
                 continue
             table = self.bm.block_ids(request.request_id, group)
-            behind = max(0, first - window + 1) // 4
+            behind = first_seen(window, chunk, first) // 4
             assert table[:behind] == [NULL_BLOCK] * behind, (table, behind)
             assert NULL_BLOCK not in table[behind:], (table, behind)
 
@@ -423,23 +560,29 @@ class _Driver:
             assert bm.num_free_state_slots == bm.num_state_slots - len(slots)
 
 
+# Groups as (windows, attention chunks); Llama 4 is a full group beside chunked ones.
 WINDOW_CASES = {
-    "full": (None,),
-    "window": (6,),
-    "full+window": (None, 6),
-    "full+two windows": (None, 9, 9),
+    "full": ((None,), ()),
+    "window": ((6,), ()),
+    "full+window": ((None, 6), ()),
+    "full+two windows": ((None, 9, 9), ()),
+    "chunked": ((None,), (6,)),
+    "full+chunked": ((None, None), (None, 8)),
+    "full+window+chunked": ((None, 6, None), (None, None, 5)),
+    "full+two chunked": ((None, None, None), (None, 12, 12)),
 }
 
 
 @pytest.mark.parametrize("state_slots", [0, 3], ids=["blocks", "blocks+state"])
-@pytest.mark.parametrize("windows", list(WINDOW_CASES.values()), ids=list(WINDOW_CASES))
+@pytest.mark.parametrize("kinds", list(WINDOW_CASES.values()), ids=list(WINDOW_CASES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operations_keep_every_invariant(
-    seed: int, windows: tuple[int | None], state_slots: int
+    seed: int, kinds: tuple[tuple[int | None, ...], tuple[int | None, ...]], state_slots: int
 ) -> None:
     """With a state kind (3 slots: fewer than the requests that would run), admissions are
     also refused for want of a slot, and no prefix is ever hit."""
-    driver = _Driver(seed, windows, state_slots)
+    windows, chunks = kinds
+    driver = _Driver(seed, windows, chunks, state_slots)
     for _ in range(1500):
         driver.step()
         driver.check()
@@ -453,7 +596,7 @@ def test_random_operations_keep_every_invariant(
     # window group) blocks given back.
     assert driver.bm.num_free_state_slots == state_slots
     stats = dict(driver.stats)
-    if all(w is None for w in windows):
+    if all(w is None for w in windows) and all(c is None for c in chunks):
         assert stats.pop("released") == 0
     if state_slots:  # no saved state: no hit; no rollback of a state: no speculation
         assert stats.pop("hits") == 0 and stats.pop("rollbacks") == 0
@@ -466,7 +609,16 @@ def test_random_operations_keep_every_invariant(
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    windows=st.sampled_from([(None, 6), (6,), (None, 5, 9), (None,)]),
+    kinds=st.sampled_from(
+        [
+            ((None, 6), ()),
+            ((6,), ()),
+            ((None, 5, 9), ()),
+            ((None,), ()),
+            ((None, None), (None, 8)),
+            ((None, None, 6), (None, 5, None)),
+        ]
+    ),
     num_blocks=st.integers(20, 60),
     budget=st.integers(8, 40),
     overlap=st.booleans(),
@@ -474,7 +626,7 @@ def test_random_operations_keep_every_invariant(
 )
 def test_scheduler_with_groups_keeps_the_invariants(
     seed: int,
-    windows: tuple[int | None, ...],
+    kinds: tuple[tuple[int | None, ...], tuple[int | None, ...]],
     num_blocks: int,
     budget: int,
     overlap: bool,
@@ -487,8 +639,17 @@ def test_scheduler_with_groups_keeps_the_invariants(
     every block is free or cached."""
     rng = random.Random(seed)
     config = EngineConfig(block_size=4, max_num_seqs=min(6, budget), max_num_batched_tokens=budget)
+    windows, chunks = kinds
     slots = config.max_num_seqs if stateful else 0  # as the engine sizes them: one per running
-    scheduler = Scheduler(config, num_blocks, 128, (1,), kv_windows=windows, state_slots=slots)
+    scheduler = Scheduler(
+        config,
+        num_blocks,
+        128,
+        (1,),
+        kv_windows=windows,
+        kv_attention_chunks=chunks,
+        state_slots=slots,
+    )
     bm = scheduler.block_manager
     prefixes = [[rng.randrange(2, 40) for _ in range(16)] for _ in range(2)]
     pending: SchedulerOutput | None = None
@@ -539,11 +700,11 @@ def check_state_slots(plan: SchedulerOutput, scheduler: Scheduler, slots: int) -
 
 def check_row_tables(row: ScheduledRequest, bm: BlockManager) -> None:
     """The row's tables: one per group, all as long, covering its chunk; in a window group a
-    real block from the one its first query's window starts in (the null block before)."""
+    real block from the one its first query's window (or attention chunk) starts in."""
     tables = [row.block_ids, *row.group_block_ids]
     assert len(tables) == bm.num_groups
     assert {len(t) for t in tables} == {len(row.block_ids)}
     assert len(row.block_ids) * bm.block_size >= row.start + row.num_new_tokens
-    for table, window in zip(tables, bm.windows, strict=True):
-        first = KVGroup(window).first_seen(row.start) // bm.block_size
+    for table, (window, chunk) in zip(tables, kinds(bm), strict=True):
+        first = first_seen(window, chunk, row.start) // bm.block_size
         assert NULL_BLOCK not in list(table)[first:] or bm.null_block is None

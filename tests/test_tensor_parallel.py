@@ -25,6 +25,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
+    Llama4TextConfig,
     LlamaConfig,
     MixtralConfig,
     PretrainedConfig,
@@ -69,6 +70,19 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     # rank unpacks a table and a slot mapping per group, and gives window blocks back.
     "gemma3_groups": lambda: Gemma3TextConfig(
         **SIZES, head_dim=16, sliding_window=4, sliding_window_pattern=2
+    ),
+    # Llama 4: chunked layers (chunk 8: the prompts cross chunks) beside a NoPE one, the query
+    # temperature and L2 QK norm per head, the MoE's experts and shared expert split, the router
+    # replicated.
+    "llama4": lambda: Llama4TextConfig(
+        **(SIZES | {"num_hidden_layers": 4, "intermediate_size": 32}),
+        head_dim=16,
+        intermediate_size_mlp=64,
+        num_local_experts=4,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=8,
+        floor_scale=4,
+        attn_scale=0.5,
     ),
     "gpt2": lambda: GPT2Config(
         vocab_size=VOCAB,

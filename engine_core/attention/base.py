@@ -75,5 +75,6 @@ class AttentionBackend(Protocol):
         k_scale: float = 1.0,  # an FP8 cache's values times these are K and V
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]: a logit in each softmax's denominator
+        attention_chunk: int | None = None,  # a query at p sees only keys in [p // C * C, p]
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...

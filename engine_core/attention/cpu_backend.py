@@ -5,8 +5,8 @@ a decode step of 64 sequences on a 30-layer model runs some 20,000 of them. Here
 of a step that decode (one new token) attend together: their context's KV blocks are gathered in a
 few block-granular copies, in chunks of sequences small enough that the copy is still in the
 last-level cache when torch's fused CPU attention (``scaled_dot_product_attention``) reads it, with
-one boolean mask per step (per sliding window) for the padding. A layer with attention sinks
-(gpt-oss) takes the same gathers with the scores written out (``einsum_decode``,
+one boolean mask per step (per sliding window or attention chunk) for the padding. A layer with
+attention sinks (gpt-oss) takes the same gathers with the scores written out (``einsum_decode``,
 ``sink_prompt_attention``): SDPA has no sink term. A step whose one sequence decodes
 (one request at a time) reads its exact context instead: a view of the cache where its blocks are
 consecutive, else one gather, with no padding, mask or zeroing. Prompts, prompt chunks and
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from engine_core.attention.base import AttentionMetadata, is_fp8_cache
 from engine_core.attention.torch_ref import (
     TorchReferenceBackend,
+    Visibility,
     first_visible_block,
     gather_context,
 )
@@ -44,34 +45,38 @@ class DecodeGroup:
     rows: torch.Tensor | None  # [Bd] int64 query rows; None: every row of the batch, in order
     # [Bd] int64: each sequence's context length counted from its first gathered block
     seq_lens: torch.Tensor
-    # [Bd, nb] int64: each sequence's nb blocks from the first its window sees (block 0 without
-    # a window); past its table's end, whatever block: those rows are zeroed
+    # [Bd] int64: the position of each sequence's first gathered slot (where a chunk starts
+    # is a matter of absolute positions)
+    offsets: torch.Tensor
+    # [Bd, nb] int64: each sequence's nb blocks from the first its window or attention chunk
+    # sees (block 0 without either); past its table's end, whatever block: those rows are zeroed
     block_ids: torch.Tensor
     block_size: int
     chunk_seqs: int  # sequences per gather
     # Per chunk of chunk_seqs sequences: its gathered rows (of n * slots) past their sequence's end.
     pad_rows: list[torch.Tensor]
-    # window -> [Bd, 1, 1, slots] float32: 0 where attended, -inf elsewhere (SDPA would turn a
-    # boolean mask into this on every call: once a step here instead of once per layer)
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # visibility -> [Bd, 1, 1, slots] float32: 0 where attended, -inf elsewhere (SDPA would turn
+    # a boolean mask into this on every call: once a step here instead of once per layer)
+    masks: dict[Visibility, torch.Tensor] = field(default_factory=dict)
 
     @property
     def slots(self) -> int:
         """Context slots each gathered sequence holds: whole blocks, past its end masked."""
         return self.block_ids.shape[1] * self.block_size
 
-    def mask(self, window: int | None) -> torch.Tensor:
+    def mask(self, see: Visibility) -> torch.Tensor:
         """[Bd, 1, 1, slots] additive float32 mask: 0 on the slots each sequence's query
         attends, -inf on the others."""
-        if window not in self.masks:
+        if see not in self.masks:
             pos = torch.arange(self.slots)[None, :]  # [1, W]
             lens = self.seq_lens[:, None]  # [Bd, 1]
             keep = pos < lens
-            if window is not None:  # the query (at lens - 1) sees itself and window - 1 before
-                keep &= pos >= lens - window
+            if see.bounded:  # the query (at lens - 1) sees from its first visible key on
+                offsets = self.offsets[:, None]
+                keep &= pos >= see.first_keys(lens - 1 + offsets) - offsets
             mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
-            self.masks[window] = mask[:, None, None, :]
-        return self.masks[window]
+            self.masks[see] = mask[:, None, None, :]
+        return self.masks[see]
 
 
 def rows_past_end(seq_lens: torch.Tensor, slots: int, chunk_seqs: int) -> list[torch.Tensor]:
@@ -88,6 +93,7 @@ class SingleDecode:
     seq_len: int
     block_ids: torch.Tensor  # [nb] int64, the blocks holding its seq_len slots
     first_block: int | None  # where those blocks are consecutive, the first: a view, no gather
+    visible: int | None = None  # how many of the last slots its query sees; None: all
 
     def context(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -102,14 +108,20 @@ class SingleDecode:
 
 
 def plan_single_decode(
-    block_table: torch.Tensor, seq_len: int, block_size: int, first_block: int = 0
+    block_table: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    first_block: int = 0,
+    see: Visibility = Visibility(),
 ) -> SingleDecode:
-    """The sequence's context from block ``first_block`` on (the first its window sees)."""
+    """The sequence's context from block ``first_block`` on (the first its window or attention
+    chunk sees)."""
     block_ids = block_table[first_block : -(-seq_len // block_size)].long()
     first = int(block_ids[0])
     consecutive = torch.equal(block_ids, torch.arange(first, first + len(block_ids)))
     length = seq_len - first_block * block_size
-    return SingleDecode(length, block_ids, first if consecutive else None)
+    visible = seq_len - see.first_key(seq_len - 1) if see.bounded else None
+    return SingleDecode(length, block_ids, first if consecutive else None, visible)
 
 
 @dataclass
@@ -118,10 +130,10 @@ class StepPlan:
     decode: DecodeGroup | None
     prompts: list[int]  # the sequences with more than one new token
     single: SingleDecode | None = None  # set instead of decode when the step is one decode
-    window: int | None = None  # the layers' sliding window it was planned for
+    see: Visibility = Visibility()  # the layers' window and attention chunk it was planned for
 
 
-# Plans kept per forward: one per KV layer group's metadata and window (a few at most).
+# Plans kept per forward: one per KV layer group's metadata and visibility (a few at most).
 _MAX_PLANS = 16
 
 
@@ -129,9 +141,9 @@ class CpuBackend(TorchReferenceBackend):
     """AttentionBackend for CPU tensors."""
 
     def __init__(self) -> None:
-        # This forward's plans by (metadata, window): a model with KV layer groups passes each
-        # group's metadata to its layers, and each is planned once per forward.
-        self._plans: dict[tuple[int, int | None], StepPlan] = {}
+        # This forward's plans by (metadata, visibility): a model with KV layer groups passes
+        # each group's metadata to its layers, and each is planned once per forward.
+        self._plans: dict[tuple[int, Visibility], StepPlan] = {}
         self._last_plan: StepPlan | None = None
         # The last slot mapping seen, and whether it has no padding (-1): checked once a step.
         self._slots: torch.Tensor | None = None
@@ -172,61 +184,69 @@ class CpuBackend(TorchReferenceBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         if is_fp8_cache(k_cache):
             return super().forward(
-                q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, sinks
-            )
-        window = sliding_window
-        plan = self._plan_for(meta, k_cache, window)
+                q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, sinks,
+                attention_chunk,
+            )  # fmt: skip
+        see = Visibility(sliding_window, attention_chunk)
+        plan = self._plan_for(meta, k_cache, see)
         if plan.single is not None:
             k, v = plan.single.context(k_cache, v_cache)
-            return single_decode_attention(q, k, v, scale, window, sinks)
+            return single_decode_attention(q, k, v, scale, plan.single.visible, sinks)
         group = plan.decode
         if group is not None and group.rows is None:  # every row decodes
-            return decode_attention(q, k_cache, v_cache, group, scale, window, sinks)
+            return decode_attention(q, k_cache, v_cache, group, scale, see, sinks)
         out = torch.empty_like(q)
         if group is not None:
             out[group.rows] = decode_attention(
-                q[group.rows], k_cache, v_cache, group, scale, window, sinks
+                q[group.rows], k_cache, v_cache, group, scale, see, sinks
             )
         starts, block_size = meta.query_start_loc_cpu, k_cache.shape[1]
         for seq in plan.prompts:
             start, end = starts[seq], starts[seq + 1]
             seq_len = meta.seq_lens_cpu[seq]
-            first = first_visible_block(seq_len - (end - start), window, block_size)
+            first = first_visible_block(seq_len - (end - start), see, block_size)
             k, v = gather_context(k_cache, v_cache, meta.block_tables[seq], seq_len, first)
+            skipped = first * block_size
             if sinks is None:
-                out[start:end] = prompt_attention(q[start:end], k, v, scale, window)
+                out[start:end] = prompt_attention(q[start:end], k, v, scale, see, skipped)
             else:
-                out[start:end] = sink_prompt_attention(q[start:end], k, v, scale, window, sinks)
+                out[start:end] = sink_prompt_attention(
+                    q[start:end], k, v, scale, see, sinks, skipped
+                )
         return out
 
     def _plan_for(
-        self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, see: Visibility
     ) -> StepPlan:
-        """This forward's plan for ``meta`` and ``window``: made by the first attention layer
+        """This forward's plan for ``meta`` and ``see``: made by the first attention layer
         that reads them, reused by the others (a plan keeps its metadata, so the id in the key
         is not reused while the plan is kept)."""
         plan = self._last_plan
-        if plan is not None and plan.meta is meta and plan.window == window:
+        if plan is not None and plan.meta is meta and plan.see == see:
             return plan  # the common case: the layer before read the same plan
-        key = (id(meta), window)
+        key = (id(meta), see)
         plan = self._plans.get(key)
         if plan is None or plan.meta is not meta:
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
-            plan = self._plans[key] = plan_step(meta, k_cache, window)
+            plan = self._plans[key] = plan_step(meta, k_cache, see)
         self._last_plan = plan
         return plan
 
 
 def plan_step(
-    meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None = None
+    meta: AttentionMetadata, k_cache: torch.Tensor, see: Visibility | int | None = None
 ) -> StepPlan:
     """Split a step's sequences into decodes (batched) and prompts (one by one). With a
-    ``window``, each decode reads its context from the first block its window sees: the
-    blocks before it are never gathered (a window KV group holds the null block there)."""
+    window or an attention chunk (``see``; a bare int is a window), each decode reads its
+    context from the first block its query sees: the blocks before it are never gathered (a
+    window or chunked KV group holds the null block there)."""
+    if not isinstance(see, Visibility):
+        see = Visibility(see)
     starts = meta.query_start_loc_cpu
     decodes, prompts = [], []
     for seq in range(meta.num_seqs):
@@ -236,17 +256,19 @@ def plan_step(
         elif query_len > 1:
             prompts.append(seq)
     if not decodes:
-        return StepPlan(meta, None, prompts, window=window)
+        return StepPlan(meta, None, prompts, see=see)
     block_size = k_cache.shape[1]
     if meta.num_seqs == 1:
         seq_len = meta.seq_lens_cpu[0]
-        first = first_visible_block(seq_len - 1, window, block_size)
-        single = plan_single_decode(meta.block_tables[0], seq_len, block_size, first)
-        return StepPlan(meta, None, prompts, single, window)
+        first = first_visible_block(seq_len - 1, see, block_size)
+        single = plan_single_decode(meta.block_tables[0], seq_len, block_size, first, see)
+        return StepPlan(meta, None, prompts, single, see)
     index = torch.tensor(decodes, dtype=torch.int64)
     seq_lens = [meta.seq_lens_cpu[s] for s in decodes]
-    # With a window, each decode's context from its first visible block, its length from there.
-    firsts = [first_visible_block(n - 1, window, block_size) for n in seq_lens] if window else []
+    # With a window or a chunk, each decode's context from its first visible block, its length
+    # from there.
+    firsts = [first_visible_block(n - 1, see, block_size) for n in seq_lens] if see.bounded else []
+    offsets = torch.tensor(firsts, dtype=torch.int64) * block_size if any(firsts) else None
     if any(firsts):
         seq_lens = [n - f * block_size for n, f in zip(seq_lens, firsts, strict=True)]
     num_blocks = -(-max(seq_lens) // block_size)
@@ -263,8 +285,10 @@ def plan_step(
     chunk_seqs = max(1, CHUNK_BYTES // per_seq_bytes)
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     pad_rows = rows_past_end(lens, num_blocks * block_size, chunk_seqs)
-    group = DecodeGroup(rows, lens, block_ids, block_size, chunk_seqs, pad_rows)
-    return StepPlan(meta, group, prompts, window=window)
+    if offsets is None:
+        offsets = torch.zeros_like(lens)
+    group = DecodeGroup(rows, lens, offsets, block_ids, block_size, chunk_seqs, pad_rows)
+    return StepPlan(meta, group, prompts, see=see)
 
 
 def decode_attention(
@@ -273,7 +297,7 @@ def decode_attention(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
-    window: int | None,
+    see: Visibility,
     sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:  # [Bd, H, D]
     """The decode sequences' attention, a chunk of sequences at a time."""
@@ -284,7 +308,7 @@ def decode_attention(
     # torch's fused CPU attention is the fastest in float32, and 5x slower than two einsums
     # (oneDNN matmuls) in bf16, whose scores are then taken in float32.
     attend = sdpa_decode if q.dtype == torch.float32 and sinks is None else einsum_decode
-    mask = group.mask(window)  # [Bd, 1, 1, W]
+    mask = group.mask(see)  # [Bd, 1, 1, W]
     out = torch.empty_like(q)
     for lo in range(0, num_seqs, group.chunk_seqs):
         hi = min(lo + group.chunk_seqs, num_seqs)
@@ -306,13 +330,13 @@ def single_decode_attention(
     k: torch.Tensor,  # [L, KVH, D]: the whole context, the query's own slot included
     v: torch.Tensor,  # [L, KVH, D]
     scale: float,
-    window: int | None,
+    visible: int | None,
     sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:  # [1, H, D]
-    """One sequence's decode: the last query sees every position (or the window's), so there
-    is nothing to mask."""
-    if window is not None:
-        k, v = k[-window:], v[-window:]
+    """One sequence's decode: the last query sees every position (or the last ``visible``:
+    its window's, its attention chunk's), so there is nothing to mask."""
+    if visible is not None:
+        k, v = k[-visible:], v[-visible:]
     attend = sdpa_decode if q.dtype == torch.float32 and sinks is None else einsum_decode
     return attend(q, k[None], v[None], None, scale, sinks)
 
@@ -365,13 +389,15 @@ def prompt_attention(
     k: torch.Tensor,  # [L, KVH, D]
     v: torch.Tensor,  # [L, KVH, D]
     scale: float,
-    window: int | None,
+    see: Visibility | int | None,
+    skipped: int = 0,
 ) -> torch.Tensor:  # [Q, H, D]
-    """Causal attention of a prompt's (or chunk's) queries over its whole context."""
+    """Causal attention of a prompt's (or chunk's) queries over its context, which starts
+    ``skipped`` positions into the sequence."""
     num_queries, seq_len = q.shape[0], k.shape[0]
     keep = None
-    if num_queries < seq_len or (window is not None and window < seq_len):
-        keep = visible_keys(num_queries, seq_len, window)
+    if num_queries < seq_len or _bounds(see, seq_len + skipped):
+        keep = visible_keys(num_queries, seq_len, see, skipped)
     # A whole prompt with no window is plain causal attention: SDPA's causal kernel skips the
     # masked tiles (half the work) and reads no mask (torch's is_causal is top-left aligned,
     # which is right only when the queries are the whole context).
@@ -387,14 +413,27 @@ def prompt_attention(
     return out[0].transpose(0, 1)
 
 
-def visible_keys(num_queries: int, seq_len: int, window: int | None) -> torch.Tensor:
-    """[Q, L] bool: which keys each of the last Q queries of a sequence of L sees (itself and
-    those before it, within the window)."""
+def _bounds(see: Visibility | int | None, seq_len: int) -> bool:
+    """Whether a window or chunk hides some key from some query of a sequence of seq_len."""
+    if not isinstance(see, Visibility):
+        see = Visibility(see)
+    window_bounds = see.window is not None and see.window < seq_len
+    return window_bounds or (see.chunk is not None and see.chunk < seq_len)
+
+
+def visible_keys(
+    num_queries: int, seq_len: int, see: Visibility | int | None, skipped: int = 0
+) -> torch.Tensor:
+    """[Q, L] bool: which keys each of the last Q queries of a context of L sees (itself and
+    those before it, within the window and the attention chunk; ``see`` a bare int is a
+    window). The context starts ``skipped`` positions into the sequence."""
+    if not isinstance(see, Visibility):
+        see = Visibility(see)
     q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
     k_pos = torch.arange(seq_len)[None, :]  # [1, L]
     keep = k_pos <= q_pos
-    if window is not None:
-        keep &= k_pos > q_pos - window
+    if see.bounded:
+        keep &= k_pos >= see.first_keys(q_pos + skipped) - skipped
     return keep
 
 
@@ -403,8 +442,9 @@ def sink_prompt_attention(
     k: torch.Tensor,  # [L, KVH, D]
     v: torch.Tensor,  # [L, KVH, D]
     scale: float,
-    window: int | None,
+    see: Visibility | int | None,
     sinks: torch.Tensor,  # [H]
+    skipped: int = 0,
 ) -> torch.Tensor:  # [Q, H, D]
     """prompt_attention with each head's sink logit in the denominator, the scores written
     out in float32."""
@@ -413,7 +453,8 @@ def sink_prompt_attention(
     group = num_heads // num_kv_heads
     grouped = q.view(num_queries, num_kv_heads, group, head_dim)  # [Q, KVH, G, D]
     scores = torch.einsum("qkgd,lkd->kgql", grouped, k).float() * scale  # [KVH, G, Q, L]
-    scores = scores.masked_fill(~visible_keys(num_queries, seq_len, window), float("-inf"))
+    keep = visible_keys(num_queries, seq_len, see, skipped)
+    scores = scores.masked_fill(~keep, float("-inf"))
     sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, num_queries, 1)
     probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1].to(v.dtype)
     out = torch.einsum("kgql,lkd->qkgd", probs, v)  # [Q, KVH, G, D]

@@ -26,6 +26,9 @@ class Attention(nn.Module):
 
     ``sinks`` (gpt-oss): a learned logit per query head that joins every softmax's denominator
     and weighs no value, so a head can attend to nothing; a parameter the checkpoint fills.
+
+    ``attention_chunk`` (Llama 4's chunked local attention, C): a query at position p sees only
+    the keys in [p // C * C, p].
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         sinks: bool = False,
+        attention_chunk: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -45,6 +49,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.attention_chunk = attention_chunk
+        # Passed to the backends only where set, so a backend that knows no chunks is not
+        # asked for one it would ignore (the Triton and CPU backends both take it).
+        self._chunk = {} if attention_chunk is None else {"attention_chunk": attention_chunk}
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.k_scale = 1.0
@@ -99,8 +107,9 @@ class Attention(nn.Module):
         fused = self.sinks is None and self._rotates_in_decode(ctx.backend)  # no sink term there
         if rotary is not None and meta.is_decode_only and fused:
             out = ctx.backend.decode_rotated(
-                q, k, v, *rotary, *caches, meta, self.scale, self.sliding_window, *scales
-            )
+                q, k, v, *rotary, *caches, meta, self.scale, self.sliding_window, *scales,
+                **self._chunk,
+            )  # fmt: skip
             return out.reshape(num_tokens, self.num_heads * self.head_dim)
         slots = meta.slot_mapping
         if rotary is None:
@@ -116,5 +125,6 @@ class Attention(nn.Module):
             self.sliding_window,
             *scales,
             **sinks,
+            **self._chunk,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

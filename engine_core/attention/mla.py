@@ -56,6 +56,7 @@ class LatentAttention(nn.Module):
         )
         self.scale = scale
         self.sliding_window = None
+        self.attention_chunk = None
         self.cache: torch.Tensor | None = None
         self.absorb_decode = True  # decodes take the absorbed path (tests switch it off)
 

@@ -7,6 +7,8 @@ V / v_scale and is read back times the scales.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine_core.attention.base import FP8_MAX, AttentionMetadata, is_fp8_cache
@@ -48,10 +50,12 @@ class TorchReferenceBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         """Causal attention of each sequence's new tokens over its cached context (from the
-        first block their window sees: the positions are relative, so dropping whole leading
-        blocks that every query masks changes nothing)."""
+        first block their window or attention chunk sees: dropping whole leading blocks that
+        every query masks changes nothing, as long as the mask knows the absolute positions)."""
+        see = Visibility(sliding_window, attention_chunk)
         out = torch.zeros_like(q)
         starts = meta.query_start_loc_cpu
         block_size = k_cache.shape[1]
@@ -59,22 +63,56 @@ class TorchReferenceBackend:
             start, end = starts[i], starts[i + 1]
             if end == start:
                 continue
-            first = first_visible_block(seq_len - (end - start), sliding_window, block_size)
+            first = first_visible_block(seq_len - (end - start), see, block_size)
             k, v = gather_context(k_cache, v_cache, meta.block_tables[i], seq_len, first)
             if is_fp8_cache(k_cache):
                 k, v = k.float() * k_scale, v.float() * v_scale
-            out[start:end] = attend(q[start:end], k, v, scale, sliding_window, sinks).to(q.dtype)
+            skipped = first * block_size
+            out[start:end] = attend(q[start:end], k, v, scale, see, sinks, skipped).to(q.dtype)
         return out
 
 
-def first_visible_block(first_query: int, window: int | None, block_size: int) -> int:
+@dataclass(frozen=True)
+class Visibility:
+    """Which keys a query sees besides causality: those within its sliding window (the last W
+    positions, itself included), and those in its attention chunk ([p // C * C, p]: Llama 4's
+    chunked local attention). None: no such bound."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+    @property
+    def bounded(self) -> bool:
+        return self.window is not None or self.chunk is not None
+
+    def first_key(self, position: int) -> int:
+        """The first position a query at ``position`` sees."""
+        first = 0
+        if self.window is not None:
+            first = max(first, position - self.window + 1)
+        if self.chunk is not None:
+            first = max(first, position - position % self.chunk)
+        return first
+
+    def first_keys(self, positions: torch.Tensor) -> torch.Tensor:
+        """``first_key`` of each position of a tensor."""
+        first = torch.zeros_like(positions)
+        if self.window is not None:
+            first = torch.maximum(first, positions - self.window + 1)
+        if self.chunk is not None:
+            first = torch.maximum(first, positions - positions % self.chunk)
+        return first
+
+
+def first_visible_block(first_query: int, see: Visibility | int | None, block_size: int) -> int:
     """The first block a sequence's queries from position ``first_query`` on can see: 0, or
-    with a sliding window the block of the window's first position. The blocks before it are
-    never read: a window KV group gives them back and holds the null block in their place
+    with a sliding window or an attention chunk the block of the first query's first visible
+    position (``see``: a Visibility, or a bare window). The blocks before it are never read: a
+    window or chunked KV group gives them back and holds the null block in their place
     (engine_core/block_manager.py)."""
-    if window is None:
-        return 0
-    return max(0, first_query - window + 1) // block_size
+    if not isinstance(see, Visibility):
+        see = Visibility(see)
+    return see.first_key(first_query) // block_size
 
 
 def gather_context(
@@ -99,11 +137,14 @@ def attend(
     k: torch.Tensor,  # [L, kv_heads, head_dim]
     v: torch.Tensor,  # [L, kv_heads, head_dim]
     scale: float,
-    sliding_window: int | None,
+    sliding_window: Visibility | int | None,
     sinks: torch.Tensor | None = None,  # [heads]
+    skipped: int = 0,
 ) -> torch.Tensor:  # [Q, heads, head_dim] float32
-    """Softmax attention in float32; query j sits at position L - Q + j. ``sinks``: one more
-    logit per head in the softmax, whose probability weighs no value (as HF's gpt-oss)."""
+    """Softmax attention in float32; query j sits at position L - Q + j of the context given,
+    which starts ``skipped`` positions into the sequence (where an attention chunk starts
+    matters). ``sinks``: one more logit per head in the softmax, whose probability weighs no
+    value (as HF's gpt-oss)."""
     num_queries, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -114,9 +155,9 @@ def attend(
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device)[:, None]  # [Q, 1]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]  # [1, L]
     masked = k_pos > q_pos
-    if sliding_window is not None:
-        # A query sees itself and the sliding_window - 1 tokens before it.
-        masked |= k_pos <= q_pos - sliding_window
+    see = sliding_window if isinstance(sliding_window, Visibility) else Visibility(sliding_window)
+    if see.bounded:  # e.g. a query sees itself and the sliding_window - 1 tokens before it
+        masked |= k_pos < see.first_keys(q_pos + skipped) - skipped
     scores = scores.masked_fill(masked, float("-inf"))
     return torch.einsum("hqk,khd->qhd", softmax_with_sinks(scores, sinks), v)  # [Q, H, D]
 

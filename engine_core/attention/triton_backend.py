@@ -85,12 +85,14 @@ class TritonBackend:
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:  # [B, heads, head_dim]
         """write_kv_rotated then forward, for a decode step, in the decode kernel's launch."""
         new = NewTokens(k, v, cos, sin, meta.slot_mapping)
         return rotary_decode_attention(
             q, new, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
             sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+            attention_chunk=attention_chunk,
         )  # fmt: skip
 
     def forward(
@@ -104,8 +106,14 @@ class TritonBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
+        attention_chunk: int | None = None,  # Llama 4's chunked local attention
     ) -> torch.Tensor:  # [T, heads, head_dim]
-        scales = {"k_scale": k_scale, "v_scale": v_scale, "sinks": sinks}
+        scales = {
+            "k_scale": k_scale,
+            "v_scale": v_scale,
+            "sinks": sinks,
+            "attention_chunk": attention_chunk,
+        }
         if meta.is_decode_only:
             # T == B here; the launch reads no host value but shapes (CUDA-graph safe).
             return paged_decode_attention(

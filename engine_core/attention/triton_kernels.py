@@ -448,19 +448,25 @@ def decode_grid(batch: int, num_kv_heads: int, device: torch.device) -> str:
 def _split_bounds(
     seq_len,
     window,
+    chunk,
     num_splits,
     min_split,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
 ):
-    """A sequence's split length (a multiple of BLOCK_N), the first key it attends to, and the
-    first and last splits that overlap [lo, seq_len). Splits outside that range do nothing; a
-    sequence covered by one split (or empty) is written by that split alone, with no merge."""
+    """A sequence's split length (a multiple of BLOCK_N), the first key it attends to (the
+    window's first, or the start of the query's attention chunk), and the first and last splits
+    that overlap [lo, seq_len). Splits outside that range do nothing; a sequence covered by one
+    split (or empty) is written by that split alone, with no merge."""
     split_len = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
     split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
     lo = seq_len * 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
+    if HAS_CHUNK:  # the query (at seq_len - 1) sees from its chunk's start on
+        query = tl.maximum(seq_len - 1, 0)
+        lo = tl.maximum(lo, query - query % chunk)
     first = lo // split_len
     last = tl.maximum(seq_len - 1, 0) // split_len
     return split_len, lo, first, last
@@ -471,7 +477,7 @@ def _split_bounds(
 # asserts on (Triton 3.6). stride_bt (the step's widest block table) stays one too: specialized,
 # every width class (1, a multiple of 16, other) would compile its own variant, mid-serving, the
 # first time an eager step has it (see _prefill_kernel).
-@triton.jit(do_not_specialize=["window", "min_split", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["window", "chunk", "min_split", "num_splits", "stride_bt"])
 def _decode_kernel(
     Q,
     KC,
@@ -492,6 +498,7 @@ def _decode_kernel(
     k_scale_inv,
     v_scale_inv,
     window,
+    chunk,  # HAS_CHUNK: Llama 4's attention chunk
     min_split,
     num_splits,
     num_heads,
@@ -528,6 +535,7 @@ def _decode_kernel(
     ROPE: tl.constexpr,  # q and the new token's k come unrotated; this kernel writes its k, v
     HALF: tl.constexpr,  # ROPE: half the rotary dims
     HAS_SINKS: tl.constexpr = False,  # gpt-oss: a sink logit per head joins the denominator
+    HAS_CHUNK: tl.constexpr = False,  # chunked local attention: keys from the chunk's start
 ):
     """Attention of a sequence's last token over its cache. With ROPE (a decode step's rotary
     and KV write in the same launch, rotary_decode_attention) it also rotates q and the new
@@ -543,7 +551,7 @@ def _decode_kernel(
     # (engine_core/triton_pdl.py). q and the new token's K/V come after the wait.
     seq_len = tl.load(SL + seq)
     split_len, lo, first, last = _split_bounds(
-        seq_len, window, num_splits, min_split, BLOCK_N, HAS_WINDOW
+        seq_len, window, chunk, num_splits, min_split, BLOCK_N, HAS_WINDOW, HAS_CHUNK
     )
     start = tl.maximum(split * split_len, lo)
     end = tl.minimum(split * split_len + split_len, seq_len)
@@ -712,7 +720,7 @@ def _add_sink(sink_ptrs, mask, m_i, l_i, acc):
     return m_new, l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
 
 
-@triton.jit(do_not_specialize=["window", "min_split", "num_splits"])
+@triton.jit(do_not_specialize=["window", "chunk", "min_split", "num_splits"])
 def _decode_merge_kernel(
     PO,
     PL,
@@ -720,6 +728,7 @@ def _decode_merge_kernel(
     Out,
     SINKS,
     window,
+    chunk,
     min_split,
     num_splits,
     stride_ot,
@@ -731,6 +740,7 @@ def _decode_merge_kernel(
     HAS_WINDOW: tl.constexpr,
     PDL: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -747,7 +757,9 @@ def _decode_merge_kernel(
     lse = tl.load(PL + part + s, mask=in_buf, other=float("-inf"))  # [S]
     po_ptr = PO + (part + s)[:, None] * HEAD_DIM + d[None, :]
     po = tl.load(po_ptr, mask=in_buf[:, None] & d_mask[None, :], other=0.0)  # [S, D]
-    _, _, first, last = _split_bounds(seq_len, window, num_splits, min_split, BLOCK_N, HAS_WINDOW)
+    _, _, first, last = _split_bounds(
+        seq_len, window, chunk, num_splits, min_split, BLOCK_N, HAS_WINDOW, HAS_CHUNK
+    )
     if first != last:  # otherwise the decode kernel wrote this row itself
         valid = (s >= first) & (s <= last)
         lse = tl.where(valid, lse, float("-inf"))
@@ -783,6 +795,7 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     tile: DecodeTile | None = None,
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
+    attention_chunk: int | None = None,  # Llama 4: the query sees its chunk's keys only
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """Attention of each sequence's last token over its whole cached context (an FP8 cache's
     values times their scales; with ``sinks``, each head's sink logit in the denominator).
@@ -794,7 +807,7 @@ def paged_decode_attention(
     """
     return _decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, None, sliding_window, num_splits,
-        min_split_tokens, out, k_scale, v_scale, tile, sinks,
+        min_split_tokens, out, k_scale, v_scale, tile, sinks, attention_chunk,
     )  # fmt: skip
 
 
@@ -832,6 +845,7 @@ def rotary_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tile: DecodeTile | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """A decode step's rotary, KV write and attention in the decode kernel's launch: what
     ``rotary_write_kv_cache`` then ``paged_decode_attention`` do in two (one launch fewer per
@@ -848,7 +862,7 @@ def rotary_decode_attention(
         raise ValueError(f"rotary over {rot} dims of a {head_dim}-dim head")
     return _decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, new, sliding_window, num_splits,
-        min_split_tokens, out, k_scale, v_scale, tile,
+        min_split_tokens, out, k_scale, v_scale, tile, None, attention_chunk,
     )  # fmt: skip
 
 
@@ -868,6 +882,7 @@ def _decode(
     v_scale: float,
     tile: DecodeTile | None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """The decode kernel's launch (and the merge's), with ``new`` tokens or without."""
     batch, num_heads, head_dim = q.shape
@@ -928,6 +943,7 @@ def _decode(
         1.0 / k_scale,
         1.0 / v_scale,
         sliding_window or 0,
+        attention_chunk or 1,
         min_split,
         num_splits,
         num_heads,
@@ -964,14 +980,16 @@ def _decode(
         ROPE=new is not None,
         HALF=1 if new is None else new.cos.shape[1] // 2,
         HAS_SINKS=sinks is not None,
+        HAS_CHUNK=attention_chunk is not None,
         launch_pdl=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     if num_splits > 1:
         _merge_partials(
-            partial_out, partial_lse, seq_lens, out, sliding_window, min_split, block_n, sinks
-        )
+            partial_out, partial_lse, seq_lens, out, sliding_window, min_split, block_n, sinks,
+            attention_chunk,
+        )  # fmt: skip
     return out
 
 
@@ -994,6 +1012,7 @@ def _merge_partials(
     min_split: int,
     block_n: int,
     sinks: torch.Tensor | None = None,  # [heads]
+    attention_chunk: int | None = None,
 ) -> None:
     """Combine each multi-split row's partial results, weighted by their log-sum-exps (and each
     head's sink logit in the denominator)."""
@@ -1008,6 +1027,7 @@ def _merge_partials(
         out,
         sinks_log2(sinks, partial_lse),
         sliding_window or 0,
+        attention_chunk or 1,
         min_split,
         num_splits,
         out.stride(0),
@@ -1019,6 +1039,7 @@ def _merge_partials(
         HAS_WINDOW=sliding_window is not None,
         PDL=pdl,
         HAS_SINKS=sinks is not None,
+        HAS_CHUNK=attention_chunk is not None,
         launch_pdl=pdl,
         num_warps=max(1, min(4, block_s * block_d // 1024)),
     )
@@ -1088,7 +1109,7 @@ def _precision(dtype: torch.dtype) -> str:
 # width class (1, a multiple of 16, other) first came up while serving, a stall of hundreds of
 # milliseconds in the busy loop on a machine whose Triton cache did not hold it yet
 # (docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles mid-serving").
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["chunk", "stride_bt"])
 def _prefill_kernel(
     Q,
     KC,
@@ -1102,6 +1123,7 @@ def _prefill_kernel(
     scale_log2,
     v_scale,
     window,
+    chunk,  # HAS_CHUNK: Llama 4's attention chunk
     stride_qt,
     stride_qh,
     stride_kb,
@@ -1124,6 +1146,7 @@ def _prefill_kernel(
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     # Row t of the tile list (prefill_tiles.py): this program's sequence and query tile; a
     # padding row (sequence -1, a CUDA graph's) has nothing to do.
@@ -1150,11 +1173,15 @@ def _prefill_kernel(
         if FP8_AS_F16:  # as in the decode kernel: e4m3 widens to float16 in one instruction
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-        # The tile's last row sees up to its own position; the window bounds the first key.
+        # The tile's last row sees up to its own position; the window (or the attention chunk)
+        # of its first row bounds the first key: no row reads before it.
         hi = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(context + tile * BLOCK_M - window + 1, 0)
+        if HAS_CHUNK:
+            first_row = context + tile * BLOCK_M
+            lo = tl.maximum(lo, first_row - first_row % chunk)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -1176,6 +1203,8 @@ def _prefill_kernel(
             visible = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (offs[None, :] > q_pos[:, None] - window)
+            if HAS_CHUNK:
+                visible = visible & (offs[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk)
             s = tl.where(visible, s * scale_log2, float("-inf"))
             m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
 
@@ -1205,6 +1234,7 @@ def paged_prefill_attention(
     tiles: torch.Tensor | None = None,  # [rows, 2] int32, see prefill_tiles.py
     launch: PrefillLaunch | None = None,
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
+    attention_chunk: int | None = None,  # Llama 4: a query at p sees [p // C * C, p] only
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Causal attention of every new token over its sequence's cached context (itself included).
 
@@ -1243,6 +1273,7 @@ def paged_prefill_attention(
         scale * _LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
         v_scale,
         sliding_window or 0,
+        attention_chunk or 1,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -1265,6 +1296,7 @@ def paged_prefill_attention(
         KV_FP8=kv_fp8,
         FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),
         HAS_SINKS=sinks is not None,
+        HAS_CHUNK=attention_chunk is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

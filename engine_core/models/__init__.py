@@ -34,6 +34,12 @@ from engine_core.models.llama import (
     choose_layer_forms,
     interleave_loaded_gate_ups,
 )
+from engine_core.models.llama4 import (
+    LLAMA4_ARCHITECTURES,
+    Llama4ForCausalLM,
+    llama4_fields,
+    llama4_text_config,
+)
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
 from engine_core.models.quantize import make_quantized_linears
@@ -66,6 +72,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
+    *LLAMA4_ARCHITECTURES,
     "Qwen3NextForCausalLM",
 )
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -83,6 +90,8 @@ _BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -92,6 +101,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "deepseek": DeepseekForCausalLM,
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "llama4": Llama4ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
 }
 # Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
@@ -170,6 +180,10 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     if architecture == "Qwen2_5_VLForConditionalGeneration":
         return qwen2_5_vl_config(hf)
+    if architecture in LLAMA4_ARCHITECTURES:  # models/llama4.py; the text model only
+        text = llama4_text_config(hf) | {"quantization_config": hf.get("quantization_config")}
+        fields = llama4_fields(text, architecture)
+        return dataclasses.replace(llama_config(text, architecture), **fields)
     return llama_config(hf, architecture)
 
 

@@ -88,7 +88,15 @@ class LlamaAttention(nn.Module):
         self.k_norm = make_norm(config, head_dim) if config.qk_norm else None
         scale = config.attention_scale or head_dim**-0.5
         window = config.layer_sliding_window(layer)
-        self.attn = Attention(heads, kv_heads, head_dim, scale, window, config.attention_sinks)
+        self.attn = Attention(
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+            window,
+            config.attention_sinks,
+            attention_chunk=config.layer_attention_chunk(layer),
+        )
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -372,12 +380,13 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family decoder; see the module docstring for the variants it covers."""
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer  # a family's own layer (Gemma 3)
+    model_class: type[LlamaModel] = LlamaModel  # a family's own body (Llama 4's query scales)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.tp = get_tp_group()  # the tensor-parallel group this process builds for, read once
-        self.model = LlamaModel(config, self.tp, self.decoder_layer)
+        self.model = self.model_class(config, self.tp, self.decoder_layer)
         # Tied models read the embedding matrix directly rather than holding a second alias; an
         # embedding model (config.embedding) computes no logits, so it has no head to hold.
         self.lm_head = (
