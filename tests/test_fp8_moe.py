@@ -210,3 +210,11 @@ def test_deepseek_v3_fp8_checkpoint_matches_hf(tmp_path: Path) -> None:
     want = [hf_greedy(hf, prompt, NEW_TOKENS) for prompt in deepseek.PROMPTS]
     got = generate_greedy(ours, deepseek.PROMPTS, NEW_TOKENS, block_size=4)
     assert_matches_quantized(got, want)
+
+
+def test_quantizing_a_plain_deepseek_checkpoint_is_refused(tmp_path: Path) -> None:
+    from tests import test_models_deepseek as deepseek
+
+    deepseek.make_hf_model("v3").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="quantizing a plain DeepSeek checkpoint"):
+        load_float32(tmp_path, quantization="fp8")

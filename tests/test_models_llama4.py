@@ -284,3 +284,9 @@ def test_defaults_follow_hf() -> None:
         CHUNK
     ] * 3 + [None]
     assert config.dense_layers == ()
+
+
+def test_quantization_flag_is_refused(llama4: tuple[Path, torch.nn.Module]) -> None:
+    folder, _ = llama4
+    with pytest.raises(ValueError, match="not implemented for Llama 4 yet"):
+        load_float32(folder, quantization="fp8")

@@ -35,7 +35,7 @@ from engine_core.models.qwen3_next import GatedDeltaNet
 from engine_core.presets import PRESETS, hf_config
 from engine_core.request import Request
 from protocol.messages import SamplingParams
-from tests.paged_harness import hf_greedy, random_prompts, randomize
+from tests.paged_harness import hf_greedy, load_float32, random_prompts, randomize
 
 VOCAB = 320
 NEW_TOKENS = 16
@@ -483,3 +483,12 @@ def test_the_80b_preset_has_the_real_layer_shapes() -> None:
         512, 10, 512,
     )  # fmt: skip
     assert config.shared_expert_intermediate_size == 512 and config.rotary_dim == 64
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "w8a8"])
+def test_quantization_flag_is_refused(
+    qwen3_next: tuple[Path, torch.nn.Module], quantization: str
+) -> None:
+    folder, _ = qwen3_next
+    with pytest.raises(ValueError, match="not implemented for Qwen3-Next yet"):
+        load_float32(folder, quantization=quantization)

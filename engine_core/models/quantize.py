@@ -17,6 +17,11 @@ from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
 from engine_core.models.moe import SparseMoE
 
+# Architectures whose own layers (Qwen3-Next's linear attention, Llama 4's chunked MoE layers,
+# gpt-oss's experts, which are not SparseMoE) no quantized checkpoint has been checked against:
+# refused, never run on a guess.
+UNTESTED_ARCHITECTURES = {"qwen3_next": "Qwen3-Next", "llama4": "Llama 4", "gpt_oss": "gpt-oss"}
+
 
 def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
     """Make every quantizable Linear of ``model`` hold the config's format (before loading)."""
@@ -72,6 +77,16 @@ def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
     Gemma 3) and, in FP8, mixtures of experts; W4A16 not Phi-3's fused projections, whose packed
     layouts split differently."""
     name = format_name(quant)
+    if config.architecture in UNTESTED_ARCHITECTURES:
+        raise ValueError(
+            f"{name} is not implemented for {UNTESTED_ARCHITECTURES[config.architecture]} yet "
+            "(no quantized path of its layers is tested); serve it unquantized"
+        )
+    if config.architecture == "deepseek" and not getattr(quant, "prequantized", True):
+        raise ValueError(
+            f"{name} quantizing a plain DeepSeek checkpoint as it loads is not implemented; serve "
+            "its published FP8 checkpoint, or this one unquantized"
+        )
     if config.num_experts and not isinstance(quant, Fp8Config):
         raise ValueError(
             f"{name} is not implemented for mixture-of-experts models (their experts have no "
