@@ -193,6 +193,9 @@ def cap_generation(body: Any) -> None:
             body[key] = SHORT
 
 
+FIRST_REFUSALS: list[str] = []  # a few 400s with their requests, for the failure message
+
+
 def fuzz_operation(base_url: str, operation: Any, mode: Any, examples: int) -> Counter[int]:
     """Send ``examples`` schemathesis cases for one operation; any 5xx fails at once."""
     from hypothesis import HealthCheck, Phase, given, settings
@@ -213,6 +216,8 @@ def fuzz_operation(base_url: str, operation: Any, mode: Any, examples: int) -> C
         r = case.call(base_url=base_url, timeout=120)
         statuses[r.status_code] += 1
         assert r.status_code < 500, f"{r.status_code}: {r.text[:300]}\n{case.as_curl_command()}"
+        if r.status_code == 400 and len(FIRST_REFUSALS) < 3:
+            FIRST_REFUSALS.append(f"{r.text[:200]}\n{case.as_curl_command()[:400]}")
 
     send()
     return statuses
@@ -226,15 +231,21 @@ def test_schemathesis_fuzz_finds_no_5xx(tiny_server: Server) -> None:
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {f"{op.method.upper()} {op.path}" for op in operations}
     assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /health"} <= paths
-    served = 0
+    valid: Counter[int] = Counter()  # the statuses of the valid cases
     for op in operations:
         if op.method == "post":
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                 statuses = fuzz_operation(tiny_server.base_url, op, mode, EXAMPLES_PER_POST)
-                served += statuses[200] if mode is GenerationMode.POSITIVE else 0
+                valid += statuses if mode is GenerationMode.POSITIVE else Counter()
         else:  # nothing to vary in a GET without parameters: a few calls
             fuzz_operation(tiny_server.base_url, op, GenerationMode.POSITIVE, EXAMPLES_PER_GET)
-    assert served > 0, "the valid cases should include some that are served"
+    # The schema-valid cases reach the handlers (no auth or routing refusal): each is served or
+    # refused by its own validation (which is stricter than the schema: about 2 in 100 are
+    # served, too few to count on for any one ordering of the generated cases); and the server
+    # still serves a plain request after the fuzz.
+    assert set(valid) <= {200, 400, 404}, f"{valid}; e.g. {FIRST_REFUSALS}"
+    r = httpx.post(f"{tiny_server.base_url}/v1/completions", json=BASE, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
     assert httpx.get(f"{tiny_server.base_url}/health", timeout=10).status_code == 200
     gauges = wait_frontend_idle(tiny_server)
     assert gauges["tandem_frontend_sequences_admitted_limit"] == (
