@@ -10,6 +10,7 @@ on the CPU. Then ``--quantization fp8`` quantizing a plain checkpoint's experts 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,18 @@ def hf_model() -> torch.nn.Module:
     return make_hf_model()
 
 
-def reference(folder: Path, activations: object) -> list[GreedyResult]:
+def reference(
+    folder: Path,
+    activations: Callable[[torch.Tensor], torch.Tensor],
+    leaves: tuple[str, ...] = LINEARS,
+    prompts: list[list[int]] = PROMPTS,
+) -> list[GreedyResult]:
+    """HF's greedy run of ``folder`` with ``activations`` in front of the linears named
+    ``leaves`` and of every expert's products."""
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    quantize_inputs(hf, activations)
+    quantize_inputs(hf, activations, leaves=leaves)
     quantize_expert_inputs(hf, activations)
-    return [hf_greedy(hf, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    return [hf_greedy(hf, prompt, NEW_TOKENS) for prompt in prompts]
 
 
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
@@ -204,10 +212,7 @@ def test_deepseek_v3_fp8_checkpoint_matches_hf(tmp_path: Path) -> None:
     assert attn.q_a_proj.weight.dtype == attn.kv_a_proj_with_mqa.weight.dtype == E4M3
     assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.fp8 is None
     assert ours.model.layers[1].mlp.w13.dtype == E4M3
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
-    quantize_inputs(hf, e4m3_groups, leaves=LINEARS + MLA_LINEARS[:3])
-    quantize_expert_inputs(hf, e4m3_groups)
-    want = [hf_greedy(hf, prompt, NEW_TOKENS) for prompt in deepseek.PROMPTS]
+    want = reference(tmp_path / "ref", e4m3_groups, LINEARS + MLA_LINEARS[:3], deepseek.PROMPTS)
     got = generate_greedy(ours, deepseek.PROMPTS, NEW_TOKENS, block_size=4)
     assert_matches_quantized(got, want)
 

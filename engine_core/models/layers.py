@@ -459,6 +459,25 @@ class LoadsQuantized:
         return [(param_name, tensor)]
 
 
+def check_plain_weight(tensor: torch.Tensor, hf_name: str) -> None:
+    """A weight to quantize as it loads must be a plain float one: an integer or FP8 tensor
+    needs the quantization_config that says how to read its scales."""
+    if not tensor.is_floating_point() or tensor.dtype in FP8_DTYPES:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} is already {tensor.dtype}, but config.json declares "
+            "no quantization_config that says how to read its scales"
+        )
+
+
+def check_held_dtype(tensor: torch.Tensor, dtype: torch.dtype, source: str, hf_name: str) -> None:
+    """A quantized checkpoint's weight is in the format its quantization_config declares."""
+    if tensor.dtype != dtype:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but the checkpoint's "
+            f"quantization_config ({source}) makes this layer {dtype}"
+        )
+
+
 def checkpoint_scale(
     tensor: torch.Tensor, target: torch.Tensor, per_channel: bool, hf_name: str
 ) -> torch.Tensor:
@@ -617,11 +636,7 @@ class Linear(nn.Linear, LoadsQuantized):
         ``param_name`` at ``index`` (None: all of it) of this quantized layer."""
         if param_name == "weight" and self.w4a16 is None:
             config, dtype = (self.int8, torch.int8) if self.int8 else (self.fp8, FP8_DTYPE)
-            if tensor.dtype != dtype:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but the checkpoint's "
-                    f"quantization_config ({config.source}) makes this layer {dtype}"
-                )
+            check_held_dtype(tensor, dtype, config.source, hf_name)
         if param_name in ("weight_scale", "input_scale"):
             tensor = self.scale_for(param_name, tensor, index, hf_name)
         if param_name == "scales":
@@ -993,11 +1008,7 @@ def held_form(
         ]
     if param_name != "weight" or not module.quantizes_at_load:
         return [(name, tensor)]
-    if not tensor.is_floating_point() or tensor.dtype in FP8_DTYPES:
-        raise ValueError(
-            f"checkpoint tensor {hf_name!r} is already {tensor.dtype}, but config.json declares "
-            "no quantization_config that says how to read its scales"
-        )
+    check_plain_weight(tensor, hf_name)
     quantize = int8_rows if module.int8 is not None else quantize_rows
     quantized, scale = quantize(tensor.to(module.weight.device))
     return [(name, quantized), (f"{module_name}.weight_scale", scale)]

@@ -45,7 +45,6 @@ from torch import nn
 from engine_core.config import Fp8Config, ModelConfig
 from engine_core.models.fp8 import (
     FP8_DTYPE,
-    FP8_DTYPES,
     fp8_linear,
     quantize_rows,
     weight_scale_shape,
@@ -56,6 +55,8 @@ from engine_core.models.layers import (
     ShardIndex,
     TPSharded,
     check_divisible,
+    check_held_dtype,
+    check_plain_weight,
     checkpoint_scale,
     copy_into,
     empty_param,
@@ -173,11 +174,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         if param_name in ("w13_scale", "w2_scale"):
             per_channel = self.fp8 is not None and self.fp8.block is None
             tensor = checkpoint_scale(tensor, target, per_channel, hf_name)
-        elif param_name in ("w13", "w2") and tensor.dtype != FP8_DTYPE:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} is {tensor.dtype}, but the checkpoint's "
-                f"quantization_config makes the experts {FP8_DTYPE}"
-            )
+        elif param_name in ("w13", "w2") and self.fp8 is not None:
+            check_held_dtype(tensor, FP8_DTYPE, self.fp8.source, hf_name)
         copy_into(getattr(self, param_name), tensor, index, hf_name)
 
     def quantized_form(
@@ -188,11 +186,7 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         config = self.fp8
         if param_name not in ("w13", "w2") or config is None or config.prequantized:
             return [(param_name, tensor)]
-        if not tensor.is_floating_point() or tensor.dtype in FP8_DTYPES:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} is already {tensor.dtype}, but config.json "
-                "declares no quantization_config that says how to read its scales"
-            )
+        check_plain_weight(tensor, hf_name)
         rows = tensor.to(self.w13.device).reshape(-1, tensor.shape[-1])
         quantized, scale = quantize_rows(rows)
         return [
