@@ -44,7 +44,7 @@ from common import env
 from engine_core.config import Fp8Config, ModelConfig
 from engine_core.embedding import embedding_model
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
-from engine_core.models.fp8 import check_fp8_device
+from engine_core.models.fp8 import check_fp8_block_on_device, check_fp8_device
 from engine_core.models.layers import reset_buffers
 from engine_core.models.quant_config import with_quantization_flag
 from engine_core.models.target import BuildTarget
@@ -118,6 +118,7 @@ def with_quantization(
     quant = with_quantization_flag(config.quantization, quantization)
     if isinstance(quant, Fp8Config):
         check_fp8_device(torch.device(device), f"FP8 weights ({quant.source})")
+        check_fp8_block_on_device(quant, torch.device(device))
     return dataclasses.replace(config, quantization=quant)
 
 

@@ -19,6 +19,7 @@ checkpoints each give their own clear error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, Fp8Config
 from engine_core.loader import load_model
-from engine_core.models.fp8 import check_fp8_device
+from engine_core.models.fp8 import check_fp8_block_on_device, check_fp8_device
 from tests.factories import tiny_hf_sizes
 from tests.paged_harness import (
     GreedyResult,
@@ -73,21 +74,26 @@ def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale).to(E4M3), scale
 
 
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A scale per 32 x 32 block; a last partial block of rows or columns (DeepSeek-V3's
-    576-row kv_a_proj in 128-row blocks) has its own scale, as the published checkpoints do."""
+def quantize_blocks(
+    w: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scale per block (32 x 32 unless told); a last partial block of rows or columns
+    (DeepSeek-V3's 576-row kv_a_proj in 128-row blocks) has its own scale, as the published
+    checkpoints do."""
     rows, cols = w.shape
-    padded = torch.nn.functional.pad(w, (0, -cols % BLOCK[1], 0, -rows % BLOCK[0]))
-    tiles = padded.unflatten(0, (-1, BLOCK[0])).unflatten(2, (-1, BLOCK[1]))
-    scale = tiles.abs().amax(dim=(1, 3)) / 448.0  # [ceil(N / 32), ceil(K / 32)]
+    padded = torch.nn.functional.pad(w, (0, -cols % block[1], 0, -rows % block[0]))
+    tiles = padded.unflatten(0, (-1, block[0])).unflatten(2, (-1, block[1]))
+    scale = tiles.abs().amax(dim=(1, 3)) / 448.0  # [ceil(N / rows), ceil(K / cols)]
     quantized = (tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :cols]
     return quantized.to(E4M3), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> torch.Tensor:
     """Independent of our code: a [N, 1] / [1] scale broadcasts; a block scale tiles."""
     if scale.dim() == 2 and tuple(scale.shape) != (q.shape[0], 1):
-        scale = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+        scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
         scale = scale[: q.shape[0], : q.shape[1]]
     return q.float() * scale
 
@@ -124,6 +130,25 @@ class Format:
     # The activations' round trip, for a reference HF runs on the dequantized weights; None:
     # HF runs the checkpoint itself.
     activations: Callable[[torch.Tensor], torch.Tensor] | None = None
+    block: tuple[int, int] = BLOCK  # of a block-wise format
+
+
+def fp8_block_format(block: tuple[int, int] = BLOCK, not_converted: tuple[str, ...] = ()) -> Format:
+    """transformers' block-FP8 format (DeepSeek-V3's, Qwen3-FP8's) with blocks of ``block``;
+    modules whose names contain a ``not_converted`` entry stay in float."""
+    return Format(
+        functools.partial(quantize_blocks, block=block),
+        lambda: {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(block),
+            "modules_to_not_convert": list(not_converted),
+        },
+        scale_name="weight_scale_inv",
+        activations=lambda x: e4m3_per_token(x, block[1]),
+        block=block,
+    )
 
 
 FORMATS = {
@@ -134,17 +159,7 @@ FORMATS = {
         quantize_per_tensor, lambda: compressed_tensors_config("FP8"), static_input=True
     ),
     "ct-block": Format(quantize_blocks, lambda: compressed_tensors_config("FP8_BLOCK")),
-    "fp8-block": Format(
-        quantize_blocks,
-        lambda: {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "weight_block_size": list(BLOCK),
-        },
-        scale_name="weight_scale_inv",
-        activations=lambda x: e4m3_per_token(x, BLOCK[1]),
-    ),
+    "fp8-block": fp8_block_format(),
     "fp8-tensor-static": Format(
         quantize_per_tensor,
         lambda: {"quant_method": "fp8", "activation_scheme": "static"},
@@ -181,7 +196,7 @@ def write_quantized(
             continue
         q, scale = fmt.quantize(tensor)
         quantized[name], quantized[f"{module}.{fmt.scale_name}"] = q, scale
-        state[name] = dequantize(q, scale)
+        state[name] = dequantize(q, scale, fmt.block)
         if fmt.static_input:
             quantized[f"{module}.input_scale"] = torch.tensor([STATIC_SCALE])
     save_file(state, str(reference_dir / "model.safetensors"))
@@ -389,6 +404,18 @@ def test_gpu_without_fp8_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match="NVIDIA A100 has 8.0"):
         check_fp8_device(torch.device("cuda"), "--quantization fp8")
+
+
+@pytest.mark.parametrize("block", [(32, 32), (128, 32), (96, 128)])
+def test_blocks_the_gpu_gemm_cannot_take_are_refused_on_cuda(block: tuple[int, int]) -> None:
+    """The CUDA block GEMM takes 64k x 64 or 128 blocks: anything else is refused at load
+    (the CPU reference takes any block, so CI's tiny checkpoints keep 32 x 32)."""
+    config = Fp8Config("block", block=block, source="test checkpoint")
+    check_fp8_block_on_device(config, torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"{block[0]} x {block[1]} blocks"):
+        check_fp8_block_on_device(config, torch.device("cuda"))
+    for fine in ((128, 128), (64, 64), (128, 64)):
+        check_fp8_block_on_device(Fp8Config("block", block=fine), torch.device("cuda"))
 
 
 # ---- tensor parallelism and the engine ----------------------------------------------------------

@@ -1,5 +1,7 @@
 """FP8 experts on a GPU: a tiny Qwen3-MoE in transformers' block-FP8 format (tests/test_fp8_moe.py)
-loaded on CUDA runs each expert on the FP8 tensor cores; its MoE layers' outputs equal the CPU
+with 64 x 64 blocks on its experts (the smallest the GPU's block GEMM takes; the attention,
+whose 32-row k/v parts are not whole such blocks, stays in bf16) loaded on CUDA runs each
+expert on the FP8 tensor cores; its MoE layers' outputs equal the CPU
 reference's on the same checkpoint, for token counts of a decode step and of a prompt, and the
 engine serves it on CUDA (eagerly: grouping tokens by expert reads their counts on the host).
 
@@ -20,14 +22,16 @@ if not torch.cuda.is_available():
 from engine_core.llm import LLM  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
-from tests.test_fp8 import FORMATS, PROMPTS, write_quantized  # noqa: E402
+from tests.test_fp8 import PROMPTS, fp8_block_format, write_quantized  # noqa: E402
 from tests.test_fp8_moe import make_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fp8_moe")
-    write_quantized(make_hf_model(), FORMATS["fp8-block"], root / "fp8", root / "ref")
+    experts = ("gate_proj", "up_proj", "down_proj")
+    fmt = fp8_block_format((64, 64), not_converted=("self_attn",))
+    write_quantized(make_hf_model(), fmt, root / "fp8", root / "ref", experts)
     return root / "fp8"
 
 
@@ -50,3 +54,9 @@ def test_the_engine_serves_fp8_experts_on_cuda(folder: Path) -> None:
     finally:
         llm.engine.shutdown()
     assert [len(out.token_ids) for out in outs] == [8] * len(PROMPTS)
+
+
+def test_blocks_the_gpu_gemm_cannot_take_are_refused_at_load(tmp_path: Path) -> None:
+    write_quantized(make_hf_model(), fp8_block_format((32, 32)), tmp_path / "q", tmp_path / "r")
+    with pytest.raises(ValueError, match="32 x 32 blocks"):
+        load_model(str(tmp_path / "q"), torch.device("cuda"), torch.bfloat16)

@@ -54,6 +54,26 @@ def check_fp8_device(device: torch.device, what: str) -> None:
         )
 
 
+# The block-scaled FP8 GEMM's tiles (fp8_kernels.fp8_block_gemm): a scale block's rows a
+# multiple of 64 (an N tile sits inside one block), its columns one K step of 64 or 128.
+BLOCK_GEMM_ROW_MULTIPLE = 64
+BLOCK_GEMM_COLUMNS = (64, 128)
+
+
+def check_fp8_block_on_device(config: Fp8Config, device: torch.device) -> None:
+    """Refuse at load a block shape the CUDA block GEMM cannot run (it would fail at the first
+    step); the CPU reference takes any."""
+    if device.type != "cuda" or config.block is None:
+        return
+    rows, cols = config.block
+    if rows % BLOCK_GEMM_ROW_MULTIPLE or cols not in BLOCK_GEMM_COLUMNS:
+        raise ValueError(
+            f"{config.source}: block-wise FP8 weights of {rows} x {cols} blocks; the GPU's "
+            f"block-scaled FP8 GEMM takes blocks of a multiple of {BLOCK_GEMM_ROW_MULTIPLE} "
+            f"rows by {' or '.join(map(str, BLOCK_GEMM_COLUMNS))} columns"
+        )
+
+
 def weight_scale_shape(config: Fp8Config, rows: int, cols: int) -> tuple[int, ...]:
     """The shape of ``weight_scale`` for a [rows, cols] weight."""
     if config.block is None:
