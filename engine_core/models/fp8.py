@@ -54,8 +54,9 @@ def check_fp8_device(device: torch.device, what: str) -> None:
         )
 
 
-# The block-scaled FP8 GEMM's tiles (fp8_kernels.fp8_block_gemm): a scale block's rows a
-# multiple of 64 (an N tile sits inside one block), its columns one K step of 64 or 128.
+# The blocks fp8_kernels.fp8_block_gemm takes (it checks them again, not importing this module):
+# a scale block's rows a multiple of 64 (an N tile sits inside one block), its columns one K
+# step of 64 or 128.
 BLOCK_GEMM_ROW_MULTIPLE = 64
 BLOCK_GEMM_COLUMNS = (64, 128)
 

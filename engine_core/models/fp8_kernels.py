@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.models.fp8 import BLOCK_GEMM_COLUMNS, BLOCK_GEMM_ROW_MULTIPLE
 from engine_core.models.skinny_gemm import skinny_gemm
 from engine_core.models.triton_ops import e4m3_clamped, e4m3_scale, silu_mul
 from engine_core.triton_pdl import launches_dependents
@@ -333,7 +332,8 @@ def fp8_block_gemm(
     m, k = a.shape
     n = w.shape[0]
     block_n, block_k = block
-    if k % block_k or block_k not in BLOCK_GEMM_COLUMNS or block_n % BLOCK_GEMM_ROW_MULTIPLE:
+    # fp8.check_fp8_block_on_device refuses other blocks at load; K is checked here.
+    if k % block_k or block_k not in (64, 128) or block_n % 64:
         raise ValueError(
             f"the block-scaled FP8 GEMM takes [64k, 64 or 128] blocks and K a multiple of the "
             f"block's columns; got block {block} and K={k}"
