@@ -59,3 +59,14 @@ def test_bad_flags_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser("serving").parse_args(["--workloads", "64:128"])
     assert done.value.code == 2
     assert "--workloads" in capsys.readouterr().err
+
+
+def test_attention_cases_and_flops_by_hand() -> None:
+    from benchmarks.attention import parse_decode, parse_prefill, prefill_flops
+
+    assert parse_prefill("512@3584x2") == ([512, 512], [3584, 3584])
+    assert parse_prefill("8192") == ([8192], [0])
+    assert parse_decode("3700x32") == (3700, 32)
+    # Two new tokens after three cached: the first sees 4 keys, the second 5; 9 dot products of
+    # length head_dim for QK and as many for PV, two flops each.
+    assert prefill_flops([2], [3], heads=1, head_dim=8) == 4 * 9 * 8

@@ -55,9 +55,12 @@ def query_lens(query_start_loc: list[int]) -> list[int]:
     return [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
 
 
-def device_tiles(query_start_loc: list[int], device: torch.device) -> torch.Tensor:
+def device_tiles(
+    query_start_loc: list[int], device: torch.device, block_m: int | None = None
+) -> torch.Tensor:
     """The work list of a step given by its host query starts, copied to the device; for a
     caller without the engine's packed list (a kernel test). The copy from pageable memory
     waits for the device's queued work: the engine never takes this path."""
-    tiles = tile_list(query_lens(query_start_loc), prefill_block_m(query_start_loc[-1]))
+    block_m = block_m or prefill_block_m(query_start_loc[-1])
+    tiles = tile_list(query_lens(query_start_loc), block_m)
     return torch.from_numpy(tiles).to(device)

@@ -1149,8 +1149,10 @@ def _prefill_kernel(
     HAS_CHUNK: tl.constexpr = False,
 ):
     # Row t of the tile list (prefill_tiles.py): this program's sequence and query tile; a
-    # padding row (sequence -1, a CUDA graph's) has nothing to do.
-    t = tl.program_id(0)
+    # padding row (sequence -1, a CUDA graph's) has nothing to do. The list is walked from its
+    # end: a sequence's last tiles see the most keys, so they start first and the short ones
+    # fill the last wave.
+    t = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     named = tl.load(TILES + 2 * t)
     seq = tl.maximum(named, 0)
@@ -1186,7 +1188,24 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = BT + seq.to(tl.int64) * stride_bt
-        for n0 in range(lo, hi, BLOCK_N):
+        # Whole key tiles at or before the tile's first row are seen by every row: no mask.
+        masked_from = lo
+        if not HAS_WINDOW and not HAS_CHUNK:
+            masked_from = lo + (context + tile * BLOCK_M + 1 - lo) // BLOCK_N * BLOCK_N
+            for n0 in range(lo, masked_from, BLOCK_N):
+                offs = n0 + tl.arange(0, BLOCK_N)
+                blk = tl.load(bt_row + offs // PAGE).to(tl.int64)
+                in_page = offs % PAGE
+                k_ptr = KC + blk[:, None] * stride_kb + in_page[:, None] * stride_ks
+                k = tl.load(k_ptr + kvh * stride_kh + d[None, :], mask=d_mask[None, :], other=0.0)
+                v_ptr = VC + blk[:, None] * stride_vb + in_page[:, None] * stride_vs
+                v = tl.load(v_ptr + kvh * stride_vh + d[None, :], mask=d_mask[None, :], other=0.0)
+                if KV_FP8:
+                    k = k.to(q.dtype)
+                    v = v.to(q.dtype)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+                m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
+        for n0 in range(masked_from, hi, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < hi
             blk = tl.load(bt_row + offs // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -1254,12 +1273,12 @@ def paged_prefill_attention(
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    block_m = prefill_block_m(num_tokens)
-    if tiles is None:  # the direct call of a test: work the list out here (a device sync)
-        tiles = device_tiles(query_start_loc.tolist(), q.device)
-    grid = (tiles.shape[0], num_heads)
     kv_fp8 = is_fp8_cache(k_cache)
     launch = launch or prefill_launch(head_dim, kv_fp8)
+    block_m = launch.block_m or prefill_block_m(num_tokens)
+    if tiles is None:  # the direct call of a test: work the list out here (a device sync)
+        tiles = device_tiles(query_start_loc.tolist(), q.device, block_m)
+    grid = (tiles.shape[0], num_heads)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -1310,14 +1329,18 @@ class PrefillLaunch:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    block_m: int | None = None  # query rows a tile; None: prefill_block_m's (the engine's)
 
 
 def prefill_launch(head_dim: int, kv_fp8: bool) -> PrefillLaunch:
-    """The prefill kernel's launch shape for a head size and cache dtype. Measured at llama-8b's
-    heads (docs/design/kernels-and-limits.md, "Decode attention", the prefill kernel): over an
-    e4m3 cache, 64 keys an iteration took 1.79 ms for 4 prompts of 3,800 tokens against 2.26
-    with 32, and 1.07 against 1.35 for 8 of 2,048; over a bf16 cache the two were within 3% of
-    each other (1.84 / 1.89 and 1.13 / 1.12 ms), so it keeps 32 at head dim 128. Larger heads
-    (Gemma 3's 256) keep 32 keys either way: 64 was not measured there, and its tiles would
-    hold twice the registers and shared memory."""
+    """The prefill kernel's launch shape for a head size and cache dtype, from sweeps at llama-8b's
+    heads (docs/design/kernels-and-limits.md, "Decode attention", the prefill kernel). Over a
+    bf16 cache at head dim 128, 64 keys an iteration with three stages (2 x 3,600 fresh tokens:
+    1.22 -> 0.85 ms; 8,192: 2.69 -> 1.82; 512 after 3,584: 0.62 -> 0.33 against 32 keys, two
+    stages); taller 128-row tiles with 8 warps came within 10% and lost on short prompts. Over an
+    e4m3 cache 64 keys too (4 x 3,800: 2.26 -> 1.79 ms). Larger heads (Gemma 3's 256) keep 32
+    keys (and heads between 64 and 128, not measured): 64 was not measured there, and its tiles
+    would hold twice the registers and shared memory."""
+    if head_dim == 128 and not kv_fp8:
+        return PrefillLaunch(block_n=64, num_stages=3)
     return PrefillLaunch(block_n=64 if head_dim <= 64 or (kv_fp8 and head_dim <= 128) else 32)

@@ -1,0 +1,197 @@
+"""`attention`: the paged prefill and decode attention kernels at a preset's heads, alone.
+
+    python -m benchmarks attention --model llama-8b [--sweep]
+
+Prefill cases are NEW[@CONTEXT][xCOUNT] (2 prompts of 3,600 fresh tokens: 3600x2; 512 new
+tokens after 3,584 cached: 512@3584x2); decode cases are CONTEXTxBATCH. The cache is bf16 in
+16-token pages scattered at random. Each row: microseconds a call (median of CUDA-event
+timings), TFLOP/s for prefill (causal: each new token over its context and the new tokens up
+to it), GB/s of K/V read for decode. The engine's launch shape first, then, with ``--sweep``,
+every shape of the grid below (the way the shapes in triton_kernels.py were chosen); a shape
+that cannot launch prints its error instead of figures. Fresh prompts also run through torch's
+SDPA (flash attention over contiguous K/V, no pages) for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gemm import median_us
+from benchmarks.report import Provenance, write_json
+
+PAGE = 16
+PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "warps": (4, 8), "stages": (2, 3)}
+DECODE_SWEEP = {"block_n": (32, 64, 128), "warps": (4, 8), "stages": (2, 3, 4), "kv": (1, 2)}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-8b", help="a preset (default: llama-8b)")
+    parser.add_argument(
+        "--prefill",
+        default="3600x2,8192,2048x4,2048@2048,512@3584x2,128x16",
+        help="prefill cases NEW[@CONTEXT][xCOUNT], comma-separated",
+    )
+    parser.add_argument(
+        "--decode",
+        default="3700x32,16384x8,2048x64,1024x128",
+        help="decode cases CONTEXTxBATCH, comma-separated",
+    )
+    parser.add_argument("--sweep", action="store_true", help="also time every launch shape")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls each (default: 20)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+
+
+def parse_prefill(case: str) -> tuple[list[int], list[int]]:
+    """'512@3584x2' -> ([512, 512], [3584, 3584]): new tokens and context per sequence."""
+    body, _, count = case.partition("x")
+    new, _, context = body.partition("@")
+    n = int(count or 1)
+    return [int(new)] * n, [int(context or 0)] * n
+
+
+def parse_decode(case: str) -> tuple[int, int]:
+    """'3700x32' -> (3700, 32): context tokens (the query's included) and batch."""
+    context, _, batch = case.partition("x")
+    return int(context), int(batch or 1)
+
+
+def prefill_flops(new: list[int], context: list[int], heads: int, head_dim: int) -> float:
+    """QK and PV products of causal attention: token j of n new ones sees context + j + 1 keys."""
+    keys = sum(n * c + n * (n + 1) / 2 for n, c in zip(new, context, strict=True))
+    return 4 * keys * heads * head_dim
+
+
+def paged_cache(seq_lens: list[int], kv_heads: int, head_dim: int) -> dict[str, Any]:
+    """K/V caches with every sequence's pages at random places, and their block tables."""
+    import torch
+
+    pages = [-(-s // PAGE) for s in seq_lens]
+    k = torch.randn(sum(pages) + 1, PAGE, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    order = (torch.randperm(sum(pages), device="cuda") + 1).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
+    for row, start in enumerate(itertools.accumulate([0, *pages[:-1]])):
+        tables[row, : pages[row]] = order[start : start + pages[row]]
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return {"k": k, "v": torch.randn_like(k), "tables": tables, "lens": lens}
+
+
+def prefill_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[str, Any]]:
+    import torch
+
+    from engine_core.attention.triton_kernels import PrefillLaunch, paged_prefill_attention
+
+    launches: list[PrefillLaunch | None] = [None]
+    if args.sweep:
+        grid = itertools.product(*PREFILL_SWEEP.values())
+        launches += [PrefillLaunch(bn, w, st, bm) for bm, bn, w, st in grid]
+    rows = []
+    for case in args.prefill.split(","):
+        new, context = parse_prefill(case)
+        seq_lens = [n + c for n, c in zip(new, context, strict=True)]
+        cache = paged_cache(seq_lens, shape["kv"], shape["d"])
+        q = torch.randn(sum(new), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
+        starts = torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32, device="cuda")
+        flops = prefill_flops(new, context, shape["heads"], shape["d"])
+        args_ = (q, cache["k"], cache["v"], cache["tables"], cache["lens"], starts, max(new))
+        for launch in launches:
+            label = "engine's" if launch is None else launch_label(launch)
+            call = functools.partial(
+                paged_prefill_attention, *args_, shape["d"] ** -0.5, launch=launch
+            )
+            rows.append({"case": case, "kernel": label} | timed(call, args, flops))
+        if not any(context):
+            sdpa = sdpa_call(q, starts, shape)
+            rows.append({"case": case, "kernel": "torch sdpa"} | timed(sdpa, args, flops))
+    return rows
+
+
+def launch_label(launch: Any) -> str:
+    return f"bm {launch.block_m} bn {launch.block_n} w {launch.num_warps} st {launch.num_stages}"
+
+
+def sdpa_call(q: Any, starts: Any, shape: dict[str, int]) -> Any:
+    """torch's SDPA over each fresh prompt, K/V contiguous (random: only its time is read)."""
+    import torch
+    import torch.nn.functional as F
+
+    k = torch.randn(q.shape[0], shape["kv"], shape["d"], device="cuda", dtype=q.dtype)
+    bounds = list(itertools.pairwise(starts.tolist()))
+
+    def call() -> None:
+        for a, b in bounds:
+            heads = [t[a:b].transpose(0, 1)[None] for t in (q, k, k)]
+            F.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=True)
+
+    return call
+
+
+def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[str, Any]]:
+    import torch
+
+    from engine_core.attention.triton_kernels import DecodeTile, paged_decode_attention
+
+    tiles: list[DecodeTile | None] = [None]
+    if args.sweep:
+        tiles += [DecodeTile(*point) for point in itertools.product(*DECODE_SWEEP.values())]
+    rows = []
+    for case in args.decode.split(","):
+        context, batch = parse_decode(case)
+        cache = paged_cache([context] * batch, shape["kv"], shape["d"])
+        q = torch.randn(batch, shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
+        kv_bytes = 4 * batch * context * shape["kv"] * shape["d"]  # K and V, two bytes each
+        for tile in tiles:
+            label = "engine's" if tile is None else str(tile)
+            call = functools.partial(
+                paged_decode_attention, q, cache["k"], cache["v"], cache["tables"],
+                cache["lens"], shape["d"] ** -0.5, tile=tile,
+            )  # fmt: skip
+            rows.append({"case": case, "kernel": label} | timed(call, args, bytes_=kv_bytes))
+    return rows
+
+
+def timed(
+    call: Any, args: argparse.Namespace, flops: float = 0.0, bytes_: float = 0.0
+) -> dict[str, Any]:
+    """The call's median µs and rate, or its error (a shape that does not fit the GPU)."""
+    try:
+        us = median_us(lambda _: call(), 1, args.iters)
+    except Exception as error:  # a launch shape over the shared memory: say so, go on
+        return {"error": f"{type(error).__name__}: {str(error)[:80]}"}
+    return {"us": us, "tflops": flops / us / 1e6, "gb_s": bytes_ / us / 1e3}
+
+
+def attention_shape(model: str) -> dict[str, int]:
+    from engine_core.presets import hf_config
+
+    config = hf_config(model)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return {"heads": heads, "kv": config["num_key_value_heads"], "d": head_dim}
+
+
+def print_rows(rows: list[dict[str, Any]], rate: str) -> None:
+    for row in rows:
+        figures = row.get("error") or (
+            f"{row['us']:9.1f} us  {row['tflops']:6.0f} TFLOP/s"
+            if rate == "tflops"
+            else f"{row['us']:9.1f} us  {row['gb_s']:6.0f} GB/s"
+        )
+        print(f"{row['case']:>14}  {row['kernel']:<55} {figures}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    header = Provenance.here(args.argv)
+    print(header.format())
+    shape = attention_shape(args.model)
+    print(f"heads {shape['heads']}, kv heads {shape['kv']}, head dim {shape['d']}, pages {PAGE}")
+    prefill = prefill_rows(args, shape)
+    print_rows(prefill, "tflops")
+    decode = decode_rows(args, shape)
+    print_rows(decode, "gb_s")
+    if args.json:
+        write_json(args.json, header, {"prefill": prefill, "decode": decode})
+    return 0
