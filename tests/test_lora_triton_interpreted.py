@@ -31,7 +31,7 @@ from engine_core.lora.batch import (  # noqa: E402
     tiles_of,
 )
 from engine_core.lora.layers import LoraLinear, add_lora_reference  # noqa: E402
-from engine_core.lora.triton_lora import add_lora_tiles, shard_bounds  # noqa: E402
+from engine_core.lora.triton_lora import ExpandLayout, add_lora_tiles, expand_layout  # noqa: E402
 
 CPU = torch.device("cpu")
 SLOTS = 3
@@ -88,7 +88,8 @@ PREFILL = [(3, 1), (1, NO_SLOT), (20, 0), (2, 2), (5, 1), (4, NO_SLOT)]
         (PREFILL, 300, (80,), 48, [48, 20, 48]),  # a slot's rows over two tiles
         (DECODE, 72, (128, 64, 64), 16, [16, 16, 8]),  # q/k/v shards on expand tiles
         (PREFILL, 64, (96, 40, 40), 8, [8, 4, 8]),  # shards off the tiles: all columns read
-        (DECODE, 64, (128, 128), 16, [8, 16, 16]),  # gate/up
+        (DECODE, 64, (128, 128), 16, [8, 16, 16]),  # gate/up, two output tiles a program
+        (PREFILL, 64, (640, 384, 384), 8, [8, 8, 4]),  # several programs per shard
     ],
 )
 def test_tiles_match_the_reference(
@@ -101,11 +102,13 @@ def test_tiles_match_the_reference(
     run_both(row_slots, inp, sizes, max_rank, ranks)
 
 
-def test_shard_bounds_read_own_columns_only_on_tile_boundaries() -> None:
-    assert shard_bounds((4096, 1024, 1024), 16, 48) == (16, 4096, 5120)
-    assert shard_bounds((14336, 14336), 16, 32) == (16, 14336, 28672)
-    assert shard_bounds((4096,), 16, 16) == (16, 4096, 4096)
-    assert shard_bounds((96, 40, 40), 8, 24) == (24, 176, 176)
+def test_the_expand_reads_own_columns_only_where_shards_fall_on_its_programs() -> None:
+    assert expand_layout((4096, 1024, 1024), 16, 48) == ExpandLayout(16, 4096, 5120, 8)
+    assert expand_layout((14336, 14336), 16, 32) == ExpandLayout(16, 14336, 28672, 8)
+    assert expand_layout((4096,), 16, 16) == ExpandLayout(16, 4096, 4096, 8)
+    assert expand_layout((128, 64, 64), 16, 48) == ExpandLayout(16, 128, 192, 1)
+    assert expand_layout((256, 256), 16, 32) == ExpandLayout(16, 256, 512, 4)
+    assert expand_layout((96, 40, 40), 8, 24) == ExpandLayout(24, 176, 176, 8)
 
 
 def test_the_tile_table_groups_rows_by_slot() -> None:

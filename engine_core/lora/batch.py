@@ -95,23 +95,29 @@ def lora_batch(
     used = np.unique(per_row[per_row != NO_SLOT])
     if not used.size:
         return None
-    tile_slots: list[np.ndarray] = []
-    tile_rows: list[np.ndarray] = []
-    for slot in used.tolist():
-        rows = np.flatnonzero(per_row == slot).astype(np.int32)
-        tiles = -(-rows.size // TILE_ROWS)
-        tile_slots.append(np.full(tiles, slot, dtype=np.int32))
-        tile_rows.append(np.pad(rows, (0, tiles * TILE_ROWS - rows.size), constant_values=-1))
-    slots, rows = np.concatenate(tile_slots), np.concatenate(tile_rows)
+    slots, rows = _cut_into_tiles(per_row, used.tolist())
     count = max(slots.size, min_tiles)
     host = np.full(per_row.size + count * (1 + TILE_ROWS), NO_SLOT, dtype=np.int32)
     host[: per_row.size] = per_row
-    table = host[per_row.size :]
+    table = host[per_row.size :]  # the tiles' slots, then their rows
     table[: slots.size] = slots
     table[count : count + rows.size] = rows
     both = _to_device(torch.from_numpy(host), device)  # one copy
     tiles = tiles_of(both[per_row.size :], count)
     return LoraBatch(tiles, both[: per_row.size], row_slots)
+
+
+def _cut_into_tiles(per_row: np.ndarray, used: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(each tile's slot [M], each tile's rows [M * TILE_ROWS]) for the rows of each slot in
+    ``used``, a slot's last tile padded with -1."""
+    tile_slots: list[np.ndarray] = []
+    tile_rows: list[np.ndarray] = []
+    for slot in used:
+        rows = np.flatnonzero(per_row == slot).astype(np.int32)
+        tiles = -(-rows.size // TILE_ROWS)
+        tile_slots.append(np.full(tiles, slot, dtype=np.int32))
+        tile_rows.append(np.pad(rows, (0, tiles * TILE_ROWS - rows.size), constant_values=-1))
+    return np.concatenate(tile_slots), np.concatenate(tile_rows)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

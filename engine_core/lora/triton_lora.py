@@ -23,6 +23,8 @@ and through Triton's interpreter on the CPU (tests/test_lora_triton_interpreted.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -30,13 +32,16 @@ import triton.language as tl
 from engine_core.lora.batch import TILE_ROWS, LoraTiles
 
 BLOCK_K = 64  # the shrink's reduction tile
-EXPAND_BLOCK_N = 64  # output columns per expand program
+EXPAND_BLOCK_N = 64  # output columns per expand tile
+EXPAND_INNER = 8  # expand tiles per program at most: the splits' sum is read once for them
 SPLIT_K = 256  # the least input columns per shrink program
 SHRINK_PROGRAMS = 256  # shrink programs a step's table aims for (splits over its tiles)
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Ints that change with the step's rows are not specialized on (their divisibility, == 1), so an
+# eager step of a new size compiles nothing: only the shapes of the projections and slots do.
+@triton.jit(do_not_specialize=["K_PER_SPLIT", "stride_ps"])
 def _shrink_kernel(
     X,  # [T, K] the projection's input
     A,  # [S, R, K] each slot's stacked A
@@ -87,7 +92,7 @@ def _shrink_kernel(
     tl.store(out, acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS", "stride_ps"])
 def _expand_kernel(
     Partial,  # [splits, T, R] float32
     B,  # [S, N, R] each slot's stacked B
@@ -107,6 +112,7 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= RANK
+    INNER: tl.constexpr,  # output tiles per program, all of one shard
     IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -116,13 +122,12 @@ def _expand_kernel(
     rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
     rows = tl.where(row_ok, rows, 0).to(tl.int64)
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    shard = (n0 >= SHARD1).to(tl.int32) + (n0 >= SHARD2).to(tl.int32)
+    n_first = tl.program_id(1) * (BLOCK_N * INNER)
+    shard = (n_first >= SHARD1).to(tl.int32) + (n_first >= SHARD2).to(tl.int32)
     offs_r = tl.arange(0, BLOCK_K)
     r_ok = offs_r < RANK
     offs_k = shard * RANK + offs_r
+    # The splits' sum, once for INNER output tiles (a decode step reads it from L2 per program).
     t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for split in range(0, SPLITS):
         t += tl.load(
@@ -130,17 +135,21 @@ def _expand_kernel(
             mask=row_ok[:, None] & r_ok[None, :],
             other=0.0,
         )
-    b = tl.load(
-        B + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + offs_k[:, None],
-        mask=n_ok[None, :] & r_ok[:, None],
-        other=0.0,
-    )
-    # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
-    delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
-    out = Out + rows[:, None] * stride_om + offs_n[None, :]
-    mask = row_ok[:, None] & n_ok[None, :]
-    total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
-    tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
+    b_slot = B + slot.to(tl.int64) * stride_bs
+    for i in tl.static_range(INNER):
+        offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        b = tl.load(
+            b_slot + offs_n[None, :] * stride_bn + offs_k[:, None],
+            mask=n_ok[None, :] & r_ok[:, None],
+            other=0.0,
+        )
+        # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
+        delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
+        out = Out + rows[:, None] * stride_om + offs_n[None, :]
+        mask = row_ok[:, None] & n_ok[None, :]
+        total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
 
 
 def _block(width: int, most: int | None = None) -> int:
@@ -158,16 +167,26 @@ def shrink_splits(k: int, tiles: int) -> tuple[int, int]:
     return triton.cdiv(k, per_split), per_split
 
 
-def shard_bounds(output_sizes: tuple[int, ...], rank: int, width: int) -> tuple[int, int, int]:
-    """(rank columns an output tile reads, first row of shard 1, first row of shard 2) of a
-    projection whose shards are ``output_sizes`` with ``rank`` columns each (``width`` in all):
-    a shard's own columns where every boundary falls on an expand tile, else all of them."""
+class ExpandLayout(NamedTuple):
+    rank: int  # rank columns an expand program reads (a shard's own, or all of them)
+    shard1: int  # the first output row of shard 1 (the output's size where there is none)
+    shard2: int  # the first output row of shard 2 (likewise)
+    inner: int  # output tiles of EXPAND_BLOCK_N per program
+
+
+def expand_layout(output_sizes: tuple[int, ...], rank: int, width: int) -> ExpandLayout:
+    """How the expand covers a projection whose shards are ``output_sizes`` with ``rank``
+    columns each (``width`` in all): programs of up to EXPAND_INNER output tiles that each
+    read one shard's own columns, where the shard boundaries fall on such runs of tiles; else
+    programs that read all of them."""
     out = sum(output_sizes)
     starts = [sum(output_sizes[:i]) for i in range(1, len(output_sizes))]
-    if len(starts) > 2 or any(start % EXPAND_BLOCK_N for start in starts):
-        return width, out, out
-    starts += [out] * (2 - len(starts))
-    return rank, starts[0], starts[1]
+    if len(starts) <= 2:
+        for inner in (EXPAND_INNER, EXPAND_INNER // 2, EXPAND_INNER // 4, 1):
+            if not any(start % (EXPAND_BLOCK_N * inner) for start in starts):
+                padded = starts + [out] * (2 - len(starts))
+                return ExpandLayout(rank, padded[0], padded[1], inner)
+    return ExpandLayout(width, out, out, EXPAND_INNER)
 
 
 def add_lora_tiles(
@@ -187,7 +206,7 @@ def add_lora_tiles(
     rows, k = x.shape
     width = a.shape[1]
     shards = output_sizes or (b.shape[1],)
-    rank, shard1, shard2 = shard_bounds(tuple(shards), width // len(shards), width)
+    layout = expand_layout(tuple(shards), width // len(shards), width)
     splits, per_split = shrink_splits(k, tiles.count)
     partial = torch.empty(splits, rows, width, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
@@ -198,9 +217,10 @@ def add_lora_tiles(
         BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, IEEE=ieee,
     )  # fmt: skip
     n = b.shape[1]
-    _expand_kernel[(tiles.count, triton.cdiv(n, EXPAND_BLOCK_N))](
-        partial, b, out, tiles.slots, tiles.rows, n, splits, rank, shard1, shard2,
-        partial.stride(0), partial.stride(1), b.stride(0), b.stride(1), out.stride(0),
-        BLOCK_M=TILE_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=_block(rank), IEEE=ieee,
+    _expand_kernel[(tiles.count, triton.cdiv(n, EXPAND_BLOCK_N * layout.inner))](
+        partial, b, out, tiles.slots, tiles.rows, n, splits, layout.rank, layout.shard1,
+        layout.shard2, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=_block(layout.rank),
+        INNER=layout.inner, IEEE=ieee,
     )  # fmt: skip
     return out
