@@ -265,3 +265,73 @@ def test_a_slot_rewritten_between_replays_serves_its_new_adapter(
         assert llm.engine.runner.loras.loads == 4
     finally:
         llm.engine.shutdown()
+
+
+# ---- nothing compiles mid-serving ----------------------------------------------------------------
+
+
+def compiled_in_lora_workloads(base: str, first: str, second: str) -> tuple[list[str], int]:
+    """The Triton kernels an engine with LoRA and graphs builds for a second workload after a
+    first with the same features at other sizes (eager prefills of 150 and then 248 tokens,
+    prefill graphs up to 32 tokens only, decode batches shrinking to one row), two adapters and
+    the base model mixed in each; and the tokens the second generated."""
+    import random
+
+    import triton
+
+    llm = LLM(
+        base, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=256,
+        max_model_len=512, max_num_seqs=8, enable_lora=True, max_loras=2, max_lora_rank=8,
+        max_prefill_graph_tokens=32,
+    )  # fmt: skip
+    rng = random.Random(3)
+    adapters = [LoraRef("first", first), None, LoraRef("second", second)]
+
+    def workload(lengths: tuple[int, ...], max_tokens: tuple[int, ...]) -> int:
+        prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in lengths]
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+        loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
+        out = llm.generate(prompts, params, detokenize=False, lora=loras)
+        return sum(len(o.token_ids) for o in out)
+
+    try:
+        workload((40, 50, 60), (8, 8, 8))
+        compiled: list[str] = []
+        triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["repr"])
+        tokens = workload((20, 33, 47, 70, 78), (90, 70, 50, 30, 20))
+    finally:
+        llm.engine.shutdown()
+    return compiled, tokens
+
+
+def _compiled_in_lora_workloads_main() -> None:
+    """Child process entry: compiled_in_lora_workloads(*argv) as JSON on stdout's last line."""
+    import json
+    import sys
+
+    print(json.dumps(compiled_in_lora_workloads(*sys.argv[1:4])))
+
+
+def test_nothing_compiles_mid_serving_with_lora(case: dict[str, Path]) -> None:
+    """Once a LoRA workload has run, one of other sizes compiles no Triton kernel: the tile
+    table starts aligned and the kernels do not specialize on what changes with a step's rows
+    (a compilation mid-serving stalls every running request). In a fresh process, where no
+    earlier test built a variant that would hide one."""
+    import json
+    import subprocess
+    import sys
+
+    code = "from tests.test_lora_gpu import _compiled_in_lora_workloads_main as m; m()"
+    args = [str(case["base"]), str(case["all"]), str(case["mlp"])]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled, tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    assert tokens == 90 + 70 + 50 + 30 + 20  # the workload ran to the end
+    assert compiled == []

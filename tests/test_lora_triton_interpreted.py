@@ -115,17 +115,18 @@ def test_the_tile_table_groups_rows_by_slot() -> None:
     """Each slot's rows in tiles of TILE_ROWS, its last padded with -1; the base model's rows
     in none; tiles past the used ones name no slot, up to the capacity asked."""
     row_slots = [(2, 1), (1, NO_SLOT), (TILE_ROWS, 0), (1, 1)]
-    batch = lora_batch(row_slots, CPU, min_tiles=6)
+    batch = lora_batch(row_slots, CPU, min_tiles=7)
     assert batch is not None
     tiles = batch.tiles
-    assert tiles.count == 6
-    assert tiles.slots.tolist() == [0, 1, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT]
-    rows = tiles.rows.view(6, TILE_ROWS).tolist()
+    assert tiles.count == 8  # a multiple of 4: the rows start aligned
+    assert tiles.slots.tolist() == [0, 1] + [NO_SLOT] * 6
+    rows = tiles.rows.view(8, TILE_ROWS).tolist()
     assert rows[0] == list(range(3, 3 + TILE_ROWS))
     assert rows[1] == [0, 1, 3 + TILE_ROWS] + [-1] * (TILE_ROWS - 3)
     assert batch.token_slots is not None
     assert batch.token_slots.tolist() == [1, 1, NO_SLOT] + [0] * TILE_ROWS + [1]
-    assert tile_capacity(20 + TILE_ROWS, SLOTS) == 3 + SLOTS
+    assert tile_capacity(20 + TILE_ROWS, SLOTS) == 8  # 3 + SLOTS, rounded up to 4
+    assert tiles.table.data_ptr() % 16 == tiles.rows.data_ptr() % 16 == 0
     assert lora_batch([(4, NO_SLOT)], CPU) is None
 
 

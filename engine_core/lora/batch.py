@@ -25,9 +25,16 @@ TILE_ROWS = 16  # rows of one slot per kernel program
 
 
 def tile_capacity(rows: int, num_slots: int) -> int:
-    """The most tiles a step of ``rows`` rows over ``num_slots`` slots can need: each slot's
-    rows fill whole tiles but its last."""
-    return -(-rows // TILE_ROWS) + num_slots
+    """The most tiles a step of ``rows`` rows over ``num_slots`` slots can need (each slot's
+    rows fill whole tiles but its last), as a table holds them (``table_tiles``)."""
+    return table_tiles(-(-rows // TILE_ROWS) + num_slots)
+
+
+def table_tiles(tiles: int) -> int:
+    """``tiles`` rounded up to a multiple of 4: the tiles' rows then start 16 bytes into the
+    table, as their slots do, whatever the step (Triton specializes a kernel on its pointers'
+    alignment: a step whose table broke it would compile another variant mid-serving)."""
+    return -(-tiles // 4) * 4
 
 
 @dataclass
@@ -96,15 +103,14 @@ def lora_batch(
     if not used.size:
         return None
     slots, rows = _cut_into_tiles(per_row, used.tolist())
-    count = max(slots.size, min_tiles)
-    host = np.full(per_row.size + count * (1 + TILE_ROWS), NO_SLOT, dtype=np.int32)
-    host[: per_row.size] = per_row
-    table = host[per_row.size :]  # the tiles' slots, then their rows
-    table[: slots.size] = slots
-    table[count : count + rows.size] = rows
+    count = table_tiles(max(slots.size, min_tiles))
+    size = count * (1 + TILE_ROWS)
+    host = np.full(size + per_row.size, NO_SLOT, dtype=np.int32)
+    host[: slots.size] = slots  # the table first (aligned): the tiles' slots, then their rows
+    host[count : count + rows.size] = rows
+    host[size:] = per_row
     both = _to_device(torch.from_numpy(host), device)  # one copy
-    tiles = tiles_of(both[per_row.size :], count)
-    return LoraBatch(tiles, both[: per_row.size], row_slots)
+    return LoraBatch(tiles_of(both[:size], count), both[size:], row_slots)
 
 
 def _cut_into_tiles(per_row: np.ndarray, used: list[int]) -> tuple[np.ndarray, np.ndarray]:
