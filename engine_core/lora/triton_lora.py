@@ -9,6 +9,13 @@ output tile). The partial sums are added in a fixed order, so a step's result do
 on scheduling (atomics would). A tile whose slot is ``NO_SLOT`` returns at once, and rows of
 the base model are in no tile: they are never read or written.
 
+On Hopper both are links of the decode chain of programmatic dependent launches
+(engine_core/triton_pdl.py): the shrink becomes resident while the base projection before it
+finishes and computes its product then (it reads x and A, which that kernel does not write),
+storing only after its wait; the expand asks L2 for its rows of B before its wait. Every
+program waits, those of unused tiles too, before it releases the kernel after it or returns,
+so the chain's order holds for a step of the base model alone.
+
 Graph-safe: the grids depend on the table's size (``tile_capacity`` of a graph's rows), the
 projection's shape and the slots' rank, never on the step's mix of adapters, and the kernels
 read the table, A and B from device tensors whose addresses stay put. A fused projection's
@@ -30,6 +37,7 @@ import triton
 import triton.language as tl
 
 from engine_core.lora.batch import TILE_ROWS, LoraTiles
+from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release, prefetch_l2
 
 BLOCK_K = 64  # the shrink's reduction tile
 EXPAND_BLOCK_N = 64  # output columns per expand tile
@@ -60,11 +68,13 @@ def _shrink_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,  # float32 inputs multiplied as float32 (not TF32): the reference's
+    PDL: tl.constexpr,  # a link of the decode chain (see the module's docstring)
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    slot = tl.load(TileSlots + tile)
+    slot = tl.load(TileSlots + tile)  # a step input, written at the step's start
     if slot < 0:
+        pdl_wait_then_release(PDL)  # every program waits: the chain holds even for no rows
         return
     rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
@@ -88,6 +98,9 @@ def _shrink_kernel(
             acc += tl.dot(x, a, input_precision="ieee")
         else:
             acc += tl.dot(x, a)
+    # The product read x and A only, which the kernel just before (the base projection) does
+    # not write: it ran while that kernel finished. Storing waits for it.
+    pdl_wait_then_release(PDL)
     out = Partial + split * stride_ps + rows[:, None] * stride_pm + offs_n[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & n_ok[None, :])
 
@@ -114,10 +127,12 @@ def _expand_kernel(
     BLOCK_K: tl.constexpr,  # >= RANK
     INNER: tl.constexpr,  # output tiles per program, all of one shard
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     slot = tl.load(TileSlots + tile)
     if slot < 0:
+        pdl_wait_then_release(PDL)
         return
     rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
@@ -127,6 +142,12 @@ def _expand_kernel(
     offs_r = tl.arange(0, BLOCK_K)
     r_ok = offs_r < RANK
     offs_k = shard * RANK + offs_r
+    b_slot = B + slot.to(tl.int64) * stride_bs
+    if PDL:
+        # This program's rows of B into L2 while the shrink finishes (B is no kernel's output).
+        b_rows = n_first + tl.arange(0, BLOCK_N * INNER)
+        prefetch_l2(b_slot + tl.minimum(b_rows, N - 1).to(tl.int64) * stride_bn + shard * RANK)
+    pdl_wait_then_release(PDL)
     # The splits' sum, once for INNER output tiles (a decode step reads it from L2 per program).
     t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for split in range(0, SPLITS):
@@ -135,7 +156,6 @@ def _expand_kernel(
             mask=row_ok[:, None] & r_ok[None, :],
             other=0.0,
         )
-    b_slot = B + slot.to(tl.int64) * stride_bs
     for i in tl.static_range(INNER):
         offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -210,17 +230,19 @@ def add_lora_tiles(
     splits, per_split = shrink_splits(k, tiles.count)
     partial = torch.empty(splits, rows, width, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
+    pdl = chain_pdl(x)
     block_n = _block(width, 64)
     _shrink_kernel[(tiles.count, splits, triton.cdiv(width, block_n))](
         x, a, partial, tiles.slots, tiles.rows, k, width, per_split,
         x.stride(0), a.stride(0), a.stride(1), partial.stride(0), partial.stride(1),
-        BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, IEEE=ieee,
+        BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, IEEE=ieee, PDL=pdl,
+        launch_pdl=pdl,
     )  # fmt: skip
     n = b.shape[1]
     _expand_kernel[(tiles.count, triton.cdiv(n, EXPAND_BLOCK_N * layout.inner))](
         partial, b, out, tiles.slots, tiles.rows, n, splits, layout.rank, layout.shard1,
         layout.shard2, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1),
         out.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=_block(layout.rank),
-        INNER=layout.inner, IEEE=ieee,
+        INNER=layout.inner, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
