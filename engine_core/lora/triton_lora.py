@@ -6,8 +6,8 @@ sums ``[splits, T, R]``, the reduction over the input split so that a decode ste
 still fill the GPU (a program per tile, split and rank tile); ``expand`` sums the splits and
 adds ``t[tile] @ B[slot].T`` into the base projection's output in place (a program per tile and
 output tile). The partial sums are added in a fixed order, so a step's result does not depend
-on scheduling (atomics would). A tile whose slot is ``NO_SLOT`` returns at once, and rows of
-the base model are in no tile: they are never read or written.
+on scheduling (atomics would). A program of a tile whose slot is ``NO_SLOT`` returns at once
+(after its wait, below), and rows of the base model are in no tile: never read or written.
 
 On Hopper both are links of the decode chain of programmatic dependent launches
 (engine_core/triton_pdl.py): the shrink becomes resident while the base projection before it
@@ -20,8 +20,8 @@ Graph-safe: the grids depend on the table's size (``tile_capacity`` of a graph's
 projection's shape and the slots' rank, never on the step's mix of adapters, and the kernels
 read the table, A and B from device tensors whose addresses stay put. A fused projection's
 output rows of shard i (q, k, v; gate, up) read only its rank columns
-``[i * rank, (i + 1) * rank)`` of B where the shard boundaries fall on output tiles (they do on
-every real model's shapes); the other columns are zeros (layers.py).
+``[i * rank, (i + 1) * rank)`` of B where the shard boundaries fall between expand programs
+(they do on real models' shapes); the other columns are zeros (layers.py).
 
 Tested against the torch reference (``layers.add_lora_reference``) on a GPU (tests/test_lora_gpu.py)
 and through Triton's interpreter on the CPU (tests/test_lora_triton_interpreted.py, under
