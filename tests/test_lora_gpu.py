@@ -279,10 +279,10 @@ def compiled_in_lora_workloads(base: str, first: str, second: str) -> tuple[list
 
     import triton
 
+    # The engine of tests/test_cuda_graph.py's check for the base model, with LoRA.
     llm = LLM(
-        base, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=256,
-        max_model_len=512, max_num_seqs=8, enable_lora=True, max_loras=2, max_lora_rank=8,
-        max_prefill_graph_tokens=32,
+        base, device="cuda", dtype="float32", block_size=16, num_kv_blocks=128, max_num_seqs=8,
+        enable_lora=True, max_loras=2, max_lora_rank=8, max_prefill_graph_tokens=32,
     )  # fmt: skip
     rng = random.Random(3)
     adapters = [LoraRef("first", first), None, LoraRef("second", second)]
