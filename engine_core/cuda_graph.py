@@ -197,6 +197,9 @@ class GraphBuffers:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
+        lora_size = lora_tiles * (1 + TILE_ROWS)
+        lora_table = torch.full((lora_size,), NO_SLOT, dtype=torch.int32, device=device)
+
         return cls(
             input_ids=zeros(max_tokens),
             positions=zeros(max_tokens),
@@ -207,11 +210,7 @@ class GraphBuffers:
             prefill_query_start=zeros(max_seqs + 1, dtype=torch.int32),
             prefill_tiles=torch.full((max_tiles, 2), NO_SEQUENCE, dtype=torch.int32, device=device),
             hidden=zeros(max_tokens, hidden_size, dtype=dtype),
-            lora_table=torch.full(
-                (lora_tiles * (1 + TILE_ROWS),), NO_SLOT, dtype=torch.int32, device=device
-            )
-            if lora_tiles
-            else None,
+            lora_table=lora_table if lora_tiles else None,
         )
 
     def decode_metadata(self, batch: int, max_model_len: int) -> AttentionMetadata:
