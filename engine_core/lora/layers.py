@@ -122,7 +122,7 @@ class LoraExperts(nn.Module):
     ``b2`` [H, R]. Rows of the base model run the layer as it is; a step with adapter rows runs
     the experts in torch, (token, k) pairs grouped by expert and slot (``lora_experts``)."""
 
-    # The grouping reads per-step counts on the host: a model with LoRA experts runs eagerly.
+    # The grouping reads per-step counts on the host: an MoE model with LoRA runs eagerly.
     cuda_graph_safe = False
 
     def __init__(
