@@ -47,6 +47,7 @@ from engine_core.attention.prefill_tiles import (
     prefill_block_m,
 )
 from engine_core.forward_context import forward_context
+from engine_core.lora.batch import NO_SLOT, TILE_ROWS, LoraBatch, tile_capacity, tiles_of
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,9 @@ class GraphBuffers:
     prefill_query_start: torch.Tensor  # [max_seqs + 1] int32, set by each prefill replay
     prefill_tiles: torch.Tensor  # [most tiles, 2] int32: the prefill kernel's work list
     hidden: torch.Tensor  # [N, hidden]: the captured forward's output
+    # With LoRA: the LoRA kernels' tile table (lora/batch.py) for N rows, NO_SLOT in every
+    # tile's slot where a step has no adapter rows; each replay writes its step's. None: no LoRA.
+    lora_table: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -188,9 +192,13 @@ class GraphBuffers:
         dtype: torch.dtype,
         device: torch.device,
         max_tiles: int = 0,
+        lora_tiles: int = 0,
     ) -> GraphBuffers:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
+
+        lora_size = lora_tiles * (1 + TILE_ROWS)
+        lora_table = torch.full((lora_size,), NO_SLOT, dtype=torch.int32, device=device)
 
         return cls(
             input_ids=zeros(max_tokens),
@@ -202,6 +210,7 @@ class GraphBuffers:
             prefill_query_start=zeros(max_seqs + 1, dtype=torch.int32),
             prefill_tiles=torch.full((max_tiles, 2), NO_SEQUENCE, dtype=torch.int32, device=device),
             hidden=zeros(max_tokens, hidden_size, dtype=dtype),
+            lora_table=lora_table if lora_tiles else None,
         )
 
     def decode_metadata(self, batch: int, max_model_len: int) -> AttentionMetadata:
@@ -259,9 +268,12 @@ class CudaGraphRunner:
         max_prefill_tokens: int = 0,
         extend_prefill_to: int = 0,
         vocab_size: int = 0,
+        lora_slots: int = 0,
     ) -> None:
         """``vocab_size``: the model's vocabulary, for the decode graphs' argmax; with the
         model's ``plain_logits_weight`` they capture the logits (0 or no such weight: not).
+        ``lora_slots``: the model's LoRA slots (0: no LoRA); every graph then runs the LoRA
+        kernels over the static tile table, which each replay fills with its step's rows.
         ``extend_prefill_to``: after capture, prefill graphs up to this many tokens too, where
         ``extends_prefill_graphs`` says the host is the bottleneck (0: never)."""
         self.model = model
@@ -277,6 +289,11 @@ class CudaGraphRunner:
         self.extend_prefill_to = extend_prefill_to if self.max_prefill_tokens else 0
         max_blocks = -(-max_model_len // block_size)
         top = max(self.max_prefill_tokens, self.extend_prefill_to)
+        self.lora_slots = lora_slots
+        # The tiles of a step of the buffers' rows: the table every step's LoraBatch is laid
+        # out for (model_runner), so that a replay copies it whole.
+        self.lora_tiles = tile_capacity(max(self.max_batch, top), lora_slots) if lora_slots else 0
+        self._lora_clear = True  # the static table names no slot (no copy needed for none)
         self.buffers = GraphBuffers.allocate(
             max(self.max_batch, top),
             self.max_batch,
@@ -285,6 +302,7 @@ class CudaGraphRunner:
             dtype,
             device,
             max_tiles=prefill_graph_shape(top, self.max_batch)[1] if top else 0,
+            lora_tiles=self.lora_tiles,
         )
         weight = model.plain_logits_weight()  # see engine_core/models/__init__.py
         self.tail: DecodeTail | None = None
@@ -368,7 +386,7 @@ class CudaGraphRunner:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(3):
             torch.cuda.synchronize()
-            with forward_context(meta, self.backend):
+            with forward_context(meta, self.backend, self._static_lora(size)):
                 started = time.perf_counter()
                 self.model(buf.input_ids[:size], buf.positions[:size])
                 host.append(time.perf_counter() - started)
@@ -396,7 +414,7 @@ class CudaGraphRunner:
             if tail is not None:
                 tail.run(buf.hidden[:rows])
 
-        with forward_context(meta, self.backend), skinny_gemm.for_graphs():
+        with forward_context(meta, self.backend, self._static_lora(rows)), skinny_gemm.for_graphs():
             # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
             # neither of which may happen during capture. Padding inputs write and read nothing.
             forward()
@@ -407,6 +425,35 @@ class CudaGraphRunner:
         if self.pool is None:
             self.pool = graph.pool()
         return graph
+
+    def _static_lora(self, rows: int) -> LoraBatch | None:
+        """What a graph of ``rows`` rows captures for LoRA: the kernels over the first tiles of
+        the static table (as many as a step of that many rows can need), whatever it holds."""
+        table = self.buffers.lora_table
+        if table is None:
+            return None
+        return LoraBatch(tiles_of(table, tile_capacity(rows, self.lora_slots)), None, None)
+
+    def _stage_lora(self, lora: LoraBatch | None) -> None:
+        """The step's LoRA tile table into the static one (laid out for it: one copy); a step
+        without adapter rows clears its slots, once."""
+        table = self.buffers.lora_table
+        if table is None:
+            if lora is not None:
+                raise RuntimeError("a LoRA step for CUDA graphs captured without LoRA")
+            return
+        if lora is None:
+            if not self._lora_clear:
+                table[: self.lora_tiles].fill_(NO_SLOT)
+                self._lora_clear = True
+            return
+        if lora.tiles.table.shape != table.shape:
+            raise RuntimeError(
+                f"a LoRA tile table of {lora.tiles.table.shape[0]} entries for a graph table of "
+                f"{table.shape[0]}: the step's was not laid out for the graphs (lora_tiles)"
+            )
+        table.copy_(lora.tiles.table, non_blocking=True)
+        self._lora_clear = False
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         """True for a step that fits a captured graph: decode-only and no larger than the
@@ -427,9 +474,11 @@ class CudaGraphRunner:
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,  # a step ``can_run`` accepted
         ids_from: torch.Tensor | None = None,  # [T]: the input ids, where input_ids lacks them
+        lora: LoraBatch | None = None,  # the step's LoRA rows, laid out for ``lora_tiles``
     ) -> torch.Tensor:  # [T, hidden], a view of the static output (valid until the next run)
         """Copy a step into the static buffers, pad, replay its graph, return the real rows."""
         self._tail_rows = 0
+        self._stage_lora(lora)
         if meta.is_decode_only:
             return self._run_decode(input_ids, positions, meta, ids_from)
         if ids_from is not None:

@@ -220,11 +220,9 @@ def select_backend(device: torch.device) -> AttentionBackend:
 
 def build_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> BuildTarget:
     """What the model is built for. Decode steps replay CUDA graphs on CUDA unless eager is
-    forced or LoRA is on: LoRA steps run eagerly (``_capture_graphs``), and its adapters wrap the
-    projections in the checkpoint's row order, which the graph-only layouts (interleaved gate/up
-    rows) would change under them."""
-    graphs = device.type == "cuda" and not config.enforce_eager and not config.enable_lora
-    return BuildTarget(device, dtype, cuda_graphs=graphs)
+    forced; with LoRA the projections keep the checkpoint's layout (``BuildTarget.lora``)."""
+    graphs = device.type == "cuda" and not config.enforce_eager
+    return BuildTarget(device, dtype, cuda_graphs=graphs, lora=config.enable_lora)
 
 
 class ModelRunner:
@@ -576,11 +574,6 @@ class ModelRunner:
         graphs bake in its addresses); None on the CPU or when ``enforce_eager`` is set."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
-        if self.loras is not None:
-            # The LoRA product groups rows by slot on the host each step (no graph-safe kernel
-            # yet): every step runs eagerly (docs/design/lora.md).
-            logger.warning("--enable-lora: running without CUDA graphs for now")
-            return None
         if self.model_config.embedding is not None:
             # Embedding engines run eagerly (for now): their steps are prompt chunks, and the
             # decode graphs would compute logits that they never read, with no head for them.
@@ -617,6 +610,7 @@ class ModelRunner:
             max_prefill_tokens=max_prefill_tokens,
             extend_prefill_to=extend_prefill_to,
             vocab_size=self.model_config.vocab_size,
+            lora_slots=self.config.max_loras if self.loras is not None else 0,
         )
         runner.capture()
         return runner
@@ -627,7 +621,7 @@ class ModelRunner:
         graphs = self.graph_runner is not None and inputs.multimodal is None
         if graphs and self.graph_runner.can_run(inputs.meta):
             return self.graph_runner.run(
-                inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from, inputs.lora
             )
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)
@@ -677,14 +671,16 @@ class ModelRunner:
         return inputs
 
     def _lora_rows(self, out: SchedulerOutput, query_start: list[int]) -> LoraBatch | None:
-        """Which of the step's rows use which adapter slot (None: only the base model's)."""
+        """Which of the step's rows use which adapter slot (None: only the base model's), laid
+        out for the graphs' static tile table where there are graphs."""
         assert self.loras is not None
         slot_of = self.loras.slot_of
         row_slots = [
             (query_start[i + 1] - query_start[i], slot_of(s.request.request_id))
             for i, s in enumerate(out.scheduled)
         ]
-        return lora_batch(row_slots, self.device)
+        graph_tiles = self.graph_runner.lora_tiles if self.graph_runner is not None else 0
+        return lora_batch(row_slots, self.device, min_tiles=graph_tiles)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

@@ -86,12 +86,20 @@ def test_a_cpu_runner_serves_the_loaded_model_as_built(tmp_path: object) -> None
 
 
 @pytest.mark.parametrize(
-    ("flags", "graphs"),
-    [({}, True), ({"enforce_eager": True}, False), ({"enable_lora": True}, False)],
+    ("flags", "graphs", "interleaved"),
+    [
+        ({}, True, True),
+        ({"enforce_eager": True}, False, False),
+        ({"enable_lora": True}, True, False),
+    ],
 )
-def test_lora_builds_for_eager_steps(as_hopper: None, flags: dict, graphs: bool) -> None:
-    """LoRA steps run eagerly and wrap gate_up_proj in the checkpoint's row order: its model is
-    built without the graph-only interleaved layout (a wrapped MLP has no weight to read)."""
+def test_lora_builds_for_graphs_with_the_plain_mlp(
+    as_hopper: None, flags: dict, graphs: bool, interleaved: bool
+) -> None:
+    """LoRA steps replay CUDA graphs, and LoRA wraps gate_up_proj in the checkpoint's row order
+    (its delta is added before the activation): its model is built for graphs without the
+    interleaved gate/up layout (a wrapped MLP has no weight for the fused epilogue to read)."""
     target = engine_core.model_runner.build_target(EngineConfig(**flags), CUDA, torch.bfloat16)
     assert target.cuda_graphs is graphs
-    assert all(mlp.gate_up_interleaved is graphs for mlp in mlps(built("smollm2-135m", target)))
+    model = built("smollm2-135m", target)
+    assert all(mlp.gate_up_interleaved is interleaved for mlp in mlps(model))

@@ -15,7 +15,7 @@ from engine_core.config import ModelConfig
 from engine_core.llm import LLM
 from engine_core.loader import load_model_config
 from engine_core.lora.adapter import LoraError, load_adapter
-from engine_core.lora.batch import NO_SLOT, lora_batch
+from engine_core.lora.batch import NO_SLOT, TILE_ROWS, lora_batch, tile_capacity
 from engine_core.lora.layers import add_lora
 from protocol.messages import FinishReason, LoraRef, SamplingParams
 from tests.factories import write_tiny_llama
@@ -280,6 +280,47 @@ def test_the_grouped_product_matches_each_row_alone() -> None:
         want = base[row] if slot == NO_SLOT else base[row] + b[slot] @ (a[slot] @ x[row])
         torch.testing.assert_close(got[row], want)
     assert lora_batch([(4, NO_SLOT)], torch.device("cpu")) is None
+
+
+def test_the_graphs_static_lora_table_follows_each_step(case: dict[str, Path]) -> None:
+    """What a CUDA graph reads of a step's LoRA rows (engine_core/cuda_graph.py), here on the
+    CPU's tensors: a step's tile table, laid out for the graphs (``lora_tiles``), is copied in
+    whole; a graph of fewer rows views its first tiles, which name the step's slots and rows; a
+    step of the base model alone clears every tile's slot; a table laid out for other graphs,
+    or LoRA rows for graphs without LoRA, are refused."""
+    from engine_core.cuda_graph import CudaGraphRunner
+
+    cpu = torch.device("cpu")
+    llm = make_llm(case)
+    try:
+        runner = llm.engine.runner
+
+        def graphs(lora_slots: int) -> CudaGraphRunner:
+            return CudaGraphRunner(
+                runner.model, runner.backend, max_num_seqs=8, max_model_len=64, block_size=4,
+                hidden_size=runner.model_config.hidden_size, dtype=torch.float32, device=cpu,
+                max_prefill_tokens=64, lora_slots=lora_slots,
+            )  # fmt: skip
+
+        on = graphs(lora_slots=2)
+        assert on.lora_tiles == tile_capacity(64, 2) == 8
+        step = lora_batch([(1, 1), (1, NO_SLOT), (1, 0), (1, 1)], cpu, min_tiles=on.lora_tiles)
+        assert step is not None
+        on._stage_lora(step)
+        seen = on._static_lora(4)  # what the decode graph of 4 rows captured
+        assert seen is not None
+        assert seen.tiles.slots.tolist() == [0, 1, NO_SLOT, NO_SLOT]
+        rows = seen.tiles.rows.view(4, TILE_ROWS)[:2].tolist()
+        assert rows == [[2] + [-1] * (TILE_ROWS - 1), [0, 3] + [-1] * (TILE_ROWS - 2)]
+        on._stage_lora(None)
+        assert seen.tiles.slots.tolist() == [NO_SLOT] * 4
+        other = lora_batch([(1, 0)], cpu)  # laid out for no graph: 4 tiles, not 8
+        with pytest.raises(RuntimeError, match="not laid out for the graphs"):
+            on._stage_lora(other)
+        with pytest.raises(RuntimeError, match="captured without LoRA"):
+            graphs(lora_slots=0)._stage_lora(step)
+    finally:
+        llm.engine.shutdown()
 
 
 @pytest.mark.slow

@@ -3,13 +3,14 @@
 Each targeted projection keeps, for every slot, one stacked A and one B sized for the largest
 rank: ``a`` [slots, shards * max_rank, in] and ``b`` [slots, out, shards * max_rank]. Shard i of
 a merged projection (q, k, v; gate, up) owns rank columns [i * max_rank, i * max_rank + r) and
-its own output rows of B, so one shrink and one expand per slot serve all its shards; unused
-ranks and shards are zeros. The scale is folded into B when a slot is written.
+its own output rows of B, so one shrink and one expand serve all its shards; unused ranks and
+shards are zeros. The scale is folded into B when a slot is written. The tensors are allocated
+once: writing a slot copies into them in place, so captured CUDA graphs keep reading them.
 
 A step's rows are grouped by slot (``LoraBatch``): for each slot in use,
 ``out[rows] += (x[rows] @ a[slot].T) @ b[slot].T``. This torch form is the reference, which the
-CPU runs; on CUDA the segment kernels of ``triton_lora.py`` (shrink then expand over runs of one
-slot's rows) take its place. An MoE layer's experts carry slots of their own (``LoraExperts``).
+CPU runs; on CUDA the tile kernels of ``triton_lora.py`` take its place, in eager steps and in
+CUDA graphs alike. An MoE layer's experts carry slots of their own (``LoraExperts``).
 """
 
 from __future__ import annotations
@@ -25,15 +26,20 @@ from engine_core.models.moe import SparseMoE
 
 
 def add_lora(
-    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch: LoraBatch,
+    output_sizes: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """out [T, O] += each row's slot's x @ A.T @ B.T (x [T, I], a [S, R, I], b [S, O, R]): the
-    segment kernels on CUDA (triton_lora.py), the torch reference
-    elsewhere."""
+    """out [T, O] += each row's slot's x @ A.T @ B.T (x [T, I], a [S, R, I], b [S, O, R]; a
+    fused projection's shards ``output_sizes``, None: one): the tile kernels on CUDA
+    (triton_lora.py), the torch reference elsewhere."""
     if use_triton(x):
-        from engine_core.lora.triton_lora import add_lora_segments  # imports triton
+        from engine_core.lora.triton_lora import add_lora_tiles  # imports triton
 
-        return add_lora_segments(out, x, a, b, batch.segments)
+        return add_lora_tiles(out, x, a, b, batch.tiles, output_sizes)
     return add_lora_reference(out, x, a, b, batch)
 
 
@@ -80,25 +86,26 @@ class LoraLinear(nn.Module):
         batch = current_lora_batch()
         if batch is None:
             return out
-        return add_lora(out, x, self.lora_a, self.lora_b, batch)
+        return add_lora(out, x, self.lora_a, self.lora_b, batch, self.shape.output_sizes)
 
     def write_slot(self, slot: int, parts: list[LoraWeights]) -> None:
-        """Put an adapter's parts for this projection into ``slot`` (zeros where it has none)."""
+        """Put an adapter's parts for this projection into ``slot`` (zeros where it has none).
+        A part of the whole fused output (Phi-3's qkv_proj) is written into every shard's own
+        columns, so that shard i's output rows read only columns of shard i (the expand
+        kernel's reads)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         offsets = [0]
         for size in self.shape.output_sizes:
             offsets.append(offsets[-1] + size)
         for part in parts:
-            shard = 0 if part.shard is None else part.shard
-            cols = slice(shard * self.max_rank, shard * self.max_rank + part.rank)
-            rows = (
-                slice(0, offsets[-1])
-                if part.shard is None
-                else slice(offsets[shard], offsets[shard + 1])
-            )
-            self.lora_a[slot, cols].copy_(part.a)
-            self.lora_b[slot, rows, cols].copy_(part.b)
+            shards = range(len(self.shape.output_sizes)) if part.shard is None else [part.shard]
+            for shard in shards:
+                cols = slice(shard * self.max_rank, shard * self.max_rank + part.rank)
+                rows = slice(offsets[shard], offsets[shard + 1])
+                own = part.b if part.shard is not None else part.b[rows]
+                self.lora_a[slot, cols].copy_(part.a)
+                self.lora_b[slot, rows, cols].copy_(own)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -114,6 +121,9 @@ class LoraExperts(nn.Module):
     projections: per slot and expert, ``a13`` [R, H] / ``b13`` [2I, R] and ``a2`` [R, I] /
     ``b2`` [H, R]. Rows of the base model run the layer as it is; a step with adapter rows runs
     the experts in torch, (token, k) pairs grouped by expert and slot (``lora_experts``)."""
+
+    # The grouping reads per-step counts on the host: an MoE model with LoRA runs eagerly.
+    cuda_graph_safe = False
 
     def __init__(
         self,

@@ -1,105 +1,248 @@
-"""The LoRA product of a batch on CUDA: two Triton segment kernels, shrink then expand.
+"""The LoRA product of a batch on CUDA: two Triton kernels over a tile table, shrink then expand.
 
-A step's rows that use an adapter come in segments (a request's contiguous rows, neighbours of
-one slot merged: ``LoraBatch.segments``). ``shrink`` computes ``t = x[seg] @ A[slot].T`` for
-every segment into a float32 buffer [T, R'] (R' = shards * max_rank); ``expand`` adds
-``t[seg] @ B[slot].T`` into the base projection's output in place. Each program takes one tile
-of one segment, so rows of different adapters never share a tile and rows of the base model
-are never read; a slot's A or B tile is read once per row tile, not once per row (the peers'
-SGMV idea, our own kernels).
+A step's adapter rows come as tiles of up to ``TILE_ROWS`` rows of one slot
+(``LoraBatch.tiles``, batch.py). ``shrink`` writes ``x[tile] @ A[slot].T`` into float32 partial
+sums ``[splits, T, R]``, the reduction over the input split so that a decode step's few tiles
+still fill the GPU (a program per tile, split and rank tile); ``expand`` sums the splits and
+adds ``t[tile] @ B[slot].T`` into the base projection's output in place (a program per tile and
+output tile). The partial sums are added in a fixed order, so a step's result does not depend
+on scheduling (atomics would). A program of a tile whose slot is ``NO_SLOT`` returns at once
+(after its wait, below), and rows of the base model are in no tile: never read or written.
 
-Tested against the torch reference (``layers.add_lora``) on a GPU (tests/test_lora_gpu.py) and
-through Triton's interpreter on the CPU (tests/test_lora_triton_interpreted.py, under
-``TRITON_INTERPRET=1``). Not yet graph-safe: the grid's row-tile count comes from the host
-(``max_rows``).
+On Hopper both are links of the decode chain of programmatic dependent launches
+(engine_core/triton_pdl.py): the shrink becomes resident while the base projection before it
+finishes and computes its product then (it reads x and A, which that kernel does not write),
+storing only after its wait; the expand asks L2 for its rows of B before its wait. Every
+program waits, those of unused tiles too, before it releases the kernel after it or returns,
+so the chain's order holds for a step of the base model alone.
+
+Graph-safe: the grids depend on the table's size (``tile_capacity`` of a graph's rows), the
+projection's shape and the slots' rank, never on the step's mix of adapters, and the kernels
+read the table, A and B from device tensors whose addresses stay put. A fused projection's
+output rows of shard i (q, k, v; gate, up) read only its rank columns
+``[i * rank, (i + 1) * rank)`` of B where the shard boundaries fall between expand programs
+(they do on real models' shapes); the other columns are zeros (layers.py).
+
+Tested against the torch reference (``layers.add_lora_reference``) on a GPU (tests/test_lora_gpu.py)
+and through Triton's interpreter on the CPU (tests/test_lora_triton_interpreted.py, under
+``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from engine_core.lora.batch import LoraSegments
+from engine_core.lora.batch import TILE_ROWS, LoraTiles
+from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release, prefetch_l2
 
-BLOCK_M = 16  # rows of a segment per program
-BLOCK_K = 64  # reduction tile
-BLOCK_N = 64  # output columns per program (rank columns for shrink, output rows for expand)
+BLOCK_K = 64  # the shrink's reduction tile
+EXPAND_BLOCK_N = 64  # output columns per expand tile
+EXPAND_INNER = 8  # expand tiles per program at most: the splits' sum is read once for them
+SPLIT_K = 256  # the least input columns per shrink program
+SHRINK_PROGRAMS = 256  # shrink programs a step's table aims for (splits over its tiles)
+MAX_SPLITS = 32
 
 
-@triton.jit
-def _segment_matmul_kernel(
-    X,  # [T, K] the rows (shrink: the input; expand: the shrunk rows)
-    W,  # [S, N, K] each slot's matrix (shrink: A; expand: B)
-    Out,  # [T, N] (shrink: written, float32; expand: added to)
-    SegStart,
-    SegLen,
-    SegSlot,
+# Ints that change with the step's rows are not specialized on (their divisibility, == 1), so an
+# eager step of a new size compiles nothing: only the shapes of the projections and slots do.
+@triton.jit(do_not_specialize=["K_PER_SPLIT", "stride_ps"])
+def _shrink_kernel(
+    X,  # [T, K] the projection's input
+    A,  # [S, R, K] each slot's stacked A
+    Partial,  # [splits, T, R] float32, written
+    TileSlots,  # [M] int32
+    TileRows,  # [M * BLOCK_M] int32
     K,
-    N,
+    R,
+    K_PER_SPLIT,
     stride_xm,
-    stride_ws,
-    stride_wn,
-    stride_om,
-    ACCUMULATE: tl.constexpr,
+    stride_as,
+    stride_ar,
+    stride_ps,
+    stride_pm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 inputs multiplied as float32 (not TF32): the reference's
+    PDL: tl.constexpr,  # a link of the decode chain (see the module's docstring)
 ):
-    seg = tl.program_id(0)
-    tile = tl.program_id(1)
-    length = tl.load(SegLen + seg)
-    if tile * BLOCK_M >= length:
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    slot = tl.load(TileSlots + tile)  # a step input, written at the step's start
+    if slot < 0:
+        pdl_wait_then_release(PDL)  # every program waits: the chain holds even for no rows
         return
-    start = tl.load(SegStart + seg)
-    slot = tl.load(SegSlot + seg).to(tl.int64)
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows >= 0
+    rows = tl.where(row_ok, rows, 0).to(tl.int64)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (start + offs_m).to(tl.int64)
-    row_ok = offs_m < length
-    col_ok = offs_n < N
+    n_ok = offs_n < R
+    a_base = A + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = split * K_PER_SPLIT
+    k_end = tl.minimum(K, k_begin + K_PER_SPLIT)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
+        k_ok = offs_k < k_end
         x = tl.load(
             X + rows[:, None] * stride_xm + offs_k[None, :],
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        w = tl.load(
-            W + slot * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None],
-            mask=col_ok[None, :] & k_ok[:, None],
+        a = tl.load(a_base + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(x, a, input_precision="ieee")
+        else:
+            acc += tl.dot(x, a)
+    # The product read x and A only, which the kernel just before (the base projection) does
+    # not write: it ran while that kernel finished. Storing waits for it.
+    pdl_wait_then_release(PDL)
+    out = Partial + split * stride_ps + rows[:, None] * stride_pm + offs_n[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["SPLITS", "stride_ps"])
+def _expand_kernel(
+    Partial,  # [splits, T, R] float32
+    B,  # [S, N, R] each slot's stacked B
+    Out,  # [T, N] added to
+    TileSlots,
+    TileRows,
+    N,
+    SPLITS,
+    RANK,  # rank columns an output tile reads (a shard's, or all R)
+    SHARD1,  # the first output row of shard 1 (N where there is none)
+    SHARD2,  # the first output row of shard 2 (N where there is none)
+    stride_ps,
+    stride_pm,
+    stride_bs,
+    stride_bn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= RANK
+    INNER: tl.constexpr,  # output tiles per program, all of one shard
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    slot = tl.load(TileSlots + tile)
+    if slot < 0:
+        pdl_wait_then_release(PDL)
+        return
+    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows >= 0
+    rows = tl.where(row_ok, rows, 0).to(tl.int64)
+    n_first = tl.program_id(1) * (BLOCK_N * INNER)
+    shard = (n_first >= SHARD1).to(tl.int32) + (n_first >= SHARD2).to(tl.int32)
+    offs_r = tl.arange(0, BLOCK_K)
+    r_ok = offs_r < RANK
+    offs_k = shard * RANK + offs_r
+    b_slot = B + slot.to(tl.int64) * stride_bs
+    if PDL:
+        # This program's rows of B into L2 while the shrink finishes (B is no kernel's output).
+        b_rows = n_first + tl.arange(0, BLOCK_N * INNER)
+        prefetch_l2(b_slot + tl.minimum(b_rows, N - 1).to(tl.int64) * stride_bn + shard * RANK)
+    pdl_wait_then_release(PDL)
+    # The splits' sum, once for INNER output tiles (a decode step reads it from L2 per program).
+    t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for split in range(0, SPLITS):
+        t += tl.load(
+            Partial + split * stride_ps + rows[:, None] * stride_pm + offs_k[None, :],
+            mask=row_ok[:, None] & r_ok[None, :],
             other=0.0,
         )
-        acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
-    out_ptrs = Out + rows[:, None] * stride_om + offs_n[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+    for i in tl.static_range(INNER):
+        offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        b = tl.load(
+            b_slot + offs_n[None, :] * stride_bn + offs_k[:, None],
+            mask=n_ok[None, :] & r_ok[:, None],
+            other=0.0,
+        )
+        # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
+        delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
+        out = Out + rows[:, None] * stride_om + offs_n[None, :]
+        mask = row_ok[:, None] & n_ok[None, :]
+        total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
 
 
-def _segment_matmul(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, segs: LoraSegments, accumulate: bool
-) -> None:
-    """out[seg] (+)= x[seg] @ w[slot].T for every segment (x [T, K], w [S, N, K], out [T, N])."""
-    n, k = w.shape[1], w.shape[2]
-    grid = (segs.count, triton.cdiv(segs.max_rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _segment_matmul_kernel[grid](
-        x, w, out, segs.starts, segs.lengths, segs.slots, k, n,
-        x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
+def _block(width: int, most: int | None = None) -> int:
+    """A power-of-two tile of at least 16 (tl.dot's least) covering ``width``, at most ``most``."""
+    block = max(16, triton.next_power_of_2(width))
+    return block if most is None else min(block, most)
 
 
-def add_lora_segments(
-    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segs: LoraSegments
+def shrink_splits(k: int, tiles: int) -> tuple[int, int]:
+    """(splits, input columns per split) of the shrink over ``k`` input columns for a table
+    of ``tiles`` tiles: enough programs for a decode step's few tiles to fill the GPU, none
+    with fewer than SPLIT_K columns, none past MAX_SPLITS (the expand reads every split)."""
+    wanted = max(1, min(SHRINK_PROGRAMS // max(tiles, 1), MAX_SPLITS, triton.cdiv(k, SPLIT_K)))
+    per_split = triton.cdiv(triton.cdiv(k, wanted), BLOCK_K) * BLOCK_K
+    return triton.cdiv(k, per_split), per_split
+
+
+class ExpandLayout(NamedTuple):
+    rank: int  # rank columns an expand program reads (a shard's own, or all of them)
+    shard1: int  # the first output row of shard 1 (the output's size where there is none)
+    shard2: int  # the first output row of shard 2 (likewise)
+    inner: int  # output tiles of EXPAND_BLOCK_N per program
+
+
+def expand_layout(output_sizes: tuple[int, ...], rank: int, width: int) -> ExpandLayout:
+    """How the expand covers a projection whose shards are ``output_sizes`` with ``rank``
+    columns each (``width`` in all): programs of up to EXPAND_INNER output tiles that each
+    read one shard's own columns, where the shard boundaries fall on such runs of tiles; else
+    programs that read all of them."""
+    out = sum(output_sizes)
+    starts = [sum(output_sizes[:i]) for i in range(1, len(output_sizes))]
+    if len(starts) <= 2:
+        for inner in (EXPAND_INNER, EXPAND_INNER // 2, EXPAND_INNER // 4, 1):
+            if not any(start % (EXPAND_BLOCK_N * inner) for start in starts):
+                padded = starts + [out] * (2 - len(starts))
+                return ExpandLayout(rank, padded[0], padded[1], inner)
+    return ExpandLayout(width, out, out, EXPAND_INNER)
+
+
+def add_lora_tiles(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tiles: LoraTiles,
+    output_sizes: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """out [T, O] += each segment's x @ A[slot].T @ B[slot].T (x [T, I], a [S, R, I],
-    b [S, O, R]); rows outside every segment are left as they are."""
+    """out [T, O] += each tile's rows' x @ A[slot].T @ B[slot].T (x [T, I], a [S, R, I],
+    b [S, O, R], R = shards * rank for ``output_sizes`` of the shards; None: one shard); rows in
+    no tile are left as they are."""
     x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
-    shrunk = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
-    _segment_matmul(x, a, shrunk, segs, accumulate=False)
-    _segment_matmul(shrunk, b, out, segs, accumulate=True)
+    if out.stride(1) != 1:
+        raise ValueError("the LoRA expand adds into an output whose rows are contiguous")
+    rows, k = x.shape
+    width = a.shape[1]
+    shards = output_sizes or (b.shape[1],)
+    layout = expand_layout(tuple(shards), width // len(shards), width)
+    splits, per_split = shrink_splits(k, tiles.count)
+    partial = torch.empty(splits, rows, width, dtype=torch.float32, device=x.device)
+    ieee = x.dtype == torch.float32
+    pdl = chain_pdl(x)
+    block_n = _block(width, 64)
+    _shrink_kernel[(tiles.count, splits, triton.cdiv(width, block_n))](
+        x, a, partial, tiles.slots, tiles.rows, k, width, per_split,
+        x.stride(0), a.stride(0), a.stride(1), partial.stride(0), partial.stride(1),
+        BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, IEEE=ieee, PDL=pdl,
+        launch_pdl=pdl,
+    )  # fmt: skip
+    n = b.shape[1]
+    _expand_kernel[(tiles.count, triton.cdiv(n, EXPAND_BLOCK_N * layout.inner))](
+        partial, b, out, tiles.slots, tiles.rows, n, splits, layout.rank, layout.shard1,
+        layout.shard2, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=_block(layout.rank),
+        INNER=layout.inner, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
     return out

@@ -228,12 +228,12 @@ class LlamaDecoderLayer(nn.Module):
 def choose_layer_forms(model: nn.Module, target: BuildTarget) -> None:
     """Give a Llama-family model, built and not yet loaded, the forms its layers take on
     ``target`` (see models/target.py): on CUDA, fused FP8 input quantizers, deferred
-    tensor-parallel sums and, on Hopper with CUDA graphs, interleaved gate/up rows."""
+    tensor-parallel sums and, on Hopper with CUDA graphs and no LoRA, interleaved gate/up rows."""
     if not target.on_cuda:
         return
     fuse_fp8_quantizers(model)  # before the interleaving, which skips an MLP that fused
     defer_row_parallel_sums(model)
-    if target.cuda_graphs and target.hopper:
+    if target.cuda_graphs and target.hopper and not target.lora:
         interleave_gate_ups(model)
 
 

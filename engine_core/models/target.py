@@ -20,6 +20,11 @@ class BuildTarget:
     device: torch.device
     dtype: torch.dtype
     cuda_graphs: bool = False  # decode steps replay CUDA graphs (CUDA, not --enforce-eager)
+    # LoRA slots wrap the projections after loading (engine_core/lora/), adding each adapter's
+    # delta to a projection's output in the checkpoint's row order: the layouts that fuse a
+    # projection with what follows it (interleaved gate/up rows, the SiLU in the GEMM's
+    # epilogue) are not chosen, so a LoRA model runs the plain MLP, in graphs and out.
+    lora: bool = False
 
     @property
     def on_cuda(self) -> bool:
