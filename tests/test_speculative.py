@@ -38,7 +38,9 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
     ("text", "match"),
     [
         ('{"method": "eagle3", "num_speculative_tokens": 3}', "method 'eagle3'"),
-        ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft models"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs a \"model\""),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "takes no \"model\""),
+        ('{"method": "mtp", "num_speculative_tokens": 3}', "multi-token prediction"),
         ('{"method": "bogus", "num_speculative_tokens": 3}', "method must be one of"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "extra": 1}', "unknown field 'extra'"),
