@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine_core.config import EngineConfig
 from engine_core.draft_model import check_same_tokenizer
@@ -21,7 +20,7 @@ from engine_core.llm import LLM
 from engine_core.request import Request
 from engine_core.speculative import SpeculativeConfig
 from protocol.messages import Constraint, ConstraintKind, SamplingParams
-from tests.factories import write_tiny_llama
+from tests.factories import write_near_copy, write_tiny_llama
 
 K = 4
 OPTIONS = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 128, "block_size": 4}
@@ -29,20 +28,6 @@ OPTIONS = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 128, "block_s
 
 def draft_config(model: Path | str, k: int = K) -> str:
     return json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": k})
-
-
-def write_near_copy(path: Path, of: Path, noise: float = 0.1) -> Path:
-    """``of``'s weights, each tensor plus Gaussian noise of ``noise`` times its own spread: a
-    draft that agrees with its target often, not always."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(of)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for weight in model.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator) * noise * weight.std())
-    model.save_pretrained(path)
-    return path
 
 
 # ---- config --------------------------------------------------------------------------------------
