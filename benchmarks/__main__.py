@@ -17,6 +17,10 @@ BENCHMARKS = {
     "cpu": ("benchmarks.cpu", "Tandem beside vLLM's CPU build on the default model"),
     "gemm": ("benchmarks.gemm", "one projection's product: bf16, W4A16 and W8A8 against HBM"),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),
+    "speculative-verify": (
+        "benchmarks.speculative_verify",
+        "a verify step's cost and TPOT at batch 1, 8, 32, the model drafting for itself",
+    ),
 }
 
 
