@@ -18,7 +18,8 @@ from engine_core.config import EngineConfig
 from engine_core.draft_model import check_same_tokenizer
 from engine_core.llm import LLM
 from engine_core.request import Request
-from engine_core.speculative import SpeculativeConfig
+from engine_core.scheduler import PLACEHOLDER, Scheduler
+from engine_core.speculative import DraftRow, SpeculativeConfig
 from protocol.messages import Constraint, ConstraintKind, SamplingParams
 from tests.factories import write_near_copy, write_tiny_llama
 
@@ -72,6 +73,61 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path: Path) -> None:
 def test_speculation_with_a_draft_and_tensor_parallelism_is_refused() -> None:
     with pytest.raises(ValueError, match="tensor-parallel"):
         EngineConfig(speculative_config=draft_config("/m"), tensor_parallel_size=2)
+
+
+# ---- the scheduler's side: slots reserved, then one batched proposal ----------------------------
+
+
+class RecordingProposer:
+    """A BatchProposer that records its rows and proposes 50 + i for each row's i-th draft."""
+
+    max_drafts = 3
+
+    def __init__(self) -> None:
+        self.rows: list[DraftRow] = []
+
+    def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
+        self.rows = rows
+        return [[50 + i for i in range(row.count)] for row in rows]
+
+
+def test_the_scheduler_reserves_the_verify_slots_then_asks_once_for_every_row() -> None:
+    config = EngineConfig(block_size=4, speculative_config=draft_config("/m", 3))
+    proposer = RecordingProposer()
+    scheduler = Scheduler(config, 32, 256, (0,), proposer=proposer)
+    long = Request("long", [10, 11, 12], SamplingParams(temperature=0.0, max_tokens=20))
+    short = Request("short", [20, 21, 22, 23], SamplingParams(temperature=0.0, max_tokens=3))
+    for request in (long, short):
+        scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), [30, 40])  # the prefills
+    plan = scheduler.schedule()
+    table = scheduler.block_manager.block_table
+    # "short" has 1 of 3 tokens: room for 1 draft; each row's table covers its verify chunk
+    # (its last token at 3 or 4 and the drafts after it: positions up to 6 and 5).
+    rows = [(r.token, r.position, list(r.block_ids), r.count) for r in proposer.rows]
+    assert rows == [(30, 3, list(table("long")), 3), (40, 4, list(table("short")), 1)]
+    assert [len(table(r)) for r in ("long", "short")] == [2, 2]
+    assert [(s.start, s.num_new_tokens, s.drafts) for s in plan.scheduled] == [
+        (3, 4, (50, 51, 52)),
+        (4, 2, (50,)),
+    ]
+    assert long.token_ids[3:] == [30, 50, 51, 52, PLACEHOLDER]
+    events = scheduler.update_from_output(plan, [60, 61], [[50, 51, 99], [50]])
+    assert [e.new_token_ids for e in events] == [[50, 51, 99], [50, 61]]
+    assert long.num_computed_tokens == 6  # through draft 51; 99's KV comes next step
+    assert scheduler.block_manager.num_used_blocks == 2  # "short" finished by its length
+
+
+def test_the_draft_cache_takes_its_share_of_the_kv_memory(tiny_model_dir: Path) -> None:
+    """On the CPU the KV budget is --kv-cache-memory-gb: a model drafting for itself doubles
+    what a block id costs, so the pool holds half the blocks."""
+    options = {"device": "cpu", "max_model_len": 512, "kv_cache_memory_gb": 0.01}
+    plain = LLM(str(tiny_model_dir), **options)
+    spec = LLM(str(tiny_model_dir), speculative_config=draft_config(tiny_model_dir), **options)
+    # Per block of 16 tokens: 2 layers x K and V x 2 KV heads x head dim 16 x 4 bytes.
+    block = 2 * 2 * 2 * 16 * 16 * 4
+    assert plain.engine.runner.num_kv_blocks == int(0.01 * 2**30 // block)
+    assert spec.engine.runner.num_kv_blocks == int(0.01 * 2**30 // (2 * block))
 
 
 # ---- exactness through the engine ----------------------------------------------------------------
