@@ -32,6 +32,7 @@ each of the K forwards.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,11 +59,13 @@ class DraftModel:
     """The draft's weights and KV cache (owned here, as the model runner owns the target's),
     and the proposer the scheduler asks for drafts (a speculative.BatchProposer)."""
 
-    def __init__(self, loaded: LoadedModel, max_drafts: int, device: torch.device) -> None:
+    def __init__(
+        self, loaded: LoadedModel, max_drafts: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.model = loaded.module
-        self.config = loaded.config
         self.max_drafts = max_drafts
         self.device = device
+        self.dtype = dtype  # its cache's: the model's dtype (the draft's KV is never FP8)
         self.block_size = 0
         self.cache: list[torch.Tensor] = []
         self.backend: AttentionBackend | None = None
@@ -71,17 +74,15 @@ class DraftModel:
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes the draft's cache adds to one block id of the pool: K and V of every layer."""
-        layer = self.model.attention_layers()[0]
-        per_layer = sum(_numel(shape) for shape in layer.cache_shapes(1, block_size))
-        weight = next(self.model.parameters())
-        return per_layer * len(self.model.attention_layers()) * weight.element_size()
+        layers = self.model.attention_layers()
+        elements = sum(math.prod(s) for layer in layers for s in layer.cache_shapes(1, block_size))
+        return elements * self.dtype.itemsize
 
     def allocate_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
         """Its K and V tensors, ``num_blocks`` blocks like the target's pool (the same ids)."""
-        weight = next(self.model.parameters())
         for layer in self.model.attention_layers():
             shapes = layer.cache_shapes(num_blocks, block_size)
-            own = [torch.zeros(s, dtype=weight.dtype, device=self.device) for s in shapes]
+            own = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes]
             layer.bind_cache(own)
             self.cache += own
         self.block_size, self.backend = block_size, backend
@@ -161,13 +162,6 @@ class DraftModel:
             query_start_loc_cpu=list(range(len(live) + 1)),
             seq_lens_cpu=seq_lens,
         )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _on(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -328,7 +328,7 @@ class ModelRunner:
         check_draft(loaded.config, self.model_config, min(config.max_model_len or limit, limit))
         check_draft_layers(loaded.module)
         check_same_tokenizer(self.model_dir, loaded.model_dir)
-        return DraftModel(loaded, spec.num_speculative_tokens, self.device)
+        return DraftModel(loaded, spec.num_speculative_tokens, self.device, self.dtype)
 
     def _install_lora(self) -> LoraManager:
         """Give every targetable projection its adapter slots (engine_core/lora/), and the

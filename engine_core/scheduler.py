@@ -87,9 +87,8 @@ class Scheduler:
         self.loras = loras
         self.max_drafts = proposer.max_drafts if proposer is not None else 0
         # A draft model drafts for the whole step at once; prompt lookup request by request.
-        batched = isinstance(proposer, BatchProposer)
         self._batch_proposer = proposer if isinstance(proposer, BatchProposer) else None
-        self._lookup = None if batched or proposer is None else proposer
+        self._lookup = proposer if not isinstance(proposer, BatchProposer) else None
         self.block_manager = BlockManager(
             num_kv_blocks,
             config.block_size,
