@@ -25,8 +25,8 @@ output is the target's own, token for token for greedy and seeded requests, in d
 for the others; the draft decides only how many tokens a step yields.
 
 The draft runs eagerly (no CUDA graphs), in the model's dtype (its cache too, whatever
-``--kv-cache-dtype``), on one GPU; its proposal's attention metadata is built on the host for
-each of the K forwards.
+``--kv-cache-dtype``), on one GPU; a proposal sends its rows to the device once and builds each
+forward's attention metadata there.
 """
 
 from __future__ import annotations
@@ -109,58 +109,52 @@ class DraftModel:
     @torch.inference_mode()
     def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
         """``row.count`` greedy drafts for each row: K one-token forwards over the rows that
-        still want one (one copy to the host at the end)."""
+        still want one. The rows' tables, tokens and positions go to the device once; each
+        forward's slots and lengths are computed there (one copy back at the end)."""
         assert self.backend is not None
-        host_tables = [r.block_ids for r in rows]
-        tables = _block_tables(host_tables, self.device)  # [B, W]
-        tokens = torch.tensor([r.token for r in rows], dtype=torch.int64).to(self.device)
+        device = self.device
+        tables = _block_tables([r.block_ids for r in rows], device)  # [B, W]
+        tokens = _on([r.token for r in rows], torch.int64, device)  # [B]
+        positions = _on([r.position for r in rows], torch.int64, device)  # [B]
+        host_positions = [r.position for r in rows]
         live = list(range(len(rows)))
         steps: list[tuple[list[int], torch.Tensor]] = []
         for j in range(max(r.count for r in rows)):
-            keep = [i for i in live if rows[i].count > j]
+            keep = [n for n, i in enumerate(live) if rows[i].count > j]
             if len(keep) < len(live):  # a row near its length limit wants fewer drafts
-                where = [live.index(i) for i in keep]
-                tokens = tokens[torch.tensor(where, dtype=torch.int64).to(self.device)]
-                live = keep
-            positions = [rows[i].position + j for i in live]
-            meta = self._decode_metadata(tables, host_tables, live, positions)
-            with forward_context(meta, self.backend):
-                hidden = self.model(tokens, _on(positions, torch.int64, self.device))  # [b, H]
+                index = _on(keep, torch.int64, device)
+                tables, tokens, positions = tables[index], tokens[index], positions[index]
+                live = [live[n] for n in keep]
+            lengths = [host_positions[i] + j + 1 for i in live]
+            with forward_context(self._decode_metadata(tables, positions, lengths), self.backend):
+                hidden = self.model(tokens, positions)  # [b, H]
             tokens = self.model.compute_logits(hidden, widen=False).argmax(dim=-1)  # [b]
             steps.append((live, tokens))
+            positions = positions + 1
         drafts: list[list[int]] = [[] for _ in rows]
-        values = torch.cat([t for _, t in steps]).tolist()
-        at = 0
+        values = iter(torch.cat([t for _, t in steps]).tolist())
         for live_rows, _ in steps:
             for i in live_rows:
-                drafts[i].append(values[at])
-                at += 1
+                drafts[i].append(next(values))
         return drafts
 
     def _decode_metadata(
-        self,
-        tables: torch.Tensor,
-        host_tables: list[Sequence[int]],
-        live: list[int],
-        positions: list[int],
+        self, tables: torch.Tensor, positions: torch.Tensor, lengths: list[int]
     ) -> AttentionMetadata:
-        """One token per row at ``positions``, of rows ``live`` of ``tables`` (their host copy
-        ``host_tables``, for the slots)."""
+        """One token per row at ``positions`` [b] (on the device), whose tables [b, W] cover
+        them; ``lengths`` the rows' tokens with it, on the host."""
         bs = self.block_size
-        table_rows = tables[torch.tensor(live, dtype=torch.int64).to(self.device)]  # [b, W]
-        slots = [
-            host_tables[i][p // bs] * bs + p % bs for i, p in zip(live, positions, strict=True)
-        ]
-        seq_lens = [p + 1 for p in positions]
+        blocks = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()  # [b]
+        rows = len(lengths)
         return AttentionMetadata(
-            slot_mapping=_on(slots, torch.int64, self.device),
-            query_start_loc=_on(list(range(len(live) + 1)), ID32, self.device),
-            seq_lens=_on(seq_lens, ID32, self.device),
-            block_tables=table_rows,
+            slot_mapping=blocks * bs + positions % bs,
+            query_start_loc=torch.arange(rows + 1, dtype=ID32, device=self.device),
+            seq_lens=(positions + 1).to(ID32),
+            block_tables=tables,
             max_query_len=1,
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=list(range(len(live) + 1)),
-            seq_lens_cpu=seq_lens,
+            max_seq_len=max(lengths),
+            query_start_loc_cpu=list(range(rows + 1)),
+            seq_lens_cpu=lengths,
         )
 
 

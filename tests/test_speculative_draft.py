@@ -156,14 +156,18 @@ def counts_since(llm: LLM, before: tuple[int, int, int]) -> tuple[int, int, int]
 
 
 def test_the_target_as_its_own_draft_has_every_draft_kept(engines: dict[str, LLM]) -> None:
-    """41 tokens: the prefill's, then 8 steps of 4 drafts and the target's token after them."""
+    """41 tokens: the prefill's, then 8 steps of 4 drafts and the target's token after them.
+    Beside them a request of 8 tokens: 4 drafts, then 1 (its length limit), so it leaves the
+    batched proposal after its first draft in its second drafted step."""
     plain, spec = engines["plain"], engines["self"]
-    params = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True)] * 3
+    params.append(SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    prompts = [*PROMPTS, [7, 7, 7, 9]]
     before = counts_since(spec, (0, 0, 0))
-    want = plain.generate(PROMPTS, params, detokenize=False)
-    got = spec.generate(PROMPTS, params, detokenize=False)
+    want = plain.generate(prompts, params, detokenize=False)
+    got = spec.generate(prompts, params, detokenize=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert counts_since(spec, before) == (3 * 8, 3 * 8 * K, 3 * 8 * K)
+    assert counts_since(spec, before) == (3 * 8 + 2, 3 * 8 * K + 5, 3 * 8 * K + 5)
     assert spec.engine.scheduler.block_manager.num_used_blocks == 0
 
 
