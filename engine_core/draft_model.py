@@ -183,14 +183,27 @@ def check_draft(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> 
             f"--speculative-config draft model: it reaches {draft.max_position_embeddings} "
             f"positions, fewer than --max-model-len {max_model_len}; lower --max-model-len"
         )
-    layout = model_kv_layout(draft)
-    if len(layout.groups) > 1 or draft.linear_attention is not None or draft.vision is not None:
+    if not attends_fully(draft) or draft.vision is not None:
         raise ValueError(
             "--speculative-config draft model: only a text model whose layers all attend to "
             "the full context can draft (no sliding-window, linear-attention or vision layers)"
         )
     if draft.embedding is not None:
         raise ValueError("--speculative-config draft model: an embedding model cannot draft")
+    if not attends_fully(target):
+        # The draft reads the context through the target's first layer group's tables, whose
+        # blocks a window group gives back once they leave the window.
+        raise ValueError(
+            "--speculative-config draft model: the target has sliding-window or chunked "
+            "attention layers, whose block tables a draft model cannot share yet"
+        )
+
+
+def attends_fully(config: ModelConfig) -> bool:
+    """One KV layer group, of full attention (no window, attention chunk or linear layers)."""
+    layout = model_kv_layout(config)
+    windows = (*layout.windows, *layout.attention_chunks)
+    return len(layout.groups) == 1 and all(w is None for w in windows) and not layout.state_layers
 
 
 def check_draft_layers(model: torch.nn.Module) -> None:

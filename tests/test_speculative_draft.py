@@ -52,6 +52,22 @@ def test_a_draft_with_a_shorter_context_is_refused(tmp_path: Path, tiny_model_di
         LLM(str(tiny_model_dir), speculative_config=draft_config(short), **OPTIONS)
 
 
+def test_a_target_with_sliding_window_layers_is_refused(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+    )  # fmt: skip
+    MistralForCausalLM(config).save_pretrained(tmp_path / "windowed")
+    with pytest.raises(ValueError, match="the target has sliding-window or chunked attention"):
+        LLM(str(tmp_path / "windowed"), speculative_config=draft_config(tiny_model_dir), **OPTIONS)
+    with pytest.raises(ValueError, match="only a text model whose layers all attend to the full"):
+        LLM(str(tiny_model_dir), speculative_config=draft_config(tmp_path / "windowed"), **OPTIONS)
+
+
 def test_a_draft_with_another_tokenizer_is_refused(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
