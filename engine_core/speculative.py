@@ -17,11 +17,13 @@ step writes over it (the scheduler moves the request's computed tokens back).
 
 Proposers: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), no
-weights. A constrained request's matcher takes the drafts it allows to fill each drafted
-position's mask, then gives them back (engine_core/grammar.py); the update feeds it the kept
-tokens. A request that scores or pools its prompt decodes one token a step. A speculating
-engine runs the simple loop (each step's accepted count decides the next plan), not the
-overlapped one.
+weights, asked request by request; ``draft_model`` (engine_core/draft_model.py: a smaller model
+of the same tokenizer, its greedy tokens), a BatchProposer asked once a step for every row whose
+verify slots the scheduler reserved. A constrained request's matcher takes the drafts it
+allows to fill each drafted position's mask, then gives them back (engine_core/grammar.py); the
+update feeds it the kept tokens. A request that scores or pools its prompt decodes one token a
+step. A speculating engine runs the simple loop (each step's accepted count decides the next
+plan), not the overlapped one.
 """
 
 from __future__ import annotations
