@@ -18,6 +18,10 @@ BENCHMARKS = {
     "gemm": ("benchmarks.gemm", "one projection's product: bf16, W4A16 and W8A8 against HBM"),
     "attention": ("benchmarks.attention", "the prefill and decode attention kernels, alone"),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),
+    "speculative-verify": (
+        "benchmarks.speculative_verify",
+        "a verify step's cost and TPOT at batch 1, 8, 32, the model drafting for itself",
+    ),
 }
 
 

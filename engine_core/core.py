@@ -67,7 +67,7 @@ class EngineCore:
             num_kv_blocks=self.runner.num_kv_blocks,
             max_model_len=self.runner.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
-            proposer=make_proposer(config.speculation()),
+            proposer=make_proposer(config.speculation(), self.runner.drafter),
             loras=self.runner.loras,
             kv_windows=self.runner.kv_layout.windows,
             kv_attention_chunks=self.runner.kv_layout.attention_chunks,

@@ -29,6 +29,12 @@ from engine_core.attention.base import AttentionBackend, AttentionMetadata
 from engine_core.attention.layer import Attention
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.cpu_malloc import keep_freed_memory
+from engine_core.draft_model import (
+    DraftModel,
+    check_draft,
+    check_draft_layers,
+    check_same_tokenizer,
+)
 from engine_core.forward_context import StateRows, forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.kv_groups import model_kv_layout, pool_blocks_for_one_sequence
@@ -239,6 +245,9 @@ class ModelRunner:
         self.model = loaded.module
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
+        # Speculation's draft model (engine_core/draft_model.py), loaded before the KV cache is
+        # sized: its weights and its share of every block come out of the same memory.
+        self.drafter = self._load_draft()
         # Adapter slots take their memory before the KV cache is sized from what is left.
         self.loras = self._install_lora() if config.enable_lora else None
         # This process's share of the KV heads: all of them unless tensor-parallel.
@@ -256,6 +265,8 @@ class ModelRunner:
         self.state_cache = self._allocate_state_slots()
         self._set_kv_scales(loaded.kv_scales)
         self.backend = select_backend(self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_cache(self.num_kv_blocks, self.block_size, self.backend)
         self.graph_runner = self._capture_graphs()  # None on the CPU or with enforce_eager
         self.sampler = Sampler(
             self.model_config.eos_token_ids, self.model_config.vocab_size, seed=config.seed
@@ -292,6 +303,30 @@ class ModelRunner:
         return load_model(
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
         )
+
+    def _load_draft(self) -> DraftModel | None:
+        """The draft model of ``"method": "draft_model"``, checked against the target (the same
+        vocabulary and tokenizer, its context, plain attention) and against the memory left
+        beside the target's weights; None for any other proposer."""
+        spec = self.config.speculation()
+        if spec is None or spec.method != "draft_model":
+            return None
+        assert spec.model is not None  # SpeculativeConfig.check
+        config = self.config
+        if self.model_config.embedding is not None or self.model_config.vision is not None:
+            # A vision target's image rows have no ids a text draft could read.
+            raise ValueError(
+                "--speculative-config draft model: the target must be a text model that "
+                "generates (not an embedding or vision-language model)"
+            )
+        fits = partial(check_memory, config, self.device, self.dtype, self.dtype)
+        target = BuildTarget(self.device, self.dtype)  # eager: no graph layouts
+        loaded = load_model(spec.model, self.device, self.dtype, None, fits, target, "generate")
+        limit = self.model_config.max_position_embeddings
+        check_draft(loaded.config, self.model_config, min(config.max_model_len or limit, limit))
+        check_draft_layers(loaded.module)
+        check_same_tokenizer(self.model_dir, loaded.model_dir)
+        return DraftModel(loaded, spec.num_speculative_tokens, self.device, self.dtype)
 
     def _install_lora(self) -> LoraManager:
         """Give every targetable projection its adapter slots (engine_core/lora/), and the
@@ -400,6 +435,8 @@ class ModelRunner:
             )
         budget -= states
         block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
+        if self.drafter is not None:  # a block id holds the draft's K and V too
+            block += self.drafter.block_bytes(self.block_size)
         blocks = int(budget // block)
         one_sequence = pool_blocks_for_one_sequence(
             self.kv_layout, self.max_model_len, self.block_size, self.config.max_num_batched_tokens
@@ -632,6 +669,14 @@ class ModelRunner:
                 return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
             return self.model(inputs.input_ids, inputs.positions)
 
+    def _draft_alongside(self, inputs: ModelInputs) -> None:
+        """The draft model's forward over the step's inputs (a graph replay of the target's
+        may have left the ids to gather in ``ids_from``)."""
+        assert self.drafter is not None
+        if inputs.ids_from is not None:
+            inputs.input_ids.copy_(inputs.ids_from)
+        self.drafter.run_alongside(inputs.input_ids, inputs.positions, inputs.meta)
+
     # ---- one step -----------------------------------------------------------------------------
 
     @property
@@ -699,6 +744,8 @@ class ModelRunner:
             if timeline is not None:
                 timeline.begin()
             hidden = self._forward(inputs)  # [T, hidden]
+            if self.drafter is not None:  # the draft's KV follows the target's, slot for slot
+                self._draft_alongside(inputs)
             if timeline is not None:
                 timeline.end()
         requests = inputs.sampling_requests

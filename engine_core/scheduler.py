@@ -48,7 +48,7 @@ from engine_core.request import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from engine_core.speculative import Proposer, accepted_run
+from engine_core.speculative import BatchProposer, DraftRow, Proposer, accepted_run
 from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, FinishReason
 
 if TYPE_CHECKING:
@@ -68,14 +68,15 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         eos_token_ids: Sequence[int],
-        proposer: Proposer | None = None,
+        proposer: Proposer | BatchProposer | None = None,
         loras: LoraManager | None = None,
         kv_windows: Sequence[int | None] = (None,),
         kv_attention_chunks: Sequence[int | None] = (),
         state_slots: int = 0,
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
-        next tokens of the greedy requests that decode. ``loras``: the adapter slots
+        next tokens of the requests that decode (a BatchProposer for all of a step's at once,
+        after their slots are reserved). ``loras``: the adapter slots
         (engine_core/lora/manager.py), which a request with an adapter needs one of to run.
         ``kv_windows``: each KV layer group's sliding window (engine_core/kv_groups.py), None
         for full attention; ``kv_attention_chunks`` its attention chunk (empty: none).
@@ -85,6 +86,9 @@ class Scheduler:
         self.proposer = proposer
         self.loras = loras
         self.max_drafts = proposer.max_drafts if proposer is not None else 0
+        # A draft model drafts for the whole step at once; prompt lookup request by request.
+        self._batch_proposer = proposer if isinstance(proposer, BatchProposer) else None
+        self._lookup = proposer if not isinstance(proposer, BatchProposer) else None
         self.block_manager = BlockManager(
             num_kv_blocks,
             config.block_size,
@@ -202,6 +206,8 @@ class Scheduler:
         """Plan one step: running requests first, then new admissions, within the budgets."""
         output = SchedulerOutput(scheduled=[])
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if self._batch_proposer is not None:
+            self._fill_drafts(output)
         # Right after a preemption the pool is full: admitting now would only thrash.
         if not output.preempted_ids:
             budget = self._schedule_waiting(output, budget)
@@ -276,19 +282,57 @@ class Scheduler:
         """Plan a decode with the proposer's drafts after the last known token (at most what
         the budget, the pool and the request's length limit leave room for): the tokens it
         computes, or 0 where nothing was drafted (the request then decodes as usual)."""
-        assert self.proposer is not None
         room = min(self.max_drafts, budget - 1, request.length_limit - request.num_tokens - 1)
-        drafts = self.proposer.propose(request.token_ids, room) if room > 0 else []
+        if room < 1:
+            return 0
+        if self._batch_proposer is not None:
+            return self._reserve_drafts(output, request, room)
+        assert self._lookup is not None
+        drafts = self._lookup.propose(request.token_ids, room)
         num_new = 1 + len(drafts)
         if not drafts or not self.block_manager.allocate_slots(request, num_new):
             return 0  # no room for the drafts' KV: decode one token, preempting if it must
         request.token_ids.extend(drafts)
         self._add_scheduled(output, request, num_new)
-        output.scheduled[-1].drafts = tuple(drafts)
+        self._count_drafts(output.scheduled[-1], drafts)
+        return num_new
+
+    def _reserve_drafts(self, output: SchedulerOutput, request: Request, room: int) -> int:
+        """Plan a decode with ``room`` drafts still to come (``_fill_drafts`` asks the batch
+        proposer for every such row of the step at once, the KV slots it writes reserved
+        here): PLACEHOLDERs stand for them until then. 0 where the pool has no room."""
+        num_new = 1 + room
+        if not self.block_manager.allocate_slots(request, num_new):
+            return 0
+        request.token_ids.extend([PLACEHOLDER] * room)
+        self._add_scheduled(output, request, num_new)
+        output.scheduled[-1].drafts = (PLACEHOLDER,) * room
+        return num_new
+
+    def _fill_drafts(self, output: SchedulerOutput) -> None:
+        """The batch proposer's drafts for the rows ``_reserve_drafts`` planned, in their
+        places (a later row's preemption never takes an earlier row's blocks)."""
+        assert self._batch_proposer is not None
+        rows = [s for s in output.scheduled if s.drafts]
+        if not rows:
+            return
+        drafted = self._batch_proposer.propose_batch(
+            [
+                DraftRow(s.request.token_ids[s.start], s.start, s.block_ids, len(s.drafts))
+                for s in rows
+            ]
+        )
+        for s, drafts in zip(rows, drafted, strict=True):
+            if len(drafts) != len(s.drafts):
+                raise ValueError(f"{len(drafts)} drafts proposed for {len(s.drafts)} slots")
+            s.request.token_ids[s.start + 1 : s.start + 1 + len(drafts)] = drafts
+            self._count_drafts(s, drafts)
+
+    def _count_drafts(self, row: ScheduledRequest, drafts: list[int]) -> None:
+        row.drafts = tuple(drafts)
         self._spec_drafts += 1
         self._drafted += len(drafts)
-        request.num_draft_tokens += len(drafts)
-        return num_new
+        row.request.num_draft_tokens += len(drafts)
 
     def _preempt_for(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room for ``request`` by preempting from the end of the batch (its allocation

@@ -17,27 +17,29 @@ step writes over it (the scheduler moves the request's computed tokens back).
 
 Proposers: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), no
-weights. A constrained request's matcher takes the drafts it allows to fill each drafted
-position's mask, then gives them back (engine_core/grammar.py); the update feeds it the kept
-tokens. A request that scores or pools its prompt decodes one token a step. A speculating
-engine runs the simple loop (each step's accepted count decides the next plan), not the
-overlapped one.
+weights, asked request by request; ``draft_model`` (engine_core/draft_model.py: a smaller model
+of the same tokenizer, its greedy tokens), a BatchProposer asked once a step for every row whose
+verify slots the scheduler reserved. A constrained request's matcher takes the drafts it
+allows to fill each drafted position's mask, then gives them back (engine_core/grammar.py); the
+update feeds it the kept tokens. A request that scores or pools its prompt decodes one token a
+step. A speculating engine runs the simple loop (each step's accepted count decides the next
+plan), not the overlapped one.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # The peers' other methods, refused by name until built.
 NOT_YET = {
     "eagle": "EAGLE heads are not supported yet",
     "eagle3": "EAGLE-3 heads are not supported yet",
-    "draft_model": "draft models are not supported yet",
     "mtp": "multi-token prediction heads are not supported yet",
     "medusa": "Medusa heads are not supported",
 }
@@ -52,6 +54,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model's: a folder or hub id of the target's vocabulary
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -66,6 +69,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown field {unknown[0]!r}")
+        if "method" not in value and "model" in value:
+            value["method"] = "draft_model"  # the peers read a bare model as a draft model
         method = value.get("method")
         if method in NOT_YET:
             raise ValueError(f"--speculative-config method {method!r}: {NOT_YET[method]}")
@@ -87,6 +92,10 @@ class SpeculativeConfig:
                     f"--speculative-config {name} must be an integer in [{low}, {high}], "
                     f"got {value!r}"
                 )
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("--speculative-config method 'draft_model' needs a \"model\"")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("--speculative-config method 'ngram' takes no \"model\"")
 
 
 class Proposer(Protocol):
@@ -95,6 +104,28 @@ class Proposer(Protocol):
     max_drafts: int
 
     def propose(self, token_ids: list[int], k: int) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """One request in a batched proposal: its last known token ``token`` at ``position`` (the
+    KV of the tokens before it is in the cache), the block table that covers its verify chunk
+    (that token and ``count`` drafts), and how many drafts it wants."""
+
+    token: int
+    position: int
+    block_ids: Sequence[int]
+    count: int
+
+
+@runtime_checkable
+class BatchProposer(Protocol):
+    """A proposer that drafts for all of a step's speculating requests at once (a draft model,
+    engine_core/draft_model.py): exactly ``row.count`` tokens for each row, in order."""
+
+    max_drafts: int
+
+    def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]: ...
 
 
 class NgramProposer:
@@ -137,5 +168,15 @@ def accepted_run(drafts: tuple[int, ...], target: list[int]) -> list[int]:
     return [*drafts[:accepted], target[accepted]]
 
 
-def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    return None if config is None else NgramProposer(config)
+def make_proposer(
+    config: SpeculativeConfig | None, draft: BatchProposer | None = None
+) -> Proposer | BatchProposer | None:
+    """The engine's proposer: ``draft`` (the draft model the model runner loaded) for
+    ``draft_model``, prompt lookup for ``ngram``, None without speculation."""
+    if config is None:
+        return None
+    if config.method == "draft_model":
+        if draft is None:
+            raise ValueError("--speculative-config method 'draft_model': no draft model loaded")
+        return draft
+    return NgramProposer(config)

@@ -47,6 +47,20 @@ def write_tiny_llama(
     return path
 
 
+def write_near_copy(path: Path, of: Path, noise: float = 0.1) -> Path:
+    """``of``'s weights, each tensor plus Gaussian noise of ``noise`` times its own spread: a
+    draft that agrees with its target often, not always."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(of)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * noise * weight.std())
+    model.save_pretrained(path)
+    return path
+
+
 def write_tiny_qwen3_moe(path: Path, *, vocab_size: int = 384, head_dim: int = 16) -> Path:
     """A 2-layer random Qwen3-MoE with GQA: 8 experts, 2 a token, top-k weights renormalised,
     its head scaled as write_tiny_llama's."""

@@ -33,3 +33,37 @@ def test_a_short_run_prints_its_table(tiny_model_dir: Path, capsys: pytest.Captu
     assert "command: python -m benchmarks speculative --model" in printed
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "edit" in line]
     assert len(rows) == 2 and all(line.rstrip().endswith("yes |") for line in rows)
+
+
+def test_the_verify_summary_splits_a_step_into_its_parts() -> None:
+    from benchmarks.speculative_verify import Run
+    from benchmarks.speculative_verify import summarize as verify_summary
+
+    plain = Run([[1, 2, 3]], tpots=[0.010], steps=[0.010, 0.011, 0.009])
+    spec = Run(
+        [[1, 2, 3]], tpots=[0.004], steps=[0.020, 0.020], proposals=[0.006], alongside=[0.002]
+    )
+    out = verify_summary("m", 8, plain, spec, k=4)
+    assert out["step_ms"] == pytest.approx(10.0) and out["spec_step_ms"] == pytest.approx(20.0)
+    assert out["verify_ms"] == pytest.approx(20.0 - 6.0 - 2.0)
+    assert out["verify_over_step"] == pytest.approx(1.2)
+    assert out["speedup"] == pytest.approx(2.5)
+    assert out["tokens_per_step"] == pytest.approx((3 - 1) / 2) and out["same_tokens"]
+
+
+@pytest.mark.slow
+def test_the_verify_benchmark_runs_the_model_as_its_own_draft(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Every draft kept: 1 + 5 + 5 + 5 + 5 tokens, K + 1 = 5 a step after the first."""
+    import json
+
+    out = tmp_path / "verify.json"
+    argv = ["speculative-verify", "--models", str(tiny_model_dir), "--device", "cpu",
+            "--batches", "1,3", "--max-tokens", "21", "--prompt-tokens", "16",
+            "--num-kv-blocks", "256", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0  # 0: the same tokens with drafts and without
+    assert "command: python -m benchmarks speculative-verify" in capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert [r["batch"] for r in results] == [1, 3]
+    assert all(r["same_tokens"] and r["tokens_per_step"] == 5.0 for r in results)

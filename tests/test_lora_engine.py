@@ -429,12 +429,16 @@ def test_phi3_fused_targets_give_peft_tokens(tmp_path: Path) -> None:
         llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_keeps_each_adapters_tokens(
-    case: dict[str, Path], expected: dict
+    case: dict[str, Path], expected: dict, method: str
 ) -> None:
-    """n-gram drafts are verified by the adapted model: greedy tokens stay PEFT's, per adapter,
-    with drafts planned (a prompt that repeats itself)."""
+    """Drafts are verified by the adapted model: greedy tokens stay PEFT's, per adapter, with
+    drafts planned: n-gram on a prompt that repeats itself, or the base model (no adapter)
+    drafting."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    if method == "draft_model":
+        spec = json.dumps({"model": str(case["base"]), "num_speculative_tokens": 3})
     llm = make_llm(case, speculative_config=spec)
     try:
         for name in ("all", "qv"):

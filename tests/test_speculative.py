@@ -26,7 +26,7 @@ from engine_core.speculative import (
     latest_match,
 )
 from protocol.messages import Constraint, ConstraintKind, FinishReason, SamplingParams
-from tests.factories import write_tiny_llama
+from tests.factories import write_near_copy, write_tiny_llama
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
 
@@ -38,7 +38,9 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
     ("text", "match"),
     [
         ('{"method": "eagle3", "num_speculative_tokens": 3}', "method 'eagle3'"),
-        ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft models"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs a \"model\""),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "takes no \"model\""),
+        ('{"method": "mtp", "num_speculative_tokens": 3}', "multi-token prediction"),
         ('{"method": "bogus", "num_speculative_tokens": 3}', "method must be one of"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "extra": 1}', "unknown field 'extra'"),
@@ -356,9 +358,12 @@ def test_a_tiny_random_model_gives_the_same_tokens(tmp_path: Path, tiny_model_di
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, method: str
 ) -> None:
+    """Whole, streamed, n = 2 and cut by a stop string inside a drafted run: the plain
+    engine's text; /metrics counts the drafts. The draft model is a near copy of the target."""
     import httpx
     import openai
     from prometheus_client.parser import text_string_to_metric_families
@@ -366,9 +371,13 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
     from tests.server_fixture import start_server, stop_server, wait_engine_idle
 
     args = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "default"]
+    config = NGRAM
+    if method == "draft_model":
+        near = write_near_copy(tmp_path_factory.mktemp("near") / "draft", tiny_model_dir)
+        config = json.dumps({"model": str(near), "num_speculative_tokens": 4})
     srv = start_server(
         tmp_path_factory.mktemp("serve-spec"), model=str(tiny_model_dir),
-        args=[*args, "--speculative-config", NGRAM],
+        args=[*args, "--speculative-config", config],
     )  # fmt: skip
     try:
         plain = LLM(str(tiny_model_dir), device="cpu", max_model_len=512, num_kv_blocks=128)
@@ -385,6 +394,8 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
             for c in client.completions.create(**greedy_body, stream=True, extra_body=extra)
         )
         assert streamed == want
+        both = client.completions.create(**greedy_body, n=2, extra_body=extra)
+        assert [c.text for c in both.choices] == [want, want]
         stop = want[len(want) // 2 : len(want) // 2 + 3]  # a stop string inside a drafted run
         cut = client.completions.create(**greedy_body, stop=[stop], extra_body=extra)
         assert cut.choices[0].text == want[: want.index(stop)]
@@ -402,10 +413,10 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
         drafted = values["tandem_spec_decode_num_draft_tokens_total"]
         assert 0 < values["tandem_spec_decode_num_accepted_tokens_total"] <= drafted
         assert values["tandem_spec_decode_num_drafts_total"] > 0
-        # A request's timings carry its own drafts: the two that ran to their length (the third
+        # A request's timings carry its own drafts: the four that ran to their length (the last
         # was aborted at its stop string, and an aborted request reports no timings).
-        assert values["tandem_request_spec_decode_acceptance_rate_count"] == 2
-        assert 0 < values["tandem_request_spec_decode_acceptance_rate_sum"] <= 2
+        assert values["tandem_request_spec_decode_acceptance_rate_count"] == 4
+        assert 0 < values["tandem_request_spec_decode_acceptance_rate_sum"] <= 4
     finally:
         stop_server(srv)
 
@@ -450,15 +461,22 @@ def target_marginals(path: Path, prompt: list[int]) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.slow
-def test_sampled_tokens_follow_the_targets_distribution(tmp_path: Path) -> None:
-    """Drafts on a 16-token random model (every token occurs in the prompt, so a draft follows
-    almost every token): the second and third output tokens of 3,000 unseeded requests match
-    HF's distribution by a chi-square test, and drafts were checked and some kept on the way."""
-    write_tiny_llama(tmp_path, vocab_size=VOCAB)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_targets_distribution(tmp_path: Path, method: str) -> None:
+    """Drafts on a 16-token random model: the second and third output tokens of 3,000 unseeded
+    requests match HF's distribution by a chi-square test, and drafts were checked and some
+    kept on the way. ``ngram``: every token occurs in the prompt, so a draft follows almost
+    every token; ``draft_model``: a near copy of the target (its weights plus noise) drafts
+    greedily at every step."""
+    target = write_tiny_llama(tmp_path / "target", vocab_size=VOCAB)
     prompt = [*range(VOCAB), *range(VOCAB - 1, -1, -1), 5]
-    drafts = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    drafts: dict[str, object] = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        drafts["prompt_lookup_min"] = 1
+    else:
+        drafts["model"] = str(write_near_copy(tmp_path / "draft", target))
     llm = LLM(
-        str(tmp_path),
+        str(target),
         device="cpu",
         max_model_len=64,
         num_kv_blocks=4096,
@@ -472,7 +490,7 @@ def test_sampled_tokens_follow_the_targets_distribution(tmp_path: Path) -> None:
         counts = llm.engine.scheduler.counts()
     finally:
         llm.engine.shutdown()
-    second, third = target_marginals(tmp_path, prompt)
+    second, third = target_marginals(target, prompt)
     for position, probs in ((1, second), (2, third)):
         drawn = torch.tensor([o.token_ids[position] for o in outputs])
         observed = torch.bincount(drawn, minlength=VOCAB).double()

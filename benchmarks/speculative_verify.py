@@ -1,0 +1,224 @@
+"""`speculative-verify`: what a verify step costs, with a draft that is always right.
+
+    python -m benchmarks speculative-verify                  # llama-1b and llama-8b, on the GPU
+    python -m benchmarks speculative-verify --models random:llama-1b --batches 1,8 --k 3
+
+Each model (random-weight presets by default, engine_core/presets.py) drafts for itself
+(``"method": "draft_model"`` with the model as its own draft: the same seeded weights, so every
+draft is kept and each step yields K + 1 tokens). B greedy requests of random prompts decode
+together, once without speculation and once with it (the engines one after the other, each
+with ``--num-kv-blocks`` blocks), for each batch size B, after a warm-up run of each.
+
+Per batch size: the median decode step without drafts; the median speculative step and its
+parts, the draft's proposal (K one-token forwards of the draft) and its forward beside the
+target's (each timed with the device synchronised around it), the rest being the target's
+verify step (K + 1 positions a row) and the host's work; the verify step over the plain step
+(the overhead of scoring K drafts); TPOT both ways (the median over requests of the time from
+their first token to their last over the tokens after the first) and tokens a step.
+The outputs must be the same tokens both ways: exit status 1 if one differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import Provenance, fmt, format_table, write_json
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--models", default="random:llama-1b,random:llama-8b", help="comma-separated"
+    )
+    parser.add_argument("--device", default="cuda", help="cuda or cpu (default: %(default)s)")
+    parser.add_argument("--batches", default="1,8,32", help="default: %(default)s")
+    parser.add_argument("--k", type=int, default=4, help="drafts a step (default: 4)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="default: 128")
+    parser.add_argument("--max-tokens", type=int, default=256, help="default: 256")
+    parser.add_argument("--num-kv-blocks", type=int, default=4096, help="default: 4096")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+@dataclass
+class Run:
+    """One batch's run: its outputs, each request's TPOT, each decode step's wall time and
+    (speculative runs) the draft's parts of those steps."""
+
+    tokens: list[list[int]]
+    tpots: list[float]
+    steps: list[float]
+    proposals: list[float] = field(default_factory=list)
+    alongside: list[float] = field(default_factory=list)
+
+
+def engine(args: argparse.Namespace, model: str, speculative: str | None) -> Any:
+    from engine_core.config import EngineConfig
+    from engine_core.core import EngineCore
+
+    config = EngineConfig(
+        model=model, device=args.device, max_model_len=args.prompt_tokens + args.max_tokens + 8,
+        num_kv_blocks=args.num_kv_blocks, speculative_config=speculative,
+    )  # fmt: skip
+    return EngineCore(config)
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(batch)
+    return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def timed_parts(core: Any, run: Run, sync: Callable[[], None]) -> None:
+    """Time the draft's proposal and its forward beside the target's into ``run``."""
+    drafter = core.runner.drafter
+
+    def wrap(method: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+        def timed(*a: Any) -> Any:
+            sync()
+            start = time.perf_counter()
+            result = method(*a)
+            sync()
+            into.append(time.perf_counter() - start)
+            return result
+
+        return timed
+
+    # Instance attributes over the class's methods, deleted again by ``untimed``.
+    drafter.propose_batch = wrap(drafter.propose_batch, run.proposals)
+    drafter.run_alongside = wrap(drafter.run_alongside, run.alongside)
+
+
+def untimed(core: Any) -> None:
+    del core.runner.drafter.propose_batch, core.runner.drafter.run_alongside
+
+
+def decode(core: Any, batch: list[list[int]], max_tokens: int, tag: str) -> Run:
+    """The batch's greedy requests, all at once, until they finish."""
+    from engine_core.request import Request
+    from protocol.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(batch):
+        core.add_request(Request(f"{tag}-{i}", prompt, params))
+    arrivals: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(len(batch))}
+    tokens: dict[str, list[int]] = {rid: [] for rid in arrivals}
+    run = Run([], [], [])
+    if core.runner.drafter is not None:
+        timed_parts(core, run, sync_of(core))
+    while core.has_unfinished():
+        start = time.perf_counter()
+        outputs = core.step()
+        now = time.perf_counter()
+        if all(arrivals[rid] for rid in arrivals):  # every first token out: a decode step
+            run.steps.append(now - start)
+        for out in outputs:
+            rid = out.request.request_id
+            arrivals[rid] += [now] * len(out.new_token_ids)
+            tokens[rid] += out.new_token_ids
+    if core.runner.drafter is not None:
+        untimed(core)
+    run.tokens = [tokens[rid] for rid in arrivals]
+    run.tpots = [(a[-1] - a[0]) / max(1, len(a) - 1) for a in arrivals.values()]
+    return run
+
+
+def sync_of(core: Any) -> Callable[[], None]:
+    import torch
+
+    if core.runner.device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def measure(args: argparse.Namespace, model: str, speculative: str | None) -> dict[int, Run]:
+    """Every batch size's run on one engine (built, warmed up, then released)."""
+    import gc
+
+    import torch
+
+    core = engine(args, model, speculative)
+    vocab = core.model_config.vocab_size
+    runs = {}
+    try:
+        for batch in parse_batches(args.batches):
+            work = prompts(batch, args.prompt_tokens, vocab)
+            decode(core, work, 16, f"warm-{batch}")
+            runs[batch] = decode(core, work, args.max_tokens, f"b{batch}")
+    finally:
+        core.shutdown()
+        del core
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return runs
+
+
+def parse_batches(text: str) -> list[int]:
+    return [int(b) for b in text.split(",") if b]
+
+
+def summarize(model: str, batch: int, plain: Run, spec: Run, k: int) -> dict[str, Any]:
+    step = statistics.median(plain.steps)
+    spec_step = statistics.median(spec.steps)
+    proposal = statistics.median(spec.proposals) if spec.proposals else 0.0
+    alongside = statistics.median(spec.alongside) if spec.alongside else 0.0
+    verify = spec_step - proposal - alongside
+    tokens = sum(len(t) for t in spec.tokens) / len(spec.tokens)
+    tpot, spec_tpot = statistics.median(plain.tpots), statistics.median(spec.tpots)
+    return {
+        "model": model,
+        "batch": batch,
+        "k": k,
+        "step_ms": 1e3 * step,
+        "spec_step_ms": 1e3 * spec_step,
+        "proposal_ms": 1e3 * proposal,
+        "draft_alongside_ms": 1e3 * alongside,
+        "verify_ms": 1e3 * verify,
+        "verify_over_step": verify / step,
+        "tpot_ms": 1e3 * tpot,
+        "spec_tpot_ms": 1e3 * spec_tpot,
+        "speedup": tpot / spec_tpot,
+        # Every step after the first token: (tokens - 1) / steps; K + 1 when all are kept.
+        "tokens_per_step": (tokens - 1) / max(1, len(spec.steps)),
+        "same_tokens": plain.tokens == spec.tokens,
+    }
+
+
+def table_row(r: dict[str, Any]) -> list[str]:
+    return [
+        r["model"], str(r["batch"]), fmt(r["step_ms"]), fmt(r["spec_step_ms"]),
+        fmt(r["proposal_ms"]), fmt(r["draft_alongside_ms"]), fmt(r["verify_ms"]),
+        f"{r['verify_over_step']:.2f}x", fmt(r["tpot_ms"]), fmt(r["spec_tpot_ms"]),
+        f"{r['speedup']:.2f}x", fmt(r["tokens_per_step"]), "yes" if r["same_tokens"] else "NO",
+    ]  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    header = Provenance.here(args.argv)
+    results = []
+    for model in args.models.split(","):
+        speculative = json.dumps(
+            {"method": "draft_model", "model": model, "num_speculative_tokens": args.k}
+        )
+        plain = measure(args, model, None)
+        spec = measure(args, model, speculative)
+        results += [summarize(model, b, plain[b], spec[b], args.k) for b in plain]
+    print(header.format())
+    print(
+        f"the model as its own draft, K = {args.k}; {args.prompt_tokens}-token random prompts, "
+        f"{args.max_tokens} tokens each, greedy; medians; ms"
+    )
+    headers = [
+        "model", "batch", "step", "spec step", "proposal", "draft beside", "verify",
+        "verify/step", "TPOT", "spec TPOT", "speed-up", "tokens/step", "same tokens",
+    ]  # fmt: skip
+    print(format_table(headers, [table_row(r) for r in results]))
+    if args.json:
+        write_json(args.json, header, results)
+    return 0 if all(r["same_tokens"] for r in results) else 1

@@ -1,0 +1,232 @@
+"""A draft model for speculative decoding (``"method": "draft_model"``): a smaller model of the
+target's vocabulary proposes each speculating request's next K tokens, one batched forward per
+token, and the target checks them in its next step (engine_core/speculative.py).
+
+Its KV cache shares the target's block ids: per layer, a K and a V tensor of the draft's own
+shape with as many blocks as the target's pool, so the block manager's tables, allocation,
+prefix cache, preemption and rollback serve both caches without a second manager. Both caches
+are written on the same slots by the same steps: the draft runs every forward the target runs,
+on the same inputs (``run_alongside``: prefills, prompt chunks, decodes, verify chunks), so its
+KV is right wherever the target's is. A rejected draft's slot is written over by the next step
+in both caches, as the scheduler moves the request's computed tokens back; a prefix-cache hit
+finds both caches filled, since a block is registered only after the step that computed it.
+
+Proposing for a request whose last known token t sits at position p (the KV of the tokens
+before it in both caches): draft 1 is the draft's argmax after t (a forward of t at p), draft
+j + 1 its argmax after draft j (a forward of draft j at p + j), K forwards in all, batched
+across the step's speculating requests. They write the draft's KV at p .. p + K - 1, in the
+slots the scheduler reserved for the verify chunk (t and the K drafts); the verify step's own
+forward of the draft writes the same tokens there again and adds the last draft's.
+
+Drafts are the draft's argmax, whatever the request's temperature: a proposal q that is one
+token is what makes "keep the draft exactly when the target draws it" the rejection-sampling
+rule (accept with probability p(d), else draw from p without d), as for prompt lookup. So the
+output is the target's own, token for token for greedy and seeded requests, in distribution
+for the others; the draft decides only how many tokens a step yields.
+
+The draft runs eagerly (no CUDA graphs), in the model's dtype (its cache too, whatever
+``--kv-cache-dtype``), on one GPU; a proposal sends its rows to the device once and builds each
+forward's attention metadata there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.layer import Attention
+from engine_core.config import ModelConfig
+from engine_core.forward_context import forward_context
+from engine_core.kv_groups import model_kv_layout
+from engine_core.loader import LoadedModel
+from engine_core.speculative import DraftRow
+
+if TYPE_CHECKING:
+    from engine_core.attention.base import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+ID32 = torch.int32
+
+
+class DraftModel:
+    """The draft's weights and KV cache (owned here, as the model runner owns the target's),
+    and the proposer the scheduler asks for drafts (a speculative.BatchProposer)."""
+
+    def __init__(
+        self, loaded: LoadedModel, max_drafts: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.model = loaded.module
+        self.max_drafts = max_drafts
+        self.device = device
+        self.dtype = dtype  # its cache's: the model's dtype (the draft's KV is never FP8)
+        self.block_size = 0
+        self.cache: list[torch.Tensor] = []
+        self.backend: AttentionBackend | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes the draft's cache adds to one block id of the pool: K and V of every layer."""
+        layers = self.model.attention_layers()
+        elements = sum(math.prod(s) for layer in layers for s in layer.cache_shapes(1, block_size))
+        return elements * self.dtype.itemsize
+
+    def allocate_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
+        """Its K and V tensors, ``num_blocks`` blocks like the target's pool (the same ids)."""
+        for layer in self.model.attention_layers():
+            shapes = layer.cache_shapes(num_blocks, block_size)
+            own = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes]
+            layer.bind_cache(own)
+            self.cache += own
+        self.block_size, self.backend = block_size, backend
+        logger.info(
+            "draft model: %d layers, its KV cache %.2f GiB beside the target's",
+            len(self.cache) // 2,
+            sum(t.numel() * t.element_size() for t in self.cache) / 2**30,
+        )
+
+    # ---- every step: the target's inputs ------------------------------------------------------
+
+    @torch.inference_mode()
+    def run_alongside(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """Write the draft's KV for the tokens the target's forward computed this step: the
+        same ids [T], positions [T] and slots (its logits are not needed)."""
+        assert self.backend is not None
+        with forward_context(meta, self.backend):
+            self.model(input_ids, positions)
+
+    # ---- proposing ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
+        """``row.count`` greedy drafts for each row: K one-token forwards over the rows that
+        still want one. The rows' tables, tokens and positions go to the device once; each
+        forward's slots and lengths are computed there (one copy back at the end)."""
+        assert self.backend is not None
+        device = self.device
+        tables = _block_tables([r.block_ids for r in rows], device)  # [B, W]
+        tokens = _on([r.token for r in rows], torch.int64, device)  # [B]
+        positions = _on([r.position for r in rows], torch.int64, device)  # [B]
+        host_positions = [r.position for r in rows]
+        live = list(range(len(rows)))
+        steps: list[tuple[list[int], torch.Tensor]] = []
+        for j in range(max(r.count for r in rows)):
+            keep = [n for n, i in enumerate(live) if rows[i].count > j]
+            if len(keep) < len(live):  # a row near its length limit wants fewer drafts
+                index = _on(keep, torch.int64, device)
+                tables, tokens, positions = tables[index], tokens[index], positions[index]
+                live = [live[n] for n in keep]
+            lengths = [host_positions[i] + j + 1 for i in live]
+            with forward_context(self._decode_metadata(tables, positions, lengths), self.backend):
+                hidden = self.model(tokens, positions)  # [b, H]
+            tokens = self.model.compute_logits(hidden, widen=False).argmax(dim=-1)  # [b]
+            steps.append((live, tokens))
+            positions = positions + 1
+        drafts: list[list[int]] = [[] for _ in rows]
+        values = iter(torch.cat([t for _, t in steps]).tolist())
+        for live_rows, _ in steps:
+            for i in live_rows:
+                drafts[i].append(next(values))
+        return drafts
+
+    def _decode_metadata(
+        self, tables: torch.Tensor, positions: torch.Tensor, lengths: list[int]
+    ) -> AttentionMetadata:
+        """One token per row at ``positions`` [b] (on the device), whose tables [b, W] cover
+        them; ``lengths`` the rows' tokens with it, on the host."""
+        bs = self.block_size
+        blocks = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()  # [b]
+        rows = len(lengths)
+        return AttentionMetadata(
+            slot_mapping=blocks * bs + positions % bs,
+            query_start_loc=torch.arange(rows + 1, dtype=ID32, device=self.device),
+            seq_lens=(positions + 1).to(ID32),
+            block_tables=tables,
+            max_query_len=1,
+            max_seq_len=max(lengths),
+            query_start_loc_cpu=list(range(rows + 1)),
+            seq_lens_cpu=lengths,
+        )
+
+
+def _on(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device)
+
+
+def _block_tables(tables: list[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """[B, W] int32 on ``device``, padded with block 0 (never read: past each row's length)."""
+    width = max(len(t) for t in tables)
+    host = torch.zeros((len(tables), width), dtype=ID32)
+    for i, table in enumerate(tables):
+        host[i, : len(table)] = torch.as_tensor(table, dtype=ID32)
+    return host.to(device)
+
+
+def check_draft(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:
+    """Refuse a draft model the engine cannot pair with the target, naming why."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"--speculative-config draft model: vocab_size {draft.vocab_size} differs from the "
+            f"target's {target.vocab_size}; a draft model needs the target's tokenizer"
+        )
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"--speculative-config draft model: it reaches {draft.max_position_embeddings} "
+            f"positions, fewer than --max-model-len {max_model_len}; lower --max-model-len"
+        )
+    if not attends_fully(draft) or draft.vision is not None:
+        raise ValueError(
+            "--speculative-config draft model: only a text model whose layers all attend to "
+            "the full context can draft (no sliding-window, linear-attention or vision layers)"
+        )
+    if draft.embedding is not None:
+        raise ValueError("--speculative-config draft model: an embedding model cannot draft")
+    if not attends_fully(target):
+        # The draft reads the context through the target's first layer group's tables, whose
+        # blocks a window group gives back once they leave the window.
+        raise ValueError(
+            "--speculative-config draft model: the target has sliding-window or chunked "
+            "attention layers, whose block tables a draft model cannot share yet"
+        )
+
+
+def attends_fully(config: ModelConfig) -> bool:
+    """One KV layer group, of full attention (no window, attention chunk or linear layers)."""
+    layout = model_kv_layout(config)
+    windows = (*layout.windows, *layout.attention_chunks)
+    return len(layout.groups) == 1 and all(w is None for w in windows) and not layout.state_layers
+
+
+def check_draft_layers(model: torch.nn.Module) -> None:
+    if any(type(layer) is not Attention for layer in model.attention_layers()):
+        raise ValueError(
+            "--speculative-config draft model: its attention is not plain K/V attention "
+            "(MLA and other cache layouts cannot draft yet)"
+        )
+
+
+def check_same_tokenizer(target_dir: Path | None, draft_dir: Path | None) -> None:
+    """Refuse a draft whose tokenizer.json maps tokens to other ids than the target's (where
+    both folders have one; a random preset has none and shares the default model's)."""
+    if target_dir is None or draft_dir is None:
+        return
+    files = (target_dir / "tokenizer.json", draft_dir / "tokenizer.json")
+    if not all(f.is_file() for f in files):
+        return
+    from tokenizers import Tokenizer
+
+    vocabs = [Tokenizer.from_file(str(f)).get_vocab(with_added_tokens=True) for f in files]
+    if vocabs[0] != vocabs[1]:
+        raise ValueError(
+            f"--speculative-config draft model: its tokenizer ({files[1]}) maps tokens to "
+            f"other ids than the target's ({files[0]}); a draft model needs the same tokenizer"
+        )
