@@ -16,6 +16,7 @@ BENCHMARKS = {
     "soak": ("benchmarks.soak", "mixed load with faults; nothing may be lost"),
     "cpu": ("benchmarks.cpu", "Tandem beside vLLM's CPU build on the default model"),
     "gemm": ("benchmarks.gemm", "one projection's product: bf16, W4A16 and W8A8 against HBM"),
+    "w4a16": ("benchmarks.w4a16", "the W4A16 GEMM's tile configurations swept on a GPU"),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),
 }
 
