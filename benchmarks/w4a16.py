@@ -14,7 +14,7 @@ of 128 columns, no zero points (as most GPTQ checkpoints), float32 scales as lay
 Each call is timed inside a CUDA graph of 20 calls (the decode steps replay graphs, so launch
 gaps are not counted), cycling through copies of the weights that exceed the L2, median of 5
 replays. A configuration that fails to compile or run is printed and skipped. ``--budget``
-(seconds, default 200) stops the grid early, keeping the fixed columns, so the sweep stays
+(seconds, default 170) stops the grid early, keeping the fixed columns, so the sweep stays
 under about 4 minutes on one GPU.
 """
 
@@ -38,8 +38,8 @@ CALLS_PER_GRAPH = 20
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-8b", help="a preset (default: llama-8b)")
     parser.add_argument("--rows", default="1,8,32,64,256,2048", help="row counts M")
-    parser.add_argument("--projections", default="qkv,o,gate_up,down", help="which projections")
-    parser.add_argument("--budget", type=float, default=200.0, help="seconds for the grid")
+    parser.add_argument("--projections", default="gate_up,down,qkv,o", help="which projections")
+    parser.add_argument("--budget", type=float, default=170.0, help="seconds for the grid")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument(
         "--device", default="cuda", help="cuda; cpu only to check the script (TRITON_INTERPRET=1)"
@@ -133,23 +133,35 @@ def fixed_forms(p: Projection, x: Any, sms: int) -> dict[str, Callable[[int], An
 
 def grid(m: int, k: int) -> list[Any]:
     """The kernel configurations swept at M rows: the row tile M needs, column tiles of 32-128,
-    4 or 8 warps, 1-3 stages, and for decode K splits up to 16."""
+    4 or 8 warps, 1-3 stages, and for decode K splits up to 16; up to 8 rows, the CUDA-core
+    kernel too."""
     from engine_core.models.w4a16_kernels import TILE_K, Tiles
 
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     blocks = -(-k // TILE_K)
     splits = [s for s in (1, 2, 4, 8, 16) if s <= blocks // 2 or s == 1] if m <= 64 else [1]
     shapes = [(32, 4, 2), (64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2), (128, 8, 2)]
-    return [
+    configs = [
         Tiles(block_m, block_n, split, warps, stages)
         for (block_n, warps, stages), split in itertools.product(shapes, splits)
     ]
+    if m <= 8:  # the CUDA-core kernel: its accumulator holds block_m x 16 x block_n floats
+        gemv_m = 1 if m == 1 else 8
+        gemv_shapes = [(64, 4), (128, 4), (256, 8)] if m == 1 else [(32, 4), (64, 4), (128, 8)]
+        configs += [
+            Tiles(gemv_m, block_n, split, warps, 2, gemv=True)
+            for (block_n, warps), split in itertools.product(gemv_shapes, splits)
+        ]
+    return configs
 
 
 def describe(tiles: Any) -> str:
     if tiles is None:
         return "dequantize+cuBLAS"
-    return f"m{tiles.block_m} n{tiles.block_n} s{tiles.split_k} w{tiles.warps} st{tiles.stages}"
+    form = "gemv " if tiles.gemv else ""
+    return (
+        f"{form}m{tiles.block_m} n{tiles.block_n} s{tiles.split_k} w{tiles.warps} st{tiles.stages}"
+    )
 
 
 def measure(name: str, p: Projection, m: int, sms: int, deadline: float) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@ interpreter, against the dequantizing reference (engine_core/models/w4a16.py ``d
 the loaded layout): symmetric and with zero points, groups of 32/64/128 and one over K, a K that
 is not whole 128-column blocks (padding), an N that leaves a partial column tile, one row and
 more rows than a row tile, K splits that divide the blocks unevenly, the dequantize-and-cuBLAS
-path (prefill rows, groups that straddle a 16-column slice), and a GPTQ act-order Linear.
+path (prefill rows, groups that straddle a 16-column slice), and a GPTQ act-order Linear; the
+tensor-core kernel and the CUDA-core one (a few rows) alike.
 
 Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands wrongly (it reads their bits as
 integers) and rounds float32 to bf16 by truncation, so the kernels are checked here in float32
@@ -72,14 +73,17 @@ def run(a: torch.Tensor, weight: Layer, group: int, tiles: kernels.Tiles | None)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_gemm_kernel_matches_the_reference(
-    m: int, n: int, k: int, group: int, zeros: bool, dtype: torch.dtype
+@pytest.mark.parametrize("gemv", [False, True], ids=["tensor-cores", "gemv"])
+def test_the_gemm_kernels_match_the_reference(
+    m: int, n: int, k: int, group: int, zeros: bool, dtype: torch.dtype, gemv: bool
 ) -> None:
+    """Both forms: the tensor-core kernel with 16- or 32-row tiles, the CUDA-core one with 4."""
     weight = layer(n, k, group, zeros)
     a = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     tiles = kernels.choose_tiles(m, n, k, group, multiprocessors=4)
     assert tiles is not None  # the kernel, not the dequantized product
-    tiles = kernels.Tiles(min(tiles.block_m, 32), 32, tiles.split_k)
+    block_m = 4 if gemv else min(tiles.block_m, 32)
+    tiles = kernels.Tiles(block_m, 32, tiles.split_k, gemv=gemv)
     got = run(a, weight, group, tiles)
     assert got.dtype == dtype and got.shape == (m, n)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
@@ -95,6 +99,8 @@ def test_k_splits_sum_to_the_unsplit_product(split: int) -> None:
     whole = run(a, weight, 64, kernels.Tiles(16, 32, 1))
     split_product = run(a, weight, 64, kernels.Tiles(16, 32, split))
     torch.testing.assert_close(split_product, whole, rtol=1e-5, atol=1e-5)
+    gemv = run(a, weight, 64, kernels.Tiles(2, 32, split, gemv=True))
+    torch.testing.assert_close(gemv, whole, rtol=1e-5, atol=1e-5)
     assert relative_error(whole, reference(a, weight, 64)) < 1e-5
 
 

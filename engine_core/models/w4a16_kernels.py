@@ -138,6 +138,51 @@ def _w4a16_kernel(
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_gemv_kernel(
+    A, QWeight, Scales, Zeros, C, Part, M, N, K, GROUPS, stride_am, stride_cm, TILES,
+    TILES_PER_SPLIT, GROUP: tl.constexpr, PLANES_PER_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """``_w4a16_kernel``'s work for a few rows without the tensor cores: the same slices,
+    multiplied into a float32 [BLOCK_M, 16, BLOCK_N] accumulator on the CUDA cores and summed
+    over its slice axis once at the end (no operand shuffle into the matrix unit's layout)."""
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, _PLANE)
+    m_ok = rm < M
+    n_ok = rn < N
+    first = split * TILES_PER_SPLIT
+    last = tl.minimum(first + TILES_PER_SPLIT, TILES)
+    w_ptrs = QWeight + (first * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
+    a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rj[None, :]  # [BLOCK_M, PLANE]
+    words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok[None, :], other=0)
+    acc = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
+    for tile in range(first, last):
+        w_ptrs += _PLANE * N
+        ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok[None, :]
+        ahead = tl.load(w_ptrs, mask=ahead_ok, other=0)
+        for i in tl.static_range(8):
+            k = tile * _TILE_K + i * _PLANE
+            if i % PLANES_PER_GROUP == 0:
+                scale, offset = _group_params(
+                    Scales, Zeros, k, N, rn[None, :], n_ok[None, :], GROUPS, GROUP, HAS_ZEROS
+                )
+            w = (_nibbles(words, i) - offset) * scale  # [PLANE, BLOCK_N]
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & (k + rj < K)[None, :], other=0.0)
+            acc += a.to(tl.float32)[:, :, None] * w[None, :, :]
+        words = ahead
+    out = tl.sum(acc, axis=1)  # [BLOCK_M, BLOCK_N]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        p_ptrs = Part + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(p_ptrs, out, mask=mask)
+    else:
+        c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+        tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _sum_splits_kernel(Part, C, SIZE, SPLITS, BLOCK: tl.constexpr):
     """C (contiguous, SIZE elements) = the sum of the SPLITS float32 partials, rounded once."""
@@ -192,6 +237,7 @@ class Tiles:
     split_k: int
     warps: int = 4
     stages: int = 2
+    gemv: bool = False  # the CUDA-core kernel (a few rows) instead of the tensor cores
 
 
 def group_constant(group: int, k: int) -> int:
@@ -274,14 +320,18 @@ def run_w4a16(
     blocks = triton.cdiv(k, TILE_K)
     per_split = triton.cdiv(blocks, tiles.split_k)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
-    _w4a16_kernel[grid](
+    args = (
         a, qweight, scales, zeros if zeros is not None else scales, out, part, m, n, k,
-        scales.shape[0], a.stride(0), out.stride(0), blocks, per_split, GROUP=group,
-        PLANES_PER_GROUP=planes, HAS_ZEROS=zeros is not None,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SPLIT=tiles.split_k > 1,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        scales.shape[0], a.stride(0), out.stride(0), blocks, per_split,
     )  # fmt: skip
+    shape = {"GROUP": group, "PLANES_PER_GROUP": planes, "HAS_ZEROS": zeros is not None,
+             "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SPLIT": tiles.split_k > 1,
+             "num_warps": tiles.warps, "num_stages": tiles.stages}  # fmt: skip
+    if tiles.gemv:
+        _w4a16_gemv_kernel[grid](*args, **shape)
+    else:
+        precision = "ieee" if a.dtype == torch.float32 else "tf32"
+        _w4a16_kernel[grid](*args, PRECISION=precision, **shape)
     if tiles.split_k > 1:
         sum_splits(part, out)
     return out
