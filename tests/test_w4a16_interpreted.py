@@ -120,6 +120,8 @@ def test_the_dequantize_kernel_is_the_reference_bit_for_bit(
 
 def test_prefill_rows_and_odd_groups_take_the_dequantized_product() -> None:
     assert kernels.choose_tiles(kernels.DEQUANTIZE_ROWS, 4096, 4096, 128, 132) is None
+    # A weight too large for a transient bf16 copy (llama-70b's gate/up) stays in the kernel.
+    assert kernels.choose_tiles(2048, 57344, 8192, 128, 132) == kernels.Tiles(128, 128, 1)
     assert kernels.choose_tiles(1, 64, 96, 24, 132) is None  # a 16-column slice spans 2 groups
     weight = layer(32, 96, 24, zeros=True)
     a = torch.randn(300, 96, generator=torch.Generator().manual_seed(3))

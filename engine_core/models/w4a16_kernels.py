@@ -45,6 +45,9 @@ MAGIC = 8388608.0  # 2**23: a float32 whose last mantissa bit is worth 1
 ONE_GROUP = 2**30  # the group size passed for one group over all of K
 SYMMETRIC_ZERO = 8
 DEQUANTIZE_ROWS = 256  # from this many rows on, dequantize the weight and use cuBLAS
+# ... if the dequantized weight is at most this many values (512 MiB in bf16): its buffer comes
+# out of the activations' headroom (memory_plan.CUDA_HEADROOM_BYTES, 2 GiB).
+DEQUANTIZE_MAX_VALUES = 2**28
 # The same constants as the kernels see them (a kernel reads only constexpr globals).
 _TILE_K = tl.constexpr(TILE_K)
 _PLANE = tl.constexpr(PLANE)
@@ -257,10 +260,13 @@ def planes_per_group(group: int) -> int | None:
 
 def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Tiles | None:
     """Tiles for an [M, K] x [N, K] product, or None: dequantize and use cuBLAS (from
-    DEQUANTIZE_ROWS rows on, and for groups the GEMM kernel does not take). Decode takes 64
-    weight columns a program (a sweep of the previous kernel found them about 15% faster than
-    128) and splits K until the programs cover the multiprocessors twice."""
-    if m >= DEQUANTIZE_ROWS or planes_per_group(group_constant(group, k)) is None:
+    DEQUANTIZE_ROWS rows on for weights of up to DEQUANTIZE_MAX_VALUES, and for groups the GEMM
+    kernel does not take). Decode takes 64 weight columns a program (a sweep of the previous
+    kernel found them about 15% faster than 128) and splits K until the programs cover the
+    multiprocessors twice."""
+    if planes_per_group(group_constant(group, k)) is None:
+        return None
+    if m >= DEQUANTIZE_ROWS and n * k <= DEQUANTIZE_MAX_VALUES:
         return None
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     block_n = 64 if m <= 64 else 128
