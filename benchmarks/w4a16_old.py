@@ -26,7 +26,8 @@ def old_kernel(
     shifts = tl.arange(0, 8) * 4
     for _ in range(0, K_PER_SPLIT, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(A + rm[:, None].to(tl.int64) * stride_am + rk[None, :], mask=m_ok[:, None])
+        a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
         rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         w_ptrs = QWeight + rn[:, None].to(tl.int64) * (K // 8) + rw[None, :]
         packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
