@@ -676,6 +676,9 @@ class Linear(nn.Linear, LoadsQuantized):
             return
         self.qweight = nn.Parameter(tile_qweight(self.qweight.data), requires_grad=False)
         self.w4a16_tiled = True
+        # The repack's temporaries (about 8 bytes a weight) and the loaded words go back to the
+        # driver, not the allocator's cache, which the KV cache's sizing would count as used.
+        torch.cuda.empty_cache()
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
