@@ -1,6 +1,6 @@
 """The W4A16 CUDA kernels (engine_core/models/w4a16_kernels.py) on the CPU, through Triton's
 interpreter, against the dequantizing reference (engine_core/models/w4a16.py ``dequantize``, on
-the loaded layout): symmetric and with zero points, groups of 32/64/128 and one over K, a K that
+the loaded layout): symmetric and with zero points, groups of 32/48/64/128 and one over K, a K that
 is not whole 128-column blocks (padding), an N that leaves a partial column tile, one row and
 more rows than a row tile, K splits that divide the blocks unevenly, the dequantize-and-cuBLAS
 path (prefill rows, groups that straddle a 16-column slice), and a GPTQ act-order Linear; the
@@ -70,6 +70,7 @@ def run(a: torch.Tensor, weight: Layer, group: int, tiles: kernels.Tiles | None)
         (17, 64, 320, 320, True),  # one group over a K of 2.5 blocks: padded
         (2, 32, 192, 64, False),  # K of 1.5 blocks, symmetric
         (40, 32, 256, 128, True),  # more rows than a row tile
+        (2, 32, 384, 48, True),  # groups of 3 slices: scales loaded for every slice
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

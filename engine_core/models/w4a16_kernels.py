@@ -149,7 +149,9 @@ def _w4a16_gemv_kernel(
 ):  # fmt: skip
     """``_w4a16_kernel``'s work for a few rows without the tensor cores: the same slices,
     multiplied into a float32 [BLOCK_M, 16, BLOCK_N] accumulator on the CUDA cores and summed
-    over its slice axis once at the end (no operand shuffle into the matrix unit's layout)."""
+    over its slice axis once at the end (no operand shuffle into the matrix unit's layout).
+    A group's (q - zero) * a are summed first and scaled once, when the group ends: a shift, a
+    mask-and-OR, a subtraction and a multiply-add per weight."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,9 +174,12 @@ def _w4a16_gemv_kernel(
                 scale, offset = _group_params(
                     Scales, Zeros, k, N, rn[None, :], n_ok[None, :], GROUPS, GROUP, HAS_ZEROS
                 )
-            w = (_nibbles(words, i) - offset) * scale  # [PLANE, BLOCK_N]
+                group_acc = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
+            q = _nibbles(words, i) - offset  # [PLANE, BLOCK_N]: q - zero, exact
             a = tl.load(a_ptrs + k, mask=m_ok[:, None] & (k + rj < K)[None, :], other=0.0)
-            acc += a.to(tl.float32)[:, :, None] * w[None, :, :]
+            group_acc += a.to(tl.float32)[:, :, None] * q[None, :, :]
+            if (i + 1) % PLANES_PER_GROUP == 0:
+                acc += group_acc * scale[None, :, :]
         words = ahead
     out = tl.sum(acc, axis=1)  # [BLOCK_M, BLOCK_N]
     mask = m_ok[:, None] & n_ok[None, :]
