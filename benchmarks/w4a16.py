@@ -1,12 +1,10 @@
-"""`w4a16`: the W4A16 GEMM's tile configurations swept on a GPU, beside bf16 and the kernel
-before the tiled layout.
+"""`w4a16`: the W4A16 GEMM's tile configurations swept on a GPU, beside bf16.
 
     python -m benchmarks w4a16 --model llama-8b --rows 1,8,32,64,256,2048
 
 For each projection of the preset (qkv, o, gate/up, down) and each row count M: µs a call of
-bf16 (cuBLAS, ``x @ W.T``), the previous W4A16 kernel (one load per word of the loaded
-[N, K/8] layout, reshaped into a tile; engine commit 40fc945), the engine's choice now
-(``choose_tiles``), the dequantize-then-cuBLAS path, and the GEMM kernel at each tile
+bf16 (cuBLAS, ``x @ W.T``), the engine's choice (``choose_tiles``), the dequantize-then-cuBLAS
+path, and the GEMM kernel at each tile
 configuration of a small grid (column tile, warps, pipelining stages, K split), with each one's
 largest error relative to the output's largest value against the dequantized reference. Groups
 of 128 columns, no zero points (as most GPTQ checkpoints), float32 scales as layers hold them.
@@ -105,7 +103,6 @@ class Projection:
         tiled = tile_qweight(loaded)
         w4_bytes = loaded.numel() * 4 + scales.numel() * 4
         self.copies_w4 = max(1, -(-2 * l2 // w4_bytes))
-        self.loaded = [loaded] + [loaded.clone() for _ in range(self.copies_w4 - 1)]
         self.tiled = [tiled] + [tiled.clone() for _ in range(self.copies_w4 - 1)]
         self.scales = [scales] + [scales.clone() for _ in range(self.copies_w4 - 1)]
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
@@ -114,14 +111,13 @@ class Projection:
 
 
 def fixed_forms(p: Projection, x: Any, sms: int) -> dict[str, Callable[[int], Any]]:
-    """The columns every row count gets: bf16, the previous kernel, the engine's choice, the
-    dequantize-then-cuBLAS path."""
+    """The columns every row count gets: bf16, the engine's choice, the dequantize-then-cuBLAS
+    path."""
     from engine_core.models import w4a16_kernels as wk
 
     chosen = wk.choose_tiles(x.shape[0], p.n, p.k, p.group, sms)
     return {
         "bf16": lambda i: x @ p.dense[i].t(),
-        "old kernel": lambda i: old_w4a16_gemm(x, p.loaded[i], p.scales[i], p.group, sms),
         f"engine {describe(chosen)}": lambda i: wk.run_w4a16(
             x, p.tiled[i], p.scales[i], None, p.group, chosen
         ),
@@ -133,35 +129,23 @@ def fixed_forms(p: Projection, x: Any, sms: int) -> dict[str, Callable[[int], An
 
 def grid(m: int, k: int) -> list[Any]:
     """The kernel configurations swept at M rows: the row tile M needs, column tiles of 32-128,
-    4 or 8 warps, 1-3 stages, and for decode K splits up to 16; up to 8 rows, the CUDA-core
-    kernel too."""
+    4 or 8 warps, 1-3 stages, and for decode K splits up to 16."""
     from engine_core.models.w4a16_kernels import TILE_K, Tiles
 
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     blocks = -(-k // TILE_K)
     splits = [s for s in (1, 2, 4, 8, 16) if s <= blocks // 2 or s == 1] if m <= 64 else [1]
     shapes = [(32, 4, 2), (64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2), (128, 8, 2)]
-    configs = [
+    return [
         Tiles(block_m, block_n, split, warps, stages)
         for (block_n, warps, stages), split in itertools.product(shapes, splits)
     ]
-    if m <= 8:  # the CUDA-core kernel: its accumulator holds block_m x 16 x block_n floats
-        gemv_m = 1 if m == 1 else 8
-        gemv_shapes = [(64, 4), (128, 4), (256, 8)] if m == 1 else [(32, 4), (64, 4), (128, 8)]
-        configs += [
-            Tiles(gemv_m, block_n, split, warps, 2, gemv=True)
-            for (block_n, warps), split in itertools.product(gemv_shapes, splits)
-        ]
-    return configs
 
 
 def describe(tiles: Any) -> str:
     if tiles is None:
         return "dequantize+cuBLAS"
-    form = "gemv " if tiles.gemv else ""
-    return (
-        f"{form}m{tiles.block_m} n{tiles.block_n} s{tiles.split_k} w{tiles.warps} st{tiles.stages}"
-    )
+    return f"m{tiles.block_m} n{tiles.block_n} s{tiles.split_k} w{tiles.warps} st{tiles.stages}"
 
 
 def measure(name: str, p: Projection, m: int, sms: int, deadline: float) -> list[dict[str, Any]]:
@@ -210,10 +194,9 @@ def summary(results: list[dict[str, Any]]) -> list[list[str]]:
         swept = [r for r in rows if r["form"].startswith("kernel ")]
         best = min(swept, key=lambda r: r["us"]) if swept else None
         bf16 = by_form.get("bf16", {}).get("us")
-        old = by_form.get("old kernel", {}).get("us")
         lines.append(
             [
-                projection, str(m), fmt(bf16, ".1f"), fmt(old, ".1f"),
+                projection, str(m), fmt(bf16, ".1f"),
                 fmt(engine and engine["us"], ".1f"), engine["form"][7:] if engine else "-",
                 fmt(by_form.get("dequantize+cuBLAS", {}).get("us"), ".1f"),
                 fmt(best and best["us"], ".1f"), best["form"][7:] if best else "-",
@@ -240,45 +223,10 @@ def run(args: argparse.Namespace) -> int:
         del projection
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    headers = ["projection", "M", "bf16 us", "old us", "engine us", "engine tiles", "deq+cuBLAS",
+    headers = ["projection", "M", "bf16 us", "engine us", "engine tiles", "deq+cuBLAS",
                "best us", "best tiles", "bf16/engine", "max error"]  # fmt: skip
     print()
     print(format_table(headers, summary(results)))
     if args.json:
         write_json(args.json, Provenance.here(args.argv), {"results": results})
     return 0
-
-
-# ---- the previous kernel, for the comparison ----------------------------------------------------
-
-
-def old_w4a16_gemm(a: Any, qweight: Any, scales: Any, group: int, sms: int) -> Any:
-    """The kernel before the tiled layout (symmetric weights), with its tile choice."""
-    import torch
-    import triton
-
-    from benchmarks.w4a16_old import old_kernel
-
-    m, k = a.shape
-    n = qweight.shape[0]
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_k = 64 if m > 64 or k % 128 or group < 128 else 128
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, 128)
-    split = 1
-    while (
-        programs * split < 2 * sms
-        and k % (2 * split * block_k) == 0
-        and k // (2 * split) >= 2 * block_k
-    ):
-        split *= 2
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1 else out
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 128), split)
-    old_kernel[grid](
-        a, qweight, scales, out, part, m, n, k, a.stride(0), out.stride(0), k // split,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=split,
-        num_warps=4, num_stages=4,
-    )  # fmt: skip
-    if split > 1:
-        out.copy_(part.sum(0))
-    return out

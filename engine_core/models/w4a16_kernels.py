@@ -6,7 +6,7 @@ weight in the kernel's layout of engine_core/models/w4a16.py (``tile_qweight``: 
 Two paths, chosen by a table (``choose_tiles``), nothing tuned at run time (CUDA graphs replay
 what was captured):
 
-- up to a few hundred rows, one kernel dequantizing in registers. A program takes BLOCK_N
+- up to 127 rows (decode), one kernel dequantizing in registers. A program takes BLOCK_N
   weight columns and BLOCK_M activation rows over a range of 128-column blocks. Per block it
   loads one [16, BLOCK_N] tile of words (contiguous along N) and makes eight [16, BLOCK_N]
   weight slices out of it, one per nibble: shift, mask, OR into the mantissa of 2**23 (a float
@@ -19,10 +19,10 @@ what was captured):
   over SPLIT_K programs when the weight tiles alone would leave multiprocessors idle; their
   float32 partials are summed by a second small kernel (in a fixed order: the same sums on
   every replay, unlike atomics).
-- prefill-sized products (and group sizes that are not whole 16-column slices): the weight is
+- from 128 rows (and for group sizes that are not whole 16-column slices): the weight is
   dequantized by a kernel into a [K, N] buffer in the activations' dtype, then cuBLAS. The
   product is compute-bound there, and a tensor-core GEMM in cuBLAS's hands beats dequantizing
-  the same weight tile once per row tile.
+  the same weight tile once per row tile (on an H200 at 256 rows, 2x the kernel's speed).
 
 tests/test_w4a16_interpreted.py runs these kernels in Triton's interpreter on the CPU;
 tests/test_w4a16_gpu.py checks them on a GPU over the presets' shapes; `python -m benchmarks
@@ -44,7 +44,7 @@ PLANE = 16  # columns one nibble position of a block holds: one slice of K
 MAGIC = 8388608.0  # 2**23: a float32 whose last mantissa bit is worth 1
 ONE_GROUP = 2**30  # the group size passed for one group over all of K
 SYMMETRIC_ZERO = 8
-DEQUANTIZE_ROWS = 256  # from this many rows on, dequantize the weight and use cuBLAS
+DEQUANTIZE_ROWS = 128  # from this many rows on, dequantize the weight and use cuBLAS
 # ... if the dequantized weight is at most this many values (512 MiB in bf16): its buffer comes
 # out of the activations' headroom (memory_plan.CUDA_HEADROOM_BYTES, 2 GiB).
 DEQUANTIZE_MAX_VALUES = 2**28
@@ -141,56 +141,6 @@ def _w4a16_kernel(
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w4a16_gemv_kernel(
-    A, QWeight, Scales, Zeros, C, Part, M, N, K, GROUPS, stride_am, stride_cm, TILES,
-    TILES_PER_SPLIT, GROUP: tl.constexpr, PLANES_PER_GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """``_w4a16_kernel``'s work for a few rows without the tensor cores: the same slices,
-    multiplied into a float32 [BLOCK_M, 16, BLOCK_N] accumulator on the CUDA cores and summed
-    over its slice axis once at the end (no operand shuffle into the matrix unit's layout).
-    A group's (q - zero) * a are summed first and scaled once, when the group ends: a shift, a
-    mask-and-OR, a subtraction and a multiply-add per weight."""
-    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rj = tl.arange(0, _PLANE)
-    m_ok = rm < M
-    n_ok = rn < N
-    first = split * TILES_PER_SPLIT
-    last = tl.minimum(first + TILES_PER_SPLIT, TILES)
-    w_ptrs = QWeight + (first * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
-    a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rj[None, :]  # [BLOCK_M, PLANE]
-    words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok[None, :], other=0)
-    acc = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
-    for tile in range(first, last):
-        w_ptrs += _PLANE * N
-        ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok[None, :]
-        ahead = tl.load(w_ptrs, mask=ahead_ok, other=0)
-        for i in tl.static_range(8):
-            k = tile * _TILE_K + i * _PLANE
-            if i % PLANES_PER_GROUP == 0:
-                scale, offset = _group_params(
-                    Scales, Zeros, k, N, rn[None, :], n_ok[None, :], GROUPS, GROUP, HAS_ZEROS
-                )
-                group_acc = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
-            q = _nibbles(words, i) - offset  # [PLANE, BLOCK_N]: q - zero, exact
-            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & (k + rj < K)[None, :], other=0.0)
-            group_acc += a.to(tl.float32)[:, :, None] * q[None, :, :]
-            if (i + 1) % PLANES_PER_GROUP == 0:
-                acc += group_acc * scale[None, :, :]
-        words = ahead
-    out = tl.sum(acc, axis=1)  # [BLOCK_M, BLOCK_N]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        p_ptrs = Part + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-        tl.store(p_ptrs, out, mask=mask)
-    else:
-        c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
-        tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=mask)
-
-
 @triton.jit
 def _sum_splits_kernel(Part, C, SIZE, SPLITS, BLOCK: tl.constexpr):
     """C (contiguous, SIZE elements) = the sum of the SPLITS float32 partials, rounded once."""
@@ -245,7 +195,6 @@ class Tiles:
     split_k: int
     warps: int = 4
     stages: int = 2
-    gemv: bool = False  # the CUDA-core kernel (a few rows) instead of the tensor cores
 
 
 def group_constant(group: int, k: int) -> int:
@@ -266,19 +215,20 @@ def planes_per_group(group: int) -> int | None:
 def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Tiles | None:
     """Tiles for an [M, K] x [N, K] product, or None: dequantize and use cuBLAS (from
     DEQUANTIZE_ROWS rows on for weights of up to DEQUANTIZE_MAX_VALUES, and for groups the GEMM
-    kernel does not take). Decode takes 64 weight columns a program (a sweep of the previous
-    kernel found them about 15% faster than 128) and splits K until the programs cover the
-    multiprocessors twice."""
+    kernel does not take). Otherwise 128 weight columns a program, and K split in two until the
+    programs fill the multiprocessors four times over or a split would get fewer than 4 blocks:
+    at llama-8b's projections and 1-64 rows that is the sweep's fastest configuration or within
+    6% of it (docs/design/quantization.md)."""
     if planes_per_group(group_constant(group, k)) is None:
         return None
     if m >= DEQUANTIZE_ROWS and n * k <= DEQUANTIZE_MAX_VALUES:
         return None
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 64 if m <= 64 else 128
-    tiles = triton.cdiv(k, TILE_K)
+    block_n = 128
+    blocks = triton.cdiv(k, TILE_K)
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
-    while programs * split < 2 * multiprocessors and tiles >= 4 * split:
+    while programs * split < 4 * multiprocessors and blocks >= 8 * split:
         split *= 2
     return Tiles(block_m, block_n, split)
 
@@ -338,11 +288,8 @@ def run_w4a16(
     shape = {"GROUP": group, "PLANES_PER_GROUP": planes, "HAS_ZEROS": zeros is not None,
              "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SPLIT": tiles.split_k > 1,
              "num_warps": tiles.warps, "num_stages": tiles.stages}  # fmt: skip
-    if tiles.gemv:
-        _w4a16_gemv_kernel[grid](*args, **shape)
-    else:
-        precision = "ieee" if a.dtype == torch.float32 else "tf32"
-        _w4a16_kernel[grid](*args, PRECISION=precision, **shape)
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    _w4a16_kernel[grid](*args, PRECISION=precision, **shape)
     if tiles.split_k > 1:
         sum_splits(part, out)
     return out
