@@ -22,7 +22,7 @@ what was captured):
 - from 128 rows (and for group sizes that are not whole 16-column slices): the weight is
   dequantized by a kernel into a [K, N] buffer in the activations' dtype, then cuBLAS. The
   product is compute-bound there, and a tensor-core GEMM in cuBLAS's hands beats dequantizing
-  the same weight tile once per row tile (on an H200 at 256 rows, 2x the kernel's speed).
+  the same weight tile once per row tile (at 256 rows measured 2x the kernel's speed).
 
 tests/test_w4a16_interpreted.py runs these kernels in Triton's interpreter on the CPU;
 tests/test_w4a16_gpu.py checks them on a GPU over the presets' shapes; `python -m benchmarks
