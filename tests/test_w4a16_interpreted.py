@@ -69,6 +69,7 @@ def run(a: torch.Tensor, weight: Layer, group: int, tiles: kernels.Tiles | None)
         (17, 64, 320, 320, True),  # one group over a K of 2.5 blocks: padded
         (2, 32, 192, 64, False),  # K of 1.5 blocks, symmetric
         (40, 32, 256, 128, True),  # more rows than a row tile
+        (100, 32, 256, 64, True),  # one 128-row tile
         (2, 32, 384, 48, True),  # groups of 3 slices: scales loaded for every slice
     ],
 )
@@ -80,7 +81,8 @@ def test_the_gemm_kernel_matches_the_reference(
     a = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     tiles = kernels.choose_tiles(m, n, k, group, multiprocessors=4)
     assert tiles is not None  # the kernel, not the dequantized product
-    tiles = kernels.Tiles(min(tiles.block_m, 32), 32, tiles.split_k)  # small tiles: several
+    block_m = tiles.block_m if m > 64 else min(tiles.block_m, 32)  # small tiles: several
+    tiles = kernels.Tiles(block_m, 32, tiles.split_k)
     got = run(a, weight, group, tiles)
     assert got.dtype == dtype and got.shape == (m, n)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
