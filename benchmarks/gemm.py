@@ -74,7 +74,7 @@ def weights(n: int, k: int) -> dict[str, Any]:
     import torch
 
     from engine_core.models.int8 import quantize_rows
-    from engine_core.models.w4a16 import pack_int4
+    from engine_core.models.w4a16 import pack_int4, tile_qweight
 
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     codes = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
@@ -82,8 +82,8 @@ def weights(n: int, k: int) -> dict[str, Any]:
     return {
         "bf16": dense,
         "w4a16": (
-            pack_int4(codes),
-            torch.rand(k // GROUP, n, device="cuda", dtype=torch.bfloat16) * 0.01,
+            tile_qweight(pack_int4(codes)),  # held on CUDA in the kernel's layout
+            torch.rand(k // GROUP, n, device="cuda") * 0.01,  # float32, as layers hold them
             None,  # symmetric, as GPTQ checkpoints mostly are
         ),
         "w8a8": (int8_weight, int8_scale),
@@ -115,18 +115,19 @@ def measure(n: int, k: int, rows: list[int], iters: int, hbm: float) -> list[dic
     one = weights(n, k)
     results = []
     for form in ("bf16", "w4a16", "w8a8"):
-        results += measure_form(form, one[form], rows, iters, hbm)
+        results += measure_form(form, one[form], (n, k), rows, iters, hbm)
         torch.cuda.empty_cache()
     return results
 
 
 def measure_form(
-    form: str, weight: Any, rows: list[int], iters: int, hbm: float
+    form: str, weight: Any, shape: tuple[int, int], rows: list[int], iters: int, hbm: float
 ) -> list[dict[str, Any]]:
-    """One form's product at every row count, cycling through copies that exceed the L2."""
+    """One form's product of an [N, K] weight at every row count, cycling through copies that
+    exceed the L2."""
     import torch
 
-    n, k = (weight if form == "bf16" else weight[0]).shape[0], _inputs(form, weight)
+    n, k = shape
     per_copy = weight_bytes(form, weight)
     # Twice the L2's bytes in copies: none is still cached when it comes round again.
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
@@ -143,13 +144,6 @@ def measure_form(
             | {"hbm_share": read / (us * 1e-6) / hbm}
         )
     return results
-
-
-def _inputs(form: str, weight: Any) -> int:
-    """K of a weight in its form (W4A16 packs eight columns to a word)."""
-    if form == "bf16":
-        return weight.shape[1]
-    return weight[0].shape[1] * (8 if form == "w4a16" else 1)
 
 
 def _copy(w: Any) -> Any:

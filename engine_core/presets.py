@@ -381,6 +381,7 @@ def init_random_w4a16(module: Linear, gen: torch.Generator) -> None:
     module.scales.fill_(INIT_STD / 4.6)
     if module.zeros is not None:
         module.zeros.fill_(8)
+    module.tile_w4a16_for_cuda()
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -23,7 +23,14 @@ from engine_core.config import W4A16Config
 from engine_core.loader import load_model
 from engine_core.memory_plan import module_bytes
 from engine_core.models import build_model
-from engine_core.models.w4a16 import dequantize, pack_int4, to_layout, unpack_int4
+from engine_core.models.w4a16 import (
+    dequantize,
+    pack_int4,
+    tile_qweight,
+    to_layout,
+    unpack_int4,
+    untile_qweight,
+)
 from tests.paged_harness import assert_matches, generate_greedy, load_float32, random_prompts
 from tests.quant_fixtures import (
     AWQ_ORDER,
@@ -172,6 +179,28 @@ def test_packing_round_trips_every_nibble() -> None:
     packed = pack_int4(values)
     assert packed.dtype == torch.int32 and int(packed[0, 0]) == -1
     assert torch.equal(unpack_int4(packed), values)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(24, 256), (40, 576), (8, 8)])
+def test_the_kernel_layout_round_trips(rows: int, cols: int) -> None:
+    """tile_qweight then untile_qweight gives the loaded words back, K padded to whole blocks
+    of 128 columns and cut again."""
+    values = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
+    words = pack_int4(values)
+    tiled = tile_qweight(words)
+    assert tiled.shape == (-(-cols // 128) * 16, rows)
+    assert torch.equal(untile_qweight(tiled, cols), words)
+
+
+def test_a_tiled_word_holds_columns_16_apart() -> None:
+    """Nibble i of word row 16b + j holds column 128b + 16i + j of its output row; padding
+    columns hold 0."""
+    values = torch.randint(1, 16, (5, 192), dtype=torch.uint8)
+    tiled = tile_qweight(pack_int4(values))  # [32, 5]: two blocks, the second half padding
+    nibbles = unpack_int4(tiled.reshape(-1, 1)).reshape(32, 5, 8)
+    for b, j, i in [(0, 0, 0), (0, 3, 5), (0, 15, 7), (1, 2, 3)]:
+        assert torch.equal(nibbles[16 * b + j, :, i], values[:, 128 * b + 16 * i + j])
+    assert int(nibbles[16 + 2, 0, 4]) == 0  # column 128 + 64 + 2 = 194 > 191: padding
 
 
 def test_awq_words_are_read_in_awq_order() -> None:

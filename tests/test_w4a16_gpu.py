@@ -1,12 +1,15 @@
-"""GPU tests of the W4A16 GEMM (engine_core/models/w4a16_kernels.py) against the dequantizing
-reference (engine_core/models/w4a16.py), over the presets' projection shapes: rows from 1 to
-200 (decode tiles, K splits, prefill tiles), bf16 and fp16, groups of 128 and 32 columns and one
-group over K, with and without zero points; every tile choice against the unsplit product; a
-W4A16 Linear with act-order on CUDA against the same layer on the CPU; a CUDA graph replay
-against eager; a tiny GPTQ act-order model on the GPU against the CPU's greedy tokens.
+"""GPU tests of the W4A16 kernels (engine_core/models/w4a16_kernels.py, on the tiled layout) against
+the dequantizing reference (engine_core/models/w4a16.py, on the loaded layout), over the presets'
+projection shapes: rows from 1 to 200 (decode tiles, K splits, a 128-row tile, the
+dequantize-then-cuBLAS path), bf16 and fp16, groups of 128 and 32 columns and one group over K, with
+and without zero points; every configuration of the benchmark's sweep; the dequantize kernel bit for
+bit; every tile choice against the unsplit product; a W4A16 Linear with act-order on CUDA against
+the same layer on the CPU; a CUDA graph replay against eager; a tiny GPTQ act-order model on the GPU
+against the CPU's greedy tokens.
 
-Written without a GPU at hand (the kernel's logic was checked in Triton's interpreter): the
-lead runs these on the GPU machine.
+Written without a GPU at hand (the kernels' logic was checked in Triton's interpreter,
+tests/test_w4a16_interpreted.py); on an H200 the first two thirds of the file passed (commit
+abaf91b, the same kernels) before that run's time limit.
 
     .venv/bin/python -m pytest -q tests/test_w4a16_gpu.py
 """
@@ -27,7 +30,12 @@ pytest.importorskip("triton")
 from engine_core.config import W4A16Config  # noqa: E402
 from engine_core.models import w4a16_kernels  # noqa: E402
 from engine_core.models.layers import Linear  # noqa: E402
-from engine_core.models.w4a16 import dequantize, pack_int4, w4a16_linear  # noqa: E402
+from engine_core.models.w4a16 import (  # noqa: E402
+    dequantize,
+    pack_int4,
+    tile_qweight,
+    w4a16_linear,
+)
 
 # (N, K) of each projection: smollm2-135m (qkv, o, gate/up, down), llama-1b (qkv, gate/up,
 # down), llama-8b (qkv, o, gate/up, down), and a width that leaves a partial 64-row tile.
@@ -37,14 +45,14 @@ SHAPES = (
     (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
     (200, 1024),
 )  # fmt: skip
-ROWS = (1, 4, 16, 33, 64, 200)
+ROWS = (1, 4, 16, 33, 64, 100, 200)  # 100: one 128-row tile; 200: dequantized, then cuBLAS
 
 
 def layer(
     n: int, k: int, group: int, zeros: bool, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A random W4A16 weight on the GPU: (qweight, scales, zeros), ``group`` columns to a
-    scale (-1: all of K)."""
+    """A random W4A16 weight on the GPU in the loaded layout: (qweight [N, K/8], scales, zeros),
+    ``group`` columns to a scale (-1: all of K)."""
     gen = torch.Generator().manual_seed(seed)
     size = k if group == -1 else group
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
@@ -81,7 +89,7 @@ def test_the_gemm_matches_the_reference(
     qweight, scales, z = layer(n, k, size, zeros)
     for m in ROWS:
         a = torch.randn(m, k, device="cuda").to(dtype)
-        got = w4a16_kernels.w4a16_gemm(a, qweight, scales, z, size)
+        got = w4a16_kernels.w4a16_gemm(a, tile_qweight(qweight), scales, z, size)
         assert got.dtype == dtype and got.shape == (m, n)
         assert_close(got, reference(a, qweight, scales, z, size), dtype)
 
@@ -90,24 +98,50 @@ def test_the_gemm_matches_the_reference(
 def test_every_split_gives_the_unsplit_product(n: int, k: int) -> None:
     """The K splits choose_tiles picks sum to what one program over all of K computes."""
     qweight, scales, z = layer(n, k, 128, zeros=True)
+    tiled = tile_qweight(qweight)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in (1, 16, 64):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         tiles = w4a16_kernels.choose_tiles(m, n, k, 128, sms)
         assert tiles is not None
-        whole = w4a16_kernels.Tiles(tiles.block_m, tiles.block_n, tiles.block_k, 1)
-        split = w4a16_kernels.run_w4a16(a, qweight, scales, z, 128, tiles)
-        unsplit = w4a16_kernels.run_w4a16(a, qweight, scales, z, 128, whole)
+        whole = w4a16_kernels.Tiles(tiles.block_m, tiles.block_n, 1)
+        split = w4a16_kernels.run_w4a16(a, tiled, scales, z, 128, tiles)
+        unsplit = w4a16_kernels.run_w4a16(a, tiled, scales, z, 128, whole)
         torch.testing.assert_close(split, unsplit, rtol=1e-2, atol=1e-2)
 
 
-def test_shapes_the_kernel_does_not_take_are_dequantized() -> None:
-    """K = 24 has no 16-column tile: the product is the dequantized weight's, by cuBLAS."""
-    qweight, scales, z = layer(64, 24, -1, zeros=True)
-    a = torch.randn(3, 24, device="cuda", dtype=torch.bfloat16)
-    assert w4a16_kernels.choose_tiles(3, 64, 24, 24, 132) is None
-    assert_close(w4a16_kernels.w4a16_gemm(a, qweight, scales, z, 24),
+def test_groups_the_kernel_does_not_take_are_dequantized() -> None:
+    """Groups of 24 columns straddle the kernel's 16-column slices: the product is the
+    dequantized weight's, by cuBLAS."""
+    qweight, scales, z = layer(64, 48, 24, zeros=True)
+    a = torch.randn(3, 48, device="cuda", dtype=torch.bfloat16)
+    assert w4a16_kernels.choose_tiles(3, 64, 48, 24, 132) is None
+    assert_close(w4a16_kernels.w4a16_gemm(a, tile_qweight(qweight), scales, z, 24),
                  reference(a, qweight, scales, z, 24), torch.bfloat16)  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(6144, 4096, 1), (4096, 14336, 32), (3072, 576, 64)])
+def test_every_configuration_of_the_sweep_matches_the_reference(n: int, k: int, m: int) -> None:
+    """The tiles `python -m benchmarks w4a16` times (so a faster one can go in the table)."""
+    from benchmarks.w4a16 import grid
+
+    group = 128 if k % 128 == 0 else 64
+    qweight, scales, z = layer(n, k, group, zeros=True)
+    tiled = tile_qweight(qweight)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    expected = reference(a, qweight, scales, z, group)
+    for tiles in grid(m, k):
+        got = w4a16_kernels.run_w4a16(a, tiled, scales, z, group, tiles)
+        assert_close(got, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_dequantize_kernel_is_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    """The prefill path's weights are the reference's, rounded once to the activations' dtype."""
+    for n, k, group, zeros in [(960, 576, 64, True), (6144, 4096, 128, False), (64, 48, 24, True)]:
+        qweight, scales, z = layer(n, k, group, zeros)
+        got = w4a16_kernels.dequantize_tiled(tile_qweight(qweight), scales, z, group, k, dtype)
+        assert torch.equal(got, dequantize(qweight, scales, z, group).to(dtype).t())
 
 
 def w4a16_layer(n: int, k: int, device: str, act_order: bool) -> Linear:
@@ -126,7 +160,9 @@ def w4a16_layer(n: int, k: int, device: str, act_order: bool) -> Linear:
     if act_order:
         module.perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)).int()
     module.register_parameter("g_idx", None)
-    return module.to(device)
+    module.to(device)
+    module.tile_w4a16_for_cuda()  # as loading does on CUDA
+    return module
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -141,6 +177,7 @@ def test_a_w4a16_linear_on_cuda_matches_the_cpu(act_order: bool) -> None:
 
 def test_a_cuda_graph_replays_the_product() -> None:
     qweight, scales, z = layer(4096, 4096, 128, zeros=True)
+    qweight = tile_qweight(qweight)
     a = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     eager = w4a16_linear(a, qweight, scales, z, None, 128)
     stream = torch.cuda.Stream()

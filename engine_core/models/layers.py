@@ -41,6 +41,7 @@ from engine_core.models.w4a16 import (
     check_weight_shape,
     held_name,
     permute_columns,
+    tile_qweight,
     to_layout,
     w4a16_linear,
 )
@@ -514,6 +515,7 @@ class Linear(nn.Linear, LoadsQuantized):
         self.int8: Int8Config | None = None
         self.w4a16: W4A16Config | None = None
         self.group_size = 0  # W4A16: input columns per scale
+        self.w4a16_tiled = False  # W4A16 on CUDA: qweight in the kernel's layout
         # The weight in oneDNN's layout (models/cpu_gemm.py), once ``pack_for_cpu`` has run.
         self.packed_weight: torch.Tensor | None = None
 
@@ -664,6 +666,19 @@ class Linear(nn.Linear, LoadsQuantized):
                 self.qweight.data = permute_columns(self.qweight.data, perm)
                 self.perm = perm
             self.register_parameter("g_idx", None)
+        self.tile_w4a16_for_cuda()
+
+    def tile_w4a16_for_cuda(self) -> None:
+        """On CUDA, hold a loaded W4A16 weight's words in the GEMM kernel's layout from now on
+        (w4a16.py ``tile_qweight``); on the CPU they stay as loaded, which the reference reads.
+        Once: tiling twice would scramble them."""
+        if self.w4a16 is None or self.w4a16_tiled or not self.qweight.is_cuda:
+            return
+        self.qweight = nn.Parameter(tile_qweight(self.qweight.data), requires_grad=False)
+        self.w4a16_tiled = True
+        # The repack's temporaries (about 8 bytes a weight) and the loaded words go back to the
+        # driver, not the allocator's cache, which the KV cache's sizing would count as used.
+        torch.cuda.empty_cache()
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -19,6 +19,11 @@ The layout a W4A16 ``Linear`` holds (layers.py ``make_w4a16``), for a weight W [
   group, so the groups are contiguous again, and the layer reads its input in that order,
   x[:, perm]. Each group must hold group_size columns.
 
+On CUDA the layer holds ``qweight`` in the GEMM kernel's layout instead, int32 [Kp / 8, N]
+(``tile_qweight``, once loaded: blocks of 128 columns, each word holding eight columns 16
+apart, so one shifted tile of words is 16 consecutive columns); scales and zeros stay as they
+are.
+
 A weight is ``(q - zero) * scale`` of its row and group, which is what each format's own code
 computes (AutoAWQ's dequantize_gemm, AutoGPTQ's and vLLM's GPTQ readers, compressed-tensors'
 dequantize); the CPU reference does exactly that in float32 (exact: a 5-bit integer times an
@@ -184,6 +189,41 @@ def permute_columns(qweight: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return pack_int4(unpack_int4(qweight)[:, perm.long()])
 
 
+# ---- the kernel's layout (CUDA) -----------------------------------------------------------------
+
+TILE_K = 128  # input columns of one interleaved block of the kernel's layout
+PLANE = TILE_K // PACK  # words per row of a block: the columns one nibble position holds
+
+
+def padded_columns(k: int) -> int:
+    """K rounded up to whole blocks of the kernel's layout."""
+    return -(-k // TILE_K) * TILE_K
+
+
+def tile_qweight(qweight: torch.Tensor) -> torch.Tensor:
+    """The loaded layout [N, K/8] -> the CUDA kernel's int32 [Kp/8, N], Kp = K rounded up to a
+    block of 128 columns (the extra columns hold zeros, never read: the kernel masks them off
+    the activations). In block b, word row j, nibble i of row n's word holds column
+    128b + 16i + j: the words of a block's 16 rows shifted by 4i give, in one [16, BLOCK_N]
+    tile, the 16 consecutive columns 128b + 16i + (0..15), a slice of K that a tensor-core
+    product takes as it is. Words run along N, so a tile's rows are contiguous loads."""
+    rows = qweight.shape[0]
+    q = unpack_int4(qweight)  # [N, K]
+    q = F.pad(q, (0, padded_columns(q.shape[1]) - q.shape[1]))
+    blocks = q.shape[1] // TILE_K
+    q = q.reshape(rows, blocks, PACK, PLANE).permute(1, 3, 0, 2)  # [B, j, N, i]
+    return pack_int4(q.reshape(-1, PACK)).reshape(blocks * PLANE, rows)
+
+
+def untile_qweight(tiled: torch.Tensor, k: int) -> torch.Tensor:
+    """``tile_qweight``'s inverse: int32 [Kp/8, N] -> [N, K/8] for K input columns."""
+    rows = tiled.shape[1]
+    blocks = tiled.shape[0] // PLANE
+    q = unpack_int4(tiled.reshape(-1, 1)).reshape(blocks, PLANE, rows, PACK)  # [B, j, N, i]
+    q = q.permute(2, 0, 3, 1).reshape(rows, blocks * TILE_K)
+    return pack_int4(q[:, :k].contiguous())
+
+
 # ---- the reference ------------------------------------------------------------------------------
 
 
@@ -209,8 +249,9 @@ def w4a16_linear(
     perm: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] in x's dtype (no bias): on CUDA the Triton kernel, elsewhere
-    the weights dequantized and multiplied in x's dtype."""
+    """x [..., K] @ W.T -> [..., N] in x's dtype (no bias): on CUDA the Triton kernels (qweight
+    in their layout, ``tile_qweight``), elsewhere the weights dequantized and multiplied in x's
+    dtype."""
     rows = x.reshape(-1, x.shape[-1])
     if perm is not None:
         rows = rows.index_select(1, perm)

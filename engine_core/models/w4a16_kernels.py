@@ -1,27 +1,33 @@
-"""The W4A16 GEMM on CUDA: C = A @ W.T for activations A [M, K] (bf16/fp16) and a 4-bit weight in
-the layout of engine_core/models/w4a16.py (qweight int32 [N, K / 8], scales float32 [G, N],
-zeros uint8 [G, N] or none), the weight dequantized in registers, never written out.
+"""The W4A16 GEMM on CUDA: C = A @ W.T for activations A [M, K] (bf16/fp16/float32) and a 4-bit
+weight in the kernel's layout of engine_core/models/w4a16.py (``tile_qweight``: qweight int32
+[Kp / 8, N], blocks of 128 columns interleaved so that nibble i of a block's 16 word rows holds
+16 consecutive columns; scales float32 [G, N]; zeros uint8 [G, N] or none).
 
-One kernel for every row count. A program takes BLOCK_N weight rows and BLOCK_M activation rows
-over a K range: it loads its weight words as one contiguous [BLOCK_N, BLOCK_K / 8] tile, shifts
-the eight nibbles of each word out in registers (a [BLOCK_N, BLOCK_K / 8, 8] broadcast laid flat,
-which is the packing's column order), takes its group's scale (and zero) once per row,
-dequantizes ``(q - zero) * scale`` in float32, rounds it to the activations' dtype (the
-reference's rounding) and multiplies on the tensor cores with the weight rows on the matrix
-unit's wide side ("swap AB": at decode a few tokens fill its narrow side). Loading each word once
-matters: a load per column (eight per word) ran the decode products about ten times slower.
-Decode is memory-bound: the weights are a quarter of bf16's bytes, and a product with few weight
-tiles splits K (SPLIT_K) so that every multiprocessor streams some; the float32 partials are
-summed after. Prefill-sized products take 128-row tiles without a split.
+Two paths, chosen by a table (``choose_tiles``), nothing tuned at run time (CUDA graphs replay
+what was captured):
 
-Every shape here is static and nothing syncs with the host, so the decode steps' products are
-captured in CUDA graphs. Shapes the kernel does not take (a K range no 16-column tile divides,
-groups under 16 columns) are dequantized and multiplied by cuBLAS instead.
+- up to 127 rows (decode), one kernel dequantizing in registers. A program takes BLOCK_N
+  weight columns and BLOCK_M activation rows over a range of 128-column blocks. Per block it
+  loads one [16, BLOCK_N] tile of words (contiguous along N) and makes eight [16, BLOCK_N]
+  weight slices out of it, one per nibble: shift, mask, OR into the mantissa of 2**23 (a float
+  whose last mantissa bit is worth 1), subtract 2**23 + zero, times the scale, rounded once to
+  the activations' dtype as the reference rounds it. No integer-to-float conversion, no
+  reshape of the tile: each slice is 16 consecutive columns of K and goes to the tensor cores
+  as it is, against the matching 16 columns of A ("swap AB": the weight columns on the matrix
+  unit's wide side, a few decode rows on its narrow one). The next block's words are loaded
+  before this block is multiplied, so a load is always in flight. Decode splits the blocks
+  over SPLIT_K programs when the weight tiles alone would leave multiprocessors idle; their
+  float32 partials are summed by a second small kernel (in a fixed order: the same sums on
+  every replay, unlike atomics).
+- from 128 rows (and for group sizes that are not whole 16-column slices): the weight is
+  dequantized by a kernel into a [K, N] buffer in the activations' dtype, then cuBLAS. The
+  product is compute-bound there, and a tensor-core GEMM in cuBLAS's hands beats dequantizing
+  the same weight tile once per row tile (at 256 rows measured 2x the kernel's speed).
 
-tests/test_w4a16_gpu.py checks it against the reference over the presets' shapes; `python -m
-benchmarks gemm` times it against bf16 and the copy bandwidth. Importing this module imports
-triton: only CUDA code paths and GPU tests may do so (or set ``TRITON_INTERPRET=1`` first to run
-it on CPU tensors).
+tests/test_w4a16_interpreted.py runs these kernels in Triton's interpreter on the CPU;
+tests/test_w4a16_gpu.py checks them on a GPU over the presets' shapes; `python -m benchmarks
+w4a16` sweeps the tiles on a GPU. Importing this module imports triton: only CUDA code paths and
+GPU tests may do so (or set ``TRITON_INTERPRET=1`` first to run it on CPU tensors).
 """
 
 from __future__ import annotations
@@ -29,111 +35,202 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-PACK = 8  # 4-bit values per int32 word (w4a16.PACK; not imported: w4a16 imports this module)
-SYMMETRIC_ZERO = 8.0
+# The layout's constants (w4a16.TILE_K, PLANE; not imported: w4a16 imports this module).
+TILE_K = 128  # columns of one interleaved block
+PLANE = 16  # columns one nibble position of a block holds: one slice of K
+MAGIC = 8388608.0  # 2**23: a float32 whose last mantissa bit is worth 1
+ONE_GROUP = 2**30  # the group size passed for one group over all of K
+SYMMETRIC_ZERO = 8
+DEQUANTIZE_ROWS = 128  # from this many rows on, dequantize the weight and use cuBLAS
+# ... if the dequantized weight is at most this many values (512 MiB in bf16): its buffer comes
+# out of the activations' headroom (memory_plan.CUDA_HEADROOM_BYTES, 2 GiB).
+DEQUANTIZE_MAX_VALUES = 2**28
+# The same constants as the kernels see them (a kernel reads only constexpr globals).
+_TILE_K = tl.constexpr(TILE_K)
+_PLANE = tl.constexpr(PLANE)
+_MAGIC = tl.constexpr(MAGIC)
+_SYMMETRIC_OFFSET = tl.constexpr(MAGIC + SYMMETRIC_ZERO)
+
+
+@triton.jit
+def _nibbles(words, i: tl.constexpr):
+    """Nibble i of each int32 word as the float32 2**23 + q (q in 0..15): the nibble OR'd into
+    the mantissa of 2**23, read as a float, instead of converted."""
+    bits = (words >> (4 * i)) & 0xF
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_params(
+    Scales, Zeros, k, N, cols, cols_ok, GROUPS, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr
+):
+    """(scale, 2**23 + zero) of the group holding column(s) k, for weight columns ``cols``
+    (broadcast shapes). Padded columns past K take the last group (their activations are 0)."""
+    group = tl.minimum(k // GROUP, GROUPS - 1)
+    scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(Zeros + group * N + cols, mask=cols_ok, other=0).to(tl.float32)
+        offset = zero + _MAGIC
+    else:
+        offset = _SYMMETRIC_OFFSET
+    return scale, offset
 
 
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     A,  # [M, K]
-    QWeight,  # [N, K / 8] int32
+    QWeight,  # [Kp / 8, N] int32, tiled
     Scales,  # [G, N] float32
     Zeros,  # [G, N] uint8 (unread without HAS_ZEROS)
-    C,  # [M, N] (SPLIT_K == 1)
-    Part,  # [SPLIT_K, M, N] float32 (SPLIT_K > 1)
+    C,  # [M, N] (not SPLIT)
+    Part,  # [SPLIT_K, M, N] float32 (SPLIT)
     M,
     N,
     K,
+    GROUPS,
     stride_am,
     stride_cm,
-    K_PER_SPLIT,
+    TILES,  # Kp / 128
+    TILES_PER_SPLIT,
     GROUP: tl.constexpr,
+    PLANES_PER_GROUP: tl.constexpr,  # slices between scale loads: 1, 2, 4 or 8 (once a block)
     HAS_ZEROS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Program (row tile, weight tile, K split): the [BLOCK_N, BLOCK_M] tile of C.T over its K
-    range. BLOCK_K divides GROUP (or GROUP is all of K), so a K tile lies in one group."""
+    """Program (row tile, column tile, split): the [BLOCK_N, BLOCK_M] tile of C.T over blocks
+    [split * TILES_PER_SPLIT, +TILES_PER_SPLIT) of K."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, _PLANE)
     m_ok = rm < M
     n_ok = rn < N
-    words = K // 8
+    first = split * TILES_PER_SPLIT
+    last = tl.minimum(first + TILES_PER_SPLIT, TILES)
+    w_ptrs = QWeight + (first * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
+    a_ptrs = A + rm[None, :].to(tl.int64) * stride_am + rj[:, None]  # [PLANE, BLOCK_M]
+    # [PLANE, BLOCK_N]; rj < 16 * (blocks left): all rows while a block is left, none after.
+    words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok[None, :], other=0)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k0 = split * K_PER_SPLIT
-    shifts = tl.arange(0, 8) * 4  # nibble j of a word is column 8 * word + j
-    for _ in range(0, K_PER_SPLIT, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
-        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w_ptrs = QWeight + rn[:, None].to(tl.int64) * words + rw[None, :]
-        packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8] int32
-        nibbles = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
-        q = tl.reshape(nibbles, (BLOCK_N, BLOCK_K)).to(tl.float32)
-        group = k0 // GROUP
-        scale = tl.load(Scales + group * N + rn, mask=n_ok, other=0.0)  # [BLOCK_N]
-        if HAS_ZEROS:
-            zero = tl.load(Zeros + group * N + rn, mask=n_ok, other=0).to(tl.float32)
-        else:
-            zero = tl.full((BLOCK_N,), 8.0, dtype=tl.float32)
-        w = ((q - zero[:, None]) * scale[:, None]).to(A.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
-        acc += tl.dot(w, tl.trans(a), input_precision=PRECISION)
-        k0 += BLOCK_K
+    for tile in range(first, last):
+        w_ptrs += _PLANE * N
+        ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok[None, :]
+        ahead = tl.load(w_ptrs, mask=ahead_ok, other=0)  # in flight while this block runs
+        for i in tl.static_range(8):
+            k = tile * _TILE_K + i * _PLANE
+            if i % PLANES_PER_GROUP == 0:
+                scale, offset = _group_params(
+                    Scales, Zeros, k, N, rn[None, :], n_ok[None, :], GROUPS, GROUP, HAS_ZEROS
+                )
+            w = ((_nibbles(words, i) - offset) * scale).to(A.dtype.element_ty)
+            a = tl.load(a_ptrs + k, mask=m_ok[None, :] & (k + rj < K)[:, None], other=0.0)
+            acc = tl.dot(tl.trans(w), a, acc, input_precision=PRECISION)
+        words = ahead
     mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K == 1:
-        c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
-        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
-    else:
+    if SPLIT:
         p_ptrs = Part + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
         tl.store(p_ptrs, acc, mask=mask)
+    else:
+        c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(Part, C, SIZE, SPLITS, BLOCK: tl.constexpr):
+    """C (contiguous, SIZE elements) = the sum of the SPLITS float32 partials, rounded once."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < SIZE
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    part_ptrs = Part + offs
+    for _ in range(SPLITS):
+        acc += tl.load(part_ptrs, mask=ok, other=0.0)
+        part_ptrs += SIZE
+    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dequantize_kernel(
+    QWeight,  # [Kp / 8, N] int32, tiled
+    Scales,
+    Zeros,
+    Out,  # [K, N]
+    N,
+    K,
+    GROUPS,
+    GROUP: tl.constexpr,
+    UNIFORM: tl.constexpr,  # a 16-column slice lies in one group
+    HAS_ZEROS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (column tile, block): the block's 128 rows of W.T, in Out's dtype."""
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, _PLANE)
+    n_ok = rn < N
+    w_ptrs = QWeight + (tile * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
+    words = tl.load(w_ptrs, mask=n_ok[None, :], other=0)
+    for i in tl.static_range(8):
+        rk = tile * _TILE_K + i * _PLANE + rj
+        k = rk[:, None]
+        if UNIFORM:
+            k = tile * _TILE_K + i * _PLANE
+        scale, offset = _group_params(
+            Scales, Zeros, k, N, rn[None, :], n_ok[None, :], GROUPS, GROUP, HAS_ZEROS
+        )
+        w = (_nibbles(words, i) - offset) * scale
+        out_ptrs = Out + rk[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(out_ptrs, w.to(Out.dtype.element_ty), mask=(rk < K)[:, None] & n_ok[None, :])
 
 
 @dataclass(frozen=True)
 class Tiles:
     block_m: int
     block_n: int
-    block_k: int
     split_k: int
-    stages: int = 4
+    warps: int = 4
+    stages: int = 2
 
 
-def block_k_for(k: int, group: int, largest: int = 128) -> int | None:
-    """The K tile: the largest power of two from ``largest`` down to 16 that divides K and the
-    group (so a tile lies in one group); None where there is none."""
-    for block in (b for b in (128, 64, 32, 16) if b <= largest):
-        if k % block == 0 and (group >= k or group % block == 0):
-            return block
-    return None
+def group_constant(group: int, k: int) -> int:
+    """The kernels' GROUP: the group size, or ONE_GROUP for one group over all of K."""
+    return ONE_GROUP if group >= k else group
+
+
+def planes_per_group(group: int) -> int | None:
+    """16-column slices between scale loads in the GEMM kernel (8: once a block), or None where
+    a slice can straddle two groups (the GEMM kernel does not take those)."""
+    if group % PLANE:
+        return None
+    if TILE_K % group == 0:
+        return group // PLANE
+    return 8 if group % TILE_K == 0 else 1
 
 
 def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Tiles | None:
-    """Tiles for an [M, K] x [N, K] product, or None where the kernel does not take it: rows in
-    one tile up to 64 (decode, 128-column K tiles, K split until the programs cover the GPU
-    twice over), 128-row tiles of 64 columns beyond. The sizes are within about 20% of the
-    fastest of a sweep over llama-8b's projections (docs/design/quantization.md)."""
-    block_k = block_k_for(k, group, 128 if m <= 64 else 64)
-    if block_k is None:
+    """Tiles for an [M, K] x [N, K] product, or None: dequantize and use cuBLAS (from
+    DEQUANTIZE_ROWS rows on for weights of up to DEQUANTIZE_MAX_VALUES, and for groups the GEMM
+    kernel does not take). Otherwise 128 weight columns a program, and K split in two until the
+    programs fill the multiprocessors four times over or a split would get fewer than 4 blocks:
+    at llama-8b's projections and 1-64 rows that is the sweep's fastest configuration or within
+    6% of it (docs/design/quantization.md)."""
+    if planes_per_group(group_constant(group, k)) is None:
+        return None
+    if m >= DEQUANTIZE_ROWS and n * k <= DEQUANTIZE_MAX_VALUES:
         return None
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     block_n = 128
+    blocks = triton.cdiv(k, TILE_K)
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
-    while (
-        programs * split < 2 * multiprocessors
-        and k % (2 * split * block_k) == 0
-        and k // (2 * split) >= 2 * block_k
-    ):
+    while programs * split < 4 * multiprocessors and blocks >= 8 * split:
         split *= 2
-    return Tiles(block_m, block_n, block_k, split)
+    return Tiles(block_m, block_n, split)
 
 
 def w4a16_gemm(
@@ -143,10 +240,19 @@ def w4a16_gemm(
     zeros: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
-    """a [M, K] @ W.T -> [M, N] in a's dtype, W given by the W4A16 layout."""
+    """a [M, K] @ W.T -> [M, N] in a's dtype, W given by the kernel's W4A16 layout."""
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    tiles = choose_tiles(a.shape[0], qweight.shape[0], a.shape[1], group_size, sms)
+    tiles = choose_tiles(a.shape[0], qweight.shape[1], a.shape[1], group_size, sms)
     return run_w4a16(a, qweight, scales, zeros, group_size, tiles)
+
+
+def check_layout(qweight: torch.Tensor, scales: torch.Tensor, k: int) -> None:
+    expected = (triton.cdiv(k, TILE_K) * PLANE, scales.shape[1])
+    if tuple(qweight.shape) != expected:
+        raise ValueError(
+            f"W4A16 qweight {tuple(qweight.shape)} is not the kernel's layout for K={k} "
+            f"(expected {expected}: w4a16.tile_qweight)"
+        )
 
 
 def run_w4a16(
@@ -157,43 +263,62 @@ def run_w4a16(
     group_size: int,
     tiles: Tiles | None,
 ) -> torch.Tensor:
-    """``w4a16_gemm`` with the given tiles (None: the dequantized product)."""
-    if tiles is None:
-        return dequantized_product(a, qweight, scales, zeros, group_size)
+    """``w4a16_gemm`` with the given tiles (None: dequantize, then cuBLAS)."""
     m, k = a.shape
-    n = qweight.shape[0]
-    if k % (tiles.split_k * tiles.block_k) or group_size % tiles.block_k and group_size < k:
-        raise ValueError(f"{tiles} do not divide K={k} in groups of {group_size}")
+    check_layout(qweight, scales, k)
+    if tiles is None:
+        return a @ dequantize_tiled(qweight, scales, zeros, group_size, k, a.dtype)
+    group = group_constant(group_size, k)
+    planes = planes_per_group(group)
+    if planes is None:
+        raise ValueError(f"the W4A16 GEMM kernel does not take groups of {group_size} columns")
+    n = qweight.shape[1]
     a = a if a.stride(-1) == 1 else a.contiguous()
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     part = out
     if tiles.split_k > 1:
         part = torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=a.device)
+    blocks = triton.cdiv(k, TILE_K)
+    per_split = triton.cdiv(blocks, tiles.split_k)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
-    _w4a16_kernel[grid](
+    args = (
         a, qweight, scales, zeros if zeros is not None else scales, out, part, m, n, k,
-        a.stride(0), out.stride(0), k // tiles.split_k, GROUP=group_size,
-        HAS_ZEROS=zeros is not None,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SPLIT_K=tiles.split_k, num_warps=4, num_stages=tiles.stages,
+        scales.shape[0], a.stride(0), out.stride(0), blocks, per_split,
     )  # fmt: skip
+    shape = {"GROUP": group, "PLANES_PER_GROUP": planes, "HAS_ZEROS": zeros is not None,
+             "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SPLIT": tiles.split_k > 1,
+             "num_warps": tiles.warps, "num_stages": tiles.stages}  # fmt: skip
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    _w4a16_kernel[grid](*args, PRECISION=precision, **shape)
     if tiles.split_k > 1:
-        out.copy_(part.sum(0))  # float32 partials, rounded once
+        sum_splits(part, out)
     return out
 
 
-def dequantized_product(
-    a: torch.Tensor,
+def sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, N] = part [S, M, N] summed over S, in float32, rounded once."""
+    size = out.numel()
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(size, block),)](part, out, size, part.shape[0], BLOCK=block)
+
+
+def dequantize_tiled(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     group_size: int,
+    k: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The products the kernel does not take: the weight dequantized whole, then cuBLAS."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=a.device)
-    q = ((qweight[..., None] >> shifts) & 0xF).flatten(1).float()  # [N, K]
-    zero = zeros.float() if zeros is not None else torch.full_like(scales, SYMMETRIC_ZERO)
-    z = zero.t().repeat_interleave(group_size, dim=1)
-    s = scales.t().repeat_interleave(group_size, dim=1)
-    return F.linear(a, ((q - z) * s).to(a.dtype))
+    """W.T [K, N] in ``dtype`` from the kernel's layout: ``(q - zero) * scale`` in float32,
+    rounded once, as the reference (w4a16.dequantize) computes it."""
+    n = qweight.shape[1]
+    out = torch.empty((k, n), dtype=dtype, device=qweight.device)
+    group = group_constant(group_size, k)
+    block_n = 128
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, TILE_K))
+    _dequantize_kernel[grid](
+        qweight, scales, zeros if zeros is not None else scales, out, n, k, scales.shape[0],
+        GROUP=group, UNIFORM=group % PLANE == 0, HAS_ZEROS=zeros is not None, BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
