@@ -428,7 +428,7 @@ def make_runner(config: EngineConfig) -> ModelRunner:
             f"--node-rank {config.node_rank} runs only that node's ranks, no engine core: it is "
             "for `tandem serve` / `tandem engine` on the other nodes"
         )
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         runner = ModelRunner(config)
     else:
         from engine_core.tp_runner import TPModelRunner
@@ -436,7 +436,10 @@ def make_runner(config: EngineConfig) -> ModelRunner:
         runner = TPModelRunner(config)
         if runner.model_config.embedding is not None:
             runner.shutdown()
-            raise ValueError("an embedding model runs on one GPU: --tensor-parallel-size 1")
+            raise ValueError(
+                "an embedding model runs on one GPU: --tensor-parallel-size 1 and "
+                "--pipeline-parallel-size 1"
+            )
     if runner.device.type == "cuda":
         runner.warm_up()
     return runner

@@ -31,7 +31,7 @@ from engine_core.config import EngineConfig, ModelConfig
 from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.forward_context import StateRows, forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
-from engine_core.kv_groups import model_kv_layout, pool_blocks_for_one_sequence
+from engine_core.kv_groups import pool_blocks_for_one_sequence, stage_kv_layout
 from engine_core.loader import LoadedModel, load_model
 from engine_core.lora.adapter import check_lora_model, load_adapter, target_shapes
 from engine_core.lora.batch import LoraBatch, lora_batch
@@ -47,6 +47,7 @@ from engine_core.memory_plan import (
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
 from engine_core.multimodal import MultimodalRunner, MultimodalStep
+from engine_core.parallel import get_pipeline_stage
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
@@ -224,6 +225,7 @@ def build_target(config: EngineConfig, device: torch.device, dtype: torch.dtype)
     projections in the checkpoint's row order, which the graph-only layouts (interleaved gate/up
     rows) would change under them."""
     graphs = device.type == "cuda" and not config.enforce_eager and not config.enable_lora
+    graphs = graphs and config.pipeline_parallel_size == 1  # see ModelRunner._capture_graphs
     return BuildTarget(device, dtype, cuda_graphs=graphs)
 
 
@@ -248,8 +250,10 @@ class ModelRunner:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
+        # The decoder layers this process runs and caches: a pipeline stage's, else all.
+        self.stage_layers = get_pipeline_stage().layers(self.model_config.num_layers)
         # Layers grouped by kind, each group its own block tables (engine_core/kv_groups.py).
-        self.kv_layout = model_kv_layout(self.model_config)
+        self.kv_layout = stage_kv_layout(self.model_config, self.stage_layers)
         # Linear-attention layers: one state slot per running request (block_manager.py).
         self.num_state_slots = config.max_num_seqs if self.kv_layout.state_layers else 0
         self._check_state_kind()
@@ -401,7 +405,9 @@ class ModelRunner:
                 "--max-num-seqs or give the cache more memory"
             )
         budget -= states
-        block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
+        block = kv_block_bytes(
+            self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype, self.kv_layout
+        )
         blocks = int(budget // block)
         one_sequence = pool_blocks_for_one_sequence(
             self.kv_layout, self.max_model_len, self.block_size, self.config.max_num_batched_tokens
@@ -430,7 +436,8 @@ class ModelRunner:
             mc.head_dim,
         )
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        for i, layer in enumerate(layers):
+        # A pipeline stage's layers are numbered as in the model, from its first.
+        for i, layer in enumerate(layers, start=self.stage_layers.start):
             group, pair = layout.placement(i)
             kind = layout.groups[group]
             if (layer.sliding_window, layer.attention_chunk) != (kind.window, kind.attention_chunk):
@@ -487,7 +494,7 @@ class ModelRunner:
         stores K and V as they are and reads no scale."""
         if self.kv_dtype != FP8_DTYPE:
             return
-        for i, layer in enumerate(self.model.attention_layers()):
+        for i, layer in enumerate(self.model.attention_layers(), start=self.stage_layers.start):
             layer.k_scale, layer.v_scale = scales.get(i, (1.0, 1.0))
         logger.info(
             "FP8 KV cache, scales %s", "from the checkpoint" if scales else "1.0 (none given)"
@@ -580,6 +587,11 @@ class ModelRunner:
             # The LoRA product groups rows by slot on the host each step (no graph-safe kernel
             # yet): every step runs eagerly (docs/design/lora.md).
             logger.warning("--enable-lora: running without CUDA graphs for now")
+            return None
+        if self.config.pipeline_parallel_size > 1:
+            # A stage's forward receives and sends activations and rank 0's receives logits
+            # from the last stage; no graph captures those yet (docs/design/multi-node.md).
+            logger.warning("--pipeline-parallel-size > 1: running without CUDA graphs for now")
             return None
         if self.model_config.embedding is not None:
             # Embedding engines run eagerly (for now): their steps are prompt chunks, and the

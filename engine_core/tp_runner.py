@@ -64,6 +64,7 @@ from engine_core.nodes import (
 from engine_core.parallel import (
     STORE_TIMEOUT,
     TPGroup,
+    check_pipeline_parallel,
     check_tensor_parallel,
     connect_store,
     create_store,
@@ -150,11 +151,13 @@ class TPModelRunner(_ShardedRunner):
     whose every step's inputs are broadcast to them before the forward."""
 
     def __init__(self, config: EngineConfig) -> None:
-        size = config.tensor_parallel_size
+        size = config.world_size
         check_expert_parallel_device(config)
         model_config = peek_model_config(config.model)
         if model_config is not None:  # before any process starts
-            check_tensor_parallel(model_config, size, config.enable_expert_parallel)
+            ep = config.enable_expert_parallel
+            check_tensor_parallel(model_config, config.tensor_parallel_size, ep)
+            check_pipeline_parallel(model_config, config.pipeline_parallel_size)
         store = open_store(config)
         layout = NodeLayout.of(config)
         self.workers = spawn_workers(config, store.port, layout.ranks[1:])
@@ -173,7 +176,11 @@ class TPModelRunner(_ShardedRunner):
         # A weak reference: the finalizer must not keep the runner alive (it runs at exit too).
         args = (weakref.ref(self), self.channel, self.workers, self.watch)
         self._finalizer = weakref.finalize(self, shut_down, *args)
-        logger.info("tensor parallel over %d ranks (pids %s)", size, [p.pid for p in self.workers])
+        logger.info(
+            "%d ranks: tensor parallel %d x pipeline parallel %d (pids %s)",
+            size, config.tensor_parallel_size, config.pipeline_parallel_size,
+            [p.pid for p in self.workers],
+        )  # fmt: skip
 
     def warm_up(self) -> None:
         """Rank 0's warm-up steps, which the workers follow through the channel as any step.
@@ -292,12 +299,16 @@ def peek_model_config(model: str) -> ModelConfig | None:
 def join_group(
     store: dist.TCPStore, rank: int, config: EngineConfig, device: torch.device
 ) -> TPGroup:
-    """This rank's place in the engine's group. The peer all-reduce reaches the GPUs of one
-    host only: over several nodes, NCCL does them all."""
-    all_reduce = config.tp_all_reduce if config.nnodes == 1 else "nccl"
+    """This rank's place in the engine's groups. The peer all-reduce reaches the GPUs of one
+    host only, and is set up for one group: over several nodes, or with pipeline stages, NCCL
+    does them all."""
+    one_group = config.nnodes == 1 and config.pipeline_parallel_size == 1
+    all_reduce = config.tp_all_reduce if one_group else "nccl"
     local_rank = NodeLayout.of(config).local_rank(rank)
-    size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
-    return join_tp_group(store, rank, size, device, all_reduce, local_rank, expert_parallel)
+    return join_tp_group(
+        store, rank, config.world_size, device, all_reduce, local_rank,
+        config.enable_expert_parallel, config.pipeline_parallel_size,
+    )  # fmt: skip
 
 
 def check_expert_parallel_device(config: EngineConfig) -> None:
@@ -315,11 +326,11 @@ def check_expert_parallel_device(config: EngineConfig) -> None:
 def open_store(config: EngineConfig) -> dist.TCPStore:
     """Rank 0's store: on a free loopback port, or on --master-addr:--master-port for nodes."""
     if config.nnodes == 1:
-        return create_store(config.tensor_parallel_size)
+        return create_store(config.world_size)
     read_secret(config.dist_secret_file)  # a bad file fails before any port opens
     timeout = datetime.timedelta(seconds=config.dist_timeout)
     host, port = rendezvous_host(config), config.master_port
-    store = create_store(config.tensor_parallel_size, host, port, timeout)
+    store = create_store(config.world_size, host, port, timeout)
     logger.warning(
         "rendezvous for %d nodes on %s:%d; torch.distributed's store and collectives are "
         "neither authenticated nor encrypted past it: keep this network private "
@@ -448,7 +459,7 @@ def run_worker(fields: dict[str, Any], rank: int, port: int, parent: int, log_le
         # The node's cores are shared by its ranks; more threads each only oversubscribe them.
         per_node = NodeLayout.of(config).ranks_per_node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-    store = connect_store(port, config.tensor_parallel_size, rendezvous_host(config))
+    store = connect_store(port, config.world_size, rendezvous_host(config))
     store.set(_WORKER_KEY.format(rank), "up")
     worker = TPWorker(config, rank, store)
     worker.serve()
