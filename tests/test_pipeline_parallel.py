@@ -26,7 +26,12 @@ from engine_core.config import EngineConfig
 from engine_core.llm import LLM, CompletionOutput
 from engine_core.models import model_config_from_hf
 from engine_core.models.pipeline import MissingLayer
-from engine_core.parallel import check_pipeline_parallel, get_pipeline_stage, split_layers
+from engine_core.parallel import (
+    PipelineStage,
+    check_pipeline_parallel,
+    get_pipeline_stage,
+    split_layers,
+)
 from protocol.messages import SamplingParams
 from tests.paged_harness import hf_greedy
 from tests.test_tensor_parallel import (
@@ -156,6 +161,35 @@ def test_pp2_batch_with_chunks_and_preemptions_gives_hf_tokens(tmp_path: Path) -
     )
     assert [o.token_ids for o in outs] == reference
     assert llm.engine.scheduler.counts().preemptions > 0
+
+
+def test_a_stage_is_planned_by_its_own_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-8b's 32 layers over 4 stages: a middle stage's ranks hold 8 layers, no embedding and
+    no head, and cache 8 layers; a GPU budget that the whole model misses fits such a stage."""
+    from engine_core.memory_plan import Budget, plan_memory
+    from tests.test_memory_fit import GPU, meta_estimate
+
+    whole, model_config = meta_estimate("random:llama-8b", torch.bfloat16)
+    monkeypatch.setattr("engine_core.parallel._stage", PipelineStage(index=1, size=4))
+    stage, _ = meta_estimate("random:llama-8b", torch.bfloat16)
+    budget = Budget(10 * 2**30, "10 GiB")
+
+    def plan(module: torch.nn.Module, pp: int) -> object:
+        config = EngineConfig(
+            model="random:llama-8b", max_model_len=4096, pipeline_parallel_size=pp
+        )
+        return plan_memory(
+            config, model_config, module, GPU, torch.bfloat16, torch.bfloat16, budget
+        )
+
+    staged = plan(stage, 4)
+    # A layer: q and o 4096 x 4096, k and v 1024 x 4096, gate, up and down 14336 x 4096, two norms.
+    layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096
+    assert staged.weight_bytes == pytest.approx(8 * layer * 2, rel=0.01)
+    assert staged.min_kv_bytes == 4096 * 8 * 2 * 8 * 128 * 2  # tokens x layers x K, V x heads
+    assert staged.fits
+    monkeypatch.setattr("engine_core.parallel._stage", PipelineStage())
+    assert not plan(whole, 1).fits
 
 
 # ---- what is refused ---------------------------------------------------------------------------
