@@ -192,10 +192,11 @@ class PipelineStage:
         dist.recv(both, src=self.prev_rank, group=self.group)
         return both[0], both[1]
 
-    def send_logits(self, logits: torch.Tensor | None) -> None:
-        """On the last stage's first rank (not rank 0 itself): its logits to rank 0."""
+    def send_logits(self, logits: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """On the last stage's first rank (not rank 0 itself): its logits to rank 0, in the
+        ``dtype`` that rank 0 receives them in."""
         if self.size > 1 and logits is not None and self.rank == self.logits_rank:
-            dist.send(logits.contiguous(), dst=0, group=self.group)
+            dist.send(logits.to(dtype).contiguous(), dst=0, group=self.group)
 
     def recv_logits(
         self, num_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside one engine core: rank 0 drives, ranks 1..N-1 follow.
+"""Tensor (and pipeline) parallelism inside one engine core: rank 0 drives, the others follow.
 
     rank 0: the engine process (TPModelRunner)      ranks 1..N-1: spawned workers (TPWorker)
       EngineCore schedules
@@ -16,12 +16,18 @@ also die with the engine process (PR_SET_PDEATHSIG); ``shutdown()`` stops them c
 by itself at interpreter exit. On CUDA each rank captures its own decode graphs (the collectives
 inside them), in the same order, since every rank runs the same ModelRunner set-up.
 
+With pipeline stages (engine_core/parallel.py) the same steps reach every rank; a rank's forward
+runs its stage's layers only, receiving the previous stage's activations and sending its own on
+inside the model (models/llama.py), and the last stage's ``compute_logits`` sends rank 0 the
+logits that rank 0's ``compute_logits`` receives: the workers' ``follow`` is unchanged, and the
+KV blocks are as many on every rank (the fewest that fit on any), its stage's layers each.
+
 Each step's inputs cross as the host bytes rank 0 packed them in (engine_core/input_batch.py),
 in one msgpack message broadcast over the gloo group while the GPUs still run the step before;
 each worker copies them to its own GPU as rank 0 does, so no input broadcast waits on the
 devices. The one thing that exists only on rank 0's GPU, the ids it sampled (the next step's
 placeholder tokens, with overlap), follows right after its sampler as one [S] int64 broadcast
-over the device group, which each worker gathers its placeholders from, as rank 0 does. No
+over the world group, which each worker gathers its placeholders from, as rank 0 does. No
 pickle: the header is plain msgpack data, and a worker's start-up arguments are plain values
 (the EngineConfig as a dict).
 """

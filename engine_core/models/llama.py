@@ -444,8 +444,8 @@ class LlamaForCausalLM(nn.Module):
         give their number there."""
         cap = self.config.final_logit_softcapping
         stage = self.model.stage
+        dtype = torch.float32 if widen or cap is not None else hidden.dtype  # rank 0 receives
         if not stage.is_last:
-            dtype = torch.float32 if widen or cap is not None else hidden.dtype
             return stage.recv_logits(hidden.shape[0], self.config.vocab_size, dtype, hidden.device)
         logits = project_logits(
             hidden,
@@ -457,7 +457,7 @@ class LlamaForCausalLM(nn.Module):
         )
         if logits is not None and cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        stage.send_logits(logits)
+        stage.send_logits(logits, dtype)
         return logits
 
     def plain_logits_weight(self) -> torch.Tensor | None:
