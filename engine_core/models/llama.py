@@ -48,7 +48,14 @@ from engine_core.models.layers import (
 from engine_core.models.moe import SparseMoE, map_moe_name
 from engine_core.models.pipeline import MissingLayer
 from engine_core.models.target import BuildTarget
-from engine_core.parallel import SINGLE, PendingSum, TPGroup, get_pipeline_stage, get_tp_group
+from engine_core.parallel import (
+    SINGLE,
+    PendingSum,
+    PipelineStage,
+    TPGroup,
+    get_pipeline_stage,
+    get_tp_group,
+)
 
 # HF projection name -> (our merged projection, shard index).
 _MERGED = {
@@ -417,13 +424,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = get_tp_group()  # the tensor-parallel group this process builds for, read once
         self.model = self.model_class(config, self.tp, self.decoder_layer)
-        # Tied models read the embedding matrix directly rather than holding a second alias; an
-        # embedding model (config.embedding) computes no logits, so it has no head to hold.
-        self.lm_head: nn.Module | None = None
-        if not (config.tie_word_embeddings or config.embedding is not None):
-            on_stage = self.model.stage.is_last
-            head = lm_head(config.vocab_size, config.hidden_size, self.tp) if on_stage else None
-            self.lm_head = head or MissingLayer()
+        self.lm_head = make_lm_head(config, self.tp, self.model.stage)
         self.packed_logits_weight: torch.Tensor | None = None  # CPU: pack_cpu_weights sets it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -493,6 +494,17 @@ class LlamaForCausalLM(nn.Module):
             merged, shard = _MERGED[proj]
             return f"{parent}.{merged}.{param}", shard
         return hf_name, None
+
+
+def make_lm_head(config: ModelConfig, tp: TPGroup, stage: PipelineStage) -> nn.Module | None:
+    """The LM head's weight holder; None where the model holds none: tied models read the
+    embedding matrix directly rather than holding a second alias, and an embedding model
+    (config.embedding) computes no logits. A MissingLayer on a pipeline stage before the last."""
+    if config.tie_word_embeddings or config.embedding is not None:
+        return None
+    if not stage.is_last:
+        return MissingLayer()
+    return lm_head(config.vocab_size, config.hidden_size, tp)
 
 
 def split_fused(
