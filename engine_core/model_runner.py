@@ -124,6 +124,26 @@ class ForwardStep:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
     pooled: PooledStep | None = None  # an embedding engine's vectors that the step finished
     drafted: DraftedRows | None = None  # speculation: the logits at the drafted positions
+    # Pipeline stages: what rank 0's first stage hands on, until the last stage's logits are in.
+    handoff: StageHandoff | None = None
+
+
+@dataclass
+class StageHandoff:
+    """A step whose first pipeline stage ran on rank 0: its output for the next stage, sent once
+    (``ModelRunner.hand_on``), and what taking its logits back needs (``sample``)."""
+
+    activations: torch.Tensor  # [2, T, hidden]: the hidden state and the residual stream
+    # [S] int64, the sampling rows: a copy (the next step's inputs reuse the step buffers)
+    logits_indices: torch.Tensor
+    prompt_rows: torch.Tensor | None  # [P] int64: the rows that score prompt tokens, or None
+    scoring: PromptScoring | None  # the prompt tokens the step scores
+    sent: bool = False
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """[T, hidden]: the rows whose logits the last stage sends (their count, here)."""
+        return self.activations[0]
 
 
 @dataclass
@@ -251,7 +271,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
         # The decoder layers this process runs and caches: a pipeline stage's, else all.
-        self.stage_layers = get_pipeline_stage().layers(self.model_config.num_layers)
+        self.stage = get_pipeline_stage()
+        self.stage_layers = self.stage.layers(self.model_config.num_layers)
         # Layers grouped by kind, each group its own block tables (engine_core/kv_groups.py).
         self.kv_layout = stage_kv_layout(self.model_config, self.stage_layers)
         # Linear-attention layers: one state slot per running request (block_manager.py).
@@ -714,11 +735,17 @@ class ModelRunner:
         with stats.phase("forward"):
             if timeline is not None:
                 timeline.begin()
-            hidden = self._forward(inputs)  # [T, hidden]
+            hidden = self._forward(inputs)  # [T, hidden]; before the last stage [2, T, hidden]
             if timeline is not None:
                 timeline.end()
         requests = inputs.sampling_requests
         step = ForwardStep(out, requests, self._output_positions, None, None, timeline)
+        if not self.stage.is_last:
+            # The logits come from the last stage once this one's output is handed on, which
+            # the engine core may do after settling the step before (core.py _step_pipelined).
+            rows = inputs.logits_indices.clone()
+            step.handoff = StageHandoff(hidden, rows, inputs.prompt_rows, self._scoring)
+            return step
         if self.pooler is not None:
             step.pooled = self.pooler.pool(out, hidden, inputs.meta.query_start_loc_cpu)
         if inputs.prompt_rows is not None and self._scoring is not None:
@@ -742,6 +769,8 @@ class ModelRunner:
         """Enqueue the sampler over ``step``'s logits (masked by the structured-output
         ``bitmask`` of its sampling rows, if any; its drafted positions' by ``draft_bitmask``)
         and the copy of its ids to the host."""
+        if step.handoff is not None:
+            self._take_logits(step)
         # This step's slot in the ring of host landing buffers and their events.
         self._host_ids_next = (self._host_ids_next + 1) % len(self._host_ids)
         requests = step.sampling_requests
@@ -771,6 +800,28 @@ class ModelRunner:
         if step.timeline is not None:
             step.timeline.end()
         return self._timed(launched)
+
+    def hand_on(self, step: ForwardStep) -> None:
+        """Send a step's first-stage output on to the next pipeline stage (once; nothing to do
+        without stages)."""
+        handoff = step.handoff
+        if handoff is not None and not handoff.sent:
+            self.stage.send_activations(handoff.activations)
+            handoff.sent = True
+
+    def _take_logits(self, step: ForwardStep) -> None:
+        """Rank 0 of a pipeline: hand the step on, then receive what the last stage computes
+        for it, in the order it sends them (tp_runner.py TPWorker.follow): the scored prompt
+        rows' logits, then the sampling rows'."""
+        handoff = step.handoff
+        assert handoff is not None
+        self.hand_on(step)
+        hidden = handoff.hidden
+        if handoff.prompt_rows is not None and handoff.scoring is not None:
+            step.prompt_logprobs = self._score_prompts(hidden, handoff.prompt_rows, handoff.scoring)
+        if step.sampling_requests:
+            step.logits = self.model.compute_logits(hidden[handoff.logits_indices], widen=False)
+        step.handoff = None
 
     def _drafted_rows(
         self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]

@@ -179,10 +179,10 @@ class PipelineStage:
         """The decoder layers this stage runs (``split_layers``)."""
         return split_layers(num_layers, self.size)[self.index]
 
-    def send_activations(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        """This stage's output, the hidden state and the residual stream [T, hidden] each, to
-        the next stage, as one [2, T, hidden] tensor."""
-        dist.send(torch.stack((hidden, residual)), dst=self.next_rank, group=self.group)
+    def send_activations(self, activations: torch.Tensor) -> None:
+        """This stage's output to the next stage: the hidden state and the residual stream,
+        [2, T, hidden]."""
+        dist.send(activations, dst=self.next_rank, group=self.group)
 
     def recv_activations(
         self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device

@@ -95,10 +95,17 @@ WORKER_LOST_EXIT_CODE = 70  # EX_SOFTWARE: the engine core ended itself, a worke
 
 class StepChannel:
     """Rank 0 -> workers, over the gloo group: each step's packed inputs (the layout's counts and
-    the host bytes, ``InputBatch.last_step``) and the rows that score prompt tokens."""
+    the host bytes, ``InputBatch.last_step``) and the rows that score prompt tokens.
 
-    def __init__(self, tp: TPGroup) -> None:
+    ``in_background``: rank 0 does not wait for a step's header to be taken before it goes on
+    (it waits for the one before, at the next send). With pipeline stages the later stages
+    still run the step before when rank 0 sends a header, and finish it only once rank 0 takes
+    that step's logits: waiting for them to take the header would wait for ever."""
+
+    def __init__(self, tp: TPGroup, in_background: bool = False) -> None:
         self.tp = tp
+        self.in_background = in_background
+        self._sending: list[tuple[Any, torch.Tensor]] = []  # (work, its tensor) not yet taken
 
     def send(self, counts: tuple[int, ...], data: bytes, prompt_rows: list[int] | None) -> None:
         self._send_header(_STEP, msgpack.packb([list(counts), data, prompt_rows]))
@@ -115,11 +122,22 @@ class StepChannel:
         return StepMessage(tuple(counts), data, prompt_rows)
 
     def _send_header(self, kind: int, payload: bytes) -> None:
-        size = torch.tensor([kind, len(payload)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.tp.cpu_group)
+        self.wait_sent()
+        tensors = [torch.tensor([kind, len(payload)], dtype=torch.int64)]
         if payload:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            dist.broadcast(buf, src=0, group=self.tp.cpu_group)
+            tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        for tensor in tensors:
+            work = dist.broadcast(
+                tensor, src=0, group=self.tp.cpu_group, async_op=self.in_background
+            )
+            if work is not None:
+                self._sending.append((work, tensor))  # the tensor lives until it is sent
+
+    def wait_sent(self) -> None:
+        """Wait until every rank has taken the headers sent in the background."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
 
     def _recv_header(self) -> bytes | None:
         size = torch.empty(2, dtype=torch.int64)
@@ -175,7 +193,8 @@ class TPModelRunner(_ShardedRunner):
             device = resolve_device(config.device)
             self.tp = join_group(store, 0, config, device)
             super().__init__(config)
-            self.channel = StepChannel(self.tp)  # the engine core's warm-up steps go through it
+            # The engine core's warm-up steps go through it.
+            self.channel = StepChannel(self.tp, in_background=self.stage.size > 1)
         except BaseException:
             self._abandon_workers()
             raise
@@ -226,7 +245,10 @@ class TPModelRunner(_ShardedRunner):
         os._exit(WORKER_LOST_EXIT_CODE)
 
     def _share_sampled(self, token_ids: torch.Tensor) -> None:
-        self.tp.broadcast_from_driver(token_ids)  # the workers' next placeholders
+        # The workers' next placeholders. With pipeline stages no step has any (a request's
+        # next step is planned once its token is in: core.py), and the ids are not sent.
+        if self.stage.size == 1:
+            self.tp.broadcast_from_driver(token_ids)
 
     def shutdown(self) -> None:
         """Stop the workers and leave the group (idempotent; also runs at interpreter exit)."""
@@ -253,6 +275,9 @@ class TPWorker(_ShardedRunner):
         # Copied before the forward is queued: a pageable copy after it would wait for it.
         prompt_rows = prompt_rows_on(step.prompt_rows, self.device)
         hidden = self._forward(model_inputs(packed, prompt_rows, step.prompt_rows))  # [T, hidden]
+        if not self.stage.is_last:  # [2, T, hidden]: the stage's output, for the next one
+            self.stage.send_activations(hidden)
+            hidden = hidden[0]  # its rows, which only count for the logits on this stage
         if prompt_rows is not None:  # rank 0 scores prompt tokens in these slices
             for part in prompt_rows.split(PROMPT_LOGITS_ROWS):
                 self.model.compute_logits(hidden[part])
@@ -260,6 +285,7 @@ class TPWorker(_ShardedRunner):
         self._prev_sampled = None
         if num_sampled:
             self.model.compute_logits(hidden[packed.logits_indices], widen=False)
+        if num_sampled and self.stage.size == 1:
             ids = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
             self._prev_sampled = self.tp.broadcast_from_driver(ids)  # rank 0's sampled ids
 

@@ -192,6 +192,80 @@ def test_a_stage_is_planned_by_its_own_layers(monkeypatch: pytest.MonkeyPatch) -
     assert not plan(whole, 1).fits
 
 
+# ---- micro-batches in flight --------------------------------------------------------------------
+
+
+def test_two_micro_batches_alternate_and_each_request_gets_its_tokens() -> None:
+    """The pipelined loop's order (core.py _step_pipelined): plan N while N-1 is in flight, then
+    apply N-1. Each plan takes half the live requests and none of the one in flight, so the
+    plans alternate between two disjoint halves; every request still gets the fake model's
+    tokens, in order."""
+    from tests.test_scheduler import fake_next_token, make_request, make_scheduler
+
+    scheduler = make_scheduler(pipeline_parallel_size=2)
+    prompts = {f"r{i}": [3 + i, 5, 7 + i] for i in range(5)}
+    for rid, prompt in prompts.items():
+        scheduler.add_request(make_request(rid, prompt, max_tokens=6, ignore_eos=True))
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    plans: list[list[str]] = []
+    in_flight = None
+    while in_flight is not None or scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        if plan.scheduled:
+            plans.append([s.request.request_id for s in plan.scheduled])
+        if in_flight is not None:  # the step before: the fake model's token for each row
+            tokens = [fake_next_token(s.request.token_ids[: s.start + s.num_new_tokens])
+                      for s in in_flight.scheduled]  # fmt: skip
+            for out in scheduler.update_from_output(in_flight, tokens):
+                got[out.request.request_id] += out.new_token_ids
+        in_flight = plan if plan.scheduled else None
+    assert plans[:4] == [["r0", "r1", "r2"], ["r3", "r4"], ["r0", "r1", "r2"], ["r3", "r4"]]
+    assert all(not set(a) & set(b) for a, b in zip(plans, plans[1:], strict=False))
+    for rid, prompt in prompts.items():
+        context = list(prompt)
+        for _ in range(6):
+            context.append(fake_next_token(context))
+        assert got[rid] == context[len(prompt) :]
+
+
+@pytest.mark.slow
+def test_rank_0_runs_a_step_while_the_last_stage_runs_the_one_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's first stage of step N is enqueued before step N-1's logits are taken: the
+    stages overlap. Recorded on the real engine, which still gives HF's tokens."""
+    make_config, _, _ = MODELS["llama_5_layers"]
+    hf_model = write_model("llama", tmp_path, make_config())
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    llm = LLM(str(tmp_path), pipeline_parallel_size=2, block_size=BLOCK_SIZE, num_kv_blocks=96,
+              max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16)  # fmt: skip
+    runner = llm.engine.runner
+    events: list[tuple[str, int]] = []
+    forward, sample = runner.forward, runner.sample
+
+    def record_forward(plan: object) -> object:
+        events.append(("forward", id(plan)))
+        return forward(plan)
+
+    def record_sample(step: object, *args: object) -> object:
+        events.append(("sample", id(step.plan)))  # type: ignore[attr-defined]
+        return sample(step, *args)
+
+    monkeypatch.setattr(runner, "forward", record_forward)
+    monkeypatch.setattr(runner, "sample", record_sample)
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, detokenize=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.token_ids for o in outs] == reference
+    overlapped = [
+        (a, b) for a, b in zip(events, events[1:], strict=False)
+        if a[0] == "forward" and b[0] == "sample" and a[1] != b[1]
+    ]  # fmt: skip
+    assert len(overlapped) >= NEW_TOKENS, events  # a step's forward, then the one before's sample
+
+
 # ---- what is refused ---------------------------------------------------------------------------
 
 

@@ -385,7 +385,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final hidden states [T, hidden]; on a pipeline stage before the last, the
-        stage's output, which it has handed on to the next stage."""
+        stage's output for the next one: the hidden state and the residual stream,
+        [2, T, hidden] (the runner hands it on, engine_core/parallel.py PipelineStage)."""
         hidden, residual = self.stage_input(input_ids)  # [T, hidden] each; no residual yet
         rope = self.rotary_emb(positions, hidden.dtype)  # (cos, sin), [T, rotary_dim] each
         local = (
@@ -398,8 +399,7 @@ class LlamaModel(nn.Module):
             hidden, residual = self.layers[i](hidden, residual, cos, sin)
         if not self.stage.is_last:
             # No deferred sum reaches here: the peer all-reduce is off with pipeline stages.
-            self.stage.send_activations(hidden, residual)
-            return hidden
+            return torch.stack((hidden, residual))
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
