@@ -820,6 +820,8 @@ class ModelRunner:
         if handoff.prompt_rows is not None and handoff.scoring is not None:
             step.prompt_logprobs = self._score_prompts(hidden, handoff.prompt_rows, handoff.scoring)
         if step.sampling_requests:
+            if step.timeline is not None:
+                step.timeline.begin()  # the sampler's stretch, as forward begins it unstaged
             step.logits = self.model.compute_logits(hidden[handoff.logits_indices], widen=False)
         step.handoff = None
 
