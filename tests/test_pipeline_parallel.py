@@ -132,18 +132,23 @@ def test_pp2_gives_hf_tokens_and_pp1_logprobs_holding_its_stage_only(
 
 
 @pytest.mark.slow
-def test_tp2_by_pp2_gives_hf_tokens(tmp_path: Path) -> None:
-    """4 ranks: a tensor-parallel pair in each stage, each rank sending its activations to its
-    own peer in the next stage and the last stage's shards gathered before rank 0 samples."""
+@pytest.mark.parametrize(("tp", "pp", "stage0"), [(2, 2, 3), (1, 3, 2)], ids=["tp2xpp2", "pp3"])
+def test_tp2_by_pp2_and_three_stages_give_hf_tokens(
+    tp: int, pp: int, stage0: int, tmp_path: Path
+) -> None:
+    """TP=2 x PP=2, 4 ranks: a tensor-parallel pair in each stage, each rank sending its
+    activations to its own peer in the next stage and the last stage's shards gathered before
+    rank 0 samples. PP=3: a middle stage (layers 2-3 of 5) that receives and sends."""
     make_config, _, _ = MODELS["llama_5_layers"]
     hf_model = write_model("llama", tmp_path, make_config())
     reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outs, llm = run(
-        tmp_path, params, num_kv_blocks=96, tensor_parallel_size=2, pipeline_parallel_size=2
+        tmp_path, params, num_kv_blocks=96, tensor_parallel_size=tp, pipeline_parallel_size=pp
     )
     assert [o.token_ids for o in outs] == reference
-    assert llm.engine.runner.tp.size == 2
+    assert llm.engine.runner.tp.size == tp
+    assert llm.engine.runner.kv_cache.shape[0] == stage0  # rank 0 caches stage 0's layers
 
 
 @pytest.mark.slow
