@@ -17,10 +17,13 @@ by itself at interpreter exit. On CUDA each rank captures its own decode graphs 
 inside them), in the same order, since every rank runs the same ModelRunner set-up.
 
 With pipeline stages (engine_core/parallel.py) the same steps reach every rank; a rank's forward
-runs its stage's layers only, receiving the previous stage's activations and sending its own on
-inside the model (models/llama.py), and the last stage's ``compute_logits`` sends rank 0 the
-logits that rank 0's ``compute_logits`` receives: the workers' ``follow`` is unchanged, and the
-KV blocks are as many on every rank (the fewest that fit on any), its stage's layers each.
+runs its stage's layers only, receiving the previous stage's output inside the model
+(models/llama.py) and handing its own on: a worker right after its forward, rank 0 once it has
+taken the step before's logits (engine_core/core.py ``_step_pipelined``). The last stage's
+``compute_logits`` sends rank 0 the logits that rank 0's ``compute_logits`` receives. The KV
+blocks are as many on every rank (the fewest that fit on any), its stage's layers each. No step
+has placeholders with stages, so the sampled ids below are not broadcast then, and rank 0 sends
+the step headers in the background (``StepChannel``).
 
 Each step's inputs cross as the host bytes rank 0 packed them in (engine_core/input_batch.py),
 in one msgpack message broadcast over the gloo group while the GPUs still run the step before;
