@@ -35,6 +35,11 @@ _HELP = {
     "nvtx": "NVTX ranges around the parts of each step, for Nsight Systems",
     "tensor_parallel_size": "processes (one per GPU) that one engine core shards the model over: "
     "heads, KV heads, MLP and vocabulary split across them (gloo on the CPU, NCCL on CUDA)",
+    "pipeline_parallel_size": "pipeline stages the decoder layers split into, contiguous and "
+    "even (the remainder one each to the stages before the last); each stage's "
+    "--tensor-parallel-size processes hold only its layers' weights and KV cache, and pass "
+    "the hidden states on to the next stage; the engine core is tensor x pipeline processes "
+    "(docs/design/multi-node.md)",
     "tp_all_reduce": "with --tensor-parallel-size > 1 on GPUs: 'auto' sums tensors of up to 4 MiB "
     "(a decode step's activations) with a one-shot all-reduce over peer-to-peer GPU memory, "
     "and fuses it into the next RMSNorm, where every GPU reaches the others' memory with "
@@ -64,12 +69,12 @@ _HELP = {
     "recently used evicted first",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
-    "nnodes": "hosts one engine's tensor-parallel group spans, --tensor-parallel-size / "
-    "--nnodes ranks on each; run the same command on every host, each with its --node-rank "
-    "(docs/design/multi-node.md)",
+    "nnodes": "hosts one engine's ranks span, --tensor-parallel-size x "
+    "--pipeline-parallel-size / --nnodes ranks on each; run the same command on every host, "
+    "each with its --node-rank (docs/design/multi-node.md)",
     "node_rank": "this host's place: 0 runs the engine core (and, with `tandem serve`, the API) "
     "and ranks 0..k-1; node R runs only ranks R*k..R*k+k-1, no API and no engine sockets, and "
-    "follows node 0's engine across its restarts; k = tensor-parallel-size / nnodes",
+    "follows node 0's engine across its restarts; k = tensor x pipeline parallel size / nnodes",
     "master_addr": "node 0's address, where the nodes meet (a TCP store on --master-port, "
     "bound to this address only); not loopback: --dist-secret-file is required",
     "master_port": "the rendezvous port on --master-addr",

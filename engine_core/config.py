@@ -327,6 +327,9 @@ class EngineConfig:
     step_stats: bool = False  # per-step host/GPU timing, logged periodically (step_stats.py)
     nvtx: bool = False  # NVTX ranges around the parts of each step, for Nsight Systems
     tensor_parallel_size: int = 1  # processes (GPUs) one engine core shards the model over
+    # Stages the decoder layers split into, each run by tensor_parallel_size processes
+    # (engine_core/parallel.py split_layers); the engine core is tp x pp processes.
+    pipeline_parallel_size: int = 1
     # "auto": small all-reduces over peer-to-peer GPU memory where the GPUs allow it, NCCL for
     # the rest (engine_core/peer_all_reduce.py); "nccl": NCCL for all of them.
     tp_all_reduce: str = "auto"
@@ -388,6 +391,7 @@ class EngineConfig:
                 raise ValueError(
                     "--speculative-config with --tensor-parallel-size > 1 is not supported yet"
                 )
+        self.check_pipeline_parallel()
         if self.tp_all_reduce not in TP_ALL_REDUCES:
             raise ValueError(
                 f"--tp-all-reduce {self.tp_all_reduce!r} is not supported; choose one of "
@@ -415,6 +419,33 @@ class EngineConfig:
             raise ValueError(
                 "--enable-expert-parallel shards the experts over the tensor-parallel ranks: it "
                 "needs --tensor-parallel-size > 1"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """The engine core's processes: a tensor-parallel group for each pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_pipeline_parallel(self) -> None:
+        """What pipeline stages do not compose with yet is refused, by name."""
+        pp = self.pipeline_parallel_size
+        if pp < 1 or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} and "
+                f"--pipeline-parallel-size {pp} must both be at least 1"
+            )
+        if pp == 1:
+            return
+        refused = {
+            "--speculative-config": self.speculative_config is not None,
+            "--enable-lora": self.enable_lora,
+            "--enable-expert-parallel": self.enable_expert_parallel,
+        }
+        given = [flag for flag, on in refused.items() if on]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} with --pipeline-parallel-size > 1 is not supported yet "
+                '(docs/design/multi-node.md, "Pipeline parallelism")'
             )
 
     def check_nodes(self) -> None:
@@ -446,10 +477,13 @@ class EngineConfig:
             raise ValueError(f"--dist-timeout {self.dist_timeout} must be positive (seconds)")
 
     def _check_node_layout(self) -> None:
-        if self.tensor_parallel_size % self.nnodes:
+        if self.world_size % self.nnodes:
+            ranks = f"--tensor-parallel-size {self.tensor_parallel_size}"
+            if self.pipeline_parallel_size > 1:
+                ranks += f" x --pipeline-parallel-size {self.pipeline_parallel_size}"
             raise ValueError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} must be a multiple of "
-                f"--nnodes {self.nnodes}: each node runs tensor_parallel_size / nnodes ranks"
+                f"{ranks} must be a multiple of --nnodes {self.nnodes}: each node runs "
+                "tensor_parallel_size x pipeline_parallel_size / nnodes ranks"
             )
         if self.data_parallel_size != 1:
             raise ValueError(

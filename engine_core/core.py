@@ -79,6 +79,9 @@ class EngineCore:
         self.step_stats = StepStats(config.step_stats, config.nvtx)
         self.runner.stats = self.step_stats
         self._in_flight: LaunchedStep | None = None  # launched, not yet processed (overlap)
+        # Pipeline stages with overlap: a step whose first stage ran, not yet sampled.
+        self._in_stages: ForwardStep | None = None
+        self._pipelined = config.pipeline_parallel_size > 1
         self._penalised: set[str] = set()  # ids of requests that use penalties (maybe finished)
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._bitmasks: BitmaskFiller | None = None
@@ -158,7 +161,8 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         """True while a request is live or a launched step still has to be processed."""
-        return self._in_flight is not None or self.scheduler.has_unfinished()
+        in_flight = self._in_flight is not None or self._in_stages is not None
+        return in_flight or self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
         """One turn of the loop; returns what happened to each request touched.
@@ -171,10 +175,16 @@ class EngineCore:
         if self.runner.loras is not None and self.runner.loras.has_errors:
             failed += self._fail_unreadable_adapters()
         try:
-            outputs = self._step_sync() if self._must_sync() else self._step_overlapped()
+            if self._must_sync():
+                outputs = self._step_sync()
+            elif self._pipelined:
+                outputs = self._step_pipelined()
+            else:
+                outputs = self._step_overlapped()
             outputs += failed
         except BaseException:
-            self._in_flight = None  # the caller fails the live requests; nothing to settle
+            # The caller fails the live requests; nothing to settle.
+            self._in_flight = self._in_stages = None
             raise
         self.step_stats.end_step()
         if not self.has_unfinished():
@@ -198,6 +208,9 @@ class EngineCore:
         return bool(self._penalised)
 
     def _step_sync(self) -> list[EngineOutput]:
+        if self._in_stages is not None:
+            step, self._in_stages = self._in_stages, None
+            return self._process(self._sample(step))
         if self._in_flight is not None:
             # Settle the step in flight first: the next plan must see its tokens on the host.
             step, self._in_flight = self._in_flight, None
@@ -237,6 +250,31 @@ class EngineCore:
         if previous is not None:
             outputs += self._process(previous)
         return outputs
+
+    def _step_pipelined(self) -> list[EngineOutput]:
+        """Pipeline stages: step N's first stage (rank 0's) runs while the later stages run step
+        N-1; then N-1's logits come back and are sampled and applied, and only then does N go
+        on to the next stage (the order every rank sends and receives in: tp_runner.py). N
+        holds none of N-1's requests (the scheduler skips a request whose token is pending),
+        so nothing waits on a placeholder and N-1's tokens are on the host when N is sampled."""
+        with self.step_stats.phase("schedule"):
+            plan = self.scheduler.schedule()
+        previous, self._in_stages = self._in_stages, None
+        forward = None if plan.is_empty else self.runner.forward(plan)
+        outputs: list[EngineOutput] = []
+        if previous is not None:
+            outputs = self._process(self._sample(previous))
+        elif forward is None:
+            self._nap_if_only_compiling()
+        if forward is not None:
+            self.runner.hand_on(forward)
+            self._in_stages = forward
+        return outputs
+
+    def _sample(self, step: ForwardStep) -> LaunchedStep:
+        """A forwarded step's sampler, with the bitmask of its constrained rows."""
+        bitmask = self._bitmask(step) if self._constrained(step) else None
+        return self.runner.sample(step, bitmask)
 
     def _constrained(self, step: ForwardStep) -> bool:
         """Whether a row of the step samples under a structured-output constraint."""
@@ -428,7 +466,7 @@ def make_runner(config: EngineConfig) -> ModelRunner:
             f"--node-rank {config.node_rank} runs only that node's ranks, no engine core: it is "
             "for `tandem serve` / `tandem engine` on the other nodes"
         )
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         runner = ModelRunner(config)
     else:
         from engine_core.tp_runner import TPModelRunner
@@ -436,7 +474,10 @@ def make_runner(config: EngineConfig) -> ModelRunner:
         runner = TPModelRunner(config)
         if runner.model_config.embedding is not None:
             runner.shutdown()
-            raise ValueError("an embedding model runs on one GPU: --tensor-parallel-size 1")
+            raise ValueError(
+                "an embedding model runs on one GPU: --tensor-parallel-size 1 and "
+                "--pipeline-parallel-size 1"
+            )
     if runner.device.type == "cuda":
         runner.warm_up()
     return runner

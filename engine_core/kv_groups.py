@@ -158,6 +158,20 @@ def model_kv_layout(config: ModelConfig) -> KVLayout:
     return dataclasses.replace(layout, state_layers=state_layers) if state_layers else layout
 
 
+def stage_kv_layout(config: ModelConfig, layers: range) -> KVLayout:
+    """The layout of the layers one pipeline stage caches (``layers``; every layer without
+    stages): the model's one group, the same windows (so the scheduler's block tables mean the
+    same on every stage), over the stage's layers only, its cache pairs those layers in order.
+    A stage of a model with several groups or a state kind: ValueError (refused before any
+    rank starts, engine_core/parallel.py check_pipeline_parallel)."""
+    layout = model_kv_layout(config)
+    if len(layers) == config.num_layers:
+        return layout
+    if len(layout.groups) != 1 or layout.state_layers:
+        raise ValueError("only a model whose layers form one KV group splits into stages")
+    return KVLayout((dataclasses.replace(layout.groups[0], layers=tuple(layers)),), len(layers))
+
+
 def pool_blocks_for_one_sequence(
     layout: KVLayout, num_tokens: int, block_size: int, chunk: int
 ) -> int:

@@ -40,8 +40,14 @@ import torch
 from torch import nn
 
 from engine_core.config import EngineConfig, ModelConfig
-from engine_core.kv_groups import model_kv_layout, pool_blocks_for_one_sequence
+from engine_core.kv_groups import (
+    KVLayout,
+    model_kv_layout,
+    pool_blocks_for_one_sequence,
+    stage_kv_layout,
+)
 from engine_core.models.cpu_gemm import packs
+from engine_core.parallel import get_pipeline_stage
 
 # Kept free on a GPU for the activations of the largest step and the allocator's slack.
 CUDA_HEADROOM_BYTES = 2 * 2**30
@@ -117,13 +123,18 @@ def cpu_packing_bytes(module: nn.Module, device: torch.device, dtype: torch.dtyp
 
 
 def kv_block_bytes(
-    config: ModelConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype
+    config: ModelConfig,
+    num_kv_heads: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    layout: KVLayout | None = None,
 ) -> int:
     """Bytes of one KV block id: K and V of this rank's KV heads (MLA: the latent and the
-    rotary key, a fraction of what K and V would take) in one layer of each layer group, so
-    over all layers where the model has one group."""
+    rotary key, a fraction of what K and V would take) in one layer of each layer group of
+    ``layout`` (None: the model's), so over all layers where the model has one group, and over
+    a pipeline stage's layers on its ranks."""
     per_layer = config.kv_elements_per_token(num_kv_heads) // len(config.attention_layer_ids)
-    layers = model_kv_layout(config).group_size
+    layers = (layout or model_kv_layout(config)).group_size
     return block_size * per_layer * layers * kv_dtype.itemsize
 
 
@@ -144,12 +155,14 @@ def min_kv_bytes(
     block_size: int,
     kv_dtype: torch.dtype,
     chunk: int | None = None,
+    layout: KVLayout | None = None,
 ) -> int:
     """The smallest cache the engine runs with: the blocks one sequence of ``max_model_len``
-    tokens holds at its peak, computed in chunks of ``chunk`` tokens (None: in one)."""
-    layout = model_kv_layout(config)
+    tokens holds at its peak, computed in chunks of ``chunk`` tokens (None: in one), in the
+    layers of ``layout`` (None: the model's)."""
+    layout = layout or model_kv_layout(config)
     blocks = pool_blocks_for_one_sequence(layout, max_model_len, block_size, chunk or max_model_len)
-    return blocks * kv_block_bytes(config, num_kv_heads, block_size, kv_dtype)
+    return blocks * kv_block_bytes(config, num_kv_heads, block_size, kv_dtype, layout)
 
 
 def host_budget(meminfo: Path = MEMINFO) -> Budget | None:
@@ -186,11 +199,13 @@ def plan_memory(
     budget: Budget,
 ) -> MemoryPlan:
     """The plan for ``module`` (built on the meta device) under ``config`` against ``budget``."""
-    tp = config.tensor_parallel_size
-    num_kv_heads = model_config.num_kv_heads // tp
+    num_kv_heads = model_config.num_kv_heads // config.tensor_parallel_size
     limit = model_config.max_position_embeddings
     max_model_len = min(config.max_model_len or limit, limit)
-    block = kv_block_bytes(model_config, num_kv_heads, config.block_size, kv_dtype)
+    # This rank's stage's layers only (all of them without pipeline stages).
+    layers = get_pipeline_stage().layers(model_config.num_layers)
+    layout = stage_kv_layout(model_config, layers)
+    block = kv_block_bytes(model_config, num_kv_heads, config.block_size, kv_dtype, layout)
     least = min_kv_bytes(
         model_config,
         num_kv_heads,
@@ -198,6 +213,7 @@ def plan_memory(
         config.block_size,
         kv_dtype,
         config.max_num_batched_tokens,
+        layout,
     )
     # Linear-attention state slots, one per running sequence, beside the blocks (the runner
     # takes them out of the same budget).
@@ -220,7 +236,7 @@ def plan_memory(
         max_model_len=max_model_len,
         headroom_bytes=CUDA_HEADROOM_BYTES if device.type == "cuda" else 0,
         budget=budget,
-        ranks=tp if device.type != "cuda" else 1,
+        ranks=config.world_size if device.type != "cuda" else 1,
         kv_source=source,
         dtype=dtype,
         kv_dtype=kv_dtype,

@@ -37,7 +37,7 @@ from engine_core.draft_model import (
 )
 from engine_core.forward_context import StateRows, forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
-from engine_core.kv_groups import model_kv_layout, pool_blocks_for_one_sequence
+from engine_core.kv_groups import pool_blocks_for_one_sequence, stage_kv_layout
 from engine_core.loader import LoadedModel, load_model
 from engine_core.lora.adapter import check_lora_model, load_adapter, target_shapes
 from engine_core.lora.batch import LoraBatch, lora_batch
@@ -53,6 +53,7 @@ from engine_core.memory_plan import (
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
 from engine_core.multimodal import MultimodalRunner, MultimodalStep
+from engine_core.parallel import get_pipeline_stage
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
@@ -129,6 +130,26 @@ class ForwardStep:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
     pooled: PooledStep | None = None  # an embedding engine's vectors that the step finished
     drafted: DraftedRows | None = None  # speculation: the logits at the drafted positions
+    # Pipeline stages: what rank 0's first stage hands on, until the last stage's logits are in.
+    handoff: StageHandoff | None = None
+
+
+@dataclass
+class StageHandoff:
+    """A step whose first pipeline stage ran on rank 0: its output for the next stage, sent once
+    (``ModelRunner.hand_on``), and what taking its logits back needs (``sample``)."""
+
+    activations: torch.Tensor  # [2, T, hidden]: the hidden state and the residual stream
+    # [S] int64, the sampling rows: a copy (the next step's inputs reuse the step buffers)
+    logits_indices: torch.Tensor
+    prompt_rows: torch.Tensor | None  # [P] int64: the rows that score prompt tokens, or None
+    scoring: PromptScoring | None  # the prompt tokens the step scores
+    sent: bool = False
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """[T, hidden]: the rows whose logits the last stage sends (their count, here)."""
+        return self.activations[0]
 
 
 @dataclass
@@ -226,8 +247,10 @@ def select_backend(device: torch.device) -> AttentionBackend:
 
 def build_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> BuildTarget:
     """What the model is built for. Decode steps replay CUDA graphs on CUDA unless eager is
-    forced; with LoRA the projections keep the checkpoint's layout (``BuildTarget.lora``)."""
+    forced or the model is split into pipeline stages (``_capture_graphs``); with LoRA the
+    projections keep the checkpoint's layout (``BuildTarget.lora``)."""
     graphs = device.type == "cuda" and not config.enforce_eager
+    graphs = graphs and config.pipeline_parallel_size == 1
     return BuildTarget(device, dtype, cuda_graphs=graphs, lora=config.enable_lora)
 
 
@@ -255,8 +278,11 @@ class ModelRunner:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
+        # The decoder layers this process runs and caches: a pipeline stage's, else all.
+        self.stage = get_pipeline_stage()
+        self.stage_layers = self.stage.layers(self.model_config.num_layers)
         # Layers grouped by kind, each group its own block tables (engine_core/kv_groups.py).
-        self.kv_layout = model_kv_layout(self.model_config)
+        self.kv_layout = stage_kv_layout(self.model_config, self.stage_layers)
         # Linear-attention layers: one state slot per running request (block_manager.py).
         self.num_state_slots = config.max_num_seqs if self.kv_layout.state_layers else 0
         self._check_state_kind()
@@ -434,7 +460,9 @@ class ModelRunner:
                 "--max-num-seqs or give the cache more memory"
             )
         budget -= states
-        block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
+        block = kv_block_bytes(
+            self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype, self.kv_layout
+        )
         if self.drafter is not None:  # a block id holds the draft's K and V too
             block += self.drafter.block_bytes(self.block_size)
         blocks = int(budget // block)
@@ -465,7 +493,8 @@ class ModelRunner:
             mc.head_dim,
         )
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        for i, layer in enumerate(layers):
+        # A pipeline stage's layers are numbered as in the model, from its first.
+        for i, layer in enumerate(layers, start=self.stage_layers.start):
             group, pair = layout.placement(i)
             kind = layout.groups[group]
             if (layer.sliding_window, layer.attention_chunk) != (kind.window, kind.attention_chunk):
@@ -522,7 +551,7 @@ class ModelRunner:
         stores K and V as they are and reads no scale."""
         if self.kv_dtype != FP8_DTYPE:
             return
-        for i, layer in enumerate(self.model.attention_layers()):
+        for i, layer in enumerate(self.model.attention_layers(), start=self.stage_layers.start):
             layer.k_scale, layer.v_scale = scales.get(i, (1.0, 1.0))
         logger.info(
             "FP8 KV cache, scales %s", "from the checkpoint" if scales else "1.0 (none given)"
@@ -610,6 +639,11 @@ class ModelRunner:
         """Capture the decode and prefill graphs at start-up on CUDA (after the KV cache exists:
         graphs bake in its addresses); None on the CPU or when ``enforce_eager`` is set."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.config.pipeline_parallel_size > 1:
+            # A stage's forward receives and sends activations and rank 0's receives logits
+            # from the last stage; no graph captures those yet (docs/design/multi-node.md).
+            logger.warning("--pipeline-parallel-size > 1: running without CUDA graphs for now")
             return None
         if self.model_config.embedding is not None:
             # Embedding engines run eagerly (for now): their steps are prompt chunks, and the
@@ -743,13 +777,19 @@ class ModelRunner:
         with stats.phase("forward"):
             if timeline is not None:
                 timeline.begin()
-            hidden = self._forward(inputs)  # [T, hidden]
+            hidden = self._forward(inputs)  # [T, hidden]; before the last stage [2, T, hidden]
             if self.drafter is not None:  # the draft's KV follows the target's, slot for slot
                 self._draft_alongside(inputs)
             if timeline is not None:
                 timeline.end()
         requests = inputs.sampling_requests
         step = ForwardStep(out, requests, self._output_positions, None, None, timeline)
+        if not self.stage.is_last:
+            # The logits come from the last stage once this one's output is handed on, which
+            # the engine core may do after settling the step before (core.py _step_pipelined).
+            rows = inputs.logits_indices.clone()
+            step.handoff = StageHandoff(hidden, rows, inputs.prompt_rows, self._scoring)
+            return step
         if self.pooler is not None:
             step.pooled = self.pooler.pool(out, hidden, inputs.meta.query_start_loc_cpu)
         if inputs.prompt_rows is not None and self._scoring is not None:
@@ -773,6 +813,8 @@ class ModelRunner:
         """Enqueue the sampler over ``step``'s logits (masked by the structured-output
         ``bitmask`` of its sampling rows, if any; its drafted positions' by ``draft_bitmask``)
         and the copy of its ids to the host."""
+        if step.handoff is not None:
+            self._take_logits(step)
         # This step's slot in the ring of host landing buffers and their events.
         self._host_ids_next = (self._host_ids_next + 1) % len(self._host_ids)
         requests = step.sampling_requests
@@ -802,6 +844,30 @@ class ModelRunner:
         if step.timeline is not None:
             step.timeline.end()
         return self._timed(launched)
+
+    def hand_on(self, step: ForwardStep) -> None:
+        """Send a step's first-stage output on to the next pipeline stage (once; nothing to do
+        without stages)."""
+        handoff = step.handoff
+        if handoff is not None and not handoff.sent:
+            self.stage.send_activations(handoff.activations)
+            handoff.sent = True
+
+    def _take_logits(self, step: ForwardStep) -> None:
+        """Rank 0 of a pipeline: hand the step on, then receive what the last stage computes
+        for it, in the order it sends them (tp_runner.py TPWorker.follow): the scored prompt
+        rows' logits, then the sampling rows'."""
+        handoff = step.handoff
+        assert handoff is not None
+        self.hand_on(step)
+        hidden = handoff.hidden
+        if handoff.prompt_rows is not None and handoff.scoring is not None:
+            step.prompt_logprobs = self._score_prompts(hidden, handoff.prompt_rows, handoff.scoring)
+        if step.sampling_requests:
+            if step.timeline is not None:
+                step.timeline.begin()  # the sampler's stretch, as forward begins it unstaged
+            step.logits = self.model.compute_logits(hidden[handoff.logits_indices], widen=False)
+        step.handoff = None
 
     def _drafted_rows(
         self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]

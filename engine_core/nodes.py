@@ -1,9 +1,10 @@
-"""One engine's tensor-parallel group over several hosts: the nodes' rendezvous and watch.
+"""One engine's ranks over several hosts: the nodes' rendezvous and watch.
 
-With ``--nnodes N`` the group's ``tensor_parallel_size`` ranks are split into N nodes of
-k = size / N consecutive ranks. Node 0 is the engine process (rank 0, which schedules and
-samples) and the workers it spawns for ranks 1..k-1 (engine_core/tp_runner.py); node R is a
-launcher process (engine_core/worker_node.py) that spawns ranks R*k..R*k+k-1 and nothing else.
+With ``--nnodes N`` the engine core's ranks (tensor x pipeline parallel size of them,
+``EngineConfig.world_size``) are split into N nodes of k = world size / N consecutive ranks.
+Node 0 is the engine process (rank 0, which schedules and samples) and the workers it spawns
+for ranks 1..k-1 (engine_core/tp_runner.py); node R is a launcher process
+(engine_core/worker_node.py) that spawns ranks R*k..R*k+k-1 and nothing else.
 
 Node 0 opens a TCPStore on ``--master-addr:--master-port`` (bound to that address only) and a
 session: a random nonce. Each node R connects, reads the nonce, and writes a hello: the nonce,
@@ -79,7 +80,7 @@ class NodeLayout:
 
     @classmethod
     def of(cls, config: EngineConfig) -> NodeLayout:
-        k = config.tensor_parallel_size // config.nnodes
+        k = config.world_size // config.nnodes
         return cls(config.nnodes, config.node_rank, k)
 
     @property
@@ -243,7 +244,7 @@ class NodeWatch:
     def __init__(self, config: EngineConfig, port: int) -> None:
         # A connection of its own: it is polled from the watch thread.
         host = rendezvous_host(config)
-        self.store = connect_store(port, config.tensor_parallel_size, host)
+        self.store = connect_store(port, config.world_size, host)
         self.nodes = range(1, config.nnodes)
         now = time.monotonic()
         self.beats = {node: (-1, now) for node in self.nodes}
@@ -285,7 +286,7 @@ def join_session(
     deadline = time.monotonic() + timeout_s
     store = connect_store(
         config.master_port,
-        config.tensor_parallel_size,
+        config.world_size,
         rendezvous_host(config),
         timedelta(seconds=timeout_s),
     )

@@ -107,6 +107,11 @@ class Scheduler:
             config.max_num_batched_tokens, max_model_len
         )
         self._block_size = config.block_size
+        # Pipeline stages with overlap (engine_core/core.py _step_pipelined): two micro-batches
+        # in flight, each of requests the other does not hold (a request whose token is still
+        # pending is skipped) and each about half of the live requests, so the stages alternate.
+        pipelined = config.pipeline_parallel_size > 1 and config.async_scheduling
+        self._micro_batches = 2 if pipelined else 1
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
         self.waiting: deque[Request] = deque()
@@ -205,12 +210,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then new admissions, within the budgets."""
         output = SchedulerOutput(scheduled=[])
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        max_rows = self._micro_batch_rows()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, max_rows)
         if self._batch_proposer is not None:
             self._fill_drafts(output)
         # Right after a preemption the pool is full: admitting now would only thrash.
         if not output.preempted_ids:
-            budget = self._schedule_waiting(output, budget)
+            budget = self._schedule_waiting(output, budget, max_rows)
         scheduled = output.scheduled
         if scheduled:
             num_tokens = self.config.max_num_batched_tokens - budget
@@ -219,11 +225,19 @@ class Scheduler:
             output.decode_only = num_tokens == len(scheduled) and all(s.samples for s in scheduled)
         return output
 
+    def _micro_batch_rows(self) -> int:
+        """The most rows a plan takes: all it can, or with micro-batches its share of the live
+        requests (rounded up)."""
+        if self._micro_batches == 1:
+            return self.config.max_num_seqs
+        live = len(self.running) + len(self.waiting)
+        return max(1, -(-live // self._micro_batches))
+
     def _count_step(self, num_tokens: int) -> None:
         self._step_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
         self._step_tokens_sum += num_tokens
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, max_rows: int) -> int:
         # Only the last admitted request can be mid-prompt (it took the budget that was left),
         # so walking in admission order schedules the decodes before any prompt chunk. This
         # loop runs once per running request per step, so its common case (a request whose
@@ -237,15 +251,17 @@ class Scheduler:
         grouped, stateful = self._grouped, self._stateful
         state_slot = self.block_manager.state_slot
         scheduled = output.scheduled
+        micro = self._micro_batches > 1
         index = 0
-        while index < len(running) and budget > 0:
+        while index < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[index]
             token_ids = request.token_ids
             num_tokens = len(token_ids)
-            if token_ids[-1] == PLACEHOLDER and num_tokens >= request.length_limit:
+            if token_ids[-1] == PLACEHOLDER and (micro or num_tokens >= request.length_limit):
                 # Its pending token (a step still in flight) finishes it by length: another
                 # step would be wasted and could ask for a block past max_model_len. Without a
-                # pending token a request is never skipped (else it could wait forever).
+                # pending token a request is never skipped (else it could wait forever). With
+                # micro-batches it waits for the one in flight (it has its token next step).
                 index += 1
                 continue
             start = request.num_computed_tokens
@@ -355,14 +371,15 @@ class Scheduler:
         self._preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
-        """Admit waiting requests within ``budget``; returns the budget left."""
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, max_rows: int) -> int:
+        """Admit waiting requests within ``budget`` and ``max_rows``; returns the budget left."""
         num_admitted = 0
         while (
             self.waiting
             and budget > 0
             and num_admitted < self.config.max_prefills_per_step
             and len(self.running) < self.config.max_num_seqs
+            and len(output.scheduled) < max_rows
         ):
             request = self._next_to_admit()
             if request is None:

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside one engine core: rank 0 drives, ranks 1..N-1 follow.
+"""Tensor (and pipeline) parallelism inside one engine core: rank 0 drives, the others follow.
 
     rank 0: the engine process (TPModelRunner)      ranks 1..N-1: spawned workers (TPWorker)
       EngineCore schedules
@@ -16,12 +16,21 @@ also die with the engine process (PR_SET_PDEATHSIG); ``shutdown()`` stops them c
 by itself at interpreter exit. On CUDA each rank captures its own decode graphs (the collectives
 inside them), in the same order, since every rank runs the same ModelRunner set-up.
 
+With pipeline stages (engine_core/parallel.py) the same steps reach every rank; a rank's forward
+runs its stage's layers only, receiving the previous stage's output inside the model
+(models/llama.py) and handing its own on: a worker right after its forward, rank 0 once it has
+taken the step before's logits (engine_core/core.py ``_step_pipelined``). The last stage's
+``compute_logits`` sends rank 0 the logits that rank 0's ``compute_logits`` receives. The KV
+blocks are as many on every rank (the fewest that fit on any), its stage's layers each. No step
+has placeholders with stages, so the sampled ids below are not broadcast then, and rank 0 sends
+the step headers in the background (``StepChannel``).
+
 Each step's inputs cross as the host bytes rank 0 packed them in (engine_core/input_batch.py),
 in one msgpack message broadcast over the gloo group while the GPUs still run the step before;
 each worker copies them to its own GPU as rank 0 does, so no input broadcast waits on the
 devices. The one thing that exists only on rank 0's GPU, the ids it sampled (the next step's
 placeholder tokens, with overlap), follows right after its sampler as one [S] int64 broadcast
-over the device group, which each worker gathers its placeholders from, as rank 0 does. No
+over the world group, which each worker gathers its placeholders from, as rank 0 does. No
 pickle: the header is plain msgpack data, and a worker's start-up arguments are plain values
 (the EngineConfig as a dict).
 """
@@ -64,6 +73,7 @@ from engine_core.nodes import (
 from engine_core.parallel import (
     STORE_TIMEOUT,
     TPGroup,
+    check_pipeline_parallel,
     check_tensor_parallel,
     connect_store,
     create_store,
@@ -88,10 +98,17 @@ WORKER_LOST_EXIT_CODE = 70  # EX_SOFTWARE: the engine core ended itself, a worke
 
 class StepChannel:
     """Rank 0 -> workers, over the gloo group: each step's packed inputs (the layout's counts and
-    the host bytes, ``InputBatch.last_step``) and the rows that score prompt tokens."""
+    the host bytes, ``InputBatch.last_step``) and the rows that score prompt tokens.
 
-    def __init__(self, tp: TPGroup) -> None:
+    ``in_background``: rank 0 does not wait for a step's header to be taken before it goes on
+    (it waits for the one before, at the next send). With pipeline stages the later stages
+    still run the step before when rank 0 sends a header, and finish it only once rank 0 takes
+    that step's logits: waiting for them to take the header would wait for ever."""
+
+    def __init__(self, tp: TPGroup, in_background: bool = False) -> None:
         self.tp = tp
+        self.in_background = in_background
+        self._sending: list[tuple[Any, torch.Tensor]] = []  # (work, its tensor) not yet taken
 
     def send(self, counts: tuple[int, ...], data: bytes, prompt_rows: list[int] | None) -> None:
         self._send_header(_STEP, msgpack.packb([list(counts), data, prompt_rows]))
@@ -108,11 +125,22 @@ class StepChannel:
         return StepMessage(tuple(counts), data, prompt_rows)
 
     def _send_header(self, kind: int, payload: bytes) -> None:
-        size = torch.tensor([kind, len(payload)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.tp.cpu_group)
+        self.wait_sent()
+        tensors = [torch.tensor([kind, len(payload)], dtype=torch.int64)]
         if payload:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            dist.broadcast(buf, src=0, group=self.tp.cpu_group)
+            tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        for tensor in tensors:
+            work = dist.broadcast(
+                tensor, src=0, group=self.tp.cpu_group, async_op=self.in_background
+            )
+            if work is not None:
+                self._sending.append((work, tensor))  # the tensor lives until it is sent
+
+    def wait_sent(self) -> None:
+        """Wait until every rank has taken the headers sent in the background."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
 
     def _recv_header(self) -> bytes | None:
         size = torch.empty(2, dtype=torch.int64)
@@ -150,11 +178,13 @@ class TPModelRunner(_ShardedRunner):
     whose every step's inputs are broadcast to them before the forward."""
 
     def __init__(self, config: EngineConfig) -> None:
-        size = config.tensor_parallel_size
+        size = config.world_size
         check_expert_parallel_device(config)
         model_config = peek_model_config(config.model)
         if model_config is not None:  # before any process starts
-            check_tensor_parallel(model_config, size, config.enable_expert_parallel)
+            ep = config.enable_expert_parallel
+            check_tensor_parallel(model_config, config.tensor_parallel_size, ep)
+            check_pipeline_parallel(model_config, config.pipeline_parallel_size)
         store = open_store(config)
         layout = NodeLayout.of(config)
         self.workers = spawn_workers(config, store.port, layout.ranks[1:])
@@ -166,14 +196,19 @@ class TPModelRunner(_ShardedRunner):
             device = resolve_device(config.device)
             self.tp = join_group(store, 0, config, device)
             super().__init__(config)
-            self.channel = StepChannel(self.tp)  # the engine core's warm-up steps go through it
+            # The engine core's warm-up steps go through it.
+            self.channel = StepChannel(self.tp, in_background=self.stage.size > 1)
         except BaseException:
             self._abandon_workers()
             raise
         # A weak reference: the finalizer must not keep the runner alive (it runs at exit too).
         args = (weakref.ref(self), self.channel, self.workers, self.watch)
         self._finalizer = weakref.finalize(self, shut_down, *args)
-        logger.info("tensor parallel over %d ranks (pids %s)", size, [p.pid for p in self.workers])
+        logger.info(
+            "%d ranks: tensor parallel %d x pipeline parallel %d (pids %s)",
+            size, config.tensor_parallel_size, config.pipeline_parallel_size,
+            [p.pid for p in self.workers],
+        )  # fmt: skip
 
     def warm_up(self) -> None:
         """Rank 0's warm-up steps, which the workers follow through the channel as any step.
@@ -213,7 +248,10 @@ class TPModelRunner(_ShardedRunner):
         os._exit(WORKER_LOST_EXIT_CODE)
 
     def _share_sampled(self, token_ids: torch.Tensor) -> None:
-        self.tp.broadcast_from_driver(token_ids)  # the workers' next placeholders
+        # The workers' next placeholders. With pipeline stages no step has any (a request's
+        # next step is planned once its token is in: core.py), and the ids are not sent.
+        if self.stage.size == 1:
+            self.tp.broadcast_from_driver(token_ids)
 
     def shutdown(self) -> None:
         """Stop the workers and leave the group (idempotent; also runs at interpreter exit)."""
@@ -240,6 +278,9 @@ class TPWorker(_ShardedRunner):
         # Copied before the forward is queued: a pageable copy after it would wait for it.
         prompt_rows = prompt_rows_on(step.prompt_rows, self.device)
         hidden = self._forward(model_inputs(packed, prompt_rows, step.prompt_rows))  # [T, hidden]
+        if not self.stage.is_last:  # [2, T, hidden]: the stage's output, for the next one
+            self.stage.send_activations(hidden)
+            hidden = hidden[0]  # its rows, which only count for the logits on this stage
         if prompt_rows is not None:  # rank 0 scores prompt tokens in these slices
             for part in prompt_rows.split(PROMPT_LOGITS_ROWS):
                 self.model.compute_logits(hidden[part])
@@ -247,6 +288,7 @@ class TPWorker(_ShardedRunner):
         self._prev_sampled = None
         if num_sampled:
             self.model.compute_logits(hidden[packed.logits_indices], widen=False)
+        if num_sampled and self.stage.size == 1:
             ids = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
             self._prev_sampled = self.tp.broadcast_from_driver(ids)  # rank 0's sampled ids
 
@@ -292,12 +334,16 @@ def peek_model_config(model: str) -> ModelConfig | None:
 def join_group(
     store: dist.TCPStore, rank: int, config: EngineConfig, device: torch.device
 ) -> TPGroup:
-    """This rank's place in the engine's group. The peer all-reduce reaches the GPUs of one
-    host only: over several nodes, NCCL does them all."""
-    all_reduce = config.tp_all_reduce if config.nnodes == 1 else "nccl"
+    """This rank's place in the engine's groups. The peer all-reduce reaches the GPUs of one
+    host only, and is set up for one group: over several nodes, or with pipeline stages, NCCL
+    does them all."""
+    one_group = config.nnodes == 1 and config.pipeline_parallel_size == 1
+    all_reduce = config.tp_all_reduce if one_group else "nccl"
     local_rank = NodeLayout.of(config).local_rank(rank)
-    size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
-    return join_tp_group(store, rank, size, device, all_reduce, local_rank, expert_parallel)
+    return join_tp_group(
+        store, rank, config.world_size, device, all_reduce, local_rank,
+        config.enable_expert_parallel, config.pipeline_parallel_size,
+    )  # fmt: skip
 
 
 def check_expert_parallel_device(config: EngineConfig) -> None:
@@ -315,11 +361,11 @@ def check_expert_parallel_device(config: EngineConfig) -> None:
 def open_store(config: EngineConfig) -> dist.TCPStore:
     """Rank 0's store: on a free loopback port, or on --master-addr:--master-port for nodes."""
     if config.nnodes == 1:
-        return create_store(config.tensor_parallel_size)
+        return create_store(config.world_size)
     read_secret(config.dist_secret_file)  # a bad file fails before any port opens
     timeout = datetime.timedelta(seconds=config.dist_timeout)
     host, port = rendezvous_host(config), config.master_port
-    store = create_store(config.tensor_parallel_size, host, port, timeout)
+    store = create_store(config.world_size, host, port, timeout)
     logger.warning(
         "rendezvous for %d nodes on %s:%d; torch.distributed's store and collectives are "
         "neither authenticated nor encrypted past it: keep this network private "
@@ -448,7 +494,7 @@ def run_worker(fields: dict[str, Any], rank: int, port: int, parent: int, log_le
         # The node's cores are shared by its ranks; more threads each only oversubscribe them.
         per_node = NodeLayout.of(config).ranks_per_node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-    store = connect_store(port, config.tensor_parallel_size, rendezvous_host(config))
+    store = connect_store(port, config.world_size, rendezvous_host(config))
     store.set(_WORKER_KEY.format(rank), "up")
     worker = TPWorker(config, rank, store)
     worker.serve()

@@ -273,7 +273,8 @@ def plan_engines(
         return [EngineSpec(0, EngineAddress.parse(args.engine_address), curve=curve)]
     count = args.data_parallel_size
     flags = engine_flags(args)
-    slices = gpu_slices(count, args.tensor_parallel_size, args.device) if count > 1 else None
+    per_engine = args.tensor_parallel_size * args.pipeline_parallel_size
+    slices = gpu_slices(count, per_engine, args.device) if count > 1 else None
     specs = []
     for i in range(count):
         if args.engine_address:  # one engine (serve.py refuses it with several)

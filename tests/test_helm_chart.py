@@ -271,6 +271,21 @@ def test_multi_node_pods_run_one_command_that_tandem_accepts_as_nodes(tmp_path: 
     assert sorted(secret["data"]) == ["dist-secret"]
 
 
+def test_pipeline_stages_over_the_pods_reach_every_node(tmp_path: Path) -> None:
+    """pipelineParallelSize: every pod runs --pipeline-parallel-size, the ranks (8 x 2) being
+    what the pods' GPUs (8 x 2) hold."""
+    values = {**MULTI_NODE, "tensorParallelSize": 8, "pipelineParallelSize": 2}
+    template = by_kind(documents(values, tmp_path))["LeaderWorkerSet"][0]["spec"]
+    pods = template["leaderWorkerTemplate"]
+    for spec, rank in (
+        (pods["leaderTemplate"]["spec"], "0"),
+        (pods["workerTemplate"]["spec"], "1"),
+    ):
+        args = [rank if a == "$(LWS_WORKER_INDEX)" else a for a in container(spec)["args"]]
+        config = engine_config_from_args(parsed_serve_args(args))
+        assert (config.pipeline_parallel_size, config.world_size, config.nnodes) == (2, 16, 2)
+
+
 @pytest.mark.parametrize(
     ("values", "said"),
     [
@@ -315,6 +330,15 @@ def test_multi_node_pods_run_one_command_that_tandem_accepts_as_nodes(tmp_path: 
             {**MULTI_NODE, "tensorParallelSize": 3},
             "tensorParallelSize 3 must be a multiple of multiNode.nodes 2",
         ),
+        (
+            {**MULTI_NODE, "tensorParallelSize": 1, "pipelineParallelSize": 3},
+            "tensorParallelSize 1 x pipelineParallelSize 3 must be a multiple of multiNode.nodes 2",
+        ),
+        (
+            {"model": {"path": "m"}, "tensorParallelSize": 2, "pipelineParallelSize": 2},
+            "tensorParallelSize 2 x pipelineParallelSize 2 needs 4 GPUs, but gpu.count gives the "
+            "engine 1",
+        ),
     ],
     ids=[
         "no-model",
@@ -330,6 +354,8 @@ def test_multi_node_pods_run_one_command_that_tandem_accepts_as_nodes(tmp_path: 
         "multi-node-and-remote",
         "multi-node-without-secret",
         "multi-node-uneven",
+        "multi-node-uneven-stages",
+        "too-few-gpus-for-stages",
     ],
 )
 def test_bad_values_fail_rendering_naming_the_value(

@@ -167,6 +167,26 @@ def test_expert_parallel_over_two_nodes_serves_hf_tokens(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_a_pipeline_stage_on_each_of_two_nodes_serves_hf_tokens(tmp_path: Path) -> None:
+    """--pipeline-parallel-size 2 over 2 nodes, one rank each: node 0 runs stage 0 (layers 0-2
+    of 5, the embedding), node 1 stage 1 (layers 3-4, the norm and the head)."""
+    config = LlamaConfig(**(SIZES | {"num_hidden_layers": 5}), tie_word_embeddings=False)
+    hf_model = write_model("", tmp_path, config)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    pp = ("--pipeline-parallel-size", "2")
+    with two_nodes(tmp_path, tmp_path, pp, pp, tp=1) as (node0, node1, address):
+        with EngineClient(address) as client:
+            client.connect(timeout=180)
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+            for i, prompt in enumerate(PROMPTS):
+                client.add_request(f"r{i}", prompt, params)
+            got = collect(client, {f"r{i}" for i in range(len(PROMPTS))})
+            assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
+            assert children_running_spawn(node0.proc.pid) == []
+        assert "running ranks [1]" in node1.text()
+
+
+@pytest.mark.slow
 def test_node_one_and_its_ranks_exit_when_node_zero_dies(tmp_path: Path) -> None:
     write_model("llama", tmp_path)
     with two_nodes(tmp_path, tmp_path) as (node0, node1, address):

@@ -34,6 +34,7 @@ from engine_core.models.fp8 import (
 )
 from engine_core.models.int8 import int8_linear
 from engine_core.models.int8 import quantize_rows as int8_rows
+from engine_core.models.pipeline import held_elsewhere
 from engine_core.models.w4a16 import (
     PACK,
     act_order_permutation,
@@ -977,7 +978,7 @@ def load_mapped_weights(
     expected = expected_shards(model)
     for hf_name, whole in weights:
         target = map_name(hf_name)
-        if target is None:
+        if target is None or held_elsewhere(model, target[0]):  # another pipeline stage's
             continue
         name, shard = target
         for held, full in held_form(model, name, whole, hf_name):
@@ -1121,5 +1122,5 @@ def pack_cpu_weights(model: nn.Module) -> None:
         if isinstance(module, Linear):
             module.pack_for_cpu()
     logits_weight = model.logits_weight()
-    if can_pack(logits_weight):
+    if logits_weight is not None and can_pack(logits_weight):  # None: another stage's head
         model.packed_logits_weight = pack_weight(logits_weight)

@@ -46,8 +46,16 @@ from engine_core.models.layers import (
     vocab_embedding,
 )
 from engine_core.models.moe import SparseMoE, map_moe_name
+from engine_core.models.pipeline import MissingLayer
 from engine_core.models.target import BuildTarget
-from engine_core.parallel import SINGLE, PendingSum, TPGroup, get_tp_group
+from engine_core.parallel import (
+    SINGLE,
+    PendingSum,
+    PipelineStage,
+    TPGroup,
+    get_pipeline_stage,
+    get_tp_group,
+)
 
 # HF projection name -> (our merged projection, shard index).
 _MERGED = {
@@ -328,6 +336,10 @@ def defer_row_parallel_sums(model: nn.Module) -> int:
 
 
 class LlamaModel(nn.Module):
+    """The decoder body, or under pipeline parallelism one stage of it: the stage's layers (the
+    others are MissingLayers), the embedding on the first stage and the final norm on the last
+    (a tied LM head keeps the embedding there too)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -335,7 +347,16 @@ class LlamaModel(nn.Module):
         layer_class: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        self.stage = get_pipeline_stage()  # read once, as the tensor-parallel group is
+        self.stage_layers = self.stage.layers(config.num_layers)
+        self.hidden_size = config.hidden_size
+        self.dtype = torch.get_default_dtype()  # the activations' between stages
+        tied_head = self.stage.is_last and config.tie_word_embeddings
+        self.embed_tokens = (
+            vocab_embedding(config.vocab_size, config.hidden_size, tp)
+            if self.stage.is_first or tied_head
+            else MissingLayer()
+        )
         self.embedding_scale = config.embedding_scale
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
         # Gemma 3: the sliding layers rotate with their own base; the global ones with rotary_emb.
@@ -348,8 +369,11 @@ class LlamaModel(nn.Module):
             self.local_rotary_emb is not None and kind == "sliding_attention"
             for kind in config.layer_types or ["full_attention"] * config.num_layers
         ]
-        self.layers = nn.ModuleList(layer_class(config, tp, i) for i in range(config.num_layers))
-        self.norm = make_norm(config, config.hidden_size)
+        self.layers = nn.ModuleList(
+            layer_class(config, tp, i) if i in self.stage_layers else MissingLayer()
+            for i in range(config.num_layers)
+        )
+        self.norm = make_norm(config, config.hidden_size) if self.stage.is_last else MissingLayer()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]; Gemma scales by sqrt(hidden) rounded to the embedding's
@@ -360,20 +384,33 @@ class LlamaModel(nn.Module):
         return hidden * float(torch.tensor(self.embedding_scale, dtype=hidden.dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(input_ids)  # [T, hidden]
+        """The final hidden states [T, hidden]; on a pipeline stage before the last, the
+        stage's output for the next one: the hidden state and the residual stream,
+        [2, T, hidden] (the runner hands it on, engine_core/parallel.py PipelineStage)."""
+        hidden, residual = self.stage_input(input_ids)  # [T, hidden] each; no residual yet
         rope = self.rotary_emb(positions, hidden.dtype)  # (cos, sin), [T, rotary_dim] each
         local = (
             rope
             if self.local_rotary_emb is None
             else self.local_rotary_emb(positions, hidden.dtype)
         )
-        residual = None
-        for layer, uses_local in zip(self.layers, self.uses_local_rope, strict=True):
-            cos, sin = local if uses_local else rope
-            hidden, residual = layer(hidden, residual, cos, sin)
+        for i in self.stage_layers:
+            cos, sin = local if self.uses_local_rope[i] else rope
+            hidden, residual = self.layers[i](hidden, residual, cos, sin)
+        if not self.stage.is_last:
+            # No deferred sum reaches here: the peer all-reduce is off with pipeline stages.
+            return torch.stack((hidden, residual))
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
+
+    def stage_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, residual stream): the embedding on the first stage, else what the previous
+        stage handed on."""
+        if self.stage.is_first:
+            return self.embed(input_ids), None
+        size, device = self.hidden_size, input_ids.device
+        return self.stage.recv_activations(input_ids.shape[0], size, self.dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -387,27 +424,30 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = get_tp_group()  # the tensor-parallel group this process builds for, read once
         self.model = self.model_class(config, self.tp, self.decoder_layer)
-        # Tied models read the embedding matrix directly rather than holding a second alias; an
-        # embedding model (config.embedding) computes no logits, so it has no head to hold.
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings or config.embedding is not None
-            else lm_head(config.vocab_size, config.hidden_size, self.tp)
-        )
+        self.lm_head = make_lm_head(config, self.tp, self.model.stage)
         self.packed_logits_weight: torch.Tensor | None = None  # CPU: pack_cpu_weights sets it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def logits_weight(self) -> torch.Tensor:
-        """The LM head's matrix [vocab (this rank's), hidden]: the embedding's when tied."""
+    def logits_weight(self) -> torch.Tensor | None:
+        """The LM head's matrix [vocab (this rank's), hidden]: the embedding's when tied; None
+        on a pipeline stage before the last."""
+        if not self.model.stage.is_last:
+            return None
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor | None:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (None on tensor-parallel workers);
-        ``widen=False``: in the weights' dtype where nothing else needs float32."""
+        """hidden [N, hidden] -> logits [N, vocab] float32 on rank 0 (None on the other ranks);
+        ``widen=False``: in the weights' dtype where nothing else needs float32. With pipeline
+        stages the last one computes them and sends them to rank 0, whose ``hidden`` rows only
+        give their number there."""
         cap = self.config.final_logit_softcapping
+        stage = self.model.stage
+        dtype = torch.float32 if widen or cap is not None else hidden.dtype  # rank 0 receives
+        if not stage.is_last:
+            return stage.recv_logits(hidden.shape[0], self.config.vocab_size, dtype, hidden.device)
         logits = project_logits(
             hidden,
             self.logits_weight(),
@@ -416,19 +456,22 @@ class LlamaForCausalLM(nn.Module):
             self.packed_logits_weight,
             widen=widen or cap is not None,  # the soft cap's tanh is computed in float32
         )
-        if logits is None or cap is None:
-            return logits
-        return torch.tanh(logits / cap) * cap
+        if logits is not None and cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        stage.send_logits(logits, dtype)
+        return logits
 
     def plain_logits_weight(self) -> torch.Tensor | None:
         """The matrix W with logits == hidden @ W.T exactly (the decode graphs project them
-        themselves), or None: under tensor parallelism (a gather) or with a soft cap."""
-        if self.tp.size > 1 or self.config.final_logit_softcapping is not None:
+        themselves), or None: under tensor parallelism (a gather), with pipeline stages (a
+        send) or with a soft cap."""
+        if self.tp.size > 1 or self.model.stage.size > 1:
             return None
-        return self.logits_weight()
+        return None if self.config.final_logit_softcapping is not None else self.logits_weight()
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's layers' attention, in layer order (every layer's without stages)."""
+        return [self.model.layers[i].self_attn.attn for i in self.model.stage_layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (q/k/v and gate/up separate or fused) into the merged layout."""
@@ -451,6 +494,17 @@ class LlamaForCausalLM(nn.Module):
             merged, shard = _MERGED[proj]
             return f"{parent}.{merged}.{param}", shard
         return hf_name, None
+
+
+def make_lm_head(config: ModelConfig, tp: TPGroup, stage: PipelineStage) -> nn.Module | None:
+    """The LM head's weight holder; None where the model holds none: tied models read the
+    embedding matrix directly rather than holding a second alias, and an embedding model
+    (config.embedding) computes no logits. A MissingLayer on a pipeline stage before the last."""
+    if config.tie_word_embeddings or config.embedding is not None:
+        return None
+    if not stage.is_last:
+        return MissingLayer()
+    return lm_head(config.vocab_size, config.hidden_size, tp)
 
 
 def split_fused(

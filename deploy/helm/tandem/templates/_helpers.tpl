@@ -65,6 +65,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- include "tandem.checkGpus" . }}
 - --tensor-parallel-size
 - {{ .Values.tensorParallelSize | quote }}
+{{- if ne (int .Values.pipelineParallelSize) 1 }}
+- --pipeline-parallel-size
+- {{ .Values.pipelineParallelSize | quote }}
+{{- end }}
 {{- end }}
 {{- with .Values.tracing.otlpTracesEndpoint }}
 - --otlp-traces-endpoint
@@ -204,8 +208,12 @@ terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
 
 {{/* The multi-node flags; LWS sets the two variables in each pod. */}}
 {{- define "tandem.multiNodeArgs" -}}
-{{- if mod (int .root.Values.tensorParallelSize) (int .root.Values.multiNode.nodes) -}}
+{{- $ranks := mul (int .root.Values.tensorParallelSize) (int .root.Values.pipelineParallelSize) -}}
+{{- if mod $ranks (int .root.Values.multiNode.nodes) -}}
+{{- if eq (int .root.Values.pipelineParallelSize) 1 -}}
 {{- fail (printf "tensorParallelSize %d must be a multiple of multiNode.nodes %d (each node runs tensorParallelSize / nodes ranks)" (int .root.Values.tensorParallelSize) (int .root.Values.multiNode.nodes)) -}}
+{{- end -}}
+{{- fail (printf "tensorParallelSize %d x pipelineParallelSize %d must be a multiple of multiNode.nodes %d (each node runs an equal share of the ranks)" (int .root.Values.tensorParallelSize) (int .root.Values.pipelineParallelSize) (int .root.Values.multiNode.nodes)) -}}
 {{- end }}
 - --nnodes
 - {{ .root.Values.multiNode.nodes | quote }}
@@ -223,11 +231,16 @@ terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
 {{- .Values.multiNode.secret.existingSecret | default (printf "%s-dist" (include "tandem.fullname" .)) -}}
 {{- end -}}
 
-{{/* One engine's tensor-parallel ranks need a GPU each: the pod's (all the group's pods'). */}}
+{{/* One engine's ranks (tensor x pipeline parallel) need a GPU each: the pod's (all the
+group's pods'). */}}
 {{- define "tandem.checkGpus" -}}
 {{- $pods := ternary (int .Values.multiNode.nodes) 1 .Values.multiNode.enabled -}}
 {{- $gpus := mul (int .Values.gpu.count) $pods -}}
-{{- if and .Values.gpu.count (gt (int .Values.tensorParallelSize) (int $gpus)) -}}
-{{- fail (printf "tensorParallelSize %d needs %d GPUs, but gpu.count gives the engine %d" (int .Values.tensorParallelSize) (int .Values.tensorParallelSize) (int $gpus)) -}}
+{{- $ranks := mul (int .Values.tensorParallelSize) (int .Values.pipelineParallelSize) -}}
+{{- if and .Values.gpu.count (gt $ranks (int $gpus)) -}}
+{{- if eq (int .Values.pipelineParallelSize) 1 -}}
+{{- fail (printf "tensorParallelSize %d needs %d GPUs, but gpu.count gives the engine %d" (int .Values.tensorParallelSize) $ranks (int $gpus)) -}}
+{{- end -}}
+{{- fail (printf "tensorParallelSize %d x pipelineParallelSize %d needs %d GPUs, but gpu.count gives the engine %d" (int .Values.tensorParallelSize) (int .Values.pipelineParallelSize) $ranks (int $gpus)) -}}
 {{- end -}}
 {{- end -}}
