@@ -72,6 +72,7 @@ class EngineCore:
             kv_windows=self.runner.kv_layout.windows,
             kv_attention_chunks=self.runner.kv_layout.attention_chunks,
             state_slots=self.runner.num_state_slots,
+            host_kv_blocks=self.runner.num_host_kv_blocks,
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.
         self.max_model_len = self.scheduler.max_model_len

@@ -73,6 +73,7 @@ class Scheduler:
         kv_windows: Sequence[int | None] = (None,),
         kv_attention_chunks: Sequence[int | None] = (),
         state_slots: int = 0,
+        host_kv_blocks: int = 0,
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
         next tokens of the greedy requests that decode. ``loras``: the adapter slots
@@ -80,7 +81,8 @@ class Scheduler:
         ``kv_windows``: each KV layer group's sliding window (engine_core/kv_groups.py), None
         for full attention; ``kv_attention_chunks`` its attention chunk (empty: none).
         ``state_slots``: linear-attention state slots, 0 where the model has no such layers
-        (block_manager.py)."""
+        (block_manager.py). ``host_kv_blocks``: slots of the host KV tier (--kv-offload-gb;
+        engine_core/kv_offload.py), 0 for none."""
         self.config = config
         self.proposer = proposer
         self.loras = loras
@@ -92,6 +94,7 @@ class Scheduler:
             windows=kv_windows,
             attention_chunks=kv_attention_chunks,
             state_slots=state_slots,
+            host_blocks=host_kv_blocks,
         )
         # Plans carry the tables of groups 1.. too (ScheduledRequest.group_block_ids), and
         # the request's state slot where the model has linear-attention layers.
@@ -211,6 +214,8 @@ class Scheduler:
             self._count_step(num_tokens)
             # Every row has at least one token: as many tokens as rows is one each.
             output.decode_only = num_tokens == len(scheduled) and all(s.samples for s in scheduled)
+            # The host tier's copies go with the next step that runs (none runs an empty plan).
+            output.kv_moves = self.block_manager.take_moves()
         return output
 
     def _count_step(self, num_tokens: int) -> None:
