@@ -221,6 +221,16 @@ class BlockManager:
         return 0 if self.host_tier is None else self.host_tier.num_used_slots
 
     @property
+    def num_host_stored_blocks(self) -> int:
+        """Blocks copied to the host tier since start."""
+        return 0 if self.host_tier is None else self.host_tier.num_stored
+
+    @property
+    def num_host_restored_blocks(self) -> int:
+        """Blocks copied back from the host tier since start."""
+        return 0 if self.host_tier is None else self.host_tier.num_restored
+
+    @property
     def num_free_state_slots(self) -> int:
         return len(self._free_slots)
 

@@ -358,6 +358,8 @@ class EngineCore:
             num_total_blocks=bm.num_blocks,  # the pool (with a window group, less the null block)
             num_steps=self.num_steps,
             counts=self.scheduler.counts(),
+            num_host_blocks=bm.num_host_blocks,
+            num_host_used_blocks=bm.num_host_used_blocks,
         )
 
 

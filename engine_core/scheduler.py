@@ -24,9 +24,10 @@ plan. There is one update rule (``_update_row``); ``_update_decodes`` is its com
 out inline, and tests check the two agree.
 
 Counts (``counts()``, for the /metrics of the frontend) cost a few additions per step and per
-admission: prefix-cache lookups and hits at admission, preemptions, and the tokens of each step
-in a fixed set of buckets. A request's timeline (first scheduled, first token, finish) is
-stamped once each; only requests still waiting for their first token are looked at per step.
+admission: prefix-cache lookups and hits at admission (the device pool's and the host KV tier's
+apart), preemptions, and the tokens of each step in a fixed set of buckets. A request's
+timeline (first scheduled, first token, finish) is stamped once each; only requests still
+waiting for their first token are looked at per step.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ class Scheduler:
         self._awaiting_first_token: list[Request] = []  # admitted, no token of theirs yet
         self._run_id = random.getrandbits(62)
         self._prefix_queries = self._prefix_hits = self._preemptions = 0
+        # Tokens looked up in the host KV tier at admissions, and those it served.
+        self._host_queries = self._host_hits = 0
         # Speculative decoding: rows planned with drafts, their drafts, the drafts kept.
         self._spec_drafts = self._drafted = self._accepted = 0
         self._step_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
@@ -197,6 +200,10 @@ class Scheduler:
             self._spec_drafts,
             self._drafted,
             self._accepted,
+            self.block_manager.num_host_stored_blocks,
+            self.block_manager.num_host_restored_blocks,
+            self._host_queries,
+            self._host_hits,
         )
 
     # ---------------------------------------------------------------------------- scheduling
@@ -355,6 +362,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int:
         """Move a waiting request into the batch; the tokens it computes now, or 0."""
         use_cache = not request.needs_prompt_logprobs and not request.pools_every_token
+        restored = self.block_manager.num_host_restored_blocks
         request.num_computed_tokens = self.block_manager.allocate_prefix(request, use_cache)
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self.block_manager.allocate_slots(request, num_new):
@@ -369,8 +377,13 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if use_cache and self.block_manager.enable_prefix_caching:
+            # Tokens restored from the host tier count apart from the device pool's hits.
+            from_host = (self.block_manager.num_host_restored_blocks - restored) * self._block_size
             self._prefix_queries += request.num_tokens
-            self._prefix_hits += request.num_computed_tokens
+            self._prefix_hits += request.num_computed_tokens - from_host
+            if self.block_manager.host_tier is not None:
+                self._host_queries += request.num_tokens
+                self._host_hits += from_host
         if not request.first_scheduled_time:
             request.first_scheduled_time = time.monotonic()
             request.first_token_index = request.num_tokens  # no placeholder of its own yet

@@ -63,14 +63,16 @@ def tiny_llm(model_dir: Path, num_kv_blocks: int, host_blocks: int, **kwargs: ob
     )
 
 
-def scheduled_tokens(llm: LLM, prompt: list[int]) -> tuple[list[int], int, int]:
+def scheduled_tokens(llm: LLM, prompt: list[int]) -> tuple[list[int], int, int, int]:
     """Run one prompt alone: its tokens, the tokens the engine computed for it (its step
-    tokens), and its tokens served without computing (prefix-cache hits, either tier)."""
+    tokens), and its tokens served without computing by the device pool and by the host tier,
+    all by the engine's own counts."""
     before = llm.engine.scheduler.counts()
     out = llm.generate([prompt], GREEDY, detokenize=False)[0]
     after = llm.engine.scheduler.counts()
     computed = after.step_tokens_sum - before.step_tokens_sum
-    return out.token_ids, computed, after.prefix_cache_hits - before.prefix_cache_hits
+    device_hits = after.prefix_cache_hits - before.prefix_cache_hits
+    return out.token_ids, computed, device_hits, after.kv_offload_hits - before.kv_offload_hits
 
 
 def test_an_evicted_prefix_is_restored_from_the_host_tier_not_computed(tiny_llama: Path) -> None:
@@ -87,19 +89,19 @@ def test_an_evicted_prefix_is_restored_from_the_host_tier_not_computed(tiny_llam
         bm = llm.engine.scheduler.block_manager
         bm.check_integrity()
         assert bm.num_used_blocks == 0
-        runs[host_blocks] = (first, again, bm)
-    (first, again, _), (first_t, again_t, bm) = runs[0], runs[HOST_BLOCKS]
+        runs[host_blocks] = (first, again, llm.engine.scheduler.counts())
+    (first, again, _), (first_t, again_t, _) = runs[0], runs[HOST_BLOCKS]
     decode_tokens = GREEDY.max_tokens - 1
     # Without the tier the prefix was evicted and computed again, all 20 prompt tokens.
-    assert first == (expected, 20 + decode_tokens, 0)
-    assert again == (expected, 20 + decode_tokens, 0)
+    assert first == (expected, 20 + decode_tokens, 0, 0)
+    assert again == (expected, 20 + decode_tokens, 0, 0)
     # With it: the 4 full blocks (16 tokens) came back from the host, and only the rest ran.
-    assert first_t == (expected, 20 + decode_tokens, 0)
-    assert again_t == (expected, 4 + decode_tokens, 16)
-    tier = bm.host_tier
-    assert tier is not None
-    assert tier.num_restored == 4
-    assert 0 < tier.num_used_slots <= tier.num_slots == HOST_BLOCKS
+    assert first_t == (expected, 20 + decode_tokens, 0, 0)
+    assert again_t == (expected, 4 + decode_tokens, 0, 16)
+    counts = runs[HOST_BLOCKS][2]
+    assert counts.kv_offload_restored_blocks == 4
+    assert counts.kv_offload_stored_blocks >= 4  # the prefix's blocks and the fillers' evicted
+    assert 0 < bm.num_host_used_blocks <= bm.num_host_blocks == HOST_BLOCKS
 
 
 def test_preemption_and_aborts_with_the_tier_change_no_token_and_leak_nothing(
@@ -135,7 +137,10 @@ def test_preemption_and_aborts_with_the_tier_change_no_token_and_leak_nothing(
     bm.check_integrity()
     assert bm.num_used_blocks == 0
     assert bm.num_free_blocks + bm.num_cached_blocks == bm.num_blocks
-    assert bm.num_host_used_blocks <= bm.num_host_blocks == 6
+    stats = core.stats()  # what /metrics shows of the tier
+    assert stats.num_host_used_blocks == bm.num_host_used_blocks <= stats.num_host_blocks == 6
+    assert stats.counts.kv_offload_restored_blocks == tier.num_restored
+    assert stats.counts.kv_offload_stored_blocks == tier.num_stored
 
 
 def test_the_pool_copies_every_layer_of_a_block_out_then_in() -> None:
