@@ -221,6 +221,11 @@ class BlockManager:
         return 0 if self.host_tier is None else self.host_tier.num_used_slots
 
     @property
+    def num_host_hit_blocks(self) -> int:
+        """Blocks prefix lookups found in the host tier since start."""
+        return 0 if self.host_tier is None else self.host_tier.num_hits
+
+    @property
     def num_host_stored_blocks(self) -> int:
         """Blocks copied to the host tier since start."""
         return 0 if self.host_tier is None else self.host_tier.num_stored

@@ -65,8 +65,11 @@ class HostTier:
         self._outs: dict[int, int] = {}
         self._ins: dict[int, int] = {}
         self._pins: Counter[int] = Counter()  # slot -> pending copies that read or write it
-        self.num_stored = 0  # blocks copied to the host, since start
-        self.num_restored = 0  # blocks copied back to the device, since start
+        # Since start: blocks found for a prefix lookup, and the copies handed to the runner
+        # each way (a copy back given up before its step is not made, so not counted).
+        self.num_hits = 0
+        self.num_stored = 0
+        self.num_restored = 0
 
     @property
     def num_used_slots(self) -> int:
@@ -87,7 +90,6 @@ class HostTier:
         self._slot_hash[slot] = block_hash
         self._outs[block_id] = slot
         self._pins[slot] += 1
-        self.num_stored += 1
 
     def claim(self, block_hash: int, parent: int, tokens: tuple[Any, ...]) -> int | None:
         """The host slot holding this prefix block, pinned for the copy back that must follow
@@ -102,7 +104,7 @@ class HostTier:
     def restore(self, slot: int, block_id: int) -> None:
         """Copy claimed ``slot`` back into device block ``block_id`` before the next forward."""
         self._ins[block_id] = slot
-        self.num_restored += 1
+        self.num_hits += 1
 
     def forget_block(self, block_id: int) -> None:
         """Device block ``block_id`` has a new owner: a copy back into it not made yet is void
@@ -117,6 +119,8 @@ class HostTier:
         moves = KVMoves(
             list(self._outs), list(self._outs.values()), list(self._ins.values()), list(self._ins)
         )
+        self.num_stored += len(self._outs)
+        self.num_restored += len(self._ins)
         self._outs.clear()
         self._ins.clear()
         self._pins.clear()

@@ -362,7 +362,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int:
         """Move a waiting request into the batch; the tokens it computes now, or 0."""
         use_cache = not request.needs_prompt_logprobs and not request.pools_every_token
-        restored = self.block_manager.num_host_restored_blocks
+        host_hits = self.block_manager.num_host_hit_blocks
         request.num_computed_tokens = self.block_manager.allocate_prefix(request, use_cache)
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self.block_manager.allocate_slots(request, num_new):
@@ -378,7 +378,7 @@ class Scheduler:
         self.running.append(request)
         if use_cache and self.block_manager.enable_prefix_caching:
             # Tokens restored from the host tier count apart from the device pool's hits.
-            from_host = (self.block_manager.num_host_restored_blocks - restored) * self._block_size
+            from_host = (self.block_manager.num_host_hit_blocks - host_hits) * self._block_size
             self._prefix_queries += request.num_tokens
             self._prefix_hits += request.num_computed_tokens - from_host
             if self.block_manager.host_tier is not None:

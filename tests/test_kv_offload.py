@@ -77,8 +77,8 @@ def test_host_lru_drops_the_least_recently_used_and_never_exceeds_its_slots() ->
     assert tier.claim(1, 0, (1,)) == 0 and tier.claim(3, 0, (3,)) == 1
     assert tier.claim(3, 9, (3,)) is None  # a hash collision is never a hit
     tier.offload(14, 3, 0, (3,))  # held already: nothing copied
-    assert tier.num_stored == 3
     tier.take_moves()
+    assert tier.num_stored == 3
     tier.check_integrity()
 
 
@@ -111,6 +111,7 @@ def test_a_restore_given_up_before_its_step_is_never_made() -> None:
     out, restored = moves(bm)
     assert restored == []  # the copy back would have landed in c's block
     assert restored_into not in [block for block, _ in out]  # the host holds that prefix
+    assert (bm.num_host_hit_blocks, bm.num_host_restored_blocks) == (1, 0)  # found, not copied
     bm.check_integrity()
 
 
