@@ -472,8 +472,6 @@ class EngineConfig:
                 "--kv-offload-gb keeps evicted prefix-cache blocks: it needs prefix caching "
                 "(drop --no-enable-prefix-caching)"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError("--kv-offload-gb with --tensor-parallel-size > 1 is not supported yet")
 
     def check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -470,7 +470,9 @@ class ModelRunner:
 
     def _allocate_host_kv(self) -> HostKVPool | None:
         """The host KV tier's slots: as many blocks as --kv-offload-gb holds, every layer of a
-        block together (the block manager keeps its bookkeeping, engine_core/kv_offload.py)."""
+        block together (the block manager keeps its bookkeeping, engine_core/kv_offload.py).
+        The gigabytes are the engine's: under tensor parallelism each rank holds its shard of
+        every slot, so all ranks have the same slots."""
         gb = self.config.kv_offload_gb
         if not gb:
             return None
@@ -483,7 +485,7 @@ class ModelRunner:
             )
         assert isinstance(self.kv_cache, torch.Tensor)
         block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
-        slots = int(gb * 2**30 // block)
+        slots = int(gb * 2**30 // (block * self.config.tensor_parallel_size))
         if slots < 1:
             raise ValueError(f"--kv-offload-gb {gb} holds no KV block ({block} bytes each)")
         pool = HostKVPool(self.kv_cache, slots)

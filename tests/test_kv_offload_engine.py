@@ -104,6 +104,25 @@ def test_an_evicted_prefix_is_restored_from_the_host_tier_not_computed(tiny_llam
     assert 0 < bm.num_host_used_blocks <= bm.num_host_blocks == HOST_BLOCKS
 
 
+def test_tensor_parallel_ranks_each_restore_their_shard(tiny_llama: Path) -> None:
+    """TP=2 over gloo: rank 0's block manager decides, each rank copies its half of the KV
+    heads of the same blocks (the moves cross with the step's inputs), and the restored prefix
+    gives HF's tokens."""
+    shared, *fillers = prompts(4, 20, seed=11)
+    expected = hf_greedy(tiny_llama, shared, GREEDY.max_tokens)
+    llm = tiny_llm(tiny_llama, num_kv_blocks=12, host_blocks=HOST_BLOCKS, tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.num_host_kv_blocks == HOST_BLOCKS  # the engine's GiB, split
+        first = scheduled_tokens(llm, shared)
+        for filler in fillers:
+            scheduled_tokens(llm, filler)
+        again = scheduled_tokens(llm, shared)
+    finally:
+        llm.engine.shutdown()
+    assert first == (expected, 20 + GREEDY.max_tokens - 1, 0, 0)
+    assert again == (expected, 4 + GREEDY.max_tokens - 1, 0, 16)
+
+
 def test_preemption_and_aborts_with_the_tier_change_no_token_and_leak_nothing(
     tiny_llama: Path,
 ) -> None:
@@ -171,7 +190,5 @@ def test_flags_the_tier_cannot_honour_are_refused_by_name(tiny_llama: Path) -> N
         tiny_llm(tiny_llama, num_kv_blocks=12, host_blocks=-1)
     with pytest.raises(ValueError, match="prefix caching"):
         tiny_llm(tiny_llama, num_kv_blocks=12, host_blocks=4, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="--tensor-parallel-size"):
-        tiny_llm(tiny_llama, num_kv_blocks=12, host_blocks=4, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=12, kv_offload_gb=1e-9)
