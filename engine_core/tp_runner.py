@@ -23,8 +23,8 @@ devices. The one thing that exists only on rank 0's GPU, the ids it sampled (the
 placeholder tokens, with overlap), follows right after its sampler as one [S] int64 broadcast
 over the device group, which each worker gathers its placeholders from, as rank 0 does. The
 host KV tier's copies of the step (``--kv-offload-gb``) travel with its inputs, and each rank
-makes them in its own shard before its forward. No pickle: the header is plain msgpack data, and a worker's start-up arguments are plain values
-(the EngineConfig as a dict).
+makes them in its own shard before its forward. No pickle: the header is plain msgpack data,
+and a worker's start-up arguments are plain values (the EngineConfig as a dict).
 """
 
 from __future__ import annotations
