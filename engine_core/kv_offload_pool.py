@@ -49,21 +49,29 @@ class HostKVPool:
     def apply(self, moves: KVMoves) -> None:
         """Make the step's copies: out, then in (see the module docstring for CUDA's order)."""
         if self._stream is None:
-            self._copy_out(moves.out_blocks, moves.out_slots)
-            self._copy_in(moves.in_slots, moves.in_blocks)
+            self._copy_out(self._index(moves.out_blocks), moves.out_slots)
+            self._copy_in(moves.in_slots, self._index(moves.in_blocks))
             return
         main = torch.cuda.current_stream(self._device_kv.device)
-        with torch.cuda.stream(self._stream):
-            self._copy_out(moves.out_blocks, moves.out_slots)
+        with torch.cuda.stream(self._stream):  # the block ids' copies too: ordered before use
+            out_blocks, in_blocks = self._index(moves.out_blocks), self._index(moves.in_blocks)
+            self._copy_out(out_blocks, moves.out_slots)
             self._stream.wait_stream(main)
-            self._copy_in(moves.in_slots, moves.in_blocks)
+            self._copy_in(moves.in_slots, in_blocks)
         main.wait_stream(self._stream)
 
-    def _copy_out(self, blocks: list[int], slots: list[int]) -> None:
-        if not blocks:
+    def _index(self, blocks: list[int]) -> torch.Tensor:
+        """Device block ids [n] int64 on the cache's device; on CUDA sent from pinned memory
+        without waiting (a pageable copy would wait for the streams)."""
+        index = torch.tensor(blocks, dtype=torch.int64)
+        if not self._on_cuda:
+            return index
+        return index.pin_memory().to(self._device_kv.device, non_blocking=True)
+
+    def _copy_out(self, blocks: torch.Tensor, slots: list[int]) -> None:
+        if not slots:
             return
-        index = torch.tensor(blocks, dtype=torch.int64).to(self._device_kv.device)
-        staged = self._device_kv.index_select(2, index).movedim(2, 0)  # [n, L, 2, bs, h, bytes]
+        staged = self._device_kv.index_select(2, blocks).movedim(2, 0)  # [n, L, 2, bs, h, bytes]
         if not self._on_cuda:
             self.host.index_copy_(0, torch.tensor(slots, dtype=torch.int64), staged)
             return
@@ -71,22 +79,20 @@ class HostKVPool:
         for first, slot, count in slot_runs(slots):
             self.host[slot : slot + count].copy_(staged[first : first + count], non_blocking=True)
 
-    def _copy_in(self, slots: list[int], blocks: list[int]) -> None:
-        if not blocks:
+    def _copy_in(self, slots: list[int], blocks: torch.Tensor) -> None:
+        if not slots:
             return
-        device = self._device_kv.device
         if not self._on_cuda:
             staged = self.host.index_select(0, torch.tensor(slots, dtype=torch.int64))
         else:
             staged = torch.empty(
-                (len(slots), *self.host.shape[1:]), dtype=torch.uint8, device=device
+                (len(slots), *self.host.shape[1:]), dtype=torch.uint8, device=blocks.device
             )
             for first, slot, count in slot_runs(slots):
                 staged[first : first + count].copy_(
                     self.host[slot : slot + count], non_blocking=True
                 )
-        index = torch.tensor(blocks, dtype=torch.int64).to(device)
-        self._device_kv.index_copy_(2, index, staged.movedim(0, 2))
+        self._device_kv.index_copy_(2, blocks, staged.movedim(0, 2))
 
 
 def slot_runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
