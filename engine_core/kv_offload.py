@@ -39,9 +39,6 @@ class KVMoves:
     in_slots: list[int] = field(default_factory=list)
     in_blocks: list[int] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.out_blocks or self.in_blocks)
-
 
 @dataclass
 class _HostEntry:
@@ -60,7 +57,6 @@ class HostTier:
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(num_slots))
         self._entries: OrderedDict[int, _HostEntry] = OrderedDict()  # by hash, oldest first
-        self._slot_hash: dict[int, int] = {}  # slot -> the hash whose block it holds
         # Pending copies, by device block: block -> host slot.
         self._outs: dict[int, int] = {}
         self._ins: dict[int, int] = {}
@@ -87,7 +83,6 @@ class HostTier:
         if slot is None:
             return  # every slot is pinned by this step's copies: the block is dropped
         self._entries[block_hash] = _HostEntry(slot, parent, tokens)
-        self._slot_hash[slot] = block_hash
         self._outs[block_id] = slot
         self._pins[slot] += 1
 
@@ -137,7 +132,6 @@ class HostTier:
         for block_hash, entry in self._entries.items():
             if not self._pins[entry.slot]:
                 del self._entries[block_hash]
-                del self._slot_hash[entry.slot]
                 return entry.slot
         return None
 
@@ -152,10 +146,6 @@ class HostTier:
         slots = sorted(used + list(self._free))
         _require(slots == list(range(self.num_slots)), f"host slots lost or shared: {slots}")
         _require(len(self._entries) <= self.num_slots, "more host entries than slots")
-        _require(
-            self._slot_hash == {e.slot: h for h, e in self._entries.items()},
-            "slot -> hash map disagrees with the entries",
-        )
         pending = Counter(self._outs.values()) + Counter(self._ins.values())
         _require(pending == +self._pins, f"pins {dict(self._pins)} != copies {dict(pending)}")
         _require(set(pending) <= set(used), "a pending copy reads or writes a free host slot")
