@@ -21,6 +21,12 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "prefill_max_batch_size": "most new requests admitted per step (default: --max-num-seqs)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "kv_offload_gb": "a host-memory KV tier of this many GiB (pinned on CUDA; on the CPU a "
+    "second pool beside --kv-cache-memory-gb): full prefix-cache blocks evicted from the KV "
+    "cache are copied there, least recently used dropped first, and a later prompt with that "
+    "prefix copies them back instead of computing them again; 0 turns it off. Models whose "
+    "layers are all full attention; with tensor parallelism each rank keeps its shard "
+    "(docs/design/kv-offload.md)",
     "enforce_eager": "never use CUDA graphs",
     "max_prefill_graph_tokens": "steps with prompt tokens (whole prompts, chunks, decodes mixed "
     "in) of up to this many tokens replay a CUDA graph captured at start-up "

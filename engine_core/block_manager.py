@@ -35,6 +35,12 @@ Every block but the null one is in exactly one of three states:
   free block is left.
 - used: reference count > 0 (appears in that many block tables).
 
+With a host KV tier (``--kv-offload-gb``, engine_core/kv_offload.py; one full-attention group
+only), an evicted cached block's contents are kept in host memory under its hash, and a prefix
+lookup that misses here goes on there: each consecutive block the host holds gets a new block,
+registered at once, whose copy back the next step makes before its forward reads it. The copies
+are recorded here and handed to the runner with the step's plan (``take_moves``).
+
 Prefix caching hashes full blocks as a chain, ``h_i = hash_block(h_{i-1}, tokens of block i)``,
 so a block's hash names the whole prefix up to its end; each group keeps its own map from hash to
 block (the same prefix is a different block in each group). The chain starts from the request's
@@ -53,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_core.kv_groups import KVGroup, blocks_for_tokens
+from engine_core.kv_offload import HostTier, KVMoves
 from engine_core.request import Request
 
 ROOT_HASH = 0  # the parent hash of a request's first block
@@ -108,11 +115,14 @@ class BlockManager:
         windows: Sequence[int | None] = (None,),
         attention_chunks: Sequence[int | None] = (),
         state_slots: int = 0,
+        host_blocks: int = 0,
     ) -> None:
         """``windows``: each layer group's sliding window (None: full attention), group 0
         first; its table is the one a step's plan carries as ``block_ids``.
         ``attention_chunks``: each group's attention chunk beside it (empty: none chunked).
-        ``state_slots``: the linear-attention state slots (0: the model has no such layers)."""
+        ``state_slots``: the linear-attention state slots (0: the model has no such layers).
+        ``host_blocks``: slots of the host KV tier (engine_core/kv_offload.py; 0: none), for a
+        model of one full-attention group with prefix caching on."""
         chunks = tuple(attention_chunks) or (None,) * len(windows)
         if len(chunks) != len(windows):
             raise ValueError(f"{len(chunks)} attention chunks for {len(windows)} groups")
@@ -158,6 +168,32 @@ class BlockManager:
         # request how many leading entries of each such group's table are the null block.
         self._window_groups = [(g, group) for g, group in enumerate(groups) if group.gives_back]
         self._behind: dict[str, list[int]] = {}
+        self.host_tier = self._host_tier(host_blocks)
+
+    def _host_tier(self, num_slots: int) -> HostTier | None:
+        """The host KV tier, where asked for; refused where a hit would need more than one
+        full-attention table (the tier keeps whole blocks of one group) or caching is off."""
+        if not num_slots:
+            return None
+        if not self._one_full_group or self.num_state_slots:
+            raise ValueError(
+                "--kv-offload-gb supports models whose layers are all full attention (no "
+                "sliding-window, chunked or linear-attention layers)"
+            )
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-offload-gb keeps evicted prefix-cache blocks: it needs "
+                "prefix caching (drop --no-enable-prefix-caching)"
+            )
+        return HostTier(num_slots)
+
+    def take_moves(self) -> KVMoves | None:
+        """The copies between the device pool and the host tier that the next step's forward
+        must make first (None: none), handed over once."""
+        tier = self.host_tier
+        if tier is None or not tier.has_moves:
+            return None
+        return tier.take_moves()
 
     # ----------------------------------------------------------------------------- counters
 
@@ -173,6 +209,31 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Slots of the host KV tier (0: none)."""
+        return 0 if self.host_tier is None else self.host_tier.num_slots
+
+    @property
+    def num_host_used_blocks(self) -> int:
+        """Host slots that hold a block."""
+        return 0 if self.host_tier is None else self.host_tier.num_used_slots
+
+    @property
+    def num_host_hit_blocks(self) -> int:
+        """Blocks prefix lookups found in the host tier since start."""
+        return 0 if self.host_tier is None else self.host_tier.num_hits
+
+    @property
+    def num_host_stored_blocks(self) -> int:
+        """Blocks copied to the host tier since start."""
+        return 0 if self.host_tier is None else self.host_tier.num_stored
+
+    @property
+    def num_host_restored_blocks(self) -> int:
+        """Blocks copied back from the host tier since start."""
+        return 0 if self.host_tier is None else self.host_tier.num_restored
 
     @property
     def num_free_state_slots(self) -> int:
@@ -285,7 +346,40 @@ class BlockManager:
             table.append(block.block_id)
             chain.append(block_hash)
             parent = block_hash
+        if self.host_tier is not None and len(table) < max_hits:
+            self._restore_from_host(request, table, chain, max_hits)
         return len(table) * self.block_size
+
+    def _restore_from_host(
+        self, request: Request, table: array[int], chain: list[int], max_hits: int
+    ) -> None:
+        """Go on with the prefix chain in the host tier past the device's last hit: each
+        consecutive block found there (as many as there are device blocks to take) gets a new
+        device block, registered at once, and a copy back that the next step's forward makes
+        before it reads the block. Every slot is claimed before any device block is taken, so
+        the evictions that taking them makes never push a later block of the chain out."""
+        tier = self.host_tier
+        assert tier is not None
+        size, token_ids = self.block_size, request.token_ids
+        parent = chain[-1] if chain else prefix_root(request)
+        claims: list[tuple[int, int, int, tuple[Any, ...]]] = []  # slot, hash, parent, key
+        room = len(self._free) + len(self._cached)
+        for index in range(len(table), min(max_hits, len(table) + room)):
+            key = tuple(token_ids[index * size : (index + 1) * size])
+            if request.images:
+                key = block_key(request, index, key)
+            block_hash = hash_block(parent, key)
+            slot = tier.claim(block_hash, parent, key)
+            if slot is None:
+                break
+            claims.append((slot, block_hash, parent, key))
+            parent = block_hash
+        for slot, block_hash, parent, key in claims:
+            block_id = self._take_new()
+            tier.restore(slot, block_id)
+            self._register(self._blocks[block_id], 0, block_hash, parent, key)
+            table.append(block_id)
+            chain.append(block_hash)
 
     def _allocate_group_prefix(self, rid: str, request: Request, max_hits: int) -> int:
         """``allocate_prefix`` with more than one group or a window group."""
@@ -516,15 +610,25 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_new(self) -> int:
-        """A block for new tokens: a free one if any, else evict the least recently used."""
-        if self._free:
-            block_id = self._free.popleft()
-        else:
-            block_id, _ = self._cached.popitem(last=False)
-            block = self._blocks[block_id]
-            del self._hash_to_block[block.group][block.hash]
-            block.reset_hash()
+        """A block for new tokens: a free one if any, else evict the least recently used (its
+        contents kept in the host tier, where there is one)."""
+        block_id = self._free.popleft() if self._free else self._evict_lru()
+        if self.host_tier is not None:
+            # A copy back into it not made yet is void: whoever restored it let it go.
+            self.host_tier.forget_block(block_id)
         self._blocks[block_id].ref_count = 1
+        return block_id
+
+    def _evict_lru(self) -> int:
+        """Drop the least recently used cached block's hash (keeping its contents in the host
+        tier, where there is one) and hand it out."""
+        block_id, _ = self._cached.popitem(last=False)
+        block = self._blocks[block_id]
+        assert block.hash is not None
+        del self._hash_to_block[block.group][block.hash]
+        if self.host_tier is not None:
+            self.host_tier.offload(block_id, block.hash, block.parent_hash, block.token_ids)
+        block.reset_hash()
         return block_id
 
     def _register(
@@ -573,6 +677,8 @@ class BlockManager:
             f"free {len(free)} + cached {len(cached)} + used {used} != {self.num_blocks}",
         )
         self._check_state_slots()
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
 
     def _check_state_slots(self) -> None:
         """Every state slot free or held by exactly one request, each holder with tables, and

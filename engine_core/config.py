@@ -314,6 +314,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     prefill_max_batch_size: int | None = None  # None: same as max_num_seqs
     enable_prefix_caching: bool = True
+    # A host-memory tier of this many GiB for prefix-cache blocks evicted from the device pool
+    # (engine_core/kv_offload.py; pinned on CUDA); 0: none.
+    kv_offload_gb: float = 0.0
     enforce_eager: bool = False
     # Steps with prompt tokens of up to this many tokens replay a CUDA graph
     # (engine_core/cuda_graph.py); 0: they run eagerly. Capped at max_num_batched_tokens. None:
@@ -415,6 +418,7 @@ class EngineConfig:
             )
         self.check_lora()
         self.check_nodes()
+        self.check_kv_offload()
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError(
                 "--enable-expert-parallel shards the experts over the tensor-parallel ranks: it "
@@ -489,6 +493,23 @@ class EngineConfig:
             raise ValueError(
                 "--data-parallel-size > 1 with --nnodes > 1 is not supported: one engine core "
                 "spans the nodes"
+            )
+
+    def check_kv_offload(self) -> None:
+        """--kv-offload-gb fits the other flags (the runner refuses the models it cannot keep)."""
+        if self.kv_offload_gb < 0:
+            raise ValueError(f"--kv-offload-gb {self.kv_offload_gb} must be 0 (off) or more")
+        if not self.kv_offload_gb:
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-offload-gb keeps evicted prefix-cache blocks: it needs prefix caching "
+                "(drop --no-enable-prefix-caching)"
+            )
+        if self.pipeline_parallel_size > 1:
+            # Each stage would copy its own layers' blocks; no test runs the two together yet.
+            raise ValueError(
+                "--kv-offload-gb with --pipeline-parallel-size > 1 is not supported yet"
             )
 
     def check_lora(self) -> None:

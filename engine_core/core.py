@@ -72,6 +72,7 @@ class EngineCore:
             kv_windows=self.runner.kv_layout.windows,
             kv_attention_chunks=self.runner.kv_layout.attention_chunks,
             state_slots=self.runner.num_state_slots,
+            host_kv_blocks=self.runner.num_host_kv_blocks,
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.
         self.max_model_len = self.scheduler.max_model_len
@@ -395,6 +396,8 @@ class EngineCore:
             num_total_blocks=bm.num_blocks,  # the pool (with a window group, less the null block)
             num_steps=self.num_steps,
             counts=self.scheduler.counts(),
+            num_host_blocks=bm.num_host_blocks,
+            num_host_used_blocks=bm.num_host_used_blocks,
         )
 
 

@@ -24,7 +24,9 @@ The need, per tensor-parallel rank:
   layers (Qwen3-Next) also holds one state slot per running sequence (``--max-num-seqs`` of
   them, ``state_slot_bytes`` each), taken from the same budget and counted here;
 - on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
-  slack (the KV sizing keeps the same headroom).
+  slack (the KV sizing keeps the same headroom);
+- the host KV tier, ``--kv-offload-gb``: host memory, so on the CPU part of the same budget, and
+  on CUDA checked on its own against MemAvailable (it is pinned: it can never be swapped out).
 
 The budget: on CUDA, total memory x ``--gpu-memory-utilization`` minus what is already in use;
 on the CPU, MemAvailable from /proc/meminfo (no check where that file does not exist), which
@@ -85,10 +87,12 @@ class MemoryPlan:
     dtype: torch.dtype = torch.float32
     kv_dtype: torch.dtype = torch.float32
     quantized: bool = False
+    host_kv_bytes: int = 0  # the host KV tier, where it shares this budget (the CPU's)
 
     @property
     def needed_bytes(self) -> int:
-        return self.ranks * (self.weight_bytes + self.kv_bytes + self.headroom_bytes)
+        per_rank = self.weight_bytes + self.kv_bytes + self.headroom_bytes
+        return self.ranks * per_rank + self.host_kv_bytes
 
     @property
     def fits(self) -> bool:
@@ -241,6 +245,7 @@ def plan_memory(
         dtype=dtype,
         kv_dtype=kv_dtype,
         quantized=model_config.quantization is not None,
+        host_kv_bytes=0 if device.type == "cuda" else int(config.kv_offload_gb * 2**30),
     )
 
 
@@ -257,6 +262,8 @@ def check_fits(plan: MemoryPlan) -> None:
     need = " + ".join(parts)
     if plan.ranks > 1:
         need = f"{plan.ranks} tensor-parallel ranks on this host x ({need})"
+    if plan.host_kv_bytes:
+        need += f" + host KV tier {gib(plan.host_kv_bytes)} (--kv-offload-gb)"
     raise ModelTooLargeError(
         f"model {plan.model!r} does not fit on {plan.device}: it needs {need} = "
         f"{gib(plan.needed_bytes)}, over the budget of {gib(max(plan.budget.bytes, 0))} "
@@ -268,7 +275,7 @@ def check_fits(plan: MemoryPlan) -> None:
 
 def remedies(plan: MemoryPlan) -> str:
     """What the user can change, for the device in the plan."""
-    options = []
+    options = ["a smaller --kv-offload-gb"] if plan.host_kv_bytes else []
     if plan.kv_bytes > plan.min_kv_bytes:
         flag = "--num-kv-blocks" if plan.kv_source.startswith("--num") else "--kv-cache-memory-gb"
         options.append(f"a smaller {flag}")
@@ -299,8 +306,21 @@ def check_memory(
     model whose weights and KV cache exceed this device's budget."""
     if device.type == "cuda":
         budget = cuda_budget(device, config.gpu_memory_utilization)
+        check_pinned_host_tier(config.kv_offload_gb, host_budget())
     else:
         budget = host_budget() if device.type == "cpu" else None
     if budget is None:
         return
     check_fits(plan_memory(config, model_config, module, device, dtype, kv_dtype, budget))
+
+
+def check_pinned_host_tier(gb: float, budget: Budget | None) -> None:
+    """ModelTooLargeError where a GPU engine's --kv-offload-gb exceeds the host's available
+    memory (None: not known, not checked)."""
+    need = int(gb * 2**30)
+    if budget is None or need <= budget.bytes:
+        return
+    raise ModelTooLargeError(
+        f"--kv-offload-gb {number(gb)} needs {gib(need)} of pinned host memory, over the "
+        f"{gib(max(budget.bytes, 0))} available ({budget.source}); try a smaller --kv-offload-gb"
+    )

@@ -38,6 +38,7 @@ from engine_core.draft_model import (
 from engine_core.forward_context import StateRows, forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.kv_groups import pool_blocks_for_one_sequence, stage_kv_layout
+from engine_core.kv_offload_pool import HostKVPool
 from engine_core.loader import LoadedModel, load_model
 from engine_core.lora.adapter import check_lora_model, load_adapter, target_shapes
 from engine_core.lora.batch import LoraBatch, lora_batch
@@ -288,6 +289,7 @@ class ModelRunner:
         self._check_state_kind()
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_cache = self._allocate_kv_cache()
+        self.host_kv = self._allocate_host_kv()  # the host KV tier (--kv-offload-gb), or None
         self.state_cache = self._allocate_state_slots()
         self._set_kv_scales(loaded.kv_scales)
         self.backend = select_backend(self.device)
@@ -529,6 +531,41 @@ class ModelRunner:
             tensors += own
         self._log_kv_cache(sum(t.numel() * t.element_size() for t in tensors))
         return tensors
+
+    def _allocate_host_kv(self) -> HostKVPool | None:
+        """The host KV tier's slots: as many blocks as --kv-offload-gb holds, every layer of a
+        block together (the block manager keeps its bookkeeping, engine_core/kv_offload.py).
+        The gigabytes are the engine's: under tensor parallelism each rank holds its shard of
+        every slot, so all ranks have the same slots."""
+        gb = self.config.kv_offload_gb
+        if not gb:
+            return None
+        layout = self.kv_layout
+        plain = isinstance(self.kv_cache, torch.Tensor)
+        if len(layout.groups) > 1 or layout.gives_back or layout.state_layers or not plain:
+            raise ValueError(
+                "--kv-offload-gb supports models whose layers are all plain full attention "
+                "(no sliding-window, chunked, linear-attention or latent (MLA) layers)"
+            )
+        assert isinstance(self.kv_cache, torch.Tensor)
+        block = kv_block_bytes(self.model_config, self.num_kv_heads, self.block_size, self.kv_dtype)
+        slots = int(gb * 2**30 // (block * self.config.tensor_parallel_size))
+        if slots < 1:
+            raise ValueError(f"--kv-offload-gb {gb} holds no KV block ({block} bytes each)")
+        pool = HostKVPool(self.kv_cache, slots)
+        logger.info(
+            "host KV tier: %d blocks x %d tokens (%.2f GiB%s)",
+            slots,
+            self.block_size,
+            pool.num_bytes / 2**30,
+            ", pinned" if self._on_cuda else "",
+        )
+        return pool
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        """Slots of the host KV tier (0: none)."""
+        return 0 if self.host_kv is None else self.host_kv.host.shape[0]
 
     def _log_kv_cache(self, num_bytes: int) -> None:
         layout, groups = self.kv_layout, ""
@@ -773,6 +810,9 @@ class ModelRunner:
         timeline = GpuTimeline() if stats.enabled and self._on_cuda else None
         self.input_batch.timeline = timeline  # the input copy is the first stretch
         with stats.phase("prepare"):
+            if out.kv_moves is not None:
+                assert self.host_kv is not None
+                self.host_kv.apply(out.kv_moves)  # before this step writes or reads the blocks
             inputs = self.prepare_inputs(out)
         with stats.phase("forward"):
             if timeline is not None:

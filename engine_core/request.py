@@ -26,6 +26,7 @@ from protocol.output_interval import IntervalCounter
 
 if TYPE_CHECKING:
     from engine_core.grammar import RequestGrammar
+    from engine_core.kv_offload import KVMoves
 
 
 class RequestStatus(enum.IntEnum):
@@ -229,6 +230,9 @@ class SchedulerOutput:
     # Set by the scheduler: every row computes one token and samples (a decode step), which
     # lets the input batch advance the last step's inputs instead of packing anew.
     decode_only: bool = False
+    # Copies between the KV cache and the host KV tier that the runner makes before this step's
+    # forward (engine_core/kv_offload.py); None: none.
+    kv_moves: KVMoves | None = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -24,9 +24,10 @@ plan. There is one update rule (``_update_row``); ``_update_decodes`` is its com
 out inline, and tests check the two agree.
 
 Counts (``counts()``, for the /metrics of the frontend) cost a few additions per step and per
-admission: prefix-cache lookups and hits at admission, preemptions, and the tokens of each step
-in a fixed set of buckets. A request's timeline (first scheduled, first token, finish) is
-stamped once each; only requests still waiting for their first token are looked at per step.
+admission: prefix-cache lookups and hits at admission (the device pool's and the host KV tier's
+apart), preemptions, and the tokens of each step in a fixed set of buckets. A request's
+timeline (first scheduled, first token, finish) is stamped once each; only requests still
+waiting for their first token are looked at per step.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Scheduler:
         kv_windows: Sequence[int | None] = (None,),
         kv_attention_chunks: Sequence[int | None] = (),
         state_slots: int = 0,
+        host_kv_blocks: int = 0,
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
         next tokens of the requests that decode (a BatchProposer for all of a step's at once,
@@ -81,7 +83,8 @@ class Scheduler:
         ``kv_windows``: each KV layer group's sliding window (engine_core/kv_groups.py), None
         for full attention; ``kv_attention_chunks`` its attention chunk (empty: none).
         ``state_slots``: linear-attention state slots, 0 where the model has no such layers
-        (block_manager.py)."""
+        (block_manager.py). ``host_kv_blocks``: slots of the host KV tier (--kv-offload-gb;
+        engine_core/kv_offload.py), 0 for none."""
         self.config = config
         self.proposer = proposer
         self.loras = loras
@@ -96,6 +99,7 @@ class Scheduler:
             windows=kv_windows,
             attention_chunks=kv_attention_chunks,
             state_slots=state_slots,
+            host_blocks=host_kv_blocks,
         )
         # Plans carry the tables of groups 1.. too (ScheduledRequest.group_block_ids), and
         # the request's state slot where the model has linear-attention layers.
@@ -119,6 +123,8 @@ class Scheduler:
         self._awaiting_first_token: list[Request] = []  # admitted, no token of theirs yet
         self._run_id = random.getrandbits(62)
         self._prefix_queries = self._prefix_hits = self._preemptions = 0
+        # Tokens looked up in the host KV tier at admissions, and those it served.
+        self._host_queries = self._host_hits = 0
         # Speculative decoding: rows planned with drafts, their drafts, the drafts kept.
         self._spec_drafts = self._drafted = self._accepted = 0
         self._step_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
@@ -203,6 +209,10 @@ class Scheduler:
             self._spec_drafts,
             self._drafted,
             self._accepted,
+            self.block_manager.num_host_stored_blocks,
+            self.block_manager.num_host_restored_blocks,
+            self._host_queries,
+            self._host_hits,
         )
 
     # ---------------------------------------------------------------------------- scheduling
@@ -223,6 +233,8 @@ class Scheduler:
             self._count_step(num_tokens)
             # Every row has at least one token: as many tokens as rows is one each.
             output.decode_only = num_tokens == len(scheduled) and all(s.samples for s in scheduled)
+            # The host tier's copies go with the next step that runs (none runs an empty plan).
+            output.kv_moves = self.block_manager.take_moves()
         return output
 
     def _micro_batch_rows(self) -> int:
@@ -411,6 +423,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int:
         """Move a waiting request into the batch; the tokens it computes now, or 0."""
         use_cache = not request.needs_prompt_logprobs and not request.pools_every_token
+        host_hits = self.block_manager.num_host_hit_blocks
         request.num_computed_tokens = self.block_manager.allocate_prefix(request, use_cache)
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self.block_manager.allocate_slots(request, num_new):
@@ -425,8 +438,13 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if use_cache and self.block_manager.enable_prefix_caching:
+            # Tokens restored from the host tier count apart from the device pool's hits.
+            from_host = (self.block_manager.num_host_hit_blocks - host_hits) * self._block_size
             self._prefix_queries += request.num_tokens
-            self._prefix_hits += request.num_computed_tokens
+            self._prefix_hits += request.num_computed_tokens - from_host
+            if self.block_manager.host_tier is not None:
+                self._host_queries += request.num_tokens
+                self._host_hits += from_host
         if not request.first_scheduled_time:
             request.first_scheduled_time = time.monotonic()
             request.first_token_index = request.num_tokens  # no placeholder of its own yet

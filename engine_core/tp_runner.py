@@ -30,9 +30,10 @@ in one msgpack message broadcast over the gloo group while the GPUs still run th
 each worker copies them to its own GPU as rank 0 does, so no input broadcast waits on the
 devices. The one thing that exists only on rank 0's GPU, the ids it sampled (the next step's
 placeholder tokens, with overlap), follows right after its sampler as one [S] int64 broadcast
-over the world group, which each worker gathers its placeholders from, as rank 0 does. No
-pickle: the header is plain msgpack data, and a worker's start-up arguments are plain values
-(the EngineConfig as a dict).
+over the world group, which each worker gathers its placeholders from, as rank 0 does. The
+host KV tier's copies of the step (``--kv-offload-gb``) travel with its inputs, and each rank
+makes them in its own shard before its forward. No pickle: the header is plain msgpack data,
+and a worker's start-up arguments are plain values (the EngineConfig as a dict).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import torch.distributed as dist
 
 from common.processes import set_parent_death_signal
 from engine_core.config import EngineConfig, ModelConfig
+from engine_core.kv_offload import KVMoves
 from engine_core.model_runner import (
     PROMPT_LOGITS_ROWS,
     ModelInputs,
@@ -98,7 +100,8 @@ WORKER_LOST_EXIT_CODE = 70  # EX_SOFTWARE: the engine core ended itself, a worke
 
 class StepChannel:
     """Rank 0 -> workers, over the gloo group: each step's packed inputs (the layout's counts and
-    the host bytes, ``InputBatch.last_step``) and the rows that score prompt tokens.
+    the host bytes, ``InputBatch.last_step``), the rows that score prompt tokens, and the host
+    KV tier's copies (engine_core/kv_offload.py), which every rank makes in its own shard.
 
     ``in_background``: rank 0 does not wait for a step's header to be taken before it goes on
     (it waits for the one before, at the next send). With pipeline stages the later stages
@@ -110,8 +113,15 @@ class StepChannel:
         self.in_background = in_background
         self._sending: list[tuple[Any, torch.Tensor]] = []  # (work, its tensor) not yet taken
 
-    def send(self, counts: tuple[int, ...], data: bytes, prompt_rows: list[int] | None) -> None:
-        self._send_header(_STEP, msgpack.packb([list(counts), data, prompt_rows]))
+    def send(
+        self,
+        counts: tuple[int, ...],
+        data: bytes,
+        prompt_rows: list[int] | None,
+        moves: KVMoves | None = None,
+    ) -> None:
+        copies = None if moves is None else dataclasses.astuple(moves)
+        self._send_header(_STEP, msgpack.packb([list(counts), data, prompt_rows, copies]))
 
     def send_stop(self) -> None:
         self._send_header(_STOP, b"")
@@ -121,8 +131,9 @@ class StepChannel:
         header = self._recv_header()
         if header is None:
             return None
-        counts, data, prompt_rows = msgpack.unpackb(header)
-        return StepMessage(tuple(counts), data, prompt_rows)
+        counts, data, prompt_rows, copies = msgpack.unpackb(header)
+        moves = None if copies is None else KVMoves(*copies)
+        return StepMessage(tuple(counts), data, prompt_rows, moves)
 
     def _send_header(self, kind: int, payload: bytes) -> None:
         self.wait_sent()
@@ -158,6 +169,7 @@ class StepMessage:
     counts: tuple[int, ...]  # the packed step's layout, its widest table (InputBatch.unpack)
     data: bytes  # its host bytes
     prompt_rows: list[int] | None  # rows whose logits score prompt tokens, or None
+    moves: KVMoves | None = None  # the host KV tier's copies, made before the forward
 
 
 # ---- the runners ------------------------------------------------------------------------------
@@ -229,7 +241,7 @@ class TPModelRunner(_ShardedRunner):
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         inputs = super().prepare_inputs(out)
-        self.channel.send(*self.input_batch.last_step(), inputs.prompt_rows_cpu)
+        self.channel.send(*self.input_batch.last_step(), inputs.prompt_rows_cpu, out.kv_moves)
         return inputs
 
     def step_failed(self, error: BaseException) -> None:
@@ -274,6 +286,9 @@ class TPWorker(_ShardedRunner):
     @torch.inference_mode()
     def follow(self, step: StepMessage) -> None:
         """Rank 0's launch() without the sampling: the same collectives in the same order."""
+        if step.moves is not None:
+            assert self.host_kv is not None  # every rank built its tier from the same config
+            self.host_kv.apply(step.moves)  # this rank's shard of the blocks rank 0 moves
         packed = self.input_batch.unpack(step.counts, step.data, self._prev_sampled)
         # Copied before the forward is queued: a pageable copy after it would wait for it.
         prompt_rows = prompt_rows_on(step.prompt_rows, self.device)

@@ -54,6 +54,9 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "tandem_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "tandem_prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "tandem_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    # vLLM counts the tokens its KV connectors (its CPU offloading among them) load as these.
+    "tandem_kv_offload_queries": ("vllm:external_prefix_cache_queries",),
+    "tandem_kv_offload_hits": ("vllm:external_prefix_cache_hits",),
     "tandem_num_preemptions": ("vllm:num_preemptions",),
     "tandem_iteration_tokens_total": ("vllm:iteration_tokens_total",),
     "tandem_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
@@ -184,6 +187,10 @@ class Metrics:
             "tandem_kv_cache_usage_perc",
             "KV-cache blocks held by requests as a fraction of all (cached free blocks are free).",
         )
+        self.host_kv_usage = self._gauge(
+            "tandem_kv_offload_usage_perc",
+            "Host KV tier (--kv-offload-gb) slots holding a block as a fraction of all (0: none).",
+        )
         self.engine_steps = self._gauge("tandem_engine_steps", "Engine steps run since start.")
         self.engine_healthy = self._gauge(
             "tandem_engine_healthy", "1 while the engine core answers, else 0."
@@ -248,6 +255,7 @@ class Metrics:
         self.running.labels(**self._label).set(stats.num_running)
         self.waiting.labels(**self._label).set(stats.num_waiting)
         self.kv_usage.labels(**self._label).set(stats.kv_cache_usage)
+        self.host_kv_usage.labels(**self._label).set(stats.host_kv_usage)
         self.engine_steps.labels(**self._label).set(stats.num_steps)
         self.engine_healthy.labels(**self._label).set(1.0 if healthy else 0.0)
         self.engine_counts.counts = stats.counts
@@ -331,8 +339,28 @@ class EngineCountsCollector(Collector):
             ),
             (
                 "tandem_prefix_cache_hits",
-                "Of those, tokens found in the prefix cache (not computed again).",
+                "Of those, tokens found in the device KV cache (not computed again).",
                 c.prefix_cache_hits,
+            ),
+            (
+                "tandem_kv_offload_queries",
+                "Prompt tokens looked up in the prefix cache with a host KV tier to fall back on.",
+                c.kv_offload_queries,
+            ),
+            (
+                "tandem_kv_offload_hits",
+                "Of those, tokens copied back from the host KV tier (not computed again).",
+                c.kv_offload_hits,
+            ),
+            (
+                "tandem_kv_offload_stored_blocks",
+                "KV blocks copied to the host KV tier as they were evicted from the device.",
+                c.kv_offload_stored_blocks,
+            ),
+            (
+                "tandem_kv_offload_restored_blocks",
+                "KV blocks copied back from the host KV tier for a prefix hit.",
+                c.kv_offload_restored_blocks,
             ),
             ("tandem_num_preemptions", "Requests preempted for KV room.", c.preemptions),
             (

@@ -46,7 +46,8 @@ Field layouts (after the type tag and the version):
     REQUEST_ERROR   request_id, message, code
     CONTROL_REPLY   kind, token, stats: [Stats' int fields in their order, counts] | nil, ok,
                     message; counts = [EngineCounts' int fields in their order (run_id,
-                    prefix_cache_queries, prefix_cache_hits, preemptions, step_tokens_sum),
+                    prefix_cache_queries, prefix_cache_hits, preemptions, step_tokens_sum,
+                    the speculative and host KV tier counts),
                     [one count per STEP_TOKEN_BUCKETS bucket, + 1]]
     HEARTBEAT       num_steps
 

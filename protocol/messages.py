@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 # 8: AddRequest may carry a LoRA adapter (``lora``: name and folder) and images (processed
 #    pixels, their grid, hash and placeholder run), trailing fields after pooling's place (nil
 #    where a later one follows); every other frame is unchanged
-PROTOCOL_VERSION = 8
+# 9: Stats carries the host KV tier's gauges and EngineCounts its counts (--kv-offload-gb)
+PROTOCOL_VERSION = 9
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -340,6 +341,14 @@ class EngineCounts:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # The host KV tier (--kv-offload-gb): blocks copied to host memory as they were evicted,
+    # blocks copied back for a prefix hit, and at admissions the tokens looked up (with a tier)
+    # and those its hits served (not in prefix_cache_hits, the device pool's: vLLM's split of
+    # local and external hits).
+    kv_offload_stored_blocks: int = 0
+    kv_offload_restored_blocks: int = 0
+    kv_offload_queries: int = 0
+    kv_offload_hits: int = 0
 
     def __add__(self, other: EngineCounts) -> EngineCounts:
         """The sum of two engines' (or two runs') counts; the run id is meaningless in it."""
@@ -353,6 +362,10 @@ class EngineCounts:
             self.spec_drafts + other.spec_drafts,
             self.spec_draft_tokens + other.spec_draft_tokens,
             self.spec_accepted_tokens + other.spec_accepted_tokens,
+            self.kv_offload_stored_blocks + other.kv_offload_stored_blocks,
+            self.kv_offload_restored_blocks + other.kv_offload_restored_blocks,
+            self.kv_offload_queries + other.kv_offload_queries,
+            self.kv_offload_hits + other.kv_offload_hits,
         )
 
 
@@ -365,12 +378,19 @@ class Stats:
     num_total_blocks: int
     num_steps: int
     counts: EngineCounts = field(default_factory=EngineCounts)
+    num_host_blocks: int = 0  # slots of the host KV tier (--kv-offload-gb), 0: none
+    num_host_used_blocks: int = 0  # of those, slots that hold a block
 
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks held by requests (cached free blocks count as free)."""
         used = self.num_total_blocks - self.num_free_blocks - self.num_cached_blocks
         return used / max(self.num_total_blocks, 1)
+
+    @property
+    def host_kv_usage(self) -> float:
+        """Fraction of the host KV tier's slots that hold a block (0 without a tier)."""
+        return self.num_host_used_blocks / max(self.num_host_blocks, 1)
 
 
 @dataclass(frozen=True)

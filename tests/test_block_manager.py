@@ -228,8 +228,26 @@ class _KVContent:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.slots: dict[int, int] = {}
+        self.host: dict[tuple[int, int], int | None] = {}  # (host slot, offset) -> token
+
+    def move(self, bm: BlockManager) -> None:
+        """Make the copies to and from the host tier that a step's forward makes first: every
+        copy out, then every copy in (engine_core/kv_offload.py)."""
+        moves = bm.take_moves()
+        if moves is None:
+            return
+        size = self.block_size
+        for block, slot in zip(moves.out_blocks, moves.out_slots, strict=True):
+            for offset in range(size):
+                self.host[slot, offset] = self.slots.get(block * size + offset)
+        for slot, block in zip(moves.in_slots, moves.in_blocks, strict=True):
+            for offset in range(size):
+                token = self.host[slot, offset]
+                if token is not None:
+                    self.slots[block * size + offset] = token
 
     def write(self, bm: BlockManager, request: Request, end: int) -> None:
+        self.move(bm)
         table = bm.block_ids(request.request_id)
         for pos in range(request.num_computed_tokens, end):
             self.slots[self._slot(table, pos)] = request.token_ids[pos]
@@ -237,6 +255,7 @@ class _KVContent:
         bm.cache_computed_blocks(request, end)
 
     def verify(self, bm: BlockManager, request: Request) -> None:
+        self.move(bm)
         table = bm.block_ids(request.request_id)
         for pos in range(request.num_computed_tokens):
             assert self.slots.get(self._slot(table, pos)) == request.token_ids[pos]
@@ -248,9 +267,9 @@ class _KVContent:
 class _RandomDriver:
     """Random admissions, chunk computations, appends and frees over a small pool."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, host_blocks: int = 0):
         self.rng = random.Random(seed)
-        self.bm = BlockManager(num_blocks=24, block_size=4)
+        self.bm = BlockManager(num_blocks=24, block_size=4, host_blocks=host_blocks)
         self.kv = _KVContent(4)
         self.live: list[Request] = []
         self.next_id = 0
@@ -312,9 +331,12 @@ class _RandomDriver:
             self.kv.verify(bm, request)  # nobody overwrote a block this request still reads
 
 
+@pytest.mark.parametrize("host_blocks", [0, 6])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_operations_keep_every_invariant(seed: int) -> None:
-    driver = _RandomDriver(seed)
+def test_random_operations_keep_every_invariant(seed: int, host_blocks: int) -> None:
+    """Also with a host KV tier smaller than the device pool: restored blocks hold exactly
+    their prompt's tokens once the step's copies are made, and both pools stay accounted for."""
+    driver = _RandomDriver(seed, host_blocks)
     for _ in range(1500):
         driver.step()
         driver.check()
@@ -324,3 +346,10 @@ def test_random_operations_keep_every_invariant(seed: int) -> None:
     assert driver.bm.num_used_blocks == 0
     # The run exercised what it claims to: prefix hits, refusals and LRU evictions.
     assert min(driver.stats.values()) > 0, driver.stats
+    tier = driver.bm.host_tier
+    if host_blocks:
+        assert tier is not None
+        assert tier.num_restored > 0 and tier.num_stored > tier.num_slots  # reused its slots
+        assert driver.bm.num_host_used_blocks == host_blocks  # full, never more
+    else:
+        assert tier is None

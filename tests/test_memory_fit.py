@@ -26,6 +26,7 @@ from engine_core.memory_plan import (
     MemoryPlan,
     ModelTooLargeError,
     check_fits,
+    check_pinned_host_tier,
     cpu_packing_bytes,
     host_budget,
     min_kv_bytes,
@@ -217,6 +218,29 @@ def test_a_cpu_kv_cache_over_the_memory_is_refused(tiny_dir: Path) -> None:
     with pytest.raises(ModelTooLargeError, match=r"KV cache 10.00 GiB \(--kv-cache-memory-gb 10\)"):
         check_fits(plan)
     check_fits(plan_for(str(tiny_dir), CPU, budget, kv_cache_memory_gb=1.0))
+
+
+def test_a_cpu_host_kv_tier_shares_the_host_budget(tiny_dir: Path) -> None:
+    """On the CPU --kv-offload-gb is one more pool of host memory, beside the KV cache."""
+    budget = Budget(8 * GiB, "MemAvailable in /proc/meminfo")
+    plan = plan_for(str(tiny_dir), CPU, budget, kv_cache_memory_gb=1.0, kv_offload_gb=7.5)
+    assert plan.needed_bytes == plan.weight_bytes + plan.kv_bytes + int(7.5 * GiB)
+    with pytest.raises(ModelTooLargeError) as info:
+        check_fits(plan)
+    assert "+ host KV tier 7.50 GiB (--kv-offload-gb)" in str(info.value)
+    assert "a smaller --kv-offload-gb" in str(info.value)
+    check_fits(plan_for(str(tiny_dir), CPU, budget, kv_cache_memory_gb=1.0, kv_offload_gb=6.0))
+
+
+def test_a_pinned_host_kv_tier_over_the_host_memory_is_refused() -> None:
+    """On CUDA the tier is pinned host memory, checked apart from the GPU's budget."""
+    budget = Budget(8 * GiB, "MemAvailable in /proc/meminfo")
+    with pytest.raises(ModelTooLargeError, match=r"--kv-offload-gb 9 needs 9.00 GiB of pinned"):
+        check_pinned_host_tier(9.0, budget)
+    check_pinned_host_tier(7.0, budget)
+    check_pinned_host_tier(9.0, None)  # no /proc/meminfo: not known, not checked
+    plan = plan_for("random:llama-8b", GPU, Budget(80 * GiB, "GPU"), kv_offload_gb=100.0)
+    assert plan.host_kv_bytes == 0  # not part of the GPU's budget
 
 
 def test_cpu_tensor_parallel_ranks_share_the_host() -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine_core.config import EngineConfig
+from engine_core.kv_offload import KVMoves
 from engine_core.request import EngineOutput, Request, RequestStatus, SchedulerOutput
 from engine_core.scheduler import Scheduler
 from protocol.messages import FinishReason, SamplingParams
@@ -57,8 +58,11 @@ def step(scheduler: Scheduler, tokens: list[int]) -> list[EngineOutput]:
 class FakeRunner:
     block_size: int = BLOCK_SIZE
     slots: dict[int, int] = field(default_factory=dict)  # slot -> token its K/V came from
+    host: dict[tuple[int, int], int | None] = field(default_factory=dict)  # the host KV tier
 
     def execute(self, output: SchedulerOutput) -> list[int]:
+        if output.kv_moves is not None:
+            self._move(output.kv_moves)
         sampled = []
         for s in output.scheduled:
             request, end = s.request, s.start + s.num_new_tokens
@@ -74,6 +78,18 @@ class FakeRunner:
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _move(self, moves: KVMoves) -> None:
+        """The host tier's copies, as the runner makes them: every copy out, then every in."""
+        size = self.block_size
+        for block, slot in zip(moves.out_blocks, moves.out_slots, strict=True):
+            for offset in range(size):
+                self.host[slot, offset] = self.slots.get(block * size + offset)
+        for slot, block in zip(moves.in_slots, moves.in_blocks, strict=True):
+            for offset in range(size):
+                token = self.host[slot, offset]
+                if token is not None:
+                    self.slots[block * size + offset] = token
 
 
 def run_to_completion(
@@ -132,6 +148,37 @@ def test_randomized_run_respects_budget_and_caps_and_matches_reference() -> None
         for s in output.scheduled:
             first_starts.setdefault(s.request.request_id, s.start)
     assert any(start > 0 for start in first_starts.values())
+
+
+def test_randomized_run_with_a_host_tier_restores_exactly_what_was_evicted() -> None:
+    """A pool too small for the shared prefixes to stay, with a host KV tier behind it: the
+    fake runner makes the plans' copies, and every step reads exactly its request's tokens;
+    the outputs are the reference's and both pools end accounted for."""
+    rng = random.Random(3)
+    config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=24)
+    scheduler = Scheduler(config, 20, 256, (EOS,), host_kv_blocks=8)
+    prefixes = [[rng.randrange(3, 100) for _ in range(16)] for _ in range(4)]
+    arrivals: dict[int, list[Request]] = {}
+    requests = []
+    for i in range(30):
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 100) for _ in range(rng.randint(1, 8))]
+        request = make_request(f"r{i}", prompt, max_tokens=rng.randint(1, 10))
+        arrivals.setdefault(rng.randrange(60), []).append(request)
+        requests.append(request)
+
+    run_to_completion(scheduler, arrivals=arrivals)
+
+    for request in requests:
+        expected = reference_outputs(request.prompt_token_ids, request.params.max_tokens)
+        assert request.output_token_ids == expected
+    bm = scheduler.block_manager
+    assert bm.num_used_blocks == 0
+    assert bm.num_host_used_blocks == bm.num_host_blocks == 8
+    counts = scheduler.counts()
+    assert counts.kv_offload_restored_blocks > 0 and counts.kv_offload_hits > 0
+    assert counts.preemptions > 0  # preempted requests came back through the tiers too
+    assert counts.kv_offload_hits <= counts.kv_offload_restored_blocks * BLOCK_SIZE
+    assert counts.kv_offload_queries == counts.prefix_cache_queries
 
 
 def test_admission_cap_and_seq_cap() -> None:
