@@ -8,6 +8,7 @@ import pytest
 
 from engine_core import block_manager as bm_module
 from engine_core.block_manager import BlockManager
+from engine_core.kv_offload import KVMoves
 from engine_core.request import Request
 from protocol.messages import SamplingParams
 
@@ -221,6 +222,24 @@ def test_integrity_check_detects_corruption() -> None:
         bm.check_integrity()
 
 
+def copy_tokens(
+    moves: KVMoves,
+    slots: dict[int, int],
+    host: dict[tuple[int, int], int | None],
+    block_size: int,
+) -> None:
+    """The host tier's copies of a step over token-tracking fakes, as the runner makes them:
+    every copy out, then every copy in (engine_core/kv_offload.py)."""
+    for block, slot in zip(moves.out_blocks, moves.out_slots, strict=True):
+        for offset in range(block_size):
+            host[slot, offset] = slots.get(block * block_size + offset)
+    for slot, block in zip(moves.in_slots, moves.in_blocks, strict=True):
+        for offset in range(block_size):
+            token = host[slot, offset]
+            if token is not None:
+                slots[block * block_size + offset] = token
+
+
 class _KVContent:
     """Which token each slot's K/V was computed from, to prove that shared or reused blocks hold
     exactly the tokens of every request that reads them."""
@@ -234,17 +253,8 @@ class _KVContent:
         """Make the copies to and from the host tier that a step's forward makes first: every
         copy out, then every copy in (engine_core/kv_offload.py)."""
         moves = bm.take_moves()
-        if moves is None:
-            return
-        size = self.block_size
-        for block, slot in zip(moves.out_blocks, moves.out_slots, strict=True):
-            for offset in range(size):
-                self.host[slot, offset] = self.slots.get(block * size + offset)
-        for slot, block in zip(moves.in_slots, moves.in_blocks, strict=True):
-            for offset in range(size):
-                token = self.host[slot, offset]
-                if token is not None:
-                    self.slots[block * size + offset] = token
+        if moves is not None:
+            copy_tokens(moves, self.slots, self.host, self.block_size)
 
     def write(self, bm: BlockManager, request: Request, end: int) -> None:
         self.move(bm)

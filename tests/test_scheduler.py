@@ -18,6 +18,7 @@ from engine_core.kv_offload import KVMoves
 from engine_core.request import EngineOutput, Request, RequestStatus, SchedulerOutput
 from engine_core.scheduler import Scheduler
 from protocol.messages import FinishReason, SamplingParams
+from tests.test_block_manager import copy_tokens
 
 EOS = 0
 BLOCK_SIZE = 4
@@ -81,15 +82,7 @@ class FakeRunner:
 
     def _move(self, moves: KVMoves) -> None:
         """The host tier's copies, as the runner makes them: every copy out, then every in."""
-        size = self.block_size
-        for block, slot in zip(moves.out_blocks, moves.out_slots, strict=True):
-            for offset in range(size):
-                self.host[slot, offset] = self.slots.get(block * size + offset)
-        for slot, block in zip(moves.in_slots, moves.in_blocks, strict=True):
-            for offset in range(size):
-                token = self.host[slot, offset]
-                if token is not None:
-                    self.slots[block * size + offset] = token
+        copy_tokens(moves, self.slots, self.host, self.block_size)
 
 
 def run_to_completion(

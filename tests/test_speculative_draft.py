@@ -22,6 +22,7 @@ from engine_core.scheduler import PLACEHOLDER, Scheduler
 from engine_core.speculative import DraftRow, SpeculativeConfig
 from protocol.messages import Constraint, ConstraintKind, SamplingParams
 from tests.factories import write_near_copy, write_tiny_llama
+from tests.test_speculative import ITEMS, ITEMS_SCHEMA
 
 K = 4
 OPTIONS = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 128, "block_size": 4}
@@ -276,17 +277,6 @@ def test_aborting_requests_with_drafts_in_flight_frees_every_block(
 
 
 # ---- structured outputs on the default model ---------------------------------------------------
-
-ITEMS = [{"name": "pen", "price": 2}, {"name": "ink", "price": 5}, {"name": "pad", "price": 3}]
-ITEMS_SCHEMA = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "price": {"type": "integer"}},
-        "required": ["name", "price"],
-        "additionalProperties": False,
-    },
-}
 
 
 @pytest.mark.slow
