@@ -33,6 +33,8 @@ from pydantic import (
     model_validator,
 )
 
+from protocol.messages import PRIORITY_MAX, PRIORITY_MIN
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64  # each is searched for after every token: keep the per-token work bounded
@@ -174,6 +176,8 @@ class SamplingFields(RequestBody):
     # with them): false is what they do; true is refused (generation.py).
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    # vLLM's: lower is scheduled sooner (--scheduling-policy priority); others refuse all but 0.
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     # Accepted and unused: they change nothing in the output (user is logged with the request).
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from frontend.openai_schemas import FUNCTION_NAME, MAX_LOGPROBS, RequestBody
+from protocol.messages import PRIORITY_MAX, PRIORITY_MIN
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64, values of 512
 MAX_METADATA_KEY = 64
@@ -101,6 +102,7 @@ class ResponsesRequest(RequestBody):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = Field(default=None, ge=0)
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # as on chat
 
     @field_validator("input")
     @classmethod
@@ -287,6 +289,7 @@ def chat_request_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> 
         "chat_template_kwargs": req.chat_template_kwargs,
         "thinking_token_budget": req.thinking_token_budget,
         "user": req.user,
+        "priority": req.priority,
     }
     if req.tools:
         body["tools"] = [chat_tool(t) for t in req.tools]
