@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -173,3 +174,14 @@ def test_the_engine_says_its_policy_and_refuses_a_priority_under_fcfs(
         assert info.value.code == 400 and "--scheduling-policy priority" in info.value.message
     wait_engine_idle(tiny_server)
     wait_engine_idle(ranked_server)
+
+
+def test_the_document_states_what_each_server_takes(
+    tiny_server: Server, ranked_server: Server
+) -> None:
+    """/openapi.json: any int64 priority where the server ranks requests, only 0 where not."""
+    for srv, low, high in ((ranked_server, -(2**63), 2**63 - 1), (tiny_server, 0, 0)):
+        doc = httpx.get(f"{srv.base_url}/openapi.json", timeout=30).json()
+        for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+            field = doc["components"]["schemas"][name]["properties"]["priority"]
+            assert (field["minimum"], field["maximum"]) == (low, high), (srv.base_url, name)
