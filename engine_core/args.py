@@ -73,6 +73,10 @@ _HELP = {
     "encoder_cache_memory_gb": "a vision-language model's encoder cache, in GiB: image "
     "embeddings kept by image hash for the next chunk or request with the same image, least "
     "recently used evicted first",
+    "scheduling_policy": "'fcfs': requests wait and run in arrival order, and preemption takes "
+    "the latest admitted first; 'priority': by each request's priority (lower first, ties "
+    "by arrival), and preemption takes the worst priority first (vLLM's policy); under "
+    "'fcfs' a request with a priority other than 0 is refused",
     "data_parallel_size": "engine cores behind one `tandem serve`, each a full copy of the model; "
     "requests go to the one with the least outstanding work",
     "nnodes": "hosts one engine's ranks span, --tensor-parallel-size x "

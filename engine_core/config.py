@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from protocol.address import is_loopback_host
-from protocol.messages import EmbeddingModel
+from protocol.messages import EmbeddingModel, SchedulingPolicy
 
 if TYPE_CHECKING:
     from engine_core.speculative import SpeculativeConfig
@@ -33,6 +33,9 @@ TP_ALL_REDUCES = ("auto", "nccl")  # --tp-all-reduce values
 # --runner values (vLLM's): "auto" reads the checkpoint (engine_core/embedding.py), "generate"
 # samples tokens, "pooling" embeds (the engine answers with each prompt's pooled vector).
 RUNNERS = ("auto", "generate", "pooling")
+# --scheduling-policy values (vLLM's): "fcfs" in arrival order, "priority" by each request's
+# priority, then arrival (engine_core/scheduler.py).
+SCHEDULING_POLICIES = tuple(p.flag_name for p in SchedulingPolicy)
 
 
 @dataclass(frozen=True)
@@ -364,6 +367,7 @@ class EngineConfig:
     # A vision-language model's encoder cache: image embeddings kept by image hash, least
     # recently used evicted past this many GiB (engine_core/multimodal.py).
     encoder_cache_memory_gb: float = 0.5
+    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
 
     def speculation(self) -> SpeculativeConfig | None:
         """The parsed --speculative-config, or None."""
@@ -383,6 +387,11 @@ class EngineConfig:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; choose one of "
                 f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"--scheduling-policy {self.scheduling_policy!r} is not supported; choose one "
+                f"of {', '.join(SCHEDULING_POLICIES)}"
             )
         if self.runner not in RUNNERS:
             raise ValueError(
@@ -527,6 +536,11 @@ class EngineConfig:
     @property
     def lora_host_capacity(self) -> int:
         return self.max_cpu_loras or self.max_loras
+
+    @property
+    def policy(self) -> SchedulingPolicy:
+        """The parsed --scheduling-policy."""
+        return SchedulingPolicy[self.scheduling_policy.upper()]
 
     @property
     def max_prefills_per_step(self) -> int:

@@ -63,6 +63,8 @@ class Request:
     # Its prompt's images (processed by the API process), in prompt order: their embeddings
     # replace the placeholder runs they name (engine_core/multimodal.py).
     images: tuple[ImageInput, ...] = ()
+    # Lower runs sooner under --scheduling-policy priority (ties by arrival_time); 0 otherwise.
+    priority: int = 0
 
     # Written by the scheduler (engine_core/scheduler.py) only.
     # token_ids = prompt + outputs; the tokens [0, num_computed_tokens) have K/V in the cache.

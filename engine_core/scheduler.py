@@ -10,6 +10,12 @@ When the KV pool runs out, the most recently admitted running request is preempt
 its blocks are freed and it goes back to the front of the waiting queue, to recompute its prompt
 and the outputs it already has (cheaply, where the prefix cache still holds them).
 
+Under ``--scheduling-policy priority`` (vLLM's policy) the waiting queue is ordered by each
+request's (priority, arrival), lower first, a preempted request going back to its place in that
+order; and the running request preempted is the worst by the same order, even one already planned
+in this step (its row is taken back out of the plan). As in vLLM, a waiting request never
+preempts a running one: priority decides who is admitted and who gives up blocks, not who runs.
+
 A step is planned before its tokens are known: ``schedule`` advances each request's
 ``num_computed_tokens`` at once and appends a placeholder (``PLACEHOLDER``) for each row that
 samples, so that the engine core may plan step N+1 while step N still runs (overlap, see
@@ -50,7 +56,7 @@ from engine_core.request import (
     SchedulerOutput,
 )
 from engine_core.speculative import BatchProposer, DraftRow, Proposer, accepted_run
-from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, FinishReason
+from protocol.messages import STEP_TOKEN_BUCKETS, EngineCounts, FinishReason, SchedulingPolicy
 
 if TYPE_CHECKING:
     from engine_core.lora.manager import LoraManager
@@ -58,6 +64,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PLACEHOLDER = -1  # a sampled id not yet on the host; never a real token id
+
+
+def priority_rank(request: Request) -> tuple[int, float]:
+    """A request's place under the priority policy: lower first, then the earlier arrival."""
+    return request.priority, request.arrival_time
 
 
 class Scheduler:
@@ -118,7 +129,9 @@ class Scheduler:
         self._micro_batches = 2 if pipelined else 1
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
+        # Arrival order, or (priority, arrival) order under the priority policy.
         self.waiting: deque[Request] = deque()
+        self._by_priority = config.policy == SchedulingPolicy.PRIORITY
         self.running: list[Request] = []  # in admission order: preemption takes from the end
         self._awaiting_first_token: list[Request] = []  # admitted, no token of theirs yet
         self._run_id = random.getrandbits(62)
@@ -139,6 +152,12 @@ class Scheduler:
         self._check_length(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.priority != 0 and not self._by_priority:
+            raise ValueError(
+                f"priority {request.priority}: this engine schedules first come, first served "
+                "(--scheduling-policy fcfs) and takes only priority 0; start it with "
+                "--scheduling-policy priority to rank requests"
+            )
         params = request.params
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -149,7 +168,10 @@ class Scheduler:
         )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=priority_rank)  # after its equals
+        else:
+            self.waiting.append(request)
 
     def _check_length(self, request: Request) -> None:
         """ValueError unless the request fits the context: a generation needs room for a token
@@ -287,10 +309,12 @@ class Scheduler:
             end = start + num_new
             block_ids = table_covering(request, num_new)
             if block_ids is None or request.planned_apart:
-                if not allocate(request, num_new) and not self._preempt_for(
-                    request, num_new, output
-                ):
-                    break  # it preempted itself: everything after it is gone too
+                if not allocate(request, num_new):
+                    given_back = self._preempt_for(request, num_new, output)
+                    if given_back is None:
+                        break  # it preempted itself (FCFS: everything after it is gone too)
+                    budget += given_back
+                    index = running.index(request)  # victims planned before it have left
                 self._add_scheduled(output, request, num_new)
             else:
                 samples = end == num_tokens
@@ -362,16 +386,41 @@ class Scheduler:
         self._drafted += len(drafts)
         row.request.num_draft_tokens += len(drafts)
 
-    def _preempt_for(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
-        """Make room for ``request`` by preempting from the end of the batch (its allocation
-        just failed); False when it had to go itself."""
+    def _preempt_for(self, request: Request, num_new: int, output: SchedulerOutput) -> int | None:
+        """Make room for ``request`` (its allocation just failed) by preempting running
+        requests: the latest admitted first, or the worst ranked under the priority policy.
+        Returns the tokens that victims already planned in this step give back to the budget,
+        or None when ``request`` had to go itself."""
+        given_back = 0
         while not self.block_manager.allocate_slots(request, num_new):
-            victim = self.running.pop()
+            if self._by_priority:
+                victim = max(self.running, key=priority_rank)
+                self.running.remove(victim)
+                given_back += self._unplan(output, victim)
+            else:
+                victim = self.running.pop()  # after ``request``: not planned in this step
             self._preempt(victim)
             output.preempted_ids.append(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return None
+        return given_back
+
+    def _unplan(self, output: SchedulerOutput, request: Request) -> int:
+        """Take ``request``'s row, if this step planned one, back out of the plan, with the
+        drafts and the placeholder planning appended to its tokens; the row's token count."""
+        position = next((i for i, s in enumerate(output.scheduled) if s.request is request), None)
+        if position is None:
+            return 0
+        row = output.scheduled.pop(position)
+        output.prompt_logprob_seqs = [
+            p - (p > position) for p in output.prompt_logprob_seqs if p != position
+        ]
+        del request.token_ids[len(request.token_ids) - len(row.drafts) - row.samples :]
+        if row.drafts:
+            self._spec_drafts -= 1
+            self._drafted -= len(row.drafts)
+            request.num_draft_tokens -= len(row.drafts)
+        return row.num_new_tokens
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
@@ -381,7 +430,10 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self._preemptions += 1
-        self.waiting.appendleft(request)
+        if self._by_priority:
+            bisect.insort_left(self.waiting, request, key=priority_rank)  # before its equals
+        else:
+            self.waiting.appendleft(request)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, max_rows: int) -> int:
         """Admit waiting requests within ``budget`` and ``max_rows``; returns the budget left."""
@@ -398,7 +450,7 @@ class Scheduler:
                 break  # every waiting request still waits for its grammar to compile
             num_new = self._admit(request, budget)
             if num_new == 0:
-                break  # no room in the KV pool: first come, first served, so wait
+                break  # no room in the KV pool: those behind it wait too (no overtaking)
             self._add_scheduled(output, self.running[-1], num_new)
             budget -= num_new
             num_admitted += 1

@@ -131,6 +131,7 @@ class EngineServer:
             num_kv_blocks=self.core.runner.num_kv_blocks,
             max_num_seqs=config.max_num_seqs,
             embedding=mc.embedding,
+            scheduling_policy=config.policy,
         )
 
     # ---- threads ------------------------------------------------------------------------------
@@ -339,6 +340,7 @@ class EngineServer:
             pooling=msg.pooling,
             lora=msg.lora,
             images=msg.images,
+            priority=msg.priority,
         )
         if msg.output_interval > 1:
             request.held = HeldTokens(IntervalCounter(OutputInterval(msg.output_interval)))

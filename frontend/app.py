@@ -60,6 +60,7 @@ from frontend.openai_schemas import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
+from frontend.openapi_document import server_openapi
 from frontend.operations import CorsSettings
 from frontend.request_id import RequestIdMiddleware
 from frontend.responses import not_found, prepare_response, respond, stream_response
@@ -114,6 +115,7 @@ def build_app(state: ServerState) -> FastAPI:
         app.add_middleware(TracingMiddleware, tracer=state.serving.tracer)
     app.add_middleware(RequestIdMiddleware)  # outermost: every response carries the id
     add_routes(app, state)
+    server_openapi(app, state.serving)
     watch_frontend_state(state.serving)
     return app
 

@@ -111,6 +111,7 @@ class Generation:
         keep_output: bool = True,
         text: TextOptions = TextOptions(),
         lora: LoraRef | None = None,
+        priority: int = 0,
     ) -> None:
         self.ctx = ctx
         # The name the response reports: the LoRA adapter's the request chose, or the base's.
@@ -132,7 +133,13 @@ class Generation:
         interval = self._output_interval()
         self.requests = [
             EngineRequest(
-                f"{request_id}-{c.index}", c.prompt_ids, params[c.index % n], 0, interval, lora=lora
+                f"{request_id}-{c.index}",
+                c.prompt_ids,
+                params[c.index % n],
+                0,
+                interval,
+                lora=lora,
+                priority=priority,
             )
             for c in self.choices
         ]
@@ -158,6 +165,7 @@ class Generation:
     ) -> Generation:
         """The generation of a checked, tokenized request; nothing is sent until it runs.
         ``max_tokens`` 0 runs the prompts for one token and drops it (see ``keep_output``)."""
+        ctx.check_priority(req.priority)
         engine_max = max(max_tokens, 1)
         params = params_per_choice(sampling_params(req, engine_max, logprobs, extras), req.n)
         interval = ctx.stream_interval if req.stream else None
@@ -172,7 +180,8 @@ class Generation:
             ctx.metrics.record_lora_request(lora.name)
         # Logged under the client's X-Request-Id (frontend/request_id.py): the mapping to ours.
         logger.debug("engine requests %s-*", rid)
-        return cls(ctx, prompts, params, req.n, stop, rid, arrival, interval, keep, text, lora)
+        options = (interval, keep, text, lora, req.priority)
+        return cls(ctx, prompts, params, req.n, stop, rid, arrival, *options)
 
     def with_images(self, images: tuple[ImageInput, ...]) -> None:
         """The one prompt's images (a chat request's), on every choice's engine request."""

@@ -134,6 +134,7 @@ def build_state(
         max_resumes=resumes_allowed(args, specs),
         resume_timeout_s=args.resume_timeout,
         embedding=ready.embedding,
+        scheduling_policy=ready.scheduling_policy,
         loras=lora_registry(args, engine_model_of(args, model_dir)),
         tracer=request_tracer(args, name),
         vision=VisionProcessor.load(model_dir),

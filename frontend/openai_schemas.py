@@ -33,6 +33,18 @@ from pydantic import (
     model_validator,
 )
 
+from frontend.openapi_rules import (
+    LIMIT_KEY,
+    NON_EMPTY_TEXT,
+    NULL,
+    TOKEN_IDS,
+    any_of,
+    present,
+    rules,
+    when,
+)
+from protocol.messages import PRIORITY_MAX, PRIORITY_MIN
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64  # each is searched for after every token: keep the per-token work bounded
@@ -84,6 +96,11 @@ class RequestBody(BaseModel):
         return data
 
 
+SEED = {"type": "integer", LIMIT_KEY: "uint64"}  # as on the wire
+CHOICES = {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1}
+STOP = (NON_EMPTY_TEXT, {"type": "array", "items": NON_EMPTY_TEXT, "maxItems": MAX_STOP_STRINGS})
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -97,6 +114,16 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            when(
+                present("type", {"const": "json_schema"}),
+                present("json_schema", {"type": "object", **present("schema", {"type": "object"})}),
+                {"properties": {"json_schema": NULL}},
+            )
+        )
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -114,13 +141,18 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs: exactly one of its fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra=rules(
+            exactly_one_of=("json", "regex", "choice", "grammar", "json_object")
+        ),
+    )
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
+    regex: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
+    choice: list[str] | None = Field(default=None, json_schema_extra=any_of(CHOICES, NULL))
+    grammar: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
+    json_object: bool | None = Field(default=None, json_schema_extra=any_of({"const": True}, NULL))
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -140,40 +172,64 @@ class StructuredOutputs(BaseModel):
         }
 
 
+# What the document states of the fields SamplingFields share (see frontend/openapi_rules.py).
+SAMPLING_RULES = (
+    when(present("stream_options", {"type": "object"}), present("stream", {"const": True})),
+)
+LOGIT_BIAS: dict[str, Any] = {
+    "type": "object",
+    "propertyNames": {"pattern": "^[0-9]+$", LIMIT_KEY: "token_id_key"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    "maxProperties": 1024,
+}
+
+
 class SamplingFields(RequestBody):
     """The fields completions and chat share."""
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # -1 and 0 both disable top-k
+    # -1 and 0 both disable top-k; past int32 the engine refuses it.
+    top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(default=None, json_schema_extra=any_of(SEED, NULL))
+    n: int = Field(default=1, ge=1, le=MAX_N, json_schema_extra={LIMIT_KEY: "sequences"})
+    stop: str | list[str] | None = Field(default=None, json_schema_extra=any_of(*STOP, NULL))
+    stop_token_ids: list[int] | None = Field(
+        default=None, json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}, NULL)
+    )
     ignore_eos: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, json_schema_extra={LIMIT_KEY: "context"})
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = Field(
+        default=None, json_schema_extra=any_of(LOGIT_BIAS, NULL)
+    )
     # Structured outputs: at most one of these (frontend/constraints.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
+    guided_choice: list[str] | None = Field(default=None, json_schema_extra=any_of(CHOICES, NULL))
+    guided_grammar: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # How the output's tokens become text (vLLM's fields).
     skip_special_tokens: bool = True
     # The fast tokenizers this server loads join special tokens without spaces (as vLLM does
     # with them): false is what they do; true is refused (generation.py).
-    spaces_between_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = Field(
+        default=None, json_schema_extra=any_of({"const": False}, NULL)
+    )
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    # vLLM's: lower is scheduled sooner (--scheduling-policy priority); others refuse all but 0.
+    priority: int = Field(
+        default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, json_schema_extra={LIMIT_KEY: "priority"}
+    )
     # Accepted and unused: they change nothing in the output (user is logged with the request).
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -225,15 +281,28 @@ class SamplingFields(RequestBody):
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
+PROMPTS = (
+    NON_EMPTY_TEXT,
+    {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1},
+    TOKEN_IDS,
+    {"type": "array", "items": TOKEN_IDS, "minItems": 1},
+)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            *SAMPLING_RULES,
+            when(present("max_tokens", {"const": 0}), present("echo", {"const": True})),
+        )
+    )
+
+    prompt: Prompt = Field(json_schema_extra=any_of(*PROMPTS))
     # 0 only makes sense with echo (the prompt's own logprobs, as evaluation tools ask for).
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=16, ge=0, json_schema_extra={LIMIT_KEY: "context"})
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = Field(default=None, json_schema_extra=any_of({"const": ""}, NULL))
     best_of: int | None = Field(default=None, ge=1)
 
     @field_validator("best_of")
@@ -304,7 +373,16 @@ class ToolCallIn(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra=rules(
+            when(present("role", {"const": "tool"}), present("tool_call_id", NON_EMPTY_TEXT)),
+            when(
+                present("tool_calls", {"type": "array", "minItems": 1}),
+                present("role", {"const": "assistant"}),
+            ),
+        ),
+    )
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -399,9 +477,23 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            *SAMPLING_RULES,
+            when(present("top_logprobs", {"minimum": 1}), present("logprobs", {"const": True})),
+            when(
+                present("continue_final_message", {"const": True}),
+                present("add_generation_prompt", {"const": False}),
+            ),
+            when(present("tool_choice", {"const": "required"}), present("tools", {"minItems": 1})),
+        )
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"})
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"}
+    )
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -411,17 +503,20 @@ class ChatCompletionRequest(SamplingFields):
     # Reasoning models (--reasoning-parser): whether the reasoning is sent, at most how many
     # tokens it may take, and OpenAI's effort, for templates that read it.
     include_reasoning: bool = True
-    thinking_token_budget: int | None = Field(default=None, ge=0)
+    thinking_token_budget: int | None = Field(
+        default=None, ge=0, json_schema_extra={LIMIT_KEY: "reasoning"}
+    )
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None  # ["text"], the only one here
-    audio: Any = None  # UNSUPPORTED, as are the fields below
-    prediction: Any = None
-    web_search_options: Any = None
-    functions: Any = None
-    function_call: Any = None
+    # UNSUPPORTED, as are the fields below: the document says only null is taken.
+    audio: Any = Field(default=None, json_schema_extra=NULL)
+    prediction: Any = Field(default=None, json_schema_extra=NULL)
+    web_search_options: Any = Field(default=None, json_schema_extra=NULL)
+    functions: Any = Field(default=None, json_schema_extra=NULL)
+    function_call: Any = Field(default=None, json_schema_extra=NULL)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -495,9 +590,19 @@ class UnloadLoraAdapterRequest(RequestBody):
 
 
 class TokenizeRequest(RequestBody):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            when(
+                present("continue_final_message", {"const": True}),
+                present("add_generation_prompt", {"const": False}),
+            ),
+            exactly_one_of=("prompt", "messages"),
+        )
+    )
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, json_schema_extra={"minItems": 1})
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -516,17 +621,23 @@ class TokenizeRequest(RequestBody):
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}))
 
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+EMBEDDING_INPUTS = (
+    NON_EMPTY_TEXT,
+    {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS},
+    TOKEN_IDS,
+    {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS},
+)
 
 
 class EmbeddingRequest(RequestBody):
     """OpenAI's embeddings request: one input or a batch, as text or token ids."""
 
-    input: EmbeddingInput
+    input: EmbeddingInput = Field(json_schema_extra=any_of(*EMBEDDING_INPUTS))
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)  # Matryoshka: the vector's first N values

@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from frontend.openai_schemas import FUNCTION_NAME, MAX_LOGPROBS, RequestBody
+from frontend.openai_schemas import FUNCTION_NAME, MAX_LOGPROBS, SEED, RequestBody
+from frontend.openapi_rules import LIMIT_KEY, NON_EMPTY_TEXT, NULL, any_of, present, rules, when
+from protocol.messages import PRIORITY_MAX, PRIORITY_MIN
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64, values of 512
 MAX_METADATA_KEY = 64
@@ -56,20 +58,92 @@ class ResponseText(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None  # refused: no model here reads it
+    # Refused: no model here reads it.
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        default=None, json_schema_extra=any_of(NULL)
+    )
 
 
 class ReasoningOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     effort: Literal["minimal", "low", "medium", "high"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # refused: no summaries here
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    # Refused: no summaries here.
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        default=None, json_schema_extra=any_of(NULL)
+    )
+    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(
+        default=None, json_schema_extra=any_of(NULL)
+    )
+
+
+# The input items chat_messages takes, as the document states them.
+TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {
+        "type": {"enum": ["input_text", "output_text", "text", "reasoning_text"]},
+        "text": {"type": "string"},
+    },
+}
+ITEM_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]}
+INPUT_ITEMS = (
+    {  # a message (an item without a type is one)
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "type": {"const": "message"},
+            "role": {"enum": ["user", "assistant", "system", "developer"]},
+            "content": ITEM_CONTENT,
+        },
+    },
+    {
+        "type": "object",
+        "required": ["type", "call_id", "name", "arguments"],
+        "properties": {
+            "type": {"const": "function_call"},
+            "call_id": NON_EMPTY_TEXT,
+            "name": NON_EMPTY_TEXT,
+            "arguments": {"type": "string"},
+        },
+    },
+    {
+        "type": "object",
+        "required": ["type", "call_id", "output"],
+        "properties": {
+            "type": {"const": "function_call_output"},
+            "call_id": NON_EMPTY_TEXT,
+            "output": ITEM_CONTENT,
+        },
+    },
+    {
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"const": "reasoning"},
+            "content": {"anyOf": [{"type": "array", "items": TEXT_PART}, NULL]},
+            "encrypted_content": NULL,
+        },
+    },
+)
+INPUT = {
+    "type": "array",
+    "items": {"oneOf": list(INPUT_ITEMS)},
+    "minItems": 1,
+    # Reasoning items alone make no conversation: it needs some other item.
+    "contains": {"not": present("type", {"const": "reasoning"})},
+}
 
 
 class ResponsesRequest(RequestBody):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            when(present("tool_choice", {"const": "required"}), present("tools", {"minItems": 1}))
+        )
+    )
+
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[dict[str, Any]] = Field(json_schema_extra=any_of(NON_EMPTY_TEXT, INPUT))
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
@@ -77,30 +151,54 @@ class ResponsesRequest(RequestBody):
     max_tool_calls: int | None = Field(default=None, ge=1)
     text: ResponseText | None = None
     reasoning: ReasoningOptions | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(
+        default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"}
+    )
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Refused past 0 (no logprobs here), as are background, include and truncation "auto".
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, json_schema_extra=any_of({"const": 0}, NULL)
+    )
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=any_of(
+            {
+                "type": "object",
+                "properties": {"include_obfuscation": {"type": "boolean"}},
+                "additionalProperties": False,
+            },
+            NULL,
+        ),
+    )
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    background: bool | None = None
-    include: list[str] | None = None
-    truncation: Literal["disabled", "auto"] | None = None
+    background: bool | None = Field(default=None, json_schema_extra=any_of({"const": False}, NULL))
+    include: list[str] | None = Field(
+        default=None, json_schema_extra=any_of({"type": "array", "maxItems": 0}, NULL)
+    )
+    truncation: Literal["disabled", "auto"] | None = Field(
+        default=None, json_schema_extra=any_of({"const": "disabled"}, NULL)
+    )
     # Taken, changing nothing here.
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM's sampling and template extras, as on chat.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, json_schema_extra=any_of(SEED, NULL))
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     chat_template_kwargs: dict[str, Any] | None = None
-    thinking_token_budget: int | None = Field(default=None, ge=0)
+    thinking_token_budget: int | None = Field(
+        default=None, ge=0, json_schema_extra={LIMIT_KEY: "reasoning"}
+    )
+    priority: int = Field(  # as on chat
+        default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, json_schema_extra={LIMIT_KEY: "priority"}
+    )
 
     @field_validator("input")
     @classmethod
@@ -287,6 +385,7 @@ def chat_request_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> 
         "chat_template_kwargs": req.chat_template_kwargs,
         "thinking_token_budget": req.thinking_token_budget,
         "user": req.user,
+        "priority": req.priority,
     }
     if req.tools:
         body["tools"] = [chat_tool(t) for t in req.tools]

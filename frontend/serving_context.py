@@ -25,7 +25,7 @@ from frontend.tools import ToolSupport
 from frontend.tracing import RequestTracer
 from frontend.vision import MediaOptions, VisionProcessor
 from protocol.client import EngineDeadError
-from protocol.messages import Constraint, EmbeddingModel, LoraRef
+from protocol.messages import Constraint, EmbeddingModel, LoraRef, SchedulingPolicy
 
 
 @dataclass
@@ -54,6 +54,8 @@ class ServingContext:
     # the server may get images (--limit-mm-per-prompt, --allowed-media-domains, ...).
     vision: VisionProcessor | None = None
     media: MediaOptions = field(default_factory=MediaOptions)
+    # The engines' policy (their Ready says): whether a request's priority is taken.
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def check_generates(self) -> None:
         """The 400 of completions and chat on an embedding model."""
@@ -125,6 +127,16 @@ class ServingContext:
             await self.engine.wait_until_serving(self.resume_timeout_s)
         except EngineDeadError as exc:
             raise engine_unavailable(str(exc)) from None
+
+    def check_priority(self, priority: int) -> None:
+        """The 400 of a priority other than 0 where the engines schedule first come, first
+        served (as vLLM refuses it): taking it would promise an order nobody keeps."""
+        if priority != 0 and self.scheduling_policy != SchedulingPolicy.PRIORITY:
+            raise bad_request(
+                f"priority {priority} is not taken: this server schedules first come, first "
+                "served (start it with --scheduling-policy priority to rank requests)",
+                "priority",
+            )
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):

@@ -117,6 +117,7 @@ class EngineRequest:
     pooling: PoolingParams | None = None  # an embedding request (AddRequest)
     lora: LoraRef | None = None  # its LoRA adapter; a resume names it again (AddRequest)
     images: tuple[ImageInput, ...] = ()  # the prompt's images (AddRequest)
+    priority: int = 0  # lower is scheduled sooner, where the engine ranks requests (AddRequest)
 
     def resumed(self, request_id: str, generated: Sequence[int]) -> EngineRequest:
         """This request again, for another engine, with ``generated`` (the tokens it produced
@@ -208,6 +209,7 @@ class _Connection:
             request.pooling,
             request.lora,
             request.images,
+            request.priority,
         )
         return encode(msg)
 
@@ -282,11 +284,15 @@ class EngineClient(_Connection):
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         output_interval: int = 1,
+        priority: int = 0,
     ) -> None:
         """Send a request; invalid ids or params raise ProtocolError here, before sending.
         ``output_interval``: the engine sends its tokens once this many have gathered (and its
-        first token and its end at once), not every step."""
-        request = EngineRequest(request_id, prompt_token_ids, params, 0, output_interval)
+        first token and its end at once), not every step. ``priority``: lower is scheduled
+        sooner, on an engine whose Ready says it ranks requests (others refuse all but 0)."""
+        request = EngineRequest(
+            request_id, prompt_token_ids, params, 0, output_interval, priority=priority
+        )
         self._input.send(self._add_frame(request))
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -324,14 +330,16 @@ class EngineClient(_Connection):
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         timeout: float | None = None,
+        priority: int = 0,
     ) -> Iterator[RequestOutput]:
-        """Add one request and yield its outputs until it finishes.
+        """Add one request (with ``priority``: see ``add_request``) and yield its outputs until
+        it finishes.
 
         Raises EngineRequestError on a RequestError for it, TimeoutError when nothing arrives for
         ``timeout`` s. Leaving early aborts the request. Messages for other requests are kept
         for ``recv()``; do not interleave two generate() iterators on one client.
         """
-        self.add_request(request_id, prompt_token_ids, params)
+        self.add_request(request_id, prompt_token_ids, params, priority=priority)
         others: list[EngineMessage] = []
         finished = False
         try:
@@ -499,6 +507,7 @@ class AsyncEngineClient(_Connection):
         params: SamplingParams,
         max_resumes: int = 0,
         resume_timeout: float = 60.0,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Add one request and yield its outputs until it finishes; EngineRequestError or
         EngineDeadError if it fails. Leaving early aborts it: at once inside
@@ -508,13 +517,14 @@ class AsyncEngineClient(_Connection):
         (``resume_timeout`` s in all, over every resume) and send the request again with what it
         generated so far, as output, up to this many times: the outputs go on as if nothing
         happened (a seeded request draws what it would have drawn). Death is seen when the
-        process exits (``is_process_alive``) or after ``dead_after_s`` of silence."""
+        process exits (``is_process_alive``) or after ``dead_after_s`` of silence. ``priority``:
+        lower is scheduled sooner, on an engine whose Ready says it ranks requests."""
         if max_resumes < 0 or not resume_timeout > 0:
             raise ValueError(
                 f"max_resumes must be at least 0 and resume_timeout more than 0, got "
                 f"{max_resumes} and {resume_timeout}"
             )
-        request = EngineRequest(request_id, prompt_token_ids, params)
+        request = EngineRequest(request_id, prompt_token_ids, params, priority=priority)
         wait_left = resume_timeout
         for attempt in range(max_resumes + 1):
             generated: list[int] = []

@@ -65,6 +65,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--grammar", type=Path, default=None, metavar="FILE",
         help="the output follows the GBNF/EBNF (or Lark) grammar in FILE",
     )  # fmt: skip
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="lower is scheduled sooner (an engine with --scheduling-policy priority; others "
+        "refuse all but 0)",
+    )
     parser.add_argument("--request-id", default=None, help="default: a random one")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for READY")
     add_client_args(parser)
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         )
         printer = _IdPrinter(sys.stdout) if tokenizer is None else _TextPrinter(tokenizer)
         try:
-            reason = _stream(client, request_id, prompt_ids, params, printer)
+            reason = _stream(client, request_id, prompt_ids, params, printer, args.priority)
         except (ProtocolError, EngineRequestError) as exc:
             print(f"\ntandem client: {exc}", file=sys.stderr)
             return 1
@@ -116,9 +123,10 @@ def _stream(
     prompt_ids: Sequence[int],
     params: SamplingParams,
     printer: _IdPrinter | _TextPrinter,
+    priority: int = 0,
 ) -> str:
     reason = "none"
-    for out in client.generate(request_id, prompt_ids, params):
+    for out in client.generate(request_id, prompt_ids, params, priority=priority):
         printer.feed(out)
         if out.finish_reason is not None:
             reason = out.finish_reason.openai_name

@@ -22,11 +22,12 @@ Field layouts (after the type tag and the version):
                     [pooling = [kind, normalize, dimensions | nil]] (an embedding request only),
                     [lora = [name, path]] (a LoRA request only), [images = [[hash: 32 bytes,
                     offset, length, dtype, shape: [ints], pixels: bytes, [t, h, w]], ...]] (a
-                    prompt with images): trailing, each absent one nil where a later one follows
+                    prompt with images), [priority] (not 0): trailing, each absent one nil
+                    where a later one follows
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
-                    num_kv_blocks, max_num_seqs,
+                    num_kv_blocks, max_num_seqs, scheduling_policy,
                     [embedding = [pooling kind, normalize, size, matryoshka,
                     matryoshka_dimensions: i32 bytes]] (an embedding engine only)
     STEP_OUTPUTS    [request_id, ...], counts: i32 bytes (new tokens per request),
@@ -54,8 +55,9 @@ Field layouts (after the type tag and the version):
 Fields in [brackets] above are trailing ones that a frame carries only when it has them (an
 embedding request, an embedding engine, a step that pooled): the frames of generation keep the
 bytes they had before embeddings existed, and a decoder reads a missing one as none. Where one
-is present it must hold something: one encoding per message (an image prompt's frame holds
-pooling's place with nil, the one nil a trailing field takes: images never go with pooling).
+is present it must hold something: one encoding per message (a frame's last field is never
+nil, and a priority of 0 is left out; an absent field before a present one holds its place with
+nil).
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ import numpy as np
 
 from protocol.messages import (
     PIXEL_DTYPES,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
     PROTOCOL_VERSION,
     STEP_TOKEN_BUCKETS,
     Abort,
@@ -99,6 +103,7 @@ from protocol.messages import (
     RequestOutput,
     RequestTimings,
     SamplingParams,
+    SchedulingPolicy,
     Stats,
     StepOutputs,
     TensorBytes,
@@ -446,7 +451,7 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
     _check_resumed(msg.num_output_tokens, len(ids) // 4, msg.params, v)
     v.int_(msg.output_interval, "output_interval", 1, INT32_MAX)
     fields = [rid, ids, params, msg.num_output_tokens, msg.output_interval]
-    tail: list[Any] = [None, None, None]  # pooling, lora, images
+    tail: list[Any] = [None, None, None, None]  # pooling, lora, images, priority
     if msg.pooling is not None:
         validate_pooling_params(msg.pooling, rid)
         _check_pooled(msg, v)
@@ -459,6 +464,8 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
         images = [_encode_image(image) for image in msg.images]
         _decode_images(images, len(ids) // 4, v)  # the decoder's checks, before it goes out
         tail[2] = images
+    if msg.priority != 0:
+        tail[3] = v.int_(msg.priority, "priority", PRIORITY_MIN, PRIORITY_MAX)
     while tail and tail[-1] is None:
         tail.pop()
     return fields + tail
@@ -561,18 +568,24 @@ def _decode_pooling(value: Any, v: _Validator) -> PoolingParams:
 
 
 def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
-    fields, lora_field, images = _optional_tail(fields, v)
-    fixed, pooling = _with_trailing(fields, "ADD_REQUEST fields", 5, v)
+    fixed, (pooling, lora, images, priority) = _add_request_fields(fields, v)
     rid, ids, params, num_output, interval = fixed
     rid = v.rid(rid)
-    lora = None if lora_field is _NO_LORA else _decode_lora(lora_field, v)
     ids = v.ids(ids, "prompt_token_ids")
     if not ids:
         raise v.fail("prompt_token_ids must not be empty")
     params = _SAMPLING_PARAMS.from_wire(params, v)
     _check_resumed(num_output, len(ids), params, v)
     interval = v.int_(interval, "output_interval", 1, INT32_MAX)
-    msg = AddRequest(rid, ids, params, num_output, interval, lora=lora)
+    msg = AddRequest(
+        rid,
+        ids,
+        params,
+        num_output,
+        interval,
+        lora=None if lora is None else _decode_lora(lora, v),
+        priority=0 if priority is None else _decode_priority(priority, v),
+    )
     if images is not None:
         if pooling is not None:
             raise v.fail("an embedding request takes no images")
@@ -584,20 +597,31 @@ def _decode_add_request(fields: list[Any], v: _Validator) -> AddRequest:
     return msg
 
 
-_NO_LORA = object()  # an ADD_REQUEST frame without the LoRA field (not one that holds nil)
+_ADD_REQUEST_FIXED = 5  # request_id, prompt ids, params, num_output_tokens, output_interval
+_ADD_REQUEST_TRAILING = 4  # pooling, lora, images, priority
 
 
-def _optional_tail(fields: Any, v: _Validator) -> tuple[Any, Any, Any]:
-    """An ADD_REQUEST's fields up to its pooling, its LoRA field (``_NO_LORA`` if none) and its
-    images (None if none). Frames of 7 or 8 fields carry a LoRA adapter or images at 6 and 7,
-    each absent one before the last nil; the pooling's place (5) is then nil where it has none."""
-    if type(fields) is not list or len(fields) not in (7, 8):
-        return fields, _NO_LORA, None
-    if fields[-1] is None:
+def _add_request_fields(fields: Any, v: _Validator) -> tuple[list[Any], list[Any]]:
+    """An ADD_REQUEST's fixed fields and its trailing ones, None for each it leaves out (a
+    frame ends at its last trailing field, which is never nil: one encoding per message)."""
+    v.list_(fields, "ADD_REQUEST fields")
+    most = _ADD_REQUEST_FIXED + _ADD_REQUEST_TRAILING
+    if not _ADD_REQUEST_FIXED <= len(fields) <= most:
+        raise v.fail(
+            f"ADD_REQUEST fields must have {_ADD_REQUEST_FIXED} to {most} elements, "
+            f"got {len(fields)}"
+        )
+    if len(fields) > _ADD_REQUEST_FIXED and fields[-1] is None:
         raise v.fail("ADD_REQUEST's last optional field must not be nil")
-    lora = fields[6] if fields[6] is not None else _NO_LORA
-    images = fields[7] if len(fields) == 8 else None
-    return (fields[:5] if fields[5] is None else fields[:6]), lora, images
+    tail = fields[_ADD_REQUEST_FIXED:] + [None] * (most - len(fields))
+    return fields[:_ADD_REQUEST_FIXED], tail
+
+
+def _decode_priority(value: Any, v: _Validator) -> int:
+    priority = v.int_(value, "priority", PRIORITY_MIN, PRIORITY_MAX)
+    if priority == 0:
+        raise v.fail("priority 0 is the default: a frame leaves it out")
+    return priority
 
 
 # ---- sampling params --------------------------------------------------------------------------
@@ -826,6 +850,7 @@ def _encode_ready(msg: Ready) -> list[Any]:
         int(msg.block_size),
         int(msg.num_kv_blocks),
         int(msg.max_num_seqs),
+        int(msg.scheduling_policy),
     ]
     if msg.embedding is not None:
         fields.append(_encode_embedding_model(msg.embedding))
@@ -849,8 +874,8 @@ def _decode_embedding_model(value: Any, v: _Validator) -> EmbeddingModel:
 
 
 def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
-    fixed, embedding = _with_trailing(fields, "READY fields", 7, v)
-    model, max_model_len, vocab_size, eos_ids, block_size, num_kv_blocks, max_num_seqs = fixed
+    fixed, embedding = _with_trailing(fields, "READY fields", 8, v)
+    model, max_model_len, vocab_size, eos_ids, block_size, num_kv_blocks, max_num_seqs = fixed[:7]
     return Ready(
         model=v.str_(model, "model", MAX_STR_BYTES),
         max_model_len=v.int_(max_model_len, "max_model_len", 1, INT32_MAX),
@@ -860,6 +885,7 @@ def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
         num_kv_blocks=v.int_(num_kv_blocks, "num_kv_blocks", 0, INT32_MAX),
         max_num_seqs=v.int_(max_num_seqs, "max_num_seqs", 1, INT32_MAX),
         embedding=None if embedding is None else _decode_embedding_model(embedding, v),
+        scheduling_policy=v.enum_(fixed[7], SchedulingPolicy, "scheduling policy"),
     )
 
 

@@ -21,9 +21,13 @@ from dataclasses import dataclass, field
 # 8: AddRequest may carry a LoRA adapter (``lora``: name and folder) and images (processed
 #    pixels, their grid, hash and placeholder run), trailing fields after pooling's place (nil
 #    where a later one follows); every other frame is unchanged
-# 9: Stats carries the host KV tier's gauges and EngineCounts its counts (--kv-offload-gb)
-PROTOCOL_VERSION = 9
+# 9: AddRequest may carry a priority (a trailing field after the images' place, left out at 0);
+#    Ready carries the engine's scheduling policy (after max_num_seqs)
+# 10: Stats carries the host KV tier's gauges and EngineCounts its counts (--kv-offload-gb)
+PROTOCOL_VERSION = 10
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# A request's priority is a signed 64-bit int, as vLLM's.
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
 class MsgType(enum.IntEnum):
@@ -84,6 +88,18 @@ class PoolingKind(enum.IntEnum):
 
     LAST = 1  # the last prompt token's (Qwen3-Embedding, e5-mistral)
     MEAN = 2  # the mean over every prompt token's
+
+
+class SchedulingPolicy(enum.IntEnum):
+    """How an engine orders its waiting requests and picks whom to preempt (Ready says)."""
+
+    FCFS = 0  # arrival order; every request's priority is 0
+    PRIORITY = 1  # (priority, arrival) order, lower first; preemption takes the worst first
+
+    @property
+    def flag_name(self) -> str:
+        """Its spelling in --scheduling-policy."""
+        return self.name.lower()
 
 
 class ControlKind(enum.IntEnum):
@@ -225,6 +241,9 @@ class AddRequest:
     lora: LoraRef | None = None
     # The prompt's images in prompt order, their placeholder runs apart (a generation only).
     images: tuple[ImageInput, ...] = ()
+    # Lower is scheduled sooner (vLLM's meaning); ties go by arrival. An engine whose policy is
+    # FCFS refuses any priority but 0. A signed 64-bit int.
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -260,6 +279,8 @@ class Ready:
     num_kv_blocks: int
     max_num_seqs: int
     embedding: EmbeddingModel | None = None  # None: the engine generates; else it only embeds
+    # Whether requests' priorities count (PRIORITY), or only 0 is taken (FCFS).
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
 
 @dataclass(frozen=True)

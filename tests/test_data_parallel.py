@@ -31,7 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.client import EngineClient
-from protocol.messages import ControlKind, Stats
+from protocol.messages import ControlKind, SchedulingPolicy, Stats
 from tests.server_fixture import (
     Server,
     descendants,
@@ -67,6 +67,7 @@ def dp_server(
 ) -> Iterator[Deployment]:
     api_processes = request.param
     extra = ["--data-parallel-size", "2", "--api-servers", str(api_processes)]
+    extra += ["--scheduling-policy", "priority"]  # every engine ranks; all-0 requests as FCFS
     srv = start_server(
         tmp_path_factory.mktemp("serve-dp"), model=str(tiny_model_dir), args=SERVE_ARGS, extra=extra
     )
@@ -221,6 +222,23 @@ def test_mixed_load_completes_on_both_engines_and_frees_every_block(
     assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
     for m in metrics.values():
         assert [m[("tandem_engine_up", str(i))] for i in range(2)] == [1.0, 1.0]
+
+
+def test_every_engine_ranks_requests_and_every_api_process_takes_a_priority(
+    dp_server: Deployment,
+) -> None:
+    """--scheduling-policy reaches each engine core (their Ready says so), and each API process
+    sends a request's priority on, whichever engine it picks."""
+    for address in engine_addresses(dp_server.server):
+        with EngineClient(address) as client:
+            assert client.connect(timeout=30).scheduling_policy == SchedulingPolicy.PRIORITY
+    url = f"{dp_server.server.base_url}/v1/completions"
+    for priority in (-3, 0, 2**63 - 1, -(2**63)):
+        body = {"prompt": "Hi", "max_tokens": 2, "priority": priority}
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    for address in engine_addresses(dp_server.server):
+        wait_address_idle(address, IDLE_TIMEOUT_S)
 
 
 def test_a_disconnect_aborts_in_the_owning_engine(

@@ -51,6 +51,7 @@ from protocol.messages import (
     RequestOutput,
     RequestTimings,
     SamplingParams,
+    SchedulingPolicy,
     Stats,
     StepOutputs,
     TokenLogprobs,
@@ -740,6 +741,65 @@ def test_lora_travels_after_a_nil_pooling() -> None:
     assert lora[:7] == plain and lora[7] is None and lora[8] == ["sql", "/a/sql"]
     with pytest.raises(ProtocolError):
         encode(AddRequest("r", [1], lora=LoraRef("", "/a")))
+
+
+# ---- priority: the last trailing field of ADD_REQUEST -----------------------------------------
+
+
+def priority_add_frame(priority: Any) -> bytes:
+    """A valid ADD_REQUEST frame for id "r" with a priority, its priority replaced."""
+    obj = unpack(encode(AddRequest("r", [1, 2], priority=5)))
+    obj[10] = priority
+    return msgpack.packb(obj)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        priority_add_frame(None),  # a trailing nil
+        priority_add_frame(0),  # the default travels as no field at all
+        priority_add_frame(True),
+        priority_add_frame(1.0),
+        priority_add_frame("1"),
+        priority_add_frame([1]),
+        priority_add_frame(2**63),  # past int64 (msgpack packs it as uint64)
+        msgpack.packb([*unpack(encode(AddRequest("r", [1], priority=1))), 2]),  # a 10th field
+    ],
+)
+def test_malformed_priority_is_an_error_for_that_request(frame: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_client_message(frame)
+    assert info.value.request_id == "r"
+
+
+@pytest.mark.parametrize("priority", [True, 1.5, 2**63, -(2**63) - 1])
+def test_encoder_rejects_a_bad_priority(priority: Any) -> None:
+    with pytest.raises(ProtocolError) as info:
+        encode(AddRequest("mine", [1], priority=priority))
+    assert info.value.request_id == "mine"
+
+
+def test_priority_travels_after_nil_places_and_only_when_not_zero() -> None:
+    plain = unpack(encode(AddRequest("r", [1])))
+    assert unpack(encode(AddRequest("r", [1], priority=0))) == plain
+    ranked = unpack(encode(AddRequest("r", [1], priority=-(2**63))))
+    assert ranked == [*plain, None, None, None, -(2**63)]
+    for msg in (
+        AddRequest("r", [1], priority=3),
+        AddRequest("r", [1, 2], lora=LoraRef("a", "/a"), priority=-1),
+        AddRequest("r", [1, 2], pooling=PoolingParams(), priority=2**63 - 1),
+    ):
+        assert decode_client_message(encode(msg)) == msg
+
+
+def test_ready_carries_the_scheduling_policy() -> None:
+    for policy in SchedulingPolicy:
+        msg = Ready("m", 8, 9, [2], 16, 4, 2, scheduling_policy=policy)
+        assert decode_engine_message(encode(msg)) == msg
+    frame = unpack(encode(Ready("m", 8, 9, [2], 16, 4, 2)))
+    frame[9] = 2  # no such policy
+    with pytest.raises(ProtocolError):
+        decode_engine_message(msgpack.packb(frame))
 
 
 def f32(*values: float) -> bytes:

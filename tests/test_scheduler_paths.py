@@ -32,15 +32,22 @@ def general_only(scheduler: Scheduler) -> Scheduler:
     return scheduler
 
 
-def make_pair(num_blocks: int, max_num_seqs: int, budget: int) -> tuple[Scheduler, Scheduler]:
+def make_pair(
+    num_blocks: int, max_num_seqs: int, budget: int, policy: str = "fcfs"
+) -> tuple[Scheduler, Scheduler]:
     config = EngineConfig(
-        block_size=BLOCK_SIZE, max_num_seqs=min(max_num_seqs, budget), max_num_batched_tokens=budget
+        block_size=BLOCK_SIZE,
+        max_num_seqs=min(max_num_seqs, budget),
+        max_num_batched_tokens=budget,
+        scheduling_policy=policy,
     )
     fast = Scheduler(config, num_blocks, 128, (EOS,))
     return fast, general_only(Scheduler(config, num_blocks, 128, (EOS,)))
 
 
-def random_request(rng: random.Random, index: int, prefixes: list[list[int]]) -> Request:
+def random_request(
+    rng: random.Random, index: int, prefixes: list[list[int]], ranked: bool = False
+) -> Request:
     prompt = rng.choice(prefixes)[: rng.randint(0, 12)]
     prompt += [rng.randrange(2, 40) for _ in range(rng.randint(1, 14))]
     params = SamplingParams(
@@ -50,7 +57,8 @@ def random_request(rng: random.Random, index: int, prefixes: list[list[int]]) ->
         stop_token_ids=tuple(rng.sample(range(2, 40), rng.choice([0, 0, 1]))),
         prompt_logprobs=rng.choice([None, None, None, 0]),
     )
-    return Request(f"r{index}", prompt, params)
+    priority = rng.randint(-2, 2) if ranked else 0
+    return Request(f"r{index}", prompt, params, arrival_time=float(index), priority=priority)
 
 
 def plan_of(plan: SchedulerOutput) -> list[tuple[object, ...]]:
@@ -86,7 +94,13 @@ def state_of(scheduler: Scheduler, requests: list[Request]) -> list[tuple[object
 
 
 def twin(request: Request) -> Request:
-    return Request(request.request_id, list(request.prompt_token_ids), request.params)
+    return Request(
+        request.request_id,
+        list(request.prompt_token_ids),
+        request.params,
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -96,19 +110,20 @@ def twin(request: Request) -> Request:
     max_num_seqs=st.integers(1, 8),
     budget=st.integers(8, 40),
     overlap=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority"]),
 )
 def test_fast_paths_plan_and_update_as_the_general_rules(
-    seed: int, num_blocks: int, max_num_seqs: int, budget: int, overlap: bool
+    seed: int, num_blocks: int, max_num_seqs: int, budget: int, overlap: bool, policy: str
 ) -> None:
     rng = random.Random(seed)
-    fast, general = make_pair(num_blocks, max_num_seqs, budget)
+    fast, general = make_pair(num_blocks, max_num_seqs, budget, policy)
     prefixes = [[rng.randrange(2, 40) for _ in range(12)] for _ in range(2)]
     mine: list[Request] = []  # the fast scheduler's requests; the general one has twins
     theirs: list[Request] = []
     pending: tuple[SchedulerOutput, SchedulerOutput] | None = None
     for step in range(120):
         if step < 60 and rng.random() < 0.4:
-            request = random_request(rng, len(mine), prefixes)
+            request = random_request(rng, len(mine), prefixes, policy == "priority")
             mine.append(request)
             theirs.append(twin(request))
             fast.add_request(request)

@@ -2,11 +2,13 @@
 the frame decodes back to it). A change to the codec that moves a byte of any of them changes the
 protocol, and must come with a new PROTOCOL_VERSION and new frames here.
 
-The frames were written by the codec of protocol version 9; ``python -m tests.test_wire_golden``
+The frames were written by the codec of protocol version 10; ``python -m tests.test_wire_golden``
 prints the table for the codec as it is now. Version 8 added a request's LoRA adapter and a
-prompt's images as trailing fields that only such frames carry, and version 9 the host KV
-tier's gauges and counts to a STATS reply: every other frame of version 7 is the same here but
-for its version byte (``test_frames_unchanged_since_version_7_but_for_their_version``).
+prompt's images as trailing fields that only such frames carry; version 9 a request's priority
+as a trailing field that only a frame with a priority other than 0 carries, and the engine's
+scheduling policy to READY; version 10 the host KV tier's gauges and counts to a STATS reply.
+Every other frame of version 8 is the same here but for its version byte
+(``test_frames_without_a_priority_changed_only_their_version``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import sys
 from typing import Any
 
+import msgpack
 import pytest
 
 from protocol.codec import StepOutputsFrame, decode_client_message, decode_engine_message, encode
@@ -41,6 +44,7 @@ from protocol.messages import (
     RequestOutput,
     RequestTimings,
     SamplingParams,
+    SchedulingPolicy,
     Stats,
     StepOutputs,
     TensorBytes,
@@ -117,11 +121,17 @@ MESSAGES: dict[str, Any] = {
         lora=LoraRef("v", "/v"),
         images=(ImageInput(b"\x01" * 32, 1, 1, TensorBytes("float16", (1,), b"\0<"), (1, 1, 1)),),
     ),
+    "add priority": AddRequest("pr", [1], priority=-(2**63)),
+    "add pooling priority": AddRequest("pp", [1], pooling=PoolingParams(), priority=2**63 - 1),
+    "add lora priority": AddRequest("lp", [1], lora=LoraRef("a", "/a"), priority=7),
     "abort none": Abort([]),
     "abort two": Abort(["a", "b"]),
     "control stats": Control(ControlKind.STATS, 7),
     "control shutdown": Control(ControlKind.SHUTDOWN, 2**64 - 1),
     "ready": Ready("default", 2048, 49152, [2, 0], 16, 1000, 256),
+    "ready priority": Ready(
+        "p", 2048, 49152, [2], 16, 1000, 256, scheduling_policy=SchedulingPolicy.PRIORITY
+    ),
     "ready embedding": Ready(
         "embed", 512, 49152, [2], 16, 64, 8, EmbeddingModel(PoolingKind.LAST, True, 1024)
     ),
@@ -189,68 +199,68 @@ MESSAGES: dict[str, Any] = {
 }
 
 FRAMES: dict[str, str] = {
-    "hello": "930109a0",
-    "hello named": "930109aa66726f6e74656e642d31",
+    "hello": "93010aa0",
+    "hello named": "93010aaa66726f6e74656e642d31",
     "add default params": (
-        "970209a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "97020aa172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "00c0c00001"
     ),
     "add greedy params": (
-        "970209a27231c40805000000ffbf0000dc0010cd010000cb0000000000000000cb3ff00000000000"
+        "97020aa27231c40805000000ffbf0000dc0010cd010000cb0000000000000000cb3ff00000000000"
         "0000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c4"
         "00c2c092c400c400c0c00001"
     ),
     "add every param": (
-        "970209a3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
+        "97020aa3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
         "3fe000000000000028cb3fa999999999999acfffffffffffffffffcbc000000000000000cb3ff800"
         "0000000000cb3ff199999999999ac40c020000000d000000ffffff7fc31492c40c00000000ffffff"
         "7f07000000c41800000000000059c00000000000005940000000000000e03f9201b27b2274797065"
         "223a20226f626a656374227d030104"
     ),
     "add stop ids": (
-        "970209a173c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "97020aa173c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c408070000000800"
         "0000c2c092c400c400c0c00001"
     ),
     "add logit bias": (
-        "970209a162c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "97020aa162c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c40403"
         "000000c408000000000000f8bfc0c00001"
     ),
     "add json object": (
-        "970209a16ac40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "97020aa16ac40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "009202a0c00001"
     ),
     "add regex": (
-        "970209a178c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "97020aa178c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "009203a2612bc00001"
     ),
     "add llguidance grammar": (
-        "970209a167c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "97020aa167c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "009206d92f7b226772616d6d617273223a205b7b226c61726b5f6772616d6d6172223a2022737461"
         "72743a202f612b2f227d5d7dc00001"
     ),
     "add optional ints": (
-        "970209a16fc40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "97020aa16fc40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "0000000000cb0000000000000000cb0000000000000000cb3ff0000000000000c400c20092c400c4"
         "00c0c00001"
     ),
     "add resumed": (
-        "970209a17ac41005000000060000000700000008000000dc00100900cb3ff0000000000000cb3ff0"
+        "97020aa17ac41005000000060000000700000008000000dc00100900cb3ff0000000000000cb3ff0"
         "00000000000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000"
         "00000000c400c2c092c400c400c0c00310"
     ),
     "add pooling last": (
-        "980209a165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
+        "98020aa165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
         "0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c0"
         "92c400c400c0c000019301c3c0"
     ),
     "add images": (
-        "9a0209a169c418010000000900000009000000020000000900000003000000dc00101000cb3ff000"
+        "9a020aa169c418010000000900000009000000020000000900000003000000dc00101000cb3ff000"
         "0000000000cb3ff000000000000000cb0000000000000000c0cb0000000000000000cb0000000000"
         "000000cb3ff0000000000000c400c2c092c400c400c0c00001c0c09297c420000102030405060708"
         "090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f0102a7666c6f61743332920201c4080000"
@@ -258,58 +268,74 @@ FRAMES: dict[str, str] = {
         "ffffffffff0401a862666c6f617431369101c402803f93010202"
     ),
     "add pooling mean cut": (
-        "980209a16dc40407000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "98020aa16dc40407000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "00c0c000019302c2cd0100"
     ),
     "add lora": (
-        "990209a16cc4080100000002000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
+        "99020aa16cc4080100000002000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
         "0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c0"
         "92c400c400c0c00001c092a373716cad2f61646170746572732f73716c"
     ),
     "add lora resumed": (
-        "990209a26c72c40c050000000600000007000000dc00100900cb3ff0000000000000cb3ff0000000"
+        "99020aa26c72c40c050000000600000007000000dc00100900cb3ff0000000000000cb3ff0000000"
         "00000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000000000"
         "00c400c2c092c400c400c0c00110c092a161a22f78"
     ),
     "add lora images": (
-        "9a0209a26c69c40c010000000900000002000000dc00101000cb3ff0000000000000cb3ff0000000"
+        "9a020aa26c69c40c010000000900000002000000dc00101000cb3ff0000000000000cb3ff0000000"
         "00000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000000000"
         "00c400c2c092c400c400c0c00001c092a176a22f769197c420010101010101010101010101010101"
         "01010101010101010101010101010101010101a7666c6f617431369101c402003c93010101"
     ),
-    "abort none": "93030990",
-    "abort two": "93030992a161a162",
-    "control stats": "9404090107",
-    "control shutdown": "94040902cfffffffffffffffff",
-    "ready": "991009a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
-    "ready embedding": "9a1009a5656d626564cd0200cdc000c404020000001040089501c3cd0400c2c400",
-    "ready mrl": "9a1009a36d726ccd0200cdc000c4001040089502c240c3c40c100000002000000040000000",
-    "step empty": "9a110990c400c4009090809090",
-    "step one token": "9a110991a161c40401000000c404050000009090809090",
+    "add priority": (
+        "9b020aa27072c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb000000"
+        "0000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400"
+        "c400c0c00001c0c0c0d38000000000000000"
+    ),
+    "add pooling priority": (
+        "9b020aa27070c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb000000"
+        "0000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400"
+        "c400c0c000019301c3c0c0c0cf7fffffffffffffff"
+    ),
+    "add lora priority": (
+        "9b020aa26c70c40401000000dc00101000cb3ff0000000000000cb3ff000000000000000cb000000"
+        "0000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400"
+        "c400c0c00001c092a161a22f61c007"
+    ),
+    "abort none": "93030a90",
+    "abort two": "93030a92a161a162",
+    "control stats": "94040a0107",
+    "control shutdown": "94040a02cfffffffffffffffff",
+    "ready": "9a100aa764656661756c74cd0800cdc000c408020000000000000010cd03e8cd010000",
+    "ready priority": "9a100aa170cd0800cdc000c4040200000010cd03e8cd010001",
+    "ready embedding": "9b100aa5656d626564cd0200cdc000c40402000000104008009501c3cd0400c2c400",
+    "ready mrl": "9b100aa36d726ccd0200cdc000c400104008009502c240c3c40c100000002000000040000000",
+    "step empty": "9a110a90c400c4009090809090",
+    "step one token": "9a110a91a161c40401000000c404050000009090809090",
     "step finishes and logprobs": (
-        "9a110993a161a162a163c40c020000000000000002000000c4100500000006000000070000000800"
+        "9a110a93a161a162a163c40c020000000000000002000000c4100500000006000000070000000800"
         "00009292000092010191920294c410000000000000d0bf000000000000f0ffc40802000000000000"
         "00c4080700000009000000c410000000000000d0bf000000000000f8bf82a16402a165039090"
     ),
     "step prompt logprobs and timings": (
-        "9a110993a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
+        "9a110a93a170a171a174c40c010000000000000001000000c4080300000005000000929201049202"
         "0190809293000194c408000000000000f8bfc40402000000c4080400000003000000c41000000000"
         "0000e0bf000000000000f8bf93010094c400c400c400c400919602cb0000000000000000cb3fd000"
         "0000000000cb3ff80000000000000805"
     ),
     "step pooled": (
-        "9b110993a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
+        "9b110a93a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
         "919602cb0000000000000000cb3fe0000000000000cb00000000000000000000929201c40c000000"
         "3f000080be0000803f9202c40400000040"
     ),
-    "request error": "951209a172af70726f6d707420746f6f206c6f6e67cd019d",
+    "request error": "95120aa172af70726f6d707420746f6f206c6f6e67cd019d",
     "control reply stats": (
-        "971309010399010203040acf000001000000000040219dcf3fffffffffffffffcd012ccc80026305"
+        "97130a010399010203040acf000001000000000040219dcf3fffffffffffffffcd012ccc80026305"
         "140f280ccd012cccc09e000102030405060708090a0b0c0dc3a0"
     ),
-    "control reply failed": "9713090300c0c2a46c65616b",
-    "heartbeat": "931409ce075bcd15",
+    "control reply failed": "97130a0300c0c2a46c65616b",
+    "heartbeat": "93140ace075bcd15",
 }
 
 CLIENT_TYPES = (Hello, AddRequest, Abort, Control)
@@ -353,46 +379,68 @@ def test_a_frame_built_request_by_request_is_the_stored_frame(name: str) -> None
 
 
 def test_the_frames_are_of_this_protocol_version() -> None:
-    assert PROTOCOL_VERSION == 9, "a new protocol version: write the frames anew"
+    assert PROTOCOL_VERSION == 10, "a new protocol version: write the frames anew"
 
 
-# The frames of protocol version 7, byte for byte: version 8 only added trailing LoRA and image
-# fields that frames without them leave out, and version 9 changed only the STATS reply, so
-# these must be the same but for the version byte.
-VERSION_7_FRAMES = {
+# The frames of protocol version 8, byte for byte: version 9 only added a trailing priority that
+# frames without one leave out, and version 10 changed only the STATS reply, so these must be the
+# same but for the version byte...
+VERSION_8_FRAMES = {
     "add default params": (
-        "970207a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
+        "970208a172c40400000000dc00101000cb3ff0000000000000cb3ff000000000000000cb00000000"
         "00000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c092c400c4"
         "00c0c00001"
     ),
     "add every param": (
-        "970207a3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
+        "970208a3616c6cc40c0100000002000000ffffff7fdc0010ce7fffffff05cb3fe6666666666666cb"
         "3fe000000000000028cb3fa999999999999acfffffffffffffffffcbc000000000000000cb3ff800"
         "0000000000cb3ff199999999999ac40c020000000d000000ffffff7fc31492c40c00000000ffffff"
         "7f07000000c41800000000000059c00000000000005940000000000000e03f9201b27b2274797065"
         "223a20226f626a656374227d030104"
     ),
     "add pooling last": (
-        "980207a165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
+        "980208a165c4080500000006000000dc00101000cb3ff0000000000000cb3ff000000000000000cb"
         "0000000000000000c0cb0000000000000000cb0000000000000000cb3ff0000000000000c400c2c0"
         "92c400c400c0c000019301c3c0"
     ),
-    "ready": "991007a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
-    "step one token": "9a110791a161c40401000000c404050000009090809090",
+    "add lora images": (
+        "9a0208a26c69c40c010000000900000002000000dc00101000cb3ff0000000000000cb3ff0000000"
+        "00000000cb0000000000000000c0cb0000000000000000cb0000000000000000cb3ff00000000000"
+        "00c400c2c092c400c400c0c00001c092a176a22f769197c420010101010101010101010101010101"
+        "01010101010101010101010101010101010101a7666c6f617431369101c402003c93010101"
+    ),
+    "step one token": "9a110891a161c40401000000c404050000009090809090",
     "step pooled": (
-        "9b110793a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
+        "9b110893a161a165a166c40c010000000000000000000000c4040500000092920105920205908090"
         "919602cb0000000000000000cb3fe0000000000000cb00000000000000000000929201c40c000000"
         "3f000080be0000803f9202c40400000040"
     ),
+    "request error": "951208a172af70726f6d707420746f6f206c6f6e67cd019d",
 }
 
 
-@pytest.mark.parametrize("name", list(VERSION_7_FRAMES))
-def test_frames_unchanged_since_version_7_but_for_their_version(name: str) -> None:
-    old, new = bytes.fromhex(VERSION_7_FRAMES[name]), bytes.fromhex(FRAMES[name])
+@pytest.mark.parametrize("name", list(VERSION_8_FRAMES))
+def test_frames_without_a_priority_changed_only_their_version(name: str) -> None:
+    old, new = bytes.fromhex(VERSION_8_FRAMES[name]), bytes.fromhex(FRAMES[name])
     # After the array's header byte: the type tag, then the version (each a positive fixint).
-    assert old[2] == 7 and new[2] == PROTOCOL_VERSION
+    assert old[2] == 8 and new[2] == PROTOCOL_VERSION
     assert old[:2] + old[3:] == new[:2] + new[3:]
+
+
+# ...and READY gained the scheduling policy after max_num_seqs (0, FCFS, for these engines).
+VERSION_8_READY_FRAMES = {
+    "ready": "991008a764656661756c74cd0800cdc000c408020000000000000010cd03e8cd0100",
+    "ready embedding": "9a1008a5656d626564cd0200cdc000c404020000001040089501c3cd0400c2c400",
+    "ready mrl": "9a1008a36d726ccd0200cdc000c4001040089502c240c3c40c100000002000000040000000",
+}
+
+
+@pytest.mark.parametrize("name", list(VERSION_8_READY_FRAMES))
+def test_ready_frames_gained_only_the_scheduling_policy(name: str) -> None:
+    old = msgpack.unpackb(bytes.fromhex(VERSION_8_READY_FRAMES[name]))
+    new = msgpack.unpackb(bytes.fromhex(FRAMES[name]))
+    assert old[1] == 8 and new[1] == PROTOCOL_VERSION
+    assert new[:1] + new[2:] == [*old[:1], *old[2:9], int(SchedulingPolicy.FCFS), *old[9:]]
 
 
 def print_frames() -> None:
