@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -98,8 +99,9 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
         if stored is None:
             raise not_found(req.previous_response_id)
         history = stored.history
+    origins: list[str] = []  # where each new message came from, for errors about its parts
     try:
-        new = input_messages(req)
+        new = input_messages(req, ctx.vision is not None, origins)
         chat = ChatCompletionRequest.model_validate(chat_request_body(req, history + new))
     except ItemError as exc:
         raise bad_request(str(exc), exc.param) from None
@@ -110,16 +112,37 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
     try:
         gen = await prepare_chat(ctx, chat)
     except OpenAIError as exc:
-        exc.info.param = PARAMS.get(exc.info.param or "", exc.info.param)
+        sources = ["instructions"] * (req.instructions is not None)
+        sources += ["previous_response_id"] * len(history) + origins
+        exc.info.param = response_param(exc.info.param, sources)
         raise
     return ResponseRun(req, chat, gen, history + new)
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def input_messages(
+    req: ResponsesRequest, images: bool = False, origins: list[str] | None = None
+) -> list[dict[str, Any]]:
     """The request's input as chat messages (a string is one user message)."""
     if isinstance(req.input, str):
+        if origins is not None:
+            origins.append("input")
         return [{"role": "user", "content": req.input}]
-    return chat_messages(req.input)
+    return chat_messages(req.input, images, origins)
+
+
+# A chat message's part, as the chat handlers name it ("messages[2].content[1].image_url.detail").
+CHAT_PART = re.compile(r"messages\[(\d+)\]\.content\[(\d+)\](?:\.image_url)?(.*)")
+
+
+def response_param(param: str | None, sources: list[str]) -> str | None:
+    """A chat handler's parameter name in the Responses API's: the chat field's own name, or
+    the input item (``sources``: each chat message's origin) and part a message's part was."""
+    if param is None:
+        return None
+    match = CHAT_PART.fullmatch(param)
+    if match is None or int(match[1]) >= len(sources):
+        return PARAMS.get(param, param)
+    return f"{sources[int(match[1])]}.content.{match[2]}{match[3]}"
 
 
 def chat_validation_error(exc: ValidationError) -> OpenAIError:

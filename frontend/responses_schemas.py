@@ -270,30 +270,63 @@ class ItemError(ValueError):
 
 def item_text(content: Any, param: str) -> str:
     """A message item's content as one string: text parts joined; images and files refused."""
+    parts = item_parts(content, param, images=False)
+    return parts if isinstance(parts, str) else "".join(p["text"] for p in parts)
+
+
+def item_parts(content: Any, param: str, images: bool) -> str | list[dict[str, Any]]:
+    """A message item's content as chat content: one string, or (where it holds an image and
+    ``images`` says the model takes them) chat parts in the item's order, so that a part's
+    index is the same in both. Files and audio are refused."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ItemError("content must be a string or a list of parts", param)
-    texts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text", "reasoning_text"):
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ItemError("a text part needs its text", f"{param}.{i}.text")
-            texts.append(text)
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise ItemError(f"{kind} is not supported: this server takes text", f"{param}.{i}")
-        elif kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
-        else:
-            raise ItemError(f"unknown content part type {kind!r}", f"{param}.{i}.type")
-    return "".join(texts)
+    parts = [content_part(part, f"{param}.{i}", images) for i, part in enumerate(content)]
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
-def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Input items as chat messages (the shape of ChatMessage)."""
+def content_part(part: Any, param: str, images: bool) -> dict[str, Any]:
+    """One content part as a chat part: text, or an image by its URL."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text", "text", "reasoning_text"):
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ItemError("a text part needs its text", f"{param}.text")
+        return {"type": "text", "text": text}
+    if kind == "refusal":
+        return {"type": "text", "text": str(part.get("refusal", ""))}
+    if kind == "input_image":
+        return image_part_of(part, param, images)
+    if kind in ("input_file", "input_audio"):
+        raise ItemError(f"{kind} is not supported: this server takes text and images", param)
+    raise ItemError(f"unknown content part type {kind!r}", f"{param}.type")
+
+
+def image_part_of(part: dict[str, Any], param: str, images: bool) -> dict[str, Any]:
+    if not images:
+        raise ItemError(
+            "input_image is not supported here: images go in user messages to a model that "
+            "takes them",
+            param,
+        )
+    if part.get("file_id") is not None:
+        raise ItemError("images by file_id are not supported: send image_url", f"{param}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise ItemError("an input_image part needs its image_url", f"{param}.image_url")
+    return {"type": "image_url", "image_url": {"url": url, "detail": part.get("detail")}}
+
+
+def chat_messages(
+    items: list[dict[str, Any]], images: bool = False, origins: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Input items as chat messages (the shape of ChatMessage); image parts kept where
+    ``images`` (a vision model). ``origins`` gets, for each message, the item it came from."""
     messages: list[dict[str, Any]] = []
+    origins = [] if origins is None else origins
     reasoning: str | None = None  # a reasoning item's text, for the next assistant turn
     for i, item in enumerate(items):
         param = f"input.{i}"
@@ -301,17 +334,21 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ItemError("an input item is an object", param)
         kind = item.get("type", "message")
         if kind == "message":
-            message = message_of(item, param)
+            message = message_of(item, param, images)
             if message["role"] == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
+            origins.append(param)
         elif kind == "function_call":
             call = function_call_of(item, param)
+            opened = len(messages)
             assistant = open_assistant_turn(messages, reasoning)
+            origins.extend([param] * (len(messages) - opened))
             reasoning = None
             assistant.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             messages.append(tool_message_of(item, param))
+            origins.append(param)
         elif kind == "reasoning":
             reasoning = reasoning_text_of(item, param)
         else:
@@ -319,11 +356,12 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def message_of(item: dict[str, Any], param: str) -> dict[str, Any]:
+def message_of(item: dict[str, Any], param: str, images: bool = False) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise ItemError(f"unknown role {role!r}", f"{param}.role")
-    return {"role": role, "content": item_text(item.get("content", ""), f"{param}.content")}
+    content = item_parts(item.get("content", ""), f"{param}.content", images and role == "user")
+    return {"role": role, "content": content}
 
 
 def function_call_of(item: dict[str, Any], param: str) -> dict[str, Any]:

@@ -269,3 +269,68 @@ def test_a_streamed_image_chat_with_two_choices(vl_server: Server, vl_dir: Path)
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts == [text, text]
+
+
+# ---- the Responses API's input_image parts --------------------------------------------------
+
+
+def respond(srv: Server, content: list[dict[str, Any]]) -> Any:
+    client = client_of(srv)
+    return client.responses.create(
+        model=client.models.list().data[0].id,
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+
+
+def test_responses_input_images_are_the_chat_apis_image_parts(vl_server: Server) -> None:
+    """input_image parts (data URLs, `detail` auto or left out) give the chat API's reply to the
+    same image parts (whose tokens test_data_url_images_give_hf_greedy_tokens holds to HF's), the
+    images' placeholders counted in the input tokens."""
+    cat, dog = data_url(png_bytes(random_image(7))), data_url(png_bytes(random_image(8)))
+    client = client_of(vl_server)
+    want = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Compare"},
+                    image_part(cat),
+                    {"type": "text", "text": "with"},
+                    image_part(dog, detail="auto"),
+                ],
+            }
+        ],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    reply = respond(
+        vl_server,
+        [
+            {"type": "input_text", "text": "Compare"},
+            {"type": "input_image", "image_url": cat},
+            {"type": "input_text", "text": "with"},
+            {"type": "input_image", "image_url": dog, "detail": "auto"},
+        ],
+    )
+    assert reply.output_text == want.choices[0].message.content
+    assert reply.usage.input_tokens == want.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "words"),
+    [
+        ({"image_url": data_url(b"not an image")}, "input.0.content.1", "image"),
+        ({"image_url": "data:,", "detail": "high"}, "input.0.content.1.detail", "detail"),
+        ({"file_id": "file-1"}, "input.0.content.1.file_id", "file_id"),
+    ],
+)
+def test_a_bad_input_image_is_a_400_naming_its_part(
+    vl_server: Server, part: dict[str, Any], param: str, words: str
+) -> None:
+    content = [{"type": "input_text", "text": "Look"}, {"type": "input_image", **part}]
+    with pytest.raises(openai.BadRequestError) as info:
+        respond(vl_server, content)
+    assert_openai_400(info.value, param, words)
