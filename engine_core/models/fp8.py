@@ -26,6 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.config import Fp8Config
+from engine_core.models.fp8_config import (
+    BLOCK_GEMM_COLUMNS,
+    BLOCK_GEMM_ROW_MULTIPLE,
+    block_gemm_takes,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -54,20 +59,13 @@ def check_fp8_device(device: torch.device, what: str) -> None:
         )
 
 
-# The blocks fp8_kernels.fp8_block_gemm takes (it checks them again, not importing this module):
-# a scale block's rows a multiple of 64 (an N tile sits inside one block), its columns one K
-# step of 64 or 128.
-BLOCK_GEMM_ROW_MULTIPLE = 64
-BLOCK_GEMM_COLUMNS = (64, 128)
-
-
 def check_fp8_block_on_device(config: Fp8Config, device: torch.device) -> None:
     """Refuse at load a block shape the CUDA block GEMM cannot run (it would fail at the first
     step); the CPU reference takes any."""
     if device.type != "cuda" or config.block is None:
         return
-    rows, cols = config.block
-    if rows % BLOCK_GEMM_ROW_MULTIPLE or cols not in BLOCK_GEMM_COLUMNS:
+    if not block_gemm_takes(config.block):
+        rows, cols = config.block
         raise ValueError(
             f"{config.source}: block-wise FP8 weights of {rows} x {cols} blocks; the GPU's "
             f"block-scaled FP8 GEMM takes blocks of a multiple of {BLOCK_GEMM_ROW_MULTIPLE} "

@@ -150,3 +150,16 @@ def ignore_pattern(entry: str, substring: bool) -> str:
 def is_ignored(module_name: str, config: QuantConfig) -> bool:
     """Whether checkpoint module ``module_name`` stays unquantized under ``config``."""
     return any(re.fullmatch(pattern, module_name) for pattern in config.ignore)
+
+
+# The blocks the GPU's block-scaled FP8 GEMM (fp8_kernels.fp8_block_gemm) takes: a scale block's
+# rows a multiple of 64 (an N tile sits inside one block), its columns one K step of 64 or 128.
+# Here, importing nothing of the model code, so that fp8.py (at load) and the kernel share it.
+BLOCK_GEMM_ROW_MULTIPLE = 64
+BLOCK_GEMM_COLUMNS = (64, 128)
+
+
+def block_gemm_takes(block: tuple[int, int]) -> bool:
+    """Whether the GPU's block GEMM runs weights of ``block`` = (rows, columns) scale blocks."""
+    rows, cols = block
+    return rows % BLOCK_GEMM_ROW_MULTIPLE == 0 and cols in BLOCK_GEMM_COLUMNS

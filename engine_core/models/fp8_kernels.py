@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_core.models.fp8_config import block_gemm_takes
 from engine_core.models.skinny_gemm import skinny_gemm
 from engine_core.models.triton_ops import e4m3_clamped, e4m3_scale, silu_mul
 from engine_core.triton_pdl import launches_dependents
@@ -332,8 +333,7 @@ def fp8_block_gemm(
     m, k = a.shape
     n = w.shape[0]
     block_n, block_k = block
-    # fp8.check_fp8_block_on_device refuses other blocks at load; K is checked here.
-    if k % block_k or block_k not in (64, 128) or block_n % 64:
+    if k % block_k or not block_gemm_takes(block):
         raise ValueError(
             f"the block-scaled FP8 GEMM takes [64k, 64 or 128] blocks and K a multiple of the "
             f"block's columns; got block {block} and K={k}"
