@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine_core.config import EngineConfig
+from engine_core.core import EngineCore
 from engine_core.llm import LLM
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
@@ -323,12 +324,21 @@ def test_aborting_requests_with_drafts_in_flight_frees_every_block(
     _, spec = default_pair
     engine = spec.engine
     prompt = chat_ids(spec, f"Print this code again, unchanged:\n{CODE}")
+    requests = [greedy(f"abort-{i}", prompt, max_tokens=200) for i in range(3)]
+    abort_two_of_three_with_drafts_in_flight(engine, requests, min_drafts=3)
+
+
+def abort_two_of_three_with_drafts_in_flight(
+    engine: EngineCore, requests: list[Request], min_drafts: int
+) -> None:
+    """Run three requests until ``min_drafts`` more rows have drafted, abort the first and the
+    last, let the middle one finish: every block is free again and the pool is whole."""
     drafted_before = engine.scheduler.counts().spec_drafts
-    for i in range(3):
-        engine.add_request(greedy(f"abort-{i}", prompt, max_tokens=200))
-    while engine.scheduler.counts().spec_drafts - drafted_before < 3:
+    for request in requests:
+        engine.add_request(request)
+    while engine.scheduler.counts().spec_drafts - drafted_before < min_drafts:
         engine.step()
-    engine.abort(["abort-0", "abort-2"])
+    engine.abort([requests[0].request_id, requests[2].request_id])
     while engine.has_unfinished():  # the one left finishes while the others' blocks go back
         engine.step()
     engine.scheduler.block_manager.check_integrity()

@@ -22,7 +22,11 @@ from engine_core.scheduler import PLACEHOLDER, Scheduler
 from engine_core.speculative import DraftRow, SpeculativeConfig
 from protocol.messages import Constraint, ConstraintKind, SamplingParams
 from tests.factories import write_near_copy, write_tiny_llama
-from tests.test_speculative import ITEMS, ITEMS_SCHEMA
+from tests.test_speculative import (
+    ITEMS,
+    ITEMS_SCHEMA,
+    abort_two_of_three_with_drafts_in_flight,
+)
 
 K = 4
 OPTIONS = {"device": "cpu", "max_model_len": 512, "num_kv_blocks": 128, "block_size": 4}
@@ -263,17 +267,8 @@ def test_preemption_and_prefix_hits_keep_the_draft_cache_right(tiny_model_dir: P
 def test_aborting_requests_with_drafts_in_flight_frees_every_block(
     engines: dict[str, LLM],
 ) -> None:
-    engine = engines["near"].engine
-    drafted_before = engine.scheduler.counts().spec_drafts
-    for i in range(3):
-        engine.add_request(Request(f"abort-{i}", PROMPTS[i], SamplingParams(max_tokens=200)))
-    while engine.scheduler.counts().spec_drafts - drafted_before < 6:
-        engine.step()
-    engine.abort(["abort-0", "abort-2"])
-    while engine.has_unfinished():  # the one left finishes while the others' blocks go back
-        engine.step()
-    engine.scheduler.block_manager.check_integrity()
-    assert engine.scheduler.block_manager.num_used_blocks == 0
+    requests = [Request(f"abort-{i}", PROMPTS[i], SamplingParams(max_tokens=200)) for i in range(3)]
+    abort_two_of_three_with_drafts_in_flight(engines["near"].engine, requests, min_drafts=6)
 
 
 # ---- structured outputs on the default model ---------------------------------------------------
