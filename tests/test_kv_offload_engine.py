@@ -53,10 +53,12 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt) :].tolist()
 
 
-def tiny_llm(model_dir: Path, num_kv_blocks: int, host_blocks: int, **kwargs: object) -> LLM:
+def tiny_llm(
+    model_dir: Path, num_kv_blocks: int, host_blocks: int, device: str = "cpu", **kwargs: object
+) -> LLM:
     return LLM(
         str(model_dir),
-        device="cpu",
+        device=device,
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_kv_blocks,
         kv_offload_gb=host_blocks * BLOCK_BYTES / 2**30,
