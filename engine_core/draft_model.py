@@ -120,6 +120,10 @@ class DraftModel:
         from engine_core.cuda_graph import CudaGraphRunner
 
         assert self.backend is not None
+        if not all(getattr(module, "cuda_graph_safe", True) for module in self.model.modules()):
+            # As for a target (model_runner._capture_graphs): layers that read host values.
+            logger.warning("draft model: %s runs without CUDA graphs", type(self.model).__name__)
+            return
         common = {"max_model_len": max_model_len, "device": self.device}
         self.step_graphs = CudaGraphRunner(
             self.model, self.backend, max_num_seqs=max_num_seqs, block_size=self.block_size,

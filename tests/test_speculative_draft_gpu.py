@@ -56,6 +56,24 @@ def spec_counts(llm: Any) -> tuple[int, int]:
     return counts.spec_draft_tokens, counts.spec_accepted_tokens
 
 
+def count_target_replays(runner: Any) -> dict[str, int]:
+    """Count the target's forwards and, of them, its graph replays (instance attributes over
+    the runner's methods: this engine is the test's own)."""
+    counts = {"forwards": 0, "replays": 0}
+    forward, replay = runner._forward, runner.graph_runner.run
+
+    def counted_forward(*args: Any, **kwargs: Any) -> Any:
+        counts["forwards"] += 1
+        return forward(*args, **kwargs)
+
+    def counted_replay(*args: Any, **kwargs: Any) -> Any:
+        counts["replays"] += 1
+        return replay(*args, **kwargs)
+
+    runner._forward, runner.graph_runner.run = counted_forward, counted_replay
+    return counts
+
+
 def run_both(model_dir: Path, dtype: str) -> tuple[list[list[int]], list[list[int]], Any, tuple]:
     prompts, params = workload()
     plain = engine(model_dir, dtype, speculative=False)
@@ -66,7 +84,10 @@ def run_both(model_dir: Path, dtype: str) -> tuple[list[list[int]], list[list[in
     assert drafter.step_graphs is not None and drafter.proposal_graphs is not None
     before = (drafter.forwards.proposal_eager, drafter.forwards.alongside_eager)
     replays = (drafter.forwards.proposal_replays, drafter.forwards.alongside_replays)
+    target = count_target_replays(spec.engine.runner)
     got = [o.token_ids for o in spec.generate(prompts, params, detokenize=False)]
+    # The target's verify steps (5 positions a row) replay its prefill graphs, its prompts too.
+    assert target["replays"] == target["forwards"] > 0
     forwards = drafter.forwards
     eager = (forwards.proposal_eager - before[0], forwards.alongside_eager - before[1])
     replayed = (forwards.proposal_replays - replays[0], forwards.alongside_replays - replays[1])
