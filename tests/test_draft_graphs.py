@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from engine_core.draft_graphs import ChainRows, chain_step_inputs
+from engine_core.input_batch import InputBatch
 from engine_core.llm import LLM
+from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.speculative import DraftRow
+from protocol.messages import SamplingParams
 from tests.test_speculative_draft import OPTIONS, draft_config
 
 BS = 4  # OPTIONS' block size
@@ -57,6 +60,28 @@ def test_each_forwards_inputs_are_the_hand_computed_ones_and_dead_rows_are_inert
         assert meta.query_start_loc_cpu == [0, 1, 2, 3] and meta.is_decode_only
     _, placeholders = chain_step_inputs(rows, 0, BS, 64)  # in a graph: no host values
     assert placeholders.seq_lens_cpu == [64] * 3 and placeholders.max_seq_len == 64
+
+
+def test_each_live_forward_has_the_general_builders_decode_inputs() -> None:
+    """Forward j of a chain equals, on its live rows, the decode step the input batch packs for
+    the same rows (engine_core/input_batch.py: each row's one token at position + j)."""
+    tables = [[30, 31, 32], [7, 8], [12]]
+    positions, counts = [5, 2, 1], [4, 3, 2]
+    rows = chain_rows(tables, positions, counts)
+    params = SamplingParams(max_tokens=8)
+    for j in range(max(counts)):
+        live = [i for i in range(3) if counts[i] > j]
+        plan = []
+        for i in live:
+            request = Request(f"r{i}", [3] * (positions[i] + j + 1), params)
+            request.num_computed_tokens = positions[i] + j
+            plan.append(ScheduledRequest.plan(request, 1, tables[i]))
+        batch = InputBatch(torch.device("cpu"), BS, 64, 8, 16)
+        packed = batch.pack(SchedulerOutput(plan), [], None)
+        got_positions, meta = chain_step_inputs(rows, j, BS, 64)
+        assert got_positions[live].tolist() == packed.positions.tolist()
+        assert meta.slot_mapping[live].tolist() == packed.meta.slot_mapping.tolist()
+        assert meta.seq_lens[live].tolist() == packed.meta.seq_lens.tolist()
 
 
 @pytest.fixture(scope="module")
