@@ -9,16 +9,17 @@ KV (slot -1), attends to one cached position (length 1: its table's first slot, 
 block) and reads position 0, so nothing it computes reaches memory another row reads and nothing
 it indexes is out of range. Its argmax past its count is never read. The positions, slots and
 lengths of each forward are computed on the device from the rows' first positions, counts and
-tables (``chain_step_inputs``), so the chain needs no host value between its forwards: one copy
-of the rows in, one copy of the drafts out.
+tables (``chain_step_inputs``), so the chain needs no host value between its forwards: the rows
+go in once, the drafts come out once.
 
-That makes the whole chain capturable: ``ProposalGraphs`` captures it once per batch bucket
-(the target's decode sizes: 1, 2, 4, 8, then multiples of 8), with the rows' tokens, positions,
-counts and tables staged in one static int64 tensor, the padding rows dead (count 0), and the
-argmax in the graph (the target's DecodeTail: logits and argmax on the skinny GEMM where the
-draft's logits are a plain product). One replay then replaces K eager forwards, each of which
-launched the draft's few hundred kernels from Python (docs/design/speculative-decoding.md has
-the measurements). The same chain runs eagerly on the CPU, and on the GPU for a proposal no
+That makes the whole chain capturable: ``ProposalGraphs`` captures it once per batch bucket (the
+target's decode sizes: 1, 2, 4, 8, then multiples of 8) over static buffers: the rows' tokens,
+positions and counts, their tables (staged as wide as the widest row's, not as ``--max-model-len``
+allows: at 128k tokens and 256 rows a full-width copy would move 8 MiB), the padding rows dead
+(count 0), and the argmax in the graph (the target's DecodeTail: logits and argmax on the skinny
+GEMM where the draft's logits are a plain product). One replay then replaces K eager forwards, each
+of which launched the draft's few hundred kernels from Python (docs/design/speculative-decoding.md
+has the measurements). The same chain runs eagerly on the CPU, and on the GPU for a proposal no
 graph fits, with exact host lists for the backends that read them.
 """
 
@@ -41,9 +42,8 @@ logger = logging.getLogger(__name__)
 
 ID32 = torch.int32
 ID64 = torch.int64
-# The staged row's columns: its last known token, that token's position, its draft count, then
-# its block table.
-TOKEN, POSITION, COUNT, TABLE = 0, 1, 2, 3
+# The staged row's columns: its last known token, that token's position, its draft count.
+TOKEN, POSITION, COUNT = 0, 1, 2
 
 
 @dataclass
@@ -166,11 +166,16 @@ class ProposalGraphs:
         self.batch_sizes = graph_batch_sizes(max_rows)
         self.max_batch = self.batch_sizes[-1]
         self.width = max_blocks_per_seq
-        columns = TABLE + max_blocks_per_seq
-        # One copy a proposal: the rows staged on the host (pinned), then into ``staged``.
-        self.host = torch.zeros((self.max_batch, columns), dtype=ID64, pin_memory=True)
-        self.staged = torch.zeros((self.max_batch, columns), dtype=ID64, device=device)
-        self.tables = torch.zeros((self.max_batch, max_blocks_per_seq), dtype=ID32, device=device)
+        # The rows (token, position, count) and their tables are packed on the host (pinned),
+        # each table as wide as the proposal's widest, copied over as they are, then the tables
+        # spread into the graph's [rows, max blocks] one on the device. Columns past a row's
+        # table keep what they held (block ids all): no live row reads past its own table, and
+        # a dead row's slot is masked whatever block it names.
+        self.host = torch.zeros((self.max_batch, 3), dtype=ID64, pin_memory=True)
+        self.host_tables = torch.zeros(self.max_batch * self.width, dtype=ID32, pin_memory=True)
+        self.staged = torch.zeros((self.max_batch, 3), dtype=ID64, device=device)
+        self.staged_tables = torch.zeros(self.max_batch * self.width, dtype=ID32, device=device)
+        self.tables = torch.zeros((self.max_batch, self.width), dtype=ID32, device=device)
         self.query_start = torch.arange(self.max_batch + 1, dtype=ID32, device=device)
         self.drafts = torch.zeros((self.max_batch, num_drafts), dtype=ID64, device=device)
         self.host_drafts = torch.zeros((self.max_batch, num_drafts), dtype=ID64, pin_memory=True)
@@ -186,9 +191,8 @@ class ProposalGraphs:
         ]
 
     def _chain(self, b: int) -> None:
-        """The captured work for ``b`` rows: the staged rows' tables as int32, then the chain."""
+        """The captured work for ``b`` rows: the chain over the staged rows."""
         staged = self.staged[:b]
-        self.tables[:b].copy_(staged[:, TABLE:])
         rows = ChainRows(
             tokens=staged[:, TOKEN].contiguous(),
             positions=staged[:, POSITION].contiguous(),
@@ -239,12 +243,16 @@ class ProposalGraphs:
         """Stage the rows, replay their bucket's chain, copy the drafts back (one sync)."""
         n = len(rows)
         b = self._bucket[n]
-        host = self.host.numpy()
+        width = max(len(r.block_ids) for r in rows)
+        host, tables = self.host.numpy(), self.host_tables.numpy()
         for i, r in enumerate(rows):
             host[i, TOKEN], host[i, POSITION], host[i, COUNT] = r.token, r.position, r.count
-            host[i, TABLE : TABLE + len(r.block_ids)] = r.block_ids
+            tables[i * width : i * width + len(r.block_ids)] = r.block_ids
         host[n:b, COUNT] = 0  # padding rows: dead
         self.staged[:b].copy_(self.host[:b], non_blocking=True)
+        packed = self.staged_tables[: n * width]
+        packed.copy_(self.host_tables[: n * width], non_blocking=True)
+        self.tables[:n, :width].copy_(packed.view(n, width))
         self.graphs[b].replay()
         self.host_drafts[:n].copy_(self.drafts[:n], non_blocking=True)
         self.copied.record()
