@@ -2,6 +2,7 @@
 
     python -m benchmarks speculative-verify                  # llama-1b and llama-8b, on the GPU
     python -m benchmarks speculative-verify --models random:llama-1b --batches 1,8 --k 3
+    python -m benchmarks speculative-verify --models random:llama-1b --dtype float32
 
 Each model (random-weight presets by default, engine_core/presets.py) drafts for itself
 (``"method": "draft_model"`` with the model as its own draft: the same seeded weights, so every
@@ -15,7 +16,10 @@ target's (each timed with the device synchronised around it), the rest being the
 verify step (K + 1 positions a row) and the host's work; the verify step over the plain step
 (the overhead of scoring K drafts); TPOT both ways (the median over requests of the time from
 their first token to their last over the tokens after the first) and tokens a step.
-The outputs must be the same tokens both ways: exit status 1 if one differs.
+The outputs must be the same tokens both ways: exit status 1 if one differs. ``--dtype``:
+both engines' (the model's and its cache's); in float32 a self-draft is kept every time up to the
+rounding of float32 sums, in bfloat16 a verify chunk and a one-token step round differently and
+near-ties go either way (docs/design/speculative-decoding.md).
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--models", default="random:llama-1b,random:llama-8b", help="comma-separated"
     )
     parser.add_argument("--device", default="cuda", help="cuda or cpu (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="the models' dtype (default: %(default)s: bfloat16 on cuda, float32 on cpu)",
+    )
     parser.add_argument("--batches", default="1,8,32", help="default: %(default)s")
     parser.add_argument("--k", type=int, default=4, help="drafts a step (default: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="default: 128")
@@ -56,6 +66,11 @@ class Run:
     steps: list[float]
     proposals: list[float] = field(default_factory=list)
     alongside: list[float] = field(default_factory=list)
+    drafted: int = 0  # draft tokens proposed (speculative runs)
+    kept: int = 0  # of them, kept by the target
+    # The draft's proposals and forwards beside the target's that ran eagerly, not as a CUDA
+    # graph's replay (engine_core/draft_model.py DraftForwards): 0 where graphs serve them all.
+    eager_draft: int = 0
 
 
 def engine(args: argparse.Namespace, model: str, speculative: str | None) -> Any:
@@ -63,7 +78,8 @@ def engine(args: argparse.Namespace, model: str, speculative: str | None) -> Any
     from engine_core.core import EngineCore
 
     config = EngineConfig(
-        model=model, device=args.device, max_model_len=args.prompt_tokens + args.max_tokens + 8,
+        model=model, device=args.device, dtype=args.dtype,
+        max_model_len=args.prompt_tokens + args.max_tokens + 8,
         num_kv_blocks=args.num_kv_blocks, speculative_config=speculative,
     )  # fmt: skip
     return EngineCore(config)
@@ -111,6 +127,8 @@ def decode(core: Any, batch: list[list[int]], max_tokens: int, tag: str) -> Run:
     run = Run([], [], [])
     if core.runner.drafter is not None:
         timed_parts(core, run, sync_of(core))
+    before = core.scheduler.counts()
+    eager_before = eager_draft_forwards(core)
     while core.has_unfinished():
         start = time.perf_counter()
         outputs = core.step()
@@ -123,9 +141,20 @@ def decode(core: Any, batch: list[list[int]], max_tokens: int, tag: str) -> Run:
             tokens[rid] += out.new_token_ids
     if core.runner.drafter is not None:
         untimed(core)
+    after = core.scheduler.counts()
+    run.drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    run.kept = after.spec_accepted_tokens - before.spec_accepted_tokens
+    run.eager_draft = eager_draft_forwards(core) - eager_before
     run.tokens = [tokens[rid] for rid in arrivals]
     run.tpots = [(a[-1] - a[0]) / max(1, len(a) - 1) for a in arrivals.values()]
     return run
+
+
+def eager_draft_forwards(core: Any) -> int:
+    drafter = core.runner.drafter
+    if drafter is None:
+        return 0
+    return drafter.forwards.proposal_eager + drafter.forwards.alongside_eager
 
 
 def sync_of(core: Any) -> Callable[[], None]:
@@ -186,6 +215,8 @@ def summarize(model: str, batch: int, plain: Run, spec: Run, k: int) -> dict[str
         "speedup": tpot / spec_tpot,
         # Every step after the first token: (tokens - 1) / steps; K + 1 when all are kept.
         "tokens_per_step": (tokens - 1) / max(1, len(spec.steps)),
+        "kept": spec.kept / max(1, spec.drafted),  # 1.0 for a self-draft in exact arithmetic
+        "eager_draft_forwards": spec.eager_draft,
         "same_tokens": plain.tokens == spec.tokens,
     }
 
@@ -195,7 +226,8 @@ def table_row(r: dict[str, Any]) -> list[str]:
         r["model"], str(r["batch"]), fmt(r["step_ms"]), fmt(r["spec_step_ms"]),
         fmt(r["proposal_ms"]), fmt(r["draft_alongside_ms"]), fmt(r["verify_ms"]),
         f"{r['verify_over_step']:.2f}x", fmt(r["tpot_ms"]), fmt(r["spec_tpot_ms"]),
-        f"{r['speedup']:.2f}x", fmt(r["tokens_per_step"]), "yes" if r["same_tokens"] else "NO",
+        f"{r['speedup']:.2f}x", fmt(r["tokens_per_step"]), f"{r['kept']:.1%}",
+        str(r["eager_draft_forwards"]), "yes" if r["same_tokens"] else "NO",
     ]  # fmt: skip
 
 
@@ -211,12 +243,13 @@ def run(args: argparse.Namespace) -> int:
         results += [summarize(model, b, plain[b], spec[b], args.k) for b in plain]
     print(header.format())
     print(
-        f"the model as its own draft, K = {args.k}; {args.prompt_tokens}-token random prompts, "
-        f"{args.max_tokens} tokens each, greedy; medians; ms"
+        f"the model as its own draft, K = {args.k}, dtype {args.dtype}; {args.prompt_tokens}-token "
+        f"random prompts, {args.max_tokens} tokens each, greedy; medians; ms"
     )
     headers = [
         "model", "batch", "step", "spec step", "proposal", "draft beside", "verify",
-        "verify/step", "TPOT", "spec TPOT", "speed-up", "tokens/step", "same tokens",
+        "verify/step", "TPOT", "spec TPOT", "speed-up", "tokens/step", "kept",
+        "eager draft fwd", "same tokens",
     ]  # fmt: skip
     print(format_table(headers, [table_row(r) for r in results]))
     if args.json:

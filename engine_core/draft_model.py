@@ -24,16 +24,20 @@ rule (accept with probability p(d), else draw from p without d), as for prompt l
 output is the target's own, token for token for greedy and seeded requests, in distribution
 for the others; the draft decides only how many tokens a step yields.
 
-The draft runs eagerly (no CUDA graphs), in the model's dtype (its cache too, whatever
-``--kv-cache-dtype``), on one GPU; a proposal sends its rows to the device once and builds each
-forward's attention metadata there.
+The draft runs in the model's dtype (its cache too, whatever ``--kv-cache-dtype``), on one GPU.
+Where the target replays CUDA graphs, so does the draft (``capture_graphs``): its forward beside
+the target's replays a decode or prefill graph of its own (engine_core/cuda_graph.py, as the
+target's steps do), and a proposal replays one graph of its K chained forwards
+(engine_core/draft_graphs.py). Without graphs (the CPU, ``--enforce-eager``) the same chain runs
+eagerly; either way a proposal sends its rows to the device once, builds each forward's
+attention metadata there and copies the drafts back once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +46,7 @@ import torch
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
+from engine_core.draft_graphs import ProposalGraphs, drafts_of, eager_rows, propose_chain
 from engine_core.forward_context import forward_context
 from engine_core.kv_groups import model_kv_layout
 from engine_core.loader import LoadedModel
@@ -49,10 +54,20 @@ from engine_core.speculative import DraftRow
 
 if TYPE_CHECKING:
     from engine_core.attention.base import AttentionBackend
+    from engine_core.cuda_graph import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
-ID32 = torch.int32
+
+@dataclass
+class DraftForwards:
+    """How the draft's work ran, counted for tests and benchmarks: proposals and forwards
+    beside the target's, each as a graph replay or eagerly."""
+
+    proposal_replays: int = 0
+    proposal_eager: int = 0
+    alongside_replays: int = 0
+    alongside_eager: int = 0
 
 
 class DraftModel:
@@ -66,9 +81,14 @@ class DraftModel:
         self.max_drafts = max_drafts
         self.device = device
         self.dtype = dtype  # its cache's: the model's dtype (the draft's KV is never FP8)
+        self.hidden_size = loaded.config.hidden_size
+        self.vocab_size = loaded.config.vocab_size
         self.block_size = 0
         self.cache: list[torch.Tensor] = []
         self.backend: AttentionBackend | None = None
+        self.step_graphs: CudaGraphRunner | None = None  # its forwards beside the target's
+        self.proposal_graphs: ProposalGraphs | None = None
+        self.forwards = DraftForwards()
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -92,83 +112,79 @@ class DraftModel:
             sum(t.numel() * t.element_size() for t in self.cache) / 2**30,
         )
 
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int) -> None:
+        """CUDA graphs for the draft, where the target has them (after ``allocate_cache``: they
+        bake in its cache's addresses): decode graphs and prefill graphs of up to
+        ``prefill_tokens`` tokens (the target's, so a step replays in both or in neither) for
+        its forward beside the target's, and the proposal's chain per batch bucket."""
+        from engine_core.cuda_graph import CudaGraphRunner
+
+        assert self.backend is not None
+        if not all(getattr(module, "cuda_graph_safe", True) for module in self.model.modules()):
+            # As for a target (model_runner._capture_graphs): layers that read host values.
+            logger.warning("draft model: %s runs without CUDA graphs", type(self.model).__name__)
+            return
+        common = {"max_model_len": max_model_len, "device": self.device}
+        self.step_graphs = CudaGraphRunner(
+            self.model, self.backend, max_num_seqs=max_num_seqs, block_size=self.block_size,
+            hidden_size=self.hidden_size, dtype=self.dtype, max_prefill_tokens=prefill_tokens,
+            **common,
+        )  # fmt: skip
+        self.step_graphs.capture(progress=False)
+        self.proposal_graphs = ProposalGraphs(
+            self.model, self.backend, max_rows=max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // self.block_size), num_drafts=self.max_drafts,
+            block_size=self.block_size, vocab_size=self.vocab_size, **common,
+        )  # fmt: skip
+        self.proposal_graphs.capture()
+
     # ---- every step: the target's inputs ------------------------------------------------------
 
     @torch.inference_mode()
     def run_alongside(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        ids_from: torch.Tensor | None = None,
     ) -> None:
         """Write the draft's KV for the tokens the target's forward computed this step: the
-        same ids [T], positions [T] and slots (its logits are not needed)."""
+        same ids [T] (or, where the target's decode graph left them there, ``ids_from``),
+        positions [T] and slots (its logits are not needed). A graph replay where the step
+        fits one of the draft's graphs."""
         assert self.backend is not None
+        graphs = self.step_graphs
+        if graphs is not None and graphs.can_run(meta):
+            graphs.run(input_ids, positions, meta, ids_from)
+            self.forwards.alongside_replays += 1
+            return
+        if ids_from is not None:
+            input_ids.copy_(ids_from)
         with forward_context(meta, self.backend):
             self.model(input_ids, positions)
+        self.forwards.alongside_eager += 1
 
     # ---- proposing ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
-        """``row.count`` greedy drafts for each row: K one-token forwards over the rows that
-        still want one. The rows' tables, tokens and positions go to the device once; each
-        forward's slots and lengths are computed there (one copy back at the end)."""
+        """``row.count`` greedy drafts for each row: K chained one-token forwards over the rows
+        (engine_core/draft_graphs.py), a graph replay where one fits. The rows go to the device
+        once and the drafts come back once."""
         assert self.backend is not None
-        device = self.device
-        tables = _block_tables([r.block_ids for r in rows], device)  # [B, W]
-        tokens = _on([r.token for r in rows], torch.int64, device)  # [B]
-        positions = _on([r.position for r in rows], torch.int64, device)  # [B]
-        host_positions = [r.position for r in rows]
-        live = list(range(len(rows)))
-        steps: list[tuple[list[int], torch.Tensor]] = []
-        for j in range(max(r.count for r in rows)):
-            keep = [n for n, i in enumerate(live) if rows[i].count > j]
-            if len(keep) < len(live):  # a row near its length limit wants fewer drafts
-                index = _on(keep, torch.int64, device)
-                tables, tokens, positions = tables[index], tokens[index], positions[index]
-                live = [live[n] for n in keep]
-            lengths = [host_positions[i] + j + 1 for i in live]
-            with forward_context(self._decode_metadata(tables, positions, lengths), self.backend):
-                hidden = self.model(tokens, positions)  # [b, H]
-            tokens = self.model.compute_logits(hidden, widen=False).argmax(dim=-1)  # [b]
-            steps.append((live, tokens))
-            positions = positions + 1
-        drafts: list[list[int]] = [[] for _ in rows]
-        values = iter(torch.cat([t for _, t in steps]).tolist())
-        for live_rows, _ in steps:
-            for i in live_rows:
-                drafts[i].append(next(values))
-        return drafts
-
-    def _decode_metadata(
-        self, tables: torch.Tensor, positions: torch.Tensor, lengths: list[int]
-    ) -> AttentionMetadata:
-        """One token per row at ``positions`` [b] (on the device), whose tables [b, W] cover
-        them; ``lengths`` the rows' tokens with it, on the host."""
-        bs = self.block_size
-        blocks = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()  # [b]
-        rows = len(lengths)
-        return AttentionMetadata(
-            slot_mapping=blocks * bs + positions % bs,
-            query_start_loc=torch.arange(rows + 1, dtype=ID32, device=self.device),
-            seq_lens=(positions + 1).to(ID32),
-            block_tables=tables,
-            max_query_len=1,
-            max_seq_len=max(lengths),
-            query_start_loc_cpu=list(range(rows + 1)),
-            seq_lens_cpu=lengths,
+        graphs = self.proposal_graphs
+        if graphs is not None and graphs.can_run(rows):
+            self.forwards.proposal_replays += 1
+            return graphs.propose(rows)
+        chain = eager_rows(rows, self.device)
+        drafts = torch.zeros((len(rows), max(r.count for r in rows)), dtype=torch.int64)
+        drafts = drafts.to(self.device)
+        host_rows = [(r.position, r.count) for r in rows]
+        propose_chain(
+            self.model, self.backend, chain, drafts, self.block_size, 0, host_rows=host_rows
         )
-
-
-def _on(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device)
-
-
-def _block_tables(tables: list[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """[B, W] int32 on ``device``, padded with block 0 (never read: past each row's length)."""
-    width = max(len(t) for t in tables)
-    host = torch.zeros((len(tables), width), dtype=ID32)
-    for i, table in enumerate(tables):
-        host[i, : len(table)] = torch.as_tensor(table, dtype=ID32)
-    return host.to(device)
+        self.forwards.proposal_eager += 1
+        return drafts_of(drafts.tolist(), rows)
 
 
 def check_draft(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:

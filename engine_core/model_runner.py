@@ -348,7 +348,10 @@ class ModelRunner:
                 "generates (not an embedding or vision-language model)"
             )
         fits = partial(check_memory, config, self.device, self.dtype, self.dtype)
-        target = BuildTarget(self.device, self.dtype)  # eager: no graph layouts
+        # The target's graphs decide the draft's (``_capture_graphs``), and with them the
+        # layouts its layers take for graphs; never LoRA's (the base draft proposes).
+        graphs = build_target(config, self.device, self.dtype).cuda_graphs
+        target = BuildTarget(self.device, self.dtype, cuda_graphs=graphs)
         loaded = load_model(spec.model, self.device, self.dtype, None, fits, target, "generate")
         limit = self.model_config.max_position_embeddings
         check_draft(loaded.config, self.model_config, min(config.max_model_len or limit, limit))
@@ -721,6 +724,10 @@ class ModelRunner:
             lora_slots=self.config.max_loras if self.loras is not None else 0,
         )
         runner.capture()
+        if self.drafter is not None:  # its forwards replay where the target's do
+            self.drafter.capture_graphs(
+                self.config.max_num_seqs, self.max_model_len, runner.max_prefill_tokens
+            )
         return runner
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -744,9 +751,7 @@ class ModelRunner:
         """The draft model's forward over the step's inputs (a graph replay of the target's
         may have left the ids to gather in ``ids_from``)."""
         assert self.drafter is not None
-        if inputs.ids_from is not None:
-            inputs.input_ids.copy_(inputs.ids_from)
-        self.drafter.run_alongside(inputs.input_ids, inputs.positions, inputs.meta)
+        self.drafter.run_alongside(inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from)
 
     # ---- one step -----------------------------------------------------------------------------
 

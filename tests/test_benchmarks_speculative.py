@@ -40,15 +40,14 @@ def test_the_verify_summary_splits_a_step_into_its_parts() -> None:
     from benchmarks.speculative_verify import summarize as verify_summary
 
     plain = Run([[1, 2, 3]], tpots=[0.010], steps=[0.010, 0.011, 0.009])
-    spec = Run(
-        [[1, 2, 3]], tpots=[0.004], steps=[0.020, 0.020], proposals=[0.006], alongside=[0.002]
-    )
+    spec = Run([[1, 2, 3]], [0.004], [0.020, 0.020], [0.006], [0.002], drafted=8, kept=6)
     out = verify_summary("m", 8, plain, spec, k=4)
     assert out["step_ms"] == pytest.approx(10.0) and out["spec_step_ms"] == pytest.approx(20.0)
     assert out["verify_ms"] == pytest.approx(20.0 - 6.0 - 2.0)
     assert out["verify_over_step"] == pytest.approx(1.2)
     assert out["speedup"] == pytest.approx(2.5)
     assert out["tokens_per_step"] == pytest.approx((3 - 1) / 2) and out["same_tokens"]
+    assert out["kept"] == pytest.approx(6 / 8)
 
 
 @pytest.mark.slow
@@ -67,3 +66,4 @@ def test_the_verify_benchmark_runs_the_model_as_its_own_draft(
     results = json.loads(out.read_text())["results"]
     assert [r["batch"] for r in results] == [1, 3]
     assert all(r["same_tokens"] and r["tokens_per_step"] == 5.0 for r in results)
+    assert all(r["kept"] == 1.0 for r in results)
