@@ -21,28 +21,30 @@ draft's embedding and the head's own residual stream (before the final norm) in 
 Its KV cache shares the target's block ids, as the draft model's does (draft_model.py): one
 K/V tensor pair with as many blocks as the target's pool. Its entry at p needs the token at
 p + 1, which the target's step that computes p may not know yet (the step samples it), so the
-head's KV lags the target's by one position. Each target step runs the head over the step's
-positions with the tokens after them (``run_alongside``): right wherever that token is known
-(inside a prompt, inside a verify chunk up to the kept drafts), a stand-in where it is not
-(each sampling row's last position). The proposal before the next step rewrites that one
-entry first: for a request whose last known token t sits at position p, forward 1 is the
-entry at p - 1 (t with f(p - 1), kept from the step that computed p - 1) and gives draft 1;
-forward j + 1 is the entry at p - 1 + j (draft j with the head's stream) and gives draft
-j + 1. Rejected drafts' entries are written over the same way as the next steps' run.
+head's KV lags the target's by one position. After each target step the head runs over the
+step's positions with the tokens after them (``run_alongside``), a stand-in where that token
+is still to be sampled (each sampling row's last position), and over the position before each
+row's first again, with its token now known and the feature kept from the step that computed
+it: so after a step every entry before a request's last computed position is right. A
+proposal for a request whose last known token t sits at position p writes the entry at p - 1
+(t with f(p - 1)), which gives draft 1; forward j + 1 writes the entry at p - 1 + j (draft j
+with the head's stream) and gives draft j + 1. The verify step's run writes the drafts'
+entries again with the target's features; a rejected draft's is written over by the next.
 
 Drafts are the head's argmax, so keeping a draft exactly when the target draws it is exact
-(engine_core/speculative.py); the head decides only how many tokens a step yields. Where its
-KV is stale (a prefix-cache hit whose block's last entry was written with another request's
-next token, a request that decoded without drafting for a step), drafts get worse, never the
-output. The head runs eagerly, and the target without CUDA graphs (the three hidden states are
-taken by forward hooks, which a graph replay does not run); both are refused otherwise.
+(engine_core/speculative.py); the head decides only how many tokens a step yields. Its KV
+can be stale in one place: after a prefix-cache hit, the last entry of a cached block holds
+what the request that computed it wrote there (the token after the block in that request, or
+a stand-in where it ended), which may cost a draft, never the output. The head runs eagerly,
+and the target must too: the three hidden states are taken by forward hooks, which a CUDA
+graph replay does not run, so a target with graphs is refused (--enforce-eager).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -65,8 +67,8 @@ from engine_core.models.layers import (
     reset_buffers,
 )
 from engine_core.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, make_norm
-from engine_core.request import Request
-from engine_core.scheduler import PLACEHOLDER, SchedulerOutput
+from engine_core.request import Request, ScheduledRequest, SchedulerOutput
+from engine_core.scheduler import PLACEHOLDER
 from engine_core.speculative import DraftRow
 
 if TYPE_CHECKING:
@@ -399,19 +401,61 @@ class Eagle3Proposer:
     # ---- every step: the head's entries for the target's positions ----------------------------
 
     @torch.inference_mode()
-    def run_alongside(
-        self, out: SchedulerOutput, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> None:
-        """Write the head's entries at the step's positions [T] (the target's slots in
-        ``meta``) from the target's features and the tokens after them, and keep the features
-        a proposal may start from."""
+    def run_alongside(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:
+        """Write the head's entries for the step (``meta``: the target's forward's): each
+        row's positions with the tokens after them, and the entry before its first position
+        again, now that its token is known (the last step's stand-in); keep the features a
+        proposal may start from."""
         assert self.backend is not None
         feature = self.head.fc(self.aux.take().to(self.dtype))  # [T, H]
-        query_start = meta.query_start_loc_cpu
-        next_ids = _on(list(tokens_after(out, query_start)), torch.int64, self.device)
-        with forward_context(meta, self.backend):
-            self.head(self.embed(next_ids), feature, positions)
-        self._keep_features(out, feature, query_start)
+        entries = self._entries(out, feature, meta)
+        with forward_context(entries.meta, self.backend):
+            self.head(self.embed(entries.tokens), entries.feature, entries.positions)
+        self._keep_features(out, feature, meta.query_start_loc_cpu)
+
+    def _entries(
+        self, out: SchedulerOutput, feature: torch.Tensor, meta: AttentionMetadata
+    ) -> Entries:
+        """The step's entries, row by row: the one before the row's first position where the
+        request's feature there was kept (any row but a request's first), then one a
+        position. Each row's context still ends at the target's (the same seq_lens)."""
+        query_start, bs = meta.query_start_loc_cpu, self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        parts: list[torch.Tensor] = []
+        starts = [0]
+        for i, s in enumerate(out.scheduled):
+            count = query_start[i + 1] - query_start[i]
+            row_positions = list(range(s.start, s.start + count))
+            before = self._kept_feature(s.request.request_id, s.start - 1)
+            if before is not None:
+                row_positions.insert(0, s.start - 1)
+                tokens.append(s.request.token_ids[s.start])
+                parts.append(before[None])
+            tokens += tokens_after(s, count)
+            parts.append(feature[query_start[i] : query_start[i + 1]])
+            positions += row_positions
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in row_positions]
+            starts.append(starts[-1] + len(row_positions))
+        device = self.device
+        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        entries_meta = AttentionMetadata(
+            slot_mapping=_on(slots, torch.int64, device),
+            query_start_loc=_on(starts, ID32, device),
+            seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables,
+            max_query_len=max(lengths),
+            max_seq_len=meta.max_seq_len,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=meta.seq_lens_cpu,
+        )
+        return Entries(
+            _on(tokens, torch.int64, device),
+            _on(positions, torch.int64, device),
+            torch.cat(parts),
+            entries_meta,
+        )
 
     def _keep_features(
         self, out: SchedulerOutput, feature: torch.Tensor, query_start: list[int]
@@ -462,27 +506,40 @@ class Eagle3Proposer:
                 drafts[i].append(token)
         return drafts
 
+    def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
+        """f at ``position`` of a request, where the step that computed it kept it."""
+        kept = self.features.get(request_id)
+        if kept is None or not 0 <= position - kept.first < kept.rows.shape[0]:
+            return None
+        return kept.rows[position - kept.first]
+
     def _feature_before(self, row: DraftRow) -> torch.Tensor:
         """f at the row's position - 1, kept from the step that computed it."""
-        kept = self.features.get(row.request_id)
-        index = row.position - 1 - (kept.first if kept is not None else 0)
-        if kept is None or not 0 <= index < kept.rows.shape[0]:
+        feature = self._kept_feature(row.request_id, row.position - 1)
+        if feature is None:
             raise RuntimeError(
                 f"eagle3: no target feature kept for request {row.request_id!r} at position "
                 f"{row.position - 1}"
             )
-        return kept.rows[index]
+        return feature
 
 
-def tokens_after(out: SchedulerOutput, query_start: list[int]) -> Iterator[int]:
-    """For each position the step computes, the token after it: known inside a prompt and a
-    verify chunk; a stand-in (0) where it is still to be sampled, an entry the next proposal
-    writes again."""
-    for i, s in enumerate(out.scheduled):
-        count = query_start[i + 1] - query_start[i]
-        after = s.request.token_ids[s.start + 1 : s.start + 1 + count]
-        yield from (0 if token == PLACEHOLDER else token for token in after)
-        yield from (0,) * (count - len(after))
+@dataclass
+class Entries:
+    """A forward of the head over entries: tokens and positions [N], features [N, H]."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    feature: torch.Tensor
+    meta: AttentionMetadata
+
+
+def tokens_after(row: ScheduledRequest, count: int) -> list[int]:
+    """For each of the ``count`` positions a row computes, the token after it: known inside a
+    prompt and a verify chunk; a stand-in (0) where it is still to be sampled, an entry the
+    next step writes again."""
+    after = row.request.token_ids[row.start + 1 : row.start + 1 + count]
+    return [0 if token == PLACEHOLDER else token for token in after] + [0] * (count - len(after))
 
 
 def _one_token_metadata(

@@ -764,7 +764,7 @@ class ModelRunner:
         positions, from the target's hidden states."""
         assert self.drafter is not None
         if isinstance(self.drafter, Eagle3Proposer):
-            self.drafter.run_alongside(out, inputs.positions, inputs.meta)
+            self.drafter.run_alongside(out, inputs.meta)
             return
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)

@@ -267,42 +267,9 @@ def target_features(target: Path, sequence: list[int], fc: torch.Tensor) -> torc
     return aux @ fc.float().T
 
 
-def replay_steps(
-    head: ReferenceHead, sequence: list[int], features: torch.Tensor, prompt_len: int
-) -> list[tuple[int, list[int]]]:
-    """Walk a finished greedy request's steps as the engine plans them: the prefill's token,
-    then at each step up to K drafts (fewer near its length limit), kept while they equal the
-    sequence's next tokens, plus the target's. Each step's (position of its last known token,
-    drafts)."""
-    known, proposals = prompt_len + 1, []
-    while known < len(sequence):
-        room = min(K, len(sequence) - known - 1)
-        if room < 1:
-            known += 1
-            continue
-        drafts = head.propose(sequence, features, known - 1, room)
-        proposals.append((known - 1, drafts))
-        run = 0
-        while run < room and drafts[run] == sequence[known + run]:
-            run += 1
-        known += run + 1
-    return proposals
-
-
-def test_the_engines_drafts_are_the_heads_own(target_dir: Path, head_dir: Path, plain: LLM) -> None:
-    """Every proposal the engine made (recorded as the scheduler asks for it) is the one the
-    plain-torch head computes over HF's hidden states of the final sequence, at the positions
-    where the kept counts put the steps; the engine's counts of drafts and kept drafts are
-    what those drafts give. No prefix cache: a hit's last cached entry may hold another
-    continuation's token, which costs drafts, not exactness."""
-    from safetensors.torch import load_file
-
-    spec = LLM(
-        str(target_dir),
-        speculative_config=eagle3_config(head_dir),
-        enable_prefix_caching=False,
-        **OPTIONS,
-    )
+def recording_proposals(spec: LLM) -> dict[str, list[tuple[int, list[int]]]]:
+    """Each request's proposals (position of its last known token, drafts), recorded as the
+    scheduler asks the engine's head for them."""
     drafter = spec.engine.runner.drafter
     made: dict[str, list[tuple[int, list[int]]]] = {}
     propose = drafter.propose_batch
@@ -314,25 +281,41 @@ def test_the_engines_drafts_are_the_heads_own(target_dir: Path, head_dir: Path, 
         return drafts
 
     drafter.propose_batch = recording
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    return made
+
+
+def test_the_engines_drafts_are_the_heads_own(target_dir: Path, head_dir: Path, plain: LLM) -> None:
+    """Every proposal the engine made is the one the plain-torch head computes over HF's
+    hidden states of the final sequence at that position, and the engine's counts of drafted
+    and kept tokens are what those drafts give against the sequence. A pool too small for the
+    three requests at once: the last admitted are preempted and recompute (the head's entries
+    with the target's). No prefix cache here: a hit's last cached entry may hold what another
+    request wrote there, which costs drafts, not exactness."""
+    from safetensors.torch import load_file
+
+    spec = LLM(
+        str(target_dir),
+        speculative_config=eagle3_config(head_dir),
+        **{**OPTIONS, "enable_prefix_caching": False, "num_kv_blocks": 40},
+    )
+    made = recording_proposals(spec)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     got = spec.generate(PROMPTS, params, detokenize=False)
     want = plain.generate(PROMPTS, params, detokenize=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.scheduler.counts().preemptions > 0
     tensors = load_file(str(head_dir / "model.safetensors"))
     embedding = spec.engine.runner.model.model.embed_tokens.weight.detach().float()
     head = ReferenceHead(tensors, embedding)
-    kept = 0
+    steps = drafted = kept = 0
     for prompt, output in zip(PROMPTS, got, strict=True):
         sequence = [*prompt, *output.token_ids]
         features = target_features(target_dir, sequence, tensors["fc.weight"])
-        proposals = replay_steps(head, sequence, features, len(prompt))
-        assert made[output.request_id] == proposals
-        for position, drafts in proposals:
+        for position, drafts in made[output.request_id]:
+            assert drafts == head.propose(sequence, features, position, len(drafts)), position
             following = sequence[position + 1 : position + 1 + len(drafts)]
-            kept += next(
-                (i for i, (d, t) in enumerate(zip(drafts, following, strict=True)) if d != t),
-                len(drafts),
-            )
-    drafted = sum(len(d) for p in made.values() for _, d in p)
-    assert counts(spec) == (sum(len(p) for p in made.values()), drafted, kept)
+            pairs = enumerate(zip(drafts, following, strict=True))
+            steps, drafted = steps + 1, drafted + len(drafts)
+            kept += next((i for i, (d, t) in pairs if d != t), len(drafts))
+    assert counts(spec) == (steps, drafted, kept)
     assert kept > 0  # some drafts kept: the comparison reaches past a first draft
