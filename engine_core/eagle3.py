@@ -361,19 +361,18 @@ class Eagle3Proposer:
     def __init__(
         self,
         head: Eagle3Head,
-        shape: HeadShape,
-        target: nn.Module,
+        aux: AuxHiddenStates,
+        embed: nn.Module,
         max_drafts: int,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
         self.head = head
+        self.aux = aux
+        self.embed = embed  # the head's own embedding, or the target's
         self.max_drafts = max_drafts
         self.device = device
         self.dtype = dtype
-        layers = check_target(target, shape.config)
-        self.aux = AuxHiddenStates(layers, shape.layer_ids)
-        self.embed = head.embed_tokens or target.model.embed_tokens
         self.features: dict[str, Features] = {}
         self.block_size = 0
         self.cache: list[torch.Tensor] = []
@@ -584,7 +583,7 @@ def load_eagle3(
 ) -> Eagle3Proposer:
     """The proposer of ``"method": "eagle3"``: the head loaded and checked against the
     target, the target's layers hooked for their hidden states."""
-    check_target(target, target_config)
+    layers = check_target(target, target_config)
     head, shape = load_head(model, target_config, device, dtype)
     logger.info(
         "eagle3 head: hidden %d, draft vocabulary %d, reading target layers %s",
@@ -592,4 +591,6 @@ def load_eagle3(
         shape.draft_vocab,
         list(shape.layer_ids),
     )
-    return Eagle3Proposer(head, shape, target, max_drafts, device, dtype)
+    aux = AuxHiddenStates(layers, shape.layer_ids)
+    embed = head.embed_tokens if head.embed_tokens is not None else target.model.embed_tokens
+    return Eagle3Proposer(head, aux, embed, max_drafts, device, dtype)

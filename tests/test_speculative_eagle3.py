@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_core.eagle3 import Eagle3Proposer
 from engine_core.llm import LLM
 from engine_core.request import Request
 from protocol.messages import Constraint, ConstraintKind, SamplingParams
@@ -86,7 +87,7 @@ def since(llm: LLM, before: tuple[int, int, int]) -> tuple[int, int, int]:
 
 def test_a_head_in_the_published_layout_loads(spec: LLM) -> None:
     drafter = spec.engine.runner.drafter
-    assert type(drafter).__name__ == "Eagle3Proposer"
+    assert isinstance(drafter, Eagle3Proposer)
     assert drafter.aux.layer_ids == (2, 2, 1)  # vLLM's (2, L // 2, L - 3) for L = 4
     assert drafter.head.d2t.shape == (DRAFT_VOCAB,)
     assert drafter.embed is spec.engine.runner.model.model.embed_tokens  # shared
