@@ -363,14 +363,12 @@ class ModelRunner:
     def _load_eagle3(self, model: str | None, max_drafts: int) -> Eagle3Proposer:
         """The EAGLE-3 head (engine_core/eagle3.py), refusing what it cannot run beside."""
         assert model is not None  # SpeculativeConfig.check
-        where = "--speculative-config method 'eagle3'"
         if build_target(self.config, self.device, self.dtype).cuda_graphs:
             raise ValueError(
-                f"{where} runs the target eagerly (its hidden states are taken by hooks, which "
-                "a CUDA-graph replay does not run): pass --enforce-eager"
+                "--speculative-config method 'eagle3' runs the target eagerly (its hidden "
+                "states are taken by hooks, which a CUDA-graph replay does not run): pass "
+                "--enforce-eager"
             )
-        if self.config.pipeline_parallel_size > 1:
-            raise ValueError(f"{where} does not run with --pipeline-parallel-size above 1")
         config, device, dtype = self.model_config, self.device, self.dtype
         return load_eagle3(model, self.model, config, max_drafts, device, dtype)
 
