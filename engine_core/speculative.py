@@ -96,6 +96,12 @@ class SpeculativeConfig:
         needs_model = self.method in ("draft_model", "eagle3")
         if needs_model and not (isinstance(self.model, str) and self.model):
             raise ValueError(f'--speculative-config method {self.method!r} needs a "model"')
+        lookup = (self.prompt_lookup_max, self.prompt_lookup_min)
+        if self.method != "ngram" and lookup != (4, 2):  # the defaults: not asked for
+            raise ValueError(
+                f"--speculative-config method {self.method!r} takes no prompt_lookup_max or "
+                "prompt_lookup_min (they are the n-gram proposer's)"
+            )
         if self.method == "ngram" and self.model is not None:
             raise ValueError("--speculative-config method 'ngram' takes no \"model\"")
 

@@ -47,6 +47,8 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
         ('{"method": "ngram", "num_speculative_tokens": 2, "extra": 1}', "unknown field 'extra'"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 9}',
          "prompt_lookup_min"),
+        ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 1}',
+         "method 'eagle3' takes no prompt_lookup_max"),
         ("not json", "not JSON"),
     ],
 )  # fmt: skip
