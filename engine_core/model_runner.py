@@ -35,6 +35,7 @@ from engine_core.draft_model import (
     check_draft_layers,
     check_same_tokenizer,
 )
+from engine_core.eagle3 import Eagle3Proposer, load_eagle3
 from engine_core.forward_context import StateRows, forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.kv_groups import pool_blocks_for_one_sequence, stage_kv_layout
@@ -269,8 +270,9 @@ class ModelRunner:
         self.model = loaded.module
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
-        # Speculation's draft model (engine_core/draft_model.py), loaded before the KV cache is
-        # sized: its weights and its share of every block come out of the same memory.
+        # Speculation's draft model (engine_core/draft_model.py) or EAGLE-3 head (eagle3.py),
+        # loaded before the KV cache is sized: its weights and its share of every block come
+        # out of the same memory.
         self.drafter = self._load_draft()
         # Adapter slots take their memory before the KV cache is sized from what is left.
         self.loras = self._install_lora() if config.enable_lora else None
@@ -332,11 +334,13 @@ class ModelRunner:
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
         )
 
-    def _load_draft(self) -> DraftModel | None:
+    def _load_draft(self) -> DraftModel | Eagle3Proposer | None:
         """The draft model of ``"method": "draft_model"``, checked against the target (the same
         vocabulary and tokenizer, its context, plain attention) and against the memory left
-        beside the target's weights; None for any other proposer."""
+        beside the target's weights; the head of ``eagle3``; None for any other proposer."""
         spec = self.config.speculation()
+        if spec is not None and spec.method == "eagle3":
+            return self._load_eagle3(spec.model, spec.num_speculative_tokens)
         if spec is None or spec.method != "draft_model":
             return None
         assert spec.model is not None  # SpeculativeConfig.check
@@ -358,6 +362,18 @@ class ModelRunner:
         check_draft_layers(loaded.module)
         check_same_tokenizer(self.model_dir, loaded.model_dir)
         return DraftModel(loaded, spec.num_speculative_tokens, self.device, self.dtype)
+
+    def _load_eagle3(self, model: str | None, max_drafts: int) -> Eagle3Proposer:
+        """The EAGLE-3 head (engine_core/eagle3.py), refusing what it cannot run beside."""
+        assert model is not None  # SpeculativeConfig.check
+        if build_target(self.config, self.device, self.dtype).cuda_graphs:
+            raise ValueError(
+                "--speculative-config method 'eagle3' runs the target eagerly (its hidden "
+                "states are taken by hooks, which a CUDA-graph replay does not run): pass "
+                "--enforce-eager"
+            )
+        config, device, dtype = self.model_config, self.device, self.dtype
+        return load_eagle3(model, self.model, config, max_drafts, device, dtype)
 
     def _install_lora(self) -> LoraManager:
         """Give every targetable projection its adapter slots (engine_core/lora/), and the
@@ -747,10 +763,14 @@ class ModelRunner:
                 return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
             return self.model(inputs.input_ids, inputs.positions)
 
-    def _draft_alongside(self, inputs: ModelInputs) -> None:
+    def _draft_alongside(self, out: SchedulerOutput, inputs: ModelInputs) -> None:
         """The draft model's forward over the step's inputs (a graph replay of the target's
-        may have left the ids to gather in ``ids_from``)."""
+        may have left the ids to gather in ``ids_from``); the EAGLE-3 head's over the step's
+        positions, from the target's hidden states."""
         assert self.drafter is not None
+        if isinstance(self.drafter, Eagle3Proposer):
+            self.drafter.run_alongside(out, inputs.meta)
+            return
         self.drafter.run_alongside(inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from)
 
     # ---- one step -----------------------------------------------------------------------------
@@ -824,7 +844,7 @@ class ModelRunner:
                 timeline.begin()
             hidden = self._forward(inputs)  # [T, hidden]; before the last stage [2, T, hidden]
             if self.drafter is not None:  # the draft's KV follows the target's, slot for slot
-                self._draft_alongside(inputs)
+                self._draft_alongside(out, inputs)
             if timeline is not None:
                 timeline.end()
         requests = inputs.sampling_requests

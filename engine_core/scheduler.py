@@ -370,7 +370,13 @@ class Scheduler:
             return
         drafted = self._batch_proposer.propose_batch(
             [
-                DraftRow(s.request.token_ids[s.start], s.start, s.block_ids, len(s.drafts))
+                DraftRow(
+                    s.request.token_ids[s.start],
+                    s.start,
+                    s.block_ids,
+                    len(s.drafts),
+                    s.request.request_id,
+                )
                 for s in rows
             ]
         )

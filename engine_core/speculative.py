@@ -18,7 +18,8 @@ step writes over it (the scheduler moves the request's computed tokens back).
 Proposers: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), no
 weights, asked request by request; ``draft_model`` (engine_core/draft_model.py: a smaller model
-of the same tokenizer, its greedy tokens), a BatchProposer asked once a step for every row whose
+of the same tokenizer, its greedy tokens) and ``eagle3`` (engine_core/eagle3.py: a head that
+drafts from the target's hidden states), BatchProposers asked once a step for every row whose
 verify slots the scheduler reserved. A constrained request's matcher takes the drafts it
 allows to fill each drafted position's mask, then gives them back (engine_core/grammar.py); the
 update feeds it the kept tokens. A request that scores or pools its prompt decodes one token a
@@ -35,11 +36,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 # The peers' other methods, refused by name until built.
 NOT_YET = {
     "eagle": "EAGLE heads are not supported yet",
-    "eagle3": "EAGLE-3 heads are not supported yet",
     "mtp": "multi-token prediction heads are not supported yet",
     "medusa": "Medusa heads are not supported",
 }
@@ -54,7 +54,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    model: str | None = None  # draft_model's: a folder or hub id of the target's vocabulary
+    # draft_model's: a folder or hub id of the target's vocabulary; eagle3's: the head's folder
+    model: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -92,8 +93,15 @@ class SpeculativeConfig:
                     f"--speculative-config {name} must be an integer in [{low}, {high}], "
                     f"got {value!r}"
                 )
-        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
-            raise ValueError("--speculative-config method 'draft_model' needs a \"model\"")
+        needs_model = self.method in ("draft_model", "eagle3")
+        if needs_model and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f'--speculative-config method {self.method!r} needs a "model"')
+        lookup = (self.prompt_lookup_max, self.prompt_lookup_min)
+        if self.method != "ngram" and lookup != (4, 2):  # the defaults: not asked for
+            raise ValueError(
+                f"--speculative-config method {self.method!r} takes no prompt_lookup_max or "
+                "prompt_lookup_min (they are the n-gram proposer's)"
+            )
         if self.method == "ngram" and self.model is not None:
             raise ValueError("--speculative-config method 'ngram' takes no \"model\"")
 
@@ -116,6 +124,7 @@ class DraftRow:
     position: int
     block_ids: Sequence[int]
     count: int
+    request_id: str = ""  # an EAGLE-3 head reads the target's features it kept per request
 
 
 @runtime_checkable
@@ -171,12 +180,13 @@ def accepted_run(drafts: tuple[int, ...], target: list[int]) -> list[int]:
 def make_proposer(
     config: SpeculativeConfig | None, draft: BatchProposer | None = None
 ) -> Proposer | BatchProposer | None:
-    """The engine's proposer: ``draft`` (the draft model the model runner loaded) for
-    ``draft_model``, prompt lookup for ``ngram``, None without speculation."""
+    """The engine's proposer: ``draft`` (what the model runner loaded: the draft model, the
+    EAGLE-3 head) for ``draft_model`` and ``eagle3``, prompt lookup for ``ngram``, None
+    without speculation."""
     if config is None:
         return None
-    if config.method == "draft_model":
+    if config.method in ("draft_model", "eagle3"):
         if draft is None:
-            raise ValueError("--speculative-config method 'draft_model': no draft model loaded")
+            raise ValueError(f"--speculative-config method {config.method!r}: nothing loaded")
         return draft
     return NgramProposer(config)

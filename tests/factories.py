@@ -21,9 +21,15 @@ def copy_tokenizer(source: Path, path: Path) -> Path:
 
 
 def write_tiny_llama(
-    path: Path, *, vocab_size: int = 384, seed: int = 0, max_positions: int = 512
+    path: Path,
+    *,
+    vocab_size: int = 384,
+    seed: int = 0,
+    max_positions: int = 512,
+    num_layers: int = 2,
 ) -> Path:
-    """A 2-layer random Llama with GQA, saved with save_pretrained (what users hand us)."""
+    """A random Llama with GQA (2 layers unless told), saved with save_pretrained (what users
+    hand us)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -31,7 +37,7 @@ def write_tiny_llama(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
@@ -44,6 +50,97 @@ def write_tiny_llama(
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
+    return path
+
+
+EAGLE3_HIDDEN, EAGLE3_HEADS, EAGLE3_KV_HEADS, EAGLE3_MLP = 64, 4, 2, 128
+
+
+def eagle3_head_tensors(
+    vocab_size: int, d2t: torch.Tensor, target_hidden: int = 64, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random EAGLE-3 head weights under the published names and shapes (as in
+    yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): ``fc`` from three target hidden states, one
+    ``midlayer`` whose q/k/v read [embedding, feature] (2 * H inputs), its ``hidden_norm``, the
+    final ``norm``, an LM head over the draft vocabulary (scaled, so its argmax is well
+    separated), ``d2t`` (draft id -> target id minus the draft id) and ``t2d`` (its inverse as
+    a mask over the target's ids). No ``embed_tokens``: the head shares the target's."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, mlp = EAGLE3_HIDDEN, EAGLE3_MLP
+    head_dim = hidden // EAGLE3_HEADS
+
+    def randn(*shape: int, std: float = 0.1) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    draft_vocab = d2t.shape[0]
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.arange(draft_vocab) + d2t] = True
+    layer = "midlayer."
+    return {
+        "fc.weight": randn(hidden, 3 * target_hidden),
+        f"{layer}self_attn.q_proj.weight": randn(EAGLE3_HEADS * head_dim, 2 * hidden),
+        f"{layer}self_attn.k_proj.weight": randn(EAGLE3_KV_HEADS * head_dim, 2 * hidden),
+        f"{layer}self_attn.v_proj.weight": randn(EAGLE3_KV_HEADS * head_dim, 2 * hidden),
+        f"{layer}self_attn.o_proj.weight": randn(hidden, EAGLE3_HEADS * head_dim),
+        f"{layer}mlp.gate_proj.weight": randn(mlp, hidden),
+        f"{layer}mlp.up_proj.weight": randn(mlp, hidden),
+        f"{layer}mlp.down_proj.weight": randn(hidden, mlp),
+        f"{layer}input_layernorm.weight": 1 + randn(hidden),
+        f"{layer}hidden_norm.weight": 1 + randn(hidden),
+        f"{layer}post_attention_layernorm.weight": 1 + randn(hidden),
+        "norm.weight": 1 + randn(hidden),
+        "lm_head.weight": randn(draft_vocab, hidden, std=1.0),
+        "d2t": d2t.to(torch.int64),
+        "t2d": t2d,
+    }
+
+
+def eagle3_head_config(vocab_size: int, draft_vocab: int, target_hidden: int = 64) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": EAGLE3_HIDDEN,
+        "intermediate_size": EAGLE3_MLP,
+        "num_attention_heads": EAGLE3_HEADS,
+        "num_key_value_heads": EAGLE3_KV_HEADS,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "vocab_size": vocab_size,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target_hidden,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def write_eagle3_head(
+    path: Path,
+    vocab_size: int,
+    d2t: torch.Tensor,
+    *,
+    seed: int = 0,
+    config: dict[str, Any] | None = None,
+    tensors: dict[str, torch.Tensor | None] | None = None,
+) -> Path:
+    """A random EAGLE-3 head folder in the published layout (config.json and
+    model.safetensors); ``config`` and ``tensors`` override fields and tensors (None drops
+    one), for the tests of what loading refuses."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    hf = eagle3_head_config(vocab_size, d2t.shape[0]) | (config or {})
+    weights: dict[str, torch.Tensor | None] = eagle3_head_tensors(vocab_size, d2t, seed=seed)
+    weights |= tensors or {}
+    (path / "config.json").write_text(json.dumps(hf))
+    save_file(
+        {k: v.contiguous() for k, v in weights.items() if v is not None},
+        str(path / "model.safetensors"),
+    )
     return path
 
 

@@ -27,7 +27,7 @@ from engine_core.speculative import (
     latest_match,
 )
 from protocol.messages import Constraint, ConstraintKind, FinishReason, SamplingParams
-from tests.factories import write_near_copy, write_tiny_llama
+from tests.factories import copy_tokenizer, write_eagle3_head, write_near_copy, write_tiny_llama
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
 
@@ -47,6 +47,8 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
         ('{"method": "ngram", "num_speculative_tokens": 2, "extra": 1}', "unknown field 'extra'"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 9}',
          "prompt_lookup_min"),
+        ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 1}',
+         "method 'eagle3' takes no prompt_lookup_max"),
         ("not json", "not JSON"),
     ],
 )  # fmt: skip
@@ -367,13 +369,30 @@ def test_a_tiny_random_model_gives_the_same_tokens(tmp_path: Path, tiny_model_di
 # ---- through a server --------------------------------------------------------------------------
 
 
+def eagle3_pair(folder: Path, tokenizer_dir: Path, prompt: list[int]) -> tuple[Path, Path]:
+    """A 4-layer random Llama with ``tokenizer_dir``'s tokenizer, and a random EAGLE-3 head
+    whose two draft ids map (d2t) to the two tokens the target's greedy output on ``prompt``
+    holds most, so that some of its drafts are kept."""
+    from collections import Counter
+
+    target = write_tiny_llama(folder / "target", vocab_size=49152, num_layers=4)
+    copy_tokenizer(tokenizer_dir, target)
+    plain = LLM(str(target), device="cpu", max_model_len=512, num_kv_blocks=128)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    output = plain.generate([prompt], params, detokenize=False)[0].token_ids
+    common = [token for token, _ in Counter(output).most_common(2)]
+    d2t = torch.tensor(common) - torch.arange(len(common))
+    return target, write_eagle3_head(folder / "head", 49152, d2t)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, method: str
 ) -> None:
     """Whole, streamed, n = 2 and cut by a stop string inside a drafted run: the plain
-    engine's text; /metrics counts the drafts. The draft model is a near copy of the target."""
+    engine's text; /metrics counts the drafts. The draft model is a near copy of the target;
+    the EAGLE-3 head a random one beside a 4-layer target."""
     import httpx
     import openai
     from prometheus_client.parser import text_string_to_metric_families
@@ -381,17 +400,20 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
     from tests.server_fixture import start_server, stop_server, wait_engine_idle
 
     args = ["--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "default"]
-    config = NGRAM
+    config, model = NGRAM, tiny_model_dir
+    prompt = [5, 6, 7, 8, 5, 6, 7]
     if method == "draft_model":
         near = write_near_copy(tmp_path_factory.mktemp("near") / "draft", tiny_model_dir)
         config = json.dumps({"model": str(near), "num_speculative_tokens": 4})
+    elif method == "eagle3":
+        model, head = eagle3_pair(tmp_path_factory.mktemp("eagle3"), tiny_model_dir, prompt)
+        config = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     srv = start_server(
-        tmp_path_factory.mktemp("serve-spec"), model=str(tiny_model_dir),
+        tmp_path_factory.mktemp("serve-spec"), model=str(model),
         args=[*args, "--speculative-config", config],
     )  # fmt: skip
     try:
-        plain = LLM(str(tiny_model_dir), device="cpu", max_model_len=512, num_kv_blocks=128)
-        prompt = [5, 6, 7, 8, 5, 6, 7]
+        plain = LLM(str(model), device="cpu", max_model_len=512, num_kv_blocks=128)
         params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
         want = plain.generate([prompt], params)[0].text
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
@@ -471,18 +493,23 @@ def target_marginals(path: Path, prompt: list[int]) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_sampled_tokens_follow_the_targets_distribution(tmp_path: Path, method: str) -> None:
     """Drafts on a 16-token random model: the second and third output tokens of 3,000 unseeded
     requests match HF's distribution by a chi-square test, and drafts were checked and some
     kept on the way. ``ngram``: every token occurs in the prompt, so a draft follows almost
     every token; ``draft_model``: a near copy of the target (its weights plus noise) drafts
-    greedily at every step."""
-    target = write_tiny_llama(tmp_path / "target", vocab_size=VOCAB)
+    greedily at every step; ``eagle3``: a random EAGLE-3 head over the even ids (a draft
+    vocabulary of 8, d2t) drafts from a 4-layer target's hidden states at every step."""
+    layers = 4 if method == "eagle3" else 2  # EAGLE-3 reads three layers' inputs
+    target = write_tiny_llama(tmp_path / "target", vocab_size=VOCAB, num_layers=layers)
     prompt = [*range(VOCAB), *range(VOCAB - 1, -1, -1), 5]
     drafts: dict[str, object] = {"method": method, "num_speculative_tokens": 3}
     if method == "ngram":
         drafts["prompt_lookup_min"] = 1
+    elif method == "eagle3":
+        d2t = torch.arange(0, VOCAB, 2) - torch.arange(VOCAB // 2)
+        drafts["model"] = str(write_eagle3_head(tmp_path / "head", VOCAB, d2t))
     else:
         drafts["model"] = str(write_near_copy(tmp_path / "draft", target))
     llm = LLM(

@@ -1,0 +1,596 @@
+"""An EAGLE-3 head as the speculative proposer (``"method": "eagle3"``): one decoder layer
+trained beside a target model, which drafts from the target's own hidden states.
+
+The published layout (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B; read as vLLM's
+llama_eagle3.py and SGLang's read it): config.json with architectures
+["LlamaForCausalLMEagle3"], the head's own Llama shape (hidden_size, heads, intermediate_size,
+one layer), ``draft_vocab_size`` and, where it differs from hidden_size, ``target_hidden_size``;
+tensors ``fc.weight`` [H, 3 * H_target], ``midlayer.*`` (a Llama layer whose q/k/v take 2 * H
+inputs, plus ``hidden_norm``), ``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t``
+[draft_vocab] (a draft id's offset to its target id) and ``t2d`` (its inverse, unused here);
+``embed_tokens.weight`` only where the head does not share the target's embedding.
+
+What it computes: the target's residual stream entering three of its layers (2, L // 2 and
+L - 3 of L, or the config's ``eagle_config.eagle_aux_hidden_state_layer_ids``), concatenated
+and projected by ``fc``, is the feature f(p) of position p. The head's entry at position p
+reads the embedding of the token at p + 1 and f(p): its layer normalises both, concatenates
+them into attention (over its own KV of the entries before p), then an MLP; its final norm and
+LM head give the draft after p + 1. Drafting on from there, an entry takes the previous
+draft's embedding and the head's own residual stream (before the final norm) in place of f.
+
+Its KV cache shares the target's block ids, as the draft model's does (draft_model.py): one
+K/V tensor pair with as many blocks as the target's pool. Its entry at p needs the token at
+p + 1, which the target's step that computes p may not know yet (the step samples it), so the
+head's KV lags the target's by one position. After each target step the head runs over the
+step's positions with the tokens after them (``run_alongside``), a stand-in where that token
+is still to be sampled (each sampling row's last position), and over the position before each
+row's first again, with its token now known and the feature kept from the step that computed
+it: so after a step every entry before a request's last computed position is right. A
+proposal for a request whose last known token t sits at position p writes the entry at p - 1
+(t with f(p - 1)), which gives draft 1; forward j + 1 writes the entry at p - 1 + j (draft j
+with the head's stream) and gives draft j + 1. The verify step's run writes the drafts'
+entries again with the target's features; a rejected draft's is written over by the next.
+
+Drafts are the head's argmax, so keeping a draft exactly when the target draws it is exact
+(engine_core/speculative.py); the head decides only how many tokens a step yields. Its KV
+can be stale in one place: after a prefix-cache hit, the last entry of a cached block holds
+what the request that computed it wrote there (the token after the block in that request, or
+a stand-in where it ended), which may cost a draft, never the output. The head runs eagerly,
+and the target must too: the three hidden states are taken by forward hooks, which a CUDA
+graph replay does not run, so a target with graphs is refused (--enforce-eager).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.layer import Attention
+from engine_core.config import ModelConfig
+from engine_core.draft_model import attends_fully
+from engine_core.forward_context import forward_context
+from engine_core.loader import default_dtype, iter_checkpoint, read_json, resolve_model_dir
+from engine_core.models import llama_config
+from engine_core.models.layers import (
+    MergedLinear,
+    RotaryEmbedding,
+    load_mapped_weights,
+    reset_buffers,
+)
+from engine_core.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, make_norm
+from engine_core.request import Request, ScheduledRequest, SchedulerOutput
+from engine_core.scheduler import PLACEHOLDER
+from engine_core.speculative import DraftRow
+
+if TYPE_CHECKING:
+    from engine_core.attention.base import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+ID32 = torch.int32
+WHERE = "--speculative-config eagle3 head"
+
+
+# ---- the head --------------------------------------------------------------------------------
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer (``midlayer``): attention over [embedding, feature]."""
+
+    def __init__(self, config: ModelConfig, norm_before_residual: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = make_norm(config, hidden)
+        self.hidden_norm = make_norm(config, hidden)
+        self.self_attn = LlamaAttention(config)
+        sizes = self.self_attn.qkv_proj.output_sizes
+        self.self_attn.qkv_proj = MergedLinear(2 * hidden, sizes, config.attention_bias)
+        self.post_attention_layernorm = make_norm(config, hidden)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds, feature [T, H] -> (the MLP's output, the residual stream before it)."""
+        embeds = self.input_layernorm(embeds)
+        if self.norm_before_residual:
+            feature = self.hidden_norm(feature)
+            residual = feature
+        else:
+            residual, feature = feature, self.hidden_norm(feature)
+        attn = self.self_attn
+        heads = attn.attend(attn.qkv_proj(torch.cat([embeds, feature], dim=-1)), cos, sin)
+        out, residual = self.post_attention_layernorm(attn.o_proj(heads), residual)
+        return self.mlp(out), residual
+
+
+class Eagle3Head(nn.Module):
+    """The head's weights, under the checkpoint's names, and its forward."""
+
+    def __init__(self, shape: HeadShape) -> None:
+        super().__init__()
+        config, hidden = shape.config, shape.config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if shape.own_embedding else None
+        self.fc = nn.Linear(3 * shape.target_hidden, hidden, bias=False)
+        self.midlayer = Eagle3Layer(config, shape.norm_before_residual)
+        self.norm = make_norm(config, hidden)
+        self.lm_head = nn.Linear(hidden, shape.draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(shape.draft_vocab, dtype=torch.int64))
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(
+        self, embeds: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds, feature [T, H], positions [T] -> (the residual stream fed to the next
+        draft, the normed hidden state the LM head reads), [T, H] each."""
+        cos, sin = self.rotary_emb(positions, feature.dtype)
+        out, residual = self.midlayer(embeds, feature, cos, sin)
+        normed, stream = self.norm(out, residual)
+        return stream, normed
+
+    def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [N, H] -> the argmax of the draft vocabulary, as target ids [N] int64."""
+        draft = self.lm_head(normed).argmax(dim=-1)
+        return draft + self.d2t[draft]
+
+    def attention(self) -> Attention:
+        return self.midlayer.self_attn.attn
+
+
+# ---- the target's three hidden states --------------------------------------------------------
+
+
+class AuxHiddenStates:
+    """Forward pre-hooks on three of the target's decoder layers: each keeps the residual
+    stream entering its layer (the layer's hidden input plus the residual) in the latest
+    forward; ``take`` hands them out concatenated, [T, 3 * H_target]."""
+
+    def __init__(self, layers: nn.ModuleList, layer_ids: tuple[int, ...]) -> None:
+        self.layer_ids = layer_ids
+        self.states: dict[int, torch.Tensor] = {}
+        for index in dict.fromkeys(layer_ids):
+            layers[index].register_forward_pre_hook(partial(self._keep, index))
+
+    def _keep(self, index: int, module: nn.Module, args: tuple[Any, ...]) -> None:
+        hidden, residual = args[0], args[1]
+        self.states[index] = hidden if residual is None else hidden + residual
+
+    def take(self) -> torch.Tensor:
+        if len(self.states) < len(set(self.layer_ids)):
+            raise RuntimeError("eagle3: the target's forward did not run its hooked layers")
+        states = [self.states[i] for i in self.layer_ids]
+        self.states = {}
+        return torch.cat(states, dim=-1)
+
+
+def aux_layer_ids(head_hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The three target layers whose input the head reads: the checkpoint's choice where its
+    config names one, else vLLM's default (2, L // 2, L - 3)."""
+    eagle = head_hf.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = [2, num_layers // 2, num_layers - 3]
+    where = "eagle_config.eagle_aux_hidden_state_layer_ids" if "eagle_config" in head_hf else None
+    if len(ids) != 3 or not all(type(i) is int and 0 <= i < num_layers for i in ids):
+        source = f"its {where} {ids}" if where else f"layers {ids}"
+        raise ValueError(
+            f"{WHERE}: it reads the target's hidden states entering three of its layers, "
+            f"{source}, but the target has {num_layers} layers (EAGLE-3 needs at least 3)"
+        )
+    return tuple(ids)
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What config.json says the head is, checked against the target."""
+
+    config: ModelConfig  # the head's own Llama shape
+    target_hidden: int
+    draft_vocab: int
+    own_embedding: bool
+    norm_before_residual: bool
+    layer_ids: tuple[int, ...]
+
+
+REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def read_head_shape(model_dir: Path, target: ModelConfig, own_embedding: bool) -> HeadShape:
+    """The head's shape from its config.json; ValueError naming the field that does not fit."""
+    hf = read_json(model_dir / "config.json")
+    architectures = hf.get("architectures") or []
+    if ARCHITECTURE not in architectures:
+        raise ValueError(
+            f"{WHERE}: config.json architectures {architectures} is not [{ARCHITECTURE!r}]"
+        )
+    missing = [name for name in REQUIRED if name not in hf]
+    if missing:
+        raise ValueError(f"{WHERE}: config.json has no {missing[0]!r}")
+    if hf.get("num_hidden_layers", 1) != 1:
+        raise ValueError(
+            f"{WHERE}: config.json num_hidden_layers is {hf['num_hidden_layers']}; an EAGLE-3 "
+            "head has one layer"
+        )
+    if hf["vocab_size"] != target.vocab_size:
+        raise ValueError(
+            f"{WHERE}: config.json vocab_size {hf['vocab_size']} differs from the target's "
+            f"{target.vocab_size}"
+        )
+    draft_vocab = hf.get("draft_vocab_size")
+    if draft_vocab is None:  # a head over the whole vocabulary
+        draft_vocab = hf["vocab_size"]
+    if type(draft_vocab) is not int or not 0 < draft_vocab <= target.vocab_size:
+        raise ValueError(
+            f"{WHERE}: config.json draft_vocab_size {draft_vocab!r} is not in "
+            f"[1, {target.vocab_size}]"
+        )
+    target_hidden = hf.get("target_hidden_size")
+    if target_hidden is None:  # the target's hidden size is the head's
+        target_hidden = hf["hidden_size"]
+    if target_hidden != target.hidden_size:
+        field = "target_hidden_size" if "target_hidden_size" in hf else "hidden_size"
+        raise ValueError(
+            f"{WHERE}: config.json {field} {target_hidden} differs from the target's hidden "
+            f"size {target.hidden_size}"
+        )
+    if not own_embedding and hf["hidden_size"] != target.hidden_size:
+        raise ValueError(
+            f"{WHERE}: it has no embed_tokens.weight and its hidden_size {hf['hidden_size']} "
+            f"differs from the target's {target.hidden_size}, so it cannot share the target's"
+        )
+    config = llama_config({**hf, "num_hidden_layers": 1}, ARCHITECTURE)
+    return HeadShape(
+        config=config,
+        target_hidden=target_hidden,
+        draft_vocab=draft_vocab,
+        own_embedding=own_embedding,
+        norm_before_residual=bool(hf.get("norm_before_residual", False)),
+        layer_ids=aux_layer_ids(hf, target.num_layers),
+    )
+
+
+def map_head_name(name: str) -> tuple[str, int | None] | None:
+    """A checkpoint name -> (our parameter, shard of a merged projection); None: not a weight
+    (``d2t`` and ``t2d`` are read apart)."""
+    if name in ("d2t", "t2d") or name.endswith("rotary_emb.inv_freq"):
+        return None
+    name = name.removeprefix("model.")
+    module, _, param = name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    merged = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+    if proj in merged:
+        return f"{parent}.qkv_proj.{param}", merged[proj]
+    if proj in ("gate_proj", "up_proj"):
+        return f"{parent}.gate_up_proj.{param}", int(proj == "up_proj")
+    return name, None
+
+
+def load_head(
+    model: str, target: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[Eagle3Head, HeadShape]:
+    """The head of folder or hub id ``model``, its weights in ``dtype`` on ``device``."""
+    model_dir = resolve_model_dir(model)
+    weights = dict(iter_checkpoint(model_dir))
+    names = {n.removeprefix("model.") for n in weights}
+    shape = read_head_shape(model_dir, target, own_embedding="embed_tokens.weight" in names)
+    with torch.device("meta"), default_dtype(dtype):
+        head = Eagle3Head(shape)
+    head.to_empty(device=device)
+    reset_buffers(head)
+    d2t = weights.pop("d2t", None)
+    weights.pop("t2d", None)
+    load_mapped_weights(head, weights.items(), map_head_name)
+    head.d2t.copy_(checked_d2t(d2t, shape.draft_vocab, target.vocab_size))
+    head.eval().requires_grad_(False)
+    return head, shape
+
+
+def checked_d2t(d2t: torch.Tensor | None, draft_vocab: int, vocab: int) -> torch.Tensor:
+    """``d2t`` (draft id -> target id minus the draft id), checked: every draft id must land
+    on a target id. A head over the whole vocabulary may leave it out (offsets of 0)."""
+    if d2t is None:
+        if draft_vocab != vocab:
+            raise ValueError(
+                f"{WHERE}: the checkpoint has no 'd2t' tensor, which a draft vocabulary of "
+                f"{draft_vocab} (not the target's {vocab}) needs"
+            )
+        return torch.zeros(draft_vocab, dtype=torch.int64)
+    if d2t.shape != (draft_vocab,) or d2t.is_floating_point():
+        raise ValueError(
+            f"{WHERE}: tensor 'd2t' is {d2t.dtype} {list(d2t.shape)}, not integers "
+            f"[{draft_vocab}] (draft_vocab_size)"
+        )
+    targets = torch.arange(draft_vocab) + d2t.long()
+    if targets.min() < 0 or targets.max() >= vocab:
+        raise ValueError(f"{WHERE}: tensor 'd2t' maps draft ids outside the target's {vocab} ids")
+    return d2t.long()
+
+
+def check_target(target: nn.Module, config: ModelConfig) -> nn.ModuleList:
+    """The target's decoder layers, refusing a target the head cannot read hidden states from
+    (each layer must be a Llama-layout layer, whose inputs are the hidden and the residual)."""
+    layers = getattr(getattr(target, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or any(
+        type(layer) is not LlamaDecoderLayer for layer in layers
+    ):
+        raise ValueError(
+            f"{WHERE}: the target must be a Llama-family model (Llama, Mistral, Qwen2/3, their "
+            f"MoE variants); {config.architecture!r} layers are not read yet"
+        )
+    if config.vision is not None or config.embedding is not None:
+        raise ValueError(f"{WHERE}: the target must be a text model that generates")
+    if not attends_fully(config):
+        raise ValueError(
+            f"{WHERE}: the target has sliding-window or chunked attention layers, whose block "
+            "tables the head's cache cannot share yet"
+        )
+    return layers
+
+
+# ---- the proposer ----------------------------------------------------------------------------
+
+
+@dataclass
+class Features:
+    """The target's features f of a request's latest computed positions: the ones a proposal
+    may start from (the last one; every position of a verify chunk)."""
+
+    request: Request
+    first: int  # the position of row 0
+    rows: torch.Tensor  # [n, H]
+
+
+class Eagle3Proposer:
+    """The head, its KV cache (owned here, as the model runner owns the target's) and the
+    features it keeps between a step and the next proposal; a speculative.BatchProposer."""
+
+    def __init__(
+        self,
+        head: Eagle3Head,
+        aux: AuxHiddenStates,
+        embed: nn.Module,
+        max_drafts: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.head = head
+        self.aux = aux
+        self.embed = embed  # the head's own embedding, or the target's
+        self.max_drafts = max_drafts
+        self.device = device
+        self.dtype = dtype
+        self.features: dict[str, Features] = {}
+        self.block_size = 0
+        self.cache: list[torch.Tensor] = []
+        self.backend: AttentionBackend | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes the head's cache adds to one block id of the pool: its layer's K and V."""
+        shapes = self.head.attention().cache_shapes(1, block_size)
+        return sum(math.prod(s) for s in shapes) * self.dtype.itemsize
+
+    def allocate_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
+        layer = self.head.attention()
+        own = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in
+               layer.cache_shapes(num_blocks, block_size)]  # fmt: skip
+        layer.bind_cache(own)
+        self.cache = own
+        self.block_size, self.backend = block_size, backend
+        logger.info(
+            "eagle3 head: its KV cache %.3f GiB beside the target's",
+            sum(t.numel() * t.element_size() for t in own) / 2**30,
+        )
+
+    # ---- every step: the head's entries for the target's positions ----------------------------
+
+    @torch.inference_mode()
+    def run_alongside(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:
+        """Write the head's entries for the step (``meta``: the target's forward's): each
+        row's positions with the tokens after them, and the entry before its first position
+        again, now that its token is known (the last step's stand-in); keep the features a
+        proposal may start from."""
+        assert self.backend is not None
+        feature = self.head.fc(self.aux.take().to(self.dtype))  # [T, H]
+        entries = self._entries(out, feature, meta)
+        with forward_context(entries.meta, self.backend):
+            self.head(self.embed(entries.tokens), entries.feature, entries.positions)
+        self._keep_features(out, feature, meta.query_start_loc_cpu)
+
+    def _entries(
+        self, out: SchedulerOutput, feature: torch.Tensor, meta: AttentionMetadata
+    ) -> Entries:
+        """The step's entries, row by row: the one before the row's first position where the
+        request's feature there was kept (any row but a request's first), then one a
+        position. Each row's context still ends at the target's (the same seq_lens)."""
+        query_start, bs = meta.query_start_loc_cpu, self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        parts: list[torch.Tensor] = []
+        starts = [0]
+        for i, s in enumerate(out.scheduled):
+            count = query_start[i + 1] - query_start[i]
+            row_positions = list(range(s.start, s.start + count))
+            before = self._kept_feature(s.request.request_id, s.start - 1)
+            if before is not None:
+                row_positions.insert(0, s.start - 1)
+                tokens.append(s.request.token_ids[s.start])
+                parts.append(before[None])
+            tokens += tokens_after(s, count)
+            parts.append(feature[query_start[i] : query_start[i + 1]])
+            positions += row_positions
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in row_positions]
+            starts.append(starts[-1] + len(row_positions))
+        device = self.device
+        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        entries_meta = AttentionMetadata(
+            slot_mapping=_on(slots, torch.int64, device),
+            query_start_loc=_on(starts, ID32, device),
+            seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables,
+            max_query_len=max(lengths),
+            max_seq_len=meta.max_seq_len,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=meta.seq_lens_cpu,
+        )
+        return Entries(
+            _on(tokens, torch.int64, device),
+            _on(positions, torch.int64, device),
+            torch.cat(parts),
+            entries_meta,
+        )
+
+    def _keep_features(
+        self, out: SchedulerOutput, feature: torch.Tensor, query_start: list[int]
+    ) -> None:
+        """For each row, f of its last position and, for a verify chunk, of every position
+        (the next proposal starts after its last kept draft); finished requests' go."""
+        features = {k: f for k, f in self.features.items() if not f.request.is_finished}
+        for i, s in enumerate(out.scheduled):
+            end = query_start[i + 1]
+            begin = max(query_start[i], end - 1 - len(s.drafts))
+            first = s.start + (begin - query_start[i])
+            features[s.request.request_id] = Features(s.request, first, feature[begin:end].clone())
+        self.features = features
+
+    # ---- proposing ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
+        """``row.count`` greedy drafts for each row: forward 1 rewrites the entry at the row's
+        position - 1 (its last token, the target's feature there), forward j + 1 writes the
+        entry of draft j (the head's stream); K forwards over the rows still drafting."""
+        assert self.backend is not None
+        device = self.device
+        tables = _block_tables([r.block_ids for r in rows], device)  # [B, W]
+        tokens = _on([r.token for r in rows], torch.int64, device)  # [B]
+        host_positions = [r.position - 1 for r in rows]
+        positions = _on(host_positions, torch.int64, device)  # [B]
+        feature = torch.stack([self._feature_before(r) for r in rows])  # [B, H]
+        live = list(range(len(rows)))
+        drafts: list[list[int]] = [[] for _ in rows]
+        steps: list[tuple[list[int], torch.Tensor]] = []
+        for j in range(max(r.count for r in rows)):
+            keep = [n for n, i in enumerate(live) if rows[i].count > j]
+            if len(keep) < len(live):  # a row near its length limit wants fewer drafts
+                index = _on(keep, torch.int64, device)
+                tables, tokens = tables[index], tokens[index]
+                positions, feature = positions[index], feature[index]
+                live = [live[n] for n in keep]
+            lengths = [host_positions[i] + j + 1 for i in live]
+            meta = _one_token_metadata(tables, positions, lengths, self.block_size)
+            with forward_context(meta, self.backend):
+                feature, normed = self.head(self.embed(tokens), feature, positions)
+            tokens = self.head.draft_ids(normed)
+            steps.append((live, tokens))
+            positions = positions + 1
+        for live_rows, ids in steps:
+            for i, token in zip(live_rows, ids.tolist(), strict=True):
+                drafts[i].append(token)
+        return drafts
+
+    def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
+        """f at ``position`` of a request, where the step that computed it kept it."""
+        kept = self.features.get(request_id)
+        if kept is None or not 0 <= position - kept.first < kept.rows.shape[0]:
+            return None
+        return kept.rows[position - kept.first]
+
+    def _feature_before(self, row: DraftRow) -> torch.Tensor:
+        """f at the row's position - 1, kept from the step that computed it."""
+        feature = self._kept_feature(row.request_id, row.position - 1)
+        if feature is None:
+            raise RuntimeError(
+                f"eagle3: no target feature kept for request {row.request_id!r} at position "
+                f"{row.position - 1}"
+            )
+        return feature
+
+
+@dataclass
+class Entries:
+    """A forward of the head over entries: tokens and positions [N], features [N, H]."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    feature: torch.Tensor
+    meta: AttentionMetadata
+
+
+def tokens_after(row: ScheduledRequest, count: int) -> list[int]:
+    """For each of the ``count`` positions a row computes, the token after it: known inside a
+    prompt and a verify chunk; a stand-in (0) where it is still to be sampled, an entry the
+    next step writes again."""
+    after = row.request.token_ids[row.start + 1 : row.start + 1 + count]
+    return [0 if token == PLACEHOLDER else token for token in after] + [0] * (count - len(after))
+
+
+def _one_token_metadata(
+    tables: torch.Tensor, positions: torch.Tensor, lengths: list[int], block_size: int
+) -> AttentionMetadata:
+    """One token per row at ``positions`` [b] (on the device), whose tables [b, W] cover
+    them; ``lengths`` the rows' entries with it, on the host."""
+    blocks = tables.gather(1, (positions // block_size)[:, None]).squeeze(1).long()  # [b]
+    rows = len(lengths)
+    return AttentionMetadata(
+        slot_mapping=blocks * block_size + positions % block_size,
+        query_start_loc=torch.arange(rows + 1, dtype=ID32, device=tables.device),
+        seq_lens=(positions + 1).to(ID32),
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=max(lengths),
+        query_start_loc_cpu=list(range(rows + 1)),
+        seq_lens_cpu=lengths,
+    )
+
+
+def _on(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device)
+
+
+def _block_tables(tables: list[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """[B, W] int32 on ``device``, padded with block 0 (never read: past each row's length)."""
+    width = max(len(t) for t in tables)
+    host = torch.zeros((len(tables), width), dtype=ID32)
+    for i, table in enumerate(tables):
+        host[i, : len(table)] = torch.as_tensor(table, dtype=ID32)
+    return host.to(device)
+
+
+def load_eagle3(
+    model: str,
+    target: nn.Module,
+    target_config: ModelConfig,
+    max_drafts: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Eagle3Proposer:
+    """The proposer of ``"method": "eagle3"``: the head loaded and checked against the
+    target, the target's layers hooked for their hidden states."""
+    layers = check_target(target, target_config)
+    head, shape = load_head(model, target_config, device, dtype)
+    logger.info(
+        "eagle3 head: hidden %d, draft vocabulary %d, reading target layers %s",
+        shape.config.hidden_size,
+        shape.draft_vocab,
+        list(shape.layer_ids),
+    )
+    aux = AuxHiddenStates(layers, shape.layer_ids)
+    embed = head.embed_tokens if head.embed_tokens is not None else target.model.embed_tokens
+    return Eagle3Proposer(head, aux, embed, max_drafts, device, dtype)
