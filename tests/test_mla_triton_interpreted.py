@@ -15,8 +15,6 @@ Skipped unless ``TRITON_INTERPRET=1`` (and triton importable; it is not in the m
 from __future__ import annotations
 
 import os
-import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,6 +34,15 @@ from engine_core.attention.triton_mla import (  # noqa: E402
 )
 from engine_core.forward_context import forward_context  # noqa: E402
 from tests import test_models_deepseek  # noqa: E402
+from tests.mla_cases import (  # noqa: E402
+    SMALL,
+    V2_LITE,
+    Dims,
+    absorbed_by_hand,
+    expanded_by_torch,
+    paged_latents,
+    relative_error,
+)
 from tests.paged_harness import (  # noqa: E402
     assert_matches,
     generate_greedy,
@@ -49,69 +56,6 @@ from tests.test_triton_kernels import patch_interpreter_index  # noqa: E402
 patch_interpreter_index()
 
 TOLERANCE = 1e-4  # ‖out - ref‖ / ‖ref‖, float32 through the interpreter's exact dots
-
-
-@dataclass(frozen=True)
-class Dims:
-    heads: int
-    rank: int  # kv_lora_rank
-    rope: int
-    nope: int = 16
-    v_dim: int = 24
-
-
-SMALL = Dims(heads=4, rank=64, rope=16)
-V2_LITE = Dims(heads=16, rank=512, rope=64, nope=128, v_dim=128)
-
-
-@dataclass
-class PagedLatents:
-    """A latent cache of random rows, NaN in every slot no sequence owns (a stray read poisons
-    the output), and each sequence's block table over shuffled blocks."""
-
-    cache: torch.Tensor  # [num_blocks, page, R + P]
-    tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: list[int]
-
-    def context(self, seq: int) -> torch.Tensor:  # [L, R + P]
-        page = self.cache.shape[1]
-        blocks = self.tables[seq][: -(-self.seq_lens[seq] // page)].long()
-        return self.cache[blocks].flatten(0, 1)[: self.seq_lens[seq]]
-
-
-def paged_latents(seq_lens: list[int], width: int, page: int, seed: int = 0) -> PagedLatents:
-    gen = torch.Generator().manual_seed(seed)
-    counts = [-(-n // page) for n in seq_lens]
-    order = list(range(sum(counts) + 3))
-    random.Random(seed).shuffle(order)
-    cache = torch.full((len(order), page, width), float("nan"))
-    tables = torch.zeros(len(seq_lens), max(max(counts), 1), dtype=torch.int32)
-    for seq, (n, count) in enumerate(zip(seq_lens, counts, strict=True)):
-        blocks = [order.pop() for _ in range(count)]
-        tables[seq, :count] = torch.tensor(blocks, dtype=torch.int32)
-        for pos in range(n):
-            cache[blocks[pos // page], pos % page] = torch.randn(width, generator=gen)
-    return PagedLatents(cache, tables, seq_lens)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
-
-
-def absorbed_by_hand(
-    q_lat: torch.Tensor, q_pe: torch.Tensor, paged: PagedLatents, scale: float
-) -> torch.Tensor:  # [B, H, R]
-    """softmax((q_lat . c + q_pe . k_pe) * scale) @ c per sequence, in float64; zeros for an
-    empty (padding) sequence."""
-    rank = q_lat.shape[-1]
-    out = torch.zeros(q_lat.shape, dtype=torch.float64)
-    for seq, n in enumerate(paged.seq_lens):
-        if n == 0:
-            continue
-        ctx = paged.context(seq).double()  # [L, R + P]
-        scores = q_lat[seq].double() @ ctx[:, :rank].T + q_pe[seq].double() @ ctx[:, rank:].T
-        out[seq] = (scores * scale).softmax(-1) @ ctx[:, :rank]
-    return out
 
 
 def test_write_latents_fills_the_slots_and_skips_padding() -> None:
@@ -167,23 +111,6 @@ def test_decode_splits_by_each_sequence_length() -> None:
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = mla_decode_attention(q_lat, q_pe, paged.cache, paged.tables, lens, 0.2)
     assert relative_error(out, absorbed_by_hand(q_lat, q_pe, paged, 0.2)) < TOLERANCE
-
-
-def expanded_by_torch(
-    q: torch.Tensor, paged: PagedLatents, query_lens: list[int], weight: torch.Tensor, dims: Dims
-) -> torch.Tensor:
-    """LatentAttention.expanded (the torch path) for each sequence's last query rows."""
-    layer = LatentAttention(dims.heads, dims.rank, dims.nope, dims.rope, dims.v_dim, 0.15)
-    outs, start = [], 0
-    for seq, n in enumerate(query_lens):
-        rows = q[start : start + n]
-        outs.append(
-            layer.expanded(
-                rows[..., : dims.nope], rows[..., dims.nope :], paged.context(seq), weight
-            )
-        )
-        start += n
-    return torch.cat(outs)
 
 
 @pytest.mark.parametrize("dims", [SMALL, V2_LITE], ids=["small", "v2-lite"])

@@ -242,8 +242,9 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2/V3; checkpoint names follow HF's DeepseekV3ForCausalLM."""
 
-    # Its experts (and DeepSeek's latent attention) are torch code that reads host values:
-    # no CUDA graphs until they have fused kernels (model_runner.py _capture_graphs).
+    # The latent attention's prompt steps gather the context by host lengths (its decode step
+    # on CUDA reads none, attention/triton_mla.py), and the runner captures prompt steps too:
+    # no CUDA graphs for now (model_runner.py _capture_graphs).
     cuda_graph_safe = False
 
     decoder_layer = DeepseekDecoderLayer
