@@ -28,7 +28,9 @@ from engine_core.attention.triton_mla import (  # noqa: E402
     write_latents,
 )
 from engine_core.forward_context import forward_context  # noqa: E402
+from engine_core.llm import LLM  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
+from protocol.messages import SamplingParams  # noqa: E402
 from tests import test_models_deepseek  # noqa: E402
 from tests.mla_cases import (  # noqa: E402
     V2_LITE,
@@ -185,3 +187,37 @@ def last_slots(tables: torch.Tensor, lens: torch.Tensor, page: int) -> torch.Ten
     """Each sequence's last token's cache slot, through its block table."""
     last = lens.long() - 1
     return tables.gather(1, (last // page)[:, None])[:, 0].long() * page + last % page
+
+
+def engine_tokens(
+    folder: Path, batches: list[list[list[int]]], **kwargs: object
+) -> tuple[list, object]:
+    """Greedy tokens through ``LLM`` on CUDA in float32, one ``generate`` a batch (a later one
+    finds the earlier ones' blocks in the prefix cache), and the runner's graph runner."""
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=128,
+              block_size=4, **kwargs)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        tokens = [
+            out.token_ids
+            for prompts in batches
+            for out in llm.generate(prompts, params, detokenize=False)
+        ]
+        return tokens, llm.engine.runner.graph_runner
+    finally:
+        llm.engine.shutdown()
+
+
+def test_engine_replays_deepseek_decodes_from_graphs_as_eager_and_hf(tmp_path: Path) -> None:
+    """The engine captures a tiny DeepSeek-V3's decode steps (not its prompt steps): its greedy
+    tokens equal --enforce-eager's and HF's, a prompt after another's cached blocks too."""
+    hf_model = test_models_deepseek.make_hf_model("v3")
+    hf_model.save_pretrained(tmp_path)
+    prompts = test_models_deepseek.PROMPTS
+    batches = [prompts, [prompts[2][:20] + [7, 8, 9]]]
+    graphed, graphs = engine_tokens(tmp_path, batches)
+    assert graphs is not None and graphs.graphs and not graphs.prefill_graphs
+    eager, no_graphs = engine_tokens(tmp_path, batches, enforce_eager=True)
+    assert no_graphs is None
+    want = [hf_greedy(hf_model, p, 16).tokens[0] for batch in batches for p in batch]
+    assert graphed == eager == want
