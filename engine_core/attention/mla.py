@@ -140,17 +140,34 @@ class LatentAttention(nn.Module):
                 q_nope[rows], q_pe[rows], meta.block_tables[seqs], meta.seq_lens[seqs],
                 kv_b_weight,
             )  # fmt: skip
-        expanded = [s for s in range(meta.num_seqs) if s not in decodes]
-        spans = [range(starts[s], starts[s + 1]) for s in expanded]
-        if any(spans):
+        expanded = [
+            s for s in range(meta.num_seqs) if s not in decodes and starts[s + 1] > starts[s]
+        ]
+        if expanded:
+            spans = [range(starts[s], starts[s + 1]) for s in expanded]
             rows = torch.tensor([t for span in spans for t in span], device=device)
-            q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [Tp, H, N + P]
-            out[rows] = triton_mla.mla_prefill_attention(
-                q, self.cache, meta.block_tables, expanded,
-                [0, *itertools.accumulate(len(span) for span in spans)],
-                [meta.seq_lens_cpu[s] for s in expanded], kv_b_weight, self.v_dim, self.scale,
-            )  # fmt: skip
+            out[rows] = self.triton_expanded(q_nope[rows], q_pe[rows], meta, expanded, kv_b_weight)
         return out
+
+    def triton_expanded(
+        self,
+        q_nope: torch.Tensor,  # [Tp, H, N]: the new tokens of sequences ``seqs``, in order
+        q_pe: torch.Tensor,  # [Tp, H, P]
+        meta: AttentionMetadata,
+        seqs: list[int],
+        kv_b_weight: torch.Tensor,  # [H * (N + V), R]
+    ) -> torch.Tensor:  # [Tp, H, V]
+        """expanded, for several sequences, through the Triton prefill kernel."""
+        from engine_core.attention.triton_mla import mla_prefill_attention
+
+        assert self.cache is not None
+        starts = meta.query_start_loc_cpu
+        query_lens = [starts[s + 1] - starts[s] for s in seqs]
+        return mla_prefill_attention(
+            torch.cat((q_nope, q_pe), dim=-1), self.cache, meta.block_tables, seqs,
+            [0, *itertools.accumulate(query_lens)], [meta.seq_lens_cpu[s] for s in seqs],
+            kv_b_weight, self.v_dim, self.scale,
+        )  # fmt: skip
 
     def triton_absorbed(
         self,
