@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 from engine_core.attention.base import AttentionMetadata  # noqa: E402
 from engine_core.attention.mla import LatentAttention  # noqa: E402
 from engine_core.attention.triton_mla import (  # noqa: E402
+    expanded_batch,
     mla_decode_attention,
     mla_prefill_attention,
     write_latents,
@@ -99,9 +100,8 @@ def test_prefill_with_cached_context_matches_the_torch_path(dims: Dims) -> None:
     for n in query_lens:
         starts.append(starts[-1] + n)
     q, weight = q.bfloat16(), weight.bfloat16()
-    out = mla_prefill_attention(
-        q, paged.cache, paged.tables, list(range(4)), starts, seq_lens, weight, dims.v_dim, SCALE
-    )
+    batch = expanded_batch(starts, seq_lens, list(range(4)), 16, CUDA)
+    out = mla_prefill_attention(q, paged.cache, paged.tables, batch, weight, dims.v_dim, SCALE)
     wide = PagedLatents(paged.cache.float(), paged.tables, seq_lens)
     ref = expanded_by_torch(q.float(), wide, query_lens, weight.float(), dims, SCALE)
     assert relative_error(out, ref) < TOLERANCE

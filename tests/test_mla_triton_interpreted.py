@@ -28,8 +28,10 @@ from engine_core.attention.base import AttentionMetadata  # noqa: E402
 from engine_core.attention.mla import LatentAttention, causal_attention  # noqa: E402
 from engine_core.attention.triton_mla import (  # noqa: E402
     MlaDecodeTile,
+    expanded_batch,
     mla_decode_attention,
     mla_prefill_attention,
+    step_plan,
     write_latents,
 )
 from engine_core.forward_context import forward_context  # noqa: E402
@@ -125,10 +127,8 @@ def test_prefill_chunks_after_cached_context_match_the_torch_path(dims: Dims) ->
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    out = mla_prefill_attention(
-        q, paged.cache, paged.tables, list(range(len(seq_lens))), starts, seq_lens, weight,
-        dims.v_dim, 0.15,
-    )  # fmt: skip
+    batch = expanded_batch(starts, seq_lens, list(range(len(seq_lens))), 8, q.device)
+    out = mla_prefill_attention(q, paged.cache, paged.tables, batch, weight, dims.v_dim, 0.15)
     assert out.shape == (sum(query_lens), dims.heads, dims.v_dim)
     assert relative_error(out, expanded_by_torch(q, paged, query_lens, weight, dims)) < TOLERANCE
 
@@ -255,3 +255,26 @@ def on_triton(model: torch.nn.Module) -> torch.nn.Module:
         assert isinstance(layer, LatentAttention)
         layer.use_triton = True
     return model
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_step_plan_splits_a_step_by_hand(absorb: bool) -> None:
+    """Two decodes, a chunk of 5 after 9 cached tokens, a sequence with no new token this step
+    and a fresh prompt of 5, over pages of 4: which rows go where, and which table entries
+    hold each expanded sequence's context."""
+    plan = step_plan((0, 1, 2, 7, 7, 12), (12, 30, 14, 6, 5), absorb, 4, torch.device("cpu"))
+    expanded = plan.expanded
+    assert expanded is not None
+    if absorb:
+        assert plan.decode_rows.tolist() == [0, 1] and plan.decode_seqs.tolist() == [0, 1]
+        assert expanded.rows.tolist() == list(range(2, 12))  # seq 3 has no row
+        assert expanded.block_seqs.tolist() == [2, 2, 2, 2, 4, 4]
+        assert expanded.block_cols.tolist() == [0, 1, 2, 3, 0, 1]
+        assert expanded.table.tolist() == [[0, 1, 2, 3], [4, 5, 0, 0]]
+        assert expanded.seq_lens.tolist() == [14, 5]
+        assert expanded.query_start_loc.tolist() == [0, 5, 10]
+    else:
+        assert plan.decode_rows is None and plan.decode_seqs is None
+        assert expanded.rows.tolist() == list(range(12))
+        assert expanded.seq_lens.tolist() == [12, 30, 14, 5]
+        assert expanded.block_seqs.tolist().count(1) == 8  # 30 tokens: 8 pages of 4

@@ -25,8 +25,6 @@ the torch path: plain tensor ops per sequence, reading host copies of the length
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -131,43 +129,24 @@ class LatentAttention(nn.Module):
         if meta.is_decode_only and self.absorb_decode:
             return self.triton_absorbed(q_nope, q_pe, meta.block_tables, meta.seq_lens, kv_b_weight)
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
-        starts, device = meta.query_start_loc_cpu, q_nope.device
-        decodes = self.absorbed_seqs(meta)
-        if decodes:
-            rows = torch.tensor([starts[s] for s in decodes], device=device)
-            seqs = torch.tensor(decodes, device=device)
+        plan = triton_mla.step_plan(
+            tuple(meta.query_start_loc_cpu), tuple(meta.seq_lens_cpu), self.absorb_decode,
+            self.cache.shape[1], q_nope.device,
+        )  # fmt: skip
+        if plan.decode_rows is not None:
+            rows, seqs = plan.decode_rows, plan.decode_seqs
             out[rows] = self.triton_absorbed(
                 q_nope[rows], q_pe[rows], meta.block_tables[seqs], meta.seq_lens[seqs],
                 kv_b_weight,
             )  # fmt: skip
-        expanded = [
-            s for s in range(meta.num_seqs) if s not in decodes and starts[s + 1] > starts[s]
-        ]
-        if expanded:
-            spans = [range(starts[s], starts[s + 1]) for s in expanded]
-            rows = torch.tensor([t for span in spans for t in span], device=device)
-            out[rows] = self.triton_expanded(q_nope[rows], q_pe[rows], meta, expanded, kv_b_weight)
+        if plan.expanded is not None:
+            rows = plan.expanded.rows
+            q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [Tp, H, N + P]
+            out[rows] = triton_mla.mla_prefill_attention(
+                q, self.cache, meta.block_tables, plan.expanded, kv_b_weight, self.v_dim,
+                self.scale,
+            )  # fmt: skip
         return out
-
-    def triton_expanded(
-        self,
-        q_nope: torch.Tensor,  # [Tp, H, N]: the new tokens of sequences ``seqs``, in order
-        q_pe: torch.Tensor,  # [Tp, H, P]
-        meta: AttentionMetadata,
-        seqs: list[int],
-        kv_b_weight: torch.Tensor,  # [H * (N + V), R]
-    ) -> torch.Tensor:  # [Tp, H, V]
-        """expanded, for several sequences, through the Triton prefill kernel."""
-        from engine_core.attention.triton_mla import mla_prefill_attention
-
-        assert self.cache is not None
-        starts = meta.query_start_loc_cpu
-        query_lens = [starts[s + 1] - starts[s] for s in seqs]
-        return mla_prefill_attention(
-            torch.cat((q_nope, q_pe), dim=-1), self.cache, meta.block_tables, seqs,
-            [0, *itertools.accumulate(query_lens)], [meta.seq_lens_cpu[s] for s in seqs],
-            kv_b_weight, self.v_dim, self.scale,
-        )  # fmt: skip
 
     def triton_absorbed(
         self,

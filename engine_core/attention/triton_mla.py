@@ -18,13 +18,17 @@ latent cache ``[num_blocks, block_size, R + P]`` (R = kv_lora_rank, P = qk_rope_
   contexts (prefix-cache hits and earlier chunks included) go through kv_b_proj into per-head
   K [.., H, N + P] and V [.., H, V] laid out as a paged cache of their own, one page per cache
   block they came from, and the GQA prefill kernel (which takes a V head size different from
-  Q/K's) runs causal attention over it with a block table that names those pages.
+  Q/K's) runs causal attention over it with a block table that names those pages. The
+  indices of a step (which rows take which path, which blocks to gather) are built once from
+  its host lengths (``step_plan``) and shared by every layer.
 
 Importing this module imports triton (see engine_core/attention/triton_kernels.py).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine_core.attention.prefill_tiles import device_tiles
+from engine_core.attention.prefill_tiles import prefill_block_m, tile_list
 from engine_core.attention.triton_kernels import (
     LOG2E,
     choose_num_splits,
@@ -307,45 +311,112 @@ def mla_decode_attention(
 # ---- expanded prefill --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ExpandedBatch:
+    """Sequences whose new tokens take the expanded path, as device index tensors: built once a
+    step from host lengths (``step_plan``) and read by every layer's mla_prefill_attention."""
+
+    rows: torch.Tensor  # [Tp] int64: the step's token rows of these sequences, in order
+    block_seqs: torch.Tensor  # [NB] int64: (step sequence, table column) of each context block
+    block_cols: torch.Tensor  # [NB] int64
+    table: torch.Tensor  # [S, max pages] int32: each sequence's pages of the expanded K/V
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32, over ``rows``
+    tiles: torch.Tensor  # the prefill kernel's work list (prefill_tiles.py)
+    max_query_len: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's split between the absorbed decode (``decode_rows`` of sequences
+    ``decode_seqs``) and the expanded path (``expanded``), None where a side is empty."""
+
+    decode_rows: torch.Tensor | None
+    decode_seqs: torch.Tensor | None
+    expanded: ExpandedBatch | None
+
+
+@functools.lru_cache(maxsize=4)
+def step_plan(
+    query_start_loc: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    absorb_decodes: bool,
+    page: int,
+    device: torch.device,
+) -> StepPlan:
+    """The step's plan from its host lengths. Cached on them (a pure function of its
+    arguments): the first latent layer of a step builds it and copies its indices to the
+    device (pinned, so the copies queue behind the GPU's work rather than wait for it), the
+    others reuse it."""
+    starts = query_start_loc
+    query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    decodes = [s for s, n in enumerate(query_lens) if n == 1] if absorb_decodes else []
+    expanded = [s for s, n in enumerate(query_lens) if n > 0 and s not in decodes]
+    return StepPlan(
+        _on([starts[s] for s in decodes], device) if decodes else None,
+        _on(decodes, device) if decodes else None,
+        expanded_batch(starts, seq_lens, expanded, page, device) if expanded else None,
+    )
+
+
+def expanded_batch(
+    query_start_loc: tuple[int, ...] | list[int],  # the step's
+    seq_lens: tuple[int, ...] | list[int],  # the step's
+    seqs: list[int],  # the sequences to expand
+    page: int,
+    device: torch.device,
+) -> ExpandedBatch:
+    starts = query_start_loc
+    query_lens = [starts[s + 1] - starts[s] for s in seqs]
+    counts = [-(-seq_lens[s] // page) for s in seqs]
+    batch_starts = [0, *itertools.accumulate(query_lens)]
+    return ExpandedBatch(
+        rows=_on([t for s in seqs for t in range(starts[s], starts[s + 1])], device),
+        block_seqs=_on([s for s, n in zip(seqs, counts, strict=True) for _ in range(n)], device),
+        block_cols=_on([c for n in counts for c in range(n)], device),
+        table=_pinned(_expanded_table(counts), device),
+        seq_lens=_on([seq_lens[s] for s in seqs], device, torch.int32),
+        query_start_loc=_on(batch_starts, device, torch.int32),
+        tiles=_pinned(
+            torch.from_numpy(tile_list(query_lens, prefill_block_m(batch_starts[-1]))), device
+        ),
+        max_query_len=max(query_lens),
+    )
+
+
 def mla_prefill_attention(
-    q: torch.Tensor,  # [Tp, H, N + P]: the prefilling rows' queries, rotary part rotated
+    q: torch.Tensor,  # [Tp, H, N + P]: the rows of ``batch``, rotary part rotated
     cache: torch.Tensor,  # [num_blocks, block_size, R + P]
     block_tables: torch.Tensor,  # [B, max_blocks] int32: the step's
-    seqs: list[int],  # the prefilling sequences (rows of block_tables)
-    query_start_loc: list[int],  # [len(seqs) + 1]: their rows of q
-    seq_lens: list[int],  # [len(seqs)]: their context lengths, the new tokens included
+    batch: ExpandedBatch,
     kv_b_weight: torch.Tensor,  # [H * (N + V), R]
     v_dim: int,
     scale: float,
 ) -> torch.Tensor:  # [Tp, H, V]
-    """Causal attention of the prefilling rows over their sequences' whole contexts, each
+    """Causal attention of the batch's rows over their sequences' whole contexts, each
     context's latents expanded into per-head K and V first (see the module docstring)."""
-    num_heads, device = q.shape[1], q.device
+    num_heads = q.shape[1]
     page, rank = cache.shape[1], kv_b_weight.shape[1]
-    counts = [-(-n // page) for n in seq_lens]
-    seq_idx = [s for s, n in zip(seqs, counts, strict=True) for _ in range(n)]
-    col_idx = [c for n in counts for c in range(n)]
-    blocks = block_tables[_on(seq_idx, device), _on(col_idx, device)].long()  # [NB]
+    blocks = block_tables[batch.block_seqs, batch.block_cols].long()  # [NB]
     rows = cache[blocks]  # [NB, page, R + P]
-    kv = F.linear(rows[..., :rank], kv_b_weight).view(len(col_idx), page, num_heads, -1)
+    kv = F.linear(rows[..., :rank], kv_b_weight).view(len(blocks), page, num_heads, -1)
     k_nope, v = kv.split((kv.shape[-1] - v_dim, v_dim), dim=-1)
     k_pe = rows[..., None, rank:].expand(-1, -1, num_heads, -1)  # shared by every head
     k = torch.cat((k_nope, k_pe), dim=-1)  # [NB, page, H, N + P]
-    query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
     return paged_prefill_attention(
         q,
         k,
         v.contiguous(),  # [NB, page, H, V]
-        _expanded_table(counts, device),
-        _on(seq_lens, device, torch.int32),
-        _on(query_start_loc, device, torch.int32),
-        max(query_lens),
+        batch.table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.max_query_len,
         scale,
-        tiles=device_tiles(query_start_loc, device),
+        tiles=batch.tiles,
     )
 
 
-def _expanded_table(counts: list[int], device: torch.device) -> torch.Tensor:
+def _expanded_table(counts: list[int]) -> torch.Tensor:
     """[len(counts), max(counts)] int32: sequence i's pages of the expanded K/V, which follow
     the earlier sequences' in order; 0 past a sequence's own (never read)."""
     table = torch.zeros(len(counts), max(counts), dtype=torch.int32)
@@ -353,8 +424,15 @@ def _expanded_table(counts: list[int], device: torch.device) -> torch.Tensor:
     for i, n in enumerate(counts):
         table[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
         first += n
-    return table.to(device)
+    return table
 
 
 def _on(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return _pinned(torch.tensor(values, dtype=dtype), device)
+
+
+def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``; to a GPU from pinned memory, which does not wait for the queue."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
