@@ -1,7 +1,7 @@
-"""`mla`: the MLA decode kernel (engine_core/attention/triton_mla.py) alone, against HBM.
+"""`mla`: the MLA kernels (engine_core/attention/triton_mla.py) alone: decode against HBM.
 
     python -m benchmarks mla [--models v2-lite,v3] [--batches 1,32,64] [--contexts 1024,4096]
-                             [--sweep] [--vllm]
+                             [--sweep] [--vllm] [--prefill 2048,512@3584]
 
 At DeepSeek-V2-Lite's heads (16) and DeepSeek-V3's (128), kv_lora_rank 512 and rope 64, over a
 bf16 latent cache in 16-token pages scattered at random: microseconds a call (median of CUDA
@@ -10,6 +10,10 @@ and as a share of HBM (--hbm-tb-s, default 4.8 TB/s). Each call reads a differen
 cache, enough copies to exceed L2, so the figures are from memory. The engine's launch shape
 first; --sweep times every shape of the grid below; --vllm times vLLM's Triton MLA decode
 (decode_attention_fwd, with its own split count) on the same cache when vLLM is importable.
+
+The expanded prefill (one prompt of NEW tokens after CONTEXT cached ones: the gather, kv_b_proj
+into per-head K and V, and the prefill kernel) is timed too, as TFLOP/s of its attention
+products (each new token over the keys up to it, Q/K 192 wide, V 128).
 """
 
 from __future__ import annotations
@@ -37,17 +41,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every launch shape")
     parser.add_argument("--vllm", action="store_true", help="also time vLLM's Triton MLA decode")
     parser.add_argument("--iters", type=int, default=30, help="timed calls each (default: 30)")
+    parser.add_argument(
+        "--prefill", default="2048,512@3584", help="prefill cases NEW[@CONTEXT], comma-separated"
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
 
 
-def latent_caches(batch: int, context: int) -> list[dict[str, Any]]:
+def latent_caches(batch: int, context: int, at_least: int = L2_BYTES) -> list[dict[str, Any]]:
     """Copies of a bf16 latent cache holding ``batch`` sequences of ``context`` tokens, each
-    with its pages at random places, enough of them to exceed L2."""
+    with its pages at random places, enough of them to fill ``at_least`` bytes (default:
+    more than L2)."""
     import torch
 
     pages = -(-context // PAGE)
     one = batch * pages * PAGE * (RANK + ROPE) * 2
-    copies = max(1, -(-L2_BYTES // one))
+    copies = max(1, -(-at_least // one))
     caches = []
     for _ in range(copies):
         cache = torch.randn(batch * pages + 1, PAGE, RANK + ROPE, device="cuda").bfloat16()
@@ -131,10 +139,35 @@ def vllm_row(
     return timed(cycling(call, caches), args, bytes_=latent_bytes)
 
 
+def prefill_row(args: argparse.Namespace, model: str, case: str) -> dict[str, Any]:
+    import torch
+
+    from engine_core.attention.triton_mla import expanded_batch, mla_prefill_attention
+
+    new_s, _, context_s = case.partition("@")
+    new, context = int(new_s), int(context_s or 0)
+    heads, nope, v_dim = HEADS[model], 128, 128
+    (cache,) = latent_caches(1, new + context, at_least=0)
+    batch = expanded_batch([0, new], [new + context], [0], PAGE, torch.device("cuda"))
+    q = torch.randn(new, heads, nope + ROPE, device="cuda").bfloat16()
+    weight = (torch.randn(heads * (nope + v_dim), RANK, device="cuda") / RANK**0.5).bfloat16()
+    keys = new * context + new * (new + 1) / 2
+    flops = 2 * keys * heads * (nope + ROPE + v_dim)
+
+    def call() -> None:
+        mla_prefill_attention(q, cache["cache"], cache["tables"], batch, weight, v_dim, 0.1)
+
+    row = {"model": model, "batch": 1, "context": case, "kernel": "expanded prefill"}
+    return row | timed(call, args, flops=flops)
+
+
 def print_row(row: dict[str, Any], hbm_gb_s: float) -> None:
     head = f"{row['model']:>8} b{row['batch']:<3} ctx {row['context']:<6} {row['kernel']:<24}"
     if "error" in row:
         print(f"{head} {row['error']}", flush=True)
+        return
+    if row["tflops"]:
+        print(f"{head} {row['us']:8.1f} us  {row['tflops']:6.1f} TFLOP/s", flush=True)
         return
     share = 100 * row["gb_s"] / hbm_gb_s
     print(f"{head} {row['us']:8.1f} us  {row['gb_s']:6.0f} GB/s  {share:5.1f}% of HBM", flush=True)
@@ -153,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         for row in decode_rows(args, model, batch, context):
             print_row(row, args.hbm_tb_s * 1000)
             rows.append(row)
+    prefill = []
+    for model, case in itertools.product(args.models.split(","), args.prefill.split(",")):
+        prefill.append(prefill_row(args, model, case))
+        print_row(prefill[-1], args.hbm_tb_s * 1000)
     if args.json:
-        write_json(args.json, header, {"decode": rows})
+        write_json(args.json, header, {"decode": rows, "prefill": prefill})
     return 0
