@@ -127,8 +127,8 @@ class MlaDecodeTile:
     """Launch shape of the MLA decode kernel: heads per program, cache rows per iteration,
     warps and software-pipeline stages.
 
-    More heads a program read each latent row for more of them (one read from memory per
-    BLOCK_H heads; the other head blocks of the same split hit L2), at the price of a
+    Each latent row a program reads serves its BLOCK_H heads (the other head blocks of the same
+    split read it again, from L2 if they run together); more heads a program cost a larger
     [BLOCK_H, R] float32 accumulator in registers: 16 x 512 is 64 registers a thread at 4 warps.
     """
 
@@ -138,8 +138,9 @@ class MlaDecodeTile:
     num_stages: int = 2
 
 
-# Not tuned yet: vLLM's and SGLang's grouped MLA decode kernels use 16 heads and 16-32 rows
-# per iteration at R = 512 (the GPU benchmark, ``python -m benchmarks mla``, sweeps these).
+# Not tuned yet: vLLM's grouped MLA decode kernel (adapted from SGLang's) takes 16 heads and
+# 32 rows an iteration at R = 512 on NVIDIA GPUs; ``python -m benchmarks mla --sweep`` times
+# the alternatives.
 DEFAULT_MLA_DECODE_TILE = MlaDecodeTile()
 
 
