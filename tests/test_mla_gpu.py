@@ -147,7 +147,7 @@ def test_tiny_deepseek_on_cuda_triton_equals_torch_path_and_hf(name: str, tmp_pa
 def test_decode_layer_replays_from_a_cuda_graph() -> None:
     """A decode-only step of LatentAttention on the Triton path captured in a CUDA graph, then
     replayed after the inputs and lengths changed in place, equals the eager step on the new
-    inputs: the launches read no host value."""
+    inputs (within the einsums' rounding): the launches read no host value."""
     dims, page, batch = V2_LITE, 16, 4
     cache = torch.randn(64, page, dims.rank + dims.rope, device=CUDA).bfloat16()
     width = dims.heads * (dims.nope + dims.v_dim)
@@ -180,7 +180,9 @@ def test_decode_layer_replays_from_a_cuda_graph() -> None:
     graph.replay()
     with forward_context(meta, None):
         eager = layer(*inputs, weight)
-    torch.testing.assert_close(captured, eager, atol=0, rtol=0)
+    # The same kernels; cuBLAS may pick another algorithm for the einsums under capture. Stale
+    # lengths would attend over other rows altogether.
+    assert relative_error(captured, eager) < 1e-3
 
 
 def last_slots(tables: torch.Tensor, lens: torch.Tensor, page: int) -> torch.Tensor:
