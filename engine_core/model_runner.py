@@ -706,8 +706,8 @@ class ModelRunner:
             # decode graphs would compute logits that they never read, with no head for them.
             return None
         if not all(getattr(module, "cuda_graph_safe", True) for module in self.model.modules()):
-            # gpt-oss's experts, DeepSeek's latent attention and FP8 experts run code that reads
-            # host values (no fused kernels for them yet): every step runs eagerly.
+            # gpt-oss's experts and FP8 experts run code that reads host values (no fused
+            # kernels for them yet): every step runs eagerly.
             logger.warning("%s runs without CUDA graphs for now", type(self.model).__name__)
             return None
         if len(self.kv_layout.groups) > 1:
@@ -725,6 +725,11 @@ class ModelRunner:
             self.config.max_num_batched_tokens,
             self.config.tensor_parallel_size,
         )
+        if not all(getattr(module, "prompt_graphs_safe", True) for module in self.model.modules()):
+            # DeepSeek's latent attention: its decode steps read no host value, its prompt
+            # steps do (attention/triton_mla.py).
+            logger.info("%s: prompt steps run eagerly", type(self.model).__name__)
+            max_prefill_tokens, extend_prefill_to = 0, 0
         runner = CudaGraphRunner(
             self.model,
             self.backend,

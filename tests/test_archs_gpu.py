@@ -4,7 +4,7 @@ engine on a GPU. Written without a GPU to run them on: the lead runs them on the
 The decode kernel (one split, and several, whose merge adds the sink) and the prefill kernel
 with sinks against the float32 torch reference on random inputs; then the tiny models of
 tests/test_models_gpt_oss.py and tests/test_models_deepseek.py through ``LLM`` on CUDA in
-float32 (the Triton attention for gpt-oss, the torch MLA path and the fused experts for
+float32 (the Triton attention for gpt-oss, the Triton MLA kernels and the fused experts for
 DeepSeek; both eager) against HF's greedy tokens.
 """
 

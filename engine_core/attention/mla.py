@@ -16,8 +16,11 @@ W_UV [H, V, R]. Two ways to attend, one result:
 
 ``tests/test_models_deepseek.py`` checks the two against each other and both against HF.
 
-This is the torch path, on every device: plain tensor ops per sequence, reading host copies of
-the lengths (no CUDA graphs). A Triton MLA kernel is still to come.
+On CUDA both run as Triton kernels (engine_core/attention/triton_mla.py): the absorbed decode
+over the paged latents, split over the context; the expanded prefill through the GQA prefill
+kernel (whose V head size may differ from Q/K's). A decode-only step then reads no host value
+(its launches depend on shapes only). Elsewhere, and where a test asks for it (``use_triton``),
+the torch path: plain tensor ops per sequence, reading host copies of the lengths.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class LatentAttention(nn.Module):
         self.attention_chunk = None
         self.cache: torch.Tensor | None = None
         self.absorb_decode = True  # decodes take the absorbed path (tests switch it off)
+        # The Triton kernels or the torch path; None: Triton on CUDA (tests choose either).
+        self.use_triton: bool | None = None
 
     @property
     def width(self) -> int:
@@ -82,20 +87,83 @@ class LatentAttention(nn.Module):
         if self.cache is None:
             raise RuntimeError("LatentAttention.cache is unset: allocate the KV cache first")
         meta = get_forward_context().attn_metadata
+        use_triton = q_nope.is_cuda if self.use_triton is None else self.use_triton
+        if use_triton:
+            return self.triton_forward(q_nope, q_pe, latent, k_pe, kv_b_weight, meta)
         write_latents(self.cache, torch.cat((latent, k_pe), dim=-1), meta.slot_mapping)
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
         starts = meta.query_start_loc_cpu
-        decodes = [s for s in range(meta.num_seqs) if starts[s + 1] - starts[s] == 1]
-        if self.absorb_decode and decodes:
+        decodes = self.absorbed_seqs(meta)
+        if decodes:
             rows = torch.tensor([starts[s] for s in decodes], device=q_nope.device)
             out[rows] = self.absorbed(q_nope[rows], q_pe[rows], meta, decodes, kv_b_weight)
         for seq in range(meta.num_seqs):
             start, end = starts[seq], starts[seq + 1]
-            if end == start or (self.absorb_decode and seq in decodes):
+            if end == start or seq in decodes:
                 continue
             context = self.context(meta, seq)
             out[start:end] = self.expanded(q_nope[start:end], q_pe[start:end], context, kv_b_weight)
         return out
+
+    def absorbed_seqs(self, meta: AttentionMetadata) -> list[int]:
+        """The sequences that take the absorbed path: the decodes (one new token)."""
+        if not self.absorb_decode:
+            return []
+        starts = meta.query_start_loc_cpu
+        return [s for s in range(meta.num_seqs) if starts[s + 1] - starts[s] == 1]
+
+    def triton_forward(
+        self,
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_pe: torch.Tensor,  # [T, H, P], rotated
+        latent: torch.Tensor,  # [T, R], normalized
+        k_pe: torch.Tensor,  # [T, P], rotated
+        kv_b_weight: torch.Tensor,  # [H * (N + V), R]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, V]
+        """forward through the Triton kernels; a decode-only step reads no host value."""
+        from engine_core.attention import triton_mla  # imports triton: CUDA (or the interpreter)
+
+        assert self.cache is not None
+        triton_mla.write_latents(self.cache, latent, k_pe, meta.slot_mapping)
+        if meta.is_decode_only and self.absorb_decode:
+            return self.triton_absorbed(q_nope, q_pe, meta.block_tables, meta.seq_lens, kv_b_weight)
+        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
+        plan = triton_mla.step_plan(
+            tuple(meta.query_start_loc_cpu), tuple(meta.seq_lens_cpu), self.absorb_decode,
+            self.cache.shape[1], q_nope.device,
+        )  # fmt: skip
+        if plan.decode_rows is not None:
+            rows, seqs = plan.decode_rows, plan.decode_seqs
+            out[rows] = self.triton_absorbed(
+                q_nope[rows], q_pe[rows], meta.block_tables[seqs], meta.seq_lens[seqs],
+                kv_b_weight,
+            )  # fmt: skip
+        if plan.expanded is not None:
+            rows = plan.expanded.rows
+            q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [Tp, H, N + P]
+            out[rows] = triton_mla.mla_prefill_attention(
+                q, self.cache, meta.block_tables, plan.expanded, kv_b_weight, self.v_dim,
+                self.scale,
+            )  # fmt: skip
+        return out
+
+    def triton_absorbed(
+        self,
+        q_nope: torch.Tensor,  # [B, H, N]: one query per decoding sequence
+        q_pe: torch.Tensor,  # [B, H, P]
+        block_tables: torch.Tensor,  # [B, max_blocks]
+        seq_lens: torch.Tensor,  # [B]
+        kv_b_weight: torch.Tensor,  # [H * (N + V), R]
+    ) -> torch.Tensor:  # [B, H, V]
+        """absorbed, through the Triton decode kernel."""
+        from engine_core.attention.triton_mla import mla_decode_attention
+
+        assert self.cache is not None
+        w_uk, w_uv = absorbed_weights(kv_b_weight, self.num_heads, self.nope)
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # [B, H, R]
+        o_lat = mla_decode_attention(q_lat, q_pe, self.cache, block_tables, seq_lens, self.scale)
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
     def context(self, meta: AttentionMetadata, seq: int) -> torch.Tensor:
         """Sequence ``seq``'s cached rows [L, R + P], through its block table."""

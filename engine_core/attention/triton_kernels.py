@@ -40,7 +40,7 @@ from engine_core.attention.base import is_fp8_cache
 from engine_core.attention.prefill_tiles import device_tiles, prefill_block_m
 from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 # Decode context splits: a split is never shorter than MIN_SPLIT_TOKENS (shorter pieces cost
 # more in partial writes and the merge than they gain in parallelism), and there are enough of
 # them for PROGRAMS_PER_SM programs per multiprocessor, up to MAX_SPLITS (at 64 sequences of 256
@@ -336,7 +336,7 @@ def _row_warps(row: int) -> int:
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, acc, v, PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
+def softmax_step(s, m_i, l_i, acc, v, PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
     """Fold one tile of base-2 scores ``s`` [M, N] (-inf where masked) and its V [N, D] into the
     running max ``m_i`` [M], sum ``l_i`` [M] and accumulator ``acc`` [M, D]; safe for rows whose
     scores are all -inf so far."""
@@ -445,7 +445,7 @@ def decode_grid(batch: int, num_kv_heads: int, device: torch.device) -> str:
 
 
 @triton.jit
-def _split_bounds(
+def split_bounds(
     seq_len,
     window,
     chunk,
@@ -550,7 +550,7 @@ def _decode_kernel(
     # before (the KV write): read them, and the first tile's blocks, while it finishes
     # (engine_core/triton_pdl.py). q and the new token's K/V come after the wait.
     seq_len = tl.load(SL + seq)
-    split_len, lo, first, last = _split_bounds(
+    split_len, lo, first, last = split_bounds(
         seq_len, window, chunk, num_splits, min_split, BLOCK_N, HAS_WINDOW, HAS_CHUNK
     )
     start = tl.maximum(split * split_len, lo)
@@ -635,7 +635,7 @@ def _decode_kernel(
             if KPP > 1:
                 visible = visible & same_kv
             s = tl.where(visible, s * scale_log2, float("-inf"))
-            m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, USE_DOT)
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PRECISION, USE_DOT)
 
         # Nested: a constexpr and a runtime value do not mix in one Triton condition. A
         # split's partial leaves the sink to the merge.
@@ -757,7 +757,7 @@ def _decode_merge_kernel(
     lse = tl.load(PL + part + s, mask=in_buf, other=float("-inf"))  # [S]
     po_ptr = PO + (part + s)[:, None] * HEAD_DIM + d[None, :]
     po = tl.load(po_ptr, mask=in_buf[:, None] & d_mask[None, :], other=0.0)  # [S, D]
-    _, _, first, last = _split_bounds(
+    _, _, first, last = split_bounds(
         seq_len, window, chunk, num_splits, min_split, BLOCK_N, HAS_WINDOW, HAS_CHUNK
     )
     if first != last:  # otherwise the decode kernel wrote this row itself
@@ -814,7 +814,7 @@ def paged_decode_attention(
 def sinks_log2(sinks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """The sink logits [H] in the kernels' log2 units, float32 (``like``: any tensor, passed
     where there are no sinks: the kernels never read it then)."""
-    return like if sinks is None else (sinks.float() * _LOG2E).contiguous()
+    return like if sinks is None else (sinks.float() * LOG2E).contiguous()
 
 
 @dataclass(frozen=True)
@@ -914,7 +914,7 @@ def _decode(
     if num_splits is None:
         max_context = block_tables.shape[1] * page
         num_splits = choose_num_splits(batch, programs, max_context, q.device, min_split)
-    partial_out, partial_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
+    partial_out, partial_lse = partial_buffers(batch, num_heads, num_splits, head_dim, q.device)
     # Without new tokens their arguments are never read: any tensors do.
     k_new, v_new, cos, sin, slots = (
         (q, q, q[:, 0], q[:, 0], seq_lens)
@@ -938,7 +938,7 @@ def _decode(
         sin,
         slots,
         sink_logits,
-        scale * _LOG2E * (k_scale if kv_fp8 else 1.0),
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         1.0 / k_scale,
         1.0 / v_scale,
@@ -973,7 +973,7 @@ def _decode(
         BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None,
         USE_DOT=use_dot,
-        PRECISION=_precision(q.dtype),
+        PRECISION=dot_precision(q.dtype),
         KV_FP8=kv_fp8,
         FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),
         PDL=pdl,
@@ -986,7 +986,7 @@ def _decode(
         num_stages=tile.num_stages,
     )
     if num_splits > 1:
-        _merge_partials(
+        merge_partials(
             partial_out, partial_lse, seq_lens, out, sliding_window, min_split, block_n, sinks,
             attention_chunk,
         )  # fmt: skip
@@ -1003,7 +1003,7 @@ def _kv_per_program(wanted: int, num_kv_heads: int, group: int) -> int:
     return kpp
 
 
-def _merge_partials(
+def merge_partials(
     partial_out: torch.Tensor,  # [B, heads, S, head_dim] float32
     partial_lse: torch.Tensor,  # [B, heads, S] float32
     seq_lens: torch.Tensor,  # [B] int32
@@ -1045,7 +1045,7 @@ def _merge_partials(
     )
 
 
-def _partials(
+def partial_buffers(
     batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-split outputs [B, H, S, D] and base-2 log-sum-exps [B, H, S] (float32)."""
@@ -1096,7 +1096,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """float32 operands use exact products (tests compare them with HF); bf16 ignores this."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -1136,8 +1136,10 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # of Q and K
     BLOCK_D: tl.constexpr,
+    V_DIM: tl.constexpr,  # of V and the output: HEAD_DIM but in MLA's expanded prefill
+    BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1169,6 +1171,8 @@ def _prefill_kernel(
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
         q_mask = row_mask[:, None] & d_mask[None, :]
+        dv = tl.arange(0, BLOCK_DV)
+        dv_mask = dv < V_DIM
         q_rows = (q_start + rows).to(tl.int64)
         q_ptr = Q + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :]
         q = tl.load(q_ptr, mask=q_mask, other=0.0)  # [M, D]
@@ -1186,7 +1190,7 @@ def _prefill_kernel(
             lo = tl.maximum(lo, first_row - first_row % chunk)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         bt_row = BT + seq.to(tl.int64) * stride_bt
         # Whole key tiles at or before the tile's first row are seen by every row: no mask.
         masked_from = lo
@@ -1199,12 +1203,12 @@ def _prefill_kernel(
                 k_ptr = KC + blk[:, None] * stride_kb + in_page[:, None] * stride_ks
                 k = tl.load(k_ptr + kvh * stride_kh + d[None, :], mask=d_mask[None, :], other=0.0)
                 v_ptr = VC + blk[:, None] * stride_vb + in_page[:, None] * stride_vs
-                v = tl.load(v_ptr + kvh * stride_vh + d[None, :], mask=d_mask[None, :], other=0.0)
+                v = tl.load(v_ptr + kvh * stride_vh + dv[None, :], mask=dv_mask[None, :], other=0.0)
                 if KV_FP8:
                     k = k.to(q.dtype)
                     v = v.to(q.dtype)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-                m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
+                m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
         for n0 in range(masked_from, hi, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < hi
@@ -1214,7 +1218,8 @@ def _prefill_kernel(
             k_ptr = KC + blk[:, None] * stride_kb + in_page[:, None] * stride_ks + kvh * stride_kh
             k = tl.load(k_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
             v_ptr = VC + blk[:, None] * stride_vb + in_page[:, None] * stride_vs + kvh * stride_vh
-            v = tl.load(v_ptr + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            v_mask = n_mask[:, None] & dv_mask[None, :]
+            v = tl.load(v_ptr + dv[None, :], mask=v_mask, other=0.0)  # [N, DV]
             if KV_FP8:  # exact in q's dtype; the scales as in the decode kernel
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
@@ -1225,21 +1230,21 @@ def _prefill_kernel(
             if HAS_CHUNK:
                 visible = visible & (offs[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk)
             s = tl.where(visible, s * scale_log2, float("-inf"))
-            m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
 
         if HAS_SINKS:
             m_i, l_i, acc = _add_sink(SINKS + head + 0 * rows, row_mask, m_i, l_i, acc)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if KV_FP8:
             out = out * v_scale
-        o_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
-        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=q_mask)
+        o_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh + dv[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & dv_mask[None, :])
 
 
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, heads, head_dim]: sequence i's rows query_start_loc[i]:[i+1]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, v_dim]: v_dim may differ (MLA)
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32: context + new tokens
     query_start_loc: torch.Tensor,  # [B + 1] int32
@@ -1247,14 +1252,14 @@ def paged_prefill_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
-    out: torch.Tensor | None = None,  # [T, heads, head_dim]
+    out: torch.Tensor | None = None,  # [T, heads, v_dim]
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tiles: torch.Tensor | None = None,  # [rows, 2] int32, see prefill_tiles.py
     launch: PrefillLaunch | None = None,
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
     attention_chunk: int | None = None,  # Llama 4: a query at p sees [p // C * C, p] only
-) -> torch.Tensor:  # [T, heads, head_dim]
+) -> torch.Tensor:  # [T, heads, v_dim]
     """Causal attention of every new token over its sequence's cached context (itself included).
 
     Sequence i's new tokens sit at positions ``seq_lens[i] - query_len_i ..``; its earlier
@@ -1268,8 +1273,9 @@ def paged_prefill_attention(
     _, page, num_kv_heads, _ = k_cache.shape
     _check_cache(k_cache)
     _check_cache(v_cache)
+    v_dim = v_cache.shape[-1]
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty(num_tokens, num_heads, v_dim)
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
@@ -1289,7 +1295,7 @@ def paged_prefill_attention(
         tiles,
         out,
         sinks_log2(sinks, q),
-        scale * _LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
+        scale * LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
         v_scale,
         sliding_window or 0,
         attention_chunk or 1,
@@ -1307,11 +1313,13 @@ def paged_prefill_attention(
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        V_DIM=v_dim,
+        BLOCK_DV=triton.next_power_of_2(v_dim),
         PAGE=page,
         BLOCK_M=block_m,
         BLOCK_N=launch.block_n,
         HAS_WINDOW=sliding_window is not None,
-        PRECISION=_precision(q.dtype),
+        PRECISION=dot_precision(q.dtype),
         KV_FP8=kv_fp8,
         FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),
         HAS_SINKS=sinks is not None,

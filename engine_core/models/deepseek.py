@@ -242,9 +242,12 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2/V3; checkpoint names follow HF's DeepseekV3ForCausalLM."""
 
-    # Its experts (and DeepSeek's latent attention) are torch code that reads host values:
-    # no CUDA graphs until they have fused kernels (model_runner.py _capture_graphs).
-    cuda_graph_safe = False
+    # On CUDA a decode step reads no host value (the fused experts; the latent attention's
+    # Triton decode, attention/triton_mla.py), a prompt step does (the expanded prefill
+    # gathers each context by host lengths): the runner captures decode graphs only
+    # (model_runner.py _capture_graphs). FP8 experts still run eagerly (models/moe.py).
+    cuda_graph_safe = True
+    prompt_graphs_safe = False
 
     decoder_layer = DeepseekDecoderLayer
 
