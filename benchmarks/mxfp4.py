@@ -17,9 +17,10 @@ random MXFP4 weights and uniform random routing, at each token count (64: a deco
 The table: µs a layer (median of CUDA-event timings of 20 back-to-back calls, divided by 20),
 the bytes the layer must read (the experts the routing touched: codes, scales and biases, or
 bf16 weights; the activations in and out) over that time, that rate as a share of the HBM
-bandwidth (``--hbm``, default the H200's 4.8 TB/s), and the tensor-core rate (2 x slots x
-(hidden x 2 width + width x hidden) FLOPs). One layer's MXFP4 experts (422 MB at 20b's shape)
-exceed the L2 cache, so every call reads its weights from HBM.
+bandwidth given by ``--hbm`` (default 4.8 TB/s, the datasheet figure of the 141 GB HBM3e GPU
+these kernels were written for) and of the copy bandwidth measured first (roofline.py), and
+the tensor-core rate (2 x slots x (hidden x 2 width + width x hidden) FLOPs). One layer's MXFP4
+experts (422 MB at 20b's shape) exceed the L2 cache, so every call reads its weights from HBM.
 
 ``--device cpu`` (with TRITON_INTERPRET=1, and ``--shape`` small) only checks that the script
 runs.
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import Provenance, fmt, format_table, write_json
+from benchmarks.roofline import measure_bandwidth
 
 CALLS = 20  # calls a timing
 
@@ -45,7 +47,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shape", help="hidden,width,experts,top_k instead of the preset's (e.g. to check)"
     )
-    parser.add_argument("--hbm", type=float, default=4.8e12, help="HBM bytes/s (H200: 4.8e12)")
+    parser.add_argument(
+        "--hbm", type=float, default=4.8e12, help="HBM bytes/s to compare with (default 4.8e12)"
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch reference")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to check the script")
@@ -122,7 +126,9 @@ def expert_bytes(layer: Any) -> dict[str, int]:
     return {"mxfp4": mxfp4, "bf16": 2 * (width2 * hidden + hidden * width2 // 2)}
 
 
-def measure(shape: tuple[int, int, int, int], tokens: int, args: argparse.Namespace) -> list:
+def measure(
+    shape: tuple[int, int, int, int], tokens: int, args: argparse.Namespace, copy_bw: float
+) -> list[dict[str, Any]]:
     """The three ways at one token count: a row of figures each."""
     import torch
 
@@ -157,7 +163,7 @@ def measure(shape: tuple[int, int, int, int], tokens: int, args: argparse.Namesp
         rows.append(
             {"way": way, "tokens": tokens, "experts_touched": touched, "us": us}
             | {"bytes": read, "gb_s": read / us / 1e3, "hbm_share": read / (us * 1e-6) / args.hbm}
-            | {"tflops": flops / us / 1e6}
+            | {"copy_share": read / (us * 1e-6) / copy_bw, "tflops": flops / us / 1e6}
         )
     del ways
     if device == "cuda":
@@ -169,16 +175,19 @@ def run(args: argparse.Namespace) -> int:
     header = Provenance.here(args.argv, device=None if args.device == "cuda" else "cpu")
     print(header.format())
     shape = layer_shape(args)
+    copy_bw = measure_bandwidth(args.device)
     results = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        results += measure(shape, tokens, args)
+        results += measure(shape, tokens, args, copy_bw)
     hidden, width, experts, top_k = shape
-    print(f"layer: hidden {hidden}, width {width}, {experts} experts, top {top_k}; "
-          f"HBM {args.hbm / 1e12:.1f} TB/s\n")  # fmt: skip
-    headers = ["tokens", "way", "experts read", "us", "MB read", "GB/s", "of HBM", "TFLOP/s"]
+    print(f"layer: hidden {hidden}, width {width}, {experts} experts, top {top_k}; HBM "
+          f"{args.hbm / 1e12:.1f} TB/s, copy bandwidth {copy_bw / 1e12:.2f} TB/s\n")  # fmt: skip
+    headers = ["tokens", "way", "experts read", "us", "MB read", "GB/s", "of HBM", "of copy"]
+    headers.append("TFLOP/s")
     print(format_table(headers, table(results)))
     if args.json:
-        write_json(args.json, header, {"shape": shape, "hbm_bytes_s": args.hbm, "results": results})
+        figures = {"shape": shape, "hbm_bytes_s": args.hbm, "copy_bytes_s": copy_bw}
+        write_json(args.json, header, figures | {"results": results})
     return 0
 
 
@@ -187,7 +196,8 @@ def table(results: list[dict[str, Any]]) -> list[list[str]]:
         [
             str(r["tokens"]), r["way"], str(r["experts_touched"]), fmt(r["us"], ".1f"),
             fmt(r["bytes"] / 1e6, ",.1f"), fmt(r["gb_s"], ",.0f"),
-            fmt(100 * r["hbm_share"], ".0f") + "%", fmt(r["tflops"], ".1f"),
+            fmt(100 * r["hbm_share"], ".0f") + "%", fmt(100 * r["copy_share"], ".0f") + "%",
+            fmt(r["tflops"], ".1f"),
         ]
         for r in results
     ]  # fmt: skip
