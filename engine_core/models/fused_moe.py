@@ -15,7 +15,7 @@ graphs:
    tokens' rows times that expert's gate and up weights, SiLU(gate) * up written per slot.
 3. ``_down_kernel``: each slot's activation times its expert's down weights, scaled by the
    slot's routing weight, written per slot.
-4. ``_combine_kernel``: the K slots of each token summed in float32, in slot order.
+4. ``combine_kernel``: the K slots of each token summed in float32, in slot order.
 
 The routing itself (softmax, top-k, renormalisation) is ``route_topk``, one launch, which
 moe.route takes on CUDA; a single token's router product and routing together are
@@ -43,7 +43,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_rows(
+def block_rows(
     SortedSlots,
     BlockExperts,
     block_m,
@@ -91,7 +91,7 @@ def _gate_up_kernel(
 ):
     block_m = tl.program_id(0)
     block_n = tl.program_id(1)
-    expert, slots = _block_rows(
+    expert, slots = block_rows(
         SortedSlots, BlockExperts, block_m, num_slots, BLOCK_M, ONE_SLOT_PER_BLOCK
     )
     if expert < 0:
@@ -146,7 +146,7 @@ def _down_kernel(
 ):
     block_m = tl.program_id(0)
     block_n = tl.program_id(1)
-    expert, slots = _block_rows(
+    expert, slots = block_rows(
         SortedSlots, BlockExperts, block_m, num_slots, BLOCK_M, ONE_SLOT_PER_BLOCK
     )
     if expert < 0:
@@ -330,7 +330,7 @@ def route_topk(
 
 
 @triton.jit
-def _combine_kernel(
+def combine_kernel(
     Slots,  # [T * K, H]: each (token, k) slot's weighted expert output
     Out,  # [T, H]
     hidden,
@@ -583,7 +583,7 @@ def _grouped_gemms(
     # Summed in float32 in slot order (a fixed order, so a token's sum never varies), one launch.
     combined = torch.empty_like(x)
     block = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+    combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
     )
     return combined

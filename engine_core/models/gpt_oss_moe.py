@@ -25,6 +25,7 @@ from torch import nn
 
 from engine_core.config import ModelConfig
 from engine_core.models import mxfp4
+from engine_core.models.layers import use_triton
 from engine_core.models.moe import grouped_experts
 
 
@@ -62,23 +63,62 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         weights, ids = route_gpt_oss(self.router(x), self.top_k)  # [T, K] each
-        return grouped_experts(x, weights, ids, self.num_experts, self.run_expert)
-
-    def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``expert`` on its tokens' rows x [n, H] -> [n, H]."""
-        w13, w2 = self.expert_weights(expert, x.dtype)
-        gate, up = F.linear(x, w13, self.b13[expert]).chunk(2, dim=-1)  # [n, I] each
-        act = clamped_swiglu(gate, up, self.limit, self.alpha)
-        return F.linear(act, w2, self.b2[expert])
-
-    def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [2I, H], w2 [H, I]) of one expert in ``dtype``: MXFP4 ones dequantized."""
         if not self.mxfp4:
-            return self.w13[expert], self.w2[expert]
-        return (
-            mxfp4.dequantize(self.w13_blocks[expert], self.w13_scales[expert], dtype),
-            mxfp4.dequantize(self.w2_blocks[expert], self.w2_scales[expert], dtype),
-        )
+            return grouped_experts(x, weights, ids, self.num_experts, self.dense_expert)
+        if use_triton(x):
+            from engine_core.models.mxfp4_kernels import fused_moe_mxfp4  # imports triton
+
+            return fused_moe_mxfp4(x, self.mxfp4_experts(), weights, ids)
+        return experts_reference(x, self.mxfp4_experts(), weights, ids)
+
+    def dense_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """bf16 expert ``expert`` on its tokens' rows x [n, H] -> [n, H]."""
+        return biased_swiglu_expert(
+            x, (self.w13[expert], self.b13[expert]), (self.w2[expert], self.b2[expert]),
+            self.limit, self.alpha,
+        )  # fmt: skip
+
+    def mxfp4_experts(self) -> mxfp4.Mxfp4Experts:
+        """The MXFP4 experts' tensors and the activation's constants, as the GEMMs read them."""
+        return mxfp4.Mxfp4Experts(
+            self.w13_blocks, self.w13_scales, self.b13,
+            self.w2_blocks, self.w2_scales, self.b2, self.limit, self.alpha,
+        )  # fmt: skip
+
+
+def experts_reference(
+    x: torch.Tensor, experts: mxfp4.Mxfp4Experts, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """MXFP4 experts in torch (the CPU path, and the kernels' oracle): sum over k of
+    weights[t, k] * expert ids[t, k] (x[t]), each expert dequantized as it runs, [T, H]."""
+
+    def run(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return mxfp4_expert_reference(experts, expert, rows)
+
+    return grouped_experts(x, weights, ids, experts.w13_blocks.shape[0], run)
+
+
+def mxfp4_expert_reference(
+    experts: mxfp4.Mxfp4Experts, expert: int, x: torch.Tensor
+) -> torch.Tensor:
+    """One MXFP4 expert on its tokens' rows x [n, H] -> [n, H], its weights dequantized to
+    x's dtype."""
+    e = experts
+    w13 = mxfp4.dequantize(e.w13_blocks[expert], e.w13_scales[expert], x.dtype)  # [2I, H]
+    w2 = mxfp4.dequantize(e.w2_blocks[expert], e.w2_scales[expert], x.dtype)  # [H, I]
+    return biased_swiglu_expert(x, (w13, e.b13[expert]), (w2, e.b2[expert]), e.limit, e.alpha)
+
+
+def biased_swiglu_expert(
+    x: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],  # (w13 [2I, H], b13 [2I])
+    down: tuple[torch.Tensor, torch.Tensor],  # (w2 [H, I], b2 [H])
+    limit: float,
+    alpha: float,
+) -> torch.Tensor:
+    """gpt-oss's expert on rows x [n, H] -> [n, H]."""
+    gate, up = F.linear(x, *gate_up).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(clamped_swiglu(gate, up, limit, alpha), *down)
 
 
 def route_gpt_oss(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,12 +10,13 @@ uint8 tensors (transformers' ``integrations/mxfp4.py``; openai/gpt-oss's safeten
 
 with rows the output features ([E, 2I, H] for gate_up_proj, its gate and up rows interleaved;
 [E, H, I] for down_proj). We keep them so in memory (the blocks' last two dims merged,
-[E, rows, cols / 2]): 4.25 bits a weight, and dequantize an expert's rows when it runs
-(``dequantize``; a Triton kernel that dequantizes in registers is for the GPU).
+[E, rows, cols / 2]): 4.25 bits a weight. On the CPU an expert's rows are dequantized when it
+runs (``dequantize``); on CUDA models/mxfp4_kernels.py's GEMMs widen them in registers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,21 @@ FP4_VALUES = (
 FP4_MAX = 6.0
 # quantization_config keys of transformers' Mxfp4Config that a checkpoint may carry.
 _CONFIG_KEYS = ("quant_method", "modules_to_not_convert", "dequantize")
+
+
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """One layer's MXFP4 experts as GptOssMoE holds them, with its activation's constants: what
+    the experts' GEMMs read (gpt_oss_moe.experts_reference, mxfp4_kernels.fused_moe_mxfp4)."""
+
+    w13_blocks: torch.Tensor  # [E, 2I, H/2] uint8: gate rows, then up rows
+    w13_scales: torch.Tensor  # [E, 2I, H/32] uint8
+    b13: torch.Tensor  # [E, 2I]
+    w2_blocks: torch.Tensor  # [E, H, I/2] uint8
+    w2_scales: torch.Tensor  # [E, H, I/32] uint8
+    b2: torch.Tensor  # [E, H]
+    limit: float  # the SwiGLU's clamp
+    alpha: float  # the sigmoid's slope
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
