@@ -17,6 +17,10 @@ BENCHMARKS = {
     "cpu": ("benchmarks.cpu", "Tandem beside vLLM's CPU build on the default model"),
     "gemm": ("benchmarks.gemm", "one projection's product: bf16, W4A16 and W8A8 against HBM"),
     "attention": ("benchmarks.attention", "the prefill and decode attention kernels, alone"),
+    "lora-kernels": (
+        "benchmarks.lora_kernels",
+        "LoRA's kernels in decode graphs of a preset's projections: split, fused, none",
+    ),
     "w4a16": ("benchmarks.w4a16", "the W4A16 GEMM's tile configurations swept on a GPU"),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),
     "speculative-verify": (

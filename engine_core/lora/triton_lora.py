@@ -1,7 +1,21 @@
-"""The LoRA product of a batch on CUDA: two Triton kernels over a tile table, shrink then expand.
+"""The LoRA product of a batch on CUDA: Triton kernels over a tile table, one fused kernel for a
+decode-sized table, shrink then expand for a larger one.
 
 A step's adapter rows come as tiles of up to ``TILE_ROWS`` rows of one slot
-(``LoraBatch.tiles``, batch.py). ``shrink`` writes ``x[tile] @ A[slot].T`` into float32 partial
+(``LoraBatch.tiles``, batch.py).
+
+The fused kernel (a table of up to ``FUSED_MAX_TILES`` tiles: a decode graph's) is one launch
+a projection: a program per tile and ``FUSED_BLOCK_N`` output columns of one shard computes its
+tile's ``x[tile] @ A[slot, shard].T`` over the whole input itself, multiplies it by its
+columns' rows of B and adds the product into the base projection's output in place. The
+programs of one tile recompute the same shrink (rank 16: a tile's x and the shard's A, read
+from L2 after the first), which costs reads of L2 rather than a second launch, its wait and a
+round trip of the partial sums through memory; with a few tiles the GPU has room for that. On
+Hopper everything but the read-add-store of the output runs before its PDL wait, while the base
+projection finishes. A larger table (a prefill) would recompute the shrink for each of many
+more programs: there the two kernels below do it once.
+
+``shrink`` writes ``x[tile] @ A[slot].T`` into float32 partial
 sums ``[splits, T, R]``, the reduction over the input split so that a decode step's few tiles
 still fill the GPU (a program per tile, split and rank tile); ``expand`` sums the splits and
 adds ``t[tile] @ B[slot].T`` into the base projection's output in place (a program per tile and
@@ -45,6 +59,9 @@ EXPAND_INNER = 8  # expand tiles per program at most: the splits' sum is read on
 SPLIT_K = 256  # the least input columns per shrink program
 SHRINK_PROGRAMS = 256  # shrink programs a step's table aims for (splits over its tiles)
 MAX_SPLITS = 32
+FUSED_MAX_TILES = 32  # tables of up to this many tiles take the fused kernel (see add_lora_tiles)
+FUSED_BLOCK_N = 256  # output columns per fused program
+FUSED_BLOCK_K = 128  # the fused program's reduction tile
 
 
 # Ints that change with the step's rows are not specialized on (their divisibility, == 1), so an
@@ -172,6 +189,77 @@ def _expand_kernel(
         tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["stride_xm", "stride_om"])
+def _fused_kernel(
+    X,  # [T, K] the projection's input
+    A,  # [S, R, K] each slot's stacked A
+    B,  # [S, N, R] each slot's stacked B
+    Out,  # [T, N] added to
+    TileSlots,  # [M] int32
+    TileRows,  # [M * BLOCK_M] int32
+    K,
+    N,
+    RANK,  # rank columns a program reads (its shard's, or all R)
+    SHARD1,  # the first output row of shard 1 (N where there is none)
+    SHARD2,  # the first output row of shard 2 (N where there is none)
+    stride_xm,
+    stride_as,
+    stride_ar,
+    stride_bs,
+    stride_bn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # output columns per program, all of one shard
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # >= RANK
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[tile's rows, program's columns] += (x[rows] @ A[slot, shard].T) @ B[slot, cols].T:
+    shrink and expand in one program, the shrink recomputed by each program of a tile (see
+    ``add_lora_fused``). Everything but the store of out runs before the PDL wait: x, A and B
+    are no output of the base projection just before."""
+    tile = tl.program_id(0)
+    slot = tl.load(TileSlots + tile)
+    if slot < 0:
+        pdl_wait_then_release(PDL)
+        return
+    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows >= 0
+    rows = tl.where(row_ok, rows, 0).to(tl.int64)
+    n_first = tl.program_id(1) * BLOCK_N
+    shard = (n_first >= SHARD1).to(tl.int32) + (n_first >= SHARD2).to(tl.int32)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < RANK
+    cols = shard * RANK + offs_r  # the shard's rank columns of A's rows and B's columns
+    a_base = A + slot.to(tl.int64) * stride_as + cols[None, :] * stride_ar
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(
+            X + rows[:, None] * stride_xm + offs_k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        a = tl.load(a_base + offs_k[:, None], mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        t += tl.dot(x, a, input_precision="ieee") if IEEE else tl.dot(x, a)
+    offs_n = n_first + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    b = tl.load(
+        B + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + cols[:, None],
+        mask=n_ok[None, :] & r_ok[:, None],
+        other=0.0,
+    )
+    # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
+    delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
+    pdl_wait_then_release(PDL)  # out is the base projection's: read and written after it
+    out = Out + rows[:, None] * stride_om + offs_n[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
+    tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
+
+
 def _block(width: int, most: int | None = None) -> int:
     """A power-of-two tile of at least 16 (tl.dot's least) covering ``width``, at most ``most``."""
     block = max(16, triton.next_power_of_2(width))
@@ -209,6 +297,32 @@ def expand_layout(output_sizes: tuple[int, ...], rank: int, width: int) -> Expan
     return ExpandLayout(width, out, out, EXPAND_INNER)
 
 
+class FusedLayout(NamedTuple):
+    rank: int  # rank columns a fused program reads (its shard's own, or all of them)
+    shard1: int  # the first output row of shard 1 (the output's size where there is none)
+    shard2: int  # the first output row of shard 2 (likewise)
+    block_n: int  # output columns per program
+
+
+def fused_layout(
+    output_sizes: tuple[int, ...], rank: int, width: int, block_n: int = FUSED_BLOCK_N
+) -> FusedLayout:
+    """How the fused kernel covers a projection whose shards are ``output_sizes`` with
+    ``rank`` columns each (``width`` in all): programs of up to ``block_n`` output columns that
+    each read one shard's own columns where the shard boundaries fall between programs (at 16
+    columns at least, tl.dot's least); else programs that read all of them."""
+    out = sum(output_sizes)
+    starts = [sum(output_sizes[:i]) for i in range(1, len(output_sizes))]
+    if len(starts) <= 2:
+        n = block_n
+        while n >= 16:
+            if not any(start % n for start in starts):
+                padded = starts + [out] * (2 - len(starts))
+                return FusedLayout(rank, padded[0], padded[1], n)
+            n //= 2
+    return FusedLayout(width, out, out, block_n)
+
+
 def add_lora_tiles(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -219,10 +333,60 @@ def add_lora_tiles(
 ) -> torch.Tensor:
     """out [T, O] += each tile's rows' x @ A[slot].T @ B[slot].T (x [T, I], a [S, R, I],
     b [S, O, R], R = shards * rank for ``output_sizes`` of the shards; None: one shard); rows in
-    no tile are left as they are."""
-    x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
+    no tile are left as they are. A table of at most FUSED_MAX_TILES tiles (a decode graph's)
+    takes the fused kernel, one launch; a larger one the shrink and the expand."""
+    if tiles.count <= FUSED_MAX_TILES:
+        return add_lora_fused(out, x, a, b, tiles, output_sizes)
+    return add_lora_split(out, x, a, b, tiles, output_sizes)
+
+
+def _checked(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if out.stride(1) != 1:
         raise ValueError("the LoRA expand adds into an output whose rows are contiguous")
+    return x.contiguous(), a.contiguous(), b.contiguous()
+
+
+def add_lora_fused(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tiles: LoraTiles,
+    output_sizes: tuple[int, ...] | None = None,
+    block_n: int = FUSED_BLOCK_N,
+    block_k: int = FUSED_BLOCK_K,
+) -> torch.Tensor:
+    """``add_lora_tiles`` by the fused kernel: a program per tile and ``block_n`` output
+    columns, each computing its tile's shrink over the whole input itself."""
+    x, a, b = _checked(out, x, a, b)
+    k = x.shape[1]
+    n = b.shape[1]
+    width = a.shape[1]
+    shards = output_sizes or (n,)
+    layout = fused_layout(tuple(shards), width // len(shards), width, block_n)
+    ieee = x.dtype == torch.float32
+    pdl = chain_pdl(x)
+    _fused_kernel[(tiles.count, triton.cdiv(n, layout.block_n))](
+        x, a, b, out, tiles.slots, tiles.rows, k, n, layout.rank, layout.shard1, layout.shard2,
+        x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+        BLOCK_M=TILE_ROWS, BLOCK_N=layout.block_n, BLOCK_K=block_k, BLOCK_R=_block(layout.rank),
+        IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
+    return out
+
+
+def add_lora_split(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tiles: LoraTiles,
+    output_sizes: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """``add_lora_tiles`` by the shrink over splits of the input, then the expand."""
+    x, a, b = _checked(out, x, a, b)
     rows, k = x.shape
     width = a.shape[1]
     shards = output_sizes or (b.shape[1],)
