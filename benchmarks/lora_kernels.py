@@ -8,8 +8,9 @@ as a decode graph runs it (the skinny GEMM, a link of the PDL chain) followed by
 product of every row, the rows spread over ``--adapters`` slots of rank ``--rank`` in turn:
 ``base`` (no LoRA), ``split`` (the shrink over splits of the input, then the expand: two
 launches a projection), ``fused`` (engine_core/lora/triton_lora.py's one kernel a projection,
-its default tiles) and, with ``--sweep``, the fused kernel at other tiles. Every layer has its
-own weights and adapters, so each product reads them from HBM as a model step does. The table:
+its default tiles) and, with ``--sweep``, the fused kernel at other tiles, each projection
+alone as well as the four together. Every layer has its own weights and adapters, so each
+product reads them from HBM as a model step does. The table:
 microseconds a replay (median of CUDA-event timings), what LoRA adds over ``base``, and base's
 time over the way's (the throughput ratio LoRA leaves a decode step of these products alone).
 """
@@ -25,7 +26,7 @@ from benchmarks.gemm import projection_shapes
 from benchmarks.report import Provenance, format_table, write_json
 
 # Fused tiles the sweep tries: (output columns a program, reduction tile).
-SWEEP = ((64, 128), (128, 128), (256, 64), (256, 256), (512, 128))
+SWEEP = ((128, 256), (256, 256), (512, 256), (1024, 256), (512, 64), (512, 128), (512, 512))
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +57,7 @@ def layer_weights(model: str, slots: int, rank: int, layers: int) -> list[list[d
             a = torch.randn(slots, width, k, device="cuda", dtype=torch.bfloat16) / k**0.5
             b = torch.randn(slots, n, width, device="cuda", dtype=torch.bfloat16) * 0.01
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-            projections.append({"w": w, "a": a, "b": b, "sizes": sizes[name], "k": k})
+            projections.append({"name": name, "w": w, "a": a, "b": b, "sizes": sizes[name], "k": k})
         out.append(projections)
     return out
 
@@ -119,7 +120,11 @@ def ways(sweep: bool) -> dict[str, Any]:
     return table
 
 
-def measure(args: argparse.Namespace, rows: int, weights: list) -> list[dict[str, Any]]:
+def measure(
+    args: argparse.Namespace, rows: int, weights: list, projection: str, sweep: bool
+) -> list[dict[str, Any]]:
+    """Each way's replay of ``rows`` rows through ``projection`` ("all": the four) of every
+    layer."""
     import torch
 
     from engine_core.lora.batch import lora_batch, tile_capacity
@@ -130,12 +135,13 @@ def measure(args: argparse.Namespace, rows: int, weights: list) -> list[dict[str
     assert batch is not None
     widths = {p["k"] for layer in weights for p in layer}
     inputs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k in widths}
+    chosen = [[p for p in layer if projection in ("all", p["name"])] for layer in weights]
     results = []
     base_us = 0.0
-    for name, add in ways(args.sweep).items():
+    for name, add in ways(sweep).items():
 
         def step(add: Any = add) -> None:
-            for layer in weights:
+            for layer in chosen:
                 for p in layer:
                     x = inputs[p["k"]]
                     out = dense_linear(x, p["w"])
@@ -144,8 +150,10 @@ def measure(args: argparse.Namespace, rows: int, weights: list) -> list[dict[str
 
         us = graph_us(step, args.iters)
         base_us = us if add is None else base_us
-        results.append({"rows": rows, "way": name, "tiles": batch.tiles.count, "us": us,
-                        "lora_us": us - base_us, "ratio": base_us / us})  # fmt: skip
+        results.append(
+            {"rows": rows, "projection": projection, "way": name, "tiles": batch.tiles.count,
+             "us": us, "lora_us": us - base_us, "ratio": base_us / us}
+        )  # fmt: skip
     return results
 
 
@@ -155,23 +163,15 @@ def run(args: argparse.Namespace) -> int:
     results = []
     weights = layer_weights(args.model, args.adapters, args.rank, args.layers)
     for rows in (int(r) for r in args.rows.split(",")):
-        results += measure(args, rows, weights)
-    print(
-        format_table(
-            ["rows", "tiles", "way", "us a step", "LoRA us", "base / way"],
-            [
-                [
-                    r["rows"],
-                    r["tiles"],
-                    r["way"],
-                    f"{r['us']:.0f}",
-                    f"{r['lora_us']:.0f}",
-                    f"{r['ratio']:.3f}",
-                ]
-                for r in results
-            ],  # fmt: skip
-        )
-    )
+        results += measure(args, rows, weights, "all", False)
+        if args.sweep:
+            for projection in split_sizes(args.model):
+                results += measure(args, rows, weights, projection, True)
+    headers = ["rows", "tiles", "projection", "way", "us a step", "LoRA us", "base / way"]
+    keys = ["rows", "tiles", "projection", "way", "us", "lora_us", "ratio"]
+    formats = ["{}", "{}", "{}", "{}", "{:.0f}", "{:.0f}", "{:.3f}"]
+    table = [[f.format(r[k]) for f, k in zip(formats, keys, strict=True)] for r in results]
+    print(format_table(headers, table))
     if args.json:
         write_json(args.json, header, results)
     return 0

@@ -46,6 +46,7 @@ from engine_core.lora.triton_lora import (  # noqa: E402
     add_lora_split,
     add_lora_tiles,
     expand_layout,
+    fused_block_n,
     fused_layout,
 )
 
@@ -147,12 +148,18 @@ def test_the_expand_reads_own_columns_only_where_shards_fall_on_its_programs() -
 
 
 def test_the_fused_kernel_reads_own_columns_only_where_shards_fall_between_programs() -> None:
-    assert fused_layout((4096, 1024, 1024), 16, 48) == FusedLayout(16, 4096, 5120, 256)
-    assert fused_layout((14336, 14336), 16, 32) == FusedLayout(16, 14336, 28672, 256)
-    assert fused_layout((4096,), 16, 16, 512) == FusedLayout(16, 4096, 4096, 512)
-    assert fused_layout((64, 32, 32), 8, 24) == FusedLayout(8, 64, 96, 32)
-    assert fused_layout((96, 48, 48), 8, 24) == FusedLayout(8, 96, 144, 16)
-    assert fused_layout((96, 40, 40), 8, 24) == FusedLayout(24, 176, 176, 256)
+    # llama-8b's projections: (input, shards) -> columns a program, per fused_block_n
+    assert fused_block_n(6144, 4096) == 512
+    assert fused_block_n(4096, 4096) == 256
+    assert fused_block_n(28672, 4096) == 1024
+    assert fused_block_n(4096, 14336) == 1024
+    assert fused_block_n(64, 64) == 128
+    assert fused_layout((4096, 1024, 1024), 16, 48, 512) == FusedLayout(16, 4096, 5120, 512)
+    assert fused_layout((14336, 14336), 16, 32, 1024) == FusedLayout(16, 14336, 28672, 1024)
+    assert fused_layout((4096,), 16, 16, 256) == FusedLayout(16, 4096, 4096, 256)
+    assert fused_layout((64, 32, 32), 8, 24, 128) == FusedLayout(8, 64, 96, 32)
+    assert fused_layout((96, 48, 48), 8, 24, 128) == FusedLayout(8, 96, 144, 16)
+    assert fused_layout((96, 40, 40), 8, 24, 128) == FusedLayout(24, 176, 176, 128)
 
 
 def test_the_tile_table_groups_rows_by_slot() -> None:

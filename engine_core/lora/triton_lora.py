@@ -60,8 +60,15 @@ SPLIT_K = 256  # the least input columns per shrink program
 SHRINK_PROGRAMS = 256  # shrink programs a step's table aims for (splits over its tiles)
 MAX_SPLITS = 32
 FUSED_MAX_TILES = 32  # tables of up to this many tiles take the fused kernel (see add_lora_tiles)
-FUSED_BLOCK_N = 256  # output columns per fused program
-FUSED_BLOCK_K = 128  # the fused program's reduction tile
+# Each fused program of a tile reads the tile's rows of x and its shard's A over the whole
+# input: a tile has about this many input columns' worth of programs (16 at K = 4,096, 4 at
+# 14,336), each of a power of two of output columns within the bounds below (fused_block_n).
+FUSED_TILE_READS = 65536
+FUSED_MIN_BLOCK_N = 128
+FUSED_MAX_BLOCK_N = 1024
+# The fused program's reduction tile: wide, so that one program keeps enough bytes in flight to
+# stream its x and A (up to 0.7 MB for llama-8b's down projection) at a good share of L2's rate.
+FUSED_BLOCK_K = 256
 
 
 # Ints that change with the step's rows are not specialized on (their divisibility, == 1), so an
@@ -189,7 +196,9 @@ def _expand_kernel(
         tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["stride_xm", "stride_om"])
+# Nothing here changes with the step's rows (the table's pointers keep their alignment): a
+# projection's shapes and strides are fixed, so it compiles once per projection shape.
+@triton.jit
 def _fused_kernel(
     X,  # [T, K] the projection's input
     A,  # [S, R, K] each slot's stacked A
@@ -304,9 +313,16 @@ class FusedLayout(NamedTuple):
     block_n: int  # output columns per program
 
 
-def fused_layout(
-    output_sizes: tuple[int, ...], rank: int, width: int, block_n: int = FUSED_BLOCK_N
-) -> FusedLayout:
+def fused_block_n(n: int, k: int, tile_reads: int = FUSED_TILE_READS) -> int:
+    """Output columns per fused program for a product of ``k`` input and ``n`` output columns:
+    about ``tile_reads // k`` programs a tile (llama-8b: qkv 512, o 256, gate/up and down
+    1,024 columns a program)."""
+    programs = max(1, tile_reads // k)
+    block_n = triton.next_power_of_2(triton.cdiv(n, programs))
+    return max(FUSED_MIN_BLOCK_N, min(FUSED_MAX_BLOCK_N, block_n))
+
+
+def fused_layout(output_sizes: tuple[int, ...], rank: int, width: int, block_n: int) -> FusedLayout:
     """How the fused kernel covers a projection whose shards are ``output_sizes`` with
     ``rank`` columns each (``width`` in all): programs of up to ``block_n`` output columns that
     each read one shard's own columns where the shard boundaries fall between programs (at 16
@@ -355,16 +371,18 @@ def add_lora_fused(
     b: torch.Tensor,
     tiles: LoraTiles,
     output_sizes: tuple[int, ...] | None = None,
-    block_n: int = FUSED_BLOCK_N,
+    block_n: int | None = None,
     block_k: int = FUSED_BLOCK_K,
 ) -> torch.Tensor:
     """``add_lora_tiles`` by the fused kernel: a program per tile and ``block_n`` output
-    columns, each computing its tile's shrink over the whole input itself."""
+    columns (None: ``fused_block_n``), each computing its tile's shrink over the whole input
+    itself, ``block_k`` input columns at a time."""
     x, a, b = _checked(out, x, a, b)
     k = x.shape[1]
     n = b.shape[1]
     width = a.shape[1]
     shards = output_sizes or (n,)
+    block_n = block_n or fused_block_n(n, k)
     layout = fused_layout(tuple(shards), width // len(shards), width, block_n)
     ieee = x.dtype == torch.float32
     pdl = chain_pdl(x)
@@ -372,7 +390,7 @@ def add_lora_fused(
         x, a, b, out, tiles.slots, tiles.rows, k, n, layout.rank, layout.shard1, layout.shard2,
         x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
         BLOCK_M=TILE_ROWS, BLOCK_N=layout.block_n, BLOCK_K=block_k, BLOCK_R=_block(layout.rank),
-        IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+        IEEE=ieee, PDL=pdl, launch_pdl=pdl, num_warps=8 if layout.block_n >= 512 else 4,
     )  # fmt: skip
     return out
 
