@@ -322,6 +322,56 @@ def test_steps_of_the_base_model_alone_replay_graphs_without_lora(
         llm.engine.shutdown()
 
 
+def test_a_decode_graph_launches_one_lora_kernel_a_wrapped_projection(
+    case: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The LoRA launches each graph captured at start-up (its eager run before the capture and
+    the captured one: twice each): a decode graph with LoRA the fused kernel once a wrapped
+    projection, its base-only twin none; a prefill graph the fused kernel where its table has
+    at most FUSED_MAX_TILES tiles, else the shrink and the expand."""
+    from collections import Counter
+
+    from engine_core.attention.base import AttentionMetadata
+    from engine_core.cuda_graph import CudaGraphRunner
+    from engine_core.lora.triton_lora import FUSED_MAX_TILES
+    from tests.lora_fixtures import count_lora_launches
+
+    launches = count_lora_launches(monkeypatch)
+    captured: list[tuple[bool, bool, int, Counter[str]]] = []
+    capture_one = CudaGraphRunner._capture_one
+
+    def recording(
+        self: CudaGraphRunner, rows: int, meta: AttentionMetadata, *args, **kwargs
+    ) -> torch.cuda.CUDAGraph:
+        before = Counter(launches)
+        graph = capture_one(self, rows, meta, *args, **kwargs)
+        lora = kwargs.get("lora", True)
+        captured.append((meta.is_decode_only, lora, rows, Counter(launches) - before))
+        return graph
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", recording)
+    llm = make_llm(case, enforce_eager=False, max_loras=3)
+    try:
+        assert llm.engine.runner.loras is not None
+        wrapped = len(llm.engine.runner.loras.layers)
+        runner = llm.engine.runner.graph_runner
+        assert runner is not None
+    finally:
+        llm.engine.shutdown()
+    assert wrapped == 4 * 2
+    decode = [(lora, rows, n) for is_decode, lora, rows, n in captured if is_decode]
+    assert sorted(rows for lora, rows, _ in decode if lora) == runner.batch_sizes
+    assert sorted(rows for lora, rows, _ in decode if not lora) == runner.batch_sizes
+    for lora, rows, counts in decode:
+        assert counts == (Counter({"_fused_kernel": 2 * wrapped}) if lora else Counter()), rows
+    prefill = [(rows, n) for is_decode, _, rows, n in captured if not is_decode]
+    assert prefill
+    split = Counter({"_shrink_kernel": 2 * wrapped, "_expand_kernel": 2 * wrapped})
+    for rows, counts in prefill:
+        fused = tile_capacity(rows, 3) <= FUSED_MAX_TILES
+        assert counts == (Counter({"_fused_kernel": 2 * wrapped}) if fused else split), rows
+
+
 # ---- nothing compiles mid-serving ----------------------------------------------------------------
 
 

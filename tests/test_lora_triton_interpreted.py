@@ -28,7 +28,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs under TRITON_INTERPRET=1 only", allow_module_level=True)
 pytest.importorskip("triton")
 
-from engine_core.lora import triton_lora  # noqa: E402
 from engine_core.lora.adapter import LoraWeights, TargetShape  # noqa: E402
 from engine_core.lora.batch import (  # noqa: E402
     NO_SLOT,
@@ -49,6 +48,7 @@ from engine_core.lora.triton_lora import (  # noqa: E402
     fused_block_n,
     fused_layout,
 )
+from tests.lora_fixtures import count_lora_launches  # noqa: E402
 
 CPU = torch.device("cpu")
 SLOTS = 3
@@ -231,25 +231,10 @@ def test_a_part_of_the_whole_fused_output_reads_each_shards_columns() -> None:
 # ---- launches ------------------------------------------------------------------------------------
 
 
-class CountedKernel:
-    """A Triton kernel whose launches (``kernel[grid](...)``) are counted under its name."""
-
-    def __init__(self, kernel: Any, name: str, counts: Counter[str]) -> None:
-        self.kernel, self.name, self.counts = kernel, name, counts
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Any:
-        self.counts[self.name] += 1
-        return self.kernel[grid]
-
-
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Launches of the LoRA kernels, by kernel, from the test's start."""
-    counts: Counter[str] = Counter()
-    for name in ("_fused_kernel", "_shrink_kernel", "_expand_kernel"):
-        kernel = getattr(triton_lora, name)
-        monkeypatch.setattr(triton_lora, name, CountedKernel(kernel, name, counts))
-    return counts
+    return count_lora_launches(monkeypatch)
 
 
 def test_a_decode_sized_table_takes_one_launch_a_larger_one_two(launches: Counter[str]) -> None:
