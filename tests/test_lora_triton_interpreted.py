@@ -113,6 +113,7 @@ PREFILL = [(3, 1), (1, NO_SLOT), (20, 0), (2, 2), (5, 1), (4, NO_SLOT)]
         (DECODE, 64, (128, 128), 16, [8, 16, 16]),  # gate/up, two output tiles a program
         (PREFILL, 64, (640, 384, 384), 8, [8, 8, 4]),  # several programs per shard
         (DECODE, 200, (1024, 256, 256), 16, [16, 8, 16]),  # llama-8b's q/k/v proportions
+        (DECODE, 2600, (64,), 16, [16, 8, 16]),  # 11 splits: the expand's loads 8 then 3
     ],
 )
 @pytest.mark.parametrize("way", sorted(WAYS))
