@@ -5,12 +5,12 @@ A step's adapter rows come as tiles of up to ``TILE_ROWS`` rows of one slot
 (``LoraBatch.tiles``, batch.py).
 
 The fused kernel (a table of up to ``FUSED_MAX_TILES`` tiles: a decode graph's) is one launch
-a projection: a program per tile and ``FUSED_BLOCK_N`` output columns of one shard computes its
-tile's ``x[tile] @ A[slot, shard].T`` over the whole input itself, multiplies it by its
-columns' rows of B and adds the product into the base projection's output in place. The
-programs of one tile recompute the same shrink (rank 16: a tile's x and the shard's A, read
-from L2 after the first), which costs reads of L2 rather than a second launch, its wait and a
-round trip of the partial sums through memory; with a few tiles the GPU has room for that. On
+a projection: a program per tile and block of output columns of one shard (``fused_block_n``)
+computes its tile's ``x[tile] @ A[slot, shard].T`` over the whole input itself, multiplies it
+by its columns' rows of B and adds the product into the base projection's output in place. The
+programs of one tile recompute the same shrink (a tile's x and the shard's A, read from L2
+after the first), which costs reads of L2 rather than a second launch, its wait and a round
+trip of the partial sums through memory; with a few tiles the GPU has room for that. On
 Hopper everything but the read-add-store of the output runs before its PDL wait, while the base
 projection finishes. A larger table (a prefill) would recompute the shrink for each of many
 more programs: there the two kernels below do it once.
