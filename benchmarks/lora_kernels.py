@@ -26,7 +26,7 @@ from benchmarks.gemm import projection_shapes
 from benchmarks.report import Provenance, format_table, write_json
 
 # Fused tiles the sweep tries: (output columns a program, reduction tile).
-SWEEP = ((128, 256), (256, 256), (512, 256), (1024, 256), (512, 64), (512, 128), (512, 512))
+SWEEP = ((256, 256), (512, 256), (1024, 256), (2048, 256), (4096, 256), (512, 64), (512, 128))
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -128,7 +128,7 @@ def test_tiles_match_the_reference(
     run_both(row_slots, inp, sizes, max_rank, ranks, WAYS[way])
 
 
-@pytest.mark.parametrize(("block_n", "block_k"), [(16, 32), (64, 16), (512, 256)])
+@pytest.mark.parametrize(("block_n", "block_k"), [(16, 32), (64, 16), (512, 256), (2048, 64)])
 def test_the_fused_kernel_at_other_tiles_matches_the_reference(block_n: int, block_k: int) -> None:
     """The tiles the GPU benchmark sweeps (benchmarks/lora_kernels.py): an input width that is
     no multiple of the reduction tile, shards that fall between programs or not."""
@@ -137,6 +137,17 @@ def test_the_fused_kernel_at_other_tiles_matches_the_reference(block_n: int, blo
     add = partial(add_lora_fused, block_n=block_n, block_k=block_k)
     run_both(DECODE, 72, (128, 64, 64), 16, [16, 16, 8], add)
     run_both(PREFILL, 100, (96, 40, 40), 8, [8, 4, 8], add)
+
+
+def test_a_fused_program_of_several_products_matches_the_reference() -> None:
+    """Programs wider than FUSED_SUBTILE_N columns: two products each (gate/up of 1,024 each),
+    the last program's second past the output (one shard of 1,536)."""
+    from functools import partial
+
+    assert fused_layout((1024, 1024), 16, 32, 1024).subtile == 512
+    add = partial(add_lora_fused, block_n=1024)
+    run_both(DECODE, 64, (1024, 1024), 16, [16, 8, 16], add)
+    run_both(PREFILL, 64, (1536,), 8, [8, 4, 8], add)
 
 
 def test_the_expand_reads_own_columns_only_where_shards_fall_on_its_programs() -> None:
@@ -152,11 +163,12 @@ def test_the_fused_kernel_reads_own_columns_only_where_shards_fall_between_progr
     # llama-8b's projections: (input, shards) -> columns a program, per fused_block_n
     assert fused_block_n(6144, 4096) == 512
     assert fused_block_n(4096, 4096) == 256
-    assert fused_block_n(28672, 4096) == 1024
+    assert fused_block_n(28672, 4096) == 2048
     assert fused_block_n(4096, 14336) == 1024
     assert fused_block_n(64, 64) == 128
     assert fused_layout((4096, 1024, 1024), 16, 48, 512) == FusedLayout(16, 4096, 5120, 512)
-    assert fused_layout((14336, 14336), 16, 32, 1024) == FusedLayout(16, 14336, 28672, 1024)
+    assert fused_layout((14336, 14336), 16, 32, 2048) == FusedLayout(16, 14336, 28672, 2048)
+    assert FusedLayout(16, 14336, 28672, 2048).subtile == 512  # four products a program
     assert fused_layout((4096,), 16, 16, 256) == FusedLayout(16, 4096, 4096, 256)
     assert fused_layout((64, 32, 32), 8, 24, 128) == FusedLayout(8, 64, 96, 32)
     assert fused_layout((96, 48, 48), 8, 24, 128) == FusedLayout(8, 96, 144, 16)

@@ -63,10 +63,12 @@ MAX_SPLITS = 32
 FUSED_MAX_TILES = 32  # tables of up to this many tiles take the fused kernel (see add_lora_tiles)
 # Each fused program of a tile reads the tile's rows of x and its shard's A over the whole
 # input: a tile has about this many input columns' worth of programs (16 at K = 4,096, 4 at
-# 14,336), each of a power of two of output columns within the bounds below (fused_block_n).
+# 14,336), each of a power of two of output columns within the bounds below (fused_block_n),
+# in sub-tiles of at most FUSED_SUBTILE_N columns (the registers of one product).
 FUSED_TILE_READS = 65536
 FUSED_MIN_BLOCK_N = 128
-FUSED_MAX_BLOCK_N = 1024
+FUSED_MAX_BLOCK_N = 4096
+FUSED_SUBTILE_N = 512
 # The fused program's reduction tile: wide, so that one program keeps enough bytes in flight to
 # stream its x and A (up to 0.7 MB for llama-8b's down projection) at a good share of L2's rate.
 FUSED_BLOCK_K = 256
@@ -224,7 +226,8 @@ def _fused_kernel(
     stride_bn,
     stride_om,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # output columns per program, all of one shard
+    BLOCK_N: tl.constexpr,  # output columns per sub-tile
+    INNER: tl.constexpr,  # sub-tiles per program, all of one shard
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,  # >= RANK
     IEEE: tl.constexpr,
@@ -232,8 +235,9 @@ def _fused_kernel(
 ):
     """out[tile's rows, program's columns] += (x[rows] @ A[slot, shard].T) @ B[slot, cols].T:
     shrink and expand in one program, the shrink recomputed by each program of a tile (see
-    ``add_lora_fused``). Everything but the store of out runs before the PDL wait: x, A and B
-    are no output of the base projection just before."""
+    ``add_lora_fused``). The shrink and the first sub-tile's product run before the PDL wait
+    (x, A and B are no output of the base projection just before), the later sub-tiles' rows
+    of B asked of L2 then too."""
     tile = tl.program_id(0)
     slot = tl.load(TileSlots + tile)
     if slot < 0:
@@ -242,7 +246,7 @@ def _fused_kernel(
     rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
     rows = tl.where(row_ok, rows, 0).to(tl.int64)
-    n_first = tl.program_id(1) * BLOCK_N
+    n_first = tl.program_id(1) * (BLOCK_N * INNER)
     shard = (n_first >= SHARD1).to(tl.int32) + (n_first >= SHARD2).to(tl.int32)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < RANK
@@ -259,20 +263,27 @@ def _fused_kernel(
         )
         a = tl.load(a_base + offs_k[:, None], mask=r_ok[None, :] & k_ok[:, None], other=0.0)
         t += tl.dot(x, a, input_precision="ieee") if IEEE else tl.dot(x, a)
-    offs_n = n_first + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    b = tl.load(
-        B + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + cols[:, None],
-        mask=n_ok[None, :] & r_ok[:, None],
-        other=0.0,
-    )
-    # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
-    delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
-    pdl_wait_then_release(PDL)  # out is the base projection's: read and written after it
-    out = Out + rows[:, None] * stride_om + offs_n[None, :]
-    mask = row_ok[:, None] & n_ok[None, :]
-    total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
-    tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
+    b_slot = B + slot.to(tl.int64) * stride_bs
+    if PDL and INNER > 1:  # the program's rows of B (arange's length must be a power of two)
+        b_rows = n_first + tl.arange(0, BLOCK_N * INNER)
+        b_rows = tl.minimum(b_rows, N - 1).to(tl.int64)
+        prefetch_l2(b_slot + b_rows * stride_bn + shard * RANK)
+    for i in tl.static_range(INNER):
+        offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        b = tl.load(
+            b_slot + offs_n[None, :] * stride_bn + cols[:, None],
+            mask=n_ok[None, :] & r_ok[:, None],
+            other=0.0,
+        )
+        # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
+        delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
+        if i == 0:
+            pdl_wait_then_release(PDL)  # out is the base projection's: read and written after
+        out = Out + rows[:, None] * stride_om + offs_n[None, :]
+        mask = row_ok[:, None] & n_ok[None, :]
+        total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
 
 
 def _block(width: int, most: int | None = None) -> int:
@@ -318,10 +329,14 @@ class FusedLayout(NamedTuple):
     shard2: int  # the first output row of shard 2 (likewise)
     block_n: int  # output columns per program
 
+    @property
+    def subtile(self) -> int:  # output columns per product (the kernel's BLOCK_N)
+        return min(self.block_n, FUSED_SUBTILE_N)
+
 
 def fused_block_n(n: int, k: int, tile_reads: int = FUSED_TILE_READS) -> int:
     """Output columns per fused program for a product of ``k`` input and ``n`` output columns:
-    about ``tile_reads // k`` programs a tile (llama-8b: qkv 512, o 256, gate/up and down
+    about ``tile_reads // k`` programs a tile (llama-8b: qkv 512, o 256, gate/up 2,048, down
     1,024 columns a program)."""
     programs = max(1, tile_reads // k)
     block_n = triton.next_power_of_2(triton.cdiv(n, programs))
@@ -392,11 +407,13 @@ def add_lora_fused(
     layout = fused_layout(tuple(shards), width // len(shards), width, block_n)
     ieee = x.dtype == torch.float32
     pdl = chain_pdl(x)
+    subtile = layout.subtile
     _fused_kernel[(tiles.count, triton.cdiv(n, layout.block_n))](
         x, a, b, out, tiles.slots, tiles.rows, k, n, layout.rank, layout.shard1, layout.shard2,
         x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
-        BLOCK_M=TILE_ROWS, BLOCK_N=layout.block_n, BLOCK_K=block_k, BLOCK_R=_block(layout.rank),
-        IEEE=ieee, PDL=pdl, launch_pdl=pdl, num_warps=8 if layout.block_n >= 512 else 4,
+        BLOCK_M=TILE_ROWS, BLOCK_N=subtile, INNER=layout.block_n // subtile, BLOCK_K=block_k,
+        BLOCK_R=_block(layout.rank), IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+        num_warps=8 if subtile >= 512 else 4,
     )  # fmt: skip
     return out
 
