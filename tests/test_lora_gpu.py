@@ -326,9 +326,9 @@ def test_a_decode_graph_launches_one_lora_kernel_a_wrapped_projection(
     case: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The LoRA launches each graph captured at start-up (its eager run before the capture and
-    the captured one: twice each): a decode graph with LoRA the fused kernel once a wrapped
-    projection, its base-only twin none; a prefill graph the fused kernel where its table has
-    at most FUSED_MAX_TILES tiles, else the shrink and the expand."""
+    the captured one: twice each): a graph with LoRA the fused kernel once a wrapped projection
+    where its table has at most FUSED_MAX_TILES tiles (every decode graph here), else the
+    shrink and the expand; a decode graph's base-only twin none."""
     from collections import Counter
 
     from engine_core.attention.base import AttentionMetadata
@@ -362,14 +362,19 @@ def test_a_decode_graph_launches_one_lora_kernel_a_wrapped_projection(
     decode = [(lora, rows, n) for is_decode, lora, rows, n in captured if is_decode]
     assert sorted(rows for lora, rows, _ in decode if lora) == runner.batch_sizes
     assert sorted(rows for lora, rows, _ in decode if not lora) == runner.batch_sizes
+    fused = Counter({"_fused_kernel": 2 * wrapped})
+    split = Counter({"_shrink_kernel": 2 * wrapped, "_expand_kernel": 2 * wrapped})
+
+    def with_lora(rows: int) -> Counter[str]:
+        return fused if tile_capacity(rows, 3) <= FUSED_MAX_TILES else split
+
+    assert FUSED_MAX_TILES == 0 or with_lora(runner.max_batch) == fused
     for lora, rows, counts in decode:
-        assert counts == (Counter({"_fused_kernel": 2 * wrapped}) if lora else Counter()), rows
+        assert counts == (with_lora(rows) if lora else Counter()), rows
     prefill = [(rows, n) for is_decode, _, rows, n in captured if not is_decode]
     assert prefill
-    split = Counter({"_shrink_kernel": 2 * wrapped, "_expand_kernel": 2 * wrapped})
     for rows, counts in prefill:
-        fused = tile_capacity(rows, 3) <= FUSED_MAX_TILES
-        assert counts == (Counter({"_fused_kernel": 2 * wrapped}) if fused else split), rows
+        assert counts == with_lora(rows), rows
 
 
 # ---- nothing compiles mid-serving ----------------------------------------------------------------
