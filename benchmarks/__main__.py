@@ -18,6 +18,10 @@ BENCHMARKS = {
     "gemm": ("benchmarks.gemm", "one projection's product: bf16, W4A16 and W8A8 against HBM"),
     "attention": ("benchmarks.attention", "the prefill and decode attention kernels, alone"),
     "mla": ("benchmarks.mla", "the MLA decode kernel at DeepSeek-V2-Lite's and V3's heads vs HBM"),
+    "lora-kernels": (
+        "benchmarks.lora_kernels",
+        "LoRA's kernels in decode graphs of a preset's projections: split, fused, none",
+    ),
     "w4a16": ("benchmarks.w4a16", "the W4A16 GEMM's tile configurations swept on a GPU"),
     "mxfp4": ("benchmarks.mxfp4", "gpt-oss's MXFP4 expert GEMMs against HBM, beside bf16"),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),

@@ -28,6 +28,10 @@ always wanted. An all-greedy batch (argmax only) then takes its tokens straight 
 other runs the eager sampler on the graph's logits. That is three launches and their Python a
 step fewer on the host, which the GPU of a small model would otherwise wait for. Prefill graphs
 capture the forward only: the rows that sample change from step to step.
+
+With LoRA every graph runs the LoRA kernels over a static tile table (docs/design/lora.md), and
+the decode graphs come twice: a decode step without adapter rows replays the copy captured
+without those kernels, so the base model's traffic on a LoRA engine pays nothing for them.
 """
 
 from __future__ import annotations
@@ -273,7 +277,9 @@ class CudaGraphRunner:
         """``vocab_size``: the model's vocabulary, for the decode graphs' argmax; with the
         model's ``plain_logits_weight`` they capture the logits (0 or no such weight: not).
         ``lora_slots``: the model's LoRA slots (0: no LoRA); every graph then runs the LoRA
-        kernels over the static tile table, which each replay fills with its step's rows.
+        kernels over the static tile table, which each replay fills with its step's rows, and
+        the decode graphs are captured a second time without them (``base_graphs``), for the
+        decode steps that have no adapter row.
         ``extend_prefill_to``: after capture, prefill graphs up to this many tokens too, where
         ``extends_prefill_graphs`` says the host is the bottleneck (0: never)."""
         self.model = model
@@ -310,6 +316,9 @@ class CudaGraphRunner:
             self.tail = DecodeTail.allocate(weight, vocab_size, self.max_batch)
         self._tail_rows = 0  # rows of the last replay's tail to hand out (0: none)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
+        # With LoRA: decode graphs captured without the LoRA kernels, for the steps that have
+        # no adapter row (the base model's traffic then pays nothing for LoRA), by batch size.
+        self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # prefill, by tokens
         self.pool: tuple[int, int] | None = None
         # _bucket[n]: the smallest captured decode size >= n, for n in 0..max_batch
@@ -326,22 +335,26 @@ class CudaGraphRunner:
         plan = [("decode", n) for n in self.batch_sizes] + [
             ("prefill", t) for t in self.prefill_sizes
         ]
+        if self.lora_slots:
+            plan += [("decode-base", n) for n in self.batch_sizes]
         # Activation memory grows with the rows a graph runs: a prefill graph's rows are its
         # tokens; on ties the prefill graph (more attention work) goes first.
         plan.sort(key=lambda kind_size: (kind_size[1], kind_size[0] == "prefill"), reverse=True)
         for kind, size in tqdm(plan, desc="Capturing CUDA graphs", disable=not progress):
-            if kind == "decode":
-                self.graphs[size] = self._capture_one(
-                    size, self.buffers.decode_metadata(size, self.max_model_len), self.tail
-                )
-            else:
+            if kind == "prefill":
                 self._capture_prefill(size)
+                continue
+            meta = self.buffers.decode_metadata(size, self.max_model_len)
+            if kind == "decode":
+                self.graphs[size] = self._capture_one(size, meta, self.tail)
+            else:
+                self.base_graphs[size] = self._capture_one(size, meta, self.tail, lora=False)
         torch.cuda.synchronize()
         self._extend_prefill_if_host_bound()
         elapsed = time.perf_counter() - start
         logger.info(
             "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of %s tokens)",
-            len(self.graphs) + len(self.prefill_graphs),
+            len(self.graphs) + len(self.base_graphs) + len(self.prefill_graphs),
             elapsed,
             self.batch_sizes[0],
             self.max_batch,
@@ -403,18 +416,21 @@ class CudaGraphRunner:
         self.prefill_graphs[size] = self._capture_one(size, meta)
 
     def _capture_one(
-        self, rows: int, meta: AttentionMetadata, tail: DecodeTail | None = None
+        self, rows: int, meta: AttentionMetadata, tail: DecodeTail | None = None, lora: bool = True
     ) -> torch.cuda.CUDAGraph:
+        """The forward of ``rows`` rows; with ``lora`` (and LoRA slots) its LoRA kernels over the
+        static tile table, else the base model's alone."""
         from engine_core.models import skinny_gemm  # imports triton: CUDA only
 
         buf = self.buffers
+        static_lora = self._static_lora(rows) if lora else None
 
         def forward() -> None:
             buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
             if tail is not None:
                 tail.run(buf.hidden[:rows])
 
-        with forward_context(meta, self.backend, self._static_lora(rows)), skinny_gemm.for_graphs():
+        with forward_context(meta, self.backend, static_lora), skinny_gemm.for_graphs():
             # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
             # neither of which may happen during capture. Padding inputs write and read nothing.
             forward()
@@ -434,15 +450,18 @@ class CudaGraphRunner:
             return None
         return LoraBatch(tiles_of(table, tile_capacity(rows, self.lora_slots)), None, None)
 
-    def _stage_lora(self, lora: LoraBatch | None) -> None:
+    def _stage_lora(self, lora: LoraBatch | None, base_graph: bool) -> None:
         """The step's LoRA tile table into the static one (laid out for it: one copy); a step
-        without adapter rows clears its slots, once."""
+        without adapter rows clears its slots, once, unless it replays a base-only graph (which
+        reads no table)."""
         table = self.buffers.lora_table
         if table is None:
             if lora is not None:
                 raise RuntimeError("a LoRA step for CUDA graphs captured without LoRA")
             return
         if lora is None:
+            if base_graph:
+                return
             if not self._lora_clear:
                 table[: self.lora_tiles].fill_(NO_SLOT)
                 self._lora_clear = True
@@ -478,9 +497,11 @@ class CudaGraphRunner:
     ) -> torch.Tensor:  # [T, hidden], a view of the static output (valid until the next run)
         """Copy a step into the static buffers, pad, replay its graph, return the real rows."""
         self._tail_rows = 0
-        self._stage_lora(lora)
+        base_graph = lora is None and meta.is_decode_only and bool(self.base_graphs)
+        self._stage_lora(lora, base_graph)
         if meta.is_decode_only:
-            return self._run_decode(input_ids, positions, meta, ids_from)
+            graphs = self.base_graphs if base_graph else self.graphs
+            return self._run_decode(input_ids, positions, meta, ids_from, graphs)
         if ids_from is not None:
             input_ids.copy_(ids_from)
         return self._run_prefill(input_ids, positions, meta)
@@ -506,6 +527,7 @@ class CudaGraphRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         ids_from: torch.Tensor | None,
+        graphs: dict[int, torch.cuda.CUDAGraph],
     ) -> torch.Tensor:
         from engine_core.models.triton_ops import stage_decode_inputs  # imports triton
 
@@ -522,7 +544,7 @@ class CudaGraphRunner:
             buf.block_tables,
             batch,
         )  # fmt: skip
-        self.graphs[batch].replay()
+        graphs[batch].replay()
         if self.tail is not None:
             self._tail_rows = n
         return self.buffers.hidden[:n]

@@ -4,9 +4,11 @@ PEFT's greedy tokens as the reference."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -52,3 +54,26 @@ def peft_greedy(base_dir: Path, adapter: Path | None, prompt: list[int], new: in
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+class CountedKernel:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are counted under its name."""
+
+    def __init__(self, kernel: Any, name: str, counts: Counter[str]) -> None:
+        self.kernel, self.name, self.counts = kernel, name, counts
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        self.counts[self.name] += 1
+        return self.kernel[grid]
+
+
+def count_lora_launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """A counter of the LoRA kernels' launches (engine_core/lora/triton_lora.py), by kernel,
+    from now until the test ends. Imports triton."""
+    from engine_core.lora import triton_lora
+
+    counts: Counter[str] = Counter()
+    for name in ("_fused_kernel", "_shrink_kernel", "_expand_kernel"):
+        kernel = getattr(triton_lora, name)
+        monkeypatch.setattr(triton_lora, name, CountedKernel(kernel, name, counts))
+    return counts

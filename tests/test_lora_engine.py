@@ -306,19 +306,21 @@ def test_the_graphs_static_lora_table_follows_each_step(case: dict[str, Path]) -
         assert on.lora_tiles == tile_capacity(64, 2) == 8
         step = lora_batch([(1, 1), (1, NO_SLOT), (1, 0), (1, 1)], cpu, min_tiles=on.lora_tiles)
         assert step is not None
-        on._stage_lora(step)
+        on._stage_lora(step, base_graph=False)
         seen = on._static_lora(4)  # what the decode graph of 4 rows captured
         assert seen is not None
         assert seen.tiles.slots.tolist() == [0, 1, NO_SLOT, NO_SLOT]
         rows = seen.tiles.rows.view(4, TILE_ROWS)[:2].tolist()
         assert rows == [[2] + [-1] * (TILE_ROWS - 1), [0, 3] + [-1] * (TILE_ROWS - 2)]
-        on._stage_lora(None)
+        on._stage_lora(None, base_graph=True)  # a base-only graph reads no table: left as is
+        assert seen.tiles.slots.tolist() == [0, 1, NO_SLOT, NO_SLOT]
+        on._stage_lora(None, base_graph=False)
         assert seen.tiles.slots.tolist() == [NO_SLOT] * 4
         other = lora_batch([(1, 0)], cpu)  # laid out for no graph: 4 tiles, not 8
         with pytest.raises(RuntimeError, match="not laid out for the graphs"):
-            on._stage_lora(other)
+            on._stage_lora(other, base_graph=False)
         with pytest.raises(RuntimeError, match="captured without LoRA"):
-            graphs(lora_slots=0)._stage_lora(step)
+            graphs(lora_slots=0)._stage_lora(step, base_graph=False)
     finally:
         llm.engine.shutdown()
 

@@ -1,9 +1,11 @@
-"""GPU tests of LoRA: the tile kernels (engine_core/lora/triton_lora.py) against the torch
-reference (layers.add_lora_reference) over llama-8b's projection shapes (decode batches whose
-rows take eight adapters and the base model in turn, prefill runs, bf16 and fp16, ranks 8 to 64);
-a CUDA graph of the kernels replayed over changing tile tables; and the engine with CUDA graphs
-and LoRA on a tiny Llama: HF + PEFT's greedy tokens per adapter, mixed with the base model in one
-batch, the eager engine's tokens, and a slot rewritten with another adapter between replays.
+"""GPU tests of LoRA: the tile kernels (engine_core/lora/triton_lora.py), the fused kernel and
+the shrink-then-expand pair each, against the torch reference (layers.add_lora_reference) over
+llama-8b's projection shapes (decode batches whose rows take eight adapters and the base model
+in turn, prefill runs, bf16 and fp16, ranks 8 to 64); a CUDA graph of the kernels replayed over
+changing tile tables; and the engine with CUDA graphs and LoRA on a tiny Llama: HF + PEFT's
+greedy tokens per adapter, mixed with the base model in one batch, the eager engine's tokens, a
+slot rewritten with another adapter between replays, and steps of the base model alone replaying
+the decode graphs captured without the LoRA kernels.
 
     .venv/bin/python -m pytest -q tests/test_lora_gpu.py
 """
@@ -29,7 +31,7 @@ from engine_core.lora.batch import (  # noqa: E402
     tiles_of,
 )
 from engine_core.lora.layers import add_lora_reference  # noqa: E402
-from engine_core.lora.triton_lora import add_lora_tiles  # noqa: E402
+from engine_core.lora.triton_lora import add_lora_fused, add_lora_split, add_lora_tiles  # noqa: E402
 from protocol.messages import LoraRef, SamplingParams  # noqa: E402
 from tests.lora_fixtures import peft_greedy, write_adapter  # noqa: E402
 
@@ -65,12 +67,16 @@ def slot_weights(
     return a.to(dtype), (b / rank**0.5).to(dtype)
 
 
+WAYS = {"tiles": add_lora_tiles, "fused": add_lora_fused, "split": add_lora_split}
+
+
 def check(
     row_slots: list[tuple[int, int]],
     inp: int,
     sizes: tuple[int, ...],
     rank: int,
     dtype: torch.dtype,
+    way: str = "tiles",
 ) -> None:
     gen = torch.Generator(device=CUDA).manual_seed(inp + sum(sizes) + rank)
     rows = sum(n for n, _ in row_slots)
@@ -80,35 +86,42 @@ def check(
     batch = lora_batch(row_slots, CUDA)
     assert batch is not None
     want = add_lora_reference(base.float(), x.float(), a.float(), b.float(), batch)
-    got = add_lora_tiles(base.clone(), x, a, b, batch.tiles, sizes)
+    got = WAYS[way](base.clone(), x, a, b, batch.tiles, sizes)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=3e-2)
     untouched = torch.tensor([s == NO_SLOT for n, s in row_slots for _ in range(n)], device=CUDA)
     assert torch.equal(got[untouched], base[untouched])
 
 
 @pytest.mark.parametrize(("inp", "sizes"), SHAPES)
-@pytest.mark.parametrize("streams", [1, 9, 64])
-def test_decode_batches_match_the_reference(inp: int, sizes: tuple[int, ...], streams: int) -> None:
-    check(decode_rows(streams), inp, sizes, 16, torch.bfloat16)
+@pytest.mark.parametrize("streams", [1, 9, 64, 128])
+@pytest.mark.parametrize("way", sorted(WAYS))
+def test_decode_batches_match_the_reference(
+    inp: int, sizes: tuple[int, ...], streams: int, way: str
+) -> None:
+    check(decode_rows(streams), inp, sizes, 16, torch.bfloat16, way)
 
 
 @pytest.mark.parametrize(("inp", "sizes"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("way", sorted(WAYS))
 def test_prefill_runs_match_the_reference(
-    inp: int, sizes: tuple[int, ...], dtype: torch.dtype
+    inp: int, sizes: tuple[int, ...], dtype: torch.dtype, way: str
 ) -> None:
-    check(PREFILL_ROWS, inp, sizes, 16, dtype)
+    check(PREFILL_ROWS, inp, sizes, 16, dtype, way)
 
 
 @pytest.mark.parametrize("rank", [8, 24, 64])
-def test_ranks_match_the_reference(rank: int) -> None:
-    check(decode_rows(33), 4096, (4096, 1024, 1024), rank, torch.bfloat16)
+@pytest.mark.parametrize("way", ["fused", "split"])
+def test_ranks_match_the_reference(rank: int, way: str) -> None:
+    check(decode_rows(33), 4096, (4096, 1024, 1024), rank, torch.bfloat16, way)
 
 
-def test_a_graph_of_the_kernels_follows_its_static_table() -> None:
+@pytest.mark.parametrize("way", ["fused", "split"])
+def test_a_graph_of_the_kernels_follows_its_static_table(way: str) -> None:
     """The kernels captured once over a static tile table (as cuda_graph.py captures them),
     then replayed after copying in the tables of steps with different mixes of adapters and
     padding rows, and of none: each replay gives its step's reference."""
+    add = WAYS[way]
     inp, sizes, graph_rows = 4096, (4096, 1024, 1024), 64
     gen = torch.Generator(device=CUDA).manual_seed(1)
     a, b = slot_weights(gen, inp, sizes, 16, torch.bfloat16)
@@ -117,12 +130,12 @@ def test_a_graph_of_the_kernels_follows_its_static_table() -> None:
     static = torch.full((capacity * (1 + TILE_ROWS),), NO_SLOT, dtype=torch.int32, device=CUDA)
     tiles = tiles_of(static, tile_capacity(graph_rows, SLOTS))
     out = torch.zeros(graph_rows, sum(sizes), device=CUDA, dtype=torch.bfloat16)
-    add_lora_tiles(out, x, a, b, tiles, sizes)  # compiles outside the capture
+    add(out, x, a, b, tiles, sizes)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out.zero_()
-        add_lora_tiles(out, x, a, b, tiles, sizes)
+        add(out, x, a, b, tiles, sizes)
     for step in (decode_rows(64), decode_rows(50), [(1, 5)] * 40 + [(1, NO_SLOT)] * 3):
         batch = lora_batch(step, CUDA, min_tiles=capacity)
         assert batch is not None
@@ -265,6 +278,103 @@ def test_a_slot_rewritten_between_replays_serves_its_new_adapter(
         assert llm.engine.runner.loras.loads == 4
     finally:
         llm.engine.shutdown()
+
+
+@pytest.fixture
+def decode_graph_kinds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A list that each decode graph replay of the engines built in the test appends to: "base"
+    for a graph captured without the LoRA kernels, "lora" for one with them."""
+    from engine_core.cuda_graph import CudaGraphRunner
+
+    kinds: list[str] = []
+    run_decode = CudaGraphRunner._run_decode
+
+    def recording(self: CudaGraphRunner, *args, **kwargs) -> torch.Tensor:
+        graphs = args[-1] if len(args) == 5 else kwargs["graphs"]
+        kinds.append("base" if graphs is self.base_graphs else "lora")
+        return run_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(CudaGraphRunner, "_run_decode", recording)
+    return kinds
+
+
+def test_steps_of_the_base_model_alone_replay_graphs_without_lora(
+    case: dict[str, Path], expected: dict, decode_graph_kinds: list[str]
+) -> None:
+    """On a LoRA engine, a batch of the base model alone decodes through the graphs captured
+    without the LoRA kernels and gets the base model's tokens; a batch with an adapter then
+    decodes through the LoRA graphs (even after the base-only steps left the static table as it
+    was) and gets the adapter's; then the base model's batch again."""
+    llm = make_llm(case, enforce_eager=False, max_loras=2)
+    try:
+        runner = llm.engine.runner.graph_runner
+        assert runner is not None
+        assert sorted(runner.base_graphs) == sorted(runner.graphs)
+        for jobs, kind in (
+            ([(None, i) for i in range(len(PROMPTS))], "base"),
+            ([("all", i) for i in range(len(PROMPTS))], "lora"),
+            ([(None, i) for i in range(len(PROMPTS))], "base"),
+        ):
+            decode_graph_kinds.clear()
+            assert generate(llm, case, jobs) == [expected[name][i] for name, i in jobs]
+            assert decode_graph_kinds and set(decode_graph_kinds) == {kind}
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_decode_graph_launches_one_lora_kernel_a_wrapped_projection(
+    case: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The LoRA launches each graph captured at start-up (its eager run before the capture and
+    the captured one: twice each): a graph with LoRA the fused kernel once a wrapped projection
+    where its table has at most FUSED_MAX_TILES tiles (every decode graph here), else the
+    shrink and the expand; a decode graph's base-only twin none."""
+    from collections import Counter
+
+    from engine_core.attention.base import AttentionMetadata
+    from engine_core.cuda_graph import CudaGraphRunner
+    from engine_core.lora.triton_lora import FUSED_MAX_TILES
+    from tests.lora_fixtures import count_lora_launches
+
+    launches = count_lora_launches(monkeypatch)
+    captured: list[tuple[bool, bool, int, Counter[str]]] = []
+    capture_one = CudaGraphRunner._capture_one
+
+    def recording(
+        self: CudaGraphRunner, rows: int, meta: AttentionMetadata, *args, **kwargs
+    ) -> torch.cuda.CUDAGraph:
+        before = Counter(launches)
+        graph = capture_one(self, rows, meta, *args, **kwargs)
+        lora = kwargs.get("lora", True)
+        captured.append((meta.is_decode_only, lora, rows, Counter(launches) - before))
+        return graph
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", recording)
+    llm = make_llm(case, enforce_eager=False, max_loras=3)
+    try:
+        assert llm.engine.runner.loras is not None
+        wrapped = len(llm.engine.runner.loras.layers)
+        runner = llm.engine.runner.graph_runner
+        assert runner is not None
+    finally:
+        llm.engine.shutdown()
+    assert wrapped == 4 * 2
+    decode = [(lora, rows, n) for is_decode, lora, rows, n in captured if is_decode]
+    assert sorted(rows for lora, rows, _ in decode if lora) == runner.batch_sizes
+    assert sorted(rows for lora, rows, _ in decode if not lora) == runner.batch_sizes
+    fused = Counter({"_fused_kernel": 2 * wrapped})
+    split = Counter({"_shrink_kernel": 2 * wrapped, "_expand_kernel": 2 * wrapped})
+
+    def with_lora(rows: int) -> Counter[str]:
+        return fused if tile_capacity(rows, 3) <= FUSED_MAX_TILES else split
+
+    assert FUSED_MAX_TILES == 0 or with_lora(runner.max_batch) == fused
+    for lora, rows, counts in decode:
+        assert counts == (with_lora(rows) if lora else Counter()), rows
+    prefill = [(rows, n) for is_decode, _, rows, n in captured if not is_decode]
+    assert prefill
+    for rows, counts in prefill:
+        assert counts == with_lora(rows), rows
 
 
 # ---- nothing compiles mid-serving ----------------------------------------------------------------

@@ -1,7 +1,21 @@
-"""The LoRA product of a batch on CUDA: two Triton kernels over a tile table, shrink then expand.
+"""The LoRA product of a batch on CUDA: Triton kernels over a tile table, one fused kernel for a
+decode-sized table, shrink then expand for a larger one.
 
 A step's adapter rows come as tiles of up to ``TILE_ROWS`` rows of one slot
-(``LoraBatch.tiles``, batch.py). ``shrink`` writes ``x[tile] @ A[slot].T`` into float32 partial
+(``LoraBatch.tiles``, batch.py).
+
+The fused kernel (a table of up to ``FUSED_MAX_TILES`` tiles: a decode graph's) is one launch
+a projection: a program per tile and block of output columns of one shard (``fused_block_n``)
+computes its tile's ``x[tile] @ A[slot, shard].T`` over the whole input itself, multiplies it
+by its columns' rows of B and adds the product into the base projection's output in place. The
+programs of one tile recompute the same shrink (a tile's x and the shard's A, read from L2
+after the first), which costs reads of L2 rather than a second launch, its wait and a round
+trip of the partial sums through memory; with a few tiles the GPU has room for that. On
+Hopper everything but the read-add-store of the output runs before its PDL wait, while the base
+projection finishes. A larger table (a prefill) would recompute the shrink for each of many
+more programs: there the two kernels below do it once.
+
+``shrink`` writes ``x[tile] @ A[slot].T`` into float32 partial
 sums ``[splits, T, R]``, the reduction over the input split so that a decode step's few tiles
 still fill the GPU (a program per tile, split and rank tile); ``expand`` sums the splits and
 adds ``t[tile] @ B[slot].T`` into the base projection's output in place (a program per tile and
@@ -42,9 +56,22 @@ from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release, prefetch_l2
 BLOCK_K = 64  # the shrink's reduction tile
 EXPAND_BLOCK_N = 64  # output columns per expand tile
 EXPAND_INNER = 8  # expand tiles per program at most: the splits' sum is read once for them
+EXPAND_SPLIT_LOADS = 8  # partial sums an expand program loads at once
 SPLIT_K = 256  # the least input columns per shrink program
 SHRINK_PROGRAMS = 256  # shrink programs a step's table aims for (splits over its tiles)
 MAX_SPLITS = 32
+FUSED_MAX_TILES = 32  # tables of up to this many tiles take the fused kernel (see add_lora_tiles)
+# Each fused program of a tile reads the tile's rows of x and its shard's A over the whole
+# input: a tile has about this many input columns' worth of programs (16 at K = 4,096, 4 at
+# 14,336), each of a power of two of output columns within the bounds below (fused_block_n),
+# in sub-tiles of at most FUSED_SUBTILE_N columns (the registers of one product).
+FUSED_TILE_READS = 65536
+FUSED_MIN_BLOCK_N = 128
+FUSED_MAX_BLOCK_N = 4096
+FUSED_SUBTILE_N = 512
+# The fused program's reduction tile: wide, so that one program keeps enough bytes in flight to
+# stream its x and A (up to 0.7 MB for llama-8b's down projection) at a good share of L2's rate.
+FUSED_BLOCK_K = 256
 
 
 # Ints that change with the step's rows are not specialized on (their divisibility, == 1), so an
@@ -126,6 +153,7 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= RANK
     INNER: tl.constexpr,  # output tiles per program, all of one shard
+    SPLIT_LOADS: tl.constexpr,  # splits read at once
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -148,14 +176,18 @@ def _expand_kernel(
         b_rows = n_first + tl.arange(0, BLOCK_N * INNER)
         prefetch_l2(b_slot + tl.minimum(b_rows, N - 1).to(tl.int64) * stride_bn + shard * RANK)
     pdl_wait_then_release(PDL)
-    # The splits' sum, once for INNER output tiles (a decode step reads it from L2 per program).
+    # The splits' sum, once for INNER output tiles (a decode step reads it from L2 per program),
+    # SPLIT_LOADS splits' loads in flight at once rather than one L2 round trip after another;
+    # added in split order all the same.
     t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for split in range(0, SPLITS):
-        t += tl.load(
-            Partial + split * stride_ps + rows[:, None] * stride_pm + offs_k[None, :],
-            mask=row_ok[:, None] & r_ok[None, :],
-            other=0.0,
-        )
+    for first in range(0, SPLITS, SPLIT_LOADS):
+        for i in tl.static_range(SPLIT_LOADS):
+            live = r_ok & (offs_r * 0 + first + i < SPLITS)  # a vector: a mask must be one
+            t += tl.load(
+                Partial + (first + i) * stride_ps + rows[:, None] * stride_pm + offs_k[None, :],
+                mask=row_ok[:, None] & live[None, :],
+                other=0.0,
+            )
     for i in tl.static_range(INNER):
         offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -166,6 +198,88 @@ def _expand_kernel(
         )
         # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
         delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
+        out = Out + rows[:, None] * stride_om + offs_n[None, :]
+        mask = row_ok[:, None] & n_ok[None, :]
+        total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
+
+
+# Nothing here changes with the step's rows (the table's pointers keep their alignment): a
+# projection's shapes and strides are fixed, so it compiles once per projection shape.
+@triton.jit
+def _fused_kernel(
+    X,  # [T, K] the projection's input
+    A,  # [S, R, K] each slot's stacked A
+    B,  # [S, N, R] each slot's stacked B
+    Out,  # [T, N] added to
+    TileSlots,  # [M] int32
+    TileRows,  # [M * BLOCK_M] int32
+    K,
+    N,
+    RANK,  # rank columns a program reads (its shard's, or all R)
+    SHARD1,  # the first output row of shard 1 (N where there is none)
+    SHARD2,  # the first output row of shard 2 (N where there is none)
+    stride_xm,
+    stride_as,
+    stride_ar,
+    stride_bs,
+    stride_bn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # output columns per sub-tile
+    INNER: tl.constexpr,  # sub-tiles per program, all of one shard
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # >= RANK
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[tile's rows, program's columns] += (x[rows] @ A[slot, shard].T) @ B[slot, cols].T:
+    shrink and expand in one program, the shrink recomputed by each program of a tile (see
+    ``add_lora_fused``). The shrink and the first sub-tile's product run before the PDL wait
+    (x, A and B are no output of the base projection just before), the later sub-tiles' rows
+    of B asked of L2 then too."""
+    tile = tl.program_id(0)
+    slot = tl.load(TileSlots + tile)
+    if slot < 0:
+        pdl_wait_then_release(PDL)
+        return
+    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows >= 0
+    rows = tl.where(row_ok, rows, 0).to(tl.int64)
+    n_first = tl.program_id(1) * (BLOCK_N * INNER)
+    shard = (n_first >= SHARD1).to(tl.int32) + (n_first >= SHARD2).to(tl.int32)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < RANK
+    cols = shard * RANK + offs_r  # the shard's rank columns of A's rows and B's columns
+    a_base = A + slot.to(tl.int64) * stride_as + cols[None, :] * stride_ar
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(
+            X + rows[:, None] * stride_xm + offs_k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        a = tl.load(a_base + offs_k[:, None], mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        t += tl.dot(x, a, input_precision="ieee") if IEEE else tl.dot(x, a)
+    b_slot = B + slot.to(tl.int64) * stride_bs
+    if PDL and INNER > 1:  # the program's rows of B (arange's length must be a power of two)
+        b_rows = n_first + tl.arange(0, BLOCK_N * INNER)
+        b_rows = tl.minimum(b_rows, N - 1).to(tl.int64)
+        prefetch_l2(b_slot + b_rows * stride_bn + shard * RANK)
+    for i in tl.static_range(INNER):
+        offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        b = tl.load(
+            b_slot + offs_n[None, :] * stride_bn + cols[:, None],
+            mask=n_ok[None, :] & r_ok[:, None],
+            other=0.0,
+        )
+        # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
+        delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
+        if i == 0:
+            pdl_wait_then_release(PDL)  # out is the base projection's: read and written after
         out = Out + rows[:, None] * stride_om + offs_n[None, :]
         mask = row_ok[:, None] & n_ok[None, :]
         total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
@@ -209,6 +323,43 @@ def expand_layout(output_sizes: tuple[int, ...], rank: int, width: int) -> Expan
     return ExpandLayout(width, out, out, EXPAND_INNER)
 
 
+class FusedLayout(NamedTuple):
+    rank: int  # rank columns a fused program reads (its shard's own, or all of them)
+    shard1: int  # the first output row of shard 1 (the output's size where there is none)
+    shard2: int  # the first output row of shard 2 (likewise)
+    block_n: int  # output columns per program
+
+    @property
+    def subtile(self) -> int:  # output columns per product (the kernel's BLOCK_N)
+        return min(self.block_n, FUSED_SUBTILE_N)
+
+
+def fused_block_n(n: int, k: int, tile_reads: int = FUSED_TILE_READS) -> int:
+    """Output columns per fused program for a product of ``k`` input and ``n`` output columns:
+    about ``tile_reads // k`` programs a tile (llama-8b: qkv 512, o 256, gate/up 2,048, down
+    1,024 columns a program)."""
+    programs = max(1, tile_reads // k)
+    block_n = triton.next_power_of_2(triton.cdiv(n, programs))
+    return max(FUSED_MIN_BLOCK_N, min(FUSED_MAX_BLOCK_N, block_n))
+
+
+def fused_layout(output_sizes: tuple[int, ...], rank: int, width: int, block_n: int) -> FusedLayout:
+    """How the fused kernel covers a projection whose shards are ``output_sizes`` with
+    ``rank`` columns each (``width`` in all): programs of up to ``block_n`` output columns that
+    each read one shard's own columns where the shard boundaries fall between programs (at 16
+    columns at least, tl.dot's least); else programs that read all of them."""
+    out = sum(output_sizes)
+    starts = [sum(output_sizes[:i]) for i in range(1, len(output_sizes))]
+    if len(starts) <= 2:
+        n = block_n
+        while n >= 16:
+            if not any(start % n for start in starts):
+                padded = starts + [out] * (2 - len(starts))
+                return FusedLayout(rank, padded[0], padded[1], n)
+            n //= 2
+    return FusedLayout(width, out, out, block_n)
+
+
 def add_lora_tiles(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -219,10 +370,64 @@ def add_lora_tiles(
 ) -> torch.Tensor:
     """out [T, O] += each tile's rows' x @ A[slot].T @ B[slot].T (x [T, I], a [S, R, I],
     b [S, O, R], R = shards * rank for ``output_sizes`` of the shards; None: one shard); rows in
-    no tile are left as they are."""
-    x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
+    no tile are left as they are. A table of at most FUSED_MAX_TILES tiles (a decode graph's)
+    takes the fused kernel, one launch; a larger one the shrink and the expand."""
+    if tiles.count <= FUSED_MAX_TILES:
+        return add_lora_fused(out, x, a, b, tiles, output_sizes)
+    return add_lora_split(out, x, a, b, tiles, output_sizes)
+
+
+def _checked(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if out.stride(1) != 1:
         raise ValueError("the LoRA expand adds into an output whose rows are contiguous")
+    return x.contiguous(), a.contiguous(), b.contiguous()
+
+
+def add_lora_fused(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tiles: LoraTiles,
+    output_sizes: tuple[int, ...] | None = None,
+    block_n: int | None = None,
+    block_k: int = FUSED_BLOCK_K,
+) -> torch.Tensor:
+    """``add_lora_tiles`` by the fused kernel: a program per tile and ``block_n`` output
+    columns (None: ``fused_block_n``), each computing its tile's shrink over the whole input
+    itself, ``block_k`` input columns at a time."""
+    x, a, b = _checked(out, x, a, b)
+    k = x.shape[1]
+    n = b.shape[1]
+    width = a.shape[1]
+    shards = output_sizes or (n,)
+    block_n = block_n or fused_block_n(n, k)
+    layout = fused_layout(tuple(shards), width // len(shards), width, block_n)
+    ieee = x.dtype == torch.float32
+    pdl = chain_pdl(x)
+    subtile = layout.subtile
+    _fused_kernel[(tiles.count, triton.cdiv(n, layout.block_n))](
+        x, a, b, out, tiles.slots, tiles.rows, k, n, layout.rank, layout.shard1, layout.shard2,
+        x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+        BLOCK_M=TILE_ROWS, BLOCK_N=subtile, INNER=layout.block_n // subtile, BLOCK_K=block_k,
+        BLOCK_R=_block(layout.rank), IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+        num_warps=8 if subtile >= 512 else 4,
+    )  # fmt: skip
+    return out
+
+
+def add_lora_split(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tiles: LoraTiles,
+    output_sizes: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """``add_lora_tiles`` by the shrink over splits of the input, then the expand."""
+    x, a, b = _checked(out, x, a, b)
     rows, k = x.shape
     width = a.shape[1]
     shards = output_sizes or (b.shape[1],)
@@ -243,6 +448,6 @@ def add_lora_tiles(
         partial, b, out, tiles.slots, tiles.rows, n, splits, layout.rank, layout.shard1,
         layout.shard2, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1),
         out.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=_block(layout.rank),
-        INNER=layout.inner, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+        INNER=layout.inner, SPLIT_LOADS=EXPAND_SPLIT_LOADS, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
