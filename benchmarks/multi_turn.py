@@ -67,7 +67,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="the route: chat messages, or the same texts joined as one completions prompt "
         "(default: %(default)s)",
     )  # fmt: skip
-    parser.add_argument("--runs", type=int, default=1, help="reported runs (default: 1)")
+    parser.add_argument(
+        "--runs", type=int, default=1,
+        help="reported runs, after one warm-up run of the same workload (default: 1)",
+    )  # fmt: skip
     serving.add_server_args(parser)
     serving.add_output_args(parser)
     parser.set_defaults(lora=0)  # serving.compare's many-adapter mode: not part of this one

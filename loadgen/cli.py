@@ -73,7 +73,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     work.add_argument("--prompt", default=None, help="one fixed prompt text for every request")
     work.add_argument("--dataset", type=Path, default=None, help="a .jsonl or ShareGPT .json file")
-    work.add_argument("--dataset-format", choices=("auto", "jsonl", "sharegpt"), default="auto")
+    work.add_argument(
+        "--dataset-format", choices=("auto", "jsonl", "sharegpt"), default="auto",
+        help="auto: .jsonl is JSONL, anything else ShareGPT (default: auto)",
+    )  # fmt: skip
     work.add_argument(
         "--unique-prompts", action="store_true",
         help="give each --prompt/--dataset request a distinct head (no shared prefix cache)",
@@ -129,7 +132,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother",
     )  # fmt: skip
     load.add_argument("--interval", type=float, default=None, help="fixed gap in seconds instead")
-    load.add_argument("--interval-mode", choices=("absolute", "relative"), default="absolute")
+    load.add_argument(
+        "--interval-mode", choices=("absolute", "relative"), default="absolute",
+        help="--interval counted from the start (request i at i x S) or from the previous "
+        "request's send (default: absolute)",
+    )  # fmt: skip
     load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
 
     rep = parser.add_argument_group("runs and report")
@@ -142,7 +149,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--result-json", type=Path, default=None, help="config, summaries, records")
     rep.add_argument("--plot", type=Path, default=None, help="sweep PNG (default: JSON's .png)")
     rep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    rep.add_argument("--connect-timeout", type=float, default=60.0)
+    rep.add_argument(
+        "--connect-timeout", type=float, default=60.0,
+        help="zmq: seconds to wait for the engine's handshake (default: 60)",
+    )  # fmt: skip
     rep.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     rep.add_argument(
         "--client-processes",
