@@ -13,6 +13,11 @@ BENCHMARKS = {
     "serving": ("benchmarks.serving", "Tandem beside vLLM over HTTP, one server at a time"),
     "first-token": ("benchmarks.first_token", "an idle server's first token, part by part"),
     "prefill": ("benchmarks.prefill", "time to first token of 64 x 2,048-token prompts"),
+    "goodput": ("benchmarks.goodput", "goodput under mixed Poisson load, rates swept, beside vLLM"),
+    "multi-turn": (
+        "benchmarks.multi_turn",
+        "multi-turn chats sharing a 2,000-token system prompt, beside vLLM",
+    ),
     "soak": ("benchmarks.soak", "mixed load with faults; nothing may be lost"),
     "cpu": ("benchmarks.cpu", "Tandem beside vLLM's CPU build on the default model"),
     "gemm": ("benchmarks.gemm", "one projection's product: bf16, W4A16 and W8A8 against HBM"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -24,9 +25,11 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from benchmarks.report import ROOT
+from loadgen.metrics import Slo
+from loadgen.workload import LenRange
 
 HOST = "127.0.0.1"
 # The vllm CLI asks importlib.metadata for the version of "vllm", but the CPU build is packaged
@@ -47,6 +50,19 @@ TOKENIZER_FILES = (
 )
 
 
+class LoadShape(Protocol):
+    """What a benchmark asks of one load-generator workload: its row label, the load
+    generator's backend (route) and the flags that describe it."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    def loadgen_args(self) -> list[str]: ...
+
+
 @dataclass(frozen=True)
 class Workload:
     """``num_requests`` random prompts of ``input_len`` tokens, ``output_len`` tokens each (EOS
@@ -56,6 +72,7 @@ class Workload:
     input_len: int
     output_len: int
     max_concurrency: int | None = None
+    backend: ClassVar[str] = "openai-completions"
 
     @classmethod
     def parse(cls, text: str) -> Workload:
@@ -81,6 +98,62 @@ class Workload:
 def parse_workloads(text: str) -> list[Workload]:
     """A comma-separated list of Workload.parse's forms."""
     return [Workload.parse(part) for part in text.split(",") if part]
+
+
+@dataclass(frozen=True)
+class PoissonWorkload:
+    """``num_requests`` random prompts, each of a length drawn from ``input_len`` and asking for
+    a length drawn from ``output_len`` (EOS ignored), arriving as a Poisson process at ``rate``
+    per second; each request judged against ``slo`` for the goodput."""
+
+    num_requests: int
+    input_len: LenRange
+    output_len: LenRange
+    rate: float
+    slo: Slo | None = None
+    backend: ClassVar[str] = "openai-completions"
+
+    @property
+    def label(self) -> str:
+        at = "at once" if math.isinf(self.rate) else f"{self.rate:g} req/s"
+        return f"{at}: {self.num_requests} x ({self.input_len} -> {self.output_len})"
+
+    def loadgen_args(self) -> list[str]:
+        args = ["-n", str(self.num_requests), "--input-len", str(self.input_len)]
+        args += ["--output-len", str(self.output_len), "--request-rate", f"{self.rate:g}"]
+        if self.slo is not None:
+            args += ["--slo", ",".join(f"{k}={v:g}" for k, v in self.slo.as_ms().items())]
+        return args
+
+
+@dataclass(frozen=True)
+class ConversationWorkload:
+    """``conversations`` multi-turn chats of ``turns`` turns each, all starting at once (or
+    at ``rate`` per second), every one opening with the same ``shared_prefix_len``-token system
+    prompt; each turn a random user message of ``input_len`` tokens and ``output_len`` tokens
+    asked for (EOS ignored), its prompt the whole conversation so far."""
+
+    conversations: int
+    turns: int
+    shared_prefix_len: int
+    input_len: LenRange
+    output_len: LenRange
+    rate: float = math.inf
+    backend: str = "openai-chat"
+
+    @property
+    def label(self) -> str:
+        at = "" if math.isinf(self.rate) else f", {self.rate:g} conversations/s"
+        return (
+            f"{self.conversations} x {self.turns} turns ({self.input_len} -> {self.output_len}), "
+            f"{self.shared_prefix_len}-token system prompt{at}"
+        )
+
+    def loadgen_args(self) -> list[str]:
+        args = ["--conversations", str(self.conversations), "--turns", str(self.turns)]
+        args += ["--shared-prefix-len", str(self.shared_prefix_len)]
+        args += ["--input-len", str(self.input_len), "--output-len", str(self.output_len)]
+        return args + ([] if math.isinf(self.rate) else ["--request-rate", f"{self.rate:g}"])
 
 
 # ---- command lines ------------------------------------------------------------------------------
@@ -139,11 +212,11 @@ def vllm_serve_command(
 
 
 def loadgen_command(
-    url: str, workload: Workload, tokenizer: str, result: Path, warmup_runs: int, runs: int,
+    url: str, workload: LoadShape, tokenizer: str, result: Path, warmup_runs: int, runs: int,
     extra: list[str] | None = None,
 ) -> list[str]:  # fmt: skip
     """One ``python -m loadgen`` invocation over HTTP (fresh random prompts: no seed given)."""
-    command = [sys.executable, "-m", "loadgen", "--backend", "openai-completions", "--url", url]
+    command = [sys.executable, "-m", "loadgen", "--backend", workload.backend, "--url", url]
     command += ["--tokenizer", tokenizer, "--ignore-eos", "--no-progress"]
     command += [*workload.loadgen_args(), "--warmup-runs", str(warmup_runs)]
     command += ["--repeat-runs", str(runs), "--result-json", str(result)]
@@ -287,7 +360,7 @@ def wait_gpu_memory_free(limit_mib: int = 2048, timeout_s: float = 180.0) -> Non
 
 
 def run_loadgen(
-    url: str, workload: Workload, tokenizer: str, result: Path, runs: int = 1,
+    url: str, workload: LoadShape, tokenizer: str, result: Path, runs: int = 1,
     warmup_runs: int = 1, extra: list[str] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """``warmup_runs`` unreported runs, then ``runs`` reported runs of ``workload``; each

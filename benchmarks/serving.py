@@ -52,17 +52,36 @@ DEFAULT_WORKLOADS = "64:128:256,256:128:256,32:3600:256"
 
 
 def add_args(parser: argparse.ArgumentParser, workloads: str = DEFAULT_WORKLOADS) -> None:
-    parser.add_argument(
-        "--model", default="llama-8b",
-        help="a random preset (engine_core/presets.py) or a model folder both servers load "
-        "(default: %(default)s)",
-    )  # fmt: skip
+    add_model_arg(parser)
     parser.add_argument(
         "--workloads", default=workloads, type=parse_workloads,
         help="comma-separated N:INPUT:OUTPUT[:CONCURRENCY] (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--runs", type=int, default=1, help="reported runs per workload")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    add_server_args(parser)
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="N",
+        help="serve N random LoRA adapters and spread the requests over them (default: none)",
+    )  # fmt: skip
+    parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default: 16)")
+    add_output_args(parser)
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="llama-8b",
+        help="a random preset (engine_core/presets.py) or a model folder both servers load "
+        "(default: %(default)s)",
+    )  # fmt: skip
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the two servers and of the load generator that every side-by-side
+    benchmark over HTTP takes (`serving`, `prefill`, `goodput`, `multi-turn`)."""
+    parser.add_argument(
+        "--max-model-len", type=int, default=4096,
+        help="both servers' longest prompt + output (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
     parser.add_argument("--no-tandem", action="store_true", help="vLLM alone")
     parser.add_argument("--vllm-python", help="the interpreter that imports vllm (default: none)")
@@ -72,11 +91,9 @@ def add_args(parser: argparse.ArgumentParser, workloads: str = DEFAULT_WORKLOADS
         "--loadgen-args", default="",
         help="extra load-generator flags, e.g. '--client-processes 4' at hundreds of streams",
     )  # fmt: skip
-    parser.add_argument(
-        "--lora", type=int, default=0, metavar="N",
-        help="serve N random LoRA adapters and spread the requests over them (default: none)",
-    )  # fmt: skip
-    parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default: 16)")
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8100, help="Tandem's; vLLM's is one more")
     parser.add_argument("--out-dir", type=Path, help="server logs and loadgen JSON (default: tmp)")
     parser.add_argument("--json", type=Path, help="write the provenance and figures here")

@@ -4,7 +4,8 @@
 Two ways to take turns:
 
 - ``sequential`` (GPUs): one server at a time: start it, wait until it is ready, run every
-  workload (a warm-up run, then the reported runs), stop it, wait until its GPU memory is free,
+  workload (a warm-up run, then the reported runs; or, given one warm-up workload, that once as
+  the server starts and no warm-up per workload), stop it, wait until its GPU memory is free,
   then the next. Two servers never share the GPU.
 - ``alternating`` (CPUs): every server up at once (an idle engine takes no CPU), each workload's
   runs alternating between them, so that each meets the machine in the same state (a CPU's
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.report import Provenance, fmt, format_table, ratio
-from benchmarks.servers import Server, Workload, run_loadgen, running, start, stop
+from benchmarks.servers import LoadShape, Server, run_loadgen, running, start, stop
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,11 @@ class Figures:
     tpot_p50_ms: float | None
     duration_s: float
     runs_output_tok_s: tuple[float, ...]  # every reported run, in order
+    request_rate: float | None = None  # completed requests / s
+    goodput: float | None = None  # requests meeting the run's SLO / s; None without one
 
     @classmethod
-    def of(cls, server: str, workload: Workload, summaries: list[dict[str, Any]]) -> Figures:
+    def of(cls, server: str, workload: LoadShape, summaries: list[dict[str, Any]]) -> Figures:
         ranked = sorted(summaries, key=lambda s: s["output_throughput"])
         s = ranked[len(ranked) // 2]
         return cls(
@@ -53,6 +57,8 @@ class Figures:
             tpot_p50_ms=s["tpot"]["p50"],
             duration_s=s["duration_s"],
             runs_output_tok_s=tuple(x["output_throughput"] for x in summaries),
+            request_rate=s.get("request_throughput"),
+            goodput=s.get("goodput"),
         )
 
 
@@ -81,32 +87,42 @@ SERVING_METRICS = (
 
 
 def run_sequential(
-    servers: list[Server], workloads: list[Workload], tokenizer: str, out_dir: Path, runs: int,
-    loadgen_extra: list[str] | None = None,
+    servers: list[Server], workloads: Sequence[LoadShape], tokenizer: str, out_dir: Path, runs: int,
+    loadgen_extra: list[str] | None = None, warm_up: LoadShape | None = None,
 ) -> list[Figures]:  # fmt: skip
-    """One server at a time, every workload on it (a warm-up run before each). A server that
-    does not start, or a workload that fails, is reported and skipped: the others' figures
-    still come out."""
+    """One server at a time, every workload on it: a warm-up run before each, or with
+    ``warm_up``, that workload once as the server starts (not reported) and none before each.
+    A server that does not start, or a workload that fails, is reported and skipped: the
+    others' figures still come out."""
     results = []
+    warmups = 1 if warm_up is None else 0
     for server in servers:
         try:
             with running(server, out_dir):
+                if warm_up is not None:
+                    out = out_dir / f"{server.name}-warm-up.json"
+                    print(f"  {server.name} warm-up: {warm_up.label}", flush=True)
+                    run_loadgen(server.url, warm_up, tokenizer, out, 1, 0, loadgen_extra)
                 for i, workload in enumerate(workloads):
                     out = out_dir / f"{server.name}-w{i}.json"
-                    figures = attempt(server, workload, tokenizer, out, runs, loadgen_extra)
+                    figures = attempt(
+                        server, workload, tokenizer, out, runs, loadgen_extra, warmups
+                    )
                     results += [figures] if figures else []
-        except (RuntimeError, TimeoutError) as exc:
+        except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
             print(f"  {server.name} failed: {exc}", flush=True)
     return results
 
 
 def attempt(
-    server: Server, workload: Workload, tokenizer: str, out: Path, runs: int,
-    loadgen_extra: list[str] | None,
+    server: Server, workload: LoadShape, tokenizer: str, out: Path, runs: int,
+    loadgen_extra: list[str] | None, warmup_runs: int = 1,
 ) -> Figures | None:  # fmt: skip
     """One workload on a running server; None (and a line saying why) if it failed."""
     try:
-        summaries = run_loadgen(server.url, workload, tokenizer, out, runs, extra=loadgen_extra)
+        summaries = run_loadgen(
+            server.url, workload, tokenizer, out, runs, warmup_runs, loadgen_extra
+        )
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"  {server.name} {workload.label} failed: {exc}", flush=True)
         return None
@@ -116,7 +132,7 @@ def attempt(
 
 
 def run_alternating(
-    servers: list[Server], workloads: list[Workload], tokenizer: str, out_dir: Path, runs: int,
+    servers: list[Server], workloads: Sequence[LoadShape], tokenizer: str, out_dir: Path, runs: int,
     loadgen_extra: list[str] | None = None,
 ) -> list[Figures]:  # fmt: skip
     """Every server up at once; each workload's runs alternate between them."""
@@ -141,16 +157,21 @@ def run_alternating(
     return results
 
 
-def format_comparison(results: list[Figures], metrics: tuple[Metric, ...] = SERVING_METRICS) -> str:
+def format_comparison(
+    results: list[Figures], metrics: tuple[Metric, ...] = SERVING_METRICS,
+    compared: tuple[Metric, ...] | None = None,
+) -> str:  # fmt: skip
     """One row per workload: each server's figures, then the first server's advantage over the
-    second on each metric (its throughput over the other's; the other's latency over its own),
-    so that above 1 is better for the first server in every column."""
+    second on each metric of ``compared`` (default: every metric; its throughput over the
+    other's, the other's latency over its own), so that above 1 is better for the first server
+    in every column."""
+    compared = metrics if compared is None else compared
     servers = list(dict.fromkeys(r.server for r in results))
     workloads = list(dict.fromkeys(r.workload for r in results))
     by = {(r.server, r.workload): r for r in results}
     headers = ["workload"] + [f"{s} {m.label}" for s in servers for m in metrics]
     pair = servers[:2] if len(servers) > 1 else []
-    headers += [f"{m.label} x" for m in metrics] if pair else []
+    headers += [f"{m.label} x" for m in compared] if pair else []
     rows = []
     for workload in workloads:
         row = [workload]
@@ -159,7 +180,7 @@ def format_comparison(results: list[Figures], metrics: tuple[Metric, ...] = SERV
             row += [fmt(getattr(figures, m.field) if figures else None, m.spec) for m in metrics]
         if pair:
             ours, theirs = by.get((pair[0], workload)), by.get((pair[1], workload))
-            row += [fmt(advantage(m, ours, theirs), ".2f") for m in metrics]
+            row += [fmt(advantage(m, ours, theirs), ".2f") for m in compared]
         rows.append(row)
     table = format_table(headers, rows)
     if not pair:
@@ -180,11 +201,11 @@ def advantage(metric: Metric, ours: Figures | None, theirs: Figures | None) -> f
 
 def print_comparison(
     provenance: Provenance, servers: list[Server], results: list[Figures],
-    metrics: tuple[Metric, ...], out_dir: Path,
+    metrics: tuple[Metric, ...], out_dir: Path, compared: tuple[Metric, ...] | None = None,
 ) -> None:  # fmt: skip
     """The provenance, each server's command line, where the logs are, and the table."""
     print(f"\n{provenance.format()}")
     for server in servers:
         print(f"{server.name}: {server.shown()}")
     print(f"logs: {out_dir}\n")
-    print(format_comparison(results, metrics))
+    print(format_comparison(results, metrics, compared))

@@ -140,7 +140,8 @@ class OpenAIBackend:
         if self.options.ignore_eos:
             body["ignore_eos"] = True  # a vLLM-style extra: only sent when asked for
         if self.kind == "openai-chat":
-            body["messages"] = [{"role": "user", "content": spec.prompt_text}]
+            one_message = [{"role": "user", "content": spec.prompt_text}]
+            body["messages"] = spec.messages or one_message
             return "/chat/completions", body
         body["prompt"] = spec.prompt_ids if self.options.pretok else spec.prompt_text
         return "/completions", body
@@ -155,16 +156,22 @@ class OpenAIBackend:
             if resp.status_code != 200:
                 raise_for_status(resp, await resp.aread())
             lines = resp.aiter_lines()
-            done = await self.read_stream(sse_events(lines), rec)
+            reply: list[str] | None = [] if spec.keep_reply else None
+            done = await self.read_stream(sse_events(lines), rec, reply)
             rec.ended_at = self.clock.now()
             await drain(lines)
         if not done:
             raise BackendError("the stream ended without [DONE]")
         if rec.finish_reason is None:
             raise BackendError("the stream ended without a finish reason")
+        if reply is not None:
+            rec.reply = "".join(reply)
 
-    async def read_stream(self, events: AsyncIterator[str], rec: RequestRecord) -> bool:
-        """Stamp every event that carries output; True when the stream ended with [DONE]."""
+    async def read_stream(
+        self, events: AsyncIterator[str], rec: RequestRecord, reply: list[str] | None = None
+    ) -> bool:
+        """Stamp every event that carries output, its text appended to ``reply`` when one is
+        given; True when the stream ended with [DONE]."""
         usage: dict[str, Any] | None = None
         chunks = 0
         async for data in events:
@@ -182,6 +189,8 @@ class OpenAIBackend:
                 if text or choice.get("finish_reason"):
                     rec.chunk_times.append(now)
                     chunks += 1 if text else 0
+                if text and reply is not None:
+                    reply.append(text)
                 if choice.get("finish_reason"):
                     rec.finish_reason = choice["finish_reason"]
         else:
@@ -389,6 +398,8 @@ async def open_backend(args: argparse.Namespace, clock: Clock) -> Backend:
 
 def pool_size(args: argparse.Namespace) -> int:
     """HTTP connections to keep: one per request that may be in flight at once."""
+    if args.conversations is not None:  # a conversation has one turn in flight at a time
+        return min(args.max_concurrency or args.conversations, args.conversations)
     caps = [args.max_concurrency or args.num_requests]
     if args.sweep is not None and args.sweep.param == "concurrency":
         caps += [int(v) for v in args.sweep.values]

@@ -28,10 +28,10 @@ from common import event_loop
 from loadgen.arrival import Arrival
 from loadgen.backends import BACKENDS, Backend, BackendError, Clock, open_backend
 from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
-from loadgen.runner import RunPlan, run_once
+from loadgen.runner import RunPlan, run_conversations, run_once
 from loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
 from loadgen.workers import ClientPool
-from loadgen.workload import LenRange, WorkloadConfig, build_workload
+from loadgen.workload import LenRange, WorkloadConfig, build_conversations, build_workload
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
     work = parser.add_argument_group("workload")
-    work.add_argument("-n", "--num-requests", type=int, default=64, help="per run (default: 64)")
+    work.add_argument(
+        "-n", "--num-requests", type=int, default=None,
+        help="per run (default: 64; with --conversations, conversations x turns)",
+    )  # fmt: skip
     work.add_argument(
         "--input-len", type=LenRange.parse, default=LenRange(128, 128),
         help="random prompt tokens: N or LOW:HIGH (default: 128)",
@@ -70,7 +73,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     work.add_argument("--prompt", default=None, help="one fixed prompt text for every request")
     work.add_argument("--dataset", type=Path, default=None, help="a .jsonl or ShareGPT .json file")
-    work.add_argument("--dataset-format", choices=("auto", "jsonl", "sharegpt"), default="auto")
+    work.add_argument(
+        "--dataset-format", choices=("auto", "jsonl", "sharegpt"), default="auto",
+        help="auto: .jsonl is JSONL, anything else ShareGPT (default: auto)",
+    )  # fmt: skip
     work.add_argument(
         "--unique-prompts", action="store_true",
         help="give each --prompt/--dataset request a distinct head (no shared prefix cache)",
@@ -93,6 +99,29 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "server never hit its prefix cache with the same prompts)",
     )  # fmt: skip
 
+    chat = parser.add_argument_group(
+        "multi-turn chat",
+        "each conversation sends its turns one after another; turn k's prompt is the system "
+        "prompt, every earlier user message with the server's reply to it, and a new random "
+        "user message of --input-len tokens (openai-chat: as messages; openai-completions: the "
+        "same texts joined by newlines). The arrival flags start conversations, not turns; "
+        "--max-concurrency caps the conversations under way.",
+    )
+    chat.add_argument(
+        "--conversations", type=int, default=None, metavar="C",
+        help="run C conversations per run instead of -n single requests",
+    )  # fmt: skip
+    chat.add_argument(
+        "--turns", type=int, default=None, metavar="T",
+        help="turns per conversation (default: 1; needs --conversations)",
+    )  # fmt: skip
+    chat.add_argument(
+        "--shared-prefix-len", type=int, default=0, metavar="N",
+        help="a system prompt of N random tokens that every conversation of a run starts with "
+        "(drawn afresh per run, so only that run's conversations share it; default: none; "
+        "needs --conversations)",
+    )  # fmt: skip
+
     load = parser.add_argument_group("arrival")
     load.add_argument(
         "--request-rate", type=float, default=math.inf,
@@ -103,7 +132,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother",
     )  # fmt: skip
     load.add_argument("--interval", type=float, default=None, help="fixed gap in seconds instead")
-    load.add_argument("--interval-mode", choices=("absolute", "relative"), default="absolute")
+    load.add_argument(
+        "--interval-mode", choices=("absolute", "relative"), default="absolute",
+        help="--interval counted from the start (request i at i x S) or from the previous "
+        "request's send (default: absolute)",
+    )  # fmt: skip
     load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
 
     rep = parser.add_argument_group("runs and report")
@@ -116,7 +149,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--result-json", type=Path, default=None, help="config, summaries, records")
     rep.add_argument("--plot", type=Path, default=None, help="sweep PNG (default: JSON's .png)")
     rep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    rep.add_argument("--connect-timeout", type=float, default=60.0)
+    rep.add_argument(
+        "--connect-timeout", type=float, default=60.0,
+        help="zmq: seconds to wait for the engine's handshake (default: 60)",
+    )  # fmt: skip
     rep.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     rep.add_argument(
         "--client-processes",
@@ -147,6 +183,11 @@ def settle_args(args: argparse.Namespace) -> None:
     """Check the flags (ValueError) and fix the seed of this invocation: the one given, else a
     fresh one from the OS, so that two invocations never send the same random prompts."""
     check_args(args)
+    if args.conversations is not None:
+        args.turns = args.turns or 1
+        args.num_requests = args.conversations * args.turns  # the records a run holds
+    elif args.num_requests is None:
+        args.num_requests = 64
     if args.seed is None:
         args.seed = secrets.randbits(31)
 
@@ -161,10 +202,14 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         dataset_format=args.dataset_format,
         unique_prompts=args.unique_prompts,
         seed=args.seed,
+        conversations=args.conversations,
+        turns=args.turns or 1,
+        shared_prefix_len=args.shared_prefix_len,
     )
 
 
 def check_args(args: argparse.Namespace) -> None:
+    check_conversation_args(args)
     if args.client_processes < 1:
         raise ValueError("--client-processes must be >= 1")
     if args.client_processes > 1 and (
@@ -191,12 +236,39 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("give --prompt or --dataset, not both")
     if args.interval is not None and not math.isinf(args.request_rate):
         raise ValueError("give --interval or --request-rate, not both")
-    if args.num_requests < 1 or args.repeat_runs < 1 or args.warmup_runs < 0:
+    too_few = args.num_requests is not None and args.num_requests < 1
+    if too_few or args.repeat_runs < 1 or args.warmup_runs < 0:
         raise ValueError("--num-requests and --repeat-runs must be >= 1, --warmup-runs >= 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     if args.sweep is not None and args.interval is not None and args.sweep.param == "rate":
         raise ValueError("a rate sweep sets the arrival rate: drop --interval")
+
+
+def check_conversation_args(args: argparse.Namespace) -> None:
+    """Refuse what multi-turn runs cannot honour: their prompts are made of random texts and
+    the server's replies, so they need an HTTP text route and one client process."""
+    if args.conversations is None:
+        if args.turns is not None or args.shared_prefix_len:
+            raise ValueError("--turns and --shared-prefix-len need --conversations")
+        return
+    if args.conversations < 1 or (args.turns is not None and args.turns < 1):
+        raise ValueError("--conversations and --turns must be >= 1")
+    if args.shared_prefix_len < 0:
+        raise ValueError("--shared-prefix-len must be >= 0")
+    refused = {
+        "-n/--num-requests (a run sends conversations x turns)": args.num_requests is not None,
+        "--backend zmq (turns need the reply's text)": args.backend == "zmq",
+        "--pretok": args.pretok,
+        "--prompt": args.prompt is not None,
+        "--dataset": args.dataset is not None,
+        "--unique-prompts": args.unique_prompts,
+        "--sweep": args.sweep is not None,
+        "--client-processes > 1": args.client_processes != 1,
+    }
+    given = [flag for flag, on in refused.items() if on]
+    if given:
+        raise ValueError(f"--conversations does not take {', '.join(given)}")
 
 
 def base_arrival(args: argparse.Namespace) -> Arrival:
@@ -265,6 +337,9 @@ class BenchRun:
         a = self.args
         where = getattr(self.backend, "address", None) or a.url
         source = a.dataset or (f"prompt {a.prompt!r:.40}" if a.prompt else f"random {a.input_len}")
+        if a.conversations is not None:
+            source = f"{a.conversations} conversations x {a.turns} turns, user messages: {source}"
+            source += f", shared system prompt: {a.shared_prefix_len} tokens"
         return (
             f"loadgen: {a.backend} at {where}, model {model_name(self.backend)}; {a.num_requests} "
             f"requests x {a.repeat_runs} run(s) (+{a.warmup_runs} warm-up), prompts: {source}, "
@@ -274,6 +349,10 @@ class BenchRun:
 
     async def one_run(self, plan: RunPlan) -> list[RequestRecord]:
         index, self.next_index = self.next_index, self.next_index + 1
+        if self.workload.conversations is not None:
+            assert self.tokenizer is not None  # HTTP text routes always load one
+            conversations = build_conversations(self.workload, index, self.tokenizer)
+            return await run_conversations(self.backend, conversations, plan, index)
         vocab = getattr(self.backend, "vocab", None) if self.tokenizer is None else None
         specs = build_workload(self.workload, index, self.backend.wants_ids, self.tokenizer, vocab)
         if self.pool is not None:

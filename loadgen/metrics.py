@@ -39,6 +39,9 @@ class RequestRecord:
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    conversation: int | None = None  # multi-turn: which conversation, and its turn
+    turn: int | None = None
+    reply: str | None = None  # the reply's text, kept only for a conversation's next turn
 
     @property
     def ok(self) -> bool:

@@ -3,6 +3,10 @@
 Every request gets its record before the first one is sent, and each record ends either
 completed or failed with its error (an exception, a timeout, or "not sent" when the run was cut
 short), so a run can never lose a request: completed + failed == sent + unsent == requests.
+
+Conversations follow the arrival schedule as a whole (the schedule says when each one starts, a
+concurrency cap how many are under way); inside one, each turn is sent as soon as the previous
+turn's reply has ended, and a failed turn fails the turns after it ("not sent").
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from tqdm import tqdm
 from loadgen.arrival import Arrival
 from loadgen.backends import Backend
 from loadgen.metrics import RequestRecord
-from loadgen.workload import RequestSpec
+from loadgen.workload import Conversation, RequestSpec
 
 
 @dataclass(frozen=True)
@@ -97,4 +101,85 @@ async def _send_one(
     finally:
         if slots is not None:
             slots.release()
+        bar.update(1)
+
+
+async def run_conversations(
+    backend: Backend, conversations: list[Conversation], plan: RunPlan, run_index: int
+) -> list[RequestRecord]:
+    """Run every conversation, each started on the plan's schedule; one record per turn, in
+    conversation order and then turn order."""
+    clock = backend.clock
+    records = [
+        [
+            RequestRecord(
+                f"lg{SESSION}-{run_index}-c{c.index}-t{k}",
+                0,
+                out,
+                0.0,
+                conversation=c.index,
+                turn=k,
+            )
+            for k, out in enumerate(c.output_lens)
+        ]
+        for c in conversations
+    ]
+    gaps = plan.arrival.gaps(len(conversations), run_index)
+    slots = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
+    total = sum(len(r) for r in records)
+    bar = tqdm(total=total, desc=plan.label, unit="req", disable=not plan.progress)
+    tasks: list[asyncio.Task[None]] = []
+    clock.start()
+    try:
+        due = last_sent = 0.0
+        for conversation, recs, gap in zip(conversations, records, gaps, strict=True):
+            due = (last_sent if plan.arrival.relative else due) + gap
+            recs[0].scheduled_at = due
+            while (wait := due - clock.now()) > 0:
+                await asyncio.sleep(wait)
+            if slots is not None:
+                await slots.acquire()
+            last_sent = clock.now()
+            talk = _converse(backend, conversation, recs, plan, slots, bar)
+            tasks.append(asyncio.create_task(talk))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        bar.close()
+        for rec in (rec for recs in records for rec in recs):
+            if rec.ended_at is None:
+                rec.fail("not sent: the run was interrupted", clock.now())
+    return [rec for recs in records for rec in recs]
+
+
+async def _converse(
+    backend: Backend,
+    conversation: Conversation,
+    records: list[RequestRecord],
+    plan: RunPlan,
+    slots: asyncio.Semaphore | None,
+    bar: tqdm,
+) -> None:
+    """The conversation's turns one after another, each reply fed into the next prompt; the
+    conversation's slot (under a concurrency cap) is held until its last turn ends."""
+    try:
+        for k, rec in enumerate(records):
+            if k:
+                rec.scheduled_at = records[k - 1].ended_at or backend.clock.now()
+            await _send_one(backend, conversation.turn(k), rec, plan, None, bar)
+            if not rec.ok or rec.reply is None:
+                _fail_rest(records[k + 1 :], k, backend.clock.now(), bar)
+                return
+            conversation.add_reply(rec.reply)
+    finally:
+        if slots is not None:
+            slots.release()
+
+
+def _fail_rest(records: list[RequestRecord], failed_turn: int, now: float, bar: tqdm) -> None:
+    for rec in records:
+        rec.scheduled_at = now
+        rec.fail(f"not sent: turn {failed_turn} of its conversation failed", now)
         bar.update(1)

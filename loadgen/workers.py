@@ -132,7 +132,7 @@ async def serve_runs() -> None:
     reader = asyncio.StreamReader(limit=_LINE_LIMIT)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     settings = json.loads(await reader.readline())["args"]
-    args = argparse.Namespace(**settings, max_concurrency=None, sweep=None)
+    args = argparse.Namespace(**settings, max_concurrency=None, sweep=None, conversations=None)
     clock = Clock()
     try:
         backend = await open_backend(args, clock)

@@ -9,12 +9,18 @@ asked for (the records keep the server's count).
 Random prompts are drawn afresh for every run (the seed is mixed with the run number), so a
 repeat run never hits the prefix cache on the previous run's prompts. ``--unique-prompts`` puts a
 distinct head in front of every fixed or dataset prompt for the same reason.
+
+Conversations (``--conversations C --turns T``) are the multi-turn chat workload: each has T
+random user messages, and turn k's prompt is the optional shared system prompt
+(``--shared-prefix-len``, one per run, the same in every conversation), every earlier user
+message with the server's reply to it, and user message k. The replies are only known as the
+run goes, so a ``Conversation`` makes each turn's request from what it has been told so far.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,11 +64,17 @@ class LenRange:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request to send: its prompt as ids or text (or both) and how many tokens to ask for."""
+    """One request to send: its prompt as ids or text (or both) and how many tokens to ask for.
+
+    A conversation's turn also carries its chat messages (what the chat route sends; the
+    completions route sends ``prompt_text``, the same turns joined) and asks the backend to keep
+    the reply's text, which the next turn's prompt contains."""
 
     prompt_ids: list[int] | None
     prompt_text: str | None
     output_len: int
+    messages: list[dict[str, str]] | None = None
+    keep_reply: bool = False
 
     @property
     def prompt_len(self) -> int:
@@ -80,6 +92,9 @@ class WorkloadConfig:
     dataset_format: str = "auto"  # auto | jsonl | sharegpt
     unique_prompts: bool = False
     seed: int = 0
+    conversations: int | None = None  # multi-turn: this many conversations of ``turns`` turns
+    turns: int = 1
+    shared_prefix_len: int = 0  # tokens of the system prompt every conversation shares
 
 
 DEFAULT_OUTPUT_LEN = LenRange(128, 128)
@@ -115,6 +130,54 @@ def build_workload(
         return [RequestSpec(p, None, o) for p, o in zip(ids, out_lens, strict=True)]
     tok = _need(tokenizer)
     return [RequestSpec(p, tok.decode(p), o) for p, o in zip(ids, out_lens, strict=True)]
+
+
+@dataclass
+class Conversation:
+    """One multi-turn conversation: its user messages and output lengths, drawn up front, and
+    the replies the server has given so far (``add_reply``, one per finished turn, in order)."""
+
+    index: int
+    system: str | None
+    users: list[str]
+    output_lens: list[int]
+    replies: list[str] = field(default_factory=list)
+
+    def turn(self, k: int) -> RequestSpec:
+        """Turn ``k``'s request: the system prompt, turns 0..k-1 with their replies, user k."""
+        if k != len(self.replies):
+            raise ValueError(f"turn {k} of conversation {self.index} before turn {k - 1}'s reply")
+        messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+        for user, reply in zip(self.users[:k], self.replies, strict=True):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        messages.append({"role": "user", "content": self.users[k]})
+        text = "\n".join(m["content"] for m in messages)
+        return RequestSpec(None, text, self.output_lens[k], messages, keep_reply=True)
+
+    def add_reply(self, text: str) -> None:
+        self.replies.append(text)
+
+
+def build_conversations(
+    cfg: WorkloadConfig, run_index: int, tokenizer: TokenizerLike
+) -> list[Conversation]:
+    """Run ``run_index``'s conversations: a system prompt of ``cfg.shared_prefix_len`` random
+    tokens drawn once for the run (so every conversation shares it and no other run does), and
+    ``cfg.turns`` random user messages of ``cfg.input_len`` tokens per conversation."""
+    assert cfg.conversations is not None
+    rng = np.random.default_rng([cfg.seed, run_index])
+    pool = np.asarray(usable_ids(tokenizer))
+
+    def random_text(length: int) -> str:
+        return tokenizer.decode([int(t) for t in rng.choice(pool, size=length)])
+
+    system = random_text(cfg.shared_prefix_len) if cfg.shared_prefix_len else None
+    output_len = cfg.output_len or DEFAULT_OUTPUT_LEN
+    conversations = []
+    for c in range(cfg.conversations):
+        users = [random_text(n) for n in cfg.input_len.draw(rng, cfg.turns)]
+        conversations.append(Conversation(c, system, users, output_len.draw(rng, cfg.turns)))
+    return conversations
 
 
 def usable_ids(tokenizer: TokenizerLike) -> list[int]:

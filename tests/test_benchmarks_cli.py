@@ -70,3 +70,43 @@ def test_attention_cases_and_flops_by_hand() -> None:
     # Two new tokens after three cached: the first sees 4 keys, the second 5; 9 dot products of
     # length head_dim for QK and as many for PV, two flops each.
     assert prefill_flops([2], [3], heads=1, head_dim=8) == 4 * 9 * 8
+
+
+def test_goodput_and_multi_turn_defaults_are_the_issues_workloads() -> None:
+    from loadgen.metrics import Slo
+    from loadgen.workload import LenRange
+
+    goodput = parse(["goodput"])
+    assert (goodput.rates, goodput.duration) == ([2.0, 4.0, 8.0, 16.0, 32.0], 20.0)
+    assert (goodput.input_len, goodput.output_len) == (LenRange(64, 2048), LenRange(32, 512))
+    assert goodput.slo == Slo(ttft=0.5, tpot=0.05) and goodput.warmup_requests == 32
+    turns = parse(["multi-turn"])
+    assert (turns.conversations, turns.turns, turns.shared_prefix_len) == (32, 5, 2000)
+    assert (turns.backend, turns.input_len, turns.output_len) == (
+        "openai-chat", LenRange(128, 128), LenRange(128, 128),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["goodput", "--input-len", "64:4000", "--output-len", "32:512"], "--max-model-len 4096"),
+        (["multi-turn", "--turns", "10"], "more than --max-model-len 4096"),
+        (["multi-turn", "--conversations", "0"], "--conversations and --turns must be >= 1"),
+        (["goodput", "--duration", "0"], "--duration must be > 0"),
+    ],
+)
+def test_workloads_the_servers_would_refuse_stop_before_they_start(
+    argv: list[str], message: str
+) -> None:
+    args = parse(argv)
+    module = __import__(BENCHMARKS[argv[0]][0], fromlist=["check"])
+    with pytest.raises(SystemExit, match=message):
+        module.check(args)
+
+
+@pytest.mark.parametrize("rates", ["", "0,2", "inf", "2,x"])
+def test_bad_rates_exit_with_usage(rates: str) -> None:
+    with pytest.raises(SystemExit) as done:
+        build_parser("goodput").parse_args(["--rates", rates])
+    assert done.value.code == 2

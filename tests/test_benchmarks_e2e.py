@@ -90,3 +90,53 @@ def test_a_short_soak_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> Non
     counts = result["counts"]
     assert counts["sent"] > 0 and counts["lost"] == 0 and counts["engine_kills"] == 1
     assert result["end_state"]["kv_all_free"] and result["end_state"]["kv_integrity"]
+
+
+def test_goodput_is_the_hand_count_of_records_meeting_both_slos(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    argv = ["goodput", "--model", str(tiny_model_dir), "--rates", "4,8", "--duration", "1",
+            "--input-len", "8:48", "--output-len", "2:8", "--slo", "ttft=500,tpot=50",
+            "--warmup-requests", "2", "--max-model-len", "512", "--port", str(free_port()),
+            "--out-dir", str(tmp_path), "--json", str(tmp_path / "g.json")]  # fmt: skip
+    out = run_benchmark(*argv)
+    assert f"command: python -m benchmarks {' '.join(argv)}" in out
+    figures = json.loads((tmp_path / "g.json").read_text())["results"]
+    assert [f["workload"] for f in figures] == ["4 req/s: 4 x (8:48 -> 2:8)",
+                                                "8 req/s: 8 x (8:48 -> 2:8)"]  # fmt: skip
+    warm_up = json.loads((tmp_path / "tandem-warm-up.json").read_text())
+    assert len(warm_up["runs"][0]["requests"]) == 2  # once, as the server started
+    for i, (rate, n) in enumerate([(4, 4), (8, 8)]):
+        doc = json.loads((tmp_path / f"tandem-w{i}.json").read_text())
+        assert doc["config"]["warmup_runs"] == 0 and doc["config"]["request_rate"] == rate
+        (run,) = doc["runs"]
+        records = run["requests"]
+        assert len(records) == n and all(r["ok"] for r in records)
+        assert all(2 <= r["max_tokens"] <= 8 for r in records)
+        good = sum(r["ttft"] <= 0.5 and (r["tpot"] is None or r["tpot"] <= 0.05) for r in records)
+        duration = max(r["ended_at"] for r in records)
+        assert good > 0
+        assert run["summary"]["good_requests"] == good
+        assert figures[i]["goodput"] == pytest.approx(good / duration)
+        assert figures[i]["request_rate"] == pytest.approx(n / duration)
+        (row,) = table_rows(out, figures[i]["workload"])
+        assert row[1] == f"{good / duration:.2f}"  # the table's goodput column
+
+
+def test_multi_turn_driver_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    argv = ["multi-turn", "--model", str(tiny_model_dir), "--conversations", "2", "--turns", "2",
+            "--shared-prefix-len", "32", "--input-len", "8", "--output-len", "4",
+            "--max-model-len", "512", "--port", str(free_port()), "--out-dir", str(tmp_path),
+            "--json", str(tmp_path / "m.json")]  # fmt: skip
+    out = run_benchmark(*argv)
+    assert "serve --model" in out and "--enable-prefix-caching" in out  # on, whatever the default
+    label = "2 x 2 turns (8 -> 4), 32-token system prompt"
+    assert len(table_rows(out, label)) == 1
+    doc = json.loads((tmp_path / "tandem-w0.json").read_text())
+    assert doc["config"]["backend"] == "openai-chat" and doc["config"]["warmup_runs"] == 1
+    (run,) = doc["runs"]
+    assert [(r["conversation"], r["turn"]) for r in run["requests"]] == [
+        (0, 0), (0, 1), (1, 0), (1, 1),
+    ]  # fmt: skip
+    (figures,) = json.loads((tmp_path / "m.json").read_text())["results"]
+    assert figures["request_rate"] == pytest.approx(4 / run["summary"]["duration_s"])

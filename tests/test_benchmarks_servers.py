@@ -161,3 +161,39 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/stat")
     return not (status.exists() and status.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def test_a_poisson_workload_asks_for_ranged_lengths_a_rate_and_the_slo() -> None:
+    from benchmarks.goodput import rate_workloads
+    from benchmarks.servers import PoissonWorkload
+    from loadgen.metrics import Slo
+    from loadgen.workload import LenRange
+
+    work = PoissonWorkload(40, LenRange(64, 2048), LenRange(32, 512), 2.0, Slo(0.5, 0.05))
+    assert work.label == "2 req/s: 40 x (64:2048 -> 32:512)"
+    assert work.loadgen_args() == [
+        "-n", "40", "--input-len", "64:2048", "--output-len", "32:512", "--request-rate", "2",
+        "--slo", "ttft=500,tpot=50",
+    ]  # fmt: skip
+    command = loadgen_command("http://h:1", work, "/tok", Path("/r.json"), 0, 1)
+    assert command[3:5] == ["--backend", "openai-completions"] and "--ignore-eos" in command
+    args = type("Args", (), {"rates": [2.0, 0.5, 32.0], "duration": 20.0, "slo": None})()
+    args.input_len, args.output_len = LenRange(1, 2), LenRange(3, 4)
+    assert [w.num_requests for w in rate_workloads(args)] == [40, 10, 640]
+
+
+def test_a_conversation_workload_goes_over_the_chat_route() -> None:
+    from benchmarks.servers import ConversationWorkload
+    from loadgen.workload import LenRange
+
+    work = ConversationWorkload(32, 5, 2000, LenRange(128, 128), LenRange(64, 256))
+    assert work.label == "32 x 5 turns (128 -> 64:256), 2000-token system prompt"
+    command = loadgen_command("http://h:1", work, "/tok", Path("/r.json"), 1, 1)
+    assert command[3:5] == ["--backend", "openai-chat"]
+    assert command[command.index("--conversations") :][:8] == [
+        "--conversations", "32", "--turns", "5", "--shared-prefix-len", "2000",
+        "--input-len", "128",
+    ]  # fmt: skip
+    paced = ConversationWorkload(4, 2, 0, LenRange(8, 8), LenRange(8, 8), 0.5, "openai-completions")
+    assert paced.loadgen_args()[-2:] == ["--request-rate", "0.5"]
+    assert paced.label.endswith(", 0.5 conversations/s") and paced.backend == "openai-completions"

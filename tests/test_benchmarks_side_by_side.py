@@ -64,3 +64,21 @@ def test_a_workload_one_server_failed_shows_dashes() -> None:
     rows = format_comparison([ours, theirs], metrics).splitlines()[2:4]
     assert [c.strip() for c in rows[0].split("|")[1:-1]] == ["64 x (128 -> 256)", "1,180", "-", "-"]
     assert [c.strip() for c in rows[1].split("|")[1:-1]] == ["1 x (1 -> 1)", "-", "1", "-"]
+
+
+def test_goodput_figures_and_a_ratio_on_one_column_only() -> None:
+    from benchmarks.goodput import GOODPUT, GOODPUT_METRICS
+
+    def with_goodput(goodput: float) -> dict[str, Any]:
+        return summary(1000.0, 80.0) | {"request_throughput": 4.0, "goodput": goodput}
+
+    ours = Figures.of("tandem", WORK, [with_goodput(3.0)])
+    theirs = Figures.of("vllm", WORK, [with_goodput(2.0)])
+    assert (ours.goodput, ours.request_rate) == (3.0, 4.0)
+    table = format_comparison([ours, theirs], GOODPUT_METRICS, (GOODPUT,)).splitlines()
+    headers = [c.strip() for c in table[0].split("|")[1:-1]]
+    assert headers[1] == "tandem goodput req/s" and headers[-1] == "goodput req/s x"
+    assert len(headers) == 1 + 2 * len(GOODPUT_METRICS) + 1
+    assert [c.strip() for c in table[2].split("|")[1:-1]][-1] == "1.50"
+    # A summary without an SLO (the serving benchmark's) has no goodput.
+    assert Figures.of("tandem", WORK, [summary(1.0, 1.0)]).goodput is None
