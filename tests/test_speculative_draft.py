@@ -192,9 +192,10 @@ def test_the_target_as_its_own_draft_has_every_draft_kept(engines: dict[str, LLM
     assert spec.engine.scheduler.block_manager.num_used_blocks == 0
 
 
-def test_a_draft_that_is_often_wrong_gives_the_same_tokens(engines: dict[str, LLM]) -> None:
-    plain, spec = engines["plain"], engines["near"]
-    prompt = PROMPTS[2]
+def assert_mixed_requests_give_plain_tokens(plain: LLM, spec: LLM, prompt: list[int]) -> None:
+    """Greedy, seeded, penalised, biased, min_tokens, logprob, JSON-constrained and stop-id
+    requests on one prompt: the speculating engine gives the plain engine's tokens, finish
+    reasons and logprobs, keeps some drafts and rejects others, and frees every block."""
     params = [
         SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),  # ends inside a run
@@ -235,6 +236,10 @@ def test_a_draft_that_is_often_wrong_gives_the_same_tokens(engines: dict[str, LL
     _, drafted, kept = counts_since(spec, before)
     assert 0 < kept < drafted  # drafts were kept and rejected
     assert spec.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_draft_that_is_often_wrong_gives_the_same_tokens(engines: dict[str, LLM]) -> None:
+    assert_mixed_requests_give_plain_tokens(engines["plain"], engines["near"], PROMPTS[2])
 
 
 def test_preemption_and_prefix_hits_keep_the_draft_cache_right(tiny_model_dir: Path) -> None:

@@ -33,6 +33,7 @@ from tests.factories import (
     write_tiny_llama,
 )
 from tests.test_speculative import abort_two_of_three_with_drafts_in_flight
+from tests.test_speculative_draft import assert_mixed_requests_give_plain_tokens
 
 K = 3
 VOCAB = 49152
@@ -140,48 +141,7 @@ def test_a_head_without_a_model_is_refused() -> None:
 
 
 def test_outputs_are_the_plain_engines_token_for_token(plain: LLM, spec: LLM) -> None:
-    prompt = PROMPTS[2]
-    params = [
-        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),  # ends inside a run
-        SamplingParams(max_tokens=24, temperature=0.9, seed=5, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
-        SamplingParams(
-            max_tokens=32,
-            temperature=0.7,
-            seed=11,
-            top_k=40,
-            top_p=0.95,
-            repetition_penalty=1.1,
-            frequency_penalty=0.3,
-            presence_penalty=0.2,
-            min_tokens=8,
-            logit_bias=((28, 2.0),),
-        ),
-        SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0.8, seed=3, logprobs=3, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0.0, constraint=JSON),
-    ]
-    want = plain.generate([prompt] * len(params), params, detokenize=False)
-    # A stop id the greedy run meets at its 10th token: the run ends there, mid-draft or not.
-    stop = SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=(want[0].token_ids[9],))
-    params.append(stop)
-    want += plain.generate([prompt], [stop], detokenize=False)
-    # Stop strings are the frontend's; through the engine, a stop string's tokens are ids.
-    before = counts(spec)
-    got = spec.generate([prompt] * len(params), params, detokenize=False)
-    for w, g in zip(want, got, strict=True):
-        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
-    for w, g in zip(want[5:7], got[5:7], strict=True):  # every token's, drafted or not
-        assert len(g.logprobs) == len(g.token_ids)
-        assert [lp.top_token_ids for lp in g.logprobs] == [lp.top_token_ids for lp in w.logprobs]
-        assert [lp.logprob for lp in g.logprobs] == pytest.approx(
-            [lp.logprob for lp in w.logprobs], abs=1e-4
-        )
-    assert len(got[-1].token_ids) == 10
-    _, drafted, kept = since(spec, before)
-    assert 0 < kept < drafted  # drafts were kept and rejected
-    assert spec.engine.scheduler.block_manager.num_used_blocks == 0
+    assert_mixed_requests_give_plain_tokens(plain, spec, PROMPTS[2])
 
 
 def test_prefix_cache_hits_give_the_same_tokens(plain: LLM, spec: LLM) -> None:
