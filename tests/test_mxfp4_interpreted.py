@@ -127,7 +127,8 @@ def test_the_fused_kernels_match_the_dequantizing_reference(
     [
         Blocks(16, 32, 64),  # several K steps, the last one partial (96 = 64 + 32)
         Blocks(32, 64, 32, warps=2, stages=2),  # one scale block a K step
-        Blocks(16, 16, 128),  # the one-token tiles on a batch
+        Blocks(16, 16, 128),  # a deep K step, wider than the 96 columns
+        *kernels.CANDIDATES,  # the benchmark's sweep
     ],
 )
 def test_tile_choices_give_the_same_result(blocks: Blocks) -> None:
@@ -165,14 +166,16 @@ def astuple(e: mxfp4.Mxfp4Experts) -> tuple:
 
 @triton.jit
 def _widen_kernel(Codes, Scales, Even, Odd, ROWS: tl.constexpr, BYTES: tl.constexpr):
-    """Rows x BYTES code bytes (one scale a row) -> their even and odd values in Even's dtype,
-    through the kernels' own conversion."""
-    r = tl.arange(0, ROWS)[None, :]
+    """ROWS rows of BYTES code bytes (one scale a row) -> their even and odd values in Even's
+    dtype, through the kernels' own load and conversion."""
+    r = tl.arange(0, ROWS)
     b = tl.arange(0, BYTES)[:, None]
-    ok = (r < ROWS) & (b < BYTES)
-    even, odd = kernels.weight_planes(Codes, Scales, r * BYTES, r, b, ok, Even.dtype.element_ty)
-    tl.store(Even + r * BYTES + b, even)
-    tl.store(Odd + r * BYTES + b, odd)
+    packed, exponents = kernels.load_codes(
+        Codes, Scales, r[None, :] * BYTES + b, r[None, :], BYTES, 1, r < ROWS
+    )
+    even, odd = kernels.widen(packed, exponents, Even.dtype.element_ty)
+    tl.store(Even + r[None, :] * BYTES + b, even)
+    tl.store(Odd + r[None, :] * BYTES + b, odd)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
