@@ -2,9 +2,9 @@
 
 Hopper has no FP4 tensor cores, so the win is in the bytes: a weight is read as 4.25 bits (half
 a byte of e2m1 code, a 32nd of an e8m0 scale byte) and widened to the activations' dtype in
-registers, then multiplied on the bf16 (or fp16 / float32) tensor cores. The layer is four or
-five launches, as fused_moe's (models/fused_moe.py, which this module reuses for ``align``,
-``block_rows`` and ``combine_kernel``):
+registers, then multiplied on the bf16 (or fp16 / float32) tensor cores. The layer is a
+handful of launches whatever the routing, as fused_moe's (models/fused_moe.py, which this module
+reuses for ``align``, ``block_rows`` and ``combine_kernel``):
 
 1. ``align``: the (token, k) slots sorted by expert, each expert's run padded to BLOCK_M rows
    (skipped for a single token: its K experts are distinct, one slot a row block).
