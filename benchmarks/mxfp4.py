@@ -12,7 +12,9 @@ random MXFP4 weights and uniform random routing, at each token count (64: a deco
   weights in bf16 (no biases, plain SwiGLU: the bf16 path of the other MoE models), 3.8x the
   bytes;
 - ``torch``: the dequantize-each-expert reference (gpt_oss_moe.experts_reference), the path
-  CUDA took before the kernels (``--no-torch`` skips it).
+  CUDA took before the kernels (``--no-torch`` skips it);
+- with ``--sweep``, ``mxfp4 MxNxK wW``: the kernels at each tile of mxfp4_kernels.CANDIDATES
+  (row block, columns, K step, warps) instead of block_sizes' choice.
 
 The table: µs a layer (median of CUDA-event timings of 20 back-to-back calls, divided by 20),
 the bytes the layer must read (the experts the routing touched: codes, scales and biases, or
@@ -51,6 +53,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--hbm", type=float, default=4.8e12, help="HBM bytes/s to compare with (default 4.8e12)"
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch reference")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time the kernels at each candidate tile"
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to check the script")
 
@@ -135,7 +140,7 @@ def measure(
     from engine_core.models.fused_moe import fused_moe
     from engine_core.models.gpt_oss_moe import experts_reference, route_gpt_oss
     from engine_core.models.mxfp4 import dequantize
-    from engine_core.models.mxfp4_kernels import fused_moe_mxfp4
+    from engine_core.models.mxfp4_kernels import CANDIDATES, fused_moe_mxfp4
 
     hidden, width, experts, top_k = shape
     device = args.device
@@ -150,6 +155,9 @@ def measure(
     ways: dict[str, Callable[[], Any]] = {
         "mxfp4": lambda: fused_moe_mxfp4(x, layer, weights, ids.int()),
     }
+    for b in CANDIDATES if args.sweep else ():
+        name = f"mxfp4 {b.m}x{b.n}x{b.k} w{b.warps}"
+        ways[name] = lambda b=b: fused_moe_mxfp4(x, layer, weights, ids.int(), b)
     if device == "cuda":  # the bf16 fused MoE: weights of 3.8x the bytes
         w13 = dequantize(layer.w13_blocks, layer.w13_scales, dtype)
         w2 = dequantize(layer.w2_blocks, layer.w2_scales, dtype)

@@ -2,7 +2,8 @@
 interpreter, against the dequantize-then-torch reference (gpt_oss_moe.experts_reference, the
 path the CPU serves with): several experts, top 1 to 4, uneven expert loads with an expert that
 gets no token, token and width counts that are not multiples of the tiles, the one-token path,
-and every code byte at every scale through the in-register conversion.
+every code byte at every scale through the in-register conversion, and the layers of a tiny
+MXFP4 checkpoint as the loader lays them out.
 
 Triton's interpreter multiplies bf16 ``tl.dot`` operands wrongly (tests/test_w4a16_interpreted.py
 says how), so the GEMMs are checked here in float32 and float16, the same code with the
@@ -18,6 +19,7 @@ Skipped unless ``TRITON_INTERPRET=1`` (and triton importable):
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +35,8 @@ from engine_core.models import mxfp4  # noqa: E402
 from engine_core.models import mxfp4_kernels as kernels  # noqa: E402
 from engine_core.models.fused_moe import Blocks  # noqa: E402
 from engine_core.models.gpt_oss_moe import experts_reference, route_gpt_oss  # noqa: E402
+from tests.paged_harness import load_float32  # noqa: E402
+from tests.test_models_gpt_oss import make_hf_model, write_mxfp4_checkpoint  # noqa: E402
 
 # Largest error allowed, relative to the output's largest magnitude. float32: the kernel and the
 # reference multiply the same exact weights and differ only in the order of their float32 sums
@@ -127,7 +131,8 @@ def test_the_fused_kernels_match_the_dequantizing_reference(
     [
         Blocks(16, 32, 64),  # several K steps, the last one partial (96 = 64 + 32)
         Blocks(32, 64, 32, warps=2, stages=2),  # one scale block a K step
-        Blocks(16, 16, 128),  # the one-token tiles on a batch
+        Blocks(16, 16, 128),  # a deep K step, wider than the 96 columns
+        *kernels.CANDIDATES,  # the benchmark's sweep
     ],
 )
 def test_tile_choices_give_the_same_result(blocks: Blocks) -> None:
@@ -165,14 +170,16 @@ def astuple(e: mxfp4.Mxfp4Experts) -> tuple:
 
 @triton.jit
 def _widen_kernel(Codes, Scales, Even, Odd, ROWS: tl.constexpr, BYTES: tl.constexpr):
-    """Rows x BYTES code bytes (one scale a row) -> their even and odd values in Even's dtype,
-    through the kernels' own conversion."""
-    r = tl.arange(0, ROWS)[None, :]
+    """ROWS rows of BYTES code bytes (one scale a row) -> their even and odd values in Even's
+    dtype, through the kernels' own load and conversion."""
+    r = tl.arange(0, ROWS)
     b = tl.arange(0, BYTES)[:, None]
-    ok = (r < ROWS) & (b < BYTES)
-    even, odd = kernels.weight_planes(Codes, Scales, r * BYTES, r, b, ok, Even.dtype.element_ty)
-    tl.store(Even + r * BYTES + b, even)
-    tl.store(Odd + r * BYTES + b, odd)
+    packed, exponents = kernels.load_codes(
+        Codes, Scales, r[None, :] * BYTES + b, r[None, :], BYTES, 1, r < ROWS
+    )
+    even, odd = kernels.widen(packed, exponents, Even.dtype.element_ty)
+    tl.store(Even + r[None, :] * BYTES + b, even)
+    tl.store(Odd + r[None, :] * BYTES + b, odd)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -194,3 +201,17 @@ def test_every_code_at_every_scale_widens_exactly(dtype: torch.dtype) -> None:
     normal = (want == 0) | (want.abs() >= 2.0**-126)
     assert torch.equal(got[normal], want[normal])
     assert bool((got[~normal] == 0).all()) and int((~normal).sum()) > 0
+
+
+def test_a_loaded_checkpoints_layers_match_their_cpu_path(tmp_path: Path) -> None:
+    """The tiny MXFP4 gpt-oss of tests/test_models_gpt_oss.py, loaded as published (gate and up
+    rows interleaved in the file, sorted at load): each MoE layer through the kernels, on the
+    tensors the layer hands them, equals the layer's CPU forward (the dequantizing path)."""
+    write_mxfp4_checkpoint(make_hf_model(), tmp_path)
+    model = load_float32(tmp_path)
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for layer in model.model.layers:
+        moe = layer.mlp
+        weights, ids = route_gpt_oss(moe.router(x), moe.top_k)
+        got = kernels.fused_moe_mxfp4(x, moe.mxfp4_experts(), weights, ids.to(torch.int32))
+        assert relative_error(got, moe(x)) <= TOLERANCE[torch.float32]

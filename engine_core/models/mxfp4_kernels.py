@@ -2,9 +2,9 @@
 
 Hopper has no FP4 tensor cores, so the win is in the bytes: a weight is read as 4.25 bits (half
 a byte of e2m1 code, a 32nd of an e8m0 scale byte) and widened to the activations' dtype in
-registers, then multiplied on the bf16 (or fp16 / float32) tensor cores. The layer is four or
-five launches, as fused_moe's (models/fused_moe.py, which this module reuses for ``align``,
-``block_rows`` and ``combine_kernel``):
+registers, then multiplied on the bf16 (or fp16 / float32) tensor cores. The layer is a
+handful of launches whatever the routing, as fused_moe's (models/fused_moe.py, which this module
+reuses for ``align``, ``block_rows`` and ``combine_kernel``):
 
 1. ``align``: the (token, k) slots sorted by expert, each expert's run padded to BLOCK_M rows
    (skipped for a single token: its K experts are distinct, one slot a row block).
@@ -51,6 +51,7 @@ from engine_core.models.fused_moe import (
 )
 from engine_core.models.mxfp4 import BLOCK, Mxfp4Experts
 
+BLOCK_SCALE = tl.constexpr(BLOCK)  # weights per scale, as the kernels see it
 _SCALE_BYTES = tl.constexpr(BLOCK // 2)  # code bytes per scale
 
 
@@ -74,41 +75,50 @@ def _e2m1_values(codes, exponents, dtype: tl.constexpr):
 
 
 @triton.jit
-def weight_planes(Codes, Scales, code_rows, scale_rows, kb, ok, dtype: tl.constexpr):
-    """A [BYTES, BLOCK_N] tile of MXFP4 weight rows, transposed for tl.dot: (even columns,
-    odd columns) in dtype. code_rows / scale_rows [1, BLOCK_N]: each row's offset into Codes /
-    Scales; kb [BYTES, 1]: the tile's byte columns; ok: the mask."""
-    packed = tl.load(Codes + code_rows + kb, mask=ok, other=0).to(tl.int32)
-    exponents = tl.load(Scales + scale_rows + kb // _SCALE_BYTES, mask=ok, other=0).to(tl.int32)
-    even = _e2m1_values(packed & 0xF, exponents, dtype)
-    odd = _e2m1_values(packed >> 4, exponents, dtype)
-    return even, odd
+def load_codes(Codes, Scales, code_offsets, scale_offsets, k_bytes, k_groups, col_ok):
+    """One weight tile's code bytes [BYTES, BLOCK_N] and scales [BYTES / 16, BLOCK_N] as
+    stored (uint8), zeros past the row's end (k_bytes, k_groups: bytes and scales left in the
+    row from the tile's start). Codes and Scales point at the tile's first column."""
+    bytes_ok = (tl.arange(0, code_offsets.shape[0]) < k_bytes)[:, None] & col_ok[None, :]
+    groups_ok = (tl.arange(0, scale_offsets.shape[0]) < k_groups)[:, None] & col_ok[None, :]
+    packed = tl.load(Codes + code_offsets, mask=bytes_ok, other=0)
+    exponents = tl.load(Scales + scale_offsets, mask=groups_ok, other=0)
+    return packed, exponents
 
 
 @triton.jit
-def _dot_mxfp4(
-    acc,
-    a_ptrs,
-    a_ok,
-    Codes,
-    Scales,
-    code_rows,
-    scale_rows,
-    kb,
-    w_ok,
-    dtype: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """acc + A's tile times a weight tile: A's even columns times the low nibbles, its odd
-    columns times the high ones. a_ptrs [BLOCK_M, BYTES] point at A's even columns."""
-    even, odd = weight_planes(Codes, Scales, code_rows, scale_rows, kb, w_ok, dtype)
-    a_even = tl.load(a_ptrs, mask=a_ok, other=0.0)
-    a_odd = tl.load(a_ptrs + 1, mask=a_ok, other=0.0)
+def widen(packed, exponents, dtype: tl.constexpr):
+    """load_codes' tile -> the weights, transposed for tl.dot, in dtype: (even columns from
+    the low nibbles, odd columns from the high ones), each [BYTES, BLOCK_N]."""
+    groups: tl.constexpr = exponents.shape[0]
+    block_n: tl.constexpr = exponents.shape[1]
+    exponents = tl.broadcast_to(exponents[:, None, :], (groups, _SCALE_BYTES, block_n))
+    exponents = tl.reshape(exponents, (groups * _SCALE_BYTES, block_n)).to(tl.int32)
+    packed = packed.to(tl.int32)
+    return _e2m1_values(packed & 0xF, exponents, dtype), _e2m1_values(packed >> 4, exponents, dtype)
+
+
+@triton.jit
+def _split_columns(a):
+    """A [BLOCK_M, 2 * BYTES] tile -> (its even columns, its odd columns)."""
+    rows: tl.constexpr = a.shape[0]
+    cols: tl.constexpr = a.shape[1]
+    return tl.split(tl.reshape(a, (rows, cols // 2, 2)))
+
+
+@triton.jit
+def _dot_tile(acc, a_even, a_odd, packed, exponents, PRECISION: tl.constexpr):
+    """acc + A's tile times a weight tile (A's even columns times the low nibbles' weights, its
+    odd columns times the high ones')."""
+    even, odd = widen(packed, exponents, a_even.dtype)
     acc = tl.dot(a_even, even, acc, input_precision=PRECISION)
     return tl.dot(a_odd, odd, acc, input_precision=PRECISION)
 
 
 # The slot count changes from step to step: not specialized (fused_moe._gate_up_kernel says why).
+# Each K step loads the next step's codes before it widens and multiplies this one's, so a load
+# is in flight while the tile converts (the loads feed integer ops, not tl.dot, so Triton's
+# pipelining does not stage them in shared memory).
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
     X,  # [T, H]
@@ -134,7 +144,7 @@ def _gate_up_kernel(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # weight columns a step: BLOCK_K / 2 bytes
+    BLOCK_K: tl.constexpr,  # weight columns a step (a multiple of 32): BLOCK_K / 2 bytes
     ONE_SLOT_PER_BLOCK: tl.constexpr = False,
 ):
     block_m, block_n = tl.program_id(0), tl.program_id(1)
@@ -143,32 +153,44 @@ def _gate_up_kernel(
     )
     if expert < 0:
         return
-    dtype = X.dtype.element_ty
     row_ok = slots < num_slots
     tokens = (slots // TOP_K).to(tl.int64)
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
-    jb = tl.arange(0, BLOCK_K // 2)  # the tile's bytes along K
-    x_ptrs = X + tokens[:, None] * stride_xt + 2 * jb[None, :]  # even columns
-    gate_codes = expert * stride_ce + cols[None, :].to(tl.int64) * stride_cn
-    up_codes = gate_codes + inter * stride_cn
-    gate_scales = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
-    up_scales = gate_scales + inter * stride_sn
+    jk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tokens[:, None] * stride_xt + jk[None, :]
+    # Offsets within one expert's rows fit in int32; the expert's start is added as int64.
+    code_offsets = cols[None, :] * stride_cn + tl.arange(0, BLOCK_K // 2)[:, None]
+    scale_offsets = cols[None, :] * stride_sn + tl.arange(0, BLOCK_K // BLOCK_SCALE)[:, None]
+    gate_codes, gate_scales = Codes + expert * stride_ce, Scales + expert * stride_se
+    up_codes, up_scales = gate_codes + inter * stride_cn, gate_scales + inter * stride_sn
+    row_bytes, row_groups = hidden // 2, hidden // BLOCK_SCALE
+    offs, s_offs = code_offsets, scale_offsets
+    # (codes, scales) of the tile to multiply next, gate's and up's.
+    gate_q, gate_s = load_codes(
+        gate_codes, gate_scales, offs, s_offs, row_bytes, row_groups, col_ok
+    )
+    up_q, up_s = load_codes(up_codes, up_scales, offs, s_offs, row_bytes, row_groups, col_ok)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb0 in range(0, hidden // 2, BLOCK_K // 2):
-        kb = kb0 + jb
-        kb_ok = kb < hidden // 2
-        x_ok = row_ok[:, None] & kb_ok[None, :]
-        w_ok = kb_ok[:, None] & col_ok[None, :]
-        gate = _dot_mxfp4(gate, x_ptrs + 2 * kb0, x_ok, Codes, Scales, gate_codes, gate_scales,
-                          kb[:, None], w_ok, dtype, PRECISION)  # fmt: skip
-        up = _dot_mxfp4(up, x_ptrs + 2 * kb0, x_ok, Codes, Scales, up_codes, up_scales,
-                        kb[:, None], w_ok, dtype, PRECISION)  # fmt: skip
+    for k0 in range(0, hidden, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & (jk + k0 < hidden)[None, :], other=0.0)
+        x_even, x_odd = _split_columns(x)
+        # The next step's tiles (all masked off after the last step).
+        b1, g1 = (k0 + BLOCK_K) // 2, (k0 + BLOCK_K) // BLOCK_SCALE
+        bytes_left, groups_left = row_bytes - b1, row_groups - g1
+        gate_q1, gate_s1 = load_codes(gate_codes + b1, gate_scales + g1, offs, s_offs,
+                                      bytes_left, groups_left, col_ok)  # fmt: skip
+        up_q1, up_s1 = load_codes(up_codes + b1, up_scales + g1, offs, s_offs, bytes_left,
+                                  groups_left, col_ok)  # fmt: skip
+        gate = _dot_tile(gate, x_even, x_odd, gate_q, gate_s, PRECISION)
+        up = _dot_tile(up, x_even, x_odd, up_q, up_s, PRECISION)
+        gate_q, gate_s, up_q, up_s = gate_q1, gate_s1, up_q1, up_s1
     bias = Bias + expert * stride_be + cols
     gate += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     up += tl.load(bias + inter, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     # Rounded to the activations' dtype as the reference's biased linear rounds its output.
+    dtype = X.dtype.element_ty
     gate = tl.minimum(gate.to(dtype).to(tl.float32), limit)
     up = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -limit), limit)
     act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
@@ -208,40 +230,57 @@ def _down_kernel(
     )
     if expert < 0:
         return
-    dtype = Act.dtype.element_ty
     row_ok = slots < num_slots
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    jb = tl.arange(0, BLOCK_K // 2)
-    a_ptrs = Act + slots[:, None].to(tl.int64) * stride_as + 2 * jb[None, :]
-    codes = expert * stride_ce + cols[None, :].to(tl.int64) * stride_cn
-    scales = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
+    jk = tl.arange(0, BLOCK_K)
+    a_ptrs = Act + slots[:, None].to(tl.int64) * stride_as + jk[None, :]
+    code_offsets = cols[None, :] * stride_cn + tl.arange(0, BLOCK_K // 2)[:, None]
+    scale_offsets = cols[None, :] * stride_sn + tl.arange(0, BLOCK_K // BLOCK_SCALE)[:, None]
+    codes, scales = Codes + expert * stride_ce, Scales + expert * stride_se
+    row_bytes, row_groups = inter // 2, inter // BLOCK_SCALE
+    q, s = load_codes(codes, scales, code_offsets, scale_offsets, row_bytes, row_groups, col_ok)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb0 in range(0, inter // 2, BLOCK_K // 2):
-        kb = kb0 + jb
-        kb_ok = kb < inter // 2
-        acc = _dot_mxfp4(acc, a_ptrs + 2 * kb0, row_ok[:, None] & kb_ok[None, :], Codes, Scales,
-                         codes, scales, kb[:, None], kb_ok[:, None] & col_ok[None, :], dtype,
-                         PRECISION)  # fmt: skip
+    for k0 in range(0, inter, BLOCK_K):
+        a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & (jk + k0 < inter)[None, :], other=0.0)
+        a_even, a_odd = _split_columns(a)
+        b1, g1 = (k0 + BLOCK_K) // 2, (k0 + BLOCK_K) // BLOCK_SCALE
+        q1, s1 = load_codes(codes + b1, scales + g1, code_offsets, scale_offsets,
+                            row_bytes - b1, row_groups - g1, col_ok)  # fmt: skip
+        acc = _dot_tile(acc, a_even, a_odd, q, s, PRECISION)
+        q, s = q1, s1
     acc += tl.load(Bias + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    acc = acc.to(dtype).to(tl.float32)  # the reference's linear output, rounded
+    acc = acc.to(Act.dtype.element_ty).to(tl.float32)  # the reference's linear output, rounded
     weight = tl.load(SlotWeights + slots, mask=row_ok, other=0.0)
     out_ptrs = Out + slots[:, None].to(tl.int64) * stride_os + cols[None, :]
     tl.store(out_ptrs, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
 
 
 def block_sizes(num_slots: int, num_experts: int) -> Blocks:
-    """Row blocks as fused_moe's (small when each expert gets few rows, large when many); 128
-    weight columns (64 code bytes a row) a step. Not yet swept on a GPU."""
+    """Row blocks as fused_moe's (small when each expert gets few rows, large when many), 64
+    weight columns (32 code bytes a row) a K step. Compiled for sm_90 without a GPU, these are
+    the largest tiles of each row block whose registers did not spill (the widened weights, and
+    the next step's codes in flight, take most of them); their speed is unmeasured
+    (``python -m benchmarks mxfp4 --sweep`` times the candidates)."""
     per_expert = num_slots / max(num_experts, 1)
     if per_expert <= 8:
-        return Blocks(16, 64, 128)
+        return Blocks(16, 64, 64)
     if per_expert <= 64:
-        return Blocks(32, 64, 128)
-    return Blocks(64, 128, 128, warps=8)
+        return Blocks(32, 64, 64, warps=8)
+    return Blocks(64, 64, 64, warps=8)
 
 
-ONE_TOKEN = Blocks(16, 32, 128, warps=4, stages=4)  # one slot a row block, as fused_moe's
+ONE_TOKEN = Blocks(16, 32, 64)  # one slot a row block (fused_moe's ONE_SLOT_PER_BLOCK)
+# Tiles ``python -m benchmarks mxfp4 --sweep`` times beside block_sizes' choice.
+CANDIDATES = (
+    Blocks(16, 32, 64),
+    Blocks(16, 64, 64),
+    Blocks(16, 64, 64, warps=8),
+    Blocks(32, 64, 64, warps=8),
+    Blocks(64, 64, 64, warps=8),
+    Blocks(64, 64, 32, warps=8),
+    Blocks(128, 64, 32, warps=8),
+)
 
 
 def fused_moe_mxfp4(
