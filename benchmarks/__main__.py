@@ -18,6 +18,7 @@ BENCHMARKS = {
     "gemm": ("benchmarks.gemm", "one projection's product: bf16, W4A16 and W8A8 against HBM"),
     "attention": ("benchmarks.attention", "the prefill and decode attention kernels, alone"),
     "w4a16": ("benchmarks.w4a16", "the W4A16 GEMM's tile configurations swept on a GPU"),
+    "vision": ("benchmarks.vision", "a vision encoder's images/s; TTFT of one image + text"),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),
     "speculative-verify": (
         "benchmarks.speculative_verify",
