@@ -109,35 +109,51 @@ def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.
     return tower.eval().requires_grad_(False)
 
 
-def image_grid(width: int, height: int, patch: int = 14, merge: int = 2) -> tuple[int, int, int]:
-    """The patch grid Qwen2-VL's image processor gives a ``width`` x ``height`` image within
-    its pixel bounds: each side rounded to a multiple of ``patch * merge`` (smart_resize)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+def model_folder(model: str) -> Path:
+    """The folder the server's API process reads for ``model``: a preset's (written from the
+    default tokenizer with the vision tokens, engine_core/preset_folders.py) or the model's."""
+    from engine_core.loader import tokenizer_dir_for_preset
+    from engine_core.presets import PRESETS
 
-    h, w = smart_resize(height, width, factor=patch * merge)
-    return (1, h // patch, w // patch)
+    return tokenizer_dir_for_preset(model) if model in PRESETS else Path(model)
+
+
+def image_grid(folder: Path, size: int) -> tuple[int, int, int]:
+    """The patch grid the model's HF image processor (the server's, frontend/vision.py) gives
+    a ``size`` x ``size`` image."""
+    from frontend.vision import VisionProcessor
+
+    processor = VisionProcessor.load(folder)
+    if processor is None:
+        raise ValueError(f"{folder} holds no vision-language model")
+    image = random_png(size, np.random.default_rng(0))
+    (processed,) = processor.process([image], ["image"])
+    return processed.grid_thw
 
 
 def image_patches(
-    width: int, height: int, count: int, device: str, seed: int = 0
-) -> tuple[tuple[int, int, int], torch.Tensor]:
-    """(one image's patch grid, the pixels of ``count`` such images [count * patches, 1176]),
-    normal random values as normalised pixels are."""
-    grid = image_grid(width, height)
+    grid: tuple[int, int, int], count: int, device: str, seed: int = 0
+) -> torch.Tensor:
+    """The pixels of ``count`` images of patch grid ``grid`` [count * patches, 1176], normal
+    random values as normalised pixels are."""
     rows = count * grid[0] * grid[1] * grid[2]
     gen = torch.Generator().manual_seed(seed)
-    return grid, torch.randn(rows, 3 * 2 * 14 * 14, generator=gen).to(device)
+    return torch.randn(rows, 3 * 2 * 14 * 14, generator=gen).to(device)
 
 
 def measure_encoder(
-    tower: torch.nn.Module, size: int, batches: list[int], trials: int, device: str
+    tower: torch.nn.Module,
+    grid: tuple[int, int, int],
+    batches: list[int],
+    trials: int,
+    device: str,
 ) -> list[EncoderRow]:
-    """Each batch size's mean time per encoder call over ``trials`` calls after one warm-up."""
+    """Each batch size's mean time per encoder call over ``trials`` calls after one warm-up,
+    on images of patch grid ``grid``."""
     rows = []
     dtype = next(tower.parameters()).dtype
     for batch in batches:
-        grid, pixels = image_patches(size, size, batch, device)
-        pixels = pixels.to(dtype)
+        pixels = image_patches(grid, batch, device).to(dtype)
         grids = [grid] * batch
         with torch.inference_mode():
             tower(pixels, grids)
@@ -159,11 +175,16 @@ def synchronize(device: str) -> None:
 # ---- requests over HTTP -------------------------------------------------------------------------
 
 
-def png_data_url(size: int, rng: np.random.Generator) -> str:
-    """A fresh ``size`` x ``size`` PNG of random pixels, as a data URL."""
+def random_png(size: int, rng: np.random.Generator) -> Any:
+    """A ``size`` x ``size`` PIL image of random pixels."""
     from PIL import Image
 
-    image = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def png_data_url(size: int, rng: np.random.Generator) -> str:
+    """A fresh ``size`` x ``size`` PNG of random pixels, as a data URL."""
+    image = random_png(size, rng)
     out = io.BytesIO()
     image.save(out, format="PNG", compress_level=1)
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
@@ -250,15 +271,10 @@ def serve_and_measure(args: argparse.Namespace, tokenizer: Any) -> tuple[list[Tt
     return rows, server.shown()
 
 
-def load_tokenizer(model: str) -> Any:
-    """The ``tokenizers`` tokenizer the server uses for ``model`` (a preset's folder, with the
-    vision tokens, or the model folder's)."""
+def load_tokenizer(folder: Path) -> Any:
+    """The ``tokenizers`` tokenizer of the server's folder (a preset's has the vision tokens)."""
     from tokenizers import Tokenizer
 
-    from engine_core.loader import tokenizer_dir_for_preset
-    from engine_core.presets import PRESETS
-
-    folder = tokenizer_dir_for_preset(model) if model in PRESETS else Path(model)
     return Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 
@@ -322,15 +338,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    folder = model_folder(args.model)
+    grid = image_grid(folder, args.image_size)
     tower = build_vision_tower(args.model, args.device, dtype)
     batches = parse_ints(args.batches)
-    encoder = measure_encoder(tower, args.image_size, batches, args.encoder_trials, args.device)
+    encoder = measure_encoder(tower, grid, batches, args.encoder_trials, args.device)
     del tower
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the server's memory plan must see the whole GPU
     ttft, shown = [], ""
     if not args.skip_http:
-        ttft, shown = serve_and_measure(args, load_tokenizer(args.model))
+        ttft, shown = serve_and_measure(args, load_tokenizer(folder))
     provenance = Provenance.here(args.argv)
     print(f"\n{provenance.format()}")
     size = f"{args.image_size}x{args.image_size}"

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import parse
-from benchmarks.vision import chat_bodies, image_grid, load_tokenizer, run
+from benchmarks.vision import chat_bodies, load_tokenizer, run
 from tests import test_vision_engine
 
 vl_dir = test_vision_engine.vl_dir  # the fixture: the tiny model's folder
 
 
 def test_each_request_has_its_own_image_and_the_asked_text_length(vl_dir: Path) -> None:
-    tokenizer = load_tokenizer(str(vl_dir))
+    tokenizer = load_tokenizer(vl_dir)
     bodies = chat_bodies(4, 64, 16, tokenizer, seed=1)
     urls = [body["messages"][0]["content"][0]["image_url"]["url"] for body in bodies]
     assert len(set(urls)) == 4 and all(url.startswith("data:image/png;base64,") for url in urls)
@@ -26,17 +26,6 @@ def test_each_request_has_its_own_image_and_the_asked_text_length(vl_dir: Path) 
         text = body["messages"][0]["content"][1]["text"]
         assert len(tokenizer.encode(text, add_special_tokens=False).ids) == 16
     assert chat_bodies(4, 64, 16, tokenizer, seed=1) == bodies  # one seed, one workload
-
-
-def test_image_grid_is_the_processors(vl_dir: Path) -> None:
-    from frontend.vision import VisionProcessor
-    from tests.vision_factories import random_image
-
-    processor = VisionProcessor.load(vl_dir)
-    assert processor is not None
-    for width, height in [(64, 64), (100, 80)]:
-        (image,) = processor.process([random_image(0, width, height)], ["image"])
-        assert image_grid(width, height) == image.grid_thw
 
 
 def test_the_benchmark_on_a_cpu_server(
@@ -58,7 +47,7 @@ def test_the_benchmark_on_a_cpu_server(
     ] == [(1, 16, 4), (2, 16, 4)]
     # The server counted each kept request's prompt: the template around one image
     # placeholder, repeated for the image's 4 tokens, and the text.
-    tokenizer = load_tokenizer(str(vl_dir))
+    tokenizer = load_tokenizer(vl_dir)
     hf_tokenizer = AutoTokenizer.from_pretrained(str(vl_dir))
     bodies = chat_bodies(1 + 2 * 2, 64, 16, tokenizer, seed=0)[1:]
     expected = []

@@ -2,8 +2,8 @@
 engine on CUDA gives HF transformers' greedy tokens for one image, two images and the same image
 twice (an encoder-cache hit), in float32 as the other engine-on-CUDA tests run; the steps whose
 chunks hold image rows run eagerly and the decode steps after them still replay CUDA graphs
-(docs/design/vision.md says why). At Qwen2.5-VL-7B's shapes (the ``qwen2.5-vl-7b`` preset,
-bf16), a batch of two 1,024x1,024 images encodes as each image alone does: the encoder batches
+(docs/design/vision.md says why). At Qwen2.5-VL-7B's shapes (the ``qwen2.5-vl-7b`` preset),
+a batch of two 1,024x1,024 images encodes as each image alone does: the encoder batches
 images across requests, and no image may see another.
 """
 
@@ -115,16 +115,18 @@ def test_the_same_image_twice_on_cuda_hits_the_encoder_cache(
 
 
 def test_7b_encoder_batches_two_large_images_as_each_alone() -> None:
-    """The preset's vision tower (32 blocks of 1,280, windows of 112 pixels) in bf16 on two
-    1,024x1,024 images (74x74 patches, 1,369 tokens each; benchmarks/vision.py's size): the
-    batch's embeddings are each image's own."""
+    """The preset's vision tower (32 blocks of 1,280, windows of 112 pixels) on two
+    1,024x1,024 images (74x74 patches, 1,369 tokens each, as tests/test_vision_preset.py shows
+    the preset's processor makes them; benchmarks/vision.py's size), in float32 so that only
+    one image seeing the other could part the batch's embeddings from each image's own."""
     from benchmarks.vision import build_vision_tower, image_patches
 
-    tower = build_vision_tower("qwen2.5-vl-7b", "cuda", torch.bfloat16)
-    grid, pixels = image_patches(1024, 1024, count=2, device="cuda")
-    assert grid == (1, 74, 74)
-    both = tower(pixels, [grid, grid])
+    tower = build_vision_tower("qwen2.5-vl-7b", "cuda", torch.float32)
+    grid = (1, 74, 74)
+    pixels = image_patches(grid, count=2, device="cuda")
+    with torch.inference_mode():
+        both = tower(pixels, [grid, grid])
+        half = pixels.shape[0] // 2
+        alone = torch.cat([tower(pixels[:half], [grid]), tower(pixels[half:], [grid])])
     assert both.shape == (2 * 1369, 3584) and both.isfinite().all()
-    half = pixels.shape[0] // 2
-    alone = torch.cat([tower(pixels[:half], [grid]), tower(pixels[half:], [grid])])
-    torch.testing.assert_close(both, alone, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(both, alone, rtol=1e-3, atol=1e-4)
