@@ -86,7 +86,8 @@ def test_one_and_two_images_on_cuda_give_hf_tokens_and_decodes_replay_graphs(
             images=[images for _, images, _ in built.values()],
         )
         assert {name: o.token_ids for name, o in zip(built, outs, strict=True)} == expected
-        assert llm.engine.runner.multimodal.encoded_images == 3
+        # The cat is in both prompts: encoded once (in one step's batch, or then cached).
+        assert llm.engine.runner.multimodal.encoded_images == 2
     finally:
         llm.engine.shutdown()
     image_steps = [replayed for has_images, replayed in steps if has_images]
