@@ -151,10 +151,10 @@ class EngineCore:
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        from engine_core.loader import tokenizer_dir_for_random
+        from engine_core.loader import tokenizer_dir_of
 
         return AutoTokenizer.from_pretrained(
-            str(self.runner.model_dir or tokenizer_dir_for_random())
+            str(tokenizer_dir_of(self.config.model, self.runner.model_dir))
         )
 
     def abort(self, request_ids: list[str]) -> list[Request]:

@@ -65,9 +65,9 @@ class LLM:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            from engine_core.loader import tokenizer_dir_for_random
+            from engine_core.loader import tokenizer_dir_of
 
-            model_dir = self.engine.runner.model_dir or tokenizer_dir_for_random()
+            model_dir = tokenizer_dir_of(self.engine.config.model, self.engine.runner.model_dir)
             self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return self._tokenizer
 

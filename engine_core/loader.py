@@ -163,7 +163,7 @@ def resolve_for_serving(model: str) -> tuple[str, Path]:
     engine gets the folder; a random preset goes to the engine as it is.
     """
     if model.startswith(RANDOM_PREFIX):
-        return model, tokenizer_dir_for_random()
+        return model, tokenizer_dir_for_preset(model.removeprefix(RANDOM_PREFIX))
     model_dir = resolve_model_dir(model)
     return str(model_dir), model_dir
 
@@ -172,6 +172,24 @@ def tokenizer_dir_for_random() -> Path:
     """Random presets share the default model's 49,152-token vocabulary, so its tokenizer serves
     them; $TANDEM_TOKENIZER_DIR points at a tokenizer-only folder where the default is absent."""
     return env.tokenizer_dir() or resolve_model_dir("default")
+
+
+def tokenizer_dir_of(model: str, model_dir: Path | None) -> Path:
+    """Where the engine's ``--model`` reads its tokenizer: its folder, or a preset's."""
+    return model_dir or tokenizer_dir_for_preset(model.removeprefix(RANDOM_PREFIX))
+
+
+def tokenizer_dir_for_preset(preset: str) -> Path:
+    """The folder a random preset's tokenizer (and, for a vision-language preset, its image
+    processor and config.json) is read from: the default tokenizer's for a text preset, one
+    written from it with the vision tokens for a vision-language one (preset_folders.py)."""
+    from engine_core.presets import PRESETS, is_vision_preset
+
+    if preset in PRESETS and is_vision_preset(preset):
+        from engine_core.preset_folders import vision_preset_dir
+
+        return vision_preset_dir(preset, tokenizer_dir_for_random())
+    return tokenizer_dir_for_random()
 
 
 @contextmanager

@@ -2,7 +2,9 @@
 
 No weights can be downloaded, and a decode step costs the same with random weights as with real
 ones, so the benchmarks build these directly on the device: no Hugging Face, no disk. Every preset
-has a 49,152-token vocabulary, so the default model's tokenizer covers every id.
+has a 49,152-token vocabulary, so the default model's tokenizer covers every id; a vision-language
+preset has four more, Qwen's vision tokens, which its tokenizer folder adds to the default
+tokenizer (engine_core/preset_folders.py).
 
     model, config = build_random_model("llama-1b", "cuda", torch.bfloat16)
 
@@ -12,6 +14,7 @@ benchmark can build the transformers peer of exactly the same shape.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -148,6 +151,49 @@ def _llama4_scout(layers: int) -> dict[str, Any]:
     }
 
 
+# Qwen's vision tokens, as a vision-language preset's ids: the default tokenizer's vocabulary
+# followed by these four, in this order (engine_core/preset_folders.py adds them so).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+_VISION_IDS = {token: _VOCAB + i for i, token in enumerate(VISION_TOKENS)}
+
+
+def _qwen2_5_vl_7b() -> dict[str, Any]:
+    """Qwen2.5-VL-7B-Instruct (its config.json, transformers 4's flat layout): Qwen2's 28 layers
+    of 3,584 (28 heads of 128, 4 KV heads, width 18,944, q/k/v biases) with M-RoPE sections
+    16/24/24, and a vision tower of 32 blocks of 1,280 (16 heads, width 3,420; windows of 112
+    pixels, blocks 7/15/23/31 over whole images) whose 2x2 merged 14-pixel patches become
+    3,584-wide tokens. The vocabulary is the presets' and the four vision tokens (152,064
+    there): the LM head's share of a step is smaller, the image and layer work the same."""
+    return _llama(3584, 28, 28, 4, 18944, tied=False, theta=1000000.0) | {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "vocab_size": _VOCAB + len(VISION_TOKENS),
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 128000,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "image_token_id": _VISION_IDS["<|image_pad|>"],
+        "video_token_id": _VISION_IDS["<|video_pad|>"],
+        "vision_start_token_id": _VISION_IDS["<|vision_start|>"],
+        "vision_end_token_id": _VISION_IDS["<|vision_end|>"],
+        "vision_config": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "hidden_act": "silu",
+            "in_channels": 3,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "out_hidden_size": 3584,
+            "tokens_per_second": 2,
+        },
+    }
+
+
 def _deepseek(hidden: int, layers: int, heads: int, mlp: int, **fields: Any) -> dict[str, Any]:
     """The MLA and DeepSeekMoE fields both DeepSeek shapes share (kv_lora_rank 512, rotary key
     64, no-rope key 128, value 128; YaRN x40 over 4,096)."""
@@ -263,6 +309,7 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     # The real model has 48 layers, ~160 GB in bf16 (its experts alone 3.2 GB a layer): 24 here
     # (six of its four-layer patterns, ~80 GB) leave one H200 room for the KV cache and states.
     "qwen3-next-80b": _qwen3_next(24),
+    "qwen2.5-vl-7b": _qwen2_5_vl_7b(),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -286,7 +333,12 @@ PRESETS: dict[str, ModelConfig] = {
 
 def hf_config(name: str) -> dict[str, Any]:
     """The Hugging Face config.json (as a dict) of preset ``name``, for the transformers peer."""
-    return dict(_HF_CONFIGS[_check_name(name)])
+    return copy.deepcopy(_HF_CONFIGS[_check_name(name)])
+
+
+def is_vision_preset(name: str) -> bool:
+    """Whether preset ``name`` takes images (its API process needs a vision tokenizer folder)."""
+    return PRESETS[_check_name(name)].vision is not None
 
 
 def build_random_model(

@@ -1,6 +1,7 @@
 """A tiny random Qwen2.5-VL written as users hand one over: save_pretrained's weights and
 config, the default model's tokenizer with Qwen's vision tokens added and a Qwen2-VL-style chat
-template, and the real HF image processor's config (its PIL backend)."""
+template, and the real HF image processor's config (its PIL backend), the last two written as
+the random vision-language presets' folders are (engine_core/preset_folders.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-# Qwen2-VL's chat template, shortened: an image part becomes the vision markers around one
-# <|image_pad|>, which the processor then repeats for the image's embeddings.
-VL_TEMPLATE = """\
-{%- for message in messages %}<|im_start|>{{ message['role'] }}
-{% if message['content'] is string %}{{ message['content'] }}
-{%- else %}{% for part in message['content'] %}
-{%- if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>
-{%- elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}
-{%- endif %}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+from engine_core.preset_folders import write_image_processor, write_vision_tokenizer
+
 PATCH = 14
 MERGE = 2
 
@@ -31,24 +21,17 @@ MERGE = 2
 def write_tiny_qwen2_5_vl(path: Path, tokenizer_source: Path) -> Path:
     """Two language layers (M-RoPE sections 2/3/3 over head dim 16), a two-block vision tower
     (one window-attention block, one full), images resized to 2x2 to 8x8 merged tokens."""
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    tokenizer.chat_template = VL_TEMPLATE
-    tokenizer.save_pretrained(path)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    ids = write_vision_tokenizer(tokenizer_source, path)
     side = PATCH * MERGE
-    Qwen2VLImageProcessorPil(
-        min_pixels=side * side * 4, max_pixels=side * side * 64, patch_size=PATCH, merge_size=MERGE
-    ).save_pretrained(path)
+    write_image_processor(
+        path, PATCH, MERGE, min_pixels=side * side * 4, max_pixels=side * side * 64
+    )
     torch.manual_seed(0)
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+            vocab_size=max(ids.values()) + 1, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, eos_token_id=2, bos_token_id=1,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

@@ -11,7 +11,8 @@ patch x patch`` pixels of each channel, the rows of each image ordered merge blo
    row and column, half the rotary dims each) reordered with them;
 3. ``depth`` pre-norm blocks (RMSNorm, attention with 2D rotary over the image or the window,
    SiLU-gated MLP with biases); the blocks in ``fullatt_block_indexes`` attend over each whole
-   image, the others within each window; images never attend to each other;
+   image, the others within each window; images never attend to each other; one attention
+   call per segment length (the windows of a size, or the images of a size, batched);
 4. the patch merger: RMSNorm, each merge block's rows concatenated, a GELU MLP to the language
    model's width; the rows put back in image order.
 
@@ -63,17 +64,39 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """x [N, dim] -> [N, dim]: attention within each segment of ``cu_seqlens``."""
+        """x [N, dim] -> [N, dim]: attention within each segment; ``segments`` holds them
+        grouped by length (``group_segments``), so that one attention call serves every
+        window (or image) of a size, not one call each."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, H, D] each
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = torch.empty_like(q)
-        for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-            seg = [t[lo:hi].transpose(0, 1) for t in (q, k, v)]  # [H, S, D]
-            out[lo:hi] = F.scaled_dot_product_attention(*seg).transpose(0, 1)
+        for rows in segments:  # [segments of this length, length]
+            count, length = rows.shape
+            flat = rows.flatten()
+            seg = [
+                t[flat].view(count, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)
+            ]
+            attended = F.scaled_dot_product_attention(*seg)  # [count, H, length, D]
+            out[flat] = attended.transpose(1, 2).reshape(count * length, self.num_heads, -1)
         return self.proj(out.reshape(n, -1))
+
+
+def group_segments(bounds: list[int], device: torch.device) -> list[torch.Tensor]:
+    """The segments of cumulative bounds ``bounds`` grouped by length: for each length, the
+    rows of every segment of it [count, length] on ``device``. A large image's windows are
+    mostly of one size (only those at its right and bottom edges are cut), so a few groups
+    cover hundreds of windows."""
+    starts: dict[int, list[int]] = {}
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        if hi > lo:
+            starts.setdefault(hi - lo, []).append(lo)
+    return [
+        (torch.tensor(firsts)[:, None] + torch.arange(length)).to(device)
+        for length, firsts in starts.items()
+    ]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,9 +128,9 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(dim, hidden, act)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -159,9 +182,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         x = self.patch_embed(pixels)[rows]
         cos, sin = self.rotary(grids, device)
         cos, sin = cos[rows], sin[rows]
-        images = image_bounds(grids)
+        images = group_segments(image_bounds(grids), device)
+        windowed = group_segments(windows, device)
         for index, block in enumerate(self.blocks):
-            x = block(x, images if index in self.full_blocks else windows, cos, sin)
+            x = block(x, images if index in self.full_blocks else windowed, cos, sin)
         merged = self.merger(x)
         return merged[torch.argsort(order).to(device)]
 

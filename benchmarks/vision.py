@@ -1,0 +1,363 @@
+"""Images through a vision-language model: the vision encoder alone, then time to first token
+over HTTP for one image and a short text per request.
+
+    python -m benchmarks vision --model qwen2.5-vl-7b
+
+1. **The encoder**: the model's vision tower (random weights of its real shape, the model's
+   dtype) on batches of ``--image-size`` square images, as the engine core encodes a step's
+   images in one call: images per second at each batch size of ``--batches``.
+2. **Time to first token**: ``tandem serve --model random:PRESET`` (or the model folder), and
+   per request one fresh random ``--image-size`` square PNG (as a data URL) and a random text of
+   ``--text-tokens`` tokens in one chat user turn, streamed, one token asked for. Every image
+   is new, so neither the encoder cache nor the prefix cache ever hits: each request pays the
+   API process's image processing, the pixels' trip to the engine, the encoder and the
+   prefill of the image's tokens and the text. ``--requests`` requests at each concurrency of
+   ``--concurrency`` (each worker sends its next when its last one's stream ends), after
+   ``--warmup`` requests not kept. TTFT p50 and p99 per level; the prompt's tokens as the
+   server counted them (usage), the image's included.
+
+``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``) or a Qwen2.5-VL model
+folder (the tests run the tiny one on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import random
+import shlex
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.first_token import first_sse_token, random_prompt
+from benchmarks.report import (
+    Provenance,
+    fmt,
+    format_table,
+    percentile,
+    write_json,
+)
+from benchmarks.servers import Server, free_port, start, stop, tandem_serve_command
+
+SERVED_NAME = "vision-bench"
+
+
+@dataclass
+class EncoderRow:
+    batch: int  # images per encoder call
+    patches_per_image: int
+    tokens_per_image: int  # the language model's placeholders each image fills
+    ms_per_batch: float  # the mean over the timed calls
+
+    @property
+    def images_per_s(self) -> float:
+        return self.batch / self.ms_per_batch * 1e3
+
+
+@dataclass
+class TtftRow:
+    concurrency: int
+    ttft_ms: list[float] = field(default_factory=list)  # one per kept request
+    prompt_tokens: list[int] = field(default_factory=list)  # as the server counted them
+
+    @property
+    def p50(self) -> float:
+        return percentile(self.ttft_ms, 50)
+
+    @property
+    def p99(self) -> float:
+        return percentile(self.ttft_ms, 99)
+
+
+# ---- the model's shape --------------------------------------------------------------------------
+
+
+def model_hf_config(model: str) -> dict[str, Any]:
+    """The HF config.json of ``model``: a preset's, or a model folder's."""
+    from engine_core.presets import PRESETS, hf_config
+
+    if model in PRESETS:
+        return hf_config(model)
+    return json.loads((Path(model) / "config.json").read_text())
+
+
+def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``model``'s vision tower with random weights (the encoder's time does not depend on
+    them) on ``device`` in ``dtype``, in eval mode."""
+    from engine_core.models import model_config_from_hf
+    from engine_core.models.layers import reset_buffers
+    from engine_core.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
+    from engine_core.presets import init_random_weights
+
+    vision = model_config_from_hf(model_hf_config(model)).vision
+    if vision is None:
+        raise ValueError(f"{model} takes no images")
+    with torch.device("meta"):
+        tower = Qwen2_5_VisionTransformer(vision.tower)
+    tower = tower.to(dtype).to_empty(device=device)
+    reset_buffers(tower)
+    init_random_weights(tower)
+    return tower.eval().requires_grad_(False)
+
+
+def model_folder(model: str) -> Path:
+    """The folder the server's API process reads for ``model``: a preset's (written from the
+    default tokenizer with the vision tokens, engine_core/preset_folders.py) or the model's."""
+    from engine_core.loader import tokenizer_dir_for_preset
+    from engine_core.presets import PRESETS
+
+    return tokenizer_dir_for_preset(model) if model in PRESETS else Path(model)
+
+
+def image_grid(folder: Path, size: int) -> tuple[int, int, int]:
+    """The patch grid the model's HF image processor (the server's, frontend/vision.py) gives
+    a ``size`` x ``size`` image."""
+    from frontend.vision import VisionProcessor
+
+    processor = VisionProcessor.load(folder)
+    if processor is None:
+        raise ValueError(f"{folder} holds no vision-language model")
+    image = random_png(size, np.random.default_rng(0))
+    (processed,) = processor.process([image], ["image"])
+    return processed.grid_thw
+
+
+def image_patches(
+    grid: tuple[int, int, int], count: int, device: str, seed: int = 0
+) -> torch.Tensor:
+    """The pixels of ``count`` images of patch grid ``grid`` [count * patches, 1176], normal
+    random values as normalised pixels are."""
+    rows = count * grid[0] * grid[1] * grid[2]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 3 * 2 * 14 * 14, generator=gen).to(device)
+
+
+def measure_encoder(
+    tower: torch.nn.Module,
+    grid: tuple[int, int, int],
+    batches: list[int],
+    trials: int,
+    device: str,
+) -> list[EncoderRow]:
+    """Each batch size's mean time per encoder call over ``trials`` calls after one warm-up,
+    on images of patch grid ``grid``."""
+    rows = []
+    dtype = next(tower.parameters()).dtype
+    for batch in batches:
+        pixels = image_patches(grid, batch, device).to(dtype)
+        grids = [grid] * batch
+        with torch.inference_mode():
+            tower(pixels, grids)
+            synchronize(device)
+            started = time.perf_counter()
+            for _ in range(trials):
+                tokens = tower(pixels, grids).shape[0] // batch
+            synchronize(device)
+        ms = (time.perf_counter() - started) / trials * 1e3
+        rows.append(EncoderRow(batch, grid[0] * grid[1] * grid[2], tokens, ms))
+    return rows
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- requests over HTTP -------------------------------------------------------------------------
+
+
+def random_png(size: int, rng: np.random.Generator) -> Any:
+    """A ``size`` x ``size`` PIL image of random pixels."""
+    from PIL import Image
+
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def png_data_url(size: int, rng: np.random.Generator) -> str:
+    """A fresh ``size`` x ``size`` PNG of random pixels, as a data URL."""
+    image = random_png(size, rng)
+    out = io.BytesIO()
+    image.save(out, format="PNG", compress_level=1)
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+class _TextVocabulary:
+    """A tokenizer whose random prompts draw only from its own vocabulary, never the special
+    tokens added after it (an ``<|image_pad|>`` in the text would be a placeholder without an
+    image)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def get_vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def chat_bodies(
+    count: int, size: int, text_tokens: int, tokenizer: Any, seed: int
+) -> list[dict[str, Any]]:
+    """``count`` streamed chat requests, each a user turn of one fresh random image and a
+    random text of ``text_tokens`` tokens, one token asked for."""
+    rng, text_rng = np.random.default_rng(seed), random.Random(seed)
+    vocabulary = _TextVocabulary(tokenizer)
+    bodies = []
+    for _ in range(count):
+        _, text = random_prompt(text_rng, vocabulary, text_tokens)
+        content = [
+            {"type": "image_url", "image_url": {"url": png_data_url(size, rng)}},
+            {"type": "text", "text": text},
+        ]
+        bodies.append(
+            {
+                "model": SERVED_NAME,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 1,
+                "temperature": 0,
+            }
+        )
+    return bodies
+
+
+def measure_ttft(url: str, bodies: list[dict[str, Any]], concurrency: int) -> TtftRow:
+    """Every body sent with at most ``concurrency`` in flight; their TTFTs and prompt tokens."""
+    import httpx
+
+    row = TtftRow(concurrency)
+    endpoint = f"{url}/v1/chat/completions"
+    with httpx.Client() as client, ThreadPoolExecutor(concurrency) as pool:
+        for ms, prompt_tokens in pool.map(lambda b: first_sse_token(client, endpoint, b), bodies):
+            row.ttft_ms.append(ms)
+            row.prompt_tokens.append(prompt_tokens)
+    return row
+
+
+def serve_and_measure(args: argparse.Namespace, tokenizer: Any) -> tuple[list[TtftRow], str]:
+    """Start the server, warm it, measure each concurrency level; (rows, the server command)."""
+    from engine_core.presets import PRESETS
+
+    model = f"random:{args.model}" if args.model in PRESETS else args.model
+    port = args.port or free_port()
+    extra = ["--device", args.device, "--served-model-name", SERVED_NAME]
+    extra += shlex.split(args.tandem_args)
+    server = Server("tandem", tandem_serve_command(model, port, args.max_model_len, extra), port)
+    log_dir = Path(tempfile.mkdtemp(prefix="tandem-vision-"))
+    levels = parse_ints(args.concurrency)
+    total = args.warmup + args.requests * len(levels)
+    bodies = chat_bodies(total, args.image_size, args.text_tokens, tokenizer, args.seed)
+    start(server, log_dir / "tandem-server.log")
+    try:
+        measure_ttft(server.url, bodies[: args.warmup], 1)
+        rows, at = [], args.warmup
+        for level in levels:
+            rows.append(measure_ttft(server.url, bodies[at : at + args.requests], level))
+            at += args.requests
+    finally:
+        stop(server)
+    return rows, server.shown()
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The ``tokenizers`` tokenizer of the server's folder (a preset's has the vision tokens)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+
+def format_encoder(rows: list[EncoderRow]) -> str:
+    headers = ["images a call", "patches an image", "tokens an image", "ms a call", "images/s"]
+    table = [
+        [
+            str(r.batch),
+            str(r.patches_per_image),
+            str(r.tokens_per_image),
+            fmt(r.ms_per_batch, ".1f"),
+            fmt(r.images_per_s, ".1f"),
+        ]
+        for r in rows
+    ]
+    return format_table(headers, table)
+
+
+def format_ttft(rows: list[TtftRow]) -> str:
+    headers = ["concurrency", "requests", "prompt tokens", "TTFT p50 ms", "TTFT p99 ms"]
+    table = [
+        [
+            str(r.concurrency),
+            str(len(r.ttft_ms)),
+            fmt(float(np.mean(r.prompt_tokens)), ".0f"),
+            fmt(r.p50, ".1f"),
+            fmt(r.p99, ".1f"),
+        ]
+        for r in rows
+    ]
+    return format_table(headers, table)
+
+
+def parse_ints(text: str) -> list[int]:
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive comma-separated integers, not {text!r}")
+    return values
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen2.5-vl-7b", help="a preset or a model folder")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--image-size", type=int, default=1024, help="pixels a side")
+    parser.add_argument("--batches", default="1,4,16", help="images per encoder call")
+    parser.add_argument("--encoder-trials", type=int, default=5, help="timed calls a batch")
+    parser.add_argument("--concurrency", default="1,4,16", help="requests in flight, per level")
+    parser.add_argument("--requests", type=int, default=32, help="kept requests per level")
+    parser.add_argument("--warmup", type=int, default=3, help="requests first, not kept")
+    parser.add_argument("--text-tokens", type=int, default=128, help="each request's text")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0, help="default: a free one")
+    parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
+    parser.add_argument("--skip-http", action="store_true", help="the encoder's table only")
+    parser.add_argument("--json", type=Path, help="write the provenance and every figure here")
+
+
+def run(args: argparse.Namespace) -> int:
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    folder = model_folder(args.model)
+    grid = image_grid(folder, args.image_size)
+    tower = build_vision_tower(args.model, args.device, dtype)
+    batches = parse_ints(args.batches)
+    encoder = measure_encoder(tower, grid, batches, args.encoder_trials, args.device)
+    del tower
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the server's memory plan must see the whole GPU
+    ttft, shown = [], ""
+    if not args.skip_http:
+        ttft, shown = serve_and_measure(args, load_tokenizer(folder))
+    provenance = Provenance.here(args.argv)
+    print(f"\n{provenance.format()}")
+    size = f"{args.image_size}x{args.image_size}"
+    print(f"\n{args.model}: the vision encoder alone, {size} images, {str(dtype)[6:]}\n")
+    print(format_encoder(encoder))
+    if ttft:
+        print(f"\nserver: {shown}")
+        print(f"one {size} image (fresh each request) + {args.text_tokens} text tokens\n")
+        print(format_ttft(ttft))
+    if args.json:
+        write_json(args.json, provenance, {"encoder": encoder, "ttft": ttft})
+    return 0

@@ -1,0 +1,104 @@
+"""The folder a vision-language preset's API process reads (``random:qwen2.5-vl-7b``).
+
+A text preset borrows the default model's tokenizer as it is. A vision-language one needs more
+from its folder: Qwen's vision tokens in the tokenizer (the chat template writes them, the
+engine embeds them), a chat template that renders image parts, the model's HF image processor
+config, and the preset's config.json (frontend/vision.py reads the architecture, the placeholder
+id and the merge size there). This module writes that folder once, from the default tokenizer,
+under the cache directory; the tests' tiny Qwen2.5-VL folders are written by the same
+``write_vision_tokenizer`` and ``write_image_processor`` (tests/vision_factories.py).
+
+    folder = vision_preset_dir("qwen2.5-vl-7b", default_tokenizer_dir)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import env
+from engine_core.presets import VISION_TOKENS, hf_config
+
+# Qwen2-VL's chat template, shortened: an image part becomes the vision markers around one
+# <|image_pad|>, which the API process then repeats for the image's embeddings.
+VL_CHAT_TEMPLATE = """\
+{%- for message in messages %}<|im_start|>{{ message['role'] }}
+{% if message['content'] is string %}{{ message['content'] }}
+{%- else %}{% for part in message['content'] %}
+{%- if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>
+{%- elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}
+{%- endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+# Qwen2.5-VL-7B-Instruct's preprocessor_config.json: 4 to 16,384 merged tokens an image.
+QWEN2_5_VL_PIXELS = {"min_pixels": 3136, "max_pixels": 12845056}
+
+
+def write_vision_tokenizer(tokenizer_source: Path, out: Path) -> dict[str, int]:
+    """The tokenizer of ``tokenizer_source`` with Qwen's vision tokens added after its
+    vocabulary and the image-aware chat template, saved in ``out``; the tokens' ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+
+
+def write_image_processor(out: Path, patch: int, merge: int, **pixels: int) -> None:
+    """Qwen2-VL's HF image processor config (Qwen2.5-VL uses it too) in ``out``, its PIL backend
+    so no torchvision is needed; ``pixels``: min_pixels and max_pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, **pixels).save_pretrained(out)
+
+
+def vision_preset_dir(preset: str, tokenizer_source: Path) -> Path:
+    """The folder of vision-language preset ``preset``, written on first use from the text
+    tokenizer in ``tokenizer_source`` (atomically, so two processes starting at once never
+    read half of one)."""
+    folder = env.cache_dir() / "presets" / preset
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=folder.parent))
+    try:
+        write_vision_preset(preset, tokenizer_source, staging)
+        os.replace(staging, folder)
+    except OSError:
+        if not (folder / "config.json").is_file():  # not another process's finished folder
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def write_vision_preset(preset: str, tokenizer_source: Path, out: Path) -> None:
+    """The preset's tokenizer (``tokenizer_source``'s and the vision tokens), image processor
+    and config.json in ``out``; ValueError where the tokenizer gives the tokens other ids than
+    the preset's config (a tokenizer of another vocabulary than the default's)."""
+    hf = hf_config(preset)
+    ids = write_vision_tokenizer(tokenizer_source, out)
+    expected = preset_vision_ids(hf)
+    if ids != expected:
+        raise ValueError(
+            f"random:{preset}: the tokenizer's vision tokens are {ids}, not {expected}"
+        )
+    tower = hf["vision_config"]
+    patch, merge = tower["patch_size"], tower["spatial_merge_size"]
+    write_image_processor(out, patch, merge, **QWEN2_5_VL_PIXELS)
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def preset_vision_ids(hf: dict[str, Any]) -> dict[str, int]:
+    """The vision tokens' ids a Qwen2.5-VL config.json names."""
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return {token: hf[name] for token, name in zip(VISION_TOKENS, names, strict=True)}

@@ -1,0 +1,85 @@
+"""The ``qwen2.5-vl-7b`` random preset and the folder its API process reads: the preset's
+config.json builds, in HF transformers' own classes, a model with exactly our parameters and
+shapes (on the meta device: nothing is allocated); the folder written for it holds the default
+tokenizer with the vision tokens at the ids the preset's config names, a chat template that
+writes them, and Qwen2-VL's image processor, which makes a 1,024x1,024 image 74x74 patches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_core.presets import PRESETS, hf_config
+
+PRESET = "qwen2.5-vl-7b"
+
+
+def test_the_preset_is_hf_s_qwen2_5_vl_parameter_for_parameter() -> None:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from engine_core.models import build_model
+
+    with torch.device("meta"):
+        ours = build_model(PRESETS[PRESET], None)
+        theirs = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**hf_config(PRESET)))
+    our_shapes = {name: tuple(p.shape) for name, p in ours.named_parameters()}
+    # HF's q/k/v (and gate/up) are shards of one of our fused parameters: their rows add up.
+    their_shards: dict[str, list[tuple[int, ...]]] = {}
+    for name, param in theirs.named_parameters():
+        mapped = ours.map_name(name)
+        assert mapped is not None, name
+        their_shards.setdefault(mapped[0], []).append(tuple(param.shape))
+    assert set(their_shards) == set(our_shapes)
+    for name, shards in their_shards.items():
+        assert our_shapes[name] == (sum(s[0] for s in shards), *shards[0][1:]), name
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    vision = theirs.config.vision_config
+    assert (vision.depth, vision.hidden_size, vision.out_hidden_size) == (32, 1280, 3584)
+
+
+@pytest.fixture
+def preset_cache(default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh cache directory for the preset folders, the default tokenizer read as it is."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TANDEM_TOKENIZER_DIR", str(default_model_dir))
+    return tmp_path
+
+
+def test_serving_the_preset_writes_its_vision_folder_once(preset_cache: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from engine_core.loader import resolve_for_serving
+    from frontend.vision import VisionProcessor
+    from tests.vision_factories import random_image
+
+    model, folder = resolve_for_serving(f"random:{PRESET}")
+    assert model == f"random:{PRESET}" and folder == preset_cache / "presets" / PRESET
+    written = (folder / "config.json").stat().st_mtime_ns
+    assert resolve_for_serving(f"random:{PRESET}")[1] == folder
+    assert (folder / "config.json").stat().st_mtime_ns == written  # not written again
+    hf = hf_config(PRESET)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    assert len(tokenizer) == hf["vocab_size"]
+    message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}
+    text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    start = ids.index(hf["vision_start_token_id"])
+    assert ids[start + 1 : start + 3] == [hf["image_token_id"], hf["vision_end_token_id"]]
+    processor = VisionProcessor.load(folder)
+    assert processor is not None and processor.marker.placeholder_id == hf["image_token_id"]
+    # 1,024 pixels a side round to 37 merge blocks of 28 pixels: 74 x 74 patches, 37 x 37
+    # tokens (Qwen2-VL's smart_resize).
+    (image,) = processor.process([random_image(0, 1024, 1024)], ["image"])
+    assert image.grid_thw == (1, 74, 74) and processor.num_tokens(image) == 37 * 37
+    assert image.pixels.shape == (74 * 74, 3 * 2 * 14 * 14)
+
+
+def test_a_text_preset_still_borrows_the_default_tokenizer(
+    preset_cache: Path, default_model_dir: Path
+) -> None:
+    from engine_core.loader import resolve_for_serving
+
+    assert resolve_for_serving("random:llama-1b") == ("random:llama-1b", default_model_dir)
+    assert not (preset_cache / "presets").exists()
