@@ -77,6 +77,24 @@ class TPGroup:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_to_all(
+        self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        """Rows [sum(send_counts), ...], the first send_counts[0] for rank 0, the next for rank
+        1, ... -> the rows every rank sent here, [sum(recv_counts), ...] in rank order (the
+        counts as every rank agreed them; zero rows either way is fine)."""
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        group = self.device_group
+        dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
+        return out
+
+    def all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each rank's rows [n, ...] (the same n on every rank) -> [size * n, ...], rank 0's
+        first."""
+        out = rows.new_empty((self.size * rows.shape[0], *rows.shape[1:]))
+        dist.all_gather_single(out, rows.contiguous(), group=self.device_group)
+        return out
+
     def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` into ``x`` on every rank of the engine core (same shape and dtype
         everywhere); returns it."""
