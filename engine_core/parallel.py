@@ -49,6 +49,8 @@ STORE_TIMEOUT = datetime.timedelta(minutes=10)  # every rank joins within this, 
 TEARDOWN_TIMEOUT_S = 20.0
 
 logger = logging.getLogger("tandem.tp")
+# torch 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class TPGroup:
         """Each rank's rows [n, ...] (the same n on every rank) -> [size * n, ...], rank 0's
         first."""
         out = rows.new_empty((self.size * rows.shape[0], *rows.shape[1:]))
-        dist.all_gather_single(out, rows.contiguous(), group=self.device_group)
+        _all_gather_single(out, rows.contiguous(), group=self.device_group)
         return out
 
     def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
