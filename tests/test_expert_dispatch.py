@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from engine_core.models.expert_dispatch import token_slice
 from engine_core.models.moe import Router, Routing, SparseMoE, route
-from engine_core.parallel import TPGroup
+from engine_core.parallel import TPGroup, connect_store, create_store
 from tests.test_models_moe import SIZES, dense_moe, moe_config
 
 EXPERTS, TOP_K = 12, 3  # 12 experts split over 2, 3 and 4 ranks
@@ -78,7 +78,7 @@ def to_rank_zero(layer: SparseMoE) -> Router:
 
 
 def rank_main(
-    rank: int, size: int, num_tokens: int, to_zero: bool, folder: str, device_type: str
+    rank: int, size: int, num_tokens: int, to_zero: bool, folder: str, device_type: str, port: int
 ) -> None:
     """One process: join the group (gloo on the CPU, NCCL on GPU ``rank``), run the rank's layer
     on the replicated tokens, save its output and the rows its experts received."""
@@ -86,10 +86,11 @@ def rank_main(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    init = f"file://{folder}/store"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size)
+    store = connect_store(port, size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     try:
-        tp = TPGroup(rank, size, dist.group.WORLD, None, None, True, dist.group.WORLD)
+        world = dist.group.WORLD
+        tp = TPGroup(rank, size, device_group=world, expert_parallel=True, world_group=world)
         layer = rank_layer(whole_layer(), tp).to(device)
         seen = record_received(layer)
         x = tokens(num_tokens).to(device)
@@ -105,7 +106,9 @@ def rank_main(
 def run_ranks(
     size: int, num_tokens: int, folder: Path, to_zero: bool = False, device_type: str = "cpu"
 ) -> list[dict]:
-    mp.spawn(rank_main, args=(size, num_tokens, to_zero, str(folder), device_type), nprocs=size)
+    store = create_store(size)  # the engine's rendezvous, held here: it outlives every rank
+    args = (size, num_tokens, to_zero, str(folder), device_type, store.port)
+    mp.spawn(rank_main, args=args, nprocs=size)
     return [torch.load(folder / f"rank{r}.pt") for r in range(size)]
 
 
