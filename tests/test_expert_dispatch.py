@@ -99,6 +99,7 @@ def rank_main(
         received = torch.stack(seen).sum(0) if seen else torch.zeros(layer.w13.shape[0])
         result = {"out": out.cpu(), "received": received.long().cpu()}
         torch.save(result, f"{folder}/rank{rank}.pt")
+        dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
 
