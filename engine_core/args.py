@@ -93,8 +93,9 @@ _HELP = {
     "each node's proof against (HMAC) before it takes part in any step; a node with another "
     "secret is refused. Traffic stays unencrypted: keep the network private",
     "enable_expert_parallel": "MoE models: each tensor-parallel rank holds 1/N of the experts, "
-    "whole, instead of 1/N of every expert's width (attention stays tensor-parallel); CPU only "
-    "for now (docs/design/multi-node.md)",
+    "whole, instead of 1/N of every expert's width, and sends each token to its experts' ranks "
+    "with all-to-alls (attention stays tensor-parallel); no CUDA graphs with it for now "
+    "(docs/design/multi-node.md)",
     "dist_timeout": "seconds node 0 waits for the other nodes to join, and a node waits for node "
     "0 (at start, and after node 0's engine ends, for its restart) before giving up",
 }

@@ -701,6 +701,11 @@ class ModelRunner:
             # from the last stage; no graph captures those yet (docs/design/multi-node.md).
             logger.warning("--pipeline-parallel-size > 1: running without CUDA graphs for now")
             return None
+        if self.config.enable_expert_parallel:
+            # The all-to-all's split sizes are host integers read back each MoE layer
+            # (models/expert_dispatch.py); no fixed-capacity dispatch yet.
+            logger.warning("--enable-expert-parallel: running without CUDA graphs for now")
+            return None
         if self.model_config.embedding is not None:
             # Embedding engines run eagerly (for now): their steps are prompt chunks, and the
             # decode graphs would compute logits that they never read, with no head for them.

@@ -49,6 +49,8 @@ STORE_TIMEOUT = datetime.timedelta(minutes=10)  # every rank joins within this, 
 TEARDOWN_TIMEOUT_S = 20.0
 
 logger = logging.getLogger("tandem.tp")
+# torch 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,24 @@ class TPGroup:
             return self.peer.all_reduce(x)
         dist.all_reduce(x, group=self.device_group)
         return x
+
+    def all_to_all(
+        self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        """Rows [sum(send_counts), ...], the first send_counts[0] for rank 0, the next for rank
+        1, ... -> the rows every rank sent here, [sum(recv_counts), ...] in rank order (the
+        counts as every rank agreed them; zero rows either way is fine)."""
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        group = self.device_group
+        dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
+        return out
+
+    def all_gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each rank's rows [n, ...] (the same n on every rank) -> [size * n, ...], rank 0's
+        first."""
+        out = rows.new_empty((self.size * rows.shape[0], *rows.shape[1:]))
+        _all_gather_single(out, rows.contiguous(), group=self.device_group)
+        return out
 
     def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` into ``x`` on every rank of the engine core (same shape and dtype

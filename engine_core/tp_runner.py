@@ -191,7 +191,6 @@ class TPModelRunner(_ShardedRunner):
 
     def __init__(self, config: EngineConfig) -> None:
         size = config.world_size
-        check_expert_parallel_device(config)
         model_config = peek_model_config(config.model)
         if model_config is not None:  # before any process starts
             ep = config.enable_expert_parallel
@@ -359,15 +358,6 @@ def join_group(
         store, rank, config.world_size, device, all_reduce, local_rank,
         config.enable_expert_parallel, config.pipeline_parallel_size,
     )  # fmt: skip
-
-
-def check_expert_parallel_device(config: EngineConfig) -> None:
-    """Expert parallelism runs the MoE layers' torch path only (models/moe.py)."""
-    if config.enable_expert_parallel and resolve_device(config.device).type == "cuda":
-        raise ValueError(
-            "--enable-expert-parallel runs on the CPU only for now: the fused CUDA MoE kernels "
-            "do not yet skip the other ranks' experts (docs/design/multi-node.md)"
-        )
 
 
 # ---- worker processes -------------------------------------------------------------------------

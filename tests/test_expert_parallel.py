@@ -1,5 +1,6 @@
 """Expert parallelism over gloo on the CPU: ``--enable-expert-parallel`` with TP=2 holds half of
-the experts, whole, on each rank, and gives TP=1's (and HF's) greedy tokens and logprobs.
+the experts, whole, on each rank, exchanges tokens with all-to-alls (models/expert_dispatch.py),
+and gives TP=1's (and HF's) greedy tokens and logprobs; with TP=4, a quarter of them each.
 
 The models are tests/test_tensor_parallel.py's tiny random Mixtral (6 experts, top 2) and
 Qwen3-MoE (8 experts, top 2, a dense layer between two sparse ones, whose MLP stays split by
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import MixtralConfig
+from transformers import MixtralConfig, Qwen3MoeConfig
 
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM
@@ -88,6 +89,38 @@ def test_ep2_serves_llama4_like_tp1(tmp_path: Path) -> None:
     assert tokens1 == reference
     assert tokens2 == tokens1
     torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), atol=1e-4, rtol=0)
+
+
+def test_ep4_with_uneven_token_slices_gives_hf_tokens(tmp_path: Path) -> None:
+    """Four ranks, two of the Qwen3-MoE's eight experts each. The steps hold chunks of up to 16
+    tokens beside decodes of one to four rows, so the ranks' token slices are uneven and in the
+    small steps, and a request alone, the last ranks route no token (they still serve their
+    experts)."""
+    sizes = SIZES | {"num_hidden_layers": 3, "num_key_value_heads": 4}
+    config = Qwen3MoeConfig(
+        **sizes,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    )
+    hf_model = write_model("", tmp_path, config)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    _, logprobs1, llm1 = generate(tmp_path, tp=1, expert_parallel=False)
+    llm1.engine.shutdown()
+    tokens, logprobs, llm = generate(tmp_path, tp=4, expert_parallel=True)
+    try:
+        moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+        assert len(moes) == 2 and all(moe.w13.shape[0] == 2 for moe in moes)
+        # Alone (its prompt cached but the last token): steps of one token, on rank 0's slice.
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        alone = llm.generate(PROMPTS[:1], params, detokenize=False)[0].token_ids
+    finally:
+        llm.engine.shutdown()
+    assert tokens == reference
+    assert alone == reference[0]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(logprobs1), atol=1e-4, rtol=0)
 
 
 def hf_layer_experts(hf_model: torch.nn.Module) -> list[tuple[torch.Tensor, ...]]:

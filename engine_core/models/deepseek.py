@@ -43,7 +43,7 @@ from engine_core.config import Fp8Config, MlaConfig, ModelConfig
 from engine_core.models.fp8 import dequantize
 from engine_core.models.layers import Linear, RMSNorm, apply_rotary, load_mapped_weights
 from engine_core.models.llama import LlamaForCausalLM, LlamaMLP, first_norm, make_norm
-from engine_core.models.moe import SparseMoE
+from engine_core.models.moe import Routing, SparseMoE
 from engine_core.parallel import SINGLE, TPGroup
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -161,6 +161,13 @@ class DeepseekMoE(SparseMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> routed experts' sum + shared experts', [T, hidden]."""
+        out = self.routed_output(x, self.grouped_route)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def grouped_route(self, x: torch.Tensor) -> Routing:
+        """DeepSeek's router over x [T, hidden]; the routed scaling factor in the weights."""
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E]
         if self.router_kind == "sigmoid_grouped":
             weights, ids = route_sigmoid_grouped(
@@ -170,10 +177,7 @@ class DeepseekMoE(SparseMoE):
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         else:
             weights, ids = route_softmax_grouped(logits, self.top_k, self.n_group, self.topk_group)
-        out = self.run_routed(x, weights * self.scaling, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return x, weights * self.scaling, ids
 
 
 def route_sigmoid_grouped(

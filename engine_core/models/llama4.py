@@ -48,7 +48,7 @@ from engine_core.models.llama import (
     first_norm,
     make_norm,
 )
-from engine_core.models.moe import SparseMoE
+from engine_core.models.moe import Routing, SparseMoE
 from engine_core.parallel import SINGLE, PendingSum, TPGroup
 
 LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
@@ -112,13 +112,14 @@ class Llama4MoE(SparseMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> the chosen expert applied to x scaled by its sigmoid score (on the
         input, as HF), plus the shared expert applied to x, [T, hidden]."""
+        return self.routed_output(x, self.sigmoid_top1) + self.shared_expert(x)
+
+    def sigmoid_top1(self, x: torch.Tensor) -> Routing:
+        """Each token's best expert, its input scaled by the sigmoid of its logit, weight one."""
         top, ids = self.gate(x).topk(1, dim=-1)  # [T, 1] each
         score = torch.sigmoid(top.float()).to(x.dtype)
         unweighted = torch.ones(score.shape, dtype=torch.float32, device=x.device)
-        routed = self.run_routed(x * score, unweighted, ids)  # this rank's experts (EP) too
-        if self.tp.size > 1:
-            routed = self.tp.all_reduce(routed)
-        return routed + self.shared_expert(x)
+        return x * score, unweighted, ids
 
 
 class Llama4DecoderLayer(nn.Module):

@@ -12,10 +12,12 @@ gate_up_proj and row-parallel down_proj, so each rank's output is a partial sum,
 a row-parallel linear's. The router is replicated, so every rank routes every token alike.
 
 With ``--enable-expert-parallel`` (``tp.expert_parallel``) rank r holds experts
-[r*E/N, (r+1)*E/N) whole instead: every rank routes every token, computes the (token, k) pairs of
-its own experts and zero for the rest, and the same all-reduce sums the ranks' parts. No
-all-to-all: each rank reads all T tokens and sends a [T, hidden] sum, as under plain TP
-(docs/design/multi-node.md, "Expert parallelism"). The torch path only, for now.
+[r*E/N, (r+1)*E/N) whole instead, and the layer replaces TP's all-reduce by an all-to-all
+dispatch and combine (engine_core/models/expert_dispatch.py): each rank routes its own slice of
+the (replicated) tokens, sends each (token, k) pair to the rank of its expert, which runs its
+experts over the rows it received only, gets the results back, weighs and sums them, and an
+all-gather rebuilds every token on every rank (docs/design/multi-node.md, "Expert parallelism").
+The split sizes are read on the host, so such a layer runs eagerly (``cuda_graph_safe``).
 
 The experts run through the fused Triton kernels of engine_core/models/fused_moe.py on CUDA (no
 host sync, so decode is captured in CUDA graphs) and through ``experts_reference`` elsewhere.
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.config import Fp8Config, ModelConfig
+from engine_core.models.expert_dispatch import dispatch_combine, gather_tokens, token_slice
 from engine_core.models.fp8 import (
     FP8_DTYPE,
     fp8_linear,
@@ -65,6 +68,10 @@ from engine_core.models.layers import (
     use_triton,
 )
 from engine_core.parallel import SINGLE, TPGroup
+
+# route(tokens [n, hidden]) -> (the experts' input [n, hidden], weights [n, K], expert ids [n, K])
+Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Router = Callable[[torch.Tensor], Routing]
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -121,6 +128,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         # which this layer's forward makes one at a time.
         self.register_buffer("router_arrived", torch.zeros(1, dtype=torch.int32), persistent=False)
         self.fp8: Fp8Config | None = None  # set by make_fp8, before loading
+        if self.expert_parallel:  # the all-to-all's split sizes are read on the host
+            self.cuda_graph_safe = False
 
     def make_fp8(self, config: Fp8Config) -> None:
         """Hold the experts in e4m3 from now on, with ``w13_scale`` [E, rows or row blocks, 1 or
@@ -156,9 +165,39 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, ids = self.route_tokens(x)  # [T, K] each
-        out = self.run_routed(x, weights, ids)
+        return self.routed_output(x, self.softmax_route)
+
+    def softmax_route(self, x: torch.Tensor) -> Routing:
+        return (x, *self.route_tokens(x))
+
+    def routed_output(self, x: torch.Tensor, route: Router) -> torch.Tensor:
+        """The routed experts' weighted sum for every token of x [T, hidden], whole on every
+        rank: ``route(tokens) -> (the experts' input, weights [n, K], ids [n, K])``. Under
+        tensor parallelism each rank's partial sum, all-reduced; under expert parallelism each
+        rank's slice of the tokens dispatched to the experts' ranks, then gathered."""
+        if self.expert_parallel:
+            return self.expert_parallel_output(x, route)
+        out = self.run_routed(*route(x))
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def expert_parallel_output(self, x: torch.Tensor, route: Router) -> torch.Tensor:
+        """``routed_output`` by all-to-all (models/expert_dispatch.py): a collective."""
+        part = x[token_slice(x.shape[0], self.tp.rank, self.tp.size)]  # [t, hidden], t >= 0
+        if part.shape[0]:
+            inputs, weights, ids = route(part)
+        else:  # nothing to route (a rank past the last token), but the collectives still run
+            inputs = part
+            weights = torch.empty((0, self.top_k), dtype=torch.float32, device=x.device)
+            ids = torch.empty((0, self.top_k), dtype=torch.int64, device=x.device)
+        local = self.w13.shape[0]
+        out = dispatch_combine(inputs, weights, ids, local, self.tp, self.run_local_experts)
+        return gather_tokens(out, x.shape[0], self.tp)
+
+    def run_local_experts(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Rows [R, hidden] each through this rank's expert ``experts[i]`` (weight one):
+        what the all-to-all dispatch sent here."""
+        ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
+        return self.run_routed(rows, ones, experts[:, None])
 
     @property
     def quantized(self) -> bool:
@@ -195,13 +234,10 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         ]
 
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden]; under expert
-        parallelism this rank's experts' share only."""
+        """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden], over the experts
+        this rank holds (ids index them: under expert parallelism, its local ones)."""
         if self.fp8 is not None:
             return grouped_experts(x, weights, ids, self.w13.shape[0], self.fp8_expert)
-        if self.expert_parallel:
-            ids = local_expert_ids(ids, self.first_expert, self.w13.shape[0])
-            return experts_reference(x, self.w13, self.w2, weights, ids)
         return run_experts(x, self.w13, self.w2, weights, ids)
 
     def fp8_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -255,13 +291,6 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
             return rank_rows(tensor, self.tp)
         gate, up = tensor.chunk(2, dim=1)  # [E, I, H] each
         return torch.cat([rank_rows(gate, self.tp, 1), rank_rows(up, self.tp, 1)], dim=1)
-
-
-def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """Expert ids [T, K] -> this rank's indices of its experts [first, first + count); the
-    other ranks' experts become ``count``, which ``grouped_experts`` skips."""
-    local = ids - first
-    return torch.where((local >= 0) & (local < count), local, count)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
