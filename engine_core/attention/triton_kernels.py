@@ -472,6 +472,24 @@ def split_bounds(
     return split_len, lo, first, last
 
 
+@triton.jit
+def store_split(
+    Out, PO, PL, out, m_i, l_i, seq, heads, cols, mask, head_mask, split, first, last,
+    num_heads, num_splits, stride_ot, stride_oh, WIDTH: tl.constexpr,
+):  # fmt: skip
+    """A decode split's result: the output row itself where this split is the sequence's only
+    one, else its partial [B, heads, splits, WIDTH] and log2-sum-exp [B, heads, splits] for
+    merge_partials (the one layout every split-K decode kernel writes and the merge reads)."""
+    if first == last:
+        o_ptr = Out + seq * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask)
+    else:
+        part = (seq * num_heads + heads) * num_splits + split
+        tl.store(PO + part[:, None] * WIDTH + cols[None, :], out, mask=mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(PL + part, lse, mask=head_mask)
+
+
 # window == 1 or a split count of 1 must stay runtime values: Triton's specialization of an
 # argument equal to 1 made the window's bounds constant-fold into IR that its coalescing pass
 # asserts on (Triton 3.6). stride_bt (the step's widest block table) stays one too: specialized,
@@ -646,15 +664,10 @@ def _decode_kernel(
         out = acc / l_safe[:, None]  # [H, D]; zeros for an empty (padding) row
         if KV_FP8:
             out = out * v_scale
-        if first == last:
-            o_ptr = Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
-            tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=q_mask)
-        else:
-            # Partials are [B, heads, num_splits, HEAD_DIM] and [B, heads, num_splits].
-            part = (seq * num_heads + heads) * num_splits + split
-            tl.store(PO + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
-            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-            tl.store(PL + part, lse, mask=row_mask)
+        store_split(
+            Out, PO, PL, out, m_i, l_i, seq, heads, d, q_mask, row_mask, split, first, last,
+            num_heads, num_splits, stride_ot, stride_oh, HEAD_DIM,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -47,6 +47,7 @@ from engine_core.attention.triton_kernels import (
     partial_buffers,
     softmax_step,
     split_bounds,
+    store_split,
 )
 
 # ---- latent write ------------------------------------------------------------------------------
@@ -227,14 +228,10 @@ def _mla_decode_kernel(
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]  # [H, R]; zeros for a padding row (seq_len 0)
         o_mask = h_mask[:, None] & r_mask[None, :]
-        if first == last:
-            o_ptr = Out + seq * stride_ot + heads[:, None] * stride_oh + r[None, :]
-            tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=o_mask)
-        else:
-            part = (seq * num_heads + heads) * num_splits + split
-            tl.store(PO + part[:, None] * RANK + r[None, :], out, mask=o_mask)
-            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-            tl.store(PL + part, lse, mask=h_mask)
+        store_split(
+            Out, PO, PL, out, m_i, l_i, seq, heads, r, o_mask, h_mask, split, first, last,
+            num_heads, num_splits, stride_ot, stride_oh, RANK,
+        )  # fmt: skip
 
 
 def mla_decode_attention(
