@@ -132,6 +132,28 @@ def _shrink_kernel(
     tl.store(out, acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _expand_tile(t, b_slot, rank_cols, r_ok, offs_n, N, stride_bn, IEEE: tl.constexpr):
+    """The shrunk rows ``t`` [M, R] times one slot's B rows ``offs_n`` at ``rank_cols``: the
+    LoRA's output columns [M, BLOCK_N], float32."""
+    b = tl.load(
+        b_slot + offs_n[None, :] * stride_bn + rank_cols[:, None],
+        mask=(offs_n < N)[None, :] & r_ok[:, None],
+        other=0.0,
+    )
+    # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
+    return tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
+
+
+@triton.jit
+def _add_into(Out, rows, row_ok, offs_n, N, stride_om, delta):
+    """Out[rows, offs_n] += delta, added in float32 and rounded once to Out's dtype."""
+    out = Out + rows[:, None] * stride_om + offs_n[None, :]
+    mask = row_ok[:, None] & (offs_n < N)[None, :]
+    total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
+    tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["SPLITS", "stride_ps"])
 def _expand_kernel(
     Partial,  # [splits, T, R] float32
@@ -190,18 +212,8 @@ def _expand_kernel(
             )
     for i in tl.static_range(INNER):
         offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        b = tl.load(
-            b_slot + offs_n[None, :] * stride_bn + offs_k[:, None],
-            mask=n_ok[None, :] & r_ok[:, None],
-            other=0.0,
-        )
-        # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
-        delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
-        out = Out + rows[:, None] * stride_om + offs_n[None, :]
-        mask = row_ok[:, None] & n_ok[None, :]
-        total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
-        tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
+        delta = _expand_tile(t, b_slot, offs_k, r_ok, offs_n, N, stride_bn, IEEE)
+        _add_into(Out, rows, row_ok, offs_n, N, stride_om, delta)
 
 
 # Nothing here changes with the step's rows (the table's pointers keep their alignment): a
@@ -270,20 +282,10 @@ def _fused_kernel(
         prefetch_l2(b_slot + b_rows * stride_bn + shard * RANK)
     for i in tl.static_range(INNER):
         offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        b = tl.load(
-            b_slot + offs_n[None, :] * stride_bn + cols[:, None],
-            mask=n_ok[None, :] & r_ok[:, None],
-            other=0.0,
-        )
-        # The shrunk rows in the weights' dtype, as the torch form's two products leave them.
-        delta = tl.dot(t, b, input_precision="ieee") if IEEE else tl.dot(t.to(b.dtype), b)
+        delta = _expand_tile(t, b_slot, cols, r_ok, offs_n, N, stride_bn, IEEE)
         if i == 0:
             pdl_wait_then_release(PDL)  # out is the base projection's: read and written after
-        out = Out + rows[:, None] * stride_om + offs_n[None, :]
-        mask = row_ok[:, None] & n_ok[None, :]
-        total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
-        tl.store(out, total.to(Out.dtype.element_ty), mask=mask)
+        _add_into(Out, rows, row_ok, offs_n, N, stride_om, delta)
 
 
 def _block(width: int, most: int | None = None) -> int:
