@@ -17,7 +17,7 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
-from engine_core.llm import LLM
+from engine_core.llm import LLM, CompletionOutput
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
 from engine_core.speculative import (
@@ -237,6 +237,15 @@ def default_pair() -> tuple[LLM, LLM]:
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
+def assert_same_logprobs(want: CompletionOutput, got: CompletionOutput) -> None:
+    """Every token's logprobs, drafted or not, are the plain engine's (to float rounding)."""
+    assert len(got.logprobs) == len(got.token_ids)
+    assert [lp.top_token_ids for lp in got.logprobs] == [lp.top_token_ids for lp in want.logprobs]
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx(
+        [lp.logprob for lp in want.logprobs], abs=1e-4
+    )
+
+
 @pytest.mark.slow
 def test_outputs_are_the_same_with_drafts_beside_requests_that_do_not_speculate(
     default_pair: tuple[LLM, LLM],
@@ -272,12 +281,8 @@ def test_outputs_are_the_same_with_drafts_beside_requests_that_do_not_speculate(
     got = spec.generate([prompt] * len(params), params, detokenize=False)
     for w, g in zip(want, got, strict=True):
         assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
-    for w, g in zip(want[6:8], got[6:8], strict=True):  # every token's, drafted or not
-        assert len(g.logprobs) == len(g.token_ids)
-        assert [lp.top_token_ids for lp in g.logprobs] == [lp.top_token_ids for lp in w.logprobs]
-        assert [lp.logprob for lp in g.logprobs] == pytest.approx(
-            [lp.logprob for lp in w.logprobs], abs=1e-4
-        )
+    for w, g in zip(want[6:8], got[6:8], strict=True):
+        assert_same_logprobs(w, g)
     scheduler = spec.engine.scheduler
     assert scheduler.counts().spec_accepted_tokens > 0  # the greedy requests did take drafts
     assert scheduler.block_manager.num_used_blocks == 0
