@@ -16,13 +16,14 @@ random MXFP4 weights and uniform random routing, at each token count (64: a deco
 - with ``--sweep``, ``mxfp4 MxNxK wW``: the kernels at each tile of mxfp4_kernels.CANDIDATES
   (row block, columns, K step, warps) instead of block_sizes' choice.
 
-The table: µs a layer (median of CUDA-event timings of 20 back-to-back calls, divided by 20),
-the bytes the layer must read (the experts the routing touched: codes, scales and biases, or
-bf16 weights; the activations in and out) over that time, that rate as a share of the HBM
-bandwidth given by ``--hbm`` (default 4.8 TB/s, the datasheet figure of the 141 GB HBM3e GPU
-these kernels were written for) and of the copy bandwidth measured first (roofline.py), and
-the tensor-core rate (2 x slots x (hidden x 2 width + width x hidden) FLOPs). One layer's MXFP4
-experts (422 MB at 20b's shape) exceed the L2 cache, so every call reads its weights from HBM.
+The table: µs a layer (median of 5 replays of a CUDA graph of 20 calls, divided by 20; the
+torch way, which reads the host, 20 back-to-back calls), the bytes the layer must read (the
+experts the routing touched: codes, scales and biases, or bf16 weights; the activations in and
+out) over that time, that rate as a share of the HBM bandwidth given by ``--hbm`` (default 4.8
+TB/s, the datasheet figure of the 141 GB HBM3e GPU these kernels were written for) and of the
+copy bandwidth measured first (roofline.py), and the tensor-core rate (2 x slots x (hidden x 2
+width + width x hidden) FLOPs). One layer's MXFP4 experts (422 MB at 20b's shape) exceed the L2
+cache, so every call reads its weights from HBM.
 
 ``--device cpu`` (with TRITON_INTERPRET=1, and ``--shape`` small) only checks that the script
 runs.
@@ -76,10 +77,16 @@ def layer_shape(args: argparse.Namespace) -> tuple[int, int, int, int]:
     )
 
 
-def timed_us(call: Callable[[], Any], device: str) -> float:
-    """µs a call: the median over 5 timings of CALLS back-to-back calls (on the CPU, one)."""
+def timed_us(call: Callable[[], Any], device: str, in_graph: bool = False) -> float:
+    """µs a call: the median over 5 timings of CALLS back-to-back calls (on the CPU, one).
+    ``in_graph``: the calls captured in one CUDA graph, so the host's launch cost (larger
+    than a one-token layer's kernels) is not what is timed."""
     import torch
 
+    if in_graph and device == "cuda":
+        from benchmarks.w4a16 import graph_us
+
+        return graph_us(lambda _: call(), 1, device)
     if device != "cuda":
         start = time.perf_counter()
         call()
@@ -166,7 +173,7 @@ def measure(
         ways["torch"] = lambda: experts_reference(x, layer, weights, ids)
     rows = []
     for way, call in ways.items():
-        us = timed_us(call, device)
+        us = timed_us(call, device, in_graph=way != "torch")
         read = touched * per_expert["bf16" if way == "bf16" else "mxfp4"] + activations
         rows.append(
             {"way": way, "tokens": tokens, "experts_touched": touched, "us": us}
