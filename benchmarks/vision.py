@@ -266,6 +266,7 @@ def serve_and_measure(args: argparse.Namespace, tokenizer: Any) -> tuple[list[Tt
         for level in levels:
             rows.append(measure_ttft(server.url, bodies[at : at + args.requests], level))
             at += args.requests
+            print(f"  concurrency {level}: TTFT p50 {rows[-1].p50:.1f} ms", flush=True)
     finally:
         stop(server)
     return rows, server.shown()
@@ -346,14 +347,14 @@ def run(args: argparse.Namespace) -> int:
     del tower
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the server's memory plan must see the whole GPU
-    ttft, shown = [], ""
-    if not args.skip_http:
-        ttft, shown = serve_and_measure(args, load_tokenizer(folder))
     provenance = Provenance.here(args.argv)
     print(f"\n{provenance.format()}")
     size = f"{args.image_size}x{args.image_size}"
     print(f"\n{args.model}: the vision encoder alone, {size} images, {str(dtype)[6:]}\n")
-    print(format_encoder(encoder))
+    print(format_encoder(encoder), flush=True)  # before the server: kept if the HTTP part fails
+    ttft, shown = [], ""
+    if not args.skip_http:
+        ttft, shown = serve_and_measure(args, load_tokenizer(folder))
     if ttft:
         print(f"\nserver: {shown}")
         print(f"one {size} image (fresh each request) + {args.text_tokens} text tokens\n")

@@ -14,7 +14,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine_core.loader import resolve_model_dir  # noqa: E402
+from engine_core.loader import resolve_model_dir, tokenizer_dir_for_random  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,11 +25,19 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def default_tokenizer_dir() -> Path:
+    """The default model's tokenizer: $TANDEM_TOKENIZER_DIR's folder where it is set (the GPU
+    machine, which lacks the default model's 94 MB package), else the converted default model,
+    for the tests whose models are random and only borrow its vocabulary."""
+    return tokenizer_dir_for_random()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(default_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with the default model's 49,152-token vocabulary and tokenizer: a
     server on it starts in seconds and steps in milliseconds, for tests of the serving machinery
     (faults, overload, bad input) rather than of the model."""
     from tests.factories import copy_tokenizer, write_tiny_llama
 
     path = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab_size=49152)
-    return copy_tokenizer(default_model_dir, path)
+    return copy_tokenizer(default_tokenizer_dir, path)

@@ -23,8 +23,8 @@ PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def vl_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), default_model_dir)
+def vl_dir(default_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), default_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
