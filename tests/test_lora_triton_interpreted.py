@@ -28,6 +28,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs under TRITON_INTERPRET=1 only", allow_module_level=True)
 pytest.importorskip("triton")
 
+from engine_core.lora import triton_lora  # noqa: E402
 from engine_core.lora.adapter import LoraWeights, TargetShape  # noqa: E402
 from engine_core.lora.batch import (  # noqa: E402
     NO_SLOT,
@@ -250,11 +251,14 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return count_lora_launches(monkeypatch)
 
 
-def test_a_decode_sized_table_takes_one_launch_a_larger_one_two(launches: Counter[str]) -> None:
-    """A table of up to FUSED_MAX_TILES tiles (a decode graph's: 12 for 64 rows over 8 slots)
+def test_a_table_within_the_fused_bound_takes_one_launch_a_larger_one_two(
+    launches: Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the fused bound at 32 tiles, a table of a 64-row decode graph's 12 tiles over 8 slots
     is one fused launch; a larger one (a prefill graph's) the shrink and the expand. Each gives
-    the reference."""
-    assert tile_capacity(64, 8) <= FUSED_MAX_TILES < tile_capacity(512, 8)
+    the reference. (The engine's bound, FUSED_MAX_TILES, is 0 since the H200's sweep.)"""
+    monkeypatch.setattr(triton_lora, "FUSED_MAX_TILES", 32)
+    assert tile_capacity(64, 8) <= 32 < tile_capacity(512, 8)
     gen = torch.Generator().manual_seed(11)
     a, b = slot_weights(gen, 64, (64, 32, 32), 8, [8, 8, 8])
     x = torch.randn(5, 64, generator=gen)
@@ -272,13 +276,14 @@ def test_a_decode_sized_table_takes_one_launch_a_larger_one_two(launches: Counte
         assert dict(launches) == want
 
 
-def test_an_engines_decode_step_launches_one_kernel_a_wrapped_projection(
+def test_an_engines_decode_step_launches_the_lora_kernels_once_a_wrapped_projection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str]
 ) -> None:
     """The engine on the CPU with the kernels in place of the torch product (as on CUDA), two
     adapters and the base model in one batch: each request gets HF + PEFT's greedy tokens, and
-    every step with adapter rows launches the fused kernel once per wrapped projection (four a
-    layer) and nothing else; a step without adapter rows launches none."""
+    every step with adapter rows launches its way once per wrapped projection (four a layer:
+    the shrink and the expand, or the fused kernel where FUSED_MAX_TILES lets a table take it)
+    and nothing else; a step without adapter rows launches none."""
     from engine_core.llm import LLM
     from engine_core.lora import layers
     from engine_core.model_runner import ModelRunner
@@ -324,5 +329,7 @@ def test_an_engines_decode_step_launches_one_kernel_a_wrapped_projection(
     assert wrapped == 4 * 2  # qkv, o, gate_up, down; two layers
     with_rows = [counts for has_rows, counts in per_step if has_rows]
     assert len(with_rows) >= new
-    assert all(counts == Counter({"_fused_kernel": wrapped}) for counts in with_rows)
+    fused = Counter({"_fused_kernel": wrapped})
+    split = Counter({"_shrink_kernel": wrapped, "_expand_kernel": wrapped})
+    assert all(counts == (fused if FUSED_MAX_TILES else split) for counts in with_rows)
     assert all(not counts for has_rows, counts in per_step if not has_rows)

@@ -44,6 +44,21 @@ def test_images_round_trip() -> None:
     assert np.frombuffer(decoded.images[0].pixels.data, np.float32).tolist() == [0, 1, 2, 3, 4, 5]
 
 
+def test_the_largest_pixels_the_api_sends_round_trip() -> None:
+    """The API process sends up to MAX_PIXEL_BYTES of a prompt's pixels (one 1,024 x 1,024 image
+    is 25.8 MB at Qwen2.5-VL's patches): a frame of them decodes, as the GPU benchmark's did not
+    when every bin field was held to an id list's 16 MiB."""
+    from frontend.vision import MAX_PIXEL_BYTES
+
+    rows = MAX_PIXEL_BYTES // (1176 * 4)
+    pixels = np.random.default_rng(0).standard_normal((rows, 1176), dtype=np.float32)
+    big = image(
+        pixels=TensorBytes("float32", pixels.shape, pixels.tobytes()), grid_thw=(1, 2, rows // 2)
+    )
+    decoded = decode_client_message(encode(request(big)))
+    assert decoded.images[0].pixels.data == pixels.tobytes()
+
+
 def frame_with_images(images: Any, pooling: Any = None) -> bytes:
     """An ADD_REQUEST frame built by hand around ``images`` (as another encoder might)."""
     fields = msgpack.unpackb(encode(request(image())))  # [..., pooling, lora, images]
