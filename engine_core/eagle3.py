@@ -50,16 +50,18 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.layer import Attention
+from engine_core.attention.prefill_tiles import prefill_block_m, query_lens, tile_list
 from engine_core.config import ModelConfig
 from engine_core.draft_graphs import (
     ChainRows,
@@ -473,6 +475,7 @@ class Eagle3Proposer:
         self.step_graphs: CudaGraphRunner | None = None  # its forwards beside the target's
         self.entries_model: HeadEntries | None = None  # what those graphs captured
         self.proposal_graphs: HeadProposalGraphs | None = None
+        self.staging = EntryStaging(device)
         self.forwards = DraftForwards()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -530,76 +533,59 @@ class Eagle3Proposer:
         query_start = meta.query_start_loc_cpu
         aux = self.aux.take(query_start[-1])  # the target's forward wrote it, graph or not
         feature = self.head.fc(aux.to(self.dtype))  # [T, H]
-        entries = self._entries(out, feature, meta)
-        graphs = self.step_graphs
-        if graphs is not None and graphs.can_run(entries.meta):
-            assert self.entries_model is not None
-            staged = self.entries_model.feature[: entries.tokens.shape[0]]
-            torch.cat(entries.features, out=staged)
-            graphs.run(entries.tokens, entries.positions, entries.meta)
-            self.forwards.alongside_replays += 1
-        else:
-            features = torch.cat(entries.features)
-            with forward_context(entries.meta, self.backend):
-                self.head(self.embed(entries.tokens), features, entries.positions)
-            self.forwards.alongside_eager += 1
-        self._keep_features(out, feature, query_start)
-
-    def _entries(
-        self, out: SchedulerOutput, feature: torch.Tensor, meta: AttentionMetadata
-    ) -> Entries:
-        """The step's entries, row by row: the one before the row's first position where the
-        request's feature there was kept (any row but a request's first), then one a
-        position. Each row's context still ends at the target's (the same seq_lens)."""
-        query_start, bs = meta.query_start_loc_cpu, self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        parts: list[torch.Tensor] = []
-        starts = [0]
-        for i, s in enumerate(out.scheduled):
-            count = query_start[i + 1] - query_start[i]
-            row_positions = list(range(s.start, s.start + count))
-            before = self._kept_feature(s.request.request_id, s.start - 1)
-            if before is not None:
-                row_positions.insert(0, s.start - 1)
-                tokens.append(s.request.token_ids[s.start])
-                parts.append(before[None])
-            tokens += tokens_after(s, count)
-            parts.append(feature[query_start[i] : query_start[i + 1]])
-            positions += row_positions
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in row_positions]
-            starts.append(starts[-1] + len(row_positions))
-        device = self.device
-        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        plan = plan_entries(out, query_start, self._kept_feature, self.block_size)
+        kept_rows = self.staging.stage(plan, self.backend_tiles)
         entries_meta = AttentionMetadata(
-            slot_mapping=_on(slots, torch.int64, device),
-            query_start_loc=_on(starts, ID32, device),
+            slot_mapping=plan.slots_on_device,
+            query_start_loc=plan.starts_on_device,
             seq_lens=meta.seq_lens,
             block_tables=meta.block_tables,
-            max_query_len=max(lengths),
+            max_query_len=max(plan.lengths),
             max_seq_len=meta.max_seq_len,
-            query_start_loc_cpu=starts,
+            query_start_loc_cpu=plan.starts,
             seq_lens_cpu=meta.seq_lens_cpu,
+            prefill_tiles=plan.tiles_on_device,
         )
-        return Entries(
-            _on(tokens, torch.int64, device),
-            _on(positions, torch.int64, device),
-            parts,
-            entries_meta,
-        )
+        parts = plan.features_of(feature, query_start)  # [n_i, H] each, in entry order
+        graphs = self.step_graphs
+        if graphs is not None and graphs.can_run(entries_meta):
+            assert self.entries_model is not None
+            torch.cat(parts, out=self.entries_model.feature[: len(plan.tokens)])
+            graphs.run(plan.tokens_on_device, plan.positions_on_device, entries_meta)
+            self.forwards.alongside_replays += 1
+        else:
+            features = torch.cat(parts)
+            with forward_context(entries_meta, self.backend):
+                self.head(self.embed(plan.tokens_on_device), features, plan.positions_on_device)
+            self.forwards.alongside_eager += 1
+        self._keep_features(out, plan, feature.index_select(0, kept_rows))
 
-    def _keep_features(
-        self, out: SchedulerOutput, feature: torch.Tensor, query_start: list[int]
-    ) -> None:
-        """For each row, f of its last position and, for a verify chunk, of every position
-        (the next proposal starts after its last kept draft); finished requests' go."""
-        features = {k: f for k, f in self.features.items() if not f.request.is_finished}
-        for i, s in enumerate(out.scheduled):
-            end = query_start[i + 1]
-            begin = max(query_start[i], end - 1 - len(s.drafts))
-            first = s.start + (begin - query_start[i])
-            features[s.request.request_id] = Features(s.request, first, feature[begin:end].clone())
+    @property
+    def backend_tiles(self) -> bool:
+        """Whether the backend reads a prefill work list (Triton): staged with the entries."""
+        return self.device.type == "cuda"
+
+    def _keep_features(self, out: SchedulerOutput, plan: EntryPlan, rows: torch.Tensor) -> None:
+        """Keep, for each row of the step, f of its last position and, for a verify chunk, of
+        every position (the next proposal starts after its last kept draft): ``rows``, the
+        step's kept rows in order. Requests the step did not run keep theirs, copied into the
+        same tensor, so one step's tensor holds every kept feature (none outlives its step's
+        successor); finished requests' go."""
+        scheduled = {s.request.request_id for s in out.scheduled}
+        carried = [
+            f for k, f in self.features.items() if k not in scheduled and not f.request.is_finished
+        ]
+        if carried:
+            rows = torch.cat([rows, *(f.rows for f in carried)])
+        features: dict[str, Features] = {}
+        at = 0
+        spans = [
+            (s.request, first, n) for s, (first, n) in zip(out.scheduled, plan.kept, strict=True)
+        ]
+        spans += [(f.request, f.first, f.rows.shape[0]) for f in carried]
+        for request, first, n in spans:
+            features[request.request_id] = Features(request, first, rows[at : at + n])
+            at += n
         self.features = features
 
     # ---- proposing ----------------------------------------------------------------------------
@@ -648,14 +634,117 @@ class Eagle3Proposer:
 
 
 @dataclass
-class Entries:
-    """A forward of the head over entries: tokens and positions [N], and their features
-    [n_i, H], to be concatenated into [N, H] where the forward reads them."""
+class EntryPlan:
+    """A step's entries for the head, planned on the host: tokens, positions and slots [N],
+    the rows' entry starts [B + 1], and per row whether it starts with the entry before its
+    first position (its feature kept from an earlier step); the rows of the step's features
+    each row keeps, (first position, count) per row and their indices [R] into the step's
+    rows. Their device copies are set by ``EntryStaging.stage``."""
 
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    features: list[torch.Tensor]
-    meta: AttentionMetadata
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    starts: list[int]
+    before: list[torch.Tensor | None]  # [H] per row, or None
+    kept: list[tuple[int, int]]
+    kept_rows: list[int]
+    tokens_on_device: torch.Tensor = field(init=False)
+    positions_on_device: torch.Tensor = field(init=False)
+    slots_on_device: torch.Tensor = field(init=False)
+    starts_on_device: torch.Tensor = field(init=False)
+    tiles_on_device: torch.Tensor | None = field(init=False, default=None)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
+
+    def features_of(self, feature: torch.Tensor, query_start: list[int]) -> list[torch.Tensor]:
+        """The entries' features in order: per row, the kept one before it (if any), then the
+        step's rows of its positions (``feature`` [T, H])."""
+        parts: list[torch.Tensor] = []
+        for i, before in enumerate(self.before):
+            if before is not None:
+                parts.append(before[None])
+            parts.append(feature[query_start[i] : query_start[i + 1]])
+        return parts
+
+
+def plan_entries(
+    out: SchedulerOutput,
+    query_start: list[int],
+    kept_feature: Callable[[str, int], torch.Tensor | None],
+    block_size: int,
+) -> EntryPlan:
+    """The step's entries, row by row: the one before the row's first position where the
+    request's feature there was kept (any row but a request's first), then one a position,
+    each with the token after it. Each row's context still ends at the target's (the same
+    seq_lens). And the features each row keeps: its last position's and, for a verify chunk,
+    every drafted position's."""
+    plan = EntryPlan([], [], [], [0], [], [], [])
+    for i, s in enumerate(out.scheduled):
+        begin, end = query_start[i], query_start[i + 1]
+        row_positions = list(range(s.start, s.start + end - begin))
+        before = kept_feature(s.request.request_id, s.start - 1)
+        plan.before.append(before)
+        if before is not None:
+            row_positions.insert(0, s.start - 1)
+            plan.tokens.append(s.request.token_ids[s.start])
+        plan.tokens += tokens_after(s, end - begin)
+        plan.positions += row_positions
+        plan.slots += [s.block_ids[p // block_size] * block_size + p % block_size
+                       for p in row_positions]  # fmt: skip
+        plan.starts.append(plan.starts[-1] + len(row_positions))
+        first_kept = max(begin, end - 1 - len(s.drafts))
+        plan.kept.append((s.start + first_kept - begin, end - first_kept))
+        plan.kept_rows += range(first_kept, end)
+    return plan
+
+
+class EntryStaging:
+    """The host-to-device copy of a step's entry plan: one copy of all its integers, from
+    pinned memory on CUDA, so the host never waits there for the target's forward (a copy
+    from pageable memory would), with the prefill work list where the backend reads one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host = torch.zeros(0, dtype=torch.int64)
+        self.copied = torch.cuda.Event() if self.pinned else None
+
+    def stage(self, plan: EntryPlan, tiles: bool) -> torch.Tensor:
+        """Set the plan's device tensors; returns its kept rows' indices [R] on the device."""
+        columns = [plan.tokens, plan.positions, plan.slots, plan.starts, plan.kept_rows]
+        work = None
+        if tiles and max(plan.lengths) > 1:  # a prefill-shaped forward: its work list
+            work = tile_list(query_lens(plan.starts), prefill_block_m(plan.starts[-1]))
+        sizes = [len(c) for c in columns] + ([work.size] if work is not None else [])
+        host = self._host(sum(sizes))
+        at = 0
+        for values in columns:
+            host[at : at + len(values)] = values
+            at += len(values)
+        if work is not None:
+            host[at : at + work.size] = work.reshape(-1)
+        staged = self.host[: sum(sizes)]
+        if self.pinned:
+            staged = staged.to(self.device, non_blocking=True)
+            self.copied.record()
+        else:
+            staged = staged.clone()
+        parts = staged.split(sizes)
+        plan.tokens_on_device, plan.positions_on_device, plan.slots_on_device = parts[:3]
+        plan.starts_on_device = parts[3].to(ID32)
+        if work is not None:
+            plan.tiles_on_device = parts[5].view(-1, 2).to(ID32)
+        return parts[4]
+
+    def _host(self, size: int) -> np.ndarray:
+        """The host buffer, once the last copy from it is done, with room for ``size``."""
+        if self.copied is not None:
+            self.copied.synchronize()  # long done: the step that made it has been collected
+        if self.host.numel() < size:
+            self.host = torch.zeros(2 * size, dtype=torch.int64, pin_memory=self.pinned)
+        return self.host.numpy()
 
 
 def tokens_after(row: ScheduledRequest, count: int) -> list[int]:
@@ -664,10 +753,6 @@ def tokens_after(row: ScheduledRequest, count: int) -> list[int]:
     next step writes again."""
     after = row.request.token_ids[row.start + 1 : row.start + 1 + count]
     return [0 if token == PLACEHOLDER else token for token in after] + [0] * (count - len(after))
-
-
-def _on(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device)
 
 
 def load_eagle3(
