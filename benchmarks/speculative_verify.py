@@ -3,6 +3,7 @@
     python -m benchmarks speculative-verify                  # llama-1b and llama-8b, on the GPU
     python -m benchmarks speculative-verify --models random:llama-1b --batches 1,8 --k 3
     python -m benchmarks speculative-verify --models random:llama-1b --dtype float32
+    python -m benchmarks speculative-verify --method eagle3 --models random:llama-8b --batches 1,8
 
 Each model (random-weight presets by default, engine_core/presets.py) drafts for itself
 (``"method": "draft_model"`` with the model as its own draft: the same seeded weights, so every
@@ -20,6 +21,12 @@ The outputs must be the same tokens both ways: exit status 1 if one differs. ``-
 both engines' (the model's and its cache's); in float32 a self-draft is kept every time up to the
 rounding of float32 sums, in bfloat16 a verify chunk and a one-token step round differently and
 near-ties go either way (docs/design/speculative-decoding.md).
+
+``--method eagle3``: a random EAGLE-3 head at the model's shape drafts instead (written to a
+temporary folder in the published layout: one layer of the target's width, a draft vocabulary
+of 32,000 ids, reading target layers 2, L/2 and L-3). Its drafts are almost never kept, so the
+table shows what the head costs a step (its proposal, its forward beside the target's, the
+verify step), not a speed-up; the outputs must still be the plain engine's.
 """
 
 from __future__ import annotations
@@ -50,6 +57,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batches", default="1,8,32", help="default: %(default)s")
     parser.add_argument("--k", type=int, default=4, help="drafts a step (default: 4)")
+    parser.add_argument(
+        "--method",
+        default="draft_model",
+        choices=["draft_model", "eagle3"],
+        help="the model as its own draft, or a random EAGLE-3 head (default: %(default)s)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=128, help="default: 128")
     parser.add_argument("--max-tokens", type=int, default=256, help="default: 256")
     parser.add_argument("--num-kv-blocks", type=int, default=4096, help="default: 4096")
@@ -231,20 +244,96 @@ def table_row(r: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
 
 
+EAGLE3_DRAFT_VOCAB = 32000  # the published Llama 3 heads'
+
+
+def target_hf_config(model: str) -> dict[str, Any]:
+    """The config.json of ``model``: a ``random:`` preset's, or a folder's."""
+    if model.startswith("random:"):
+        from engine_core.presets import hf_config
+
+        return hf_config(model.removeprefix("random:"))
+    return json.loads((Path(model) / "config.json").read_text())
+
+
+def write_random_eagle3_head(target: dict[str, Any], folder: Path) -> Path:
+    """A random EAGLE-3 head in the published layout at the shape of ``target`` (an HF Llama
+    config): the target's width, heads and MLP, bfloat16 weights of small spread, unit
+    norms, draft ids mapped to target ids 0..N-1 (``d2t`` of zeros), no embedding (shared)."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, mlp = target["hidden_size"], target["intermediate_size"]
+    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim = target.get("head_dim") or hidden // heads
+    draft_vocab = min(EAGLE3_DRAFT_VOCAB, target["vocab_size"])
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+    layer = "midlayer."
+    tensors = {
+        "fc.weight": randn(hidden, 3 * hidden),
+        f"{layer}self_attn.q_proj.weight": randn(heads * head_dim, 2 * hidden),
+        f"{layer}self_attn.k_proj.weight": randn(kv_heads * head_dim, 2 * hidden),
+        f"{layer}self_attn.v_proj.weight": randn(kv_heads * head_dim, 2 * hidden),
+        f"{layer}self_attn.o_proj.weight": randn(hidden, heads * head_dim),
+        f"{layer}mlp.gate_proj.weight": randn(mlp, hidden),
+        f"{layer}mlp.up_proj.weight": randn(mlp, hidden),
+        f"{layer}mlp.down_proj.weight": randn(hidden, mlp),
+        "lm_head.weight": randn(draft_vocab, hidden),
+        "d2t": torch.zeros(draft_vocab, dtype=torch.int64),
+    }
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        tensors[f"{layer}{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors["norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    kept = ("hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")
+    config = {name: target[name] for name in kept if name in target} | {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": mlp,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": target["vocab_size"],
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": hidden,
+        "tie_word_embeddings": False,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def speculative_config(args: argparse.Namespace, model: str, scratch: Path) -> str:
+    """The --speculative-config of ``args.method`` for ``model``."""
+    draft = model
+    if args.method == "eagle3":
+        draft = str(write_random_eagle3_head(target_hf_config(model), scratch / "eagle3-head"))
+    return json.dumps({"method": args.method, "model": draft, "num_speculative_tokens": args.k})
+
+
 def run(args: argparse.Namespace) -> int:
+    import tempfile
+
     header = Provenance.here(args.argv)
     results = []
     for model in args.models.split(","):
-        speculative = json.dumps(
-            {"method": "draft_model", "model": model, "num_speculative_tokens": args.k}
-        )
         plain = measure(args, model, None)
-        spec = measure(args, model, speculative)
+        with tempfile.TemporaryDirectory() as scratch:
+            spec = measure(args, model, speculative_config(args, model, Path(scratch)))
         results += [summarize(model, b, plain[b], spec[b], args.k) for b in plain]
     print(header.format())
+    drafter = "the model as its own draft"
+    if args.method == "eagle3":
+        drafter = f"a random EAGLE-3 head (draft vocabulary {EAGLE3_DRAFT_VOCAB})"
     print(
-        f"the model as its own draft, K = {args.k}, dtype {args.dtype}; {args.prompt_tokens}-token "
-        f"random prompts, {args.max_tokens} tokens each, greedy; medians; ms"
+        f"{drafter}, K = {args.k}, dtype {args.dtype}; {args.prompt_tokens}-token random "
+        f"prompts, {args.max_tokens} tokens each, greedy; medians; ms"
     )
     headers = [
         "model", "batch", "step", "spec step", "proposal", "draft beside", "verify",

@@ -148,6 +148,8 @@ def drafts_of(values: list[list[int]], rows: list[DraftRow]) -> list[list[int]]:
 class ProposalGraphs:
     """The chain captured per batch bucket, over static buffers (see the module's docstring)."""
 
+    name = "draft model"  # what the log calls the proposer
+
     def __init__(
         self,
         model: nn.Module,
@@ -190,20 +192,23 @@ class ProposalGraphs:
             next(s for s in self.batch_sizes if s >= n) for n in range(self.max_batch + 1)
         ]
 
-    def _chain(self, b: int) -> None:
-        """The captured work for ``b`` rows: the chain over the staged rows."""
+    def staged_rows(self, b: int) -> ChainRows:
+        """The first ``b`` staged rows, as the captured chain reads them."""
         staged = self.staged[:b]
-        rows = ChainRows(
+        return ChainRows(
             tokens=staged[:, TOKEN].contiguous(),
             positions=staged[:, POSITION].contiguous(),
             counts=staged[:, COUNT].contiguous(),
             tables=self.tables[:b],
             query_start=self.query_start[: b + 1],
         )
+
+    def _chain(self, b: int) -> None:
+        """The captured work for ``b`` rows: the chain over the staged rows."""
         propose_chain(
             self.model,
             self.backend,
-            rows,
+            self.staged_rows(b),
             self.drafts[:b],
             self.block_size,
             self.max_model_len,
@@ -231,8 +236,8 @@ class ProposalGraphs:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         logger.info(
-            "draft model: captured %d proposal graphs (%d forwards each) in %.1f s",
-            len(self.graphs), self.drafts.shape[1], elapsed,
+            "%s: captured %d proposal graphs (%d forwards each) in %.1f s",
+            self.name, len(self.graphs), self.drafts.shape[1], elapsed,
         )  # fmt: skip
         return elapsed
 

@@ -35,44 +35,66 @@ Drafts are the head's argmax, so keeping a draft exactly when the target draws i
 (engine_core/speculative.py); the head decides only how many tokens a step yields. Its KV
 can be stale in one place: after a prefix-cache hit, the last entry of a cached block holds
 what the request that computed it wrote there (the token after the block in that request, or
-a stand-in where it ended), which may cost a draft, never the output. The head runs eagerly,
-and the target must too: the three hidden states are taken by forward hooks, which a CUDA
-graph replay does not run, so a target with graphs is refused (--enforce-eager).
+a stand-in where it ended), which may cost a draft, never the output.
+
+The target's three hidden states are written by its own forward into a static buffer
+(models/aux_hidden.py), so a CUDA-graph replay of the target fills it as an eager forward does.
+Where the target replays graphs the head does too (``capture_graphs``): its forward beside the
+target's replays a decode or prefill graph of its own (engine_core/cuda_graph.py over
+``HeadEntries``), and a proposal replays one graph of its K chained forwards per batch bucket
+(``HeadProposalGraphs``, the draft model's engine_core/draft_graphs.py with the feature carried
+from forward to forward). The same chain runs eagerly on the CPU and for what no graph fits.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.layer import Attention
+from engine_core.attention.prefill_tiles import prefill_block_m, query_lens, tile_list
 from engine_core.config import ModelConfig
-from engine_core.draft_model import attends_fully
+from engine_core.draft_graphs import (
+    ChainRows,
+    ProposalGraphs,
+    chain_step_inputs,
+    drafts_of,
+    eager_rows,
+)
+from engine_core.draft_model import DraftForwards, attends_fully
 from engine_core.forward_context import forward_context
 from engine_core.loader import default_dtype, iter_checkpoint, read_json, resolve_model_dir
 from engine_core.models import llama_config
+from engine_core.models.aux_hidden import AuxHiddenStates
 from engine_core.models.layers import (
     MergedLinear,
     RotaryEmbedding,
     load_mapped_weights,
     reset_buffers,
 )
-from engine_core.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, make_norm
+from engine_core.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaModel,
+    make_norm,
+)
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.scheduler import PLACEHOLDER
 from engine_core.speculative import DraftRow
 
 if TYPE_CHECKING:
     from engine_core.attention.base import AttentionBackend
+    from engine_core.cuda_graph import CudaGraphRunner, DecodeTail
 
 logger = logging.getLogger(__name__)
 
@@ -141,37 +163,21 @@ class Eagle3Head(nn.Module):
 
     def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """normed [N, H] -> the argmax of the draft vocabulary, as target ids [N] int64."""
-        draft = self.lm_head(normed).argmax(dim=-1)
+        return self.target_ids(self.lm_head(normed).argmax(dim=-1))
+
+    def target_ids(self, draft: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids [N] -> target ids [N] int64 (``d2t``: the offsets)."""
         return draft + self.d2t[draft]
+
+    def plain_logits_weight(self) -> torch.Tensor:
+        """[draft_vocab, H]: draft logits == normed @ W.T (the proposal graphs' argmax tail)."""
+        return self.lm_head.weight
 
     def attention(self) -> Attention:
         return self.midlayer.self_attn.attn
 
 
 # ---- the target's three hidden states --------------------------------------------------------
-
-
-class AuxHiddenStates:
-    """Forward pre-hooks on three of the target's decoder layers: each keeps the residual
-    stream entering its layer (the layer's hidden input plus the residual) in the latest
-    forward; ``take`` hands them out concatenated, [T, 3 * H_target]."""
-
-    def __init__(self, layers: nn.ModuleList, layer_ids: tuple[int, ...]) -> None:
-        self.layer_ids = layer_ids
-        self.states: dict[int, torch.Tensor] = {}
-        for index in dict.fromkeys(layer_ids):
-            layers[index].register_forward_pre_hook(partial(self._keep, index))
-
-    def _keep(self, index: int, module: nn.Module, args: tuple[Any, ...]) -> None:
-        hidden, residual = args[0], args[1]
-        self.states[index] = hidden if residual is None else hidden + residual
-
-    def take(self) -> torch.Tensor:
-        if len(self.states) < len(set(self.layer_ids)):
-            raise RuntimeError("eagle3: the target's forward did not run its hooked layers")
-        states = [self.states[i] for i in self.layer_ids]
-        self.states = {}
-        return torch.cat(states, dim=-1)
 
 
 def aux_layer_ids(head_hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -320,12 +326,13 @@ def checked_d2t(d2t: torch.Tensor | None, draft_vocab: int, vocab: int) -> torch
     return d2t.long()
 
 
-def check_target(target: nn.Module, config: ModelConfig) -> nn.ModuleList:
-    """The target's decoder layers, refusing a target the head cannot read hidden states from
-    (each layer must be a Llama-layout layer, whose inputs are the hidden and the residual)."""
-    layers = getattr(getattr(target, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or any(
-        type(layer) is not LlamaDecoderLayer for layer in layers
+def check_target(target: nn.Module, config: ModelConfig) -> LlamaModel:
+    """The target's decoder body, refusing a target the head cannot read hidden states from:
+    LlamaModel's decoder loop writes them (models/aux_hidden.py), over Llama-layout layers,
+    whose inputs are the hidden and the residual."""
+    body = getattr(target, "model", None)
+    if type(body) is not LlamaModel or any(
+        type(layer) is not LlamaDecoderLayer for layer in body.layers
     ):
         raise ValueError(
             f"{WHERE}: the target must be a Llama-family model (Llama, Mistral, Qwen2/3, their "
@@ -338,7 +345,94 @@ def check_target(target: nn.Module, config: ModelConfig) -> nn.ModuleList:
             f"{WHERE}: the target has sliding-window or chunked attention layers, whose block "
             "tables the head's cache cannot share yet"
         )
-    return layers
+    return body
+
+
+# ---- the proposal's chain and its graphs ------------------------------------------------------
+
+
+def propose_head_chain(
+    head: Eagle3Head,
+    embed: nn.Module,
+    backend: AttentionBackend,
+    rows: ChainRows,  # positions: each row's entry before its last known token (p - 1)
+    feature: torch.Tensor,  # [b, H]: the target's feature at each row's p - 1
+    drafts: torch.Tensor,  # [b, K] int64: draft j of each row into column j
+    block_size: int,
+    max_seq_len: int,
+    tail: DecodeTail | None = None,
+    host_rows: Sequence[tuple[int, int]] | None = None,
+) -> None:
+    """The K forwards of a proposal, all on the device: forward j writes each live row's entry
+    at p - 1 + j (its last known token, then draft j - 1) and gives draft j; the feature of
+    forward j + 1 is forward j's residual stream. Rows past their count are dead, as in the
+    draft model's chain (engine_core/draft_graphs.py). ``tail``: the draft vocabulary's
+    logits and argmax on the graphs' kernels (CUDA), else the head's own."""
+    tokens = rows.tokens
+    for j in range(drafts.shape[1]):
+        positions, meta = chain_step_inputs(rows, j, block_size, max_seq_len, host_rows)
+        with forward_context(meta, backend):
+            feature, normed = head(embed(tokens), feature, positions)  # [b, H] each
+        if tail is not None:
+            tail.run(normed)
+            draft = tail.argmax[: normed.shape[0]]
+        else:
+            draft = head.lm_head(normed).argmax(dim=-1)
+        tokens = head.target_ids(draft)
+        drafts[:, j].copy_(tokens)
+
+
+class HeadProposalGraphs(ProposalGraphs):
+    """The head's chain captured per batch bucket: the draft model's graphs
+    (engine_core/draft_graphs.py), with each row's first feature staged beside its row."""
+
+    name = "eagle3 head"
+
+    def __init__(
+        self, head: Eagle3Head, embed: nn.Module, backend: AttentionBackend, **kwargs: Any
+    ) -> None:
+        self.embed = embed
+        super().__init__(head, backend, **kwargs)
+        weight = head.fc.weight  # [H, 3 * H_target]
+        self.feature = weight.new_zeros((self.max_batch, weight.shape[0]))
+
+    def _chain(self, b: int) -> None:
+        propose_head_chain(
+            self.model,
+            self.embed,
+            self.backend,
+            self.staged_rows(b),
+            self.feature[:b],
+            self.drafts[:b],
+            self.block_size,
+            self.max_model_len,
+            self.tail,
+        )
+
+    def propose_from(self, rows: list[DraftRow], features: list[torch.Tensor]) -> list[list[int]]:
+        """``rows`` as the chain reads them (at p - 1) and their features [H] each."""
+        torch.stack(features, out=self.feature[: len(rows)])
+        return self.propose(rows)
+
+
+class HeadEntries(nn.Module):
+    """The head's forward over a step's entries as a CudaGraphRunner runs a model, (ids,
+    positions) -> [T, H]: the entries' features are staged first into ``feature``, which the
+    captured graphs read."""
+
+    def __init__(self, head: Eagle3Head, embed: nn.Module, max_rows: int) -> None:
+        super().__init__()
+        self.head, self.embed = head, embed
+        weight = head.fc.weight  # [H, 3 * H_target]
+        self.feature = weight.new_zeros((max_rows, weight.shape[0]))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        stream, _ = self.head(self.embed(input_ids), self.feature[: input_ids.shape[0]], positions)
+        return stream
+
+    def plain_logits_weight(self) -> None:
+        """No logits: the entries only write the head's KV."""
+        return None
 
 
 # ---- the proposer ----------------------------------------------------------------------------
@@ -355,8 +449,9 @@ class Features:
 
 
 class Eagle3Proposer:
-    """The head, its KV cache (owned here, as the model runner owns the target's) and the
-    features it keeps between a step and the next proposal; a speculative.BatchProposer."""
+    """The head, its KV cache (owned here, as the model runner owns the target's), the buffer
+    the target's forward writes its hidden states into, and the features it keeps between a
+    step and the next proposal; a speculative.BatchProposer."""
 
     def __init__(
         self,
@@ -377,6 +472,11 @@ class Eagle3Proposer:
         self.block_size = 0
         self.cache: list[torch.Tensor] = []
         self.backend: AttentionBackend | None = None
+        self.step_graphs: CudaGraphRunner | None = None  # its forwards beside the target's
+        self.entries_model: HeadEntries | None = None  # what those graphs captured
+        self.proposal_graphs: HeadProposalGraphs | None = None
+        self.staging = EntryStaging(device)
+        self.forwards = DraftForwards()
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -397,6 +497,30 @@ class Eagle3Proposer:
             sum(t.numel() * t.element_size() for t in own) / 2**30,
         )
 
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int) -> None:
+        """CUDA graphs for the head, where the target has them (after ``allocate_cache``: they
+        bake in its cache's addresses): for its forward beside the target's, decode graphs and
+        prefill graphs of up to the target's ``prefill_tokens`` plus one entry a row (the
+        entry before each row's first position); the proposal's chain per batch bucket."""
+        from engine_core.cuda_graph import CudaGraphRunner
+
+        assert self.backend is not None
+        common = {"max_model_len": max_model_len, "device": self.device}
+        entry_tokens = prefill_tokens + max_num_seqs if prefill_tokens else 0
+        self.entries_model = HeadEntries(self.head, self.embed, max(max_num_seqs, entry_tokens))
+        self.step_graphs = CudaGraphRunner(
+            self.entries_model, self.backend, max_num_seqs=max_num_seqs,
+            block_size=self.block_size, hidden_size=self.head.fc.out_features, dtype=self.dtype,
+            max_prefill_tokens=entry_tokens, **common,
+        )  # fmt: skip
+        self.step_graphs.capture(progress=False)
+        self.proposal_graphs = HeadProposalGraphs(
+            self.head, self.embed, self.backend, max_rows=max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // self.block_size), num_drafts=self.max_drafts,
+            block_size=self.block_size, vocab_size=self.head.lm_head.out_features, **common,
+        )  # fmt: skip
+        self.proposal_graphs.capture()
+
     # ---- every step: the head's entries for the target's positions ----------------------------
 
     @torch.inference_mode()
@@ -404,69 +528,64 @@ class Eagle3Proposer:
         """Write the head's entries for the step (``meta``: the target's forward's): each
         row's positions with the tokens after them, and the entry before its first position
         again, now that its token is known (the last step's stand-in); keep the features a
-        proposal may start from."""
+        proposal may start from. A graph replay where the entries fit one of the head's."""
         assert self.backend is not None
-        feature = self.head.fc(self.aux.take().to(self.dtype))  # [T, H]
-        entries = self._entries(out, feature, meta)
-        with forward_context(entries.meta, self.backend):
-            self.head(self.embed(entries.tokens), entries.feature, entries.positions)
-        self._keep_features(out, feature, meta.query_start_loc_cpu)
-
-    def _entries(
-        self, out: SchedulerOutput, feature: torch.Tensor, meta: AttentionMetadata
-    ) -> Entries:
-        """The step's entries, row by row: the one before the row's first position where the
-        request's feature there was kept (any row but a request's first), then one a
-        position. Each row's context still ends at the target's (the same seq_lens)."""
-        query_start, bs = meta.query_start_loc_cpu, self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        parts: list[torch.Tensor] = []
-        starts = [0]
-        for i, s in enumerate(out.scheduled):
-            count = query_start[i + 1] - query_start[i]
-            row_positions = list(range(s.start, s.start + count))
-            before = self._kept_feature(s.request.request_id, s.start - 1)
-            if before is not None:
-                row_positions.insert(0, s.start - 1)
-                tokens.append(s.request.token_ids[s.start])
-                parts.append(before[None])
-            tokens += tokens_after(s, count)
-            parts.append(feature[query_start[i] : query_start[i + 1]])
-            positions += row_positions
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in row_positions]
-            starts.append(starts[-1] + len(row_positions))
-        device = self.device
-        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        query_start = meta.query_start_loc_cpu
+        aux = self.aux.take(query_start[-1])  # the target's forward wrote it, graph or not
+        feature = self.head.fc(aux.to(self.dtype))  # [T, H]
+        plan = plan_entries(out, query_start, self._kept_feature, self.block_size)
+        kept_rows = self.staging.stage(plan, self.backend_tiles)
         entries_meta = AttentionMetadata(
-            slot_mapping=_on(slots, torch.int64, device),
-            query_start_loc=_on(starts, ID32, device),
+            slot_mapping=plan.slots_on_device,
+            query_start_loc=plan.starts_on_device,
             seq_lens=meta.seq_lens,
             block_tables=meta.block_tables,
-            max_query_len=max(lengths),
+            max_query_len=max(plan.lengths),
             max_seq_len=meta.max_seq_len,
-            query_start_loc_cpu=starts,
+            query_start_loc_cpu=plan.starts,
             seq_lens_cpu=meta.seq_lens_cpu,
+            prefill_tiles=plan.tiles_on_device,
         )
-        return Entries(
-            _on(tokens, torch.int64, device),
-            _on(positions, torch.int64, device),
-            torch.cat(parts),
-            entries_meta,
-        )
+        parts = plan.features_of(feature, query_start)  # [n_i, H] each, in entry order
+        graphs = self.step_graphs
+        if graphs is not None and graphs.can_run(entries_meta):
+            assert self.entries_model is not None
+            torch.cat(parts, out=self.entries_model.feature[: len(plan.tokens)])
+            graphs.run(plan.tokens_on_device, plan.positions_on_device, entries_meta)
+            self.forwards.alongside_replays += 1
+        else:
+            features = torch.cat(parts)
+            with forward_context(entries_meta, self.backend):
+                self.head(self.embed(plan.tokens_on_device), features, plan.positions_on_device)
+            self.forwards.alongside_eager += 1
+        self._keep_features(out, plan, feature.index_select(0, kept_rows))
 
-    def _keep_features(
-        self, out: SchedulerOutput, feature: torch.Tensor, query_start: list[int]
-    ) -> None:
-        """For each row, f of its last position and, for a verify chunk, of every position
-        (the next proposal starts after its last kept draft); finished requests' go."""
-        features = {k: f for k, f in self.features.items() if not f.request.is_finished}
-        for i, s in enumerate(out.scheduled):
-            end = query_start[i + 1]
-            begin = max(query_start[i], end - 1 - len(s.drafts))
-            first = s.start + (begin - query_start[i])
-            features[s.request.request_id] = Features(s.request, first, feature[begin:end].clone())
+    @property
+    def backend_tiles(self) -> bool:
+        """Whether the backend reads a prefill work list (Triton): staged with the entries."""
+        return self.device.type == "cuda"
+
+    def _keep_features(self, out: SchedulerOutput, plan: EntryPlan, rows: torch.Tensor) -> None:
+        """Keep, for each row of the step, f of its last position and, for a verify chunk, of
+        every position (the next proposal starts after its last kept draft): ``rows``, the
+        step's kept rows in order. Requests the step did not run keep theirs, copied into the
+        same tensor, so one step's tensor holds every kept feature (none outlives its step's
+        successor); finished requests' go."""
+        scheduled = {s.request.request_id for s in out.scheduled}
+        carried = [
+            f for k, f in self.features.items() if k not in scheduled and not f.request.is_finished
+        ]
+        if carried:
+            rows = torch.cat([rows, *(f.rows for f in carried)])
+        features: dict[str, Features] = {}
+        at = 0
+        spans = [
+            (s.request, first, n) for s, (first, n) in zip(out.scheduled, plan.kept, strict=True)
+        ]
+        spans += [(f.request, f.first, f.rows.shape[0]) for f in carried]
+        for request, first, n in spans:
+            features[request.request_id] = Features(request, first, rows[at : at + n])
+            at += n
         self.features = features
 
     # ---- proposing ----------------------------------------------------------------------------
@@ -475,35 +594,26 @@ class Eagle3Proposer:
     def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
         """``row.count`` greedy drafts for each row: forward 1 rewrites the entry at the row's
         position - 1 (its last token, the target's feature there), forward j + 1 writes the
-        entry of draft j (the head's stream); K forwards over the rows still drafting."""
+        entry of draft j (the head's stream); K chained forwards over all the rows
+        (``propose_head_chain``), a graph replay where one fits. The rows go to the device
+        once and the drafts come back once."""
         assert self.backend is not None
-        device = self.device
-        tables = _block_tables([r.block_ids for r in rows], device)  # [B, W]
-        tokens = _on([r.token for r in rows], torch.int64, device)  # [B]
-        host_positions = [r.position - 1 for r in rows]
-        positions = _on(host_positions, torch.int64, device)  # [B]
-        feature = torch.stack([self._feature_before(r) for r in rows])  # [B, H]
-        live = list(range(len(rows)))
-        drafts: list[list[int]] = [[] for _ in rows]
-        steps: list[tuple[list[int], torch.Tensor]] = []
-        for j in range(max(r.count for r in rows)):
-            keep = [n for n, i in enumerate(live) if rows[i].count > j]
-            if len(keep) < len(live):  # a row near its length limit wants fewer drafts
-                index = _on(keep, torch.int64, device)
-                tables, tokens = tables[index], tokens[index]
-                positions, feature = positions[index], feature[index]
-                live = [live[n] for n in keep]
-            lengths = [host_positions[i] + j + 1 for i in live]
-            meta = _one_token_metadata(tables, positions, lengths, self.block_size)
-            with forward_context(meta, self.backend):
-                feature, normed = self.head(self.embed(tokens), feature, positions)
-            tokens = self.head.draft_ids(normed)
-            steps.append((live, tokens))
-            positions = positions + 1
-        for live_rows, ids in steps:
-            for i, token in zip(live_rows, ids.tolist(), strict=True):
-                drafts[i].append(token)
-        return drafts
+        features = [self._feature_before(r) for r in rows]  # [H] each
+        chain_rows = [replace(r, position=r.position - 1) for r in rows]
+        graphs = self.proposal_graphs
+        if graphs is not None and graphs.can_run(chain_rows):
+            self.forwards.proposal_replays += 1
+            return graphs.propose_from(chain_rows, features)
+        chain = eager_rows(chain_rows, self.device)
+        drafts = torch.zeros((len(rows), max(r.count for r in rows)), dtype=torch.int64)
+        drafts = drafts.to(self.device)
+        host_rows = [(r.position, r.count) for r in chain_rows]
+        propose_head_chain(
+            self.head, self.embed, self.backend, chain, torch.stack(features), drafts,
+            self.block_size, 0, host_rows=host_rows,
+        )  # fmt: skip
+        self.forwards.proposal_eager += 1
+        return drafts_of(drafts.tolist(), rows)
 
     def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
         """f at ``position`` of a request, where the step that computed it kept it."""
@@ -524,13 +634,117 @@ class Eagle3Proposer:
 
 
 @dataclass
-class Entries:
-    """A forward of the head over entries: tokens and positions [N], features [N, H]."""
+class EntryPlan:
+    """A step's entries for the head, planned on the host: tokens, positions and slots [N],
+    the rows' entry starts [B + 1], and per row whether it starts with the entry before its
+    first position (its feature kept from an earlier step); the rows of the step's features
+    each row keeps, (first position, count) per row and their indices [R] into the step's
+    rows. Their device copies are set by ``EntryStaging.stage``."""
 
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    feature: torch.Tensor
-    meta: AttentionMetadata
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    starts: list[int]
+    before: list[torch.Tensor | None]  # [H] per row, or None
+    kept: list[tuple[int, int]]
+    kept_rows: list[int]
+    tokens_on_device: torch.Tensor = field(init=False)
+    positions_on_device: torch.Tensor = field(init=False)
+    slots_on_device: torch.Tensor = field(init=False)
+    starts_on_device: torch.Tensor = field(init=False)
+    tiles_on_device: torch.Tensor | None = field(init=False, default=None)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
+
+    def features_of(self, feature: torch.Tensor, query_start: list[int]) -> list[torch.Tensor]:
+        """The entries' features in order: per row, the kept one before it (if any), then the
+        step's rows of its positions (``feature`` [T, H])."""
+        parts: list[torch.Tensor] = []
+        for i, before in enumerate(self.before):
+            if before is not None:
+                parts.append(before[None])
+            parts.append(feature[query_start[i] : query_start[i + 1]])
+        return parts
+
+
+def plan_entries(
+    out: SchedulerOutput,
+    query_start: list[int],
+    kept_feature: Callable[[str, int], torch.Tensor | None],
+    block_size: int,
+) -> EntryPlan:
+    """The step's entries, row by row: the one before the row's first position where the
+    request's feature there was kept (any row but a request's first), then one a position,
+    each with the token after it. Each row's context still ends at the target's (the same
+    seq_lens). And the features each row keeps: its last position's and, for a verify chunk,
+    every drafted position's."""
+    plan = EntryPlan([], [], [], [0], [], [], [])
+    for i, s in enumerate(out.scheduled):
+        begin, end = query_start[i], query_start[i + 1]
+        row_positions = list(range(s.start, s.start + end - begin))
+        before = kept_feature(s.request.request_id, s.start - 1)
+        plan.before.append(before)
+        if before is not None:
+            row_positions.insert(0, s.start - 1)
+            plan.tokens.append(s.request.token_ids[s.start])
+        plan.tokens += tokens_after(s, end - begin)
+        plan.positions += row_positions
+        plan.slots += [s.block_ids[p // block_size] * block_size + p % block_size
+                       for p in row_positions]  # fmt: skip
+        plan.starts.append(plan.starts[-1] + len(row_positions))
+        first_kept = max(begin, end - 1 - len(s.drafts))
+        plan.kept.append((s.start + first_kept - begin, end - first_kept))
+        plan.kept_rows += range(first_kept, end)
+    return plan
+
+
+class EntryStaging:
+    """The host-to-device copy of a step's entry plan: one copy of all its integers, from
+    pinned memory on CUDA, so the host never waits there for the target's forward (a copy
+    from pageable memory would), with the prefill work list where the backend reads one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host = torch.zeros(0, dtype=torch.int64)
+        self.copied = torch.cuda.Event() if self.pinned else None
+
+    def stage(self, plan: EntryPlan, tiles: bool) -> torch.Tensor:
+        """Set the plan's device tensors; returns its kept rows' indices [R] on the device."""
+        columns = [plan.tokens, plan.positions, plan.slots, plan.starts, plan.kept_rows]
+        work = None
+        if tiles and max(plan.lengths) > 1:  # a prefill-shaped forward: its work list
+            work = tile_list(query_lens(plan.starts), prefill_block_m(plan.starts[-1]))
+        sizes = [len(c) for c in columns] + ([work.size] if work is not None else [])
+        host = self._host(sum(sizes))
+        at = 0
+        for values in columns:
+            host[at : at + len(values)] = values
+            at += len(values)
+        if work is not None:
+            host[at : at + work.size] = work.reshape(-1)
+        staged = self.host[: sum(sizes)]
+        if self.pinned:
+            staged = staged.to(self.device, non_blocking=True)
+            self.copied.record()
+        else:
+            staged = staged.clone()
+        parts = staged.split(sizes)
+        plan.tokens_on_device, plan.positions_on_device, plan.slots_on_device = parts[:3]
+        plan.starts_on_device = parts[3].to(ID32)
+        if work is not None:
+            plan.tiles_on_device = parts[5].view(-1, 2).to(ID32)
+        return parts[4]
+
+    def _host(self, size: int) -> np.ndarray:
+        """The host buffer, once the last copy from it is done, with room for ``size``."""
+        if self.copied is not None:
+            self.copied.synchronize()  # long done: the step that made it has been collected
+        if self.host.numel() < size:
+            self.host = torch.zeros(2 * size, dtype=torch.int64, pin_memory=self.pinned)
+        return self.host.numpy()
 
 
 def tokens_after(row: ScheduledRequest, count: int) -> list[int]:
@@ -541,49 +755,20 @@ def tokens_after(row: ScheduledRequest, count: int) -> list[int]:
     return [0 if token == PLACEHOLDER else token for token in after] + [0] * (count - len(after))
 
 
-def _one_token_metadata(
-    tables: torch.Tensor, positions: torch.Tensor, lengths: list[int], block_size: int
-) -> AttentionMetadata:
-    """One token per row at ``positions`` [b] (on the device), whose tables [b, W] cover
-    them; ``lengths`` the rows' entries with it, on the host."""
-    blocks = tables.gather(1, (positions // block_size)[:, None]).squeeze(1).long()  # [b]
-    rows = len(lengths)
-    return AttentionMetadata(
-        slot_mapping=blocks * block_size + positions % block_size,
-        query_start_loc=torch.arange(rows + 1, dtype=ID32, device=tables.device),
-        seq_lens=(positions + 1).to(ID32),
-        block_tables=tables,
-        max_query_len=1,
-        max_seq_len=max(lengths),
-        query_start_loc_cpu=list(range(rows + 1)),
-        seq_lens_cpu=lengths,
-    )
-
-
-def _on(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device)
-
-
-def _block_tables(tables: list[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """[B, W] int32 on ``device``, padded with block 0 (never read: past each row's length)."""
-    width = max(len(t) for t in tables)
-    host = torch.zeros((len(tables), width), dtype=ID32)
-    for i, table in enumerate(tables):
-        host[i, : len(table)] = torch.as_tensor(table, dtype=ID32)
-    return host.to(device)
-
-
 def load_eagle3(
     model: str,
     target: nn.Module,
     target_config: ModelConfig,
     max_drafts: int,
+    max_tokens: int,
     device: torch.device,
     dtype: torch.dtype,
 ) -> Eagle3Proposer:
     """The proposer of ``"method": "eagle3"``: the head loaded and checked against the
-    target, the target's layers hooked for their hidden states."""
-    layers = check_target(target, target_config)
+    target, and the buffer the target's forward writes its hidden states into (rows for a
+    step of ``max_tokens`` tokens, the most any forward of the target runs), tapped into
+    its decoder loop."""
+    body = check_target(target, target_config)
     head, shape = load_head(model, target_config, device, dtype)
     logger.info(
         "eagle3 head: hidden %d, draft vocabulary %d, reading target layers %s",
@@ -591,6 +776,9 @@ def load_eagle3(
         shape.draft_vocab,
         list(shape.layer_ids),
     )
-    aux = AuxHiddenStates(layers, shape.layer_ids)
-    embed = head.embed_tokens if head.embed_tokens is not None else target.model.embed_tokens
+    aux = AuxHiddenStates.allocate(
+        shape.layer_ids, max_tokens, target_config.hidden_size, dtype, device
+    )
+    body.aux_hidden_states = aux
+    embed = head.embed_tokens if head.embed_tokens is not None else body.embed_tokens
     return Eagle3Proposer(head, aux, embed, max_drafts, device, dtype)

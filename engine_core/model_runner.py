@@ -364,16 +364,14 @@ class ModelRunner:
         return DraftModel(loaded, spec.num_speculative_tokens, self.device, self.dtype)
 
     def _load_eagle3(self, model: str | None, max_drafts: int) -> Eagle3Proposer:
-        """The EAGLE-3 head (engine_core/eagle3.py), refusing what it cannot run beside."""
+        """The EAGLE-3 head (engine_core/eagle3.py), refusing what it cannot run beside; the
+        target's forward then writes the hidden states it reads, for any step this engine
+        runs (up to --max-num-batched-tokens rows; a decode graph's up to --max-num-seqs)."""
         assert model is not None  # SpeculativeConfig.check
-        if build_target(self.config, self.device, self.dtype).cuda_graphs:
-            raise ValueError(
-                "--speculative-config method 'eagle3' runs the target eagerly (its hidden "
-                "states are taken by hooks, which a CUDA-graph replay does not run): pass "
-                "--enforce-eager"
-            )
-        config, device, dtype = self.model_config, self.device, self.dtype
-        return load_eagle3(model, self.model, config, max_drafts, device, dtype)
+        config = self.config
+        rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+        mc, device, dtype = self.model_config, self.device, self.dtype
+        return load_eagle3(model, self.model, mc, max_drafts, rows, device, dtype)
 
     def _install_lora(self) -> LoraManager:
         """Give every targetable projection its adapter slots (engine_core/lora/), and the

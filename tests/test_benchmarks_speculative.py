@@ -67,3 +67,25 @@ def test_the_verify_benchmark_runs_the_model_as_its_own_draft(
     assert [r["batch"] for r in results] == [1, 3]
     assert all(r["same_tokens"] and r["tokens_per_step"] == 5.0 for r in results)
     assert all(r["kept"] == 1.0 for r in results)
+
+
+@pytest.mark.slow
+def test_the_verify_benchmark_runs_a_random_eagle3_head(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--method eagle3``: a random head written at the model's shape drafts (eagerly on the
+    CPU), and the outputs are still the plain engine's."""
+    import json
+
+    from tests.factories import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "llama", vocab_size=49152, num_layers=4)
+    out = tmp_path / "verify.json"
+    argv = ["speculative-verify", "--method", "eagle3", "--models", str(model), "--device",
+            "cpu", "--batches", "2", "--max-tokens", "12", "--prompt-tokens", "16", "--k", "3",
+            "--num-kv-blocks", "128", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0  # 0: the same tokens with drafts and without
+    assert "a random EAGLE-3 head" in capsys.readouterr().out
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["same_tokens"] and result["eager_draft_forwards"] > 0
+    assert result["proposal_ms"] > 0 and result["draft_alongside_ms"] > 0

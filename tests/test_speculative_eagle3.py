@@ -94,6 +94,38 @@ def test_a_head_in_the_published_layout_loads(spec: LLM) -> None:
     assert drafter.embed is spec.engine.runner.model.model.embed_tokens  # shared
 
 
+def test_the_forward_writes_hf_hidden_states_entering_the_chosen_layers(
+    tmp_path: Path, target_dir: Path, plain: LLM
+) -> None:
+    """The target's own forward writes the residual stream entering the head's layers (here
+    0, the embedding; 3; and 1) into the runner's buffer, column block by column block, equal
+    to HF's output_hidden_states there; no hook is left on any layer, and an engine without
+    a head has no taps."""
+    from transformers import LlamaForCausalLM
+
+    layer_ids = [0, 3, 1]
+    head = write_eagle3_head(
+        tmp_path / "head",
+        VOCAB,
+        torch.tensor([3, 3]),
+        config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+    )
+    llm = LLM(str(target_dir), speculative_config=eagle3_config(head), **OPTIONS)
+    prompt = PROMPTS[2]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([prompt], params, detokenize=False)  # one forward: the prompt's
+    got = llm.engine.runner.drafter.aux.take(len(prompt)).float()
+    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[i][0] for i in layer_ids], dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    body = llm.engine.runner.model.model
+    assert body.aux_hidden_states is llm.engine.runner.drafter.aux
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in body.layers)
+    assert plain.engine.runner.model.model.aux_hidden_states is None
+
+
 def bad_head(tmp_path: Path, config: dict | None = None, tensors: dict | None = None) -> Path:
     d2t = torch.tensor([3, 3, 3, 3])
     return write_eagle3_head(tmp_path / "head", VOCAB, d2t, config=config, tensors=tensors)

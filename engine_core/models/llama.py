@@ -25,6 +25,7 @@ from torch import nn
 
 from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
+from engine_core.models.aux_hidden import AuxHiddenStates
 from engine_core.models.fp8 import attach_fp8_rows, fp8_kernels, takes_fp8_rows
 from engine_core.models.gate_up_layout import GLU_HALF, interleave_gate_up
 from engine_core.models.gpt_oss_moe import GptOssMoE
@@ -374,6 +375,9 @@ class LlamaModel(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = make_norm(config, config.hidden_size) if self.stage.is_last else MissingLayer()
+        # Where an EAGLE-3 head drafts from this model, the runner's buffer for the residual
+        # stream entering its chosen layers (models/aux_hidden.py); None: no taps, no cost.
+        self.aux_hidden_states: AuxHiddenStates | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]; Gemma scales by sqrt(hidden) rounded to the embedding's
@@ -394,7 +398,10 @@ class LlamaModel(nn.Module):
             if self.local_rotary_emb is None
             else self.local_rotary_emb(positions, hidden.dtype)
         )
+        aux = self.aux_hidden_states
         for i in self.stage_layers:
+            if aux is not None and i in aux.columns:
+                aux.keep(i, hidden, residual)
             cos, sin = local if self.uses_local_rope[i] else rope
             hidden, residual = self.layers[i](hidden, residual, cos, sin)
         if not self.stage.is_last:
