@@ -469,6 +469,7 @@ class InputBatch:
         num_tokens, num_seqs = layout.counts[:2]
         # As many tokens as sequences: one each (a decode step).
         max_query_len = 1 if num_tokens == num_seqs else int(np.diff(query_start).max())
+        uniform = max_query_len > 1 and num_tokens == num_seqs * max_query_len
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"],
             query_start_loc=views["query_start_loc"],
@@ -479,6 +480,7 @@ class InputBatch:
             query_start_loc_cpu=query_start.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             prefill_tiles=views["prefill_tiles"] if layout.count("prefill_tiles") else None,
+            uniform_query_len=max_query_len if uniform else 0,
         )
         group_metadata = ()
         if layout.counts[6] > 1:
