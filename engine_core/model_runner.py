@@ -723,18 +723,27 @@ class ModelRunner:
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.warning("the attention backend reads host values; running decode eagerly")
             return None
-        from engine_core.cuda_graph import CudaGraphRunner, prefill_graph_bounds
+        from engine_core.cuda_graph import (
+            CudaGraphRunner,
+            prefill_graph_bounds,
+            verify_graph_queries,
+        )
 
         max_prefill_tokens, extend_prefill_to = prefill_graph_bounds(
             self.config.max_prefill_graph_tokens,
             self.config.max_num_batched_tokens,
             self.config.tensor_parallel_size,
         )
+        spec = self.config.speculation()
+        # Verify steps of K drafts get graphs of their own where the verify kernel serves every
+        # layer (docs/design/speculative-decoding.md).
+        drafts = 0 if spec is None else spec.num_speculative_tokens
+        verify_queries = verify_graph_queries(self.model, self.backend, drafts) if drafts else 0
         if not all(getattr(module, "prompt_graphs_safe", True) for module in self.model.modules()):
             # DeepSeek's latent attention: its decode steps read no host value, its prompt
             # steps do (attention/triton_mla.py).
             logger.info("%s: prompt steps run eagerly", type(self.model).__name__)
-            max_prefill_tokens, extend_prefill_to = 0, 0
+            max_prefill_tokens, extend_prefill_to, verify_queries = 0, 0, 0
         runner = CudaGraphRunner(
             self.model,
             self.backend,
@@ -748,6 +757,7 @@ class ModelRunner:
             extend_prefill_to=extend_prefill_to,
             vocab_size=self.model_config.vocab_size,
             lora_slots=self.config.max_loras if self.loras is not None else 0,
+            verify_queries=verify_queries,
         )
         runner.capture()
         if self.drafter is not None:  # its forwards replay where the target's do
