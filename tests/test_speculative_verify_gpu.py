@@ -9,6 +9,7 @@ head shapes: tests/test_verify_attention.py. Skipped without CUDA."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_speculative_draft_gpu import K, count_target_replays, engine, spec_counts, workload
-
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, requires_cuda]
+K = 4
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
 MAX_SEQS = 16
@@ -121,22 +121,66 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+def engine(model_dir: Path, speculative: bool) -> Any:
+    """A float32 engine on the GPU with its CUDA graphs; with ``speculative`` the model drafts
+    for itself, K a step."""
+    from engine_core.llm import LLM
+
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K}
+    return LLM(
+        str(model_dir), device="cuda", dtype="float32", block_size=BLOCK_SIZE,
+        num_kv_blocks=256, max_num_seqs=8,
+        speculative_config=json.dumps(spec) if speculative else None,
+    )  # fmt: skip
+
+
+def workload() -> tuple[list[list[int]], list[Any]]:
+    """Six rows (the graphs' bucket of 8 pads two), contexts across block borders, one row
+    that stops inside a drafted run (its last steps verify fewer drafts: prefill-shaped)."""
+    from protocol.messages import SamplingParams
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (1, 9, 16, 33, 70, 5)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 5
+    params.append(SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+    return prompts, params
+
+
+def count_forwards(runner: Any) -> dict[str, int]:
+    """Count the target's forwards and, of them, its graph replays (instance attributes over
+    the runner's methods: this engine is the test's own)."""
+    counts = {"forwards": 0, "replays": 0}
+    forward, replay = runner._forward, runner.graph_runner.run
+
+    def counted_forward(*args: Any) -> Any:
+        counts["forwards"] += 1
+        return forward(*args)
+
+    def counted_replay(*args: Any) -> Any:
+        counts["replays"] += 1
+        return replay(*args)
+
+    runner._forward, runner.graph_runner.run = counted_forward, counted_replay
+    return counts
+
+
 def test_a_self_draft_in_float32_keeps_every_draft_through_verify_graphs(model_dir: Path) -> None:
     """The target's and the draft's verify steps replay verify graphs (every target forward a
     replay), every draft is kept, and the tokens are the plain engine's."""
     prompts, params = workload()
-    plain = engine(model_dir, "float32", speculative=False)
+    plain = engine(model_dir, speculative=False)
     want = [o.token_ids for o in plain.generate(prompts, params, detokenize=False)]
     del plain
-    spec = engine(model_dir, "float32", speculative=True)
+    spec = engine(model_dir, speculative=True)
     runner = spec.engine.runner
     target_graphs, draft_graphs = runner.graph_runner, runner.drafter.step_graphs
     assert target_graphs.verify_queries == draft_graphs.verify_queries == K + 1
     before = (target_graphs.verify_replays, draft_graphs.verify_replays)
-    target = count_target_replays(runner)
+    target = count_forwards(runner)
     got = [o.token_ids for o in spec.generate(prompts, params, detokenize=False)]
     assert got == want
-    drafted, kept = spec_counts(spec)
+    counts = spec.engine.scheduler.counts()
+    drafted, kept = counts.spec_draft_tokens, counts.spec_accepted_tokens
     assert kept == drafted > 0, f"{kept} of {drafted} self-drafts kept in float32"
     assert target["replays"] == target["forwards"] > 0
     verified = (target_graphs.verify_replays - before[0], draft_graphs.verify_replays - before[1])
