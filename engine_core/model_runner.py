@@ -313,6 +313,7 @@ class ModelRunner:
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             kv_windows=self.kv_layout.windows,
             kv_attention_chunks=self.kv_layout.attention_chunks,
+            mark_uniform=config.speculation() is not None,  # its verify steps (speculative.py)
         )
         self._init_step_state()
 

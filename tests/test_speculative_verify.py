@@ -33,8 +33,8 @@ def chunk(name: str, known: int, new: int, drafts: int = 0) -> ScheduledRequest:
     return ScheduledRequest(request, new, blocks, start, True, tuple([5] * drafts))
 
 
-def packed_uniform(rows: list[ScheduledRequest]) -> int:
-    batch = InputBatch(torch.device("cpu"), BLOCK, 256, 8, 64)
+def packed_uniform(rows: list[ScheduledRequest], mark: bool = True) -> int:
+    batch = InputBatch(torch.device("cpu"), BLOCK, 256, 8, 64, mark_uniform=mark)
     return batch.pack(SchedulerOutput(rows), [], None).meta.uniform_query_len
 
 
@@ -49,6 +49,8 @@ def test_a_step_of_equal_chunks_is_marked_with_their_length() -> None:
     assert packed_uniform([chunk(f"d{i}", 10 + i, 1) for i in range(3)]) == 0
     # The mark is the shape alone: prompt chunks as long as each other attend the same way.
     assert packed_uniform([chunk("p", 5, 5), chunk("q", 12, 5)]) == 5
+    # A plain engine's input batch marks nothing (its runner asks for no marks).
+    assert packed_uniform(verify, mark=False) == 0
 
 
 def record_steps(llm: LLM) -> list[tuple[int, list[int]]]:
@@ -78,6 +80,7 @@ def test_a_self_draft_verifies_in_marked_steps_and_gives_the_plain_tokens(
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = LLM(str(model), **options)
     want = [o.token_ids for o in plain.generate(prompts, params, detokenize=False)]
+    assert not plain.engine.runner.input_batch.mark_uniform
     spec = LLM(str(model), speculative_config=draft_config(model, K), **options)
     steps = record_steps(spec)
     got = [o.token_ids for o in spec.generate(prompts, params, detokenize=False)]

@@ -42,8 +42,8 @@ class AttentionMetadata:
     prefill_tiles: torch.Tensor | None = None
     # Q where every sequence has exactly Q > 1 new tokens, rows b*Q .. b*Q+Q-1 (a speculative
     # verify step: the last known token and K drafts, Q = K + 1; or prompt chunks that happen
-    # to be as long), else 0. A backend may then attend decode-style, Q queries a sequence
-    # (triton_kernels.py paged_verify_attention).
+    # to be as long), else 0; set by a speculating engine's input batch only. A backend may
+    # then attend decode-style, Q queries a sequence (triton_kernels.py paged_verify_attention).
     uniform_query_len: int = 0
 
     @property
