@@ -3,8 +3,10 @@
 to their own positions, against a float64 hand computation, over rows of different lengths on
 shuffled blocks (contexts across block borders, a row that is only its queries, a padding row
 of length 0), K = 1..4, GQA ratios 1 and 4, one context split and several (forced and chosen),
-q as a strided view of a qkv projection, and a sliding window; the Triton backend's dispatch of
-a uniform step to it, against the torch reference backend.
+q as a strided view of a qkv projection, a sliding window, and block-table entries past each
+sequence that point outside the cache (a graph's stale rows); the Triton backend's dispatch of
+a uniform step to it, against the torch reference backend; and, interpreted, an engine whose
+model drafts for itself on the Triton backend, keeping every draft and the plain tokens.
 
 On the CPU it runs through Triton's interpreter in float32 (triton is not in the main venv)::
 
@@ -17,8 +19,10 @@ On a GPU (marked ``gpu``) in bfloat16 too, at llama-1b's and llama-8b's heads (3
 
 from __future__ import annotations
 
+import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +231,55 @@ def test_the_backend_sends_a_uniform_step_to_the_verify_kernel(queries: int) -> 
     got = TritonBackend().forward(*args)
     assert meta.prefill_tiles is None  # the prefill path would have filled it in
     assert_close(got, want.double(), dtype)
+
+
+def test_block_table_entries_past_a_sequence_are_never_read() -> None:
+    """As in a graph's static tables: the columns past each sequence's blocks, and a padding
+    sequence's whole row, hold block ids far outside the cache (left by other steps); reading
+    one would fault or change the output."""
+    dtype = DTYPES[-1]
+    case = Case(shuffled_contexts(9), 5, HEAD_SHAPES[-1], dtype, seed=9, padding=1)
+    want = case.by_hand()
+    for b, length in enumerate(case.seq_lens):
+        case.tables[b, -(-length // BLOCK) :] = 1 << 30
+    out = case.run(num_splits=3, min_split_tokens=16)
+    assert torch.equal(out[5:10], torch.zeros_like(out[5:10]))
+    assert_close(out, want, dtype)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the GPU's engine test: test_speculative_verify_gpu.py")
+def test_a_self_draft_on_the_triton_backend_verifies_through_the_kernel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The engine on the CPU with the Triton backend (interpreted, float32): a model drafting
+    for itself keeps every draft and gives the plain engine's tokens, its verify steps attended
+    by the verify kernel (counted), the plain engine's never."""
+    from engine_core import model_runner
+    from engine_core.attention import triton_backend
+    from engine_core.llm import LLM
+    from protocol.messages import SamplingParams
+    from tests.factories import write_tiny_llama
+
+    calls = {"verify": 0}
+    kernel = triton_backend.paged_verify_attention
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["verify"] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_verify_attention", counted)
+    monkeypatch.setattr(model_runner, "select_backend", lambda device: TritonBackend())
+    model = write_tiny_llama(tmp_path / "tiny", vocab_size=384)
+    options = {"device": "cpu", "dtype": "float32", "block_size": BLOCK, "num_kv_blocks": 64}
+    prompts = [[7, 40, 12, 99, 7, 40], [3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 10, 20]]
+    params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(model), **options)
+    want = [o.token_ids for o in plain.generate(prompts, params, detokenize=False)]
+    assert calls["verify"] == 0
+    spec = json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": 2})
+    llm = LLM(str(model), speculative_config=spec, **options)
+    got = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
+    assert got == want
+    counts = llm.engine.scheduler.counts()
+    assert counts.spec_accepted_tokens == counts.spec_draft_tokens > 0
+    assert calls["verify"] > 0
