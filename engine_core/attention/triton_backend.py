@@ -5,9 +5,9 @@ Batches where every sequence has the same few new tokens (a speculative verify s
 known token and K drafts) take its verify variant, K + 1 queries a sequence
 (``paged_verify_attention``), where the queries and the group's heads fit its tile. Any other
 batch with a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes)
-takes the varlen prefill kernel. Both launches depend only on tensor shapes and
-``max_query_len`` (the prefill kernel's grid), so the model runner captures both in CUDA
-graphs (engine_core/cuda_graph.py). Both read K/V through the block tables, after ``write_kv``
+takes the varlen prefill kernel. Their launches depend only on tensor shapes, K + 1 and
+``max_query_len`` (the prefill kernel's grid), so the model runner captures them in CUDA
+graphs (engine_core/cuda_graph.py). All read K/V through the block tables, after ``write_kv``
 has put this step's tokens into the cache.
 """
 

@@ -1,7 +1,8 @@
-"""Triton attention kernels for the GPU path: KV-cache write, paged decode and prefill attention.
-(The fused elementwise layers, RMSNorm, rotary and the activations, are models/triton_ops.py.)
+"""Triton attention kernels for the GPU path: KV-cache write, paged decode, speculative verify
+and prefill attention. (The fused elementwise layers, RMSNorm, rotary and the activations, are
+models/triton_ops.py.)
 
-The three attention kernels read the paged cache layout
+The attention kernels read the paged cache layout
 ``[num_blocks, block_size, kv_heads, head_dim]`` through a block table, so any block size works
 and prefix-cached or chunked prefills need no copy. Scores, softmax statistics and the output
 accumulator are float32; Q, K and V stay in the cache dtype (bf16 on the GPU) going into the
@@ -21,6 +22,10 @@ others return at once, and a sequence that one split covers is written directly,
 partials and no merge.
 An FP8 cache's tiles are widened to float16 (one instruction per pair, where bf16 goes through
 float32), q with them.
+
+A speculative verify step (every sequence its last known token and K drafts) is decode with
+K + 1 queries a sequence (``paged_verify_attention``): the same programs, splits and merge, the
+K + 1 queries of the group's heads as the tile's rows, each seeing the keys up to its own.
 
 Importing this module imports triton: only the CUDA branches of the model runner and of
 models/layers.py (and GPU tests) may do so. Set ``TRITON_INTERPRET=1`` before the import to run
