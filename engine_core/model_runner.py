@@ -880,13 +880,22 @@ class ModelRunner:
             step.pooled = self.pooler.pool(out, hidden, inputs.meta.query_start_loc_cpu)
         if inputs.prompt_rows is not None and self._scoring is not None:
             step.prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
+        sampling_logits = None
         if any(s.drafts for s in out.scheduled):
-            step.drafted = self._drafted_rows(out, hidden, inputs.meta.query_start_loc_cpu)
+            # The sampling rows' logits come out of the drafted rows' product: one pass over
+            # the LM head's weights a verify step, not two.
+            sampling_rows = inputs.logits_indices if requests else None
+            step.drafted, sampling_logits = self._drafted_rows(
+                out, hidden, inputs.meta.query_start_loc_cpu, sampling_rows
+            )
         if requests:
             with stats.phase("sample"):
                 if timeline is not None:
                     timeline.begin()  # the sampler's stretch ends with the copy back
-                step.logits, step.argmax = self._logits(hidden, inputs)
+                if sampling_logits is not None:
+                    step.logits, step.argmax = sampling_logits, None
+                else:
+                    step.logits, step.argmax = self._logits(hidden, inputs)
         return step
 
     @torch.inference_mode()
@@ -956,11 +965,17 @@ class ModelRunner:
         step.handoff = None
 
     def _drafted_rows(
-        self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]
-    ) -> DraftedRows:
-        """The logits at every drafted row's positions but its last (which samples as usual).
-        Row j draws the token at index start + 1 + j of its request, whose penalties count only
-        the tokens before that index (not the later drafts, nor the placeholder after them)."""
+        self,
+        out: SchedulerOutput,
+        hidden: torch.Tensor,
+        query_start: list[int],
+        sampling_rows: torch.Tensor | None = None,
+    ) -> tuple[DraftedRows, torch.Tensor | None]:
+        """The logits at every drafted row's positions but its last (which samples as usual),
+        and in the same product those of ``sampling_rows`` [S] (the step's sampling rows), if
+        given. Row j draws the token at index start + 1 + j of its request, whose penalties
+        count only the tokens before that index (not the later drafts, nor the placeholder
+        after them)."""
         rows: list[int] = []
         counts: list[int] = []
         requests: list[Request] = []
@@ -976,8 +991,11 @@ class ModelRunner:
                 positions += [index - s.request.num_prompt_tokens for index in drawn]
                 ahead += [len(s.request.token_ids) - index for index in drawn]
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        logits = self.model.compute_logits(hidden[index], widen=False)  # [D, V']
-        return DraftedRows(logits, counts, requests, positions, ahead)
+        if sampling_rows is not None:
+            index = torch.cat((index, sampling_rows))
+        logits = self.model.compute_logits(hidden[index], widen=False)  # [D (+ S), V']
+        drafted = DraftedRows(logits[: len(rows)], counts, requests, positions, ahead)
+        return drafted, None if sampling_rows is None else logits[len(rows) :]
 
     def _check_drafts(self, rows: DraftedRows, bitmask: torch.Tensor | None) -> DraftChecks:
         """The target's token at each drafted position, drawn as the non-speculative step would

@@ -83,9 +83,26 @@ def test_a_self_draft_verifies_in_marked_steps_and_gives_the_plain_tokens(
     assert not plain.engine.runner.input_batch.mark_uniform
     spec = LLM(str(model), speculative_config=draft_config(model, K), **options)
     steps = record_steps(spec)
+    products = count_logit_products(spec)
     got = [o.token_ids for o in spec.generate(prompts, params, detokenize=False)]
     assert got == want
     for uniform, lengths in steps:
         equal = len(set(lengths)) == 1 and lengths[0] > 1
         assert uniform == (lengths[0] if equal else 0), (uniform, lengths)
     assert sum(uniform == K + 1 for uniform, _ in steps) >= 3
+    # Every step samples; a verify step's drafted and sampling rows share one LM-head product.
+    assert products["calls"] == len(steps)
+
+
+def count_logit_products(llm: LLM) -> dict[str, int]:
+    """Count the target's LM-head products (the draft has its own model)."""
+    model = llm.engine.runner.model
+    counts = {"calls": 0}
+    compute = model.compute_logits
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts["calls"] += 1
+        return compute(*args, **kwargs)
+
+    model.compute_logits = counted
+    return counts
