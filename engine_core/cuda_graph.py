@@ -137,16 +137,18 @@ def prefill_graph_shape(tokens: int, max_seqs: int) -> tuple[int, int]:
 
 def verify_graph_queries(model: nn.Module, backend: AttentionBackend, num_drafts: int) -> int:
     """K + 1 (``num_drafts`` + 1) where verify steps of K drafts can have graphs of their own:
-    every attention layer of ``model`` is plain K/V attention that the backend attends through
-    its verify kernel at that many queries (``verifies``), so the graph reads no prefill work
-    list; else 0 (verify steps then replay prefill graphs)."""
+    every attention layer of ``model`` is plain full K/V attention that the backend attends
+    through its verify kernel at that many queries (``verifies``), so the graph reads no
+    prefill work list; else 0 (verify steps then replay prefill graphs). Windowed layers too
+    take the kernel, eagerly, but no verify graph: a verify replay stages group 0's block
+    tables and slots only, not a window group's (engine_core/kv_groups.py)."""
     queries = num_drafts + 1
     verifies = getattr(backend, "verifies", None)
     layers = model.attention_layers()
     if verifies is None or not layers:
         return 0
     for layer in layers:
-        if type(layer) is not Attention:
+        if type(layer) is not Attention or layer.sliding_window is not None:
             return 0
         plain = layer.sinks is None and layer.attention_chunk is None
         if not verifies(layer.num_heads, layer.num_kv_heads, layer.head_dim, queries, plain):

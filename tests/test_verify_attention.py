@@ -283,3 +283,33 @@ def test_a_self_draft_on_the_triton_backend_verifies_through_the_kernel(
     counts = llm.engine.scheduler.counts()
     assert counts.spec_accepted_tokens == counts.spec_draft_tokens > 0
     assert calls["verify"] > 0
+
+
+class Layers(torch.nn.Module):
+    """A model as verify_graph_queries sees it: its attention layers."""
+
+    def __init__(self, *layers: torch.nn.Module) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def attention_layers(self) -> list[torch.nn.Module]:
+        return list(self.layers)
+
+
+def test_which_models_get_verify_graphs() -> None:
+    """K + 1 where every layer is plain full attention the verify kernel serves at K + 1
+    queries; 0 (prefill graphs) where one is not, or the backend has no verify kernel."""
+    from engine_core.attention.layer import Attention
+    from engine_core.cuda_graph import verify_graph_queries
+
+    def llama(**kwargs: object) -> Attention:
+        return Attention(32, 8, 64, 0.125, **kwargs)  # type: ignore[arg-type]
+
+    triton = TritonBackend()
+    assert verify_graph_queries(Layers(llama(), llama()), triton, 4) == 5
+    assert verify_graph_queries(Layers(llama(), llama()), triton, 16) == 0  # 68 rows
+    assert verify_graph_queries(Layers(llama(), llama(sliding_window=64)), triton, 4) == 0
+    assert verify_graph_queries(Layers(llama(sinks=True)), triton, 4) == 0
+    assert verify_graph_queries(Layers(llama(attention_chunk=128)), triton, 4) == 0
+    assert verify_graph_queries(Layers(llama(), torch.nn.Identity()), triton, 4) == 0
+    assert verify_graph_queries(Layers(llama()), TorchReferenceBackend(), 4) == 0
