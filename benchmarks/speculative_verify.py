@@ -15,7 +15,9 @@ Per batch size: the median decode step without drafts; the median speculative st
 parts, the draft's proposal (K one-token forwards of the draft) and its forward beside the
 target's (each timed with the device synchronised around it), the rest being the target's
 verify step (K + 1 positions a row) and the host's work; the verify step over the plain step
-(the overhead of scoring K drafts); TPOT both ways (the median over requests of the time from
+(the overhead of scoring K drafts); the target's verify forward alone (synchronised around it,
+steps whose every row has the same K + 1 positions) and how many of those replayed a verify
+graph (engine_core/cuda_graph.py); TPOT both ways (the median over requests of the time from
 their first token to their last over the tokens after the first) and tokens a step.
 The outputs must be the same tokens both ways: exit status 1 if one differs. ``--dtype``:
 both engines' (the model's and its cache's); in float32 a self-draft is kept every time up to the
@@ -84,6 +86,8 @@ class Run:
     # The draft's proposals and forwards beside the target's that ran eagerly, not as a CUDA
     # graph's replay (engine_core/draft_model.py DraftForwards): 0 where graphs serve them all.
     eager_draft: int = 0
+    verify_forwards: list[float] = field(default_factory=list)  # the target's, verify steps
+    verify_replays: int = 0  # of those, replays of a verify graph
 
 
 def engine(args: argparse.Namespace, model: str, speculative: str | None) -> Any:
@@ -121,10 +125,23 @@ def timed_parts(core: Any, run: Run, sync: Callable[[], None]) -> None:
     # Instance attributes over the class's methods, deleted again by ``untimed``.
     drafter.propose_batch = wrap(drafter.propose_batch, run.proposals)
     drafter.run_alongside = wrap(drafter.run_alongside, run.alongside)
+    forward, timed_forward = core.runner._forward, wrap(core.runner._forward, run.verify_forwards)
+
+    def verify_timed(inputs: Any) -> Any:
+        verifies = inputs.meta.uniform_query_len > 1  # every row its last token and K drafts
+        return timed_forward(inputs) if verifies else forward(inputs)
+
+    core.runner._forward = verify_timed
 
 
 def untimed(core: Any) -> None:
     del core.runner.drafter.propose_batch, core.runner.drafter.run_alongside
+    del core.runner._forward
+
+
+def verify_replays(core: Any) -> int:
+    graphs = core.runner.graph_runner
+    return 0 if graphs is None else graphs.verify_replays
 
 
 def decode(core: Any, batch: list[list[int]], max_tokens: int, tag: str) -> Run:
@@ -141,7 +158,7 @@ def decode(core: Any, batch: list[list[int]], max_tokens: int, tag: str) -> Run:
     if core.runner.drafter is not None:
         timed_parts(core, run, sync_of(core))
     before = core.scheduler.counts()
-    eager_before = eager_draft_forwards(core)
+    eager_before, replays_before = eager_draft_forwards(core), verify_replays(core)
     while core.has_unfinished():
         start = time.perf_counter()
         outputs = core.step()
@@ -158,6 +175,7 @@ def decode(core: Any, batch: list[list[int]], max_tokens: int, tag: str) -> Run:
     run.drafted = after.spec_draft_tokens - before.spec_draft_tokens
     run.kept = after.spec_accepted_tokens - before.spec_accepted_tokens
     run.eager_draft = eager_draft_forwards(core) - eager_before
+    run.verify_replays = verify_replays(core) - replays_before
     run.tokens = [tokens[rid] for rid in arrivals]
     run.tpots = [(a[-1] - a[0]) / max(1, len(a) - 1) for a in arrivals.values()]
     return run
@@ -211,6 +229,7 @@ def summarize(model: str, batch: int, plain: Run, spec: Run, k: int) -> dict[str
     proposal = statistics.median(spec.proposals) if spec.proposals else 0.0
     alongside = statistics.median(spec.alongside) if spec.alongside else 0.0
     verify = spec_step - proposal - alongside
+    verify_forward = statistics.median(spec.verify_forwards) if spec.verify_forwards else 0.0
     tokens = sum(len(t) for t in spec.tokens) / len(spec.tokens)
     tpot, spec_tpot = statistics.median(plain.tpots), statistics.median(spec.tpots)
     return {
@@ -223,6 +242,9 @@ def summarize(model: str, batch: int, plain: Run, spec: Run, k: int) -> dict[str
         "draft_alongside_ms": 1e3 * alongside,
         "verify_ms": 1e3 * verify,
         "verify_over_step": verify / step,
+        "verify_forward_ms": 1e3 * verify_forward,
+        "verify_steps": len(spec.verify_forwards),
+        "verify_replays": spec.verify_replays,
         "tpot_ms": 1e3 * tpot,
         "spec_tpot_ms": 1e3 * spec_tpot,
         "speedup": tpot / spec_tpot,
@@ -238,7 +260,8 @@ def table_row(r: dict[str, Any]) -> list[str]:
     return [
         r["model"], str(r["batch"]), fmt(r["step_ms"]), fmt(r["spec_step_ms"]),
         fmt(r["proposal_ms"]), fmt(r["draft_alongside_ms"]), fmt(r["verify_ms"]),
-        f"{r['verify_over_step']:.2f}x", fmt(r["tpot_ms"]), fmt(r["spec_tpot_ms"]),
+        f"{r['verify_over_step']:.2f}x", fmt(r["verify_forward_ms"]),
+        f"{r['verify_replays']}/{r['verify_steps']}", fmt(r["tpot_ms"]), fmt(r["spec_tpot_ms"]),
         f"{r['speedup']:.2f}x", fmt(r["tokens_per_step"]), f"{r['kept']:.1%}",
         str(r["eager_draft_forwards"]), "yes" if r["same_tokens"] else "NO",
     ]  # fmt: skip
@@ -337,8 +360,8 @@ def run(args: argparse.Namespace) -> int:
     )
     headers = [
         "model", "batch", "step", "spec step", "proposal", "draft beside", "verify",
-        "verify/step", "TPOT", "spec TPOT", "speed-up", "tokens/step", "kept",
-        "eager draft fwd", "same tokens",
+        "verify/step", "verify fwd", "verify graphs", "TPOT", "spec TPOT", "speed-up",
+        "tokens/step", "kept", "eager draft fwd", "same tokens",
     ]  # fmt: skip
     print(format_table(headers, [table_row(r) for r in results]))
     if args.json:

@@ -2,20 +2,25 @@
 
 A decode step of a small model is hundreds of short kernels, and so is a short prefill; launching
 them one by one from Python costs more than running them (an idle llama-1b's 128-token prefill
-enqueued eagerly: about 7 ms of host time for under 2 ms of kernels). Two kinds of graph, all in
-one memory pool, captured largest first so that the smaller ones reuse its memory (the
+enqueued eagerly: about 7 ms of host time for under 2 ms of kernels). Three kinds of graph, all
+in one memory pool, captured largest first so that the smaller ones reuse its memory (the
 prefill graphs a host-bound model adds past the default come after, see below):
 
 - **decode**: batches of 1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs`` sequences of one new
   token each. A step with n sequences pads to the next size (slot -1: no KV write; seq_len 0: no
   attention).
+- **verify** (with speculation, ``verify_queries`` = K + 1): batches of the decode sizes whose
+  every sequence has exactly K + 1 new tokens (its last known token and K drafts), attended by
+  the backend's verify kernel (attention/triton_kernels.py ``paged_verify_attention``), so no
+  step pads to a prefill size (5 tokens at batch 1 to 16) and no work list is read. A step
+  with n sequences pads to the next batch size with sequences of length 0 (slots -1).
 - **prefill**: any other step (whole prompts, prompt chunks, prefix-cached prompts, decodes mixed
-  in, up to ``max_num_seqs`` sequences) of 16, 32, 64, ... up to ``max_prefill_tokens`` new
-  tokens. The prefill attention kernel runs one program per row of a work list of (sequence,
-  query tile) pairs (attention/prefill_tiles.py), captured at the most tiles a step of that many
-  tokens can have; each replay writes the step's list, the rows past it (sequence -1) return at
-  once, the padding rows (slot -1) write no KV, and their attention output is zero
-  (``AttentionMetadata.padded``).
+  in, verify steps with other draft counts, up to ``max_num_seqs`` sequences) of 16, 32, 64, ...
+  up to ``max_prefill_tokens`` new tokens. The prefill attention kernel runs one program per
+  row of a work list of (sequence, query tile) pairs (attention/prefill_tiles.py), captured at
+  the most tiles a step of that many tokens can have; each replay writes the step's list, the
+  rows past it (sequence -1) return at once, the padding rows (slot -1) write no KV, and their
+  attention output is zero (``AttentionMetadata.padded``).
 
 Larger steps run eagerly, as does everything with ``enforce_eager``, unless the model is small
 enough for the host to be its bottleneck: with ``--max-prefill-graph-tokens`` unset, start-up times
@@ -27,7 +32,8 @@ the step's logits and their argmax (``DecodeTail``) where the model's logits are
 always wanted. An all-greedy batch (argmax only) then takes its tokens straight from the graph; any
 other runs the eager sampler on the graph's logits. That is three launches and their Python a
 step fewer on the host, which the GPU of a small model would otherwise wait for. Prefill graphs
-capture the forward only: the rows that sample change from step to step.
+capture the forward only: the rows that sample change from step to step. So do verify graphs
+(every row's logits are wanted there; a tail for them is not built).
 
 With LoRA every graph runs the LoRA kernels over a static tile table (docs/design/lora.md), and
 the decode graphs come twice: a decode step without adapter rows replays the copy captured
@@ -44,6 +50,7 @@ import torch
 from torch import nn
 
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
+from engine_core.attention.layer import Attention
 from engine_core.attention.prefill_tiles import (
     NO_SEQUENCE,
     capacity,
@@ -126,6 +133,27 @@ def prefill_graph_shape(tokens: int, max_seqs: int) -> tuple[int, int]:
     sequences as tokens up to ``max_seqs``, and room for every tile such a step can have."""
     seqs = min(tokens, max_seqs)
     return seqs, capacity(tokens, seqs, prefill_block_m(tokens))
+
+
+def verify_graph_queries(model: nn.Module, backend: AttentionBackend, num_drafts: int) -> int:
+    """K + 1 (``num_drafts`` + 1) where verify steps of K drafts can have graphs of their own:
+    every attention layer of ``model`` is plain full K/V attention that the backend attends
+    through its verify kernel at that many queries (``verifies``), so the graph reads no
+    prefill work list; else 0 (verify steps then replay prefill graphs). Windowed layers too
+    take the kernel, eagerly, but no verify graph: a verify replay stages group 0's block
+    tables and slots only, not a window group's (engine_core/kv_groups.py)."""
+    queries = num_drafts + 1
+    verifies = getattr(backend, "verifies", None)
+    layers = model.attention_layers()
+    if verifies is None or not layers:
+        return 0
+    for layer in layers:
+        if type(layer) is not Attention or layer.sliding_window is not None:
+            return 0
+        plain = layer.sinks is None and layer.attention_chunk is None
+        if not verifies(layer.num_heads, layer.num_kv_heads, layer.head_dim, queries, plain):
+            return 0
+    return queries
 
 
 @dataclass
@@ -254,6 +282,24 @@ class GraphBuffers:
             prefill_tiles=self.prefill_tiles[:rows],
         )
 
+    def verify_metadata(
+        self, batch: int, queries: int, query_start: torch.Tensor, max_model_len: int
+    ) -> AttentionMetadata:
+        """Metadata of a verify graph: ``batch`` sequences of ``queries`` new tokens each
+        (``query_start``: 0, Q, 2Q, ..., static). The host lists are placeholders; no work
+        list: every layer attends through the verify kernel (verify_graph_queries)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[: batch * queries],
+            query_start_loc=query_start,
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            max_query_len=queries,
+            max_seq_len=max_model_len,
+            query_start_loc_cpu=list(range(0, (batch + 1) * queries, queries)),
+            seq_lens_cpu=[max_model_len] * batch,
+            uniform_query_len=queries,
+        )
+
 
 class CudaGraphRunner:
     """Captures and replays the model's forward for decode and small prefill steps."""
@@ -273,6 +319,7 @@ class CudaGraphRunner:
         extend_prefill_to: int = 0,
         vocab_size: int = 0,
         lora_slots: int = 0,
+        verify_queries: int = 0,
     ) -> None:
         """``vocab_size``: the model's vocabulary, for the decode graphs' argmax; with the
         model's ``plain_logits_weight`` they capture the logits (0 or no such weight: not).
@@ -281,7 +328,9 @@ class CudaGraphRunner:
         the decode graphs are captured a second time without them (``base_graphs``), for the
         decode steps that have no adapter row.
         ``extend_prefill_to``: after capture, prefill graphs up to this many tokens too, where
-        ``extends_prefill_graphs`` says the host is the bottleneck (0: never)."""
+        ``extends_prefill_graphs`` says the host is the bottleneck (0: never).
+        ``verify_queries``: K + 1 with speculation where ``verify_graph_queries`` allows it:
+        verify graphs at every decode batch size (0: none)."""
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
@@ -295,13 +344,15 @@ class CudaGraphRunner:
         self.extend_prefill_to = extend_prefill_to if self.max_prefill_tokens else 0
         max_blocks = -(-max_model_len // block_size)
         top = max(self.max_prefill_tokens, self.extend_prefill_to)
+        self.verify_queries = verify_queries
+        rows = max(self.max_batch * max(verify_queries, 1), top)
         self.lora_slots = lora_slots
         # The tiles of a step of the buffers' rows: the table every step's LoraBatch is laid
         # out for (model_runner), so that a replay copies it whole.
-        self.lora_tiles = tile_capacity(max(self.max_batch, top), lora_slots) if lora_slots else 0
+        self.lora_tiles = tile_capacity(rows, lora_slots) if lora_slots else 0
         self._lora_clear = True  # the static table names no slot (no copy needed for none)
         self.buffers = GraphBuffers.allocate(
-            max(self.max_batch, top),
+            rows,
             self.max_batch,
             max_blocks,
             hidden_size,
@@ -320,6 +371,10 @@ class CudaGraphRunner:
         # no adapter row (the base model's traffic then pays nothing for LoRA), by batch size.
         self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # prefill, by tokens
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # verify, by batch size
+        # Each verify graph's static query starts (0, Q, 2Q, ...), kept alive with it.
+        self._verify_starts: dict[int, torch.Tensor] = {}
+        self.verify_replays = 0  # verify steps that replayed a graph (tests, benchmarks)
         self.pool: tuple[int, int] | None = None
         # _bucket[n]: the smallest captured decode size >= n, for n in 0..max_batch
         self._bucket = [
@@ -337,12 +392,20 @@ class CudaGraphRunner:
         ]
         if self.lora_slots:
             plan += [("decode-base", n) for n in self.batch_sizes]
+        if self.verify_queries:
+            plan += [("verify", n) for n in self.batch_sizes]
         # Activation memory grows with the rows a graph runs: a prefill graph's rows are its
-        # tokens; on ties the prefill graph (more attention work) goes first.
-        plan.sort(key=lambda kind_size: (kind_size[1], kind_size[0] == "prefill"), reverse=True)
+        # tokens, a verify graph's K + 1 a sequence; on ties the prefill graph (more attention
+        # work) goes first.
+        plan.sort(
+            key=lambda kind_size: (self._rows(*kind_size), kind_size[0] == "prefill"), reverse=True
+        )
         for kind, size in tqdm(plan, desc="Capturing CUDA graphs", disable=not progress):
             if kind == "prefill":
                 self._capture_prefill(size)
+                continue
+            if kind == "verify":
+                self._capture_verify(size)
                 continue
             meta = self.buffers.decode_metadata(size, self.max_model_len)
             if kind == "decode":
@@ -353,14 +416,22 @@ class CudaGraphRunner:
         self._extend_prefill_if_host_bound()
         elapsed = time.perf_counter() - start
         logger.info(
-            "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of %s tokens)",
-            len(self.graphs) + len(self.base_graphs) + len(self.prefill_graphs),
+            "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of %s "
+            "tokens, verify steps of %s tokens a sequence)",
+            len(self.graphs) + len(self.base_graphs) + len(self.prefill_graphs)
+            + len(self.verify_graphs),
             elapsed,
             self.batch_sizes[0],
             self.max_batch,
             f"{self.prefill_sizes[0]}..{self.max_prefill_tokens}" if self.prefill_sizes else "no",
-        )
+            self.verify_queries or "no",
+        )  # fmt: skip
         return elapsed
+
+    def _rows(self, kind: str, size: int) -> int:
+        """The token rows of a graph of ``kind`` and ``size`` (its batch; a prefill graph's
+        tokens)."""
+        return size * self.verify_queries if kind == "verify" else size
 
     def _extend_prefill_if_host_bound(self) -> None:
         """Capture prefill graphs past ``max_prefill_tokens`` up to ``extend_prefill_to`` where
@@ -414,6 +485,19 @@ class CudaGraphRunner:
     def _capture_prefill(self, size: int) -> None:
         meta = self.buffers.prefill_metadata(size, self.max_model_len)
         self.prefill_graphs[size] = self._capture_one(size, meta)
+
+    def _capture_verify(self, batch: int) -> None:
+        queries = self.verify_queries
+        starts = torch.arange(0, (batch + 1) * queries, queries, dtype=torch.int32)
+        self._verify_starts[batch] = starts.to(self.buffers.seq_lens.device)
+        buf = self.buffers
+        meta = buf.verify_metadata(batch, queries, self._verify_starts[batch], self.max_model_len)
+        self.verify_graphs[batch] = self._capture_one(batch * queries, meta)
+        if meta.prefill_tiles is not None:  # the backend worked a list out: a prefill kernel ran
+            raise RuntimeError(
+                "a layer attended a verify graph through the prefill kernel, whose work list "
+                "the graph would keep from its capture (verify_graph_queries must refuse it)"
+            )
 
     def _capture_one(
         self, rows: int, meta: AttentionMetadata, tail: DecodeTail | None = None, lora: bool = True
@@ -479,6 +563,8 @@ class CudaGraphRunner:
         largest decode batch, or a prefill step within the prefill graphs' bounds."""
         if meta.block_tables.shape[1] > self.buffers.block_tables.shape[1]:
             return False
+        if self._fits_verify(meta):
+            return True
         if meta.is_decode_only:
             return meta.num_seqs <= self.max_batch and bool(self.graphs)
         return (
@@ -504,7 +590,29 @@ class CudaGraphRunner:
             return self._run_decode(input_ids, positions, meta, ids_from, graphs)
         if ids_from is not None:
             input_ids.copy_(ids_from)
+        if self._fits_verify(meta):
+            return self._run_verify(input_ids, positions, meta)
         return self._run_prefill(input_ids, positions, meta)
+
+    def _fits_verify(self, meta: AttentionMetadata) -> bool:
+        """A verify step of the captured K + 1 tokens a sequence, within the largest batch."""
+        return (
+            meta.uniform_query_len == self.verify_queries
+            and meta.num_seqs <= self.max_batch
+            and bool(self.verify_graphs)
+        )
+
+    def _run_verify(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n, queries = meta.num_seqs, self.verify_queries
+        batch = self._bucket[n]
+        self._copy_common(input_ids, positions, meta, batch * queries)
+        # Padding sequences: no context, so the kernel reads nothing of them and writes zeros.
+        self.buffers.seq_lens[n:batch].zero_()
+        self.verify_graphs[batch].replay()
+        self.verify_replays += 1
+        return self.buffers.hidden[: n * queries]
 
     def _copy_common(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: int

@@ -114,10 +114,10 @@ class DraftModel:
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int) -> None:
         """CUDA graphs for the draft, where the target has them (after ``allocate_cache``: they
-        bake in its cache's addresses): decode graphs and prefill graphs of up to
-        ``prefill_tokens`` tokens (the target's, so a step replays in both or in neither) for
-        its forward beside the target's, and the proposal's chain per batch bucket."""
-        from engine_core.cuda_graph import CudaGraphRunner
+        bake in its cache's addresses): decode graphs, verify graphs and prefill graphs of up to
+        ``prefill_tokens`` tokens (the target's) for its forward beside the target's, and the
+        proposal's chain per batch bucket."""
+        from engine_core.cuda_graph import CudaGraphRunner, verify_graph_queries
 
         assert self.backend is not None
         if not all(getattr(module, "cuda_graph_safe", True) for module in self.model.modules()):
@@ -125,10 +125,12 @@ class DraftModel:
             logger.warning("draft model: %s runs without CUDA graphs", type(self.model).__name__)
             return
         common = {"max_model_len": max_model_len, "device": self.device}
+        # Verify steps (K + 1 tokens a row) too, where its layers take the verify kernel.
+        verify = verify_graph_queries(self.model, self.backend, self.max_drafts)
         self.step_graphs = CudaGraphRunner(
             self.model, self.backend, max_num_seqs=max_num_seqs, block_size=self.block_size,
             hidden_size=self.hidden_size, dtype=self.dtype, max_prefill_tokens=prefill_tokens,
-            **common,
+            verify_queries=verify, **common,
         )  # fmt: skip
         self.step_graphs.capture(progress=False)
         self.proposal_graphs = ProposalGraphs(

@@ -99,11 +99,17 @@ class InputBatch:
         max_blocks_per_seq: int,
         kv_windows: Sequence[int | None] = (None,),
         kv_attention_chunks: Sequence[int | None] = (),
+        mark_uniform: bool = False,
     ) -> None:
         """``kv_windows``: the window of each of the model's KV layer groups (None: full
         attention; engine_core/kv_groups.py), each with its own block tables and slot mapping
-        in the step; ``kv_attention_chunks``: each group's attention chunk (empty: none)."""
+        in the step; ``kv_attention_chunks``: each group's attention chunk (empty: none).
+        ``mark_uniform``: mark a step whose sequences all have the same few new tokens
+        (``AttentionMetadata.uniform_query_len``: a speculating engine's verify steps), which
+        the Triton backend then attends with its verify kernel; off, every step is attended
+        as before (a plain engine's equal prompt chunks compile no verify kernel mid-serving)."""
         self.device = device
+        self.mark_uniform = mark_uniform
         self.block_size = block_size
         self.kv_windows = tuple(kv_windows)
         self.kv_attention_chunks = tuple(c for c in kv_attention_chunks if c is not None)
@@ -469,6 +475,7 @@ class InputBatch:
         num_tokens, num_seqs = layout.counts[:2]
         # As many tokens as sequences: one each (a decode step).
         max_query_len = 1 if num_tokens == num_seqs else int(np.diff(query_start).max())
+        uniform = self.mark_uniform and num_tokens == num_seqs * max_query_len > num_seqs
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"],
             query_start_loc=views["query_start_loc"],
@@ -479,6 +486,7 @@ class InputBatch:
             query_start_loc_cpu=query_start.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             prefill_tiles=views["prefill_tiles"] if layout.count("prefill_tiles") else None,
+            uniform_query_len=max_query_len if uniform else 0,
         )
         group_metadata = ()
         if layout.counts[6] > 1:

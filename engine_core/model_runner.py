@@ -313,6 +313,7 @@ class ModelRunner:
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             kv_windows=self.kv_layout.windows,
             kv_attention_chunks=self.kv_layout.attention_chunks,
+            mark_uniform=config.speculation() is not None,  # its verify steps (speculative.py)
         )
         self._init_step_state()
 
@@ -721,18 +722,27 @@ class ModelRunner:
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.warning("the attention backend reads host values; running decode eagerly")
             return None
-        from engine_core.cuda_graph import CudaGraphRunner, prefill_graph_bounds
+        from engine_core.cuda_graph import (
+            CudaGraphRunner,
+            prefill_graph_bounds,
+            verify_graph_queries,
+        )
 
         max_prefill_tokens, extend_prefill_to = prefill_graph_bounds(
             self.config.max_prefill_graph_tokens,
             self.config.max_num_batched_tokens,
             self.config.tensor_parallel_size,
         )
+        spec = self.config.speculation()
+        # Verify steps of K drafts get graphs of their own where the verify kernel serves every
+        # layer (docs/design/speculative-decoding.md).
+        drafts = 0 if spec is None else spec.num_speculative_tokens
+        verify_queries = verify_graph_queries(self.model, self.backend, drafts) if drafts else 0
         if not all(getattr(module, "prompt_graphs_safe", True) for module in self.model.modules()):
             # DeepSeek's latent attention: its decode steps read no host value, its prompt
             # steps do (attention/triton_mla.py).
             logger.info("%s: prompt steps run eagerly", type(self.model).__name__)
-            max_prefill_tokens, extend_prefill_to = 0, 0
+            max_prefill_tokens, extend_prefill_to, verify_queries = 0, 0, 0
         runner = CudaGraphRunner(
             self.model,
             self.backend,
@@ -746,6 +756,7 @@ class ModelRunner:
             extend_prefill_to=extend_prefill_to,
             vocab_size=self.model_config.vocab_size,
             lora_slots=self.config.max_loras if self.loras is not None else 0,
+            verify_queries=verify_queries,
         )
         runner.capture()
         if self.drafter is not None:  # its forwards replay where the target's do
@@ -867,13 +878,22 @@ class ModelRunner:
             step.pooled = self.pooler.pool(out, hidden, inputs.meta.query_start_loc_cpu)
         if inputs.prompt_rows is not None and self._scoring is not None:
             step.prompt_logprobs = self._score_prompts(hidden, inputs.prompt_rows, self._scoring)
+        sampling_logits = None
         if any(s.drafts for s in out.scheduled):
-            step.drafted = self._drafted_rows(out, hidden, inputs.meta.query_start_loc_cpu)
+            # The sampling rows' logits come out of the drafted rows' product: one pass over
+            # the LM head's weights a verify step, not two.
+            sampling_rows = inputs.logits_indices if requests else None
+            step.drafted, sampling_logits = self._drafted_rows(
+                out, hidden, inputs.meta.query_start_loc_cpu, sampling_rows
+            )
         if requests:
             with stats.phase("sample"):
                 if timeline is not None:
                     timeline.begin()  # the sampler's stretch ends with the copy back
-                step.logits, step.argmax = self._logits(hidden, inputs)
+                if sampling_logits is not None:
+                    step.logits, step.argmax = sampling_logits, None
+                else:
+                    step.logits, step.argmax = self._logits(hidden, inputs)
         return step
 
     @torch.inference_mode()
@@ -943,11 +963,17 @@ class ModelRunner:
         step.handoff = None
 
     def _drafted_rows(
-        self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]
-    ) -> DraftedRows:
-        """The logits at every drafted row's positions but its last (which samples as usual).
-        Row j draws the token at index start + 1 + j of its request, whose penalties count only
-        the tokens before that index (not the later drafts, nor the placeholder after them)."""
+        self,
+        out: SchedulerOutput,
+        hidden: torch.Tensor,
+        query_start: list[int],
+        sampling_rows: torch.Tensor | None = None,
+    ) -> tuple[DraftedRows, torch.Tensor | None]:
+        """The logits at every drafted row's positions but its last (which samples as usual),
+        and in the same product those of ``sampling_rows`` [S] (the step's sampling rows), if
+        given. Row j draws the token at index start + 1 + j of its request, whose penalties
+        count only the tokens before that index (not the later drafts, nor the placeholder
+        after them)."""
         rows: list[int] = []
         counts: list[int] = []
         requests: list[Request] = []
@@ -963,8 +989,11 @@ class ModelRunner:
                 positions += [index - s.request.num_prompt_tokens for index in drawn]
                 ahead += [len(s.request.token_ids) - index for index in drawn]
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        logits = self.model.compute_logits(hidden[index], widen=False)  # [D, V']
-        return DraftedRows(logits, counts, requests, positions, ahead)
+        if sampling_rows is not None:
+            index = torch.cat((index, sampling_rows))
+        logits = self.model.compute_logits(hidden[index], widen=False)  # [D (+ S), V']
+        drafted = DraftedRows(logits[: len(rows)], counts, requests, positions, ahead)
+        return drafted, None if sampling_rows is None else logits[len(rows) :]
 
     def _check_drafts(self, rows: DraftedRows, bitmask: torch.Tensor | None) -> DraftChecks:
         """The target's token at each drafted position, drawn as the non-speculative step would

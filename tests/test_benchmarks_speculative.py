@@ -41,7 +41,10 @@ def test_the_verify_summary_splits_a_step_into_its_parts() -> None:
 
     plain = Run([[1, 2, 3]], tpots=[0.010], steps=[0.010, 0.011, 0.009])
     spec = Run([[1, 2, 3]], [0.004], [0.020, 0.020], [0.006], [0.002], drafted=8, kept=6)
+    spec.verify_forwards, spec.verify_replays = [0.003, 0.001, 0.002], 2
     out = verify_summary("m", 8, plain, spec, k=4)
+    assert out["verify_forward_ms"] == pytest.approx(2.0)
+    assert (out["verify_steps"], out["verify_replays"]) == (3, 2)
     assert out["step_ms"] == pytest.approx(10.0) and out["spec_step_ms"] == pytest.approx(20.0)
     assert out["verify_ms"] == pytest.approx(20.0 - 6.0 - 2.0)
     assert out["verify_over_step"] == pytest.approx(1.2)
@@ -67,6 +70,8 @@ def test_the_verify_benchmark_runs_the_model_as_its_own_draft(
     assert [r["batch"] for r in results] == [1, 3]
     assert all(r["same_tokens"] and r["tokens_per_step"] == 5.0 for r in results)
     assert all(r["kept"] == 1.0 for r in results)
+    # Every step after the first token verifies 5 positions a row (timed); no graphs on the CPU.
+    assert all(r["verify_steps"] >= 4 and r["verify_replays"] == 0 for r in results)
 
 
 @pytest.mark.slow

@@ -169,6 +169,7 @@ def check_replay_equals_eager(
     positions: torch.Tensor,
     meta: AttentionMetadata,
     label: str,
+    tolerance: float = 2e-2,
 ) -> None:
     """The graph's output is eager's; it wrote the same new K/V into the same slots, and its
     padding rows (slot -1) wrote nothing."""
@@ -185,7 +186,7 @@ def check_replay_equals_eager(
     assert replayed.shape == eager.shape
     assert torch.isfinite(replayed).all()
     err = ((replayed - eager).norm() / eager.norm()).item()
-    assert err < 2e-2, f"{label}: graph vs eager relative error {err:.2e}"
+    assert err < tolerance, f"{label}: graph vs eager relative error {err:.2e}"
     num_slots = cache.shape[2] * BLOCK_SIZE
     written = torch.zeros(num_slots, dtype=torch.bool, device=cache.device)
     written[meta.slot_mapping] = True

@@ -86,7 +86,8 @@ def run_both(model_dir: Path, dtype: str) -> tuple[list[list[int]], list[list[in
     replays = (drafter.forwards.proposal_replays, drafter.forwards.alongside_replays)
     target = count_target_replays(spec.engine.runner)
     got = [o.token_ids for o in spec.generate(prompts, params, detokenize=False)]
-    # The target's verify steps (5 positions a row) replay its prefill graphs, its prompts too.
+    # The target's verify steps (5 positions a row) replay its verify graphs (prefill graphs
+    # where rows differ), its prompts prefill graphs.
     assert target["replays"] == target["forwards"] > 0
     forwards = drafter.forwards
     eager = (forwards.proposal_eager - before[0], forwards.alongside_eager - before[1])

@@ -40,6 +40,11 @@ class AttentionMetadata:
     # The Triton prefill kernel's work list (attention/prefill_tiles.py), [tiles, 2] int32 on
     # the device: packed with the step's inputs (None for decode-only steps), or a graph's buffer.
     prefill_tiles: torch.Tensor | None = None
+    # Q where every sequence has exactly Q > 1 new tokens, rows b*Q .. b*Q+Q-1 (a speculative
+    # verify step: the last known token and K drafts, Q = K + 1; or prompt chunks that happen
+    # to be as long), else 0; set by a speculating engine's input batch only. A backend may
+    # then attend decode-style, Q queries a sequence (triton_kernels.py paged_verify_attention).
+    uniform_query_len: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -1,10 +1,13 @@
 """The Triton attention backend: the GPU implementation of AttentionBackend.
 
 Decode-only batches (every sequence has one new token) take the split-context decode kernel.
-Any batch with a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes)
-takes the varlen prefill kernel. Both launches depend only on tensor shapes and
-``max_query_len`` (the prefill kernel's grid), so the model runner captures both in CUDA
-graphs (engine_core/cuda_graph.py). Both read K/V through the block tables, after ``write_kv``
+Batches where every sequence has the same few new tokens (a speculative verify step: the last
+known token and K drafts) take its verify variant, K + 1 queries a sequence
+(``paged_verify_attention``), where the queries and the group's heads fit its tile. Any other
+batch with a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes)
+takes the varlen prefill kernel. Their launches depend only on tensor shapes, K + 1 and
+``max_query_len`` (the prefill kernel's grid), so the model runner captures them in CUDA
+graphs (engine_core/cuda_graph.py). All read K/V through the block tables, after ``write_kv``
 has put this step's tokens into the cache.
 """
 
@@ -18,8 +21,10 @@ from engine_core.attention.triton_kernels import (
     NewTokens,
     paged_decode_attention,
     paged_prefill_attention,
+    paged_verify_attention,
     rotary_decode_attention,
     rotary_write_kv_cache,
+    verify_serves,
     write_kv_cache,
 )
 
@@ -43,6 +48,19 @@ class TritonBackend:
         """Whether decode_rotated (a decode step's rotary and KV write in the attention's
         launch) serves heads of ``head_dim`` dims (see ROPE_IN_DECODE_MAX_HEAD_DIM)."""
         return head_dim <= ROPE_IN_DECODE_MAX_HEAD_DIM
+
+    def verifies(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        queries: int,
+        plain: bool = True,
+    ) -> bool:
+        """Whether a step of ``queries`` new tokens a sequence attends through the verify
+        kernel for a layer of these heads (``plain``: no sink logits, no attention chunk;
+        those take the prefill kernel), reading no host value but shapes."""
+        return plain and verify_serves(num_heads, num_kv_heads, head_dim, queries)
 
     def write_kv(
         self,
@@ -126,6 +144,13 @@ class TritonBackend:
                 sliding_window=sliding_window,
                 **scales,
             )
+        queries = meta.uniform_query_len
+        plain = sinks is None and attention_chunk is None and v_cache.shape[3] == q.shape[2]
+        if queries and self.verifies(q.shape[1], k_cache.shape[2], q.shape[2], queries, plain):
+            return paged_verify_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, queries, scale,
+                sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
         # A prefill graph's padding rows are visited by no program: zero them, so nothing
         # after attention reads memory left over from an earlier replay.
         out = torch.zeros_like(q) if meta.padded else None

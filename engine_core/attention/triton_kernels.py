@@ -1,7 +1,8 @@
-"""Triton attention kernels for the GPU path: KV-cache write, paged decode and prefill attention.
-(The fused elementwise layers, RMSNorm, rotary and the activations, are models/triton_ops.py.)
+"""Triton attention kernels for the GPU path: KV-cache write, paged decode, speculative verify
+and prefill attention. (The fused elementwise layers, RMSNorm, rotary and the activations, are
+models/triton_ops.py.)
 
-The three attention kernels read the paged cache layout
+The attention kernels read the paged cache layout
 ``[num_blocks, block_size, kv_heads, head_dim]`` through a block table, so any block size works
 and prefix-cached or chunked prefills need no copy. Scores, softmax statistics and the output
 accumulator are float32; Q, K and V stay in the cache dtype (bf16 on the GPU) going into the
@@ -21,6 +22,10 @@ others return at once, and a sequence that one split covers is written directly,
 partials and no merge.
 An FP8 cache's tiles are widened to float16 (one instruction per pair, where bf16 goes through
 float32), q with them.
+
+A speculative verify step (every sequence its last known token and K drafts) is decode with
+K + 1 queries a sequence (``paged_verify_attention``): the same programs, splits and merge, the
+K + 1 queries of the group's heads as the tile's rows, each seeing the keys up to its own.
 
 Importing this module imports triton: only the CUDA branches of the model runner and of
 models/layers.py (and GPU tests) may do so. Set ``TRITON_INTERPRET=1`` before the import to run
@@ -744,6 +749,7 @@ def _decode_merge_kernel(
     chunk,
     min_split,
     num_splits,
+    queries,  # output rows a sequence: 1 for decode, K + 1 for a verify step
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
@@ -755,7 +761,7 @@ def _decode_merge_kernel(
     HAS_SINKS: tl.constexpr = False,
     HAS_CHUNK: tl.constexpr = False,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0)  # the output row: the sequence's, or one of its verify queries
     head = tl.program_id(1)
     part = (seq * tl.num_programs(1) + head) * num_splits
     s = tl.arange(0, BLOCK_S)
@@ -765,7 +771,7 @@ def _decode_merge_kernel(
     # seq_len is a step input: read while the decode kernel finishes (engine_core/triton_pdl.py).
     # Every split's slot is read after the wait, whichever hold a result (they follow from
     # seq_len); unwritten slots are dropped by the selects below, never multiplied.
-    seq_len = tl.load(SL + seq)
+    seq_len = tl.load(SL + seq // queries)
     pdl_wait_then_release(PDL)
     lse = tl.load(PL + part + s, mask=in_buf, other=float("-inf"))  # [S]
     po_ptr = PO + (part + s)[:, None] * HEAD_DIM + d[None, :]
@@ -1026,9 +1032,11 @@ def merge_partials(
     block_n: int,
     sinks: torch.Tensor | None = None,  # [heads]
     attention_chunk: int | None = None,
+    queries: int = 1,
 ) -> None:
     """Combine each multi-split row's partial results, weighted by their log-sum-exps (and each
-    head's sink logit in the denominator)."""
+    head's sink logit in the denominator). ``queries``: output rows a sequence (a verify
+    step's K + 1; row r is then sequence r // queries's); ``seq_lens`` has one per sequence."""
     batch, num_heads, num_splits, head_dim = partial_out.shape
     block_d = triton.next_power_of_2(head_dim)
     block_s = triton.next_power_of_2(num_splits)
@@ -1043,6 +1051,7 @@ def merge_partials(
         attention_chunk or 1,
         min_split,
         num_splits,
+        queries,
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
@@ -1112,6 +1121,223 @@ def _num_sms(device: torch.device) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 operands use exact products (tests compare them with HF); bf16 ignores this."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---- speculative verify attention: K + 1 queries a sequence, decode-shaped --------------------
+
+# A verify program holds every query row of its kv heads: queries x query heads of the group.
+# Past VERIFY_MAX_ROWS the accumulator's registers ([rows, head_dim] float32) outgrow a
+# program's share, and the prefill kernel takes the step instead (TritonBackend.forward).
+VERIFY_MAX_ROWS = 64
+
+
+def verify_rows(num_heads: int, num_kv_heads: int, queries: int) -> int:
+    """Query rows of one verify program with one kv head: queries x its query heads."""
+    return queries * (num_heads // num_kv_heads)
+
+
+def verify_serves(num_heads: int, num_kv_heads: int, head_dim: int, queries: int) -> bool:
+    """Whether paged_verify_attention takes steps of ``queries`` queries a sequence for these
+    heads (else the prefill kernel does)."""
+    rows = verify_rows(num_heads, num_kv_heads, queries)
+    return queries > 1 and head_dim >= 16 and rows <= VERIFY_MAX_ROWS
+
+
+# window and the split counts stay runtime values, as in _decode_kernel; so do the queries a
+# sequence (a step's K + 1 or fewer, eagerly): only the tile height BLOCK_R compiles variants.
+@triton.jit(do_not_specialize=["window", "min_split", "num_splits", "queries", "stride_bt"])
+def _verify_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    SL,
+    Out,
+    PO,
+    PL,
+    scale_log2,
+    v_scale,
+    window,
+    min_split,
+    num_splits,
+    num_heads,
+    queries,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_oh,
+    GROUP: tl.constexpr,
+    KPP: tl.constexpr,  # kv heads per program
+    BLOCK_R: tl.constexpr,  # >= queries * GROUP * KPP rows, at least 16 (tl.dot's minimum)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Attention of a sequence's last ``queries`` tokens (its last known token and its drafts,
+    whose K/V are in the cache already) over its cache, each query seeing the keys up to its
+    own position. A program owns one (sequence, context split, kv heads) as _decode_kernel's
+    do, with every query of every query head of those kv heads as the rows of one tile: row r
+    is query r // (GROUP * KPP) of head kv0 * GROUP + r % (GROUP * KPP). So each K/V row of
+    the context is read once per group for all K + 1 queries, where the prefill kernel reads
+    it once per query head."""
+    kv0 = tl.program_id(0) * KPP
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+    # Step inputs, not outputs of the kernel just before (the KV write): read before the wait
+    # (engine_core/triton_pdl.py). The first query's window reaches back furthest: the splits
+    # are those of a decode query with a window queries - 1 longer.
+    seq_len = tl.load(SL + seq)
+    split_len, lo, first, last = split_bounds(
+        seq_len, window + queries - 1, 1, num_splits, min_split, BLOCK_N, HAS_WINDOW, False
+    )
+    start = tl.maximum(split * split_len, lo)
+    end = tl.minimum(split * split_len + split_len, seq_len)
+    r = tl.arange(0, BLOCK_N * KPP)
+    bt_row = BT + seq.to(tl.int64) * stride_bt
+    next_tok = start + r // KPP
+    next_blk = tl.load(bt_row + next_tok // PAGE, mask=next_tok < end, other=0)
+    pdl_wait_then_release(PDL)
+    if (split >= first) & (split <= last):
+        rows = tl.arange(0, BLOCK_R)
+        query = rows // (GROUP * KPP)
+        in_program = rows % (GROUP * KPP)
+        heads = kv0 * GROUP + in_program
+        row_mask = rows < queries * GROUP * KPP
+        row_kv = in_program // GROUP  # which of the program's kv heads a row reads
+        q_pos = seq_len - queries + query  # [R]: each row's query position
+        token = seq * queries + query  # [R]: its row of q and of the output
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        q_mask = row_mask[:, None] & d_mask[None, :]
+        q_ptr = Q + token.to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+        q = tl.load(q_ptr + d[None, :], mask=q_mask, other=0.0)  # [R, D]
+        if FP8_AS_F16:  # as in _decode_kernel
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        same_kv = row_kv[:, None] == (r % KPP)[None, :]  # [R, N * KPP]
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for _ in range(start, end, BLOCK_N):
+            tok = next_tok
+            n_mask = tok < end
+            blk = next_blk.to(tl.int64)
+            next_tok = tok + BLOCK_N
+            next_blk = tl.load(bt_row + next_tok // PAGE, mask=next_tok < end, other=0)
+            in_page = tok % PAGE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            r_kv = kv0 + r % KPP
+            k_row = blk * stride_kb + in_page * stride_ks + r_kv * stride_kh
+            k = tl.load(KC + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N*KPP, D]
+            v_row = blk * stride_vb + in_page * stride_vs + r_kv * stride_vh
+            v = tl.load(VC + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, N*KPP]
+            # Causal inside the chunk: a query sees its own position and the ones before.
+            visible = n_mask[None, :] & (tok[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (tok[None, :] > q_pos[:, None] - window)
+            if KPP > 1:
+                visible = visible & same_kv
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # zeros for a padding sequence
+        if KV_FP8:
+            out = out * v_scale
+        # The output [T, heads, D] (contiguous over heads) as rows token * heads + head: the
+        # decode layout's (sequence, head) rows, one per query, for store_split and the merge.
+        flat = token * num_heads + heads
+        store_split(
+            Out, PO, PL, out, m_i, l_i, 0, flat, d, q_mask, row_mask, split, first, last,
+            num_heads, num_splits, 0, stride_oh, HEAD_DIM,
+        )  # fmt: skip
+
+
+def paged_verify_attention(
+    q: torch.Tensor,  # [B * Q, heads, head_dim]: sequence b's queries are rows b*Q .. b*Q+Q-1
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, the Q queries included; 0 = padding (output 0)
+    queries: int,  # Q: new tokens a sequence, all of them in the cache already
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    min_split_tokens: int | None = None,  # None: default_min_split's
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    tile: DecodeTile | None = None,
+) -> torch.Tensor:  # [B * Q, heads, head_dim]
+    """Causal attention of each sequence's last ``queries`` tokens over its cached context: a
+    speculative verify step (the last known token and K drafts), with the decode kernel's
+    split context and kv-head grouping. The launch reads nothing from the host but shapes and
+    ``queries`` (the split count is a function of the batch, the kv heads and the block
+    table's width, as for decode), so a CUDA graph of a (batch, K) captures it."""
+    tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    _check_cache(k_cache)
+    _check_cache(v_cache)
+    if tokens != batch * queries:
+        raise ValueError(f"{tokens} query rows for {batch} sequences of {queries} queries")
+    if not verify_serves(num_heads, num_kv_heads, head_dim, queries):
+        raise ValueError(
+            f"paged_verify_attention: {queries} queries of {num_heads // num_kv_heads} heads a "
+            f"group (head dim {head_dim}) exceed its tile; use the prefill kernel"
+        )
+    out = q.new_empty(tokens, num_heads, head_dim)
+    if batch == 0:
+        return out
+    kv_fp8 = is_fp8_cache(k_cache)
+    if tile is None:
+        grid = decode_grid(batch, num_kv_heads, q.device)
+        tile = decode_tile(head_dim, kv_fp8, grid, num_kv_heads)
+    group = num_heads // num_kv_heads
+    kpp = _kv_per_program(tile.kv_per_program, num_kv_heads, group * queries)
+    programs = num_kv_heads // kpp
+    if min_split_tokens is None:
+        min_split_tokens = default_min_split(batch, programs, q.device)
+    min_split = max(min_split_tokens, 1)
+    if num_splits is None:
+        max_context = block_tables.shape[1] * page
+        num_splits = choose_num_splits(batch, programs, max_context, q.device, min_split)
+    partial_out, partial_lse = partial_buffers(tokens, num_heads, num_splits, head_dim, q.device)
+    # The first query's window: the splits and the merge bound the context by it.
+    window = None if sliding_window is None else sliding_window + queries - 1
+    pdl = chain_pdl(q)
+    _verify_kernel[(programs, num_splits, batch)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale, sliding_window or 0, min_split,
+        num_splits, num_heads, queries, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0), out.stride(1),
+        GROUP=group, KPP=kpp, BLOCK_R=max(16, triton.next_power_of_2(group * kpp * queries)),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
+        BLOCK_N=tile.block_n, HAS_WINDOW=sliding_window is not None,
+        PRECISION=dot_precision(q.dtype), KV_FP8=kv_fp8,
+        FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16), PDL=pdl,
+        launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_partials(
+            partial_out, partial_lse, seq_lens, out, window, min_split, tile.block_n,
+            queries=queries,
+        )  # fmt: skip
+    return out
 
 
 # ---- varlen prefill attention over the paged cache ---------------------------------------------
