@@ -17,9 +17,10 @@ random weights and uniform random routing (softmax top-k of random logits), at e
 
 The table: µs a layer (median of CUDA-event timings of 20 back-to-back calls, divided by 20),
 the bytes the layer must read (the experts the routing touched, weights and scales; the
-activations in and out) over that time, and that rate as a share of ``--hbm`` (default 4.8 TB/s,
-the H200's datasheet figure) and of the copy bandwidth measured first (roofline.py). One layer's
-experts (604 MB in FP8 at qwen3-30b-a3b's shape) exceed the L2 cache.
+activations in and out) over that time, and that rate as a share of ``--hbm`` (default 4.8
+TB/s, the datasheet figure of the 141 GB HBM3e GPU these kernels were written for) and of the
+copy bandwidth measured first (roofline.py). One layer's experts (604 MB in FP8 at
+qwen3-30b-a3b's shape) exceed the L2 cache.
 
 ``--device cpu`` (with TRITON_INTERPRET=1 and ``--shape`` small) only checks that the script
 runs.
