@@ -115,9 +115,11 @@ def _gate_up_kernel(
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = Xq + tokens[:, None] * stride_xt + ks[None, :]
-    w_base = W13 + expert * stride_we + ks[:, None]
-    gate_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn
-    up_ptrs = w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn
+    # Offsets within one expert's rows fit in int32 (64-bit pointers a weight would take twice
+    # the registers, and spilled); the expert's start is added as int64, once.
+    w_offsets = cols[None, :] * stride_wn + ks[:, None]
+    gate_ptrs = W13 + expert * stride_we + w_offsets
+    up_ptrs = gate_ptrs + inter * stride_wn
     # Scales: the rows' (per token) and the columns' (gate's, then up's: I rows further on).
     x_scales = XScale + tokens * stride_xst
     w_scales = W13Scale + expert * stride_wse
@@ -188,7 +190,7 @@ def _down_kernel(
     col_ok = cols < hidden
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = Aq + slots64[:, None] * stride_as + ks[None, :]
-    w_ptrs = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    w_ptrs = W2 + expert * stride_we + (cols[None, :] * stride_wn + ks[:, None])  # as gate/up's
     a_scales = AScale + slots64 * stride_ass
     w_scales = W2Scale + expert * stride_wse + (cols // GROUP_N) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -207,13 +209,15 @@ def _down_kernel(
 
 
 def block_sizes(num_slots: int, num_experts: int) -> Blocks:
-    """Row blocks as fused_moe's (small when each expert gets few rows, large when many); a K
-    step of 128 e4m3 values (128 bytes a weight row, as fused_moe's 64 bf16 ones), cut to the
-    scale group where the group is narrower (``fit_to_group``). Unswept (``python -m benchmarks
-    fused-moe-fp8 --sweep`` times the CANDIDATES)."""
+    """Row blocks as fused_moe's (small when each expert gets few rows, large when many). Not
+    yet timed on a GPU (``python -m benchmarks fp8-moe --sweep`` times the CANDIDATES). Compiled
+    for sm_90 here (Triton 3.9, ptxas -v), the 16-row tile spilled 408 bytes with a K step of
+    128 and 136 with 64, and the one-token tiles none, so decode steps 64 e4m3 values (64
+    bytes a weight row) and larger row blocks 128; ``fit_to_group`` cuts a step to a narrower
+    scale group."""
     per_expert = num_slots / max(num_experts, 1)
     if per_expert <= 8:
-        return Blocks(16, 64, 128)
+        return Blocks(16, 64, 64)
     if per_expert <= 64:
         return Blocks(32, 64, 128)
     return Blocks(64, 128, 128, warps=8)
@@ -222,11 +226,13 @@ def block_sizes(num_slots: int, num_experts: int) -> Blocks:
 # The one-token path's tiles (one slot a row block: fused_moe's ONE_SLOT_PER_BLOCK).
 ONE_TOKEN_GATE_UP = Blocks(16, 32, 128, warps=4, stages=4)
 ONE_TOKEN_DOWN = Blocks(16, 64, 128)
-# Tiles ``python -m benchmarks fused-moe-fp8 --sweep`` times beside block_sizes' choice.
+# Tiles ``python -m benchmarks fp8-moe --sweep`` times beside block_sizes' choice.
 CANDIDATES = (
     Blocks(16, 32, 128),
+    Blocks(16, 64, 64),
     Blocks(16, 64, 128),
     Blocks(16, 128, 128),
+    Blocks(32, 64, 64),
     Blocks(32, 64, 128),
     Blocks(32, 128, 128, warps=8),
     Blocks(64, 64, 128),
