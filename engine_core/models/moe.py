@@ -24,11 +24,10 @@ host sync, so decode is captured in CUDA graphs) and through ``experts_reference
 
 FP8 experts (``make_fp8``: an FP8 checkpoint's e4m3 experts with a scale per output row or per
 block, or a plain checkpoint's quantized per row as it loads under ``--quantization fp8``;
-``w13_scale`` and ``w2_scale`` stacked like the weights) run expert by expert through the
-FP8 linear of engine_core/models/fp8.py: on CUDA its FP8 tensor-core kernels, elsewhere its
-dequantizing reference, activations quantized per token (and column group) as the checkpoint
-says. Grouping the tokens by expert reads their counts on the host, so a model with FP8 experts
-runs eagerly; the fused kernels take no FP8 weights yet.
+``w13_scale`` and ``w2_scale`` stacked like the weights) run on CUDA through the fused FP8
+kernels of engine_core/models/fp8_moe_kernels.py (no host sync: CUDA graphs capture them), and
+elsewhere expert by expert through the dequantizing reference of engine_core/models/fp8.py;
+both quantize activations per token (and column group) as the checkpoint says.
 
 A Llama-family decoder layer builds its MLP with ``make_mlp`` in engine_core/models/llama.py,
 which picks ``SparseMoE`` for the layers ``ModelConfig.is_moe_layer`` names.
