@@ -22,7 +22,7 @@ as the FP8 tensor cores compute it:
    * up is written per slot;
 4. the slots' activations quantized per slot (and group) as the scheme says, one launch;
 5. ``_down_kernel``: the same product against the expert's down rows, rounded to the activations'
-   dtype, times the slot's routing weight, written in float32 per slot;
+   dtype, times the slot's routing weight, written per slot in that dtype (as fused_moe's);
 6. ``combine_kernel`` (fused_moe.py): each token's K slots summed in float32, in slot order.
 
 No step reads anything on the host, so the layer is captured in CUDA graphs like the bf16 one.
@@ -155,7 +155,7 @@ def _down_kernel(
     AScale,  # [S, I / GROUP_K] (block) or [S, 1] float32
     W2,  # [E, H, I] e4m3
     W2Scale,  # [E, H / GROUP_N, I / GROUP_K] (block) or [E, H] float32
-    Out,  # [S, H] float32
+    Out,  # [S, H] the activations' dtype
     SlotWeights,  # [S] float32
     SortedSlots,
     BlockExperts,
@@ -169,7 +169,6 @@ def _down_kernel(
     num_slots,
     hidden,
     inter,
-    OUT_DTYPE: tl.constexpr,  # the activations' dtype, which the product is rounded to
     BLOCK_SCALED: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
@@ -202,10 +201,11 @@ def _down_kernel(
         acc = _scaled_dot(acc, a, w, a_scales + group, w_scales + group, row_ok, col_ok,
                           BLOCK_SCALED)  # fmt: skip
     acc = _row_scaled(acc, a_scales, w_scales, row_ok, col_ok, BLOCK_SCALED)
-    acc = acc.to(OUT_DTYPE).to(tl.float32)  # the reference's linear output, rounded
+    acc = acc.to(Out.dtype.element_ty).to(tl.float32)  # the reference's linear output, rounded
     weight = tl.load(SlotWeights + slots, mask=row_ok, other=0.0)
     out_ptrs = Out + slots64[:, None] * stride_os + cols[None, :]
-    tl.store(out_ptrs, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+    out = (acc * weight[:, None]).to(Out.dtype.element_ty)
+    tl.store(out_ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def block_sizes(num_slots: int, num_experts: int) -> Blocks:
@@ -321,9 +321,6 @@ def check_layout(experts: Fp8Experts, hidden: int) -> None:
             )
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 def _grouped_gemms(
     dtype: torch.dtype,  # the activations'
     xq: tuple[torch.Tensor, torch.Tensor],  # the tokens in e4m3 and their scales
@@ -356,7 +353,9 @@ def _grouped_gemms(
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
     aq, a_scale = quantize_activations(act, e.block)
-    out = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    # Per slot in the activations' dtype, as fused_moe's: float32 would double the largest
+    # buffer of a prefill (8,192 tokens x top 8 x DeepSeek-V3's 7,168 columns: 1.9 GB).
+    out = torch.empty(num_slots, hidden, dtype=dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     b = tiles[1]
     _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
@@ -364,7 +363,7 @@ def _grouped_gemms(
         aq.stride(0), a_scale.stride(0), e.w2.stride(0), e.w2.stride(1),
         e.w2_scale.stride(0), e.w2_scale.stride(1), out.stride(0),
         num_slots, hidden, inter,
-        OUT_DTYPE=_TL_DTYPES[dtype], BLOCK_SCALED=scaled, GROUP_N=group_n, GROUP_K=group_k,
+        BLOCK_SCALED=scaled, GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
