@@ -63,14 +63,16 @@ def test_kernels_at_qwen3_30b_a3b_shapes_match_the_reference(
 def test_float32_activations_give_the_reference_to_float32_rounding(
     block: tuple[int, int] | None,
 ) -> None:
-    """In float32 the only differences are the sums' order and the tensor cores' accumulation:
-    e4m3 products are exact."""
+    """In float32 the differences are the sums' order and the tensor cores' accumulation (e4m3
+    products are exact), and the GPU quantizer's division, whose last bit may differ from
+    torch's and so move an activation to the neighbouring e4m3 value now and then: 1/16 of one
+    term of a 256-term sum, far below 1% of the output; a wrong scale is 100%."""
     experts = random_experts(8, 512, 256, block, seed=3)
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(3))
     weights, ids = routing(40, 8, 2, seed=3)
     want = reference(x, experts, weights, ids)
     got = fused_moe_fp8(x.cuda(), on_cuda(experts), weights.cuda(), ids.cuda())
-    assert relative_error(got.cpu(), want) < 1e-3
+    assert relative_error(got.cpu(), want) < 1e-2
 
 
 @pytest.fixture(scope="module")
