@@ -710,8 +710,8 @@ class ModelRunner:
             # decode graphs would compute logits that they never read, with no head for them.
             return None
         if not all(getattr(module, "cuda_graph_safe", True) for module in self.model.modules()):
-            # gpt-oss's experts and FP8 experts run code that reads host values (no fused
-            # kernels for them yet): every step runs eagerly.
+            # gpt-oss's experts run code that reads host values (no fused kernels for its bf16
+            # experts yet): every step runs eagerly.
             logger.warning("%s runs without CUDA graphs for now", type(self.model).__name__)
             return None
         if len(self.kv_layout.groups) > 1:

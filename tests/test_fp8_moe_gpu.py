@@ -1,9 +1,11 @@
-"""FP8 experts on a GPU: a tiny Qwen3-MoE in transformers' block-FP8 format (tests/test_fp8_moe.py)
-with 64 x 64 blocks on its experts (the smallest the GPU's block GEMM takes; the attention,
-whose 32-row k/v parts are not whole such blocks, stays in bf16) loaded on CUDA runs each
-expert on the FP8 tensor cores; its MoE layers' outputs equal the CPU
-reference's on the same checkpoint, for token counts of a decode step and of a prompt, and the
-engine serves it on CUDA (eagerly: grouping tokens by expert reads their counts on the host).
+"""FP8 experts on a GPU: the fused FP8 MoE kernels (engine_core/models/fp8_moe_kernels.py) at
+Qwen3-30B-A3B's layer shape (hidden 2048, width 768, 128 experts, top 8; 128 x 128 blocks as
+its FP8 release, and row scales) against the CPU reference for 1, 64 and 2,048 tokens, with
+the Triton activation quantizers the interpreted tests replace; and a tiny Qwen3-MoE in
+transformers' block-FP8 format (tests/test_fp8_moe.py) with 64 x 64 blocks on its experts (the
+smallest the GPU's block GEMM takes; the attention, whose 32-row k/v parts are not whole such
+blocks, stays in bf16) loaded on CUDA: its MoE layers' outputs equal the CPU reference's on the
+same checkpoint, and the engine decodes through CUDA graphs the tokens it decodes eagerly.
 
     .venv/bin/python -m pytest -q tests/test_fp8_moe_gpu.py
 """
@@ -21,9 +23,56 @@ if not torch.cuda.is_available():
 
 from engine_core.llm import LLM  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
+from engine_core.models.fp8 import Fp8Experts  # noqa: E402
+from engine_core.models.fp8_moe_kernels import fused_moe_fp8  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
+from tests.fp8_moe_cases import random_experts, reference, relative_error, routing  # noqa: E402
 from tests.test_fp8 import PROMPTS, fp8_block_format, write_quantized  # noqa: E402
 from tests.test_fp8_moe import make_hf_model  # noqa: E402
+
+QWEN3_30B_A3B = (2048, 768, 128, 8)  # hidden, width, experts, top k
+
+
+def on_cuda(experts: Fp8Experts) -> Fp8Experts:
+    e = experts
+    moved = (t.cuda() for t in (e.w13, e.w13_scale, e.w2, e.w2_scale))
+    return Fp8Experts(*moved, e.block)
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "row"])
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_kernels_at_qwen3_30b_a3b_shapes_match_the_reference(
+    tokens: int, block: tuple[int, int] | None
+) -> None:
+    """bf16 activations against the float32 reference of the same (bf16-valued) tokens: the
+    kernels round each product to bf16 and re-quantize the activation from bf16, so about one
+    activation in 16 lands on a neighbouring e4m3 value (tests/test_fp8_moe_interpreted.py's
+    bf16 test measures the same on the CPU: up to 3.7%); a wrong scale is 100%."""
+    hidden, inter, num_experts, top_k = QWEN3_30B_A3B
+    experts = random_experts(num_experts, hidden, inter, block, seed=tokens)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+    x = x.bfloat16().float()
+    weights, ids = routing(tokens, num_experts, top_k, seed=tokens)
+    want = reference(x, experts, weights, ids)
+    got = fused_moe_fp8(x.cuda().bfloat16(), on_cuda(experts), weights.cuda(), ids.cuda())
+    assert got.dtype == torch.bfloat16
+    assert relative_error(got.cpu(), want) < 8e-2
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "row"])
+def test_float32_activations_give_the_reference_to_float32_rounding(
+    block: tuple[int, int] | None,
+) -> None:
+    """In float32 the differences are the sums' order and the tensor cores' accumulation (e4m3
+    products are exact), and the GPU quantizer's division, whose last bit may differ from
+    torch's and so move an activation to the neighbouring e4m3 value now and then: 1/16 of one
+    term of a 256-term sum, far below 1% of the output; a wrong scale is 100%."""
+    experts = random_experts(8, 512, 256, block, seed=3)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(3))
+    weights, ids = routing(40, 8, 2, seed=3)
+    want = reference(x, experts, weights, ids)
+    got = fused_moe_fp8(x.cuda(), on_cuda(experts), weights.cuda(), ids.cuda())
+    assert relative_error(got.cpu(), want) < 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +95,24 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference(folder: Path, tokens: int) 
         torch.testing.assert_close(got, want, atol=5e-2 * want.abs().max().item(), rtol=5e-2)
 
 
-def test_the_engine_serves_fp8_experts_on_cuda(folder: Path) -> None:
-    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
-    try:
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        outs = llm.generate(PROMPTS, params, detokenize=False)
-    finally:
-        llm.engine.shutdown()
-    assert [len(out.token_ids) for out in outs] == [8] * len(PROMPTS)
+def test_the_engine_decodes_through_cuda_graphs_as_eagerly(folder: Path) -> None:
+    """The fused kernels read nothing on the host, so the FP8 MoE layers are captured: the
+    graphs' greedy tokens are the eager engine's."""
+
+    def run(**engine: object) -> list[list[int]]:
+        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128,
+                  num_kv_blocks=64, **engine)  # fmt: skip
+        try:
+            moe = [m for m in llm.engine.runner.model.modules() if hasattr(m, "fp8_experts")]
+            assert moe and all(getattr(m, "cuda_graph_safe", True) for m in moe)
+            params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+            return [o.token_ids for o in llm.generate(PROMPTS, params, detokenize=False)]
+        finally:
+            llm.engine.shutdown()
+
+    graphs = run()
+    assert [len(tokens) for tokens in graphs] == [16] * len(PROMPTS)
+    assert graphs == run(enforce_eager=True)
 
 
 def test_blocks_the_gpu_gemm_cannot_take_are_refused_at_load(tmp_path: Path) -> None:

@@ -249,7 +249,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     # On CUDA a decode step reads no host value (the fused experts; the latent attention's
     # Triton decode, attention/triton_mla.py), a prompt step does (the expanded prefill
     # gathers each context by host lengths): the runner captures decode graphs only
-    # (model_runner.py _capture_graphs). FP8 experts still run eagerly (models/moe.py).
+    # (model_runner.py _capture_graphs), with FP8 experts too (models/fp8_moe_kernels.py).
     cuda_graph_safe = True
     prompt_graphs_safe = False
 

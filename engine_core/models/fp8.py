@@ -20,6 +20,7 @@ The matmul dispatches on the device:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -37,6 +38,19 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
 # A row of zeros still gets a finite, positive scale.
 MIN_SCALE = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """One MoE layer's FP8 experts as SparseMoE (moe.py) holds them, for the fused kernels
+    (fp8_moe_kernels.py). ``block`` None: one scale per output row (``w13_scale [E, 2I]``,
+    ``w2_scale [E, H]``); else one per block of (rows, cols) weights."""
+
+    w13: torch.Tensor  # [E, 2I, H] e4m3
+    w13_scale: torch.Tensor  # [E, 2I] or [E, 2I / rows, H / cols] float32
+    w2: torch.Tensor  # [E, H, I] e4m3
+    w2_scale: torch.Tensor  # [E, H] or [E, H / rows, I / cols] float32
+    block: tuple[int, int] | None
 
 
 def fp8_kernels() -> ModuleType:

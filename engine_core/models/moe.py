@@ -24,11 +24,10 @@ host sync, so decode is captured in CUDA graphs) and through ``experts_reference
 
 FP8 experts (``make_fp8``: an FP8 checkpoint's e4m3 experts with a scale per output row or per
 block, or a plain checkpoint's quantized per row as it loads under ``--quantization fp8``;
-``w13_scale`` and ``w2_scale`` stacked like the weights) run expert by expert through the
-FP8 linear of engine_core/models/fp8.py: on CUDA its FP8 tensor-core kernels, elsewhere its
-dequantizing reference, activations quantized per token (and column group) as the checkpoint
-says. Grouping the tokens by expert reads their counts on the host, so a model with FP8 experts
-runs eagerly; the fused kernels take no FP8 weights yet.
+``w13_scale`` and ``w2_scale`` stacked like the weights) run on CUDA through the fused FP8
+kernels of engine_core/models/fp8_moe_kernels.py (no host sync: CUDA graphs capture them), and
+elsewhere expert by expert through the dequantizing reference of engine_core/models/fp8.py;
+both quantize activations per token (and column group) as the checkpoint says.
 
 A Llama-family decoder layer builds its MLP with ``make_mlp`` in engine_core/models/llama.py,
 which picks ``SparseMoE`` for the layers ``ModelConfig.is_moe_layer`` names.
@@ -48,6 +47,7 @@ from engine_core.config import Fp8Config, ModelConfig
 from engine_core.models.expert_dispatch import dispatch_combine, gather_tokens, token_slice
 from engine_core.models.fp8 import (
     FP8_DTYPE,
+    Fp8Experts,
     fp8_linear,
     quantize_rows,
     weight_scale_shape,
@@ -157,7 +157,6 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         self.w13_scale = empty_param((experts, *scale_13), torch.float32, device)
         self.w2_scale = empty_param((experts, *scale_2), torch.float32, device)
         self.fp8 = config
-        self.cuda_graph_safe = False  # tokens grouped by expert on the host (module docstring)
 
     def reset_buffers(self) -> None:
         """Zero the arrival count (after ``to_empty`` gave it uninitialised memory)."""
@@ -236,12 +235,22 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden], over the experts
         this rank holds (ids index them: under expert parallelism, its local ones)."""
+        if self.fp8 is not None and use_triton(x):
+            from engine_core.models.fp8_moe_kernels import fused_moe_fp8  # imports triton
+
+            return fused_moe_fp8(x, self.fp8_experts(), weights, ids)
         if self.fp8 is not None:
             return grouped_experts(x, weights, ids, self.w13.shape[0], self.fp8_expert)
         return run_experts(x, self.w13, self.w2, weights, ids)
 
+    def fp8_experts(self) -> Fp8Experts:
+        """The FP8 experts as the fused kernels take them (fp8_moe_kernels.py)."""
+        assert self.fp8 is not None
+        return Fp8Experts(self.w13, self.w13_scale, self.w2, self.w2_scale, self.fp8.block)
+
     def fp8_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """One FP8 expert's SwiGLU over its tokens x [n, H] -> [n, H]."""
+        """One FP8 expert's SwiGLU over its tokens x [n, H] -> [n, H]: the reference, which the
+        CPU serves with and the fused kernels are tested against."""
         config = self.fp8
         assert config is not None
         gate_up = fp8_linear(x, self.w13[expert], self.w13_scale[expert], None, config)
