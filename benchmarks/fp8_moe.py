@@ -15,12 +15,13 @@ random weights and uniform random routing (softmax top-k of random logits), at e
 - with ``--sweep``, ``fp8 block MxNxK wW``: the block form at each tile of
   fp8_moe_kernels.CANDIDATES instead of block_sizes' choice.
 
-The table: µs a layer (median of CUDA-event timings of 20 back-to-back calls, divided by 20),
-the bytes the layer must read (the experts the routing touched, weights and scales; the
-activations in and out) over that time, and that rate as a share of ``--hbm`` (default 4.8
-TB/s, the datasheet figure of the 141 GB HBM3e GPU these kernels were written for) and of the
-copy bandwidth measured first (roofline.py). One layer's experts (604 MB in FP8 at
-qwen3-30b-a3b's shape) exceed the L2 cache.
+The table: µs a layer (median of 5 replays of a CUDA graph of 20 calls, divided by 20: a
+one-token layer's kernels are shorter than the host's launches), the bytes the layer must read
+(the experts the routing touched, weights and scales; the activations in and out) over that
+time, and that rate as a share of ``--hbm`` (default 4.8 TB/s, the datasheet figure of the 141
+GB HBM3e GPU these kernels were written for) and of the copy bandwidth measured first
+(roofline.py). One layer's experts (604 MB in FP8 at qwen3-30b-a3b's shape) exceed the L2
+cache.
 
 ``--device cpu`` (with TRITON_INTERPRET=1 and ``--shape`` small) only checks that the script
 runs.
@@ -133,7 +134,7 @@ def measure(
         ways[f"fp8 block {b.m}x{b.n}x{b.k} w{b.warps}"] = tiled
     rows = []
     for way, (call, form) in ways.items():
-        us = timed_us(call, device)
+        us = timed_us(call, device, in_graph=True)
         read = touched * layer_bytes(layers[form]) // experts + activations
         rows.append(
             {"way": way, "tokens": tokens, "experts_touched": touched, "us": us}
