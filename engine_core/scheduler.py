@@ -122,11 +122,13 @@ class Scheduler:
             config.max_num_batched_tokens, max_model_len
         )
         self._block_size = config.block_size
-        # Pipeline stages with overlap (engine_core/core.py _step_pipelined): two micro-batches
-        # in flight, each of requests the other does not hold (a request whose token is still
-        # pending is skipped) and each about half of the live requests, so the stages alternate.
+        # Pipeline stages with overlap (engine_core/core.py _step_pipelined): up to one
+        # micro-batch in flight per stage, each about 1/P of the live requests and none of the
+        # requests another in-flight plan holds (``_in_flight``: their ids, from the plan until
+        # its update), so the running requests rotate through P disjoint groups.
         pipelined = config.pipeline_parallel_size > 1 and config.async_scheduling
-        self._micro_batches = 2 if pipelined else 1
+        self._micro_batches = config.pipeline_parallel_size if pipelined else 1
+        self._in_flight: set[str] = set()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
         # Arrival order, or (priority, arrival) order under the priority policy.
@@ -212,6 +214,11 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     @property
+    def in_flight_ids(self) -> frozenset[str]:
+        """With micro-batches: the requests of plans not yet updated (none otherwise)."""
+        return frozenset(self._in_flight)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -257,6 +264,8 @@ class Scheduler:
             output.decode_only = num_tokens == len(scheduled) and all(s.samples for s in scheduled)
             # The host tier's copies go with the next step that runs (none runs an empty plan).
             output.kv_moves = self.block_manager.take_moves()
+            if self._micro_batches > 1:
+                self._in_flight.update(s.request.request_id for s in scheduled)
         return output
 
     def _micro_batch_rows(self) -> int:
@@ -285,17 +294,20 @@ class Scheduler:
         grouped, stateful = self._grouped, self._stateful
         state_slot = self.block_manager.state_slot
         scheduled = output.scheduled
-        micro = self._micro_batches > 1
+        micro, in_flight = self._micro_batches > 1, self._in_flight
         index = 0
         while index < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[index]
             token_ids = request.token_ids
             num_tokens = len(token_ids)
-            if token_ids[-1] == PLACEHOLDER and (micro or num_tokens >= request.length_limit):
-                # Its pending token (a step still in flight) finishes it by length: another
-                # step would be wasted and could ask for a block past max_model_len. Without a
-                # pending token a request is never skipped (else it could wait forever). With
-                # micro-batches it waits for the one in flight (it has its token next step).
+            if (micro and request.request_id in in_flight) or (
+                token_ids[-1] == PLACEHOLDER and num_tokens >= request.length_limit
+            ):
+                # With micro-batches a request in a plan still in flight waits for its update
+                # (a prompt chunk too: one request in one micro-batch at a time). Otherwise its
+                # pending token (a step still in flight) finishes it by length: another step
+                # would be wasted and could ask for a block past max_model_len. Without a
+                # pending token a request is never skipped (else it could wait forever).
                 index += 1
                 continue
             start = request.num_computed_tokens
@@ -469,6 +481,8 @@ class Scheduler:
         for request in self.waiting:
             if request.grammar is not None and not request.grammar.ready:
                 continue
+            if request.request_id in self._in_flight:
+                continue  # preempted while its micro-batch runs: readmitted once it is applied
             if request.lora is None or self._holds_adapter(request):
                 return request
         return None
@@ -546,6 +560,8 @@ class Scheduler:
             events, any_finished = self._update_decodes(scheduled, sampled_token_ids)
         else:
             events, any_finished = self._update_rows(scheduled, sampled_token_ids)
+        if self._in_flight:
+            self._in_flight.difference_update(s.request.request_id for s in scheduled)
         if self._awaiting_first_token:
             self._stamp_first_tokens()
         if any_finished:
