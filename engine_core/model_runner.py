@@ -555,7 +555,8 @@ class ModelRunner:
         """The host KV tier's slots: as many blocks as --kv-offload-gb holds, every layer of a
         block together (the block manager keeps its bookkeeping, engine_core/kv_offload.py).
         The gigabytes are the engine's: under tensor parallelism each rank holds its shard of
-        every slot, so all ranks have the same slots."""
+        every slot, and a pipeline stage's ranks their layers' part of it (the slots are
+        counted from the whole model's block), so all ranks have the same slots."""
         gb = self.config.kv_offload_gb
         if not gb:
             return None
