@@ -862,7 +862,7 @@ class ModelRunner:
         step = ForwardStep(out, requests, self._output_positions, None, None, timeline)
         if not self.stage.is_last:
             # The logits come from the last stage once this one's output is handed on, which
-            # the engine core may do after settling the step before (core.py _step_pipelined).
+            # the engine core may do after settling the oldest step (core.py _step_pipelined).
             rows = inputs.logits_indices.clone()
             step.handoff = StageHandoff(hidden, rows, inputs.prompt_rows, self._scoring)
             return step

@@ -19,11 +19,12 @@ inside them), in the same order, since every rank runs the same ModelRunner set-
 With pipeline stages (engine_core/parallel.py) the same steps reach every rank; a rank's forward
 runs its stage's layers only, receiving the previous stage's output inside the model
 (models/llama.py) and handing its own on: a worker right after its forward, rank 0 once it has
-taken the step before's logits (engine_core/core.py ``_step_pipelined``). The last stage's
-``compute_logits`` sends rank 0 the logits that rank 0's ``compute_logits`` receives. The KV
-blocks are as many on every rank (the fewest that fit on any), its stage's layers each. No step
-has placeholders with stages, so the sampled ids below are not broadcast then, and rank 0 sends
-the step headers in the background (``StepChannel``).
+taken the oldest step's logits where P - 1 steps are in the later stages (engine_core/core.py
+``_step_pipelined``). The last stage's ``compute_logits`` sends rank 0 the logits that rank 0's
+``compute_logits`` receives. The KV blocks are as many on every rank (the fewest that fit on
+any), its stage's layers each. No step has placeholders with stages, so the sampled ids below
+are not broadcast then, and rank 0 sends each worker its step headers in the background, up to
+P - 1 ahead of the last stage (``StepChannel``).
 
 Each step's inputs cross as the host bytes rank 0 packed them in (engine_core/input_batch.py),
 in one msgpack message broadcast over the gloo group while the GPUs still run the step before;
