@@ -222,7 +222,7 @@ class EngineCore:
             step, self._in_flight = self._in_flight, None
             return self._process(step)
         with self.step_stats.phase("schedule"):
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(alone=True)
         if plan.is_empty:
             self._nap_if_only_compiling()
             return []

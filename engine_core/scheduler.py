@@ -129,6 +129,7 @@ class Scheduler:
         pipelined = config.pipeline_parallel_size > 1 and config.async_scheduling
         self._micro_batches = config.pipeline_parallel_size if pipelined else 1
         self._in_flight: set[str] = set()
+        self._plans_in_flight = 0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
         # Arrival order, or (priority, arrival) order under the priority policy.
@@ -246,10 +247,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------- scheduling
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first, then new admissions, within the budgets."""
+    def schedule(self, alone: bool = False) -> SchedulerOutput:
+        """Plan one step: running requests first, then new admissions, within the budgets.
+        ``alone``: no other plan will be in flight beside this one (the loop settles each step
+        before the next), so with micro-batches it takes all it can, not its share."""
         output = SchedulerOutput(scheduled=[])
-        max_rows = self._micro_batch_rows()
+        max_rows = self.config.max_num_seqs if alone else self._micro_batch_rows()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens, max_rows)
         if self._batch_proposer is not None:
             self._fill_drafts(output)
@@ -266,15 +269,20 @@ class Scheduler:
             output.kv_moves = self.block_manager.take_moves()
             if self._micro_batches > 1:
                 self._in_flight.update(s.request.request_id for s in scheduled)
+                self._plans_in_flight += 1
         return output
 
     def _micro_batch_rows(self) -> int:
         """The most rows a plan takes: all it can, or with micro-batches its share of the live
-        requests (rounded up)."""
+        requests that no plan in flight holds, over the micro-batches still to fill (rounded
+        up): 1/P of them when none is in flight, all of them with P - 1 in flight, so every
+        request not in flight (a waiting one too) has a place in the pipeline."""
         if self._micro_batches == 1:
             return self.config.max_num_seqs
-        live = len(self.running) + len(self.waiting)
-        return max(1, -(-live // self._micro_batches))
+        # Ids of requests that ended in flight stay until their update: a share a little low.
+        free = len(self.running) + len(self.waiting) - len(self._in_flight)
+        to_fill = self._micro_batches - self._plans_in_flight
+        return max(1, -(-free // max(1, to_fill)))
 
     def _count_step(self, num_tokens: int) -> None:
         self._step_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
@@ -560,8 +568,9 @@ class Scheduler:
             events, any_finished = self._update_decodes(scheduled, sampled_token_ids)
         else:
             events, any_finished = self._update_rows(scheduled, sampled_token_ids)
-        if self._in_flight:
+        if self._micro_batches > 1 and scheduled:  # a plan that schedule() counted in flight
             self._in_flight.difference_update(s.request.request_id for s in scheduled)
+            self._plans_in_flight -= 1
         if self._awaiting_first_token:
             self._stamp_first_tokens()
         if any_finished:

@@ -410,6 +410,51 @@ def test_p_stages_keep_p_micro_batches_in_flight_and_give_hf_tokens(
             assert tokens == want, i
 
 
+@pytest.mark.slow
+def test_a_penalised_request_settles_every_micro_batch_then_runs_in_step(tmp_path: Path) -> None:
+    """PP=4: a request with penalties arrives while micro-batches are in flight. The loop
+    settles them one by one, oldest first, then plans each step after the last is applied (the
+    penalties read real tokens), and pipelines again once it is gone: every request gets the
+    tokens one stage gives it."""
+    from engine_core.request import Request
+
+    config = LlamaConfig(**(SIZES | {"num_hidden_layers": 4}), tie_word_embeddings=False)
+    write_model("llama", tmp_path, config)
+    plain = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    penalised = dataclasses.replace(plain, max_tokens=2, repetition_penalty=1.5,
+                                    frequency_penalty=0.5)  # fmt: skip
+    params = [plain] * len(PROMPTS) + [penalised]
+    prompts = [*PROMPTS, PROMPTS[0]]
+    llm = LLM(str(tmp_path), pipeline_parallel_size=4, block_size=BLOCK_SIZE, num_kv_blocks=96,
+              max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16)  # fmt: skip
+    core = llm.engine
+    got: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+    depths = []  # the launches' depths: before the penalised request, with it, after it
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(Request(f"p{i}", prompt, plain))
+        turn = 0
+        while core.has_unfinished():
+            turn += 1
+            if turn == 6:  # the pipeline is full by now
+                depths.append(core.pipeline_depths.copy())
+                core.add_request(Request(f"p{len(PROMPTS)}", prompts[-1], penalised))
+            for out in core.step():
+                got[out.request.request_id] += out.new_token_ids
+                if out.finish_reason is not None and out.request.uses_penalties:
+                    depths.append(core.pipeline_depths.copy())
+        depths.append(core.pipeline_depths.copy())
+    finally:
+        core.shutdown()
+    one = LLM(str(tmp_path), block_size=BLOCK_SIZE, num_kv_blocks=96, max_model_len=128)
+    expected = [o.token_ids for o in one.generate(prompts, params, detokenize=False)]
+    assert [got[f"p{i}"] for i in range(len(prompts))] == expected
+    before, during, after = depths[0], depths[1] - depths[0], depths[2] - depths[1]
+    assert max(before) == 4
+    assert not during, "a step launched into the stages while a penalised request was live"
+    assert max(after) == 4
+
+
 # ---- what is refused ---------------------------------------------------------------------------
 
 
