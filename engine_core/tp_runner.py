@@ -111,8 +111,8 @@ class StepChannel:
     once rank 0 takes N-1's logits (core.py ``_step_pipelined``): with P micro-batches in
     flight the last stage is P - 2 headers behind when rank 0 sends the next. Sent one by one
     rather than broadcast so that stage 1 takes its header as soon as it is ready: gloo runs a
-    group's collectives in turn, so a broadcast would wait for the last stage to take the one
-    before."""
+    group's background collectives on two threads, so a third broadcast waits until the last
+    stage has taken the first (docs/design/multi-node.md)."""
 
     def __init__(self, tp: TPGroup, stages: int = 1) -> None:
         self.tp = tp
@@ -162,11 +162,6 @@ class StepChannel:
     def _wait_oldest(self) -> None:
         for work, _ in self._sending.popleft():
             work.wait()
-
-    def wait_sent(self) -> None:
-        """Wait until every rank has taken the headers sent in the background."""
-        while self._sending:
-            self._wait_oldest()
 
     def _recv_header(self) -> bytes | None:
         size = torch.empty(2, dtype=torch.int64)
