@@ -411,6 +411,33 @@ def test_p_stages_keep_p_micro_batches_in_flight_and_give_hf_tokens(
 
 
 @pytest.mark.slow
+def test_p_micro_batches_bring_back_each_steps_logprobs_and_prompt_logprobs(
+    tmp_path: Path,
+) -> None:
+    """PP=4 on a 6-layer Llama: with several steps in the stages, each step's sampled and
+    scored prompt rows come back from the last stage in the order rank 0 takes them, so every
+    request's logprobs and prompt logprobs are PP=1's."""
+    config = LlamaConfig(**(SIZES | {"num_hidden_layers": 6}), tie_word_embeddings=False)
+    hf_model = write_model("llama", tmp_path, config)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    one, _ = run(tmp_path, params, num_kv_blocks=96)
+    four, llm = run(tmp_path, params, num_kv_blocks=96, pipeline_parallel_size=4)
+    assert [o.token_ids for o in four] == [o.token_ids for o in one] == reference
+    for a, b in zip(one, four, strict=True):
+        scored = [*b.logprobs, *(b.prompt_logprobs or [])]
+        expected = [*a.logprobs, *(a.prompt_logprobs or [])]
+        assert len(b.prompt_logprobs or []) == len(a.prompt_logprobs or []) > 0
+        assert [lp.top_token_ids for lp in scored] == [lp.top_token_ids for lp in expected]
+        got = torch.tensor([x for lp in scored for x in (lp.logprob, *lp.top_logprobs)])
+        want = torch.tensor([x for lp in expected for x in (lp.logprob, *lp.top_logprobs)])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert max(llm.engine.pipeline_depths) == 4
+
+
+@pytest.mark.slow
 def test_a_penalised_request_settles_every_micro_batch_then_runs_in_step(tmp_path: Path) -> None:
     """PP=4: a request with penalties arrives while micro-batches are in flight. The loop
     settles them one by one, oldest first, then plans each step after the last is applied (the
