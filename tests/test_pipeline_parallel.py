@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -575,5 +576,62 @@ def test_serve_restarts_an_engine_that_lost_a_stage_and_the_stream_resumes(
         wait_restarted(srv, srv.engine_pid)
         assert "worker tandem-tp1" in srv.log_tail(10**6)
         assert client.completions.create(**request).choices[0].text == reference
+    finally:
+        stop_server(srv)
+
+
+@pytest.mark.slow
+def test_serve_with_three_stages_streams_concurrent_requests_and_frees_the_disconnected(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """`tandem serve --pipeline-parallel-size 3` through the official client: twelve streams at
+    once in a small KV pool (preemptions), four of them closed after a few chunks (the server
+    aborts them while their micro-batches may be in the stages). Every stream read to its end
+    has the text its prompt gets alone, and the engine ends with every block free and its
+    integrity check passing."""
+    import asyncio
+
+    import openai
+
+    from tests.factories import copy_tokenizer, write_tiny_llama
+    from tests.server_fixture import start_server, stop_server, wait_engine_idle
+    from tests.test_resume import metric
+
+    model = copy_tokenizer(default_model_dir, write_tiny_llama(tmp_path / "m", num_layers=3,
+                                                               vocab_size=49152))  # fmt: skip
+    flags = ["--pipeline-parallel-size", "3", "--max-model-len", "256", "--num-kv-blocks", "48",
+             "--block-size", "8", "--max-num-seqs", "12"]  # fmt: skip
+    srv = start_server(tmp_path, model=str(model), args=flags)
+    prompts = [f"Request {i}: " + "tell me more " * (i % 5) for i in range(12)]
+    request = {"model": str(model), "max_tokens": 24, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}  # fmt: skip
+
+    async def stream(client: openai.AsyncOpenAI, prompt: str, keep: int | None) -> str:
+        text, chunks = "", 0
+        async for chunk in await client.completions.create(prompt=prompt, stream=True, **request):
+            text += chunk.choices[0].text if chunk.choices else ""
+            chunks += 1
+            if keep is not None and chunks >= keep:
+                break  # leaving the stream closes its connection: the server aborts it
+        return text
+
+    async def all_at_once() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="unused") as client:
+            keeps = [3 if i % 3 == 0 else None for i in range(len(prompts))]
+            streams = [stream(client, p, k) for p, k in zip(prompts, keeps, strict=True)]
+            return await asyncio.gather(*streams)
+
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
+        alone = [client.completions.create(prompt=p, **request).choices[0].text for p in prompts]
+        together = asyncio.run(all_at_once())
+        for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+            assert b == a if i % 3 else a.startswith(b), i
+        wait_engine_idle(srv)
+        # The counts reach /metrics periodically: the run's preemptions show within a while.
+        deadline = time.monotonic() + 10
+        while metric(srv, "tandem_num_preemptions_total") == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(srv, "tandem_num_preemptions_total") > 0
     finally:
         stop_server(srv)
