@@ -44,7 +44,8 @@ _HELP = {
     "pipeline_parallel_size": "pipeline stages the decoder layers split into, contiguous and "
     "even (the remainder one each to the stages before the last); each stage's "
     "--tensor-parallel-size processes hold only its layers' weights and KV cache, and pass "
-    "the hidden states on to the next stage; the engine core is tensor x pipeline processes "
+    "the hidden states on to the next stage; up to this many micro-batches are in flight, so "
+    "every stage works at once; the engine core is tensor x pipeline processes "
     "(docs/design/multi-node.md)",
     "tp_all_reduce": "with --tensor-parallel-size > 1 on GPUs: 'auto' sums tensors of up to 4 MiB "
     "(a decode step's activations) with a one-shot all-reduce over peer-to-peer GPU memory, "

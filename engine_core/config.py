@@ -515,11 +515,6 @@ class EngineConfig:
                 "--kv-offload-gb keeps evicted prefix-cache blocks: it needs prefix caching "
                 "(drop --no-enable-prefix-caching)"
             )
-        if self.pipeline_parallel_size > 1:
-            # Each stage would copy its own layers' blocks; no test runs the two together yet.
-            raise ValueError(
-                "--kv-offload-gb with --pipeline-parallel-size > 1 is not supported yet"
-            )
 
     def check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+from collections import Counter, deque
 from typing import Any
 
 import torch
@@ -80,9 +81,13 @@ class EngineCore:
         self.step_stats = StepStats(config.step_stats, config.nvtx)
         self.runner.stats = self.step_stats
         self._in_flight: LaunchedStep | None = None  # launched, not yet processed (overlap)
-        # Pipeline stages with overlap: a step whose first stage ran, not yet sampled.
-        self._in_stages: ForwardStep | None = None
+        # Pipeline stages with overlap: steps whose first stage ran, not yet sampled, oldest
+        # first; at most one fewer than the stages (the newest is on rank 0's own stage).
+        self._in_stages: deque[ForwardStep] = deque()
         self._pipelined = config.pipeline_parallel_size > 1
+        # Launches by how many micro-batches were in flight while the launched one ran its
+        # first stage, itself included (1..P): how many stages could be busy at once.
+        self.pipeline_depths: Counter[int] = Counter()
         self._penalised: set[str] = set()  # ids of requests that use penalties (maybe finished)
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._bitmasks: BitmaskFiller | None = None
@@ -162,7 +167,7 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         """True while a request is live or a launched step still has to be processed."""
-        in_flight = self._in_flight is not None or self._in_stages is not None
+        in_flight = self._in_flight is not None or bool(self._in_stages)
         return in_flight or self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
@@ -185,7 +190,8 @@ class EngineCore:
             outputs += failed
         except BaseException:
             # The caller fails the live requests; nothing to settle.
-            self._in_flight = self._in_stages = None
+            self._in_flight = None
+            self._in_stages.clear()
             raise
         self.step_stats.end_step()
         if not self.has_unfinished():
@@ -209,15 +215,14 @@ class EngineCore:
         return bool(self._penalised)
 
     def _step_sync(self) -> list[EngineOutput]:
-        if self._in_stages is not None:
-            step, self._in_stages = self._in_stages, None
-            return self._process(self._sample(step))
+        if self._in_stages:
+            return self._process(self._sample(self._in_stages.popleft()))
         if self._in_flight is not None:
             # Settle the step in flight first: the next plan must see its tokens on the host.
             step, self._in_flight = self._in_flight, None
             return self._process(step)
         with self.step_stats.phase("schedule"):
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(alone=True)
         if plan.is_empty:
             self._nap_if_only_compiling()
             return []
@@ -253,23 +258,28 @@ class EngineCore:
         return outputs
 
     def _step_pipelined(self) -> list[EngineOutput]:
-        """Pipeline stages: step N's first stage (rank 0's) runs while the later stages run step
-        N-1; then N-1's logits come back and are sampled and applied, and only then does N go
-        on to the next stage (the order every rank sends and receives in: tp_runner.py). N
-        holds none of N-1's requests (the scheduler skips a request whose token is pending),
-        so nothing waits on a placeholder and N-1's tokens are on the host when N is sampled."""
+        """Pipeline stages: up to P micro-batches in flight (vLLM's batch queue). Step N's first
+        stage (rank 0's) runs while the later stages run steps N-1 ... N-P+1; with P - 1 of
+        them waiting, the oldest's logits are taken, sampled and applied before N goes on to
+        the next stage (so no stage is sent a step while every later one waits on rank 0:
+        tp_runner.py); with fewer, N goes on at once. N holds no request of a step in flight
+        (the scheduler keeps them apart), so nothing waits on a placeholder, and each
+        request's tokens are on the host when its next step is planned. With nothing to plan,
+        the oldest step in flight is settled."""
         with self.step_stats.phase("schedule"):
             plan = self.scheduler.schedule()
-        previous, self._in_stages = self._in_stages, None
         forward = None if plan.is_empty else self.runner.forward(plan)
         outputs: list[EngineOutput] = []
-        if previous is not None:
-            outputs = self._process(self._sample(previous))
+        full = len(self._in_stages) >= self.config.pipeline_parallel_size - 1
+        if forward is not None:  # N on rank 0's stage, and those in the later stages
+            self.pipeline_depths[len(self._in_stages) + 1] += 1
+        if self._in_stages and (forward is None or full):
+            outputs = self._process(self._sample(self._in_stages.popleft()))
         elif forward is None:
             self._nap_if_only_compiling()
         if forward is not None:
             self.runner.hand_on(forward)
-            self._in_stages = forward
+            self._in_stages.append(forward)
         return outputs
 
     def _sample(self, step: ForwardStep) -> LaunchedStep:

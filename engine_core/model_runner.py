@@ -554,7 +554,8 @@ class ModelRunner:
         """The host KV tier's slots: as many blocks as --kv-offload-gb holds, every layer of a
         block together (the block manager keeps its bookkeeping, engine_core/kv_offload.py).
         The gigabytes are the engine's: under tensor parallelism each rank holds its shard of
-        every slot, so all ranks have the same slots."""
+        every slot, and a pipeline stage's ranks their layers' part of it (the slots are
+        counted from the whole model's block), so all ranks have the same slots."""
         gb = self.config.kv_offload_gb
         if not gb:
             return None
@@ -870,7 +871,7 @@ class ModelRunner:
         step = ForwardStep(out, requests, self._output_positions, None, None, timeline)
         if not self.stage.is_last:
             # The logits come from the last stage once this one's output is handed on, which
-            # the engine core may do after settling the step before (core.py _step_pipelined).
+            # the engine core may do after settling the oldest step (core.py _step_pipelined).
             rows = inputs.logits_indices.clone()
             step.handoff = StageHandoff(hidden, rows, inputs.prompt_rows, self._scoring)
             return step

@@ -122,11 +122,14 @@ class Scheduler:
             config.max_num_batched_tokens, max_model_len
         )
         self._block_size = config.block_size
-        # Pipeline stages with overlap (engine_core/core.py _step_pipelined): two micro-batches
-        # in flight, each of requests the other does not hold (a request whose token is still
-        # pending is skipped) and each about half of the live requests, so the stages alternate.
+        # Pipeline stages with overlap (engine_core/core.py _step_pipelined): up to one
+        # micro-batch in flight per stage, each about 1/P of the live requests and none of the
+        # requests another in-flight plan holds (``_in_flight``: their ids, from the plan until
+        # its update), so the running requests rotate through P disjoint groups.
         pipelined = config.pipeline_parallel_size > 1 and config.async_scheduling
-        self._micro_batches = 2 if pipelined else 1
+        self._micro_batches = config.pipeline_parallel_size if pipelined else 1
+        self._in_flight: set[str] = set()
+        self._plans_in_flight = 0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
         # Arrival order, or (priority, arrival) order under the priority policy.
@@ -212,6 +215,11 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     @property
+    def in_flight_ids(self) -> frozenset[str]:
+        """With micro-batches: the requests of plans not yet updated (none otherwise)."""
+        return frozenset(self._in_flight)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -239,10 +247,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------- scheduling
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first, then new admissions, within the budgets."""
+    def schedule(self, alone: bool = False) -> SchedulerOutput:
+        """Plan one step: running requests first, then new admissions, within the budgets.
+        ``alone``: no other plan will be in flight beside this one (the loop settles each step
+        before the next), so with micro-batches it takes all it can, not its share."""
         output = SchedulerOutput(scheduled=[])
-        max_rows = self._micro_batch_rows()
+        max_rows = self.config.max_num_seqs if alone else self._micro_batch_rows()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens, max_rows)
         if self._batch_proposer is not None:
             self._fill_drafts(output)
@@ -257,15 +267,22 @@ class Scheduler:
             output.decode_only = num_tokens == len(scheduled) and all(s.samples for s in scheduled)
             # The host tier's copies go with the next step that runs (none runs an empty plan).
             output.kv_moves = self.block_manager.take_moves()
+            if self._micro_batches > 1:
+                self._in_flight.update(s.request.request_id for s in scheduled)
+                self._plans_in_flight += 1
         return output
 
     def _micro_batch_rows(self) -> int:
         """The most rows a plan takes: all it can, or with micro-batches its share of the live
-        requests (rounded up)."""
+        requests that no plan in flight holds, over the micro-batches still to fill (rounded
+        up): 1/P of them when none is in flight, all of them with P - 1 in flight, so every
+        request not in flight (a waiting one too) has a place in the pipeline."""
         if self._micro_batches == 1:
             return self.config.max_num_seqs
-        live = len(self.running) + len(self.waiting)
-        return max(1, -(-live // self._micro_batches))
+        # Ids of requests that ended in flight stay until their update: a share a little low.
+        free = len(self.running) + len(self.waiting) - len(self._in_flight)
+        to_fill = self._micro_batches - self._plans_in_flight
+        return max(1, -(-free // max(1, to_fill)))
 
     def _count_step(self, num_tokens: int) -> None:
         self._step_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
@@ -285,17 +302,20 @@ class Scheduler:
         grouped, stateful = self._grouped, self._stateful
         state_slot = self.block_manager.state_slot
         scheduled = output.scheduled
-        micro = self._micro_batches > 1
+        micro, in_flight = self._micro_batches > 1, self._in_flight
         index = 0
         while index < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[index]
             token_ids = request.token_ids
             num_tokens = len(token_ids)
-            if token_ids[-1] == PLACEHOLDER and (micro or num_tokens >= request.length_limit):
-                # Its pending token (a step still in flight) finishes it by length: another
-                # step would be wasted and could ask for a block past max_model_len. Without a
-                # pending token a request is never skipped (else it could wait forever). With
-                # micro-batches it waits for the one in flight (it has its token next step).
+            if (micro and request.request_id in in_flight) or (
+                token_ids[-1] == PLACEHOLDER and num_tokens >= request.length_limit
+            ):
+                # With micro-batches a request in a plan still in flight waits for its update
+                # (a prompt chunk too: one request in one micro-batch at a time). Otherwise its
+                # pending token (a step still in flight) finishes it by length: another step
+                # would be wasted and could ask for a block past max_model_len. Without a
+                # pending token a request is never skipped (else it could wait forever).
                 index += 1
                 continue
             start = request.num_computed_tokens
@@ -469,6 +489,8 @@ class Scheduler:
         for request in self.waiting:
             if request.grammar is not None and not request.grammar.ready:
                 continue
+            if request.request_id in self._in_flight:
+                continue  # preempted while its micro-batch runs: readmitted once it is applied
             if request.lora is None or self._holds_adapter(request):
                 return request
         return None
@@ -546,6 +568,9 @@ class Scheduler:
             events, any_finished = self._update_decodes(scheduled, sampled_token_ids)
         else:
             events, any_finished = self._update_rows(scheduled, sampled_token_ids)
+        if self._micro_batches > 1 and scheduled:  # a plan that schedule() counted in flight
+            self._in_flight.difference_update(s.request.request_id for s in scheduled)
+            self._plans_in_flight -= 1
         if self._awaiting_first_token:
             self._stamp_first_tokens()
         if any_finished:

@@ -19,11 +19,12 @@ inside them), in the same order, since every rank runs the same ModelRunner set-
 With pipeline stages (engine_core/parallel.py) the same steps reach every rank; a rank's forward
 runs its stage's layers only, receiving the previous stage's output inside the model
 (models/llama.py) and handing its own on: a worker right after its forward, rank 0 once it has
-taken the step before's logits (engine_core/core.py ``_step_pipelined``). The last stage's
-``compute_logits`` sends rank 0 the logits that rank 0's ``compute_logits`` receives. The KV
-blocks are as many on every rank (the fewest that fit on any), its stage's layers each. No step
-has placeholders with stages, so the sampled ids below are not broadcast then, and rank 0 sends
-the step headers in the background (``StepChannel``).
+taken the oldest step's logits where P - 1 steps are in the later stages (engine_core/core.py
+``_step_pipelined``). The last stage's ``compute_logits`` sends rank 0 the logits that rank 0's
+``compute_logits`` receives. The KV blocks are as many on every rank (the fewest that fit on
+any), its stage's layers each. No step has placeholders with stages, so the sampled ids below
+are not broadcast then, and rank 0 sends each worker its step headers in the background, up to
+P - 1 ahead of the last stage (``StepChannel``).
 
 Each step's inputs cross as the host bytes rank 0 packed them in (engine_core/input_batch.py),
 in one msgpack message broadcast over the gloo group while the GPUs still run the step before;
@@ -46,6 +47,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -103,15 +105,21 @@ class StepChannel:
     the host bytes, ``InputBatch.last_step``), the rows that score prompt tokens, and the host
     KV tier's copies (engine_core/kv_offload.py), which every rank makes in its own shard.
 
-    ``in_background``: rank 0 does not wait for a step's header to be taken before it goes on
-    (it waits for the one before, at the next send). With pipeline stages the later stages
-    still run the step before when rank 0 sends a header, and finish it only once rank 0 takes
-    that step's logits: waiting for them to take the header would wait for ever."""
+    One stage: a broadcast that rank 0 waits for. ``stages`` > 1: rank 0 sends each worker its
+    header on its own (``isend``) and goes on, leaving up to ``stages`` - 1 headers not yet
+    taken. A later stage takes step N's header only once it finishes N-1, which it does only
+    once rank 0 takes N-1's logits (core.py ``_step_pipelined``): with P micro-batches in
+    flight the last stage is P - 2 headers behind when rank 0 sends the next. Sent one by one
+    rather than broadcast so that stage 1 takes its header as soon as it is ready: gloo runs a
+    group's background collectives on two threads, so a third broadcast waits until the last
+    stage has taken the first (docs/design/multi-node.md)."""
 
-    def __init__(self, tp: TPGroup, in_background: bool = False) -> None:
+    def __init__(self, tp: TPGroup, stages: int = 1) -> None:
         self.tp = tp
-        self.in_background = in_background
-        self._sending: list[tuple[Any, torch.Tensor]] = []  # (work, its tensor) not yet taken
+        self.stages = stages
+        # Headers sent in the background, oldest first: their works, and the tensors they send
+        # (which must live until then).
+        self._sending: deque[list[tuple[Any, torch.Tensor]]] = deque()
 
     def send(
         self,
@@ -136,32 +144,40 @@ class StepChannel:
         return StepMessage(tuple(counts), data, prompt_rows, moves)
 
     def _send_header(self, kind: int, payload: bytes) -> None:
-        self.wait_sent()
         tensors = [torch.tensor([kind, len(payload)], dtype=torch.int64)]
         if payload:
             tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        for tensor in tensors:
-            work = dist.broadcast(
-                tensor, src=0, group=self.tp.cpu_group, async_op=self.in_background
-            )
-            if work is not None:
-                self._sending.append((work, tensor))  # the tensor lives until it is sent
+        group = self.tp.cpu_group
+        if self.stages == 1:
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0, group=group)
+            return
+        while len(self._sending) > self.stages - 2:
+            self._wait_oldest()
+        ranks = range(1, dist.get_world_size(group))
+        self._sending.append(
+            [(dist.isend(t, dst=r, group=group), t) for r in ranks for t in tensors]
+        )
 
-    def wait_sent(self) -> None:
-        """Wait until every rank has taken the headers sent in the background."""
-        for work, _ in self._sending:
+    def _wait_oldest(self) -> None:
+        for work, _ in self._sending.popleft():
             work.wait()
-        self._sending.clear()
 
     def _recv_header(self) -> bytes | None:
         size = torch.empty(2, dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.tp.cpu_group)
+        self._take(size)
         kind, length = size.tolist()
         if kind == _STOP:
             return None
         buf = torch.empty(length, dtype=torch.uint8)
-        dist.broadcast(buf, src=0, group=self.tp.cpu_group)
+        self._take(buf)
         return buf.numpy().tobytes()
+
+    def _take(self, tensor: torch.Tensor) -> None:
+        if self.stages == 1:
+            dist.broadcast(tensor, src=0, group=self.tp.cpu_group)
+        else:
+            dist.recv(tensor, src=0, group=self.tp.cpu_group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +224,7 @@ class TPModelRunner(_ShardedRunner):
             self.tp = join_group(store, 0, config, device)
             super().__init__(config)
             # The engine core's warm-up steps go through it.
-            self.channel = StepChannel(self.tp, in_background=self.stage.size > 1)
+            self.channel = StepChannel(self.tp, self.stage.size)
         except BaseException:
             self._abandon_workers()
             raise
@@ -276,7 +292,7 @@ class TPWorker(_ShardedRunner):
         device = resolve_device(config.device)
         self.tp = join_group(store, rank, config, device)
         super().__init__(config)
-        self.channel = StepChannel(self.tp)
+        self.channel = StepChannel(self.tp, self.stage.size)
 
     def serve(self) -> None:
         while (step := self.channel.recv()) is not None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_core.config import EngineConfig
 from engine_core.kv_offload import KVMoves
 from engine_core.kv_offload_pool import HostKVPool, slot_runs
 from engine_core.llm import LLM
@@ -54,14 +53,22 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
 
 
 def tiny_llm(
-    model_dir: Path, num_kv_blocks: int, host_blocks: int, device: str = "cpu", **kwargs: object
+    model_dir: Path,
+    num_kv_blocks: int,
+    host_blocks: int,
+    device: str = "cpu",
+    num_layers: int = 2,
+    **kwargs: object,
 ) -> LLM:
+    """An engine on the tiny Llama (of ``num_layers`` layers) whose host tier holds
+    ``host_blocks`` of its blocks."""
+    block_bytes = BLOCK_BYTES // 2 * num_layers
     return LLM(
         str(model_dir),
         device=device,
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_kv_blocks,
-        kv_offload_gb=host_blocks * BLOCK_BYTES / 2**30,
+        kv_offload_gb=host_blocks * block_bytes / 2**30,
         **kwargs,
     )
 
@@ -126,20 +133,68 @@ def test_tensor_parallel_ranks_each_restore_their_shard(tiny_llama: Path) -> Non
     assert again == (expected, 4 + GREEDY.max_tokens - 1, 0, 16)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipeline_stages_each_restore_their_layers(stages: int, tmp_path: Path) -> None:
+    """PP=2 (1 + 1 layers) and PP=3 (1 + 1 + 1) over gloo: rank 0's block manager decides,
+    each stage copies its own layers of the same blocks (the moves cross with the step's
+    inputs, each stage making them when it runs that step), and the restored prefix gives
+    HF's tokens, counted as served by the host tier, not computed."""
+    model_dir = write_tiny_llama(tmp_path, num_layers=stages)
+    shared, *fillers = prompts(4, 20, seed=11)
+    expected = hf_greedy(model_dir, shared, GREEDY.max_tokens)
+    # The slots are counted from the whole model's block, every layer's K and V.
+    llm = tiny_llm(model_dir, num_kv_blocks=12, host_blocks=HOST_BLOCKS, num_layers=stages,
+                   pipeline_parallel_size=stages)  # fmt: skip
+    try:
+        runner = llm.engine.runner
+        assert runner.num_host_kv_blocks == HOST_BLOCKS  # the engine's GiB, over the stages
+        assert runner.host_kv is not None and runner.host_kv.host.shape[1] == 1  # its layer
+        first = scheduled_tokens(llm, shared)
+        for filler in fillers:
+            scheduled_tokens(llm, filler)
+        again = scheduled_tokens(llm, shared)
+    finally:
+        llm.engine.shutdown()
+    assert first == (expected, 20 + GREEDY.max_tokens - 1, 0, 0)
+    assert again == (expected, 4 + GREEDY.max_tokens - 1, 0, 16)
+
+
+@pytest.fixture(scope="module")
+def three_layer_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("three-layer-llama"), num_layers=3)
+
+
+@pytest.mark.parametrize("stages", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_preemption_and_aborts_with_the_tier_change_no_token_and_leak_nothing(
-    tiny_llama: Path,
+    stages: int, three_layer_llama: Path
 ) -> None:
     """Many requests sharing prefixes through a pool that holds two at a time, with a host tier
     smaller than what they evict: preempted and restored requests give the same tokens as alone,
-    and after an abort and the end every device and host block is accounted for."""
+    and after an abort and the end every device and host block is accounted for. Also over
+    three pipeline stages, with micro-batches in flight while blocks are evicted, restored,
+    preempted and aborted."""
     heads = prompts(3, 12, seed=5)
     tails = prompts(9, 6, seed=6)
     batch = [heads[i % 3] + tails[i] for i in range(9)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    alone = LLM(str(tiny_llama), device="cpu", block_size=4, enable_prefix_caching=False)
+    model_dir = three_layer_llama
+    alone = LLM(str(model_dir), device="cpu", block_size=4, enable_prefix_caching=False)
     expected = [alone.generate([p], params, detokenize=False)[0].token_ids for p in batch]
 
-    llm = tiny_llm(tiny_llama, num_kv_blocks=16, host_blocks=6, max_model_len=64)
+    llm = tiny_llm(model_dir, num_kv_blocks=16, host_blocks=6, num_layers=3, max_model_len=64,
+                   pipeline_parallel_size=stages)  # fmt: skip
+    try:
+        check_preemption_and_aborts(llm, batch, params, expected)
+    finally:
+        llm.engine.shutdown()
+    if stages > 1:
+        assert max(llm.engine.pipeline_depths) == stages
+
+
+def check_preemption_and_aborts(
+    llm: LLM, batch: list[list[int]], params: SamplingParams, expected: list[list[int]]
+) -> None:
     outs = llm.generate(batch, params, detokenize=False)
     assert [o.token_ids for o in outs] == expected
     core = llm.engine
@@ -195,5 +250,3 @@ def test_flags_the_tier_cannot_honour_are_refused_by_name(tiny_llama: Path) -> N
         tiny_llm(tiny_llama, num_kv_blocks=12, host_blocks=4, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=12, kv_offload_gb=1e-9)
-    with pytest.raises(ValueError, match="--kv-offload-gb with --pipeline-parallel-size"):
-        EngineConfig(model=str(tiny_llama), kv_offload_gb=1.0, pipeline_parallel_size=2)

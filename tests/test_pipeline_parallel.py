@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -233,6 +234,89 @@ def test_two_micro_batches_alternate_and_each_request_gets_its_tokens() -> None:
         assert got[rid] == context[len(prompt) :]
 
 
+# (stages, KV blocks, seed): pools and prompts where, without that rule, a request preempted
+# while its plan is in flight would be admitted again before the plan is applied.
+@pytest.mark.parametrize(("stages", "num_blocks", "seed"), [(3, 24, 2), (4, 24, 0)])
+def test_p_micro_batches_keep_requests_apart_through_aborts_and_preemptions(
+    stages: int, num_blocks: int, seed: int
+) -> None:
+    """The loop of core.py _step_pipelined on the scheduler alone, with the fake model: up to
+    P plans in flight, applied oldest first. No request is in two plans in flight; a request
+    preempted while its plan is in flight is not admitted again before that plan is applied
+    (its context would hold a placeholder); aborts land while their plans are in flight;
+    every request that is not aborted gets the fake model's tokens, and every block comes
+    back."""
+    from collections import deque
+
+    from engine_core.request import SchedulerOutput
+    from engine_core.scheduler import PLACEHOLDER
+    from tests.test_scheduler import (
+        fake_next_token,
+        make_request,
+        make_scheduler,
+        reference_outputs,
+    )
+
+    scheduler = make_scheduler(
+        num_blocks, pipeline_parallel_size=stages, max_num_batched_tokens=16, max_num_seqs=16
+    )
+    gen = torch.Generator().manual_seed(seed)
+    prompts = {
+        f"r{i}": torch.randint(3, 99, (int(n),), generator=gen).tolist()
+        for i, n in enumerate(torch.randint(3, 30, (14,), generator=gen))
+    }
+    for rid, prompt in list(prompts.items())[:10]:
+        scheduler.add_request(make_request(rid, prompt, max_tokens=10, ignore_eos=True))
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    in_flight: deque[SchedulerOutput] = deque()
+    aborted: set[str] = set()
+    preempted_in_flight = turn = 0
+    most_in_flight = 0
+
+    def apply_oldest() -> None:
+        plan = in_flight.popleft()
+        tokens = []
+        for s in plan.scheduled:
+            if s.samples:
+                context = s.request.token_ids[: s.start + s.num_new_tokens]
+                assert PLACEHOLDER not in context, "a row ran on a token it did not have"
+                tokens.append(fake_next_token(context))
+        for out in scheduler.update_from_output(plan, tokens):
+            got[out.request.request_id] += out.new_token_ids
+
+    while in_flight or scheduler.has_unfinished():
+        turn += 1
+        if turn == 4:  # arrivals while the pipeline is full
+            for rid, prompt in list(prompts.items())[10:]:
+                scheduler.add_request(make_request(rid, prompt, max_tokens=10, ignore_eos=True))
+        if turn in (6, 9):  # abort a request whose plan is in flight
+            victim = sorted(scheduler.in_flight_ids - aborted)[0]
+            scheduler.abort_requests([victim])
+            aborted.add(victim)
+        plan = scheduler.schedule()
+        planned = {s.request.request_id for s in plan.scheduled}
+        earlier = {s.request.request_id for p in in_flight for s in p.scheduled}
+        assert not planned & earlier, "a request in two micro-batches in flight"
+        preempted_in_flight += len(set(plan.preempted_ids) & earlier)
+        if in_flight and (plan.is_empty or len(in_flight) >= stages - 1):
+            apply_oldest()
+        if not plan.is_empty:
+            in_flight.append(plan)
+            most_in_flight = max(most_in_flight, len(in_flight))
+        scheduler.block_manager.check_integrity()
+
+    assert most_in_flight == stages - 1  # in the later stages, the newest on stage 0 besides
+    assert preempted_in_flight > 0 and scheduler.counts().preemptions > 0
+    for rid, prompt in prompts.items():
+        want = reference_outputs(prompt, 10)
+        if rid in aborted:
+            assert got[rid] == want[: len(got[rid])] and len(got[rid]) < 10
+        else:
+            assert got[rid] == want, rid
+    assert scheduler.block_manager.num_used_blocks == 0
+    assert scheduler.in_flight_ids == frozenset()
+
+
 @pytest.mark.slow
 def test_rank_0_runs_a_step_while_the_last_stage_runs_the_one_before(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -269,6 +353,134 @@ def test_rank_0_runs_a_step_while_the_last_stage_runs_the_one_before(
         if a[0] == "forward" and b[0] == "sample" and a[1] != b[1]
     ]  # fmt: skip
     assert len(overlapped) >= NEW_TOKENS, events  # a step's forward, then the one before's sample
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [3, 4])
+def test_p_stages_keep_p_micro_batches_in_flight_and_give_hf_tokens(
+    stages: int, tmp_path: Path
+) -> None:
+    """PP=3 (2 + 2 + 2 layers) and PP=4 (1 + 2 + 2 + 1) on a 6-layer Llama: fourteen requests
+    of 3 to 40 tokens, four of them arriving once the pipeline is full, two aborted while
+    their micro-batch is in the stages, a KV pool small enough to preempt. Every stage is busy
+    at once (P micro-batches in flight, the engine's count), the requests not aborted get HF's
+    greedy tokens, the aborted ones a prefix of them, and every block comes back."""
+    from engine_core.request import Request
+
+    config = LlamaConfig(**(SIZES | {"num_hidden_layers": 6}), tie_word_embeddings=False)
+    hf_model = write_model("llama", tmp_path, config)
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(3, 41, (14,), generator=gen).tolist()
+    prompts = [torch.randint(0, 387, (n,), generator=gen).tolist() for n in lengths]
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in prompts]
+    llm = LLM(str(tmp_path), pipeline_parallel_size=stages, block_size=BLOCK_SIZE,
+              num_kv_blocks=48, max_model_len=64, max_num_batched_tokens=16,
+              max_num_seqs=16)  # fmt: skip
+    core = llm.engine
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    got: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+    aborted: list[str] = []
+    try:
+        for i, prompt in enumerate(prompts[:10]):
+            core.add_request(Request(f"p{i}", prompt, params))
+        turn = 0
+        while core.has_unfinished():
+            turn += 1
+            if turn == 6:
+                for i, prompt in enumerate(prompts[10:], start=10):
+                    core.add_request(Request(f"p{i}", prompt, params))
+            if turn in (8, 12):
+                victim = sorted(core.scheduler.in_flight_ids - set(aborted))[0]
+                core.abort([victim])
+                aborted.append(victim)
+            for out in core.step():
+                got[out.request.request_id] += out.new_token_ids
+        bm = core.scheduler.block_manager
+        bm.check_integrity()
+        assert bm.num_used_blocks == 0
+        assert core.scheduler.counts().preemptions > 0
+        assert max(core.pipeline_depths) == stages, core.pipeline_depths
+    finally:
+        core.shutdown()
+    assert len(aborted) == 2
+    for i, want in enumerate(reference):
+        tokens = got[f"p{i}"]
+        if f"p{i}" in aborted:
+            assert tokens == want[: len(tokens)] and len(tokens) < NEW_TOKENS
+        else:
+            assert tokens == want, i
+
+
+@pytest.mark.slow
+def test_p_micro_batches_bring_back_each_steps_logprobs_and_prompt_logprobs(
+    tmp_path: Path,
+) -> None:
+    """PP=4 on a 6-layer Llama: with several steps in the stages, each step's sampled and
+    scored prompt rows come back from the last stage in the order rank 0 takes them, so every
+    request's logprobs and prompt logprobs are PP=1's."""
+    config = LlamaConfig(**(SIZES | {"num_hidden_layers": 6}), tie_word_embeddings=False)
+    hf_model = write_model("llama", tmp_path, config)
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    one, _ = run(tmp_path, params, num_kv_blocks=96)
+    four, llm = run(tmp_path, params, num_kv_blocks=96, pipeline_parallel_size=4)
+    assert [o.token_ids for o in four] == [o.token_ids for o in one] == reference
+    for a, b in zip(one, four, strict=True):
+        scored = [*b.logprobs, *(b.prompt_logprobs or [])]
+        expected = [*a.logprobs, *(a.prompt_logprobs or [])]
+        assert len(b.prompt_logprobs or []) == len(a.prompt_logprobs or []) > 0
+        assert [lp.top_token_ids for lp in scored] == [lp.top_token_ids for lp in expected]
+        got = torch.tensor([x for lp in scored for x in (lp.logprob, *lp.top_logprobs)])
+        want = torch.tensor([x for lp in expected for x in (lp.logprob, *lp.top_logprobs)])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert max(llm.engine.pipeline_depths) == 4
+
+
+@pytest.mark.slow
+def test_a_penalised_request_settles_every_micro_batch_then_runs_in_step(tmp_path: Path) -> None:
+    """PP=4: a request with penalties arrives while micro-batches are in flight. The loop
+    settles them one by one, oldest first, then plans each step after the last is applied (the
+    penalties read real tokens), and pipelines again once it is gone: every request gets the
+    tokens one stage gives it."""
+    from engine_core.request import Request
+
+    config = LlamaConfig(**(SIZES | {"num_hidden_layers": 4}), tie_word_embeddings=False)
+    write_model("llama", tmp_path, config)
+    plain = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    penalised = dataclasses.replace(plain, max_tokens=2, repetition_penalty=1.5,
+                                    frequency_penalty=0.5)  # fmt: skip
+    params = [plain] * len(PROMPTS) + [penalised]
+    prompts = [*PROMPTS, PROMPTS[0]]
+    llm = LLM(str(tmp_path), pipeline_parallel_size=4, block_size=BLOCK_SIZE, num_kv_blocks=96,
+              max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16)  # fmt: skip
+    core = llm.engine
+    got: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+    depths = []  # the launches' depths: before the penalised request, with it, after it
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(Request(f"p{i}", prompt, plain))
+        turn = 0
+        while core.has_unfinished():
+            turn += 1
+            if turn == 6:  # the pipeline is full by now
+                depths.append(core.pipeline_depths.copy())
+                core.add_request(Request(f"p{len(PROMPTS)}", prompts[-1], penalised))
+            for out in core.step():
+                got[out.request.request_id] += out.new_token_ids
+                if out.finish_reason is not None and out.request.uses_penalties:
+                    depths.append(core.pipeline_depths.copy())
+        depths.append(core.pipeline_depths.copy())
+    finally:
+        core.shutdown()
+    one = LLM(str(tmp_path), block_size=BLOCK_SIZE, num_kv_blocks=96, max_model_len=128)
+    expected = [o.token_ids for o in one.generate(prompts, params, detokenize=False)]
+    assert [got[f"p{i}"] for i in range(len(prompts))] == expected
+    before, during, after = depths[0], depths[1] - depths[0], depths[2] - depths[1]
+    assert max(before) == 4
+    assert not during, "a step launched into the stages while a penalised request was live"
+    assert max(after) == 4
 
 
 # ---- what is refused ---------------------------------------------------------------------------
@@ -364,5 +576,62 @@ def test_serve_restarts_an_engine_that_lost_a_stage_and_the_stream_resumes(
         wait_restarted(srv, srv.engine_pid)
         assert "worker tandem-tp1" in srv.log_tail(10**6)
         assert client.completions.create(**request).choices[0].text == reference
+    finally:
+        stop_server(srv)
+
+
+@pytest.mark.slow
+def test_serve_with_three_stages_streams_concurrent_requests_and_frees_the_disconnected(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """`tandem serve --pipeline-parallel-size 3` through the official client: twelve streams at
+    once in a small KV pool (preemptions), four of them closed after a few chunks (the server
+    aborts them while their micro-batches may be in the stages). Every stream read to its end
+    has the text its prompt gets alone, and the engine ends with every block free and its
+    integrity check passing."""
+    import asyncio
+
+    import openai
+
+    from tests.factories import copy_tokenizer, write_tiny_llama
+    from tests.server_fixture import start_server, stop_server, wait_engine_idle
+    from tests.test_resume import metric
+
+    model = copy_tokenizer(default_model_dir, write_tiny_llama(tmp_path / "m", num_layers=3,
+                                                               vocab_size=49152))  # fmt: skip
+    flags = ["--pipeline-parallel-size", "3", "--max-model-len", "256", "--num-kv-blocks", "48",
+             "--block-size", "8", "--max-num-seqs", "12"]  # fmt: skip
+    srv = start_server(tmp_path, model=str(model), args=flags)
+    prompts = [f"Request {i}: " + "tell me more " * (i % 5) for i in range(12)]
+    request = {"model": str(model), "max_tokens": 24, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}  # fmt: skip
+
+    async def stream(client: openai.AsyncOpenAI, prompt: str, keep: int | None) -> str:
+        text, chunks = "", 0
+        async for chunk in await client.completions.create(prompt=prompt, stream=True, **request):
+            text += chunk.choices[0].text if chunk.choices else ""
+            chunks += 1
+            if keep is not None and chunks >= keep:
+                break  # leaving the stream closes its connection: the server aborts it
+        return text
+
+    async def all_at_once() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="unused") as client:
+            keeps = [3 if i % 3 == 0 else None for i in range(len(prompts))]
+            streams = [stream(client, p, k) for p, k in zip(prompts, keeps, strict=True)]
+            return await asyncio.gather(*streams)
+
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
+        alone = [client.completions.create(prompt=p, **request).choices[0].text for p in prompts]
+        together = asyncio.run(all_at_once())
+        for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+            assert b == a if i % 3 else a.startswith(b), i
+        wait_engine_idle(srv)
+        # The counts reach /metrics periodically: the run's preemptions show within a while.
+        deadline = time.monotonic() + 10
+        while metric(srv, "tandem_num_preemptions_total") == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(srv, "tandem_num_preemptions_total") > 0
     finally:
         stop_server(srv)
