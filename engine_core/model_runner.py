@@ -766,8 +766,9 @@ class ModelRunner:
             )
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)
+        key_ends = None if inputs.multimodal is None else inputs.multimodal.key_ends
         with forward_context(
-            inputs.meta, self.backend, inputs.lora, inputs.group_metadata, inputs.state
+            inputs.meta, self.backend, inputs.lora, inputs.group_metadata, inputs.state, key_ends
         ):
             if inputs.multimodal is not None:
                 return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
@@ -816,7 +817,8 @@ class ModelRunner:
             if step is not None and not step.rows.numel():
                 # No image rows: every row's three M-RoPE positions are equal, where M-RoPE is
                 # plain RoPE at that position, so the step runs as any other (graphs too).
-                inputs.positions = step.positions[0]
+                if step.positions is not None:
+                    inputs.positions = step.positions[0]
             else:
                 inputs.multimodal = step
         return inputs
