@@ -280,3 +280,52 @@ def test_pixels_of_another_size_are_refused(
             llm.generate([ids], PARAMS, detokenize=False, images=[(bad,)])
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_the_openai_client_sends_a_data_url_through_a_real_server(
+    vl_dir: Path,
+    processor: VisionProcessor,
+    hf: tuple[Any, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`tandem serve` on the tiny Gemma 3: a PNG data URL and text give HF's greedy text,
+    the image's 16 soft tokens and markers counted in usage; a second image of a prompt
+    limited to one is a 400 naming its part."""
+    import base64
+
+    import openai
+
+    from tests.server_fixture import start_server, stop_server
+    from tests.vision_factories import png_bytes
+
+    image = random_image(9)
+    ids, _, pil = prompt(vl_dir, processor, hf, ["Describe", image, "briefly."])
+    expected = hf[1].tokenizer.decode(hf_greedy(hf, ids, pil, NEW_TOKENS), skip_special_tokens=True)
+    args = ["--max-model-len", "512", "--num-kv-blocks", "128", "--max-num-batched-tokens", "32"]
+    args += ["--max-num-seqs", "8", "--served-model-name", "gemma"]
+    args += ["--limit-mm-per-prompt", '{"image": 1}']
+    srv = start_server(tmp_path_factory.mktemp("serve-gemma3"), model=str(vl_dir), args=args)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
+        url = f"data:image/png;base64,{base64.b64encode(png_bytes(image)).decode()}"
+        part = {"type": "image_url", "image_url": {"url": url}}
+        content = [{"type": "text", "text": "Describe"}, part, {"type": "text", "text": "briefly."}]
+        reply = client.chat.completions.create(
+            model="gemma",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.prompt_tokens == len(ids)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model="gemma",
+                messages=[{"role": "user", "content": [part, part]}],
+                max_tokens=NEW_TOKENS,
+            )
+        assert caught.value.body["param"] == "messages[0].content[1]"
+    finally:
+        stop_server(srv)
