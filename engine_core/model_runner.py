@@ -49,6 +49,8 @@ from engine_core.memory_plan import (
     CUDA_HEADROOM_BYTES,
     ModelTooLargeError,
     check_memory,
+    encoder_bytes,
+    encoder_call_tokens,
     kv_block_bytes,
     state_slot_bytes,
 )
@@ -411,7 +413,8 @@ class ModelRunner:
         if vision is None:
             return None
         budget = int(self.config.encoder_cache_memory_gb * 2**30)
-        return MultimodalRunner(self.model, vision, self.device, budget)
+        call_tokens = encoder_call_tokens(vision, self.config.max_num_batched_tokens)
+        return MultimodalRunner(self.model, vision, self.device, budget, call_tokens)
 
     def _init_step_state(self) -> None:
         """What carries from one step to the next: the last step's sampled ids, the ring of
@@ -470,8 +473,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            # Keep headroom for activations of the largest step and the allocator's slack.
+            # Keep headroom for activations of the largest step and the allocator's slack,
+            # and a vision model's encoder cache and largest encoder run (memory_plan.py).
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
+            budget -= encoder_bytes(self.config, self.model_config, self.dtype, self.device)
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
         if states >= budget:

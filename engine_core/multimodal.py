@@ -150,9 +150,18 @@ class MultimodalRunner:
     encoder (batched, cached) and builds each step's ``MultimodalStep``."""
 
     def __init__(
-        self, model: nn.Module, vision: VisionConfig, device: torch.device, budget_bytes: int
+        self,
+        model: nn.Module,
+        vision: VisionConfig,
+        device: torch.device,
+        budget_bytes: int,
+        call_tokens: int,
     ) -> None:
+        """``call_tokens``: the most placeholder tokens one encoder run takes (more images
+        than that are encoded in several runs): the memory plan's bound on the encoder's
+        activations (engine_core/memory_plan.py encoder_call_tokens)."""
         self.model = model
+        self.call_tokens = call_tokens
         self.vision = vision
         self.merge = vision.spatial_merge_size
         self.device = device
@@ -165,9 +174,15 @@ class MultimodalRunner:
         placeholder stands outside a run."""
         ids = request.prompt_token_ids
         placeholder = self.vision.image_token_id
+        largest = self.vision.max_image_tokens
         for image in request.images:
             self._check_pixels(image)
             expected = image_tokens(image, self.merge)
+            if expected > largest:
+                raise ValueError(
+                    f"an image of grid {list(image.grid_thw)} fills {expected} placeholders, "
+                    f"more than the {largest} this engine plans its encoder's memory for"
+                )
             if image.length != expected:
                 raise ValueError(
                     f"an image of grid {list(image.grid_thw)} fills {expected} placeholders, "
@@ -248,6 +263,18 @@ class MultimodalRunner:
         return found
 
     def _encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's embeddings, in order: encoder runs of at most ``call_tokens``
+        placeholder tokens each (an image is never split)."""
+        out: list[torch.Tensor] = []
+        batch: list[ImageInput] = []
+        for image in images:
+            if batch and sum(i.length for i in batch) + image.length > self.call_tokens:
+                out += self._encode_batch(batch)
+                batch = []
+            batch.append(image)
+        return out + self._encode_batch(batch)
+
+    def _encode_batch(self, images: list[ImageInput]) -> list[torch.Tensor]:
         """One encoder run over ``images``: each image's embeddings, in order."""
         pixels = torch.cat([pixels_tensor(image) for image in images]).to(self.device)
         grids = [image.grid_thw for image in images]

@@ -246,6 +246,7 @@ def gemma3_vl_config(hf: dict[str, Any]) -> ModelConfig:
         spatial_merge_size=side // per_side,
         bidirectional_images=True,
         tokens_per_image=tokens,
+        max_image_tokens=tokens,
     )
     return dataclasses.replace(gemma3_config(text), architecture="gemma3_vl", vision=vision)
 
