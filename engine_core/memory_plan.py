@@ -250,54 +250,54 @@ def plan_memory(
         kv_dtype=kv_dtype,
         quantized=model_config.quantization is not None,
         host_kv_bytes=0 if device.type == "cuda" else int(config.kv_offload_gb * 2**30),
-        encoder_bytes=encoder_bytes(config, model_config, dtype, device),
+        encoder_bytes=encoder_bytes(config, model_config, dtype, max_model_len),
     )
 
 
-def encoder_call_tokens(vision: VisionConfig, max_num_batched_tokens: int) -> int:
+def encoder_call_tokens(
+    vision: VisionConfig, max_num_batched_tokens: int, max_model_len: int
+) -> int:
     """The most placeholder tokens one encoder run takes (engine_core/multimodal.py splits a
-    step's images into runs of this many): a step's token budget, or one largest image."""
-    return max(max_num_batched_tokens, vision.max_image_tokens)
+    step's images into runs of this many): a step's token budget, or one largest image (no
+    larger than a prompt can hold)."""
+    return max(max_num_batched_tokens, min(vision.max_image_tokens, max_model_len))
 
 
 def encoder_bytes(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
 ) -> int:
     """A vision-language model's encoder memory: its cache's budget and the peak of its
     largest run; 0 for a text model."""
     vision = model_config.vision
     if vision is None:
         return 0
-    tokens = encoder_call_tokens(vision, config.max_num_batched_tokens)
-    peak = encoder_peak_bytes(vision, model_config.hidden_size, tokens, dtype, device)
+    tokens = encoder_call_tokens(vision, config.max_num_batched_tokens, max_model_len)
+    peak = encoder_peak_bytes(vision, model_config.hidden_size, tokens, dtype)
     return int(config.encoder_cache_memory_gb * 2**30) + peak
 
 
 def encoder_peak_bytes(
-    vision: VisionConfig, text_hidden: int, tokens: int, dtype: torch.dtype, device: torch.device
+    vision: VisionConfig, text_hidden: int, tokens: int, dtype: torch.dtype
 ) -> int:
     """An upper bound on the bytes one encoder run over images of ``tokens`` placeholder
     tokens holds at its peak, counted from the tower's shapes: a block's live activations (the
     residual, its norm, q/k/v and their window-gathered copies, the attention's output: at most
     12 rows of the tower's width a patch, and the MLP's three of its width), the pixels as they
-    arrive (float32) and cast, the embeddings out (twice: the run's and the cache's slices);
-    on the CPU also the attention scores of the longest segment (one image's patches) in
-    float32, which torch's CPU attention may materialise (CUDA's fused kernels do not).
+    arrive (float32) and cast, the embeddings out (twice: the run's and the cache's slices).
+    No attention scores: the towers' unmasked SDPA calls take fused kernels (flash or
+    memory-efficient on CUDA, flash on the CPU) that never hold a [patches, patches] matrix.
     tests/test_vision_memory.py measures the real peak under it."""
     tower = vision.tower
     merge = vision.spatial_merge_size**2
     patches = tokens * merge
     width, inter = tower["hidden_size"], tower["intermediate_size"]
-    heads = tower.get("num_heads") or tower["num_attention_heads"]
     channels = tower.get("in_channels", tower.get("num_channels", 3))
     pixels_per_patch = channels * tower.get("temporal_patch_size", 1) * tower["patch_size"] ** 2
     size = dtype.itemsize
     activations = size * patches * (12 * width + 3 * inter)
     pixels = patches * pixels_per_patch * (4 + size)
     outputs = 2 * size * tokens * text_hidden
-    segment = min(patches, vision.max_image_tokens * merge)
-    scores = 0 if device.type == "cuda" else 2 * 4 * heads * patches * segment
-    return activations + pixels + outputs + scores
+    return activations + pixels + outputs
 
 
 def check_fits(plan: MemoryPlan) -> None:

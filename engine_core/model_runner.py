@@ -413,7 +413,9 @@ class ModelRunner:
         if vision is None:
             return None
         budget = int(self.config.encoder_cache_memory_gb * 2**30)
-        call_tokens = encoder_call_tokens(vision, self.config.max_num_batched_tokens)
+        call_tokens = encoder_call_tokens(
+            vision, self.config.max_num_batched_tokens, self.max_model_len
+        )
         return MultimodalRunner(self.model, vision, self.device, budget, call_tokens)
 
     def _init_step_state(self) -> None:
@@ -476,7 +478,7 @@ class ModelRunner:
             # Keep headroom for activations of the largest step and the allocator's slack,
             # and a vision model's encoder cache and largest encoder run (memory_plan.py).
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
-            budget -= encoder_bytes(self.config, self.model_config, self.dtype, self.device)
+            budget -= encoder_bytes(self.config, self.model_config, self.dtype, self.max_model_len)
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
         if states >= budget:

@@ -80,4 +80,4 @@ def test_the_encoder_peak_on_cuda_is_under_the_plan(vl_dir: Path) -> None:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     hidden = loaded.config.hidden_size
-    assert peak <= encoder_peak_bytes(vision, hidden, tokens, torch.float32, device)
+    assert peak <= encoder_peak_bytes(vision, hidden, tokens, torch.float32)

@@ -89,9 +89,8 @@ def measured_and_planned(folder: Path, images: list[Any], largest: int) -> tuple
     with PeakBytes() as counter:
         embeds = runner._encode(images)
     assert sum(e.shape[0] for e in embeds) == tokens  # one run, every image
-    device = torch.device("cpu")
     hidden = loaded.config.hidden_size
-    return counter.peak, encoder_peak_bytes(vision, hidden, tokens, torch.float32, device)
+    return counter.peak, encoder_peak_bytes(vision, hidden, tokens, torch.float32)
 
 
 def test_the_plan_covers_qwen2_5_vl_s_encoder_peak(qwen_dir: Path) -> None:
@@ -119,8 +118,8 @@ def test_the_plan_adds_the_encoder_to_what_a_vision_model_needs(gemma_dir: Path)
     budget = Budget(2**40, "test")
     plan = plan_memory(config, model_config, module, torch.device("cpu"), torch.float32,
                        torch.float32, budget)  # fmt: skip
-    tokens = max(config.max_num_batched_tokens, 16)
-    peak = encoder_peak_bytes(model_config.vision, 64, tokens, torch.float32, torch.device("cpu"))
+    tokens = max(config.max_num_batched_tokens, 16)  # a step's budget, or one image
+    peak = encoder_peak_bytes(model_config.vision, 64, tokens, torch.float32)
     assert plan.encoder_bytes == 2**28 + peak
     text_only = dataclasses.replace(model_config, vision=None)
     assert plan_memory(config, text_only, module, torch.device("cpu"), torch.float32,
