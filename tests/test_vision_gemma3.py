@@ -329,3 +329,57 @@ def test_the_openai_client_sends_a_data_url_through_a_real_server(
         assert caught.value.body["param"] == "messages[0].content[1]"
     finally:
         stop_server(srv)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_key_ends_in_both_cpu_backends_are_hf_s_mask(window: int | None) -> None:
+    """The torch reference (the CPU's fallback and CUDA's for image steps) and the CPU backend
+    with key ends, against dense attention under HF Gemma 3's mask written out by hand: causal
+    OR same image, AND the window's lower bound. Two sequences: a whole prompt with an image at
+    [2, 7), and a chunk from position 5 of a longer one (its image at [6, 10), a decode beside)."""
+    import torch
+
+    from engine_core.attention.base import AttentionMetadata
+    from engine_core.attention.cpu_backend import CpuBackend
+    from engine_core.attention.torch_ref import TorchReferenceBackend
+
+    gen = torch.Generator().manual_seed(0)
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    seqs = [(0, 9, (2, 7)), (5, 12, (6, 10)), (6, 7, None)]  # (first new, length, image)
+    caches = [torch.zeros(16, block, kv_heads, dim) for _ in range(2)]
+    tables, slots, starts, ends, next_block = [], [], [0], [], 0
+    for first, length, image in seqs:
+        table = list(range(next_block, next_block + -(-length // block)))
+        next_block += len(table)
+        tables.append(table + [0] * (4 - len(table)))
+        for p in range(length):  # the whole context's K/V in the cache
+            slot = table[p // block] * block + p % block
+            for cache in caches:
+                cache.view(-1, kv_heads, dim)[slot] = torch.randn(kv_heads, dim, generator=gen)
+        slots += [table[p // block] * block + p % block for p in range(first, length)]
+        starts.append(starts[-1] + length - first)
+        for p in range(first, length):
+            inside = image is not None and image[0] <= p < image[1]
+            ends.append(image[1] if inside else p + 1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor([n for _, n, _ in seqs]), block_tables=torch.tensor(tables),
+        max_query_len=max(b - a for a, b in zip(starts, starts[1:], strict=False)),
+        max_seq_len=12, query_start_loc_cpu=starts, seq_lens_cpu=[n for _, n, _ in seqs],
+    )  # fmt: skip
+    q = torch.randn(starts[-1], heads, dim, generator=gen)
+    key_ends = torch.tensor(ends, dtype=torch.int32)
+    expected = torch.empty_like(q)
+    for i, (first, length, _) in enumerate(seqs):
+        table = torch.tensor(tables[i])
+        k, v = (c[table].flatten(0, 1)[:length].repeat_interleave(2, dim=1) for c in caches)
+        for row, p in zip(range(starts[i], starts[i + 1]), range(first, length), strict=True):
+            visible = torch.arange(length) < key_ends[row]
+            if window is not None:
+                visible &= torch.arange(length) > p - window
+            scores = torch.einsum("hd,khd->hk", q[row], k) * 0.5
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            expected[row] = torch.einsum("hk,khd->hd", probs, v)
+    for backend in (TorchReferenceBackend(), CpuBackend()):
+        out = backend.forward(q, *caches, meta, 0.5, window, key_ends=key_ends)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
