@@ -99,11 +99,16 @@ class Scheduler:
         (block_manager.py). ``host_kv_blocks``: slots of the host KV tier (--kv-offload-gb;
         engine_core/kv_offload.py), 0 for none. ``unsplit_image_tokens``: where an image's
         tokens attend to each other both ways (Gemma 3), the longest image's token count: a
-        chunk never ends inside an image's run (0: chunks may cut images)."""
-        if unsplit_image_tokens > config.max_num_batched_tokens:
+        chunk never ends inside an image's run (0: chunks may cut images); the budget must
+        hold one beside a decode token of every other running sequence, or a request could
+        wait on an image forever."""
+        least = unsplit_image_tokens + config.max_num_seqs - 1
+        if unsplit_image_tokens and least > config.max_num_batched_tokens:
             raise ValueError(
-                f"--max-num-batched-tokens {config.max_num_batched_tokens} is less than an "
-                f"image's {unsplit_image_tokens} tokens, which this model prefills in one chunk"
+                f"--max-num-batched-tokens {config.max_num_batched_tokens} cannot hold an "
+                f"image's {unsplit_image_tokens} tokens, which this model prefills in one chunk, "
+                f"beside a decode of each other sequence (--max-num-seqs "
+                f"{config.max_num_seqs}): give it at least {least}"
             )
         self._whole_images = unsplit_image_tokens > 0
         self.config = config
@@ -475,6 +480,8 @@ class Scheduler:
             self._add_scheduled(output, self.running[-1], num_new)
             budget -= num_new
             num_admitted += 1
+            if self._whole_images and not output.scheduled[-1].samples:
+                break  # its chunk stopped before an image: it stays the one mid-prompt request
         return budget
 
     def _next_to_admit(self) -> Request | None:
