@@ -165,12 +165,20 @@ class VisionConfig:
     """A vision-language model's image side (engine_core/multimodal.py): its vision tower's
     config as the checkpoint has it, the prompt's placeholder token for an image's embeddings,
     how many patches (per side) merge into one of them, and M-RoPE's split of each head's
-    rotary frequencies among the temporal, height and width positions."""
+    rotary frequencies among the temporal, height and width positions (empty: plain positions,
+    Gemma 3). ``bidirectional_images``: an image's tokens attend to each other both ways (Gemma
+    3), so an image's run is never split across chunks; ``tokens_per_image``: where every image
+    has the same count (Gemma 3's mm_tokens_per_image), that count, else 0;
+    ``max_image_tokens``: the largest image the engine plans memory for and takes (Gemma 3's
+    one size; Qwen2.5-VL's processor's default bound, 12,845,056 pixels: 16,384 tokens)."""
 
     tower: dict[str, Any] = field(compare=False, repr=False)
     image_token_id: int = 0
     spatial_merge_size: int = 2
     mrope_section: tuple[int, ...] = ()
+    bidirectional_images: bool = False
+    tokens_per_image: int = 0
+    max_image_tokens: int = 16_384
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, ModelConfig
 from engine_core.embedding import check_pooling
 from engine_core.grammar import BitmaskFiller, GrammarCompiler, RequestGrammar
 from engine_core.model_runner import ForwardStep, LaunchedStep, ModelRunner, RunnerOutput
@@ -53,6 +53,14 @@ from protocol.messages import FinishReason, Stats, TokenLogprobs
 GRAMMAR_WAIT_S = 0.005  # an idle loop with only compiling requests naps this long per turn
 
 logger = logging.getLogger(__name__)
+
+
+def unsplit_image_tokens(config: ModelConfig) -> int:
+    """The token count of an image whose run must fit one prefill chunk: a model whose image
+    tokens attend to each other both ways (Gemma 3) needs the whole image in the cache when
+    they attend (engine_core/multimodal.py); 0 for any other model."""
+    vision = config.vision
+    return vision.tokens_per_image if vision is not None and vision.bidirectional_images else 0
 
 
 class EngineCore:
@@ -74,6 +82,7 @@ class EngineCore:
             kv_attention_chunks=self.runner.kv_layout.attention_chunks,
             state_slots=self.runner.num_state_slots,
             host_kv_blocks=self.runner.num_host_kv_blocks,
+            unsplit_image_tokens=unsplit_image_tokens(self.model_config),
         )
         # The scheduler may lower the limit to what the KV pool can hold for one sequence.
         self.max_model_len = self.scheduler.max_model_len

@@ -82,6 +82,9 @@ class ForwardContext:
     # but the block tables and the slot mapping. Empty where the model has one group.
     group_metadata: Sequence[AttentionMetadata] = ()
     state: StateRows | None = None  # the linear-attention slots; None: the model has none
+    # [T] int32: one past the last position each row attends to, where some rows see past
+    # themselves (an image's tokens in Gemma 3, engine_core/multimodal.py); None: causal.
+    key_ends: torch.Tensor | None = None
 
 
 _current: ForwardContext | None = None
@@ -94,9 +97,11 @@ def forward_context(
     lora: LoraBatch | None = None,
     group_metadata: Sequence[AttentionMetadata] = (),
     state: StateRows | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> Iterator[None]:
     global _current
-    previous, _current = _current, ForwardContext(meta, backend, lora, group_metadata, state)
+    context = ForwardContext(meta, backend, lora, group_metadata, state, key_ends)
+    previous, _current = _current, context
     try:
         yield
     finally:

@@ -26,7 +26,10 @@ The need, per tensor-parallel rank:
 - on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
   slack (the KV sizing keeps the same headroom);
 - the host KV tier, ``--kv-offload-gb``: host memory, so on the CPU part of the same budget, and
-  on CUDA checked on its own against MemAvailable (it is pinned: it can never be swapped out).
+  on CUDA checked on its own against MemAvailable (it is pinned: it can never be swapped out);
+- a vision-language model's encoder: the encoder cache's budget (``--encoder-cache-memory-gb``)
+  and the activation peak of its largest run (``encoder_peak_bytes``), so the KV cache sized
+  on CUDA leaves the encoder room (docs/design/vision.md, "The encoder's memory").
 
 The budget: on CUDA, total memory x ``--gpu-memory-utilization`` minus what is already in use;
 on the CPU, MemAvailable from /proc/meminfo (no check where that file does not exist), which
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine_core.config import EngineConfig, ModelConfig
+from engine_core.config import EngineConfig, ModelConfig, VisionConfig
 from engine_core.kv_groups import (
     KVLayout,
     model_kv_layout,
@@ -88,10 +91,11 @@ class MemoryPlan:
     kv_dtype: torch.dtype = torch.float32
     quantized: bool = False
     host_kv_bytes: int = 0  # the host KV tier, where it shares this budget (the CPU's)
+    encoder_bytes: int = 0  # a vision model's encoder cache and largest encoder run
 
     @property
     def needed_bytes(self) -> int:
-        per_rank = self.weight_bytes + self.kv_bytes + self.headroom_bytes
+        per_rank = self.weight_bytes + self.kv_bytes + self.headroom_bytes + self.encoder_bytes
         return self.ranks * per_rank + self.host_kv_bytes
 
     @property
@@ -246,7 +250,54 @@ def plan_memory(
         kv_dtype=kv_dtype,
         quantized=model_config.quantization is not None,
         host_kv_bytes=0 if device.type == "cuda" else int(config.kv_offload_gb * 2**30),
+        encoder_bytes=encoder_bytes(config, model_config, dtype, max_model_len),
     )
+
+
+def encoder_call_tokens(
+    vision: VisionConfig, max_num_batched_tokens: int, max_model_len: int
+) -> int:
+    """The most placeholder tokens one encoder run takes (engine_core/multimodal.py splits a
+    step's images into runs of this many): a step's token budget, or one largest image (no
+    larger than a prompt can hold)."""
+    return max(max_num_batched_tokens, min(vision.max_image_tokens, max_model_len))
+
+
+def encoder_bytes(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """A vision-language model's encoder memory: its cache's budget and the peak of its
+    largest run; 0 for a text model."""
+    vision = model_config.vision
+    if vision is None:
+        return 0
+    tokens = encoder_call_tokens(vision, config.max_num_batched_tokens, max_model_len)
+    peak = encoder_peak_bytes(vision, model_config.hidden_size, tokens, dtype)
+    return int(config.encoder_cache_memory_gb * 2**30) + peak
+
+
+def encoder_peak_bytes(
+    vision: VisionConfig, text_hidden: int, tokens: int, dtype: torch.dtype
+) -> int:
+    """An upper bound on the bytes one encoder run over images of ``tokens`` placeholder
+    tokens holds at its peak, counted from the tower's shapes: a block's live activations (the
+    residual, its norm, q/k/v and their window-gathered copies, the attention's output: at most
+    12 rows of the tower's width a patch, and the MLP's three of its width), the pixels as they
+    arrive (float32) and cast, the embeddings out (twice: the run's and the cache's slices).
+    No attention scores: the towers' unmasked SDPA calls take fused kernels (flash or
+    memory-efficient on CUDA, flash on the CPU) that never hold a [patches, patches] matrix.
+    tests/test_vision_memory.py measures the real peak under it."""
+    tower = vision.tower
+    merge = vision.spatial_merge_size**2
+    patches = tokens * merge
+    width, inter = tower["hidden_size"], tower["intermediate_size"]
+    channels = tower.get("in_channels", tower.get("num_channels", 3))
+    pixels_per_patch = channels * tower.get("temporal_patch_size", 1) * tower["patch_size"] ** 2
+    size = dtype.itemsize
+    activations = size * patches * (12 * width + 3 * inter)
+    pixels = patches * pixels_per_patch * (4 + size)
+    outputs = 2 * size * tokens * text_hidden
+    return activations + pixels + outputs
 
 
 def check_fits(plan: MemoryPlan) -> None:
@@ -259,6 +310,8 @@ def check_fits(plan: MemoryPlan) -> None:
     ]
     if plan.headroom_bytes:
         parts.append(f"activation headroom {gib(plan.headroom_bytes)}")
+    if plan.encoder_bytes:
+        parts.append(f"vision encoder {gib(plan.encoder_bytes)}")
     need = " + ".join(parts)
     if plan.ranks > 1:
         need = f"{plan.ranks} tensor-parallel ranks on this host x ({need})"

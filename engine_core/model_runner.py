@@ -49,6 +49,8 @@ from engine_core.memory_plan import (
     CUDA_HEADROOM_BYTES,
     ModelTooLargeError,
     check_memory,
+    encoder_bytes,
+    encoder_call_tokens,
     kv_block_bytes,
     state_slot_bytes,
 )
@@ -410,7 +412,10 @@ class ModelRunner:
         if vision is None:
             return None
         budget = int(self.config.encoder_cache_memory_gb * 2**30)
-        return MultimodalRunner(self.model, vision, self.device, budget)
+        call_tokens = encoder_call_tokens(
+            vision, self.config.max_num_batched_tokens, self.max_model_len
+        )
+        return MultimodalRunner(self.model, vision, self.device, budget, call_tokens)
 
     def _init_step_state(self) -> None:
         """What carries from one step to the next: the last step's sampled ids, the ring of
@@ -469,8 +474,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            # Keep headroom for activations of the largest step and the allocator's slack.
+            # Keep headroom for activations of the largest step and the allocator's slack,
+            # and a vision model's encoder cache and largest encoder run (memory_plan.py).
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
+            budget -= encoder_bytes(self.config, self.model_config, self.dtype, self.max_model_len)
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
         if states >= budget:
@@ -776,8 +783,9 @@ class ModelRunner:
             )
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)
+        key_ends = None if inputs.multimodal is None else inputs.multimodal.key_ends
         with forward_context(
-            inputs.meta, self.backend, inputs.lora, inputs.group_metadata, inputs.state
+            inputs.meta, self.backend, inputs.lora, inputs.group_metadata, inputs.state, key_ends
         ):
             if inputs.multimodal is not None:
                 return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
@@ -826,7 +834,8 @@ class ModelRunner:
             if step is not None and not step.rows.numel():
                 # No image rows: every row's three M-RoPE positions are equal, where M-RoPE is
                 # plain RoPE at that position, so the step runs as any other (graphs too).
-                inputs.positions = step.positions[0]
+                if step.positions is not None:
+                    inputs.positions = step.positions[0]
             else:
                 inputs.multimodal = step
         return inputs

@@ -36,11 +36,15 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 class MultimodalStep:
     """What a step's forward takes from its images: ``embeds`` [K, hidden] go to the rows
     ``rows`` [K] of the token embeddings; ``positions`` [3, T] are every row's M-RoPE
-    (temporal, height, width) positions."""
+    (temporal, height, width) positions (None: the model rotates by the plain ones);
+    ``key_ends`` [T] int32, where an image's tokens attend to each other both ways (Gemma 3),
+    one past the last position each row attends to (its own for text, its image's last for an
+    image's token; None: every row is causal)."""
 
     rows: torch.Tensor
     embeds: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor | None
+    key_ends: torch.Tensor | None = None
 
 
 class EncoderCache:
@@ -82,6 +86,32 @@ def image_tokens(image: ImageInput, merge: int) -> int:
     return t * h * w // (merge * merge)
 
 
+def whole_image_chunk(images: Sequence[ImageInput], start: int, num_new: int) -> int:
+    """How many of ``num_new`` tokens from ``start`` a chunk may take so that it ends at no
+    point inside an image's placeholder run (a model whose image tokens attend both ways needs
+    the whole image in the cache when they attend): ``num_new``, or fewer ending where the cut
+    image starts, or 0 where the chunk starts inside that image (it waits for a budget that
+    takes the rest of it)."""
+    end = start + num_new
+    for image in images:
+        first, last = image.offset, image.offset + image.length
+        if first < end < last:
+            return max(first - start, 0)
+    return num_new
+
+
+def image_key_ends(images: Sequence[ImageInput], lo: int, hi: int) -> np.ndarray:
+    """[hi - lo] int32: one past the last position each of a request's tokens ``[lo, hi)``
+    attends to: its own position for text, its image's last for an image's token (HF Gemma 3's
+    bidirectional mask within an image)."""
+    ends = np.arange(lo + 1, hi + 1, dtype=np.int32)
+    for image in images:
+        first, last = max(image.offset, lo), min(image.offset + image.length, hi)
+        if first < last:
+            ends[first - lo : last - lo] = image.offset + image.length
+    return ends
+
+
 def mrope_positions(images: Sequence[ImageInput], merge: int, lo: int, hi: int) -> np.ndarray:
     """[3, hi - lo] int64: the M-RoPE positions of a request's tokens ``[lo, hi)``, as HF's
     Qwen2.5-VL get_rope_index gives them. A text token's three are equal: its index plus the
@@ -120,9 +150,18 @@ class MultimodalRunner:
     encoder (batched, cached) and builds each step's ``MultimodalStep``."""
 
     def __init__(
-        self, model: nn.Module, vision: VisionConfig, device: torch.device, budget_bytes: int
+        self,
+        model: nn.Module,
+        vision: VisionConfig,
+        device: torch.device,
+        budget_bytes: int,
+        call_tokens: int,
     ) -> None:
+        """``call_tokens``: the most placeholder tokens one encoder run takes (more images
+        than that are encoded in several runs): the memory plan's bound on the encoder's
+        activations (engine_core/memory_plan.py encoder_call_tokens)."""
         self.model = model
+        self.call_tokens = call_tokens
         self.vision = vision
         self.merge = vision.spatial_merge_size
         self.device = device
@@ -135,8 +174,15 @@ class MultimodalRunner:
         placeholder stands outside a run."""
         ids = request.prompt_token_ids
         placeholder = self.vision.image_token_id
+        largest = self.vision.max_image_tokens
         for image in request.images:
+            self._check_pixels(image)
             expected = image_tokens(image, self.merge)
+            if expected > largest:
+                raise ValueError(
+                    f"an image of grid {list(image.grid_thw)} fills {expected} placeholders, "
+                    f"more than the {largest} this engine plans its encoder's memory for"
+                )
             if image.length != expected:
                 raise ValueError(
                     f"an image of grid {list(image.grid_thw)} fills {expected} placeholders, "
@@ -152,6 +198,21 @@ class MultimodalRunner:
                 f"the prompt holds image placeholder tokens ({placeholder}) with no image"
             )
 
+    def _check_pixels(self, image: ImageInput) -> None:
+        """Where every image is the tower's one size (Gemma 3's SigLIP), that the pixels are
+        one such image [1, C, S, S] and its grid the patch grid the tokens are pooled from."""
+        if not self.vision.tokens_per_image:
+            return
+        tower = self.vision.tower
+        size, channels = tower["image_size"], tower.get("num_channels", 3)
+        side = size // tower["patch_size"]
+        if image.pixels.shape != (1, channels, size, size) or image.grid_thw != (1, side, side):
+            raise ValueError(
+                f"an image's pixels must be [1, {channels}, {size}, {size}] with grid "
+                f"[1, {side}, {side}], not {list(image.pixels.shape)} with "
+                f"{list(image.grid_thw)}"
+            )
+
     def prepare(
         self, out: SchedulerOutput, query_start_loc: Sequence[int]
     ) -> MultimodalStep | None:
@@ -160,12 +221,17 @@ class MultimodalRunner:
         if not any(s.request.images for s in out.scheduled):
             return None
         num_rows = int(query_start_loc[len(out.scheduled)])
-        positions = np.empty((3, num_rows), dtype=np.int64)
+        mrope, bidirectional = bool(self.vision.mrope_section), self.vision.bidirectional_images
+        positions = np.empty((3, num_rows), dtype=np.int64) if mrope else None
+        key_ends = np.empty(num_rows, dtype=np.int32) if bidirectional else None
         pieces: list[tuple[ImageInput, int, int, int]] = []  # image, slice lo/hi, first row
         for i, s in enumerate(out.scheduled):
             lo, hi, row = s.start, s.start + s.num_new_tokens, int(query_start_loc[i])
             images = s.request.images
-            positions[:, row : row + hi - lo] = mrope_positions(images, self.merge, lo, hi)
+            if positions is not None:
+                positions[:, row : row + hi - lo] = mrope_positions(images, self.merge, lo, hi)
+            if key_ends is not None:
+                key_ends[row : row + hi - lo] = image_key_ends(images, lo, hi)
             for image in images:
                 a, b = max(lo, image.offset), min(hi, image.offset + image.length)
                 if a < b:
@@ -176,7 +242,8 @@ class MultimodalRunner:
         return MultimodalStep(
             rows=torch.from_numpy(np.concatenate(rows or [np.empty(0, np.int64)])).to(self.device),
             embeds=torch.cat(parts) if parts else torch.empty(0, device=self.device),
-            positions=torch.from_numpy(positions).to(self.device),
+            positions=None if positions is None else torch.from_numpy(positions).to(self.device),
+            key_ends=None if key_ends is None else torch.from_numpy(key_ends).to(self.device),
         )
 
     def _embeddings(self, images: dict[bytes, ImageInput]) -> dict[bytes, torch.Tensor]:
@@ -196,6 +263,18 @@ class MultimodalRunner:
         return found
 
     def _encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's embeddings, in order: encoder runs of at most ``call_tokens``
+        placeholder tokens each (an image is never split)."""
+        out: list[torch.Tensor] = []
+        batch: list[ImageInput] = []
+        for image in images:
+            if batch and sum(i.length for i in batch) + image.length > self.call_tokens:
+                out += self._encode_batch(batch)
+                batch = []
+            batch.append(image)
+        return out + self._encode_batch(batch)
+
+    def _encode_batch(self, images: list[ImageInput]) -> list[torch.Tensor]:
         """One encoder run over ``images``: each image's embeddings, in order."""
         pixels = torch.cat([pixels_tensor(image) for image in images]).to(self.device)
         grids = [image.grid_thw for image in images]

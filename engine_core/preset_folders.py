@@ -61,6 +61,50 @@ def write_image_processor(out: Path, patch: int, merge: int, **pixels: int) -> N
     Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, **pixels).save_pretrained(out)
 
 
+# Gemma 3's image tokens, as its tokenizer names them: the chat template writes the first once
+# per image, the API process puts the soft tokens and the end marker after it (frontend/vision.py).
+GEMMA3_IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
+# Gemma 3's chat template, shortened, on ChatML turns (the default tokenizer's): an image part
+# becomes <start_of_image>, which the API process expands as Gemma3Processor does.
+GEMMA3_CHAT_TEMPLATE = """\
+{%- for message in messages %}<|im_start|>{{ message['role'] }}
+{% if message['content'] is string %}{{ message['content'] }}
+{%- else %}{% for part in message['content'] %}
+{%- if part['type'] == 'image' %}<start_of_image>
+{%- elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}
+{%- endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def write_gemma3_tokenizer(tokenizer_source: Path, out: Path) -> dict[str, int]:
+    """The tokenizer of ``tokenizer_source`` with Gemma 3's image tokens added (named as
+    Gemma's tokenizer names them, so HF's Gemma3Processor reads them) and an image-aware chat
+    template, saved in ``out``; the tokens' ids by name (boi_token, image_token, eoi_token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(tokenizer_source), extra_special_tokens=GEMMA3_IMAGE_TOKENS
+    )
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return {name: tokenizer.convert_tokens_to_ids(t) for name, t in GEMMA3_IMAGE_TOKENS.items()}
+
+
+def write_gemma3_image_processor(out: Path, image_size: int) -> None:
+    """Gemma 3's HF image processor config (its PIL backend: no torchvision) in ``out``, every
+    image resized to ``image_size`` pixels square, pan-and-scan off (Gemma 3's default)."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    size = {"height": image_size, "width": image_size}
+    Gemma3ImageProcessorPil(size=size, do_pan_and_scan=False).save_pretrained(out)
+
+
 def vision_preset_dir(preset: str, tokenizer_source: Path) -> Path:
     """The folder of vision-language preset ``preset``, written on first use from the text
     tokenizer in ``tokenizer_source`` (atomically, so two processes starting at once never

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
+from engine_core.multimodal import whole_image_chunk
 from engine_core.request import (
     EngineOutput,
     Request,
@@ -86,6 +87,7 @@ class Scheduler:
         kv_attention_chunks: Sequence[int | None] = (),
         state_slots: int = 0,
         host_kv_blocks: int = 0,
+        unsplit_image_tokens: int = 0,
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
         next tokens of the requests that decode (a BatchProposer for all of a step's at once,
@@ -95,7 +97,20 @@ class Scheduler:
         for full attention; ``kv_attention_chunks`` its attention chunk (empty: none).
         ``state_slots``: linear-attention state slots, 0 where the model has no such layers
         (block_manager.py). ``host_kv_blocks``: slots of the host KV tier (--kv-offload-gb;
-        engine_core/kv_offload.py), 0 for none."""
+        engine_core/kv_offload.py), 0 for none. ``unsplit_image_tokens``: where an image's
+        tokens attend to each other both ways (Gemma 3), the longest image's token count: a
+        chunk never ends inside an image's run (0: chunks may cut images); the budget must
+        hold one beside a decode token of every other running sequence, or a request could
+        wait on an image forever."""
+        least = unsplit_image_tokens + config.max_num_seqs - 1
+        if unsplit_image_tokens and least > config.max_num_batched_tokens:
+            raise ValueError(
+                f"--max-num-batched-tokens {config.max_num_batched_tokens} cannot hold an "
+                f"image's {unsplit_image_tokens} tokens, which this model prefills in one chunk, "
+                f"beside a decode of each other sequence (--max-num-seqs "
+                f"{config.max_num_seqs}): give it at least {least}"
+            )
+        self._whole_images = unsplit_image_tokens > 0
         self.config = config
         self.proposer = proposer
         self.loras = loras
@@ -326,6 +341,11 @@ class Scheduler:
                     index += 1
                     continue
             num_new = min(num_tokens - start, budget)
+            if self._whole_images and request.images:
+                num_new = whole_image_chunk(request.images, start, num_new)
+                if not num_new:  # the rest of an image it is inside: next step's budget
+                    index += 1
+                    continue
             end = start + num_new
             block_ids = table_covering(request, num_new)
             if block_ids is None or request.planned_apart:
@@ -480,6 +500,8 @@ class Scheduler:
             self._add_scheduled(output, self.running[-1], num_new)
             budget -= num_new
             num_admitted += 1
+            if self._whole_images and not output.scheduled[-1].samples:
+                break  # its chunk stopped before an image: it stays the one mid-prompt request
         return budget
 
     def _next_to_admit(self) -> Request | None:
@@ -506,7 +528,9 @@ class Scheduler:
         host_hits = self.block_manager.num_host_hit_blocks
         request.num_computed_tokens = self.block_manager.allocate_prefix(request, use_cache)
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self.block_manager.allocate_slots(request, num_new):
+        if self._whole_images and request.images:
+            num_new = whole_image_chunk(request.images, request.num_computed_tokens, num_new)
+        if not num_new or not self.block_manager.allocate_slots(request, num_new):
             self.block_manager.free(request.request_id)  # give the prefix hits back
             request.num_computed_tokens = 0
             return 0

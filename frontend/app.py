@@ -32,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 from frontend.chat import (
     chat,
     checked_template_kwargs,
+    image_text,
     load_images,
     place_images,
     prepare_chat,
@@ -292,6 +293,7 @@ def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
                 template_kwargs=checked_template_kwargs(ctx, body.chat_template_kwargs or {}),
             )
             images = await load_images(ctx, body.messages)
+            render = dataclasses.replace(render, image_text=image_text(ctx, images))
             ids = (await tok.run(tok.render_chat, render)).token_ids
             ids, _ = place_images(ctx, ids, images)  # each image's tokens counted
         else:

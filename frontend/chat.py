@@ -104,7 +104,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
         constraint_param = "response_format"
     images = await load_images(ctx, req.messages)
     tok = ctx.tokenizer
-    rendered = await tok.run(tok.render_chat, chat_render(ctx, req, tools))
+    render = replace(chat_render(ctx, req, tools), image_text=image_text(ctx, images))
+    rendered = await tok.run(tok.render_chat, render)
     reasoning = reasoning_plan(ctx, req, rendered.text)
     if composes_after_reasoning(reasoning, tools, req, extras.constraint is not None):
         constraint = after_reasoning(
@@ -140,6 +141,15 @@ async def load_images(ctx: ServingContext, messages: list[ChatMessage]) -> list[
         return await chat_images(ctx.vision, ctx.media, parts)
     except BadImage as exc:
         raise bad_request(str(exc), exc.param, "invalid_image") from None
+
+
+def image_text(ctx: ServingContext, images: list[ProcessedImage]) -> tuple[str, str] | None:
+    """How the rendered prompt's image markers expand before tokenizing, where the model's
+    processor expands them in text (Gemma 3); None without images or for a model whose
+    placeholders are repeated after tokenizing (Qwen2.5-VL)."""
+    if not images or ctx.vision is None:
+        return None
+    return ctx.vision.marker.text_expansion
 
 
 def place_images(

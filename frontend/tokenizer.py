@@ -127,6 +127,8 @@ class Tokenizer:
             )
         except Exception as exc:  # jinja or a missing template: the client's messages or model
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+        if chat.image_text is not None:
+            text = text.replace(*chat.image_text)
         return RenderedChat(text, self.hf.encode(text, add_special_tokens=False))
 
     def template_variables(self, template: str | None = None) -> frozenset[str]:
@@ -148,6 +150,9 @@ class ChatRender:
     tools: list[dict[str, Any]] | None = None
     template: str | None = None  # a template in place of the model's (tools, say)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # (marker, expansion): each image marker the template wrote becomes the text the model's
+    # HF processor puts in its place, before tokenizing (Gemma 3; frontend/vision.py).
+    image_text: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,12 @@
 processor, and placed in the prompt as runs of placeholder tokens (what goes on the wire).
 
 The chat template renders each image part as the model's image marker (Qwen2.5-VL's
-``<|vision_start|><|image_pad|><|vision_end|>``); after tokenizing, each marker's one
-placeholder token becomes as many as the image has embeddings (its patch grid over the merge
-size squared), as HF's processor expands it. The processor's pixels travel as float32 bytes with
-their grid, named by a SHA-256 over what the encoder reads (engine_core/multimodal.py).
+``<|vision_start|><|image_pad|><|vision_end|>``, Gemma 3's ``<start_of_image>``); after
+tokenizing, each marker token becomes the run of placeholders the image's embeddings fill (its
+patch grid over the merge size squared), with what the model's HF processor writes around it
+(Gemma 3: ``\n\n<start_of_image>``, 256 ``<image_soft_token>``, ``<end_of_image>\n\n``).
+The processor's pixels travel as float32 bytes with their grid, named by a SHA-256 over what
+the encoder reads (engine_core/multimodal.py).
 
 Every failure here is the client's image: a ``BadImage`` naming the part, which the route turns
 into a 400 (frontend/chat.py), never a 500 and never an engine error.
@@ -20,6 +22,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,8 +33,9 @@ import numpy as np
 
 from protocol.messages import ImageInput, TensorBytes
 
-# Architectures whose image side the engine implements (engine_core/models/qwen2_5_vl.py).
-VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+# Architectures whose image side the engine implements (engine_core/models/qwen2_5_vl.py,
+# engine_core/models/gemma3_mm.py).
+VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
 # The wire's frame limit is 64 MiB (protocol/codec.py): a prompt's pixels stay under this.
 MAX_PIXEL_BYTES = 48 << 20
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp")
@@ -224,11 +228,20 @@ def decode_image(raw: bytes, options: MediaOptions, param: str) -> Any:
 
 @dataclass(frozen=True)
 class ImageMarker:
-    """How a model's prompt holds an image: the placeholder token that the chat template writes
-    once per image, and how many patches per side merge into one embedding."""
+    """How a model's prompt holds an image: the placeholder token its embeddings fill, how
+    many patches per side merge into one embedding, and how the chat template's marker
+    becomes the placeholders' run."""
 
     placeholder_id: int
     merge_size: int
+    # (marker, expansion): the text the template writes once per image and what the model's
+    # processor writes in its place, its run of placeholders included, replaced before
+    # tokenizing so that the prompt tokenizes as HF's processor's does (Gemma 3's
+    # "\n\n<start_of_image>" merges with the newlines before it). None: the template writes
+    # the placeholder once and ``place`` repeats it after tokenizing (Qwen2.5-VL).
+    text_expansion: tuple[str, str] | None = None
+    # Where every image is resized to one size (Gemma 3's SigLIP): the patch grid it reads.
+    fixed_grid: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -246,11 +259,14 @@ class VisionProcessor:
         if not config_path.is_file():
             return None
         config = json.loads(config_path.read_text())
-        if not set(config.get("architectures") or ()) & set(VISION_ARCHITECTURES):
+        architectures = set(config.get("architectures") or ())
+        if not architectures & set(VISION_ARCHITECTURES):
             return None
         from transformers import AutoImageProcessor
 
         hf = AutoImageProcessor.from_pretrained(str(model_dir))
+        if "Gemma3ForConditionalGeneration" in architectures:
+            return cls(hf, gemma3_marker(model_dir, config, hf))
         merge = int(getattr(hf, "merge_size", config["vision_config"].get("spatial_merge_size", 2)))
         return cls(hf, ImageMarker(int(config["image_token_id"]), merge))
 
@@ -268,7 +284,7 @@ class VisionProcessor:
                     f"than {self.pixel_bytes_limit}: send fewer or smaller images",
                     param,
                 )
-            grid = tuple(int(n) for n in result["image_grid_thw"][0])
+            grid = self.marker.fixed_grid or tuple(int(n) for n in result["image_grid_thw"][0])
             out.append(ProcessedImage(pixels, (grid[0], grid[1], grid[2])))
         return out
 
@@ -282,6 +298,8 @@ class VisionProcessor:
         """The prompt with each image's placeholder token repeated for its embeddings, and the
         images as they go on the wire; ValueError where the template wrote another count."""
         placeholder = self.marker.placeholder_id
+        if self.marker.text_expansion is not None:
+            return token_ids, self.expanded_runs(token_ids, images)
         found = [i for i, t in enumerate(token_ids) if t == placeholder]
         if len(found) != len(images):
             raise ValueError(
@@ -298,6 +316,64 @@ class VisionProcessor:
             previous = at + 1
         ids += token_ids[previous:]
         return ids, tuple(inputs)
+
+    def expanded_runs(
+        self, token_ids: list[int], images: list[ProcessedImage]
+    ) -> tuple[ImageInput, ...]:
+        """The wire images of a prompt whose markers were expanded in text: one run of
+        placeholders an image, each as long as its image's embeddings."""
+        runs = placeholder_runs(token_ids, self.marker.placeholder_id)
+        if len(runs) != len(images):
+            raise ValueError(f"the prompt holds {len(runs)} image runs for {len(images)} images")
+        for (_, length), image in zip(runs, images, strict=True):
+            if length != self.num_tokens(image):
+                raise ValueError(
+                    f"an image's placeholder run is {length} tokens, not {self.num_tokens(image)}"
+                )
+        return tuple(image.wire(at, n) for (at, n), image in zip(runs, images, strict=True))
+
+
+def placeholder_runs(token_ids: list[int], placeholder: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of ``placeholder`` in ``token_ids``."""
+    runs: list[tuple[int, int]] = []
+    for i, token in enumerate(token_ids):
+        if token != placeholder:
+            continue
+        if runs and sum(runs[-1]) == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def gemma3_marker(model_dir: Path, config: dict[str, Any], hf: Any) -> ImageMarker:
+    """Gemma 3's prompt convention, as its HF processor (Gemma3Processor) writes it: the chat
+    template's ``<start_of_image>`` becomes ``\n\n<start_of_image>``, mm_tokens_per_image
+    soft tokens and ``<end_of_image>\n\n``. Pan-and-scan (extra crops of a long image) is not
+    implemented: a processor configured for it is refused by name, not run without it."""
+    if getattr(hf, "do_pan_and_scan", False):
+        raise ValueError(
+            f"{model_dir}: the image processor sets do_pan_and_scan, which this server does not "
+            "implement; set it to false in preprocessor_config.json"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokens = int(config.get("mm_tokens_per_image", 256))
+    tower = config.get("vision_config") or {}
+    side = tower.get("image_size", 224) // tower.get("patch_size", 16)
+    ids = {
+        "boi": config.get("boi_token_index", config.get("boi_token_id", 255_999)),
+        "eoi": config.get("eoi_token_index", config.get("eoi_token_id", 256_000)),
+        "image": config.get("image_token_index", config.get("image_token_id", 262_144)),
+    }
+    boi, eoi, image = (tokenizer.convert_ids_to_tokens(int(i)) for i in ids.values())
+    return ImageMarker(
+        placeholder_id=int(ids["image"]),
+        merge_size=side // math.isqrt(tokens),
+        text_expansion=(boi, f"\n\n{boi}{image * tokens}{eoi}\n\n"),
+        fixed_grid=(1, side, side),
+    )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""A tiny random Qwen2.5-VL written as users hand one over: save_pretrained's weights and
-config, the default model's tokenizer with Qwen's vision tokens added and a Qwen2-VL-style chat
-template, and the real HF image processor's config (its PIL backend), the last two written as
-the random vision-language presets' folders are (engine_core/preset_folders.py)."""
+"""Tiny random vision-language models written as users hand one over: save_pretrained's weights
+and config, the default model's tokenizer with the model's image tokens added and an
+image-aware chat template, and the real HF image processor's config (its PIL backend), the last
+two written by engine_core/preset_folders.py. Qwen2.5-VL, as the random vision-language presets'
+folders are; Gemma 3 (``Gemma3ForConditionalGeneration``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_core.preset_folders import write_image_processor, write_vision_tokenizer
+from engine_core.preset_folders import (
+    write_gemma3_image_processor,
+    write_gemma3_tokenizer,
+    write_image_processor,
+    write_vision_tokenizer,
+)
 
 PATCH = 14
 MERGE = 2
@@ -84,6 +90,92 @@ def hf_vl_greedy(
         # positions (get_rope_index) only with it, else it rotates by the plain positions.
         image_token = model.config.image_token_id
         kwargs["mm_token_type_ids"] = (torch.tensor([ids]) == image_token).int()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+GEMMA3_IMAGE_SIZE = 56  # 8x8 patches of 7 pixels, pooled 2x2 to 16 tokens an image
+GEMMA3_TOKENS_PER_IMAGE = 16
+GEMMA3_WINDOW = 6  # shorter than an image's run: a sliding layer's window cuts through it
+
+
+def write_tiny_gemma3_vl(path: Path, tokenizer_source: Path) -> Path:
+    """Gemma 3 with images, tiny: four language layers (sliding, full, sliding, full; a
+    6-token window), a two-layer SigLIP tower of 8x8 patches pooled to 16 tokens an image."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    ids = write_gemma3_tokenizer(tokenizer_source, path)
+    write_gemma3_image_processor(path, GEMMA3_IMAGE_SIZE)
+    torch.manual_seed(0)
+    config = Gemma3Config(
+        text_config=dict(
+            vocab_size=max(ids.values()) + 1, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            query_pre_attn_scalar=16, sliding_window=GEMMA3_WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            max_position_embeddings=1024, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            image_size=GEMMA3_IMAGE_SIZE, patch_size=7, vision_use_head=False,
+        ),
+        mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE,
+        boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"], tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config).eval()
+    sharpen_gemma3(model, GEMMA3_SHARPNESS)
+    model.save_pretrained(path)
+    return path
+
+
+# (LM head scale, q/k scale, projector std): chosen so that the greedy tokens vary and a causal
+# mask over the images gives other tokens than HF's bidirectional one.
+GEMMA3_SHARPNESS = (8.0, 3.0, 0.05)
+
+
+def sharpen_gemma3(model: Any, sharpness: tuple[float, float, float]) -> None:
+    head, qk, projector_std = sharpness
+    with torch.no_grad():  # well-separated greedy choices, as tests/factories.py explains
+        model.lm_head.weight.mul_(head)
+        # The projector starts at zero (HF's init): random, so images change the tokens.
+        projector = model.model.multi_modal_projector
+        projector.mm_input_projection_weight.normal_(std=projector_std)
+        # Sharp attention, so that the mask (an image's tokens seeing each other) changes the
+        # tokens: at random init's scale every query attends nearly evenly.
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_proj.weight.mul_(qk)
+            layer.self_attn.k_proj.weight.mul_(qk)
+
+
+def hf_gemma3_greedy(
+    model: Any,
+    processor: Any,
+    ids: list[int],
+    images: list[Any],
+    max_new_tokens: int,
+    bidirectional: bool = True,
+) -> list[int]:
+    """HF transformers' greedy tokens for Gemma 3's expanded prompt ``ids`` and its PIL
+    ``images``, processed by HF's own image ``processor``. ``token_type_ids`` (what HF's
+    Gemma3Processor returns beside the ids) give the image tokens their bidirectional mask;
+    ``bidirectional=False`` leaves them out, HF's causal-only mask."""
+    kwargs: dict[str, Any] = {}
+    if images:
+        kwargs = dict(processor(images=images, return_tensors="pt"))
+        kwargs.pop("num_crops", None)
+        if bidirectional:
+            image_token = model.config.image_token_id
+            kwargs["token_type_ids"] = (torch.tensor([ids]) == image_token).long()
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]),

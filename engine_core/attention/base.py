@@ -81,5 +81,8 @@ class AttentionBackend(Protocol):
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]: a logit in each softmax's denominator
         attention_chunk: int | None = None,  # a query at p sees only keys in [p // C * C, p]
+        # [T] int32: one past the last position each row sees (past itself for an image's
+        # tokens in Gemma 3); None: causal. The window still bounds the first key.
+        key_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...

@@ -185,11 +185,12 @@ class CpuBackend(TorchReferenceBackend):
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]
         attention_chunk: int | None = None,
+        key_ends: torch.Tensor | None = None,  # [T]: one past each row's last key; None: causal
     ) -> torch.Tensor:  # [T, heads, head_dim]
-        if is_fp8_cache(k_cache):
+        if is_fp8_cache(k_cache) or (key_ends is not None and sinks is not None):
             return super().forward(
                 q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, sinks,
-                attention_chunk,
+                attention_chunk, key_ends,
             )  # fmt: skip
         see = Visibility(sliding_window, attention_chunk)
         plan = self._plan_for(meta, k_cache, see)
@@ -212,7 +213,8 @@ class CpuBackend(TorchReferenceBackend):
             k, v = gather_context(k_cache, v_cache, meta.block_tables[seq], seq_len, first)
             skipped = first * block_size
             if sinks is None:
-                out[start:end] = prompt_attention(q[start:end], k, v, scale, see, skipped)
+                ends = None if key_ends is None else key_ends[start:end]
+                out[start:end] = prompt_attention(q[start:end], k, v, scale, see, skipped, ends)
             else:
                 out[start:end] = sink_prompt_attention(
                     q[start:end], k, v, scale, see, sinks, skipped
@@ -391,13 +393,15 @@ def prompt_attention(
     scale: float,
     see: Visibility | int | None,
     skipped: int = 0,
+    key_ends: torch.Tensor | None = None,  # [Q]: one past each query's last key (absolute)
 ) -> torch.Tensor:  # [Q, H, D]
     """Causal attention of a prompt's (or chunk's) queries over its context, which starts
-    ``skipped`` positions into the sequence."""
+    ``skipped`` positions into the sequence; with ``key_ends``, each query sees up to its end
+    (past itself for an image's tokens, Gemma 3)."""
     num_queries, seq_len = q.shape[0], k.shape[0]
     keep = None
-    if num_queries < seq_len or _bounds(see, seq_len + skipped):
-        keep = visible_keys(num_queries, seq_len, see, skipped)
+    if num_queries < seq_len or _bounds(see, seq_len + skipped) or key_ends is not None:
+        keep = visible_keys(num_queries, seq_len, see, skipped, key_ends)
     # A whole prompt with no window is plain causal attention: SDPA's causal kernel skips the
     # masked tiles (half the work) and reads no mask (torch's is_causal is top-left aligned,
     # which is right only when the queries are the whole context).
@@ -422,16 +426,24 @@ def _bounds(see: Visibility | int | None, seq_len: int) -> bool:
 
 
 def visible_keys(
-    num_queries: int, seq_len: int, see: Visibility | int | None, skipped: int = 0
+    num_queries: int,
+    seq_len: int,
+    see: Visibility | int | None,
+    skipped: int = 0,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[Q, L] bool: which keys each of the last Q queries of a context of L sees (itself and
-    those before it, within the window and the attention chunk; ``see`` a bare int is a
-    window). The context starts ``skipped`` positions into the sequence."""
+    those before it, or those before its ``key_ends`` entry, within the window and the
+    attention chunk; ``see`` a bare int is a window). The context starts ``skipped`` positions
+    into the sequence."""
     if not isinstance(see, Visibility):
         see = Visibility(see)
     q_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
     k_pos = torch.arange(seq_len)[None, :]  # [1, L]
-    keep = k_pos <= q_pos
+    if key_ends is None:
+        keep = k_pos <= q_pos
+    else:
+        keep = k_pos + skipped < key_ends.to(torch.int64)[:, None]
     if see.bounded:
         keep &= k_pos >= see.first_keys(q_pos + skipped) - skipped
     return keep

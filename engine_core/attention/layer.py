@@ -103,7 +103,9 @@ class Attention(nn.Module):
         scales = (self.k_scale, self.v_scale)
         caches = (self.k_cache, self.v_cache)
         meta = ctx.attn_metadata if self.kv_group == 0 else ctx.group_metadata[self.kv_group]
-        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        extra: dict[str, torch.Tensor] = {} if self.sinks is None else {"sinks": self.sinks}
+        if ctx.key_ends is not None:  # rows that see past themselves (Gemma 3's images)
+            extra["key_ends"] = ctx.key_ends
         fused = self.sinks is None and self._rotates_in_decode(ctx.backend)  # no sink term there
         if rotary is not None and meta.is_decode_only and fused:
             out = ctx.backend.decode_rotated(
@@ -124,7 +126,7 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             *scales,
-            **sinks,
+            **extra,
             **self._chunk,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -51,10 +51,12 @@ class TorchReferenceBackend:
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]
         attention_chunk: int | None = None,
+        key_ends: torch.Tensor | None = None,  # [T]: one past each row's last key; None: causal
     ) -> torch.Tensor:  # [T, heads, head_dim]
         """Causal attention of each sequence's new tokens over its cached context (from the
         first block their window or attention chunk sees: dropping whole leading blocks that
-        every query masks changes nothing, as long as the mask knows the absolute positions)."""
+        every query masks changes nothing, as long as the mask knows the absolute positions);
+        with ``key_ends``, each row sees up to its key end instead of up to itself."""
         see = Visibility(sliding_window, attention_chunk)
         out = torch.zeros_like(q)
         starts = meta.query_start_loc_cpu
@@ -68,7 +70,10 @@ class TorchReferenceBackend:
             if is_fp8_cache(k_cache):
                 k, v = k.float() * k_scale, v.float() * v_scale
             skipped = first * block_size
-            out[start:end] = attend(q[start:end], k, v, scale, see, sinks, skipped).to(q.dtype)
+            ends = None if key_ends is None else key_ends[start:end]
+            out[start:end] = attend(q[start:end], k, v, scale, see, sinks, skipped, ends).to(
+                q.dtype
+            )
         return out
 
 
@@ -140,11 +145,13 @@ def attend(
     sliding_window: Visibility | int | None,
     sinks: torch.Tensor | None = None,  # [heads]
     skipped: int = 0,
+    key_ends: torch.Tensor | None = None,  # [Q]: one past each query's last key (absolute)
 ) -> torch.Tensor:  # [Q, heads, head_dim] float32
     """Softmax attention in float32; query j sits at position L - Q + j of the context given,
     which starts ``skipped`` positions into the sequence (where an attention chunk starts
     matters). ``sinks``: one more logit per head in the softmax, whose probability weighs no
-    value (as HF's gpt-oss)."""
+    value (as HF's gpt-oss). ``key_ends``: a query sees the keys before its end, past itself
+    (an image's tokens, Gemma 3), instead of up to itself."""
     num_queries, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -154,7 +161,10 @@ def attend(
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [H, Q, L]
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device)[:, None]  # [Q, 1]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]  # [1, L]
-    masked = k_pos > q_pos
+    if key_ends is None:
+        masked = k_pos > q_pos
+    else:
+        masked = k_pos + skipped >= key_ends.to(q.device, torch.int64)[:, None]
     see = sliding_window if isinstance(sliding_window, Visibility) else Visibility(sliding_window)
     if see.bounded:  # e.g. a query sees itself and the sliding_window - 1 tokens before it
         masked |= k_pos < see.first_keys(q_pos + skipped) - skipped

@@ -17,6 +17,7 @@ import torch
 
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.prefill_tiles import device_tiles
+from engine_core.attention.torch_ref import TorchReferenceBackend
 from engine_core.attention.triton_kernels import (
     NewTokens,
     paged_decode_attention,
@@ -125,7 +126,15 @@ class TritonBackend:
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
         attention_chunk: int | None = None,  # Llama 4's chunked local attention
+        key_ends: torch.Tensor | None = None,  # [T]: rows that see past themselves (Gemma 3)
     ) -> torch.Tensor:  # [T, heads, head_dim]
+        if key_ends is not None:
+            # A step with an image's rows in Gemma 3 (eager, never a graph): the prefill
+            # kernel's mask is causal only, so the torch reference attends, in float32.
+            return TorchReferenceBackend().forward(
+                q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, sinks,
+                attention_chunk, key_ends,
+            )  # fmt: skip
         scales = {
             "k_scale": k_scale,
             "v_scale": v_scale,

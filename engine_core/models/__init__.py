@@ -26,6 +26,7 @@ from torch import nn
 from engine_core.config import ModelConfig, VisionConfig
 from engine_core.models.deepseek import DeepseekForCausalLM, deepseek_fields
 from engine_core.models.gemma3 import Gemma3ForCausalLM
+from engine_core.models.gemma3_mm import Gemma3ForConditionalGeneration
 from engine_core.models.gpt2 import ACTIVATIONS, GPT2LMHeadModel
 from engine_core.models.gpt_oss import GptOssForCausalLM, gpt_oss_fields
 from engine_core.models.layers import ROPE_TYPES, pack_cpu_weights
@@ -72,6 +73,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
     *LLAMA4_ARCHITECTURES,
     "Qwen3NextForCausalLM",
 )
@@ -83,6 +85,7 @@ _BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "gpt2": "GPT2LMHeadModel",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -101,6 +104,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "deepseek": DeepseekForCausalLM,
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "gemma3_vl": Gemma3ForConditionalGeneration,
     "llama4": Llama4ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
 }
@@ -180,6 +184,8 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     if architecture == "Qwen2_5_VLForConditionalGeneration":
         return qwen2_5_vl_config(hf)
+    if architecture == "Gemma3ForConditionalGeneration":
+        return gemma3_vl_config(hf)
     if architecture in LLAMA4_ARCHITECTURES:  # models/llama4.py; the text model only
         text = llama4_text_config(hf) | {"quantization_config": hf.get("quantization_config")}
         fields = llama4_fields(text, architecture)
@@ -211,6 +217,38 @@ def qwen2_5_vl_config(hf: dict[str, Any]) -> ModelConfig:
     )
     config = llama_config(text, "Qwen2ForCausalLM")
     return dataclasses.replace(config, architecture="qwen2_5_vl", vision=vision)
+
+
+def gemma3_vl_config(hf: dict[str, Any]) -> ModelConfig:
+    """Gemma 3 with images: its text model (``text_config``) and a SigLIP tower whose patch
+    grid is average-pooled to ``mm_tokens_per_image`` tokens (models/gemma3_mm.py)."""
+    text = dict(hf.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id"):  # top level in some checkpoints
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    text.setdefault("vocab_size", 262_208)  # HF's Gemma3TextConfig defaults
+    text.setdefault("hidden_size", 2304)
+    text.setdefault("intermediate_size", 9216)
+    text.setdefault("num_hidden_layers", 26)
+    text.setdefault("num_attention_heads", 8)
+    tower = dict(hf.get("vision_config") or {})
+    tokens = hf.get("mm_tokens_per_image", 256)
+    side = tower.get("image_size", 224) // tower.get("patch_size", 16)
+    per_side = math.isqrt(tokens)
+    if per_side * per_side != tokens or side % per_side:
+        raise ValueError(
+            f"Gemma3ForConditionalGeneration: mm_tokens_per_image {tokens} does not pool a "
+            f"{side}x{side} patch grid evenly"
+        )
+    vision = VisionConfig(
+        tower=tower,
+        image_token_id=hf.get("image_token_index", hf.get("image_token_id", 262_144)),
+        spatial_merge_size=side // per_side,
+        bidirectional_images=True,
+        tokens_per_image=tokens,
+        max_image_tokens=tokens,
+    )
+    return dataclasses.replace(gemma3_config(text), architecture="gemma3_vl", vision=vision)
 
 
 def hf_architecture(hf: dict[str, Any]) -> str:

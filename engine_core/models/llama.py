@@ -392,6 +392,13 @@ class LlamaModel(nn.Module):
         stage's output for the next one: the hidden state and the residual stream,
         [2, T, hidden] (the runner hands it on, engine_core/parallel.py PipelineStage)."""
         hidden, residual = self.stage_input(input_ids)  # [T, hidden] each; no residual yet
+        return self.run_layers(hidden, residual, positions)
+
+    def run_layers(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The stage's layers over its input (``forward``'s, or embeddings a vision-language
+        model filled in, models/gemma3_mm.py), then the final norm on the last stage."""
         rope = self.rotary_emb(positions, hidden.dtype)  # (cos, sin), [T, rotary_dim] each
         local = (
             rope
