@@ -11,6 +11,11 @@ its folder when a request next names it.
 
 A slot written while the previous step still runs on the GPU is safe for the same reason freed
 KV blocks are: the copy is enqueued on the engine's one stream, after that step.
+
+Under tensor parallelism every rank has a manager and slots of its own share; rank 0's decides.
+The reads it started and the slots it wrote since the last step (``take_changes``) travel with
+the next step's inputs, and each worker's manager makes the same ones (``follow``): it reads the
+same folders and writes the same slots before that step's forward.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import concurrent.futures
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from engine_core.lora.adapter import LoraAdapter, LoraError
 from engine_core.lora.batch import NO_SLOT
@@ -26,6 +32,14 @@ from engine_core.lora.layers import LoraModule
 from protocol.messages import LoraRef
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoraChanges:
+    """What rank 0's manager did since the last step, for the workers' managers to do too."""
+
+    reads: list[LoraRef] = field(default_factory=list)  # folders it started reading
+    writes: list[tuple[int, LoraRef]] = field(default_factory=list)  # (slot, adapter) in order
 
 
 class LoraManager:
@@ -49,6 +63,7 @@ class LoraManager:
         self._slot_of: dict[str, int] = {}  # request id -> its slot
         self.loads = 0  # slot writes, for the tests and the log
         self.reads = 0  # folders read
+        self._changes = LoraChanges()  # since the last take_changes (tensor parallelism)
 
     # ---- host memory ---------------------------------------------------------------------------
 
@@ -59,6 +74,7 @@ class LoraManager:
         elif ref not in self._loading:
             self._loading[ref] = self._pool.submit(self._load, ref.path)
             self.reads += 1
+            self._changes.reads.append(ref)
 
     def take_errors(self) -> dict[LoraRef, str]:
         """The adapters whose read failed since the last call, with why (a missing folder, a
@@ -148,7 +164,32 @@ class LoraManager:
                 layer.clear_slot(slot)
         self._slots[slot] = ref
         self.loads += 1
+        self._changes.writes.append((slot, ref))
         logger.info("LoRA adapter %r in slot %d", ref.name, slot)
+
+    # ---- tensor parallelism --------------------------------------------------------------------
+
+    def take_changes(self) -> LoraChanges:
+        """Rank 0: the reads started and slots written since the last call."""
+        changes, self._changes = self._changes, LoraChanges()
+        return changes
+
+    def follow(self, changes: LoraChanges) -> None:
+        """A worker: start the reads rank 0 started, and write the slots it wrote, reading a
+        folder now where this rank has no copy yet. A folder rank 0 could read and this rank
+        cannot (changed in between) fails the step, which ends the engine core (tp_runner.py):
+        the ranks would otherwise serve different weights."""
+        for ref in changes.reads:
+            self.prepare(ref)
+        for slot, ref in changes.writes:
+            self.prepare(ref)
+            future = self._loading.get(ref)
+            if future is not None:
+                future.result()  # raises this rank's read error
+            if not self._settle(ref):
+                raise RuntimeError(f"LoRA adapter {ref.name!r}: {self._errors.pop(ref, '')}")
+            self._write(slot, ref)
+        self._changes = LoraChanges()  # a worker's own record is never sent
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
