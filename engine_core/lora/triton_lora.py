@@ -60,7 +60,7 @@ EXPAND_SPLIT_LOADS = 8  # partial sums an expand program loads at once
 SPLIT_K = 256  # the least input columns per shrink program
 SHRINK_PROGRAMS = 256  # shrink programs a step's table aims for (splits over its tiles)
 MAX_SPLITS = 32
-# Tables of up to this many tiles take the fused kernel (add_lora_tiles). None do: on the H200
+# Tables of up to this many tiles take the fused kernel (add_lora_tiles). None do: on the GPU
 # the pair was faster at every decode size measured (docs/design/lora.md, "Measured").
 FUSED_MAX_TILES = 0
 # Each fused program of a tile reads the tile's rows of x and its shard's A over the whole
