@@ -13,8 +13,8 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM, CompletionOutput
-from engine_core.lora.adapter import LoraError, load_adapter
 from engine_core.loader import load_model_config
+from engine_core.lora.adapter import LoraError, load_adapter
 from engine_core.parallel import get_tp_group
 from protocol.messages import LoraRef, SamplingParams
 from tests.factories import write_tiny_llama
@@ -52,7 +52,7 @@ def peft_tokens(case: dict[str, Path], jobs: list[Job]) -> list[list[int]]:
 
 def make_llm(case: dict[str, Path], tp: int, **kwargs: object) -> LLM:
     fields = dict(
-        block_size=4, num_kv_blocks=128, max_model_len=128, max_num_seqs=8,
+        device="cpu", block_size=4, num_kv_blocks=128, max_model_len=128, max_num_seqs=8,
         max_num_batched_tokens=16, enable_lora=True, max_loras=2, max_lora_rank=8,
     )  # fmt: skip
     return LLM(str(case["base"]), tensor_parallel_size=tp, **{**fields, **kwargs})
@@ -75,10 +75,10 @@ def test_tp2_mixes_two_adapters_and_the_base_like_peft_and_tp1(case: dict[str, P
     them)."""
     jobs: list[Job] = [(name, i) for i in range(len(PROMPTS)) for name in ("all", None, "qv")]
     want = peft_tokens(case, jobs)
+    by_job = dict(zip(jobs, want, strict=True))
+    prompts = range(len(PROMPTS))
     for name in ("all", "qv"):  # the reference is not vacuous
-        assert [w for w, (n, _) in zip(want, jobs) if n == name] != [
-            w for w, (n, _) in zip(want, jobs) if n is None
-        ], name
+        assert [by_job[name, i] for i in prompts] != [by_job[None, i] for i in prompts], name
     outs: dict[int, list[CompletionOutput]] = {}
     for tp in (1, 2):
         llm = make_llm(case, tp)
@@ -90,6 +90,23 @@ def test_tp2_mixes_two_adapters_and_the_base_like_peft_and_tp1(case: dict[str, P
     assert [o.token_ids for o in outs[1]] == want
     torch.testing.assert_close(logprobs(outs[2]), logprobs(outs[1]), atol=1e-4, rtol=0)
     assert get_tp_group().size == 1, "the group outlived its engine"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tp2_on_two_gpus_with_graphs_gives_peft_tokens(case: dict[str, Path]) -> None:
+    """The same batch on two GPUs: NCCL (or the peer all-reduce), the Triton LoRA kernels over
+    each rank's share, the row-parallel delta in the sum the next norm makes, decode graphs
+    with and without the LoRA kernels on both ranks."""
+    jobs: list[Job] = [(name, i) for i in range(len(PROMPTS)) for name in ("all", None, "qv")]
+    llm = make_llm(case, 2, device="cuda", dtype="float32", block_size=16, max_num_seqs=16)
+    try:
+        outs = run(llm, case, jobs)
+        base_only = run(llm, case, [(None, 1)])  # a step with no adapter row: the base graphs
+    finally:
+        llm.engine.shutdown()
+    assert [o.token_ids for o in outs] == peft_tokens(case, jobs)
+    assert [o.token_ids for o in base_only] == peft_tokens(case, [(None, 1)])
 
 
 def test_tp2_loads_an_adapter_written_while_it_serves(case: dict[str, Path]) -> None:
