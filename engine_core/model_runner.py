@@ -408,7 +408,8 @@ class ModelRunner:
             sum(layer.num_bytes for layer in layers.values()) / 2**20,
             config.lora_host_capacity,
         )
-        return LoraManager(layers, load, config.max_loras, config.lora_host_capacity)
+        share = self.config.tensor_parallel_size > 1  # rank 0's changes go to the workers
+        return LoraManager(layers, load, config.max_loras, config.lora_host_capacity, share)
 
     def _multimodal_runner(self) -> MultimodalRunner | None:
         vision = self.model_config.vision

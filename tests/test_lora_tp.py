@@ -13,10 +13,8 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM, CompletionOutput
-from engine_core.loader import load_model_config
-from engine_core.lora.adapter import LoraError, load_adapter
 from engine_core.parallel import get_tp_group
-from protocol.messages import LoraRef, SamplingParams
+from protocol.messages import FinishReason, LoraRef, SamplingParams
 from tests.factories import write_tiny_llama
 from tests.lora_fixtures import peft_greedy, write_adapter
 
@@ -139,17 +137,32 @@ def test_what_lora_does_not_compose_with_yet_is_refused_by_name(case: dict[str, 
         EngineConfig(base, enable_lora=True, pipeline_parallel_size=2)
 
 
-def test_expert_adapters_are_refused_under_tensor_parallelism(tmp_path: Path) -> None:
-    """The experts have no LoRA slots under TP: an adapter targeting them is refused at load,
-    naming why, where at TP=1 it loads."""
+def test_an_moe_model_at_tp2_serves_attention_adapters_and_refuses_expert_ones(
+    tmp_path: Path,
+) -> None:
+    """A tiny Qwen3-MoE at TP=2 (every expert split over the ranks): an adapter of q and o gives
+    HF + PEFT's tokens beside the base model; one of the experts fails its request, naming why
+    (the experts have no slots under TP), while the others in its batch go on."""
     from tests.factories import write_tiny_qwen3_moe
 
     base = write_tiny_qwen3_moe(tmp_path / "base")
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    adapter = write_adapter(
-        base, tmp_path / "experts", seed=21, target_modules=["q_proj"], target_parameters=experts
-    )
-    config = load_model_config(base)
-    assert load_adapter(adapter, config, 16).weights
-    with pytest.raises(LoraError, match="targets the MoE experts.*--tensor-parallel-size > 1"):
-        load_adapter(adapter, config, 16, expert_targets=False)
+    moe = {
+        "base": base,
+        "attn": write_adapter(base, tmp_path / "attn", seed=5, target_modules=["q_proj", "o_proj"]),
+        "experts": write_adapter(
+            base, tmp_path / "experts", seed=6, target_modules=[], target_parameters=experts
+        ),
+    }
+    jobs: list[Job] = [("attn", 0), (None, 0), ("experts", 1), ("attn", 2)]
+    llm = make_llm(moe, 2)
+    try:
+        out = run(llm, moe, jobs)
+    finally:
+        llm.engine.shutdown()
+    served = [0, 1, 3]
+    assert [out[k].token_ids for k in served] == peft_tokens(moe, [jobs[k] for k in served])
+    assert out[0].token_ids != out[1].token_ids  # the adapter changed prompt 0's tokens
+    assert out[2].finish_reason == FinishReason.ERROR
+    assert "targets the MoE experts" in (out[2].error or "")
+    assert "--tensor-parallel-size > 1" in (out[2].error or "")

@@ -49,6 +49,7 @@ class LoraManager:
         load: Callable[[str], LoraAdapter],
         max_loras: int,
         max_cpu_loras: int,
+        share_changes: bool = False,
     ) -> None:
         self.layers = layers
         self._load = load  # folder -> adapter, checked against the model (adapter.py)
@@ -63,7 +64,8 @@ class LoraManager:
         self._slot_of: dict[str, int] = {}  # request id -> its slot
         self.loads = 0  # slot writes, for the tests and the log
         self.reads = 0  # folders read
-        self._changes = LoraChanges()  # since the last take_changes (tensor parallelism)
+        # Under tensor parallelism: the reads and writes since the last take_changes.
+        self._changes: LoraChanges | None = LoraChanges() if share_changes else None
 
     # ---- host memory ---------------------------------------------------------------------------
 
@@ -74,7 +76,8 @@ class LoraManager:
         elif ref not in self._loading:
             self._loading[ref] = self._pool.submit(self._load, ref.path)
             self.reads += 1
-            self._changes.reads.append(ref)
+            if self._changes is not None:
+                self._changes.reads.append(ref)
 
     def take_errors(self) -> dict[LoraRef, str]:
         """The adapters whose read failed since the last call, with why (a missing folder, a
@@ -164,13 +167,15 @@ class LoraManager:
                 layer.clear_slot(slot)
         self._slots[slot] = ref
         self.loads += 1
-        self._changes.writes.append((slot, ref))
+        if self._changes is not None:
+            self._changes.writes.append((slot, ref))
         logger.info("LoRA adapter %r in slot %d", ref.name, slot)
 
     # ---- tensor parallelism --------------------------------------------------------------------
 
     def take_changes(self) -> LoraChanges:
         """Rank 0: the reads started and slots written since the last call."""
+        assert self._changes is not None, "a manager built without share_changes"
         changes, self._changes = self._changes, LoraChanges()
         return changes
 
@@ -180,16 +185,24 @@ class LoraManager:
         cannot (changed in between) fails the step, which ends the engine core (tp_runner.py):
         the ranks would otherwise serve different weights."""
         for ref in changes.reads:
-            self.prepare(ref)
+            self._read_again(ref)
         for slot, ref in changes.writes:
-            self.prepare(ref)
+            self._read_again(ref)
             future = self._loading.get(ref)
             if future is not None:
                 future.result()  # raises this rank's read error
             if not self._settle(ref):
                 raise RuntimeError(f"LoRA adapter {ref.name!r}: {self._errors.pop(ref, '')}")
             self._write(slot, ref)
-        self._changes = LoraChanges()  # a worker's own record is never sent
+        if self._changes is not None:
+            self._changes = LoraChanges()  # a worker's own record is never sent
+
+    def _read_again(self, ref: LoraRef) -> None:
+        """``prepare``, after forgetting a read of ``ref`` that failed here (rank 0 read it
+        again: its folder may have been fixed)."""
+        self._settle(ref)
+        self._errors.pop(ref, None)
+        self.prepare(ref)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
