@@ -2,7 +2,7 @@
 mixing PEFT adapters (written by peft on a tiny random Llama with GQA) and the base model gives
 each request HF transformers + PEFT's greedy tokens and TP=1's logprobs; adapters of different
 ranks and targets share the slots; an adapter written while the engine serves loads on every
-rank; what is not built yet is refused by name."""
+rank; Phi-3's fused targets are cut per part; what is not built yet is refused by name."""
 
 from __future__ import annotations
 
@@ -166,3 +166,22 @@ def test_an_moe_model_at_tp2_serves_attention_adapters_and_refuses_expert_ones(
     assert out[2].finish_reason == FinishReason.ERROR
     assert "targets the MoE experts" in (out[2].error or "")
     assert "--tensor-parallel-size > 1" in (out[2].error or "")
+
+
+def test_phi3_fused_targets_at_tp2_give_peft_tokens(tmp_path: Path) -> None:
+    """Phi-3's adapters target its fused qkv_proj and gate_up_proj whole: each rank takes its
+    rows of q's, k's and v's part of B (and of gate's and up's), as the base weight is cut."""
+    from tests.test_models_gemma_phi import make_hf_model
+
+    base = tmp_path / "phi3"
+    make_hf_model("phi3_shortrope").save_pretrained(base)
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    phi = {"base": base, "a": write_adapter(base, tmp_path / "a", seed=31, target_modules=targets)}
+    jobs: list[Job] = [("a", 1), (None, 1), ("a", 0)]
+    want = peft_tokens(phi, jobs)
+    assert want[0] != want[1]
+    llm = make_llm(phi, 2, max_loras=1, max_num_seqs=4)
+    try:
+        assert [o.token_ids for o in run(llm, phi, jobs)] == want
+    finally:
+        llm.engine.shutdown()
