@@ -13,7 +13,10 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM, CompletionOutput
+from engine_core.loader import load_model_config
+from engine_core.lora.adapter import LoraError
 from engine_core.parallel import get_tp_group
+from frontend.lora import LoraRegistry
 from protocol.messages import FinishReason, LoraRef, SamplingParams
 from tests.factories import write_tiny_llama
 from tests.lora_fixtures import peft_greedy, write_adapter
@@ -166,6 +169,11 @@ def test_an_moe_model_at_tp2_serves_attention_adapters_and_refuses_expert_ones(
     assert out[2].finish_reason == FinishReason.ERROR
     assert "targets the MoE experts" in (out[2].error or "")
     assert "--tensor-parallel-size > 1" in (out[2].error or "")
+    # tandem serve refuses it before serving its name (--lora-modules, the load route).
+    registry = LoraRegistry("base", load_model_config(base), 16, expert_targets=False)
+    with pytest.raises(LoraError, match="targets the MoE experts"):
+        registry.check(str(moe["experts"]))
+    registry.check(str(moe["attn"]))
 
 
 def test_phi3_fused_targets_at_tp2_give_peft_tokens(tmp_path: Path) -> None:
