@@ -533,8 +533,9 @@ class EngineConfig:
                 f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
                 f"({self.max_loras}): every adapter in a slot is also kept in host memory"
             )
-        if self.enable_lora and self.tensor_parallel_size != 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        if self.enable_lora and self.enable_expert_parallel:
+            # Each rank would hold whole experts and only their adapters' slots; not built yet.
+            raise ValueError("--enable-lora with --enable-expert-parallel is not supported yet")
 
     @property
     def lora_host_capacity(self) -> int:

@@ -57,7 +57,7 @@ from engine_core.memory_plan import (
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
 from engine_core.multimodal import MultimodalRunner, MultimodalStep
-from engine_core.parallel import get_pipeline_stage
+from engine_core.parallel import get_pipeline_stage, get_tp_group
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
@@ -391,13 +391,19 @@ class ModelRunner:
                 config.max_lora_rank,
                 self.dtype,
                 self.device,
+                get_tp_group(),
             )
         except torch.cuda.OutOfMemoryError:
             raise ModelTooLargeError(
                 f"--max-loras {config.max_loras} LoRA slots of rank {config.max_lora_rank} do "
                 "not fit beside the model; lower --max-loras or --max-lora-rank"
             ) from None
-        load = partial(load_adapter, config=model_config, max_rank=config.max_lora_rank)
+        load = partial(
+            load_adapter,
+            config=model_config,
+            max_rank=config.max_lora_rank,
+            expert_targets=config.tensor_parallel_size == 1,  # no expert slots under TP
+        )
         logger.info(
             "LoRA: %d slots of rank %d (%.1f MiB), %d adapters in host memory",
             config.max_loras,
@@ -405,7 +411,8 @@ class ModelRunner:
             sum(layer.num_bytes for layer in layers.values()) / 2**20,
             config.lora_host_capacity,
         )
-        return LoraManager(layers, load, config.max_loras, config.lora_host_capacity)
+        share = self.config.tensor_parallel_size > 1  # rank 0's changes go to the workers
+        return LoraManager(layers, load, config.max_loras, config.lora_host_capacity, share)
 
     def _multimodal_runner(self) -> MultimodalRunner | None:
         vision = self.model_config.vision
@@ -820,7 +827,8 @@ class ModelRunner:
             rows, self._scoring = plan_prompt_scoring(out, packed.meta.query_start_loc_cpu)
         inputs = model_inputs(packed, prompt_rows_on(rows, self.device), rows or None)
         if self.loras is not None:
-            inputs.lora = self._lora_rows(out, packed.meta.query_start_loc_cpu)
+            slots = self._lora_slots(out)
+            inputs.lora = self._lora_rows(slots, packed.meta.query_start_loc_cpu)
         if self.num_state_slots:
             scheduled = out.scheduled
             inputs.state = StateRows.plan(
@@ -840,15 +848,15 @@ class ModelRunner:
                 inputs.multimodal = step
         return inputs
 
-    def _lora_rows(self, out: SchedulerOutput, query_start: list[int]) -> LoraBatch | None:
+    def _lora_slots(self, out: SchedulerOutput) -> list[int]:
+        """The adapter slot of each scheduled request, in row order (NO_SLOT: the base)."""
+        assert self.loras is not None
+        return [self.loras.slot_of(s.request.request_id) for s in out.scheduled]
+
+    def _lora_rows(self, slots: list[int], query_start: list[int]) -> LoraBatch | None:
         """Which of the step's rows use which adapter slot (None: only the base model's), laid
         out for the graphs' static tile table where there are graphs."""
-        assert self.loras is not None
-        slot_of = self.loras.slot_of
-        row_slots = [
-            (query_start[i + 1] - query_start[i], slot_of(s.request.request_id))
-            for i, s in enumerate(out.scheduled)
-        ]
+        row_slots = [(query_start[i + 1] - query_start[i], slot) for i, slot in enumerate(slots)]
         graph_tiles = self.graph_runner.lora_tiles if self.graph_runner is not None else 0
         return lora_batch(row_slots, self.device, min_tiles=graph_tiles)
 

@@ -33,7 +33,10 @@ devices. The one thing that exists only on rank 0's GPU, the ids it sampled (the
 placeholder tokens, with overlap), follows right after its sampler as one [S] int64 broadcast
 over the world group, which each worker gathers its placeholders from, as rank 0 does. The
 host KV tier's copies of the step (``--kv-offload-gb``) travel with its inputs, and each rank
-makes them in its own shard before its forward. No pickle: the header is plain msgpack data,
+makes them in its own shard before its forward. With LoRA, so do the adapter reads rank 0
+started and the slots it wrote since the step before, and each request's slot
+(engine_core/lora/manager.py ``LoraChanges``): a worker reads the same folders and writes its
+own share into the same slots before the forward. No pickle: the header is plain msgpack data,
 and a worker's start-up arguments are plain values (the EngineConfig as a dict).
 """
 
@@ -58,6 +61,7 @@ import torch.distributed as dist
 from common.processes import set_parent_death_signal
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.kv_offload import KVMoves
+from engine_core.lora.manager import LoraChanges
 from engine_core.model_runner import (
     PROMPT_LOGITS_ROWS,
     ModelInputs,
@@ -85,6 +89,7 @@ from engine_core.parallel import (
     leave_tp_group,
 )
 from engine_core.request import SchedulerOutput
+from protocol.messages import LoraRef
 
 logger = logging.getLogger("tandem.tp")
 
@@ -127,9 +132,12 @@ class StepChannel:
         data: bytes,
         prompt_rows: list[int] | None,
         moves: KVMoves | None = None,
+        lora: LoraStep | None = None,
     ) -> None:
         copies = None if moves is None else dataclasses.astuple(moves)
-        self._send_header(_STEP, msgpack.packb([list(counts), data, prompt_rows, copies]))
+        adapters = None if lora is None else lora.pack()
+        header = [list(counts), data, prompt_rows, copies, adapters]
+        self._send_header(_STEP, msgpack.packb(header))
 
     def send_stop(self) -> None:
         self._send_header(_STOP, b"")
@@ -139,9 +147,10 @@ class StepChannel:
         header = self._recv_header()
         if header is None:
             return None
-        counts, data, prompt_rows, copies = msgpack.unpackb(header)
+        counts, data, prompt_rows, copies, adapters = msgpack.unpackb(header)
         moves = None if copies is None else KVMoves(*copies)
-        return StepMessage(tuple(counts), data, prompt_rows, moves)
+        lora = None if adapters is None else LoraStep.unpack(adapters)
+        return StepMessage(tuple(counts), data, prompt_rows, moves, lora)
 
     def _send_header(self, kind: int, payload: bytes) -> None:
         tensors = [torch.tensor([kind, len(payload)], dtype=torch.int64)]
@@ -181,11 +190,35 @@ class StepChannel:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraStep:
+    """A step's LoRA part: what rank 0's adapter manager did since the step before, and the
+    slot of each scheduled request in row order (NO_SLOT: the base model)."""
+
+    changes: LoraChanges
+    slots: list[int]
+
+    def pack(self) -> list[Any]:
+        reads = [[ref.name, ref.path] for ref in self.changes.reads]
+        writes = [[slot, ref.name, ref.path] for slot, ref in self.changes.writes]
+        return [reads, writes, self.slots]
+
+    @staticmethod
+    def unpack(fields: list[Any]) -> LoraStep:
+        reads, writes, slots = fields
+        changes = LoraChanges(
+            [LoraRef(name, path) for name, path in reads],
+            [(slot, LoraRef(name, path)) for slot, name, path in writes],
+        )
+        return LoraStep(changes, slots)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepMessage:
     counts: tuple[int, ...]  # the packed step's layout, its widest table (InputBatch.unpack)
     data: bytes  # its host bytes
     prompt_rows: list[int] | None  # rows whose logits score prompt tokens, or None
     moves: KVMoves | None = None  # the host KV tier's copies, made before the forward
+    lora: LoraStep | None = None  # with --enable-lora: the adapters' changes, the rows' slots
 
 
 # ---- the runners ------------------------------------------------------------------------------
@@ -256,7 +289,11 @@ class TPModelRunner(_ShardedRunner):
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         inputs = super().prepare_inputs(out)
-        self.channel.send(*self.input_batch.last_step(), inputs.prompt_rows_cpu, out.kv_moves)
+        lora = None
+        if self.loras is not None:
+            lora = LoraStep(self.loras.take_changes(), self._lora_slots(out))
+        step = self.input_batch.last_step()
+        self.channel.send(*step, inputs.prompt_rows_cpu, out.kv_moves, lora)
         return inputs
 
     def step_failed(self, error: BaseException) -> None:
@@ -307,7 +344,12 @@ class TPWorker(_ShardedRunner):
         packed = self.input_batch.unpack(step.counts, step.data, self._prev_sampled)
         # Copied before the forward is queued: a pageable copy after it would wait for it.
         prompt_rows = prompt_rows_on(step.prompt_rows, self.device)
-        hidden = self._forward(model_inputs(packed, prompt_rows, step.prompt_rows))  # [T, hidden]
+        inputs = model_inputs(packed, prompt_rows, step.prompt_rows)
+        if step.lora is not None:
+            assert self.loras is not None  # every rank built its slots from the same config
+            self.loras.follow(step.lora.changes)  # before the forward that may read them
+            inputs.lora = self._lora_rows(step.lora.slots, packed.meta.query_start_loc_cpu)
+        hidden = self._forward(inputs)  # [T, hidden]
         if not self.stage.is_last:  # [2, T, hidden]: the stage's output, for the next one
             self.stage.send_activations(hidden)
             hidden = hidden[0]  # its rows, which only count for the logits on this stage

@@ -2,7 +2,8 @@
 processes, the official `openai` client), adapters written by peft. /v1/models lists them with
 their base as parent; "model": NAME gives HF + PEFT's tokens; an unknown name is a 404 in the
 OpenAI shape; the load/unload routes are refused unless enabled, behind the API key, refuse bad
-adapters naming the problem, and an unload under load lets the requests in flight finish."""
+adapters naming the problem, and an unload under load lets the requests in flight finish; an
+adapter loaded at run time serves at --tensor-parallel-size 2."""
 
 from __future__ import annotations
 
@@ -282,6 +283,29 @@ def test_load_and_unload_at_run_time(
         complete(client, "sql")
     missing = post(dynamic_server, "/v1/unload_lora_adapter", {"lora_name": "sql"})
     assert missing.status_code == 404
+
+
+def test_an_adapter_loaded_at_run_time_serves_at_tp2(
+    tiny_model_dir: Path,
+    adapters: dict[str, Path],
+    expected: dict,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two tensor-parallel ranks (gloo on the CPU): an adapter loaded through the route while
+    the server runs gives HF + PEFT's text, the base model beside it its own."""
+    extra = ["--tensor-parallel-size", "2", "--enable-lora", "--allow-runtime-lora-updates"]
+    server = start_server(
+        tmp_path_factory.mktemp("serve-lora-tp2"), model=str(tiny_model_dir), args=ARGS, extra=extra
+    )
+    try:
+        client = client_of(server)
+        body = {"lora_name": "chat", "lora_path": str(adapters["chat"])}
+        response = post(server, "/v1/load_lora_adapter", body, key=None)
+        assert response.status_code == 200, response.text
+        assert complete(client, "chat") == expected["chat"]
+        assert complete(client, str(tiny_model_dir)) == expected[None]
+    finally:
+        stop_server(server)
 
 
 @pytest.mark.parametrize(

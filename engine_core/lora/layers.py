@@ -11,6 +11,11 @@ A step's rows are grouped by slot (``LoraBatch``): for each slot in use,
 ``out[rows] += (x[rows] @ a[slot].T) @ b[slot].T``. This torch form is the reference, which the
 CPU runs; on CUDA the tile kernels of ``triton_lora.py`` take its place, in eager steps and in
 CUDA graphs alike. An MoE layer's experts carry slots of their own (``LoraExperts``).
+
+Under tensor parallelism a slot holds this rank's share of each adapter, cut as the base layer
+is (``rank_share``): a column-parallel projection (qkv, gate_up) keeps A whole and its own rows
+of each shard's B; a row-parallel one (o, down) its own input columns of A and B whole, and its
+delta is added to the rank's partial product before the layer's one all-reduce sums both.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from torch import nn
 from engine_core.forward_context import current_lora_batch
 from engine_core.lora.adapter import EXPERTS, LoraWeights, TargetShape
 from engine_core.lora.batch import LoraBatch
-from engine_core.models.layers import silu_and_mul, use_triton
+from engine_core.models.layers import RowParallelLinear, rank_rows, silu_and_mul, use_triton
 from engine_core.models.moe import SparseMoE
+from engine_core.parallel import SINGLE, PendingSum, TPGroup
 
 
 def add_lora(
@@ -59,7 +65,8 @@ def add_lora_reference(
 class LoraLinear(nn.Module):
     """A projection with LoRA slots: the base layer's output plus, for each row whose request
     has an adapter, that adapter's delta. The base layer keeps its form (packed for the CPU,
-    quantized); the delta reads the plain input."""
+    quantized); the delta reads the plain input. ``shape`` is the whole model's projection (what
+    adapters are checked against); the slots hold this tensor-parallel rank's share of it."""
 
     def __init__(
         self,
@@ -69,43 +76,50 @@ class LoraLinear(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
         self.base = base
         self.shape = shape
+        self.tp = tp
+        self.row_parallel = isinstance(base, RowParallelLinear)
+        self.local = rank_shape(shape, tp, self.row_parallel)
         self.max_rank = max_rank
         width = len(shape.output_sizes) * max_rank
-        out = sum(shape.output_sizes)
+        inp, out = self.local.in_features, sum(self.local.output_sizes)
         # Plain attributes, not parameters: the checkpoint loader and the memory plan see the
         # base model's weights only; these are the adapters' (the runner counts them).
-        self.lora_a = torch.zeros(num_slots, width, shape.in_features, dtype=dtype, device=device)
+        self.lora_a = torch.zeros(num_slots, width, inp, dtype=dtype, device=device)
         self.lora_b = torch.zeros(num_slots, out, width, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSum:
         batch = current_lora_batch()
+        if self.row_parallel:  # the delta joins the partial product, summed with it
+            partial = self.base.matmul(x)  # [T, out], this rank's input columns
+            if batch is not None:
+                add_lora(partial, x, self.lora_a, self.lora_b, batch, self.local.output_sizes)
+            return self.base.sum_partial(partial)
+        out = self.base(x)
         if batch is None:
             return out
-        return add_lora(out, x, self.lora_a, self.lora_b, batch, self.shape.output_sizes)
+        return add_lora(out, x, self.lora_a, self.lora_b, batch, self.local.output_sizes)
 
     def write_slot(self, slot: int, parts: list[LoraWeights]) -> None:
-        """Put an adapter's parts for this projection into ``slot`` (zeros where it has none).
-        A part of the whole fused output (Phi-3's qkv_proj) is written into every shard's own
-        columns, so that shard i's output rows read only columns of shard i (the expand
-        kernel's reads)."""
+        """Put this rank's share of an adapter's parts for this projection into ``slot`` (zeros
+        where it has none). A part of the whole fused output (Phi-3's qkv_proj) is written as
+        one part per shard, each into its shard's own columns, so that shard i's output rows
+        read only columns of shard i (the expand kernel's reads)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         offsets = [0]
-        for size in self.shape.output_sizes:
+        for size in self.local.output_sizes:
             offsets.append(offsets[-1] + size)
-        for part in parts:
-            shards = range(len(self.shape.output_sizes)) if part.shard is None else [part.shard]
-            for shard in shards:
-                cols = slice(shard * self.max_rank, shard * self.max_rank + part.rank)
-                rows = slice(offsets[shard], offsets[shard + 1])
-                own = part.b if part.shard is not None else part.b[rows]
-                self.lora_a[slot, cols].copy_(part.a)
-                self.lora_b[slot, rows, cols].copy_(own)
+        for part in rank_share(parts, self.shape, self.tp, self.row_parallel):
+            assert part.shard is not None
+            cols = slice(part.shard * self.max_rank, part.shard * self.max_rank + part.rank)
+            rows = slice(offsets[part.shard], offsets[part.shard + 1])
+            self.lora_a[slot, cols].copy_(part.a)
+            self.lora_b[slot, rows, cols].copy_(part.b)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -114,6 +128,35 @@ class LoraLinear(nn.Module):
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b))
+
+
+def rank_shape(shape: TargetShape, tp: TPGroup, row_parallel: bool) -> TargetShape:
+    """This rank's part of a projection: 1/size of its input (row-parallel) or of each shard's
+    output rows (column-parallel), as models/layers.py cuts the base weight."""
+    if tp.size == 1:
+        return shape
+    if row_parallel:
+        return TargetShape(shape.in_features // tp.size, shape.output_sizes)
+    return TargetShape(shape.in_features, tuple(size // tp.size for size in shape.output_sizes))
+
+
+def rank_share(
+    parts: list[LoraWeights], shape: TargetShape, tp: TPGroup, row_parallel: bool
+) -> list[LoraWeights]:
+    """This rank's share of an adapter's parts for one projection, one part per shard: a
+    row-parallel projection's A narrowed to the rank's input columns (B whole: each rank's
+    delta is a partial sum, as its product is); a column-parallel one's B narrowed to the
+    rank's rows of its shard (A whole), a whole-output part first split into its shards."""
+    share = []
+    for part in parts:
+        if row_parallel:
+            share.append(LoraWeights(rank_rows(part.a, tp, dim=1), part.b, part.shard))
+        elif part.shard is not None:
+            share.append(LoraWeights(part.a, rank_rows(part.b, tp), part.shard))
+        else:
+            blocks = part.b.split(list(shape.output_sizes))
+            share += [LoraWeights(part.a, rank_rows(b, tp), i) for i, b in enumerate(blocks)]
+    return share
 
 
 class LoraExperts(nn.Module):
@@ -224,14 +267,18 @@ def install_lora(
     max_rank: int,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TPGroup = SINGLE,
 ) -> dict[tuple[int, str], LoraModule]:
     """Wrap every targetable projection of a loaded Llama-family model in a LoraLinear (an MoE
-    layer's experts in a LoraExperts); the wrappers by (layer, module)."""
+    layer's experts in a LoraExperts); the wrappers by (layer, module). Under tensor
+    parallelism the experts get none: adapters that target them are refused at load."""
     layers = model.model.layers
     wrapped: dict[tuple[int, str], LoraModule] = {}
     for (layer, name), shape in shapes.items():
         parent_name, attr = name.split(".")
         if name == EXPERTS:
+            if tp.size > 1:
+                continue
             parent, attr = layers[layer], "mlp"
         else:
             parent = getattr(layers[layer], parent_name)
@@ -242,15 +289,16 @@ def install_lora(
                 raise ValueError(f"LoRA: layer {layer}'s MLP is a {type(base).__name__}")
             lora = LoraExperts(base, shape, num_slots, max_rank, dtype, device)
         else:
-            check_shape(base, shape, layer, name)
-            lora = LoraLinear(base, shape, num_slots, max_rank, dtype, device)
+            lora = LoraLinear(base, shape, num_slots, max_rank, dtype, device, tp)
+            check_shape(base, lora.local, layer, name)
         setattr(parent, attr, lora)
         wrapped[layer, name] = lora
     return wrapped
 
 
 def check_shape(base: nn.Module, shape: TargetShape, layer: int, name: str) -> None:
-    """The model's projection is the one the adapters are checked against."""
+    """The model's projection (this rank's part of it) is the one the adapters are checked
+    against."""
     in_features = getattr(base, "in_features", None)
     out_features = getattr(base, "out_features", None)
     if (in_features, out_features) != (shape.in_features, sum(shape.output_sizes)):

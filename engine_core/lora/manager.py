@@ -11,6 +11,11 @@ its folder when a request next names it.
 
 A slot written while the previous step still runs on the GPU is safe for the same reason freed
 KV blocks are: the copy is enqueued on the engine's one stream, after that step.
+
+Under tensor parallelism every rank has a manager and slots of its own share; rank 0's decides.
+The reads it started and the slots it wrote since the last step (``take_changes``) travel with
+the next step's inputs, and each worker's manager makes the same ones (``follow``): it reads the
+same folders and writes the same slots before that step's forward.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import concurrent.futures
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from engine_core.lora.adapter import LoraAdapter, LoraError
 from engine_core.lora.batch import NO_SLOT
@@ -28,6 +34,14 @@ from protocol.messages import LoraRef
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class LoraChanges:
+    """What rank 0's manager did since the last step, for the workers' managers to do too."""
+
+    reads: list[LoraRef] = field(default_factory=list)  # folders it started reading
+    writes: list[tuple[int, LoraRef]] = field(default_factory=list)  # (slot, adapter) in order
+
+
 class LoraManager:
     def __init__(
         self,
@@ -35,6 +49,7 @@ class LoraManager:
         load: Callable[[str], LoraAdapter],
         max_loras: int,
         max_cpu_loras: int,
+        share_changes: bool = False,
     ) -> None:
         self.layers = layers
         self._load = load  # folder -> adapter, checked against the model (adapter.py)
@@ -49,6 +64,8 @@ class LoraManager:
         self._slot_of: dict[str, int] = {}  # request id -> its slot
         self.loads = 0  # slot writes, for the tests and the log
         self.reads = 0  # folders read
+        # Under tensor parallelism: the reads and writes since the last take_changes.
+        self._changes: LoraChanges | None = LoraChanges() if share_changes else None
 
     # ---- host memory ---------------------------------------------------------------------------
 
@@ -59,6 +76,8 @@ class LoraManager:
         elif ref not in self._loading:
             self._loading[ref] = self._pool.submit(self._load, ref.path)
             self.reads += 1
+            if self._changes is not None:
+                self._changes.reads.append(ref)
 
     def take_errors(self) -> dict[LoraRef, str]:
         """The adapters whose read failed since the last call, with why (a missing folder, a
@@ -148,7 +167,42 @@ class LoraManager:
                 layer.clear_slot(slot)
         self._slots[slot] = ref
         self.loads += 1
+        if self._changes is not None:
+            self._changes.writes.append((slot, ref))
         logger.info("LoRA adapter %r in slot %d", ref.name, slot)
+
+    # ---- tensor parallelism --------------------------------------------------------------------
+
+    def take_changes(self) -> LoraChanges:
+        """Rank 0: the reads started and slots written since the last call."""
+        assert self._changes is not None, "a manager built without share_changes"
+        changes, self._changes = self._changes, LoraChanges()
+        return changes
+
+    def follow(self, changes: LoraChanges) -> None:
+        """A worker: start the reads rank 0 started, and write the slots it wrote, reading a
+        folder now where this rank has no copy yet. A folder rank 0 could read and this rank
+        cannot (changed in between) fails the step, which ends the engine core (tp_runner.py):
+        the ranks would otherwise serve different weights."""
+        for ref in changes.reads:
+            self._read_again(ref)
+        for slot, ref in changes.writes:
+            self._read_again(ref)
+            future = self._loading.get(ref)
+            if future is not None:
+                future.result()  # raises this rank's read error
+            if not self._settle(ref):
+                raise RuntimeError(f"LoRA adapter {ref.name!r}: {self._errors.pop(ref, '')}")
+            self._write(slot, ref)
+        if self._changes is not None:
+            self._changes = LoraChanges()  # a worker's own record is never sent
+
+    def _read_again(self, ref: LoraRef) -> None:
+        """``prepare``, after forgetting a read of ``ref`` that failed here (rank 0 read it
+        again: its folder may have been fixed)."""
+        self._settle(ref)
+        self._errors.pop(ref, None)
+        self.prepare(ref)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

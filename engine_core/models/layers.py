@@ -808,7 +808,11 @@ class RowParallelLinear(Linear, TPSharded):
         self.defer_sum = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSum:
-        partial = self.matmul(x)  # [T, out]
+        return self.sum_partial(self.matmul(x))
+
+    def sum_partial(self, partial: torch.Tensor) -> torch.Tensor | PendingSum:
+        """This rank's partial product [T, out] summed over the ranks (or left to the next
+        norm), then the bias. LoRA adds its own partial delta before the sum (lora/layers.py)."""
         if self.defer_sum:
             return PendingSum(partial, self.tp)
         out = self.tp.all_reduce(partial)
