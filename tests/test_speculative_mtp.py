@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -35,12 +36,17 @@ from protocol.messages import SamplingParams
 from tests.factories import copy_tokenizer, tiny_hf_sizes
 from tests.paged_harness import randomize
 from tests.test_models_deepseek import MLA, MOE, YARN
-from tests.test_speculative import abort_two_of_three_with_drafts_in_flight
+from tests.test_speculative import (
+    abort_two_of_three_with_drafts_in_flight,
+    chi_square_p_value,
+    target_marginals,
+)
 from tests.test_speculative_draft import assert_mixed_requests_give_plain_tokens
 
 K = 3
 VOCAB = 49152
 LAYERS = 2  # the target's; the MTP layer is stored as layer 2
+SAMPLED_VOCAB = 16  # test_speculative.VOCAB: target_marginals reads that many ids
 OPTIONS = {"device": "cpu", "max_model_len": 256, "num_kv_blocks": 256, "block_size": 4}
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [100, 200, 300], list(range(10, 50))]
 # The only tokens the target's LM head gives a non-zero logit, so that a draft can be right.
@@ -50,8 +56,8 @@ EMITTED = list(range(100, VOCAB, 1536))  # 32 tokens
 SEED = 2
 
 
-def v3_config(layers: int) -> DeepseekV3Config:
-    sizes = tiny_hf_sizes(VOCAB) | MLA | {"intermediate_size": 96, "num_hidden_layers": layers}
+def v3_config(layers: int, vocab: int = VOCAB) -> DeepseekV3Config:
+    sizes = tiny_hf_sizes(vocab) | MLA | {"intermediate_size": 96, "num_hidden_layers": layers}
     return DeepseekV3Config(
         **sizes | {"max_position_embeddings": 256}, **MOE, q_lora_rank=48, n_group=4,
         topk_group=2, rope_parameters=YARN, routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -59,12 +65,14 @@ def v3_config(layers: int) -> DeepseekV3Config:
     )  # fmt: skip
 
 
-def deeper_model(seed: int = 0) -> DeepseekV3ForCausalLM:
+def deeper_model(
+    seed: int = 0, vocab: int = VOCAB, emitted: list[int] | None = EMITTED
+) -> DeepseekV3ForCausalLM:
     """A random V3 of LAYERS + 1 layers: its first LAYERS are the target, its last the MTP
     layer's block. Router biases random (HF zeroes them); the LM head's rows zero but for
-    EMITTED's, scaled so that greedy choices are well separated."""
+    ``emitted``'s (all kept: None), scaled so that greedy choices are well separated."""
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(v3_config(LAYERS + 1)).eval()
+    model = DeepseekV3ForCausalLM(v3_config(LAYERS + 1, vocab)).eval()
     randomize(model, seed)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -72,25 +80,31 @@ def deeper_model(seed: int = 0) -> DeepseekV3ForCausalLM:
             bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
             if bias is not None:
                 bias.copy_(torch.randn(bias.shape, generator=gen) * 0.1)
-        head = model.lm_head.weight
-        emitted = torch.zeros(VOCAB, dtype=torch.bool)
-        emitted[EMITTED] = True
-        head.mul_(8.0).masked_fill_(~emitted[:, None], 0.0)
+        head = model.lm_head.weight.mul_(8.0)
+        if emitted is not None:
+            kept = torch.zeros(vocab, dtype=torch.bool)
+            kept[emitted] = True
+            head.masked_fill_(~kept[:, None], 0.0)
     return model
 
 
-def mtp_own_tensors(embedding: torch.Tensor, common: list[int], seed: int = 1) -> dict:
-    """The layer's own tensors under DeepSeek-V3's names (less ``model.layers.<L>.``); the
-    head's rows zero but for the ``common`` two tokens'."""
+def two_token_head(vocab: int, hidden: int, tokens: list[int]) -> torch.Tensor:
+    """An LM head [vocab, hidden] whose rows are zero but for ``tokens``' two, one the other's
+    negative: its argmax is always one of them."""
+    head = torch.zeros(vocab, hidden)
+    row = torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+    head[tokens[0]], head[tokens[1]] = row, -row
+    return head
+
+
+def mtp_own_tensors(embedding: torch.Tensor, head: torch.Tensor, seed: int = 1) -> dict:
+    """The layer's own tensors under DeepSeek-V3's names (less ``model.layers.<L>.``)."""
     gen = torch.Generator().manual_seed(seed)
     hidden = embedding.shape[1]
 
     def noise(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen) * 0.1
 
-    head = torch.zeros(VOCAB, hidden)
-    row = torch.randn(hidden, generator=gen)
-    head[common[0]], head[common[1]] = row, -row
     return {
         "enorm.weight": 1 + noise(hidden),
         "hnorm.weight": 1 + noise(hidden),
@@ -99,6 +113,21 @@ def mtp_own_tensors(embedding: torch.Tensor, common: list[int], seed: int = 1) -
         "shared_head.head.weight": head,
         "embed_tokens.weight": embedding.clone(),
     }
+
+
+def write_target(folder: Path, deeper: DeepseekV3ForCausalLM) -> Path:
+    """The target as DeepSeek publishes V3: the MTP layer's block stored as layer LAYERS
+    (config.json says LAYERS), no MTP tensors of its own yet."""
+    deeper.save_pretrained(folder)
+    edit_config(folder, num_hidden_layers=LAYERS)
+    return folder
+
+
+def add_mtp_tensors(folder: Path, deeper: DeepseekV3ForCausalLM, head: torch.Tensor) -> Path:
+    """The layer's own tensors added to the target's safetensors, as DeepSeek-V3's hold them."""
+    own = mtp_own_tensors(deeper.model.embed_tokens.weight.detach(), head)
+    add_tensors(folder, {f"model.layers.{LAYERS}.{k}": v for k, v in own.items()})
+    return folder
 
 
 def add_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -125,10 +154,7 @@ def deeper() -> DeepseekV3ForCausalLM:
 def target_dir(
     tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path, deeper: torch.nn.Module
 ) -> Path:
-    """The target with the MTP layer's block stored as layer 2, no MTP tensors of its own yet."""
-    path = tmp_path_factory.mktemp("target")
-    deeper.save_pretrained(path)
-    edit_config(path, num_hidden_layers=LAYERS)
+    path = write_target(tmp_path_factory.mktemp("target"), deeper)
     return copy_tokenizer(default_model_dir, path)
 
 
@@ -152,13 +178,12 @@ def mtp_dir(
     deeper: DeepseekV3ForCausalLM,
     common_tokens: list[int],
 ) -> Path:
-    """The target's folder with the MTP layer's own tensors added, as DeepSeek-V3's hold them."""
+    """The target's folder with the MTP layer's own tensors added; its head drafts the two
+    tokens the target emits most."""
     path = tmp_path_factory.mktemp("with-mtp") / "model"
     shutil.copytree(target_dir, path)
-    embedding = deeper.model.embed_tokens.weight.detach()
-    own = mtp_own_tensors(embedding, common_tokens)
-    add_tensors(path, {f"model.layers.{LAYERS}.{k}": v for k, v in own.items()})
-    return path
+    hidden = deeper.config.hidden_size
+    return add_mtp_tensors(path, deeper, two_token_head(VOCAB, hidden, common_tokens))
 
 
 @pytest.fixture(scope="module")
@@ -355,3 +380,80 @@ def test_the_engines_drafts_are_the_layers_own(
             kept += next((i for i, (d, t) in pairs if d != t), len(drafts))
     assert counts(spec) == (steps, drafted, kept)
     assert kept > 0  # some drafts kept: the comparison reaches past a first draft
+
+
+# ---- through a server, and sampled requests ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
+    tmp_path_factory: pytest.TempPathFactory, mtp_dir: Path, plain: LLM
+) -> None:
+    """Whole, streamed and cut by a stop string inside a drafted run, with the official
+    client: the plain engine's text; /metrics counts drafts and kept ones."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server_fixture import start_server, stop_server, wait_engine_idle
+
+    args = ["--max-model-len", "256", "--num-kv-blocks", "256", "--block-size", "4"]
+    srv = start_server(
+        tmp_path_factory.mktemp("serve-mtp"), model=str(mtp_dir),
+        args=[*args, "--served-model-name", "default", "--speculative-config", mtp_config()],
+    )  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        want = plain.generate([PROMPTS[2]], params)[0].text
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+        body = {"model": "default", "prompt": PROMPTS[2], "max_tokens": 48, "temperature": 0}
+        extra = {"ignore_eos": True}
+        assert client.completions.create(**body, extra_body=extra).choices[0].text == want
+        chunks = client.completions.create(**body, stream=True, extra_body=extra)
+        assert "".join(c.choices[0].text for c in chunks) == want
+        stop = want[len(want) // 2 : len(want) // 2 + 3]
+        cut = client.completions.create(**body, stop=[stop], extra_body=extra)
+        assert cut.choices[0].text == want[: want.index(stop)]
+        wait_engine_idle(srv)  # every KV block free, the integrity check passing
+
+        def counters() -> dict[str, float]:
+            text = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
+            families = text_string_to_metric_families(text)
+            return {s.name: s.value for family in families for s in family.samples}
+
+        deadline = time.monotonic() + 10  # the engine's counts come with its stats, each second
+        while (values := counters())["tandem_spec_decode_num_draft_tokens_total"] == 0:
+            assert time.monotonic() < deadline, "no drafts counted"
+            time.sleep(0.2)
+        drafted = values["tandem_spec_decode_num_draft_tokens_total"]
+        assert 0 < values["tandem_spec_decode_num_accepted_tokens_total"] < drafted
+    finally:
+        stop_server(srv)
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_targets_distribution(tmp_path: Path) -> None:
+    """A 16-token V3 with a random MTP layer drafting at every step: the second and third
+    output tokens of 3,000 unseeded requests match HF's distribution (chi-square), and drafts
+    were checked and some kept on the way."""
+    vocab = SAMPLED_VOCAB
+    deeper = deeper_model(seed=0, vocab=vocab, emitted=None)
+    head = torch.randn(vocab, deeper.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    target = add_mtp_tensors(write_target(tmp_path / "target", deeper), deeper, head)
+    prompt = [*range(vocab), *range(vocab - 1, -1, -1), 5]
+    llm = LLM(
+        str(target), device="cpu", max_model_len=64, num_kv_blocks=4096, block_size=4,
+        max_num_seqs=256, speculative_config=mtp_config(),
+    )  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+        outputs = llm.generate([prompt] * 3000, params, detokenize=False)
+        counts = llm.engine.scheduler.counts()
+    finally:
+        llm.engine.shutdown()
+    second, third = target_marginals(target, prompt)
+    for position, probs in ((1, second), (2, third)):
+        drawn = torch.tensor([o.token_ids[position] for o in outputs])
+        observed = torch.bincount(drawn, minlength=vocab).double()
+        assert chi_square_p_value(observed, probs) > 1e-3, position
+    assert counts.spec_draft_tokens > 3000 and counts.spec_accepted_tokens > 300
