@@ -114,6 +114,11 @@ class MtpLayer(nn.Module):
 def check_target(target: nn.Module, hf: dict[str, Any]) -> None:
     """Refuse a target whose checkpoint has no MTP layer or one this proposer cannot run."""
     architectures = hf.get("architectures") or []
+    if "Qwen3NextForCausalLM" in architectures:
+        raise ValueError(
+            f"{WHERE}: Qwen3-Next's MTP layer (its 'mtp.*' tensors) is not read yet, and "
+            "speculation is refused for its linear-attention layers"
+        )
     if not isinstance(target, DeepseekForCausalLM) or "DeepseekV3ForCausalLM" not in architectures:
         raise ValueError(
             f"{WHERE}: the target must be a DeepSeek-V3-architecture model (DeepSeek-V3/R1/V3.1, "

@@ -239,6 +239,16 @@ def test_a_target_of_another_architecture_is_refused(tiny_model_dir: Path) -> No
         LLM(str(tiny_model_dir), speculative_config=mtp_config(), **OPTIONS)
 
 
+def test_qwen3_next_is_refused_by_name(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_models_qwen3_next import tiny_config
+
+    AutoModelForCausalLM.from_config(tiny_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Qwen3-Next's MTP layer"):
+        LLM(str(tmp_path), speculative_config=mtp_config(), **OPTIONS)
+
+
 def test_a_model_path_is_refused() -> None:
     from engine_core.config import EngineConfig
 
@@ -457,3 +467,30 @@ def test_sampled_tokens_follow_the_targets_distribution(tmp_path: Path) -> None:
         observed = torch.bincount(drawn, minlength=vocab).double()
         assert chi_square_p_value(observed, probs) > 1e-3, position
     assert counts.spec_draft_tokens > 3000 and counts.spec_accepted_tokens > 300
+
+
+def test_a_block_fp8_checkpoints_mtp_layer_loads_in_fp8_and_keeps_the_tokens(
+    tmp_path: Path, deeper: DeepseekV3ForCausalLM, common_tokens: list[int]
+) -> None:
+    """DeepSeek-V3 publishes block FP8: the MTP layer's decoder layer is in e4m3 as the
+    target's are (its own eh_proj and head plain, as published); the speculating engine gives
+    the plain FP8 engine's tokens and drafts on the way."""
+    from tests.test_fp8 import E4M3, FORMATS, LINEARS, write_quantized
+    from tests.test_fp8_moe import MLA_LINEARS
+
+    folder = tmp_path / "fp8"
+    write_quantized(deeper, FORMATS["fp8-block"], folder, tmp_path / "ref", LINEARS + MLA_LINEARS)
+    edit_config(folder, num_hidden_layers=LAYERS)
+    hidden = deeper.config.hidden_size
+    add_mtp_tensors(folder, deeper, two_token_head(VOCAB, hidden, common_tokens))
+    plain_fp8 = LLM(str(folder), **OPTIONS)
+    spec_fp8 = LLM(str(folder), speculative_config=mtp_config(), **OPTIONS)
+    layer = spec_fp8.engine.runner.drafter.layer
+    assert layer.block.self_attn.q_a_proj.weight.dtype == E4M3
+    assert layer.block.mlp.w13.dtype == E4M3
+    assert layer.eh_proj.weight.dtype == torch.float32
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = plain_fp8.generate(PROMPTS, params, detokenize=False)
+    got = spec_fp8.generate(PROMPTS, params, detokenize=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert counts(spec_fp8)[1] > 0
