@@ -45,9 +45,9 @@ from engine_core.attention.mla import LatentAttention
 from engine_core.config import ModelConfig
 from engine_core.eagle3 import Entries, Features, tokens_after
 from engine_core.forward_context import forward_context
-from engine_core.loader import checkpoint_files, default_dtype, normalize_fp8_names, read_json
+from engine_core.loader import default_dtype, normalize_fp8_names, read_json
 from engine_core.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
-from engine_core.models.layers import Linear, load_mapped_weights, reset_buffers
+from engine_core.models.layers import Linear, NameMap, load_mapped_weights, reset_buffers
 from engine_core.models.llama import choose_layer_forms, make_norm
 from engine_core.models.quantize import make_quantized_linears
 from engine_core.models.target import BuildTarget
@@ -135,11 +135,18 @@ def check_target(target: nn.Module, hf: dict[str, Any]) -> None:
 
 
 def read_layer_tensors(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of decoder layer ``layer``, by their names less its prefix;
-    only those are read (a V3 checkpoint's other 61 layers stay on disk)."""
+    """The checkpoint's tensors of decoder layer ``layer``, by their names less its prefix,
+    from the files the index names for them (a V3 checkpoint's other layers stay on disk)."""
     prefix = f"model.layers.{layer}."
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = read_json(index)["weight_map"]
+        names = {file for name, file in weight_map.items() if name.startswith(prefix)}
+        files = [model_dir / name for name in sorted(names)]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(model_dir, "model.safetensors.index.json", "*.safetensors"):
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.startswith(prefix):
@@ -147,7 +154,7 @@ def read_layer_tensors(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def mtp_name_map(target: DeepseekForCausalLM) -> Any:
+def mtp_name_map(target: DeepseekForCausalLM) -> NameMap:
     """A checkpoint name (less the layer prefix) -> (our parameter, shard): the layer's own
     tensors as they are, the decoder layer's as the target maps its layer 0's (merged
     projections, stacked experts), under ``block.``."""
@@ -172,7 +179,7 @@ def load_mtp_layer(
 ) -> tuple[MtpLayer, nn.Module]:
     """The MTP layer of the target's checkpoint, in the target's weight format, and the
     embedding it reads (the target's, unless the checkpoint's copy differs from it)."""
-    layer = config.num_layers  # check_target: it is stored as the layer after the last
+    layer = config.num_layers  # stored as the decoder layer after the target's last
     tensors = read_layer_tensors(model_dir, layer)
     if not any(name.startswith(OWN) for name in tensors):
         raise ValueError(
@@ -188,7 +195,10 @@ def load_mtp_layer(
     mtp.to_empty(device=device)
     reset_buffers(mtp)
     own_embedding = tensors.pop("embed_tokens.weight", None)
-    load_mapped_weights(mtp, normalize_fp8_names(iter(tensors.items())), mtp_name_map(target))
+    try:
+        load_mapped_weights(mtp, normalize_fp8_names(iter(tensors.items())), mtp_name_map(target))
+    except ValueError as exc:  # names the tensor; say whose
+        raise ValueError(f"{WHERE}: the MTP layer (model.layers.{layer}): {exc}") from None
     mtp.eval().requires_grad_(False)
     if device.type == "cpu":  # oneDNN's layout, as the target's linears take (cpu_gemm.py)
         for module in mtp.modules():
@@ -206,13 +216,17 @@ def layer_embedding(
     """The target's embedding where the checkpoint's copy for the layer is absent or equal to
     it (DeepSeek-V3's is); else the copy, as the layer was trained with it."""
     shared = target.model.embed_tokens
-    if tensor is None or torch.equal(tensor.to(device, dtype), shared.weight):
+    if tensor is None:
         return shared
     if tensor.shape != shared.weight.shape:
         raise ValueError(
             f"{WHERE}: the MTP layer's embed_tokens.weight is {list(tensor.shape)}, the "
             f"target's {list(shared.weight.shape)}"
         )
+    # Compared on the host: a second copy on the GPU would stay in the allocator's cache and
+    # shrink the KV cache sized after it.
+    if torch.equal(tensor.to(dtype), shared.weight.detach().cpu()):
+        return shared
     return nn.Embedding.from_pretrained(tensor.to(device, dtype), freeze=True)
 
 

@@ -226,6 +226,42 @@ def test_a_checkpoint_without_mtp_weights_is_refused(target_dir: Path) -> None:
         LLM(str(target_dir), speculative_config=mtp_config(), **OPTIONS)
 
 
+def changed_copy(tmp_path: Path, mtp_dir: Path, tensors: dict[str, torch.Tensor | None]) -> Path:
+    """A copy of ``mtp_dir`` with the MTP layer's ``tensors`` replaced (None: dropped)."""
+    path = tmp_path / "model"
+    shutil.copytree(mtp_dir, path)
+    file = path / "model.safetensors"
+    weights = load_file(str(file))
+    for name, tensor in tensors.items():
+        weights.pop(f"model.layers.{LAYERS}.{name}")
+        if tensor is not None:
+            weights[f"model.layers.{LAYERS}.{name}"] = tensor
+    save_file(weights, str(file), {"format": "pt"})
+    return path
+
+
+def test_a_missing_mtp_tensor_is_named(tmp_path: Path, mtp_dir: Path) -> None:
+    path = changed_copy(tmp_path, mtp_dir, {"hnorm.weight": None})
+    with pytest.raises(ValueError, match=r"MTP layer \(model.layers.2\).*hnorm.weight"):
+        LLM(str(path), speculative_config=mtp_config(), **OPTIONS)
+
+
+def test_an_embedding_copy_that_differs_is_the_layers_own(
+    tmp_path: Path, mtp_dir: Path, plain: LLM
+) -> None:
+    embedding = load_file(str(mtp_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    own = embedding + 0.01
+    path = changed_copy(tmp_path, mtp_dir, {"embed_tokens.weight": own})
+    llm = LLM(str(path), speculative_config=mtp_config(), **OPTIONS)
+    drafter = llm.engine.runner.drafter
+    assert drafter.embed is not llm.engine.runner.model.model.embed_tokens
+    assert torch.equal(drafter.embed.weight, own)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = llm.generate(PROMPTS, params, detokenize=False)
+    want = plain.generate(PROMPTS, params, detokenize=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
 def test_a_config_without_an_mtp_layer_is_refused(tmp_path: Path, mtp_dir: Path) -> None:
     path = tmp_path / "model"
     shutil.copytree(mtp_dir, path)
