@@ -15,8 +15,9 @@ target's final hidden state at p (after the target's final norm): x = eh_proj([e
 hnorm(h)]), then the decoder layer (attention over the MTP layer's own latent cache of the
 entries before p), then shared_head.norm; shared_head.head of that gives the draft after p + 1.
 Drafting on, an entry takes the previous draft's embedding and the layer's own normed output in
-place of the target's hidden state (SGLang's and vLLM's recycling of the post-norm state); the
-one layer is run K times for K drafts, as the peers do when K exceeds the layers shipped.
+place of the target's hidden state, post-norm like the target's (as SGLang's deepseek_nextn
+recycles it; vLLM's deepseek_mtp.py hands on the stream before the norm); the one layer is run
+K times for K drafts, as the peers do when K exceeds the layers shipped.
 
 Its cache and its entries follow EAGLE-3's scheme (engine_core/eagle3.py, whose module comment
 walks it): one latent cache with as many blocks as the target's pool, indexed by the target's
