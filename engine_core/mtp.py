@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ from torch import nn
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.mla import LatentAttention
 from engine_core.config import ModelConfig
-from engine_core.eagle3 import Entries, Features, tokens_after
+from engine_core.eagle3 import Features, tokens_after
 from engine_core.forward_context import forward_context
 from engine_core.loader import default_dtype, normalize_fp8_names, read_json
 from engine_core.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
@@ -432,8 +433,14 @@ def load_mtp(
     return MtpProposer(layer, embed, target.model.rotary_emb, max_drafts, device, dtype)
 
 
-# The three helpers below are EAGLE-3's private ones (eagle3.py), repeated rather than imported
-# while that module is reworked for CUDA graphs; one shared copy is the aim.
+@dataclass
+class Entries:
+    """A forward of the layer over entries: tokens and positions [N], features [N, H]."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    feature: torch.Tensor
+    meta: AttentionMetadata
 
 
 def one_token_metadata(
