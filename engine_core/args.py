@@ -65,7 +65,8 @@ _HELP = {
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
     '"prompt_lookup_min": 2}\': greedy requests take the tokens that followed the last n '
     "tokens' earlier occurrence as drafts, scored in one step (engine_core/speculative.py); "
-    'also "draft_model" and "eagle3" (an EAGLE-3 head), each with a "model" folder',
+    'also "draft_model" and "eagle3" (an EAGLE-3 head), each with a "model" folder, and "mtp" '
+    "(a DeepSeek-V3 checkpoint's own multi-token-prediction layer)",
     "enable_lora": "serve LoRA adapters (PEFT folders) that requests name: q/k/v/o and "
     "gate/up/down targets, mixed with each other and the base model in one batch",
     "max_loras": "LoRA adapters resident in device slots at once (a request waits for a slot)",

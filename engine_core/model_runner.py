@@ -56,6 +56,7 @@ from engine_core.memory_plan import (
 )
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
+from engine_core.mtp import MtpProposer, load_mtp
 from engine_core.multimodal import MultimodalRunner, MultimodalStep
 from engine_core.parallel import get_pipeline_stage, get_tp_group
 from engine_core.pooler import PooledStep, Pooler
@@ -272,9 +273,9 @@ class ModelRunner:
         self.model = loaded.module
         self.model_config: ModelConfig = loaded.config
         self.model_dir = loaded.model_dir
-        # Speculation's draft model (engine_core/draft_model.py) or EAGLE-3 head (eagle3.py),
-        # loaded before the KV cache is sized: its weights and its share of every block come
-        # out of the same memory.
+        # Speculation's draft model (engine_core/draft_model.py), EAGLE-3 head (eagle3.py) or
+        # MTP layer (mtp.py), loaded before the KV cache is sized: its weights and its share of
+        # every block come out of the same memory.
         self.drafter = self._load_draft()
         # Adapter slots take their memory before the KV cache is sized from what is left.
         self.loras = self._install_lora() if config.enable_lora else None
@@ -337,13 +338,18 @@ class ModelRunner:
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
         )
 
-    def _load_draft(self) -> DraftModel | Eagle3Proposer | None:
+    def _load_draft(self) -> DraftModel | Eagle3Proposer | MtpProposer | None:
         """The draft model of ``"method": "draft_model"``, checked against the target (the same
         vocabulary and tokenizer, its context, plain attention) and against the memory left
-        beside the target's weights; the head of ``eagle3``; None for any other proposer."""
+        beside the target's weights; the head of ``eagle3``; the target checkpoint's MTP layer
+        of ``mtp``; None for any other proposer."""
         spec = self.config.speculation()
         if spec is not None and spec.method == "eagle3":
             return self._load_eagle3(spec.model, spec.num_speculative_tokens)
+        if spec is not None and spec.method == "mtp":
+            config, device, dtype = self.model_config, self.device, self.dtype
+            k = spec.num_speculative_tokens
+            return load_mtp(self.model, config, self.model_dir, k, device, dtype)
         if spec is None or spec.method != "draft_model":
             return None
         assert spec.model is not None  # SpeculativeConfig.check
@@ -798,13 +804,19 @@ class ModelRunner:
                 return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
             return self.model(inputs.input_ids, inputs.positions)
 
-    def _draft_alongside(self, out: SchedulerOutput, inputs: ModelInputs) -> None:
+    def _draft_alongside(
+        self, out: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor
+    ) -> None:
         """The draft model's forward over the step's inputs (a graph replay of the target's
         may have left the ids to gather in ``ids_from``); the EAGLE-3 head's over the step's
-        positions, from the target's hidden states."""
+        positions, from the target's hidden states; the MTP layer's, from ``hidden`` (the
+        target's final hidden states)."""
         assert self.drafter is not None
         if isinstance(self.drafter, Eagle3Proposer):
             self.drafter.run_alongside(out, inputs.meta)
+            return
+        if isinstance(self.drafter, MtpProposer):
+            self.drafter.run_alongside(out, inputs.meta, hidden)
             return
         self.drafter.run_alongside(inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from)
 
@@ -881,7 +893,7 @@ class ModelRunner:
                 timeline.begin()
             hidden = self._forward(inputs)  # [T, hidden]; before the last stage [2, T, hidden]
             if self.drafter is not None:  # the draft's KV follows the target's, slot for slot
-                self._draft_alongside(out, inputs)
+                self._draft_alongside(out, inputs, hidden)
             if timeline is not None:
                 timeline.end()
         requests = inputs.sampling_requests

@@ -18,9 +18,10 @@ step writes over it (the scheduler moves the request's computed tokens back).
 Proposers: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), no
 weights, asked request by request; ``draft_model`` (engine_core/draft_model.py: a smaller model
-of the same tokenizer, its greedy tokens) and ``eagle3`` (engine_core/eagle3.py: a head that
-drafts from the target's hidden states), BatchProposers asked once a step for every row whose
-verify slots the scheduler reserved. A constrained request's matcher takes the drafts it
+of the same tokenizer, its greedy tokens), ``eagle3`` (engine_core/eagle3.py: a head that
+drafts from the target's hidden states) and ``mtp`` (engine_core/mtp.py: the multi-token
+prediction layer a DeepSeek-V3 checkpoint ships), BatchProposers asked once a step for every
+row whose verify slots the scheduler reserved. A constrained request's matcher takes the drafts it
 allows to fill each drafted position's mask, then gives them back (engine_core/grammar.py); the
 update feeds it the kept tokens. A request that scores or pools its prompt decodes one token a
 step. A speculating engine runs the simple loop (each step's accepted count decides the next
@@ -36,11 +37,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# The proposers the model runner loads (the others need no weights).
+LOADED_METHODS = ("draft_model", "eagle3", "mtp")
+# vLLM's other spelling of a method, read as ours.
+ALIASES = {"deepseek_mtp": "mtp"}
 # The peers' other methods, refused by name until built.
 NOT_YET = {
     "eagle": "EAGLE heads are not supported yet",
-    "mtp": "multi-token prediction heads are not supported yet",
     "medusa": "Medusa heads are not supported",
 }
 MAX_SPECULATIVE_TOKENS = 16
@@ -73,6 +77,8 @@ class SpeculativeConfig:
         if "method" not in value and "model" in value:
             value["method"] = "draft_model"  # the peers read a bare model as a draft model
         method = value.get("method")
+        if isinstance(method, str) and method in ALIASES:
+            method = value["method"] = ALIASES[method]
         if method in NOT_YET:
             raise ValueError(f"--speculative-config method {method!r}: {NOT_YET[method]}")
         if method not in METHODS:
@@ -104,6 +110,11 @@ class SpeculativeConfig:
             )
         if self.method == "ngram" and self.model is not None:
             raise ValueError("--speculative-config method 'ngram' takes no \"model\"")
+        if self.method == "mtp" and self.model is not None:
+            raise ValueError(
+                "--speculative-config method 'mtp' takes no \"model\": the MTP layer is read "
+                "from the target's own checkpoint"
+            )
 
 
 class Proposer(Protocol):
@@ -181,11 +192,11 @@ def make_proposer(
     config: SpeculativeConfig | None, draft: BatchProposer | None = None
 ) -> Proposer | BatchProposer | None:
     """The engine's proposer: ``draft`` (what the model runner loaded: the draft model, the
-    EAGLE-3 head) for ``draft_model`` and ``eagle3``, prompt lookup for ``ngram``, None
-    without speculation."""
+    EAGLE-3 head, the MTP layer) for ``draft_model``, ``eagle3`` and ``mtp``, prompt lookup
+    for ``ngram``, None without speculation."""
     if config is None:
         return None
-    if config.method in ("draft_model", "eagle3"):
+    if config.method in LOADED_METHODS:
         if draft is None:
             raise ValueError(f"--speculative-config method {config.method!r}: nothing loaded")
         return draft

@@ -24,7 +24,7 @@ latent it multiplies is not quantized, as vLLM computes it too.
 Refused by name (models/__init__.py ``deepseek_fields``): quantization formats other than FP8,
 tensor parallelism, ``--kv-cache-dtype fp8``.
 The multi-token-prediction layer some checkpoints carry (``model.layers.<num_layers>``) is
-skipped: speculative decoding does not use it yet.
+skipped here; speculative decoding loads it on its own (engine_core/mtp.py).
 """
 
 from __future__ import annotations

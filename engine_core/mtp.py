@@ -1,0 +1,475 @@
+"""Multi-token prediction (``"method": "mtp"``, also spelled ``"deepseek_mtp"``): the MTP
+layer a DeepSeek-V3 checkpoint ships beside its decoder layers, used as the speculative
+proposer.
+
+The published layout (DeepSeek-V3, R1, V3.1: ``num_nextn_predict_layers`` 1 in config.json):
+the layer is stored as decoder layer ``num_hidden_layers`` of the target's own checkpoint,
+``model.layers.<L>.*``: ``enorm`` and ``hnorm`` (RMSNorms), ``eh_proj`` [H, 2H] (plain, also in
+the FP8 checkpoints), one full decoder layer (MLA attention, DeepSeekMoE; the target's names
+and formats), ``shared_head.norm`` and ``shared_head.head`` [V, H], and ``embed_tokens`` (a copy
+of the target's embedding, shared here when it is equal). HF transformers drops the layer when
+it loads the model; vLLM (deepseek_mtp.py) and SGLang (deepseek_nextn.py) read it as here.
+
+What it computes: its entry at position p reads the embedding of the token at p + 1 and the
+target's final hidden state at p (after the target's final norm): x = eh_proj([enorm(e) |
+hnorm(h)]), then the decoder layer (attention over the MTP layer's own latent cache of the
+entries before p), then shared_head.norm; shared_head.head of that gives the draft after p + 1.
+Drafting on, an entry takes the previous draft's embedding and the layer's own normed output in
+place of the target's hidden state, post-norm like the target's (as SGLang's deepseek_nextn
+recycles it; vLLM's deepseek_mtp.py hands on the stream before the norm); the one layer is run
+K times for K drafts, as the peers do when K exceeds the layers shipped.
+
+Its cache and its entries follow EAGLE-3's scheme (engine_core/eagle3.py, whose module comment
+walks it): one latent cache with as many blocks as the target's pool, indexed by the target's
+block ids; the entries lag the target's positions by one, rewritten after each step with the
+tokens then known; a proposal rewrites the entry before the row's last token and writes one
+per draft. Unlike EAGLE-3 it needs no hooks: the target's final hidden states are the
+forward's output, which a CUDA-graph replay returns too, so the target keeps its graphs and
+only the MTP layer runs eagerly. Drafts are the layer's argmax, so exactness is the verify
+step's (engine_core/speculative.py); the layer decides only how many tokens a step yields.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.mla import LatentAttention
+from engine_core.config import ModelConfig
+from engine_core.eagle3 import Features, tokens_after
+from engine_core.forward_context import forward_context
+from engine_core.loader import default_dtype, normalize_fp8_names, read_json
+from engine_core.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
+from engine_core.models.layers import Linear, NameMap, load_mapped_weights, reset_buffers
+from engine_core.models.llama import choose_layer_forms, make_norm
+from engine_core.models.quantize import make_quantized_linears
+from engine_core.models.target import BuildTarget
+from engine_core.request import SchedulerOutput
+from engine_core.speculative import DraftRow
+
+if TYPE_CHECKING:
+    from engine_core.attention.base import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+WHERE = "--speculative-config method 'mtp'"
+ID32 = torch.int32
+# The layer's own tensors (the rest are its decoder layer's, under the target's names).
+OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+
+# ---- the layer -------------------------------------------------------------------------------
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm = make_norm(config, config.hidden_size)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MtpLayer(nn.Module):
+    """The MTP layer's weights (its checkpoint names less ``model.layers.<L>.``, the decoder
+    layer's under ``block.``) and its forward."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.enorm = make_norm(config, hidden)
+        self.hnorm = make_norm(config, hidden)
+        # A torch Linear, not ours: kept in the model's dtype in FP8 checkpoints too.
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        # Layer index num_layers: an MoE layer (DeepSeek's dense layers are the first ones).
+        self.block = DeepseekDecoderLayer(config, layer=config.num_layers)
+        self.shared_head = SharedHead(config)
+
+    def forward(
+        self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """embeds (of the tokens after the positions), feature (the target's final hidden
+        states there, or this layer's previous output) [T, H] -> the normed output [T, H]:
+        the next draft's feature and what the head reads."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
+        out, residual = self.block(x, None, cos, sin)
+        return self.shared_head.norm(out, residual)[0]
+
+    def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [N, H] -> the head's argmax [N] int64."""
+        return self.shared_head.head(normed).argmax(dim=-1)
+
+    def attention(self) -> LatentAttention:
+        return self.block.self_attn.attn
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def check_target(target: nn.Module, hf: dict[str, Any]) -> None:
+    """Refuse a target whose checkpoint has no MTP layer or one this proposer cannot run."""
+    architectures = hf.get("architectures") or []
+    if "Qwen3NextForCausalLM" in architectures:
+        raise ValueError(
+            f"{WHERE}: Qwen3-Next's MTP layer (its 'mtp.*' tensors) is not read yet, and "
+            "speculation is refused for its linear-attention layers"
+        )
+    if not isinstance(target, DeepseekForCausalLM) or "DeepseekV3ForCausalLM" not in architectures:
+        raise ValueError(
+            f"{WHERE}: the target must be a DeepSeek-V3-architecture model (DeepSeek-V3/R1/V3.1, "
+            f"Kimi-K2) that ships an MTP layer; {architectures} has none that Tandem reads"
+        )
+    layers = hf.get("num_nextn_predict_layers")
+    if layers != 1:
+        raise ValueError(
+            f"{WHERE}: config.json num_nextn_predict_layers is {layers!r}; Tandem reads a "
+            "checkpoint with exactly one MTP layer (as DeepSeek-V3 publishes)"
+        )
+    if target.model.stage.size > 1:
+        raise ValueError(f"{WHERE}: not supported with --pipeline-parallel-size > 1")
+
+
+def read_layer_tensors(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of decoder layer ``layer``, by their names less its prefix,
+    from the files the index names for them (a V3 checkpoint's other layers stay on disk)."""
+    prefix = f"model.layers.{layer}."
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = read_json(index)["weight_map"]
+        names = {file for name, file in weight_map.items() if name.startswith(prefix)}
+        files = [model_dir / name for name in sorted(names)]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.startswith(prefix):
+                    tensors[name.removeprefix(prefix)] = f.get_tensor(name)
+    return tensors
+
+
+def mtp_name_map(target: DeepseekForCausalLM) -> NameMap:
+    """A checkpoint name (less the layer prefix) -> (our parameter, shard): the layer's own
+    tensors as they are, the decoder layer's as the target maps its layer 0's (merged
+    projections, stacked experts), under ``block.``."""
+
+    def map_name(name: str) -> tuple[str, int | None] | None:
+        if name.startswith(OWN):
+            return name, None
+        mapped = target.map_name(f"model.layers.0.{name}")
+        if mapped is None:
+            return None
+        return "block." + mapped[0].removeprefix("model.layers.0."), mapped[1]
+
+    return map_name
+
+
+def load_mtp_layer(
+    target: DeepseekForCausalLM,
+    config: ModelConfig,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[MtpLayer, nn.Module]:
+    """The MTP layer of the target's checkpoint, in the target's weight format, and the
+    embedding it reads (the target's, unless the checkpoint's copy differs from it)."""
+    layer = config.num_layers  # stored as the decoder layer after the target's last
+    tensors = read_layer_tensors(model_dir, layer)
+    if not any(name.startswith(OWN) for name in tensors):
+        raise ValueError(
+            f"{WHERE}: {model_dir} has no MTP weights (no 'model.layers.{layer}.eh_proj.weight' "
+            "and the rest of the layer); a checkpoint saved by HF transformers drops them"
+        )
+    # The layer runs eagerly: none of the forms chosen for graphs (no gate/up interleaving).
+    build = BuildTarget(device, dtype)
+    with torch.device("meta"), default_dtype(dtype):
+        mtp = MtpLayer(config)
+        make_quantized_linears(mtp, config)
+        choose_layer_forms(mtp, build)
+    mtp.to_empty(device=device)
+    reset_buffers(mtp)
+    own_embedding = tensors.pop("embed_tokens.weight", None)
+    try:
+        load_mapped_weights(mtp, normalize_fp8_names(iter(tensors.items())), mtp_name_map(target))
+    except ValueError as exc:  # names the tensor; say whose
+        raise ValueError(f"{WHERE}: the MTP layer (model.layers.{layer}): {exc}") from None
+    mtp.eval().requires_grad_(False)
+    if device.type == "cpu":  # oneDNN's layout, as the target's linears take (cpu_gemm.py)
+        for module in mtp.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+    return mtp, layer_embedding(target, own_embedding, device, dtype)
+
+
+def layer_embedding(
+    target: DeepseekForCausalLM,
+    tensor: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """The target's embedding where the checkpoint's copy for the layer is absent or equal to
+    it (DeepSeek-V3's is); else the copy, as the layer was trained with it."""
+    shared = target.model.embed_tokens
+    if tensor is None:
+        return shared
+    if tensor.shape != shared.weight.shape:
+        raise ValueError(
+            f"{WHERE}: the MTP layer's embed_tokens.weight is {list(tensor.shape)}, the "
+            f"target's {list(shared.weight.shape)}"
+        )
+    # Compared on the host: a second copy on the GPU would stay in the allocator's cache and
+    # shrink the KV cache sized after it.
+    if torch.equal(tensor.to(dtype), shared.weight.detach().cpu()):
+        return shared
+    return nn.Embedding.from_pretrained(tensor.to(device, dtype), freeze=True)
+
+
+# ---- the proposer ----------------------------------------------------------------------------
+
+
+class MtpProposer:
+    """The MTP layer, its latent cache (owned here, as the model runner owns the target's) and
+    the target's hidden states it keeps between a step and the next proposal; a
+    speculative.BatchProposer."""
+
+    def __init__(
+        self,
+        layer: MtpLayer,
+        embed: nn.Module,
+        rotary: nn.Module,
+        max_drafts: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.layer = layer
+        self.embed = embed
+        self.rotary = rotary  # the target's (the layer is one of its decoder layers)
+        self.max_drafts = max_drafts
+        self.device = device
+        self.dtype = dtype
+        self.features: dict[str, Features] = {}
+        self.block_size = 0
+        self.cache: list[torch.Tensor] = []
+        self.backend: AttentionBackend | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes the layer's cache adds to one block id of the pool: one latent row a token."""
+        shapes = self.layer.attention().cache_shapes(1, block_size)
+        return sum(math.prod(s) for s in shapes) * self.dtype.itemsize
+
+    def allocate_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
+        attention = self.layer.attention()
+        own = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in
+               attention.cache_shapes(num_blocks, block_size)]  # fmt: skip
+        attention.bind_cache(own)
+        self.cache = own
+        self.block_size, self.backend = block_size, backend
+        logger.info(
+            "mtp layer: its latent cache %.3f GiB beside the target's",
+            sum(t.numel() * t.element_size() for t in own) / 2**30,
+        )
+
+    def capture_graphs(self, max_seqs: int, max_model_len: int, max_prefill_tokens: int) -> None:
+        """The target replays its graphs; the MTP layer runs eagerly (no graphs of it yet)."""
+        logger.info("mtp layer: runs eagerly beside the target's CUDA graphs")
+
+    # ---- every step: the layer's entries for the target's positions ---------------------------
+
+    @torch.inference_mode()
+    def run_alongside(
+        self, out: SchedulerOutput, meta: AttentionMetadata, hidden: torch.Tensor
+    ) -> None:
+        """Write the layer's entries for the step (``meta``, ``hidden`` [T, H]: the target's
+        forward's metadata and final hidden states): each row's positions with the tokens
+        after them, and the entry before its first position again, now that its token is known;
+        keep the hidden states a proposal may start from."""
+        assert self.backend is not None
+        entries = self._entries(out, hidden, meta)
+        cos, sin = self.rotary(entries.positions, self.dtype)
+        with forward_context(entries.meta, self.backend):
+            self.layer(self.embed(entries.tokens), entries.feature, cos, sin)
+        self._keep_features(out, hidden, meta.query_start_loc_cpu)
+
+    def _entries(
+        self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> Entries:
+        """The step's entries, row by row: the one before the row's first position where the
+        request's hidden state there was kept, then one a position; each row's context ends
+        where the target's does (the same seq_lens)."""
+        query_start, bs = meta.query_start_loc_cpu, self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        parts: list[torch.Tensor] = []
+        starts = [0]
+        for i, s in enumerate(out.scheduled):
+            count = query_start[i + 1] - query_start[i]
+            row_positions = list(range(s.start, s.start + count))
+            before = self._kept_feature(s.request.request_id, s.start - 1)
+            if before is not None:
+                row_positions.insert(0, s.start - 1)
+                tokens.append(s.request.token_ids[s.start])
+                parts.append(before[None])
+            tokens += tokens_after(s, count)
+            parts.append(hidden[query_start[i] : query_start[i + 1]])
+            positions += row_positions
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in row_positions]
+            starts.append(starts[-1] + len(row_positions))
+        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        entries_meta = AttentionMetadata(
+            slot_mapping=on_device(slots, torch.int64, self.device),
+            query_start_loc=on_device(starts, ID32, self.device),
+            seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables,
+            max_query_len=max(lengths),
+            max_seq_len=meta.max_seq_len,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=meta.seq_lens_cpu,
+        )
+        return Entries(
+            on_device(tokens, torch.int64, self.device),
+            on_device(positions, torch.int64, self.device),
+            torch.cat(parts).to(self.dtype),
+            entries_meta,
+        )
+
+    def _keep_features(
+        self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]
+    ) -> None:
+        """For each row, the hidden state of its last position and, for a verify chunk, of
+        every position (the next proposal starts after its last kept draft); finished
+        requests' go."""
+        features = {k: f for k, f in self.features.items() if not f.request.is_finished}
+        for i, s in enumerate(out.scheduled):
+            end = query_start[i + 1]
+            begin = max(query_start[i], end - 1 - len(s.drafts))
+            first = s.start + (begin - query_start[i])
+            rows = hidden[begin:end].to(self.dtype, copy=True)
+            features[s.request.request_id] = Features(s.request, first, rows)
+        self.features = features
+
+    # ---- proposing ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
+        """``row.count`` greedy drafts for each row: forward 1 rewrites the entry at the row's
+        position - 1 (its last token, the target's hidden state there), forward j + 1 writes
+        the entry of draft j (the layer's own output); K forwards of the one layer."""
+        assert self.backend is not None
+        device = self.device
+        tables = padded_block_tables([r.block_ids for r in rows], device)  # [B, W]
+        tokens = on_device([r.token for r in rows], torch.int64, device)  # [B]
+        host_positions = [r.position - 1 for r in rows]
+        positions = on_device(host_positions, torch.int64, device)  # [B]
+        feature = torch.stack([self._feature_before(r) for r in rows])  # [B, H]
+        live = list(range(len(rows)))
+        steps: list[tuple[list[int], torch.Tensor]] = []
+        for j in range(max(r.count for r in rows)):
+            keep = [n for n, i in enumerate(live) if rows[i].count > j]
+            if len(keep) < len(live):  # a row near its length limit wants fewer drafts
+                index = on_device(keep, torch.int64, device)
+                tables, tokens = tables[index], tokens[index]
+                positions, feature = positions[index], feature[index]
+                live = [live[n] for n in keep]
+            lengths = [host_positions[i] + j + 1 for i in live]
+            meta = one_token_metadata(tables, positions, lengths, self.block_size)
+            cos, sin = self.rotary(positions, self.dtype)
+            with forward_context(meta, self.backend):
+                feature = self.layer(self.embed(tokens), feature, cos, sin)
+            tokens = self.layer.draft_ids(feature)
+            steps.append((live, tokens))
+            positions = positions + 1
+        drafts: list[list[int]] = [[] for _ in rows]
+        for live_rows, ids in steps:
+            for i, token in zip(live_rows, ids.tolist(), strict=True):
+                drafts[i].append(token)
+        return drafts
+
+    def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
+        kept = self.features.get(request_id)
+        if kept is None or not 0 <= position - kept.first < kept.rows.shape[0]:
+            return None
+        return kept.rows[position - kept.first]
+
+    def _feature_before(self, row: DraftRow) -> torch.Tensor:
+        feature = self._kept_feature(row.request_id, row.position - 1)
+        if feature is None:
+            raise RuntimeError(
+                f"mtp: no target hidden state kept for request {row.request_id!r} at position "
+                f"{row.position - 1}"
+            )
+        return feature
+
+
+def load_mtp(
+    target: nn.Module,
+    config: ModelConfig,
+    model_dir: Path,
+    max_drafts: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> MtpProposer:
+    """The proposer of ``"method": "mtp"``: the MTP layer of the target's checkpoint
+    (``model_dir``), checked against the target."""
+    hf = read_json(model_dir / "config.json")
+    check_target(target, hf)
+    assert isinstance(target, DeepseekForCausalLM)  # check_target
+    layer, embed = load_mtp_layer(target, config, model_dir, device, dtype)
+    logger.info(
+        "mtp layer: model.layers.%d of the target's checkpoint%s",
+        config.num_layers,
+        "" if embed is target.model.embed_tokens else ", with its own embedding",
+    )
+    return MtpProposer(layer, embed, target.model.rotary_emb, max_drafts, device, dtype)
+
+
+@dataclass
+class Entries:
+    """A forward of the layer over entries: tokens and positions [N], features [N, H]."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    feature: torch.Tensor
+    meta: AttentionMetadata
+
+
+def one_token_metadata(
+    tables: torch.Tensor, positions: torch.Tensor, lengths: list[int], block_size: int
+) -> AttentionMetadata:
+    """One token per row at ``positions`` [b] (on the device), whose tables [b, W] cover
+    them; ``lengths`` the rows' entries with it, on the host."""
+    blocks = tables.gather(1, (positions // block_size)[:, None]).squeeze(1).long()  # [b]
+    rows = len(lengths)
+    return AttentionMetadata(
+        slot_mapping=blocks * block_size + positions % block_size,
+        query_start_loc=torch.arange(rows + 1, dtype=ID32, device=tables.device),
+        seq_lens=(positions + 1).to(ID32),
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=max(lengths),
+        query_start_loc_cpu=list(range(rows + 1)),
+        seq_lens_cpu=lengths,
+    )
+
+
+def on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device)
+
+
+def padded_block_tables(tables: list[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """[B, W] int32 on ``device``, padded with block 0 (never read: past each row's length)."""
+    width = max(len(t) for t in tables)
+    host = torch.zeros((len(tables), width), dtype=ID32)
+    for i, table in enumerate(tables):
+        host[i, : len(table)] = torch.as_tensor(table, dtype=ID32)
+    return host.to(device)
