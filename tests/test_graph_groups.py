@@ -153,3 +153,37 @@ def test_staged_graph_buffers_read_as_the_steps_metadata(case: str, seed: int) -
         scheduler.update_from_output(plan, ids)
     assert decodes > 20 and prefills > 15
     assert scheduler.counts().preemptions > 0  # pools too small for every request at once
+
+
+@pytest.mark.skipif(not STAGES_DECODES, reason="a Triton kernel: needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("key_dim", "value_dim"), [(8, 8), (24, 40)])
+def test_decode_step_in_place_matches_the_torch_step(key_dim: int, value_dim: int) -> None:
+    """The one-token delta rule the decode graphs replay (models/delta_rule_triton.py): three
+    rows, out of order, of a five-row step, their slots out of order too, against GatedDeltaNet's
+    torch step from copies of the same states: the same outputs on those rows, the same states in
+    their slots, every other slot untouched. Head dims that are no power of two and more value
+    columns than one block of the kernel (40 > 32) check its masks."""
+    from engine_core.models import model_config_from_hf
+    from engine_core.models.delta_rule_triton import decode_step_in_place
+    from engine_core.models.qwen3_next import GatedDeltaNet
+    from tests.test_models_qwen3_next import hf_dict
+
+    overrides = {"linear_key_head_dim": key_dim, "linear_value_head_dim": value_dim}
+    layer = GatedDeltaNet(model_config_from_hf(hf_dict(**overrides)))
+    la = layer.la
+    gen = torch.Generator().manual_seed(key_dim)
+    conv_shape, state_shape = layer.state_shapes(6)
+    states = torch.randn(state_shape, generator=gen)
+    mixed = torch.randn(5, la.conv_dim, generator=gen)
+    g = -torch.rand(5, la.num_value_heads, generator=gen)
+    beta = torch.rand(5, la.num_value_heads, generator=gen)
+    rows, slots = torch.tensor([4, 0, 2]), torch.tensor([5, 1, 3])
+    want_core = torch.zeros(5, la.num_value_heads, la.value_head_dim)
+    layer.bind_state(torch.zeros(conv_shape), want := states.clone())
+    layer.decode_torch(mixed, g, beta, StateRows(rows, slots, [], None), want_core)
+    got, got_core = states.clone(), torch.zeros_like(want_core)
+    decode_step_in_place(mixed, rows, slots, g, beta, got, got_core, la.num_key_heads)
+    torch.testing.assert_close(got_core, want_core, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[[0, 2, 4]], states[[0, 2, 4]])  # no row's slot
+    assert not torch.equal(got[[1, 3, 5]], states[[1, 3, 5]])

@@ -32,10 +32,10 @@ BLOCK = 64  # tokens per block of the chunked form (HF's and FLA's chunk size)
 
 
 class FlaKernels(NamedTuple):
-    """flash-linear-attention's gated delta rule: variable-length chunked, and fused recurrent."""
+    """flash-linear-attention's gated delta rule, variable-length chunked (the prompt chunks';
+    decodes take our own in-place step, models/delta_rule_triton.py)."""
 
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @functools.cache
@@ -45,7 +45,7 @@ def fla_kernels() -> FlaKernels | None:
         from fla.ops import gated_delta_rule as fla
     except ImportError:
         return None
-    return FlaKernels(fla.chunk_gated_delta_rule, fla.fused_recurrent_gated_delta_rule)
+    return FlaKernels(fla.chunk_gated_delta_rule)
 
 
 def recurrent_gated_delta_step(
