@@ -70,7 +70,8 @@ def decode_step_in_place(
     """One gated-delta-rule step for each of ``rows`` (see the module's docstring)."""
     num, (_, heads, dk, dv) = rows.shape[0], state.shape
     key_dim = num_key_heads * dk
-    if state.stride(3) != 1 or state.stride(2) != dv or mixed.stride(1) != 1 or out.stride(2) != 1:
+    inner = (state.stride(3), state.stride(2), mixed.stride(1), out.stride(2), g.stride(1))
+    if inner != (1, dv, 1, 1, 1) or beta.stride(1) != 1:
         raise ValueError("the delta rule's decode kernel needs contiguous states and inputs")
     block_v = min(triton.next_power_of_2(dv), 32)
     grid = (num, heads, triton.cdiv(dv, block_v))
