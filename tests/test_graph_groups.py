@@ -37,11 +37,12 @@ BLOCK = 4
 MAX_SEQS = 5
 MAX_TOKENS = 32
 MAX_MODEL_LEN = 96
-CPU = torch.device("cpu")
-# The decode staging kernel runs only on a GPU or under Triton's interpreter.
-STAGES_DECODES = (
-    os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The decode staging kernel runs only on a GPU or under Triton's interpreter (on the CPU).
+STAGES_DECODES = torch.cuda.is_available() or (
+    INTERPRET and importlib.util.find_spec("triton") is not None
 )
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
 
 # (windows, attention chunks, state slots, pool): a full group beside a window group (Gemma 3),
 # beside two chunked groups (Llama 4), and one full group beside state slots (Qwen3-Next).
@@ -55,7 +56,7 @@ CASES = {
 def buffers(groups: int, states: bool) -> GraphBuffers:
     """A graph's buffers as the runner allocates them, the padding state slot past the pool's."""
     return GraphBuffers.allocate(
-        MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK, 8, torch.float32, CPU,
+        MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK, 8, torch.float32, DEVICE,
         num_groups=groups, pad_state_slot=MAX_SEQS if states else None,
     )  # fmt: skip
 
@@ -64,7 +65,7 @@ def state_rows(plan: SchedulerOutput, packed: PackedInputs) -> StateRows:
     """The step's linear-attention rows, as the runner plans them (model_runner.py)."""
     slots = [s.state_slot for s in plan.scheduled]
     fresh = [s.start == 0 for s in plan.scheduled]
-    return StateRows.plan(slots, fresh, packed.meta.query_start_loc_cpu, CPU)
+    return StateRows.plan(slots, fresh, packed.meta.query_start_loc_cpu, DEVICE)
 
 
 def check_group(graph: AttentionMetadata, step: AttentionMetadata, n: int, rows: int) -> None:
@@ -93,7 +94,7 @@ def check_decode(buf: GraphBuffers, packed: PackedInputs, state: StateRows | Non
     assert (captured is None) == (state is None)
     if captured is not None and state is not None:
         assert captured.decode_slots is not None and state.decode_slots is not None
-        assert torch.equal(captured.decode_rows, torch.arange(batch))
+        assert captured.decode_rows.tolist() == list(range(batch))
         assert captured.decode_slots[:n].tolist() == state.decode_slots.tolist()
         assert captured.decode_slots[n:].tolist() == [buf.pad_state_slot] * (batch - n)
 
@@ -122,7 +123,7 @@ def test_staged_graph_buffers_read_as_the_steps_metadata(case: str, seed: int) -
         config, pool, MAX_MODEL_LEN, [0], kv_windows=windows, kv_attention_chunks=chunks,
         state_slots=slots,
     )  # fmt: skip
-    batch = InputBatch(CPU, BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK, windows, chunks)
+    batch = InputBatch(DEVICE, BLOCK, MAX_TOKENS, MAX_SEQS, MAX_MODEL_LEN // BLOCK, windows, chunks)
     buf = buffers(len(windows), bool(slots))
     assert buf.num_groups == len(windows)
     prev: list[Request] = []
@@ -148,14 +149,17 @@ def test_staged_graph_buffers_read_as_the_steps_metadata(case: str, seed: int) -
             check_prefill(buf, packed)
             prefills += 1
         ids = [rng.randrange(10, 100) for _ in packed.sampling_requests]
-        sampled = torch.tensor(ids, dtype=torch.int64) if ids else None
+        sampled = torch.tensor(ids, dtype=torch.int64, device=DEVICE) if ids else None
         prev = packed.sampling_requests
         scheduler.update_from_output(plan, ids)
     assert decodes > 20 and prefills > 15
     assert scheduler.counts().preemptions > 0  # pools too small for every request at once
 
 
-@pytest.mark.skipif(not STAGES_DECODES, reason="a Triton kernel: needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    not INTERPRET or importlib.util.find_spec("triton") is None,
+    reason="a Triton kernel on CPU tensors: TRITON_INTERPRET=1 (on CUDA: test_graph_groups_gpu.py)",
+)
 @pytest.mark.parametrize(("key_dim", "value_dim"), [(8, 8), (24, 40)])
 def test_decode_step_in_place_matches_the_torch_step(key_dim: int, value_dim: int) -> None:
     """The one-token delta rule the decode graphs replay (models/delta_rule_triton.py): three
