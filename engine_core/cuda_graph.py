@@ -29,6 +29,12 @@ other runs the eager sampler on the graph's logits. That is three launches and t
 step fewer on the host, which the GPU of a small model would otherwise wait for. Prefill graphs
 capture the forward only: the rows that sample change from step to step.
 
+A model with several KV layer groups (engine_core/kv_groups.py) has a static slot mapping and
+block tables per group, each staged like group 0's; a model with linear-attention layers
+(Qwen3-Next) has the state slot of each decode row, padding rows naming a slot no request holds
+(its prompt steps, which loop over sequences on the host, run eagerly; docs/design/
+kv-layer-groups.md, "CUDA graphs with groups and state slots").
+
 With LoRA every graph runs the LoRA kernels over a static tile table (docs/design/lora.md), and
 the decode graphs come twice: a decode step without adapter rows replays the copy captured
 without those kernels, so the base model's traffic on a LoRA engine pays nothing for them.

@@ -17,8 +17,10 @@ output times its sigmoid (``attention_output_gate``). What is its own, here:
   sigmoid(shared_expert_gate(x)).
 
 The delta rule runs as torch code (models/delta_rule.py): chunked for a prompt chunk, one
-recurrent step for decodes, the state carried from chunk to chunk through the slot; on CUDA,
-where flash-linear-attention is installed, its Triton kernels instead (``fla_kernels``). The math
+recurrent step for decodes, the state carried from chunk to chunk through the slot. On CUDA the
+decodes' step is our Triton kernel, in place on the slots (models/delta_rule_triton.py: what the
+decode graphs replay), and prompt chunks take flash-linear-attention's kernels where it is
+installed (``fla_kernels``). The math
 follows HF transformers' torch fallback (modeling_qwen3_next.py), the reference the tests hold it
 to. docs/design/kv-layer-groups.md says how the slots are owned, and why a prefix hit is a miss.
 """
