@@ -228,7 +228,13 @@ class GraphBuffers:
         lora_size = lora_tiles * (1 + TILE_ROWS)
         lora_table = torch.full((lora_size,), NO_SLOT, dtype=torch.int32, device=device)
         more = num_groups - 1
-        states = pad_state_slot is not None
+        group_slots = group_tables = state_slots = state_rows = None
+        if more:
+            group_slots = torch.full((more, max_tokens), -1, dtype=torch.int64, device=device)
+            group_tables = zeros(more, max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        if pad_state_slot is not None:
+            state_slots = torch.full((max_seqs,), pad_state_slot, dtype=torch.int64, device=device)
+            state_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
         return cls(
             input_ids=zeros(max_tokens),
             positions=zeros(max_tokens),
@@ -240,17 +246,11 @@ class GraphBuffers:
             prefill_tiles=torch.full((max_tiles, 2), NO_SEQUENCE, dtype=torch.int32, device=device),
             hidden=zeros(max_tokens, hidden_size, dtype=dtype),
             lora_table=lora_table if lora_tiles else None,
-            group_slot_mapping=torch.full((more, max_tokens), -1, dtype=torch.int64, device=device)
-            if more
-            else None,
-            group_block_tables=zeros(more, max_seqs, max_blocks_per_seq, dtype=torch.int32)
-            if more
-            else None,
-            state_slots=torch.full((max_seqs,), pad_state_slot, dtype=torch.int64, device=device)
-            if states
-            else None,
-            state_rows=torch.arange(max_seqs, dtype=torch.int64, device=device) if states else None,
-            pad_state_slot=pad_state_slot if states else -1,
+            group_slot_mapping=group_slots,
+            group_block_tables=group_tables,
+            state_slots=state_slots,
+            state_rows=state_rows,
+            pad_state_slot=-1 if pad_state_slot is None else pad_state_slot,
         )
 
     @property
@@ -274,6 +274,13 @@ class GraphBuffers:
                 )
             ),
         )
+
+    def group_buffers(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV group ``group``'s static slot mapping [N] and block tables [max_seqs, width]."""
+        if not group:
+            return self.slot_mapping, self.block_tables
+        assert self.group_slot_mapping is not None and self.group_block_tables is not None
+        return self.group_slot_mapping[group - 1], self.group_block_tables[group - 1]
 
     def decode_state(self, batch: int) -> StateRows | None:
         """What a decode graph of ``batch`` rows captures for linear attention: every row one
@@ -299,10 +306,7 @@ class GraphBuffers:
         for g, meta in enumerate(metas):
             # One launch a group: group 0's copies the ids, positions and seq_lens too, and the
             # later ones copy those again (the same values) beside their slots and tables.
-            slots, tables = self.slot_mapping, self.block_tables
-            if g:
-                assert self.group_slot_mapping is not None and self.group_block_tables is not None
-                slots, tables = self.group_slot_mapping[g - 1], self.group_block_tables[g - 1]
+            slots, tables = self.group_buffers(g)
             stage_decode_inputs(
                 (ids, positions, meta.slot_mapping, meta.seq_lens),
                 meta.block_tables,
@@ -334,10 +338,7 @@ class GraphBuffers:
         self.positions[:tokens].copy_(positions, non_blocking=True)
         self.seq_lens[:n].copy_(metas[0].seq_lens, non_blocking=True)
         for g, meta in enumerate(metas):
-            slots, tables = self.slot_mapping, self.block_tables
-            if g:
-                assert self.group_slot_mapping is not None and self.group_block_tables is not None
-                slots, tables = self.group_slot_mapping[g - 1], self.group_block_tables[g - 1]
+            slots, tables = self.group_buffers(g)
             slots[:tokens].copy_(meta.slot_mapping, non_blocking=True)
             if rows > tokens:
                 slots[tokens:rows].fill_(-1)

@@ -68,6 +68,11 @@ def state_rows(plan: SchedulerOutput, packed: PackedInputs) -> StateRows:
     return StateRows.plan(slots, fresh, packed.meta.query_start_loc_cpu, DEVICE)
 
 
+def every_group(buf: GraphBuffers, meta: AttentionMetadata) -> tuple[AttentionMetadata, ...]:
+    """What a graph captured with group 0's ``meta`` reads, group by group."""
+    return buf.group_metadata(meta) or (meta,)
+
+
 def check_group(graph: AttentionMetadata, step: AttentionMetadata, n: int, rows: int) -> None:
     """One group's graph metadata (over the buffers) reads as the step's: its slots, tables and
     context for the step's rows and sequences, no slot past them up to the graph's ``rows``."""
@@ -83,9 +88,8 @@ def check_decode(buf: GraphBuffers, packed: PackedInputs, state: StateRows | Non
     batch = next(size for size in graph_batch_sizes(MAX_SEQS) if size >= n)
     metas = packed.group_metadata or (packed.meta,)
     buf.stage_decode((packed.input_ids, packed.positions), metas, state, batch)
-    graph = buf.group_metadata(buf.decode_metadata(batch, MAX_MODEL_LEN))
-    for graph_meta, step_meta in zip(graph or (buf.decode_metadata(batch, MAX_MODEL_LEN),), metas,
-                                     strict=True):  # fmt: skip
+    graph = every_group(buf, buf.decode_metadata(batch, MAX_MODEL_LEN))
+    for graph_meta, step_meta in zip(graph, metas, strict=True):
         check_group(graph_meta, step_meta, n, batch)
         assert (graph_meta.seq_lens[n:batch] == 0).all()  # padding rows attend to nothing
     assert torch.equal(buf.input_ids[:n], packed.input_ids)
@@ -104,9 +108,8 @@ def check_prefill(buf: GraphBuffers, packed: PackedInputs) -> None:
     size = next(t for t in prefill_graph_sizes(MAX_TOKENS) if t >= tokens)
     metas = packed.group_metadata or (packed.meta,)
     buf.stage_common((packed.input_ids, packed.positions), metas, size)
-    graph = buf.group_metadata(buf.prefill_metadata(size, MAX_MODEL_LEN))
-    for graph_meta, step_meta in zip(graph or (buf.prefill_metadata(size, MAX_MODEL_LEN),), metas,
-                                     strict=True):  # fmt: skip
+    graph = every_group(buf, buf.prefill_metadata(size, MAX_MODEL_LEN))
+    for graph_meta, step_meta in zip(graph, metas, strict=True):
         check_group(graph_meta, step_meta, packed.meta.num_seqs, size)
     assert torch.equal(buf.input_ids[:tokens], packed.input_ids)
 
