@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -482,8 +482,7 @@ class CudaGraphRunner:
             if kind == "prefill":
                 self._capture_prefill(size)
                 continue
-            meta = self.buffers.decode_metadata(size, self.max_model_len)
-            state = self.buffers.decode_state(size)
+            meta, state = self._decode_graph_inputs(size)
             if kind == "decode":
                 self.graphs[size] = self._capture_one(size, meta, self.tail, state=state)
             else:
@@ -557,6 +556,19 @@ class CudaGraphRunner:
         meta = self.buffers.prefill_metadata(size, self.max_model_len)
         self.prefill_graphs[size] = self._capture_one(size, meta)
 
+    def _decode_graph_inputs(self, size: int) -> tuple[AttentionMetadata, StateRows | None]:
+        """What the decode graph of ``size`` rows reads: metadata over the buffers' first
+        ``size`` rows (every KV group's static slots and tables) and the linear-attention rows'
+        static slots."""
+        buf = self.buffers
+        return buf.decode_metadata(size, self.max_model_len), buf.decode_state(size)
+
+    def decode_forward(self, size: int, lora: bool = True) -> Callable[[], None]:
+        """The forward the decode graph of ``size`` rows captures, to run without capturing
+        (tests on the CPU)."""
+        meta, state = self._decode_graph_inputs(size)
+        return self._graph_forward(size, meta, self.tail, lora, state)
+
     def _capture_one(
         self,
         rows: int,
@@ -565,29 +577,45 @@ class CudaGraphRunner:
         lora: bool = True,
         state: StateRows | None = None,
     ) -> torch.cuda.CUDAGraph:
-        """The forward of ``rows`` rows; with ``lora`` (and LoRA slots) its LoRA kernels over the
-        static tile table, else the base model's alone. Every KV group reads its own static
-        slots and tables; linear-attention layers the static ``state`` rows."""
+        """A graph of ``_graph_forward``'s forward."""
+        return self._capture(self._graph_forward(rows, meta, tail, lora, state))
+
+    def _graph_forward(
+        self,
+        rows: int,
+        meta: AttentionMetadata,
+        tail: DecodeTail | None = None,
+        lora: bool = True,
+        state: StateRows | None = None,
+    ) -> Callable[[], None]:
+        """The forward of ``rows`` rows over the buffers, what a graph captures; with ``lora``
+        (and LoRA slots) its LoRA kernels over the static tile table, else the base model's
+        alone. Every KV group reads its own static slots and tables; linear-attention layers
+        the static ``state`` rows."""
         from engine_core.models import skinny_gemm  # imports triton: CUDA only
 
         buf = self.buffers
         static_lora = self._static_lora(rows) if lora else None
+        groups = buf.group_metadata(meta)
 
         def forward() -> None:
-            buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
-            if tail is not None:
-                tail.run(buf.hidden[:rows])
+            context = forward_context(meta, self.backend, static_lora, groups, state)
+            with context, skinny_gemm.for_graphs():
+                buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
+                if tail is not None:
+                    tail.run(buf.hidden[:rows])
 
-        groups = buf.group_metadata(meta)
-        context = forward_context(meta, self.backend, static_lora, groups, state)
-        with context, skinny_gemm.for_graphs():
-            # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
-            # neither of which may happen during capture. Padding inputs write and read nothing.
+        return forward
+
+    def _capture(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """A graph of ``forward`` (``_graph_forward``), in the runner's memory pool."""
+        # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
+        # neither of which may happen during capture. Padding inputs write and read nothing.
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
             forward()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                forward()
         if self.pool is None:
             self.pool = graph.pool()
         return graph

@@ -4,7 +4,10 @@ is staged into them, must read as the step's own metadata reads. Driven by the r
 (windows, chunks, state slots, preemptions) and the real input batch; every decode step staged
 into a decode graph's buffers and every other step into a prefill graph's, each group's static
 slots and tables (as the captured metadata views them) compared with the packed step's, and
-the padding rows inert: no KV slot in any group, no context, the padding state slot.
+the padding rows inert: no KV slot in any group, no context, the padding state slot. And a
+decode graph's forward run without capture (CudaGraphRunner.run with each graph's ``replay``
+the forward it would capture, on the Triton backend) through tiny Gemma 3, Llama 4 and
+Qwen3-Next engines: every decode step's hidden rows and caches those of the eager step.
 
 The decode staging is a Triton kernel: on the CPU it runs under Triton's interpreter::
 
@@ -20,6 +23,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,9 +35,13 @@ from engine_core.config import EngineConfig
 from engine_core.cuda_graph import GraphBuffers, graph_batch_sizes, prefill_graph_sizes
 from engine_core.forward_context import StateRows
 from engine_core.input_batch import InputBatch, PackedInputs
+from engine_core.model_runner import ModelInputs, ModelRunner
 from engine_core.request import Request, SchedulerOutput
 from engine_core.scheduler import Scheduler
 from protocol.messages import SamplingParams
+from tests.test_kv_groups_engine import gemma  # noqa: F401  (fixtures)
+from tests.test_models_llama4 import llama4  # noqa: F401
+from tests.test_models_qwen3_next import qwen3_next  # noqa: F401
 
 BLOCK = 4
 MAX_SEQS = 5
@@ -42,6 +52,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 STAGES_DECODES = torch.cuda.is_available() or (
     INTERPRET and importlib.util.find_spec("triton") is not None
 )
+CPU = torch.device("cpu")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
 
 # (windows, attention chunks, state slots, pool): a full group beside a window group (Gemma 3),
@@ -194,3 +205,140 @@ def test_decode_step_in_place_matches_the_torch_step(key_dim: int, value_dim: in
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[[0, 2, 4]], states[[0, 2, 4]])  # no row's slot
     assert not torch.equal(got[[1, 3, 5]], states[[1, 3, 5]])
+
+
+# ------------------------------------------------- a decode graph's forward, run without capture
+
+
+class EagerReplay:
+    """Stands in for a captured graph on the CPU: ``replay`` runs the forward it would have
+    captured (CudaGraphRunner.decode_forward), over the same static buffers."""
+
+    def __init__(self, forward: Callable[[], None]) -> None:
+        self.replay = forward
+
+
+def with_padding_state_slot(runner: ModelRunner) -> int | None:
+    """Give the linear-attention layers one more state slot than the block manager hands out,
+    as the runner does where graphs replay (its padding rows'); None for a model without."""
+    if not runner.num_state_slots:
+        return None
+    tensors = []
+    for layer in runner.model.linear_attention_layers():
+        own = [torch.zeros(shape) for shape in layer.state_shapes(runner.num_state_slots + 1)]
+        layer.bind_state(*own)
+        tensors += own
+    runner.state_cache = tensors
+    return runner.num_state_slots
+
+
+def caches(runner: ModelRunner) -> list[torch.Tensor]:
+    kv = runner.kv_cache if isinstance(runner.kv_cache, list) else [runner.kv_cache]
+    return [*kv, *runner.state_cache]
+
+
+def check_decodes_through_graph_forward(
+    runner: ModelRunner, pad: int | None
+) -> list[tuple[int, bool]]:
+    """Run every decode step of the engine twice, from the same caches: eagerly (its own
+    backend) and as CudaGraphRunner.run would replay it (staging, then the captured forward
+    over the static buffers on the Triton backend, interpreted), and require the same hidden
+    rows and the same caches after (the padding slot aside); the engine goes on from the eager
+    step's. Returns each checked step's rows and whether one of them was fresh (a one-token
+    prompt: its slot zeroed before the replay)."""
+    from engine_core.attention.triton_backend import TritonBackend
+    from engine_core.cuda_graph import CudaGraphRunner
+
+    graphs = CudaGraphRunner(
+        runner.model, TritonBackend(), max_num_seqs=MAX_SEQS, max_model_len=runner.max_model_len,
+        block_size=runner.block_size, hidden_size=runner.model_config.hidden_size,
+        dtype=torch.float32, device=CPU, num_kv_groups=len(runner.kv_layout.groups),
+        state_tensors=runner.state_cache, pad_state_slot=pad,
+    )  # fmt: skip
+    graphs.graphs = {size: EagerReplay(graphs.decode_forward(size)) for size in graphs.batch_sizes}
+    eager, checked = runner._forward, []
+
+    def both(inputs: ModelInputs) -> torch.Tensor:
+        if not inputs.meta.is_decode_only:
+            return eager(inputs)
+        before = [t.clone() for t in caches(runner)]
+        want = eager(inputs).clone()
+        after = [t.clone() for t in caches(runner)]
+        for t, saved in zip(caches(runner), before, strict=True):
+            t.copy_(saved)
+        got = graphs.run(
+            inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from, None,
+            inputs.group_metadata, inputs.state,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for t, saved in zip(caches(runner), after, strict=True):
+            real = slice(None, pad) if t.shape[0] == (pad or 0) + 1 else slice(None)
+            torch.testing.assert_close(t[real], saved[real], atol=1e-5, rtol=1e-5)
+            t.copy_(saved)
+        fresh = inputs.state is not None and inputs.state.fresh_slots is not None
+        checked.append((inputs.meta.num_seqs, fresh))
+        return want
+
+    runner._forward = both  # type: ignore[method-assign]
+    return checked
+
+
+# A model, its engine's sizes, six prompts' lengths and the tokens each generates (chosen so
+# that a padded decode step follows a larger one, and the last prompt enters a decode step).
+Case = tuple[Path, dict[str, Any], list[int], tuple[int, ...]]
+
+
+def gemma_case(request: pytest.FixtureRequest) -> Case:
+    folder, _ = request.getfixturevalue("gemma")
+    config = {"block_size": 16, "num_kv_blocks": 100, "max_model_len": 256}
+    return folder, config, [90, 70, 75, 20, 30, 1], (12, 6, 9, 9, 3, 5)  # past the window
+
+
+def llama4_case(request: pytest.FixtureRequest) -> Case:
+    folder, _ = request.getfixturevalue("llama4")
+    config = {"block_size": 4, "num_kv_blocks": 200, "max_model_len": 128}
+    # Decodes cross chunk edges (chunks of 16).
+    return folder, config, [30, 37, 44, 20, 25, 1], (12, 6, 9, 9, 3, 5)
+
+
+def qwen3_next_case(request: pytest.FixtureRequest) -> Case:
+    folder, _ = request.getfixturevalue("qwen3_next")
+    config = {"block_size": 16, "num_kv_blocks": 40, "max_model_len": 256}
+    return folder, config, [40, 33, 23, 20, 30, 1], (12, 3, 9, 9, 6, 4)
+
+
+@pytest.mark.skipif(not (INTERPRET and STAGES_DECODES), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", [gemma_case, llama4_case, qwen3_next_case])
+def test_a_decode_graphs_forward_computes_the_eager_step(
+    case: Callable[[pytest.FixtureRequest], Case],
+    request: pytest.FixtureRequest,
+) -> None:
+    """Six prompts on a five-row cap, finishing at different steps: decode steps of five rows,
+    then fewer, three of them replaying the four-row graph (a padding row, whose static slot
+    last named a finished request's); the sixth, one token long, waits for a row and enters
+    as a fresh decode-shaped row (its state slot zeroed before the replay). Each step's hidden
+    rows and every cache after it (each group's K/V, each state slot) equal the eager step's,
+    so the padding row wrote nothing but its padding slot; Gemma 3's window group, Llama 4's
+    chunked groups and Qwen3-Next's state slots each read through their static buffers."""
+    from engine_core.llm import LLM
+
+    folder, config, lengths, new_tokens = case(request)
+    llm = LLM(
+        str(folder), device="cpu", dtype="float32", max_num_seqs=MAX_SEQS,
+        max_num_batched_tokens=64, enable_prefix_caching=False, **config,
+    )  # fmt: skip
+    try:
+        runner = llm.engine.runner
+        checked = check_decodes_through_graph_forward(runner, with_padding_state_slot(runner))
+        prompts = [[(7 * n + 3 * i) % 300 + 10 for i in range(n)] for n in lengths]
+        params = [
+            SamplingParams(max_tokens=count, temperature=0, ignore_eos=True) for count in new_tokens
+        ]
+        llm.generate(prompts, params, detokenize=False)
+    finally:
+        llm.engine.shutdown()
+    rows = [n for n, _ in checked]
+    # A padded step (3 rows in the 4-row graph) after a larger one: its padding row's static
+    # slots last held a live row's.
+    assert any(n == 3 and max(rows[:i], default=0) > 3 for i, n in enumerate(rows)), str(rows)
+    assert any(fresh for _, fresh in checked) == (runner.num_state_slots > 0), str(checked)
