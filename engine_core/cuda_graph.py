@@ -35,6 +35,12 @@ step fewer on the host, which the GPU of a small model would otherwise wait for.
 capture the forward only: the rows that sample change from step to step. So do verify graphs
 (every row's logits are wanted there; a tail for them is not built).
 
+A model with several KV layer groups (engine_core/kv_groups.py) has a static slot mapping and
+block tables per group, each staged like group 0's; a model with linear-attention layers
+(Qwen3-Next) has the state slot of each decode row, padding rows naming a slot no request holds
+(its prompt steps, which loop over sequences on the host, run eagerly; docs/design/
+kv-layer-groups.md, "CUDA graphs with groups and state slots").
+
 With LoRA every graph runs the LoRA kernels over a static tile table (docs/design/lora.md), and
 the decode graphs come twice: a decode step without adapter rows replays the copy captured
 without those kernels, so the base model's traffic on a LoRA engine pays nothing for them.
@@ -42,8 +48,10 @@ without those kernels, so the base model's traffic on a LoRA engine pays nothing
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +65,7 @@ from engine_core.attention.prefill_tiles import (
     device_tiles,
     prefill_block_m,
 )
-from engine_core.forward_context import forward_context
+from engine_core.forward_context import StateRows, forward_context
 from engine_core.lora.batch import NO_SLOT, TILE_ROWS, LoraBatch, tile_capacity, tiles_of
 
 logger = logging.getLogger(__name__)
@@ -213,6 +221,17 @@ class GraphBuffers:
     # With LoRA: the LoRA kernels' tile table (lora/batch.py) for N rows, NO_SLOT in every
     # tile's slot where a step has no adapter rows; each replay writes its step's. None: no LoRA.
     lora_table: torch.Tensor | None = None
+    # KV layer groups 1.. (engine_core/kv_groups.py; none with one group): each its own slot
+    # mapping and block tables, beside group 0's above. [G-1, N] int64 (-1 on padding rows)
+    # and [G-1, max_seqs, max_blocks_per_seq] int32.
+    group_slot_mapping: torch.Tensor | None = None
+    group_block_tables: torch.Tensor | None = None
+    # Linear-attention layers (Qwen3-Next): the state slot of each decode row, [max_seqs]
+    # int64, and the rows themselves (0, 1, ...: one token a sequence); None: no such layers.
+    # Padding rows name ``pad_state_slot``, a slot no request holds: their updates land there.
+    state_slots: torch.Tensor | None = None
+    state_rows: torch.Tensor | None = None
+    pad_state_slot: int = -1
 
     @classmethod
     def allocate(
@@ -225,13 +244,25 @@ class GraphBuffers:
         device: torch.device,
         max_tiles: int = 0,
         lora_tiles: int = 0,
+        num_groups: int = 1,
+        pad_state_slot: int | None = None,
     ) -> GraphBuffers:
+        """``num_groups``: the model's KV layer groups; ``pad_state_slot``: the state slot that
+        padding rows update (None: the model has no linear-attention layers)."""
+
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         lora_size = lora_tiles * (1 + TILE_ROWS)
         lora_table = torch.full((lora_size,), NO_SLOT, dtype=torch.int32, device=device)
-
+        more = num_groups - 1
+        group_slots = group_tables = state_slots = state_rows = None
+        if more:
+            group_slots = torch.full((more, max_tokens), -1, dtype=torch.int64, device=device)
+            group_tables = zeros(more, max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        if pad_state_slot is not None:
+            state_slots = torch.full((max_seqs,), pad_state_slot, dtype=torch.int64, device=device)
+            state_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
         return cls(
             input_ids=zeros(max_tokens),
             positions=zeros(max_tokens),
@@ -243,7 +274,104 @@ class GraphBuffers:
             prefill_tiles=torch.full((max_tiles, 2), NO_SEQUENCE, dtype=torch.int32, device=device),
             hidden=zeros(max_tokens, hidden_size, dtype=dtype),
             lora_table=lora_table if lora_tiles else None,
+            group_slot_mapping=group_slots,
+            group_block_tables=group_tables,
+            state_slots=state_slots,
+            state_rows=state_rows,
+            pad_state_slot=-1 if pad_state_slot is None else pad_state_slot,
         )
+
+    @property
+    def num_groups(self) -> int:
+        tables = self.group_block_tables
+        return 1 + (0 if tables is None else tables.shape[0])
+
+    def group_metadata(self, meta: AttentionMetadata) -> tuple[AttentionMetadata, ...]:
+        """Every group's metadata of a graph whose group 0 reads ``meta`` (metadata over these
+        buffers): ``meta`` first, then groups 1.. over their own slots and tables, as many rows
+        and sequences; empty with one group (the forward context's convention)."""
+        if self.group_slot_mapping is None or self.group_block_tables is None:
+            return ()
+        rows, seqs = meta.slot_mapping.shape[0], meta.block_tables.shape[0]
+        return (
+            meta,
+            *(
+                dataclasses.replace(meta, slot_mapping=slots[:rows], block_tables=tables[:seqs])
+                for slots, tables in zip(
+                    self.group_slot_mapping, self.group_block_tables, strict=True
+                )
+            ),
+        )
+
+    def group_buffers(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV group ``group``'s static slot mapping [N] and block tables [max_seqs, width]."""
+        if not group:
+            return self.slot_mapping, self.block_tables
+        assert self.group_slot_mapping is not None and self.group_block_tables is not None
+        return self.group_slot_mapping[group - 1], self.group_block_tables[group - 1]
+
+    def decode_state(self, batch: int) -> StateRows | None:
+        """What a decode graph of ``batch`` rows captures for linear attention: every row one
+        token of its own sequence, reading and writing the slot the buffers name (no chunk, and
+        no slot to zero: a replay zeroes a fresh row's slot before it, ``stage_decode``)."""
+        if self.state_slots is None or self.state_rows is None:
+            return None
+        return StateRows(self.state_rows[:batch], self.state_slots[:batch], [], None)
+
+    def stage_decode(
+        self,
+        step: tuple[torch.Tensor, torch.Tensor],  # the step's input ids and positions [n]
+        metas: Sequence[AttentionMetadata],  # every group's (group 0's alone with one group)
+        state: StateRows | None,
+        batch: int,  # the graph's rows: rows n.. are padding
+    ) -> None:
+        """A decode step's inputs into the buffers of a ``batch``-row graph, the padding rows
+        inert: no KV slot in any group, no context, and the padding state slot."""
+        from engine_core.models.triton_ops import stage_decode_inputs  # imports triton
+
+        ids, positions = step
+        staged = (self.input_ids, self.positions)
+        for g, meta in enumerate(metas):
+            # One launch a group: group 0's copies the ids, positions and seq_lens too, and the
+            # later ones copy those again (the same values) beside their slots and tables.
+            slots, tables = self.group_buffers(g)
+            stage_decode_inputs(
+                (ids, positions, meta.slot_mapping, meta.seq_lens),
+                meta.block_tables,
+                (*staged, slots, self.seq_lens),
+                tables,
+                batch,
+            )
+        if state is not None:
+            self.stage_state(state, len(metas[0].seq_lens_cpu), batch)
+
+    def stage_state(self, state: StateRows, n: int, batch: int) -> None:
+        """A decode step's state slots into the buffers (rows n.. the padding slot)."""
+        assert self.state_slots is not None and state.decode_slots is not None
+        self.state_slots[:n].copy_(state.decode_slots, non_blocking=True)
+        if batch > n:
+            self.state_slots[n:batch].fill_(self.pad_state_slot)
+
+    def stage_common(
+        self,
+        step: tuple[torch.Tensor, torch.Tensor],  # the step's input ids and positions [T]
+        metas: Sequence[AttentionMetadata],  # every group's (group 0's alone with one group)
+        rows: int,  # the graph's rows: rows T.. are padding
+    ) -> None:
+        """A prefill step's tokens and sequences into the buffers: every group's slots and
+        tables, no KV slot on the padding rows."""
+        ids, positions = step
+        tokens, n = ids.shape[0], len(metas[0].seq_lens_cpu)
+        self.input_ids[:tokens].copy_(ids, non_blocking=True)
+        self.positions[:tokens].copy_(positions, non_blocking=True)
+        self.seq_lens[:n].copy_(metas[0].seq_lens, non_blocking=True)
+        for g, meta in enumerate(metas):
+            slots, tables = self.group_buffers(g)
+            slots[:tokens].copy_(meta.slot_mapping, non_blocking=True)
+            if rows > tokens:
+                slots[tokens:rows].fill_(-1)
+            width = meta.block_tables.shape[1]
+            tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
 
     def decode_metadata(self, batch: int, max_model_len: int) -> AttentionMetadata:
         """Decode metadata over the first ``batch`` rows of the buffers.
@@ -320,8 +448,15 @@ class CudaGraphRunner:
         vocab_size: int = 0,
         lora_slots: int = 0,
         verify_queries: int = 0,
+        num_kv_groups: int = 1,
+        state_tensors: Sequence[torch.Tensor] = (),
+        pad_state_slot: int | None = None,
     ) -> None:
-        """``vocab_size``: the model's vocabulary, for the decode graphs' argmax; with the
+        """``num_kv_groups``: the model's KV layer groups, each its own static slots and
+        tables. ``state_tensors``: every linear-attention layer's state tensors [slots, ...]
+        (empty: none), the slot ``pad_state_slot`` one no request holds (decode graphs only:
+        such a model's prompt steps loop over their chunks on the host).
+        ``vocab_size``: the model's vocabulary, for the decode graphs' argmax; with the
         model's ``plain_logits_weight`` they capture the logits (0 or no such weight: not).
         ``lora_slots``: the model's LoRA slots (0: no LoRA); every graph then runs the LoRA
         kernels over the static tile table, which each replay fills with its step's rows, and
@@ -360,7 +495,10 @@ class CudaGraphRunner:
             device,
             max_tiles=prefill_graph_shape(top, self.max_batch)[1] if top else 0,
             lora_tiles=self.lora_tiles,
+            num_groups=num_kv_groups,
+            pad_state_slot=pad_state_slot,
         )
+        self.state_tensors = tuple(state_tensors)
         weight = model.plain_logits_weight()  # see engine_core/models/__init__.py
         self.tail: DecodeTail | None = None
         if weight is not None and vocab_size > 0:
@@ -407,11 +545,13 @@ class CudaGraphRunner:
             if kind == "verify":
                 self._capture_verify(size)
                 continue
-            meta = self.buffers.decode_metadata(size, self.max_model_len)
+            meta, state = self._decode_graph_inputs(size)
             if kind == "decode":
-                self.graphs[size] = self._capture_one(size, meta, self.tail)
+                self.graphs[size] = self._capture_one(size, meta, self.tail, state=state)
             else:
-                self.base_graphs[size] = self._capture_one(size, meta, self.tail, lora=False)
+                self.base_graphs[size] = self._capture_one(
+                    size, meta, self.tail, lora=False, state=state
+                )
         torch.cuda.synchronize()
         self._extend_prefill_if_host_bound()
         elapsed = time.perf_counter() - start
@@ -470,7 +610,8 @@ class CudaGraphRunner:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(3):
             torch.cuda.synchronize()
-            with forward_context(meta, self.backend, self._static_lora(size)):
+            groups = buf.group_metadata(meta)
+            with forward_context(meta, self.backend, self._static_lora(size), groups):
                 started = time.perf_counter()
                 self.model(buf.input_ids[:size], buf.positions[:size])
                 host.append(time.perf_counter() - started)
@@ -499,29 +640,66 @@ class CudaGraphRunner:
                 "the graph would keep from its capture (verify_graph_queries must refuse it)"
             )
 
+    def _decode_graph_inputs(self, size: int) -> tuple[AttentionMetadata, StateRows | None]:
+        """What the decode graph of ``size`` rows reads: metadata over the buffers' first
+        ``size`` rows (every KV group's static slots and tables) and the linear-attention rows'
+        static slots."""
+        buf = self.buffers
+        return buf.decode_metadata(size, self.max_model_len), buf.decode_state(size)
+
+    def decode_forward(self, size: int, lora: bool = True) -> Callable[[], None]:
+        """The forward the decode graph of ``size`` rows captures, to run without capturing
+        (tests on the CPU)."""
+        meta, state = self._decode_graph_inputs(size)
+        return self._graph_forward(size, meta, self.tail, lora, state)
+
     def _capture_one(
-        self, rows: int, meta: AttentionMetadata, tail: DecodeTail | None = None, lora: bool = True
+        self,
+        rows: int,
+        meta: AttentionMetadata,
+        tail: DecodeTail | None = None,
+        lora: bool = True,
+        state: StateRows | None = None,
     ) -> torch.cuda.CUDAGraph:
-        """The forward of ``rows`` rows; with ``lora`` (and LoRA slots) its LoRA kernels over the
-        static tile table, else the base model's alone."""
+        """A graph of ``_graph_forward``'s forward."""
+        return self._capture(self._graph_forward(rows, meta, tail, lora, state))
+
+    def _graph_forward(
+        self,
+        rows: int,
+        meta: AttentionMetadata,
+        tail: DecodeTail | None = None,
+        lora: bool = True,
+        state: StateRows | None = None,
+    ) -> Callable[[], None]:
+        """The forward of ``rows`` rows over the buffers, what a graph captures; with ``lora``
+        (and LoRA slots) its LoRA kernels over the static tile table, else the base model's
+        alone. Every KV group reads its own static slots and tables; linear-attention layers
+        the static ``state`` rows."""
         from engine_core.models import skinny_gemm  # imports triton: CUDA only
 
         buf = self.buffers
         static_lora = self._static_lora(rows) if lora else None
+        groups = buf.group_metadata(meta)
 
         def forward() -> None:
-            buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
-            if tail is not None:
-                tail.run(buf.hidden[:rows])
+            context = forward_context(meta, self.backend, static_lora, groups, state)
+            with context, skinny_gemm.for_graphs():
+                buf.hidden[:rows] = self.model(buf.input_ids[:rows], buf.positions[:rows])
+                if tail is not None:
+                    tail.run(buf.hidden[:rows])
 
-        with forward_context(meta, self.backend, static_lora), skinny_gemm.for_graphs():
-            # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
-            # neither of which may happen during capture. Padding inputs write and read nothing.
+        return forward
+
+    def _capture(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """A graph of ``forward`` (``_graph_forward``), in the runner's memory pool."""
+        # One eager run first: compiles the Triton kernels and lets cuBLAS pick its kernels,
+        # neither of which may happen during capture. Padding inputs write and read nothing.
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
             forward()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                forward()
         if self.pool is None:
             self.pool = graph.pool()
         return graph
@@ -580,19 +758,26 @@ class CudaGraphRunner:
         meta: AttentionMetadata,  # a step ``can_run`` accepted
         ids_from: torch.Tensor | None = None,  # [T]: the input ids, where input_ids lacks them
         lora: LoraBatch | None = None,  # the step's LoRA rows, laid out for ``lora_tiles``
+        group_metadata: Sequence[AttentionMetadata] = (),  # every KV group's; () with one
+        state: StateRows | None = None,  # the linear-attention rows; None: no such layers
     ) -> torch.Tensor:  # [T, hidden], a view of the static output (valid until the next run)
         """Copy a step into the static buffers, pad, replay its graph, return the real rows."""
         self._tail_rows = 0
         base_graph = lora is None and meta.is_decode_only and bool(self.base_graphs)
         self._stage_lora(lora, base_graph)
+        metas = tuple(group_metadata) or (meta,)
+        if len(metas) != self.buffers.num_groups:
+            raise RuntimeError(
+                f"a step of {len(metas)} KV groups for graphs of {self.buffers.num_groups}"
+            )
         if meta.is_decode_only:
             graphs = self.base_graphs if base_graph else self.graphs
-            return self._run_decode(input_ids, positions, meta, ids_from, graphs)
+            return self._run_decode(input_ids, positions, metas, ids_from, graphs, state)
         if ids_from is not None:
             input_ids.copy_(ids_from)
         if self._fits_verify(meta):
-            return self._run_verify(input_ids, positions, meta)
-        return self._run_prefill(input_ids, positions, meta)
+            return self._run_verify(input_ids, positions, metas)
+        return self._run_prefill(input_ids, positions, metas)
 
     def _fits_verify(self, meta: AttentionMetadata) -> bool:
         """A verify step of the captured K + 1 tokens a sequence, within the largest batch."""
@@ -603,55 +788,41 @@ class CudaGraphRunner:
         )
 
     def _run_verify(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        n, queries = meta.num_seqs, self.verify_queries
+        n, queries = metas[0].num_seqs, self.verify_queries
         batch = self._bucket[n]
-        self._copy_common(input_ids, positions, meta, batch * queries)
+        self.buffers.stage_common((input_ids, positions), metas, batch * queries)
         # Padding sequences: no context, so the kernel reads nothing of them and writes zeros.
         self.buffers.seq_lens[n:batch].zero_()
         self.verify_graphs[batch].replay()
         self.verify_replays += 1
         return self.buffers.hidden[: n * queries]
 
-    def _copy_common(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: int
-    ) -> None:
-        """The step's tokens and sequences into the buffers; rows up to ``rows`` are padding."""
-        n, tokens = meta.num_seqs, input_ids.shape[0]
-        buf = self.buffers
-        buf.input_ids[:tokens].copy_(input_ids, non_blocking=True)
-        buf.positions[:tokens].copy_(positions, non_blocking=True)
-        buf.slot_mapping[:tokens].copy_(meta.slot_mapping, non_blocking=True)
-        if rows > tokens:
-            buf.slot_mapping[tokens:rows].fill_(-1)
-        buf.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_tables.shape[1]
-        buf.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-
     def _run_decode(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        metas: tuple[AttentionMetadata, ...],
         ids_from: torch.Tensor | None,
         graphs: dict[int, torch.cuda.CUDAGraph],
+        state: StateRows | None,
     ) -> torch.Tensor:
-        from engine_core.models.triton_ops import stage_decode_inputs  # imports triton
-
-        n = meta.num_seqs
+        n = metas[0].num_seqs
         batch = self._bucket[n]
-        buf = self.buffers
-        # One launch for the copies and padding fills of _copy_common (five to seven), and the
-        # ids from where they are when input_ids lacks them (the previous step's sampled ids).
-        stage_decode_inputs(
-            (input_ids if ids_from is None else ids_from, positions, meta.slot_mapping,
-             meta.seq_lens),
-            meta.block_tables,
-            (buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens),
-            buf.block_tables,
-            batch,
-        )  # fmt: skip
+        if (state is None) != (self.buffers.state_slots is None):
+            raise RuntimeError("a step's linear-attention rows do not match the graphs' buffers")
+        if state is not None:
+            # A fresh row (a one-token prompt) starts from a zero state; the graph reads its slot
+            # as it is, so it is zeroed here (the eager layer zeroes it at its start).
+            state.zero_fresh(*self.state_tensors)
+        # One launch per KV group for the copies and the padding's fills, the ids from where
+        # they are when input_ids lacks them (the previous step's sampled ids).
+        ids = input_ids if ids_from is None else ids_from
+        self.buffers.stage_decode((ids, positions), metas, state, batch)
         graphs[batch].replay()
         if self.tail is not None:
             self._tail_rows = n
@@ -669,12 +840,16 @@ class CudaGraphRunner:
         return self.tail.logits[:rows], self.tail.argmax[:rows]
 
     def _run_prefill(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metas: tuple[AttentionMetadata, ...],
     ) -> torch.Tensor:
+        meta = metas[0]
         n, tokens = meta.num_seqs, input_ids.shape[0]
         size = next(t for t in self.prefill_sizes if t >= tokens)
         buf = self.buffers
-        self._copy_common(input_ids, positions, meta, size)
+        buf.stage_common((input_ids, positions), metas, size)
         seqs, rows = prefill_graph_shape(size, self.max_batch)  # as the graph was captured
         # Padding sequences: no query rows and no context (no tile names them anyway).
         buf.seq_lens[n:seqs].zero_()

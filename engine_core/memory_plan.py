@@ -22,7 +22,8 @@ The need, per tensor-parallel rank:
   sequence needs what every group holds at its peak: all its blocks in a full group, the
   window's and a chunk's in a window group (and the null block). A model with linear-attention
   layers (Qwen3-Next) also holds one state slot per running sequence (``--max-num-seqs`` of
-  them, ``state_slot_bytes`` each), taken from the same budget and counted here;
+  them, ``state_slot_bytes`` each; on CUDA one more, the decode graphs' padding rows'), taken
+  from the same budget and counted here;
 - on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
   slack (the KV sizing keeps the same headroom);
 - the host KV tier, ``--kv-offload-gb``: host memory, so on the CPU part of the same budget, and
@@ -223,9 +224,11 @@ def plan_memory(
         config.max_num_batched_tokens,
         layout,
     )
-    # Linear-attention state slots, one per running sequence, beside the blocks (the runner
-    # takes them out of the same budget).
-    states = config.max_num_seqs * state_slot_bytes(model_config, dtype)
+    # Linear-attention state slots, one per running sequence and on CUDA the graphs' padding
+    # slot (at most: eager engines allocate none), beside the blocks (the runner takes them out
+    # of the same budget).
+    slots = config.max_num_seqs + (device.type == "cuda")
+    states = slots * state_slot_bytes(model_config, dtype)
     least += states
     kv, source = least, f"one sequence of {max_model_len} tokens"
     if config.num_kv_blocks:

@@ -291,6 +291,9 @@ class ModelRunner:
         self.kv_layout = stage_kv_layout(self.model_config, self.stage_layers)
         # Linear-attention layers: one state slot per running request (block_manager.py).
         self.num_state_slots = config.max_num_seqs if self.kv_layout.state_layers else 0
+        # One more slot where decode graphs may replay: their padding rows' (no request holds it).
+        graphs = build_target(config, self.device, self.dtype).cuda_graphs
+        self.pad_state_slot = self.num_state_slots if self.num_state_slots and graphs else None
         self._check_state_kind()
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_cache = self._allocate_kv_cache()
@@ -463,6 +466,11 @@ class ModelRunner:
                 "a state saved at each cached block's end, which is not kept"
             )
 
+    @property
+    def _state_tensor_slots(self) -> int:
+        """The slots the state tensors hold: the block manager's and the graphs' padding one."""
+        return self.num_state_slots + (self.pad_state_slot is not None)
+
     def _allocate_state_slots(self) -> list[torch.Tensor]:
         """The linear-attention layers' state slots, in the model's dtype: per layer, each
         slot's convolution inputs and recurrent state (models/qwen3_next.py)."""
@@ -470,7 +478,7 @@ class ModelRunner:
             return []
         tensors = []
         for layer in self.model.linear_attention_layers():
-            shapes = layer.state_shapes(self.num_state_slots)
+            shapes = layer.state_shapes(self._state_tensor_slots)
             own = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
             layer.bind_state(*own)
             tensors += own
@@ -483,7 +491,7 @@ class ModelRunner:
 
     def _kv_blocks_that_fit(self) -> int:
         # The state slots come out of the same budget as the blocks (memory_plan.py).
-        states = self.num_state_slots * state_slot_bytes(self.model_config, self.dtype)
+        states = self._state_tensor_slots * state_slot_bytes(self.model_config, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -735,11 +743,6 @@ class ModelRunner:
             # experts yet): every step runs eagerly.
             logger.warning("%s runs without CUDA graphs for now", type(self.model).__name__)
             return None
-        if len(self.kv_layout.groups) > 1:
-            # The graphs' static buffers hold one block table and slot mapping per row; a
-            # table per layer group is not captured yet.
-            logger.warning("%d KV layer groups: running eagerly", len(self.kv_layout.groups))
-            return None
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.warning("the attention backend reads host values; running decode eagerly")
             return None
@@ -761,7 +764,8 @@ class ModelRunner:
         verify_queries = verify_graph_queries(self.model, self.backend, drafts) if drafts else 0
         if not all(getattr(module, "prompt_graphs_safe", True) for module in self.model.modules()):
             # DeepSeek's latent attention: its decode steps read no host value, its prompt
-            # steps do (attention/triton_mla.py).
+            # steps do (attention/triton_mla.py); nor do Qwen3-Next's linear-attention layers,
+            # whose prompt chunks loop on the host (models/qwen3_next.py).
             logger.info("%s: prompt steps run eagerly", type(self.model).__name__)
             max_prefill_tokens, extend_prefill_to, verify_queries = 0, 0, 0
         runner = CudaGraphRunner(
@@ -778,6 +782,9 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             lora_slots=self.config.max_loras if self.loras is not None else 0,
             verify_queries=verify_queries,
+            num_kv_groups=len(self.kv_layout.groups),
+            state_tensors=self.state_cache,
+            pad_state_slot=self.pad_state_slot,
         )
         runner.capture()
         if self.drafter is not None:  # its forwards replay where the target's do
@@ -792,8 +799,9 @@ class ModelRunner:
         graphs = self.graph_runner is not None and inputs.multimodal is None
         if graphs and self.graph_runner.can_run(inputs.meta):
             return self.graph_runner.run(
-                inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from, inputs.lora
-            )
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from, inputs.lora,
+                inputs.group_metadata, inputs.state,
+            )  # fmt: skip
         if inputs.ids_from is not None:
             inputs.input_ids.copy_(inputs.ids_from)
         key_ends = None if inputs.multimodal is None else inputs.multimodal.key_ends

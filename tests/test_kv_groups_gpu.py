@@ -102,13 +102,13 @@ def test_blocks_before_the_attention_chunk_are_never_read(
 @pytest.mark.skipif(INTERPRET, reason="the engine on CUDA")
 def test_gemma3_engine_on_cuda_matches_hf(gemma: tuple[Path, torch.nn.Module]) -> None:
     """Three prompts past the window of 64 in chunks of 48 beside decodes, a pool small enough
-    to preempt, float32 on the Triton backend (eagerly: more than one group)."""
+    to preempt, float32 on the Triton backend, eagerly (with graphs: test_graph_groups_gpu.py)."""
     folder, hf_model = gemma
     prompts = random_prompts(VOCAB, (150, 210, 97))
     expected = [hf_greedy(hf_model, p, 12).tokens[0] for p in prompts]
     llm = LLM(
         str(folder), device="cuda", dtype="float32", block_size=BLOCK, num_kv_blocks=100,
-        max_model_len=512, max_num_batched_tokens=48, max_num_seqs=3,
+        max_model_len=512, max_num_batched_tokens=48, max_num_seqs=3, enforce_eager=True,
     )  # fmt: skip
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -123,13 +123,13 @@ def test_gemma3_engine_on_cuda_matches_hf(gemma: tuple[Path, torch.nn.Module]) -
 @pytest.mark.skipif(INTERPRET, reason="the engine on CUDA")
 def test_llama4_engine_on_cuda_matches_hf(llama4: tuple[Path, torch.nn.Module]) -> None:
     """Three prompts past two chunks in steps of 20 tokens beside decodes, a pool small enough
-    to preempt, float32 on the Triton backend (eagerly: more than one group)."""
+    to preempt, float32 on the Triton backend, eagerly (with graphs: test_graph_groups_gpu.py)."""
     folder, hf_model = llama4
     prompts = random_prompts(test_models_llama4.VOCAB, (61, 83, 50))
     expected = [hf_greedy(hf_model, p, 12).tokens[0] for p in prompts]
     llm = LLM(
         str(folder), device="cuda", dtype="float32", block_size=4, num_kv_blocks=60,
-        max_model_len=128, max_num_batched_tokens=20, max_num_seqs=4,
+        max_model_len=128, max_num_batched_tokens=20, max_num_seqs=4, enforce_eager=True,
     )  # fmt: skip
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -331,26 +331,6 @@ def fla_contract_chunk(
     return torch.cat(outs)[None].to(v.dtype), torch.stack(finals)
 
 
-def fla_contract_recurrent(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_recurrent_gated_delta_rule`` for B sequences of one token each ([B, 1, ...])."""
-    assert q.shape[1] == 1 and output_final_state and use_qk_l2norm_in_kernel
-    qn, kn, vn = contract_heads(q[:, 0], k[:, 0], v[:, 0])
-    out, final = recurrent_gated_delta_step(
-        qn, kn, vn, g[:, 0], beta[:, 0].float(), initial_state.float()
-    )
-    return out[:, None].to(v.dtype), final
-
-
 def contract_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -361,10 +341,11 @@ def contract_heads(
 
 
 def test_the_cuda_kernels_call_matches_the_torch_path() -> None:
-    """The CUDA path's plumbing (which rows and slots go to which launch, the heads' layout,
-    the variable-length batch, the states gathered and scattered back), run on the CPU with
-    kernels that follow flash-linear-attention's stated contract: the torch path's outputs and
-    states. tests/test_qwen3_next_gpu.py holds the real kernels to the same."""
+    """The CUDA path's plumbing for prompt chunks (which rows and slots go to the launch, the
+    heads' layout, the variable-length batch, the states gathered and scattered back), run on
+    the CPU with a kernel that follows flash-linear-attention's stated contract: the torch
+    path's outputs and states. tests/test_qwen3_next_gpu.py holds the real kernel to the same;
+    the decodes' own kernel is tests/test_graph_groups.py's."""
     config = model_config_from_hf(hf_dict())
     layer = GatedDeltaNet(config)
     la = config.linear_attention
@@ -382,11 +363,12 @@ def test_the_cuda_kernels_call_matches_the_torch_path() -> None:
     for run in ("torch", "fla"):
         state = initial.clone()
         layer.bind_state(torch.zeros(layer.state_shapes(6)[0]), state)
+        out = torch.zeros(starts[-1], la.num_value_heads, la.value_head_dim)
+        layer.decode_torch(mixed, g, beta, rows, out)
         if run == "torch":
-            out = layer.delta_rule_torch(mixed, g, beta, rows, starts)
+            layer.chunks_torch(mixed, g, beta, rows, starts, out)
         else:
-            kernels = FlaKernels(fla_contract_chunk, fla_contract_recurrent)
-            out = layer.delta_rule_fla(kernels, mixed, g, beta, rows)
+            layer.chunks_fla(FlaKernels(fla_contract_chunk), mixed, g, beta, rows, out)
         results.append((out, state))
     (want_out, want_state), (got_out, got_state) = results
     torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)

@@ -1,7 +1,9 @@
-"""Qwen3-Next on a GPU: flash-linear-attention's Triton kernels (the CUDA path of the gated delta
-rule, where ``fla`` is installed) against our torch path on one step that mixes decodes,
-continued prompt chunks and fresh ones over the state slots; and the engine on CUDA giving HF
-transformers' greedy tokens for a tiny random model, batched, chunked and preempted."""
+"""Qwen3-Next on a GPU: flash-linear-attention's Triton kernels (the CUDA path of the prompt
+chunks' gated delta rule, where ``fla`` is installed) against our torch path on one step that
+mixes decodes, continued prompt chunks and fresh ones over the state slots (the decodes take our
+own in-place kernel on both sides: tests/test_graph_groups_gpu.py holds it to the torch step);
+and the engine on CUDA giving HF transformers' greedy tokens for a tiny random model, batched,
+chunked and preempted (decode steps replaying CUDA graphs)."""
 
 from __future__ import annotations
 

@@ -13,10 +13,11 @@ blocks are sequential. It is the same math as HF transformers' torch fallback
 (``torch_chunk_gated_delta_rule``), written for one sequence whose state comes in and goes out,
 so a prompt split into chunks continues exactly where the last chunk ended.
 
-On CUDA the same math runs in flash-linear-attention's Triton kernels (PyPI ``fla-core``, import
-``fla``; what HF transformers itself uses on GPUs) where that package is installed: an optional
-dependency, never needed on the CPU (``fla_kernels``; tests/test_qwen3_next_gpu.py holds the two
-paths to each other).
+On CUDA a prompt chunk's math runs in flash-linear-attention's Triton kernels (PyPI
+``fla-core``, import ``fla``; what HF transformers itself uses on GPUs) where that package is
+installed: an optional dependency, never needed on the CPU (``fla_kernels``;
+tests/test_qwen3_next_gpu.py holds the two paths to each other). The decodes' step on CUDA is
+our own kernel, in place on the state slots (models/delta_rule_triton.py).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ BLOCK = 64  # tokens per block of the chunked form (HF's and FLA's chunk size)
 
 
 class FlaKernels(NamedTuple):
-    """flash-linear-attention's gated delta rule: variable-length chunked, and fused recurrent."""
+    """flash-linear-attention's gated delta rule, variable-length chunked (the prompt chunks';
+    decodes take our own in-place step, models/delta_rule_triton.py)."""
 
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @functools.cache
@@ -45,7 +46,7 @@ def fla_kernels() -> FlaKernels | None:
         from fla.ops import gated_delta_rule as fla
     except ImportError:
         return None
-    return FlaKernels(fla.chunk_gated_delta_rule, fla.fused_recurrent_gated_delta_rule)
+    return FlaKernels(fla.chunk_gated_delta_rule)
 
 
 def recurrent_gated_delta_step(

@@ -17,8 +17,10 @@ output times its sigmoid (``attention_output_gate``). What is its own, here:
   sigmoid(shared_expert_gate(x)).
 
 The delta rule runs as torch code (models/delta_rule.py): chunked for a prompt chunk, one
-recurrent step for decodes, the state carried from chunk to chunk through the slot; on CUDA,
-where flash-linear-attention is installed, its Triton kernels instead (``fla_kernels``). The math
+recurrent step for decodes, the state carried from chunk to chunk through the slot. On CUDA the
+decodes' step is our Triton kernel, in place on the slots (models/delta_rule_triton.py: what the
+decode graphs replay), and prompt chunks take flash-linear-attention's kernels where it is
+installed (``fla_kernels``). The math
 follows HF transformers' torch fallback (modeling_qwen3_next.py), the reference the tests hold it
 to. docs/design/kv-layer-groups.md says how the slots are owned, and why a prefix hit is a miss.
 """
@@ -102,12 +104,41 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32
         mixed = self.convolve(qkv, rows, starts)
-        kernels = fla_kernels() if mixed.is_cuda else None
-        if kernels is not None:
-            core = self.delta_rule_fla(kernels, mixed, g, beta, rows)
-        else:
-            core = self.delta_rule_torch(mixed, g, beta, rows, starts)
+        core = self.delta_rule(mixed, g, beta, rows, starts)
         return self.out_proj(self.norm(core, z).flatten(1))
+
+    def delta_rule(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: StateRows,
+        starts: list[int],
+    ) -> torch.Tensor:
+        """The gated delta rule over the step, each sequence from its slot's state and back:
+        mixed [T, C] -> [T, Hv, Dv]. On CUDA the decodes update their slots in place in one
+        launch (models/delta_rule_triton.py: what decode graphs replay) and the longer chunks
+        run in flash-linear-attention's kernels where it is installed; else in torch."""
+        la, state = self.la, self.recurrent_state
+        assert state is not None
+        core = mixed.new_empty(mixed.shape[0], la.num_value_heads, la.value_head_dim)
+        if rows.decode_rows is not None and rows.decode_slots is not None:
+            if mixed.is_cuda:
+                from engine_core.models.delta_rule_triton import decode_step_in_place  # triton
+
+                decode_step_in_place(
+                    mixed, rows.decode_rows, rows.decode_slots, g, beta, state, core,
+                    la.num_key_heads,
+                )  # fmt: skip
+            else:
+                self.decode_torch(mixed, g, beta, rows, core)
+        if rows.chunk_slots:
+            kernels = fla_kernels() if mixed.is_cuda else None
+            if kernels is not None:
+                self.chunks_fla(kernels, mixed, g, beta, rows, core)
+            else:
+                self.chunks_torch(mixed, g, beta, rows, starts, core)
+        return core
 
     def project(
         self, hidden: torch.Tensor
@@ -146,28 +177,40 @@ class GatedDeltaNet(nn.Module):
             mixed[lo:hi] = F.silu(out.T)
         return mixed
 
-    def delta_rule_torch(
+    def decode_torch(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: StateRows,
+        core: torch.Tensor,
+    ) -> None:
+        """The decodes' gated delta rule in torch (models/delta_rule.py), one recurrent step
+        for all: mixed [T, C] -> their rows of core [T, Hv, Dv]."""
+        state = self.recurrent_state
+        assert state is not None and rows.decode_rows is not None
+        assert rows.decode_slots is not None
+        one, slots = rows.decode_rows, rows.decode_slots
+        q, k, v = self.heads(mixed[one])
+        out, after = recurrent_gated_delta_step(
+            q, k, v, g[one], beta[one].float(), state[slots].float()
+        )
+        state[slots] = after.to(state.dtype)
+        core[one] = out.to(core.dtype)
+
+    def chunks_torch(
         self,
         mixed: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
         rows: StateRows,
         starts: list[int],
-    ) -> torch.Tensor:
-        """The gated delta rule in torch (models/delta_rule.py): the decodes in one recurrent
-        step, each longer chunk in the chunked form. mixed [T, C] -> [T, Hv, Dv]."""
+        core: torch.Tensor,
+    ) -> None:
+        """The longer chunks' gated delta rule in torch, each in the chunked form (one
+        sequence at a time): mixed [T, C] -> their rows of core [T, Hv, Dv]."""
         state = self.recurrent_state
         assert state is not None
-        la = self.la
-        core = mixed.new_empty(mixed.shape[0], la.num_value_heads, la.value_head_dim)
-        if rows.decode_rows is not None and rows.decode_slots is not None:
-            one, slots = rows.decode_rows, rows.decode_slots
-            q, k, v = self.heads(mixed[one])
-            out, after = recurrent_gated_delta_step(
-                q, k, v, g[one], beta[one].float(), state[slots].float()
-            )
-            state[slots] = after.to(state.dtype)
-            core[one] = out.to(core.dtype)
         for seq, slot in rows.chunk_slots:
             lo, hi = starts[seq], starts[seq + 1]
             q, k, v = (x.transpose(0, 1) for x in self.heads(mixed[lo:hi]))  # [Hv, L, D]
@@ -176,36 +219,25 @@ class GatedDeltaNet(nn.Module):
             )
             state[slot] = after.to(state.dtype)
             core[lo:hi] = out.transpose(0, 1).to(core.dtype)
-        return core
 
-    def delta_rule_fla(
+    def chunks_fla(
         self,
         kernels: FlaKernels,
         mixed: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
         rows: StateRows,
-    ) -> torch.Tensor:
-        """The gated delta rule in flash-linear-attention's Triton kernels (CUDA): the decodes
-        in one fused recurrent launch, every longer chunk in one variable-length chunked
-        launch; they L2-normalise q and k and serve several value heads per key head
-        themselves. mixed [T, C] -> [T, Hv, Dv]."""
+        core: torch.Tensor,
+    ) -> None:
+        """The longer chunks' gated delta rule in flash-linear-attention's Triton kernels
+        (CUDA), all in one variable-length chunked launch; it L2-normalises q and k and serves
+        several value heads per key head itself. mixed [T, C] -> their rows of core."""
         state = self.recurrent_state
         assert state is not None
         la, num = self.la, mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(num, la.num_key_heads, -1), k.view(num, la.num_key_heads, -1)
         v = v.view(num, la.num_value_heads, -1)
-        core = mixed.new_empty(num, la.num_value_heads, la.value_head_dim)
-        if rows.decode_rows is not None and rows.decode_slots is not None:
-            one, slots = rows.decode_rows, rows.decode_slots  # a batch of N one-token sequences
-            out, after = kernels.recurrent(
-                q[one, None], k[one, None], v[one, None], g=g[one, None], beta=beta[one, None],
-                initial_state=state[slots], output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-            )  # fmt: skip
-            state[slots] = after.to(state.dtype)
-            core[one] = out[:, 0]
         if rows.chunk_rows is not None and rows.chunk_slot_ids is not None:
             many, slots = rows.chunk_rows, rows.chunk_slot_ids  # one batch of varied lengths
             out, after = kernels.chunk(
@@ -215,7 +247,6 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
             state[slots] = after.to(state.dtype)
             core[many] = out[0]
-        return core
 
     def heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [N, C] -> q, k, v [N, Hv, D] in float32: q and k
@@ -302,8 +333,11 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     """Qwen3-Next; checkpoint names follow HF's Qwen3NextForCausalLM."""
 
     decoder_layer = Qwen3NextDecoderLayer
-    # The delta rule's torch code loops over chunks and sequences on the host: eager only.
-    cuda_graph_safe = False
+    # A decode step reads no host value (the convolution's slots gathered and scattered by
+    # index tensors, the delta rule in place on the slots: models/delta_rule_triton.py), so
+    # decode steps replay CUDA graphs; a prompt chunk loops over sequences on the host, so
+    # prompt steps run eagerly.
+    prompt_graphs_safe = False
 
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn.attn for layer in self.model.layers if layer.self_attn is not None]
