@@ -16,6 +16,7 @@ abaf91b, the same kernels) before that run's time limit.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -104,10 +105,38 @@ def test_every_split_gives_the_unsplit_product(n: int, k: int) -> None:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         tiles = w4a16_kernels.choose_tiles(m, n, k, 128, sms)
         assert tiles is not None
-        whole = w4a16_kernels.Tiles(tiles.block_m, tiles.block_n, 1)
+        whole = dataclasses.replace(tiles, split_k=1)
         split = w4a16_kernels.run_w4a16(a, tiled, scales, z, 128, tiles)
         unsplit = w4a16_kernels.run_w4a16(a, tiled, scales, z, 128, whole)
         torch.testing.assert_close(split, unsplit, rtol=1e-2, atol=1e-2)
+
+
+LLAMA_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+
+
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+@pytest.mark.parametrize(("group", "zeros"), [(128, True), (128, False), (32, True), (-1, False)])
+def test_the_decode_kernel_matches_the_reference_at_llama_8b(
+    n: int, k: int, group: int, zeros: bool
+) -> None:
+    """The CUDA-core kernel at 1 to 16 rows of llama-8b's projections in bf16: the rule's tiles
+    and a wide and a narrow column tile, split and not."""
+    size = k if group == -1 else group
+    qweight, scales, z = layer(n, k, size, zeros)
+    tiled = tile_qweight(qweight)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 2, 3, 4, 8, 16):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        expected = reference(a, qweight, scales, z, size)
+        block_m = w4a16_kernels.row_bucket(m)
+        rule = w4a16_kernels.rule_tiles(min(m, w4a16_kernels.GEMV_ROWS), n, k, sms)
+        for tiles in (
+            w4a16_kernels.GemvTiles(block_m, rule.block_n, rule.split_k),
+            w4a16_kernels.GemvTiles(block_m, 256 // block_m, 1, warps=8, stages=2),
+            w4a16_kernels.GemvTiles(block_m, 16, 4),
+        ):
+            got = w4a16_kernels.run_w4a16(a, tiled, scales, z, size, tiles)
+            assert_close(got, expected, torch.bfloat16)
 
 
 def test_groups_the_kernel_does_not_take_are_dequantized() -> None:

@@ -3,22 +3,32 @@ weight in the kernel's layout of engine_core/models/w4a16.py (``tile_qweight``: 
 [Kp / 8, N], blocks of 128 columns interleaved so that nibble i of a block's 16 word rows holds
 16 consecutive columns; scales float32 [G, N]; zeros uint8 [G, N] or none).
 
-Two paths, chosen by a table (``choose_tiles``), nothing tuned at run time (CUDA graphs replay
-what was captured):
+Three paths, chosen by ``choose_tiles`` (the sweep's table, else a rule), nothing tuned at run
+time (CUDA graphs replay what was captured; a grid depends only on shapes):
 
-- up to 127 rows (decode), one kernel dequantizing in registers. A program takes BLOCK_N
-  weight columns and BLOCK_M activation rows over a range of 128-column blocks. Per block it
-  loads one [16, BLOCK_N] tile of words (contiguous along N) and makes eight [16, BLOCK_N]
-  weight slices out of it, one per nibble: shift, mask, OR into the mantissa of 2**23 (a float
-  whose last mantissa bit is worth 1), subtract 2**23 + zero, times the scale, rounded once to
-  the activations' dtype as the reference rounds it. No integer-to-float conversion, no
-  reshape of the tile: each slice is 16 consecutive columns of K and goes to the tensor cores
-  as it is, against the matching 16 columns of A ("swap AB": the weight columns on the matrix
-  unit's wide side, a few decode rows on its narrow one). The next block's words are loaded
-  before this block is multiplied, so a load is always in flight. Decode splits the blocks
-  over SPLIT_K programs when the weight tiles alone would leave multiprocessors idle; their
-  float32 partials are summed by a second small kernel (in a fixed order: the same sums on
-  every replay, unlike atomics).
+- up to GEMV_ROWS rows (decode), ``_w4a16_gemv_kernel`` on CUDA cores, reading the weight at
+  HBM speed is the whole job. A program takes BLOCK_N weight columns and BLOCK_M rows over a
+  range of 128-column blocks; per block one [16, BLOCK_N] tile of words (16-byte loads along
+  N, the next block's in flight). Each nibble is masked where it lies in its word and OR'd into
+  the mantissa of 2**23 (nibbles 5-7 after one shift of the word by 20), so the float is
+  2**23 + q * 16**e; subtracting 2**23 + zero * 16**e leaves (q - zero) * 16**e exactly, and
+  the activation, divided by 16**e, takes the place value off: three instructions a weight
+  (mask-and-OR, subtract, multiply-add) besides the product's own. The partial sums are scaled
+  once per group, not per weight (the reference rounds each weight to the activations' dtype
+  first; this kernel does not, so it is as close to the exact product or closer).
+- up to 127 rows, ``_w4a16_kernel`` on the tensor cores, dequantizing in registers. A program
+  takes BLOCK_N weight columns and BLOCK_M activation rows over a range of 128-column blocks.
+  Per block it loads one [16, BLOCK_N] tile of words (contiguous along N) and makes eight
+  [16, BLOCK_N] weight slices out of it, one per nibble: shift, mask, OR into the mantissa of
+  2**23 (a float whose last mantissa bit is worth 1), subtract 2**23 + zero, times the scale,
+  rounded once to the activations' dtype as the reference rounds it. No integer-to-float
+  conversion, no reshape of the tile: each slice is 16 consecutive columns of K and goes to the
+  tensor cores as it is, against the matching 16 columns of A ("swap AB": the weight columns on
+  the matrix unit's wide side, a few decode rows on its narrow one). The next block's words are
+  loaded before this block is multiplied, so a load is always in flight. Both decode kernels
+  split the blocks over SPLIT_K programs when the weight tiles alone would leave
+  multiprocessors idle; their float32 partials are summed by a second small kernel (in a fixed
+  order: the same sums on every replay, unlike atomics).
 - from 128 rows (and for group sizes that are not whole 16-column slices): the weight is
   dequantized by a kernel into a [K, N] buffer in the activations' dtype, then cuBLAS. The
   product is compute-bound there, and a tensor-core GEMM in cuBLAS's hands beats dequantizing
@@ -53,6 +63,7 @@ _TILE_K = tl.constexpr(TILE_K)
 _PLANE = tl.constexpr(PLANE)
 _MAGIC = tl.constexpr(MAGIC)
 _SYMMETRIC_OFFSET = tl.constexpr(MAGIC + SYMMETRIC_ZERO)
+_SYMMETRIC_ZERO = tl.constexpr(float(SYMMETRIC_ZERO))
 
 
 @triton.jit
@@ -142,6 +153,105 @@ def _w4a16_kernel(
 
 
 @triton.jit
+def _nibble_in_place(words, high, i: tl.constexpr):
+    """Nibble i of each word as the float32 2**23 + q * 16**(i % 5): the nibble masked where it
+    lies (no shift) and OR'd into the mantissa of 2**23, whose 23 bits hold nibbles 0-4. Nibbles
+    5-7 come from ``high``, the words shifted right by 20 once."""
+    if i < 5:  # noqa: SIM108 (a statement: resolved as Triton compiles, one branch emitted)
+        bits = (words & (0xF << (4 * i))) | 0x4B000000
+    else:
+        bits = (high & (0xF << (4 * (i - 5)))) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_gemv_kernel(
+    A,  # [M, K]
+    QWeight,  # [Kp / 8, N] int32, tiled
+    Scales,  # [G, N] float32
+    Zeros,  # [G, N] uint8 (unread without HAS_ZEROS)
+    C,  # [M, N] (not SPLIT)
+    Part,  # [SPLIT_K, M, N] float32 (SPLIT)
+    M,
+    N,
+    K,
+    GROUPS,
+    stride_am,
+    stride_cm,
+    TILES,  # Kp / 128
+    TILES_PER_SPLIT,
+    GROUP: tl.constexpr,
+    PLANES_PER_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """The decode product on CUDA cores. Program (row tile, column tile, split): C[rows, cols]
+    over blocks [split * TILES_PER_SPLIT, +TILES_PER_SPLIT) of K. Each block is one [16, BLOCK_N]
+    tile of words (16-byte loads along N, the next block's in flight); nibble i of word row j is
+    column 16i + j of the block, so (q - zero) * x sums into a [BLOCK_M, 16, BLOCK_N]
+    partial, exact in float32, that is scaled once per group rather than once per weight."""
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, _PLANE)
+    m_ok = rm < M
+    n_ok = rn < N
+    first = split * TILES_PER_SPLIT
+    last = tl.minimum(first + TILES_PER_SPLIT, TILES)
+    w_ptrs = QWeight + (first * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
+    a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rj[None, :]  # [BLOCK_M, PLANE]
+    words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok[None, :], other=0)
+    acc = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
+    for tile in range(first, last):
+        w_ptrs += _PLANE * N
+        ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok[None, :]
+        ahead = tl.load(w_ptrs, mask=ahead_ok, other=0)  # in flight while this block runs
+        high = words >> 20
+        for i in tl.static_range(8):
+            k = tile * _TILE_K + i * _PLANE
+            if i % PLANES_PER_GROUP == 0:
+                scale, zero = _group_scale_zero(
+                    Scales, Zeros, k, N, rn, n_ok, GROUPS, GROUP, HAS_ZEROS
+                )
+                part = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
+            place = 1 << (4 * (i % 5))  # the nibble's place value, taken off a instead
+            offset = _MAGIC + zero * place  # [BLOCK_N], or a number without zero points
+            centred = _nibble_in_place(words, high, i) - offset  # (q - zero) * place, exact
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & (k + rj < K)[None, :], other=0.0)
+            a = a.to(tl.float32) * (1.0 / place)
+            part += a[:, :, None] * centred[None, :, :]
+            if (i + 1) % PLANES_PER_GROUP == 0:
+                acc += part * scale[None, None, :]
+        words = ahead
+    out = tl.sum(acc, axis=1)  # [BLOCK_M, BLOCK_N]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        p_ptrs = Part + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(p_ptrs, out, mask=mask)
+    else:
+        c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+        tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _group_scale_zero(
+    Scales, Zeros, k, N, cols, cols_ok, GROUPS, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr
+):
+    """(scale [BLOCK_N], zero) of the group holding column k, as float32: the zero [BLOCK_N], or
+    the number 8 without zero points. Padded columns past K take the last group (their
+    activations are 0)."""
+    group = tl.minimum(k // GROUP, GROUPS - 1)
+    scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(Zeros + group * N + cols, mask=cols_ok, other=0).to(tl.float32)
+    else:
+        zero = _SYMMETRIC_ZERO
+    return scale, zero
+
+
+@triton.jit
 def _sum_splits_kernel(Part, C, SIZE, SPLITS, BLOCK: tl.constexpr):
     """C (contiguous, SIZE elements) = the sum of the SPLITS float32 partials, rounded once."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -190,11 +300,35 @@ def _dequantize_kernel(
 
 @dataclass(frozen=True)
 class Tiles:
+    """The tensor-core kernel's tiles: rows and weight columns a program, K splits."""
+
     block_m: int
     block_n: int
     split_k: int
     warps: int = 4
     stages: int = 2
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """The CUDA-core decode kernel's tiles (``_w4a16_gemv_kernel``), the same fields."""
+
+    block_m: int
+    block_n: int
+    split_k: int
+    warps: int = 4
+    stages: int = 1
+
+
+Choice = Tiles | GemvTiles | None  # None: dequantize, then cuBLAS
+
+# Up to this many rows the CUDA-core kernel: it does one multiply-add per row and weight after a
+# dequantization of three instructions per weight, so its issue rate falls with the rows while the
+# tensor-core kernel's stays level (docs/design/quantization.md).
+GEMV_ROWS = 8
+# The sweep's fastest tiles (`python -m benchmarks w4a16 --sweep`) by (row bucket, N, K), where
+# measured; other shapes take the rule in ``choose_tiles``.
+MEASURED: dict[tuple[int, int, int], Tiles | GemvTiles] = {}
 
 
 def group_constant(group: int, k: int) -> int:
@@ -212,25 +346,46 @@ def planes_per_group(group: int) -> int | None:
     return 8 if group % TILE_K == 0 else 1
 
 
-def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Tiles | None:
+def row_bucket(m: int) -> int:
+    """The row tile a product of M rows is measured and tabled under: a power of two."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Choice:
     """Tiles for an [M, K] x [N, K] product, or None: dequantize and use cuBLAS (from
-    DEQUANTIZE_ROWS rows on for weights of up to DEQUANTIZE_MAX_VALUES, and for groups the GEMM
-    kernel does not take). Otherwise 128 weight columns a program, and K split in two until the
-    programs fill the multiprocessors four times over or a split would get fewer than 4 blocks:
-    at llama-8b's projections and 1-64 rows that is the sweep's fastest configuration or within
-    6% of it (docs/design/quantization.md)."""
+    DEQUANTIZE_ROWS rows on for weights of up to DEQUANTIZE_MAX_VALUES, and for groups the
+    kernels do not take). Otherwise the sweep's tiles where MEASURED has the shape, else up to
+    GEMV_ROWS rows the CUDA-core kernel and beyond it the tensor-core one, each with K split in
+    two until the programs fill the multiprocessors four times over or a split would get fewer
+    than 4 blocks (docs/design/quantization.md)."""
     if planes_per_group(group_constant(group, k)) is None:
         return None
     if m >= DEQUANTIZE_ROWS and n * k <= DEQUANTIZE_MAX_VALUES:
         return None
+    return MEASURED.get((row_bucket(m), n, k)) or rule_tiles(m, n, k, multiprocessors)
+
+
+def rule_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles | GemvTiles:
+    """The tiles for a shape the sweep has not measured: up to GEMV_ROWS rows the CUDA-core
+    kernel with 128 weight columns a program (fewer as the row tile grows, which multiplies the
+    registers a column takes), beyond it the tensor-core one."""
+    if m <= GEMV_ROWS:
+        block_m = row_bucket(m)
+        block_n = 128 if block_m <= 2 else 256 // block_m
+        return GemvTiles(block_m, block_n, split_k(m, n, k, block_m, block_n, multiprocessors))
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 128
+    return Tiles(block_m, 128, split_k(m, n, k, block_m, 128, multiprocessors))
+
+
+def split_k(m: int, n: int, k: int, block_m: int, block_n: int, multiprocessors: int) -> int:
+    """K split in two until the programs fill the multiprocessors four times over or a split
+    would get fewer than 4 blocks of 128 columns."""
     blocks = triton.cdiv(k, TILE_K)
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
     while programs * split < 4 * multiprocessors and blocks >= 8 * split:
         split *= 2
-    return Tiles(block_m, block_n, split)
+    return split
 
 
 def w4a16_gemm(
@@ -261,7 +416,7 @@ def run_w4a16(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     group_size: int,
-    tiles: Tiles | None,
+    tiles: Choice,
 ) -> torch.Tensor:
     """``w4a16_gemm`` with the given tiles (None: dequantize, then cuBLAS)."""
     m, k = a.shape
@@ -271,7 +426,7 @@ def run_w4a16(
     group = group_constant(group_size, k)
     planes = planes_per_group(group)
     if planes is None:
-        raise ValueError(f"the W4A16 GEMM kernel does not take groups of {group_size} columns")
+        raise ValueError(f"the W4A16 GEMM kernels do not take groups of {group_size} columns")
     n = qweight.shape[1]
     a = a if a.stride(-1) == 1 else a.contiguous()
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -288,8 +443,11 @@ def run_w4a16(
     shape = {"GROUP": group, "PLANES_PER_GROUP": planes, "HAS_ZEROS": zeros is not None,
              "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SPLIT": tiles.split_k > 1,
              "num_warps": tiles.warps, "num_stages": tiles.stages}  # fmt: skip
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    _w4a16_kernel[grid](*args, PRECISION=precision, **shape)
+    if isinstance(tiles, GemvTiles):
+        _w4a16_gemv_kernel[grid](*args, **shape)
+    else:
+        precision = "ieee" if a.dtype == torch.float32 else "tf32"
+        _w4a16_kernel[grid](*args, PRECISION=precision, **shape)
     if tiles.split_k > 1:
         sum_splits(part, out)
     return out
