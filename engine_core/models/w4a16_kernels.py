@@ -62,6 +62,7 @@ DEQUANTIZE_MAX_VALUES = 2**28
 _TILE_K = tl.constexpr(TILE_K)
 _PLANE = tl.constexpr(PLANE)
 _MAGIC = tl.constexpr(MAGIC)
+_MAGIC_BITS = tl.constexpr(0x4B000000)  # MAGIC's bits
 _SYMMETRIC_OFFSET = tl.constexpr(MAGIC + SYMMETRIC_ZERO)
 _SYMMETRIC_ZERO = tl.constexpr(float(SYMMETRIC_ZERO))
 
@@ -157,11 +158,8 @@ def _nibble_in_place(words, high, i: tl.constexpr):
     """Nibble i of each word as the float32 2**23 + q * 16**(i % 5): the nibble masked where it
     lies (no shift) and OR'd into the mantissa of 2**23, whose 23 bits hold nibbles 0-4. Nibbles
     5-7 come from ``high``, the words shifted right by 20 once."""
-    if i < 5:  # noqa: SIM108 (a statement: resolved as Triton compiles, one branch emitted)
-        bits = (words & (0xF << (4 * i))) | 0x4B000000
-    else:
-        bits = (high & (0xF << (4 * (i - 5)))) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True)
+    source = words if i < 5 else high
+    return ((source & (0xF << (4 * (i % 5)))) | _MAGIC_BITS).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -190,8 +188,9 @@ def _w4a16_gemv_kernel(
     """The decode product on CUDA cores. Program (row tile, column tile, split): C[rows, cols]
     over blocks [split * TILES_PER_SPLIT, +TILES_PER_SPLIT) of K. Each block is one [16, BLOCK_N]
     tile of words (16-byte loads along N, the next block's in flight); nibble i of word row j is
-    column 16i + j of the block, so (q - zero) * x sums into a [BLOCK_M, 16, BLOCK_N]
-    partial, exact in float32, that is scaled once per group rather than once per weight."""
+    column 16i + j of the block, so (q - zero) * x sums into a [16, BLOCK_N] partial per row,
+    exact in float32, that is scaled once per group rather than once per weight. One row keeps
+    its tensors two-dimensional (no axis of length 1 for the compiler to lay out)."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -201,9 +200,12 @@ def _w4a16_gemv_kernel(
     first = split * TILES_PER_SPLIT
     last = tl.minimum(first + TILES_PER_SPLIT, TILES)
     w_ptrs = QWeight + (first * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
-    a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rj[None, :]  # [BLOCK_M, PLANE]
+    if BLOCK_M == 1:
+        a_ptrs = A + pid_m.to(tl.int64) * stride_am + rj  # [PLANE]
+    else:
+        a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rj[None, :]  # [BLOCK_M, PLANE]
     words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok[None, :], other=0)
-    acc = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
+    acc = _row_partials(BLOCK_M, BLOCK_N)
     for tile in range(first, last):
         w_ptrs += _PLANE * N
         ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok[None, :]
@@ -215,17 +217,16 @@ def _w4a16_gemv_kernel(
                 scale, zero = _group_scale_zero(
                     Scales, Zeros, k, N, rn, n_ok, GROUPS, GROUP, HAS_ZEROS
                 )
-                part = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
+                part = _row_partials(BLOCK_M, BLOCK_N)
             place = 1 << (4 * (i % 5))  # the nibble's place value, taken off a instead
-            offset = _MAGIC + zero * place  # [BLOCK_N], or a number without zero points
+            offset = _MAGIC + zero * place  # [BLOCK_N]
             centred = _nibble_in_place(words, high, i) - offset  # (q - zero) * place, exact
-            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & (k + rj < K)[None, :], other=0.0)
-            a = a.to(tl.float32) * (1.0 / place)
-            part += a[:, :, None] * centred[None, :, :]
+            a = tl.load(a_ptrs + k, mask=_columns_ok(m_ok, k + rj < K, BLOCK_M), other=0.0)
+            part += _rows_times(a.to(tl.float32) * (1.0 / place), centred, BLOCK_M)
             if (i + 1) % PLANES_PER_GROUP == 0:
-                acc += part * scale[None, None, :]
+                acc += part * scale
         words = ahead
-    out = tl.sum(acc, axis=1)  # [BLOCK_M, BLOCK_N]
+    out = _rows_out(acc, BLOCK_M)  # [BLOCK_M, BLOCK_N]
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         p_ptrs = Part + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
@@ -236,18 +237,47 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
+def _row_partials(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zeros for the per-row partial sums: [PLANE, BLOCK_N] for one row, else
+    [BLOCK_M, PLANE, BLOCK_N]."""
+    if BLOCK_M == 1:
+        zeros = tl.zeros((_PLANE, BLOCK_N), dtype=tl.float32)
+    else:
+        zeros = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
+    return zeros
+
+
+@triton.jit
+def _columns_ok(m_ok, k_ok, BLOCK_M: tl.constexpr):
+    """The activations' load mask: [PLANE] for one row (which exists), else [BLOCK_M, PLANE]."""
+    return k_ok if BLOCK_M == 1 else m_ok[:, None] & k_ok[None, :]
+
+
+@triton.jit
+def _rows_times(a, centred, BLOCK_M: tl.constexpr):
+    """Activations a ([PLANE] or [BLOCK_M, PLANE]) times the centred nibbles [PLANE, BLOCK_N],
+    shaped as ``_row_partials``."""
+    return a[:, None] * centred if BLOCK_M == 1 else a[:, :, None] * centred[None, :, :]
+
+
+@triton.jit
+def _rows_out(acc, BLOCK_M: tl.constexpr):
+    """The partials summed over their 16 word rows: [BLOCK_M, BLOCK_N]."""
+    return tl.sum(acc, axis=0)[None, :] if BLOCK_M == 1 else tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _group_scale_zero(
     Scales, Zeros, k, N, cols, cols_ok, GROUPS, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr
 ):
-    """(scale [BLOCK_N], zero) of the group holding column k, as float32: the zero [BLOCK_N], or
-    the number 8 without zero points. Padded columns past K take the last group (their
-    activations are 0)."""
+    """(scale, zero) [BLOCK_N] of the group holding column k, as float32 (every zero 8 without
+    zero points). Padded columns past K take the last group (their activations are 0)."""
     group = tl.minimum(k // GROUP, GROUPS - 1)
     scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
     if HAS_ZEROS:
         zero = tl.load(Zeros + group * N + cols, mask=cols_ok, other=0).to(tl.float32)
     else:
-        zero = _SYMMETRIC_ZERO
+        zero = scale * 0.0 + _SYMMETRIC_ZERO
     return scale, zero
 
 
