@@ -19,8 +19,8 @@ pipelining stages, K split) and prints the fastest per shape, then the lines of
 Each call is timed inside a CUDA graph of 20 calls (the decode steps replay graphs, so launch
 gaps are not counted), cycling through copies of the weights that exceed the L2, median of 5
 replays. A configuration that fails to compile or run is printed and skipped. ``--budget``
-(seconds, default 170) stops the grid early, keeping the fixed columns, so the sweep stays
-under about 4 minutes on one GPU.
+(seconds, default 170), shared evenly by the shapes, stops each shape's grid early, keeping the
+fixed columns, so the sweep stays under about 4 minutes on one GPU.
 """
 
 from __future__ import annotations
@@ -155,13 +155,14 @@ def fixed_forms(p: Projection, x: Any, sms: int) -> dict[str, Callable[[int], An
     return forms
 
 
-def grid(m: int, k: int) -> list[Any]:
-    """The configurations swept at M rows. The tensor-core kernel (under 128 rows): the row
-    tile M needs, column tiles of 32-128, 4 or 8 warps, 1-3 stages. The CUDA-core kernel (up to
-    16 rows): the row tile M needs, column tiles of 64-256 (16-64 from 8 rows: its registers
-    grow with rows x columns), 4 or 8 warps, 1 or 2 stages. Both with K splits up to 16 while a
-    split keeps 2 blocks."""
-    from engine_core.models.w4a16_kernels import TILE_K, GemvTiles, Tiles, row_bucket
+def grid(m: int, n: int, k: int, sms: int) -> list[Any]:
+    """The configurations swept at M rows, nearest the rule's K split first (so a budget that
+    runs out has timed the likeliest). The tensor-core kernel (under 128 rows): the row tile M
+    needs, column tiles of 32-128, 4 or 8 warps, 1-3 stages. The CUDA-core kernel (up to 16
+    rows): the row tile M needs, column tiles of 64-256 (16-64 from 8 rows: its registers grow
+    with rows x columns), 4 or 8 warps, 1 or 2 stages. Both with K splits up to 16 while a split
+    keeps 2 blocks."""
+    from engine_core.models.w4a16_kernels import TILE_K, GemvTiles, Tiles, row_bucket, rule_tiles
 
     blocks = -(-k // TILE_K)
     splits = [s for s in (1, 2, 4, 8, 16) if s <= blocks // 2 or s == 1] if m <= 64 else [1]
@@ -180,7 +181,8 @@ def grid(m: int, k: int) -> list[Any]:
             Tiles(block_m, block_n, split, warps, stages)
             for (block_n, warps, stages), split in itertools.product(shapes, splits)
         ]
-    return configs
+    rule = rule_tiles(m, n, k, sms).split_k
+    return sorted(configs, key=lambda t: abs(t.split_k.bit_length() - rule.bit_length()))
 
 
 def describe(tiles: Any) -> str:
@@ -204,7 +206,7 @@ def measure(
     forms = fixed_forms(p, x, sms)
     tiles_of = {}
     if sweep:
-        for tiles in grid(m, p.k):
+        for tiles in grid(m, p.n, p.k, sms):
             form = f"kernel {describe(tiles)}"
             forms[form], tiles_of[form] = p.product(x, tiles), tiles
     results = []
@@ -278,15 +280,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     print(Provenance.here(args.argv).format(), flush=True)
-    deadline = time.monotonic() + args.budget
     sms = torch.cuda.get_device_properties(0).multi_processor_count if args.device == "cuda" else 4
     rows = [int(r) for r in args.rows.split(",")]
     shapes = projection_shapes(args.model)
+    names = args.projections.split(",")
+    per_shape = args.budget / (len(names) * len(rows))  # the grid's time for each shape
     results, w4_bytes = [], {}
-    for name in args.projections.split(","):
+    for name in names:
         projection = Projection(*shapes[name], args.device)
         w4_bytes[name] = projection.w4_bytes
         for m in rows:
+            deadline = time.monotonic() + per_shape
             results += measure(name, projection, m, sms, deadline, args.sweep)
         del projection
         if args.device == "cuda":

@@ -158,7 +158,7 @@ def test_every_configuration_of_the_sweep_matches_the_reference(n: int, k: int, 
     tiled = tile_qweight(qweight)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     expected = reference(a, qweight, scales, z, group)
-    for tiles in grid(m, k):
+    for tiles in grid(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count):
         got = w4a16_kernels.run_w4a16(a, tiled, scales, z, group, tiles)
         assert_close(got, expected, torch.bfloat16)
 
