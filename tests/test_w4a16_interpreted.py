@@ -86,14 +86,14 @@ def test_the_gemm_kernel_matches_the_reference(
 ) -> None:
     weight = layer(n, k, group, zeros)
     a = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    tiles = kernels.choose_tiles(m, n, k, group, multiprocessors=4)
-    assert tiles is not None  # the kernel, not the dequantized product
+    tiles = kernels.choose_tiles(max(m, kernels.GEMV_ROWS + 1), n, k, group, multiprocessors=4)
+    assert isinstance(tiles, kernels.Tiles)  # the tensor-core kernel
     block_m = tiles.block_m if m > 64 else min(tiles.block_m, 32)  # small tiles: several
-    tiles = kernels.Tiles(block_m, 32, tiles.split_k)
-    got = run(a, weight, group, tiles)
-    assert got.dtype == dtype and got.shape == (m, n)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    assert relative_error(got, reference(a, weight, group)) < tolerance
+    for swap in (True, False):  # the weights as the left operand, and as the right
+        got = run(a, weight, group, kernels.Tiles(block_m, 32, tiles.split_k, swap=swap))
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert relative_error(got, reference(a, weight, group)) < tolerance
 
 
 @pytest.mark.parametrize("split", [2, 3, 5])

@@ -114,42 +114,53 @@ def _w4a16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SWAP: tl.constexpr,  # weights as the product's left operand: C.T = W @ A.T
 ):
-    """Program (row tile, column tile, split): the [BLOCK_N, BLOCK_M] tile of C.T over blocks
-    [split * TILES_PER_SPLIT, +TILES_PER_SPLIT) of K."""
+    """Program (row tile, column tile, split): the [BLOCK_N, BLOCK_M] tile of C.T (SWAP), or the
+    [BLOCK_M, BLOCK_N] tile of C = A @ W.T, over blocks [split * TILES_PER_SPLIT,
+    +TILES_PER_SPLIT) of K. The weight slice [PLANE, BLOCK_N] is the right operand as it is; SWAP
+    transposes it to put the weight columns on the matrix unit's wide side."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rj = tl.arange(0, _PLANE)
-    m_ok = rm < M
-    n_ok = rn < N
     first = split * TILES_PER_SPLIT
     last = tl.minimum(first + TILES_PER_SPLIT, TILES)
     w_ptrs = QWeight + (first * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
-    a_ptrs = A + rm[None, :].to(tl.int64) * stride_am + rj[:, None]  # [PLANE, BLOCK_M]
+    # Rows, weight columns and K as the two axes of the activations' tile and the output's.
+    if SWAP:
+        rows, cols, ks = rm[None, :], rn[:, None], rj[:, None]  # a [PLANE, BLOCK_M]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        rows, cols, ks = rm[:, None], rn[None, :], rj[None, :]  # a [BLOCK_M, PLANE]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_ptrs = A + rows.to(tl.int64) * stride_am + ks
     # [PLANE, BLOCK_N]; rj < 16 * (blocks left): all rows while a block is left, none after.
-    words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok[None, :], other=0)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    n_ok = rn[None, :] < N
+    words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok, other=0)
     for tile in range(first, last):
         w_ptrs += _PLANE * N
-        ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok[None, :]
+        ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok
         ahead = tl.load(w_ptrs, mask=ahead_ok, other=0)  # in flight while this block runs
         for i in tl.static_range(8):
             k = tile * _TILE_K + i * _PLANE
             if i % PLANES_PER_GROUP == 0:
                 scale, offset = _group_params(
-                    Scales, Zeros, k, N, rn[None, :], n_ok[None, :], GROUPS, GROUP, HAS_ZEROS
+                    Scales, Zeros, k, N, rn[None, :], n_ok, GROUPS, GROUP, HAS_ZEROS
                 )
             w = ((_nibbles(words, i) - offset) * scale).to(A.dtype.element_ty)
-            a = tl.load(a_ptrs + k, mask=m_ok[None, :] & (k + rj < K)[:, None], other=0.0)
-            acc = tl.dot(tl.trans(w), a, acc, input_precision=PRECISION)
+            a = tl.load(a_ptrs + k, mask=(rows < M) & (k + ks < K), other=0.0)
+            if SWAP:
+                acc = tl.dot(tl.trans(w), a, acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
         words = ahead
-    mask = n_ok[:, None] & m_ok[None, :]
+    mask = (rows < M) & (cols < N)
     if SPLIT:
-        p_ptrs = Part + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
+        p_ptrs = Part + (split * M + rows).to(tl.int64) * N + cols
         tl.store(p_ptrs, acc, mask=mask)
     else:
-        c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
+        c_ptrs = C + rows.to(tl.int64) * stride_cm + cols
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
 
 
@@ -330,13 +341,15 @@ def _dequantize_kernel(
 
 @dataclass(frozen=True)
 class Tiles:
-    """The tensor-core kernel's tiles: rows and weight columns a program, K splits."""
+    """The tensor-core kernel's tiles: rows and weight columns a program, K splits; ``swap``:
+    the weights as the product's left operand (``_w4a16_kernel``'s SWAP)."""
 
     block_m: int
     block_n: int
     split_k: int
     warps: int = 4
     stages: int = 2
+    swap: bool = True
 
 
 @dataclass(frozen=True)
@@ -477,7 +490,7 @@ def run_w4a16(
         _w4a16_gemv_kernel[grid](*args, **shape)
     else:
         precision = "ieee" if a.dtype == torch.float32 else "tf32"
-        _w4a16_kernel[grid](*args, PRECISION=precision, **shape)
+        _w4a16_kernel[grid](*args, PRECISION=precision, SWAP=tiles.swap, **shape)
     if tiles.split_k > 1:
         sum_splits(part, out)
     return out
