@@ -159,20 +159,22 @@ def grid(m: int, n: int, k: int, sms: int) -> list[Any]:
     """The configurations swept at M rows, nearest the rule's K split first (so a budget that
     runs out has timed the likeliest). The tensor-core kernel (under 128 rows): the row tile M
     needs, column tiles of 32-256, 4 or 8 warps, 1-3 stages, the weights as the left operand
-    (swapped) or the right. The CUDA-core kernel (up to 16 rows): the row tile M needs, column
-    tiles of 64-256 (16-64 from 8 rows: its registers grow with rows x columns), 4 or 8 warps, 1
-    or 2 stages. Both with K splits up to 16 while a split keeps 2 blocks."""
+    (swapped) or the right. The CUDA-core kernel (up to 8 rows): a program per row or a row tile
+    of all M, column tiles of 64-256 (fewer for a row tile: its registers grow with rows x
+    columns), 4 or 8 warps, 1 or 2 stages. Both with K splits up to 16 while a split keeps 2
+    blocks."""
     from engine_core.models.w4a16_kernels import TILE_K, GemvTiles, Tiles, row_bucket, rule_tiles
 
     blocks = -(-k // TILE_K)
     splits = [s for s in (1, 2, 4, 8, 16) if s <= blocks // 2 or s == 1] if m <= 64 else [1]
     configs: list[Any] = []
-    if m <= 16:
-        block_m = row_bucket(m)
-        widths = (64, 128, 256) if block_m <= 4 else (16, 32, 64)
+    if m <= 8:
         configs += [
             GemvTiles(block_m, block_n, split, warps, stages)
-            for block_n, warps, stages, split in itertools.product(widths, (4, 8), (1, 2), splits)
+            for block_m, block_n, warps, stages, split in itertools.product(
+                sorted({1, row_bucket(m)}), (64, 128, 256), (4, 8), (1, 2), splits
+            )
+            if block_m * block_n <= 256
         ]
     if m < 128:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128

@@ -119,8 +119,8 @@ LLAMA_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 def test_the_decode_kernel_matches_the_reference_at_llama_8b(
     n: int, k: int, group: int, zeros: bool
 ) -> None:
-    """The CUDA-core kernel at 1 to 16 rows of llama-8b's projections in bf16: the rule's tiles
-    and a narrow column tile split in four."""
+    """The CUDA-core kernel at 1 to 16 rows of llama-8b's projections in bf16: a program per row
+    as the rule has it, and a row tile of all of them over a narrow column tile split in four."""
     size = k if group == -1 else group
     qweight, scales, z = layer(n, k, size, zeros)
     tiled = tile_qweight(qweight)
@@ -128,11 +128,10 @@ def test_the_decode_kernel_matches_the_reference_at_llama_8b(
     for m in (1, 3, 8, 16):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         expected = reference(a, qweight, scales, z, size)
-        block_m = w4a16_kernels.row_bucket(m)
-        rule = w4a16_kernels.rule_tiles(min(m, w4a16_kernels.GEMV_ROWS), n, k, sms)
+        rule = w4a16_kernels.rule_tiles(1, n, k, sms)  # a program per row
         for tiles in (
-            w4a16_kernels.GemvTiles(block_m, rule.block_n, rule.split_k),
-            w4a16_kernels.GemvTiles(block_m, 16, 4, warps=8, stages=2),
+            dataclasses.replace(rule, split_k=w4a16_kernels.split_k(m, n, k, 1, 128, sms)),
+            w4a16_kernels.GemvTiles(w4a16_kernels.row_bucket(m), 16, 4, warps=8, stages=2),
         ):
             got = w4a16_kernels.run_w4a16(a, tiled, scales, z, size, tiles)
             assert_close(got, expected, torch.bfloat16)

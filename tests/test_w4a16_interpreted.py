@@ -139,9 +139,8 @@ def test_prefill_rows_and_odd_groups_take_the_dequantized_product() -> None:
         (1, 28672, 4096, kernels.GemvTiles(1, 128, 4)),  # llama-8b gate/up: 224 column tiles
         (1, 4096, 14336, kernels.GemvTiles(1, 128, 16)),  # down: 112 blocks, 16 splits of 7
         (1, 6144, 4096, kernels.GemvTiles(1, 128, 8)),  # qkv: 32 blocks, no split under 4
-        (3, 4096, 4096, kernels.GemvTiles(4, 64, 8)),  # o, rows in a tile of 4
-        (8, 28672, 4096, kernels.GemvTiles(8, 32, 1)),  # 896 column tiles
-        (16, 28672, 4096, kernels.Tiles(16, 128, 4)),  # past GEMV_ROWS: the tensor cores
+        (2, 4096, 4096, kernels.GemvTiles(1, 128, 8)),  # o, a program per row
+        (3, 28672, 4096, kernels.Tiles(16, 128, 4)),  # past GEMV_ROWS: the tensor cores
         (64, 4096, 4096, kernels.Tiles(64, 128, 8)),  # o
         (127, 28672, 4096, kernels.Tiles(128, 128, 4)),  # one row tile (not swept: 65-127 rows)
     ],

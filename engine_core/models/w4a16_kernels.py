@@ -199,8 +199,9 @@ def _w4a16_gemv_kernel(
     """The decode product on CUDA cores. Program (row tile, column tile, split): C[rows, cols]
     over blocks [split * TILES_PER_SPLIT, +TILES_PER_SPLIT) of K. Each block is one [16, BLOCK_N]
     tile of words (16-byte loads along N, the next block's in flight); nibble i of word row j is
-    column 16i + j of the block, so (q - zero) * x sums into a [16, BLOCK_N] partial per row,
-    exact in float32, that is scaled once per group rather than once per weight. One row keeps
+    column 16i + j of the block, so q * x sums into a [16, BLOCK_N] partial per row, exact in
+    float32, from which zero * (the group's sum of x) is taken and which is scaled, once per
+    group rather than once per weight. One row keeps
     its tensors two-dimensional (no axis of length 1 for the compiler to lay out)."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -216,6 +217,10 @@ def _w4a16_gemv_kernel(
     else:
         a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rj[None, :]  # [BLOCK_M, PLANE]
     words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok[None, :], other=0)
+    # Per-column values loaded as [PLANE, BLOCK_N] tiles (rows alike, L1 hits) take the words'
+    # register layout; a [BLOCK_N] vector would be shuffled through shared memory per use.
+    cols = rj[:, None] * 0 + rn[None, :]
+    cols_ok = cols < N
     acc = _row_partials(BLOCK_M, BLOCK_N)
     for tile in range(first, last):
         w_ptrs += _PLANE * N
@@ -225,16 +230,26 @@ def _w4a16_gemv_kernel(
         for i in tl.static_range(8):
             k = tile * _TILE_K + i * _PLANE
             if i % PLANES_PER_GROUP == 0:
-                scale, zero = _group_scale_zero(
-                    Scales, Zeros, k, N, rn, n_ok, GROUPS, GROUP, HAS_ZEROS
-                )
+                group = tl.minimum(k // GROUP, GROUPS - 1)  # padding past K: the last group
+                scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0)
+                if HAS_ZEROS:
+                    zero = tl.load(Zeros + group * N + cols, mask=cols_ok, other=0).to(tl.float32)
                 part = _row_partials(BLOCK_M, BLOCK_N)
+                a_sum = tl.zeros(a_ptrs.shape, dtype=tl.float32)
             place = 1 << (4 * (i % 5))  # the nibble's place value, taken off a instead
-            offset = _MAGIC + zero * place  # [BLOCK_N]
-            centred = _nibble_in_place(words, high, i) - offset  # (q - zero) * place, exact
             a = tl.load(a_ptrs + k, mask=_columns_ok(m_ok, k + rj < K, BLOCK_M), other=0.0)
-            part += _rows_times(a.to(tl.float32) * (1.0 / place), centred, BLOCK_M)
+            a = a.to(tl.float32)
+            if HAS_ZEROS:
+                q = _nibble_in_place(words, high, i) - _MAGIC  # q * place, exact
+                a_sum += a
+            else:  # (q - 8) * place, exact: the zero is a constant of the nibble
+                q = _nibble_in_place(words, high, i) - (_MAGIC + _SYMMETRIC_ZERO * place)
+            part += _rows_times(a * (1.0 / place), q, BLOCK_M)
             if (i + 1) % PLANES_PER_GROUP == 0:
+                if HAS_ZEROS:
+                    # sum (q - zero) * a = sum q * a - zero * sum a, row by row (the rows are
+                    # summed at the end): the zero point costs nothing per weight.
+                    part -= _rows_times(a_sum, zero, BLOCK_M)
                 acc += part * scale
         words = ahead
     out = _rows_out(acc, BLOCK_M)  # [BLOCK_M, BLOCK_N]
@@ -275,21 +290,6 @@ def _rows_times(a, centred, BLOCK_M: tl.constexpr):
 def _rows_out(acc, BLOCK_M: tl.constexpr):
     """The partials summed over their 16 word rows: [BLOCK_M, BLOCK_N]."""
     return tl.sum(acc, axis=0)[None, :] if BLOCK_M == 1 else tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _group_scale_zero(
-    Scales, Zeros, k, N, cols, cols_ok, GROUPS, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr
-):
-    """(scale, zero) [BLOCK_N] of the group holding column k, as float32 (every zero 8 without
-    zero points). Padded columns past K take the last group (their activations are 0)."""
-    group = tl.minimum(k // GROUP, GROUPS - 1)
-    scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(Zeros + group * N + cols, mask=cols_ok, other=0).to(tl.float32)
-    else:
-        zero = scale * 0.0 + _SYMMETRIC_ZERO
-    return scale, zero
 
 
 @triton.jit
@@ -365,10 +365,11 @@ class GemvTiles:
 
 Choice = Tiles | GemvTiles | None  # None: dequantize, then cuBLAS
 
-# Up to this many rows the CUDA-core kernel: it does one multiply-add per row and weight after a
-# dequantization of three instructions per weight, so its issue rate falls with the rows while the
-# tensor-core kernel's stays level (docs/design/quantization.md).
-GEMV_ROWS = 8
+# Up to this many rows the CUDA-core kernel, one program per row (its compiled loop, read off its
+# sm_90 machine code: about 6 instructions a weight at one row; a row tile of 4 spills):
+# each row costs a pass of its own, while the tensor-core kernel's time stays level
+# (docs/design/quantization.md).
+GEMV_ROWS = 2
 # The sweep's fastest tiles (`python -m benchmarks w4a16 --sweep`) by (row bucket, N, K), where
 # measured; other shapes take the rule in ``choose_tiles``.
 MEASURED: dict[tuple[int, int, int], Tiles | GemvTiles] = {}
@@ -410,12 +411,10 @@ def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Ch
 
 def rule_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles | GemvTiles:
     """The tiles for a shape the sweep has not measured: up to GEMV_ROWS rows the CUDA-core
-    kernel with 128 weight columns a program (fewer as the row tile grows, which multiplies the
-    registers a column takes), beyond it the tensor-core one."""
+    kernel, one row and 128 weight columns a program (the rows' programs run side by side, so
+    the second reads the weight from the L2), beyond it the tensor-core one."""
     if m <= GEMV_ROWS:
-        block_m = row_bucket(m)
-        block_n = 128 if block_m <= 2 else 256 // block_m
-        return GemvTiles(block_m, block_n, split_k(m, n, k, block_m, block_n, multiprocessors))
+        return GemvTiles(1, 128, split_k(m, n, k, 1, 128, multiprocessors))
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     return Tiles(block_m, 128, split_k(m, n, k, block_m, 128, multiprocessors))
 
