@@ -1,19 +1,26 @@
-"""`w4a16`: the W4A16 GEMM's tile configurations swept on a GPU, beside bf16.
+"""`w4a16`: the W4A16 products beside bf16 on a GPU, and a sweep of their tiles.
 
-    python -m benchmarks w4a16 --model llama-8b --rows 1,8,32,64,256,2048
+    python -m benchmarks w4a16                      # llama-8b, M = 1, 16, 64
+    python -m benchmarks w4a16 --sweep              # the same, and each kernel's tile grid
 
 For each projection of the preset (qkv, o, gate/up, down) and each row count M: µs a call of
-bf16 (cuBLAS, ``x @ W.T``), the engine's choice (``choose_tiles``), the dequantize-then-cuBLAS
-path, and the GEMM kernel at each tile
-configuration of a small grid (column tile, warps, pipelining stages, K split), with each one's
-largest error relative to the output's largest value against the dequantized reference. Groups
-of 128 columns, no zero points (as most GPTQ checkpoints), float32 scales as layers hold them.
+bf16 (cuBLAS, ``x @ W.T``), the tensor-core kernel at the tiles its rule picks (the decode
+path before the CUDA-core kernel), the engine's choice (``choose_tiles``: the CUDA-core kernel
+up to GEMV_ROWS rows), the dequantize-then-cuBLAS path, and the engine's bytes per second (the
+packed words, scales and zeros a call reads) against ``--hbm-tb-s`` (default 4.8). Groups of 128
+columns with zero points (AWQ's and asymmetric GPTQ's; the most bytes), float32 scales as
+layers hold them. Each form's largest error relative to the output's largest value against the
+dequantized reference is printed beside it.
+
+``--sweep`` adds every configuration of both kernels' grids (column tile, row tile, warps,
+pipelining stages, K split) and prints the fastest per shape, then the lines of
+``w4a16_kernels.MEASURED`` that would make the engine pick them: one GPU call tunes and measures.
 
 Each call is timed inside a CUDA graph of 20 calls (the decode steps replay graphs, so launch
 gaps are not counted), cycling through copies of the weights that exceed the L2, median of 5
 replays. A configuration that fails to compile or run is printed and skipped. ``--budget``
-(seconds, default 170) stops the grid early, keeping the fixed columns, so the sweep stays
-under about 4 minutes on one GPU.
+(seconds, default 170), shared evenly by the shapes, stops each shape's grid early, keeping the
+fixed columns, so the sweep stays under about 4 minutes on one GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +42,11 @@ CALLS_PER_GRAPH = 20
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-8b", help="a preset (default: llama-8b)")
-    parser.add_argument("--rows", default="1,8,32,64,256,2048", help="row counts M")
+    parser.add_argument("--rows", default="1,16,64", help="row counts M")
+    parser.add_argument("--sweep", action="store_true", help="also time each kernel's tile grid")
+    parser.add_argument(
+        "--hbm-tb-s", type=float, default=4.8, help="the memory bandwidth to compare against"
+    )
     parser.add_argument("--projections", default="gate_up,down,qkv,o", help="which projections")
     parser.add_argument("--budget", type=float, default=170.0, help="seconds for the grid")
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -98,70 +109,110 @@ class Projection:
         self.group = GROUP if k % GROUP == 0 else 64  # smollm2's K = 576
         l2 = torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else 0
         loaded = pack_int4(torch.randint(0, 16, (n, k), device=device, dtype=torch.uint8))
-        scales = torch.rand(k // self.group, n, device=device) * 0.002 + 0.001
-        self.reference_weight = dequantize(loaded, scales, None, self.group).bfloat16().float()
+        groups = k // self.group
+        scales = torch.rand(groups, n, device=device) * 0.002 + 0.001
+        zeros = torch.randint(0, 16, (groups, n), device=device, dtype=torch.uint8)
+        self.reference_weight = dequantize(loaded, scales, zeros, self.group).bfloat16().float()
         tiled = tile_qweight(loaded)
-        w4_bytes = loaded.numel() * 4 + scales.numel() * 4
-        self.copies_w4 = max(1, -(-2 * l2 // w4_bytes))
+        self.w4_bytes = tiled.numel() * 4 + scales.numel() * 4 + zeros.numel()
+        self.copies_w4 = max(1, -(-2 * l2 // self.w4_bytes))
         self.tiled = [tiled] + [tiled.clone() for _ in range(self.copies_w4 - 1)]
         self.scales = [scales] + [scales.clone() for _ in range(self.copies_w4 - 1)]
+        self.zeros = [zeros] + [zeros.clone() for _ in range(self.copies_w4 - 1)]
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
         self.copies_bf16 = max(1, -(-2 * l2 // (n * k * 2)))
         self.dense = [dense] + [dense.clone() for _ in range(self.copies_bf16 - 1)]
 
+    def product(self, x: Any, tiles: Any) -> Callable[[int], Any]:
+        """The W4A16 product of copy i at the given tiles (None: dequantize, then cuBLAS)."""
+        from engine_core.models import w4a16_kernels as wk
 
-def fixed_forms(p: Projection, x: Any, sms: int) -> dict[str, Callable[[int], Any]]:
-    """The columns every row count gets: bf16, the engine's choice, the dequantize-then-cuBLAS
-    path."""
+        return lambda i: wk.run_w4a16(
+            x, self.tiled[i], self.scales[i], self.zeros[i], self.group, tiles
+        )
+
+
+def tensor_core_tiles(m: int, n: int, k: int, sms: int) -> Any:
+    """The tensor-core kernel's tiles by its rule: the decode path before the CUDA-core one."""
     from engine_core.models import w4a16_kernels as wk
 
-    chosen = wk.choose_tiles(x.shape[0], p.n, p.k, p.group, sms)
-    return {
-        "bf16": lambda i: x @ p.dense[i].t(),
-        f"engine {describe(chosen)}": lambda i: wk.run_w4a16(
-            x, p.tiled[i], p.scales[i], None, p.group, chosen
-        ),
-        "dequantize+cuBLAS": lambda i: wk.run_w4a16(
-            x, p.tiled[i], p.scales[i], None, p.group, None
-        ),
-    }
-
-
-def grid(m: int, k: int) -> list[Any]:
-    """The kernel configurations swept at M rows: the row tile M needs, column tiles of 32-128,
-    4 or 8 warps, 1-3 stages, and for decode K splits up to 16."""
-    from engine_core.models.w4a16_kernels import TILE_K, Tiles
-
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    return wk.Tiles(block_m, 128, wk.split_k(m, n, k, block_m, 128, sms))
+
+
+def fixed_forms(p: Projection, x: Any, sms: int) -> dict[str, Callable[[int], Any]]:
+    """The columns every row count gets: bf16, the tensor-core kernel, the engine's choice, the
+    dequantize-then-cuBLAS path."""
+    from engine_core.models import w4a16_kernels as wk
+
+    m = x.shape[0]
+    chosen = wk.choose_tiles(m, p.n, p.k, p.group, sms)
+    forms = {"bf16": lambda i: x @ p.dense[i].t()}
+    if m < wk.DEQUANTIZE_ROWS:
+        forms["tensor cores"] = p.product(x, tensor_core_tiles(m, p.n, p.k, sms))
+    forms[f"engine {describe(chosen)}"] = p.product(x, chosen)
+    forms["dequantize+cuBLAS"] = p.product(x, None)
+    return forms
+
+
+def grid(m: int, n: int, k: int, sms: int) -> list[Any]:
+    """The configurations swept at M rows, nearest the rule's K split first (so a budget that
+    runs out has timed the likeliest). The tensor-core kernel (under 128 rows): the row tile M
+    needs, column tiles of 32-256, 4 or 8 warps, 1-3 stages, the weights as the left operand
+    (swapped) or the right. The CUDA-core kernel (up to 8 rows): a program per row or a row tile
+    of all M, column tiles of 64-256 (fewer for a row tile: its registers grow with rows x
+    columns), 4 or 8 warps, 1 or 2 stages. Both with K splits up to 16 while a split keeps 2
+    blocks."""
+    from engine_core.models.w4a16_kernels import TILE_K, GemvTiles, Tiles, row_bucket, rule_tiles
+
     blocks = -(-k // TILE_K)
     splits = [s for s in (1, 2, 4, 8, 16) if s <= blocks // 2 or s == 1] if m <= 64 else [1]
-    shapes = [(32, 4, 2), (64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2), (128, 8, 2)]
-    return [
-        Tiles(block_m, block_n, split, warps, stages)
-        for (block_n, warps, stages), split in itertools.product(shapes, splits)
-    ]
+    configs: list[Any] = []
+    if m <= 8:
+        configs += [
+            GemvTiles(block_m, block_n, split, warps, stages)
+            for block_m, block_n, warps, stages, split in itertools.product(
+                sorted({1, row_bucket(m)}), (64, 128, 256), (4, 8), (1, 2), splits
+            )
+            if block_m * block_n <= 256
+        ]
+    if m < 128:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        swapped = [(32, 4, 2), (64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2), (128, 8, 2)]
+        plain = [(64, 4, 2), (128, 4, 2), (128, 8, 3), (256, 8, 2)]
+        shapes = [(*s, True) for s in swapped] + [(*s, False) for s in plain]
+        configs += [
+            Tiles(block_m, block_n, split, warps, stages, swap)
+            for (block_n, warps, stages, swap), split in itertools.product(shapes, splits)
+        ]
+    rule = rule_tiles(m, n, k, sms).split_k
+    return sorted(configs, key=lambda t: abs(t.split_k.bit_length() - rule.bit_length()))
 
 
 def describe(tiles: Any) -> str:
     if tiles is None:
         return "dequantize+cuBLAS"
-    return f"m{tiles.block_m} n{tiles.block_n} s{tiles.split_k} w{tiles.warps} st{tiles.stages}"
+    kind = "gemv" if type(tiles).__name__ == "GemvTiles" else "mma" if tiles.swap else "mma-ab"
+    return (
+        f"{kind} m{tiles.block_m} n{tiles.block_n} s{tiles.split_k} w{tiles.warps} st{tiles.stages}"
+    )
 
 
-def measure(name: str, p: Projection, m: int, sms: int, deadline: float) -> list[dict[str, Any]]:
-    """Every form and configuration at M rows of one projection; failures printed, skipped."""
+def measure(
+    name: str, p: Projection, m: int, sms: int, deadline: float, sweep: bool
+) -> list[dict[str, Any]]:
+    """Every form (and, with ``sweep``, configuration) at M rows of one projection; failures
+    printed, skipped."""
     import torch
-
-    from engine_core.models import w4a16_kernels as wk
 
     x = torch.randn(m, p.k, device=p.device, dtype=torch.bfloat16)
     expected = x.float() @ p.reference_weight.t()
     forms = fixed_forms(p, x, sms)
-    if time.monotonic() < deadline:
-        for tiles in grid(m, p.k):
-            forms[f"kernel {describe(tiles)}"] = lambda i, t=tiles: wk.run_w4a16(
-                x, p.tiled[i], p.scales[i], None, p.group, t
-            )
+    tiles_of = {}
+    if sweep:
+        for tiles in grid(m, p.n, p.k, sms):
+            form = f"kernel {describe(tiles)}"
+            forms[form], tiles_of[form] = p.product(x, tiles), tiles
     results = []
     for form, call in forms.items():
         if form.startswith("kernel ") and time.monotonic() > deadline:
@@ -175,7 +226,7 @@ def measure(name: str, p: Projection, m: int, sms: int, deadline: float) -> list
             print(f"  FAILED {name} M={m} {form}: {type(exc).__name__}: {exc}"[:400], flush=True)
             continue
         row = {"projection": name, "n": p.n, "k": p.k, "rows": m, "form": form, "us": us}
-        results.append(row | {"error": error})
+        results.append(row | {"error": error, "tiles": tiles_of.get(form)})
         print(f"  {name} M={m} {form}: {us:.1f} us, error {fmt(error, '.1e')}", flush=True)
     return results
 
@@ -183,27 +234,49 @@ def measure(name: str, p: Projection, m: int, sms: int, deadline: float) -> list
 # ---- the report ---------------------------------------------------------------------------------
 
 
-def summary(results: list[dict[str, Any]]) -> list[list[str]]:
-    """One line per projection and row count: the fixed columns and the grid's best."""
+def summary(
+    results: list[dict[str, Any]], w4_bytes: dict[str, int], hbm_bytes_s: float
+) -> list[list[str]]:
+    """One line per projection and row count: the fixed columns, the engine's bytes per second,
+    and the grid's best."""
     lines = []
     keys = sorted({(r["projection"], r["rows"]) for r in results}, key=lambda t: (t[1], t[0]))
     for projection, m in keys:
         rows = [r for r in results if r["projection"] == projection and r["rows"] == m]
         by_form = {r["form"]: r for r in rows}
         engine = next((r for r in rows if r["form"].startswith("engine ")), None)
-        swept = [r for r in rows if r["form"].startswith("kernel ")]
-        best = min(swept, key=lambda r: r["us"]) if swept else None
+        best = fastest(rows)
         bf16 = by_form.get("bf16", {}).get("us")
+        gbs = w4_bytes[projection] / engine["us"] / 1e3 if engine else None
         lines.append(
             [
                 projection, str(m), fmt(bf16, ".1f"),
+                fmt(by_form.get("tensor cores", {}).get("us"), ".1f"),
                 fmt(engine and engine["us"], ".1f"), engine["form"][7:] if engine else "-",
+                fmt(gbs, ",.0f"), fmt(gbs and gbs * 1e9 / hbm_bytes_s, ".0%"),
+                fmt(bf16 / engine["us"] if engine and bf16 else None, ".2f"),
                 fmt(by_form.get("dequantize+cuBLAS", {}).get("us"), ".1f"),
                 fmt(best and best["us"], ".1f"), best["form"][7:] if best else "-",
-                fmt(bf16 / engine["us"] if engine and bf16 else None, ".2f"),
                 fmt(max((r["error"] for r in rows if r["error"] is not None), default=None), ".1e"),
             ]
         )  # fmt: skip
+    return lines
+
+
+def fastest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    swept = [r for r in rows if r["tiles"] is not None]
+    return min(swept, key=lambda r: r["us"]) if swept else None
+
+
+def measured_table(results: list[dict[str, Any]]) -> list[str]:
+    """The sweep's fastest tiles as lines of ``w4a16_kernels.MEASURED``, by (row bucket, N, K)."""
+    from engine_core.models.w4a16_kernels import row_bucket
+
+    lines = []
+    for n, k, m in sorted({(r["n"], r["k"], r["rows"]) for r in results}):
+        best = fastest([r for r in results if (r["n"], r["k"], r["rows"]) == (n, k, m)])
+        if best is not None:
+            lines.append(f"    ({row_bucket(m)}, {n}, {k}): {best['tiles']!r},")
     return lines
 
 
@@ -211,22 +284,31 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     print(Provenance.here(args.argv).format(), flush=True)
-    deadline = time.monotonic() + args.budget
     sms = torch.cuda.get_device_properties(0).multi_processor_count if args.device == "cuda" else 4
     rows = [int(r) for r in args.rows.split(",")]
     shapes = projection_shapes(args.model)
-    results = []
-    for name in args.projections.split(","):
+    names = args.projections.split(",")
+    per_shape = args.budget / (len(names) * len(rows))  # the grid's time for each shape
+    results, w4_bytes = [], {}
+    for name in names:
         projection = Projection(*shapes[name], args.device)
+        w4_bytes[name] = projection.w4_bytes
         for m in rows:
-            results += measure(name, projection, m, sms, deadline)
+            deadline = time.monotonic() + per_shape
+            results += measure(name, projection, m, sms, deadline, args.sweep)
         del projection
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    headers = ["projection", "M", "bf16 us", "engine us", "engine tiles", "deq+cuBLAS",
-               "best us", "best tiles", "bf16/engine", "max error"]  # fmt: skip
+    headers = ["projection", "M", "bf16 us", "tensor-core us", "engine us", "engine tiles",
+               "engine GB/s", "of HBM", "bf16/engine", "deq+cuBLAS", "best us",
+               "best tiles", "max error"]  # fmt: skip
     print()
-    print(format_table(headers, summary(results)))
+    print(format_table(headers, summary(results, w4_bytes, args.hbm_tb_s * 1e12)))
+    if args.sweep:
+        print("\nw4a16_kernels.MEASURED, from this sweep:")
+        print("\n".join(measured_table(results)))
     if args.json:
+        for r in results:
+            r["tiles"] = describe(r["tiles"]) if r["tiles"] is not None else None
         write_json(args.json, Provenance.here(args.argv), {"results": results})
     return 0

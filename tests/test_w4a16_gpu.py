@@ -16,6 +16,7 @@ abaf91b, the same kernels) before that run's time limit.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -104,10 +105,36 @@ def test_every_split_gives_the_unsplit_product(n: int, k: int) -> None:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         tiles = w4a16_kernels.choose_tiles(m, n, k, 128, sms)
         assert tiles is not None
-        whole = w4a16_kernels.Tiles(tiles.block_m, tiles.block_n, 1)
+        whole = dataclasses.replace(tiles, split_k=1)
         split = w4a16_kernels.run_w4a16(a, tiled, scales, z, 128, tiles)
         unsplit = w4a16_kernels.run_w4a16(a, tiled, scales, z, 128, whole)
         torch.testing.assert_close(split, unsplit, rtol=1e-2, atol=1e-2)
+
+
+LLAMA_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+
+
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+@pytest.mark.parametrize(("group", "zeros"), [(128, True), (128, False), (32, True), (-1, False)])
+def test_the_decode_kernel_matches_the_reference_at_llama_8b(
+    n: int, k: int, group: int, zeros: bool
+) -> None:
+    """The CUDA-core kernel at 1 to 16 rows of llama-8b's projections in bf16: a program per row
+    as the rule has it, and a row tile of all of them over a narrow column tile split in four."""
+    size = k if group == -1 else group
+    qweight, scales, z = layer(n, k, size, zeros)
+    tiled = tile_qweight(qweight)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 3, 8, 16):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        expected = reference(a, qweight, scales, z, size)
+        rule = w4a16_kernels.rule_tiles(1, n, k, sms)  # a program per row
+        for tiles in (
+            dataclasses.replace(rule, split_k=w4a16_kernels.split_k(m, n, k, 1, 128, sms)),
+            w4a16_kernels.GemvTiles(w4a16_kernels.row_bucket(m), 16, 4, warps=8, stages=2),
+        ):
+            got = w4a16_kernels.run_w4a16(a, tiled, scales, z, size, tiles)
+            assert_close(got, expected, torch.bfloat16)
 
 
 def test_groups_the_kernel_does_not_take_are_dequantized() -> None:
@@ -130,7 +157,7 @@ def test_every_configuration_of_the_sweep_matches_the_reference(n: int, k: int, 
     tiled = tile_qweight(qweight)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     expected = reference(a, qweight, scales, z, group)
-    for tiles in grid(m, k):
+    for tiles in grid(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count):
         got = w4a16_kernels.run_w4a16(a, tiled, scales, z, group, tiles)
         assert_close(got, expected, torch.bfloat16)
 

@@ -19,6 +19,7 @@ Skipped unless ``TRITON_INTERPRET=1`` (and triton importable):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,6 +33,12 @@ from engine_core.config import W4A16Config  # noqa: E402
 from engine_core.models import w4a16_kernels as kernels  # noqa: E402
 from engine_core.models.layers import Linear  # noqa: E402
 from engine_core.models.w4a16 import dequantize, pack_int4, tile_qweight  # noqa: E402
+from tests.quant_fixtures import (  # noqa: E402
+    awq_tensors,
+    gptq_tensors,
+    minmax_quantize,
+)
+from tests.quant_fixtures import dequantize as dequantize_fixture  # noqa: E402
 
 Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -79,14 +86,14 @@ def test_the_gemm_kernel_matches_the_reference(
 ) -> None:
     weight = layer(n, k, group, zeros)
     a = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    tiles = kernels.choose_tiles(m, n, k, group, multiprocessors=4)
-    assert tiles is not None  # the kernel, not the dequantized product
+    tiles = kernels.choose_tiles(max(m, kernels.GEMV_ROWS + 1), n, k, group, multiprocessors=4)
+    assert isinstance(tiles, kernels.Tiles)  # the tensor-core kernel
     block_m = tiles.block_m if m > 64 else min(tiles.block_m, 32)  # small tiles: several
-    tiles = kernels.Tiles(block_m, 32, tiles.split_k)
-    got = run(a, weight, group, tiles)
-    assert got.dtype == dtype and got.shape == (m, n)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    assert relative_error(got, reference(a, weight, group)) < tolerance
+    for swap in (True, False):  # the weights as the left operand, and as the right
+        got = run(a, weight, group, kernels.Tiles(block_m, 32, tiles.split_k, swap=swap))
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert relative_error(got, reference(a, weight, group)) < tolerance
 
 
 @pytest.mark.parametrize("split", [2, 3, 5])
@@ -129,19 +136,30 @@ def test_prefill_rows_and_odd_groups_take_the_dequantized_product() -> None:
 @pytest.mark.parametrize(
     ("m", "n", "k", "tiles"),
     [
-        (1, 28672, 4096, (16, 128, 4)),  # llama-8b gate/up: 224 column tiles, 4 splits
-        (1, 4096, 14336, (16, 128, 16)),  # down: 112 blocks, 16 splits of 7
-        (1, 6144, 4096, (16, 128, 8)),  # qkv: 32 blocks, no split under 4 of them
-        (64, 4096, 4096, (64, 128, 8)),  # o
-        (127, 28672, 4096, (128, 128, 4)),  # one row tile (not swept: 65-127 rows)
+        (1, 28672, 4096, kernels.GemvTiles(1, 128, 4)),  # llama-8b gate/up: 224 column tiles
+        (1, 4096, 14336, kernels.GemvTiles(1, 128, 16)),  # down: 112 blocks, 16 splits of 7
+        (1, 6144, 4096, kernels.GemvTiles(1, 128, 8)),  # qkv: 32 blocks, no split under 4
+        (2, 4096, 4096, kernels.GemvTiles(1, 128, 8)),  # o, a program per row
+        (3, 28672, 4096, kernels.Tiles(16, 128, 4)),  # past GEMV_ROWS: the tensor cores
+        (64, 4096, 4096, kernels.Tiles(64, 128, 8)),  # o
+        (127, 28672, 4096, kernels.Tiles(128, 128, 4)),  # one row tile (not swept: 65-127 rows)
     ],
 )
 def test_decode_tiles_fill_an_h200_four_times_over(
-    m: int, n: int, k: int, tiles: tuple[int, int, int]
+    m: int, n: int, k: int, tiles: kernels.Tiles | kernels.GemvTiles
 ) -> None:
-    """The table's rule at 132 multiprocessors: the sweep's fastest tiles, or within 6%, at
-    these shapes (docs/bench-logs/2026-12-02-h200-w4a16-tiled-sweep.log)."""
-    assert kernels.choose_tiles(m, n, k, 128, 132) == kernels.Tiles(*tiles)
+    """The rule for shapes the sweep has not measured, at 132 multiprocessors."""
+    assert kernels.rule_tiles(m, n, k, 132) == tiles
+
+
+def test_measured_tiles_take_the_place_of_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    swept = kernels.GemvTiles(1, 256, 2, warps=8, stages=2)
+    monkeypatch.setitem(kernels.MEASURED, (1, 6144, 4096), swept)
+    assert kernels.choose_tiles(1, 6144, 4096, 128, 132) == swept
+    assert kernels.choose_tiles(2, 6144, 4096, 128, 132) == kernels.rule_tiles(2, 6144, 4096, 132)
+    # Groups that straddle a 16-column slice still go to the dequantized product.
+    monkeypatch.setitem(kernels.MEASURED, (1, 64, 96), swept)
+    assert kernels.choose_tiles(1, 64, 96, 24, 132) is None
 
 
 def test_a_weight_in_the_loaded_layout_is_refused() -> None:
@@ -166,3 +184,129 @@ def test_an_act_order_linear_tiled_matches_it_untiled() -> None:
     tiles = kernels.Tiles(16, 32, 2)
     got = kernels.run_w4a16(x[:, module.perm.long()], tile_qweight(qweight), scales, z, 64, tiles)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- the decode kernel (CUDA cores) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "group", "zeros"),
+    [
+        (37, 256, 128, False),  # an odd N: a partial column tile, rows not whole words of N
+        (72, 384, 64, True),  # two groups a block: scales reloaded at nibble 4
+        (40, 256, 32, True),  # four groups a block
+        (24, 320, 320, True),  # one group over a K of 2.5 blocks: padded
+        (16, 640, 128, True),  # five blocks: uneven K splits
+    ],
+)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_decode_kernel_matches_the_reference(
+    m: int, n: int, k: int, group: int, zeros: bool, dtype: torch.dtype
+) -> None:
+    """Every row tile the rule and the sweep use (1 to 16 rows), against the dequantized weight;
+    column tiles of 16 and 32 and K split three ways, so partial tiles and splits are met."""
+    weight = layer(n, k, group, zeros, seed=m)
+    a = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    expected = reference(a, weight, group)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    for block_n, split in ((16, 1), (32, 3)):
+        tiles = kernels.GemvTiles(kernels.row_bucket(m), block_n, split)
+        got = run(a, weight, group, tiles)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert relative_error(got, expected) < tolerance
+
+
+def test_the_decode_kernel_takes_zero_points_of_16() -> None:
+    """GPTQ's original format stores a zero of 16 (it stores 15 = zero - 1): the largest value
+    the in-place nibbles meet, (q - 16) * 16**4 beside 2**23, still exact."""
+    qweight, scales, _ = layer(32, 256, 64, zeros=False)
+    sixteen = torch.full((4, 32), 16, dtype=torch.uint8)
+    a = torch.randn(1, 256, generator=torch.Generator().manual_seed(8))
+    got = run(a, (qweight, scales, sixteen), 64, kernels.GemvTiles(1, 32, 1))
+    assert relative_error(got, reference(a, (qweight, scales, sixteen), 64)) < 1e-5
+
+
+Checkpoint = tuple[W4A16Config, dict[str, torch.Tensor], torch.Tensor]
+
+
+def awq_checkpoint(n: int, k: int, group: int) -> Checkpoint:
+    tensors, weight = awq_tensors(torch.randn(n, k) * 0.05, group)
+    return W4A16Config(source="awq", group_size=group, zero_points=True), tensors, weight
+
+
+def gptq_checkpoint(n: int, k: int, group: int, act_order: bool, symmetric: bool) -> Checkpoint:
+    tensors, weight = gptq_tensors(torch.randn(n, k) * 0.05, group, act_order, symmetric, False, 3)
+    config = W4A16Config(
+        source="gptq", group_size=group, zero_points=True, act_order=act_order,
+        zero_offset=1,
+    )  # fmt: skip
+    return config, tensors, weight
+
+
+def compressed_tensors_checkpoint(n: int, k: int, group: int, symmetric: bool) -> Checkpoint:
+    """pack-quantized as compressed-tensors' own packer writes it: signed values, packed along
+    K; zero points (asymmetric) packed along N."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g_idx = torch.arange(k) // (k if group == -1 else group)
+    weight = torch.randn(n, k) * 0.05
+    q, scale, zero = minmax_quantize(weight, g_idx, int(g_idx.max()) + 1, symmetric)
+    tensors = {
+        "weight_packed": pack_to_int32((q - 8).to(torch.int8), 4, packed_dim=1),
+        "weight_scale": scale.to(torch.bfloat16),
+        "weight_shape": torch.tensor([n, k]),
+    }
+    if not symmetric:
+        tensors["weight_zero_point"] = pack_to_int32((zero - 8).to(torch.int8), 4, packed_dim=0)
+    config = W4A16Config(source="compressed-tensors", group_size=group, zero_points=not symmetric)
+    return config, tensors, dequantize_fixture(q, scale.to(torch.bfloat16), zero, g_idx)
+
+
+def loaded_linear(checkpoint: Checkpoint) -> Linear:
+    """A W4A16 Linear loaded from the checkpoint's tensors as the loader loads them (repacked
+    into our layout, act-order columns sorted), on the CPU: qweight in the loaded layout."""
+    config, tensors, weight = checkpoint
+    n, k = weight.shape
+    with torch.device("meta"):
+        module = Linear(k, n, bias=False)
+        module.make_w4a16(config, "test")
+    module.to_empty(device="cpu")
+    for hf_name, tensor in tensors.items():
+        for name, held in module.w4a16_form(hf_name, tensor, hf_name):
+            module.load_quantized(name, held, None, hf_name)
+    module.finish_loading("test")
+    return module
+
+
+@pytest.mark.parametrize(
+    ("make", "n", "k"),
+    [
+        (lambda: awq_checkpoint(40, 256, 32), 40, 256),
+        (lambda: awq_checkpoint(64, 384, 128), 64, 384),
+        (lambda: gptq_checkpoint(48, 256, 64, act_order=True, symmetric=False), 48, 256),
+        (lambda: gptq_checkpoint(48, 256, 32, act_order=True, symmetric=True), 48, 256),
+        (lambda: gptq_checkpoint(24, 192, -1, act_order=False, symmetric=False), 24, 192),
+        (lambda: compressed_tensors_checkpoint(37, 256, 128, symmetric=True), 37, 256),
+        (lambda: compressed_tensors_checkpoint(32, 256, 64, symmetric=False), 32, 256),
+    ],
+    ids=["awq-32", "awq-128", "gptq-actorder-64", "gptq-actorder-sym-32", "gptq-1group",
+         "ct-odd-n", "ct-zeros-64"],
+)  # fmt: skip
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_each_format_after_repacking_through_the_decode_kernel(
+    make: Callable[[], Checkpoint], n: int, k: int, m: int
+) -> None:
+    """A checkpoint in each format's own layout, loaded into a Linear, tiled as on CUDA and
+    multiplied by the decode kernel: the product of the weight the quantizer meant (the
+    fixture's (q - zero) * scale, in the checkpoint's own column order)."""
+    checkpoint = make()
+    module = loaded_linear(checkpoint)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(9))
+    rows = x if module.perm is None else x[:, module.perm.long()]
+    tiles = kernels.GemvTiles(kernels.row_bucket(m), 16, 2)
+    got = kernels.run_w4a16(
+        rows, tile_qweight(module.qweight.data), module.scales.data,
+        None if module.zeros is None else module.zeros.data, module.group_size, tiles,
+    )  # fmt: skip
+    torch.testing.assert_close(got, F.linear(x, checkpoint[2]), rtol=1e-5, atol=1e-5)

@@ -3,22 +3,32 @@ weight in the kernel's layout of engine_core/models/w4a16.py (``tile_qweight``: 
 [Kp / 8, N], blocks of 128 columns interleaved so that nibble i of a block's 16 word rows holds
 16 consecutive columns; scales float32 [G, N]; zeros uint8 [G, N] or none).
 
-Two paths, chosen by a table (``choose_tiles``), nothing tuned at run time (CUDA graphs replay
-what was captured):
+Three paths, chosen by ``choose_tiles`` (the sweep's table, else a rule), nothing tuned at run
+time (CUDA graphs replay what was captured; a grid depends only on shapes):
 
-- up to 127 rows (decode), one kernel dequantizing in registers. A program takes BLOCK_N
-  weight columns and BLOCK_M activation rows over a range of 128-column blocks. Per block it
-  loads one [16, BLOCK_N] tile of words (contiguous along N) and makes eight [16, BLOCK_N]
-  weight slices out of it, one per nibble: shift, mask, OR into the mantissa of 2**23 (a float
-  whose last mantissa bit is worth 1), subtract 2**23 + zero, times the scale, rounded once to
-  the activations' dtype as the reference rounds it. No integer-to-float conversion, no
-  reshape of the tile: each slice is 16 consecutive columns of K and goes to the tensor cores
-  as it is, against the matching 16 columns of A ("swap AB": the weight columns on the matrix
-  unit's wide side, a few decode rows on its narrow one). The next block's words are loaded
-  before this block is multiplied, so a load is always in flight. Decode splits the blocks
-  over SPLIT_K programs when the weight tiles alone would leave multiprocessors idle; their
-  float32 partials are summed by a second small kernel (in a fixed order: the same sums on
-  every replay, unlike atomics).
+- up to GEMV_ROWS rows (decode), ``_w4a16_gemv_kernel`` on CUDA cores, reading the weight at
+  HBM speed is the whole job. A program takes BLOCK_N weight columns and BLOCK_M rows over a
+  range of 128-column blocks; per block one [16, BLOCK_N] tile of words (16-byte loads along
+  N, the next block's in flight). Each nibble is masked where it lies in its word and OR'd into
+  the mantissa of 2**23 (nibbles 5-7 after one shift of the word by 20), so the float is
+  2**23 + q * 16**e; subtracting 2**23 + zero * 16**e leaves (q - zero) * 16**e exactly, and
+  the activation, divided by 16**e, takes the place value off: three instructions a weight
+  (mask-and-OR, subtract, multiply-add) besides the product's own. The partial sums are scaled
+  once per group, not per weight (the reference rounds each weight to the activations' dtype
+  first; this kernel does not, so it is as close to the exact product or closer).
+- up to 127 rows, ``_w4a16_kernel`` on the tensor cores, dequantizing in registers. A program
+  takes BLOCK_N weight columns and BLOCK_M activation rows over a range of 128-column blocks.
+  Per block it loads one [16, BLOCK_N] tile of words (contiguous along N) and makes eight
+  [16, BLOCK_N] weight slices out of it, one per nibble: shift, mask, OR into the mantissa of
+  2**23 (a float whose last mantissa bit is worth 1), subtract 2**23 + zero, times the scale,
+  rounded once to the activations' dtype as the reference rounds it. No integer-to-float
+  conversion, no reshape of the tile: each slice is 16 consecutive columns of K and goes to the
+  tensor cores as it is, against the matching 16 columns of A ("swap AB": the weight columns on
+  the matrix unit's wide side, a few decode rows on its narrow one). The next block's words are
+  loaded before this block is multiplied, so a load is always in flight. Both decode kernels
+  split the blocks over SPLIT_K programs when the weight tiles alone would leave
+  multiprocessors idle; their float32 partials are summed by a second small kernel (in a fixed
+  order: the same sums on every replay, unlike atomics).
 - from 128 rows (and for group sizes that are not whole 16-column slices): the weight is
   dequantized by a kernel into a [K, N] buffer in the activations' dtype, then cuBLAS. The
   product is compute-bound there, and a tensor-core GEMM in cuBLAS's hands beats dequantizing
@@ -52,7 +62,9 @@ DEQUANTIZE_MAX_VALUES = 2**28
 _TILE_K = tl.constexpr(TILE_K)
 _PLANE = tl.constexpr(PLANE)
 _MAGIC = tl.constexpr(MAGIC)
+_MAGIC_BITS = tl.constexpr(0x4B000000)  # MAGIC's bits
 _SYMMETRIC_OFFSET = tl.constexpr(MAGIC + SYMMETRIC_ZERO)
+_SYMMETRIC_ZERO = tl.constexpr(float(SYMMETRIC_ZERO))
 
 
 @triton.jit
@@ -102,9 +114,95 @@ def _w4a16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SWAP: tl.constexpr,  # weights as the product's left operand: C.T = W @ A.T
 ):
-    """Program (row tile, column tile, split): the [BLOCK_N, BLOCK_M] tile of C.T over blocks
-    [split * TILES_PER_SPLIT, +TILES_PER_SPLIT) of K."""
+    """Program (row tile, column tile, split): the [BLOCK_N, BLOCK_M] tile of C.T (SWAP), or the
+    [BLOCK_M, BLOCK_N] tile of C = A @ W.T, over blocks [split * TILES_PER_SPLIT,
+    +TILES_PER_SPLIT) of K. The weight slice [PLANE, BLOCK_N] is the right operand as it is; SWAP
+    transposes it to put the weight columns on the matrix unit's wide side."""
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, _PLANE)
+    first = split * TILES_PER_SPLIT
+    last = tl.minimum(first + TILES_PER_SPLIT, TILES)
+    w_ptrs = QWeight + (first * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
+    # Rows, weight columns and K as the two axes of the activations' tile and the output's.
+    if SWAP:
+        rows, cols, ks = rm[None, :], rn[:, None], rj[:, None]  # a [PLANE, BLOCK_M]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        rows, cols, ks = rm[:, None], rn[None, :], rj[None, :]  # a [BLOCK_M, PLANE]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_ptrs = A + rows.to(tl.int64) * stride_am + ks
+    # [PLANE, BLOCK_N]; rj < 16 * (blocks left): all rows while a block is left, none after.
+    n_ok = rn[None, :] < N
+    words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok, other=0)
+    for tile in range(first, last):
+        w_ptrs += _PLANE * N
+        ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok
+        ahead = tl.load(w_ptrs, mask=ahead_ok, other=0)  # in flight while this block runs
+        for i in tl.static_range(8):
+            k = tile * _TILE_K + i * _PLANE
+            if i % PLANES_PER_GROUP == 0:
+                scale, offset = _group_params(
+                    Scales, Zeros, k, N, rn[None, :], n_ok, GROUPS, GROUP, HAS_ZEROS
+                )
+            w = ((_nibbles(words, i) - offset) * scale).to(A.dtype.element_ty)
+            a = tl.load(a_ptrs + k, mask=(rows < M) & (k + ks < K), other=0.0)
+            if SWAP:
+                acc = tl.dot(tl.trans(w), a, acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        words = ahead
+    mask = (rows < M) & (cols < N)
+    if SPLIT:
+        p_ptrs = Part + (split * M + rows).to(tl.int64) * N + cols
+        tl.store(p_ptrs, acc, mask=mask)
+    else:
+        c_ptrs = C + rows.to(tl.int64) * stride_cm + cols
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nibble_in_place(words, high, i: tl.constexpr):
+    """Nibble i of each word as the float32 2**23 + q * 16**(i % 5): the nibble masked where it
+    lies (no shift) and OR'd into the mantissa of 2**23, whose 23 bits hold nibbles 0-4. Nibbles
+    5-7 come from ``high``, the words shifted right by 20 once."""
+    source = words if i < 5 else high
+    return ((source & (0xF << (4 * (i % 5)))) | _MAGIC_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_gemv_kernel(
+    A,  # [M, K]
+    QWeight,  # [Kp / 8, N] int32, tiled
+    Scales,  # [G, N] float32
+    Zeros,  # [G, N] uint8 (unread without HAS_ZEROS)
+    C,  # [M, N] (not SPLIT)
+    Part,  # [SPLIT_K, M, N] float32 (SPLIT)
+    M,
+    N,
+    K,
+    GROUPS,
+    stride_am,
+    stride_cm,
+    TILES,  # Kp / 128
+    TILES_PER_SPLIT,
+    GROUP: tl.constexpr,
+    PLANES_PER_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """The decode product on CUDA cores. Program (row tile, column tile, split): C[rows, cols]
+    over blocks [split * TILES_PER_SPLIT, +TILES_PER_SPLIT) of K. Each block is one [16, BLOCK_N]
+    tile of words (16-byte loads along N, the next block's in flight); nibble i of word row j is
+    column 16i + j of the block, so q * x sums into a [16, BLOCK_N] partial per row, exact in
+    float32, from which zero * (the group's sum of x) is taken and which is scaled, once per
+    group rather than once per weight. One row keeps
+    its tensors two-dimensional (no axis of length 1 for the compiler to lay out)."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,31 +212,84 @@ def _w4a16_kernel(
     first = split * TILES_PER_SPLIT
     last = tl.minimum(first + TILES_PER_SPLIT, TILES)
     w_ptrs = QWeight + (first * _PLANE + rj)[:, None].to(tl.int64) * N + rn[None, :]
-    a_ptrs = A + rm[None, :].to(tl.int64) * stride_am + rj[:, None]  # [PLANE, BLOCK_M]
-    # [PLANE, BLOCK_N]; rj < 16 * (blocks left): all rows while a block is left, none after.
+    if BLOCK_M == 1:
+        a_ptrs = A + pid_m.to(tl.int64) * stride_am + rj  # [PLANE]
+    else:
+        a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rj[None, :]  # [BLOCK_M, PLANE]
     words = tl.load(w_ptrs, mask=(rj[:, None] < (last - first) * _PLANE) & n_ok[None, :], other=0)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # Per-column values loaded as [PLANE, BLOCK_N] tiles (rows alike, L1 hits) take the words'
+    # register layout; a [BLOCK_N] vector would be shuffled through shared memory per use.
+    cols = rj[:, None] * 0 + rn[None, :]
+    cols_ok = cols < N
+    acc = _row_partials(BLOCK_M, BLOCK_N)
     for tile in range(first, last):
         w_ptrs += _PLANE * N
         ahead_ok = (rj[:, None] < (last - tile - 1) * _PLANE) & n_ok[None, :]
         ahead = tl.load(w_ptrs, mask=ahead_ok, other=0)  # in flight while this block runs
+        high = words >> 20
         for i in tl.static_range(8):
             k = tile * _TILE_K + i * _PLANE
             if i % PLANES_PER_GROUP == 0:
-                scale, offset = _group_params(
-                    Scales, Zeros, k, N, rn[None, :], n_ok[None, :], GROUPS, GROUP, HAS_ZEROS
-                )
-            w = ((_nibbles(words, i) - offset) * scale).to(A.dtype.element_ty)
-            a = tl.load(a_ptrs + k, mask=m_ok[None, :] & (k + rj < K)[:, None], other=0.0)
-            acc = tl.dot(tl.trans(w), a, acc, input_precision=PRECISION)
+                group = tl.minimum(k // GROUP, GROUPS - 1)  # padding past K: the last group
+                scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0)
+                if HAS_ZEROS:
+                    zero = tl.load(Zeros + group * N + cols, mask=cols_ok, other=0).to(tl.float32)
+                part = _row_partials(BLOCK_M, BLOCK_N)
+                a_sum = tl.zeros(a_ptrs.shape, dtype=tl.float32)
+            place = 1 << (4 * (i % 5))  # the nibble's place value, taken off a instead
+            a = tl.load(a_ptrs + k, mask=_columns_ok(m_ok, k + rj < K, BLOCK_M), other=0.0)
+            a = a.to(tl.float32)
+            if HAS_ZEROS:
+                q = _nibble_in_place(words, high, i) - _MAGIC  # q * place, exact
+                a_sum += a
+            else:  # (q - 8) * place, exact: the zero is a constant of the nibble
+                q = _nibble_in_place(words, high, i) - (_MAGIC + _SYMMETRIC_ZERO * place)
+            part += _rows_times(a * (1.0 / place), q, BLOCK_M)
+            if (i + 1) % PLANES_PER_GROUP == 0:
+                if HAS_ZEROS:
+                    # sum (q - zero) * a = sum q * a - zero * sum a, row by row (the rows are
+                    # summed at the end): the zero point costs nothing per weight.
+                    part -= _rows_times(a_sum, zero, BLOCK_M)
+                acc += part * scale
         words = ahead
-    mask = n_ok[:, None] & m_ok[None, :]
+    out = _rows_out(acc, BLOCK_M)  # [BLOCK_M, BLOCK_N]
+    mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
-        p_ptrs = Part + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
-        tl.store(p_ptrs, acc, mask=mask)
+        p_ptrs = Part + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(p_ptrs, out, mask=mask)
     else:
-        c_ptrs = C + rm[None, :].to(tl.int64) * stride_cm + rn[:, None]
-        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+        c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+        tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_partials(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zeros for the per-row partial sums: [PLANE, BLOCK_N] for one row, else
+    [BLOCK_M, PLANE, BLOCK_N]."""
+    if BLOCK_M == 1:
+        zeros = tl.zeros((_PLANE, BLOCK_N), dtype=tl.float32)
+    else:
+        zeros = tl.zeros((BLOCK_M, _PLANE, BLOCK_N), dtype=tl.float32)
+    return zeros
+
+
+@triton.jit
+def _columns_ok(m_ok, k_ok, BLOCK_M: tl.constexpr):
+    """The activations' load mask: [PLANE] for one row (which exists), else [BLOCK_M, PLANE]."""
+    return k_ok if BLOCK_M == 1 else m_ok[:, None] & k_ok[None, :]
+
+
+@triton.jit
+def _rows_times(a, centred, BLOCK_M: tl.constexpr):
+    """Activations a ([PLANE] or [BLOCK_M, PLANE]) times the centred nibbles [PLANE, BLOCK_N],
+    shaped as ``_row_partials``."""
+    return a[:, None] * centred if BLOCK_M == 1 else a[:, :, None] * centred[None, :, :]
+
+
+@triton.jit
+def _rows_out(acc, BLOCK_M: tl.constexpr):
+    """The partials summed over their 16 word rows: [BLOCK_M, BLOCK_N]."""
+    return tl.sum(acc, axis=0)[None, :] if BLOCK_M == 1 else tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -190,11 +341,38 @@ def _dequantize_kernel(
 
 @dataclass(frozen=True)
 class Tiles:
+    """The tensor-core kernel's tiles: rows and weight columns a program, K splits; ``swap``:
+    the weights as the product's left operand (``_w4a16_kernel``'s SWAP)."""
+
     block_m: int
     block_n: int
     split_k: int
     warps: int = 4
     stages: int = 2
+    swap: bool = True
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """The CUDA-core decode kernel's tiles (``_w4a16_gemv_kernel``), the same fields."""
+
+    block_m: int
+    block_n: int
+    split_k: int
+    warps: int = 4
+    stages: int = 1
+
+
+Choice = Tiles | GemvTiles | None  # None: dequantize, then cuBLAS
+
+# Up to this many rows the CUDA-core kernel, one program per row (its compiled loop, read off its
+# sm_90 machine code: about 6 instructions a weight at one row; a row tile of 4 spills):
+# each row costs a pass of its own, while the tensor-core kernel's time stays level
+# (docs/design/quantization.md).
+GEMV_ROWS = 2
+# The sweep's fastest tiles (`python -m benchmarks w4a16 --sweep`) by (row bucket, N, K), where
+# measured; other shapes take the rule in ``choose_tiles``.
+MEASURED: dict[tuple[int, int, int], Tiles | GemvTiles] = {}
 
 
 def group_constant(group: int, k: int) -> int:
@@ -212,25 +390,44 @@ def planes_per_group(group: int) -> int | None:
     return 8 if group % TILE_K == 0 else 1
 
 
-def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Tiles | None:
+def row_bucket(m: int) -> int:
+    """The row tile a product of M rows is measured and tabled under: a power of two."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Choice:
     """Tiles for an [M, K] x [N, K] product, or None: dequantize and use cuBLAS (from
-    DEQUANTIZE_ROWS rows on for weights of up to DEQUANTIZE_MAX_VALUES, and for groups the GEMM
-    kernel does not take). Otherwise 128 weight columns a program, and K split in two until the
-    programs fill the multiprocessors four times over or a split would get fewer than 4 blocks:
-    at llama-8b's projections and 1-64 rows that is the sweep's fastest configuration or within
-    6% of it (docs/design/quantization.md)."""
+    DEQUANTIZE_ROWS rows on for weights of up to DEQUANTIZE_MAX_VALUES, and for groups the
+    kernels do not take). Otherwise the sweep's tiles where MEASURED has the shape, else up to
+    GEMV_ROWS rows the CUDA-core kernel and beyond it the tensor-core one, each with K split in
+    two until the programs fill the multiprocessors four times over or a split would get fewer
+    than 4 blocks (docs/design/quantization.md)."""
     if planes_per_group(group_constant(group, k)) is None:
         return None
     if m >= DEQUANTIZE_ROWS and n * k <= DEQUANTIZE_MAX_VALUES:
         return None
+    return MEASURED.get((row_bucket(m), n, k)) or rule_tiles(m, n, k, multiprocessors)
+
+
+def rule_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles | GemvTiles:
+    """The tiles for a shape the sweep has not measured: up to GEMV_ROWS rows the CUDA-core
+    kernel, one row and 128 weight columns a program (the rows' programs run side by side, so
+    the second reads the weight from the L2), beyond it the tensor-core one."""
+    if m <= GEMV_ROWS:
+        return GemvTiles(1, 128, split_k(m, n, k, 1, 128, multiprocessors))
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 128
+    return Tiles(block_m, 128, split_k(m, n, k, block_m, 128, multiprocessors))
+
+
+def split_k(m: int, n: int, k: int, block_m: int, block_n: int, multiprocessors: int) -> int:
+    """K split in two until the programs fill the multiprocessors four times over or a split
+    would get fewer than 4 blocks of 128 columns."""
     blocks = triton.cdiv(k, TILE_K)
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
     while programs * split < 4 * multiprocessors and blocks >= 8 * split:
         split *= 2
-    return Tiles(block_m, block_n, split)
+    return split
 
 
 def w4a16_gemm(
@@ -261,7 +458,7 @@ def run_w4a16(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     group_size: int,
-    tiles: Tiles | None,
+    tiles: Choice,
 ) -> torch.Tensor:
     """``w4a16_gemm`` with the given tiles (None: dequantize, then cuBLAS)."""
     m, k = a.shape
@@ -271,7 +468,7 @@ def run_w4a16(
     group = group_constant(group_size, k)
     planes = planes_per_group(group)
     if planes is None:
-        raise ValueError(f"the W4A16 GEMM kernel does not take groups of {group_size} columns")
+        raise ValueError(f"the W4A16 GEMM kernels do not take groups of {group_size} columns")
     n = qweight.shape[1]
     a = a if a.stride(-1) == 1 else a.contiguous()
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -288,8 +485,11 @@ def run_w4a16(
     shape = {"GROUP": group, "PLANES_PER_GROUP": planes, "HAS_ZEROS": zeros is not None,
              "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SPLIT": tiles.split_k > 1,
              "num_warps": tiles.warps, "num_stages": tiles.stages}  # fmt: skip
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    _w4a16_kernel[grid](*args, PRECISION=precision, **shape)
+    if isinstance(tiles, GemvTiles):
+        _w4a16_gemv_kernel[grid](*args, **shape)
+    else:
+        precision = "ieee" if a.dtype == torch.float32 else "tf32"
+        _w4a16_kernel[grid](*args, PRECISION=precision, SWAP=tiles.swap, **shape)
     if tiles.split_k > 1:
         sum_splits(part, out)
     return out
