@@ -482,20 +482,14 @@ class Eagle3Proposer:
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes the head's cache adds to one block id of the pool: its layer's K and V."""
-        shapes = self.head.attention().cache_shapes(1, block_size)
-        return sum(math.prod(s) for s in shapes) * self.dtype.itemsize
+        return cache_block_bytes(self.head.attention(), block_size, self.dtype)
 
     def allocate_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
-        layer = self.head.attention()
-        own = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in
-               layer.cache_shapes(num_blocks, block_size)]  # fmt: skip
-        layer.bind_cache(own)
-        self.cache = own
-        self.block_size, self.backend = block_size, backend
-        logger.info(
-            "eagle3 head: its KV cache %.3f GiB beside the target's",
-            sum(t.numel() * t.element_size() for t in own) / 2**30,
+        self.cache = bind_own_cache(
+            self.head.attention(), num_blocks, block_size, self.dtype, self.device
         )
+        self.block_size, self.backend = block_size, backend
+        logger.info("eagle3 head: its KV cache %.3f GiB beside the target's", gib(self.cache))
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int) -> None:
         """CUDA graphs for the head, where the target has them (after ``allocate_cache``: they
@@ -745,6 +739,27 @@ class EntryStaging:
         if self.host.numel() < size:
             self.host = torch.zeros(2 * size, dtype=torch.int64, pin_memory=self.pinned)
         return self.host.numpy()
+
+
+def cache_block_bytes(attention: Any, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one layer's own cache (a proposer's, beside the target's) adds to a block id."""
+    return sum(math.prod(s) for s in attention.cache_shapes(1, block_size)) * dtype.itemsize
+
+
+def bind_own_cache(
+    attention: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """A proposer layer's cache of ``num_blocks`` blocks (indexed by the target's block ids),
+    zeroed and bound to its attention."""
+    own = [torch.zeros(s, dtype=dtype, device=device) for s in
+           attention.cache_shapes(num_blocks, block_size)]  # fmt: skip
+    attention.bind_cache(own)
+    return own
+
+
+def gib(tensors: Sequence[torch.Tensor]) -> float:
+    """The GiB the tensors hold."""
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
 
 def tokens_after(row: ScheduledRequest, count: int) -> list[int]:

@@ -32,7 +32,6 @@ step's (engine_core/speculative.py); the layer decides only how many tokens a st
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ from torch import nn
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.mla import LatentAttention
 from engine_core.config import ModelConfig
-from engine_core.eagle3 import Features, tokens_after
+from engine_core.eagle3 import Features, bind_own_cache, cache_block_bytes, gib, tokens_after
 from engine_core.forward_context import forward_context
 from engine_core.loader import default_dtype, normalize_fp8_names, read_json
 from engine_core.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
@@ -264,20 +263,14 @@ class MtpProposer:
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes the layer's cache adds to one block id of the pool: one latent row a token."""
-        shapes = self.layer.attention().cache_shapes(1, block_size)
-        return sum(math.prod(s) for s in shapes) * self.dtype.itemsize
+        return cache_block_bytes(self.layer.attention(), block_size, self.dtype)
 
     def allocate_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
-        attention = self.layer.attention()
-        own = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in
-               attention.cache_shapes(num_blocks, block_size)]  # fmt: skip
-        attention.bind_cache(own)
-        self.cache = own
-        self.block_size, self.backend = block_size, backend
-        logger.info(
-            "mtp layer: its latent cache %.3f GiB beside the target's",
-            sum(t.numel() * t.element_size() for t in own) / 2**30,
+        self.cache = bind_own_cache(
+            self.layer.attention(), num_blocks, block_size, self.dtype, self.device
         )
+        self.block_size, self.backend = block_size, backend
+        logger.info("mtp layer: its latent cache %.3f GiB beside the target's", gib(self.cache))
 
     def capture_graphs(self, max_seqs: int, max_model_len: int, max_prefill_tokens: int) -> None:
         """The target replays its graphs; the MTP layer runs eagerly (no graphs of it yet)."""

@@ -235,6 +235,21 @@ def assert_mixed_requests_give_plain_tokens(plain: LLM, spec: LLM, prompt: list[
     assert spec.engine.scheduler.block_manager.num_used_blocks == 0
 
 
+def assert_prefix_hits_give_plain_tokens(plain: LLM, spec: LLM, prompts: list[list[int]]) -> None:
+    """Prompts that extend earlier ones by 21 of their outputs start from prefix-cache hits:
+    the speculating engine's tokens are still the plain engine's, and no block is left held."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = spec.generate(prompts, params, detokenize=False)
+    longer = [p + f.token_ids[:21] for p, f in zip(prompts, first, strict=True)]
+    hits = spec.engine.scheduler.counts().prefix_cache_hits
+    got = spec.generate(longer, params, detokenize=False)
+    want = plain.generate(longer, params, detokenize=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.scheduler.counts().prefix_cache_hits > hits
+    spec.engine.scheduler.block_manager.check_integrity()
+    assert spec.engine.scheduler.block_manager.num_used_blocks == 0
+
+
 def test_a_draft_that_is_often_wrong_gives_the_same_tokens(engines: dict[str, LLM]) -> None:
     assert_mixed_requests_give_plain_tokens(engines["plain"], engines["near"], PROMPTS[2])
 

@@ -33,7 +33,10 @@ from tests.factories import (
     write_tiny_llama,
 )
 from tests.test_speculative import abort_two_of_three_with_drafts_in_flight
-from tests.test_speculative_draft import assert_mixed_requests_give_plain_tokens
+from tests.test_speculative_draft import (
+    assert_mixed_requests_give_plain_tokens,
+    assert_prefix_hits_give_plain_tokens,
+)
 
 K = 3
 VOCAB = 49152
@@ -179,16 +182,7 @@ def test_outputs_are_the_plain_engines_token_for_token(plain: LLM, spec: LLM) ->
 def test_prefix_cache_hits_give_the_same_tokens(plain: LLM, spec: LLM) -> None:
     """Prompts that extend earlier ones by their outputs start from prefix-cache hits: the
     head reads the cached blocks' entries, the output is still the plain engine's."""
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    first = spec.generate(PROMPTS, params, detokenize=False)
-    longer = [p + f.token_ids[:21] for p, f in zip(PROMPTS, first, strict=True)]
-    hits = spec.engine.scheduler.counts().prefix_cache_hits
-    got = spec.generate(longer, params, detokenize=False)
-    want = plain.generate(longer, params, detokenize=False)
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert spec.engine.scheduler.counts().prefix_cache_hits > hits
-    spec.engine.scheduler.block_manager.check_integrity()
-    assert spec.engine.scheduler.block_manager.num_used_blocks == 0
+    assert_prefix_hits_give_plain_tokens(plain, spec, PROMPTS)
 
 
 def test_aborting_requests_with_drafts_in_flight_frees_every_block(spec: LLM) -> None:
