@@ -1,5 +1,6 @@
-"""The LoRA product of a batch on CUDA: Triton kernels over a tile table, one fused kernel for a
-decode-sized table, shrink then expand for a larger one.
+"""The LoRA product of a batch on CUDA: Triton kernels over a tile table, shrink then expand;
+and a fused kernel of one launch a projection, which tables of up to FUSED_MAX_TILES tiles take
+(none since it measured slower at decode; the benchmark still compares it).
 
 A step's adapter rows come as tiles of up to ``TILE_ROWS`` rows of one slot
 (``LoraBatch.tiles``, batch.py).
