@@ -592,7 +592,7 @@ class Eagle3Proposer:
         (``propose_head_chain``), a graph replay where one fits. The rows go to the device
         once and the drafts come back once."""
         assert self.backend is not None
-        features = [self._feature_before(r) for r in rows]  # [H] each
+        features = [feature_before(self.features, r, "eagle3: no target feature") for r in rows]
         chain_rows = [replace(r, position=r.position - 1) for r in rows]
         graphs = self.proposal_graphs
         if graphs is not None and graphs.can_run(chain_rows):
@@ -610,21 +610,7 @@ class Eagle3Proposer:
         return drafts_of(drafts.tolist(), rows)
 
     def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
-        """f at ``position`` of a request, where the step that computed it kept it."""
-        kept = self.features.get(request_id)
-        if kept is None or not 0 <= position - kept.first < kept.rows.shape[0]:
-            return None
-        return kept.rows[position - kept.first]
-
-    def _feature_before(self, row: DraftRow) -> torch.Tensor:
-        """f at the row's position - 1, kept from the step that computed it."""
-        feature = self._kept_feature(row.request_id, row.position - 1)
-        if feature is None:
-            raise RuntimeError(
-                f"eagle3: no target feature kept for request {row.request_id!r} at position "
-                f"{row.position - 1}"
-            )
-        return feature
+        return feature_at(self.features, request_id, position)
 
 
 @dataclass
@@ -739,6 +725,28 @@ class EntryStaging:
         if self.host.numel() < size:
             self.host = torch.zeros(2 * size, dtype=torch.int64, pin_memory=self.pinned)
         return self.host.numpy()
+
+
+def feature_at(
+    features: dict[str, Features], request_id: str, position: int
+) -> torch.Tensor | None:
+    """The target's feature at ``position`` of a request, where the step that computed it kept
+    it (None: not kept)."""
+    kept = features.get(request_id)
+    if kept is None or not 0 <= position - kept.first < kept.rows.shape[0]:
+        return None
+    return kept.rows[position - kept.first]
+
+
+def feature_before(features: dict[str, Features], row: DraftRow, missing: str) -> torch.Tensor:
+    """The feature at the row's position - 1, which a proposal starts from; ``missing`` opens
+    the error if no step kept it."""
+    feature = feature_at(features, row.request_id, row.position - 1)
+    if feature is None:
+        raise RuntimeError(
+            f"{missing} kept for request {row.request_id!r} at position {row.position - 1}"
+        )
+    return feature
 
 
 def cache_block_bytes(attention: Any, block_size: int, dtype: torch.dtype) -> int:

@@ -44,7 +44,15 @@ from torch import nn
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.mla import LatentAttention
 from engine_core.config import ModelConfig
-from engine_core.eagle3 import Features, bind_own_cache, cache_block_bytes, gib, tokens_after
+from engine_core.eagle3 import (
+    Features,
+    bind_own_cache,
+    cache_block_bytes,
+    feature_at,
+    feature_before,
+    gib,
+    tokens_after,
+)
 from engine_core.forward_context import forward_context
 from engine_core.loader import default_dtype, normalize_fp8_names, read_json
 from engine_core.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
@@ -308,7 +316,7 @@ class MtpProposer:
         for i, s in enumerate(out.scheduled):
             count = query_start[i + 1] - query_start[i]
             row_positions = list(range(s.start, s.start + count))
-            before = self._kept_feature(s.request.request_id, s.start - 1)
+            before = feature_at(self.features, s.request.request_id, s.start - 1)
             if before is not None:
                 row_positions.insert(0, s.start - 1)
                 tokens.append(s.request.token_ids[s.start])
@@ -364,7 +372,8 @@ class MtpProposer:
         tokens = on_device([r.token for r in rows], torch.int64, device)  # [B]
         host_positions = [r.position - 1 for r in rows]
         positions = on_device(host_positions, torch.int64, device)  # [B]
-        feature = torch.stack([self._feature_before(r) for r in rows])  # [B, H]
+        missing = "mtp: no target hidden state"
+        feature = torch.stack([feature_before(self.features, r, missing) for r in rows])  # [B, H]
         live = list(range(len(rows)))
         steps: list[tuple[list[int], torch.Tensor]] = []
         for j in range(max(r.count for r in rows)):
@@ -387,21 +396,6 @@ class MtpProposer:
             for i, token in zip(live_rows, ids.tolist(), strict=True):
                 drafts[i].append(token)
         return drafts
-
-    def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
-        kept = self.features.get(request_id)
-        if kept is None or not 0 <= position - kept.first < kept.rows.shape[0]:
-            return None
-        return kept.rows[position - kept.first]
-
-    def _feature_before(self, row: DraftRow) -> torch.Tensor:
-        feature = self._kept_feature(row.request_id, row.position - 1)
-        if feature is None:
-            raise RuntimeError(
-                f"mtp: no target hidden state kept for request {row.request_id!r} at position "
-                f"{row.position - 1}"
-            )
-        return feature
 
 
 def load_mtp(
