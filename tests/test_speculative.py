@@ -399,9 +399,7 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
     """Whole, streamed, n = 2 and cut by a stop string inside a drafted run: the plain
     engine's text; /metrics counts the drafts. The draft model is a near copy of the target;
     the EAGLE-3 head a random one beside a 4-layer target."""
-    import httpx
     import openai
-    from prometheus_client.parser import text_string_to_metric_families
 
     from tests.server_fixture import start_server, stop_server, wait_engine_idle
 
@@ -439,15 +437,7 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
         assert cut.choices[0].text == want[: want.index(stop)]
         wait_engine_idle(srv)  # every KV block free, the integrity check passing
 
-        def counters() -> dict[str, float]:
-            text = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
-            families = text_string_to_metric_families(text)
-            return {s.name: s.value for family in families for s in family.samples}
-
-        deadline = time.monotonic() + 10  # the engine's counts come with its stats, each second
-        while (values := counters())["tandem_spec_decode_num_draft_tokens_total"] == 0:
-            assert time.monotonic() < deadline, "no drafts counted"
-            time.sleep(0.2)
+        values = counters_once_drafts_counted(srv.base_url)
         drafted = values["tandem_spec_decode_num_draft_tokens_total"]
         assert 0 < values["tandem_spec_decode_num_accepted_tokens_total"] <= drafted
         assert values["tandem_spec_decode_num_drafts_total"] > 0
@@ -462,6 +452,24 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
 # ---- sampled requests: the target's distribution -------------------------------------------------
 
 VOCAB = 16
+
+
+def counters_once_drafts_counted(base_url: str) -> dict[str, float]:
+    """The server's /metrics samples by name, read once its draft count is above 0 (the
+    engine's counts come with its stats, each second; 10 s at most)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counters() -> dict[str, float]:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        families = text_string_to_metric_families(text)
+        return {s.name: s.value for family in families for s in family.samples}
+
+    deadline = time.monotonic() + 10
+    while (values := counters())["tandem_spec_decode_num_draft_tokens_total"] == 0:
+        assert time.monotonic() < deadline, "no drafts counted"
+        time.sleep(0.2)
+    return values
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

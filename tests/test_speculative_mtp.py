@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from tests.test_models_deepseek import MLA, MOE, YARN
 from tests.test_speculative import (
     abort_two_of_three_with_drafts_in_flight,
     chi_square_p_value,
+    counters_once_drafts_counted,
     target_marginals,
 )
 from tests.test_speculative_draft import (
@@ -431,9 +431,7 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
 ) -> None:
     """Whole, streamed and cut by a stop string inside a drafted run, with the official
     client: the plain engine's text; /metrics counts drafts and kept ones."""
-    import httpx
     import openai
-    from prometheus_client.parser import text_string_to_metric_families
 
     from tests.server_fixture import start_server, stop_server, wait_engine_idle
 
@@ -456,15 +454,7 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
         assert cut.choices[0].text == want[: want.index(stop)]
         wait_engine_idle(srv)  # every KV block free, the integrity check passing
 
-        def counters() -> dict[str, float]:
-            text = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
-            families = text_string_to_metric_families(text)
-            return {s.name: s.value for family in families for s in family.samples}
-
-        deadline = time.monotonic() + 10  # the engine's counts come with its stats, each second
-        while (values := counters())["tandem_spec_decode_num_draft_tokens_total"] == 0:
-            assert time.monotonic() < deadline, "no drafts counted"
-            time.sleep(0.2)
+        values = counters_once_drafts_counted(srv.base_url)
         drafted = values["tandem_spec_decode_num_draft_tokens_total"]
         assert 0 < values["tandem_spec_decode_num_accepted_tokens_total"] < drafted
     finally:
