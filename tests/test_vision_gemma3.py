@@ -32,8 +32,8 @@ LONG_TEXT = " ".join(["a long question about the picture"] * 6)
 
 
 @pytest.fixture(scope="module")
-def vl_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gemma3_vl(tmp_path_factory.mktemp("tiny-gemma3-vl"), default_model_dir)
+def vl_dir(default_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gemma3_vl(tmp_path_factory.mktemp("tiny-gemma3-vl"), default_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

@@ -371,8 +371,30 @@ Choice = Tiles | GemvTiles | None  # None: dequantize, then cuBLAS
 # (docs/design/quantization.md).
 GEMV_ROWS = 2
 # The sweep's fastest tiles (`python -m benchmarks w4a16 --sweep`) by (row bucket, N, K), where
-# measured; other shapes take the rule in ``choose_tiles``.
-MEASURED: dict[tuple[int, int, int], Tiles | GemvTiles] = {}
+# measured (llama-8b's four projections; docs/design/quantization.md); other shapes take the
+# rule in ``choose_tiles``.
+MEASURED: dict[tuple[int, int, int], Tiles | GemvTiles] = {
+    (1, 4096, 4096): GemvTiles(block_m=1, block_n=64, split_k=8, warps=4, stages=1),
+    (2, 4096, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
+    (4, 4096, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
+    (16, 4096, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
+    (64, 4096, 4096): Tiles(block_m=64, block_n=128, split_k=8, warps=8, stages=2, swap=True),
+    (1, 4096, 14336): GemvTiles(block_m=1, block_n=128, split_k=16, warps=4, stages=2),
+    (2, 4096, 14336): GemvTiles(block_m=1, block_n=64, split_k=16, warps=4, stages=1),
+    (4, 4096, 14336): Tiles(block_m=16, block_n=64, split_k=16, warps=4, stages=2, swap=True),
+    (16, 4096, 14336): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
+    (64, 4096, 14336): Tiles(block_m=64, block_n=128, split_k=8, warps=8, stages=2, swap=True),
+    (1, 6144, 4096): GemvTiles(block_m=1, block_n=64, split_k=8, warps=4, stages=2),
+    (2, 6144, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
+    (4, 6144, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
+    (16, 6144, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
+    (64, 6144, 4096): Tiles(block_m=64, block_n=64, split_k=4, warps=4, stages=3, swap=True),
+    (1, 28672, 4096): GemvTiles(block_m=1, block_n=128, split_k=4, warps=4, stages=1),
+    (2, 28672, 4096): GemvTiles(block_m=1, block_n=128, split_k=2, warps=4, stages=1),
+    (4, 28672, 4096): Tiles(block_m=16, block_n=64, split_k=4, warps=4, stages=2, swap=True),
+    (16, 28672, 4096): Tiles(block_m=16, block_n=64, split_k=4, warps=4, stages=2, swap=True),
+    (64, 28672, 4096): Tiles(block_m=64, block_n=128, split_k=4, warps=8, stages=2, swap=True),
+}
 
 
 def group_constant(group: int, k: int) -> int:
