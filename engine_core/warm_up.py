@@ -17,7 +17,9 @@ reach the largest step the scheduler can plan in each dimension and each path of
 - the most sampled rows: ``max_num_seqs`` one-token prompts, each through every sampler stage
   with the most top logprobs (the sampler's [rows, vocab] temporaries at their largest);
 - greedy alone (the argmax shortcut of an all-greedy batch);
-- top-k alone at temperature 1 (the top-k filter without the sort).
+- top-k alone at temperature 1 (the top-k filter without the sort);
+- one-token rows ahead of prompts filling the budget: an eager step whose leading decodes the
+  Triton backend attends through its decode kernel (``MIXED_DECODE_ROWS``).
 
 What no warm-up step covers: cuBLAS's first call at each new row count (an eager step's products
 run at exactly its token count), 0.1-0.2 ms of host time a product and about 2.5 ms for some
@@ -37,6 +39,7 @@ import dataclasses
 from collections.abc import Iterable
 from itertools import chain, repeat
 
+from engine_core.attention.base import MIXED_DECODE_ROWS
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from protocol.codec import MAX_LOGPROBS
 from protocol.messages import PoolingKind, PoolingParams, SamplingParams
@@ -114,11 +117,13 @@ def warm_up_plans(limits: StepLimits, scored_chunk: int) -> list[SchedulerOutput
         (GREEDY, SHORT_PROMPT),
         (EVERY_STAGE_AND_PROMPT_LOGPROBS, scored_chunk + 1),
     ]
+    long_prompts = repeat((GREEDY, limits.max_model_len - 1))
     plans = [
-        limits.step(chain(most_tokens, repeat((GREEDY, limits.max_model_len - 1)))),
+        limits.step(chain(most_tokens, long_prompts)),
         limits.step(repeat((EVERY_SAMPLER_STAGE, 1))),
         limits.step([(GREEDY, SHORT_PROMPT)]),
         limits.step([(TOP_K_ALONE, SHORT_PROMPT)]),
+        limits.step(chain(repeat((GREEDY, 1), MIXED_DECODE_ROWS), long_prompts)),
     ]
     return [plan for plan in plans if not plan.is_empty]  # none where no prompt fits
 

@@ -17,6 +17,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -545,6 +546,46 @@ def test_backend_write_then_attend_matches_reference(decode_only: bool) -> None:
     backend.write_kv(batch.k_cache, batch.v_cache, batch.k, batch.v, batch.meta.slot_mapping)
     out = backend.forward(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
     assert batch.meta.is_decode_only == decode_only
+    assert_close(out, ref)
+
+
+# A mixed step as the scheduler lists one: running decodes first (some past a block or two of
+# context, one at a window's edge), then prompt chunks, one of them a cached prefix's rest.
+MIXED_SPECS = [(c, 1) for c in (0, 3, 15, 16, 40, 63, 64, 90, 127)] + [(0, 21), (30, 9), (2, 1)]
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_mixed_step_attends_its_leading_decodes_through_the_decode_kernel(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, sinks: bool
+) -> None:
+    """An eager step with MIXED_DECODE_ROWS or more leading decodes: those rows go through the
+    decode kernel, the rest (a decode after the prompts included) through the prefill kernel,
+    which skips the leading ones; the whole output equals the reference's."""
+    from engine_core.attention import triton_backend
+
+    heads, kv_heads, head_dim = HEAD_SHAPES[-1]
+    batch = make_batch(MIXED_SPECS, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=31)
+    meta = batch.meta
+    assert meta.leading_decodes == 9 >= triton_backend.MIXED_DECODE_ROWS
+    sink_logits = torch.randn(heads, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    sink_logits = sink_logits if sinks else None
+    rows_to_decode_kernel: list[int] = []
+    real_decode = triton_backend.paged_decode_attention
+
+    def counting_decode(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rows_to_decode_kernel.append(q.shape[0])
+        return real_decode(q, *args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", counting_decode)
+    scale = head_dim**-0.5
+    out = TritonBackend().forward(
+        batch.q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits
+    )
+    assert rows_to_decode_kernel == [9]
+    ref = REFERENCE.forward(
+        batch.q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits
+    )
     assert_close(out, ref)
 
 

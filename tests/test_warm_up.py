@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_core.attention.base import MIXED_DECODE_ROWS
 from engine_core.llm import LLM
 from engine_core.memory_plan import ModelTooLargeError
 from engine_core.request import SchedulerOutput
@@ -83,7 +84,7 @@ def test_the_first_two_plans_take_all_the_step_allows(
     leave, each takes it all."""
     budget, max_rows, max_model_len, block_size, num_blocks = limits
     plans = plans_for(limits)
-    assert len(plans) == 4
+    assert len(plans) == 5
     most_tokens, most_rows = plans[:2]
     for plan in (most_tokens, most_rows):
         blocks_left = num_blocks - sum(len(s.block_ids) for s in plan.scheduled)
@@ -101,6 +102,16 @@ def test_the_first_two_plans_take_all_the_step_allows(
             blocks_left = num_blocks - sum(len(b.block_ids) for b in before)
             wanted = min(SCORED_CHUNK + 1, max_model_len - 1)
             assert s.num_new_tokens == min(wanted, tokens_left, blocks_left * block_size)
+
+
+def test_a_step_leads_with_decode_rows_where_the_limits_allow() -> None:
+    """The mixed step: MIXED_DECODE_ROWS one-token rows first (what the Triton backend gives to
+    its decode kernel), then prompts up to the budget."""
+    budget = LIMITS[0][0]
+    mixed = plans_for(LIMITS[0])[-1]
+    meta_lens = [s.num_new_tokens for s in mixed.scheduled]
+    assert meta_lens[:MIXED_DECODE_ROWS] == [1] * MIXED_DECODE_ROWS
+    assert min(meta_lens[MIXED_DECODE_ROWS:]) > 1 and sum(meta_lens) == budget
 
 
 def test_no_step_where_no_prompt_fits(tiny_llama: Path) -> None:

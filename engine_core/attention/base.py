@@ -10,11 +10,20 @@ first blocks came from the prefix cache, and a decode (query_len 1).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
+import numpy as np
 import torch
 
 FP8_MAX = 448.0  # e4m3's largest finite value: what an FP8 cache's writes clamp to
+
+# An eager step mixing decodes with prompt rows attends its leading decodes through the Triton
+# decode kernel (context splits, a KV group's heads in one program) from this many on: the
+# prefill kernel gives each a query tile of 64 rows per head, one of them used, so a
+# long-context decode costs it about 64x its work; below it the decode kernel's two extra
+# launches a layer are not worth it (attention/triton_backend.py; the warm-up runs such a step).
+MIXED_DECODE_ROWS = 8
 
 
 def is_fp8_cache(cache: torch.Tensor) -> bool:
@@ -53,6 +62,15 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @cached_property
+    def leading_decodes(self) -> int:
+        """How many sequences from the first have one new token each (decodes ahead of the
+        prompt rows of a mixed step; the scheduler lists running requests first): read once a
+        step from the host starts, by every layer."""
+        lens = np.diff(np.asarray(self.query_start_loc_cpu))
+        longer = np.flatnonzero(lens != 1)
+        return int(longer[0]) if longer.size else len(lens)
 
 
 class AttentionBackend(Protocol):

@@ -5,17 +5,18 @@ Batches where every sequence has the same few new tokens (a speculative verify s
 known token and K drafts) take its verify variant, K + 1 queries a sequence
 (``paged_verify_attention``), where the queries and the group's heads fit its tile. Any other
 batch with a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes)
-takes the varlen prefill kernel. Their launches depend only on tensor shapes, K + 1 and
-``max_query_len`` (the prefill kernel's grid), so the model runner captures them in CUDA
-graphs (engine_core/cuda_graph.py). All read K/V through the block tables, after ``write_kv``
-has put this step's tokens into the cache.
+takes the varlen prefill kernel; an eager one with MIXED_DECODE_ROWS or more leading decodes
+gives those rows to the decode kernel and the rest to the prefill kernel. Their launches depend
+only on tensor shapes, K + 1 and ``max_query_len`` (the prefill kernel's grid), so the model
+runner captures them in CUDA graphs (engine_core/cuda_graph.py). All read K/V through the block
+tables, after ``write_kv`` has put this step's tokens into the cache.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.base import MIXED_DECODE_ROWS, AttentionMetadata
 from engine_core.attention.prefill_tiles import device_tiles
 from engine_core.attention.torch_ref import TorchReferenceBackend
 from engine_core.attention.triton_kernels import (
@@ -49,6 +50,17 @@ class TritonBackend:
         """Whether decode_rotated (a decode step's rotary and KV write in the attention's
         launch) serves heads of ``head_dim`` dims (see ROPE_IN_DECODE_MAX_HEAD_DIM)."""
         return head_dim <= ROPE_IN_DECODE_MAX_HEAD_DIM
+
+    @staticmethod
+    def split_decodes(meta: AttentionMetadata, q: torch.Tensor, v_cache: torch.Tensor) -> int:
+        """How many leading decode rows of a step with prompt rows the decode kernel attends
+        (see MIXED_DECODE_ROWS): none in a prefill graph's capture (its work list and batch are
+        fixed there, one launch serves every step it replays) or where V's head size is not the
+        query's (MLA's expanded prefill; the decode kernel's output is Q's shape)."""
+        if meta.padded or v_cache.shape[3] != q.shape[2]:
+            return 0
+        decodes = meta.leading_decodes
+        return decodes if decodes >= MIXED_DECODE_ROWS else 0
 
     def verifies(
         self,
@@ -165,6 +177,14 @@ class TritonBackend:
         out = torch.zeros_like(q) if meta.padded else None
         if meta.prefill_tiles is None:  # metadata made by hand (the engine packs the list)
             meta.prefill_tiles = device_tiles(meta.query_start_loc_cpu, q.device)
+        decodes = self.split_decodes(meta, q, v_cache)
+        if decodes:
+            out = q.new_empty(q.shape)
+            paged_decode_attention(
+                q[:decodes], k_cache, v_cache, meta.block_tables[:decodes],
+                meta.seq_lens[:decodes], scale, sliding_window=sliding_window,
+                out=out[:decodes], **scales,
+            )  # fmt: skip
         return paged_prefill_attention(
             q,
             k_cache,
@@ -177,5 +197,6 @@ class TritonBackend:
             sliding_window=sliding_window,
             out=out,
             tiles=meta.prefill_tiles,
+            first_seq=decodes,
             **scales,
         )

@@ -1348,7 +1348,7 @@ def paged_verify_attention(
 # width class (1, a multiple of 16, other) first came up while serving, a stall of hundreds of
 # milliseconds in the busy loop on a machine whose Triton cache did not hold it yet
 # (docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles mid-serving").
-@triton.jit(do_not_specialize=["chunk", "stride_bt"])
+@triton.jit(do_not_specialize=["chunk", "stride_bt", "first_seq"])
 def _prefill_kernel(
     Q,
     KC,
@@ -1363,6 +1363,7 @@ def _prefill_kernel(
     v_scale,
     window,
     chunk,  # HAS_CHUNK: Llama 4's attention chunk
+    first_seq,  # sequences before it are attended by another launch (decode rows): skipped
     stride_qt,
     stride_qh,
     stride_kb,
@@ -1390,9 +1391,9 @@ def _prefill_kernel(
     HAS_CHUNK: tl.constexpr = False,
 ):
     # Row t of the tile list (prefill_tiles.py): this program's sequence and query tile; a
-    # padding row (sequence -1, a CUDA graph's) has nothing to do. The list is walked from its
-    # end: a sequence's last tiles see the most keys, so they start first and the short ones
-    # fill the last wave.
+    # padding row (sequence -1, a CUDA graph's) or a sequence before first_seq has nothing to
+    # do. The list is walked from its end: a sequence's last tiles see the most keys, so they
+    # start first and the short ones fill the last wave.
     t = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     named = tl.load(TILES + 2 * t)
@@ -1400,7 +1401,7 @@ def _prefill_kernel(
     tile = tl.load(TILES + 2 * t + 1)
     q_start = tl.load(QSL + seq)
     q_len = tl.load(QSL + seq + 1) - q_start
-    if named >= 0 and tile * BLOCK_M < q_len:
+    if named >= first_seq and tile * BLOCK_M < q_len:
         seq_len = tl.load(SL + seq)
         context = seq_len - q_len  # tokens before this chunk (prefix cache, earlier chunks)
         kvh = head // GROUP
@@ -1498,6 +1499,7 @@ def paged_prefill_attention(
     launch: PrefillLaunch | None = None,
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
     attention_chunk: int | None = None,  # Llama 4: a query at p sees [p // C * C, p] only
+    first_seq: int = 0,  # sequences before it are left alone (their rows of ``out`` untouched)
 ) -> torch.Tensor:  # [T, heads, v_dim]
     """Causal attention of every new token over its sequence's cached context (itself included).
 
@@ -1538,6 +1540,7 @@ def paged_prefill_attention(
         v_scale,
         sliding_window or 0,
         attention_chunk or 1,
+        first_seq,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
