@@ -549,44 +549,71 @@ def test_backend_write_then_attend_matches_reference(decode_only: bool) -> None:
     assert_close(out, ref)
 
 
-# A mixed step as the scheduler lists one: running decodes first (some past a block or two of
-# context, one at a window's edge), then prompt chunks, one of them a cached prefix's rest.
+# A mixed step: running decodes (some past a block or two of context, one at a window's edge)
+# and prompt chunks, one of them a cached prefix's rest, and a decode after them.
 MIXED_SPECS = [(c, 1) for c in (0, 3, 15, 16, 40, 63, 64, 90, 127)] + [(0, 21), (30, 9), (2, 1)]
 
 
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_a_mixed_step_attends_its_leading_decodes_through_the_decode_kernel(
-    monkeypatch: pytest.MonkeyPatch, window: int | None, sinks: bool
+@pytest.mark.parametrize("graph_rows", [0, 5])
+def test_a_mixed_step_attends_its_decodes_through_the_decode_kernel(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, sinks: bool, graph_rows: int
 ) -> None:
-    """An eager step with MIXED_DECODE_ROWS or more leading decodes: those rows go through the
-    decode kernel, the rest (a decode after the prompts included) through the prefill kernel,
-    which skips the leading ones; the whole output equals the reference's."""
+    """An eager step with MIXED_DECODE_ROWS or more one-token sequences, and a prefill graph's
+    step (``graph_rows`` padding rows and two padding sequences, as cuda_graph.py pads them):
+    the decode kernel attends the one-token sequences wherever they sit, the prefill kernel the
+    rest; the output equals the reference's, and the padding rows are zeros."""
     from engine_core.attention import triton_backend
 
     heads, kv_heads, head_dim = HEAD_SHAPES[-1]
     batch = make_batch(MIXED_SPECS, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=31)
-    meta = batch.meta
-    assert meta.leading_decodes == 9 >= triton_backend.MIXED_DECODE_ROWS
+    meta, q = batch.meta, batch.q
+    assert meta.num_decode_rows == 10 >= triton_backend.MIXED_DECODE_ROWS
     sink_logits = torch.randn(heads, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     sink_logits = sink_logits if sinks else None
-    rows_to_decode_kernel: list[int] = []
+    scale = head_dim**-0.5
+    ref = REFERENCE.forward(q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits)
+    if graph_rows:
+        meta, q = padded_like_a_graph(meta, q, graph_rows, sequences=2)
+    mixed_calls: list[bool] = []
     real_decode = triton_backend.paged_decode_attention
 
-    def counting_decode(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        rows_to_decode_kernel.append(q.shape[0])
-        return real_decode(q, *args, **kwargs)
+    def counting_decode(*args: Any, **kwargs: Any) -> torch.Tensor:
+        mixed_calls.append(kwargs.get("mixed_starts") is meta.query_start_loc)
+        return real_decode(*args, **kwargs)
 
     monkeypatch.setattr(triton_backend, "paged_decode_attention", counting_decode)
-    scale = head_dim**-0.5
     out = TritonBackend().forward(
-        batch.q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits
+        q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits
     )
-    assert rows_to_decode_kernel == [9]
-    ref = REFERENCE.forward(
-        batch.q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits
+    assert mixed_calls == [True]
+    tokens = ref.shape[0]
+    assert_close(out[:tokens], ref)
+    assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))
+
+
+def padded_like_a_graph(
+    meta: AttentionMetadata, q: torch.Tensor, rows: int, sequences: int
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The step as a prefill graph holds it: ``rows`` more query rows (poisoned) and
+    ``sequences`` more sequences of no tokens, no context and table rows of block 0."""
+    starts = meta.query_start_loc_cpu + [meta.query_start_loc_cpu[-1]] * sequences
+    lens = meta.seq_lens_cpu + [0] * sequences
+    table = torch.cat(
+        [meta.block_tables, meta.block_tables.new_zeros(sequences, meta.block_tables.shape[1])]
     )
-    assert_close(out, ref)
+    padded = dataclasses.replace(
+        meta,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        block_tables=table,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=lens,
+        padded=True,
+        prefill_tiles=None,
+    )
+    return padded, torch.cat([q, poisoned(q[:rows])])
 
 
 @pytest.mark.skipif(INTERPRET, reason="e4m3 tiles need the GPU")

@@ -18,9 +18,9 @@ import torch
 
 FP8_MAX = 448.0  # e4m3's largest finite value: what an FP8 cache's writes clamp to
 
-# An eager step mixing decodes with prompt rows attends its leading decodes through the Triton
-# decode kernel (context splits, a KV group's heads in one program) from this many on: the
-# prefill kernel gives each a query tile of 64 rows per head, one of them used, so a
+# An eager step mixing decodes with prompt rows attends its one-token sequences through the
+# Triton decode kernel (context splits, a KV group's heads in one program) from this many on:
+# the prefill kernel gives each a query tile of 64 rows per head, one of them used, so a
 # long-context decode costs it about 64x its work; below it the decode kernel's two extra
 # launches a layer are not worth it (attention/triton_backend.py; the warm-up runs such a step).
 MIXED_DECODE_ROWS = 8
@@ -64,13 +64,10 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @cached_property
-    def leading_decodes(self) -> int:
-        """How many sequences from the first have one new token each (decodes ahead of the
-        prompt rows of a mixed step; the scheduler lists running requests first): read once a
-        step from the host starts, by every layer."""
-        lens = np.diff(np.asarray(self.query_start_loc_cpu))
-        longer = np.flatnonzero(lens != 1)
-        return int(longer[0]) if longer.size else len(lens)
+    def num_decode_rows(self) -> int:
+        """How many sequences have exactly one new token: counted once a step from the host
+        starts, read by every layer."""
+        return int(np.count_nonzero(np.diff(np.asarray(self.query_start_loc_cpu)) == 1))
 
 
 class AttentionBackend(Protocol):

@@ -5,11 +5,12 @@ Batches where every sequence has the same few new tokens (a speculative verify s
 known token and K drafts) take its verify variant, K + 1 queries a sequence
 (``paged_verify_attention``), where the queries and the group's heads fit its tile. Any other
 batch with a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes)
-takes the varlen prefill kernel; an eager one with MIXED_DECODE_ROWS or more leading decodes
-gives those rows to the decode kernel and the rest to the prefill kernel. Their launches depend
-only on tensor shapes, K + 1 and ``max_query_len`` (the prefill kernel's grid), so the model
-runner captures them in CUDA graphs (engine_core/cuda_graph.py). All read K/V through the block
-tables, after ``write_kv`` has put this step's tokens into the cache.
+takes the varlen prefill kernel; its one-token sequences go to the decode kernel (which finds
+them through the query starts) in prefill graphs and in eager steps with MIXED_DECODE_ROWS of
+them. Their launches depend only on tensor shapes, K + 1 and ``max_query_len`` (the prefill
+kernel's grid), so the model runner captures them in CUDA graphs (engine_core/cuda_graph.py).
+All read K/V through the block tables, after ``write_kv`` has put this step's tokens into the
+cache.
 """
 
 from __future__ import annotations
@@ -52,15 +53,15 @@ class TritonBackend:
         return head_dim <= ROPE_IN_DECODE_MAX_HEAD_DIM
 
     @staticmethod
-    def split_decodes(meta: AttentionMetadata, q: torch.Tensor, v_cache: torch.Tensor) -> int:
-        """How many leading decode rows of a step with prompt rows the decode kernel attends
-        (see MIXED_DECODE_ROWS): none in a prefill graph's capture (its work list and batch are
-        fixed there, one launch serves every step it replays) or where V's head size is not the
-        query's (MLA's expanded prefill; the decode kernel's output is Q's shape)."""
-        if meta.padded or v_cache.shape[3] != q.shape[2]:
-            return 0
-        decodes = meta.leading_decodes
-        return decodes if decodes >= MIXED_DECODE_ROWS else 0
+    def splits_decodes(meta: AttentionMetadata, q: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether a step with prompt rows gives its one-token sequences to the decode kernel
+        (see MIXED_DECODE_ROWS): always in a prefill graph (captured once, it replays steps
+        with and without decodes; the launch finds them from the query starts), in an eager
+        step from MIXED_DECODE_ROWS of them, never where V's head size is not the query's
+        (MLA's expanded prefill; the decode kernel's output has Q's shape)."""
+        if v_cache.shape[3] != q.shape[2]:
+            return False
+        return meta.padded or meta.num_decode_rows >= MIXED_DECODE_ROWS
 
     def verifies(
         self,
@@ -177,13 +178,13 @@ class TritonBackend:
         out = torch.zeros_like(q) if meta.padded else None
         if meta.prefill_tiles is None:  # metadata made by hand (the engine packs the list)
             meta.prefill_tiles = device_tiles(meta.query_start_loc_cpu, q.device)
-        decodes = self.split_decodes(meta, q, v_cache)
-        if decodes:
-            out = q.new_empty(q.shape)
+        split = self.splits_decodes(meta, q, v_cache)
+        if split:
+            out = q.new_empty(q.shape) if out is None else out
             paged_decode_attention(
-                q[:decodes], k_cache, v_cache, meta.block_tables[:decodes],
-                meta.seq_lens[:decodes], scale, sliding_window=sliding_window,
-                out=out[:decodes], **scales,
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                sliding_window=sliding_window, out=out, mixed_starts=meta.query_start_loc,
+                **scales,
             )  # fmt: skip
         return paged_prefill_attention(
             q,
@@ -197,6 +198,6 @@ class TritonBackend:
             sliding_window=sliding_window,
             out=out,
             tiles=meta.prefill_tiles,
-            first_seq=decodes,
+            skip_decodes=split,
             **scales,
         )

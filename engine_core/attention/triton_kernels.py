@@ -516,6 +516,7 @@ def _decode_kernel(
     SIN,
     SLOTS,  # ROPE: [B] its cache slot (-1: none)
     SINKS,  # HAS_SINKS: [heads] float32, each head's sink logit times log2(e)
+    QSL,  # MIXED: [B + 1] the step's query starts
     scale_log2,
     v_scale,
     k_scale_inv,
@@ -559,6 +560,7 @@ def _decode_kernel(
     HALF: tl.constexpr,  # ROPE: half the rotary dims
     HAS_SINKS: tl.constexpr = False,  # gpt-oss: a sink logit per head joins the denominator
     HAS_CHUNK: tl.constexpr = False,  # chunked local attention: keys from the chunk's start
+    MIXED: tl.constexpr = False,  # a step with prompt rows: attend its one-token sequences only
 ):
     """Attention of a sequence's last token over its cache. With ROPE (a decode step's rotary
     and KV write in the same launch, rotary_decode_attention) it also rotates q and the new
@@ -573,6 +575,9 @@ def _decode_kernel(
     # before (the KV write): read them, and the first tile's blocks, while it finishes
     # (engine_core/triton_pdl.py). q and the new token's K/V come after the wait.
     seq_len = tl.load(SL + seq)
+    row, decodes = seq, True
+    if MIXED:  # its query row, and nothing to do (no store) unless it has one new token
+        row, seq_len, decodes = _mixed_row(QSL, seq, seq_len)
     split_len, lo, first, last = split_bounds(
         seq_len, window, chunk, num_splits, min_split, BLOCK_N, HAS_WINDOW, HAS_CHUNK
     )
@@ -603,8 +608,10 @@ def _decode_kernel(
         row_mask = rows < GROUP * KPP
         row_kv = rows // GROUP  # which of the program's kv heads a query row reads
         d_mask = d < HEAD_DIM
+        if MIXED:
+            row_mask = tl.where(decodes, row_mask, False)
         q_mask = row_mask[:, None] & d_mask[None, :]
-        q_rows = Q + seq * stride_qt + heads[:, None] * stride_qh
+        q_rows = Q + row * stride_qt + heads[:, None] * stride_qh
         if ROPE:  # rounded to q's dtype, as the rotary kernels store it
             q = _rotated_rows(q_rows, d, q_mask, cos, sin, HALF).to(Q.dtype.element_ty)
         else:
@@ -669,10 +676,20 @@ def _decode_kernel(
         out = acc / l_safe[:, None]  # [H, D]; zeros for an empty (padding) row
         if KV_FP8:
             out = out * v_scale
+        # Out's row is the query's (seq's own but in MIXED steps); partials stay per sequence.
         store_split(
-            Out, PO, PL, out, m_i, l_i, seq, heads, d, q_mask, row_mask, split, first, last,
-            num_heads, num_splits, stride_ot, stride_oh, HEAD_DIM,
+            Out + (row - seq) * stride_ot, PO, PL, out, m_i, l_i, seq, heads, d, q_mask,
+            row_mask, split, first, last, num_heads, num_splits, stride_ot, stride_oh, HEAD_DIM,
         )  # fmt: skip
+
+
+@triton.jit
+def _mixed_row(QSL, seq, seq_len):
+    """A MIXED step's sequence: its first query row, its length where it has exactly one new
+    token (else 0: nothing to attend), and whether it has (only those rows are stored)."""
+    row = tl.load(QSL + seq)
+    decodes = tl.load(QSL + seq + 1) - row == 1
+    return row, tl.where(decodes, seq_len, 0), decodes
 
 
 @triton.jit
@@ -745,6 +762,7 @@ def _decode_merge_kernel(
     SL,
     Out,
     SINKS,
+    QSL,  # MIXED: [B + 1] the step's query starts
     window,
     chunk,
     min_split,
@@ -760,6 +778,7 @@ def _decode_merge_kernel(
     PDL: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
     HAS_CHUNK: tl.constexpr = False,
+    MIXED: tl.constexpr = False,  # the decode kernel's: one-token sequences only, by QSL
 ):
     seq = tl.program_id(0)  # the output row: the sequence's, or one of its verify queries
     head = tl.program_id(1)
@@ -772,6 +791,9 @@ def _decode_merge_kernel(
     # Every split's slot is read after the wait, whichever hold a result (they follow from
     # seq_len); unwritten slots are dropped by the selects below, never multiplied.
     seq_len = tl.load(SL + seq // queries)
+    row, decodes = seq, True
+    if MIXED:
+        row, seq_len, decodes = _mixed_row(QSL, seq, seq_len)
     pdl_wait_then_release(PDL)
     lse = tl.load(PL + part + s, mask=in_buf, other=float("-inf"))  # [S]
     po_ptr = PO + (part + s)[:, None] * HEAD_DIM + d[None, :]
@@ -794,7 +816,9 @@ def _decode_merge_kernel(
         total = tl.where(total > 0, total, 1.0)
         po = tl.where(valid[:, None], po, 0.0)
         out = tl.sum(po * w[:, None], 0) / total  # [D]
-        o_ptr = Out + seq * stride_ot + head * stride_oh + d
+        if MIXED:
+            d_mask = tl.where(decodes, d_mask, False)
+        o_ptr = Out + row * stride_ot + head * stride_oh + d
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
@@ -815,9 +839,14 @@ def paged_decode_attention(
     tile: DecodeTile | None = None,
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
     attention_chunk: int | None = None,  # Llama 4: the query sees its chunk's keys only
+    mixed_starts: torch.Tensor | None = None,  # [B + 1]: a mixed step's query starts
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """Attention of each sequence's last token over its whole cached context (an FP8 cache's
     values times their scales; with ``sinks``, each head's sink logit in the denominator).
+
+    ``mixed_starts``: a step whose sequences have any number of new tokens, ``q`` and ``out``
+    all of its [T, heads, head_dim] rows: only the sequences with exactly one new token are
+    attended (at their rows ``mixed_starts[b]``), the other rows are left as they are.
 
     Reads nothing from the host but the tensors' shapes: ``num_splits`` defaults to a function
     of the batch size, the kv heads and the block table's width, so the launch is the same for
@@ -826,7 +855,7 @@ def paged_decode_attention(
     """
     return _decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, None, sliding_window, num_splits,
-        min_split_tokens, out, k_scale, v_scale, tile, sinks, attention_chunk,
+        min_split_tokens, out, k_scale, v_scale, tile, sinks, attention_chunk, mixed_starts,
     )  # fmt: skip
 
 
@@ -902,9 +931,11 @@ def _decode(
     tile: DecodeTile | None,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    mixed_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode kernel's launch (and the merge's), with ``new`` tokens or without."""
-    batch, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]  # q's rows but in a mixed step
     _, page, num_kv_heads, _ = k_cache.shape
     _check_cache(k_cache)
     _check_cache(v_cache)
@@ -957,6 +988,7 @@ def _decode(
         sin,
         slots,
         sink_logits,
+        seq_lens if mixed_starts is None else mixed_starts,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         1.0 / k_scale,
@@ -1000,6 +1032,7 @@ def _decode(
         HALF=1 if new is None else new.cos.shape[1] // 2,
         HAS_SINKS=sinks is not None,
         HAS_CHUNK=attention_chunk is not None,
+        MIXED=mixed_starts is not None,
         launch_pdl=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
@@ -1007,7 +1040,7 @@ def _decode(
     if num_splits > 1:
         merge_partials(
             partial_out, partial_lse, seq_lens, out, sliding_window, min_split, block_n, sinks,
-            attention_chunk,
+            attention_chunk, mixed_starts=mixed_starts,
         )  # fmt: skip
     return out
 
@@ -1033,10 +1066,12 @@ def merge_partials(
     sinks: torch.Tensor | None = None,  # [heads]
     attention_chunk: int | None = None,
     queries: int = 1,
+    mixed_starts: torch.Tensor | None = None,  # [B + 1]: a mixed step's query starts
 ) -> None:
     """Combine each multi-split row's partial results, weighted by their log-sum-exps (and each
     head's sink logit in the denominator). ``queries``: output rows a sequence (a verify
-    step's K + 1; row r is then sequence r // queries's); ``seq_lens`` has one per sequence."""
+    step's K + 1; row r is then sequence r // queries's); ``seq_lens`` has one per sequence.
+    ``mixed_starts``: as the decode kernel's (its one-token sequences' rows only)."""
     batch, num_heads, num_splits, head_dim = partial_out.shape
     block_d = triton.next_power_of_2(head_dim)
     block_s = triton.next_power_of_2(num_splits)
@@ -1047,6 +1082,7 @@ def merge_partials(
         seq_lens,
         out,
         sinks_log2(sinks, partial_lse),
+        seq_lens if mixed_starts is None else mixed_starts,
         sliding_window or 0,
         attention_chunk or 1,
         min_split,
@@ -1062,6 +1098,7 @@ def merge_partials(
         PDL=pdl,
         HAS_SINKS=sinks is not None,
         HAS_CHUNK=attention_chunk is not None,
+        MIXED=mixed_starts is not None,
         launch_pdl=pdl,
         num_warps=max(1, min(4, block_s * block_d // 1024)),
     )
@@ -1348,7 +1385,7 @@ def paged_verify_attention(
 # width class (1, a multiple of 16, other) first came up while serving, a stall of hundreds of
 # milliseconds in the busy loop on a machine whose Triton cache did not hold it yet
 # (docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles mid-serving").
-@triton.jit(do_not_specialize=["chunk", "stride_bt", "first_seq"])
+@triton.jit(do_not_specialize=["chunk", "stride_bt"])
 def _prefill_kernel(
     Q,
     KC,
@@ -1363,7 +1400,6 @@ def _prefill_kernel(
     v_scale,
     window,
     chunk,  # HAS_CHUNK: Llama 4's attention chunk
-    first_seq,  # sequences before it are attended by another launch (decode rows): skipped
     stride_qt,
     stride_qh,
     stride_kb,
@@ -1389,11 +1425,12 @@ def _prefill_kernel(
     FP8_AS_F16: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
     HAS_CHUNK: tl.constexpr = False,
+    MIN_QUERY: tl.constexpr = 1,  # 2: one-token sequences are the decode kernel's (MIXED)
 ):
     # Row t of the tile list (prefill_tiles.py): this program's sequence and query tile; a
-    # padding row (sequence -1, a CUDA graph's) or a sequence before first_seq has nothing to
-    # do. The list is walked from its end: a sequence's last tiles see the most keys, so they
-    # start first and the short ones fill the last wave.
+    # padding row (sequence -1, a CUDA graph's), or a sequence of fewer than MIN_QUERY new
+    # tokens, has nothing to do. The list is walked from its end: a sequence's last tiles see
+    # the most keys, so they start first and the short ones fill the last wave.
     t = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     named = tl.load(TILES + 2 * t)
@@ -1401,7 +1438,7 @@ def _prefill_kernel(
     tile = tl.load(TILES + 2 * t + 1)
     q_start = tl.load(QSL + seq)
     q_len = tl.load(QSL + seq + 1) - q_start
-    if named >= first_seq and tile * BLOCK_M < q_len:
+    if named >= 0 and tile * BLOCK_M < q_len and q_len >= MIN_QUERY:
         seq_len = tl.load(SL + seq)
         context = seq_len - q_len  # tokens before this chunk (prefix cache, earlier chunks)
         kvh = head // GROUP
@@ -1499,7 +1536,7 @@ def paged_prefill_attention(
     launch: PrefillLaunch | None = None,
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
     attention_chunk: int | None = None,  # Llama 4: a query at p sees [p // C * C, p] only
-    first_seq: int = 0,  # sequences before it are left alone (their rows of ``out`` untouched)
+    skip_decodes: bool = False,  # one-token sequences left alone (their rows of ``out`` too)
 ) -> torch.Tensor:  # [T, heads, v_dim]
     """Causal attention of every new token over its sequence's cached context (itself included).
 
@@ -1540,7 +1577,6 @@ def paged_prefill_attention(
         v_scale,
         sliding_window or 0,
         attention_chunk or 1,
-        first_seq,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -1566,6 +1602,7 @@ def paged_prefill_attention(
         FP8_AS_F16=kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),
         HAS_SINKS=sinks is not None,
         HAS_CHUNK=attention_chunk is not None,
+        MIN_QUERY=2 if skip_decodes else 1,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
