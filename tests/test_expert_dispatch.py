@@ -14,20 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from engine_core.models.expert_dispatch import token_slice
-from engine_core.models.moe import Router, Routing, SparseMoE, route
-from engine_core.parallel import TPGroup, connect_store, create_store
+from engine_core.models.moe import SparseMoE, route
+from engine_core.parallel import TPGroup
+from tests.expert_dispatch_ranks import WholeWeights, rank_layer, run_ranks
 from tests.test_models_moe import SIZES, dense_moe, moe_config
 
 EXPERTS, TOP_K = 12, 3  # 12 experts split over 2, 3 and 4 ranks
 
 
 def whole_layer() -> SparseMoE:
-    """The same random layer in every process (fixed seed)."""
+    """The random layer (fixed seed) that the ranks split and the dense reference runs whole."""
     torch.manual_seed(0)
     layer = SparseMoE(moe_config(EXPERTS, TOP_K, True))
     with torch.no_grad():
@@ -40,77 +39,9 @@ def tokens(num_tokens: int) -> torch.Tensor:
     return torch.randn(num_tokens, SIZES["hidden_size"], generator=torch.Generator().manual_seed(1))
 
 
-def rank_layer(whole: SparseMoE, tp: TPGroup) -> SparseMoE:
-    """Rank tp.rank's layer: the router, and its experts whole, copied from ``whole``."""
-    layer = SparseMoE(moe_config(EXPERTS, TOP_K, True), tp)
-    local = layer.w13.shape[0]
-    mine = slice(layer.first_expert, layer.first_expert + local)
-    with torch.no_grad():
-        layer.gate.weight.copy_(whole.gate.weight)
-        layer.w13.copy_(whole.w13[mine])
-        layer.w2.copy_(whole.w2[mine])
-    return layer
-
-
-def record_received(layer: SparseMoE) -> list[torch.Tensor]:
-    """Wrap the layer's local experts so that each call's rows per local expert are kept."""
-    seen: list[torch.Tensor] = []
-    run = layer.run_local_experts
-
-    def recording(rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        seen.append(torch.bincount(experts, minlength=layer.w13.shape[0]))
-        assert rows.shape[0] == experts.shape[0]
-        return run(rows, experts)
-
-    layer.run_local_experts = recording  # type: ignore[method-assign]
-    return seen
-
-
-def to_rank_zero(layer: SparseMoE) -> Router:
-    """A router that moves the layer's top-k onto rank 0's experts (id mod L)."""
-    local = layer.w13.shape[0]
-
-    def routed(x: torch.Tensor) -> Routing:
-        weights, ids = route(layer.gate(x), TOP_K, True)
-        return x, weights, ids % local
-
-    return routed
-
-
-def rank_main(
-    rank: int, size: int, num_tokens: int, to_zero: bool, folder: str, device_type: str, port: int
-) -> None:
-    """One process: join the group (gloo on the CPU, NCCL on GPU ``rank``), run the rank's layer
-    on the replicated tokens, save its output and the rows its experts received."""
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    store = connect_store(port, size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
-    try:
-        world = dist.group.WORLD
-        tp = TPGroup(rank, size, device_group=world, expert_parallel=True, world_group=world)
-        layer = rank_layer(whole_layer(), tp).to(device)
-        seen = record_received(layer)
-        x = tokens(num_tokens).to(device)
-        with torch.no_grad():
-            out = layer.routed_output(x, to_rank_zero(layer)) if to_zero else layer(x)
-        received = torch.stack(seen).sum(0) if seen else torch.zeros(layer.w13.shape[0])
-        result = {"out": out.cpu(), "received": received.long().cpu()}
-        torch.save(result, f"{folder}/rank{rank}.pt")
-        dist.barrier()  # no rank tears its group down while another still talks to it
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(
-    size: int, num_tokens: int, folder: Path, to_zero: bool = False, device_type: str = "cpu"
-) -> list[dict]:
-    store = create_store(size)  # the engine's rendezvous, held here: it outlives every rank
-    args = (size, num_tokens, to_zero, str(folder), device_type, store.port)
-    mp.spawn(rank_main, args=args, nprocs=size)
-    return [torch.load(folder / f"rank{r}.pt") for r in range(size)]
+def layer_weights(layer: SparseMoE) -> WholeWeights:
+    """What the ranks copy their share from (handed to them: they build no layer of their own)."""
+    return layer.gate.weight.detach(), layer.w13.detach(), layer.w2.detach()
 
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -128,7 +59,8 @@ def test_all_to_all_layer_equals_the_whole_layer(
     with torch.no_grad():
         want = dense_moe(x, whole.gate.weight, whole.w13, whole.w2, TOP_K, True)
         _, ids = route(whole.gate(x), TOP_K, True)
-    results = run_ranks(size, num_tokens, tmp_path, device_type=device_type)
+    config = moe_config(EXPERTS, TOP_K, True)
+    results = run_ranks(size, config, layer_weights(whole), x, tmp_path, device_type=device_type)
     for result in results:  # every rank ends with every token's output
         torch.testing.assert_close(result["out"], want, atol=1e-5, rtol=1e-5)
     # Each expert's owner ran it over exactly the pairs routed to it: T*K rows in all, where
@@ -146,7 +78,8 @@ def test_a_rank_that_receives_no_rows(tmp_path: Path) -> None:
     with torch.no_grad():
         weights, ids = route(whole.gate(x), TOP_K, True)
         want = per_token_moe(x, whole.w13, whole.w2, weights, ids % local)
-    results = run_ranks(2, 6, tmp_path, to_zero=True)
+    config = moe_config(EXPERTS, TOP_K, True)
+    results = run_ranks(2, config, layer_weights(whole), x, tmp_path, to_zero=True)
     assert results[1]["received"].sum() == 0
     assert results[0]["received"].sum() == 6 * TOP_K
     for result in results:
@@ -171,7 +104,8 @@ def per_token_moe(
 def test_received_rows_through_the_fused_kernels(num_rows: int) -> None:
     """What a rank runs over the rows it received (each row one local expert, weight one): on
     CUDA the fused kernels in bf16, close to a per-row loop in float32."""
-    layer = rank_layer(whole_layer(), TPGroup(rank=1, size=2, expert_parallel=True))
+    tp = TPGroup(rank=1, size=2, expert_parallel=True)
+    layer = rank_layer(moe_config(EXPERTS, TOP_K, True), layer_weights(whole_layer()), tp)
     layer = layer.to("cuda", torch.bfloat16)
     rows = tokens(num_rows).to("cuda", torch.bfloat16)
     experts = torch.randint(0, EXPERTS // 2, (num_rows,), device="cuda")

@@ -35,10 +35,14 @@ from tests.test_tensor_parallel import (
     alive,
     children_running_spawn,
     collect,
+    saved_case,
     write_model,
 )
 
-DIST_TIMEOUT_S = 20  # how long node 1 waits for a node 0 that does not come back
+# How long node 1 waits for a node 0 that does not come back; it also bounds a spawned rank's
+# start (7 s for one, 12 s for three, seen under the full suite's load) and a rejoin after a
+# restart (2 s seen), so the restart test uses it too.
+DIST_TIMEOUT_S = 20
 ENGINE_FLAGS = ["--block-size", "4", "--num-kv-blocks", "96", "--max-model-len", "128",
                 "--max-num-batched-tokens", "16", "--max-num-seqs", "16"]  # fmt: skip
 
@@ -102,13 +106,21 @@ def wait_gone(pids: list[int], timeout: float) -> None:
         time.sleep(0.2)
 
 
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """The Llama case (tests/test_tensor_parallel.py) saved once for the tests that only read
+    it, with HF's greedy tokens for PROMPTS."""
+    return saved_case("llama", tmp_path_factory)
+
+
 @pytest.mark.slow
-def test_two_nodes_serve_hf_tokens_and_a_lost_node_ends_the_engine(tmp_path: Path) -> None:
+def test_two_nodes_serve_hf_tokens_and_a_lost_node_ends_the_engine(
+    llama: tuple[Path, list[list[int]]], tmp_path: Path
+) -> None:
     from engine_core.tp_runner import WORKER_LOST_EXIT_CODE
 
-    hf_model = write_model("llama", tmp_path)
-    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
-    with two_nodes(tmp_path, tmp_path) as (node0, node1, address):
+    folder, reference = llama
+    with two_nodes(folder, tmp_path) as (node0, node1, address):
         with EngineClient(address) as client:
             client.connect(timeout=180)
             params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -187,9 +199,10 @@ def test_a_pipeline_stage_on_each_of_two_nodes_serves_hf_tokens(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_node_one_and_its_ranks_exit_when_node_zero_dies(tmp_path: Path) -> None:
-    write_model("llama", tmp_path)
-    with two_nodes(tmp_path, tmp_path) as (node0, node1, address):
+def test_node_one_and_its_ranks_exit_when_node_zero_dies(
+    llama: tuple[Path, list[list[int]]], tmp_path: Path
+) -> None:
+    with two_nodes(llama[0], tmp_path) as (node0, node1, address):
         with EngineClient(address) as client:
             client.connect(timeout=180)
             (rank1,) = children_running_spawn(node1.proc.pid)
@@ -206,12 +219,13 @@ def write_secret(path: Path, text: str, mode: int = 0o600) -> Path:
 
 
 @pytest.mark.slow
-def test_a_node_with_another_secret_is_refused_before_any_step(tmp_path: Path) -> None:
-    write_model("llama", tmp_path)
+def test_a_node_with_another_secret_is_refused_before_any_step(
+    llama: tuple[Path, list[list[int]]], tmp_path: Path
+) -> None:
     ours = write_secret(tmp_path / "a.secret", "a" * 32)
     theirs = write_secret(tmp_path / "b.secret", "b" * 32)
     with two_nodes(
-        tmp_path,
+        llama[0],
         tmp_path,
         ("--dist-secret-file", str(ours)),
         ("--dist-secret-file", str(theirs)),
@@ -224,22 +238,24 @@ def test_a_node_with_another_secret_is_refused_before_any_step(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_nodes_with_different_engine_flags_are_refused(tmp_path: Path) -> None:
-    write_model("llama", tmp_path)
-    with two_nodes(tmp_path, tmp_path, node1_extra=("--max-num-seqs", "8")) as (node0, node1, _):
+def test_nodes_with_different_engine_flags_are_refused(
+    llama: tuple[Path, list[list[int]]], tmp_path: Path
+) -> None:
+    with two_nodes(llama[0], tmp_path, node1_extra=("--max-num-seqs", "8")) as (node0, node1, _):
         assert node1.wait(timeout=120) == 2
         assert node0.wait(timeout=60) == 2
         assert "--max-num-seqs (node 0: 16, node 1: 8)" in node0.text()
 
 
 @pytest.mark.slow
-def test_a_node_rank_given_twice_admits_one_process(tmp_path: Path) -> None:
+def test_a_node_rank_given_twice_admits_one_process(
+    llama: tuple[Path, list[list[int]]], tmp_path: Path
+) -> None:
     """Two processes both say --node-rank 1: node 0 admits one, the other is told why and
     exits, and the engine serves with the one admitted."""
-    write_model("llama", tmp_path)
-    with two_nodes(tmp_path, tmp_path) as (node0, node1, address):
+    with two_nodes(llama[0], tmp_path) as (node0, node1, address):
         port = int(node_arg(node1.proc.args, "--master-port"))
-        twin = Node(node_command(tmp_path, 1, port), tmp_path / "twin.log")
+        twin = Node(node_command(llama[0], 1, port), tmp_path / "twin.log")
         try:
             with EngineClient(address) as client:
                 client.connect(timeout=180)
@@ -269,11 +285,12 @@ def test_engine_socket_flags_are_refused_on_a_worker_node(tmp_path: Path) -> Non
     assert "--address: node 1 runs no engine sockets" in done.stderr
 
 
-def test_a_node_that_never_joins_ends_the_start_within_the_timeout(tmp_path: Path) -> None:
+def test_a_node_that_never_joins_ends_the_start_within_the_timeout(
+    llama: tuple[Path, list[list[int]]],
+) -> None:
     """Node 0 alone: its engine start fails after --dist-timeout, naming the missing node."""
-    write_model("llama", tmp_path)
     address = private_ipc_address()
-    command = node_command(tmp_path, 0, free_port(), "--address", str(address))
+    command = node_command(llama[0], 0, free_port(), "--address", str(address))
     command[command.index("--dist-timeout") + 1] = "3"
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -360,7 +377,8 @@ def test_serve_restarts_an_engine_that_lost_a_node_and_the_request_resumes(
 
     port = free_port()
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "--dist-timeout", "30", "--max-model-len", "512",
+             "--master-port", str(port), "--dist-timeout", str(DIST_TIMEOUT_S),
+             "--max-model-len", "512",
              "--num-kv-blocks", "128", "--max-num-seqs", "4"]  # fmt: skip
     node1 = Node(
         [sys.executable, "-m", "frontend.cli", "serve", "--model", str(tiny_model_dir),
@@ -389,7 +407,7 @@ def test_serve_restarts_an_engine_that_lost_a_node_and_the_request_resumes(
         finally:
             stop_server(srv)
         # Node 0 stopped for good: node 1 outlives it by --dist-timeout at most.
-        assert node1.wait(timeout=90) == 1
+        assert node1.wait(timeout=DIST_TIMEOUT_S + 60) == 1
     finally:
         node1.stop()
 
@@ -434,12 +452,13 @@ def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not can_make_namespaces(), reason="needs root and `ip netns`")
-def test_two_hosts_in_network_namespaces_meet_over_a_secret(tmp_path: Path) -> None:
+def test_two_hosts_in_network_namespaces_meet_over_a_secret(
+    llama: tuple[Path, list[list[int]]], tmp_path: Path
+) -> None:
     """Node 0 and node 1 in two network namespaces (two hosts as far as the network goes),
     meeting at node 0's veth address: not loopback, so the secret is required; gloo is told
     each host's interface, as on real hosts whose name does not resolve to it."""
-    hf_model = write_model("llama", tmp_path)
-    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    folder, reference = llama
     secret = write_secret(tmp_path / "dist.secret", "s" * 32)
     address = private_ipc_address()  # a path: reachable from every network namespace
     port = free_port()
@@ -447,7 +466,7 @@ def test_two_hosts_in_network_namespaces_meet_over_a_secret(tmp_path: Path) -> N
         master = hosts[0][2]
         nodes = []
         for rank, (namespace, link, _) in reversed(list(enumerate(hosts))):
-            command = node_command(tmp_path, rank, port, "--dist-secret-file", str(secret))
+            command = node_command(folder, rank, port, "--dist-secret-file", str(secret))
             command[command.index("--master-addr") + 1] = master
             if rank == 0:
                 command += ["--address", str(address)]

@@ -58,6 +58,30 @@ MODELS: dict[str, tuple[Callable[[], PretrainedConfig], int, int]] = {
 }
 
 
+@pytest.fixture(scope="module")
+def llama_5_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """MODELS["llama_5_layers"] saved once for the tests that only read it, and HF's greedy
+    tokens for PROMPTS on it."""
+    folder = tmp_path_factory.mktemp("llama-5-layers")
+    hf_model = write_model("llama", folder, MODELS["llama_5_layers"][0]())
+    return folder, [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def six_layers_busy(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """A 6-layer Llama, fourteen prompts of 3 to 40 tokens and HF's greedy tokens for each:
+    written and computed once for both pipeline depths that run them."""
+    folder = tmp_path_factory.mktemp("llama-6-layers")
+    config = LlamaConfig(**(SIZES | {"num_hidden_layers": 6}), tie_word_embeddings=False)
+    hf_model = write_model("llama", folder, config)
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(3, 41, (14,), generator=gen).tolist()
+    prompts = [torch.randint(0, 387, (n,), generator=gen).tolist() for n in lengths]
+    return folder, prompts, [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in prompts]
+
+
 def test_layers_split_evenly_with_the_remainder_on_the_stages_before_the_last() -> None:
     assert split_layers(4, 1) == [range(0, 4)]
     assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
@@ -135,17 +159,15 @@ def test_pp2_gives_hf_tokens_and_pp1_logprobs_holding_its_stage_only(
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp", "stage0"), [(2, 2, 3), (1, 3, 2)], ids=["tp2xpp2", "pp3"])
 def test_tp2_by_pp2_and_three_stages_give_hf_tokens(
-    tp: int, pp: int, stage0: int, tmp_path: Path
+    tp: int, pp: int, stage0: int, llama_5_layers: tuple[Path, list[list[int]]]
 ) -> None:
     """TP=2 x PP=2, 4 ranks: a tensor-parallel pair in each stage, each rank sending its
     activations to its own peer in the next stage and the last stage's shards gathered before
     rank 0 samples. PP=3: a middle stage (layers 2-3 of 5) that receives and sends."""
-    make_config, _, _ = MODELS["llama_5_layers"]
-    hf_model = write_model("llama", tmp_path, make_config())
-    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    folder, reference = llama_5_layers
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outs, llm = run(
-        tmp_path, params, num_kv_blocks=96, tensor_parallel_size=tp, pipeline_parallel_size=pp
+        folder, params, num_kv_blocks=96, tensor_parallel_size=tp, pipeline_parallel_size=pp
     )
     assert [o.token_ids for o in outs] == reference
     assert llm.engine.runner.tp.size == tp
@@ -319,14 +341,12 @@ def test_p_micro_batches_keep_requests_apart_through_aborts_and_preemptions(
 
 @pytest.mark.slow
 def test_rank_0_runs_a_step_while_the_last_stage_runs_the_one_before(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    llama_5_layers: tuple[Path, list[list[int]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0's first stage of step N is enqueued before step N-1's logits are taken: the
     stages overlap. Recorded on the real engine, which still gives HF's tokens."""
-    make_config, _, _ = MODELS["llama_5_layers"]
-    hf_model = write_model("llama", tmp_path, make_config())
-    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
-    llm = LLM(str(tmp_path), pipeline_parallel_size=2, block_size=BLOCK_SIZE, num_kv_blocks=96,
+    folder, reference = llama_5_layers
+    llm = LLM(str(folder), pipeline_parallel_size=2, block_size=BLOCK_SIZE, num_kv_blocks=96,
               max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16)  # fmt: skip
     runner = llm.engine.runner
     events: list[tuple[str, int]] = []
@@ -358,7 +378,7 @@ def test_rank_0_runs_a_step_while_the_last_stage_runs_the_one_before(
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [3, 4])
 def test_p_stages_keep_p_micro_batches_in_flight_and_give_hf_tokens(
-    stages: int, tmp_path: Path
+    stages: int, six_layers_busy: tuple[Path, list[list[int]], list[list[int]]]
 ) -> None:
     """PP=3 (2 + 2 + 2 layers) and PP=4 (1 + 2 + 2 + 1) on a 6-layer Llama: fourteen requests
     of 3 to 40 tokens, four of them arriving once the pipeline is full, two aborted while
@@ -367,13 +387,8 @@ def test_p_stages_keep_p_micro_batches_in_flight_and_give_hf_tokens(
     greedy tokens, the aborted ones a prefix of them, and every block comes back."""
     from engine_core.request import Request
 
-    config = LlamaConfig(**(SIZES | {"num_hidden_layers": 6}), tie_word_embeddings=False)
-    hf_model = write_model("llama", tmp_path, config)
-    gen = torch.Generator().manual_seed(5)
-    lengths = torch.randint(3, 41, (14,), generator=gen).tolist()
-    prompts = [torch.randint(0, 387, (n,), generator=gen).tolist() for n in lengths]
-    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in prompts]
-    llm = LLM(str(tmp_path), pipeline_parallel_size=stages, block_size=BLOCK_SIZE,
+    folder, prompts, reference = six_layers_busy
+    llm = LLM(str(folder), pipeline_parallel_size=stages, block_size=BLOCK_SIZE,
               num_kv_blocks=48, max_model_len=64, max_num_batched_tokens=16,
               max_num_seqs=16)  # fmt: skip
     core = llm.engine

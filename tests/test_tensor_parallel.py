@@ -122,14 +122,26 @@ def write_model(name: str, folder: Path, config: PretrainedConfig | None = None)
     return model
 
 
+def saved_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """CONFIGS[name] saved to a folder of its own, and HF's greedy tokens for PROMPTS on it."""
+    folder = tmp_path_factory.mktemp(name)
+    hf_model = write_model(name, folder)
+    return folder, [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """The Llama case, written once for every test of the module that only reads it."""
+    return saved_case("llama", tmp_path_factory)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def case(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, list[list[int]]]:
-    folder = tmp_path_factory.mktemp(request.param)
-    hf_model = write_model(request.param, folder)
-    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
-    return folder, reference
+    if request.param == "llama":
+        return request.getfixturevalue("llama")
+    return saved_case(request.param, tmp_path_factory)
 
 
 def run_llm(folder: Path, tp: int, params: SamplingParams) -> list[CompletionOutput]:
@@ -165,14 +177,13 @@ def test_tp2_matches_tp1_and_hf(case: tuple[Path, list[list[int]]]) -> None:
     assert get_tp_group().size == 1, "the group outlived its engine"
 
 
-def test_tp2_scores_prompt_tokens_like_tp1(tmp_path: Path) -> None:
+def test_tp2_scores_prompt_tokens_like_tp1(llama: tuple[Path, list[list[int]]]) -> None:
     """Prompt logprobs under tensor parallelism: rank 0 sends the scored rows with each step and
     every rank projects them (the logits gather is a collective), in 16-token chunks here."""
-    write_model("llama", tmp_path)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
     scored = []
     for tp in (1, 2):
-        outs = run_llm(tmp_path, tp, params)
+        outs = run_llm(llama[0], tp, params)
         scored.append([[lp.logprob for lp in o.prompt_logprobs or []] for o in outs])
     assert (
         [len(s) for s in scored[1]] == [len(s) for s in scored[0]] == [len(p) - 1 for p in PROMPTS]
@@ -181,12 +192,11 @@ def test_tp2_scores_prompt_tokens_like_tp1(tmp_path: Path) -> None:
     torch.testing.assert_close(flat2, flat1, atol=1e-4, rtol=0)
 
 
-def test_tp2_warm_up_changes_no_later_token(tmp_path: Path) -> None:
+def test_tp2_warm_up_changes_no_later_token(llama: tuple[Path, list[list[int]]]) -> None:
     """The start-up warm-up steps (engine_core/warm_up.py), which rank 0 runs on CUDA once its
     step channel is open: the worker follows them as any step, and greedy, sampled and
     prompt-logprob outputs after it are those of an engine that never ran it. Called by hand:
     on the CPU no runner runs it."""
-    write_model("llama", tmp_path)
     params = [
         SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2),
         SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True, prompt_logprobs=1),
@@ -196,7 +206,7 @@ def test_tp2_warm_up_changes_no_later_token(tmp_path: Path) -> None:
 
     def outputs(warm_up: bool) -> list[tuple[object, ...]]:
         llm = LLM(
-            str(tmp_path),
+            str(llama[0]),
             tensor_parallel_size=2,
             max_num_batched_tokens=64,  # every sampler path (tests/test_warm_up.py)
             max_num_seqs=16,
@@ -213,10 +223,9 @@ def test_tp2_warm_up_changes_no_later_token(tmp_path: Path) -> None:
     assert outputs(warm_up=True) == outputs(warm_up=False)
 
 
-def test_tp1_builds_the_plain_layers(tmp_path: Path) -> None:
+def test_tp1_builds_the_plain_layers(llama: tuple[Path, list[list[int]]]) -> None:
     """TP=1 keeps the single-process path: plain torch layers, no collective anywhere."""
-    write_model("llama", tmp_path)
-    llm = LLM(str(tmp_path), **ENGINE_ARGS)
+    llm = LLM(str(llama[0]), **ENGINE_ARGS)
     model = llm.engine.runner.model
     sharded = (RowParallelLinear, ColumnParallelLinear, VocabParallelEmbedding)
     assert not any(isinstance(m, sharded) for m in model.modules())
@@ -228,12 +237,13 @@ def test_tp1_builds_the_plain_layers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("size", [3, 4])
-def test_sizes_that_do_not_divide_the_heads_are_refused(tmp_path: Path, size: int) -> None:
+def test_sizes_that_do_not_divide_the_heads_are_refused(
+    llama: tuple[Path, list[list[int]]], size: int
+) -> None:
     """4 heads and 2 KV heads: 3 divides neither, 4 not the KV heads; refused before any
     worker starts (a worker left waiting for its peers would hang)."""
-    write_model("llama", tmp_path)
     with pytest.raises(ValueError, match=f"--tensor-parallel-size {size} must .* KV heads"):
-        LLM(str(tmp_path), tensor_parallel_size=size, **ENGINE_ARGS)
+        LLM(str(llama[0]), tensor_parallel_size=size, **ENGINE_ARGS)
     assert children_running_spawn(os.getpid()) == []
 
 
@@ -279,11 +289,12 @@ def collect(client: EngineClient, ids: set[str], timeout: float = 120) -> dict[s
 
 
 @pytest.mark.slow
-def test_tp2_engine_process_serves_hf_tokens_and_takes_its_workers_along(tmp_path: Path) -> None:
-    hf_model = write_model("llama", tmp_path)
-    reference = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+def test_tp2_engine_process_serves_hf_tokens_and_takes_its_workers_along(
+    llama: tuple[Path, list[list[int]]],
+) -> None:
+    folder, reference = llama
     address = private_ipc_address()
-    cmd = [sys.executable, "-m", "frontend.cli", "engine", "--model", str(tmp_path),
+    cmd = [sys.executable, "-m", "frontend.cli", "engine", "--model", str(folder),
            "--address", str(address), "--tensor-parallel-size", "2", "--block-size", "4",
            "--num-kv-blocks", "96", "--max-model-len", "128", "--max-num-batched-tokens", "16",
            "--max-num-seqs", "16",
@@ -313,15 +324,16 @@ def test_tp2_engine_process_serves_hf_tokens_and_takes_its_workers_along(tmp_pat
 
 
 @pytest.mark.slow
-def test_an_engine_whose_worker_dies_exits_instead_of_hanging(tmp_path: Path) -> None:
+def test_an_engine_whose_worker_dies_exits_instead_of_hanging(
+    llama: tuple[Path, list[list[int]]],
+) -> None:
     """SIGKILL rank 1 of an idle TP=2 engine: rank 0 would wait for it in its next collective
     for days; it must end its process at once with WORKER_LOST_EXIT_CODE (which `tandem serve`
     answers by starting a new engine core)."""
     from engine_core.tp_runner import WORKER_LOST_EXIT_CODE
 
-    write_model("llama", tmp_path)
     address = private_ipc_address()
-    cmd = [sys.executable, "-m", "frontend.cli", "engine", "--model", str(tmp_path),
+    cmd = [sys.executable, "-m", "frontend.cli", "engine", "--model", str(llama[0]),
            "--address", str(address), "--tensor-parallel-size", "2", "--block-size", "4",
            "--num-kv-blocks", "96", "--max-model-len", "128", "--log-level", "WARNING"]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
