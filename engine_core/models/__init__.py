@@ -407,12 +407,13 @@ def longrope_scaling(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, An
 
 
 def partial_rotary_factor(hf: dict[str, Any], architecture: str) -> float:
-    """Phi-3's, Qwen3-Next's and Qwen3.5's share of each head that rotary rotates (top level, or in
-    rope_parameters)."""
+    """Phi-3's, Qwen3-Next's and Qwen3.5's share of each head that rotary rotates (top level,
+    or in rope_parameters); absent, HF's default: 1, but a quarter for the Qwen3-Next family."""
     params = hf.get("rope_parameters") or {}
-    factor = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
-    partial = ("Phi3ForCausalLM", "Qwen3NextForCausalLM", *QWEN3_5_ARCHITECTURES)
-    if factor != 1.0 and architecture not in partial:
+    qwen3_next = ("Qwen3NextForCausalLM", *QWEN3_5_ARCHITECTURES)
+    default = 0.25 if architecture in qwen3_next else 1.0
+    factor = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", default)))
+    if factor != 1.0 and architecture not in ("Phi3ForCausalLM", *qwen3_next):
         raise ValueError(f"{architecture}: partial_rotary_factor {factor} is not supported")
     return factor
 
