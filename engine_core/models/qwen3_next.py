@@ -23,6 +23,11 @@ decode graphs replay), and prompt chunks take flash-linear-attention's kernels w
 installed (``fla_kernels``). The math
 follows HF transformers' torch fallback (modeling_qwen3_next.py), the reference the tests hold it
 to. docs/design/kv-layer-groups.md says how the slots are owned, and why a prefix hit is a miss.
+
+Qwen3.5's text model (dense or MoE; the CausalLM or the ConditionalGeneration layout) is this
+network; what differs is read from its config: four linear-attention input projections in head
+order (``separate_projections``), the ConditionalGeneration's ``model.language_model.`` names
+and ``text_config``, its vision tower's tensors skipped (docs/design/qwen3-next.md, "Qwen3.5").
 """
 
 from __future__ import annotations
