@@ -284,8 +284,8 @@ def _qwen3_next(layers: int) -> dict[str, Any]:
 
 def _qwen3_5(moe: bool) -> dict[str, Any]:
     """Qwen3.5's text model, dense (Qwen3.5-9B) or MoE (Qwen3.5-35B-A3B), whole: the defaults
-    of transformers 5.24's Qwen3_5TextConfig ("Qwen3.5-9B style") and Qwen3_5MoeTextConfig
-    ("Qwen3.5-35B-A3B style"), which the Qwen team wrote from those checkpoints' config.json:
+    of transformers 5.24's Qwen3_5TextConfig and Qwen3_5MoeTextConfig, which their docstrings
+    call the Qwen3.5-9B and Qwen3.5-35B-A3B style configurations (docs/design/qwen3-next.md):
     every fourth layer a gated full attention (16 heads of 256; 4 KV heads dense, 2 MoE; a
     quarter of each head rotating), the others gated DeltaNet (16 key and 32 value heads of
     128, convolution of 4); dense MLPs of 12,288, or 256 experts of 512 (top 8) and a shared
