@@ -90,17 +90,22 @@ class MlaConfig:
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:
-    """Gated DeltaNet's sizes (Qwen3-Next's linear-attention layers; models/qwen3_next.py).
+    """Gated DeltaNet's sizes (Qwen3-Next's and Qwen3.5's linear-attention layers;
+    models/qwen3_next.py).
 
     Each layer keeps, per request, a state of fixed size whatever the context: the last
     ``conv_kernel - 1`` inputs of its causal depthwise convolution over q, k and v, and the
-    recurrent state ``[value_heads, key_head_dim, value_head_dim]`` of the delta rule."""
+    recurrent state ``[value_heads, key_head_dim, value_head_dim]`` of the delta rule.
+    ``separate_projections``: the checkpoint stores q/k/v, z, b and a as four tensors, each in
+    head order (Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), rather
+    than two grouped by key head (Qwen3-Next's ``in_proj_qkvz``, ``in_proj_ba``)."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    separate_projections: bool = False
 
     @property
     def conv_dim(self) -> int:
@@ -184,7 +189,8 @@ class VisionConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # "llama" (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3), "gemma3", "gpt2",
-    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2), "qwen3_next", "llama4" (Llama 4's text)
+    # "gpt_oss", "deepseek" (DeepSeek-V2/V3, Kimi-K2), "qwen3_next" (Qwen3-Next, Qwen3.5's
+    # text), "llama4" (Llama 4's text)
     vocab_size: int
     hidden_size: int
     num_layers: int

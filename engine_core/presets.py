@@ -282,6 +282,46 @@ def _qwen3_next(layers: int) -> dict[str, Any]:
     }
 
 
+def _qwen3_5(moe: bool) -> dict[str, Any]:
+    """Qwen3.5's text model, dense (Qwen3.5-9B) or MoE (Qwen3.5-35B-A3B), whole: the defaults
+    of transformers 5.24's Qwen3_5TextConfig and Qwen3_5MoeTextConfig, which their docstrings
+    call the Qwen3.5-9B and Qwen3.5-35B-A3B style configurations (docs/design/qwen3-next.md):
+    every fourth layer a gated full attention (16 heads of 256; 4 KV heads dense, 2 MoE; a
+    quarter of each head rotating), the others gated DeltaNet (16 key and 32 value heads of
+    128, convolution of 4); dense MLPs of 12,288, or 256 experts of 512 (top 8) and a shared
+    one of 512. The rope base is the published 10,000,000 (transformers' default is 10,000),
+    the context 262,144."""
+    if moe:
+        base = _llama(2048, 40, 16, 2, 0, tied=False, theta=10_000_000.0) | {
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+        }
+        del base["intermediate_size"]  # none in the MoE's config: no layer has a dense MLP
+    else:
+        base = _llama(4096, 32, 16, 4, 12288, tied=False, theta=10_000_000.0) | {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+        }
+    return base | {
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                            "mrope_interleaved": True},
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+    }  # fmt: skip
+
+
 def _deepseek_yarn() -> dict[str, Any]:
     return {
         "type": "yarn",
@@ -309,6 +349,9 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     # The real model has 48 layers, ~160 GB in bf16 (its experts alone 3.2 GB a layer): 24 here
     # (six of its four-layer patterns, ~80 GB) leave one H200 room for the KV cache and states.
     "qwen3-next-80b": _qwen3_next(24),
+    # Whole: about 15 GB (dense) and 68 GB (MoE) of bf16 weights at this vocabulary.
+    "qwen3.5-9b": _qwen3_5(moe=False),
+    "qwen3.5-35b-a3b": _qwen3_5(moe=True),
     "qwen2.5-vl-7b": _qwen2_5_vl_7b(),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],

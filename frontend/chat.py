@@ -138,7 +138,7 @@ async def load_images(ctx: ServingContext, messages: list[ChatMessage]) -> list[
         for i, part in message.image_parts()
     ]
     try:
-        return await chat_images(ctx.vision, ctx.media, parts)
+        return await chat_images(ctx.vision, ctx.media, parts, ctx.no_images)
     except BadImage as exc:
         raise bad_request(str(exc), exc.param, "invalid_image") from None
 

@@ -404,15 +404,42 @@ class ImagePartRef:
     detail: str | None
 
 
+# Vision-language checkpoints served as text only for now: the engine builds their language
+# model and skips their vision tower's weights (engine_core/models/qwen3_next.py).
+TEXT_ONLY_ARCHITECTURES = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Llama4ForConditionalGeneration",
+)
+NO_IMAGES = "this model takes no images: send text parts only"
+
+
+def no_images_reason(model_dir: Path) -> str:
+    """What a request with images to the folder's model (one without a VisionProcessor) is
+    told: a vision-language checkpoint served as text names its architecture."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        return NO_IMAGES
+    architectures = json.loads(config_path.read_text()).get("architectures") or ()
+    for name in architectures:
+        if name in TEXT_ONLY_ARCHITECTURES:
+            return f"images are not supported for {name} yet (Tandem serves its text): {NO_IMAGES}"
+    return NO_IMAGES
+
+
 async def chat_images(
-    vision: VisionProcessor | None, media: MediaOptions, parts: list[ImagePartRef]
+    vision: VisionProcessor | None,
+    media: MediaOptions,
+    parts: list[ImagePartRef],
+    no_images: str = NO_IMAGES,
 ) -> list[ProcessedImage]:
     """A chat request's images, fetched, decoded and processed (off the event loop), in order;
-    BadImage for the first part the server cannot take."""
+    BadImage for the first part the server cannot take (``no_images`` where the model takes
+    none)."""
     if not parts:
         return []
     if vision is None:
-        raise BadImage("this model takes no images: send text parts only", parts[0].param)
+        raise BadImage(no_images, parts[0].param)
     if len(parts) > media.max_images:
         raise BadImage(
             f"at most {media.max_images} images a prompt (--limit-mm-per-prompt), got {len(parts)}",

@@ -45,7 +45,12 @@ from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
 from engine_core.models.quantize import make_quantized_linears
 from engine_core.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-from engine_core.models.qwen3_next import Qwen3NextForCausalLM, qwen3_next_fields
+from engine_core.models.qwen3_next import (
+    QWEN3_5_ARCHITECTURES,
+    Qwen3NextForCausalLM,
+    qwen3_5_text_config,
+    qwen3_next_fields,
+)
 from engine_core.models.target import BuildTarget
 from engine_core.parallel import get_tp_group
 
@@ -76,6 +81,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
     *LLAMA4_ARCHITECTURES,
     "Qwen3NextForCausalLM",
+    *QWEN3_5_ARCHITECTURES,
 )
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _BY_MODEL_TYPE = {
@@ -96,6 +102,10 @@ _BY_MODEL_TYPE = {
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -180,6 +190,10 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         )
     if architecture == "Qwen3NextForCausalLM":  # linear + gated attention (models/qwen3_next.py)
         return dataclasses.replace(llama_config(hf, architecture), **qwen3_next_fields(hf))
+    if architecture in QWEN3_5_ARCHITECTURES:  # Qwen3-Next's layers; text only for now
+        text = qwen3_5_text_config(hf)
+        fields = qwen3_next_fields(text, architecture)
+        return dataclasses.replace(llama_config(text, architecture), **fields)
     if architecture in MOE_ARCHITECTURES:  # Llama-family attention, MoE MLPs (models/moe.py)
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     if architecture == "Qwen2_5_VLForConditionalGeneration":
@@ -393,11 +407,13 @@ def longrope_scaling(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, An
 
 
 def partial_rotary_factor(hf: dict[str, Any], architecture: str) -> float:
-    """Phi-3's and Qwen3-Next's share of each head that rotary rotates (top level, or in
-    rope_parameters)."""
+    """Phi-3's, Qwen3-Next's and Qwen3.5's share of each head that rotary rotates (top level,
+    or in rope_parameters); absent, HF's default: 1, but a quarter for the Qwen3-Next family."""
     params = hf.get("rope_parameters") or {}
-    factor = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
-    if factor != 1.0 and architecture not in ("Phi3ForCausalLM", "Qwen3NextForCausalLM"):
+    qwen3_next = ("Qwen3NextForCausalLM", *QWEN3_5_ARCHITECTURES)
+    default = 0.25 if architecture in qwen3_next else 1.0
+    factor = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", default)))
+    if factor != 1.0 and architecture not in ("Phi3ForCausalLM", *qwen3_next):
         raise ValueError(f"{architecture}: partial_rotary_factor {factor} is not supported")
     return factor
 

@@ -23,11 +23,18 @@ decode graphs replay), and prompt chunks take flash-linear-attention's kernels w
 installed (``fla_kernels``). The math
 follows HF transformers' torch fallback (modeling_qwen3_next.py), the reference the tests hold it
 to. docs/design/kv-layer-groups.md says how the slots are owned, and why a prefix hit is a miss.
+
+Qwen3.5's text model (dense or MoE; the CausalLM or the ConditionalGeneration layout) is this
+network; what differs is read from its config: four linear-attention input projections in head
+order (``separate_projections``), the ConditionalGeneration's ``model.language_model.`` names
+and ``text_config``, its vision tower's tensors skipped (docs/design/qwen3-next.md, "Qwen3.5").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -42,7 +49,7 @@ from engine_core.models.delta_rule import (
     fla_kernels,
     recurrent_gated_delta_step,
 )
-from engine_core.models.layers import Linear
+from engine_core.models.layers import Linear, MergedLinear
 from engine_core.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -55,6 +62,24 @@ from engine_core.models.moe import SparseMoE, qwen3_dense_layers, refuse_unsuppo
 from engine_core.parallel import SINGLE, TPGroup
 
 LAYER_KINDS = ("linear_attention", "full_attention")
+# Qwen3.5's linear-attention input projections -> (the merged one that holds them, shard).
+SEPARATE_PROJECTIONS = {
+    "in_proj_qkv": ("in_proj_qkvz", 0),
+    "in_proj_z": ("in_proj_qkvz", 1),
+    "in_proj_b": ("in_proj_ba", 0),
+    "in_proj_a": ("in_proj_ba", 1),
+}
+# Qwen3.5's text and vision-language checkpoints, dense and MoE: the same layers as Qwen3-Next
+# but for the layout of the linear-attention projections (LinearAttentionConfig).
+QWEN3_5_ARCHITECTURES = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+VISION_TOWER_PREFIX = "model.visual."  # a Qwen3.5 ConditionalGeneration checkpoint's tower
+
+logger = logging.getLogger(__name__)
 
 
 class GatedDeltaNet(nn.Module):
@@ -68,8 +93,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = la.num_key_heads * la.key_head_dim
         self.value_dim = la.num_value_heads * la.value_head_dim
         hidden = config.hidden_size
-        self.in_proj_qkvz = Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = Linear(hidden, 2 * la.num_value_heads, bias=False)
+        self.in_proj_qkvz, self.in_proj_ba = input_projections(hidden, la)
         conv_dim = la.conv_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, la.conv_kernel, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
@@ -144,9 +168,15 @@ class GatedDeltaNet(nn.Module):
         self, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (q, k, v side by side [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]).
-        HF's projections group their rows by key head: for each, its q, k, then the v and z of
-        the value heads it serves (and its b's, then its a's)."""
+        Qwen3-Next's projections group their rows by key head: for each, its q, k, then the v
+        and z of the value heads it serves (and its b's, then its a's); Qwen3.5's hold q, k, v
+        (then z, and b then a) each whole, in head order."""
         la, num_tokens = self.la, hidden.shape[0]
+        if la.separate_projections:
+            qkv, z = self.in_proj_qkvz(hidden).split([la.conv_dim, self.value_dim], dim=-1)
+            b, a = self.in_proj_ba(hidden).chunk(2, dim=-1)
+            z = z.reshape(num_tokens, la.num_value_heads, la.value_head_dim)
+            return qkv, z, b, a
         per_key = la.num_value_heads // la.num_key_heads
         dk, vdims = la.key_head_dim, per_key * la.value_head_dim
         qkvz = self.in_proj_qkvz(hidden).view(num_tokens, la.num_key_heads, -1)
@@ -260,6 +290,22 @@ class GatedDeltaNet(nn.Module):
         return q * la.key_head_dim**-0.5, k, v.view(num, la.num_value_heads, -1)
 
 
+def input_projections(hidden: int, la: LinearAttentionConfig) -> tuple[Linear, Linear]:
+    """(in_proj_qkvz, in_proj_ba): Qwen3-Next's two checkpoint tensors as they are; Qwen3.5's
+    four loaded as the shards of two merged projections (q/k/v then z; b then a), so each
+    layout takes two GEMMs."""
+    value_dim = la.num_value_heads * la.value_head_dim
+    if la.separate_projections:
+        return (
+            MergedLinear(hidden, [la.conv_dim, value_dim], bias=False),
+            MergedLinear(hidden, [la.num_value_heads] * 2, bias=False),
+        )
+    return (
+        Linear(hidden, la.conv_dim + value_dim, bias=False),
+        Linear(hidden, 2 * la.num_value_heads, bias=False),
+    )
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x over its last dim scaled to unit length (eps inside the root, as HF and FLA do)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -345,18 +391,49 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(without_vision_tower(weights))
+
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
+        """HF's names, in the CausalLM layout or (Qwen3.5) the ConditionalGeneration one,
+        whose language model sits under ``model.language_model.``."""
         if hf_name.startswith("mtp."):
             return None  # the multi-token-prediction head: a draft model, unused here
         if ".shared_expert" in hf_name and not self.config.shared_expert_intermediate_size:
             return None  # HF builds a shared expert of width 0 there: it adds exactly zero
+        if hf_name.startswith("model.language_model."):
+            hf_name = "model." + hf_name.removeprefix("model.language_model.")
+        module, _, param = hf_name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj in SEPARATE_PROJECTIONS:
+            merged, shard = SEPARATE_PROJECTIONS[proj]
+            return f"{parent}.{merged}.{param}", shard
         return super().map_name(hf_name)
 
 
-def qwen3_next_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields of a Qwen3-Next config.json beyond the Llama family's; ValueError
-    naming any field whose value we do not implement."""
-    arch = "Qwen3NextForCausalLM"
+def without_vision_tower(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors but a Qwen3.5 ConditionalGeneration's vision tower
+    (``model.visual.*``), which is not built here: such a model serves text, and the API
+    refuses a request with images by name (frontend/vision.py TEXT_ONLY_ARCHITECTURES)."""
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(VISION_TOWER_PREFIX):
+            skipped += 1
+            continue
+        yield name, tensor
+    if skipped:
+        logger.info(
+            "skipped the vision tower's %d tensors (%s*): images are not supported for this "
+            "model yet, it serves text",
+            skipped, VISION_TOWER_PREFIX,
+        )  # fmt: skip
+
+
+def qwen3_next_fields(hf: dict[str, Any], arch: str = "Qwen3NextForCausalLM") -> dict[str, Any]:
+    """The ModelConfig fields of a Qwen3-Next or Qwen3.5 (text) config.json beyond the Llama
+    family's; ValueError naming any field whose value we do not implement."""
     refuse_unsupported(hf, arch, implemented=("shared_expert_intermediate_size",))
     if hf.get("quantization_config"):
         raise ValueError(
@@ -367,14 +444,13 @@ def qwen3_next_fields(hf: dict[str, Any]) -> dict[str, Any]:
     for name in ("use_sliding_window", "sliding_window"):
         if hf.get(name) not in (None, False):
             raise ValueError(f"{arch}: config field {name}={hf[name]!r} is not supported")
-    kinds = qwen3_next_layer_types(hf)
     fields: dict[str, Any] = {
         "architecture": "qwen3_next",
         "qk_norm": True,
         "norm_unit_offset": True,
         "attention_output_gate": True,
-        "layer_types": kinds,
-        "linear_attention": linear_attention_config(hf),
+        "layer_types": qwen3_next_layer_types(hf, arch),
+        "linear_attention": linear_attention_config(hf, arch),
     }
     experts = hf.get("num_experts") or 0
     if not experts:
@@ -388,13 +464,47 @@ def qwen3_next_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "num_experts": experts,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": hf["moe_intermediate_size"],
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-        "dense_layers": qwen3_dense_layers(hf),
         "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0,
+        **expert_layout(hf, arch),
     }
 
 
-def qwen3_next_layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
+def expert_layout(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Which layers are dense and whether the top-k weights renormalise. Qwen3.5's MoE has no
+    such fields: every layer is sparse and its router always renormalises (HF's
+    Qwen3_5MoeTopKRouter), so a config saying otherwise is refused rather than ignored."""
+    if arch not in QWEN3_5_ARCHITECTURES:
+        return {
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "dense_layers": qwen3_dense_layers(hf),
+        }
+    if hf.get("norm_topk_prob") is False:
+        raise ValueError(f"{arch}: norm_topk_prob=False is not supported (Qwen3.5 renormalises)")
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"{arch}: mlp_only_layers / decoder_sparse_step are not supported (every Qwen3.5 "
+            "MoE layer is sparse)"
+        )
+    return {"norm_topk_prob": True, "dense_layers": ()}
+
+
+def qwen3_5_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3.5 checkpoint's language-model config: ``text_config`` for a ConditionalGeneration
+    one (its top level's ``tie_word_embeddings``, which HF ties by, its quantization_config,
+    and its token ids where the text config lacks them), else the top level. An MoE config
+    has no ``intermediate_size``: no layer has a dense MLP, whose width is then 0."""
+    if "text_config" not in hf:
+        return {"intermediate_size": 0} | hf
+    text = {"intermediate_size": 0} | hf["text_config"]
+    text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    text["quantization_config"] = hf.get("quantization_config")
+    for key in ("eos_token_id", "bos_token_id"):
+        if key in hf and text.get(key) is None:
+            text[key] = hf[key]
+    return text
+
+
+def qwen3_next_layer_types(hf: dict[str, Any], arch: str) -> tuple[str, ...]:
     """``layer_types``, or from ``full_attention_interval`` (HF's default 4): every
     interval-th layer attends fully, the others are linear attention."""
     num_layers = hf["num_hidden_layers"]
@@ -404,26 +514,25 @@ def qwen3_next_layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
         kinds = [LAYER_KINDS[(i + 1) % interval == 0] for i in range(num_layers)]
     unknown = set(kinds) - set(LAYER_KINDS)
     if len(kinds) != num_layers or unknown:
-        raise ValueError(f"Qwen3NextForCausalLM: unsupported layer_types {kinds!r}")
+        raise ValueError(f"{arch}: unsupported layer_types {kinds!r}")
     return tuple(kinds)
 
 
-def linear_attention_config(hf: dict[str, Any]) -> LinearAttentionConfig:
+def linear_attention_config(hf: dict[str, Any], arch: str) -> LinearAttentionConfig:
     la = LinearAttentionConfig(
         num_key_heads=hf.get("linear_num_key_heads", 16),
         num_value_heads=hf.get("linear_num_value_heads", 32),
         key_head_dim=hf.get("linear_key_head_dim", 128),
         value_head_dim=hf.get("linear_value_head_dim", 128),
         conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+        separate_projections=arch in QWEN3_5_ARCHITECTURES,
     )
     if la.num_value_heads % la.num_key_heads:
         raise ValueError(
-            f"Qwen3NextForCausalLM: linear_num_value_heads ({la.num_value_heads}) must be a "
-            f"multiple of linear_num_key_heads ({la.num_key_heads})"
+            f"{arch}: linear_num_value_heads ({la.num_value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({la.num_key_heads})"
         )
     if la.conv_kernel < 2:
-        raise ValueError(
-            f"Qwen3NextForCausalLM: linear_conv_kernel_dim {la.conv_kernel} is not supported "
-            "(at least 2)"
-        )
+        raise ValueError(f"{arch}: linear_conv_kernel_dim {la.conv_kernel} is not supported "
+                         "(at least 2)")  # fmt: skip
     return la
