@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_core.config import EngineConfig
 from engine_core.llm import LLM
 from engine_core.request import Request
 from protocol.messages import SamplingParams
@@ -158,3 +159,15 @@ def test_preemptions_and_aborts_leak_nothing(
     assert [o.token_ids for o in got] == [hf_tokens(hf_model, p) for p in prompts]
     assert engine.scheduler.counts().preemptions > preemptions
     check_all_given_back(tight, 3)
+
+
+def test_the_pool_follows_prefix_caching_and_a_useless_one_is_refused() -> None:
+    """As many saved states as running sequences by default, none without prefix caching
+    (``--no-enable-prefix-caching`` turns both off); a pool asked for beside it, or negative,
+    is refused by name."""
+    assert EngineConfig(max_num_seqs=6).num_state_snapshots() == 6
+    assert EngineConfig(max_num_seqs=6, state_snapshots=0).num_state_snapshots() == 0
+    assert EngineConfig(enable_prefix_caching=False).num_state_snapshots() == 0
+    for bad in ({"state_snapshots": 4, "enable_prefix_caching": False}, {"state_snapshots": -1}):
+        with pytest.raises(ValueError, match="--state-snapshots"):
+            EngineConfig(**bad)
