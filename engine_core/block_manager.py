@@ -420,9 +420,14 @@ class BlockManager:
         hashes = self._chain_hashes(request, max_hits)
         hits = self._group_hits(hashes)
         num_hits = len(hits[0])
-        if self.snapshots is not None:
+        while self.snapshots is not None:
+            # Shortened to a saved state's end, a window group may lack blocks for the shorter
+            # hit: shorten again until both agree (the lengths only fall).
             num_hits = self._hit_with_state(rid, hashes, num_hits)
             hits = self._group_hits(hashes[:num_hits])
+            if len(hits[0]) == num_hits:
+                break
+            num_hits = len(hits[0])
         for group, blocks in enumerate(hits):
             table = self._group_tables[group][rid]
             for block in blocks:
@@ -441,6 +446,7 @@ class BlockManager:
         """The longest hit of at most ``num_hits`` blocks whose last block ends where a state
         was saved (0: none), its snapshot noted for the request's slot (``allocate_slots``)."""
         assert self.snapshots is not None
+        self._restores.pop(rid, None)
         for length in range(num_hits, 0, -1):
             snapshot = self.snapshots.find(*hashes[length - 1])
             if snapshot is not None:
@@ -450,14 +456,29 @@ class BlockManager:
 
     def _save_state(self, request: Request, slot: int) -> None:
         """Save the state ``slot`` holds when the next step starts, where the request's next
-        chunk starts on a block boundary no later than its prompt's last one: the chain hash
-        of the block ending there keys it."""
+        chunk starts (on a block boundary: the caller checks) no later than its prompt's last
+        one; the chain hash of the block ending there keys it."""
         assert self.snapshots is not None
         start = request.num_computed_tokens
-        if not 0 < start <= self._last_snapshot_point(request) or start % self.block_size:
+        if not 0 < start <= self._last_snapshot_point(request):
             return
-        chain = self._chain_hashes(request, start // self.block_size)
-        self.snapshots.save(slot, *chain[-1])
+        self.snapshots.save(slot, *self._chain_entry(request, start // self.block_size))
+
+    def _chain_entry(self, request: Request, num_blocks: int) -> tuple[int, int, tuple[Any, ...]]:
+        """(hash, parent hash, key) of block ``num_blocks - 1`` of the request's chain, going
+        on from the hashes already registered (``_chain``) rather than from its first block."""
+        chain, size = self._chain[request.request_id], self.block_size
+        known = min(len(chain), num_blocks - 1)
+        parent = chain[known - 1] if known else prefix_root(request)
+        for index in range(known, num_blocks):
+            key = tuple(request.token_ids[index * size : (index + 1) * size])
+            if request.images:
+                key = block_key(request, index, key)
+            block_hash = hash_block(parent, key)
+            if index == num_blocks - 1:
+                return block_hash, parent, key
+            parent = block_hash
+        raise ValueError(f"no block {num_blocks - 1} to key")
 
     def _chain_hashes(self, request: Request, limit: int) -> list[tuple[int, int, tuple[int, ...]]]:
         """(hash, parent hash, key) of the first ``limit`` full blocks of ``request``, the chain
@@ -531,7 +552,7 @@ class BlockManager:
         if table is not None and num_tokens <= len(table) * self.block_size:
             if needs_slot:
                 self._take_state_slot(request)
-            elif self.snapshots is not None:
+            elif self.snapshots is not None and not request.num_computed_tokens % self.block_size:
                 self._save_state(request, self._slots[rid])
             return True  # the common decode step: the last block still has room
         width = 0 if table is None else len(table)
@@ -540,7 +561,7 @@ class BlockManager:
             return False
         if needs_slot:
             self._take_state_slot(request)
-        elif self.snapshots is not None:
+        elif self.snapshots is not None and not request.num_computed_tokens % self.block_size:
             self._save_state(request, self._slots[rid])
         if table is None:
             for tables in self._group_tables:

@@ -353,7 +353,7 @@ class Scheduler:
                 if not num_new:  # the rest of an image it is inside: next step's budget
                     index += 1
                     continue
-            if self._snapshots:
+            if self._snapshots and num_new > 1:  # a prompt chunk ends where a state is saved
                 num_new = self.block_manager.snapshot_chunk(request, start, num_new)
             end = start + num_new
             block_ids = table_covering(request, num_new)
