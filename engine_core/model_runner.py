@@ -458,6 +458,12 @@ class ModelRunner:
     def _check_state_kind(self) -> None:
         """Refuse what a linear-attention state cannot do yet."""
         if not self.num_state_slots:
+            if self.config.state_snapshots:  # sizing only: it changes no output
+                logger.warning(
+                    "--state-snapshots %d keeps nothing: this model has no linear-attention "
+                    "layers, whose states it would save",
+                    self.config.state_snapshots,
+                )
             return
         if self.config.speculative_config is not None:
             raise ValueError(

@@ -9,12 +9,14 @@ state unaccounted for."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine_core.args import add_engine_args, engine_config_from_args
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM
 from engine_core.request import Request
@@ -97,7 +99,7 @@ def test_later_turns_and_shared_first_chunks_resume_at_a_saved_state(
     check_all_given_back(roomy, 4)
 
 
-def test_a_hit_samples_with_a_misss_logprobs(
+def test_a_hit_gives_the_logprobs_of_a_miss(
     qwen3_next: tuple[Path, torch.nn.Module], roomy: LLM
 ) -> None:
     """The same 70-token prompt twice: the second resumes at 64 from the first's saved state,
@@ -171,3 +173,8 @@ def test_the_pool_follows_prefix_caching_and_a_useless_one_is_refused() -> None:
     for bad in ({"state_snapshots": 4, "enable_prefix_caching": False}, {"state_snapshots": -1}):
         with pytest.raises(ValueError, match="--state-snapshots"):
             EngineConfig(**bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert "--state-snapshots" in parser.format_help()
+    flags = parser.parse_args(["--state-snapshots", "3"])
+    assert engine_config_from_args(flags).num_state_snapshots() == 3
