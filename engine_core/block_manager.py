@@ -23,9 +23,13 @@ window starts at its chunk's start):
 A model with linear-attention layers (Qwen3-Next) also has the state kind: each running request
 holds one state slot (``state_slots`` of them, as many as the running cap), taken by its first
 ``allocate_slots`` and given back by ``free``; the runner keeps the slot's tensors and the model
-reads and writes them. Its state is a function of every token before it and no state is saved at
-block boundaries, so such a manager takes no prefix-cache hit (caching is off): a preempted or
-resumed request recomputes its state from its prompt and outputs, from a zero state.
+reads and writes them. Its state is a function of every token before it, so a prefix hit also
+needs the state at the hit's end: saved states (engine_core/state_snapshots.py, ``snapshots``)
+are kept under the hash of the block they end, taken where a prompt chunk starts on a block
+boundary no later than the prompt's last one (``snapshot_chunk`` ends a chunk there), and a hit
+is the longest run of cached attention blocks that ends where a state was saved (none: a miss).
+A hit's state is copied into the request's slot before its first step; the copies go to the
+runner with the step's plan (``take_state_copies``). Without snapshots caching is off.
 
 Every block but the null one is in exactly one of three states:
 
@@ -61,6 +65,7 @@ from typing import Any
 from engine_core.kv_groups import KVGroup, blocks_for_tokens
 from engine_core.kv_offload import HostTier, KVMoves
 from engine_core.request import Request
+from engine_core.state_snapshots import StateCopy, StateSnapshots
 
 ROOT_HASH = 0  # the parent hash of a request's first block
 NULL_BLOCK = 0  # with a window group: the placeholder for blocks behind the window
@@ -116,13 +121,15 @@ class BlockManager:
         attention_chunks: Sequence[int | None] = (),
         state_slots: int = 0,
         host_blocks: int = 0,
+        state_snapshots: int = 0,
     ) -> None:
         """``windows``: each layer group's sliding window (None: full attention), group 0
         first; its table is the one a step's plan carries as ``block_ids``.
         ``attention_chunks``: each group's attention chunk beside it (empty: none chunked).
         ``state_slots``: the linear-attention state slots (0: the model has no such layers).
         ``host_blocks``: slots of the host KV tier (engine_core/kv_offload.py; 0: none), for a
-        model of one full-attention group with prefix caching on."""
+        model of one full-attention group with prefix caching on. ``state_snapshots``: saved
+        linear-attention states for prefix hits (0: none, and no hit with state slots)."""
         chunks = tuple(attention_chunks) or (None,) * len(windows)
         if len(chunks) != len(windows):
             raise ValueError(f"{len(chunks)} attention chunks for {len(windows)} groups")
@@ -134,8 +141,16 @@ class BlockManager:
                 f"{num_blocks}, {block_size}, {list(windows)}"
             )
         self.block_size = block_size
-        # A hit would need the state at the hit's end, and none is saved (module docstring).
-        self.enable_prefix_caching = enable_prefix_caching and not state_slots
+        # With state slots a hit needs a saved state at its end (module docstring).
+        self.snapshots = (
+            StateSnapshots(state_snapshots)
+            if state_slots and state_snapshots and enable_prefix_caching
+            else None
+        )
+        self.enable_prefix_caching = enable_prefix_caching and (
+            not state_slots or self.snapshots is not None
+        )
+        self._restores: dict[str, int] = {}  # request id -> snapshot to copy into its new slot
         self.num_state_slots = state_slots
         self._free_slots: deque[int] = deque(range(state_slots))
         self._slots: dict[str, int] = {}  # request id -> the state slot it holds
@@ -194,6 +209,25 @@ class BlockManager:
         if tier is None or not tier.has_moves:
             return None
         return tier.take_moves()
+
+    def take_state_copies(self) -> tuple[StateCopy, ...]:
+        """The copies between state slots and snapshots that the next step's forward must make
+        first, in order (empty: none), handed over once."""
+        return () if self.snapshots is None else self.snapshots.take_copies()
+
+    def snapshot_chunk(self, request: Request, start: int, num_new: int) -> int:
+        """``num_new`` tokens from ``start``, cut to end at the prompt's last block boundary
+        before its last token where the chunk would pass it, so a state is saved there (the
+        state at a block boundary exists only between two steps)."""
+        if self.snapshots is None:
+            return num_new
+        end = self._last_snapshot_point(request)
+        return end - start if start < end < start + num_new else num_new
+
+    def _last_snapshot_point(self, request: Request) -> int:
+        """The latest position at which a state is saved: the prompt's last block boundary
+        before its last token (a prompt sent again, or extended, hits up to there)."""
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     # ----------------------------------------------------------------------------- counters
 
@@ -332,7 +366,7 @@ class BlockManager:
         if not self.enable_prefix_caching or not use_cache:
             return 0
         max_hits = (request.num_tokens - 1) // self.block_size
-        if not self._one_full_group:
+        if not self._one_full_group or self.snapshots is not None:
             return self._allocate_group_prefix(rid, request, max_hits)
         table, parent = self._tables[rid], prefix_root(request)
         for index, tokens in enumerate(self._full_blocks(request.token_ids, max_hits)):
@@ -382,10 +416,18 @@ class BlockManager:
             chain.append(block_hash)
 
     def _allocate_group_prefix(self, rid: str, request: Request, max_hits: int) -> int:
-        """``allocate_prefix`` with more than one group or a window group."""
+        """``allocate_prefix`` with more than one group, a window group or state slots."""
         hashes = self._chain_hashes(request, max_hits)
         hits = self._group_hits(hashes)
         num_hits = len(hits[0])
+        while self.snapshots is not None:
+            # Shortened to a saved state's end, a window group may lack blocks for the shorter
+            # hit: shorten again until both agree (the lengths only fall).
+            num_hits = self._hit_with_state(rid, hashes, num_hits)
+            hits = self._group_hits(hashes[:num_hits])
+            if len(hits[0]) == num_hits:
+                break
+            num_hits = len(hits[0])
         for group, blocks in enumerate(hits):
             table = self._group_tables[group][rid]
             for block in blocks:
@@ -397,6 +439,46 @@ class BlockManager:
                     table.append(block.block_id)
         self._chain[rid].extend(h for h, _, _ in hashes[:num_hits])
         return num_hits * self.block_size
+
+    def _hit_with_state(
+        self, rid: str, hashes: list[tuple[int, int, tuple[int, ...]]], num_hits: int
+    ) -> int:
+        """The longest hit of at most ``num_hits`` blocks whose last block ends where a state
+        was saved (0: none), its snapshot noted for the request's slot (``allocate_slots``)."""
+        assert self.snapshots is not None
+        self._restores.pop(rid, None)
+        for length in range(num_hits, 0, -1):
+            snapshot = self.snapshots.find(*hashes[length - 1])
+            if snapshot is not None:
+                self._restores[rid] = snapshot
+                return length
+        return 0
+
+    def _save_state(self, request: Request, slot: int) -> None:
+        """Save the state ``slot`` holds when the next step starts, where the request's next
+        chunk starts (on a block boundary: the caller checks) no later than its prompt's last
+        one; the chain hash of the block ending there keys it."""
+        assert self.snapshots is not None
+        start = request.num_computed_tokens
+        if not 0 < start <= self._last_snapshot_point(request):
+            return
+        self.snapshots.save(slot, *self._chain_entry(request, start // self.block_size))
+
+    def _chain_entry(self, request: Request, num_blocks: int) -> tuple[int, int, tuple[Any, ...]]:
+        """(hash, parent hash, key) of block ``num_blocks - 1`` of the request's chain, going
+        on from the hashes already registered (``_chain``) rather than from its first block."""
+        chain, size = self._chain[request.request_id], self.block_size
+        known = min(len(chain), num_blocks - 1)
+        parent = chain[known - 1] if known else prefix_root(request)
+        for index in range(known, num_blocks):
+            key = tuple(request.token_ids[index * size : (index + 1) * size])
+            if request.images:
+                key = block_key(request, index, key)
+            block_hash = hash_block(parent, key)
+            if index == num_blocks - 1:
+                return block_hash, parent, key
+            parent = block_hash
+        raise ValueError(f"no block {num_blocks - 1} to key")
 
     def _chain_hashes(self, request: Request, limit: int) -> list[tuple[int, int, tuple[int, ...]]]:
         """(hash, parent hash, key) of the first ``limit`` full blocks of ``request``, the chain
@@ -469,14 +551,18 @@ class BlockManager:
             self._release_behind_windows(request, request.num_computed_tokens)
         if table is not None and num_tokens <= len(table) * self.block_size:
             if needs_slot:
-                self._slots[rid] = self._free_slots.popleft()
+                self._take_state_slot(request)
+            elif self.snapshots is not None and not request.num_computed_tokens % self.block_size:
+                self._save_state(request, self._slots[rid])
             return True  # the common decode step: the last block still has room
         width = 0 if table is None else len(table)
         num_needed = (-(-num_tokens // self.block_size) - width) * self.num_groups
         if num_needed > len(self._free) + len(self._cached):
             return False
         if needs_slot:
-            self._slots[rid] = self._free_slots.popleft()
+            self._take_state_slot(request)
+        elif self.snapshots is not None and not request.num_computed_tokens % self.block_size:
+            self._save_state(request, self._slots[rid])
         if table is None:
             for tables in self._group_tables:
                 tables[rid] = _new_table()
@@ -488,6 +574,14 @@ class BlockManager:
             for _ in range(num_needed // self.num_groups):
                 grown.append(self._take_new())
         return True
+
+    def _take_state_slot(self, request: Request) -> None:
+        """Give the request a free state slot, the state of its prefix hit copied in first."""
+        slot = self._slots[request.request_id] = self._free_slots.popleft()
+        snapshot = self._restores.pop(request.request_id, None)
+        if snapshot is not None:
+            assert self.snapshots is not None
+            self.snapshots.restore(snapshot, slot)
 
     def _release_behind_windows(self, request: Request, next_position: int) -> None:
         """Give back each window group's blocks that no query at ``next_position`` or later
@@ -568,6 +662,7 @@ class BlockManager:
         """
         self._chain.pop(request_id, None)
         self._behind.pop(request_id, None)
+        self._restores.pop(request_id, None)  # a hit whose admission failed
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
@@ -677,6 +772,8 @@ class BlockManager:
             f"free {len(free)} + cached {len(cached)} + used {used} != {self.num_blocks}",
         )
         self._check_state_slots()
+        if self.snapshots is not None:
+            self.snapshots.check_integrity()
         if self.host_tier is not None:
             self.host_tier.check_integrity()
 
@@ -687,6 +784,10 @@ class BlockManager:
         slots = sorted(held + list(self._free_slots))
         _require(slots == list(range(self.num_state_slots)), f"state slots lost: {slots}")
         _require(self._slots.keys() <= self._tables.keys(), "a slot held by a request gone")
+        _require(
+            self._restores.keys() <= self._tables.keys() - self._slots.keys(),
+            "a snapshot to restore for a request gone or already holding its slot",
+        )
         if self.num_state_slots:
             for request_id, table in self._tables.items():
                 _require(

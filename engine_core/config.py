@@ -334,6 +334,9 @@ class EngineConfig:
     # A host-memory tier of this many GiB for prefix-cache blocks evicted from the device pool
     # (engine_core/kv_offload.py; pinned on CUDA); 0: none.
     kv_offload_gb: float = 0.0
+    # Linear-attention models (Qwen3-Next): saved states kept for prefix-cache hits
+    # (engine_core/state_snapshots.py); None: as many as max_num_seqs; 0: no prefix caching.
+    state_snapshots: int | None = None
     enforce_eager: bool = False
     # Steps with prompt tokens of up to this many tokens replay a CUDA graph
     # (engine_core/cuda_graph.py); 0: they run eagerly. Capped at max_num_batched_tokens. None:
@@ -442,6 +445,7 @@ class EngineConfig:
         self.check_lora()
         self.check_nodes()
         self.check_kv_offload()
+        self.check_state_snapshots()
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError(
                 "--enable-expert-parallel shards the experts over the tensor-parallel ranks: it "
@@ -516,6 +520,23 @@ class EngineConfig:
             raise ValueError(
                 "--data-parallel-size > 1 with --nnodes > 1 is not supported: one engine core "
                 "spans the nodes"
+            )
+
+    def num_state_snapshots(self) -> int:
+        """Saved linear-attention states a model with such layers keeps (0 without caching)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.max_num_seqs if self.state_snapshots is None else self.state_snapshots
+
+    def check_state_snapshots(self) -> None:
+        if self.state_snapshots is None:
+            return
+        if self.state_snapshots < 0:
+            raise ValueError(f"--state-snapshots {self.state_snapshots} must be 0 (off) or more")
+        if self.state_snapshots and not self.enable_prefix_caching:
+            raise ValueError(
+                f"--state-snapshots {self.state_snapshots} keeps states for prefix-cache hits: "
+                "it needs prefix caching (drop --no-enable-prefix-caching)"
             )
 
     def check_kv_offload(self) -> None:

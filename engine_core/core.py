@@ -81,6 +81,7 @@ class EngineCore:
             kv_windows=self.runner.kv_layout.windows,
             kv_attention_chunks=self.runner.kv_layout.attention_chunks,
             state_slots=self.runner.num_state_slots,
+            state_snapshots=self.runner.num_state_snapshots,
             host_kv_blocks=self.runner.num_host_kv_blocks,
             unsplit_image_tokens=unsplit_image_tokens(self.model_config),
         )

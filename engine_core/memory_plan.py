@@ -22,8 +22,9 @@ The need, per tensor-parallel rank:
   sequence needs what every group holds at its peak: all its blocks in a full group, the
   window's and a chunk's in a window group (and the null block). A model with linear-attention
   layers (Qwen3-Next) also holds one state slot per running sequence (``--max-num-seqs`` of
-  them, ``state_slot_bytes`` each; on CUDA one more, the decode graphs' padding rows'), taken
-  from the same budget and counted here;
+  them, ``state_slot_bytes`` each; on CUDA one more, the decode graphs' padding rows') and its
+  saved states for prefix hits (``--state-snapshots``, as many again by default), taken from
+  the same budget and counted here;
 - on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
   slack (the KV sizing keeps the same headroom);
 - the host KV tier, ``--kv-offload-gb``: host memory, so on the CPU part of the same budget, and
@@ -225,9 +226,9 @@ def plan_memory(
         layout,
     )
     # Linear-attention state slots, one per running sequence and on CUDA the graphs' padding
-    # slot (at most: eager engines allocate none), beside the blocks (the runner takes them out
-    # of the same budget).
-    slots = config.max_num_seqs + (device.type == "cuda")
+    # slot (at most: eager engines allocate none), and the saved states of prefix hits
+    # (--state-snapshots), beside the blocks (the runner takes them out of the same budget).
+    slots = config.max_num_seqs + (device.type == "cuda") + config.num_state_snapshots()
     states = slots * state_slot_bytes(model_config, dtype)
     least += states
     kv, source = least, f"one sequence of {max_model_len} tokens"

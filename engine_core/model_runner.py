@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -62,6 +62,7 @@ from engine_core.parallel import get_pipeline_stage, get_tp_group
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
+from engine_core.state_snapshots import StateCopy
 from engine_core.step_stats import GpuTimeline, StepStats
 from engine_core.warm_up import StepLimits, pooling_warm_up_plans, warm_up_plans
 from protocol.messages import TokenLogprobs
@@ -294,6 +295,9 @@ class ModelRunner:
         # One more slot where decode graphs may replay: their padding rows' (no request holds it).
         graphs = build_target(config, self.device, self.dtype).cuda_graphs
         self.pad_state_slot = self.num_state_slots if self.num_state_slots and graphs else None
+        # Saved states for prefix hits (engine_core/state_snapshots.py): rows of the same
+        # tensors, after the slots (snapshot_row).
+        self.num_state_snapshots = config.num_state_snapshots() if self.num_state_slots else 0
         self._check_state_kind()
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
         self.kv_cache = self._allocate_kv_cache()
@@ -454,22 +458,43 @@ class ModelRunner:
     def _check_state_kind(self) -> None:
         """Refuse what a linear-attention state cannot do yet."""
         if not self.num_state_slots:
+            if self.config.state_snapshots:  # sizing only: it changes no output
+                logger.warning(
+                    "--state-snapshots %d keeps nothing: this model has no linear-attention "
+                    "layers, whose states it would save",
+                    self.config.state_snapshots,
+                )
             return
         if self.config.speculative_config is not None:
             raise ValueError(
                 "--speculative-config is not supported for models with linear-attention layers "
                 "(Qwen3-Next): their state cannot roll rejected drafts back"
             )
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and not self.num_state_snapshots:
             logger.warning(
-                "prefix caching is off for this model: its linear-attention layers would need "
-                "a state saved at each cached block's end, which is not kept"
+                "prefix caching is off for this model: its linear-attention layers need a "
+                "saved state at a hit's end, and --state-snapshots 0 keeps none"
             )
 
     @property
     def _state_tensor_slots(self) -> int:
-        """The slots the state tensors hold: the block manager's and the graphs' padding one."""
-        return self.num_state_slots + (self.pad_state_slot is not None)
+        """The rows the state tensors hold: the block manager's slots, the graphs' padding
+        one, and the saved states."""
+        return self.snapshot_row(self.num_state_snapshots)
+
+    def snapshot_row(self, snapshot: int) -> int:
+        """The state tensors' row of saved state ``snapshot``: after every slot."""
+        return self.num_state_slots + (self.pad_state_slot is not None) + snapshot
+
+    def _copy_states(self, copies: Sequence[StateCopy]) -> None:
+        """A plan's copies between state slots and saved states, in its order (a save and a
+        later restore of the same snapshot, or of the same slot, must land in that order),
+        before the forward; on the engine's stream, outside any graph."""
+        for copy in copies:
+            row = self.snapshot_row(copy.snapshot)
+            src, dst = (copy.slot, row) if copy.save else (row, copy.slot)
+            for state in self.state_cache:
+                state[dst].copy_(state[src])
 
     def _allocate_state_slots(self) -> list[torch.Tensor]:
         """The linear-attention layers' state slots, in the model's dtype: per layer, each
@@ -503,9 +528,10 @@ class ModelRunner:
             budget = self.config.kv_cache_memory_gb * 2**30
         if states >= budget:
             raise ValueError(
-                f"--max-num-seqs {self.num_state_slots} linear-attention state slots need "
+                f"--max-num-seqs {self.num_state_slots} linear-attention state slots and "
+                f"{self.num_state_snapshots} saved states (--state-snapshots) need "
                 f"{states / 2**30:.2f} GiB, all the KV cache's memory or more; lower "
-                "--max-num-seqs or give the cache more memory"
+                "--max-num-seqs or --state-snapshots, or give the cache more memory"
             )
         budget -= states
         block = kv_block_bytes(
@@ -895,6 +921,8 @@ class ModelRunner:
             if out.kv_moves is not None:
                 assert self.host_kv is not None
                 self.host_kv.apply(out.kv_moves)  # before this step writes or reads the blocks
+            if out.state_copies:
+                self._copy_states(out.state_copies)  # before this step reads the slots
             inputs = self.prepare_inputs(out)
         with stats.phase("forward"):
             if timeline is not None:

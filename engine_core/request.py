@@ -27,6 +27,7 @@ from protocol.output_interval import IntervalCounter
 if TYPE_CHECKING:
     from engine_core.grammar import RequestGrammar
     from engine_core.kv_offload import KVMoves
+    from engine_core.state_snapshots import StateCopy
 
 
 class RequestStatus(enum.IntEnum):
@@ -235,6 +236,9 @@ class SchedulerOutput:
     # Copies between the KV cache and the host KV tier that the runner makes before this step's
     # forward (engine_core/kv_offload.py); None: none.
     kv_moves: KVMoves | None = None
+    # Copies between linear-attention state slots and saved states (engine_core/
+    # state_snapshots.py) that the runner makes, in order, before this step's forward.
+    state_copies: tuple[StateCopy, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

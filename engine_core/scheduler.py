@@ -88,6 +88,7 @@ class Scheduler:
         state_slots: int = 0,
         host_kv_blocks: int = 0,
         unsplit_image_tokens: int = 0,
+        state_snapshots: int = 0,
     ) -> None:
         """``proposer``: speculative decoding's (engine_core/speculative.py), drafting the
         next tokens of the requests that decode (a BatchProposer for all of a step's at once,
@@ -96,12 +97,13 @@ class Scheduler:
         ``kv_windows``: each KV layer group's sliding window (engine_core/kv_groups.py), None
         for full attention; ``kv_attention_chunks`` its attention chunk (empty: none).
         ``state_slots``: linear-attention state slots, 0 where the model has no such layers
-        (block_manager.py). ``host_kv_blocks``: slots of the host KV tier (--kv-offload-gb;
-        engine_core/kv_offload.py), 0 for none. ``unsplit_image_tokens``: where an image's
-        tokens attend to each other both ways (Gemma 3), the longest image's token count: a
-        chunk never ends inside an image's run (0: chunks may cut images); the budget must
-        hold one beside a decode token of every other running sequence, or a request could
-        wait on an image forever."""
+        (block_manager.py); ``state_snapshots`` their saved states for prefix hits
+        (engine_core/state_snapshots.py, 0: none). ``host_kv_blocks``: slots of the host KV
+        tier (--kv-offload-gb; engine_core/kv_offload.py), 0 for none.
+        ``unsplit_image_tokens``: where an image's tokens attend to each other both ways
+        (Gemma 3), the longest image's token count: a chunk never ends inside an image's run
+        (0: chunks may cut images); the budget must hold one beside a decode token of every
+        other running sequence, or a request could wait on an image forever."""
         least = unsplit_image_tokens + config.max_num_seqs - 1
         if unsplit_image_tokens and least > config.max_num_batched_tokens:
             raise ValueError(
@@ -126,11 +128,14 @@ class Scheduler:
             attention_chunks=kv_attention_chunks,
             state_slots=state_slots,
             host_blocks=host_kv_blocks,
+            state_snapshots=state_snapshots,
         )
         # Plans carry the tables of groups 1.. too (ScheduledRequest.group_block_ids), and
         # the request's state slot where the model has linear-attention layers.
         self._grouped = self.block_manager.num_groups > 1
         self._stateful = state_slots > 0
+        # Saved states for prefix hits: a prompt chunk ends where one is saved.
+        self._snapshots = self.block_manager.snapshots is not None
         # A sequence can never outgrow the whole pool, so the pool caps the context too; without
         # the cap a lone request that fills every block would preempt itself forever.
         self.max_model_len = self.block_manager.max_tokens_per_sequence(
@@ -282,6 +287,8 @@ class Scheduler:
             output.decode_only = num_tokens == len(scheduled) and all(s.samples for s in scheduled)
             # The host tier's copies go with the next step that runs (none runs an empty plan).
             output.kv_moves = self.block_manager.take_moves()
+            if self._snapshots:
+                output.state_copies = self.block_manager.take_state_copies()
             if self._micro_batches > 1:
                 self._in_flight.update(s.request.request_id for s in scheduled)
                 self._plans_in_flight += 1
@@ -346,6 +353,8 @@ class Scheduler:
                 if not num_new:  # the rest of an image it is inside: next step's budget
                     index += 1
                     continue
+            if self._snapshots and num_new > 1:  # a prompt chunk ends where a state is saved
+                num_new = self.block_manager.snapshot_chunk(request, start, num_new)
             end = start + num_new
             block_ids = table_covering(request, num_new)
             if block_ids is None or request.planned_apart:
@@ -530,6 +539,9 @@ class Scheduler:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if self._whole_images and request.images:
             num_new = whole_image_chunk(request.images, request.num_computed_tokens, num_new)
+        if self._snapshots:  # a prompt chunk ends where a state is saved
+            start = request.num_computed_tokens
+            num_new = self.block_manager.snapshot_chunk(request, start, num_new)
         if not num_new or not self.block_manager.allocate_slots(request, num_new):
             self.block_manager.free(request.request_id)  # give the prefix hits back
             request.num_computed_tokens = 0

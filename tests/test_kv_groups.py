@@ -343,7 +343,7 @@ def test_chunked_peak_and_sequence_cap() -> None:
 
 def test_a_state_slot_is_taken_with_the_first_blocks_and_given_back_on_free() -> None:
     """Two slots: a third request is refused (nothing taken) until one is freed; a request
-    that asks again keeps its slot; no prefix is hit with a state kind (no state is saved)."""
+    that asks again keeps its slot; no prefix is hit with a state kind and no saved states."""
     bm = BlockManager(num_blocks=20, block_size=4, state_slots=2)
     assert not bm.enable_prefix_caching
     requests = [make_request(name, list(range(9))) for name in "abc"]
@@ -623,6 +623,7 @@ def test_random_operations_keep_every_invariant(
     budget=st.integers(8, 40),
     overlap=st.booleans(),
     stateful=st.booleans(),
+    snapshots=st.sampled_from([0, 2, 8]),
 )
 def test_scheduler_with_groups_keeps_the_invariants(
     seed: int,
@@ -631,12 +632,14 @@ def test_scheduler_with_groups_keeps_the_invariants(
     budget: int,
     overlap: bool,
     stateful: bool,
+    snapshots: int,
 ) -> None:
     """Random requests (shared prefixes, prompt logprobs, stops) through the real scheduler on
     a small pool (preemptions), with aborts, planned ahead of the last step's tokens (overlap)
     or not: every plan carries a table per group, as long as group 0's, with a real block
     wherever the step's queries look; the manager's integrity holds at every step; at the end
-    every block is free or cached."""
+    every block is free or cached. With state slots and saved states, every row's slot holds
+    (after the plan's copies) the state of exactly the tokens before its chunk."""
     rng = random.Random(seed)
     config = EngineConfig(block_size=4, max_num_seqs=min(6, budget), max_num_batched_tokens=budget)
     windows, chunks = kinds
@@ -649,8 +652,10 @@ def test_scheduler_with_groups_keeps_the_invariants(
         kv_windows=windows,
         kv_attention_chunks=chunks,
         state_slots=slots,
+        state_snapshots=snapshots if stateful else 0,
     )
     bm = scheduler.block_manager
+    states = _SlotStates()
     prefixes = [[rng.randrange(2, 40) for _ in range(16)] for _ in range(2)]
     pending: SchedulerOutput | None = None
     for step in range(150):
@@ -669,6 +674,8 @@ def test_scheduler_with_groups_keeps_the_invariants(
         for row in plan.scheduled:
             check_row_tables(row, bm)
         check_state_slots(plan, scheduler, slots)
+        if stateful:
+            states.run(plan)
         settle, pending = (pending, plan) if overlap else (plan, None)
         if settle is not None:
             count = sum(s.samples for s in settle.scheduled)
@@ -680,6 +687,33 @@ def test_scheduler_with_groups_keeps_the_invariants(
     bm.check_integrity()
     assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == bm.num_blocks
     assert bm.num_free_state_slots == slots
+
+
+class _SlotStates:
+    """What each state slot and saved state holds, as (request, n): the state after that
+    request's first n tokens, moved by each plan's copies and chunks in the order the runner
+    makes them. A state is right for a chunk from ``start`` when it is that of ``start``
+    tokens equal to the chunk's request's (the same request's, or a hit's donor's prefix)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, tuple[Request, int]] = {}
+        self.saved: dict[int, tuple[Request, int]] = {}
+
+    def run(self, plan: SchedulerOutput) -> None:
+        for copy in plan.state_copies:
+            if copy.save:
+                self.saved[copy.snapshot] = self.slots[copy.slot]
+            else:
+                self.slots[copy.slot] = self.saved[copy.snapshot]
+        for row in plan.scheduled:
+            request, start = row.request, row.start
+            if start == 0:
+                self.slots[row.state_slot] = (request, 0)  # a fresh chunk zeroes its slot
+            donor, length = self.slots[row.state_slot]
+            assert length == start, (request.request_id, length, start)
+            if donor is not request:
+                assert donor.token_ids[:start] == request.token_ids[:start]
+            self.slots[row.state_slot] = (request, start + row.num_new_tokens)
 
 
 def check_state_slots(plan: SchedulerOutput, scheduler: Scheduler, slots: int) -> None:

@@ -426,7 +426,8 @@ def test_speculative_decoding_is_refused(qwen3_next: tuple[Path, torch.nn.Module
 def test_state_slots_are_counted_in_the_memory_plan() -> None:
     """A slot of the tiny model: per linear layer the convolution's last 3 inputs of its
     2 * 2 * 8 + 4 * 8 = 64 channels and 4 value heads' 8 x 8 states, float32; the start-up
-    plan adds one per --max-num-seqs to the least KV cache and to the one it will allocate."""
+    plan adds one per --max-num-seqs and one per saved state (--state-snapshots, by default as
+    many) to the least KV cache and to the one it will allocate."""
     config = model_config_from_hf(hf_dict())
     slot = 2 * (64 * 3 + 4 * 8 * 8) * 4
     assert state_slot_bytes(config, torch.float32) == slot
@@ -434,11 +435,17 @@ def test_state_slots_are_counted_in_the_memory_plan() -> None:
     with torch.device("meta"):
         module = build_model(config)
     cpu, f32 = torch.device("cpu"), torch.float32
-    engine = EngineConfig(max_num_seqs=8, max_model_len=256, num_kv_blocks=40, block_size=16)
-    plan = plan_memory(engine, config, module, cpu, f32, f32, Budget(2**40, "test"))
-    least = min_kv_bytes(config, config.num_kv_heads, 256, 16, f32, engine.max_num_batched_tokens)
-    assert plan.min_kv_bytes == least + 8 * slot
-    assert plan.kv_bytes == 40 * kv_block_bytes(config, config.num_kv_heads, 16, f32) + 8 * slot
+    blocks = 40 * kv_block_bytes(config, config.num_kv_heads, 16, f32)
+    for snapshots, states in ((None, 16), (3, 11), (0, 8)):
+        engine = EngineConfig(
+            max_num_seqs=8, max_model_len=256, num_kv_blocks=40, block_size=16,
+            state_snapshots=snapshots,
+        )  # fmt: skip
+        plan = plan_memory(engine, config, module, cpu, f32, f32, Budget(2**40, "test"))
+        tokens = engine.max_num_batched_tokens
+        least = min_kv_bytes(config, config.num_kv_heads, 256, 16, f32, tokens)
+        assert plan.min_kv_bytes == least + states * slot
+        assert plan.kv_bytes == blocks + states * slot
 
 
 def test_more_slots_than_the_cache_holds_are_refused(

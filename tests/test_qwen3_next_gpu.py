@@ -119,3 +119,40 @@ def test_engine_on_cuda_gives_hf_greedy_tokens(tmp_path: Path) -> None:
     finally:
         llm.engine.shutdown()
     assert [out.token_ids for out in got] == want
+
+
+def test_prefix_hits_on_cuda_resume_at_saved_states(tmp_path: Path) -> None:
+    """Float32 on CUDA, decode steps replaying graphs: a 150-token prompt in chunks of 64 saves
+    states at 64, 128 and 144 (device copies between slot and saved rows, outside the graphs);
+    its next turn resumes at 144 and a prompt sharing its first 130 tokens at 128, each with
+    HF's greedy tokens (tests/test_qwen3_next_prefix.py on the CPU)."""
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(linear_key_head_dim=16, linear_value_head_dim=16)
+    hf_model = AutoModelForCausalLM.from_config(config).eval()
+    randomize(hf_model, 0)
+    hf_model.save_pretrained(tmp_path)
+    hf_model.to(CUDA)
+    first = random_prompts(VOCAB, (150,))[0]
+    answer = hf_greedy(hf_model, first, 16).tokens[0]
+    new_a, new_b = random_prompts(VOCAB, (20, 25))
+    later = [first + answer + new_a, first[:130] + new_b]
+    want = [hf_greedy(hf_model, prompt, 16).tokens[0] for prompt in later]
+    llm = LLM(
+        str(tmp_path), device="cuda", dtype="float32", block_size=16, num_kv_blocks=128,
+        max_model_len=400, max_num_batched_tokens=64, max_num_seqs=3,
+    )  # fmt: skip
+    try:
+        assert llm.generate([first], greedy(), detokenize=False)[0].token_ids == answer
+        hits = []
+        got = []
+        for prompt in later:
+            before = llm.engine.scheduler.counts().prefix_cache_hits
+            got.append(llm.generate([prompt], greedy(), detokenize=False)[0].token_ids)
+            hits.append(llm.engine.scheduler.counts().prefix_cache_hits - before)
+        llm.engine.scheduler.block_manager.check_integrity()
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert hits == [144, 128]

@@ -22,7 +22,8 @@ decodes' step is our Triton kernel, in place on the slots (models/delta_rule_tri
 decode graphs replay), and prompt chunks take flash-linear-attention's kernels where it is
 installed (``fla_kernels``). The math
 follows HF transformers' torch fallback (modeling_qwen3_next.py), the reference the tests hold it
-to. docs/design/kv-layer-groups.md says how the slots are owned, and why a prefix hit is a miss.
+to. docs/design/kv-layer-groups.md says how the slots are owned; qwen3-next.md how a prefix hit
+resumes at a saved state.
 
 Qwen3.5's text model (dense or MoE; the CausalLM or the ConditionalGeneration layout) is this
 network; what differs is read from its config: four linear-attention input projections in head

@@ -1,0 +1,115 @@
+"""Saved linear-attention states for prefix-cache hits (Qwen3-Next): the snapshot pool's books.
+
+A gated DeltaNet layer's state after token n is a function of every token before it, so a
+prefix hit of n tokens on such a model needs that state, saved when some earlier request was
+at exactly token n. A snapshot is a copy of one state slot (every linear-attention layer's
+convolution inputs and recurrent matrix) kept under the chain hash of the block it ends
+(block_manager.py ``hash_block``): the prefix it names is the whole prompt up to that block's
+end, the same key the attention layers' cached blocks use.
+
+The pool has a fixed number of snapshots (``--state-snapshots``), each either free or cached
+(registered under one hash), evicted least recently used first when a save needs one. A save
+registers its snapshot at once and a hit only moves it to the back of the LRU order: no
+snapshot is ever held by a request. That is safe because every copy runs on the engine's one
+stream in the order the plans were made (``take_copies``): a snapshot evicted and overwritten
+by a later save is read by an earlier restore before the overwrite lands, as a freed KV block
+is (``Scheduler._finish``).
+
+The block manager owns this pool (it decides hits and saves); the runner owns the tensors,
+where snapshot i is state row ``runner.snapshot_row(i)``, and makes each plan's copies before
+the plan's forward. docs/design/qwen3-next.md says why states are saved where they are.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StateCopy:
+    """One copy between a request's state slot and a snapshot, made before a step's forward:
+    ``save`` copies the slot into the snapshot, else the snapshot into the slot."""
+
+    slot: int
+    snapshot: int
+    save: bool
+
+
+@dataclass
+class _Entry:
+    block_hash: int
+    parent_hash: int
+    key: tuple[Any, ...]  # the block's tokens (and image hashes), compared on a hit
+
+
+class StateSnapshots:
+    """A bounded LRU pool of saved states keyed by the chain hash of the block each ends."""
+
+    def __init__(self, num_snapshots: int) -> None:
+        if num_snapshots <= 0:
+            raise ValueError(f"a snapshot pool needs at least one snapshot, got {num_snapshots}")
+        self.num_snapshots = num_snapshots
+        self._free: deque[int] = deque(range(num_snapshots))
+        self._cached: OrderedDict[int, _Entry] = OrderedDict()  # snapshot -> key, oldest first
+        self._by_hash: dict[int, int] = {}  # chain hash -> snapshot
+        self._copies: list[StateCopy] = []  # for the next plan, in the order they were asked
+        self.num_saved = self.num_restored = self.num_evicted = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def find(self, block_hash: int, parent_hash: int, key: tuple[Any, ...]) -> int | None:
+        """The snapshot saved at the end of the block with this hash, or None (also where the
+        hash collides with another prefix's: its parent and tokens are compared)."""
+        snapshot = self._by_hash.get(block_hash)
+        if snapshot is None:
+            return None
+        entry = self._cached[snapshot]
+        if entry.parent_hash != parent_hash or entry.key != key:
+            return None
+        return snapshot
+
+    def save(self, slot: int, block_hash: int, parent_hash: int, key: tuple[Any, ...]) -> None:
+        """Keep the state that ``slot`` will hold when the next step starts under this block's
+        hash; a state already kept there is only refreshed (the same prefix, the same state)."""
+        known = self._by_hash.get(block_hash)
+        if known is not None:
+            self._cached.move_to_end(known)
+            return
+        snapshot = self._free.popleft() if self._free else self._evict_lru()
+        self._cached[snapshot] = _Entry(block_hash, parent_hash, key)
+        self._by_hash[block_hash] = snapshot
+        self._copies.append(StateCopy(slot, snapshot, save=True))
+        self.num_saved += 1
+
+    def restore(self, snapshot: int, slot: int) -> None:
+        """Copy ``snapshot`` into ``slot`` before the next step, and mark it recently used."""
+        self._cached.move_to_end(snapshot)
+        self._copies.append(StateCopy(slot, snapshot, save=False))
+        self.num_restored += 1
+
+    def take_copies(self) -> tuple[StateCopy, ...]:
+        """The copies the next plan's forward makes first, in order, handed over once."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
+
+    def _evict_lru(self) -> int:
+        snapshot, entry = self._cached.popitem(last=False)
+        del self._by_hash[entry.block_hash]
+        self.num_evicted += 1
+        return snapshot
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every snapshot is free or cached under exactly one hash."""
+        free, cached = set(self._free), set(self._cached)
+        if len(free) != len(self._free) or free & cached:
+            raise AssertionError(f"snapshots both free and cached: {sorted(free & cached)}")
+        lost = set(range(self.num_snapshots)) - free - cached
+        if lost:
+            raise AssertionError(f"snapshots neither free nor cached: {sorted(lost)}")
+        mapped = {entry.block_hash: snapshot for snapshot, entry in self._cached.items()}
+        if mapped != self._by_hash:
+            raise AssertionError("the snapshot hash map disagrees with the cached snapshots")
