@@ -180,7 +180,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         unit = self.merge * self.merge
         rows = (order[:, None] * unit + torch.arange(unit)).flatten().to(device)
         x = self.patch_embed(pixels)[rows]
-        cos, sin = self.rotary(grids, device)
+        cos, sin = vision_rotary(grids, self.merge, self.head_dim, self.theta, device)
         cos, sin = cos[rows], sin[rows]
         images = group_segments(image_bounds(grids), device)
         windowed = group_segments(windows, device)
@@ -188,11 +188,6 @@ class Qwen2_5_VisionTransformer(nn.Module):
             x = block(x, images if index in self.full_blocks else windowed, cos, sin)
         merged = self.merger(x)
         return merged[torch.argsort(order).to(device)]
-
-    def rotary(
-        self, grids: list[tuple[int, int, int]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return vision_rotary(grids, self.merge, self.head_dim, self.theta, device)
 
 
 def vision_rotary(
