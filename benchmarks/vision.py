@@ -2,6 +2,7 @@
 over HTTP for one image and a short text per request.
 
     python -m benchmarks vision --model qwen2.5-vl-7b
+    python -m benchmarks vision --model qwen3-vl-8b
 
 1. **The encoder**: the model's vision tower (random weights of its real shape, the model's
    dtype) on batches of ``--image-size`` square images, as the engine core encodes a step's
@@ -16,8 +17,8 @@ over HTTP for one image and a short text per request.
    ``--warmup`` requests not kept. TTFT p50 and p99 per level; the prompt's tokens as the
    server counted them (usage), the image's included.
 
-``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``) or a Qwen2.5-VL model
-folder (the tests run the tiny one on the CPU).
+``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``, ``qwen3-vl-8b``) or a
+Qwen2.5-VL or Qwen3-VL model folder (the tests run the tiny Qwen2.5-VL on the CPU).
 """
 
 from __future__ import annotations
@@ -95,14 +96,19 @@ def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.
     them) on ``device`` in ``dtype``, in eval mode."""
     from engine_core.models import model_config_from_hf
     from engine_core.models.layers import reset_buffers
-    from engine_core.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
+    from engine_core.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from engine_core.models.qwen3_vl import Qwen3VLForConditionalGeneration
     from engine_core.presets import init_random_weights
 
-    vision = model_config_from_hf(model_hf_config(model)).vision
-    if vision is None:
-        raise ValueError(f"{model} takes no images")
+    config = model_config_from_hf(model_hf_config(model))
+    towers = {
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration.vision_tower,
+        "qwen3_vl": Qwen3VLForConditionalGeneration.vision_tower,
+    }
+    if config.vision is None or config.architecture not in towers:
+        raise ValueError(f"{model}: the benchmark takes Qwen2.5-VL and Qwen3-VL models")
     with torch.device("meta"):
-        tower = Qwen2_5_VisionTransformer(vision.tower)
+        tower = towers[config.architecture](config.vision.tower)
     tower = tower.to(dtype).to_empty(device=device)
     reset_buffers(tower)
     init_random_weights(tower)
@@ -132,13 +138,19 @@ def image_grid(folder: Path, size: int) -> tuple[int, int, int]:
 
 
 def image_patches(
-    grid: tuple[int, int, int], count: int, device: str, seed: int = 0
+    grid: tuple[int, int, int], count: int, device: str, seed: int = 0, width: int = 1176
 ) -> torch.Tensor:
-    """The pixels of ``count`` images of patch grid ``grid`` [count * patches, 1176], normal
-    random values as normalised pixels are."""
+    """The pixels of ``count`` images of patch grid ``grid`` [count * patches, width] (1,176:
+    Qwen2.5-VL's 2 x 14 x 14 x 3; Qwen3-VL's 16-pixel patches 1,536), normal random values as
+    normalised pixels are."""
     rows = count * grid[0] * grid[1] * grid[2]
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 3 * 2 * 14 * 14, generator=gen).to(device)
+    return torch.randn(rows, width, generator=gen).to(device)
+
+
+def patch_width(tower: torch.nn.Module) -> int:
+    """The pixels one patch row holds: the patch embedding's input width."""
+    return tower.patch_embed.proj.weight[0].numel()
 
 
 def measure_encoder(
@@ -153,7 +165,7 @@ def measure_encoder(
     rows = []
     dtype = next(tower.parameters()).dtype
     for batch in batches:
-        pixels = image_patches(grid, batch, device).to(dtype)
+        pixels = image_patches(grid, batch, device, width=patch_width(tower)).to(dtype)
         grids = [grid] * batch
         with torch.inference_mode():
             tower(pixels, grids)

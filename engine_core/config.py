@@ -175,7 +175,11 @@ class VisionConfig:
     3), so an image's run is never split across chunks; ``tokens_per_image``: where every image
     has the same count (Gemma 3's mm_tokens_per_image), that count, else 0;
     ``max_image_tokens``: the largest image the engine plans memory for and takes (Gemma 3's
-    one size; Qwen2.5-VL's processor's default bound, 12,845,056 pixels: 16,384 tokens)."""
+    one size; Qwen2.5-VL's processor's default bound, 12,845,056 pixels: 16,384 tokens).
+    ``mrope_interleaved``: M-RoPE's sections interleaved over the frequencies (Qwen3-VL), not
+    in consecutive chunks; ``deepstack_layers``: how many of the language model's first layers
+    take DeepStack features (Qwen3-VL): an image token's embedding is then that many more
+    rows of the language model's width, after its own."""
 
     tower: dict[str, Any] = field(compare=False, repr=False)
     image_token_id: int = 0
@@ -184,6 +188,8 @@ class VisionConfig:
     bidirectional_images: bool = False
     tokens_per_image: int = 0
     max_image_tokens: int = 16_384
+    mrope_interleaved: bool = False
+    deepstack_layers: int = 0
 
 
 @dataclass(frozen=True)

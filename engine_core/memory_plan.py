@@ -287,7 +287,8 @@ def encoder_peak_bytes(
     tokens holds at its peak, counted from the tower's shapes: a block's live activations (the
     residual, its norm, q/k/v and their window-gathered copies, the attention's output: at most
     12 rows of the tower's width a patch, and the MLP's three of its width), the pixels as they
-    arrive (float32) and cast, the embeddings out (twice: the run's and the cache's slices).
+    arrive (float32) and cast, the embeddings out (twice: the run's and the cache's slices;
+    Qwen3-VL's with their DeepStack features).
     No attention scores: the towers' unmasked SDPA calls take fused kernels (flash or
     memory-efficient on CUDA, flash on the CPU) that never hold a [patches, patches] matrix.
     tests/test_vision_memory.py measures the real peak under it."""
@@ -300,7 +301,7 @@ def encoder_peak_bytes(
     size = dtype.itemsize
     activations = size * patches * (12 * width + 3 * inter)
     pixels = patches * pixels_per_patch * (4 + size)
-    outputs = 2 * size * tokens * text_hidden
+    outputs = 2 * size * tokens * text_hidden * (1 + vision.deepstack_layers)
     return activations + pixels + outputs
 
 

@@ -37,6 +37,15 @@ VL_CHAT_TEMPLATE = """\
 {% endif %}"""
 # Qwen2.5-VL-7B-Instruct's preprocessor_config.json: 4 to 16,384 merged tokens an image.
 QWEN2_5_VL_PIXELS = {"min_pixels": 3136, "max_pixels": 12845056}
+# Qwen3-VL-8B-Instruct's preprocessor_config.json: size {"shortest_edge": 65536,
+# "longest_edge": 16777216} (64 to 16,384 merged tokens of 32 x 32 pixels) and mean and std
+# 0.5 for every channel (not CLIP's, which Qwen2.5-VL keeps).
+QWEN3_VL_PROCESSOR = {
+    "min_pixels": 65536,
+    "max_pixels": 16777216,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 def write_vision_tokenizer(tokenizer_source: Path, out: Path) -> dict[str, int]:
@@ -51,14 +60,15 @@ def write_vision_tokenizer(tokenizer_source: Path, out: Path) -> dict[str, int]:
     return {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
 
 
-def write_image_processor(out: Path, patch: int, merge: int, **pixels: int) -> None:
-    """Qwen2-VL's HF image processor config (Qwen2.5-VL uses it too) in ``out``, its PIL backend
-    so no torchvision is needed; ``pixels``: min_pixels and max_pixels."""
+def write_image_processor(out: Path, patch: int, merge: int, **options: Any) -> None:
+    """Qwen2-VL's HF image processor config (Qwen2.5-VL and Qwen3-VL use it too) in ``out``,
+    its PIL backend so no torchvision is needed; ``options``: min_pixels and max_pixels, and
+    Qwen3-VL's image_mean and image_std."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, **pixels).save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, **options).save_pretrained(out)
 
 
 # Gemma 3's image tokens, as its tokenizer names them: the chat template writes the first once
@@ -138,11 +148,12 @@ def write_vision_preset(preset: str, tokenizer_source: Path, out: Path) -> None:
         )
     tower = hf["vision_config"]
     patch, merge = tower["patch_size"], tower["spatial_merge_size"]
-    write_image_processor(out, patch, merge, **QWEN2_5_VL_PIXELS)
+    qwen3 = "Qwen3VLForConditionalGeneration" in hf["architectures"]
+    write_image_processor(out, patch, merge, **(QWEN3_VL_PROCESSOR if qwen3 else QWEN2_5_VL_PIXELS))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
 
 
 def preset_vision_ids(hf: dict[str, Any]) -> dict[str, int]:
-    """The vision tokens' ids a Qwen2.5-VL config.json names."""
+    """The vision tokens' ids a Qwen2.5-VL or Qwen3-VL config.json names."""
     names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
     return {token: hf[name] for token, name in zip(VISION_TOKENS, names, strict=True)}

@@ -194,6 +194,55 @@ def _qwen2_5_vl_7b() -> dict[str, Any]:
     }
 
 
+def _qwen3_vl_8b() -> dict[str, Any]:
+    """Qwen3-VL-8B-Instruct (its config.json on the Hugging Face hub, transformers 4.57's
+    layout: ``text_config`` with ``rope_scaling``): Qwen3's 36 layers of 4,096 (32 heads of
+    128, 8 KV heads, width 12,288, q/k norms, no biases), interleaved M-RoPE sections 24/20/20
+    at theta 5,000,000; a vision tower of 27 blocks of 1,152 (16 heads, width 4,304, GELU),
+    16-pixel patches merged 2x2 into 4,096-wide tokens, a 48x48 learned position grid, and
+    DeepStack features from blocks 8, 16 and 24 for the first three layers. The vocabulary is
+    the presets' and the four vision tokens (151,936 there), as for qwen2.5-vl-7b."""
+    text = _llama(4096, 36, 32, 8, 12288, tied=False, theta=5000000.0)
+    del text["architectures"]  # the top level names it
+    text |= {
+        "model_type": "qwen3_vl_text",
+        "vocab_size": _VOCAB + len(VISION_TOKENS),
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "attention_bias": False,
+        "rope_scaling": {
+            "rope_type": "default",
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    }
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "image_token_id": _VISION_IDS["<|image_pad|>"],
+        "video_token_id": _VISION_IDS["<|video_pad|>"],
+        "vision_start_token_id": _VISION_IDS["<|vision_start|>"],
+        "vision_end_token_id": _VISION_IDS["<|vision_end|>"],
+        "vision_config": {
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "hidden_act": "gelu_pytorch_tanh",
+            "in_channels": 3,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [8, 16, 24],
+            "out_hidden_size": 4096,
+        },
+    }
+
+
 def _deepseek(hidden: int, layers: int, heads: int, mlp: int, **fields: Any) -> dict[str, Any]:
     """The MLA and DeepSeekMoE fields both DeepSeek shapes share (kv_lora_rank 512, rotary key
     64, no-rope key 128, value 128; YaRN x40 over 4,096)."""
@@ -353,6 +402,7 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3.5-9b": _qwen3_5(moe=False),
     "qwen3.5-35b-a3b": _qwen3_5(moe=True),
     "qwen2.5-vl-7b": _qwen2_5_vl_7b(),
+    "qwen3-vl-8b": _qwen3_vl_8b(),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -392,6 +392,20 @@ class ChatMessage(BaseModel):
     # An earlier assistant turn's reasoning, as this server sent it (templates that render it)
     reasoning_content: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_video_parts(cls, data: Any) -> Any:
+        """A ``video_url`` part (vLLM's extension for video models) refused by name: no model
+        here takes videos, and a part skipped would change the answer."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "video_url":
+                raise ValueError(
+                    f"content[{i}] is a video_url part: videos are not supported; send images "
+                    "as image_url parts"
+                )
+        return data
+
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":

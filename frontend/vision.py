@@ -34,8 +34,12 @@ import numpy as np
 from protocol.messages import ImageInput, TensorBytes
 
 # Architectures whose image side the engine implements (engine_core/models/qwen2_5_vl.py,
-# engine_core/models/gemma3_mm.py).
-VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
+# qwen3_vl.py, gemma3_mm.py).
+VISION_ARCHITECTURES = (
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+)
 # The wire's frame limit is 64 MiB (protocol/codec.py): a prompt's pixels stay under this.
 MAX_PIXEL_BYTES = 48 << 20
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp")

@@ -1,8 +1,9 @@
 """The memory plan reserves a vision-language model's encoder (engine_core/memory_plan.py
 encoder_bytes): the bound ``encoder_peak_bytes`` computes from the tower's shapes covers the
 peak the encoder's largest run really holds, measured on the CPU by an independent count (every
-tensor an op makes, alive until its last reference dies), for the tiny Qwen2.5-VL and the tiny
-Gemma 3 at the largest images their processors make, several to a run. The plan adds it, the
+tensor an op makes, alive until its last reference dies), for the tiny Qwen2.5-VL, Qwen3-VL
+(its DeepStack features widen the embeddings) and Gemma 3 at the largest images their
+processors make, several to a run. The plan adds it, the
 encoder cache's budget included, to what a model needs."""
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from engine_core.memory_plan import Budget, encoder_peak_bytes, plan_memory
 from engine_core.models import build_model, model_config_from_hf
 from engine_core.multimodal import MultimodalRunner
 from protocol.messages import ImageInput, TensorBytes
-from tests.vision_factories import write_tiny_gemma3_vl, write_tiny_qwen2_5_vl
+from tests.vision_factories import (
+    QWEN3_PATCH,
+    write_tiny_gemma3_vl,
+    write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_vl,
+)
 
 
 class PeakBytes(TorchDispatchMode):
@@ -98,6 +104,18 @@ def test_the_plan_covers_qwen2_5_vl_s_encoder_peak(qwen_dir: Path) -> None:
     2 frames of 14x14 pixels)."""
     images = [wire_image(i, (256, 3 * 2 * 14 * 14), (1, 16, 16), 2) for i in range(3)]
     measured, planned = measured_and_planned(qwen_dir, images, 64)
+    assert measured <= planned <= 8 * measured
+
+
+def test_the_plan_covers_qwen3_vl_s_encoder_peak(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Three images of the tiny processor's largest size (64 merged tokens, 16x16 patches of
+    2 frames of 16x16 pixels), each token 64 wide and two DeepStack features more."""
+    folder = write_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl"), default_model_dir)
+    width = 3 * 2 * QWEN3_PATCH * QWEN3_PATCH
+    images = [wire_image(i, (256, width), (1, 16, 16), 2) for i in range(3)]
+    measured, planned = measured_and_planned(folder, images, 64)
     assert measured <= planned <= 8 * measured
 
 

@@ -63,6 +63,57 @@ def write_tiny_qwen2_5_vl(path: Path, tokenizer_source: Path) -> Path:
     return path
 
 
+QWEN3_PATCH = 16
+
+
+def write_tiny_qwen3_vl(path: Path, tokenizer_source: Path) -> Path:
+    """Two language layers (Qwen3's q/k norms; interleaved M-RoPE sections 2/3/3 over head dim
+    16), a two-block vision tower whose both blocks feed DeepStack features to the two language
+    layers, a 4x4 learned position grid resampled to each image's; Qwen3-VL's image processor
+    (16-pixel patches, mean and std 0.5), images resized to 2x2 to 8x8 merged tokens."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    ids = write_vision_tokenizer(tokenizer_source, path)
+    side = QWEN3_PATCH * MERGE
+    write_image_processor(
+        path, QWEN3_PATCH, MERGE, min_pixels=side * side * 4, max_pixels=side * side * 64,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=max(ids.values()) + 1, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=1024, eos_token_id=2, bos_token_id=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            patch_size=QWEN3_PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
+            num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # well-separated greedy choices, as tests/factories.py explains
+        model.lm_head.weight.mul_(8.0)
+        # Sharp attention, so that positions (M-RoPE's three) change the tokens.
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+        # Strong DeepStack features, so that adding them (at the right rows) changes the tokens.
+        for merger in model.model.visual.deepstack_merger_list:
+            merger.linear_fc2.weight.mul_(QWEN3_DEEPSTACK_SCALE)
+    model.save_pretrained(path)
+    return path
+
+
+QWEN3_DEEPSTACK_SCALE = 4.0
+
+
 def random_image(seed: int, width: int = 100, height: int = 80) -> Any:
     """A PIL RGB image of random pixels."""
     from PIL import Image

@@ -51,6 +51,7 @@ from engine_core.models.qwen3_next import (
     qwen3_5_text_config,
     qwen3_next_fields,
 )
+from engine_core.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from engine_core.models.target import BuildTarget
 from engine_core.parallel import get_tp_group
 
@@ -78,6 +79,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
     *LLAMA4_ARCHITECTURES,
     "Qwen3NextForCausalLM",
@@ -106,6 +108,7 @@ _BY_MODEL_TYPE = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -114,6 +117,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "deepseek": DeepseekForCausalLM,
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
     "gemma3_vl": Gemma3ForConditionalGeneration,
     "llama4": Llama4ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
@@ -198,6 +202,8 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     if architecture == "Qwen2_5_VLForConditionalGeneration":
         return qwen2_5_vl_config(hf)
+    if architecture == "Qwen3VLForConditionalGeneration":
+        return qwen3_vl_config(hf)
     if architecture == "Gemma3ForConditionalGeneration":
         return gemma3_vl_config(hf)
     if architecture in LLAMA4_ARCHITECTURES:  # models/llama4.py; the text model only
@@ -210,27 +216,59 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
 def qwen2_5_vl_config(hf: dict[str, Any]) -> ModelConfig:
     """Qwen2.5-VL: Qwen2's language model (``text_config``, or the top level in transformers
     4's layout) with M-RoPE, and its vision tower (models/qwen2_5_vl.py)."""
-    text = dict(hf.get("text_config") or hf)
-    rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
-    section = tuple(rope.pop("mrope_section", ()))
-    if not section:
-        raise ValueError("Qwen2_5_VLForConditionalGeneration: the config has no mrope_section")
-    if rope.get("rope_type", rope.get("type")) == "mrope":  # transformers 4's name for it
-        rope["rope_type"] = "default"
-        rope.pop("type", None)
-    text.update(rope_scaling=None, rope_parameters=rope, model_type="qwen2")
-    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):  # top level in some
-        if key in hf and key not in text:
-            text[key] = hf[key]
+    text, rope = mrope_text_config(hf, "Qwen2_5_VLForConditionalGeneration", "qwen2")
     tower = hf["vision_config"]
     vision = VisionConfig(
         tower=tower,
         image_token_id=hf.get("image_token_id", text.get("image_token_id", 151655)),
         spatial_merge_size=tower.get("spatial_merge_size", 2),
-        mrope_section=section,
+        mrope_section=tuple(rope["mrope_section"]),
     )
     config = llama_config(text, "Qwen2ForCausalLM")
     return dataclasses.replace(config, architecture="qwen2_5_vl", vision=vision)
+
+
+def qwen3_vl_config(hf: dict[str, Any]) -> ModelConfig:
+    """Qwen3-VL: Qwen3's language model (``text_config``) with interleaved M-RoPE, and its
+    vision tower with DeepStack features for the first language layers (models/qwen3_vl.py)."""
+    text, rope = mrope_text_config(hf, "Qwen3VLForConditionalGeneration", "qwen3")
+    if not rope.get("mrope_interleaved", False):
+        raise ValueError(
+            "Qwen3VLForConditionalGeneration: mrope_interleaved false is not implemented "
+            "(every released Qwen3-VL interleaves its M-RoPE sections)"
+        )
+    tower = hf["vision_config"]
+    vision = VisionConfig(
+        tower=tower,
+        image_token_id=hf.get("image_token_id", 151655),
+        spatial_merge_size=tower.get("spatial_merge_size", 2),
+        mrope_section=tuple(rope["mrope_section"]),
+        mrope_interleaved=True,
+        deepstack_layers=len(tower.get("deepstack_visual_indexes") or ()),
+    )
+    config = llama_config(text, "Qwen3ForCausalLM")
+    return dataclasses.replace(config, architecture="qwen3_vl", vision=vision)
+
+
+def mrope_text_config(
+    hf: dict[str, Any], architecture: str, model_type: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Qwen VL config's language model as a text config of ``model_type`` (its M-RoPE keys
+    taken out of the rope fields, which then name plain RoPE), and those rope fields with
+    them: (text config, rope fields)."""
+    text = dict(hf.get("text_config") or hf)
+    rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
+    if not rope.get("mrope_section"):
+        raise ValueError(f"{architecture}: the config has no mrope_section")
+    plain = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+    if plain.get("rope_type", plain.get("type")) == "mrope":  # transformers 4's name for it
+        plain["rope_type"] = "default"
+        plain.pop("type", None)
+    text.update(rope_scaling=None, rope_parameters=plain, model_type=model_type)
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):  # top level in some
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    return text, rope
 
 
 def gemma3_vl_config(hf: dict[str, Any]) -> ModelConfig:

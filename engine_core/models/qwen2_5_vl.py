@@ -32,13 +32,16 @@ if TYPE_CHECKING:
 class MRopeSections(nn.Module):
     """M-RoPE's split of the rotary frequencies among the three positions, as a buffer."""
 
-    def __init__(self, mrope_section: tuple[int, ...]) -> None:
+    def __init__(self, mrope_section: tuple[int, ...], interleaved: bool = False) -> None:
         super().__init__()
         self.mrope_section = mrope_section
-        self.register_buffer("section", section_of_each_frequency(mrope_section), persistent=False)
+        self.interleaved = interleaved
+        section = section_of_each_frequency(mrope_section, interleaved)
+        self.register_buffer("section", section, persistent=False)
 
     def reset_buffers(self) -> None:
-        self.section = section_of_each_frequency(self.mrope_section).to(self.section.device)
+        section = section_of_each_frequency(self.mrope_section, self.interleaved)
+        self.section = section.to(self.section.device)
 
 
 def mrope_cos_sin(
@@ -53,13 +56,27 @@ def mrope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def section_of_each_frequency(mrope_section: tuple[int, ...]) -> torch.Tensor:
-    """[D/2] int64: for each rotary frequency, which of the three positions turns it."""
-    parts = [torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(mrope_section)]
-    return torch.cat(parts)
+def section_of_each_frequency(
+    mrope_section: tuple[int, ...], interleaved: bool = False
+) -> torch.Tensor:
+    """[D/2] int64: for each rotary frequency, which of the three positions turns it. Chunked
+    (Qwen2.5-VL): the first ``mrope_section[0]`` frequencies temporal, the next height, the
+    rest width. Interleaved (Qwen3-VL, HF's recomposition_frequencies): frequency j is height
+    where j % 3 == 1 and j < 3 * sections[1], width where j % 3 == 2 and j < 3 * sections[2],
+    else temporal, so every position turns low and high frequencies alike."""
+    if not interleaved:
+        parts = [torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(mrope_section)]
+        return torch.cat(parts)
+    j = torch.arange(sum(mrope_section))
+    out = torch.zeros_like(j)
+    for axis in (1, 2):
+        out[(j % 3 == axis) & (j < 3 * mrope_section[axis])] = axis
+    return out
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+    vision_tower: type[nn.Module] = Qwen2_5_VisionTransformer  # Qwen3-VL's is its own
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         vision = config.vision
@@ -69,8 +86,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                 f"mrope_section {list(vision.mrope_section)} does not split the rotary's "
                 f"{config.rotary_dim // 2} frequencies"
             )
-        self.visual = Qwen2_5_VisionTransformer(vision.tower)
-        self.mrope = MRopeSections(vision.mrope_section)
+        self.visual = self.vision_tower(vision.tower)
+        self.mrope = MRopeSections(vision.mrope_section, vision.mrope_interleaved)
 
     def forward(
         self,
@@ -80,20 +97,28 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]; ``multimodal``: the
         step's image embeddings and M-RoPE positions, where it has any."""
+        hidden, cos, sin = self.step_inputs(input_ids, positions, multimodal)
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        return self.model.norm(hidden, residual)[0]
+
+    def step_inputs(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, multimodal: MultimodalStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input [T, hidden] (the image rows' embeddings in place of their
+        placeholders': an embedding's first ``hidden`` columns) and the rotary (cos, sin)."""
         body = self.model
         hidden = body.embed(input_ids)  # [T, hidden]
         if multimodal is None:
-            cos, sin = body.rotary_emb(positions, hidden.dtype)
-        else:
-            if multimodal.rows.numel():
-                hidden[multimodal.rows] = multimodal.embeds.to(hidden.dtype)
-            cos, sin = mrope_cos_sin(
-                body.rotary_emb, multimodal.positions, self.mrope.section, hidden.dtype
-            )
-        residual = None
-        for layer in body.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
-        return body.norm(hidden, residual)[0]
+            return hidden, *body.rotary_emb(positions, hidden.dtype)
+        if multimodal.rows.numel():
+            width = hidden.shape[1]
+            hidden[multimodal.rows] = multimodal.embeds[:, :width].to(hidden.dtype)
+        cos, sin = mrope_cos_sin(
+            body.rotary_emb, multimodal.positions, self.mrope.section, hidden.dtype
+        )
+        return hidden, cos, sin
 
     @torch.inference_mode()
     def encode_images(

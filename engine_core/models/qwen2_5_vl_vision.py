@@ -180,7 +180,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         unit = self.merge * self.merge
         rows = (order[:, None] * unit + torch.arange(unit)).flatten().to(device)
         x = self.patch_embed(pixels)[rows]
-        cos, sin = self.rotary(grids, device)
+        cos, sin = vision_rotary(grids, self.merge, self.head_dim, self.theta, device)
         cos, sin = cos[rows], sin[rows]
         images = group_segments(image_bounds(grids), device)
         windowed = group_segments(windows, device)
@@ -189,18 +189,19 @@ class Qwen2_5_VisionTransformer(nn.Module):
         merged = self.merger(x)
         return merged[torch.argsort(order).to(device)]
 
-    def rotary(
-        self, grids: list[tuple[int, int, int]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each patch's 2D rotary (cos, sin) [patches, head_dim] in float32, patches in the
-        processor's order: its row's angles on the first quarter of frequencies, its column's
-        on the second, both halves alike (rotate-half)."""
-        spatial = self.head_dim // 2
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        positions = patch_positions(grids, self.merge).float()  # [patches, 2]: row, column
-        freqs = (positions[:, :, None] * inv_freq).flatten(1)  # [patches, spatial]
-        emb = torch.cat((freqs, freqs), dim=-1).to(device)
-        return emb.cos(), emb.sin()
+
+def vision_rotary(
+    grids: list[tuple[int, int, int]], merge: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each patch's 2D rotary (cos, sin) [patches, head_dim] in float32, patches in the
+    processor's order: its row's angles on the first quarter of frequencies, its column's on
+    the second, both halves alike (rotate-half). Qwen2.5-VL's and Qwen3-VL's towers alike."""
+    spatial = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+    positions = patch_positions(grids, merge).float()  # [patches, 2]: row, column
+    freqs = (positions[:, :, None] * inv_freq).flatten(1)  # [patches, spatial]
+    emb = torch.cat((freqs, freqs), dim=-1).to(device)
+    return emb.cos(), emb.sin()
 
 
 def image_bounds(grids: list[tuple[int, int, int]]) -> list[int]:
