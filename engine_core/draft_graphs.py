@@ -180,15 +180,17 @@ class ProposalGraphs:
         # spread into the graph's [rows, max blocks] one on the device. Columns past a row's
         # table keep what they held (block ids all): no live row reads past its own table, and
         # a dead row's slot is masked whatever block it names.
-        self.host = torch.zeros((self.max_batch, 3), dtype=ID64, pin_memory=True)
-        self.host_tables = torch.zeros(self.max_batch * self.width, dtype=ID32, pin_memory=True)
+        # Pinned on CUDA; the CPU tests stage and run the captured chain without a GPU.
+        pinned = device.type == "cuda"
+        self.host = torch.zeros((self.max_batch, 3), dtype=ID64, pin_memory=pinned)
+        self.host_tables = torch.zeros(self.max_batch * self.width, dtype=ID32, pin_memory=pinned)
         self.staged = torch.zeros((self.max_batch, 3), dtype=ID64, device=device)
         self.staged_tables = torch.zeros(self.max_batch * self.width, dtype=ID32, device=device)
         self.tables = torch.zeros((self.max_batch, self.width), dtype=ID32, device=device)
         self.query_start = torch.arange(self.max_batch + 1, dtype=ID32, device=device)
         self.drafts = torch.zeros((self.max_batch, num_drafts), dtype=ID64, device=device)
-        self.host_drafts = torch.zeros((self.max_batch, num_drafts), dtype=ID64, pin_memory=True)
-        self.copied = torch.cuda.Event()
+        self.host_drafts = torch.zeros((self.max_batch, num_drafts), dtype=ID64, pin_memory=pinned)
+        self.copied = torch.cuda.Event() if pinned else None
         weight = model.plain_logits_weight()
         self.tail = None
         if weight is not None:
@@ -254,6 +256,18 @@ class ProposalGraphs:
     def propose(self, rows: list[DraftRow]) -> list[list[int]]:
         """Stage the rows, replay their bucket's chain, copy the drafts back (one sync)."""
         n = len(rows)
+        b = self.stage(rows)
+        self.graphs[b].replay()
+        self.host_drafts[:n].copy_(self.drafts[:n], non_blocking=True)
+        assert self.copied is not None  # captured graphs: CUDA
+        self.copied.record()
+        self.copied.synchronize()  # the host buffer is written again only after this
+        return drafts_of(self.host_drafts[:n].tolist(), rows)
+
+    def stage(self, rows: list[DraftRow]) -> int:
+        """The rows into the static buffers the captured chain reads, the padding rows of
+        their bucket dead; returns the bucket."""
+        n = len(rows)
         b = self._bucket[n]
         width = max(len(r.block_ids) for r in rows)
         host, tables = self.host.numpy(), self.host_tables.numpy()
@@ -265,11 +279,7 @@ class ProposalGraphs:
         packed = self.staged_tables[: n * width]
         packed.copy_(self.host_tables[: n * width], non_blocking=True)
         self.tables[:n, :width].copy_(packed.view(n, width))
-        self.graphs[b].replay()
-        self.host_drafts[:n].copy_(self.drafts[:n], non_blocking=True)
-        self.copied.record()
-        self.copied.synchronize()  # the host buffer is written again only after this
-        return drafts_of(self.host_drafts[:n].tolist(), rows)
+        return b
 
 
 # ---- a one-layer proposer that drafts from a feature (EAGLE-3's head, an MTP layer) -----------
