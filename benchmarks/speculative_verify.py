@@ -29,6 +29,11 @@ temporary folder in the published layout: one layer of the target's width, a dra
 of 32,000 ids, reading target layers 2, L/2 and L-3). Its drafts are almost never kept, so the
 table shows what the head costs a step (its proposal, its forward beside the target's, the
 verify step), not a speed-up; the outputs must still be the plain engine's.
+
+``--method mtp``: the MTP layer the target's own checkpoint ships drafts (``--models`` a
+DeepSeek-V3-architecture folder that holds it; no preset has one). "eager draft fwd" then counts
+the layer's forwards beside the target's, which run eagerly by design (engine_core/mtp.py), and
+any proposal no graph served.
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         default="draft_model",
-        choices=["draft_model", "eagle3"],
-        help="the model as its own draft, or a random EAGLE-3 head (default: %(default)s)",
+        choices=["draft_model", "eagle3", "mtp"],
+        help="the model as its own draft, a random EAGLE-3 head, or the MTP layer of the "
+        "model's checkpoint (default: %(default)s)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=128, help="default: 128")
     parser.add_argument("--max-tokens", type=int, default=256, help="default: 256")
@@ -334,6 +340,8 @@ def write_random_eagle3_head(target: dict[str, Any], folder: Path) -> Path:
 
 def speculative_config(args: argparse.Namespace, model: str, scratch: Path) -> str:
     """The --speculative-config of ``args.method`` for ``model``."""
+    if args.method == "mtp":  # read from the target's own checkpoint: no "model"
+        return json.dumps({"method": "mtp", "num_speculative_tokens": args.k})
     draft = model
     if args.method == "eagle3":
         draft = str(write_random_eagle3_head(target_hf_config(model), scratch / "eagle3-head"))
@@ -354,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
     drafter = "the model as its own draft"
     if args.method == "eagle3":
         drafter = f"a random EAGLE-3 head (draft vocabulary {EAGLE3_DRAFT_VOCAB})"
+    if args.method == "mtp":
+        drafter = "the checkpoint's MTP layer"
     print(
         f"{drafter}, K = {args.k}, dtype {args.dtype}; {args.prompt_tokens}-token random "
         f"prompts, {args.max_tokens} tokens each, greedy; medians; ms"

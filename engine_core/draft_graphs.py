@@ -21,6 +21,12 @@ GEMM where the draft's logits are a plain product). One replay then replaces K e
 of which launched the draft's few hundred kernels from Python (docs/design/speculative-decoding.md
 has the measurements). The same chain runs eagerly on the CPU, and on the GPU for a proposal no
 graph fits, with exact host lists for the backends that read them.
+
+A one-layer proposer that drafts from a feature (an EAGLE-3 head, eagle3.py; an MTP layer,
+mtp.py) runs the same chain with a feature carried from forward to forward
+(``propose_feature_chain``: the target's feature at the row's last known position, then the
+layer's own output), and its graphs (``FeatureProposalGraphs``) stage each row's first feature
+beside the row; the layer is reached through a ``FeatureDrafter``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -173,15 +180,17 @@ class ProposalGraphs:
         # spread into the graph's [rows, max blocks] one on the device. Columns past a row's
         # table keep what they held (block ids all): no live row reads past its own table, and
         # a dead row's slot is masked whatever block it names.
-        self.host = torch.zeros((self.max_batch, 3), dtype=ID64, pin_memory=True)
-        self.host_tables = torch.zeros(self.max_batch * self.width, dtype=ID32, pin_memory=True)
+        # Pinned on CUDA; the CPU tests stage and run the captured chain without a GPU.
+        pinned = device.type == "cuda"
+        self.host = torch.zeros((self.max_batch, 3), dtype=ID64, pin_memory=pinned)
+        self.host_tables = torch.zeros(self.max_batch * self.width, dtype=ID32, pin_memory=pinned)
         self.staged = torch.zeros((self.max_batch, 3), dtype=ID64, device=device)
         self.staged_tables = torch.zeros(self.max_batch * self.width, dtype=ID32, device=device)
         self.tables = torch.zeros((self.max_batch, self.width), dtype=ID32, device=device)
         self.query_start = torch.arange(self.max_batch + 1, dtype=ID32, device=device)
         self.drafts = torch.zeros((self.max_batch, num_drafts), dtype=ID64, device=device)
-        self.host_drafts = torch.zeros((self.max_batch, num_drafts), dtype=ID64, pin_memory=True)
-        self.copied = torch.cuda.Event()
+        self.host_drafts = torch.zeros((self.max_batch, num_drafts), dtype=ID64, pin_memory=pinned)
+        self.copied = torch.cuda.Event() if pinned else None
         weight = model.plain_logits_weight()
         self.tail = None
         if weight is not None:
@@ -247,6 +256,18 @@ class ProposalGraphs:
     def propose(self, rows: list[DraftRow]) -> list[list[int]]:
         """Stage the rows, replay their bucket's chain, copy the drafts back (one sync)."""
         n = len(rows)
+        b = self.stage(rows)
+        self.graphs[b].replay()
+        self.host_drafts[:n].copy_(self.drafts[:n], non_blocking=True)
+        assert self.copied is not None  # captured graphs: CUDA
+        self.copied.record()
+        self.copied.synchronize()  # the host buffer is written again only after this
+        return drafts_of(self.host_drafts[:n].tolist(), rows)
+
+    def stage(self, rows: list[DraftRow]) -> int:
+        """The rows into the static buffers the captured chain reads, the padding rows of
+        their bucket dead; returns the bucket."""
+        n = len(rows)
         b = self._bucket[n]
         width = max(len(r.block_ids) for r in rows)
         host, tables = self.host.numpy(), self.host_tables.numpy()
@@ -258,8 +279,110 @@ class ProposalGraphs:
         packed = self.staged_tables[: n * width]
         packed.copy_(self.host_tables[: n * width], non_blocking=True)
         self.tables[:n, :width].copy_(packed.view(n, width))
-        self.graphs[b].replay()
-        self.host_drafts[:n].copy_(self.drafts[:n], non_blocking=True)
-        self.copied.record()
-        self.copied.synchronize()  # the host buffer is written again only after this
-        return drafts_of(self.host_drafts[:n].tolist(), rows)
+        return b
+
+
+# ---- a one-layer proposer that drafts from a feature (EAGLE-3's head, an MTP layer) -----------
+
+
+class FeatureDrafter(Protocol):
+    """What the feature chain runs: the layer's forward over one token a row, its draft ids
+    and the plain weight of its draft logits (the graphs' argmax tail)."""
+
+    feature_size: int
+
+    def chain_forward(
+        self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [b], feature [b, F] -> (the next forward's feature [b, F], the
+        normed hidden state the draft logits read [b, H])."""
+        ...
+
+    def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [b, H] -> the drafts [b] int64, as target ids (the eager tail)."""
+        ...
+
+    def target_ids(self, argmax: torch.Tensor) -> torch.Tensor:
+        """The argmax of ``plain_logits_weight``'s logits [b] -> target ids [b] int64."""
+        ...
+
+    def plain_logits_weight(self) -> torch.Tensor: ...
+
+
+def propose_feature_chain(
+    drafter: FeatureDrafter,
+    backend: AttentionBackend,
+    rows: ChainRows,  # positions: each row's entry before its last known token (p - 1)
+    feature: torch.Tensor,  # [b, F]: the target's feature at each row's p - 1
+    drafts: torch.Tensor,  # [b, K] int64: draft j of each row into column j
+    block_size: int,
+    max_seq_len: int,
+    tail: DecodeTail | None = None,
+    host_rows: Sequence[tuple[int, int]] | None = None,
+) -> None:
+    """The K forwards of a feature proposal, all on the device: forward j writes each live
+    row's entry at p - 1 + j (its last known token, then draft j - 1) and gives draft j; the
+    feature of forward j + 1 is forward j's. Rows past their count are dead, as in
+    ``propose_chain``. ``tail``: the logits and argmax on the graphs' kernels (CUDA), else
+    the drafter's own."""
+    tokens = rows.tokens
+    for j in range(drafts.shape[1]):
+        positions, meta = chain_step_inputs(rows, j, block_size, max_seq_len, host_rows)
+        with forward_context(meta, backend):
+            feature, normed = drafter.chain_forward(tokens, feature, positions)
+        if tail is not None:
+            tail.run(normed)
+            tokens = drafter.target_ids(tail.argmax[: normed.shape[0]])
+        else:
+            tokens = drafter.draft_ids(normed)
+        drafts[:, j].copy_(tokens)
+
+
+def eager_feature_proposal(
+    drafter: FeatureDrafter,
+    backend: AttentionBackend,
+    rows: list[DraftRow],  # as the chain reads them: at p - 1
+    features: list[torch.Tensor],  # [F] each: the target's at each row's p - 1
+    block_size: int,
+    device: torch.device,
+) -> list[list[int]]:
+    """The feature chain run once eagerly, with exact host lists: the rows go to the device
+    once and the drafts come back once."""
+    chain = eager_rows(rows, device)
+    drafts = torch.zeros((len(rows), max(r.count for r in rows)), dtype=ID64).to(device)
+    host_rows = [(r.position, r.count) for r in rows]
+    propose_feature_chain(
+        drafter, backend, chain, torch.stack(features), drafts, block_size, 0,
+        host_rows=host_rows,
+    )  # fmt: skip
+    return drafts_of(drafts.tolist(), rows)
+
+
+class FeatureProposalGraphs(ProposalGraphs):
+    """The feature chain captured per batch bucket: ``ProposalGraphs`` with each row's first
+    feature staged beside its row."""
+
+    def __init__(
+        self, drafter: FeatureDrafter, backend: AttentionBackend, name: str, **kwargs: Any
+    ) -> None:
+        self.name = name
+        super().__init__(drafter, backend, **kwargs)
+        weight = drafter.plain_logits_weight()
+        self.feature = weight.new_zeros((self.max_batch, drafter.feature_size))
+
+    def _chain(self, b: int) -> None:
+        propose_feature_chain(
+            self.model,
+            self.backend,
+            self.staged_rows(b),
+            self.feature[:b],
+            self.drafts[:b],
+            self.block_size,
+            self.max_model_len,
+            self.tail,
+        )
+
+    def propose_from(self, rows: list[DraftRow], features: list[torch.Tensor]) -> list[list[int]]:
+        """``rows`` as the chain reads them (at p - 1) and their features [F] each."""
+        torch.stack(features, out=self.feature[: len(rows)])
+        return self.propose(rows)

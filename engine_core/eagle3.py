@@ -42,8 +42,9 @@ The target's three hidden states are written by its own forward into a static bu
 Where the target replays graphs the head does too (``capture_graphs``): its forward beside the
 target's replays a decode or prefill graph of its own (engine_core/cuda_graph.py over
 ``HeadEntries``), and a proposal replays one graph of its K chained forwards per batch bucket
-(``HeadProposalGraphs``, the draft model's engine_core/draft_graphs.py with the feature carried
-from forward to forward). The same chain runs eagerly on the CPU and for what no graph fits.
+(draft_graphs.FeatureProposalGraphs over ``HeadChain``: the draft model's graphs with the
+feature carried from forward to forward). The same chain runs eagerly on the CPU and for what
+no graph fits.
 """
 
 from __future__ import annotations
@@ -63,13 +64,7 @@ from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.layer import Attention
 from engine_core.attention.prefill_tiles import prefill_block_m, query_lens, tile_list
 from engine_core.config import ModelConfig
-from engine_core.draft_graphs import (
-    ChainRows,
-    ProposalGraphs,
-    chain_step_inputs,
-    drafts_of,
-    eager_rows,
-)
+from engine_core.draft_graphs import FeatureProposalGraphs, eager_feature_proposal
 from engine_core.draft_model import DraftForwards, attends_fully
 from engine_core.forward_context import forward_context
 from engine_core.loader import default_dtype, iter_checkpoint, read_json, resolve_model_dir
@@ -94,7 +89,7 @@ from engine_core.speculative import DraftRow
 
 if TYPE_CHECKING:
     from engine_core.attention.base import AttentionBackend
-    from engine_core.cuda_graph import CudaGraphRunner, DecodeTail
+    from engine_core.cuda_graph import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -351,68 +346,31 @@ def check_target(target: nn.Module, config: ModelConfig) -> LlamaModel:
 # ---- the proposal's chain and its graphs ------------------------------------------------------
 
 
-def propose_head_chain(
-    head: Eagle3Head,
-    embed: nn.Module,
-    backend: AttentionBackend,
-    rows: ChainRows,  # positions: each row's entry before its last known token (p - 1)
-    feature: torch.Tensor,  # [b, H]: the target's feature at each row's p - 1
-    drafts: torch.Tensor,  # [b, K] int64: draft j of each row into column j
-    block_size: int,
-    max_seq_len: int,
-    tail: DecodeTail | None = None,
-    host_rows: Sequence[tuple[int, int]] | None = None,
-) -> None:
-    """The K forwards of a proposal, all on the device: forward j writes each live row's entry
-    at p - 1 + j (its last known token, then draft j - 1) and gives draft j; the feature of
-    forward j + 1 is forward j's residual stream. Rows past their count are dead, as in the
-    draft model's chain (engine_core/draft_graphs.py). ``tail``: the draft vocabulary's
-    logits and argmax on the graphs' kernels (CUDA), else the head's own."""
-    tokens = rows.tokens
-    for j in range(drafts.shape[1]):
-        positions, meta = chain_step_inputs(rows, j, block_size, max_seq_len, host_rows)
-        with forward_context(meta, backend):
-            feature, normed = head(embed(tokens), feature, positions)  # [b, H] each
-        if tail is not None:
-            tail.run(normed)
-            draft = tail.argmax[: normed.shape[0]]
-        else:
-            draft = head.lm_head(normed).argmax(dim=-1)
-        tokens = head.target_ids(draft)
-        drafts[:, j].copy_(tokens)
+@dataclass
+class HeadChain:
+    """The head as the proposal's chain runs it (draft_graphs.FeatureDrafter): the feature
+    carried on is its residual stream, the drafts are over the draft vocabulary, then d2t."""
 
+    head: Eagle3Head
+    embed: nn.Module  # the head's own embedding, or the target's
 
-class HeadProposalGraphs(ProposalGraphs):
-    """The head's chain captured per batch bucket: the draft model's graphs
-    (engine_core/draft_graphs.py), with each row's first feature staged beside its row."""
+    @property
+    def feature_size(self) -> int:
+        return self.head.fc.out_features
 
-    name = "eagle3 head"
+    def chain_forward(
+        self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(self.embed(tokens), feature, positions)
 
-    def __init__(
-        self, head: Eagle3Head, embed: nn.Module, backend: AttentionBackend, **kwargs: Any
-    ) -> None:
-        self.embed = embed
-        super().__init__(head, backend, **kwargs)
-        weight = head.fc.weight  # [H, 3 * H_target]
-        self.feature = weight.new_zeros((self.max_batch, weight.shape[0]))
+    def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_ids(normed)
 
-    def _chain(self, b: int) -> None:
-        propose_head_chain(
-            self.model,
-            self.embed,
-            self.backend,
-            self.staged_rows(b),
-            self.feature[:b],
-            self.drafts[:b],
-            self.block_size,
-            self.max_model_len,
-            self.tail,
-        )
+    def target_ids(self, argmax: torch.Tensor) -> torch.Tensor:
+        return self.head.target_ids(argmax)
 
-    def propose_from(self, rows: list[DraftRow], features: list[torch.Tensor]) -> list[list[int]]:
-        """``rows`` as the chain reads them (at p - 1) and their features [H] each."""
-        torch.stack(features, out=self.feature[: len(rows)])
-        return self.propose(rows)
+    def plain_logits_weight(self) -> torch.Tensor:
+        return self.head.plain_logits_weight()
 
 
 class HeadEntries(nn.Module):
@@ -474,7 +432,8 @@ class Eagle3Proposer:
         self.backend: AttentionBackend | None = None
         self.step_graphs: CudaGraphRunner | None = None  # its forwards beside the target's
         self.entries_model: HeadEntries | None = None  # what those graphs captured
-        self.proposal_graphs: HeadProposalGraphs | None = None
+        self.chain = HeadChain(head, embed)
+        self.proposal_graphs: FeatureProposalGraphs | None = None
         self.staging = EntryStaging(device)
         self.forwards = DraftForwards()
 
@@ -508,8 +467,8 @@ class Eagle3Proposer:
             max_prefill_tokens=entry_tokens, **common,
         )  # fmt: skip
         self.step_graphs.capture(progress=False)
-        self.proposal_graphs = HeadProposalGraphs(
-            self.head, self.embed, self.backend, max_rows=max_num_seqs,
+        self.proposal_graphs = FeatureProposalGraphs(
+            self.chain, self.backend, "eagle3 head", max_rows=max_num_seqs,
             max_blocks_per_seq=-(-max_model_len // self.block_size), num_drafts=self.max_drafts,
             block_size=self.block_size, vocab_size=self.head.lm_head.out_features, **common,
         )  # fmt: skip
@@ -529,17 +488,7 @@ class Eagle3Proposer:
         feature = self.head.fc(aux.to(self.dtype))  # [T, H]
         plan = plan_entries(out, query_start, self._kept_feature, self.block_size)
         kept_rows = self.staging.stage(plan, self.backend_tiles)
-        entries_meta = AttentionMetadata(
-            slot_mapping=plan.slots_on_device,
-            query_start_loc=plan.starts_on_device,
-            seq_lens=meta.seq_lens,
-            block_tables=meta.block_tables,
-            max_query_len=max(plan.lengths),
-            max_seq_len=meta.max_seq_len,
-            query_start_loc_cpu=plan.starts,
-            seq_lens_cpu=meta.seq_lens_cpu,
-            prefill_tiles=plan.tiles_on_device,
-        )
+        entries_meta = entries_metadata(plan, meta)
         parts = plan.features_of(feature, query_start)  # [n_i, H] each, in entry order
         graphs = self.step_graphs
         if graphs is not None and graphs.can_run(entries_meta):
@@ -552,35 +501,12 @@ class Eagle3Proposer:
             with forward_context(entries_meta, self.backend):
                 self.head(self.embed(plan.tokens_on_device), features, plan.positions_on_device)
             self.forwards.alongside_eager += 1
-        self._keep_features(out, plan, feature.index_select(0, kept_rows))
+        self.features = keep_features(self.features, out, plan, feature.index_select(0, kept_rows))
 
     @property
     def backend_tiles(self) -> bool:
         """Whether the backend reads a prefill work list (Triton): staged with the entries."""
         return self.device.type == "cuda"
-
-    def _keep_features(self, out: SchedulerOutput, plan: EntryPlan, rows: torch.Tensor) -> None:
-        """Keep, for each row of the step, f of its last position and, for a verify chunk, of
-        every position (the next proposal starts after its last kept draft): ``rows``, the
-        step's kept rows in order. Requests the step did not run keep theirs, copied into the
-        same tensor, so one step's tensor holds every kept feature (none outlives its step's
-        successor); finished requests' go."""
-        scheduled = {s.request.request_id for s in out.scheduled}
-        carried = [
-            f for k, f in self.features.items() if k not in scheduled and not f.request.is_finished
-        ]
-        if carried:
-            rows = torch.cat([rows, *(f.rows for f in carried)])
-        features: dict[str, Features] = {}
-        at = 0
-        spans = [
-            (s.request, first, n) for s, (first, n) in zip(out.scheduled, plan.kept, strict=True)
-        ]
-        spans += [(f.request, f.first, f.rows.shape[0]) for f in carried]
-        for request, first, n in spans:
-            features[request.request_id] = Features(request, first, rows[at : at + n])
-            at += n
-        self.features = features
 
     # ---- proposing ----------------------------------------------------------------------------
 
@@ -589,8 +515,8 @@ class Eagle3Proposer:
         """``row.count`` greedy drafts for each row: forward 1 rewrites the entry at the row's
         position - 1 (its last token, the target's feature there), forward j + 1 writes the
         entry of draft j (the head's stream); K chained forwards over all the rows
-        (``propose_head_chain``), a graph replay where one fits. The rows go to the device
-        once and the drafts come back once."""
+        (draft_graphs.propose_feature_chain), a graph replay where one fits. The rows go to the
+        device once and the drafts come back once."""
         assert self.backend is not None
         features = [feature_before(self.features, r, "eagle3: no target feature") for r in rows]
         chain_rows = [replace(r, position=r.position - 1) for r in rows]
@@ -598,16 +524,10 @@ class Eagle3Proposer:
         if graphs is not None and graphs.can_run(chain_rows):
             self.forwards.proposal_replays += 1
             return graphs.propose_from(chain_rows, features)
-        chain = eager_rows(chain_rows, self.device)
-        drafts = torch.zeros((len(rows), max(r.count for r in rows)), dtype=torch.int64)
-        drafts = drafts.to(self.device)
-        host_rows = [(r.position, r.count) for r in chain_rows]
-        propose_head_chain(
-            self.head, self.embed, self.backend, chain, torch.stack(features), drafts,
-            self.block_size, 0, host_rows=host_rows,
-        )  # fmt: skip
         self.forwards.proposal_eager += 1
-        return drafts_of(drafts.tolist(), rows)
+        return eager_feature_proposal(
+            self.chain, self.backend, chain_rows, features, self.block_size, self.device
+        )
 
     def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
         return feature_at(self.features, request_id, position)
@@ -678,6 +598,44 @@ def plan_entries(
         plan.kept.append((s.start + first_kept - begin, end - first_kept))
         plan.kept_rows += range(first_kept, end)
     return plan
+
+
+def entries_metadata(plan: EntryPlan, meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata of a forward over ``plan``'s entries (staged) beside the target's forward
+    of ``meta``: each row's context ends where the target's does."""
+    return AttentionMetadata(
+        slot_mapping=plan.slots_on_device,
+        query_start_loc=plan.starts_on_device,
+        seq_lens=meta.seq_lens,
+        block_tables=meta.block_tables,
+        max_query_len=max(plan.lengths),
+        max_seq_len=meta.max_seq_len,
+        query_start_loc_cpu=plan.starts,
+        seq_lens_cpu=meta.seq_lens_cpu,
+        prefill_tiles=plan.tiles_on_device,
+    )
+
+
+def keep_features(
+    features: dict[str, Features], out: SchedulerOutput, plan: EntryPlan, rows: torch.Tensor
+) -> dict[str, Features]:
+    """The features to keep after a step: for each row of the step, f of its last position
+    and, for a verify chunk, of every position (the next proposal starts after its last kept
+    draft): ``rows``, the step's kept rows in order. Requests the step did not run keep
+    theirs (``features``), copied into the same tensor, so one step's tensor holds every kept
+    feature (none outlives its step's successor); finished requests' go."""
+    scheduled = {s.request.request_id for s in out.scheduled}
+    carried = [f for k, f in features.items() if k not in scheduled and not f.request.is_finished]
+    if carried:
+        rows = torch.cat([rows, *(f.rows for f in carried)])
+    kept: dict[str, Features] = {}
+    at = 0
+    spans = [(s.request, first, n) for s, (first, n) in zip(out.scheduled, plan.kept, strict=True)]
+    spans += [(f.request, f.first, f.rows.shape[0]) for f in carried]
+    for request, first, n in spans:
+        kept[request.request_id] = Features(request, first, rows[at : at + n])
+        at += n
+    return kept
 
 
 class EntryStaging:

@@ -24,16 +24,19 @@ walks it): one latent cache with as many blocks as the target's pool, indexed by
 block ids; the entries lag the target's positions by one, rewritten after each step with the
 tokens then known; a proposal rewrites the entry before the row's last token and writes one
 per draft. Unlike EAGLE-3 it needs no hooks: the target's final hidden states are the
-forward's output, which a CUDA-graph replay returns too, so the target keeps its graphs and
-only the MTP layer runs eagerly. Drafts are the layer's argmax, so exactness is the verify
-step's (engine_core/speculative.py); the layer decides only how many tokens a step yields.
+forward's output, which a CUDA-graph replay returns too. Where the target replays graphs, a
+proposal replays one graph of the layer's K chained one-token forwards per batch bucket (EAGLE-3's
+chain and graphs, engine_core/draft_graphs.py, over ``MtpChain``), its latent attention's decode
+kernel and its MoE inside; its forward beside the target's runs eagerly (prompt-shaped rows,
+which the latent attention plans on the host). Drafts are the layer's argmax, so exactness is
+the verify step's (engine_core/speculative.py); the layer decides only how many tokens a step
+yields.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,14 +47,19 @@ from torch import nn
 from engine_core.attention.base import AttentionMetadata
 from engine_core.attention.mla import LatentAttention
 from engine_core.config import ModelConfig
+from engine_core.draft_graphs import FeatureProposalGraphs, eager_feature_proposal
+from engine_core.draft_model import DraftForwards
 from engine_core.eagle3 import (
+    EntryStaging,
     Features,
     bind_own_cache,
     cache_block_bytes,
+    entries_metadata,
     feature_at,
     feature_before,
     gib,
-    tokens_after,
+    keep_features,
+    plan_entries,
 )
 from engine_core.forward_context import forward_context
 from engine_core.loader import default_dtype, normalize_fp8_names, read_json
@@ -69,7 +77,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WHERE = "--speculative-config method 'mtp'"
-ID32 = torch.int32
 # The layer's own tensors (the rest are its decoder layer's, under the target's names).
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
@@ -195,7 +202,7 @@ def load_mtp_layer(
             f"{WHERE}: {model_dir} has no MTP weights (no 'model.layers.{layer}.eh_proj.weight' "
             "and the rest of the layer); a checkpoint saved by HF transformers drops them"
         )
-    # The layer runs eagerly: none of the forms chosen for graphs (no gate/up interleaving).
+    # The plain forms (no gate/up interleaving): its proposal graphs capture them as they are.
     build = BuildTarget(device, dtype)
     with torch.device("meta"), default_dtype(dtype):
         mtp = MtpLayer(config)
@@ -242,6 +249,37 @@ def layer_embedding(
 # ---- the proposer ----------------------------------------------------------------------------
 
 
+@dataclass
+class MtpChain:
+    """The layer as the proposal's chain runs it (draft_graphs.FeatureDrafter): the feature
+    carried on is its own normed output, which its head reads too."""
+
+    layer: MtpLayer
+    embed: nn.Module
+    rotary: nn.Module  # the target's (the layer is one of its decoder layers)
+    dtype: torch.dtype
+
+    @property
+    def feature_size(self) -> int:
+        return self.layer.eh_proj.out_features
+
+    def chain_forward(
+        self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(positions, self.dtype)
+        normed = self.layer(self.embed(tokens), feature, cos, sin)
+        return normed, normed
+
+    def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.layer.draft_ids(normed)
+
+    def target_ids(self, argmax: torch.Tensor) -> torch.Tensor:
+        return argmax  # the layer's head is over the target's vocabulary
+
+    def plain_logits_weight(self) -> torch.Tensor:
+        return self.layer.shared_head.head.weight
+
+
 class MtpProposer:
     """The MTP layer, its latent cache (owned here, as the model runner owns the target's) and
     the target's hidden states it keeps between a step and the next proposal; a
@@ -258,7 +296,7 @@ class MtpProposer:
     ) -> None:
         self.layer = layer
         self.embed = embed
-        self.rotary = rotary  # the target's (the layer is one of its decoder layers)
+        self.chain = MtpChain(layer, embed, rotary, dtype)
         self.max_drafts = max_drafts
         self.device = device
         self.dtype = dtype
@@ -266,6 +304,9 @@ class MtpProposer:
         self.block_size = 0
         self.cache: list[torch.Tensor] = []
         self.backend: AttentionBackend | None = None
+        self.proposal_graphs: FeatureProposalGraphs | None = None
+        self.staging = EntryStaging(device)
+        self.forwards = DraftForwards()
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -280,9 +321,29 @@ class MtpProposer:
         self.block_size, self.backend = block_size, backend
         logger.info("mtp layer: its latent cache %.3f GiB beside the target's", gib(self.cache))
 
-    def capture_graphs(self, max_seqs: int, max_model_len: int, max_prefill_tokens: int) -> None:
-        """The target replays its graphs; the MTP layer runs eagerly (no graphs of it yet)."""
-        logger.info("mtp layer: runs eagerly beside the target's CUDA graphs")
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int) -> None:
+        """Where the target replays graphs (after ``allocate_cache``: they bake in its cache's
+        address): the proposal's K chained one-token forwards per batch bucket, the latent
+        attention's decode kernel and the MoE's fused experts inside. The layer's forward beside
+        the target's stays eager: its rows are prompt-shaped (the entry before a row's first
+        position and the row's own), and the latent attention's expanded path plans them from
+        host lengths, as the target's prompt steps do (models/deepseek.py)."""
+        assert self.backend is not None
+        logger.info("mtp layer: its forward beside the target's runs eagerly (prompt-shaped)")
+        for module in self.layer.modules():
+            if not getattr(module, "cuda_graph_safe", True):
+                logger.warning(
+                    "mtp layer: proposals run eagerly (%s reads host values)",
+                    type(module).__name__,
+                )
+                return
+        self.proposal_graphs = FeatureProposalGraphs(
+            self.chain, self.backend, "mtp layer", max_rows=max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // self.block_size), num_drafts=self.max_drafts,
+            block_size=self.block_size, max_model_len=max_model_len,
+            vocab_size=self.layer.shared_head.head.out_features, device=self.device,
+        )  # fmt: skip
+        self.proposal_graphs.capture()
 
     # ---- every step: the layer's entries for the target's positions ---------------------------
 
@@ -292,72 +353,24 @@ class MtpProposer:
     ) -> None:
         """Write the layer's entries for the step (``meta``, ``hidden`` [T, H]: the target's
         forward's metadata and final hidden states): each row's positions with the tokens
-        after them, and the entry before its first position again, now that its token is known;
-        keep the hidden states a proposal may start from."""
+        after them, and the entry before its first position again, now that its token is known
+        (eagle3.plan_entries); keep the hidden states a proposal may start from."""
         assert self.backend is not None
-        entries = self._entries(out, hidden, meta)
-        cos, sin = self.rotary(entries.positions, self.dtype)
-        with forward_context(entries.meta, self.backend):
-            self.layer(self.embed(entries.tokens), entries.feature, cos, sin)
-        self._keep_features(out, hidden, meta.query_start_loc_cpu)
+        query_start = meta.query_start_loc_cpu
+        plan = plan_entries(out, query_start, self._kept_feature, self.block_size)
+        # No prefill work list: the latent attention plans its expanded path itself.
+        kept_rows = self.staging.stage(plan, tiles=False)
+        features = torch.cat(plan.features_of(hidden, query_start)).to(self.dtype)
+        cos, sin = self.chain.rotary(plan.positions_on_device, self.dtype)
+        with forward_context(entries_metadata(plan, meta), self.backend):
+            self.layer(self.embed(plan.tokens_on_device), features, cos, sin)
+        self.forwards.alongside_eager += 1
+        # A copy: ``hidden`` may be a graph's static output, written again next step.
+        rows = hidden.index_select(0, kept_rows).to(self.dtype)
+        self.features = keep_features(self.features, out, plan, rows)
 
-    def _entries(
-        self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> Entries:
-        """The step's entries, row by row: the one before the row's first position where the
-        request's hidden state there was kept, then one a position; each row's context ends
-        where the target's does (the same seq_lens)."""
-        query_start, bs = meta.query_start_loc_cpu, self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        parts: list[torch.Tensor] = []
-        starts = [0]
-        for i, s in enumerate(out.scheduled):
-            count = query_start[i + 1] - query_start[i]
-            row_positions = list(range(s.start, s.start + count))
-            before = feature_at(self.features, s.request.request_id, s.start - 1)
-            if before is not None:
-                row_positions.insert(0, s.start - 1)
-                tokens.append(s.request.token_ids[s.start])
-                parts.append(before[None])
-            tokens += tokens_after(s, count)
-            parts.append(hidden[query_start[i] : query_start[i + 1]])
-            positions += row_positions
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in row_positions]
-            starts.append(starts[-1] + len(row_positions))
-        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-        entries_meta = AttentionMetadata(
-            slot_mapping=on_device(slots, torch.int64, self.device),
-            query_start_loc=on_device(starts, ID32, self.device),
-            seq_lens=meta.seq_lens,
-            block_tables=meta.block_tables,
-            max_query_len=max(lengths),
-            max_seq_len=meta.max_seq_len,
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=meta.seq_lens_cpu,
-        )
-        return Entries(
-            on_device(tokens, torch.int64, self.device),
-            on_device(positions, torch.int64, self.device),
-            torch.cat(parts).to(self.dtype),
-            entries_meta,
-        )
-
-    def _keep_features(
-        self, out: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]
-    ) -> None:
-        """For each row, the hidden state of its last position and, for a verify chunk, of
-        every position (the next proposal starts after its last kept draft); finished
-        requests' go."""
-        features = {k: f for k, f in self.features.items() if not f.request.is_finished}
-        for i, s in enumerate(out.scheduled):
-            end = query_start[i + 1]
-            begin = max(query_start[i], end - 1 - len(s.drafts))
-            first = s.start + (begin - query_start[i])
-            rows = hidden[begin:end].to(self.dtype, copy=True)
-            features[s.request.request_id] = Features(s.request, first, rows)
-        self.features = features
+    def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
+        return feature_at(self.features, request_id, position)
 
     # ---- proposing ----------------------------------------------------------------------------
 
@@ -365,37 +378,20 @@ class MtpProposer:
     def propose_batch(self, rows: list[DraftRow]) -> list[list[int]]:
         """``row.count`` greedy drafts for each row: forward 1 rewrites the entry at the row's
         position - 1 (its last token, the target's hidden state there), forward j + 1 writes
-        the entry of draft j (the layer's own output); K forwards of the one layer."""
+        the entry of draft j (the layer's own output); K chained forwards of the one layer
+        over all the rows (draft_graphs.propose_feature_chain), a graph replay where one fits."""
         assert self.backend is not None
-        device = self.device
-        tables = padded_block_tables([r.block_ids for r in rows], device)  # [B, W]
-        tokens = on_device([r.token for r in rows], torch.int64, device)  # [B]
-        host_positions = [r.position - 1 for r in rows]
-        positions = on_device(host_positions, torch.int64, device)  # [B]
         missing = "mtp: no target hidden state"
-        feature = torch.stack([feature_before(self.features, r, missing) for r in rows])  # [B, H]
-        live = list(range(len(rows)))
-        steps: list[tuple[list[int], torch.Tensor]] = []
-        for j in range(max(r.count for r in rows)):
-            keep = [n for n, i in enumerate(live) if rows[i].count > j]
-            if len(keep) < len(live):  # a row near its length limit wants fewer drafts
-                index = on_device(keep, torch.int64, device)
-                tables, tokens = tables[index], tokens[index]
-                positions, feature = positions[index], feature[index]
-                live = [live[n] for n in keep]
-            lengths = [host_positions[i] + j + 1 for i in live]
-            meta = one_token_metadata(tables, positions, lengths, self.block_size)
-            cos, sin = self.rotary(positions, self.dtype)
-            with forward_context(meta, self.backend):
-                feature = self.layer(self.embed(tokens), feature, cos, sin)
-            tokens = self.layer.draft_ids(feature)
-            steps.append((live, tokens))
-            positions = positions + 1
-        drafts: list[list[int]] = [[] for _ in rows]
-        for live_rows, ids in steps:
-            for i, token in zip(live_rows, ids.tolist(), strict=True):
-                drafts[i].append(token)
-        return drafts
+        features = [feature_before(self.features, r, missing) for r in rows]
+        chain_rows = [replace(r, position=r.position - 1) for r in rows]
+        graphs = self.proposal_graphs
+        if graphs is not None and graphs.can_run(chain_rows):
+            self.forwards.proposal_replays += 1
+            return graphs.propose_from(chain_rows, features)
+        self.forwards.proposal_eager += 1
+        return eager_feature_proposal(
+            self.chain, self.backend, chain_rows, features, self.block_size, self.device
+        )
 
 
 def load_mtp(
@@ -418,45 +414,3 @@ def load_mtp(
         "" if embed is target.model.embed_tokens else ", with its own embedding",
     )
     return MtpProposer(layer, embed, target.model.rotary_emb, max_drafts, device, dtype)
-
-
-@dataclass
-class Entries:
-    """A forward of the layer over entries: tokens and positions [N], features [N, H]."""
-
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    feature: torch.Tensor
-    meta: AttentionMetadata
-
-
-def one_token_metadata(
-    tables: torch.Tensor, positions: torch.Tensor, lengths: list[int], block_size: int
-) -> AttentionMetadata:
-    """One token per row at ``positions`` [b] (on the device), whose tables [b, W] cover
-    them; ``lengths`` the rows' entries with it, on the host."""
-    blocks = tables.gather(1, (positions // block_size)[:, None]).squeeze(1).long()  # [b]
-    rows = len(lengths)
-    return AttentionMetadata(
-        slot_mapping=blocks * block_size + positions % block_size,
-        query_start_loc=torch.arange(rows + 1, dtype=ID32, device=tables.device),
-        seq_lens=(positions + 1).to(ID32),
-        block_tables=tables,
-        max_query_len=1,
-        max_seq_len=max(lengths),
-        query_start_loc_cpu=list(range(rows + 1)),
-        seq_lens_cpu=lengths,
-    )
-
-
-def on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device)
-
-
-def padded_block_tables(tables: list[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """[B, W] int32 on ``device``, padded with block 0 (never read: past each row's length)."""
-    width = max(len(t) for t in tables)
-    host = torch.zeros((len(tables), width), dtype=ID32)
-    for i, table in enumerate(tables):
-        host[i, : len(table)] = torch.as_tensor(table, dtype=ID32)
-    return host.to(device)
