@@ -72,7 +72,7 @@ def choose(
 
 
 def multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessors (an H200's 132 where there is no GPU: the interpreter)."""
+    """The device's multiprocessors (132 where there is no GPU, as under the interpreter)."""
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -8,7 +8,7 @@ bits, write 16 a weight: about 2 GB at 20b's shape, well under a millisecond), a
 GEMMs run on the tensor cores at bf16's speed:
 
 1. ``align``: fused_moe's grouping of the (token, k) slots by expert (as the tiled path).
-2. For each chunk of experts whose bf16 weights fit ``scratch_bytes`` (gpt-oss-120b's 128
+2. For each chunk of experts whose weights fit mxfp4.SCRATCH_BYTES (gpt-oss-120b's 128
    experts would need 6.4 GB at once): ``_dequantize_kernel`` writes the chunk's gate/up and
    down weights, exact (the bit-building conversion of mxfp4_kernels.widen, checked bit for bit
    against mxfp4.dequantize); ``_gate_up_kernel`` and ``_down_kernel`` (fused_moe's grouped
@@ -16,7 +16,7 @@ GEMMs run on the tensor cores at bf16's speed:
    row blocks of the chunk's experts, the other blocks' programs return at once.
 3. ``combine_kernel``: each token's K slots summed in float32.
 
-The scratch's bytes (``scratch_bytes``) are reserved by the start-up memory plan
+The scratch's bytes (mxfp4.scratch_bytes) are reserved by the start-up memory plan
 (memory_plan.expert_scratch_bytes), so the KV cache never takes them. Nothing reads the host.
 Importing this module imports triton (set ``TRITON_INTERPRET=1`` first to run on the CPU).
 """
@@ -28,28 +28,11 @@ import triton
 import triton.language as tl
 
 from engine_core.models.fused_moe import Blocks, align, block_rows, block_sizes, combine_kernel
-from engine_core.models.mxfp4 import Mxfp4Experts
+from engine_core.models.mxfp4 import Mxfp4Experts, chunk_experts
 from engine_core.models.mxfp4_kernels import clamped_swiglu, load_codes, weighted_down, widen
 
-# Bound on the scratch buffer's bytes: 20 of gpt-oss's experts (49.8 MB each in bf16) a chunk.
-SCRATCH_BYTES = 2**30
 _DEQUANTIZE_ROWS = 32  # weight rows a dequantizing program
 _DEQUANTIZE_BYTES = 64  # code bytes (128 weights) of each row a dequantizing program
-
-
-def expert_bytes(hidden: int, inter: int, dtype: torch.dtype) -> int:
-    """One expert's gate/up and down weights dequantized to ``dtype``."""
-    return 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
-
-
-def chunk_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
-    """Experts a chunk: as many as fit SCRATCH_BYTES (at least one)."""
-    return max(1, min(num_experts, SCRATCH_BYTES // expert_bytes(hidden, inter, dtype)))
-
-
-def scratch_bytes(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
-    """The scratch buffer a layer of these experts needs: one chunk's weights."""
-    return chunk_experts(num_experts, hidden, inter, dtype) * expert_bytes(hidden, inter, dtype)
 
 
 @triton.jit
@@ -213,7 +196,7 @@ def dequantized_moe_mxfp4(
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K] int
     blocks: Blocks | None = None,  # None: fused_moe.block_sizes' choice
-    chunk: int | None = None,  # experts a chunk; None: as many as SCRATCH_BYTES holds
+    chunk: int | None = None,  # experts a chunk; None: as many as mxfp4.SCRATCH_BYTES holds
 ) -> torch.Tensor:
     """mxfp4_kernels.fused_moe_mxfp4's result through dequantized weights: [T, H] in x's
     dtype. The caller has checked the layout (mxfp4_kernels.check_layout)."""
