@@ -1,5 +1,9 @@
 """gpt-oss's MXFP4 experts on CUDA: fused_moe's grouping with GEMMs that read MXFP4 directly.
 
+This is the tiled path, for batches between decode and prefill (models/mxfp4_moe.py chooses:
+mxfp4_gemv.py at decode, mxfp4_prefill.py at prefill); its conversion helpers and epilogues
+serve the other two.
+
 Hopper has no FP4 tensor cores, so the win is in the bytes: a weight is read as 4.25 bits (half
 a byte of e2m1 code, a 32nd of an e8m0 scale byte) and widened to the activations' dtype in
 registers, then multiplied on the bf16 (or fp16 / float32) tensor cores. The layer is a
