@@ -19,8 +19,9 @@ random MXFP4 weights and uniform random routing, at each token count (64: a deco
 - with ``--sweep``, ``tiled MxNxK wW``: the tiled kernels at each tile of
   mxfp4_kernels.CANDIDATES (row block, columns, K step, warps), and ``gemv RxNxW sS wW``: the
   decode kernels at each of mxfp4_gemv.GEMV_CANDIDATES (rows, columns, words a K step, splits,
-  warps). After the table, the fastest MXFP4 way at each token count as a line of
-  mxfp4_moe.MEASURED, and the token count from which the dequantize path beat the others (the
+  warps), and ``dequantize MxNxK wW``: the prefill path's GEMMs at each of
+  mxfp4_moe.DEQUANTIZE_CANDIDATES. After the table, the fastest MXFP4 way at each token count
+  as a line of mxfp4_moe.MEASURED, and the token count from which the dequantize path beat the others (the
   measured value of mxfp4_moe.DEQUANTIZE_TOKENS, among the counts given).
 
 The table: µs a layer (median of 5 replays of a CUDA graph of 20 calls, divided by 20; the
@@ -156,7 +157,12 @@ def measure(
     from engine_core.models.mxfp4 import dequantize
     from engine_core.models.mxfp4_gemv import GEMV_CANDIDATES, rule_tiles
     from engine_core.models.mxfp4_kernels import CANDIDATES, block_sizes
-    from engine_core.models.mxfp4_moe import Dequantize, multiprocessors, mxfp4_moe
+    from engine_core.models.mxfp4_moe import (
+        DEQUANTIZE_CANDIDATES,
+        Dequantize,
+        multiprocessors,
+        mxfp4_moe,
+    )
 
     hidden, width, experts, top_k = shape
     device = args.device
@@ -178,6 +184,9 @@ def measure(
     }
     for b in CANDIDATES if args.sweep else ():
         choices[f"tiled {b.m}x{b.n}x{b.k} w{b.warps}"] = b
+    for d in DEQUANTIZE_CANDIDATES if args.sweep else ():
+        b = d.blocks
+        choices[f"dequantize {b.m}x{b.n}x{b.k} w{b.warps}"] = d
     for t in GEMV_CANDIDATES if args.sweep else ():
         choices[f"gemv {t.rows}x{t.block_n}x{t.words} s{t.split_k} w{t.warps}"] = t
     ways: dict[str, Callable[[], Any]] = {
@@ -251,7 +260,7 @@ def measured_lines(results: list[dict[str, Any]], shape: tuple[int, int, int, in
         bucket = 1 << max(0, (tokens - 1).bit_length())
         key = (bucket, hidden, width, experts, top_k)
         lines.append(f"    {key}: {best['choice']},  # {best['us']:.1f} us, {best['way']}")
-        if crossover is None and best["way"] == "mxfp4 dequantize":
+        if crossover is None and "dequantize" in best["way"]:
             crossover = tokens
     lines.append(
         f"DEQUANTIZE_TOKENS measured: {crossover}" if crossover else

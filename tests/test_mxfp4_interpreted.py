@@ -41,7 +41,7 @@ from engine_core.models import mxfp4_kernels as kernels  # noqa: E402
 from engine_core.models.fused_moe import Blocks  # noqa: E402
 from engine_core.models.gpt_oss_moe import experts_reference, route_gpt_oss  # noqa: E402
 from engine_core.models.mxfp4_gemv import GEMV_CANDIDATES, GemvTiles  # noqa: E402
-from engine_core.models.mxfp4_moe import Dequantize, mxfp4_moe  # noqa: E402
+from engine_core.models.mxfp4_moe import DEQUANTIZE_CANDIDATES, mxfp4_moe  # noqa: E402
 from tests.paged_harness import load_float32  # noqa: E402
 from tests.test_models_gpt_oss import make_hf_model, write_mxfp4_checkpoint  # noqa: E402
 
@@ -237,10 +237,10 @@ def test_the_decode_kernels_match_the_dequantizing_reference(
     assert relative_error(got, want) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("choice", [*GEMV_CANDIDATES, Dequantize(), None])
+@pytest.mark.parametrize("choice", [*GEMV_CANDIDATES, *DEQUANTIZE_CANDIDATES, None])
 def test_the_sweeps_choices_give_the_same_result(choice: object) -> None:
-    """The benchmark's decode candidates, the prefill path, and the rule's own choice (at 6
-    tokens: the decode kernels) on one layer."""
+    """The benchmark's decode and prefill candidates, and the rule's own choice (at 6 tokens:
+    the decode kernels) on one layer."""
     layer = random_experts(6, 96, 64, seed=8)
     x = torch.randn(6, 96, generator=torch.Generator().manual_seed(8))
     weights, ids = routing(6, 6, 3, seed=8, dtype=torch.float32)

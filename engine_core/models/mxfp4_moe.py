@@ -34,6 +34,15 @@ class Dequantize:
 
 
 Choice = GemvTiles | Blocks | Dequantize
+# The prefill GEMMs' tiles ``python -m benchmarks mxfp4 --sweep`` times beside fused_moe's rule
+# (whose 128 x 128 tiles, gate and up accumulated side by side, spill registers on sm_90, as
+# compiled without a GPU; 128 x 64 with 8 warps spills least).
+DEQUANTIZE_CANDIDATES = (
+    Dequantize(Blocks(128, 64, 64, warps=8)),
+    Dequantize(Blocks(64, 128, 64, warps=8)),
+    Dequantize(Blocks(64, 64, 64)),
+    Dequantize(Blocks(128, 128, 32, warps=8)),
+)
 
 # Up to this many (token, k) slots an expert on average, the CUDA-core kernels (a guess until
 # the sweep: at 8 a program converts each code once for 8 rows' multiply-adds).
