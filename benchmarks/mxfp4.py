@@ -21,8 +21,8 @@ random MXFP4 weights and uniform random routing, at each token count (64: a deco
   decode kernels at each of mxfp4_gemv.GEMV_CANDIDATES (rows, columns, words a K step, splits,
   warps), and ``dequantize MxNxK wW``: the prefill path's GEMMs at each of
   mxfp4_moe.DEQUANTIZE_CANDIDATES. After the table, the fastest MXFP4 way at each token count
-  as a line of mxfp4_moe.MEASURED, and the token count from which the dequantize path beat the others (the
-  measured value of mxfp4_moe.DEQUANTIZE_TOKENS, among the counts given).
+  as a line of mxfp4_moe.MEASURED, and the token count from which the dequantize path beat
+  the others (the measured value of mxfp4_moe.DEQUANTIZE_TOKENS, among the counts given).
 
 The table: µs a layer (median of 5 replays of a CUDA graph of 20 calls, divided by 20; the
 torch way, which reads the host, 20 back-to-back calls), the bytes the layer must read (the
