@@ -207,43 +207,84 @@ def dequantized_moe_mxfp4(
     num_slots = num_tokens * top_k
     b = blocks or block_sizes(num_slots, num_experts, inter)
     chunk = chunk or chunk_experts(num_experts, hidden, inter, x.dtype)
-    sorted_slots, block_experts = align(topk_ids, num_experts, b.m)
+    rows = align(topk_ids, num_experts, b.m)
     x = x.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-    w13 = torch.empty(chunk, 2 * inter, hidden, dtype=x.dtype, device=x.device)
-    w2 = torch.empty(chunk, hidden, inter, dtype=x.dtype, device=x.device)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    num_blocks = block_experts.numel()
+    scratch = (
+        torch.empty(chunk, 2 * inter, hidden, dtype=x.dtype, device=x.device),
+        torch.empty(chunk, hidden, inter, dtype=x.dtype, device=x.device),
+    )
     for first in range(0, num_experts, chunk):
         count = min(chunk, num_experts - first)
-        experts_in = slice(first, first + count)
-        dequantize(
-            e.w13_blocks[experts_in].contiguous(),
-            e.w13_scales[experts_in].contiguous(),
-            w13[:count],
-        )
-        dequantize(
-            e.w2_blocks[experts_in].contiguous(), e.w2_scales[experts_in].contiguous(), w2[:count]
-        )
-        _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
-            x, w13, e.b13, act, sorted_slots, block_experts,
-            x.stride(0), w13.stride(0), w13.stride(1), e.b13.stride(0),
-            num_slots, hidden, inter, first, count, e.limit, e.alpha,
-            TOP_K=top_k, PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
-            num_warps=b.warps, num_stages=b.stages,
-        )  # fmt: skip
-        _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
-            act, w2, e.b2, weights, out, sorted_slots, block_experts,
-            w2.stride(0), w2.stride(1), e.b2.stride(0),
-            num_slots, hidden, inter, first, count,
-            PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
-            num_warps=b.warps, num_stages=b.stages,
-        )  # fmt: skip
+        w13, w2 = _dequantize_chunk(e, first, count, scratch)
+        _chunk_gate_up(x, e, w13, act, rows, first, count, top_k, b)
+        _chunk_down(act, e, w2, weights, out, rows, first, count, b)
     combined = torch.empty_like(x)
     block = min(1024, triton.next_power_of_2(hidden))
     combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
     )
     return combined
+
+
+def _dequantize_chunk(
+    e: Mxfp4Experts, first: int, count: int, scratch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts [first, first + count)'s gate/up and down weights, dequantized into the
+    scratch's first ``count`` experts."""
+    chosen = slice(first, first + count)
+    w13, w2 = scratch
+    dequantize(e.w13_blocks[chosen].contiguous(), e.w13_scales[chosen].contiguous(), w13[:count])
+    dequantize(e.w2_blocks[chosen].contiguous(), e.w2_scales[chosen].contiguous(), w2[:count])
+    return w13, w2
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 models (the tests' comparisons) need exact float32 products, not TF32's."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _chunk_gate_up(
+    x: torch.Tensor,
+    e: Mxfp4Experts,
+    w13: torch.Tensor,  # [C, 2I, H]: the chunk's experts, dequantized
+    act: torch.Tensor,  # [S, I]: the chunk's slots' rows written
+    rows: tuple[torch.Tensor, torch.Tensor],  # align's (sorted slots, block experts)
+    first: int,
+    count: int,
+    top_k: int,
+    b: Blocks,
+) -> None:
+    sorted_slots, block_experts = rows
+    num_slots, inter = act.shape
+    _gate_up_kernel[(block_experts.numel(), triton.cdiv(inter, b.n))](
+        x, w13, e.b13, act, sorted_slots, block_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), e.b13.stride(0),
+        num_slots, x.shape[1], inter, first, count, e.limit, e.alpha,
+        TOP_K=top_k, PRECISION=_precision(x.dtype), BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
+        num_warps=b.warps, num_stages=b.stages,
+    )  # fmt: skip
+
+
+def _chunk_down(
+    act: torch.Tensor,  # [S, I]
+    e: Mxfp4Experts,
+    w2: torch.Tensor,  # [C, H, I]
+    weights: torch.Tensor,  # [S] float32
+    out: torch.Tensor,  # [S, H] float32: the chunk's slots' rows written
+    rows: tuple[torch.Tensor, torch.Tensor],
+    first: int,
+    count: int,
+    b: Blocks,
+) -> None:
+    sorted_slots, block_experts = rows
+    num_slots, hidden = out.shape
+    _down_kernel[(block_experts.numel(), triton.cdiv(hidden, b.n))](
+        act, w2, e.b2, weights, out, sorted_slots, block_experts,
+        w2.stride(0), w2.stride(1), e.b2.stride(0),
+        num_slots, hidden, act.shape[1], first, count,
+        PRECISION=_precision(act.dtype), BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
+        num_warps=b.warps, num_stages=b.stages,
+    )  # fmt: skip
