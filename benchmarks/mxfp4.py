@@ -6,15 +6,23 @@ One MoE layer of the preset (default gpt-oss-20b: hidden 2880, width 2880, 32 ex
 random MXFP4 weights and uniform random routing, at each token count (64: a decode batch;
 2,048: a prefill) three ways:
 
-- ``mxfp4``: the fused kernels of engine_core/models/mxfp4_kernels.py (grouping, two GEMMs
-  that widen the codes in registers, combine), what a CUDA engine runs;
+- ``mxfp4``: what a CUDA engine runs (engine_core/models/mxfp4_moe.py's choice by shape), and
+  each of its paths forced: ``mxfp4 gemv`` (the decode kernels on CUDA cores, mxfp4_gemv.py,
+  at the rule's tiles), ``mxfp4 tiled`` (the kernels that widen codes into tensor-core tiles,
+  mxfp4_kernels.py) and ``mxfp4 dequantize`` (experts dequantized to bf16 in chunks, then
+  bf16 grouped GEMMs, mxfp4_prefill.py);
 - ``bf16``: the fused bf16 MoE of engine_core/models/fused_moe.py on the same shapes with the
   weights in bf16 (no biases, plain SwiGLU: the bf16 path of the other MoE models), 3.8x the
   bytes;
 - ``torch``: the dequantize-each-expert reference (gpt_oss_moe.experts_reference), the path
   CUDA took before the kernels (``--no-torch`` skips it);
-- with ``--sweep``, ``mxfp4 MxNxK wW``: the kernels at each tile of mxfp4_kernels.CANDIDATES
-  (row block, columns, K step, warps) instead of block_sizes' choice.
+- with ``--sweep``, ``tiled MxNxK wW``: the tiled kernels at each tile of
+  mxfp4_kernels.CANDIDATES (row block, columns, K step, warps), and ``gemv RxNxW sS wW``: the
+  decode kernels at each of mxfp4_gemv.GEMV_CANDIDATES (rows, columns, words a K step, splits,
+  warps), and ``dequantize MxNxK wW``: the prefill path's GEMMs at each of
+  mxfp4_moe.DEQUANTIZE_CANDIDATES. After the table, the fastest MXFP4 way at each token count
+  as a line of mxfp4_moe.MEASURED, and the token count from which the dequantize path beat
+  the others (the measured value of mxfp4_moe.DEQUANTIZE_TOKENS, among the counts given).
 
 The table: µs a layer (median of 5 replays of a CUDA graph of 20 calls, divided by 20; the
 torch way, which reads the host, 20 back-to-back calls), the bytes the layer must read (the
@@ -147,7 +155,14 @@ def measure(
     from engine_core.models.fused_moe import fused_moe
     from engine_core.models.gpt_oss_moe import experts_reference, route_gpt_oss
     from engine_core.models.mxfp4 import dequantize
-    from engine_core.models.mxfp4_kernels import CANDIDATES, fused_moe_mxfp4
+    from engine_core.models.mxfp4_gemv import GEMV_CANDIDATES, rule_tiles
+    from engine_core.models.mxfp4_kernels import CANDIDATES, block_sizes
+    from engine_core.models.mxfp4_moe import (
+        DEQUANTIZE_CANDIDATES,
+        Dequantize,
+        multiprocessors,
+        mxfp4_moe,
+    )
 
     hidden, width, experts, top_k = shape
     device = args.device
@@ -159,16 +174,28 @@ def measure(
     per_expert = expert_bytes(layer)
     activations = 2 * tokens * hidden * x.element_size()
     flops = 2.0 * tokens * top_k * 3 * hidden * width
-    ways: dict[str, Callable[[], Any]] = {
-        "mxfp4": lambda: fused_moe_mxfp4(x, layer, weights, ids.int()),
+    ids = ids.int()
+    slots, sms = tokens * top_k, multiprocessors(x.device)
+    choices: dict[str, Any] = {
+        "mxfp4": None,
+        "mxfp4 gemv": rule_tiles(slots, experts, hidden, sms),
+        "mxfp4 tiled": block_sizes(slots, experts),
+        "mxfp4 dequantize": Dequantize(),
     }
     for b in CANDIDATES if args.sweep else ():
-        name = f"mxfp4 {b.m}x{b.n}x{b.k} w{b.warps}"
-        ways[name] = lambda b=b: fused_moe_mxfp4(x, layer, weights, ids.int(), b)
+        choices[f"tiled {b.m}x{b.n}x{b.k} w{b.warps}"] = b
+    for d in DEQUANTIZE_CANDIDATES if args.sweep else ():
+        b = d.blocks
+        choices[f"dequantize {b.m}x{b.n}x{b.k} w{b.warps}"] = d
+    for t in GEMV_CANDIDATES if args.sweep else ():
+        choices[f"gemv {t.rows}x{t.block_n}x{t.words} s{t.split_k} w{t.warps}"] = t
+    ways: dict[str, Callable[[], Any]] = {
+        name: lambda c=c: mxfp4_moe(x, layer, weights, ids, c) for name, c in choices.items()
+    }
     if device == "cuda":  # the bf16 fused MoE: weights of 3.8x the bytes
         w13 = dequantize(layer.w13_blocks, layer.w13_scales, dtype)
         w2 = dequantize(layer.w2_blocks, layer.w2_scales, dtype)
-        ways["bf16"] = lambda: fused_moe(x, w13, w2, weights.float(), ids.int())
+        ways["bf16"] = lambda: fused_moe(x, w13, w2, weights.float(), ids)
     if not args.no_torch:
         ways["torch"] = lambda: experts_reference(x, layer, weights, ids)
     rows = []
@@ -177,6 +204,7 @@ def measure(
         read = touched * per_expert["bf16" if way == "bf16" else "mxfp4"] + activations
         rows.append(
             {"way": way, "tokens": tokens, "experts_touched": touched, "us": us}
+            | {"choice": repr(choices[way]) if choices.get(way) is not None else None}
             | {"bytes": read, "gb_s": read / us / 1e3, "hbm_share": read / (us * 1e-6) / args.hbm}
             | {"copy_share": read / (us * 1e-6) / copy_bw, "tflops": flops / us / 1e6}
         )
@@ -200,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     headers = ["tokens", "way", "experts read", "us", "MB read", "GB/s", "of HBM", "of copy"]
     headers.append("TFLOP/s")
     print(format_table(headers, table(results)))
+    print(measured_lines(results, shape))
     if args.json:
         figures = {"shape": shape, "hbm_bytes_s": args.hbm, "copy_bytes_s": copy_bw}
         write_json(args.json, header, figures | {"results": results})
@@ -216,3 +245,25 @@ def table(results: list[dict[str, Any]]) -> list[list[str]]:
         ]
         for r in results
     ]  # fmt: skip
+
+
+def measured_lines(results: list[dict[str, Any]], shape: tuple[int, int, int, int]) -> str:
+    """The fastest MXFP4 way at each token count as mxfp4_moe.MEASURED lines, and the first
+    token count at which the dequantize path beat every other MXFP4 way."""
+    hidden, width, experts, top_k = shape
+    lines, crossover = ["mxfp4_moe.MEASURED (fastest forced choice by token count):"], None
+    for tokens in sorted({r["tokens"] for r in results}):
+        forced = [r for r in results if r["tokens"] == tokens and r.get("choice")]
+        if not forced:
+            continue
+        best = min(forced, key=lambda r: r["us"])
+        bucket = 1 << max(0, (tokens - 1).bit_length())
+        key = (bucket, hidden, width, experts, top_k)
+        lines.append(f"    {key}: {best['choice']},  # {best['us']:.1f} us, {best['way']}")
+        if crossover is None and "dequantize" in best["way"]:
+            crossover = tokens
+    lines.append(
+        f"DEQUANTIZE_TOKENS measured: {crossover}" if crossover else
+        "DEQUANTIZE_TOKENS measured: the dequantize path won at none of these token counts"
+    )  # fmt: skip
+    return "\n".join(lines)

@@ -29,6 +29,8 @@ The need, per tensor-parallel rank:
   slack (the KV sizing keeps the same headroom);
 - the host KV tier, ``--kv-offload-gb``: host memory, so on the CPU part of the same budget, and
   on CUDA checked on its own against MemAvailable (it is pinned: it can never be swapped out);
+- on CUDA, a model with MXFP4 experts: the scratch its prefill dequantizes a chunk of experts
+  into (``expert_scratch_bytes``; engine_core/models/mxfp4_prefill.py);
 - a vision-language model's encoder: the encoder cache's budget (``--encoder-cache-memory-gb``)
   and the activation peak of its largest run (``encoder_peak_bytes``), so the KV cache sized
   on CUDA leaves the encoder room (docs/design/vision.md, "The encoder's memory").
@@ -53,6 +55,7 @@ from engine_core.kv_groups import (
     pool_blocks_for_one_sequence,
     stage_kv_layout,
 )
+from engine_core.models import mxfp4
 from engine_core.models.cpu_gemm import packs
 from engine_core.parallel import get_pipeline_stage
 
@@ -94,10 +97,12 @@ class MemoryPlan:
     quantized: bool = False
     host_kv_bytes: int = 0  # the host KV tier, where it shares this budget (the CPU's)
     encoder_bytes: int = 0  # a vision model's encoder cache and largest encoder run
+    scratch_bytes: int = 0  # MXFP4 experts' dequantize scratch (CUDA)
 
     @property
     def needed_bytes(self) -> int:
         per_rank = self.weight_bytes + self.kv_bytes + self.headroom_bytes + self.encoder_bytes
+        per_rank += self.scratch_bytes
         return self.ranks * per_rank + self.host_kv_bytes
 
     @property
@@ -255,7 +260,19 @@ def plan_memory(
         quantized=model_config.quantization is not None,
         host_kv_bytes=0 if device.type == "cuda" else int(config.kv_offload_gb * 2**30),
         encoder_bytes=encoder_bytes(config, model_config, dtype, max_model_len),
+        scratch_bytes=expert_scratch_bytes(model_config, device, dtype),
     )
+
+
+def expert_scratch_bytes(
+    model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> int:
+    """On CUDA, the buffer a model with MXFP4 experts dequantizes a chunk of experts into at
+    prefill (allocated per layer call, so one layer's worth); 0 elsewhere."""
+    if device.type != "cuda" or model_config.expert_format != "mxfp4":
+        return 0
+    mc = model_config
+    return mxfp4.scratch_bytes(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, dtype)
 
 
 def encoder_call_tokens(
@@ -317,6 +334,8 @@ def check_fits(plan: MemoryPlan) -> None:
         parts.append(f"activation headroom {gib(plan.headroom_bytes)}")
     if plan.encoder_bytes:
         parts.append(f"vision encoder {gib(plan.encoder_bytes)}")
+    if plan.scratch_bytes:
+        parts.append(f"MXFP4 experts' dequantize scratch {gib(plan.scratch_bytes)}")
     need = " + ".join(parts)
     if plan.ranks > 1:
         need = f"{plan.ranks} tensor-parallel ranks on this host x ({need})"

@@ -51,6 +51,7 @@ from engine_core.memory_plan import (
     check_memory,
     encoder_bytes,
     encoder_call_tokens,
+    expert_scratch_bytes,
     kv_block_bytes,
     state_slot_bytes,
 )
@@ -521,9 +522,11 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # Keep headroom for activations of the largest step and the allocator's slack,
-            # and a vision model's encoder cache and largest encoder run (memory_plan.py).
+            # a vision model's encoder cache and largest encoder run, and MXFP4 experts'
+            # dequantize scratch (memory_plan.py).
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
             budget -= encoder_bytes(self.config, self.model_config, self.dtype, self.max_model_len)
+            budget -= expert_scratch_bytes(self.model_config, self.device, self.dtype)
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
         if states >= budget:

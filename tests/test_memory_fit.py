@@ -193,6 +193,24 @@ def test_a_model_that_fits_passes() -> None:
     assert plan.headroom_bytes == CUDA_HEADROOM_BYTES
 
 
+def test_mxfp4_experts_reserve_their_dequantize_scratch_on_cuda() -> None:
+    """gpt-oss-20b's prefill dequantizes its experts into bf16 a chunk at a time: 21 experts of
+    3 x 2880 x 2880 bf16 weights (49.8 MB each) fit the 1 GiB bound; the plan counts them on a
+    GPU (and names them when the model does not fit), and not on the CPU, which never
+    dequantizes a chunk."""
+    budget = Budget(80 * GiB, "80 GiB")
+    plan = plan_for("random:gpt-oss-20b", GPU, budget, max_model_len=4096)
+    expert = 3 * 2880 * 2880 * 2
+    assert plan.scratch_bytes == (GiB // expert) * expert == 21 * expert
+    without = dataclasses.replace(plan, scratch_bytes=0)
+    assert plan.needed_bytes - without.needed_bytes == plan.scratch_bytes
+    small = dataclasses.replace(plan, budget=Budget(GiB, "1 GiB"))
+    with pytest.raises(ModelTooLargeError, match="MXFP4 experts' dequantize scratch 0.97 GiB"):
+        check_fits(small)
+    cpu = plan_for("random:gpt-oss-20b", torch.device("cpu"), budget, max_model_len=4096)
+    assert cpu.scratch_bytes == 0
+
+
 def test_mixtral_in_bf16_on_an_80_gb_gpu_is_refused_with_the_sizes() -> None:
     """46.8 B parameters in bf16 are 87.25 GiB: over any 80 GB card, whatever the KV cache."""
     budget = Budget(int(0.85 * 80 * GiB) - GiB, "0.85 x 80.00 GiB total - 1.00 GiB in use")

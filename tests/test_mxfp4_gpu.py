@@ -8,7 +8,11 @@ the GPU machine.
   largest value): the kernel rounds where the bf16 reference rounds, bf16's 2^-8, and no worse.
   In float32 (IEEE products) against the same reference within 1e-4 (sums of 2,880 terms in
   another order).
-- The layer replayed from a CUDA graph equals the layer run eagerly (no host sync anywhere).
+- The same for the decode kernels (mxfp4_gemv.py: one slot a program, align's blocks, K split)
+  at 1-16 tokens and the prefill path (mxfp4_prefill.py: dequantized experts, in one chunk and
+  in uneven chunks) at 256 and 2,048 tokens, and ``mxfp4_moe``'s rule picking each by shape.
+- The layer replayed from a CUDA graph equals the layer run eagerly (no host sync anywhere), on
+  every path.
 - The tiny MXFP4 gpt-oss of tests/test_models_gpt_oss.py: its MoE layers on CUDA against the CPU
   reference on the same checkpoint, and the engine on CUDA in float32 giving the CPU engine's
   greedy tokens (the CPU engine runs the dequantizing reference path).
@@ -30,8 +34,18 @@ if not torch.cuda.is_available():
 from engine_core.llm import LLM  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
 from engine_core.models import mxfp4  # noqa: E402
+from engine_core.models.fused_moe import Blocks  # noqa: E402
 from engine_core.models.gpt_oss_moe import GptOssMoE, experts_reference  # noqa: E402
+from engine_core.models.mxfp4_gemv import GemvTiles  # noqa: E402
 from engine_core.models.mxfp4_kernels import fused_moe_mxfp4  # noqa: E402
+from engine_core.models.mxfp4_moe import (  # noqa: E402
+    Choice,
+    Dequantize,
+    choose,
+    multiprocessors,
+    mxfp4_moe,
+)
+from engine_core.models.mxfp4_prefill import dequantized_moe_mxfp4  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
 from tests import test_models_gpt_oss  # noqa: E402
 from tests.test_archs_gpu import cpu_engine_tokens  # noqa: E402
@@ -108,25 +122,72 @@ def test_float32_kernels_at_gpt_oss_20b_shapes(tokens: int) -> None:
     assert relative_error(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("tokens", [1, 64])
-def test_a_cuda_graph_replays_the_layer(tokens: int) -> None:
+# (tokens, the path forced, or None: the rule's, with the kind of path it must pick)
+PATHS = [
+    (1, None, GemvTiles),
+    (4, None, GemvTiles),
+    (16, None, GemvTiles),
+    (16, GemvTiles(4, 64, 16, 4), GemvTiles),  # align's blocks of 4, K in 4 splits
+    (64, Blocks(16, 64, 64), Blocks),  # the tiled kernels
+    (256, None, Dequantize),
+    (2048, None, Dequantize),
+]
+
+
+@pytest.mark.parametrize(("tokens", "choice", "kind"), PATHS)
+def test_each_path_at_gpt_oss_20b_shapes(tokens: int, choice: Choice | None, kind: type) -> None:
+    """In bf16 against the float32 reference, the bound as test_bf16_kernels_at_gpt_oss_20b."""
+    experts = gpt_oss_20b_experts(torch.bfloat16)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    weights, ids = routing(tokens, seed=tokens + 2)
+    if choice is None:
+        choice = choose(tokens, TOP_K, experts, HIDDEN, multiprocessors(x.device))
+    assert isinstance(choice, kind)
+    exact = experts_reference(x, with_biases(experts, torch.float32), weights, ids.long())
+    bf16 = experts_reference(x.bfloat16(), experts, weights.bfloat16(), ids.long())
+    got = mxfp4_moe(x.bfloat16(), experts, weights.bfloat16(), ids, choice)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, HIDDEN)
+    assert relative_error(got, exact) <= max(2 * relative_error(bf16, exact), 1e-3)
+
+
+def test_the_prefill_path_in_uneven_chunks_equals_one_chunk() -> None:
+    """Experts dequantized 7 at a time (32 = 4 x 7 + 4) give the bits of one chunk of 32: each
+    slot's sums are the same, only which launch computes them differs."""
+    experts = gpt_oss_20b_experts(torch.bfloat16)
+    x = torch.randn(512, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    weights, ids = routing(512, seed=9)
+    one = dequantized_moe_mxfp4(x, experts, weights, ids, None, EXPERTS)
+    assert torch.equal(dequantized_moe_mxfp4(x, experts, weights, ids, None, 7), one)
+
+
+@pytest.mark.parametrize(("tokens", "choice"), [(1, None), (64, None), (1, GemvTiles(1, 64, 16, 4)),
+                                                (16, None), (256, Dequantize())])  # fmt: skip
+def test_a_cuda_graph_replays_the_layer(tokens: int, choice: Choice | None) -> None:
+    """The rule's path (the tiled kernels where ``choice`` is None and at 64 tokens as
+    before), the decode kernels with K split, and the prefill path."""
     experts = gpt_oss_20b_experts(torch.bfloat16)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(tokens, seed=5)
+
+    def layer() -> torch.Tensor:
+        if choice is None and tokens == 64:
+            return fused_moe_mxfp4(x, experts, weights, ids)
+        return mxfp4_moe(x, experts, weights, ids, choice)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe_mxfp4(x, experts, weights, ids)  # compiled before capture
+        layer()  # compiled before capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe_mxfp4(x, experts, weights, ids)
+        out = layer()
     new_weights, new_ids = routing(tokens, seed=6)
     x.copy_(torch.randn_like(x))
     weights.copy_(new_weights)
     ids.copy_(new_ids)
     graph.replay()
-    assert torch.equal(out, fused_moe_mxfp4(x, experts, weights, ids))
+    assert torch.equal(out, layer())
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
-"""The MXFP4 expert kernels (engine_core/models/mxfp4_kernels.py) on the CPU, through Triton's
-interpreter, against the dequantize-then-torch reference (gpt_oss_moe.experts_reference, the
-path the CPU serves with): several experts, top 1 to 4, uneven expert loads with an expert that
-gets no token, token and width counts that are not multiples of the tiles, the one-token path,
-every code byte at every scale through the in-register conversion, and the layers of a tiny
-MXFP4 checkpoint as the loader lays them out.
+"""The MXFP4 expert kernels (engine_core/models/mxfp4_kernels.py, the tiled path; mxfp4_gemv.py,
+decode; mxfp4_prefill.py, dequantize then GEMMs) on the CPU, through Triton's interpreter,
+against the dequantize-then-torch reference (gpt_oss_moe.experts_reference, the path the CPU
+serves with): several experts, top 1 to 4, uneven expert loads with an expert that gets no
+token, token and width counts that are not multiples of the tiles, the one-token path, K split
+over programs, experts dequantized in chunks, every code byte at every scale through the
+in-register conversion and the dequantizing kernel, and the layers of a tiny MXFP4 checkpoint
+as the loader lays them out.
 
 Triton's interpreter multiplies bf16 ``tl.dot`` operands wrongly (tests/test_w4a16_interpreted.py
 says how), so the GEMMs are checked here in float32 and float16, the same code with the
@@ -31,10 +33,15 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from engine_core.models import mxfp4  # noqa: E402
+from engine_core.models import (
+    mxfp4,  # noqa: E402
+    mxfp4_prefill,  # noqa: E402
+)
 from engine_core.models import mxfp4_kernels as kernels  # noqa: E402
 from engine_core.models.fused_moe import Blocks  # noqa: E402
 from engine_core.models.gpt_oss_moe import experts_reference, route_gpt_oss  # noqa: E402
+from engine_core.models.mxfp4_gemv import GEMV_CANDIDATES, GemvTiles  # noqa: E402
+from engine_core.models.mxfp4_moe import DEQUANTIZE_CANDIDATES, mxfp4_moe  # noqa: E402
 from tests.paged_harness import load_float32  # noqa: E402
 from tests.test_models_gpt_oss import make_hf_model, write_mxfp4_checkpoint  # noqa: E402
 
@@ -203,9 +210,77 @@ def test_every_code_at_every_scale_widens_exactly(dtype: torch.dtype) -> None:
     assert bool((got[~normal] == 0).all()) and int((~normal).sum()) > 0
 
 
+# (tokens, experts, top_k, hidden, inter, decode tiles): one row a program (no grouping) and
+# align's blocks of 2, 4 and 8 rows; column tiles wider than the 96-column projections (odd
+# columns); K steps of 4 to 16 words; K split in 2 and 3 (a split past the row's end included).
+GEMV_CASES = [
+    (1, 4, 2, 64, 96, GemvTiles(1, 64, 4, 1)),
+    (1, 5, 4, 96, 32, GemvTiles(1, 16, 4, 3)),
+    (5, 6, 3, 64, 96, GemvTiles(2, 32, 8, 2)),
+    (16, 8, 4, 96, 64, GemvTiles(4, 32, 4, 2)),
+    (11, 4, 1, 32, 160, GemvTiles(8, 64, 16, 1)),
+]
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tiles"), GEMV_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_decode_kernels_match_the_dequantizing_reference(
+    tokens: int, experts: int, top_k: int, hidden: int, inter: int, tiles: GemvTiles,
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    layer = in_dtype(random_experts(experts, hidden, inter, seed=tokens), dtype)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(4)).to(dtype)
+    weights, ids = routing(tokens, experts, top_k, seed=tokens, dtype=dtype)
+    want = experts_reference(x, layer, weights, ids.long())
+    got = mxfp4_moe(x, layer, weights, ids, tiles)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    assert relative_error(got, want) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("choice", [*GEMV_CANDIDATES, *DEQUANTIZE_CANDIDATES, None])
+def test_the_sweeps_choices_give_the_same_result(choice: object) -> None:
+    """The benchmark's decode and prefill candidates, and the rule's own choice (at 6 tokens:
+    the decode kernels) on one layer."""
+    layer = random_experts(6, 96, 64, seed=8)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(8))
+    weights, ids = routing(6, 6, 3, seed=8, dtype=torch.float32)
+    want = experts_reference(x, layer, weights, ids.long())
+    got = mxfp4_moe(x, layer, weights, ids, choice)
+    assert relative_error(got, want) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_prefill_path_in_chunks_of_experts_matches_the_reference(dtype: torch.dtype) -> None:
+    """Five experts dequantized two at a time (three chunks, the last one short), tiles that
+    leave partial row, column and K blocks."""
+    layer = in_dtype(random_experts(5, 96, 96, seed=6), dtype)
+    x = torch.randn(23, 96, generator=torch.Generator().manual_seed(6)).to(dtype)
+    weights, ids = routing(23, 5, 2, seed=6, dtype=dtype)
+    want = experts_reference(x, layer, weights, ids.long())
+    got = mxfp4_prefill.dequantized_moe_mxfp4(x, layer, weights, ids, Blocks(16, 64, 64), 2)
+    assert relative_error(got, want) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dequantize_kernel_is_bit_exact(dtype: torch.dtype) -> None:
+    """Every code byte under every e8m0 scale whose products fit a float32, as
+    mxfp4.dequantize gives them, wherever that is zero or a normal float (the products below
+    2^-126 read as zero), in rows of 256 weights over two experts."""
+    codes = torch.arange(256, dtype=torch.int32).repeat(253).to(torch.uint8)  # [253 * 256]
+    codes = codes.view(2, -1, 128)  # 2 experts, rows of 128 bytes, 8 scales a row
+    scales = torch.arange(0, 253, dtype=torch.uint8).repeat_interleave(16)  # one a 16 bytes
+    scales = scales.view(2, -1, 8)
+    got = mxfp4_prefill.dequantize(codes, scales, torch.empty(2, codes.shape[1], 256, dtype=dtype))
+    want = mxfp4.dequantize(codes, scales, torch.float32)
+    normal = (want == 0) | (want.abs() >= 2.0**-126)
+    assert torch.equal(got.float()[normal], want[normal])
+    assert bool((got.float()[~normal] == 0).all()) and int((~normal).sum()) > 0
+
+
 def test_a_loaded_checkpoints_layers_match_their_cpu_path(tmp_path: Path) -> None:
     """The tiny MXFP4 gpt-oss of tests/test_models_gpt_oss.py, loaded as published (gate and up
-    rows interleaved in the file, sorted at load): each MoE layer through the kernels, on the
+    rows interleaved in the file, sorted at load): each MoE layer through the kernels the CUDA
+    layer chooses (at 9 tokens of 4 experts: the decode kernels), on the
     tensors the layer hands them, equals the layer's CPU forward (the dequantizing path)."""
     write_mxfp4_checkpoint(make_hf_model(), tmp_path)
     model = load_float32(tmp_path)
@@ -213,5 +288,5 @@ def test_a_loaded_checkpoints_layers_match_their_cpu_path(tmp_path: Path) -> Non
     for layer in model.model.layers:
         moe = layer.mlp
         weights, ids = route_gpt_oss(moe.router(x), moe.top_k)
-        got = kernels.fused_moe_mxfp4(x, moe.mxfp4_experts(), weights, ids.to(torch.int32))
+        got = mxfp4_moe(x, moe.mxfp4_experts(), weights, ids.to(torch.int32))
         assert relative_error(got, moe(x)) <= TOLERANCE[torch.float32]

@@ -13,8 +13,8 @@ scales (``w13_blocks [E, 2I, H/2]``, ``w13_scales [E, 2I, H/32]``, likewise ``w2
 expert's rows are dequantized to the activations' dtype when it runs: memory holds 4.25 bits a
 weight, and the result is the dequantized model's exactly.
 
-The experts run through ``moe.grouped_experts`` (torch, one host sync a layer) on every device:
-no fused GPU kernel yet, so a CUDA engine runs these models without CUDA graphs.
+On CUDA the MXFP4 experts run through mxfp4_moe.py's kernels (no host sync); bf16 experts, and
+every expert on the CPU, through ``moe.grouped_experts`` (torch, one host sync a layer).
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ class GptOssMoE(nn.Module):
         if not self.mxfp4:
             return grouped_experts(x, weights, ids, self.num_experts, self.dense_expert)
         if use_triton(x):
-            from engine_core.models.mxfp4_kernels import fused_moe_mxfp4  # imports triton
+            from engine_core.models.mxfp4_moe import mxfp4_moe  # imports triton
 
-            return fused_moe_mxfp4(x, self.mxfp4_experts(), weights, ids)
+            return mxfp4_moe(x, self.mxfp4_experts(), weights, ids)
         return experts_reference(x, self.mxfp4_experts(), weights, ids)
 
     def dense_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,9 @@ FP4_VALUES = (
     -6.0,
 )
 FP4_MAX = 6.0
+# Bound on the bytes of CUDA's prefill scratch (experts dequantized a chunk at a time,
+# mxfp4_prefill.py): 21 of gpt-oss's experts (49.8 MB each in bf16).
+SCRATCH_BYTES = 2**30
 # quantization_config keys of transformers' Mxfp4Config that a checkpoint may carry.
 _CONFIG_KEYS = ("quant_method", "modules_to_not_convert", "dequantize")
 
@@ -60,6 +63,22 @@ class Mxfp4Experts:
     b2: torch.Tensor  # [E, H]
     limit: float  # the SwiGLU's clamp
     alpha: float  # the sigmoid's slope
+
+
+def expert_bytes(hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """One expert's gate/up and down weights dequantized to ``dtype``."""
+    return 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
+
+
+def chunk_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """Experts a chunk of CUDA's prefill path (mxfp4_prefill.py) dequantizes at once: as many
+    as fit SCRATCH_BYTES, at least one."""
+    return max(1, min(num_experts, SCRATCH_BYTES // expert_bytes(hidden, inter, dtype)))
+
+
+def scratch_bytes(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """The scratch buffer that path needs for a layer of these experts: one chunk's weights."""
+    return chunk_experts(num_experts, hidden, inter, dtype) * expert_bytes(hidden, inter, dtype)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """gpt-oss's MXFP4 experts on CUDA: fused_moe's grouping with GEMMs that read MXFP4 directly.
 
+This is the tiled path, for batches between decode and prefill (models/mxfp4_moe.py chooses:
+mxfp4_gemv.py at decode, mxfp4_prefill.py at prefill); its conversion helpers and epilogues
+serve the other two.
+
 Hopper has no FP4 tensor cores, so the win is in the bytes: a weight is read as 4.25 bits (half
 a byte of e2m1 code, a 32nd of an e8m0 scale byte) and widened to the activations' dtype in
 registers, then multiplied on the bf16 (or fp16 / float32) tensor cores. The layer is a
@@ -187,15 +191,31 @@ def _gate_up_kernel(
         up = _dot_tile(up, x_even, x_odd, up_q, up_s, PRECISION)
         gate_q, gate_s, up_q, up_s = gate_q1, gate_s1, up_q1, up_s1
     bias = Bias + expert * stride_be + cols
-    gate += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    up += tl.load(bias + inter, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    # Rounded to the activations' dtype as the reference's biased linear rounds its output.
+    gate_bias = tl.load(bias, mask=col_ok, other=0.0)[None, :]
+    up_bias = tl.load(bias + inter, mask=col_ok, other=0.0)[None, :]
     dtype = X.dtype.element_ty
-    gate = tl.minimum(gate.to(dtype).to(tl.float32), limit)
-    up = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -limit), limit)
-    act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    act = clamped_swiglu(gate, up, gate_bias, up_bias, limit, alpha, dtype)
     out_ptrs = Act + slots[:, None].to(tl.int64) * stride_as + cols[None, :]
     tl.store(out_ptrs, act.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def clamped_swiglu(gate, up, gate_bias, up_bias, limit, alpha, dtype: tl.constexpr):
+    """gpt-oss's activation of float32 gate and up sums plus their biases, in float32. Each
+    biased sum is rounded to the activations' dtype first, as the reference's biased linear
+    rounds its output; the caller rounds the result once."""
+    gate = (gate + gate_bias.to(tl.float32)).to(dtype).to(tl.float32)
+    up = (up + up_bias.to(tl.float32)).to(dtype).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+
+
+@triton.jit
+def weighted_down(acc, bias, weight, dtype: tl.constexpr):
+    """A slot's float32 down-projection sum plus its bias, rounded to the activations' dtype as
+    the reference's linear rounds it, times the slot's routing weight, in float32."""
+    return (acc + bias.to(tl.float32)).to(dtype).to(tl.float32) * weight
 
 
 @triton.jit(do_not_specialize=["num_slots"])  # as _gate_up_kernel
@@ -249,11 +269,11 @@ def _down_kernel(
                             row_bytes - b1, row_groups - g1, col_ok)  # fmt: skip
         acc = _dot_tile(acc, a_even, a_odd, q, s, PRECISION)
         q, s = q1, s1
-    acc += tl.load(Bias + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    acc = acc.to(Act.dtype.element_ty).to(tl.float32)  # the reference's linear output, rounded
-    weight = tl.load(SlotWeights + slots, mask=row_ok, other=0.0)
+    bias = tl.load(Bias + expert * stride_be + cols, mask=col_ok, other=0.0)[None, :]
+    weight = tl.load(SlotWeights + slots, mask=row_ok, other=0.0)[:, None]
+    out = weighted_down(acc, bias, weight, Act.dtype.element_ty)
     out_ptrs = Out + slots[:, None].to(tl.int64) * stride_os + cols[None, :]
-    tl.store(out_ptrs, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def block_sizes(num_slots: int, num_experts: int) -> Blocks:
