@@ -2,6 +2,7 @@
 over HTTP for one image and a short text per request.
 
     python -m benchmarks vision --model qwen2.5-vl-7b
+    python -m benchmarks vision --model gemma-3-4b
 
 1. **The encoder**: the model's vision tower (random weights of its real shape, the model's
    dtype) on batches of ``--image-size`` square images, as the engine core encodes a step's
@@ -16,8 +17,8 @@ over HTTP for one image and a short text per request.
    ``--warmup`` requests not kept. TTFT p50 and p99 per level; the prompt's tokens as the
    server counted them (usage), the image's included.
 
-``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``) or a Qwen2.5-VL model
-folder (the tests run the tiny one on the CPU).
+``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``, ``gemma-3-4b``) or a
+Qwen2.5-VL or Gemma 3 model folder (the tests run the tiny ones on the CPU).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from benchmarks.report import (
     write_json,
 )
 from benchmarks.servers import Server, free_port, start, stop, tandem_serve_command
+from engine_core.config import VisionConfig
 
 SERVED_NAME = "vision-bench"
 
@@ -90,19 +92,44 @@ def model_hf_config(model: str) -> dict[str, Any]:
     return json.loads((Path(model) / "config.json").read_text())
 
 
+class Gemma3Encoder(torch.nn.Module):
+    """Gemma 3's encoder as the engine runs it (models/gemma3_mm.py ``encode_images``): the
+    SigLIP tower, then the projector's pooling to ``tokens_per_image`` tokens an image; called
+    as Qwen's tower is, with pixels [N, C, S, S] and their (unused) grids."""
+
+    def __init__(self, vision: VisionConfig, hidden_size: int) -> None:
+        from engine_core.models.siglip import Gemma3MultiModalProjector, SiglipVisionModel
+
+        super().__init__()
+        self.image_size = vision.tower["image_size"]
+        self.channels = vision.tower.get("num_channels", 3)
+        self.vision_tower = SiglipVisionModel(vision.tower)
+        self.multi_modal_projector = Gemma3MultiModalProjector(
+            vision.tower, hidden_size, vision.tokens_per_image
+        )
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.multi_modal_projector(self.vision_tower(pixels)).flatten(0, 1)
+
+
 def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """``model``'s vision tower with random weights (the encoder's time does not depend on
-    them) on ``device`` in ``dtype``, in eval mode."""
+    them) on ``device`` in ``dtype``, in eval mode: Qwen2.5-VL's, or Gemma 3's with its
+    projector."""
     from engine_core.models import model_config_from_hf
     from engine_core.models.layers import reset_buffers
     from engine_core.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
     from engine_core.presets import init_random_weights
 
-    vision = model_config_from_hf(model_hf_config(model)).vision
+    config = model_config_from_hf(model_hf_config(model))
+    vision = config.vision
     if vision is None:
         raise ValueError(f"{model} takes no images")
     with torch.device("meta"):
-        tower = Qwen2_5_VisionTransformer(vision.tower)
+        if vision.tokens_per_image:  # one size of image, pooled to a fixed count: Gemma 3
+            tower = Gemma3Encoder(vision, config.hidden_size)
+        else:
+            tower = Qwen2_5_VisionTransformer(vision.tower)
     tower = tower.to(dtype).to_empty(device=device)
     reset_buffers(tower)
     init_random_weights(tower)
@@ -134,11 +161,23 @@ def image_grid(folder: Path, size: int) -> tuple[int, int, int]:
 def image_patches(
     grid: tuple[int, int, int], count: int, device: str, seed: int = 0
 ) -> torch.Tensor:
-    """The pixels of ``count`` images of patch grid ``grid`` [count * patches, 1176], normal
-    random values as normalised pixels are."""
+    """The pixels of ``count`` Qwen2.5-VL images of patch grid ``grid`` [count * patches,
+    1176], normal random values as normalised pixels are."""
     rows = count * grid[0] * grid[1] * grid[2]
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(rows, 3 * 2 * 14 * 14, generator=gen).to(device)
+
+
+def encoder_pixels(
+    tower: torch.nn.Module, grid: tuple[int, int, int], count: int, device: str
+) -> torch.Tensor:
+    """``count`` images' pixels as ``tower`` takes them: Gemma 3's [count, C, S, S] (the grid
+    is its patches, S / patch a side), else Qwen2.5-VL's patch rows."""
+    if not isinstance(tower, Gemma3Encoder):
+        return image_patches(grid, count, device)
+    side = tower.image_size
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(count, tower.channels, side, side, generator=gen).to(device)
 
 
 def measure_encoder(
@@ -153,7 +192,7 @@ def measure_encoder(
     rows = []
     dtype = next(tower.parameters()).dtype
     for batch in batches:
-        pixels = image_patches(grid, batch, device).to(dtype)
+        pixels = encoder_pixels(tower, grid, batch, device).to(dtype)
         grids = [grid] * batch
         with torch.inference_mode():
             tower(pixels, grids)
