@@ -4,7 +4,8 @@ over each image) for one image, two images, an image amid text in several chunks
 image twice (an encoder-cache hit). Its image steps attend through the Triton prefill kernel
 with key ends (counted; the torch reference is never called), in the sliding and the full
 layers (docs/design/vision.md, "Gemma 3"); the decodes after them replay graphs. The encoder's
-measured peak on CUDA stays under the memory plan's bound."""
+measured peak on CUDA stays under the memory plan's bound; the gemma-3-4b preset's encoder
+batches images as it encodes each alone."""
 
 from __future__ import annotations
 
@@ -106,3 +107,19 @@ def test_the_encoder_peak_on_cuda_is_under_the_plan(vl_dir: Path) -> None:
     peak = torch.cuda.max_memory_allocated() - before
     hidden = loaded.config.hidden_size
     assert peak <= encoder_peak_bytes(vision, hidden, tokens, torch.float32)
+
+
+def test_4b_encoder_batches_images_as_each_alone() -> None:
+    """The gemma-3-4b preset's tower and projector (27 blocks of 1,152 over 64x64 patches,
+    pooled to 256 tokens of 2,560) as benchmarks/vision.py runs them, two images in one call
+    against each alone, in float32 so that only one image seeing the other could part them."""
+    from benchmarks.vision import build_vision_tower, encoder_pixels
+
+    tower = build_vision_tower("gemma-3-4b", "cuda", torch.float32)
+    grid = (1, 64, 64)
+    pixels = encoder_pixels(tower, grid, 2, "cuda")
+    with torch.inference_mode():
+        both = tower(pixels, [grid, grid])
+        alone = torch.cat([tower(pixels[:1], [grid]), tower(pixels[1:], [grid])])
+    assert both.shape == (2 * 256, 2560) and both.isfinite().all()
+    torch.testing.assert_close(both, alone, rtol=1e-3, atol=1e-4)
