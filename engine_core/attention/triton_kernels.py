@@ -1538,7 +1538,7 @@ def paged_prefill_attention(
         return out
     if key_ends is not None and (key_ends.dtype != torch.int32 or key_ends.shape != (num_tokens,)):
         raise ValueError(
-            f"key_ends must be [{num_tokens}] int32 (a row's), not "
+            f"key_ends must be [{num_tokens}] int32, one a query row, not "
             f"{list(key_ends.shape)} {key_ends.dtype}"
         )
     kv_fp8 = is_fp8_cache(k_cache)
