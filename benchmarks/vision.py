@@ -3,6 +3,7 @@ over HTTP for one image and a short text per request.
 
     python -m benchmarks vision --model qwen2.5-vl-7b
     python -m benchmarks vision --model qwen3-vl-8b
+    python -m benchmarks vision --model gemma-3-4b
 
 1. **The encoder**: the model's vision tower (random weights of its real shape, the model's
    dtype) on batches of ``--image-size`` square images, as the engine core encodes a step's
@@ -17,8 +18,9 @@ over HTTP for one image and a short text per request.
    ``--warmup`` requests not kept. TTFT p50 and p99 per level; the prompt's tokens as the
    server counted them (usage), the image's included.
 
-``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``, ``qwen3-vl-8b``) or a
-Qwen2.5-VL or Qwen3-VL model folder (the tests run the tiny Qwen2.5-VL on the CPU).
+``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``, ``qwen3-vl-8b``,
+``gemma-3-4b``) or a Qwen2.5-VL, Qwen3-VL or Gemma 3 model folder (the tests run the tiny ones
+on the CPU).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from benchmarks.report import (
     write_json,
 )
 from benchmarks.servers import Server, free_port, start, stop, tandem_serve_command
+from engine_core.config import VisionConfig
 
 SERVED_NAME = "vision-bench"
 
@@ -91,9 +94,30 @@ def model_hf_config(model: str) -> dict[str, Any]:
     return json.loads((Path(model) / "config.json").read_text())
 
 
+class Gemma3Encoder(torch.nn.Module):
+    """Gemma 3's encoder as the engine runs it (models/gemma3_mm.py ``encode_images``): the
+    SigLIP tower, then the projector's pooling to ``tokens_per_image`` tokens an image; called
+    as Qwen's tower is, with pixels [N, C, S, S] and their (unused) grids."""
+
+    def __init__(self, vision: VisionConfig, hidden_size: int) -> None:
+        from engine_core.models.siglip import Gemma3MultiModalProjector, SiglipVisionModel
+
+        super().__init__()
+        self.image_size = vision.tower["image_size"]
+        self.channels = vision.tower.get("num_channels", 3)
+        self.vision_tower = SiglipVisionModel(vision.tower)
+        self.multi_modal_projector = Gemma3MultiModalProjector(
+            vision.tower, hidden_size, vision.tokens_per_image
+        )
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.multi_modal_projector(self.vision_tower(pixels)).flatten(0, 1)
+
+
 def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """``model``'s vision tower with random weights (the encoder's time does not depend on
-    them) on ``device`` in ``dtype``, in eval mode."""
+    them) on ``device`` in ``dtype``, in eval mode: Qwen2.5-VL's, or Gemma 3's with its
+    projector."""
     from engine_core.models import model_config_from_hf
     from engine_core.models.layers import reset_buffers
     from engine_core.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
@@ -101,14 +125,18 @@ def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.
     from engine_core.presets import init_random_weights
 
     config = model_config_from_hf(model_hf_config(model))
+    vision = config.vision
     towers = {
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration.vision_tower,
         "qwen3_vl": Qwen3VLForConditionalGeneration.vision_tower,
     }
-    if config.vision is None or config.architecture not in towers:
-        raise ValueError(f"{model}: the benchmark takes Qwen2.5-VL and Qwen3-VL models")
+    if vision is None or (not vision.tokens_per_image and config.architecture not in towers):
+        raise ValueError(f"{model}: the benchmark takes Qwen2.5-VL, Qwen3-VL and Gemma 3 models")
     with torch.device("meta"):
-        tower = towers[config.architecture](config.vision.tower)
+        if vision.tokens_per_image:  # one size of image, pooled to a fixed count: Gemma 3
+            tower = Gemma3Encoder(vision, config.hidden_size)
+        else:
+            tower = towers[config.architecture](vision.tower)
     tower = tower.to(dtype).to_empty(device=device)
     reset_buffers(tower)
     init_random_weights(tower)
@@ -153,6 +181,18 @@ def patch_width(tower: torch.nn.Module) -> int:
     return tower.patch_embed.proj.weight[0].numel()
 
 
+def encoder_pixels(
+    tower: torch.nn.Module, grid: tuple[int, int, int], count: int, device: str
+) -> torch.Tensor:
+    """``count`` images' pixels as ``tower`` takes them: Gemma 3's [count, C, S, S] (the grid
+    is its patches, S / patch a side), else Qwen2.5-VL's patch rows."""
+    if not isinstance(tower, Gemma3Encoder):
+        return image_patches(grid, count, device, width=patch_width(tower))
+    side = tower.image_size
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(count, tower.channels, side, side, generator=gen).to(device)
+
+
 def measure_encoder(
     tower: torch.nn.Module,
     grid: tuple[int, int, int],
@@ -165,7 +205,7 @@ def measure_encoder(
     rows = []
     dtype = next(tower.parameters()).dtype
     for batch in batches:
-        pixels = image_patches(grid, batch, device, width=patch_width(tower)).to(dtype)
+        pixels = encoder_pixels(tower, grid, batch, device).to(dtype)
         grids = [grid] * batch
         with torch.inference_mode():
             tower(pixels, grids)

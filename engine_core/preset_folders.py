@@ -1,12 +1,15 @@
-"""The folder a vision-language preset's API process reads (``random:qwen2.5-vl-7b``).
+"""The folder a vision-language preset's API process reads (``random:qwen2.5-vl-7b``,
+``random:gemma-3-4b``).
 
 A text preset borrows the default model's tokenizer as it is. A vision-language one needs more
-from its folder: Qwen's vision tokens in the tokenizer (the chat template writes them, the
-engine embeds them), a chat template that renders image parts, the model's HF image processor
-config, and the preset's config.json (frontend/vision.py reads the architecture, the placeholder
-id and the merge size there). This module writes that folder once, from the default tokenizer,
-under the cache directory; the tests' tiny Qwen2.5-VL folders are written by the same
-``write_vision_tokenizer`` and ``write_image_processor`` (tests/vision_factories.py).
+from its folder: the model's image tokens (Qwen's or Gemma 3's) in the tokenizer (the chat
+template writes them, the engine embeds them), a chat template that renders image parts, the
+model's HF image processor config, and the preset's config.json (frontend/vision.py reads the
+architecture, the placeholder id and the merge size there). This module writes that folder
+once, from the default tokenizer, under the cache directory; the tests' tiny Qwen2.5-VL
+folders are written by the same ``write_vision_tokenizer`` and ``write_image_processor``
+(tests/vision_factories.py), a Gemma 3 preset's (as the tiny Gemma 3's) by
+``write_gemma3_tokenizer`` and ``write_gemma3_image_processor``.
 
     folder = vision_preset_dir("qwen2.5-vl-7b", default_tokenizer_dir)
 """
@@ -140,16 +143,25 @@ def write_vision_preset(preset: str, tokenizer_source: Path, out: Path) -> None:
     and config.json in ``out``; ValueError where the tokenizer gives the tokens other ids than
     the preset's config (a tokenizer of another vocabulary than the default's)."""
     hf = hf_config(preset)
-    ids = write_vision_tokenizer(tokenizer_source, out)
-    expected = preset_vision_ids(hf)
+    gemma3 = hf["model_type"] == "gemma3"
+    if gemma3:
+        written = write_gemma3_tokenizer(tokenizer_source, out)
+        ids = {f"{name}_index": i for name, i in written.items()}
+        expected = {name: hf[name] for name in ids}
+    else:
+        ids, expected = write_vision_tokenizer(tokenizer_source, out), preset_vision_ids(hf)
     if ids != expected:
         raise ValueError(
             f"random:{preset}: the tokenizer's vision tokens are {ids}, not {expected}"
         )
     tower = hf["vision_config"]
-    patch, merge = tower["patch_size"], tower["spatial_merge_size"]
-    qwen3 = "Qwen3VLForConditionalGeneration" in hf["architectures"]
-    write_image_processor(out, patch, merge, **(QWEN3_VL_PROCESSOR if qwen3 else QWEN2_5_VL_PIXELS))
+    if gemma3:
+        write_gemma3_image_processor(out, tower["image_size"])
+    else:
+        patch, merge = tower["patch_size"], tower["spatial_merge_size"]
+        qwen3 = "Qwen3VLForConditionalGeneration" in hf["architectures"]
+        pixels = QWEN3_VL_PROCESSOR if qwen3 else QWEN2_5_VL_PIXELS
+        write_image_processor(out, patch, merge, **pixels)
     (out / "config.json").write_text(json.dumps(hf, indent=2))
 
 

@@ -243,6 +243,62 @@ def _qwen3_vl_8b() -> dict[str, Any]:
     }
 
 
+# Gemma 3's image tokens, as a vision-language preset's ids: the default tokenizer's vocabulary
+# followed by these three, in this order (engine_core/preset_folders.py adds them so).
+GEMMA3_VISION_IDS = {"boi_token_index": _VOCAB, "image_token_index": _VOCAB + 1}
+GEMMA3_VISION_IDS["eoi_token_index"] = _VOCAB + 2
+
+
+def _gemma3_4b() -> dict[str, Any]:
+    """gemma-3-4b-it (google/gemma-3-4b-it's config.json on the Hugging Face Hub, transformers
+    4's layout: text_config hidden 2,560, 34 layers, MLP 10,240, a 1,024-token window, linear
+    RoPE x8 on the global layers; vision_config SigLIP of 27 blocks of 1,152, 16 heads, MLP
+    4,304, 14-pixel patches of 896-pixel images, no pooling head; mm_tokens_per_image 256).
+    The fields that config.json leaves out take transformers' Gemma3TextConfig defaults, which
+    are the 4B's and are written out here: 8 heads and 4 KV heads of 256, query_pre_attn_scalar
+    256, five sliding layers to one global, RoPE bases 1,000,000 (global) and 10,000 (sliding).
+    The vocabulary is the presets' and the three image tokens (262,208 there), so the LM head
+    is smaller; the image and layer work is the same."""
+    text = {
+        "model_type": "gemma3_text",
+        "vocab_size": _VOCAB + len(GEMMA3_VISION_IDS),
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        **_SPECIAL,
+    }
+    return {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "mm_tokens_per_image": 256,
+        **GEMMA3_VISION_IDS,
+        **_SPECIAL,
+        "text_config": text,
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 1152,
+            "image_size": 896,
+            "intermediate_size": 4304,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+    }
+
+
 def _deepseek(hidden: int, layers: int, heads: int, mlp: int, **fields: Any) -> dict[str, Any]:
     """The MLA and DeepSeekMoE fields both DeepSeek shapes share (kv_lora_rank 512, rotary key
     64, no-rope key 128, value 128; YaRN x40 over 4,096)."""
@@ -403,6 +459,7 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3.5-35b-a3b": _qwen3_5(moe=True),
     "qwen2.5-vl-7b": _qwen2_5_vl_7b(),
     "qwen3-vl-8b": _qwen3_vl_8b(),
+    "gemma-3-4b": _gemma3_4b(),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -5,12 +5,13 @@ Batches where every sequence has the same few new tokens (a speculative verify s
 known token and K drafts) take its verify variant, K + 1 queries a sequence
 (``paged_verify_attention``), where the queries and the group's heads fit its tile. Any other
 batch with a longer query (prompts, prompt chunks, prefix-cached prompts, mixed with decodes)
-takes the varlen prefill kernel; its one-token sequences go to the decode kernel (which finds
-them through the query starts) in prefill graphs and in eager steps with MIXED_DECODE_ROWS of
-them. Their launches depend only on tensor shapes, K + 1 and ``max_query_len`` (the prefill
-kernel's grid), so the model runner captures them in CUDA graphs (engine_core/cuda_graph.py).
-All read K/V through the block tables, after ``write_kv`` has put this step's tokens into the
-cache.
+takes the varlen prefill kernel, as does any step with key ends (Gemma 3's image rows, which
+see past themselves; such a step runs eagerly); otherwise its one-token sequences go to the
+decode kernel (which finds them through the query starts) in prefill graphs and in eager steps
+with MIXED_DECODE_ROWS of them. Their launches depend only on tensor shapes, K + 1 and
+``max_query_len`` (the prefill kernel's grid), so the model runner captures them in CUDA graphs
+(engine_core/cuda_graph.py). All read K/V through the block tables, after ``write_kv`` has put
+this step's tokens into the cache.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 
 from engine_core.attention.base import MIXED_DECODE_ROWS, AttentionMetadata
 from engine_core.attention.prefill_tiles import device_tiles
-from engine_core.attention.torch_ref import TorchReferenceBackend
 from engine_core.attention.triton_kernels import (
     NewTokens,
     paged_decode_attention,
@@ -141,20 +141,13 @@ class TritonBackend:
         attention_chunk: int | None = None,  # Llama 4's chunked local attention
         key_ends: torch.Tensor | None = None,  # [T]: rows that see past themselves (Gemma 3)
     ) -> torch.Tensor:  # [T, heads, head_dim]
-        if key_ends is not None:
-            # A step with an image's rows in Gemma 3 (eager, never a graph): the prefill
-            # kernel's mask is causal only, so the torch reference attends, in float32.
-            return TorchReferenceBackend().forward(
-                q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, sinks,
-                attention_chunk, key_ends,
-            )  # fmt: skip
         scales = {
             "k_scale": k_scale,
             "v_scale": v_scale,
             "sinks": sinks,
             "attention_chunk": attention_chunk,
         }
-        if meta.is_decode_only:
+        if meta.is_decode_only and key_ends is None:
             # T == B here; the launch reads no host value but shapes (CUDA-graph safe).
             return paged_decode_attention(
                 q,
@@ -167,7 +160,8 @@ class TritonBackend:
                 **scales,
             )
         queries = meta.uniform_query_len
-        plain = sinks is None and attention_chunk is None and v_cache.shape[3] == q.shape[2]
+        plain = sinks is None and attention_chunk is None and key_ends is None
+        plain = plain and v_cache.shape[3] == q.shape[2]
         if queries and self.verifies(q.shape[1], k_cache.shape[2], q.shape[2], queries, plain):
             return paged_verify_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, queries, scale,
@@ -178,7 +172,7 @@ class TritonBackend:
         out = torch.zeros_like(q) if meta.padded else None
         if meta.prefill_tiles is None:  # metadata made by hand (the engine packs the list)
             meta.prefill_tiles = device_tiles(meta.query_start_loc_cpu, q.device)
-        split = self.splits_decodes(meta, q, v_cache)
+        split = key_ends is None and self.splits_decodes(meta, q, v_cache)
         if split:
             out = q.new_empty(q.shape) if out is None else out
             paged_decode_attention(
@@ -199,5 +193,6 @@ class TritonBackend:
             out=out,
             tiles=meta.prefill_tiles,
             skip_decodes=split,
+            key_ends=key_ends,
             **scales,
         )

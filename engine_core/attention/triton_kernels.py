@@ -1396,6 +1396,7 @@ def _prefill_kernel(
     TILES,
     Out,
     SINKS,  # HAS_SINKS: [heads] float32, sink logits times log2(e)
+    KEY_ENDS,  # HAS_KEY_ENDS: [T] int32, one past the last key each query row sees
     scale_log2,
     v_scale,
     window,
@@ -1426,6 +1427,7 @@ def _prefill_kernel(
     HAS_SINKS: tl.constexpr = False,
     HAS_CHUNK: tl.constexpr = False,
     MIN_QUERY: tl.constexpr = 1,  # 2: one-token sequences are the decode kernel's (MIXED)
+    HAS_KEY_ENDS: tl.constexpr = False,  # rows that see past themselves (Gemma 3's images)
 ):
     # Row t of the tile list (prefill_tiles.py): this program's sequence and query tile; a
     # padding row (sequence -1, a CUDA graph's), or a sequence of fewer than MIN_QUERY new
@@ -1459,6 +1461,13 @@ def _prefill_kernel(
         # The tile's last row sees up to its own position; the window (or the attention chunk)
         # of its first row bounds the first key: no row reads before it.
         hi = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
+        if HAS_KEY_ENDS:
+            # A row sees up to max(itself, its key end): past itself inside an image, whose
+            # whole run is in the cache (the scheduler never ends a chunk inside one). Every
+            # row still sees up to itself, so the unmasked tiles below stay unmasked.
+            ends = tl.load(KEY_ENDS + q_rows, mask=row_mask, other=0)
+            row_end = tl.where(row_mask, tl.maximum(q_pos + 1, ends), 0)  # [M]
+            hi = tl.minimum(seq_len, tl.maximum(hi, tl.max(row_end, 0)))
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(context + tile * BLOCK_M - window + 1, 0)
@@ -1501,7 +1510,10 @@ def _prefill_kernel(
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
-            visible = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])
+            if HAS_KEY_ENDS:
+                visible = n_mask[None, :] & (offs[None, :] < row_end[:, None])
+            else:
+                visible = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (offs[None, :] > q_pos[:, None] - window)
             if HAS_CHUNK:
@@ -1537,6 +1549,7 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
     attention_chunk: int | None = None,  # Llama 4: a query at p sees [p // C * C, p] only
     skip_decodes: bool = False,  # one-token sequences left alone (their rows of ``out`` too)
+    key_ends: torch.Tensor | None = None,  # [T] int32: one past the last key each row sees
 ) -> torch.Tensor:  # [T, heads, v_dim]
     """Causal attention of every new token over its sequence's cached context (itself included).
 
@@ -1546,6 +1559,11 @@ def paged_prefill_attention(
     ``tiles`` is the step's (sequence, query tile) work list (prefill_tiles.py), built for
     ``prefill_block_m(T)``; without it, it is worked out here. ``launch`` overrides the key
     tile, warps and stages (tests and the tuning sweep).
+
+    ``key_ends`` (Gemma 3's images, whose tokens attend to each other both ways): row t sees
+    the keys before ``max(its position + 1, key_ends[t])`` (absolute positions), from its
+    window's or chunk's start; the keys up to the end must be in the cache. Without it the
+    kernel compiles as the causal one (HAS_KEY_ENDS is a constexpr).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -1557,6 +1575,11 @@ def paged_prefill_attention(
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
+    if key_ends is not None and (key_ends.dtype != torch.int32 or key_ends.shape != (num_tokens,)):
+        raise ValueError(
+            f"key_ends must be [{num_tokens}] int32, one a query row, not "
+            f"{list(key_ends.shape)} {key_ends.dtype}"
+        )
     kv_fp8 = is_fp8_cache(k_cache)
     launch = launch or prefill_launch(head_dim, kv_fp8)
     block_m = launch.block_m or prefill_block_m(num_tokens)
@@ -1573,6 +1596,7 @@ def paged_prefill_attention(
         tiles,
         out,
         sinks_log2(sinks, q),
+        q if key_ends is None else key_ends,  # not read without HAS_KEY_ENDS
         scale * LOG2E * (k_scale if is_fp8_cache(k_cache) else 1.0),
         v_scale,
         sliding_window or 0,
@@ -1603,6 +1627,7 @@ def paged_prefill_attention(
         HAS_SINKS=sinks is not None,
         HAS_CHUNK=attention_chunk is not None,
         MIN_QUERY=2 if skip_decodes else 1,
+        HAS_KEY_ENDS=key_ends is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
