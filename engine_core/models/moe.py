@@ -361,18 +361,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         )  # fmt: skip
 
     def w4a16_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """One W4A16 expert's SwiGLU over its tokens x [n, H] -> [n, H]: the dequantizing
-        reference (w4a16.py), which the CPU serves with and the fused kernels are tested
-        against."""
-        group13, group2 = self.w4a16_groups
-        zeros13 = None if self.w13_zeros is None else self.w13_zeros[expert]
-        zeros2 = None if self.w2_zeros is None else self.w2_zeros[expert]
-        gate_up = w4a16_linear(
-            x, self.w13_qweight[expert], self.w13_scales[expert], zeros13, None, group13
-        )
-        act = silu_and_mul(gate_up)
-        return w4a16_linear(act, self.w2_qweight[expert], self.w2_scales[expert], zeros2, None,
-                            group2)  # fmt: skip
+        """One W4A16 expert's SwiGLU over its tokens (``w4a16_expert_mlp``)."""
+        return w4a16_expert_mlp(self.w4a16_experts(), expert, x)
 
     def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's linear, then moe.route; for one token on CUDA both in one launch
@@ -505,6 +495,17 @@ def grouped_experts(
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H]."""
     return F.linear(silu_and_mul(F.linear(x, w13)), w2)
+
+
+def w4a16_expert_mlp(experts: W4A16Experts, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """W4A16 expert ``expert``'s SwiGLU over its tokens x [n, H] -> [n, H]: the dequantizing
+    reference (w4a16.py), which the CPU serves with and the fused kernels are tested against."""
+    e, (group13, group2) = experts, experts.groups
+    zeros13 = None if e.w13_zeros is None else e.w13_zeros[expert]
+    zeros2 = None if e.w2_zeros is None else e.w2_zeros[expert]
+    gate_up = w4a16_linear(x, e.w13_qweight[expert], e.w13_scales[expert], zeros13, None, group13)
+    act = silu_and_mul(gate_up)
+    return w4a16_linear(act, e.w2_qweight[expert], e.w2_scales[expert], zeros2, None, group2)
 
 
 def map_moe_name(hf_name: str) -> tuple[str, int | None] | None:
