@@ -253,16 +253,16 @@ def fused_moe_w4a16(
 
 def check_layout(experts: W4A16Experts, hidden: int, blocks: Blocks | None) -> None:
     """ValueError unless the tensors have the dtypes and shapes the kernels assume, and the
-    groups are whole word rows (every group size a checkpoint can have passes: see
-    w4a16.py)."""
+    groups divide the inputs in whole word rows (as the loader already requires)."""
     e = experts
     num_experts, rows, words = e.w13_qweight.shape
     inter = rows // 2
     group13, group2 = e.groups
-    if words * PACK != hidden or group13 % PACK or group2 % PACK:
+    whole = hidden % group13 == 0 and inter % group2 == 0
+    if words * PACK != hidden or group13 % PACK or group2 % PACK or not whole:
         raise ValueError(
             f"fused_moe_w4a16: groups of ({group13}, {group2}) columns over inputs ({hidden}, "
-            f"{inter}) need whole 8-column words"
+            f"{inter}) need to divide them, in whole 8-column words"
         )
     if blocks is not None and blocks.k % MIN_BLOCK_K:
         raise ValueError(f"fused_moe_w4a16: K steps of {blocks.k}: a multiple of 128 only")
