@@ -192,3 +192,27 @@ def test_a_group_size_not_dividing_the_expert_width_is_refused(plain: Path, tmp_
     qc = awq_qc(48)
     with pytest.raises(ValueError, match=r"group_size 48 does not divide the input size \(64\)"):
         load_float32(write_folder(tmp_path / "g48", plain, tensors, qc))
+
+
+def test_random_w4a16_experts_for_the_presets(tmp_path: Path) -> None:
+    """`random:qwen3-30b-a3b --quantization gptq` (the GPU benchmarks): random 4-bit experts
+    whose values have the presets' spread (0.02), as the dense linears'."""
+    import dataclasses
+    import json
+
+    from engine_core.config import W4A16Config
+    from engine_core.models import build_model, model_config_from_hf
+    from engine_core.models.w4a16 import dequantize
+    from engine_core.presets import init_random_weights
+    from tests.factories import write_tiny_qwen3_moe
+
+    hf = json.loads((write_tiny_qwen3_moe(tmp_path) / "config.json").read_text())
+    quant = W4A16Config("gptq", group_size=32, zero_points=True)
+    config = dataclasses.replace(model_config_from_hf(hf), quantization=quant)
+    with torch.device("meta"):
+        model = build_model(config)
+    model.to_empty(device="cpu")
+    init_random_weights(model, seed=0)
+    moe = model.model.layers[0].mlp
+    weight = dequantize(moe.w2_qweight[3], moe.w2_scales[3], moe.w2_zeros[3], 32)
+    assert 0.015 < float(weight.std()) < 0.025
