@@ -29,6 +29,11 @@ kernels of engine_core/models/fp8_moe_kernels.py (no host sync: CUDA graphs capt
 elsewhere expert by expert through the dequantizing reference of engine_core/models/fp8.py;
 both quantize activations per token (and column group) as the checkpoint says.
 
+W4A16 experts (``make_w4a16``: AWQ, GPTQ or compressed-tensors checkpoints, each expert's
+tensors repacked into w4a16.py's layout as they load, stacked per expert) run on CUDA through
+the fused kernels of engine_core/models/w4a16_moe_kernels.py (no host sync), and elsewhere
+expert by expert through w4a16.py's dequantizing reference (``w4a16_expert_mlp``).
+
 A Llama-family decoder layer builds its MLP with ``make_mlp`` in engine_core/models/llama.py,
 which picks ``SparseMoE`` for the layers ``ModelConfig.is_moe_layer`` names.
 """
@@ -263,8 +268,9 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
     def load_quantized(
         self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
     ) -> None:
-        """An FP8 expert's weight (checked e4m3) or scale (per-channel scales as [rows]); the
-        layer's other parameters (a router's bias) as they are."""
+        """An FP8 expert's weight (checked e4m3) or scale (per-channel scales as [rows]), a W4A16
+        expert's tensors (scales checked positive); the layer's other parameters (a router's
+        bias) as they are."""
         target = getattr(self, param_name).data
         target = target if index is None else target[index]
         if param_name.endswith("_scales"):  # W4A16
@@ -280,7 +286,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         self, param_name: str, tensor: torch.Tensor, hf_name: str
     ) -> list[tuple[str, torch.Tensor]]:
         """A plain checkpoint's expert weight under ``--quantization fp8``: its e4m3 rows and one
-        absmax scale per row (one expert's gate, up or down, or all of them stacked)."""
+        absmax scale per row (one expert's gate, up or down, or all of them stacked); a W4A16
+        expert's tensors in our layout (``w4a16_form``)."""
         if self.w4a16 is not None:
             return self.w4a16_form(param_name, tensor, hf_name)
         config = self.fp8
