@@ -55,8 +55,10 @@ def _group_tile(Scales, Zeros, groups, cols, mask, stride_g, HAS_ZEROS: tl.const
     offsets = groups[:, None] * stride_g + cols[None, :]
     scale = tl.load(Scales + offsets, mask=mask, other=0.0)
     if HAS_ZEROS:
-        return scale, tl.load(Zeros + offsets, mask=mask, other=0).to(tl.float32) + _MAGIC
-    return scale, _SYMMETRIC_OFFSET
+        offset = tl.load(Zeros + offsets, mask=mask, other=0).to(tl.float32) + _MAGIC
+    else:
+        offset = _SYMMETRIC_OFFSET
+    return scale, offset
 
 
 @triton.jit
