@@ -27,6 +27,7 @@ from engine_core.models import build_model, finish_loading, model_config_from_hf
 from engine_core.models.fp8 import quantize_rows
 from engine_core.models.int8 import quantize_rows as int8_rows
 from engine_core.models.layers import Linear, reset_buffers
+from engine_core.models.moe import SparseMoE
 from engine_core.models.quant_config import random_weights_config
 from engine_core.models.target import BuildTarget
 from protocol.messages import EmbeddingModel
@@ -540,6 +541,9 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
         if isinstance(module, Linear) and module.quantized:
             init_random_quantized(module, gen)
             continue
+        if isinstance(module, SparseMoE) and module.w4a16 is not None:
+            init_random_w4a16_experts(module, gen)
+            continue
         for name, param in module.named_parameters(recurse=False):
             if param.dtype == torch.uint8:  # MXFP4 experts: random codes, scales of 2^-7
                 _init_mxfp4(name, param, gen)
@@ -577,13 +581,26 @@ def init_random_quantized(module: Linear, gen: torch.Generator) -> None:
 
 def init_random_w4a16(module: Linear, gen: torch.Generator) -> None:
     """Uniform 4-bit values (std 4.6 around 8): each word's bits at random."""
-    words = module.qweight
+    fill_random_w4a16(module.qweight, module.scales, module.zeros, gen)
+    module.tile_w4a16_for_cuda()
+
+
+def init_random_w4a16_experts(moe: SparseMoE, gen: torch.Generator) -> None:
+    """W4A16 experts as ``init_random_w4a16``'s linears (the router is a linear of its own)."""
+    for name in ("w13", "w2"):
+        words, scales = getattr(moe, f"{name}_qweight"), getattr(moe, f"{name}_scales")
+        fill_random_w4a16(words, scales, getattr(moe, f"{name}_zeros"), gen)
+
+
+def fill_random_w4a16(
+    words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, gen: torch.Generator
+) -> None:
+    """Every word's bits at random, scales that give the values INIT_STD, zero points 8."""
     words.copy_(torch.randint(-(2**31), 2**31 - 1, words.shape, generator=gen,
                               dtype=torch.int32, device=words.device))  # fmt: skip
-    module.scales.fill_(INIT_STD / 4.6)
-    if module.zeros is not None:
-        module.zeros.fill_(8)
-    module.tile_w4a16_for_cuda()
+    scales.fill_(INIT_STD / 4.6)
+    if zeros is not None:
+        zeros.fill_(8)
 
 
 def _is_norm(module: nn.Module) -> bool:

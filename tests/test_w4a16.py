@@ -352,13 +352,3 @@ def test_random_presets_take_a_w4a16_layout() -> None:
     assert down.qweight.shape == (576, 1536 // 8) and down.zeros.shape == (1536 // 64, 576)
     weight = dequantize(down.qweight, down.scales, down.zeros, 64)
     assert 0.015 < float(weight.std()) < 0.025  # the presets' 0.02
-
-
-def test_w4a16_experts_are_refused(tmp_path: Path) -> None:
-    from engine_core.models import model_config_from_hf
-    from tests.factories import write_tiny_qwen3_moe
-
-    hf = json.loads((write_tiny_qwen3_moe(tmp_path) / "config.json").read_text())
-    hf["quantization_config"] = gptq_qc(32, desc_act=False, sym=True, v2=False)
-    with torch.device("meta"), pytest.raises(ValueError, match=r"W4A16 \(gptq\) is not impl"):
-        build_model(model_config_from_hf(hf))

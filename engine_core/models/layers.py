@@ -400,8 +400,9 @@ class TPSharded:
 
 
 # Where a shard lives in its parameter: an index for ``param.data[...]`` (rows of a merged linear;
-# (expert, rows) of stacked experts; (all groups, rows) of a W4A16 layer's per-group scales).
-ShardIndex = slice | int | tuple[int, slice] | tuple[slice, slice]
+# (expert, rows) of stacked experts; (all groups, rows) of a W4A16 layer's per-group scales;
+# (expert, all groups, rows) of W4A16 experts' scales).
+ShardIndex = slice | int | tuple[int, slice] | tuple[slice, slice] | tuple[int, slice, slice]
 
 
 class ShardedParameters:

@@ -29,6 +29,11 @@ kernels of engine_core/models/fp8_moe_kernels.py (no host sync: CUDA graphs capt
 elsewhere expert by expert through the dequantizing reference of engine_core/models/fp8.py;
 both quantize activations per token (and column group) as the checkpoint says.
 
+W4A16 experts (``make_w4a16``: AWQ, GPTQ or compressed-tensors checkpoints, each expert's
+tensors repacked into w4a16.py's layout as they load, stacked per expert) run on CUDA through
+the fused kernels of engine_core/models/w4a16_moe_kernels.py (no host sync), and elsewhere
+expert by expert through w4a16.py's dequantizing reference (``w4a16_expert_mlp``).
+
 A Llama-family decoder layer builds its MLP with ``make_mlp`` in engine_core/models/llama.py,
 which picks ``SparseMoE`` for the layers ``ModelConfig.is_moe_layer`` names.
 """
@@ -43,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.config import Fp8Config, ModelConfig
+from engine_core.config import Fp8Config, ModelConfig, W4A16Config
 from engine_core.models.expert_dispatch import dispatch_combine, gather_tokens, token_slice
 from engine_core.models.fp8 import (
     FP8_DTYPE,
@@ -60,12 +65,23 @@ from engine_core.models.layers import (
     check_divisible,
     check_held_dtype,
     check_plain_weight,
+    check_positive,
+    check_w4a16_shapes,
     checkpoint_scale,
     copy_into,
     empty_param,
     rank_rows,
     silu_and_mul,
     use_triton,
+)
+from engine_core.models.w4a16 import (
+    PACK,
+    W4A16Experts,
+    check_trivial_g_idx,
+    check_weight_shape,
+    held_name,
+    to_layout,
+    w4a16_linear,
 )
 from engine_core.parallel import SINGLE, TPGroup
 
@@ -90,12 +106,18 @@ _REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "first_k_dense_replace": (None, 0),
 }
 
-# HF per-expert names: (layer prefix, expert, projection); Mixtral calls the block
-# block_sparse_moe and its projections w1 (gate), w3 (up), w2 (down).
+# HF per-expert names: (layer prefix, expert, projection, tensor); Mixtral calls the block
+# block_sparse_moe and its projections w1 (gate), w3 (up), w2 (down). The tensor: a weight, an
+# FP8 scale, or a W4A16 format's tensors (w4a16.CHECKPOINT_NAMES).
 _PER_EXPERT = re.compile(
     r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale)$"
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale|qweight|qzeros|scales|g_idx|weight_packed|weight_zero_point|"
+    r"weight_shape|weight_g_idx)$"
 )
+# A per-expert tensor -> the suffix of our parameter it maps to (w13<suffix>, w2<suffix>); the
+# W4A16 ones are put into the layout by SparseMoE.quantized_form.
+_TENSOR_SUFFIX = {"weight": "", "weight_scale": "_scale"}
 # Stacked experts: (layer prefix, gate_up_proj [E, 2I, H] or down_proj [E, H, I]).
 _STACKED = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(.*)\.block_sparse_moe\.gate\.weight$")
@@ -119,6 +141,7 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         else:  # every expert, 1/size of its width
             self.inter = check_divisible("expert width (moe_intermediate_size)", width, tp)
             local = experts
+        self.local_experts = local
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.tp = tp
         self.gate = nn.Linear(hidden, experts, bias=False)
@@ -128,6 +151,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         # which this layer's forward makes one at a time.
         self.register_buffer("router_arrived", torch.zeros(1, dtype=torch.int32), persistent=False)
         self.fp8: Fp8Config | None = None  # set by make_fp8, before loading
+        self.w4a16: W4A16Config | None = None  # set by make_w4a16, before loading
+        self.w4a16_groups = (0, 0)  # W4A16: input columns per scale of w13, of w2
         if self.expert_parallel:  # the all-to-all's split sizes are read on the host
             self.cuda_graph_safe = False
 
@@ -157,6 +182,44 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         self.w13_scale = empty_param((experts, *scale_13), torch.float32, device)
         self.w2_scale = empty_param((experts, *scale_2), torch.float32, device)
         self.fp8 = config
+
+    def make_w4a16(self, config: W4A16Config, where: str) -> None:
+        """Hold the experts in the W4A16 layout of w4a16.py, stacked per expert, from now on:
+        ``w13_qweight`` int32 [E, 2I, H/8], ``w13_scales`` float32 [E, G, 2I], ``w13_zeros``
+        uint8 [E, G, 2I] (with zero points), and ``w2_*`` alike for [H, I] (call before
+        loading, on any device)."""
+        if config.act_order:
+            field = "desc_act" if config.source == "gptq" else "actorder"
+            raise ValueError(
+                f"quantization_config.{field}: act-order is not implemented for W4A16 experts "
+                "(each expert would need its own column order); quantize without it"
+            )
+        if self.tp.size > 1:
+            raise ValueError(
+                "W4A16 experts under tensor or expert parallelism are not implemented yet; "
+                "serve this model with --tensor-parallel-size 1"
+            )
+        experts, rows, hidden = self.w13.shape
+        group13 = check_w4a16_shapes(config, hidden, [self.inter, self.inter], f"{where}.w13")
+        group2 = check_w4a16_shapes(config, self.inter, [hidden], f"{where}.w2")
+        self.register_parameter("w13", None)
+        self.register_parameter("w2", None)
+        self.hold_w4a16("w13", (experts, rows, hidden), group13, config.zero_points)
+        self.hold_w4a16("w2", (experts, hidden, self.inter), group2, config.zero_points)
+        self.w4a16, self.w4a16_groups = config, (group13, group2)
+
+    def hold_w4a16(
+        self, name: str, shape: tuple[int, int, int], group: int, zero_points: bool
+    ) -> None:
+        """Empty W4A16 parameters ``<name>_qweight``, ``_scales``, ``_zeros`` for stacked
+        weights of ``shape`` [E, rows, cols]."""
+        (experts, rows, cols), device = shape, self.gate.weight.device
+        per_group = (experts, cols // group, rows)
+        qweight = empty_param((experts, rows, cols // PACK), torch.int32, device)
+        self.register_parameter(f"{name}_qweight", qweight)
+        self.register_parameter(f"{name}_scales", empty_param(per_group, torch.float32, device))
+        zeros = empty_param(per_group, torch.uint8, device) if zero_points else None
+        self.register_parameter(f"{name}_zeros", zeros)
 
     def reset_buffers(self) -> None:
         """Zero the arrival count (after ``to_empty`` gave it uninitialised memory)."""
@@ -188,7 +251,7 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
             inputs = part
             weights = torch.empty((0, self.top_k), dtype=torch.float32, device=x.device)
             ids = torch.empty((0, self.top_k), dtype=torch.int64, device=x.device)
-        local = self.w13.shape[0]
+        local = self.local_experts
         out = dispatch_combine(inputs, weights, ids, local, self.tp, self.run_local_experts)
         return gather_tokens(out, x.shape[0], self.tp)
 
@@ -200,16 +263,19 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
 
     @property
     def quantized(self) -> bool:
-        return self.fp8 is not None
+        return self.fp8 is not None or self.w4a16 is not None
 
     def load_quantized(
         self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
     ) -> None:
-        """An FP8 expert's weight (checked e4m3) or scale (per-channel scales as [rows]); the
-        layer's other parameters (a router's bias) as they are."""
+        """An FP8 expert's weight (checked e4m3) or scale (per-channel scales as [rows]), a W4A16
+        expert's tensors (scales checked positive); the layer's other parameters (a router's
+        bias) as they are."""
         target = getattr(self, param_name).data
         target = target if index is None else target[index]
-        if param_name in ("w13_scale", "w2_scale"):
+        if param_name.endswith("_scales"):  # W4A16
+            check_positive(tensor, hf_name)
+        elif param_name in ("w13_scale", "w2_scale"):
             per_channel = self.fp8 is not None and self.fp8.block is None
             tensor = checkpoint_scale(tensor, target, per_channel, hf_name)
         elif param_name in ("w13", "w2") and self.fp8 is not None:
@@ -220,7 +286,10 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         self, param_name: str, tensor: torch.Tensor, hf_name: str
     ) -> list[tuple[str, torch.Tensor]]:
         """A plain checkpoint's expert weight under ``--quantization fp8``: its e4m3 rows and one
-        absmax scale per row (one expert's gate, up or down, or all of them stacked)."""
+        absmax scale per row (one expert's gate, up or down, or all of them stacked); a W4A16
+        expert's tensors in our layout (``w4a16_form``)."""
+        if self.w4a16 is not None:
+            return self.w4a16_form(param_name, tensor, hf_name)
         config = self.fp8
         if param_name not in ("w13", "w2") or config is None or config.prequantized:
             return [(param_name, tensor)]
@@ -232,6 +301,34 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
             (f"{param_name}_scale", scale.view(tensor.shape[:-1])),
         ]
 
+    def w4a16_form(
+        self, param_name: str, tensor: torch.Tensor, hf_name: str
+    ) -> list[tuple[str, torch.Tensor]]:
+        """[(our parameter, tensor)] for one expert's W4A16 checkpoint tensor (``map_moe_name``
+        named it w13_<tensor> or w2_<tensor>): in the layout of w4a16.py, or checked and dropped
+        (compressed-tensors' weight_shape, a g_idx without act-order)."""
+        config = self.w4a16
+        assert config is not None
+        proj, _, rest = param_name.partition("_")
+        if proj not in ("w13", "w2"):
+            return [(param_name, tensor)]
+        checkpoint_name = {"": "weight", "scale": "weight_scale"}.get(rest, rest)
+        if checkpoint_name == "weight":
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} is a plain weight, but the checkpoint's "
+                f"quantization_config ({config.source}) makes the experts 4-bit"
+            )
+        name = held_name(config, checkpoint_name)
+        hidden = self.w13_qweight.shape[2] * PACK
+        rows, cols = (self.inter, hidden) if proj == "w13" else (hidden, self.inter)
+        if name is None:
+            check_weight_shape(tensor, [rows], cols, hf_name)
+            return []
+        if name == "g_idx":
+            check_trivial_g_idx(tensor, self.w4a16_groups[proj == "w2"], hf_name)
+            return []
+        return [(f"{proj}_{name}", to_layout(config, name, tensor, hf_name))]
+
     def run_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert ids[t, k] (x[t]), [T, hidden], over the experts
         this rank holds (ids index them: under expert parallelism, its local ones)."""
@@ -240,7 +337,13 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
 
             return fused_moe_fp8(x, self.fp8_experts(), weights, ids)
         if self.fp8 is not None:
-            return grouped_experts(x, weights, ids, self.w13.shape[0], self.fp8_expert)
+            return grouped_experts(x, weights, ids, self.local_experts, self.fp8_expert)
+        if self.w4a16 is not None and use_triton(x):
+            from engine_core.models.w4a16_moe_kernels import fused_moe_w4a16  # imports triton
+
+            return fused_moe_w4a16(x, self.w4a16_experts(), weights, ids)
+        if self.w4a16 is not None:
+            return grouped_experts(x, weights, ids, self.local_experts, self.w4a16_expert)
         return run_experts(x, self.w13, self.w2, weights, ids)
 
     def fp8_experts(self) -> Fp8Experts:
@@ -257,6 +360,17 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         down = self.w2[expert], self.w2_scale[expert]
         return fp8_linear(silu_and_mul(gate_up), *down, None, config)
 
+    def w4a16_experts(self) -> W4A16Experts:
+        """The W4A16 experts as the fused kernels take them (w4a16_moe_kernels.py)."""
+        return W4A16Experts(
+            self.w13_qweight, self.w13_scales, self.w13_zeros,
+            self.w2_qweight, self.w2_scales, self.w2_zeros, self.w4a16_groups,
+        )  # fmt: skip
+
+    def w4a16_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One W4A16 expert's SwiGLU over its tokens (``w4a16_expert_mlp``)."""
+        return w4a16_expert_mlp(self.w4a16_experts(), expert, x)
+
     def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's linear, then moe.route; for one token on CUDA both in one launch
         (fused_moe.route_one_token), which does not call ``self.gate``: forward hooks on the
@@ -271,9 +385,9 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
     def checkpoint_shards(self, param_name: str) -> range:
         # w13: expert e's gate is shard 2e, its up 2e + 1; w2: expert e's down is shard e (e
         # over the whole model: under expert parallelism, this rank's experts only); their FP8
-        # scales alike.
-        first, experts = self.first_expert, self.w13.shape[0]
-        if param_name in ("w13", "w13_scale"):
+        # scales and W4A16 tensors alike.
+        first, experts = self.first_expert, self.local_experts
+        if param_name.startswith("w13"):
             return range(2 * first, 2 * (first + experts))
         return range(first, first + experts)
 
@@ -281,11 +395,16 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         return shard in self.checkpoint_shards(param_name)
 
     def shard_index(self, param_name: str, shard: int) -> ShardIndex:
-        if param_name in ("w2", "w2_scale"):
+        if param_name.startswith("w2"):
             return shard - self.first_expert
         expert, half = divmod(shard, 2)
-        rows = getattr(self, param_name).shape[1] // 2  # the gate's rows (or row blocks)
-        return expert - self.first_expert, slice(half * rows, (half + 1) * rows)
+        # W4A16 scales and zeros are [E, groups, rows]: the gate's rows are along the last dim.
+        along_last = param_name in ("w13_scales", "w13_zeros")
+        rows = getattr(self, param_name).shape[2 if along_last else 1] // 2  # the gate's rows
+        half_rows = slice(half * rows, (half + 1) * rows)
+        if along_last:
+            return expert - self.first_expert, slice(None), half_rows
+        return expert - self.first_expert, half_rows
 
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
@@ -385,6 +504,17 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
     return F.linear(silu_and_mul(F.linear(x, w13)), w2)
 
 
+def w4a16_expert_mlp(experts: W4A16Experts, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """W4A16 expert ``expert``'s SwiGLU over its tokens x [n, H] -> [n, H]: the dequantizing
+    reference (w4a16.py), which the CPU serves with and the fused kernels are tested against."""
+    e, (group13, group2) = experts, experts.groups
+    zeros13 = None if e.w13_zeros is None else e.w13_zeros[expert]
+    zeros2 = None if e.w2_zeros is None else e.w2_zeros[expert]
+    gate_up = w4a16_linear(x, e.w13_qweight[expert], e.w13_scales[expert], zeros13, None, group13)
+    act = silu_and_mul(gate_up)
+    return w4a16_linear(act, e.w2_qweight[expert], e.w2_scales[expert], zeros2, None, group2)
+
+
 def map_moe_name(hf_name: str) -> tuple[str, int | None] | None:
     """An HF MoE checkpoint name -> (our parameter, shard), or None when it is no MoE name.
 
@@ -392,7 +522,7 @@ def map_moe_name(hf_name: str) -> tuple[str, int | None] | None:
     """
     if match := _PER_EXPERT.match(hf_name):
         prefix, expert, proj = match[1], int(match[2]), match[3]
-        suffix = "_scale" if match[4] == "weight_scale" else ""
+        suffix = _TENSOR_SUFFIX.get(match[4], f"_{match[4]}")
         if proj in ("w2", "down_proj"):
             return f"{prefix}.mlp.w2{suffix}", expert
         return f"{prefix}.mlp.w13{suffix}", 2 * expert + _GATE_UP_HALF[proj]

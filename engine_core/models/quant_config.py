@@ -93,12 +93,13 @@ def random_weights_config(flag: str | None, model: ModelConfig) -> QuantConfig |
     """The format a random preset's linears take under ``--quantization`` (there is no
     checkpoint to read one from): 'fp8' and 'w8a8' as a plain checkpoint loads under them; a
     4-bit format's name (compressed-tensors: its W4A16 scheme), that layout with 128-column
-    groups, or 64 or 32 where 128 does not divide every input (smollm2's 576), AWQ and GPTQ with
-    zero points, as they store them."""
+    groups, or 64 or 32 where 128 does not divide every input (smollm2's 576; an expert's width
+    too), AWQ and GPTQ with zero points, as they store them."""
     if flag is None or flag in ("fp8", "w8a8"):
         return with_quantization_flag(None, flag)
     source = FLAG_SOURCES[flag]
     inputs = (model.hidden_size, model.intermediate_size, model.num_heads * model.head_dim)
+    inputs += (model.moe_intermediate_size,) if model.num_experts else ()
     group = next(size for size in (128, 64, 32, 8) if not any(k % size for k in inputs))
     return W4A16Config(source=source, group_size=group, zero_points=source != "compressed-tensors")
 

@@ -2,16 +2,16 @@
 INT8 or W4A16), before any weight loads.
 
 Which layers: every ``Linear`` of the decoder layers (attention's qkv and output projections,
-the MLP's gate/up and down) and, in FP8, a mixture of experts' experts, except the modules a
-checkpoint lists as ignored. The embeddings, the LM head, norms and a mixture of experts' router
-stay in the model's dtype, as every quantized checkpoint we read keeps them.
+the MLP's gate/up and down) and, in FP8 and W4A16, a mixture of experts' experts, except the
+modules a checkpoint lists as ignored. The embeddings, the LM head, norms and a mixture of
+experts' router stay in the model's dtype, as every quantized checkpoint we read keeps them.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from engine_core.config import Fp8Config, Int8Config, ModelConfig, QuantConfig
+from engine_core.config import Fp8Config, Int8Config, ModelConfig, QuantConfig, W4A16Config
 from engine_core.models.fp8_config import is_ignored
 from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
@@ -30,9 +30,8 @@ def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
         return
     check_architecture(config, quant)
     for name, module in model.named_modules():
-        if isinstance(module, SparseMoE) and isinstance(quant, Fp8Config):
-            if not is_ignored(f"{name}.experts", quant):
-                module.make_fp8(quant)
+        if isinstance(module, SparseMoE):
+            make_quantized_experts(module, quant, name)
             continue
         if not isinstance(module, Linear):
             continue
@@ -46,6 +45,17 @@ def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
                 "Tandem runs them as one merged projection"
             )
         make_quantized(module, quant, name)
+
+
+def make_quantized_experts(module: SparseMoE, quant: QuantConfig, name: str) -> None:
+    """A mixture of experts' experts in FP8 or W4A16 (W8A8 experts are refused by
+    ``check_architecture``)."""
+    if is_ignored(f"{name}.experts", quant):
+        return
+    if isinstance(quant, Fp8Config):
+        module.make_fp8(quant)
+    elif isinstance(quant, W4A16Config):
+        module.make_w4a16(quant, name)
 
 
 def make_quantized(module: Linear, quant: QuantConfig, name: str) -> None:
@@ -74,8 +84,8 @@ def format_name(quant: QuantConfig) -> str:
 
 def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
     """Quantized linears cover the dense Llama-family layers (Llama, Mistral, Qwen2/3, Phi-3,
-    Gemma 3) and, in FP8, mixtures of experts; W4A16 not Phi-3's fused projections, whose packed
-    layouts split differently."""
+    Gemma 3) and, in FP8 and W4A16, mixtures of experts; W4A16 not Phi-3's fused projections,
+    whose packed layouts split differently."""
     name = format_name(quant)
     if config.architecture in UNTESTED_ARCHITECTURES:
         raise ValueError(
@@ -87,7 +97,12 @@ def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
             f"{name} quantizing a plain DeepSeek checkpoint as it loads is not implemented; serve "
             "its published FP8 checkpoint, or this one unquantized"
         )
-    if config.num_experts and not isinstance(quant, Fp8Config):
+    if config.architecture == "deepseek" and isinstance(quant, W4A16Config):
+        raise ValueError(
+            f"{name} is not implemented for DeepSeek models (its latent attention and shared "
+            "experts have no tested W4A16 path); serve this model unquantized or in FP8"
+        )
+    if config.num_experts and isinstance(quant, Int8Config):
         raise ValueError(
             f"{name} is not implemented for mixture-of-experts models (their experts have no "
             f"{name} kernel yet); serve this model unquantized or in another format"

@@ -32,6 +32,7 @@ fp16 or bf16 scale) and multiplies in the activations' dtype, activations not qu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -43,6 +44,21 @@ PACK = 8  # 4-bit values per int32 word
 # AutoAWQ packs column 8j + AWQ_ORDER[i] of a word's eight into nibble i (its WQLinear_GEMM).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SYMMETRIC_ZERO = 8
+
+
+@dataclass(frozen=True)
+class W4A16Experts:
+    """One MoE layer's W4A16 experts as SparseMoE (moe.py) holds them: the layout above stacked
+    per expert, ``w13`` (gate rows, then up rows) for [2I, H] and ``w2`` for [H, I]; the
+    fused kernels (w4a16_moe_kernels.py) read it as loaded."""
+
+    w13_qweight: torch.Tensor  # [E, 2I, H / 8] int32
+    w13_scales: torch.Tensor  # [E, H / group, 2I] float32
+    w13_zeros: torch.Tensor | None  # [E, H / group, 2I] uint8
+    w2_qweight: torch.Tensor  # [E, H, I / 8] int32
+    w2_scales: torch.Tensor  # [E, I / group, H] float32
+    w2_zeros: torch.Tensor | None  # [E, I / group, H] uint8
+    groups: tuple[int, int]  # input columns per scale of w13 (of H), of w2 (of I)
 
 
 def w4a16_kernels() -> ModuleType:
