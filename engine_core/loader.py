@@ -31,7 +31,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from engine_core.embedding import embedding_model
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_block_on_device, check_fp8_device
 from engine_core.models.layers import reset_buffers
+from engine_core.models.meta_build import meta_build
 from engine_core.models.quant_config import with_quantization_flag
 from engine_core.models.target import BuildTarget
 
@@ -98,7 +98,7 @@ def load_model(
     config = with_quantization(load_model_config(model_dir), quantization, device)
     config = dataclasses.replace(config, embedding=embedding_model(runner, model_dir, config))
     # Built on the meta device, so no time goes into random init of weights about to be replaced.
-    with torch.device("meta"), default_dtype(dtype):
+    with meta_build(dtype):
         module = build_model(config, target)
     if check_fit is not None:
         check_fit(module, config)
@@ -190,16 +190,6 @@ def tokenizer_dir_for_preset(preset: str) -> Path:
 
         return vision_preset_dir(preset, tokenizer_dir_for_random())
     return tokenizer_dir_for_random()
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:

@@ -23,6 +23,7 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.models.layers import RotaryEmbedding
 from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.meta_build import computed_buffer
 from engine_core.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ class MRopeSections(nn.Module):
     def __init__(self, mrope_section: tuple[int, ...]) -> None:
         super().__init__()
         self.mrope_section = mrope_section
-        self.register_buffer("section", section_of_each_frequency(mrope_section), persistent=False)
+        section = computed_buffer(lambda: section_of_each_frequency(mrope_section))
+        self.register_buffer("section", section, persistent=False)
 
     def reset_buffers(self) -> None:
         self.section = section_of_each_frequency(self.mrope_section).to(self.section.device)
