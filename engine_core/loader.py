@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,16 @@ def tokenizer_dir_for_preset(preset: str) -> Path:
 
         return vision_preset_dir(preset, tokenizer_dir_for_random())
     return tokenizer_dir_for_random()
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
