@@ -46,6 +46,7 @@ from engine_core.embedding import embedding_model
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_block_on_device, check_fp8_device
 from engine_core.models.layers import reset_buffers
+from engine_core.models.meta_build import meta_build
 from engine_core.models.quant_config import with_quantization_flag
 from engine_core.models.target import BuildTarget
 
@@ -98,7 +99,7 @@ def load_model(
     config = with_quantization(load_model_config(model_dir), quantization, device)
     config = dataclasses.replace(config, embedding=embedding_model(runner, model_dir, config))
     # Built on the meta device, so no time goes into random init of weights about to be replaced.
-    with torch.device("meta"), default_dtype(dtype):
+    with meta_build(dtype):
         module = build_model(config, target)
     if check_fit is not None:
         check_fit(module, config)

@@ -62,10 +62,11 @@ from engine_core.eagle3 import (
     plan_entries,
 )
 from engine_core.forward_context import forward_context
-from engine_core.loader import default_dtype, normalize_fp8_names, read_json
+from engine_core.loader import normalize_fp8_names, read_json
 from engine_core.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
 from engine_core.models.layers import Linear, NameMap, load_mapped_weights, reset_buffers
 from engine_core.models.llama import choose_layer_forms, make_norm
+from engine_core.models.meta_build import meta_build
 from engine_core.models.quantize import make_quantized_linears
 from engine_core.models.target import BuildTarget
 from engine_core.request import SchedulerOutput
@@ -204,7 +205,7 @@ def load_mtp_layer(
         )
     # The plain forms (no gate/up interleaving): its proposal graphs capture them as they are.
     build = BuildTarget(device, dtype)
-    with torch.device("meta"), default_dtype(dtype):
+    with meta_build(dtype):
         mtp = MtpLayer(config)
         make_quantized_linears(mtp, config)
         choose_layer_forms(mtp, build)

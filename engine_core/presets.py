@@ -27,6 +27,7 @@ from engine_core.models import build_model, finish_loading, model_config_from_hf
 from engine_core.models.fp8 import quantize_rows
 from engine_core.models.int8 import quantize_rows as int8_rows
 from engine_core.models.layers import Linear, reset_buffers
+from engine_core.models.meta_build import meta_build
 from engine_core.models.moe import SparseMoE
 from engine_core.models.quant_config import random_weights_config
 from engine_core.models.target import BuildTarget
@@ -515,13 +516,8 @@ def build_random_model(
     config = PRESETS[_check_name(name)]
     quant = random_weights_config(quantization, config)
     config = dataclasses.replace(config, quantization=quant, embedding=embedding)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = build_model(config, target)
-    finally:
-        torch.set_default_dtype(previous)
+    with meta_build(dtype):
+        model = build_model(config, target)
     if check_fit is not None:
         check_fit(model, config)
     model.to_empty(device=device)

@@ -189,7 +189,6 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine_core.loader import resolve_for_serving
-    from frontend.api_processes import bind_sockets
     from frontend.engines import plan_engines
     from frontend.request_id import tag_log_records
 
@@ -207,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         return serve_worker_node(args)
     listeners = None
     if args.api_servers > 1:
+        from frontend.api_processes import bind_sockets  # the HTTP stack: see launch
+
         try:
             listeners = bind_sockets(args.host, args.port, args.api_servers)
         except OSError as exc:
@@ -241,18 +242,23 @@ def launch(
     specs: list[EngineSpec],
     listeners: list[socket.socket] | None,
 ) -> int:
-    """Start the engines, serve until a signal, then stop the HTTP side and the engines."""
+    """Start the engines, serve until a signal, then stop the HTTP side and the engines.
+
+    The engines start before this process imports its HTTP stack (FastAPI, the OpenAI schemas,
+    the tokenizer's libraries): their start-up (imports, the model) overlaps ours."""
     from common import event_loop
     from common.processes import exit_on_sigterm
-    from frontend.api_processes import ApiProcesses
-    from frontend.http_server import serve_http
     from protocol.client import EngineDeadError
 
     exit_on_sigterm()  # so the finally below runs on SIGTERM too
-    api = ApiProcesses(args, model_dir, specs, listeners) if listeners else None
+    api = None
     try:
         for spec in specs:  # they load in parallel
             spec.start()
+        from frontend.api_processes import ApiProcesses
+        from frontend.http_server import serve_http
+
+        api = ApiProcesses(args, model_dir, specs, listeners) if listeners else None
         event_loop.run(api.run() if api is not None else serve_http(args, model_dir, specs))
     except (KeyboardInterrupt, SystemExit):
         pass

@@ -34,6 +34,7 @@ from engine_core.models.fp8 import (
 )
 from engine_core.models.int8 import int8_linear
 from engine_core.models.int8 import quantize_rows as int8_rows
+from engine_core.models.meta_build import computed_buffer
 from engine_core.models.pipeline import held_elsewhere
 from engine_core.models.w4a16 import (
     PACK,
@@ -229,7 +230,7 @@ class RotaryEmbedding(nn.Module):
         # LongRoPE and YaRN scale cos/sin (their config's attention_factor, resolved when read).
         scaled = rope_type_of(scaling) in ("longrope", "yarn")
         self.attention_factor = float(scaling["attention_factor"]) if scaled else 1.0
-        inv_freq = compute_inv_freq(rotary_dim, base, scaling)
+        inv_freq = computed_buffer(lambda: compute_inv_freq(rotary_dim, base, scaling))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def reset_buffers(self) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.models.layers import RotaryEmbedding
 from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.meta_build import computed_buffer
 from engine_core.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class MRopeSections(nn.Module):
         super().__init__()
         self.mrope_section = mrope_section
         self.interleaved = interleaved
-        section = section_of_each_frequency(mrope_section, interleaved)
+        section = computed_buffer(lambda: section_of_each_frequency(mrope_section, interleaved))
         self.register_buffer("section", section, persistent=False)
 
     def reset_buffers(self) -> None:
