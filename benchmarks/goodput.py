@@ -62,6 +62,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="Poisson arrival rates (requests/s) swept, comma-separated (default: 2,4,8,16,32)",
     )  # fmt: skip
     parser.add_argument(
+        "--seed", type=int, default=0,
+        help="the prompts' and arrivals' seed: rate i's run is seeded SEED + i on every server, "
+        "so servers (and two commits) meet the same requests (default: 0)",
+    )  # fmt: skip
+    parser.add_argument(
         "--duration", type=float, default=20.0,
         help="seconds of arrivals per rate: each rate's run sends round(rate x duration) "
         "requests, at least one (default: %(default)s; a saturated server takes longer to "
@@ -89,13 +94,27 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def rate_workloads(args: argparse.Namespace) -> list[PoissonWorkload]:
-    """One workload per rate: round(rate x duration) requests at that rate."""
+    """One workload per rate: round(rate x duration) requests at that rate, seeded with
+    ``--seed`` plus the rate's index, so every server gets the same prompts and arrival times
+    at a rate and no rate repeats another's prompts (which a server's prefix cache would hit)."""
     return [
         PoissonWorkload(
-            max(1, round(rate * args.duration)), args.input_len, args.output_len, rate, args.slo
+            max(1, round(rate * args.duration)), args.input_len, args.output_len, rate, args.slo,
+            args.seed + i,
         )
-        for rate in args.rates
-    ]
+        for i, rate in enumerate(args.rates)
+    ]  # fmt: skip
+
+
+def warm_up_workload(args: argparse.Namespace) -> PoissonWorkload | None:
+    """The warm-up as each server starts, seeded past every rate's seed (its prompts are
+    none of the measured ones)."""
+    if not args.warmup_requests:
+        return None
+    seed = args.seed + len(args.rates)
+    return PoissonWorkload(
+        args.warmup_requests, args.input_len, args.output_len, math.inf, seed=seed
+    )
 
 
 def check(args: argparse.Namespace) -> None:
@@ -116,9 +135,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = serving.model_folder(args.model, out_dir)
     servers = serving.build_servers(args, model_dir)
-    warm_up = None
-    if args.warmup_requests:
-        warm_up = PoissonWorkload(args.warmup_requests, args.input_len, args.output_len, math.inf)
+    warm_up = warm_up_workload(args)
     loadgen_args = shlex.split(args.loadgen_args)
     workloads = rate_workloads(args)
     results = run_sequential(servers, workloads, tokenizer, out_dir, 1, loadgen_args, warm_up)

@@ -104,13 +104,15 @@ def parse_workloads(text: str) -> list[Workload]:
 class PoissonWorkload:
     """``num_requests`` random prompts, each of a length drawn from ``input_len`` and asking for
     a length drawn from ``output_len`` (EOS ignored), arriving as a Poisson process at ``rate``
-    per second; each request judged against ``slo`` for the goodput."""
+    per second; each request judged against ``slo`` for the goodput. ``seed`` fixes the prompts,
+    their lengths and the arrival times (None: loadgen draws a fresh seed each run)."""
 
     num_requests: int
     input_len: LenRange
     output_len: LenRange
     rate: float
     slo: Slo | None = None
+    seed: int | None = None
     backend: ClassVar[str] = "openai-completions"
 
     @property
@@ -123,6 +125,8 @@ class PoissonWorkload:
         args += ["--output-len", str(self.output_len), "--request-rate", f"{self.rate:g}"]
         if self.slo is not None:
             args += ["--slo", ",".join(f"{k}={v:g}" for k, v in self.slo.as_ms().items())]
+        if self.seed is not None:
+            args += ["--seed", str(self.seed)]
         return args
 
 

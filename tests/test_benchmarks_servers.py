@@ -164,7 +164,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_poisson_workload_asks_for_ranged_lengths_a_rate_and_the_slo() -> None:
-    from benchmarks.goodput import rate_workloads
+    from benchmarks.goodput import rate_workloads, warm_up_workload
     from benchmarks.servers import PoissonWorkload
     from loadgen.metrics import Slo
     from loadgen.workload import LenRange
@@ -178,8 +178,14 @@ def test_a_poisson_workload_asks_for_ranged_lengths_a_rate_and_the_slo() -> None
     command = loadgen_command("http://h:1", work, "/tok", Path("/r.json"), 0, 1)
     assert command[3:5] == ["--backend", "openai-completions"] and "--ignore-eos" in command
     args = type("Args", (), {"rates": [2.0, 0.5, 32.0], "duration": 20.0, "slo": None})()
-    args.input_len, args.output_len = LenRange(1, 2), LenRange(3, 4)
-    assert [w.num_requests for w in rate_workloads(args)] == [40, 10, 640]
+    args.input_len, args.output_len, args.seed, args.warmup_requests = (
+        LenRange(1, 2), LenRange(3, 4), 7, 5,
+    )  # fmt: skip
+    workloads = rate_workloads(args)
+    assert [w.num_requests for w in workloads] == [40, 10, 640]
+    # Every rate its own seed, the same for every server; the warm-up's is none of them.
+    seeds = [w.loadgen_args()[w.loadgen_args().index("--seed") + 1] for w in workloads]
+    assert seeds == ["7", "8", "9"] and warm_up_workload(args).seed == 10
 
 
 def test_a_conversation_workload_goes_over_the_chat_route() -> None:
