@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,22 +108,15 @@ def measure(
     shape: tuple[int, int, int, int], tokens: int, args: argparse.Namespace, copy_bw: float
 ) -> list[dict[str, Any]]:
     """Each way at one token count: a row of figures each."""
-    import torch
 
     from engine_core.models.fp8_moe_kernels import CANDIDATES, fused_moe_fp8
     from engine_core.models.fused_moe import fused_moe
-    from engine_core.models.moe import route
 
-    hidden, width, experts, top_k = shape
     device = args.device
     layers = fp8_layers(shape, device)
     w13, w2 = layers["bf16"]
-    x = torch.randn(tokens, hidden, device=device, dtype=w13.dtype)
-    weights, ids = route(torch.randn(tokens, experts, device=device), top_k, renormalize=True)
-    ids = ids.int()
-    touched = int(torch.unique(ids).numel())
-    activations = 2 * tokens * hidden * x.element_size()
-    flops = 2.0 * tokens * top_k * 3 * hidden * width
+    batch = RoutedBatch.random(shape, tokens, device, w13.dtype)
+    x, weights, ids = batch.x, batch.weights, batch.ids
     block, row = layers["fp8 block"], layers["fp8 row"]
     ways: dict[str, tuple[Callable[[], Any], str]] = {
         "bf16": (lambda: fused_moe(x, w13, w2, weights, ids), "bf16"),
@@ -132,16 +126,61 @@ def measure(
     for b in CANDIDATES if args.sweep else ():
         tiled = (lambda b=b: fused_moe_fp8(x, block, weights, ids, b), "fp8 block")
         ways[f"fp8 block {b.m}x{b.n}x{b.k} w{b.warps}"] = tiled
-    rows = []
-    for way, (call, form) in ways.items():
-        us = timed_us(call, device, in_graph=True)
-        read = touched * layer_bytes(layers[form]) // experts + activations
-        rows.append(
-            {"way": way, "tokens": tokens, "experts_touched": touched, "us": us}
-            | {"bytes": read, "gb_s": read / us / 1e3, "hbm_share": read / (us * 1e-6) / args.hbm}
-            | {"copy_share": read / (us * 1e-6) / copy_bw, "tflops": flops / us / 1e6}
-        )
-    return rows
+    return batch.figures(ways, {k: layer_bytes(v) for k, v in layers.items()}, args, copy_bw)
+
+
+@dataclass(frozen=True)
+class RoutedBatch:
+    """One token count's inputs to an MoE layer of ``shape`` (hidden, width, experts, top_k):
+    random activations routed to random experts (renormalized top-k), and what the figures
+    count: the experts touched, the activations' bytes in and out, the three products' FLOPs."""
+
+    x: Any
+    weights: Any
+    ids: Any
+    experts: int
+    touched: int
+    activation_bytes: int
+    flops: float
+
+    @classmethod
+    def random(
+        cls, shape: tuple[int, int, int, int], tokens: int, device: str, dtype: Any
+    ) -> RoutedBatch:
+        import torch
+
+        from engine_core.models.moe import route
+
+        hidden, width, experts, top_k = shape
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        weights, ids = route(torch.randn(tokens, experts, device=device), top_k, renormalize=True)
+        touched = int(torch.unique(ids).numel())
+        activation_bytes = 2 * tokens * hidden * x.element_size()
+        flops = 2.0 * tokens * top_k * 3 * hidden * width
+        return cls(x, weights, ids.int(), experts, touched, activation_bytes, flops)
+
+    def figures(
+        self, ways: dict[str, tuple[Callable[[], Any], str]], form_bytes: dict[str, int],
+        args: argparse.Namespace, copy_bw: float,
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        """A row for each way (its call and its weights' form), timed inside a CUDA graph:
+        the bytes it reads (the touched experts' share of its form's and the activations')
+        against HBM and the copy bandwidth, and its TFLOP/s."""
+        rows = []
+        tokens = self.x.shape[0]
+        for way, (call, form) in ways.items():
+            us = timed_us(call, args.device, in_graph=True)
+            read = self.touched * form_bytes[form] // self.experts + self.activation_bytes
+            rows.append(
+                {"way": way, "tokens": tokens, "experts_touched": self.touched, "us": us}
+                | {
+                    "bytes": read,
+                    "gb_s": read / us / 1e3,
+                    "hbm_share": read / (us * 1e-6) / args.hbm,
+                }
+                | {"copy_share": read / (us * 1e-6) / copy_bw, "tflops": self.flops / us / 1e6}
+            )
+        return rows
 
 
 def free_cached(device: str) -> None:

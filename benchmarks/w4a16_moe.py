@@ -25,9 +25,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.fp8_moe import RoutedBatch, free_cached, layer_shape
 from benchmarks.fp8_moe import add_args as add_fp8_moe_args
-from benchmarks.fp8_moe import free_cached, layer_shape
-from benchmarks.mxfp4 import table, timed_us
+from benchmarks.mxfp4 import table
 from benchmarks.report import Provenance, format_table, write_json
 from benchmarks.roofline import measure_bandwidth
 
@@ -85,22 +85,15 @@ def measure(
     shape: tuple[int, int, int, int], tokens: int, args: argparse.Namespace, copy_bw: float
 ) -> list[dict[str, Any]]:
     """Each way at one token count: a row of figures each."""
-    import torch
 
     from engine_core.models.fused_moe import fused_moe
-    from engine_core.models.moe import route
     from engine_core.models.w4a16_moe_kernels import CANDIDATES, fused_moe_w4a16
 
-    hidden, width, experts, top_k = shape
     device = args.device
     layers = w4a16_layers(shape, device)
     w13, w2 = layers["bf16"]
-    x = torch.randn(tokens, hidden, device=device, dtype=w13.dtype)
-    weights, ids = route(torch.randn(tokens, experts, device=device), top_k, renormalize=True)
-    ids = ids.int()
-    touched = int(torch.unique(ids).numel())
-    activations = 2 * tokens * hidden * x.element_size()
-    flops = 2.0 * tokens * top_k * 3 * hidden * width
+    batch = RoutedBatch.random(shape, tokens, device, w13.dtype)
+    x, weights, ids = batch.x, batch.weights, batch.ids
     zeros, sym = layers["w4a16 zeros"], layers["w4a16 sym"]
     ways: dict[str, tuple[Callable[[], Any], str]] = {
         "bf16": (lambda: fused_moe(x, w13, w2, weights, ids), "bf16"),
@@ -110,16 +103,7 @@ def measure(
     for b in CANDIDATES if args.sweep else ():
         tiled = (lambda b=b: fused_moe_w4a16(x, zeros, weights, ids, b), "w4a16 zeros")
         ways[f"w4a16 zeros {b.m}x{b.n}x{b.k} w{b.warps}"] = tiled
-    rows = []
-    for way, (call, form) in ways.items():
-        us = timed_us(call, device, in_graph=True)
-        read = touched * layer_bytes(layers[form]) // experts + activations
-        rows.append(
-            {"way": way, "tokens": tokens, "experts_touched": touched, "us": us}
-            | {"bytes": read, "gb_s": read / us / 1e3, "hbm_share": read / (us * 1e-6) / args.hbm}
-            | {"copy_share": read / (us * 1e-6) / copy_bw, "tflops": flops / us / 1e6}
-        )
-    return rows
+    return batch.figures(ways, {k: layer_bytes(v) for k, v in layers.items()}, args, copy_bw)
 
 
 def run(args: argparse.Namespace) -> int:
