@@ -23,7 +23,7 @@ as the FP8 tensor cores compute it:
 4. the slots' activations quantized per slot (and group) as the scheme says, one launch;
 5. ``_down_kernel``: the same product against the expert's down rows, rounded to the activations'
    dtype, times the slot's routing weight, written per slot in that dtype (as fused_moe's);
-6. ``combine_kernel`` (fused_moe.py): each token's K slots summed in float32, in slot order.
+6. ``combine_slots`` (fused_moe.py): each token's K slots summed in float32, in slot order.
 
 No step reads anything on the host, so the layer is captured in CUDA graphs like the bf16 one.
 
@@ -47,7 +47,7 @@ import triton.language as tl
 
 from engine_core.models.fp8 import Fp8Experts
 from engine_core.models.fp8_kernels import quantize_per_token, quantize_per_token_group
-from engine_core.models.fused_moe import Blocks, align, block_rows, combine_kernel
+from engine_core.models.fused_moe import Blocks, align, block_rows, combine_slots
 
 
 @triton.jit
@@ -367,9 +367,4 @@ def _grouped_gemms(
         BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    combined = torch.empty(num_tokens, hidden, dtype=dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(hidden))
-    combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
-    )
-    return combined
+    return combine_slots(out, top_k, dtype)

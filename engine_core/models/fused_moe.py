@@ -347,6 +347,19 @@ def combine_kernel(
     tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
+def combine_slots(slots: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in ``dtype``: each token's K slot outputs ``slots`` [T * K, H] summed in float32
+    in slot order (a fixed order, so a token's sum never varies), rounded once, one launch."""
+    hidden = slots.shape[1]
+    num_tokens = slots.shape[0] // top_k
+    combined = torch.empty(num_tokens, hidden, dtype=dtype, device=slots.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        slots, combined, hidden, K=top_k, BLOCK=block, num_warps=4
+    )
+    return combined
+
+
 @triton.jit(do_not_specialize=["num_slots", "num_rows"])  # as _gate_up_kernel
 def _align_kernel(
     TopkIds,  # [S] expert of each slot
@@ -580,10 +593,4 @@ def _grouped_gemms(
         PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    # Summed in float32 in slot order (a fixed order, so a token's sum never varies), one launch.
-    combined = torch.empty_like(x)
-    block = min(1024, triton.next_power_of_2(hidden))
-    combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
-    )
-    return combined
+    return combine_slots(out, top_k, x.dtype)

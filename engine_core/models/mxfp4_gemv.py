@@ -27,7 +27,7 @@ float32 multiply-adds, the scheme of w4a16_kernels' ``_w4a16_gemv_kernel``:
 - *Epilogue*: gate/up takes gate row n and up row n (I rows apart) in one program, adds the
   biases and applies gpt-oss's clamped SwiGLU (mxfp4_kernels.clamped_swiglu); down adds its
   bias, rounds, and multiplies by the slot's routing weight (``weighted_down``); the combine
-  sums each token's K slots in float32 (fused_moe.combine_kernel).
+  sums each token's K slots in float32 (fused_moe.combine_slots).
 - *Splits*: where the programs would leave multiprocessors idle, K is split over SPLIT
   programs that write float32 partials; a second small kernel sums them in split order and
   applies the epilogue (no atomics: a CUDA-graph replay gives the same bits).
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.models.fused_moe import align, block_rows, combine_kernel
+from engine_core.models.fused_moe import align, block_rows, combine_slots
 from engine_core.models.mxfp4 import BLOCK, Mxfp4Experts
 from engine_core.models.mxfp4_kernels import clamped_swiglu, weighted_down
 
@@ -402,13 +402,7 @@ def gemv_moe_mxfp4(
     act = _gate_up(x, experts, ids, rows, top_k, tiles)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     out = _down(act, experts, ids, weights, rows, tiles)
-    combined = torch.empty_like(x)
-    hidden = x.shape[1]
-    block = min(1024, triton.next_power_of_2(hidden))
-    combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
-    )
-    return combined
+    return combine_slots(out, top_k, x.dtype)
 
 
 def _gate_up(

@@ -8,7 +8,7 @@ Hopper has no FP4 tensor cores, so the win is in the bytes: a weight is read as 
 a byte of e2m1 code, a 32nd of an e8m0 scale byte) and widened to the activations' dtype in
 registers, then multiplied on the bf16 (or fp16 / float32) tensor cores. The layer is a
 handful of launches whatever the routing, as fused_moe's (models/fused_moe.py, which this module
-reuses for ``align``, ``block_rows`` and ``combine_kernel``):
+reuses for ``align``, ``block_rows`` and ``combine_slots``):
 
 1. ``align``: the (token, k) slots sorted by expert, each expert's run padded to BLOCK_M rows
    (skipped for a single token: its K experts are distinct, one slot a row block).
@@ -19,7 +19,7 @@ reuses for ``align``, ``block_rows`` and ``combine_kernel``):
 3. ``_down_kernel``: each slot's activation times the expert's down rows, plus the bias, rounded
    to the activations' dtype as the reference rounds its linear, times the routing weight,
    written per slot in float32.
-4. ``combine_kernel``: each token's K slots summed in float32, rounded once.
+4. ``combine_slots``: each token's K slots summed in float32, rounded once.
 
 The layout is kept as loaded (``*_blocks [E, rows, cols / 2]`` uint8, ``*_scales [E, rows,
 cols / 32]`` uint8): a tile is a few rows of consecutive bytes along K, the same access as a bf16
@@ -51,7 +51,7 @@ from engine_core.models.fused_moe import (
     Blocks,
     align,
     block_rows,
-    combine_kernel,
+    combine_slots,
 )
 from engine_core.models.mxfp4 import BLOCK, Mxfp4Experts
 
@@ -386,9 +386,4 @@ def _grouped_gemms(
         PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    combined = torch.empty_like(x)
-    block = min(1024, triton.next_power_of_2(hidden))
-    combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
-    )
-    return combined
+    return combine_slots(out, top_k, x.dtype)

@@ -14,7 +14,7 @@ GEMMs run on the tensor cores at bf16's speed:
    against mxfp4.dequantize); ``_gate_up_kernel`` and ``_down_kernel`` (fused_moe's grouped
    GEMMs with gpt-oss's biases, clamped SwiGLU and rounding, mxfp4_kernels' epilogues) run the
    row blocks of the chunk's experts, the other blocks' programs return at once.
-3. ``combine_kernel``: each token's K slots summed in float32.
+3. ``combine_slots``: each token's K slots summed in float32.
 
 The scratch's bytes (mxfp4.scratch_bytes) are reserved by the start-up memory plan
 (memory_plan.expert_scratch_bytes), so the KV cache never takes them. Nothing reads the host.
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.models.fused_moe import Blocks, align, block_rows, block_sizes, combine_kernel
+from engine_core.models.fused_moe import Blocks, align, block_rows, block_sizes, combine_slots
 from engine_core.models.mxfp4 import Mxfp4Experts, chunk_experts
 from engine_core.models.mxfp4_kernels import clamped_swiglu, load_codes, weighted_down, widen
 
@@ -221,12 +221,7 @@ def dequantized_moe_mxfp4(
         w13, w2 = _dequantize_chunk(e, first, count, scratch)
         _chunk_gate_up(x, e, w13, act, rows, first, count, top_k, b)
         _chunk_down(act, e, w2, weights, out, rows, first, count, b)
-    combined = torch.empty_like(x)
-    block = min(1024, triton.next_power_of_2(hidden))
-    combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
-    )
-    return combined
+    return combine_slots(out, top_k, x.dtype)
 
 
 def _dequantize_chunk(

@@ -22,7 +22,7 @@ dequantized to (q - zero) * scale, rounded to the activations' dtype, then its S
    up is written per slot;
 3. ``_down_kernel``: the same product against the expert's down rows, rounded, times the slot's
    routing weight, written per slot in the activations' dtype;
-4. ``combine_kernel`` (fused_moe.py): each token's K slots summed in float32, in slot order.
+4. ``combine_slots`` (fused_moe.py): each token's K slots summed in float32, in slot order.
 
 No step reads anything on the host, so the layer is captured in CUDA graphs like the bf16 one.
 Why not the dense W4A16 kernel's tiled layout (w4a16.py ``tile_qweight``): that layout serves a
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.models.fused_moe import Blocks, align, block_rows, combine_kernel
+from engine_core.models.fused_moe import Blocks, align, block_rows, combine_slots
 from engine_core.models.w4a16 import PACK, SYMMETRIC_ZERO, W4A16Experts
 
 MAGIC = 8388608.0  # 2**23: a float32 whose last mantissa bit is worth 1
@@ -331,9 +331,4 @@ def _grouped_gemms(
         BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    combined = torch.empty_like(x)
-    block = min(1024, triton.next_power_of_2(hidden))
-    combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        out, combined, hidden, K=top_k, BLOCK=block, num_warps=4
-    )
-    return combined
+    return combine_slots(out, top_k, x.dtype)
