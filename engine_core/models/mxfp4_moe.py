@@ -47,11 +47,16 @@ DEQUANTIZE_CANDIDATES = (
 # Up to this many (token, k) slots an expert on average, the CUDA-core kernels (a guess until
 # the sweep: at 8 a program converts each code once for 8 rows' multiply-adds).
 GEMV_SLOTS_PER_EXPERT = 8
-# From this many tokens, dequantize and run bf16 GEMMs (a guess until the benchmark's crossover:
-# at 2,048 tokens bf16's 1.05 ms plus a dequantize beat the tiles' 7.4 ms).
+# From this many tokens, dequantize and run bf16 GEMMs: the sweep's crossover lies between 64
+# tokens (the tiles win: 1.02 against 1.41 ms) and 2,048 (dequantizing wins: 2.16 against 7.39).
 DEQUANTIZE_TOKENS = 256
-# The sweep's fastest choice by (token bucket, hidden, width, experts, top k), where measured.
-MEASURED: dict[tuple[int, int, int, int, int], Choice] = {}
+# The sweep's fastest choice by (token bucket, hidden, width, experts, top k), where measured
+# (gpt-oss-20b's layer; docs/benchmarks.md has the table beside bf16's).
+MEASURED: dict[tuple[int, int, int, int, int], Choice] = {
+    (1, 2880, 2880, 32, 4): GemvTiles(rows=1, block_n=32, words=8, split_k=4, warps=4),
+    (64, 2880, 2880, 32, 4): Blocks(m=16, n=64, k=64, warps=4, stages=3),
+    (2048, 2880, 2880, 32, 4): Dequantize(Blocks(m=128, n=64, k=64, warps=8, stages=3)),
+}
 
 
 def token_bucket(num_tokens: int) -> int:
