@@ -159,7 +159,7 @@ def write_vision_preset(preset: str, tokenizer_source: Path, out: Path) -> None:
         write_gemma3_image_processor(out, tower["image_size"])
     else:
         patch, merge = tower["patch_size"], tower["spatial_merge_size"]
-        qwen3 = "Qwen3VLForConditionalGeneration" in hf["architectures"]
+        qwen3 = hf["model_type"] in ("qwen3_vl", "qwen3_vl_moe")
         pixels = QWEN3_VL_PROCESSOR if qwen3 else QWEN2_5_VL_PIXELS
         write_image_processor(out, patch, merge, **pixels)
     (out / "config.json").write_text(json.dumps(hf, indent=2))

@@ -38,6 +38,7 @@ from protocol.messages import ImageInput, TensorBytes
 VISION_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
 )
 # The wire's frame limit is 64 MiB (protocol/codec.py): a prompt's pixels stay under this.

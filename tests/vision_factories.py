@@ -7,6 +7,7 @@ folders are; Gemma 3 (``Gemma3ForConditionalGeneration``)."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,38 @@ def write_tiny_qwen3_vl(path: Path, tokenizer_source: Path) -> Path:
 
 
 QWEN3_DEEPSTACK_SCALE = 4.0
+
+
+def write_tiny_qwen3_vl_moe(path: Path, tokenizer_source: Path) -> Path:
+    """The tiny Qwen3-VL's tower, tokenizer and processor with a Qwen3-MoE language model: two
+    layers of four experts of width 48, two a token (2 x 48 gate/up columns against hidden 64,
+    so a transposed expert tensor cannot pass for the right one), the second layer's router
+    scaled so that routing decides the tokens."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    write_tiny_qwen3_vl(path, tokenizer_source)  # the tokenizer, processor and dense config
+    dense = json.loads((path / "config.json").read_text())
+    text = {k: v for k, v in dense["text_config"].items() if k not in ("model_type", "dtype")}
+    text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    top = {k: dense[k] for k in dense if k.endswith("token_id")}
+    torch.manual_seed(0)
+    config = Qwen3VLMoeConfig(
+        text_config=text, vision_config=dense["vision_config"], tie_word_embeddings=False, **top
+    )
+    model = Qwen3VLMoeForConditionalGeneration(config).eval()
+    with torch.no_grad():  # as write_tiny_qwen3_vl, for the same reasons
+        model.lm_head.weight.mul_(8.0)
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+            layer.mlp.gate.weight.mul_(8.0)
+            layer.mlp.experts.down_proj.mul_(4.0)
+        for merger in model.model.visual.deepstack_merger_list:
+            merger.linear_fc2.weight.mul_(QWEN3_DEEPSTACK_SCALE)
+    for stale in path.glob("*.safetensors"):
+        stale.unlink()
+    model.save_pretrained(path)
+    return path
 
 
 def random_image(seed: int, width: int = 100, height: int = 80) -> Any:

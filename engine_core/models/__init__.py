@@ -80,6 +80,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
     *LLAMA4_ARCHITECTURES,
     "Qwen3NextForCausalLM",
@@ -109,6 +110,7 @@ _BY_MODEL_TYPE = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -202,8 +204,8 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     if architecture == "Qwen2_5_VLForConditionalGeneration":
         return qwen2_5_vl_config(hf)
-    if architecture == "Qwen3VLForConditionalGeneration":
-        return qwen3_vl_config(hf)
+    if architecture in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
+        return qwen3_vl_config(hf, architecture)
     if architecture == "Gemma3ForConditionalGeneration":
         return gemma3_vl_config(hf)
     if architecture in LLAMA4_ARCHITECTURES:  # models/llama4.py; the text model only
@@ -228,13 +230,14 @@ def qwen2_5_vl_config(hf: dict[str, Any]) -> ModelConfig:
     return dataclasses.replace(config, architecture="qwen2_5_vl", vision=vision)
 
 
-def qwen3_vl_config(hf: dict[str, Any]) -> ModelConfig:
+def qwen3_vl_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
     """Qwen3-VL: Qwen3's language model (``text_config``) with interleaved M-RoPE, and its
-    vision tower with DeepStack features for the first language layers (models/qwen3_vl.py)."""
-    text, rope = mrope_text_config(hf, "Qwen3VLForConditionalGeneration", "qwen3")
+    vision tower with DeepStack features for the first language layers (models/qwen3_vl.py);
+    Qwen3-VL-MoE's language model is Qwen3-MoE's (its MLPs mixtures of experts)."""
+    text, rope = mrope_text_config(hf, architecture, "qwen3")
     if not rope.get("mrope_interleaved", False):
         raise ValueError(
-            "Qwen3VLForConditionalGeneration: mrope_interleaved false is not implemented "
+            f"{architecture}: mrope_interleaved false is not implemented "
             "(every released Qwen3-VL interleaves its M-RoPE sections)"
         )
     tower = hf["vision_config"]
@@ -247,7 +250,21 @@ def qwen3_vl_config(hf: dict[str, Any]) -> ModelConfig:
         deepstack_layers=len(tower.get("deepstack_visual_indexes") or ()),
     )
     config = llama_config(text, "Qwen3ForCausalLM")
+    if architecture == "Qwen3VLMoeForConditionalGeneration":
+        config = dataclasses.replace(config, **qwen3_vl_moe_fields(text, architecture))
     return dataclasses.replace(config, architecture="qwen3_vl", vision=vision)
+
+
+def qwen3_vl_moe_fields(text: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Qwen3-VL-MoE's expert fields: Qwen3-MoE's, but HF's router always renormalises the
+    top-k weights (its config has no ``norm_topk_prob``), so a checkpoint saying false is
+    refused rather than served one way or the other."""
+    if text.get("norm_topk_prob", True) is not True:
+        raise ValueError(
+            f"{architecture}: config field norm_topk_prob={text['norm_topk_prob']!r} is not "
+            "supported (Qwen3-VL-MoE renormalises its top-k routing weights)"
+        )
+    return moe_fields(text | {"norm_topk_prob": True}, architecture)
 
 
 def mrope_text_config(
@@ -265,9 +282,11 @@ def mrope_text_config(
         plain["rope_type"] = "default"
         plain.pop("type", None)
     text.update(rope_scaling=None, rope_parameters=plain, model_type=model_type)
-    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):  # top level in some
+    for key in ("eos_token_id", "bos_token_id"):  # top level in some
         if key in hf and key not in text:
             text[key] = hf[key]
+    if "tie_word_embeddings" in hf:  # HF ties the LM head by the top level's, whatever text says
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     return text, rope
 
 

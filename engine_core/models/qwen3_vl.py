@@ -16,10 +16,18 @@ without image rows runs the plain rotary. What differs:
   ``_deepstack_process``. The features ride in the step's ``MultimodalStep.embeds`` with the
   rows they belong to, so a chunk that holds part of an image adds exactly its rows' features,
   and a prefix-cache hit past an image needs none (those rows' KV already has them).
+
+Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``) is this model with Qwen3-MoE's MLPs
+(models/moe.py; the config says which layers). Its checkpoints store each layer's experts fused
+and input-major: ``experts.gate_up_proj [E, H, 2I]`` (gate columns, then up: HF's forward
+chunks x @ W in two) and ``experts.down_proj [E, I, H]``; transposed as they load, they are
+SparseMoE's ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +38,8 @@ from engine_core.models.qwen3_vl_vision import Qwen3VisionTransformer
 
 if TYPE_CHECKING:
     from engine_core.multimodal import MultimodalStep
+
+_FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
@@ -65,6 +75,15 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
                 hidden = hidden.index_add(0, multimodal.rows, deepstack[i].to(hidden.dtype))
         return self.model.norm(hidden, residual)[0]
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named tensors, Qwen3-VL-MoE's fused experts turned output-major on the way."""
+        config = self.config
+        shapes = {
+            "gate_up_proj": (2 * config.moe_intermediate_size, config.hidden_size),
+            "down_proj": (config.hidden_size, config.moe_intermediate_size),
+        }
+        super().load_weights(output_major_experts(weights, shapes))
+
     def deepstack_features(
         self, multimodal: MultimodalStep | None, width: int
     ) -> torch.Tensor | None:
@@ -74,3 +93,17 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
             return None
         features = multimodal.embeds[:, width:]  # [rows, layers * hidden]
         return features.view(-1, self.deepstack_layers, width).transpose(0, 1)
+
+
+def output_major_experts(
+    weights: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, int]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-VL-MoE's fused experts as SparseMoE holds them, ``[E, out, in]`` (``shapes``: each
+    projection's (out, in)). The released checkpoints store ``[E, in, out]``; transformers 5's
+    ``save_pretrained`` writes its in-memory ``[E, out, in]``. Like transformers' loader
+    (``Transpose(check_dims=True)``), a tensor already of the held shape loads as it is and any
+    other is transposed, so both load, and a square one (out == in) is read as HF reads it."""
+    for name, tensor in weights:
+        if (match := _FUSED_EXPERTS.search(name)) and tuple(tensor.shape[1:]) != shapes[match[1]]:
+            tensor = tensor.transpose(1, 2).contiguous()
+        yield name, tensor
