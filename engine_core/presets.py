@@ -245,6 +245,28 @@ def _qwen3_vl_8b() -> dict[str, Any]:
     }
 
 
+def _qwen3_vl_30b_a3b() -> dict[str, Any]:
+    """Qwen3-VL-30B-A3B-Instruct (its config.json, transformers 4.57's layout): Qwen3-VL-8B's
+    tower (its merger out to 2,048) over Qwen3-30B-A3B's language model: 48 layers of 2,048
+    (32 heads of 128, 4 KV heads), every MLP 128 experts of width 768, top 8 renormalised;
+    M-RoPE sections 24/20/20 interleaved at theta 5,000,000. The presets' vocabulary and the
+    four vision tokens (151,936 there)."""
+    config = _qwen3_vl_8b()
+    moe = {k: v for k, v in _qwen3_moe().items() if k not in ("architectures", "model_type")}
+    moe["rope_theta"] = config["text_config"]["rope_theta"]
+    config["text_config"] |= moe | {
+        "model_type": "qwen3_vl_moe_text",
+        "vocab_size": _VOCAB + len(VISION_TOKENS),
+        "max_position_embeddings": 262144,
+    }
+    config["vision_config"] = config["vision_config"] | {"out_hidden_size": 2048}
+    return (
+        config
+        | {"architectures": ["Qwen3VLMoeForConditionalGeneration"]}
+        | {"model_type": "qwen3_vl_moe"}
+    )
+
+
 # Gemma 3's image tokens, as a vision-language preset's ids: the default tokenizer's vocabulary
 # followed by these three, in this order (engine_core/preset_folders.py adds them so).
 GEMMA3_VISION_IDS = {"boi_token_index": _VOCAB, "image_token_index": _VOCAB + 1}
@@ -461,6 +483,7 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3.5-35b-a3b": _qwen3_5(moe=True),
     "qwen2.5-vl-7b": _qwen2_5_vl_7b(),
     "qwen3-vl-8b": _qwen3_vl_8b(),
+    "qwen3-vl-30b-a3b": _qwen3_vl_30b_a3b(),
     "gemma-3-4b": _gemma3_4b(),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],

@@ -1,9 +1,10 @@
-"""The ``qwen2.5-vl-7b`` and ``qwen3-vl-8b`` random presets and the folders their API
-processes read: each preset's config.json builds, in HF transformers' own classes, a model with
-exactly our parameters and shapes (on the meta device: nothing is allocated); the folder written
-for it holds the default tokenizer with the vision tokens at the ids the preset's config names,
-a chat template that writes them, and Qwen2-VL's image processor, which makes a 1,024x1,024
-image 74x74 patches of 14 pixels (Qwen2.5-VL) or 64x64 of 16 (Qwen3-VL)."""
+"""The ``qwen2.5-vl-7b``, ``qwen3-vl-8b`` (and ``qwen3-vl-30b-a3b``) random presets and the
+folders their API processes read: each preset's config.json builds, in HF transformers' own
+classes, a model with exactly our parameters and shapes (on the meta device: nothing is
+allocated); the folder written for it holds the default tokenizer with the vision tokens at the
+ids the preset's config names, a chat template that writes them, and Qwen2-VL's image
+processor, which makes a 1,024x1,024 image 74x74 patches of 14 pixels (Qwen2.5-VL) or 64x64 of
+16 (Qwen3-VL)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ PRESET = "qwen2.5-vl-7b"
 HF_CLASSES = {
     "qwen2.5-vl-7b": (("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"), (32, 1280, 3584)),
     "qwen3-vl-8b": (("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"), (27, 1152, 4096)),
+    "qwen3-vl-30b-a3b": (
+        ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+        (27, 1152, 2048),
+    ),
 }
 
 
