@@ -18,10 +18,10 @@ without image rows runs the plain rotary. What differs:
   and a prefix-cache hit past an image needs none (those rows' KV already has them).
 
 Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``) is this model with Qwen3-MoE's MLPs
-(models/moe.py; the config says which layers). Its checkpoints store each layer's experts fused
-and input-major: ``experts.gate_up_proj [E, H, 2I]`` (gate columns, then up: HF's forward
-chunks x @ W in two) and ``experts.down_proj [E, I, H]``; transposed as they load, they are
-SparseMoE's ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``.
+(models/moe.py; the config says which layers). The released checkpoints store each layer's
+experts fused and input-major: ``experts.gate_up_proj [E, H, 2I]`` (gate columns, then up: HF's
+forward chunks x @ W in two) and ``experts.down_proj [E, I, H]``; transposed as they load
+(``output_major_experts``), they are SparseMoE's ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``.
 """
 
 from __future__ import annotations
