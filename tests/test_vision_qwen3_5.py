@@ -28,6 +28,11 @@ from tests.vision_factories import MERGE, QWEN3_PATCH, hf_vl_greedy, png_bytes, 
 NEW_TOKENS = 6
 CHUNK = 16
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+# The engine of each test model: 16-token chunks (a GPU test overrides the device and budget).
+ENGINE_OPTIONS: dict[str, Any] = dict(
+    block_size=16, num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=CHUNK,
+    max_num_seqs=4,
+)  # fmt: skip
 
 
 def text_fields(vocab: int, moe: bool) -> dict[str, Any]:
@@ -97,7 +102,7 @@ def write_tiny_qwen3_5_vl(path: Path, tokenizer_source: Path, moe: bool) -> Path
 class Case:
     """A tiny model's folder, HF's model and image processor, and our engine over it."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, **llm_options: Any) -> None:
         from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
         self.folder = folder
@@ -106,10 +111,8 @@ class Case:
         processor = VisionProcessor.load(folder)
         assert processor is not None
         self.processor = processor
-        self.llm = LLM(
-            str(folder), block_size=16, num_kv_blocks=64, max_model_len=512,
-            max_num_batched_tokens=CHUNK, max_num_seqs=4,
-        )  # fmt: skip
+        options = ENGINE_OPTIONS | llm_options
+        self.llm = LLM(str(folder), **options)
 
     def prompt(self, parts: list[Any]) -> tuple[list[int], tuple[ImageInput, ...], list[Any]]:
         return prompt(self.folder, self.processor, parts)
