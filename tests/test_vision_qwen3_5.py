@@ -11,19 +11,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 import torch
 
 from engine_core.llm import LLM
-from engine_core.preset_folders import write_image_processor, write_vision_tokenizer
 from frontend.vision import VisionProcessor
 from protocol.messages import ImageInput, SamplingParams
 from tests.paged_harness import randomize
 from tests.server_fixture import Server, start_server, stop_server
+from tests.test_models_qwen3_5 import text_fields
 from tests.test_vision_engine import prompt
-from tests.test_vision_http import data_url, image_part
-from tests.vision_factories import MERGE, QWEN3_PATCH, hf_vl_greedy, png_bytes, random_image
+from tests.test_vision_http import ask_about_image
+from tests.vision_factories import (
+    MERGE,
+    QWEN3_PATCH,
+    hf_vl_greedy,
+    random_image,
+    write_qwen3_vl_inputs,
+)
 
 NEW_TOKENS = 6
 CHUNK = 16
@@ -35,25 +40,16 @@ ENGINE_OPTIONS: dict[str, Any] = dict(
 )  # fmt: skip
 
 
-def text_fields(vocab: int, moe: bool) -> dict[str, Any]:
-    """Four layers, every second fully attending; half of each 32-dim head rotates, its eight
-    frequencies split 2/3/3 among M-RoPE's three positions (interleaved); dense MLPs, or four
-    experts (top 2) and a shared one."""
-    fields: dict[str, Any] = {
-        "vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 4,
+def vl_text_fields(vocab: int, moe: bool) -> dict[str, Any]:
+    """tests/test_models_qwen3_5.py's four layers, but half of each 32-dim head rotates, its
+    eight frequencies split 2/3/3 among M-RoPE's three positions (interleaved), so that every
+    position turns some; two query heads, one KV head."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 3, 3], "mrope_interleaved": True}  # fmt: skip
+    return text_fields(moe, vocab) | {
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "max_position_embeddings": 512,
-        "layer_types": ["linear_attention", "full_attention"] * 2,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                            "partial_rotary_factor": 0.5, "mrope_section": [2, 3, 3],
-                            "mrope_interleaved": True},
-        "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": None,
+        "rope_parameters": rope, "eos_token_id": 2, "bos_token_id": 1,
     }  # fmt: skip
-    if moe:
-        return fields | {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                         "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
-    return fields | {"intermediate_size": 96}
 
 
 def write_tiny_qwen3_5_vl(path: Path, tokenizer_source: Path, moe: bool) -> Path:
@@ -66,15 +62,10 @@ def write_tiny_qwen3_5_vl(path: Path, tokenizer_source: Path, moe: bool) -> Path
         Qwen3_5MoeForConditionalGeneration,
     )
 
-    ids = write_vision_tokenizer(tokenizer_source, path)
-    side = QWEN3_PATCH * MERGE
-    write_image_processor(
-        path, QWEN3_PATCH, MERGE, min_pixels=side * side * 4, max_pixels=side * side * 64,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    )  # fmt: skip
+    ids = write_qwen3_vl_inputs(path, tokenizer_source)
     config_class = Qwen3_5MoeConfig if moe else Qwen3_5Config
     config = config_class(
-        text_config=text_fields(max(ids.values()) + 1, moe),
+        text_config=vl_text_fields(max(ids.values()) + 1, moe),
         vision_config=dict(
             depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
             patch_size=QWEN3_PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
@@ -229,14 +220,6 @@ def test_server_takes_a_data_url_image(vl_server: Server, dense: Case) -> None:
     ids, _, pil = dense.prompt(["Describe", image])
     tokens = dense.hf_greedy(ids, pil)
     text = AutoTokenizer.from_pretrained(str(dense.folder)).decode(tokens, skip_special_tokens=True)
-    client = openai.OpenAI(base_url=f"{vl_server.base_url}/v1", api_key="unused", max_retries=0)
-    content: list[dict[str, Any]] = [
-        {"type": "text", "text": "Describe"},
-        image_part(data_url(png_bytes(image))),
-    ]
-    reply = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": content}],
-        max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    reply = ask_about_image(vl_server, "Describe", image, NEW_TOKENS)
     assert reply.choices[0].message.content == text
     assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
