@@ -176,15 +176,22 @@ def test_one_and_two_images_give_hf_s_tokens(request: pytest.FixtureRequest, nam
 def test_the_same_image_again_is_an_encoder_cache_hit_with_the_same_tokens(dense: Case) -> None:
     """The same image in a second request (other text before it, so no prefix-cache hit
     reaches it): encoded once, the second's embeddings from the encoder cache, HF's tokens
-    both times."""
+    both times. The first prompt sent again resumes past the image from the prefix cache (its
+    attention blocks and its linear-attention state saved at a block boundary) and gives HF's
+    tokens once more."""
     image = random_image(5)
     first = dense.prompt(["Look:", image, "what now?"])
     again = dense.prompt(["Now look again at", image, "what now?"])
+    assert first[1][0].offset + first[1][0].length < 16 < len(first[0])  # a hit past the image
     runner = dense.llm.engine.runner.multimodal
     encoded, hits = runner.encoded_images, runner.cache.hits
-    assert dense.generate([first]) == [dense.hf_greedy(first[0], first[2])]
+    expected = dense.hf_greedy(first[0], first[2])
+    assert dense.generate([first]) == [expected]
     assert dense.generate([again]) == [dense.hf_greedy(again[0], again[2])]
     assert (runner.encoded_images - encoded, runner.cache.hits - hits) == (1, 1)
+    prefix_hits = dense.llm.engine.scheduler.counts().prefix_cache_hits
+    assert dense.generate([first]) == [expected]
+    assert dense.llm.engine.scheduler.counts().prefix_cache_hits - prefix_hits == 16
 
 
 def test_our_vision_tower_is_hf_s(moe: Case) -> None:
