@@ -230,3 +230,11 @@ def test_server_takes_a_data_url_image(vl_server: Server, dense: Case) -> None:
     reply = ask_about_image(vl_server, "Describe", image, NEW_TOKENS)
     assert reply.choices[0].message.content == text
     assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
+
+
+def test_the_quantization_flag_is_refused(dense: Case) -> None:
+    """No quantized path of Qwen3.5's layers is tested, with images as without."""
+    from tests.paged_harness import load_float32
+
+    with pytest.raises(ValueError, match="FP8 is not implemented for Qwen3.5 yet"):
+        load_float32(dense.folder, quantization="fp8")
