@@ -2,8 +2,9 @@
 random models written with ``save_pretrained``, the real HF image processor and the API
 process's placement (frontend/vision.py), through one real engine each, against HF
 transformers' greedy tokens: one image, two images (one crossing a chunk's end), the same
-image again (an encoder-cache hit, the same tokens). Our tower against HF's; one server test
-with the official ``openai`` client sending a data URL image."""
+image again (an encoder-cache hit, the same tokens), a prompt again (a prefix hit past its
+image). Our tower against HF's; ``--quantization`` refused by name; one server test with the
+official ``openai`` client sending a data URL image."""
 
 from __future__ import annotations
 
