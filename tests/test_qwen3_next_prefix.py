@@ -10,6 +10,7 @@ state unaccounted for."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,21 +82,57 @@ def test_later_turns_and_shared_first_chunks_resume_at_a_saved_state(
     qwen3_next: tuple[Path, torch.nn.Module], roomy: LLM
 ) -> None:
     """Turn 1 (150 tokens, chunks of 64) saves states at 64, 128 and 144 (its last block
-    boundary before its last token). Turn 2 (turn 1, its answer, new text) resumes at 144; a
-    prompt sharing only turn 1's first 130 tokens resumes at 128. Each computes only the
-    tokens after its hit (and a token per decode step) and gives HF's tokens."""
+    boundary before its last token), and at 160 as its answer's decode reaches it. Turn 2
+    (turn 1, its answer, new text) resumes at 160, inside the answer; a prompt sharing only
+    turn 1's first 130 tokens resumes at 128. Each computes only the tokens after its hit (and
+    a token per decode step) and gives HF's tokens."""
     _, hf_model = qwen3_next
     first = prompt(150, seed=1)
     answer, hits, _ = run(roomy, first)
     assert answer == hf_tokens(hf_model, first) and hits == 0
     for tokens, want_hit in (
-        (first + answer + prompt(20, seed=2), 144),
+        (first + answer + prompt(20, seed=2), 160),
         (first[:130] + prompt(25, seed=3), 128),
     ):
         got, hits, computed = run(roomy, tokens)
         assert got == hf_tokens(hf_model, tokens)
         assert hits == want_hit
         assert computed == len(tokens) - want_hit + NEW_TOKENS - 1
+    check_all_given_back(roomy, 4)
+
+
+def test_a_next_turn_resumes_inside_a_long_answer_as_a_cold_run_would(
+    qwen3_next: tuple[Path, torch.nn.Module], roomy: LLM
+) -> None:
+    """Turn 1 (100 tokens) answers 40: its decode saves states at 112 and 128 (the first
+    demoted for the second). Turn 2 (turn 1, the answer, 10 new tokens) resumes at 128, 28
+    tokens into the answer, and computes only what follows; its tokens are HF's and, with
+    their logprobs, those of a cold run (prompt logprobs asked: no prefix hit)."""
+    _, hf_model = qwen3_next
+    first = prompt(100, seed=11)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    answer = roomy.generate([first], params, detokenize=False)[0].token_ids
+    assert answer == hf_greedy(hf_model, first, 40).tokens[0]
+    tokens = first + answer + prompt(10, seed=12)
+    counts = roomy.engine.scheduler.counts
+    before = counts()
+    hit = roomy.generate([tokens], greedy(2), detokenize=False)[0]
+    between = counts()
+    cold_params = dataclasses.replace(greedy(2), prompt_logprobs=0)
+    cold = roomy.generate([tokens], cold_params, detokenize=False)[0]
+    after = counts()
+    assert between.prefix_cache_hits - before.prefix_cache_hits == 128
+    assert after.prefix_cache_hits == between.prefix_cache_hits
+    computed = [
+        b.step_tokens_sum - a.step_tokens_sum for a, b in ((before, between), (between, after))
+    ]
+    assert computed == [len(tokens) - 128 + NEW_TOKENS - 1, len(tokens) + NEW_TOKENS - 1]
+    assert hit.token_ids == cold.token_ids == hf_tokens(hf_model, tokens)
+    for a, b in zip(hit.logprobs, cold.logprobs, strict=True):
+        assert a.top_token_ids == b.top_token_ids
+        torch.testing.assert_close(
+            torch.tensor([a.logprob, *a.top_logprobs]), torch.tensor([b.logprob, *b.top_logprobs])
+        )
     check_all_given_back(roomy, 4)
 
 
@@ -122,16 +159,18 @@ def test_a_hit_gives_the_logprobs_of_a_miss(
 def test_an_evicted_state_gives_a_shorter_hit(
     qwen3_next: tuple[Path, torch.nn.Module], tight: LLM
 ) -> None:
-    """Two saved states. X (150 tokens) saves at 64, 128, 144 (64's dropped); Y (X's first 140
-    tokens, new text) resumes at 128 and saves at its own 144, dropping X's 144 (128 was used
-    since). X extended still finds its attention blocks cached up to 144 but resumes at 128."""
+    """Two saved states. X (145 tokens) saves at 64, 128, 144 (64's dropped); Y (X's first 140
+    tokens, new text: 145) resumes at 128 and saves at its own 144, dropping X's 144 (128 was
+    used since). X extended still finds its attention blocks cached up to 144 but resumes at
+    128. (A 145-token prompt's 16-token answer starts no decode step on a block boundary:
+    decode saves are tests/test_kv_groups.py's and the next test's.)"""
     _, hf_model = qwen3_next
     bm = tight.engine.scheduler.block_manager
     assert bm.snapshots is not None
-    x = prompt(150, seed=5)
+    x = prompt(145, seed=5)
     evicted = bm.snapshots.num_evicted
     run(tight, x)
-    got, hits, _ = run(tight, x[:140] + prompt(20, seed=6))
+    got, hits, _ = run(tight, x[:140] + prompt(5, seed=6))
     assert hits == 128
     assert bm.snapshots.num_evicted - evicted == 2
     extended = x + prompt(20, seed=7)
