@@ -123,9 +123,10 @@ def test_engine_on_cuda_gives_hf_greedy_tokens(tmp_path: Path) -> None:
 
 def test_prefix_hits_on_cuda_resume_at_saved_states(tmp_path: Path) -> None:
     """Float32 on CUDA, decode steps replaying graphs: a 150-token prompt in chunks of 64 saves
-    states at 64, 128 and 144 (device copies between slot and saved rows, outside the graphs);
-    its next turn resumes at 144 and a prompt sharing its first 130 tokens at 128, each with
-    HF's greedy tokens (tests/test_qwen3_next_prefix.py on the CPU)."""
+    states at 64, 128 and 144, and its answer's decode at 160 (device copies between slot and
+    saved rows, outside the graphs, before the replay that reads the slot); its next turn
+    resumes at 160 and a prompt sharing its first 130 tokens at 128, each with HF's greedy
+    tokens (tests/test_qwen3_next_prefix.py on the CPU)."""
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
@@ -155,4 +156,4 @@ def test_prefix_hits_on_cuda_resume_at_saved_states(tmp_path: Path) -> None:
     finally:
         llm.engine.shutdown()
     assert got == want
-    assert hits == [144, 128]
+    assert hits == [160, 128]
