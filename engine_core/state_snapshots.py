@@ -122,3 +122,19 @@ class StateSnapshots:
         mapped = {entry.block_hash: snapshot for snapshot, entry in self._cached.items()}
         if mapped != self._by_hash:
             raise AssertionError("the snapshot hash map disagrees with the cached snapshots")
+
+
+def independent_runs(moves: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``moves`` (source row, destination row), in order, cut into the fewest consecutive runs
+    that may each be made as one gather of every source, then one scatter: none in a run reads
+    a row an earlier one in it wrote (a save, then a restore of the same snapshot), nor writes
+    one twice (a scatter's order among equal rows is undefined on CUDA)."""
+    runs: list[list[tuple[int, int]]] = []
+    written: set[int] = set()
+    for src, dst in moves:
+        if not runs or src in written or dst in written:
+            runs.append([])
+            written = set()
+        runs[-1].append((src, dst))
+        written.add(dst)
+    return runs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,9 @@ import torch
 from engine_core.args import add_engine_args, engine_config_from_args
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM
+from engine_core.model_runner import copy_state_rows
 from engine_core.request import Request
+from engine_core.state_snapshots import independent_runs
 from protocol.messages import SamplingParams
 from tests.paged_harness import hf_greedy
 from tests.test_models_qwen3_next import NEW_TOKENS, VOCAB, make_llm, qwen3_next
@@ -217,3 +220,30 @@ def test_the_pool_follows_prefix_caching_and_a_useless_one_is_refused() -> None:
     assert "--state-snapshots" in parser.format_help()
     flags = parser.parse_args(["--state-snapshots", "3"])
     assert engine_config_from_args(flags).num_state_snapshots() == 3
+
+
+def test_a_plans_state_copies_made_in_runs_land_as_one_by_one() -> None:
+    """Random plans of saves and restores among 4 slots and 6 saved rows (decode saves of many
+    requests, then restores reading some of them, a slot saved and restored into): copied in
+    ``independent_runs`` (gathers and scatters where a run is long) the rows end as copies
+    made one by one in plan order would leave them."""
+    rng = random.Random(0)
+    for _ in range(50):
+        moves = []
+        for _ in range(rng.randint(1, 10)):
+            slot, saved = rng.randrange(4), 4 + rng.randrange(6)
+            moves.append((slot, saved) if rng.random() < 0.6 else (saved, slot))
+        tensors = [torch.randn(10, 3, 2), torch.randn(10, 5)]
+        want = [t.clone() for t in tensors]
+        for src, dst in moves:
+            for tensor in want:
+                tensor[dst] = tensor[src].clone()
+        runs = independent_runs(moves)
+        assert [m for run in runs for m in run] == moves
+        for run in runs:
+            copy_state_rows(tensors, run)
+        for got, expected in zip(tensors, want, strict=True):
+            assert torch.equal(got, expected), moves
+    # a row read and then written is no conflict; one written then read, or written twice, is
+    pairs = [(0, 4), (4, 1), (2, 5), (5, 3), (1, 6), (3, 6)]
+    assert independent_runs(pairs) == [[(0, 4)], [(4, 1), (2, 5)], [(5, 3), (1, 6)], [(3, 6)]]
