@@ -473,7 +473,7 @@ class BlockManager:
         previous = self._decode_saves.pop(request.request_id, None)
         if previous is not None:
             self.snapshots.demote(previous)
-        if self.snapshots.save(slot, *entry):  # one refreshed is another request's to demote
+        if self.snapshots.save(slot, *entry):  # one only refreshed is not this request's
             self._decode_saves[request.request_id] = entry[0]
 
     def _chain_entry(self, request: Request, num_blocks: int) -> tuple[int, int, tuple[Any, ...]]:
