@@ -339,9 +339,9 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         if self.fp8 is not None:
             return grouped_experts(x, weights, ids, self.local_experts, self.fp8_expert)
         if self.w4a16 is not None and use_triton(x):
-            from engine_core.models.w4a16_moe_kernels import fused_moe_w4a16  # imports triton
+            from engine_core.models.w4a16_moe import w4a16_moe  # imports triton
 
-            return fused_moe_w4a16(x, self.w4a16_experts(), weights, ids)
+            return w4a16_moe(x, self.w4a16_experts(), weights, ids)
         if self.w4a16 is not None:
             return grouped_experts(x, weights, ids, self.local_experts, self.w4a16_expert)
         return run_experts(x, self.w13, self.w2, weights, ids)
