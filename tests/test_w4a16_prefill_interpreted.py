@@ -26,7 +26,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 from engine_core.config import W4A16Config  # noqa: E402
-from engine_core.models import w4a16_moe  # noqa: E402
+from engine_core.models import w4a16_kernels, w4a16_moe  # noqa: E402
 from engine_core.models.w4a16 import AWQ_ORDER, to_layout  # noqa: E402
 from engine_core.models.w4a16_prefill import (  # noqa: E402
     dequantize_experts,
@@ -171,3 +171,18 @@ def test_both_paths_agree_through_the_entry() -> None:
     tiled = w4a16_moe.w4a16_moe(x, experts, weights, ids, w4a16_moe.Tiled())
     dequantized = w4a16_moe.w4a16_moe(x, experts, weights, ids, w4a16_moe.Dequantize())
     assert relative_error(dequantized, tiled) < 1e-5
+
+
+def test_a_dense_linear_dequantizes_where_measured_and_from_the_row_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """w4a16_kernels.choose_tiles: a MEASURED None (dequantizing won in the sweep) below
+    DEQUANTIZE_ROWS takes the dequantize path, unless the weight is too large for its buffer."""
+    n, k, sms = 512, 1024, 132
+    assert w4a16_kernels.choose_tiles(16, n, k, 128, sms) is not None  # the rule: tiles
+    assert w4a16_kernels.choose_tiles(w4a16_kernels.DEQUANTIZE_ROWS, n, k, 128, sms) is None
+    monkeypatch.setitem(w4a16_kernels.MEASURED, (16, n, k), None)
+    assert w4a16_kernels.choose_tiles(16, n, k, 128, sms) is None
+    assert w4a16_kernels.choose_tiles(17, n, k, 128, sms) is not None  # another bucket
+    monkeypatch.setattr(w4a16_kernels, "DEQUANTIZE_MAX_VALUES", n * k - 1)
+    assert w4a16_kernels.choose_tiles(16, n, k, 128, sms) is not None
