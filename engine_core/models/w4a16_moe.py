@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_core.models import mxfp4_moe
 from engine_core.models.fused_moe import Blocks
 from engine_core.models.w4a16 import W4A16Experts
 from engine_core.models.w4a16_kernels import row_bucket
@@ -41,14 +42,9 @@ class Tiled:
 
 
 Choice = Tiled | Dequantize
-# The prefill GEMMs' tiles the sweep times beside fused_moe.block_sizes' (mxfp4_moe's
-# candidates: the same bf16 GEMMs at another shape).
-DEQUANTIZE_CANDIDATES = (
-    Dequantize(Blocks(128, 64, 64, warps=8)),
-    Dequantize(Blocks(64, 128, 64, warps=8)),
-    Dequantize(Blocks(64, 64, 64)),
-    Dequantize(Blocks(128, 128, 32, warps=8)),
-)
+# The prefill GEMMs' tiles the sweep times beside fused_moe.block_sizes': MXFP4's candidates,
+# the same bf16 GEMMs (mxfp4_moe says why these).
+DEQUANTIZE_CANDIDATES = tuple(Dequantize(d.blocks) for d in mxfp4_moe.DEQUANTIZE_CANDIDATES)
 # From this many tokens, dequantize and run bf16 GEMMs. A guess until the sweep has run: MXFP4's
 # crossover (mxfp4_moe.DEQUANTIZE_TOKENS) lies between 64 and 2,048 tokens, and W4A16's tiles
 # lose more at 2,048 (7.2x bf16's time, MXFP4's 6.9x).
