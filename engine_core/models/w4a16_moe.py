@@ -46,9 +46,10 @@ Choice = Tiled | Dequantize
 # the same bf16 GEMMs (mxfp4_moe says why these).
 DEQUANTIZE_CANDIDATES = tuple(Dequantize(d.blocks) for d in mxfp4_moe.DEQUANTIZE_CANDIDATES)
 # From this many tokens, dequantize and run bf16 GEMMs. A guess until the sweep has run: MXFP4's
-# crossover (mxfp4_moe.DEQUANTIZE_TOKENS) lies between 64 and 2,048 tokens, and W4A16's tiles
-# lose more at 2,048 (7.2x bf16's time, MXFP4's 6.9x).
-DEQUANTIZE_TOKENS = 256
+# crossover lies between 64 and 2,048 tokens, and the pass over all the experts (about 0.3 ms a
+# qwen3-30b-a3b layer at HBM speed) would be paid by every layer of a captured decode step of
+# 256 sequences, where the tiles' loss is smallest: so above the largest default decode batch.
+DEQUANTIZE_TOKENS = 512
 # The sweep's fastest choice by (token bucket, hidden, width, experts, top k), where measured.
 MEASURED: dict[tuple[int, int, int, int, int], Choice] = {}
 
