@@ -524,7 +524,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # Keep headroom for activations of the largest step and the allocator's slack,
-            # a vision model's encoder cache and largest encoder run, and MXFP4 experts'
+            # a vision model's encoder cache and largest encoder run, and MXFP4 or W4A16 experts'
             # dequantize scratch (memory_plan.py).
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
             budget -= encoder_bytes(self.config, self.model_config, self.dtype, self.max_model_len)
