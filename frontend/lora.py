@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_core.config import ModelConfig
+from engine_core.lora.adapter import LoraError, check_lora_model, load_adapter
 from frontend.errors import OpenAIError, bad_request
 from protocol.messages import LoraRef
 
@@ -81,22 +82,14 @@ class LoraRegistry:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
-        # The adapter reader imports torch: only a server with --enable-lora pays for it, and
-        # after its engines have started (docs/design/start-up-time.md).
-        from engine_core.lora.adapter import check_lora_model
-
         check_lora_model(self.model_config)
 
     def check(self, path: str) -> None:
         """Read the adapter at ``path`` as the engine will; LoraError naming what is wrong."""
-        from engine_core.lora.adapter import load_adapter
-
         load_adapter(path, self.model_config, self.max_rank, self.expert_targets)
 
     def add_checked(self, modules: dict[str, str]) -> None:
         """The --lora-modules adapters, each read and checked (ValueError naming a bad one)."""
-        from engine_core.lora.adapter import LoraError
-
         for name, path in modules.items():
             try:
                 self.check(path)
@@ -115,8 +108,6 @@ class LoraRegistry:
 
     async def load(self, name: str, path: str) -> str:
         """Check and add an adapter (load_lora_adapter); the success message."""
-        from engine_core.lora.adapter import LoraError
-
         self._check_updates()
         if not name or not path:
             raise bad_request("give both lora_name and lora_path", "lora_name")

@@ -188,7 +188,7 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine_core.model_dirs import resolve_for_serving
+    from engine_core.loader import resolve_for_serving
     from frontend.engines import plan_engines
     from frontend.request_id import tag_log_records
 

@@ -22,8 +22,13 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engine_core.loader import iter_checkpoint, load_model, load_model_config, resolve_model_dir
-from engine_core.model_dirs import gguf_cache_dir
+from engine_core.loader import (
+    gguf_cache_dir,
+    iter_checkpoint,
+    load_model,
+    load_model_config,
+    resolve_model_dir,
+)
 from engine_core.models import model_config_from_hf
 from engine_core.presets import PRESETS
 from tests.factories import write_tiny_llama
@@ -404,13 +409,11 @@ def test_a_random_model_needs_no_model_folder(monkeypatch: pytest.MonkeyPatch) -
     run and the default model (whose tokenizer the presets borrow) may be absent: building one
     must not resolve any folder."""
     import engine_core.loader as loader
-    import engine_core.model_dirs as model_dirs
 
     def no_folders(model: str) -> Path:
         raise AssertionError(f"resolved {model!r} to build a random model")
 
     monkeypatch.setattr(loader, "resolve_model_dir", no_folders)
-    monkeypatch.setattr(model_dirs, "resolve_model_dir", no_folders)
     monkeypatch.delenv("TANDEM_TOKENIZER_DIR", raising=False)
     loaded = loader.load_model("random:gpt2", "cpu", torch.float32)
     assert loaded.model_dir is None and loaded.config.vocab_size == 49152
@@ -452,24 +455,3 @@ def test_building_a_model_does_not_import_dynamo(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == f"{len(PRESETS)} []", done.stdout
-
-
-def test_tandem_serve_starts_its_engines_before_it_imports_torch(tiny_model_dir: Path) -> None:
-    """`tandem serve` parses its flags, checks them and resolves the model without importing
-    torch, so its engine cores start about 1.5 s of CPU sooner (docs/design/start-up-time.md):
-    in a fresh interpreter, the real command runs until its first engine would start, which
-    reports the modules loaded by then instead of starting."""
-    script = (
-        "import sys\n"
-        "import frontend.engines\n"
-        "def start(self):\n"
-        "    print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
-        "    raise SystemExit(0)\n"
-        "frontend.engines.EngineSpec.start = start\n"
-        "from frontend.cli import main\n"
-        f"main(['serve', '--model', {str(tiny_model_dir)!r}, '--port', '0'])\n"
-    )
-    repo = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]", done.stdout
