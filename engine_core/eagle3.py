@@ -67,7 +67,8 @@ from engine_core.config import ModelConfig
 from engine_core.draft_graphs import FeatureProposalGraphs, eager_feature_proposal
 from engine_core.draft_model import DraftForwards, attends_fully
 from engine_core.forward_context import forward_context
-from engine_core.loader import iter_checkpoint, read_json, resolve_model_dir
+from engine_core.loader import iter_checkpoint, read_json
+from engine_core.model_dir import resolve_model_dir
 from engine_core.models import llama_config
 from engine_core.models.aux_hidden import AuxHiddenStates
 from engine_core.models.layers import (

@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 
 from common.processes import ParentWatch, freeze_startup_heap, spread_young_collections
-from engine_core.loader import RANDOM_PREFIX
+from engine_core.model_dir import RANDOM_PREFIX
 from frontend.admission import AdmissionGate
 from frontend.app import ServerState, build_app
 from frontend.constraints import ConstraintChecker
