@@ -84,7 +84,7 @@ from engine_core.models.llama import (
     LlamaModel,
     make_norm,
 )
-from engine_core.models.meta_build import meta_build
+from engine_core.models.meta_build import materialize, meta_build
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.scheduler import PLACEHOLDER
 from engine_core.speculative import DraftRow
@@ -292,7 +292,7 @@ def load_head(
     shape = read_head_shape(model_dir, target, own_embedding="embed_tokens.weight" in names)
     with meta_build(dtype):
         head = Eagle3Head(shape)
-    head.to_empty(device=device)
+    materialize(head, device)
     reset_buffers(head)
     d2t = weights.pop("d2t", None)
     weights.pop("t2d", None)

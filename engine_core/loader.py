@@ -24,7 +24,7 @@ from engine_core.model_dir import RANDOM_PREFIX, resolve_model_dir
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_block_on_device, check_fp8_device
 from engine_core.models.layers import reset_buffers
-from engine_core.models.meta_build import meta_build
+from engine_core.models.meta_build import materialize, meta_build
 from engine_core.models.quant_config import with_quantization_flag
 from engine_core.models.target import BuildTarget
 
@@ -75,7 +75,7 @@ def load_model(
         module = build_model(config, target)
     if check_fit is not None:
         check_fit(module, config)
-    module.to_empty(device=device)
+    materialize(module, device)
     reset_buffers(module)
     kv_scales: dict[int, tuple[float, float]] = {}
     module.load_weights(take_kv_scales(normalize_fp8_names(iter_checkpoint(model_dir)), kv_scales))

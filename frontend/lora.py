@@ -98,15 +98,11 @@ class LoraRegistry:
             )
 
 
-def lora_registry(
-    args: argparse.Namespace, engine_model: str, check: bool = False
-) -> LoraRegistry | None:
-    """The API process's adapters: None unless LoRA is on (``--enable-lora``, or adapters
-    named for a remote engine). ``check``: read and check each --lora-modules adapter first
-    (the serve process does, before the engines start; the API processes then trust it)."""
+def lora_registry(args: argparse.Namespace, engine_model: str, check: bool = False) -> LoraRegistry:
+    """The API process's adapters, where LoRA is on (frontend/lora_args.py ``lora_on``).
+    ``check``: read and check each --lora-modules adapter first (the serve process does, before
+    the engines start; the API processes then trust it)."""
     modules = parse_lora_modules(args.lora_modules)
-    if not (args.enable_lora or modules):
-        return None
     name = args.served_model_name or args.model
     registry = LoraRegistry(
         name, served_model_config(engine_model), args.max_lora_rank,

@@ -50,3 +50,9 @@ def check_lora_args(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     if name in modules:
         raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+
+
+def lora_on(args: argparse.Namespace) -> bool:
+    """LoRA is served: ``--enable-lora``, or adapters named (for a remote engine). Asked before
+    importing frontend/lora.py, which imports torch and the HTTP stack."""
+    return bool(args.enable_lora or parse_lora_modules(args.lora_modules))

@@ -319,11 +319,12 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
 def check_lora_modules(args: argparse.Namespace, engine_model: str) -> None:
     """Read and check every --lora-modules adapter against the model, before any engine
     starts (ValueError naming a bad one)."""
-    if not (args.enable_lora or args.lora_modules):
-        return  # without importing frontend.lora, which imports torch and the HTTP stack
-    from frontend.lora import lora_registry
+    from frontend.lora_args import lora_on
 
-    lora_registry(args, engine_model, check=True)
+    if lora_on(args):
+        from frontend.lora import lora_registry
+
+        lora_registry(args, engine_model, check=True)
 
 
 def use_engine_flag(args: argparse.Namespace) -> None:
