@@ -61,7 +61,7 @@ def build_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine_core.loader import resolve_model_dir
+    from engine_core.model_dir import resolve_model_dir
 
     model_dir = resolve_model_dir("default")  # vLLM reads the converted folder, not the GGUF
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="tandem-cpu-bench-"))

@@ -244,7 +244,7 @@ def format_trials(trials: Trials) -> str:
 def load_tokenizer(args: argparse.Namespace) -> Any:
     from tokenizers import Tokenizer
 
-    from engine_core.loader import resolve_model_dir, tokenizer_dir_for_random
+    from engine_core.model_dir import resolve_model_dir, tokenizer_dir_for_random
 
     if args.tokenizer:
         folder = Path(args.tokenizer)

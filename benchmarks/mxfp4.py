@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     headers = ["tokens", "way", "experts read", "us", "MB read", "GB/s", "of HBM", "of copy"]
     headers.append("TFLOP/s")
     print(format_table(headers, table(results)))
-    print(measured_lines(results, shape))
+    print(measured_lines(results, shape, "mxfp4_moe"))
     if args.json:
         figures = {"shape": shape, "hbm_bytes_s": args.hbm, "copy_bytes_s": copy_bw}
         write_json(args.json, header, figures | {"results": results})
@@ -247,11 +247,13 @@ def table(results: list[dict[str, Any]]) -> list[list[str]]:
     ]  # fmt: skip
 
 
-def measured_lines(results: list[dict[str, Any]], shape: tuple[int, int, int, int]) -> str:
-    """The fastest MXFP4 way at each token count as mxfp4_moe.MEASURED lines, and the first
-    token count at which the dequantize path beat every other MXFP4 way."""
+def measured_lines(
+    results: list[dict[str, Any]], shape: tuple[int, int, int, int], module: str
+) -> str:
+    """The fastest forced choice at each token count as lines of ``module``.MEASURED (mxfp4_moe,
+    w4a16_moe), and the first token count at which a dequantize path beat every other."""
     hidden, width, experts, top_k = shape
-    lines, crossover = ["mxfp4_moe.MEASURED (fastest forced choice by token count):"], None
+    lines, crossover = [f"{module}.MEASURED (fastest forced choice by token count):"], None
     for tokens in sorted({r["tokens"] for r in results}):
         forced = [r for r in results if r["tokens"] == tokens and r.get("choice")]
         if not forced:
@@ -264,6 +266,6 @@ def measured_lines(results: list[dict[str, Any]], shape: tuple[int, int, int, in
             crossover = tokens
     lines.append(
         f"DEQUANTIZE_TOKENS measured: {crossover}" if crossover else
-        "DEQUANTIZE_TOKENS measured: the dequantize path won at none of these token counts"
+        "DEQUANTIZE_TOKENS measured: dequantizing won at none of these token counts"
     )  # fmt: skip
     return "\n".join(lines)

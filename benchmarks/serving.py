@@ -147,7 +147,7 @@ def model_folder(model: str, out_dir: Path) -> tuple[Path | None, str]:
 
     if model not in PRESETS:
         return Path(model), model
-    from engine_core.loader import tokenizer_dir_for_random
+    from engine_core.model_dir import tokenizer_dir_for_random
 
     # The folder holds the tokenizer's files and a config.json: the load generator's tokenizer.
     folder = peer_model_dir(model, tokenizer_dir_for_random(), out_dir / f"{model}-model")

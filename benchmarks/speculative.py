@@ -102,7 +102,7 @@ def tokenizer_of(core: Any) -> Any:
     """The served model's tokenizer (a random preset borrows the default model's)."""
     from transformers import AutoTokenizer
 
-    from engine_core.loader import tokenizer_dir_for_random
+    from engine_core.model_dir import tokenizer_dir_for_random
 
     return AutoTokenizer.from_pretrained(str(core.runner.model_dir or tokenizer_dir_for_random()))
 

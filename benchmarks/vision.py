@@ -146,7 +146,7 @@ def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.
 def model_folder(model: str) -> Path:
     """The folder the server's API process reads for ``model``: a preset's (written from the
     default tokenizer with the vision tokens, engine_core/preset_folders.py) or the model's."""
-    from engine_core.loader import tokenizer_dir_for_preset
+    from engine_core.model_dir import tokenizer_dir_for_preset
     from engine_core.presets import PRESETS
 
     return tokenizer_dir_for_preset(model) if model in PRESETS else Path(model)

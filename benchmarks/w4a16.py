@@ -269,14 +269,21 @@ def fastest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def measured_table(results: list[dict[str, Any]]) -> list[str]:
-    """The sweep's fastest tiles as lines of ``w4a16_kernels.MEASURED``, by (row bucket, N, K)."""
+    """The sweep's fastest choice as lines of ``w4a16_kernels.MEASURED``, by (row bucket, N, K):
+    the fastest tiles, or None where dequantizing, then cuBLAS beat them."""
     from engine_core.models.w4a16_kernels import row_bucket
 
     lines = []
     for n, k, m in sorted({(r["n"], r["k"], r["rows"]) for r in results}):
-        best = fastest([r for r in results if (r["n"], r["k"], r["rows"]) == (n, k, m)])
-        if best is not None:
-            lines.append(f"    ({row_bucket(m)}, {n}, {k}): {best['tiles']!r},")
+        rows = [r for r in results if (r["n"], r["k"], r["rows"]) == (n, k, m)]
+        best = fastest(rows)
+        dequantized = next((r for r in rows if r["form"] == "dequantize+cuBLAS"), None)
+        key = f"({row_bucket(m)}, {n}, {k})"
+        if dequantized is not None and (best is None or dequantized["us"] < best["us"]):
+            tiles = f" against the tiles' {best['us']:.1f}" if best else ""
+            lines.append(f"    {key}: None,  # dequantize+cuBLAS {dequantized['us']:.1f} us{tiles}")
+        elif best is not None:
+            lines.append(f"    {key}: {best['tiles']!r},")
     return lines
 
 

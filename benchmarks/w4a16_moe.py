@@ -10,8 +10,12 @@ random weights and uniform random routing (softmax top-k of random logits), at e
 - ``w4a16 zeros``: the fused W4A16 kernels (engine_core/models/w4a16_moe_kernels.py), groups of
   128 columns with zero points (Qwen3-30B-A3B's AWQ and GPTQ-Int4 releases);
 - ``w4a16 sym``: the same without zero points (compressed-tensors' symmetric W4A16);
+- ``w4a16 zeros dequantize``: the prefill path (engine_core/models/w4a16_prefill.py): the
+  experts dequantized into a scratch, then the bf16 GEMMs;
 - with ``--sweep``, ``w4a16 zeros MxNxK wW``: the first form at each tile of
-  w4a16_moe_kernels.CANDIDATES instead of block_sizes' choice.
+  w4a16_moe_kernels.CANDIDATES instead of block_sizes' choice, and ``dequantize MxNxK wW`` at
+  each of w4a16_moe.DEQUANTIZE_CANDIDATES; then the fastest forced choice at each token count
+  as lines of w4a16_moe.MEASURED to paste, and the token count from which dequantizing won.
 
 The table is fp8-moe's (benchmarks/fp8_moe.py): µs a layer inside a CUDA graph, the bytes the
 touched experts and the activations take over that time, as a share of ``--hbm`` and of the
@@ -27,7 +31,7 @@ from typing import Any
 
 from benchmarks.fp8_moe import RoutedBatch, free_cached, layer_shape
 from benchmarks.fp8_moe import add_args as add_fp8_moe_args
-from benchmarks.mxfp4 import table
+from benchmarks.mxfp4 import measured_lines, table
 from benchmarks.report import Provenance, format_table, write_json
 from benchmarks.roofline import measure_bandwidth
 
@@ -87,6 +91,7 @@ def measure(
     """Each way at one token count: a row of figures each."""
 
     from engine_core.models.fused_moe import fused_moe
+    from engine_core.models.w4a16_moe import DEQUANTIZE_CANDIDATES, Dequantize, Tiled, w4a16_moe
     from engine_core.models.w4a16_moe_kernels import CANDIDATES, fused_moe_w4a16
 
     device = args.device
@@ -100,10 +105,16 @@ def measure(
         "w4a16 zeros": (lambda: fused_moe_w4a16(x, zeros, weights, ids), "w4a16 zeros"),
         "w4a16 sym": (lambda: fused_moe_w4a16(x, sym, weights, ids), "w4a16 sym"),
     }
+    choices: dict[str, Any] = {"w4a16 zeros": Tiled(), "w4a16 zeros dequantize": Dequantize()}
     for b in CANDIDATES if args.sweep else ():
-        tiled = (lambda b=b: fused_moe_w4a16(x, zeros, weights, ids, b), "w4a16 zeros")
-        ways[f"w4a16 zeros {b.m}x{b.n}x{b.k} w{b.warps}"] = tiled
-    return batch.figures(ways, {k: layer_bytes(v) for k, v in layers.items()}, args, copy_bw)
+        choices[f"w4a16 zeros {b.m}x{b.n}x{b.k} w{b.warps}"] = Tiled(b)
+    for d in DEQUANTIZE_CANDIDATES if args.sweep else ():
+        b = d.blocks
+        choices[f"dequantize {b.m}x{b.n}x{b.k} w{b.warps}"] = d
+    for name, c in choices.items():
+        ways[name] = (lambda c=c: w4a16_moe(x, zeros, weights, ids, c), "w4a16 zeros")
+    rows = batch.figures(ways, {k: layer_bytes(v) for k, v in layers.items()}, args, copy_bw)
+    return [r | {"choice": repr(choices[r["way"]]) if r["way"] in choices else None} for r in rows]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
           f"{copy_bw / 1e12:.2f} TB/s\n")  # fmt: skip
     headers = ["tokens", "way", "experts read", "us", "MB read", "GB/s", "of HBM", "of copy"]
     print(format_table([*headers, "TFLOP/s"], table(results)))
+    print(measured_lines(results, shape, "w4a16_moe"))
     if args.json:
         figures = {"shape": shape, "hbm_bytes_s": args.hbm, "copy_bytes_s": copy_bw}
         write_json(args.json, header, figures | {"results": results})

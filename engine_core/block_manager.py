@@ -26,7 +26,8 @@ holds one state slot (``state_slots`` of them, as many as the running cap), take
 reads and writes them. Its state is a function of every token before it, so a prefix hit also
 needs the state at the hit's end: saved states (engine_core/state_snapshots.py, ``snapshots``)
 are kept under the hash of the block they end, taken where a prompt chunk starts on a block
-boundary no later than the prompt's last one (``snapshot_chunk`` ends a chunk there), and a hit
+boundary no later than the prompt's last one (``snapshot_chunk`` ends a chunk there) and where a
+decode step starts on one (only a request's latest such save keeps its LRU place), and a hit
 is the longest run of cached attention blocks that ends where a state was saved (none: a miss).
 A hit's state is copied into the request's slot before its first step; the copies go to the
 runner with the step's plan (``take_state_copies``). Without snapshots caching is off.
@@ -151,6 +152,7 @@ class BlockManager:
             not state_slots or self.snapshots is not None
         )
         self._restores: dict[str, int] = {}  # request id -> snapshot to copy into its new slot
+        self._decode_saves: dict[str, int] = {}  # request id -> hash of its latest decode save
         self.num_state_slots = state_slots
         self._free_slots: deque[int] = deque(range(state_slots))
         self._slots: dict[str, int] = {}  # request id -> the state slot it holds
@@ -456,13 +458,23 @@ class BlockManager:
 
     def _save_state(self, request: Request, slot: int) -> None:
         """Save the state ``slot`` holds when the next step starts, where the request's next
-        chunk starts (on a block boundary: the caller checks) no later than its prompt's last
-        one; the chain hash of the block ending there keys it."""
+        chunk or decode starts (on a block boundary: the caller checks), keyed by the chain
+        hash of the block ending there. Up to the prompt's last boundary each such state is
+        kept; past it (the answer's, one a block of decode) only the request's latest keeps
+        its place in the LRU order, the one before it demoted to be evicted first."""
         assert self.snapshots is not None
         start = request.num_computed_tokens
-        if not 0 < start <= self._last_snapshot_point(request):
+        if not start:
             return
-        self.snapshots.save(slot, *self._chain_entry(request, start // self.block_size))
+        entry = self._chain_entry(request, start // self.block_size)
+        if start <= self._last_snapshot_point(request):
+            self.snapshots.save(slot, *entry)
+            return
+        previous = self._decode_saves.pop(request.request_id, None)
+        if previous is not None:
+            self.snapshots.demote(previous)
+        if self.snapshots.save(slot, *entry):  # one only refreshed is not this request's
+            self._decode_saves[request.request_id] = entry[0]
 
     def _chain_entry(self, request: Request, num_blocks: int) -> tuple[int, int, tuple[Any, ...]]:
         """(hash, parent hash, key) of block ``num_blocks - 1`` of the request's chain, going
@@ -663,6 +675,7 @@ class BlockManager:
         self._chain.pop(request_id, None)
         self._behind.pop(request_id, None)
         self._restores.pop(request_id, None)  # a hit whose admission failed
+        self._decode_saves.pop(request_id, None)  # its last one stays: a next turn's hit
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
@@ -788,6 +801,7 @@ class BlockManager:
             self._restores.keys() <= self._tables.keys() - self._slots.keys(),
             "a snapshot to restore for a request gone or already holding its slot",
         )
+        _require(self._decode_saves.keys() <= self._slots.keys(), "a decode save's owner gone")
         if self.num_state_slots:
             for request_id, table in self._tables.items():
                 _require(

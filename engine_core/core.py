@@ -166,7 +166,7 @@ class EngineCore:
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        from engine_core.loader import tokenizer_dir_of
+        from engine_core.model_dir import tokenizer_dir_of
 
         return AutoTokenizer.from_pretrained(
             str(tokenizer_dir_of(self.config.model, self.runner.model_dir))

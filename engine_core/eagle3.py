@@ -67,7 +67,8 @@ from engine_core.config import ModelConfig
 from engine_core.draft_graphs import FeatureProposalGraphs, eager_feature_proposal
 from engine_core.draft_model import DraftForwards, attends_fully
 from engine_core.forward_context import forward_context
-from engine_core.loader import iter_checkpoint, read_json, resolve_model_dir
+from engine_core.loader import iter_checkpoint, read_json
+from engine_core.model_dir import resolve_model_dir
 from engine_core.models import llama_config
 from engine_core.models.aux_hidden import AuxHiddenStates
 from engine_core.models.layers import (
@@ -83,7 +84,7 @@ from engine_core.models.llama import (
     LlamaModel,
     make_norm,
 )
-from engine_core.models.meta_build import meta_build
+from engine_core.models.meta_build import materialize, meta_build
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.scheduler import PLACEHOLDER
 from engine_core.speculative import DraftRow
@@ -291,7 +292,7 @@ def load_head(
     shape = read_head_shape(model_dir, target, own_embedding="embed_tokens.weight" in names)
     with meta_build(dtype):
         head = Eagle3Head(shape)
-    head.to_empty(device=device)
+    materialize(head, device)
     reset_buffers(head)
     d2t = weights.pop("d2t", None)
     weights.pop("t2d", None)

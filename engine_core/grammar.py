@@ -27,11 +27,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from protocol.messages import Constraint, ConstraintKind
+
+if TYPE_CHECKING:
+    # The API process compiles grammars with this module and has no other use for torch: the
+    # two functions that compute with it import it themselves.
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -351,11 +354,15 @@ class BitmaskFiller:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, ceil(vocab / 32)] int32, every bit set (every token allowed)."""
+    import torch
+
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` [B, V] with the tokens whose bit is clear in ``bitmask`` [B, W] at -inf."""
+    import torch
+
     vocab = logits.shape[-1]
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]

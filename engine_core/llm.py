@@ -65,7 +65,7 @@ class LLM:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            from engine_core.loader import tokenizer_dir_of
+            from engine_core.model_dir import tokenizer_dir_of
 
             model_dir = tokenizer_dir_of(self.engine.config.model, self.engine.runner.model_dir)
             self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -29,8 +29,8 @@ The need, per tensor-parallel rank:
   slack (the KV sizing keeps the same headroom);
 - the host KV tier, ``--kv-offload-gb``: host memory, so on the CPU part of the same budget, and
   on CUDA checked on its own against MemAvailable (it is pinned: it can never be swapped out);
-- on CUDA, a model with MXFP4 experts: the scratch its prefill dequantizes a chunk of experts
-  into (``expert_scratch_bytes``; engine_core/models/mxfp4_prefill.py);
+- on CUDA, a model with MXFP4 or W4A16 experts: the scratch its prefill dequantizes a chunk of
+  experts into (``expert_scratch_bytes``; engine_core/models/mxfp4_prefill.py, w4a16_prefill.py);
 - a vision-language model's encoder: the encoder cache's budget (``--encoder-cache-memory-gb``)
   and the activation peak of its largest run (``encoder_peak_bytes``), so the KV cache sized
   on CUDA leaves the encoder room (docs/design/vision.md, "The encoder's memory").
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine_core.config import EngineConfig, ModelConfig, VisionConfig
+from engine_core.config import EngineConfig, ModelConfig, VisionConfig, W4A16Config
 from engine_core.kv_groups import (
     KVLayout,
     model_kv_layout,
@@ -97,7 +97,7 @@ class MemoryPlan:
     quantized: bool = False
     host_kv_bytes: int = 0  # the host KV tier, where it shares this budget (the CPU's)
     encoder_bytes: int = 0  # a vision model's encoder cache and largest encoder run
-    scratch_bytes: int = 0  # MXFP4 experts' dequantize scratch (CUDA)
+    scratch_bytes: int = 0  # MXFP4 or W4A16 experts' dequantize scratch (CUDA)
 
     @property
     def needed_bytes(self) -> int:
@@ -267,11 +267,12 @@ def plan_memory(
 def expert_scratch_bytes(
     model_config: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> int:
-    """On CUDA, the buffer a model with MXFP4 experts dequantizes a chunk of experts into at
-    prefill (allocated per layer call, so one layer's worth); 0 elsewhere."""
-    if device.type != "cuda" or model_config.expert_format != "mxfp4":
-        return 0
+    """On CUDA, the buffer a model with MXFP4 or W4A16 experts dequantizes a chunk of experts
+    into at prefill (allocated per layer call, so one layer's worth); 0 elsewhere."""
     mc = model_config
+    w4a16 = isinstance(mc.quantization, W4A16Config) and mc.num_experts > 0
+    if device.type != "cuda" or not (mc.expert_format == "mxfp4" or w4a16):
+        return 0
     return mxfp4.scratch_bytes(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, dtype)
 
 
@@ -335,7 +336,7 @@ def check_fits(plan: MemoryPlan) -> None:
     if plan.encoder_bytes:
         parts.append(f"vision encoder {gib(plan.encoder_bytes)}")
     if plan.scratch_bytes:
-        parts.append(f"MXFP4 experts' dequantize scratch {gib(plan.scratch_bytes)}")
+        parts.append(f"experts' dequantize scratch {gib(plan.scratch_bytes)}")
     need = " + ".join(parts)
     if plan.ranks > 1:
         need = f"{plan.ranks} tensor-parallel ranks on this host x ({need})"

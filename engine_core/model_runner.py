@@ -63,7 +63,7 @@ from engine_core.parallel import get_pipeline_stage, get_tp_group
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
-from engine_core.state_snapshots import StateCopy
+from engine_core.state_snapshots import StateCopy, independent_runs
 from engine_core.step_stats import GpuTimeline, StepStats
 from engine_core.warm_up import StepLimits, pooling_warm_up_plans, warm_up_plans
 from protocol.messages import TokenLogprobs
@@ -488,14 +488,16 @@ class ModelRunner:
         return self.num_state_slots + (self.pad_state_slot is not None) + snapshot
 
     def _copy_states(self, copies: Sequence[StateCopy]) -> None:
-        """A plan's copies between state slots and saved states, in its order (a save and a
-        later restore of the same snapshot, or of the same slot, must land in that order),
-        before the forward; on the engine's stream, outside any graph."""
+        """A plan's copies between state slots and saved states, before the forward, on the
+        engine's stream, outside any graph: in its order where that matters (a save and a
+        later restore of the same snapshot, or of the same slot), else a run of them at once,
+        as a decode step at a large batch makes (a save every block's steps per request)."""
+        moves = []
         for copy in copies:
             row = self.snapshot_row(copy.snapshot)
-            src, dst = (copy.slot, row) if copy.save else (row, copy.slot)
-            for state in self.state_cache:
-                state[dst].copy_(state[src])
+            moves.append((copy.slot, row) if copy.save else (row, copy.slot))
+        for run in independent_runs(moves):
+            copy_state_rows(self.state_cache, run)
 
     def _allocate_state_slots(self) -> list[torch.Tensor]:
         """The linear-attention layers' state slots, in the model's dtype: per layer, each
@@ -522,7 +524,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # Keep headroom for activations of the largest step and the allocator's slack,
-            # a vision model's encoder cache and largest encoder run, and MXFP4 experts'
+            # a vision model's encoder cache and largest encoder run, and MXFP4 or W4A16 experts'
             # dequantize scratch (memory_plan.py).
             budget = self.config.gpu_memory_utilization * total - used - CUDA_HEADROOM_BYTES
             budget -= encoder_bytes(self.config, self.model_config, self.dtype, self.max_model_len)
@@ -1214,6 +1216,24 @@ def model_inputs(
         ids_from=packed.ids_from,
         group_metadata=packed.group_metadata,
     )
+
+
+def copy_state_rows(tensors: Sequence[torch.Tensor], moves: list[tuple[int, int]]) -> None:
+    """Copy row ``src`` of every tensor to row ``dst`` for each (src, dst) of ``moves``, which
+    must be independent (``independent_runs``): one copy per tensor and move for one or two,
+    else a gather and a scatter per tensor, the row ids sent from pinned memory without
+    waiting for the stream (a pageable copy would)."""
+    if len(moves) <= 2:
+        for src, dst in moves:
+            for tensor in tensors:
+                tensor[dst].copy_(tensor[src])
+        return
+    rows = torch.tensor(list(zip(*moves, strict=True)), dtype=torch.int64)  # [2, n]: src, dst
+    device = tensors[0].device
+    if device.type == "cuda":
+        rows = rows.pin_memory().to(device, non_blocking=True)
+    for tensor in tensors:
+        tensor.index_copy_(0, rows[1], tensor.index_select(0, rows[0]))
 
 
 def prompt_rows_on(rows: list[int] | None, device: torch.device) -> torch.Tensor | None:

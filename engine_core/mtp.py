@@ -66,7 +66,7 @@ from engine_core.loader import normalize_fp8_names, read_json
 from engine_core.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
 from engine_core.models.layers import Linear, NameMap, load_mapped_weights, reset_buffers
 from engine_core.models.llama import choose_layer_forms, make_norm
-from engine_core.models.meta_build import meta_build
+from engine_core.models.meta_build import materialize, meta_build
 from engine_core.models.quantize import make_quantized_linears
 from engine_core.models.target import BuildTarget
 from engine_core.request import SchedulerOutput
@@ -209,7 +209,7 @@ def load_mtp_layer(
         mtp = MtpLayer(config)
         make_quantized_linears(mtp, config)
         choose_layer_forms(mtp, build)
-    mtp.to_empty(device=device)
+    materialize(mtp, device)
     reset_buffers(mtp)
     own_embedding = tensors.pop("embed_tokens.weight", None)
     try:

@@ -129,7 +129,7 @@ def proof(secret: bytes | None, session: bytes, node_rank: int) -> bytes:
 
 def compared_config(config: EngineConfig) -> dict[str, Any]:
     """The engine configuration every node must share (the model as the engine loads it)."""
-    from engine_core.loader import resolve_for_serving
+    from engine_core.model_dir import resolve_for_serving
 
     fields = dataclasses.asdict(config)
     for name in _PER_NODE_FIELDS:

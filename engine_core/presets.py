@@ -27,7 +27,7 @@ from engine_core.models import build_model, finish_loading, model_config_from_hf
 from engine_core.models.fp8 import quantize_rows
 from engine_core.models.int8 import quantize_rows as int8_rows
 from engine_core.models.layers import Linear, reset_buffers
-from engine_core.models.meta_build import meta_build
+from engine_core.models.meta_build import materialize, meta_build
 from engine_core.models.moe import SparseMoE
 from engine_core.models.quant_config import random_weights_config
 from engine_core.models.target import BuildTarget
@@ -543,7 +543,7 @@ def build_random_model(
         model = build_model(config, target)
     if check_fit is not None:
         check_fit(model, config)
-    model.to_empty(device=device)
+    materialize(model, device)
     reset_buffers(model)
     init_random_weights(model, seed)
     model.eval().requires_grad_(False)

@@ -72,18 +72,27 @@ class StateSnapshots:
             return None
         return snapshot
 
-    def save(self, slot: int, block_hash: int, parent_hash: int, key: tuple[Any, ...]) -> None:
+    def save(self, slot: int, block_hash: int, parent_hash: int, key: tuple[Any, ...]) -> bool:
         """Keep the state that ``slot`` will hold when the next step starts under this block's
-        hash; a state already kept there is only refreshed (the same prefix, the same state)."""
+        hash; a state already kept there is only refreshed (the same prefix, the same state).
+        True where a new snapshot was taken, False where one was refreshed."""
         known = self._by_hash.get(block_hash)
         if known is not None:
             self._cached.move_to_end(known)
-            return
+            return False
         snapshot = self._free.popleft() if self._free else self._evict_lru()
         self._cached[snapshot] = _Entry(block_hash, parent_hash, key)
         self._by_hash[block_hash] = snapshot
         self._copies.append(StateCopy(slot, snapshot, save=True))
         self.num_saved += 1
+        return True
+
+    def demote(self, block_hash: int) -> None:
+        """Make the snapshot kept under this hash (if still kept) the next one evicted: still
+        found by a hit until a save needs its place, never before any other cached one."""
+        snapshot = self._by_hash.get(block_hash)
+        if snapshot is not None:
+            self._cached.move_to_end(snapshot, last=False)
 
     def restore(self, snapshot: int, slot: int) -> None:
         """Copy ``snapshot`` into ``slot`` before the next step, and mark it recently used."""
@@ -113,3 +122,19 @@ class StateSnapshots:
         mapped = {entry.block_hash: snapshot for snapshot, entry in self._cached.items()}
         if mapped != self._by_hash:
             raise AssertionError("the snapshot hash map disagrees with the cached snapshots")
+
+
+def independent_runs(moves: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``moves`` (source row, destination row), in order, cut into the fewest consecutive runs
+    that may each be made as one gather of every source, then one scatter: none in a run reads
+    a row an earlier one in it wrote (a save, then a restore of the same snapshot), nor writes
+    one twice (a scatter's order among equal rows is undefined on CUDA)."""
+    runs: list[list[tuple[int, int]]] = []
+    written: set[int] = set()
+    for src, dst in moves:
+        if not runs or src in written or dst in written:
+            runs.append([])
+            written = set()
+        runs[-1].append((src, dst))
+        written.add(dst)
+    return runs

@@ -394,7 +394,8 @@ def release_graphs(runner: ModelRunner | None) -> None:
 
 def peek_model_config(model: str) -> ModelConfig | None:
     """The model's config without its weights (None for an unknown preset: the load says why)."""
-    from engine_core.loader import RANDOM_PREFIX, load_model_config, resolve_model_dir
+    from engine_core.loader import load_model_config
+    from engine_core.model_dir import RANDOM_PREFIX, resolve_model_dir
 
     if model.startswith(RANDOM_PREFIX):
         from engine_core.presets import PRESETS

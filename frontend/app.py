@@ -20,7 +20,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,7 +47,6 @@ from frontend.errors import (
     error_response,
     http_exception_error,
 )
-from frontend.lora import LoraRegistry
 from frontend.metrics import CONTENT_TYPE
 from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, StreamingLane, StreamRoute
 from frontend.openai_schemas import (
@@ -70,6 +69,9 @@ from frontend.serving_context import ServingContext
 from frontend.sse import DONE
 from frontend.tokenizer import ChatRender
 from frontend.tracing import TracingMiddleware
+
+if TYPE_CHECKING:
+    from frontend.lora import LoraRegistry
 
 logger = logging.getLogger("tandem.frontend")
 

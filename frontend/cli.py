@@ -3,62 +3,53 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
+# name: (help, the module with its add_args(parser) and run(args) -> int)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("start the engine core and the OpenAI-compatible HTTP server", "frontend.serve"),
+    "engine": (
+        "run only the engine core process, serving the raw ZMQ protocol",
+        "engine_core.server",
+    ),
+    "client": (
+        "send one request to an engine core over raw ZMQ and stream the output",
+        "protocol.client_cli",
+    ),
+    "generate": ("generate in this process with the offline API (no sockets)", "engine_core.llm"),
+    "bench": ("run the load generator (loadgen/; also python -m loadgen)", "loadgen.cli"),
+    "keygen": (
+        "write a CURVE key pair for engine sockets on tcp:// (NAME.key, NAME.key_secret)",
+        "protocol.curve",
+    ),
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand listed; only ``command``'s flags are added (all of them
+    when None), because each subcommand's module is imported to add them and some import torch:
+    `tandem serve` should not pay for the engine's modules before it starts the engine."""
     parser = argparse.ArgumentParser(
         prog="tandem",
         description="Tandem: an LLM serving engine with an OpenAI-compatible frontend and a "
         "separate engine-core process, joined by ZeroMQ.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add(
-        sub,
-        "serve",
-        "start the engine core and the OpenAI-compatible HTTP server",
-        "frontend.serve",
-    )
-    _add(
-        sub,
-        "engine",
-        "run only the engine core process, serving the raw ZMQ protocol",
-        "engine_core.server",
-    )
-    _add(
-        sub,
-        "client",
-        "send one request to an engine core over raw ZMQ and stream the output",
-        "protocol.client_cli",
-    )
-    _add(
-        sub,
-        "generate",
-        "generate in this process with the offline API (no sockets)",
-        "engine_core.llm",
-    )
-    _add(sub, "bench", "run the load generator (loadgen/; also python -m loadgen)", "loadgen.cli")
-    _add(
-        sub,
-        "keygen",
-        "write a CURVE key pair for engine sockets on tcp:// (NAME.key, NAME.key_secret)",
-        "protocol.curve",
-    )
+    for name, (help_text, module) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if command in (None, name):
+            mod = importlib.import_module(module)
+            mod.add_args(p)
+            p.set_defaults(_run=mod.run)
     return parser
 
 
-def _add(sub: argparse._SubParsersAction, name: str, help_text: str, module: str) -> None:
-    """Each module exposes add_args(parser) and run(args) -> int."""
-    import importlib
-
-    mod = importlib.import_module(module)
-    p = sub.add_parser(name, help=help_text, description=help_text)
-    mod.add_args(p)
-    p.set_defaults(_run=mod.run)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The top-level parser has no flags but -h, so a command, if any, comes first.
+    command = argv[0] if argv and argv[0] in COMMANDS else ""
+    args = build_parser(command).parse_args(argv)
     return args._run(args)
 
 

@@ -18,18 +18,18 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from common.processes import ParentWatch, freeze_startup_heap, spread_young_collections
-from engine_core.loader import RANDOM_PREFIX
+from engine_core.model_dir import RANDOM_PREFIX
 from frontend.admission import AdmissionGate
 from frontend.app import ServerState, build_app
 from frontend.constraints import ConstraintChecker
 from frontend.engine_pool import EngineGauges, EnginePool
 from frontend.engines import EngineSpec, EngineTimeouts, connect_engine, supervise_engines
-from frontend.lora import lora_registry
+from frontend.lora_args import lora_on
 from frontend.metrics import Metrics
 from frontend.operations import cors_settings
 from frontend.reasoning import ReasoningParser, get_reasoning_parser
@@ -39,6 +39,9 @@ from frontend.tools import tool_support
 from frontend.tracing import RequestTracer
 from frontend.vision import MediaOptions, VisionProcessor, no_images_reason
 from protocol.messages import EmbeddingModel, PoolingKind, Ready
+
+if TYPE_CHECKING:
+    from frontend.lora import LoraRegistry
 
 logger = logging.getLogger("tandem.frontend")
 
@@ -135,7 +138,7 @@ def build_state(
         resume_timeout_s=args.resume_timeout,
         embedding=ready.embedding,
         scheduling_policy=ready.scheduling_policy,
-        loras=lora_registry(args, engine_model_of(args, model_dir)),
+        loras=served_loras(args, engine_model_of(args, model_dir)),
         tracer=request_tracer(args, name),
         vision=VisionProcessor.load(model_dir),
         media=MediaOptions.from_args(args),
@@ -156,6 +159,16 @@ def engine_model_of(args: argparse.Namespace, model_dir: Path) -> str:
     """What the engine cores load (frontend/serve.py): a random preset by name, else the folder
     the model resolved to."""
     return args.model if args.model.startswith(RANDOM_PREFIX) else str(model_dir)
+
+
+def served_loras(args: argparse.Namespace, engine_model: str) -> LoraRegistry | None:
+    """The adapters served by name, or None where LoRA is off (frontend/lora.py, which imports
+    torch, is imported only where it is on)."""
+    if not lora_on(args):
+        return None
+    from frontend.lora import lora_registry
+
+    return lora_registry(args, engine_model)
 
 
 def request_tracer(args: argparse.Namespace, model: str) -> RequestTracer | None:

@@ -20,52 +20,8 @@ from pathlib import Path
 from engine_core.config import ModelConfig
 from engine_core.lora.adapter import LoraError, check_lora_model, load_adapter
 from frontend.errors import OpenAIError, bad_request
+from frontend.lora_args import parse_lora_modules
 from protocol.messages import LoraRef
-
-
-def add_lora_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("LoRA adapters (with --enable-lora)")
-    group.add_argument(
-        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-        help="PEFT LoRA adapters to serve, each under its NAME: a request with "
-        '"model": NAME runs with it (listed by /v1/models with the base model as parent)',
-    )  # fmt: skip
-    group.add_argument(
-        "--allow-runtime-lora-updates", action="store_true",
-        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (bodies: "
-        "lora_name, lora_path; behind --api-key when set): vLLM's "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING as a flag (default: off)",
-    )  # fmt: skip
-
-
-def parse_lora_modules(values: list[str] | None) -> dict[str, str]:
-    """``NAME=PATH`` pairs by name; ValueError naming a malformed or repeated one."""
-    modules: dict[str, str] = {}
-    for value in values or []:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules {value!r}: give NAME=PATH")
-        if name in modules:
-            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        modules[name] = path
-    return modules
-
-
-def check_lora_args(args: argparse.Namespace) -> None:
-    """ValueError for LoRA flags that do not go together."""
-    modules = parse_lora_modules(args.lora_modules)
-    local = not args.remote_engine
-    if local and not args.enable_lora and (modules or args.allow_runtime_lora_updates):
-        given = "--lora-modules" if modules else "--allow-runtime-lora-updates"
-        raise ValueError(f"{given} needs --enable-lora (the engine core's adapter slots)")
-    if args.allow_runtime_lora_updates and args.api_servers > 1:
-        raise ValueError(
-            "--allow-runtime-lora-updates with --api-servers > 1 is not supported: each API "
-            "process keeps its own list of adapters, and a load would reach only one of them"
-        )
-    name = args.served_model_name or args.model
-    if name in modules:
-        raise ValueError(f"--lora-modules: {name!r} is the base model's name")
 
 
 @dataclass
@@ -142,15 +98,11 @@ class LoraRegistry:
             )
 
 
-def lora_registry(
-    args: argparse.Namespace, engine_model: str, check: bool = False
-) -> LoraRegistry | None:
-    """The API process's adapters: None unless LoRA is on (``--enable-lora``, or adapters
-    named for a remote engine). ``check``: read and check each --lora-modules adapter first
-    (the serve process does, before the engines start; the API processes then trust it)."""
+def lora_registry(args: argparse.Namespace, engine_model: str, check: bool = False) -> LoraRegistry:
+    """The API process's adapters, where LoRA is on (frontend/lora_args.py ``lora_on``).
+    ``check``: read and check each --lora-modules adapter first (the serve process does, before
+    the engines start; the API processes then trust it)."""
     modules = parse_lora_modules(args.lora_modules)
-    if not (args.enable_lora or modules):
-        return None
     name = args.served_model_name or args.model
     registry = LoraRegistry(
         name, served_model_config(engine_model), args.max_lora_rank,
@@ -165,7 +117,8 @@ def lora_registry(
 
 def served_model_config(engine_model: str) -> ModelConfig:
     """The base model's config, as the engine core reads it (a folder or a random preset)."""
-    from engine_core.loader import RANDOM_PREFIX, load_model_config
+    from engine_core.loader import load_model_config
+    from engine_core.model_dir import RANDOM_PREFIX
     from engine_core.models import model_config_from_hf
     from engine_core.presets import hf_config
 

@@ -70,8 +70,6 @@ def json_string_list(text: str) -> list[str]:
 def check_operations_args(args: argparse.Namespace) -> None:
     """ValueError for a CORS flag without --allowed-origins, or a tracing endpoint that cannot
     be used here."""
-    from frontend.tracing import check_tracing_endpoint
-
     if args.allowed_origins is None:
         alone = [
             flag
@@ -85,6 +83,9 @@ def check_operations_args(args: argparse.Namespace) -> None:
         if alone:
             raise ValueError(f"{', '.join(alone)}: CORS is off without --allowed-origins")
     if args.otlp_traces_endpoint is not None:
+        # only here: frontend.tracing imports the HTTP stack, which the engines start without
+        from frontend.tracing import check_tracing_endpoint
+
         check_tracing_endpoint(args.otlp_traces_endpoint)
 
 

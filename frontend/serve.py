@@ -42,7 +42,7 @@ REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")  # frontend/reason
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     from engine_core.args import add_engine_args
-    from frontend.lora import add_lora_args
+    from frontend.lora_args import add_lora_args
     from frontend.operations import add_operations_args
     from protocol.curve import add_client_args
 
@@ -188,7 +188,7 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine_core.loader import resolve_for_serving
+    from engine_core.model_dir import resolve_for_serving
     from frontend.engines import plan_engines
     from frontend.request_id import tag_log_records
 
@@ -282,7 +282,7 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     from common import event_loop
     from engine_core.args import engine_config_from_args
     from frontend.engines import changed_engine_flags
-    from frontend.lora import check_lora_args
+    from frontend.lora_args import check_lora_args
     from frontend.operations import check_operations_args
     from frontend.vision import MediaOptions
     from protocol.curve import client_keys_from_args
@@ -319,9 +319,12 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
 def check_lora_modules(args: argparse.Namespace, engine_model: str) -> None:
     """Read and check every --lora-modules adapter against the model, before any engine
     starts (ValueError naming a bad one)."""
-    from frontend.lora import lora_registry
+    from frontend.lora_args import lora_on
 
-    lora_registry(args, engine_model, check=True)
+    if lora_on(args):
+        from frontend.lora import lora_registry
+
+        lora_registry(args, engine_model, check=True)
 
 
 def use_engine_flag(args: argparse.Namespace) -> None:

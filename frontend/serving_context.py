@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from frontend.admission import Admission, AdmissionGate, OverloadedError, TooManySequencesError
 from frontend.constraints import ConstraintChecker
@@ -16,7 +17,6 @@ from frontend.errors import (
     engine_unavailable,
     overloaded,
 )
-from frontend.lora import LoraRegistry
 from frontend.metrics import Metrics
 from frontend.reasoning import ReasoningParser
 from frontend.response_store import ResponseStore
@@ -26,6 +26,9 @@ from frontend.tracing import RequestTracer
 from frontend.vision import NO_IMAGES, MediaOptions, VisionProcessor
 from protocol.client import EngineDeadError
 from protocol.messages import Constraint, EmbeddingModel, LoraRef, SchedulingPolicy
+
+if TYPE_CHECKING:
+    from frontend.lora import LoraRegistry
 
 
 @dataclass

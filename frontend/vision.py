@@ -34,11 +34,13 @@ import numpy as np
 from protocol.messages import ImageInput, TensorBytes
 
 # Architectures whose image side the engine implements (engine_core/models/qwen2_5_vl.py,
-# qwen3_vl.py, gemma3_mm.py).
+# qwen3_vl.py, qwen3_5_vl.py, gemma3_mm.py).
 VISION_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
 )
 # The wire's frame limit is 64 MiB (protocol/codec.py): a prompt's pixels stay under this.
@@ -410,12 +412,8 @@ class ImagePartRef:
 
 
 # Vision-language checkpoints served as text only for now: the engine builds their language
-# model and skips their vision tower's weights (engine_core/models/qwen3_next.py).
-TEXT_ONLY_ARCHITECTURES = (
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration",
-    "Llama4ForConditionalGeneration",
-)
+# model and skips their vision tower's weights (engine_core/models/llama4.py).
+TEXT_ONLY_ARCHITECTURES = ("Llama4ForConditionalGeneration",)
 NO_IMAGES = "this model takes no images: send text parts only"
 
 

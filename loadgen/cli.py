@@ -283,7 +283,7 @@ def load_tokenizer(args: argparse.Namespace, backend: Backend) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    from engine_core.loader import resolve_model_dir
+    from engine_core.model_dir import resolve_model_dir
 
     source = args.tokenizer or getattr(backend, "model_root", None) or backend.model or "default"
     if args.tokenizer is None and not Path(source).is_dir() and source != "default":

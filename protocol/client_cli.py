@@ -181,7 +181,7 @@ def constraint_of(args: argparse.Namespace) -> Constraint | None:
 def _load_tokenizer(model: str) -> Any:
     from transformers import AutoTokenizer
 
-    from engine_core.loader import resolve_model_dir
+    from engine_core.model_dir import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(model)))
 

@@ -14,7 +14,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine_core.loader import resolve_model_dir, tokenizer_dir_for_random  # noqa: E402
+from engine_core.model_dir import resolve_model_dir, tokenizer_dir_for_random  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_core.loader import LoadedModel, default_gguf_path, load_model
+from engine_core.loader import LoadedModel, load_model
+from engine_core.model_dir import default_gguf_path
 from tests.paged_harness import PagedRunner, Sequence, generate_greedy, hf_greedy
 
 ATOL = 1e-3

@@ -77,7 +77,7 @@ def engine() -> Iterator[Engine]:
 def chat_prompts() -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from engine_core.loader import resolve_model_dir
+    from engine_core.model_dir import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("default")))
     out = []
@@ -93,7 +93,7 @@ def hf_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine_core.loader import resolve_model_dir
+    from engine_core.model_dir import resolve_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(
         str(resolve_model_dir("default")), dtype=torch.float32

@@ -160,7 +160,7 @@ def test_a_gguf_model_gives_hf_gguf_greedy_tokens(
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"tiny.{qtype.name}.gguf"
     raw = write_gguf(path, qtype)
-    with caplog.at_level(logging.INFO, logger="engine_core.loader"):
+    with caplog.at_level(logging.INFO, logger="engine_core.model_dir"):
         ours = load_model(str(path), torch.device("cpu"), torch.float32).module
     assert "dequantized to float32 at load" in caplog.text and f"{qtype.name} 14" in caplog.text
     reference = AutoModelForCausalLM.from_pretrained(

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.block_manager import NULL_BLOCK, BlockManager
+from engine_core.block_manager import NULL_BLOCK, ROOT_HASH, BlockManager, hash_block
 from engine_core.config import EngineConfig
 from engine_core.kv_groups import KVGroup, blocks_for_tokens, group_layers, model_kv_layout
 from engine_core.memory_plan import kv_block_bytes, min_kv_bytes
@@ -369,6 +369,45 @@ def test_a_state_slot_is_taken_with_the_first_blocks_and_given_back_on_free() ->
     bm.check_integrity()
 
 
+def test_decode_saves_a_state_per_block_and_keeps_the_latest_in_its_place() -> None:
+    """Block 4, three saved states. A 6-token prompt saves at 4 (its last boundary before its
+    last token); its 16-token answer saves at 8, 12, 16 and 20 as decode reaches each boundary,
+    each copy from the request's slot before the step that starts there. Each decode save
+    demotes the one before it, so the pool's evictions take the answer's older states (12,
+    16) and never the prompt's: 4, 8 and 20 are left. A next turn (the 21 tokens computed, new
+    text) resumes at 20 from a restore of that state into its own slot."""
+    config = EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=32)
+    scheduler = Scheduler(config, 32, 64, (1,), state_slots=2, state_snapshots=3)
+    bm = scheduler.block_manager
+    assert bm.snapshots is not None
+    first = Request("a", list(range(10, 16)), SamplingParams(max_tokens=16, ignore_eos=True))
+    scheduler.add_request(first)
+    saved_at = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        for copy in plan.state_copies:
+            assert copy.save and copy.slot == bm.state_slot("a")
+            saved_at.append(first.num_computed_tokens - plan.scheduled[0].num_new_tokens)
+        scheduler.update_from_output(plan, [20 + len(first.token_ids)])
+        bm.check_integrity()
+    assert saved_at == [4, 8, 12, 16, 20]
+    assert bm.snapshots.num_saved == 5 and bm.snapshots.num_evicted == 2
+    parent, kept = ROOT_HASH, []
+    for index in range(5):
+        block = tuple(first.token_ids[4 * index : 4 * index + 4])
+        kept.append(bm.snapshots.find(hash_block(parent, block), parent, block) is not None)
+        parent = hash_block(parent, block)
+    assert kept == [True, True, False, False, True]  # ends at 4, 8, 12, 16, 20
+    turn = Request("b", first.token_ids[:21] + [3, 4, 5], SamplingParams(max_tokens=1))
+    scheduler.add_request(turn)
+    plan = scheduler.schedule()
+    assert plan.scheduled[0].start == 20
+    (restore,) = plan.state_copies
+    assert not restore.save and restore.slot == bm.state_slot("b")
+    scheduler.abort_requests(["b"])
+    bm.check_integrity()
+
+
 # ------------------------------------------------------------------------------ property tests
 
 
@@ -638,8 +677,9 @@ def test_scheduler_with_groups_keeps_the_invariants(
     a small pool (preemptions), with aborts, planned ahead of the last step's tokens (overlap)
     or not: every plan carries a table per group, as long as group 0's, with a real block
     wherever the step's queries look; the manager's integrity holds at every step; at the end
-    every block is free or cached. With state slots and saved states, every row's slot holds
-    (after the plan's copies) the state of exactly the tokens before its chunk."""
+    every block is free or cached. With state slots and saved states (prompt chunks' and
+    decode steps'), every row's slot holds (after the plan's copies) the state of exactly the
+    tokens before its chunk, and every save that of a block boundary."""
     rng = random.Random(seed)
     config = EngineConfig(block_size=4, max_num_seqs=min(6, budget), max_num_batched_tokens=budget)
     windows, chunks = kinds
@@ -655,7 +695,7 @@ def test_scheduler_with_groups_keeps_the_invariants(
         state_snapshots=snapshots if stateful else 0,
     )
     bm = scheduler.block_manager
-    states = _SlotStates()
+    states = _SlotStates(config.block_size)
     prefixes = [[rng.randrange(2, 40) for _ in range(16)] for _ in range(2)]
     pending: SchedulerOutput | None = None
     for step in range(150):
@@ -695,14 +735,16 @@ class _SlotStates:
     makes them. A state is right for a chunk from ``start`` when it is that of ``start``
     tokens equal to the chunk's request's (the same request's, or a hit's donor's prefix)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.slots: dict[int, tuple[Request, int]] = {}
         self.saved: dict[int, tuple[Request, int]] = {}
 
     def run(self, plan: SchedulerOutput) -> None:
         for copy in plan.state_copies:
-            if copy.save:
-                self.saved[copy.snapshot] = self.slots[copy.slot]
+            if copy.save:  # a prompt chunk's or a decode step's start on a block boundary
+                _, length = self.saved[copy.snapshot] = self.slots[copy.slot]
+                assert length and not length % self.block_size, length
             else:
                 self.slots[copy.slot] = self.saved[copy.snapshot]
         for row in plan.scheduled:

@@ -22,13 +22,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engine_core.loader import (
-    gguf_cache_dir,
-    iter_checkpoint,
-    load_model,
-    load_model_config,
-    resolve_model_dir,
-)
+from engine_core.loader import iter_checkpoint, load_model, load_model_config
+from engine_core.model_dir import gguf_cache_dir, resolve_model_dir
 from engine_core.models import model_config_from_hf
 from engine_core.presets import PRESETS
 from tests.factories import write_tiny_llama

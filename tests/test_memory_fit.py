@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine_core.config import EngineConfig, ModelConfig
+from engine_core.config import EngineConfig, ModelConfig, W4A16Config
 from engine_core.loader import default_dtype, load_model
 from engine_core.memory_plan import (
     CUDA_HEADROOM_BYTES,
@@ -28,6 +28,7 @@ from engine_core.memory_plan import (
     check_fits,
     check_pinned_host_tier,
     cpu_packing_bytes,
+    expert_scratch_bytes,
     host_budget,
     min_kv_bytes,
     module_bytes,
@@ -205,10 +206,25 @@ def test_mxfp4_experts_reserve_their_dequantize_scratch_on_cuda() -> None:
     without = dataclasses.replace(plan, scratch_bytes=0)
     assert plan.needed_bytes - without.needed_bytes == plan.scratch_bytes
     small = dataclasses.replace(plan, budget=Budget(GiB, "1 GiB"))
-    with pytest.raises(ModelTooLargeError, match="MXFP4 experts' dequantize scratch 0.97 GiB"):
+    with pytest.raises(ModelTooLargeError, match="experts' dequantize scratch 0.97 GiB"):
         check_fits(small)
     cpu = plan_for("random:gpt-oss-20b", torch.device("cpu"), budget, max_model_len=4096)
     assert cpu.scratch_bytes == 0
+
+
+def test_w4a16_experts_reserve_their_dequantize_scratch_on_cuda() -> None:
+    """qwen3-30b-a3b's W4A16 prefill dequantizes its experts a chunk at a time under the same
+    1 GiB bound: 113 of its 128 experts of 3 x 2048 x 768 bf16 weights (9.4 MB each); none on
+    the CPU, and none for W4A16 without experts."""
+    _, model_config = meta_estimate("random:qwen3-30b-a3b", torch.bfloat16)
+    w4a16 = dataclasses.replace(model_config, quantization=W4A16Config("awq", 128, True))
+    expert = 3 * 2048 * 768 * 2
+    assert expert_scratch_bytes(w4a16, GPU, torch.bfloat16) == (GiB // expert) * expert
+    assert GiB // expert == 113
+    assert expert_scratch_bytes(w4a16, torch.device("cpu"), torch.bfloat16) == 0
+    assert expert_scratch_bytes(model_config, GPU, torch.bfloat16) == 0  # bf16 experts
+    dense = dataclasses.replace(w4a16, num_experts=0)
+    assert expert_scratch_bytes(dense, GPU, torch.bfloat16) == 0
 
 
 def test_mixtral_in_bf16_on_an_80_gb_gpu_is_refused_with_the_sizes() -> None:

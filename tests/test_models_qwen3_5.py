@@ -4,20 +4,18 @@
 HF's greedy tokens and logprobs through the real engine, several prompts in one batch with a
 prompt split into chunks. The other layouts (a ConditionalGeneration checkpoint of the dense
 model, experts stacked as the published MoE checkpoints hold them) load the same weights; the
-fields we do not implement are refused by name; and `tandem serve` on a ConditionalGeneration
-folder serves text and refuses an image by naming the architecture. Qwen3-Next's own tests
-(tests/test_models_qwen3_next.py) cover what the two share: preemption, aborts, resume, slots.
+fields we do not implement are refused by name. Images: tests/test_vision_qwen3_5.py.
+Qwen3-Next's own tests (tests/test_models_qwen3_next.py) cover what the two share: preemption,
+aborts, resume, slots.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -34,9 +32,7 @@ from engine_core.llm import LLM
 from engine_core.models import model_config_from_hf
 from engine_core.presets import PRESETS
 from protocol.messages import SamplingParams
-from tests.factories import copy_tokenizer
 from tests.paged_harness import GreedyResult, hf_greedy, load_float32, random_prompts, randomize
-from tests.server_fixture import Server, start_server, stop_server
 
 VOCAB = 320
 NEW_TOKENS = 12
@@ -138,18 +134,26 @@ def test_a_conditional_generation_checkpoint_loads_the_causal_lms_weights(
     dense: Case, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The dense model's language model inside a Qwen3_5ForConditionalGeneration (names under
-    ``model.language_model.``, a vision tower beside it): every parameter we load is the
-    CausalLM's, and the tower's tensors are skipped with a log line."""
+    ``model.language_model.``, a vision tower beside it): every language-model parameter we
+    load is the CausalLM's, and the tower's are HF's. Without a ``vision_config`` the same
+    checkpoint loads as text only, the tower's tensors skipped with a log line."""
     config = Qwen3_5Config(text_config=text_fields(moe=False), vision_config=VISION)
     torch.manual_seed(0)
     vl = Qwen3_5ForConditionalGeneration(config).eval()
     vl.model.language_model.load_state_dict(dense.hf_model.model.state_dict())
     vl.lm_head.load_state_dict(dense.hf_model.lm_head.state_dict())
     vl.save_pretrained(tmp_path)
-    with caplog.at_level(logging.INFO, logger="engine_core.models.qwen3_next"):
-        got = load_float32(tmp_path)
-    assert "skipped the vision tower" in caplog.text
+    got = load_float32(tmp_path)
+    assert_same_parameters(got.visual, vl.model.visual)
+    del got.visual
     assert_same_parameters(load_float32(dense.folder), got)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["vision_config"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with caplog.at_level(logging.INFO, logger="engine_core.models.qwen3_next"):
+        text_only = load_float32(tmp_path)
+    assert "skipped the vision tower" in caplog.text
+    assert_same_parameters(load_float32(dense.folder), text_only)
 
 
 def test_stacked_experts_load_as_the_per_expert_ones(moe_vl: Case, tmp_path: Path) -> None:
@@ -179,7 +183,9 @@ def test_config_fields() -> None:
     four projections' layout; a model_type alone names the architecture; absent, a quarter of
     each head rotates, as HF's default."""
     config = model_config_from_hf(vl_dict(moe=True, tie_word_embeddings=True))
-    assert config.architecture == "qwen3_next" and config.tie_word_embeddings
+    assert config.architecture == "qwen3_5_vl" and config.tie_word_embeddings
+    assert config.vision is not None and config.vision.mrope_section == (1, 1, 0)
+    assert config.vision.mrope_interleaved and config.vision.deepstack_layers == 0
     assert config.attention_layer_ids == (1, 3) and config.rotary_dim == 4
     assert config.linear_attention is not None and config.linear_attention.separate_projections
     assert (config.num_experts, config.shared_expert_intermediate_size) == (4, 48)
@@ -227,46 +233,3 @@ def test_the_presets_have_the_published_shapes() -> None:
         la = config.linear_attention
         assert la is not None and (la.num_key_heads, la.num_value_heads) == (16, 32)
         assert la.separate_projections and config.rope_theta == 10_000_000.0
-
-
-# ------------------------------------------------------------------------------ tandem serve
-
-
-@pytest.fixture(scope="module")
-def vl_server(
-    default_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    """`tandem serve` on a dense ConditionalGeneration folder with the default tokenizer."""
-    folder = tmp_path_factory.mktemp("qwen3.5-vl-serve")
-    torch.manual_seed(0)
-    config = Qwen3_5Config(text_config=text_fields(False, vocab=49152), vision_config=VISION)
-    Qwen3_5ForConditionalGeneration(config).save_pretrained(folder)
-    copy_tokenizer(default_tokenizer_dir, folder)
-    srv = start_server(tmp_path_factory.mktemp("serve-qwen3.5"), model=str(folder),
-                       args=["--max-model-len", "256", "--num-kv-blocks", "64",
-                             "--max-num-seqs", "2"])  # fmt: skip
-    try:
-        yield srv
-    finally:
-        stop_server(srv)
-
-
-@pytest.mark.slow
-def test_serve_answers_text_and_refuses_an_image_by_name(vl_server: Server) -> None:
-    client = openai.OpenAI(base_url=f"{vl_server.base_url}/v1", api_key="unused", max_retries=0)
-    model = client.models.list().data[0].id
-    hello = [{"role": "user", "content": "hi"}]
-    reply = client.chat.completions.create(
-        model=model, messages=hello, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
-    )
-    assert reply.usage is not None and reply.usage.completion_tokens == 4
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    content = [{"type": "text", "text": "What is this?"}, image]
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": content}], max_tokens=4
-        )
-    error = info.value.response.json()["error"]
-    assert error["param"] == "messages[0].content[1]"
-    assert "images are not supported for Qwen3_5ForConditionalGeneration" in error["message"]
-    assert json.loads(info.value.response.text)["error"]["type"] == "invalid_request_error"

@@ -123,9 +123,13 @@ def test_engine_on_cuda_gives_hf_greedy_tokens(tmp_path: Path) -> None:
 
 def test_prefix_hits_on_cuda_resume_at_saved_states(tmp_path: Path) -> None:
     """Float32 on CUDA, decode steps replaying graphs: a 150-token prompt in chunks of 64 saves
-    states at 64, 128 and 144 (device copies between slot and saved rows, outside the graphs);
-    its next turn resumes at 144 and a prompt sharing its first 130 tokens at 128, each with
-    HF's greedy tokens (tests/test_qwen3_next_prefix.py on the CPU)."""
+    states at 64, 128 and 144, and its answer's decode at 160 (device copies between slot and
+    saved rows, outside the graphs, before the replay that reads the slot); its next turn
+    resumes at 160 and a prompt sharing its first 130 tokens at 128, each with HF's greedy
+    tokens. Then three 100-token first turns, batched, answer 40 (their decode saves at 112 and
+    128 copied as runs: gathers and scatters with row ids from pinned memory) and their next
+    turns, batched, resume at 128 with HF's tokens (tests/test_qwen3_next_prefix.py on the
+    CPU)."""
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
@@ -139,9 +143,18 @@ def test_prefix_hits_on_cuda_resume_at_saved_states(tmp_path: Path) -> None:
     new_a, new_b = random_prompts(VOCAB, (20, 25))
     later = [first + answer + new_a, first[:130] + new_b]
     want = [hf_greedy(hf_model, prompt, 16).tokens[0] for prompt in later]
+    long_text, new_text = random_prompts(VOCAB, (300, 30))
+    firsts = [long_text[i * 100 : (i + 1) * 100] for i in range(3)]
+    answers = [hf_greedy(hf_model, first, 40).tokens[0] for first in firsts]
+    turns = [
+        f + a + new_text[i * 10 : (i + 1) * 10]
+        for i, (f, a) in enumerate(zip(firsts, answers, strict=True))
+    ]
+    want_turns = [hf_greedy(hf_model, turn, 16).tokens[0] for turn in turns]
+    # Room for every state saved here: no eviction shortens a hit.
     llm = LLM(
         str(tmp_path), device="cuda", dtype="float32", block_size=16, num_kv_blocks=128,
-        max_model_len=400, max_num_batched_tokens=64, max_num_seqs=3,
+        max_model_len=400, max_num_batched_tokens=64, max_num_seqs=3, state_snapshots=16,
     )  # fmt: skip
     try:
         assert llm.generate([first], greedy(), detokenize=False)[0].token_ids == answer
@@ -151,8 +164,14 @@ def test_prefix_hits_on_cuda_resume_at_saved_states(tmp_path: Path) -> None:
             before = llm.engine.scheduler.counts().prefix_cache_hits
             got.append(llm.generate([prompt], greedy(), detokenize=False)[0].token_ids)
             hits.append(llm.engine.scheduler.counts().prefix_cache_hits - before)
+        got_answers = [o.token_ids for o in llm.generate(firsts, greedy(40), detokenize=False)]
+        before = llm.engine.scheduler.counts().prefix_cache_hits
+        got_turns = [o.token_ids for o in llm.generate(turns, greedy(), detokenize=False)]
+        turn_hits = llm.engine.scheduler.counts().prefix_cache_hits - before
         llm.engine.scheduler.block_manager.check_integrity()
     finally:
         llm.engine.shutdown()
     assert got == want
-    assert hits == [144, 128]
+    assert hits == [160, 128]
+    assert got_answers == answers and got_turns == want_turns
+    assert turn_hits == 3 * 128

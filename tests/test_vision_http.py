@@ -98,6 +98,16 @@ def image_part(url: str, detail: str | None = None) -> dict[str, Any]:
     return {"type": "image_url", "image_url": image_url}
 
 
+def ask_about_image(srv: Server, text: str, image: Any, max_tokens: int) -> Any:
+    """The ``openai`` client's greedy reply (EOS ignored) to ``text`` and the PIL ``image`` sent
+    as a PNG data URL, from the model served as ``default``."""
+    content = [{"type": "text", "text": text}, image_part(data_url(png_bytes(image)))]
+    return client_of(srv).chat.completions.create(
+        model="default", messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+
+
 def chat(srv: Server, content: list[dict[str, Any]]) -> Any:
     client = client_of(srv)
     return client.chat.completions.create(

@@ -67,7 +67,7 @@ def test_serving_the_preset_writes_its_vision_folder_once(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from engine_core.loader import resolve_for_serving
+    from engine_core.model_dir import resolve_for_serving
     from frontend.vision import VisionProcessor
     from tests.vision_factories import random_image
 
@@ -96,7 +96,7 @@ def test_serving_the_preset_writes_its_vision_folder_once(
 def test_a_text_preset_still_borrows_the_default_tokenizer(
     preset_cache: Path, default_model_dir: Path
 ) -> None:
-    from engine_core.loader import resolve_for_serving
+    from engine_core.model_dir import resolve_for_serving
 
     assert resolve_for_serving("random:llama-1b") == ("random:llama-1b", default_model_dir)
     assert not (preset_cache / "presets").exists()

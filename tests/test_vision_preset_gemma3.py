@@ -50,7 +50,7 @@ def test_serving_the_preset_writes_gemma3_s_folder(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from engine_core.loader import resolve_for_serving
+    from engine_core.model_dir import resolve_for_serving
     from frontend.vision import VisionProcessor
     from tests.vision_factories import random_image
 

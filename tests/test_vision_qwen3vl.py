@@ -23,11 +23,10 @@ from frontend.vision import VisionProcessor
 from protocol.messages import ImageInput, SamplingParams
 from tests.server_fixture import Server, start_server, stop_server
 from tests.test_vision_engine import LONG_TEXT, prompt
-from tests.test_vision_http import data_url, image_part
+from tests.test_vision_http import ask_about_image
 from tests.vision_factories import (
     QWEN3_PATCH,
     hf_vl_greedy,
-    png_bytes,
     random_image,
     write_tiny_qwen3_vl,
 )
@@ -215,17 +214,10 @@ def test_server_takes_a_data_url_image_and_refuses_a_video_by_name(
     ids, _, pil = prompt(vl_dir, processor, ["Describe", image])
     tokens = hf_vl_greedy(*hf, ids, pil, NEW_TOKENS)
     text = AutoTokenizer.from_pretrained(str(vl_dir)).decode(tokens, skip_special_tokens=True)
-    client = openai.OpenAI(base_url=f"{vl_server.base_url}/v1", api_key="unused", max_retries=0)
-    content: list[dict[str, Any]] = [
-        {"type": "text", "text": "Describe"},
-        image_part(data_url(png_bytes(image))),
-    ]
-    reply = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": content}],
-        max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    reply = ask_about_image(vl_server, "Describe", image, NEW_TOKENS)
     assert reply.choices[0].message.content == text
     assert reply.usage.prompt_tokens == len(ids)  # the image's placeholders counted
+    client = openai.OpenAI(base_url=f"{vl_server.base_url}/v1", api_key="unused", max_retries=0)
     video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(

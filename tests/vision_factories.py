@@ -67,6 +67,18 @@ def write_tiny_qwen2_5_vl(path: Path, tokenizer_source: Path) -> Path:
 QWEN3_PATCH = 16
 
 
+def write_qwen3_vl_inputs(path: Path, tokenizer_source: Path) -> dict[str, int]:
+    """The vision tokenizer and Qwen3-VL's image processor (16-pixel patches, mean and std 0.5,
+    images resized to 2x2 to 8x8 merged tokens) in ``path``; the vision tokens' ids."""
+    ids = write_vision_tokenizer(tokenizer_source, path)
+    side = QWEN3_PATCH * MERGE
+    write_image_processor(
+        path, QWEN3_PATCH, MERGE, min_pixels=side * side * 4, max_pixels=side * side * 64,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )  # fmt: skip
+    return ids
+
+
 def write_tiny_qwen3_vl(path: Path, tokenizer_source: Path) -> Path:
     """Two language layers (Qwen3's q/k norms; interleaved M-RoPE sections 2/3/3 over head dim
     16), a two-block vision tower whose both blocks feed DeepStack features to the two language
@@ -74,12 +86,7 @@ def write_tiny_qwen3_vl(path: Path, tokenizer_source: Path) -> Path:
     (16-pixel patches, mean and std 0.5), images resized to 2x2 to 8x8 merged tokens."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    ids = write_vision_tokenizer(tokenizer_source, path)
-    side = QWEN3_PATCH * MERGE
-    write_image_processor(
-        path, QWEN3_PATCH, MERGE, min_pixels=side * side * 4, max_pixels=side * side * 64,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    )  # fmt: skip
+    ids = write_qwen3_vl_inputs(path, tokenizer_source)
     torch.manual_seed(0)
     config = Qwen3VLConfig(
         text_config=dict(

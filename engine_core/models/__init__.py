@@ -45,6 +45,7 @@ from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
 from engine_core.models.quantize import make_quantized_linears
 from engine_core.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from engine_core.models.qwen3_5_vl import Qwen3_5VLForConditionalGeneration, qwen3_5_vision_config
 from engine_core.models.qwen3_next import (
     QWEN3_5_ARCHITECTURES,
     Qwen3NextForCausalLM,
@@ -123,6 +124,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3_vl": Gemma3ForConditionalGeneration,
     "llama4": Llama4ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5_vl": Qwen3_5VLForConditionalGeneration,
 }
 # Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
 # caches, gpt-oss's and DeepSeek's experts, Qwen3-Next's linear attention) have no
@@ -196,10 +198,8 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         )
     if architecture == "Qwen3NextForCausalLM":  # linear + gated attention (models/qwen3_next.py)
         return dataclasses.replace(llama_config(hf, architecture), **qwen3_next_fields(hf))
-    if architecture in QWEN3_5_ARCHITECTURES:  # Qwen3-Next's layers; text only for now
-        text = qwen3_5_text_config(hf)
-        fields = qwen3_next_fields(text, architecture)
-        return dataclasses.replace(llama_config(text, architecture), **fields)
+    if architecture in QWEN3_5_ARCHITECTURES:  # Qwen3-Next's layers (+ images: qwen3_5_vl.py)
+        return qwen3_5_config(hf, architecture)
     if architecture in MOE_ARCHITECTURES:  # Llama-family attention, MoE MLPs (models/moe.py)
         return dataclasses.replace(llama_config(hf, architecture), **moe_fields(hf, architecture))
     if architecture == "Qwen2_5_VLForConditionalGeneration":
@@ -265,6 +265,18 @@ def qwen3_vl_moe_fields(text: dict[str, Any], architecture: str) -> dict[str, An
             "supported (Qwen3-VL-MoE renormalises its top-k routing weights)"
         )
     return moe_fields(text | {"norm_topk_prob": True}, architecture)
+
+
+def qwen3_5_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
+    """Qwen3.5: Qwen3-Next's layers; a ConditionalGeneration config with a ``vision_config``
+    adds Qwen3-VL's tower without DeepStack and interleaved M-RoPE (models/qwen3_5_vl.py)."""
+    text = qwen3_5_text_config(hf)
+    fields = qwen3_next_fields(text, architecture)
+    config = dataclasses.replace(llama_config(text, architecture), **fields)
+    if "ForConditionalGeneration" not in architecture or "vision_config" not in hf:
+        return config
+    vision = qwen3_5_vision_config(hf, text, architecture)
+    return dataclasses.replace(config, architecture="qwen3_5_vl", vision=vision)
 
 
 def mrope_text_config(

@@ -564,18 +564,37 @@ def _grouped_gemms(
     """The two GEMM launches and the combine over row blocks that ``rows`` describes: align's
     (sorted slots, each block's expert), or (None, the single token's expert ids) for one slot
     a block."""
+    num_slots = x.shape[0] * top_k
+    act = torch.empty(num_slots, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_slots, x.shape[1], dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    grouped_gemms_into(x.contiguous(), w13, w2, weights, top_k, rows, (gate_up, down), (act, out))
+    return combine_slots(out, top_k, x.dtype)
+
+
+def grouped_gemms_into(
+    x: torch.Tensor,  # [T, H], contiguous
+    w13: torch.Tensor,  # [E, 2*I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [S] float32: each slot's routing weight
+    top_k: int,
+    rows: tuple[torch.Tensor | None, torch.Tensor],  # as _grouped_gemms'
+    tiles: tuple[Blocks, Blocks],  # gate/up's, down's
+    buffers: tuple[torch.Tensor, torch.Tensor],  # act [S, I], out [S, H]
+) -> None:
+    """The two GEMM launches: the rows of the blocks that ``rows`` names (blocks of expert -1
+    are skipped) written into ``out``, each slot weighted, not yet combined. A caller that runs
+    the experts a chunk at a time (w4a16_prefill.py) keeps one ``out`` over the chunks."""
     sorted_slots, block_experts = rows
     one_slot = sorted_slots is None
     slots_arg = block_experts if one_slot else sorted_slots  # unread with ONE_SLOT_PER_BLOCK
-    num_tokens, hidden = x.shape
-    inter = w13.shape[1] // 2
-    num_slots = num_tokens * top_k
+    act, out = buffers
+    num_slots, hidden = out.shape
+    inter = act.shape[1]
     num_blocks = block_experts.numel()
-    x = x.contiguous()
     # float32 models (the tests' HF comparisons) need exact float32 products, not TF32's.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    b = gate_up
+    b = tiles[0]
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
         x, w13, act, slots_arg, block_experts,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
@@ -583,9 +602,7 @@ def _grouped_gemms(
         TOP_K=top_k, PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    b = down
+    b = tiles[1]
     _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
         act, w2, out, weights, slots_arg, block_experts,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
@@ -593,4 +610,3 @@ def _grouped_gemms(
         PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    return combine_slots(out, top_k, x.dtype)

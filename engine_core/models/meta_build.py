@@ -78,3 +78,11 @@ def computed_buffer(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     with torch.device("cpu"):
         value = compute()
     return value.to(torch.get_default_device())
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> None:
+    """``module.to_empty(device=device)``: uninitialised memory for every parameter and buffer,
+    same shapes, strides and dtypes. Not to_empty itself: its ``empty_like`` of a meta tensor runs
+    through torch's Python references, whose first use imports sympy (about a second of CPU at
+    every engine start) to compute the strides that ``empty_strided`` is simply given here."""
+    module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))

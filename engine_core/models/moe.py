@@ -31,8 +31,9 @@ both quantize activations per token (and column group) as the checkpoint says.
 
 W4A16 experts (``make_w4a16``: AWQ, GPTQ or compressed-tensors checkpoints, each expert's
 tensors repacked into w4a16.py's layout as they load, stacked per expert) run on CUDA through
-the fused kernels of engine_core/models/w4a16_moe_kernels.py (no host sync), and elsewhere
-expert by expert through w4a16.py's dequantizing reference (``w4a16_expert_mlp``).
+the fused kernels of engine_core/models/w4a16_moe_kernels.py, or for long steps dequantized first
+(w4a16_prefill.py; w4a16_moe.py chooses; no host sync either way), and elsewhere expert by
+expert through w4a16.py's dequantizing reference (``w4a16_expert_mlp``).
 
 A Llama-family decoder layer builds its MLP with ``make_mlp`` in engine_core/models/llama.py,
 which picks ``SparseMoE`` for the layers ``ModelConfig.is_moe_layer`` names.
@@ -339,9 +340,9 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         if self.fp8 is not None:
             return grouped_experts(x, weights, ids, self.local_experts, self.fp8_expert)
         if self.w4a16 is not None and use_triton(x):
-            from engine_core.models.w4a16_moe_kernels import fused_moe_w4a16  # imports triton
+            from engine_core.models.w4a16_moe import w4a16_moe  # imports triton
 
-            return fused_moe_w4a16(x, self.w4a16_experts(), weights, ids)
+            return w4a16_moe(x, self.w4a16_experts(), weights, ids)
         if self.w4a16 is not None:
             return grouped_experts(x, weights, ids, self.local_experts, self.w4a16_expert)
         return run_experts(x, self.w13, self.w2, weights, ids)

@@ -51,7 +51,7 @@ GEMV_SLOTS_PER_EXPERT = 8
 # tokens (the tiles win: 1.02 against 1.41 ms) and 2,048 (dequantizing wins: 2.16 against 7.39).
 DEQUANTIZE_TOKENS = 256
 # The sweep's fastest choice by (token bucket, hidden, width, experts, top k), where measured
-# (gpt-oss-20b's layer; docs/benchmarks.md has the table beside bf16's).
+# (gpt-oss-20b's layer; docs/design/gpt-oss-and-deepseek.md has the figures beside bf16's).
 MEASURED: dict[tuple[int, int, int, int, int], Choice] = {
     (1, 2880, 2880, 32, 4): GemvTiles(rows=1, block_n=32, words=8, split_k=4, warps=4),
     (64, 2880, 2880, 32, 4): Blocks(m=16, n=64, k=64, warps=4, stages=3),

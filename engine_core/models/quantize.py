@@ -20,7 +20,12 @@ from engine_core.models.moe import SparseMoE
 # Architectures whose own layers (Qwen3-Next's linear attention, Llama 4's chunked MoE layers,
 # gpt-oss's experts, which are not SparseMoE) no quantized checkpoint has been checked against:
 # refused, never run on a guess.
-UNTESTED_ARCHITECTURES = {"qwen3_next": "Qwen3-Next", "llama4": "Llama 4", "gpt_oss": "gpt-oss"}
+UNTESTED_ARCHITECTURES = {
+    "qwen3_next": "Qwen3-Next",
+    "qwen3_5_vl": "Qwen3.5",
+    "llama4": "Llama 4",
+    "gpt_oss": "gpt-oss",
+}
 
 
 def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:

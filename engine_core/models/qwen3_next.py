@@ -28,7 +28,8 @@ resumes at a saved state.
 Qwen3.5's text model (dense or MoE; the CausalLM or the ConditionalGeneration layout) is this
 network; what differs is read from its config: four linear-attention input projections in head
 order (``separate_projections``), the ConditionalGeneration's ``model.language_model.`` names
-and ``text_config``, its vision tower's tensors skipped (docs/design/qwen3-next.md, "Qwen3.5").
+and ``text_config``; its vision tower is models/qwen3_5_vl.py's (docs/design/qwen3-next.md,
+"Qwen3.5").
 """
 
 from __future__ import annotations
@@ -393,7 +394,9 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(without_vision_tower(weights))
+        if self.config.vision is None:  # a text-only build (models/qwen3_5_vl.py builds one)
+            weights = without_vision_tower(weights)
+        super().load_weights(weights)
 
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         """HF's names, in the CausalLM layout or (Qwen3.5) the ConditionalGeneration one,
@@ -416,8 +419,8 @@ def without_vision_tower(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors but a Qwen3.5 ConditionalGeneration's vision tower
-    (``model.visual.*``), which is not built here: such a model serves text, and the API
-    refuses a request with images by name (frontend/vision.py TEXT_ONLY_ARCHITECTURES)."""
+    (``model.visual.*``), for a build without it: a ConditionalGeneration checkpoint whose
+    config has no ``vision_config``, which serves text only."""
     skipped = 0
     for name, tensor in weights:
         if name.startswith(VISION_TOWER_PREFIX):
@@ -426,8 +429,8 @@ def without_vision_tower(
         yield name, tensor
     if skipped:
         logger.info(
-            "skipped the vision tower's %d tensors (%s*): images are not supported for this "
-            "model yet, it serves text",
+            "skipped the vision tower's %d tensors (%s*): the config has no vision_config, "
+            "the model serves text",
             skipped, VISION_TOWER_PREFIX,
         )  # fmt: skip
 

@@ -370,10 +370,10 @@ Choice = Tiles | GemvTiles | None  # None: dequantize, then cuBLAS
 # each row costs a pass of its own, while the tensor-core kernel's time stays level
 # (docs/design/quantization.md).
 GEMV_ROWS = 2
-# The sweep's fastest tiles (`python -m benchmarks w4a16 --sweep`) by (row bucket, N, K), where
-# measured (llama-8b's four projections; docs/design/quantization.md); other shapes take the
-# rule in ``choose_tiles``.
-MEASURED: dict[tuple[int, int, int], Tiles | GemvTiles] = {
+# The sweep's fastest choice (`python -m benchmarks w4a16 --sweep`) by (row bucket, N, K), where
+# measured (llama-8b's four projections; docs/design/quantization.md): tiles, or None where
+# dequantizing, then cuBLAS won; other shapes take the rule in ``choose_tiles``.
+MEASURED: dict[tuple[int, int, int], Choice] = {
     (1, 4096, 4096): GemvTiles(block_m=1, block_n=64, split_k=8, warps=4, stages=1),
     (2, 4096, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
     (4, 4096, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
@@ -418,17 +418,21 @@ def row_bucket(m: int) -> int:
 
 
 def choose_tiles(m: int, n: int, k: int, group: int, multiprocessors: int) -> Choice:
-    """Tiles for an [M, K] x [N, K] product, or None: dequantize and use cuBLAS (from
-    DEQUANTIZE_ROWS rows on for weights of up to DEQUANTIZE_MAX_VALUES, and for groups the
-    kernels do not take). Otherwise the sweep's tiles where MEASURED has the shape, else up to
-    GEMV_ROWS rows the CUDA-core kernel and beyond it the tensor-core one, each with K split in
-    two until the programs fill the multiprocessors four times over or a split would get fewer
-    than 4 blocks (docs/design/quantization.md)."""
+    """Tiles for an [M, K] x [N, K] product, or None: dequantize and use cuBLAS (for groups the
+    kernels do not take; where MEASURED says so; else from DEQUANTIZE_ROWS rows on; the last two
+    for weights of up to DEQUANTIZE_MAX_VALUES). Otherwise the sweep's tiles where MEASURED has
+    the shape, else up to GEMV_ROWS rows the CUDA-core kernel and beyond it the tensor-core one,
+    each with K split in two until the programs fill the multiprocessors four times over or a
+    split would get fewer than 4 blocks (docs/design/quantization.md)."""
     if planes_per_group(group_constant(group, k)) is None:
         return None
-    if m >= DEQUANTIZE_ROWS and n * k <= DEQUANTIZE_MAX_VALUES:
+    fits = n * k <= DEQUANTIZE_MAX_VALUES  # the dequantized weight's buffer
+    key = (row_bucket(m), n, k)
+    if key in MEASURED and (MEASURED[key] is not None or fits):
+        return MEASURED[key]
+    if m >= DEQUANTIZE_ROWS and fits:
         return None
-    return MEASURED.get((row_bucket(m), n, k)) or rule_tiles(m, n, k, multiprocessors)
+    return rule_tiles(m, n, k, multiprocessors)
 
 
 def rule_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles | GemvTiles:
