@@ -25,6 +25,7 @@ from protocol.messages import SamplingParams
 from tests.test_vision_engine import prompt
 from tests.vision_factories import (
     QWEN3_PATCH,
+    engine_tokens,
     hf_vl_greedy,
     random_image,
     write_tiny_qwen3_vl_moe,
@@ -78,13 +79,7 @@ def test_engine_matches_hf_text_one_image_two_images(
     swapped = with_gate_and_up_swapped(hf[0])
     ids, _, pil = built["one image"]
     assert hf_vl_greedy(swapped, hf[1], ids, pil, NEW_TOKENS) != expected["one image"]
-    outs = llm.generate(
-        [ids for ids, _, _ in built.values()],
-        PARAMS,
-        detokenize=False,
-        images=[images for _, images, _ in built.values()],
-    )
-    assert {name: o.token_ids for name, o in zip(built, outs, strict=True)} == expected
+    assert engine_tokens(llm, built, PARAMS) == expected
 
 
 def with_gate_and_up_swapped(model: Any) -> Any:

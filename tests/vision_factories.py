@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +20,10 @@ from engine_core.preset_folders import (
     write_image_processor,
     write_vision_tokenizer,
 )
+
+if TYPE_CHECKING:
+    from engine_core.llm import LLM
+    from protocol.messages import ImageInput, SamplingParams
 
 PATCH = 14
 MERGE = 2
@@ -277,3 +281,19 @@ def hf_gemma3_greedy(
             **kwargs,
         )
     return out[0, len(ids) :].tolist()
+
+
+def engine_tokens(
+    llm: LLM,
+    built: dict[str, tuple[list[int], tuple[ImageInput, ...], list[Any]]],
+    params: SamplingParams,
+) -> dict[str, list[int]]:
+    """The engine's tokens for each named prompt (``test_vision_engine.prompt``'s triples),
+    all in one batch."""
+    outs = llm.generate(
+        [ids for ids, _, _ in built.values()],
+        params,
+        detokenize=False,
+        images=[images for _, images, _ in built.values()],
+    )
+    return {name: out.token_ids for name, out in zip(built, outs, strict=True)}
