@@ -49,6 +49,9 @@ def vl_text_fields(vocab: int, moe: bool) -> dict[str, Any]:
             "mrope_section": [2, 3, 3], "mrope_interleaved": True}  # fmt: skip
     return text_fields(moe, vocab) | {
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+        # Top-level too: transformers releases before 5.24 read it there, not from the rope
+        # parameters (the GPU machine's 5.17 wrote its default 0.25 over ours).
+        "partial_rotary_factor": 0.5,
         "rope_parameters": rope, "eos_token_id": 2, "bos_token_id": 1,
     }  # fmt: skip
 
