@@ -204,18 +204,22 @@ class Llama4VisionModel(nn.Module):
         self.layernorm_post = nn.LayerNorm(dim)
         self.model = Llama4VisionEncoder(vision)
         self.vision_adapter = Llama4VisionPixelShuffleMLP(vision)
-        head_dim = dim // vision["num_attention_heads"]
-        angles = rotary_angles(side, head_dim, rope_theta(vision))[:, None, :]  # [L, 1, D/2]
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.grid_side = side
+        self.head_dim = dim // vision["num_attention_heads"]
+        self.rope_theta = rope_theta(vision)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, C, S, S] of N tiles -> [N, tokens_per_tile, projector_output_dim]."""
         x = self.patch_embedding(pixels)  # [N, side^2, dim]
         cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
         x = self.layernorm_pre(torch.cat([x, cls], dim=1) + self.positional_embedding_vlm)
+        # Built per call, not kept as a buffer: the loader makes the model's tensors from the
+        # checkpoint alone, and this is [side^2 + 1, D/2], small beside one block.
+        angles = rotary_angles(self.grid_side, self.head_dim, self.rope_theta)
+        angles = angles.to(x.device)[:, None, :]  # [L, 1, D/2]
+        cos, sin = angles.cos(), angles.sin()
         for layer in self.model.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin)
         return self.vision_adapter(self.layernorm_post(x)[:, :-1])
 
 
