@@ -41,9 +41,7 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
         if multimodal is None:
             return self.model(input_ids, positions)
         hidden = self.model.embed(input_ids)  # [T, hidden]
-        if multimodal.rows.numel():
-            hidden[multimodal.rows] = multimodal.embeds.to(hidden.dtype)
-        return self.model.run_from(hidden, positions)
+        return self.model.run_from(multimodal.place(hidden), positions)
 
     @torch.inference_mode()
     def encode_images(
