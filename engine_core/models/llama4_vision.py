@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_core.models.siglip import SiglipMLP
+
 
 def check_vision_config(vision: dict[str, Any]) -> None:
     """Refuse, by field name, what HF's modeling would silently ignore."""
@@ -123,23 +125,13 @@ class Llama4VisionAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(n, length, dim))
 
 
-class Llama4VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
 class Llama4VisionEncoderLayer(nn.Module):
     def __init__(self, dim: int, hidden: int, num_heads: int) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(dim)
         self.self_attn = Llama4VisionAttention(dim, num_heads)
         self.post_attention_layernorm = nn.LayerNorm(dim)
-        self.mlp = Llama4VisionMLP(dim, hidden)
+        self.mlp = SiglipMLP(dim, hidden, approximate="none")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
