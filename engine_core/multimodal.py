@@ -46,6 +46,12 @@ class MultimodalStep:
     positions: torch.Tensor | None
     key_ends: torch.Tensor | None = None
 
+    def place(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] (the token embeddings) with the image rows written in."""
+        if self.rows.numel():
+            hidden[self.rows] = self.embeds.to(hidden.dtype)
+        return hidden
+
 
 class EncoderCache:
     """Image embeddings by image hash, least recently used evicted past ``budget_bytes``."""

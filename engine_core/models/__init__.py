@@ -41,6 +41,8 @@ from engine_core.models.llama4 import (
     llama4_fields,
     llama4_text_config,
 )
+from engine_core.models.llama4_mm import Llama4ForConditionalGeneration
+from engine_core.models.llama4_vision import check_vision_config, tokens_per_tile
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
 from engine_core.models.quantize import make_quantized_linears
@@ -123,6 +125,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_vl": Qwen3VLForConditionalGeneration,
     "gemma3_vl": Gemma3ForConditionalGeneration,
     "llama4": Llama4ForCausalLM,
+    "llama4_vl": Llama4ForConditionalGeneration,
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_vl": Qwen3_5VLForConditionalGeneration,
 }
@@ -208,11 +211,30 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return qwen3_vl_config(hf, architecture)
     if architecture == "Gemma3ForConditionalGeneration":
         return gemma3_vl_config(hf)
-    if architecture in LLAMA4_ARCHITECTURES:  # models/llama4.py; the text model only
+    if architecture in LLAMA4_ARCHITECTURES:  # models/llama4.py (+ llama4_mm.py: images)
         text = llama4_text_config(hf) | {"quantization_config": hf.get("quantization_config")}
-        fields = llama4_fields(text, architecture)
+        fields = llama4_fields(text, architecture) | llama4_vision_fields(hf)
         return dataclasses.replace(llama_config(text, architecture), **fields)
     return llama_config(hf, architecture)
+
+
+def llama4_vision_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Llama4ForConditionalGeneration's image side (models/llama4_mm.py): each tile's patch
+    grid pixel-shuffled to ``tokens_per_tile`` rows, which the existing ``t*h*w / merge^2`` rule
+    gives with merge 1 / pixel_shuffle_ratio; nothing for a text-only config."""
+    tower = hf.get("vision_config")
+    if not tower:
+        return {}
+    check_vision_config(tower)
+    tokens = tokens_per_tile(tower)
+    vision = VisionConfig(
+        tower=tower,
+        image_token_id=hf.get("image_token_index", hf.get("image_token_id", 200_092)),
+        spatial_merge_size=round(1 / tower["pixel_shuffle_ratio"]),
+        tokens_per_image=tokens,
+        max_image_tokens=tokens,
+    )
+    return {"architecture": "llama4_vl", "vision": vision}
 
 
 def qwen2_5_vl_config(hf: dict[str, Any]) -> ModelConfig:

@@ -48,9 +48,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         if multimodal is None:
             return self.model(input_ids, positions)
         hidden = self.model.embed(input_ids)  # [T, hidden], scaled by sqrt(hidden)
-        if multimodal.rows.numel():
-            hidden[multimodal.rows] = multimodal.embeds.to(hidden.dtype)
-        return self.model.run_layers(hidden, None, positions)
+        return self.model.run_layers(multimodal.place(hidden), None, positions)
 
     @torch.inference_mode()
     def encode_images(

@@ -24,8 +24,8 @@ Llama 4's differences, each where it belongs.
 Checkpoint names are HF's: ``feed_forward`` is our ``mlp``, its ``router`` our ``gate``, the
 stacked experts' ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` are transposed into
 SparseMoE's ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``. Llama4ForConditionalGeneration's
-``language_model.`` prefix is dropped; its vision tower and projector are not loaded, and a
-request with images is refused (this engine serves its text model only).
+``language_model.`` prefix is dropped; its vision tower's and projector's tensors pass through
+under their own names to ``Llama4ForConditionalGeneration`` (models/llama4_mm.py).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from engine_core.models.moe import Routing, SparseMoE
 from engine_core.parallel import SINGLE, PendingSum, TPGroup
 
 LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
+VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
 # Fields of a Llama 4 text config that would change the output, with the values implemented.
 _IMPLEMENTED: dict[str, tuple[Any, ...]] = {
@@ -169,7 +170,11 @@ class Llama4Model(LlamaModel):
         return (torch.log1p(steps) * attn_scale + 1.0)[:, None, None]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(input_ids)  # [T, hidden]
+        return self.run_from(self.embed(input_ids), positions)
+
+    def run_from(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] (the token embeddings, an image's rows replaced) -> final
+        hidden states [T, hidden]."""
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         scales = self.query_scales(positions)
         residual = None
@@ -191,15 +196,21 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         tensors = llama4_tensors(weights, self.config.head_dim)
         load_mapped_weights(self, tensors, self.map_name)
 
+    def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
+        if hf_name.startswith(VISION_PREFIXES):
+            return None  # the text model of a vision checkpoint
+        return super().map_name(hf_name)
+
 
 def llama4_tensors(
     weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF's tensors under the Llama family's names and in our layouts (see the module's
-    docstring); the vision tower's and the projector's are left out."""
+    docstring); the vision tower's and the projector's unchanged."""
     for name, tensor in weights:
-        if name.startswith(("vision_model.", "multi_modal_projector.")):
-            continue  # not served: a request with images is refused
+        if (bare := name.removeprefix("model.")).startswith(VISION_PREFIXES):
+            yield bare, tensor  # HF's layouts as they are (models/llama4_mm.py)
+            continue
         name = name.removeprefix("language_model.")
         name = name.replace(".feed_forward.router.", ".feed_forward.gate.")
         name = name.replace(".feed_forward.", ".mlp.")

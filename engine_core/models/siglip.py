@@ -61,13 +61,16 @@ class SiglipAttention(nn.Module):
 
 
 class SiglipMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    """fc1, GELU, fc2, with biases; ``approximate``: F.gelu's ("none" in Llama 4's tower)."""
+
+    def __init__(self, dim: int, hidden: int, approximate: str = "tanh") -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class SiglipEncoderLayer(nn.Module):
