@@ -12,7 +12,9 @@ Skipped unless ``TRITON_INTERPRET=1`` (and triton importable; it is not in the m
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -74,3 +76,55 @@ def test_fused_moe_with_expert_lora_matches_the_torch_reference(
     base = token_slots < 0
     torch.testing.assert_close(got[base], plain[base], atol=1e-5, rtol=1e-5)
     assert ((got - plain)[~base].abs().amax(dim=1) > 1e-2).all()
+
+
+def test_an_engine_whose_experts_run_the_kernels_gives_peft_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny Qwen3-MoE on the CPU with the experts' LoRA kernels in place of the torch loop (as
+    on CUDA): an adapter of the experts, one of the experts plus attention and the base model in
+    one batch each get HF + PEFT's greedy tokens."""
+    from engine_core.llm import LLM
+    from engine_core.lora import layers
+    from protocol.messages import LoraRef, SamplingParams
+    from tests.factories import write_tiny_qwen3_moe
+    from tests.lora_fixtures import peft_greedy, write_adapter
+
+    base = write_tiny_qwen3_moe(tmp_path / "base")
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    folders = {
+        "experts": write_adapter(
+            base, tmp_path / "experts", seed=21, target_modules=[], target_parameters=experts
+        ),
+        "both": write_adapter(
+            base, tmp_path / "both", seed=22, r=4,
+            target_modules=["q_proj", "o_proj"], target_parameters=experts,
+        ),
+    }  # fmt: skip
+    jobs: list[tuple[str | None, list[int]]] = [
+        ("experts", [5, 17, 42, 99, 3]), (None, [7, 8, 9, 10]), ("both", [200, 31, 77]),
+    ]  # fmt: skip
+    new = 4
+    want = [peft_greedy(base, None if n is None else folders[n], p, new) for n, p in jobs]
+    assert want[0] != peft_greedy(base, None, jobs[0][1], new)
+    called: list[int] = []
+    fused = ExpertLora.gate_up
+
+    def counted(self: ExpertLora, *args: Any) -> torch.Tensor:
+        called.append(1)
+        return fused(self, *args)
+
+    monkeypatch.setattr(layers, "use_triton", lambda x: True)
+    monkeypatch.setattr(ExpertLora, "gate_up", counted)
+    llm = LLM(
+        str(base), block_size=4, num_kv_blocks=64, max_model_len=64, max_num_seqs=4,
+        enable_lora=True, max_loras=2, max_lora_rank=8,
+    )  # fmt: skip
+    try:
+        refs = [None if n is None else LoraRef(n, str(folders[n])) for n, _ in jobs]
+        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+        out = llm.generate([p for _, p in jobs], params, detokenize=False, lora=refs)
+        assert [o.token_ids for o in out] == want
+    finally:
+        llm.engine.shutdown()
+    assert called  # the kernels ran, not the torch loop

@@ -162,11 +162,10 @@ def rank_share(
 class LoraExperts(nn.Module):
     """An MoE layer (models/moe.py SparseMoE) with LoRA slots on every expert's gate_up and down
     projections: per slot and expert, ``a13`` [R, H] / ``b13`` [2I, R] and ``a2`` [R, I] /
-    ``b2`` [H, R]. Rows of the base model run the layer as it is; a step with adapter rows runs
-    the experts in torch, (token, k) pairs grouped by expert and slot (``lora_experts``)."""
-
-    # The grouping reads per-step counts on the host: an MoE model with LoRA runs eagerly.
-    cuda_graph_safe = False
+    ``b2`` [H, R]. A step without adapter rows runs the layer as it is; one with adapter rows
+    runs the fused MoE with each slot's deltas on CUDA (lora/triton_moe.py: fixed shapes, so
+    decode runs in CUDA graphs), and in torch elsewhere, (token, k) pairs grouped by expert and
+    slot (``lora_experts``, the reference)."""
 
     def __init__(
         self,
@@ -187,12 +186,25 @@ class LoraExperts(nn.Module):
 
         self.a13, self.b13 = zeros(max_rank, hidden), zeros(gate_up, max_rank)
         self.a2, self.b2 = zeros(max_rank, gate_up // 2), zeros(hidden, max_rank)
+        # The torch form reads per-step counts on the host; the kernels take the bf16/float
+        # experts only (a quantized layer with LoRA runs the torch form, eagerly).
+        self.cuda_graph_safe = not base.quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = current_lora_batch()
         if batch is None:
             return self.base(x)
+        if batch.token_slots is None:
+            raise RuntimeError("a LoRA step without its rows' slots for the MoE experts")
         weights, ids = self.base.route_tokens(x)  # [T, K] each
+        if use_triton(x) and not self.base.quantized:
+            from engine_core.lora.triton_moe import ExpertLora  # imports triton
+            from engine_core.models.fused_moe import fused_moe
+
+            slots = ExpertLora(
+                self.a13, self.b13, self.a2, self.b2, batch.token_slots, ids.shape[1]
+            )
+            return fused_moe(x, self.base.w13, self.base.w2, weights, ids, deltas=slots)
         return lora_experts(x, self.base, weights, ids, batch.token_slots, self)
 
     def write_slot(self, slot: int, parts: list[LoraWeights]) -> None:
