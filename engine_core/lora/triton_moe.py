@@ -52,6 +52,7 @@ def _expert_lora_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_SLOT_PER_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
     ROUND_INPUT: tl.constexpr,  # expand: the shrink's float32 rounded to the weights' dtype
 ):
     """Out[slot, n] = sum_k X[row, k] * W[adapter, expert, n, k] for the rows of one block of
@@ -81,7 +82,7 @@ def _expert_lora_kernel(
                     x = x.to(W.dtype.element_ty)
                 w_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + (ks + k0)[:, None]
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = tl.dot(x.to(w.dtype), w, acc, input_precision="ieee")
+                acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
             out_ptrs = Out + slots[:, None].to(tl.int64) * stride_o + cols[None, :]
             tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mine[:, None] & col_ok[None, :])
 
@@ -154,6 +155,8 @@ class ExpertLora:
             SLOTS_PER_ROW=self.top_k if per_token else 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             ONE_SLOT_PER_BLOCK=one_slot, ROUND_INPUT=expand,
+            # float32 models (the tests' HF comparisons) need exact products, not TF32's
+            PRECISION="ieee" if w.dtype == torch.float32 else "tf32",
         )  # fmt: skip
 
 
