@@ -19,7 +19,7 @@ from engine_core.lora.batch import NO_SLOT, TILE_ROWS, lora_batch, tile_capacity
 from engine_core.lora.layers import add_lora
 from protocol.messages import FinishReason, LoraRef, SamplingParams
 from tests.factories import write_tiny_llama
-from tests.lora_fixtures import peft_greedy, write_adapter
+from tests.lora_fixtures import peft_greedy, write_adapter, write_moe_case
 
 NEW_TOKENS = 8
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [200, 31, 77]]
@@ -359,23 +359,8 @@ def test_the_default_model_with_an_adapter_gives_peft_tokens(
 
 @pytest.fixture(scope="module")
 def moe_case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny Qwen3-MoE (8 experts, 2 a token) and two adapters that peft writes with
-    target_parameters on the stacked experts (per-expert A and B), one with attention too."""
-    from tests.factories import write_tiny_qwen3_moe
-
-    root = tmp_path_factory.mktemp("lora-moe")
-    base = write_tiny_qwen3_moe(root / "base")
-    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    return {
-        "base": base,
-        "experts": write_adapter(
-            base, root / "experts", seed=21, target_modules=[], target_parameters=experts
-        ),
-        "both": write_adapter(
-            base, root / "both", seed=22, r=6, lora_alpha=12,
-            target_modules=["q_proj", "o_proj"], target_parameters=experts[:1],
-        ),
-    }  # fmt: skip
+    """A tiny Qwen3-MoE and two adapters of its experts (lora_fixtures.write_moe_case)."""
+    return write_moe_case(tmp_path_factory.mktemp("lora-moe"))
 
 
 def test_moe_expert_adapters_give_peft_tokens_mixed_in_one_batch(moe_case: dict[str, Path]) -> None:

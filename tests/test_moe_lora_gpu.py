@@ -26,7 +26,7 @@ from engine_core.lora.triton_moe import ExpertLora  # noqa: E402
 from engine_core.models.fused_moe import fused_moe  # noqa: E402
 from engine_core.models.moe import route  # noqa: E402
 from protocol.messages import LoraRef, SamplingParams  # noqa: E402
-from tests.lora_fixtures import peft_greedy, write_adapter  # noqa: E402
+from tests.lora_fixtures import count_graph_replays, peft_greedy, write_moe_case  # noqa: E402
 
 CUDA = torch.device("cuda")
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9, 10], [200, 31, 77]]
@@ -66,21 +66,7 @@ def test_kernels_match_the_reference_at_qwen3_30b_a3b_shape(tokens: int) -> None
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tests.factories import write_tiny_qwen3_moe
-
-    root = tmp_path_factory.mktemp("moe_lora_gpu")
-    base = write_tiny_qwen3_moe(root / "base")
-    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    return {
-        "base": base,
-        "experts": write_adapter(
-            base, root / "experts", seed=21, target_modules=[], target_parameters=experts
-        ),
-        "both": write_adapter(
-            base, root / "both", seed=22, r=8, lora_alpha=16,
-            target_modules=["q_proj", "o_proj"], target_parameters=experts,
-        ),
-    }  # fmt: skip
+    return write_moe_case(tmp_path_factory.mktemp("moe_lora_gpu"))
 
 
 def generate(llm: LLM, case: dict[str, Path], jobs: list[tuple[str | None, int]]) -> list:
@@ -92,16 +78,7 @@ def generate(llm: LLM, case: dict[str, Path], jobs: list[tuple[str | None, int]]
 def test_graphs_with_expert_adapters_give_peft_and_eager_tokens(
     case: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine_core.cuda_graph import CudaGraphRunner
-
-    replays: list[int] = []
-    run = CudaGraphRunner.run
-
-    def counting(self: CudaGraphRunner, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        replays.append(input_ids.shape[0])
-        return run(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(CudaGraphRunner, "run", counting)
+    replays = count_graph_replays(monkeypatch)
     names: list[str | None] = ["experts", None, "both"]
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in names]
     want = [

@@ -87,20 +87,10 @@ def test_an_engine_whose_experts_run_the_kernels_gives_peft_tokens(
     from engine_core.llm import LLM
     from engine_core.lora import layers
     from protocol.messages import LoraRef, SamplingParams
-    from tests.factories import write_tiny_qwen3_moe
-    from tests.lora_fixtures import peft_greedy, write_adapter
+    from tests.lora_fixtures import peft_greedy, write_moe_case
 
-    base = write_tiny_qwen3_moe(tmp_path / "base")
-    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    folders = {
-        "experts": write_adapter(
-            base, tmp_path / "experts", seed=21, target_modules=[], target_parameters=experts
-        ),
-        "both": write_adapter(
-            base, tmp_path / "both", seed=22, r=4,
-            target_modules=["q_proj", "o_proj"], target_parameters=experts,
-        ),
-    }  # fmt: skip
+    folders = write_moe_case(tmp_path)
+    base = folders["base"]
     jobs: list[tuple[str | None, list[int]]] = [
         ("experts", [5, 17, 42, 99, 3]), (None, [7, 8, 9, 10]), ("both", [200, 31, 77]),
     ]  # fmt: skip
