@@ -2,7 +2,8 @@
 mixing PEFT adapters (written by peft on a tiny random Llama with GQA) and the base model gives
 each request HF transformers + PEFT's greedy tokens and TP=1's logprobs; adapters of different
 ranks and targets share the slots; an adapter written while the engine serves loads on every
-rank; Phi-3's fused targets are cut per part; what is not built yet is refused by name."""
+rank; Phi-3's fused targets are cut per part; a Qwen3-MoE's expert adapters are cut as its
+experts are; what is not built yet is refused by name."""
 
 from __future__ import annotations
 
