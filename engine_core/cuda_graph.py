@@ -221,6 +221,9 @@ class GraphBuffers:
     # With LoRA: the LoRA kernels' tile table (lora/batch.py) for N rows, NO_SLOT in every
     # tile's slot where a step has no adapter rows; each replay writes its step's. None: no LoRA.
     lora_table: torch.Tensor | None = None
+    # With LoRA: each row's slot [N] int32 (NO_SLOT on padding rows and base rows), which the
+    # MoE experts' LoRA kernels read (lora/triton_moe.py); each replay writes its step's.
+    lora_token_slots: torch.Tensor | None = None
     # KV layer groups 1.. (engine_core/kv_groups.py; none with one group): each its own slot
     # mapping and block tables, beside group 0's above. [G-1, N] int64 (-1 on padding rows)
     # and [G-1, max_seqs, max_blocks_per_seq] int32.
@@ -255,6 +258,7 @@ class GraphBuffers:
 
         lora_size = lora_tiles * (1 + TILE_ROWS)
         lora_table = torch.full((lora_size,), NO_SLOT, dtype=torch.int32, device=device)
+        token_slots = torch.full((max_tokens,), NO_SLOT, dtype=torch.int32, device=device)
         more = num_groups - 1
         group_slots = group_tables = state_slots = state_rows = None
         if more:
@@ -274,6 +278,7 @@ class GraphBuffers:
             prefill_tiles=torch.full((max_tiles, 2), NO_SEQUENCE, dtype=torch.int32, device=device),
             hidden=zeros(max_tokens, hidden_size, dtype=dtype),
             lora_table=lora_table if lora_tiles else None,
+            lora_token_slots=token_slots if lora_tiles else None,
             group_slot_mapping=group_slots,
             group_block_tables=group_tables,
             state_slots=state_slots,
@@ -707,10 +712,11 @@ class CudaGraphRunner:
     def _static_lora(self, rows: int) -> LoraBatch | None:
         """What a graph of ``rows`` rows captures for LoRA: the kernels over the first tiles of
         the static table (as many as a step of that many rows can need), whatever it holds."""
-        table = self.buffers.lora_table
-        if table is None:
+        table, token_slots = self.buffers.lora_table, self.buffers.lora_token_slots
+        if table is None or token_slots is None:
             return None
-        return LoraBatch(tiles_of(table, tile_capacity(rows, self.lora_slots)), None, None)
+        tiles = tiles_of(table, tile_capacity(rows, self.lora_slots))
+        return LoraBatch(tiles, token_slots[:rows], None)
 
     def _stage_lora(self, lora: LoraBatch | None, base_graph: bool) -> None:
         """The step's LoRA tile table into the static one (laid out for it: one copy); a step
@@ -726,6 +732,7 @@ class CudaGraphRunner:
                 return
             if not self._lora_clear:
                 table[: self.lora_tiles].fill_(NO_SLOT)
+                self._stage_token_slots(None)
                 self._lora_clear = True
             return
         if lora.tiles.table.shape != table.shape:
@@ -734,7 +741,18 @@ class CudaGraphRunner:
                 f"{table.shape[0]}: the step's was not laid out for the graphs (lora_tiles)"
             )
         table.copy_(lora.tiles.table, non_blocking=True)
+        self._stage_token_slots(lora.token_slots)
         self._lora_clear = False
+
+    def _stage_token_slots(self, step: torch.Tensor | None) -> None:
+        """Each row's slot into the static buffer, NO_SLOT past the step's rows (padding rows
+        must not take a previous step's adapters in the MoE experts' kernels)."""
+        token_slots = self.buffers.lora_token_slots
+        assert token_slots is not None
+        rows = 0 if step is None else step.shape[0]
+        if step is not None:
+            token_slots[:rows].copy_(step, non_blocking=True)
+        token_slots[rows:].fill_(NO_SLOT)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         """True for a step that fits a captured graph: decode-only and no larger than the

@@ -412,12 +412,7 @@ class ModelRunner:
                 f"--max-loras {config.max_loras} LoRA slots of rank {config.max_lora_rank} do "
                 "not fit beside the model; lower --max-loras or --max-lora-rank"
             ) from None
-        load = partial(
-            load_adapter,
-            config=model_config,
-            max_rank=config.max_lora_rank,
-            expert_targets=config.tensor_parallel_size == 1,  # no expert slots under TP
-        )
+        load = partial(load_adapter, config=model_config, max_rank=config.max_lora_rank)
         logger.info(
             "LoRA: %d slots of rank %d (%.1f MiB), %d adapters in host memory",
             config.max_loras,

@@ -32,8 +32,6 @@ class LoraRegistry:
     model_config: ModelConfig  # what adapters are checked against
     max_rank: int  # --max-lora-rank
     runtime_updates: bool = False  # --allow-runtime-lora-updates
-    # False where the engine shards the model (--tensor-parallel-size > 1): no expert slots.
-    expert_targets: bool = True
     adapters: dict[str, LoraRef] = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -42,7 +40,7 @@ class LoraRegistry:
 
     def check(self, path: str) -> None:
         """Read the adapter at ``path`` as the engine will; LoraError naming what is wrong."""
-        load_adapter(path, self.model_config, self.max_rank, self.expert_targets)
+        load_adapter(path, self.model_config, self.max_rank)
 
     def add_checked(self, modules: dict[str, str]) -> None:
         """The --lora-modules adapters, each read and checked (ValueError naming a bad one)."""
@@ -106,7 +104,7 @@ def lora_registry(args: argparse.Namespace, engine_model: str, check: bool = Fal
     name = args.served_model_name or args.model
     registry = LoraRegistry(
         name, served_model_config(engine_model), args.max_lora_rank,
-        args.allow_runtime_lora_updates, expert_targets=args.tensor_parallel_size == 1,
+        args.allow_runtime_lora_updates,
     )  # fmt: skip
     if check:
         registry.add_checked(modules)

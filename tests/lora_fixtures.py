@@ -77,3 +77,38 @@ def count_lora_launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         kernel = getattr(triton_lora, name)
         monkeypatch.setattr(triton_lora, name, CountedKernel(kernel, name, counts))
     return counts
+
+
+def write_moe_case(root: Path) -> dict[str, Path]:
+    """A tiny Qwen3-MoE (8 experts, 2 a token) under ``root`` and two adapters that peft writes
+    with target_parameters on the stacked experts (per-expert A and B): "experts" (gate_up and
+    down, rank 4) and "both" (q/o and the experts' gate_up, rank 6)."""
+    from tests.factories import write_tiny_qwen3_moe
+
+    base = write_tiny_qwen3_moe(root / "base")
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return {
+        "base": base,
+        "experts": write_adapter(
+            base, root / "experts", seed=21, target_modules=[], target_parameters=experts
+        ),
+        "both": write_adapter(
+            base, root / "both", seed=22, r=6, lora_alpha=12,
+            target_modules=["q_proj", "o_proj"], target_parameters=experts[:1],
+        ),
+    }  # fmt: skip
+
+
+def count_graph_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that each CUDA graph replay of the engines built afterwards appends its rows to."""
+    from engine_core.cuda_graph import CudaGraphRunner
+
+    replays: list[int] = []
+    run = CudaGraphRunner.run
+
+    def counting(self: CudaGraphRunner, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        replays.append(input_ids.shape[0])
+        return run(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", counting)
+    return replays

@@ -19,7 +19,7 @@ from engine_core.lora.batch import NO_SLOT, TILE_ROWS, lora_batch, tile_capacity
 from engine_core.lora.layers import add_lora
 from protocol.messages import FinishReason, LoraRef, SamplingParams
 from tests.factories import write_tiny_llama
-from tests.lora_fixtures import peft_greedy, write_adapter
+from tests.lora_fixtures import peft_greedy, write_adapter, write_moe_case
 
 NEW_TOKENS = 8
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [200, 31, 77]]
@@ -286,8 +286,9 @@ def test_the_graphs_static_lora_table_follows_each_step(case: dict[str, Path]) -
     """What a CUDA graph reads of a step's LoRA rows (engine_core/cuda_graph.py), here on the
     CPU's tensors: a step's tile table, laid out for the graphs (``lora_tiles``), is copied in
     whole; a graph of fewer rows views its first tiles, which name the step's slots and rows; a
-    step of the base model alone clears every tile's slot; a table laid out for other graphs,
-    or LoRA rows for graphs without LoRA, are refused."""
+    step of the base model alone clears every tile's slot; each row's slot (the MoE experts'
+    kernels') is copied in, NO_SLOT past the step's rows; a table laid out for other graphs, or
+    LoRA rows for graphs without LoRA, are refused."""
     from engine_core.cuda_graph import CudaGraphRunner
 
     cpu = torch.device("cpu")
@@ -312,10 +313,19 @@ def test_the_graphs_static_lora_table_follows_each_step(case: dict[str, Path]) -
         assert seen.tiles.slots.tolist() == [0, 1, NO_SLOT, NO_SLOT]
         rows = seen.tiles.rows.view(4, TILE_ROWS)[:2].tolist()
         assert rows == [[2] + [-1] * (TILE_ROWS - 1), [0, 3] + [-1] * (TILE_ROWS - 2)]
+        # each row's slot, which the MoE experts' kernels read, with the graph's padding rows
+        assert seen.token_slots is not None
+        assert seen.token_slots.tolist() == [1, NO_SLOT, 0, 1]
+        two = lora_batch([(1, 0), (1, 0)], cpu, min_tiles=on.lora_tiles)
+        assert two is not None
+        on._stage_lora(two, base_graph=False)  # fewer rows: the rest must not keep slot 1
+        assert seen.token_slots.tolist() == [0, 0, NO_SLOT, NO_SLOT]
+        on._stage_lora(step, base_graph=False)
         on._stage_lora(None, base_graph=True)  # a base-only graph reads no table: left as is
         assert seen.tiles.slots.tolist() == [0, 1, NO_SLOT, NO_SLOT]
         on._stage_lora(None, base_graph=False)
         assert seen.tiles.slots.tolist() == [NO_SLOT] * 4
+        assert seen.token_slots.tolist() == [NO_SLOT] * 4
         other = lora_batch([(1, 0)], cpu)  # laid out for no graph: 4 tiles, not 8
         with pytest.raises(RuntimeError, match="not laid out for the graphs"):
             on._stage_lora(other, base_graph=False)
@@ -349,23 +359,8 @@ def test_the_default_model_with_an_adapter_gives_peft_tokens(
 
 @pytest.fixture(scope="module")
 def moe_case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny Qwen3-MoE (8 experts, 2 a token) and two adapters that peft writes with
-    target_parameters on the stacked experts (per-expert A and B), one with attention too."""
-    from tests.factories import write_tiny_qwen3_moe
-
-    root = tmp_path_factory.mktemp("lora-moe")
-    base = write_tiny_qwen3_moe(root / "base")
-    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    return {
-        "base": base,
-        "experts": write_adapter(
-            base, root / "experts", seed=21, target_modules=[], target_parameters=experts
-        ),
-        "both": write_adapter(
-            base, root / "both", seed=22, r=6, lora_alpha=12,
-            target_modules=["q_proj", "o_proj"], target_parameters=experts[:1],
-        ),
-    }  # fmt: skip
+    """A tiny Qwen3-MoE and two adapters of its experts (lora_fixtures.write_moe_case)."""
+    return write_moe_case(tmp_path_factory.mktemp("lora-moe"))
 
 
 def test_moe_expert_adapters_give_peft_tokens_mixed_in_one_batch(moe_case: dict[str, Path]) -> None:

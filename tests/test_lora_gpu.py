@@ -33,7 +33,7 @@ from engine_core.lora.batch import (  # noqa: E402
 from engine_core.lora.layers import add_lora_reference  # noqa: E402
 from engine_core.lora.triton_lora import add_lora_fused, add_lora_split, add_lora_tiles  # noqa: E402
 from protocol.messages import LoraRef, SamplingParams  # noqa: E402
-from tests.lora_fixtures import peft_greedy, write_adapter  # noqa: E402
+from tests.lora_fixtures import count_graph_replays, peft_greedy, write_adapter  # noqa: E402
 
 CUDA = torch.device("cuda")
 SLOTS = 8
@@ -218,17 +218,7 @@ def make_llm(case: dict[str, Path], enforce_eager: bool, max_loras: int) -> LLM:
 @pytest.fixture
 def counted_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that each graph replay of the engines built in the test appends its rows to."""
-    from engine_core.cuda_graph import CudaGraphRunner
-
-    replays: list[int] = []
-    run = CudaGraphRunner.run
-
-    def counting(self: CudaGraphRunner, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        replays.append(input_ids.shape[0])
-        return run(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(CudaGraphRunner, "run", counting)
-    return replays
+    return count_graph_replays(monkeypatch)
 
 
 def generate(

@@ -2,7 +2,8 @@
 mixing PEFT adapters (written by peft on a tiny random Llama with GQA) and the base model gives
 each request HF transformers + PEFT's greedy tokens and TP=1's logprobs; adapters of different
 ranks and targets share the slots; an adapter written while the engine serves loads on every
-rank; Phi-3's fused targets are cut per part; what is not built yet is refused by name."""
+rank; Phi-3's fused targets are cut per part; a Qwen3-MoE's expert adapters are cut as its
+experts are; what is not built yet is refused by name."""
 
 from __future__ import annotations
 
@@ -13,13 +14,10 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM, CompletionOutput
-from engine_core.loader import load_model_config
-from engine_core.lora.adapter import LoraError
 from engine_core.parallel import get_tp_group
-from frontend.lora import LoraRegistry
-from protocol.messages import FinishReason, LoraRef, SamplingParams
+from protocol.messages import LoraRef, SamplingParams
 from tests.factories import write_tiny_llama
-from tests.lora_fixtures import peft_greedy, write_adapter
+from tests.lora_fixtures import peft_greedy, write_adapter, write_moe_case
 
 NEW_TOKENS = 8
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [200, 31, 77]]
@@ -140,40 +138,20 @@ def test_what_lora_does_not_compose_with_yet_is_refused_by_name(case: dict[str, 
         EngineConfig(base, enable_lora=True, pipeline_parallel_size=2)
 
 
-def test_an_moe_model_at_tp2_serves_attention_adapters_and_refuses_expert_ones(
-    tmp_path: Path,
-) -> None:
-    """A tiny Qwen3-MoE at TP=2 (every expert split over the ranks): an adapter of q and o gives
-    HF + PEFT's tokens beside the base model; one of the experts fails its request, naming why
-    (the experts have no slots under TP), while the others in its batch go on."""
-    from tests.factories import write_tiny_qwen3_moe
-
-    base = write_tiny_qwen3_moe(tmp_path / "base")
-    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    moe = {
-        "base": base,
-        "attn": write_adapter(base, tmp_path / "attn", seed=5, target_modules=["q_proj", "o_proj"]),
-        "experts": write_adapter(
-            base, tmp_path / "experts", seed=6, target_modules=[], target_parameters=experts
-        ),
-    }
-    jobs: list[Job] = [("attn", 0), (None, 0), ("experts", 1), ("attn", 2)]
+def test_an_moe_model_at_tp2_gives_peft_tokens_with_expert_adapters(tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE at TP=2 (every expert's intermediate dimension split over the ranks,
+    each rank's expert slots holding its share): an adapter of the experts, one of q/o and the
+    experts' gate_up, and the base model in one batch give HF + PEFT's tokens."""
+    moe = write_moe_case(tmp_path)
+    jobs: list[Job] = [("both", 0), (None, 0), ("experts", 1), ("both", 2), ("experts", 2)]
     llm = make_llm(moe, 2)
     try:
         out = run(llm, moe, jobs)
     finally:
         llm.engine.shutdown()
-    served = [0, 1, 3]
-    assert [out[k].token_ids for k in served] == peft_tokens(moe, [jobs[k] for k in served])
+    want = peft_tokens(moe, jobs)
+    assert [o.token_ids for o in out] == want
     assert out[0].token_ids != out[1].token_ids  # the adapter changed prompt 0's tokens
-    assert out[2].finish_reason == FinishReason.ERROR
-    assert "targets the MoE experts" in (out[2].error or "")
-    assert "--tensor-parallel-size > 1" in (out[2].error or "")
-    # tandem serve refuses it before serving its name (--lora-modules, the load route).
-    registry = LoraRegistry("base", load_model_config(base), 16, expert_targets=False)
-    with pytest.raises(LoraError, match="targets the MoE experts"):
-        registry.check(str(moe["experts"]))
-    registry.check(str(moe["attn"]))
 
 
 def test_phi3_fused_targets_at_tp2_give_peft_tokens(tmp_path: Path) -> None:

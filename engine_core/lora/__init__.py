@@ -9,6 +9,7 @@
 - ``layers.py``: the projections and MoE layers that carry LoRA slots (``LoraLinear``,
   ``LoraExperts``), and the product for a batch whose rows use different adapters, in torch.
 - ``triton_lora.py``: the tile kernels that replace the torch product on CUDA, graph-safe.
+- ``triton_moe.py``: the MoE experts' LoRA kernels over the fused MoE's row blocks, graph-safe.
 - ``manager.py``: adapters in host memory (LRU, read on a worker thread) and in a fixed number
   of slots on the device; the scheduler admits a request once its adapter holds a slot.
 

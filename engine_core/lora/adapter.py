@@ -151,12 +151,10 @@ def check_lora_model(config: ModelConfig) -> None:
         )
 
 
-def load_adapter(
-    path: str | Path, config: ModelConfig, max_rank: int, expert_targets: bool = True
-) -> LoraAdapter:
+def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
     """Read and check the PEFT folder ``path`` against the model; LoraError naming the problem
     (a missing file, a refused config field, a rank over ``max_rank``, a target the model
-    lacks, a tensor of the wrong shape, MoE experts where ``expert_targets`` is False)."""
+    lacks, a tensor of the wrong shape)."""
     folder = Path(path)
     lora_config = read_config(folder)
     weights_file = folder / WEIGHTS_FILE
@@ -169,11 +167,6 @@ def load_adapter(
         tensors = load_file(str(weights_file))
     except (SafetensorError, OSError) as exc:
         raise LoraError(f"{weights_file}: not a readable safetensors file ({exc})") from None
-    if not expert_targets and any(_EXPERTS_KEY.match(key) for key in tensors):
-        raise LoraError(
-            f"{folder}: targets the MoE experts, which LoRA does not serve with "
-            "--tensor-parallel-size > 1 yet (attention and dense MLP targets only)"
-        )
     weights = lay_out(tensors, lora_config, config, max_rank, folder)
     return LoraAdapter(str(folder), weights)
 

@@ -64,8 +64,8 @@ class LoraBatch:
     """Which rows of a step use which slot."""
 
     tiles: LoraTiles
-    # [T] int32 on the device, NO_SLOT for the base model's rows (the experts' torch form);
-    # None in a captured graph, which no model with LoRA experts has.
+    # [T] int32 on the device, NO_SLOT for the base model's rows: what the MoE experts' LoRA
+    # reads (in a captured graph: its static buffer, which each replay writes).
     token_slots: torch.Tensor | None
     row_slots: list[tuple[int, int]] | None  # (rows, slot) per request; None in a graph
 

@@ -162,11 +162,10 @@ def rank_share(
 class LoraExperts(nn.Module):
     """An MoE layer (models/moe.py SparseMoE) with LoRA slots on every expert's gate_up and down
     projections: per slot and expert, ``a13`` [R, H] / ``b13`` [2I, R] and ``a2`` [R, I] /
-    ``b2`` [H, R]. Rows of the base model run the layer as it is; a step with adapter rows runs
-    the experts in torch, (token, k) pairs grouped by expert and slot (``lora_experts``)."""
-
-    # The grouping reads per-step counts on the host: an MoE model with LoRA runs eagerly.
-    cuda_graph_safe = False
+    ``b2`` [H, R]. A step without adapter rows runs the layer as it is; one with adapter rows
+    runs the fused MoE with each slot's deltas on CUDA (lora/triton_moe.py: fixed shapes, so
+    decode runs in CUDA graphs), and in torch elsewhere, (token, k) pairs grouped by expert and
+    slot (``lora_experts``, the reference)."""
 
     def __init__(
         self,
@@ -176,10 +175,13 @@ class LoraExperts(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
         self.base = base
-        experts, hidden, gate_up = shape.num_experts, shape.in_features, shape.output_sizes[0]
+        self.tp = tp
+        experts, hidden = shape.num_experts, shape.in_features
+        gate_up = shape.output_sizes[0] // tp.size  # this rank's gate and up rows, as w13's
         self.max_rank = max_rank
 
         def zeros(*size: int) -> torch.Tensor:
@@ -187,20 +189,40 @@ class LoraExperts(nn.Module):
 
         self.a13, self.b13 = zeros(max_rank, hidden), zeros(gate_up, max_rank)
         self.a2, self.b2 = zeros(max_rank, gate_up // 2), zeros(hidden, max_rank)
+        # The torch form reads per-step counts on the host; the kernels take the bf16/float
+        # experts only (a quantized layer with LoRA runs the torch form, eagerly).
+        self.cuda_graph_safe = not base.quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = current_lora_batch()
         if batch is None:
             return self.base(x)
+        if batch.token_slots is None:
+            raise RuntimeError("a LoRA step without its rows' slots for the MoE experts")
+        out = self.partial_output(x, batch.token_slots)
+        # Under TP each rank's experts hold its share of the intermediate dimension and the
+        # slots theirs (``rank_expert_share``): the rank's output is a partial sum, as the base
+        # layer's is, and the one all-reduce sums the deltas with it.
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def partial_output(self, x: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the experts' weighted sum, each row with its slot's deltas."""
         weights, ids = self.base.route_tokens(x)  # [T, K] each
-        return lora_experts(x, self.base, weights, ids, batch.token_slots, self)
+        if use_triton(x) and not self.base.quantized:
+            from engine_core.lora.triton_moe import ExpertLora  # imports triton
+            from engine_core.models.fused_moe import fused_moe
+
+            slots = ExpertLora(self.a13, self.b13, self.a2, self.b2, token_slots, ids.shape[1])
+            return fused_moe(x, self.base.w13, self.base.w2, weights, ids, deltas=slots)
+        return lora_experts(x, self.base, weights, ids, token_slots, self)
 
     def write_slot(self, slot: int, parts: list[LoraWeights]) -> None:
         self.clear_slot(slot)
         for part in parts:
             a, b = (self.a13, self.b13) if part.shard == 0 else (self.a2, self.b2)
-            a[slot, :, : part.rank].copy_(part.a)
-            b[slot, :, :, : part.rank].copy_(part.b)
+            part_a, part_b = rank_expert_share(part, self.tp)
+            a[slot, :, : part.rank].copy_(part_a)
+            b[slot, :, :, : part.rank].copy_(part_b)
 
     def clear_slot(self, slot: int) -> None:
         for t in (self.a13, self.b13, self.a2, self.b2):
@@ -209,6 +231,18 @@ class LoraExperts(nn.Module):
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.a13, self.b13, self.a2, self.b2))
+
+
+def rank_expert_share(part: LoraWeights, tp: TPGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A [E, r, in], B [E, out, r]) of an expert pair, cut as SparseMoE cuts
+    the experts: gate_up's A whole and its own rows of gate and of up in B; down's own input
+    columns of A and B whole."""
+    if tp.size == 1:
+        return part.a, part.b
+    if part.shard == 0:
+        gate, up = part.b.chunk(2, dim=1)
+        return part.a, torch.cat([rank_rows(gate, tp, 1), rank_rows(up, tp, 1)], dim=1)
+    return rank_rows(part.a, tp, dim=2), part.b
 
 
 def lora_experts(
@@ -270,15 +304,13 @@ def install_lora(
     tp: TPGroup = SINGLE,
 ) -> dict[tuple[int, str], LoraModule]:
     """Wrap every targetable projection of a loaded Llama-family model in a LoraLinear (an MoE
-    layer's experts in a LoraExperts); the wrappers by (layer, module). Under tensor
-    parallelism the experts get none: adapters that target them are refused at load."""
+    layer's experts in a LoraExperts); the wrappers by (layer, module), each holding this
+    tensor-parallel rank's share."""
     layers = model.model.layers
     wrapped: dict[tuple[int, str], LoraModule] = {}
     for (layer, name), shape in shapes.items():
         parent_name, attr = name.split(".")
         if name == EXPERTS:
-            if tp.size > 1:
-                continue
             parent, attr = layers[layer], "mlp"
         else:
             parent = getattr(layers[layer], parent_name)
@@ -287,7 +319,7 @@ def install_lora(
         if name == EXPERTS:
             if not isinstance(base, SparseMoE):
                 raise ValueError(f"LoRA: layer {layer}'s MLP is a {type(base).__name__}")
-            lora = LoraExperts(base, shape, num_slots, max_rank, dtype, device)
+            lora = LoraExperts(base, shape, num_slots, max_rank, dtype, device, tp)
         else:
             lora = LoraLinear(base, shape, num_slots, max_rank, dtype, device, tp)
             check_shape(base, lora.local, layer, name)

@@ -36,6 +36,7 @@ Importing this module imports triton: only CUDA code paths and GPU tests may do 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -75,6 +76,7 @@ def _gate_up_kernel(
     Act,  # [S, I] (S = T*K slots)
     SortedSlots,  # [R] slot of each sorted row; S for padding
     BlockExperts,  # [R // BLOCK_M] expert of each block of rows; -1 past the last one
+    Delta,  # [S, 2*I] a LoRA delta added to gate and up before the activation (HAS_DELTA)
     stride_xt,
     stride_we,
     stride_wn,
@@ -88,6 +90,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_SLOT_PER_BLOCK: tl.constexpr = False,
+    HAS_DELTA: tl.constexpr = False,
 ):
     block_m = tl.program_id(0)
     block_n = tl.program_id(1)
@@ -118,6 +121,13 @@ def _gate_up_kernel(
     # Each GEMM's output is rounded to the activations' dtype, as the unfused path does.
     gate = gate.to(Act.dtype.element_ty).to(tl.float32)
     up = up.to(Act.dtype.element_ty).to(tl.float32)
+    if HAS_DELTA:  # rounded again after the sum, as the torch form's in-place add is
+        mask = row_ok[:, None] & col_ok[None, :]
+        d_ptrs = Delta + slots[:, None].to(tl.int64) * (2 * inter) + cols[None, :]
+        gate += tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(d_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        gate = gate.to(Act.dtype.element_ty).to(tl.float32)
+        up = up.to(Act.dtype.element_ty).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(Act.dtype.element_ty).to(tl.float32) * up
     out_ptrs = Act + slots[:, None].to(tl.int64) * stride_as + cols[None, :]
     tl.store(out_ptrs, act.to(Act.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -131,6 +141,7 @@ def _down_kernel(
     SlotWeights,  # [S] float32
     SortedSlots,
     BlockExperts,
+    Delta,  # [S, H] a LoRA delta added before the routing weight (HAS_DELTA)
     stride_as,
     stride_we,
     stride_wn,
@@ -143,6 +154,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_SLOT_PER_BLOCK: tl.constexpr = False,
+    HAS_DELTA: tl.constexpr = False,
 ):
     block_m = tl.program_id(0)
     block_n = tl.program_id(1)
@@ -164,6 +176,10 @@ def _down_kernel(
         w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     acc = acc.to(Out.dtype.element_ty).to(tl.float32)
+    if HAS_DELTA:
+        d_ptrs = Delta + slots[:, None].to(tl.int64) * hidden + cols[None, :]
+        delta = tl.load(d_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = (acc + delta.to(tl.float32)).to(Out.dtype.element_ty).to(tl.float32)
     weight = tl.load(SlotWeights + slots, mask=row_ok, other=0.0)
     out_ptrs = Out + slots[:, None].to(tl.int64) * stride_os + cols[None, :]
     out = (acc * weight[:, None]).to(Out.dtype.element_ty)
@@ -479,6 +495,22 @@ def align_torch(
     return sorted_slots, block_experts.to(torch.int32)
 
 
+class SlotDeltas(Protocol):
+    """Per-slot LoRA deltas of the experts (engine_core/lora/triton_moe.py), computed over the
+    same row blocks as the GEMMs: ``rows`` is (sorted slots or None, block experts), ``block_m``
+    the rows a block."""
+
+    def gate_up(
+        self, x: torch.Tensor, rows: tuple[torch.Tensor | None, torch.Tensor], block_m: int
+    ) -> torch.Tensor:  # [T*K, 2*I]: each slot's delta, added before the activation
+        ...
+
+    def down(
+        self, act: torch.Tensor, rows: tuple[torch.Tensor | None, torch.Tensor], block_m: int
+    ) -> torch.Tensor:  # [T*K, H]: each slot's delta, added before the routing weight
+        ...
+
+
 @dataclass(frozen=True)
 class Blocks:
     """Tile sizes and launch settings of both kernels."""
@@ -510,6 +542,7 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int
     blocks: Blocks | None = None,  # None: block_sizes' choice (a benchmark may sweep others)
+    deltas: SlotDeltas | None = None,  # LoRA on the experts (engine_core/lora/triton_moe.py)
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token: [T, H].
     A single token (batch-1 decode) takes fused_moe_one_token unless ``blocks`` is given."""
@@ -519,12 +552,12 @@ def fused_moe(
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_moe needs each weight row contiguous")
     if num_tokens == 1 and blocks is None:
-        return fused_moe_one_token(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_one_token(x, w13, w2, topk_weights, topk_ids, deltas=deltas)
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     b = blocks or block_sizes(topk_ids.numel(), num_experts, inter)
     sorted_slots, block_experts = align(topk_ids, num_experts, b.m)
     return _grouped_gemms(x, w13, w2, topk_weights, topk_ids.shape[1],
-                          (sorted_slots, block_experts), b, b)  # fmt: skip
+                          (sorted_slots, block_experts), b, b, deltas)  # fmt: skip
 
 
 # The one-token path's tiles (row block 16: one slot a block, the rest masked), gate/up and down,
@@ -542,13 +575,14 @@ def fused_moe_one_token(
     topk_ids: torch.Tensor,  # [1, K]
     gate_up: Blocks | None = None,  # None: ONE_TOKEN_GATE_UP (a benchmark may sweep others)
     down: Blocks | None = None,  # None: ONE_TOKEN_DOWN
+    deltas: SlotDeltas | None = None,
 ) -> torch.Tensor:
     """fused_moe for one token without the grouping step: its K experts are distinct, so row
     block k is slot k alone (the kernels' ONE_SLOT_PER_BLOCK), and the grids hold the K slots'
     blocks only, where align's worst-case layout holds one per expert. Three launches."""
     ids = topk_ids.reshape(-1).to(torch.int32)
     return _grouped_gemms(x, w13, w2, topk_weights, ids.numel(), (None, ids),
-                          gate_up or ONE_TOKEN_GATE_UP, down or ONE_TOKEN_DOWN)  # fmt: skip
+                          gate_up or ONE_TOKEN_GATE_UP, down or ONE_TOKEN_DOWN, deltas)  # fmt: skip
 
 
 def _grouped_gemms(
@@ -560,15 +594,19 @@ def _grouped_gemms(
     rows: tuple[torch.Tensor | None, torch.Tensor],  # (sorted slots, block experts); see below
     gate_up: Blocks,
     down: Blocks,
+    deltas: SlotDeltas | None = None,
 ) -> torch.Tensor:
     """The two GEMM launches and the combine over row blocks that ``rows`` describes: align's
     (sorted slots, each block's expert), or (None, the single token's expert ids) for one slot
-    a block."""
+    a block. ``deltas``: LoRA's per-slot deltas, added into both GEMMs' outputs."""
     num_slots = x.shape[0] * top_k
     act = torch.empty(num_slots, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     out = torch.empty(num_slots, x.shape[1], dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    grouped_gemms_into(x.contiguous(), w13, w2, weights, top_k, rows, (gate_up, down), (act, out))
+    buffers = (act, out)
+    grouped_gemms_into(
+        x.contiguous(), w13, w2, weights, top_k, rows, (gate_up, down), buffers, deltas
+    )
     return combine_slots(out, top_k, x.dtype)
 
 
@@ -581,10 +619,12 @@ def grouped_gemms_into(
     rows: tuple[torch.Tensor | None, torch.Tensor],  # as _grouped_gemms'
     tiles: tuple[Blocks, Blocks],  # gate/up's, down's
     buffers: tuple[torch.Tensor, torch.Tensor],  # act [S, I], out [S, H]
+    deltas: SlotDeltas | None = None,
 ) -> None:
     """The two GEMM launches: the rows of the blocks that ``rows`` names (blocks of expert -1
     are skipped) written into ``out``, each slot weighted, not yet combined. A caller that runs
-    the experts a chunk at a time (w4a16_prefill.py) keeps one ``out`` over the chunks."""
+    the experts a chunk at a time (w4a16_prefill.py) keeps one ``out`` over the chunks.
+    ``deltas``: LoRA's per-slot deltas, added into both GEMMs' outputs."""
     sorted_slots, block_experts = rows
     one_slot = sorted_slots is None
     slots_arg = block_experts if one_slot else sorted_slots  # unread with ONE_SLOT_PER_BLOCK
@@ -595,18 +635,22 @@ def grouped_gemms_into(
     # float32 models (the tests' HF comparisons) need exact float32 products, not TF32's.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     b = tiles[0]
+    delta = act if deltas is None else deltas.gate_up(x, rows, b.m)  # unread without deltas
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
-        x, w13, act, slots_arg, block_experts,
+        x, w13, act, slots_arg, block_experts, delta,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         num_slots, hidden, inter,
         TOP_K=top_k, PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
-        ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
+        ONE_SLOT_PER_BLOCK=one_slot, HAS_DELTA=deltas is not None,
+        num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
     b = tiles[1]
+    delta = out if deltas is None else deltas.down(act, rows, b.m)
     _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
-        act, w2, out, weights, slots_arg, block_experts,
+        act, w2, out, weights, slots_arg, block_experts, delta,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         num_slots, hidden, inter,
         PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
-        ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
+        ONE_SLOT_PER_BLOCK=one_slot, HAS_DELTA=deltas is not None,
+        num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
