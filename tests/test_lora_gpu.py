@@ -12,6 +12,7 @@ the decode graphs captured without the LoRA kernels.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -280,7 +281,7 @@ def decode_graph_kinds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     run_decode = CudaGraphRunner._run_decode
 
     def recording(self: CudaGraphRunner, *args, **kwargs) -> torch.Tensor:
-        graphs = args[-1] if len(args) == 5 else kwargs["graphs"]
+        graphs = inspect.signature(run_decode).bind(self, *args, **kwargs).arguments["graphs"]
         kinds.append("base" if graphs is self.base_graphs else "lora")
         return run_decode(self, *args, **kwargs)
 

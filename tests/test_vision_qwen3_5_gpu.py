@@ -48,4 +48,6 @@ def test_images_on_cuda_give_hf_tokens_and_decodes_replay_graphs(cuda_case: Case
     image_steps = [replayed for has_images, replayed in steps if has_images]
     text_steps = [replayed for has_images, replayed in steps if not has_images]
     assert image_steps and not any(image_steps), "a step with image rows replayed a graph"
-    assert len(text_steps) >= NEW_TOKENS - 1 and all(text_steps)
+    # The decodes replay graphs; a prompt's text after its last image runs eagerly first
+    # (Qwen3.5, as Qwen3-Next, has no prompt graphs).
+    assert len(text_steps) >= NEW_TOKENS - 1 and all(text_steps[-(NEW_TOKENS - 1) :])
