@@ -66,6 +66,18 @@ def test_engine_matches_hf_text_one_image_two_images(
 ) -> None:
     """One batch of three prompts, each against HF's greedy tokens. The routing matters: HF
     with its experts' gate/up halves swapped (what a gate/up mix-up would load) differs."""
+    built, expected = three_prompts_and_hf_tokens(moe_dir, hf)
+    swapped = with_gate_and_up_swapped(hf[0])
+    ids, _, pil = built["one image"]
+    assert hf_vl_greedy(swapped, hf[1], ids, pil, NEW_TOKENS) != expected["one image"]
+    assert engine_tokens(llm, built, PARAMS) == expected
+
+
+def three_prompts_and_hf_tokens(
+    moe_dir: Path, hf: tuple[Any, Any]
+) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """Text only, one image, two images: each prompt built by the real processor, and HF's
+    greedy tokens for it (the CPU and the GPU tests' batch)."""
     processor = VisionProcessor.load(moe_dir)
     assert processor is not None
     cat, dog = random_image(1), random_image(2, width=60, height=150)
@@ -76,10 +88,7 @@ def test_engine_matches_hf_text_one_image_two_images(
     }
     built = {name: prompt(moe_dir, processor, parts) for name, parts in cases.items()}
     expected = {name: hf_vl_greedy(*hf, i, pil, NEW_TOKENS) for name, (i, _, pil) in built.items()}
-    swapped = with_gate_and_up_swapped(hf[0])
-    ids, _, pil = built["one image"]
-    assert hf_vl_greedy(swapped, hf[1], ids, pil, NEW_TOKENS) != expected["one image"]
-    assert engine_tokens(llm, built, PARAMS) == expected
+    return built, expected
 
 
 def with_gate_and_up_swapped(model: Any) -> Any:

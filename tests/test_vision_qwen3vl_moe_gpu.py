@@ -16,11 +16,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from frontend.vision import VisionProcessor  # noqa: E402
 from tests import test_vision_qwen3vl_moe  # noqa: E402
-from tests.test_vision_engine import prompt  # noqa: E402
 from tests.test_vision_gpu import cuda_llm, record_steps  # noqa: E402
-from tests.vision_factories import engine_tokens, hf_vl_greedy, random_image  # noqa: E402
+from tests.vision_factories import engine_tokens  # noqa: E402
 
 NEW_TOKENS = test_vision_qwen3vl_moe.NEW_TOKENS
 moe_dir = test_vision_qwen3vl_moe.moe_dir  # the fixtures: the tiny model's folder, HF's (CPU)
@@ -30,16 +28,7 @@ hf = test_vision_qwen3vl_moe.hf
 def test_moe_images_on_cuda_give_hf_tokens_and_decodes_replay_graphs(
     moe_dir: Path, hf: tuple[Any, Any]
 ) -> None:
-    processor = VisionProcessor.load(moe_dir)
-    assert processor is not None
-    cat, dog = random_image(1), random_image(2, width=60, height=150)
-    cases = {
-        "text only": ["Tell me about the weather on the coast today."],
-        "one image": ["What is in", cat, "this picture?"],
-        "two images": [cat, "and", dog, "differ how?"],
-    }
-    built = {name: prompt(moe_dir, processor, parts) for name, parts in cases.items()}
-    expected = {name: hf_vl_greedy(*hf, i, pil, NEW_TOKENS) for name, (i, _, pil) in built.items()}
+    built, expected = test_vision_qwen3vl_moe.three_prompts_and_hf_tokens(moe_dir, hf)
     llm = cuda_llm(moe_dir)
     try:
         steps = record_steps(llm)
