@@ -390,7 +390,8 @@ class ProcessedImage:
 
     def wire(self, offset: int, length: int) -> ImageInput:
         """The image as an AddRequest carries it, its placeholders at ``offset``."""
-        data = self.pixels.tobytes()
+        # The array's own memory, uncopied: the client sends it as a frame of its own.
+        data = memoryview(self.pixels).cast("B")
         shape = tuple(int(n) for n in self.pixels.shape)
         digest = hashlib.sha256()
         digest.update(f"float32{shape}{self.grid_thw}".encode())
