@@ -1,0 +1,244 @@
+"""W8A8 INT8 on CUDA in Triton: the per-token activation quantizer and the int8 GEMM whose
+epilogue applies both scales (engine_core/models/int8.py's CUDA path).
+
+- ``quantize_per_token``: one launch, a row a program, the row read once: absmax, the scale, the
+  int8 values. The arithmetic is compressed-tensors' in the activations' dtype, as the reference
+  (int8.quantize_per_token) computes it: scale = absmax / 127.5 rounded to that dtype (a zero
+  scale becomes its eps), x / scale rounded to that dtype, clamped to -128..127, rounded half to
+  even. bf16 is rounded by its bits (Triton's interpreter truncates float32 to bf16), the
+  divisions are IEEE (``div_rn``), so the values are the reference's bit for bit.
+- ``int8_gemm``: A [M, K] int8 times W [N, K] int8 on the int8 tensor cores, int32 accumulation,
+  then in float32 ``acc * a_scale[m] * w_scale[n]`` (+ bias), rounded once to the output dtype:
+  torch's int8 path (``_int_mm`` then the scaling) in one launch, with no int32 [M, N] written.
+- ``choose_tiles``: the tiles for a shape, from the sweep's ``MEASURED`` table where it has the
+  shape (None there: cuBLASLt's ``_int_mm`` won), else a rule; nothing is tuned at run time (CUDA
+  graphs replay what was captured; a launch depends only on shapes).
+
+tests/test_w8a8_interpreted.py runs both kernels in Triton's interpreter on the CPU,
+tests/test_w8a8_gpu.py on a GPU; ``python -m benchmarks gemm --sweep`` times the tiles. Importing
+this module imports triton: only CUDA code paths and GPU tests may (or set ``TRITON_INTERPRET=1``
+first to run it on CPU tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# int8.HALF_RANGE, not imported (int8 imports this module): compressed-tensors' scale divisor.
+_HALF_RANGE = tl.constexpr(127.5)
+# 1.5 * 2**23: a float32 in [-2**22, 2**22] added to it is rounded to an integer, half to even,
+# and that integer is the sum's bits less these (no float-to-int conversion, no libdevice: the
+# interpreter has none).
+_ROUNDER = tl.constexpr(12582912.0)
+_ROUNDER_BITS = tl.constexpr(0x4B400000)
+_BF16_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32: the bits a bf16 keeps of a float32
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """float32 x rounded to dtype's precision (to nearest, ties to even), kept in float32."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & _BF16_MASK
+        return bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _quantize_int8_kernel(
+    X,  # [M, K] bf16 / fp16 / float32
+    Q,  # [M, K] int8
+    Scale,  # [M] float32
+    stride_x,
+    stride_q,
+    K,
+    EPS: tl.constexpr,  # the activations' dtype's eps: a row of zeros' scale
+    BLOCK: tl.constexpr,
+):
+    """Program row: Q[row] and Scale[row] as int8.quantize_per_token gives them."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = _round_to(tl.math.div_rn(tl.max(tl.abs(x), 0), _HALF_RANGE), X.dtype.element_ty)
+    scale = tl.where(scale == 0.0, EPS, scale)
+    q = _round_to(tl.math.div_rn(x, scale), X.dtype.element_ty)
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    q_int = (q + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS
+    tl.store(Q + row * stride_q + cols, q_int.to(tl.int8), mask=mask)
+    tl.store(Scale + row, scale)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], scale [M, 1] float32: the activations' dtype's value)."""
+    rows, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty((rows, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    block = triton.next_power_of_2(k)
+    _quantize_int8_kernel[(rows,)](
+        x, q, scale, x.stride(0), q.stride(0), k,
+        EPS=torch.finfo(x.dtype).eps, BLOCK=block, num_warps=min(max(block // 512, 1), 8),
+    )  # fmt: skip
+    return q, scale
+
+
+# M, the step's tokens, changes from step to step: specialized, counts of 1, multiples of 16 and
+# others would each compile a variant mid-serving (docs/design/cuda-graphs-and-warm-up.md).
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemm_kernel(
+    A,  # [M, K] int8
+    W,  # [N, K] int8
+    C,  # [M, N]
+    AScale,  # [M] float32
+    WScale,  # [N] float32
+    Bias,  # [N] (unread without HAS_BIAS)
+    M,
+    N,
+    K,
+    stride_am,
+    stride_wn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks along K
+    HAS_BIAS: tl.constexpr,
+):
+    """Program: the [BLOCK_M, BLOCK_N] tile of C = (A @ W.T) * a_scale * w_scale (+ bias)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: neighbouring programs share W tiles, which keeps them in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    # Rows past M and columns past N read row 0 (no masks in the loop); the store drops them.
+    a_ptrs = A + tl.where(m_ok, rm, 0)[:, None].to(tl.int64) * stride_am + rk[None, :]
+    w_ptrs = W + tl.where(n_ok, rn, 0)[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0)
+            w = tl.load(w_ptrs, mask=rk[:, None] < K - k0, other=0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # Read after the loop: loaded before it, they would hold registers through it.
+    a_scale = tl.load(AScale + rm, mask=m_ok, other=0.0)
+    w_scale = tl.load(WScale + rn, mask=n_ok, other=0.0)
+    out = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = _round_to(out, C.dtype.element_ty)
+    c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The GEMM's launch: rows, weight rows (output columns) and K a program; warps, pipeline
+    stages, and row tiles a group of programs walks before the next column tile."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+    group_m: int = 8
+
+
+# Up to this many rows the rule keeps cuBLASLt (``_int_mm``, today's decode path) unless
+# MEASURED says the Triton GEMM won there.
+DECODE_ROWS = 64
+# Rows beyond the largest power of two measured take its entry.
+LARGEST_BUCKET = 4096
+# The sweep's fastest choice (`python -m benchmarks gemm --sweep`) by (row bucket, N, K): tiles,
+# or None where cuBLASLt's _int_mm won. Empty until the sweep has run on a GPU; other shapes
+# take ``rule_tiles``.
+MEASURED: dict[tuple[int, int, int], Tiles | None] = {}
+
+
+def row_bucket(m: int) -> int:
+    """The power of two a product of M rows is measured and tabled under."""
+    return min(1 << max(0, (m - 1).bit_length()), LARGEST_BUCKET)
+
+
+def choose_tiles(m: int, n: int, k: int) -> Tiles | None:
+    """The Triton GEMM's tiles for an [M, K] x [N, K] product, or None for cuBLASLt: MEASURED
+    where it has the shape, else cuBLASLt up to DECODE_ROWS rows and the rule beyond."""
+    key = (row_bucket(m), n, k)
+    if key in MEASURED:
+        return MEASURED[key]
+    return None if m <= DECODE_ROWS else rule_tiles(m)
+
+
+def rule_tiles(m: int) -> Tiles:
+    """Tiles for a shape the sweep has not measured: a row tile of the rows' size up to 64, then
+    128 x 256 tiles with 128 columns of K (48 KiB a stage, three stages in shared memory), the
+    usual shape of a compute-bound int8 GEMM on the tensor cores."""
+    if m <= 16:
+        return Tiles(16, 64, 256, warps=4, stages=4)
+    if m <= 64:
+        return Tiles(64, 64, 256, warps=4, stages=4)
+    if m <= 128:
+        return Tiles(64, 128, 128, warps=4, stages=4)
+    return Tiles(128, 256, 128, warps=8, stages=3)
+
+
+def int8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """a [M, K] int8 with a_scale [M, 1] (or [M]) float32, weight [N, K] int8 with weight_scale
+    [N] float32 -> [M, N] out_dtype: (a @ weight.T) * a_scale * weight_scale (+ bias), int32
+    accumulation, one rounding. ``tiles``: the launch (default: the rule's for M)."""
+    m, k = a.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or a.dtype != torch.int8 or weight.dtype != torch.int8:
+        raise ValueError(
+            f"int8_gemm takes int8 [M, K] and [N, K], got {a.dtype} {tuple(a.shape)} and "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
+    tiles = tiles or rule_tiles(m)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    _int8_gemm_kernel[grid](
+        a, weight, out, a_scale.reshape(-1), weight_scale, bias if bias is not None else out,
+        m, n, k, a.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0, HAS_BIAS=bias is not None,
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
+    return out
