@@ -171,6 +171,7 @@ def _copy(w: Any) -> Any:
 def product(form: str, tiles: Any = None) -> Callable[[Any, Any], Any]:
     """``form``'s product of activations x and a weight in its format; ``tiles`` fixes the
     Triton W8A8 GEMM's launch (default: MEASURED's for the shape, else the rule's)."""
+    import torch
     import torch.nn.functional as F
 
     from engine_core.models import w8a8_kernels as wk
@@ -186,34 +187,43 @@ def product(form: str, tiles: Any = None) -> Callable[[Any, Any], Any]:
 
     def triton_w8a8(x: Any, w: Any) -> Any:
         (m, k), n = x.shape, w[0].shape[0]
-        launch = tiles or wk.choose_tiles(m, n, k) or wk.rule_tiles(m)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        launch = tiles or wk.choose_tiles(m, n, k, sms) or wk.rule_tiles(m, n, k, sms)
         return wk.int8_gemm(*wk.quantize_per_token(x), w[0], w[1], x.dtype, None, launch)
 
     return triton_w8a8
 
 
-def sweep_grid(m: int) -> list[Any]:
-    """The Triton W8A8 GEMM's configurations at M rows: for decode rows the row tile M needs
-    (16, 32 or 64) with 64-256 weight rows and 128 or 256 columns of K a program, deep pipelines
-    (the weights stream); for prefill rows 64-256 x 64-256 tiles, 64 or 128 columns of K, 3-5
-    stages as fit the shared memory (at most 200 KiB), 4 or 8 warps."""
-    from engine_core.models.w8a8_kernels import Tiles
+def sweep_grid(m: int, n: int, k: int, sms: int) -> list[Any]:
+    """The Triton W8A8 GEMM's configurations at M rows. Decode rows: the row tile M needs (16, 32
+    or 64), 32-256 weight rows and 128 or 256 columns of K a program, deep pipelines (the weights
+    stream), K splits of 1-8 while a split keeps 2 K steps, nearest the rule's split first (so a
+    budget that runs out has timed the likeliest). Prefill rows: 64-256 x 64-256 tiles, 64 or 128
+    columns of K, 3-5 stages as fit the shared memory (at most 200 KiB), 4 or 8 warps."""
+    from engine_core.models.w8a8_kernels import Tiles, rule_tiles
 
-    if m <= 64:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        shapes = [(64, 256, 4, 4), (64, 256, 4, 6), (128, 128, 4, 4), (128, 256, 4, 3),
-                  (128, 256, 8, 4), (256, 128, 8, 4), (32, 256, 4, 6)]  # fmt: skip
-        return [Tiles(block_m, *s) for s in shapes]
-    shapes = [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
-              (128, 256, 64, 8, 4), (64, 256, 128, 8, 3), (256, 128, 128, 8, 3),
-              (128, 128, 64, 4, 5), (64, 128, 128, 4, 4), (256, 256, 64, 8, 3)]  # fmt: skip
-    return [Tiles(*s) for s in shapes]
+    if m > 64:
+        shapes = [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
+                  (128, 256, 64, 8, 4), (64, 256, 128, 8, 3), (256, 128, 128, 8, 3),
+                  (128, 128, 64, 4, 5), (64, 128, 128, 4, 4), (256, 256, 64, 8, 3)]  # fmt: skip
+        return [Tiles(*s) for s in shapes]
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    shapes = [(64, 256, 4, 4), (64, 256, 4, 6), (128, 128, 4, 4), (128, 256, 4, 3),
+              (128, 256, 8, 4), (256, 128, 8, 4), (32, 256, 4, 6)]  # fmt: skip
+    configs = [
+        Tiles(block_m, block_n, block_k, warps, stages, split_k=split)
+        for block_n, block_k, warps, stages in shapes
+        for split in (1, 2, 4, 8)
+        if k >= 2 * split * block_k
+    ]
+    rule = rule_tiles(m, n, k, sms).split_k
+    return sorted(configs, key=lambda t: abs(t.split_k.bit_length() - rule.bit_length()))
 
 
 def describe(tiles: Any) -> str:
     return (
         f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} w{tiles.warps} st{tiles.stages}"
-        f" g{tiles.group_m}"
+        f" g{tiles.group_m} s{tiles.split_k}"
     )
 
 
@@ -265,9 +275,10 @@ def sweep(
     a configuration that fails, or differs from cuBLASLt's bits, is printed and skipped."""
     import torch
 
-    m, n = x.shape[0], stack[0][0].shape[0]
+    (m, k), n = x.shape, stack[0][0].shape[0]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     results = []
-    for tiles in sweep_grid(m):
+    for tiles in sweep_grid(m, n, k, sms):
         if time.monotonic() > deadline:
             print(f"  {name} M={m}: budget spent, the rest of the grid skipped", flush=True)
             break

@@ -24,6 +24,7 @@ from engine_core.models import w8a8_kernels as kernels  # noqa: E402
 # llama-8b: qkv, o, gate/up, down as (N, K).
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 ROWS = (1, 16, 64, 300, 2048)
+SMS = torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def activations(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,12 +57,14 @@ def test_the_gemm_is_cublaslts_int32_product_scaled(n: int, k: int) -> None:
     for m in ROWS:
         q, scale = kernels.quantize_per_token(activations(m, k, torch.bfloat16))
         expected = int8.int_mm_product(q, scale, w, w_scale, torch.bfloat16)
-        chosen = kernels.choose_tiles(m, n, k)
-        for tiles in {kernels.rule_tiles(m), chosen} - {None}:
+        chosen = kernels.choose_tiles(m, n, k, SMS)
+        for tiles in {kernels.rule_tiles(m, n, k, SMS), chosen} - {None}:
             got = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, None, tiles)
             assert torch.equal(got, expected), f"M={m} {tiles}"
         # With a bias the compiler may fuse the last product and the add: one float32 rounding.
-        got = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, bias)
+        got = kernels.int8_gemm(
+            q, scale, w, w_scale, torch.bfloat16, bias, kernels.rule_tiles(m, n, k, SMS)
+        )
         with_bias = int8.int_mm_product(q, scale, w, w_scale, torch.bfloat16, bias)
         torch.testing.assert_close(got, with_bias, rtol=2**-8, atol=1e-6)
 

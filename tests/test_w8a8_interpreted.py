@@ -4,7 +4,7 @@ interpreter: the per-token quantizer bit for bit against the reference
 and bf16, ties and clamping included; the int8 GEMM bit for bit against an exact integer
 product scaled as torch's cuBLASLt path scales it, and within one rounding of the float product
 of the dequantized operands; rows 1, 7 and 130, a K that is not whole tiles, N an odd multiple
-of 16 (a partial column tile), with a bias and without.
+of 16 (a partial column tile), with a bias and without, K whole and split.
 
 Skipped unless ``TRITON_INTERPRET=1`` (and triton importable):
 
@@ -28,6 +28,8 @@ from engine_core.models import w8a8_kernels as kernels  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SMALL = kernels.Tiles(16, 32, 64)  # K = 200 is 3 1/8 K tiles; N = 48 one and a half columns
+# K split in two: columns 0-127 and 128-199 (a partial tile), int32 sums added by a second launch.
+SPLIT = kernels.Tiles(16, 32, 64, split_k=2)
 
 
 def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -76,23 +78,27 @@ def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return int8.quantize_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
 
 
+@pytest.mark.parametrize("tiles", [SMALL, SPLIT], ids=["one-split", "two-splits"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "n"), [(1, 48), (7, 80), (130, 48)])
-def test_the_gemm_is_the_exact_integer_product_scaled(m: int, n: int, dtype: torch.dtype) -> None:
+def test_the_gemm_is_the_exact_integer_product_scaled(
+    m: int, n: int, dtype: torch.dtype, tiles: kernels.Tiles
+) -> None:
     k = 200
     q, scale = kernels.quantize_per_token(activations(m, k, dtype, seed=m))
     weight, weight_scale = int8_weight(n, k, seed=n)
     bias = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.1).to(dtype)
     acc = exact_product(q, weight)
     for b in (None, bias):
-        got = kernels.int8_gemm(q, scale, weight, weight_scale, dtype, b, SMALL)
+        got = kernels.int8_gemm(q, scale, weight, weight_scale, dtype, b, tiles)
         assert got.dtype == dtype and got.shape == (m, n)
         assert torch.equal(got, scaled(acc, scale, weight_scale, b, dtype))
 
 
-def test_the_accumulation_is_integer_past_float32s_integers() -> None:
+@pytest.mark.parametrize("split", [1, 4])
+def test_the_accumulation_is_integer_past_float32s_integers(split: int) -> None:
     """Sums beyond 2**24 (where float32 loses integers), scales of 1 and a float32 output: the
-    output is the exact sum rounded once."""
+    output is the exact sum rounded once (with 4 splits: 512 columns each, the last 464)."""
     m, n, k = 7, 48, 2000
     gen = torch.Generator().manual_seed(0)
     q = torch.where(torch.rand(m, k, generator=gen) < 0.9, -128, 127).to(torch.int8)
@@ -100,7 +106,8 @@ def test_the_accumulation_is_integer_past_float32s_integers() -> None:
     ones_m, ones_n = torch.ones(m, 1), torch.ones(n)
     acc = exact_product(q, weight)
     assert int(acc.abs().max()) > 2**24
-    got = kernels.int8_gemm(q, ones_m, weight, ones_n, torch.float32, None, SMALL)
+    tiles = kernels.Tiles(16, 32, 64, split_k=split)
+    got = kernels.int8_gemm(q, ones_m, weight, ones_n, torch.float32, None, tiles)
     assert torch.equal(got, acc.float())
 
 
@@ -120,9 +127,9 @@ def test_decode_rows_keep_cublaslt_until_the_sweep_says_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(kernels, "MEASURED", {})
-    assert kernels.choose_tiles(64, 4096, 4096) is None
-    assert kernels.choose_tiles(2048, 4096, 4096) == kernels.rule_tiles(2048)
+    assert kernels.choose_tiles(64, 4096, 4096, 132) is None
+    assert kernels.choose_tiles(2048, 4096, 4096, 132) == kernels.rule_tiles(2048, 4096, 4096, 132)
     tiles = kernels.Tiles(16, 128, 256)
     monkeypatch.setattr(kernels, "MEASURED", {(1, 4096, 4096): tiles, (4096, 4096, 4096): None})
-    assert kernels.choose_tiles(1, 4096, 4096) == tiles
-    assert kernels.choose_tiles(8192, 4096, 4096) is None  # rows past the largest bucket
+    assert kernels.choose_tiles(1, 4096, 4096, 132) == tiles
+    assert kernels.choose_tiles(8192, 4096, 4096, 132) is None  # rows past the largest bucket

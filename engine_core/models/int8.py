@@ -89,7 +89,8 @@ def int8_linear_cuda(
     from engine_core.models import w8a8_kernels as kernels  # imports triton: CUDA only
 
     q, scale = kernels.quantize_per_token(x)
-    tiles = kernels.choose_tiles(x.shape[0], weight.shape[0], x.shape[1])
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    tiles = kernels.choose_tiles(x.shape[0], weight.shape[0], x.shape[1], sms)
     if tiles is None:
         return int_mm_product(q, scale, weight, weight_scale, x.dtype, bias)
     return kernels.int8_gemm(q, scale, weight, weight_scale, x.dtype, bias, tiles)

@@ -93,19 +93,37 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+@triton.jit
+def _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS: tl.constexpr):
+    """C[rm, rn] = acc (int32) * a_scale[rm] * w_scale[rn] (+ bias[rn]) in float32, rounded once
+    to C's dtype: torch's order (int8.int_mm_product)."""
+    m_ok = rm < M
+    n_ok = rn < N
+    a_scale = tl.load(AScale + rm, mask=m_ok, other=0.0)
+    w_scale = tl.load(WScale + rn, mask=n_ok, other=0.0)
+    out = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = _round_to(out, C.dtype.element_ty)
+    c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 # M, the step's tokens, changes from step to step: specialized, counts of 1, multiples of 16 and
 # others would each compile a variant mid-serving (docs/design/cuda-graphs-and-warm-up.md).
 @triton.jit(do_not_specialize=["M"])
 def _int8_gemm_kernel(
     A,  # [M, K] int8
     W,  # [N, K] int8
-    C,  # [M, N]
+    C,  # [M, N] (not SPLIT)
+    Part,  # [SPLIT_K, M, N] int32 (SPLIT)
     AScale,  # [M] float32
     WScale,  # [N] float32
     Bias,  # [N] (unread without HAS_BIAS)
     M,
     N,
     K,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
     stride_am,
     stride_wn,
     stride_cm,
@@ -115,9 +133,12 @@ def _int8_gemm_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks along K
     HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,  # write int32 partial sums; _sum_splits_kernel scales them
 ):
-    """Program: the [BLOCK_M, BLOCK_N] tile of C = (A @ W.T) * a_scale * w_scale (+ bias)."""
-    pid = tl.program_id(0)
+    """Program (tile, split): the [BLOCK_M, BLOCK_N] tile of C = (A @ W.T) * a_scale * w_scale
+    (+ bias), or (SPLIT) its int32 partial sum over columns [split * K_PER_SPLIT, +K_PER_SPLIT)
+    of K."""
+    pid, split = tl.program_id(0), tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # Grouped ordering: neighbouring programs share W tiles, which keeps them in L2.
@@ -129,38 +150,62 @@ def _int8_gemm_kernel(
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
+    first_k = split * K_PER_SPLIT
+    rk = first_k + tl.arange(0, BLOCK_K)
     # Rows past M and columns past N read row 0 (no masks in the loop); the store drops them.
-    a_ptrs = A + tl.where(m_ok, rm, 0)[:, None].to(tl.int64) * stride_am + rk[None, :]
-    w_ptrs = W + tl.where(n_ok, rn, 0)[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    a_ptrs = A + tl.where(rm < M, rm, 0)[:, None].to(tl.int64) * stride_am + rk[None, :]
+    w_ptrs = W + tl.where(rn < N, rn, 0)[None, :].to(tl.int64) * stride_wn + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(first_k, tl.minimum(first_k + K_PER_SPLIT, K), BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
         else:
-            a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0)
-            w = tl.load(w_ptrs, mask=rk[:, None] < K - k0, other=0)
+            a = tl.load(a_ptrs, mask=rk[None, :] < K - (k0 - first_k), other=0)
+            w = tl.load(w_ptrs, mask=rk[:, None] < K - (k0 - first_k), other=0)
         acc = tl.dot(a, w, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    # Read after the loop: loaded before it, they would hold registers through it.
-    a_scale = tl.load(AScale + rm, mask=m_ok, other=0.0)
-    w_scale = tl.load(WScale + rn, mask=n_ok, other=0.0)
-    out = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        out += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = _round_to(out, C.dtype.element_ty)
-    c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT:
+        p_ptrs = Part + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(p_ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    else:
+        _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(
+    Part,  # [SPLITS, M, N] int32
+    C,
+    AScale,
+    WScale,
+    Bias,
+    M,
+    N,
+    stride_cm,
+    SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program: a [BLOCK_M, BLOCK_N] tile of C from the splits' int32 partial sums (integers:
+    the same sum in any order, so replays give the same bits), scaled as the GEMM scales."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    p_ptrs = Part + rm[:, None].to(tl.int64) * N + rn[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for _ in range(SPLITS):
+        acc += tl.load(p_ptrs, mask=ok, other=0)
+        p_ptrs += M * N
+    _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS)
 
 
 @dataclass(frozen=True)
 class Tiles:
     """The GEMM's launch: rows, weight rows (output columns) and K a program; warps, pipeline
-    stages, and row tiles a group of programs walks before the next column tile."""
+    stages, row tiles a group of programs walks before the next column tile, and K splits (their
+    int32 partial sums added and scaled by a second launch)."""
 
     block_m: int
     block_n: int
@@ -168,6 +213,7 @@ class Tiles:
     warps: int = 4
     stages: int = 3
     group_m: int = 8
+    split_k: int = 1
 
 
 # Up to this many rows the rule keeps cuBLASLt (``_int_mm``, today's decode path) unless
@@ -186,26 +232,31 @@ def row_bucket(m: int) -> int:
     return min(1 << max(0, (m - 1).bit_length()), LARGEST_BUCKET)
 
 
-def choose_tiles(m: int, n: int, k: int) -> Tiles | None:
+def choose_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles | None:
     """The Triton GEMM's tiles for an [M, K] x [N, K] product, or None for cuBLASLt: MEASURED
     where it has the shape, else cuBLASLt up to DECODE_ROWS rows and the rule beyond."""
     key = (row_bucket(m), n, k)
     if key in MEASURED:
         return MEASURED[key]
-    return None if m <= DECODE_ROWS else rule_tiles(m)
+    return None if m <= DECODE_ROWS else rule_tiles(m, n, k, multiprocessors)
 
 
-def rule_tiles(m: int) -> Tiles:
-    """Tiles for a shape the sweep has not measured: a row tile of the rows' size up to 64, then
-    128 x 256 tiles with 128 columns of K (48 KiB a stage, three stages in shared memory), the
-    usual shape of a compute-bound int8 GEMM on the tensor cores."""
-    if m <= 16:
-        return Tiles(16, 64, 256, warps=4, stages=4)
-    if m <= 64:
-        return Tiles(64, 64, 256, warps=4, stages=4)
-    if m <= 128:
+def rule_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles:
+    """Tiles for a shape the sweep has not measured: up to 64 rows a row tile of the rows' size
+    over 256 columns of K, K split in two while the programs do not fill the multiprocessors
+    twice and a split keeps 4 K steps (the weights stream; idle multiprocessors read nothing);
+    beyond, 128 x 256 tiles with 128 columns of K (48 KiB a stage, three stages in shared
+    memory), the usual shape of a compute-bound int8 GEMM on the tensor cores."""
+    if m > 128:
+        return Tiles(128, 256, 128, warps=8, stages=3)
+    if m > 64:
         return Tiles(64, 128, 128, warps=4, stages=4)
-    return Tiles(128, 256, 128, warps=8, stages=3)
+    block_m, block_n, block_k = (16 if m <= 16 else 64), 64, 256
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < 2 * multiprocessors and k >= 8 * split * block_k:
+        split *= 2
+    return Tiles(block_m, block_n, block_k, warps=4, stages=4, split_k=split)
 
 
 def int8_gemm(
@@ -214,12 +265,12 @@ def int8_gemm(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    tiles: Tiles | None = None,
+    bias: torch.Tensor | None,
+    tiles: Tiles,
 ) -> torch.Tensor:
     """a [M, K] int8 with a_scale [M, 1] (or [M]) float32, weight [N, K] int8 with weight_scale
     [N] float32 -> [M, N] out_dtype: (a @ weight.T) * a_scale * weight_scale (+ bias), int32
-    accumulation, one rounding. ``tiles``: the launch (default: the rule's for M)."""
+    accumulation, one rounding, launched as ``tiles`` say."""
     m, k = a.shape
     n = weight.shape[0]
     if weight.shape[1] != k or a.dtype != torch.int8 or weight.dtype != torch.int8:
@@ -227,18 +278,29 @@ def int8_gemm(
             f"int8_gemm takes int8 [M, K] and [N, K], got {a.dtype} {tuple(a.shape)} and "
             f"{weight.dtype} {tuple(weight.shape)}"
         )
-    tiles = tiles or rule_tiles(m)
     a = a if a.stride(-1) == 1 else a.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    per_split = triton.cdiv(triton.cdiv(k, tiles.block_k), tiles.split_k) * tiles.block_k
+    splits = triton.cdiv(k, per_split)  # at most split_k, none of them empty
+    part = out
+    if splits > 1:
+        part = torch.empty((splits, m, n), dtype=torch.int32, device=a.device)
+    a_scale, bias_or_any = a_scale.reshape(-1), bias if bias is not None else out
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), splits)
     _int8_gemm_kernel[grid](
-        a, weight, out, a_scale.reshape(-1), weight_scale, bias if bias is not None else out,
-        m, n, k, a.stride(0), weight.stride(0), out.stride(0),
+        a, weight, out, part, a_scale, weight_scale, bias_or_any,
+        m, n, k, per_split, a.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0, HAS_BIAS=bias is not None,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        SPLIT=splits > 1, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
+    if splits > 1:
+        block_m, block_n = min(16, triton.next_power_of_2(m)), 256
+        _sum_splits_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            part, out, a_scale, weight_scale, bias_or_any, m, n, out.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        )  # fmt: skip
     return out
