@@ -130,6 +130,9 @@ def test_decode_rows_keep_cublaslt_until_the_sweep_says_otherwise(
     assert kernels.choose_tiles(64, 4096, 4096, 132) is None
     assert kernels.choose_tiles(2048, 4096, 4096, 132) == kernels.rule_tiles(2048, 4096, 4096, 132)
     tiles = kernels.Tiles(16, 128, 256)
-    monkeypatch.setattr(kernels, "MEASURED", {(1, 4096, 4096): tiles, (4096, 4096, 4096): None})
+    monkeypatch.setattr(kernels, "MEASURED", {(1, 4096, 4096): tiles, (256, 4096, 4096): None})
     assert kernels.choose_tiles(1, 4096, 4096, 132) == tiles
-    assert kernels.choose_tiles(8192, 4096, 4096, 132) is None  # rows past the largest bucket
+    assert kernels.choose_tiles(2, 4096, 4096, 132) is None  # the next measured bucket: 256
+    assert kernels.choose_tiles(8192, 4096, 4096, 132) is None  # past the largest: its entry
+    assert kernels.choose_tiles(1, 6144, 4096, 132) is None  # another shape: the rule's
+    assert kernels.choose_tiles(300, 6144, 4096, 132) == kernels.rule_tiles(300, 6144, 4096, 132)

@@ -214,25 +214,26 @@ class Tiles:
 # Up to this many rows the rule keeps cuBLASLt (``_int_mm``, today's decode path) unless
 # MEASURED says the Triton GEMM won there.
 DECODE_ROWS = 64
-# Rows beyond the largest power of two measured take its entry.
-LARGEST_BUCKET = 4096
 # The sweep's fastest choice (`python -m benchmarks gemm --sweep`) by (row bucket, N, K): tiles,
-# or None where cuBLASLt's _int_mm won. Empty until the sweep has run on a GPU; other shapes
-# take ``rule_tiles``.
+# or None where cuBLASLt's _int_mm won. Empty until the sweep has run on a GPU; shapes it does
+# not hold take ``rule_tiles``.
 MEASURED: dict[tuple[int, int, int], Tiles | None] = {}
 
 
 def row_bucket(m: int) -> int:
     """The power of two a product of M rows is measured and tabled under."""
-    return min(1 << max(0, (m - 1).bit_length()), LARGEST_BUCKET)
+    return 1 << max(0, (m - 1).bit_length())
 
 
 def choose_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles | None:
-    """The Triton GEMM's tiles for an [M, K] x [N, K] product, or None for cuBLASLt: MEASURED
-    where it has the shape, else cuBLASLt up to DECODE_ROWS rows and the rule beyond."""
-    key = (row_bucket(m), n, k)
-    if key in MEASURED:
-        return MEASURED[key]
+    """The Triton GEMM's tiles for an [M, K] x [N, K] product, or None for cuBLASLt. Where
+    MEASURED holds the weight's shape: the entry of the smallest measured bucket that holds M
+    rows, else of the largest (the sweep times a few row counts, not every power of two).
+    Otherwise cuBLASLt up to DECODE_ROWS rows and the rule beyond."""
+    buckets = sorted(b for b, bn, bk in MEASURED if (bn, bk) == (n, k))
+    if buckets:
+        bucket = next((b for b in buckets if b >= row_bucket(m)), buckets[-1])
+        return MEASURED[(bucket, n, k)]
     return None if m <= DECODE_ROWS else rule_tiles(m, n, k, multiprocessors)
 
 
