@@ -199,21 +199,23 @@ def sweep_grid(m: int, n: int, k: int, sms: int) -> list[Any]:
     or 64), 32-256 weight rows and 128 or 256 columns of K a program, deep pipelines (the weights
     stream), K splits of 1-8 while a split keeps 2 K steps, nearest the rule's split first (so a
     budget that runs out has timed the likeliest). Prefill rows: 64-256 x 64-256 tiles, 64 or 128
-    columns of K, 3-5 stages as fit the shared memory (at most 200 KiB), 4 or 8 warps."""
+    columns of K, 3-5 stages as fit the shared memory (at most 200 KiB), 4 or 8 warps. Each
+    with its tiles loaded by pointers and by TMA descriptors."""
     from engine_core.models.w8a8_kernels import Tiles, rule_tiles
 
     if m > 64:
         shapes = [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
                   (128, 256, 64, 8, 4), (64, 256, 128, 8, 3), (256, 128, 128, 8, 3),
                   (128, 128, 64, 4, 5), (64, 128, 128, 4, 4), (256, 256, 64, 8, 3)]  # fmt: skip
-        return [Tiles(*s) for s in shapes]
+        return [Tiles(*s, tma=tma) for s in shapes for tma in (False, True)]
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     shapes = [(64, 256, 4, 4), (64, 256, 4, 6), (128, 128, 4, 4), (128, 256, 4, 3),
               (128, 256, 8, 4), (256, 128, 8, 4), (32, 256, 4, 6)]  # fmt: skip
     configs = [
-        Tiles(block_m, block_n, block_k, warps, stages, split_k=split)
+        Tiles(block_m, block_n, block_k, warps, stages, split_k=split, tma=tma)
         for block_n, block_k, warps, stages in shapes
         for split in (1, 2, 4, 8)
+        for tma in (False, True)
         if k >= 2 * split * block_k
     ]
     rule = rule_tiles(m, n, k, sms).split_k
@@ -223,7 +225,7 @@ def sweep_grid(m: int, n: int, k: int, sms: int) -> list[Any]:
 def describe(tiles: Any) -> str:
     return (
         f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} w{tiles.warps} st{tiles.stages}"
-        f" g{tiles.group_m} s{tiles.split_k}"
+        f" g{tiles.group_m} s{tiles.split_k}{' tma' if tiles.tma else ''}"
     )
 
 

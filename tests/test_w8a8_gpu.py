@@ -1,7 +1,8 @@
 """GPU tests of the W8A8 Triton kernels (engine_core/models/w8a8_kernels.py) on llama-8b's
 projection shapes against torch: the quantizer bit for bit against int8.quantize_per_token (torch
 on CUDA); the GEMM bit for bit against cuBLASLt's exact int32 product (``torch._int_mm``) scaled
-as int8.int_mm_product scales it, at the rule's tiles and at the engine's choice; the engine's
+as int8.int_mm_product scales it, at the rule's tiles (by pointers and by TMA) and at the
+engine's choice; the engine's
 product (int8_linear) replayed in a CUDA graph gives its eager bits.
 
 Written without a GPU at hand: the lead runs these on the GPU machine.
@@ -10,6 +11,8 @@ Written without a GPU at hand: the lead runs these on the GPU machine.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,8 +60,9 @@ def test_the_gemm_is_cublaslts_int32_product_scaled(n: int, k: int) -> None:
     for m in ROWS:
         q, scale = kernels.quantize_per_token(activations(m, k, torch.bfloat16))
         expected = int8.int_mm_product(q, scale, w, w_scale, torch.bfloat16)
+        rule = kernels.rule_tiles(m, n, k, SMS)
         chosen = kernels.choose_tiles(m, n, k, SMS)
-        for tiles in {kernels.rule_tiles(m, n, k, SMS), chosen} - {None}:
+        for tiles in {rule, replace(rule, tma=True), chosen} - {None}:
             got = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, None, tiles)
             assert torch.equal(got, expected), f"M={m} {tiles}"
         # With a bias the compiler may fuse the last product and the add: one float32 rounding.

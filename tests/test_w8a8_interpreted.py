@@ -4,7 +4,8 @@ interpreter: the per-token quantizer bit for bit against the reference
 and bf16, ties and clamping included; the int8 GEMM bit for bit against an exact integer
 product scaled as torch's cuBLASLt path scales it, and within one rounding of the float product
 of the dequantized operands; rows 1, 7 and 130, a K that is not whole tiles, N an odd multiple
-of 16 (a partial column tile), with a bias and without, K whole and split.
+of 16 (a partial column tile), with a bias and without, K whole and split, tiles by pointers
+and by TMA descriptors.
 
 Skipped unless ``TRITON_INTERPRET=1`` (and triton importable):
 
@@ -27,9 +28,12 @@ from engine_core.models import int8  # noqa: E402
 from engine_core.models import w8a8_kernels as kernels  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SMALL = kernels.Tiles(16, 32, 64)  # K = 200 is 3 1/8 K tiles; N = 48 one and a half columns
-# K split in two: columns 0-127 and 128-199 (a partial tile), int32 sums added by a second launch.
+SMALL = kernels.Tiles(16, 32, 64)  # K = 208 is 3 1/4 K tiles; N = 48 one and a half columns
+# K split in two: columns 0-127 and 128-207 (a partial tile), int32 sums added by a second launch.
 SPLIT = kernels.Tiles(16, 32, 64, split_k=2)
+# Tiles by the tensor memory accelerator's descriptors: past the edges they read zeros.
+TMA = kernels.Tiles(16, 32, 64, tma=True)
+TMA_SPLIT = kernels.Tiles(16, 32, 64, split_k=2, tma=True)
 
 
 def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -78,13 +82,15 @@ def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return int8.quantize_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
 
 
-@pytest.mark.parametrize("tiles", [SMALL, SPLIT], ids=["one-split", "two-splits"])
+@pytest.mark.parametrize(
+    "tiles", [SMALL, SPLIT, TMA, TMA_SPLIT], ids=["one-split", "two-splits", "tma", "tma-split"]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "n"), [(1, 48), (7, 80), (130, 48)])
 def test_the_gemm_is_the_exact_integer_product_scaled(
     m: int, n: int, dtype: torch.dtype, tiles: kernels.Tiles
 ) -> None:
-    k = 200
+    k = 208  # 16-byte rows, as the descriptors need
     q, scale = kernels.quantize_per_token(activations(m, k, dtype, seed=m))
     weight, weight_scale = int8_weight(n, k, seed=n)
     bias = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.1).to(dtype)
@@ -95,8 +101,8 @@ def test_the_gemm_is_the_exact_integer_product_scaled(
         assert torch.equal(got, scaled(acc, scale, weight_scale, b, dtype))
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_the_accumulation_is_integer_past_float32s_integers(split: int) -> None:
+@pytest.mark.parametrize(("split", "tma"), [(1, False), (4, False), (1, True)])
+def test_the_accumulation_is_integer_past_float32s_integers(split: int, tma: bool) -> None:
     """Sums beyond 2**24 (where float32 loses integers), scales of 1 and a float32 output: the
     output is the exact sum rounded once (with 4 splits: 512 columns each, the last 464)."""
     m, n, k = 7, 48, 2000
@@ -106,7 +112,7 @@ def test_the_accumulation_is_integer_past_float32s_integers(split: int) -> None:
     ones_m, ones_n = torch.ones(m, 1), torch.ones(n)
     acc = exact_product(q, weight)
     assert int(acc.abs().max()) > 2**24
-    tiles = kernels.Tiles(16, 32, 64, split_k=split)
+    tiles = kernels.Tiles(16, 32, 64, split_k=split, tma=tma)
     got = kernels.int8_gemm(q, ones_m, weight, ones_n, torch.float32, None, tiles)
     assert torch.equal(got, acc.float())
 

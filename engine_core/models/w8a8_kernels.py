@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # int8.HALF_RANGE, not imported (int8 imports this module): compressed-tensors' scale divisor.
 _HALF_RANGE = tl.constexpr(127.5)
@@ -109,12 +110,51 @@ def _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIA
     tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _pointer_product(
+    A, W, rm, rn, M, N, K, first_k, last_k, stride_am, stride_wn, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """A[rm] @ W[rn].T over columns [first_k, last_k) of K, int32, by per-thread loads. Rows
+    past M and N read row 0 (no masks in the loop); the store drops them."""
+    rk = first_k + tl.arange(0, BLOCK_K)
+    a_ptrs = A + tl.where(rm < M, rm, 0)[:, None].to(tl.int64) * stride_am + rk[None, :]
+    w_ptrs = W + tl.where(rn < N, rn, 0)[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(first_k, last_k, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K - (k0 - first_k), other=0)
+            w = tl.load(w_ptrs, mask=rk[:, None] < K - (k0 - first_k), other=0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _tma_product(
+    a_desc, w_desc, off_m, off_n, first_k, last_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The same product with both tiles brought in by the tensor memory accelerator (bulk
+    copies into shared memory; rows and columns past the tensor read as zeros)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(first_k, last_k, BLOCK_K):
+        a = a_desc.load([off_m, k0])  # [BLOCK_M, BLOCK_K]
+        w = w_desc.load([off_n, k0])  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+    return acc
+
+
 # M, the step's tokens, changes from step to step: specialized, counts of 1, multiples of 16 and
 # others would each compile a variant mid-serving (docs/design/cuda-graphs-and-warm-up.md).
 @triton.jit(do_not_specialize=["M"])
 def _int8_gemm_kernel(
-    A,  # [M, K] int8
-    W,  # [N, K] int8
+    A,  # [M, K] int8 (TMA: its descriptor, [BLOCK_M, BLOCK_K] tiles)
+    W,  # [N, K] int8 (TMA: its descriptor, [BLOCK_N, BLOCK_K] tiles)
     C,  # [M, N] (not SPLIT)
     Part,  # [SPLIT_K, M, N] int32 (SPLIT)
     AScale,  # [M] float32
@@ -134,6 +174,7 @@ def _int8_gemm_kernel(
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks along K
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,  # write int32 partial sums; _sum_splits_kernel scales them
+    TMA: tl.constexpr,
 ):
     """Program (tile, split): the [BLOCK_M, BLOCK_N] tile of C = (A @ W.T) * a_scale * w_scale
     (+ bias), or (SPLIT) its int32 partial sum over columns [split * K_PER_SPLIT, +K_PER_SPLIT)
@@ -146,21 +187,13 @@ def _int8_gemm_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     first_k = split * K_PER_SPLIT
-    rk = first_k + tl.arange(0, BLOCK_K)
-    # Rows past M and columns past N read row 0 (no masks in the loop); the store drops them.
-    a_ptrs = A + tl.where(rm < M, rm, 0)[:, None].to(tl.int64) * stride_am + rk[None, :]
-    w_ptrs = W + tl.where(rn < N, rn, 0)[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(first_k, tl.minimum(first_k + K_PER_SPLIT, K), BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=rk[None, :] < K - (k0 - first_k), other=0)
-            w = tl.load(w_ptrs, mask=rk[:, None] < K - (k0 - first_k), other=0)
-        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    last_k = tl.minimum(first_k + K_PER_SPLIT, K)
+    if TMA:
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = _tma_product(A, W, off_m, off_n, first_k, last_k, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = _pointer_product(A, W, rm, rn, M, N, K, first_k, last_k, stride_am, stride_wn,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
     if SPLIT:
         p_ptrs = Part + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
         tl.store(p_ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -199,8 +232,9 @@ def _sum_splits_kernel(
 @dataclass(frozen=True)
 class Tiles:
     """The GEMM's launch: rows, weight rows (output columns) and K a program; warps, pipeline
-    stages, row tiles a group of programs walks before the next column tile, and K splits (their
-    int32 partial sums added and scaled by a second launch)."""
+    stages, row tiles a group of programs walks before the next column tile, K splits (their
+    int32 partial sums added and scaled by a second launch), and whether the tensor memory
+    accelerator brings the tiles in (where K and the operands are 16-byte aligned)."""
 
     block_m: int
     block_n: int
@@ -209,6 +243,7 @@ class Tiles:
     stages: int = 3
     group_m: int = 8
     split_k: int = 1
+    tma: bool = False
 
 
 # Up to this many rows the rule keeps cuBLASLt (``_int_mm``, today's decode path) unless
@@ -286,12 +321,17 @@ def int8_gemm(
         part = torch.empty((splits, m, n), dtype=torch.int32, device=a.device)
     a_scale, bias_or_any = a_scale.reshape(-1), bias if bias is not None else out
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), splits)
+    tma = tiles.tma and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, weight))
+    a_arg, w_arg = a, weight
+    if tma:
+        a_arg = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
+        w_arg = TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
     _int8_gemm_kernel[grid](
-        a, weight, out, part, a_scale, weight_scale, bias_or_any,
+        a_arg, w_arg, out, part, a_scale, weight_scale, bias_or_any,
         m, n, k, per_split, a.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, num_warps=tiles.warps, num_stages=tiles.stages,
+        SPLIT=splits > 1, TMA=tma, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     if splits > 1:
         block_m, block_n = min(16, triton.next_power_of_2(m)), 256
