@@ -250,6 +250,7 @@ def measure(
         reference = product("w8a8 cuBLASLt")(x, stacks["w8a8"][0])
         for form, (call, stack) in calls.items():
             results.append(timed(form, call, stack, x, n, args.iters, hbm) | {"tiles": None})
+            print(f"  {name} M={m} {form}: {results[-1]['us']:.1f} us", flush=True)
         if args.sweep:
             deadline = time.monotonic() + deadline_per_m
             results += sweep(name, x, stacks["w8a8"], reference, deadline, args.iters, hbm)
