@@ -17,10 +17,10 @@ call must read (weights, scales and zero points, activations) over that time, th
 share of the measured copy bandwidth (roofline.py), and the call's speed against bf16's.
 
 ``--sweep`` adds the Triton W8A8 GEMM at every tile configuration of its grid (``--budget``
-seconds in all, shared evenly by the shapes; a configuration that fails to compile or run, or
-whose output differs from cuBLASLt's bits, is printed and skipped) and prints the lines of
-``w8a8_kernels.MEASURED`` that make the engine take the fastest: tiles, or None where cuBLASLt
-won. One GPU call tunes and measures; nothing is tuned at run time.
+seconds in all, shared by the shapes, what one leaves going to the next; a configuration that
+fails to compile or run, or whose output differs from cuBLASLt's bits, is printed and skipped)
+and prints the lines of ``w8a8_kernels.MEASURED`` that make the engine take the fastest: tiles,
+or None where cuBLASLt won. One GPU call tunes and measures; nothing is tuned at run time.
 """
 
 from __future__ import annotations
@@ -232,8 +232,28 @@ def describe(tiles: Any) -> str:
 # ---- measuring -----------------------------------------------------------------------------------
 
 
+class Budget:
+    """The sweep's seconds, shared by the shapes still to sweep: what one leaves (a grid whose
+    kernels an earlier shape compiled runs faster) goes to the rest."""
+
+    def __init__(self, seconds: float, shapes: int) -> None:
+        self.seconds, self.shapes = seconds, shapes
+
+    def deadline(self) -> float:
+        """The next shape's deadline (time.monotonic), counted from now."""
+        return time.monotonic() + self.seconds / max(1, self.shapes)
+
+    def spent(self, seconds: float) -> None:
+        self.seconds, self.shapes = max(0.0, self.seconds - seconds), self.shapes - 1
+
+
 def measure(
-    name: str, shape: tuple[int, int], rows: list[int], args: argparse.Namespace, hbm: float
+    name: str,
+    shape: tuple[int, int],
+    rows: list[int],
+    args: argparse.Namespace,
+    hbm: float,
+    budget: Budget,
 ) -> list[dict[str, Any]]:
     """Every form, and with ``--sweep`` every tile configuration, at every row count for one
     [N, K] weight."""
@@ -242,7 +262,6 @@ def measure(
     n, k = shape
     one = weights(n, k)
     stacks = {kind: copies_past_l2(one[kind]) for kind in ("bf16", "w4a16", "w8a8")}
-    deadline_per_m = args.budget / (len(rows) * len(args.projections.split(",")))
     results = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -252,8 +271,7 @@ def measure(
             results.append(timed(form, call, stack, x, n, args.iters, hbm) | {"tiles": None})
             print(f"  {name} M={m} {form}: {results[-1]['us']:.1f} us", flush=True)
         if args.sweep:
-            deadline = time.monotonic() + deadline_per_m
-            results += sweep(name, x, stacks["w8a8"], reference, deadline, args.iters, hbm)
+            results += sweep(name, x, stacks["w8a8"], reference, budget, args.iters, hbm)
         torch.cuda.empty_cache()
     return [r | {"projection": name} for r in results]
 
@@ -272,12 +290,14 @@ def timed(
 
 
 def sweep(
-    name: str, x: Any, stack: list[Any], reference: Any, deadline: float, iters: int, hbm: float
+    name: str, x: Any, stack: list[Any], reference: Any, budget: Budget, iters: int, hbm: float
 ) -> list[dict[str, Any]]:
-    """The Triton W8A8 GEMM at each configuration of the grid at x's rows, until the deadline;
-    a configuration that fails, or differs from cuBLASLt's bits, is printed and skipped."""
+    """The Triton W8A8 GEMM at each configuration of the grid at x's rows, within this shape's
+    share of the budget; a configuration that fails, or differs from cuBLASLt's bits, is
+    printed and skipped."""
     import torch
 
+    start, deadline = time.monotonic(), budget.deadline()
     (m, k), n = x.shape, stack[0][0].shape[0]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     results = []
@@ -298,6 +318,7 @@ def sweep(
             continue
         print(f"  {label}: {row['us']:.1f} us", flush=True)
         results.append(row | {"tiles": tiles})
+    budget.spent(time.monotonic() - start)
     return results
 
 
@@ -345,9 +366,11 @@ def run(args: argparse.Namespace) -> int:
     hbm = measure_bandwidth("cuda")
     rows = [int(r) for r in args.rows.split(",")]
     shapes = projection_shapes(args.model)
+    names = args.projections.split(",")
+    budget = Budget(args.budget, len(names) * len(rows))
     results = []
-    for name in args.projections.split(","):
-        results += measure(name, shapes[name], rows, args, hbm)
+    for name in names:
+        results += measure(name, shapes[name], rows, args, hbm, budget)
     print(f"\ncopy bandwidth: {hbm / 1e9:,.0f} GB/s\n")
     headers = ["projection", "N x K", "M", "form", "us", "GB/s", "of HBM", "bf16 / form"]
     print(format_table(headers, table(results)))
