@@ -1,21 +1,33 @@
-"""`gemm`: one linear layer's product at a preset's projection shapes, bf16 against W4A16 and W8A8.
+"""`gemm`: one linear layer's product at a preset's projection shapes: bf16, W4A16 and W8A8, and
+a sweep of the Triton W8A8 GEMM's tiles.
 
     python -m benchmarks gemm --model llama-8b --rows 1,16,64,2048
+    python -m benchmarks gemm --rows 1,16,64,256,2048 --sweep    # and the W8A8 tile grid
 
 For each projection of the preset (qkv, o, gate/up, down) and each row count M, the time of
-``x [M, K] @ W.T`` three ways: bf16 (cuBLAS), W4A16 (the Triton kernel of
-engine_core/models/w4a16_kernels.py, groups of 128) and W8A8 (per-token int8 activations and
-cuBLAS's int8 product, engine_core/models/int8.py). Each way cycles through enough copies of
-the weights to exceed the L2 cache, so every call reads its weights from HBM as in a model.
-The table: microseconds a call (median of CUDA-event timings), the bytes a call must read
-(weights, scales and zero points, activations) over that time, and that rate as a share of
-the measured copy bandwidth (roofline.py): decode products should sit near it.
+``x [M, K] @ W.T`` four ways: bf16 (cuBLAS), W4A16 (the Triton kernel of
+engine_core/models/w4a16_kernels.py, groups of 128), and W8A8 (per-token int8 activations by the
+Triton quantizer of engine_core/models/w8a8_kernels.py, then either cuBLASLt's int8 product and
+the scaling after it, ``w8a8 cuBLASLt``, or the Triton int8 GEMM with the scales in its epilogue,
+``w8a8 triton``, at the tiles ``MEASURED`` holds for the shape, else the rule's). Each call is
+timed inside a CUDA graph of ``--iters`` calls (the engine replays graphs, so launch gaps are not
+counted), median of 5 replays, cycling through copies of the weights that exceed the L2, so
+every call reads its weights from HBM as in a model. The table: microseconds a call, the bytes a
+call must read (weights, scales and zero points, activations) over that time, that rate as a
+share of the measured copy bandwidth (roofline.py), and the call's speed against bf16's.
+
+``--sweep`` adds the Triton W8A8 GEMM at every tile configuration of its grid (``--budget``
+seconds in all, shared by the shapes, what one leaves going to the next; a configuration that
+fails to compile or run, or whose output differs from cuBLASLt's bits, is printed and skipped)
+and prints the lines of ``w8a8_kernels.MEASURED`` that make the engine take the fastest: tiles,
+or None where cuBLASLt won. One GPU call tunes and measures; nothing is tuned at run time.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +36,8 @@ from benchmarks.report import Provenance, fmt, format_table, write_json
 from benchmarks.roofline import measure_bandwidth
 
 GROUP = 128
+CALLS_PER_GRAPH = 20
+FORMS = ("bf16", "w4a16", "w8a8 cuBLASLt", "w8a8 triton")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +45,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rows", default="1,16,64,2048", help="row counts M (default: 1,16,64,2048)"
     )
-    parser.add_argument("--iters", type=int, default=50, help="timed calls each (default: 50)")
+    parser.add_argument(
+        "--iters", type=int, default=CALLS_PER_GRAPH, help="calls in each timed CUDA graph"
+    )
+    parser.add_argument("--projections", default="qkv,o,gate_up,down", help="which projections")
+    parser.add_argument("--sweep", action="store_true", help="also time the W8A8 GEMM's tiles")
+    parser.add_argument("--budget", type=float, default=150.0, help="seconds for the sweep")
     parser.add_argument("--json", type=Path, help="write the figures here")
 
 
@@ -53,7 +72,8 @@ def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
 
 
 def median_us(call: Callable[[int], Any], copies: int, iters: int) -> float:
-    """Median CUDA-event time of ``call(i)`` over ``iters`` calls cycling through the copies."""
+    """Median CUDA-event time of ``call(i)`` over ``iters`` eager calls cycling through the
+    copies (launch gaps included)."""
     import torch
 
     for i in range(3):
@@ -69,8 +89,45 @@ def median_us(call: Callable[[int], Any], copies: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def graph_us(
+    call: Callable[[int], Any], copies: int, device: str, calls: int = CALLS_PER_GRAPH
+) -> float:
+    """µs per call of ``call(i)``, captured ``calls`` times (copy i % copies) in one CUDA graph:
+    the median of 5 replays over the calls (on the CPU: one call's wall time)."""
+    import torch
+
+    if device == "cpu":
+        start = time.perf_counter()
+        call(0)
+        return (time.perf_counter() - start) * 1e6
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(2):
+            call(i % copies)  # compiles and warms outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i % copies)
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+# ---- the weights and the products ----------------------------------------------------------------
+
+
 def weights(n: int, k: int) -> dict[str, Any]:
-    """One random weight of [N, K] in each of the three forms."""
+    """One random weight of [N, K] in each of the three formats."""
     import torch
 
     from engine_core.models.int8 import quantize_rows
@@ -90,60 +147,19 @@ def weights(n: int, k: int) -> dict[str, Any]:
     }
 
 
-def weight_bytes(form: str, w: Any) -> int:
-    tensors = [w] if form == "bf16" else [t for t in w if t is not None]
+def weight_bytes(w: Any) -> int:
+    tensors = [t for t in w if t is not None] if isinstance(w, tuple) else [w]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def product(form: str) -> Callable[[Any, Any], Any]:
-    import torch.nn.functional as F
-
-    from engine_core.models.int8 import int8_linear_cuda
-    from engine_core.models.w4a16_kernels import w4a16_gemm
-
-    if form == "bf16":
-        return lambda x, w: F.linear(x, w)
-    if form == "w4a16":
-        return lambda x, w: w4a16_gemm(x, w[0], w[1], w[2], GROUP)
-    return lambda x, w: int8_linear_cuda(x, w[0], w[1])
-
-
-def measure(n: int, k: int, rows: list[int], iters: int, hbm: float) -> list[dict[str, Any]]:
-    """Every form at every row count for one [N, K] weight."""
+def copies_past_l2(w: Any) -> list[Any]:
+    """``w`` and enough copies of it that the set is twice the L2: none is still cached when it
+    comes round again."""
     import torch
 
-    one = weights(n, k)
-    results = []
-    for form in ("bf16", "w4a16", "w8a8"):
-        results += measure_form(form, one[form], (n, k), rows, iters, hbm)
-        torch.cuda.empty_cache()
-    return results
-
-
-def measure_form(
-    form: str, weight: Any, shape: tuple[int, int], rows: list[int], iters: int, hbm: float
-) -> list[dict[str, Any]]:
-    """One form's product of an [N, K] weight at every row count, cycling through copies that
-    exceed the L2."""
-    import torch
-
-    n, k = shape
-    per_copy = weight_bytes(form, weight)
-    # Twice the L2's bytes in copies: none is still cached when it comes round again.
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = max(1, -(-2 * l2_bytes // per_copy))
-    stack = [weight] + [_copy(weight) for _ in range(copies - 1)]
-    run = product(form)
-    results = []
-    for m in rows:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        us = median_us(lambda i: run(x, stack[i]), copies, iters)  # noqa: B023
-        read = per_copy + x.numel() * 2 + m * n * 2
-        results.append(
-            {"form": form, "n": n, "k": k, "rows": m, "us": us, "gb_s": read / us / 1e3}
-            | {"hbm_share": read / (us * 1e-6) / hbm}
-        )
-    return results
+    copies = max(1, -(-2 * l2_bytes // weight_bytes(w)))
+    return [w] + [_copy(w) for _ in range(copies - 1)]
 
 
 def _copy(w: Any) -> Any:
@@ -152,27 +168,217 @@ def _copy(w: Any) -> Any:
     return tuple(None if t is None else t.clone() for t in w)
 
 
-def run(args: argparse.Namespace) -> int:
-    header = Provenance.here(args.argv)
-    print(header.format())
-    hbm = measure_bandwidth("cuda")
-    rows = [int(r) for r in args.rows.split(",")]
+def product(form: str, tiles: Any = None) -> Callable[[Any, Any], Any]:
+    """``form``'s product of activations x and a weight in its format; ``tiles`` fixes the
+    Triton W8A8 GEMM's launch (default: MEASURED's for the shape, else the rule's)."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine_core.models import w8a8_kernels as wk
+    from engine_core.models.int8 import int_mm_product
+    from engine_core.models.w4a16_kernels import w4a16_gemm
+
+    if form == "bf16":
+        return lambda x, w: F.linear(x, w)
+    if form == "w4a16":
+        return lambda x, w: w4a16_gemm(x, w[0], w[1], w[2], GROUP)
+    if form == "w8a8 cuBLASLt":
+        return lambda x, w: int_mm_product(*wk.quantize_per_token(x), w[0], w[1], x.dtype)
+
+    def triton_w8a8(x: Any, w: Any) -> Any:
+        (m, k), n = x.shape, w[0].shape[0]
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        launch = tiles or wk.choose_tiles(m, n, k, sms) or wk.rule_tiles(m, n, k, sms)
+        return wk.int8_gemm(*wk.quantize_per_token(x), w[0], w[1], x.dtype, None, launch)
+
+    return triton_w8a8
+
+
+def sweep_grid(m: int, n: int, k: int, sms: int) -> list[Any]:
+    """The Triton W8A8 GEMM's configurations at M rows. Decode rows: the row tile M needs (16, 32
+    or 64), 32-256 weight rows and 128 or 256 columns of K a program, deep pipelines (the weights
+    stream), K splits of 1-8 while a split keeps 2 K steps, nearest the rule's split first (so a
+    budget that runs out has timed the likeliest). Prefill rows: 64-256 x 64-256 tiles, 64 or 128
+    columns of K, 3-5 stages as fit the shared memory (at most 200 KiB), 4 or 8 warps. Each
+    with its tiles loaded by pointers and by TMA descriptors."""
+    from engine_core.models.w8a8_kernels import Tiles, rule_tiles
+
+    if m > 64:
+        shapes = [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
+                  (128, 256, 64, 8, 4), (64, 256, 128, 8, 3), (256, 128, 128, 8, 3),
+                  (128, 128, 64, 4, 5), (64, 128, 128, 4, 4), (256, 256, 64, 8, 3)]  # fmt: skip
+        return [Tiles(*s, tma=tma) for s in shapes for tma in (False, True)]
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    shapes = [(64, 256, 4, 4), (64, 256, 4, 6), (128, 128, 4, 4), (128, 256, 4, 3),
+              (128, 256, 8, 4), (256, 128, 8, 4), (32, 256, 4, 6)]  # fmt: skip
+    configs = [
+        Tiles(block_m, block_n, block_k, warps, stages, split_k=split, tma=tma)
+        for block_n, block_k, warps, stages in shapes
+        for split in (1, 2, 4, 8)
+        for tma in (False, True)
+        if k >= 2 * split * block_k
+    ]
+    rule = rule_tiles(m, n, k, sms).split_k
+    return sorted(configs, key=lambda t: abs(t.split_k.bit_length() - rule.bit_length()))
+
+
+def describe(tiles: Any) -> str:
+    return (
+        f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} w{tiles.warps} st{tiles.stages}"
+        f" g{tiles.group_m} s{tiles.split_k}{' tma' if tiles.tma else ''}"
+    )
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+
+
+class Budget:
+    """The sweep's seconds, shared by the shapes still to sweep: what one leaves (a grid whose
+    kernels an earlier shape compiled runs faster) goes to the rest."""
+
+    def __init__(self, seconds: float, shapes: int) -> None:
+        self.seconds, self.shapes = seconds, shapes
+
+    def deadline(self) -> float:
+        """The next shape's deadline (time.monotonic), counted from now."""
+        return time.monotonic() + self.seconds / max(1, self.shapes)
+
+    def spent(self, seconds: float) -> None:
+        self.seconds, self.shapes = max(0.0, self.seconds - seconds), self.shapes - 1
+
+
+def measure(
+    name: str,
+    shape: tuple[int, int],
+    rows: list[int],
+    args: argparse.Namespace,
+    hbm: float,
+    budget: Budget,
+) -> list[dict[str, Any]]:
+    """Every form, and with ``--sweep`` every tile configuration, at every row count for one
+    [N, K] weight."""
+    import torch
+
+    n, k = shape
+    one = weights(n, k)
+    stacks = {kind: copies_past_l2(one[kind]) for kind in ("bf16", "w4a16", "w8a8")}
     results = []
-    for name, (n, k) in projection_shapes(args.model).items():
-        results += [r | {"projection": name} for r in measure(n, k, rows, args.iters, hbm)]
-    print(f"copy bandwidth: {hbm / 1e9:,.0f} GB/s\n")
-    headers = ["projection", "N x K", "M", "form", "us", "GB/s", "of HBM"]
-    print(format_table(headers, table(results)))
-    if args.json:
-        write_json(args.json, header, {"hbm_bytes_s": hbm, "results": results})
-    return 0
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        calls = {form: (product(form), stacks[form.split()[0]]) for form in FORMS}
+        reference = product("w8a8 cuBLASLt")(x, stacks["w8a8"][0])
+        for form, (call, stack) in calls.items():
+            results.append(timed(form, call, stack, x, n, args.iters, hbm) | {"tiles": None})
+            print(f"  {name} M={m} {form}: {results[-1]['us']:.1f} us", flush=True)
+        if args.sweep:
+            results += sweep(name, x, stacks["w8a8"], reference, budget, args.iters, hbm)
+        torch.cuda.empty_cache()
+    return [r | {"projection": name} for r in results]
+
+
+def timed(
+    form: str, call: Callable[[Any, Any], Any], stack: list[Any], x: Any, n: int, iters: int,
+    hbm: float,
+) -> dict[str, Any]:  # fmt: skip
+    """One form's time at x's rows, and the bytes a call reads over it."""
+    m, k = x.shape
+    us = graph_us(lambda i: call(x, stack[i]), len(stack), "cuda", iters)
+    read = weight_bytes(stack[0]) + x.numel() * 2 + m * n * 2
+    return {"form": form, "n": n, "k": k, "rows": m, "us": us, "gb_s": read / us / 1e3} | {
+        "hbm_share": read / (us * 1e-6) / hbm
+    }
+
+
+def sweep(
+    name: str, x: Any, stack: list[Any], reference: Any, budget: Budget, iters: int, hbm: float
+) -> list[dict[str, Any]]:
+    """The Triton W8A8 GEMM at each configuration of the grid at x's rows, within this shape's
+    share of the budget; a configuration that fails, or differs from cuBLASLt's bits, is
+    printed and skipped."""
+    import torch
+
+    start, deadline = time.monotonic(), budget.deadline()
+    (m, k), n = x.shape, stack[0][0].shape[0]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    results = []
+    for tiles in sweep_grid(m, n, k, sms):
+        if time.monotonic() > deadline:
+            print(f"  {name} M={m}: budget spent, the rest of the grid skipped", flush=True)
+            break
+        call = product("w8a8 triton", tiles)
+        label = f"{name} M={m} {describe(tiles)}"
+        try:
+            exact = torch.equal(call(x, stack[0]), reference)
+            row = timed("w8a8 " + describe(tiles), call, stack, x, n, iters, hbm)
+        except Exception as exc:  # one configuration failing must not end the sweep
+            print(f"  FAILED {label}: {type(exc).__name__}: {exc}"[:400], flush=True)
+            continue
+        if not exact:
+            print(f"  WRONG {label}: output differs from cuBLASLt's", flush=True)
+            continue
+        print(f"  {label}: {row['us']:.1f} us", flush=True)
+        results.append(row | {"tiles": tiles})
+    budget.spent(time.monotonic() - start)
+    return results
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def measured_table(results: list[dict[str, Any]]) -> list[str]:
+    """The sweep's fastest choice as lines of ``w8a8_kernels.MEASURED`` by (row bucket, N, K):
+    the fastest tiles, or None where cuBLASLt beat them."""
+    from engine_core.models.w8a8_kernels import row_bucket
+
+    lines = []
+    for n, k, m in sorted({(r["n"], r["k"], r["rows"]) for r in results}):
+        rows = [r for r in results if (r["n"], r["k"], r["rows"]) == (n, k, m)]
+        swept = [r for r in rows if r["tiles"] is not None]
+        cublaslt = next((r for r in rows if r["form"] == "w8a8 cuBLASLt"), None)
+        if not swept or cublaslt is None:
+            continue
+        best = min(swept, key=lambda r: r["us"])
+        key = f"({row_bucket(m)}, {n}, {k})"
+        if cublaslt["us"] < best["us"]:
+            us = f"cuBLASLt {cublaslt['us']:.1f} us, the tiles' {best['us']:.1f}"
+            lines.append(f"    {key}: None,  # {us}")
+        else:
+            lines.append(f"    {key}: {best['tiles']!r},  # {best['us']:.1f} us")
+    return lines
 
 
 def table(results: list[dict[str, Any]]) -> list[list[str]]:
+    bf16 = {(r["projection"], r["rows"]): r["us"] for r in results if r["form"] == "bf16"}
+    fixed = [r for r in results if r["tiles"] is None]
     return [
         [
             r["projection"], f"{r['n']} x {r['k']}", str(r["rows"]), r["form"],
             fmt(r["us"], ".1f"), fmt(r["gb_s"], ",.0f"), fmt(100 * r["hbm_share"], ".0f") + "%",
+            fmt(bf16[(r["projection"], r["rows"])] / r["us"], ".2f") + "x",
         ]
-        for r in sorted(results, key=lambda r: (r["rows"], r["projection"], r["form"]))
+        for r in sorted(fixed, key=lambda r: (r["rows"], r["projection"], FORMS.index(r["form"])))
     ]  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    header = Provenance.here(args.argv)
+    print(header.format(), flush=True)
+    hbm = measure_bandwidth("cuda")
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = projection_shapes(args.model)
+    names = args.projections.split(",")
+    budget = Budget(args.budget, len(names) * len(rows))
+    results = []
+    for name in names:
+        results += measure(name, shapes[name], rows, args, hbm, budget)
+    print(f"\ncopy bandwidth: {hbm / 1e9:,.0f} GB/s\n")
+    headers = ["projection", "N x K", "M", "form", "us", "GB/s", "of HBM", "bf16 / form"]
+    print(format_table(headers, table(results)))
+    if args.sweep:
+        print("\nw8a8_kernels.MEASURED, from this sweep:")
+        print("\n".join(measured_table(results)))
+    if args.json:
+        for r in results:
+            r["tiles"] = describe(r["tiles"]) if r["tiles"] is not None else None
+        write_json(args.json, header, {"hbm_bytes_s": hbm, "results": results})
+    return 0

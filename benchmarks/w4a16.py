@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gemm import projection_shapes
+from benchmarks.gemm import graph_us, projection_shapes
 from benchmarks.report import Provenance, fmt, format_table, write_json
 
 GROUP = 128
-CALLS_PER_GRAPH = 20
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -56,38 +54,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- timing -------------------------------------------------------------------------------------
-
-
-def graph_us(call: Callable[[int], Any], copies: int, device: str) -> float:
-    """µs per call of ``call(i)``, captured CALLS_PER_GRAPH times (copy i % copies) in one CUDA
-    graph: the median of 5 replays over the calls (on the CPU: one call's wall time)."""
-    import torch
-
-    if device == "cpu":
-        start = time.perf_counter()
-        call(0)
-        return (time.perf_counter() - start) * 1e6
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(2):
-            call(i % copies)  # compiles and warms outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS_PER_GRAPH):
-            call(i % copies)
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
-    return statistics.median(times)
 
 
 def relative_error(got: Any, expected: Any) -> float:

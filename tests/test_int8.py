@@ -20,7 +20,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from engine_core.config import Int8Config
 from engine_core.memory_plan import module_bytes
+from engine_core.models.int8 import quantize_rows
+from engine_core.models.layers import Linear
 from tests.paged_harness import generate_greedy, hf_greedy, load_float32, random_prompts
 from tests.quant_fixtures import (
     VOCAB,
@@ -160,3 +163,20 @@ def test_unsupported_int8_schemes_are_refused(
         (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load_float32(folder)
+
+
+def test_a_biased_int8_linear_adds_its_bias_once_inside_the_product() -> None:
+    """As HF runs a compressed-tensors linear: one F.linear of the int8 round-tripped input and
+    the dequantized weight, with the bias (rounded once, in bf16)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(64, 48, bias=True).to(torch.bfloat16)
+    layer.make_int8(Int8Config())
+    weight, scale = quantize_rows(torch.randn(48, 64, generator=gen))
+    layer.weight.data.copy_(weight)
+    layer.weight_scale.data.copy_(scale)
+    layer.bias.data.copy_(torch.randn(48, generator=gen) * 4)
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    expected = torch.nn.functional.linear(
+        int8_per_token(x), (weight.float() * scale[:, None]).bfloat16(), layer.bias
+    )
+    assert torch.equal(layer(x), expected)

@@ -1,6 +1,7 @@
 """GPU tests of the W8A8 INT8 product (engine_core/models/int8.py ``int8_linear_cuda``: per-token
-int8 activations, ``torch._int_mm``, both scales) against the CPU reference's numbers, over the
-presets' projection shapes and rows from 1 (padded past _int_mm's 16-row floor) to 300.
+int8 activations, cuBLASLt's ``torch._int_mm`` or the Triton GEMM as ``choose_tiles`` says, both
+scales) against the CPU reference's numbers, over the presets' projection shapes and rows from 1
+(padded past _int_mm's 16-row floor) to 300.
 
 Written without a GPU at hand: the lead runs these on the GPU machine.
 

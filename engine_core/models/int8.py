@@ -9,9 +9,11 @@ Activations are quantized the way compressed-tensors does it (its ``calculate_qp
 token's scale is absmax / 127.5 (the int8 range's width over two, in the activations' dtype;
 a zero scale becomes the dtype's eps), values are clamped to -128..127 and rounded half to even.
 
-- CUDA: the activations quantized so, then int8 x int8 -> int32 on the tensor cores
-  (``torch._int_mm``, cuBLASLt), scaled by both scales; tests/test_int8_gpu.py checks it
-  against the reference.
+- CUDA: the activations quantized so by one Triton launch, then int8 x int8 -> int32 on the
+  tensor cores, scaled by both scales (and the bias added) in float32, rounded once: by the
+  Triton GEMM of engine_core/models/w8a8_kernels.py, or by cuBLASLt (``torch._int_mm``) and
+  the scaling after it where that GEMM's table says cuBLASLt wins (``choose_tiles``);
+  tests/test_int8_gpu.py and tests/test_w8a8_gpu.py check them against the reference.
 - anywhere else: the reference, which CI runs: weights dequantized (float32, then the
   activations' dtype), activations quantized and dequantized per token, one matmul.
 """
@@ -60,24 +62,53 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * scale[:, None]
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ the int8 weight [N, K] transposed -> [..., N] in x's dtype (no bias)."""
+def int8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ the int8 weight [N, K] transposed (+ bias) -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.is_cuda:
-        out = int8_linear_cuda(rows, weight, weight_scale)
+        out = int8_linear_cuda(rows, weight, weight_scale, bias)
     else:
-        out = F.linear(quantize_dequantize(rows), dequantize(weight, weight_scale).to(x.dtype))
+        weight_dq = dequantize(weight, weight_scale).to(x.dtype)
+        out = F.linear(quantize_dequantize(rows), weight_dq, bias)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def int8_linear_cuda(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N]: per-token int8 activations, one int8 GEMM with int32 accumulation,
-    both scales applied in float32."""
-    q, scale = quantize_per_token(x)
+    both scales applied in float32 (the Triton GEMM or cuBLASLt, as ``choose_tiles`` says)."""
+    from engine_core.models import w8a8_kernels as kernels  # imports triton: CUDA only
+
+    q, scale = kernels.quantize_per_token(x)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    tiles = kernels.choose_tiles(x.shape[0], weight.shape[0], x.shape[1], sms)
+    if tiles is None:
+        return int_mm_product(q, scale, weight, weight_scale, x.dtype, bias)
+    return kernels.int8_gemm(q, scale, weight, weight_scale, x.dtype, bias, tiles)
+
+
+def int_mm_product(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int8 q [M, K] with scale [M, 1] float32 @ weight [N, K] transposed -> [M, N] in dtype:
+    cuBLASLt's int8 GEMM, then both scales (and the bias) in float32, rounded once."""
     rows = q.shape[0]
     if rows < INT_MM_MIN_ROWS:  # _int_mm refuses 16 rows or fewer
         q = F.pad(q, (0, 0, 0, INT_MM_MIN_ROWS - rows))
-    acc = torch._int_mm(q.to(torch.int8), weight.t())[:rows]  # [M, N] int32
-    return (acc.float() * scale.float() * weight_scale[None, :]).to(x.dtype)
+    acc = torch._int_mm(q, weight.t())[:rows]  # [M, N] int32
+    out = acc.float() * scale * weight_scale[None, :]
+    return (out if bias is None else out + bias.float()).to(dtype)

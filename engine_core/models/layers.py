@@ -532,6 +532,8 @@ class Linear(nn.Linear, LoadsQuantized):
             return packed_linear(x, self.packed_weight, self.bias)
         if not self.quantized:
             return dense_linear(x, self.weight, self.bias)
+        if self.int8 is not None:  # the bias in the GEMM's epilogue: one rounding
+            return int8_linear(x, self.weight, self.weight_scale, self.bias)
         out = self.matmul(x)
         return out if self.bias is None else out + self.bias
 

@@ -1,0 +1,342 @@
+"""W8A8 INT8 on CUDA in Triton: the per-token activation quantizer and the int8 GEMM whose
+epilogue applies both scales (engine_core/models/int8.py's CUDA path).
+
+- ``quantize_per_token``: one launch, a row a program, the row read once: absmax, the scale, the
+  int8 values. The arithmetic is compressed-tensors' in the activations' dtype, as the reference
+  (int8.quantize_per_token) computes it: scale = absmax / 127.5 rounded to that dtype (a zero
+  scale becomes its eps), x / scale rounded to that dtype, clamped to -128..127, rounded half to
+  even. bf16 is rounded by its bits (Triton's interpreter truncates float32 to bf16), the
+  divisions are IEEE (``div_rn``), so the values are the reference's bit for bit.
+- ``int8_gemm``: A [M, K] int8 times W [N, K] int8 on the int8 tensor cores, int32 accumulation,
+  then in float32 ``acc * a_scale[m] * w_scale[n]`` (+ bias), rounded once to the output dtype:
+  torch's int8 path (``_int_mm`` then the scaling) in one launch, with no int32 [M, N] written.
+- ``choose_tiles``: the tiles for a shape, from the sweep's ``MEASURED`` table where it has the
+  shape (None there: cuBLASLt's ``_int_mm`` won), else a rule; nothing is tuned at run time (CUDA
+  graphs replay what was captured; a launch depends only on shapes).
+
+tests/test_w8a8_interpreted.py runs both kernels in Triton's interpreter on the CPU,
+tests/test_w8a8_gpu.py on a GPU; ``python -m benchmarks gemm --sweep`` times the tiles. Importing
+this module imports triton: only CUDA code paths and GPU tests may (or set ``TRITON_INTERPRET=1``
+first to run it on CPU tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# int8.HALF_RANGE, not imported (int8 imports this module): compressed-tensors' scale divisor.
+_HALF_RANGE = tl.constexpr(127.5)
+# 1.5 * 2**23: a float32 in [-2**22, 2**22] added to it is rounded to an integer, half to even,
+# and that integer is the sum's bits less these (no float-to-int conversion, no libdevice: the
+# interpreter has none).
+_ROUNDER = tl.constexpr(12582912.0)
+_ROUNDER_BITS = tl.constexpr(0x4B400000)
+_BF16_MASK = tl.constexpr(-65536)  # 0xFFFF0000 as int32: the bits a bf16 keeps of a float32
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """float32 x rounded to dtype's precision (to nearest, ties to even), kept in float32."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & _BF16_MASK
+        return bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _quantize_int8_kernel(
+    X,  # [M, K] bf16 / fp16 / float32
+    Q,  # [M, K] int8
+    Scale,  # [M] float32
+    stride_x,
+    stride_q,
+    K,
+    EPS: tl.constexpr,  # the activations' dtype's eps: a row of zeros' scale
+    BLOCK: tl.constexpr,
+):
+    """Program row: Q[row] and Scale[row] as int8.quantize_per_token gives them."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = _round_to(tl.math.div_rn(tl.max(tl.abs(x), 0), _HALF_RANGE), X.dtype.element_ty)
+    scale = tl.where(scale == 0.0, EPS, scale)
+    q = _round_to(tl.math.div_rn(x, scale), X.dtype.element_ty)
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    q_int = (q + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS
+    tl.store(Q + row * stride_q + cols, q_int.to(tl.int8), mask=mask)
+    tl.store(Scale + row, scale)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], scale [M, 1] float32: the activations' dtype's value)."""
+    rows, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty((rows, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    block = triton.next_power_of_2(k)
+    _quantize_int8_kernel[(rows,)](
+        x, q, scale, x.stride(0), q.stride(0), k,
+        EPS=torch.finfo(x.dtype).eps, BLOCK=block, num_warps=min(max(block // 512, 1), 8),
+    )  # fmt: skip
+    return q, scale
+
+
+@triton.jit
+def _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS: tl.constexpr):
+    """C[rm, rn] = acc (int32) * a_scale[rm] * w_scale[rn] (+ bias[rn]) in float32, rounded once
+    to C's dtype: torch's order (int8.int_mm_product)."""
+    m_ok = rm < M
+    n_ok = rn < N
+    a_scale = tl.load(AScale + rm, mask=m_ok, other=0.0)
+    w_scale = tl.load(WScale + rn, mask=n_ok, other=0.0)
+    out = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = _round_to(out, C.dtype.element_ty)
+    c_ptrs = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _pointer_product(
+    A, W, rm, rn, M, N, K, first_k, last_k, stride_am, stride_wn, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """A[rm] @ W[rn].T over columns [first_k, last_k) of K, int32, by per-thread loads. Rows
+    past M and N read row 0 (no masks in the loop); the store drops them."""
+    rk = first_k + tl.arange(0, BLOCK_K)
+    a_ptrs = A + tl.where(rm < M, rm, 0)[:, None].to(tl.int64) * stride_am + rk[None, :]
+    w_ptrs = W + tl.where(rn < N, rn, 0)[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(first_k, last_k, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K - (k0 - first_k), other=0)
+            w = tl.load(w_ptrs, mask=rk[:, None] < K - (k0 - first_k), other=0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _tma_product(
+    a_desc, w_desc, off_m, off_n, first_k, last_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The same product with both tiles brought in by the tensor memory accelerator (bulk
+    copies into shared memory; rows and columns past the tensor read as zeros)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(first_k, last_k, BLOCK_K):
+        a = a_desc.load([off_m, k0])  # [BLOCK_M, BLOCK_K]
+        w = w_desc.load([off_n, k0])  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+    return acc
+
+
+# M, the step's tokens, changes from step to step: specialized, counts of 1, multiples of 16 and
+# others would each compile a variant mid-serving (docs/design/cuda-graphs-and-warm-up.md).
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemm_kernel(
+    A,  # [M, K] int8 (TMA: its descriptor, [BLOCK_M, BLOCK_K] tiles)
+    W,  # [N, K] int8 (TMA: its descriptor, [BLOCK_N, BLOCK_K] tiles)
+    C,  # [M, N] (not SPLIT)
+    Part,  # [SPLIT_K, M, N] int32 (SPLIT)
+    AScale,  # [M] float32
+    WScale,  # [N] float32
+    Bias,  # [N] (unread without HAS_BIAS)
+    M,
+    N,
+    K,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
+    stride_am,
+    stride_wn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks along K
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,  # write int32 partial sums; _sum_splits_kernel scales them
+    TMA: tl.constexpr,
+):
+    """Program (tile, split): the [BLOCK_M, BLOCK_N] tile of C = (A @ W.T) * a_scale * w_scale
+    (+ bias), or (SPLIT) its int32 partial sum over columns [split * K_PER_SPLIT, +K_PER_SPLIT)
+    of K."""
+    pid, split = tl.program_id(0), tl.program_id(1)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: neighbouring programs share W tiles, which keeps them in L2.
+    pid_m, pid_n = tl.swizzle2d(pid // num_n, pid % num_n, num_m, num_n, GROUP_M)
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_k = split * K_PER_SPLIT
+    last_k = tl.minimum(first_k + K_PER_SPLIT, K)
+    if TMA:
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = _tma_product(A, W, off_m, off_n, first_k, last_k, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = _pointer_product(A, W, rm, rn, M, N, K, first_k, last_k, stride_am, stride_wn,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+    if SPLIT:
+        p_ptrs = Part + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(p_ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    else:
+        _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(
+    Part,  # [SPLITS, M, N] int32
+    C,
+    AScale,
+    WScale,
+    Bias,
+    M,
+    N,
+    stride_cm,
+    SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program: a [BLOCK_M, BLOCK_N] tile of C from the splits' int32 partial sums (integers:
+    the same sum in any order, so replays give the same bits), scaled as the GEMM scales."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    p_ptrs = Part + rm[:, None].to(tl.int64) * N + rn[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for _ in range(SPLITS):
+        acc += tl.load(p_ptrs, mask=ok, other=0)
+        p_ptrs += M * N
+    _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The GEMM's launch: rows, weight rows (output columns) and K a program; warps, pipeline
+    stages, row tiles a group of programs walks before the next column tile, K splits (their
+    int32 partial sums added and scaled by a second launch), and whether the tensor memory
+    accelerator brings the tiles in (where K and the operands are 16-byte aligned)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+    group_m: int = 8
+    split_k: int = 1
+    tma: bool = False
+
+
+# Up to this many rows the rule keeps cuBLASLt (``_int_mm``, today's decode path) unless
+# MEASURED says the Triton GEMM won there.
+DECODE_ROWS = 64
+# The sweep's fastest choice (`python -m benchmarks gemm --sweep`) by (row bucket, N, K): tiles,
+# or None where cuBLASLt's _int_mm won. Empty until the sweep has run on a GPU; shapes it does
+# not hold take ``rule_tiles``.
+MEASURED: dict[tuple[int, int, int], Tiles | None] = {}
+
+
+def row_bucket(m: int) -> int:
+    """The power of two a product of M rows is measured and tabled under."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def choose_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles | None:
+    """The Triton GEMM's tiles for an [M, K] x [N, K] product, or None for cuBLASLt. Where
+    MEASURED holds the weight's shape: the entry of the smallest measured bucket that holds M
+    rows, else of the largest (the sweep times a few row counts, not every power of two).
+    Otherwise cuBLASLt up to DECODE_ROWS rows and the rule beyond."""
+    buckets = sorted(b for b, bn, bk in MEASURED if (bn, bk) == (n, k))
+    if buckets:
+        bucket = next((b for b in buckets if b >= row_bucket(m)), buckets[-1])
+        return MEASURED[(bucket, n, k)]
+    return None if m <= DECODE_ROWS else rule_tiles(m, n, k, multiprocessors)
+
+
+def rule_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles:
+    """Tiles for a shape the sweep has not measured: up to 64 rows a row tile of the rows' size
+    over 256 columns of K, K split in two while the programs do not fill the multiprocessors
+    twice and a split keeps 4 K steps (the weights stream; idle multiprocessors read nothing);
+    beyond, 128 x 256 tiles with 128 columns of K (48 KiB a stage, three stages in shared
+    memory), the usual shape of a compute-bound int8 GEMM on the tensor cores."""
+    if m > 128:
+        return Tiles(128, 256, 128, warps=8, stages=3)
+    if m > 64:
+        return Tiles(64, 128, 128, warps=4, stages=4)
+    block_m, block_n, block_k = (16 if m <= 16 else 64), 64, 256
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < 2 * multiprocessors and k >= 8 * split * block_k:
+        split *= 2
+    return Tiles(block_m, block_n, block_k, warps=4, stages=4, split_k=split)
+
+
+def int8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    tiles: Tiles,
+) -> torch.Tensor:
+    """a [M, K] int8 with a_scale [M, 1] (or [M]) float32, weight [N, K] int8 with weight_scale
+    [N] float32 -> [M, N] out_dtype: (a @ weight.T) * a_scale * weight_scale (+ bias), int32
+    accumulation, one rounding, launched as ``tiles`` say."""
+    m, k = a.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or a.dtype != torch.int8 or weight.dtype != torch.int8:
+        raise ValueError(
+            f"int8_gemm takes int8 [M, K] and [N, K], got {a.dtype} {tuple(a.shape)} and "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    per_split = triton.cdiv(triton.cdiv(k, tiles.block_k), tiles.split_k) * tiles.block_k
+    splits = triton.cdiv(k, per_split)  # at most split_k, none of them empty
+    part = out
+    if splits > 1:
+        part = torch.empty((splits, m, n), dtype=torch.int32, device=a.device)
+    a_scale, bias_or_any = a_scale.reshape(-1), bias if bias is not None else out
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), splits)
+    tma = tiles.tma and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, weight))
+    a_arg, w_arg = a, weight
+    if tma:
+        a_arg = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
+        w_arg = TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
+    _int8_gemm_kernel[grid](
+        a_arg, w_arg, out, part, a_scale, weight_scale, bias_or_any,
+        m, n, k, per_split, a.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, TMA=tma, num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
+    if splits > 1:
+        block_m, block_n = min(16, triton.next_power_of_2(m)), 256
+        _sum_splits_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            part, out, a_scale, weight_scale, bias_or_any, m, n, out.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        )  # fmt: skip
+    return out

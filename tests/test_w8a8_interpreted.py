@@ -1,0 +1,144 @@
+"""The W8A8 CUDA kernels (engine_core/models/w8a8_kernels.py) on the CPU, through Triton's
+interpreter: the per-token quantizer bit for bit against the reference
+(engine_core/models/int8.py ``quantize_per_token``, compressed-tensors' math) in float32, fp16
+and bf16, ties and clamping included; the int8 GEMM bit for bit against an exact integer
+product scaled as torch's cuBLASLt path scales it, and within one rounding of the float product
+of the dequantized operands; rows 1, 7 and 130, a K that is not whole tiles, N an odd multiple
+of 16 (a partial column tile), with a bias and without, K whole and split, tiles by pointers
+and by TMA descriptors.
+
+Skipped unless ``TRITON_INTERPRET=1`` (and triton importable):
+
+    TRITON_INTERPRET=1 PYTHONPATH=<numpy 2.2>:.:<a site-packages with triton> \\
+        .venv/bin/python -m pytest tests/test_w8a8_interpreted.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs under TRITON_INTERPRET=1 only", allow_module_level=True)
+pytest.importorskip("triton")
+
+from engine_core.models import int8  # noqa: E402
+from engine_core.models import w8a8_kernels as kernels  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SMALL = kernels.Tiles(16, 32, 64)  # K = 208 is 3 1/4 K tiles; N = 48 one and a half columns
+# K split in two: columns 0-127 and 128-207 (a partial tile), int32 sums added by a second launch.
+SPLIT = kernels.Tiles(16, 32, 64, split_k=2)
+# Tiles by the tensor memory accelerator's descriptors: past the edges they read zeros.
+TMA = kernels.Tiles(16, 32, 64, tma=True)
+TMA_SPLIT = kernels.Tiles(16, 32, 64, split_k=2, tma=True)
+
+
+def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows, with (where there are enough) a row of zeros and a row of exact ties: -127.5,
+    -126.5, ... (absmax 127.5, so the scale is 1 and every value lies halfway)."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
+    if m >= 3:
+        x[1] = 0
+        x[2] = torch.arange(k) % 256 - 127.5
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (7, 200), (130, 300)])
+def test_the_quantizer_is_the_reference_bit_for_bit(m: int, k: int, dtype: torch.dtype) -> None:
+    x = activations(m, k, dtype, seed=m + k)
+    q, scale = kernels.quantize_per_token(x)
+    expected_q, expected_scale = int8.quantize_per_token(x)
+    assert q.dtype == torch.int8 and scale.shape == (m, 1)
+    assert torch.equal(scale, expected_scale.float())
+    assert torch.equal(q, expected_q.to(torch.int8))
+    if m >= 3:  # the rows built to reach the edges did reach them
+        assert q[2].tolist()[:4] == [-128, -126, -126, -124]  # halves to even
+        assert q[1].eq(0).all() and float(scale[1]) == torch.finfo(dtype).eps
+
+
+def exact_product(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """q [M, K] @ weight [N, K].T as integers: int64, exact."""
+    return q.long() @ weight.long().t()
+
+
+def scaled(
+    acc: torch.Tensor,
+    scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """What torch's cuBLASLt path makes of an exact int32 product: float32, both scales, the
+    bias, one rounding."""
+    out = acc.float() * scale * weight_scale[None, :]
+    return (out if bias is None else out + bias.float()).to(dtype)
+
+
+def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return int8.quantize_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.parametrize(
+    "tiles", [SMALL, SPLIT, TMA, TMA_SPLIT], ids=["one-split", "two-splits", "tma", "tma-split"]
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n"), [(1, 48), (7, 80), (130, 48)])
+def test_the_gemm_is_the_exact_integer_product_scaled(
+    m: int, n: int, dtype: torch.dtype, tiles: kernels.Tiles
+) -> None:
+    k = 208  # 16-byte rows, as the descriptors need
+    q, scale = kernels.quantize_per_token(activations(m, k, dtype, seed=m))
+    weight, weight_scale = int8_weight(n, k, seed=n)
+    bias = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.1).to(dtype)
+    acc = exact_product(q, weight)
+    for b in (None, bias):
+        got = kernels.int8_gemm(q, scale, weight, weight_scale, dtype, b, tiles)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert torch.equal(got, scaled(acc, scale, weight_scale, b, dtype))
+
+
+@pytest.mark.parametrize(("split", "tma"), [(1, False), (4, False), (1, True)])
+def test_the_accumulation_is_integer_past_float32s_integers(split: int, tma: bool) -> None:
+    """Sums beyond 2**24 (where float32 loses integers), scales of 1 and a float32 output: the
+    output is the exact sum rounded once (with 4 splits: 512 columns each, the last 464)."""
+    m, n, k = 7, 48, 2000
+    gen = torch.Generator().manual_seed(0)
+    q = torch.where(torch.rand(m, k, generator=gen) < 0.9, -128, 127).to(torch.int8)
+    weight = torch.where(torch.rand(n, k, generator=gen) < 0.9, -128, 127).to(torch.int8)
+    ones_m, ones_n = torch.ones(m, 1), torch.ones(n)
+    acc = exact_product(q, weight)
+    assert int(acc.abs().max()) > 2**24
+    tiles = kernels.Tiles(16, 32, 64, split_k=split, tma=tma)
+    got = kernels.int8_gemm(q, ones_m, weight, ones_n, torch.float32, None, tiles)
+    assert torch.equal(got, acc.float())
+
+
+@pytest.mark.parametrize("m", [1, 7, 130])
+def test_bf16_output_is_within_one_rounding_of_the_float_product(m: int) -> None:
+    n, k = 112, 300
+    x = activations(m, k, torch.bfloat16, seed=5)
+    weight, weight_scale = int8_weight(n, k, seed=6)
+    q, scale = kernels.quantize_per_token(x)
+    got = kernels.int8_gemm(q, scale, weight, weight_scale, torch.bfloat16, None, SMALL)
+    expected = (q.double() * scale.double()) @ int8.dequantize(weight, weight_scale).double().t()
+    bound = expected.abs() * 2**-8 + 1e-6 * expected.abs().max()
+    assert bool(((got.double() - expected).abs() <= bound).all())
+
+
+def test_decode_rows_keep_cublaslt_until_the_sweep_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kernels, "MEASURED", {})
+    assert kernels.choose_tiles(64, 4096, 4096, 132) is None
+    assert kernels.choose_tiles(2048, 4096, 4096, 132) == kernels.rule_tiles(2048, 4096, 4096, 132)
+    tiles = kernels.Tiles(16, 128, 256)
+    monkeypatch.setattr(kernels, "MEASURED", {(1, 4096, 4096): tiles, (256, 4096, 4096): None})
+    assert kernels.choose_tiles(1, 4096, 4096, 132) == tiles
+    assert kernels.choose_tiles(2, 4096, 4096, 132) is None  # the next measured bucket: 256
+    assert kernels.choose_tiles(8192, 4096, 4096, 132) is None  # past the largest: its entry
+    assert kernels.choose_tiles(1, 6144, 4096, 132) is None  # another shape: the rule's
+    assert kernels.choose_tiles(300, 6144, 4096, 132) == kernels.rule_tiles(300, 6144, 4096, 132)
