@@ -65,12 +65,13 @@ def test_the_gemm_is_cublaslts_int32_product_scaled(n: int, k: int) -> None:
         for tiles in {rule, replace(rule, tma=True), chosen} - {None}:
             got = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, None, tiles)
             assert torch.equal(got, expected), f"M={m} {tiles}"
-        # With a bias the compiler may fuse the last product and the add: one float32 rounding.
+        # With a bias the compiler may fuse the last product and the add: one float32 rounding,
+        # which can move the result to the neighbouring bfloat16 value (2**-7 apart, relatively).
         got = kernels.int8_gemm(
             q, scale, w, w_scale, torch.bfloat16, bias, kernels.rule_tiles(m, n, k, SMS)
         )
         with_bias = int8.int_mm_product(q, scale, w, w_scale, torch.bfloat16, bias)
-        torch.testing.assert_close(got, with_bias, rtol=2**-8, atol=1e-6)
+        torch.testing.assert_close(got, with_bias, rtol=2**-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("m", [16, 300])

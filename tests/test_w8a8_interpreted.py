@@ -129,16 +129,18 @@ def test_bf16_output_is_within_one_rounding_of_the_float_product(m: int) -> None
     assert bool(((got.double() - expected).abs() <= bound).all())
 
 
-def test_decode_rows_keep_cublaslt_until_the_sweep_says_otherwise(
+def test_the_tile_choice_takes_measured_buckets_and_else_the_rule(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(kernels, "MEASURED", {})
-    assert kernels.choose_tiles(64, 4096, 4096, 132) is None
+    assert kernels.choose_tiles(64, 4096, 4096, 132) == kernels.rule_tiles(64, 4096, 4096, 132)
     assert kernels.choose_tiles(2048, 4096, 4096, 132) == kernels.rule_tiles(2048, 4096, 4096, 132)
     tiles = kernels.Tiles(16, 128, 256)
     monkeypatch.setattr(kernels, "MEASURED", {(1, 4096, 4096): tiles, (256, 4096, 4096): None})
     assert kernels.choose_tiles(1, 4096, 4096, 132) == tiles
-    assert kernels.choose_tiles(2, 4096, 4096, 132) is None  # the next measured bucket: 256
+    # A decode row count the sweep did not time: the rule, never a prefill bucket's entry.
+    assert kernels.choose_tiles(2, 4096, 4096, 132) == kernels.rule_tiles(2, 4096, 4096, 132)
+    assert kernels.choose_tiles(200, 4096, 4096, 132) is None  # the next measured bucket: 256
     assert kernels.choose_tiles(8192, 4096, 4096, 132) is None  # past the largest: its entry
-    assert kernels.choose_tiles(1, 6144, 4096, 132) is None  # another shape: the rule's
+    assert kernels.choose_tiles(1, 6144, 4096, 132) == kernels.rule_tiles(1, 6144, 4096, 132)
     assert kernels.choose_tiles(300, 6144, 4096, 132) == kernels.rule_tiles(300, 6144, 4096, 132)

@@ -246,13 +246,23 @@ class Tiles:
     tma: bool = False
 
 
-# Up to this many rows the rule keeps cuBLASLt (``_int_mm``, today's decode path) unless
-# MEASURED says the Triton GEMM won there.
+# Row counts up to this are decode steps: they take MEASURED's entry for their own bucket only
+# (a prefill bucket's tiles would leave most multiprocessors idle at a few rows), else the rule.
 DECODE_ROWS = 64
 # The sweep's fastest choice (`python -m benchmarks gemm --sweep`) by (row bucket, N, K): tiles,
-# or None where cuBLASLt's _int_mm won. Empty until the sweep has run on a GPU; shapes it does
-# not hold take ``rule_tiles``.
-MEASURED: dict[tuple[int, int, int], Tiles | None] = {}
+# or None where cuBLASLt's _int_mm won. Measured on an H200 at llama-8b's four projections
+# (`gemm --rows 256,2048 --sweep --budget 100`); shapes and buckets it does not hold take
+# ``rule_tiles``.
+MEASURED: dict[tuple[int, int, int], Tiles | None] = {
+    (256, 4096, 4096): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=False),
+    (2048, 4096, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
+    (256, 4096, 14336): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=False),
+    (2048, 4096, 14336): Tiles(128, 256, 128, warps=8, stages=3, group_m=8, split_k=1, tma=True),
+    (256, 6144, 4096): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=True),
+    (2048, 6144, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
+    (256, 28672, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
+    (2048, 28672, 4096): Tiles(256, 128, 128, warps=8, stages=3, group_m=8, split_k=1, tma=True),
+}
 
 
 def row_bucket(m: int) -> int:
@@ -261,15 +271,22 @@ def row_bucket(m: int) -> int:
 
 
 def choose_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles | None:
-    """The Triton GEMM's tiles for an [M, K] x [N, K] product, or None for cuBLASLt. Where
-    MEASURED holds the weight's shape: the entry of the smallest measured bucket that holds M
-    rows, else of the largest (the sweep times a few row counts, not every power of two).
-    Otherwise cuBLASLt up to DECODE_ROWS rows and the rule beyond."""
-    buckets = sorted(b for b, bn, bk in MEASURED if (bn, bk) == (n, k))
-    if buckets:
-        bucket = next((b for b in buckets if b >= row_bucket(m)), buckets[-1])
-        return MEASURED[(bucket, n, k)]
-    return None if m <= DECODE_ROWS else rule_tiles(m, n, k, multiprocessors)
+    """The Triton GEMM's tiles for an [M, K] x [N, K] product, or None for cuBLASLt: MEASURED's
+    entry for M's bucket where the sweep timed it; past DECODE_ROWS the entry of the smallest
+    measured prefill bucket that holds M rows, else of the largest (the sweep times a few row
+    counts, not every power of two); otherwise the rule's tiles. The rule's Triton GEMM beat
+    cuBLASLt's _int_mm at 1 and 16 rows on all four of llama-8b's projections and at 64 rows on
+    two (tied on one, 6% slower on the down projection), so no shape falls back to cuBLASLt
+    unless the sweep says so."""
+    exact = (row_bucket(m), n, k)
+    if exact in MEASURED:
+        return MEASURED[exact]
+    if m > DECODE_ROWS:
+        buckets = sorted(b for b, bn, bk in MEASURED if (bn, bk) == (n, k) and b > DECODE_ROWS)
+        if buckets:
+            bucket = next((b for b in buckets if b >= row_bucket(m)), buckets[-1])
+            return MEASURED[(bucket, n, k)]
+    return rule_tiles(m, n, k, multiprocessors)
 
 
 def rule_tiles(m: int, n: int, k: int, multiprocessors: int) -> Tiles:
