@@ -250,7 +250,7 @@ class Tiles:
 # (a prefill bucket's tiles would leave most multiprocessors idle at a few rows), else the rule.
 DECODE_ROWS = 64
 # The sweep's fastest choice (`python -m benchmarks gemm --sweep`) by (row bucket, N, K): tiles,
-# or None where cuBLASLt's _int_mm won. Measured on an H200 at llama-8b's four projections
+# or None where cuBLASLt's _int_mm won. Measured at llama-8b's four projections
 # (`gemm --rows 256,2048 --sweep --budget 100`); shapes and buckets it does not hold take
 # ``rule_tiles``.
 MEASURED: dict[tuple[int, int, int], Tiles | None] = {
