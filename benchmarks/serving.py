@@ -83,14 +83,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="both servers' longest prompt + output (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
-    parser.add_argument("--no-tandem", action="store_true", help="vLLM alone")
-    parser.add_argument("--vllm-python", help="the interpreter that imports vllm (default: none)")
-    parser.add_argument("--vllm-pythonpath", help="vLLM's PYTHONPATH (a bundle's site folder)")
-    parser.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    add_vllm_args(parser)
     parser.add_argument(
         "--loadgen-args", default="",
         help="extra load-generator flags, e.g. '--client-processes 4' at hundreds of streams",
     )  # fmt: skip
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's interpreter, import path and extra flags, and --no-tandem (vLLM alone)."""
+    parser.add_argument("--no-tandem", action="store_true", help="vLLM alone")
+    parser.add_argument("--vllm-python", help="the interpreter that imports vllm (default: none)")
+    parser.add_argument("--vllm-pythonpath", help="vLLM's PYTHONPATH (a bundle's site folder)")
+    parser.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +115,7 @@ def compare(
 ) -> int:
     """The servers one at a time over args.workloads; prints and writes the comparison, with
     the lines ``notes`` makes of the results under the table."""
-    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="tandem-serving-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(args, "tandem-serving-")
     model_dir, tokenizer = model_folder(args.model, out_dir)
     loadgen_args = shlex.split(args.loadgen_args)
     if args.lora:
@@ -125,6 +129,14 @@ def compare(
     if args.json:
         write_json(args.json, provenance, results)
     return 0
+
+
+def output_dir(args: argparse.Namespace, prefix: str) -> Path:
+    """--out-dir, or a new temporary folder named ``prefix``..., made absolute: each server
+    starts in a folder of its own and reads the model's and adapters' paths from there."""
+    out_dir = (args.out_dir or Path(tempfile.mkdtemp(prefix=prefix))).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
 
 
 def add_lora_flags(args: argparse.Namespace, out_dir: Path) -> list[str]:
