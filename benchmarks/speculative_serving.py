@@ -9,7 +9,8 @@ One server at a time, each started with the same speculative config in the peers
 ``prompt_lookup_min`` given to both), ``draft`` (the target as its own draft: Tandem's
 ``random:PRESET`` drafts with the same seeded weights, vLLM's dummy weights are the same for
 both models, so nearly every draft is kept and a step costs what verifying K drafts costs) or
-``none`` (the baseline). At each batch size B of ``--batches``, B streamed chat requests at once,
+``none`` (the baseline); ``--vllm-ngram ngram_gpu`` names vLLM's prompt lookup on the GPU,
+for a vLLM without numba. At each batch size B of ``--batches``, B streamed chat requests at once,
 ``--rounds`` times, each one of the prompts whose answers repeat their input
 (benchmarks/speculative.py: editing code and text, summarising a given text) in turn, greedy,
 ``--max-tokens`` tokens (EOS ignored), after one warm-up request. TPOT of a request: from its
@@ -78,6 +79,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram's (default: 4)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram's (default: 2)")
+    parser.add_argument(
+        "--vllm-ngram", choices=("ngram", "ngram_gpu"), default="ngram",
+        help="vLLM's name for prompt lookup: its ngram proposer needs numba, ngram_gpu does not "
+        "(default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--batches", default="1,8,32", help="requests at once, per level")
     parser.add_argument("--rounds", type=int, default=2, help="batches of requests per level")
     parser.add_argument("--max-tokens", type=int, default=256, help="each request's output")
@@ -88,13 +94,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_output_args(parser)
 
 
-def speculative_config(args: argparse.Namespace, draft: str) -> str | None:
-    """The --speculative-config both servers get (``draft``: the model, as each names it)."""
+def speculative_config(args: argparse.Namespace, draft: str, ngram: str = "ngram") -> str | None:
+    """The --speculative-config a server gets: ``draft`` the model and ``ngram`` prompt lookup,
+    as that server names them."""
     if args.method == "none":
         return None
     config: dict[str, Any] = {"num_speculative_tokens": args.k}
     if args.method == "ngram":
-        config |= {"method": "ngram", "prompt_lookup_max": args.prompt_lookup_max}
+        config |= {"method": ngram, "prompt_lookup_max": args.prompt_lookup_max}
         config["prompt_lookup_min"] = args.prompt_lookup_min
     else:
         config["model"] = draft  # the peers read a bare model as a draft model
@@ -106,6 +113,8 @@ def build_servers(args: argparse.Namespace, out_dir: Path) -> list[Server]:
     from engine_core.model_dir import resolve_model_dir, tokenizer_dir_for_random
     from engine_core.presets import PRESETS
 
+    if args.vllm_ngram != "ngram" and args.method != "ngram":
+        raise SystemExit(f"--vllm-ngram {args.vllm_ngram} is for --method ngram only")
     preset = args.model in PRESETS
     cpu = args.device == "cpu"
     servers = []
@@ -123,7 +132,8 @@ def build_servers(args: argparse.Namespace, out_dir: Path) -> list[Server]:
             model_dir = peer_model_dir(args.model, tokenizer_dir_for_random(), out_dir / "model")
         else:
             model_dir = resolve_model_dir(args.model)  # the default model: its converted folder
-        extra = spec_flags(speculative_config(args, str(model_dir))) + shlex.split(args.vllm_args)
+        config = speculative_config(args, str(model_dir), args.vllm_ngram)
+        extra = spec_flags(config) + shlex.split(args.vllm_args)
         command = vllm_serve_command(
             install, model_dir, args.port + 1, args.max_model_len,
             "float32" if cpu else "bfloat16", dummy_weights=preset, extra=extra,

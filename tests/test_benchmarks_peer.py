@@ -96,6 +96,19 @@ def test_ngram_gives_both_servers_the_same_config_that_tandem_accepts(tmp_path: 
     parsed = SpeculativeConfig.parse(text)
     assert (parsed.num_speculative_tokens, parsed.prompt_lookup_max) == (5, 3)
     assert "--load-format" in vllm.command and vllm.port == 8501
+    # vLLM's prompt lookup without numba: its name changes, the sizes do not, ours stays.
+    gpu = parse(spec_args("--k", "5", "--vllm-ngram", "ngram_gpu"))
+    tandem, vllm = speculative_serving.build_servers(gpu, tmp_path)
+    vllm_config = json.loads(vllm.command[vllm.command.index("--speculative-config") + 1])
+    assert vllm_config == {
+        "method": "ngram_gpu", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }  # fmt: skip
+    assert json.loads(tandem.command[at + 1])["method"] == "ngram"
+    with pytest.raises(SystemExit, match="--vllm-ngram"):
+        speculative_serving.build_servers(
+            parse(spec_args("--method", "draft", "--vllm-ngram", "ngram_gpu")), tmp_path
+        )
 
 
 def test_self_drafting_names_each_servers_own_model_and_none_has_no_config(
