@@ -225,6 +225,19 @@ def vllm_serve_command(
     return command + (extra or [])
 
 
+def vllm_server(
+    install: VllmInstall, model_dir: Path, port: int, max_model_len: int, dummy_weights: bool,
+    extra: list[str] | None = None,
+) -> Server:  # fmt: skip
+    """vLLM serving ``model_dir`` (float32 in its CPU build, else bf16), started in that folder
+    with its own environment."""
+    dtype = "float32" if install.cpu else "bfloat16"
+    command = vllm_serve_command(
+        install, model_dir, port, max_model_len, dtype, dummy_weights, extra
+    )
+    return Server("vllm", command, port, install.env(server_env()), cwd=model_dir)
+
+
 def loadgen_command(
     url: str, workload: LoadShape, tokenizer: str, result: Path, warmup_runs: int, runs: int,
     extra: list[str] | None = None,

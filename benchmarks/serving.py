@@ -36,9 +36,8 @@ from benchmarks.servers import (
     VllmInstall,
     parse_workloads,
     peer_model_dir,
-    server_env,
     tandem_serve_command,
-    vllm_serve_command,
+    vllm_server,
 )
 from benchmarks.side_by_side import (
     SERVING_METRICS,
@@ -178,12 +177,10 @@ def build_servers(args: argparse.Namespace, model_dir: Path | None) -> list[Serv
         servers.append(Server("tandem", command, args.port))
     if args.vllm_python and model_dir is not None:
         install = VllmInstall(args.vllm_python, args.vllm_pythonpath)
-        command = vllm_serve_command(
-            install, model_dir, args.port + 1, args.max_model_len, "bfloat16",
-            dummy_weights=preset, extra=shlex.split(args.vllm_args),
-        )  # fmt: skip
-        env = install.env(server_env())
-        servers.append(Server("vllm", command, args.port + 1, env, cwd=model_dir))
+        extra = shlex.split(args.vllm_args)
+        servers.append(
+            vllm_server(install, model_dir, args.port + 1, args.max_model_len, preset, extra)
+        )
     if not servers:
         raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
     return servers

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.first_token import carries_token
+from benchmarks.first_token import carries_token, sse_events
 from benchmarks.report import Provenance, fmt, format_table, parse_ints, ratio, write_json
 from benchmarks.servers import (
     SERVED_NAME,
@@ -43,9 +43,8 @@ from benchmarks.servers import (
     VllmInstall,
     peer_model_dir,
     running,
-    server_env,
     tandem_serve_command,
-    vllm_serve_command,
+    vllm_server,
 )
 from benchmarks.serving import add_model_arg, add_output_args, add_vllm_args, output_dir
 from benchmarks.speculative import PROMPTS
@@ -134,12 +133,9 @@ def build_servers(args: argparse.Namespace, out_dir: Path) -> list[Server]:
             model_dir = resolve_model_dir(args.model)  # the default model: its converted folder
         config = speculative_config(args, str(model_dir), args.vllm_ngram)
         extra = spec_flags(config) + shlex.split(args.vllm_args)
-        command = vllm_serve_command(
-            install, model_dir, args.port + 1, args.max_model_len,
-            "float32" if cpu else "bfloat16", dummy_weights=preset, extra=extra,
-        )  # fmt: skip
-        env = install.env(server_env())
-        servers.append(Server("vllm", command, args.port + 1, env, cwd=model_dir))
+        servers.append(
+            vllm_server(install, model_dir, args.port + 1, args.max_model_len, preset, extra)
+        )
     if not servers:
         raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
     return servers
@@ -169,17 +165,12 @@ def stream_tpot(client: Any, url: str, body: dict[str, Any]) -> tuple[float, int
     """(seconds from the stream's first token to its last over the tokens after the first,
     the tokens usage counted)."""
     first = last = tokens = None
-    with client.stream("POST", url, json=body, timeout=600) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: ") :])
-            if carries_token(event):
-                last = time.perf_counter()
-                first = last if first is None else first
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+    for event in sse_events(client, url, body, timeout_s=600):
+        if carries_token(event):
+            last = time.perf_counter()
+            first = last if first is None else first
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
     if first is None or last is None or not tokens:
         raise RuntimeError(f"no tokens or no usage came back from {url}")
     return (last - first) / max(1, tokens - 1), tokens

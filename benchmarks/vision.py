@@ -64,9 +64,8 @@ from benchmarks.servers import (
     free_port,
     peer_model_dir,
     running,
-    server_env,
     tandem_serve_command,
-    vllm_serve_command,
+    vllm_server,
 )
 from benchmarks.serving import add_vllm_args
 from engine_core.config import VisionConfig
@@ -331,13 +330,12 @@ def build_servers(args: argparse.Namespace, folder: Path, log_dir: Path) -> list
     if args.vllm_python:
         install = VllmInstall(args.vllm_python, args.vllm_pythonpath, cpu=args.device == "cpu")
         model_dir = peer_model_dir(args.model, folder, log_dir / "model") if preset else folder
-        dtype = "float32" if install.cpu else "bfloat16"
-        port = free_port()
-        command = vllm_serve_command(
-            install, model_dir.resolve(), port, args.max_model_len, dtype, dummy_weights=preset,
-            extra=shlex.split(args.vllm_args),
-        )  # fmt: skip
-        servers.append(Server("vllm", command, port, install.env(server_env()), cwd=model_dir))
+        extra = shlex.split(args.vllm_args)
+        servers.append(
+            vllm_server(
+                install, model_dir.resolve(), free_port(), args.max_model_len, preset, extra
+            )
+        )
     if not servers:
         raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
     return servers
