@@ -289,6 +289,15 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def imports(server: Server, module: str) -> bool:
+    """Whether ``server``'s interpreter, in its environment and folder, imports ``module``."""
+    done = subprocess.run(
+        [server.command[0], "-c", f"import {module}"], cwd=server.cwd, env=server.env,
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    return done.returncode == 0
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on now."""
     with socket.socket() as s:

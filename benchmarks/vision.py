@@ -62,6 +62,7 @@ from benchmarks.servers import (
     Server,
     VllmInstall,
     free_port,
+    imports,
     peer_model_dir,
     running,
     tandem_serve_command,
@@ -356,6 +357,10 @@ def serve_and_measure(
     bodies = chat_bodies(total, args.image_size, args.text_tokens, tokenizer, args.seed)
     results = {}
     for server in servers:
+        if server.name == "vllm" and not imports(server, "torchvision"):
+            # Its vision models import transformers' image processors, which import torchvision.
+            print("  vllm skipped: its Python cannot import torchvision", flush=True)
+            continue
         try:
             with running(server, log_dir):
                 results[server.name] = measure_levels(server, bodies, levels, args)

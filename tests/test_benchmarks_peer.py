@@ -5,6 +5,7 @@ and the parsing of what the servers answer (streams, /metrics). No server runs h
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 
 from benchmarks import serving, speculative_serving, vision
 from benchmarks.__main__ import parse
-from benchmarks.servers import peer_model_dir
+from benchmarks.servers import Server, imports, peer_model_dir
 from benchmarks.speculative_serving import SpecRow, metric_totals, spec_rates, stream_tpot
 from benchmarks.vision import TtftRow, format_ratios
 from engine_core.presets import hf_config
@@ -66,6 +67,13 @@ def test_vision_runs_vllm_after_tandem_on_dummy_weights(
     # Both are asked for the model by the one name they serve it as.
     (body,) = vision.chat_bodies(1, 28, 4, vision.load_tokenizer(vl_preset_dir), seed=0)
     assert body["model"] == "default"
+
+
+def test_a_peer_without_a_module_it_needs_is_found_before_it_starts(tmp_path: Path) -> None:
+    server = Server("vllm", [sys.executable, "-m", "unused"], 1, {"PYTHONPATH": str(tmp_path)})
+    (tmp_path / "only_on_this_path.py").write_text("")
+    assert imports(server, "only_on_this_path")
+    assert not imports(server, "no_such_module_anywhere")
 
 
 def test_vllm_over_tandem_ttft_per_level() -> None:
