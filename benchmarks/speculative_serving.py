@@ -41,6 +41,7 @@ from benchmarks.servers import (
     SERVED_NAME,
     Server,
     VllmInstall,
+    imports,
     peer_model_dir,
     running,
     tandem_serve_command,
@@ -239,6 +240,17 @@ def measure_server(server: Server, args: argparse.Namespace, out_dir: Path) -> l
     return rows
 
 
+def peer_can_run(server: Server, args: argparse.Namespace) -> bool:
+    """False (and a line saying why) for a vLLM asked for its n-gram proposer without numba,
+    which that proposer imports as the server starts."""
+    if server.name != "vllm" or args.method != "ngram" or args.vllm_ngram != "ngram":
+        return True
+    if imports(server, "numba"):
+        return True
+    print("  vllm skipped: its Python has no numba; --vllm-ngram ngram_gpu needs none", flush=True)
+    return False
+
+
 def progress(row: SpecRow) -> str:
     kept = "-" if row.acceptance is None else f"{100 * row.acceptance:.0f}%"
     return f"{row.server} batch {row.batch}: TPOT p50 {row.tpot_p50_ms:.2f} ms, kept {kept}"
@@ -283,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
     servers = build_servers(args, out_dir)
     rows: list[SpecRow] = []
     for server in servers:
+        if not peer_can_run(server, args):
+            continue
         try:
             rows += measure_server(server, args, out_dir)
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:

@@ -136,6 +136,17 @@ def test_self_drafting_names_each_servers_own_model_and_none_has_no_config(
     assert all("--speculative-config" not in s.command for s in plain)
 
 
+def test_vllms_ngram_proposer_without_numba_is_skipped_not_started(tmp_path: Path) -> None:
+    (tmp_path / "numba.py").write_text("raise ImportError('not here')\n")
+    server = Server("vllm", [sys.executable], 1, {"PYTHONPATH": str(tmp_path)})
+    assert not speculative_serving.peer_can_run(server, parse(spec_args()))
+    # Its GPU prompt lookup, a draft model and Tandem need no numba.
+    assert speculative_serving.peer_can_run(server, parse(spec_args("--vllm-ngram", "ngram_gpu")))
+    assert speculative_serving.peer_can_run(server, parse(spec_args("--method", "draft")))
+    (tmp_path / "numba.py").write_text("")
+    assert speculative_serving.peer_can_run(server, parse(spec_args()))
+
+
 def test_acceptance_from_either_servers_counters() -> None:
     vllm_text = """\
 # TYPE vllm:spec_decode_num_drafts counter
