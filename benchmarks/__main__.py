@@ -33,6 +33,10 @@ BENCHMARKS = {
     "w4a16-moe": ("benchmarks.w4a16_moe", "W4A16 experts in the fused MoE vs HBM, beside bf16"),
     "vision": ("benchmarks.vision", "a vision encoder's images/s; TTFT of one image + text"),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),
+    "speculative-serving": (
+        "benchmarks.speculative_serving",
+        "TPOT at batch 1, 8, 32 with n-gram or self-drafting, over HTTP, beside vLLM",
+    ),
     "speculative-verify": (
         "benchmarks.speculative_verify",
         "a verify step's cost and TPOT at batch 1, 8, 32, the model drafting for itself",

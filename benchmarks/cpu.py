@@ -23,9 +23,8 @@ from benchmarks.servers import (
     Server,
     VllmInstall,
     parse_workloads,
-    server_env,
     tandem_serve_command,
-    vllm_serve_command,
+    vllm_server,
 )
 from benchmarks.side_by_side import SERVING_METRICS, print_comparison, run_alternating
 
@@ -52,11 +51,7 @@ def build_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
     servers = [Server("tandem", tandem, args.port)]
     if args.vllm_python:
         install = VllmInstall(args.vllm_python, cpu=True)
-        vllm = vllm_serve_command(
-            install, model_dir, args.port + 1, MAX_MODEL_LEN, "float32", dummy_weights=False
-        )
-        env = install.env(server_env())
-        servers.append(Server("vllm", vllm, args.port + 1, env, cwd=model_dir))
+        servers.append(vllm_server(install, model_dir, args.port + 1, MAX_MODEL_LEN, False))
     return servers
 
 

@@ -30,6 +30,7 @@ import random
 import shlex
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,17 @@ def parse_engine_time_sums(text: str) -> dict[str, float]:
     return sums
 
 
+def sse_events(
+    client: Any, url: str, body: dict[str, Any], timeout_s: float = 120
+) -> Iterator[dict[str, Any]]:
+    """Each JSON event of the stream that POSTing ``body`` to ``url`` answers, as it arrives."""
+    with client.stream("POST", url, json=body, timeout=timeout_s) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[len("data: ") :])
+
+
 def first_sse_token(client: Any, url: str, body: dict[str, Any]) -> tuple[float, int]:
     """(ms from sending a streamed request to its first SSE event with the token, the prompt
     tokens the server counted in its usage chunk). Reads to the end, so the next trial starts
@@ -124,16 +136,11 @@ def first_sse_token(client: Any, url: str, body: dict[str, Any]) -> tuple[float,
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start_s = time.perf_counter()
     elapsed = prompt_tokens = None
-    with client.stream("POST", url, json=body, timeout=120) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: ") :])
-            if elapsed is None and carries_token(event):
-                elapsed = (time.perf_counter() - start_s) * 1e3
-            if event.get("usage"):
-                prompt_tokens = event["usage"]["prompt_tokens"]
+    for event in sse_events(client, url, body):
+        if elapsed is None and carries_token(event):
+            elapsed = (time.perf_counter() - start_s) * 1e3
+        if event.get("usage"):
+            prompt_tokens = event["usage"]["prompt_tokens"]
     if elapsed is None or prompt_tokens is None:
         raise RuntimeError(f"no token or no usage came back from {url}")
     return elapsed, prompt_tokens

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
-import tempfile
-from pathlib import Path
 
 from benchmarks import serving
 from benchmarks.report import Provenance, write_json
@@ -131,8 +129,7 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check(args)
-    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="tandem-goodput-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = serving.output_dir(args, "tandem-goodput-")
     model_dir, tokenizer = serving.model_folder(args.model, out_dir)
     servers = serving.build_servers(args, model_dir)
     warm_up = warm_up_workload(args)

@@ -144,6 +144,14 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
+def parse_ints(text: str) -> list[int]:
+    """``"1,8,32"`` as [1, 8, 32]: positive integers, comma-separated."""
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive comma-separated integers, not {text!r}")
+    return values
+
+
 def write_json(path: Path, provenance: Provenance, results: Any) -> None:
     """``{"provenance": ..., "results": ...}``, dataclasses as dicts, NaN as null."""
     payload = {"provenance": asdict(provenance), "results": _plain(results)}

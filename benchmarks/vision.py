@@ -18,6 +18,12 @@ over HTTP for one image and a short text per request.
    ``--warmup`` requests not kept. TTFT p50 and p99 per level; the prompt's tokens as the
    server counted them (usage), the image's included.
 
+With ``--vllm-python``, vLLM serves the same model after Tandem (one server at a time, the
+same images and texts in the same order): for a preset, a folder with its config.json, its
+tokenizer and image processor config (benchmarks/servers.py ``peer_model_dir``) and dummy
+weights; ``--device cpu`` runs vLLM's CPU build. Both tables print, and vLLM's TTFT over
+Tandem's per level.
+
 ``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``, ``qwen3-vl-8b``,
 ``gemma-3-4b``) or a Qwen2.5-VL, Qwen3-VL or Gemma 3 model folder (the tests run the tiny ones
 on the CPU).
@@ -46,13 +52,24 @@ from benchmarks.report import (
     Provenance,
     fmt,
     format_table,
+    parse_ints,
     percentile,
+    ratio,
     write_json,
 )
-from benchmarks.servers import Server, free_port, start, stop, tandem_serve_command
+from benchmarks.servers import (
+    SERVED_NAME,
+    Server,
+    VllmInstall,
+    free_port,
+    imports,
+    peer_model_dir,
+    running,
+    tandem_serve_command,
+    vllm_server,
+)
+from benchmarks.serving import add_vllm_args
 from engine_core.config import VisionConfig
-
-SERVED_NAME = "vision-bench"
 
 
 @dataclass
@@ -298,30 +315,71 @@ def measure_ttft(url: str, bodies: list[dict[str, Any]], concurrency: int) -> Tt
     return row
 
 
-def serve_and_measure(args: argparse.Namespace, tokenizer: Any) -> tuple[list[TtftRow], str]:
-    """Start the server, warm it, measure each concurrency level; (rows, the server command)."""
+def build_servers(args: argparse.Namespace, folder: Path, log_dir: Path) -> list[Server]:
+    """Tandem (unless --no-tandem), then vLLM where --vllm-python names its interpreter."""
     from engine_core.presets import PRESETS
 
-    model = f"random:{args.model}" if args.model in PRESETS else args.model
-    port = args.port or free_port()
-    extra = ["--device", args.device, "--served-model-name", SERVED_NAME]
-    extra += shlex.split(args.tandem_args)
-    server = Server("tandem", tandem_serve_command(model, port, args.max_model_len, extra), port)
+    preset = args.model in PRESETS
+    servers = []
+    if not args.no_tandem:
+        model = f"random:{args.model}" if preset else args.model
+        port = args.port or free_port()
+        extra = ["--device", args.device, "--served-model-name", SERVED_NAME]
+        extra += shlex.split(args.tandem_args)
+        command = tandem_serve_command(model, port, args.max_model_len, extra)
+        servers.append(Server("tandem", command, port))
+    if args.vllm_python:
+        install = VllmInstall(args.vllm_python, args.vllm_pythonpath, cpu=args.device == "cpu")
+        model_dir = peer_model_dir(args.model, folder, log_dir / "model") if preset else folder
+        extra = shlex.split(args.vllm_args)
+        servers.append(
+            vllm_server(
+                install, model_dir.resolve(), free_port(), args.max_model_len, preset, extra
+            )
+        )
+    if not servers:
+        raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
+    return servers
+
+
+def serve_and_measure(
+    args: argparse.Namespace, folder: Path, tokenizer: Any
+) -> tuple[dict[str, list[TtftRow]], list[Server]]:
+    """Each server in turn: start it, warm it, measure each concurrency level, stop it; every
+    server gets the same bodies in the same order. A server that fails is reported and left
+    out of the results."""
+    import httpx
+
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-vision-"))
+    servers = build_servers(args, folder, log_dir)
     levels = parse_ints(args.concurrency)
     total = args.warmup + args.requests * len(levels)
     bodies = chat_bodies(total, args.image_size, args.text_tokens, tokenizer, args.seed)
-    start(server, log_dir / "tandem-server.log")
-    try:
-        measure_ttft(server.url, bodies[: args.warmup], 1)
-        rows, at = [], args.warmup
-        for level in levels:
-            rows.append(measure_ttft(server.url, bodies[at : at + args.requests], level))
-            at += args.requests
-            print(f"  concurrency {level}: TTFT p50 {rows[-1].p50:.1f} ms", flush=True)
-    finally:
-        stop(server)
-    return rows, server.shown()
+    results = {}
+    for server in servers:
+        if server.name == "vllm" and not imports(server, "torchvision"):
+            # Its vision models import transformers' image processors, which import torchvision.
+            print("  vllm skipped: its Python cannot import torchvision", flush=True)
+            continue
+        try:
+            with running(server, log_dir):
+                results[server.name] = measure_levels(server, bodies, levels, args)
+        except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+            print(f"  {server.name} failed: {exc}", flush=True)
+    return results, servers
+
+
+def measure_levels(
+    server: Server, bodies: list[dict[str, Any]], levels: list[int], args: argparse.Namespace
+) -> list[TtftRow]:
+    """The warm-up requests one at a time, then --requests at each concurrency level."""
+    measure_ttft(server.url, bodies[: args.warmup], 1)
+    rows, at = [], args.warmup
+    for level in levels:
+        rows.append(measure_ttft(server.url, bodies[at : at + args.requests], level))
+        at += args.requests
+        print(f"  {server.name} concurrency {level}: TTFT p50 {rows[-1].p50:.1f} ms", flush=True)
+    return rows
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -364,11 +422,14 @@ def format_ttft(rows: list[TtftRow]) -> str:
     return format_table(headers, table)
 
 
-def parse_ints(text: str) -> list[int]:
-    values = [int(part) for part in text.split(",") if part.strip()]
-    if not values or min(values) < 1:
-        raise ValueError(f"expected positive comma-separated integers, not {text!r}")
-    return values
+def format_ratios(ttft: dict[str, list[TtftRow]]) -> str:
+    """vLLM's TTFT over Tandem's at each level (above 1: Tandem's first token comes sooner)."""
+    headers = ["concurrency", "p50 vllm / tandem", "p99 vllm / tandem"]
+    table = [
+        [str(t.concurrency), fmt(ratio(v.p50, t.p50), ".2f"), fmt(ratio(v.p99, t.p99), ".2f")]
+        for t, v in zip(ttft["tandem"], ttft["vllm"], strict=True)
+    ]
+    return format_table(headers, table)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -385,6 +446,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=0, help="default: a free one")
     parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
+    add_vllm_args(parser)
     parser.add_argument("--skip-http", action="store_true", help="the encoder's table only")
     parser.add_argument("--json", type=Path, help="write the provenance and every figure here")
 
@@ -404,13 +466,18 @@ def run(args: argparse.Namespace) -> int:
     size = f"{args.image_size}x{args.image_size}"
     print(f"\n{args.model}: the vision encoder alone, {size} images, {str(dtype)[6:]}\n")
     print(format_encoder(encoder), flush=True)  # before the server: kept if the HTTP part fails
-    ttft, shown = [], ""
+    ttft: dict[str, list[TtftRow]] = {}
+    servers: list[Server] = []
     if not args.skip_http:
-        ttft, shown = serve_and_measure(args, load_tokenizer(folder))
-    if ttft:
-        print(f"\nserver: {shown}")
+        ttft, servers = serve_and_measure(args, folder, load_tokenizer(folder))
+    for server in servers:
+        print(f"\n{server.name}: {server.shown()}")
         print(f"one {size} image (fresh each request) + {args.text_tokens} text tokens\n")
-        print(format_ttft(ttft))
+        print(format_ttft(ttft[server.name]) if server.name in ttft else "failed: see above")
+    if {"tandem", "vllm"} <= ttft.keys():
+        print(f"\n{format_ratios(ttft)}")
     if args.json:
-        write_json(args.json, provenance, {"encoder": encoder, "ttft": ttft})
+        commands = {server.name: server.shown() for server in servers}
+        figures = {"encoder": encoder, "ttft": ttft, "servers": commands}
+        write_json(args.json, provenance, figures)
     return 0

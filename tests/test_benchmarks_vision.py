@@ -58,10 +58,12 @@ def test_the_benchmark_on_a_cpu_server(
             [message], tokenize=False, add_generation_prompt=True
         )
         expected.append(len(hf_tokenizer.encode(rendered, add_special_tokens=False)) - 1 + 4)
-    counted = [n for row in results["ttft"] for n in row["prompt_tokens"]]
-    assert [row["concurrency"] for row in results["ttft"]] == [1, 2]
+    assert list(results["ttft"]) == ["tandem"]  # no peer asked for
+    rows = results["ttft"]["tandem"]
+    counted = [n for row in rows for n in row["prompt_tokens"]]
+    assert [row["concurrency"] for row in rows] == [1, 2]
     assert counted == expected
-    assert all(ms > 0 for row in results["ttft"] for ms in row["ttft_ms"])
+    assert all(ms > 0 for row in rows for ms in row["ttft_ms"])
     printed = capsys.readouterr().out
     assert "commit:" in printed and "| images a call |" in printed
     assert "| concurrency | requests | prompt tokens | TTFT p50 ms | TTFT p99 ms |" in printed
