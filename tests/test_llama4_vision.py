@@ -46,14 +46,12 @@ def vision_config() -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def hf_and_dir(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Llama4ForConditionalGeneration, Path]:
+def random_llama4_vl(patch_id: int = PATCH_ID, vocab: int = VOCAB) -> Any:
+    """The tiny random Llama4ForConditionalGeneration the tests serve."""
     config = Llama4Config(
-        text_config=text_config().to_dict(),
+        text_config=text_config(vocab_size=vocab).to_dict(),
         vision_config=vision_config(),
-        image_token_index=PATCH_ID,
+        image_token_index=patch_id,
     )
     torch.manual_seed(0)
     model = Llama4ForConditionalGeneration(config).eval()
@@ -65,6 +63,14 @@ def hf_and_dir(
         for layer in model.vision_model.model.layers:
             layer.self_attn.q_proj.weight.mul_(5.0)
             layer.self_attn.k_proj.weight.mul_(5.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_and_dir(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Llama4ForConditionalGeneration, Path]:
+    model = random_llama4_vl()
     folder = tmp_path_factory.mktemp("llama4v")
     model.save_pretrained(folder)
     return model, folder
@@ -103,7 +109,13 @@ def with_images(
     return ids, tuple(images)
 
 
-def hf_tokens(model: Llama4ForConditionalGeneration, ids: list[int], tiles: list[Any]) -> list:
+def hf_tokens(
+    model: Llama4ForConditionalGeneration,
+    ids: list[int],
+    tiles: list[Any],
+    patch_id: int = PATCH_ID,
+    new_tokens: int = NEW_TOKENS,
+) -> list[int]:
     """HF's greedy tokens, each from a full forward without a cache: the prompt's embeddings
     with HF's tower and projector rows at the patch tokens, through HF's language model.
     (transformers 5.24's Llama4ForConditionalGeneration.forward fails on its own output
@@ -112,10 +124,10 @@ def hf_tokens(model: Llama4ForConditionalGeneration, ids: list[int], tiles: list
         features = model.vision_model(torch.cat(tiles)).last_hidden_state
         rows = model.multi_modal_projector(features.flatten(0, 1))
         out: list[int] = []
-        for _ in range(NEW_TOKENS):
+        for _ in range(new_tokens):
             seq = torch.tensor([ids + out])
             embeds = model.language_model.get_input_embeddings()(seq)
-            embeds[seq == PATCH_ID] = rows
+            embeds[seq == patch_id] = rows
             logits = model.language_model(inputs_embeds=embeds).logits
             out.append(int(logits[0, -1].argmax()))
     return out
