@@ -188,36 +188,43 @@ def test_a_repeated_image_is_encoded_once(
     assert llm.engine.runner.multimodal.encoded_images - before == 1
 
 
-def test_a_multi_tile_image_from_the_port_gives_hf_s_tokens_and_is_encoded_once(
-    hf_and_dir: tuple[Llama4ForConditionalGeneration, Path], llm: Any
-) -> None:
-    """The API process's tiling (frontend/llama4_images.py) of an image of 2x2 tiles: its
-    prompt layout (four tile runs between separators, then the global view's) and its five
-    tiles, in two prompts that share no block: HF's tokens both times, the second prompt's
-    tiles all from the encoder cache."""
+def tiled(
+    image: Any, first: list[int], last: list[int]
+) -> tuple[list[int], tuple[ImageInput, ...], list[torch.Tensor]]:
+    """``first``, the API process's tiling of ``image`` (frontend/llama4_images.py: its prompt
+    layout and its tiles), ``last``: (token ids, wire images, the tiles in prompt order)."""
     from frontend.llama4_images import Llama4Tiling
     from frontend.vision import placeholder_runs
-    from tests.vision_factories import random_image
 
-    pixels, grid = Llama4Tiling(SIZE, 4, TOKENS).tiles(random_image(2, 70, 40))
-    assert grid == (2, 2) and len(pixels) == 5
+    tiling = Llama4Tiling(SIZE, 4, TOKENS)
+    pixels, grid = tiling.tiles(image)
     # Any text ids stand in for the separators: the model reads no token's name.
     ids_of = {"patch": PATCH_ID, "image_start": IMAGE_START, "image": IMAGE_ID,
               "image_end": IMAGE_END, "tile_x_separator": 7, "tile_y_separator": 8}  # fmt: skip
-    text = Llama4Tiling(SIZE, 4, TOKENS).prompt_text(*grid)
-    image_ids = [ids_of[name] for name in text.removeprefix("<|").removesuffix("|>").split("|><|")]
+    names = tiling.prompt_text(*grid).removeprefix("<|").removesuffix("|>").split("|><|")
+    ids = first + [ids_of[name] for name in names] + last
     tiles = [torch.from_numpy(tile[None]) for tile in pixels]
+    images = tuple(
+        ImageInput(hashlib.sha256(t.numpy().tobytes()).digest(), at, n,
+                   TensorBytes("float32", tuple(t.shape), t.numpy().tobytes()),
+                   (1, SIZE // 4, SIZE // 4))
+        for (at, n), t in zip(placeholder_runs(ids, PATCH_ID), tiles, strict=True)
+    )  # fmt: skip
+    return ids, images, tiles
+
+
+def test_a_multi_tile_image_from_the_port_gives_hf_s_tokens_and_is_encoded_once(
+    hf_and_dir: tuple[Llama4ForConditionalGeneration, Path], llm: Any
+) -> None:
+    """The API process's tiling of an image of 2x2 tiles: its prompt layout (four tile runs
+    between separators, then the global view's) and its five tiles, in two prompts that share
+    no block: HF's tokens both times, the second prompt's tiles all from the encoder cache."""
+    from tests.vision_factories import random_image
+
     before = llm.engine.runner.multimodal.encoded_images
     for first, last in random_prompts(VOCAB - 4, (6, 9)), random_prompts(VOCAB - 4, (10, 11)):
-        ids = first + image_ids + last
-        runs = placeholder_runs(ids, PATCH_ID)
-        assert [n for _, n in runs] == [TOKENS] * 5
-        images = tuple(
-            ImageInput(hashlib.sha256(t.numpy().tobytes()).digest(), at, n,
-                       TensorBytes("float32", tuple(t.shape), t.numpy().tobytes()),
-                       (1, SIZE // 4, SIZE // 4))
-            for (at, n), t in zip(runs, tiles, strict=True)
-        )  # fmt: skip
+        ids, images, tiles = tiled(random_image(2, 70, 40), first, last)
+        assert [image.length for image in images] == [TOKENS] * 5
         out = llm.generate([ids], PARAMS, detokenize=False, images=[images])
         assert out[0].token_ids == hf_tokens(hf_and_dir[0], ids, tiles)
     assert llm.engine.runner.multimodal.encoded_images - before == 5
