@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from frontend.llama4_images import IMAGE, Llama4Tiling
+from protocol.codec import MAX_IMAGES
 from protocol.messages import ImageInput, TensorBytes
 
 # Architectures whose image side the engine implements (engine_core/models/qwen2_5_vl.py,
@@ -286,14 +287,21 @@ class VisionProcessor:
     def process(self, images: list[Any], params: list[str]) -> list[ProcessedImage]:
         """Each image's pixels and patch grid, as the HF processor makes them (run off the event
         loop: resizing and normalising take milliseconds per image)."""
-        out, total = [], 0
+        out, total, pieces = [], 0, 0
         for image, param in zip(images, params, strict=True):
             processed = self.process_one(image)
             total += processed.pixels.nbytes
+            pieces += len(processed.pieces())
             if total > self.pixel_bytes_limit:
                 raise BadImage(
                     f"the prompt's images come to {total} bytes of pixels after resizing, more "
                     f"than {self.pixel_bytes_limit}: send fewer or smaller images",
+                    param,
+                )
+            if pieces > MAX_IMAGES:  # Llama 4's tiles, each an image on the wire
+                raise BadImage(
+                    f"the prompt's images come to {pieces} tiles, more than the {MAX_IMAGES} "
+                    "a request carries: send fewer or smaller images",
                     param,
                 )
             out.append(processed)

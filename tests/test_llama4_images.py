@@ -135,6 +135,22 @@ def test_a_processor_config_the_port_would_not_follow_is_refused(
         Llama4Tiling.load(tmp_path, {"vision_config": vision_config()})
 
 
+def test_more_tiles_than_a_request_carries_is_a_bad_image() -> None:
+    """Each tile is an image on the wire (at most MAX_IMAGES a request): 16 images of 16
+    tiles and a global view each come to 272, and the 16th image is the one named."""
+    from frontend.vision import BadImage, ImageMarker, Llama4VisionProcessor
+    from protocol.codec import MAX_IMAGES
+
+    tiling = Llama4Tiling(tile=8, max_tiles=16, tokens_per_tile=1)
+    vision = Llama4VisionProcessor(tiling, ImageMarker(0, 2, (IMAGE, ""), (1, 2, 2)))
+    images = [random_image(seed, 32, 32) for seed in range(16)]
+    assert MAX_IMAGES == 256 and tiling.grid(32, 32) == (4, 4)
+    assert len(vision.process(images[:15], ["x"] * 15)) == 15  # 255 tiles
+    with pytest.raises(BadImage, match="272 tiles") as caught:
+        vision.process(images, [f"image {i}" for i in range(16)])
+    assert caught.value.param == "image 15"
+
+
 # ---- against HF's processor -------------------------------------------------------------------
 
 
