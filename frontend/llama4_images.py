@@ -174,8 +174,14 @@ def split_tiles(pixels: np.ndarray, rows: int, cols: int) -> np.ndarray:
 
 
 def to_bfloat16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bfloat16 (to nearest, ties to even), kept as float32: numpy
-    has no bfloat16, and the values then travel exactly as float32."""
+    """float32 values rounded to bfloat16 (to nearest, ties to even), kept as float32 (numpy
+    has no bfloat16)."""
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
     rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
     return (rounded & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def bfloat16_bytes(x: np.ndarray) -> bytes:
+    """float32 values that are bfloat16 values (``to_bfloat16``'s) as bfloat16 bytes: the
+    high half of each float32, exact for them."""
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()

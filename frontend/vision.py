@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from frontend.llama4_images import IMAGE, Llama4Tiling
+from frontend.llama4_images import IMAGE, Llama4Tiling, bfloat16_bytes
 from protocol.codec import MAX_IMAGES
 from protocol.messages import ImageInput, TensorBytes
 
@@ -290,7 +290,7 @@ class VisionProcessor:
         out, total, pieces = [], 0, 0
         for image, param in zip(images, params, strict=True):
             processed = self.process_one(image)
-            total += processed.pixels.nbytes
+            total += processed.wire_nbytes
             pieces += len(processed.pieces())
             if total > self.pixel_bytes_limit:
                 raise BadImage(
@@ -390,7 +390,8 @@ class Llama4VisionProcessor(VisionProcessor):
     def process_one(self, image: Any) -> ProcessedImage:
         assert self.marker.fixed_grid is not None
         tiles, (rows, cols) = self.hf.tiles(image)
-        return ProcessedImage(tiles, self.marker.fixed_grid, self.hf.prompt_text(rows, cols))
+        text = self.hf.prompt_text(rows, cols)
+        return ProcessedImage(tiles, self.marker.fixed_grid, text, wire_dtype="bfloat16")
 
 
 def placeholder_runs(token_ids: list[int], placeholder: int) -> list[tuple[int, int]]:
@@ -443,23 +444,33 @@ class ProcessedImage:
     # Llama 4: the image's own prompt text (its tiles' runs and separators), and pixels
     # [tiles, 3, side, side], each tile one run of placeholders with grid_thw its patch grid.
     text: str | None = None
+    # "bfloat16" where every pixel value is one (Llama 4's processor computes in bfloat16):
+    # half the bytes on the wire, nothing lost.
+    wire_dtype: str = "float32"
 
     def pieces(self) -> list[ProcessedImage]:
         """What travels as one ImageInput each: the image, or each of Llama 4's tiles."""
         if self.text is None:
             return [self]
         return [
-            ProcessedImage(self.pixels[i : i + 1], self.grid_thw) for i in range(len(self.pixels))
+            ProcessedImage(self.pixels[i : i + 1], self.grid_thw, wire_dtype=self.wire_dtype)
+            for i in range(len(self.pixels))
         ]
+
+    @property
+    def wire_nbytes(self) -> int:
+        return self.pixels.size * (2 if self.wire_dtype == "bfloat16" else 4)
 
     def wire(self, offset: int, length: int) -> ImageInput:
         """The image as an AddRequest carries it, its placeholders at ``offset``."""
-        data = self.pixels.tobytes()
+        data = (
+            self.pixels.tobytes() if self.wire_dtype == "float32" else bfloat16_bytes(self.pixels)
+        )
         shape = tuple(int(n) for n in self.pixels.shape)
         digest = hashlib.sha256()
-        digest.update(f"float32{shape}{self.grid_thw}".encode())
+        digest.update(f"{self.wire_dtype}{shape}{self.grid_thw}".encode())
         digest.update(data)
-        pixels = TensorBytes("float32", shape, data)
+        pixels = TensorBytes(self.wire_dtype, shape, data)
         return ImageInput(digest.digest(), offset, length, pixels, self.grid_thw)
 
 

@@ -135,6 +135,29 @@ def test_a_processor_config_the_port_would_not_follow_is_refused(
         Llama4Tiling.load(tmp_path, {"vision_config": vision_config()})
 
 
+def test_tiles_travel_as_bfloat16_bytes_that_the_engine_reads_back_exactly() -> None:
+    """Each tile is an ImageInput of bfloat16 bytes (torch's own bfloat16 of the same values,
+    an independent encoding), named by a hash of them, and the engine's reading of the bytes
+    gives the processor's values back."""
+    import torch
+
+    from engine_core.multimodal import pixels_tensor
+    from frontend.vision import ImageMarker, Llama4VisionProcessor
+
+    tiling = Llama4Tiling(tile=8, max_tiles=4, tokens_per_tile=1)
+    vision = Llama4VisionProcessor(tiling, ImageMarker(5, 2, (IMAGE, ""), (1, 2, 2)))
+    (image,) = vision.process([random_image(3, 16, 12)], ["image"])
+    ids = [0, 5, 9, 5, 9, 5, 9, 5, 9, 5]  # four tile runs and the global view's, one token each
+    _, wire = vision.place(ids, [image])
+    assert [(w.offset, w.length) for w in wire] == [(1, 1), (3, 1), (5, 1), (7, 1), (9, 1)]
+    for tile, w in zip(image.pixels, wire, strict=True):
+        expected = torch.from_numpy(tile[None].copy()).to(torch.bfloat16)
+        assert w.pixels.dtype == "bfloat16" and w.pixels.shape == (1, 3, 8, 8)
+        assert w.pixels.data == expected.view(torch.int16).numpy().tobytes()
+        assert torch.equal(pixels_tensor(w).float(), torch.from_numpy(tile[None]))
+    assert len({w.hash for w in wire}) == 5
+
+
 def test_more_tiles_than_a_request_carries_is_a_bad_image() -> None:
     """Each tile is an image on the wire (at most MAX_IMAGES a request): 16 images of 16
     tiles and a global view each come to 272, and the 16th image is the one named."""
