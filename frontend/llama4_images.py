@@ -31,8 +31,7 @@ IMAGE = "<|image|>"  # what the chat template writes per image; also the global 
 TILE_X = "<|tile_x_separator|>"
 TILE_Y = "<|tile_y_separator|>"
 START, END = "<|image_start|>", "<|image_end|>"
-# Preprocessor fields whose other values would change the pixels in ways this port does not
-# follow (HF's bfloat16 arithmetic is only for rescale and normalise together).
+# Preprocessor fields this port follows only when true (check_preprocessor).
 REQUIRED_TRUE = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
 
 
@@ -56,27 +55,19 @@ class Llama4Tiling:
         ValueError naming a field this port would not honour."""
         path = model_dir / "preprocessor_config.json"
         pre = json.loads(path.read_text()) if path.is_file() else {}
-        for name in REQUIRED_TRUE:
-            if not pre.get(name, True):
-                raise ValueError(f"{path}: {name} false is not supported for Llama 4 images")
-        size = pre.get("size", {"height": 336, "width": 336})
         vision = config["vision_config"]
-        if size.get("height") != size.get("width") or size.get("height") != vision["image_size"]:
-            raise ValueError(
-                f"{path}: size {size} must be square and equal vision_config.image_size "
-                f"({vision['image_size']}), the tile the vision tower reads"
-            )
+        check_preprocessor(pre, vision["image_size"], path)
         side = vision["image_size"] // vision["patch_size"]
         downsample = round(1 / vision["pixel_shuffle_ratio"] ** 2)
         return cls(
             tile=vision["image_size"],
-            max_tiles=int(pre.get("max_patches", 16)),
+            max_tiles=int(setting(pre, "max_patches", 16)),
             tokens_per_tile=side * side // downsample,
-            mean=tuple(pre.get("image_mean", cls.mean)),
-            std=tuple(pre.get("image_std", cls.std)),
-            rescale=float(pre.get("rescale_factor", cls.rescale)),
-            resample=int(pre.get("resample", cls.resample)),
-            resize_to_max_canvas=bool(pre.get("resize_to_max_canvas", False)),
+            mean=channels(setting(pre, "image_mean", cls.mean)),
+            std=channels(setting(pre, "image_std", cls.std)),
+            rescale=float(setting(pre, "rescale_factor", cls.rescale)),
+            resample=int(setting(pre, "resample", cls.resample)),
+            resize_to_max_canvas=bool(setting(pre, "resize_to_max_canvas", False)),
         )
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
@@ -125,6 +116,34 @@ class Llama4Tiling:
         if rows * cols > 1:
             text += (TILE_X.join([run] * cols) + TILE_Y) * rows
         return text + IMAGE + run + END
+
+
+def setting(pre: dict[str, Any], key: str, default: Any) -> Any:
+    """A preprocessor_config.json field; absent or null is the processor's default, as for HF."""
+    value = pre.get(key)
+    return default if value is None else value
+
+
+def channels(value: float | list[float] | tuple[float, ...]) -> tuple[float, ...]:
+    """A mean or std: one per channel, or one for all three."""
+    return tuple(float(v) for v in np.broadcast_to(np.asarray(value, np.float64), (3,)))
+
+
+def check_preprocessor(pre: dict[str, Any], image_size: int, path: Path) -> None:
+    """ValueError naming a field whose value this port would not follow: a step switched off
+    (HF's bfloat16 arithmetic is only for rescale and normalise together), a tile size other
+    than the tower's, fewer than one tile."""
+    for name in REQUIRED_TRUE:
+        if setting(pre, name, True) is not True:
+            raise ValueError(f"{path}: {name} false is not supported for Llama 4 images")
+    size = setting(pre, "size", {"height": 336, "width": 336})
+    if size.get("height") != size.get("width") or size.get("height") != image_size:
+        raise ValueError(
+            f"{path}: size {size} must be square and equal vision_config.image_size "
+            f"({image_size}), the tile the vision tower reads"
+        )
+    if int(setting(pre, "max_patches", 16)) < 1:
+        raise ValueError(f"{path}: max_patches must be at least 1")
 
 
 def supported_grids(max_tiles: int) -> list[tuple[int, int]]:

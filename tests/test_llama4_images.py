@@ -123,14 +123,34 @@ def test_tiles_come_row_by_row_then_the_global_view() -> None:
     assert ends == corners[:4]
 
 
+def test_the_released_processor_config_loads(tmp_path: Path) -> None:
+    """Llama-4-Scout's preprocessor_config.json (written from memory of the released file; its
+    nulls are HF's defaults) and
+    its tower's shapes: 336-pixel tiles of 24x24 patches, pixel-shuffled to 144 rows."""
+    released = {
+        "crop_size": None, "data_format": "channels_first", "default_to_square": True,
+        "do_center_crop": None, "do_convert_rgb": True, "do_normalize": True,
+        "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "Llama4ImageProcessorFast", "image_std": [0.5, 0.5, 0.5],
+        "input_data_format": None, "max_patches": 16, "processor_class": "Llama4Processor",
+        "resample": 2, "rescale_factor": 0.00392156862745098, "resize_to_max_canvas": False,
+        "return_tensors": None, "size": {"height": 336, "width": 336},
+    }  # fmt: skip
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(released))
+    tower = {"image_size": 336, "patch_size": 14, "pixel_shuffle_ratio": 0.5}
+    assert Llama4Tiling.load(tmp_path, {"vision_config": tower}) == RELEASED
+
+
 @pytest.mark.parametrize(
-    ("field", "value"), [("do_normalize", False), ("do_rescale", False), ("size", 64)]
+    ("field", "value"),
+    [("do_normalize", False), ("do_rescale", False), ("size", 64), ("max_patches", 0)],
 )
 def test_a_processor_config_the_port_would_not_follow_is_refused(
     tmp_path: Path, field: str, value: Any
 ) -> None:
     value = {"height": value, "width": value} if field == "size" else value
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({field: value}))
+    fields = {"size": {"height": SIZE, "width": SIZE}} | {field: value}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(fields))
     with pytest.raises(ValueError, match=field):
         Llama4Tiling.load(tmp_path, {"vision_config": vision_config()})
 
