@@ -125,8 +125,8 @@ def test_tiles_come_row_by_row_then_the_global_view() -> None:
 
 def test_the_released_processor_config_loads(tmp_path: Path) -> None:
     """Llama-4-Scout's preprocessor_config.json (written from memory of the released file; its
-    nulls are HF's defaults) and
-    its tower's shapes: 336-pixel tiles of 24x24 patches, pixel-shuffled to 144 rows."""
+    nulls are HF's defaults) and its tower's shapes: 336-pixel tiles of 24x24 patches,
+    pixel-shuffled to 144 rows."""
     released = {
         "crop_size": None, "data_format": "channels_first", "default_to_square": True,
         "do_center_crop": None, "do_convert_rgb": True, "do_normalize": True,
