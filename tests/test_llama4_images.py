@@ -360,6 +360,7 @@ def chat_prompt(
 def test_the_openai_client_gets_hf_s_tokens_through_a_real_server(
     hf_and_dir: tuple[Any, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    import httpx
     import openai
 
     from tests.server_fixture import start_server, stop_server
@@ -378,9 +379,13 @@ def test_the_openai_client_gets_hf_s_tokens_through_a_real_server(
             decode, ids, wire, tiles = chat_prompt(folder, [image], text)
             tokens = hf_tokens(model, ids, tiles, ids[wire[0].offset], NEW_TOKENS)
             url = f"data:image/png;base64,{base64.b64encode(png_bytes(image)).decode()}"
-            reply = chat(client, {"type": "image_url", "image_url": {"url": url}}, text)
+            part = {"type": "image_url", "image_url": {"url": url}}
+            reply = chat(client, part, text)
             assert reply.choices[0].message.content == decode(tokens, skip_special_tokens=True)
             assert reply.usage.prompt_tokens == len(ids)
+        # /tokenize renders and places images as chat does: the last prompt's ids exactly.
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}, part]}]}
+        assert httpx.post(f"{srv.base_url}/tokenize", json=body, timeout=60).json()["tokens"] == ids
         bad = base64.b64encode(b"not an image").decode()
         with pytest.raises(openai.BadRequestError) as caught:
             chat(
