@@ -93,6 +93,18 @@ def test_the_prompt_layout_by_hand() -> None:
     assert RELEASED.prompt_text(2, 3).count(PATCH) == 7 * 144  # six tiles and the global view
 
 
+def test_each_marker_becomes_its_own_image_s_text() -> None:
+    """The rendered prompt's i-th <|image|> becomes image i's text (each grid writes its own),
+    and the expansions' own <|image|> are not markers; another count of markers is a 400."""
+    from frontend.errors import OpenAIError
+    from frontend.tokenizer import expand_images
+
+    one, four = RELEASED.prompt_text(1, 1), RELEASED.prompt_text(2, 2)
+    assert expand_images(f"a{IMAGE}b{IMAGE}c", IMAGE, (four, one)) == f"a{four}b{one}c"
+    with pytest.raises(OpenAIError, match="2 image markers for 1 images"):
+        expand_images(f"a{IMAGE}b{IMAGE}c", IMAGE, (one,))
+
+
 def test_normalisation_rounds_to_bfloat16_as_hf_does() -> None:
     """x/255 rounded to bfloat16, minus 0.5 rounded, over 0.5: 1 -> 2^-8 -> -127/128 (float32
     arithmetic would give -0.99216); 128 -> 0.50390625 -> 1/128."""
