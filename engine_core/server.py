@@ -230,16 +230,16 @@ class EngineServer:
         return taken
 
     def _decode_into(self, taken: list[tuple[bytes, ClientMessage]], parts: list[bytes]) -> None:
-        """Decode one (client, frame) message onto ``taken``; a malformed one is dropped, and
-        refused to its client where it names a request."""
+        """Decode one (client, frame, *payloads) message onto ``taken``; a malformed one is
+        dropped, and refused to its client where it names a request."""
         from protocol.codec import ProtocolError, decode_client_message
 
-        if len(parts) != 2:
-            logger.warning("dropped a message of %d frames (expected 2)", len(parts))
+        if len(parts) < 2:
+            logger.warning("dropped a message of %d frames (expected 2 or more)", len(parts))
             return
-        client, frame = parts
+        client, frame, *payloads = parts
         try:
-            taken.append((client, decode_client_message(frame)))
+            taken.append((client, decode_client_message(frame, payloads)))
         except ProtocolError as exc:
             logger.warning("rejected a malformed message: %s", exc)
             if exc.request_id is not None:

@@ -64,7 +64,9 @@ def reject_lone_surrogates(data: Any) -> None:
     while stack:  # iterative: deep nesting cannot overflow the Python stack here
         value = stack.pop()
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            # isascii() reads a flag of the string (O(1)); the search scans it, which for an
+            # image's data URL is megabytes on the event loop.
+            if not value.isascii() and _SURROGATE.search(value):
                 raise ValueError("strings must be valid Unicode, not lone surrogate escapes")
         elif isinstance(value, dict):
             stack.extend(value.keys())

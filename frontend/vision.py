@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from frontend.llama4_images import IMAGE, Llama4Tiling, bfloat16_bytes
+from frontend.llama4_images import IMAGE, Llama4Tiling, bfloat16_bits
 from protocol.codec import MAX_IMAGES
 from protocol.messages import ImageInput, TensorBytes
 
@@ -463,9 +463,9 @@ class ProcessedImage:
 
     def wire(self, offset: int, length: int) -> ImageInput:
         """The image as an AddRequest carries it, its placeholders at ``offset``."""
-        data = (
-            self.pixels.tobytes() if self.wire_dtype == "float32" else bfloat16_bytes(self.pixels)
-        )
+        # The array's own memory, uncopied: the client sends it as a frame of its own.
+        values = self.pixels if self.wire_dtype == "float32" else bfloat16_bits(self.pixels)
+        data = memoryview(values).cast("B")
         shape = tuple(int(n) for n in self.pixels.shape)
         digest = hashlib.sha256()
         digest.update(f"{self.wire_dtype}{shape}{self.grid_thw}".encode())

@@ -58,7 +58,7 @@ from protocol.address import (
     connect_client_sockets,
     new_identity,
 )
-from protocol.codec import ProtocolError, decode_engine_message, encode
+from protocol.codec import ProtocolError, decode_engine_message, encode, encode_frames
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -197,8 +197,10 @@ class _Connection:
         return encode(Hello(self.name))
 
     @staticmethod
-    def _add_frame(request: EngineRequest) -> bytes:
-        """The ADD_REQUEST frame; invalid ids or params raise ProtocolError here."""
+    def _add_frames(request: EngineRequest) -> list[bytes | memoryview]:
+        """The ADD_REQUEST message's frames (its images' pixels after it, uncopied: sent with
+        ``copy=False``, ZMQ holds the buffers until they are out); invalid ids or params raise
+        ProtocolError here."""
         # Any int sequence (tuple, numpy array) packs like a list, so no copy into one here.
         msg = AddRequest(
             request.request_id,
@@ -211,7 +213,7 @@ class _Connection:
             request.images,
             request.priority,
         )
-        return encode(msg)
+        return encode_frames(msg)
 
     def _decode(self, frame: bytes) -> EngineMessage | None:
         try:
@@ -293,7 +295,7 @@ class EngineClient(_Connection):
         request = EngineRequest(
             request_id, prompt_token_ids, params, 0, output_interval, priority=priority
         )
-        self._input.send(self._add_frame(request))
+        self._input.send_multipart(self._add_frames(request), copy=False)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._send(Abort(list(request_ids)))
@@ -584,11 +586,11 @@ class AsyncEngineClient(_Connection):
     async def _add(self, group: RequestGroup, requests: Sequence[EngineRequest]) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
-        frames = [self._add_frame(r) for r in requests]  # ProtocolError before anything is sent
+        messages = [self._add_frames(r) for r in requests]  # ProtocolError before any is sent
         for index, r in enumerate(requests):
             self._routes[r.request_id] = _Route(group, index)
-        for frame in frames:
-            await self._input.send(frame)
+        for frames in messages:
+            await self._input.send_multipart(frames, copy=False)
 
     async def _send_abort(self, ids: list[str]) -> None:
         try:

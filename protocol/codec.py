@@ -1,6 +1,9 @@
 """msgpack encoding and validating decoding of the wire types in ``protocol/messages.py``.
 
-A frame is one msgpack array ``[msg_type, PROTOCOL_VERSION, *fields]``. Each message type has an
+A frame is one msgpack array ``[msg_type, PROTOCOL_VERSION, *fields]``; a message is that frame,
+and for an ADD_REQUEST with images one more frame per image holding its pixels, in image order
+(``encode_frames``): megabytes of pixels then reach the socket and come off it without being
+copied into or out of a msgpack buffer. Each message type has an
 explicit encoder and decoder below, looked up by its type tag: no reflection, no pickle. Enums
 travel as small ints, ``SamplingParams`` as a fixed-order array, token id lists as packed
 little-endian int32 bytes and logprobs as packed float64 bytes (lossless).
@@ -21,9 +24,9 @@ Field layouts (after the type tag and the version):
                     output_interval (tokens the engine gathers before it sends them; >= 1),
                     [pooling = [kind, normalize, dimensions | nil]] (an embedding request only),
                     [lora = [name, path]] (a LoRA request only), [images = [[hash: 32 bytes,
-                    offset, length, dtype, shape: [ints], pixels: bytes, [t, h, w]], ...]] (a
-                    prompt with images), [priority] (not 0): trailing, each absent one nil
-                    where a later one follows
+                    offset, length, dtype, shape: [ints], pixel byte count, [t, h, w]], ...]]
+                    (a prompt with images; the pixels are the frames that follow),
+                    [priority] (not 0): trailing, each absent one nil where a later one follows
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
@@ -154,7 +157,8 @@ class ProtocolError(ValueError):
 
 
 def encode(msg: ClientMessage | EngineMessage) -> bytes:
-    """Encode one message as a frame. Raises ProtocolError for an invalid AddRequest."""
+    """Encode one message as a frame (an AddRequest's pixels go apart: ``encode_frames``).
+    Raises ProtocolError for an invalid AddRequest."""
     try:
         tag, encode_fields = _ENCODERS[type(msg)]
     except KeyError:
@@ -162,9 +166,20 @@ def encode(msg: ClientMessage | EngineMessage) -> bytes:
     return msgpack.packb([int(tag), PROTOCOL_VERSION, *encode_fields(msg)], use_bin_type=True)
 
 
-def decode_client_message(frame: bytes | memoryview) -> ClientMessage:
-    """Decode a frame sent by a client to the engine; raises ProtocolError if malformed."""
-    return _decode(frame, _CLIENT_DECODERS, "client")
+def encode_frames(msg: ClientMessage) -> list[bytes | memoryview]:
+    """The frames of one message: its frame, then an AddRequest's images' pixels, one each."""
+    frame = encode(msg)
+    if type(msg) is not AddRequest or not msg.images:
+        return [frame]
+    return [frame, *(image.pixels.data for image in msg.images)]
+
+
+def decode_client_message(
+    frame: bytes | memoryview, payloads: Sequence[bytes | memoryview] = ()
+) -> ClientMessage:
+    """Decode a message sent by a client to the engine: its frame and the frames after it (an
+    AddRequest's pixels); raises ProtocolError if malformed."""
+    return _decode(frame, _CLIENT_DECODERS, "client", payloads)
 
 
 def decode_engine_message(frame: bytes | memoryview) -> EngineMessage:
@@ -251,8 +266,23 @@ def pack_token_ids(ids: Sequence[int] | np.ndarray) -> bytes:
 class _Validator:
     """Type and range checks that raise ProtocolError tagged with the request id, if known."""
 
-    def __init__(self, request_id: str | None = None) -> None:
+    def __init__(
+        self, request_id: str | None = None, payloads: Sequence[bytes | memoryview] = ()
+    ) -> None:
         self.request_id = request_id
+        self.payloads = payloads  # the frames after the message's own, taken in order
+        self.payloads_taken = 0
+
+    def payload(self, nbytes: int, what: str) -> bytes | memoryview:
+        """The next frame after the message's own, which must hold ``nbytes`` bytes."""
+        if self.payloads_taken >= len(self.payloads):
+            raise self.fail(f"{what}: the message came without the frame that holds them")
+        data = self.payloads[self.payloads_taken]
+        self.payloads_taken += 1
+        held = memoryview(data).nbytes
+        if held != nbytes:
+            raise self.fail(f"{what}: the frame holds {held} bytes, not {nbytes}")
+        return data
 
     def fail(self, message: str) -> ProtocolError:
         return ProtocolError(message, self.request_id)
@@ -395,17 +425,28 @@ def _unpack(frame: bytes | memoryview) -> list[Any]:
 _Decoder = Callable[[list[Any], _Validator], Any]
 
 
-def _decode(frame: bytes | memoryview, decoders: dict[int, _Decoder], sender: str) -> Any:
+def _decode(
+    frame: bytes | memoryview,
+    decoders: dict[int, _Decoder],
+    sender: str,
+    payloads: Sequence[bytes | memoryview] = (),
+) -> Any:
     obj = _unpack(frame)
     tag, version, fields = obj[0], obj[1], obj[2:]
     if type(tag) is not int or tag not in decoders:
         raise ProtocolError(f"unknown {sender} message type {tag!r}")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
-    v = _Validator()
+    v = _Validator(payloads=payloads)
     if tag in _REQUEST_ID_FIRST and fields and _is_request_id(fields[0]):
         v.request_id = fields[0]
-    return decoders[tag](fields, v)
+    msg = decoders[tag](fields, v)
+    if v.payloads_taken != len(payloads):
+        raise v.fail(
+            f"the message came with {len(payloads)} frames after its own and takes "
+            f"{v.payloads_taken}"
+        )
+    return msg
 
 
 def _is_request_id(value: Any) -> bool:
@@ -462,7 +503,8 @@ def _encode_add_request(msg: AddRequest) -> list[Any]:
         if msg.pooling is not None:
             raise v.fail("an embedding request takes no images")
         images = [_encode_image(image) for image in msg.images]
-        _decode_images(images, len(ids) // 4, v)  # the decoder's checks, before it goes out
+        # The decoder's checks, before it goes out (over the pixels that will follow).
+        _decode_images(images, len(ids) // 4, _Validator(rid, [i.pixels.data for i in msg.images]))
         tail[2] = images
     if msg.priority != 0:
         tail[3] = v.int_(msg.priority, "priority", PRIORITY_MIN, PRIORITY_MAX)
@@ -497,7 +539,7 @@ def _encode_image(image: ImageInput) -> list[Any]:
         image.length,
         pixels.dtype,
         list(pixels.shape),
-        pixels.data,
+        memoryview(pixels.data).nbytes,
         list(image.grid_thw),
     ]
 
@@ -522,7 +564,7 @@ def _decode_images(value: Any, num_ids: int, v: _Validator) -> tuple[ImageInput,
 
 
 def _decode_image(value: Any, num_ids: int, v: _Validator) -> ImageInput:
-    hash_, offset, length, dtype, shape, data, grid = v.list_(value, "image", 7)
+    hash_, offset, length, dtype, shape, nbytes, grid = v.list_(value, "image", 7)
     if type(hash_) is not bytes or len(hash_) != IMAGE_HASH_BYTES:
         raise v.fail(f"image hash must be {IMAGE_HASH_BYTES} bytes")
     offset = v.int_(offset, "image offset", 0, max(num_ids - 1, 0))
@@ -533,8 +575,10 @@ def _decode_image(value: Any, num_ids: int, v: _Validator) -> ImageInput:
     if not 1 <= len(shape) <= MAX_TENSOR_DIMS:
         raise v.fail(f"image shape must have 1 to {MAX_TENSOR_DIMS} dims, got {len(shape)}")
     dims = tuple(v.int_(d, "image shape", 1, INT32_MAX) for d in shape)
-    if type(data) is not bytes or len(data) != math.prod(dims) * _PIXEL_ITEM_BYTES[dtype]:
-        raise v.fail(f"image pixels must be {dtype} bytes of shape {list(dims)}")
+    expected = math.prod(dims) * _PIXEL_ITEM_BYTES[dtype]
+    if type(nbytes) is not int or nbytes != expected:
+        raise v.fail(f"image pixels must be {expected} {dtype} bytes of shape {list(dims)}")
+    data = v.payload(nbytes, "image pixels")
     t, h, w = (v.int_(n, "image grid_thw", 1, INT32_MAX) for n in v.list_(grid, "grid_thw", 3))
     return ImageInput(hash_, offset, length, TensorBytes(dtype, dims, data), (t, h, w))
 

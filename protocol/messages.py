@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 # 9: AddRequest may carry a priority (a trailing field after the images' place, left out at 0);
 #    Ready carries the engine's scheduling policy (after max_num_seqs)
 # 10: Stats carries the host KV tier's gauges and EngineCounts its counts (--kv-offload-gb)
-PROTOCOL_VERSION = 10
+# 11: an image's pixels travel as a frame of their own after the AddRequest's frame (the
+#    message holds their byte count), not inside the msgpack array
+PROTOCOL_VERSION = 11
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # A request's priority is a signed 64-bit int, as vLLM's.
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
@@ -190,11 +192,13 @@ PIXEL_DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class TensorBytes:
-    """A tensor as raw little-endian bytes with its dtype (one of PIXEL_DTYPES) and shape."""
+    """A tensor as raw little-endian bytes with its dtype (one of PIXEL_DTYPES) and shape.
+    ``data`` is any C-contiguous buffer (a sender may hand a numpy array's memory over as it
+    is: the bytes travel as their own frame, uncopied)."""
 
     dtype: str
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""A prompt's images on the wire: they round-trip, and every malformed one is a ProtocolError
-naming the request (never another exception, never a request that reaches the engine)."""
+"""A prompt's images on the wire: they round-trip (the pixels as frames of their own after the
+message's), and every malformed one is a ProtocolError naming the request (never another
+exception, never a request that reaches the engine)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocol.codec import ProtocolError, decode_client_message, encode
+from protocol.codec import ProtocolError, decode_client_message, encode, encode_frames
 from protocol.messages import (
     PROTOCOL_VERSION,
+    Abort,
     AddRequest,
     ImageInput,
     MsgType,
@@ -37,11 +39,27 @@ def request(*images: ImageInput) -> AddRequest:
     return AddRequest("r", [1, 9, 9, 2, 9, 3], images=images)
 
 
+def round_trip(msg: AddRequest) -> Any:
+    frame, *payloads = encode_frames(msg)
+    return decode_client_message(frame, [bytes(p) for p in payloads])  # as a socket gives them
+
+
 def test_images_round_trip() -> None:
     msg = request(image(), image(4, 1, hash=b"\x01" * 32))
-    decoded = decode_client_message(encode(msg))
+    frames = encode_frames(msg)
+    assert frames[1:] == [i.pixels.data for i in msg.images]  # one frame an image, in order
+    decoded = round_trip(msg)
     assert decoded == msg
     assert np.frombuffer(decoded.images[0].pixels.data, np.float32).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_an_arrays_memory_goes_out_uncopied_and_comes_back_equal() -> None:
+    pixels = np.arange(6, dtype=np.float32).reshape(3, 2)
+    view = memoryview(pixels).cast("B")
+    msg = request(image(pixels=TensorBytes("float32", (3, 2), view)))
+    frames = encode_frames(msg)
+    assert frames[1] is view  # the array's buffer itself, for a send with copy=False
+    assert round_trip(msg).images[0].pixels.data == pixels.tobytes()
 
 
 def test_the_largest_pixels_the_api_sends_round_trip() -> None:
@@ -55,7 +73,7 @@ def test_the_largest_pixels_the_api_sends_round_trip() -> None:
     big = image(
         pixels=TensorBytes("float32", pixels.shape, pixels.tobytes()), grid_thw=(1, 2, rows // 2)
     )
-    decoded = decode_client_message(encode(request(big)))
+    decoded = round_trip(request(big))
     assert decoded.images[0].pixels.data == pixels.tobytes()
 
 
@@ -73,7 +91,7 @@ def wire_image(**changes: Any) -> list[Any]:
         "length": 2,
         "dtype": "float32",
         "shape": [3, 2],
-        "data": bytes(24),
+        "nbytes": 24,
         "grid": [1, 2, 4],
     }
     fields.update(changes)
@@ -88,7 +106,8 @@ def wire_image(**changes: Any) -> list[Any]:
         ([wire_image(offset=6)], "image offset"),
         ([wire_image(offset=5, length=2)], "image length"),
         ([wire_image(dtype="int8")], "dtype"),
-        ([wire_image(data=bytes(20))], "pixels"),
+        ([wire_image(nbytes=20)], "pixels"),
+        ([wire_image(nbytes=b"24")], "pixels"),
         ([wire_image(shape=[3, 2, 1, 1, 1])], "dims"),
         ([wire_image(grid=[1, 0, 4])], "grid_thw"),
         ([wire_image(), wire_image(offset=2, length=1)], "prompt order"),
@@ -97,14 +116,38 @@ def wire_image(**changes: Any) -> list[Any]:
     ],
 )
 def test_malformed_images_are_protocol_errors(images: Any, message: str) -> None:
+    payloads = [bytes(24)] * len(images) if isinstance(images, list) else []
     with pytest.raises(ProtocolError, match=message) as caught:
-        decode_client_message(frame_with_images(images))
+        decode_client_message(frame_with_images(images), payloads)
     assert caught.value.request_id == "r"
+
+
+@pytest.mark.parametrize(
+    ("payloads", "message"),
+    [
+        ([], "without the frame"),
+        ([bytes(20)], "holds 20 bytes, not 24"),
+        ([bytes(24), bytes(24)], "2 frames after its own and takes 1"),
+    ],
+)
+def test_pixel_frames_must_match_the_images(payloads: list[bytes], message: str) -> None:
+    with pytest.raises(ProtocolError, match=message) as caught:
+        decode_client_message(frame_with_images([wire_image()]), payloads)
+    assert caught.value.request_id == "r"
+
+
+def test_frames_after_a_message_without_images_are_refused() -> None:
+    with pytest.raises(ProtocolError, match="1 frames after its own and takes 0"):
+        decode_client_message(encode(AddRequest("t", [1, 2])), [bytes(4)])
+    with pytest.raises(ProtocolError, match="1 frames after its own and takes 0"):
+        decode_client_message(encode(Abort(["t"])), [bytes(4)])
 
 
 def test_images_never_go_with_pooling() -> None:
     with pytest.raises(ProtocolError, match="no images"):
-        decode_client_message(frame_with_images([wire_image()], pooling=[1, True, None]))
+        decode_client_message(
+            frame_with_images([wire_image()], pooling=[1, True, None]), [bytes(24)]
+        )
     with pytest.raises(ProtocolError, match="no images"):
         encode(AddRequest("e", [1, 9, 9], pooling=PoolingParams(), images=(image(),)))
 
@@ -120,6 +163,6 @@ def test_a_frame_ending_in_an_absent_optional_field_is_refused() -> None:
     fields = msgpack.unpackb(encode(request(image())))
     fields[-1] = None
     with pytest.raises(ProtocolError, match="last optional field"):
-        decode_client_message(msgpack.packb(fields, use_bin_type=True))
+        decode_client_message(msgpack.packb(fields, use_bin_type=True), [bytes(24)])
     with pytest.raises(ProtocolError, match="last optional field"):
-        decode_client_message(msgpack.packb(fields[:-1], use_bin_type=True))
+        decode_client_message(msgpack.packb(fields[:-1], use_bin_type=True), [bytes(24)])

@@ -45,13 +45,18 @@ Choice = Tiled | Dequantize
 # The prefill GEMMs' tiles the sweep times beside fused_moe.block_sizes': MXFP4's candidates,
 # the same bf16 GEMMs (mxfp4_moe says why these).
 DEQUANTIZE_CANDIDATES = tuple(Dequantize(d.blocks) for d in mxfp4_moe.DEQUANTIZE_CANDIDATES)
-# From this many tokens, dequantize and run bf16 GEMMs. A guess until the sweep has run: MXFP4's
-# crossover lies between 64 and 2,048 tokens, and the pass over all the experts (about 0.3 ms a
-# qwen3-30b-a3b layer at HBM speed) would be paid by every layer of a captured decode step of
-# 256 sequences, where the tiles' loss is smallest: so above the largest default decode batch.
-DEQUANTIZE_TOKENS = 512
-# The sweep's fastest choice by (token bucket, hidden, width, experts, top k), where measured.
-MEASURED: dict[tuple[int, int, int, int, int], Choice] = {}
+# From this many tokens, dequantize and run bf16 GEMMs, for shapes the sweep has not timed. The
+# sweep at Qwen3-30B-A3B's layer put the crossover between 512 tokens (the tiles 10% faster) and
+# 2,048 (dequantizing 2.3x faster); the pass over all the experts would also be paid by every
+# layer of a captured decode step of 256 sequences, so the rule stays above the decode batches.
+DEQUANTIZE_TOKENS = 1024
+# The sweep's fastest choice by (token bucket, hidden, width, experts, top k), where measured
+# (`python -m benchmarks w4a16-moe --tokens 64,512,2048 --sweep`, zero points, groups of 128).
+MEASURED: dict[tuple[int, int, int, int, int], Choice] = {
+    (64, 2048, 768, 128, 8): Tiled(blocks=Blocks(m=16, n=128, k=128, warps=4, stages=3)),
+    (512, 2048, 768, 128, 8): Tiled(blocks=Blocks(m=16, n=128, k=128, warps=4, stages=3)),
+    (2048, 2048, 768, 128, 8): Dequantize(blocks=None),
+}
 
 
 def rule(num_tokens: int) -> Choice:
