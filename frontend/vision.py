@@ -275,6 +275,9 @@ class VisionProcessor:
         if not architectures & set(VISION_ARCHITECTURES):
             return None
         if "Llama4ForConditionalGeneration" in architectures:
+            # Without a vision_config the engine serves its text only (models/__init__.py).
+            if not config.get("vision_config"):
+                return None
             return Llama4VisionProcessor.load_llama4(model_dir, config)
         from transformers import AutoImageProcessor
 
@@ -380,7 +383,10 @@ class Llama4VisionProcessor(VisionProcessor):
         vision = config["vision_config"]
         side = vision["image_size"] // vision["patch_size"]
         marker = ImageMarker(
-            placeholder_id=int(config["image_token_index"]),
+            # The engine's default too: Llama 4's <|patch|> (models/__init__.py).
+            placeholder_id=int(
+                config.get("image_token_index", config.get("image_token_id", 200_092))
+            ),
             merge_size=round(1 / vision["pixel_shuffle_ratio"]),
             text_expansion=(IMAGE, ""),  # each image's text is its own (ProcessedImage.text)
             fixed_grid=(1, side, side),

@@ -135,6 +135,20 @@ def test_tiles_come_row_by_row_then_the_global_view() -> None:
     assert ends == corners[:4]
 
 
+def test_a_checkpoint_without_a_vision_config_takes_no_images(tmp_path: Path) -> None:
+    """The engine serves such a Llama4ForConditionalGeneration's text only, so the API process
+    has no image processor for it (image parts are a 400)."""
+    config = {"architectures": ["Llama4ForConditionalGeneration"], "text_config": {}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert VisionProcessor.load(tmp_path) is None
+    (tmp_path / "config.json").write_text(json.dumps(config | {"vision_config": vision_config()}))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({"size": {"height": SIZE, "width": SIZE}})
+    )
+    loaded = VisionProcessor.load(tmp_path)
+    assert loaded is not None and loaded.marker.placeholder_id == 200_092  # Llama 4's <|patch|>
+
+
 def test_the_released_processor_config_loads(tmp_path: Path) -> None:
     """Llama-4-Scout's preprocessor_config.json (written from memory of the released file; its
     nulls are HF's defaults) and its tower's shapes: 336-pixel tiles of 24x24 patches,
