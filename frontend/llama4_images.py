@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -101,13 +102,18 @@ class Llama4Tiling:
         return max(new_h, 1), max(new_w, 1)
 
     def normalize(self, pixels: np.ndarray) -> np.ndarray:
-        """uint8 [H, W, 3] -> [3, H, W]: x * rescale, then (x - mean) / std, each step rounded
-        to bfloat16 as HF's processor computes it (in bfloat16, as Meta's reference does)."""
-        x = pixels.transpose(2, 0, 1).astype(np.float32)
-        x = to_bfloat16(x * np.float32(self.rescale))
-        mean = to_bfloat16(np.array(self.mean, np.float32)).reshape(-1, 1, 1)
-        std = to_bfloat16(np.array(self.std, np.float32)).reshape(-1, 1, 1)
-        return to_bfloat16(to_bfloat16(x - mean) / std)
+        """uint8 [H, W, 3] -> [3, H, W]: each value looked up by its level and channel."""
+        return np.stack([self.levels[c][pixels[..., c]] for c in range(3)])
+
+    @cached_property
+    def levels(self) -> np.ndarray:
+        """[3, 256]: each channel's value for each uint8 level: x * rescale, then (x - mean) /
+        std, each step rounded to bfloat16 as HF's processor computes it (in bfloat16, which
+        its comment says the original implementation does)."""
+        x = to_bfloat16(np.arange(256, dtype=np.float32) * np.float32(self.rescale))
+        mean = to_bfloat16(np.array(self.mean, np.float32))[:, None]
+        std = to_bfloat16(np.array(self.std, np.float32))[:, None]
+        return to_bfloat16(to_bfloat16(x[None] - mean) / std)
 
     def prompt_text(self, rows: int, cols: int) -> str:
         """The text that stands for an image of rows x cols tiles (HF's _prompt_split_image)."""
