@@ -1,4 +1,4 @@
-"""Llama 4's image processing in the API process, with numpy and PIL: what HF's
+"""Llama 4's image processing in the API process, with numpy: what HF's
 ``Llama4ImageProcessor`` and ``Llama4Processor`` do (transformers' ``models/llama4``), without
 torch or torchvision, which the API process never imports.
 
@@ -11,9 +11,10 @@ of a row, ``<|tile_y_separator|>`` after each row), then ``<|image|>``, the glob
 (the only run when there is one tile) and ``<|image_end|>``. Each run is one tile's rows, one
 ``ImageInput`` on the wire (docs/design/llama4.md, "Vision").
 
-The resize is PIL's (the filter the processor config names), where HF's runs torchvision's
-antialiased resize on uint8 tensors: the two differ by at most one level on a few pixels in a
-hundred (tests/test_llama4_processor.py measures it against HF's processor).
+The resize is torch's antialiased bilinear resize of uint8 images, which HF's processor runs
+through torchvision, written out (``resize``): PIL's filter, but with weights rounded to 16-bit
+fixed point at a precision chosen per axis, so PIL's own resize differs by a level on a few
+pixels in a hundred. tests/test_llama4_images.py checks the pixels against HF's processor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ TILE_Y = "<|tile_y_separator|>"
 START, END = "<|image_start|>", "<|image_end|>"
 # Preprocessor fields this port follows only when true (check_preprocessor).
 REQUIRED_TRUE = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+BILINEAR = 2  # PIL's code for it, as processor configs name it: the one filter ported here
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,6 @@ class Llama4Tiling:
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
     rescale: float = 1 / 255
-    resample: int = 2  # PIL's BILINEAR, the processor's default
     resize_to_max_canvas: bool = False
 
     @classmethod
@@ -67,7 +68,6 @@ class Llama4Tiling:
             mean=channels(setting(pre, "image_mean", cls.mean)),
             std=channels(setting(pre, "image_std", cls.std)),
             rescale=float(setting(pre, "rescale_factor", cls.rescale)),
-            resample=int(setting(pre, "resample", cls.resample)),
             resize_to_max_canvas=bool(setting(pre, "resize_to_max_canvas", False)),
         )
 
@@ -79,15 +79,15 @@ class Llama4Tiling:
     def tiles(self, image: Any) -> tuple[np.ndarray, tuple[int, int]]:
         """An RGB PIL image -> (pixels [tiles (+1 global view), 3, tile, tile] float32 holding
         bfloat16 values, as HF's processor makes them; (rows, cols))."""
-        width, height = image.size
+        original = np.asarray(image)  # [H, W, 3] uint8
+        height, width = original.shape[:2]
         rows, cols = self.grid(height, width)
-        resized = image.resize(self.fitted_size(height, width, rows, cols)[::-1], self.resample)
+        pixels = resize(original, *self.fitted_size(height, width, rows, cols))
         canvas = np.zeros((rows * self.tile, cols * self.tile, 3), np.uint8)
-        pixels = np.asarray(resized)
         canvas[: pixels.shape[0], : pixels.shape[1]] = pixels
         tiles = split_tiles(self.normalize(canvas), rows, cols)
         if rows * cols > 1:
-            whole = np.asarray(image.resize((self.tile, self.tile), self.resample))
+            whole = resize(original, self.tile, self.tile)
             tiles = np.concatenate([tiles, self.normalize(whole)[None]])
         return np.ascontiguousarray(tiles), (rows, cols)
 
@@ -150,6 +150,8 @@ def check_preprocessor(pre: dict[str, Any], image_size: int, path: Path) -> None
         )
     if int(setting(pre, "max_patches", 16)) < 1:
         raise ValueError(f"{path}: max_patches must be at least 1")
+    if setting(pre, "resample", BILINEAR) != BILINEAR:
+        raise ValueError(f"{path}: resample must be {BILINEAR} (bilinear) for Llama 4 images")
 
 
 def supported_grids(max_tiles: int) -> list[tuple[int, int]]:
@@ -189,6 +191,60 @@ def size_without_distortion(
     if scale_w < scale_h:
         return min(math.floor(height * scale_w), target_h), target_w
     return target_h, min(math.floor(width * scale_h), target_w)
+
+
+def resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, C] -> [height, width, C] as torch's antialiased bilinear resize of uint8
+    (what HF's processor calls through torchvision): the width first, then the height, each
+    pass rounded to uint8."""
+    if pixels.shape[1] != width:
+        by_column = np.ascontiguousarray(pixels.transpose(1, 0, 2))
+        pixels = resample_rows(by_column, width).transpose(1, 0, 2)
+    if pixels.shape[0] != height:
+        pixels = resample_rows(np.ascontiguousarray(pixels), height)
+    return np.ascontiguousarray(pixels)
+
+
+def resample_rows(x: np.ndarray, size: int) -> np.ndarray:
+    """uint8 [N, ...] -> [size, ...] along the first axis (whole rows gathered per tap, the
+    fast way for numpy): each output row a fixed-point weighted sum of its input rows."""
+    starts, weights, precision = aa_weights(x.shape[0], size)
+    shape = (size,) + (1,) * (x.ndim - 1)
+    acc = np.full((size, *x.shape[1:]), 1 << (precision - 1), np.int32)
+    term = np.empty_like(acc)
+    for j in range(weights.shape[1]):
+        rows = np.minimum(starts + j, x.shape[0] - 1)  # past a row's taps the weight is 0
+        np.multiply(x[rows], weights[:, j].reshape(shape), out=term)
+        acc += term
+    acc >>= precision
+    return np.clip(acc, 0, 255).astype(np.uint8)
+
+
+@lru_cache(maxsize=64)
+def aa_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """One axis of torch's uint8 antialiased bilinear resize (aten's UpSampleKernel.cpp,
+    _compute_index_ranges_int16_weights): each output's first input index [out], its weights
+    [out, taps] as int32 holding int16 values, and their fixed-point precision in bits. PIL's
+    triangle filter, stretched by the scale when shrinking; the weights normalised in float64,
+    then scaled by the largest power of two that keeps the largest under 2^15."""
+    scale = in_size / out_size
+    support = max(scale, 1.0)
+    invscale = 1.0 / support  # multiplied, not divided by: the same rounding as aten's
+    taps = math.ceil(support) * 2 + 1
+    starts = np.zeros(out_size, np.int64)
+    real = np.zeros((out_size, taps), np.float64)
+    for i in range(out_size):
+        center = scale * (i + 0.5)
+        first = max(int(center - support + 0.5), 0)
+        count = min(max(min(int(center + support + 0.5), in_size) - first, 0), taps)
+        ws = [max(0.0, 1.0 - abs((j + first - center + 0.5) * invscale)) for j in range(count)]
+        total = sum(ws)  # in order from 0.0, as aten's loop adds them
+        starts[i] = first
+        real[i, :count] = [w / total for w in ws] if total else ws
+    precision = 0
+    while precision < 22 and int(0.5 + real.max() * (1 << (precision + 1))) < 1 << 15:
+        precision += 1
+    return starts, np.trunc(0.5 + real * (1 << precision)).astype(np.int32), precision
 
 
 def split_tiles(pixels: np.ndarray, rows: int, cols: int) -> np.ndarray:
