@@ -1,11 +1,12 @@
-"""Llama 4's images in the API process (frontend/llama4_images.py, the numpy + PIL port of HF's
+"""Llama 4's images in the API process (frontend/llama4_images.py, the numpy port of HF's
 Llama4ImageProcessor and Llama4Processor) and through the server.
 
 - By hand: the tile grid and resized size for several image sizes at the released models'
-  settings (336-pixel tiles, at most 16), the prompt's token layout, the bfloat16 arithmetic.
+  settings (336-pixel tiles, at most 16), the prompt's token layout, the fixed-point resize,
+  the bfloat16 arithmetic, the wire's bfloat16 bytes, refused processor fields.
 - Against HF's own processor where torchvision imports (it is HF's processor's dependency, not
-  ours; the tests skip without it): the grid over a sweep of sizes, the pixel values and the
-  prompt's input_ids for a one-tile, a 1x2, a 2x2 and a tall image.
+  ours; the tests skip without it): the grid over a sweep of sizes, and bit for bit the pixel
+  values and the prompt's input_ids of a one-tile, a 1x2, a 2x2 and a tall image.
 - End to end on a tiny random Llama4ForConditionalGeneration: the official openai client sends
   a one-tile and a multi-tile image as data URLs through `tandem serve` and gets HF's greedy
   tokens (HF's model fed the port's pixels and ids), the multi-tile image again after other
