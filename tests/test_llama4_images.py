@@ -371,6 +371,26 @@ def vl_dir(hf_and_dir: tuple[Any, Path]) -> Path:
     return hf_and_dir[1]
 
 
+def test_the_api_process_tiles_an_image_without_torch_or_transformers(vl_dir: Path) -> None:
+    """The port's reason to exist: loading the processor, tiling an image and placing its runs
+    import neither torch nor transformers (tests/test_startup_imports.py's watch, in a fresh
+    interpreter)."""
+    from tests.test_startup_imports import imported
+
+    code = """
+    import numpy as np
+    from PIL import Image
+    from pathlib import Path
+    from frontend.vision import VisionProcessor
+    vision = VisionProcessor.load(Path(MODEL))
+    image = Image.fromarray(np.zeros((40, 70, 3), np.uint8))
+    (processed,) = vision.process([image], ["image"])
+    ids = [vision.marker.placeholder_id] * 16 + [0]
+    assert len(vision.place(ids * 5, [processed])[1]) == 5
+    """
+    assert imported(code, vl_dir, ("torch", "transformers", "torchvision")) == []
+
+
 def chat_prompt(
     vl_dir: Path, images: list[Any], first: str = "Describe"
 ) -> tuple[Any, list[int], Any, list[Any]]:
