@@ -138,18 +138,20 @@ async def load_images(ctx: ServingContext, messages: list[ChatMessage]) -> list[
         for i, part in message.image_parts()
     ]
     try:
-        return await chat_images(ctx.vision, ctx.media, parts, ctx.no_images)
+        return await chat_images(ctx.vision, ctx.media, parts)
     except BadImage as exc:
         raise bad_request(str(exc), exc.param, "invalid_image") from None
 
 
-def image_text(ctx: ServingContext, images: list[ProcessedImage]) -> tuple[str, str] | None:
+def image_text(
+    ctx: ServingContext, images: list[ProcessedImage]
+) -> tuple[str, tuple[str, ...]] | None:
     """How the rendered prompt's image markers expand before tokenizing, where the model's
-    processor expands them in text (Gemma 3); None without images or for a model whose
-    placeholders are repeated after tokenizing (Qwen2.5-VL)."""
+    processor expands them in text (Gemma 3, Llama 4); None without images or for a model
+    whose placeholders are repeated after tokenizing (Qwen2.5-VL)."""
     if not images or ctx.vision is None:
         return None
-    return ctx.vision.marker.text_expansion
+    return ctx.vision.image_text(images)
 
 
 def place_images(

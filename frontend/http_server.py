@@ -37,7 +37,7 @@ from frontend.serving_context import ServingContext
 from frontend.tokenizer import Tokenizer, load_hf_tokenizer
 from frontend.tools import tool_support
 from frontend.tracing import RequestTracer
-from frontend.vision import MediaOptions, VisionProcessor, no_images_reason
+from frontend.vision import MediaOptions, VisionProcessor
 from protocol.messages import EmbeddingModel, PoolingKind, Ready
 
 if TYPE_CHECKING:
@@ -142,7 +142,6 @@ def build_state(
         tracer=request_tracer(args, name),
         vision=VisionProcessor.load(model_dir),
         media=MediaOptions.from_args(args),
-        no_images=no_images_reason(model_dir),
     )
 
     return ServerState(

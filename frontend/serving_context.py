@@ -23,7 +23,7 @@ from frontend.response_store import ResponseStore
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolSupport
 from frontend.tracing import RequestTracer
-from frontend.vision import NO_IMAGES, MediaOptions, VisionProcessor
+from frontend.vision import MediaOptions, VisionProcessor
 from protocol.client import EngineDeadError
 from protocol.messages import Constraint, EmbeddingModel, LoraRef, SchedulingPolicy
 
@@ -57,7 +57,6 @@ class ServingContext:
     # the server may get images (--limit-mm-per-prompt, --allowed-media-domains, ...).
     vision: VisionProcessor | None = None
     media: MediaOptions = field(default_factory=MediaOptions)
-    no_images: str = NO_IMAGES  # what a request with images is told where vision is None
     # The engines' policy (their Ready says): whether a request's priority is taken.
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
 

@@ -128,7 +128,7 @@ class Tokenizer:
         except Exception as exc:  # jinja or a missing template: the client's messages or model
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
         if chat.image_text is not None:
-            text = text.replace(*chat.image_text)
+            text = expand_images(text, *chat.image_text)
         return RenderedChat(text, self.hf.encode(text, add_special_tokens=False))
 
     def template_variables(self, template: str | None = None) -> frozenset[str]:
@@ -150,15 +150,31 @@ class ChatRender:
     tools: list[dict[str, Any]] | None = None
     template: str | None = None  # a template in place of the model's (tools, say)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # (marker, expansion): each image marker the template wrote becomes the text the model's
-    # HF processor puts in its place, before tokenizing (Gemma 3; frontend/vision.py).
-    image_text: tuple[str, str] | None = None
+    # (marker, one text per image): each image marker the template wrote becomes the text the
+    # model's HF processor puts in its place, before tokenizing (Gemma 3, Llama 4;
+    # frontend/vision.py).
+    image_text: tuple[str, tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
 class RenderedChat:
     text: str
     token_ids: list[int]
+
+
+def expand_images(text: str, marker: str, expansions: tuple[str, ...]) -> str:
+    """``text`` with its i-th ``marker`` replaced by ``expansions[i]``; a 400 where the chat
+    template wrote another number of markers than there are images."""
+    pieces = text.split(marker)
+    if len(pieces) != len(expansions) + 1:
+        raise bad_request(
+            f"the chat template wrote {len(pieces) - 1} image markers for {len(expansions)} images",
+            "messages",
+        )
+    out = [pieces[0]]
+    for expansion, piece in zip(expansions, pieces[1:], strict=True):
+        out += [expansion, piece]
+    return "".join(out)
 
 
 @lru_cache(maxsize=16)

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from frontend.llama4_images import IMAGE, Llama4Tiling, bfloat16_bits
+from protocol.codec import MAX_IMAGES
 from protocol.messages import ImageInput, TensorBytes
 
 # Architectures whose image side the engine implements (engine_core/models/qwen2_5_vl.py,
@@ -42,6 +44,7 @@ VISION_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
+    "Llama4ForConditionalGeneration",
 )
 # The wire's frame limit is 64 MiB (protocol/codec.py): a prompt's pixels stay under this.
 MAX_PIXEL_BYTES = 48 << 20
@@ -255,7 +258,9 @@ class ImageMarker:
 class VisionProcessor:
     """The model's HF image processor and its prompt convention, for one model folder."""
 
-    hf: Any  # the HF image processor (its PIL backend: no torchvision needed)
+    # The image processor: HF's (its PIL backend: no torchvision needed), or for Llama 4, whose
+    # HF processor needs torchvision, the port in frontend/llama4_images.py.
+    hf: Any
     marker: ImageMarker
     pixel_bytes_limit: int = MAX_PIXEL_BYTES
 
@@ -269,6 +274,11 @@ class VisionProcessor:
         architectures = set(config.get("architectures") or ())
         if not architectures & set(VISION_ARCHITECTURES):
             return None
+        if "Llama4ForConditionalGeneration" in architectures:
+            # Without a vision_config the engine serves its text only (models/__init__.py).
+            if not config.get("vision_config"):
+                return None
+            return Llama4VisionProcessor.load_llama4(model_dir, config)
         from transformers import AutoImageProcessor
 
         hf = AutoImageProcessor.from_pretrained(str(model_dir))
@@ -280,20 +290,41 @@ class VisionProcessor:
     def process(self, images: list[Any], params: list[str]) -> list[ProcessedImage]:
         """Each image's pixels and patch grid, as the HF processor makes them (run off the event
         loop: resizing and normalising take milliseconds per image)."""
-        out, total = [], 0
+        out, total, pieces = [], 0, 0
         for image, param in zip(images, params, strict=True):
-            result = self.hf(images=[image], return_tensors="np")
-            pixels = np.ascontiguousarray(result["pixel_values"], dtype=np.float32)
-            total += pixels.nbytes
+            processed = self.process_one(image)
+            total += processed.wire_nbytes
+            pieces += len(processed.pieces())
             if total > self.pixel_bytes_limit:
                 raise BadImage(
                     f"the prompt's images come to {total} bytes of pixels after resizing, more "
                     f"than {self.pixel_bytes_limit}: send fewer or smaller images",
                     param,
                 )
-            grid = self.marker.fixed_grid or tuple(int(n) for n in result["image_grid_thw"][0])
-            out.append(ProcessedImage(pixels, (grid[0], grid[1], grid[2])))
+            if pieces > MAX_IMAGES:  # Llama 4's tiles, each an image on the wire
+                raise BadImage(
+                    f"the prompt's images come to {pieces} tiles, more than the {MAX_IMAGES} "
+                    "a request carries: send fewer or smaller images",
+                    param,
+                )
+            out.append(processed)
         return out
+
+    def process_one(self, image: Any) -> ProcessedImage:
+        result = self.hf(images=[image], return_tensors="np")
+        pixels = np.ascontiguousarray(result["pixel_values"], dtype=np.float32)
+        grid = self.marker.fixed_grid or tuple(int(n) for n in result["image_grid_thw"][0])
+        return ProcessedImage(pixels, (grid[0], grid[1], grid[2]))
+
+    def image_text(self, images: list[ProcessedImage]) -> tuple[str, tuple[str, ...]] | None:
+        """(marker, each image's text): how the rendered prompt's image markers expand before
+        tokenizing, one image after another; None where ``place`` repeats the placeholder after
+        tokenizing instead (Qwen2.5-VL)."""
+        expansion = self.marker.text_expansion
+        if expansion is None:
+            return None
+        texts = (expansion[1] if image.text is None else image.text for image in images)
+        return expansion[0], tuple(texts)
 
     def num_tokens(self, image: ProcessedImage) -> int:
         t, h, w = image.grid_thw
@@ -330,14 +361,43 @@ class VisionProcessor:
         """The wire images of a prompt whose markers were expanded in text: one run of
         placeholders an image, each as long as its image's embeddings."""
         runs = placeholder_runs(token_ids, self.marker.placeholder_id)
-        if len(runs) != len(images):
-            raise ValueError(f"the prompt holds {len(runs)} image runs for {len(images)} images")
-        for (_, length), image in zip(runs, images, strict=True):
-            if length != self.num_tokens(image):
+        pieces = [piece for image in images for piece in image.pieces()]
+        if len(runs) != len(pieces):
+            raise ValueError(f"the prompt holds {len(runs)} image runs for {len(pieces)} images")
+        for (_, length), piece in zip(runs, pieces, strict=True):
+            if length != self.num_tokens(piece):
                 raise ValueError(
-                    f"an image's placeholder run is {length} tokens, not {self.num_tokens(image)}"
+                    f"an image's placeholder run is {length} tokens, not {self.num_tokens(piece)}"
                 )
-        return tuple(image.wire(at, n) for (at, n), image in zip(runs, images, strict=True))
+        return tuple(piece.wire(at, n) for (at, n), piece in zip(runs, pieces, strict=True))
+
+
+@dataclass
+class Llama4VisionProcessor(VisionProcessor):
+    """Llama 4: each image tiled by the port of HF's processor (frontend/llama4_images.py), its
+    prompt text written per image (the tile grid decides it), each tile one run of
+    ``<|patch|>`` and one ImageInput of one tile's pixels."""
+
+    @classmethod
+    def load_llama4(cls, model_dir: Path, config: dict[str, Any]) -> Llama4VisionProcessor:
+        vision = config["vision_config"]
+        side = vision["image_size"] // vision["patch_size"]
+        marker = ImageMarker(
+            # The engine's default too: Llama 4's <|patch|> (models/__init__.py).
+            placeholder_id=int(
+                config.get("image_token_index", config.get("image_token_id", 200_092))
+            ),
+            merge_size=round(1 / vision["pixel_shuffle_ratio"]),
+            text_expansion=(IMAGE, ""),  # each image's text is its own (ProcessedImage.text)
+            fixed_grid=(1, side, side),
+        )
+        return cls(Llama4Tiling.load(model_dir, config), marker)
+
+    def process_one(self, image: Any) -> ProcessedImage:
+        assert self.marker.fixed_grid is not None
+        tiles, (rows, cols) = self.hf.tiles(image)
+        text = self.hf.prompt_text(rows, cols)
+        return ProcessedImage(tiles, self.marker.fixed_grid, text, wire_dtype="bfloat16")
 
 
 def placeholder_runs(token_ids: list[int], placeholder: int) -> list[tuple[int, int]]:
@@ -387,16 +447,36 @@ def gemma3_marker(model_dir: Path, config: dict[str, Any], hf: Any) -> ImageMark
 class ProcessedImage:
     pixels: np.ndarray  # [patches, channels * temporal patch * patch * patch] float32
     grid_thw: tuple[int, int, int]
+    # Llama 4: the image's own prompt text (its tiles' runs and separators), and pixels
+    # [tiles, 3, side, side], each tile one run of placeholders with grid_thw its patch grid.
+    text: str | None = None
+    # "bfloat16" where every pixel value is one (Llama 4's processor computes in bfloat16):
+    # half the bytes on the wire, nothing lost.
+    wire_dtype: str = "float32"
+
+    def pieces(self) -> list[ProcessedImage]:
+        """What travels as one ImageInput each: the image, or each of Llama 4's tiles."""
+        if self.text is None:
+            return [self]
+        return [
+            ProcessedImage(self.pixels[i : i + 1], self.grid_thw, wire_dtype=self.wire_dtype)
+            for i in range(len(self.pixels))
+        ]
+
+    @property
+    def wire_nbytes(self) -> int:
+        return self.pixels.size * (2 if self.wire_dtype == "bfloat16" else 4)
 
     def wire(self, offset: int, length: int) -> ImageInput:
         """The image as an AddRequest carries it, its placeholders at ``offset``."""
         # The array's own memory, uncopied: the client sends it as a frame of its own.
-        data = memoryview(self.pixels).cast("B")
+        values = self.pixels if self.wire_dtype == "float32" else bfloat16_bits(self.pixels)
+        data = memoryview(values).cast("B")
         shape = tuple(int(n) for n in self.pixels.shape)
         digest = hashlib.sha256()
-        digest.update(f"float32{shape}{self.grid_thw}".encode())
+        digest.update(f"{self.wire_dtype}{shape}{self.grid_thw}".encode())
         digest.update(data)
-        pixels = TensorBytes("float32", shape, data)
+        pixels = TensorBytes(self.wire_dtype, shape, data)
         return ImageInput(digest.digest(), offset, length, pixels, self.grid_thw)
 
 
@@ -412,38 +492,20 @@ class ImagePartRef:
     detail: str | None
 
 
-# Vision-language checkpoints served as text only for now: the engine builds their language
-# model and skips their vision tower's weights (engine_core/models/llama4.py).
-TEXT_ONLY_ARCHITECTURES = ("Llama4ForConditionalGeneration",)
 NO_IMAGES = "this model takes no images: send text parts only"
-
-
-def no_images_reason(model_dir: Path) -> str:
-    """What a request with images to the folder's model (one without a VisionProcessor) is
-    told: a vision-language checkpoint served as text names its architecture."""
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        return NO_IMAGES
-    architectures = json.loads(config_path.read_text()).get("architectures") or ()
-    for name in architectures:
-        if name in TEXT_ONLY_ARCHITECTURES:
-            return f"images are not supported for {name} yet (Tandem serves its text): {NO_IMAGES}"
-    return NO_IMAGES
 
 
 async def chat_images(
     vision: VisionProcessor | None,
     media: MediaOptions,
     parts: list[ImagePartRef],
-    no_images: str = NO_IMAGES,
 ) -> list[ProcessedImage]:
     """A chat request's images, fetched, decoded and processed (off the event loop), in order;
-    BadImage for the first part the server cannot take (``no_images`` where the model takes
-    none)."""
+    BadImage for the first part the server cannot take."""
     if not parts:
         return []
     if vision is None:
-        raise BadImage(no_images, parts[0].param)
+        raise BadImage(NO_IMAGES, parts[0].param)
     if len(parts) > media.max_images:
         raise BadImage(
             f"at most {media.max_images} images a prompt (--limit-mm-per-prompt), got {len(parts)}",

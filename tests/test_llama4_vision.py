@@ -46,14 +46,12 @@ def vision_config() -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def hf_and_dir(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Llama4ForConditionalGeneration, Path]:
+def random_llama4_vl(patch_id: int = PATCH_ID, vocab: int = VOCAB) -> Any:
+    """The tiny random Llama4ForConditionalGeneration the tests serve."""
     config = Llama4Config(
-        text_config=text_config().to_dict(),
+        text_config=text_config(vocab_size=vocab).to_dict(),
         vision_config=vision_config(),
-        image_token_index=PATCH_ID,
+        image_token_index=patch_id,
     )
     torch.manual_seed(0)
     model = Llama4ForConditionalGeneration(config).eval()
@@ -65,6 +63,14 @@ def hf_and_dir(
         for layer in model.vision_model.model.layers:
             layer.self_attn.q_proj.weight.mul_(5.0)
             layer.self_attn.k_proj.weight.mul_(5.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_and_dir(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Llama4ForConditionalGeneration, Path]:
+    model = random_llama4_vl()
     folder = tmp_path_factory.mktemp("llama4v")
     model.save_pretrained(folder)
     return model, folder
@@ -103,7 +109,13 @@ def with_images(
     return ids, tuple(images)
 
 
-def hf_tokens(model: Llama4ForConditionalGeneration, ids: list[int], tiles: list[Any]) -> list:
+def hf_tokens(
+    model: Llama4ForConditionalGeneration,
+    ids: list[int],
+    tiles: list[Any],
+    patch_id: int = PATCH_ID,
+    new_tokens: int = NEW_TOKENS,
+) -> list[int]:
     """HF's greedy tokens, each from a full forward without a cache: the prompt's embeddings
     with HF's tower and projector rows at the patch tokens, through HF's language model.
     (transformers 5.24's Llama4ForConditionalGeneration.forward fails on its own output
@@ -112,10 +124,10 @@ def hf_tokens(model: Llama4ForConditionalGeneration, ids: list[int], tiles: list
         features = model.vision_model(torch.cat(tiles)).last_hidden_state
         rows = model.multi_modal_projector(features.flatten(0, 1))
         out: list[int] = []
-        for _ in range(NEW_TOKENS):
+        for _ in range(new_tokens):
             seq = torch.tensor([ids + out])
             embeds = model.language_model.get_input_embeddings()(seq)
-            embeds[seq == PATCH_ID] = rows
+            embeds[seq == patch_id] = rows
             logits = model.language_model(inputs_embeds=embeds).logits
             out.append(int(logits[0, -1].argmax()))
     return out
@@ -174,6 +186,48 @@ def test_a_repeated_image_is_encoded_once(
         out = llm.generate([ids], PARAMS, detokenize=False, images=[images])
         assert out[0].token_ids == expected
     assert llm.engine.runner.multimodal.encoded_images - before == 1
+
+
+def tiled(
+    image: Any, first: list[int], last: list[int]
+) -> tuple[list[int], tuple[ImageInput, ...], list[torch.Tensor]]:
+    """``first``, the API process's tiling of ``image`` (frontend/llama4_images.py: its prompt
+    layout and its tiles), ``last``: (token ids, wire images, the tiles in prompt order)."""
+    from frontend.llama4_images import Llama4Tiling
+    from frontend.vision import placeholder_runs
+
+    tiling = Llama4Tiling(SIZE, 4, TOKENS)
+    pixels, grid = tiling.tiles(image)
+    # Any text ids stand in for the separators: the model reads no token's name.
+    ids_of = {"patch": PATCH_ID, "image_start": IMAGE_START, "image": IMAGE_ID,
+              "image_end": IMAGE_END, "tile_x_separator": 7, "tile_y_separator": 8}  # fmt: skip
+    names = tiling.prompt_text(*grid).removeprefix("<|").removesuffix("|>").split("|><|")
+    ids = first + [ids_of[name] for name in names] + last
+    tiles = [torch.from_numpy(tile[None]) for tile in pixels]
+    images = tuple(
+        ImageInput(hashlib.sha256(t.numpy().tobytes()).digest(), at, n,
+                   TensorBytes("float32", tuple(t.shape), t.numpy().tobytes()),
+                   (1, SIZE // 4, SIZE // 4))
+        for (at, n), t in zip(placeholder_runs(ids, PATCH_ID), tiles, strict=True)
+    )  # fmt: skip
+    return ids, images, tiles
+
+
+def test_a_multi_tile_image_from_the_port_gives_hf_s_tokens_and_is_encoded_once(
+    hf_and_dir: tuple[Llama4ForConditionalGeneration, Path], llm: Any
+) -> None:
+    """The API process's tiling of an image of 2x2 tiles: its prompt layout (four tile runs
+    between separators, then the global view's) and its five tiles, in two prompts that share
+    no block: HF's tokens both times, the second prompt's tiles all from the encoder cache."""
+    from tests.vision_factories import random_image
+
+    before = llm.engine.runner.multimodal.encoded_images
+    for first, last in random_prompts(VOCAB - 4, (6, 9)), random_prompts(VOCAB - 4, (10, 11)):
+        ids, images, tiles = tiled(random_image(2, 70, 40), first, last)
+        assert [image.length for image in images] == [TOKENS] * 5
+        out = llm.generate([ids], PARAMS, detokenize=False, images=[images])
+        assert out[0].token_ids == hf_tokens(hf_and_dir[0], ids, tiles)
+    assert llm.engine.runner.multimodal.encoded_images - before == 5
 
 
 @pytest.mark.parametrize(
