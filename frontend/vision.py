@@ -26,6 +26,7 @@ import math
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +308,7 @@ class VisionProcessor:
                     "a request carries: send fewer or smaller images",
                     param,
                 )
+            processed.prepare_wire()
             out.append(processed)
         return out
 
@@ -456,12 +458,22 @@ class ProcessedImage:
 
     def pieces(self) -> list[ProcessedImage]:
         """What travels as one ImageInput each: the image, or each of Llama 4's tiles."""
+        return list(self._pieces)
+
+    @cached_property
+    def _pieces(self) -> tuple[ProcessedImage, ...]:
         if self.text is None:
-            return [self]
-        return [
+            return (self,)
+        return tuple(
             ProcessedImage(self.pixels[i : i + 1], self.grid_thw, wire_dtype=self.wire_dtype)
             for i in range(len(self.pixels))
-        ]
+        )
+
+    def prepare_wire(self) -> None:
+        """Hash every piece's pixels now: called on the processing thread, so that the SHA-256
+        of megabytes (which lets go of the interpreter lock) never runs on the event loop."""
+        for piece in self._pieces:
+            _ = piece._wire_pixels
 
     @property
     def wire_nbytes(self) -> int:
@@ -469,6 +481,12 @@ class ProcessedImage:
 
     def wire(self, offset: int, length: int) -> ImageInput:
         """The image as an AddRequest carries it, its placeholders at ``offset``."""
+        digest, pixels = self._wire_pixels
+        return ImageInput(digest, offset, length, pixels, self.grid_thw)
+
+    @cached_property
+    def _wire_pixels(self) -> tuple[bytes, TensorBytes]:
+        """The pixels' hash and wire form, made once (``prepare_wire``: off the loop)."""
         # The array's own memory, uncopied: the client sends it as a frame of its own.
         values = self.pixels if self.wire_dtype == "float32" else bfloat16_bits(self.pixels)
         data = memoryview(values).cast("B")
@@ -476,8 +494,7 @@ class ProcessedImage:
         digest = hashlib.sha256()
         digest.update(f"{self.wire_dtype}{shape}{self.grid_thw}".encode())
         digest.update(data)
-        pixels = TensorBytes(self.wire_dtype, shape, data)
-        return ImageInput(digest.digest(), offset, length, pixels, self.grid_thw)
+        return digest.digest(), TensorBytes(self.wire_dtype, shape, data)
 
 
 # ---- a chat request's images ------------------------------------------------------------------
