@@ -15,13 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-from engine_core.llm import LLM
 from engine_core.loader import load_model_config
 from engine_core.models.deepseek import MlaAttention
 from engine_core.parallel import TPGroup
-from protocol.messages import SamplingParams
 from tests.factories import tiny_hf_sizes
-from tests.paged_harness import hf_greedy, random_prompts, randomize
+from tests.paged_harness import random_prompts, randomize
+from tests.tp_cases import Greedy, assert_same_greedy, engine_greedy, hf_reference
 
 VOCAB = 320
 NEW_TOKENS = 12
@@ -64,10 +63,8 @@ def v3_config() -> DeepseekV3Config:
 
 
 @pytest.fixture(scope="module")
-def saved(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Path, list[list[int]], list[list[float]]]:
-    """The model saved once; HF's greedy tokens and their logprobs for PROMPTS."""
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Greedy]:
+    """The model saved once, and HF's greedy tokens and logprobs for PROMPTS."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(v3_config()).eval()
     randomize(model, 0)
@@ -79,38 +76,16 @@ def saved(
                 bias.copy_(torch.randn(bias.shape, generator=gen) * 0.1)
     folder = tmp_path_factory.mktemp("deepseek_v3")
     model.save_pretrained(folder)
-    tokens, logprobs = [], []
-    for prompt in PROMPTS:
-        ref = hf_greedy(model, prompt, NEW_TOKENS)
-        tokens.append(ref.tokens[0])
-        chosen = torch.tensor(ref.tokens[0])[:, None]
-        logprobs.append(ref.logits[0].log_softmax(-1).gather(1, chosen)[:, 0].tolist())
-    return folder, tokens, logprobs
+    return folder, hf_reference(model, PROMPTS, NEW_TOKENS)
 
 
-def test_tp2_matches_hf(saved: tuple[Path, list[list[int]], list[list[float]]]) -> None:
-    folder, tokens, logprobs = saved
-    llm = LLM(
-        str(folder),
-        tensor_parallel_size=2,
-        block_size=4,
-        num_kv_blocks=64,
-        max_model_len=64,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-    )
-    try:
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-        outs = llm.generate(PROMPTS, params, detokenize=False)
-    finally:
-        llm.engine.shutdown()
-    assert [o.token_ids for o in outs] == tokens
-    got = torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs])
-    torch.testing.assert_close(got, torch.tensor(logprobs), atol=1e-4, rtol=0)
+def test_tp2_matches_hf(saved: tuple[Path, Greedy]) -> None:
+    folder, reference = saved
+    assert_same_greedy(engine_greedy(folder, PROMPTS, NEW_TOKENS, tp=2), reference)
 
 
 def test_heads_that_do_not_split_are_refused(
-    saved: tuple[Path, list[list[int]], list[list[float]]],
+    saved: tuple[Path, Greedy],
 ) -> None:
     """4 heads over 3 ranks: refused by name, with both sizes, as the layer is built."""
     config = load_model_config(saved[0])

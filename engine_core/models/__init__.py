@@ -129,9 +129,9 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_vl": Qwen3_5VLForConditionalGeneration,
 }
-# Architectures built for one rank only for now: their new layers (attention sinks, gpt-oss's
-# experts, Qwen3-Next's linear attention) have no tensor-parallel split yet.
-SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "qwen3_next")
+# Architectures built for one rank only for now: Qwen3-Next's linear attention has no
+# tensor-parallel split yet.
+SINGLE_RANK_ARCHITECTURES = ("qwen3_next",)
 
 
 def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Module:
@@ -148,8 +148,7 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
     if tp_size > 1 and config.architecture in SINGLE_RANK_ARCHITECTURES:
         raise ValueError(
             f"--tensor-parallel-size {tp_size}: {config.architecture} models run on one rank "
-            "only for now (their sinks, linear attention and experts have no tensor-parallel "
-            "split yet)"
+            "only for now (their linear attention has no tensor-parallel split yet)"
         )
     if tp_size > 1 and config.vision is not None:
         raise ValueError(
