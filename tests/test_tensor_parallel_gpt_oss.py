@@ -43,3 +43,10 @@ def test_mxfp4_split_inside_a_block_is_refused(tmp_path: Path) -> None:
     config = dataclasses.replace(load_model_config(tmp_path), expert_format="mxfp4")
     with pytest.raises(ValueError, match=r"size 4 does not split intermediate_size 64 on block"):
         GptOssMoE(config, TPGroup(rank=0, size=4))
+
+
+def test_expert_parallelism_is_refused(tmp_path: Path) -> None:
+    make_hf_model().save_pretrained(tmp_path)
+    config = load_model_config(tmp_path)
+    with pytest.raises(ValueError, match="--enable-expert-parallel: gpt-oss"):
+        GptOssMoE(config, TPGroup(rank=0, size=2, expert_parallel=True))

@@ -43,6 +43,11 @@ class GptOssMoE(nn.Module, TPSharded):
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         experts, hidden = config.num_experts, config.hidden_size
+        if tp.expert_parallel:
+            raise ValueError(
+                "--enable-expert-parallel: gpt-oss's experts split along their width only; "
+                "serve it with --tensor-parallel-size alone"
+            )
         inter = check_divisible(
             "expert width (intermediate_size)", config.moe_intermediate_size, tp
         )
