@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from engine_core.loader import load_model_config
@@ -62,18 +63,25 @@ def v3_config() -> DeepseekV3Config:
     )
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Greedy]:
-    """The model saved once, and HF's greedy tokens and logprobs for PROMPTS."""
+def hf_model() -> nn.Module:
+    """Random weights; the router's correction bias random too (HF zeroes it), so it moves the
+    choice of experts."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(v3_config()).eval()
     randomize(model, 0)
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # HF zeroes the router's correction bias; random, it moves choices
+    with torch.no_grad():
         for layer in model.model.layers:
             bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
             if bias is not None:
                 bias.copy_(torch.randn(bias.shape, generator=gen) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Greedy]:
+    """The model saved once, and HF's greedy tokens and logprobs for PROMPTS."""
+    model = hf_model()
     folder = tmp_path_factory.mktemp("deepseek_v3")
     model.save_pretrained(folder)
     return folder, hf_reference(model, PROMPTS, NEW_TOKENS)

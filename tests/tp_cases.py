@@ -5,6 +5,7 @@ logprobs, and one engine's greedy run at a tensor-parallel size over gloo on the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,17 +28,19 @@ def hf_reference(model: nn.Module, prompts: list[list[int]], new_tokens: int) ->
     return tokens, torch.stack(logprobs)
 
 
-def engine_greedy(folder: Path, prompts: list[list[int]], new_tokens: int, tp: int) -> Greedy:
-    """The engine's greedy tokens and their logprobs at tensor-parallel size ``tp``."""
-    llm = LLM(
-        str(folder),
-        tensor_parallel_size=tp,
-        block_size=4,
-        num_kv_blocks=64,
-        max_model_len=64,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-    )
+def engine_greedy(
+    folder: Path, prompts: list[list[int]], new_tokens: int, tp: int, **settings: Any
+) -> Greedy:
+    """The engine's greedy tokens and their logprobs at tensor-parallel size ``tp``;
+    ``settings`` override the engine's (a device, a block size)."""
+    defaults: dict[str, Any] = {
+        "block_size": 4,
+        "num_kv_blocks": 64,
+        "max_model_len": 64,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 8,
+    }
+    llm = LLM(str(folder), tensor_parallel_size=tp, **(defaults | settings))
     try:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=1)
         outs = llm.generate(prompts, params, detokenize=False)
