@@ -24,7 +24,7 @@ from tests.paged_harness import random_prompts, randomize
 from tests.tp_cases import Greedy, assert_same_greedy, engine_greedy, hf_reference
 
 VOCAB = 320
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 PROMPTS = random_prompts(VOCAB, (5, 11, 23))
 MLA = {
     "kv_lora_rank": 32,

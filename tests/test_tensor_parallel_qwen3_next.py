@@ -20,7 +20,7 @@ from tests.paged_harness import random_prompts, randomize
 from tests.test_models_qwen3_next import VOCAB, tiny_config
 from tests.tp_cases import assert_same_greedy, engine_greedy, hf_reference
 
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 PROMPTS = random_prompts(VOCAB, (5, 11, 23))
 
 
