@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from tests import test_tensor_parallel_deepseek as deepseek
 from tests.paged_harness import random_prompts, randomize
+from tests.test_models_deepseek import make_hf_model as deepseek_model
 from tests.test_models_gpt_oss import make_hf_model as gpt_oss_model
 from tests.test_models_gpt_oss import write_mxfp4_checkpoint
 from tests.test_models_qwen3_next import VOCAB, tiny_config
@@ -43,7 +43,7 @@ def saved(make: Callable[[], nn.Module], folder: Path) -> nn.Module:
 
 
 WRITERS: dict[str, Callable[[Path], nn.Module]] = {
-    "deepseek_v3": lambda folder: saved(deepseek.hf_model, folder),
+    "deepseek_v3": lambda folder: saved(lambda: deepseek_model("v3"), folder),
     "gpt_oss": lambda folder: saved(gpt_oss_model, folder),
     "gpt_oss_mxfp4": lambda folder: write_mxfp4_checkpoint(gpt_oss_model(), folder),
     "qwen3_next": lambda folder: saved(qwen3_next_model, folder),
