@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from engine_core.models import model_config_from_hf
 from engine_core.models.qwen3_next import GatedDeltaNet
-from engine_core.parallel import TPGroup
+from engine_core.parallel import TPGroup, check_tensor_parallel
 from tests.paged_harness import random_prompts, randomize
 from tests.test_models_qwen3_next import VOCAB, tiny_config
 from tests.tp_cases import assert_same_greedy, engine_greedy, hf_reference
@@ -40,3 +40,14 @@ def test_key_heads_that_do_not_split_are_refused() -> None:
     config = model_config_from_hf(tiny_config(num_hidden_layers=2).to_dict())
     with pytest.raises(ValueError, match=r"size 4 does not divide .*key heads \(2\)"):
         GatedDeltaNet(config, TPGroup(rank=0, size=4))
+
+
+def test_sizes_that_do_not_split_the_key_heads_are_refused_before_workers_start() -> None:
+    """One key head (serving two value heads) over 2 ranks; the attention's 4 heads and 2 KV
+    heads would split: refused, naming the key heads."""
+    one_key_head = tiny_config(
+        num_hidden_layers=2, linear_num_key_heads=1, linear_num_value_heads=2
+    )
+    config = model_config_from_hf(one_key_head.to_dict())
+    with pytest.raises(ValueError, match=r"linear-attention key heads \(1\)"):
+        check_tensor_parallel(config, 2)
