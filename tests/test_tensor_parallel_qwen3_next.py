@@ -9,10 +9,13 @@ experts and a shared one. One TP=2 engine runs the batch; the 23-token prompt is
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine_core.memory_plan import state_slot_bytes
 from engine_core.models import model_config_from_hf
 from engine_core.models.qwen3_next import GatedDeltaNet
 from engine_core.parallel import TPGroup, check_tensor_parallel
@@ -51,3 +54,13 @@ def test_sizes_that_do_not_split_the_key_heads_are_refused_before_workers_start(
     config = model_config_from_hf(one_key_head.to_dict())
     with pytest.raises(ValueError, match=r"linear-attention key heads \(1\)"):
         check_tensor_parallel(config, 2)
+
+
+def test_a_state_slot_is_counted_for_the_ranks_heads() -> None:
+    """The memory plan's bytes of a slot on each of 2 ranks: what the rank's layer allocates
+    for one slot (its state_shapes), half the single rank's."""
+    config = model_config_from_hf(tiny_config(num_hidden_layers=2).to_dict())
+    layer = GatedDeltaNet(config, TPGroup(rank=1, size=2))
+    elements = sum(math.prod(shape) for shape in layer.state_shapes(1))
+    assert state_slot_bytes(config, torch.float32, 2) == elements * 4  # one linear layer
+    assert 2 * state_slot_bytes(config, torch.float32, 2) == state_slot_bytes(config, torch.float32)
