@@ -153,14 +153,15 @@ def kv_block_bytes(
     return block_size * per_layer * layers * kv_dtype.itemsize
 
 
-def state_slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one linear-attention state slot (Qwen3-Next): every such layer's convolution
-    inputs and recurrent state, in the model's dtype; 0 for a model without such layers."""
+def state_slot_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one linear-attention state slot (Qwen3-Next) on one of ``tp_size`` ranks: every
+    such layer's convolution inputs and recurrent state for the rank's share of the heads, in
+    the model's dtype; 0 for a model without such layers."""
     la = config.linear_attention
     if la is None:
         return 0
     layers = config.num_layers - len(config.attention_layer_ids)
-    return layers * la.state_elements * dtype.itemsize
+    return layers * la.state_elements // tp_size * dtype.itemsize
 
 
 def min_kv_bytes(
@@ -234,7 +235,7 @@ def plan_memory(
     # slot (at most: eager engines allocate none), and the saved states of prefix hits
     # (--state-snapshots), beside the blocks (the runner takes them out of the same budget).
     slots = config.max_num_seqs + (device.type == "cuda") + config.num_state_snapshots()
-    states = slots * state_slot_bytes(model_config, dtype)
+    states = slots * state_slot_bytes(model_config, dtype, config.tensor_parallel_size)
     least += states
     kv, source = least, f"one sequence of {max_model_len} tokens"
     if config.num_kv_blocks:

@@ -514,7 +514,9 @@ class ModelRunner:
 
     def _kv_blocks_that_fit(self) -> int:
         # The state slots come out of the same budget as the blocks (memory_plan.py).
-        states = self._state_tensor_slots * state_slot_bytes(self.model_config, self.dtype)
+        tp_size = self.config.tensor_parallel_size
+        slot = state_slot_bytes(self.model_config, self.dtype, tp_size)
+        states = self._state_tensor_slots * slot
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free

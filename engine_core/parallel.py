@@ -353,6 +353,8 @@ def check_tensor_parallel(config: ModelConfig, size: int, expert_parallel: bool 
     if expert_parallel and not config.num_experts:
         raise ValueError("--enable-expert-parallel is for mixture-of-experts models; this has none")
     parts = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads}
+    if config.linear_attention is not None:  # split by key-head groups (models/qwen3_next.py)
+        parts["linear-attention key heads"] = config.linear_attention.num_key_heads
     if config.has_dense_mlp:
         parts["MLP width (intermediate_size)"] = config.intermediate_size
     if expert_parallel:  # whole experts, 1/size of them on each rank

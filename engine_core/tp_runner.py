@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from common.processes import set_parent_death_signal
 from engine_core.config import EngineConfig, ModelConfig
+from engine_core.forward_context import StateRows
 from engine_core.kv_offload import KVMoves
 from engine_core.lora.manager import LoraChanges
 from engine_core.model_runner import (
@@ -89,6 +90,7 @@ from engine_core.parallel import (
     leave_tp_group,
 )
 from engine_core.request import SchedulerOutput
+from engine_core.state_snapshots import StateCopy
 from protocol.messages import LoraRef
 
 logger = logging.getLogger("tandem.tp")
@@ -133,10 +135,12 @@ class StepChannel:
         prompt_rows: list[int] | None,
         moves: KVMoves | None = None,
         lora: LoraStep | None = None,
+        state: StateStep | None = None,
     ) -> None:
         copies = None if moves is None else dataclasses.astuple(moves)
         adapters = None if lora is None else lora.pack()
-        header = [list(counts), data, prompt_rows, copies, adapters]
+        states = None if state is None else state.pack()
+        header = [list(counts), data, prompt_rows, copies, adapters, states]
         self._send_header(_STEP, msgpack.packb(header))
 
     def send_stop(self) -> None:
@@ -147,10 +151,11 @@ class StepChannel:
         header = self._recv_header()
         if header is None:
             return None
-        counts, data, prompt_rows, copies, adapters = msgpack.unpackb(header)
+        counts, data, prompt_rows, copies, adapters, states = msgpack.unpackb(header)
         moves = None if copies is None else KVMoves(*copies)
         lora = None if adapters is None else LoraStep.unpack(adapters)
-        return StepMessage(tuple(counts), data, prompt_rows, moves, lora)
+        state = None if states is None else StateStep.unpack(states)
+        return StepMessage(tuple(counts), data, prompt_rows, moves, lora, state)
 
     def _send_header(self, kind: int, payload: bytes) -> None:
         tensors = [torch.tensor([kind, len(payload)], dtype=torch.int64)]
@@ -213,12 +218,39 @@ class LoraStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateStep:
+    """A step's linear-attention part (Qwen3-Next): each scheduled request's state slot and
+    whether its chunk starts it afresh, in row order, and the copies between slots and saved
+    states rank 0's block manager planned; every rank keeps its heads' share of each slot."""
+
+    slots: list[int]
+    fresh: list[bool]
+    copies: list[StateCopy]
+
+    @staticmethod
+    def of(out: SchedulerOutput) -> StateStep:
+        scheduled = out.scheduled
+        slots, fresh = [s.state_slot for s in scheduled], [s.start == 0 for s in scheduled]
+        return StateStep(slots, fresh, list(out.state_copies))
+
+    def pack(self) -> list[Any]:
+        copies = [[c.slot, c.snapshot, c.save] for c in self.copies]
+        return [self.slots, self.fresh, copies]
+
+    @staticmethod
+    def unpack(fields: list[Any]) -> StateStep:
+        slots, fresh, copies = fields
+        return StateStep(slots, fresh, [StateCopy(*c) for c in copies])
+
+
+@dataclasses.dataclass(frozen=True)
 class StepMessage:
     counts: tuple[int, ...]  # the packed step's layout, its widest table (InputBatch.unpack)
     data: bytes  # its host bytes
     prompt_rows: list[int] | None  # rows whose logits score prompt tokens, or None
     moves: KVMoves | None = None  # the host KV tier's copies, made before the forward
     lora: LoraStep | None = None  # with --enable-lora: the adapters' changes, the rows' slots
+    state: StateStep | None = None  # with linear-attention layers: the rows' state slots
 
 
 # ---- the runners ------------------------------------------------------------------------------
@@ -292,8 +324,9 @@ class TPModelRunner(_ShardedRunner):
         lora = None
         if self.loras is not None:
             lora = LoraStep(self.loras.take_changes(), self._lora_slots(out))
+        state = StateStep.of(out) if self.num_state_slots else None
         step = self.input_batch.last_step()
-        self.channel.send(*step, inputs.prompt_rows_cpu, out.kv_moves, lora)
+        self.channel.send(*step, inputs.prompt_rows_cpu, out.kv_moves, lora, state)
         return inputs
 
     def step_failed(self, error: BaseException) -> None:
@@ -349,6 +382,10 @@ class TPWorker(_ShardedRunner):
             assert self.loras is not None  # every rank built its slots from the same config
             self.loras.follow(step.lora.changes)  # before the forward that may read them
             inputs.lora = self._lora_rows(step.lora.slots, packed.meta.query_start_loc_cpu)
+        if step.state is not None:
+            self._copy_states(step.state.copies)  # before this step reads the slots
+            starts = packed.meta.query_start_loc_cpu
+            inputs.state = StateRows.plan(step.state.slots, step.state.fresh, starts, self.device)
         hidden = self._forward(inputs)  # [T, hidden]
         if not self.stage.is_last:  # [2, T, hidden]: the stage's output, for the next one
             self.stage.send_activations(hidden)

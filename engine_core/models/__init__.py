@@ -129,10 +129,6 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_vl": Qwen3_5VLForConditionalGeneration,
 }
-# Architectures built for one rank only for now: their new layers (attention sinks' and MLA's
-# caches, gpt-oss's and DeepSeek's experts, Qwen3-Next's linear attention) have no
-# tensor-parallel split yet.
-SINGLE_RANK_ARCHITECTURES = ("gpt_oss", "deepseek", "qwen3_next")
 
 
 def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Module:
@@ -146,12 +142,6 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
             f"unknown architecture {config.architecture!r}; expected one of {list(_MODEL_CLASSES)}"
         ) from None
     tp_size = get_tp_group().size
-    if tp_size > 1 and config.architecture in SINGLE_RANK_ARCHITECTURES:
-        raise ValueError(
-            f"--tensor-parallel-size {tp_size}: {config.architecture} models run on one rank "
-            "only for now (their sinks, latent attention and experts have no tensor-parallel "
-            "split yet)"
-        )
     if tp_size > 1 and config.vision is not None:
         raise ValueError(
             f"--tensor-parallel-size {tp_size}: vision-language models run on one rank only for "

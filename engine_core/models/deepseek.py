@@ -21,8 +21,11 @@ models/quantize.py does for any model) except ``kv_b_proj``, which the absorbed 
 a matrix: it is dequantized into the model's dtype once loaded (``LatentUpProjection``), and the
 latent it multiplies is not quantized, as vLLM computes it too.
 
+Tensor parallelism splits the heads (q_b, kv_b and o; the latent is every rank's), the shared
+experts and every routed expert along its width; the dense layers' MLP as Llama's.
+
 Refused by name (models/__init__.py ``deepseek_fields``): quantization formats other than FP8,
-tensor parallelism, ``--kv-cache-dtype fp8``.
+``--kv-cache-dtype fp8``.
 The multi-token-prediction layer some checkpoints carry (``model.layers.<num_layers>``) is
 skipped here; speculative decoding loads it on its own (engine_core/mtp.py).
 """
@@ -41,7 +44,17 @@ from torch import nn
 from engine_core.attention.mla import LatentAttention
 from engine_core.config import Fp8Config, MlaConfig, ModelConfig
 from engine_core.models.fp8 import dequantize
-from engine_core.models.layers import Linear, RMSNorm, apply_rotary, load_mapped_weights
+from engine_core.models.layers import (
+    Linear,
+    RMSNorm,
+    TPSharded,
+    apply_rotary,
+    check_divisible,
+    column_parallel_linear,
+    load_mapped_weights,
+    rank_rows,
+    row_parallel_linear,
+)
 from engine_core.models.llama import LlamaForCausalLM, LlamaMLP, first_norm, make_norm
 from engine_core.models.moe import Routing, SparseMoE
 from engine_core.parallel import SINGLE, TPGroup
@@ -52,29 +65,32 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 class MlaAttention(nn.Module):
     """DeepSeek's attention projections around a LatentAttention; HF's parameter names."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         mla = config.mla
         assert mla is not None
         hidden, heads = config.hidden_size, config.num_heads
-        self.heads, self.mla = heads, mla
+        # Under tensor parallelism each rank keeps its heads' rows of q_b and kv_b and their
+        # columns of o; the latent and rotary key (kv_a) are every head's, so kv_a, q_a and their
+        # norms are replicated and each rank caches the whole latent for its own heads' use.
+        self.heads, self.mla = check_divisible("number of attention heads", heads, tp), mla
         qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         bias = config.attention_bias
         if mla.q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * qk_dim, bias=False)
+            self.q_proj = column_parallel_linear(hidden, [heads * qk_dim], False, tp)
         else:
             self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
-            self.q_b_proj = Linear(mla.q_lora_rank, heads * qk_dim, bias=False)
+            self.q_b_proj = column_parallel_linear(mla.q_lora_rank, [heads * qk_dim], False, tp)
         self.kv_a_proj_with_mqa = Linear(hidden, mla.cache_width, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
         self.kv_b_proj = LatentUpProjection(
-            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), tp
         )
-        self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
+        self.o_proj = row_parallel_linear(heads * mla.v_head_dim, hidden, bias, tp)
         scale = qk_dim**-0.5 * softmax_mscale(config.rope_scaling) ** 2
         self.attn = LatentAttention(
-            heads,
+            self.heads,
             mla.kv_lora_rank,
             mla.qk_nope_head_dim,
             mla.qk_rope_head_dim,
@@ -108,15 +124,25 @@ class MlaAttention(nn.Module):
         return apply_rotary(x, cos, sin)
 
 
-class LatentUpProjection(Linear):
+class LatentUpProjection(Linear, TPSharded):
     """``kv_b_proj``: the absorbed decode reads its weight as W_UK and W_UV, so the weight stays a
     plain matrix in the model's dtype: never packed for oneDNN, and an FP8 checkpoint's e4m3
     weight dequantized once it is in (the memory plan counted it in e4m3: the difference is one
-    byte per element of this projection, about 1 GiB over DeepSeek-V3's 61 layers)."""
+    byte per element of this projection, about 1 GiB over DeepSeek-V3's 61 layers).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+    Its rows are head-major, so under tensor parallelism a rank keeps the contiguous rows (and
+    block scales) of its own heads."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE) -> None:
+        local = check_divisible("latent up-projection width (kv_b_proj)", out_features, tp)
+        super().__init__(in_features, local, bias=False)
+        self.tp = tp
         self.plain_dtype = self.weight.dtype  # the model's, as it is built
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        return rank_rows(tensor, self.tp)
 
     def pack_for_cpu(self) -> None:
         return
@@ -158,6 +184,13 @@ class DeepseekMoE(SparseMoE):
         self.shared_experts = (
             LlamaMLP(dataclasses.replace(config, intermediate_size=shared), tp) if shared else None
         )
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        if param_name == "e_score_correction_bias":  # the router's: every rank routes alike
+            return tensor
+        return super().narrow_checkpoint(param_name, tensor, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> routed experts' sum + shared experts', [T, hidden]."""
@@ -225,7 +258,7 @@ class DeepseekDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = make_norm(config, config.hidden_size)
-        self.self_attn = MlaAttention(config)
+        self.self_attn = MlaAttention(config, tp)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         moe = config.is_moe_layer(layer)
         self.mlp = DeepseekMoE(config, tp) if moe else LlamaMLP(config, tp)

@@ -11,6 +11,9 @@ What differs from the Llama checkpoint layout is mapped here, once, as the weigh
   ``down_proj`` [E, I, H] becomes ``w2 [E, H, I]``;
 - MXFP4's ``*_blocks`` [E, rows, cols / 32, 16] and ``*_scales`` [E, rows, cols / 32] are
   already output-major: their rows are sorted the same way, the blocks' last dims merged.
+
+Under tensor parallelism the attention splits by heads as Llama's does, each rank keeping its
+heads' sinks; the experts split as gpt_oss_moe.py says.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from typing import Any
 
 import torch
 
-from engine_core.models.layers import load_mapped_weights
+from engine_core.models.layers import load_mapped_weights, rank_rows
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.mxfp4 import check_mxfp4_config
+from engine_core.parallel import SINGLE, TPGroup
 
 _EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _OURS = {"gate_up_proj": "w13", "down_proj": "w2"}
@@ -39,7 +43,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     cuda_graph_safe = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_mapped_weights(self, gpt_oss_tensors(weights), self.map_name)
+        load_mapped_weights(self, gpt_oss_tensors(weights, self.tp), self.map_name)
 
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         if hf_name.endswith(".self_attn.sinks"):
@@ -50,11 +54,15 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
 
 def gpt_oss_tensors(
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor]], tp: TPGroup = SINGLE
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF's tensors with the experts' put into our layout and names (see the module docstring);
-    every other tensor as it is."""
+    the sinks [H] cut to this rank's heads (the attention layer that keeps them splits nothing
+    itself); every other tensor as it is."""
     for name, tensor in weights:
+        if name.endswith(".self_attn.sinks"):
+            yield name, rank_rows(tensor, tp)
+            continue
         match = _EXPERTS.match(name)
         if match is None:
             yield name, tensor

@@ -15,6 +15,12 @@ weight, and the result is the dequantized model's exactly.
 
 On CUDA the MXFP4 experts run through mxfp4_moe.py's kernels (no host sync); bf16 experts, and
 every expert on the CPU, through ``moe.grouped_experts`` (torch, one host sync a layer).
+
+Under tensor parallelism every expert is split along its width I, as models/moe.py splits
+experts: each rank keeps its 1/size of the gate and up rows (and of ``b13``) and of the down
+columns, and the ranks' partial outputs are summed. MXFP4's down columns are split in whole
+32-value blocks (a split inside a block is refused by name); ``b2`` is added once, by rank 0's
+share (the others hold zeros). The router is replicated.
 """
 
 from __future__ import annotations
@@ -25,20 +31,27 @@ from torch import nn
 
 from engine_core.config import ModelConfig
 from engine_core.models import mxfp4
-from engine_core.models.layers import use_triton
+from engine_core.models.layers import TPSharded, check_divisible, rank_rows, use_triton
 from engine_core.models.moe import grouped_experts
+from engine_core.parallel import SINGLE, TPGroup
 
 
-class GptOssMoE(nn.Module):
-    """Router (``router``, with bias) and the stacked experts, plain or MXFP4."""
+class GptOssMoE(nn.Module, TPSharded):
+    """Router (``router``, with bias) and the stacked experts, plain or MXFP4; under tensor
+    parallelism this rank's share of every expert's width."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        experts, hidden, inter = (
-            config.num_experts,
-            config.hidden_size,
-            config.moe_intermediate_size,
+        experts, hidden = config.num_experts, config.hidden_size
+        if tp.expert_parallel:
+            raise ValueError(
+                "--enable-expert-parallel: gpt-oss's experts split along their width only; "
+                "serve it with --tensor-parallel-size alone"
+            )
+        inter = check_divisible(
+            "expert width (intermediate_size)", config.moe_intermediate_size, tp
         )
+        self.tp = tp
         self.top_k, self.num_experts = config.num_experts_per_tok, experts
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         self.router = nn.Linear(hidden, experts, bias=True)
@@ -46,9 +59,12 @@ class GptOssMoE(nn.Module):
         if self.mxfp4:
             for name, rows, cols in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
                 if cols % mxfp4.BLOCK:
+                    split = f" (this rank's 1/{tp.size} of it)" if tp.size > 1 else ""
                     raise ValueError(
                         f"MXFP4 experts need widths of whole {mxfp4.BLOCK}-value blocks; {name} "
-                        f"has {cols} input columns"
+                        f"has {cols} input columns{split}: --tensor-parallel-size {tp.size} "
+                        f"does not split intermediate_size {config.moe_intermediate_size} on "
+                        "block boundaries"
                     )
                 blocks = torch.empty(experts, rows, cols // 2, dtype=torch.uint8)
                 scales = torch.empty(experts, rows, cols // mxfp4.BLOCK, dtype=torch.uint8)
@@ -60,8 +76,28 @@ class GptOssMoE(nn.Module):
         self.b13 = nn.Parameter(torch.empty(experts, 2 * inter))
         self.b2 = nn.Parameter(torch.empty(experts, hidden))
 
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        """This rank's share of a stacked expert tensor in our layout (models/gpt_oss.py):
+        gate and up rows each split, down's columns (bytes of MXFP4 blocks, or their scales)
+        split, b2 kept by rank 0 alone."""
+        if self.tp.size == 1:
+            return tensor
+        if param_name == "b2":
+            return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+        if param_name.startswith("w2"):  # [E, H, I], [E, H, I/2] bytes, [E, H, I/32] scales
+            return rank_rows(tensor, self.tp, dim=2)
+        gate, up = tensor.chunk(2, dim=1)  # w13* [E, 2I, ...], b13 [E, 2I]
+        return torch.cat((rank_rows(gate, self.tp, 1), rank_rows(up, self.tp, 1)), dim=1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
+        out = self.local_experts(x)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def local_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the experts' output, [T, hidden]."""
         weights, ids = route_gpt_oss(self.router(x), self.top_k)  # [T, K] each
         if not self.mxfp4:
             return grouped_experts(x, weights, ids, self.num_experts, self.dense_expert)

@@ -178,7 +178,7 @@ def make_mlp(config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module:
     """Layer ``layer``'s MLP: a mixture of experts where the config has one (Mixtral, Qwen3-MoE;
     engine_core/models/moe.py; gpt-oss's, models/gpt_oss_moe.py), else dense."""
     if config.is_moe_layer(layer) and config.moe_router == "gpt_oss":
-        return GptOssMoE(config)
+        return GptOssMoE(config, tp)
     if config.is_moe_layer(layer):
         return SparseMoE(config, tp)
     return LlamaMLP(config, tp)

@@ -51,7 +51,15 @@ from engine_core.models.delta_rule import (
     fla_kernels,
     recurrent_gated_delta_step,
 )
-from engine_core.models.layers import Linear, MergedLinear
+from engine_core.models.layers import (
+    Linear,
+    MergedLinear,
+    TPSharded,
+    check_divisible,
+    column_parallel_linear,
+    rank_rows,
+    row_parallel_linear,
+)
 from engine_core.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -84,28 +92,39 @@ VISION_TOWER_PREFIX = "model.visual."  # a Qwen3.5 ConditionalGeneration checkpo
 logger = logging.getLogger(__name__)
 
 
-class GatedDeltaNet(nn.Module):
-    """One linear-attention layer; parameter names follow HF's ``linear_attn``."""
+class GatedDeltaNet(nn.Module, TPSharded):
+    """One linear-attention layer; parameter names follow HF's ``linear_attn``.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism each rank keeps whole key-head groups (a key head and the value
+    heads it serves): their rows of in_proj_qkvz and in_proj_ba (grouped by key head in the
+    checkpoint), their q, k and v channels of the convolution, their A_log and dt_bias, their
+    columns of out_proj (summed over the ranks); the gated norm (one per head dim) whole.
+    ``self.la`` is this rank's share, so the forward and the state slots are the local heads'."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        la = config.linear_attention
-        assert la is not None
-        self.la = la
+        self.la = la = local_heads(config, tp)
+        self.tp = tp
         self.key_dim = la.num_key_heads * la.key_head_dim
         self.value_dim = la.num_value_heads * la.value_head_dim
         hidden = config.hidden_size
-        self.in_proj_qkvz, self.in_proj_ba = input_projections(hidden, la)
+        self.in_proj_qkvz, self.in_proj_ba = input_projections(hidden, la, tp)
         conv_dim = la.conv_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, la.conv_kernel, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(la.num_value_heads))
         self.norm = GatedRMSNorm(la.value_head_dim, config.norm_eps)
-        self.out_proj = Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = row_parallel_linear(self.value_dim * tp.size, hidden, False, tp)
         # The state slots' tensors, bound by the runner: [slots, conv_dim, kernel - 1] and
         # [slots, value_heads, key_head_dim, value_head_dim].
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        """A_log and dt_bias [Hv]: this rank's value heads (the norm has no TP split)."""
+        return rank_rows(tensor, self.tp)
 
     def state_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
         la = self.la
@@ -292,20 +311,49 @@ class GatedDeltaNet(nn.Module):
         return q * la.key_head_dim**-0.5, k, v.view(num, la.num_value_heads, -1)
 
 
-def input_projections(hidden: int, la: LinearAttentionConfig) -> tuple[Linear, Linear]:
-    """(in_proj_qkvz, in_proj_ba): Qwen3-Next's two checkpoint tensors as they are; Qwen3.5's
-    four loaded as the shards of two merged projections (q/k/v then z; b then a), so each
-    layout takes two GEMMs."""
+def input_projections(
+    hidden: int, la: LinearAttentionConfig, tp: TPGroup = SINGLE
+) -> tuple[Linear, Linear]:
+    """(in_proj_qkvz, in_proj_ba) for ``la``'s (this rank's) heads: Qwen3-Next's two checkpoint
+    tensors as they are (rows grouped by key head, so a rank's are contiguous); Qwen3.5's four
+    loaded as the shards of two merged projections (q/k/v then z; b then a), so each layout
+    takes two GEMMs."""
     value_dim = la.num_value_heads * la.value_head_dim
     if la.separate_projections:
+        if tp.size > 1:
+            raise ValueError(
+                f"--tensor-parallel-size {tp.size}: Qwen3.5's separate linear-attention "
+                "projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) have no "
+                "tensor-parallel split yet; Qwen3-Next's merged ones do"
+            )
         return (
             MergedLinear(hidden, [la.conv_dim, value_dim], bias=False),
             MergedLinear(hidden, [la.num_value_heads] * 2, bias=False),
         )
     return (
-        Linear(hidden, la.conv_dim + value_dim, bias=False),
-        Linear(hidden, 2 * la.num_value_heads, bias=False),
+        column_parallel_linear(hidden, [tp.size * (la.conv_dim + value_dim)], False, tp),
+        column_parallel_linear(hidden, [tp.size * 2 * la.num_value_heads], False, tp),
     )
+
+
+def local_heads(config: ModelConfig, tp: TPGroup) -> LinearAttentionConfig:
+    """The linear attention's heads on this rank: 1/size of the key heads, each with its value
+    heads; a ValueError naming the count that does not divide."""
+    la = config.linear_attention
+    assert la is not None
+    return dataclasses.replace(
+        la,
+        num_key_heads=check_divisible("linear-attention key heads", la.num_key_heads, tp),
+        num_value_heads=check_divisible("linear-attention value heads", la.num_value_heads, tp),
+    )
+
+
+def conv_channels(la: LinearAttentionConfig, tp: TPGroup, weight: torch.Tensor) -> torch.Tensor:
+    """This rank's channels of the convolution's checkpoint weight [C, 1, K]: its q, k and v
+    channels, each from that block of the full weight (``la`` is this rank's share)."""
+    key, value = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+    blocks = weight.split([key * tp.size, key * tp.size, value * tp.size], dim=0)
+    return torch.cat([rank_rows(block, tp) for block in blocks], dim=0)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -353,7 +401,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.self_attn: LlamaAttention | None = None
         self.linear_attn: GatedDeltaNet | None = None
         if config.is_linear_attention_layer(layer):
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = GatedDeltaNet(config, tp)
         else:
             self.self_attn = LlamaAttention(config, tp, layer)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
@@ -396,7 +444,20 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.vision is None:  # a text-only build (models/qwen3_5_vl.py builds one)
             weights = without_vision_tower(weights)
+        if self.tp.size > 1:
+            weights = self.rank_conv_channels(weights)
         super().load_weights(weights)
+
+    def rank_conv_channels(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream with each convolution weight cut to this rank's channels (nn.Conv1d
+        splits nothing itself)."""
+        layers = self.linear_attention_layers()
+        for name, tensor in weights:
+            if name.endswith(".linear_attn.conv1d.weight") and layers:
+                tensor = conv_channels(layers[0].la, self.tp, tensor)
+            yield name, tensor
 
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         """HF's names, in the CausalLM layout or (Qwen3.5) the ConditionalGeneration one,
