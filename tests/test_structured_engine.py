@@ -18,8 +18,9 @@ import torch
 
 from engine_core.llm import LLM
 from protocol.address import private_ipc_address, remove_ipc_files
-from protocol.client import EngineClient, EngineRequestError, is_last, split_outputs
+from protocol.client import EngineClient, EngineRequestError
 from protocol.messages import Constraint, ConstraintKind, FinishReason, SamplingParams
+from tests.server_fixture import outputs_of
 from tests.structured_cases import (
     CHOICES,
     GRAMMAR,
@@ -200,22 +201,6 @@ def engine_address(default_model_dir: Path) -> Iterator[str]:
         remove_ipc_files(address)
 
 
-def collect_outputs(client: EngineClient, request_ids: set[str]) -> dict[str, list]:
-    """Each request's outputs, in order, read until all of ``request_ids`` have finished."""
-    outs: dict[str, list] = {rid: [] for rid in request_ids}
-    pending = set(request_ids)
-    while pending:
-        msg = client.recv(timeout=120)
-        assert msg is not None, f"no output for {sorted(pending)} within 120 s"
-        for rid, item in split_outputs(msg):
-            if isinstance(item, Exception):
-                raise item
-            outs[rid].append(item)
-            if is_last(item):
-                pending.discard(rid)
-    return outs
-
-
 def test_raw_zmq_client_gets_schema_valid_json(engine_address: str, llm: LLM) -> None:
     """Every schema's request in flight at once (batched, as a server's would be), each read
     back from the shared stream by its id."""
@@ -225,7 +210,7 @@ def test_raw_zmq_client_gets_schema_valid_json(engine_address: str, llm: LLM) ->
         client.connect(timeout=120)
         for i, (rid, schema) in enumerate(schemas.items()):
             client.add_request(rid, prompt, sampled(schema_constraint(schema), i))
-        outs = collect_outputs(client, set(schemas))
+        outs = outputs_of(client, set(schemas), timeout=120)
         for rid, schema in schemas.items():
             text = llm.tokenizer.decode(
                 [t for o in outs[rid] for t in o.new_token_ids], skip_special_tokens=True
