@@ -32,6 +32,7 @@ import pytest
 from common.processes import die_with_parent, pid_alive
 
 if TYPE_CHECKING:
+    from protocol.client import EngineClient
     from protocol.messages import Stats
 
 MAX_MODEL_LEN = 2048
@@ -283,3 +284,26 @@ def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
     finally:
         stop_server(srv)
+
+
+def outputs_of(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:
+    """Read StepOutputs until every expected id has finished: id -> its RequestOutputs (an end
+    without tokens, an abort, as an output without tokens, as split_outputs gives it)."""
+    from protocol.client import split_outputs
+    from protocol.messages import RequestError, StepOutputs
+
+    outputs: dict[str, list] = {rid: [] for rid in expected}
+    pending = set(expected)
+    deadline = time.monotonic() + timeout
+    while pending:
+        assert time.monotonic() < deadline, f"requests never finished: {sorted(pending)[:5]}"
+        msg = client.recv(timeout=1.0)
+        if isinstance(msg, RequestError):
+            raise AssertionError(f"engine error for {msg.request_id}: {msg.message}")
+        if not isinstance(msg, StepOutputs):
+            continue
+        for rid, out in split_outputs(msg):
+            outputs[rid].append(out)
+            if out.finish_reason is not None:
+                pending.discard(rid)
+    return outputs

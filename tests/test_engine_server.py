@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
-from protocol.client import EngineClient, split_outputs
+from protocol.client import EngineClient
 from protocol.messages import (
     PROTOCOL_VERSION,
     ControlKind,
@@ -25,6 +25,7 @@ from protocol.messages import (
     SamplingParams,
     StepOutputs,
 )
+from tests.server_fixture import outputs_of
 
 pytestmark = pytest.mark.slow
 
@@ -106,26 +107,6 @@ def hf_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
             )
         results.append(out[0, len(ids) :].tolist())
     return results
-
-
-def outputs_of(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:
-    """Read StepOutputs until every expected id has finished: id -> its RequestOutputs (an end
-    without tokens, an abort, as an output without tokens, as split_outputs gives it)."""
-    outputs: dict[str, list] = {rid: [] for rid in expected}
-    pending = set(expected)
-    deadline = time.monotonic() + timeout
-    while pending:
-        assert time.monotonic() < deadline, f"requests never finished: {sorted(pending)[:5]}"
-        msg = client.recv(timeout=1.0)
-        if isinstance(msg, RequestError):
-            raise AssertionError(f"engine error for {msg.request_id}: {msg.message}")
-        if not isinstance(msg, StepOutputs):
-            continue
-        for rid, out in split_outputs(msg):
-            outputs[rid].append(out)
-            if out.finish_reason is not None:
-                pending.discard(rid)
-    return outputs
 
 
 def collect(client: EngineClient, expected: set[str], timeout: float = 300) -> dict[str, list]:

@@ -20,6 +20,7 @@ from engine_core.llm import LLM
 from protocol.address import private_ipc_address, remove_ipc_files
 from protocol.client import EngineClient, EngineRequestError
 from protocol.messages import Constraint, ConstraintKind, FinishReason, SamplingParams
+from tests.server_fixture import outputs_of
 from tests.structured_cases import (
     CHOICES,
     GRAMMAR,
@@ -201,17 +202,20 @@ def engine_address(default_model_dir: Path) -> Iterator[str]:
 
 
 def test_raw_zmq_client_gets_schema_valid_json(engine_address: str, llm: LLM) -> None:
+    """Every schema's request in flight at once (batched, as a server's would be), each read
+    back from the shared stream by its id."""
     prompt = chat_prompt(llm, "Answer with a JSON document.")
+    schemas = {f"r{i}": schema for i, schema in enumerate(SCHEMAS.values())}
     with EngineClient(engine_address) as client:
         client.connect(timeout=120)
-        for i, schema in enumerate(SCHEMAS.values()):
-            outs = list(
-                client.generate(f"r{i}", prompt, sampled(schema_constraint(schema), i), 120)
-            )
+        for i, (rid, schema) in enumerate(schemas.items()):
+            client.add_request(rid, prompt, sampled(schema_constraint(schema), i))
+        outs = outputs_of(client, set(schemas), timeout=120)
+        for rid, schema in schemas.items():
             text = llm.tokenizer.decode(
-                [t for o in outs for t in o.new_token_ids], skip_special_tokens=True
+                [t for o in outs[rid] for t in o.new_token_ids], skip_special_tokens=True
             )
-            assert outs[-1].finish_reason == FinishReason.STOP
+            assert outs[rid][-1].finish_reason == FinishReason.STOP, (rid, text)
             jsonschema.validate(json.loads(text), schema)
         with pytest.raises(EngineRequestError, match="invalid constraint") as info:
             list(
@@ -239,10 +243,16 @@ def test_tandem_client_flags(engine_address: str, tmp_path: Path, llm: LLM) -> N
         "--regex": (["--regex", REGEX], matches_regex),
         "--choice": ([a for c in CHOICES for a in ("--choice", c)], lambda t: t in CHOICES),
     }
-    for flag, (extra, check) in runs.items():
-        done = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert check(done.stdout.strip()), (flag, done.stdout)
+    # The three clients run at once: the engine batches their requests.
+    procs = {
+        flag: subprocess.Popen([*base, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+        for flag, (extra, _) in runs.items()
+    }  # fmt: skip
+    for flag, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        assert runs[flag][1](stdout.strip()), (flag, stdout)
     both = subprocess.run(
         [*base, "--regex", "a", "--json-object"], capture_output=True, text=True, timeout=60
     )
