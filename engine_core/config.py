@@ -179,7 +179,9 @@ class VisionConfig:
     ``mrope_interleaved``: M-RoPE's sections interleaved over the frequencies (Qwen3-VL), not
     in consecutive chunks; ``deepstack_layers``: how many of the language model's first layers
     take DeepStack features (Qwen3-VL): an image token's embedding is then that many more
-    rows of the language model's width, after its own."""
+    rows of the language model's width, after its own. ``row_breaks``: each row of an image's
+    merged grid is followed by one token the image does not fill (Pixtral's ``[IMG_BREAK]``,
+    the last row's ``[IMG_END]``), inside the image's run."""
 
     tower: dict[str, Any] = field(compare=False, repr=False)
     image_token_id: int = 0
@@ -190,6 +192,7 @@ class VisionConfig:
     max_image_tokens: int = 16_384
     mrope_interleaved: bool = False
     deepstack_layers: int = 0
+    row_breaks: bool = False
 
 
 @dataclass(frozen=True)

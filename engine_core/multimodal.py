@@ -86,10 +86,32 @@ class EncoderCache:
         self.used_bytes += size
 
 
-def image_tokens(image: ImageInput, merge: int) -> int:
-    """The placeholders one image's embeddings fill: its patches over merge x merge."""
+def image_cells(image: ImageInput, merge: int) -> int:
+    """The embeddings one image's encoder run gives: its patches over merge x merge."""
     t, h, w = image.grid_thw
     return t * h * w // (merge * merge)
+
+
+def image_tokens(image: ImageInput, merge: int, row_breaks: bool = False) -> int:
+    """The tokens of one image's run: its embeddings' placeholders, and with ``row_breaks``
+    one more token after each row of its merged grid (Pixtral's [IMG_BREAK] / [IMG_END])."""
+    t, h, _ = image.grid_thw
+    return image_cells(image, merge) + (t * h // merge if row_breaks else 0)
+
+
+def cell_positions(
+    image: ImageInput, merge: int, row_breaks: bool, lo: int, hi: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """For the tokens ``[lo, hi)`` of an image's run (counted from its start): the ones the
+    image's embeddings fill, and the embedding each takes. Without row breaks every token is
+    the next embedding's; with them, a row of ``cols`` embeddings takes ``cols + 1`` tokens and
+    its last token keeps its own (text) embedding."""
+    k = np.arange(lo, hi, dtype=np.int64)
+    if not row_breaks:
+        return k, k
+    width = image.grid_thw[2] // merge + 1
+    k = k[k % width != width - 1]
+    return k, k - k // width
 
 
 def whole_image_chunk(images: Sequence[ImageInput], start: int, num_new: int) -> int:
@@ -181,9 +203,10 @@ class MultimodalRunner:
         ids = request.prompt_token_ids
         placeholder = self.vision.image_token_id
         largest = self.vision.max_image_tokens
+        breaks = self.vision.row_breaks
         for image in request.images:
             self._check_pixels(image)
-            expected = image_tokens(image, self.merge)
+            expected = image_tokens(image, self.merge, breaks)
             if expected > largest:
                 raise ValueError(
                     f"an image of grid {list(image.grid_thw)} fills {expected} placeholders, "
@@ -195,11 +218,13 @@ class MultimodalRunner:
                     f"not {image.length}"
                 )
             run = ids[image.offset : image.offset + image.length]
-            if len(run) != image.length or any(t != placeholder for t in run):
+            cells, _ = cell_positions(image, self.merge, breaks, 0, len(run))
+            if len(run) != image.length or any(run[k] != placeholder for k in cells):
                 raise ValueError(
                     f"an image's placeholder run at {image.offset} is not all {placeholder}"
                 )
-        if ids.count(placeholder) != sum(image.length for image in request.images):
+        filled = sum(image_cells(image, self.merge) for image in request.images)
+        if ids.count(placeholder) != filled:
             raise ValueError(
                 f"the prompt holds image placeholder tokens ({placeholder}) with no image"
             )
@@ -243,8 +268,14 @@ class MultimodalRunner:
                 if a < b:
                     pieces.append((image, a - image.offset, b - image.offset, row + a - lo))
         embeds = self._embeddings({image.hash: image for image, *_ in pieces})
-        rows = [np.arange(row, row + hi - lo) for _, lo, hi, row in pieces]
-        parts = [embeds[image.hash][lo:hi] for image, lo, hi, _ in pieces]
+        rows: list[np.ndarray] = []
+        parts: list[torch.Tensor] = []
+        for image, lo, hi, row in pieces:
+            tokens, cells = cell_positions(image, self.merge, self.vision.row_breaks, lo, hi)
+            rows.append(tokens - lo + row)
+            whole = embeds[image.hash]
+            breaks = self.vision.row_breaks  # else the cells are one slice: no gather
+            parts.append(whole[torch.from_numpy(cells).to(self.device)] if breaks else whole[lo:hi])
         return MultimodalStep(
             rows=torch.from_numpy(np.concatenate(rows or [np.empty(0, np.int64)])).to(self.device),
             embeds=torch.cat(parts) if parts else torch.empty(0, device=self.device),
@@ -286,4 +317,4 @@ class MultimodalRunner:
         grids = [image.grid_thw for image in images]
         embeds = self.model.encode_images(pixels, grids)  # [sum of tokens, hidden]
         self.encoded_images += len(images)
-        return list(embeds.split([image.length for image in images]))
+        return list(embeds.split([image_cells(image, self.merge) for image in images]))

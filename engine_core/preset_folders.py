@@ -118,6 +118,38 @@ def write_gemma3_image_processor(out: Path, image_size: int) -> None:
     Gemma3ImageProcessorPil(size=size, do_pan_and_scan=False).save_pretrained(out)
 
 
+# Mistral 3's image tokens, named as its tokenizer names them (HF's PixtralProcessor's
+# defaults), and its chat template, shortened, on ChatML turns: an image part becomes one
+# [IMG], which the API process replaces by the image's rows (frontend/vision.py).
+PIXTRAL_IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+PIXTRAL_CHAT_TEMPLATE = GEMMA3_CHAT_TEMPLATE.replace("<start_of_image>", "[IMG]")
+
+
+def write_pixtral_tokenizer(tokenizer_source: Path, out: Path) -> dict[str, int]:
+    """The tokenizer of ``tokenizer_source`` with Mistral 3's image tokens added and an
+    image-aware chat template, saved in ``out``; the tokens' ids by name."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(PIXTRAL_IMAGE_TOKENS)})
+    tokenizer.chat_template = PIXTRAL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return {token: tokenizer.convert_tokens_to_ids(token) for token in PIXTRAL_IMAGE_TOKENS}
+
+
+def write_pixtral_image_processor(out: Path, patch: int, longest_edge: int) -> None:
+    """Pixtral's HF image processor config (its PIL backend: no torchvision) in ``out``:
+    images scaled to fit ``longest_edge`` pixels, CLIP's mean and std (its defaults)."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import (
+        PixtralImageProcessorPil,
+    )
+
+    size = {"longest_edge": longest_edge}
+    PixtralImageProcessorPil(
+        size=size, patch_size={"height": patch, "width": patch}
+    ).save_pretrained(out)
+
+
 def vision_preset_dir(preset: str, tokenizer_source: Path) -> Path:
     """The folder of vision-language preset ``preset``, written on first use from the text
     tokenizer in ``tokenizer_source`` (atomically, so two processes starting at once never

@@ -37,7 +37,7 @@ from protocol.codec import MAX_IMAGES
 from protocol.messages import ImageInput, TensorBytes
 
 # Architectures whose image side the engine implements (engine_core/models/qwen2_5_vl.py,
-# qwen3_vl.py, qwen3_5_vl.py, gemma3_mm.py).
+# qwen3_vl.py, qwen3_5_vl.py, gemma3_mm.py, llama4_mm.py, mistral3.py).
 VISION_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
@@ -46,6 +46,7 @@ VISION_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
     "Llama4ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
 )
 # The wire's frame limit is 64 MiB (protocol/codec.py): a prompt's pixels stay under this.
 MAX_PIXEL_BYTES = 48 << 20
@@ -285,6 +286,8 @@ class VisionProcessor:
         hf = AutoImageProcessor.from_pretrained(str(model_dir))
         if "Gemma3ForConditionalGeneration" in architectures:
             return cls(hf, gemma3_marker(model_dir, config, hf))
+        if "Mistral3ForConditionalGeneration" in architectures:
+            return PixtralVisionProcessor.load_pixtral(model_dir, config, hf)
         merge = int(getattr(hf, "merge_size", config["vision_config"].get("spatial_merge_size", 2)))
         return cls(hf, ImageMarker(int(config["image_token_id"]), merge))
 
@@ -350,12 +353,16 @@ class VisionProcessor:
         previous = 0
         for at, image in zip(found, images, strict=True):
             ids += token_ids[previous:at]
-            count = self.num_tokens(image)
-            inputs.append(image.wire(len(ids), count))
-            ids += [placeholder] * count
+            run = self.run_ids(image)
+            inputs.append(image.wire(len(ids), len(run)))
+            ids += run
             previous = at + 1
         ids += token_ids[previous:]
         return ids, tuple(inputs)
+
+    def run_ids(self, image: ProcessedImage) -> list[int]:
+        """The tokens an image's placeholder becomes: the placeholder, once an embedding."""
+        return [self.marker.placeholder_id] * self.num_tokens(image)
 
     def expanded_runs(
         self, token_ids: list[int], images: list[ProcessedImage]
@@ -400,6 +407,65 @@ class Llama4VisionProcessor(VisionProcessor):
         tiles, (rows, cols) = self.hf.tiles(image)
         text = self.hf.prompt_text(rows, cols)
         return ProcessedImage(tiles, self.marker.fixed_grid, text, wire_dtype="bfloat16")
+
+
+@dataclass
+class PixtralVisionProcessor(VisionProcessor):
+    """Mistral 3 (Pixtral's processor): images keep their aspect, scaled to fit the
+    processor's ``longest_edge`` and rounded up to whole merge blocks (patch x merge pixels);
+    each image's run is rows of [IMG], each row closed by [IMG_BREAK] and the last by
+    [IMG_END], as HF's PixtralProcessor writes it. HF's processor class needs torchvision; its
+    image processor's PIL backend does not, and the run is the few lines of ``run_ids``. The
+    pixels travel as patches ([rows * cols, C * P * P], grid (1, rows, cols)), so images of
+    different sizes go in one encoder batch without padding."""
+
+    patch: int = 16
+    row_break_id: int = 0
+    end_id: int = 0
+
+    @classmethod
+    def load_pixtral(
+        cls, model_dir: Path, config: dict[str, Any], hf: Any
+    ) -> PixtralVisionProcessor:
+        from transformers import AutoTokenizer
+
+        names = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]"}
+        names["image_end_token"] = "[IMG_END]"
+        processor_config = model_dir / "processor_config.json"
+        if processor_config.is_file():  # a processor may name other tokens (HF's kwargs)
+            saved = json.loads(processor_config.read_text())
+            names = {key: saved.get(key, token) for key, token in names.items()}
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        image, row_break, end = (tokenizer.convert_tokens_to_ids(t) for t in names.values())
+        placeholder = int(config.get("image_token_index", config.get("image_token_id", 10)))
+        if image != placeholder:
+            raise ValueError(
+                f"{model_dir}: the tokenizer's {names['image_token']} is {image}, not the "
+                f"config's image_token_index {placeholder}"
+            )
+        marker = ImageMarker(placeholder, int(config.get("spatial_merge_size", 2)))
+        patch = int(config["vision_config"]["patch_size"])
+        return cls(hf, marker, patch=patch, row_break_id=row_break, end_id=end)
+
+    def process_one(self, image: Any) -> ProcessedImage:
+        block = self.patch * self.marker.merge_size
+        result = self.hf(
+            images=[image], patch_size={"height": block, "width": block}, return_tensors="np"
+        )
+        pixels = np.asarray(result["pixel_values"][0], dtype=np.float32)  # [C, H, W]
+        channels, height, width = pixels.shape
+        rows, cols, p = height // self.patch, width // self.patch, self.patch
+        patches = pixels.reshape(channels, rows, p, cols, p).transpose(1, 3, 0, 2, 4)
+        flat = np.ascontiguousarray(patches.reshape(rows * cols, channels * p * p))
+        return ProcessedImage(flat, (1, rows, cols))
+
+    def run_ids(self, image: ProcessedImage) -> list[int]:
+        _, rows, cols = image.grid_thw
+        merge = self.marker.merge_size
+        row = [self.marker.placeholder_id] * (cols // merge) + [self.row_break_id]
+        ids = row * (rows // merge)
+        ids[-1] = self.end_id
+        return ids
 
 
 def placeholder_runs(token_ids: list[int], placeholder: int) -> list[tuple[int, int]]:

@@ -2,7 +2,8 @@
 and config, the default model's tokenizer with the model's image tokens added and an
 image-aware chat template, and the real HF image processor's config (its PIL backend), the last
 two written by engine_core/preset_folders.py. Qwen2.5-VL, as the random vision-language presets'
-folders are; Gemma 3 (``Gemma3ForConditionalGeneration``)."""
+folders are; Gemma 3 (``Gemma3ForConditionalGeneration``); Mistral 3
+(``Mistral3ForConditionalGeneration``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from engine_core.preset_folders import (
     write_gemma3_image_processor,
     write_gemma3_tokenizer,
     write_image_processor,
+    write_pixtral_image_processor,
+    write_pixtral_tokenizer,
     write_vision_tokenizer,
 )
 
@@ -297,3 +300,44 @@ def engine_tokens(
         images=[images for _, images, _ in built.values()],
     )
     return {name: out.token_ids for name, out in zip(built, outs, strict=True)}
+
+
+PIXTRAL_PATCH = 4
+PIXTRAL_EDGE = 48  # images fit 48 x 48 pixels: at most 6 x 6 merged cells, 42 tokens an image
+
+
+def write_tiny_mistral3(path: Path, tokenizer_source: Path) -> Path:
+    """Mistral 3, tiny: two Mistral layers, a two-block Pixtral tower of 4-pixel patches
+    (SiLU gate, as the released checkpoints), the 2 x 2 patch merger; images scaled to fit
+    48 pixels."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    ids = write_pixtral_tokenizer(tokenizer_source, path)
+    write_pixtral_image_processor(path, PIXTRAL_PATCH, PIXTRAL_EDGE)
+    torch.manual_seed(0)
+    config = Mistral3Config(
+        text_config=dict(
+            model_type="mistral", vocab_size=max(ids.values()) + 1, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+            sliding_window=None, eos_token_id=2, bos_token_id=1, rms_norm_eps=1e-5,
+        ),
+        vision_config=dict(
+            model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, patch_size=PIXTRAL_PATCH, hidden_act="silu",
+            image_size=PIXTRAL_EDGE,
+        ),
+        spatial_merge_size=MERGE, image_token_index=ids["[IMG]"], tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # well-separated greedy choices, as tests/factories.py explains
+        model.lm_head.weight.mul_(8.0)
+        # Sharp attention, so that which rows hold the image (and the row breaks' own
+        # embeddings) change the tokens: at random init's scale every query attends evenly.
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+        projector = model.model.multi_modal_projector
+        projector.linear_2.weight.mul_(8.0)  # image rows as large as the text embeddings
+    model.save_pretrained(path)
+    return path

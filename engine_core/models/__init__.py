@@ -43,6 +43,7 @@ from engine_core.models.llama4 import (
 )
 from engine_core.models.llama4_mm import Llama4ForConditionalGeneration
 from engine_core.models.llama4_vision import check_vision_config, tokens_per_tile
+from engine_core.models.mistral3 import Mistral3ForConditionalGeneration
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
 from engine_core.models.quantize import make_quantized_linears
@@ -85,6 +86,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
     *LLAMA4_ARCHITECTURES,
     "Qwen3NextForCausalLM",
     *QWEN3_5_ARCHITECTURES,
@@ -114,6 +116,7 @@ _BY_MODEL_TYPE = {
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
 }
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -126,6 +129,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3_vl": Gemma3ForConditionalGeneration,
     "llama4": Llama4ForCausalLM,
     "llama4_vl": Llama4ForConditionalGeneration,
+    "mistral3": Mistral3ForConditionalGeneration,
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_vl": Qwen3_5VLForConditionalGeneration,
 }
@@ -201,6 +205,8 @@ def architecture_config(hf: dict[str, Any], architecture: str) -> ModelConfig:
         return qwen3_vl_config(hf, architecture)
     if architecture == "Gemma3ForConditionalGeneration":
         return gemma3_vl_config(hf)
+    if architecture == "Mistral3ForConditionalGeneration":
+        return mistral3_config(hf)
     if architecture in LLAMA4_ARCHITECTURES:  # models/llama4.py (+ llama4_mm.py: images)
         text = llama4_text_config(hf) | {"quantization_config": hf.get("quantization_config")}
         fields = llama4_fields(text, architecture) | llama4_vision_fields(hf)
@@ -225,6 +231,34 @@ def llama4_vision_fields(hf: dict[str, Any]) -> dict[str, Any]:
         max_image_tokens=tokens,
     )
     return {"architecture": "llama4_vl", "vision": vision}
+
+
+def mistral3_config(hf: dict[str, Any]) -> ModelConfig:
+    """Mistral 3: the Mistral language model (``text_config``) and Pixtral's tower, each image
+    a run of rows of [IMG] each closed by one more token (models/mistral3.py). What HF's model
+    would do and ours does not is refused by name."""
+    name = "Mistral3ForConditionalGeneration"
+    for key, honoured in (("vision_feature_layer", -1), ("projector_hidden_act", "gelu")):
+        if hf.get(key, honoured) != honoured:
+            raise ValueError(f"{name}: {key} {hf[key]!r} is not supported (only {honoured!r})")
+    text = dict(hf.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id"):  # top level in some checkpoints
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    # HF ties the LM head by the top level's flag, whose default is true in Mistral3Config.
+    text["tie_word_embeddings"] = hf.get("tie_word_embeddings", True)
+    tower = dict(hf["vision_config"])
+    merge = hf.get("spatial_merge_size", 2)
+    side = tower.get("image_size", 1024) // (tower["patch_size"] * merge)
+    vision = VisionConfig(
+        tower=tower,
+        image_token_id=hf.get("image_token_index", hf.get("image_token_id", 10)),
+        spatial_merge_size=merge,
+        max_image_tokens=side * (side + 1),  # the largest image's cells and row breaks
+        row_breaks=True,
+    )
+    config = llama_config(text, "MistralForCausalLM")
+    return dataclasses.replace(config, architecture="mistral3", vision=vision, hf_config=hf)
 
 
 def qwen2_5_vl_config(hf: dict[str, Any]) -> ModelConfig:

@@ -160,12 +160,31 @@ class PixtralVisionModel(nn.Module):
         outputs = []
         for grid, (height, width) in zip(grids, sizes, strict=True):
             rows, cols = height // self.patch_size, width // self.patch_size
-            x = self.ln_pre(grid[:, :rows, :cols].flatten(1).t())  # [rows * cols, dim]
-            cos, sin = grid_rope(rows, cols, self.inv_freq)
-            for layer in self.transformer.layers:
-                x = layer(x, cos, sin)
-            outputs.append(x)
+            outputs.append(self.blocks(grid[:, :rows, :cols].flatten(1).t(), rows, cols))
         return outputs
+
+    def forward_patches(
+        self, patches: torch.Tensor, grids: list[tuple[int, int]]
+    ) -> list[torch.Tensor]:
+        """patches [sum of rows * cols, C * P * P] of several images, each image's patches row
+        by row and each patch's values channel, row, column (the convolution's order, so the
+        patch embedding is one product), grids: each image's (rows, cols) -> per image
+        [rows * cols, dim]. Images of different sizes travel this way without padding."""
+        weight = self.patch_conv.weight
+        embedded = patches.to(weight.dtype) @ weight.flatten(1).t()  # [patches, dim]
+        sizes = [rows * cols for rows, cols in grids]
+        return [
+            self.blocks(x, rows, cols)
+            for x, (rows, cols) in zip(embedded.split(sizes), grids, strict=True)
+        ]
+
+    def blocks(self, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """One image's patch embeddings [rows * cols, dim] through ln_pre and the blocks."""
+        x = self.ln_pre(x)
+        cos, sin = grid_rope(rows, cols, self.inv_freq)
+        for layer in self.transformer.layers:
+            x = layer(x, cos, sin)
+        return x
 
 
 class Mistral3PatchMerger(nn.Module):
