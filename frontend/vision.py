@@ -429,6 +429,11 @@ class PixtralVisionProcessor(VisionProcessor):
     ) -> PixtralVisionProcessor:
         from transformers import AutoTokenizer
 
+        if not hf.do_resize:  # unresized sides are not whole patches: HF's model crops them
+            raise ValueError(
+                f"{model_dir}: the image processor sets do_resize false, which this server "
+                "does not implement; set it to true in preprocessor_config.json"
+            )
         names = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]"}
         names["image_end_token"] = "[IMG_END]"
         processor_config = model_dir / "processor_config.json"

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import torch
 
@@ -21,9 +22,18 @@ from engine_core.llm import LLM
 from engine_core.models import model_config_from_hf
 from frontend.vision import PixtralVisionProcessor, VisionProcessor
 from protocol.messages import ImageInput, SamplingParams
+from tests.server_fixture import Server, start_server, stop_server
+from tests.test_vision_http import (
+    ask_about_image,
+    assert_openai_400,
+    chat,
+    data_url,
+    image_part,
+)
 from tests.vision_factories import (
     MERGE,
     PIXTRAL_PATCH,
+    png_bytes,
     random_image,
     write_tiny_mistral3,
 )
@@ -137,6 +147,7 @@ def test_one_image_and_two_of_different_sizes_give_hf_s_tokens(case: Case) -> No
     ]
     grids = [image.grid_thw for image in built[1][1]]
     assert grids[0] != grids[1]
+    assert all(i.offset // CHUNK != (i.offset + i.length) // CHUNK for i in built[1][1])
     expected = [case.hf_greedy(ids, pil) for ids, _, pil in built]
     assert case.generate(built) == expected
     blank = [p.point(lambda _: 0) for p in built[0][2]]
@@ -146,7 +157,8 @@ def test_one_image_and_two_of_different_sizes_give_hf_s_tokens(case: Case) -> No
 def test_the_same_image_again_is_an_encoder_cache_hit_with_the_same_tokens(case: Case) -> None:
     """The same image in a second request (other text before it, so no prefix-cache hit
     reaches it): encoded once, every chunk of the second taking its rows from the encoder
-    cache, HF's tokens both times."""
+    cache, HF's tokens both times. The first prompt again hits the prefix cache past its
+    image and still gives HF's tokens."""
     image = random_image(5, width=40, height=44)
     first = case.prompt(["Look:", image, "what now?"])
     again = case.prompt(["Now look again at", image, "what now?"])
@@ -157,6 +169,11 @@ def test_the_same_image_again_is_an_encoder_cache_hit_with_the_same_tokens(case:
     assert case.generate([again]) == [case.hf_greedy(again[0], again[2])]
     assert runner.encoded_images - encoded == 1
     assert runner.cache.misses == misses and runner.cache.hits > hits
+    prefix_hits = case.llm.engine.scheduler.counts().prefix_cache_hits
+    assert case.generate([first]) == [case.hf_greedy(first[0], first[2])]
+    # Every whole block of the prompt again, its image's blocks keyed by the image's hash.
+    whole_blocks = (len(first[0]) - 1) // ENGINE_OPTIONS["block_size"]
+    assert case.llm.engine.scheduler.counts().prefix_cache_hits - prefix_hits == whole_blocks * 4
 
 
 def test_our_tower_and_projector_are_hf_s(case: Case) -> None:
@@ -180,6 +197,15 @@ def test_fields_we_do_not_implement_are_refused_by_name(case: Case, field: str, 
         model_config_from_hf(hf)
 
 
+def test_a_processor_that_does_not_resize_is_refused_by_name(case: Case, tmp_path: Path) -> None:
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((case.folder / name).read_bytes())
+    processor = json.loads((case.folder / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor | {"do_resize": False}))
+    with pytest.raises(ValueError, match="do_resize"):
+        VisionProcessor.load(tmp_path)
+
+
 def test_a_run_without_its_row_breaks_is_refused(case: Case) -> None:
     """A client of the raw protocol sending an image's [IMG] tokens as one run (no breaks):
     the engine refuses it instead of writing the embeddings at the wrong rows."""
@@ -189,3 +215,33 @@ def test_a_run_without_its_row_breaks_is_refused(case: Case) -> None:
     bad[image.offset : image.offset + image.length] = [placeholder] * image.length
     with pytest.raises(ValueError, match="placeholder"):
         case.llm.generate([bad], PARAMS, detokenize=False, images=[(image,)])
+
+
+@pytest.fixture(scope="module")
+def server(case: Case, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    args = ["--max-model-len", "512", "--num-kv-blocks", "64", "--max-num-batched-tokens", "32"]
+    args += ["--max-num-seqs", "4", "--served-model-name", "default"]
+    folder = tmp_path_factory.mktemp("serve-mistral3")
+    srv = start_server(folder, model=str(case.folder), args=args)
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.mark.slow
+def test_the_openai_client_sends_a_data_url_image_and_a_bad_one_is_a_400(
+    server: Server, case: Case
+) -> None:
+    """A PNG data URL gives HF's greedy text, usage counting the image's rows and breaks; an
+    image that does not decode is a 400 in OpenAI's error shape naming its part."""
+    image = random_image(7, width=70, height=30)
+    ids, _, pil = case.prompt(["Describe", image])
+    text = case.tokenizer.decode(case.hf_greedy(ids, pil), skip_special_tokens=True)
+    reply = ask_about_image(server, "Describe", image, NEW_TOKENS)
+    assert reply.choices[0].message.content == text
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
+    truncated = data_url(png_bytes(image)[:60])
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(server, [{"type": "text", "text": "Look"}, image_part(truncated)])
+    assert_openai_400(info.value, "messages[0].content[1]", "does not decode")
