@@ -4,6 +4,7 @@ over HTTP for one image and a short text per request.
     python -m benchmarks vision --model qwen2.5-vl-7b
     python -m benchmarks vision --model qwen3-vl-8b
     python -m benchmarks vision --model gemma-3-4b
+    python -m benchmarks vision --model mistral-small-3.1-24b
 
 1. **The encoder**: the model's vision tower (random weights of its real shape, the model's
    dtype) on batches of ``--image-size`` square images, as the engine core encodes a step's
@@ -25,8 +26,8 @@ weights; ``--device cpu`` runs vLLM's CPU build. Both tables print, and vLLM's T
 Tandem's per level.
 
 ``--model`` is a preset name (engine_core/presets.py: ``qwen2.5-vl-7b``, ``qwen3-vl-8b``,
-``gemma-3-4b``) or a Qwen2.5-VL, Qwen3-VL or Gemma 3 model folder (the tests run the tiny ones
-on the CPU).
+``gemma-3-4b``, ``mistral-small-3.1-24b``) or a Qwen2.5-VL, Qwen3-VL, Gemma 3 or Mistral 3
+model folder (the tests run the tiny ones on the CPU).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from benchmarks.servers import (
     vllm_server,
 )
 from benchmarks.serving import add_vllm_args
-from engine_core.config import VisionConfig
+from engine_core.config import ModelConfig, VisionConfig
 
 
 @dataclass
@@ -131,6 +132,28 @@ class Gemma3Encoder(torch.nn.Module):
         return self.multi_modal_projector(self.vision_tower(pixels)).flatten(0, 1)
 
 
+class Mistral3Encoder(torch.nn.Module):
+    """Mistral 3's encoder as the engine runs it (models/mistral3.py ``encode_images``):
+    Pixtral's tower and the projector's patch merger, called as Qwen's tower is, with patch
+    rows [patches, C * P * P] and their grids."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        from engine_core.models.pixtral import Mistral3MultiModalProjector, PixtralVisionModel
+
+        super().__init__()
+        vision = config.vision
+        assert vision is not None
+        self.vision_tower = PixtralVisionModel(vision.tower)
+        self.multi_modal_projector = Mistral3MultiModalProjector(
+            vision.tower, config.hidden_size, vision.spatial_merge_size, config.norm_eps, False
+        )
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        from engine_core.models.pixtral import pixtral_embeddings
+
+        return pixtral_embeddings(self.vision_tower, self.multi_modal_projector, pixels, grids)
+
+
 def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """``model``'s vision tower with random weights (the encoder's time does not depend on
     them) on ``device`` in ``dtype``, in eval mode: Qwen2.5-VL's, or Gemma 3's with its
@@ -147,11 +170,18 @@ def build_vision_tower(model: str, device: str, dtype: torch.dtype) -> torch.nn.
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration.vision_tower,
         "qwen3_vl": Qwen3VLForConditionalGeneration.vision_tower,
     }
-    if vision is None or (not vision.tokens_per_image and config.architecture not in towers):
-        raise ValueError(f"{model}: the benchmark takes Qwen2.5-VL, Qwen3-VL and Gemma 3 models")
+    known = vision is not None and (
+        vision.tokens_per_image or config.architecture in (*towers, "mistral3")
+    )
+    if vision is None or not known:
+        raise ValueError(
+            f"{model}: the benchmark takes Qwen2.5-VL, Qwen3-VL, Gemma 3 and Mistral 3 models"
+        )
     with torch.device("meta"):
         if vision.tokens_per_image:  # one size of image, pooled to a fixed count: Gemma 3
             tower = Gemma3Encoder(vision, config.hidden_size)
+        elif config.architecture == "mistral3":
+            tower = Mistral3Encoder(config)
         else:
             tower = towers[config.architecture](vision.tower)
     tower = tower.to(dtype).to_empty(device=device)
@@ -195,6 +225,8 @@ def image_patches(
 
 def patch_width(tower: torch.nn.Module) -> int:
     """The pixels one patch row holds: the patch embedding's input width."""
+    if isinstance(tower, Mistral3Encoder):
+        return tower.vision_tower.patch_conv.weight[0].numel()
     return tower.patch_embed.proj.weight[0].numel()
 
 

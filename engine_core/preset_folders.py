@@ -1,5 +1,5 @@
 """The folder a vision-language preset's API process reads (``random:qwen2.5-vl-7b``,
-``random:gemma-3-4b``).
+``random:gemma-3-4b``, ``random:mistral-small-3.1-24b``).
 
 A text preset borrows the default model's tokenizer as it is. A vision-language one needs more
 from its folder: the model's image tokens (Qwen's or Gemma 3's) in the tokenizer (the chat
@@ -175,6 +175,9 @@ def write_vision_preset(preset: str, tokenizer_source: Path, out: Path) -> None:
     and config.json in ``out``; ValueError where the tokenizer gives the tokens other ids than
     the preset's config (a tokenizer of another vocabulary than the default's)."""
     hf = hf_config(preset)
+    if hf["model_type"] == "mistral3":
+        write_pixtral_preset(hf, tokenizer_source, out)
+        return
     gemma3 = hf["model_type"] == "gemma3"
     if gemma3:
         written = write_gemma3_tokenizer(tokenizer_source, out)
@@ -194,6 +197,17 @@ def write_vision_preset(preset: str, tokenizer_source: Path, out: Path) -> None:
         qwen3 = hf["model_type"] in ("qwen3_vl", "qwen3_vl_moe")
         pixels = QWEN3_VL_PROCESSOR if qwen3 else QWEN2_5_VL_PIXELS
         write_image_processor(out, patch, merge, **pixels)
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def write_pixtral_preset(hf: dict[str, Any], tokenizer_source: Path, out: Path) -> None:
+    """A Mistral 3 preset's folder: the tokenizer with [IMG] at the config's
+    image_token_index, Pixtral's image processor at the tower's largest image."""
+    ids = write_pixtral_tokenizer(tokenizer_source, out)
+    if ids["[IMG]"] != hf["image_token_index"]:
+        raise ValueError(f"the tokenizer's [IMG] is {ids['[IMG]']}, not {hf['image_token_index']}")
+    tower = hf["vision_config"]
+    write_pixtral_image_processor(out, tower["patch_size"], tower["image_size"])
     (out / "config.json").write_text(json.dumps(hf, indent=2))
 
 

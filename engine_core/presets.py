@@ -323,6 +323,64 @@ def _gemma3_4b() -> dict[str, Any]:
     }
 
 
+# Mistral 3's image tokens ([IMG], [IMG_BREAK], [IMG_END]) as a preset's ids: the default
+# tokenizer's vocabulary followed by these three (engine_core/preset_folders.py adds them so).
+MISTRAL3_IMAGE_ID = _VOCAB
+MISTRAL3_IMAGE_TOKENS = 3
+
+
+def _mistral_small_3_1_24b() -> dict[str, Any]:
+    """Mistral-Small-3.1-24B-Instruct-2503 (transformers' Mistral3Config defaults, which are
+    that checkpoint's shapes): text_config Mistral of 40 layers of 5,120, 32 heads and 8 KV
+    heads of 128, MLP 32,768, RoPE base 10^9, no sliding window; vision_config Pixtral of 24
+    blocks of 1,024, 16 heads of 64, MLP 4,096 (SiLU gate), 14-pixel patches of images up to
+    1,540 pixels a side; 2 x 2 patch merger; written from those defaults and the shapes as
+    remembered, not read from the Hub (no network here). ``tie_word_embeddings`` false is
+    written at the top level, where HF reads it (the checkpoint has its own LM head). The
+    vocabulary is the presets' and the three image tokens (131,072 there)."""
+    text = {
+        "model_type": "mistral",
+        "vocab_size": _VOCAB + MISTRAL3_IMAGE_TOKENS,
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        **_SPECIAL,
+    }
+    return {
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "model_type": "mistral3",
+        "image_token_index": MISTRAL3_IMAGE_ID,
+        "multimodal_projector_bias": False,
+        "projector_hidden_act": "gelu",
+        "spatial_merge_size": 2,
+        "vision_feature_layer": -1,
+        "tie_word_embeddings": False,
+        **_SPECIAL,
+        "text_config": text,
+        "vision_config": {
+            "model_type": "pixtral",
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "image_size": 1540,
+            "patch_size": 14,
+            "rope_theta": 10000.0,
+        },
+    }
+
+
 def _deepseek(hidden: int, layers: int, heads: int, mlp: int, **fields: Any) -> dict[str, Any]:
     """The MLA and DeepSeekMoE fields both DeepSeek shapes share (kv_lora_rank 512, rotary key
     64, no-rope key 128, value 128; YaRN x40 over 4,096)."""
@@ -485,6 +543,7 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-vl-8b": _qwen3_vl_8b(),
     "qwen3-vl-30b-a3b": _qwen3_vl_30b_a3b(),
     "gemma-3-4b": _gemma3_4b(),
+    "mistral-small-3.1-24b": _mistral_small_3_1_24b(),
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

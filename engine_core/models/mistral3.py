@@ -17,7 +17,11 @@ import torch
 
 from engine_core.config import ModelConfig
 from engine_core.models.llama import LlamaForCausalLM
-from engine_core.models.pixtral import Mistral3MultiModalProjector, PixtralVisionModel
+from engine_core.models.pixtral import (
+    Mistral3MultiModalProjector,
+    PixtralVisionModel,
+    pixtral_embeddings,
+)
 
 if TYPE_CHECKING:
     from engine_core.multimodal import MultimodalStep
@@ -54,16 +58,9 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
     def encode_images(
         self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
     ) -> torch.Tensor:
-        """pixels [patches, C * P * P] of one or more images (each row by row, its patch grid
-        in ``grids`` as (1, rows, cols)) -> their embeddings [sum of cells, hidden], one per
-        merge x merge cell, each image's row by row."""
-        patch_grids = [(rows, cols) for _, rows, cols in grids]
-        towers = self.vision_tower.forward_patches(pixels, patch_grids)
-        merged = [
-            self.multi_modal_projector(x, rows, cols)
-            for x, (rows, cols) in zip(towers, patch_grids, strict=True)
-        ]
-        return torch.cat(merged)
+        """pixels [patches, C * P * P] of one or more images, their patch grids -> their
+        embeddings [sum of cells, hidden] (models/pixtral.py ``pixtral_embeddings``)."""
+        return pixtral_embeddings(self.vision_tower, self.multi_modal_projector, pixels, grids)
 
     def map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         """The checkpoint's names in either layout: the released checkpoints' (transformers

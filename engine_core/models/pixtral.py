@@ -217,3 +217,20 @@ class Mistral3MultiModalProjector(nn.Module):
         """One image's patches [rows * cols, dim] -> its embeddings [cells, text hidden]."""
         merged = self.patch_merger(self.norm(patches), rows, cols)
         return self.linear_2(F.gelu(self.linear_1(merged)))
+
+
+def pixtral_embeddings(
+    tower: PixtralVisionModel,
+    projector: Mistral3MultiModalProjector,
+    patches: torch.Tensor,
+    grids: list[tuple[int, int, int]],
+) -> torch.Tensor:
+    """patches [sum of rows * cols, C * P * P] of one or more images (each row by row, its
+    patch grid (1, rows, cols) in ``grids``) -> their embeddings [sum of cells, text hidden],
+    one per merge x merge cell, each image's row by row."""
+    patch_grids = [(rows, cols) for _, rows, cols in grids]
+    outputs = tower.forward_patches(patches, patch_grids)
+    merged = [
+        projector(x, rows, cols) for x, (rows, cols) in zip(outputs, patch_grids, strict=True)
+    ]
+    return torch.cat(merged)

@@ -1,0 +1,94 @@
+"""The ``mistral-small-3.1-24b`` random preset: its config.json builds, in HF transformers' own
+classes (on the meta device), a model with exactly our parameters and shapes; the folder
+written for it holds the default tokenizer with Mistral 3's image tokens at the ids the config
+names and Pixtral's image processor (images fit 1,540 pixels, 28-pixel merge blocks); and the
+vision benchmark's encoder table runs Pixtral's tower and the projector (the tiny model's, on
+the CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_core.presets import PRESETS, hf_config
+from tests.vision_factories import write_tiny_mistral3
+
+PRESET = "mistral-small-3.1-24b"
+
+
+def test_the_preset_is_hf_s_mistral3_parameter_for_parameter() -> None:
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from engine_core.models import build_model
+
+    with torch.device("meta"):
+        ours = build_model(PRESETS[PRESET], None)
+        theirs = Mistral3ForConditionalGeneration(Mistral3Config(**hf_config(PRESET)))
+    our_shapes = {name: tuple(p.shape) for name, p in ours.named_parameters()}
+    # HF's q/k/v (and gate/up) are shards of one of our fused parameters: their rows add up.
+    their_shards: dict[str, list[tuple[int, ...]]] = {}
+    for name, param in theirs.named_parameters():
+        mapped = ours.map_name(name)
+        assert mapped is not None, name
+        their_shards.setdefault(mapped[0], []).append(tuple(param.shape))
+    assert set(their_shards) == set(our_shapes)
+    for name, shards in their_shards.items():
+        assert our_shapes[name] == (sum(s[0] for s in shards), *shards[0][1:]), name
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    text = theirs.config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.head_dim) == (5120, 40, 128)
+    assert theirs.lm_head.weight is not theirs.model.language_model.embed_tokens.weight
+
+
+def test_serving_the_preset_writes_mistral3_s_folder(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1,024 x 700 image scaled to fit 1,540 pixels stays as it is, each side rounded up to
+    28-pixel blocks: 1,036 x 700 pixels, 74 x 50 patches, 37 rows of 25 [IMG] and a break."""
+    from transformers import AutoTokenizer
+
+    from engine_core.model_dir import resolve_for_serving
+    from frontend.vision import VisionProcessor
+    from tests.vision_factories import random_image
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TANDEM_TOKENIZER_DIR", str(default_model_dir))
+    _, folder = resolve_for_serving(f"random:{PRESET}")
+    hf = hf_config(PRESET)
+    assert json.loads((folder / "config.json").read_text()) == hf
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    assert len(tokenizer) == hf["text_config"]["vocab_size"]
+    message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}
+    text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    assert hf["image_token_index"] in tokenizer.encode(text, add_special_tokens=False)
+    processor = VisionProcessor.load(folder)
+    assert processor is not None and processor.marker.placeholder_id == hf["image_token_index"]
+    (image,) = processor.process([random_image(0, 700, 1024)], ["image"])
+    assert image.grid_thw == (1, 74, 50) and image.pixels.shape == (74 * 50, 3 * 14 * 14)
+    run = processor.run_ids(image)
+    assert len(run) == 37 * 26 and run.count(hf["image_token_index"]) == 37 * 25
+
+
+def test_the_benchmark_s_encoder_table_for_mistral3(
+    default_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    from benchmarks.__main__ import parse
+    from benchmarks.vision import run
+
+    folder = write_tiny_mistral3(tmp_path / "tiny-mistral3", default_tokenizer_dir)
+    out = tmp_path / "vision.json"
+    argv = [
+        "vision", "--model", str(folder), "--device", "cpu", "--batches", "1,3",
+        "--encoder-trials", "1", "--skip-http", "--json", str(out), "--image-size", "40",
+    ]  # fmt: skip
+    assert run(parse(argv)) == 0
+    rows = json.loads(out.read_text())["results"]["encoder"]
+    # A 40-pixel image fits 48 pixels as it is: 40 x 40 in 8-pixel blocks, 10 x 10 patches of
+    # 4 pixels, 5 x 5 merged cells an image.
+    assert [(r["batch"], r["patches_per_image"], r["tokens_per_image"]) for r in rows] == [
+        (1, 100, 25),
+        (3, 100, 25),
+    ]
