@@ -20,8 +20,9 @@ import torch
 
 from engine_core.llm import LLM
 from engine_core.models import model_config_from_hf
+from engine_core.multimodal import cell_positions, image_tokens
 from frontend.vision import PixtralVisionProcessor, VisionProcessor
-from protocol.messages import ImageInput, SamplingParams
+from protocol.messages import ImageInput, SamplingParams, TensorBytes
 from tests.server_fixture import Server, start_server, stop_server
 from tests.test_vision_http import (
     ask_about_image,
@@ -245,3 +246,16 @@ def test_the_openai_client_sends_a_data_url_image_and_a_bad_one_is_a_400(
     with pytest.raises(openai.BadRequestError) as info:
         chat(server, [{"type": "text", "text": "Look"}, image_part(truncated)])
     assert_openai_400(info.value, "messages[0].content[1]", "does not decode")
+
+
+def test_cell_positions_skip_each_row_s_break_by_hand() -> None:
+    """An image of 4 x 6 patches merged 2 x 2: two rows of three cells, each row closed by a
+    break, 8 tokens. Tokens 2..6 of its run are cell 2, the first row's break, cells 3-5."""
+    image = ImageInput(
+        b"\0" * 32, 10, 8, TensorBytes("float32", (24, 48), b"\0" * 24 * 48 * 4), (1, 4, 6)
+    )
+    assert image_tokens(image, 2, row_breaks=True) == 8 and image_tokens(image, 2) == 6
+    tokens, cells = cell_positions(image, 2, True, 2, 7)
+    assert tokens.tolist() == [2, 4, 5, 6] and cells.tolist() == [2, 3, 4, 5]
+    tokens, cells = cell_positions(image, 2, False, 2, 5)
+    assert tokens.tolist() == cells.tolist() == [2, 3, 4]
