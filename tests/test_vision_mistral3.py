@@ -34,6 +34,7 @@ from tests.test_vision_http import (
 from tests.vision_factories import (
     MERGE,
     PIXTRAL_PATCH,
+    hf_generate,
     png_bytes,
     random_image,
     write_tiny_mistral3,
@@ -105,17 +106,7 @@ class Case:
         return ids, images, pil
 
     def hf_greedy(self, ids: list[int], pil: list[Any]) -> list[int]:
-        kwargs = self.hf_pixels(pil) if pil else {}
-        with torch.no_grad():
-            out = self.hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                **kwargs,
-            )
-        return out[0, len(ids) :].tolist()
+        return hf_generate(self.hf, ids, NEW_TOKENS, **(self.hf_pixels(pil) if pil else {}))
 
     def generate(self, built: list[tuple[list[int], tuple[ImageInput, ...], Any]]) -> list[Any]:
         outs = self.llm.generate(

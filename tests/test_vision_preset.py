@@ -9,6 +9,7 @@ processor, which makes a 1,024x1,024 image 74x74 patches of 14 pixels (Qwen2.5-V
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,11 +30,20 @@ HF_CLASSES = {
 
 @pytest.mark.parametrize("preset", list(HF_CLASSES))
 def test_the_preset_is_hf_s_model_parameter_for_parameter(preset: str) -> None:
+    (config_class, model_class), tower = HF_CLASSES[preset]
+    theirs = hf_model_with_our_parameters(preset, config_class, model_class)
+    vision = theirs.config.vision_config
+    assert (vision.depth, vision.hidden_size, vision.out_hidden_size) == tower
+
+
+def hf_model_with_our_parameters(preset: str, config_class: str, model_class: str) -> Any:
+    """HF's model of the preset's config (transformers' ``config_class``, ``model_class``), on
+    the meta device, checked to hold exactly our parameters: every one of HF's maps to one of
+    ours, shape for shape (fused ones as the sum of their shards), and the counts agree."""
     import transformers
 
     from engine_core.models import build_model
 
-    (config_class, model_class), tower = HF_CLASSES[preset]
     hf_config_class = getattr(transformers, config_class)
     with torch.device("meta"):
         ours = build_model(PRESETS[preset], None)
@@ -49,8 +59,7 @@ def test_the_preset_is_hf_s_model_parameter_for_parameter(preset: str) -> None:
     for name, shards in their_shards.items():
         assert our_shapes[name] == (sum(s[0] for s in shards), *shards[0][1:]), name
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
-    vision = theirs.config.vision_config
-    assert (vision.depth, vision.hidden_size, vision.out_hidden_size) == tower
+    return theirs
 
 
 @pytest.fixture
@@ -59,6 +68,26 @@ def preset_cache(default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TANDEM_TOKENIZER_DIR", str(default_model_dir))
     return tmp_path
+
+
+def preset_folder_ids(preset: str) -> tuple[Path, dict[str, Any], list[int]]:
+    """The folder serving ``preset`` writes (with ``preset_cache`` set), checked to hold the
+    preset's config.json and a tokenizer of its vocabulary: (folder, the config, the ids its
+    chat template gives a user turn of an image and "hi")."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from engine_core.model_dir import resolve_for_serving
+
+    _, folder = resolve_for_serving(f"random:{preset}")
+    hf = hf_config(preset)
+    assert json.loads((folder / "config.json").read_text()) == hf
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    assert len(tokenizer) == hf["text_config"]["vocab_size"]
+    message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}
+    text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    return folder, hf, tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize(("preset", "side", "patch"), [(PRESET, 74, 14), ("qwen3-vl-8b", 64, 16)])

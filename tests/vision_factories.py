@@ -176,6 +176,21 @@ def png_bytes(image: Any, format: str = "PNG") -> bytes:
     return out.getvalue()
 
 
+def hf_generate(model: Any, ids: list[int], max_new_tokens: int, **inputs: Any) -> list[int]:
+    """HF transformers' greedy tokens (exactly ``max_new_tokens``) after the prompt ``ids``,
+    with the model's image ``inputs`` (pixel values and what goes with them)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            **inputs,
+        )
+    return out[0, len(ids) :].tolist()
+
+
 def hf_vl_greedy(
     model: Any, processor: Any, ids: list[int], images: list[Any], max_new_tokens: int
 ) -> list[int]:
@@ -188,16 +203,7 @@ def hf_vl_greedy(
         # positions (get_rope_index) only with it, else it rotates by the plain positions.
         image_token = model.config.image_token_id
         kwargs["mm_token_type_ids"] = (torch.tensor([ids]) == image_token).int()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            **kwargs,
-        )
-    return out[0, len(ids) :].tolist()
+    return hf_generate(model, ids, max_new_tokens, **kwargs)
 
 
 GEMMA3_IMAGE_SIZE = 56  # 8x8 patches of 7 pixels, pooled 2x2 to 16 tokens an image
@@ -274,16 +280,7 @@ def hf_gemma3_greedy(
         if bidirectional:
             image_token = model.config.image_token_id
             kwargs["token_type_ids"] = (torch.tensor([ids]) == image_token).long()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            **kwargs,
-        )
-    return out[0, len(ids) :].tolist()
+    return hf_generate(model, ids, max_new_tokens, **kwargs)
 
 
 def engine_tokens(

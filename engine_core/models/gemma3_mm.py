@@ -20,6 +20,7 @@ import torch
 
 from engine_core.config import ModelConfig
 from engine_core.models.gemma3 import Gemma3ForCausalLM
+from engine_core.models.image_text import language_model_name, run_with_image_rows
 from engine_core.models.siglip import Gemma3MultiModalProjector, SiglipVisionModel
 
 if TYPE_CHECKING:
@@ -45,10 +46,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         """input_ids, positions [T] -> final hidden states [T, hidden]; ``multimodal``: the
         step's image embeddings, where it has any (its attention mask rides in the forward
         context)."""
-        if multimodal is None:
-            return self.model(input_ids, positions)
-        hidden = self.model.embed(input_ids)  # [T, hidden], scaled by sqrt(hidden)
-        return self.model.run_layers(multimodal.place(hidden), None, positions)
+        return run_with_image_rows(self.model, input_ids, positions, multimodal)
 
     @torch.inference_mode()
     def encode_images(
@@ -72,10 +70,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                 return None if inner.startswith("head.") else ("vision_tower." + inner, None)
         if name.startswith("multi_modal_projector."):
             return name, None
-        if name.startswith("language_model.model."):
-            hf_name = "model." + name.removeprefix("language_model.model.")
-        elif name.startswith("language_model.lm_head."):
-            hf_name = name.removeprefix("language_model.")
-        elif name.startswith("language_model."):
-            hf_name = "model." + name.removeprefix("language_model.")
+        if name.startswith("language_model."):
+            hf_name = language_model_name(name)
         return super().map_name(hf_name)

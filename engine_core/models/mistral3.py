@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_core.config import ModelConfig
+from engine_core.models.image_text import language_model_name, run_with_image_rows
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.pixtral import (
     Mistral3MultiModalProjector,
@@ -49,10 +50,7 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]; ``multimodal``: the
         step's image embeddings, where it has any."""
-        if multimodal is None:
-            return self.model(input_ids, positions)
-        hidden = self.model.embed(input_ids)  # [T, hidden]
-        return self.model.run_layers(multimodal.place(hidden), None, positions)
+        return run_with_image_rows(self.model, input_ids, positions, multimodal)
 
     @torch.inference_mode()
     def encode_images(
@@ -69,10 +67,6 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
         name = hf_name.removeprefix("model.")
         if name.startswith(("vision_tower.", "multi_modal_projector.")):
             return name, None
-        if name.startswith("language_model.model."):
-            hf_name = "model." + name.removeprefix("language_model.model.")
-        elif name.startswith("language_model.lm_head."):
-            hf_name = name.removeprefix("language_model.")
-        elif name.startswith("language_model."):
-            hf_name = "model." + name.removeprefix("language_model.")
+        if name.startswith("language_model."):
+            hf_name = language_model_name(name)
         return super().map_name(hf_name)
