@@ -1,19 +1,20 @@
 """Quantized checkpoints under tensor parallelism, over gloo on the CPU in real worker processes:
 each rank loads its share of the packed weights and their scales (and zero points), and TP=2
 gives the greedy tokens and logprobs of the reference that TP=1 is tested against
-(tests/test_w4a16.py, tests/test_fp8_moe.py), so TP=1's.
+(tests/test_w4a16_moe.py, tests/test_fp8_moe.py), so TP=1's.
 
-- AWQ (4-bit, 64-column groups, zero points) Llama: q/k/v and gate/up split by output rows
-  (their per-group scales and zero points by column), o and down by whole groups of input
-  columns; the reference is HF on the dequantized weights.
+- AWQ (4-bit, 32-column groups, zero points) Qwen3-MoE with a dense layer: q/k/v and gate/up
+  split by output rows (their per-group scales and zero points by column), o and down by whole
+  groups of input columns, every expert's width 64 into 32 per rank (gate/up rows, down's
+  columns: one group); the reference is HF on the dequantized weights.
 - Block-FP8 (32 x 32 blocks, dynamic activations per token and 32-column group) Qwen3-MoE:
-  every expert's width 64 split into one 32-wide block per rank, head_dim 32 so that each
-  rank's k and v rows are one whole row block; the reference is HF on the dequantized weights
-  with the activations' round trip. Each rank's input shares are whole activation groups, so
-  the numbers are TP=1's.
-- A row-parallel W4A16 layer's shares (GPTQ act-order within each rank's columns; one group over
-  the whole input) sum to x @ W.T of the weights the checkpoint stands for; act-order groups
-  that span ranks, and shapes that do not split, are refused by name.
+  every expert's width split into one block per rank, head_dim 32 so that each rank's k and v
+  rows are one whole row block; the reference is HF on the dequantized weights with the
+  activations' round trip. Each rank's input shares are whole activation groups, so the numbers
+  are TP=1's.
+- A row-parallel W4A16 layer's shares (compressed-tensors; GPTQ act-order within each rank's
+  columns; one group over the whole input) sum to x @ W.T of the weights the checkpoint stands
+  for; act-order groups that span ranks, and shapes that do not split, are refused by name.
 """
 
 from __future__ import annotations
@@ -33,54 +34,45 @@ from engine_core.models.layers import Linear, RowParallelLinear, load_mapped_wei
 from engine_core.models.quantize import make_quantized
 from engine_core.parallel import TPGroup, check_tensor_parallel
 from tests.factories import tiny_hf_sizes
-from tests.paged_harness import random_prompts, randomize
+from tests.paged_harness import random_prompts
 from tests.quant_fixtures import (
     SIZES,
-    awq_tensors,
     e4m3_per_token,
     gptq_tensors,
-    make_hf_model,
     quantize_expert_inputs,
     quantize_inputs,
-    write_dequantized,
-    write_w4a16,
 )
 from tests.test_fp8 import BLOCK, FORMATS, write_quantized
+from tests.test_w4a16_moe import ct_tensors, scaled_head, write_w4a16_moe
 from tests.tp_cases import assert_same_greedy, engine_greedy, hf_reference
 
 NEW_TOKENS = 8
 VOCAB = 256
 PROMPTS = random_prompts(VOCAB, (11, 23))  # the 23-token one in two chunks beside a decode
-AWQ_QC = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
-          "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
 
 
-def test_tp2_awq_llama_matches_hf_on_the_dequantized_weights(tmp_path: Path) -> None:
+def test_tp2_awq_qwen3_moe_matches_hf_on_the_dequantized_weights(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
-    make_hf_model().save_pretrained(plain)
-    folder, dequantized = write_w4a16(
-        plain, tmp_path / "awq", lambda w, _: awq_tensors(w, 64), AWQ_QC
-    )
-    reference = write_dequantized(plain, tmp_path / "ref", dequantized)
+    make_qwen3_moe(head_dim=16, mlp_only_layers=[1]).save_pretrained(plain)
+    folder, reference = write_w4a16_moe(plain, tmp_path, "awq-g32")
     hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     got = engine_greedy(folder, PROMPTS, NEW_TOKENS, tp=2)
     assert_same_greedy(got, hf_reference(hf, PROMPTS, NEW_TOKENS))
 
 
-def make_qwen3_moe() -> nn.Module:
+def make_qwen3_moe(**overrides: object) -> nn.Module:
+    """4 experts of width 64, random weights, the LM head scaled so greedy choices are apart."""
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        **tiny_hf_sizes(VOCAB), head_dim=32, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True,
+        **tiny_hf_sizes(VOCAB), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        decoder_sparse_step=1, norm_topk_prob=True, **overrides,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config).eval()
-    randomize(model, 0)
-    return model
+    return scaled_head(AutoModelForCausalLM.from_config(config).eval(), 0)
 
 
 def test_tp2_block_fp8_qwen3_moe_matches_hf(tmp_path: Path) -> None:
     fmt = FORMATS["fp8-block"]
-    write_quantized(make_qwen3_moe(), fmt, tmp_path / "fp8", tmp_path / "ref")
+    write_quantized(make_qwen3_moe(head_dim=32), fmt, tmp_path / "fp8", tmp_path / "ref")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
     round_trip = lambda x: e4m3_per_token(x, BLOCK[1])  # noqa: E731
     quantize_inputs(hf, round_trip)
@@ -118,6 +110,10 @@ def load_layer(tensors: dict[str, torch.Tensor], config: W4A16Config, tp: TPGrou
 
 
 CASES = {
+    "compressed-tensors": (
+        lambda w: ct_tensors(w, GROUP),
+        W4A16Config(source="compressed-tensors", group_size=GROUP, zero_points=False),
+    ),
     "act-order-within-ranks": (
         gptq_halves,
         W4A16Config(group_size=GROUP, act_order=True, **GPTQ_ASYM),
