@@ -10,6 +10,8 @@ Under tensor parallelism every rank holds 1/N of every expert's intermediate dim
 of the gate and up halves of w13, its columns of w2): the same split as llama's column-parallel
 gate_up_proj and row-parallel down_proj, so each rank's output is a partial sum, all-reduced like
 a row-parallel linear's. The router is replicated, so every rank routes every token alike.
+FP8 and W4A16 experts split the same way, their scales (and zero points) with the rows or
+columns they scale (``width_dim``), in whole blocks or groups (docs/design/quantization.md).
 
 With ``--enable-expert-parallel`` (``tp.expert_parallel``) rank r holds experts
 [r*E/N, (r+1)*E/N) whole instead, and the layer replaces TP's all-reduce by an all-to-all
