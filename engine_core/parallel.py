@@ -387,12 +387,7 @@ def check_quantized_split(config: ModelConfig, size: int, expert_parallel: bool)
             "parallelism are not implemented yet (no test has split their latent attention's "
             "quantized projections); serve it with --tensor-parallel-size 1"
         )
-    if expert_parallel:
-        raise ValueError(
-            "--enable-expert-parallel with quantized experts is not implemented yet; serve "
-            "this model without it (tensor parallelism splits every expert's width)"
-        )
-    inputs, outputs = split_widths(config)
+    inputs, outputs = split_widths(config, expert_parallel)
     if isinstance(quant, W4A16Config):
         unit = PACK_COLUMNS if quant.group_size == -1 else math.lcm(PACK_COLUMNS, quant.group_size)
         bad = [f"{name} {value} / {size}" for name, value in inputs.items() if value // size % unit]
@@ -416,9 +411,12 @@ def check_quantized_split(config: ModelConfig, size: int, expert_parallel: bool)
 PACK_COLUMNS = 8  # W4A16's 4-bit values per int32 word (models/w4a16.py PACK)
 
 
-def split_widths(config: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
+def split_widths(
+    config: ModelConfig, expert_parallel: bool
+) -> tuple[dict[str, int], dict[str, int]]:
     """({name: the input width of a row-parallel layer}, {name: the output width of a
-    column-parallel one}) of the quantized layers that tensor parallelism splits."""
+    column-parallel one}) of the quantized layers that tensor parallelism splits (experts
+    whole under expert parallelism, which refuses quantized ones as they are built)."""
     attention = config.num_heads * config.head_dim
     inputs = {"attention output (heads x head_dim)": attention}
     outputs = {
@@ -428,7 +426,7 @@ def split_widths(config: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
     if config.has_dense_mlp:
         inputs["MLP width (intermediate_size)"] = config.intermediate_size
         outputs["MLP width (intermediate_size)"] = config.intermediate_size
-    if config.num_experts:
+    if config.num_experts and not expert_parallel:
         inputs["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
         outputs["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
     return inputs, outputs

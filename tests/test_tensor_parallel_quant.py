@@ -15,7 +15,9 @@ gives the greedy tokens and logprobs of the reference that TP=1 is tested agains
   rounding boundary now and then (tests/tp_cases.py ``assert_same_greedy_quantized``).
 - A row-parallel W4A16 layer's shares (compressed-tensors; GPTQ act-order within each rank's
   columns; one group over the whole input) sum to x @ W.T of the weights the checkpoint stands
-  for; act-order groups that span ranks, and shapes that do not split, are refused by name.
+  for, a column-parallel one's (act-order over all columns) are its rows; act-order groups
+  that span ranks, shapes that do not split, and quantized experts under expert parallelism
+  are refused by name.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 from engine_core.config import Fp8Config, W4A16Config
 from engine_core.loader import load_model_config
-from engine_core.models.layers import Linear, RowParallelLinear, load_mapped_weights
+from engine_core.models.layers import (
+    Linear,
+    MergedLinear,
+    RowParallelLinear,
+    load_mapped_weights,
+)
+from engine_core.models.moe import SparseMoE
 from engine_core.models.quantize import make_quantized
 from engine_core.parallel import TPGroup, check_tensor_parallel
 from tests.factories import tiny_hf_sizes
@@ -104,11 +112,16 @@ def gptq_halves(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Te
     return tensors, torch.cat([w0, w1], dim=1)
 
 
-def load_layer(tensors: dict[str, torch.Tensor], config: W4A16Config, tp: TPGroup) -> Linear:
-    """One W4A16 linear through the loader: whole at TP=1, else rank ``tp.rank``'s share."""
+def load_layer(
+    tensors: dict[str, torch.Tensor], config: W4A16Config, tp: TPGroup, column: bool = False
+) -> Linear:
+    """Rank ``tp.rank``'s share of one W4A16 linear, through the loader: of its input columns
+    (row-parallel), or with ``column`` of its output rows (a merged projection of one part)."""
     holder = nn.Module()
     holder.proj = (
-        Linear(COLS, ROWS, bias=False) if tp.size == 1 else RowParallelLinear(COLS, ROWS, False, tp)
+        MergedLinear(COLS, [ROWS], False, tp)
+        if column
+        else RowParallelLinear(COLS, ROWS, False, tp)
     )
     make_quantized(holder.proj, config, "proj")
     load_mapped_weights(holder, [(f"proj.{k}", t) for k, t in tensors.items()], lambda n: (n, None))
@@ -143,6 +156,18 @@ def test_row_parallel_w4a16_shares_sum_to_the_weights_product(name: str) -> None
         assert all(share.perm is not None for share in shares)
 
 
+def test_column_parallel_act_order_shares_are_the_weights_rows() -> None:
+    """Act-order over all the columns splits by output rows: each rank reads every column in
+    the checkpoint's order and computes its half of the rows."""
+    weight = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(1))
+    tensors, dequantized = gptq_tensors(weight, GROUP, True, False, False, 0)
+    config = W4A16Config(group_size=GROUP, act_order=True, **GPTQ_ASYM)
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(2))
+    shares = [load_layer(tensors, config, TPGroup(rank=r, size=2), column=True) for r in (0, 1)]
+    both = torch.cat([share.matmul(x) for share in shares], dim=1)
+    torch.testing.assert_close(both, F.linear(x, dequantized), atol=1e-4, rtol=0)
+
+
 def test_act_order_groups_across_ranks_are_refused() -> None:
     """GPTQ's act-order over all the columns: a rank's columns fall in every group."""
     weight = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(1))
@@ -164,3 +189,17 @@ def test_shares_that_are_not_whole_groups_or_blocks_are_refused(tmp_path: Path) 
     small_heads = dataclasses.replace(config, quantization=fp8, head_dim=16)
     with pytest.raises(ValueError, match=r"32 x 32 blocks: .*key/value width .* 32 / 2"):
         check_tensor_parallel(small_heads, 2)
+
+
+def test_quantized_experts_that_do_not_split_are_refused(tmp_path: Path) -> None:
+    """As the layer is built: 64-column blocks of down's 32 columns per rank; whole experts per
+    rank (expert parallelism), not yet tested quantized."""
+    Qwen3MoeConfig(
+        **tiny_hf_sizes(VOCAB), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
+    ).save_pretrained(tmp_path)
+    config = load_model_config(tmp_path)
+    fp8 = Fp8Config(weight_scales="block", prequantized=True, block=(16, 64), source="test")
+    with pytest.raises(ValueError, match=r"width \(64\) into 32 columns .* 64-column blocks"):
+        SparseMoE(config, TPGroup(rank=0, size=2)).make_fp8(fp8)
+    with pytest.raises(ValueError, match="FP8 experts under --enable-expert-parallel"):
+        SparseMoE(config, TPGroup(rank=0, size=2, expert_parallel=True)).make_fp8(fp8)
