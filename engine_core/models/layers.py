@@ -572,8 +572,8 @@ class Linear(nn.Linear, LoadsQuantized):
 
     @property
     def checkpoint_shape(self) -> tuple[list[int], int]:
-        """(the row counts of the checkpoint's parts, its input columns): this layer's own
-        sizes, but under tensor parallelism, where it holds one rank's share of them."""
+        """(the row counts of the checkpoint's parts, its input columns): the layer's own
+        sizes at TP=1; under tensor parallelism the whole tensors', of which it holds a share."""
         return self.output_parts, self.in_features
 
     def make_fp8(self, config: Fp8Config) -> None:
@@ -805,35 +805,11 @@ class ColumnParallelLinear(Linear, TPSharded):
         self.pieces = list(pieces)
         self.tp = tp
 
-    @property
-    def checkpoint_shape(self) -> tuple[list[int], int]:
-        return [sum(self.pieces)], self.in_features
-
-    def make_fp8(self, config: Fp8Config) -> None:
-        if config.block is not None and any(
-            (size // self.tp.size) % config.block[0] for size in self.pieces
-        ):
-            raise ValueError(
-                f"block-wise FP8 ({config.block[0]}-row blocks) under --tensor-parallel-size "
-                f"{self.tp.size} needs each rank's share of the projection's parts "
-                f"{self.pieces} to be whole blocks"
-            )
-        super().make_fp8(config)
-
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:
-        if param_name == "g_idx":  # W4A16 act-order: every rank reads every input column
-            return tensor
-        dim = output_dim(param_name)
-        if param_name == "weight_scale" and self.fp8 is not None and self.fp8.block is not None:
-            pieces = [size // self.fp8.block[0] for size in self.pieces]  # in row blocks
-        elif param_name in ("weight_scale", "input_scale") and tensor.numel() == 1:
-            return tensor
-        else:
-            pieces = self.pieces
-        parts = tensor.split(pieces, dim=dim)
-        return torch.cat([rank_rows(part, self.tp, dim) for part in parts], dim=dim)
+        parts = tensor.split(self.pieces, dim=0)
+        return torch.cat([rank_rows(part, self.tp) for part in parts], dim=0)
 
 
 class RowParallelLinear(Linear, TPSharded):
