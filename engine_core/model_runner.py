@@ -58,14 +58,25 @@ from engine_core.memory_plan import (
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
 from engine_core.mtp import MtpProposer, load_mtp
-from engine_core.multimodal import MultimodalRunner, MultimodalStep
+from engine_core.multimodal import (
+    MultimodalRunner,
+    MultimodalStep,
+    placeholder_run,
+    warm_up_image,
+)
 from engine_core.parallel import get_pipeline_stage, get_tp_group
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.state_snapshots import StateCopy, independent_runs
 from engine_core.step_stats import GpuTimeline, StepStats
-from engine_core.warm_up import StepLimits, pooling_warm_up_plans, warm_up_plans
+from engine_core.warm_up import (
+    SHORT_PROMPT,
+    StepLimits,
+    image_warm_up_plan,
+    pooling_warm_up_plans,
+    warm_up_plans,
+)
 from protocol.messages import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -700,6 +711,8 @@ class ModelRunner:
         finally:
             self.sampler = sampler
             self._prev_sampled, self._prev_sampling = None, []
+            if self.multimodal is not None:  # no request may hit the blank image
+                self.multimodal.forget()
             self.mark_idle()  # the wait for the first request is no step's overhead
         logger.info(
             "warm-up: %d steps (up to %d tokens, %d rows) in %.0f ms",
@@ -724,10 +737,23 @@ class ModelRunner:
             if self.pooler is not None
             else warm_up_plans(limits, PROMPT_LOGITS_ROWS)
         )
+        image_plan = self._image_warm_up_plan(limits)
+        plans += [image_plan] if image_plan is not None else []
         for plan in plans if self.num_state_slots else ():
             for i, row in enumerate(plan.scheduled):  # no more rows than slots (max_num_seqs)
                 row.state_slot = i
         return plans
+
+    def _image_warm_up_plan(self, limits: StepLimits) -> SchedulerOutput | None:
+        vision = self.model_config.vision
+        if self.multimodal is None or vision is None or self.pooler is not None:
+            return None
+        most = min(self.multimodal.call_tokens, limits.max_model_len - 1 - SHORT_PROMPT)
+        image = warm_up_image(vision, most)
+        if image is None:
+            return None
+        run = placeholder_run(image, vision)
+        return image_warm_up_plan(limits, image, run, vision.bidirectional_images)
 
     def _warm_up_step(
         self, plan: SchedulerOutput, masks: Callable[[list[Request]], torch.Tensor]

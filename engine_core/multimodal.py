@@ -17,9 +17,10 @@ for its step and not kept.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from engine_core.config import VisionConfig
 from engine_core.request import Request, SchedulerOutput
-from protocol.messages import ImageInput
+from protocol.messages import ImageInput, TensorBytes
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -166,6 +167,51 @@ def mrope_positions(images: Sequence[ImageInput], merge: int, lo: int, hi: int) 
     return out
 
 
+# The warm-up image's size where images vary (Qwen's towers): a 1,024 x 1,024-pixel image's
+# tokens at Qwen2.5-VL's 28-pixel merged patches (1,369), rounded down to a square grid.
+WARM_UP_IMAGE_TOKENS = 1_024
+
+
+def warm_up_image(vision: VisionConfig, most_tokens: int) -> ImageInput | None:
+    """A black image in the model's pixel layout for the start-up warm-up (engine_core/
+    warm_up.py), of at most ``most_tokens`` placeholders (None where none fits): the tower's
+    one size where every image is that size (Gemma 3, Llama 4's tiles), else a square patch
+    grid of about WARM_UP_IMAGE_TOKENS tokens (Qwen's towers). Its offset is 0: the plan
+    places it."""
+    tower, merge = vision.tower, vision.spatial_merge_size
+    channels = tower.get("num_channels", tower.get("in_channels", 3))
+    if vision.tokens_per_image:
+        size = tower["image_size"]
+        side, shape = size // tower["patch_size"], (1, channels, size, size)
+    else:
+        most = min(WARM_UP_IMAGE_TOKENS, most_tokens, vision.max_image_tokens)
+        cells = math.isqrt(most)
+        if vision.row_breaks and cells * (cells + 1) > most:  # a break token closes each row
+            cells -= 1
+        side = cells * merge
+        # Pixtral's patches are 2D (no temporal_patch_size); Qwen's are two frames deep.
+        temporal = 1 if vision.row_breaks else tower.get("temporal_patch_size", 2)
+        patch = channels * temporal * tower.get("patch_size", 14) ** 2
+        shape = (side * side, patch)
+    pixels = TensorBytes("float32", shape, bytes(4 * math.prod(shape)))
+    image = ImageInput(b"warm-up".ljust(32, b"\0"), 0, 0, pixels, (1, side, side))
+    length = image_tokens(image, merge, vision.row_breaks)
+    if not 0 < length <= most_tokens:
+        return None
+    return replace(image, length=length)
+
+
+def placeholder_run(image: ImageInput, vision: VisionConfig) -> list[int]:
+    """The ids of an image's run as a client's prompt holds them: the placeholder where its
+    embeddings go, and with row breaks another token (not the placeholder) closing each row."""
+    merge, placeholder = vision.spatial_merge_size, vision.image_token_id
+    run = [0 if placeholder else 1] * image.length
+    cells, _ = cell_positions(image, merge, vision.row_breaks, 0, image.length)
+    for k in cells.tolist():
+        run[k] = placeholder
+    return run
+
+
 def pixels_tensor(image: ImageInput) -> torch.Tensor:
     """An image's pixels as a tensor, from its wire bytes (copied: the bytes are read-only)."""
     pixels = image.pixels
@@ -195,6 +241,11 @@ class MultimodalRunner:
         self.device = device
         self.cache = EncoderCache(budget_bytes)
         self.encoded_images = 0  # images run through the encoder (a batch counts each)
+
+    def forget(self) -> None:
+        """Empty the encoder cache and its counts (after the warm-up's image)."""
+        self.cache = EncoderCache(self.cache.budget_bytes)
+        self.encoded_images = 0
 
     def check(self, request: Request) -> None:
         """ValueError (fit for the client) where the request's images do not match its prompt:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import socket
 import threading
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine_core.config import ModelConfig
+from engine_core.config import Fp8Config, ModelConfig, W4A16Config
 from engine_core.kv_groups import model_kv_layout
 from engine_core.peer_all_reduce import PeerAllReduce, PeerSumArgs, make_peer_all_reduce
 
@@ -368,6 +369,67 @@ def check_tensor_parallel(config: ModelConfig, size: int, expert_parallel: bool 
             f"attention heads and KV heads (and its MLP width); it does not divide: "
             f"{', '.join(uneven) or size}"
         )
+    if size > 1:
+        check_quantized_split(config, size, expert_parallel)
+
+
+def check_quantized_split(config: ModelConfig, size: int, expert_parallel: bool) -> None:
+    """ValueError, naming the sizes, unless each rank's share of the quantized layers is whole
+    quantization units: W4A16's words of 8 columns and groups along a row-parallel layer's
+    input; block FP8's row blocks along a column-parallel layer's output and column blocks
+    along a row-parallel one's input (models/layers.py, models/moe.py split them so)."""
+    quant = config.quantization
+    if quant is None:
+        return
+    if config.mla is not None:
+        raise ValueError(
+            f"--tensor-parallel-size {size}: quantized DeepSeek checkpoints under tensor "
+            "parallelism are not implemented yet (no test has split their latent attention's "
+            "quantized projections); serve it with --tensor-parallel-size 1"
+        )
+    inputs, outputs = split_widths(config, expert_parallel)
+    if isinstance(quant, W4A16Config):
+        unit = PACK_COLUMNS if quant.group_size == -1 else math.lcm(PACK_COLUMNS, quant.group_size)
+        bad = [f"{name} {value} / {size}" for name, value in inputs.items() if value // size % unit]
+        what = f"whole groups of {quant.group_size} columns (and words of 8)"
+    elif isinstance(quant, Fp8Config) and quant.block is not None:
+        rows, cols = quant.block
+        bad = [f"{name} {value} / {size}" for name, value in inputs.items() if value // size % cols]
+        bad += [
+            f"{name} {value} / {size}" for name, value in outputs.items() if value // size % rows
+        ]
+        what = f"whole {rows} x {cols} blocks"
+    else:
+        return
+    if bad:
+        raise ValueError(
+            f"--tensor-parallel-size {size} splits this checkpoint's quantized layers into "
+            f"shares that are not {what}: {', '.join(bad)}"
+        )
+
+
+PACK_COLUMNS = 8  # W4A16's 4-bit values per int32 word (models/w4a16.py PACK)
+
+
+def split_widths(
+    config: ModelConfig, expert_parallel: bool
+) -> tuple[dict[str, int], dict[str, int]]:
+    """({name: the input width of a row-parallel layer}, {name: the output width of a
+    column-parallel one}) of the quantized layers that tensor parallelism splits (experts
+    whole under expert parallelism, which refuses quantized ones as they are built)."""
+    attention = config.num_heads * config.head_dim
+    inputs = {"attention output (heads x head_dim)": attention}
+    outputs = {
+        "query width (heads x head_dim)": attention,
+        "key/value width (KV heads x head_dim)": config.num_kv_heads * config.head_dim,
+    }
+    if config.has_dense_mlp:
+        inputs["MLP width (intermediate_size)"] = config.intermediate_size
+        outputs["MLP width (intermediate_size)"] = config.intermediate_size
+    if config.num_experts and not expert_parallel:
+        inputs["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
+        outputs["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
+    return inputs, outputs
 
 
 # The families whose layers take a stage's input and hand on its output (models/llama.py):

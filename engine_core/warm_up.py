@@ -20,6 +20,10 @@ reach the largest step the scheduler can plan in each dimension and each path of
 - top-k alone at temperature 1 (the top-k filter without the sort);
 - one-token rows ahead of prompts filling the budget: an eager step whose leading decodes the
   Triton backend attends through its decode kernel (``MIXED_DECODE_ROWS``).
+- a vision-language model's image (``image_warm_up_plan``): a blank image of a common size
+  in a short prompt, through the tower and an eager step with M-RoPE positions; the first
+  1,024-pixel image on a fresh qwen3-vl-8b server otherwise took 1.2 s longer to its first
+  token than the next (docs/design/vision.md, "The image warm-up").
 
 What no warm-up step covers: cuBLAS's first call at each new row count (an eager step's products
 run at exactly its token count), 0.1-0.2 ms of host time a product and about 2.5 ms for some
@@ -42,7 +46,7 @@ from itertools import chain, repeat
 from engine_core.attention.base import MIXED_DECODE_ROWS
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from protocol.codec import MAX_LOGPROBS
-from protocol.messages import PoolingKind, PoolingParams, SamplingParams
+from protocol.messages import ImageInput, PoolingKind, PoolingParams, SamplingParams
 
 SHORT_PROMPT = 16  # the steps that only exercise the sampler
 
@@ -126,6 +130,29 @@ def warm_up_plans(limits: StepLimits, scored_chunk: int) -> list[SchedulerOutput
         limits.step(chain(repeat((GREEDY, 1), MIXED_DECODE_ROWS), long_prompts)),
     ]
     return [plan for plan in plans if not plan.is_empty]  # none where no prompt fits
+
+
+def image_warm_up_plan(
+    limits: StepLimits, image: ImageInput, run: list[int], whole: bool
+) -> SchedulerOutput | None:
+    """A vision-language model's image step: the first chunk of a greedy prompt of a few text
+    tokens, the image's run (``run``: its ids, the placeholder first) and a few more, so that
+    the first request with an image finds the tower's kernels loaded and an eager M-RoPE step
+    run once. ``whole``: the image's run may not be cut (its tokens attend both ways, Gemma 3).
+    None where it does not fit."""
+    placeholder = run[0]
+    text = [(t * 104729) % limits.vocab_size for t in range(SHORT_PROMPT)]
+    text = [(t + 1) % limits.vocab_size if t == placeholder else t for t in text]
+    half = SHORT_PROMPT // 2
+    prompt = text[:half] + run + text[half:]
+    chunk = min(len(prompt), limits.budget)
+    blocks = -(-len(prompt) // limits.block_size)
+    too_long = len(prompt) > limits.max_model_len - 1 or blocks > limits.num_blocks
+    if too_long or (whole and chunk < len(prompt)):
+        return None
+    placed = dataclasses.replace(image, offset=half)
+    request = Request("warm-up-image", prompt, GREEDY, images=(placed,))
+    return SchedulerOutput([ScheduledRequest.plan(request, chunk, list(range(blocks)))])
 
 
 def pooling_warm_up_plans(limits: StepLimits) -> list[SchedulerOutput]:

@@ -22,6 +22,7 @@ from engine_core.models.llama4_vision import Llama4VisionTower, tokens_per_tile
 from protocol.messages import ImageInput, SamplingParams, TensorBytes
 from tests.paged_harness import random_prompts, randomize
 from tests.test_models_llama4 import VOCAB, text_config
+from tests.vision_factories import warm_up_with_its_image
 
 PATCH_ID, IMAGE_START, IMAGE_ID, IMAGE_END = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
 TOKENS = 16  # an 8x8 patch grid, pixel-shuffled by 0.5
@@ -181,6 +182,7 @@ def test_a_repeated_image_is_encoded_once(
     a, b, c = random_prompts(VOCAB - 4, (6, 8, 10))
     ids, images = with_images([a, b, c], [tile(7), tile(7)])
     expected = hf_tokens(model, ids, [tile(7), tile(7)])
+    warm_up_with_its_image(llm.engine.runner)
     before = llm.engine.runner.multimodal.encoded_images
     for _ in range(2):
         out = llm.generate([ids], PARAMS, detokenize=False, images=[images])

@@ -15,7 +15,12 @@ import pytest
 from engine_core.llm import LLM
 from frontend.vision import VisionProcessor
 from protocol.messages import ImageInput, SamplingParams
-from tests.vision_factories import hf_vl_greedy, random_image, write_tiny_qwen2_5_vl
+from tests.vision_factories import (
+    hf_vl_greedy,
+    random_image,
+    warm_up_with_its_image,
+    write_tiny_qwen2_5_vl,
+)
 
 NEW_TOKENS = 8
 BLOCK = 4
@@ -110,6 +115,7 @@ def test_same_image_twice_hits_the_encoder_cache_and_the_prefix_cache(
     expected = hf_vl_greedy(*hf, ids, pil, NEW_TOKENS)
     llm = make_llm(vl_dir, max_num_batched_tokens=256)
     try:
+        warm_up_with_its_image(llm.engine.runner)
         first = llm.generate([ids], PARAMS, detokenize=False, images=[images])
         multimodal = llm.engine.runner.multimodal
         assert (multimodal.encoded_images, multimodal.cache.hits) == (1, 0)

@@ -22,6 +22,7 @@ from tests.vision_factories import (
     GEMMA3_TOKENS_PER_IMAGE,
     hf_gemma3_greedy,
     random_image,
+    warm_up_with_its_image,
     write_tiny_gemma3_vl,
 )
 
@@ -142,6 +143,7 @@ def test_same_image_twice_hits_the_encoder_cache_and_the_prefix_cache(
     expected = hf_greedy(hf, ids, pil, NEW_TOKENS)
     llm = make_llm(vl_dir, max_num_batched_tokens=256)
     try:
+        warm_up_with_its_image(llm.engine.runner)  # whole: a bidirectional image
         first = llm.generate([ids], PARAMS, detokenize=False, images=[images])
         multimodal = llm.engine.runner.multimodal
         assert (multimodal.encoded_images, multimodal.cache.hits) == (1, 0)

@@ -37,6 +37,7 @@ from tests.vision_factories import (
     hf_generate,
     png_bytes,
     random_image,
+    warm_up_with_its_image,
     write_tiny_mistral3,
 )
 
@@ -166,6 +167,15 @@ def test_the_same_image_again_is_an_encoder_cache_hit_with_the_same_tokens(case:
     # Every whole block of the prompt again, its image's blocks keyed by the image's hash.
     whole_blocks = (len(first[0]) - 1) // ENGINE_OPTIONS["block_size"]
     assert case.llm.engine.scheduler.counts().prefix_cache_hits - prefix_hits == whole_blocks * 4
+
+
+def test_the_warm_up_s_blank_image_has_row_breaks_and_passes_the_checks(case: Case) -> None:
+    """The start-up warm-up's image (run on CUDA before the first request) in Pixtral's
+    layout: 2D patches, a run of rows each closed by a non-placeholder token."""
+    blank = warm_up_with_its_image(case.llm.engine.runner)
+    _, rows, cols = blank.grid_thw
+    assert blank.pixels.shape == (rows * cols, 3 * PIXTRAL_PATCH**2)
+    assert blank.length == (rows // MERGE) * (cols // MERGE + 1)
 
 
 def test_our_tower_and_projector_are_hf_s(case: Case) -> None:

@@ -188,6 +188,9 @@ def test_the_same_image_again_is_an_encoder_cache_hit_with_the_same_tokens(dense
     again = dense.prompt(["Now look again at", image, "what now?"])
     assert first[1][0].offset + first[1][0].length < 16 < len(first[0])  # a hit past the image
     runner = dense.llm.engine.runner.multimodal
+    plans = dense.llm.engine.runner.warm_up_plans()  # the warm-up's blank image is valid
+    (blank,) = [s for plan in plans for s in plan.scheduled if s.request.images]
+    runner.check(blank.request)
     encoded, hits = runner.encoded_images, runner.cache.hits
     expected = dense.hf_greedy(first[0], first[2])
     assert dense.generate([first]) == [expected]

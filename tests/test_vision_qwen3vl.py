@@ -28,6 +28,7 @@ from tests.vision_factories import (
     QWEN3_PATCH,
     hf_vl_greedy,
     random_image,
+    warm_up_with_its_image,
     write_tiny_qwen3_vl,
 )
 
@@ -225,3 +226,25 @@ def test_server_takes_a_data_url_image_and_refuses_a_video_by_name(
         )
     assert refused.value.status_code == 400
     assert "video_url" in refused.value.message and "not supported" in refused.value.message
+
+
+def test_the_warm_up_encodes_a_blank_image_and_keeps_nothing(
+    llm: LLM, vl_dir: Path, processor: VisionProcessor, hf: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The start-up warm-up's image step runs the tower once on a square grid of whole merged
+    cells, through a 16-token chunk that ends inside the image; afterwards the encoder cache and
+    its counts are empty, and an image request still gets HF's tokens."""
+    runner = llm.engine.runner
+    grids: list[list[tuple[int, int, int]]] = []
+    encode = runner.model.encode_images
+    monkeypatch.setattr(
+        runner.model, "encode_images", lambda pixels, g: grids.append(g) or encode(pixels, g)
+    )
+    blank = warm_up_with_its_image(runner)
+    monkeypatch.undo()
+    t, h, w = blank.grid_thw
+    merge = runner.model_config.vision.spatial_merge_size
+    assert grids == [[blank.grid_thw]] and t == 1 and h == w and h % merge == 0
+    ids, images, pil = prompt(vl_dir, processor, ["After warming up:", random_image(5)])
+    assert generate(llm, ids, images) == hf_vl_greedy(*hf, ids, pil, NEW_TOKENS)

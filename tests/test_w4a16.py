@@ -329,18 +329,6 @@ def test_the_quantization_flag_must_name_the_checkpoint_format(plain: Path, tmp_
         load_float32(plain, quantization="awq")
 
 
-def test_w4a16_under_tensor_parallelism_is_refused() -> None:
-    from engine_core.models.layers import MergedLinear
-    from engine_core.models.quantize import make_quantized
-    from engine_core.parallel import TPGroup
-
-    with torch.device("meta"):
-        qkv = MergedLinear(128, [128, 64, 64], False, TPGroup(rank=0, size=2))
-        config = W4A16Config(source="gptq", group_size=64, zero_points=True)
-        with pytest.raises(ValueError, match="W4A16 under tensor parallelism is not implemented"):
-            make_quantized(qkv, config, "qkv_proj")
-
-
 def test_random_presets_take_a_w4a16_layout() -> None:
     """`random:<preset> --quantization gptq` (the GPU benchmarks' W4A16 runs): packed random
     weights in 128-column groups, or 64 where 128 does not divide smollm2's 576 inputs."""

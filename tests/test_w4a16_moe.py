@@ -103,11 +103,14 @@ def is_quantized_linear(name: str) -> bool:
     return param == "weight" and module.rpartition(".")[2] in LINEARS + MIXTRAL_EXPERTS
 
 
-def write_w4a16_moe(plain: Path, folder: Path, fmt: str) -> tuple[Path, Path]:
+def write_w4a16_moe(
+    plain: Path, folder: Path, fmt: str, packer: tuple[Pack, dict] | None = None
+) -> tuple[Path, Path]:
     """``plain`` with every attention linear and expert projection in format ``fmt`` (the
-    router and the head stay float); returns (that checkpoint, a plain one of the dequantized
+    router and the head stay float; ``packer``: the (pack, quantization_config) of a format
+    not in FORMATS, named ``fmt``); returns (that checkpoint, a plain one of the dequantized
     weights it stands for)."""
-    pack, qc = FORMATS[fmt]
+    pack, qc = packer or FORMATS[fmt]
     tensors, dequantized = {}, {}
     for name, weight in load_file(plain / "model.safetensors").items():
         if not is_quantized_linear(name):

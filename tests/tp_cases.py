@@ -54,3 +54,16 @@ def assert_same_greedy(got: Greedy, expected: Greedy) -> None:
     """Equal tokens, and the logprobs behind them within float32 rounding."""
     assert got[0] == expected[0]
     torch.testing.assert_close(got[1], expected[1], atol=1e-4, rtol=0)
+
+
+def assert_same_greedy_quantized(
+    got: Greedy, expected: Greedy, atol: float = 1e-4, bound: float = 0.5
+) -> None:
+    """For activations quantized at run time (tests/quant_fixtures.py
+    ``assert_matches_quantized``): equal tokens, most logprobs within ``atol`` and all within
+    ``bound``; a sum in another order now and then puts an activation on the other side of a
+    rounding boundary, one quantization step apart, and the KV cache carries it on."""
+    assert got[0] == expected[0]
+    diffs = (got[1] - expected[1]).abs()
+    assert float((diffs <= atol).float().mean()) >= 0.5, f"logprob differences {diffs.tolist()}"
+    assert float(diffs.max()) <= bound, f"logprob differences {diffs.tolist()}"

@@ -299,6 +299,17 @@ def engine_tokens(
     return {name: out.token_ids for name, out in zip(built, outs, strict=True)}
 
 
+def warm_up_with_its_image(runner: Any) -> ImageInput:
+    """Run ``runner``'s start-up warm-up, having checked that its one image step's blank image
+    passes the checks a client's image must; afterwards no encoder-cache entry or count is left.
+    Returns the blank image."""
+    (blank,) = [s for plan in runner.warm_up_plans() for s in plan.scheduled if s.request.images]
+    runner.multimodal.check(blank.request)
+    runner.warm_up()
+    assert runner.multimodal.encoded_images == len(runner.multimodal.cache) == 0
+    return blank.request.images[0]
+
+
 PIXTRAL_PATCH = 4
 PIXTRAL_EDGE = 48  # images fit 48 x 48 pixels: at most 6 x 6 merged cells, 42 tokens an image
 

@@ -570,6 +570,12 @@ class Linear(nn.Linear, LoadsQuantized):
         """The row counts of the linears this one holds (one; a merged linear's parts)."""
         return [self.out_features]
 
+    @property
+    def checkpoint_shape(self) -> tuple[list[int], int]:
+        """(the row counts of the checkpoint's parts, its input columns): the layer's own
+        sizes at TP=1; under tensor parallelism the whole tensors', of which it holds a share."""
+        return self.output_parts, self.in_features
+
     def make_fp8(self, config: Fp8Config) -> None:
         """Hold the weight in FP8 from now on (call before loading, on any device)."""
         (rows, cols), device = self.weight.shape, self.weight.device
@@ -628,10 +634,10 @@ class Linear(nn.Linear, LoadsQuantized):
             )
         name = held_name(config, param_name)
         if name is None:
-            check_weight_shape(tensor, self.output_parts, self.in_features, hf_name)
+            check_weight_shape(tensor, *self.checkpoint_shape, hf_name)
             return []
         if name == "g_idx" and not config.act_order:
-            check_trivial_g_idx(tensor, self.group_size, hf_name)
+            check_trivial_g_idx(tensor, config.group_size, hf_name)
             return []
         held = to_layout(config, name, tensor, hf_name)
         return [(name, held.reshape(1, -1) if name == "g_idx" else held)]
@@ -764,6 +770,10 @@ class MergedLinear(Linear, TPSharded, ShardedParameters):
     def output_parts(self) -> list[int]:
         return list(self.output_sizes)
 
+    @property
+    def checkpoint_shape(self) -> tuple[list[int], int]:
+        return [size * self.tp.size for size in self.output_sizes], self.in_features
+
     def make_fp8(self, config: Fp8Config) -> None:
         if config.block is not None and any(size % config.block[0] for size in self.output_sizes):
             raise ValueError(
@@ -777,7 +787,9 @@ class MergedLinear(Linear, TPSharded, ShardedParameters):
     ) -> torch.Tensor:
         if param_name in ("weight_scale", "input_scale") and tensor.numel() == 1:
             return tensor  # one scale for the whole part: every rank keeps it
-        return rank_rows(tensor, self.tp)
+        if param_name == "g_idx":  # W4A16 act-order: every rank reads every input column
+            return tensor
+        return rank_rows(tensor, self.tp, dim=output_dim(param_name))
 
 
 class ColumnParallelLinear(Linear, TPSharded):
@@ -830,14 +842,51 @@ class RowParallelLinear(Linear, TPSharded):
             )
         super().make_fp8(config)
 
+    @property
+    def checkpoint_shape(self) -> tuple[list[int], int]:
+        return self.output_parts, self.in_features * self.tp.size
+
+    def make_w4a16(self, config: W4A16Config, where: str) -> None:
+        group = config.group_size
+        if self.in_features % PACK or (group != -1 and self.in_features % group):
+            raise ValueError(
+                f"{where}: W4A16 under --tensor-parallel-size {self.tp.size} needs each rank's "
+                f"share of the input ({self.in_features} of {self.in_features * self.tp.size} "
+                f"columns) to be whole words of 8 columns and whole groups of {group}"
+            )
+        super().make_w4a16(config, where)
+
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:
-        # Weights (and block scales) split along the input; per-row scales stay whole.
+        # Weights (and block scales, and W4A16's groups) split along the input; per-row scales
+        # stay whole, and so does W4A16's one group over the whole input (group size -1).
         blockwise = self.fp8 is not None and self.fp8.block is not None
-        if param_name == "weight" or (param_name == "weight_scale" and blockwise):
+        if param_name in ("weight", "qweight") or (param_name == "weight_scale" and blockwise):
             return rank_rows(tensor, self.tp, dim=1)
+        if param_name == "g_idx":
+            return self.rank_groups(rank_rows(tensor, self.tp, dim=1))
+        one_group = self.w4a16 is not None and self.w4a16.group_size == -1
+        if param_name in ("scales", "zeros") and not one_group:  # [groups, rows]
+            return rank_rows(tensor, self.tp, dim=0)
         return tensor
+
+    def rank_groups(self, g_idx: torch.Tensor) -> torch.Tensor:
+        """Act-order ``g_idx`` [1, K / size] of this rank's input columns, numbered within the
+        rank's own groups; a ValueError where they lie in other ranks' groups: an act-order
+        quantizer orders columns by the activations' statistics, so a group may span ranks."""
+        if self.w4a16 is None or self.w4a16.group_size == -1:  # one group: the same on every rank
+            return g_idx
+        groups = self.in_features // self.group_size
+        local = g_idx - self.tp.rank * groups
+        if bool(((local < 0) | (local >= groups)).any()):
+            raise ValueError(
+                f"act-order g_idx puts some of tensor-parallel rank {self.tp.rank}'s input "
+                f"columns of a row-parallel layer in other ranks' groups: its groups do not "
+                f"split over --tensor-parallel-size {self.tp.size}; serve this checkpoint with "
+                "--tensor-parallel-size 1, or one quantized without act-order (desc_act)"
+            )
+        return local
 
 
 class VocabParallelEmbedding(nn.Module, TPSharded):
@@ -870,6 +919,12 @@ class VocabParallelEmbedding(nn.Module, TPSharded):
         padded = tensor.new_zeros(self.rows, tensor.shape[1])
         padded[: part.shape[0]] = part
         return padded
+
+
+def output_dim(param_name: str) -> int:
+    """The dim of a checkpoint tensor that runs along the layer's output rows: 1 for W4A16's
+    per-group scales and zero points ([groups, rows]), 0 for the rest."""
+    return 1 if param_name in ("scales", "zeros") else 0
 
 
 def column_parallel_linear(

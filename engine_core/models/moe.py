@@ -10,6 +10,8 @@ Under tensor parallelism every rank holds 1/N of every expert's intermediate dim
 of the gate and up halves of w13, its columns of w2): the same split as llama's column-parallel
 gate_up_proj and row-parallel down_proj, so each rank's output is a partial sum, all-reduced like
 a row-parallel linear's. The router is replicated, so every rank routes every token alike.
+FP8 and W4A16 experts split the same way, their scales (and zero points) with the rows or
+columns they scale (``width_dim``), in whole blocks or groups (docs/design/quantization.md).
 
 With ``--enable-expert-parallel`` (``tp.expert_parallel``) rank r holds experts
 [r*E/N, (r+1)*E/N) whole instead, and the layer replaces TP's all-reduce by an all-to-all
@@ -143,6 +145,7 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
             self.inter = check_divisible("expert width (moe_intermediate_size)", width, tp)
             local = experts
         self.local_experts = local
+        self.width = width  # every expert's whole width, as checkpoints hold it
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.tp = tp
         self.gate = nn.Linear(hidden, experts, bias=False)
@@ -165,15 +168,17 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
                 f"{config.source}: FP8 experts with static activation scales (input_scale) are "
                 "not implemented; only dynamic activations are"
             )
-        if self.tp.size > 1:
-            raise ValueError(
-                "FP8 experts under tensor parallelism are not implemented yet; serve this model "
-                "with --tensor-parallel-size 1"
-            )
+        self.refuse_expert_parallel("FP8")
         if config.block is not None and self.inter % config.block[0]:
             raise ValueError(
                 f"{config.source}: the experts' width ({self.inter}) is not a whole number of "
                 f"{config.block[0]}-row blocks, so the gate and up scales cannot be stacked"
+            )
+        if config.block is not None and self.tp.size > 1 and self.inter % config.block[1]:
+            raise ValueError(
+                f"{config.source}: --tensor-parallel-size {self.tp.size} splits the experts' "
+                f"width ({self.width}) into {self.inter} columns of down_proj each, not a whole "
+                f"number of {config.block[1]}-column blocks"
             )
         (experts, rows, hidden), device = self.w13.shape, self.w13.device
         self.w13 = empty_param((experts, rows, hidden), FP8_DTYPE, device)
@@ -195,11 +200,7 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
                 f"quantization_config.{field}: act-order is not implemented for W4A16 experts "
                 "(each expert would need its own column order); quantize without it"
             )
-        if self.tp.size > 1:
-            raise ValueError(
-                "W4A16 experts under tensor or expert parallelism are not implemented yet; "
-                "serve this model with --tensor-parallel-size 1"
-            )
+        self.refuse_expert_parallel("W4A16")
         experts, rows, hidden = self.w13.shape
         group13 = check_w4a16_shapes(config, hidden, [self.inter, self.inter], f"{where}.w13")
         group2 = check_w4a16_shapes(config, self.inter, [hidden], f"{where}.w2")
@@ -208,6 +209,14 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         self.hold_w4a16("w13", (experts, rows, hidden), group13, config.zero_points)
         self.hold_w4a16("w2", (experts, hidden, self.inter), group2, config.zero_points)
         self.w4a16, self.w4a16_groups = config, (group13, group2)
+
+    def refuse_expert_parallel(self, name: str) -> None:
+        """Whole experts per rank would load as they are, but no test has run them."""
+        if self.expert_parallel:
+            raise ValueError(
+                f"{name} experts under --enable-expert-parallel are not implemented yet; serve "
+                "this model without it (tensor parallelism splits every expert's width)"
+            )
 
     def hold_w4a16(
         self, name: str, shape: tuple[int, int, int], group: int, zero_points: bool
@@ -321,12 +330,12 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
             )
         name = held_name(config, checkpoint_name)
         hidden = self.w13_qweight.shape[2] * PACK
-        rows, cols = (self.inter, hidden) if proj == "w13" else (hidden, self.inter)
+        rows, cols = (self.width, hidden) if proj == "w13" else (hidden, self.width)
         if name is None:
             check_weight_shape(tensor, [rows], cols, hf_name)
             return []
         if name == "g_idx":
-            check_trivial_g_idx(tensor, self.w4a16_groups[proj == "w2"], hf_name)
+            check_trivial_g_idx(tensor, config.group_size, hf_name)
             return []
         return [(f"{proj}_{name}", to_layout(config, name, tensor, hf_name))]
 
@@ -414,12 +423,31 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
             return tensor
         if self.expert_parallel:  # this rank's experts of a stacked tensor, whole
             return tensor if shard is not None else rank_rows(tensor, self.tp)
-        if param_name == "w2":  # [H, I] of one expert, or [E, H, I]
-            return rank_rows(tensor, self.tp, dim=tensor.dim() - 1)
-        if shard is not None:  # one expert's gate or up, [I, H]
-            return rank_rows(tensor, self.tp)
-        gate, up = tensor.chunk(2, dim=1)  # [E, I, H] each
-        return torch.cat([rank_rows(gate, self.tp, 1), rank_rows(up, self.tp, 1)], dim=1)
+        dim = self.width_dim(param_name, tensor)
+        if dim is None:
+            return tensor
+        if shard is not None:  # one expert's gate, up or down
+            return rank_rows(tensor, self.tp, dim)
+        dim += 1  # stacked, [E, ...]
+        if not param_name.startswith("w13"):
+            return rank_rows(tensor, self.tp, dim)
+        gate, up = tensor.chunk(2, dim=dim)  # each split alike, as llama's gate_up_proj
+        return torch.cat([rank_rows(gate, self.tp, dim), rank_rows(up, self.tp, dim)], dim=dim)
+
+    def width_dim(self, param_name: str, tensor: torch.Tensor) -> int | None:
+        """The dim of one expert's checkpoint tensor for ``param_name`` (in our layout) that
+        runs along the expert's width, which tensor parallelism splits; None: every rank keeps
+        it whole (a scale per tensor, per row of down, or one W4A16 group over the width)."""
+        if param_name.endswith("_scale") and tensor.numel() == 1:
+            return None
+        if param_name in ("w13", "w13_scale", "w13_qweight", "w2_scales", "w2_zeros"):
+            one_group = self.w4a16 is not None and self.w4a16.group_size == -1
+            return None if param_name.startswith("w2") and one_group else 0
+        if param_name == "w2_scale":  # per row of down [H], or per block [H / b, I / b]
+            return 1 if self.fp8 is not None and self.fp8.block is not None else None
+        if param_name in ("w13_scales", "w13_zeros", "w2", "w2_qweight"):
+            return 1
+        return None
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,12 +69,6 @@ def make_quantized(module: Linear, quant: QuantConfig, name: str) -> None:
     elif isinstance(quant, Int8Config):
         module.make_int8(quant)
     else:
-        tp = getattr(module, "tp", None)
-        if tp is not None and tp.size > 1:
-            raise ValueError(
-                "W4A16 under tensor parallelism is not implemented yet (its packed rows and "
-                "groups are not split across ranks); serve it with --tensor-parallel-size 1"
-            )
         module.make_w4a16(quant, name)
 
 

@@ -166,9 +166,10 @@ def check_weight_shape(tensor: torch.Tensor, parts: list[int], cols: int, hf_nam
 
 
 def check_trivial_g_idx(g_idx: torch.Tensor, group_size: int, hf_name: str) -> None:
-    """Without act-order the groups are contiguous runs of group_size columns: a stored g_idx
-    must say so (GPTQ stores one either way)."""
-    expected = torch.arange(g_idx.numel()) // group_size
+    """Without act-order the groups are contiguous runs of group_size columns (the checkpoint's:
+    -1 for one group over all of them): a stored g_idx must say so (GPTQ stores one either
+    way)."""
+    expected = torch.arange(g_idx.numel()) // (g_idx.numel() if group_size == -1 else group_size)
     if not torch.equal(g_idx.to(torch.int64).flatten().cpu(), expected):
         raise ValueError(
             f"checkpoint tensor {hf_name!r} assigns columns to groups out of order, but "
