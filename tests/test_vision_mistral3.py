@@ -260,3 +260,23 @@ def test_cell_positions_skip_each_row_s_break_by_hand() -> None:
     assert tokens.tolist() == [2, 4, 5, 6] and cells.tolist() == [2, 3, 4, 5]
     tokens, cells = cell_positions(image, 2, False, 2, 5)
     assert tokens.tolist() == cells.tolist() == [2, 3, 4]
+
+
+def test_the_benchmark_s_encoder_table_for_mistral3(case: Case, tmp_path: Path) -> None:
+    from benchmarks.__main__ import parse
+    from benchmarks.vision import run
+
+    folder = case.folder
+    out = tmp_path / "vision.json"
+    argv = [
+        "vision", "--model", str(folder), "--device", "cpu", "--batches", "1,3",
+        "--encoder-trials", "1", "--skip-http", "--json", str(out), "--image-size", "40",
+    ]  # fmt: skip
+    assert run(parse(argv)) == 0
+    rows = json.loads(out.read_text())["results"]["encoder"]
+    # A 40-pixel image fits 48 pixels as it is: 40 x 40 in 8-pixel blocks, 10 x 10 patches of
+    # 4 pixels, 5 x 5 merged cells an image.
+    assert [(r["batch"], r["patches_per_image"], r["tokens_per_image"]) for r in rows] == [
+        (1, 100, 25),
+        (3, 100, 25),
+    ]

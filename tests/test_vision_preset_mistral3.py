@@ -1,18 +1,16 @@
 """The ``mistral-small-3.1-24b`` random preset: its config.json builds, in HF transformers' own
 classes (on the meta device), a model with exactly our parameters and shapes; the folder
 written for it holds the default tokenizer with Mistral 3's image tokens at the ids the config
-names and Pixtral's image processor (images fit 1,540 pixels, 28-pixel merge blocks); and the
-vision benchmark's encoder table runs Pixtral's tower and the projector (the tiny model's, on
-the CPU)."""
+names and Pixtral's image processor (images fit 1,540 pixels, 28-pixel merge blocks). The
+vision benchmark's encoder table on Mistral 3 is tested on the tiny model
+(tests/test_vision_mistral3.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tests import test_vision_preset
 from tests.test_vision_preset import hf_model_with_our_parameters, preset_folder_ids
-from tests.vision_factories import write_tiny_mistral3
 
 PRESET = "mistral-small-3.1-24b"
 preset_cache = test_vision_preset.preset_cache  # the fixture: a fresh cache directory
@@ -42,25 +40,3 @@ def test_serving_the_preset_writes_mistral3_s_folder(preset_cache: Path) -> None
     assert image.grid_thw == (1, 74, 50) and image.pixels.shape == (74 * 50, 3 * 14 * 14)
     run = processor.run_ids(image)
     assert len(run) == 37 * 26 and run.count(hf["image_token_index"]) == 37 * 25
-
-
-def test_the_benchmark_s_encoder_table_for_mistral3(
-    default_tokenizer_dir: Path, tmp_path: Path
-) -> None:
-    from benchmarks.__main__ import parse
-    from benchmarks.vision import run
-
-    folder = write_tiny_mistral3(tmp_path / "tiny-mistral3", default_tokenizer_dir)
-    out = tmp_path / "vision.json"
-    argv = [
-        "vision", "--model", str(folder), "--device", "cpu", "--batches", "1,3",
-        "--encoder-trials", "1", "--skip-http", "--json", str(out), "--image-size", "40",
-    ]  # fmt: skip
-    assert run(parse(argv)) == 0
-    rows = json.loads(out.read_text())["results"]["encoder"]
-    # A 40-pixel image fits 48 pixels as it is: 40 x 40 in 8-pixel blocks, 10 x 10 patches of
-    # 4 pixels, 5 x 5 merged cells an image.
-    assert [(r["batch"], r["patches_per_image"], r["tokens_per_image"]) for r in rows] == [
-        (1, 100, 25),
-        (3, 100, 25),
-    ]
