@@ -30,9 +30,9 @@ _HELP = {
     "state_snapshots": "models with linear-attention layers (Qwen3-Next): how many saved "
     "states (one state slot's bytes each, out of the KV cache's memory) to keep for prefix-cache "
     "hits, least recently used dropped first; a state is saved where a prompt reaches its last "
-    "block boundary (and where a long prompt's chunk ends on one), and a hit resumes at the "
-    "longest cached prefix that ends at a saved state; unset: --max-num-seqs; 0: such models "
-    "take no prefix-cache hit",
+    "block boundary (and where a long prompt's chunk ends on one, and each block of an answer, "
+    "which may hold at most half of them), and a hit resumes at the longest cached prefix that "
+    "ends at a saved state; unset: --max-num-seqs; 0: such models take no prefix-cache hit",
     "enforce_eager": "never use CUDA graphs",
     "max_prefill_graph_tokens": "steps with prompt tokens (whole prompts, chunks, decodes mixed "
     "in) of up to this many tokens replay a CUDA graph captured at start-up "

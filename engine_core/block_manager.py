@@ -461,7 +461,8 @@ class BlockManager:
         chunk or decode starts (on a block boundary: the caller checks), keyed by the chain
         hash of the block ending there. Up to the prompt's last boundary each such state is
         kept; past it (the answer's, one a block of decode) only the request's latest keeps
-        its place in the LRU order, the one before it demoted to be evicted first."""
+        its place in the LRU order, the one before it demoted to be evicted first, and such
+        decode saves hold at most half the pool (state_snapshots.py)."""
         assert self.snapshots is not None
         start = request.num_computed_tokens
         if not start:
@@ -473,7 +474,7 @@ class BlockManager:
         previous = self._decode_saves.pop(request.request_id, None)
         if previous is not None:
             self.snapshots.demote(previous)
-        if self.snapshots.save(slot, *entry):  # one only refreshed is not this request's
+        if self.snapshots.save(slot, *entry, decode=True):  # one refreshed is not its own
             self._decode_saves[request.request_id] = entry[0]
 
     def _chain_entry(self, request: Request, num_blocks: int) -> tuple[int, int, tuple[Any, ...]]:

@@ -15,6 +15,12 @@ stream in the order the plans were made (``take_copies``): a snapshot evicted an
 by a later save is read by an earlier restore before the overwrite lands, as a freed KV block
 is (``Scheduler._finish``).
 
+Saves made during decode (a request's answer, block_manager.py ``_save_state``) take free
+snapshots while there are any; in a full pool they evict the least recently used only while
+they hold less than half of it (``max_decode``), and past that the oldest decode save: a batch
+of long answers never pushes the prompts' states, which many requests share, below the other
+half.
+
 The block manager owns this pool (it decides hits and saves); the runner owns the tensors,
 where snapshot i is state row ``runner.snapshot_row(i)``, and makes each plan's copies before
 the plan's forward. docs/design/qwen3-next.md says why states are saved where they are.
@@ -44,6 +50,10 @@ class _Entry:
     key: tuple[Any, ...]  # the block's tokens (and image hashes), compared on a hit
 
 
+# The share of the pool that decode-time saves may hold (the rest is the prompts' at least).
+DECODE_SHARE = 0.5
+
+
 class StateSnapshots:
     """A bounded LRU pool of saved states keyed by the chain hash of the block each ends."""
 
@@ -51,6 +61,8 @@ class StateSnapshots:
         if num_snapshots <= 0:
             raise ValueError(f"a snapshot pool needs at least one snapshot, got {num_snapshots}")
         self.num_snapshots = num_snapshots
+        self.max_decode = max(1, int(num_snapshots * DECODE_SHARE))
+        self._decode: set[int] = set()  # cached snapshots that decode saves took
         self._free: deque[int] = deque(range(num_snapshots))
         self._cached: OrderedDict[int, _Entry] = OrderedDict()  # snapshot -> key, oldest first
         self._by_hash: dict[int, int] = {}  # chain hash -> snapshot
@@ -72,17 +84,41 @@ class StateSnapshots:
             return None
         return snapshot
 
-    def save(self, slot: int, block_hash: int, parent_hash: int, key: tuple[Any, ...]) -> bool:
+    @property
+    def num_decode(self) -> int:
+        """Cached snapshots that decode saves took."""
+        return len(self._decode)
+
+    def save(
+        self,
+        slot: int,
+        block_hash: int,
+        parent_hash: int,
+        key: tuple[Any, ...],
+        decode: bool = False,
+    ) -> bool:
         """Keep the state that ``slot`` will hold when the next step starts under this block's
-        hash; a state already kept there is only refreshed (the same prefix, the same state).
-        True where a new snapshot was taken, False where one was refreshed."""
+        hash; a state already kept there is only refreshed (the same prefix, the same state),
+        and counts as a prompt's from now on where a prompt's save refreshes it. ``decode``: a
+        save made during decode, which takes a free snapshot if there is one, else, where decode
+        saves hold ``max_decode`` already, the oldest decode save's (never a prompt's). True
+        where a new snapshot was taken, False where one was refreshed."""
         known = self._by_hash.get(block_hash)
         if known is not None:
             self._cached.move_to_end(known)
+            if not decode:
+                self._decode.discard(known)
             return False
-        snapshot = self._free.popleft() if self._free else self._evict_lru()
+        if self._free:
+            snapshot = self._free.popleft()
+        elif decode and len(self._decode) >= self.max_decode:
+            snapshot = self._evict(next(s for s in self._cached if s in self._decode))
+        else:
+            snapshot = self._evict(next(iter(self._cached)))
         self._cached[snapshot] = _Entry(block_hash, parent_hash, key)
         self._by_hash[block_hash] = snapshot
+        if decode:
+            self._decode.add(snapshot)
         self._copies.append(StateCopy(slot, snapshot, save=True))
         self.num_saved += 1
         return True
@@ -105,9 +141,10 @@ class StateSnapshots:
         copies, self._copies = tuple(self._copies), []
         return copies
 
-    def _evict_lru(self) -> int:
-        snapshot, entry = self._cached.popitem(last=False)
+    def _evict(self, snapshot: int) -> int:
+        entry = self._cached.pop(snapshot)
         del self._by_hash[entry.block_hash]
+        self._decode.discard(snapshot)
         self.num_evicted += 1
         return snapshot
 
@@ -122,6 +159,8 @@ class StateSnapshots:
         mapped = {entry.block_hash: snapshot for snapshot, entry in self._cached.items()}
         if mapped != self._by_hash:
             raise AssertionError("the snapshot hash map disagrees with the cached snapshots")
+        if not self._decode <= cached:
+            raise AssertionError(f"decode saves not cached: {sorted(self._decode - cached)}")
 
 
 def independent_runs(moves: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

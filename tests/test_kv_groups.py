@@ -20,6 +20,7 @@ from engine_core.memory_plan import kv_block_bytes, min_kv_bytes
 from engine_core.presets import PRESETS
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.scheduler import Scheduler
+from engine_core.state_snapshots import StateSnapshots
 from protocol.messages import LoraRef, SamplingParams
 
 
@@ -784,3 +785,26 @@ def check_row_tables(row: ScheduledRequest, bm: BlockManager) -> None:
     for table, (window, chunk) in zip(tables, kinds(bm), strict=True):
         first = first_seen(window, chunk, row.start) // bm.block_size
         assert NULL_BLOCK not in list(table)[first:] or bm.null_block is None
+
+
+def test_decode_saves_never_push_the_prompts_states_below_half_the_pool() -> None:
+    """Four snapshots: two prompts' states (the least recently used), then six decode saves.
+    The first two take the free snapshots; from the third on, decode saves hold half the pool,
+    so each takes the oldest decode save's snapshot and both prompts' states stay (plain LRU
+    would have evicted them first). A prompt's save that refreshes a decode save's state makes
+    it a prompt's: the next decode save may then evict a prompt's state again (the LRU one)."""
+    pool = StateSnapshots(4)
+    entry = {name: (hash(name), 0, (name,)) for name in ("p1", "p2", *(f"d{i}" for i in range(6)))}
+    for name in ("p1", "p2"):
+        assert pool.save(0, *entry[name])
+    for i in range(6):
+        assert pool.save(1, *entry[f"d{i}"], decode=True)
+        assert pool.num_decode == min(i + 1, pool.max_decode) == min(i + 1, 2)
+        pool.check_integrity()
+    kept = {name for name, e in entry.items() if pool.find(*e) is not None}
+    assert kept == {"p1", "p2", "d4", "d5"} and pool.num_evicted == 4
+    assert not pool.save(0, *entry["d5"])  # a prompt reaching the same boundary
+    assert pool.num_decode == 1
+    assert pool.save(1, hash("d6"), 0, ("d6",), decode=True)
+    assert pool.find(*entry["p1"]) is None and pool.find(*entry["d4"]) is not None
+    pool.check_integrity()
