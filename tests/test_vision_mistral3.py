@@ -188,6 +188,11 @@ def test_our_tower_and_projector_are_hf_s(case: Case) -> None:
     with torch.no_grad():
         theirs = case.hf.model.get_image_features(**case.hf_pixels(pil)).pooler_output
     torch.testing.assert_close(ours, torch.cat(theirs), rtol=1e-4, atol=1e-5)
+    # The tiny tower's near-uniform attention hides its rotary frequencies from the features:
+    # the loaded buffer (recomputed after the meta-device build) is checked against HF's.
+    tower = case.llm.engine.runner.model.vision_tower
+    rotary = case.hf.model.vision_tower.patch_positional_embedding
+    torch.testing.assert_close(tower.inv_freq, rotary.inv_freq)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.models.layers import RMSNorm
+from engine_core.models.meta_build import computed_buffer
 
 
 def axial_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -147,10 +148,13 @@ class PixtralVisionModel(nn.Module):
         )
         self.ln_pre = RMSNorm(dim, eps=1e-5)
         self.transformer = PixtralTransformer(tower)
-        head_dim = tower.get("head_dim") or dim // heads
-        self.register_buffer(
-            "inv_freq", axial_inv_freq(head_dim, rope_theta(tower)), persistent=False
-        )
+        self.rotary_dim, self.theta = tower.get("head_dim") or dim // heads, rope_theta(tower)
+        inv_freq = computed_buffer(lambda: axial_inv_freq(self.rotary_dim, self.theta))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute inv_freq (after a meta-device build was given memory)."""
+        self.inv_freq = axial_inv_freq(self.rotary_dim, self.theta).to(self.inv_freq.device)
 
     def forward(self, pixels: torch.Tensor, sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
         """pixels [N, C, H, W] padded to the largest image, sizes: each image's (height, width)
