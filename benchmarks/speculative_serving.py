@@ -177,6 +177,12 @@ def stream_tpot(client: Any, url: str, body: dict[str, Any]) -> tuple[float, int
     return (last - first) / max(1, tokens - 1), tokens
 
 
+# Tandem's API process takes the engine's counters once a second (frontend/app.py
+# stats_interval_s): a batch that ends within a second of its scrape was not counted yet
+# (llama-1b's batch of one on an H200 took 0.4 s and showed no drafts).
+METRICS_SETTLE_S = 2.5
+
+
 def metric_totals(text: str) -> dict[str, float]:
     """SPEC_COUNTERS' totals in a Prometheus exposition (zero where a server has none)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -211,6 +217,7 @@ def measure_batch(server: Server, batch: int, args: argparse.Namespace) -> SpecR
     url = f"{server.url}/v1/chat/completions"
     tpots, tokens = [], 0
     with httpx.Client() as client, ThreadPoolExecutor(batch) as pool:
+        time.sleep(METRICS_SETTLE_S)
         before = metric_totals(client.get(f"{server.url}/metrics").text)
         started = time.perf_counter()
         for _ in range(args.rounds):
@@ -218,6 +225,7 @@ def measure_batch(server: Server, batch: int, args: argparse.Namespace) -> SpecR
                 tpots.append(tpot)
                 tokens += count
         wall = time.perf_counter() - started
+        time.sleep(METRICS_SETTLE_S)
         after = metric_totals(client.get(f"{server.url}/metrics").text)
     acceptance, per_step = spec_rates(before, after)
     return SpecRow(
