@@ -179,7 +179,7 @@ def stream_tpot(client: Any, url: str, body: dict[str, Any]) -> tuple[float, int
 
 # Tandem's API process takes the engine's counters once a second (frontend/app.py
 # stats_interval_s): a batch that ends within a second of its scrape was not counted yet
-# (llama-1b's batch of one on an H200 took 0.4 s and showed no drafts).
+# (llama-1b's batch of one took 0.4 s on the GPU and showed no drafts).
 METRICS_SETTLE_S = 2.5
 
 

@@ -425,9 +425,11 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             self.speculation()  # ValueError naming what is wrong
-            if self.tensor_parallel_size != 1:
+            method = self.speculation().method
+            if self.tensor_parallel_size != 1 and method != "ngram":
                 raise ValueError(
-                    "--speculative-config with --tensor-parallel-size > 1 is not supported yet"
+                    f"--speculative-config method {method!r} with --tensor-parallel-size > 1 "
+                    "is not supported yet (n-gram speculation is)"
                 )
         self.check_pipeline_parallel()
         if self.tp_all_reduce not in TP_ALL_REDUCES:

@@ -1068,15 +1068,14 @@ class ModelRunner:
         given. Row j draws the token at index start + 1 + j of its request, whose penalties
         count only the tokens before that index (not the later drafts, nor the placeholder
         after them)."""
-        rows: list[int] = []
         counts: list[int] = []
         requests: list[Request] = []
         positions: list[int] = []
         ahead: list[int] = []
-        for i, s in enumerate(out.scheduled):
+        rows = drafted_row_indices(out, query_start)
+        for s in out.scheduled:
             if s.drafts:
                 num = len(s.drafts)
-                rows += range(query_start[i], query_start[i] + num)
                 counts.append(num)
                 requests += [s.request] * num
                 drawn = range(s.start + 1, s.start + 1 + num)  # the indices the rows draw
@@ -1221,6 +1220,16 @@ class ModelRunner:
         if step.draft_checks is not None:
             result.draft_checks, result.draft_logprobs = step.draft_checks.per_row()
         return result
+
+
+def drafted_row_indices(out: SchedulerOutput, query_start: Sequence[int]) -> list[int]:
+    """The step's rows whose logits check drafts: each drafted row's positions but its last
+    (which samples as usual), in schedule order."""
+    rows: list[int] = []
+    for i, s in enumerate(out.scheduled):
+        if s.drafts:
+            rows += range(query_start[i], query_start[i] + len(s.drafts))
+    return rows
 
 
 def model_inputs(

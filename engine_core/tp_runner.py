@@ -4,7 +4,7 @@
       EngineCore schedules
       prepare_inputs ── packed host bytes ────────►  the same ModelInputs
       forward  ◄──────── all-reduces ─────────────►  forward
-      logits   ◄──────── vocabulary shards ────────  compute_logits (when a row samples)
+      logits   ◄──────── vocabulary shards ────────  compute_logits (rows that sample, drafts)
       sample ──────────── sampled ids ────────────►  the next step's placeholders
       update requests
 
@@ -67,6 +67,7 @@ from engine_core.model_runner import (
     PROMPT_LOGITS_ROWS,
     ModelInputs,
     ModelRunner,
+    drafted_row_indices,
     model_inputs,
     prompt_rows_on,
     resolve_device,
@@ -136,11 +137,12 @@ class StepChannel:
         moves: KVMoves | None = None,
         lora: LoraStep | None = None,
         state: StateStep | None = None,
+        drafted_rows: list[int] | None = None,
     ) -> None:
         copies = None if moves is None else dataclasses.astuple(moves)
         adapters = None if lora is None else lora.pack()
         states = None if state is None else state.pack()
-        header = [list(counts), data, prompt_rows, copies, adapters, states]
+        header = [list(counts), data, prompt_rows, copies, adapters, states, drafted_rows]
         self._send_header(_STEP, msgpack.packb(header))
 
     def send_stop(self) -> None:
@@ -151,11 +153,11 @@ class StepChannel:
         header = self._recv_header()
         if header is None:
             return None
-        counts, data, prompt_rows, copies, adapters, states = msgpack.unpackb(header)
+        counts, data, prompt_rows, copies, adapters, states, drafted = msgpack.unpackb(header)
         moves = None if copies is None else KVMoves(*copies)
         lora = None if adapters is None else LoraStep.unpack(adapters)
         state = None if states is None else StateStep.unpack(states)
-        return StepMessage(tuple(counts), data, prompt_rows, moves, lora, state)
+        return StepMessage(tuple(counts), data, prompt_rows, moves, lora, state, drafted)
 
     def _send_header(self, kind: int, payload: bytes) -> None:
         tensors = [torch.tensor([kind, len(payload)], dtype=torch.int64)]
@@ -251,6 +253,9 @@ class StepMessage:
     moves: KVMoves | None = None  # the host KV tier's copies, made before the forward
     lora: LoraStep | None = None  # with --enable-lora: the adapters' changes, the rows' slots
     state: StateStep | None = None  # with linear-attention layers: the rows' state slots
+    # With speculation: the rows whose logits check drafts (model_runner.py drafted_row_indices),
+    # whose logits come before the sampling rows' in the step's one product.
+    drafted_rows: list[int] | None = None
 
 
 # ---- the runners ------------------------------------------------------------------------------
@@ -326,7 +331,8 @@ class TPModelRunner(_ShardedRunner):
             lora = LoraStep(self.loras.take_changes(), self._lora_slots(out))
         state = StateStep.of(out) if self.num_state_slots else None
         step = self.input_batch.last_step()
-        self.channel.send(*step, inputs.prompt_rows_cpu, out.kv_moves, lora, state)
+        drafted = drafted_row_indices(out, inputs.meta.query_start_loc_cpu) or None
+        self.channel.send(*step, inputs.prompt_rows_cpu, out.kv_moves, lora, state, drafted)
         return inputs
 
     def step_failed(self, error: BaseException) -> None:
@@ -395,7 +401,11 @@ class TPWorker(_ShardedRunner):
                 self.model.compute_logits(hidden[part])
         num_sampled = packed.logits_indices.numel()
         self._prev_sampled = None
-        if num_sampled:
+        if step.drafted_rows:  # rank 0's one product over the drafted and the sampling rows
+            drafted = torch.tensor(step.drafted_rows, dtype=torch.int64).to(self.device)
+            rows = torch.cat((drafted, packed.logits_indices))
+            self.model.compute_logits(hidden[rows], widen=False)
+        elif num_sampled:
             self.model.compute_logits(hidden[packed.logits_indices], widen=False)
         if num_sampled and self.stage.size == 1:
             ids = torch.empty(num_sampled, dtype=torch.int64, device=self.device)

@@ -406,3 +406,36 @@ def test_the_ranks_agree_on_the_peer_all_reduce() -> None:
     for p in procs:
         p.join(60)
     assert got == {0: (False, 131), 1: (False, 131)}
+
+
+def test_tp2_ngram_speculation_gives_tp1_s_tokens(llama: tuple[Path, list[list[int]]]) -> None:
+    """N-gram speculation at TP=2: the workers compute the drafted rows' logits in rank 0's one
+    product, so prompts that repeat (drafts kept and rejected) give the plain TP=1 engine's
+    greedy tokens and logprobs."""
+    folder, _ = llama
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13] * 3, [3, 4, 5]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    runs, counts = [], None
+    for tp, extra in ((1, {}), (2, {"speculative_config": spec})):
+        llm = LLM(str(folder), tensor_parallel_size=tp, max_num_seqs=8, **ENGINE_ARGS, **extra)
+        try:
+            runs.append(llm.generate(prompts, params, detokenize=False))
+            counts = llm.engine.scheduler.counts()
+        finally:
+            llm.engine.shutdown()
+    assert counts is not None and counts.spec_draft_tokens > counts.spec_accepted_tokens > 0
+    assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
+    for theirs, ours in zip(runs[0], runs[1], strict=True):
+        torch.testing.assert_close(
+            torch.tensor([lp.logprob for lp in ours.logprobs]),
+            torch.tensor([lp.logprob for lp in theirs.logprobs]),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
+def test_a_draft_model_with_tp2_is_refused_by_name(llama: tuple[Path, list[list[int]]]) -> None:
+    spec = '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}'
+    with pytest.raises(ValueError, match="'draft_model' with --tensor-parallel-size > 1"):
+        LLM(str(llama[0]), tensor_parallel_size=2, speculative_config=spec, **ENGINE_ARGS)
