@@ -58,9 +58,20 @@ def test_a_bad_config_is_refused_naming_the_field(text: str, match: str) -> None
         EngineConfig(speculative_config=text)
 
 
-def test_speculation_with_tensor_parallelism_is_refused() -> None:
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}',
+        '{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}',
+        '{"method": "mtp", "num_speculative_tokens": 1}',
+    ],
+)
+def test_a_model_drafting_under_tensor_parallelism_is_refused_by_name(spec: str) -> None:
+    """Only n-gram speculation runs at TP > 1 (tests/test_tensor_parallel.py runs it)."""
+    method = json.loads(spec)["method"]
+    with pytest.raises(ValueError, match=f"'{method}' with --tensor-parallel-size > 1"):
+        EngineConfig(speculative_config=spec, tensor_parallel_size=2)
+    EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)  # n-gram is taken
 
 
 # ---- the proposer and the acceptance rule --------------------------------------------------------

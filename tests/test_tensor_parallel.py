@@ -433,9 +433,3 @@ def test_tp2_ngram_speculation_gives_tp1_s_tokens(llama: tuple[Path, list[list[i
             atol=1e-4,
             rtol=0,
         )
-
-
-def test_a_draft_model_with_tp2_is_refused_by_name(llama: tuple[Path, list[list[int]]]) -> None:
-    spec = '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}'
-    with pytest.raises(ValueError, match="'draft_model' with --tensor-parallel-size > 1"):
-        LLM(str(llama[0]), tensor_parallel_size=2, speculative_config=spec, **ENGINE_ARGS)
