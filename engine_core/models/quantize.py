@@ -2,9 +2,10 @@
 INT8 or W4A16), before any weight loads.
 
 Which layers: every ``Linear`` of the decoder layers (attention's qkv and output projections,
-the MLP's gate/up and down) and, in FP8 and W4A16, a mixture of experts' experts, except the
-modules a checkpoint lists as ignored. The embeddings, the LM head, norms and a mixture of
-experts' router stay in the model's dtype, as every quantized checkpoint we read keeps them.
+the MLP's gate/up and down; Qwen3-Next's linear-attention projections, shared expert and its
+gate) and, in FP8 and W4A16, a mixture of experts' experts, except the modules a checkpoint
+lists as ignored. The embeddings, the LM head, norms and a mixture of experts' router stay in
+the model's dtype, as every quantized checkpoint we read keeps them.
 """
 
 from __future__ import annotations
@@ -17,15 +18,27 @@ from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
 from engine_core.models.moe import SparseMoE
 
-# Architectures whose own layers (Qwen3-Next's linear attention, Llama 4's chunked MoE layers,
+# Architectures whose own layers (Qwen3.5's vision tower, Llama 4's chunked MoE layers,
 # gpt-oss's experts, which are not SparseMoE) no quantized checkpoint has been checked against:
 # refused, never run on a guess.
 UNTESTED_ARCHITECTURES = {
-    "qwen3_next": "Qwen3-Next",
     "qwen3_5_vl": "Qwen3.5",
     "llama4": "Llama 4",
     "gpt_oss": "gpt-oss",
 }
+# Architectures of our own layers -> (their name, the formats (``format_kind``) a test holds
+# them to against HF: tests/test_hybrid_quant.py); any other format is refused by name.
+TESTED_FORMATS = {
+    "qwen3_next": ("Qwen3-Next and Qwen3.5", ("block FP8",)),
+}
+# Qwen3.5's linear-attention projections, merged in our model (models/qwen3_next.py), by the
+# checkpoint's names of the parts.
+SEPARATE_PARTS = {
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
+}
+# Where a Qwen3.5 ConditionalGeneration checkpoint keeps the language model's layers.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
 
 
 def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
@@ -36,12 +49,12 @@ def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
     check_architecture(config, quant)
     for name, module in model.named_modules():
         if isinstance(module, SparseMoE):
-            make_quantized_experts(module, quant, name)
+            make_quantized_experts(module, quant, name, config)
             continue
         if not isinstance(module, Linear):
             continue
-        parts = checkpoint_names(name)
-        ignored = [is_ignored(part, quant) for part in parts]
+        parts = checkpoint_names(name, config)
+        ignored = [ignored_in_checkpoint(part, quant, config) for part in parts]
         if all(ignored):
             continue
         if any(ignored):
@@ -52,10 +65,12 @@ def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
         make_quantized(module, quant, name)
 
 
-def make_quantized_experts(module: SparseMoE, quant: QuantConfig, name: str) -> None:
+def make_quantized_experts(
+    module: SparseMoE, quant: QuantConfig, name: str, config: ModelConfig
+) -> None:
     """A mixture of experts' experts in FP8 or W4A16 (W8A8 experts are refused by
     ``check_architecture``)."""
-    if is_ignored(f"{name}.experts", quant):
+    if ignored_in_checkpoint(f"{name}.experts", quant, config):
         return
     if isinstance(quant, Fp8Config):
         module.make_fp8(quant)
@@ -81,6 +96,30 @@ def format_name(quant: QuantConfig) -> str:
     return f"W4A16 ({quant.source})"
 
 
+def format_kind(quant: QuantConfig) -> str:
+    """The format as TESTED_FORMATS names it: FP8 by its scales and origin, else its name."""
+    if not isinstance(quant, Fp8Config):
+        return format_name(quant)
+    if not quant.prequantized:
+        return "FP8 quantized as it loads (--quantization fp8)"
+    if quant.block is not None:
+        return "block FP8"
+    return "per-channel FP8" if quant.dynamic_activations else "FP8 with static input scales"
+
+
+def check_tested_format(config: ModelConfig, quant: QuantConfig) -> None:
+    """For an architecture of TESTED_FORMATS, refuse a format no test has held it to."""
+    if config.architecture not in TESTED_FORMATS:
+        return
+    model, tested = TESTED_FORMATS[config.architecture]
+    kind = format_kind(quant)
+    if kind not in tested:
+        raise ValueError(
+            f"{kind} ({quant.source}) is not implemented for {model} (tested: "
+            f"{', '.join(tested)}); serve this model unquantized or in a tested format"
+        )
+
+
 def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
     """Quantized linears cover the dense Llama-family layers (Llama, Mistral, Qwen2/3, Phi-3,
     Gemma 3) and, in FP8 and W4A16, mixtures of experts; W4A16 not Phi-3's fused projections,
@@ -91,6 +130,7 @@ def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
             f"{name} is not implemented for {UNTESTED_ARCHITECTURES[config.architecture]} yet "
             "(no quantized path of its layers is tested); serve it unquantized"
         )
+    check_tested_format(config, quant)
     if config.architecture == "deepseek" and not getattr(quant, "prequantized", True):
         raise ValueError(
             f"{name} quantizing a plain DeepSeek checkpoint as it loads is not implemented; serve "
@@ -113,11 +153,30 @@ def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
         raise ValueError(f"{name} is not implemented for Phi-3's fused qkv and gate/up weights")
 
 
-def checkpoint_names(module_name: str) -> list[str]:
+def checkpoint_names(module_name: str, config: ModelConfig) -> list[str]:
     """The checkpoint's module names that our module ``module_name`` holds: q/k/v for a merged
-    qkv_proj, gate/up for gate_up_proj, else its own name."""
+    qkv_proj, gate/up for gate_up_proj (Qwen3.5's qkv/z and b/a for its merged linear-attention
+    projections), else its own name."""
     parent, _, leaf = module_name.rpartition(".")
     parts = FUSED_PROJECTIONS.get(leaf)
+    if parts is None and separate_projections(config):
+        parts = SEPARATE_PARTS.get(leaf)
     if parts is None:
         return [module_name]
     return [f"{parent}.{part}" if parent else part for part in parts]
+
+
+def separate_projections(config: ModelConfig) -> bool:
+    """Whether the model is Qwen3.5 (its linear-attention projections stored in parts)."""
+    return config.linear_attention is not None and config.linear_attention.separate_projections
+
+
+def ignored_in_checkpoint(name: str, quant: QuantConfig, config: ModelConfig) -> bool:
+    """Whether the checkpoint's ignore list leaves our module ``name`` (as the checkpoint names
+    it) unquantized. A Qwen3.5 ConditionalGeneration checkpoint names the language model's
+    layers ``model.language_model.layers...``, and its list may name them either way."""
+    if is_ignored(name, quant):
+        return True
+    if not separate_projections(config) or not name.startswith("model."):
+        return False
+    return is_ignored(LANGUAGE_MODEL_PREFIX + name.removeprefix("model."), quant)

@@ -500,12 +500,6 @@ def qwen3_next_fields(hf: dict[str, Any], arch: str = "Qwen3NextForCausalLM") ->
     """The ModelConfig fields of a Qwen3-Next or Qwen3.5 (text) config.json beyond the Llama
     family's; ValueError naming any field whose value we do not implement."""
     refuse_unsupported(hf, arch, implemented=("shared_expert_intermediate_size",))
-    if hf.get("quantization_config"):
-        raise ValueError(
-            f"{arch}: quantization_config is not supported for this model yet (its linear-"
-            "attention projections and shared expert have no quantized path tested); serve a "
-            "bf16 checkpoint"
-        )
     for name in ("use_sliding_window", "sliding_window"):
         if hf.get(name) not in (None, False):
             raise ValueError(f"{arch}: config field {name}={hf[name]!r} is not supported")
