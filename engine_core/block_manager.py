@@ -66,7 +66,7 @@ from typing import Any
 from engine_core.kv_groups import KVGroup, blocks_for_tokens
 from engine_core.kv_offload import HostTier, KVMoves
 from engine_core.request import Request
-from engine_core.state_snapshots import StateCopy, StateSnapshots
+from engine_core.state_snapshots import KeptDraftState, StateMove, StateSnapshots
 
 ROOT_HASH = 0  # the parent hash of a request's first block
 NULL_BLOCK = 0  # with a window group: the placeholder for blocks behind the window
@@ -156,6 +156,8 @@ class BlockManager:
         self.num_state_slots = state_slots
         self._free_slots: deque[int] = deque(range(state_slots))
         self._slots: dict[str, int] = {}  # request id -> the state slot it holds
+        # Speculation: the states after kept drafts, for the next plan, before its other copies.
+        self._kept_drafts: list[KeptDraftState] = []
         self.windows = tuple(windows)
         self.attention_chunks = chunks
         self.num_groups = len(self.windows)
@@ -212,10 +214,21 @@ class BlockManager:
             return None
         return tier.take_moves()
 
-    def take_state_copies(self) -> tuple[StateCopy, ...]:
-        """The copies between state slots and snapshots that the next step's forward must make
-        first, in order (empty: none), handed over once."""
-        return () if self.snapshots is None else self.snapshots.take_copies()
+    def take_state_copies(self) -> tuple[StateMove, ...]:
+        """The copies into state slots (a kept draft's state, ``keep_draft_state``) and between
+        slots and snapshots that the next step's forward must make first, in order (empty:
+        none), handed over once. The kept drafts' come first: they were asked for by the last
+        step's update, before this plan's saves and restores."""
+        kept, self._kept_drafts = tuple(self._kept_drafts), []
+        return kept + (() if self.snapshots is None else self.snapshots.take_copies())
+
+    def keep_draft_state(self, request: Request, kept: int) -> None:
+        """A verify step kept ``kept`` of the request's drafts, not all: its slot takes the
+        state after the last kept one (the step wrote every position's; the slot holds the
+        last position's). Nothing without state slots."""
+        if self.num_state_slots:
+            slot = self._slots[request.request_id]
+            self._kept_drafts.append(KeptDraftState(slot, kept))
 
     def snapshot_chunk(self, request: Request, start: int, num_new: int) -> int:
         """``num_new`` tokens from ``start``, cut to end at the prompt's last block boundary

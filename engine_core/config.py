@@ -533,6 +533,11 @@ class EngineConfig:
                 "spans the nodes"
             )
 
+    def num_drafted_positions(self) -> int:
+        """K, the drafts a verify step may score per request (0 without speculation)."""
+        spec = self.speculation()
+        return 0 if spec is None else spec.num_speculative_tokens
+
     def num_state_snapshots(self) -> int:
         """Saved linear-attention states a model with such layers keeps (0 without caching)."""
         if not self.enable_prefix_caching:

@@ -9,9 +9,9 @@ the plain ``forward(positions, hidden)`` shape that CUDA-graph capture needs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,11 +23,52 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class VerifyPosition:
+    """Position j of a step's verify sequences (speculation: the last known token and its
+    drafts), one recurrent step for all of them that have it: each reads the state after
+    position j - 1 (the slot's own for j = 0) and writes the state after j to its own row, a
+    draft row of the slot (``draft_row``) or, for the last position, the slot, so the state
+    after any kept draft can become the slot's (state_snapshots.py KeptDraftState)."""
+
+    token_rows: torch.Tensor  # [N] int64: each sequence's token row at position j
+    read_rows: torch.Tensor  # [N] int64: the state rows holding the state before it
+    write_rows: torch.Tensor  # [N] int64: the state rows the state after it goes to
+
+    @staticmethod
+    def plan(
+        verify: list[tuple[int, int, int]],
+        starts: Sequence[int],
+        draft_row: Callable[[int, int], int],
+        device: torch.device,
+    ) -> list[VerifyPosition]:
+        """``verify``: (sequence, slot, drafts) of each verify sequence."""
+
+        def row(slot: int, drafts: int, j: int) -> int:  # the state after position j
+            return slot if j == drafts else draft_row(slot, j)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device)
+
+        positions = []
+        for j in range(max(drafts for _, _, drafts in verify) + 1):
+            now = [(seq, slot, drafts) for seq, slot, drafts in verify if drafts >= j]
+            positions.append(
+                VerifyPosition(
+                    tensor([starts[seq] + j for seq, _, _ in now]),
+                    tensor([slot if j == 0 else row(slot, d, j - 1) for _, slot, d in now]),
+                    tensor([row(slot, d, j) for _, slot, d in now]),
+                )
+            )
+        return positions
+
+
+@dataclass
 class StateRows:
     """Linear-attention layers' view of a step (Qwen3-Next): each sequence's state slot,
-    split once per step into the one-token sequences (decodes, run together) and the longer
-    chunks (run one by one), and the slots to zero first (sequences whose chunk starts at
-    position 0: a new, preempted or resumed request recomputes its state from nothing)."""
+    split once per step into the one-token sequences (decodes, run together), the verify
+    sequences (speculation: one position at a time, every position's state kept) and the
+    longer chunks (run one by one), and the slots to zero first (sequences whose chunk starts
+    at position 0: a new, preempted or resumed request recomputes its state from nothing)."""
 
     decode_rows: torch.Tensor | None  # [N] int64: the token row of each one-token sequence
     decode_slots: torch.Tensor | None  # [N] int64: their slots
@@ -38,6 +79,7 @@ class StateRows:
     chunk_rows: torch.Tensor | None = None
     chunk_slot_ids: torch.Tensor | None = None
     chunk_cu_seqlens: torch.Tensor | None = None
+    verify: list[VerifyPosition] = field(default_factory=list)  # by position; empty: none
 
     @classmethod
     def plan(
@@ -46,16 +88,25 @@ class StateRows:
         fresh: Sequence[bool],
         starts: Sequence[int],
         device: torch.device,
+        drafts: Sequence[int] = (),
+        draft_row: Callable[[int, int], int] | None = None,
     ) -> StateRows:
-        """``slots``, ``fresh`` per sequence; ``starts`` the step's query_start_loc."""
+        """``slots``, ``fresh`` and (with speculation) ``drafts`` per sequence; ``starts`` the
+        step's query_start_loc; ``draft_row(slot, j)``: the state row after draft position j."""
+        drafted = [(i, slots[i], d) for i, d in enumerate(drafts) if d]
+        verifying = {i for i, _, _ in drafted}
         one = [i for i in range(len(slots)) if starts[i + 1] - starts[i] == 1]
         singles = set(one)
 
         def tensor(values: list[int]) -> torch.Tensor | None:
             return torch.tensor(values, dtype=torch.int64).to(device) if values else None
 
-        chunks = [(i, slots[i]) for i in range(len(slots)) if i not in singles]
+        chunks = [(i, slots[i]) for i in range(len(slots)) if i not in singles | verifying]
         lengths = [starts[i + 1] - starts[i] for i, _ in chunks]
+        verify = []
+        if drafted:
+            assert draft_row is not None, "verify sequences need the draft rows' layout"
+            verify = VerifyPosition.plan(drafted, starts, draft_row, device)
         return cls(
             tensor([starts[i] for i in one]),
             tensor([slots[i] for i in one]),
@@ -64,6 +115,7 @@ class StateRows:
             tensor([r for i, _ in chunks for r in range(starts[i], starts[i + 1])]),
             tensor([slot for _, slot in chunks]),
             tensor([0, *itertools.accumulate(lengths)]) if chunks else None,
+            verify,
         )
 
     def zero_fresh(self, *states: torch.Tensor) -> None:

@@ -23,8 +23,9 @@ The need, per tensor-parallel rank:
   window's and a chunk's in a window group (and the null block). A model with linear-attention
   layers (Qwen3-Next) also holds one state slot per running sequence (``--max-num-seqs`` of
   them, ``state_slot_bytes`` each; on CUDA one more, the decode graphs' padding rows') and its
-  saved states for prefix hits (``--state-snapshots``, as many again by default), taken from
-  the same budget and counted here;
+  saved states for prefix hits (``--state-snapshots``, as many again by default), and with
+  speculation K more per slot (the states after each verify position), taken from the same
+  budget and counted here;
 - on CUDA, ``CUDA_HEADROOM_BYTES`` for the activations of the largest step and the allocator's
   slack (the KV sizing keeps the same headroom);
 - the host KV tier, ``--kv-offload-gb``: host memory, so on the CPU part of the same budget, and
@@ -233,8 +234,10 @@ def plan_memory(
     )
     # Linear-attention state slots, one per running sequence and on CUDA the graphs' padding
     # slot (at most: eager engines allocate none), and the saved states of prefix hits
-    # (--state-snapshots), beside the blocks (the runner takes them out of the same budget).
+    # (--state-snapshots), and with speculation K draft rows per slot, beside the blocks (the
+    # runner takes them out of the same budget).
     slots = config.max_num_seqs + (device.type == "cuda") + config.num_state_snapshots()
+    slots += config.max_num_seqs * config.num_drafted_positions()
     states = slots * state_slot_bytes(model_config, dtype, config.tensor_parallel_size)
     least += states
     kv, source = least, f"one sequence of {max_model_len} tokens"

@@ -68,7 +68,7 @@ from engine_core.parallel import get_pipeline_stage, get_tp_group
 from engine_core.pooler import PooledStep, Pooler
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
-from engine_core.state_snapshots import StateCopy, independent_runs
+from engine_core.state_snapshots import KeptDraftState, StateMove, independent_runs
 from engine_core.step_stats import GpuTimeline, StepStats
 from engine_core.warm_up import (
     SHORT_PROMPT,
@@ -84,6 +84,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Speculation methods tested on linear-attention models (tests/test_speculative_hybrid.py);
+# the others are refused by name there.
+LINEAR_ATTENTION_METHODS = ("ngram",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -289,6 +292,7 @@ class ModelRunner:
         # Speculation's draft model (engine_core/draft_model.py), EAGLE-3 head (eagle3.py) or
         # MTP layer (mtp.py), loaded before the KV cache is sized: its weights and its share of
         # every block come out of the same memory.
+        self._check_speculation_method()
         self.drafter = self._load_draft()
         # Adapter slots take their memory before the KV cache is sized from what is left.
         self.loras = self._install_lora() if config.enable_lora else None
@@ -356,6 +360,18 @@ class ModelRunner:
         return load_model(
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
         )
+
+    def _check_speculation_method(self) -> None:
+        """Refuse, before any drafter loads, a method not tested on this model's layers."""
+        spec = self.config.speculation()
+        if spec is None or self.model_config.linear_attention is None:
+            return
+        if spec.method not in LINEAR_ATTENTION_METHODS:
+            raise ValueError(
+                f"--speculative-config method {spec.method!r} is not supported for models with "
+                "linear-attention layers (Qwen3-Next, Qwen3.5) yet; "
+                f"{', '.join(LINEAR_ATTENTION_METHODS)} is"
+            )
 
     def _load_draft(self) -> DraftModel | Eagle3Proposer | MtpProposer | None:
         """The draft model of ``"method": "draft_model"``, checked against the target (the same
@@ -463,7 +479,7 @@ class ModelRunner:
     # ---- set-up -------------------------------------------------------------------------------
 
     def _check_state_kind(self) -> None:
-        """Refuse what a linear-attention state cannot do yet."""
+        """Warn where the state-snapshot settings keep nothing."""
         if not self.num_state_slots:
             if self.config.state_snapshots:  # sizing only: it changes no output
                 logger.warning(
@@ -472,11 +488,6 @@ class ModelRunner:
                     self.config.state_snapshots,
                 )
             return
-        if self.config.speculative_config is not None:
-            raise ValueError(
-                "--speculative-config is not supported for models with linear-attention layers "
-                "(Qwen3-Next): their state cannot roll rejected drafts back"
-            )
         if self.config.enable_prefix_caching and not self.num_state_snapshots:
             logger.warning(
                 "prefix caching is off for this model: its linear-attention layers need a "
@@ -486,20 +497,37 @@ class ModelRunner:
     @property
     def _state_tensor_slots(self) -> int:
         """The rows the state tensors hold: the block manager's slots, the graphs' padding
-        one, and the saved states."""
-        return self.snapshot_row(self.num_state_snapshots)
+        one, the saved states, and with speculation each slot's draft rows."""
+        return self.snapshot_row(self.num_state_snapshots) + self.num_draft_states
+
+    @property
+    def num_draft_states(self) -> int:
+        """Rows for the states after a verify step's positions but its last (which is the
+        slot's), K per slot: the state after any kept draft (forward_context.py
+        VerifyPosition)."""
+        return self.num_state_slots * self.config.num_drafted_positions()
 
     def snapshot_row(self, snapshot: int) -> int:
         """The state tensors' row of saved state ``snapshot``: after every slot."""
         return self.num_state_slots + (self.pad_state_slot is not None) + snapshot
 
-    def _copy_states(self, copies: Sequence[StateCopy]) -> None:
-        """A plan's copies between state slots and saved states, before the forward, on the
-        engine's stream, outside any graph: in its order where that matters (a save and a
-        later restore of the same snapshot, or of the same slot), else a run of them at once,
-        as a decode step at a large batch makes (a save every block's steps per request)."""
+    def draft_state_row(self, slot: int, position: int) -> int:
+        """The state tensors' row of ``slot``'s state after verify position ``position`` (<
+        K): after the saved states."""
+        drafts = self.config.num_drafted_positions()
+        return self.snapshot_row(self.num_state_snapshots) + slot * drafts + position
+
+    def _copy_states(self, copies: Sequence[StateMove]) -> None:
+        """A plan's copies between state slots, saved states and draft rows, before the
+        forward, on the engine's stream, outside any graph: in its order where that matters (a
+        kept draft's state, then a save of that slot; a save and a later restore of the same
+        snapshot, or of the same slot), else a run of them at once, as a decode step at a large
+        batch makes (a save every block's steps per request)."""
         moves = []
         for copy in copies:
+            if isinstance(copy, KeptDraftState):
+                moves.append((self.draft_state_row(copy.slot, copy.position), copy.slot))
+                continue
             row = self.snapshot_row(copy.snapshot)
             moves.append((copy.slot, row) if copy.save else (row, copy.slot))
         for run in independent_runs(moves):
@@ -910,6 +938,8 @@ class ModelRunner:
                 [s.start == 0 for s in scheduled],
                 packed.meta.query_start_loc_cpu,
                 self.device,
+                [len(s.drafts) for s in scheduled],
+                self.draft_state_row,
             )
         if self.multimodal is not None:
             step = self.multimodal.prepare(out, packed.meta.query_start_loc_cpu)

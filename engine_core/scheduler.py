@@ -668,8 +668,10 @@ class Scheduler:
         request.num_computed_tokens = first + len(output) - 1
         if reason is not None:
             self._finish(request, reason)
-        else:
-            self._cache_full_blocks(request, row.start, request.num_computed_tokens)
+            return EngineOutput(request, output, reason)
+        self._cache_full_blocks(request, row.start, request.num_computed_tokens)
+        if len(kept) <= len(row.drafts):  # a draft was rejected: the state after the last kept
+            self.block_manager.keep_draft_state(request, len(kept) - 1)
         return EngineOutput(request, output, reason)
 
     def _update_decodes(

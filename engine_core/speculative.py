@@ -13,7 +13,9 @@ before it, so greedy and seeded requests give the non-speculative output token f
 unseeded ones its distribution; for a draft that is one token (n-gram), keeping it exactly when
 the target draws it is the rejection-sampling rule (accept with probability p(draft), else draw
 from p without the draft). The KV of the rejected drafts is written but never read, as the next
-step writes over it (the scheduler moves the request's computed tokens back).
+step writes over it (the scheduler moves the request's computed tokens back). A linear-attention
+state cannot be written over so: a verify step keeps the state after each of its positions and
+the last kept draft's becomes the request's (docs/design/qwen3-next.md, "Speculation").
 
 Proposers: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), no

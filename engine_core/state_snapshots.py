@@ -43,6 +43,19 @@ class StateCopy:
     save: bool
 
 
+@dataclass(frozen=True)
+class KeptDraftState:
+    """After a verify step that kept ``position`` drafts of a request's K, fewer than all: the
+    state after that position (the slot's draft row ``position``, where the step wrote it)
+    copied into the slot, before the next step's forward reads it or a save copies it."""
+
+    slot: int
+    position: int
+
+
+StateMove = StateCopy | KeptDraftState
+
+
 @dataclass
 class _Entry:
     block_hash: int

@@ -91,7 +91,7 @@ from engine_core.parallel import (
     leave_tp_group,
 )
 from engine_core.request import SchedulerOutput
-from engine_core.state_snapshots import StateCopy
+from engine_core.state_snapshots import KeptDraftState, StateCopy, StateMove
 from protocol.messages import LoraRef
 
 logger = logging.getLogger("tandem.tp")
@@ -227,22 +227,30 @@ class StateStep:
 
     slots: list[int]
     fresh: list[bool]
-    copies: list[StateCopy]
+    copies: list[StateMove]
+    drafts: list[int]  # speculation: each row's drafts (its verify positions but the first)
 
     @staticmethod
     def of(out: SchedulerOutput) -> StateStep:
         scheduled = out.scheduled
         slots, fresh = [s.state_slot for s in scheduled], [s.start == 0 for s in scheduled]
-        return StateStep(slots, fresh, list(out.state_copies))
+        drafts = [len(s.drafts) for s in scheduled]
+        return StateStep(slots, fresh, list(out.state_copies), drafts)
 
     def pack(self) -> list[Any]:
-        copies = [[c.slot, c.snapshot, c.save] for c in self.copies]
-        return [self.slots, self.fresh, copies]
+        copies = [
+            [c.slot, c.position] if isinstance(c, KeptDraftState) else [c.slot, c.snapshot, c.save]
+            for c in self.copies
+        ]
+        return [self.slots, self.fresh, copies, self.drafts]
 
     @staticmethod
     def unpack(fields: list[Any]) -> StateStep:
-        slots, fresh, copies = fields
-        return StateStep(slots, fresh, [StateCopy(*c) for c in copies])
+        slots, fresh, copies, drafts = fields
+        moves: list[StateMove] = [
+            KeptDraftState(*c) if len(c) == 2 else StateCopy(*c) for c in copies
+        ]
+        return StateStep(slots, fresh, moves, drafts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +399,10 @@ class TPWorker(_ShardedRunner):
         if step.state is not None:
             self._copy_states(step.state.copies)  # before this step reads the slots
             starts = packed.meta.query_start_loc_cpu
-            inputs.state = StateRows.plan(step.state.slots, step.state.fresh, starts, self.device)
+            state = step.state
+            inputs.state = StateRows.plan(
+                state.slots, state.fresh, starts, self.device, state.drafts, self.draft_state_row
+            )
         hidden = self._forward(inputs)  # [T, hidden]
         if not self.stage.is_last:  # [2, T, hidden]: the stage's output, for the next one
             self.stage.send_activations(hidden)

@@ -415,13 +415,6 @@ def test_fields_we_do_not_implement_are_refused_by_name(field: str, value: objec
         model_config_from_hf(hf_dict(**{field: value}))
 
 
-def test_speculative_decoding_is_refused(qwen3_next: tuple[Path, torch.nn.Module]) -> None:
-    folder, _ = qwen3_next
-    draft = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
-    with pytest.raises(ValueError, match="--speculative-config"):
-        make_llm(folder, speculative_config=draft)
-
-
 def test_state_slots_are_counted_in_the_memory_plan() -> None:
     """A slot of the tiny model: per linear layer the convolution's last 3 inputs of its
     2 * 2 * 8 + 4 * 8 = 64 channels and 4 value heads' 8 x 8 states, float32; the start-up

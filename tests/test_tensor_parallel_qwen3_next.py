@@ -10,32 +10,66 @@ experts and a shared one. One TP=2 engine runs the batch; the 23-token prompt is
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine_core.llm import LLM
 from engine_core.memory_plan import state_slot_bytes
 from engine_core.models import model_config_from_hf
 from engine_core.models.qwen3_next import GatedDeltaNet
 from engine_core.parallel import TPGroup, check_tensor_parallel
+from protocol.messages import SamplingParams
 from tests.paged_harness import random_prompts, randomize
 from tests.test_models_qwen3_next import VOCAB, tiny_config
+from tests.test_speculative_hybrid import NGRAM, script
 from tests.tp_cases import assert_same_greedy, engine_greedy, hf_reference
 
 NEW_TOKENS = 8
 PROMPTS = random_prompts(VOCAB, (11, 23))  # the 23-token one in two chunks
 
 
-def test_tp2_matches_hf(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=2)).eval()
     randomize(model, 0)
     assert model.config.layer_types == ["linear_attention", "full_attention"]
     folder = tmp_path_factory.mktemp("qwen3_next")
     model.save_pretrained(folder)
+    return folder, model
+
+
+def test_tp2_matches_hf(two_layers: tuple[Path, torch.nn.Module]) -> None:
+    folder, model = two_layers
     got = engine_greedy(folder, PROMPTS, NEW_TOKENS, tp=2)
     assert_same_greedy(got, hf_reference(model, PROMPTS, NEW_TOKENS))
+
+
+def test_tp2_speculation_keeps_each_ranks_state_after_the_kept_drafts(
+    two_layers: tuple[Path, torch.nn.Module],
+) -> None:
+    """Drafts kept in every count from none to all (tests/test_speculative_hybrid.py's
+    scripted drafts) at TP=2: each rank writes its heads' state after every verify position
+    and takes the kept one's (the copies and the rows' draft counts travel in the step's
+    message); HF's greedy tokens."""
+    folder, model = two_layers
+    want = hf_reference(model, PROMPTS, 16)[0]
+    llm = LLM(
+        str(folder), tensor_parallel_size=2, block_size=4, num_kv_blocks=64, max_model_len=64,
+        max_num_batched_tokens=16, max_num_seqs=8, speculative_config=NGRAM,
+    )  # fmt: skip
+    try:
+        script(llm, PROMPTS, want)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        got = llm.generate(PROMPTS, params, detokenize=False)
+        counts = llm.engine.scheduler.counts()
+    finally:
+        llm.engine.shutdown()
+    assert [o.token_ids for o in got] == want
+    assert 0 < counts.spec_accepted_tokens < counts.spec_draft_tokens
 
 
 def test_key_heads_that_do_not_split_are_refused() -> None:

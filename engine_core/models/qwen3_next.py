@@ -177,6 +177,8 @@ class GatedDeltaNet(nn.Module, TPSharded):
                 )  # fmt: skip
             else:
                 self.decode_torch(mixed, g, beta, rows, core)
+        if rows.verify:
+            self.verify_steps(mixed, g, beta, rows, core)
         if rows.chunk_slots:
             kernels = fla_kernels() if mixed.is_cuda else None
             if kernels is not None:
@@ -215,10 +217,11 @@ class GatedDeltaNet(nn.Module, TPSharded):
         weight = self.conv1d.weight  # [C, 1, K]
         mixed = torch.empty_like(qkv)
         if rows.decode_rows is not None and rows.decode_slots is not None:
-            one, slots = rows.decode_rows, rows.decode_slots
-            window = torch.cat([self.conv_state[slots], qkv[one].unsqueeze(-1)], dim=-1)
-            self.conv_state[slots] = window[..., 1:]  # [N, C, K - 1]
-            mixed[one] = F.silu((window * weight.squeeze(1)).sum(-1))
+            slots = rows.decode_slots
+            self.convolve_one(qkv, mixed, rows.decode_rows, slots, slots)
+        for position in rows.verify:  # a state after every position, in its own row
+            one, read, write = position.token_rows, position.read_rows, position.write_rows
+            self.convolve_one(qkv, mixed, one, read, write)
         kernel = self.la.conv_kernel
         for seq, slot in rows.chunk_slots:
             lo, hi = starts[seq], starts[seq + 1]
@@ -227,6 +230,22 @@ class GatedDeltaNet(nn.Module, TPSharded):
             out = F.conv1d(window.unsqueeze(0), weight, groups=weight.shape[0])[0]  # [C, L]
             mixed[lo:hi] = F.silu(out.T)
         return mixed
+
+    def convolve_one(
+        self,
+        qkv: torch.Tensor,
+        mixed: torch.Tensor,
+        one: torch.Tensor,
+        read: torch.Tensor,
+        write: torch.Tensor,
+    ) -> None:
+        """The convolution of one token of each of N sequences (token rows ``one``) after the
+        inputs in state rows ``read``, which move on into ``write`` [N, C, K - 1]."""
+        assert self.conv_state is not None
+        weight = self.conv1d.weight  # [C, 1, K]
+        window = torch.cat([self.conv_state[read], qkv[one].unsqueeze(-1)], dim=-1)
+        self.conv_state[write] = window[..., 1:]
+        mixed[one] = F.silu((window * weight.squeeze(1)).sum(-1))
 
     def decode_torch(
         self,
@@ -238,15 +257,45 @@ class GatedDeltaNet(nn.Module, TPSharded):
     ) -> None:
         """The decodes' gated delta rule in torch (models/delta_rule.py), one recurrent step
         for all: mixed [T, C] -> their rows of core [T, Hv, Dv]."""
+        assert rows.decode_rows is not None and rows.decode_slots is not None
+        slots = rows.decode_slots
+        self.recurrent_step(mixed, g, beta, rows.decode_rows, slots, slots, core)
+
+    def verify_steps(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: StateRows,
+        core: torch.Tensor,
+    ) -> None:
+        """The verify sequences' gated delta rule in torch, one recurrent step per position for
+        all of them, each position's state written to its own row (forward_context.py
+        VerifyPosition). A handful of steps a layer, eagerly on every device (these steps have
+        no graphs)."""
+        for position in rows.verify:
+            one, read, write = position.token_rows, position.read_rows, position.write_rows
+            self.recurrent_step(mixed, g, beta, one, read, write, core)
+
+    def recurrent_step(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        one: torch.Tensor,
+        read: torch.Tensor,
+        write: torch.Tensor,
+        core: torch.Tensor,
+    ) -> None:
+        """One token of each of N sequences (token rows ``one``), from the state rows ``read``
+        to ``write``: mixed [T, C] -> those rows of core [T, Hv, Dv]."""
         state = self.recurrent_state
-        assert state is not None and rows.decode_rows is not None
-        assert rows.decode_slots is not None
-        one, slots = rows.decode_rows, rows.decode_slots
+        assert state is not None
         q, k, v = self.heads(mixed[one])
         out, after = recurrent_gated_delta_step(
-            q, k, v, g[one], beta[one].float(), state[slots].float()
+            q, k, v, g[one], beta[one].float(), state[read].float()
         )
-        state[slots] = after.to(state.dtype)
+        state[write] = after.to(state.dtype)
         core[one] = out.to(core.dtype)
 
     def chunks_torch(
