@@ -208,20 +208,23 @@ def check_draft(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> 
         )
     if draft.embedding is not None:
         raise ValueError("--speculative-config draft model: an embedding model cannot draft")
-    if not attends_fully(target):
+    if not attends_fully(target, linear_layers=True):
         # The draft reads the context through the target's first layer group's tables, whose
-        # blocks a window group gives back once they leave the window.
+        # blocks a window group gives back once they leave the window. Linear-attention layers
+        # hold no blocks: a verify step keeps their state per position (qwen3-next.md).
         raise ValueError(
             "--speculative-config draft model: the target has sliding-window or chunked "
             "attention layers, whose block tables a draft model cannot share yet"
         )
 
 
-def attends_fully(config: ModelConfig) -> bool:
-    """One KV layer group, of full attention (no window, attention chunk or linear layers)."""
+def attends_fully(config: ModelConfig, linear_layers: bool = False) -> bool:
+    """One KV layer group, of full attention (no window or attention chunk; no linear layers
+    unless ``linear_layers``)."""
     layout = model_kv_layout(config)
     windows = (*layout.windows, *layout.attention_chunks)
-    return len(layout.groups) == 1 and all(w is None for w in windows) and not layout.state_layers
+    one_full_group = len(layout.groups) == 1 and all(w is None for w in windows)
+    return one_full_group and (linear_layers or not layout.state_layers)
 
 
 def check_draft_layers(model: torch.nn.Module) -> None:

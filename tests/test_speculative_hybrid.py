@@ -4,10 +4,10 @@ and a step that keeps some drafts but not all copies the state after the last ke
 slot (state_snapshots.py ``KeptDraftState``) before the next step reads it or a save copies it.
 
 Greedy outputs equal HF's with drafts kept, rejected and half kept (scripted drafts: HF's own
-next tokens with one changed at a chosen index; and n-gram prompt lookup as it is),
-alone, batched beside a chunked prompt, under preemption, and on a later turn resuming at a
-state its first turn saved while it speculated. The methods that load a drafter (draft model,
-EAGLE-3, MTP) are refused by name on such models."""
+next tokens with one changed at a chosen index), alone, batched beside a chunked prompt, under
+preemption, and on a later turn resuming at a state its first turn saved while it speculated;
+and with the real proposers: n-gram prompt lookup, a random draft model. EAGLE-3 and MTP are
+refused by name on such models."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from engine_core.memory_plan import Budget, MemoryPlan, plan_memory, state_slot_
 from engine_core.models import build_model, model_config_from_hf
 from engine_core.state_snapshots import KeptDraftState
 from protocol.messages import SamplingParams
+from tests.factories import write_tiny_llama
 from tests.paged_harness import hf_greedy, random_prompts, randomize
 from tests.test_models_qwen3_next import VOCAB, hf_dict, tiny_config
 from tests.test_models_qwen3_next import make_llm as qwen3_next_llm
@@ -193,7 +194,28 @@ def test_a_later_turn_resumes_at_a_state_saved_while_speculating(
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
+def test_a_draft_model_drafting_for_a_hybrid_target_gives_hfs_tokens(
+    qwen3_next: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    """A random Llama of the same vocabulary drafts on the target's attention blocks: its
+    drafts are nearly all rejected, so the slot takes the state after the first position step
+    after step; the tokens are HF's."""
+    folder, hf_model = qwen3_next
+    draft = write_tiny_llama(tmp_path / "draft", vocab_size=VOCAB)
+    spec = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 2}}'
+    prompts = random_prompts(VOCAB, (30, 70))
+    llm = make_llm(folder, speculative_config=spec)
+    kept = KeptStates(llm)
+    try:
+        got = llm.generate(prompts, greedy(16), detokenize=False)
+        assert [o.token_ids for o in got] == hf_tokens(hf_model, prompts, 16)
+        assert 0 in kept.positions
+        check_all_given_back(llm, 4)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_methods_not_tested_on_linear_attention_are_refused_by_name(
     qwen3_next: tuple[Path, torch.nn.Module], method: str
 ) -> None:
