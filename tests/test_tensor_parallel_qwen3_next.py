@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+)
 
 from engine_core.llm import LLM
 from engine_core.memory_plan import state_slot_bytes
@@ -23,6 +29,7 @@ from engine_core.models.qwen3_next import GatedDeltaNet
 from engine_core.parallel import TPGroup, check_tensor_parallel
 from protocol.messages import SamplingParams
 from tests.paged_harness import random_prompts, randomize
+from tests.test_models_qwen3_5 import text_fields
 from tests.test_models_qwen3_next import VOCAB, tiny_config
 from tests.test_speculative_hybrid import NGRAM, script
 from tests.tp_cases import assert_same_greedy, engine_greedy, hf_reference
@@ -70,6 +77,21 @@ def test_tp2_speculation_keeps_each_ranks_state_after_the_kept_drafts(
         llm.engine.shutdown()
     assert [o.token_ids for o in got] == want
     assert 0 < counts.spec_accepted_tokens < counts.spec_draft_tokens
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_tp2_qwen3_5_matches_hf(tmp_path: Path, moe: bool) -> None:
+    """Qwen3.5's four separate projections at TP=2: each rank takes its key heads' runs of
+    in_proj_qkv's q and k, its value heads' of v, z, b and a; HF's greedy tokens."""
+    torch.manual_seed(0)
+    if moe:
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text_fields(moe=True))).eval()
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_fields(moe=False))).eval()
+    randomize(model, 0)
+    model.save_pretrained(tmp_path)
+    got = engine_greedy(tmp_path, PROMPTS, NEW_TOKENS, tp=2)
+    assert_same_greedy(got, hf_reference(model, PROMPTS, NEW_TOKENS))
 
 
 def test_key_heads_that_do_not_split_are_refused() -> None:

@@ -369,20 +369,40 @@ def input_projections(
     takes two GEMMs."""
     value_dim = la.num_value_heads * la.value_head_dim
     if la.separate_projections:
-        if tp.size > 1:
-            raise ValueError(
-                f"--tensor-parallel-size {tp.size}: Qwen3.5's separate linear-attention "
-                "projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) have no "
-                "tensor-parallel split yet; Qwen3-Next's merged ones do"
-            )
         return (
-            MergedLinear(hidden, [la.conv_dim, value_dim], bias=False),
-            MergedLinear(hidden, [la.num_value_heads] * 2, bias=False),
+            SeparateQkvz(hidden, la, tp),
+            MergedLinear(hidden, [tp.size * la.num_value_heads] * 2, False, tp),
         )
     return (
         column_parallel_linear(hidden, [tp.size * (la.conv_dim + value_dim)], False, tp),
         column_parallel_linear(hidden, [tp.size * 2 * la.num_value_heads], False, tp),
     )
+
+
+class SeparateQkvz(MergedLinear):
+    """Qwen3.5's in_proj_qkv and in_proj_z as one projection (``la`` is this rank's share of
+    the heads). Under tensor parallelism each rank takes its key heads' rows of q and of k and
+    its value heads' rows of v (in_proj_qkv holds q, k and v each whole, in head order, so a
+    rank's rows are three runs) and its value heads' rows of z (one run)."""
+
+    def __init__(self, hidden: int, la: LinearAttentionConfig, tp: TPGroup = SINGLE) -> None:
+        value_dim = la.num_value_heads * la.value_head_dim
+        super().__init__(hidden, [tp.size * la.conv_dim, tp.size * value_dim], False, tp)
+        key_dim = la.num_key_heads * la.key_head_dim
+        self.qkv_pieces = [tp.size * key_dim, tp.size * key_dim, tp.size * value_dim]
+
+    def narrow_checkpoint(
+        self, param_name: str, tensor: torch.Tensor, shard: int | None
+    ) -> torch.Tensor:
+        if shard != 0 or self.tp.size == 1:
+            return super().narrow_checkpoint(param_name, tensor, shard)
+        if param_name != "weight":
+            raise ValueError(
+                f"in_proj_qkv's {param_name} under --tensor-parallel-size {self.tp.size}: a "
+                "quantized Qwen3.5 linear-attention projection has no tensor-parallel split yet"
+            )
+        parts = tensor.split(self.qkv_pieces, dim=0)
+        return torch.cat([rank_rows(part, self.tp) for part in parts], dim=0)
 
 
 def local_heads(config: ModelConfig, tp: TPGroup) -> LinearAttentionConfig:
