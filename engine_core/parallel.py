@@ -381,12 +381,6 @@ def check_quantized_split(config: ModelConfig, size: int, expert_parallel: bool)
     quant = config.quantization
     if quant is None:
         return
-    if config.mla is not None:
-        raise ValueError(
-            f"--tensor-parallel-size {size}: quantized DeepSeek checkpoints under tensor "
-            "parallelism are not implemented yet (no test has split their latent attention's "
-            "quantized projections); serve it with --tensor-parallel-size 1"
-        )
     inputs, outputs = split_widths(config, expert_parallel)
     if isinstance(quant, W4A16Config):
         unit = PACK_COLUMNS if quant.group_size == -1 else math.lcm(PACK_COLUMNS, quant.group_size)
@@ -417,12 +411,7 @@ def split_widths(
     """({name: the input width of a row-parallel layer}, {name: the output width of a
     column-parallel one}) of the quantized layers that tensor parallelism splits (experts
     whole under expert parallelism, which refuses quantized ones as they are built)."""
-    attention = config.num_heads * config.head_dim
-    inputs = {"attention output (heads x head_dim)": attention}
-    outputs = {
-        "query width (heads x head_dim)": attention,
-        "key/value width (KV heads x head_dim)": config.num_kv_heads * config.head_dim,
-    }
+    inputs, outputs = attention_widths(config)
     if config.has_dense_mlp:
         inputs["MLP width (intermediate_size)"] = config.intermediate_size
         outputs["MLP width (intermediate_size)"] = config.intermediate_size
@@ -430,6 +419,31 @@ def split_widths(
         inputs["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
         outputs["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
     return inputs, outputs
+
+
+def attention_widths(config: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """``split_widths``' attention part: o_proj's input; q/k/v's outputs, or with latent
+    attention (DeepSeek, models/deepseek.py) q_b's (or q's) and kv_b's, whose rows are
+    head-major (q_a and kv_a are every rank's, not split)."""
+    heads, mla = config.num_heads, config.mla
+    if mla is not None:
+        return (
+            {"attention output (heads x v_head_dim)": heads * mla.v_head_dim},
+            {
+                "query width (heads x qk head dim)": heads
+                * (mla.qk_nope_head_dim + mla.qk_rope_head_dim),
+                "latent up-projection width (heads x (qk_nope + v) dims)": heads
+                * (mla.qk_nope_head_dim + mla.v_head_dim),
+            },
+        )
+    attention = heads * config.head_dim
+    return (
+        {"attention output (heads x head_dim)": attention},
+        {
+            "query width (heads x head_dim)": attention,
+            "key/value width (KV heads x head_dim)": config.num_kv_heads * config.head_dim,
+        },
+    )
 
 
 # The families whose layers take a stage's input and hand on its output (models/llama.py):

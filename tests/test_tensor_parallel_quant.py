@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 from engine_core.config import Fp8Config, W4A16Config
 from engine_core.loader import load_model_config
+from engine_core.models import model_config_from_hf
 from engine_core.models.layers import (
     Linear,
     MergedLinear,
@@ -45,6 +46,7 @@ from engine_core.parallel import TPGroup, check_tensor_parallel
 from tests.factories import tiny_hf_sizes
 from tests.paged_harness import random_prompts
 from tests.quant_fixtures import (
+    LINEARS,
     SIZES,
     e4m3_per_token,
     gptq_tensors,
@@ -52,6 +54,7 @@ from tests.quant_fixtures import (
     quantize_inputs,
 )
 from tests.test_fp8 import BLOCK, FORMATS, write_quantized
+from tests.test_fp8_moe import MLA_LINEARS, e4m3_groups
 from tests.test_w4a16_moe import ct_tensors, scaled_head, write_w4a16_moe
 from tests.tp_cases import (
     assert_same_greedy,
@@ -93,6 +96,43 @@ def test_tp2_block_fp8_qwen3_moe_matches_hf(tmp_path: Path) -> None:
     quantize_expert_inputs(hf, round_trip)
     got = engine_greedy(tmp_path / "fp8", PROMPTS, NEW_TOKENS, tp=2)
     assert_same_greedy_quantized(got, hf_reference(hf, PROMPTS, NEW_TOKENS))
+
+
+def test_tp2_deepseek_v3_block_fp8_matches_hf(tmp_path: Path) -> None:
+    """DeepSeek-V3's published FP8 form (tests/test_fp8_moe.py's, TP=1) at TP=2: each rank
+    takes its heads' row blocks of q_b and kv_b (kv_b dequantized after the split), its column
+    blocks of o, and its width of every expert; q_a and kv_a whole. Head dims of 16 + 16 and
+    v of 16 make each rank's share whole 32 x 32 blocks."""
+    from tests import test_models_deepseek as deepseek
+
+    torch.manual_seed(0)
+    mla = {"qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}
+    config = deepseek.CONFIGS["v3"]()
+    widths = {"moe_intermediate_size": 64, "intermediate_size": 128, "qk_head_dim": 32}
+    for name, value in (mla | widths | {"head_dim": 16}).items():  # HF's derived ones too
+        setattr(config, name, value)
+    hf_model = scaled_head(AutoModelForCausalLM.from_config(config).eval(), 0)
+    linears = LINEARS + MLA_LINEARS
+    write_quantized(hf_model, FORMATS["fp8-block"], tmp_path / "fp8", tmp_path / "ref", linears)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    quantize_inputs(hf, e4m3_groups, leaves=LINEARS + MLA_LINEARS[:3])  # kv_b's input stays
+    quantize_expert_inputs(hf, e4m3_groups)
+    prompts = random_prompts(deepseek.VOCAB, (11, 23))
+    got = engine_greedy(tmp_path / "fp8", prompts, NEW_TOKENS, tp=2)
+    assert_same_greedy_quantized(got, hf_reference(hf, prompts, NEW_TOKENS))
+
+
+def test_latent_attention_shares_that_are_not_whole_blocks_are_refused() -> None:
+    """tests/test_models_deepseek.py's V3 (4 heads of 16 + 8 query dims, 16 + 24 latent
+    up-projection dims) in 32 x 32 blocks over 2 ranks: q_b's 96 rows give each rank a block
+    and a half, kv_b's 160 two and a half; named before any worker starts."""
+    from tests import test_models_deepseek as deepseek
+
+    hf = deepseek.CONFIGS["v3"]().to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]}
+    config = model_config_from_hf(hf)
+    fp8 = Fp8Config(weight_scales="block", prequantized=True, block=(32, 32))
+    with pytest.raises(ValueError, match=r"32 x 32 blocks: .*query width .* 96 / 2, latent up"):
+        check_tensor_parallel(dataclasses.replace(config, quantization=fp8), 2)
 
 
 # ---- a row-parallel W4A16 layer's shares -------------------------------------------------------

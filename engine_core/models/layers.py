@@ -808,8 +808,15 @@ class ColumnParallelLinear(Linear, TPSharded):
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:
-        parts = tensor.split(self.pieces, dim=0)
-        return torch.cat([rank_rows(part, self.tp) for part in parts], dim=0)
+        """Each piece's rank rows; a scale tensor (block FP8's [row blocks, column blocks],
+        W4A16's [groups, rows]) holds the pieces' rows in blocks, split the same way
+        (``check_quantized_split`` makes every share whole blocks)."""
+        dim = output_dim(param_name)
+        if param_name in ("weight_scale", "input_scale") and tensor.numel() == 1:
+            return tensor  # one scale for the whole layer: every rank keeps it
+        rows_per_entry = sum(self.pieces) // tensor.shape[dim]
+        parts = tensor.split([piece // rows_per_entry for piece in self.pieces], dim=dim)
+        return torch.cat([rank_rows(part, self.tp, dim) for part in parts], dim=dim)
 
 
 class RowParallelLinear(Linear, TPSharded):
