@@ -7,6 +7,7 @@ construction is derived in a property or built into a new object with ``dataclas
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -163,6 +164,11 @@ class Int8Config:
 
 # The weight format of a model's linear layers; None in ModelConfig: the model's dtype.
 QuantConfig = Fp8Config | W4A16Config | Int8Config
+
+
+def is_ignored(module_name: str, config: QuantConfig) -> bool:
+    """Whether checkpoint module ``module_name`` stays unquantized under ``config``."""
+    return any(re.fullmatch(pattern, module_name) for pattern in config.ignore)
 
 
 @dataclass(frozen=True)

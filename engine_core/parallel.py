@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine_core.config import Fp8Config, ModelConfig, W4A16Config
+from engine_core.config import Fp8Config, ModelConfig, QuantConfig, W4A16Config, is_ignored
 from engine_core.kv_groups import model_kv_layout
 from engine_core.peer_all_reduce import PeerAllReduce, PeerSumArgs, make_peer_all_reduce
 
@@ -381,7 +381,9 @@ def check_quantized_split(config: ModelConfig, size: int, expert_parallel: bool)
     quant = config.quantization
     if quant is None:
         return
-    inputs, outputs = split_widths(config, expert_parallel)
+    split_inputs, split_outputs = split_widths(config, expert_parallel)
+    inputs = quantized_widths(split_inputs, config, quant)
+    outputs = quantized_widths(split_outputs, config, quant)
     if isinstance(quant, W4A16Config):
         unit = PACK_COLUMNS if quant.group_size == -1 else math.lcm(PACK_COLUMNS, quant.group_size)
         bad = [f"{name} {value} / {size}" for name, value in inputs.items() if value // size % unit]
@@ -405,45 +407,71 @@ def check_quantized_split(config: ModelConfig, size: int, expert_parallel: bool)
 PACK_COLUMNS = 8  # W4A16's 4-bit values per int32 word (models/w4a16.py PACK)
 
 
+# A width check: (the width, the checkpoint module, within a decoder layer, whose rows or
+# columns it is: what the checkpoint's ignore list may leave unquantized).
+Width = tuple[int, str]
+
+
 def split_widths(
     config: ModelConfig, expert_parallel: bool
-) -> tuple[dict[str, int], dict[str, int]]:
+) -> tuple[dict[str, Width], dict[str, Width]]:
     """({name: the input width of a row-parallel layer}, {name: the output width of a
-    column-parallel one}) of the quantized layers that tensor parallelism splits (experts
-    whole under expert parallelism, which refuses quantized ones as they are built)."""
+    column-parallel one}) of the layers that tensor parallelism splits and a checkpoint may
+    quantize (experts whole under expert parallelism, which refuses quantized ones as they are
+    built)."""
     inputs, outputs = attention_widths(config)
     if config.has_dense_mlp:
-        inputs["MLP width (intermediate_size)"] = config.intermediate_size
-        outputs["MLP width (intermediate_size)"] = config.intermediate_size
+        inputs["MLP width (intermediate_size)"] = (config.intermediate_size, "mlp.down_proj")
+        outputs["MLP width (intermediate_size)"] = (config.intermediate_size, "mlp.gate_proj")
     if config.num_experts and not expert_parallel:
-        inputs["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
-        outputs["expert width (moe_intermediate_size)"] = config.moe_intermediate_size
+        width = (config.moe_intermediate_size, "mlp.experts")
+        inputs["expert width (moe_intermediate_size)"] = width
+        outputs["expert width (moe_intermediate_size)"] = width
     return inputs, outputs
 
 
-def attention_widths(config: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
+def attention_widths(config: ModelConfig) -> tuple[dict[str, Width], dict[str, Width]]:
     """``split_widths``' attention part: o_proj's input; q/k/v's outputs, or with latent
     attention (DeepSeek, models/deepseek.py) q_b's (or q's) and kv_b's, whose rows are
     head-major (q_a and kv_a are every rank's, not split)."""
     heads, mla = config.num_heads, config.mla
     if mla is not None:
+        query = "self_attn.q_proj" if mla.q_lora_rank is None else "self_attn.q_b_proj"
+        qk_dims, up_dims = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim
         return (
-            {"attention output (heads x v_head_dim)": heads * mla.v_head_dim},
+            {"attention output (heads x v_head_dim)": (heads * mla.v_head_dim, "self_attn.o_proj")},
             {
-                "query width (heads x qk head dim)": heads
-                * (mla.qk_nope_head_dim + mla.qk_rope_head_dim),
-                "latent up-projection width (heads x (qk_nope + v) dims)": heads
-                * (mla.qk_nope_head_dim + mla.v_head_dim),
+                "query width (heads x qk head dim)": (heads * qk_dims, query),
+                "latent up-projection width (heads x (qk_nope + v) dims)": (
+                    heads * (up_dims + mla.v_head_dim),
+                    "self_attn.kv_b_proj",
+                ),
             },
         )
     attention = heads * config.head_dim
     return (
-        {"attention output (heads x head_dim)": attention},
+        {"attention output (heads x head_dim)": (attention, "self_attn.o_proj")},
         {
-            "query width (heads x head_dim)": attention,
-            "key/value width (KV heads x head_dim)": config.num_kv_heads * config.head_dim,
+            "query width (heads x head_dim)": (attention, "self_attn.q_proj"),
+            "key/value width (KV heads x head_dim)": (
+                config.num_kv_heads * config.head_dim,
+                "self_attn.k_proj",
+            ),
         },
     )
+
+
+def quantized_widths(
+    widths: dict[str, Width], config: ModelConfig, quant: QuantConfig
+) -> dict[str, int]:
+    """The widths of ``widths`` whose layer the checkpoint quantizes in some decoder layer
+    (its ignore list may leave, say, the attention in float, as Kimi-K2's INT4 does)."""
+    layers = range(config.num_layers)
+    return {
+        name: width
+        for name, (width, leaf) in widths.items()
+        if not all(is_ignored(f"model.layers.{i}.{leaf}", quant) for i in layers)
+    }
 
 
 # The families whose layers take a stage's input and hand on its output (models/llama.py):

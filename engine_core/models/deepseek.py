@@ -24,8 +24,12 @@ latent it multiplies is not quantized, as vLLM computes it too.
 Tensor parallelism splits the heads (q_b, kv_b and o; the latent is every rank's), the shared
 experts and every routed expert along its width; the dense layers' MLP as Llama's.
 
-Refused by name (models/__init__.py ``deepseek_fields``): quantization formats other than FP8,
-``--kv-cache-dtype fp8``.
+Kimi-K2's INT4 checkpoints (compressed-tensors W4A16, 32-column groups, symmetric) quantize the
+routed experts only, the rest listed as ignored: those experts take SparseMoE's W4A16 path;
+a W4A16 attention, shared-expert or dense linear is refused (models/quantize.py).
+
+Refused by name (models/__init__.py ``deepseek_fields``, models/quantize.py): quantization
+formats other than V3's FP8 and Kimi-K2's INT4 experts, ``--kv-cache-dtype fp8``.
 The multi-token-prediction layer some checkpoints carry (``model.layers.<num_layers>``) is
 skipped here; speculative decoding loads it on its own (engine_core/mtp.py).
 """
@@ -356,10 +360,11 @@ def check_deepseek_supported(hf: dict[str, Any], architecture: str, v3: bool) ->
         if name in hf and hf[name] is not None and hf[name] not in allowed:
             raise ValueError(f"{architecture}: config field {name}={hf[name]!r} is not supported")
     method = (hf.get("quantization_config") or {}).get("quant_method")
-    if method not in (None, "fp8"):
+    if method not in (None, "fp8", "compressed-tensors"):
         raise ValueError(
             f"{architecture}: quantization_config quant_method {method!r} is not supported for "
-            "DeepSeek models; their FP8 checkpoints (quant_method 'fp8') are"
+            "DeepSeek models; their FP8 checkpoints (quant_method 'fp8') and Kimi-K2's INT4 "
+            "experts (compressed-tensors W4A16) are"
         )
     if hf.get("mlp_bias"):
         raise ValueError(f"{architecture}: mlp_bias is not supported")

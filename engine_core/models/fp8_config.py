@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine_core.config import Fp8Config, QuantConfig
+from engine_core.config import Fp8Config
 
 
 def ct_fp8_config(parsed: Any, scheme: Any, where: str) -> Fp8Config:
@@ -145,11 +145,6 @@ def ignore_pattern(entry: str, substring: bool) -> str:
     if substring:
         return f".*{re.escape(entry)}.*"
     return f"(.*\\.)?{re.escape(entry)}"
-
-
-def is_ignored(module_name: str, config: QuantConfig) -> bool:
-    """Whether checkpoint module ``module_name`` stays unquantized under ``config``."""
-    return any(re.fullmatch(pattern, module_name) for pattern in config.ignore)
 
 
 # The blocks the GPU's block-scaled FP8 GEMM (fp8_kernels.fp8_block_gemm) takes: a scale block's

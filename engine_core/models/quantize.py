@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine_core.config import Fp8Config, Int8Config, ModelConfig, QuantConfig, W4A16Config
-from engine_core.models.fp8_config import is_ignored
+from engine_core.config import (
+    Fp8Config,
+    Int8Config,
+    ModelConfig,
+    QuantConfig,
+    W4A16Config,
+    is_ignored,
+)
 from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
 from engine_core.models.moe import SparseMoE
@@ -62,6 +68,7 @@ def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
                 f"the checkpoint's ignore list leaves some of {parts} unquantized but not all; "
                 "Tandem runs them as one merged projection"
             )
+        check_experts_only(config, quant, name)
         make_quantized(module, quant, name)
 
 
@@ -120,6 +127,18 @@ def check_tested_format(config: ModelConfig, quant: QuantConfig) -> None:
         )
 
 
+def check_experts_only(config: ModelConfig, quant: QuantConfig, name: str) -> None:
+    """DeepSeek in W4A16 is tested in Kimi-K2's INT4 layout only: routed experts quantized, the
+    latent attention, shared experts and dense MLPs listed as ignored. A linear of those the
+    checkpoint quantizes is refused, named."""
+    if config.architecture == "deepseek" and isinstance(quant, W4A16Config):
+        raise ValueError(
+            f"{format_name(quant)} for DeepSeek's {name} is not implemented: only the routed "
+            "experts run in W4A16 (Kimi-K2's INT4 layout, the other layers in the ignore list); "
+            "serve this model unquantized or in FP8"
+        )
+
+
 def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
     """Quantized linears cover the dense Llama-family layers (Llama, Mistral, Qwen2/3, Phi-3,
     Gemma 3) and, in FP8 and W4A16, mixtures of experts; W4A16 not Phi-3's fused projections,
@@ -131,15 +150,16 @@ def check_architecture(config: ModelConfig, quant: QuantConfig) -> None:
             "(no quantized path of its layers is tested); serve it unquantized"
         )
     check_tested_format(config, quant)
+    deepseek_ct = config.architecture == "deepseek" and quant.source == "compressed-tensors"
+    if deepseek_ct and not isinstance(quant, W4A16Config):  # V3's own FP8 (quant_method fp8)
+        raise ValueError(
+            f"{name} (compressed-tensors) is not implemented for DeepSeek models; their "
+            "published FP8 checkpoints and Kimi-K2's INT4 experts are"
+        )
     if config.architecture == "deepseek" and not getattr(quant, "prequantized", True):
         raise ValueError(
             f"{name} quantizing a plain DeepSeek checkpoint as it loads is not implemented; serve "
             "its published FP8 checkpoint, or this one unquantized"
-        )
-    if config.architecture == "deepseek" and isinstance(quant, W4A16Config):
-        raise ValueError(
-            f"{name} is not implemented for DeepSeek models (its latent attention and shared "
-            "experts have no tested W4A16 path); serve this model unquantized or in FP8"
         )
     if config.num_experts and isinstance(quant, Int8Config):
         raise ValueError(
