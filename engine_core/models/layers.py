@@ -1053,9 +1053,7 @@ def load_mapped_weights(
         name, shard = target
         for held, full in held_form(model, name, whole, hf_name):
             if held not in params:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} maps to unknown parameter {held!r}"
-                )
+                raise unknown_parameter(hf_name, held)
             if shard is not None and not holds_shard(model, held, shard):
                 continue
             tensor = narrow_for_rank(model, held, full, shard)
@@ -1069,6 +1067,27 @@ def load_mapped_weights(
     for module_name, module in model.named_modules():
         if isinstance(module, Linear):
             module.finish_loading(module_name)
+
+
+# The tensors quantized checkpoints hold beside (or instead of) a weight: AWQ/GPTQ, compressed-
+# tensors and FP8 names.
+QUANTIZED_TENSOR_NAMES = {
+    "qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_shape",
+    "weight_zero_point", "weight_scale_inv", "input_scale",
+}  # fmt: skip
+
+
+def unknown_parameter(hf_name: str, held: str) -> ValueError:
+    """The error for a checkpoint tensor with no parameter to go to: named as quantized where
+    it is one of a layer we hold unquantized (a vision tower's or the LM head's, which the
+    checkpoint's ignore list did not leave in float), else as unknown."""
+    if hf_name.rpartition(".")[2] in QUANTIZED_TENSOR_NAMES:
+        return ValueError(
+            f"checkpoint tensor {hf_name!r} is quantized, but Tandem holds that layer "
+            "unquantized (quantized vision towers and LM heads are not implemented: the "
+            "checkpoint's quantization_config must leave the layer out)"
+        )
+    return ValueError(f"checkpoint tensor {hf_name!r} maps to unknown parameter {held!r}")
 
 
 def held_form(
