@@ -211,14 +211,14 @@ def test_fields_we_do_not_implement_are_refused_by_name(field: str, value: objec
         model_config_from_hf(hf)
 
 
-def test_a_quantized_checkpoint_with_its_vision_tower_is_refused_by_name() -> None:
+def test_an_untested_quantized_format_is_refused_by_name() -> None:
     """The ConditionalGeneration layout keeps quantization_config at its top level: it is read
-    (the text-only models load block FP8, tests/test_hybrid_quant.py), and with the vision tower
-    the build refuses it naming the model, since no quantized tower is tested."""
-    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (block FP8 loads, tests/test_vision_quantized.py), and a format no test holds Qwen3.5 to is
+    refused as the model is built, naming both."""
+    quant = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
     config = model_config_from_hf(vl_dict(moe=False, quantization_config=quant))
     assert config.quantization is not None
-    with torch.device("meta"), pytest.raises(ValueError, match="not implemented for Qwen3.5"):
+    with torch.device("meta"), pytest.raises(ValueError, match="W4A16.*not implemented for Qwen3"):
         build_model(config)
 
 

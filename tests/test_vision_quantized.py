@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from engine_core.llm import LLM
@@ -28,6 +29,27 @@ TOWER_LINEARS = ("qkv", "proj", "gate_proj", "up_proj", "down_proj")
 
 def in_tower(name: str) -> bool:
     return name.startswith(("visual.", "model.visual."))
+
+
+def copy_extras(plain: Path, *folders: Path) -> None:
+    """The tokenizer, chat template and image processor's files into each folder."""
+    for extra in plain.iterdir():
+        if extra.name not in ("model.safetensors", "config.json"):
+            for folder in folders:
+                shutil.copy(extra, folder / extra.name)
+
+
+def greedy_with_images(
+    llm: LLM, built: list[tuple[list[int], tuple[Any, ...], list[Any]]]
+) -> list[list[int]]:
+    """The engine's greedy tokens for each (ids, wire images, PIL images) prompt, batched."""
+    outs = llm.generate(
+        [ids for ids, _, _ in built],
+        PARAMS,
+        detokenize=False,
+        images=[images for _, images, _ in built],
+    )
+    return [out.token_ids for out in outs]
 
 
 def quantize_folder(
@@ -53,10 +75,7 @@ def quantize_folder(
         "modules_to_not_convert": ignore
     })  # fmt: skip
     reference = write_dequantized(plain, folder / "reference", dequantized)
-    for extra in plain.iterdir():  # the tokenizer, chat template and image processor
-        if extra.name not in ("model.safetensors", "config.json"):
-            for target in (quantized, reference):
-                shutil.copy(extra, target / extra.name)
+    copy_extras(plain, quantized, reference)
     return quantized, reference
 
 
@@ -84,13 +103,7 @@ def test_an_awq_language_model_beside_a_float_tower_gives_hfs_tokens(
     try:
         layer = llm.engine.runner.model.model.layers[0]
         assert layer.self_attn.qkv_proj.w4a16 is not None  # held 4-bit, not dequantized
-        outs = llm.generate(
-            [ids for ids, _, _ in built],
-            PARAMS,
-            detokenize=False,
-            images=[images for _, images, _ in built],
-        )
-        assert [out.token_ids for out in outs] == expected
+        assert greedy_with_images(llm, built) == expected
     finally:
         llm.engine.shutdown()
 
@@ -99,3 +112,53 @@ def test_a_quantized_tower_is_refused_naming_its_tensor(plain: Path, tmp_path: P
     folder, _ = quantize_folder(plain, tmp_path, tower_too=True, ignore=None)
     with pytest.raises(ValueError, match=r"'visual\.blocks\.0\.\S+' is quantized, but Tandem"):
         make_llm(folder)
+
+
+# ---- Qwen3.5 with images in block FP8 ----------------------------------------------------------
+
+FP8_BLOCK = (16, 16)
+# The linears the published Qwen3.5 FP8 checkpoints hold in e4m3, by leaf name: attention, the
+# linear attention's q/k/v and z projections and its output, the experts and the shared expert;
+# in_proj_b/a, the routers and the vision tower stay float (``modules_to_not_convert``).
+QWEN3_5_FP8_LINEARS = (*TEXT_LINEARS, "in_proj_qkv", "in_proj_z", "out_proj")
+
+
+def test_qwen3_5_with_images_in_block_fp8_gives_hfs_tokens(
+    default_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A tiny Qwen3.5-MoE with its tower: the language model's published FP8 layers in 16 x 16
+    blocks, the tower in float; HF on the dequantized weights with the activations' e4m3 round
+    trip (per token and 16-column group), one image and two."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from tests.quant_fixtures import e4m3_per_token, quantize_expert_inputs, quantize_inputs
+    from tests.test_fp8 import fp8_block_format, write_quantized
+    from tests.test_vision_qwen3_5 import ENGINE_OPTIONS, write_tiny_qwen3_5_vl
+
+    plain = write_tiny_qwen3_5_vl(tmp_path / "plain", default_tokenizer_dir, moe=True)
+    model = AutoModelForImageTextToText.from_pretrained(str(plain)).eval()
+    keep = ("visual", "in_proj_b", "in_proj_a", "mlp.gate", "shared_expert_gate", "lm_head")
+    fmt = fp8_block_format(FP8_BLOCK, keep)
+    write_quantized(model, fmt, tmp_path / "fp8", tmp_path / "ref", QWEN3_5_FP8_LINEARS)
+    copy_extras(plain, tmp_path / "fp8", tmp_path / "ref")
+    hf: Any = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "ref")).eval()
+
+    def round_trip(x: Any) -> Any:
+        return e4m3_per_token(x, FP8_BLOCK[1])
+
+    quantize_inputs(hf.model.language_model, round_trip, leaves=QWEN3_5_FP8_LINEARS)
+    quantize_expert_inputs(hf.model.language_model, round_trip)
+    hf_processor = AutoImageProcessor.from_pretrained(str(tmp_path / "ref"))
+    processor = VisionProcessor.load(tmp_path / "fp8")
+    assert processor is not None
+    cat, dog = random_image(1), random_image(2, width=60, height=150)
+    cases = [["What is in", cat, "this picture?"], [cat, "and", dog, "differ how?"]]
+    built = [prompt(tmp_path / "fp8", processor, parts) for parts in cases]
+    expected = [hf_vl_greedy(hf, hf_processor, ids, pil, NEW_TOKENS) for ids, _, pil in built]
+    llm = LLM(str(tmp_path / "fp8"), **ENGINE_OPTIONS)
+    try:
+        layer = llm.engine.runner.model.model.layers[0]
+        assert layer.linear_attn.in_proj_qkvz.weight.dtype == torch.float8_e4m3fn
+        assert greedy_with_images(llm, built) == expected
+    finally:
+        llm.engine.shutdown()

@@ -24,11 +24,10 @@ from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
 from engine_core.models.moe import SparseMoE
 
-# Architectures whose own layers (Qwen3.5's vision tower, Llama 4's chunked MoE layers,
+# Architectures whose own layers (Llama 4's chunked MoE layers,
 # gpt-oss's experts, which are not SparseMoE) no quantized checkpoint has been checked against:
 # refused, never run on a guess.
 UNTESTED_ARCHITECTURES = {
-    "qwen3_5_vl": "Qwen3.5",
     "llama4": "Llama 4",
     "gpt_oss": "gpt-oss",
 }
@@ -36,6 +35,7 @@ UNTESTED_ARCHITECTURES = {
 # them to against HF: tests/test_hybrid_quant.py); any other format is refused by name.
 TESTED_FORMATS = {
     "qwen3_next": ("Qwen3-Next and Qwen3.5", ("block FP8",)),
+    "qwen3_5_vl": ("Qwen3.5 with images", ("block FP8",)),
 }
 # Qwen3.5's linear-attention projections, merged in our model (models/qwen3_next.py), by the
 # checkpoint's names of the parts.
@@ -108,7 +108,7 @@ def format_kind(quant: QuantConfig) -> str:
     if not isinstance(quant, Fp8Config):
         return format_name(quant)
     if not quant.prequantized:
-        return "FP8 quantized as it loads (--quantization fp8)"
+        return "FP8 quantized as it loads"
     if quant.block is not None:
         return "block FP8"
     return "per-channel FP8" if quant.dynamic_activations else "FP8 with static input scales"
