@@ -60,7 +60,8 @@ _IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 _LAYER_KINDS = ("chunked_attention", "full_attention")
 _EXPERTS = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
-_QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
+# q and k rows (and an FP8 checkpoint's scale for each row) move to our rotary's layout.
+_QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias|weight_scale)$")
 
 
 class Llama4Attention(LlamaAttention):
@@ -296,8 +297,10 @@ def check_llama4_supported(text: dict[str, Any], architecture: str) -> None:
                 f"{architecture}: config field {name}={text[name]!r} is not supported "
                 f"(implemented: {list(allowed)})"
             )
-    if text.get("quantization_config"):
+    method = (text.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "compressed-tensors"):
         raise ValueError(
-            f"{architecture}: quantization_config is not supported for Llama 4 yet (its "
-            "experts have no quantized path here); serve a bf16 checkpoint"
+            f"{architecture}: quantization_config quant_method {method!r} is not supported for "
+            "Llama 4; its compressed-tensors FP8 checkpoints (per-channel weights, dynamic "
+            "activations) are"
         )

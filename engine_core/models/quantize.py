@@ -24,11 +24,9 @@ from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
 from engine_core.models.moe import SparseMoE
 
-# Architectures whose own layers (Llama 4's chunked MoE layers,
-# gpt-oss's experts, which are not SparseMoE) no quantized checkpoint has been checked against:
-# refused, never run on a guess.
+# Architectures whose own layers (gpt-oss's experts, which are not SparseMoE) no quantized
+# checkpoint has been checked against: refused, never run on a guess.
 UNTESTED_ARCHITECTURES = {
-    "llama4": "Llama 4",
     "gpt_oss": "gpt-oss",
 }
 # Architectures of our own layers -> (their name, the formats (``format_kind``) a test holds
@@ -36,6 +34,7 @@ UNTESTED_ARCHITECTURES = {
 TESTED_FORMATS = {
     "qwen3_next": ("Qwen3-Next and Qwen3.5", ("block FP8",)),
     "qwen3_5_vl": ("Qwen3.5 with images", ("block FP8",)),
+    "llama4": ("Llama 4", ("per-channel FP8",)),
 }
 # Qwen3.5's linear-attention projections, merged in our model (models/qwen3_next.py), by the
 # checkpoint's names of the parts.
