@@ -2,9 +2,11 @@
 
 - Decode: the bytes a step must read over the measured memory bandwidth. A step reads every
   weight once (the embedding table too, as the design card counts it), and each sequence's K
-  and V at the workload's mean context. In a mixture of experts it reads, per MoE layer, one
-  copy of each expert that some token of the batch was routed to: with load-balanced routing
-  E (1 - (1 - k/E)^B) of E experts for a batch of B tokens choosing k each.
+  and V at the workload's mean context (a latent per token with MLA), and its linear-attention
+  state, read and written back (Qwen3-Next). In a mixture of experts it reads, per MoE layer,
+  one copy of each expert that some token of the batch was routed to: with load-balanced
+  routing E (1 - (1 - k/E)^B) of E experts for a batch of B tokens choosing k each; an
+  expert's bytes as the model holds them (bf16, FP8, W4A16 or MXFP4 with their scales).
 - Prefill: FLOPs over the GPU's dense bf16 tensor-core peak: 2 x the parameters a prompt token
   multiplies through (not the embedding table; not the LM head, which a prefill runs for the
   last token only; k of E experts) plus causal attention, 2 T^2 x head dim per head and layer.
@@ -30,6 +32,7 @@ class ModelBytes:
     num_experts: int
     top_k: int
     kv_per_token: int  # K and V over all layers, in the cache's dtype
+    state_per_sequence: int = 0  # linear-attention state read and written a step (both ways)
 
     @property
     def dense(self) -> int:
@@ -60,20 +63,38 @@ def meta_model(preset: str, quantization: str | None = None) -> tuple[Any, Any]:
 def model_bytes(
     preset: str, quantization: str | None = None, kv_cache_dtype: str = "auto"
 ) -> ModelBytes:
+    import torch
+
+    from engine_core.memory_plan import state_slot_bytes
+
     model, config = meta_model(preset, quantization)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
-    # w13 (gate and up) and w2 (down) of one expert, in bf16: experts are not quantized.
-    expert = 3 * config.hidden_size * config.moe_intermediate_size * 2 if moe_layers else 0
     kv_element = 1 if kv_cache_dtype == "fp8" else 2
     return ModelBytes(
         weights=weights,
-        expert=expert,
+        expert=expert_bytes(model, config.num_experts) if moe_layers else 0,
         moe_layers=moe_layers,
         num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
         kv_per_token=config.kv_bytes_per_token_at(kv_element),
+        state_per_sequence=2 * state_slot_bytes(config, torch.bfloat16),
     )
+
+
+def expert_bytes(model: Any, num_experts: int) -> int:
+    """One expert of one layer as the model holds it: the first MoE layer's stacked tensors
+    (every parameter of its own with a leading experts dim: weights, their scales, biases; not
+    the router's, nor a shared expert's, which are its submodules') over its experts."""
+    for module in model.modules():
+        stacked = [
+            p
+            for p in module.parameters(recurse=False)
+            if p.dim() >= 2 and p.shape[0] == num_experts
+        ]
+        if stacked:
+            return sum(p.numel() * p.element_size() for p in stacked) // num_experts
+    raise ValueError("a mixture-of-experts model with no stacked experts")
 
 
 def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
@@ -88,7 +109,8 @@ def step_bytes(model: ModelBytes, batch: int, mean_context: float) -> int:
     if model.moe_layers:
         touched = experts_touched(model.num_experts, model.top_k, batch)
         experts = model.moe_layers * touched * model.expert
-    return int(model.dense + experts + batch * mean_context * model.kv_per_token)
+    states = batch * model.state_per_sequence
+    return int(model.dense + experts + batch * mean_context * model.kv_per_token + states)
 
 
 def prefill_flops(preset: str, prompts: int, prompt_len: int) -> float:

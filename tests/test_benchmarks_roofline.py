@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from benchmarks.roofline import experts_touched, model_bytes, prefill_flops, step_bytes
@@ -92,3 +94,21 @@ def test_moe_prefill_counts_only_the_top_k_experts() -> None:
     active = all_params - 2 * VOCAB * 2048 - 48 * (128 - 8) * expert
     attention = 2 * 100**2 * 128 * 32 * 48
     assert prefill_flops("qwen3-30b-a3b", 1, 100) == pytest.approx(100 * 2 * active + attention)
+
+
+def test_mxfp4_experts_count_as_held() -> None:
+    # gpt-oss-20b: each expert's gate/up (5,760 rows) and down (2,880 rows) over 2,880 inputs
+    # in MXFP4, half a byte a value and a one-byte scale per 32, and their bf16 biases.
+    rows, inputs = 5760 + 2880, 2880
+    assert model_bytes("gpt-oss-20b").expert == rows * inputs // 2 + rows * inputs // 32 + 2 * rows
+
+
+def test_a_linear_attention_state_is_read_and_written_each_step() -> None:
+    # qwen3-next-80b's preset: 18 DeltaNet layers of its 24, each with 32 value heads' 128 x 128
+    # states and the convolution's last 3 inputs of 2 x 16 x 128 + 32 x 128 channels, in bf16.
+    per_layer = 32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)
+    bytes_ = model_bytes("qwen3-next-80b")
+    both_ways = 2 * 18 * per_layer * 2
+    assert bytes_.state_per_sequence == both_ways
+    without = dataclasses.replace(bytes_, state_per_sequence=0)
+    assert step_bytes(bytes_, 8, 100.0) - step_bytes(without, 8, 100.0) == 8 * both_ways
