@@ -132,6 +132,7 @@ class EngineServer:
             max_num_seqs=config.max_num_seqs,
             embedding=mc.embedding,
             scheduling_policy=config.policy,
+            pixel_dtype=str(self.core.runner.dtype).removeprefix("torch."),
         )
 
     # ---- threads ------------------------------------------------------------------------------

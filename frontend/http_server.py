@@ -140,7 +140,7 @@ def build_state(
         scheduling_policy=ready.scheduling_policy,
         loras=served_loras(args, engine_model_of(args, model_dir)),
         tracer=request_tracer(args, name),
-        vision=VisionProcessor.load(model_dir),
+        vision=VisionProcessor.load(model_dir, ready.pixel_dtype),
         media=MediaOptions.from_args(args),
     )
 

@@ -6,8 +6,10 @@ The chat template renders each image part as the model's image marker (Qwen2.5-V
 tokenizing, each marker token becomes the run of placeholders the image's embeddings fill (its
 patch grid over the merge size squared), with what the model's HF processor writes around it
 (Gemma 3: ``\n\n<start_of_image>``, 256 ``<image_soft_token>``, ``<end_of_image>\n\n``).
-The processor's pixels travel as float32 bytes with their grid, named by a SHA-256 over what
-the encoder reads (engine_core/multimodal.py).
+The processor's pixels travel with their grid in the dtype the engine's tower takes them in
+(its Ready's ``pixel_dtype``: bfloat16 on a bfloat16 engine, half float32's bytes, rounded as
+the engine's cast would round them), named by a SHA-256 over what the encoder reads
+(engine_core/multimodal.py).
 
 Every failure here is the client's image: a ``BadImage`` naming the part, which the route turns
 into a 400 (frontend/chat.py), never a 500 and never an engine error.
@@ -32,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from frontend.llama4_images import IMAGE, Llama4Tiling, bfloat16_bits
+from frontend.llama4_images import IMAGE, Llama4Tiling, bfloat16_bits, to_bfloat16
 from protocol.codec import MAX_IMAGES
 from protocol.messages import ImageInput, TensorBytes
 
@@ -265,10 +267,21 @@ class VisionProcessor:
     hf: Any
     marker: ImageMarker
     pixel_bytes_limit: int = MAX_PIXEL_BYTES
+    # What the pixels travel in: the engine's dtype (Ready.pixel_dtype), which its tower casts
+    # them to anyway.
+    pixel_dtype: str = "float32"
 
     @classmethod
-    def load(cls, model_dir: Path) -> VisionProcessor | None:
-        """The folder's image processor, or None for a model that takes no images."""
+    def load(cls, model_dir: Path, pixel_dtype: str = "float32") -> VisionProcessor | None:
+        """The folder's image processor, or None for a model that takes no images; its pixels
+        sent in ``pixel_dtype`` (Llama 4's in bfloat16, which its processor computes in)."""
+        processor = cls._load(model_dir)
+        if processor is not None:
+            processor.pixel_dtype = pixel_dtype
+        return processor
+
+    @classmethod
+    def _load(cls, model_dir: Path) -> VisionProcessor | None:
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             return None
@@ -319,7 +332,7 @@ class VisionProcessor:
         result = self.hf(images=[image], return_tensors="np")
         pixels = np.ascontiguousarray(result["pixel_values"], dtype=np.float32)
         grid = self.marker.fixed_grid or tuple(int(n) for n in result["image_grid_thw"][0])
-        return ProcessedImage(pixels, (grid[0], grid[1], grid[2]))
+        return ProcessedImage(pixels, (grid[0], grid[1], grid[2]), wire_dtype=self.pixel_dtype)
 
     def image_text(self, images: list[ProcessedImage]) -> tuple[str, tuple[str, ...]] | None:
         """(marker, each image's text): how the rendered prompt's image markers expand before
@@ -462,7 +475,7 @@ class PixtralVisionProcessor(VisionProcessor):
         rows, cols, p = height // self.patch, width // self.patch, self.patch
         patches = pixels.reshape(channels, rows, p, cols, p).transpose(1, 3, 0, 2, 4)
         flat = np.ascontiguousarray(patches.reshape(rows * cols, channels * p * p))
-        return ProcessedImage(flat, (1, rows, cols))
+        return ProcessedImage(flat, (1, rows, cols), wire_dtype=self.pixel_dtype)
 
     def run_ids(self, image: ProcessedImage) -> list[int]:
         _, rows, cols = image.grid_thw
@@ -523,8 +536,8 @@ class ProcessedImage:
     # Llama 4: the image's own prompt text (its tiles' runs and separators), and pixels
     # [tiles, 3, side, side], each tile one run of placeholders with grid_thw its patch grid.
     text: str | None = None
-    # "bfloat16" where every pixel value is one (Llama 4's processor computes in bfloat16):
-    # half the bytes on the wire, nothing lost.
+    # What the pixels travel in (one of PIXEL_ITEM_BYTES): the engine's dtype, or bfloat16 for
+    # Llama 4 (its processor computes in it), rounded to nearest as a cast in the engine would.
     wire_dtype: str = "float32"
 
     def pieces(self) -> list[ProcessedImage]:
@@ -548,7 +561,7 @@ class ProcessedImage:
 
     @property
     def wire_nbytes(self) -> int:
-        return self.pixels.size * (2 if self.wire_dtype == "bfloat16" else 4)
+        return self.pixels.size * PIXEL_ITEM_BYTES[self.wire_dtype]
 
     def wire(self, offset: int, length: int) -> ImageInput:
         """The image as an AddRequest carries it, its placeholders at ``offset``."""
@@ -559,13 +572,25 @@ class ProcessedImage:
     def _wire_pixels(self) -> tuple[bytes, TensorBytes]:
         """The pixels' hash and wire form, made once (``prepare_wire``: off the loop)."""
         # The array's own memory, uncopied: the client sends it as a frame of its own.
-        values = self.pixels if self.wire_dtype == "float32" else bfloat16_bits(self.pixels)
-        data = memoryview(values).cast("B")
+        data = memoryview(wire_values(self.pixels, self.wire_dtype)).cast("B")
         shape = tuple(int(n) for n in self.pixels.shape)
         digest = hashlib.sha256()
         digest.update(f"{self.wire_dtype}{shape}{self.grid_thw}".encode())
         digest.update(data)
         return digest.digest(), TensorBytes(self.wire_dtype, shape, data)
+
+
+PIXEL_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def wire_values(pixels: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``pixels`` in the wire's ``dtype``: as they are, or rounded to nearest (ties to
+    even, as torch casts) to bfloat16's bits or float16."""
+    if dtype == "bfloat16":
+        return bfloat16_bits(to_bfloat16(pixels))
+    if dtype == "float16":
+        return np.ascontiguousarray(pixels, dtype=np.float16)
+    return pixels
 
 
 # ---- a chat request's images ------------------------------------------------------------------

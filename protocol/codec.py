@@ -30,7 +30,7 @@ Field layouts (after the type tag and the version):
     ABORT           [request_id, ...]
     CONTROL         kind, token
     READY           model, max_model_len, vocab_size, eos_ids: i32 bytes, block_size,
-                    num_kv_blocks, max_num_seqs, scheduling_policy,
+                    num_kv_blocks, max_num_seqs, scheduling_policy, pixel_dtype,
                     [embedding = [pooling kind, normalize, size, matryoshka,
                     matryoshka_dimensions: i32 bytes]] (an embedding engine only)
     STEP_OUTPUTS    [request_id, ...], counts: i32 bytes (new tokens per request),
@@ -895,6 +895,7 @@ def _encode_ready(msg: Ready) -> list[Any]:
         int(msg.num_kv_blocks),
         int(msg.max_num_seqs),
         int(msg.scheduling_policy),
+        msg.pixel_dtype,
     ]
     if msg.embedding is not None:
         fields.append(_encode_embedding_model(msg.embedding))
@@ -918,7 +919,9 @@ def _decode_embedding_model(value: Any, v: _Validator) -> EmbeddingModel:
 
 
 def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
-    fixed, embedding = _with_trailing(fields, "READY fields", 8, v)
+    fixed, embedding = _with_trailing(fields, "READY fields", 9, v)
+    if fixed[8] not in PIXEL_DTYPES:
+        raise v.fail(f"pixel dtype must be one of {', '.join(PIXEL_DTYPES)}, got {fixed[8]!r}")
     model, max_model_len, vocab_size, eos_ids, block_size, num_kv_blocks, max_num_seqs = fixed[:7]
     return Ready(
         model=v.str_(model, "model", MAX_STR_BYTES),
@@ -930,6 +933,7 @@ def _decode_ready(fields: list[Any], v: _Validator) -> Ready:
         max_num_seqs=v.int_(max_num_seqs, "max_num_seqs", 1, INT32_MAX),
         embedding=None if embedding is None else _decode_embedding_model(embedding, v),
         scheduling_policy=v.enum_(fixed[7], SchedulingPolicy, "scheduling policy"),
+        pixel_dtype=fixed[8],
     )
 
 

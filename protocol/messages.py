@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 # 10: Stats carries the host KV tier's gauges and EngineCounts its counts (--kv-offload-gb)
 # 11: an image's pixels travel as a frame of their own after the AddRequest's frame (the
 #    message holds their byte count), not inside the msgpack array
-PROTOCOL_VERSION = 11
+# 12: READY says the dtype an engine's vision tower takes its pixels in (``pixel_dtype``)
+PROTOCOL_VERSION = 12
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # A request's priority is a signed 64-bit int, as vLLM's.
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
@@ -285,6 +286,9 @@ class Ready:
     embedding: EmbeddingModel | None = None  # None: the engine generates; else it only embeds
     # Whether requests' priorities count (PRIORITY), or only 0 is taken (FCFS).
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # The dtype (one of PIXEL_DTYPES) the engine computes in, which its vision tower casts an
+    # image's pixels to: pixels sent in it (half float32's bytes where 16-bit) lose nothing.
+    pixel_dtype: str = "float32"
 
 
 @dataclass(frozen=True)

@@ -277,3 +277,26 @@ def test_image_requests_preempted_and_recomputed_keep_hf_tokens(
         assert llm.engine.scheduler.counts().preemptions > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_a_bfloat16_engine_takes_its_pixels_in_bfloat16_losing_nothing(vl_dir: Path) -> None:
+    """The API process sends a bfloat16 engine's pixels in bfloat16 (its Ready says so): half
+    the bytes, and the tokens of the same engine sent float32 pixels (its tower casts them to
+    bfloat16 first, rounding as the API process does)."""
+    half = VisionProcessor.load(vl_dir, "bfloat16")
+    full = VisionProcessor.load(vl_dir)
+    assert half is not None and full is not None
+    parts = ["What is in", random_image(1), "and", random_image(2, width=60), "?"]
+    (ids, images, _), (same_ids, float_images, _) = (prompt(vl_dir, p, parts) for p in (half, full))
+    assert ids == same_ids
+    assert [i.pixels.dtype for i in images] == ["bfloat16"] * 2
+    assert [2 * len(i.pixels.data) for i in images] == [len(i.pixels.data) for i in float_images]
+    llm = make_llm(vl_dir, dtype="bfloat16")
+    try:
+        sent = [
+            llm.generate([ids], PARAMS, detokenize=False, images=[i])[0]
+            for i in (images, float_images)
+        ]
+        assert sent[0].token_ids == sent[1].token_ids
+    finally:
+        llm.engine.shutdown()

@@ -145,3 +145,23 @@ def test_a_fetch_is_bounded_in_size_and_time() -> None:
     finally:
         release.set()
         httpd.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "torch_dtype"), [("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+)
+def test_pixels_go_on_the_wire_rounded_as_the_engine_would_cast_them(
+    dtype: str, torch_dtype: torch.dtype
+) -> None:
+    """A 16-bit wire holds what torch's cast of the float32 pixels holds, bit for bit: random
+    values, and exact ties between two representable values (rounded to even)."""
+    from frontend.vision import PIXEL_ITEM_BYTES, wire_values
+
+    rng = np.random.default_rng(0)
+    pixels = rng.normal(0.0, 2.0, 4096).astype(np.float32)
+    ties = (np.arange(1, 65, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # bf16 halfway
+    pixels = np.concatenate([pixels, ties, -ties])
+    sent = wire_values(pixels, dtype)
+    assert sent.nbytes == pixels.size * PIXEL_ITEM_BYTES[dtype] == pixels.size * 2
+    received = torch.frombuffer(bytearray(sent.tobytes()), dtype=torch_dtype)
+    assert torch.equal(received, torch.from_numpy(pixels).to(torch_dtype))
