@@ -133,8 +133,8 @@ def check_target(target: nn.Module, hf: dict[str, Any]) -> None:
     architectures = hf.get("architectures") or []
     if "Qwen3NextForCausalLM" in architectures:
         raise ValueError(
-            f"{WHERE}: Qwen3-Next's MTP layer (its 'mtp.*' tensors) is not read yet, and "
-            "speculation is refused for its linear-attention layers"
+            f"{WHERE}: Qwen3-Next's MTP layer (its 'mtp.*' tensors) is not read yet; "
+            "'ngram' and 'draft_model' speculate on it"
         )
     if not isinstance(target, DeepseekForCausalLM) or "DeepseekV3ForCausalLM" not in architectures:
         raise ValueError(
