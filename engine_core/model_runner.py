@@ -84,9 +84,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Speculation methods tested on linear-attention models (tests/test_speculative_hybrid.py);
-# the others are refused by name there.
-LINEAR_ATTENTION_METHODS = ("ngram", "draft_model")
+# Speculation methods tested on linear-attention models (tests/test_speculative_hybrid.py,
+# test_speculative_qwen3_next_mtp.py); the others are refused by name there.
+LINEAR_ATTENTION_METHODS = ("ngram", "draft_model", "mtp")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -370,7 +370,7 @@ class ModelRunner:
             raise ValueError(
                 f"--speculative-config method {spec.method!r} is not supported for models with "
                 "linear-attention layers (Qwen3-Next, Qwen3.5) yet; "
-                f"{' and '.join(LINEAR_ATTENTION_METHODS)} are"
+                f"{', '.join(LINEAR_ATTENTION_METHODS)} are"
             )
 
     def _load_draft(self) -> DraftModel | Eagle3Proposer | MtpProposer | None:

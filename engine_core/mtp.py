@@ -36,11 +36,13 @@ yields.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -68,6 +70,11 @@ from engine_core.models.layers import Linear, NameMap, load_mapped_weights, rese
 from engine_core.models.llama import choose_layer_forms, make_norm
 from engine_core.models.meta_build import materialize, meta_build
 from engine_core.models.quantize import make_quantized_linears
+from engine_core.models.qwen3_next import (
+    QWEN3_5_ARCHITECTURES,
+    Qwen3NextForCausalLM,
+    Qwen3NextMtpLayer,
+)
 from engine_core.models.target import BuildTarget
 from engine_core.request import SchedulerOutput
 from engine_core.speculative import DraftRow
@@ -78,6 +85,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WHERE = "--speculative-config method 'mtp'"
+QWEN3_NEXT = "Qwen3NextForCausalLM"
 # The layer's own tensors (the rest are its decoder layer's, under the target's names).
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
@@ -117,9 +125,9 @@ class MtpLayer(nn.Module):
         out, residual = self.block(x, None, cos, sin)
         return self.shared_head.norm(out, residual)[0]
 
-    def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        """normed [N, H] -> the head's argmax [N] int64."""
-        return self.shared_head.head(normed).argmax(dim=-1)
+    @property
+    def feature_size(self) -> int:
+        return self.eh_proj.out_features
 
     def attention(self) -> LatentAttention:
         return self.block.self_attn.attn
@@ -128,33 +136,78 @@ class MtpLayer(nn.Module):
 # ---- loading ---------------------------------------------------------------------------------
 
 
-def check_target(target: nn.Module, hf: dict[str, Any]) -> None:
-    """Refuse a target whose checkpoint has no MTP layer or one this proposer cannot run."""
+@dataclass(frozen=True)
+class MtpLayout:
+    """Where a target's checkpoint keeps its MTP layer and what the layer is: the names'
+    prefix, the layer's own tensors (the rest are its decoder layer's, named as the target's
+    layers' after ``block``), the config field giving the layer count (``default_depth`` where
+    the field is absent), whether the layer has its own LM head, and its module."""
+
+    prefix: str
+    own: tuple[str, ...]
+    block: str
+    probe: str  # the tensor every checkpoint with the layer holds
+    depth_field: str
+    default_depth: int | None
+    own_head: bool
+    build: Callable[[ModelConfig], nn.Module]
+
+    @property
+    def name(self) -> str:
+        return self.prefix.removesuffix(".")
+
+
+def deepseek_layout(config: ModelConfig) -> MtpLayout:
+    """DeepSeek-V3's: decoder layer ``num_hidden_layers`` of the checkpoint; its config says
+    the count (DeepseekV3Config writes it)."""
+    return MtpLayout(
+        prefix=f"model.layers.{config.num_layers}.", own=OWN, block="", probe="eh_proj.weight",
+        depth_field="num_nextn_predict_layers", default_depth=None, own_head=True, build=MtpLayer,
+    )  # fmt: skip
+
+
+# Qwen3-Next's: ``mtp.*`` beside the target's tensors, its head the target's. The count defaults
+# to one where config.json has no field (vLLM's reading: HF's Qwen3NextConfig has none).
+QWEN3_NEXT_LAYOUT = MtpLayout(
+    prefix="mtp.", own=("fc.", "pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "norm."),
+    block="layers.0.", probe="fc.weight", depth_field="num_nextn_predict_layers",
+    default_depth=1, own_head=False, build=Qwen3NextMtpLayer,
+)  # fmt: skip
+
+
+def mtp_layout(target: nn.Module, config: ModelConfig, hf: dict[str, Any]) -> MtpLayout:
+    """The target's MTP layout; ValueError for a target whose checkpoint has no MTP layer, one
+    this proposer cannot run, or a config that says other than one layer."""
     architectures = hf.get("architectures") or []
-    if "Qwen3NextForCausalLM" in architectures:
+    if set(architectures) & set(QWEN3_5_ARCHITECTURES):
         raise ValueError(
-            f"{WHERE}: Qwen3-Next's MTP layer (its 'mtp.*' tensors) is not read yet; "
+            f"{WHERE}: Qwen3.5's MTP layer is not read yet (only Qwen3-Next's is tested); "
             "'ngram' and 'draft_model' speculate on it"
         )
-    if not isinstance(target, DeepseekForCausalLM) or "DeepseekV3ForCausalLM" not in architectures:
+    if isinstance(target, DeepseekForCausalLM) and "DeepseekV3ForCausalLM" in architectures:
+        layout = deepseek_layout(config)
+    elif isinstance(target, Qwen3NextForCausalLM) and QWEN3_NEXT in architectures:
+        layout = QWEN3_NEXT_LAYOUT
+    else:
         raise ValueError(
             f"{WHERE}: the target must be a DeepSeek-V3-architecture model (DeepSeek-V3/R1/V3.1, "
-            f"Kimi-K2) that ships an MTP layer; {architectures} has none that Tandem reads"
+            f"Kimi-K2) or Qwen3-Next that ships an MTP layer; {architectures} has none that "
+            "Tandem reads"
         )
-    layers = hf.get("num_nextn_predict_layers")
+    layers = hf.get(layout.depth_field, layout.default_depth)
     if layers != 1:
         raise ValueError(
-            f"{WHERE}: config.json num_nextn_predict_layers is {layers!r}; Tandem reads a "
-            "checkpoint with exactly one MTP layer (as DeepSeek-V3 publishes)"
+            f"{WHERE}: config.json {layout.depth_field} is {layers!r}; Tandem reads a "
+            "checkpoint with exactly one MTP layer (as DeepSeek-V3 and Qwen3-Next publish)"
         )
     if target.model.stage.size > 1:
         raise ValueError(f"{WHERE}: not supported with --pipeline-parallel-size > 1")
+    return layout
 
 
-def read_layer_tensors(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of decoder layer ``layer``, by their names less its prefix,
-    from the files the index names for them (a V3 checkpoint's other layers stay on disk)."""
-    prefix = f"model.layers.{layer}."
+def read_prefixed_tensors(model_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors whose names start with ``prefix``, by their names less it,
+    from the files the index names for them (a large checkpoint's other layers stay on disk)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = read_json(index)["weight_map"]
@@ -171,15 +224,16 @@ def read_layer_tensors(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def mtp_name_map(target: DeepseekForCausalLM) -> NameMap:
-    """A checkpoint name (less the layer prefix) -> (our parameter, shard): the layer's own
+def mtp_name_map(target: DeepseekForCausalLM | Qwen3NextForCausalLM, layout: MtpLayout) -> NameMap:
+    """A checkpoint name (less the layout's prefix) -> (our parameter, shard): the layer's own
     tensors as they are, the decoder layer's as the target maps its layer 0's (merged
-    projections, stacked experts), under ``block.``."""
+    projections, stacked experts), under ``block.``; any other name as it is, which the
+    loader refuses as unknown."""
 
     def map_name(name: str) -> tuple[str, int | None] | None:
-        if name.startswith(OWN):
+        if name.startswith(layout.own) or not name.startswith(layout.block):
             return name, None
-        mapped = target.map_name(f"model.layers.0.{name}")
+        mapped = target.map_name(f"model.layers.0.{name.removeprefix(layout.block)}")
         if mapped is None:
             return None
         return "block." + mapped[0].removeprefix("model.layers.0."), mapped[1]
@@ -188,44 +242,46 @@ def mtp_name_map(target: DeepseekForCausalLM) -> NameMap:
 
 
 def load_mtp_layer(
-    target: DeepseekForCausalLM,
+    target: DeepseekForCausalLM | Qwen3NextForCausalLM,
+    layout: MtpLayout,
     config: ModelConfig,
     model_dir: Path,
     device: torch.device,
     dtype: torch.dtype,
-) -> tuple[MtpLayer, nn.Module]:
+) -> tuple[nn.Module, torch.Tensor | None]:
     """The MTP layer of the target's checkpoint, in the target's weight format, and the
-    embedding it reads (the target's, unless the checkpoint's copy differs from it)."""
-    layer = config.num_layers  # stored as the decoder layer after the target's last
-    tensors = read_layer_tensors(model_dir, layer)
-    if not any(name.startswith(OWN) for name in tensors):
+    checkpoint's copy of the embedding for it, if any."""
+    tensors = read_prefixed_tensors(model_dir, layout.prefix)
+    if layout.probe not in tensors:
         raise ValueError(
-            f"{WHERE}: {model_dir} has no MTP weights (no 'model.layers.{layer}.eh_proj.weight' "
+            f"{WHERE}: {model_dir} has no MTP weights (no '{layout.prefix}{layout.probe}' "
             "and the rest of the layer); a checkpoint saved by HF transformers drops them"
         )
     # The plain forms (no gate/up interleaving): its proposal graphs capture them as they are.
     build = BuildTarget(device, dtype)
     with meta_build(dtype):
-        mtp = MtpLayer(config)
+        mtp = layout.build(config)
         make_quantized_linears(mtp, config)
         choose_layer_forms(mtp, build)
     materialize(mtp, device)
     reset_buffers(mtp)
     own_embedding = tensors.pop("embed_tokens.weight", None)
     try:
-        load_mapped_weights(mtp, normalize_fp8_names(iter(tensors.items())), mtp_name_map(target))
+        load_mapped_weights(
+            mtp, normalize_fp8_names(iter(tensors.items())), mtp_name_map(target, layout)
+        )
     except ValueError as exc:  # names the tensor; say whose
-        raise ValueError(f"{WHERE}: the MTP layer (model.layers.{layer}): {exc}") from None
+        raise ValueError(f"{WHERE}: the MTP layer ({layout.name}): {exc}") from None
     mtp.eval().requires_grad_(False)
     if device.type == "cpu":  # oneDNN's layout, as the target's linears take (cpu_gemm.py)
         for module in mtp.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-    return mtp, layer_embedding(target, own_embedding, device, dtype)
+    return mtp, own_embedding
 
 
 def layer_embedding(
-    target: DeepseekForCausalLM,
+    target: DeepseekForCausalLM | Qwen3NextForCausalLM,
     tensor: torch.Tensor | None,
     device: torch.device,
     dtype: torch.dtype,
@@ -255,14 +311,15 @@ class MtpChain:
     """The layer as the proposal's chain runs it (draft_graphs.FeatureDrafter): the feature
     carried on is its own normed output, which its head reads too."""
 
-    layer: MtpLayer
+    layer: MtpLayer | Qwen3NextMtpLayer
     embed: nn.Module
+    head: torch.Tensor  # [V, H]: the layer's own LM head (DeepSeek) or the target's (Qwen3-Next)
     rotary: nn.Module  # the target's (the layer is one of its decoder layers)
     dtype: torch.dtype
 
     @property
     def feature_size(self) -> int:
-        return self.layer.eh_proj.out_features
+        return self.layer.feature_size
 
     def chain_forward(
         self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor
@@ -272,13 +329,14 @@ class MtpChain:
         return normed, normed
 
     def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.layer.draft_ids(normed)
+        """normed [N, H] -> the head's argmax [N] int64."""
+        return F.linear(normed, self.head).argmax(dim=-1)
 
     def target_ids(self, argmax: torch.Tensor) -> torch.Tensor:
         return argmax  # the layer's head is over the target's vocabulary
 
     def plain_logits_weight(self) -> torch.Tensor:
-        return self.layer.shared_head.head.weight
+        return self.head
 
 
 class MtpProposer:
@@ -286,21 +344,13 @@ class MtpProposer:
     the target's hidden states it keeps between a step and the next proposal; a
     speculative.BatchProposer."""
 
-    def __init__(
-        self,
-        layer: MtpLayer,
-        embed: nn.Module,
-        rotary: nn.Module,
-        max_drafts: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        self.layer = layer
-        self.embed = embed
-        self.chain = MtpChain(layer, embed, rotary, dtype)
+    def __init__(self, chain: MtpChain, max_drafts: int, device: torch.device) -> None:
+        self.layer = chain.layer
+        self.embed = chain.embed
+        self.chain = chain
         self.max_drafts = max_drafts
         self.device = device
-        self.dtype = dtype
+        self.dtype = chain.dtype
         self.features: dict[str, Features] = {}
         self.block_size = 0
         self.cache: list[torch.Tensor] = []
@@ -342,7 +392,7 @@ class MtpProposer:
             self.chain, self.backend, "mtp layer", max_rows=max_num_seqs,
             max_blocks_per_seq=-(-max_model_len // self.block_size), num_drafts=self.max_drafts,
             block_size=self.block_size, max_model_len=max_model_len,
-            vocab_size=self.layer.shared_head.head.out_features, device=self.device,
+            vocab_size=self.chain.head.shape[0], device=self.device,
         )  # fmt: skip
         self.proposal_graphs.capture()
 
@@ -405,13 +455,16 @@ def load_mtp(
 ) -> MtpProposer:
     """The proposer of ``"method": "mtp"``: the MTP layer of the target's checkpoint
     (``model_dir``), checked against the target."""
-    hf = read_json(model_dir / "config.json")
-    check_target(target, hf)
-    assert isinstance(target, DeepseekForCausalLM)  # check_target
-    layer, embed = load_mtp_layer(target, config, model_dir, device, dtype)
+    layout = mtp_layout(target, config, read_json(model_dir / "config.json"))
+    assert isinstance(target, DeepseekForCausalLM | Qwen3NextForCausalLM)  # mtp_layout
+    layer, own_embedding = load_mtp_layer(target, layout, config, model_dir, device, dtype)
+    embed = layer_embedding(target, own_embedding, device, dtype)
+    head = layer.shared_head.head.weight if layout.own_head else target.logits_weight()
     logger.info(
-        "mtp layer: model.layers.%d of the target's checkpoint%s",
-        config.num_layers,
+        "mtp layer: %s* of the target's checkpoint%s, %s LM head",
+        layout.prefix,
         "" if embed is target.model.embed_tokens else ", with its own embedding",
+        "its own" if layout.own_head else "the target's",
     )
-    return MtpProposer(layer, embed, target.model.rotary_emb, max_drafts, device, dtype)
+    chain = MtpChain(layer, embed, head, target.model.rotary_emb, dtype)
+    return MtpProposer(chain, max_drafts, device)

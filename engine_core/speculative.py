@@ -22,12 +22,12 @@ the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_l
 weights, asked request by request; ``draft_model`` (engine_core/draft_model.py: a smaller model
 of the same tokenizer, its greedy tokens), ``eagle3`` (engine_core/eagle3.py: a head that
 drafts from the target's hidden states) and ``mtp`` (engine_core/mtp.py: the multi-token
-prediction layer a DeepSeek-V3 checkpoint ships), BatchProposers asked once a step for every
-row whose verify slots the scheduler reserved. A constrained request's matcher takes the drafts it
-allows to fill each drafted position's mask, then gives them back (engine_core/grammar.py); the
-update feeds it the kept tokens. A request that scores or pools its prompt decodes one token a
-step. A speculating engine runs the simple loop (each step's accepted count decides the next
-plan), not the overlapped one.
+prediction layer a DeepSeek-V3 or Qwen3-Next checkpoint ships), BatchProposers asked once a
+step for every row whose verify slots the scheduler reserved. A constrained request's matcher
+takes the drafts it allows to fill each drafted position's mask, then gives them back
+(engine_core/grammar.py); the update feeds it the kept tokens. A request that scores or pools
+its prompt decodes one token a step. A speculating engine runs the simple loop (each step's
+accepted count decides the next plan), not the overlapped one.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import numpy as np
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 # The proposers the model runner loads (the others need no weights).
 LOADED_METHODS = ("draft_model", "eagle3", "mtp")
-# vLLM's other spelling of a method, read as ours.
-ALIASES = {"deepseek_mtp": "mtp"}
+# vLLM's other spellings of a method, read as ours.
+ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}
 # The peers' other methods, refused by name until built.
 NOT_YET = {
     "eagle": "EAGLE heads are not supported yet",

@@ -197,16 +197,6 @@ def test_a_target_of_another_architecture_is_refused(tiny_model_dir: Path) -> No
         LLM(str(tiny_model_dir), speculative_config=mtp_config(), **OPTIONS)
 
 
-def test_qwen3_next_is_refused_by_name(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from tests.test_models_qwen3_next import tiny_config
-
-    AutoModelForCausalLM.from_config(tiny_config()).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="Qwen3-Next's MTP layer"):
-        LLM(str(tmp_path), speculative_config=mtp_config(), **OPTIONS)
-
-
 def test_a_model_path_is_refused() -> None:
     from engine_core.config import EngineConfig
 

@@ -494,6 +494,46 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class Qwen3NextMtpLayer(nn.Module):
+    """The multi-token-prediction layer a Qwen3-Next checkpoint ships (``mtp.*``, names less
+    that prefix, its decoder layer's under ``block.``), as vLLM's qwen3_next_mtp.py reads it:
+    x = fc([pre_fc_norm_embedding(e) | pre_fc_norm_hidden(h)]), one gated full-attention
+    decoder layer of the target's kind (its MoE too), then ``norm``; the target's LM head
+    reads that (engine_core/mtp.py)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.pre_fc_norm_embedding = make_norm(config, hidden)
+        self.pre_fc_norm_hidden = make_norm(config, hidden)
+        # A torch Linear, as DeepSeek's eh_proj: kept in the model's dtype whatever the format.
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        # The layer after the target's last, attending fully whatever the layer_types pattern.
+        layer = config.num_layers
+        kinds = (*(config.layer_types or ()), "full_attention")
+        self.block = Qwen3NextDecoderLayer(
+            dataclasses.replace(config, layer_types=kinds), layer=layer
+        )
+        self.norm = make_norm(config, hidden)
+
+    @property
+    def feature_size(self) -> int:
+        return self.fc.out_features
+
+    def forward(
+        self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """embeds (of the tokens after the positions), feature (the target's final hidden
+        states there, or this layer's previous output) [T, H] -> the normed output [T, H]."""
+        inputs = [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(feature)]
+        out, residual = self.block(self.fc(torch.cat(inputs, dim=-1)), None, cos, sin)
+        return self.norm(out, residual)[0]
+
+    def attention(self) -> nn.Module:
+        assert self.block.self_attn is not None  # built fully attending
+        return self.block.self_attn.attn
+
+
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     """Qwen3-Next; checkpoint names follow HF's Qwen3NextForCausalLM."""
 

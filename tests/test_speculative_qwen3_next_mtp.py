@@ -1,0 +1,330 @@
+"""Speculative decoding with a Qwen3-Next checkpoint's own MTP layer (engine_core/mtp.py over
+the ``mtp.*`` tensors), on the CPU: loading the published layout and what it refuses,
+exactness against HF transformers through the hybrid engine (a DeltaNet state kept after each
+verify position), and the layer's drafts checked against an independent reading of it.
+
+The target is tests/test_models_qwen3_next.py's tiny random Qwen3-Next, saved with HF
+``save_pretrained`` (which drops the MTP layer); the test then writes the layer's tensors into
+the safetensors file under the published names: ``mtp.fc`` [H, 2H], the three (1 + w)
+RMSNorms, and ``mtp.layers.0.*``, the tensors of a fully attending layer (with its MoE and
+shared expert) of a second random Qwen3-Next as its ``save_pretrained`` names them. A random
+layer rarely drafts a random target's tokens, so for the exactness test the target's LM head
+(which the layer shares) is zero but for two tokens, one row the other's negative: the target
+emits and the layer drafts only those two, about half the drafts kept. The drafts are checked
+on a target with its full random head by recomputing every proposal from the final sequences
+with HF's own decoder layer and RMSNorm, over HF's final hidden states (no paging, no engine).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+from engine_core.llm import LLM
+from engine_core.mtp import MtpProposer
+from engine_core.speculative import DraftRow
+from tests.mtp_cases import add_tensors, edit_config, two_token_head
+from tests.paged_harness import random_prompts, randomize
+from tests.test_models_qwen3_next import VOCAB, tiny_config
+from tests.test_speculative_hybrid import (
+    KeptStates,
+    check_all_given_back,
+    greedy,
+    hf_tokens,
+    make_llm,
+)
+
+K = 3
+HIDDEN = 64  # tiny_config's
+FULL_LAYER = "model.layers.1."  # tiny_config's first fully attending layer
+OWN_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+EMITTED = [7, 300]  # the two-token head's
+
+
+def mtp_config(k: int = K, method: str = "mtp") -> str:
+    return json.dumps({"method": method, "num_speculative_tokens": k})
+
+
+def random_target(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config()).eval()
+    randomize(model, seed)
+    return model
+
+
+@pytest.fixture(scope="module")
+def source() -> nn.Module:
+    """The random Qwen3-Next whose layer 1 is the MTP layer's decoder layer."""
+    return random_target(1)
+
+
+@pytest.fixture(scope="module")
+def mtp_tensors(tmp_path_factory: pytest.TempPathFactory, source: nn.Module) -> dict:
+    """The MTP layer under its published names: its own tensors random, its decoder layer
+    ``source``'s layer 1 as save_pretrained writes it (per-expert names)."""
+    folder = tmp_path_factory.mktemp("source")
+    source.save_pretrained(folder)
+    saved = load_file(str(folder / "model.safetensors"))
+    block = {
+        f"mtp.layers.0.{name.removeprefix(FULL_LAYER)}": tensor
+        for name, tensor in saved.items()
+        if name.startswith(FULL_LAYER)
+    }
+    gen = torch.Generator().manual_seed(2)
+    own = {f"mtp.{name}.weight": torch.randn(HIDDEN, generator=gen) * 0.1 for name in OWN_NORMS}
+    own["mtp.fc.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.1
+    return own | block
+
+
+def write_with_mtp(folder: Path, model: nn.Module, tensors: dict) -> Path:
+    """``model`` saved by HF, then the MTP layer's tensors and config field added."""
+    model.save_pretrained(folder)
+    add_tensors(folder, tensors)
+    edit_config(folder, num_nextn_predict_layers=1)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_token(
+    tmp_path_factory: pytest.TempPathFactory, mtp_tensors: dict
+) -> tuple[Path, nn.Module]:
+    """A target whose LM head emits only EMITTED, with the MTP layer: about half the layer's
+    drafts are the target's next tokens."""
+    model = random_target(0)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(two_token_head(VOCAB, HIDDEN, EMITTED))
+    return write_with_mtp(tmp_path_factory.mktemp("two-token"), model, mtp_tensors), model
+
+
+@pytest.fixture(scope="module")
+def full_vocab(
+    tmp_path_factory: pytest.TempPathFactory, mtp_tensors: dict
+) -> tuple[Path, nn.Module]:
+    model = random_target(0)
+    return write_with_mtp(tmp_path_factory.mktemp("full-vocab"), model, mtp_tensors), model
+
+
+def counts(llm: LLM) -> tuple[int, int, int]:
+    c = llm.engine.scheduler.counts()
+    return c.spec_drafts, c.spec_draft_tokens, c.spec_accepted_tokens
+
+
+# ---- loading: what the checkpoint must hold ------------------------------------------------------
+
+
+def test_the_checkpoints_mtp_layer_loads_beside_the_targets_head(
+    two_token: tuple[Path, nn.Module], mtp_tensors: dict
+) -> None:
+    folder, _ = two_token
+    llm = make_llm(folder, speculative_config=mtp_config())
+    try:
+        drafter = llm.engine.runner.drafter
+        assert isinstance(drafter, MtpProposer)
+        target = llm.engine.runner.model
+        assert drafter.embed is target.model.embed_tokens
+        assert drafter.chain.head is target.lm_head.weight  # no head of its own
+        assert torch.equal(drafter.layer.fc.weight, mtp_tensors["mtp.fc.weight"])
+        norm = drafter.layer.pre_fc_norm_hidden.weight
+        assert torch.equal(norm, mtp_tensors["mtp.pre_fc_norm_hidden.weight"])
+        k_norm = drafter.layer.block.self_attn.k_norm.weight
+        assert torch.equal(k_norm, mtp_tensors["mtp.layers.0.self_attn.k_norm.weight"])
+        # A plain K/V cache (2 KV heads of 16), indexed by the target's block ids.
+        blocks = llm.engine.runner.num_kv_blocks
+        assert sum(c.numel() for c in drafter.cache) == 2 * blocks * 16 * 2 * 16
+    finally:
+        llm.engine.shutdown()
+
+
+def test_the_alias_qwen3_next_mtp_loads_the_same(two_token: tuple[Path, nn.Module]) -> None:
+    folder, _ = two_token
+    llm = make_llm(folder, speculative_config=mtp_config(2, "qwen3_next_mtp"))
+    try:
+        assert isinstance(llm.engine.runner.drafter, MtpProposer)
+        assert llm.engine.runner.drafter.max_drafts == 2
+    finally:
+        llm.engine.shutdown()
+
+
+def changed_copy(tmp_path: Path, folder: Path, drop: str) -> Path:
+    """A copy of ``folder`` without the tensors whose names start with ``drop``."""
+    path = tmp_path / "model"
+    shutil.copytree(folder, path)
+    file = path / "model.safetensors"
+    weights = {k: v for k, v in load_file(str(file)).items() if not k.startswith(drop)}
+    save_file(weights, str(file), {"format": "pt"})
+    return path
+
+
+def test_a_checkpoint_without_mtp_weights_is_refused(
+    tmp_path: Path, two_token: tuple[Path, nn.Module]
+) -> None:
+    """HF save_pretrained drops the ``mtp.*`` tensors."""
+    path = changed_copy(tmp_path, two_token[0], "mtp.")
+    with pytest.raises(ValueError, match=r"has no MTP weights \(no 'mtp.fc.weight'"):
+        make_llm(path, speculative_config=mtp_config())
+
+
+@pytest.mark.parametrize(
+    ("dropped", "named"),
+    [
+        ("mtp.pre_fc_norm_hidden.", "pre_fc_norm_hidden.weight"),
+        ("mtp.layers.0.mlp.shared_expert_gate.", "block.mlp.shared_expert_gate.weight"),
+    ],
+)
+def test_a_missing_mtp_tensor_is_named(
+    tmp_path: Path, two_token: tuple[Path, nn.Module], dropped: str, named: str
+) -> None:
+    path = changed_copy(tmp_path, two_token[0], dropped)
+    with pytest.raises(ValueError, match=rf"MTP layer \(mtp\): checkpoint lacks .*{named}"):
+        make_llm(path, speculative_config=mtp_config())
+
+
+def test_a_config_without_an_mtp_layer_is_refused(
+    tmp_path: Path, two_token: tuple[Path, nn.Module]
+) -> None:
+    path = tmp_path / "model"
+    shutil.copytree(two_token[0], path)
+    edit_config(path, num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="config.json num_nextn_predict_layers is 0"):
+        make_llm(path, speculative_config=mtp_config())
+
+
+# ---- exactness through the engine ----------------------------------------------------------------
+
+
+def test_outputs_with_mtp_drafts_are_hfs_tokens(two_token: tuple[Path, nn.Module]) -> None:
+    """Four prompts batched, one chunked: the layer's drafts kept in every count from none to
+    all (the state after a kept draft copied into the slot) give HF's greedy tokens."""
+    folder, hf_model = two_token
+    prompts = random_prompts(VOCAB, (20, 45, 150, 31))
+    want = hf_tokens(hf_model, prompts, 40)
+    llm = make_llm(folder, speculative_config=mtp_config(), max_num_batched_tokens=64)
+    kept = KeptStates(llm)
+    try:
+        got = llm.generate(prompts, greedy(40), detokenize=False)
+        assert [o.token_ids for o in got] == want
+        _, drafted, accepted = counts(llm)
+        assert 0 < accepted < drafted
+        assert set(kept.positions) == set(range(K))  # none kept, one, two (of three)
+        check_all_given_back(llm, 4)
+    finally:
+        llm.engine.shutdown()
+
+
+# ---- the drafts: an independent reading of the layer ---------------------------------------------
+
+
+class ReferenceMtp:
+    """The MTP layer of the published layout, as vLLM's qwen3_next_mtp.py computes it, over
+    HF's decoder layer and RMSNorm (dense causal attention over its entries). Entry q reads the
+    embedding of the token after q and a hidden state (the target's final one at q, or the
+    previous entry's normed output)."""
+
+    def __init__(self, tensors: dict, source: nn.Module, target: nn.Module) -> None:
+        self.block = source.model.layers[1]
+        self.rotary = source.model.rotary_emb
+        self.fc = tensors["mtp.fc.weight"]
+        self.norms = {name: self.norm(tensors[f"mtp.{name}.weight"]) for name in OWN_NORMS}
+        self.embedding = target.model.embed_tokens.weight.detach()
+        self.head = target.lm_head.weight.detach()
+
+    @staticmethod
+    def norm(weight: torch.Tensor) -> Qwen3NextRMSNorm:
+        norm = Qwen3NextRMSNorm(HIDDEN, eps=tiny_config().rms_norm_eps)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        return norm
+
+    @torch.no_grad()
+    def run(self, tokens: list[int], feature: torch.Tensor) -> torch.Tensor:
+        """The normed outputs [n, H]: fc([pre_fc_norm_embedding(e) | pre_fc_norm_hidden(h)]),
+        the decoder layer, norm."""
+        n = len(tokens)
+        embeds = self.norms["pre_fc_norm_embedding"](self.embedding[tokens])
+        x = torch.cat([embeds, self.norms["pre_fc_norm_hidden"](feature)], dim=-1) @ self.fc.T
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = self.block(
+            x[None],
+            attention_mask=mask,
+            position_ids=positions,
+            position_embeddings=self.rotary(x[None], positions),
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        return self.norms["norm"](out[0])
+
+    def propose(self, sequence: list[int], hidden: torch.Tensor, p: int, count: int) -> list[int]:
+        """The drafts after the known tokens sequence[: p + 1]: entries 0..p-1 from the true
+        tokens and the target's hidden states, then one entry per draft."""
+        tokens, feature = sequence[1 : p + 1], hidden[:p]
+        drafts: list[int] = []
+        for _ in range(count):
+            normed = self.run(tokens, feature)
+            drafts.append(int((normed[-1] @ self.head.T).argmax()))
+            tokens, feature = [*tokens, drafts[-1]], torch.cat([feature, normed[-1:]])
+        return drafts
+
+
+def target_hidden(hf_model: nn.Module, sequence: list[int]) -> torch.Tensor:
+    """HF's final hidden states of the target (after its final norm) [n, H]."""
+    with torch.no_grad():
+        return hf_model.model(torch.tensor([sequence])).last_hidden_state[0]
+
+
+def recording_proposals(llm: LLM) -> dict[str, list[tuple[int, list[int]]]]:
+    drafter = llm.engine.runner.drafter
+    made: dict[str, list[tuple[int, list[int]]]] = {}
+    propose = drafter.propose_batch
+
+    def recording(rows: list[DraftRow]) -> list[list[int]]:
+        drafts = propose(rows)
+        for row, row_drafts in zip(rows, drafts, strict=True):
+            made.setdefault(row.request_id, []).append((row.position, row_drafts))
+        return drafts
+
+    drafter.propose_batch = recording  # type: ignore[method-assign]
+    return made
+
+
+def test_the_engines_drafts_are_the_layers_own(
+    full_vocab: tuple[Path, nn.Module], mtp_tensors: dict, source: nn.Module
+) -> None:
+    """Every proposal the engine made for three batched requests (one prompt chunked) is the
+    one the reference computes over HF's hidden states of the final sequence at that
+    position, the first after each prompt included; the engine's counts of drafted
+    and kept tokens are what those drafts give, and the tokens are HF's."""
+    folder, hf_model = full_vocab
+    prompts = random_prompts(VOCAB, (12, 70, 33))
+    want = hf_tokens(hf_model, prompts, 12)
+    llm = make_llm(folder, speculative_config=mtp_config(), max_num_batched_tokens=48)
+    made = recording_proposals(llm)
+    try:
+        got = llm.generate(prompts, greedy(12), detokenize=False)
+        assert [o.token_ids for o in got] == want
+        spec_counts = counts(llm)
+    finally:
+        llm.engine.shutdown()
+    reference = ReferenceMtp(mtp_tensors, source, hf_model)
+    steps = drafted = kept = 0
+    for prompt, output in zip(prompts, got, strict=True):
+        sequence = [*prompt, *output.token_ids]
+        hidden = target_hidden(hf_model, sequence)
+        proposals = made[output.request_id]
+        # The first: from the prompt's last token (its last chunk verified with drafts) or the
+        # token sampled after it.
+        assert proposals[0][0] <= len(prompt)
+        for position, drafts in proposals:
+            assert drafts == reference.propose(sequence, hidden, position, len(drafts)), position
+            following = sequence[position + 1 : position + 1 + len(drafts)]
+            pairs = enumerate(zip(drafts, following, strict=True))
+            steps, drafted = steps + 1, drafted + len(drafts)
+            kept += next((i for i, (d, t) in pairs if d != t), len(drafts))
+    assert spec_counts == (steps, drafted, kept)
