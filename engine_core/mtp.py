@@ -1,36 +1,51 @@
-"""Multi-token prediction (``"method": "mtp"``, also spelled ``"deepseek_mtp"``): the MTP
-layer a DeepSeek-V3 checkpoint ships beside its decoder layers, used as the speculative
-proposer.
+"""Multi-token prediction (``"method": "mtp"``, also spelled ``"deepseek_mtp"`` and
+``"qwen3_next_mtp"``): the MTP layer a DeepSeek-V3 or Qwen3-Next checkpoint ships beside its
+decoder layers, used as the speculative proposer.
 
-The published layout (DeepSeek-V3, R1, V3.1: ``num_nextn_predict_layers`` 1 in config.json):
-the layer is stored as decoder layer ``num_hidden_layers`` of the target's own checkpoint,
-``model.layers.<L>.*``: ``enorm`` and ``hnorm`` (RMSNorms), ``eh_proj`` [H, 2H] (plain, also in
-the FP8 checkpoints), one full decoder layer (MLA attention, DeepSeekMoE; the target's names
-and formats), ``shared_head.norm`` and ``shared_head.head`` [V, H], and ``embed_tokens`` (a copy
-of the target's embedding, shared here when it is equal). HF transformers drops the layer when
-it loads the model; vLLM (deepseek_mtp.py) and SGLang (deepseek_nextn.py) read it as here.
+The published layouts (``MtpLayout``; one layer, which config.json's
+``num_nextn_predict_layers`` says):
+
+- DeepSeek-V3 (R1, V3.1): the layer is stored as decoder layer ``num_hidden_layers`` of the
+  target's own checkpoint, ``model.layers.<L>.*``: ``enorm`` and ``hnorm`` (RMSNorms),
+  ``eh_proj`` [H, 2H] (plain, also in the FP8 checkpoints), one full decoder layer (MLA
+  attention, DeepSeekMoE; the target's names and formats), ``shared_head.norm`` and
+  ``shared_head.head`` [V, H], and ``embed_tokens`` (a copy of the target's embedding, shared
+  here when it is equal). vLLM (deepseek_mtp.py) and SGLang (deepseek_nextn.py) read it so.
+- Qwen3-Next: ``mtp.*`` beside the target's tensors: ``fc`` [H, 2H] (no bias),
+  ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden`` and ``norm`` (its (1 + w) RMSNorms), and
+  ``layers.0.*``, one gated full-attention decoder layer with the target's sparse MoE and
+  shared expert (the target's names); the embedding and LM head are the target's
+  (models/qwen3_next.py ``Qwen3NextMtpLayer``, as vLLM's qwen3_next_mtp.py reads it; a
+  config.json without the field is read as one layer, as vLLM does).
+
+HF transformers drops the layer when it loads or saves either model.
 
 What it computes: its entry at position p reads the embedding of the token at p + 1 and the
-target's final hidden state at p (after the target's final norm): x = eh_proj([enorm(e) |
-hnorm(h)]), then the decoder layer (attention over the MTP layer's own latent cache of the
-entries before p), then shared_head.norm; shared_head.head of that gives the draft after p + 1.
-Drafting on, an entry takes the previous draft's embedding and the layer's own normed output in
-place of the target's hidden state, post-norm like the target's (as SGLang's deepseek_nextn
-recycles it; vLLM's deepseek_mtp.py hands on the stream before the norm); the one layer is run
-K times for K drafts, as the peers do when K exceeds the layers shipped.
+target's final hidden state at p (after the target's final norm, as both peers feed it): x =
+eh_proj([enorm(e) | hnorm(h)]) (Qwen3-Next: fc over the pre-fc norms, embedding first, as
+vLLM concatenates), then the decoder layer (attention over the MTP layer's own cache of the
+entries before p), then its final norm; the LM head of that gives the draft after p + 1.
+Drafting on, an entry takes the previous draft's embedding and the layer's own normed output
+in place of the target's hidden state, post-norm like the target's (as SGLang's deepseek_nextn
+and vLLM's qwen3_next_mtp recycle it; vLLM's deepseek_mtp.py hands on the stream before the
+norm); the one layer is run K times for K drafts, as the peers do when K exceeds the layers
+shipped.
 
 Its cache and its entries follow EAGLE-3's scheme (engine_core/eagle3.py, whose module comment
-walks it): one latent cache with as many blocks as the target's pool, indexed by the target's
-block ids; the entries lag the target's positions by one, rewritten after each step with the
+walks it): one cache with as many blocks as the target's pool, indexed by the target's block
+ids (DeepSeek's a latent row a token, Qwen3-Next's plain K and V, bound as eagle3.py binds its
+head's); the entries lag the target's positions by one, rewritten after each step with the
 tokens then known; a proposal rewrites the entry before the row's last token and writes one
 per draft. Unlike EAGLE-3 it needs no hooks: the target's final hidden states are the
-forward's output, which a CUDA-graph replay returns too. Where the target replays graphs, a
-proposal replays one graph of the layer's K chained one-token forwards per batch bucket (EAGLE-3's
-chain and graphs, engine_core/draft_graphs.py, over ``MtpChain``), its latent attention's decode
-kernel and its MoE inside; its forward beside the target's runs eagerly (prompt-shaped rows,
-which the latent attention plans on the host). Drafts are the layer's argmax, so exactness is
-the verify step's (engine_core/speculative.py); the layer decides only how many tokens a step
-yields.
+forward's output, which a CUDA-graph replay returns too. On a linear-attention target
+(Qwen3-Next) the layer attends fully and holds no state: the target's verify step keeps its
+DeltaNet states per verify position (docs/design/qwen3-next.md, "Speculation"), the layer's
+entries need nothing of that. Where the target replays graphs, a proposal replays one graph of
+the layer's K chained one-token forwards per batch bucket (EAGLE-3's chain and graphs,
+engine_core/draft_graphs.py, over ``MtpChain``), its attention's decode kernel and its MoE
+inside (for Qwen3-Next's layer not yet run on a GPU); its forward beside the target's runs
+eagerly (prompt-shaped rows). Drafts are the layer's argmax, so exactness is the verify step's
+(engine_core/speculative.py); the layer decides only how many tokens a step yields.
 """
 
 from __future__ import annotations
@@ -340,7 +355,7 @@ class MtpChain:
 
 
 class MtpProposer:
-    """The MTP layer, its latent cache (owned here, as the model runner owns the target's) and
+    """The MTP layer, its cache (owned here, as the model runner owns the target's) and
     the target's hidden states it keeps between a step and the next proposal; a
     speculative.BatchProposer."""
 
@@ -362,7 +377,8 @@ class MtpProposer:
     # ---- set-up -------------------------------------------------------------------------------
 
     def block_bytes(self, block_size: int) -> int:
-        """Bytes the layer's cache adds to one block id of the pool: one latent row a token."""
+        """Bytes the layer's cache adds to one block id of the pool (DeepSeek's: one latent row
+        a token; Qwen3-Next's: its K and V)."""
         return cache_block_bytes(self.layer.attention(), block_size, self.dtype)
 
     def allocate_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
@@ -370,15 +386,16 @@ class MtpProposer:
             self.layer.attention(), num_blocks, block_size, self.dtype, self.device
         )
         self.block_size, self.backend = block_size, backend
-        logger.info("mtp layer: its latent cache %.3f GiB beside the target's", gib(self.cache))
+        logger.info("mtp layer: its cache %.3f GiB beside the target's", gib(self.cache))
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int) -> None:
         """Where the target replays graphs (after ``allocate_cache``: they bake in its cache's
-        address): the proposal's K chained one-token forwards per batch bucket, the latent
-        attention's decode kernel and the MoE's fused experts inside. The layer's forward beside
-        the target's stays eager: its rows are prompt-shaped (the entry before a row's first
-        position and the row's own), and the latent attention's expanded path plans them from
-        host lengths, as the target's prompt steps do (models/deepseek.py)."""
+        address): the proposal's K chained one-token forwards per batch bucket, the attention's
+        decode kernel (latent or plain) and the MoE's fused experts inside. The layer's forward
+        beside the target's stays eager: its rows are prompt-shaped (the entry before a row's
+        first position and the row's own), which DeepSeek's latent attention plans from host
+        lengths, as the target's prompt steps do (models/deepseek.py), and Qwen3-Next's target
+        runs its own prompt and verify steps eagerly."""
         assert self.backend is not None
         logger.info("mtp layer: its forward beside the target's runs eagerly (prompt-shaped)")
         for module in self.layer.modules():
@@ -409,8 +426,7 @@ class MtpProposer:
         assert self.backend is not None
         query_start = meta.query_start_loc_cpu
         plan = plan_entries(out, query_start, self._kept_feature, self.block_size)
-        # No prefill work list: the latent attention plans its expanded path itself.
-        kept_rows = self.staging.stage(plan, tiles=False)
+        kept_rows = self.staging.stage(plan, self.backend_tiles)
         features = torch.cat(plan.features_of(hidden, query_start)).to(self.dtype)
         cos, sin = self.chain.rotary(plan.positions_on_device, self.dtype)
         with forward_context(entries_metadata(plan, meta), self.backend):
@@ -419,6 +435,15 @@ class MtpProposer:
         # A copy: ``hidden`` may be a graph's static output, written again next step.
         rows = hidden.index_select(0, kept_rows).to(self.dtype)
         self.features = keep_features(self.features, out, plan, rows)
+
+    @property
+    def backend_tiles(self) -> bool:
+        """Whether the entries are staged with the Triton prefill kernel's work list: on CUDA
+        for a plain K/V layer (Qwen3-Next's); DeepSeek's latent attention plans its expanded
+        path itself."""
+        return self.device.type == "cuda" and not isinstance(
+            self.layer.attention(), LatentAttention
+        )
 
     def _kept_feature(self, request_id: str, position: int) -> torch.Tensor | None:
         return feature_at(self.features, request_id, position)
