@@ -1,6 +1,6 @@
 """Multi-token prediction (``"method": "mtp"``, also spelled ``"deepseek_mtp"`` and
-``"qwen3_next_mtp"``): the MTP layer a DeepSeek-V3 or Qwen3-Next checkpoint ships beside its
-decoder layers, used as the speculative proposer.
+``"qwen3_next_mtp"``): the MTP layer a DeepSeek-V3, Qwen3-Next or Qwen3.5 checkpoint ships
+beside its decoder layers, used as the speculative proposer.
 
 The published layouts (``MtpLayout``; one layer, which config.json's
 ``num_nextn_predict_layers`` says):
@@ -16,7 +16,10 @@ The published layouts (``MtpLayout``; one layer, which config.json's
   ``layers.0.*``, one gated full-attention decoder layer with the target's sparse MoE and
   shared expert (the target's names); the embedding and LM head are the target's
   (models/qwen3_next.py ``Qwen3NextMtpLayer``, as vLLM's qwen3_next_mtp.py reads it; a
-  config.json without the field is read as one layer, as vLLM does).
+  config.json without the field is read as one layer, as vLLM does). Qwen3.5's text models
+  (dense or MoE) ship the same tensors, counted by ``mtp_num_hidden_layers`` (vLLM's
+  qwen3_5_mtp.py); beside a Qwen3.5 vision-language target the layer is refused, its image
+  rows' M-RoPE positions not being its entries' yet.
 
 HF transformers drops the layer when it loads or saves either model.
 
@@ -89,6 +92,7 @@ from engine_core.models.qwen3_next import (
     QWEN3_5_ARCHITECTURES,
     Qwen3NextForCausalLM,
     Qwen3NextMtpLayer,
+    qwen3_5_text_config,
 )
 from engine_core.models.target import BuildTarget
 from engine_core.request import SchedulerOutput
@@ -101,6 +105,7 @@ logger = logging.getLogger(__name__)
 
 WHERE = "--speculative-config method 'mtp'"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
+QWEN3_5 = frozenset(QWEN3_5_ARCHITECTURES)
 # The layer's own tensors (the rest are its decoder layer's, under the target's names).
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
@@ -190,34 +195,46 @@ QWEN3_NEXT_LAYOUT = MtpLayout(
 )  # fmt: skip
 
 
+# Qwen3.5's text models (the CausalLMs, or a ConditionalGeneration checkpoint without its vision
+# tower): the same tensors; the count is its text config's ``mtp_num_hidden_layers``.
+QWEN3_5_LAYOUT = replace(QWEN3_NEXT_LAYOUT, depth_field="mtp_num_hidden_layers")
+
+
 def mtp_layout(target: nn.Module, config: ModelConfig, hf: dict[str, Any]) -> MtpLayout:
     """The target's MTP layout; ValueError for a target whose checkpoint has no MTP layer, one
     this proposer cannot run, or a config that says other than one layer."""
-    architectures = hf.get("architectures") or []
-    if set(architectures) & set(QWEN3_5_ARCHITECTURES):
-        raise ValueError(
-            f"{WHERE}: Qwen3.5's MTP layer is not read yet (only Qwen3-Next's is tested); "
-            "'ngram' and 'draft_model' speculate on it"
-        )
-    if isinstance(target, DeepseekForCausalLM) and "DeepseekV3ForCausalLM" in architectures:
-        layout = deepseek_layout(config)
-    elif isinstance(target, Qwen3NextForCausalLM) and QWEN3_NEXT in architectures:
-        layout = QWEN3_NEXT_LAYOUT
-    else:
-        raise ValueError(
-            f"{WHERE}: the target must be a DeepSeek-V3-architecture model (DeepSeek-V3/R1/V3.1, "
-            f"Kimi-K2) or Qwen3-Next that ships an MTP layer; {architectures} has none that "
-            "Tandem reads"
-        )
-    layers = hf.get(layout.depth_field, layout.default_depth)
+    layout = layout_of(target, config, hf.get("architectures") or [])
+    text = qwen3_5_text_config(hf) if layout is QWEN3_5_LAYOUT else hf
+    layers = text.get(layout.depth_field, layout.default_depth)
     if layers != 1:
         raise ValueError(
             f"{WHERE}: config.json {layout.depth_field} is {layers!r}; Tandem reads a "
-            "checkpoint with exactly one MTP layer (as DeepSeek-V3 and Qwen3-Next publish)"
+            "checkpoint with exactly one MTP layer (as DeepSeek-V3, Qwen3-Next and Qwen3.5 "
+            "publish)"
         )
     if target.model.stage.size > 1:
         raise ValueError(f"{WHERE}: not supported with --pipeline-parallel-size > 1")
     return layout
+
+
+def layout_of(target: nn.Module, config: ModelConfig, architectures: list[str]) -> MtpLayout:
+    if isinstance(target, DeepseekForCausalLM) and "DeepseekV3ForCausalLM" in architectures:
+        return deepseek_layout(config)
+    if isinstance(target, Qwen3NextForCausalLM) and QWEN3_NEXT in architectures:
+        return QWEN3_NEXT_LAYOUT
+    if isinstance(target, Qwen3NextForCausalLM) and set(architectures) & QWEN3_5:
+        if config.vision is not None:
+            # Image rows take M-RoPE positions, which the layer's entries do not carry yet.
+            raise ValueError(
+                f"{WHERE}: a Qwen3.5 vision-language target's MTP layer is not read yet; its "
+                "text model (a config without vision_config) or 'ngram' speculates"
+            )
+        return QWEN3_5_LAYOUT
+    raise ValueError(
+        f"{WHERE}: the target must be a DeepSeek-V3-architecture model (DeepSeek-V3/R1/V3.1, "
+        f"Kimi-K2), Qwen3-Next or a Qwen3.5 text model that ships an MTP layer; "
+        f"{architectures} has none that Tandem reads"
+    )
 
 
 def read_prefixed_tensors(model_dir: Path, prefix: str) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ the context's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_l
 weights, asked request by request; ``draft_model`` (engine_core/draft_model.py: a smaller model
 of the same tokenizer, its greedy tokens), ``eagle3`` (engine_core/eagle3.py: a head that
 drafts from the target's hidden states) and ``mtp`` (engine_core/mtp.py: the multi-token
-prediction layer a DeepSeek-V3 or Qwen3-Next checkpoint ships), BatchProposers asked once a
+prediction layer a DeepSeek-V3, Qwen3-Next or Qwen3.5 checkpoint ships), BatchProposers asked once a
 step for every row whose verify slots the scheduler reserved. A constrained request's matcher
 takes the drafts it allows to fill each drafted position's mask, then gives them back
 (engine_core/grammar.py); the update feeds it the kept tokens. A request that scores or pools

@@ -1,18 +1,21 @@
-"""Speculative decoding with a Qwen3-Next checkpoint's own MTP layer (engine_core/mtp.py over
-the ``mtp.*`` tensors), on the CPU: loading the published layout and what it refuses,
-exactness against HF transformers through the hybrid engine (a DeltaNet state kept after each
-verify position), and the layer's drafts checked against an independent reading of it.
+"""Speculative decoding with a Qwen3-Next or Qwen3.5 checkpoint's own MTP layer
+(engine_core/mtp.py over the ``mtp.*`` tensors), on the CPU: loading the published layout and
+what it refuses, exactness against HF transformers through the hybrid engine (a DeltaNet state
+kept after each verify position), and the layer's drafts checked against an independent
+reading of it.
 
-The target is tests/test_models_qwen3_next.py's tiny random Qwen3-Next, saved with HF
-``save_pretrained`` (which drops the MTP layer); the test then writes the layer's tensors into
-the safetensors file under the published names: ``mtp.fc`` [H, 2H], the three (1 + w)
-RMSNorms, and ``mtp.layers.0.*``, the tensors of a fully attending layer (with its MoE and
-shared expert) of a second random Qwen3-Next as its ``save_pretrained`` names them. A random
-layer rarely drafts a random target's tokens, so for the exactness test the target's LM head
-(which the layer shares) is zero but for two tokens, one row the other's negative: the target
-emits and the layer drafts only those two, about half the drafts kept. The drafts are checked
-on a target with its full random head by recomputing every proposal from the final sequences
-with HF's own decoder layer and RMSNorm, over HF's final hidden states (no paging, no engine).
+Each family's target is a tiny random model (tests/test_models_qwen3_next.py's Qwen3-Next with
+its MoE and shared expert, tests/test_models_qwen3_5.py's dense Qwen3.5 text model), saved with
+HF ``save_pretrained`` (which drops the MTP layer); the test then writes the layer's tensors
+into the safetensors file under the published names: ``mtp.fc`` [H, 2H], the three (1 + w)
+RMSNorms, and ``mtp.layers.0.*``, the tensors of a fully attending layer of a second random
+model of the family as its ``save_pretrained`` names them; config.json gets the family's count
+(``num_nextn_predict_layers``, ``mtp_num_hidden_layers``). A random layer rarely drafts a
+random target's tokens, so for the exactness test the target's LM head (which the layer
+shares) is zero but for two tokens, one row the other's negative: the target emits and the
+layer drafts only those two, about half the drafts kept. The drafts are checked on a target
+with its full random head by recomputing every proposal from the final sequences with HF's own
+decoder layer and RMSNorm, over HF's final hidden states (no paging, no engine).
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+)
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 from engine_core.llm import LLM
@@ -33,6 +43,7 @@ from engine_core.mtp import MtpProposer
 from engine_core.speculative import DraftRow
 from tests.mtp_cases import add_tensors, edit_config, two_token_head
 from tests.paged_harness import random_prompts, randomize
+from tests.test_models_qwen3_5 import VISION, text_fields
 from tests.test_models_qwen3_next import VOCAB, tiny_config
 from tests.test_speculative_hybrid import (
     KeptStates,
@@ -53,17 +64,38 @@ def mtp_config(k: int = K, method: str = "mtp") -> str:
     return json.dumps({"method": method, "num_speculative_tokens": k})
 
 
-def random_target(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config()).eval()
-    randomize(model, seed)
-    return model
+class Family:
+    """A target family whose checkpoints ship the layer: its HF model of the tiny shape, the
+    config field that counts MTP layers, and its RMSNorm class (the reference's)."""
+
+    def __init__(self, name: str, depth_field: str, norm: type[nn.Module]) -> None:
+        self.name, self.depth_field, self.norm = name, depth_field, norm
+
+    def random_model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        if self.name == "qwen3-next":
+            model = AutoModelForCausalLM.from_config(tiny_config())
+        else:  # Qwen3.5's dense text model: the layer's MLP a SwiGLU
+            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_fields(moe=False)))
+        randomize(model.eval(), seed)
+        return model
+
+
+FAMILIES = {
+    "qwen3-next": Family("qwen3-next", "num_nextn_predict_layers", Qwen3NextRMSNorm),
+    "qwen3.5": Family("qwen3.5", "mtp_num_hidden_layers", Qwen3_5RMSNorm),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest) -> Family:
+    return FAMILIES[request.param]
 
 
 @pytest.fixture(scope="module")
-def source() -> nn.Module:
-    """The random Qwen3-Next whose layer 1 is the MTP layer's decoder layer."""
-    return random_target(1)
+def source(family: Family) -> nn.Module:
+    """The random model whose layer 1 (fully attending) is the MTP layer's decoder layer."""
+    return family.random_model(1)
 
 
 @pytest.fixture(scope="module")
@@ -84,32 +116,34 @@ def mtp_tensors(tmp_path_factory: pytest.TempPathFactory, source: nn.Module) -> 
     return own | block
 
 
-def write_with_mtp(folder: Path, model: nn.Module, tensors: dict) -> Path:
+def write_with_mtp(folder: Path, model: nn.Module, tensors: dict, family: Family) -> Path:
     """``model`` saved by HF, then the MTP layer's tensors and config field added."""
     model.save_pretrained(folder)
     add_tensors(folder, tensors)
-    edit_config(folder, num_nextn_predict_layers=1)
+    edit_config(folder, **{family.depth_field: 1})
     return folder
 
 
 @pytest.fixture(scope="module")
 def two_token(
-    tmp_path_factory: pytest.TempPathFactory, mtp_tensors: dict
+    tmp_path_factory: pytest.TempPathFactory, mtp_tensors: dict, family: Family
 ) -> tuple[Path, nn.Module]:
     """A target whose LM head emits only EMITTED, with the MTP layer: about half the layer's
     drafts are the target's next tokens."""
-    model = random_target(0)
+    model = family.random_model(0)
     with torch.no_grad():
         model.lm_head.weight.copy_(two_token_head(VOCAB, HIDDEN, EMITTED))
-    return write_with_mtp(tmp_path_factory.mktemp("two-token"), model, mtp_tensors), model
+    folder = tmp_path_factory.mktemp("two-token")
+    return write_with_mtp(folder, model, mtp_tensors, family), model
 
 
 @pytest.fixture(scope="module")
 def full_vocab(
-    tmp_path_factory: pytest.TempPathFactory, mtp_tensors: dict
+    tmp_path_factory: pytest.TempPathFactory, mtp_tensors: dict, family: Family
 ) -> tuple[Path, nn.Module]:
-    model = random_target(0)
-    return write_with_mtp(tmp_path_factory.mktemp("full-vocab"), model, mtp_tensors), model
+    model = family.random_model(0)
+    folder = tmp_path_factory.mktemp("full-vocab")
+    return write_with_mtp(folder, model, mtp_tensors, family), model
 
 
 def counts(llm: LLM) -> tuple[int, int, int]:
@@ -176,7 +210,7 @@ def test_a_checkpoint_without_mtp_weights_is_refused(
     ("dropped", "named"),
     [
         ("mtp.pre_fc_norm_hidden.", "pre_fc_norm_hidden.weight"),
-        ("mtp.layers.0.mlp.shared_expert_gate.", "block.mlp.shared_expert_gate.weight"),
+        ("mtp.layers.0.self_attn.k_norm.", "block.self_attn.k_norm.weight"),
     ],
 )
 def test_a_missing_mtp_tensor_is_named(
@@ -188,13 +222,23 @@ def test_a_missing_mtp_tensor_is_named(
 
 
 def test_a_config_without_an_mtp_layer_is_refused(
-    tmp_path: Path, two_token: tuple[Path, nn.Module]
+    tmp_path: Path, two_token: tuple[Path, nn.Module], family: Family
 ) -> None:
     path = tmp_path / "model"
     shutil.copytree(two_token[0], path)
-    edit_config(path, num_nextn_predict_layers=0)
-    with pytest.raises(ValueError, match="config.json num_nextn_predict_layers is 0"):
+    edit_config(path, **{family.depth_field: 0})
+    with pytest.raises(ValueError, match=f"config.json {family.depth_field} is 0"):
         make_llm(path, speculative_config=mtp_config())
+
+
+def test_a_vision_language_qwen3_5_target_is_refused_by_name(tmp_path: Path) -> None:
+    """Its image rows take M-RoPE positions, which the layer's entries do not carry (refused
+    before any MTP tensor is read)."""
+    torch.manual_seed(0)
+    config = Qwen3_5Config(text_config=text_fields(moe=False), vision_config=VISION)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="a Qwen3.5 vision-language target's MTP layer"):
+        make_llm(tmp_path, speculative_config=mtp_config())
 
 
 # ---- exactness through the engine ----------------------------------------------------------------
@@ -228,20 +272,17 @@ class ReferenceMtp:
     embedding of the token after q and a hidden state (the target's final one at q, or the
     previous entry's normed output)."""
 
-    def __init__(self, tensors: dict, source: nn.Module, target: nn.Module) -> None:
+    def __init__(self, tensors: dict, source: nn.Module, target: nn.Module, norm: type) -> None:
         self.block = source.model.layers[1]
         self.rotary = source.model.rotary_emb
         self.fc = tensors["mtp.fc.weight"]
-        self.norms = {name: self.norm(tensors[f"mtp.{name}.weight"]) for name in OWN_NORMS}
+        eps = source.config.rms_norm_eps
+        self.norms = {name: norm(HIDDEN, eps=eps) for name in OWN_NORMS}
+        with torch.no_grad():
+            for name, module in self.norms.items():
+                module.weight.copy_(tensors[f"mtp.{name}.weight"])
         self.embedding = target.model.embed_tokens.weight.detach()
         self.head = target.lm_head.weight.detach()
-
-    @staticmethod
-    def norm(weight: torch.Tensor) -> Qwen3NextRMSNorm:
-        norm = Qwen3NextRMSNorm(HIDDEN, eps=tiny_config().rms_norm_eps)
-        with torch.no_grad():
-            norm.weight.copy_(weight)
-        return norm
 
     @torch.no_grad()
     def run(self, tokens: list[int], feature: torch.Tensor) -> torch.Tensor:
@@ -295,7 +336,7 @@ def recording_proposals(llm: LLM) -> dict[str, list[tuple[int, list[int]]]]:
 
 
 def test_the_engines_drafts_are_the_layers_own(
-    full_vocab: tuple[Path, nn.Module], mtp_tensors: dict, source: nn.Module
+    full_vocab: tuple[Path, nn.Module], mtp_tensors: dict, source: nn.Module, family: Family
 ) -> None:
     """Every proposal the engine made for three batched requests (one prompt chunked) is the
     one the reference computes over HF's hidden states of the final sequence at that
@@ -312,7 +353,7 @@ def test_the_engines_drafts_are_the_layers_own(
         spec_counts = counts(llm)
     finally:
         llm.engine.shutdown()
-    reference = ReferenceMtp(mtp_tensors, source, hf_model)
+    reference = ReferenceMtp(mtp_tensors, source, hf_model, family.norm)
     steps = drafted = kept = 0
     for prompt, output in zip(prompts, got, strict=True):
         sequence = [*prompt, *output.token_ids]

@@ -495,11 +495,11 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextMtpLayer(nn.Module):
-    """The multi-token-prediction layer a Qwen3-Next checkpoint ships (``mtp.*``, names less
-    that prefix, its decoder layer's under ``block.``), as vLLM's qwen3_next_mtp.py reads it:
-    x = fc([pre_fc_norm_embedding(e) | pre_fc_norm_hidden(h)]), one gated full-attention
-    decoder layer of the target's kind (its MoE too), then ``norm``; the target's LM head
-    reads that (engine_core/mtp.py)."""
+    """The multi-token-prediction layer a Qwen3-Next or Qwen3.5 checkpoint ships (``mtp.*``,
+    names less that prefix, its decoder layer's under ``block.``), as vLLM's qwen3_next_mtp.py
+    reads it: x = fc([pre_fc_norm_embedding(e) | pre_fc_norm_hidden(h)]), one gated
+    full-attention decoder layer of the target's kind (its MLP too), then ``norm``; the
+    target's LM head reads that (engine_core/mtp.py)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
