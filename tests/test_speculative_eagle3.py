@@ -32,6 +32,7 @@ from tests.factories import (
     write_eagle3_head,
     write_tiny_llama,
 )
+from tests.mtp_reference import recording_proposals
 from tests.test_speculative import abort_two_of_three_with_drafts_in_flight
 from tests.test_speculative_draft import (
     assert_mixed_requests_give_plain_tokens,
@@ -267,23 +268,6 @@ def target_features(target: Path, sequence: list[int], fc: torch.Tensor) -> torc
         states = model(torch.tensor([sequence]), output_hidden_states=True).hidden_states
     aux = torch.cat([states[i][0] for i in (2, layers // 2, layers - 3)], dim=-1)
     return aux @ fc.float().T
-
-
-def recording_proposals(spec: LLM) -> dict[str, list[tuple[int, list[int]]]]:
-    """Each request's proposals (position of its last known token, drafts), recorded as the
-    scheduler asks the engine's head for them."""
-    drafter = spec.engine.runner.drafter
-    made: dict[str, list[tuple[int, list[int]]]] = {}
-    propose = drafter.propose_batch
-
-    def recording(rows: list) -> list[list[int]]:
-        drafts = propose(rows)
-        for row, row_drafts in zip(rows, drafts, strict=True):
-            made.setdefault(row.request_id, []).append((row.position, row_drafts))
-        return drafts
-
-    drafter.propose_batch = recording
-    return made
 
 
 def test_the_engines_drafts_are_the_heads_own(target_dir: Path, head_dir: Path, plain: LLM) -> None:

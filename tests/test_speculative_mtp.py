@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,12 @@ from tests.mtp_cases import (
     two_token_head,
     v3_config,
     write_target,
+)
+from tests.mtp_reference import (
+    causal_forward,
+    chained_drafts,
+    check_proposals,
+    recording_proposals,
 )
 from tests.test_speculative import (
     abort_two_of_three_with_drafts_in_flight,
@@ -241,31 +248,14 @@ class ReferenceMtp:
 
     def run(self, tokens: list[int], feature: torch.Tensor) -> torch.Tensor:
         """The normed outputs [n, H]."""
-        w, n = self.w, len(tokens)
+        w = self.w
         embeds = rms(w["embed_tokens.weight"][tokens], w["enorm.weight"])
         x = torch.cat([embeds, rms(feature, w["hnorm.weight"])], dim=-1) @ w["eh_proj.weight"].T
-        positions = torch.arange(n)[None]
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        with torch.no_grad():
-            out = self.block(
-                x[None],
-                attention_mask=mask,
-                position_ids=positions,
-                position_embeddings=self.rotary(x[None], positions),
-            )
-        out = out[0] if isinstance(out, tuple) else out
-        return rms(out[0], w["shared_head.norm.weight"])
+        return rms(causal_forward(self.block, self.rotary, x), w["shared_head.norm.weight"])
 
     def propose(self, sequence: list[int], hidden: torch.Tensor, p: int, count: int) -> list[int]:
-        """The drafts after the known tokens sequence[: p + 1]: entries 0..p-1 from the true
-        tokens and the target's hidden states, then one entry per draft."""
-        tokens, feature = sequence[1 : p + 1], hidden[:p]
-        drafts: list[int] = []
-        for _ in range(count):
-            normed = self.run(tokens, feature)
-            drafts.append(int((normed[-1] @ self.w["shared_head.head.weight"].T).argmax()))
-            tokens, feature = [*tokens, drafts[-1]], torch.cat([feature, normed[-1:]])
-        return drafts
+        head = self.w["shared_head.head.weight"]
+        return chained_drafts(self.run, head, sequence, hidden, p, count)
 
 
 def target_hidden(deeper: DeepseekV3ForCausalLM, sequence: list[int]) -> torch.Tensor:
@@ -278,21 +268,6 @@ def target_hidden(deeper: DeepseekV3ForCausalLM, sequence: list[int]) -> torch.T
     target.load_state_dict(state)
     with torch.no_grad():
         return target.model(torch.tensor([sequence])).last_hidden_state[0]
-
-
-def recording_proposals(spec: LLM) -> dict[str, list[tuple[int, list[int]]]]:
-    drafter = spec.engine.runner.drafter
-    made: dict[str, list[tuple[int, list[int]]]] = {}
-    propose = drafter.propose_batch
-
-    def recording(rows: list) -> list[list[int]]:
-        drafts = propose(rows)
-        for row, row_drafts in zip(rows, drafts, strict=True):
-            made.setdefault(row.request_id, []).append((row.position, row_drafts))
-        return drafts
-
-    drafter.propose_batch = recording
-    return made
 
 
 def test_the_engines_drafts_are_the_layers_own(
@@ -317,16 +292,8 @@ def test_the_engines_drafts_are_the_layers_own(
     tensors = load_file(str(mtp_dir / "model.safetensors"))
     own = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
     reference = ReferenceMtp(own, deeper)
-    steps = drafted = kept = 0
-    for prompt, output in zip(PROMPTS, got, strict=True):
-        sequence = [*prompt, *output.token_ids]
-        hidden = target_hidden(deeper, sequence)
-        for position, drafts in made[output.request_id]:
-            assert drafts == reference.propose(sequence, hidden, position, len(drafts)), position
-            following = sequence[position + 1 : position + 1 + len(drafts)]
-            pairs = enumerate(zip(drafts, following, strict=True))
-            steps, drafted = steps + 1, drafted + len(drafts)
-            kept += next((i for i, (d, t) in pairs if d != t), len(drafts))
+    hidden_of = partial(target_hidden, deeper)
+    steps, drafted, kept = check_proposals(made, PROMPTS, got, hidden_of, reference.propose)
     assert counts(spec) == (steps, drafted, kept)
     assert kept > 0  # some drafts kept: the comparison reaches past a first draft
 

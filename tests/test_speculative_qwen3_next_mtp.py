@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,13 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 from engine_core.llm import LLM
 from engine_core.mtp import MtpProposer
-from engine_core.speculative import DraftRow
 from tests.mtp_cases import add_tensors, edit_config, two_token_head
+from tests.mtp_reference import (
+    causal_forward,
+    chained_drafts,
+    check_proposals,
+    recording_proposals,
+)
 from tests.paged_harness import random_prompts, randomize
 from tests.test_models_qwen3_5 import VISION, text_fields
 from tests.test_models_qwen3_next import VOCAB, tiny_config
@@ -288,51 +294,18 @@ class ReferenceMtp:
     def run(self, tokens: list[int], feature: torch.Tensor) -> torch.Tensor:
         """The normed outputs [n, H]: fc([pre_fc_norm_embedding(e) | pre_fc_norm_hidden(h)]),
         the decoder layer, norm."""
-        n = len(tokens)
         embeds = self.norms["pre_fc_norm_embedding"](self.embedding[tokens])
         x = torch.cat([embeds, self.norms["pre_fc_norm_hidden"](feature)], dim=-1) @ self.fc.T
-        positions = torch.arange(n)[None]
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        out = self.block(
-            x[None],
-            attention_mask=mask,
-            position_ids=positions,
-            position_embeddings=self.rotary(x[None], positions),
-        )
-        out = out[0] if isinstance(out, tuple) else out
-        return self.norms["norm"](out[0])
+        return self.norms["norm"](causal_forward(self.block, self.rotary, x))
 
     def propose(self, sequence: list[int], hidden: torch.Tensor, p: int, count: int) -> list[int]:
-        """The drafts after the known tokens sequence[: p + 1]: entries 0..p-1 from the true
-        tokens and the target's hidden states, then one entry per draft."""
-        tokens, feature = sequence[1 : p + 1], hidden[:p]
-        drafts: list[int] = []
-        for _ in range(count):
-            normed = self.run(tokens, feature)
-            drafts.append(int((normed[-1] @ self.head.T).argmax()))
-            tokens, feature = [*tokens, drafts[-1]], torch.cat([feature, normed[-1:]])
-        return drafts
+        return chained_drafts(self.run, self.head, sequence, hidden, p, count)
 
 
 def target_hidden(hf_model: nn.Module, sequence: list[int]) -> torch.Tensor:
     """HF's final hidden states of the target (after its final norm) [n, H]."""
     with torch.no_grad():
         return hf_model.model(torch.tensor([sequence])).last_hidden_state[0]
-
-
-def recording_proposals(llm: LLM) -> dict[str, list[tuple[int, list[int]]]]:
-    drafter = llm.engine.runner.drafter
-    made: dict[str, list[tuple[int, list[int]]]] = {}
-    propose = drafter.propose_batch
-
-    def recording(rows: list[DraftRow]) -> list[list[int]]:
-        drafts = propose(rows)
-        for row, row_drafts in zip(rows, drafts, strict=True):
-            made.setdefault(row.request_id, []).append((row.position, row_drafts))
-        return drafts
-
-    drafter.propose_batch = recording  # type: ignore[method-assign]
-    return made
 
 
 def test_the_engines_drafts_are_the_layers_own(
@@ -354,18 +327,9 @@ def test_the_engines_drafts_are_the_layers_own(
     finally:
         llm.engine.shutdown()
     reference = ReferenceMtp(mtp_tensors, source, hf_model, family.norm)
-    steps = drafted = kept = 0
+    hidden_of = partial(target_hidden, hf_model)
+    assert spec_counts == check_proposals(made, prompts, got, hidden_of, reference.propose)
+    # Each request's first proposal is from its prompt's last token (the last chunk verified
+    # with drafts) or the token sampled after it.
     for prompt, output in zip(prompts, got, strict=True):
-        sequence = [*prompt, *output.token_ids]
-        hidden = target_hidden(hf_model, sequence)
-        proposals = made[output.request_id]
-        # The first: from the prompt's last token (its last chunk verified with drafts) or the
-        # token sampled after it.
-        assert proposals[0][0] <= len(prompt)
-        for position, drafts in proposals:
-            assert drafts == reference.propose(sequence, hidden, position, len(drafts)), position
-            following = sequence[position + 1 : position + 1 + len(drafts)]
-            pairs = enumerate(zip(drafts, following, strict=True))
-            steps, drafted = steps + 1, drafted + len(drafts)
-            kept += next((i for i, (d, t) in pairs if d != t), len(drafts))
-    assert spec_counts == (steps, drafted, kept)
+        assert made[output.request_id][0][0] <= len(prompt)
