@@ -203,6 +203,41 @@ def changed_copy(tmp_path: Path, folder: Path, drop: str) -> Path:
     return path
 
 
+def stacked_experts(tensors: dict) -> dict:
+    """``tensors`` with the per-expert MLP tensors of ``mtp.layers.0`` stacked as the published
+    Qwen3.5 MoE checkpoints (and HF's memory) hold them: ``experts.gate_up_proj`` [E, 2I, H]
+    (each expert's gate rows, then its up rows) and ``experts.down_proj`` [E, H, I]."""
+    prefix = "mtp.layers.0.mlp.experts."
+    experts = sorted({int(k.removeprefix(prefix).split(".")[0]) for k in tensors if prefix in k})
+
+    def stack(proj: str) -> torch.Tensor:
+        return torch.stack([tensors[f"{prefix}{e}.{proj}.weight"] for e in experts])
+
+    kept = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
+    kept[f"{prefix}gate_up_proj"] = torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
+    kept[f"{prefix}down_proj"] = stack("down_proj")
+    return kept
+
+
+def test_stacked_experts_load_as_per_expert_ones(
+    tmp_path: Path, two_token: tuple[Path, nn.Module], mtp_tensors: dict
+) -> None:
+    if not any(".experts." in name for name in mtp_tensors):
+        pytest.skip("the family's MTP layer has a dense MLP here")
+    folder, _ = two_token
+    path = changed_copy(tmp_path, folder, "mtp.")
+    add_tensors(path, stacked_experts(mtp_tensors))
+    layers = []
+    for model in (folder, path):
+        llm = make_llm(model, speculative_config=mtp_config())
+        layers.append(llm.engine.runner.drafter.layer.state_dict())
+        llm.engine.shutdown()
+    per_expert, stacked = layers
+    assert per_expert.keys() == stacked.keys()
+    for name, tensor in per_expert.items():
+        assert torch.equal(tensor, stacked[name]), name
+
+
 def test_a_checkpoint_without_mtp_weights_is_refused(
     tmp_path: Path, two_token: tuple[Path, nn.Module]
 ) -> None:
