@@ -1,8 +1,9 @@
-"""A quantized vision-language checkpoint on the CPU: a tiny Qwen2.5-VL in the layout of Qwen's
+"""Quantized vision-language checkpoints on the CPU: a tiny Qwen2.5-VL in the layout of Qwen's
 published AWQ one (the language model's linears in AWQ, 4-bit with zero points in 32-column
-groups; ``modules_to_not_convert: ["visual"]`` keeping the vision tower in float) gives, with
-images, the greedy tokens of HF transformers running the dequantized weights. A checkpoint that
-quantizes the tower too is refused at load, naming the tensor."""
+groups; ``modules_to_not_convert: ["visual"]`` keeping the vision tower in float), and a tiny
+Qwen3.5-MoE and Qwen3-VL in block FP8 (their towers float), give, with images, the greedy tokens
+of HF transformers running the dequantized weights. A checkpoint that quantizes the tower too
+is refused at load, naming the tensor."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ from frontend.vision import VisionProcessor
 from tests.quant_fixtures import awq_tensors, write_dequantized, write_folder
 from tests.test_vision_engine import NEW_TOKENS, PARAMS, make_llm, prompt
 from tests.test_w4a16 import awq_qc
-from tests.vision_factories import hf_vl_greedy, random_image, write_tiny_qwen2_5_vl
+from tests.vision_factories import (
+    hf_vl_greedy,
+    random_image,
+    write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_vl,
+)
 
 # The language model's linears and the tower's (qkv, proj and its MLP), as the checkpoint names
 # their leaves; the tower's patch embedding (a convolution) and merger stay float in any case.
@@ -123,30 +129,51 @@ FP8_BLOCK = (16, 16)
 QWEN3_5_FP8_LINEARS = (*TEXT_LINEARS, "in_proj_qkv", "in_proj_z", "out_proj")
 
 
-def test_qwen3_5_with_images_in_block_fp8_gives_hfs_tokens(
-    default_tokenizer_dir: Path, tmp_path: Path
+def write_qwen3_5_moe(folder: Path, tokenizer: Path) -> Path:
+    from tests.test_vision_qwen3_5 import write_tiny_qwen3_5_vl
+
+    return write_tiny_qwen3_5_vl(folder, tokenizer, moe=True)
+
+
+# Each model: (its writer, the linears its published FP8 layout quantizes by leaf name, what
+# its modules_to_not_convert keeps float, a quantized layer of ours to check).
+FP8_VL_CASES: dict[str, tuple[Any, tuple[str, ...], tuple[str, ...], str]] = {
+    "qwen3.5-moe": (
+        write_qwen3_5_moe,
+        QWEN3_5_FP8_LINEARS,
+        ("visual", "in_proj_b", "in_proj_a", "mlp.gate", "shared_expert_gate", "lm_head"),
+        "linear_attn.in_proj_qkvz",
+    ),
+    "qwen3-vl": (write_tiny_qwen3_vl, TEXT_LINEARS, ("visual", "lm_head"), "self_attn.qkv_proj"),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_VL_CASES))
+def test_block_fp8_language_models_beside_float_towers_give_hfs_tokens(
+    name: str, default_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    """A tiny Qwen3.5-MoE with its tower: the language model's published FP8 layers in 16 x 16
-    blocks, the tower in float; HF on the dequantized weights with the activations' e4m3 round
-    trip (per token and 16-column group), one image and two."""
+    """A tiny Qwen3.5-MoE (linear attention, experts) and Qwen3-VL (DeepStack) with their
+    towers: the language model's published FP8 layers in 16 x 16 blocks, the tower in float;
+    HF on the dequantized weights with the activations' e4m3 round trip (per token and
+    16-column group), one image and two."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from tests.quant_fixtures import e4m3_per_token, quantize_expert_inputs, quantize_inputs
     from tests.test_fp8 import fp8_block_format, write_quantized
-    from tests.test_vision_qwen3_5 import ENGINE_OPTIONS, write_tiny_qwen3_5_vl
+    from tests.test_vision_qwen3_5 import ENGINE_OPTIONS
 
-    plain = write_tiny_qwen3_5_vl(tmp_path / "plain", default_tokenizer_dir, moe=True)
+    write, linears, keep, quantized_layer = FP8_VL_CASES[name]
+    plain = write(tmp_path / "plain", default_tokenizer_dir)
     model = AutoModelForImageTextToText.from_pretrained(str(plain)).eval()
-    keep = ("visual", "in_proj_b", "in_proj_a", "mlp.gate", "shared_expert_gate", "lm_head")
     fmt = fp8_block_format(FP8_BLOCK, keep)
-    write_quantized(model, fmt, tmp_path / "fp8", tmp_path / "ref", QWEN3_5_FP8_LINEARS)
+    write_quantized(model, fmt, tmp_path / "fp8", tmp_path / "ref", linears)
     copy_extras(plain, tmp_path / "fp8", tmp_path / "ref")
     hf: Any = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "ref")).eval()
 
     def round_trip(x: Any) -> Any:
         return e4m3_per_token(x, FP8_BLOCK[1])
 
-    quantize_inputs(hf.model.language_model, round_trip, leaves=QWEN3_5_FP8_LINEARS)
+    quantize_inputs(hf.model.language_model, round_trip, leaves=linears)
     quantize_expert_inputs(hf.model.language_model, round_trip)
     hf_processor = AutoImageProcessor.from_pretrained(str(tmp_path / "ref"))
     processor = VisionProcessor.load(tmp_path / "fp8")
@@ -158,7 +185,7 @@ def test_qwen3_5_with_images_in_block_fp8_gives_hfs_tokens(
     llm = LLM(str(tmp_path / "fp8"), **ENGINE_OPTIONS)
     try:
         layer = llm.engine.runner.model.model.layers[0]
-        assert layer.linear_attn.in_proj_qkvz.weight.dtype == torch.float8_e4m3fn
+        assert layer.get_submodule(quantized_layer).weight.dtype == torch.float8_e4m3fn
         assert greedy_with_images(llm, built) == expected
     finally:
         llm.engine.shutdown()
