@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests import test_models_deepseek as deepseek
 from tests.paged_harness import assert_matches, generate_greedy, load_float32, randomize
-from tests.quant_fixtures import reference_run, write_dequantized, write_folder
+from tests.quant_fixtures import reference_run, write_folder
 from tests.test_fp8 import compressed_tensors_config
 from tests.test_w4a16 import ATOL
-from tests.test_w4a16_moe import ct_qc, ct_tensors
+from tests.test_w4a16_moe import ct_qc, ct_tensors, write_w4a16_moe
 from tests.tp_cases import assert_same_greedy, engine_greedy, hf_reference
 
 NEW_TOKENS = 8
@@ -40,17 +39,10 @@ def kimi_qc(ignore: list[str]) -> dict:
 
 def write_int4(plain: Path, folder: Path, quantized: re.Pattern[str], ignore: list[str]) -> Path:
     """``plain`` with the weights ``quantized`` matches in pack-quantized W4A16 under
-    ``ignore``; a plain checkpoint of the weights they stand for beside it (returned)."""
-    tensors, dequantized = {}, {}
-    for name, weight in load_file(plain / "model.safetensors").items():
-        if not quantized.match(name):
-            tensors[name] = weight
-            continue
-        module = name.rpartition(".")[0]
-        packed, dequantized[name] = ct_tensors(weight, 32)
-        tensors.update({f"{module}.{key}": value for key, value in packed.items()})
-    write_folder(folder / "int4", plain, tensors, kimi_qc(ignore))
-    return write_dequantized(plain, folder / "reference", dequantized)
+    ``ignore`` (``folder/int4``); a plain checkpoint of the weights they stand for beside it
+    (returned)."""
+    packer = (lambda w, _: ct_tensors(w, 32), kimi_qc(ignore))
+    return write_w4a16_moe(plain, folder, "int4", packer, selected=quantized.match)[1]
 
 
 @pytest.fixture(scope="module")

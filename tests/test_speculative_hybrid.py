@@ -9,6 +9,10 @@ preemption, and on a later turn resuming at a state its first turn saved while i
 and with the real proposers: n-gram prompt lookup, a random draft model (the checkpoint's MTP
 layer: tests/test_speculative_qwen3_next_mtp.py). EAGLE-3 is refused by name on such models."""
 
+# The tiny model's fixture comes from tests/test_models_qwen3_next.py, as a parameter named like
+# the imported fixture: F811 is expected here.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine_core.config import EngineConfig
 from engine_core.llm import LLM
@@ -25,22 +28,12 @@ from engine_core.models import build_model, model_config_from_hf
 from engine_core.state_snapshots import KeptDraftState
 from protocol.messages import SamplingParams
 from tests.factories import write_tiny_llama
-from tests.paged_harness import hf_greedy, random_prompts, randomize
-from tests.test_models_qwen3_next import VOCAB, hf_dict, tiny_config
+from tests.paged_harness import hf_greedy, random_prompts
+from tests.test_models_qwen3_next import VOCAB, hf_dict, qwen3_next  # noqa: F401
 from tests.test_models_qwen3_next import make_llm as qwen3_next_llm
 
 K = 3
 NGRAM = f'{{"method": "ngram", "num_speculative_tokens": {K}, "prompt_lookup_min": 1}}'
-
-
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config()).eval()
-    randomize(model, 0)
-    folder = tmp_path_factory.mktemp("qwen3-next")
-    model.save_pretrained(folder)
-    return folder, model
 
 
 def make_llm(folder: Path, **kwargs: Any) -> LLM:

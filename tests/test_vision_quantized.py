@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from engine_core.llm import LLM
 from frontend.vision import VisionProcessor
-from tests.quant_fixtures import awq_tensors, write_dequantized, write_folder
+from tests.quant_fixtures import awq_tensors
 from tests.test_vision_engine import NEW_TOKENS, PARAMS, make_llm, prompt
 from tests.test_w4a16 import awq_qc
+from tests.test_w4a16_moe import write_w4a16_moe
 from tests.vision_factories import (
     hf_vl_greedy,
     random_image,
@@ -64,23 +64,17 @@ def quantize_folder(
     """``plain`` with its language model's linears (and the tower's, ``tower_too``) in AWQ,
     and a plain checkpoint of the weights they stand for; both beside the tokenizer and the
     image processor's files. Returns (the AWQ folder, the reference folder)."""
-    tensors, dequantized = {}, {}
-    for name, weight in load_file(plain / "model.safetensors").items():
+
+    def wanted(name: str) -> bool:
         module, _, param = name.rpartition(".")
         leaf = module.rpartition(".")[2]
-        tower = in_tower(name) and "merger" not in name and "patch_embed" not in name
-        wanted = (tower and tower_too and leaf in TOWER_LINEARS) or (
-            not in_tower(name) and leaf in TEXT_LINEARS
-        )
-        if param != "weight" or not wanted:
-            tensors[name] = weight
-            continue
-        packed, dequantized[name] = awq_tensors(weight, 32)
-        tensors.update({f"{module}.{key}": value for key, value in packed.items()})
-    quantized = write_folder(folder / "awq", plain, tensors, awq_qc(32) | {
-        "modules_to_not_convert": ignore
-    })  # fmt: skip
-    reference = write_dequantized(plain, folder / "reference", dequantized)
+        if not in_tower(name):
+            return param == "weight" and leaf in TEXT_LINEARS
+        tower = tower_too and "merger" not in name and "patch_embed" not in name
+        return tower and param == "weight" and leaf in TOWER_LINEARS
+
+    packer = (lambda w, _: awq_tensors(w, 32), awq_qc(32) | {"modules_to_not_convert": ignore})
+    quantized, reference = write_w4a16_moe(plain, folder, "awq", packer, selected=wanted)
     copy_extras(plain, quantized, reference)
     return quantized, reference
 

@@ -104,16 +104,20 @@ def is_quantized_linear(name: str) -> bool:
 
 
 def write_w4a16_moe(
-    plain: Path, folder: Path, fmt: str, packer: tuple[Pack, dict] | None = None
+    plain: Path,
+    folder: Path,
+    fmt: str,
+    packer: tuple[Pack, dict] | None = None,
+    selected: Callable[[str], bool] = is_quantized_linear,
 ) -> tuple[Path, Path]:
-    """``plain`` with every attention linear and expert projection in format ``fmt`` (the
-    router and the head stay float; ``packer``: the (pack, quantization_config) of a format
-    not in FORMATS, named ``fmt``); returns (that checkpoint, a plain one of the dequantized
-    weights it stands for)."""
+    """``plain`` with every attention linear and expert projection (or the weights
+    ``selected`` names) in format ``fmt`` (the router and the head stay float; ``packer``: the
+    (pack, quantization_config) of a format not in FORMATS, named ``fmt``); returns (that
+    checkpoint, a plain one of the dequantized weights it stands for)."""
     pack, qc = packer or FORMATS[fmt]
     tensors, dequantized = {}, {}
     for name, weight in load_file(plain / "model.safetensors").items():
-        if not is_quantized_linear(name):
+        if not selected(name):
             tensors[name] = weight
             continue
         module = name.rpartition(".")[0]

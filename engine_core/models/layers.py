@@ -785,8 +785,8 @@ class MergedLinear(Linear, TPSharded, ShardedParameters):
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:
-        if param_name in ("weight_scale", "input_scale") and tensor.numel() == 1:
-            return tensor  # one scale for the whole part: every rank keeps it
+        if one_scale(param_name, tensor):  # for the whole part: every rank keeps it
+            return tensor
         if param_name == "g_idx":  # W4A16 act-order: every rank reads every input column
             return tensor
         return rank_rows(tensor, self.tp, dim=output_dim(param_name))
@@ -812,8 +812,8 @@ class ColumnParallelLinear(Linear, TPSharded):
         W4A16's [groups, rows]) holds the pieces' rows in blocks, split the same way
         (``check_quantized_split`` makes every share whole blocks)."""
         dim = output_dim(param_name)
-        if param_name in ("weight_scale", "input_scale") and tensor.numel() == 1:
-            return tensor  # one scale for the whole layer: every rank keeps it
+        if one_scale(param_name, tensor):  # for the whole layer: every rank keeps it
+            return tensor
         rows_per_entry = sum(self.pieces) // tensor.shape[dim]
         parts = tensor.split([piece // rows_per_entry for piece in self.pieces], dim=dim)
         return torch.cat([rank_rows(part, self.tp, dim) for part in parts], dim=dim)
@@ -926,6 +926,11 @@ class VocabParallelEmbedding(nn.Module, TPSharded):
         padded = tensor.new_zeros(self.rows, tensor.shape[1])
         padded[: part.shape[0]] = part
         return padded
+
+
+def one_scale(param_name: str, tensor: torch.Tensor) -> bool:
+    """Whether a checkpoint tensor is an FP8 per-tensor weight or input scale (one value)."""
+    return param_name in ("weight_scale", "input_scale") and tensor.numel() == 1
 
 
 def output_dim(param_name: str) -> int:
