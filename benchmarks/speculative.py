@@ -19,6 +19,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.report import Provenance, fmt, format_table, write_json
@@ -62,7 +63,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=json.dumps({"method": "ngram", "num_speculative_tokens": 5}),
         help="the speculative run's config (default: %(default)s)",
     )
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
 def engine(args: argparse.Namespace, speculative: str | None) -> Any:
