@@ -55,6 +55,7 @@ from engine_core.memory_plan import (
     kv_block_bytes,
     state_slot_bytes,
 )
+from engine_core.models.delta_rule import missing_prompt_kernels
 from engine_core.models.fp8 import FP8_DTYPE, check_fp8_device
 from engine_core.models.target import BuildTarget
 from engine_core.mtp import MtpProposer, load_mtp
@@ -538,6 +539,9 @@ class ModelRunner:
         slot's convolution inputs and recurrent state (models/qwen3_next.py)."""
         if not self.num_state_slots:
             return []
+        note = missing_prompt_kernels(self.device)
+        if note is not None:
+            logger.warning(note)
         tensors = []
         for layer in self.model.linear_attention_layers():
             shapes = layer.state_shapes(self._state_tensor_slots)

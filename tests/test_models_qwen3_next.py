@@ -277,6 +277,19 @@ def delta_inputs(heads: int, length: int, dk: int, dv: int, seed: int) -> list[t
     return [q, k, v, g, beta, state]
 
 
+def test_a_cuda_engine_without_fla_is_told_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch form of the prompt chunks is the slow path on a GPU: the engine says so at
+    start-up, naming the package; on the CPU, or with the kernels there, it says nothing."""
+    from engine_core.models import delta_rule
+
+    monkeypatch.setattr(delta_rule, "fla_kernels", lambda: None)
+    assert delta_rule.missing_prompt_kernels(torch.device("cpu")) is None
+    note = delta_rule.missing_prompt_kernels(torch.device("cuda"))
+    assert note is not None and "`pip install fla-core`" in note
+    monkeypatch.setattr(delta_rule, "fla_kernels", lambda: delta_rule.FlaKernels(chunk=print))
+    assert delta_rule.missing_prompt_kernels(torch.device("cuda")) is None
+
+
 def test_chunked_form_equals_the_token_by_token_recurrence() -> None:
     """150 tokens (two full blocks of 64 and a padded one) from a non-zero state: the
     chunked form's outputs and final state are the recurrence's; and split 50 + 100 with the

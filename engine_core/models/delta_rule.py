@@ -49,6 +49,19 @@ def fla_kernels() -> FlaKernels | None:
     return FlaKernels(fla.chunk_gated_delta_rule)
 
 
+def missing_prompt_kernels(device: torch.device) -> str | None:
+    """What to tell an operator whose CUDA engine has no flash-linear-attention: its prompt
+    chunks then run the chunked rule in torch, an order of magnitude below the tensor cores
+    (docs/design/qwen3-next.md, "Kernels"); None where nothing is missing."""
+    if device.type != "cuda" or fla_kernels() is not None:
+        return None
+    return (
+        "flash-linear-attention is not installed: prompt chunks of the linear-attention layers "
+        "run the gated delta rule in torch, far slower than its Triton kernels; "
+        "`pip install fla-core` (in the gpu extra) to use them"
+    )
+
+
 def recurrent_gated_delta_step(
     q: torch.Tensor,
     k: torch.Tensor,
