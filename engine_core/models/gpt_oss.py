@@ -37,9 +37,9 @@ _SUFFIX = {None: "", "_bias": "", "_blocks": "_blocks", "_scales": "_scales"}
 class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss; checkpoint names follow HF's GptOssForCausalLM."""
 
-    # bf16 experts are grouped on the host (gpt_oss_moe.py). MXFP4 experts on CUDA run kernels
-    # that read no host values, but this model has not yet run under graphs on a GPU: eager
-    # until it has (model_runner.py _capture_graphs).
+    # Its MoE layers say which experts a graph may capture (gpt_oss_moe.py: MXFP4, not bf16),
+    # but this model has not yet run under graphs on a GPU: eager until
+    # tests/test_mxfp4_gpu.py's graph test has passed there (model_runner.py _capture_graphs).
     cuda_graph_safe = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -56,6 +56,9 @@ class GptOssMoE(nn.Module, TPSharded):
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         self.router = nn.Linear(hidden, experts, bias=True)
         self.mxfp4 = config.expert_format == "mxfp4"
+        # bf16 experts are grouped on the host (one sync a layer); MXFP4 ones run kernels that
+        # read no host values (on the CPU nothing is captured either way).
+        self.cuda_graph_safe = self.mxfp4
         if self.mxfp4:
             for name, rows, cols in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
                 if cols % mxfp4.BLOCK:
