@@ -7,6 +7,7 @@
     python -m benchmarks decode --models llama-8b --quantization gptq --num-requests 1
     python -m benchmarks decode --models qwen3-30b-a3b --paths inproc --routing uniform
     python -m benchmarks decode --models llama-8b --tensor-parallel-size 2
+    python -m benchmarks decode --models gpt-oss-20b --paths inproc --profile-steps 16
 
 Measures the memory bandwidth (the best of 20 device-to-device copies), then for each preset
 (engine_core/presets.py: random weights with the real shapes) runs N requests at once of
@@ -90,6 +91,7 @@ class Run:
     itl_p50_ms: float
     duration_s: float
     output_tokens: int
+    profile: list[Any] = field(default_factory=list)  # step_profile.PhaseProfile, --profile-steps
 
 
 @dataclass
@@ -209,9 +211,24 @@ def bench_inproc(name: str, work: Workload, args: argparse.Namespace) -> Run:
     try:
         with serving_collector():
             run_inproc(core, work.warmup(), vocab, "warmup")
-            return run_inproc(core, work, vocab, "main")
+            run = run_inproc(core, work, vocab, "main")
+        if args.profile_steps:
+            run.profile = profile_run(core, work, vocab, args)
+        return run
     finally:
         core.shutdown()  # tensor-parallel workers, before the next engine takes the GPUs
+
+
+def profile_run(core: Any, work: Workload, vocab: int, args: argparse.Namespace) -> list[Any]:
+    """The workload's shape again (other prompts) under the profiler: its prompt steps, then
+    ``--profile-steps`` decode steps (step_profile.py)."""
+    import torch
+
+    from benchmarks.step_profile import profile_phases
+
+    again = Workload(work.num_requests, work.prompt_len, work.output_len, work.seed + 2)
+    prompts, params = again.prompts(vocab), again.params()
+    return profile_phases(core, torch.device(args.device), prompts, params, args.profile_steps)
 
 
 @contextlib.contextmanager
@@ -391,7 +408,15 @@ def format_results(results: list[ModelResult]) -> str:
         "%roof: the run's tok/s over the roofline's (prefill included); step%: the roofline "
         "step time over ITL p50 (a steady decode step)"
     )
-    return f"{format_table(headers, rows)}\n{note}"
+    return "\n\n".join([f"{format_table(headers, rows)}\n{note}", *profile_tables(results)])
+
+
+def profile_tables(results: list[ModelResult]) -> list[str]:
+    from benchmarks.step_profile import format_phase
+
+    return [
+        format_phase(r.model, phase) for r in results for run in r.runs for phase in run.profile
+    ]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -428,6 +453,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="the engine's (default: its own); qwen3-30b-a3b at batch 256 needs about 0.93 of "
         "an 80 GB GPU",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, metavar="N",
+        help="in process: after the run, its shape again under torch.profiler, the prompt steps "
+        "and N decode steps apart; prints the top kernels of each (default: off)",
+    )  # fmt: skip
     parser.add_argument("--engine-start-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--json", type=Path, help="write the provenance and figures here")
 
@@ -440,6 +470,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
     if set(args.paths) - set(PATHS):
         raise SystemExit(f"--paths takes {' and/or '.join(PATHS)}, not {args.paths}")
+    if args.profile_steps and "inproc" not in args.paths:
+        raise SystemExit("--profile-steps profiles the in-process engine: give --paths inproc")
     if args.routing == "uniform" and "zmq" in args.paths:
         raise SystemExit("--routing uniform hooks this process's model: give --paths inproc")
 

@@ -39,7 +39,7 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
 
 def test_decode_on_the_cpu_both_paths(tmp_path: Path) -> None:
     flags = "--device cpu --models smollm2-135m --num-requests 2 --prompt-len 8 --output-len 4"
-    argv = ["decode", *flags.split(), "--json", str(tmp_path / "d.json")]
+    argv = ["decode", *flags.split(), "--profile-steps", "2", "--json", str(tmp_path / "d.json")]
     out = run_benchmark(*argv)
     assert f"command: python -m benchmarks {' '.join(argv)}" in out
     assert "| model" in out and "%roof" in out and "step%" in out
@@ -50,6 +50,16 @@ def test_decode_on_the_cpu_both_paths(tmp_path: Path) -> None:
     (model,) = result["results"]["models"]
     assert [run["output_tokens"] for run in model["runs"]] == [8, 8] and model["errors"] == []
     assert model["bytes_per_step"] == 269_030_016 + 2 * (8 + 2) * 23_040
+    # The in-process run profiled again: its prompt steps, then the two decode steps asked for.
+    prompt, decode = model["runs"][0]["profile"]
+    assert (prompt["phase"], decode["phase"]) == ("prompt steps", "decode steps")
+    assert decode["steps"] == 2
+    for phase in (prompt, decode):
+        shares = [op["share"] for op in phase["top"]]
+        assert phase["busy_ms_per_step"] > 0 and shares == sorted(shares, reverse=True)
+        assert 0 < sum(shares) <= 1 + 1e-9
+        assert f"[smollm2-135m] {phase['phase']}: {phase['steps']} steps" in out
+    assert model["runs"][1]["profile"] == []  # the zmq path is not profiled
 
 
 def test_serving_driver_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
