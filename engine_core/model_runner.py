@@ -630,11 +630,6 @@ class ModelRunner:
     def _allocate_layer_caches(self, layers: list[torch.nn.Module]) -> list[torch.Tensor]:
         """Caches of the shapes each layer declares (``cache_shapes``: MLA's latent rows), one
         tensor each, all with the same blocks: the block manager's ids index every layer."""
-        if self.kv_dtype != self.dtype:
-            raise ValueError(
-                "--kv-cache-dtype fp8 is not supported for this model's attention (its layers "
-                "cache MLA latents, which have no FP8 form yet)"
-            )
         if len(self.kv_layout.groups) > 1:
             raise ValueError(
                 "layer groups (sliding-window layers beside full ones) are supported for plain "

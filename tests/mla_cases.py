@@ -64,6 +64,17 @@ def paged_latents(
     return PagedLatents(cache.to(device, dtype), tables.to(device), seq_lens)
 
 
+def as_fp8(paged: PagedLatents, scale: float) -> tuple[PagedLatents, PagedLatents]:
+    """(the cache in e4m3 as an FP8 cache holds it: rows / scale, clamped, rounded; the float32
+    values it stands for, the references' input). Unowned slots stay NaN in both."""
+    e4m3 = (paged.cache.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    values = e4m3.float() * scale
+    return (
+        PagedLatents(e4m3, paged.tables, paged.seq_lens),
+        PagedLatents(values, paged.tables, paged.seq_lens),
+    )
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 

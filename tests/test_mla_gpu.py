@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+from engine_core.attention import mla  # noqa: E402
 from engine_core.attention.base import AttentionMetadata  # noqa: E402
 from engine_core.attention.mla import LatentAttention  # noqa: E402
 from engine_core.attention.triton_mla import (  # noqa: E402
@@ -38,6 +39,7 @@ from tests.mla_cases import (  # noqa: E402
     Dims,
     PagedLatents,
     absorbed_by_hand,
+    as_fp8,
     expanded_by_torch,
     paged_latents,
     relative_error,
@@ -116,6 +118,44 @@ def test_write_latents_skips_padding_slots() -> None:
     assert torch.equal(flat[17], torch.cat((latent[0], k_pe[0])))
     assert torch.equal(flat[63], torch.cat((latent[2], k_pe[2])))
     assert int((flat.abs().sum(-1) > 0).sum()) == 2
+
+
+def test_fp8_write_rounds_as_the_torch_path() -> None:
+    """The hardware's e4m3 conversion (rounding included, which the interpreter's test leaves
+    out) stores what the torch path stores, clamp and scale too."""
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    latent = torch.randn(9, V3.rank, generator=gen, device=CUDA) * 100
+    k_pe = torch.randn(9, V3.rope, generator=gen, device=CUDA)
+    slots = torch.tensor([3, -1, 9, 0, 15, 40, 41, 2, 63], device=CUDA)
+    got = torch.zeros(4, 16, V3.rank + V3.rope, device=CUDA, dtype=torch.float8_e4m3fn)
+    write_latents(got, latent, k_pe, slots, 0.5)
+    want = torch.zeros_like(got)
+    mla.write_latents(want, torch.cat((latent, k_pe), dim=-1), slots, 0.5)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dims", [V2_LITE, V3], ids=["v2-lite", "v3"])
+def test_fp8_decode_and_prefill_read_their_values(dims: Dims) -> None:
+    """bf16 queries over an e4m3 cache (scale 0.5) against the references on the values it
+    holds."""
+    seq_lens, query_lens = [300, 17, 1000, 5], [1, 1, 7, 5]
+    paged = paged_latents(seq_lens, dims.rank + dims.rope, 16, seed=4, device=CUDA)
+    fp8, values = as_fp8(paged, 0.5)
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    q_lat = torch.randn(4, dims.heads, dims.rank, generator=gen, device=CUDA).bfloat16()
+    q_pe = torch.randn(4, dims.heads, dims.rope, generator=gen, device=CUDA).bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=CUDA)
+    out = mla_decode_attention(q_lat, q_pe, fp8.cache, fp8.tables, lens, SCALE, cache_scale=0.5)
+    assert relative_error(out, absorbed_by_hand(q_lat, q_pe, values, SCALE)) < TOLERANCE
+    width = dims.heads * (dims.nope + dims.v_dim)
+    weight = (torch.randn(width, dims.rank, generator=gen, device=CUDA) / dims.rank**0.5).bfloat16()
+    q = torch.randn(sum(query_lens), dims.heads, dims.nope + dims.rope, generator=gen, device=CUDA)
+    batch = expanded_batch([0, 1, 2, 9, 14], seq_lens, list(range(4)), 16, CUDA)
+    out = mla_prefill_attention(
+        q.bfloat16(), fp8.cache, fp8.tables, batch, weight, dims.v_dim, SCALE, 0.5
+    )
+    ref = expanded_by_torch(q.bfloat16().float(), values, query_lens, weight.float(), dims, SCALE)
+    assert relative_error(out, ref) < TOLERANCE
 
 
 def load_cuda(folder: Path, use_triton: bool) -> torch.nn.Module:

@@ -24,6 +24,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs under TRITON_INTERPRET=1 only", allow_module_level=True)
 pytest.importorskip("triton")
 
+from engine_core.attention import mla  # noqa: E402
 from engine_core.attention.base import AttentionMetadata  # noqa: E402
 from engine_core.attention.mla import LatentAttention, causal_attention  # noqa: E402
 from engine_core.attention.triton_mla import (  # noqa: E402
@@ -41,6 +42,7 @@ from tests.mla_cases import (  # noqa: E402
     V2_LITE,
     Dims,
     absorbed_by_hand,
+    as_fp8,
     expanded_by_torch,
     paged_latents,
     relative_error,
@@ -131,6 +133,58 @@ def test_prefill_chunks_after_cached_context_match_the_torch_path(dims: Dims) ->
     out = mla_prefill_attention(q, paged.cache, paged.tables, batch, weight, dims.v_dim, 0.15)
     assert out.shape == (sum(query_lens), dims.heads, dims.v_dim)
     assert relative_error(out, expanded_by_torch(q, paged, query_lens, weight, dims)) < TOLERANCE
+
+
+FP8_SCALE = 0.5  # not 1.0: a scale left out of a read or a write shows
+
+
+def test_fp8_write_stores_what_the_torch_path_stores() -> None:
+    """rows / scale, clamped to e4m3's range (some rows are far past it), byte for byte as
+    LatentAttention's torch path writes them; padding skipped. The values are e4m3's own
+    (times the scale) or beyond its range: Triton 3.7's interpreter rounds a value that
+    rounds up into the next power of two down instead (127.2 to 64), so rounding itself is
+    left to the GPU test's hardware conversion."""
+    gen = torch.Generator().manual_seed(6)
+    exact = torch.randn(5, 80, generator=gen).mul(100).to(torch.float8_e4m3fn).float()
+    exact[:, ::7] = 1e4  # past e4m3's 448 after the scale: clamped
+    latent, k_pe = (exact * FP8_SCALE).split([64, 16], dim=-1)
+    slots = torch.tensor([3, -1, 9, 0, 15])
+    got = torch.zeros(4, 4, 80, dtype=torch.float8_e4m3fn)
+    write_latents(got, latent, k_pe, slots, FP8_SCALE)
+    want = torch.zeros(4, 4, 80, dtype=torch.float8_e4m3fn)
+    mla.write_latents(want, torch.cat((latent, k_pe), dim=-1), slots, FP8_SCALE)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert want.float().abs().max() == 448.0  # the clamp was reached
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_decode_matches_the_hand_computation_on_its_values(num_splits: int) -> None:
+    seq_lens = [1, 7, 16, 40]
+    fp8, values = as_fp8(paged_latents(seq_lens, SMALL.rank + SMALL.rope, 16), FP8_SCALE)
+    gen = torch.Generator().manual_seed(7)
+    q_lat = torch.randn(len(seq_lens), SMALL.heads, SMALL.rank, generator=gen)
+    q_pe = torch.randn(len(seq_lens), SMALL.heads, SMALL.rope, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = mla_decode_attention(
+        q_lat, q_pe, fp8.cache, fp8.tables, lens, 0.13, num_splits=num_splits,
+        min_split_tokens=8, tile=MlaDecodeTile(block_n=8), cache_scale=FP8_SCALE,
+    )  # fmt: skip
+    assert relative_error(out, absorbed_by_hand(q_lat, q_pe, values, 0.13)) < TOLERANCE
+
+
+def test_fp8_prefill_matches_the_torch_path_on_its_values() -> None:
+    seq_lens, query_lens = [13, 40, 9], [13, 17, 1]
+    fp8, values = as_fp8(paged_latents(seq_lens, SMALL.rank + SMALL.rope, 8), FP8_SCALE)
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(SMALL.heads * (SMALL.nope + SMALL.v_dim), SMALL.rank, generator=gen)
+    q = torch.randn(sum(query_lens), SMALL.heads, SMALL.nope + SMALL.rope, generator=gen)
+    starts = [0, 13, 30, 31]
+    batch = expanded_batch(starts, seq_lens, [0, 1, 2], 8, q.device)
+    out = mla_prefill_attention(
+        q, fp8.cache, fp8.tables, batch, weight * 0.1, SMALL.v_dim, 0.15, FP8_SCALE
+    )
+    want = expanded_by_torch(q, values, query_lens, weight * 0.1, SMALL)
+    assert relative_error(out, want) < TOLERANCE
 
 
 def test_causal_attention_reference_is_what_the_prefill_test_trusts() -> None:

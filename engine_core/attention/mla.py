@@ -21,6 +21,11 @@ over the paged latents, split over the context; the expanded prefill through the
 kernel (whose V head size may differ from Q/K's). A decode-only step then reads no host value
 (its launches depend on shapes only). Elsewhere, and where a test asks for it (``use_triton``),
 the torch path: plain tensor ops per sequence, reading host copies of the lengths.
+
+With ``--kv-cache-dtype fp8`` the cache holds each row divided by the layer's ``k_scale`` (1.0
+unless the runner sets one), clamped to e4m3's range and rounded, as the plain K/V cache does:
+half the bytes of bf16, so twice the tokens in the same memory. Readers widen the rows to the
+queries' dtype; the decode kernel folds the scale into the softmax scale and its output.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.base import FP8_MAX, AttentionMetadata, is_fp8_cache
 from engine_core.forward_context import get_forward_context
 
 
@@ -61,6 +66,7 @@ class LatentAttention(nn.Module):
         self.sliding_window = None
         self.attention_chunk = None
         self.cache: torch.Tensor | None = None
+        self.k_scale = 1.0  # an FP8 cache holds rows / k_scale (the runner's _set_kv_scales)
         self.absorb_decode = True  # decodes take the absorbed path (tests switch it off)
         # The Triton kernels or the torch path; None: Triton on CUDA (tests choose either).
         self.use_triton: bool | None = None
@@ -90,7 +96,8 @@ class LatentAttention(nn.Module):
         use_triton = q_nope.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:
             return self.triton_forward(q_nope, q_pe, latent, k_pe, kv_b_weight, meta)
-        write_latents(self.cache, torch.cat((latent, k_pe), dim=-1), meta.slot_mapping)
+        rows = torch.cat((latent, k_pe), dim=-1)
+        write_latents(self.cache, rows, meta.slot_mapping, self.k_scale)
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
         starts = meta.query_start_loc_cpu
         decodes = self.absorbed_seqs(meta)
@@ -101,7 +108,7 @@ class LatentAttention(nn.Module):
             start, end = starts[seq], starts[seq + 1]
             if end == start or seq in decodes:
                 continue
-            context = self.context(meta, seq)
+            context = self.context(meta, seq, q_nope.dtype)
             out[start:end] = self.expanded(q_nope[start:end], q_pe[start:end], context, kv_b_weight)
         return out
 
@@ -125,7 +132,7 @@ class LatentAttention(nn.Module):
         from engine_core.attention import triton_mla  # imports triton: CUDA (or the interpreter)
 
         assert self.cache is not None
-        triton_mla.write_latents(self.cache, latent, k_pe, meta.slot_mapping)
+        triton_mla.write_latents(self.cache, latent, k_pe, meta.slot_mapping, self.k_scale)
         if meta.is_decode_only and self.absorb_decode:
             return self.triton_absorbed(q_nope, q_pe, meta.block_tables, meta.seq_lens, kv_b_weight)
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
@@ -144,7 +151,7 @@ class LatentAttention(nn.Module):
             q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [Tp, H, N + P]
             out[rows] = triton_mla.mla_prefill_attention(
                 q, self.cache, meta.block_tables, plan.expanded, kv_b_weight, self.v_dim,
-                self.scale,
+                self.scale, self.k_scale,
             )  # fmt: skip
         return out
 
@@ -162,15 +169,17 @@ class LatentAttention(nn.Module):
         assert self.cache is not None
         w_uk, w_uv = absorbed_weights(kv_b_weight, self.num_heads, self.nope)
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # [B, H, R]
-        o_lat = mla_decode_attention(q_lat, q_pe, self.cache, block_tables, seq_lens, self.scale)
+        o_lat = mla_decode_attention(
+            q_lat, q_pe, self.cache, block_tables, seq_lens, self.scale, cache_scale=self.k_scale
+        )
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
-    def context(self, meta: AttentionMetadata, seq: int) -> torch.Tensor:
-        """Sequence ``seq``'s cached rows [L, R + P], through its block table."""
+    def context(self, meta: AttentionMetadata, seq: int, dtype: torch.dtype) -> torch.Tensor:
+        """Sequence ``seq``'s cached rows [L, R + P] in ``dtype``, through its block table."""
         assert self.cache is not None
         seq_len, block_size = meta.seq_lens_cpu[seq], self.cache.shape[1]
         blocks = meta.block_tables[seq][: -(-seq_len // block_size)].long()
-        return self.cache[blocks].flatten(0, 1)[:seq_len]
+        return read_latents(self.cache[blocks].flatten(0, 1)[:seq_len], dtype, self.k_scale)
 
     def expanded(
         self,
@@ -203,10 +212,10 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, R + P]
         o_lat = torch.empty_like(q_lat)  # [B, H, R]
         for i, seq in enumerate(seqs):
-            context = self.context(meta, seq)  # [L, R + P]
-            scores = (q[i].float() @ context.float().T) * self.scale  # [H, L]
+            context = self.context(meta, seq, torch.float32)  # [L, R + P]
+            scores = (q[i].float() @ context.T) * self.scale  # [H, L]
             probs = scores.softmax(dim=-1)
-            o_lat[i] = (probs @ context[:, : self.rank].float()).to(q.dtype)
+            o_lat[i] = (probs @ context[:, : self.rank]).to(q.dtype)
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 
@@ -218,11 +227,25 @@ def absorbed_weights(
     return per_head[:, :nope], per_head[:, nope:]
 
 
-def write_latents(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """rows [T, R + P] into their cache slots; slot -1 (padding) is skipped."""
+def write_latents(
+    cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0
+) -> None:
+    """rows [T, R + P] into their cache slots; slot -1 (padding) is skipped. An FP8 cache
+    stores rows / scale, clamped to e4m3's range."""
     keep = slot_mapping >= 0
     flat = cache.view(-1, cache.shape[-1])  # [num_slots, R + P]
-    flat.index_copy_(0, slot_mapping[keep], rows[keep].to(cache.dtype))
+    kept = rows[keep]
+    if is_fp8_cache(cache):  # torch has no index_copy_ for float8: copy its bytes
+        kept = (kept.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+        flat, kept = flat.view(torch.uint8), kept.view(torch.uint8)
+    flat.index_copy_(0, slot_mapping[keep], kept.to(flat.dtype))
+
+
+def read_latents(rows: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached rows as values of ``dtype``: an FP8 cache's times its scale."""
+    if is_fp8_cache(rows):
+        return rows.to(dtype) * scale
+    return rows.to(dtype)
 
 
 def causal_attention(

@@ -249,11 +249,11 @@ def _rotary_write_kv_kernel(
 def _store_cache_row(ptrs, x, mask, scale_inv, QUANTIZE: tl.constexpr):
     """Store x into the cache: rounded to its dtype, an FP8 cache's divided by its scale (in
     float32) and clamped to e4m3's range first."""
-    tl.store(ptrs, _as_cached(x, scale_inv, ptrs.dtype.element_ty, QUANTIZE), mask=mask)
+    tl.store(ptrs, as_cached(x, scale_inv, ptrs.dtype.element_ty, QUANTIZE), mask=mask)
 
 
 @triton.jit
-def _as_cached(x, scale_inv, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
+def as_cached(x, scale_inv, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
     """x as a cache of ``dtype`` holds it (see _store_cache_row)."""
     if QUANTIZE:
         x = tl.clamp(x.to(tl.float32) * scale_inv, -448.0, 448.0)
@@ -732,8 +732,8 @@ def _open_with_new_token(
     k_rows = k_new + kv_head[:, None] * stride_knh
     k = _rotated_rows(k_rows, d, mask, cos, sin, HALF).to(k_new.dtype.element_ty)
     v = tl.load(v_new + kv_head[:, None] * stride_vnh + d[None, :], mask=mask, other=0.0)
-    k = _as_cached(k, k_scale_inv, k_slot.dtype.element_ty, KV_FP8)  # [H, D]
-    v = _as_cached(v, v_scale_inv, v_slot.dtype.element_ty, KV_FP8)
+    k = as_cached(k, k_scale_inv, k_slot.dtype.element_ty, KV_FP8)  # [H, D]
+    v = as_cached(v, v_scale_inv, v_slot.dtype.element_ty, KV_FP8)
     store = tl.where(has_slot, writer, False)[:, None] & mask
     tl.store(k_slot + kv_head[:, None] * stride_kh + d[None, :], k, mask=store)
     tl.store(v_slot + kv_head[:, None] * stride_vh + d[None, :], v, mask=store)

@@ -36,9 +36,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine_core.attention.base import is_fp8_cache
 from engine_core.attention.prefill_tiles import prefill_block_m, tile_list
 from engine_core.attention.triton_kernels import (
     LOG2E,
+    as_cached,
     choose_num_splits,
     default_min_split,
     dot_precision,
@@ -63,10 +65,12 @@ def _write_latent_kernel(
     stride_pt,
     stride_cb,
     stride_cs,
+    scale_inv,
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_W: tl.constexpr,
     PAGE: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # an FP8 cache: store clamp(row / scale), e4m3
 ):
     token = tl.program_id(0)
     slot = tl.load(Slots + token)
@@ -78,7 +82,8 @@ def _write_latent_kernel(
         pe = tl.load(Pe + token * stride_pt + tl.maximum(w - RANK, 0), mask=in_pe, other=0.0)
         row = tl.where(in_lat, lat, pe)
         dst = Cache + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + w
-        tl.store(dst, row.to(Cache.dtype.element_ty), mask=w < RANK + ROPE)
+        row = as_cached(row, scale_inv, Cache.dtype.element_ty, QUANTIZE)
+        tl.store(dst, row, mask=w < RANK + ROPE)
 
 
 def write_latents(
@@ -86,6 +91,7 @@ def write_latents(
     latent: torch.Tensor,  # [T, R]
     k_pe: torch.Tensor,  # [T, P]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = padding, not written
+    scale: float = 1.0,  # an FP8 cache stores row / scale
 ) -> None:
     """Each token's [latent | k_pe] row into cache slot ``slot_mapping[t]``."""
     num_tokens, rank = latent.shape
@@ -103,10 +109,12 @@ def write_latents(
         k_pe.stride(0),
         cache.stride(0),
         cache.stride(1),
+        1.0 / scale,
         RANK=rank,
         ROPE=width - rank,
         BLOCK_W=triton.next_power_of_2(width),
         PAGE=cache.shape[1],
+        QUANTIZE=is_fp8_cache(cache),
         num_warps=4 if width >= 512 else 1,
     )
 
@@ -155,7 +163,8 @@ def _mla_decode_kernel(
     Out,  # [B, H, R]
     PO,  # [B, H, num_splits, R] float32 partial outputs
     PL,  # [B, H, num_splits] float32 base-2 log-sum-exps
-    scale_log2,
+    scale_log2,  # the softmax scale in base 2, times an FP8 cache's scale
+    cache_scale,  # what an FP8 cache's rows are multiplied by (1.0 for others)
     min_split,
     num_splits,
     num_heads,
@@ -214,19 +223,29 @@ def _mla_decode_kernel(
             n_mask = tok < end
             blk = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
             row = Cache + blk * stride_cb + (tok % PAGE) * stride_cs  # [N] row starts
-            lat = tl.load(
-                row[:, None] + r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+            lat = (
+                tl.load(
+                    row[:, None] + r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+                )
+                .to(tl.float32)
+                .to(q_lat.dtype)
             )  # [N, R]: the keys' latent part and the values
-            pe = tl.load(
-                row[:, None] + RANK + p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0
-            )  # [N, P]
+            pe = (
+                tl.load(
+                    row[:, None] + RANK + p[None, :],
+                    mask=n_mask[:, None] & p_mask[None, :],
+                    other=0.0,
+                )
+                .to(tl.float32)
+                .to(q_pe.dtype)
+            )  # [N, P]; e4m3 widened exactly, through float32
             s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
             s += tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)  # [H, N]
             s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
             m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, lat, PRECISION, True)
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_safe[:, None]  # [H, R]; zeros for a padding row (seq_len 0)
+        out = acc / l_safe[:, None] * cache_scale  # [H, R]; zeros for a padding row (seq_len 0)
         o_mask = h_mask[:, None] & r_mask[None, :]
         store_split(
             Out, PO, PL, out, m_i, l_i, seq, heads, r, o_mask, h_mask, split, first, last,
@@ -246,6 +265,7 @@ def mla_decode_attention(
     min_split_tokens: int | None = None,  # None: default_min_split's
     tile: MlaDecodeTile | None = None,
     out: torch.Tensor | None = None,  # [B, H, R]
+    cache_scale: float = 1.0,  # an FP8 cache holds rows / cache_scale
 ) -> torch.Tensor:  # [B, H, R]: softmax(q . [c | k_pe] * scale) @ c
     """The absorbed MLA decode over the paged latent cache, in the latent space.
 
@@ -277,7 +297,8 @@ def mla_decode_attention(
         out,
         partial_out,
         partial_lse,
-        scale * LOG2E,
+        scale * LOG2E * cache_scale,
+        cache_scale,
         min_split,
         num_splits,
         num_heads,
@@ -390,6 +411,7 @@ def mla_prefill_attention(
     kv_b_weight: torch.Tensor,  # [H * (N + V), R]
     v_dim: int,
     scale: float,
+    cache_scale: float = 1.0,  # an FP8 cache holds rows / cache_scale
 ) -> torch.Tensor:  # [Tp, H, V]
     """Causal attention of the batch's rows over their sequences' whole contexts, each
     context's latents expanded into per-head K and V first (see the module docstring)."""
@@ -397,6 +419,8 @@ def mla_prefill_attention(
     page, rank = cache.shape[1], kv_b_weight.shape[1]
     blocks = block_tables[batch.block_seqs, batch.block_cols].long()  # [NB]
     rows = cache[blocks]  # [NB, page, R + P]
+    if is_fp8_cache(rows):
+        rows = rows.to(kv_b_weight.dtype) * cache_scale
     kv = F.linear(rows[..., :rank], kv_b_weight).view(len(blocks), page, num_heads, -1)
     k_nope, v = kv.split((kv.shape[-1] - v_dim, v_dim), dim=-1)
     k_pe = rows[..., None, rank:].expand(-1, -1, num_heads, -1)  # shared by every head

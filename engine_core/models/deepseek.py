@@ -29,7 +29,8 @@ routed experts only, the rest listed as ignored: those experts take SparseMoE's 
 a W4A16 attention, shared-expert or dense linear is refused (models/quantize.py).
 
 Refused by name (models/__init__.py ``deepseek_fields``, models/quantize.py): quantization
-formats other than V3's FP8 and Kimi-K2's INT4 experts, ``--kv-cache-dtype fp8``.
+formats other than V3's FP8 and Kimi-K2's INT4 experts. ``--kv-cache-dtype fp8`` keeps the
+latent cache in e4m3 (attention/mla.py).
 The multi-token-prediction layer some checkpoints carry (``model.layers.<num_layers>``) is
 skipped here; speculative decoding loads it on its own (engine_core/mtp.py).
 """
