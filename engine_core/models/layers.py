@@ -805,6 +805,12 @@ class ColumnParallelLinear(Linear, TPSharded):
         self.pieces = list(pieces)
         self.tp = tp
 
+    @property
+    def checkpoint_shape(self) -> tuple[list[int], int]:
+        """The whole tensor's rows, all pieces together (compressed-tensors' weight_shape says
+        it of the checkpoint, of which this rank holds a share)."""
+        return [sum(self.pieces)], self.in_features
+
     def narrow_checkpoint(
         self, param_name: str, tensor: torch.Tensor, shard: int | None
     ) -> torch.Tensor:

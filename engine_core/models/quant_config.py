@@ -44,6 +44,8 @@ FLAG_SOURCES = {
 # The linear projections of a Llama-family decoder layer, as GPTQ's modules_in_block_to_quantize
 # names them: a checkpoint that quantizes fewer of them is refused.
 BLOCK_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+# The ignore list's entry for a shared expert's gate, as llm-compressor's Qwen3-Next recipe has it.
+SHARED_EXPERT_GATE = (ignore_pattern("re:.*mlp.shared_expert_gate$", substring=False),)
 
 
 def quant_config_from_hf(hf: dict[str, Any]) -> QuantConfig | None:
@@ -94,14 +96,17 @@ def random_weights_config(flag: str | None, model: ModelConfig) -> QuantConfig |
     checkpoint to read one from): 'fp8' and 'w8a8' as a plain checkpoint loads under them; a
     4-bit format's name (compressed-tensors: its W4A16 scheme), that layout with 128-column
     groups, or 64 or 32 where 128 does not divide every input (smollm2's 576; an expert's width
-    too), AWQ and GPTQ with zero points, as they store them."""
+    too), AWQ and GPTQ with zero points, as they store them. A shared expert's gate (Qwen3-Next)
+    stays float, as llm-compressor's recipe lists it (models/quantize.py refuses it 4-bit)."""
     if flag is None or flag in ("fp8", "w8a8"):
         return with_quantization_flag(None, flag)
     source = FLAG_SOURCES[flag]
     inputs = (model.hidden_size, model.intermediate_size, model.num_heads * model.head_dim)
     inputs += (model.moe_intermediate_size,) if model.num_experts else ()
     group = next(size for size in (128, 64, 32, 8) if not any(k % size for k in inputs))
-    return W4A16Config(source=source, group_size=group, zero_points=source != "compressed-tensors")
+    ignore = SHARED_EXPERT_GATE if model.shared_expert_intermediate_size else ()
+    zero_points = source != "compressed-tensors"
+    return W4A16Config(source=source, group_size=group, zero_points=zero_points, ignore=ignore)
 
 
 def config_source(config: QuantConfig) -> str:
