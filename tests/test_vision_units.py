@@ -1,6 +1,6 @@
 """The pieces of the image path that need no model: the encoder cache's budget and eviction,
 M-RoPE positions by hand, --limit-mm-per-prompt, file:// confinement, data URLs, the pixels'
-rounding for the wire."""
+rounding for the wire and their batching in the engine."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core.multimodal import EncoderCache, mrope_positions
+from engine_core.multimodal import EncoderCache, batch_pixels, mrope_positions, pixels_tensor
 from frontend.vision import (
     BadImage,
     MediaOptions,
@@ -182,3 +182,21 @@ def test_bfloat16_rounding_holds_across_its_chunks() -> None:
     assert sent.shape == (pixels.size, 1)
     assert np.array_equal(sent.reshape(-1).view(np.int16), expected)
 
+
+def pixel_image(rows: int, dtype: str, seed: int) -> ImageInput:
+    """An image of ``rows`` x 6 random pixels in ``dtype`` as the wire carries them."""
+    values = torch.randn(rows * 6, generator=torch.Generator().manual_seed(seed))
+    data = values.to(getattr(torch, dtype)).view(torch.uint8).numpy().tobytes()
+    return ImageInput(b"\0" * 32, 0, 1, TensorBytes(dtype, (rows, 6), data), (1, 1, 1))
+
+
+def test_an_encoder_batch_holds_its_images_pixels_as_cat_would() -> None:
+    """The engine's batch of images' pixels, copied once from the wire, is the concatenation
+    of each image's; images of different dtypes are promoted as torch.cat promotes them."""
+    same = [pixel_image(4, "bfloat16", 0), pixel_image(2, "bfloat16", 1)]
+    mixed = [*same, pixel_image(3, "float32", 2)]
+    for images in (same, mixed, same[:1]):
+        batch = batch_pixels(images)
+        expected = torch.cat([pixels_tensor(image) for image in images])
+        assert batch.dtype == expected.dtype
+        assert torch.equal(batch, expected)
