@@ -32,6 +32,10 @@ BENCHMARKS = {
     "fp8-moe": ("benchmarks.fp8_moe", "FP8 experts in the fused MoE against HBM, beside bf16"),
     "w4a16-moe": ("benchmarks.w4a16_moe", "W4A16 experts in the fused MoE vs HBM, beside bf16"),
     "vision": ("benchmarks.vision", "a vision encoder's images/s; TTFT of one image + text"),
+    "image-stages": (
+        "benchmarks.image_stages",
+        "one chat image's CPU stages, data URL to the engine's pixels, each timed",
+    ),
     "speculative": ("benchmarks.speculative", "batch-1 TPOT with speculative decoding and without"),
     "speculative-serving": (
         "benchmarks.speculative_serving",

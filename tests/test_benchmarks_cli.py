@@ -119,3 +119,10 @@ def test_bad_rates_exit_with_usage(rates: str) -> None:
     with pytest.raises(SystemExit) as done:
         build_parser("goodput").parse_args(["--rates", rates])
     assert done.value.code == 2
+
+
+def test_image_stages_runs_each_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["image-stages", "--image-size", "64", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("base64", "PNG decode", "rounding to bfloat16", "SHA-256", "batch's pixels"):
+        assert stage in out

@@ -1,5 +1,6 @@
 """The pieces of the image path that need no model: the encoder cache's budget and eviction,
-M-RoPE positions by hand, --limit-mm-per-prompt, file:// confinement, data URLs."""
+M-RoPE positions by hand, --limit-mm-per-prompt, file:// confinement, data URLs, the pixels'
+rounding for the wire and their batching in the engine."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core.multimodal import EncoderCache, mrope_positions
+from engine_core.multimodal import EncoderCache, batch_pixels, mrope_positions, pixels_tensor
 from frontend.vision import (
     BadImage,
     MediaOptions,
@@ -165,3 +166,37 @@ def test_pixels_go_on_the_wire_rounded_as_the_engine_would_cast_them(
     assert sent.nbytes == pixels.size * PIXEL_ITEM_BYTES[dtype] == pixels.size * 2
     received = torch.frombuffer(bytearray(sent.tobytes()), dtype=torch_dtype)
     assert torch.equal(received, torch.from_numpy(pixels).to(torch_dtype))
+
+
+def test_bfloat16_rounding_holds_across_its_chunks() -> None:
+    """The wire's bfloat16 rounding, done a chunk at a time, is torch's cast everywhere: ties
+    on both sides of a chunk's edge and a last chunk shorter than the others."""
+    from frontend.vision import BFLOAT16_CHUNK, rounded_bfloat16_bits
+
+    rng = np.random.default_rng(1)
+    pixels = rng.normal(0.0, 2.0, 2 * BFLOAT16_CHUNK + 5).astype(np.float32)
+    ties = (np.arange(1, 9, dtype=np.uint32) << 16 | 0x8000).view(np.float32)
+    pixels[BFLOAT16_CHUNK - 4 : BFLOAT16_CHUNK + 4] = ties
+    sent = rounded_bfloat16_bits(pixels.reshape(-1, 1))
+    expected = torch.from_numpy(pixels).to(torch.bfloat16).view(torch.int16).numpy()
+    assert sent.shape == (pixels.size, 1)
+    assert np.array_equal(sent.reshape(-1).view(np.int16), expected)
+
+
+def pixel_image(rows: int, dtype: str, seed: int) -> ImageInput:
+    """An image of ``rows`` x 6 random pixels in ``dtype`` as the wire carries them."""
+    values = torch.randn(rows * 6, generator=torch.Generator().manual_seed(seed))
+    data = values.to(getattr(torch, dtype)).view(torch.uint8).numpy().tobytes()
+    return ImageInput(b"\0" * 32, 0, 1, TensorBytes(dtype, (rows, 6), data), (1, 1, 1))
+
+
+def test_an_encoder_batch_holds_its_images_pixels_as_cat_would() -> None:
+    """The engine's batch of images' pixels, copied once from the wire, is the concatenation
+    of each image's; images of different dtypes are promoted as torch.cat promotes them."""
+    same = [pixel_image(4, "bfloat16", 0), pixel_image(2, "bfloat16", 1)]
+    mixed = [*same, pixel_image(3, "float32", 2)]
+    for images in (same, mixed, same[:1]):
+        batch = batch_pixels(images)
+        expected = torch.cat([pixels_tensor(image) for image in images])
+        assert batch.dtype == expected.dtype
+        assert torch.equal(batch, expected)
