@@ -263,8 +263,9 @@ class ImageMarker:
 class VisionProcessor:
     """The model's HF image processor and its prompt convention, for one model folder."""
 
-    # The image processor: HF's (its PIL backend: no torchvision needed), or for Llama 4, whose
-    # HF processor needs torchvision, the port in frontend/llama4_images.py.
+    # The image processor: HF's (its torchvision backend where torchvision imports, else its
+    # PIL one), or for Llama 4, whose HF processor needs torchvision, the port in
+    # frontend/llama4_images.py.
     hf: Any
     marker: ImageMarker
     pixel_bytes_limit: int = MAX_PIXEL_BYTES
