@@ -1,12 +1,13 @@
 """Quantized vision-language checkpoints on the CPU: a tiny Qwen2.5-VL in the layout of Qwen's
 published AWQ one (the language model's linears in AWQ, 4-bit with zero points in 32-column
 groups; ``modules_to_not_convert: ["visual"]`` keeping the vision tower in float), and a tiny
-Qwen3.5-MoE and Qwen3-VL in block FP8 (their towers float), give, with images, the greedy tokens
-of HF transformers running the dequantized weights. A checkpoint that quantizes the tower too
-is refused at load, naming the tensor."""
+Qwen3.5-MoE, Qwen3-VL and Qwen3-VL-MoE in block FP8 (their towers float), give, with images,
+the greedy tokens of HF transformers running the dequantized weights. A checkpoint that
+quantizes the tower too is refused at load, naming the tensor."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from tests.vision_factories import (
     random_image,
     write_tiny_qwen2_5_vl,
     write_tiny_qwen3_vl,
+    write_tiny_qwen3_vl_moe,
 )
 
 # The language model's linears and the tower's (qkv, proj and its MLP), as the checkpoint names
@@ -130,38 +132,106 @@ def write_qwen3_5_moe(folder: Path, tokenizer: Path) -> Path:
 
 
 # Each model: (its writer, the linears its published FP8 layout quantizes by leaf name, what
-# its modules_to_not_convert keeps float, a quantized layer of ours to check).
-FP8_VL_CASES: dict[str, tuple[Any, tuple[str, ...], tuple[str, ...], str]] = {
+# its modules_to_not_convert keeps float, parameters of ours that must hold e4m3).
+FP8_VL_CASES: dict[str, tuple[Any, tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "qwen3.5-moe": (
         write_qwen3_5_moe,
         QWEN3_5_FP8_LINEARS,
         ("visual", "in_proj_b", "in_proj_a", "mlp.gate", "shared_expert_gate", "lm_head"),
-        "linear_attn.in_proj_qkvz",
+        ("linear_attn.in_proj_qkvz.weight",),
     ),
-    "qwen3-vl": (write_tiny_qwen3_vl, TEXT_LINEARS, ("visual", "lm_head"), "self_attn.qkv_proj"),
+    "qwen3-vl": (
+        write_tiny_qwen3_vl,
+        TEXT_LINEARS,
+        ("visual", "lm_head"),
+        ("self_attn.qkv_proj.weight",),
+    ),
+    # Qwen3-VL-30B-A3B-Instruct-FP8's layout: attention and every expert in e4m3, the tower,
+    # the routers (``mlp.gate``) and the LM head float.
+    "qwen3-vl-moe": (
+        write_tiny_qwen3_vl_moe,
+        TEXT_LINEARS,
+        ("visual", "mlp.gate", "lm_head"),
+        ("self_attn.qkv_proj.weight", "mlp.w13", "mlp.w2"),
+    ),
 }
+# A stacked experts tensor as transformers 5 saves Qwen3-VL-MoE's: [E, 2I, H] / [E, H, I].
+STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def unstack_experts(fmt: Any, quantized: Path, reference: Path) -> None:
+    """Qwen's FP8 releases store each expert's gate, up and down as its own e4m3 linear with
+    block scales (``experts.{e}.gate_proj.weight`` and ``.weight_scale_inv``: the per-expert
+    names vLLM's Qwen3-VL-MoE loader takes for FP8, its stacked path having no scales), where
+    the bf16 Qwen3-VL-MoE stacks them. Each stacked tensor of ``quantized`` is split and
+    quantized so; ``reference``'s takes the values they stand for, still stacked as HF loads
+    them."""
+    from safetensors.torch import load_file, save_file
+
+    q_state = load_file(quantized / "model.safetensors")
+    ref_state = load_file(reference / "model.safetensors")
+    for name in [n for n in q_state if STACKED_EXPERTS.match(n)]:
+        prefix, kind = STACKED_EXPERTS.match(name).groups()
+        leaves = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+        held = [
+            quantize_expert(fmt, expert, f"{prefix}.{e}", leaves, q_state)
+            for e, expert in enumerate(q_state.pop(name))  # [E, out, in]
+        ]
+        ref_state[name] = torch.stack(held)
+    save_file(q_state, str(quantized / "model.safetensors"))
+    save_file(ref_state, str(reference / "model.safetensors"))
+
+
+def quantize_expert(
+    fmt: Any, expert: torch.Tensor, prefix: str, leaves: tuple[str, ...], out: dict
+) -> torch.Tensor:
+    """One expert's [out, in] rows (gate then up, or down) into ``out`` as e4m3 linears named
+    ``prefix.<leaf>``; returns the values they stand for, rows as given."""
+    from tests.test_fp8 import dequantize
+
+    rows = []
+    for leaf, part in zip(leaves, expert.chunk(len(leaves)), strict=True):
+        weight, scale = fmt.quantize(part)
+        out[f"{prefix}.{leaf}.weight"], out[f"{prefix}.{leaf}.{fmt.scale_name}"] = weight, scale
+        rows.append(dequantize(weight, scale, fmt.block))
+    return torch.cat(rows)
+
+
+def write_fp8_vl(
+    name: str, tokenizer: Path, tmp_path: Path, linears: tuple[str, ...], keep: tuple[str, ...]
+) -> Any:
+    """FP8_VL_CASES' model ``name`` in block FP8 (the leaves ``linears`` and the experts in
+    e4m3, ``keep`` as modules_to_not_convert) at tmp_path/fp8, and the dequantized reference
+    at tmp_path/ref; returns the format."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.test_fp8 import fp8_block_format, write_quantized
+
+    plain = FP8_VL_CASES[name][0](tmp_path / "plain", tokenizer)
+    model = AutoModelForImageTextToText.from_pretrained(str(plain)).eval()
+    fmt = fp8_block_format(FP8_BLOCK, keep)
+    write_quantized(model, fmt, tmp_path / "fp8", tmp_path / "ref", linears)
+    unstack_experts(fmt, tmp_path / "fp8", tmp_path / "ref")
+    copy_extras(plain, tmp_path / "fp8", tmp_path / "ref")
+    return fmt
 
 
 @pytest.mark.parametrize("name", list(FP8_VL_CASES))
 def test_block_fp8_language_models_beside_float_towers_give_hfs_tokens(
     name: str, default_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    """A tiny Qwen3.5-MoE (linear attention, experts) and Qwen3-VL (DeepStack) with their
-    towers: the language model's published FP8 layers in 16 x 16 blocks, the tower in float;
-    HF on the dequantized weights with the activations' e4m3 round trip (per token and
-    16-column group), one image and two."""
+    """A tiny Qwen3.5-MoE (linear attention, experts), Qwen3-VL (DeepStack) and Qwen3-VL-MoE
+    (DeepStack, experts per expert in the checkpoint) with their towers: the language model's
+    published FP8 layers in 16 x 16 blocks, the tower in float; HF on the dequantized weights
+    with the activations' e4m3 round trip (per token and 16-column group), one image and
+    two."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from tests.quant_fixtures import e4m3_per_token, quantize_expert_inputs, quantize_inputs
-    from tests.test_fp8 import fp8_block_format, write_quantized
     from tests.test_vision_qwen3_5 import ENGINE_OPTIONS
 
-    write, linears, keep, quantized_layer = FP8_VL_CASES[name]
-    plain = write(tmp_path / "plain", default_tokenizer_dir)
-    model = AutoModelForImageTextToText.from_pretrained(str(plain)).eval()
-    fmt = fp8_block_format(FP8_BLOCK, keep)
-    write_quantized(model, fmt, tmp_path / "fp8", tmp_path / "ref", linears)
-    copy_extras(plain, tmp_path / "fp8", tmp_path / "ref")
+    _, linears, keep, held_e4m3 = FP8_VL_CASES[name]
+    write_fp8_vl(name, default_tokenizer_dir, tmp_path, linears, keep)
     hf: Any = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "ref")).eval()
 
     def round_trip(x: Any) -> Any:
@@ -179,7 +249,31 @@ def test_block_fp8_language_models_beside_float_towers_give_hfs_tokens(
     llm = LLM(str(tmp_path / "fp8"), **ENGINE_OPTIONS)
     try:
         layer = llm.engine.runner.model.model.layers[0]
-        assert layer.get_submodule(quantized_layer).weight.dtype == torch.float8_e4m3fn
+        for param in held_e4m3:
+            assert layer.get_parameter(param).dtype == torch.float8_e4m3fn, param
         assert greedy_with_images(llm, built) == expected
     finally:
         llm.engine.shutdown()
+
+
+def test_qwen3_vl_moe_with_a_block_fp8_tower_is_refused_naming_its_tensor(
+    default_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """The tower's attention qkv in e4m3 too, ``visual`` not in modules_to_not_convert: the
+    tower's linears hold no FP8, so its first quantized tensor is refused, named."""
+    write_fp8_vl("qwen3-vl-moe", default_tokenizer_dir, tmp_path, (*TEXT_LINEARS, "qkv"), ())
+    tensor = r"'model\.visual\.blocks\.0\.attn\.qkv\.weight' is torch\.float8_e4m3fn"
+    with pytest.raises(ValueError, match=tensor):
+        make_llm(tmp_path / "fp8")
+
+
+def test_qwen3_vl_moe_in_an_untested_format_is_refused(
+    default_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Quantizing as it loads (tested for neither its experts nor its layout) is refused by
+    name; so would be any format but block FP8 (TESTED_FORMATS)."""
+    from tests.paged_harness import load_float32
+
+    plain = write_tiny_qwen3_vl_moe(tmp_path, default_tokenizer_dir)
+    with pytest.raises(ValueError, match=r"as it loads .* is not implemented for Qwen3-VL-MoE"):
+        load_float32(plain, quantization="fp8")

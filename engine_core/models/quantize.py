@@ -36,6 +36,8 @@ TESTED_FORMATS = {
     "qwen3_next": ("Qwen3-Next and Qwen3.5", ("block FP8", "W4A16 (compressed-tensors)")),
     "qwen3_5_vl": ("Qwen3.5 with images", ("block FP8",)),
     "llama4": ("Llama 4", ("per-channel FP8",)),
+    # Dense Qwen3-VL shares its architecture but not this limit (``tested_key``).
+    "qwen3_vl_moe": ("Qwen3-VL-MoE", ("block FP8",)),
 }
 # Qwen3.5's linear-attention projections, merged in our model (models/qwen3_next.py), by the
 # checkpoint's names of the parts.
@@ -117,15 +119,24 @@ def format_kind(quant: QuantConfig) -> str:
 
 def check_tested_format(config: ModelConfig, quant: QuantConfig) -> None:
     """For an architecture of TESTED_FORMATS, refuse a format no test has held it to."""
-    if config.architecture not in TESTED_FORMATS:
+    key = tested_key(config)
+    if key not in TESTED_FORMATS:
         return
-    model, tested = TESTED_FORMATS[config.architecture]
+    model, tested = TESTED_FORMATS[key]
     kind = format_kind(quant)
     if kind not in tested:
         raise ValueError(
             f"{kind} ({quant.source}) is not implemented for {model} (tested: "
             f"{', '.join(tested)}); serve this model unquantized or in a tested format"
         )
+
+
+def tested_key(config: ModelConfig) -> str:
+    """The model's key in TESTED_FORMATS: its architecture, but Qwen3-VL-MoE apart from dense
+    Qwen3-VL (one architecture, ``qwen3_vl``, for both), as their experts are tested apart."""
+    if config.architecture == "qwen3_vl" and config.num_experts:
+        return "qwen3_vl_moe"
+    return config.architecture
 
 
 def check_experts_only(config: ModelConfig, quant: QuantConfig, name: str) -> None:
