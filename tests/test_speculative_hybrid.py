@@ -97,6 +97,22 @@ class ScriptedDrafts:
         return drafts
 
 
+def check_every_count_kept(llm: LLM, prompts: list[list[int]], want: list[list[int]]) -> None:
+    """``llm`` (ScriptedDrafts of ``want``) gives ``want`` for ``prompts``, batched, keeping
+    none, one and two of its three drafts at some step (each kept draft's state copied into its
+    slot); every block and slot comes back. Shuts the engine down."""
+    kept = KeptStates(llm)
+    try:
+        got = llm.generate(prompts, greedy(40), detokenize=False)
+        assert [o.token_ids for o in got] == want
+        counts = llm.engine.scheduler.counts()
+        assert 0 < counts.spec_accepted_tokens < counts.spec_draft_tokens
+        assert set(kept.positions) == set(range(K))  # none kept, one, two (of three)
+        check_all_given_back(llm, 4)
+    finally:
+        llm.engine.shutdown()
+
+
 def script(llm: LLM, prompts: list[list[int]], answers: list[list[int]]) -> None:
     """The engine's prompt lookup replaced by ScriptedDrafts of these answers."""
     scripted = ScriptedDrafts({tuple(p): a for p, a in zip(prompts, answers, strict=True)})
@@ -113,16 +129,7 @@ def test_kept_rejected_and_half_kept_drafts_give_hfs_tokens(
     want = hf_tokens(hf_model, prompts, 40)
     llm = make_llm(folder, max_num_batched_tokens=64)
     script(llm, prompts, want)
-    kept = KeptStates(llm)
-    try:
-        got = llm.generate(prompts, greedy(40), detokenize=False)
-        assert [o.token_ids for o in got] == want
-        counts = llm.engine.scheduler.counts()
-        assert 0 < counts.spec_accepted_tokens < counts.spec_draft_tokens
-        assert set(kept.positions) == set(range(K))  # none kept, one, two (of three)
-        check_all_given_back(llm, 4)
-    finally:
-        llm.engine.shutdown()
+    check_every_count_kept(llm, prompts, want)
 
 
 def test_prompt_lookup_on_repeating_prompts_gives_hfs_tokens(

@@ -27,8 +27,8 @@ from tests.paged_harness import random_prompts  # noqa: E402
 from tests.test_models_qwen3_next import VOCAB, qwen3_next  # noqa: E402, F401
 from tests.test_speculative_hybrid import (  # noqa: E402
     NGRAM,
-    KeptStates,
     check_all_given_back,
+    check_every_count_kept,
     greedy,
     hf_tokens,
     script,
@@ -77,16 +77,7 @@ def test_scripted_drafts_on_cuda_give_hfs_tokens(
     llm = cuda_llm(folder, speculative_config=NGRAM)
     assert llm.engine.runner.graph_runner is not None
     script(llm, prompts, want)
-    kept = KeptStates(llm)
-    try:
-        got = llm.generate(prompts, greedy(40), detokenize=False)
-        assert [o.token_ids for o in got] == want
-        counts = llm.engine.scheduler.counts()
-        assert 0 < counts.spec_accepted_tokens < counts.spec_draft_tokens
-        assert set(kept.positions) == set(range(K))
-        check_all_given_back(llm, 4)
-    finally:
-        llm.engine.shutdown()
+    check_every_count_kept(llm, prompts, want)
     assert plain_tokens(folder, prompts, 40) == want
 
 

@@ -52,8 +52,7 @@ from tests.paged_harness import random_prompts, randomize
 from tests.test_models_qwen3_5 import VISION, text_fields
 from tests.test_models_qwen3_next import VOCAB, tiny_config
 from tests.test_speculative_hybrid import (
-    KeptStates,
-    check_all_given_back,
+    check_every_count_kept,
     greedy,
     hf_tokens,
     make_llm,
@@ -292,16 +291,7 @@ def test_outputs_with_mtp_drafts_are_hfs_tokens(two_token: tuple[Path, nn.Module
     prompts = random_prompts(VOCAB, (20, 45, 150, 31))
     want = hf_tokens(hf_model, prompts, 40)
     llm = make_llm(folder, speculative_config=mtp_config(), max_num_batched_tokens=64)
-    kept = KeptStates(llm)
-    try:
-        got = llm.generate(prompts, greedy(40), detokenize=False)
-        assert [o.token_ids for o in got] == want
-        _, drafted, accepted = counts(llm)
-        assert 0 < accepted < drafted
-        assert set(kept.positions) == set(range(K))  # none kept, one, two (of three)
-        check_all_given_back(llm, 4)
-    finally:
-        llm.engine.shutdown()
+    check_every_count_kept(llm, prompts, want)
 
 
 # ---- the drafts: an independent reading of the layer ---------------------------------------------
