@@ -131,7 +131,9 @@ class W4A16Config:
     input); with ``zero_points`` the checkpoint stores a zero point per group, else it is 8 (the
     middle of 0..15). ``act_order``: the checkpoint's ``g_idx`` assigns columns to groups (GPTQ
     desc_act). ``zero_offset``: what to add to a stored zero point (GPTQ's original format stores
-    zero - 1). A weight is ``(q - zero) * scale``.
+    zero - 1). A weight is ``(q - zero) * scale``. ``origin``: the tool whose config declared
+    the checkpoint when that is not the layout's own ("auto-round": AutoRound packs in GPTQ's or
+    AWQ's layout); messages, ``--quantization`` and the tested-format lists name it.
     """
 
     source: str
@@ -139,6 +141,7 @@ class W4A16Config:
     zero_points: bool
     act_order: bool = False
     zero_offset: int = 0
+    origin: str = ""
     ignore: tuple[str, ...] = ()  # as Fp8Config.ignore
     kv_scales: bool = False  # as Fp8Config.kv_scales (compressed-tensors' kv_cache_scheme)
 

@@ -9,6 +9,9 @@ config.json, as older AutoGPTQ and AutoAWQ checkpoints keep it) is read by ``qua
 - ``"awq"`` (AutoAWQ's GEMM layout, zero points) and ``"gptq"`` (AutoGPTQ / GPTQModel: 4 bits,
   symmetric or not, act-order with its ``g_idx``, the original zero-minus-one or the v2 zero
   points), each also under vLLM's ``awq_marlin`` / ``gptq_marlin`` names: ``W4A16Config``.
+- ``"auto-round"`` (Intel's AutoRound): 4-bit weights packed in GPTQ's layout (either zero-point
+  convention, by ``packing_format``) or AWQ's, layers its ``extra_config`` keeps in 16 bits
+  left float: ``W4A16Config``.
 - ``"compressed-tensors"`` (llm-compressor's output): ``pack-quantized`` 4-bit weights without
   activation quantization (``W4A16Config``); ``int-quantized`` 8-bit weights with int8
   activations quantized per token at run time (``Int8Config``). The compressed-tensors package
@@ -21,6 +24,8 @@ was made (calibration settings, the tool's version) are not read.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from engine_core.config import Fp8Config, Int8Config, ModelConfig, QuantConfig, W4A16Config
@@ -32,7 +37,9 @@ from engine_core.models.fp8_config import (
     strategy_of,
 )
 
-READABLE_METHODS = ("compressed-tensors", "fp8", "awq", "awq_marlin", "gptq", "gptq_marlin")
+READABLE_METHODS = (
+    "compressed-tensors", "fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "auto-round",
+)  # fmt: skip
 # --quantization values that name a checkpoint format -> the W4A16/INT8/FP8 source it must have.
 FLAG_SOURCES = {
     "awq": "awq",
@@ -40,6 +47,7 @@ FLAG_SOURCES = {
     "gptq": "gptq",
     "gptq_marlin": "gptq",
     "compressed-tensors": "compressed-tensors",
+    "auto-round": "auto-round",
 }
 # The linear projections of a Llama-family decoder layer, as GPTQ's modules_in_block_to_quantize
 # names them: a checkpoint that quantizes fewer of them is refused.
@@ -62,6 +70,8 @@ def quant_config_from_hf(hf: dict[str, Any]) -> QuantConfig | None:
         return awq_config(qc)
     if method in ("gptq", "gptq_marlin"):
         return gptq_config(qc)
+    if method == "auto-round":
+        return auto_round_config(qc)
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not a format Tandem reads; it reads "
         f"{', '.join(map(repr, READABLE_METHODS))}"
@@ -100,17 +110,23 @@ def random_weights_config(flag: str | None, model: ModelConfig) -> QuantConfig |
     stays float, as llm-compressor's recipe lists it (models/quantize.py refuses it 4-bit)."""
     if flag is None or flag in ("fp8", "w8a8"):
         return with_quantization_flag(None, flag)
-    source = FLAG_SOURCES[flag]
+    source, origin = FLAG_SOURCES[flag], ""
+    if source == "auto-round":  # its default packing is GPTQ's
+        source, origin = "gptq", "auto-round"
     inputs = (model.hidden_size, model.intermediate_size, model.num_heads * model.head_dim)
     inputs += (model.moe_intermediate_size,) if model.num_experts else ()
     group = next(size for size in (128, 64, 32, 8) if not any(k % size for k in inputs))
     ignore = SHARED_EXPERT_GATE if model.shared_expert_intermediate_size else ()
     zero_points = source != "compressed-tensors"
-    return W4A16Config(source=source, group_size=group, zero_points=zero_points, ignore=ignore)
+    return W4A16Config(
+        source=source, group_size=group, zero_points=zero_points, ignore=ignore, origin=origin
+    )
 
 
 def config_source(config: QuantConfig) -> str:
-    """The checkpoint format a config was read from ("fp8", "awq", "compressed-tensors", ...)."""
+    """The checkpoint format a config was read from ("fp8", "awq", "auto-round", ...)."""
+    if isinstance(config, W4A16Config) and config.origin:
+        return config.origin
     return config.source
 
 
@@ -322,3 +338,110 @@ def refuse_gptq_extras(qc: dict[str, Any], where: str) -> None:
                 f"{where}.modules_in_block_to_quantize leaves "
                 f"{sorted(BLOCK_LINEARS - names)} unquantized; Tandem quantizes all or none"
             )
+
+
+# ---- AutoRound ----------------------------------------------------------------------------------
+
+# AutoRound's packing_format -> (the layout it writes, what to add to a stored zero point), as
+# its own reader sorts them (auto_round/inference/backend.py: GPTQ_FORMAT "zp+-1",
+# GPTQ_FORMAT_NO_ZP, AWQ_FORMAT) and its packers write them (auto_round_extension/torch/
+# qlinear_torch_zp.py stores zero - 1, qlinear_torch.py the zero; export_to_awq's WQLinear_GEMM).
+AUTO_ROUND_PACKINGS = {
+    "auto_round:auto_gptq": ("gptq", 1),  # the default where packing_format is absent
+    "auto_round": ("gptq", 0),  # its native format (what asymmetric exports get)
+    "auto_round:gptqmodel": ("gptq", 0),  # also writes a g_idx, one group after another
+    "auto_round:auto_awq": ("awq", 0),
+}
+# The marks by which AutoRound tells an extra_config key that is a pattern from a layer's name
+# (auto_round/utils/common.py ``to_standard_regex``).
+REGEX_MARKS = (".*", "^", "$", "|", "(", ")", "[", "]", "?", "+")
+
+
+def auto_round_config(qc: dict[str, Any]) -> W4A16Config:
+    """Intel AutoRound: 4-bit integer weights in GPTQ's or AWQ's layout (``packing_format``),
+    the same for every decoder layer, activations in 16 bits; ``extra_config`` may keep layers
+    in 16 bits (they stay float) and nothing else."""
+    where = "quantization_config (auto-round)"
+    four_bits(qc, where)
+    refuse_auto_round_extras(qc, where)
+    packing = qc.get("packing_format") or "auto_round:auto_gptq"
+    if packing not in AUTO_ROUND_PACKINGS:
+        raise ValueError(
+            f"{where}.packing_format {packing!r} is not supported; Tandem reads "
+            f"{', '.join(map(repr, AUTO_ROUND_PACKINGS))}"
+        )
+    layout, zero_offset = AUTO_ROUND_PACKINGS[packing]
+    return W4A16Config(
+        source=layout,
+        group_size=group_size_of(qc, where),
+        zero_points=True,  # every packing stores them, symmetric ones too (8, or 7 for zero - 1)
+        zero_offset=zero_offset,
+        ignore=auto_round_ignore(qc, where),
+        origin="auto-round",
+    )
+
+
+def refuse_auto_round_extras(qc: dict[str, Any], where: str) -> None:
+    """AutoRound fields that would change the output, unless they have the value that does not."""
+    data_type = qc.get("data_type", "int")
+    if data_type != "int":
+        raise ValueError(f"{where}.data_type {data_type!r} is not supported (integer weights are)")
+    act_bits = qc.get("act_bits", 16)
+    if not isinstance(act_bits, int) or act_bits < 16:
+        raise ValueError(
+            f"{where}.act_bits {act_bits!r}: quantized activations are not supported (W4A16 only)"
+        )
+    for field in qc:
+        if field.endswith("_config") and field != "extra_config" and qc[field]:
+            raise ValueError(f"{where}.{field} is not supported (a rotation or transform of the "
+                             "weights changes their meaning)")  # fmt: skip
+    for block in block_names(qc.get("block_name_to_quantize", qc.get("to_quant_block_names"))):
+        if block.rpartition(".")[2] != "layers":
+            raise ValueError(
+                f"{where}.block_name_to_quantize names {block!r}; Tandem quantizes the decoder "
+                "layers only (a '...layers' list)"
+            )
+
+
+def block_names(blocks: str | list | None) -> list[str]:
+    """``block_name_to_quantize`` as a list: comma-separated, a list, or per-block lists (which
+    AutoRound writes as their common prefix)."""
+    if not blocks:
+        return []
+    if isinstance(blocks, str):
+        return [name.strip() for name in blocks.split(",")]
+    return [os.path.commonprefix(b).rstrip(".") if isinstance(b, list) else b for b in blocks]
+
+
+def auto_round_ignore(qc: dict[str, Any], where: str) -> tuple[str, ...]:
+    """The layers ``extra_config`` keeps in 16 bits, as ignore patterns. Any other per-layer
+    entry (another bit width, group size, symmetry; a quantized layer outside the decoder
+    layers, such as the LM head) is refused naming the layer and the fields."""
+    patterns = []
+    for name, override in (qc.get("extra_config") or {}).items():
+        if not isinstance(override, dict):
+            raise ValueError(f"{where}.extra_config[{name!r}] {override!r} is not a mapping")
+        bits = override.get("bits", qc.get("bits"))
+        if isinstance(bits, int) and bits >= 16:
+            patterns.append(extra_config_pattern(name, where))
+            continue
+        fields = [key for key, value in override.items() if value != qc.get(key)] or list(override)
+        settings = ", ".join(f"{key}={override[key]!r}" for key in fields)
+        raise ValueError(
+            f"{where}.extra_config[{name!r}]: {settings} is not supported; Tandem reads entries "
+            "that keep a layer in 16 bits (bits 16) and quantizes every other decoder linear alike"
+        )
+    return tuple(patterns)
+
+
+def extra_config_pattern(name: str, where: str) -> str:
+    """An extra_config key as a pattern over full module names: a layer's name matches itself;
+    a key with a regular expression's marks is one, which AutoRound's reader searches for
+    anywhere in a name (``re.search``)."""
+    if not any(mark in name for mark in REGEX_MARKS):
+        return re.escape(name)
+    try:
+        re.compile(name)
+    except re.error as exc:
+        raise ValueError(f"{where}.extra_config key {name!r} is not a pattern: {exc}") from None
+    return f".*(?:{name}).*"

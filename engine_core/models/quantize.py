@@ -103,7 +103,7 @@ def format_name(quant: QuantConfig) -> str:
         return "FP8"
     if isinstance(quant, Int8Config):
         return "W8A8 (int8)"
-    return f"W4A16 ({quant.source})"
+    return f"W4A16 ({quant.origin or quant.source})"
 
 
 def format_kind(quant: QuantConfig) -> str:
