@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine_core.attention import mla
+from engine_core.attention.base import cached_values
 from engine_core.llm import LLM
 from engine_core.loader import load_model_config
 from engine_core.memory_plan import kv_block_bytes
@@ -81,7 +82,7 @@ def test_rows_are_stored_divided_by_the_scale_and_clamped() -> None:
     cache = torch.zeros(2, 4, 3, dtype=E4M3)
     rows = torch.tensor([[1.0, -3.0, 1000.0], [5.0, 5.0, 5.0], [0.5, -600.0, 0.25]])
     mla.write_latents(cache, rows, torch.tensor([6, -1, 1]), scale=0.5)
-    flat = mla.read_latents(cache.view(-1, 3), torch.float32, scale=0.5)
+    flat = cached_values(cache.view(-1, 3), torch.float32, scale=0.5)
     assert flat[6].tolist() == [1.0, -3.0, 224.0] and flat[1].tolist() == [0.5, -224.0, 0.25]
     assert not flat[[0, 2, 3, 4, 5, 7]].any()
 

@@ -31,6 +31,24 @@ def is_fp8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.float8_e4m3fn
 
 
+def write_cache_rows(
+    flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0
+) -> None:
+    """``rows`` into ``flat``'s rows ``slots`` (the cache viewed one slot a row); an FP8 cache
+    stores them divided by ``scale``, clamped to e4m3's range and rounded."""
+    if is_fp8_cache(flat):  # torch has no index_copy_ for float8: copy its bytes
+        rows = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(flat.dtype)
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows.to(flat.dtype))
+
+
+def cached_values(rows: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Rows read from a cache as values of ``dtype``: an FP8 cache's times its scale."""
+    if is_fp8_cache(rows):
+        return rows.to(dtype) * scale
+    return rows.to(dtype)
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset); -1 = skip

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.attention.base import FP8_MAX, AttentionMetadata, is_fp8_cache
+from engine_core.attention.base import AttentionMetadata, cached_values, write_cache_rows
 from engine_core.forward_context import get_forward_context
 
 
@@ -179,7 +179,7 @@ class LatentAttention(nn.Module):
         assert self.cache is not None
         seq_len, block_size = meta.seq_lens_cpu[seq], self.cache.shape[1]
         blocks = meta.block_tables[seq][: -(-seq_len // block_size)].long()
-        return read_latents(self.cache[blocks].flatten(0, 1)[:seq_len], dtype, self.k_scale)
+        return cached_values(self.cache[blocks].flatten(0, 1)[:seq_len], dtype, self.k_scale)
 
     def expanded(
         self,
@@ -234,18 +234,7 @@ def write_latents(
     stores rows / scale, clamped to e4m3's range."""
     keep = slot_mapping >= 0
     flat = cache.view(-1, cache.shape[-1])  # [num_slots, R + P]
-    kept = rows[keep]
-    if is_fp8_cache(cache):  # torch has no index_copy_ for float8: copy its bytes
-        kept = (kept.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
-        flat, kept = flat.view(torch.uint8), kept.view(torch.uint8)
-    flat.index_copy_(0, slot_mapping[keep], kept.to(flat.dtype))
-
-
-def read_latents(rows: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """Cached rows as values of ``dtype``: an FP8 cache's times its scale."""
-    if is_fp8_cache(rows):
-        return rows.to(dtype) * scale
-    return rows.to(dtype)
+    write_cache_rows(flat, slot_mapping[keep], rows[keep], scale)
 
 
 def causal_attention(

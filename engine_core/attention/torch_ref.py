@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.attention.base import FP8_MAX, AttentionMetadata, is_fp8_cache
+from engine_core.attention.base import AttentionMetadata, is_fp8_cache, write_cache_rows
 
 
 class TorchReferenceBackend:
@@ -33,11 +33,7 @@ class TorchReferenceBackend:
         slots = slot_mapping[keep]
         for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
             flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
-            rows = x[keep]
-            if is_fp8_cache(cache):  # torch has no index_copy_ for float8: copy its bytes
-                rows = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
-                flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-            flat.index_copy_(0, slots, rows.to(flat.dtype))
+            write_cache_rows(flat, slots, x[keep], scale)
 
     def forward(
         self,

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine_core.attention.base import is_fp8_cache
+from engine_core.attention.base import cached_values, is_fp8_cache
 from engine_core.attention.prefill_tiles import prefill_block_m, tile_list
 from engine_core.attention.triton_kernels import (
     LOG2E,
@@ -185,6 +185,7 @@ def _mla_decode_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    CACHE_FP8: tl.constexpr,
 ):
     """The absorbed attention of BLOCK_H heads of a sequence's last token over one split of its
     latent rows; see the module docstring."""
@@ -223,22 +224,15 @@ def _mla_decode_kernel(
             n_mask = tok < end
             blk = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
             row = Cache + blk * stride_cb + (tok % PAGE) * stride_cs  # [N] row starts
-            lat = (
-                tl.load(
-                    row[:, None] + r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
-                )
-                .to(tl.float32)
-                .to(q_lat.dtype)
+            lat = tl.load(
+                row[:, None] + r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
             )  # [N, R]: the keys' latent part and the values
-            pe = (
-                tl.load(
-                    row[:, None] + RANK + p[None, :],
-                    mask=n_mask[:, None] & p_mask[None, :],
-                    other=0.0,
-                )
-                .to(tl.float32)
-                .to(q_pe.dtype)
-            )  # [N, P]; e4m3 widened exactly, through float32
+            pe = tl.load(
+                row[:, None] + RANK + p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0
+            )  # [N, P]
+            if CACHE_FP8:  # e4m3 widened exactly, through float32, to the queries' dtype
+                lat = lat.to(tl.float32).to(q_lat.dtype)
+                pe = pe.to(tl.float32).to(q_pe.dtype)
             s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
             s += tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)  # [H, N]
             s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
@@ -319,6 +313,7 @@ def mla_decode_attention(
         PAGE=page,
         BLOCK_N=tile.block_n,
         PRECISION=dot_precision(q_lat.dtype),
+        CACHE_FP8=is_fp8_cache(cache),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -418,9 +413,7 @@ def mla_prefill_attention(
     num_heads = q.shape[1]
     page, rank = cache.shape[1], kv_b_weight.shape[1]
     blocks = block_tables[batch.block_seqs, batch.block_cols].long()  # [NB]
-    rows = cache[blocks]  # [NB, page, R + P]
-    if is_fp8_cache(rows):
-        rows = rows.to(kv_b_weight.dtype) * cache_scale
+    rows = cached_values(cache[blocks], kv_b_weight.dtype, cache_scale)  # [NB, page, R + P]
     kv = F.linear(rows[..., :rank], kv_b_weight).view(len(blocks), page, num_heads, -1)
     k_nope, v = kv.split((kv.shape[-1] - v_dim, v_dim), dim=-1)
     k_pe = rows[..., None, rank:].expand(-1, -1, num_heads, -1)  # shared by every head
