@@ -57,23 +57,22 @@ def profile_phases(
                 waiting.discard(out.request.request_id)
         return bool(waiting) and core.has_unfinished()
 
-    remaining = [decode_steps]
-
     def decode_step() -> bool:
         core.step()
-        remaining[0] -= 1
-        return remaining[0] > 0 and core.has_unfinished()
+        return core.has_unfinished()
 
     phases = [profiled("prompt steps", prompt_step, device, top)]
     if core.has_unfinished() and decode_steps > 0:
-        phases.append(profiled("decode steps", decode_step, device, top))
+        phases.append(profiled("decode steps", decode_step, device, top, decode_steps))
     while core.has_unfinished():
         core.step()
     return phases
 
 
-def profiled(phase: str, step: Callable[[], bool], device: Any, top: int) -> PhaseProfile:
-    """Run ``step`` until it returns False, under the profiler."""
+def profiled(
+    phase: str, step: Callable[[], bool], device: Any, top: int, max_steps: int | None = None
+) -> PhaseProfile:
+    """Run ``step`` until it returns False (or ``max_steps`` times), under the profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -83,7 +82,7 @@ def profiled(phase: str, step: Callable[[], bool], device: Any, top: int) -> Pha
     with profile(activities=activities) as prof:
         started = time.perf_counter()
         more = True
-        while more:
+        while more and steps != max_steps:
             more = step()
             steps += 1
         if cuda:
