@@ -9,8 +9,9 @@ stage the API process and the engine core run on it, each timed alone ``--repeat
 processor (the backend AutoImageProcessor picks here: torchvision where it is installed, else
 PIL), the rounding to the wire's dtype, the SHA-256 that names the image, the AddRequest's
 encoding and decoding (the pixels a frame of their own) and the engine's batch of pixels. The
-last row runs processing, rounding and hashing together on fresh memory each time, as a
-server does per request (a stage repeated alone reuses the memory it freed).
+last row runs processing, rounding and hashing together, as a server does per request. The
+processor is the preset's folder's (engine_core/preset_folders.py), loaded as the API process
+loads it, which keeps freed memory for the next image (frontend/vision.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import argparse
 import base64
 import hashlib
 import io
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,42 +52,16 @@ def timed(name: str, repeats: int, fn: Callable[[], Any], rows: list[Row]) -> An
     return out
 
 
-def load_processor(model: str, folder: Path) -> Any:
-    """The preset's HF image processor, written as its folder's (engine_core/preset_folders.py)
-    and loaded as the API process loads it."""
-    from transformers import AutoImageProcessor
-
-    from engine_core.preset_folders import (
-        QWEN2_5_VL_PIXELS,
-        QWEN3_VL_PROCESSOR,
-        write_image_processor,
-    )
-    from engine_core.presets import hf_config
-
-    hf = hf_config(model)
-    tower = hf["vision_config"]
-    pixels = QWEN2_5_VL_PIXELS if hf["model_type"] == "qwen2_5_vl" else QWEN3_VL_PROCESSOR
-    write_image_processor(folder, tower["patch_size"], tower["spatial_merge_size"], **pixels)
-    return AutoImageProcessor.from_pretrained(str(folder))
-
-
 def data_url(size: int) -> str:
     out = io.BytesIO()
     random_png(size, np.random.default_rng(0)).save(out, format="PNG", compress_level=1)
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def measure(args: argparse.Namespace, hf: Any) -> tuple[list[Row], str]:
+def measure(args: argparse.Namespace, vision: Any) -> tuple[list[Row], str]:
     """The stages' rows, and a line saying what the image became."""
     from engine_core.multimodal import batch_pixels
-    from frontend.vision import (
-        ImageMarker,
-        MediaOptions,
-        VisionProcessor,
-        data_url_bytes,
-        decode_image,
-        wire_values,
-    )
+    from frontend.vision import MediaOptions, data_url_bytes, decode_image, wire_values
     from protocol.codec import decode_client_message, encode_frames
     from protocol.messages import AddRequest, SamplingParams
 
@@ -95,6 +69,7 @@ def measure(args: argparse.Namespace, hf: Any) -> tuple[list[Row], str]:
     n, url = args.repeats, data_url(args.image_size)
     raw = timed("base64 of the data URL", n, lambda: data_url_bytes(url, "p"), rows)
     image = timed("PNG decode (PIL)", n, lambda: decode_image(raw, MediaOptions(), "p"), rows)
+    hf = vision.hf
     result = timed(
         f"HF {type(hf).__name__}", n, lambda: hf(images=[image], return_tensors="np"), rows
     )
@@ -102,7 +77,6 @@ def measure(args: argparse.Namespace, hf: Any) -> tuple[list[Row], str]:
     sent = timed(f"rounding to {args.dtype}", n, lambda: wire_values(pixels, args.dtype), rows)
     data = memoryview(sent).cast("B")
     timed("SHA-256 of the wire pixels", n, lambda: hashlib.sha256(data).digest(), rows)
-    vision = VisionProcessor(hf, ImageMarker(0, int(hf.merge_size)), pixel_dtype=args.dtype)
     processed = vision.process_one(image)
     length = vision.num_tokens(processed)
     images = (processed.wire(0, length),)
@@ -111,20 +85,24 @@ def measure(args: argparse.Namespace, hf: Any) -> tuple[list[Row], str]:
     wire = [bytes(frame) for frame in frames]
     got = timed("AddRequest decode", n, lambda: decode_client_message(wire[0], wire[1:]), rows)
     timed("engine: the batch's pixels", n, lambda: batch_pixels(got.images), rows)
-    timed("processor + rounding + SHA-256, fresh", n, lambda: fresh(vision, image), rows)
+    timed("processor + rounding + SHA-256", n, lambda: one_request(vision, image), rows)
     what = f"{len(raw) / 1e6:.2f} MB PNG -> pixels {list(pixels.shape)}, {data.nbytes / 1e6:.2f} MB"
     return rows, what
 
 
-def fresh(vision: Any, image: Any) -> None:
+def one_request(vision: Any, image: Any) -> None:
     """One request's processing: the processor's pixels, rounded and hashed, then dropped."""
     vision.process_one(image).prepare_wire()
 
 
 def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory() as folder:
-        hf = load_processor(args.model, Path(folder))
-    rows, what = measure(args, hf)
+    from engine_core.model_dir import tokenizer_dir_for_preset
+    from frontend.vision import VisionProcessor
+
+    vision = VisionProcessor.load(tokenizer_dir_for_preset(args.model), args.dtype)
+    if vision is None:
+        raise SystemExit(f"--model {args.model!r} takes no images")
+    rows, what = measure(args, vision)
     provenance = Provenance.here(args.argv, device="cpu")
     print(provenance.format())
     print(f"\n{args.model}: one {args.image_size}x{args.image_size} image, {what}\n")
