@@ -260,9 +260,3 @@ def to_bfloat16(x: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
     rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
     return (rounded & np.uint32(0xFFFF0000)).view(np.float32)
-
-
-def bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 values that are bfloat16 values (``to_bfloat16``'s) as bfloat16's bits (uint16,
-    the high half of each float32: exact for them)."""
-    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
