@@ -35,7 +35,6 @@ from engine_core.llm import LLM  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
 from engine_core.models import mxfp4  # noqa: E402
 from engine_core.models.fused_moe import Blocks  # noqa: E402
-from engine_core.models.gpt_oss import GptOssForCausalLM  # noqa: E402
 from engine_core.models.gpt_oss_moe import GptOssMoE, experts_reference  # noqa: E402
 from engine_core.models.mxfp4_gemv import GemvTiles  # noqa: E402
 from engine_core.models.mxfp4_kernels import fused_moe_mxfp4  # noqa: E402
@@ -223,13 +222,9 @@ def test_the_engine_on_cuda_gives_the_reference_path_tokens(folder: Path) -> Non
     assert got == want
 
 
-def test_decode_graphs_give_the_reference_path_tokens(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The engine with gpt-oss's model-level switch on (GptOssForCausalLM.cuda_graph_safe, off
-    until this passes on a GPU): its MXFP4 decode steps replay graphs and give the CPU
-    reference path's tokens."""
-    monkeypatch.setattr(GptOssForCausalLM, "cuda_graph_safe", True)
+def test_decode_graphs_give_the_reference_path_tokens(folder: Path) -> None:
+    """The engine on CUDA captures gpt-oss's MXFP4 decode steps in graphs, and their replays
+    give the CPU reference path's tokens."""
     prompts = test_models_gpt_oss.PROMPTS
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     want = cpu_engine_tokens(folder, prompts, params)

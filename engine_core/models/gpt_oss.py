@@ -35,12 +35,8 @@ _SUFFIX = {None: "", "_bias": "", "_blocks": "_blocks", "_scales": "_scales"}
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    """gpt-oss; checkpoint names follow HF's GptOssForCausalLM."""
-
-    # Its MoE layers say which experts a graph may capture (gpt_oss_moe.py: MXFP4, not bf16),
-    # but this model has not yet run under graphs on a GPU: eager until
-    # tests/test_mxfp4_gpu.py's graph test has passed there (model_runner.py _capture_graphs).
-    cuda_graph_safe = False
+    """gpt-oss; checkpoint names follow HF's GptOssForCausalLM. Its MoE layers say whether a
+    CUDA graph may capture them (gpt_oss_moe.py: MXFP4 experts yes, bf16 ones no)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_mapped_weights(self, gpt_oss_tensors(weights, self.tp), self.map_name)
