@@ -20,11 +20,17 @@ layout) beside the base model, and the requests name them in turn: the issue's m
 figure is this run's output tok/s over the same run without --lora.
 
     python -m benchmarks serving --model llama-8b --workloads 64:128:256 --lora 8
+
+With --quantization awq both run the preset's random weights in AWQ's 4-bit layout (vLLM: its
+Marlin kernels), the issue's "beside vLLM's Marlin" figure:
+
+    python -m benchmarks serving --model llama-8b --quantization awq --workloads 1:128:256:1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import tempfile
 from collections.abc import Callable
@@ -63,6 +69,11 @@ def add_args(parser: argparse.ArgumentParser, workloads: str = DEFAULT_WORKLOADS
         help="serve N random LoRA adapters and spread the requests over them (default: none)",
     )  # fmt: skip
     parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default: 16)")
+    parser.add_argument(
+        "--quantization", choices=tuple(PEER_QUANTIZATION),
+        help="both servers run the preset's random weights in this 4-bit format (AWQ: groups of "
+        "128 with zero points; vLLM with its Marlin kernels) (default: bf16)",
+    )  # fmt: skip
     add_output_args(parser)
 
 
@@ -119,6 +130,8 @@ def compare(
     loadgen_args = shlex.split(args.loadgen_args)
     if args.lora:
         loadgen_args += add_lora_flags(args, out_dir)
+    if getattr(args, "quantization", None):
+        add_quantization_flags(args, model_dir)
     servers = build_servers(args, model_dir)
     results = run_sequential(servers, args.workloads, tokenizer, out_dir, args.runs, loadgen_args)
     provenance = Provenance.here(args.argv)
@@ -149,6 +162,41 @@ def add_lora_flags(args: argparse.Namespace, out_dir: Path) -> list[str]:
     args.tandem_args = f"{args.tandem_args} {flags}"
     args.vllm_args = f"{args.vllm_args} {flags}"
     return ["--model", ",".join(folders)]
+
+
+# vLLM's view of Tandem's random W4A16 weights (quant_config.random_weights_config: groups of
+# 128, zero points, for every preset whose inputs 128 divides): the checkpoint config its dummy
+# loader builds the same layers from, and the kernel it is asked to run them with.
+PEER_QUANTIZATION = {
+    "awq": (
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+         "version": "gemm"},
+        "awq_marlin",
+    ),
+}  # fmt: skip
+
+
+def add_quantization_flags(args: argparse.Namespace, model_dir: Path | None) -> None:
+    """Both servers run args.quantization: Tandem's flag, and for vLLM the format's config in
+    the peer folder's config.json (its dummy weights take the layers' quantized shapes) and
+    its kernel's name."""
+    from engine_core.models.quant_config import random_weights_config
+    from engine_core.presets import PRESETS
+
+    if args.model not in PRESETS or model_dir is None:
+        raise SystemExit("--quantization needs a random preset (its weights are made quantized)")
+    peer_config, peer_method = PEER_QUANTIZATION[args.quantization]
+    ours = random_weights_config(args.quantization, PRESETS[args.model])
+    if ours.group_size != peer_config["group_size"]:
+        raise SystemExit(
+            f"--quantization {args.quantization}: {args.model}'s random weights take groups of "
+            f"{ours.group_size}, the peer's config says {peer_config['group_size']}"
+        )
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text()) | {"quantization_config": peer_config}
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    args.tandem_args = f"{args.tandem_args} --quantization {args.quantization}"
+    args.vllm_args = f"{args.vllm_args} --quantization {peer_method}"
 
 
 def model_folder(model: str, out_dir: Path) -> tuple[Path | None, str]:

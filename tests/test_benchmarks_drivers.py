@@ -54,6 +54,36 @@ def test_serving_a_preset_gives_both_servers_the_same_shapes(
     assert vllm.cwd == model_dir and vllm.env["PYTHONPATH"] == "/tmp/vsite"
 
 
+def test_serving_awq_gives_both_servers_the_same_quantized_layout(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's dummy weights take the layout its config names: the same group size and zero
+    points as Tandem's random AWQ weights of the preset, run by its Marlin kernels."""
+    from engine_core.models.quant_config import random_weights_config
+    from engine_core.presets import PRESETS
+
+    args = parse(["serving", "--model", "llama-8b", "--quantization", "awq",
+                  "--vllm-python", "python3"])  # fmt: skip
+    model_dir, _ = serving.model_folder(args.model, tmp_path)
+    serving.add_quantization_flags(args, model_dir)
+    peer = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    ours = random_weights_config("awq", PRESETS["llama-8b"])
+    assert (peer["quant_method"], peer["bits"]) == ("awq", 4)
+    assert (peer["group_size"], peer["zero_point"]) == (ours.group_size, ours.zero_points)
+    tandem, vllm = serving.build_servers(args, model_dir)
+    assert tandem.command[-2:] == ["--quantization", "awq"]
+    assert vllm.command[-2:] == ["--quantization", "awq_marlin"]
+
+
+def test_serving_awq_refuses_a_preset_whose_groups_differ(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    args = parse(["serving", "--model", "smollm2-135m", "--quantization", "awq"])
+    model_dir, _ = serving.model_folder(args.model, tmp_path)
+    with pytest.raises(SystemExit, match="groups of 64"):
+        serving.add_quantization_flags(args, model_dir)
+
+
 def test_serving_a_folder_loads_its_weights(tmp_path: Path) -> None:
     args = parse(["serving", "--model", str(tmp_path), "--vllm-python", "python3"])
     model_dir, tokenizer = serving.model_folder(args.model, tmp_path / "out")
