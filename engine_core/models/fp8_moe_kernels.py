@@ -35,6 +35,12 @@ reference, and vLLM and SGLang serving the checkpoint, compute), and both operan
 the FP8 tensor cores at twice the bf16 rate for prefill. The product of two e4m3 values is exact
 in float32, so only the accumulation order differs from the reference.
 
+INT8 experts (W8A8, models/int8.py) take the same kernels: int8 tiles of weights and of
+activations quantized per token as compressed-tensors does (w8a8_kernels' quantizer), ``tl.dot``
+accumulating in int32 (``ACC``), both row scales applied once to the sum in float32
+(``fused_moe_int8``). An int8 product sums exactly, so again only the float32 scaling's order
+differs from the reference.
+
 Importing this module imports triton: only CUDA code paths and GPU tests may do so (or set
 ``TRITON_INTERPRET=1`` first to run on CPU tensors).
 """
@@ -48,14 +54,19 @@ import triton.language as tl
 from engine_core.models.fp8 import Fp8Experts
 from engine_core.models.fp8_kernels import quantize_per_token, quantize_per_token_group
 from engine_core.models.fused_moe import Blocks, align, block_rows, combine_slots
+from engine_core.models.int8 import Int8Experts
+from engine_core.models.w8a8_kernels import quantize_per_token as int8_per_token
 
 
 @triton.jit
-def _scaled_dot(acc, a, w, a_scale_ptrs, w_scale_ptrs, row_ok, col_ok, BLOCK_SCALED: tl.constexpr):
-    """acc + a @ w (e4m3 tiles [M, K] and [K, N], float32 accumulation); with BLOCK_SCALED the
-    product is scaled first by the rows' activation scales and the columns' weight scales of
-    this K step's group (the pointers already at the step's group)."""
-    product = tl.dot(a, w, out_dtype=tl.float32)
+def _scaled_dot(
+    acc, a, w, a_scale_ptrs, w_scale_ptrs, row_ok, col_ok, BLOCK_SCALED: tl.constexpr,
+    ACC: tl.constexpr,
+):  # fmt: skip
+    """acc + a @ w (e4m3 or int8 tiles [M, K] and [K, N], ACC accumulation: float32 or int32);
+    with BLOCK_SCALED the product is scaled first by the rows' activation scales and the
+    columns' weight scales of this K step's group (the pointers already at the step's group)."""
+    product = tl.dot(a, w, out_dtype=ACC)
     if BLOCK_SCALED:
         a_scale = tl.load(a_scale_ptrs, mask=row_ok, other=0.0)
         w_scale = tl.load(w_scale_ptrs, mask=col_ok, other=0.0)
@@ -71,15 +82,15 @@ def _row_scaled(acc, a_scale_ptrs, w_scale_ptrs, row_ok, col_ok, BLOCK_SCALED: t
         return acc
     a_scale = tl.load(a_scale_ptrs, mask=row_ok, other=0.0)
     w_scale = tl.load(w_scale_ptrs, mask=col_ok, other=0.0)
-    return acc * a_scale[:, None] * w_scale[None, :]
+    return acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
 
 
 # The slot count changes from step to step: not specialized (fused_moe._gate_up_kernel says why).
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
-    Xq,  # [T, H] e4m3
+    Xq,  # [T, H] e4m3 (int8)
     XScale,  # [T, H / GROUP_K] (block) or [T, 1] float32
-    W13,  # [E, 2I, H] e4m3
+    W13,  # [E, 2I, H] e4m3 (int8)
     W13Scale,  # [E, 2I / GROUP_N, H / GROUP_K] (block) or [E, 2I] float32
     Act,  # [S, I] the activations' dtype (S = T*K slots)
     SortedSlots,  # [R] slot of each sorted row; S for padding
@@ -96,6 +107,7 @@ def _gate_up_kernel(
     inter,
     TOP_K: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
+    ACC: tl.constexpr,  # the products' accumulator: float32 (e4m3), int32 (int8)
     GROUP_N: tl.constexpr,  # weight rows a scale (1: row scales)
     GROUP_K: tl.constexpr,  # columns a scale group (block scales; BLOCK_K divides it)
     BLOCK_M: tl.constexpr,
@@ -125,8 +137,8 @@ def _gate_up_kernel(
     w_scales = W13Scale + expert * stride_wse
     gate_scales = w_scales + (cols // GROUP_N) * stride_wsn
     up_scales = w_scales + ((cols + inter) // GROUP_N) * stride_wsn
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = (ks + k0) < hidden
         x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -135,9 +147,9 @@ def _gate_up_kernel(
         up_w = tl.load(up_ptrs + k0, mask=w_mask, other=0.0)
         group = k0 // GROUP_K
         gate = _scaled_dot(gate, x, gate_w, x_scales + group, gate_scales + group, row_ok, col_ok,
-                           BLOCK_SCALED)  # fmt: skip
+                           BLOCK_SCALED, ACC)  # fmt: skip
         up = _scaled_dot(up, x, up_w, x_scales + group, up_scales + group, row_ok, col_ok,
-                         BLOCK_SCALED)  # fmt: skip
+                         BLOCK_SCALED, ACC)  # fmt: skip
     gate = _row_scaled(gate, x_scales, gate_scales, row_ok, col_ok, BLOCK_SCALED)
     up = _row_scaled(up, x_scales, up_scales, row_ok, col_ok, BLOCK_SCALED)
     # Each linear's output rounded to the activations' dtype, as the reference's linear does.
@@ -151,9 +163,9 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_slots"])  # as _gate_up_kernel
 def _down_kernel(
-    Aq,  # [S, I] e4m3
+    Aq,  # [S, I] e4m3 (int8)
     AScale,  # [S, I / GROUP_K] (block) or [S, 1] float32
-    W2,  # [E, H, I] e4m3
+    W2,  # [E, H, I] e4m3 (int8)
     W2Scale,  # [E, H / GROUP_N, I / GROUP_K] (block) or [E, H] float32
     Out,  # [S, H] the activations' dtype
     SlotWeights,  # [S] float32
@@ -170,6 +182,7 @@ def _down_kernel(
     hidden,
     inter,
     BLOCK_SCALED: tl.constexpr,
+    ACC: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -192,14 +205,14 @@ def _down_kernel(
     w_ptrs = W2 + expert * stride_we + (cols[None, :] * stride_wn + ks[:, None])  # as gate/up's
     a_scales = AScale + slots64 * stride_ass
     w_scales = W2Scale + expert * stride_wse + (cols // GROUP_N) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = (ks + k0) < inter
         a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         group = k0 // GROUP_K
         acc = _scaled_dot(acc, a, w, a_scales + group, w_scales + group, row_ok, col_ok,
-                          BLOCK_SCALED)  # fmt: skip
+                          BLOCK_SCALED, ACC)  # fmt: skip
     acc = _row_scaled(acc, a_scales, w_scales, row_ok, col_ok, BLOCK_SCALED)
     acc = acc.to(Out.dtype.element_ty).to(tl.float32)  # the reference's linear output, rounded
     weight = tl.load(SlotWeights + slots, mask=row_ok, other=0.0)
@@ -253,7 +266,7 @@ def fit_to_group(blocks: Blocks, block: tuple[int, int] | None) -> Blocks:
 
 def fused_moe_fp8(
     x: torch.Tensor,  # [T, H] bf16, fp16 or float32
-    experts: Fp8Experts,
+    experts: Fp8Experts | Int8Experts,
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K] int
     blocks: Blocks | None = None,  # None: block_sizes' choice (a benchmark may sweep others)
@@ -265,7 +278,7 @@ def fused_moe_fp8(
     if num_tokens == 0:
         return torch.zeros_like(x)
     check_layout(experts, x.shape[1])
-    xq = quantize_activations(x, experts.block)
+    xq = quantize_activations(x, experts)
     if num_tokens == 1 and blocks is None:
         ids = topk_ids.reshape(-1).to(torch.int32)
         tiles = (fit_to_group(ONE_TOKEN_GATE_UP, experts.block),
@@ -277,17 +290,32 @@ def fused_moe_fp8(
     return _grouped_gemms(x.dtype, xq, experts, topk_weights, top_k, rows, (b, b))
 
 
+def fused_moe_int8(
+    x: torch.Tensor,  # [T, H] bf16, fp16 or float32
+    experts: Int8Experts,
+    topk_weights: torch.Tensor,  # [T, K]
+    topk_ids: torch.Tensor,  # [T, K] int
+    blocks: Blocks | None = None,  # None: block_sizes' choice
+) -> torch.Tensor:
+    """``fused_moe_fp8``'s layer over INT8 experts (module docstring): int8 tiles, int32 sums,
+    the activations quantized per token (W8A8's scheme). No host sync."""
+    return fused_moe_fp8(x, experts, topk_weights, topk_ids, blocks)
+
+
 def quantize_activations(
-    x: torch.Tensor, block: tuple[int, int] | None
+    x: torch.Tensor, experts: Fp8Experts | Int8Experts
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales): per token and ``block[1]``-column group for
-    block weights ([M, K / cols]), per token for row-scaled ones ([M, 1])."""
-    if block is None:
+    """x [M, K] -> (e4m3 or int8 [M, K] as the experts' weights, float32 scales): per token and
+    ``block[1]``-column group for block weights ([M, K / cols]), per token for row-scaled ones
+    ([M, 1])."""
+    if experts.w13.dtype == torch.int8:
+        return int8_per_token(x)
+    if experts.block is None:
         return quantize_per_token(x)
-    return quantize_per_token_group(x, block[1])
+    return quantize_per_token_group(x, experts.block[1])
 
 
-def check_layout(experts: Fp8Experts, hidden: int) -> None:
+def check_layout(experts: Fp8Experts | Int8Experts, hidden: int) -> None:
     """ValueError unless the tensors have the dtypes, shapes and inner strides the kernels
     assume."""
     num_experts, rows, _ = experts.w13.shape
@@ -307,10 +335,11 @@ def check_layout(experts: Fp8Experts, hidden: int) -> None:
             )
         scale_13 = (num_experts, -(-2 * inter // scale_rows), hidden // scale_cols)
         scale_2 = (num_experts, -(-hidden // scale_rows), inter // scale_cols)
+    dtype = torch.int8 if isinstance(experts, Int8Experts) else torch.float8_e4m3fn
     want = {
-        "w13": (experts.w13, (num_experts, 2 * inter, hidden), torch.float8_e4m3fn),
+        "w13": (experts.w13, (num_experts, 2 * inter, hidden), dtype),
         "w13_scale": (experts.w13_scale, scale_13, torch.float32),
-        "w2": (experts.w2, (num_experts, hidden, inter), torch.float8_e4m3fn),
+        "w2": (experts.w2, (num_experts, hidden, inter), dtype),
         "w2_scale": (experts.w2_scale, scale_2, torch.float32),
     }
     for name, (tensor, shape, dtype) in want.items():
@@ -324,7 +353,7 @@ def check_layout(experts: Fp8Experts, hidden: int) -> None:
 def _grouped_gemms(
     dtype: torch.dtype,  # the activations'
     xq: tuple[torch.Tensor, torch.Tensor],  # the tokens in e4m3 and their scales
-    experts: Fp8Experts,
+    experts: Fp8Experts | Int8Experts,
     topk_weights: torch.Tensor,
     top_k: int,
     rows: tuple[torch.Tensor | None, torch.Tensor],  # align's (sorted slots, block experts)
@@ -341,6 +370,7 @@ def _grouped_gemms(
     num_slots, num_blocks = num_tokens * top_k, block_experts.numel()
     scaled = e.block is not None
     group_n, group_k = e.block or (1, 1)
+    acc = tl.int32 if e.w13.dtype == torch.int8 else tl.float32
     act = torch.empty(num_slots, inter, dtype=dtype, device=x.device)
     b = tiles[0]
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
@@ -348,11 +378,11 @@ def _grouped_gemms(
         x.stride(0), x_scale.stride(0), e.w13.stride(0), e.w13.stride(1),
         e.w13_scale.stride(0), e.w13_scale.stride(1), act.stride(0),
         num_slots, hidden, inter,
-        TOP_K=top_k, BLOCK_SCALED=scaled, GROUP_N=group_n, GROUP_K=group_k,
+        TOP_K=top_k, BLOCK_SCALED=scaled, ACC=acc, GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
-    aq, a_scale = quantize_activations(act, e.block)
+    aq, a_scale = quantize_activations(act, e)
     # Per slot in the activations' dtype, as fused_moe's: float32 would double the largest
     # buffer of a prefill (8,192 tokens x top 8 x DeepSeek-V3's 7,168 columns: 1.9 GB).
     out = torch.empty(num_slots, hidden, dtype=dtype, device=x.device)
@@ -363,7 +393,7 @@ def _grouped_gemms(
         aq.stride(0), a_scale.stride(0), e.w2.stride(0), e.w2.stride(1),
         e.w2_scale.stride(0), e.w2_scale.stride(1), out.stride(0),
         num_slots, hidden, inter,
-        BLOCK_SCALED=scaled, GROUP_N=group_n, GROUP_K=group_k,
+        BLOCK_SCALED=scaled, ACC=acc, GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip

@@ -20,6 +20,8 @@ a zero scale becomes the dtype's eps), values are clamped to -128..127 and round
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,18 @@ INT8_MIN, INT8_MAX = -128, 127
 HALF_RANGE = (INT8_MAX - INT8_MIN) / 2  # 127.5: compressed-tensors' symmetric scale divisor
 # _int_mm (cuBLASLt int8) takes more than 16 rows: smaller products are padded to this many.
 INT_MM_MIN_ROWS = 32
+
+
+@dataclass(frozen=True)
+class Int8Experts:
+    """One MoE layer's INT8 experts as SparseMoE (moe.py) holds them, for the fused kernels
+    (fp8_moe_kernels.fused_moe_int8): one scale per output row."""
+
+    w13: torch.Tensor  # [E, 2I, H] int8
+    w13_scale: torch.Tensor  # [E, 2I] float32
+    w2: torch.Tensor  # [E, H, I] int8
+    w2_scale: torch.Tensor  # [E, H] float32
+    block: None = None  # as Fp8Experts': row scales only
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,12 @@ kernels of engine_core/models/fp8_moe_kernels.py (no host sync: CUDA graphs capt
 elsewhere expert by expert through the dequantizing reference of engine_core/models/fp8.py;
 both quantize activations per token (and column group) as the checkpoint says.
 
+INT8 experts (``make_int8``: a compressed-tensors W8A8 checkpoint's int8 experts with one scale
+per output row, or a plain checkpoint's quantized per row as it loads under ``--quantization
+w8a8``) run on CUDA through the same fused kernels with int8 tiles and int32 accumulation
+(``fused_moe_int8``), and elsewhere expert by expert through int8.py's reference; both quantize
+each expert's inputs to int8 per token, as compressed-tensors' scheme says.
+
 W4A16 experts (``make_w4a16``: AWQ, GPTQ or compressed-tensors checkpoints, each expert's
 tensors repacked into w4a16.py's layout as they load, stacked per expert) run on CUDA through
 the fused kernels of engine_core/models/w4a16_moe_kernels.py, or for long steps dequantized first
@@ -51,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.config import Fp8Config, ModelConfig, W4A16Config
+from engine_core.config import Fp8Config, Int8Config, ModelConfig, W4A16Config
 from engine_core.models.expert_dispatch import dispatch_combine, gather_tokens, token_slice
 from engine_core.models.fp8 import (
     FP8_DTYPE,
@@ -60,6 +66,8 @@ from engine_core.models.fp8 import (
     quantize_rows,
     weight_scale_shape,
 )
+from engine_core.models.int8 import Int8Experts, int8_linear
+from engine_core.models.int8 import quantize_rows as int8_rows
 from engine_core.models.layers import (
     LoadsQuantized,
     ShardedParameters,
@@ -155,6 +163,7 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         # which this layer's forward makes one at a time.
         self.register_buffer("router_arrived", torch.zeros(1, dtype=torch.int32), persistent=False)
         self.fp8: Fp8Config | None = None  # set by make_fp8, before loading
+        self.int8: Int8Config | None = None  # set by make_int8, before loading
         self.w4a16: W4A16Config | None = None  # set by make_w4a16, before loading
         self.w4a16_groups = (0, 0)  # W4A16: input columns per scale of w13, of w2
         if self.expert_parallel:  # the all-to-all's split sizes are read on the host
@@ -188,6 +197,17 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         self.w13_scale = empty_param((experts, *scale_13), torch.float32, device)
         self.w2_scale = empty_param((experts, *scale_2), torch.float32, device)
         self.fp8 = config
+
+    def make_int8(self, config: Int8Config) -> None:
+        """Hold the experts in int8 from now on, with one float32 scale per output row:
+        ``w13_scale`` [E, 2I], ``w2_scale`` [E, H] (call before loading, on any device)."""
+        self.refuse_expert_parallel("W8A8 (int8)")
+        (experts, rows, hidden), device = self.w13.shape, self.w13.device
+        self.w13 = empty_param((experts, rows, hidden), torch.int8, device)
+        self.w2 = empty_param((experts, hidden, self.inter), torch.int8, device)
+        self.w13_scale = empty_param((experts, rows), torch.float32, device)
+        self.w2_scale = empty_param((experts, hidden), torch.float32, device)
+        self.int8 = config
 
     def make_w4a16(self, config: W4A16Config, where: str) -> None:
         """Hold the experts in the W4A16 layout of w4a16.py, stacked per expert, from now on:
@@ -273,39 +293,41 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
 
     @property
     def quantized(self) -> bool:
-        return self.fp8 is not None or self.w4a16 is not None
+        return self.fp8 is not None or self.int8 is not None or self.w4a16 is not None
 
     def load_quantized(
         self, param_name: str, tensor: torch.Tensor, index: ShardIndex | None, hf_name: str
     ) -> None:
-        """An FP8 expert's weight (checked e4m3) or scale (per-channel scales as [rows]), a W4A16
-        expert's tensors (scales checked positive); the layer's other parameters (a router's
-        bias) as they are."""
+        """An FP8 or INT8 expert's weight (checked e4m3 or int8) or scale (per-channel scales as
+        [rows]), a W4A16 expert's tensors (scales checked positive); the layer's other
+        parameters (a router's bias) as they are."""
         target = getattr(self, param_name).data
         target = target if index is None else target[index]
         if param_name.endswith("_scales"):  # W4A16
             check_positive(tensor, hf_name)
         elif param_name in ("w13_scale", "w2_scale"):
-            per_channel = self.fp8 is not None and self.fp8.block is None
+            per_channel = self.int8 is not None or (self.fp8 is not None and self.fp8.block is None)
             tensor = checkpoint_scale(tensor, target, per_channel, hf_name)
         elif param_name in ("w13", "w2") and self.fp8 is not None:
             check_held_dtype(tensor, FP8_DTYPE, self.fp8.source, hf_name)
+        elif param_name in ("w13", "w2") and self.int8 is not None:
+            check_held_dtype(tensor, torch.int8, self.int8.source, hf_name)
         copy_into(getattr(self, param_name), tensor, index, hf_name)
 
     def quantized_form(
         self, param_name: str, tensor: torch.Tensor, hf_name: str
     ) -> list[tuple[str, torch.Tensor]]:
-        """A plain checkpoint's expert weight under ``--quantization fp8``: its e4m3 rows and one
-        absmax scale per row (one expert's gate, up or down, or all of them stacked); a W4A16
-        expert's tensors in our layout (``w4a16_form``)."""
+        """A plain checkpoint's expert weight under ``--quantization fp8`` or ``w8a8``: its e4m3
+        or int8 rows and one absmax scale per row (one expert's gate, up or down, or all of them
+        stacked); a W4A16 expert's tensors in our layout (``w4a16_form``)."""
         if self.w4a16 is not None:
             return self.w4a16_form(param_name, tensor, hf_name)
-        config = self.fp8
+        config = self.fp8 or self.int8
         if param_name not in ("w13", "w2") or config is None or config.prequantized:
             return [(param_name, tensor)]
         check_plain_weight(tensor, hf_name)
         rows = tensor.to(self.w13.device).reshape(-1, tensor.shape[-1])
-        quantized, scale = quantize_rows(rows)
+        quantized, scale = (int8_rows if self.int8 is not None else quantize_rows)(rows)
         return [
             (param_name, quantized.view(tensor.shape)),
             (f"{param_name}_scale", scale.view(tensor.shape[:-1])),
@@ -348,6 +370,12 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
             return fused_moe_fp8(x, self.fp8_experts(), weights, ids)
         if self.fp8 is not None:
             return grouped_experts(x, weights, ids, self.local_experts, self.fp8_expert)
+        if self.int8 is not None and use_triton(x):
+            from engine_core.models.fp8_moe_kernels import fused_moe_int8  # imports triton
+
+            return fused_moe_int8(x, self.int8_experts(), weights, ids)
+        if self.int8 is not None:
+            return grouped_experts(x, weights, ids, self.local_experts, self.int8_expert)
         if self.w4a16 is not None and use_triton(x):
             from engine_core.models.w4a16_moe import w4a16_moe  # imports triton
 
@@ -369,6 +397,16 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         gate_up = fp8_linear(x, self.w13[expert], self.w13_scale[expert], None, config)
         down = self.w2[expert], self.w2_scale[expert]
         return fp8_linear(silu_and_mul(gate_up), *down, None, config)
+
+    def int8_experts(self) -> Int8Experts:
+        """The INT8 experts as the fused kernels take them (fp8_moe_kernels.fused_moe_int8)."""
+        return Int8Experts(self.w13, self.w13_scale, self.w2, self.w2_scale)
+
+    def int8_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One INT8 expert's SwiGLU over its tokens x [n, H] -> [n, H], each product's input
+        quantized per token (int8.py's reference off CUDA): what the fused kernels compute."""
+        gate_up = int8_linear(x, self.w13[expert], self.w13_scale[expert])
+        return int8_linear(silu_and_mul(gate_up), self.w2[expert], self.w2_scale[expert])
 
     def w4a16_experts(self) -> W4A16Experts:
         """The W4A16 experts as the fused kernels take them (w4a16_moe_kernels.py)."""
