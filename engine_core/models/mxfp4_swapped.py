@@ -59,38 +59,57 @@ class Swapped:
     rows: int = 128
     slots: int = 16
     k: int = 128
-    warps: int = 4
+    warps: int = 8
     stages: int = 3
     scaled: bool = True
 
 
 # Tiles ``python -m benchmarks mxfp4 --sweep`` times (16 to 256 tokens: 2 to 32 slots an expert
 # at gpt-oss-20b's 32 experts, top 4). Each compiled for sm_90 without a GPU with no register
-# spills (128 x 32 x 128 spills in gate/up, which holds gate's and up's tiles); their speed is
-# unmeasured.
+# spills (gate/up holds gate's and up's tiles: 128 rows x 128 columns spill there with 4 warps,
+# not with 8); their speed is unmeasured.
 SWAPPED_CANDIDATES = (
-    Swapped(128, 16, 128),
-    Swapped(64, 16, 128),
-    Swapped(128, 16, 64),
     Swapped(128, 16, 128, warps=8),
-    Swapped(64, 32, 128),
+    Swapped(64, 16, 128, warps=4),
+    Swapped(128, 16, 64, warps=4),
+    Swapped(128, 16, 64, warps=8),
+    Swapped(64, 32, 128, warps=4),
+    Swapped(128, 32, 128, warps=8),
     Swapped(128, 32, 64, warps=8),
-    Swapped(128, 16, 64, scaled=False),
+    Swapped(128, 16, 64, warps=4, scaled=False),
 )
 
 
 @triton.jit
-def _weight_tile(code_rows, scale_rows, rows_ok, k0, width, BLOCK_K: tl.constexpr):
-    """Weight rows' code bytes [ROWS, BLOCK_K / 2] and scales [ROWS, BLOCK_K / 32] from column
-    k0 on, as stored (uint8), zeros past the row's end (width columns). code_rows, scale_rows:
-    [ROWS, 1] pointers to the rows' starts."""
+def _codes_tile(code_rows, rows_ok, k0, width, BLOCK_K: tl.constexpr):
+    """Weight rows' code bytes [ROWS, BLOCK_K / 2] from column k0 on, as stored (uint8), zeros
+    past the row's end (width columns). code_rows: [ROWS, 1] pointers to the rows' starts."""
     b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    return tl.load(
+        code_rows + b[None, :], mask=rows_ok[:, None] & (b < width // 2)[None, :], other=0
+    )
+
+
+@triton.jit
+def _scales_tile(scale_rows, rows_ok, k0, width, BLOCK_K: tl.constexpr):
+    """The rows' scale bytes [ROWS, BLOCK_K / 32] from column k0 on, as _codes_tile's."""
     g = k0 // _GROUP + tl.arange(0, BLOCK_K // _GROUP)
-    codes_ok = rows_ok[:, None] & (b < width // 2)[None, :]
-    scales_ok = rows_ok[:, None] & (g < width // _GROUP)[None, :]
-    codes = tl.load(code_rows + b[None, :], mask=codes_ok, other=0)
-    scales = tl.load(scale_rows + g[None, :], mask=scales_ok, other=0)
-    return codes, scales
+    ok = rows_ok[:, None] & (g < width // _GROUP)[None, :]
+    return tl.load(scale_rows + g[None, :], mask=ok, other=0)
+
+
+@triton.jit
+def _scales_ahead(scale_rows, rows_ok, k0, width, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    """The scales a K step hands _product, loaded a step ahead so that their latency (their
+    rows are 90 bytes apart: no cp.async, so Triton's pipelining leaves them) overlaps a step.
+    The bits path loads its own in the step (a placeholder here): a scale tile carried from the
+    step before reaches the widening in a layout Triton then cannot convert on the codes, and
+    the widened bf16 tile goes through shared memory (compiled for sm_90)."""
+    if SCALED:
+        scales = _scales_tile(scale_rows, rows_ok, k0, width, BLOCK_K)
+    else:
+        scales = tl.zeros((1, 1), dtype=tl.uint8)
+    return scales
 
 
 @triton.jit
@@ -100,6 +119,19 @@ def _slots_tile(slot_rows, slots_ok, k0, width, BLOCK_K: tl.constexpr, STEP: tl.
     cols = k0 + STEP * tl.arange(0, BLOCK_K)
     ok = (cols < width)[:, None] & slots_ok[None, :]
     return tl.load(slot_rows + cols[:, None], mask=ok, other=0.0)
+
+
+@triton.jit
+def _slots_tiles(slot_rows, slots_ok, k0, width, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    """The K step's X^T operands: with SCALED all of it (twice, for one signature), else its
+    even and odd rows, for the low and high nibble planes."""
+    if SCALED:
+        x_a = _slots_tile(slot_rows, slots_ok, k0, width, BLOCK_K, 1)
+        x_b = x_a
+    else:
+        x_a = _slots_tile(slot_rows, slots_ok, k0, width, BLOCK_K // 2, 2)
+        x_b = _slots_tile(slot_rows, slots_ok, k0 + 1, width, BLOCK_K // 2, 2)
+    return x_a, x_b
 
 
 @triton.jit
@@ -116,20 +148,20 @@ def _widened_planes(codes, scales, dtype: tl.constexpr):
 
 
 @triton.jit
-def _product(acc, code_rows, scale_rows, rows_ok, slot_rows, slots_ok, k0, width,
+def _product(acc, code_rows, scale_rows, rows_ok, scales, x_a, x_b, k0, width,
              PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
-    """acc [ROWS, SLOTS] + the weight rows' K step at k0 times the slots' (pointers as
-    _weight_tile's and _slots_tile's; the module docstring says what ``SCALED`` does)."""
-    codes, scales = _weight_tile(code_rows, scale_rows, rows_ok, k0, width, BLOCK_K)
+    """acc [ROWS, SLOTS] + the weight rows' K step at k0 (its codes loaded here, its scales
+    _scales_ahead's) times the slots' (_slots_tiles' pair); the module docstring says what
+    ``SCALED`` does."""
+    codes = _codes_tile(code_rows, rows_ok, k0, width, BLOCK_K)
     if SCALED:
-        xt = _slots_tile(slot_rows, slots_ok, k0, width, BLOCK_K, 1)
-        return tl.dot_scaled(codes, scales, "e2m1", xt, None, "bf16", acc, fast_math=True)
-    half: tl.constexpr = BLOCK_K // 2
-    x_even = _slots_tile(slot_rows, slots_ok, k0, width, half, 2)
-    x_odd = _slots_tile(slot_rows, slots_ok, k0 + 1, width, half, 2)
-    low, high = _widened_planes(codes, scales, x_even.dtype)
-    acc = tl.dot(low, x_even, acc, input_precision=PRECISION)
-    return tl.dot(high, x_odd, acc, input_precision=PRECISION)
+        acc = tl.dot_scaled(codes, scales, "e2m1", x_a, None, "bf16", acc, fast_math=True)
+    else:
+        scales = _scales_tile(scale_rows, rows_ok, k0, width, BLOCK_K)
+        low, high = _widened_planes(codes, scales, x_a.dtype)
+        acc = tl.dot(low, x_a, acc, input_precision=PRECISION)
+        acc = tl.dot(high, x_b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_slots"])  # as mxfp4_kernels._gate_up_kernel
@@ -163,11 +195,19 @@ def _gate_up_swapped_kernel(
     x_rows = X + tokens[None, :] * stride_xt
     gate = tl.zeros((ROWS, SLOTS), dtype=tl.float32)
     up = tl.zeros((ROWS, SLOTS), dtype=tl.float32)
+    gate_s = _scales_ahead(gate_scales, rows_ok, 0, hidden, BLOCK_K, SCALED)
+    up_s = _scales_ahead(up_scales, rows_ok, 0, hidden, BLOCK_K, SCALED)
+    x_a, x_b = _slots_tiles(x_rows, slots_ok, 0, hidden, BLOCK_K, SCALED)
     for k0 in range(0, hidden, BLOCK_K):
-        gate = _product(gate, gate_codes, gate_scales, rows_ok, x_rows, slots_ok, k0, hidden,
+        k1 = k0 + BLOCK_K  # the next step's (masked off after the last step)
+        gate_s1 = _scales_ahead(gate_scales, rows_ok, k1, hidden, BLOCK_K, SCALED)
+        up_s1 = _scales_ahead(up_scales, rows_ok, k1, hidden, BLOCK_K, SCALED)
+        x_a1, x_b1 = _slots_tiles(x_rows, slots_ok, k1, hidden, BLOCK_K, SCALED)
+        gate = _product(gate, gate_codes, gate_scales, rows_ok, gate_s, x_a, x_b, k0, hidden,
                         PRECISION, BLOCK_K, SCALED)  # fmt: skip
-        up = _product(up, up_codes, up_scales, rows_ok, x_rows, slots_ok, k0, hidden, PRECISION,
+        up = _product(up, up_codes, up_scales, rows_ok, up_s, x_a, x_b, k0, hidden, PRECISION,
                       BLOCK_K, SCALED)  # fmt: skip
+        gate_s, up_s, x_a, x_b = gate_s1, up_s1, x_a1, x_b1
     bias = Bias + expert * stride_be + rows
     gate_bias = tl.load(bias, mask=rows_ok, other=0.0)[:, None]
     up_bias = tl.load(bias + inter, mask=rows_ok, other=0.0)[:, None]
@@ -206,9 +246,27 @@ def _down_swapped_kernel(
     scales = Scales + expert * stride_se + rows[:, None] * stride_sn
     act_rows = Act + slot_rows[None, :] * stride_as
     acc = tl.zeros((ROWS, SLOTS), dtype=tl.float32)
+    step_scales = _scales_ahead(scales, rows_ok, 0, inter, BLOCK_K, SCALED)
+    a_a, a_b = _slots_tiles(act_rows, slots_ok, 0, inter, BLOCK_K, SCALED)
     for k0 in range(0, inter, BLOCK_K):
-        acc = _product(acc, codes, scales, rows_ok, act_rows, slots_ok, k0, inter, PRECISION,
-                       BLOCK_K, SCALED)  # fmt: skip
+        k1 = k0 + BLOCK_K  # as in _gate_up_swapped_kernel
+        next_scales = _scales_ahead(scales, rows_ok, k1, inter, BLOCK_K, SCALED)
+        a_a1, a_b1 = _slots_tiles(act_rows, slots_ok, k1, inter, BLOCK_K, SCALED)
+        acc = _product(
+            acc,
+            codes,
+            scales,
+            rows_ok,
+            step_scales,
+            a_a,
+            a_b,
+            k0,
+            inter,
+            PRECISION,
+            BLOCK_K,
+            SCALED,
+        )
+        step_scales, a_a, a_b = next_scales, a_a1, a_b1
     bias = tl.load(Bias + expert * stride_be + rows, mask=rows_ok, other=0.0)[:, None]
     weight = tl.load(SlotWeights + slots, mask=slots_ok, other=0.0)[None, :]
     out = weighted_down(acc, bias, weight, Act.dtype.element_ty)
