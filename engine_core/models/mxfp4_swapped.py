@@ -45,10 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.models.fused_moe import align, block_rows, combine_slots
+from engine_core.models.fused_moe import align, block_rows
 from engine_core.models.mxfp4 import BLOCK, Mxfp4Experts
 from engine_core.models.mxfp4_gemv import e2m1_unscaled, scale_values
-from engine_core.models.mxfp4_kernels import clamped_swiglu, weighted_down
+from engine_core.models.mxfp4_kernels import clamped_swiglu, expert_gemms, weighted_down
 
 _GROUP = tl.constexpr(BLOCK)  # weights per scale, as the kernels see it
 _GROUP_BYTES = tl.constexpr(BLOCK // 2)  # code bytes per scale
@@ -291,33 +291,12 @@ def swapped_moe_mxfp4(
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
-    sorted_slots, block_experts = align(topk_ids, experts.w13_blocks.shape[0], tiles.slots)
-    x = x.contiguous()
-    hidden = x.shape[1]
-    inter = experts.w13_blocks.shape[1] // 2
-    num_slots, num_blocks = num_tokens * top_k, block_experts.numel()
+    rows = align(topk_ids, experts.w13_blocks.shape[0], tiles.slots)
     # dot_scaled takes bf16 X^T only, and Triton's interpreter does not run it.
     scaled = tiles.scaled and x.is_cuda and x.dtype == torch.bfloat16
-    # float32 models (the tests' comparisons) need exact float32 products, not TF32's.
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    t, e = tiles, experts
-    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    _gate_up_swapped_kernel[(num_blocks, triton.cdiv(inter, t.rows))](
-        x, e.w13_blocks, e.w13_scales, e.b13, act, sorted_slots, block_experts,
-        x.stride(0), e.w13_blocks.stride(0), e.w13_blocks.stride(1), e.w13_scales.stride(0),
-        e.w13_scales.stride(1), e.b13.stride(0), act.stride(0),
-        num_slots, hidden, inter, e.limit, e.alpha,
-        TOP_K=top_k, PRECISION=precision, ROWS=t.rows, SLOTS=t.slots, BLOCK_K=t.k,
-        SCALED=scaled, num_warps=t.warps, num_stages=t.stages,
+    t = tiles
+    constants = {"ROWS": t.rows, "SLOTS": t.slots, "BLOCK_K": t.k, "SCALED": scaled}
+    return expert_gemms(
+        (_gate_up_swapped_kernel, _down_swapped_kernel), x, experts, topk_weights, top_k, rows,
+        t.rows, constants | {"num_warps": t.warps, "num_stages": t.stages},
     )  # fmt: skip
-    out = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _down_swapped_kernel[(num_blocks, triton.cdiv(hidden, t.rows))](
-        act, e.w2_blocks, e.w2_scales, e.b2, out, weights, sorted_slots, block_experts,
-        act.stride(0), e.w2_blocks.stride(0), e.w2_blocks.stride(1), e.w2_scales.stride(0),
-        e.w2_scales.stride(1), e.b2.stride(0), out.stride(0),
-        num_slots, hidden, inter,
-        PRECISION=precision, ROWS=t.rows, SLOTS=t.slots, BLOCK_K=t.k, SCALED=scaled,
-        num_warps=t.warps, num_stages=t.stages,
-    )  # fmt: skip
-    return combine_slots(out, top_k, x.dtype)
