@@ -150,7 +150,8 @@ def rows() -> list[dict[str, Any]]:
     for t in mxfp4_swapped.SWAPPED_CANDIDATES:
         tiles = {"ROWS": t.rows, "SLOTS": t.slots, "BLOCK_K": t.k, "SCALED": t.scaled}
         kernels = (mxfp4_swapped._gate_up_swapped_kernel, mxfp4_swapped._down_swapped_kernel)
-        name = f"swapped {t.rows}x{t.slots}x{t.k} w{t.warps}" + ("" if t.scaled else " bits")
+        name = f"swapped {t.rows}x{t.slots}x{t.k} w{t.warps} s{t.stages}"
+        name += "" if t.scaled else " bits"
         out += _both(kernels, name, tiles, t.rows * t.k, t.warps, t.stages)
     return out
 

@@ -69,12 +69,16 @@ class Swapped:
 
 
 # Tiles ``python -m benchmarks mxfp4 --sweep`` times (16 to 256 tokens: 2 to 32 slots an expert
-# at gpt-oss-20b's 32 experts, top 4). Each compiled for sm_90 without a GPU with no register
-# spills (gate/up holds gate's and up's tiles: 128 rows x 128 columns spill there with 4 warps,
-# not with 8); their speed is unmeasured.
+# at gpt-oss-20b's 32 experts, top 4). None spills compiled for sm_90 without a GPU (``python -m
+# benchmarks mxfp4-compile``; gate/up holds gate's and up's tiles: 128 rows x 128 columns spill
+# there with 4 warps, 256 columns with any); deeper pipelines (stages) keep more code bytes in
+# flight where few programs fit a multiprocessor. Their speed is unmeasured.
 SWAPPED_CANDIDATES = (
     Swapped(128, 16, 128, warps=8),
+    Swapped(128, 16, 128, warps=8, stages=4),
     Swapped(64, 16, 128, warps=4),
+    Swapped(64, 16, 128, warps=4, stages=4),
+    Swapped(64, 16, 64, warps=4, stages=5),
     Swapped(128, 16, 64, warps=4),
     Swapped(128, 16, 64, warps=8),
     Swapped(64, 32, 128, warps=4),
