@@ -17,9 +17,11 @@ triton_kernels does the same on Hopper):
   dot_scaled's packing along K; one e8m0 byte a 32 columns): Triton 3.6 stages the code bytes
   (not the bf16 values) in shared memory with cp.async, loads them in the dot operand's
   register layout, widens them with byte permutes and one bf16 multiply by the scale a pair of
-  weights, and hands them to wgmma. Compiled for sm_90 without a GPU, the main loop takes about
-  6 instructions a weight (5.9 gate/up, 6.6 down at 128 x 16 x 128, 8 warps) against 22 for
-  the tiled kernel, and no tile in SWAPPED_CANDIDATES spills (docs/design/gpt-oss-and-
+  weights, and hands them to wgmma. The bytes are loaded in ``_thread_order`` (a permutation
+  within each scale's group, X^T's rows permuted alike), so a thread's operand bytes are one
+  word of shared memory. Compiled for sm_90 without a GPU, the main loop takes about 5
+  instructions a weight (4.9 gate/up, 5.8 down at 128 x 16 x 128, 8 warps) against 22 for the
+  tiled kernel, and no tile in SWAPPED_CANDIDATES spills (docs/design/gpt-oss-and-
   deepseek.md). Scale bytes are read with fast_math (no NaN for byte 255, which trained
   weights do not hold); a scale byte of 0 reads as zero.
 - *Loads a step ahead*: the scales (rows 90 bytes apart, too unaligned for cp.async, which is
@@ -70,12 +72,14 @@ class Swapped:
 
 # Tiles ``python -m benchmarks mxfp4 --sweep`` times (16 to 256 tokens: 2 to 32 slots an expert
 # at gpt-oss-20b's 32 experts, top 4). None spills compiled for sm_90 without a GPU (``python -m
-# benchmarks mxfp4-compile``; gate/up holds gate's and up's tiles: 128 rows x 128 columns spill
-# there with 4 warps, 256 columns with any); deeper pipelines (stages) keep more code bytes in
-# flight where few programs fit a multiprocessor. Their speed is unmeasured.
+# benchmarks mxfp4-compile``; gate/up holds gate's and up's tiles: 128 x 32 x 128 with 4 warps
+# spills there, and is left out); deeper pipelines (stages) keep more code bytes in flight
+# where few programs fit a multiprocessor. Their speed is unmeasured.
 SWAPPED_CANDIDATES = (
     Swapped(128, 16, 128, warps=8),
     Swapped(128, 16, 128, warps=8, stages=4),
+    Swapped(128, 16, 128, warps=4),
+    Swapped(128, 16, 256, warps=8),
     Swapped(64, 16, 128, warps=4),
     Swapped(64, 16, 128, warps=4, stages=4),
     Swapped(64, 16, 64, warps=4, stages=5),
@@ -90,12 +94,33 @@ SWAPPED_CANDIDATES = (
 
 @triton.jit
 def _codes_tile(code_rows, rows_ok, k0, width, BLOCK_K: tl.constexpr):
-    """Weight rows' code bytes [ROWS, BLOCK_K / 2] from column k0 on, as stored (uint8), zeros
-    past the row's end (width columns). code_rows: [ROWS, 1] pointers to the rows' starts."""
+    """Weight rows' code bytes [ROWS, BLOCK_K / 2] from column k0 on, zeros past the row's end
+    (width columns), in _thread_order. code_rows: [ROWS, 1] pointers to the rows' starts."""
     b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    return tl.load(
-        code_rows + b[None, :], mask=rows_ok[:, None] & (b < width // 2)[None, :], other=0
-    )
+    ok = rows_ok[:, None] & (b < width // 2)[None, :]
+    return _thread_order(tl.load(code_rows + b[None, :], mask=ok, other=0))
+
+
+@triton.jit
+def _thread_order(codes):
+    """A code tile with each 16-byte (one scale's) group reordered: place 4i + c takes the
+    loaded byte 4c + i. wgmma's A operand gives a thread bytes c, c + 4, c + 8, c + 12 of a
+    group's row; reordered so, they are 4 loaded bytes in a row, which Triton reads from shared
+    memory as one word into the operand's registers instead of byte by byte and then packs
+    (compiled for sm_90: the loop's instructions a weight 5.9 -> 4.6). The order is a
+    permutation within a scale group, so the scales stay as loaded; X^T's rows follow it
+    (``_source_bytes``)."""
+    rows: tl.constexpr = codes.shape[0]
+    width: tl.constexpr = codes.shape[1]
+    groups = tl.reshape(codes, (rows, width // _GROUP_BYTES, 4, 4))
+    return tl.reshape(tl.trans(groups, 0, 1, 3, 2), (rows, width))
+
+
+@triton.jit
+def _source_bytes(places):
+    """The loaded byte (within the step) that each place of a _thread_order tile holds."""
+    group = places // _GROUP_BYTES * _GROUP_BYTES
+    return group + (places % 4) * 4 + (places % _GROUP_BYTES) // 4
 
 
 @triton.jit
@@ -121,24 +146,26 @@ def _scales_ahead(scale_rows, rows_ok, k0, width, BLOCK_K: tl.constexpr, SCALED:
 
 
 @triton.jit
-def _slots_tile(slot_rows, slots_ok, k0, width, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
-    """X^T [BLOCK_K, SLOTS]: columns k0, k0 + STEP, ... of the slots' rows of X (slot_rows:
-    [1, SLOTS] pointers to their starts), zeros past the width and for padding slots."""
-    cols = k0 + STEP * tl.arange(0, BLOCK_K)
+def _slots_tile(slot_rows, slots_ok, cols, width):
+    """X^T [len(cols), SLOTS]: the slots' rows of X (slot_rows: [1, SLOTS] pointers to their
+    starts) at columns ``cols``, zeros past the width and for padding slots."""
     ok = (cols < width)[:, None] & slots_ok[None, :]
     return tl.load(slot_rows + cols[:, None], mask=ok, other=0.0)
 
 
 @triton.jit
 def _slots_tiles(slot_rows, slots_ok, k0, width, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
-    """The K step's X^T operands: with SCALED all of it (twice, for one signature), else its
-    even and odd rows, for the low and high nibble planes."""
+    """The K step's X^T operands, rows in the codes' _thread_order: with SCALED all of them
+    (byte j's columns 2j and 2j + 1 side by side; twice, for one signature), else the low
+    nibbles' columns and the high nibbles'."""
     if SCALED:
-        x_a = _slots_tile(slot_rows, slots_ok, k0, width, BLOCK_K, 1)
+        j = tl.arange(0, BLOCK_K)
+        x_a = _slots_tile(slot_rows, slots_ok, k0 + 2 * _source_bytes(j // 2) + j % 2, width)
         x_b = x_a
     else:
-        x_a = _slots_tile(slot_rows, slots_ok, k0, width, BLOCK_K // 2, 2)
-        x_b = _slots_tile(slot_rows, slots_ok, k0 + 1, width, BLOCK_K // 2, 2)
+        low = k0 + 2 * _source_bytes(tl.arange(0, BLOCK_K // 2))
+        x_a = _slots_tile(slot_rows, slots_ok, low, width)
+        x_b = _slots_tile(slot_rows, slots_ok, low + 1, width)
     return x_a, x_b
 
 
