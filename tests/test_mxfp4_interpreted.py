@@ -46,11 +46,7 @@ from engine_core.models.fused_moe import Blocks  # noqa: E402
 from engine_core.models.gpt_oss_moe import experts_reference, route_gpt_oss  # noqa: E402
 from engine_core.models.mxfp4_gemv import GEMV_CANDIDATES, GemvTiles  # noqa: E402
 from engine_core.models.mxfp4_moe import DEQUANTIZE_CANDIDATES, mxfp4_moe  # noqa: E402
-from engine_core.models.mxfp4_swapped import (  # noqa: E402
-    SWAPPED_CANDIDATES,
-    Swapped,
-    swapped_moe_mxfp4,
-)
+from engine_core.models.mxfp4_swapped import SWAPPED_CANDIDATES, Swapped  # noqa: E402
 from tests.paged_harness import load_float32  # noqa: E402
 from tests.test_models_gpt_oss import make_hf_model, write_mxfp4_checkpoint  # noqa: E402
 
@@ -171,21 +167,6 @@ SWAPPED_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tiles"), SWAPPED_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_swapped_kernels_match_the_dequantizing_reference(
-    tokens: int, experts: int, top_k: int, hidden: int, inter: int, tiles: Swapped,
-    dtype: torch.dtype,
-) -> None:  # fmt: skip
-    layer = in_dtype(random_experts(experts, hidden, inter, seed=tokens), dtype)
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
-    weights, ids = routing(tokens, experts, top_k, seed=tokens, dtype=dtype)
-    want = experts_reference(x, layer, weights, ids.long())
-    got = swapped_moe_mxfp4(x, layer, weights, ids, tiles)
-    assert got.dtype == dtype and got.shape == (tokens, hidden)
-    assert relative_error(got, want) <= TOLERANCE[dtype]
-
-
 @pytest.mark.parametrize("tiles", SWAPPED_CANDIDATES)
 def test_the_swapped_candidates_give_the_same_result(tiles: Swapped) -> None:
     """The benchmark's swapped tiles through mxfp4_moe (by their bits here, whatever
@@ -269,10 +250,12 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tiles"), GEMV_CASES)
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "tiles"), GEMV_CASES + SWAPPED_CASES
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_decode_kernels_match_the_dequantizing_reference(
-    tokens: int, experts: int, top_k: int, hidden: int, inter: int, tiles: GemvTiles,
+def test_the_decode_and_swapped_kernels_match_the_dequantizing_reference(
+    tokens: int, experts: int, top_k: int, hidden: int, inter: int, tiles: GemvTiles | Swapped,
     dtype: torch.dtype,
 ) -> None:  # fmt: skip
     layer = in_dtype(random_experts(experts, hidden, inter, seed=tokens), dtype)
