@@ -106,10 +106,10 @@ def _thread_order(codes):
     """A code tile with each 16-byte (one scale's) group reordered: place 4i + c takes the
     loaded byte 4c + i. wgmma's A operand gives a thread bytes c, c + 4, c + 8, c + 12 of a
     group's row; reordered so, they are 4 loaded bytes in a row, which Triton reads from shared
-    memory as one word into the operand's registers instead of byte by byte and then packs
-    (compiled for sm_90: the loop's instructions a weight 5.9 -> 4.6). The order is a
-    permutation within a scale group, so the scales stay as loaded; X^T's rows follow it
-    (``_source_bytes``)."""
+    memory in whole words (ldmatrix) instead of byte by byte, then packing them (compiled for
+    sm_90 at 128 x 16 x 128, 8 warps: the main loop's instructions a weight 5.9 -> 4.9 in
+    gate/up, 6.6 -> 5.8 in down). The order is a permutation within a scale group, so the
+    scales stay as loaded; X^T's rows follow it (``_source_bytes``)."""
     rows: tl.constexpr = codes.shape[0]
     width: tl.constexpr = codes.shape[1]
     groups = tl.reshape(codes, (rows, width // _GROUP_BYTES, 4, 4))
