@@ -29,6 +29,10 @@ BENCHMARKS = {
     ),
     "w4a16": ("benchmarks.w4a16", "the W4A16 products beside bf16, and a sweep of their tiles"),
     "mxfp4": ("benchmarks.mxfp4", "gpt-oss's MXFP4 expert GEMMs against HBM, beside bf16"),
+    "mxfp4-compile": (
+        "benchmarks.mxfp4_compile",
+        "the MXFP4 expert kernels compiled for sm_90 without a GPU: mma, spills, SASS a weight",
+    ),
     "fp8-moe": ("benchmarks.fp8_moe", "FP8 experts in the fused MoE against HBM, beside bf16"),
     "w4a16-moe": ("benchmarks.w4a16_moe", "W4A16 experts in the fused MoE vs HBM, beside bf16"),
     "vision": ("benchmarks.vision", "a vision encoder's images/s; TTFT of one image + text"),

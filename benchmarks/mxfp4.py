@@ -20,7 +20,10 @@ random MXFP4 weights and uniform random routing, at each token count (64: a deco
   mxfp4_kernels.CANDIDATES (row block, columns, K step, warps), and ``gemv RxNxW sS wW``: the
   decode kernels at each of mxfp4_gemv.GEMV_CANDIDATES (rows, columns, words a K step, splits,
   warps), and ``dequantize MxNxK wW``: the prefill path's GEMMs at each of
-  mxfp4_moe.DEQUANTIZE_CANDIDATES. After the table, the fastest MXFP4 way at each token count
+  mxfp4_moe.DEQUANTIZE_CANDIDATES, and ``swapped RxSxK wW sS``: the kernels with the weights on
+  the tensor cores' M side (mxfp4_swapped.py) at each of mxfp4_swapped.SWAPPED_CANDIDATES (weight
+  rows, slots, K step, warps, stages; ``bits``: widened by their bits, not tl.dot_scaled). After
+  the table, the fastest MXFP4 way at each token count
   as a line of mxfp4_moe.MEASURED, and the token count from which the dequantize path beat
   the others (the measured value of mxfp4_moe.DEQUANTIZE_TOKENS, among the counts given).
 
@@ -163,6 +166,7 @@ def measure(
         multiprocessors,
         mxfp4_moe,
     )
+    from engine_core.models.mxfp4_swapped import SWAPPED_CANDIDATES
 
     hidden, width, experts, top_k = shape
     device = args.device
@@ -189,6 +193,9 @@ def measure(
         choices[f"dequantize {b.m}x{b.n}x{b.k} w{b.warps}"] = d
     for t in GEMV_CANDIDATES if args.sweep else ():
         choices[f"gemv {t.rows}x{t.block_n}x{t.words} s{t.split_k} w{t.warps}"] = t
+    for s in SWAPPED_CANDIDATES if args.sweep else ():
+        widen = "" if s.scaled else " bits"
+        choices[f"swapped {s.rows}x{s.slots}x{s.k} w{s.warps} s{s.stages}{widen}"] = s
     ways: dict[str, Callable[[], Any]] = {
         name: lambda c=c: mxfp4_moe(x, layer, weights, ids, c) for name, c in choices.items()
     }

@@ -11,6 +11,8 @@ the GPU machine.
 - The same for the decode kernels (mxfp4_gemv.py: one slot a program, align's blocks, K split)
   at 1-16 tokens and the prefill path (mxfp4_prefill.py: dequantized experts, in one chunk and
   in uneven chunks) at 256 and 2,048 tokens, and ``mxfp4_moe``'s rule picking each by shape.
+- The swapped kernels (mxfp4_swapped.py: tl.dot_scaled in bf16, the bits path in bf16 and
+  float32) at 1 to 256 tokens, with the same bounds.
 - The layer replayed from a CUDA graph equals the layer run eagerly (no host sync anywhere), on
   every path.
 - The tiny MXFP4 gpt-oss of tests/test_models_gpt_oss.py: its MoE layers on CUDA against the CPU
@@ -46,6 +48,7 @@ from engine_core.models.mxfp4_moe import (  # noqa: E402
     mxfp4_moe,
 )
 from engine_core.models.mxfp4_prefill import dequantized_moe_mxfp4  # noqa: E402
+from engine_core.models.mxfp4_swapped import SWAPPED_CANDIDATES, Swapped  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402
 from tests import test_models_gpt_oss  # noqa: E402
 from tests.test_archs_gpu import cpu_engine_tokens  # noqa: E402
@@ -122,6 +125,43 @@ def test_float32_kernels_at_gpt_oss_20b_shapes(tokens: int) -> None:
     assert relative_error(got, want) <= 1e-4
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 16, 64, 256])
+@pytest.mark.parametrize(
+    "tiles", [Swapped(), Swapped(64, 32, 128), Swapped(128, 16, 64, scaled=False)]
+)
+def test_bf16_swapped_kernels_at_gpt_oss_20b_shapes(tokens: int, tiles: Swapped) -> None:
+    """tl.dot_scaled's widening and the bits path."""
+    check_bf16_swapped(tokens, tiles)
+
+
+@pytest.mark.parametrize("tiles", SWAPPED_CANDIDATES)
+def test_the_swapped_candidates_at_64_tokens(tiles: Swapped) -> None:
+    """Each tile the sweep times."""
+    check_bf16_swapped(64, tiles)
+
+
+def check_bf16_swapped(tokens: int, tiles: Swapped) -> None:
+    """The swapped kernels in bf16 against the float32 reference, the bound as
+    test_bf16_kernels_at_gpt_oss_20b."""
+    experts = gpt_oss_20b_experts(torch.bfloat16)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    weights, ids = routing(tokens, seed=tokens + 3)
+    exact = experts_reference(x, with_biases(experts, torch.float32), weights, ids.long())
+    bf16 = experts_reference(x.bfloat16(), experts, weights.bfloat16(), ids.long())
+    got = mxfp4_moe(x.bfloat16(), experts, weights.bfloat16(), ids, tiles)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, HIDDEN)
+    assert relative_error(got, exact) <= max(2 * relative_error(bf16, exact), 1e-3)
+
+
+def test_float32_swapped_kernels_at_gpt_oss_20b_shapes() -> None:
+    """float32 activations take the bits path with IEEE products: within 1e-4 of the reference."""
+    experts = gpt_oss_20b_experts(torch.float32)
+    x = torch.randn(64, HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    weights, ids = routing(64, seed=65)
+    want = experts_reference(x, experts, weights, ids.long())
+    assert relative_error(mxfp4_moe(x, experts, weights, ids, Swapped()), want) <= 1e-4
+
+
 # (tokens, the path forced, or None: the rule's, with the kind of path it must pick)
 PATHS = [
     (1, None, GemvTiles),
@@ -161,10 +201,11 @@ def test_the_prefill_path_in_uneven_chunks_equals_one_chunk() -> None:
 
 
 @pytest.mark.parametrize(("tokens", "choice"), [(1, None), (64, None), (1, GemvTiles(1, 64, 16, 4)),
-                                                (16, None), (256, Dequantize())])  # fmt: skip
+                                                (16, None), (256, Dequantize()),
+                                                (64, Swapped())])  # fmt: skip
 def test_a_cuda_graph_replays_the_layer(tokens: int, choice: Choice | None) -> None:
     """The rule's path (the tiled kernels where ``choice`` is None and at 64 tokens as
-    before), the decode kernels with K split, and the prefill path."""
+    before), the decode kernels with K split, the prefill path and the swapped kernels."""
     experts = gpt_oss_20b_experts(torch.bfloat16)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(tokens, seed=5)

@@ -1,9 +1,10 @@
 """The MXFP4 expert kernels (engine_core/models/mxfp4_kernels.py, the tiled path; mxfp4_gemv.py,
-decode; mxfp4_prefill.py, dequantize then GEMMs) on the CPU, through Triton's interpreter,
-against the dequantize-then-torch reference (gpt_oss_moe.experts_reference, the path the CPU
-serves with): several experts, top 1 to 4, uneven expert loads with an expert that gets no
-token, token and width counts that are not multiples of the tiles, the one-token path, K split
-over programs, experts dequantized in chunks, every code byte at every scale through the
+decode; mxfp4_prefill.py, dequantize then GEMMs; mxfp4_swapped.py, the weights on tl.dot's M
+side, here by their bits: tl.dot_scaled runs on a GPU only) on the CPU, through Triton's
+interpreter, against the dequantize-then-torch reference (gpt_oss_moe.experts_reference, the
+path the CPU serves with): several experts, top 1 to 4, uneven expert loads with an expert that
+gets no token, token and width counts that are not multiples of the tiles, the one-token path, K
+split over programs, experts dequantized in chunks, every code byte at every scale through the
 in-register conversion and the dequantizing kernel, and the layers of a tiny MXFP4 checkpoint
 as the loader lays them out.
 
@@ -16,6 +17,9 @@ Skipped unless ``TRITON_INTERPRET=1`` (and triton importable):
 
     TRITON_INTERPRET=1 PYTHONPATH=.:<a site-packages with triton> \\
         .venv/bin/python -m pytest tests/test_mxfp4_interpreted.py -q
+
+(Triton 3.6's interpreter fails in ``_align_kernel`` with NumPy 2.4, "only 0-dimensional arrays
+can be converted to Python scalars"; put a NumPy below 2.4 first on that path.)
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from engine_core.models.fused_moe import Blocks  # noqa: E402
 from engine_core.models.gpt_oss_moe import experts_reference, route_gpt_oss  # noqa: E402
 from engine_core.models.mxfp4_gemv import GEMV_CANDIDATES, GemvTiles  # noqa: E402
 from engine_core.models.mxfp4_moe import DEQUANTIZE_CANDIDATES, mxfp4_moe  # noqa: E402
+from engine_core.models.mxfp4_swapped import SWAPPED_CANDIDATES, Swapped  # noqa: E402
 from tests.paged_harness import load_float32  # noqa: E402
 from tests.test_models_gpt_oss import make_hf_model, write_mxfp4_checkpoint  # noqa: E402
 
@@ -151,6 +156,29 @@ def test_tile_choices_give_the_same_result(blocks: Blocks) -> None:
     assert relative_error(got, want) <= TOLERANCE[torch.float32]
 
 
+# (tokens, experts, top_k, hidden, inter, tiles): one token, 7 and 64 tokens; weight-row blocks
+# past the rows' end (96 and 160 rows in blocks of 64 and 128), a partial K step (96 = 64 + 32),
+# 16- and 32-slot blocks, one scale block a K step.
+SWAPPED_CASES = [
+    (1, 5, 4, 96, 32, Swapped(64, 16, 64)),
+    (7, 6, 3, 64, 96, Swapped(64, 16, 64)),
+    (64, 8, 4, 96, 64, Swapped(128, 32, 64)),
+    (20, 4, 1, 32, 160, Swapped(64, 16, 32, warps=2, stages=2)),
+]
+
+
+@pytest.mark.parametrize("tiles", SWAPPED_CANDIDATES)
+def test_the_swapped_candidates_give_the_same_result(tiles: Swapped) -> None:
+    """The benchmark's swapped tiles through mxfp4_moe (by their bits here, whatever
+    ``scaled`` says)."""
+    layer = random_experts(6, 96, 96, seed=4)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(4))
+    weights, ids = routing(9, 6, 3, seed=4, dtype=torch.float32)
+    want = experts_reference(x, layer, weights, ids.long())
+    got = mxfp4_moe(x, layer, weights, ids, tiles)
+    assert relative_error(got, want) <= TOLERANCE[torch.float32]
+
+
 def test_the_clamp_and_the_biases_are_exercised() -> None:
     """Each changes the output beyond the tolerance, or matching the reference proves nothing
     about the kernel's handling of it."""
@@ -222,10 +250,12 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tiles"), GEMV_CASES)
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "tiles"), GEMV_CASES + SWAPPED_CASES
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_decode_kernels_match_the_dequantizing_reference(
-    tokens: int, experts: int, top_k: int, hidden: int, inter: int, tiles: GemvTiles,
+def test_the_decode_and_swapped_kernels_match_the_dequantizing_reference(
+    tokens: int, experts: int, top_k: int, hidden: int, inter: int, tiles: GemvTiles | Swapped,
     dtype: torch.dtype,
 ) -> None:  # fmt: skip
     layer = in_dtype(random_experts(experts, hidden, inter, seed=tokens), dtype)

@@ -99,7 +99,7 @@ def e2m1_unscaled(codes):
 
 
 @triton.jit
-def _scale_values(scales):
+def scale_values(scales):
     """e8m0 scale bytes (int32) as the float32 2^(byte - 127); byte 0 (2^-127, below float32's
     normal range) reads as zero, as the tiled kernels read such products."""
     return (scales << 23).to(tl.float32, bitcast=True)
@@ -161,7 +161,7 @@ def _gemv(
         w_ok = (w0 + jw) < last
         tile_ok = col_ok[:, None] & w_ok[None, :]
         words = tl.load(w_ptrs, mask=tile_ok, other=0)
-        scale = _scale_values(tl.load(s_ptrs, mask=tile_ok, other=0).to(tl.int32))
+        scale = scale_values(tl.load(s_ptrs, mask=tile_ok, other=0).to(tl.int32))
         x_ok = w_ok if ROWS == 1 else rows_ok[:, None] & w_ok[None, :]
         part = _rows_zeros(ROWS, BLOCK_N, WORDS)
         for i in tl.static_range(_CODES):

@@ -43,6 +43,8 @@ Importing this module imports triton: only CUDA code paths and GPU tests may do 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -360,6 +362,28 @@ def _grouped_gemms(
     sorted_slots, block_experts = rows
     one_slot = sorted_slots is None
     slots_arg = block_experts if one_slot else sorted_slots  # unread with ONE_SLOT_PER_BLOCK
+    constants = {"BLOCK_M": b.m, "BLOCK_N": b.n, "BLOCK_K": b.k, "ONE_SLOT_PER_BLOCK": one_slot}
+    return expert_gemms(
+        (_gate_up_kernel, _down_kernel), x, experts, topk_weights, top_k,
+        (slots_arg, block_experts), b.n, constants | {"num_warps": b.warps, "num_stages": b.stages},
+    )  # fmt: skip
+
+
+def expert_gemms(
+    kernels: tuple[Any, Any],  # gate/up and down kernels with _gate_up_kernel's and _down_kernel's
+    x: torch.Tensor,
+    experts: Mxfp4Experts,
+    topk_weights: torch.Tensor,
+    top_k: int,
+    rows: tuple[torch.Tensor, torch.Tensor],  # (what SortedSlots reads, block experts)
+    columns: int,  # output columns a program
+    constants: dict[str, Any],  # the tiles and launch settings both kernels take
+) -> torch.Tensor:
+    """Gate/up, then down over ``rows``' blocks, then the combine: the launches of this module's
+    kernels and of mxfp4_swapped's, which take the same arguments. The kernels' positional
+    arguments, TOP_K (gate/up) and PRECISION are set here."""
+    gate_up_kernel, down_kernel = kernels
+    slots_arg, block_experts = rows
     x = x.contiguous()
     num_tokens, hidden = x.shape
     inter = experts.w13_blocks.shape[1] // 2
@@ -368,22 +392,19 @@ def _grouped_gemms(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     e = experts
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
+    gate_up_kernel[(num_blocks, triton.cdiv(inter, columns))](
         x, e.w13_blocks, e.w13_scales, e.b13, act, slots_arg, block_experts,
         x.stride(0), e.w13_blocks.stride(0), e.w13_blocks.stride(1), e.w13_scales.stride(0),
         e.w13_scales.stride(1), e.b13.stride(0), act.stride(0),
         num_slots, hidden, inter, e.limit, e.alpha,
-        TOP_K=top_k, PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
-        ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
+        TOP_K=top_k, PRECISION=precision, **constants,
     )  # fmt: skip
     out = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
+    down_kernel[(num_blocks, triton.cdiv(hidden, columns))](
         act, e.w2_blocks, e.w2_scales, e.b2, out, weights, slots_arg, block_experts,
         act.stride(0), e.w2_blocks.stride(0), e.w2_blocks.stride(1), e.w2_scales.stride(0),
         e.w2_scales.stride(1), e.b2.stride(0), out.stride(0),
-        num_slots, hidden, inter,
-        PRECISION=precision, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
-        ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
+        num_slots, hidden, inter, PRECISION=precision, **constants,
     )  # fmt: skip
     return combine_slots(out, top_k, x.dtype)

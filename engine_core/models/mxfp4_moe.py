@@ -2,7 +2,9 @@
 
 - few slots an expert (decode): the CUDA-core matrix-vector kernels (mxfp4_gemv.py), which read
   the codes at close to HBM speed and convert each one once per program;
-- more: the tiled kernels that widen codes into tensor-core tiles (mxfp4_kernels.py);
+- more: the tiled kernels that widen codes into tensor-core tiles (mxfp4_kernels.py), or,
+  where forced (a sweep candidate, not yet chosen by shape), the swapped kernels that put the
+  weights on the tensor cores' M side (mxfp4_swapped.py);
 - from DEQUANTIZE_TOKENS tokens (prefill): the experts dequantized into a scratch buffer, then
   bf16 grouped GEMMs (mxfp4_prefill.py), where the tiles' conversion, redone for every row
   block, would cost more than the product.
@@ -23,6 +25,7 @@ from engine_core.models.mxfp4 import Mxfp4Experts
 from engine_core.models.mxfp4_gemv import GemvTiles, gemv_moe_mxfp4, rule_tiles
 from engine_core.models.mxfp4_kernels import block_sizes, check_layout, fused_moe_mxfp4
 from engine_core.models.mxfp4_prefill import dequantized_moe_mxfp4
+from engine_core.models.mxfp4_swapped import Swapped, swapped_moe_mxfp4
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Dequantize:
     blocks: Blocks | None = None
 
 
-Choice = GemvTiles | Blocks | Dequantize
+Choice = GemvTiles | Blocks | Dequantize | Swapped
 # The prefill GEMMs' tiles ``python -m benchmarks mxfp4 --sweep`` times beside fused_moe's rule
 # (whose 128 x 128 tiles, gate and up accumulated side by side, spill registers on sm_90, as
 # compiled without a GPU; 128 x 64 with 8 warps spills least).
@@ -111,4 +114,6 @@ def mxfp4_moe(
         return gemv_moe_mxfp4(x, experts, topk_weights, topk_ids, choice)
     if isinstance(choice, Dequantize):
         return dequantized_moe_mxfp4(x, experts, topk_weights, topk_ids, choice.blocks)
+    if isinstance(choice, Swapped):
+        return swapped_moe_mxfp4(x, experts, topk_weights, topk_ids, choice)
     return fused_moe_mxfp4(x, experts, topk_weights, topk_ids, choice)
