@@ -1,0 +1,183 @@
+"""The GGUF products on CUDA: C = A @ W.T for activations A [M, K] and a weight held as the planes
+of engine_core/models/gguf.py (codes, then fp16 d and, for Q4_1, m per 32-value block).
+
+Two paths, by the rows of A (nothing tuned at run time: CUDA graphs replay what was captured):
+
+- up to GEMV_ROWS rows (decode), ``_gguf_gemv_kernel`` on CUDA cores: reading the weight is the
+  whole job. A program takes BLOCK_N weight rows and one row of A, and walks K BLOCKS blocks at
+  a time: the codes as int32 words (a Q4 block is 4 words, a Q8_0 block 8), each byte of a word
+  unpacked by shifts (Q8_0: sign-extended; Q4: low nibble value j, high nibble value j + 16). The
+  product with A is summed per block, then scaled once per block: d * sum(q * a), less
+  8 d * sum(a) for Q4_0, plus m * sum(a) for Q4_1.
+- from GEMV_ROWS + 1 rows (prefill), ``_gguf_dequantize_kernel`` writes W [N, K] in A's dtype
+  (each value computed in float32 as gguf-py does, rounded once), then cuBLAS. The buffer is at
+  most DEQUANTIZE_MAX_VALUES values and comes out of the activations' headroom, as W4A16's does
+  (w4a16_kernels.py); a larger weight takes the GEMV at any row count.
+
+tests/test_gguf_interpreted.py runs these kernels in Triton's interpreter on the CPU;
+tests/test_gguf_gpu.py checks them on a GPU over the default model's shapes. Importing this
+module imports triton: only CUDA code paths and GPU tests may do so (or set
+``TRITON_INTERPRET=1`` first to run it on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine_core.models.gguf import VALUES, Planes
+from engine_core.models.w4a16_kernels import DEQUANTIZE_MAX_VALUES
+
+GEMV_ROWS = 16  # up to this many rows of A, the GEMV; more: dequantize, then cuBLAS
+BLOCK_N = 16  # weight rows per GEMV program
+BLOCKS = 4  # 32-value blocks per step of a program's walk along K
+TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernels' TYPE
+
+
+@triton.jit
+def _words(Codes, rows, blocks, ok, nb, WORDS: tl.constexpr):
+    """The int32 code words [BLOCK_N, BLOCKS, WORDS] of ``rows``' ``blocks``."""
+    w = tl.arange(0, WORDS)
+    offsets = rows[:, None, None] * (nb * WORDS) + blocks[None, :, None] * WORDS + w[None, None, :]
+    return tl.load(Codes + offsets, mask=ok[:, :, None], other=0)
+
+
+@triton.jit
+def _q8(words, i: tl.constexpr):
+    """Byte i of each word as a signed value (the word's value 4w + i of its block)."""
+    return ((words << (24 - 8 * i)) >> 24).to(tl.float32)
+
+
+@triton.jit
+def _nibbles(words, i: tl.constexpr):
+    """Byte i of each word's low and high nibble (values 4w + i and 16 + 4w + i)."""
+    byte = (words >> (8 * i)) & 0xFF
+    return (byte & 0xF).to(tl.float32), (byte >> 4).to(tl.float32)
+
+
+@triton.jit
+def _gguf_gemv_kernel(
+    X, Codes, D, Mins, Out, N, NB, STEPS, stride_x, stride_out,
+    TYPE: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nb = NB  # blocks along K
+    w = tl.arange(0, WORDS)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for step in range(0, STEPS):
+        blocks = step * BLOCKS + tl.arange(0, BLOCKS)
+        block_ok = blocks < nb
+        ok = (rows < N)[:, None] & block_ok[None, :]
+        words = _words(Codes, rows, blocks, ok, nb, WORDS)
+        x_at = X + row * stride_x + blocks[:, None] * 32 + w[None, :] * 4  # [BLOCKS, WORDS]
+        x_ok = block_ok[:, None]
+        dot = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCKS], dtype=tl.float32)
+        for i in tl.static_range(4):
+            x_low = tl.load(x_at + i, mask=x_ok, other=0.0).to(tl.float32)
+            if TYPE == 0:
+                dot += tl.sum(_q8(words, i) * x_low[None], axis=2)
+            else:
+                x_high = tl.load(x_at + 16 + i, mask=x_ok, other=0.0).to(tl.float32)
+                low, high = _nibbles(words, i)
+                dot += tl.sum(low * x_low[None] + high * x_high[None], axis=2)
+                x_sum += tl.sum(x_low + x_high, axis=1)
+        scale_at = rows[:, None] * nb + blocks[None, :]
+        d = tl.load(D + scale_at, mask=ok, other=0.0).to(tl.float32)
+        if TYPE == 1:
+            dot -= 8.0 * x_sum[None, :]
+        acc += tl.sum(d * dot, axis=1)
+        if TYPE == 2:
+            m = tl.load(Mins + scale_at, mask=ok, other=0.0).to(tl.float32)
+            acc += tl.sum(m * x_sum[None, :], axis=1)
+    tl.store(Out + row * stride_out + rows, acc.to(Out.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _gguf_dequantize_kernel(
+    Codes, D, Mins, W, N, NB,
+    TYPE: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    nb = NB  # blocks along K
+    ok = (rows < N)[:, None] & (blocks < nb)[None, :]
+    words = _words(Codes, rows, blocks, ok, nb, WORDS)
+    scale_at = rows[:, None] * nb + blocks[None, :]
+    d = tl.load(D + scale_at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    m = d
+    if TYPE == 2:
+        m = tl.load(Mins + scale_at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    w = tl.arange(0, WORDS)
+    at = W + rows[:, None, None] * (nb * 32) + blocks[None, :, None] * 32 + w[None, None, :] * 4
+    ok = ok[:, :, None]
+    dtype = W.dtype.element_ty
+    for i in tl.static_range(4):
+        if TYPE == 0:
+            tl.store(at + i, (d * _q8(words, i)).to(dtype), mask=ok)
+        else:
+            low, high = _nibbles(words, i)
+            if TYPE == 1:
+                tl.store(at + i, (d * (low - 8.0)).to(dtype), mask=ok)
+                tl.store(at + 16 + i, (d * (high - 8.0)).to(dtype), mask=ok)
+            else:
+                tl.store(at + i, (d * low + m).to(dtype), mask=ok)
+                tl.store(at + 16 + i, (d * high + m).to(dtype), mask=ok)
+
+
+def kernel_args(planes: Planes) -> tuple[torch.Tensor, ...]:
+    """(code words int32, d, m) as the kernels take them (m: d where the type has none)."""
+    words = planes.codes.view(torch.int32)
+    return words, planes.d, planes.m if planes.m is not None else planes.d
+
+
+def shape_args(planes: Planes) -> dict[str, int]:
+    type_id = TYPE_IDS[planes.type_name]
+    return {"TYPE": type_id, "WORDS": 8 if type_id == 0 else 4, "BLOCK_N": BLOCK_N,
+            "BLOCKS": BLOCKS}  # fmt: skip
+
+
+def gemv(a: torch.Tensor, planes: Planes, out: torch.Tensor) -> None:
+    """out [M, N] (a view whose rows may be strided) = a [M, K] @ W.T, by the GEMV kernel."""
+    n, k = planes.d.shape[0], a.shape[1]
+    grid = (triton.cdiv(n, BLOCK_N), a.shape[0])
+    _gguf_gemv_kernel[grid](
+        a,
+        *kernel_args(planes),
+        out,
+        n,
+        k // VALUES,
+        triton.cdiv(k // VALUES, BLOCKS),
+        a.stride(0),
+        out.stride(0),
+        **shape_args(planes),
+    )
+
+
+def dequantize(planes: Planes, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in ``dtype``, each value computed in float32 and rounded once."""
+    n = planes.d.shape[0]
+    out = torch.empty((n, k), dtype=dtype, device=planes.d.device)
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k // VALUES, BLOCKS))
+    _gguf_dequantize_kernel[grid](*kernel_args(planes), out, n, k // VALUES, **shape_args(planes))
+    return out
+
+
+def gguf_matmul(a: torch.Tensor, runs: list[tuple[int, Planes]], n: int) -> torch.Tensor:
+    """a [M, K] @ W.T -> [M, N] in a's dtype, W given by its runs' planes."""
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    m, k = a.shape
+    dequantizes = [m > GEMV_ROWS and p.d.shape[0] * k <= DEQUANTIZE_MAX_VALUES for _, p in runs]
+    if len(runs) == 1 and dequantizes[0]:
+        return F.linear(a, dequantize(runs[0][1], k, a.dtype))
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    for (start, planes), dense in zip(runs, dequantizes, strict=True):
+        target = out[:, start : start + planes.d.shape[0]]
+        if dense:
+            target.copy_(F.linear(a, dequantize(planes, k, a.dtype)))
+        else:
+            gemv(a, planes, target)
+    return out
