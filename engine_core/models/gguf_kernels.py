@@ -22,18 +22,30 @@ module imports triton: only CUDA code paths and GPU tests may do so (or set
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine_core.models.gguf import VALUES, Planes
 from engine_core.models.w4a16_kernels import DEQUANTIZE_MAX_VALUES
+
+VALUES = 32  # values in a block (gguf.VALUES; not imported: gguf imports this module)
 
 GEMV_ROWS = 16  # up to this many rows of A, the GEMV; more: dequantize, then cuBLAS
 BLOCK_N = 16  # weight rows per GEMV program
 BLOCKS = 4  # 32-value blocks per step of a program's walk along K
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernels' TYPE
+
+
+class Planes(Protocol):
+    """A run's planes as gguf.py ``Planes`` holds them."""
+
+    type_name: str
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
 
 
 @triton.jit

@@ -1,0 +1,60 @@
+"""A GGUF model's weights on a device, its blocks kept (CUDA's default) and dequantized to bf16
+(the CPU's way, at CUDA's dtype): bytes each, their ratio, and the bound that the file's own
+tensor bytes give against bf16's. On CUDA the bytes are the allocator's (what loading the model
+took); elsewhere the parameters' and buffers'.
+
+    python -m benchmarks gguf-memory [--model default] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from pathlib import Path
+
+import torch
+
+from engine_core.loader import load_model
+from engine_core.memory_plan import module_bytes
+from engine_core.model_dir import default_gguf_path
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="'default' or a .gguf file")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", default=device, help=f"where to load it (default {device})")
+
+
+def run(args: argparse.Namespace) -> int:
+    kept, floats, bound = weight_bytes(args.model, args.device)
+    print(f"{args.model} on {args.device}: blocks kept {kept / 2**20:.1f} MiB, dequantized to "
+          f"bf16 {floats / 2**20:.1f} MiB: {kept / floats:.4f}x; the file's tensor bytes give "
+          f"{bound:.4f}x")  # fmt: skip
+    return 0
+
+
+def weight_bytes(model: str, device: str) -> tuple[int, int, float]:
+    """(bytes with the blocks kept, bytes dequantized to bf16, the file's tensor bytes over
+    bf16's for its tensors)."""
+    kept = loaded_bytes(model, device, keep=True)
+    floats = loaded_bytes(model, device, keep=False)
+    return kept, floats, file_ratio(default_gguf_path() if model == "default" else Path(model))
+
+
+def loaded_bytes(model: str, device: str, keep: bool) -> int:
+    on_cuda = torch.device(device).type == "cuda"
+    before = torch.cuda.memory_allocated() if on_cuda else 0
+    loaded = load_model(model, device, torch.bfloat16, keep_gguf_blocks=keep).module
+    used = torch.cuda.memory_allocated() - before if on_cuda else module_bytes(loaded)
+    del loaded
+    gc.collect()
+    return used
+
+
+def file_ratio(gguf: Path) -> float:
+    """The file's tensor bytes over those of its tensors in bf16."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(str(gguf)).tensors
+    return sum(int(t.n_bytes) for t in tensors) / sum(2 * int(np.prod(t.shape)) for t in tensors)
