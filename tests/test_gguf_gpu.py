@@ -86,6 +86,24 @@ def test_the_kernels_give_the_reference_product_in_bf16(
     assert got.dtype == torch.bfloat16 and float(error) < 1e-2, f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("rows", (1, gguf_kernels.GEMV_ROWS + 1))
+def test_a_captured_graph_replays_the_eager_product(rows: int) -> None:
+    """Decode steps replay CUDA graphs: both paths capture (the scratch from the graph's pool)."""
+    layout, blocks = random_layer(("Q4_1", "Q8_0"), (576, 192), 576)
+    planes = layout.planes(blocks)
+    a = torch.randn(rows, 576, device="cuda").bfloat16()
+    eager = gguf_kernels.gguf_matmul(a, planes, 768)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gguf_kernels.gguf_matmul(a, planes, 768)
+    a.copy_(torch.randn_like(a))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, gguf_kernels.gguf_matmul(a, planes, 768))
+    assert not torch.equal(captured, eager)
+
+
 def test_a_tiny_gguf_llama_kept_gives_its_dequantized_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
