@@ -6,6 +6,7 @@ transformers reading the same GGUF file."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,14 @@ def write_gguf(path: Path, qtype: GGMLQuantizationType) -> dict[str, np.ndarray]
     """A random 2-layer Llama (tied embeddings) whose matrices are ``qtype`` blocks; the
     embedding (and norms) float32, as a small llama.cpp file may keep them. Returns the
     matrices' raw blocks by GGUF name."""
+    return write_typed_gguf(path, lambda name: None if name == "token_embd.weight" else qtype)
+
+
+def write_typed_gguf(
+    path: Path, type_of: Callable[[str], GGMLQuantizationType | None]
+) -> dict[str, np.ndarray]:
+    """``write_gguf`` with each matrix in the block type ``type_of`` gives its GGUF name (None:
+    float32); norms float32."""
     tokens = [*byte_level_tokens(), "hi", "<s>", "</s>"]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SIZES, vocab_size=len(tokens), tie_word_embeddings=True))
@@ -96,7 +105,8 @@ def write_gguf(path: Path, qtype: GGMLQuantizationType) -> dict[str, np.ndarray]
     add_metadata(writer, tokens)
     raw = {}
     for name, array in llama_tensors(model.state_dict()):
-        if array.ndim == 1 or name == "token_embd.weight":
+        qtype = None if array.ndim == 1 else type_of(name)
+        if qtype is None:
             writer.add_tensor(name, array)
             continue
         raw[name] = quantize_q4_k(array) if qtype.name == "Q4_K" else gguf_quantize(array, qtype)

@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import quantize as gguf_quantize
+from gguf import GGMLQuantizationType, GGUFReader
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from engine_core.loader import load_model
 from engine_core.memory_plan import module_bytes
@@ -27,8 +26,8 @@ from engine_core.models.gguf import KERNEL_TYPES, dequantize
 from engine_core.models.gguf_layers import GgufEmbedding
 from engine_core.models.layers import Linear
 from tests.paged_harness import generate_greedy, hf_greedy
-from tests.test_gguf_blocks import SIZES, add_metadata, llama_tensors, quantize_q4_k
-from tests.test_loader import byte_level_tokens, permute_for_gguf
+from tests.test_gguf_blocks import SIZES, write_typed_gguf
+from tests.test_loader import permute_for_gguf
 
 # llama.cpp's tensor name in a layer -> its block type (layer 1's attn_v: TYPES_LAYER_1).
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_K",
@@ -45,26 +44,7 @@ def block_type(gguf_name: str) -> str:
 
 def write_mixed_gguf(path: Path) -> dict[str, np.ndarray]:
     """The tiny Llama with the types above; returns each quantized tensor's raw rows."""
-    tokens = [*byte_level_tokens(), "hi", "<s>", "</s>"]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SIZES, vocab_size=len(tokens), tie_word_embeddings=True))
-    for param in model.parameters():
-        torch.nn.init.normal_(param, std=0.1)
-    writer = GGUFWriter(str(path), "llama")
-    add_metadata(writer, tokens)
-    raw = {}
-    for name, array in llama_tensors(model.state_dict()):
-        if array.ndim == 1:
-            writer.add_tensor(name, array)
-            continue
-        qtype = GGMLQuantizationType[block_type(name)]
-        raw[name] = quantize_q4_k(array) if qtype.name == "Q4_K" else gguf_quantize(array, qtype)
-        writer.add_tensor(name, raw[name], raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return raw
+    return write_typed_gguf(path, lambda name: GGMLQuantizationType[block_type(name)])
 
 
 @pytest.fixture(scope="module")
