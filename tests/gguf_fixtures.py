@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine_core.models.gguf import VALUES, GgufLayout, load_part
+from engine_core.models.gguf import KERNEL_TYPES, GgufLayout, load_part
 from tests.test_gguf_blocks import random_blocks
 
 
@@ -21,7 +21,7 @@ def random_layer(
     blocks = torch.zeros(layout.nbytes, dtype=torch.uint8)
     raws = []
     for part, (type_name, n) in enumerate(zip(types, rows, strict=True)):
-        per_row = cols // VALUES
+        per_row = cols // KERNEL_TYPES[type_name].values
         raw = random_blocks(type_name, n * per_row, seed + part).reshape(n, -1)
         load_part(layout, blocks, part, torch.from_numpy(raw), f"part{part}")
         raws.append(raw)

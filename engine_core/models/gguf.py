@@ -4,20 +4,24 @@ triton).
 
 A GGUF converted folder (engine_core/model_dir.py) holds, beside the float32 weights the CPU
 serves, the raw block rows of every tensor whose type has a kernel here (Q8_0, Q4_0, Q4_1: 32
-values a block) under its HF name. On CUDA the loader builds such layers in that form: a
+values a block; Q4_K: 256) under its HF name. On CUDA the loader builds such layers in that form: a
 ``Linear`` (layers.py ``make_gguf``) or the token embedding (``GgufEmbedding``, which a tied LM
 head multiplies by too) holds one uint8 tensor ``gguf_blocks`` of the file's bytes, re-laid as
 planes (``GgufLayout``):
 
 - the layer's parts (q, k, v of a merged qkv; gate, up) are grouped into runs of consecutive
   parts of one type; parts of different types stay apart (a Q4_K_M file's v is Q6_K);
-- per run, ``codes`` [N, K] (Q8_0: the int8 bits) or [N, K / 2] (Q4: byte j of a block holds
-  value j in its low nibble, value j + 16 in its high one, as in the file), ``d`` fp16
-  [N, K / 32] and, for Q4_1, ``m`` fp16 [N, K / 32]. A value is d * q (Q8_0), d * (q - 8)
-  (Q4_0), d * q + m (Q4_1).
+- per run, ``codes`` [N, K] (Q8_0: the int8 bits) or [N, K / 2] (the 4-bit types, their bytes
+  as in the file: in a Q4_0/Q4_1 block byte j holds value j in its low nibble and j + 16 in its
+  high one; in a Q4_K block byte t of 32-byte chunk c holds value t of sub-block 2c low and of
+  sub-block 2c + 1 high), then each block's other fields as a plane of their own: ``d`` fp16
+  [N, K / block], ``m`` fp16 (Q4_1's min, Q4_K's dmin) and ``scales`` uint8 [N, K / 256 * 12]
+  (Q4_K's eight 6-bit scales and mins, packed as in the file). A value is d * q (Q8_0),
+  d * (q - 8) (Q4_0), d * q + m (Q4_1), d * sc_s * q - m * mn_s (Q4_K, sub-block s of 32).
 
 The codes of all runs come first, each a multiple of 16 bytes, so a kernel reads them as int32
-words; the scales follow. Bytes in = bytes held: nothing is padded or widened.
+words; the other fields follow (all of even size, so the fp16 planes are aligned). Bytes in =
+bytes held: nothing is padded or widened.
 
 The reference (any device) puts a run's planes back into blocks and dequantizes them with
 gguf_blocks.py, which reads blocks as gguf-py does; on CUDA the kernels multiply the planes.
@@ -34,9 +38,29 @@ from torch import nn
 
 from engine_core.models import gguf_blocks
 
-VALUES = 32  # values in one block of each type with a kernel
-# Type -> (bytes of fp16 fields before a block's codes, bytes of its codes).
-KERNEL_TYPES = {"Q8_0": (2, 32), "Q4_0": (2, 16), "Q4_1": (4, 16)}
+VALUES = 32  # values in one block of the 32-value types (and one sub-block of Q4_K)
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A block's values, its fields before the codes in order ((plane name, bytes): ``d`` and
+    ``m`` are fp16, ``scales`` raw bytes) and its codes' bytes."""
+
+    values: int
+    fields: tuple[tuple[str, int], ...]
+    code_bytes: int
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, size in self.fields) + self.code_bytes
+
+
+KERNEL_TYPES = {
+    "Q8_0": BlockType(32, (("d", 2),), 32),
+    "Q4_0": BlockType(32, (("d", 2),), 16),
+    "Q4_1": BlockType(32, (("d", 2), ("m", 2)), 16),
+    "Q4_K": BlockType(256, (("d", 2), ("m", 2), ("scales", 12)), 128),
+}
 
 
 def gguf_kernels() -> ModuleType:
@@ -51,9 +75,16 @@ class Planes:
     """One run's rows [N, K] as planes (views into a layer's ``gguf_blocks``)."""
 
     type_name: str
-    codes: torch.Tensor  # uint8 [N, K] (Q8_0) or [N, K / 2] (Q4_0, Q4_1)
-    d: torch.Tensor  # fp16 [N, K / 32]
-    m: torch.Tensor | None  # fp16 [N, K / 32]: Q4_1's mins
+    codes: torch.Tensor  # uint8 [N, K] (Q8_0) or [N, K / 2] (4-bit types)
+    d: torch.Tensor  # fp16 [N, K / block values]
+    m: torch.Tensor | None = None  # fp16 [N, K / block values]: Q4_1's mins, Q4_K's dmin
+    scales: torch.Tensor | None = None  # uint8 [N, K / 256 * 12]: Q4_K's packed scales and mins
+
+    @property
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The planes of the block's fields before its codes, by name, in the file's order."""
+        kind = KERNEL_TYPES[self.type_name]
+        return {name: getattr(self, name) for name, _ in kind.fields}
 
 
 @dataclass(frozen=True)
@@ -76,7 +107,7 @@ class GgufLayout:
 
     def __post_init__(self) -> None:
         unknown = set(self.types) - set(KERNEL_TYPES)
-        if unknown or self.cols % VALUES:
+        if unknown or any(self.cols % KERNEL_TYPES[t].values for t in self.types):
             raise ValueError(f"GGUF blocks {self.types} over {self.cols} columns have no kernel")
 
     @property
@@ -91,34 +122,31 @@ class GgufLayout:
             start += rows
         return runs
 
-    def code_bytes(self, run: Run) -> int:
-        return run.rows * self.cols // VALUES * KERNEL_TYPES[run.type_name][1]
-
-    def scale_bytes(self, run: Run) -> int:
-        """Bytes of one fp16 plane of ``run`` (d, and m where it has one)."""
-        return run.rows * self.cols // VALUES * 2
+    def blocks(self, run: Run) -> int:
+        """``run``'s blocks in all."""
+        return run.rows * self.cols // KERNEL_TYPES[run.type_name].values
 
     @property
     def nbytes(self) -> int:
-        return sum(self.code_bytes(run) + self.scale_bytes(run) * planes_of_scales(run)
-                   for run in self.runs)  # fmt: skip
+        return sum(self.blocks(run) * KERNEL_TYPES[run.type_name].size for run in self.runs)
 
     def planes(self, blocks: torch.Tensor) -> list[tuple[int, Planes]]:
         """(first output row, planes) of each run, as views into ``blocks``."""
         runs = self.runs
         offset, codes = 0, []
         for run in runs:
-            size = self.code_bytes(run)
+            size = self.blocks(run) * KERNEL_TYPES[run.type_name].code_bytes
             codes.append(blocks[offset : offset + size].view(run.rows, -1))
             offset += size
         out = []
         for run, run_codes in zip(runs, codes, strict=True):
-            size = self.scale_bytes(run)
-            scales = [blocks[offset + i * size : offset + (i + 1) * size].view(torch.float16)
-                      .view(run.rows, -1) for i in range(planes_of_scales(run))]  # fmt: skip
-            offset += size * len(scales)
-            m = scales[1] if len(scales) > 1 else None
-            out.append((run.start, Planes(run.type_name, run_codes, scales[0], m)))
+            fields = {}
+            for name, size in KERNEL_TYPES[run.type_name].fields:
+                plane = blocks[offset : offset + self.blocks(run) * size]
+                offset += plane.numel()
+                plane = plane if name == "scales" else plane.view(torch.float16)
+                fields[name] = plane.view(run.rows, -1)
+            out.append((run.start, Planes(run.type_name, run_codes, **fields)))
         return out
 
     def part_place(self, part: int) -> tuple[int, slice]:
@@ -131,26 +159,29 @@ class GgufLayout:
         raise IndexError(f"part {part} of {len(self.rows)}")
 
 
-def planes_of_scales(run: Run) -> int:
-    return 2 if run.type_name == "Q4_1" else 1
-
-
-def split_blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
-    """Raw rows [n, K / 32 * size] -> codes [n, K / 32 * code bytes], d [n, K / 32] fp16 and,
-    for Q4_1, m."""
-    head, code = KERNEL_TYPES[type_name]
-    blocks = raw.reshape(raw.shape[0], -1, head + code)
-    scales = [blocks[:, :, i : i + 2].contiguous().view(torch.float16)[..., 0]
-              for i in range(0, head, 2)]  # fmt: skip
-    return blocks[:, :, head:].reshape(raw.shape[0], -1), *scales
+def split_blocks(raw: torch.Tensor, type_name: str) -> dict[str, torch.Tensor]:
+    """Raw rows [n, K / values * size] -> each plane's rows by name (``codes``, ``d``, ...)."""
+    kind = KERNEL_TYPES[type_name]
+    blocks = raw.reshape(raw.shape[0], -1, kind.size)
+    planes, start = {}, 0
+    for name, size in kind.fields:
+        field = blocks[:, :, start : start + size].contiguous()
+        planes[name] = (
+            field.reshape(raw.shape[0], -1)
+            if name == "scales"
+            else field.view(torch.float16)[..., 0]
+        )
+        start += size
+    planes["codes"] = blocks[:, :, start:].reshape(raw.shape[0], -1)
+    return planes
 
 
 def join_blocks(planes: Planes) -> torch.Tensor:
     """``split_blocks``' inverse: the run's rows as the file's raw blocks."""
     rows = planes.codes.shape[0]
-    fields = [planes.d] if planes.m is None else [planes.d, planes.m]
-    heads = [f.contiguous().view(torch.uint8).view(rows, -1, 2) for f in fields]
-    codes = planes.codes.reshape(rows, heads[0].shape[1], -1)
+    fields = planes.fields.values()
+    heads = [f.contiguous().view(torch.uint8).reshape(rows, planes.d.shape[1], -1) for f in fields]
+    codes = planes.codes.reshape(rows, planes.d.shape[1], -1)
     return torch.cat([*heads, codes], dim=2).reshape(rows, -1)
 
 
@@ -162,17 +193,17 @@ def dequantize(planes: Planes) -> torch.Tensor:
 def load_part(layout: GgufLayout, blocks: torch.Tensor, part: int, raw: torch.Tensor,
               hf_name: str) -> None:  # fmt: skip
     """Copy part ``part``'s raw block rows (the checkpoint's ``hf_name``) into its planes."""
-    head, code = KERNEL_TYPES[layout.types[part]]
-    expected = (layout.rows[part], layout.cols // VALUES * (head + code))
+    kind = KERNEL_TYPES[layout.types[part]]
+    expected = (layout.rows[part], layout.cols // kind.values * kind.size)
     if raw.dtype != torch.uint8 or tuple(raw.shape) != expected:
         raise ValueError(f"checkpoint tensor {hf_name!r} is {raw.dtype} {tuple(raw.shape)}, "
                          f"expected {layout.types[part]} rows uint8 {expected}")  # fmt: skip
     run, rows = layout.part_place(part)
     planes = layout.planes(blocks)[run][1]
-    targets = (planes.codes, planes.d) if planes.m is None else (planes.codes, planes.d, planes.m)
+    targets = {"codes": planes.codes, **planes.fields}
     with torch.no_grad():
-        for target, value in zip(targets, split_blocks(raw, layout.types[part]), strict=True):
-            target[rows].copy_(value)
+        for name, value in split_blocks(raw, layout.types[part]).items():
+            targets[name][rows].copy_(value)
 
 
 def gguf_linear(x: torch.Tensor, runs: list[tuple[int, Planes]], n: int) -> torch.Tensor:
@@ -189,8 +220,8 @@ def gguf_linear(x: torch.Tensor, runs: list[tuple[int, Planes]], n: int) -> torc
 
 def gather_rows(planes: Planes, ids: torch.Tensor) -> Planes:
     """The planes of rows ``ids`` (an embedding lookup before dequantizing)."""
-    m = None if planes.m is None else planes.m[ids]
-    return Planes(planes.type_name, planes.codes[ids], planes.d[ids], m)
+    fields = {name: plane[ids] for name, plane in planes.fields.items()}
+    return Planes(planes.type_name, planes.codes[ids], **fields)
 
 
 class HoldsGgufBlocks:

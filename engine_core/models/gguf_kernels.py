@@ -1,5 +1,6 @@
 """The GGUF products on CUDA: C = A @ W.T for activations A [M, K] and a weight held as the planes
-of engine_core/models/gguf.py (codes, then fp16 d and, for Q4_1, m per 32-value block).
+of engine_core/models/gguf.py (codes, then fp16 d and, for Q4_1, m per 32-value block; Q4_K's d,
+dmin and packed 6-bit scales and mins per 256-value super-block).
 
 Two paths, by the rows of A (nothing tuned at run time: CUDA graphs replay what was captured):
 
@@ -8,7 +9,11 @@ Two paths, by the rows of A (nothing tuned at run time: CUDA graphs replay what 
   a time: the codes as int32 words (a Q4 block is 4 words, a Q8_0 block 8), each byte of a word
   unpacked by shifts (Q8_0: sign-extended; Q4: low nibble value j, high nibble value j + 16). The
   product with A is summed per block, then scaled once per block: d * sum(q * a), less
-  8 d * sum(a) for Q4_0, plus m * sum(a) for Q4_1.
+  8 d * sum(a) for Q4_0, plus m * sum(a) for Q4_1. Q4_K has a kernel of its own
+  (``_q4_k_gemv_kernel``): a program walks super-blocks, each as four 64-value chunks of 8 words
+  (sub-block 2c in the low nibbles, 2c + 1 in the high ones), and scales each sub-block's sum
+  once: d * sc * sum(q * a) - dmin * mn * sum(a), its 6-bit sc and mn unpacked from the 12
+  bytes once per super-block.
 - from GEMV_ROWS + 1 rows (prefill), ``_gguf_dequantize_kernel`` writes W [N, K] in A's dtype
   (each value computed in float32 as gguf-py does, rounded once), then cuBLAS. The buffer is at
   most DEQUANTIZE_MAX_VALUES values and comes out of the activations' headroom, as W4A16's does
@@ -31,12 +36,13 @@ import triton.language as tl
 
 from engine_core.models.w4a16_kernels import DEQUANTIZE_MAX_VALUES
 
-VALUES = 32  # values in a block (gguf.VALUES; not imported: gguf imports this module)
-
 GEMV_ROWS = 16  # up to this many rows of A, the GEMV; more: dequantize, then cuBLAS
 BLOCK_N = 16  # weight rows per GEMV program
 BLOCKS = 4  # 32-value blocks per step of a program's walk along K
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernels' TYPE
+
+
+K_BLOCKS = 2  # Q4_K super-blocks per step of a program's walk along K
 
 
 class Planes(Protocol):
@@ -46,6 +52,7 @@ class Planes(Protocol):
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+    scales: torch.Tensor | None
 
 
 @triton.jit
@@ -140,6 +147,88 @@ def _gguf_dequantize_kernel(
                 tl.store(at + 16 + i, (d * high + m).to(dtype), mask=ok)
 
 
+@triton.jit
+def _k_scale_and_min(Scales, at, ok, s: tl.constexpr):
+    """Q4_K sub-block ``s``'s 6-bit scale and min [BLOCK_N, K_BLOCKS] from the super-blocks' 12
+    bytes at ``at``: bytes 0-3 hold scales 0-3 (and the top bits of scales 4-7), 4-7 mins 0-3
+    (and the top bits of mins 4-7), 8-11 the low nibbles of scales 4-7 and mins 4-7."""
+    if s < 4:
+        scale = tl.load(Scales + at + s, mask=ok, other=0).to(tl.int32) & 63
+        low_min = tl.load(Scales + at + s + 4, mask=ok, other=0).to(tl.int32) & 63
+        return scale.to(tl.float32), low_min.to(tl.float32)
+    low = tl.load(Scales + at + s + 4, mask=ok, other=0).to(tl.int32)
+    high_scale = tl.load(Scales + at + s - 4, mask=ok, other=0).to(tl.int32) >> 6
+    high_min = tl.load(Scales + at + s, mask=ok, other=0).to(tl.int32) >> 6
+    scale = (low & 0xF) | (high_scale << 4)
+    return scale.to(tl.float32), ((low >> 4) | (high_min << 4)).to(tl.float32)
+
+
+@triton.jit
+def _q4_k_gemv_kernel(
+    X, Codes, D, Dmin, Scales, Out, N, NB, STEPS, stride_x, stride_out,
+    BLOCK_N: tl.constexpr, K_BLOCKS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for step in range(0, STEPS):
+        blocks = step * K_BLOCKS + tl.arange(0, K_BLOCKS)  # super-blocks
+        block_ok = blocks < NB
+        ok = (rows < N)[:, None] & block_ok[None, :]
+        scale_at = rows[:, None] * NB + blocks[None, :]
+        d = tl.load(D + scale_at, mask=ok, other=0.0).to(tl.float32)
+        dmin = tl.load(Dmin + scale_at, mask=ok, other=0.0).to(tl.float32)
+        for c in tl.static_range(4):  # 64-value chunk c: sub-blocks 2c (low), 2c + 1 (high)
+            chunk = blocks * 4 + c  # 32-byte chunks along the row: 8 words each
+            words = _words(Codes, rows, chunk, ok, NB * 4, 8)
+            x_at = X + row * stride_x + chunk[:, None] * 64 + w[None, :] * 4  # [K_BLOCKS, 8]
+            x_ok = block_ok[:, None]
+            dot_low = tl.zeros([BLOCK_N, K_BLOCKS], dtype=tl.float32)
+            dot_high = tl.zeros([BLOCK_N, K_BLOCKS], dtype=tl.float32)
+            sum_low = tl.zeros([K_BLOCKS], dtype=tl.float32)
+            sum_high = tl.zeros([K_BLOCKS], dtype=tl.float32)
+            for i in tl.static_range(4):
+                x_low = tl.load(x_at + i, mask=x_ok, other=0.0).to(tl.float32)
+                x_high = tl.load(x_at + 32 + i, mask=x_ok, other=0.0).to(tl.float32)
+                low, high = _nibbles(words, i)
+                dot_low += tl.sum(low * x_low[None], axis=2)
+                dot_high += tl.sum(high * x_high[None], axis=2)
+                sum_low += tl.sum(x_low, axis=1)
+                sum_high += tl.sum(x_high, axis=1)
+            scale, mins = _k_scale_and_min(Scales, scale_at * 12, ok, 2 * c)
+            acc += tl.sum(d * scale * dot_low - dmin * mins * sum_low[None, :], axis=1)
+            scale, mins = _k_scale_and_min(Scales, scale_at * 12, ok, 2 * c + 1)
+            acc += tl.sum(d * scale * dot_high - dmin * mins * sum_high[None, :], axis=1)
+    tl.store(Out + row * stride_out + rows, acc.to(Out.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _q4_k_dequantize_kernel(
+    Codes, D, Dmin, Scales, W, N, NB, BLOCK_N: tl.constexpr, K_BLOCKS: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blocks = tl.program_id(1) * K_BLOCKS + tl.arange(0, K_BLOCKS)
+    ok = (rows < N)[:, None] & (blocks < NB)[None, :]
+    scale_at = rows[:, None] * NB + blocks[None, :]
+    d = tl.load(D + scale_at, mask=ok, other=0.0).to(tl.float32)
+    dmin = tl.load(Dmin + scale_at, mask=ok, other=0.0).to(tl.float32)
+    w = tl.arange(0, 8)
+    dtype = W.dtype.element_ty
+    for c in tl.static_range(4):
+        chunk = blocks * 4 + c
+        words = _words(Codes, rows, chunk, ok, NB * 4, 8)
+        at = W + rows[:, None, None] * (NB * 256) + chunk[None, :, None] * 64 + w[None, None, :] * 4
+        scale, mins = _k_scale_and_min(Scales, scale_at * 12, ok, 2 * c)
+        step_low, min_low = (d * scale)[:, :, None], (dmin * mins)[:, :, None]
+        scale, mins = _k_scale_and_min(Scales, scale_at * 12, ok, 2 * c + 1)
+        step_high, min_high = (d * scale)[:, :, None], (dmin * mins)[:, :, None]
+        for i in tl.static_range(4):
+            low, high = _nibbles(words, i)
+            tl.store(at + i, (step_low * low - min_low).to(dtype), mask=ok[:, :, None])
+            tl.store(at + 32 + i, (step_high * high - min_high).to(dtype), mask=ok[:, :, None])
+
+
 def kernel_args(planes: Planes) -> tuple[torch.Tensor, ...]:
     """(code words int32, d, m) as the kernels take them (m: d where the type has none)."""
     words = planes.codes.view(torch.int32)
@@ -154,28 +243,38 @@ def shape_args(planes: Planes) -> dict[str, int]:
 
 def gemv(a: torch.Tensor, planes: Planes, out: torch.Tensor) -> None:
     """out [M, N] (a view whose rows may be strided) = a [M, K] @ W.T, by the GEMV kernel."""
-    n, k = planes.d.shape[0], a.shape[1]
+    n, blocks = planes.d.shape
+    strides = (a.stride(0), out.stride(0))
+    if planes.type_name == "Q4_K":
+        grid = (triton.cdiv(n, BLOCK_N), a.shape[0])
+        steps = triton.cdiv(blocks, K_BLOCKS)
+        _q4_k_gemv_kernel[grid](a, *k_args(planes), out, n, blocks, steps, *strides,
+                                BLOCK_N=BLOCK_N, K_BLOCKS=K_BLOCKS)  # fmt: skip
+        return
     grid = (triton.cdiv(n, BLOCK_N), a.shape[0])
-    _gguf_gemv_kernel[grid](
-        a,
-        *kernel_args(planes),
-        out,
-        n,
-        k // VALUES,
-        triton.cdiv(k // VALUES, BLOCKS),
-        a.stride(0),
-        out.stride(0),
-        **shape_args(planes),
-    )
+    steps = triton.cdiv(blocks, BLOCKS)
+    _gguf_gemv_kernel[grid](a, *kernel_args(planes), out, n, blocks, steps, *strides,
+                            **shape_args(planes))  # fmt: skip
 
 
 def dequantize(planes: Planes, k: int, dtype: torch.dtype) -> torch.Tensor:
     """W [N, K] in ``dtype``, each value computed in float32 and rounded once."""
-    n = planes.d.shape[0]
+    n, blocks = planes.d.shape
     out = torch.empty((n, k), dtype=dtype, device=planes.d.device)
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k // VALUES, BLOCKS))
-    _gguf_dequantize_kernel[grid](*kernel_args(planes), out, n, k // VALUES, **shape_args(planes))
+    if planes.type_name == "Q4_K":
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(blocks, K_BLOCKS))
+        _q4_k_dequantize_kernel[grid](*k_args(planes), out, n, blocks, BLOCK_N=BLOCK_N,
+                                      K_BLOCKS=K_BLOCKS)  # fmt: skip
+        return out
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(blocks, BLOCKS))
+    _gguf_dequantize_kernel[grid](*kernel_args(planes), out, n, blocks, **shape_args(planes))
     return out
+
+
+def k_args(planes: Planes) -> tuple[torch.Tensor, ...]:
+    """(code words int32, d, dmin, packed scales) as the Q4_K kernels take them."""
+    assert planes.m is not None and planes.scales is not None
+    return planes.codes.view(torch.int32), planes.d, planes.m, planes.scales
 
 
 def gguf_matmul(a: torch.Tensor, runs: list[tuple[int, Planes]], n: int) -> torch.Tensor:
