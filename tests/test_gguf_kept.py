@@ -2,9 +2,9 @@
 torch reference (``load_model(keep_gguf_blocks=True)``; CUDA keeps them by default).
 
 A tiny Llama written by gguf's writer mixes the types: q Q4_0, k Q4_1, v Q8_0 (a merged qkv of
-three types), gate and up Q4_1, down Q8_0, the output projection Q4_K, layer 1's v and down Q5_0
-(no kernel: its down and its whole qkv read as floats), and a Q8_0 token embedding tied to the
-LM head. Expectations come from gguf-py (the file's raw rows, HF transformers reading the file).
+three types), gate and up Q4_1, down Q8_0, the output projection Q4_K, layer 1's down Q6_K and
+v Q5_0 (no kernel: its whole qkv read as floats), and a Q8_0 token embedding tied to the LM
+head. Expectations come from gguf-py (the file's raw rows, HF transformers reading the file).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tests.test_loader import permute_for_gguf
 # llama.cpp's tensor name in a layer -> its block type (layer 1's attn_v: TYPES_LAYER_1).
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_K",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}  # fmt: skip
-TYPES_LAYER_1 = {**TYPES, "attn_v": "Q5_0", "ffn_down": "Q5_0"}
+TYPES_LAYER_1 = {**TYPES, "attn_v": "Q5_0", "ffn_down": "Q6_K"}
 
 
 def block_type(gguf_name: str) -> str:
@@ -117,7 +117,7 @@ def test_kept_planes_dequantize_to_gguf_py_s_values_and_the_tokens_are_hf_s(
     with caplog.at_level(logging.INFO):
         ours = load_model(str(path), "cpu", torch.float32, keep_gguf_blocks=True).module
     assert "read as floats: 1 ['model.layers.1.self_attn.qkv_proj']" in caplog.text
-    assert "without a kernel are read dequantized: F32 5, Q5_0 2" in caplog.text
+    assert "without a kernel are read dequantized: F32 5, Q5_0 1" in caplog.text
     reference = dict(hf_reference.named_parameters())
     layers = ours.model.layers
     kept = {
@@ -127,6 +127,7 @@ def test_kept_planes_dequantize_to_gguf_py_s_values_and_the_tokens_are_hf_s(
         "model.layers.0.self_attn.o_proj": ("o_proj",),
         "model.layers.1.mlp.gate_up_proj": ("gate_proj", "up_proj"),
         "model.layers.1.self_attn.o_proj": ("o_proj",),
+        "model.layers.1.mlp.down_proj": ("down_proj",),
     }
     for name, parts in kept.items():
         module = ours.get_submodule(name)
@@ -135,7 +136,6 @@ def test_kept_planes_dequantize_to_gguf_py_s_values_and_the_tokens_are_hf_s(
         parent = name.rpartition(".")[0]
         expected = torch.cat([reference[f"{parent}.{part}.weight"] for part in parts])
         assert torch.equal(held, expected), name
-    assert layers[1].mlp.down_proj.gguf is None  # Q5_0: floats
     assert layers[1].self_attn.qkv_proj.gguf is None  # a Q5_0 part: all floats
     embed = ours.model.embed_tokens
     assert isinstance(embed, GgufEmbedding)

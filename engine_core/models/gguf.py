@@ -4,24 +4,26 @@ triton).
 
 A GGUF converted folder (engine_core/model_dir.py) holds, beside the float32 weights the CPU
 serves, the raw block rows of every tensor whose type has a kernel here (Q8_0, Q4_0, Q4_1: 32
-values a block; Q4_K: 256) under its HF name. On CUDA the loader builds such layers in that form: a
-``Linear`` (layers.py ``make_gguf``) or the token embedding (``GgufEmbedding``, which a tied LM
-head multiplies by too) holds one uint8 tensor ``gguf_blocks`` of the file's bytes, re-laid as
-planes (``GgufLayout``):
+values a block; Q4_K, Q6_K: 256) under its HF name. On CUDA the loader builds such layers in
+that form: a ``Linear`` (layers.py ``make_gguf``) or the token embedding (``GgufEmbedding``,
+which a tied LM head multiplies by too) holds one uint8 tensor ``gguf_blocks`` of the file's
+bytes, re-laid as planes (``GgufLayout``):
 
 - the layer's parts (q, k, v of a merged qkv; gate, up) are grouped into runs of consecutive
   parts of one type; parts of different types stay apart (a Q4_K_M file's v is Q6_K);
-- per run, ``codes`` [N, K] (Q8_0: the int8 bits) or [N, K / 2] (the 4-bit types, their bytes
-  as in the file: in a Q4_0/Q4_1 block byte j holds value j in its low nibble and j + 16 in its
-  high one; in a Q4_K block byte t of 32-byte chunk c holds value t of sub-block 2c low and of
-  sub-block 2c + 1 high), then each block's other fields as a plane of their own: ``d`` fp16
-  [N, K / block], ``m`` fp16 (Q4_1's min, Q4_K's dmin) and ``scales`` uint8 [N, K / 256 * 12]
-  (Q4_K's eight 6-bit scales and mins, packed as in the file). A value is d * q (Q8_0),
-  d * (q - 8) (Q4_0), d * q + m (Q4_1), d * sc_s * q - m * mn_s (Q4_K, sub-block s of 32).
+- per run, each of a block's segments as a plane of its own, its bytes as in the file:
+  ``codes`` [N, K] (Q8_0: the int8 bits) or [N, K / 2] (4 bits: in a Q4_0/Q4_1 block byte j
+  holds value j in its low nibble and j + 16 in its high one; in a Q4_K block byte t of 32-byte
+  chunk c holds value t of sub-block 2c low and of sub-block 2c + 1 high; Q6_K's low 4 bits as
+  gguf_blocks.py describes), ``high`` [N, K / 4] (Q6_K's high 2 bits), ``d`` fp16
+  [N, K / block], ``m`` fp16 (Q4_1's min, Q4_K's dmin), ``scales`` (Q4_K's eight 6-bit scales
+  and mins packed in 12 bytes, Q6_K's sixteen int8). A value is d * q (Q8_0), d * (q - 8)
+  (Q4_0), d * q + m (Q4_1), d * sc_s * q - m * mn_s (Q4_K, sub-block s of 32),
+  d * sc_s * (q - 32) (Q6_K, sub-block s of 16).
 
-The codes of all runs come first, each a multiple of 16 bytes, so a kernel reads them as int32
-words; the other fields follow (all of even size, so the fp16 planes are aligned). Bytes in =
-bytes held: nothing is padded or widened.
+The codes (and Q6_K's high bits) of all runs come first, each a multiple of 16 bytes, so a
+kernel reads them as int32 words; the other planes follow (all of even size, so the fp16 planes
+are aligned). Bytes in = bytes held: nothing is padded or widened.
 
 The reference (any device) puts a run's planes back into blocks and dequantizes them with
 gguf_blocks.py, which reads blocks as gguf-py does; on CUDA the kernels multiply the planes.
@@ -43,23 +45,26 @@ VALUES = 32  # values in one block of the 32-value types (and one sub-block of Q
 
 @dataclass(frozen=True)
 class BlockType:
-    """A block's values, its fields before the codes in order ((plane name, bytes): ``d`` and
-    ``m`` are fp16, ``scales`` raw bytes) and its codes' bytes."""
+    """A block's values and its bytes in order, as (plane, bytes) segments: ``codes`` (and
+    Q6_K's ``high``) the quantized values, ``d`` and ``m`` fp16, ``scales`` raw bytes."""
 
     values: int
-    fields: tuple[tuple[str, int], ...]
-    code_bytes: int
+    segments: tuple[tuple[str, int], ...]
 
     @property
     def size(self) -> int:
-        return sum(size for _, size in self.fields) + self.code_bytes
+        return sum(size for _, size in self.segments)
 
 
+# Planes read as int32 words: they come first in a layer's tensor, each a multiple of 16 bytes.
+WORD_PLANES = ("codes", "high")
+FP16_PLANES = ("d", "m")
 KERNEL_TYPES = {
-    "Q8_0": BlockType(32, (("d", 2),), 32),
-    "Q4_0": BlockType(32, (("d", 2),), 16),
-    "Q4_1": BlockType(32, (("d", 2), ("m", 2)), 16),
-    "Q4_K": BlockType(256, (("d", 2), ("m", 2), ("scales", 12)), 128),
+    "Q8_0": BlockType(32, (("d", 2), ("codes", 32))),
+    "Q4_0": BlockType(32, (("d", 2), ("codes", 16))),
+    "Q4_1": BlockType(32, (("d", 2), ("m", 2), ("codes", 16))),
+    "Q4_K": BlockType(256, (("d", 2), ("m", 2), ("scales", 12), ("codes", 128))),
+    "Q6_K": BlockType(256, (("codes", 128), ("high", 64), ("scales", 16), ("d", 2))),
 }
 
 
@@ -75,16 +80,18 @@ class Planes:
     """One run's rows [N, K] as planes (views into a layer's ``gguf_blocks``)."""
 
     type_name: str
-    codes: torch.Tensor  # uint8 [N, K] (Q8_0) or [N, K / 2] (4-bit types)
+    codes: torch.Tensor  # uint8 [N, K] (Q8_0) or [N, K / 2] (4-bit types; Q6_K's low 4 bits)
     d: torch.Tensor  # fp16 [N, K / block values]
     m: torch.Tensor | None = None  # fp16 [N, K / block values]: Q4_1's mins, Q4_K's dmin
-    scales: torch.Tensor | None = None  # uint8 [N, K / 256 * 12]: Q4_K's packed scales and mins
+    # uint8: Q4_K's packed 6-bit scales and mins [N, K / 256 * 12]; Q6_K's int8 scales [N, K / 16]
+    scales: torch.Tensor | None = None
+    high: torch.Tensor | None = None  # uint8 [N, K / 4]: Q6_K's high 2 bits
 
     @property
-    def fields(self) -> dict[str, torch.Tensor]:
-        """The planes of the block's fields before its codes, by name, in the file's order."""
+    def by_name(self) -> dict[str, torch.Tensor]:
+        """The planes by name, in the order of a block's bytes."""
         kind = KERNEL_TYPES[self.type_name]
-        return {name: getattr(self, name) for name, _ in kind.fields}
+        return {name: getattr(self, name) for name, _ in kind.segments}
 
 
 @dataclass(frozen=True)
@@ -133,21 +140,21 @@ class GgufLayout:
     def planes(self, blocks: torch.Tensor) -> list[tuple[int, Planes]]:
         """(first output row, planes) of each run, as views into ``blocks``."""
         runs = self.runs
-        offset, codes = 0, []
-        for run in runs:
-            size = self.blocks(run) * KERNEL_TYPES[run.type_name].code_bytes
-            codes.append(blocks[offset : offset + size].view(run.rows, -1))
-            offset += size
-        out = []
-        for run, run_codes in zip(runs, codes, strict=True):
-            fields = {}
-            for name, size in KERNEL_TYPES[run.type_name].fields:
-                plane = blocks[offset : offset + self.blocks(run) * size]
-                offset += plane.numel()
-                plane = plane if name == "scales" else plane.view(torch.float16)
-                fields[name] = plane.view(run.rows, -1)
-            out.append((run.start, Planes(run.type_name, run_codes, **fields)))
-        return out
+        offset = 0
+        planes: list[dict[str, torch.Tensor]] = [{} for _ in runs]
+        for words in (True, False):  # the word planes of every run first
+            for run, run_planes in zip(runs, planes, strict=True):
+                for name, size in KERNEL_TYPES[run.type_name].segments:
+                    if (name in WORD_PLANES) != words:
+                        continue
+                    plane = blocks[offset : offset + self.blocks(run) * size]
+                    offset += plane.numel()
+                    plane = plane.view(torch.float16) if name in FP16_PLANES else plane
+                    run_planes[name] = plane.view(run.rows, -1)
+        return [
+            (run.start, Planes(run.type_name, **run_planes))
+            for run, run_planes in zip(runs, planes, strict=True)
+        ]
 
     def part_place(self, part: int) -> tuple[int, slice]:
         """(the run, the rows within it) of part ``part``."""
@@ -161,28 +168,23 @@ class GgufLayout:
 
 def split_blocks(raw: torch.Tensor, type_name: str) -> dict[str, torch.Tensor]:
     """Raw rows [n, K / values * size] -> each plane's rows by name (``codes``, ``d``, ...)."""
-    kind = KERNEL_TYPES[type_name]
-    blocks = raw.reshape(raw.shape[0], -1, kind.size)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, KERNEL_TYPES[type_name].size)
     planes, start = {}, 0
-    for name, size in kind.fields:
-        field = blocks[:, :, start : start + size].contiguous()
-        planes[name] = (
-            field.reshape(raw.shape[0], -1)
-            if name == "scales"
-            else field.view(torch.float16)[..., 0]
-        )
+    for name, size in KERNEL_TYPES[type_name].segments:
+        segment = blocks[:, :, start : start + size].contiguous()
         start += size
-    planes["codes"] = blocks[:, :, start:].reshape(raw.shape[0], -1)
+        fp16 = name in FP16_PLANES
+        planes[name] = segment.view(torch.float16)[..., 0] if fp16 else segment.view(rows, -1)
     return planes
 
 
 def join_blocks(planes: Planes) -> torch.Tensor:
     """``split_blocks``' inverse: the run's rows as the file's raw blocks."""
-    rows = planes.codes.shape[0]
-    fields = planes.fields.values()
-    heads = [f.contiguous().view(torch.uint8).reshape(rows, planes.d.shape[1], -1) for f in fields]
-    codes = planes.codes.reshape(rows, planes.d.shape[1], -1)
-    return torch.cat([*heads, codes], dim=2).reshape(rows, -1)
+    rows, count = planes.d.shape
+    segments = [p.contiguous().view(torch.uint8).reshape(rows, count, -1)
+                for p in planes.by_name.values()]  # fmt: skip
+    return torch.cat(segments, dim=2).reshape(rows, -1)
 
 
 def dequantize(planes: Planes) -> torch.Tensor:
@@ -200,7 +202,7 @@ def load_part(layout: GgufLayout, blocks: torch.Tensor, part: int, raw: torch.Te
                          f"expected {layout.types[part]} rows uint8 {expected}")  # fmt: skip
     run, rows = layout.part_place(part)
     planes = layout.planes(blocks)[run][1]
-    targets = {"codes": planes.codes, **planes.fields}
+    targets = planes.by_name
     with torch.no_grad():
         for name, value in split_blocks(raw, layout.types[part]).items():
             targets[name][rows].copy_(value)
@@ -220,8 +222,7 @@ def gguf_linear(x: torch.Tensor, runs: list[tuple[int, Planes]], n: int) -> torc
 
 def gather_rows(planes: Planes, ids: torch.Tensor) -> Planes:
     """The planes of rows ``ids`` (an embedding lookup before dequantizing)."""
-    fields = {name: plane[ids] for name, plane in planes.fields.items()}
-    return Planes(planes.type_name, planes.codes[ids], **fields)
+    return Planes(planes.type_name, **{name: p[ids] for name, p in planes.by_name.items()})
 
 
 class HoldsGgufBlocks:

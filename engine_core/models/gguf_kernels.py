@@ -13,7 +13,9 @@ Two paths, by the rows of A (nothing tuned at run time: CUDA graphs replay what 
   (``_q4_k_gemv_kernel``): a program walks super-blocks, each as four 64-value chunks of 8 words
   (sub-block 2c in the low nibbles, 2c + 1 in the high ones), and scales each sub-block's sum
   once: d * sc * sum(q * a) - dmin * mn * sum(a), its 6-bit sc and mn unpacked from the 12
-  bytes once per super-block.
+  bytes once per super-block. Q6_K's (``_q6_k_gemv_kernel``) walks 128-value halves of its
+  super-blocks: low 4 bits from 16 words, high 2 bits from 8, each 16-value sub-block's sum
+  times its int8 scale, each super-block's times d.
 - from GEMV_ROWS + 1 rows (prefill), ``_gguf_dequantize_kernel`` writes W [N, K] in A's dtype
   (each value computed in float32 as gguf-py does, rounded once), then cuBLAS. The buffer is at
   most DEQUANTIZE_MAX_VALUES values and comes out of the activations' headroom, as W4A16's does
@@ -43,6 +45,7 @@ TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernels' TYPE
 
 
 K_BLOCKS = 2  # Q4_K super-blocks per step of a program's walk along K
+HALVES = 2  # Q6_K's 128-value halves of super-blocks per step
 
 
 class Planes(Protocol):
@@ -53,6 +56,7 @@ class Planes(Protocol):
     d: torch.Tensor
     m: torch.Tensor | None
     scales: torch.Tensor | None
+    high: torch.Tensor | None
 
 
 @triton.jit
@@ -229,6 +233,77 @@ def _q4_k_dequantize_kernel(
             tl.store(at + 32 + i, (step_high * high - min_high).to(dtype), mask=ok[:, :, None])
 
 
+@triton.jit
+def _q6_k_values(low_words, high_words, g: tl.constexpr, i: tl.constexpr):
+    """q - 32 of values 32g + 4w + i of a 128-value half: 4 bits from its low words (bytes 0-31
+    for g = 0, 2, bytes 32-63 for g = 1, 3: the caller's choice), 2 from its high words."""
+    low = (low_words >> (8 * i + 4 * (g // 2))) & 0xF
+    high = (high_words >> (8 * i + 2 * g)) & 0x3
+    return ((low | (high << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _q6_k_scales(Scales, rows, halves, ok, NH, g: tl.constexpr):
+    """The int8 scales [BLOCK_N, HALVES, 8] of the sub-blocks of values 32g + 4w (w = 0..7)."""
+    w = tl.arange(0, 8)
+    at = rows[:, None, None] * (NH * 8) + halves[None, :, None] * 8 + 2 * g + w[None, None, :] // 4
+    scales = tl.load(Scales + at, mask=ok[:, :, None], other=0)
+    return scales.to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q6_k_gemv_kernel(
+    X, Codes, High, Scales, D, Out, N, NH, STEPS, stride_x, stride_out,
+    BLOCK_N: tl.constexpr, HALVES: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for step in range(0, STEPS):
+        halves = step * HALVES + tl.arange(0, HALVES)
+        half_ok = halves < NH
+        ok = (rows < N)[:, None] & half_ok[None, :]
+        low_a = _words(Codes, rows, halves * 2, ok, NH * 2, 8)
+        low_b = _words(Codes, rows, halves * 2 + 1, ok, NH * 2, 8)
+        high = _words(High, rows, halves, ok, NH, 8)
+        d = tl.load(D + rows[:, None] * (NH // 2) + halves[None, :] // 2, mask=ok, other=0.0)
+        x_at = X + row * stride_x + halves[:, None] * 128 + w[None, :] * 4  # [HALVES, 8]
+        x_ok = half_ok[:, None]
+        total = tl.zeros([BLOCK_N, HALVES], dtype=tl.float32)
+        for g in tl.static_range(4):
+            low = low_a if g % 2 == 0 else low_b
+            part = tl.zeros([BLOCK_N, HALVES, 8], dtype=tl.float32)
+            for i in tl.static_range(4):
+                x = tl.load(x_at + 32 * g + i, mask=x_ok, other=0.0).to(tl.float32)
+                part += _q6_k_values(low, high, g, i) * x[None]
+            total += tl.sum(part * _q6_k_scales(Scales, rows, halves, ok, NH, g), axis=2)
+        acc += tl.sum(d.to(tl.float32) * total, axis=1)
+    tl.store(Out + row * stride_out + rows, acc.to(Out.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _q6_k_dequantize_kernel(
+    Codes, High, Scales, D, W, N, NH, BLOCK_N: tl.constexpr, HALVES: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    halves = tl.program_id(1) * HALVES + tl.arange(0, HALVES)
+    ok = (rows < N)[:, None] & (halves < NH)[None, :]
+    low_a = _words(Codes, rows, halves * 2, ok, NH * 2, 8)
+    low_b = _words(Codes, rows, halves * 2 + 1, ok, NH * 2, 8)
+    high = _words(High, rows, halves, ok, NH, 8)
+    d = tl.load(D + rows[:, None] * (NH // 2) + halves[None, :] // 2, mask=ok, other=0.0)
+    w = tl.arange(0, 8)
+    at = W + rows[:, None, None] * (NH * 128) + halves[None, :, None] * 128 + w[None, None, :] * 4
+    dtype = W.dtype.element_ty
+    for g in tl.static_range(4):
+        low = low_a if g % 2 == 0 else low_b
+        step = d.to(tl.float32)[:, :, None] * _q6_k_scales(Scales, rows, halves, ok, NH, g)
+        for i in tl.static_range(4):
+            value = step * _q6_k_values(low, high, g, i)
+            tl.store(at + 32 * g + i, value.to(dtype), mask=ok[:, :, None])
+
+
 def kernel_args(planes: Planes) -> tuple[torch.Tensor, ...]:
     """(code words int32, d, m) as the kernels take them (m: d where the type has none)."""
     words = planes.codes.view(torch.int32)
@@ -245,13 +320,17 @@ def gemv(a: torch.Tensor, planes: Planes, out: torch.Tensor) -> None:
     """out [M, N] (a view whose rows may be strided) = a [M, K] @ W.T, by the GEMV kernel."""
     n, blocks = planes.d.shape
     strides = (a.stride(0), out.stride(0))
+    grid = (triton.cdiv(n, BLOCK_N), a.shape[0])
     if planes.type_name == "Q4_K":
-        grid = (triton.cdiv(n, BLOCK_N), a.shape[0])
         steps = triton.cdiv(blocks, K_BLOCKS)
         _q4_k_gemv_kernel[grid](a, *k_args(planes), out, n, blocks, steps, *strides,
                                 BLOCK_N=BLOCK_N, K_BLOCKS=K_BLOCKS)  # fmt: skip
         return
-    grid = (triton.cdiv(n, BLOCK_N), a.shape[0])
+    if planes.type_name == "Q6_K":
+        steps = triton.cdiv(2 * blocks, HALVES)
+        _q6_k_gemv_kernel[grid](a, *q6_k_args(planes), out, n, 2 * blocks, steps, *strides,
+                                BLOCK_N=BLOCK_N, HALVES=HALVES)  # fmt: skip
+        return
     steps = triton.cdiv(blocks, BLOCKS)
     _gguf_gemv_kernel[grid](a, *kernel_args(planes), out, n, blocks, steps, *strides,
                             **shape_args(planes))  # fmt: skip
@@ -266,6 +345,11 @@ def dequantize(planes: Planes, k: int, dtype: torch.dtype) -> torch.Tensor:
         _q4_k_dequantize_kernel[grid](*k_args(planes), out, n, blocks, BLOCK_N=BLOCK_N,
                                       K_BLOCKS=K_BLOCKS)  # fmt: skip
         return out
+    if planes.type_name == "Q6_K":
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(2 * blocks, HALVES))
+        _q6_k_dequantize_kernel[grid](*q6_k_args(planes), out, n, 2 * blocks, BLOCK_N=BLOCK_N,
+                                      HALVES=HALVES)  # fmt: skip
+        return out
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(blocks, BLOCKS))
     _gguf_dequantize_kernel[grid](*kernel_args(planes), out, n, blocks, **shape_args(planes))
     return out
@@ -275,6 +359,12 @@ def k_args(planes: Planes) -> tuple[torch.Tensor, ...]:
     """(code words int32, d, dmin, packed scales) as the Q4_K kernels take them."""
     assert planes.m is not None and planes.scales is not None
     return planes.codes.view(torch.int32), planes.d, planes.m, planes.scales
+
+
+def q6_k_args(planes: Planes) -> tuple[torch.Tensor, ...]:
+    """(low words, high words, int8 scales as bytes, d) as the Q6_K kernels take them."""
+    assert planes.high is not None and planes.scales is not None
+    return planes.codes.view(torch.int32), planes.high.view(torch.int32), planes.scales, planes.d
 
 
 def gguf_matmul(a: torch.Tensor, runs: list[tuple[int, Planes]], n: int) -> torch.Tensor:
