@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,20 +26,37 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=device, help=f"where to load it (default {device})")
 
 
+@dataclass(frozen=True)
+class WeightBytes:
+    kept: int  # the model loaded with its blocks kept
+    floats: int  # the model loaded dequantized to bf16
+    file: int  # the GGUF file's tensor bytes
+    file_bf16: int  # its tensors' bytes in bf16
+
+    @property
+    def ratio(self) -> float:
+        return self.kept / self.floats
+
+    @property
+    def bound(self) -> float:
+        """The ratio that keeping the file's own bytes gives."""
+        return self.file / self.file_bf16
+
+
 def run(args: argparse.Namespace) -> int:
-    kept, floats, bound = weight_bytes(args.model, args.device)
-    print(f"{args.model} on {args.device}: blocks kept {kept / 2**20:.1f} MiB, dequantized to "
-          f"bf16 {floats / 2**20:.1f} MiB: {kept / floats:.4f}x; the file's tensor bytes give "
-          f"{bound:.4f}x")  # fmt: skip
+    got = weight_bytes(args.model, args.device)
+    print(f"{args.model} on {args.device}: blocks kept {got.kept / 2**20:.1f} MiB, dequantized "
+          f"to bf16 {got.floats / 2**20:.1f} MiB: {got.ratio:.4f}x; the file's tensor bytes "
+          f"give {got.bound:.4f}x")  # fmt: skip
     return 0
 
 
-def weight_bytes(model: str, device: str) -> tuple[int, int, float]:
-    """(bytes with the blocks kept, bytes dequantized to bf16, the file's tensor bytes over
-    bf16's for its tensors)."""
+def weight_bytes(model: str, device: str) -> WeightBytes:
+    """The model's bytes loaded both ways, and its file's."""
     kept = loaded_bytes(model, device, keep=True)
     floats = loaded_bytes(model, device, keep=False)
-    return kept, floats, file_ratio(default_gguf_path() if model == "default" else Path(model))
+    gguf = default_gguf_path() if model == "default" else Path(model)
+    return WeightBytes(kept, floats, *file_bytes(gguf))
 
 
 def loaded_bytes(model: str, device: str, keep: bool) -> int:
@@ -51,10 +69,10 @@ def loaded_bytes(model: str, device: str, keep: bool) -> int:
     return used
 
 
-def file_ratio(gguf: Path) -> float:
-    """The file's tensor bytes over those of its tensors in bf16."""
+def file_bytes(gguf: Path) -> tuple[int, int]:
+    """(the file's tensor bytes, those of its tensors in bf16)."""
     import numpy as np
     from gguf import GGUFReader
 
     tensors = GGUFReader(str(gguf)).tensors
-    return sum(int(t.n_bytes) for t in tensors) / sum(2 * int(np.prod(t.shape)) for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors), sum(2 * int(np.prod(t.shape)) for t in tensors)
