@@ -3,7 +3,7 @@
 tensor bytes give against bf16's. On CUDA the bytes are the allocator's (what loading the model
 took); elsewhere the parameters' and buffers'.
 
-    python -m benchmarks gguf-memory [--model default] [--device cuda]
+    python -m benchmarks gguf-memory --device cuda --json gguf-memory.json
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import Provenance, write_json
 from engine_core.loader import load_model
 from engine_core.memory_plan import module_bytes
 from engine_core.model_dir import default_gguf_path
@@ -24,6 +25,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="'default' or a .gguf file")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=device, help=f"where to load it (default {device})")
+    parser.add_argument("--json", type=Path, help="write the figures here")
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,14 @@ class WeightBytes:
 
 
 def run(args: argparse.Namespace) -> int:
+    provenance = Provenance.here(args.argv)
+    print(provenance.format(), flush=True)
     got = weight_bytes(args.model, args.device)
     print(f"{args.model} on {args.device}: blocks kept {got.kept / 2**20:.1f} MiB, dequantized "
           f"to bf16 {got.floats / 2**20:.1f} MiB: {got.ratio:.4f}x; the file's tensor bytes "
           f"give {got.bound:.4f}x")  # fmt: skip
+    if args.json is not None:
+        write_json(args.json, provenance, got)
     return 0
 
 
