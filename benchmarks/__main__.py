@@ -27,6 +27,7 @@ BENCHMARKS = {
         "benchmarks.lora_kernels",
         "LoRA's kernels in decode graphs of a preset's projections: split, fused, none",
     ),
+    "gguf-memory": ("benchmarks.gguf", "a GGUF model's weight bytes, blocks kept vs bf16"),
     "w4a16": ("benchmarks.w4a16", "the W4A16 products beside bf16, and a sweep of their tiles"),
     "mxfp4": ("benchmarks.mxfp4", "gpt-oss's MXFP4 expert GEMMs against HBM, beside bf16"),
     "mxfp4-compile": (

@@ -273,6 +273,9 @@ class ModelConfig:
     attention_output_gate: bool = False
     hidden_act: str = "silu"
     quantization: QuantConfig | None = None  # None: weights in the model's dtype
+    # GGUF on CUDA: (HF tensor name, block type) of the tensors the loader hands over as raw block
+    # rows (engine_core/models/gguf.py); the layers that hold all their parts so keep them.
+    gguf_blocks: tuple[tuple[str, str], ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # Set where the engine runs the model as an embedding model (the loader decides, from the

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,15 @@ from torch import nn
 
 from engine_core.config import Fp8Config, ModelConfig
 from engine_core.embedding import embedding_model
-from engine_core.model_dir import RANDOM_PREFIX, resolve_model_dir
+from engine_core.model_dir import GGUF_BLOCKS_FILE, RANDOM_PREFIX, resolve_model_dir
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_block_on_device, check_fp8_device
 from engine_core.models.layers import reset_buffers
 from engine_core.models.meta_build import materialize, meta_build
 from engine_core.models.quant_config import with_quantization_flag
+from engine_core.models.quantize import gguf_block_names
 from engine_core.models.target import BuildTarget
+from engine_core.parallel import get_tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ def load_model(
     check_fit: FitCheck | None = None,
     target: BuildTarget | None = None,
     runner: str = "auto",
+    keep_gguf_blocks: bool | None = None,
 ) -> LoadedModel:
     """Resolve ``model``, build our implementation on ``device`` in ``dtype``, load its weights.
 
@@ -62,7 +66,9 @@ def load_model(
     built on the meta device, before anything is allocated on ``device``. ``target``: the model
     is built and loaded in its final form for serving there (models/target.py); None keeps
     the plain form. ``runner`` is ``--runner``: whether the model embeds (its config's
-    ``embedding``, engine_core/embedding.py) or generates.
+    ``embedding``, engine_core/embedding.py) or generates. ``keep_gguf_blocks``: whether a
+    GGUF model's layers hold its blocks (None: on CUDA only; tests run the blocks' reference on
+    the CPU with True).
     """
     if model.startswith(RANDOM_PREFIX):
         name = model.removeprefix(RANDOM_PREFIX)
@@ -70,6 +76,7 @@ def load_model(
     model_dir = resolve_model_dir(model)
     config = with_quantization(load_model_config(model_dir), quantization, device)
     config = dataclasses.replace(config, embedding=embedding_model(runner, model_dir, config))
+    config = with_gguf_blocks(config, model_dir, device, keep_gguf_blocks)
     # Built on the meta device, so no time goes into random init of weights about to be replaced.
     with meta_build(dtype):
         module = build_model(config, target)
@@ -78,7 +85,8 @@ def load_model(
     materialize(module, device)
     reset_buffers(module)
     kv_scales: dict[int, tuple[float, float]] = {}
-    module.load_weights(take_kv_scales(normalize_fp8_names(iter_checkpoint(model_dir)), kv_scales))
+    weights = checkpoint_with_gguf_blocks(model_dir, gguf_block_names(module, config))
+    module.load_weights(take_kv_scales(normalize_fp8_names(weights), kv_scales))
     module.eval().requires_grad_(False)
     finish_loading(module, target)
     return LoadedModel(module, config, model_dir, kv_scales=kv_scales_by_layer(kv_scales, config))
@@ -93,6 +101,49 @@ def with_quantization(
         check_fp8_device(torch.device(device), f"FP8 weights ({quant.source})")
         check_fp8_block_on_device(quant, torch.device(device))
     return dataclasses.replace(config, quantization=quant)
+
+
+def with_gguf_blocks(
+    config: ModelConfig, model_dir: Path, device: torch.device | str, keep: bool | None
+) -> ModelConfig:
+    """``config`` with the GGUF block types of a converted GGUF folder's kept tensors, for its
+    layers to hold them (engine_core/models/gguf.py): on CUDA unless ``keep`` says otherwise, for
+    models of Llama's layout at one tensor-parallel rank; elsewhere the folder's floats."""
+    if not (torch.device(device).type == "cuda" if keep is None else keep):
+        return config
+    types = gguf_block_types(model_dir)
+    if not types:
+        return config
+    plain = config.quantization is None and config.vision is None and config.embedding is None
+    if config.architecture != "llama" or not plain or get_tp_group().size > 1:
+        logger.info("GGUF blocks are kept for Llama-layout text models at one tensor-parallel "
+                    "rank; this one reads them dequantized")  # fmt: skip
+        return config
+    return dataclasses.replace(config, gguf_blocks=tuple(sorted(types.items())))
+
+
+def gguf_block_types(model_dir: Path) -> dict[str, str]:
+    """HF tensor name -> GGUF block type of the raw blocks a converted GGUF folder keeps; the
+    tensors of the file's other types are logged as read dequantized."""
+    path = model_dir / GGUF_BLOCKS_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    others = json.loads(metadata.get("gguf_dequantized", "{}"))
+    counts = ", ".join(f"{name} {count}" for name, count in others.items())
+    logger.info("GGUF tensors of types without a kernel are read dequantized: %s", counts or "none")
+    return json.loads(metadata.get("gguf_types", "{}"))
+
+
+def checkpoint_with_gguf_blocks(
+    model_dir: Path, kept: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors, those in ``kept`` as their raw GGUF blocks instead of floats."""
+    floats = iter_checkpoint(model_dir, skip=kept)
+    if not kept:
+        return floats
+    return chain(floats, iter_safetensors(model_dir / GGUF_BLOCKS_FILE, sorted(kept)))
 
 
 # Where checkpoints from before transformers' quantization_config keep it (AutoGPTQ, AutoAWQ).
@@ -165,14 +216,16 @@ def read_json(path: Path) -> dict[str, Any]:
 # Checkpoint reading
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor in the folder's safetensors (or .bin) files."""
+def iter_checkpoint(
+    model_dir: Path, skip: set[str] | frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor in the folder's safetensors (or .bin) files, but
+    those named in ``skip`` (of safetensors: read elsewhere)."""
     files = checkpoint_files(model_dir, "model.safetensors.index.json", "*.safetensors")
+    files = [file for file in files if file.name != GGUF_BLOCKS_FILE]
     if files:
         for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+            yield from iter_safetensors(file, None, skip)
         return
     files = checkpoint_files(model_dir, "pytorch_model.bin.index.json", "pytorch_model*.bin")
     if not files:
@@ -180,6 +233,16 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         # weights_only: a .bin is a pickle, and only plain tensors may come out of it.
         yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def iter_safetensors(
+    file: Path, names: list[str] | None, skip: set[str] | frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) of ``names`` (None: all) in ``file``, but those in ``skip``."""
+    with safe_open(str(file), framework="pt") as f:
+        for name in names if names is not None else list(f.keys()):
+            if name not in skip:
+                yield name, f.get_tensor(name)
 
 
 # A checkpoint's FP8 K/V scale names: compressed-tensors' self_attn.k_scale, and the older

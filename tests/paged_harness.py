@@ -77,7 +77,8 @@ class PagedRunner:
         self.model = model
         self.block_size = block_size
         self.backend = backend or engine_backend(model)
-        weight = next(model.parameters())
+        # The activations' dtype: a GGUF model's first parameter may be its embedding's blocks.
+        weight = next(p for p in model.parameters() if p.is_floating_point())
         self.device = weight.device
         for layer in model.attention_layers():
             shapes = layer.cache_shapes(num_blocks, block_size)

@@ -6,6 +6,7 @@ transformers reading the same GGUF file."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +84,51 @@ def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
     return np.concatenate([head, scales, qs], axis=1).reshape(rows, -1)
 
 
+def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
+    """[N, K] float32 -> Q6_K rows [N, K / 256 * 210]: per 16-value sub-block an int8 scale
+    against the super-block's fp16 d, 6-bit q with x ~ d * sc * (q - 32); q's low 4 bits and high
+    2 laid out as gguf_blocks.q6_k reads them."""
+    rows = weight.shape[0]
+    x = weight.reshape(-1, 16, 16).astype(np.float32)  # super-blocks of 16 sub-blocks
+    step = np.abs(x).max(-1) / 31
+    d = (step.max(-1) / 127).astype(np.float16)
+    sc = np.clip(np.round(step / np.maximum(d.astype(np.float32), 1e-8)[:, None]), 1, 127)
+    unit = (d.astype(np.float32)[:, None] * sc)[..., None]
+    q = np.clip(np.round(x / np.maximum(unit, 1e-8)), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # [n, half, group g of 32, t]
+    low, high = q & 0x0F, q >> 4
+    # A half's 64 bytes: 0-31 hold groups 0 (low nibble) and 2 (high), 32-63 groups 1 and 3.
+    ql = np.concatenate(
+        [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], -1
+    )
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    parts = [ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8),
+             d.reshape(-1, 1).view(np.uint8)]  # fmt: skip
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+def test_the_q6_k_writer_s_rows_come_back_near_the_weights() -> None:
+    weights = np.random.default_rng(1).standard_normal((4, 512)).astype(np.float32) * 0.1
+    got = dequantize(torch.from_numpy(quantize_q6_k(weights)), "Q6_K")
+    torch.testing.assert_close(got, torch.from_numpy(weights), atol=0.01, rtol=0)
+
+
+# Block types the tests quantize themselves (gguf-py quantizes neither).
+TEST_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+
+
 def write_gguf(path: Path, qtype: GGMLQuantizationType) -> dict[str, np.ndarray]:
     """A random 2-layer Llama (tied embeddings) whose matrices are ``qtype`` blocks; the
     embedding (and norms) float32, as a small llama.cpp file may keep them. Returns the
     matrices' raw blocks by GGUF name."""
+    return write_typed_gguf(path, lambda name: None if name == "token_embd.weight" else qtype)
+
+
+def write_typed_gguf(
+    path: Path, type_of: Callable[[str], GGMLQuantizationType | None]
+) -> dict[str, np.ndarray]:
+    """``write_gguf`` with each matrix in the block type ``type_of`` gives its GGUF name (None:
+    float32); norms float32."""
     tokens = [*byte_level_tokens(), "hi", "<s>", "</s>"]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SIZES, vocab_size=len(tokens), tie_word_embeddings=True))
@@ -96,10 +138,12 @@ def write_gguf(path: Path, qtype: GGMLQuantizationType) -> dict[str, np.ndarray]
     add_metadata(writer, tokens)
     raw = {}
     for name, array in llama_tensors(model.state_dict()):
-        if array.ndim == 1 or name == "token_embd.weight":
+        qtype = None if array.ndim == 1 else type_of(name)
+        if qtype is None:
             writer.add_tensor(name, array)
             continue
-        raw[name] = quantize_q4_k(array) if qtype.name == "Q4_K" else gguf_quantize(array, qtype)
+        quantize = TEST_QUANTIZERS.get(qtype.name)
+        raw[name] = quantize(array) if quantize else gguf_quantize(array, qtype)
         writer.add_tensor(name, raw[name], raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

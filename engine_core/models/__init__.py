@@ -46,7 +46,7 @@ from engine_core.models.llama4_vision import check_vision_config, tokens_per_til
 from engine_core.models.mistral3 import Mistral3ForConditionalGeneration
 from engine_core.models.moe import MOE_ARCHITECTURES, moe_fields
 from engine_core.models.quant_config import quant_config_from_hf
-from engine_core.models.quantize import make_quantized_linears
+from engine_core.models.quantize import hold_gguf_blocks, make_quantized_linears
 from engine_core.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine_core.models.qwen3_5_vl import Qwen3_5VLForConditionalGeneration, qwen3_5_vision_config
 from engine_core.models.qwen3_next import (
@@ -153,6 +153,7 @@ def build_model(config: ModelConfig, target: BuildTarget | None = None) -> nn.Mo
         )
     model = model_class(config)
     make_quantized_linears(model, config)
+    hold_gguf_blocks(model, config)
     if target is not None:
         choose_layer_forms(model, target)
     return model

@@ -15,9 +15,9 @@ transformers dequantizes GGUF files with it). ``dequantize(raw, type)`` turns ra
 - Q6_K (210 bytes, 256 values): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
   scales, fp16 d: d * scale_s * (q - 32) for sub-block s of 16.
 
-Today a GGUF file is dequantized to float32 once, at its first load (engine_core/loader.py), so
-these serve as the reference for the block kernels to come: the plan to keep Q4_0, Q4_1, Q8_0,
-Q4_K, Q5_K and Q6_K weights in their blocks on the GPU is in docs/design/quantization.md.
+These are the reference of the GGUF layers that keep their blocks on CUDA (all five types:
+engine_core/models/gguf.py, whose planes go back into blocks to be read here;
+docs/design/quantization.md).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from engine_core.models.fp8 import (
     quantize_rows,
     weight_scale_shape,
 )
+from engine_core.models.gguf import GgufLayout, HoldsGgufBlocks, gguf_linear
 from engine_core.models.int8 import int8_linear
 from engine_core.models.int8 import quantize_rows as int8_rows
 from engine_core.models.meta_build import computed_buffer
@@ -497,7 +498,7 @@ def checkpoint_scale(
     return tensor
 
 
-class Linear(nn.Linear, LoadsQuantized):
+class Linear(nn.Linear, LoadsQuantized, HoldsGgufBlocks):
     """nn.Linear whose weight may be held in a quantized format, chosen before it loads:
 
     - ``make_fp8`` (engine_core/models/fp8.py): ``weight`` e4m3, ``weight_scale`` (and, with
@@ -506,7 +507,9 @@ class Linear(nn.Linear, LoadsQuantized):
     - ``make_w4a16`` (engine_core/models/w4a16.py): ``qweight``, ``scales``, ``zeros`` and, with
       act-order, ``g_idx`` in place of ``weight``; checkpoint tensors are repacked into that
       layout as they load (``w4a16_form``) and act-order columns sorted once they are in
-      (``finish_loading``).
+      (``finish_loading``);
+    - ``make_gguf`` (engine_core/models/gguf.py): ``gguf_blocks``, each part's GGUF blocks as
+      planes, in place of ``weight``; each part's raw rows load into their planes.
 
     ``load_quantized`` takes the checkpoint's tensors into them. Under ``--quantization fp8`` or
     ``w8a8`` the loader quantizes plain weights first (``held_form``).
@@ -519,13 +522,15 @@ class Linear(nn.Linear, LoadsQuantized):
         self.w4a16: W4A16Config | None = None
         self.group_size = 0  # W4A16: input columns per scale
         self.w4a16_tiled = False  # W4A16 on CUDA: qweight in the kernel's layout
+        self.gguf: GgufLayout | None = None
         # The weight in oneDNN's layout (models/cpu_gemm.py), once ``pack_for_cpu`` has run.
         self.packed_weight: torch.Tensor | None = None
 
     @property
     def quantized(self) -> bool:
         """Whether the weight is held in a quantized format."""
-        return self.fp8 is not None or self.int8 is not None or self.w4a16 is not None
+        formats = (self.fp8, self.int8, self.w4a16, self.gguf)
+        return any(config is not None for config in formats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
@@ -541,6 +546,8 @@ class Linear(nn.Linear, LoadsQuantized):
         """x [..., in] @ weight.T -> [..., out], without the bias."""
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, None)
+        if self.gguf is not None:
+            return gguf_linear(x, self.gguf_planes(), self.out_features)
         if self.w4a16 is not None:
             return w4a16_linear(
                 x, self.qweight, self.scales, self.zeros, self.perm, self.group_size
@@ -612,6 +619,15 @@ class Linear(nn.Linear, LoadsQuantized):
         self.register_buffer("perm", None)  # finish_loading sets it for act-order columns
         self.w4a16 = config
 
+    def make_gguf(self, types: tuple[str, ...]) -> None:
+        """Hold the weight as GGUF blocks from now on, part i of type ``types[i]``
+        (engine_core/models/gguf.py)."""
+        layout = GgufLayout(types, tuple(self.output_parts), self.in_features)
+        device = self.weight.device
+        self.register_parameter("weight", None)
+        self.gguf_blocks = empty_param((layout.nbytes,), torch.uint8, device)
+        self.gguf = layout
+
     @property
     def quantizes_at_load(self) -> bool:
         """Whether this layer quantizes plain checkpoint weights (``--quantization fp8``,
@@ -647,6 +663,10 @@ class Linear(nn.Linear, LoadsQuantized):
     ) -> None:
         """Load checkpoint tensor ``hf_name`` (this rank's part, in our layout) into
         ``param_name`` at ``index`` (None: all of it) of this quantized layer."""
+        if param_name == "gguf_blocks":
+            assert not isinstance(index, tuple | slice)  # a merged layer's part number
+            self.load_gguf_part(tensor, index, hf_name)
+            return
         if param_name == "weight" and self.w4a16 is None:
             config, dtype = (self.int8, torch.int8) if self.int8 else (self.fp8, FP8_DTYPE)
             check_held_dtype(tensor, dtype, config.source, hf_name)
@@ -750,7 +770,7 @@ class MergedLinear(Linear, TPSharded, ShardedParameters):
         return range(self.num_shards)
 
     def shard_index(self, param_name: str, shard: int) -> ShardIndex:
-        if param_name == "input_scale":
+        if param_name in ("input_scale", "gguf_blocks"):  # one per part; GGUF: the part's blocks
             return shard
         if param_name == "g_idx":  # W4A16 act-order: one row per part
             return slice(shard, shard + 1)
@@ -1122,6 +1142,8 @@ def held_form(
         return [
             (f"{module_name}.{p}", t) for p, t in module.w4a16_form(param_name, tensor, hf_name)
         ]
+    if module.gguf is not None and param_name == "weight":
+        return [(f"{module_name}.gguf_blocks", tensor)]
     if param_name != "weight" or not module.quantizes_at_load:
         return [(name, tensor)]
     check_plain_weight(tensor, hf_name)

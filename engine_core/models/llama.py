@@ -28,6 +28,7 @@ from engine_core.config import ModelConfig
 from engine_core.models.aux_hidden import AuxHiddenStates
 from engine_core.models.fp8 import attach_fp8_rows, fp8_kernels, takes_fp8_rows
 from engine_core.models.gate_up_layout import GLU_HALF, interleave_gate_up
+from engine_core.models.gguf_layers import GgufEmbedding
 from engine_core.models.gpt_oss_moe import GptOssMoE
 from engine_core.models.layers import (
     ACT_AND_MUL,
@@ -447,10 +448,15 @@ class LlamaForCausalLM(nn.Module):
 
     def logits_weight(self) -> torch.Tensor | None:
         """The LM head's matrix [vocab (this rank's), hidden]: the embedding's when tied; None
-        on a pipeline stage before the last."""
-        if not self.model.stage.is_last:
+        on a pipeline stage before the last, and where the head is GGUF blocks (``gguf_head``)."""
+        if not self.model.stage.is_last or self.gguf_head() is not None:
             return None
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def gguf_head(self) -> GgufEmbedding | None:
+        """A tied LM head held as the embedding's GGUF blocks, which multiply by themselves."""
+        embed = self.model.embed_tokens
+        return embed if self.lm_head is None and isinstance(embed, GgufEmbedding) else None
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] float32 on rank 0 (None on the other ranks);
@@ -462,18 +468,21 @@ class LlamaForCausalLM(nn.Module):
         dtype = torch.float32 if widen or cap is not None else hidden.dtype  # rank 0 receives
         if not stage.is_last:
             return stage.recv_logits(hidden.shape[0], self.config.vocab_size, dtype, hidden.device)
-        logits = project_logits(
-            hidden,
-            self.logits_weight(),
-            self.tp,
-            self.config.vocab_size,
-            self.packed_logits_weight,
-            widen=widen or cap is not None,  # the soft cap's tanh is computed in float32
-        )
+        # The soft cap's tanh is computed in float32.
+        logits = self.project_hidden(hidden, widen or cap is not None)
         if logits is not None and cap is not None:
             logits = torch.tanh(logits / cap) * cap
         stage.send_logits(logits, dtype)
         return logits
+
+    def project_hidden(self, hidden: torch.Tensor, widen: bool) -> torch.Tensor | None:
+        """The LM head's product of this stage's ``hidden`` (``project_logits``)."""
+        head = self.gguf_head()
+        if head is not None:  # one rank: the loader keeps GGUF blocks only there
+            logits = head.logits(hidden)
+            return logits.float() if widen else logits
+        weight, packed = self.logits_weight(), self.packed_logits_weight
+        return project_logits(hidden, weight, self.tp, self.config.vocab_size, packed, widen)
 
     def plain_logits_weight(self) -> torch.Tensor | None:
         """The matrix W with logits == hidden @ W.T exactly (the decode graphs project them

@@ -10,6 +10,9 @@ the model's dtype, as every quantized checkpoint we read keeps them.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 from torch import nn
 
 from engine_core.config import (
@@ -20,9 +23,12 @@ from engine_core.config import (
     W4A16Config,
     is_ignored,
 )
+from engine_core.models.gguf_layers import GgufEmbedding
 from engine_core.models.layers import Linear
 from engine_core.models.llama import FUSED_PROJECTIONS
 from engine_core.models.moe import SparseMoE
+
+logger = logging.getLogger(__name__)
 
 # Architectures whose own layers (gpt-oss's experts, which are not SparseMoE) no quantized
 # checkpoint has been checked against: refused, never run on a guess.
@@ -73,6 +79,46 @@ def make_quantized_linears(model: nn.Module, config: ModelConfig) -> None:
         check_experts_only(config, quant, name)
         check_float_shared_expert_gate(config, quant, name)
         make_quantized(module, quant, name)
+
+
+def hold_gguf_blocks(model: nn.Module, config: ModelConfig) -> None:
+    """Make every Linear whose parts the checkpoint all gives as GGUF blocks
+    (``config.gguf_blocks``), and a token embedding it gives so, hold them (before loading); a
+    layer with some parts in other types reads them all as floats. Logged by type."""
+    types = dict(config.gguf_blocks)
+    if not types:
+        return
+    kept: Counter[str] = Counter()
+    floats = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        parts = [types.get(f"{part}.weight") for part in checkpoint_names(name, config)]
+        if all(parts):
+            module.make_gguf(tuple(parts))  # type: ignore[arg-type]
+            kept.update(parts)
+        elif any(parts):
+            floats.append(name)
+    body = getattr(model, "model", None)
+    embed = getattr(body, "embed_tokens", None)
+    embed_type = types.get("model.embed_tokens.weight")
+    if isinstance(embed, nn.Embedding) and embed_type is not None:
+        body.embed_tokens = GgufEmbedding(embed.num_embeddings, embed.embedding_dim, embed_type)
+        kept[embed_type] += 1
+    logger.info("GGUF tensors held in their blocks: %s; layers whose parts are of several types, "
+                "some without a kernel, read as floats: %d %s", dict(kept), len(floats),
+                floats[:3])  # fmt: skip
+
+
+def gguf_block_names(model: nn.Module, config: ModelConfig) -> set[str]:
+    """The checkpoint names of the tensors ``hold_gguf_blocks`` made ``model`` hold as blocks."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.gguf is not None:
+            names.update(f"{part}.weight" for part in checkpoint_names(name, config))
+        elif isinstance(module, GgufEmbedding):
+            names.add(f"{name}.weight")
+    return names
 
 
 def make_quantized_experts(
