@@ -166,10 +166,12 @@ def test_float32_swapped_kernels_at_gpt_oss_20b_shapes() -> None:
 PATHS = [
     (1, None, GemvTiles),
     (4, None, GemvTiles),
-    (16, None, GemvTiles),
+    (16, None, Swapped),
     (16, GemvTiles(4, 64, 16, 4), GemvTiles),  # align's blocks of 4, K in 4 splits
+    (40, None, Swapped),  # the rule's tiles (no measured bucket)
     (64, Blocks(16, 64, 64), Blocks),  # the tiled kernels
-    (256, None, Dequantize),
+    (256, None, Swapped),
+    (512, None, Dequantize),
     (2048, None, Dequantize),
 ]
 

@@ -78,7 +78,7 @@ def q6_k(blocks: torch.Tensor) -> torch.Tensor:
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
     d = (fp16_at(blocks, 208) * scales)[:, :, None]  # [n, 16, 1]
     low = nibbles(ql.reshape(n, 2, 64)).reshape(n, 8, 32)  # 64-byte half h: 4h..4h+3
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).reshape(1, 1, 4, 1)
     high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int16) - 32).reshape(n, 16, 16).float()
     return (d * q).reshape(n, QK_K)

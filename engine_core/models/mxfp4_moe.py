@@ -1,10 +1,10 @@
 """gpt-oss's MXFP4 experts on CUDA: which of the three paths runs a step, by its shape.
 
-- few slots an expert (decode): the CUDA-core matrix-vector kernels (mxfp4_gemv.py), which read
-  the codes at close to HBM speed and convert each one once per program;
-- more: the tiled kernels that widen codes into tensor-core tiles (mxfp4_kernels.py), or,
-  where forced (a sweep candidate, not yet chosen by shape), the swapped kernels that put the
-  weights on the tensor cores' M side (mxfp4_swapped.py);
+- one slot an expert or fewer (decode of a few tokens): the CUDA-core matrix-vector kernels
+  (mxfp4_gemv.py), which convert each code once per program;
+- more: the swapped kernels that put the weights on the tensor cores' M side and widen the
+  codes through tl.dot_scaled (mxfp4_swapped.py); the tiled kernels with the tokens on the M
+  side (mxfp4_kernels.py) run only where forced (a benchmark's or a test's choice);
 - from DEQUANTIZE_TOKENS tokens (prefill): the experts dequantized into a scratch buffer, then
   bf16 grouped GEMMs (mxfp4_prefill.py), where the tiles' conversion, redone for every row
   block, would cost more than the product.
@@ -23,7 +23,7 @@ import torch
 from engine_core.models.fused_moe import Blocks
 from engine_core.models.mxfp4 import Mxfp4Experts
 from engine_core.models.mxfp4_gemv import GemvTiles, gemv_moe_mxfp4, rule_tiles
-from engine_core.models.mxfp4_kernels import block_sizes, check_layout, fused_moe_mxfp4
+from engine_core.models.mxfp4_kernels import check_layout, fused_moe_mxfp4
 from engine_core.models.mxfp4_prefill import dequantized_moe_mxfp4
 from engine_core.models.mxfp4_swapped import Swapped, swapped_moe_mxfp4
 
@@ -47,17 +47,26 @@ DEQUANTIZE_CANDIDATES = (
     Dequantize(Blocks(128, 128, 32, warps=8)),
 )
 
-# Up to this many (token, k) slots an expert on average, the CUDA-core kernels (a guess until
-# the sweep: at 8 a program converts each code once for 8 rows' multiply-adds).
-GEMV_SLOTS_PER_EXPERT = 8
-# From this many tokens, dequantize and run bf16 GEMMs: the sweep's crossover lies between 64
-# tokens (the tiles win: 1.02 against 1.41 ms) and 2,048 (dequantizing wins: 2.16 against 7.39).
-DEQUANTIZE_TOKENS = 256
+# Up to this many (token, k) slots an expert on average, the CUDA-core kernels; beyond, the
+# swapped kernels: on the H200 (2026-12-04) those beat every GEMV tile from two slots an expert
+# (16 tokens of gpt-oss-20b: 299 us a layer; at 64 tokens 361 us against the GEMV's best 1,323
+# and the tiled kernels' 1,025). One slot an expert and fewer (8 tokens) is unmeasured.
+GEMV_SLOTS_PER_EXPERT = 1
+# The swapped kernels' tiles where the sweep has not measured the shape: its fastest at 16 and 64
+# tokens, within 4% of the fastest at 256.
+SWAPPED_RULE = Swapped(rows=128, slots=16, k=64, warps=4, stages=3)
+# From this many tokens, dequantize and run bf16 GEMMs: at 256 tokens the swapped kernels still
+# win (740 us a layer; dequantizing 1.4 ms at 64), at 2,048 dequantizing does (2.16 ms against
+# the tiled kernels' 7.39; the swapped ones unmeasured there).
+DEQUANTIZE_TOKENS = 512
 # The sweep's fastest choice by (token bucket, hidden, width, experts, top k), where measured
-# (gpt-oss-20b's layer; docs/design/gpt-oss-and-deepseek.md has the figures beside bf16's).
+# (gpt-oss-20b's layer, `python -m benchmarks mxfp4 --tokens N --sweep`; docs/design/
+# gpt-oss-and-deepseek.md has the figures beside bf16's).
 MEASURED: dict[tuple[int, int, int, int, int], Choice] = {
     (1, 2880, 2880, 32, 4): GemvTiles(rows=1, block_n=32, words=8, split_k=4, warps=4),
-    (64, 2880, 2880, 32, 4): Blocks(m=16, n=64, k=64, warps=4, stages=3),
+    (16, 2880, 2880, 32, 4): Swapped(rows=128, slots=16, k=64, warps=4, stages=3),
+    (64, 2880, 2880, 32, 4): Swapped(rows=128, slots=16, k=64, warps=4, stages=3),
+    (256, 2880, 2880, 32, 4): Swapped(rows=128, slots=32, k=64, warps=8, stages=3),
     (2048, 2880, 2880, 32, 4): Dequantize(Blocks(m=128, n=64, k=64, warps=8, stages=3)),
 }
 
@@ -76,7 +85,7 @@ def rule(
     num_slots = num_tokens * top_k
     if num_slots <= GEMV_SLOTS_PER_EXPERT * num_experts:
         return rule_tiles(num_slots, num_experts, hidden, multiprocessors)
-    return block_sizes(num_slots, num_experts)
+    return SWAPPED_RULE
 
 
 def choose(
