@@ -108,16 +108,18 @@ def with_gguf_blocks(
 ) -> ModelConfig:
     """``config`` with the GGUF block types of a converted GGUF folder's kept tensors, for its
     layers to hold them (engine_core/models/gguf.py): on CUDA unless ``keep`` says otherwise, for
-    models of Llama's layout at one tensor-parallel rank; elsewhere the folder's floats."""
+    dense models of Llama's layout at one tensor-parallel rank (a mixture of experts' stacked
+    experts have no GGUF kernel); elsewhere the folder's floats."""
     if not (torch.device(device).type == "cuda" if keep is None else keep):
         return config
     types = gguf_block_types(model_dir)
     if not types:
         return config
     plain = config.quantization is None and config.vision is None and config.embedding is None
-    if config.architecture != "llama" or not plain or get_tp_group().size > 1:
-        logger.info("GGUF blocks are kept for Llama-layout text models at one tensor-parallel "
-                    "rank; this one reads them dequantized")  # fmt: skip
+    dense = config.architecture == "llama" and not config.num_experts
+    if not dense or not plain or get_tp_group().size > 1:
+        logger.info("GGUF blocks are kept for dense Llama-layout text models at one "
+                    "tensor-parallel rank; this one reads them dequantized")  # fmt: skip
         return config
     return dataclasses.replace(config, gguf_blocks=tuple(sorted(types.items())))
 
