@@ -368,3 +368,32 @@ def write_w4a16(
         packed, dequantized[name] = make(weight, input_seed(name))
         tensors.update({f"{module}.{key}": value for key, value in packed.items()})
     return write_folder(folder, plain, tensors, qc), dequantized
+
+
+def assert_hf_greedy_up_to_ties(
+    hf_model: nn.Module,
+    prompt: list[int],
+    tokens: list[int],
+    bound: float = 0.5,
+    **inputs: torch.Tensor,
+) -> None:
+    """``tokens`` are HF's greedy continuation of ``prompt`` but for near ties: HF, run over the
+    prompt and these tokens at once (``inputs``: an image's, over the prompt's positions), ranks
+    each one first, or within ``bound`` of its first at one step in eight at most. With
+    activations quantized at run time, two float32 computations of one model (HF's incremental
+    decode and its whole-sequence forward among them, and matmul kernels that change with the
+    machine) put an activation a level apart now and then, which can flip a near-tied greedy
+    choice, after which continuations part; a reader that computed something else (another
+    scale, another rounding) would rank its tokens below HF's first by far more, at most steps."""
+    ids = torch.tensor([prompt + tokens], device=hf_model.device)
+    extended = {
+        name: torch.cat([t, t.new_zeros(t.shape[0], len(tokens))], dim=1)
+        if name == "mm_token_type_ids" else t
+        for name, t in inputs.items()
+    }  # fmt: skip
+    with torch.no_grad():
+        out = hf_model(input_ids=ids, **extended).logits[0, len(prompt) - 1 : -1].float()
+    chosen = out.gather(-1, torch.tensor(tokens, device=out.device)[:, None])[:, 0]
+    gaps = out.max(-1).values - chosen
+    assert float(gaps.max()) <= bound, f"gaps to HF's first choice {gaps.tolist()}"
+    assert int((gaps > 0).sum()) <= max(1, len(tokens) // 8), f"gaps {gaps.tolist()}"
