@@ -21,12 +21,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine_core.llm import LLM  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
 from engine_core.models.fp8 import Fp8Experts  # noqa: E402
 from engine_core.models.fp8_moe_kernels import fused_moe_fp8  # noqa: E402
-from protocol.messages import SamplingParams  # noqa: E402
 from tests.fp8_moe_cases import random_experts, reference, relative_error, routing  # noqa: E402
+from tests.moe_graph_cases import assert_graphs_decode_as_eagerly  # noqa: E402
 from tests.test_fp8 import PROMPTS, fp8_block_format, write_quantized  # noqa: E402
 from tests.test_fp8_moe import make_hf_model  # noqa: E402
 
@@ -98,21 +97,7 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference(folder: Path, tokens: int) 
 def test_the_engine_decodes_through_cuda_graphs_as_eagerly(folder: Path) -> None:
     """The fused kernels read nothing on the host, so the FP8 MoE layers are captured: the
     graphs' greedy tokens are the eager engine's."""
-
-    def run(**engine: object) -> list[list[int]]:
-        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128,
-                  num_kv_blocks=64, **engine)  # fmt: skip
-        try:
-            moe = [m for m in llm.engine.runner.model.modules() if hasattr(m, "fp8_experts")]
-            assert moe and all(getattr(m, "cuda_graph_safe", True) for m in moe)
-            params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-            return [o.token_ids for o in llm.generate(PROMPTS, params, detokenize=False)]
-        finally:
-            llm.engine.shutdown()
-
-    graphs = run()
-    assert [len(tokens) for tokens in graphs] == [16] * len(PROMPTS)
-    assert graphs == run(enforce_eager=True)
+    assert_graphs_decode_as_eagerly(folder, PROMPTS, lambda m: hasattr(m, "fp8_experts"))
 
 
 def test_blocks_the_gpu_gemm_cannot_take_are_refused_at_load(tmp_path: Path) -> None:

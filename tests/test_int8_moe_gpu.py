@@ -18,13 +18,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine_core.llm import LLM  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
 from engine_core.models.fp8_moe_kernels import fused_moe_int8  # noqa: E402
 from engine_core.models.int8 import Int8Experts  # noqa: E402
-from protocol.messages import SamplingParams  # noqa: E402
 from tests.fp8_moe_cases import relative_error, routing  # noqa: E402
 from tests.int8_moe_cases import int8_reference, random_int8_experts  # noqa: E402
+from tests.moe_graph_cases import assert_graphs_decode_as_eagerly  # noqa: E402
 from tests.test_fp8 import PROMPTS  # noqa: E402
 from tests.test_fp8_moe import make_hf_model  # noqa: E402
 from tests.test_int8_moe import write_w8a8_moe  # noqa: E402
@@ -85,19 +84,4 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference(folder: Path, tokens: int) 
 def test_the_engine_decodes_through_cuda_graphs_as_eagerly(folder: Path) -> None:
     """The fused kernels read nothing on the host, so the INT8 MoE layers are captured: the
     graphs' greedy tokens are the eager engine's."""
-
-    def run(**engine: object) -> list[list[int]]:
-        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128,
-                  num_kv_blocks=64, **engine)  # fmt: skip
-        try:
-            moe = [m for m in llm.engine.runner.model.modules() if hasattr(m, "int8_experts")]
-            assert moe and all(m.int8 is not None and getattr(m, "cuda_graph_safe", True)
-                               for m in moe)  # fmt: skip
-            params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-            return [o.token_ids for o in llm.generate(PROMPTS, params, detokenize=False)]
-        finally:
-            llm.engine.shutdown()
-
-    graphs = run()
-    assert [len(tokens) for tokens in graphs] == [16] * len(PROMPTS)
-    assert graphs == run(enforce_eager=True)
+    assert_graphs_decode_as_eagerly(folder, PROMPTS, lambda m: getattr(m, "int8", None) is not None)

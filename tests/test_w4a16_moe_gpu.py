@@ -19,10 +19,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine_core.llm import LLM  # noqa: E402
 from engine_core.loader import load_model  # noqa: E402
 from engine_core.models.w4a16_moe_kernels import fused_moe_w4a16  # noqa: E402
-from protocol.messages import SamplingParams  # noqa: E402
+from tests.moe_graph_cases import assert_graphs_decode_as_eagerly  # noqa: E402
 from tests.test_w4a16 import PROMPTS  # noqa: E402
 from tests.test_w4a16_moe import qwen3_moe, write_w4a16_moe  # noqa: E402
 from tests.w4a16_moe_cases import (  # noqa: E402
@@ -90,19 +89,6 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference(folder: Path, tokens: int) 
 def test_the_engine_decodes_through_cuda_graphs_as_eagerly(folder: Path) -> None:
     """The fused kernels read nothing on the host, so the W4A16 MoE layers are captured: the
     graphs' greedy tokens are the eager engine's."""
-
-    def run(**engine: object) -> list[list[int]]:
-        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128,
-                  num_kv_blocks=64, **engine)  # fmt: skip
-        try:
-            moe = [m for m in llm.engine.runner.model.modules() if hasattr(m, "w4a16_experts")]
-            assert moe and all(m.w4a16 is not None for m in moe)
-            assert all(getattr(m, "cuda_graph_safe", True) for m in moe)
-            params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-            return [o.token_ids for o in llm.generate(PROMPTS, params, detokenize=False)]
-        finally:
-            llm.engine.shutdown()
-
-    graphs = run()
-    assert [len(tokens) for tokens in graphs] == [16] * len(PROMPTS)
-    assert graphs == run(enforce_eager=True)
+    assert_graphs_decode_as_eagerly(
+        folder, PROMPTS, lambda m: getattr(m, "w4a16", None) is not None
+    )
