@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -238,13 +239,15 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     with tqdm(total=4, desc=f"Converting {gguf.name} (first load only)", unit="step") as bar:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         skeleton = meta_skeleton(config)
-        tensors = read_gguf_tensors(gguf, skeleton)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        read = read_gguf_blocks(gguf, skeleton, config)
+        metadata = {"format": "pt", "gguf_types": json.dumps(read.types),
+                    "gguf_dequantized": json.dumps(read.others)}  # fmt: skip
+        save_file(read.blocks, str(out / GGUF_BLOCKS_FILE), metadata=metadata)
         bar.update()
-        blocks, types, others = read_gguf_blocks(gguf, skeleton, config)
-        metadata = {"format": "pt", "gguf_types": json.dumps(types),
-                    "gguf_dequantized": json.dumps(others)}  # fmt: skip
-        save_file(blocks, str(out / GGUF_BLOCKS_FILE), metadata=metadata)
+        # transformers' own dequantizing reader only where a tensor's type needs it: it parses
+        # the file again and dequantizes in numpy, most of a conversion's time.
+        tensors = read.floats() if read.complete else read_gguf_tensors(gguf, skeleton)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         bar.update()
         config.architectures = [type(skeleton).__name__]
         config.save_pretrained(out)
@@ -275,14 +278,36 @@ def read_gguf_tensors(gguf: Path, skeleton: Any) -> dict[str, torch.Tensor]:
     return {name: t.contiguous() for name, t in parsed["tensors"].items()}
 
 
-def read_gguf_blocks(
-    gguf: Path, skeleton: Any, config: Any
-) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, int]]:
+# GGUF tensor types stored as plain numbers, read as float32 beside the blocks.
+PLAIN_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclass
+class GgufTensors:
+    """One pass over a GGUF file's tensors, under HF names (``read_gguf_blocks``)."""
+
+    blocks: dict[str, torch.Tensor]  # raw block rows of the types with a kernel
+    types: dict[str, str]  # each kept tensor's block type
+    others: dict[str, int]  # tensors of the other types, by type (read dequantized)
+    plain: dict[str, torch.Tensor]  # F32 / F16 / BF16 tensors as float32
+    complete: bool  # whether blocks and plain hold every tensor the name map places
+
+    def floats(self) -> dict[str, torch.Tensor]:
+        """Every tensor as float32: the blocks dequantized by gguf_blocks.py (gguf-py's
+        values, tested), the plain tensors as read."""
+        from engine_core.models.gguf_blocks import dequantize
+
+        dequantized = {name: dequantize(raw, self.types[name]) for name, raw in self.blocks.items()}
+        return dequantized | self.plain
+
+
+def read_gguf_blocks(gguf: Path, skeleton: Any, config: Any) -> GgufTensors:
     """The raw block rows (uint8 [N, K / 32 * block bytes]) under HF names of every tensor whose
-    type has a kernel, each one's type, and how many tensors of each other type the file has.
-    transformers' own name map and tensor processor place the rows, so they land where the float
-    tensors do: its Llama processor un-permutes llama.cpp's q/k rows, whole rows, which it does
-    to raw rows as well. Architectures whose processor does more than that keep no blocks."""
+    type has a kernel, each one's type, the plain (F32, F16, BF16) tensors as float32, and how
+    many tensors of each type without a kernel the file has. transformers' own name map and
+    tensor processor place the rows, so they land where its float tensors do: its Llama
+    processor un-permutes llama.cpp's q/k rows, whole rows, which it does to raw rows as well.
+    Architectures whose processor does more than that keep no blocks (and are not complete)."""
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -297,19 +322,28 @@ def read_gguf_blocks(
     reader = GGUFReader(str(gguf))
     processor_class = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0])
     if processor_class not in (None, LlamaTensorProcessor):
-        return {}, {}, {}
+        return GgufTensors({}, {}, {}, {}, complete=False)
     heads = {"num_attention_heads": config.num_attention_heads,
              "num_key_value_heads": config.num_key_value_heads}  # fmt: skip
     processor = (processor_class or TensorProcessor)(config=heads)
     names = get_gguf_hf_weights_map(skeleton, processor)
-    blocks, types, others = {}, {}, Counter()
+    read = GgufTensors({}, {}, {}, {}, complete=True)
+    others: Counter[str] = Counter()
     for tensor in reader.tensors:
-        type_name = tensor.tensor_type.name
-        if type_name not in kernel_types() or tensor.name not in names:
+        type_name, name = tensor.tensor_type.name, names.get(tensor.name)
+        if type_name not in kernel_types():
             others[type_name] += 1
+        if name is None:
+            continue
+        if type_name not in kernel_types() and type_name not in PLAIN_TYPES:
+            read.complete = False
             continue
         rows = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
+        if type_name in PLAIN_TYPES:
+            read.plain[name] = torch.from_numpy(np.array(rows, dtype=np.float32))
+            continue
         # A copy: the reader maps the file read-only.
-        blocks[names[tensor.name]] = torch.from_numpy(np.array(rows))
-        types[names[tensor.name]] = type_name
-    return blocks, types, dict(others.most_common())
+        read.blocks[name] = torch.from_numpy(np.array(rows))
+        read.types[name] = type_name
+    read.others = dict(others.most_common())
+    return read
