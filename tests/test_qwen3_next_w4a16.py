@@ -38,11 +38,10 @@ from engine_core.models import build_model
 from engine_core.models.moe import SparseMoE
 from engine_core.models.quant_config import random_weights_config
 from engine_core.presets import PRESETS
-from tests.paged_harness import load_float32, random_prompts, randomize
+from tests.paged_harness import hf_greedy, load_float32, random_prompts, randomize
 from tests.quant_fixtures import write_folder
-from tests.test_hybrid_quant import hf_tokens
 from tests.test_models_qwen3_5 import text_fields
-from tests.test_models_qwen3_next import VOCAB, greedy, make_llm, tiny_config
+from tests.test_models_qwen3_next import NEW_TOKENS, VOCAB, greedy, make_llm, tiny_config
 from tests.test_w4a16_moe import ct_qc, ct_tensors, write_w4a16_moe
 from tests.tp_cases import assert_same_greedy, engine_greedy, hf_reference
 
@@ -145,7 +144,8 @@ def test_a_batch_crossing_the_prompt_chunk_gives_hfs_tokens(
     try:
         prompts = random_prompts(VOCAB, (5, 33, 97))
         got = llm.generate(prompts, greedy(), detokenize=False)
-        assert [o.token_ids for o in got] == hf_tokens(reference, prompts)
+        want = [hf_greedy(reference, prompt, NEW_TOKENS).tokens[0] for prompt in prompts]
+        assert [o.token_ids for o in got] == want
     finally:
         llm.engine.shutdown()
 
