@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.paged_harness import GreedyResult, hf_greedy, randomize
+from tests.paged_harness import GreedyResult, generate_greedy, hf_greedy, randomize
 
 VOCAB = 256
 SIZES = {
@@ -181,6 +181,21 @@ def assert_matches_quantized(
     diffs = torch.cat(steps)
     assert float((diffs <= atol).float().mean()) >= 0.5, f"step differences {diffs.tolist()}"
     assert float(diffs.max()) <= bound, f"step differences {diffs.tolist()}"
+
+
+def assert_expert_scales_and_activations_count(
+    ours: nn.Module, without_expert_round_trip: nn.Module, prompt: list[int]
+) -> None:
+    """What a comparison of a quantized MoE with HF would see: HF without the experts'
+    activation round trip (``without_expert_round_trip``) gives other logits than ``ours``, and
+    so does ``ours`` with its experts' gate/up scales doubled (left doubled)."""
+    before = generate_greedy(ours, [prompt], 4).logits[0]
+    weights_only = hf_greedy(without_expert_round_trip, prompt, 4).logits[0]
+    assert (before - weights_only).abs().max() > 1e-2
+    for layer in ours.model.layers:
+        layer.mlp.w13_scale.data *= 2
+    after = generate_greedy(ours, [prompt], 4).logits[0]
+    assert (before - after).abs().max() > 1e-2
 
 
 # ---- compressed-tensors, by the package itself ---------------------------------------------------
