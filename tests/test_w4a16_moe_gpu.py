@@ -89,6 +89,4 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference(folder: Path, tokens: int) 
 def test_the_engine_decodes_through_cuda_graphs_as_eagerly(folder: Path) -> None:
     """The fused kernels read nothing on the host, so the W4A16 MoE layers are captured: the
     graphs' greedy tokens are the eager engine's."""
-    assert_graphs_decode_as_eagerly(
-        folder, PROMPTS, lambda m: getattr(m, "w4a16", None) is not None
-    )
+    assert_graphs_decode_as_eagerly(folder, PROMPTS, lambda m: m.w4a16 is not None)
