@@ -308,7 +308,7 @@ def quantize_activations(
     """x [M, K] -> (e4m3 or int8 [M, K] as the experts' weights, float32 scales): per token and
     ``block[1]``-column group for block weights ([M, K / cols]), per token for row-scaled ones
     ([M, 1])."""
-    if experts.w13.dtype == torch.int8:
+    if isinstance(experts, Int8Experts):
         return int8_per_token(x)
     if experts.block is None:
         return quantize_per_token(x)
@@ -370,7 +370,7 @@ def _grouped_gemms(
     num_slots, num_blocks = num_tokens * top_k, block_experts.numel()
     scaled = e.block is not None
     group_n, group_k = e.block or (1, 1)
-    acc = tl.int32 if e.w13.dtype == torch.int8 else tl.float32
+    acc = tl.int32 if isinstance(e, Int8Experts) else tl.float32
     act = torch.empty(num_slots, inter, dtype=dtype, device=x.device)
     b = tiles[0]
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
