@@ -409,6 +409,8 @@ def _deepseek_v2_lite() -> dict[str, Any]:
         "num_experts_per_tok": 6,
         "moe_intermediate_size": 1408,
         "first_k_dense_replace": 1,
+        "n_group": 1,  # as the published config: one group, so greedy top-k over all experts
+        "topk_group": 1,
         "topk_method": "greedy",
         "scoring_func": "softmax",
         "routed_scaling_factor": 1.0,
