@@ -55,6 +55,7 @@ def parse_rates(text: str) -> list[float]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     serving.add_model_arg(parser)
+    serving.add_checkpoint_args(parser)
     parser.add_argument(
         "--rates", type=parse_rates, default=parse_rates("2,4,8,16,32"),
         help="Poisson arrival rates (requests/s) swept, comma-separated (default: 2,4,8,16,32)",
@@ -130,7 +131,7 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check(args)
     out_dir = serving.output_dir(args, "tandem-goodput-")
-    model_dir, tokenizer = serving.model_folder(args.model, out_dir)
+    model_dir, tokenizer = serving.served_model(args, out_dir)
     servers = serving.build_servers(args, model_dir)
     warm_up = warm_up_workload(args)
     loadgen_args = shlex.split(args.loadgen_args)

@@ -41,6 +41,7 @@ TEMPLATE_TOKENS_PER_MESSAGE = 8  # a chat template's role markers, room kept in 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     serving.add_model_arg(parser)
+    serving.add_checkpoint_args(parser)
     parser.add_argument(
         "--conversations", type=int, default=32, help="conversations per run (default: 32)"
     )

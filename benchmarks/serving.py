@@ -58,6 +58,7 @@ DEFAULT_WORKLOADS = "64:128:256,256:128:256,32:3600:256"
 
 def add_args(parser: argparse.ArgumentParser, workloads: str = DEFAULT_WORKLOADS) -> None:
     add_model_arg(parser)
+    add_checkpoint_args(parser)
     parser.add_argument(
         "--workloads", default=workloads, type=parse_workloads,
         help="comma-separated N:INPUT:OUTPUT[:CONCURRENCY] (default: %(default)s)",
@@ -82,6 +83,21 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
         "--model", default="llama-8b",
         help="a random preset (engine_core/presets.py) or a model folder both servers load "
         "(default: %(default)s)",
+    )  # fmt: skip
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint: both servers load one random checkpoint of the preset (see
+    benchmarks/random_checkpoint.py for why a mixture of experts needs it)."""
+    parser.add_argument(
+        "--checkpoint", action="store_true",
+        help="write the preset's random weights once as a Hugging Face checkpoint "
+        "(OUT-DIR/PRESET-checkpoint) and serve that on both servers, instead of each one's own "
+        "random weights (vLLM's dummy weights route MoE rows alike, so it reads fewer experts)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-device", default="cuda",
+        help="where the checkpoint's weights are initialised (default: %(default)s)",
     )  # fmt: skip
 
 
@@ -126,7 +142,7 @@ def compare(
     """The servers one at a time over args.workloads; prints and writes the comparison, with
     the lines ``notes`` makes of the results under the table."""
     out_dir = output_dir(args, "tandem-serving-")
-    model_dir, tokenizer = model_folder(args.model, out_dir)
+    model_dir, tokenizer = served_model(args, out_dir)
     loadgen_args = shlex.split(args.loadgen_args)
     if args.lora:
         loadgen_args += add_lora_flags(args, out_dir)
@@ -197,6 +213,25 @@ def add_quantization_flags(args: argparse.Namespace, model_dir: Path | None) -> 
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     args.tandem_args = f"{args.tandem_args} --quantization {args.quantization}"
     args.vllm_args = f"{args.vllm_args} --quantization {peer_method}"
+
+
+def served_model(args: argparse.Namespace, out_dir: Path) -> tuple[Path | None, str]:
+    """``model_folder`` of args.model, after --checkpoint has written the preset's checkpoint
+    and made args.model that folder."""
+    from engine_core.presets import PRESETS
+
+    if getattr(args, "checkpoint", False):
+        if args.model not in PRESETS:
+            raise SystemExit(f"--checkpoint needs a random preset, not {args.model!r}")
+        if getattr(args, "quantization", None):
+            raise SystemExit("--checkpoint writes bf16 weights (MXFP4 experts for gpt-oss): "
+                             "drop --quantization")  # fmt: skip
+        from benchmarks.random_checkpoint import write_preset_checkpoint
+
+        folder = out_dir / f"{args.model}-checkpoint"
+        print(f"writing {args.model}'s random checkpoint into {folder}", flush=True)
+        args.model = str(write_preset_checkpoint(args.model, folder, args.checkpoint_device))
+    return model_folder(args.model, out_dir)
 
 
 def model_folder(model: str, out_dir: Path) -> tuple[Path | None, str]:

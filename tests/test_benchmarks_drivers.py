@@ -108,3 +108,21 @@ def test_cpu_serves_the_default_model_in_float32_on_both(tmp_path: Path) -> None
     assert vllm.command[1] == "-c" and vllm.command[3:5] == ["serve", str(tmp_path)]
     assert vllm.command[-2:] == ["--dtype", "float32"] and "--load-format" not in vllm.command
     assert vllm.env["VLLM_TARGET_DEVICE"] == "cpu" and "PYTHONPATH" not in vllm.env
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--model", "/some/folder"], "needs a random preset"),
+        (["--model", "llama-8b", "--quantization", "awq"], "--quantization"),
+    ],
+)
+def test_a_checkpoint_is_refused_where_it_cannot_be_written(
+    flags: list[str], named: str, tmp_path: Path
+) -> None:
+    """--checkpoint writes a preset's bf16 weights: a folder or a 4-bit format is refused
+    before anything is written or started."""
+    args = parse(["serving", "--checkpoint", *flags])
+    with pytest.raises(SystemExit, match=named):
+        serving.served_model(args, tmp_path)
+    assert not any(tmp_path.iterdir())
