@@ -14,11 +14,12 @@ by the reference quantizer shard by shard.
 
 The folder also holds the tokenizer the random presets share, so it serves as the load
 generator's tokenizer too. Disk: the bf16 weights (about 31 GB for deepseek-v2-lite; gpt-oss-20b
-is written in bf16 first, 42 GB, then shrinks to 13 GB).
+is written in bf16 first, 42 GB, then shrinks to 13 GB); deepseek-v2-lite takes about 30 s.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,16 @@ def write_random_checkpoint(config: dict[str, Any], out: Path, device: str, seed
     if quantization is not None:
         quantize_expert_shards(out, device)
         write_config_entry(out, "quantization_config", quantization)
+    release_device_memory()
     return out
+
+
+def release_device_memory() -> None:
+    """Hand the model's GPU memory back to the driver: the servers start from this process,
+    and vLLM refuses to start while another process holds more than its share of the GPU."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def quantize_expert_shards(folder: Path, device: str) -> None:
