@@ -34,6 +34,10 @@ BENCHMARKS = {
         "benchmarks.mxfp4_compile",
         "the MXFP4 expert kernels compiled for sm_90 without a GPU: mma, spills, SASS a weight",
     ),
+    "w4a16-compile": (
+        "benchmarks.w4a16_compile",
+        "the W4A16 tensor-core kernels compiled for sm_90 without a GPU: mma, smem, SASS a weight",
+    ),
     "fp8-moe": ("benchmarks.fp8_moe", "FP8 experts in the fused MoE against HBM, beside bf16"),
     "w4a16-moe": ("benchmarks.w4a16_moe", "W4A16 experts in the fused MoE vs HBM, beside bf16"),
     "vision": ("benchmarks.vision", "a vision encoder's images/s; TTFT of one image + text"),

@@ -7,16 +7,9 @@ The tiled kernels (mxfp4_kernels.py) at each of their CANDIDATES and the swapped
 (mxfp4_swapped.py) at each of SWAPPED_CANDIDATES, gate/up and down, compiled for a Hopper
 target (``triton.compile``, no device) as a bf16 launch at gpt-oss-20b's shape specializes them
 (pointers, strides and widths divisible by 16 marked so; the scales' rows, 90 bytes apart, not),
-then read back from the TTGIR and the SASS (the wheel's nvdisasm and cuobjdump):
-
-- ``mma``: the tensor-core instruction: wgmma (its A operand from registers or a shared-memory
-  descriptor) or mma.sync;
-- ``bf16 to smem``: the bf16 tiles the main loop stores to shared memory from registers
-  (``local_alloc`` of a register tensor): the activations' tile is expected; a weight tile
-  there is the round trip the swapped kernels avoid;
-- ``regs``, ``stack``: registers a thread and stack bytes (a spill where not 0);
-- ``loop``, ``/weight``: the main loop's SASS instructions (the longest backward branch), and
-  those over the weights a thread widens a step.
+then read back from the TTGIR and the SASS (``benchmarks/sm90_compile.py``, which says what each
+column counts). ``bf16 to smem``: the activations' tile is expected there; a weight tile there is
+the round trip the swapped kernels avoid.
 
 Nothing is timed: ``python -m benchmarks mxfp4 --sweep`` does that on a GPU.
 """
@@ -24,13 +17,12 @@ Nothing is timed: ``python -m benchmarks mxfp4 --sweep`` does that on a GPU.
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks import sm90_compile
 from benchmarks.report import Provenance, format_table, write_json
+from benchmarks.sm90_compile import census
 
 # Arguments a launch at gpt-oss-20b's shape passes as multiples of 16 (Triton marks them so).
 _DIVISIBLE = {
@@ -60,81 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def compile_sm90(fn: Any, signature: dict[str, str], constants: dict[str, Any], warps: int,
                  stages: int) -> Any:  # fmt: skip
-    """``fn`` compiled for sm_90 with these constexprs, the _DIVISIBLE arguments marked."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    names = fn.arg_names  # the kernel's order, which the attributes' indices follow
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in signature if n in _DIVISIBLE}
-    full = {n: signature.get(n, "constexpr") for n in names}
-    source = triton.compiler.ASTSource(fn=fn, signature=full, constexprs=constants, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": stages}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def _tool(name: str) -> str:
-    import triton
-
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
-
-
-def _on_cubin(compiled: Any, *command: str) -> str:
-    """A CUDA binary tool's output on the kernel's cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        return subprocess.run([*command, cubin.name], capture_output=True, text=True).stdout
-
-
-def main_loop(sass: str) -> list[str]:
-    """The instructions of the longest loop (a branch back to an earlier label) in nvdisasm's
-    output."""
-    labels: dict[str, int] = {}
-    pending: list[str] = []
-    code: list[tuple[int, str]] = []
-    for line in sass.splitlines():
-        if label := re.match(r"\s*(\.L_x_\d+):", line):
-            pending.append(label.group(1))
-        if op := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
-            offset = int(op.group(1), 16)
-            labels.update(dict.fromkeys(pending, offset))
-            pending = []
-            code.append((offset, op.group(2).strip()))
-    loops = [[]]
-    for offset, text in code:
-        target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
-        if target and labels.get(target.group(1), offset) < offset:
-            start = labels[target.group(1)]
-            loops.append([t for o, t in code if start <= o <= offset])
-    return max(loops, key=len)
-
-
-def _mma_name(kind: str, shape: str, a_operand: str) -> str:
-    """The instruction and shape; for wgmma whether A is a register list (``{``) or a
-    shared-memory descriptor."""
-    if kind != "wgmma":
-        return f"{kind} {shape}"
-    return f"wgmma {shape} A " + ("regs" if a_operand == "{" else "smem")
-
-
-def census(compiled: Any, weights_a_step: int) -> dict[str, Any]:
-    """The module docstring's columns for one compiled kernel."""
-    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
-    usage = _on_cubin(compiled, _tool("cuobjdump"), "-res-usage")
-    loop = main_loop(_on_cubin(compiled, _tool("nvdisasm"), "-c"))
-    threads = 32 * compiled.metadata.num_warps
-    # (kind, shape, the first character of wgmma's A operand, after the accumulators)
-    pattern = r"(wgmma|mma\.sync)\S*?\.(m\d+n\d+k\d+)\S*\s+(?:\{[^}]*\},\s*(.))?"
-    kinds = sorted(set(re.findall(pattern, ptx)))
-    stored = re.findall(r"ttg\.local_alloc %\S+ : \(tensor<(\d+x\d+)xbf16", ttgir)
-    return {
-        "mma": ", ".join(_mma_name(*kind) for kind in kinds),
-        "bf16_to_smem": ", ".join(stored),
-        "regs": int(re.search(r"REG:(\d+)", usage).group(1)),
-        "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
-        "loop": len(loop),
-        "per_weight": len(loop) * threads / weights_a_step,
-    }
+    """``fn`` compiled for sm_90 as a launch at gpt-oss-20b's shape specializes it."""
+    return sm90_compile.compile_sm90(fn, signature, constants, warps, stages, _DIVISIBLE)
 
 
 def rows() -> list[dict[str, Any]]:
@@ -174,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     results = rows()
     headers = ["kernel", "mma", "bf16 to smem", "regs", "stack", "loop", "/weight"]
     table = [
-        [r["kernel"], r["mma"], r["bf16_to_smem"], str(r["regs"]), str(r["stack"]),
+        [r["kernel"], r["mma"], r["to_smem"], str(r["regs"]), str(r["stack"]),
          str(r["loop"]), f"{r['per_weight']:.1f}"]
         for r in results
     ]  # fmt: skip

@@ -122,11 +122,12 @@ def fixed_forms(p: Projection, x: Any, sms: int) -> dict[str, Callable[[int], An
 
 
 def grid(m: int, n: int, k: int, sms: int) -> list[Any]:
-    """The configurations swept at M rows, nearest the rule's K split first (so a budget that
-    runs out has timed the likeliest). The tensor-core kernel (under 128 rows): the row tile M
-    needs, column tiles of 32-256, 4 or 8 warps, 1-3 stages, the weights as the left operand
-    (swapped) or the right. The CUDA-core kernel (up to 8 rows): a program per row or a row tile
-    of all M, column tiles of 64-256 (fewer for a row tile: its registers grow with rows x
+    """The configurations swept at M rows, nearest the rule's K split first (so a budget that runs
+    out has timed the likeliest). The tensor-core kernel (under 128 rows): the row tile M needs,
+    column tiles of 32-256, 4 or 8 warps, 1-3 stages, the weights as the left operand (swapped) or
+    the right, or the slices joined into one product a block (``Tiles.joined``; first, so that a
+    budget running out has timed it). The CUDA-core kernel (up to 8 rows): a program per row or a
+    row tile of all M, column tiles of 64-256 (fewer for a row tile: its registers grow with rows x
     columns), 4 or 8 warps, 1 or 2 stages. Both with K splits up to 16 while a split keeps 2
     blocks."""
     from engine_core.models.w4a16_kernels import TILE_K, GemvTiles, Tiles, row_bucket, rule_tiles
@@ -144,12 +145,16 @@ def grid(m: int, n: int, k: int, sms: int) -> list[Any]:
         ]
     if m < 128:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        # The joined kernel first, so a budget that runs out has timed it (its column tile:
+        # 64 a warp group of 4 warps, where the weights stay in registers).
+        joined = [(64, 4, 2, True, True), (64, 4, 3, True, True), (128, 8, 2, True, True),
+                  (128, 8, 3, True, True)]  # fmt: skip
         swapped = [(32, 4, 2), (64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2), (128, 8, 2)]
         plain = [(64, 4, 2), (128, 4, 2), (128, 8, 3), (256, 8, 2)]
-        shapes = [(*s, True) for s in swapped] + [(*s, False) for s in plain]
+        shapes = joined + [(*s, True, False) for s in swapped] + [(*s, False, False) for s in plain]
         configs += [
-            Tiles(block_m, block_n, split, warps, stages, swap)
-            for (block_n, warps, stages, swap), split in itertools.product(shapes, splits)
+            Tiles(block_m, block_n, split, warps, stages, swap, joined)
+            for (block_n, warps, stages, swap, joined), split in itertools.product(shapes, splits)
         ]
     rule = rule_tiles(m, n, k, sms).split_k
     return sorted(configs, key=lambda t: abs(t.split_k.bit_length() - rule.bit_length()))
@@ -158,7 +163,10 @@ def grid(m: int, n: int, k: int, sms: int) -> list[Any]:
 def describe(tiles: Any) -> str:
     if tiles is None:
         return "dequantize+cuBLAS"
-    kind = "gemv" if type(tiles).__name__ == "GemvTiles" else "mma" if tiles.swap else "mma-ab"
+    if type(tiles).__name__ == "GemvTiles":
+        kind = "gemv"
+    else:
+        kind = "mma-joined" if tiles.joined else "mma" if tiles.swap else "mma-ab"
     return (
         f"{kind} m{tiles.block_m} n{tiles.block_n} s{tiles.split_k} w{tiles.warps} st{tiles.stages}"
     )

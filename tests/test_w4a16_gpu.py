@@ -2,10 +2,11 @@
 the dequantizing reference (engine_core/models/w4a16.py, on the loaded layout), over the presets'
 projection shapes: rows from 1 to 200 (decode tiles, K splits, a 128-row tile, the
 dequantize-then-cuBLAS path), bf16 and fp16, groups of 128 and 32 columns and one group over K, with
-and without zero points; every configuration of the benchmark's sweep; the dequantize kernel bit for
-bit; every tile choice against the unsplit product; a W4A16 Linear with act-order on CUDA against
-the same layer on the CPU; a CUDA graph replay against eager; a tiny GPTQ act-order model on the GPU
-against the CPU's greedy tokens.
+and without zero points; the joined tensor-core kernel (``Tiles.joined``) at 3 to 100 rows; every
+configuration of the benchmark's sweep (the joined kernel's among them); the dequantize kernel bit
+for bit; every tile choice against the unsplit product; a W4A16 Linear with act-order on CUDA
+against the same layer on the CPU; a CUDA graph replay against eager; a tiny GPTQ act-order model on
+the GPU against the CPU's greedy tokens.
 
 Written without a GPU at hand (the kernels' logic was checked in Triton's interpreter,
 tests/test_w4a16_interpreted.py); on an H200 the first two thirds of the file passed (commit
@@ -135,6 +136,37 @@ def test_the_decode_kernel_matches_the_reference_at_llama_8b(
         ):
             got = w4a16_kernels.run_w4a16(a, tiled, scales, z, size, tiles)
             assert_close(got, expected, torch.bfloat16)
+
+
+# The joined kernel's column tiles (16 a warp), unsplit and split in 4 (uneven over smollm2's 5
+# blocks).
+JOINED = (
+    w4a16_kernels.Tiles(16, 64, 1, warps=4, joined=True),
+    w4a16_kernels.Tiles(16, 128, 4, warps=8, stages=3, joined=True),
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), (*LLAMA_8B, (960, 576), (200, 1024)))
+@pytest.mark.parametrize(("group", "zeros"), [(128, True), (128, False), (32, True), (-1, False)])
+def test_the_joined_kernel_matches_the_reference(
+    n: int, k: int, group: int, zeros: bool, dtype: torch.dtype
+) -> None:
+    """``Tiles.joined`` (not the rule's choice until the sweep has timed it) at 3 to 100 rows of
+    llama-8b's projections, a K of 4.5 blocks (smollm2's 576: padded) and a partial column
+    tile, against the dequantized weight."""
+    size = k if group == -1 else group if k % group == 0 else 64
+    qweight, scales, z = layer(n, k, size, zeros)
+    tiled = tile_qweight(qweight)
+    for m in (3, 16, 33, 64, 100):
+        a = torch.randn(m, k, device="cuda").to(dtype)
+        expected = reference(a, qweight, scales, z, size)
+        block_m = 16 if m <= 16 else 64 if m <= 64 else 128
+        for tiles in JOINED:
+            tiles = dataclasses.replace(tiles, block_m=block_m)
+            got = w4a16_kernels.run_w4a16(a, tiled, scales, z, size, tiles)
+            assert got.dtype == dtype and got.shape == (m, n)
+            assert_close(got, expected, dtype)
 
 
 def test_groups_the_kernel_does_not_take_are_dequantized() -> None:

@@ -3,7 +3,8 @@ interpreter, against the dequantizing reference (engine_core/models/w4a16.py ``d
 the loaded layout): symmetric and with zero points, groups of 32/48/64/128 and one over K, a K that
 is not whole 128-column blocks (padding), an N that leaves a partial column tile, one row and
 more rows than a row tile, K splits that divide the blocks unevenly, the dequantize-and-cuBLAS
-path (prefill rows, groups that straddle a 16-column slice), and a GPTQ act-order Linear.
+path (prefill rows, groups that straddle a 16-column slice), and a GPTQ act-order Linear; the
+tensor-core kernel in each of its forms (``Tiles.swap``, ``Tiles.joined``).
 
 Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands wrongly (it reads their bits as
 integers) and rounds float32 to bf16 by truncation, so the kernels are checked here in float32
@@ -90,20 +91,22 @@ def test_the_gemm_kernel_matches_the_reference(
     assert isinstance(tiles, kernels.Tiles)  # the tensor-core kernel
     block_m = tiles.block_m if m > 64 else min(tiles.block_m, 32)  # small tiles: several
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    for swap in (True, False):  # the weights as the left operand, and as the right
-        got = run(a, weight, group, kernels.Tiles(block_m, 32, tiles.split_k, swap=swap))
+    # The weights as the left operand, as the right, and joined into one product a block.
+    for form in ({"swap": True}, {"swap": False}, {"joined": True}):
+        got = run(a, weight, group, kernels.Tiles(block_m, 32, tiles.split_k, **form))
         assert got.dtype == dtype and got.shape == (m, n)
         assert relative_error(got, reference(a, weight, group)) < tolerance
 
 
 @pytest.mark.parametrize("split", [2, 3, 5])
-def test_k_splits_sum_to_the_unsplit_product(split: int) -> None:
+@pytest.mark.parametrize("joined", [False, True])
+def test_k_splits_sum_to_the_unsplit_product(split: int, joined: bool) -> None:
     """Five blocks over 2, 3 (uneven) and 5 splits: the partials' sum is the one-program
     product up to float32 rounding."""
     weight = layer(32, 640, 64, zeros=True)
     a = torch.randn(3, 640, generator=torch.Generator().manual_seed(2))
-    whole = run(a, weight, 64, kernels.Tiles(16, 32, 1))
-    split_product = run(a, weight, 64, kernels.Tiles(16, 32, split))
+    whole = run(a, weight, 64, kernels.Tiles(16, 32, 1, joined=joined))
+    split_product = run(a, weight, 64, kernels.Tiles(16, 32, split, joined=joined))
     torch.testing.assert_close(split_product, whole, rtol=1e-5, atol=1e-5)
     assert relative_error(whole, reference(a, weight, 64)) < 1e-5
 
@@ -182,9 +185,10 @@ def test_an_act_order_linear_tiled_matches_it_untiled() -> None:
     module.perm = torch.randperm(256, generator=torch.Generator().manual_seed(5)).int()
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(6))
     expected = module(x)
-    tiles = kernels.Tiles(16, 32, 2)
-    got = kernels.run_w4a16(x[:, module.perm.long()], tile_qweight(qweight), scales, z, 64, tiles)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for tiles in (kernels.Tiles(16, 32, 2), kernels.Tiles(16, 32, 2, joined=True)):
+        rows = x[:, module.perm.long()]
+        got = kernels.run_w4a16(rows, tile_qweight(qweight), scales, z, 64, tiles)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 # ---- the decode kernel (CUDA cores) ------------------------------------------------------------
@@ -218,13 +222,16 @@ def test_the_decode_kernel_matches_the_reference(
         assert relative_error(got, expected) < tolerance
 
 
-def test_the_decode_kernel_takes_zero_points_of_16() -> None:
+@pytest.mark.parametrize(
+    "tiles", [kernels.GemvTiles(1, 32, 1), kernels.Tiles(16, 32, 1, joined=True)], ids=str
+)
+def test_in_place_nibbles_take_zero_points_of_16(tiles: kernels.Choice) -> None:
     """GPTQ's original format stores a zero of 16 (it stores 15 = zero - 1): the largest value
     the in-place nibbles meet, (q - 16) * 16**4 beside 2**23, still exact."""
     qweight, scales, _ = layer(32, 256, 64, zeros=False)
     sixteen = torch.full((4, 32), 16, dtype=torch.uint8)
-    a = torch.randn(1, 256, generator=torch.Generator().manual_seed(8))
-    got = run(a, (qweight, scales, sixteen), 64, kernels.GemvTiles(1, 32, 1))
+    a = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    got = run(a, (qweight, scales, sixteen), 64, tiles)
     assert relative_error(got, reference(a, (qweight, scales, sixteen), 64)) < 1e-5
 
 
@@ -295,17 +302,21 @@ def loaded_linear(checkpoint: Checkpoint) -> Linear:
          "ct-odd-n", "ct-zeros-64"],
 )  # fmt: skip
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_each_format_after_repacking_through_the_decode_kernel(
-    make: Callable[[], Checkpoint], n: int, k: int, m: int
+@pytest.mark.parametrize("joined", [False, True], ids=["gemv", "joined"])
+def test_each_format_after_repacking_through_the_decode_kernels(
+    make: Callable[[], Checkpoint], n: int, k: int, m: int, joined: bool
 ) -> None:
     """A checkpoint in each format's own layout, loaded into a Linear, tiled as on CUDA and
-    multiplied by the decode kernel: the product of the weight the quantizer meant (the
-    fixture's (q - zero) * scale, in the checkpoint's own column order)."""
+    multiplied by the CUDA-core decode kernel and by the joined tensor-core one: the product of
+    the weight the quantizer meant (the fixture's (q - zero) * scale, in the checkpoint's own
+    column order)."""
     checkpoint = make()
     module = loaded_linear(checkpoint)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(9))
     rows = x if module.perm is None else x[:, module.perm.long()]
-    tiles = kernels.GemvTiles(kernels.row_bucket(m), 16, 2)
+    tiles: kernels.Choice = kernels.GemvTiles(kernels.row_bucket(m), 16, 2)
+    if joined:
+        tiles = kernels.Tiles(16, 32, 2, joined=True)
     got = kernels.run_w4a16(
         rows, tile_qweight(module.qweight.data), module.scales.data,
         None if module.zeros is None else module.zeros.data, module.group_size, tiles,

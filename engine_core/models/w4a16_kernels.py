@@ -25,10 +25,13 @@ time (CUDA graphs replay what was captured; a grid depends only on shapes):
   conversion, no reshape of the tile: each slice is 16 consecutive columns of K and goes to the
   tensor cores as it is, against the matching 16 columns of A ("swap AB": the weight columns on
   the matrix unit's wide side, a few decode rows on its narrow one). The next block's words are
-  loaded before this block is multiplied, so a load is always in flight. Both decode kernels
-  split the blocks over SPLIT_K programs when the weight tiles alone would leave
-  multiprocessors idle; their float32 partials are summed by a second small kernel (in a fixed
-  order: the same sums on every replay, unlike atomics).
+  loaded before this block is multiplied, so a load is always in flight. ``Tiles.joined`` takes
+  ``_w4a16_joined_kernel`` instead: the eight slices joined into one [BLOCK_N, 128] operand,
+  which reaches wgmma from registers with no bf16 tile stored to shared memory (about 6
+  instructions a weight in the loop against 9, compiled for sm_90; not yet timed, so the rule
+  does not choose it). Both decode kernels split the blocks over SPLIT_K programs when the
+  weight tiles alone would leave multiprocessors idle; their float32 partials are summed by a
+  second small kernel (in a fixed order: the same sums on every replay, unlike atomics).
 - from 128 rows (and for group sizes that are not whole 16-column slices): the weight is
   dequantized by a kernel into a [K, N] buffer in the activations' dtype, then cuBLAS. The
   product is compute-bound there, and a tensor-core GEMM in cuBLAS's hands beats dequantizing
@@ -162,6 +165,143 @@ def _w4a16_kernel(
     else:
         c_ptrs = C + rows.to(tl.int64) * stride_cm + cols
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_joined_kernel(
+    A,  # [M, K]
+    QWeight,  # [Kp / 8, N] int32, tiled
+    Scales,  # [G, N] float32
+    Zeros,  # [G, N] uint8 (unread without HAS_ZEROS)
+    C,  # [M, N] (not SPLIT)
+    Part,  # [SPLIT_K, M, N] float32 (SPLIT)
+    M,
+    N,
+    K,
+    GROUPS,
+    stride_am,
+    stride_cm,
+    TILES,  # Kp / 128
+    TILES_PER_SPLIT,
+    GROUP: tl.constexpr,
+    PLANES_PER_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """``_w4a16_kernel``'s product (weights on the left: the [BLOCK_N, BLOCK_M] tile of C.T), with
+    one product a block instead of eight: the eight dequantized slices are joined into one
+    [BLOCK_N, 128] operand whose column 16i + j is nibble i of word row j, which is column
+    128b + 16i + j of K in the layout as it is, so the activations' [128, BLOCK_M] tile is read in
+    order. Joins, a permute and a reshape only rename registers, and the words come through
+    shared memory by the pipeliner's asynchronous copies (the block's words are loaded in the
+    loop, not carried from the last turn), whose read back Triton lays out as the matrix unit's
+    register operand: wgmma takes the weights from registers, and no bf16 tile is stored to shared
+    memory (``python -m benchmarks w4a16-compile``). The words are held as [BLOCK_N, 4, 4] (row j
+    = 4a + b): held as [BLOCK_N, 16], Triton copied them 4 bytes at a time, not 16."""
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, _TILE_K)
+    first = split * TILES_PER_SPLIT
+    last = tl.minimum(first + TILES_PER_SPLIT, TILES)
+    cols = rn[:, None, None]  # [BLOCK_N, 1, 1]
+    word_rows = 4 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    w_ptrs = QWeight + (first * _PLANE + word_rows).to(tl.int64) * N + cols
+    n_ok = cols < N
+    rows = rm[None, :]
+    a_ptrs = A + rows.to(tl.int64) * stride_am + rk[:, None]  # [128, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for tile in range(first, last):
+        words = tl.load(w_ptrs, mask=n_ok, other=0)
+        w_ptrs += _PLANE * N
+        k0 = tile * _TILE_K
+        # Nibbles 0-4 and 5-7 each under MAGIC's exponent: one AND a nibble keeps one of them
+        # and the exponent (``_in_place``).
+        low = (words & 0xFFFFF) | _MAGIC_BITS
+        high = ((words >> 20) & 0xFFF) | _MAGIC_BITS
+        scale, zero = _scale_zero(Scales, Zeros, k0, N, cols, n_ok, GROUPS, GROUP, HAS_ZEROS)
+        s0 = _in_place(low, 0, scale, zero, A.dtype.element_ty)
+        scale, zero = _next_group(scale, zero, 1, k0, Scales, Zeros, N, cols, n_ok, GROUPS,
+                                  GROUP, PLANES_PER_GROUP, HAS_ZEROS)  # fmt: skip
+        s1 = _in_place(low, 1, scale, zero, A.dtype.element_ty)
+        scale, zero = _next_group(scale, zero, 2, k0, Scales, Zeros, N, cols, n_ok, GROUPS,
+                                  GROUP, PLANES_PER_GROUP, HAS_ZEROS)  # fmt: skip
+        s2 = _in_place(low, 2, scale, zero, A.dtype.element_ty)
+        scale, zero = _next_group(scale, zero, 3, k0, Scales, Zeros, N, cols, n_ok, GROUPS,
+                                  GROUP, PLANES_PER_GROUP, HAS_ZEROS)  # fmt: skip
+        s3 = _in_place(low, 3, scale, zero, A.dtype.element_ty)
+        scale, zero = _next_group(scale, zero, 4, k0, Scales, Zeros, N, cols, n_ok, GROUPS,
+                                  GROUP, PLANES_PER_GROUP, HAS_ZEROS)  # fmt: skip
+        s4 = _in_place(low, 4, scale, zero, A.dtype.element_ty)
+        scale, zero = _next_group(scale, zero, 5, k0, Scales, Zeros, N, cols, n_ok, GROUPS,
+                                  GROUP, PLANES_PER_GROUP, HAS_ZEROS)  # fmt: skip
+        s5 = _in_place(high, 0, scale, zero, A.dtype.element_ty)
+        scale, zero = _next_group(scale, zero, 6, k0, Scales, Zeros, N, cols, n_ok, GROUPS,
+                                  GROUP, PLANES_PER_GROUP, HAS_ZEROS)  # fmt: skip
+        s6 = _in_place(high, 1, scale, zero, A.dtype.element_ty)
+        scale, zero = _next_group(scale, zero, 7, k0, Scales, Zeros, N, cols, n_ok, GROUPS,
+                                  GROUP, PLANES_PER_GROUP, HAS_ZEROS)  # fmt: skip
+        s7 = _in_place(high, 2, scale, zero, A.dtype.element_ty)
+        w = _joined(s0, s1, s2, s3, s4, s5, s6, s7)  # [BLOCK_N, 128]
+        a = tl.load(a_ptrs + k0, mask=(rows < M) & (k0 + rk[:, None] < K), other=0.0)
+        acc = tl.dot(w, a, acc, input_precision=PRECISION)
+    out_cols = rn[:, None]
+    mask = (rows < M) & (out_cols < N)
+    if SPLIT:
+        tl.store(Part + (split * M + rows).to(tl.int64) * N + out_cols, acc, mask=mask)
+    else:
+        c_ptrs = C + rows.to(tl.int64) * stride_cm + out_cols
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_zero(Scales, Zeros, k, N, cols, cols_ok, GROUPS, GROUP: tl.constexpr,
+                HAS_ZEROS: tl.constexpr):  # fmt: skip
+    """(scale, zero) in float32 of the group holding column k, for weight columns ``cols``;
+    padded columns past K take the last group (their activations are 0)."""
+    group = tl.minimum(k // GROUP, GROUPS - 1)
+    scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(Zeros + group * N + cols, mask=cols_ok, other=0).to(tl.float32)
+    else:
+        zero = _SYMMETRIC_ZERO
+    return scale, zero
+
+
+@triton.jit
+def _next_group(scale, zero, i: tl.constexpr, k0, Scales, Zeros, N, cols, cols_ok, GROUPS,
+                GROUP: tl.constexpr, PLANES_PER_GROUP: tl.constexpr,
+                HAS_ZEROS: tl.constexpr):  # fmt: skip
+    """Slice i's (scale, zero): a new group's where slice i starts one, else those given."""
+    if i % PLANES_PER_GROUP == 0:
+        scale, zero = _scale_zero(Scales, Zeros, k0 + i * _PLANE, N, cols, cols_ok, GROUPS,
+                                  GROUP, HAS_ZEROS)  # fmt: skip
+    return scale, zero
+
+
+@triton.jit
+def _in_place(source, e: tl.constexpr, scale, zero, dtype: tl.constexpr):
+    """Nibble e of ``source`` (words holding their nibbles under MAGIC's exponent) dequantized:
+    masked where it lies, the float 2**23 + q * 16**e; less 2**23 + zero * 16**e that is
+    (q - zero) * 16**e exactly, and times scale / 16**e (exact: a power of two) it is the
+    product (q - zero) * scale rounded as ``_w4a16_kernel`` rounds it, then to ``dtype``."""
+    place = 1 << (4 * e)
+    q = (source & (_MAGIC_BITS | (0xF << (4 * e)))).to(tl.float32, bitcast=True)
+    return ((q - (zero * place + _MAGIC)) * (scale * (1.0 / place))).to(dtype)
+
+
+@triton.jit
+def _joined(s0, s1, s2, s3, s4, s5, s6, s7):
+    """Eight [BLOCK_N, 4, 4] slices (word row 4a + b of slice i: column 16i + 4a + b) as one
+    [BLOCK_N, 128] operand, column 16i + j holding slice i's word row j."""
+    low = tl.join(tl.join(s0, s1), tl.join(s2, s3))
+    high = tl.join(tl.join(s4, s5), tl.join(s6, s7))
+    u = tl.join(low, high)  # [BLOCK_N, a, b, i0, i1, i2]: slice i = i0 + 2 i1 + 4 i2
+    v = tl.permute(u, (0, 5, 4, 3, 1, 2))  # [BLOCK_N, i2, i1, i0, a, b]
+    return tl.reshape(v, (u.shape[0], _TILE_K))
 
 
 @triton.jit
@@ -342,7 +482,11 @@ def _dequantize_kernel(
 @dataclass(frozen=True)
 class Tiles:
     """The tensor-core kernel's tiles: rows and weight columns a program, K splits; ``swap``:
-    the weights as the product's left operand (``_w4a16_kernel``'s SWAP)."""
+    the weights as the product's left operand (``_w4a16_kernel``'s SWAP); ``joined``: one product
+    a block from the joined slices, the weights wgmma's register operand (``_w4a16_joined_kernel``,
+    weights on the left, ``swap`` unread). Give the joined kernel 16 weight columns a warp (64 a
+    warp group): with more (128 columns on 4 warps), Triton 3.6 sends the slices through shared
+    memory again (``python -m benchmarks w4a16-compile``)."""
 
     block_m: int
     block_n: int
@@ -350,6 +494,7 @@ class Tiles:
     warps: int = 4
     stages: int = 2
     swap: bool = True
+    joined: bool = False
 
 
 @dataclass(frozen=True)
@@ -511,10 +656,12 @@ def run_w4a16(
     shape = {"GROUP": group, "PLANES_PER_GROUP": planes, "HAS_ZEROS": zeros is not None,
              "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "SPLIT": tiles.split_k > 1,
              "num_warps": tiles.warps, "num_stages": tiles.stages}  # fmt: skip
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
     if isinstance(tiles, GemvTiles):
         _w4a16_gemv_kernel[grid](*args, **shape)
+    elif tiles.joined:
+        _w4a16_joined_kernel[grid](*args, PRECISION=precision, **shape)
     else:
-        precision = "ieee" if a.dtype == torch.float32 else "tf32"
         _w4a16_kernel[grid](*args, PRECISION=precision, SWAP=tiles.swap, **shape)
     if tiles.split_k > 1:
         sum_splits(part, out)
