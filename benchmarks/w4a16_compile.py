@@ -28,7 +28,7 @@ from benchmarks.sm90_compile import census, compile_sm90
 SHAPES = {"gate/up": (28672, 4096), "down": (4096, 14336)}  # llama-8b's (N, K)
 ROWS = (16, 64)
 GROUP = 128
-MULTIPROCESSORS = 132  # an H200's, for the rule's K split
+MULTIPROCESSORS = 132  # Hopper's (sm_90) count, for the rule's K split
 # A bf16 launch at these shapes passes these as multiples of 16 (Triton marks them so).
 _DIVISIBLE = {
     "A", "QWeight", "Scales", "Zeros", "C", "Part", "N", "K", "GROUPS", "stride_am", "stride_cm",
