@@ -129,7 +129,7 @@ def write_typed_gguf(
 ) -> dict[str, np.ndarray]:
     """``write_gguf`` with each matrix in the block type ``type_of`` gives its GGUF name (None:
     float32); norms float32."""
-    tokens = [*byte_level_tokens(), "hi", "<s>", "</s>"]
+    tokens = [*byte_level_tokens(), "hi", "ih", "<s>", "</s>"]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SIZES, vocab_size=len(tokens), tie_word_embeddings=True))
     for param in model.parameters():
@@ -164,7 +164,8 @@ def add_metadata(writer: GGUFWriter, tokens: list[str]) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
-    writer.add_token_merges(["h i"])
+    # Two merges: transformers 5.17 reads a one-element array back as a lone string.
+    writer.add_token_merges(["h i", "i h"])
     writer.add_bos_token_id(len(tokens) - 2)
     writer.add_eos_token_id(len(tokens) - 1)
 

@@ -255,7 +255,7 @@ def permute_for_gguf(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def write_tiny_gguf(path: Path) -> LlamaForCausalLM:
     """A 2-layer Llama with GQA and tied embeddings as GGUF; returns the source HF model."""
-    tokens = [*byte_level_tokens(), "hi", "<s>", "</s>"]
+    tokens = [*byte_level_tokens(), "hi", "ih", "<s>", "</s>"]
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY_LLAMA, "vocab_size": len(tokens)}, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).eval()
@@ -287,7 +287,8 @@ def add_gguf_metadata(writer: GGUFWriter, tokens: list[str]) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
-    writer.add_token_merges(["h i"])
+    # Two merges: transformers 5.17 reads a one-element array back as a lone string.
+    writer.add_token_merges(["h i", "i h"])
     writer.add_bos_token_id(len(tokens) - 2)
     writer.add_eos_token_id(len(tokens) - 1)
 
@@ -341,7 +342,7 @@ def test_gguf_converts_to_a_folder_that_matches_hf_gguf_loading(
         assert (folder / name).is_file(), name
     assert AutoTokenizer.from_pretrained(folder)("hi").input_ids[-1] == 256  # the "h i" merge
     config = load_model_config(folder)
-    assert (config.eos_token_ids, config.bos_token_id, config.num_kv_heads) == ((258,), 257, 2)
+    assert (config.eos_token_ids, config.bos_token_id, config.num_kv_heads) == ((259,), 258, 2)
 
     # Against the weights before GGUF: equal up to Q8_0 rounding (|w| < 0.6, so error < 0.003),
     # which also shows the q/k rows came back in HF order.
