@@ -90,6 +90,8 @@ def quantize_expert_shards(folder: Path, device: str) -> None:
             blocks, scales = mxfp4.quantize(weight)
             tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks.cpu(), scales.cpu()
             if index is not None:
+                saved = weight.nbytes - blocks.nbytes - scales.nbytes
+                index["metadata"]["total_size"] -= saved
                 del index["weight_map"][name]
                 for suffix in ("_blocks", "_scales"):
                     index["weight_map"][name + suffix] = shard.name

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV2Config
 
+from benchmarks import random_checkpoint
 from benchmarks.random_checkpoint import write_random_checkpoint
 from engine_core.models.gpt_oss_moe import GptOssMoE
 from tests.paged_harness import (
@@ -54,10 +56,19 @@ def test_a_deepseek_checkpoint_loads_in_hf_and_gives_its_tokens_through_ours(
     assert_matches(got, [hf_greedy(hf.eval(), p, NEW_TOKENS) for p in PROMPTS], ATOL)
 
 
-def test_gpt_oss_experts_are_written_as_published_mxfp4(tmp_path: Path) -> None:
+def test_gpt_oss_experts_are_written_as_published_mxfp4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In shards small enough that the index is rewritten too (the real model's 13 GB are)."""
+    monkeypatch.setattr(random_checkpoint, "SHARD_SIZE", "200KB")
     config = gpt_oss_config().to_dict() | {"quantization_config": PUBLISHED_QUANTIZATION}
     write_random_checkpoint(config, tmp_path, "cpu", seed=3)
-    tensors = load_file(tmp_path / "model.safetensors")
+    tensors = {}
+    for shard in sorted(tmp_path.glob("model*.safetensors")):
+        tensors |= load_file(shard)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
     assert "model.layers.0.mlp.experts.gate_up_proj" not in tensors
     assert tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"].dtype == torch.uint8
     saved = json.loads((tmp_path / "config.json").read_text())
