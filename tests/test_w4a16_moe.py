@@ -9,6 +9,7 @@ logits agree to float32 rounding. Then what is refused, by name.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,15 +18,20 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
+from engine_core.models import model_config_from_hf
+from engine_core.models.moe import SparseMoE
+from engine_core.parallel import TPGroup
 from tests.factories import tiny_hf_sizes
 from tests.paged_harness import assert_matches, generate_greedy, load_float32, randomize
 from tests.quant_fixtures import (
     LINEARS,
+    SAME_INPUT,
     VOCAB,
     awq_tensors,
     dequantize,
     gptq_tensors,
     group_indices,
+    input_seed,
     minmax_quantize,
     pack_along_rows,
     reference_run,
@@ -109,11 +115,13 @@ def write_w4a16_moe(
     fmt: str,
     packer: tuple[Pack, dict] | None = None,
     selected: Callable[[str], bool] = is_quantized_linear,
+    seed_of: Callable[[str], int] = lambda name: 0,
 ) -> tuple[Path, Path]:
     """``plain`` with every attention linear and expert projection (or the weights
     ``selected`` names) in format ``fmt`` (the router and the head stay float; ``packer``: the
     (pack, quantization_config) of a format not in FORMATS, named ``fmt``); returns (that
-    checkpoint, a plain one of the dequantized weights it stands for)."""
+    checkpoint, a plain one of the dequantized weights it stands for). ``seed_of``: each
+    weight's seed, which an act-order packer draws its column order from."""
     pack, qc = packer or FORMATS[fmt]
     tensors, dequantized = {}, {}
     for name, weight in load_file(plain / "model.safetensors").items():
@@ -121,7 +129,7 @@ def write_w4a16_moe(
             tensors[name] = weight
             continue
         module = name.rpartition(".")[0]
-        packed, dequantized[name] = pack(weight, 0)
+        packed, dequantized[name] = pack(weight, seed_of(name))
         tensors.update({f"{module}.{key}": value for key, value in packed.items()})
     quantized = write_folder(folder / fmt, plain, tensors, qc)
     return quantized, write_dequantized(plain, folder / f"{fmt}-reference", dequantized)
@@ -187,11 +195,58 @@ def test_a_missing_or_plain_expert_tensor_is_named(plain: Path, tmp_path: Path) 
         load_float32(write_folder(tmp_path / "plain-awq", plain, tensors, awq_qc(32)))
 
 
-def test_act_order_experts_are_refused_naming_the_field(plain: Path, tmp_path: Path) -> None:
-    tensors = load_file(plain / "model.safetensors")
-    qc = gptq_qc(32, desc_act=True, sym=True, v2=False)
-    with pytest.raises(ValueError, match=r"quantization_config\.desc_act: act-order is not"):
-        load_float32(write_folder(tmp_path / "act-order", plain, tensors, qc))
+def expert_input_seed(name: str) -> int:
+    """A seed per layer, expert and input (``model.layers.<i>.mlp.experts.<e>.<proj>.weight``):
+    an act-order quantizer orders an expert's gate and up alike (one input, the tokens routed to
+    that expert) and each expert in its own order; attention as tests/quant_fixtures.py's."""
+    parts = name.split(".")
+    if parts[4] != "experts":
+        return input_seed(name)
+    return 1000 * int(parts[2]) + 10 * (int(parts[5]) + 1) + SAME_INPUT[parts[6]]
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "zeros"])
+def test_act_order_experts_match_hf_on_the_dequantized_weights(
+    sym: bool, plain: Path, tmp_path: Path
+) -> None:
+    """GPTQ with desc_act: every expert's columns in an order of its own (gate and up sharing
+    one), sorted by group at load and their inputs gathered in that order."""
+    packer = (
+        lambda w, seed: gptq_tensors(w, 32, True, sym, False, seed),
+        gptq_qc(32, desc_act=True, sym=sym, v2=False),
+    )
+    folder, reference = write_w4a16_moe(
+        plain, tmp_path, "gptq-act-order", packer, seed_of=expert_input_seed
+    )
+    ours = load_float32(folder)
+    moe = ours.model.layers[0].mlp
+    assert moe.w13_perm.shape == (4, 64) and moe.w2_perm.shape == (4, 64)
+    assert len({tuple(p.tolist()) for p in moe.w13_perm}) == 4  # an order per expert
+    assert moe.w13_g_idx is None  # read, sorted by, and dropped
+    got = generate_greedy(ours, PROMPTS, NEW_TOKENS, prefill_chunk=5, stagger=2)
+    assert_matches(got, reference_run(reference, PROMPTS, NEW_TOKENS), ATOL)
+
+
+def test_act_order_experts_whose_gate_and_up_orders_differ_are_refused(
+    plain: Path, tmp_path: Path
+) -> None:
+    packer = (
+        lambda w, seed: gptq_tensors(w, 32, True, True, False, seed),
+        gptq_qc(32, desc_act=True, sym=True, v2=False),
+    )
+    write_w4a16_moe(plain, tmp_path, "bad", packer, seed_of=lambda name: len(name))
+    with pytest.raises(ValueError, match=r"experts\.0\.w13: the merged parts' g_idx differ"):
+        load_float32(tmp_path / "bad")
+
+
+def test_act_order_experts_under_tensor_parallelism_are_refused(plain: Path) -> None:
+    """A rank's slice of down's columns would need an order of its own: refused by name."""
+    hf = json.loads((plain / "config.json").read_text())
+    hf["quantization_config"] = gptq_qc(32, desc_act=True, sym=True, v2=False)
+    config = model_config_from_hf(hf)
+    layer = SparseMoE(config, TPGroup(rank=0, size=2))
+    with pytest.raises(ValueError, match=r"desc_act: act-order W4A16 experts under --tensor-"):
+        layer.make_w4a16(config.quantization, "model.layers.0.mlp")
 
 
 def test_a_group_size_not_dividing_the_expert_width_is_refused(plain: Path, tmp_path: Path) -> None:

@@ -35,15 +35,19 @@ from tests.w4a16_moe_cases import (  # noqa: E402
 QWEN3_30B_A3B = (2048, 768, 128, 8)  # hidden, width, experts, top k
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
 @pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
 @pytest.mark.parametrize("tokens", [1, 64, 2048])
-def test_kernels_at_qwen3_30b_a3b_shapes_match_the_reference(tokens: int, zeros: bool) -> None:
+def test_kernels_at_qwen3_30b_a3b_shapes_match_the_reference(
+    tokens: int, zeros: bool, act_order: bool
+) -> None:
     """bf16 activations against the float32 reference of the same (bf16-valued) tokens: the
     kernels round each dequantized weight, each linear's output and the activation between
     them to bf16 (2**-9 relative each), over sums of 768 to 2,048 terms; a wrong group's scale
-    or zero point is wrong by the output's size."""
+    or zero point is wrong by the output's size. Act-order: each expert's inputs gathered in its
+    own order."""
     hidden, inter, num_experts, top_k = QWEN3_30B_A3B
-    experts = random_experts(num_experts, hidden, inter, 128, zeros, seed=tokens)
+    experts = random_experts(num_experts, hidden, inter, 128, zeros, tokens, act_order=act_order)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
     x = x.bfloat16().float()
     weights, ids = routing(tokens, num_experts, top_k, seed=tokens)

@@ -38,10 +38,15 @@ def test_dequantize_matches_the_reference_bit_for_bit_in_bf16(zeros: bool) -> No
     assert torch.equal(out.cpu(), want)
 
 
-@pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
-def test_the_prefill_path_matches_the_reference_at_qwen3_30b_a3b(zeros: bool) -> None:
+@pytest.mark.parametrize(
+    ("zeros", "act_order"), [(True, False), (False, False), (True, True)],
+    ids=["zeros", "symmetric", "act-order"],
+)  # fmt: skip
+def test_the_prefill_path_matches_the_reference_at_qwen3_30b_a3b(
+    zeros: bool, act_order: bool
+) -> None:
     tokens, num_experts, top_k = 512, 128, 8
-    experts = random_experts(num_experts, 2048, 768, 128, zeros, seed=6)
+    experts = random_experts(num_experts, 2048, 768, 128, zeros, seed=6, act_order=act_order)
     x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(6))
     weights, ids = routing(tokens, num_experts, top_k, seed=6)
     want = reference(x.bfloat16(), experts, weights, ids)

@@ -133,6 +133,15 @@ SHAPES = [
 ]
 
 
+def test_act_order_experts_through_the_prefill_path() -> None:
+    """Dequantized in their sorted column order, put back in the inputs' order per expert."""
+    experts = random_experts(4, 128, 64, 32, True, seed=5, act_order=True)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(5))
+    weights, ids = routing(40, 4, 2, 5)
+    got = dequantized_moe_w4a16(x, experts, weights, ids, chunk=3)  # a chunk and a remainder
+    assert relative_error(got, reference(x, experts, weights, ids)) < 1e-5
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_the_prefill_path_matches_the_reference(shape: tuple) -> None:
     tokens, num_experts, top_k, hidden, inter, group, zeros, chunk = shape

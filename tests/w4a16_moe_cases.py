@@ -20,9 +20,11 @@ def random_experts(
     zero_points: bool,
     seed: int,
     device: str = "cpu",
+    act_order: bool = False,
 ) -> W4A16Experts:
     """Every nibble random, scales positive and small (outputs of order one), zero points 0..16
-    (16: GPTQ's original format's 15, read back without wrapping)."""
+    (16: GPTQ's original format's 15, read back without wrapping); ``act_order``: each expert's
+    inputs gathered in a random order of its own (the columns' order after sorting by group)."""
     gen = torch.Generator().manual_seed(seed)
     groups = (hidden if group == -1 else group, inter if group == -1 else group)
 
@@ -39,10 +41,17 @@ def random_experts(
 
     scales13, zeros13 = per_group(hidden, groups[0], 2 * inter)
     scales2, zeros2 = per_group(inter, groups[1], hidden)
+
+    def orders(cols: int) -> torch.Tensor | None:
+        if not act_order:
+            return None
+        perms = [torch.randperm(cols, generator=gen) for _ in range(num_experts)]
+        return torch.stack(perms).to(torch.int32)
+
     experts = W4A16Experts(
         words(num_experts, 2 * inter, hidden // PACK), scales13, zeros13 if zero_points else None,
         words(num_experts, hidden, inter // PACK), scales2, zeros2 if zero_points else None,
-        groups,
+        groups, orders(hidden), orders(inter),
     )  # fmt: skip
     return to_device(experts, device)
 
@@ -55,6 +64,7 @@ def to_device(experts: W4A16Experts, device: str | torch.device) -> W4A16Experts
     return W4A16Experts(
         move(e.w13_qweight), move(e.w13_scales), move(e.w13_zeros),
         move(e.w2_qweight), move(e.w2_scales), move(e.w2_zeros), e.groups,
+        move(e.w13_perm), move(e.w2_perm),
     )  # fmt: skip
 
 

@@ -1096,8 +1096,9 @@ def load_mapped_weights(
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected)
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
     for module_name, module in model.named_modules():
-        if isinstance(module, Linear):
-            module.finish_loading(module_name)
+        finish = getattr(module, "finish_loading", None)  # Linear's, SparseMoE's
+        if finish is not None:
+            finish(module_name)
 
 
 # The tensors quantized checkpoints hold beside (or instead of) a weight: AWQ/GPTQ, compressed-

@@ -88,9 +88,11 @@ from engine_core.models.layers import (
 from engine_core.models.w4a16 import (
     PACK,
     W4A16Experts,
+    act_order_permutation,
     check_trivial_g_idx,
     check_weight_shape,
     held_name,
+    permute_columns,
     to_layout,
     w4a16_linear,
 )
@@ -213,12 +215,15 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         """Hold the experts in the W4A16 layout of w4a16.py, stacked per expert, from now on:
         ``w13_qweight`` int32 [E, 2I, H/8], ``w13_scales`` float32 [E, G, 2I], ``w13_zeros``
         uint8 [E, G, 2I] (with zero points), and ``w2_*`` alike for [H, I] (call before
-        loading, on any device)."""
-        if config.act_order:
+        loading, on any device). Act-order checkpoints also load each expert's ``g_idx``
+        (``w13_g_idx`` [E, 2, H]: gate's and up's, which share their input and so their order;
+        ``w2_g_idx`` [E, I]); ``finish_loading`` sorts each expert's columns by group."""
+        if config.act_order and self.tp.size > 1:
             field = "desc_act" if config.source == "gptq" else "actorder"
             raise ValueError(
-                f"quantization_config.{field}: act-order is not implemented for W4A16 experts "
-                "(each expert would need its own column order); quantize without it"
+                f"quantization_config.{field}: act-order W4A16 experts under "
+                f"--tensor-parallel-size {self.tp.size} are not implemented (a rank's slice of "
+                "the down projection's columns would need its own order); serve it on one GPU"
             )
         self.refuse_expert_parallel("W4A16")
         experts, rows, hidden = self.w13.shape
@@ -229,6 +234,43 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         self.hold_w4a16("w13", (experts, rows, hidden), group13, config.zero_points)
         self.hold_w4a16("w2", (experts, hidden, self.inter), group2, config.zero_points)
         self.w4a16, self.w4a16_groups = config, (group13, group2)
+        device = self.gate.weight.device
+        g_idx13 = empty_param((experts, 2, hidden), torch.int32, device)
+        g_idx2 = empty_param((experts, self.inter), torch.int32, device)
+        self.register_parameter("w13_g_idx", g_idx13 if config.act_order else None)
+        self.register_parameter("w2_g_idx", g_idx2 if config.act_order else None)
+        # finish_loading sets these where an expert's columns were sorted: [E, H], [E, I].
+        self.register_buffer("w13_perm", None)
+        self.register_buffer("w2_perm", None)
+
+    def finish_loading(self, name: str) -> None:
+        """After the last tensor: act-order experts' columns sorted by group (w4a16.py
+        ``act_order_permutation``), each expert's order kept to gather its inputs by."""
+        if self.w4a16 is None or getattr(self, "w13_g_idx", None) is None:
+            return
+        group13, group2 = self.w4a16_groups
+        self.w13_perm = self.sort_expert_columns("w13", self.w13_g_idx.data, group13, name)
+        self.w2_perm = self.sort_expert_columns("w2", self.w2_g_idx.data[:, None], group2, name)
+        self.register_parameter("w13_g_idx", None)
+        self.register_parameter("w2_g_idx", None)
+
+    def sort_expert_columns(
+        self, proj: str, g_idx: torch.Tensor, group: int, name: str
+    ) -> torch.Tensor | None:
+        """Sort each expert's ``<proj>_qweight`` columns by its g_idx [E, parts, K]; the orders
+        [E, K] (an expert already in order keeps the identity), or None if all were."""
+        qweight = getattr(self, f"{proj}_qweight").data
+        orders = []
+        for expert in range(g_idx.shape[0]):
+            where = f"{name}.experts.{self.first_expert + expert}.{proj}"
+            perm = act_order_permutation(g_idx[expert], group, where)
+            if perm is not None:
+                qweight[expert] = permute_columns(qweight[expert], perm)
+            orders.append(perm)
+        if all(perm is None for perm in orders):
+            return None
+        identity = torch.arange(g_idx.shape[-1], dtype=torch.int32, device=g_idx.device)
+        return torch.stack([identity if p is None else p.to(g_idx.device) for p in orders])
 
     def refuse_expert_parallel(self, name: str) -> None:
         """Whole experts per rank would load as they are, but no test has run them."""
@@ -356,6 +398,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         if name is None:
             check_weight_shape(tensor, [rows], cols, hf_name)
             return []
+        if name == "g_idx" and config.act_order:
+            return [(f"{proj}_g_idx", tensor.to(torch.int32))]
         if name == "g_idx":
             check_trivial_g_idx(tensor, config.group_size, hf_name)
             return []
@@ -413,6 +457,7 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         return W4A16Experts(
             self.w13_qweight, self.w13_scales, self.w13_zeros,
             self.w2_qweight, self.w2_scales, self.w2_zeros, self.w4a16_groups,
+            self.w13_perm, self.w2_perm,
         )  # fmt: skip
 
     def w4a16_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -446,6 +491,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         if param_name.startswith("w2"):
             return shard - self.first_expert
         expert, half = divmod(shard, 2)
+        if param_name == "w13_g_idx":  # [E, 2, H]: gate's, then up's
+            return expert - self.first_expert, half
         # W4A16 scales and zeros are [E, groups, rows]: the gate's rows are along the last dim.
         along_last = param_name in ("w13_scales", "w13_zeros")
         rows = getattr(self, param_name).shape[2 if along_last else 1] // 2  # the gate's rows
@@ -577,9 +624,11 @@ def w4a16_expert_mlp(experts: W4A16Experts, expert: int, x: torch.Tensor) -> tor
     e, (group13, group2) = experts, experts.groups
     zeros13 = None if e.w13_zeros is None else e.w13_zeros[expert]
     zeros2 = None if e.w2_zeros is None else e.w2_zeros[expert]
-    gate_up = w4a16_linear(x, e.w13_qweight[expert], e.w13_scales[expert], zeros13, None, group13)
+    perm13 = None if e.w13_perm is None else e.w13_perm[expert]
+    perm2 = None if e.w2_perm is None else e.w2_perm[expert]
+    gate_up = w4a16_linear(x, e.w13_qweight[expert], e.w13_scales[expert], zeros13, perm13, group13)
     act = silu_and_mul(gate_up)
-    return w4a16_linear(act, e.w2_qweight[expert], e.w2_scales[expert], zeros2, None, group2)
+    return w4a16_linear(act, e.w2_qweight[expert], e.w2_scales[expert], zeros2, perm2, group2)
 
 
 def map_moe_name(hf_name: str) -> tuple[str, int | None] | None:

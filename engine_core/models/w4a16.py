@@ -59,6 +59,10 @@ class W4A16Experts:
     w2_scales: torch.Tensor  # [E, I / group, H] float32
     w2_zeros: torch.Tensor | None  # [E, I / group, H] uint8
     groups: tuple[int, int]  # input columns per scale of w13 (of H), of w2 (of I)
+    # Act-order: each expert's column order (its columns sorted by group; the input is x[:, perm]),
+    # [E, H] int32 for w13 and [E, I] for w2; None where every expert's columns were in order.
+    w13_perm: torch.Tensor | None = None
+    w2_perm: torch.Tensor | None = None
 
 
 def w4a16_kernels() -> ModuleType:

@@ -24,6 +24,9 @@ dequantized to (q - zero) * scale, rounded to the activations' dtype, then its S
    routing weight, written per slot in the activations' dtype;
 4. ``combine_slots`` (fused_moe.py): each token's K slots summed in float32, in slot order.
 
+Act-order experts (``w13_perm``, ``w2_perm``: each expert's columns sorted by group at load)
+read their inputs through a gathered load at the expert's order (``HAS_PERM``).
+
 No step reads anything on the host, so the layer is captured in CUDA graphs like the bf16 one.
 Why not the dense W4A16 kernel's tiled layout (w4a16.py ``tile_qweight``): that layout serves a
 matrix-vector product at one row; here every expert's rows are a small GEMM as in the FP8
@@ -62,6 +65,15 @@ def _group_tile(Scales, Zeros, groups, cols, mask, stride_g, HAS_ZEROS: tl.const
 
 
 @triton.jit
+def _input_columns(perm, positions, ok, HAS_PERM: tl.constexpr):
+    """The input columns of weight columns ``positions`` (sorted by group under act-order):
+    ``perm[positions]``, a gather of the inputs at the expert's order, or the positions."""
+    if HAS_PERM:
+        return tl.load(perm + positions, mask=ok, other=0)
+    return positions
+
+
+@triton.jit
 def _dequantized(words, i: tl.constexpr, scale, offset, dtype: tl.constexpr):
     """Nibble i of each word as (q - zero) * scale in ``dtype``: q OR'd into the mantissa of
     2**23 and read as a float, instead of converted."""
@@ -79,6 +91,7 @@ def _gate_up_kernel(
     Act,  # [S, I] the activations' dtype (S = T*K slots)
     SortedSlots,  # [R] slot of each sorted row; S for padding
     BlockExperts,  # [R // BLOCK_M] expert of each block of rows; -1 past the last one
+    Perm13,  # [E, H] int32: act-order's column order of each expert (unread without HAS_PERM)
     stride_xt,
     stride_qe,
     stride_qn,
@@ -90,6 +103,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     GROUP: tl.constexpr,  # input columns a scale (a multiple of 8)
     HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -108,7 +122,8 @@ def _gate_up_kernel(
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     js = tl.arange(0, BLOCK_K // 8)  # word rows of a K step
-    x_ptrs = X + tokens[:, None] * stride_xt + 8 * js[None, :]
+    x_rows = X + tokens[:, None] * stride_xt
+    perm = Perm13 + expert.to(tl.int64) * hidden
     # Offsets within one expert fit in int32; the expert's start is added as int64, once.
     gate_ptrs = QW13 + expert * stride_qe + (cols[None, :] * stride_qn + js[:, None])
     up_ptrs = gate_ptrs + inter * stride_qn
@@ -128,7 +143,8 @@ def _gate_up_kernel(
             scales, zeros, groups, cols + inter, w_mask, 2 * inter, HAS_ZEROS
         )
         for i in tl.static_range(8):
-            x = tl.load(x_ptrs + k0 + i, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+            ks = _input_columns(perm, k0 + 8 * js + i, j_ok, HAS_PERM)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
             gate_w = _dequantized(gate_words, i, gate_scale, gate_offset, dtype)
             up_w = _dequantized(up_words, i, up_scale, up_offset, dtype)
             gate = tl.dot(x, gate_w, gate, input_precision=PRECISION)
@@ -151,6 +167,7 @@ def _down_kernel(
     SlotWeights,  # [S] float32
     SortedSlots,
     BlockExperts,
+    Perm2,  # [E, I] int32: as Perm13, for the down projection
     stride_as,
     stride_qe,
     stride_qn,
@@ -161,6 +178,7 @@ def _down_kernel(
     inter,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -179,7 +197,8 @@ def _down_kernel(
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     js = tl.arange(0, BLOCK_K // 8)
-    a_ptrs = Act + slots64[:, None] * stride_as + 8 * js[None, :]
+    a_rows = Act + slots64[:, None] * stride_as
+    perm = Perm2 + expert.to(tl.int64) * inter
     w_ptrs = QW2 + expert * stride_qe + (cols[None, :] * stride_qn + js[:, None])  # as gate/up's
     scales, zeros = Scales2 + expert * stride_se, Zeros2 + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -190,7 +209,8 @@ def _down_kernel(
         groups = (k0 + 8 * js) // GROUP
         scale, offset = _group_tile(scales, zeros, groups, cols, w_mask, hidden, HAS_ZEROS)
         for i in tl.static_range(8):
-            a = tl.load(a_ptrs + k0 + i, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+            ks = _input_columns(perm, k0 + 8 * js + i, j_ok, HAS_PERM)
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
             w = _dequantized(words, i, scale, offset, dtype)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
     acc = acc.to(dtype).to(tl.float32)  # the reference's linear output, rounded
@@ -280,6 +300,11 @@ def check_layout(experts: W4A16Experts, hidden: int, blocks: Blocks | None) -> N
         want["w2_zeros"] = (e.w2_zeros, want["w2_scales"][1], torch.uint8)
     if zeros != (e.w2_zeros is not None):
         raise ValueError("fused_moe_w4a16: zero points for one projection and not the other")
+    if (e.w13_perm is None) != (e.w2_perm is None):
+        raise ValueError("fused_moe_w4a16: act-order's column orders for one projection only")
+    if e.w13_perm is not None:
+        want["w13_perm"] = (e.w13_perm, (num_experts, hidden), torch.int32)
+        want["w2_perm"] = (e.w2_perm, (num_experts, inter), torch.int32)
     for name, (tensor, shape, dtype) in want.items():
         if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
             raise ValueError(
@@ -312,11 +337,15 @@ def _grouped_gemms(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     b = tiles[0]
+    has_perm = e.w13_perm is not None
+    perm13 = e.w13_perm if has_perm else block_experts  # unread without act-order
+    perm2 = e.w2_perm if has_perm else block_experts
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, b.n))](
-        x, e.w13_qweight, e.w13_scales, zeros13, act, slots_arg, block_experts,
+        x, e.w13_qweight, e.w13_scales, zeros13, act, slots_arg, block_experts, perm13,
         x.stride(0), e.w13_qweight.stride(0), e.w13_qweight.stride(1), e.w13_scales.stride(0),
         act.stride(0), num_slots, hidden, inter,
-        TOP_K=top_k, GROUP=e.groups[0], HAS_ZEROS=has_zeros, PRECISION=precision,
+        TOP_K=top_k, GROUP=e.groups[0], HAS_ZEROS=has_zeros, HAS_PERM=has_perm,
+        PRECISION=precision,
         BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
@@ -324,10 +353,10 @@ def _grouped_gemms(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     b = tiles[1]
     _down_kernel[(num_blocks, triton.cdiv(hidden, b.n))](
-        act, e.w2_qweight, e.w2_scales, zeros2, out, weights, slots_arg, block_experts,
+        act, e.w2_qweight, e.w2_scales, zeros2, out, weights, slots_arg, block_experts, perm2,
         act.stride(0), e.w2_qweight.stride(0), e.w2_qweight.stride(1), e.w2_scales.stride(0),
         out.stride(0), num_slots, hidden, inter,
-        GROUP=e.groups[1], HAS_ZEROS=has_zeros, PRECISION=precision,
+        GROUP=e.groups[1], HAS_ZEROS=has_zeros, HAS_PERM=has_perm, PRECISION=precision,
         BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=b.k,
         ONE_SLOT_PER_BLOCK=one_slot, num_warps=b.warps, num_stages=b.stages,
     )  # fmt: skip
