@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config
 
 from benchmarks import random_checkpoint
 from benchmarks.random_checkpoint import write_random_checkpoint
+from engine_core.models import mxfp4
 from engine_core.models.gpt_oss_moe import GptOssMoE
 from tests.paged_harness import (
     assert_matches,
@@ -76,6 +77,13 @@ def test_gpt_oss_experts_are_written_as_published_mxfp4(
     torch.manual_seed(3)  # the writer's own weights, before its experts were quantized
     written = AutoModelForCausalLM.from_config(gpt_oss_config(), dtype=torch.bfloat16).float()
     reference = dequantized_copy(written, tensors).eval()
+    for proj in ("gate_up_proj", "down_proj"):  # the reference's experts: the written ones
+        original = getattr(written.model.layers[1].mlp.experts, proj).transpose(1, 2)
+        blocks = tensors[f"model.layers.1.mlp.experts.{proj}_blocks"].flatten(-2)
+        scales = tensors[f"model.layers.1.mlp.experts.{proj}_scales"]
+        step = torch.exp2(scales.float() - mxfp4.SCALE_BIAS).repeat_interleave(32, dim=-1)
+        back = mxfp4.dequantize(blocks, scales, torch.float32)
+        assert bool(((back - original).abs() <= step).all()), proj  # within MXFP4's rounding
     model = load_float32(tmp_path)
     assert isinstance(model.model.layers[0].mlp, GptOssMoE) and model.model.layers[0].mlp.mxfp4
     got = generate_greedy(model, PROMPTS, NEW_TOKENS)

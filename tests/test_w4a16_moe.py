@@ -9,6 +9,7 @@ logits agree to float32 rounding. Then what is refused, by name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from engine_core.models import model_config_from_hf
 from engine_core.models.moe import SparseMoE
+from engine_core.models.quantize import check_act_order_experts
 from engine_core.parallel import TPGroup
 from tests.factories import tiny_hf_sizes
 from tests.paged_harness import assert_matches, generate_greedy, load_float32, randomize
@@ -195,14 +197,28 @@ def test_a_missing_or_plain_expert_tensor_is_named(plain: Path, tmp_path: Path) 
         load_float32(write_folder(tmp_path / "plain-awq", plain, tensors, awq_qc(32)))
 
 
+MIXTRAL_INPUTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
 def expert_input_seed(name: str) -> int:
-    """A seed per layer, expert and input (``model.layers.<i>.mlp.experts.<e>.<proj>.weight``):
+    """A seed per layer, expert and input (``model.layers.<i>.<block>.experts.<e>.<proj>.weight``):
     an act-order quantizer orders an expert's gate and up alike (one input, the tokens routed to
     that expert) and each expert in its own order; attention as tests/quant_fixtures.py's."""
     parts = name.split(".")
-    if parts[4] != "experts":
+    if "experts" not in parts:
         return input_seed(name)
-    return 1000 * int(parts[2]) + 10 * (int(parts[5]) + 1) + SAME_INPUT[parts[6]]
+    at = parts.index("experts")
+    proj = MIXTRAL_INPUTS.get(parts[at + 2], parts[at + 2])
+    return 1000 * int(parts[2]) + 10 * (int(parts[at + 1]) + 1) + SAME_INPUT[proj]
+
+
+def act_order_packer(sym: bool = True, ordered: Callable[[int], bool] = lambda seed: True) -> tuple:
+    """GPTQ with desc_act, groups of 32; ``ordered(seed)``: whether that weight's columns are
+    quantized in a drawn order (else in order, its g_idx trivial)."""
+    return (
+        lambda w, seed: gptq_tensors(w, 32, ordered(seed), sym, False, seed),
+        gptq_qc(32, desc_act=True, sym=sym, v2=False),
+    )
 
 
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "zeros"])
@@ -211,10 +227,7 @@ def test_act_order_experts_match_hf_on_the_dequantized_weights(
 ) -> None:
     """GPTQ with desc_act: every expert's columns in an order of its own (gate and up sharing
     one), sorted by group at load and their inputs gathered in that order."""
-    packer = (
-        lambda w, seed: gptq_tensors(w, 32, True, sym, False, seed),
-        gptq_qc(32, desc_act=True, sym=sym, v2=False),
-    )
+    packer = act_order_packer(sym)
     folder, reference = write_w4a16_moe(
         plain, tmp_path, "gptq-act-order", packer, seed_of=expert_input_seed
     )
@@ -227,14 +240,46 @@ def test_act_order_experts_match_hf_on_the_dequantized_weights(
     assert_matches(got, reference_run(reference, PROMPTS, NEW_TOKENS), ATOL)
 
 
+def test_act_order_in_down_only_gives_both_projections_an_order(
+    plain: Path, tmp_path: Path
+) -> None:
+    """Gate and up quantized in order, down not: the kernels take both orders or neither, so
+    gate/up's is the identity."""
+    packer = act_order_packer(ordered=lambda seed: seed % 10 == SAME_INPUT["down_proj"])
+    folder, reference = write_w4a16_moe(
+        plain, tmp_path, "down-only", packer, seed_of=expert_input_seed
+    )
+    ours = load_float32(folder)
+    moe = ours.model.layers[0].mlp
+    assert torch.equal(moe.w13_perm, torch.arange(64, dtype=torch.int32).expand(4, 64))
+    assert not torch.equal(moe.w2_perm, torch.arange(64, dtype=torch.int32).expand(4, 64))
+    got = generate_greedy(ours, PROMPTS[:2], NEW_TOKENS)
+    assert_matches(got, reference_run(reference, PROMPTS[:2], NEW_TOKENS), ATOL)
+
+
+def test_mixtral_act_order_experts(tmp_path: Path) -> None:
+    mixtral().save_pretrained(tmp_path / "plain")
+    folder, reference = write_w4a16_moe(
+        tmp_path / "plain", tmp_path, "act-order", act_order_packer(), seed_of=expert_input_seed
+    )
+    ours = load_float32(folder)
+    assert ours.model.layers[1].mlp.w2_perm.shape == (4, 128)
+    got = generate_greedy(ours, PROMPTS[:2], NEW_TOKENS)
+    assert_matches(got, reference_run(reference, PROMPTS[:2], NEW_TOKENS), ATOL)
+
+
+def test_act_order_experts_of_an_untested_architecture_are_refused(plain: Path) -> None:
+    hf = json.loads((plain / "config.json").read_text())
+    hf["quantization_config"] = gptq_qc(32, desc_act=True, sym=True, v2=False)
+    config = dataclasses.replace(model_config_from_hf(hf), architecture="deepseek")
+    with pytest.raises(ValueError, match=r"desc_act: act-order W4A16 experts are tested for"):
+        check_act_order_experts(config, config.quantization)
+
+
 def test_act_order_experts_whose_gate_and_up_orders_differ_are_refused(
     plain: Path, tmp_path: Path
 ) -> None:
-    packer = (
-        lambda w, seed: gptq_tensors(w, 32, True, True, False, seed),
-        gptq_qc(32, desc_act=True, sym=True, v2=False),
-    )
-    write_w4a16_moe(plain, tmp_path, "bad", packer, seed_of=lambda name: len(name))
+    write_w4a16_moe(plain, tmp_path, "bad", act_order_packer(), seed_of=lambda name: len(name))
     with pytest.raises(ValueError, match=r"experts\.0\.w13: the merged parts' g_idx differ"):
         load_float32(tmp_path / "bad")
 

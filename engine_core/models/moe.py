@@ -235,10 +235,11 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         self.hold_w4a16("w2", (experts, hidden, self.inter), group2, config.zero_points)
         self.w4a16, self.w4a16_groups = config, (group13, group2)
         device = self.gate.weight.device
-        g_idx13 = empty_param((experts, 2, hidden), torch.int32, device)
-        g_idx2 = empty_param((experts, self.inter), torch.int32, device)
-        self.register_parameter("w13_g_idx", g_idx13 if config.act_order else None)
-        self.register_parameter("w2_g_idx", g_idx2 if config.act_order else None)
+        act_order = config.act_order
+        g_idx13 = empty_param((experts, 2, hidden), torch.int32, device) if act_order else None
+        g_idx2 = empty_param((experts, self.inter), torch.int32, device) if act_order else None
+        self.register_parameter("w13_g_idx", g_idx13)
+        self.register_parameter("w2_g_idx", g_idx2)
         # finish_loading sets these where an expert's columns were sorted: [E, H], [E, I].
         self.register_buffer("w13_perm", None)
         self.register_buffer("w2_perm", None)
@@ -249,8 +250,12 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
         if self.w4a16 is None or getattr(self, "w13_g_idx", None) is None:
             return
         group13, group2 = self.w4a16_groups
-        self.w13_perm = self.sort_expert_columns("w13", self.w13_g_idx.data, group13, name)
-        self.w2_perm = self.sort_expert_columns("w2", self.w2_g_idx.data[:, None], group2, name)
+        g_idx13, g_idx2 = self.w13_g_idx.data, self.w2_g_idx.data[:, None]
+        perm13 = self.sort_expert_columns("w13", g_idx13, group13, name)
+        perm2 = self.sort_expert_columns("w2", g_idx2, group2, name)
+        if perm13 is not None or perm2 is not None:  # the kernels take both orders or neither
+            self.w13_perm = identity_orders(g_idx13) if perm13 is None else perm13
+            self.w2_perm = identity_orders(g_idx2) if perm2 is None else perm2
         self.register_parameter("w13_g_idx", None)
         self.register_parameter("w2_g_idx", None)
 
@@ -269,8 +274,8 @@ class SparseMoE(nn.Module, TPSharded, ShardedParameters, LoadsQuantized):
             orders.append(perm)
         if all(perm is None for perm in orders):
             return None
-        identity = torch.arange(g_idx.shape[-1], dtype=torch.int32, device=g_idx.device)
-        return torch.stack([identity if p is None else p.to(g_idx.device) for p in orders])
+        pairs = zip(identity_orders(g_idx), orders, strict=True)
+        return torch.stack([i if p is None else p.to(g_idx.device) for i, p in pairs])
 
     def refuse_expert_parallel(self, name: str) -> None:
         """Whole experts per rank would load as they are, but no test has run them."""
@@ -616,6 +621,14 @@ def grouped_experts(
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H]."""
     return F.linear(silu_and_mul(F.linear(x, w13)), w2)
+
+
+def identity_orders(g_idx: torch.Tensor) -> torch.Tensor:
+    """[E, K] int32 rows 0..K-1: the order of experts whose columns were already sorted, for
+    g_idx [E, parts, K]."""
+    experts, columns = g_idx.shape[0], g_idx.shape[-1]
+    identity = torch.arange(columns, dtype=torch.int32, device=g_idx.device)
+    return identity.expand(experts, columns).contiguous()
 
 
 def w4a16_expert_mlp(experts: W4A16Experts, expert: int, x: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,19 @@ def make_quantized_experts(
     elif isinstance(quant, Int8Config):
         module.make_int8(quant)
     elif isinstance(quant, W4A16Config):
+        check_act_order_experts(config, quant)
         module.make_w4a16(quant, name)
+
+
+def check_act_order_experts(config: ModelConfig, quant: W4A16Config) -> None:
+    """Act-order experts are tested in our Llama-family MoE (Qwen3-MoE, Mixtral) only."""
+    if quant.act_order and config.architecture != "llama":
+        field = "desc_act" if quant.source == "gptq" else "actorder"
+        raise ValueError(
+            f"quantization_config.{field}: act-order W4A16 experts are tested for Qwen3-MoE and "
+            f"Mixtral only, not this model ({config.architecture}); quantize "
+            "without act-order"
+        )
 
 
 def make_quantized(module: Linear, quant: QuantConfig, name: str) -> None:

@@ -143,15 +143,18 @@ def _dequantize_chunk(
     group13, group2 = e.groups
     dequantize_experts(e.w13_qweight[chosen], e.w13_scales[chosen], part(e.w13_zeros), group13, w13)
     dequantize_experts(e.w2_qweight[chosen], e.w2_scales[chosen], part(e.w2_zeros), group2, w2)
-    if e.w13_perm is None or e.w2_perm is None:
-        return w13, w2
-    return unsort_columns(w13, e.w13_perm[chosen]), unsort_columns(w2, e.w2_perm[chosen])
+    if e.w13_perm is not None:
+        w13 = unsort_columns(w13, e.w13_perm[chosen])
+    if e.w2_perm is not None:
+        w2 = unsort_columns(w2, e.w2_perm[chosen])
+    return w13, w2
 
 
 def unsort_columns(weights: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Act-order experts' dequantized weights [C, N, K], their columns sorted by group (column
     j is the input's perm[c, j]), back in the input's order: the GEMMs then take x as it is.
-    A new tensor, the scratch's size: prompts this long are not captured in graphs."""
+    A new tensor of the chunk's size, so act-order doubles the scratch at prefill (steps this
+    long are not captured in graphs)."""
     restored = torch.empty_like(weights)
     index = perm.to(torch.int64)[:, None, :].expand_as(weights)
     return restored.scatter_(2, index, weights)
