@@ -9,7 +9,6 @@ of the requests that arrive queue, and the next call takes them all at once.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,48 +18,16 @@ from typing import Any
 
 from tokenizers import decoders
 
+from common.hf_tokenizer import load_pretrained_tokenizer
 from frontend.errors import bad_request
-
-# Model types for which AutoTokenizer, given a folder whose tokenizer_config.json names
-# TokenizersBackend and no auto_map, loads TokenizersBackend itself (transformers'
-# models/auto/tokenization_auto.py: none of its per-model-type overrides applies to them).
-# tests/test_tokenizer_encode.py checks each against AutoTokenizer.
-DIRECT_BACKEND_MODEL_TYPES = frozenset({"llama"})
 
 
 def load_hf_tokenizer(model_dir: Path, chat_template: str | Path | None = None) -> Any:
     """The model's HF tokenizer; ``chat_template``: a Jinja file that replaces its template."""
-    if loads_backend_directly(model_dir):
-        # AutoTokenizer's own choice for this folder, without its import of transformers'
-        # configuration classes, which imports torch: 1.5 s of CPU in every API process.
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-        tokenizer = TokenizersBackend.from_pretrained(str(model_dir))
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_pretrained_tokenizer(model_dir)
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
     return tokenizer
-
-
-def loads_backend_directly(model_dir: Path) -> bool:
-    """Whether AutoTokenizer would load ``model_dir``'s tokenizer as TokenizersBackend (for the
-    model types in DIRECT_BACKEND_MODEL_TYPES), so that it can be loaded as one directly."""
-    try:
-        tokenizer_config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(tokenizer_config, dict)
-        and isinstance(config, dict)
-        and tokenizer_config.get("tokenizer_class") == "TokenizersBackend"
-        and "auto_map" not in tokenizer_config
-        and "auto_map" not in config
-        and config.get("model_type") in DIRECT_BACKEND_MODEL_TYPES
-    )
 
 
 class Tokenizer:

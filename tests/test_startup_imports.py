@@ -38,10 +38,11 @@ import frontend.api_processes, frontend.app, frontend.http_server
 """
 # The API process's tokenizer, loaded as it loads it: AutoTokenizer's configuration classes
 # would import torch (transformers/modeling_rope_utils.py), so a folder that takes the direct
-# path (frontend/tokenizer.py) must not.
+# path (common/hf_tokenizer.py) must not.
 API_TOKENIZER = """
 from pathlib import Path
-from frontend.tokenizer import load_hf_tokenizer, loads_backend_directly
+from common.hf_tokenizer import loads_backend_directly
+from frontend.tokenizer import load_hf_tokenizer
 assert loads_backend_directly(Path(MODEL))
 tokenizer = load_hf_tokenizer(Path(MODEL))
 tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)

@@ -109,12 +109,12 @@ def test_a_request_whose_client_left_does_not_disturb_the_others(hf: Any) -> Non
 def test_the_direct_load_is_autotokenizers_own(
     folder: str, default_model_dir: Path, tiny_model_dir: Path
 ) -> None:
-    """load_hf_tokenizer skips AutoTokenizer for these folders (frontend/tokenizer.py
+    """load_hf_tokenizer skips AutoTokenizer for these folders (common/hf_tokenizer.py
     DIRECT_BACKEND_MODEL_TYPES): it must give the tokenizer AutoTokenizer gives, class, ids,
     texts, special tokens and chat template alike."""
     from transformers import AutoTokenizer
 
-    from frontend.tokenizer import loads_backend_directly
+    from common.hf_tokenizer import loads_backend_directly
 
     path = default_model_dir if folder == "default" else tiny_model_dir
     assert loads_backend_directly(path)
