@@ -18,14 +18,13 @@ from typing import Any
 
 from tokenizers import decoders
 
+from common.hf_tokenizer import load_pretrained_tokenizer
 from frontend.errors import bad_request
 
 
 def load_hf_tokenizer(model_dir: Path, chat_template: str | Path | None = None) -> Any:
     """The model's HF tokenizer; ``chat_template``: a Jinja file that replaces its template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_pretrained_tokenizer(model_dir)
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
     return tokenizer

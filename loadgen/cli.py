@@ -281,14 +281,13 @@ def load_tokenizer(args: argparse.Namespace, backend: Backend) -> Any | None:
     """The tokenizer prompts need, or None when random ids straight to the engine will do."""
     if backend.kind == "zmq" and args.prompt is None and args.dataset is None:
         return None
-    from transformers import AutoTokenizer
-
+    from common.hf_tokenizer import load_pretrained_tokenizer
     from engine_core.model_dir import resolve_model_dir
 
     source = args.tokenizer or getattr(backend, "model_root", None) or backend.model or "default"
     if args.tokenizer is None and not Path(source).is_dir() and source != "default":
         source = "default"  # a served name, or a folder on another machine
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(source)))
+    return load_pretrained_tokenizer(resolve_model_dir(source))
 
 
 async def bench(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -41,3 +42,15 @@ def tiny_model_dir(default_tokenizer_dir: Path, tmp_path_factory: pytest.TempPat
 
     path = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab_size=49152)
     return copy_tokenizer(default_tokenizer_dir, path)
+
+
+@pytest.fixture(scope="session")
+def default_grammar_vocabulary(default_model_dir: Path) -> tuple[Any, Any]:
+    """(the HF tokenizer, llguidance's view of it) for the default model, as it is: both
+    tool-parser files check grammars against it, and a worker that runs both builds it once.
+    Read only: a test that adds tokens loads a tokenizer of its own."""
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir))
+    return hf, llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))

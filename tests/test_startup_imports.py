@@ -36,6 +36,17 @@ plan_engines(args, engine_model, curve, None)
 API_PROCESS = """
 import frontend.api_processes, frontend.app, frontend.http_server
 """
+# The API process's tokenizer, loaded as it loads it: AutoTokenizer's configuration classes
+# would import torch (transformers/modeling_rope_utils.py), so a folder that takes the direct
+# path (common/hf_tokenizer.py) must not.
+API_TOKENIZER = """
+from pathlib import Path
+from common.hf_tokenizer import loads_backend_directly
+from frontend.tokenizer import load_hf_tokenizer
+assert loads_backend_directly(Path(MODEL))
+tokenizer = load_hf_tokenizer(Path(MODEL))
+tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+"""
 ENGINE_PROCESS = """
 from frontend.cli import build_parser
 from engine_core.args import engine_config_from_args
@@ -64,8 +75,9 @@ def imported(code: str, model: Path, watched: tuple[str, ...]) -> list[str]:
         (SERVE_BEFORE_ENGINES, ENGINE_STACK + HTTP_STACK + OPTIONAL + ("opentelemetry",)),
         (API_PROCESS, ENGINE_STACK + OPTIONAL),
         (ENGINE_PROCESS, HTTP_STACK + OPTIONAL + ("opentelemetry", "torch._dynamo")),
+        (API_TOKENIZER, ENGINE_STACK),
     ],
-    ids=["serve-before-engines", "api-process", "engine-process"],
+    ids=["serve-before-engines", "api-process", "engine-process", "api-tokenizer"],
 )
 def test_a_start_path_imports_no_heavy_module_it_does_not_use(
     code: str, watched: tuple[str, ...], tiny_model_dir: Path

@@ -103,3 +103,39 @@ def test_a_request_whose_client_left_does_not_disturb_the_others(hf: Any) -> Non
     for i, texts in enumerate(burst):
         if i != 4:
             assert got[i] == hf_ids(hf, texts)
+
+
+@pytest.mark.parametrize("folder", ["default", "tiny"])
+def test_the_direct_load_is_autotokenizers_own(
+    folder: str, default_model_dir: Path, tiny_model_dir: Path
+) -> None:
+    """load_hf_tokenizer skips AutoTokenizer for these folders (common/hf_tokenizer.py
+    DIRECT_BACKEND_MODEL_TYPES): it must give the tokenizer AutoTokenizer gives, class, ids,
+    texts, special tokens and chat template alike."""
+    from transformers import AutoTokenizer
+
+    from common.hf_tokenizer import loads_backend_directly
+
+    path = default_model_dir if folder == "default" else tiny_model_dir
+    assert loads_backend_directly(path)
+    ours, auto = load_hf_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    assert type(ours) is type(auto)
+    assert len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        auto.bos_token_id, auto.eos_token_id, auto.pad_token_id,
+    )  # fmt: skip
+    for text in TEXTS:
+        for special in (True, False):
+            ids = auto.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == ids
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(
+                    ids, skip_special_tokens=skip
+                )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[1]}]
+    for generation_prompt in (True, False):
+        assert ours.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        ) == auto.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -302,13 +301,9 @@ TOOLS = [WEATHER_TOOL, NOOP_TOOL]
 
 
 @pytest.fixture(scope="module")
-def tokenizers(default_model_dir: Path) -> tuple[Any, Any]:
-    """(the HF tokenizer, llguidance's view of it) for the default model."""
-    import llguidance.hf
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(str(default_model_dir))
-    return hf, llguidance.hf.from_tokenizer(hf, n_vocab=49152)
+def tokenizers(default_grammar_vocabulary: tuple[Any, Any]) -> tuple[Any, Any]:
+    """(the HF tokenizer, llguidance's view of it) for the default model (tests/conftest.py)."""
+    return default_grammar_vocabulary
 
 
 def accepts(tokenizers: tuple[Any, Any], grammar: str, text: str) -> bool:

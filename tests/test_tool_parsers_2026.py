@@ -539,20 +539,20 @@ PLAIN_MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_start|
 
 
 @pytest.fixture(scope="module")
-def vocabularies(default_model_dir: Path) -> dict[str, tuple[Any, Any]]:
-    """(HF tokenizer, llguidance's view of it) for the default model as it is ("plain"), and
-    with every family's markers added as tokens ("markers")."""
+def vocabularies(
+    default_model_dir: Path, default_grammar_vocabulary: tuple[Any, Any]
+) -> dict[str, tuple[Any, Any]]:
+    """(HF tokenizer, llguidance's view of it) for the default model as it is ("plain", shared
+    with tests/test_tool_parsers.py), and with every family's markers added as tokens
+    ("markers", a tokenizer of its own: adding tokens changes it)."""
     import llguidance.hf
     from transformers import AutoTokenizer
 
-    out = {}
-    for kind in ("plain", "markers"):
-        hf = AutoTokenizer.from_pretrained(str(default_model_dir))
-        if kind == "markers":
-            hf.add_tokens(PLAIN_MARKERS)
-            hf.add_special_tokens({"additional_special_tokens": HARMONY})
-        out[kind] = (hf, llguidance.hf.from_tokenizer(hf, n_vocab=len(hf)))
-    return out
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir))
+    hf.add_tokens(PLAIN_MARKERS)
+    hf.add_special_tokens({"additional_special_tokens": HARMONY})
+    markers = (hf, llguidance.hf.from_tokenizer(hf, n_vocab=len(hf)))
+    return {"plain": default_grammar_vocabulary, "markers": markers}
 
 
 def accepts(vocabulary: tuple[Any, Any], grammar: str, text: str) -> bool:
