@@ -66,7 +66,6 @@ _TILE_K = tl.constexpr(TILE_K)
 _PLANE = tl.constexpr(PLANE)
 _MAGIC = tl.constexpr(MAGIC)
 _MAGIC_BITS = tl.constexpr(0x4B000000)  # MAGIC's bits
-_SYMMETRIC_OFFSET = tl.constexpr(MAGIC + SYMMETRIC_ZERO)
 _SYMMETRIC_ZERO = tl.constexpr(float(SYMMETRIC_ZERO))
 
 
@@ -82,16 +81,10 @@ def _nibbles(words, i: tl.constexpr):
 def _group_params(
     Scales, Zeros, k, N, cols, cols_ok, GROUPS, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr
 ):
-    """(scale, 2**23 + zero) of the group holding column(s) k, for weight columns ``cols``
-    (broadcast shapes). Padded columns past K take the last group (their activations are 0)."""
-    group = tl.minimum(k // GROUP, GROUPS - 1)
-    scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(Zeros + group * N + cols, mask=cols_ok, other=0).to(tl.float32)
-        offset = zero + _MAGIC
-    else:
-        offset = _SYMMETRIC_OFFSET
-    return scale, offset
+    """(scale, 2**23 + zero) of the group holding column(s) k (``_scale_zero``'s), the offset
+    a nibble read as 2**23 + q takes away."""
+    scale, zero = _scale_zero(Scales, Zeros, k, N, cols, cols_ok, GROUPS, GROUP, HAS_ZEROS)
+    return scale, zero + _MAGIC
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -260,8 +253,8 @@ def _w4a16_joined_kernel(
 @triton.jit
 def _scale_zero(Scales, Zeros, k, N, cols, cols_ok, GROUPS, GROUP: tl.constexpr,
                 HAS_ZEROS: tl.constexpr):  # fmt: skip
-    """(scale, zero) in float32 of the group holding column k, for weight columns ``cols``;
-    padded columns past K take the last group (their activations are 0)."""
+    """(scale, zero) in float32 of the group holding column(s) k, for weight columns ``cols``
+    (broadcast shapes); padded columns past K take the last group (their activations are 0)."""
     group = tl.minimum(k // GROUP, GROUPS - 1)
     scale = tl.load(Scales + group * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
     if HAS_ZEROS:
