@@ -45,6 +45,8 @@ def write_random_checkpoint(config: dict[str, Any], out: Path, device: str, seed
     experts in MXFP4 where ``config`` says so (``quant_method: mxfp4``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from benchmarks.servers import write_config_entry
+
     hf = dict(config)
     quantization = hf.pop("quantization_config", None)
     if quantization is not None and quantization.get("quant_method") != "mxfp4":
@@ -98,10 +100,3 @@ def quantize_expert_shards(folder: Path, device: str) -> None:
         save_file(tensors, shard, metadata={"format": "pt"})
     if index is not None:
         index_path.write_text(json.dumps(index, indent=2) + "\n")
-
-
-def write_config_entry(folder: Path, key: str, value: Any) -> None:
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    config[key] = value
-    path.write_text(json.dumps(config, indent=2) + "\n")

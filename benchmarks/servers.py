@@ -438,6 +438,13 @@ def peer_model_dir(preset: str, tokenizer_dir: Path, path: Path) -> Path:
     return path
 
 
+def write_config_entry(folder: Path, key: str, value: Any) -> None:
+    """Set ``key`` of ``folder``'s config.json to ``value`` (a peer reads the folder's config)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text()) | {key: value}
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def write_processor_config(source: Path, config: dict[str, Any], out: Path) -> None:
     """``source``'s image processor config, naming the processor class that reads it as the
     published model's does (a peer loads the processor by that name; ours reads the

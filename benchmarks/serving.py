@@ -30,7 +30,6 @@ Marlin kernels), the issue's "beside vLLM's Marlin" figure:
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import tempfile
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from benchmarks.servers import (
     peer_model_dir,
     tandem_serve_command,
     vllm_server,
+    write_config_entry,
 )
 from benchmarks.side_by_side import (
     SERVING_METRICS,
@@ -208,9 +208,7 @@ def add_quantization_flags(args: argparse.Namespace, model_dir: Path | None) -> 
             f"--quantization {args.quantization}: {args.model}'s random weights take groups of "
             f"{ours.group_size}, the peer's config says {peer_config['group_size']}"
         )
-    config_path = model_dir / "config.json"
-    config = json.loads(config_path.read_text()) | {"quantization_config": peer_config}
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    write_config_entry(model_dir, "quantization_config", peer_config)
     args.tandem_args = f"{args.tandem_args} --quantization {args.quantization}"
     args.vllm_args = f"{args.vllm_args} --quantization {peer_method}"
 
