@@ -9,7 +9,11 @@ For each projection of the preset (qkv, o, gate/up, down) and each row count M, 
 engine_core/models/w4a16_kernels.py, groups of 128), and W8A8 (per-token int8 activations by the
 Triton quantizer of engine_core/models/w8a8_kernels.py, then either cuBLASLt's int8 product and
 the scaling after it, ``w8a8 cuBLASLt``, or the Triton int8 GEMM with the scales in its epilogue,
-``w8a8 triton``, at the tiles ``MEASURED`` holds for the shape, else the rule's). Each call is
+``w8a8 triton``, at the tiles ``MEASURED`` holds for the shape, else the rule's). With ``--peer``
+(vLLM's bundle importable: run with it first on PYTHONPATH, as ``../shared/peers/vllm-gpu/``
+installs it), two more forms time the peer's kernels on the same shapes: ``vllm marlin`` (its
+W4A16 GEMM, the same symmetric groups of 128, weights repacked by vLLM's own test utility) and
+``vllm cutlass`` (its per-token int8 quantizer, then CUTLASS's scaled int8 GEMM). Each call is
 timed inside a CUDA graph of ``--iters`` calls (the engine replays graphs, so launch gaps are not
 counted), median of 5 replays, cycling through copies of the weights that exceed the L2, so
 every call reads its weights from HBM as in a model. The table: microseconds a call, the bytes a
@@ -38,6 +42,8 @@ from benchmarks.roofline import measure_bandwidth
 GROUP = 128
 CALLS_PER_GRAPH = 20
 FORMS = ("bf16", "w4a16", "w8a8 cuBLASLt", "w8a8 triton")
+PEER_FORMS = ("vllm marlin", "vllm cutlass")
+FORM_ORDER = {form: i for i, form in enumerate(FORMS + PEER_FORMS)}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +58,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the W8A8 GEMM's tiles")
     parser.add_argument("--budget", type=float, default=150.0, help="seconds for the sweep")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--peer",
+        action="store_true",
+        help="also time vLLM's Marlin (W4A16) and CUTLASS (W8A8) kernels (vllm importable)",
+    )
 
 
 def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -145,6 +156,67 @@ def weights(n: int, k: int) -> dict[str, Any]:
         ),
         "w8a8": (int8_weight, int8_scale),
     }
+
+
+def marlin_weight(dense: Any) -> tuple[Any, Any, Any]:
+    """vLLM's Marlin layout of ``dense`` [N, K] in symmetric 4 bits (uint4b8), groups of 128, as
+    its own tests build it: (words, scales, the dequantized weight [K, N] they mean)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+    from vllm.scalar_type import scalar_types
+
+    meant, words, scales, _, _, _ = marlin_quantize(
+        dense.t().contiguous(), scalar_types.uint4b8, GROUP, False
+    )
+    return words, scales, meant
+
+
+def relative_error(got: Any, want: Any) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def peer_stacks(one: dict[str, Any]) -> dict[str, tuple[list[Any], Any]]:
+    """The peer's weights, copied past the L2, by form, with the dequantized weight [K, N] each
+    means (None: the int8 product cuBLASLt gives); empty, with the reason printed, where vLLM
+    cannot be imported."""
+    try:
+        words, scales, marlin_meant = marlin_weight(one["bf16"])
+    except ImportError as exc:
+        print(f"  --peer: vLLM not importable ({exc}); its kernels are not timed", flush=True)
+        return {}
+    w8, scale = one["w8a8"]  # CUTLASS takes the row scales as a column
+    return {
+        "vllm marlin": (copies_past_l2((words, scales)), marlin_meant),
+        "vllm cutlass": (copies_past_l2((w8, scale.reshape(-1, 1).contiguous())), None),
+    }
+
+
+def peer_product(form: str, n: int, k: int) -> Callable[[Any, Any], Any]:
+    """vLLM's kernel for ``form``, called as its linear layers call it."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        marlin_make_workspace_new,
+    )
+    from vllm.scalar_type import scalar_types
+
+    if form == "vllm cutlass":
+
+        def cutlass(x: Any, w: Any) -> Any:
+            x_q, x_scale, _ = ops.scaled_int8_quant(x)
+            return ops.cutlass_scaled_mm(x_q, w[0].t(), x_scale, w[1], x.dtype)
+
+        return cutlass
+    workspace = marlin_make_workspace_new(torch.device("cuda"))
+    no_order = torch.empty(0, dtype=torch.int, device="cuda")
+
+    def marlin(x: Any, w: Any) -> Any:
+        return ops.marlin_gemm(
+            x, None, w[0], None, w[1], None, None, None, no_order, no_order, workspace,
+            scalar_types.uint4b8, size_m=x.shape[0], size_n=n, size_k=k, is_k_full=True,
+            use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False,
+        )  # fmt: skip
+
+    return marlin
 
 
 def weight_bytes(w: Any) -> int:
@@ -262,11 +334,22 @@ def measure(
     n, k = shape
     one = weights(n, k)
     stacks = {kind: copies_past_l2(one[kind]) for kind in ("bf16", "w4a16", "w8a8")}
+    peer = peer_stacks(one) if args.peer else {}
     results = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         calls = {form: (product(form), stacks[form.split()[0]]) for form in FORMS}
         reference = product("w8a8 cuBLASLt")(x, stacks["w8a8"][0])
+        for form, (stack, meant) in peer.items():  # a wrong call could be fast: show each right
+            want = x.float() @ meant.float() if meant is not None else reference.float()
+            try:
+                call = peer_product(form, n, k)
+                error = relative_error(call(x, stack[0]), want)
+            except Exception as exc:  # the peer failing must not end our measurement
+                print(f"  FAILED {name} M={m} {form}: {type(exc).__name__}: {exc}"[:400])
+                continue
+            calls[form] = (call, stack)
+            print(f"  {name} M={m} {form}: error {error:.1e} against what it means", flush=True)
         for form, (call, stack) in calls.items():
             results.append(timed(form, call, stack, x, n, args.iters, hbm) | {"tiles": None})
             print(f"  {name} M={m} {form}: {results[-1]['us']:.1f} us", flush=True)
@@ -356,7 +439,7 @@ def table(results: list[dict[str, Any]]) -> list[list[str]]:
             fmt(r["us"], ".1f"), fmt(r["gb_s"], ",.0f"), fmt(100 * r["hbm_share"], ".0f") + "%",
             fmt(bf16[(r["projection"], r["rows"])] / r["us"], ".2f") + "x",
         ]
-        for r in sorted(fixed, key=lambda r: (r["rows"], r["projection"], FORMS.index(r["form"])))
+        for r in sorted(fixed, key=lambda r: (r["rows"], r["projection"], FORM_ORDER[r["form"]]))
     ]  # fmt: skip
 
 
