@@ -54,17 +54,13 @@ import triton.language as tl
 from engine_core.lora.batch import TILE_ROWS, LoraTiles
 from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release, prefetch_l2
 
-# A decode step's LoRA kernels are chains of memory round trips, not streams of bytes (a
-# llama-8b step's adapters are about 0.15 ms of reads): each program is made to issue its loads
-# together rather than one after another. The shrink's reduction tile is wide, so that a split
-# is one or two loop turns (a turn is an L2 round trip); the expand loads every split's partial
-# sum at once and covers its output columns in one product and one read-add-store.
-BLOCK_K = 256  # the shrink's reduction tile: a split's input columns are whole tiles of it
-EXPAND_BLOCK_N = 64  # the expand's output columns are runs of this many, all of one shard
-EXPAND_INNER = 8  # runs per expand program at most: 512 columns, one product
+BLOCK_K = 64  # the shrink's reduction tile
+EXPAND_BLOCK_N = 64  # output columns per expand tile
+EXPAND_INNER = 8  # expand tiles per program at most: the splits' sum is read once for them
+EXPAND_SPLIT_LOADS = 8  # partial sums an expand program loads at once
 SPLIT_K = 256  # the least input columns per shrink program
-SHRINK_PROGRAMS = 512  # shrink programs a step's table aims for (splits over its tiles)
-MAX_SPLITS = 32  # the expand loads every split's partial sums at once
+SHRINK_PROGRAMS = 256  # shrink programs a step's table aims for (splits over its tiles)
+MAX_SPLITS = 32
 # Tables of up to this many tiles take the fused kernel (add_lora_tiles). None do: the pair was
 # faster at every decode size measured (docs/design/lora.md, "Measured").
 FUSED_MAX_TILES = 0
@@ -169,7 +165,7 @@ def _expand_kernel(
     TileSlots,
     TileRows,
     N,
-    SPLITS,  # at most MAX_SPLITS
+    SPLITS,
     RANK,  # rank columns an output tile reads (a shard's, or all R)
     SHARD1,  # the first output row of shard 1 (N where there is none)
     SHARD2,  # the first output row of shard 2 (N where there is none)
@@ -179,9 +175,10 @@ def _expand_kernel(
     stride_bn,
     stride_om,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # output columns per program, all of one shard
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= RANK
-    MAX_SPLITS: tl.constexpr,  # >= SPLITS: each split's load is issued at once
+    INNER: tl.constexpr,  # output tiles per program, all of one shard
+    SPLIT_LOADS: tl.constexpr,  # splits read at once
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -193,7 +190,7 @@ def _expand_kernel(
     rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
     rows = tl.where(row_ok, rows, 0).to(tl.int64)
-    n_first = tl.program_id(1) * BLOCK_N
+    n_first = tl.program_id(1) * (BLOCK_N * INNER)
     shard = (n_first >= SHARD1).to(tl.int32) + (n_first >= SHARD2).to(tl.int32)
     offs_r = tl.arange(0, BLOCK_K)
     r_ok = offs_r < RANK
@@ -201,22 +198,25 @@ def _expand_kernel(
     b_slot = B + slot.to(tl.int64) * stride_bs
     if PDL:
         # This program's rows of B into L2 while the shrink finishes (B is no kernel's output).
-        b_rows = n_first + tl.arange(0, BLOCK_N)
+        b_rows = n_first + tl.arange(0, BLOCK_N * INNER)
         prefetch_l2(b_slot + tl.minimum(b_rows, N - 1).to(tl.int64) * stride_bn + shard * RANK)
     pdl_wait_then_release(PDL)
-    # The splits' sum: every split's load in flight at once (no store comes between them), not
-    # one L2 round trip after another; added in split order all the same.
+    # The splits' sum, once for INNER output tiles (a decode step reads it from L2 per program),
+    # SPLIT_LOADS splits' loads in flight at once rather than one L2 round trip after another;
+    # added in split order all the same.
     t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for i in tl.static_range(MAX_SPLITS):
-        live = r_ok & (offs_r * 0 + i < SPLITS)  # a vector: a mask must be one
-        t += tl.load(
-            Partial + i * stride_ps + rows[:, None] * stride_pm + offs_k[None, :],
-            mask=row_ok[:, None] & live[None, :],
-            other=0.0,
-        )
-    offs_n = n_first + tl.arange(0, BLOCK_N)
-    delta = _expand_tile(t, b_slot, offs_k, r_ok, offs_n, N, stride_bn, IEEE)
-    _add_into(Out, rows, row_ok, offs_n, N, stride_om, delta)
+    for first in range(0, SPLITS, SPLIT_LOADS):
+        for i in tl.static_range(SPLIT_LOADS):
+            live = r_ok & (offs_r * 0 + first + i < SPLITS)  # a vector: a mask must be one
+            t += tl.load(
+                Partial + (first + i) * stride_ps + rows[:, None] * stride_pm + offs_k[None, :],
+                mask=row_ok[:, None] & live[None, :],
+                other=0.0,
+            )
+    for i in tl.static_range(INNER):
+        offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        delta = _expand_tile(t, b_slot, offs_k, r_ok, offs_n, N, stride_bn, IEEE)
+        _add_into(Out, rows, row_ok, offs_n, N, stride_om, delta)
 
 
 # Nothing here changes with the step's rows (the table's pointers keep their alignment): a
@@ -310,7 +310,7 @@ class ExpandLayout(NamedTuple):
     rank: int  # rank columns an expand program reads (a shard's own, or all of them)
     shard1: int  # the first output row of shard 1 (the output's size where there is none)
     shard2: int  # the first output row of shard 2 (likewise)
-    inner: int  # runs of EXPAND_BLOCK_N output columns per program
+    inner: int  # output tiles of EXPAND_BLOCK_N per program
 
 
 def expand_layout(output_sizes: tuple[int, ...], rank: int, width: int) -> ExpandLayout:
@@ -439,7 +439,6 @@ def add_lora_split(
     layout = expand_layout(tuple(shards), width // len(shards), width)
     splits, per_split = shrink_splits(k, tiles.count)
     partial = torch.empty(splits, rows, width, dtype=torch.float32, device=x.device)
-    expand_n = EXPAND_BLOCK_N * layout.inner
     ieee = x.dtype == torch.float32
     pdl = chain_pdl(x)
     block_n = _block(width, 64)
@@ -447,14 +446,13 @@ def add_lora_split(
         x, a, partial, tiles.slots, tiles.rows, k, width, per_split,
         x.stride(0), a.stride(0), a.stride(1), partial.stride(0), partial.stride(1),
         BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, IEEE=ieee, PDL=pdl,
-        launch_pdl=pdl, num_stages=2,  # two wide tiles of x and A in flight: 80 KiB
+        launch_pdl=pdl,
     )  # fmt: skip
     n = b.shape[1]
-    _expand_kernel[(tiles.count, triton.cdiv(n, expand_n))](
+    _expand_kernel[(tiles.count, triton.cdiv(n, EXPAND_BLOCK_N * layout.inner))](
         partial, b, out, tiles.slots, tiles.rows, n, splits, layout.rank, layout.shard1,
         layout.shard2, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=expand_n, BLOCK_K=_block(layout.rank),
-        MAX_SPLITS=MAX_SPLITS, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
-        num_warps=8 if expand_n >= 256 else 4,
+        out.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=_block(layout.rank),
+        INNER=layout.inner, SPLIT_LOADS=EXPAND_SPLIT_LOADS, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -28,8 +28,9 @@ time (CUDA graphs replay what was captured; a grid depends only on shapes):
   loaded before this block is multiplied, so a load is always in flight. ``Tiles.joined`` takes
   ``_w4a16_joined_kernel`` instead: the eight slices joined into one [BLOCK_N, 128] operand,
   which reaches wgmma from registers with no bf16 tile stored to shared memory (about 6
-  instructions a weight in the loop against 9, compiled for sm_90; not yet timed, so the rule
-  does not choose it). Both decode kernels split the blocks over SPLIT_K programs when the
+  instructions a weight in the loop against 9, compiled for sm_90), which the sweep found
+  fastest at 16 and 64 rows on every llama-8b projection, so MEASURED takes it there (1.3-1.5x
+  the first kernel's speed). Both decode kernels split the blocks over SPLIT_K programs when the
   weight tiles alone would leave multiprocessors idle; their float32 partials are summed by a
   second small kernel (in a fixed order: the same sums on every replay, unlike atomics).
 - from 128 rows (and for group sizes that are not whole 16-column slices): the weight is
@@ -515,23 +516,39 @@ MEASURED: dict[tuple[int, int, int], Choice] = {
     (1, 4096, 4096): GemvTiles(block_m=1, block_n=64, split_k=8, warps=4, stages=1),
     (2, 4096, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
     (4, 4096, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
-    (16, 4096, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
-    (64, 4096, 4096): Tiles(block_m=64, block_n=128, split_k=8, warps=8, stages=2, swap=True),
+    (16, 4096, 4096): Tiles(
+        block_m=16, block_n=64, split_k=8, warps=4, stages=3, swap=True, joined=True
+    ),
+    (64, 4096, 4096): Tiles(
+        block_m=64, block_n=128, split_k=4, warps=8, stages=3, swap=True, joined=True
+    ),
     (1, 4096, 14336): GemvTiles(block_m=1, block_n=128, split_k=16, warps=4, stages=2),
     (2, 4096, 14336): GemvTiles(block_m=1, block_n=64, split_k=16, warps=4, stages=1),
     (4, 4096, 14336): Tiles(block_m=16, block_n=64, split_k=16, warps=4, stages=2, swap=True),
-    (16, 4096, 14336): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
-    (64, 4096, 14336): Tiles(block_m=64, block_n=128, split_k=8, warps=8, stages=2, swap=True),
+    (16, 4096, 14336): Tiles(
+        block_m=16, block_n=64, split_k=8, warps=4, stages=3, swap=True, joined=True
+    ),
+    (64, 4096, 14336): Tiles(
+        block_m=64, block_n=128, split_k=4, warps=8, stages=3, swap=True, joined=True
+    ),
     (1, 6144, 4096): GemvTiles(block_m=1, block_n=64, split_k=8, warps=4, stages=2),
     (2, 6144, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
     (4, 6144, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
-    (16, 6144, 4096): Tiles(block_m=16, block_n=64, split_k=8, warps=4, stages=2, swap=True),
-    (64, 6144, 4096): Tiles(block_m=64, block_n=64, split_k=4, warps=4, stages=3, swap=True),
+    (16, 6144, 4096): Tiles(
+        block_m=16, block_n=64, split_k=4, warps=4, stages=3, swap=True, joined=True
+    ),
+    (64, 6144, 4096): Tiles(
+        block_m=64, block_n=64, split_k=4, warps=4, stages=3, swap=True, joined=True
+    ),
     (1, 28672, 4096): GemvTiles(block_m=1, block_n=128, split_k=4, warps=4, stages=1),
     (2, 28672, 4096): GemvTiles(block_m=1, block_n=128, split_k=2, warps=4, stages=1),
     (4, 28672, 4096): Tiles(block_m=16, block_n=64, split_k=4, warps=4, stages=2, swap=True),
-    (16, 28672, 4096): Tiles(block_m=16, block_n=64, split_k=4, warps=4, stages=2, swap=True),
-    (64, 28672, 4096): Tiles(block_m=64, block_n=128, split_k=4, warps=8, stages=2, swap=True),
+    (16, 28672, 4096): Tiles(
+        block_m=16, block_n=64, split_k=2, warps=4, stages=3, swap=True, joined=True
+    ),
+    (64, 28672, 4096): Tiles(
+        block_m=64, block_n=128, split_k=1, warps=8, stages=3, swap=True, joined=True
+    ),
 }
 
 
