@@ -13,6 +13,11 @@ alone as well as the four together. Every layer has its own weights and adapters
 product reads them from HBM as a model step does. The table:
 microseconds a replay (median of CUDA-event timings), what LoRA adds over ``base``, and base's
 time over the way's (the throughput ratio LoRA leaves a decode step of these products alone).
+
+``--profile`` also replays the four projections' graph of ``base`` and ``split`` under
+torch.profiler and prints their kernels' device time a replay: which launch the added time is in.
+Under programmatic dependent launch a kernel starts before the one ahead of it ends, so a
+kernel's time includes its wait at the chain's barrier; the sum can pass the replay's time.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed replays (default: 20)")
     parser.add_argument("--sweep", action="store_true", help="also the fused kernel's other tiles")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--profile", action="store_true", help="also the kernels of base and split, profiled"
+    )
 
 
 def layer_weights(model: str, slots: int, rank: int, layers: int) -> list[list[dict[str, Any]]]:
@@ -79,18 +87,25 @@ def split_sizes(model: str) -> dict[str, tuple[int, ...]]:
     }
 
 
-def graph_us(step: Any, iters: int) -> float:
-    """Median microseconds of a replay of ``step`` captured as one CUDA graph."""
+def captured(step: Any) -> Any:
+    """``step`` captured as one CUDA graph (compiled outside the capture)."""
     import torch
 
     from engine_core.models import skinny_gemm
 
     with skinny_gemm.for_graphs():
-        step()  # compiles outside the capture
+        step()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
+    return graph
+
+
+def graph_us(graph: Any, iters: int) -> float:
+    """Median microseconds of a replay of ``graph``."""
+    import torch
+
     times = []
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(iters + 3):
@@ -148,13 +163,30 @@ def measure(
                     if add is not None:
                         add(out, x, p["a"], p["b"], batch.tiles, p["sizes"])
 
-        us = graph_us(step, args.iters)
+        graph = captured(step)
+        us = graph_us(graph, args.iters)
+        if args.profile and projection == "all" and name in ("base", "split"):
+            print_kernels(f"{name}, {rows} rows", graph)
         base_us = us if add is None else base_us
         results.append(
             {"rows": rows, "projection": projection, "way": name, "tiles": batch.tiles.count,
              "us": us, "lora_us": us - base_us, "ratio": base_us / us}
         )  # fmt: skip
     return results
+
+
+def print_kernels(label: str, graph: Any, replays: int = 5) -> None:
+    """The kernels of ``replays`` replays of ``graph`` under torch.profiler, device time each."""
+    import torch
+
+    from benchmarks.step_profile import format_phase, profiled
+
+    def replay() -> bool:
+        graph.replay()
+        return True
+
+    phase = profiled("graph replays", replay, torch.device("cuda"), top=12, max_steps=replays)
+    print(format_phase(label, phase), flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
