@@ -14,10 +14,11 @@ product reads them from HBM as a model step does. The table:
 microseconds a replay (median of CUDA-event timings), what LoRA adds over ``base``, and base's
 time over the way's (the throughput ratio LoRA leaves a decode step of these products alone).
 
-``--profile`` also replays the four projections' graph of ``base`` and ``split`` under
-torch.profiler and prints their kernels' device time a replay: which launch the added time is in.
-Under programmatic dependent launch a kernel starts before the one ahead of it ends, so a
-kernel's time includes its wait at the chain's barrier; the sum can pass the replay's time.
+``--profile`` also replays each graph of ``base`` and ``split`` (the four projections', and
+with ``--sweep`` each projection's) under torch.profiler and prints their kernels' device time a
+replay: which launch the added time is in. Under programmatic dependent launch a kernel starts
+before the one ahead of it ends, so a kernel's time includes its wait at the chain's barrier;
+the sum can pass the replay's time.
 """
 
 from __future__ import annotations
@@ -165,8 +166,8 @@ def measure(
 
         graph = captured(step)
         us = graph_us(graph, args.iters)
-        if args.profile and projection == "all" and name in ("base", "split"):
-            print_kernels(f"{name}, {rows} rows", graph)
+        if args.profile and name in ("base", "split"):
+            print_kernels(f"{name}, {projection}, {rows} rows", graph)
         base_us = us if add is None else base_us
         results.append(
             {"rows": rows, "projection": projection, "way": name, "tiles": batch.tiles.count,
