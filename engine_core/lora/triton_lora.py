@@ -54,13 +54,19 @@ import triton.language as tl
 from engine_core.lora.batch import TILE_ROWS, LoraTiles
 from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release, prefetch_l2
 
-BLOCK_K = 64  # the shrink's reduction tile
-EXPAND_BLOCK_N = 64  # output columns per expand tile
-EXPAND_INNER = 8  # expand tiles per program at most: the splits' sum is read once for them
-EXPAND_SPLIT_LOADS = 8  # partial sums an expand program loads at once
-SPLIT_K = 256  # the least input columns per shrink program
-SHRINK_PROGRAMS = 256  # shrink programs a step's table aims for (splits over its tiles)
-MAX_SPLITS = 32
+# A decode step's shrink and expand are chains of dependent loads (the tile's slot and rows,
+# then x and A, or the partial sums, B and the output), a few bytes each, so their time is
+# round trips, not bytes: both load a tile's slot and rows together, the shrink cuts the input
+# into many short splits (a program's loop one or two turns) and the expand loads up to
+# EXPAND_SPLIT_LOADS partial sums at once and covers its output columns in one product and one
+# read-add-store (docs/design/lora.md, "Measured").
+BLOCK_K = 128  # the shrink's reduction tile
+EXPAND_BLOCK_N = 64  # the expand's output columns come in runs of this many, all of one shard
+EXPAND_INNER = 8  # runs an expand program covers at most: the splits' sum is read once for them
+EXPAND_SPLIT_LOADS = 32  # partial sums an expand program loads at once
+SPLIT_K = 128  # the least input columns per shrink program
+SHRINK_PROGRAMS = 768  # shrink programs a step's table aims for (splits over its tiles)
+MAX_SPLITS = 64
 # Tables of up to this many tiles take the fused kernel (add_lora_tiles). None do: the pair was
 # faster at every decode size measured (docs/design/lora.md, "Measured").
 FUSED_MAX_TILES = 0
@@ -103,10 +109,10 @@ def _shrink_kernel(
     tile = tl.program_id(0)
     split = tl.program_id(1)
     slot = tl.load(TileSlots + tile)  # a step input, written at the step's start
+    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     if slot < 0:
         pdl_wait_then_release(PDL)  # every program waits: the chain holds even for no rows
         return
-    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
     rows = tl.where(row_ok, rows, 0).to(tl.int64)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,22 +181,21 @@ def _expand_kernel(
     stride_bn,
     stride_om,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # output columns per program, all of one shard
     BLOCK_K: tl.constexpr,  # >= RANK
-    INNER: tl.constexpr,  # output tiles per program, all of one shard
     SPLIT_LOADS: tl.constexpr,  # splits read at once
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     slot = tl.load(TileSlots + tile)
+    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     if slot < 0:
         pdl_wait_then_release(PDL)
         return
-    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
     rows = tl.where(row_ok, rows, 0).to(tl.int64)
-    n_first = tl.program_id(1) * (BLOCK_N * INNER)
+    n_first = tl.program_id(1) * BLOCK_N
     shard = (n_first >= SHARD1).to(tl.int32) + (n_first >= SHARD2).to(tl.int32)
     offs_r = tl.arange(0, BLOCK_K)
     r_ok = offs_r < RANK
@@ -198,12 +203,12 @@ def _expand_kernel(
     b_slot = B + slot.to(tl.int64) * stride_bs
     if PDL:
         # This program's rows of B into L2 while the shrink finishes (B is no kernel's output).
-        b_rows = n_first + tl.arange(0, BLOCK_N * INNER)
+        b_rows = n_first + tl.arange(0, BLOCK_N)
         prefetch_l2(b_slot + tl.minimum(b_rows, N - 1).to(tl.int64) * stride_bn + shard * RANK)
     pdl_wait_then_release(PDL)
-    # The splits' sum, once for INNER output tiles (a decode step reads it from L2 per program),
-    # SPLIT_LOADS splits' loads in flight at once rather than one L2 round trip after another;
-    # added in split order all the same.
+    # The splits' sum, once for the program's output columns (a decode step reads it from L2
+    # per program), SPLIT_LOADS splits' loads in flight at once rather than one L2 round trip
+    # after another; added in split order all the same.
     t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for first in range(0, SPLITS, SPLIT_LOADS):
         for i in tl.static_range(SPLIT_LOADS):
@@ -213,10 +218,9 @@ def _expand_kernel(
                 mask=row_ok[:, None] & live[None, :],
                 other=0.0,
             )
-    for i in tl.static_range(INNER):
-        offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        delta = _expand_tile(t, b_slot, offs_k, r_ok, offs_n, N, stride_bn, IEEE)
-        _add_into(Out, rows, row_ok, offs_n, N, stride_om, delta)
+    offs_n = n_first + tl.arange(0, BLOCK_N)
+    delta = _expand_tile(t, b_slot, offs_k, r_ok, offs_n, N, stride_bn, IEEE)
+    _add_into(Out, rows, row_ok, offs_n, N, stride_om, delta)
 
 
 # Nothing here changes with the step's rows (the table's pointers keep their alignment): a
@@ -255,10 +259,10 @@ def _fused_kernel(
     of B asked of L2 then too."""
     tile = tl.program_id(0)
     slot = tl.load(TileSlots + tile)
+    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     if slot < 0:
         pdl_wait_then_release(PDL)
         return
-    rows = tl.load(TileRows + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
     rows = tl.where(row_ok, rows, 0).to(tl.int64)
     n_first = tl.program_id(1) * (BLOCK_N * INNER)
@@ -310,7 +314,7 @@ class ExpandLayout(NamedTuple):
     rank: int  # rank columns an expand program reads (a shard's own, or all of them)
     shard1: int  # the first output row of shard 1 (the output's size where there is none)
     shard2: int  # the first output row of shard 2 (likewise)
-    inner: int  # output tiles of EXPAND_BLOCK_N per program
+    inner: int  # runs of EXPAND_BLOCK_N output columns per program
 
 
 def expand_layout(output_sizes: tuple[int, ...], rank: int, width: int) -> ExpandLayout:
@@ -449,10 +453,12 @@ def add_lora_split(
         launch_pdl=pdl,
     )  # fmt: skip
     n = b.shape[1]
-    _expand_kernel[(tiles.count, triton.cdiv(n, EXPAND_BLOCK_N * layout.inner))](
+    expand_n = EXPAND_BLOCK_N * layout.inner
+    _expand_kernel[(tiles.count, triton.cdiv(n, expand_n))](
         partial, b, out, tiles.slots, tiles.rows, n, splits, layout.rank, layout.shard1,
         layout.shard2, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_K=_block(layout.rank),
-        INNER=layout.inner, SPLIT_LOADS=EXPAND_SPLIT_LOADS, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+        out.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=expand_n, BLOCK_K=_block(layout.rank),
+        SPLIT_LOADS=EXPAND_SPLIT_LOADS, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+        num_warps=8 if expand_n >= 256 else 4,
     )  # fmt: skip
     return out
