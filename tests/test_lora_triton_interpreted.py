@@ -45,6 +45,7 @@ from engine_core.lora.triton_lora import (  # noqa: E402
     add_lora_fused,
     add_lora_split,
     add_lora_tiles,
+    expand_columns,
     expand_layout,
     fused_block_n,
     fused_layout,
@@ -158,6 +159,16 @@ def test_the_expand_reads_own_columns_only_where_shards_fall_on_its_programs() -
     assert expand_layout((128, 64, 64), 16, 48) == ExpandLayout(16, 128, 192, 1)
     assert expand_layout((256, 256), 16, 32) == ExpandLayout(16, 256, 512, 4)
     assert expand_layout((96, 40, 40), 8, 24) == ExpandLayout(24, 176, 176, 8)
+
+
+def test_an_expand_programs_tile_of_b_stays_small_at_large_ranks() -> None:
+    # rank columns x output columns x bytes <= 32 KiB: 512 columns up to rank 16 in bf16
+    assert expand_columns(expand_layout((4096, 1024, 1024), 16, 48), 2) == 512
+    assert expand_columns(expand_layout((4096, 1024, 1024), 64, 192), 2) == 256
+    assert expand_columns(expand_layout((4096, 1024, 1024), 128, 384), 2) == 128
+    assert expand_columns(expand_layout((4096, 1024, 1024), 128, 384), 4) == 64
+    # shards that do not fall between programs read all 3 x 64 rank columns (256 with padding)
+    assert expand_columns(expand_layout((96, 40, 40), 64, 192), 2) == 64
 
 
 def test_the_fused_kernel_reads_own_columns_only_where_shards_fall_between_programs() -> None:

@@ -20,9 +20,10 @@ more programs: there the two kernels below do it once.
 sums ``[splits, T, R]``, the reduction over the input split so that a decode step's few tiles
 still fill the GPU (a program per tile, split and rank tile); ``expand`` sums the splits and
 adds ``t[tile] @ B[slot].T`` into the base projection's output in place (a program per tile and
-output tile). The partial sums are added in a fixed order, so a step's result does not depend
-on scheduling (atomics would). A program of a tile whose slot is ``NO_SLOT`` returns at once
-(after its wait, below), and rows of the base model are in no tile: never read or written.
+up to 512 output columns of one shard, in one product). The partial sums are added in a fixed
+order, so a step's result does not depend on scheduling (atomics would). A program of a tile
+whose slot is ``NO_SLOT`` returns at once (after its wait, below), and rows of the base model
+are in no tile: never read or written.
 
 On Hopper both are links of the decode chain of programmatic dependent launches
 (engine_core/triton_pdl.py): the shrink becomes resident while the base projection before it
@@ -59,11 +60,14 @@ from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release, prefetch_l2
 # round trips, not bytes: both load a tile's slot and rows together, the shrink cuts the input
 # into many short splits (a program's loop one or two turns) and the expand loads up to
 # EXPAND_SPLIT_LOADS partial sums at once and covers its output columns in one product and one
-# read-add-store (docs/design/lora.md, "Measured").
+# read-add-store (docs/design/lora.md, "One launch a projection at decode").
 BLOCK_K = 128  # the shrink's reduction tile
 EXPAND_BLOCK_N = 64  # the expand's output columns come in runs of this many, all of one shard
 EXPAND_INNER = 8  # runs an expand program covers at most: the splits' sum is read once for them
 EXPAND_SPLIT_LOADS = 32  # partial sums an expand program loads at once
+# B's tile in one expand product at most: large ranks take fewer runs, so no tile passes the one
+# the kernel read a run at a time before (rank 256 x 64 columns in bf16).
+EXPAND_TILE_BYTES = 32 * 1024
 SPLIT_K = 128  # the least input columns per shrink program
 SHRINK_PROGRAMS = 768  # shrink programs a step's table aims for (splits over its tiles)
 MAX_SPLITS = 64
@@ -319,9 +323,9 @@ class ExpandLayout(NamedTuple):
 
 def expand_layout(output_sizes: tuple[int, ...], rank: int, width: int) -> ExpandLayout:
     """How the expand covers a projection whose shards are ``output_sizes`` with ``rank``
-    columns each (``width`` in all): programs of up to EXPAND_INNER output tiles that each
-    read one shard's own columns, where the shard boundaries fall on such runs of tiles; else
-    programs that read all of them."""
+    columns each (``width`` in all): programs of up to EXPAND_INNER runs of EXPAND_BLOCK_N
+    output columns that each read one shard's own rank columns, where the shard boundaries fall
+    between programs; else programs that read all of them."""
     out = sum(output_sizes)
     starts = [sum(output_sizes[:i]) for i in range(1, len(output_sizes))]
     if len(starts) <= 2:
@@ -330,6 +334,18 @@ def expand_layout(output_sizes: tuple[int, ...], rank: int, width: int) -> Expan
                 padded = starts + [out] * (2 - len(starts))
                 return ExpandLayout(rank, padded[0], padded[1], inner)
     return ExpandLayout(width, out, out, EXPAND_INNER)
+
+
+def expand_columns(layout: ExpandLayout, element_bytes: int) -> int:
+    """Output columns an expand program covers: the layout's runs, halved (which keeps the shard
+    boundaries between programs) while B's tile, rank columns by output columns, would pass
+    EXPAND_TILE_BYTES (a rank of 64 in bf16: 256 columns)."""
+    inner = layout.inner
+    while inner > 1 and _block(layout.rank) * EXPAND_BLOCK_N * inner * element_bytes > (
+        EXPAND_TILE_BYTES
+    ):
+        inner //= 2
+    return EXPAND_BLOCK_N * inner
 
 
 class FusedLayout(NamedTuple):
@@ -453,7 +469,7 @@ def add_lora_split(
         launch_pdl=pdl,
     )  # fmt: skip
     n = b.shape[1]
-    expand_n = EXPAND_BLOCK_N * layout.inner
+    expand_n = expand_columns(layout, b.element_size())
     _expand_kernel[(tiles.count, triton.cdiv(n, expand_n))](
         partial, b, out, tiles.slots, tiles.rows, n, splits, layout.rank, layout.shard1,
         layout.shard2, partial.stride(0), partial.stride(1), b.stride(0), b.stride(1),
