@@ -179,13 +179,20 @@ def gguf_cache_dir(gguf: Path, identity: str | None = None) -> Path:
     return env.cache_dir() / f"{gguf.stem}-{digest}"
 
 
-def installed_identity(gguf: Path) -> str:
-    """The default model's GGUF as its package names it: a released package's files are the same
-    wherever it is installed, so a new environment (a fresh venv, a clean clone's) finds the
-    folder an earlier one converted, rather than spending half a minute converting it again."""
-    return f"{DEFAULT_DISTRIBUTION}=={importlib.metadata.version(DEFAULT_DISTRIBUTION)}/" + (
-        f"{gguf.name}|{gguf.stat().st_size}"
-    )
+def installed_identity(gguf: Path) -> str | None:
+    """The default model's GGUF as its package names it, with the versions of what writes the
+    converted folder: a released package's files are the same wherever it is installed, so a new
+    environment (a fresh venv, a clean clone's) finds the folder an earlier one converted rather
+    than spending half a minute converting it again. None where the package was found without
+    its metadata (a copy on PYTHONPATH): then the file's path keys it."""
+    try:
+        versions = [
+            f"{name}=={importlib.metadata.version(name)}"
+            for name in (DEFAULT_DISTRIBUTION, "transformers", "gguf")
+        ]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return "|".join([*versions, gguf.name, str(gguf.stat().st_size)])
 
 
 def convert_gguf_cached(gguf: Path, identity: str | None = None) -> Path:

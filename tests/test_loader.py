@@ -455,19 +455,21 @@ def test_building_a_model_does_not_import_dynamo(tmp_path: Path) -> None:
 
 
 def test_the_default_models_conversion_is_shared_by_every_install_of_its_package(
-    tmp_path: Path, cache_root: Path
+    tmp_path: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fresh environment (another venv, a clean clone's) installs the same package version at
-    another path: it must find the folder converted before, where a file of our own, moved,
-    is converted again."""
-    from engine_core.model_dir import default_gguf_path, installed_identity
+    another path: ``--model default`` there must find the folder converted for the first one
+    (here, a folder made to stand for it), not convert again; a file of our own at another path
+    is keyed by its path."""
+    from engine_core import model_dir
 
-    installed = default_gguf_path()
+    installed = model_dir.default_gguf_path()
+    converted = gguf_cache_dir(installed, model_dir.installed_identity(installed))
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
     elsewhere = tmp_path / "another-venv" / installed.name
     elsewhere.parent.mkdir()
     shutil.copyfile(installed, elsewhere)  # the same bytes under another path
-    assert installed_identity(elsewhere) == installed_identity(installed)
-    assert gguf_cache_dir(elsewhere, installed_identity(elsewhere)) == gguf_cache_dir(
-        installed, installed_identity(installed)
-    )
-    assert gguf_cache_dir(elsewhere) != gguf_cache_dir(installed)  # a path-keyed file: not shared
+    monkeypatch.setattr(model_dir, "default_gguf_path", lambda: elsewhere)
+    assert resolve_model_dir("default") == converted
+    assert gguf_cache_dir(elsewhere) != gguf_cache_dir(installed)  # path-keyed: not shared
