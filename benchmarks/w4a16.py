@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gemm import graph_us, projection_shapes
+from benchmarks.gemm import graph_us, projection_shapes, relative_error
 from benchmarks.report import Provenance, fmt, format_table, write_json
 
 GROUP = 128
@@ -51,13 +51,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cuda", help="cuda; cpu only to check the script (TRITON_INTERPRET=1)"
     )
-
-
-# ---- timing -------------------------------------------------------------------------------------
-
-
-def relative_error(got: Any, expected: Any) -> float:
-    return float((got.float() - expected).abs().max() / expected.abs().max())
 
 
 # ---- one projection -----------------------------------------------------------------------------
