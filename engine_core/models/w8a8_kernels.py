@@ -201,6 +201,55 @@ def _int8_gemm_kernel(
         _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS)
 
 
+# The persistent form: one program a multiprocessor (or fewer), each walking the tiles
+# NUM_SMS apart in the grouped order the one-tile-a-program kernel uses. No program waits for a
+# last wave (o's 512 tiles of 128 x 128 on 132 multiprocessors are 3.9 waves), and a program's
+# next tile's loads can start under the last one's epilogue. M unspecialized as above.
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemm_persistent_kernel(
+    a_desc,  # [M, K] int8 descriptor, [BLOCK_M, BLOCK_K] tiles
+    w_desc,  # [N, K] int8 descriptor, [BLOCK_N, BLOCK_K] tiles
+    C,  # [M, N]
+    AScale,  # [M] float32
+    WScale,  # [N] float32
+    Bias,  # [N] (unread without HAS_BIAS)
+    M,
+    N,
+    K,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_SMS: tl.constexpr,  # the grid's size where there are as many tiles: a tile's stride
+    WS: tl.constexpr,  # ask the compiler to warp-specialize the K loop (producer / consumer)
+):
+    """Program p: the tiles p, p + NUM_SMS, ... of C = (A @ W.T) * a_scale * w_scale (+ bias),
+    each as ``_int8_gemm_kernel`` computes its tile with TMA loads and no K split: the same
+    int32 sums and the same epilogue, so the same bits."""
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    num_tiles = num_m * num_n
+    # flatten (without WS): the tile loop and the K loop become one loop to the software
+    # pipeliner, so the next tile's first loads are issued while this tile's last products run.
+    # With WS it must stay nested: Triton 3.6 does not warp-specialize a flattened loop (the
+    # sm_90 compile keeps one role then, benchmarks/w8a8_compile.py).
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):
+        pid_m, pid_n = tl.swizzle2d(tile // num_n, tile % num_n, num_m, num_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        # WS: on sm_90 Triton 3.6 splits this loop into a producer warp group issuing the TMA
+        # loads and two consumer warp groups, each with half the tile's rows on the tensor
+        # cores (CUTLASS's cooperative kernel's roles), at num_warps=4 only (then 12 warps run).
+        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+            a = a_desc.load([off_m, k0])  # [BLOCK_M, BLOCK_K]; zeros past M and K
+            w = w_desc.load([off_n, k0])  # [BLOCK_N, BLOCK_K]; zeros past N and K
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(
     Part,  # [SPLITS, M, N] int32
@@ -234,7 +283,10 @@ class Tiles:
     """The GEMM's launch: rows, weight rows (output columns) and K a program; warps, pipeline
     stages, row tiles a group of programs walks before the next column tile, K splits (their
     int32 partial sums added and scaled by a second launch), and whether the tensor memory
-    accelerator brings the tiles in (where K and the operands are 16-byte aligned)."""
+    accelerator brings the tiles in (where K and the operands are 16-byte aligned). Prefill
+    only: ``persistent`` launches a program a multiprocessor that walks the tiles (TMA, no K
+    split), ``ws`` asks the compiler to warp-specialize its K loop. Both default off, so every
+    ``MEASURED`` entry written before them means the launch it meant."""
 
     block_m: int
     block_n: int
@@ -244,6 +296,16 @@ class Tiles:
     group_m: int = 8
     split_k: int = 1
     tma: bool = False
+    persistent: bool = False
+    ws: bool = False
+
+    def __post_init__(self) -> None:
+        # The persistent kernel has only TMA loads and only the one-launch epilogue; ws is a
+        # flag of its K loop. A table entry asking otherwise is a mistake, not a fallback.
+        if self.persistent and (not self.tma or self.split_k != 1):
+            raise ValueError(f"persistent tiles take tma=True and split_k=1: {self}")
+        if self.ws and not self.persistent:
+            raise ValueError(f"ws is a flag of the persistent kernel: {self}")
 
 
 # Row counts up to this are decode steps: they take MEASURED's entry for their own bucket only
@@ -263,6 +325,18 @@ MEASURED: dict[tuple[int, int, int], Tiles | None] = {
     (256, 28672, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
     (2048, 28672, 4096): Tiles(256, 128, 128, warps=8, stages=3, group_m=8, split_k=1, tma=True),
 }
+
+
+_MULTIPROCESSORS: dict[int, int] = {}
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count, asked once a device (the persistent grid's size; a
+    property query on every launch would cost host time in eager steps)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _MULTIPROCESSORS[index]
 
 
 def row_bucket(m: int) -> int:
@@ -315,10 +389,13 @@ def int8_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     tiles: Tiles,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """a [M, K] int8 with a_scale [M, 1] (or [M]) float32, weight [N, K] int8 with weight_scale
     [N] float32 -> [M, N] out_dtype: (a @ weight.T) * a_scale * weight_scale (+ bias), int32
-    accumulation, one rounding, launched as ``tiles`` say."""
+    accumulation, one rounding, launched as ``tiles`` say. ``num_sms``: the persistent grid's
+    size (default: the device's multiprocessors; the tests pass fewer so a program walks
+    several tiles)."""
     m, k = a.shape
     n = weight.shape[0]
     if weight.shape[1] != k or a.dtype != torch.int8 or weight.dtype != torch.int8:
@@ -343,6 +420,15 @@ def int8_gemm(
     if tma:
         a_arg = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
         w_arg = TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
+    if tma and tiles.persistent:  # (unaligned operands take the pointer kernel below)
+        sms = num_sms if num_sms is not None else multiprocessors(a.device)
+        _int8_gemm_persistent_kernel[(min(grid[0], sms),)](
+            a_arg, w_arg, out, a_scale, weight_scale, bias_or_any, m, n, k, out.stride(0),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            GROUP_M=tiles.group_m, HAS_BIAS=bias is not None, NUM_SMS=sms, WS=tiles.ws,
+            num_warps=tiles.warps, num_stages=tiles.stages,
+        )  # fmt: skip
+        return out
     _int8_gemm_kernel[grid](
         a_arg, w_arg, out, part, a_scale, weight_scale, bias_or_any,
         m, n, k, per_split, a.stride(0), weight.stride(0), out.stride(0),
