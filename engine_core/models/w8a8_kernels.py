@@ -10,6 +10,10 @@ epilogue applies both scales (engine_core/models/int8.py's CUDA path).
 - ``int8_gemm``: A [M, K] int8 times W [N, K] int8 on the int8 tensor cores, int32 accumulation,
   then in float32 ``acc * a_scale[m] * w_scale[n]`` (+ bias), rounded once to the output dtype:
   torch's int8 path (``_int_mm`` then the scaling) in one launch, with no int32 [M, N] written.
+  Prefill tiles may ask for the persistent kernel (``Tiles.persistent``: a program a
+  multiprocessor walking the tiles, TMA loads, the same epilogue) and its K loop
+  warp-specialized (``Tiles.ws``; ``python -m benchmarks w8a8-compile`` shows what Triton makes
+  of it on sm_90).
 - ``choose_tiles``: the tiles for a shape, from the sweep's ``MEASURED`` table where it has the
   shape (None there: cuBLASLt's ``_int_mm`` won), else a rule; nothing is tuned at run time (CUDA
   graphs replay what was captured; a launch depends only on shapes).
