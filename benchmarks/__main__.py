@@ -38,6 +38,10 @@ BENCHMARKS = {
         "benchmarks.w4a16_compile",
         "the W4A16 tensor-core kernels compiled for sm_90 without a GPU: mma, smem, SASS a weight",
     ),
+    "w8a8-compile": (
+        "benchmarks.w8a8_compile",
+        "the W8A8 int8 GEMM (persistent, warp-specialized) compiled for sm_90 without a GPU",
+    ),
     "fp8-moe": ("benchmarks.fp8_moe", "FP8 experts in the fused MoE against HBM, beside bf16"),
     "w4a16-moe": ("benchmarks.w4a16_moe", "W4A16 experts in the fused MoE vs HBM, beside bf16"),
     "vision": ("benchmarks.vision", "a vision encoder's images/s; TTFT of one image + text"),

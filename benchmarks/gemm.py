@@ -271,16 +271,30 @@ def sweep_grid(m: int, n: int, k: int, sms: int) -> list[Any]:
     """The Triton W8A8 GEMM's configurations at M rows. Decode rows: the row tile M needs (16, 32
     or 64), 32-256 weight rows and 128 or 256 columns of K a program, deep pipelines (the weights
     stream), K splits of 1-8 while a split keeps 2 K steps, nearest the rule's split first (so a
-    budget that runs out has timed the likeliest). Prefill rows: 64-256 x 64-256 tiles, 64 or 128
-    columns of K, 3-5 stages as fit the shared memory (at most 200 KiB), 4 or 8 warps. Each
-    with its tiles loaded by pointers and by TMA descriptors."""
+    budget that runs out has timed the likeliest). Prefill rows: first the persistent TMA kernel
+    (a program a multiprocessor walking the tiles) at the large tiles, with its K loop
+    warp-specialized and without, so a budget that runs out has timed the new form; then 64-256
+    x 64-256 tiles, 64 or 128 columns of K, 3-5 stages as fit the shared memory (at most 200
+    KiB), 4 or 8 warps, each with its tiles loaded by pointers and by TMA descriptors."""
     from engine_core.models.w8a8_kernels import Tiles, rule_tiles
 
     if m > 64:
+        # Triton 3.6 warp-specializes on sm_90 at 4 warps only (a producer warp group and two
+        # consumer groups: 12 warps run), and those tiles spill without it; 8 warps for the
+        # persistent form without (benchmarks w8a8-compile: registers and shared memory).
+        # Only the tiles measured exact on a GPU: a 64-column K tile gave wrong sums
+        # (docs/design/quantization.md, "Warp specialization on Triton 3.6").
+        ws = [(128, 256, 128, 4, 3), (128, 256, 128, 4, 4), (128, 128, 128, 4, 4)]
+        plain = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
+                 (128, 128, 128, 4, 4)]  # fmt: skip
         shapes = [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
                   (128, 256, 64, 8, 4), (64, 256, 128, 8, 3), (256, 128, 128, 8, 3),
                   (128, 128, 64, 4, 5), (64, 128, 128, 4, 4), (256, 256, 64, 8, 3)]  # fmt: skip
-        return [Tiles(*s, tma=tma) for s in shapes for tma in (False, True)]
+        return (
+            [Tiles(*s, tma=True, persistent=True, ws=True) for s in ws]
+            + [Tiles(*s, tma=True, persistent=True) for s in plain]
+            + [Tiles(*s, tma=tma) for s in shapes for tma in (False, True)]
+        )
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     shapes = [(64, 256, 4, 4), (64, 256, 4, 6), (128, 128, 4, 4), (128, 256, 4, 3),
               (128, 256, 8, 4), (256, 128, 8, 4), (32, 256, 4, 6)]  # fmt: skip
@@ -299,6 +313,7 @@ def describe(tiles: Any) -> str:
     return (
         f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} w{tiles.warps} st{tiles.stages}"
         f" g{tiles.group_m} s{tiles.split_k}{' tma' if tiles.tma else ''}"
+        f"{' persistent' if tiles.persistent else ''}{' ws' if tiles.ws else ''}"
     )
 
 

@@ -1,8 +1,8 @@
 """GPU tests of the W8A8 Triton kernels (engine_core/models/w8a8_kernels.py) on llama-8b's
 projection shapes against torch: the quantizer bit for bit against int8.quantize_per_token (torch
 on CUDA); the GEMM bit for bit against cuBLASLt's exact int32 product (``torch._int_mm``) scaled
-as int8.int_mm_product scales it, at the rule's tiles (by pointers and by TMA) and at the
-engine's choice; the engine's
+as int8.int_mm_product scales it, at the rule's tiles (by pointers and by TMA), at the
+engine's choice and at the persistent kernel's tiles (warp-specialized and not); the engine's
 product (int8_linear) replayed in a CUDA graph gives its eager bits.
 
 Written without a GPU at hand: the lead runs these on the GPU machine.
@@ -72,6 +72,56 @@ def test_the_gemm_is_cublaslts_int32_product_scaled(n: int, k: int) -> None:
         )
         with_bias = int8.int_mm_product(q, scale, w, w_scale, torch.bfloat16, bias)
         torch.testing.assert_close(got, with_bias, rtol=2**-7, atol=1e-6)
+
+
+# The persistent kernel as the sweep offers it: warp-specialized at 4 warps (12 run), and not.
+PERSISTENT = (
+    kernels.Tiles(128, 256, 128, warps=4, stages=3, tma=True, persistent=True, ws=True),
+    kernels.Tiles(128, 256, 128, warps=4, stages=4, tma=True, persistent=True, ws=True),
+    kernels.Tiles(128, 128, 128, warps=4, stages=4, tma=True, persistent=True, ws=True),
+    kernels.Tiles(128, 256, 128, warps=8, stages=3, tma=True, persistent=True),
+    kernels.Tiles(128, 128, 128, warps=4, stages=4, tma=True, persistent=True),
+)
+
+
+@pytest.mark.parametrize("tiles", PERSISTENT, ids=[str(i) for i in range(len(PERSISTENT))])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_the_persistent_gemm_is_cublaslts_int32_product_scaled(
+    n: int, k: int, tiles: kernels.Tiles
+) -> None:
+    """At prefill rows (2,048 whole tiles, 300 not: the last row tile partly past M) and at 64
+    (fewer tiles than multiprocessors on most shapes), the device's grid and a small one (every
+    program walks many tiles): cuBLASLt's bits."""
+    w, w_scale = weight(n, k)
+    for m in (64, 300, 2048):
+        q, scale = kernels.quantize_per_token(activations(m, k, torch.bfloat16))
+        expected = int8.int_mm_product(q, scale, w, w_scale, torch.bfloat16)
+        for programs in (None, 7):
+            got = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, None, tiles, programs)
+            assert torch.equal(got, expected), f"M={m} programs={programs} {tiles}"
+    # With a bias: torch's product within the one bfloat16 step a fused multiply-add may move
+    # it (as the test above), and the one-tile-a-program TMA kernel's at the same tiles.
+    bias = torch.randn(n, device="cuda").bfloat16()
+    got = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, bias, tiles)
+    with_bias = int8.int_mm_product(q, scale, w, w_scale, torch.bfloat16, bias)
+    torch.testing.assert_close(got, with_bias, rtol=2**-7, atol=1e-6)
+    plain = replace(tiles, persistent=False, ws=False)
+    want = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, bias, plain)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+
+
+def test_the_persistent_gemm_replays_in_a_cuda_graph() -> None:
+    n, k = SHAPES[1]
+    w, w_scale = weight(n, k)
+    q, scale = kernels.quantize_per_token(activations(2048, k, torch.bfloat16))
+    tiles = PERSISTENT[2]
+    eager = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, None, tiles)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.int8_gemm(q, scale, w, w_scale, torch.bfloat16, None, tiles)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @pytest.mark.parametrize("m", [16, 300])

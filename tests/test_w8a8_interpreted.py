@@ -5,7 +5,8 @@ and bf16, ties and clamping included; the int8 GEMM bit for bit against an exact
 product scaled as torch's cuBLASLt path scales it, and within one rounding of the float product
 of the dequantized operands; rows 1, 7 and 130, a K that is not whole tiles, N an odd multiple
 of 16 (a partial column tile), with a bias and without, K whole and split, tiles by pointers
-and by TMA descriptors.
+and by TMA descriptors, and the persistent kernel (with its K loop warp-specialized and
+without) over fewer programs than tiles.
 
 Skipped unless ``TRITON_INTERPRET=1`` (and triton importable):
 
@@ -34,6 +35,11 @@ SPLIT = kernels.Tiles(16, 32, 64, split_k=2)
 # Tiles by the tensor memory accelerator's descriptors: past the edges they read zeros.
 TMA = kernels.Tiles(16, 32, 64, tma=True)
 TMA_SPLIT = kernels.Tiles(16, 32, 64, split_k=2, tma=True)
+# The persistent kernel: a few programs walking the tiles in grouped order (TMA, no split), its
+# K loop warp-specialized or not (the interpreter runs the loop as one role either way: what
+# it checks is the tile walk and the epilogue).
+PERSISTENT = kernels.Tiles(16, 32, 64, tma=True, persistent=True)
+PERSISTENT_WS = kernels.Tiles(16, 32, 64, group_m=2, tma=True, persistent=True, ws=True)
 
 
 def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -101,6 +107,54 @@ def test_the_gemm_is_the_exact_integer_product_scaled(
         assert torch.equal(got, scaled(acc, scale, weight_scale, b, dtype))
 
 
+@pytest.mark.parametrize("tiles", [PERSISTENT, PERSISTENT_WS], ids=["persistent", "ws"])
+@pytest.mark.parametrize("dtype", DTYPES)
+# 130 x 80: 9 x 3 tiles, the last row tile 2 rows and the last column tile 16 columns; over 4
+# programs each walks 6 or 7 tiles, over 132 (more programs than tiles) one each.
+@pytest.mark.parametrize(
+    ("m", "n", "programs"), [(1, 48, 4), (7, 80, 2), (130, 80, 4), (130, 80, 132)]
+)
+def test_the_persistent_gemm_is_the_exact_integer_product_scaled(
+    m: int, n: int, programs: int, dtype: torch.dtype, tiles: kernels.Tiles
+) -> None:
+    k = 208  # 3 1/4 K tiles; 16-byte rows, as the descriptors need
+    q, scale = kernels.quantize_per_token(activations(m, k, dtype, seed=m + 1))
+    weight, weight_scale = int8_weight(n, k, seed=n + 1)
+    bias = (torch.randn(n, generator=torch.Generator().manual_seed(4)) * 0.1).to(dtype)
+    acc = exact_product(q, weight)
+    for b in (None, bias):
+        got = kernels.int8_gemm(q, scale, weight, weight_scale, dtype, b, tiles, num_sms=programs)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert torch.equal(got, scaled(acc, scale, weight_scale, b, dtype))
+        # the same bits as the one-tile-a-program TMA kernel
+        assert torch.equal(got, kernels.int8_gemm(q, scale, weight, weight_scale, dtype, b, TMA))
+
+
+def test_persistent_tiles_are_tma_without_split_and_ws_is_theirs() -> None:
+    for wrong in (
+        dict(persistent=True),  # pointer loads
+        dict(persistent=True, tma=True, split_k=2),
+        dict(ws=True, tma=True),  # ws without the persistent kernel
+    ):
+        with pytest.raises(ValueError):
+            kernels.Tiles(128, 128, 128, **wrong)
+
+
+def test_the_sweeps_prefill_grid_offers_the_persistent_forms_first_and_reprs_round_trip() -> None:
+    from benchmarks.gemm import describe, sweep_grid
+
+    grid = sweep_grid(2048, 4096, 4096, 132)
+    persistent = [t for t in grid if t.persistent]
+    assert persistent and grid[: len(persistent)] == persistent
+    assert all(t.tma and t.split_k == 1 for t in persistent)
+    assert any(t.ws for t in persistent) and any(not t.ws for t in persistent)
+    assert all(t.warps == 4 for t in persistent if t.ws)  # Triton 3.6 specializes only there
+    assert not any(t.persistent for t in sweep_grid(64, 4096, 4096, 132))
+    for tiles in grid:  # measured_table prints reprs into MEASURED
+        assert eval(repr(tiles), {"Tiles": kernels.Tiles}) == tiles
+    assert describe(PERSISTENT_WS).endswith(" tma persistent ws")
+
+
 @pytest.mark.parametrize(("split", "tma"), [(1, False), (4, False), (1, True)])
 def test_the_accumulation_is_integer_past_float32s_integers(split: int, tma: bool) -> None:
     """Sums beyond 2**24 (where float32 loses integers), scales of 1 and a float32 output: the
@@ -115,6 +169,9 @@ def test_the_accumulation_is_integer_past_float32s_integers(split: int, tma: boo
     tiles = kernels.Tiles(16, 32, 64, split_k=split, tma=tma)
     got = kernels.int8_gemm(q, ones_m, weight, ones_n, torch.float32, None, tiles)
     assert torch.equal(got, acc.float())
+    if tma:
+        got = kernels.int8_gemm(q, ones_m, weight, ones_n, torch.float32, None, PERSISTENT_WS, 2)
+        assert torch.equal(got, acc.float())
 
 
 @pytest.mark.parametrize("m", [1, 7, 130])

@@ -10,6 +10,10 @@ epilogue applies both scales (engine_core/models/int8.py's CUDA path).
 - ``int8_gemm``: A [M, K] int8 times W [N, K] int8 on the int8 tensor cores, int32 accumulation,
   then in float32 ``acc * a_scale[m] * w_scale[n]`` (+ bias), rounded once to the output dtype:
   torch's int8 path (``_int_mm`` then the scaling) in one launch, with no int32 [M, N] written.
+  Prefill tiles may ask for the persistent kernel (``Tiles.persistent``: a program a
+  multiprocessor walking the tiles, TMA loads, the same epilogue) and its K loop
+  warp-specialized (``Tiles.ws``; ``python -m benchmarks w8a8-compile`` shows what Triton makes
+  of it on sm_90).
 - ``choose_tiles``: the tiles for a shape, from the sweep's ``MEASURED`` table where it has the
   shape (None there: cuBLASLt's ``_int_mm`` won), else a rule; nothing is tuned at run time (CUDA
   graphs replay what was captured; a launch depends only on shapes).
@@ -201,6 +205,71 @@ def _int8_gemm_kernel(
         _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS)
 
 
+# The persistent form: one program a multiprocessor (or fewer), each walking the tiles
+# NUM_SMS apart in the grouped order the one-tile-a-program kernel uses. No program waits for a
+# last wave (o's 512 tiles of 128 x 128 on 132 multiprocessors are 3.9 waves), and a program's
+# next tile's loads can start under the last one's epilogue. M unspecialized as above.
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemm_persistent_kernel(
+    A,  # [M, K] int8, rows 16-byte aligned
+    W,  # [N, K] int8, rows 16-byte aligned
+    C,  # [M, N]
+    AScale,  # [M] float32
+    WScale,  # [N] float32
+    Bias,  # [N] (unread without HAS_BIAS)
+    M,
+    N,
+    K,
+    stride_am,
+    stride_wn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    LOG2_M: tl.constexpr,  # log2(BLOCK_M)
+    LOG2_N: tl.constexpr,  # log2(BLOCK_N)
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_SMS: tl.constexpr,  # the grid's size where there are as many tiles: a tile's stride
+    WS: tl.constexpr,  # ask the compiler to warp-specialize the K loop (producer / consumer)
+):
+    """Program p: the tiles p, p + NUM_SMS, ... of C = (A @ W.T) * a_scale * w_scale (+ bias),
+    each as ``_int8_gemm_kernel`` computes its tile with TMA loads and no K split: the same
+    int32 sums and the same epilogue, so the same bits.
+
+    Two things Triton 3.6's warp specialization on sm_90 needs of it, each measured as a hang or
+    wrong results on Hopper without it (docs/design/quantization.md): the descriptors are
+    made here (a descriptor made on the host keeps the whole tile's box, while each consumer
+    warp group's copy fills half of it: the copies overrun and the barriers' byte counts never
+    balance); and the epilogue's rows and columns come from shifts of the tile's indices, not
+    from the offsets the loads take (the pass moves those offsets by half a tile for the second
+    consumer, and an epilogue sharing them wrote half a tile too far)."""
+    a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])  # fmt: skip
+    w_desc = tl.make_tensor_descriptor(W, shape=[N, K], strides=[stride_wn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    num_tiles = num_m * num_n
+    # flatten (without WS): the tile loop and the K loop become one loop to the software
+    # pipeliner, so the next tile's first loads are issued while this tile's last products run.
+    # With WS it must stay nested: Triton 3.6 does not warp-specialize a flattened loop (the
+    # sm_90 compile keeps one role then, benchmarks/w8a8_compile.py).
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):
+        pid_m, pid_n = tl.swizzle2d(tile // num_n, tile % num_n, num_m, num_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        # WS: on sm_90 Triton 3.6 splits this loop into a producer warp group issuing the TMA
+        # loads and two consumer warp groups, each with half the tile's rows on the tensor
+        # cores (CUTLASS's cooperative kernel's roles), at num_warps=4 only (then 12 warps run).
+        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+            a = a_desc.load([off_m, k0])  # [BLOCK_M, BLOCK_K]; zeros past M and K
+            w = w_desc.load([off_n, k0])  # [BLOCK_N, BLOCK_K]; zeros past N and K
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+        rm = (pid_m << LOG2_M) + tl.arange(0, BLOCK_M)  # not off_m: see the docstring
+        rn = (pid_n << LOG2_N) + tl.arange(0, BLOCK_N)
+        _scaled_store(acc, rm, rn, M, N, C, AScale, WScale, Bias, stride_cm, HAS_BIAS)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(
     Part,  # [SPLITS, M, N] int32
@@ -234,7 +303,10 @@ class Tiles:
     """The GEMM's launch: rows, weight rows (output columns) and K a program; warps, pipeline
     stages, row tiles a group of programs walks before the next column tile, K splits (their
     int32 partial sums added and scaled by a second launch), and whether the tensor memory
-    accelerator brings the tiles in (where K and the operands are 16-byte aligned)."""
+    accelerator brings the tiles in (where K and the operands are 16-byte aligned). Prefill
+    only: ``persistent`` launches a program a multiprocessor that walks the tiles (TMA, no K
+    split), ``ws`` asks the compiler to warp-specialize its K loop. Both default off, so every
+    ``MEASURED`` entry written before them means the launch it meant."""
 
     block_m: int
     block_n: int
@@ -244,6 +316,16 @@ class Tiles:
     group_m: int = 8
     split_k: int = 1
     tma: bool = False
+    persistent: bool = False
+    ws: bool = False
+
+    def __post_init__(self) -> None:
+        # The persistent kernel has only TMA loads and only the one-launch epilogue; ws is a
+        # flag of its K loop. A table entry asking otherwise is a mistake, not a fallback.
+        if self.persistent and (not self.tma or self.split_k != 1):
+            raise ValueError(f"persistent tiles take tma=True and split_k=1: {self}")
+        if self.ws and not self.persistent:
+            raise ValueError(f"ws is a flag of the persistent kernel: {self}")
 
 
 # Row counts up to this are decode steps: they take MEASURED's entry for their own bucket only
@@ -263,6 +345,33 @@ MEASURED: dict[tuple[int, int, int], Tiles | None] = {
     (256, 28672, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
     (2048, 28672, 4096): Tiles(256, 128, 128, warps=8, stages=3, group_m=8, split_k=1, tma=True),
 }
+
+
+_MULTIPROCESSORS: dict[int, int] = {}
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count, asked once a device (the persistent grid's size; a
+    property query on every launch would cost host time in eager steps)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _MULTIPROCESSORS[index]
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's allocator for the descriptors a kernel makes on the device (128 bytes each a
+    program): from torch's caching allocator on the current device, so a CUDA graph's capture
+    takes it from the graph's pool."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_descriptor_scratch(device: torch.device) -> None:
+    """Set ``_descriptor_scratch`` as Triton's allocator before a launch of the persistent
+    kernel, on CUDA (the interpreter needs none). Triton keeps it in a context variable, so it
+    is set in the launching thread, each launch (a cheap set)."""
+    if device.type == "cuda":
+        triton.set_allocator(_descriptor_scratch)
 
 
 def row_bucket(m: int) -> int:
@@ -315,10 +424,13 @@ def int8_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     tiles: Tiles,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """a [M, K] int8 with a_scale [M, 1] (or [M]) float32, weight [N, K] int8 with weight_scale
     [N] float32 -> [M, N] out_dtype: (a @ weight.T) * a_scale * weight_scale (+ bias), int32
-    accumulation, one rounding, launched as ``tiles`` say."""
+    accumulation, one rounding, launched as ``tiles`` say. ``num_sms``: the persistent grid's
+    size (default: the device's multiprocessors; the tests pass fewer so a program walks
+    several tiles)."""
     m, k = a.shape
     n = weight.shape[0]
     if weight.shape[1] != k or a.dtype != torch.int8 or weight.dtype != torch.int8:
@@ -339,6 +451,18 @@ def int8_gemm(
     a_scale, bias_or_any = a_scale.reshape(-1), bias if bias is not None else out
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), splits)
     tma = tiles.tma and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, weight))
+    if tma and tiles.persistent:  # (unaligned operands take the pointer kernel below)
+        sms = num_sms if num_sms is not None else multiprocessors(a.device)
+        use_descriptor_scratch(a.device)
+        _int8_gemm_persistent_kernel[(min(grid[0], sms),)](
+            a, weight, out, a_scale, weight_scale, bias_or_any, m, n, k, a.stride(0),
+            weight.stride(0), out.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k, LOG2_M=tiles.block_m.bit_length() - 1,
+            LOG2_N=tiles.block_n.bit_length() - 1, GROUP_M=tiles.group_m,
+            HAS_BIAS=bias is not None, NUM_SMS=sms, WS=tiles.ws, num_warps=tiles.warps,
+            num_stages=tiles.stages,
+        )  # fmt: skip
+        return out
     a_arg, w_arg = a, weight
     if tma:
         a_arg = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
