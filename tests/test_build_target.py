@@ -72,6 +72,21 @@ def test_fp8_linears_have_their_input_quantized_by_the_kernel_before_them(
     assert not model.model.norm.quantize_output  # type: ignore[attr-defined]  # feeds the LM head
 
 
+def test_int8_linears_have_their_input_quantized_by_the_kernel_before_them(
+    as_hopper: None,
+) -> None:
+    """W8A8 (per-token int8 activations): each layer's two norms write the int8 rows their INT8
+    linear takes, and the SiLU writes them for down_proj, which keeps its gate/up rows as they
+    are; the final norm feeds the bf16 LM head and writes none."""
+    target = BuildTarget(CUDA, torch.bfloat16, cuda_graphs=True)
+    model = built("llama-1b", target, quantization="w8a8")
+    layers = model.model.layers  # type: ignore[attr-defined]
+    assert all(layer.input_layernorm.quantize_output == torch.int8 for layer in layers)
+    assert all(layer.post_attention_layernorm.quantize_output == torch.int8 for layer in layers)
+    assert all(m.quantize_act == torch.int8 and not m.gate_up_interleaved for m in mlps(model))
+    assert model.model.norm.quantize_output is None  # type: ignore[attr-defined]
+
+
 def test_a_cpu_runner_serves_the_loaded_model_as_built(tmp_path: object) -> None:
     """The runner loads the model for its target and changes nothing: on the CPU the linears
     arrive packed for oneDNN, and the runner's module names none of the build's passes."""
@@ -81,7 +96,7 @@ def test_a_cpu_runner_serves_the_loaded_model_as_built(tmp_path: object) -> None
     linears = [m for m in runner.model.modules() if type(m) is Linear]
     assert linears and all(m.packed_weight is not None for m in linears)
     source = inspect.getsource(engine_core.model_runner)
-    for name in ("pack_cpu_weights", "fuse_fp8_quantizers", "interleave_gate_ups"):
+    for name in ("pack_cpu_weights", "fuse_quantizers", "interleave_gate_ups"):
         assert name not in source, name
 
 

@@ -250,7 +250,7 @@ def test_rms_norm_quantizes_its_output_like_the_quantizer(
     x, w = activations(rows, n), torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
     res = activations(rows, n, seed=3) if residual else None
     plain = triton_ops.rms_norm(x, w, 1e-6, res)
-    fp8 = triton_ops.fp8_rows(rows, n, x.device)
+    fp8 = triton_ops.quantized_rows(rows, n, torch.float8_e4m3fn, x.device)
     fused = triton_ops.rms_norm(x, w, 1e-6, res, fp8)
     if not residual:
         fused, plain = (fused,), (plain,)
@@ -280,7 +280,7 @@ def test_fused_quantizers_leave_an_fp8_model_unchanged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU runner moves two quantizers a layer into the RMSNorms before them, and in
-    prefill-sized batches a third into SiLU-and-mul (fuse_fp8_quantizers); an FP8 engine's
+    prefill-sized batches a third into SiLU-and-mul (fuse_quantizers); an FP8 engine's
     prompt logprobs stay bit for bit those of the separate quantizer launches, with short
     prompts and a long one in the batch (570 tokens in one step: the fused SiLU path)."""
     write_tiny_llama(tmp_path, vocab_size=384)
@@ -300,14 +300,16 @@ def test_fused_quantizers_leave_an_fp8_model_unchanged(
         calls = []
         real = fp8_kernels.silu_and_mul_quant
         monkeypatch.setattr(
-            fp8_kernels, "silu_and_mul_quant", lambda x: calls.append(x.shape[0]) or real(x)
+            fp8_kernels,
+            "silu_and_mul_quant",
+            lambda x, dtype: calls.append(x.shape[0]) or real(x, dtype),
         )
         fused = llm.generate(prompts, score, detokenize=False)
         assert calls  # the 570-token step took the fused SiLU quantizer
         for module in norms:
-            module.quantize_output = False
+            module.quantize_output = None
         for module in mlps:
-            module.quantize_act = False
+            module.quantize_act = None
         plain = llm.generate(prompts, score, detokenize=False)
     finally:
         llm.engine.shutdown()

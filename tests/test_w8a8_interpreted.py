@@ -53,6 +53,48 @@ def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_norm_writes_the_int8_rows_the_quantizer_makes_of_its_output(
+    dtype: torch.dtype, residual: bool
+) -> None:
+    """An RMSNorm in front of INT8 linears quantizes its output in its own launch
+    (triton_ops.rms_norm with int8 rows; models/llama.py fuse_quantizers): the rows and scales
+    are the separate quantizer's of the norm's output, bit for bit, and the norm's own outputs
+    do not change."""
+    from engine_core.models import triton_ops
+
+    m, n = 5, 200
+    x = activations(m, n, dtype, seed=11)
+    w = (torch.rand(n, generator=torch.Generator().manual_seed(12)) + 0.5).to(dtype)
+    res = activations(m, n, dtype, seed=13) if residual else None
+    plain = triton_ops.rms_norm(x, w, 1e-6, res)
+    rows = triton_ops.quantized_rows(m, n, torch.int8, x.device)
+    fused = triton_ops.rms_norm(x, w, 1e-6, res, rows)
+    plain, fused = (plain, fused) if residual else ((plain,), (fused,))
+    for got, want in zip(fused, plain, strict=True):
+        assert torch.equal(got, want)
+    q, scale = kernels.quantize_per_token(plain[0])
+    assert torch.equal(rows[1], scale) and torch.equal(rows[0], q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [100, 5000])  # one block of columns; two (4,096 a block)
+def test_silu_and_mul_writes_the_int8_rows_the_quantizer_makes_of_its_output(
+    dtype: torch.dtype, inter: int
+) -> None:
+    """SiLU-and-mul in front of an INT8 down projection quantizes its output in its own launch
+    (fp8_kernels.silu_and_mul_quant to int8): the separate launches' bits."""
+    from engine_core.models import fp8_kernels, triton_ops
+
+    gate_up = activations(3, 2 * inter, dtype, seed=inter)
+    act, q, scale = fp8_kernels.silu_and_mul_quant(gate_up, torch.int8)
+    want = triton_ops.silu_and_mul(gate_up)
+    assert torch.equal(act, want)
+    want_q, want_scale = kernels.quantize_per_token(want)
+    assert q.dtype == torch.int8 and torch.equal(q, want_q) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "k"), [(1, 64), (7, 200), (130, 300)])
 def test_the_quantizer_is_the_reference_bit_for_bit(m: int, k: int, dtype: torch.dtype) -> None:
     x = activations(m, k, dtype, seed=m + k)

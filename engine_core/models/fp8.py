@@ -115,7 +115,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config) -> 
 
 
 # An activation that the kernel which wrote it also quantized (per token, e4m3: an RMSNorm in
-# front of FP8 linears, models/llama.py fuse_fp8_quantizers) carries that form under this
+# front of FP8 linears, models/llama.py fuse_quantizers) carries that form under this
 # attribute, (e4m3 [T, K], scale [T, 1]); the linear then skips its own quantizer launch.
 FP8_ROWS_ATTR = "_tandem_fp8_rows"
 

@@ -26,6 +26,7 @@ import triton.language as tl
 from engine_core.models.fp8_config import block_gemm_takes
 from engine_core.models.skinny_gemm import skinny_gemm
 from engine_core.models.triton_ops import e4m3_clamped, e4m3_scale, silu_mul
+from engine_core.models.w8a8_kernels import int8_scale, int8_values
 from engine_core.triton_pdl import launches_dependents
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -127,9 +128,12 @@ def _silu_and_mul_quant_kernel(
     stride_q,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
+    INT8: tl.constexpr,  # Q is int8 (W8A8: w8a8_kernels' arithmetic), else e4m3
+    EPS: tl.constexpr,  # the activations' dtype's eps (int8's scale of a row of zeros)
 ):
     """Program row: Out[row] = silu(gate) * up in Out's dtype, then Q[row] = its per-token e4m3
-    form and Scale[row] the scale, as silu_and_mul followed by quantize_per_token would give."""
+    or int8 form and Scale[row] the scale, as silu_and_mul followed by that format's
+    quantize_per_token would give."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -141,15 +145,21 @@ def _silu_and_mul_quant_kernel(
         out = silu_mul(gate, up).to(Out.dtype.element_ty)
         tl.store(Out + row * stride_o + cols, out, mask=mask)
         amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
-    scale = e4m3_scale(tl.max(amax, 0))
+    if INT8:
+        scale = int8_scale(tl.max(amax, 0), Out.dtype.element_ty, EPS)
+    else:
+        scale = e4m3_scale(tl.max(amax, 0))
     tl.store(Scale + row, scale)
     tl.debug_barrier()  # the row's activations, written above, are read back by every thread
     for c0 in range(0, N, BLOCK):
         cols = c0 + offs
         mask = cols < N
         x = tl.load(Out + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
-        q = e4m3_clamped(x, scale)
-        tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+        if INT8:
+            q = int8_values(x, scale, Out.dtype.element_ty)
+        else:
+            q = e4m3_clamped(x, scale).to(Q.dtype.element_ty)
+        tl.store(Q + row * stride_q + cols, q, mask=mask)
 
 
 # SiLU-and-mul quantizes its output in the same launch from this many rows (prefill chunks): one
@@ -159,23 +169,29 @@ def _silu_and_mul_quant_kernel(
 FUSED_ACT_QUANT_MIN_ROWS = 512
 
 
-def silu_and_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[T, 2I] (gate then up) -> (silu(gate) * up [T, I], its e4m3 rows [T, I], their scales
-    [T, 1]): triton_ops.silu_and_mul and quantize_per_token in one launch, one row a program;
-    the rows' e4m3 form is read back from the row just written (L2), not from a second pass."""
+def silu_and_mul_quant(
+    gate_up: torch.Tensor, dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, 2I] (gate then up) -> (silu(gate) * up [T, I], its per-token rows [T, I] of
+    ``dtype``, e4m3 or int8, their scales [T, 1]): triton_ops.silu_and_mul and that format's
+    quantize_per_token in one launch, one row a program; the rows' quantized form is read back
+    from the row just written (L2), not from a second pass."""
     rows, width = gate_up.shape
     n = width // 2
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
-    q = torch.empty((rows, n), dtype=FP8_DTYPE, device=gate_up.device)
+    if dtype not in (FP8_DTYPE, torch.int8):
+        raise ValueError(f"SiLU-and-mul quantizes to e4m3 or int8, not {dtype}")
+    q = torch.empty((rows, n), dtype=dtype, device=gate_up.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
     if rows == 0:
         return out, q, scale
     block = min(4096, triton.next_power_of_2(n))
     _silu_and_mul_quant_kernel[(rows,)](
         gate_up, out, q, scale, gate_up.stride(0), out.stride(0), q.stride(0),
-        N=n, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        N=n, BLOCK=block, INT8=dtype == torch.int8, EPS=torch.finfo(gate_up.dtype).eps,
+        num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return out, q, scale
 

@@ -31,6 +31,24 @@ HALF_RANGE = (INT8_MAX - INT8_MIN) / 2  # 127.5: compressed-tensors' symmetric s
 INT_MM_MIN_ROWS = 32
 
 
+# An activation that the kernel which wrote it also quantized to int8 per token (an RMSNorm or a
+# SiLU-and-mul in front of INT8 linears, models/llama.py fuse_quantizers) carries that form under
+# this attribute, (int8 [T, K], scale [T, 1]); the linear then skips its own quantizer launch.
+INT8_ROWS_ATTR = "_tandem_int8_rows"
+
+
+def attach_int8_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mark x [T, K] with its per-token int8 form (rows); returns x."""
+    setattr(x, INT8_ROWS_ATTR, rows)
+    return x
+
+
+def takes_int8_rows(linear: torch.nn.Module) -> bool:
+    """Whether a linear is INT8 (its activations are always quantized per token at run time):
+    then an input that arrives already quantized (INT8_ROWS_ATTR) can be used as is."""
+    return getattr(linear, "int8", None) is not None
+
+
 @dataclass(frozen=True)
 class Int8Experts:
     """One MoE layer's INT8 experts as SparseMoE (moe.py) holds them, for the fused kernels
@@ -82,10 +100,12 @@ def int8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ the int8 weight [N, K] transposed (+ bias) -> [..., N] in x's dtype."""
+    """x [..., K] @ the int8 weight [N, K] transposed (+ bias) -> [..., N] in x's dtype; on
+    CUDA from x's attached int8 rows (INT8_ROWS_ATTR) where the kernel before wrote them."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.is_cuda:
-        out = int8_linear_cuda(rows, weight, weight_scale, bias)
+        quantized = getattr(x, INT8_ROWS_ATTR, None)
+        out = int8_linear_cuda(rows, weight, weight_scale, bias, quantized)
     else:
         weight_dq = dequantize(weight, weight_scale).to(x.dtype)
         out = F.linear(quantize_dequantize(rows), weight_dq, bias)
@@ -97,12 +117,14 @@ def int8_linear_cuda(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N]: per-token int8 activations, one int8 GEMM with int32 accumulation,
-    both scales applied in float32 (the Triton GEMM or cuBLASLt, as ``choose_tiles`` says)."""
+    """x [M, K] -> [M, N]: per-token int8 activations (``quantized``: already written by the
+    kernel before, else one launch here), one int8 GEMM with int32 accumulation, both scales
+    applied in float32 (the Triton GEMM or cuBLASLt, as ``choose_tiles`` says)."""
     from engine_core.models import w8a8_kernels as kernels  # imports triton: CUDA only
 
-    q, scale = kernels.quantize_per_token(x)
+    q, scale = quantized if quantized is not None else kernels.quantize_per_token(x)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     tiles = kernels.choose_tiles(x.shape[0], weight.shape[0], x.shape[1], sms)
     if tiles is None:

@@ -33,7 +33,7 @@ from engine_core.models.fp8 import (
     weight_scale_shape,
 )
 from engine_core.models.gguf import GgufLayout, HoldsGgufBlocks, gguf_linear
-from engine_core.models.int8 import int8_linear
+from engine_core.models.int8 import attach_int8_rows, int8_linear
 from engine_core.models.int8 import quantize_rows as int8_rows
 from engine_core.models.meta_build import computed_buffer
 from engine_core.models.pipeline import held_elsewhere
@@ -82,6 +82,14 @@ def dense_linear(
     return F.linear(x, weight, bias)
 
 
+def attach_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mark x with the per-token quantized form a fused kernel wrote beside it, where the linear
+    of that format looks for it (int8 or e4m3 rows); returns x."""
+    if rows[0].dtype == torch.int8:
+        return attach_int8_rows(x, rows)
+    return attach_fp8_rows(x, rows)
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., N] -> [rows, N] with unit stride along N, as the row kernels index it."""
     rows = x.reshape(-1, x.shape[-1])
@@ -96,9 +104,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
-        # Set when the norm feeds FP8 linears on CUDA (fuse_fp8_quantizers in models/llama.py):
-        # the kernel then also writes the per-token e4m3 form of its output (models/fp8.py).
-        self.quantize_output = False
+        # Set when the norm feeds FP8 or INT8 linears on CUDA (fuse_quantizers in
+        # models/llama.py): the kernel then also writes the per-token form of its output in this
+        # dtype, e4m3 (models/fp8.py) or int8 (models/int8.py).
+        self.quantize_output: torch.dtype | None = None
 
     def forward(
         self, x: torch.Tensor | PendingSum, residual: torch.Tensor | None = None
@@ -117,10 +126,11 @@ class RMSNorm(nn.Module):
             weight = self.weight + 1.0 if self.unit_offset else self.weight
             rows, res = as_rows(x), residual_rows(residual)
             ops = triton_ops()
-            fp8 = ops.fp8_rows(*rows.shape, rows.device) if self.quantize_output else None
-            out = as_shape(ops.rms_norm(rows, weight, self.eps, res, fp8, peer), x.shape)
-            if fp8 is not None:
-                attach_fp8_rows(out[0] if isinstance(out, tuple) else out, fp8)
+            dtype = self.quantize_output
+            quantized = ops.quantized_rows(*rows.shape, dtype, rows.device) if dtype else None
+            out = as_shape(ops.rms_norm(rows, weight, self.eps, res, quantized, peer), x.shape)
+            if quantized is not None:
+                attach_rows(out[0] if isinstance(out, tuple) else out, quantized)
             return out
         norm = gemma_rms_norm_torch if self.unit_offset else rms_norm_torch
         if residual is None:

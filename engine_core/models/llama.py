@@ -26,16 +26,18 @@ from torch import nn
 from engine_core.attention.layer import Attention
 from engine_core.config import ModelConfig
 from engine_core.models.aux_hidden import AuxHiddenStates
-from engine_core.models.fp8 import attach_fp8_rows, fp8_kernels, takes_fp8_rows
+from engine_core.models.fp8 import FP8_DTYPE, fp8_kernels, takes_fp8_rows
 from engine_core.models.gate_up_layout import GLU_HALF, interleave_gate_up
 from engine_core.models.gguf_layers import GgufEmbedding
 from engine_core.models.gpt_oss_moe import GptOssMoE
+from engine_core.models.int8 import takes_int8_rows
 from engine_core.models.layers import (
     ACT_AND_MUL,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    attach_rows,
     check_divisible,
     interleaved_silu_glu,
     lm_head,
@@ -157,10 +159,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_parallel_linear(size, config.hidden_size, False, tp)
         self.act_and_mul = ACT_AND_MUL[config.hidden_act]
         # Chosen when the model is built for its target (choose_layer_forms), never after: with
-        # an FP8 down_proj that quantizes its input per token and a SiLU activation,
-        # prefill-sized batches quantize in the SiLU launch; with interleaved gate/up rows (on
-        # Hopper, with CUDA graphs) the SiLU-and-mul rides in the skinny GEMM's epilogue.
-        self.quantize_act = False
+        # an FP8 or INT8 down_proj that quantizes its input per token and a SiLU activation,
+        # prefill-sized batches quantize in the SiLU launch (to this dtype); with interleaved
+        # gate/up rows (on Hopper, with CUDA graphs) the SiLU-and-mul rides in the skinny
+        # GEMM's epilogue.
+        self.quantize_act: torch.dtype | None = None
         self.gate_up_interleaved = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSum:
@@ -170,8 +173,8 @@ class LlamaMLP(nn.Module):
         if self.quantize_act and gate_up.dim() == 2:
             kernels = fp8_kernels()
             if gate_up.shape[0] >= kernels.FUSED_ACT_QUANT_MIN_ROWS:
-                act, q, scale = kernels.silu_and_mul_quant(gate_up)
-                return self.down_proj(attach_fp8_rows(act, (q, scale)))
+                act, q, scale = kernels.silu_and_mul_quant(gate_up, self.quantize_act)
+                return self.down_proj(attach_rows(act, (q, scale)))
         return self.down_proj(self.act_and_mul(gate_up))
 
 
@@ -241,35 +244,45 @@ def choose_layer_forms(model: nn.Module, target: BuildTarget) -> None:
     tensor-parallel sums and, on Hopper with CUDA graphs and no LoRA, interleaved gate/up rows."""
     if not target.on_cuda:
         return
-    fuse_fp8_quantizers(model)  # before the interleaving, which skips an MLP that fused
+    fuse_quantizers(model)  # before the interleaving, which skips an MLP that fused
     defer_row_parallel_sums(model)
     if target.cuda_graphs and target.hopper and not target.lora:
         interleave_gate_ups(model)
 
 
-def fuse_fp8_quantizers(model: nn.Module) -> int:
-    """Let the kernels in front of FP8 linears that quantize their input per token
-    (models/fp8.py: takes_fp8_rows) write that e4m3 form themselves: a Llama-layout layer's input
-    norm (for qkv_proj), its post-attention norm (for a dense MLP's gate_up_proj), and a SiLU
-    MLP's activation (for down_proj) in prefill-sized batches only: it takes one program a row,
-    which at decode batches was slower than the two launches (docs/design/kernels-and-limits.md,
-    "FP8" and "Tried and dropped"). Saves one quantizer launch each; returns how many."""
+def quantized_input(linear: nn.Module) -> torch.dtype | None:
+    """The per-token form a linear quantizes its input to (e4m3: models/fp8.py takes_fp8_rows;
+    int8: models/int8.py takes_int8_rows), which the kernel before it can write instead; None."""
+    if takes_fp8_rows(linear):
+        return FP8_DTYPE
+    return torch.int8 if takes_int8_rows(linear) else None
+
+
+def fuse_quantizers(model: nn.Module) -> int:
+    """Let the kernels in front of FP8 or INT8 linears that quantize their input per token write
+    that form themselves: a Llama-layout layer's input norm (for qkv_proj), its post-attention
+    norm (for a dense MLP's gate_up_proj), and a SiLU MLP's activation (for down_proj) in
+    prefill-sized batches only: it takes one program a row, which at decode batches was slower
+    than the two launches (docs/design/kernels-and-limits.md, "FP8" and "Tried and dropped").
+    Saves one quantizer launch each; returns how many."""
     fused = 0
     for layer in model.modules():
         if type(layer) is not LlamaDecoderLayer:  # other layouts place their norms elsewhere
             continue
-        if isinstance(layer.input_layernorm, RMSNorm) and takes_fp8_rows(layer.self_attn.qkv_proj):
-            layer.input_layernorm.quantize_output = True
+        dtype = quantized_input(layer.self_attn.qkv_proj)
+        if isinstance(layer.input_layernorm, RMSNorm) and dtype is not None:
+            layer.input_layernorm.quantize_output = dtype
             fused += 1
         mlp = layer.mlp  # a mixture of experts is left alone: its router reads the norm
         if not isinstance(mlp, LlamaMLP):
             continue
-        norm = layer.post_attention_layernorm
-        if isinstance(norm, RMSNorm) and takes_fp8_rows(mlp.gate_up_proj):
-            norm.quantize_output = True
+        norm, dtype = layer.post_attention_layernorm, quantized_input(mlp.gate_up_proj)
+        if isinstance(norm, RMSNorm) and dtype is not None:
+            norm.quantize_output = dtype
             fused += 1
-        if mlp.act_and_mul is silu_and_mul and takes_fp8_rows(mlp.down_proj):
-            mlp.quantize_act = True
+        dtype = quantized_input(mlp.down_proj)
+        if mlp.act_and_mul is silu_and_mul and dtype is not None:
+            mlp.quantize_act = dtype
             fused += 1
     return fused
 
@@ -285,7 +298,7 @@ def interleave_gate_ups(model: nn.Module) -> int:
     for mlp in model.modules():
         if not isinstance(mlp, LlamaMLP) or mlp.act_and_mul is not silu_and_mul:
             continue
-        if mlp.quantize_act:  # an FP8 down_proj whose quantizer rides in the SiLU launch
+        if mlp.quantize_act:  # a down_proj whose quantizer rides in the SiLU launch
             continue
         proj = mlp.gate_up_proj
         if proj.quantized or proj.bias is not None:

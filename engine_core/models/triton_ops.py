@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine_core.attention.triton_kernels import rotate_in_place
+from engine_core.models.w8a8_kernels import int8_scale, int8_values
 from engine_core.peer_all_reduce_kernel import peer_sum
 from engine_core.triton_pdl import chain_pdl, launches_dependents, pdl_wait_then_release
 
@@ -45,6 +46,8 @@ def _rms_norm_kernel(
     Q,
     QScale,
     QUANTIZE: tl.constexpr,
+    INT8: tl.constexpr,  # Q is int8 (W8A8), else e4m3
+    Q_EPS: tl.constexpr,  # the activations' dtype's eps: an int8 row of zeros' scale
     LAUNCH_DEPENDENTS: tl.constexpr,
     Peers,
     Counters,
@@ -87,7 +90,13 @@ def _rms_norm_kernel(
     y = (w * normed).to(Out.dtype.element_ty)
     tl.store(Out + row * stride_o + cols, y, mask=mask)
     if QUANTIZE:
-        _quantize_row(y.to(tl.float32), Q + row * N + cols, QScale + row, mask)
+        if INT8:
+            scale = int8_scale(tl.max(tl.abs(y.to(tl.float32)), 0), Out.dtype.element_ty, Q_EPS)
+            tl.store(QScale + row, scale)
+            q = int8_values(y.to(tl.float32), scale, Out.dtype.element_ty)
+            tl.store(Q + row * N + cols, q, mask=mask)
+        else:
+            _quantize_row(y.to(tl.float32), Q + row * N + cols, QScale + row, mask)
 
 
 @triton.jit
@@ -120,9 +129,12 @@ def silu_mul(gate, up):
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
-def fp8_rows(num_rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty e4m3 rows [T, N] and their float32 scales [T, 1], for a fused quantizer."""
-    q = torch.empty((num_rows, n), dtype=torch.float8_e4m3fn, device=device)
+def quantized_rows(
+    num_rows: int, n: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty per-token quantized rows [T, N] of ``dtype`` (e4m3 or int8) and their float32
+    scales [T, 1], for a fused quantizer."""
+    q = torch.empty((num_rows, n), dtype=dtype, device=device)
     return q, torch.empty((num_rows, 1), dtype=torch.float32, device=device)
 
 
@@ -131,12 +143,13 @@ def rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
-    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp8_rows(T, N)
+    quant_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantized_rows(T, N, ...)
     peer: PeerSumArgs | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or of ``x + residual``: then returns (normed, x + residual), one launch.
-    With ``fp8_out`` the same launch also quantizes each normed row into it (per-token e4m3,
-    as fp8_kernels.quantize_per_token would from the normed output). With ``peer`` (tensor
+    With ``quant_out`` the same launch also quantizes each normed row into it, per token, as
+    the separate quantizer would from the normed output: e4m3 (fp8_kernels.quantize_per_token)
+    or int8 (w8a8_kernels.quantize_per_token), as its rows' dtype says. With ``peer`` (tensor
     parallelism) x is this rank's share of the rows, summed over the ranks first, in the same
     launch (engine_core/peer_all_reduce.py ``norm_args``)."""
     num_rows, n = x.shape
@@ -145,7 +158,8 @@ def rms_norm(
     if num_rows == 0:
         return out if residual is None else (out, res_out)
     res_in = residual if residual is not None else x
-    q, q_scale = fp8_out if fp8_out is not None else (out, out)
+    q, q_scale = quant_out if quant_out is not None else (out, out)
+    int8 = q.dtype == torch.int8
     block = triton.next_power_of_2(n)
     pdl = chain_pdl(x)
     _rms_norm_kernel[(num_rows,)](
@@ -164,8 +178,11 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         Q=q,
         QScale=q_scale,
-        QUANTIZE=fp8_out is not None,
-        LAUNCH_DEPENDENTS=fp8_out is not None and launches_dependents(x),
+        QUANTIZE=quant_out is not None,
+        INT8=int8,
+        Q_EPS=torch.finfo(x.dtype).eps,
+        # The FP8 GEMM after an e4m3 quantizer launches as its programmatic dependent.
+        LAUNCH_DEPENDENTS=quant_out is not None and not int8 and launches_dependents(x),
         **_peer_sum_args(x, peer),
         PDL=pdl,
         launch_pdl=pdl,

@@ -72,13 +72,29 @@ def _quantize_int8_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = _round_to(tl.math.div_rn(tl.max(tl.abs(x), 0), _HALF_RANGE), X.dtype.element_ty)
-    scale = tl.where(scale == 0.0, EPS, scale)
-    q = _round_to(tl.math.div_rn(x, scale), X.dtype.element_ty)
-    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-    q_int = (q + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS
-    tl.store(Q + row * stride_q + cols, q_int.to(tl.int8), mask=mask)
+    scale = int8_scale(tl.max(tl.abs(x), 0), X.dtype.element_ty, EPS)
+    tl.store(Q + row * stride_q + cols, int8_values(x, scale, X.dtype.element_ty), mask=mask)
     tl.store(Scale + row, scale)
+
+
+# The per-token int8 arithmetic every kernel that quantizes activations to int8 shares (this
+# quantizer, and the norm and SiLU-and-mul launches that write the int8 rows beside their
+# output: triton_ops): fused and separate launches give the same bits only while they compute
+# exactly this.
+@triton.jit
+def int8_scale(absmax, DTYPE: tl.constexpr, EPS: tl.constexpr):
+    """A row's scale from its largest magnitude (float32; the values are DTYPE's): absmax /
+    127.5 rounded to DTYPE, DTYPE's eps where that is zero."""
+    scale = _round_to(tl.math.div_rn(absmax, _HALF_RANGE), DTYPE)
+    return tl.where(scale == 0.0, EPS, scale)
+
+
+@triton.jit
+def int8_values(x, scale, DTYPE: tl.constexpr):
+    """x / scale rounded to DTYPE, clamped to -128..127 and rounded half to even, as int8."""
+    q = _round_to(tl.math.div_rn(x, scale), DTYPE)
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    return ((q + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS).to(tl.int8)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
