@@ -238,6 +238,45 @@ def vllm_server(
     return Server("vllm", command, port, install.env(server_env()), cwd=model_dir)
 
 
+@dataclass(frozen=True)
+class SglangInstall:
+    """Where SGLang lives: its interpreter and the PYTHONPATH it needs (the bundle unpacked by
+    benchmarks/peers/sglang_install.sh: /tmp/sgsite)."""
+
+    python: str
+    pythonpath: str | None = None
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in base.items() if k != "PYTHONPATH"}  # never Tandem's tree
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
+        return env | {"HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
+
+
+def sglang_serve_command(
+    install: SglangInstall, model_dir: Path, port: int, max_model_len: int, dummy_weights: bool,
+    extra: list[str] | None = None,
+) -> list[str]:  # fmt: skip
+    """``sglang.launch_server`` as docs/design/peers.md gives it: the folder, bf16, the context
+    length, the name the load generator asks for; its warm-up request skipped (the load
+    generator's warm-up run does that for every server)."""
+    command = [install.python, "-m", "sglang.launch_server", "--model-path", str(model_dir)]
+    command += ["--host", HOST, "--port", str(port), "--context-length", str(max_model_len)]
+    command += ["--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--skip-server-warmup"]
+    if dummy_weights:
+        command += ["--load-format", "dummy"]
+    return command + (extra or [])
+
+
+def sglang_server(
+    install: SglangInstall, model_dir: Path, port: int, max_model_len: int, dummy_weights: bool,
+    extra: list[str] | None = None,
+) -> Server:  # fmt: skip
+    """SGLang serving ``model_dir``, started in that folder with its own environment."""
+    command = sglang_serve_command(install, model_dir, port, max_model_len, dummy_weights, extra)
+    return Server("sglang", command, port, install.env(server_env()), cwd=model_dir)
+
+
 def loadgen_command(
     url: str, workload: LoadShape, tokenizer: str, result: Path, warmup_runs: int, runs: int,
     extra: list[str] | None = None,

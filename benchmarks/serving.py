@@ -25,6 +25,11 @@ With --quantization awq both run the preset's random weights in AWQ's 4-bit layo
 Marlin kernels), the issue's "beside vLLM's Marlin" figure:
 
     python -m benchmarks serving --model llama-8b --quantization awq --workloads 1:128:256:1
+
+With --sglang-python (and --sglang-pythonpath, the bundle's site: docs/design/peers.md) SGLang
+runs third, `sglang.launch_server` on the same folder with dummy weights, on the port after
+vLLM's; the table then gives Tandem's advantage over each peer. Adapters and quantized layouts
+are wired for vLLM only: with --lora or --quantization SGLang is refused by name.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ from pathlib import Path
 from benchmarks.report import Provenance, write_json
 from benchmarks.servers import (
     Server,
+    SglangInstall,
     VllmInstall,
     parse_workloads,
     peer_model_dir,
+    sglang_server,
     tandem_serve_command,
     vllm_server,
     write_config_entry,
@@ -122,6 +129,13 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", help="the interpreter that imports vllm (default: none)")
     parser.add_argument("--vllm-pythonpath", help="vLLM's PYTHONPATH (a bundle's site folder)")
     parser.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    parser.add_argument(
+        "--sglang-python",
+        help="the interpreter that imports sglang (default: none); run after vLLM, on the next "
+        "port (docs/design/peers.md: the bundle and its install calls)",
+    )
+    parser.add_argument("--sglang-pythonpath", help="SGLang's PYTHONPATH (the bundle's site)")
+    parser.add_argument("--sglang-args", default="", help="extra `sglang.launch_server` flags")
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -262,6 +276,21 @@ def build_servers(args: argparse.Namespace, model_dir: Path | None) -> list[Serv
         servers.append(
             vllm_server(install, model_dir, args.port + 1, args.max_model_len, preset, extra)
         )
+    if getattr(args, "sglang_python", None) and model_dir is not None:
+        servers.append(sglang_peer(args, model_dir, preset))
     if not servers:
-        raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
+        raise SystemExit("nothing to run: --no-tandem and no --vllm-python or --sglang-python")
     return servers
+
+
+def sglang_peer(args: argparse.Namespace, model_dir: Path, dummy_weights: bool) -> Server:
+    """SGLang on the port after vLLM's. Adapters and quantized layouts are given to vLLM only
+    (its flags are written for it): SGLang is refused with them rather than run without."""
+    for flag in ("--lora", "--quantization"):
+        value = getattr(args, flag[2:], None)
+        if value:
+            raise SystemExit(f"--sglang-python with {flag}: not wired for SGLang yet")
+    install = SglangInstall(args.sglang_python, args.sglang_pythonpath)
+    extra = shlex.split(args.sglang_args)
+    port = args.port + 2
+    return sglang_server(install, model_dir, port, args.max_model_len, dummy_weights, extra)

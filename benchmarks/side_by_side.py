@@ -161,33 +161,36 @@ def format_comparison(
     results: list[Figures], metrics: tuple[Metric, ...] = SERVING_METRICS,
     compared: tuple[Metric, ...] | None = None,
 ) -> str:  # fmt: skip
-    """One row per workload: each server's figures, then the first server's advantage over the
-    second on each metric of ``compared`` (default: every metric; its throughput over the
+    """One row per workload: each server's figures, then the first server's advantage over each
+    other server on each metric of ``compared`` (default: every metric; its throughput over the
     other's, the other's latency over its own), so that above 1 is better for the first server
-    in every column."""
+    in every column (with three servers or more, each column names the other one)."""
     compared = metrics if compared is None else compared
     servers = list(dict.fromkeys(r.server for r in results))
     workloads = list(dict.fromkeys(r.workload for r in results))
     by = {(r.server, r.workload): r for r in results}
     headers = ["workload"] + [f"{s} {m.label}" for s in servers for m in metrics]
-    pair = servers[:2] if len(servers) > 1 else []
-    headers += [f"{m.label} x" for m in compared] if pair else []
+    first, others = (servers[0], servers[1:]) if servers else ("", [])
+    named = len(others) > 1
+    headers += [f"{m.label} x{f' {o}' if named else ''}" for o in others for m in compared]
     rows = []
     for workload in workloads:
         row = [workload]
         for server in servers:
             figures = by.get((server, workload))
             row += [fmt(getattr(figures, m.field) if figures else None, m.spec) for m in metrics]
-        if pair:
-            ours, theirs = by.get((pair[0], workload)), by.get((pair[1], workload))
+        ours = by.get((first, workload))
+        for other in others:
+            theirs = by.get((other, workload))
             row += [fmt(advantage(m, ours, theirs), ".2f") for m in compared]
         rows.append(row)
     table = format_table(headers, rows)
-    if not pair:
+    if not others:
         return table
+    other = others[0] if len(others) == 1 else "the other"
     note = (
-        f"x: {pair[0]}'s advantage over {pair[1]}, above 1 better for {pair[0]} "
-        f"(throughputs {pair[0]} / {pair[1]}, latencies {pair[1]} / {pair[0]})"
+        f"x: {first}'s advantage over {' and '.join(others)}, above 1 better for {first} "
+        f"(throughputs {first} / {other}, latencies {other} / {first})"
     )
     return f"{table}\n{note}"
 

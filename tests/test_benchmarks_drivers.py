@@ -92,6 +92,31 @@ def test_serving_a_folder_loads_its_weights(tmp_path: Path) -> None:
     assert tandem.command[5] == str(tmp_path) and "--load-format" not in vllm.command
 
 
+def test_serving_with_sglang_starts_it_after_vllm_on_the_same_folder(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """SGLang as docs/design/peers.md launches it: the folder with dummy weights, bf16, the
+    context length, the served name, on the port after vLLM's, with only its bundle on the
+    import path; adapters or a quantized layout (written for vLLM) refuse it by name."""
+    flags = ["serving", "--model", "llama-1b", "--port", "8300", "--vllm-python", "python3",
+             "--sglang-python", "python3", "--sglang-pythonpath", "/tmp/sgsite",
+             "--sglang-args", "--sampling-backend pytorch"]  # fmt: skip
+    args = parse(flags)
+    model_dir, _ = serving.model_folder(args.model, tmp_path)
+    tandem, vllm, sglang = serving.build_servers(args, model_dir)
+    assert sglang.command == [
+        "python3", "-m", "sglang.launch_server", "--model-path", str(model_dir),
+        "--host", "127.0.0.1", "--port", "8302", "--context-length", "4096",
+        "--served-model-name", "default", "--dtype", "bfloat16", "--skip-server-warmup",
+        "--load-format", "dummy", "--sampling-backend", "pytorch",
+    ]  # fmt: skip
+    assert sglang.cwd == model_dir and sglang.env["PYTHONPATH"] == "/tmp/sgsite"
+    assert [s.name for s in (tandem, vllm, sglang)] == ["tandem", "vllm", "sglang"]
+    for extra in (["--lora", "2"], ["--quantization", "awq"]):
+        with pytest.raises(SystemExit, match=f"--sglang-python with {extra[0]}"):
+            serving.build_servers(parse(flags + extra), model_dir)
+
+
 def test_serving_without_vllm_is_tandem_alone_and_without_either_refused() -> None:
     assert [s.name for s in serving.build_servers(parse(["serving"]), None)] == ["tandem"]
     with pytest.raises(SystemExit, match="nothing to run"):

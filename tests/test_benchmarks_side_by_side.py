@@ -50,6 +50,19 @@ def test_ratios_favour_higher_throughput_and_lower_latency() -> None:
     assert table[-1].startswith("x: tandem's advantage over vllm, above 1 better for tandem")
 
 
+def test_with_two_peers_the_first_server_is_compared_with_each() -> None:
+    """Tandem, vLLM and SGLang: the ratios of Tandem over each, each column naming its peer."""
+    metric = SERVING_METRICS[:1]  # output tok/s
+    results = [
+        Figures.of(name, WORK, [summary(tok_s, 100.0)])
+        for name, tok_s in (("tandem", 1200.0), ("vllm", 1000.0), ("sglang", 1500.0))
+    ]
+    table = format_comparison(results, metric).splitlines()
+    assert [c.strip() for c in table[0].split("|")[1:-1]][-2:] == ["tok/s x vllm", "tok/s x sglang"]
+    assert [c.strip() for c in table[2].split("|")[1:-1]][-2:] == ["1.20", "0.80"]
+    assert table[-1].startswith("x: tandem's advantage over vllm and sglang")
+
+
 def test_a_prefill_has_no_tpot_and_one_server_no_ratios() -> None:
     alone = Figures.of("tandem", Workload(64, 2048, 1), [summary(32.0, 900.0, None)])
     table = format_comparison([alone], SERVING_METRICS).splitlines()
