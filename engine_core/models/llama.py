@@ -240,7 +240,7 @@ class LlamaDecoderLayer(nn.Module):
 
 def choose_layer_forms(model: nn.Module, target: BuildTarget) -> None:
     """Give a Llama-family model, built and not yet loaded, the forms its layers take on
-    ``target`` (see models/target.py): on CUDA, fused FP8 input quantizers, deferred
+    ``target`` (see models/target.py): on CUDA, fused FP8 and INT8 input quantizers, deferred
     tensor-parallel sums and, on Hopper with CUDA graphs and no LoRA, interleaved gate/up rows."""
     if not target.on_cuda:
         return
