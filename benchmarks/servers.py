@@ -187,6 +187,15 @@ def tandem_serve_command(
     ]  # fmt: skip
 
 
+def peer_env(base: dict[str, str], pythonpath: str | None) -> dict[str, str]:
+    """A peer's environment: ``base`` with the peer's own PYTHONPATH (its bundle's site) in
+    place of ours, never Tandem's tree."""
+    env = {k: v for k, v in base.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return env
+
+
 @dataclass(frozen=True)
 class VllmInstall:
     """Where vLLM lives: its interpreter, the PYTHONPATH it needs (a bundle unpacked beside the
@@ -197,10 +206,7 @@ class VllmInstall:
     cpu: bool = False
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in base.items() if k != "PYTHONPATH"}  # never Tandem's tree
-        if self.pythonpath:
-            env["PYTHONPATH"] = self.pythonpath
-        env |= {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+        env = peer_env(base, self.pythonpath) | {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
         if self.cpu:
             return env | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4"}
         # FlashInfer's sampler is vLLM's default on CUDA; a bundle without FlashInfer needs this.
@@ -247,10 +253,8 @@ class SglangInstall:
     pythonpath: str | None = None
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in base.items() if k != "PYTHONPATH"}  # never Tandem's tree
-        if self.pythonpath:
-            env["PYTHONPATH"] = self.pythonpath
-        return env | {"HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
+        extra = {"HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
+        return peer_env(base, self.pythonpath) | extra
 
 
 def sglang_serve_command(

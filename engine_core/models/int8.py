@@ -125,7 +125,7 @@ def int8_linear_cuda(
     from engine_core.models import w8a8_kernels as kernels  # imports triton: CUDA only
 
     q, scale = quantized if quantized is not None else kernels.quantize_per_token(x)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = kernels.multiprocessors(x.device)
     tiles = kernels.choose_tiles(x.shape[0], weight.shape[0], x.shape[1], sms)
     if tiles is None:
         return int_mm_product(q, scale, weight, weight_scale, x.dtype, bias)

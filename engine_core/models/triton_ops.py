@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine_core.attention.triton_kernels import rotate_in_place
-from engine_core.models.w8a8_kernels import int8_scale, int8_values
+from engine_core.models.w8a8_kernels import quantize_row_int8
 from engine_core.peer_all_reduce_kernel import peer_sum
 from engine_core.triton_pdl import chain_pdl, launches_dependents, pdl_wait_then_release
 
@@ -91,10 +91,8 @@ def _rms_norm_kernel(
     tl.store(Out + row * stride_o + cols, y, mask=mask)
     if QUANTIZE:
         if INT8:
-            scale = int8_scale(tl.max(tl.abs(y.to(tl.float32)), 0), Out.dtype.element_ty, Q_EPS)
-            tl.store(QScale + row, scale)
-            q = int8_values(y.to(tl.float32), scale, Out.dtype.element_ty)
-            tl.store(Q + row * N + cols, q, mask=mask)
+            quantize_row_int8(y.to(tl.float32), Q + row * N + cols, QScale + row, mask,
+                              Out.dtype.element_ty, Q_EPS)  # fmt: skip
         else:
             _quantize_row(y.to(tl.float32), Q + row * N + cols, QScale + row, mask)
 

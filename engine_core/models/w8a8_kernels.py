@@ -72,9 +72,7 @@ def _quantize_int8_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = int8_scale(tl.max(tl.abs(x), 0), X.dtype.element_ty, EPS)
-    tl.store(Q + row * stride_q + cols, int8_values(x, scale, X.dtype.element_ty), mask=mask)
-    tl.store(Scale + row, scale)
+    quantize_row_int8(x, Q + row * stride_q + cols, Scale + row, mask, X.dtype.element_ty, EPS)
 
 
 # The per-token int8 arithmetic every kernel that quantizes activations to int8 shares (this
@@ -95,6 +93,15 @@ def int8_values(x, scale, DTYPE: tl.constexpr):
     q = _round_to(tl.math.div_rn(x, scale), DTYPE)
     q = tl.minimum(tl.maximum(q, -128.0), 127.0)
     return ((q + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS).to(tl.int8)
+
+
+@triton.jit
+def quantize_row_int8(x, q_ptrs, scale_ptr, mask, DTYPE: tl.constexpr, EPS: tl.constexpr):
+    """Store a whole row x (float32, values of DTYPE; zeros where masked) as int8 at q_ptrs and
+    its scale at scale_ptr (a row in one block: the quantizer's and the norm's launches)."""
+    scale = int8_scale(tl.max(tl.abs(x), 0), DTYPE, EPS)
+    tl.store(q_ptrs, int8_values(x, scale, DTYPE), mask=mask)
+    tl.store(scale_ptr, scale)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
