@@ -22,9 +22,11 @@ figure is this run's output tok/s over the same run without --lora.
     python -m benchmarks serving --model llama-8b --workloads 64:128:256 --lora 8
 
 With --quantization awq both run the preset's random weights in AWQ's 4-bit layout (vLLM: its
-Marlin kernels), the issue's "beside vLLM's Marlin" figure:
+Marlin kernels), the issue's "beside vLLM's Marlin" figure; --quantization w8a8: int8 weights
+and per-token int8 activations (vLLM: compressed-tensors' W8A8 config, its CUTLASS kernels):
 
     python -m benchmarks serving --model llama-8b --quantization awq --workloads 1:128:256:1
+    python -m benchmarks prefill --model llama-8b --quantization w8a8
 
 With --sglang-python (and --sglang-pythonpath, the bundle's site: docs/design/peers.md) SGLang
 runs third, `sglang.launch_server` on the same folder with dummy weights, on the port after
@@ -79,8 +81,9 @@ def add_args(parser: argparse.ArgumentParser, workloads: str = DEFAULT_WORKLOADS
     parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default: 16)")
     parser.add_argument(
         "--quantization", choices=tuple(PEER_QUANTIZATION),
-        help="both servers run the preset's random weights in this 4-bit format (AWQ: groups of "
-        "128 with zero points; vLLM with its Marlin kernels) (default: bf16)",
+        help="both servers run the preset's random weights in this format (awq: 4-bit, groups of "
+        "128 with zero points, vLLM with its Marlin kernels; w8a8: int8 weights and per-token "
+        "int8 activations, vLLM with CUTLASS) (default: bf16)",
     )  # fmt: skip
     add_output_args(parser)
 
@@ -203,6 +206,19 @@ PEER_QUANTIZATION = {
          "version": "gemm"},
         "awq_marlin",
     ),
+    # compressed-tensors' W8A8 as llm-compressor writes it: int8 weights, a scale per output
+    # row; int8 activations, a scale per token computed at run time (vLLM: CUTLASS).
+    "w8a8": (
+        {"quant_method": "compressed-tensors", "format": "int-quantized",
+         "config_groups": {"group_0": {
+             "targets": ["Linear"],
+             "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                         "strategy": "channel", "dynamic": False},
+             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                   "strategy": "token", "dynamic": True}}},
+         "ignore": ["lm_head"]},
+        "compressed-tensors",
+    ),
 }  # fmt: skip
 
 
@@ -217,7 +233,7 @@ def add_quantization_flags(args: argparse.Namespace, model_dir: Path | None) -> 
         raise SystemExit("--quantization needs a random preset (its weights are made quantized)")
     peer_config, peer_method = PEER_QUANTIZATION[args.quantization]
     ours = random_weights_config(args.quantization, PRESETS[args.model])
-    if ours.group_size != peer_config["group_size"]:
+    if "group_size" in peer_config and ours.group_size != peer_config["group_size"]:
         raise SystemExit(
             f"--quantization {args.quantization}: {args.model}'s random weights take groups of "
             f"{ours.group_size}, the peer's config says {peer_config['group_size']}"

@@ -360,13 +360,17 @@ DECODE_ROWS = 64
 # ``rule_tiles``.
 MEASURED: dict[tuple[int, int, int], Tiles | None] = {
     (256, 4096, 4096): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=False),
-    (2048, 4096, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
+    (2048, 4096, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=3, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 62.5 us
     (256, 4096, 14336): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=False),
-    (2048, 4096, 14336): Tiles(128, 256, 128, warps=8, stages=3, group_m=8, split_k=1, tma=True),
+    (2048, 4096, 14336): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 210.6 us
     (256, 6144, 4096): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=True),
-    (2048, 6144, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
+    (2048, 6144, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 85.1 us
     (256, 28672, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
-    (2048, 28672, 4096): Tiles(256, 128, 128, warps=8, stages=3, group_m=8, split_k=1, tma=True),
+    (2048, 28672, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=3, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 350.9 us
+    (8192, 4096, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 230.1 us
+    (8192, 4096, 14336): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=3, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 818.4 us
+    (8192, 6144, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 330.5 us
+    (8192, 28672, 4096): Tiles(block_m=128, block_n=128, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 1639.1 us
 }
 
 
