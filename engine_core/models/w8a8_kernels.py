@@ -355,22 +355,24 @@ class Tiles:
 # (a prefill bucket's tiles would leave most multiprocessors idle at a few rows), else the rule.
 DECODE_ROWS = 64
 # The sweep's fastest choice (`python -m benchmarks gemm --sweep`) by (row bucket, N, K): tiles,
-# or None where cuBLASLt's _int_mm won. Measured at llama-8b's four projections
-# (`gemm --rows 256,2048 --sweep --budget 100`); shapes and buckets it does not hold take
-# ``rule_tiles``.
+# or None where cuBLASLt's _int_mm won. Measured at llama-8b's four projections: 256 rows by
+# `gemm --rows 256,2048 --sweep --budget 100`, 2,048 and 8,192 (a full prefill step) by
+# `gemm --rows 2048,8192 --sweep --budget 240` (the warp-specialized kernel won every shape; µs in
+# docs/bench-logs/2026-12-04-h200-w8a8-prefill-beside-vllm.log); shapes and buckets it does not
+# hold take ``rule_tiles``.
 MEASURED: dict[tuple[int, int, int], Tiles | None] = {
     (256, 4096, 4096): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=False),
-    (2048, 4096, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=3, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 62.5 us
+    (2048, 4096, 4096): Tiles(128, 256, 128, stages=3, tma=True, persistent=True, ws=True),
     (256, 4096, 14336): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=False),
-    (2048, 4096, 14336): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 210.6 us
+    (2048, 4096, 14336): Tiles(128, 256, 128, stages=4, tma=True, persistent=True, ws=True),
     (256, 6144, 4096): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=True),
-    (2048, 6144, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 85.1 us
+    (2048, 6144, 4096): Tiles(128, 256, 128, stages=4, tma=True, persistent=True, ws=True),
     (256, 28672, 4096): Tiles(128, 128, 64, warps=4, stages=5, group_m=8, split_k=1, tma=True),
-    (2048, 28672, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=3, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 350.9 us
-    (8192, 4096, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 230.1 us
-    (8192, 4096, 14336): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=3, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 818.4 us
-    (8192, 6144, 4096): Tiles(block_m=128, block_n=256, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 330.5 us
-    (8192, 28672, 4096): Tiles(block_m=128, block_n=128, block_k=128, warps=4, stages=4, group_m=8, split_k=1, tma=True, persistent=True, ws=True),  # 1639.1 us
+    (2048, 28672, 4096): Tiles(128, 256, 128, stages=3, tma=True, persistent=True, ws=True),
+    (8192, 4096, 4096): Tiles(128, 256, 128, stages=4, tma=True, persistent=True, ws=True),
+    (8192, 4096, 14336): Tiles(128, 256, 128, stages=3, tma=True, persistent=True, ws=True),
+    (8192, 6144, 4096): Tiles(128, 256, 128, stages=4, tma=True, persistent=True, ws=True),
+    (8192, 28672, 4096): Tiles(128, 128, 128, stages=4, tma=True, persistent=True, ws=True),
 }
 
 
