@@ -449,8 +449,23 @@ def measured_table(results: list[dict[str, Any]]) -> list[str]:
             us = f"cuBLASLt {cublaslt['us']:.1f} us, the tiles' {best['us']:.1f}"
             lines.append(f"    {key}: None,  # {us}")
         else:
-            lines.append(f"    {key}: {best['tiles']!r},  # {best['us']:.1f} us")
+            lines.append(f"    {key}: {tiles_source(best['tiles'])},  # {best['us']:.1f} us")
     return lines
+
+
+def tiles_source(tiles: Any) -> str:
+    """``tiles`` as MEASURED's source writes it: the block shape, then only the fields that
+    differ from their defaults (a line within the project's width)."""
+    import dataclasses
+
+    rest = [
+        f"{field.name}={getattr(tiles, field.name)!r}"
+        for field in dataclasses.fields(tiles)[3:]
+        if getattr(tiles, field.name) != field.default
+    ]
+    return (
+        f"Tiles({', '.join([str(tiles.block_m), str(tiles.block_n), str(tiles.block_k), *rest])})"
+    )
 
 
 def table(results: list[dict[str, Any]]) -> list[list[str]]:

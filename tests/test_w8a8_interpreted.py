@@ -183,7 +183,7 @@ def test_persistent_tiles_are_tma_without_split_and_ws_is_theirs() -> None:
 
 
 def test_the_sweeps_prefill_grid_offers_the_persistent_forms_first_and_reprs_round_trip() -> None:
-    from benchmarks.gemm import describe, sweep_grid
+    from benchmarks.gemm import describe, sweep_grid, tiles_source
 
     grid = sweep_grid(2048, 4096, 4096, 132)
     persistent = [t for t in grid if t.persistent]
@@ -192,8 +192,12 @@ def test_the_sweeps_prefill_grid_offers_the_persistent_forms_first_and_reprs_rou
     assert any(t.ws for t in persistent) and any(not t.ws for t in persistent)
     assert all(t.warps == 4 for t in persistent if t.ws)  # Triton 3.6 specializes only there
     assert not any(t.persistent for t in sweep_grid(64, 4096, 4096, 132))
-    for tiles in grid:  # measured_table prints reprs into MEASURED
-        assert eval(repr(tiles), {"Tiles": kernels.Tiles}) == tiles
+    for tiles in grid:  # measured_table prints these into MEASURED's source
+        assert eval(tiles_source(tiles), {"Tiles": kernels.Tiles}) == tiles
+    assert (
+        tiles_source(PERSISTENT_WS)
+        == "Tiles(16, 32, 64, group_m=2, tma=True, persistent=True, ws=True)"
+    )
     assert describe(PERSISTENT_WS).endswith(" tma persistent ws")
 
 
