@@ -8,6 +8,7 @@
     python -m benchmarks decode --models qwen3-30b-a3b --paths inproc --routing uniform
     python -m benchmarks decode --models llama-8b --tensor-parallel-size 2
     python -m benchmarks decode --models gpt-oss-20b --paths inproc --profile-steps 16
+    python -m benchmarks decode --models llama-8b --paths inproc --lora 8 --profile-steps 16
 
 Measures the memory bandwidth (the best of 20 device-to-device copies), then for each preset
 (engine_core/presets.py: random weights with the real shapes) runs N requests at once of
@@ -25,6 +26,11 @@ A mixture of experts reads the experts its batch is routed to; random routers pi
 experts, unlike trained ones, so ``--routing uniform`` (in process only) replaces every
 router's logits by fresh normals at every step: each token takes a uniformly random top-k,
 the balance a load-balancing loss aims for and what the roofline counts.
+
+``--lora N`` (in process only) writes N random rank-``--lora-rank`` adapters of every projection
+(benchmarks/lora_adapters.py, peft's layout) and spreads the requests over them in turn, the
+serving benchmark's ``--lora`` without the HTTP path, so ``--profile-steps`` shows what the
+adapters add to the prompt and decode steps; the roofline stays the base model's.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ import contextlib
 import gc
 import random
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +63,7 @@ class Workload:
     prompt_len: int
     output_len: int
     seed: int = 0
+    loras: tuple[Any, ...] = ()  # LoraRef: request i takes loras[i % len]; none: the base model
 
     def prompts(self, vocab: int) -> list[list[int]]:
         rng = random.Random(self.seed)
@@ -71,7 +79,11 @@ class Workload:
 
     def warmup(self) -> Workload:
         """The same batch and prompt length, a few output tokens, other prompts."""
-        return Workload(self.num_requests, self.prompt_len, min(16, self.output_len), self.seed + 1)
+        return replace(self, output_len=min(16, self.output_len), seed=self.seed + 1)
+
+    def lora(self, index: int) -> Any:
+        """Request ``index``'s adapter (a LoraRef), or None for the base model."""
+        return self.loras[index % len(self.loras)] if self.loras else None
 
     @property
     def mean_context(self) -> float:
@@ -165,6 +177,9 @@ def engine_config(name: str, work: Workload, args: argparse.Namespace) -> Any:
         tp_all_reduce=args.tp_all_reduce,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        enable_lora=bool(work.loras),
+        max_loras=max(1, len(work.loras)),
+        max_lora_rank=args.lora_rank,
         **{k: v for k, v in optional.items() if v is not None},
     )
 
@@ -194,7 +209,7 @@ def run_inproc(core: Any, work: Workload, vocab: int, tag: str) -> Run:
     start = time.perf_counter()
     for i, prompt in enumerate(work.prompts(vocab)):
         times[f"{tag}-{i}"] = []
-        core.add_request(Request(f"{tag}-{i}", prompt, work.params()))
+        core.add_request(Request(f"{tag}-{i}", prompt, work.params(), lora=work.lora(i)))
     while core.has_unfinished():
         outputs = core.step()
         now = time.perf_counter()
@@ -226,9 +241,12 @@ def profile_run(core: Any, work: Workload, vocab: int, args: argparse.Namespace)
 
     from benchmarks.step_profile import profile_phases
 
-    again = Workload(work.num_requests, work.prompt_len, work.output_len, work.seed + 2)
+    again = replace(work, seed=work.seed + 2)
     prompts, params = again.prompts(vocab), again.params()
-    return profile_phases(core, torch.device(args.device), prompts, params, args.profile_steps)
+    loras = [again.lora(i) for i in range(len(prompts))]
+    return profile_phases(
+        core, torch.device(args.device), prompts, params, args.profile_steps, loras
+    )
 
 
 @contextlib.contextmanager
@@ -356,18 +374,47 @@ def uniform_routing(preset: str) -> Iterator[None]:
 def bench_model(name: str, work: Workload, args: argparse.Namespace, bw: float) -> ModelResult:
     bytes_ = model_bytes(name, args.quantization, args.kv_cache_dtype)
     step = step_bytes(bytes_, work.num_requests, work.mean_context)
-    result = ModelResult(name, bytes_.weights, step, work.num_requests * bw / step, 1e3 * step / bw)
-    for path in args.paths:
-        started = time.perf_counter()
-        try:
-            with routing(name, args, bytes_):
-                result.runs.append(BENCHES[path](name, work, args))
-        except Exception as exc:  # one failed path must not lose the others' figures
-            result.errors.append(f"{path}: {type(exc).__name__}: {exc}")
-            print(f"[{name}] {path} failed: {exc!r}", flush=True)
-        free_device_memory()
-        print(f"[{name}] {path} done in {time.perf_counter() - started:.1f} s", flush=True)
+    label = f"{name} + {args.lora} LoRA (rank {args.lora_rank})" if args.lora else name
+    roofline = work.num_requests * bw / step
+    result = ModelResult(label, bytes_.weights, step, roofline, 1e3 * step / bw)
+    with adapters(name, args) as loras:
+        for path in args.paths:
+            bench_path(name, path, replace(work, loras=loras), args, bytes_, result)
     return result
+
+
+@contextlib.contextmanager
+def adapters(name: str, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
+    """--lora's random adapters of preset ``name`` in a temporary folder, as LoraRefs."""
+    if not args.lora:
+        yield ()
+        return
+    from benchmarks.lora_adapters import model_config, write_random_adapters
+    from protocol.messages import LoraRef
+
+    with tempfile.TemporaryDirectory(prefix="tandem-lora-") as tmp:
+        folders = write_random_adapters(model_config(name), Path(tmp), args.lora, args.lora_rank)
+        yield tuple(LoraRef(lora, str(folder)) for lora, folder in folders.items())
+
+
+def bench_path(
+    name: str,
+    path: str,
+    work: Workload,
+    args: argparse.Namespace,
+    bytes_: ModelBytes,
+    result: ModelResult,
+) -> None:
+    """One path's run into ``result`` (its error instead, where it fails)."""
+    started = time.perf_counter()
+    try:
+        with routing(name, args, bytes_):
+            result.runs.append(BENCHES[path](name, work, args))
+    except Exception as exc:  # one failed path must not lose the others' figures
+        result.errors.append(f"{path}: {type(exc).__name__}: {exc}")
+        print(f"[{name}] {path} failed: {exc!r}", flush=True)
+    free_device_memory()
+    print(f"[{name}] {path} done in {time.perf_counter() - started:.1f} s", flush=True)
 
 
 BENCHES = {"inproc": bench_inproc, "zmq": bench_zmq}
@@ -458,6 +505,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="in process: after the run, its shape again under torch.profiler, the prompt steps "
         "and N decode steps apart; prints the top kernels of each (default: off)",
     )  # fmt: skip
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="N",
+        help="in process: N random LoRA adapters (peft's layout), the requests spread over them "
+        "in turn (default: none)",
+    )  # fmt: skip
+    parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default: 16)")
     parser.add_argument("--engine-start-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--json", type=Path, help="write the provenance and figures here")
 
@@ -472,6 +525,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--paths takes {' and/or '.join(PATHS)}, not {args.paths}")
     if args.profile_steps and "inproc" not in args.paths:
         raise SystemExit("--profile-steps profiles the in-process engine: give --paths inproc")
+    if args.lora and "zmq" in args.paths:
+        raise SystemExit("--lora runs the in-process engine: give --paths inproc")
+    if args.lora < 0:
+        raise SystemExit(f"--lora takes a number of adapters, not {args.lora}")
     if args.routing == "uniform" and "zmq" in args.paths:
         raise SystemExit("--routing uniform hooks this process's model: give --paths inproc")
 

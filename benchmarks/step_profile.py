@@ -41,15 +41,17 @@ class PhaseProfile:
 
 def profile_phases(
     core: Any, device: Any, prompts: list[list[int]], params: Any, decode_steps: int,
-    top: int = 15,
+    loras: list[Any] | None = None, top: int = 15,
 ) -> list[PhaseProfile]:  # fmt: skip
-    """Add ``prompts`` at once; profile the steps until every one has its first token, then
-    ``decode_steps`` more; step the rest to completion unprofiled (their blocks come back)."""
+    """Add ``prompts`` at once (prompt i with adapter ``loras[i]``, a LoraRef or None);
+    profile the steps until every one has its first token, then ``decode_steps`` more; step
+    the rest to completion unprofiled (their blocks come back)."""
     from engine_core.request import Request
 
     waiting = {f"profile-{i}" for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):
-        core.add_request(Request(f"profile-{i}", prompt, params))
+        lora = loras[i] if loras else None
+        core.add_request(Request(f"profile-{i}", prompt, params, lora=lora))
 
     def prompt_step() -> bool:
         for out in core.step():

@@ -62,6 +62,35 @@ def test_decode_on_the_cpu_both_paths(tmp_path: Path) -> None:
     assert model["runs"][1]["profile"] == []  # the zmq path is not profiled
 
 
+def test_decode_in_process_with_lora_adapters() -> None:
+    """--lora: the engine serves the random adapters, the requests take them in turn (each
+    folder read once, both in slots), and every request runs to its last token."""
+    from benchmarks.__main__ import parse
+    from benchmarks.decode import Workload, adapters, check_args, engine_config, run_inproc
+    from engine_core.core import EngineCore
+
+    args = parse(["decode", "--device", "cpu", "--models", "smollm2-135m", "--paths", "inproc",
+                  "--lora", "2", "--lora-rank", "8"])  # fmt: skip
+    check_args(args)
+    with adapters("smollm2-135m", args) as loras:
+        assert [ref.name for ref in loras] == ["lora0", "lora1"]
+        work = Workload(3, 8, 4, loras=loras)
+        assert [work.lora(i).name for i in range(3)] == ["lora0", "lora1", "lora0"]
+        assert work.warmup().loras == loras
+        config = engine_config("smollm2-135m", work, args)
+        assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 2, 8)
+        core = EngineCore(config)
+        try:
+            run = run_inproc(core, work, core.model_config.vocab_size, "lora")
+            assert core.runner.loras.reads == 2
+            assert sorted(core.runner.loras.resident()) == ["lora0", "lora1"]
+        finally:
+            core.shutdown()
+    assert run.output_tokens == 3 * 4
+    with pytest.raises(SystemExit, match="--paths inproc"):
+        check_args(parse(["decode", "--lora", "2"]))
+
+
 def test_serving_driver_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     argv = ["serving", "--model", str(tiny_model_dir), "--workloads", "4:16:4,2:16:1:1",
             "--max-model-len", "512", "--port", str(free_port()), "--out-dir", str(tmp_path),

@@ -357,9 +357,8 @@ DECODE_ROWS = 64
 # The sweep's fastest choice (`python -m benchmarks gemm --sweep`) by (row bucket, N, K): tiles,
 # or None where cuBLASLt's _int_mm won. Measured at llama-8b's four projections: 256 rows by
 # `gemm --rows 256,2048 --sweep --budget 100`, 2,048 and 8,192 (a full prefill step) by
-# `gemm --rows 2048,8192 --sweep --budget 240` (the warp-specialized kernel won every shape; µs in
-# docs/bench-logs/2026-12-04-h200-w8a8-prefill-beside-vllm.log); shapes and buckets it does not
-# hold take ``rule_tiles``.
+# `gemm --rows 2048,8192 --sweep --budget 240` (the warp-specialized kernel won every shape);
+# shapes and buckets it does not hold take ``rule_tiles``.
 MEASURED: dict[tuple[int, int, int], Tiles | None] = {
     (256, 4096, 4096): Tiles(64, 128, 128, warps=4, stages=4, group_m=8, split_k=1, tma=False),
     (2048, 4096, 4096): Tiles(128, 256, 128, stages=3, tma=True, persistent=True, ws=True),
