@@ -45,14 +45,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.report import Provenance, fmt, format_table, percentile, write_json
 from benchmarks.roofline import ModelBytes, measure_bandwidth, model_bytes, step_bytes
 from benchmarks.servers import server_env, tandem_command
 
+if TYPE_CHECKING:
+    from protocol.messages import LoraRef
+
 PATHS = ("inproc", "zmq")
 BLOCK_SIZE = 16
+DEFAULT_LORA_RANK = 16
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class Workload:
     prompt_len: int
     output_len: int
     seed: int = 0
-    loras: tuple[Any, ...] = ()  # LoraRef: request i takes loras[i % len]; none: the base model
+    loras: tuple[LoraRef, ...] = ()  # request i takes loras[i % len]; none: the base model
 
     def prompts(self, vocab: int) -> list[list[int]]:
         rng = random.Random(self.seed)
@@ -81,7 +85,7 @@ class Workload:
         """The same batch and prompt length, a few output tokens, other prompts."""
         return replace(self, output_len=min(16, self.output_len), seed=self.seed + 1)
 
-    def lora(self, index: int) -> Any:
+    def lora(self, index: int) -> LoraRef | None:
         """Request ``index``'s adapter (a LoraRef), or None for the base model."""
         return self.loras[index % len(self.loras)] if self.loras else None
 
@@ -179,7 +183,7 @@ def engine_config(name: str, work: Workload, args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
         enable_lora=bool(work.loras),
         max_loras=max(1, len(work.loras)),
-        max_lora_rank=args.lora_rank,
+        max_lora_rank=lora_rank(args),
         **{k: v for k, v in optional.items() if v is not None},
     )
 
@@ -374,17 +378,27 @@ def uniform_routing(preset: str) -> Iterator[None]:
 def bench_model(name: str, work: Workload, args: argparse.Namespace, bw: float) -> ModelResult:
     bytes_ = model_bytes(name, args.quantization, args.kv_cache_dtype)
     step = step_bytes(bytes_, work.num_requests, work.mean_context)
-    label = f"{name} + {args.lora} LoRA (rank {args.lora_rank})" if args.lora else name
+    label = f"{name} + {args.lora} LoRA (rank {lora_rank(args)})" if args.lora else name
     roofline = work.num_requests * bw / step
     result = ModelResult(label, bytes_.weights, step, roofline, 1e3 * step / bw)
-    with adapters(name, args) as loras:
+    with contextlib.ExitStack() as stack:
+        try:
+            loras = stack.enter_context(adapters(name, args))
+        except Exception as exc:  # the other models' figures are still printed
+            result.errors.append(f"--lora adapters: {type(exc).__name__}: {exc}")
+            print(f"[{name}] writing the adapters failed: {exc!r}", flush=True)
+            return result
         for path in args.paths:
             bench_path(name, path, replace(work, loras=loras), args, bytes_, result)
     return result
 
 
+def lora_rank(args: argparse.Namespace) -> int:
+    return args.lora_rank if args.lora_rank is not None else DEFAULT_LORA_RANK
+
+
 @contextlib.contextmanager
-def adapters(name: str, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
+def adapters(name: str, args: argparse.Namespace) -> Iterator[tuple[LoraRef, ...]]:
     """--lora's random adapters of preset ``name`` in a temporary folder, as LoraRefs."""
     if not args.lora:
         yield ()
@@ -393,7 +407,7 @@ def adapters(name: str, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
     from protocol.messages import LoraRef
 
     with tempfile.TemporaryDirectory(prefix="tandem-lora-") as tmp:
-        folders = write_random_adapters(model_config(name), Path(tmp), args.lora, args.lora_rank)
+        folders = write_random_adapters(model_config(name), Path(tmp), args.lora, lora_rank(args))
         yield tuple(LoraRef(lora, str(folder)) for lora, folder in folders.items())
 
 
@@ -510,7 +524,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="in process: N random LoRA adapters (peft's layout), the requests spread over them "
         "in turn (default: none)",
     )  # fmt: skip
-    parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default: 16)")
+    parser.add_argument("--lora-rank", type=int, help=f"their rank (default: {DEFAULT_LORA_RANK})")
     parser.add_argument("--engine-start-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--json", type=Path, help="write the provenance and figures here")
 
@@ -525,10 +539,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--paths takes {' and/or '.join(PATHS)}, not {args.paths}")
     if args.profile_steps and "inproc" not in args.paths:
         raise SystemExit("--profile-steps profiles the in-process engine: give --paths inproc")
-    if args.lora and "zmq" in args.paths:
-        raise SystemExit("--lora runs the in-process engine: give --paths inproc")
     if args.lora < 0:
         raise SystemExit(f"--lora takes a number of adapters, not {args.lora}")
+    if args.lora_rank is not None and (not args.lora or args.lora_rank < 1):
+        raise SystemExit(f"--lora-rank {args.lora_rank}: a rank of 1 or more, with --lora N")
+    if args.lora and "zmq" in args.paths:
+        raise SystemExit("--lora runs the in-process engine: give --paths inproc")
     if args.routing == "uniform" and "zmq" in args.paths:
         raise SystemExit("--routing uniform hooks this process's model: give --paths inproc")
 

@@ -197,9 +197,10 @@ def add_lora_flags(args: argparse.Namespace, out_dir: Path) -> list[str]:
     return ["--model", ",".join(folders)]
 
 
-# vLLM's view of Tandem's random W4A16 weights (quant_config.random_weights_config: groups of
-# 128, zero points, for every preset whose inputs 128 divides): the checkpoint config its dummy
-# loader builds the same layers from, and the kernel it is asked to run them with.
+# vLLM's view of Tandem's random quantized weights (quant_config.random_weights_config): AWQ's
+# groups of 128 with zero points (for every preset whose inputs 128 divides), or W8A8's int8
+# rows and per-token activations; the checkpoint config its dummy loader builds the same layers
+# from, and the method it is asked to run them with.
 PEER_QUANTIZATION = {
     "awq": (
         {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,

@@ -14,9 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.report import fmt, format_table
+
+if TYPE_CHECKING:
+    from protocol.messages import LoraRef
 
 NAME_WIDTH = 90  # kernel names are C++ templates: the head says which kernel it is
 
@@ -41,7 +44,7 @@ class PhaseProfile:
 
 def profile_phases(
     core: Any, device: Any, prompts: list[list[int]], params: Any, decode_steps: int,
-    loras: list[Any] | None = None, top: int = 15,
+    loras: list[LoraRef | None] | None = None, top: int = 15,
 ) -> list[PhaseProfile]:  # fmt: skip
     """Add ``prompts`` at once (prompt i with adapter ``loras[i]``, a LoraRef or None);
     profile the steps until every one has its first token, then ``decode_steps`` more; step

@@ -82,3 +82,11 @@ def test_flags_are_checked_before_anything_runs() -> None:
     with pytest.raises(SystemExit, match="--paths inproc"):
         check_args(args("--models", "qwen3-30b-a3b", "--routing", "uniform"))
     check_args(args("--models", "qwen3-30b-a3b", "--routing", "uniform", "--paths", "inproc"))
+    with pytest.raises(SystemExit, match="--lora takes a number"):
+        check_args(args("--lora", "-1", "--paths", "inproc"))
+    with pytest.raises(SystemExit, match="--lora-rank 8: .* with --lora N"):
+        check_args(args("--lora-rank", "8", "--paths", "inproc"))  # a rank, but no adapters
+    with pytest.raises(SystemExit, match="--lora-rank 0"):
+        check_args(args("--lora", "2", "--lora-rank", "0", "--paths", "inproc"))
+    with pytest.raises(SystemExit, match="--paths inproc"):
+        check_args(args("--lora", "2"))

@@ -82,8 +82,7 @@ def test_serving_w8a8_gives_vllm_the_scheme_tandem_runs(
     that --quantization w8a8 quantizes a plain checkpoint to (int8 rows, per-token int8
     activations), and vLLM is told to read it as compressed-tensors."""
     from engine_core.config import Int8Config, is_ignored
-    from engine_core.models.quant_config import quant_config_from_hf, random_weights_config
-    from engine_core.presets import PRESETS
+    from engine_core.models.quant_config import quant_config_from_hf
 
     args = parse(["prefill", "--model", "llama-8b", "--quantization", "w8a8",
                   "--vllm-python", "python3"])  # fmt: skip
@@ -91,8 +90,7 @@ def test_serving_w8a8_gives_vllm_the_scheme_tandem_runs(
     serving.add_quantization_flags(args, model_dir)
     peer = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     read = quant_config_from_hf({"quantization_config": peer})
-    ours = random_weights_config("w8a8", PRESETS["llama-8b"])
-    assert isinstance(read, Int8Config) and isinstance(ours, Int8Config)
+    assert isinstance(read, Int8Config)
     assert read.source == "compressed-tensors" and read.prequantized
     assert is_ignored("lm_head", read) and not is_ignored("model.layers.0.mlp.down_proj", read)
     tandem, vllm = serving.build_servers(args, model_dir)

@@ -201,6 +201,25 @@ def test_the_sweeps_prefill_grid_offers_the_persistent_forms_first_and_reprs_rou
     assert describe(PERSISTENT_WS).endswith(" tma persistent ws")
 
 
+def test_the_sweeps_table_lines_paste_into_measured_within_the_line_length() -> None:
+    """measured_table's lines: the fastest tiles per (bucket, N, K), or None where cuBLASLt
+    won, each within ruff's 100 columns, and together a dict literal equal to those choices."""
+    from benchmarks.gemm import measured_table
+
+    slow = kernels.Tiles(64, 128, 128, stages=4)
+    results = [
+        {"n": 28672, "k": 4096, "rows": 8192, "form": "w8a8 cuBLASLt", "tiles": None, "us": 9.0},
+        {"n": 28672, "k": 4096, "rows": 8192, "form": "w8a8", "tiles": PERSISTENT_WS, "us": 5.0},
+        {"n": 28672, "k": 4096, "rows": 8192, "form": "w8a8", "tiles": slow, "us": 7.0},
+        {"n": 4096, "k": 4096, "rows": 1, "form": "w8a8 cuBLASLt", "tiles": None, "us": 2.0},
+        {"n": 4096, "k": 4096, "rows": 1, "form": "w8a8", "tiles": slow, "us": 3.0},
+    ]
+    lines = measured_table(results)
+    assert all(len(line) <= 100 for line in lines), lines
+    table = eval("{" + "\n".join(lines) + "}", {"Tiles": kernels.Tiles})
+    assert table == {(8192, 28672, 4096): PERSISTENT_WS, (1, 4096, 4096): None}
+
+
 @pytest.mark.parametrize(("split", "tma"), [(1, False), (4, False), (1, True)])
 def test_the_accumulation_is_integer_past_float32s_integers(split: int, tma: bool) -> None:
     """Sums beyond 2**24 (where float32 loses integers), scales of 1 and a float32 output: the
