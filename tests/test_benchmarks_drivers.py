@@ -174,3 +174,19 @@ def test_a_checkpoint_is_refused_where_it_cannot_be_written(
     with pytest.raises(SystemExit, match=named):
         serving.served_model(args, tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_vllm_cpu_reads_the_converted_folder_without_the_kept_gguf_blocks(tmp_path: Path) -> None:
+    """vLLM loads every safetensors file in its folder, and the kept blocks carry the float
+    tensors' names in packed rows: its folder links every other file of the conversion."""
+    from engine_core.model_dir import GGUF_BLOCKS_FILE
+
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    names = ["config.json", "model.safetensors", "tokenizer.json", GGUF_BLOCKS_FILE]
+    for name in names:
+        (converted / name).write_text(name)
+    folder = cpu.float_folder(converted, tmp_path / "out")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names[:3])
+    assert all((folder / n).read_text() == n for n in names[:3])
+    assert cpu.float_folder(converted, tmp_path / "out") == folder  # a second run reuses it
