@@ -59,16 +59,19 @@ def build_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
 
 def float_folder(converted: Path, out_dir: Path) -> Path:
     """A folder that links every file of the default model's converted folder but the kept
-    GGUF blocks (engine_core/model_dir.py GGUF_BLOCKS_FILE): the float weights, config and
-    tokenizer vLLM reads. Its packed rows carry the float tensors' names."""
+    GGUF blocks (engine_core/model_dir.py GGUF_BLOCKS_FILE), whose packed rows carry the float
+    tensors' names: the float weights, config and tokenizer vLLM reads. A reused --out-dir's
+    links are pointed at this conversion's files."""
     from engine_core.model_dir import GGUF_BLOCKS_FILE
 
     folder = out_dir / "default-float"
     folder.mkdir(parents=True, exist_ok=True)
     for file in converted.iterdir():
+        if file.name == GGUF_BLOCKS_FILE:
+            continue
         link = folder / file.name
-        if file.name != GGUF_BLOCKS_FILE and not link.exists():
-            link.symlink_to(file.resolve())
+        link.unlink(missing_ok=True)
+        link.symlink_to(file.resolve())
     return folder
 
 

@@ -190,3 +190,9 @@ def test_vllm_cpu_reads_the_converted_folder_without_the_kept_gguf_blocks(tmp_pa
     assert sorted(p.name for p in folder.iterdir()) == sorted(names[:3])
     assert all((folder / n).read_text() == n for n in names[:3])
     assert cpu.float_folder(converted, tmp_path / "out") == folder  # a second run reuses it
+    newer = tmp_path / "newer"  # another conversion (the cache key changed): links follow it
+    newer.mkdir()
+    for name in names:
+        (newer / name).write_text(f"new {name}")
+    assert cpu.float_folder(newer, tmp_path / "out") == folder
+    assert all((folder / n).read_text() == f"new {n}" for n in names[:3])
