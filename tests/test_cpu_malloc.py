@@ -8,10 +8,17 @@ may already hold an engine that set them.
 from __future__ import annotations
 
 import ctypes.util
+import gc
 import subprocess
 import sys
+import weakref
 
+import numpy as np
 import pytest
+from PIL import Image
+
+from engine_core.model_dir import tokenizer_dir_for_preset
+from frontend.vision import VisionProcessor
 
 # Minor page faults per round of the torch RMSNorm at a 2,048-row prefill chunk of the default
 # model (its temporaries are 4.7 MB each), after a warm-up: the fewer of two windows of 50
@@ -112,3 +119,22 @@ def test_the_api_process_reuses_an_images_memory() -> None:
     returned, kept = faults_both(IMAGE_FAULTS_SCRIPT)
     assert returned >= WIRE_PAGES / 8
     assert kept < WIRE_PAGES / 100
+
+
+def test_a_processed_image_is_freed_by_its_last_reference() -> None:
+    # An image in a reference cycle keeps its pixels and their wire copy (37 MB at 1024 x 1024)
+    # until the cyclic collector runs, which may be dozens of images later: the heap grows by
+    # each of them meanwhile, and the kept heap above is faulted in afresh as it does. With the
+    # collector off, the image must go with its last reference.
+    processor = VisionProcessor.load(tokenizer_dir_for_preset("qwen2.5-vl-7b"), "bfloat16")
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    gc.disable()
+    try:
+        processed = processor.process([Image.fromarray(pixels)], ["messages[0].content[0]"])[0]
+        processed.prepare_wire()
+        assert processed.pieces() == [processed]
+        gone = weakref.ref(processed)
+        del processed
+        assert gone() is None
+    finally:
+        gc.enable()
