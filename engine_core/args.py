@@ -105,7 +105,8 @@ _HELP = {
     "with all-to-alls (attention stays tensor-parallel); no CUDA graphs with it for now "
     "(docs/design/multi-node.md)",
     "dist_timeout": "seconds node 0 waits for the other nodes to join, and a node waits for node "
-    "0 (at start, and after node 0's engine ends, for its restart) before giving up",
+    "0 (at start, and after node 0's engine dies, for its restart) before giving up; node 0 "
+    "stopped by a signal tells the nodes, which exit with it",
 }
 
 

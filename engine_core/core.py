@@ -402,6 +402,10 @@ class EngineCore:
             if lps is not None and lps[-1] is not None and out.new_token_ids:
                 out.logprobs = lps[: len(out.new_token_ids)]
 
+    def announce_stop(self) -> None:
+        """This engine stops for good: no restart follows (ModelRunner.announce_stop)."""
+        self.runner.announce_stop()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
         self.runner.shutdown()

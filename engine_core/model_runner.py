@@ -711,6 +711,10 @@ class ModelRunner:
         """A step raised ``error``. One process can go on (the server fails the step's requests);
         a tensor-parallel rank 0 cannot, and ends its process (tp_runner.py)."""
 
+    def announce_stop(self) -> None:
+        """The engine stops for good (a signal; no restart follows): tell whoever would wait
+        for its next start (other nodes: tp_runner.py). Nothing here."""
+
     def shutdown(self) -> None:
         """Release what outlives the object (tensor-parallel workers; here the LoRA reader)."""
         if self.loras is not None:

@@ -22,7 +22,9 @@ the same network path can still read or disturb it. See docs/security.md.
 While the engine runs, each node's launcher beats (a counter in the store, every BEAT_S) and
 reports a rank of its own that died; node 0 watches both (``NodeWatch``) and ends its process
 when a node is lost, as for a lost local worker. Nodes R > 0 see node 0 go through their store
-connection, and their ranks through their collectives' connections.
+connection, and their ranks through their collectives' connections. Node 0 stopping for good
+(a signal, not a death that `tandem serve` follows with a restart) says so in the store first,
+and each node exits with it instead of waiting --dist-timeout for an engine that will not come.
 """
 
 from __future__ import annotations
@@ -56,10 +58,13 @@ _VERDICT_KEY = "tandem/node{}/verdict"
 _READ_KEY = "tandem/node{}/verdict_read"
 _LOST_KEY = "tandem/node{}/lost"
 _BEAT_KEY = "tandem/node{}/beat"
+_STOPPED_KEY = "tandem/stopped"
+_STOPPED_READ_KEY = "tandem/node{}/stopped_read"
 BEAT_S = 1.0  # a node's heartbeat period
 SILENT_AFTER_S = 15.0  # a node with no heartbeat for this long is lost
 _POLL_S = 0.05
 _REFUSAL_READ_S = 5.0  # node 0 waits this long for a refused node to read why, then exits
+_STOP_READ_S = 3.0  # node 0 stopping for good waits this long for the nodes to read it (beats)
 MIN_SECRET_BYTES = 16
 # Flags that may differ between nodes: each node's own place, and where it keeps the secret
 # (the secret's contents are checked through the proof).
@@ -254,6 +259,20 @@ class NodeWatch:
         with self._lock:
             return self._lost()
 
+    def announce_stop(self) -> None:
+        """Tell the other nodes that this engine stops for good, and give them up to
+        _STOP_READ_S (a few of their heartbeats) to read it before the ranks are stopped. A
+        node that did not read it in time waits for a next engine as after a death."""
+        keys = [_STOPPED_READ_KEY.format(node) for node in self.nodes]
+        deadline = time.monotonic() + _STOP_READ_S
+        with self._lock:
+            try:
+                self.store.set(_STOPPED_KEY, b"1")
+                while not self.store.check(keys) and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)
+            except RuntimeError as exc:  # a node's store client may have broken it off
+                logger.warning("could not tell the other nodes that the engine stops: %s", exc)
+
     def _lost(self) -> str | None:
         now = time.monotonic()
         for node in self.nodes:
@@ -332,6 +351,14 @@ class JoinedSession:
     def beat(self, node: int) -> None:
         """One heartbeat; raises (torch.distributed's RuntimeError) once node 0 is gone."""
         self.store.add(_BEAT_KEY.format(node), 1)
+
+    def stop_announced(self, node: int) -> bool:
+        """Whether node 0 said its engine stops for good (NodeWatch.announce_stop), read back
+        to it if so; raises (torch.distributed's RuntimeError) once node 0 is gone."""
+        if not self.store.check([_STOPPED_KEY]):
+            return False
+        self.store.set(_STOPPED_READ_KEY.format(node), b"1")
+        return True
 
     def report_lost(self, node: int, why: str) -> None:
         """Tell node 0 that one of this node's ranks died (best effort: it may be gone too)."""

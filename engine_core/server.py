@@ -115,6 +115,8 @@ class EngineServer:
         self.out_sock: Any = None  # the output ROUTER, bound in run(); only the busy loop sends
         self.clients: set[bytes] = set()
         self.running = True
+        # Set with running = False where no restart will follow: a signal, or the parent gone.
+        self.stopped_for_good = False
         # Written by the busy loop only: True while it blocks on an empty inbox.
         self.waiting_for_work = False
         self._last_heartbeat = 0.0
@@ -193,6 +195,7 @@ class EngineServer:
         else:
             return
         logger.error("parent process %d is gone: stopping", self.parent_pid)
+        self.stopped_for_good = True
         self.running = False
         self.inbox.put((b"", _Wake()))
         time.sleep(PARENT_GRACE_S)
@@ -541,6 +544,8 @@ def run(args: argparse.Namespace) -> int:
     except SocketFailed as exc:
         logger.critical("%s: the engine process exits", exc)
         return 1
+    if proc.stopped_for_good:
+        proc.core.announce_stop()
     return 0
 
 
@@ -587,6 +592,7 @@ def _server_keys(args: argparse.Namespace) -> CurveServerKeys | None:
 def _stop_on_signals(proc: EngineServer) -> None:
     def stop(signum: int, _frame: object) -> None:
         logger.info("signal %d: stopping", signum)
+        proc.stopped_for_good = True
         proc.running = False
 
     signal.signal(signal.SIGTERM, stop)

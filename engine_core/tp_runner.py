@@ -364,6 +364,11 @@ class TPModelRunner(_ShardedRunner):
         if self.stage.size == 1:
             self.tp.broadcast_from_driver(token_ids)
 
+    def announce_stop(self) -> None:
+        """Other nodes exit with this engine instead of waiting for its restart."""
+        if self.watch is not None and self.watch.nodes is not None:
+            self.watch.nodes.announce_stop()
+
     def shutdown(self) -> None:
         """Stop the workers and leave the group (idempotent; also runs at interpreter exit)."""
         self._finalizer()

@@ -3,10 +3,11 @@
 No API and no engine sockets: the launcher joins node 0's rendezvous (engine_core/nodes.py),
 spawns the ranks R*k..R*k+k-1 as tensor-parallel workers (engine_core/tp_runner.py, the same
 workers node 0 spawns for its own ranks), beats every second and watches them. When they end
-(node 0 stopped them, or lost, or one of them died) it goes back to the rendezvous and waits up
-to --dist-timeout for node 0's next engine: `tandem serve` on node 0 restarts a dead engine
-core, and this node follows it. It exits when node 0 does not come back in that time (1), when
-node 0 refuses it (2: a restart would be refused again), or on SIGTERM / SIGINT (0).
+(node 0 lost, or one of them died) it goes back to the rendezvous and waits up to --dist-timeout
+for node 0's next engine: `tandem serve` on node 0 restarts a dead engine core, and this node
+follows it. It exits when node 0 stops for good (0: it says so first), when node 0 does not
+come back in that time (1), when node 0 refuses it (2: a restart would be refused again), or on
+SIGTERM / SIGINT (0).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def serve_node(config: EngineConfig) -> int:
             break  # stopped while waiting
         logger.info("node %d admitted by %s: running ranks %s", config.node_rank, where,
                     list(layout.ranks))  # fmt: skip
-        run_ranks(config, layout, joined, stop)
+        if run_ranks(config, layout, joined, stop):
+            logger.info("node 0 stopped its engine for good: node %d exits", config.node_rank)
+            return 0
         last = joined.session
     return 0
 
@@ -80,27 +83,34 @@ def join_until(
 
 def run_ranks(
     config: EngineConfig, layout: NodeLayout, joined: JoinedSession, stop: threading.Event
-) -> None:
-    """This node's ranks for one engine, until they end, node 0 is gone, or we are stopped."""
+) -> bool:
+    """This node's ranks for one engine, until they end, node 0 is gone, or we are stopped;
+    whether node 0 said first that its engine stops for good."""
     node = config.node_rank
     workers = spawn_workers(config, config.master_port, layout.ranks)
     last_beat = 0.0
+    for_good = False
     try:
         while not stop.wait(_WATCH_POLL_S):
             dead = next((p for p in workers if p.exitcode is not None), None)
             if dead is not None:
-                if dead.exitcode != 0:
+                if dead.exitcode != 0 and not for_good:
                     why = f"tensor-parallel worker {dead.name} exited with {dead.exitcode}"
                     logger.error("node %d: %s", node, why)
                     joined.report_lost(node, why)
-                return
+                return for_good
             if time.monotonic() - last_beat >= BEAT_S:
                 last_beat = time.monotonic()
                 try:
                     joined.beat(node)
+                    for_good = for_good or joined.stop_announced(node)
                 except RuntimeError as exc:
-                    logger.error("node 0 is gone (%s): stopping this node's ranks", first_line(exc))
-                    return
+                    if not for_good:
+                        logger.error(
+                            "node 0 is gone (%s): stopping this node's ranks", first_line(exc)
+                        )
+                    return for_good
+        return for_good
     finally:
         # Ranks of a lost engine may wait in a collective that will never complete.
         stop_processes(workers, timeout=_STOP_TIMEOUT_S)

@@ -159,8 +159,16 @@ def test_two_ranks_on_each_of_two_nodes_serve_hf_tokens(tmp_path: Path) -> None:
             got = collect(client, {f"r{i}" for i in range(len(PROMPTS))})
             assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
             assert len(children_running_spawn(node0.proc.pid)) == 1
-            assert len(children_running_spawn(node1.proc.pid)) == 2
+            ranks = children_running_spawn(node1.proc.pid)
+            assert len(ranks) == 2
         assert "running ranks [2, 3]" in node1.text()
+        # A user's SIGTERM to node 0 stops it for good: node 1 and its ranks exit with it
+        # (without the word, node 1 would wait --dist-timeout for a restart).
+        node0.proc.terminate()
+        assert node0.wait(timeout=60) == 0
+        assert node1.wait(timeout=DIST_TIMEOUT_S / 2) == 0
+        wait_gone(ranks, timeout=10)
+        assert "node 0 stopped its engine for good: node 1 exits" in node1.text()
 
 
 @pytest.mark.slow
@@ -406,8 +414,9 @@ def test_serve_restarts_an_engine_that_lost_a_node_and_the_request_resumes(
             assert client.completions.create(**request).choices[0].text == reference
         finally:
             stop_server(srv)
-        # Node 0 stopped for good: node 1 outlives it by --dist-timeout at most.
-        assert node1.wait(timeout=DIST_TIMEOUT_S + 60) == 1
+        # Node 0 stopped for good and said so: node 1 exits with it, well before --dist-timeout.
+        assert node1.wait(timeout=DIST_TIMEOUT_S / 2) == 0
+        assert "node 0 stopped its engine for good: node 1 exits" in node1.text()
     finally:
         node1.stop()
 
