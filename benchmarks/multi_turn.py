@@ -14,8 +14,11 @@ prompt, every earlier user message with the server's reply, and a new random use
 reply and user message; turn 1 shares the system prompt with every other conversation.
 
 The table: each server's turns per second, output and prompt tok/s (the prompt tokens each
-server counted, cached ones included), TTFT p50 and p99 and TPOT p50, and Tandem's advantage
-on each (vLLM's benchmarks/multi_turn measures the same turns over the same route).
+server counted, cached ones included), TTFT p50 and p99 and TPOT p50, TTFT p50 of the
+conversations' first turns and of their later ones, and the share of prompt tokens its prefix
+cache served (its own counters, vLLM's prefix_cache_hits over prefix_cache_queries, over the
+warm-up and the reported runs), and Tandem's advantage on each (vLLM's benchmarks/multi_turn
+measures the same turns over the same route).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ MULTI_TURN_METRICS = (
     Metric("TTFT p50 ms", "ttft_p50_ms", ",.1f", False),
     Metric("TTFT p99 ms", "ttft_p99_ms", ",.1f", False),
     Metric("TPOT p50 ms", "tpot_p50_ms", ".2f", False),
+    Metric("TTFT p50 turn 1 ms", "ttft_first_turn_p50_ms", ",.1f", False),
+    Metric("TTFT p50 later turns ms", "ttft_later_turns_p50_ms", ",.1f", False),
+    Metric("prefix-cache hits", "prefix_cache_hit_rate", ".1%", True),
 )
 TEMPLATE_TOKENS_PER_MESSAGE = 8  # a chat template's role markers, room kept in the length check
 

@@ -70,6 +70,9 @@ class LoadShape(Protocol):
     @property
     def backend(self) -> str: ...
 
+    # Whether the table reports each server's prefix-cache hit rate over the workload.
+    reads_prefix_cache: ClassVar[bool]
+
     def loadgen_args(self) -> list[str]: ...
 
 
@@ -83,6 +86,7 @@ class Workload:
     output_len: int
     max_concurrency: int | None = None
     backend: ClassVar[str] = "openai-completions"
+    reads_prefix_cache: ClassVar[bool] = False
 
     @classmethod
     def parse(cls, text: str) -> Workload:
@@ -124,6 +128,7 @@ class PoissonWorkload:
     slo: Slo | None = None
     seed: int | None = None
     backend: ClassVar[str] = "openai-completions"
+    reads_prefix_cache: ClassVar[bool] = False
 
     @property
     def label(self) -> str:
@@ -154,6 +159,7 @@ class ConversationWorkload:
     output_len: LenRange
     rate: float = math.inf
     backend: str = "openai-chat"
+    reads_prefix_cache: ClassVar[bool] = True
 
     @property
     def label(self) -> str:
@@ -457,6 +463,59 @@ def run_loadgen(
     if failed:
         raise RuntimeError(f"{failed} requests failed: {summaries[-1]['errors']}")
     return summaries
+
+
+# ---- a server's counters ------------------------------------------------------------------------
+
+# Tandem's API process takes the engine's counters once a second (frontend/app.py
+# stats_interval_s): a batch that ends within a second of its scrape was not counted yet
+# (llama-1b's batch of one took 0.4 s on the GPU and showed no drafts).
+METRICS_SETTLE_S = 2.5
+# Prompt tokens looked up in, and found in, the prefix cache: vLLM's names, which Tandem
+# exports under its own (and under vLLM's with --metrics-name-alias vllm).
+PREFIX_COUNTERS = {
+    "queries": ("tandem_prefix_cache_queries", "vllm:prefix_cache_queries"),
+    "hits": ("tandem_prefix_cache_hits", "vllm:prefix_cache_hits"),
+}
+
+
+def counter_totals(text: str, counters: dict[str, tuple[str, ...]]) -> dict[str, float]:
+    """Each key's counters, summed over their names and labels, in a Prometheus exposition
+    (zero where a server has none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    # By sample name: the parser groups a counter's samples under its family only sometimes.
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return {
+        key: sum(totals.get(f"{name}_total", 0.0) for name in names)
+        for key, names in counters.items()
+    }
+
+
+def scrape_counters(
+    server: Server, counters: dict[str, tuple[str, ...]]
+) -> dict[str, float] | None:
+    """counter_totals of ``server``'s /metrics, once the last counts have reached it; None
+    where the server serves none (SGLang without --enable-metrics)."""
+    time.sleep(METRICS_SETTLE_S)
+    try:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as reply:
+            return counter_totals(reply.read().decode(), counters)
+    except OSError as exc:  # urllib's HTTPError (a 404) included
+        print(f"  {server.name}: no counters at /metrics ({exc})", flush=True)
+        return None
+
+
+def hit_rate(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Prefix-cache hits over queries between two PREFIX_COUNTERS totals (None: no queries,
+    or a server without counters)."""
+    if before is None or after is None:
+        return None
+    queries = after["queries"] - before["queries"]
+    return (after["hits"] - before["hits"]) / queries if queries > 0 else None
 
 
 # ---- model folders for peers --------------------------------------------------------------------

@@ -17,6 +17,7 @@ Each figure is from the reported run of median output tok/s (of two, the better)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import Provenance, fmt, format_table, ratio
-from benchmarks.servers import LoadShape, Server, run_loadgen, running, start, stop
+from benchmarks.servers import (
+    PREFIX_COUNTERS,
+    LoadShape,
+    Server,
+    hit_rate,
+    run_loadgen,
+    running,
+    scrape_counters,
+    start,
+    stop,
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,12 @@ class Figures:
     runs_output_tok_s: tuple[float, ...]  # every reported run, in order
     request_rate: float | None = None  # completed requests / s
     goodput: float | None = None  # requests meeting the run's SLO / s; None without one
+    # Multi-turn workloads: TTFT p50 of each conversation's first turn and of its later ones,
+    # and the server's prefix-cache hits over queries (in prompt tokens) over the workload's
+    # runs, its warm-up included (the same shape); None elsewhere.
+    ttft_first_turn_p50_ms: float | None = None
+    ttft_later_turns_p50_ms: float | None = None
+    prefix_cache_hit_rate: float | None = None
 
     @classmethod
     def of(cls, server: str, workload: LoadShape, summaries: list[dict[str, Any]]) -> Figures:
@@ -59,6 +76,8 @@ class Figures:
             runs_output_tok_s=tuple(x["output_throughput"] for x in summaries),
             request_rate=s.get("request_throughput"),
             goodput=s.get("goodput"),
+            ttft_first_turn_p50_ms=(s.get("ttft_first_turn") or {}).get("p50"),
+            ttft_later_turns_p50_ms=(s.get("ttft_later_turns") or {}).get("p50"),
         )
 
 
@@ -119,14 +138,19 @@ def attempt(
     loadgen_extra: list[str] | None, warmup_runs: int = 1,
 ) -> Figures | None:  # fmt: skip
     """One workload on a running server; None (and a line saying why) if it failed."""
+    counted = workload.reads_prefix_cache
     try:
+        before = scrape_counters(server, PREFIX_COUNTERS) if counted else None
         summaries = run_loadgen(
             server.url, workload, tokenizer, out, runs, warmup_runs, loadgen_extra
         )
+        after = scrape_counters(server, PREFIX_COUNTERS) if counted else None
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"  {server.name} {workload.label} failed: {exc}", flush=True)
         return None
     figures = Figures.of(server.name, workload, summaries)
+    if counted:
+        figures = dataclasses.replace(figures, prefix_cache_hit_rate=hit_rate(before, after))
     print(f"  {progress(figures)}", flush=True)
     return figures
 

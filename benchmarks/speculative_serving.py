@@ -38,9 +38,11 @@ from typing import Any
 from benchmarks.first_token import carries_token, sse_events
 from benchmarks.report import Provenance, fmt, format_table, parse_ints, ratio, write_json
 from benchmarks.servers import (
+    METRICS_SETTLE_S,
     SERVED_NAME,
     Server,
     VllmInstall,
+    counter_totals,
     imports,
     peer_model_dir,
     running,
@@ -177,25 +179,9 @@ def stream_tpot(client: Any, url: str, body: dict[str, Any]) -> tuple[float, int
     return (last - first) / max(1, tokens - 1), tokens
 
 
-# Tandem's API process takes the engine's counters once a second (frontend/app.py
-# stats_interval_s): a batch that ends within a second of its scrape was not counted yet
-# (llama-1b's batch of one took 0.4 s on the GPU and showed no drafts).
-METRICS_SETTLE_S = 2.5
-
-
 def metric_totals(text: str) -> dict[str, float]:
     """SPEC_COUNTERS' totals in a Prometheus exposition (zero where a server has none)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    # By sample name: the parser groups a counter's samples under its family only sometimes.
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return {
-        key: sum(totals.get(f"{name}_total", 0.0) for name in names)
-        for key, names in SPEC_COUNTERS.items()
-    }
+    return counter_totals(text, SPEC_COUNTERS)
 
 
 def spec_rates(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, ...]:

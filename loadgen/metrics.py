@@ -157,6 +157,10 @@ class Summary:
     good_requests: int | None = None
     goodput: float | None = None  # requests meeting the SLO / s
     errors: dict[str, int] = field(default_factory=dict)  # error message -> how many
+    # Multi-turn runs: the TTFT of each conversation's first turn, and of its later turns (which
+    # a server's prefix cache serves from the conversation so far); None for other runs.
+    ttft_first_turn: Distribution | None = None
+    ttft_later_turns: Distribution | None = None
 
     def as_json(self) -> dict[str, Any]:
         return _nan_to_none(asdict(self))
@@ -193,7 +197,18 @@ def summarize(records: list[RequestRecord], slo: Slo | None = None) -> Summary:
         good_requests=good,
         goodput=_rate(good, duration) if good is not None else None,
         errors=errors,
+        **ttft_by_turn(done),
     )
+
+
+def ttft_by_turn(done: list[RequestRecord]) -> dict[str, Distribution]:
+    """Summary's ttft_first_turn and ttft_later_turns for a multi-turn run's completed turns;
+    nothing for a run without conversations."""
+    if not any(r.turn is not None for r in done):
+        return {}
+    first = _present(r.ttft for r in done if r.turn == 0)
+    later = _present(r.ttft for r in done if r.turn is not None and r.turn > 0)
+    return {"ttft_first_turn": Distribution.of(first), "ttft_later_turns": Distribution.of(later)}
 
 
 def _present(values: Any) -> list[float]:
@@ -241,6 +256,11 @@ def format_summary(s: Summary, title: str = "Serving Benchmark Result") -> str:
         ("End-to-end Latency", "E2E", s.e2e),
         ("Submit Lag (behind the arrival schedule)", "lag", s.submit_lag),
     ]
+    if s.ttft_first_turn is not None and s.ttft_later_turns is not None:
+        sections[1:1] = [
+            ("TTFT, each conversation's first turn", "TTFT", s.ttft_first_turn),
+            ("TTFT, later turns", "TTFT", s.ttft_later_turns),
+        ]
     for heading, short, dist in sections:
         row(f"{heading:-^60}")
         row(f"{'Mean ' + short + ' (ms):':<44}{dist.mean:>16.2f}")

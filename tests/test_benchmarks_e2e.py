@@ -179,3 +179,10 @@ def test_multi_turn_driver_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path)
     ]  # fmt: skip
     (figures,) = json.loads((tmp_path / "m.json").read_text())["results"]
     assert figures["request_rate"] == pytest.approx(4 / run["summary"]["duration_s"])
+    # Each turn's TTFT from the records: two first turns, two later ones (p50: their mean).
+    ttft = {k: [1e3 * r["ttft"] for r in run["requests"] if r["turn"] == k] for k in (0, 1)}
+    assert figures["ttft_first_turn_p50_ms"] == pytest.approx(sum(ttft[0]) / 2)
+    assert figures["ttft_later_turns_p50_ms"] == pytest.approx(sum(ttft[1]) / 2)
+    # Every turn after the first conversation's first shares at least the system prompt's
+    # blocks; no turn is served whole from the cache.
+    assert 0 < figures["prefix_cache_hit_rate"] < 1

@@ -14,6 +14,7 @@ import pytest
 from benchmarks import serving, speculative_serving, vision
 from benchmarks.__main__ import parse
 from benchmarks.servers import Server, imports, peer_model_dir
+from benchmarks.servers import PREFIX_COUNTERS, counter_totals, hit_rate
 from benchmarks.speculative_serving import SpecRow, metric_totals, spec_rates, stream_tpot
 from benchmarks.vision import TtftRow, format_ratios
 from engine_core.presets import hf_config
@@ -167,6 +168,28 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 9.0
     tandem_text = 'tandem_spec_decode_num_drafts_total{model_name="m"} 3.0\n'
     assert metric_totals(tandem_text) == {"drafts": 3.0, "draft_tokens": 0.0, "accepted": 0.0}
     assert spec_rates(before, before) == (None, None)
+
+
+def test_prefix_cache_hit_rate_from_either_servers_counters() -> None:
+    vllm_text = """\
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 5000.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3000.0
+"""
+    tandem_text = """\
+# TYPE tandem_prefix_cache_queries counter
+tandem_prefix_cache_queries_total{model_name="m"} 800.0
+# TYPE tandem_prefix_cache_hits counter
+tandem_prefix_cache_hits_total{model_name="m"} 600.0
+"""
+    before = {"queries": 1000.0, "hits": 200.0}
+    after = counter_totals(vllm_text, PREFIX_COUNTERS)
+    assert after == {"queries": 5000.0, "hits": 3000.0}
+    assert hit_rate(before, after) == 2800 / 4000
+    assert hit_rate(counter_totals(tandem_text, PREFIX_COUNTERS), after) is not None
+    assert hit_rate(after, after) is None  # no queries between them
+    assert hit_rate(None, after) is None  # a server without counters
 
 
 def test_tpot_counts_usage_tokens_not_chunks() -> None:

@@ -91,6 +91,26 @@ def test_summary_of_a_run() -> None:
     assert s.goodput is None
 
 
+def test_a_multi_turn_run_splits_ttft_by_turn() -> None:
+    assert summarize(hand_records()).ttft_first_turn is None  # no conversations: no split
+
+    def turn(conversation: int, k: int, ttft: float, ok: bool = True) -> RequestRecord:
+        ended = 1.0 + ttft if ok else None
+        return RequestRecord(f"c{conversation}t{k}", 10, 2, 0.0, 0.0, [ttft, ttft + 0.01],
+                             ended, 2, "length", conversation=conversation, turn=k)  # fmt: skip
+
+    records = [turn(0, 0, 0.40), turn(0, 1, 0.05), turn(0, 2, 0.07),
+               turn(1, 0, 0.20), turn(1, 1, 0.03), turn(1, 2, 0.09, ok=False)]  # fmt: skip
+    s = summarize(records)
+    assert s.ttft_first_turn is not None and s.ttft_later_turns is not None
+    # First turns: 400 and 200 ms. Later turns completed: 50, 70, 30 ms (the failed one out).
+    assert (s.ttft_first_turn.count, s.ttft_first_turn.p50) == (2, approx(300))
+    assert (s.ttft_later_turns.count, s.ttft_later_turns.p50) == (3, approx(50))
+    printed = format_summary(s)
+    assert "TTFT, each conversation's first turn" in printed and "TTFT, later turns" in printed
+    assert json.loads(json.dumps(s.as_json()))["ttft_later_turns"]["mean"] == approx(50)
+
+
 def test_percentiles_of_five_values() -> None:
     recs = [
         RequestRecord(str(i), 1, 1, 0.0, 0.0, [t], t, 1, "stop")
