@@ -13,8 +13,14 @@ import pytest
 
 from benchmarks import serving, speculative_serving, vision
 from benchmarks.__main__ import parse
-from benchmarks.servers import Server, imports, peer_model_dir
-from benchmarks.servers import PREFIX_COUNTERS, counter_totals, hit_rate
+from benchmarks.servers import (
+    PREFIX_COUNTERS,
+    Server,
+    counter_totals,
+    hit_rate,
+    imports,
+    peer_model_dir,
+)
 from benchmarks.speculative_serving import SpecRow, metric_totals, spec_rates, stream_tpot
 from benchmarks.vision import TtftRow, format_ratios
 from engine_core.presets import hf_config
