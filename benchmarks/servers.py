@@ -504,7 +504,7 @@ def scrape_counters(
     try:
         with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as reply:
             return counter_totals(reply.read().decode(), counters)
-    except OSError as exc:  # urllib's HTTPError (a 404) included
+    except (OSError, ValueError) as exc:  # urllib's HTTPError (a 404); an unreadable exposition
         print(f"  {server.name}: no counters at /metrics ({exc})", flush=True)
         return None
 

@@ -50,6 +50,12 @@ def _prctl() -> Callable[..., int] | None:
         return None
 
 
+# What `tandem serve` sends the engine cores it runs when it stops for good. Any other exit of
+# theirs it follows with a restart, so only this one lets an engine tell its other nodes to exit
+# with it (engine_core/server.py, engine_core/nodes.py).
+STOP_FOR_GOOD = signal.SIGUSR1
+
+
 def die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` asking Linux to SIGKILL the child when this process dies; None where
     that is not possible (the child's ParentWatch still covers it)."""

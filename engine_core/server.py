@@ -29,7 +29,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from common.processes import ParentWatch, freeze_startup_heap, spread_young_collections
+from common.processes import (
+    STOP_FOR_GOOD,
+    ParentWatch,
+    freeze_startup_heap,
+    spread_young_collections,
+)
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
 from engine_core.request import EngineOutput, HeldTokens, Request
@@ -115,7 +120,7 @@ class EngineServer:
         self.out_sock: Any = None  # the output ROUTER, bound in run(); only the busy loop sends
         self.clients: set[bytes] = set()
         self.running = True
-        # Set with running = False where no restart will follow: a signal, or the parent gone.
+        # Set with running = False where no restart will follow (_stop_on_signals).
         self.stopped_for_good = False
         # Written by the busy loop only: True while it blocks on an empty inbox.
         self.waiting_for_work = False
@@ -195,7 +200,6 @@ class EngineServer:
         else:
             return
         logger.error("parent process %d is gone: stopping", self.parent_pid)
-        self.stopped_for_good = True
         self.running = False
         self.inbox.put((b"", _Wake()))
         time.sleep(PARENT_GRACE_S)
@@ -537,7 +541,7 @@ def run(args: argparse.Namespace) -> int:
     except TimeoutError as exc:  # a node that never joined
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 1
-    _stop_on_signals(proc)
+    _stop_on_signals(proc, supervised=args.parent_pid is not None)
     print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
     try:
         proc.run()
@@ -589,11 +593,21 @@ def _server_keys(args: argparse.Namespace) -> CurveServerKeys | None:
     return None if secret is None else load_server_keys(secret, authorized)
 
 
-def _stop_on_signals(proc: EngineServer) -> None:
-    def stop(signum: int, _frame: object) -> None:
-        logger.info("signal %d: stopping", signum)
-        proc.stopped_for_good = True
-        proc.running = False
+def _stop_on_signals(proc: EngineServer, supervised: bool) -> None:
+    """SIGTERM and SIGINT stop a standalone engine for good. `tandem serve` (--parent-pid)
+    restarts its engine after any exit, so there only its STOP_FOR_GOOD is for good, SIGTERM
+    from anyone else stops the engine as a death would, and SIGINT (a terminal's Ctrl-C, which
+    reaches the whole process group) is left to the parent: it ends its API processes' requests
+    first, then stops the engine."""
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def stop(for_good: bool) -> Callable[[int, object], None]:
+        def handler(signum: int, _frame: object) -> None:
+            logger.info("signal %d: stopping%s", signum, " for good" if for_good else "")
+            proc.stopped_for_good = proc.stopped_for_good or for_good
+            proc.running = False
+
+        return handler
+
+    signal.signal(STOP_FOR_GOOD, stop(True))
+    signal.signal(signal.SIGTERM, stop(not supervised))
+    signal.signal(signal.SIGINT, signal.SIG_IGN if supervised else stop(True))

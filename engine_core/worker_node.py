@@ -94,7 +94,9 @@ def run_ranks(
         while not stop.wait(_WATCH_POLL_S):
             dead = next((p for p in workers if p.exitcode is not None), None)
             if dead is not None:
-                if dead.exitcode != 0 and not for_good:
+                if dead.exitcode == 0:  # node 0 stopped them: had it said why in time?
+                    return for_good or _stop_announced(joined, node)
+                if not for_good:
                     why = f"tensor-parallel worker {dead.name} exited with {dead.exitcode}"
                     logger.error("node %d: %s", node, why)
                     joined.report_lost(node, why)
@@ -114,3 +116,12 @@ def run_ranks(
     finally:
         # Ranks of a lost engine may wait in a collective that will never complete.
         stop_processes(workers, timeout=_STOP_TIMEOUT_S)
+
+
+def _stop_announced(joined: JoinedSession, node: int) -> bool:
+    """JoinedSession.stop_announced, False once node 0 is gone: its store holds the word for as
+    long as it shuts down, past the few seconds it waits for every node to read it."""
+    try:
+        return joined.stop_announced(node)
+    except RuntimeError:
+        return False

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 
 from common import env
-from common.processes import die_with_parent, pid_alive
+from common.processes import STOP_FOR_GOOD, die_with_parent, pid_alive
 from engine_core.config import EngineConfig
 from frontend.engine_pool import EnginePool
 from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
@@ -163,10 +163,11 @@ class EngineProcess:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM, then SIGKILL if it is still there after ``timeout`` s; idempotent."""
+        """Stop it for good (STOP_FOR_GOOD: no restart follows, which its other nodes are told),
+        then SIGKILL if it is still there after ``timeout`` s; idempotent."""
         proc = self.process
         if proc is not None and proc.poll() is None:
-            proc.terminate()
+            proc.send_signal(STOP_FOR_GOOD)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

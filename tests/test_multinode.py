@@ -8,6 +8,7 @@ ends the engine, and node 1 does not outlive node 0 by more than --dist-timeout.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -506,3 +507,35 @@ def test_two_hosts_in_network_namespaces_meet_over_a_secret(
             node0.stop()
             node1.stop()
             remove_ipc_files(address)
+
+
+SIGNALS_SCRIPT = """
+import json, os, signal, types
+from common.processes import STOP_FOR_GOOD
+from engine_core.server import _stop_on_signals
+seen = {}
+for supervised in (False, True):
+    for sig in (signal.SIGTERM, signal.SIGINT, STOP_FOR_GOOD):
+        proc = types.SimpleNamespace(running=True, stopped_for_good=False)
+        _stop_on_signals(proc, supervised)
+        os.kill(os.getpid(), sig)
+        seen[f"{supervised} {sig.name}"] = [proc.running, proc.stopped_for_good]
+print(json.dumps(seen))
+"""
+
+
+def test_only_a_stop_no_restart_follows_is_for_good() -> None:
+    """`tandem serve` restarts its engine after any exit, so a supervised engine tells its other
+    nodes it stops for good only on serve's own STOP_FOR_GOOD; a standalone engine on any stop.
+    [running, stopped for good] after each signal (its own interpreter: handlers are global)."""
+    done = subprocess.run([sys.executable, "-c", SIGNALS_SCRIPT], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[1])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "False SIGTERM": [False, True],
+        "False SIGINT": [False, True],
+        "False SIGUSR1": [False, True],
+        "True SIGTERM": [False, False],  # an operator's kill: serve restarts it, nodes rejoin
+        "True SIGINT": [True, False],  # Ctrl-C reaches serve too, which stops it for good
+        "True SIGUSR1": [False, True],
+    }
