@@ -501,7 +501,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="exit when this process is gone (checked every second); `tandem serve` passes "
-        "its own pid",
+        "its own pid. The parent then owns the engine's lifetime: SIGINT is left to it, "
+        "SIGTERM stops the engine as a death would (the parent restarts it; other nodes "
+        "rejoin), and SIGUSR1 stops it for good (other nodes exit with it)",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     add_engine_args(parser)
