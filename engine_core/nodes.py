@@ -264,14 +264,14 @@ class NodeWatch:
         _STOP_READ_S (a few of their heartbeats) to read it before the ranks are stopped. A
         node that did not read it in time waits for a next engine as after a death."""
         keys = [_STOPPED_READ_KEY.format(node) for node in self.nodes]
-        deadline = time.monotonic() + _STOP_READ_S
         with self._lock:
             try:
                 self.store.set(_STOPPED_KEY, b"1")
-                while not self.store.check(keys) and time.monotonic() < deadline:
-                    time.sleep(_POLL_S)
             except RuntimeError as exc:  # a node's store client may have broken it off
                 logger.warning("could not tell the other nodes that the engine stops: %s", exc)
+                return
+            with contextlib.suppress(RuntimeError):  # as wait_until_read: the time is up
+                self.store.wait(keys, timedelta(seconds=_STOP_READ_S))
 
     def _lost(self) -> str | None:
         now = time.monotonic()
