@@ -106,7 +106,8 @@ _HELP = {
     "(docs/design/multi-node.md)",
     "dist_timeout": "seconds node 0 waits for the other nodes to join, and a node waits for node "
     "0 (at start, and after node 0's engine dies, for its restart) before giving up; node 0 "
-    "stopped by a signal tells the nodes, which exit with it",
+    "stopped for good (its tandem serve or tandem engine given SIGTERM or Ctrl-C) tells the "
+    "nodes, which exit with it",
 }
 
 
