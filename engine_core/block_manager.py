@@ -646,6 +646,17 @@ class BlockManager:
         for index, block_hash, parent, key in self._newly_full(request, chain, num_full):
             self._register(self._blocks[table[index]], 0, block_hash, parent, key)
 
+    def forget_prefixes(self) -> None:
+        """Unregister every block: cached ones become free, used ones stay with their requests
+        and go to the free list when released (after a failed step, whose planned blocks may
+        hold no K/V; the scheduler's step_failed)."""
+        for hashes in self._hash_to_block:
+            for block_id in hashes.values():
+                self._blocks[block_id].reset_hash()
+            hashes.clear()
+        self._free.extend(self._cached)
+        self._cached.clear()
+
     def _cache_group_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """``cache_computed_blocks`` in every group; a window group's block already given back
         (the null block in its place) is not registered."""

@@ -200,6 +200,7 @@ class EngineCore:
             outputs += failed
         except BaseException:
             # The caller fails the live requests; nothing to settle.
+            self.scheduler.step_failed()
             self._in_flight = None
             self._in_stages.clear()
             raise

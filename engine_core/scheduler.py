@@ -136,6 +136,21 @@ class Scheduler:
         self._stateful = state_slots > 0
         # Saved states for prefix hits: a prompt chunk ends where one is saved.
         self._snapshots = self.block_manager.snapshots is not None
+        # A prompt chunk's full blocks join the prefix cache as its step is planned, not when
+        # its tokens come back (vLLM's allocate_slots does the same): with overlap the next
+        # plan is made before this step's update, and prompts sharing a prefix admitted in
+        # one plan would each compute it. A request admitted later in the same plan may hit
+        # them: every layer writes the whole step's K/V before any row attends, and such a
+        # plan is never decode-only (whose fused launch writes and reads at once). Not with
+        # a host tier (its copies out assume a cached block's step is over), saved states
+        # (a hit needs one, saved by the step) or speculation (drafts' caches follow the
+        # target's step); there blocks join at the update.
+        self._caches_at_plan = (
+            config.enable_prefix_caching
+            and host_kv_blocks == 0
+            and not self._snapshots
+            and proposer is None
+        )
         # A sequence can never outgrow the whole pool, so the pool caps the context too; without
         # the cap a lone request that fills every block would preempt itself forever.
         self.max_model_len = self.block_manager.max_tokens_per_sequence(
@@ -325,6 +340,7 @@ class Scheduler:
         state_slot = self.block_manager.state_slot
         scheduled = output.scheduled
         micro, in_flight = self._micro_batches > 1, self._in_flight
+        chunks: list[tuple[Request, int]] = []  # prompt chunks planned: (request, end)
         index = 0
         while index < len(running) and budget > 0 and len(scheduled) < max_rows:
             request = running[index]
@@ -375,8 +391,13 @@ class Scheduler:
                 request.num_computed_tokens = end
                 if samples:
                     token_ids.append(PLACEHOLDER)
+            if num_new > 1 and self._caches_at_plan:
+                chunks.append((request, end))
             budget -= num_new
             index += 1
+        for request, end in chunks:  # those a later row's preemption did not take out
+            if request.status == RequestStatus.RUNNING:
+                self._cache_planned(request, end)
         return budget
 
     def _plan_drafts(self, output: SchedulerOutput, request: Request, budget: int) -> int:
@@ -506,7 +527,9 @@ class Scheduler:
             num_new = self._admit(request, budget)
             if num_new == 0:
                 break  # no room in the KV pool: those behind it wait too (no overtaking)
-            self._add_scheduled(output, self.running[-1], num_new)
+            self._add_scheduled(output, request, num_new)
+            if num_new > 1 and self._caches_at_plan:
+                self._cache_planned(request, request.num_computed_tokens)
             budget -= num_new
             num_admitted += 1
             if self._whole_images and not output.scheduled[-1].samples:
@@ -566,6 +589,21 @@ class Scheduler:
             request.first_token_index = request.num_tokens  # no placeholder of its own yet
             self._awaiting_first_token.append(request)
         return num_new
+
+    def _cache_planned(self, request: Request, end: int) -> None:
+        """Register with the prefix cache the blocks that tokens up to ``end`` fill, as their
+        step is planned (see ``_caches_at_plan``); a pending sample (a placeholder at the end,
+        a readmitted request's) is not a known token."""
+        token_ids = request.token_ids
+        while end and token_ids[end - 1] == PLACEHOLDER:
+            end -= 1
+        self.block_manager.cache_computed_blocks(request, end)
+
+    def step_failed(self) -> None:
+        """A step raised: the blocks its plan registered may never have been written, so the
+        prefix cache forgets every prefix (the server fails the live requests)."""
+        if self._caches_at_plan:
+            self.block_manager.forget_prefixes()
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         block_ids = self.block_manager.block_table(request.request_id)

@@ -499,6 +499,27 @@ def test_chunked_and_cached_prefills_through_graphs_equal_hf(tmp_path: Path) -> 
     assert ours == hf_greedy(model_dir, prompts, max_tokens)
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_a_burst_sharing_a_prefix_through_graphs_equals_hf(tmp_path: Path) -> None:
+    """Prompts sharing 70 tokens sent at once: the later ones, admitted in the same step,
+    hit the blocks the first computes in that step (the Triton kernels write every row's K/V
+    before any row attends), in one prefill graph, with overlap."""
+    from protocol.messages import SamplingParams
+    from tests.factories import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path)
+    rng = random.Random(9)
+    shared = [rng.randrange(3, 384) for _ in range(70)]
+    prompts = [shared + [rng.randrange(3, 384) for _ in range(n)] for n in (3, 20, 41, 9)]
+    llm = tiny_llm_on_cuda(model_dir, max_num_batched_tokens=256, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
+    hits = llm.engine.scheduler.counts().prefix_cache_hits
+    assert hits == 3 * (70 // 16) * 16, hits
+    assert ours == hf_greedy(model_dir, prompts, 16)
+
+
 # compiled_after_warm_up's workloads: prompt lengths, and the tokens each prompt generates.
 FIRST_PROMPTS, FIRST_MAX_TOKENS = (40, 50, 60), (8, 8, 8)
 SECOND_PROMPTS, SECOND_MAX_TOKENS = (20, 33, 47, 70, 78), (280, 200, 150, 100, 60)

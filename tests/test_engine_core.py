@@ -163,3 +163,61 @@ def test_generate_that_fails_on_a_later_prompt_leaves_the_engine_as_it_was(
     assert bm.num_used_blocks == 0
     again = [o.token_ids for o in llm.generate(good, GREEDY, detokenize=False)]
     assert again == run_alone(tiny_llama, good, GREEDY)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_burst_sharing_a_prefix_reads_it_from_the_step_that_computes_it(
+    tiny_llama: Path, overlap: bool
+) -> None:
+    """Prompts sharing 16 tokens arrive at once: the first computes the shared blocks and the
+    others, admitted in the same step, attend to them as that step writes them (every layer
+    writes the step's K/V before any row attends). Same tokens as each request alone."""
+    shared = make_prompts(1, 16, seed=12)[0]
+    prompts = [shared + tail for tail in make_prompts(4, 5, seed=13)]
+    expected = run_alone(tiny_llama, prompts, GREEDY)
+    llm = LLM(
+        str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=256, async_scheduling=overlap
+    )
+    core = llm.engine
+    requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    for request in requests:
+        core.add_request(request)
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    outputs = core.step()  # one plan admits them all
+    assert [r.num_cached_tokens for r in requests] == [0, 16, 16, 16]
+    while core.has_unfinished():
+        outputs += core.step()
+    outputs += core.step()  # with overlap, the last step's tokens
+    for out in outputs:
+        got[out.request.request_id] += out.new_token_ids
+    assert list(got.values()) == expected
+
+
+def test_a_failed_step_leaves_no_prefix_behind(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises after its plan registered its prompt's blocks: the next request
+    with that prompt finds no prefix (the blocks were never written) and gets the tokens it
+    gets alone."""
+    prompt = make_prompts(1, 18, seed=14)[0]
+    expected = run_alone(tiny_llama, [prompt], GREEDY)
+    core = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64).engine
+    core.add_request(Request("doomed", prompt, GREEDY))
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(core.runner, "forward", fail)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            core.step()
+    core.abort(["doomed"])  # the server fails the live requests
+    again = Request("again", prompt, GREEDY)
+    core.add_request(again)
+    tokens: list[int] = []
+    while core.has_unfinished():
+        tokens += [t for out in core.step() for t in out.new_token_ids]
+    tokens += [t for out in core.step() for t in out.new_token_ids]  # overlap's last step
+    assert again.num_cached_tokens == 0
+    assert tokens == expected[0]
+    core.scheduler.block_manager.check_integrity()

@@ -206,7 +206,8 @@ def test_long_prompt_is_split_into_budget_chunks() -> None:
 def test_chunked_prefill_shares_the_step_with_decodes() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=16)
     scheduler.add_request(make_request("short", [3, 4, 5, 6], max_tokens=5))
-    scheduler.add_request(make_request("long", list(range(3, 43)), max_tokens=1))  # 40 tokens
+    # 40 tokens sharing no block with "short" (which would be a hit in the same plan)
+    scheduler.add_request(make_request("long", list(range(10, 50)), max_tokens=1))
     plans = []
     for _ in range(4):
         output = scheduler.schedule()
@@ -231,6 +232,65 @@ def test_prefix_cache_hit_starts_after_the_cached_blocks() -> None:
     assert (second.start, second.num_new_tokens) == (8, 2)
     assert second.request.num_cached_tokens == 8
     assert second.block_ids[:2] == first.scheduled[0].block_ids[:2]
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_a_burst_sharing_a_prompt_computes_its_blocks_once(host_tier: bool) -> None:
+    """Requests admitted in one plan share the blocks an earlier one of them fills in that very
+    step (registered as it is planned); with a host tier they join at the update, so each
+    request computes them. Every read slot holds the request's own token (the fake runner)."""
+    config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=64, max_num_seqs=8)
+    scheduler = Scheduler(config, 64, 256, (EOS,), host_kv_blocks=8 if host_tier else 0)
+    prompt = list(range(3, 13))  # 10 tokens: 2 full blocks
+    requests = [make_request(f"r{i}", prompt, max_tokens=3) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    runner = FakeRunner()
+    first = scheduler.schedule()
+    starts = [(s.start, s.num_new_tokens) for s in first.scheduled]
+    shared = 0 if host_tier else 8
+    assert starts == [(0, 10), (shared, 10 - shared), (shared, 10 - shared)]
+    if not host_tier:
+        tables = [s.block_ids[:2] for s in first.scheduled]
+        assert tables[1] == tables[2] == tables[0]
+    scheduler.update_from_output(first, runner.execute(first))
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        scheduler.update_from_output(plan, runner.execute(plan))
+        scheduler.block_manager.check_integrity()
+    assert all(r.output_token_ids == reference_outputs(prompt, 3) for r in requests)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_the_next_plan_hits_blocks_of_a_step_still_in_flight() -> None:
+    """With overlap the next plan is made before this step's update: a request admitted then
+    hits the blocks this step's prompt fills."""
+    scheduler = make_scheduler()
+    prompt = list(range(3, 13))
+    scheduler.add_request(make_request("a", prompt, max_tokens=2))
+    in_flight = scheduler.schedule()
+    scheduler.add_request(make_request("b", prompt + [20, 21], max_tokens=2))
+    second = scheduler.schedule()
+    b = next(s for s in second.scheduled if s.request.request_id == "b")
+    assert (b.start, b.request.num_cached_tokens) == (8, 8)
+    assert b.block_ids[:2] == in_flight.scheduled[0].block_ids[:2]
+
+
+def test_a_failed_step_forgets_the_prefixes_it_registered() -> None:
+    """Blocks registered as a step is planned hold no K/V if the step fails: every prefix is
+    forgotten, the state stays whole, and the next request with that prompt computes it."""
+    scheduler = make_scheduler()
+    prompt = list(range(3, 13))
+    scheduler.add_request(make_request("a", prompt, max_tokens=2))
+    scheduler.schedule()
+    assert scheduler.block_manager.num_cached_blocks == 0  # a holds them: used, not cached
+    scheduler.step_failed()
+    scheduler.abort_requests(["a"])  # what the server does with the live requests
+    scheduler.block_manager.check_integrity()
+    assert scheduler.block_manager.num_cached_blocks == 0
+    assert scheduler.block_manager.num_used_blocks == 0
+    scheduler.add_request(make_request("b", prompt, max_tokens=2))
+    assert scheduler.schedule().scheduled[0].start == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
