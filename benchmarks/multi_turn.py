@@ -12,6 +12,8 @@ once (or started at --rate per second), each opening with the same S-token rando
 prompt, every earlier user message with the server's reply, and a new random user message
 (docs/loadgen.md). From turn 2 on, a server with a working prefix cache computes only the new
 reply and user message; turn 1 shares the system prompt with every other conversation.
+Beside a peer, a preset is served from one random checkpoint that both load (--checkpoint is
+on unless --no-checkpoint): the replies each turn sends back must be the same text on both.
 
 The table: each server's turns per second, output and prompt tok/s (the prompt tokens each
 server counted, cached ones included), TTFT p50 and p99 and TPOT p50, TTFT p50 of the
@@ -43,11 +45,21 @@ MULTI_TURN_METRICS = (
     Metric("prefix-cache hits", "prefix_cache_hit_rate", ".1%", True),
 )
 TEMPLATE_TOKENS_PER_MESSAGE = 8  # a chat template's role markers, room kept in the length check
+# Each turn sends back the text of the server's own replies, and how much of a reply the prefix
+# cache can serve depends on that text: a random model's greedy reply is one or two tokens
+# repeated, and whether their text re-tokenizes into the same tokens (" cave cave" does, "))))"
+# merges into other tokens) depends on which tokens the weights pick. Two servers with their own
+# random weights would reuse different shares of their histories for reasons of the weights,
+# not of the servers; one checkpoint gives both the same replies.
+CHECKPOINT_DEFAULT_HELP = (
+    "default: on beside a peer of a preset (each turn sends back the server's own replies, and "
+    "how much of them the prefix cache serves depends on which tokens the weights choose)"
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     serving.add_model_arg(parser)
-    serving.add_checkpoint_args(parser)
+    serving.add_checkpoint_args(parser, CHECKPOINT_DEFAULT_HELP)
     parser.add_argument(
         "--conversations", type=int, default=32, help="conversations per run (default: 32)"
     )
@@ -106,8 +118,19 @@ def check(args: argparse.Namespace) -> None:
         )
 
 
+def uses_checkpoint(args: argparse.Namespace) -> bool:
+    """--checkpoint as given, else on where a peer serves a preset beside Tandem."""
+    if args.checkpoint is not None:
+        return args.checkpoint
+    from engine_core.presets import PRESETS
+
+    peer = bool(args.vllm_python or args.sglang_python)
+    return peer and args.model in PRESETS
+
+
 def run(args: argparse.Namespace) -> int:
     check(args)
+    args.checkpoint = uses_checkpoint(args)
     args.workloads = [workload(args)]
     args.tandem_args = f"--enable-prefix-caching {args.tandem_args}"
     args.vllm_args = f"--enable-prefix-caching {args.vllm_args}"

@@ -96,15 +96,25 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+CHECKPOINT_HELP = (
+    "write the preset's random weights once as a Hugging Face checkpoint "
+    "(OUT-DIR/PRESET-checkpoint) and serve that on both servers, instead of each one's own "
+    "random weights (vLLM's dummy weights route MoE rows alike, so it reads fewer experts)"
+)
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser, extra_help: str = "") -> None:
     """--checkpoint: both servers load one random checkpoint of the preset (see
-    benchmarks/random_checkpoint.py for why a mixture of experts needs it)."""
-    parser.add_argument(
-        "--checkpoint", action="store_true",
-        help="write the preset's random weights once as a Hugging Face checkpoint "
-        "(OUT-DIR/PRESET-checkpoint) and serve that on both servers, instead of each one's own "
-        "random weights (vLLM's dummy weights route MoE rows alike, so it reads fewer experts)",
-    )  # fmt: skip
+    benchmarks/random_checkpoint.py for why a mixture of experts needs it). With ``extra_help``
+    (a benchmark whose figures depend on the weights' outputs), --checkpoint / --no-checkpoint
+    with no default: the benchmark decides (None) and says why in ``extra_help``."""
+    if extra_help:
+        parser.add_argument(
+            "--checkpoint", action=argparse.BooleanOptionalAction, default=None,
+            help=f"{CHECKPOINT_HELP}; {extra_help}",
+        )  # fmt: skip
+    else:
+        parser.add_argument("--checkpoint", action="store_true", help=CHECKPOINT_HELP)
     parser.add_argument(
         "--checkpoint-device", default="cuda",
         help="where the checkpoint's weights are initialised (default: %(default)s)",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cpu, serving
+from benchmarks import cpu, multi_turn, serving
 from benchmarks.__main__ import parse
 from benchmarks.report import ROOT
 
@@ -174,6 +174,23 @@ def test_a_checkpoint_is_refused_where_it_cannot_be_written(
     with pytest.raises(SystemExit, match=named):
         serving.served_model(args, tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--model", "llama-8b", "--vllm-python", "python3"], True),
+        (["--model", "llama-8b", "--sglang-python", "python3"], True),
+        (["--model", "llama-8b", "--vllm-python", "python3", "--no-checkpoint"], False),
+        (["--model", "llama-8b"], False),  # Tandem alone: its own random weights
+        (["--model", "llama-8b", "--checkpoint"], True),
+        (["--model", "/some/folder", "--vllm-python", "python3"], False),  # real weights already
+    ],
+)
+def test_multi_turn_serves_one_checkpoint_beside_a_peer(flags: list[str], expected: bool) -> None:
+    """Turns send the servers' own replies back, so beside a peer both serve one checkpoint
+    unless told otherwise; a folder is served as it is."""
+    assert multi_turn.uses_checkpoint(parse(["multi-turn", *flags])) is expected
 
 
 def test_vllm_cpu_reads_the_converted_folder_without_the_kept_gguf_blocks(tmp_path: Path) -> None:
