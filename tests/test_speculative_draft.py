@@ -323,7 +323,7 @@ def test_a_constrained_request_gives_the_same_tokens_with_the_default_model_draf
         assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
         if w.logprobs:
             assert [lp.logprob for lp in g.logprobs] == pytest.approx(
-                [lp.logprob for lp in w.logprobs], abs=1e-4
+                [lp.logprob for lp in w.logprobs], rel=1e-4, abs=1e-4
             )
     counts = spec.engine.scheduler.counts()
     assert 0 < counts.spec_accepted_tokens <= counts.spec_draft_tokens
