@@ -17,7 +17,9 @@ _HELP = {
     "num_kv_blocks": "KV-cache blocks (default: sized from the memory flags)",
     "kv_cache_memory_gb": "KV-cache size on the CPU, in GiB",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
-    "max_num_seqs": "most sequences running at once (the decode batch cap)",
+    "max_num_seqs": "most sequences running at once (the decode batch cap); unset (None): 1024 "
+    "on one host whose GPU has 70 GiB or more, for a model without linear-attention layers "
+    "(as vLLM), else 256, and never past --max-num-batched-tokens",
     "max_num_batched_tokens": "token budget of one engine step",
     "prefill_max_batch_size": "most new requests admitted per step (default: --max-num-seqs)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",

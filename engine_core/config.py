@@ -7,6 +7,7 @@ construction is derived in a property or built into a new object with ``dataclas
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,14 @@ RUNNERS = ("auto", "generate", "pooling")
 # --scheduling-policy values (vLLM's): "fcfs" in arrival order, "priority" by each request's
 # priority, then arrival (engine_core/scheduler.py).
 SCHEDULING_POLICIES = tuple(p.flag_name for p in SchedulingPolicy)
+
+# Sequences running at once where --max-num-seqs is unset (EngineConfig.with_max_num_seqs): on
+# one host whose GPU has 70 GiB or more, as many as vLLM runs there (its API server's
+# EngineArgs.get_batch_defaults), else 256. Under a load past what the GPU serves, more running
+# rows trade a longer step for a shorter queue (docs/design/goodput-and-multi-turn.md).
+DEFAULT_MAX_NUM_SEQS = 256
+LARGE_GPU_MAX_NUM_SEQS = 1024
+LARGE_GPU_BYTES = 70 * 2**30
 
 
 @dataclass(frozen=True)
@@ -348,7 +357,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from the two memory settings below
     kv_cache_memory_gb: float = 1.0  # CPU only
     gpu_memory_utilization: float = 0.85  # GPU only
-    max_num_seqs: int = 256
+    # None: resolved as the runner starts (engine_core/model_runner.py resolve_max_num_seqs):
+    # LARGE_GPU_MAX_NUM_SEQS on one host whose GPU has LARGE_GPU_BYTES or more, else
+    # DEFAULT_MAX_NUM_SEQS, never past max_num_batched_tokens.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     prefill_max_batch_size: int | None = None  # None: same as max_num_seqs
     enable_prefix_caching: bool = True
@@ -450,14 +462,15 @@ class EngineConfig:
                 f"{', '.join(TP_ALL_REDUCES)}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if self.max_prefill_graph_tokens is not None and self.max_prefill_graph_tokens < 0:
             raise ValueError(
                 f"max_prefill_graph_tokens must be 0 (no prefill graphs) or more, got "
                 f"{self.max_prefill_graph_tokens}"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
             # Each running sequence needs a token of the step's budget to decode: below that,
             # the last decodes of a full batch would wait for ever and nothing new is admitted.
             raise ValueError(
@@ -549,6 +562,16 @@ class EngineConfig:
         """K, the drafts a verify step may score per request (0 without speculation)."""
         spec = self.speculation()
         return 0 if spec is None else spec.num_speculative_tokens
+
+    def with_max_num_seqs(self, large_gpu: bool) -> EngineConfig:
+        """This config with --max-num-seqs resolved where it was left unset:
+        LARGE_GPU_MAX_NUM_SEQS where ``large_gpu`` (the runner decides: engine_core/model_runner.py
+        ``resolve_max_num_seqs``), else DEFAULT_MAX_NUM_SEQS, never past the step's token budget
+        (every running sequence takes a token of each step)."""
+        if self.max_num_seqs is not None:
+            return self
+        seqs = LARGE_GPU_MAX_NUM_SEQS if large_gpu else DEFAULT_MAX_NUM_SEQS
+        return dataclasses.replace(self, max_num_seqs=min(seqs, self.max_num_batched_tokens))
 
     def num_state_snapshots(self) -> int:
         """Saved linear-attention states a model with such layers keeps (0 without caching)."""

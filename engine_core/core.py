@@ -67,6 +67,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = make_runner(config)
+        # What the runner decided from its device and model (--max-num-seqs left unset).
+        self.config = config = self.runner.config
         self.model_config = self.runner.model_config
         self.embedding = self.model_config.embedding  # None: the engine generates
         if self.embedding is not None:

@@ -191,6 +191,15 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def peek_model_config(model: str) -> ModelConfig | None:
+    """The model's config without its weights (None for an unknown preset: the load says why)."""
+    if model.startswith(RANDOM_PREFIX):
+        from engine_core.presets import PRESETS
+
+        return PRESETS.get(model.removeprefix(RANDOM_PREFIX))
+    return load_model_config(resolve_model_dir(model))
+
+
 def load_model_config(model_dir: Path) -> ModelConfig:
     """ModelConfig from config.json, with stop ids merged from generation_config.json and the
     quantization config from a ``quantize_config.json`` beside it where config.json has none

@@ -27,7 +27,7 @@ import torch
 
 from engine_core.attention.base import AttentionBackend, AttentionMetadata
 from engine_core.attention.layer import Attention
-from engine_core.config import EngineConfig, ModelConfig
+from engine_core.config import LARGE_GPU_BYTES, EngineConfig, ModelConfig
 from engine_core.cpu_malloc import keep_freed_memory
 from engine_core.draft_model import (
     DraftModel,
@@ -40,7 +40,7 @@ from engine_core.forward_context import StateRows, forward_context
 from engine_core.input_batch import InputBatch, PackedInputs
 from engine_core.kv_groups import pool_blocks_for_one_sequence, stage_kv_layout
 from engine_core.kv_offload_pool import HostKVPool
-from engine_core.loader import LoadedModel, load_model
+from engine_core.loader import LoadedModel, load_model, peek_model_config
 from engine_core.lora.adapter import check_lora_model, load_adapter, target_shapes
 from engine_core.lora.batch import LoraBatch, lora_batch
 from engine_core.lora.layers import install_lora
@@ -234,6 +234,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_max_num_seqs(config: EngineConfig) -> EngineConfig:
+    """``config`` with --max-num-seqs decided where it was left unset (``with_max_num_seqs``):
+    the large default on one host whose GPU has LARGE_GPU_BYTES or more, for a model without
+    linear-attention layers, whose per-sequence states (and as many saved ones) would otherwise
+    take that memory from the KV cache. Over several hosts every node decides alike without
+    seeing the others' GPUs: the small default."""
+    if config.max_num_seqs is not None:
+        return config
+    device = resolve_device(config.device)
+    large = (
+        device.type == "cuda"
+        and config.nnodes == 1
+        and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES
+    )
+    if large:
+        model = peek_model_config(config.model)
+        large = model is None or model.linear_attention is None
+    return config.with_max_num_seqs(large)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -282,7 +302,7 @@ class ModelRunner:
     The engine core then warms it up (``warm_up``) before the first request."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config = config = resolve_max_num_seqs(config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)

@@ -103,7 +103,10 @@ class Scheduler:
         ``unsplit_image_tokens``: where an image's tokens attend to each other both ways
         (Gemma 3), the longest image's token count: a chunk never ends inside an image's run
         (0: chunks may cut images); the budget must hold one beside a decode token of every
-        other running sequence, or a request could wait on an image forever."""
+        other running sequence, or a request could wait on an image forever.
+        ``config``: as the runner resolved it (its ``max_num_seqs`` set)."""
+        if config.max_num_seqs is None:
+            raise ValueError("the scheduler needs max_num_seqs resolved (ModelRunner.config)")
         least = unsplit_image_tokens + config.max_num_seqs - 1
         if unsplit_image_tokens and least > config.max_num_batched_tokens:
             raise ValueError(

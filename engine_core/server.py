@@ -136,7 +136,7 @@ class EngineServer:
             eos_token_ids=list(mc.eos_token_ids),
             block_size=config.block_size,
             num_kv_blocks=self.core.runner.num_kv_blocks,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=self.core.config.max_num_seqs,  # as the runner resolved it
             embedding=mc.embedding,
             scheduling_policy=config.policy,
             pixel_dtype=str(self.core.runner.dtype).removeprefix("torch."),

@@ -59,9 +59,10 @@ import torch
 import torch.distributed as dist
 
 from common.processes import set_parent_death_signal
-from engine_core.config import EngineConfig, ModelConfig
+from engine_core.config import EngineConfig
 from engine_core.forward_context import StateRows
 from engine_core.kv_offload import KVMoves
+from engine_core.loader import peek_model_config
 from engine_core.lora.manager import LoraChanges
 from engine_core.model_runner import (
     PROMPT_LOGITS_ROWS,
@@ -71,6 +72,7 @@ from engine_core.model_runner import (
     model_inputs,
     prompt_rows_on,
     resolve_device,
+    resolve_max_num_seqs,
 )
 from engine_core.nodes import (
     NodeLayout,
@@ -290,6 +292,8 @@ class TPModelRunner(_ShardedRunner):
             ep = config.enable_expert_parallel
             check_tensor_parallel(model_config, config.tensor_parallel_size, ep)
             check_pipeline_parallel(model_config, config.pipeline_parallel_size)
+        # Decided once, here, so that every rank starts from the same number.
+        config = resolve_max_num_seqs(config)
         store = open_store(config)
         layout = NodeLayout.of(config)
         self.workers = spawn_workers(config, store.port, layout.ranks[1:])
@@ -453,18 +457,6 @@ def release_graphs(runner: ModelRunner | None) -> None:
     runner.graph_runner = None
     gc.collect()
     torch.cuda.synchronize()
-
-
-def peek_model_config(model: str) -> ModelConfig | None:
-    """The model's config without its weights (None for an unknown preset: the load says why)."""
-    from engine_core.loader import load_model_config
-    from engine_core.model_dir import RANDOM_PREFIX, resolve_model_dir
-
-    if model.startswith(RANDOM_PREFIX):
-        from engine_core.presets import PRESETS
-
-        return PRESETS.get(model.removeprefix(RANDOM_PREFIX))
-    return load_model_config(resolve_model_dir(model))
 
 
 def join_group(

@@ -31,6 +31,9 @@ _WATCH_POLL_S = 0.2  # how often the launcher looks at its ranks
 
 def serve_node(config: EngineConfig) -> int:
     """Run this node's ranks for each of node 0's engines in turn; the exit status."""
+    # Over several hosts node 0 takes the small default too (model_runner.resolve_max_num_seqs),
+    # and the nodes compare their configurations as resolved.
+    config = config.with_max_num_seqs(large_gpu=False)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

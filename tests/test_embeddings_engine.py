@@ -40,7 +40,8 @@ def pooling_request(rid: str, prompt: list[int], pooling: PoolingParams = LAST) 
 
 
 def make_scheduler(num_kv_blocks: int = 64, **config: object) -> Scheduler:
-    return Scheduler(EngineConfig(block_size=BLOCK_SIZE, **config), num_kv_blocks, 64, (0,))
+    engine_config = EngineConfig(block_size=BLOCK_SIZE, **config).with_max_num_seqs(large_gpu=False)
+    return Scheduler(engine_config, num_kv_blocks, 64, (0,))
 
 
 def run_steps(scheduler: Scheduler) -> list[tuple[SchedulerOutput, list]]:

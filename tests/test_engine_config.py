@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +66,65 @@ def test_an_unknown_tp_all_reduce_is_refused() -> None:
         EngineConfig(tp_all_reduce="custom")
     for value in ("auto", "nccl"):
         EngineConfig(tp_all_reduce=value)
+
+
+def test_an_unset_sequence_cap_is_the_large_default_only_on_a_large_gpu() -> None:
+    """--max-num-seqs unset: vLLM's 1,024 on a large GPU, 256 elsewhere, never past the
+    step's token budget; a value given is kept as it is."""
+    unset = EngineConfig()
+    assert unset.max_num_seqs is None
+    assert unset.with_max_num_seqs(large_gpu=False).max_num_seqs == 256
+    assert unset.with_max_num_seqs(large_gpu=True).max_num_seqs == 1024
+    small_budget = EngineConfig(max_num_batched_tokens=512)
+    assert small_budget.with_max_num_seqs(large_gpu=True).max_num_seqs == 512
+    assert small_budget.with_max_num_seqs(large_gpu=False).max_num_seqs == 256
+    given = EngineConfig(max_num_seqs=64)
+    assert given.with_max_num_seqs(large_gpu=True) is given
+
+
+@pytest.mark.parametrize(
+    ("model", "gib", "expected"),
+    [
+        ("random:llama-8b", 80, 1024),  # an H100 or larger
+        ("random:llama-8b", 140, 1024),
+        ("random:llama-8b", 48, 256),  # an L40S
+        # Linear-attention layers: a state slot per running sequence (and as many saved).
+        ("random:qwen3-next-80b", 140, 256),
+    ],
+)
+def test_the_runner_resolves_the_cap_from_the_gpus_memory_and_the_model(
+    monkeypatch: pytest.MonkeyPatch, model: str, gib: int, expected: int
+) -> None:
+    """The rule as the runner applies it, with the GPU's size as torch reports it (set here: the
+    machine that runs the tests has no GPU)."""
+    import torch
+
+    from engine_core.model_runner import resolve_max_num_seqs
+
+    class Properties:
+        total_memory = gib * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    config = resolve_max_num_seqs(EngineConfig(model=model, device="cuda"))
+    assert config.max_num_seqs == expected
+    assert resolve_max_num_seqs(EngineConfig(model=model, device="cpu")).max_num_seqs == 256
+    explicit = EngineConfig(model=model, device="cuda", max_num_seqs=32)
+    assert resolve_max_num_seqs(explicit).max_num_seqs == 32
+
+
+def test_an_engine_on_the_cpu_runs_256_sequences_and_says_so(tmp_path: Path) -> None:
+    """The real engine resolves the unset cap once: its config, its scheduler and its runner
+    agree, and a request beyond it waits (256 admitted of 257 one-token prompts)."""
+    from engine_core.core import EngineCore
+    from engine_core.request import Request
+    from protocol.messages import SamplingParams
+    from tests.factories import write_tiny_llama
+
+    core = EngineCore(EngineConfig(model=str(write_tiny_llama(tmp_path)), device="cpu"))
+    assert core.config.max_num_seqs == core.runner.config.max_num_seqs == 256
+    assert core.scheduler.config.max_num_seqs == 256
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(257):
+        core.add_request(Request(f"r{i}", [3 + i % 100], params))
+    core.step()
+    assert core.scheduler.num_running == 256

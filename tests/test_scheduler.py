@@ -34,7 +34,8 @@ def make_scheduler(
     eos_token_ids: tuple[int, ...] = (EOS,),
     **config: object,
 ) -> Scheduler:
-    engine_config = EngineConfig(block_size=BLOCK_SIZE, **config)
+    # As the runner resolves an unset --max-num-seqs where the GPU is not a large one.
+    engine_config = EngineConfig(block_size=BLOCK_SIZE, **config).with_max_num_seqs(large_gpu=False)
     return Scheduler(engine_config, num_kv_blocks, max_model_len, eos_token_ids)
 
 

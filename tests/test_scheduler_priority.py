@@ -157,7 +157,7 @@ def test_a_planned_row_with_drafts_is_taken_back_whole() -> None:
         block_size=4,
         scheduling_policy="priority",
         speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
-    )
+    ).with_max_num_seqs(large_gpu=False)
     proposer = ListProposer()
     scheduler = Scheduler(config, 4, 256, (EOS,), proposer=proposer)
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
