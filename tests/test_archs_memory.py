@@ -53,7 +53,9 @@ def test_mla_cache_is_counted_per_token() -> None:
 
 def test_a_model_that_does_not_fit_is_refused_naming_the_parts() -> None:
     model = meta_model("deepseek-v3-4l")
-    engine = EngineConfig(model="random:deepseek-v3-4l", max_model_len=4096, num_kv_blocks=256)
+    engine = EngineConfig(
+        model="random:deepseek-v3-4l", max_model_len=4096, num_kv_blocks=256
+    ).with_max_num_seqs(large_gpu=False)
     plan = plan_memory(
         engine, PRESETS["deepseek-v3-4l"], model, torch.device("cpu"), torch.bfloat16,
         torch.bfloat16, Budget(16 * 2**30, "a 16 GiB test budget"),

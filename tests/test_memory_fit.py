@@ -182,7 +182,9 @@ def test_minimum_kv_is_what_the_runner_allocates_for_one_sequence(tiny_dir: Path
 def plan_for(model: str, device: torch.device, budget: Budget, **engine: object) -> MemoryPlan:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta, model_config = meta_estimate(model, dtype)
-    config = EngineConfig(model=model, device=device.type, **engine)
+    config = EngineConfig(model=model, device=device.type, **engine).with_max_num_seqs(
+        large_gpu=False
+    )
     return plan_memory(config, model_config, meta, device, dtype, dtype, budget)
 
 

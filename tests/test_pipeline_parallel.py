@@ -205,7 +205,7 @@ def test_a_stage_is_planned_by_its_own_layers(monkeypatch: pytest.MonkeyPatch) -
     def plan(module: torch.nn.Module, pp: int) -> object:
         config = EngineConfig(
             model="random:llama-8b", max_model_len=4096, pipeline_parallel_size=pp
-        )
+        ).with_max_num_seqs(large_gpu=False)
         return plan_memory(
             config, model_config, module, GPU, torch.bfloat16, torch.bfloat16, budget
         )

@@ -129,7 +129,7 @@ class ListProposer:
 
 
 def drafted_scheduler(num_blocks: int = 32) -> tuple[Scheduler, ListProposer]:
-    config = EngineConfig(block_size=4, speculative_config=NGRAM)
+    config = EngineConfig(block_size=4, speculative_config=NGRAM).with_max_num_seqs(large_gpu=False)
     fake = ListProposer()
     return Scheduler(config, num_blocks, 256, (0,), proposer=fake), fake
 

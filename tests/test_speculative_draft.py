@@ -114,7 +114,9 @@ class RecordingProposer:
 
 
 def test_the_scheduler_reserves_the_verify_slots_then_asks_once_for_every_row() -> None:
-    config = EngineConfig(block_size=4, speculative_config=draft_config("/m", 3))
+    config = EngineConfig(block_size=4, speculative_config=draft_config("/m", 3)).with_max_num_seqs(
+        large_gpu=False
+    )
     proposer = RecordingProposer()
     scheduler = Scheduler(config, 32, 256, (0,), proposer=proposer)
     long = Request("long", [10, 11, 12], SamplingParams(temperature=0.0, max_tokens=20))

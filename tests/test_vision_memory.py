@@ -132,7 +132,9 @@ def test_the_plan_adds_the_encoder_to_what_a_vision_model_needs(gemma_dir: Path)
     model_config = model_config_from_hf(json.loads((gemma_dir / "config.json").read_text()))
     with torch.device("meta"):
         module = build_model(model_config)
-    config = EngineConfig(model=str(gemma_dir), encoder_cache_memory_gb=0.25, num_kv_blocks=64)
+    config = EngineConfig(
+        model=str(gemma_dir), encoder_cache_memory_gb=0.25, num_kv_blocks=64
+    ).with_max_num_seqs(large_gpu=False)
     budget = Budget(2**40, "test")
     plan = plan_memory(config, model_config, module, torch.device("cpu"), torch.float32,
                        torch.float32, budget)  # fmt: skip
