@@ -47,6 +47,10 @@ _HELP = {
     "step_stats": "time each part of every step (host and GPU, and the GPU's idle gap) and log "
     "a summary every 10 s and whenever the engine goes idle (also TANDEM_STEP_STATS=1)",
     "nvtx": "NVTX ranges around the parts of each step, for Nsight Systems",
+    "profile_dir": "enable POST /start_profile and /stop_profile (vLLM's routes): torch.profiler "
+    "runs in the engine core between them and writes a Chrome trace and a table of the "
+    "operations that took the most time into this directory (development only: it slows "
+    "every step; with tensor parallelism, rank 0's process)",
     "tensor_parallel_size": "processes (one per GPU) that one engine core shards the model over: "
     "heads, KV heads, MLP and vocabulary split across them (gloo on the CPU, NCCL on CUDA)",
     "pipeline_parallel_size": "pipeline stages the decoder layers split into, contiguous and "

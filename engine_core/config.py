@@ -382,6 +382,9 @@ class EngineConfig:
     async_scheduling: bool = True
     step_stats: bool = False  # per-step host/GPU timing, logged periodically (step_stats.py)
     nvtx: bool = False  # NVTX ranges around the parts of each step, for Nsight Systems
+    # torch.profiler traces between POST /start_profile and /stop_profile go into this directory
+    # (engine_core/profiler.py); None: those routes are refused.
+    profile_dir: str | None = None
     tensor_parallel_size: int = 1  # processes (GPUs) one engine core shards the model over
     # Stages the decoder layers split into, each run by tensor_parallel_size processes
     # (engine_core/parallel.py split_layers); the engine core is tp x pp processes.

@@ -37,6 +37,7 @@ from common.processes import (
 )
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
+from engine_core.profiler import EngineProfiler, ProfilerError
 from engine_core.request import EngineOutput, HeldTokens, Request
 from protocol.address import EngineAddress
 from protocol.codec import StepOutputsFrame
@@ -128,6 +129,7 @@ class EngineServer:
         if parent_pid is not None:  # before loading: a parent may die while the weights load
             threading.Thread(target=self._watch_parent, daemon=True).start()
         self.core = EngineCore(config)
+        self.profiler = EngineProfiler(config.profile_dir, self.core.runner.device.type == "cuda")
         mc = self.core.model_config
         self.ready = Ready(
             model=config.model,
@@ -372,10 +374,22 @@ class EngineServer:
                 self.core.scheduler.block_manager.check_integrity()
             except AssertionError as exc:
                 reply = ControlReply(msg.kind, msg.token, ok=False, message=str(exc))
+        elif msg.kind in (ControlKind.START_PROFILE, ControlKind.STOP_PROFILE):
+            reply = self._profile(msg)
         elif msg.kind == ControlKind.SHUTDOWN:
             logger.info("shutdown requested by a client")
             self.running = False
         self._send(client, reply)
+
+    def _profile(self, msg: Control) -> ControlReply:
+        try:
+            if msg.kind == ControlKind.START_PROFILE:
+                message = self.profiler.start()
+            else:
+                message = "\n".join(self.profiler.stop())
+        except ProfilerError as exc:
+            return ControlReply(msg.kind, msg.token, ok=False, message=str(exc))
+        return ControlReply(msg.kind, msg.token, message=message)
 
     def _step(self) -> None:
         try:

@@ -69,6 +69,7 @@ from frontend.serving_context import ServingContext
 from frontend.sse import DONE
 from frontend.tokenizer import ChatRender
 from frontend.tracing import TracingMiddleware
+from protocol.messages import ControlKind
 
 if TYPE_CHECKING:
     from frontend.lora import LoraRegistry
@@ -78,6 +79,9 @@ logger = logging.getLogger("tandem.frontend")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_BYTES = DONE.encode()
 STATS_TIMEOUT_S = 10.0  # the engine answers between steps, and a CPU prefill step can be slow
+PROFILE_START_TIMEOUT_S = 30.0
+# Stopping writes the whole trace before the engine answers: minutes for a long one on a GPU.
+PROFILE_STOP_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -224,6 +228,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     add_token_routes(app, ctx)
     add_lora_routes(app, ctx)
+    add_profile_routes(app, ctx)
 
 
 def lora_cards(ctx: ServingContext) -> list[ModelCard]:
@@ -234,6 +239,30 @@ def lora_cards(ctx: ServingContext) -> list[ModelCard]:
         ModelCard(id=name, root=ref.path, parent=ctx.served_model, max_model_len=ctx.max_model_len)
         for name, ref in ctx.loras.adapters.items()
     ]
+
+
+def add_profile_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """vLLM's /start_profile and /stop_profile: torch.profiler in every engine core between
+    them (engine_core/profiler.py); 400 with the engine's reason where it cannot (no
+    --profile-dir, already running, not running)."""
+
+    async def control(kind: ControlKind, timeout: float) -> list[str]:
+        replies = await ctx.engine.control_all(kind, timeout)
+        refused = [reply.message for reply in replies if not reply.ok]
+        if refused:
+            raise bad_request(refused[0])
+        return [reply.message for reply in replies]
+
+    # A development tool, like vLLM's: left out of the published document.
+    @app.post("/start_profile", include_in_schema=False)
+    async def start_profile() -> dict[str, Any]:
+        directories = await control(ControlKind.START_PROFILE, PROFILE_START_TIMEOUT_S)
+        return {"profiling": True, "directories": directories}
+
+    @app.post("/stop_profile", include_in_schema=False)
+    async def stop_profile() -> dict[str, Any]:
+        written = await control(ControlKind.STOP_PROFILE, PROFILE_STOP_TIMEOUT_S)
+        return {"profiling": False, "files": [path for m in written for path in m.splitlines()]}
 
 
 def add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:

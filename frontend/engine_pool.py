@@ -34,7 +34,7 @@ from protocol.client import (
     RequestGroup,
     wait_while_dead,
 )
-from protocol.messages import EngineCounts, Ready, Stats
+from protocol.messages import ControlKind, ControlReply, EngineCounts, Ready, Stats
 
 WAIT_POLL_S = 0.05
 
@@ -190,6 +190,13 @@ class EnginePool:
         gauges = (f.name for f in dataclasses.fields(Stats) if f.name != "counts")
         summed = {name: sum(getattr(s, name) for s in got) for name in gauges}
         return Stats(**summed, counts=self.totals.total())
+
+    async def control_all(self, kind: ControlKind, timeout: float) -> list[ControlReply]:
+        """Send control ``kind`` to every live engine; their replies, in engine order."""
+        live = [e for e in self.engines if e.dead_reason is None]
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no engine core")
+        return list(await asyncio.gather(*(e.control(kind, timeout) for e in live)))
 
     async def close(self, reason: str = "the frontend is shutting down") -> None:
         await asyncio.gather(*(e.close(reason) for e in self.engines))

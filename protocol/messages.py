@@ -109,6 +109,11 @@ class ControlKind(enum.IntEnum):
     STATS = 1  # reply: CONTROL_REPLY with a Stats payload
     SHUTDOWN = 2  # the engine stops its loop and exits
     CHECK_INTEGRITY = 3  # reply: CONTROL_REPLY after the block manager's integrity check
+    # torch.profiler in the engine (engine_core/profiler.py; needs --profile-dir). Replies: ok,
+    # or not with the reason; START_PROFILE's message is the trace directory, STOP_PROFILE's
+    # the written files' paths, one a line.
+    START_PROFILE = 4
+    STOP_PROFILE = 5
 
 
 @dataclass(frozen=True)

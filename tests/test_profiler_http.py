@@ -1,0 +1,114 @@
+"""POST /start_profile and /stop_profile (vLLM's routes) on a real `tandem serve`: torch.profiler
+runs in the engine core between them and writes a trace that a viewer can read, with the work
+the requests in between did; without --profile-dir, and out of order, they are refused (400, the
+reason named) and the server serves on."""
+
+# Fixtures arrive as parameters named like the imported fixture: F811 is expected here.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server_fixture import (  # noqa: F401
+    TINY_ARGS,
+    Server,
+    start_server,
+    stop_server,
+    tiny_server,
+    wait_engine_idle,
+)
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 6  # a completion's tokens: its prefill step and 5 decode steps
+LAYERS = 2  # the tiny model's (tests/conftest.py tiny_model_dir)
+ATTENTION_OP = "aten::scaled_dot_product_attention"  # the CPU backend's, once a layer a step
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Server]:
+    traces = tmp_path_factory.mktemp("traces") / "engine"  # created by the first start
+    srv = start_server(
+        tmp_path_factory.mktemp("serve-profiled"),
+        model=str(tiny_model_dir),
+        args=[*TINY_ARGS, "--profile-dir", str(traces)],
+    )
+    yield srv
+    stop_server(srv)
+
+
+def post(srv: Server, route: str) -> httpx.Response:
+    return httpx.post(f"{srv.base_url}/{route}", headers=srv.headers, timeout=120)
+
+
+def complete(srv: Server) -> str:
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.completions.create(
+        model=model,
+        prompt="The profiler sees",
+        max_tokens=TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    return out.choices[0].text
+
+
+def trace_events(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def test_a_trace_holds_the_work_between_start_and_stop(profiled: Server) -> None:
+    refused = post(profiled, "stop_profile")
+    assert refused.status_code == 400, refused.text
+    assert "not running" in refused.json()["error"]["message"]
+
+    started = post(profiled, "start_profile")
+    assert started.status_code == 200, started.text
+    (directory,) = started.json()["directories"]
+    again = post(profiled, "start_profile")
+    assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+    complete(profiled)
+    stopped = post(profiled, "stop_profile")
+    assert stopped.status_code == 200, stopped.text
+    trace, top = (Path(p) for p in stopped.json()["files"])
+    assert trace.parent == top.parent == Path(directory)
+    assert trace.name.endswith(".trace.json.gz") and top.name.endswith(".top.txt")
+    # Each layer of each forward the completion took attended once (the CPU's attention op).
+    attended = [e for e in trace_events(trace) if e.get("name") == ATTENTION_OP]
+    assert len(attended) >= LAYERS * TOKENS and len(attended) % LAYERS == 0, len(attended)
+    assert "Self CPU" in top.read_text()
+
+    # A second trace is numbered apart; with no request in between, no layer attended.
+    assert post(profiled, "start_profile").status_code == 200
+    second = post(profiled, "stop_profile")
+    assert second.status_code == 200, second.text
+    trace2 = Path(second.json()["files"][0])
+    assert trace2 != trace and trace.exists()
+    assert ATTENTION_OP not in {e.get("name") for e in trace_events(trace2)}
+    assert complete(profiled) is not None  # serving went on
+    wait_engine_idle(profiled)
+
+
+def test_without_a_profile_dir_the_routes_say_how_to_enable_them(tiny_server: Server) -> None:
+    for route in ("start_profile", "stop_profile"):
+        r = post(tiny_server, route)
+        assert r.status_code == 400, r.text
+        assert "--profile-dir" in r.json()["error"]["message"]
+    assert complete(tiny_server) is not None
+
+
+def test_the_routes_stay_out_of_the_published_document(profiled: Server) -> None:
+    """Development routes, as vLLM's: the serving API's document does not list them."""
+    paths = httpx.get(f"{profiled.base_url}/openapi.json", timeout=30).json()["paths"]
+    assert "/v1/completions" in paths
+    assert not {"/start_profile", "/stop_profile"} & set(paths)
