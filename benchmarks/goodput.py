@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     check(args)
     out_dir = serving.output_dir(args, "tandem-goodput-")
     model_dir, tokenizer = serving.served_model(args, out_dir)
-    servers = serving.build_servers(args, model_dir)
+    servers = serving.build_servers(args, model_dir, out_dir)
     warm_up = warm_up_workload(args)
     loadgen_args = shlex.split(args.loadgen_args)
     workloads = rate_workloads(args)

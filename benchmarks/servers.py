@@ -313,6 +313,7 @@ class Server:
     env: dict[str, str] = field(default_factory=lambda: server_env())
     cwd: Path = ROOT
     proc: subprocess.Popen[bytes] | None = None
+    profile_dir: Path | None = None  # --profile: where its profiler writes (server_profile.py)
 
     @property
     def url(self) -> str:

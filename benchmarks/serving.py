@@ -42,6 +42,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks import server_profile
 from benchmarks.report import Provenance, write_json
 from benchmarks.servers import (
     Server,
@@ -134,6 +135,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--loadgen-args", default="",
         help="extra load-generator flags, e.g. '--client-processes 4' at hundreds of streams",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="after each workload's measured runs, one more run under each server's torch "
+        "profiler (Tandem --profile-dir, vLLM --profiler-config), not reported; prints the "
+        "kernels it spent its device time in, and keeps the traces in OUT-DIR/NAME-profile",
+    )  # fmt: skip
 
 
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +182,7 @@ def compare(
         loadgen_args += add_lora_flags(args, out_dir)
     if getattr(args, "quantization", None):
         add_quantization_flags(args, model_dir)
-    servers = build_servers(args, model_dir)
+    servers = build_servers(args, model_dir, out_dir)
     results = run_sequential(servers, args.workloads, tokenizer, out_dir, args.runs, loadgen_args)
     provenance = Provenance.here(args.argv)
     print_comparison(provenance, servers, results, metrics, out_dir)
@@ -287,7 +294,19 @@ def model_folder(model: str, out_dir: Path) -> tuple[Path | None, str]:
     return folder, str(folder)
 
 
-def build_servers(args: argparse.Namespace, model_dir: Path | None) -> list[Server]:
+def build_servers(
+    args: argparse.Namespace, model_dir: Path | None, out_dir: Path | None = None
+) -> list[Server]:
+    """The servers to compare; with --profile, each with its profiler on, writing under
+    ``out_dir``."""
+    servers = servers_of(args, model_dir)
+    if getattr(args, "profile", False) and out_dir is not None:
+        for server in servers:
+            server_profile.enable(server, out_dir / f"{server.name}-profile")
+    return servers
+
+
+def servers_of(args: argparse.Namespace, model_dir: Path | None) -> list[Server]:
     from engine_core.presets import PRESETS
 
     preset = args.model in PRESETS

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import server_profile
 from benchmarks.report import Provenance, fmt, format_table, ratio
 from benchmarks.servers import (
     PREFIX_COUNTERS,
@@ -152,7 +153,22 @@ def attempt(
     if counted:
         figures = dataclasses.replace(figures, prefix_cache_hit_rate=hit_rate(before, after))
     print(f"  {progress(figures)}", flush=True)
+    if server.profile_dir is not None:
+        profile_once(server, workload, tokenizer, out, loadgen_extra)
     return figures
+
+
+def profile_once(
+    server: Server, workload: LoadShape, tokenizer: str, out: Path, loadgen_extra: list[str] | None
+) -> None:
+    """One more run of ``workload`` under the server's profiler (--profile); its kernels."""
+    profiled_out = out.with_name(f"{out.stem}-profiled.json")
+
+    def run() -> None:
+        run_loadgen(server.url, workload, tokenizer, profiled_out, 1, 0, loadgen_extra)
+
+    times, kind = server_profile.profiled(server, run)
+    print(server_profile.format_profile(server.name, workload.label, times, kind), flush=True)
 
 
 def run_alternating(

@@ -140,6 +140,44 @@ def test_serving_with_sglang_starts_it_after_vllm_on_the_same_folder(
             serving.build_servers(parse(flags + extra), model_dir)
 
 
+def test_profile_turns_on_each_servers_profiler_into_its_own_folder(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """--profile: Tandem's --profile-dir and vLLM's --profiler-config (torch, an absolute
+    folder, as vLLM requires), each under the output folder; SGLang is refused by name."""
+    flags = ["serving", "--model", "llama-1b", "--vllm-python", "python3", "--profile"]
+    model_dir, _ = serving.model_folder("llama-1b", tmp_path)
+    tandem, vllm = serving.build_servers(parse(flags), model_dir, tmp_path)
+    assert tandem.command[-2:] == ["--profile-dir", str(tmp_path / "tandem-profile")]
+    assert tandem.profile_dir == tmp_path / "tandem-profile"
+    assert vllm.command[-2] == "--profiler-config"
+    config = json.loads(vllm.command[-1])
+    assert config["profiler"] == "torch"
+    assert config["torch_profiler_dir"] == str((tmp_path / "vllm-profile").resolve())
+    assert vllm.profile_dir == tmp_path / "vllm-profile"
+    with pytest.raises(SystemExit, match="not sglang"):
+        serving.build_servers(parse([*flags, "--sglang-python", "python3"]), model_dir, tmp_path)
+    plain = serving.build_servers(parse(flags[:-1]), model_dir, tmp_path)
+    assert all(s.profile_dir is None and "--profile-dir" not in s.command for s in plain)
+
+
+def test_kernel_times_sum_each_kernel_over_the_traces() -> None:
+    """By hand: kernel A twice (10 + 25 us), B once (30): A first with 35 of 65 us; CPU ops are
+    left out where kernels are there, and counted where they are not."""
+    from benchmarks.server_profile import kernel_times
+
+    events = [
+        {"cat": "kernel", "name": "A", "dur": 10}, {"cat": "kernel", "name": "B", "dur": 30},
+        {"cat": "kernel", "name": "A", "dur": 25}, {"cat": "cpu_op", "name": "aten::mm", "dur": 99},
+    ]  # fmt: skip
+    times, kind = kernel_times(events)
+    assert kind == "kernels"
+    assert [(t.name, t.calls, t.total_us) for t in times] == [("A", 2, 35.0), ("B", 1, 30.0)]
+    assert times[0].share == pytest.approx(35 / 65)
+    ops, kind = kernel_times([e for e in events if e["cat"] == "cpu_op"])
+    assert kind == "ops" and [(t.name, t.calls, t.share) for t in ops] == [("aten::mm", 1, 1.0)]
+
+
 def test_serving_without_vllm_is_tandem_alone_and_without_either_refused() -> None:
     assert [s.name for s in serving.build_servers(parse(["serving"]), None)] == ["tandem"]
     with pytest.raises(SystemExit, match="nothing to run"):

@@ -108,6 +108,25 @@ def test_serving_driver_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) ->
     assert (tmp_path / "tandem-server.log").exists()
 
 
+def test_serving_with_profile_prints_the_profiled_runs_ops(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--profile: after the measured runs, one more under Tandem's profiler; its table lists
+    the attention op the tiny model's 2 layers ran every step (on the CPU: torch ops), the
+    trace stays in OUT-DIR/tandem-profile, and the reported figures are the measured run's."""
+    argv = ["serving", "--model", str(tiny_model_dir), "--workloads", "4:16:4",
+            "--max-model-len", "512", "--port", str(free_port()), "--out-dir", str(tmp_path),
+            "--json", str(tmp_path / "s.json"), "--profile"]  # fmt: skip
+    out = run_benchmark(*argv)
+    assert "[tandem] 4 x (16 -> 4), profiled run:" in out and "ms of ops" in out
+    (attention,) = table_rows(out, "aten::scaled_dot_product_attention ")
+    calls = int(attention[1])
+    assert calls >= 2 * 4 and calls % 2 == 0, attention  # 2 layers, 4 tokens: >= 4 forwards
+    assert list((tmp_path / "tandem-profile").glob("tandem-engine-*.trace.json.gz"))
+    figures = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert [(f["server"], f["workload"]) for f in figures] == [("tandem", "4 x (16 -> 4)")]
+
+
 def test_first_token_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     flags = f"--model {tiny_model_dir} --trials 2 --warmup 1 --prompt-len 32 --port {free_port()}"
     argv = ["first-token", *flags.split(), "--json", str(tmp_path / "f.json")]
