@@ -81,7 +81,9 @@ def test_freed_temporaries_are_not_faulted_in_again() -> None:
 # Minor page faults per 1,024^2 image through the API process's image path (Qwen2.5-VL-7B's
 # processor, bfloat16 wire), after a warm-up: with the processor loaded as the server loads it
 # (which keeps freed memory), and with glibc's starting mmap threshold put back after loading;
-# the fewest of three windows of four images (the kept heap may still grow once in a while).
+# of three windows of four images, the kept heap's fewest (it may still grow once in a while)
+# and the control's most (glibc reuses some freed blocks, how many varies: one CI run saw a
+# control's fewest at 157 pages an image).
 IMAGE_FAULTS_SCRIPT = """
 import ctypes, resource, sys
 import numpy as np
@@ -103,7 +105,8 @@ def window():
     for _ in range(4):
         one()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
-print(min(window(), window(), window()))
+windows = [window(), window(), window()]
+print(max(windows) if sys.argv[1] == "return" else min(windows))
 """
 # The wire's bfloat16 copy of one image's 5,476 x 1,176 pixels (74 x 74 patches), in pages.
 WIRE_PAGES = 5476 * 1176 * 2 // 4096
