@@ -251,7 +251,14 @@ def resolve_max_num_seqs(config: EngineConfig) -> EngineConfig:
     if large:
         model = peek_model_config(config.model)
         large = model is None or model.linear_attention is None
-    return config.with_max_num_seqs(large)
+    resolved = config.with_max_num_seqs(large)
+    logger.info(
+        "--max-num-seqs unset: %d running sequences at most (%s)", resolved.max_num_seqs,
+        "one host whose GPU has 70 GiB or more"
+        if large
+        else "no GPU of 70 GiB or more on one host, or a model with linear-attention layers",
+    )  # fmt: skip
+    return resolved
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

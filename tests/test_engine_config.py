@@ -3,6 +3,7 @@ by the config and by every command that takes them (vLLM refuses the same)."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,9 @@ def test_the_runner_resolves_the_cap_from_the_gpus_memory_and_the_model(
     assert resolve_max_num_seqs(explicit).max_num_seqs == 32
 
 
-def test_an_engine_on_the_cpu_runs_256_sequences_and_says_so(tmp_path: Path) -> None:
+def test_an_engine_on_the_cpu_runs_256_sequences_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The real engine resolves the unset cap once: its config, its scheduler and its runner
     agree, and a request beyond it waits (256 admitted of 257 one-token prompts)."""
     from engine_core.core import EngineCore
@@ -120,7 +123,9 @@ def test_an_engine_on_the_cpu_runs_256_sequences_and_says_so(tmp_path: Path) -> 
     from protocol.messages import SamplingParams
     from tests.factories import write_tiny_llama
 
-    core = EngineCore(EngineConfig(model=str(write_tiny_llama(tmp_path)), device="cpu"))
+    with caplog.at_level(logging.INFO, logger="engine_core.model_runner"):
+        core = EngineCore(EngineConfig(model=str(write_tiny_llama(tmp_path)), device="cpu"))
+    assert "--max-num-seqs unset: 256 running sequences at most" in caplog.text
     assert core.config.max_num_seqs == core.runner.config.max_num_seqs == 256
     assert core.scheduler.config.max_num_seqs == 256
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
