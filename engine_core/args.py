@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from engine_core.config import EngineConfig
+from engine_core.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    LARGE_GPU_BYTES,
+    LARGE_GPU_MAX_NUM_SEQS,
+    EngineConfig,
+)
 
 _HELP = {
     "model": "model: 'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, "
@@ -17,9 +22,10 @@ _HELP = {
     "num_kv_blocks": "KV-cache blocks (default: sized from the memory flags)",
     "kv_cache_memory_gb": "KV-cache size on the CPU, in GiB",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
-    "max_num_seqs": "most sequences running at once (the decode batch cap); unset (None): 1024 "
-    "on one host whose GPU has 70 GiB or more, for a model without linear-attention layers "
-    "(as vLLM), else 256, and never past --max-num-batched-tokens",
+    "max_num_seqs": "most sequences running at once (the decode batch cap); unset (None): "
+    f"{LARGE_GPU_MAX_NUM_SEQS} on one host whose GPU has {LARGE_GPU_BYTES // 2**30} GiB or more, "
+    "for a model without linear-attention layers (as vLLM), else "
+    f"{DEFAULT_MAX_NUM_SEQS}, and never past --max-num-batched-tokens",
     "max_num_batched_tokens": "token budget of one engine step",
     "prefill_max_batch_size": "most new requests admitted per step (default: --max-num-seqs)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",

@@ -65,7 +65,6 @@ def unsplit_image_tokens(config: ModelConfig) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.runner = make_runner(config)
         # What the runner decided from its device and model (--max-num-seqs left unset).
         self.config = config = self.runner.config

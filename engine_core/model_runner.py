@@ -254,9 +254,10 @@ def resolve_max_num_seqs(config: EngineConfig) -> EngineConfig:
     resolved = config.with_max_num_seqs(large)
     logger.info(
         "--max-num-seqs unset: %d running sequences at most (%s)", resolved.max_num_seqs,
-        "one host whose GPU has 70 GiB or more"
+        f"one host whose GPU has {LARGE_GPU_BYTES // 2**30} GiB or more"
         if large
-        else "no GPU of 70 GiB or more on one host, or a model with linear-attention layers",
+        else f"no GPU of {LARGE_GPU_BYTES // 2**30} GiB or more on one host, or a model with "
+        "linear-attention layers",
     )  # fmt: skip
     return resolved
 

@@ -40,10 +40,6 @@ class EngineProfiler:
         self._profile: Any = None  # the torch.profiler.profile running, or None
         self._traces = 0
 
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
-
     def start(self) -> str:
         """Start tracing; the directory the trace will be written to."""
         from torch.profiler import ProfilerActivity, profile
