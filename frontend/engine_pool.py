@@ -170,9 +170,7 @@ class EnginePool:
 
     async def stats(self, timeout: float = 2.0) -> Stats | None:
         """Every live engine's counters, summed; each is also recorded under its label."""
-        live = [i for i, e in enumerate(self.engines) if e.dead_reason is None]
-        if not live:
-            raise EngineDeadError(self.dead_reason or "no engine core")
+        live = self._live()
         replies = await asyncio.gather(
             *(self.engines[i].stats(timeout) for i in live), return_exceptions=True
         )
@@ -193,10 +191,15 @@ class EnginePool:
 
     async def control_all(self, kind: ControlKind, timeout: float) -> list[ControlReply]:
         """Send control ``kind`` to every live engine; their replies, in engine order."""
-        live = [e for e in self.engines if e.dead_reason is None]
+        replies = (self.engines[i].control(kind, timeout) for i in self._live())
+        return list(await asyncio.gather(*replies))
+
+    def _live(self) -> list[int]:
+        """The indices of the engines not known dead; EngineDeadError where none is left."""
+        live = [i for i, e in enumerate(self.engines) if e.dead_reason is None]
         if not live:
             raise EngineDeadError(self.dead_reason or "no engine core")
-        return list(await asyncio.gather(*(e.control(kind, timeout) for e in live)))
+        return live
 
     async def close(self, reason: str = "the frontend is shutting down") -> None:
         await asyncio.gather(*(e.close(reason) for e in self.engines))
