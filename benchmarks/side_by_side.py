@@ -38,6 +38,10 @@ from benchmarks.servers import (
     stop,
 )
 
+# Added to a seeded workload's seed for its profiled run: past every seed a benchmark gives its
+# measured runs and warm-ups (goodput's: SEED + the rate's index, and one more for the warm-up).
+PROFILED_SEED_OFFSET = 1_000_003
+
 
 @dataclass(frozen=True)
 class Figures:
@@ -163,12 +167,23 @@ def profile_once(
 ) -> None:
     """One more run of ``workload`` under the server's profiler (--profile); its kernels."""
     profiled_out = out.with_name(f"{out.stem}-profiled.json")
+    fresh = fresh_prompts(workload)
 
     def run() -> None:
-        run_loadgen(server.url, workload, tokenizer, profiled_out, 1, 0, loadgen_extra)
+        run_loadgen(server.url, fresh, tokenizer, profiled_out, 1, 0, loadgen_extra)
 
     times, kind = server_profile.profiled(server, run)
     print(server_profile.format_profile(server.name, workload.label, times, kind), flush=True)
+
+
+def fresh_prompts(workload: LoadShape) -> LoadShape:
+    """``workload`` with prompts no measured run drew: a seeded workload (goodput's) would send
+    its measured run's prompts again, and the prefix cache would serve every one of them, so the
+    profile would hold no prefill. An unseeded one draws fresh prompts each run already."""
+    seed = getattr(workload, "seed", None)
+    if seed is None:
+        return workload
+    return dataclasses.replace(workload, seed=seed + PROFILED_SEED_OFFSET)
 
 
 def run_alternating(

@@ -167,8 +167,10 @@ def test_kernel_times_sum_each_kernel_over_the_traces() -> None:
     from benchmarks.server_profile import kernel_times
 
     events = [
-        {"cat": "kernel", "name": "A", "dur": 10}, {"cat": "kernel", "name": "B", "dur": 30},
-        {"cat": "kernel", "name": "A", "dur": 25}, {"cat": "cpu_op", "name": "aten::mm", "dur": 99},
+        {"cat": "kernel", "name": "A", "ts": 0, "dur": 10},
+        {"cat": "kernel", "name": "B", "ts": 12, "dur": 30},
+        {"cat": "kernel", "name": "A", "ts": 50, "dur": 25},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99},
     ]  # fmt: skip
     times, kind = kernel_times(events)
     assert kind == "kernels"
@@ -176,6 +178,23 @@ def test_kernel_times_sum_each_kernel_over_the_traces() -> None:
     assert times[0].share == pytest.approx(35 / 65)
     ops, kind = kernel_times([e for e in events if e["cat"] == "cpu_op"])
     assert kind == "ops" and [(t.name, t.calls, t.share) for t in ops] == [("aten::mm", 1, 1.0)]
+
+
+def test_a_kernel_launched_early_counts_only_past_the_one_before_it() -> None:
+    """By hand, programmatic dependent launch: on stream 7 A runs 0-10 us, B 10-40 and the next
+    A opens at 35 (resident, waiting) and ends at 60, so it owns 40-60; on stream 8 another A
+    runs 0-25, overlapping stream 7's kernels but not its own stream's: all 25 are its own.
+    A: 10 + 20 + 25 = 55 us in 3 calls, B 30; 85 in all (each stream's busy time)."""
+    from benchmarks.server_profile import kernel_times
+
+    def kernel(name: str, stream: int, ts: float, dur: float) -> dict:
+        return {"cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur}
+
+    events = [kernel("A", 7, 35, 25), kernel("B", 7, 10, 30), kernel("A", 7, 0, 10)]
+    events.append(kernel("A", 8, 0, 25))
+    times, _ = kernel_times(events)
+    assert [(t.name, t.calls, t.total_us) for t in times] == [("A", 3, 55.0), ("B", 1, 30.0)]
+    assert times[1].share == pytest.approx(30 / 85)
 
 
 def test_serving_without_vllm_is_tandem_alone_and_without_either_refused() -> None:
@@ -251,3 +270,22 @@ def test_vllm_cpu_reads_the_converted_folder_without_the_kept_gguf_blocks(tmp_pa
         (newer / name).write_text(f"new {name}")
     assert cpu.float_folder(newer, tmp_path / "out") == folder
     assert all((folder / n).read_text() == f"new {n}" for n in names[:3])
+
+
+def test_a_profiled_run_draws_prompts_no_measured_run_drew() -> None:
+    """Goodput seeds each rate's prompts: its profiled run, seeded alike, would be the measured
+    run's prompts again, all served by the prefix cache. It gets a seed no rate and no warm-up
+    of the run has; an unseeded workload (fresh prompts each run) stays as it is."""
+    from benchmarks import goodput
+    from benchmarks.side_by_side import fresh_prompts
+
+    args = parse(["goodput", "--rates", "2,4,8", "--seed", "5"])
+    measured = goodput.rate_workloads(args)
+    taken = {w.seed for w in measured} | {goodput.warm_up_workload(args).seed}
+    for workload in measured:
+        profiled = fresh_prompts(workload)
+        assert profiled.seed not in taken
+        assert profiled.loadgen_args() != workload.loadgen_args()
+        assert profiled.num_requests == workload.num_requests and profiled.rate == workload.rate
+    turns = multi_turn.workload(parse(["multi-turn"]))
+    assert fresh_prompts(turns) is turns and "--seed" not in turns.loadgen_args()
