@@ -3,13 +3,17 @@
     python -m benchmarks attention --model llama-8b [--sweep]
 
 Prefill cases are NEW[@CONTEXT][xCOUNT] (2 prompts of 3,600 fresh tokens: 3600x2; 512 new
-tokens after 3,584 cached: 512@3584x2); decode cases are CONTEXTxBATCH. The cache is bf16 in
-16-token pages scattered at random. Each row: microseconds a call (median of CUDA-event
-timings), TFLOP/s for prefill (causal: each new token over its context and the new tokens up
-to it), GB/s of K/V read for decode. The engine's launch shape first, then, with ``--sweep``,
-every shape of the grid below (the way the shapes in triton_kernels.py were chosen); a shape
-that cannot launch prints its error instead of figures. Fresh prompts also run through torch's
-SDPA (flash attention over contiguous K/V, no pages) for scale.
+tokens after 3,584 cached: 512@3584x2); decode cases are CONTEXTxBATCH[:SHARED], SHARED tokens
+at the start of every row's context in the same pages (a system prompt the prefix cache shares:
+2600x32:2000). The cache is bf16 in 16-token pages scattered at random. Each row: microseconds a
+call (median of CUDA-event timings; with ``--graph`` a decode call's share of a CUDA graph of
+20 calls, no launch gaps, as in the engine's decode steps), TFLOP/s for prefill (causal: each
+new token over its context and the new tokens up to it), GB/s of K/V the rows read for decode
+(a shared page counted once per row: above the memory's bandwidth where pages come from L2).
+The engine's launch shape first, then, with ``--sweep``, every shape of the grid below (the way
+the shapes in triton_kernels.py were chosen); a shape that cannot launch prints its error
+instead of figures. Fresh prompts also run through torch's SDPA (flash attention over
+contiguous K/V, no pages) for scale.
 """
 
 from __future__ import annotations
@@ -38,8 +42,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode",
         default="3700x32,16384x8,2048x64,1024x128",
-        help="decode cases CONTEXTxBATCH, comma-separated",
+        help="decode cases CONTEXTxBATCH[:SHARED] (SHARED: tokens every row's context starts "
+        "with, in the same pages), comma-separated",
     )
+    parser.add_argument(
+        "--graph", action="store_true",
+        help="time each decode call as its share of a CUDA graph of 20 calls (no launch gaps, "
+        "as in the engine's decode steps; prefill stays eager, as the engine runs long prompts)",
+    )  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time every launch shape")
     parser.add_argument("--iters", type=int, default=20, help="timed calls each (default: 20)")
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -53,10 +63,14 @@ def parse_prefill(case: str) -> tuple[list[int], list[int]]:
     return [int(new)] * n, [int(context or 0)] * n
 
 
-def parse_decode(case: str) -> tuple[int, int]:
-    """'3700x32' -> (3700, 32): context tokens (the query's included) and batch."""
-    context, _, batch = case.partition("x")
-    return int(context), int(batch or 1)
+def parse_decode(case: str) -> tuple[int, int, int]:
+    """'2600x32:2000' -> (2600, 32, 2000): context tokens (the query's included), batch, and
+    the tokens every row's context starts with in shared pages (0 without ':')."""
+    body, _, shared = case.partition(":")
+    context, _, batch = body.partition("x")
+    if int(shared or 0) > int(context):
+        raise SystemExit(f"decode case {case}: more shared tokens than the context")
+    return int(context), int(batch or 1), int(shared or 0)
 
 
 def prefill_flops(new: list[int], context: list[int], heads: int, head_dim: int) -> float:
@@ -65,8 +79,11 @@ def prefill_flops(new: list[int], context: list[int], heads: int, head_dim: int)
     return 4 * keys * heads * head_dim
 
 
-def paged_cache(seq_lens: list[int], kv_heads: int, head_dim: int) -> dict[str, Any]:
-    """K/V caches with every sequence's pages at random places, and their block tables."""
+def paged_cache(
+    seq_lens: list[int], kv_heads: int, head_dim: int, shared: int = 0
+) -> dict[str, Any]:
+    """K/V caches with every sequence's pages at random places, and their block tables; the
+    first ``shared`` tokens' whole pages are the first row's in every row."""
     import torch
 
     pages = [-(-s // PAGE) for s in seq_lens]
@@ -75,6 +92,7 @@ def paged_cache(seq_lens: list[int], kv_heads: int, head_dim: int) -> dict[str, 
     tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
     for row, start in enumerate(itertools.accumulate([0, *pages[:-1]])):
         tables[row, : pages[row]] = order[start : start + pages[row]]
+    tables[:, : shared // PAGE] = tables[0, : shared // PAGE].clone()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return {"k": k, "v": torch.randn_like(k), "tables": tables, "lens": lens}
 
@@ -139,8 +157,8 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
         tiles += [DecodeTile(*point) for point in itertools.product(*DECODE_SWEEP.values())]
     rows = []
     for case in args.decode.split(","):
-        context, batch = parse_decode(case)
-        cache = paged_cache([context] * batch, shape["kv"], shape["d"])
+        context, batch, shared = parse_decode(case)
+        cache = paged_cache([context] * batch, shape["kv"], shape["d"], shared)
         q = torch.randn(batch, shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
         kv_bytes = 4 * batch * context * shape["kv"] * shape["d"]  # K and V, two bytes each
         for tile in tiles:
@@ -149,19 +167,40 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
                 paged_decode_attention, q, cache["k"], cache["v"], cache["tables"],
                 cache["lens"], shape["d"] ** -0.5, tile=tile,
             )  # fmt: skip
-            rows.append({"case": case, "kernel": label} | timed(call, args, bytes_=kv_bytes))
+            figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
+            rows.append({"case": case, "kernel": label} | figures)
     return rows
 
 
 def timed(
-    call: Any, args: argparse.Namespace, flops: float = 0.0, bytes_: float = 0.0
+    call: Any,
+    args: argparse.Namespace,
+    flops: float = 0.0,
+    bytes_: float = 0.0,
+    graph: bool = False,
 ) -> dict[str, Any]:
     """The call's median µs and rate, or its error (a shape that does not fit the GPU)."""
     try:
-        us = median_us(lambda _: call(), 1, args.iters)
+        us = graph_us(call, args.iters) if graph else median_us(lambda _: call(), 1, args.iters)
     except Exception as error:  # a launch shape over the shared memory: say so, go on
         return {"error": f"{type(error).__name__}: {str(error)[:80]}"}
     return {"us": us, "tflops": flops / us / 1e6, "gb_s": bytes_ / us / 1e3}
+
+
+def graph_us(call: Any, iters: int, calls: int = 20) -> float:
+    """Median over ``iters`` replays of a CUDA graph of ``calls`` calls, a call's share."""
+    import torch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # warm-up (compiles, allocates) off the capture
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    return median_us(lambda _: graph.replay(), 1, iters) / calls
 
 
 def attention_shape(model: str) -> dict[str, int]:
