@@ -129,8 +129,47 @@ def own_times(kernels: list[dict]) -> list[tuple[str, float]]:
     return owned
 
 
+# Kernels by what they compute, for a line that two servers' tables share whatever their kernels
+# are called. Tandem's attention kernels by name (engine_core/attention/); the peers' by
+# FlashAttention's, FlashInfer's and vLLM's paged kernels' names. Matrix products: cuBLAS
+# (nvjet, xmma, its split-K reduction), CUTLASS and Triton GEMMs and GEMVs, Tandem's fused
+# experts' gate/up and down products and the skinny GEMM's split sum. A cache write (vLLM's
+# reshape_and_cache_flash, Tandem's rotary_write_kv) is neither.
+TANDEM_ATTENTION = frozenset(
+    {"_decode_kernel", "_decode_merge_kernel", "_prefill_kernel", "_mla_decode_kernel",
+     "_verify_kernel"}
+)  # fmt: skip
+ATTENTION_MARKS = ("flash", "attn", "attention")
+CACHE_WRITE_MARKS = ("reshape_and_cache",)
+PRODUCT_MARKS = (
+    "gemm", "gemv", "nvjet", "xmma", "splitkreduce", "matmul", "skinny", "_gate_up", "_down"
+)  # fmt: skip
+KINDS = ("attention", "matrix products", "the rest")
+
+
+def kernel_kind(name: str) -> str:
+    """What a kernel computes: one of KINDS."""
+    lowered = name.lower()
+    if any(mark in lowered for mark in CACHE_WRITE_MARKS):
+        return "the rest"
+    if name in TANDEM_ATTENTION or any(mark in lowered for mark in ATTENTION_MARKS):
+        return "attention"
+    if any(mark in lowered for mark in PRODUCT_MARKS):
+        return "matrix products"
+    return "the rest"
+
+
+def by_kind(times: list[KernelTime]) -> dict[str, float]:
+    """Microseconds of each of KINDS (each kind present, zero where none ran)."""
+    totals = dict.fromkeys(KINDS, 0.0)
+    for t in times:
+        totals[kernel_kind(t.name)] += t.total_us
+    return totals
+
+
 def format_profile(server: str, workload: str, times: list[KernelTime], kind: str) -> str:
-    """A server's table for one workload's profiled run: the TOP kernels (or ops)."""
+    """A server's table for one workload's profiled run: its kernels' time by kind, then the
+    TOP kernels (or ops)."""
     total_ms = sum(t.total_us for t in times) / 1000
     headers = [kind[:-1], "calls", "ms", "% of time"]
     rows = [
@@ -143,4 +182,9 @@ def format_profile(server: str, workload: str, times: list[KernelTime], kind: st
         for t in times[:TOP]
     ]
     head = f"[{server}] {workload}, profiled run: {total_ms:,.1f} ms of {kind}"
-    return f"{head}\n{format_table(headers, rows)}" if rows else f"{head}: no trace events"
+    if not rows:
+        return f"{head}: no trace events"
+    if kind == "kernels":
+        kinds = by_kind(times).items()
+        head += " (" + ", ".join(f"{name} {fmt(us / 1000, ',.1f')}" for name, us in kinds) + ")"
+    return f"{head}\n{format_table(headers, rows)}"
