@@ -234,12 +234,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_max_num_seqs(config: EngineConfig) -> EngineConfig:
+def resolve_max_num_seqs(config: EngineConfig, model: ModelConfig | None = None) -> EngineConfig:
     """``config`` with --max-num-seqs decided where it was left unset (``with_max_num_seqs``):
     the large default on one host whose GPU has LARGE_GPU_BYTES or more, for a model without
     linear-attention layers, whose per-sequence states (and as many saved ones) would otherwise
     take that memory from the KV cache. Over several hosts every node decides alike without
-    seeing the others' GPUs: the small default."""
+    seeing the others' GPUs: the small default. ``model``: the model's config where the caller
+    has read it already (else it is read here, only where the GPU is large)."""
     if config.max_num_seqs is not None:
         return config
     device = resolve_device(config.device)
@@ -249,7 +250,7 @@ def resolve_max_num_seqs(config: EngineConfig) -> EngineConfig:
         and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES
     )
     if large:
-        model = peek_model_config(config.model)
+        model = model or peek_model_config(config.model)
         large = model is None or model.linear_attention is None
     resolved = config.with_max_num_seqs(large)
     logger.info(

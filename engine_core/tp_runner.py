@@ -293,7 +293,7 @@ class TPModelRunner(_ShardedRunner):
             check_tensor_parallel(model_config, config.tensor_parallel_size, ep)
             check_pipeline_parallel(model_config, config.pipeline_parallel_size)
         # Decided once, here, so that every rank starts from the same number.
-        config = resolve_max_num_seqs(config)
+        config = resolve_max_num_seqs(config, model_config)
         store = open_store(config)
         layout = NodeLayout.of(config)
         self.workers = spawn_workers(config, store.port, layout.ranks[1:])

@@ -113,6 +113,29 @@ def test_the_runner_resolves_the_cap_from_the_gpus_memory_and_the_model(
     assert resolve_max_num_seqs(explicit).max_num_seqs == 32
 
 
+def test_the_cap_takes_the_model_config_its_caller_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor parallelism's rank 0 has read config.json for its checks: the cap decides from
+    that config (here a linear-attention model's, named against llama-8b's preset, so the
+    answer tells which one decided) and reads nothing again."""
+    import torch
+
+    from engine_core import model_runner
+    from engine_core.presets import PRESETS
+
+    class Properties:
+        total_memory = 140 * 2**30
+
+    def no_second_read(model: str) -> None:
+        raise AssertionError(f"{model}'s config read again")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(model_runner, "peek_model_config", no_second_read)
+    config = EngineConfig(model="random:llama-8b", device="cuda")
+    hybrid = PRESETS["qwen3-next-80b"]
+    assert model_runner.resolve_max_num_seqs(config, hybrid).max_num_seqs == 256
+    assert model_runner.resolve_max_num_seqs(config, PRESETS["llama-8b"]).max_num_seqs == 1024
+
+
 def test_an_engine_on_the_cpu_runs_256_sequences_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
