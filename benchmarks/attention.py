@@ -6,10 +6,11 @@ Prefill cases are NEW[@CONTEXT][xCOUNT] (2 prompts of 3,600 fresh tokens: 3600x2
 tokens after 3,584 cached: 512@3584x2); decode cases are CONTEXTxBATCH[:SHARED], SHARED tokens
 at the start of every row's context in the same pages (a system prompt the prefix cache shares:
 2600x32:2000). The cache is bf16 in 16-token pages scattered at random. Each row: microseconds a
-call (median of CUDA-event timings; with ``--graph`` a decode call's share of a CUDA graph of
-20 calls, no launch gaps, as in the engine's decode steps), TFLOP/s for prefill (causal: each
-new token over its context and the new tokens up to it), GB/s of K/V the rows read for decode
-(a shared page counted once per row: above the memory's bandwidth where pages come from L2).
+call (median of CUDA-event timings; with ``--graph`` a decode call's share of one CUDA graph
+of many calls, gemm.py's graph_us: no launch gaps, as in the engine's decode steps), TFLOP/s
+for prefill (causal: each new token over its context and the new tokens up to it), GB/s of K/V
+the rows read for decode (a shared page counted once per row: above the memory's bandwidth
+where pages come from L2).
 The engine's launch shape first, then, with ``--sweep``, every shape of the grid below (the way
 the shapes in triton_kernels.py were chosen); a shape that cannot launch prints its error
 instead of figures. Fresh prompts also run through torch's SDPA (flash attention over
@@ -24,7 +25,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gemm import median_us
+from benchmarks.gemm import CALLS_PER_GRAPH, graph_us, median_us
 from benchmarks.report import Provenance, write_json
 
 PAGE = 16
@@ -47,11 +48,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--graph", action="store_true",
-        help="time each decode call as its share of a CUDA graph of 20 calls (no launch gaps, "
+        help=f"time each decode call as its share of a CUDA graph of {CALLS_PER_GRAPH} calls "
+        "(the median of 5 replays; no launch gaps, "
         "as in the engine's decode steps; prefill stays eager, as the engine runs long prompts)",
     )  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time every launch shape")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls each (default: 20)")
+    parser.add_argument(
+        "--iters", type=int, default=20, help="timed eager calls each (default: 20)"
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
 
 
@@ -181,26 +185,13 @@ def timed(
 ) -> dict[str, Any]:
     """The call's median µs and rate, or its error (a shape that does not fit the GPU)."""
     try:
-        us = graph_us(call, args.iters) if graph else median_us(lambda _: call(), 1, args.iters)
+        if graph:
+            us = graph_us(lambda _: call(), 1, "cuda")
+        else:
+            us = median_us(lambda _: call(), 1, args.iters)
     except Exception as error:  # a launch shape over the shared memory: say so, go on
         return {"error": f"{type(error).__name__}: {str(error)[:80]}"}
     return {"us": us, "tflops": flops / us / 1e6, "gb_s": bytes_ / us / 1e3}
-
-
-def graph_us(call: Any, iters: int, calls: int = 20) -> float:
-    """Median over ``iters`` replays of a CUDA graph of ``calls`` calls, a call's share."""
-    import torch
-
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):  # warm-up (compiles, allocates) off the capture
-        for _ in range(3):
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    return median_us(lambda _: graph.replay(), 1, iters) / calls
 
 
 def attention_shape(model: str) -> dict[str, int]:

@@ -95,18 +95,16 @@ def kernel_times(events: list[dict]) -> tuple[list[KernelTime], str]:
     """The events' GPU kernels by name, most time first (``"kernels"``); with none, the torch
     ops (``"ops"``, each op's whole duration: nested ops are counted within their callers)."""
     kernels = [e for e in events if e.get("cat") == "kernel"]
+    kind = "kernels" if kernels else "ops"
+    if kernels:
+        timed = own_times(kernels)
+    else:
+        timed = [(e["name"], float(e.get("dur", 0.0))) for e in events if e.get("cat") == "cpu_op"]
     calls: dict[str, int] = defaultdict(int)
     total: dict[str, float] = defaultdict(float)
-    if kernels:
-        kind = "kernels"
-        for name, us in own_times(kernels):
-            calls[name] += 1
-            total[name] += us
-    else:
-        kind = "ops"
-        for event in (e for e in events if e.get("cat") == "cpu_op"):
-            calls[event["name"]] += 1
-            total[event["name"]] += float(event.get("dur", 0.0))
+    for name, us in timed:
+        calls[name] += 1
+        total[name] += us
     overall = sum(total.values()) or 1.0
     ranked = sorted(total, key=total.__getitem__, reverse=True)
     return [KernelTime(n, calls[n], total[n], total[n] / overall) for n in ranked], kind
