@@ -5,7 +5,9 @@
 Prefill cases are NEW[@CONTEXT][xCOUNT] (2 prompts of 3,600 fresh tokens: 3600x2; 512 new
 tokens after 3,584 cached: 512@3584x2); decode cases are CONTEXTxBATCH[:SHARED], SHARED tokens
 at the start of every row's context in the same pages (a system prompt the prefix cache shares:
-2600x32:2000). The cache is bf16 in 16-token pages scattered at random. Each row: microseconds a
+2600x32:2000); each decode case runs as the engine launches it without and with those pages
+attended once for all rows (the shared-prefix kernel; with none shared, its launch's cost). The
+cache is bf16 in 16-token pages scattered at random. Each row: microseconds a
 call (median of CUDA-event timings; with ``--graph`` a decode call's share of one CUDA graph
 of many calls, gemm.py's graph_us: no launch gaps, as in the engine's decode steps), TFLOP/s
 for prefill (causal: each new token over its context and the new tokens up to it), GB/s of K/V
@@ -165,11 +167,18 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
         cache = paged_cache([context] * batch, shape["kv"], shape["d"], shared)
         q = torch.randn(batch, shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
         kv_bytes = 4 * batch * context * shape["kv"] * shape["d"]  # K and V, two bytes each
-        for tile in tiles:
+        pages = torch.tensor([shared // PAGE * PAGE], dtype=torch.int32, device="cuda")
+        # The engine's launch as it stands, then with the shared pages attended once for all
+        # rows (the engine's choice where a step has them; with none shared, the cost of the
+        # extra launch a decode graph captures).
+        launches = [(tile, None) for tile in tiles] + [(None, pages)]
+        for tile, shared_prefix in launches:
             label = "engine's" if tile is None else str(tile)
+            if shared_prefix is not None:
+                label = f"engine's, {int(pages)} shared tokens once"
             call = functools.partial(
                 paged_decode_attention, q, cache["k"], cache["v"], cache["tables"],
-                cache["lens"], shape["d"] ** -0.5, tile=tile,
+                cache["lens"], shape["d"] ** -0.5, tile=tile, shared_prefix=shared_prefix,
             )  # fmt: skip
             figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
             rows.append({"case": case, "kernel": label} | figures)

@@ -135,7 +135,7 @@ def own_times(kernels: list[dict]) -> list[tuple[str, float]]:
 # reshape_and_cache_flash, Tandem's rotary_write_kv) is neither.
 TANDEM_ATTENTION = frozenset(
     {"_decode_kernel", "_decode_merge_kernel", "_prefill_kernel", "_mla_decode_kernel",
-     "_verify_kernel"}
+     "_verify_kernel", "_shared_prefix_kernel"}
 )  # fmt: skip
 ATTENTION_MARKS = ("flash", "attn", "attention")
 CACHE_WRITE_MARKS = ("reshape_and_cache",)

@@ -235,6 +235,10 @@ class GraphBuffers:
     state_slots: torch.Tensor | None = None
     state_rows: torch.Tensor | None = None
     pad_state_slot: int = -1
+    # [1] int32: the decode step's shared-prefix tokens (AttentionMetadata.shared_prefix), 0 in
+    # steps without; ``shared_prefix_staged``: whether the last replay's was not 0.
+    shared_prefix: torch.Tensor | None = None
+    shared_prefix_staged: bool = False
 
     @classmethod
     def allocate(
@@ -284,6 +288,7 @@ class GraphBuffers:
             state_slots=state_slots,
             state_rows=state_rows,
             pad_state_slot=-1 if pad_state_slot is None else pad_state_slot,
+            shared_prefix=zeros(1, dtype=torch.int32),
         )
 
     @property
@@ -349,6 +354,17 @@ class GraphBuffers:
             )
         if state is not None:
             self.stage_state(state, len(metas[0].seq_lens_cpu), batch)
+        self.stage_shared_prefix(metas[0].shared_prefix)
+
+    def stage_shared_prefix(self, shared: torch.Tensor | None) -> None:
+        """A decode step's shared-prefix tokens into the buffer (zeroed once after a step
+        that had them, where this one has none)."""
+        assert self.shared_prefix is not None
+        if shared is not None:
+            self.shared_prefix.copy_(shared, non_blocking=True)
+        elif self.shared_prefix_staged:
+            self.shared_prefix.zero_()
+        self.shared_prefix_staged = shared is not None
 
     def stage_state(self, state: StateRows, n: int, batch: int) -> None:
         """A decode step's state slots into the buffers (rows n.. the padding slot)."""
@@ -393,6 +409,8 @@ class GraphBuffers:
             max_seq_len=max_model_len,
             query_start_loc_cpu=list(range(batch + 1)),
             seq_lens_cpu=[max_model_len] * batch,
+            # One KV group's tables only (input_batch.py finds shared pages in those alone).
+            shared_prefix=self.shared_prefix if self.num_groups == 1 else None,
         )
 
     def prefill_metadata(self, tokens: int, max_model_len: int) -> AttentionMetadata:

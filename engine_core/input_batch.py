@@ -35,7 +35,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine_core.attention.base import AttentionMetadata
+from engine_core.attention.base import AttentionMetadata, shared_prefix_tokens
 from engine_core.attention.prefill_tiles import capacity, prefill_block_m, tile_list
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.step_stats import GpuTimeline
@@ -305,6 +305,9 @@ class InputBatch:
         view["seq_lens"][:] = seq_lens
         if tiles is not None:
             view["prefill_tiles"][:] = tiles.reshape(-1)
+        # One KV group's tables only: other groups' (windows, chunks) hold other pages.
+        shared = decode_only and self.num_groups == 1
+        view["shared_prefix"][0] = shared_prefix_tokens(block_tables, seq_lens, bs) if shared else 0
         self._last = layout, self._next, width
         sample_ends = seq_lens if sample_seqs is None else seq_lens[sample_seqs]
         # Every token is the one its row sampled last step, row for row (a steady decode).
@@ -487,6 +490,8 @@ class InputBatch:
             seq_lens_cpu=seq_lens.tolist(),
             prefill_tiles=views["prefill_tiles"] if layout.count("prefill_tiles") else None,
             uniform_query_len=max_query_len if uniform else 0,
+            # Kept as the last step's when a steady step advances: rows only append blocks.
+            shared_prefix=views["shared_prefix"] if host_views["shared_prefix"][0] else None,
         )
         group_metadata = ()
         if layout.counts[6] > 1:
@@ -571,6 +576,7 @@ class _Layout:
             ("seq_lens", num_seqs, _I32),
             ("block_tables", num_seqs * width, _I32),
             ("prefill_tiles", 2 * num_tiles, _I32),
+            ("shared_prefix", 1, _I32),  # a decode step's shared_prefix_tokens (else 0)
             # KV layer groups 1.. (none with one group): their slots and tables, group by group.
             ("group_slot_mapping", (num_groups - 1) * num_tokens, _I64),
             ("group_block_tables", (num_groups - 1) * num_seqs * width, _I32),

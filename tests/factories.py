@@ -27,9 +27,10 @@ def write_tiny_llama(
     seed: int = 0,
     max_positions: int = 512,
     num_layers: int = 2,
+    head_dim: int | None = None,
 ) -> Path:
-    """A random Llama with GQA (2 layers unless told), saved with save_pretrained (what users
-    hand us)."""
+    """A random Llama with GQA (2 layers and heads of 16 unless told), saved with
+    save_pretrained (what users hand us)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -43,6 +44,7 @@ def write_tiny_llama(
         max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
+        head_dim=head_dim,
     )
     model = LlamaForCausalLM(config).eval()
     # Random init gives near-flat logits; scaling the head makes greedy choices well separated,

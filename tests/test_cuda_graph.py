@@ -520,6 +520,53 @@ def test_a_burst_sharing_a_prefix_through_graphs_equals_hf(tmp_path: Path) -> No
     assert ours == hf_greedy(model_dir, prompts, 16)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_decodes_over_a_shared_system_prompt_equal_hf(
+    monkeypatch: pytest.MonkeyPatch, enforce_eager: bool, tmp_path: Path
+) -> None:
+    """Eight conversations opening with the same 300-token system prompt decode together: the
+    prefix cache gives them its 18 whole blocks, which each decode step names as its shared
+    prefix (attended once for all rows, attention/triton_kernels.py _shared_prefix_kernel),
+    through the decode graphs or eagerly. Heads of 128 take the plain decode path (smaller
+    ones fuse the rotary into the decode kernel, which attends without it)."""
+    from engine_core.attention.triton_backend import TritonBackend
+    from engine_core.cuda_graph import GraphBuffers
+    from protocol.messages import SamplingParams
+    from tests.factories import write_tiny_llama
+
+    staged: list[int] = []
+    if enforce_eager:
+        chosen = TritonBackend.shared_prefix
+
+        def spy(*args: Any) -> torch.Tensor | None:
+            shared = chosen(*args)
+            staged.append(0 if shared is None else int(shared))
+            return shared
+
+        monkeypatch.setattr(TritonBackend, "shared_prefix", staticmethod(spy))
+    else:
+        stage = GraphBuffers.stage_shared_prefix
+
+        def record(self: GraphBuffers, shared: torch.Tensor | None) -> None:
+            staged.append(0 if shared is None else int(shared))
+            stage(self, shared)
+
+        monkeypatch.setattr(GraphBuffers, "stage_shared_prefix", record)
+    model_dir = write_tiny_llama(tmp_path, head_dim=128)
+    rng = random.Random(12)
+    system = [rng.randrange(3, 384) for _ in range(300)]
+    prompts = [system + [rng.randrange(3, 384) for _ in range(n)] for n in range(3, 27, 3)]
+    llm = tiny_llm_on_cuda(
+        model_dir, enforce_eager, max_num_batched_tokens=512, enable_prefix_caching=True
+    )
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
+    assert max(staged) == 18 * 16, staged
+    assert ours == hf_greedy(model_dir, prompts, 20)
+
+
 # compiled_after_warm_up's workloads: prompt lengths, and the tokens each prompt generates.
 FIRST_PROMPTS, FIRST_MAX_TOKENS = (40, 50, 60), (8, 8, 8)
 SECOND_PROMPTS, SECOND_MAX_TOKENS = (20, 33, 47, 70, 78), (280, 200, 150, 100, 60)

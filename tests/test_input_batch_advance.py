@@ -6,12 +6,14 @@ plan (every section of the host buffer) and a per-request construction from the 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
 from engine_core import input_batch
+from engine_core.attention import base
 from engine_core.attention.base import AttentionMetadata
 from engine_core.config import EngineConfig
 from engine_core.input_batch import InputBatch, PackedInputs
@@ -110,8 +112,27 @@ def check_against_plan(packed: PackedInputs, plan: SchedulerOutput, expected: di
     np.testing.assert_array_equal(packed.meta.block_tables.cpu().numpy(), expected["tables"])
     assert packed.meta.seq_lens.tolist() == expected["seq_lens"]
     assert packed.sampling_requests == [s.request for s in plan.scheduled if s.samples]
+    shared = packed.meta.shared_prefix
+    assert (0 if shared is None else int(shared)) == expected_shared_prefix(plan)
     for group, meta in enumerate(packed.group_metadata[1:], start=1):
         check_group(meta, plan, group)
+
+
+def expected_shared_prefix(plan: SchedulerOutput) -> int:
+    """A decode step's shared-prefix tokens, request by request: the leading block ids every
+    table has alike, before the shortest sequence's last token (0 for a step with prompt rows,
+    with KV groups, or under base's minimum rows or tokens)."""
+    scheduled = plan.scheduled
+    if len(scheduled) < base.SHARED_PREFIX_MIN_ROWS or scheduled[0].group_block_ids:
+        return 0
+    if any(s.num_new_tokens != 1 for s in scheduled):
+        return 0
+    tables = [list(s.block_ids) for s in scheduled]
+    limit = min(s.start for s in scheduled) // BLOCK  # whole blocks before the shortest's token
+    blocks = 0
+    while blocks < limit and all(t[blocks] == tables[0][blocks] for t in tables):
+        blocks += 1
+    return blocks * BLOCK if blocks * BLOCK >= base.SHARED_PREFIX_MIN_TOKENS else 0
 
 
 def check_group(meta: AttentionMetadata, plan: SchedulerOutput, group: int) -> None:
@@ -128,6 +149,49 @@ def check_group(meta: AttentionMetadata, plan: SchedulerOutput, group: int) -> N
         ]
     np.testing.assert_array_equal(meta.block_tables.cpu().numpy(), tables)
     assert meta.slot_mapping.tolist() == slots
+
+
+def run_random_steps(
+    scheduler: Scheduler,
+    batches: TwoBatches,
+    rng: random.Random,
+    system_prompt: Callable[[], list[int]],
+) -> int:
+    """400 steps of random arrivals (each prompt opening with ``system_prompt()``), aborts,
+    stops and preemptions; every step's packs checked against the plan. Returns the steps."""
+    in_flight: tuple[SchedulerOutput, list[int]] | None = None
+    names = iter(range(10**6))
+    steps = 0
+    for step in range(400):
+        if step < 300 and (not scheduler.has_unfinished() or rng.random() < 0.04):
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 60),
+                stop_token_ids=(STOP,) if rng.random() < 0.5 else (),
+                ignore_eos=True,
+            )
+            prompt = system_prompt() + [rng.randrange(10, 100) for _ in range(rng.randrange(1, 24))]
+            scheduler.add_request(Request(f"r{next(names)}", prompt, params))
+        if rng.random() < 0.02 and scheduler.running:
+            scheduler.abort_requests([rng.choice(scheduler.running).request_id])
+        plan = scheduler.schedule()
+        if plan.is_empty:
+            previous, in_flight = in_flight, None
+            if previous is not None:
+                scheduler.update_from_output(*previous)
+            continue
+        expected = expected_inputs(plan, batches.sampled, batches.prev["fast"])
+        packed = batches.pack(plan)
+        check_against_plan(packed, plan, expected)
+        steps += 1
+        sampled = [STOP if rng.random() < 0.01 else rng.randrange(10, 100) for _ in
+                   packed.sampling_requests]  # fmt: skip
+        batches.sampled = (
+            torch.tensor(sampled, dtype=torch.int64, device=batches.device) if sampled else None
+        )
+        previous, in_flight = in_flight, (plan, sampled)
+        if previous is not None:
+            scheduler.update_from_output(*previous)
+    return steps
 
 
 ON_CUDA = pytest.param(
@@ -169,41 +233,41 @@ def test_advanced_steps_equal_full_packs_and_the_plan(
         config, num_blocks, MAX_MODEL_LEN, [0], kv_windows=windows, kv_attention_chunks=chunks
     )
     batches = TwoBatches(device, windows, chunks)
-    in_flight: tuple[SchedulerOutput, list[int]] | None = None
-    names = iter(range(10**6))
-    steps = 0
-    for step in range(400):
-        if step < 300 and (not scheduler.has_unfinished() or rng.random() < 0.04):
-            params = SamplingParams(
-                max_tokens=rng.randrange(1, 60),
-                stop_token_ids=(STOP,) if rng.random() < 0.5 else (),
-                ignore_eos=True,
-            )
-            prompt = [rng.randrange(10, 100) for _ in range(rng.randrange(1, 24))]
-            scheduler.add_request(Request(f"r{next(names)}", prompt, params))
-        if rng.random() < 0.02 and scheduler.running:
-            scheduler.abort_requests([rng.choice(scheduler.running).request_id])
-        plan = scheduler.schedule()
-        if plan.is_empty:
-            previous, in_flight = in_flight, None
-            if previous is not None:
-                scheduler.update_from_output(*previous)
-            continue
-        expected = expected_inputs(plan, batches.sampled, batches.prev["fast"])
-        packed = batches.pack(plan)
-        check_against_plan(packed, plan, expected)
-        steps += 1
-        sampled = [STOP if rng.random() < 0.01 else rng.randrange(10, 100) for _ in
-                   packed.sampling_requests]  # fmt: skip
-        batches.sampled = (
-            torch.tensor(sampled, dtype=torch.int64, device=batches.device) if sampled else None
-        )
-        previous, in_flight = in_flight, (plan, sampled)
-        if previous is not None:
-            scheduler.update_from_output(*previous)
+    steps = run_random_steps(scheduler, batches, rng, lambda: [])
     assert steps > 200
     # Most steps are steady decodes: the advance must have been taken, not only the full pack.
     assert batches.advanced > steps // 3
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_shared_system_prompt_is_found_in_full_and_advanced_packs(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Every request opens with the same system prompt (3 blocks), which the prefix cache
+    gives them in the same blocks: decode steps name those tokens as their shared prefix, the
+    advanced steps as the full packs do (thresholds lowered to this test's small batches)."""
+    monkeypatch.setattr(base, "SHARED_PREFIX_MIN_ROWS", 2)
+    monkeypatch.setattr(base, "SHARED_PREFIX_MIN_TOKENS", BLOCK)
+    rng = random.Random(seed)
+    config = EngineConfig(
+        block_size=BLOCK, max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS
+    )
+    scheduler = Scheduler(config, 60, MAX_MODEL_LEN, [0])
+    batches = TwoBatches()
+    seen: list[int] = []
+    original = batches.pack
+
+    def pack(plan: SchedulerOutput) -> PackedInputs:
+        packed = original(plan)
+        shared = packed.meta.shared_prefix
+        seen.append(0 if shared is None else int(shared))
+        return packed
+
+    batches.pack = pack  # type: ignore[method-assign]
+    system = [rng.randrange(10, 100) for _ in range(3 * BLOCK)]
+    steps = run_random_steps(scheduler, batches, rng, lambda: list(system))
+    assert steps > 200 and batches.advanced > steps // 3
+    assert seen.count(3 * BLOCK) > steps // 4  # the system prompt's blocks, found often
 
 
 @pytest.mark.parametrize("room", [1, input_batch.TABLE_ROOM])
@@ -255,3 +319,27 @@ def test_room_rounds_the_widest_table_up_within_the_longest() -> None:
     assert [wide._room(w) for w in (1, room, room + 1, 2 * room + 1)] == [room, room, 2 * room, 20]
     narrow = InputBatch(torch.device("cpu"), BLOCK, MAX_TOKENS, MAX_SEQS, 7)
     assert [narrow._room(w) for w in (1, 7)] == [7, 7]
+
+
+def test_shared_prefix_tokens_by_hand() -> None:
+    """Eight rows of blocks of 4: the first two columns alike (8 tokens), the third not; with
+    the minimum lowered to 8 tokens. Fewer rows, a first column that differs, or a shortest
+    sequence whose last token sits in the second block give none; a row differing at the
+    second column leaves one block, under the minimum."""
+    tables = np.array([[5, 6, 10 + r, 0] for r in range(8)], dtype=np.int32)
+    lens = np.full(8, 14)
+    at = base.shared_prefix_tokens
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(base, "SHARED_PREFIX_MIN_TOKENS", 8)
+        assert at(tables, lens, 4) == 8
+        assert at(tables[:7], lens[:7], 4) == 0  # under SHARED_PREFIX_MIN_ROWS
+        assert at(tables, np.array([14] * 7 + [8]), 4) == 0  # its last token (7) in block 1
+        assert at(tables, np.array([14] * 7 + [9]), 4) == 8  # its last token in block 2
+        other = tables.copy()
+        other[3, 0] = 7
+        assert at(other, lens, 4) == 0
+        other = tables.copy()
+        other[6, 1] = 7
+        assert at(other, lens, 4) == 0  # one block alike: 4 tokens
+        patch.setattr(base, "SHARED_PREFIX_MIN_TOKENS", 4)
+        assert at(other, lens, 4) == 4

@@ -348,6 +348,68 @@ def test_decode_padding_rows_give_zeros(num_splits: int) -> None:
     assert_close(out[[0, 2]], ref[[0, 2]])
 
 
+SHARED_PAGES_CASES = [  # (heads, kv heads, head dim, shared tokens, splits, shared split min)
+    (*HEAD_SHAPES[-1], 48, 1, 256),
+    (*HEAD_SHAPES[-1], 48, 3, 16),
+    (*HEAD_SHAPES[1], 32, 2, 16),  # a group of 3: row tiles that cut through a sequence
+    (*HEAD_SHAPES[-1], 0, 2, 16),  # the kernel launched, no pages shared this step
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "shared", "num_splits", "shared_min_split"),
+    SHARED_PAGES_CASES,
+)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_over_shared_pages_matches_reference(
+    monkeypatch: pytest.MonkeyPatch,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    shared: int,
+    num_splits: int,
+    shared_min_split: int,
+    sinks: bool,
+) -> None:
+    """Sequences whose tables open with the same pages (a shared system prompt), attended once
+    for all of them by the shared-prefix kernel and folded into each sequence's own decode:
+    the reference's attention over each whole table, a padding row's zeros, every output
+    written. Short shared splits force several partials per row."""
+    from engine_core.attention import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "SHARED_MIN_SPLIT_TOKENS", shared_min_split)
+    contexts = [49, 64, 90, 130, 200, 51]
+    block = BLOCK_SIZES[0]
+    batch = make_batch([(c - 1, 1) for c in contexts], heads, kv_heads, head_dim, block, seed=5)
+    tables = batch.meta.block_tables
+    tables[:, : shared // block] = tables[0, : shared // block].clone()
+    seq_lens = batch.meta.seq_lens.clone()
+    seq_lens[4] = 0  # a graph's padding row
+    scale = head_dim**-0.5
+    gen = torch.Generator().manual_seed(3)
+    sink_logits = torch.randn(heads, generator=gen).to(DEVICE) if sinks else None
+    out = paged_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, tables, seq_lens, scale,
+        num_splits=num_splits, min_split_tokens=16, out=poisoned(batch.q), sinks=sink_logits,
+        shared_prefix=torch.tensor([shared], dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    ref = REFERENCE.forward(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, sinks=sink_logits
+    )
+    real = [0, 1, 2, 3, 5]
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    assert_close(out[real], ref[real])
+
+
+def test_decode_over_shared_pages_refuses_what_it_does_not_serve() -> None:
+    heads, kv_heads, head_dim = HEAD_SHAPES[-1]
+    batch = make_batch([(40, 1), (50, 1)], heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=2)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens)
+    shared = torch.tensor([16], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="plain decode"):
+        paged_decode_attention(*args, 0.1, sliding_window=8, shared_prefix=shared)
+
+
 @pytest.mark.parametrize("window", [1, 8, 100])
 def test_decode_sliding_window(window: int) -> None:
     heads, kv_heads, head_dim = HEAD_SHAPES[1]

@@ -25,6 +25,14 @@ FP8_MAX = 448.0  # e4m3's largest finite value: what an FP8 cache's writes clamp
 # launches a layer are not worth it (attention/triton_backend.py; the warm-up runs such a step).
 MIXED_DECODE_ROWS = 8
 
+# A decode step whose sequences all open with the same pages (a system prompt the prefix cache
+# shares) attends those pages once for all of them where there are at least
+# SHARED_PREFIX_MIN_ROWS sequences and SHARED_PREFIX_MIN_TOKENS shared tokens: fewer rows read
+# the pages few times over, and fewer tokens leave the extra pass nothing to save
+# (attention/triton_kernels.py, _shared_prefix_kernel).
+SHARED_PREFIX_MIN_ROWS = 8
+SHARED_PREFIX_MIN_TOKENS = 256
+
 
 def is_fp8_cache(cache: torch.Tensor) -> bool:
     """Whether a KV cache holds e4m3 values (with per-layer scales) rather than K and V."""
@@ -72,6 +80,11 @@ class AttentionMetadata:
     # to be as long), else 0; set by a speculating engine's input batch only. A backend may
     # then attend decode-style, Q queries a sequence (triton_kernels.py paged_verify_attention).
     uniform_query_len: int = 0
+    # A decode step's [1] int32 on the device: the tokens (whole pages) that every sequence's
+    # block table opens with in the same blocks, short of every sequence's last token
+    # (shared_prefix_tokens); None where there are none, or in a step with prompt rows. A
+    # decode graph's buffer is always given (0 in steps without).
+    shared_prefix: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -86,6 +99,23 @@ class AttentionMetadata:
         """How many sequences have exactly one new token: counted once a step from the host
         starts, read by every layer."""
         return int(np.count_nonzero(np.diff(np.asarray(self.query_start_loc_cpu)) == 1))
+
+
+def shared_prefix_tokens(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """The tokens of the leading blocks that every row of ``tables`` [B, width] holds alike,
+    in whole blocks before every sequence's last token (``seq_lens`` [B], each > 0); 0 under
+    SHARED_PREFIX_MIN_ROWS rows or SHARED_PREFIX_MIN_TOKENS tokens."""
+    if len(seq_lens) < SHARED_PREFIX_MIN_ROWS:
+        return 0
+    limit = (int(seq_lens.min()) - 1) // block_size  # blocks before the shortest's last token
+    if limit * block_size < SHARED_PREFIX_MIN_TOKENS:
+        return 0
+    head = tables[:, :limit]
+    if not (head[:, 0] == head[0, 0]).all():  # most batches without one end here
+        return 0
+    same = (head == head[0]).all(axis=0)  # [limit]
+    tokens = (limit if same.all() else int(same.argmin())) * block_size
+    return tokens if tokens >= SHARED_PREFIX_MIN_TOKENS else 0
 
 
 class AttentionBackend(Protocol):

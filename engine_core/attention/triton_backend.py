@@ -1,6 +1,8 @@
 """The Triton attention backend: the GPU implementation of AttentionBackend.
 
-Decode-only batches (every sequence has one new token) take the split-context decode kernel.
+Decode-only batches (every sequence has one new token) take the split-context decode kernel,
+after the shared-prefix kernel where the step's sequences open with the same pages (the
+metadata's ``shared_prefix``: a system prompt the prefix cache shares, attended once for all).
 Batches where every sequence has the same few new tokens (a speculative verify step: the last
 known token and K drafts) take its verify variant, K + 1 queries a sequence
 (``paged_verify_attention``), where the queries and the group's heads fit its tile. Any other
@@ -18,7 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.attention.base import MIXED_DECODE_ROWS, AttentionMetadata
+from engine_core.attention.base import (
+    MIXED_DECODE_ROWS,
+    SHARED_PREFIX_MIN_ROWS,
+    AttentionMetadata,
+    is_fp8_cache,
+)
 from engine_core.attention.prefill_tiles import device_tiles
 from engine_core.attention.triton_kernels import (
     NewTokens,
@@ -62,6 +69,24 @@ class TritonBackend:
         if v_cache.shape[3] != q.shape[2]:
             return False
         return meta.padded or meta.num_decode_rows >= MIXED_DECODE_ROWS
+
+    @staticmethod
+    def shared_prefix(
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        sliding_window: int | None,
+        attention_chunk: int | None,
+    ) -> torch.Tensor | None:
+        """The decode step's shared-prefix tokens where this layer attends its shared pages
+        once for all sequences: SHARED_PREFIX_MIN_ROWS sequences or more (a graph's rows: a
+        shape), a 16-bit or float32 cache, neither window nor chunk (their keys start past
+        the shared pages)."""
+        if meta.shared_prefix is None or q.shape[0] < SHARED_PREFIX_MIN_ROWS:
+            return None
+        if sliding_window is not None or attention_chunk is not None or q.shape[2] < 16:
+            return None
+        return None if is_fp8_cache(k_cache) else meta.shared_prefix
 
     def verifies(
         self,
@@ -157,6 +182,7 @@ class TritonBackend:
                 meta.seq_lens,
                 scale,
                 sliding_window=sliding_window,
+                shared_prefix=self.shared_prefix(meta, q, k_cache, sliding_window, attention_chunk),
                 **scales,
             )
         queries = meta.uniform_query_len

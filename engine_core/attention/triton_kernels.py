@@ -23,6 +23,10 @@ partials and no merge.
 An FP8 cache's tiles are widened to float16 (one instruction per pair, where bf16 goes through
 float32), q with them.
 
+Where a decode step's sequences all open with the same pages (a shared system prompt), a
+shared-prefix kernel attends every sequence's queries over those pages once, and the decode
+kernel reads only each sequence's own pages, starting its softmax from those partials.
+
 A speculative verify step (every sequence its last known token and K drafts) is decode with
 K + 1 queries a sequence (``paged_verify_attention``): the same programs, splits and merge, the
 K + 1 queries of the group's heads as the tile's rows, each seeing the keys up to its own.
@@ -500,7 +504,9 @@ def store_split(
 # asserts on (Triton 3.6). stride_bt (the step's widest block table) stays one too: specialized,
 # every width class (1, a multiple of 16, other) would compile its own variant, mid-serving, the
 # first time an eager step has it (see _prefill_kernel).
-@triton.jit(do_not_specialize=["window", "chunk", "min_split", "num_splits", "stride_bt"])
+@triton.jit(
+    do_not_specialize=["window", "chunk", "min_split", "num_splits", "shared_splits", "stride_bt"]
+)
 def _decode_kernel(
     Q,
     KC,
@@ -517,6 +523,9 @@ def _decode_kernel(
     SLOTS,  # ROPE: [B] its cache slot (-1: none)
     SINKS,  # HAS_SINKS: [heads] float32, each head's sink logit times log2(e)
     QSL,  # MIXED: [B + 1] the step's query starts
+    SHARED,  # HAS_SHARED: [1] the tokens of the pages every sequence opens with
+    SPO,  # HAS_SHARED: the shared-prefix kernel's partials [B, heads, shared splits, D]
+    SPL,  # HAS_SHARED: and their log2-sum-exps [B, heads, shared splits]
     scale_log2,
     v_scale,
     k_scale_inv,
@@ -525,6 +534,7 @@ def _decode_kernel(
     chunk,  # HAS_CHUNK: Llama 4's attention chunk
     min_split,
     num_splits,
+    shared_splits,  # HAS_SHARED: the shared-prefix kernel's splits
     num_heads,
     stride_qt,
     stride_qh,
@@ -561,11 +571,15 @@ def _decode_kernel(
     HAS_SINKS: tl.constexpr = False,  # gpt-oss: a sink logit per head joins the denominator
     HAS_CHUNK: tl.constexpr = False,  # chunked local attention: keys from the chunk's start
     MIXED: tl.constexpr = False,  # a step with prompt rows: attend its one-token sequences only
+    HAS_SHARED: tl.constexpr = False,  # the shared pages were attended by _shared_prefix_kernel
+    SHARED_N: tl.constexpr = 64,  # HAS_SHARED: that kernel's BLOCK_N
 ):
     """Attention of a sequence's last token over its cache. With ROPE (a decode step's rotary
     and KV write in the same launch, rotary_decode_attention) it also rotates q and the new
     token's k, has the split that holds the new token write its k and v to the cache, and
-    attends to it from registers: the cache loop reads only the earlier tokens."""
+    attends to it from registers: the cache loop reads only the earlier tokens. With
+    HAS_SHARED it reads each sequence's pages past the shared ones only, as a sequence of its
+    own, and the split that opens it starts from the shared-prefix kernel's partials."""
     # The kv heads of one (sequence, split) are neighbours in launch order, so programs that
     # run together read the same cache rows.
     kv0 = tl.program_id(0) * KPP
@@ -578,6 +592,10 @@ def _decode_kernel(
     row, decodes = seq, True
     if MIXED:  # its query row, and nothing to do (no store) unless it has one new token
         row, seq_len, decodes = _mixed_row(QSL, seq, seq_len)
+    shared = seq_len * 0
+    if HAS_SHARED:  # the sequence's own pages only, from its table's first unshared column
+        shared = step_shared_len(SHARED, seq_len)
+        seq_len = seq_len - shared
     split_len, lo, first, last = split_bounds(
         seq_len, window, chunk, num_splits, min_split, BLOCK_N, HAS_WINDOW, HAS_CHUNK
     )
@@ -598,7 +616,7 @@ def _decode_kernel(
     # Tile row r holds token r // KPP of kv head kv0 + r % KPP: for KPP > 1 a token's heads are
     # adjacent rows, as they are adjacent in the cache.
     r = tl.arange(0, BLOCK_N * KPP)
-    bt_row = BT + seq.to(tl.int64) * stride_bt
+    bt_row = BT + seq.to(tl.int64) * stride_bt + shared // PAGE
     next_tok = start + r // KPP
     next_blk = tl.load(bt_row + next_tok // PAGE, mask=next_tok < end, other=0)
     pdl_wait_then_release(PDL)
@@ -640,6 +658,14 @@ def _decode_kernel(
             m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_H], tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        # Nested: a constexpr and a runtime value do not mix in one Triton condition.
+        if HAS_SHARED:  # noqa: SIM102
+            if (split == first) & (shared > 0):
+                used = tl.cdiv(shared, shared_split_len(shared, shared_splits, SHARED_N))
+                parts = (seq * num_heads + heads) * shared_splits
+                m_i, l_i, acc = fold_partials(
+                    SPO, SPL, parts, used, row_mask, d, d_mask, m_i, l_i, acc, HEAD_DIM
+                )
         for _ in range(start, end, BLOCK_N):
             tok = next_tok
             n_mask = tok < end
@@ -755,6 +781,143 @@ def _add_sink(sink_ptrs, mask, m_i, l_i, acc):
     return m_new, l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
 
 
+# ---- decode over the pages every sequence opens with (cascade) ----------------------------------
+
+# A decode batch whose sequences all open with the same pages (a system prompt the prefix cache
+# shares) has the decode kernel read those pages once per sequence: from L2 mostly, but at 32
+# rows of 2,600 tokens, 2,000 of them shared, that still took llama-8b's layer 62 us against
+# 33 us for the private tails alone (docs/design/goodput-and-multi-turn.md). The shared-prefix
+# kernel attends every sequence's query rows over those pages in one pass instead, many
+# sequences' heads in one matrix-unit tile (as prefill does), and leaves a partial per split
+# of the shared tokens; the decode kernel then reads each sequence's own pages only and opens
+# its softmax with those partials. The shared length is a step input on the device, so one
+# captured graph serves any (0: the kernel's programs return at once).
+SHARED_BLOCK_M = 64  # query rows a program: sequences x the query heads of one kv head
+SHARED_BLOCK_N = 64
+# Splits of the shared tokens: enough (kv head, split, row tile) programs for one a
+# multiprocessor, none under SHARED_MIN_SPLIT_TOKENS at the widest block table, at most
+# SHARED_MAX_SPLITS (the decode kernel folds each split's partial in).
+SHARED_MIN_SPLIT_TOKENS = 256
+SHARED_MAX_SPLITS = 16
+
+
+@triton.jit
+def step_shared_len(SHARED, seq_len):
+    """The step's shared tokens for a sequence of ``seq_len``: the count at SHARED where the
+    sequence is longer (every real one is: the engine keeps it below the shortest), else 0 (a
+    padding row)."""
+    shared = tl.load(SHARED)
+    return tl.where(seq_len > shared, shared, 0)
+
+
+@triton.jit
+def shared_split_len(shared, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens in a split of the ``shared`` ones: a multiple of BLOCK_N; splits from
+    cdiv(shared, this) on hold none."""
+    return tl.cdiv(tl.cdiv(shared, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def fold_partials(PO, PL, parts, count, row_mask, d, d_mask, m_i, l_i, acc, WIDTH: tl.constexpr):
+    """Fold ``count`` partial results (outputs ``PO`` [., WIDTH], base-2 log-sum-exps ``PL``),
+    each row's at ``parts`` [H] + 0, 1, ..., into its online-softmax state: a partial's output
+    times the exp2 of its log-sum-exp is its accumulator."""
+    for i in range(0, count):
+        lse = tl.load(PL + parts + i, mask=row_mask, other=float("-inf"))
+        po_ptr = PO + (parts + i)[:, None] * WIDTH + d[None, :]
+        po = tl.load(po_ptr, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        weight = tl.exp2(lse - m_use)
+        l_i = l_i * alpha + weight
+        acc = acc * alpha[:, None] + po * weight[:, None]
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["batch", "num_splits"])
+def _shared_prefix_kernel(
+    Q,
+    KC,
+    VC,
+    BT,  # its first row's leading entries are every sequence's shared pages
+    SL,
+    SHARED,
+    PO,  # [B, heads, splits, D] float32
+    PL,  # [B, heads, splits] float32
+    scale_log2,
+    batch,
+    num_splits,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One kv head's query rows of BLOCK_M // GROUP sequences over one split of the shared
+    tokens: their partial outputs and log2-sum-exps (no store for rows of sequences not
+    longer than the shared tokens, or splits past them)."""
+    kv = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    seq = rows // GROUP
+    head = kv * GROUP + rows % GROUP
+    # The shared length, the lengths and the table are step inputs: read them while the
+    # kernel before finishes (engine_core/triton_pdl.py); q after the wait.
+    shared = tl.load(SHARED)
+    split_len = shared_split_len(shared, num_splits, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, shared)
+    in_batch = seq < batch
+    seq_len = tl.load(SL + seq, mask=in_batch, other=0)
+    row_mask = in_batch & (seq_len > shared)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    tok = start + tl.arange(0, BLOCK_N)
+    blk = tl.load(BT + tok // PAGE, mask=tok < end, other=0)
+    pdl_wait_then_release(PDL)
+    if start < end:
+        q_mask = row_mask[:, None] & d_mask[None, :]
+        q_ptr = Q + seq[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr, mask=q_mask, other=0.0)  # [M, D]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for _ in range(start, end, BLOCK_N):
+            n_mask = tok < end
+            page = blk.to(tl.int64)
+            in_page = tok % PAGE
+            # The next tile's pages, asked for before this tile's K/V are used.
+            tok = tok + BLOCK_N
+            blk = tl.load(BT + tok // PAGE, mask=tok < end, other=0)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k_row = page * stride_kb + in_page * stride_ks + kv * stride_kh
+            k = tl.load(KC + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            v_row = page * stride_vb + in_page * stride_vs + kv * stride_vh
+            v = tl.load(VC + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
+            s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        part = (seq * num_heads + head) * num_splits + split
+        tl.store(PO + part[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=q_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(PL + part, lse, mask=row_mask)
+
+
 @triton.jit(do_not_specialize=["window", "chunk", "min_split", "num_splits"])
 def _decode_merge_kernel(
     PO,
@@ -763,6 +926,7 @@ def _decode_merge_kernel(
     Out,
     SINKS,
     QSL,  # MIXED: [B + 1] the step's query starts
+    SHARED,  # HAS_SHARED: [1] the decode kernel's shared tokens
     window,
     chunk,
     min_split,
@@ -779,6 +943,7 @@ def _decode_merge_kernel(
     HAS_SINKS: tl.constexpr = False,
     HAS_CHUNK: tl.constexpr = False,
     MIXED: tl.constexpr = False,  # the decode kernel's: one-token sequences only, by QSL
+    HAS_SHARED: tl.constexpr = False,  # the decode kernel's: splits over the pages past them
 ):
     seq = tl.program_id(0)  # the output row: the sequence's, or one of its verify queries
     head = tl.program_id(1)
@@ -794,6 +959,8 @@ def _decode_merge_kernel(
     row, decodes = seq, True
     if MIXED:
         row, seq_len, decodes = _mixed_row(QSL, seq, seq_len)
+    if HAS_SHARED:
+        seq_len = seq_len - step_shared_len(SHARED, seq_len)
     pdl_wait_then_release(PDL)
     lse = tl.load(PL + part + s, mask=in_buf, other=float("-inf"))  # [S]
     po_ptr = PO + (part + s)[:, None] * HEAD_DIM + d[None, :]
@@ -840,9 +1007,15 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
     attention_chunk: int | None = None,  # Llama 4: the query sees its chunk's keys only
     mixed_starts: torch.Tensor | None = None,  # [B + 1]: a mixed step's query starts
+    shared_prefix: torch.Tensor | None = None,  # [1] int32: tokens every sequence opens with
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """Attention of each sequence's last token over its whole cached context (an FP8 cache's
     values times their scales; with ``sinks``, each head's sink logit in the denominator).
+
+    ``shared_prefix``: a count of tokens, a multiple of the page size, whose pages open the
+    block table of every sequence longer than it (the first row's entries; 0: none): those
+    pages are attended once for all sequences (_shared_prefix_kernel), each sequence's own
+    pages by the decode kernel. A bf16/fp16/fp32 cache, no window, chunk or mixed step.
 
     ``mixed_starts``: a step whose sequences have any number of new tokens, ``q`` and ``out``
     all of its [T, heads, head_dim] rows: only the sequences with exactly one new token are
@@ -856,6 +1029,7 @@ def paged_decode_attention(
     return _decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, None, sliding_window, num_splits,
         min_split_tokens, out, k_scale, v_scale, tile, sinks, attention_chunk, mixed_starts,
+        shared_prefix,
     )  # fmt: skip
 
 
@@ -932,8 +1106,10 @@ def _decode(
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
     mixed_starts: torch.Tensor | None = None,
+    shared_prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The decode kernel's launch (and the merge's), with ``new`` tokens or without."""
+    """The decode kernel's launch (and the merge's, and the shared-prefix kernel's before
+    them), with ``new`` tokens or without."""
     _, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]  # q's rows but in a mixed step
     _, page, num_kv_heads, _ = k_cache.shape
@@ -973,6 +1149,17 @@ def _decode(
     )
     pdl = chain_pdl(q)
     sink_logits = sinks_log2(sinks, q)
+    # Without a shared prefix its arguments are never read either.
+    shared, shared_out, shared_lse, shared_splits = seq_lens, q, q, 1
+    if shared_prefix is not None:
+        if new is not None or sliding_window or attention_chunk or mixed_starts is not None:
+            raise ValueError("a shared prefix is for plain decode (no rotary, window or chunk)")
+        if kv_fp8 or not use_dot:
+            raise ValueError("a shared prefix needs a 16-bit or float32 cache and head dim >= 16")
+        shared = shared_prefix
+        shared_out, shared_lse, shared_splits = _shared_prefix_partials(
+            q, k_cache, v_cache, block_tables, seq_lens, shared_prefix, scale, pdl
+        )
     _decode_kernel[(programs, num_splits, batch)](
         q,
         k_cache,
@@ -989,6 +1176,9 @@ def _decode(
         slots,
         sink_logits,
         seq_lens if mixed_starts is None else mixed_starts,
+        shared,
+        shared_out,
+        shared_lse,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         1.0 / k_scale,
@@ -997,6 +1187,7 @@ def _decode(
         attention_chunk or 1,
         min_split,
         num_splits,
+        shared_splits,
         num_heads,
         q.stride(0),
         q.stride(1),
@@ -1033,6 +1224,8 @@ def _decode(
         HAS_SINKS=sinks is not None,
         HAS_CHUNK=attention_chunk is not None,
         MIXED=mixed_starts is not None,
+        HAS_SHARED=shared_prefix is not None,
+        SHARED_N=SHARED_BLOCK_N,
         launch_pdl=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
@@ -1040,9 +1233,53 @@ def _decode(
     if num_splits > 1:
         merge_partials(
             partial_out, partial_lse, seq_lens, out, sliding_window, min_split, block_n, sinks,
-            attention_chunk, mixed_starts=mixed_starts,
+            attention_chunk, mixed_starts=mixed_starts, shared_prefix=shared_prefix,
         )  # fmt: skip
     return out
+
+
+def _shared_prefix_partials(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    shared_prefix: torch.Tensor,
+    scale: float,
+    pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The shared-prefix kernel's launch: its partial outputs, log2-sum-exps and split count
+    (the buffers as large as the widest block table could need, so a graph serves any)."""
+    _, num_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    row_tiles = -(-batch * group // SHARED_BLOCK_M)
+    num_splits = choose_shared_splits(
+        num_kv_heads * row_tiles, block_tables.shape[1] * page, q.device
+    )
+    shape = (batch, num_heads, num_splits)
+    partial_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    _shared_prefix_kernel[(num_kv_heads, num_splits, row_tiles)](
+        q, k_cache, v_cache, block_tables, seq_lens, shared_prefix, partial_out, partial_lse,
+        scale * LOG2E, batch, num_splits, num_heads, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, BLOCK_M=SHARED_BLOCK_M, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=SHARED_BLOCK_N,
+        PRECISION=dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return partial_out, partial_lse, num_splits
+
+
+def choose_shared_splits(programs: int, max_context: int, device: torch.device) -> int:
+    """Splits of the shared tokens for a grid of ``programs`` (kv heads x row tiles) a split:
+    about one program a multiprocessor, no split under SHARED_MIN_SPLIT_TOKENS at the longest
+    context the block table holds, at most SHARED_MAX_SPLITS."""
+    wanted = -(-_num_sms(device) // programs)
+    longest = -(-max_context // SHARED_MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, longest, SHARED_MAX_SPLITS))
 
 
 def _kv_per_program(wanted: int, num_kv_heads: int, group: int) -> int:
@@ -1067,6 +1304,7 @@ def merge_partials(
     attention_chunk: int | None = None,
     queries: int = 1,
     mixed_starts: torch.Tensor | None = None,  # [B + 1]: a mixed step's query starts
+    shared_prefix: torch.Tensor | None = None,  # [1]: the decode kernel's shared tokens
 ) -> None:
     """Combine each multi-split row's partial results, weighted by their log-sum-exps (and each
     head's sink logit in the denominator). ``queries``: output rows a sequence (a verify
@@ -1083,6 +1321,7 @@ def merge_partials(
         out,
         sinks_log2(sinks, partial_lse),
         seq_lens if mixed_starts is None else mixed_starts,
+        seq_lens if shared_prefix is None else shared_prefix,
         sliding_window or 0,
         attention_chunk or 1,
         min_split,
@@ -1099,6 +1338,7 @@ def merge_partials(
         HAS_SINKS=sinks is not None,
         HAS_CHUNK=attention_chunk is not None,
         MIXED=mixed_starts is not None,
+        HAS_SHARED=shared_prefix is not None,
         launch_pdl=pdl,
         num_warps=max(1, min(4, block_s * block_d // 1024)),
     )
