@@ -792,8 +792,14 @@ def _add_sink(sink_ptrs, mask, m_i, l_i, acc):
 # of the shared tokens; the decode kernel then reads each sequence's own pages only and opens
 # its softmax with those partials. The shared length is a step input on the device, so one
 # captured graph serves any (0: the kernel's programs return at once).
+# The launch: the best geometric mean of a sweep of rows a program (32-128), tokens a tile
+# (32-128), warps (4, 8), stages (2, 3) and the most splits (4, 16) over llama-8b's heads at
+# 8-128 rows of 2,600-3,200 tokens, 2,000 shared (H100, decode graphs: 59.9 us against 61.1
+# for two stages; at 32 rows the eight best within 4%; docs/design/kernels-and-limits.md).
 SHARED_BLOCK_M = 64  # query rows a program: sequences x the query heads of one kv head
 SHARED_BLOCK_N = 64
+SHARED_WARPS = 4
+SHARED_STAGES = 3
 # Splits of the shared tokens: enough (kv head, split, row tile) programs for one a
 # multiprocessor, none under SHARED_MIN_SPLIT_TOKENS at the widest block table, at most
 # SHARED_MAX_SPLITS (the decode kernel folds each split's partial in).
@@ -1268,7 +1274,8 @@ def _shared_prefix_partials(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, BLOCK_M=SHARED_BLOCK_M, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=SHARED_BLOCK_N,
-        PRECISION=dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=2,
+        PRECISION=dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl, num_warps=SHARED_WARPS,
+        num_stages=SHARED_STAGES,
     )  # fmt: skip
     return partial_out, partial_lse, num_splits
 
