@@ -38,9 +38,11 @@ DTYPE = torch.bfloat16
 
 
 class Chain:
-    """The chain's weights, its paged cache and its static inputs."""
+    """The chain's weights, its paged cache and its static inputs; with ``shared`` tokens, the
+    decode attention's shared-prefix pass first (every row's table opens with row 0's pages;
+    0: the pass launched with nothing to do)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: int | None = None) -> None:
         gen = torch.Generator(device="cuda").manual_seed(0)
 
         def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -58,6 +60,10 @@ class Chain:
         self.v_cache = randn(BATCH * pages, PAGE, KV_HEADS, HEAD_DIM)
         order = torch.randperm(BATCH * pages, generator=gen, device="cuda")
         self.block_tables = order.view(BATCH, pages).to(torch.int32)
+        self.shared = None
+        if shared is not None:
+            self.block_tables[:, : shared // PAGE] = self.block_tables[0, : shared // PAGE]
+            self.shared = torch.tensor([shared], dtype=torch.int32, device="cuda")
         last = CONTEXT - 1  # each sequence's new token, written by the chain
         self.slots = (self.block_tables[:, last // PAGE].long() * PAGE + last % PAGE).contiguous()
         self.seq_lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device="cuda")
@@ -82,7 +88,7 @@ class Chain:
         write_kv_cache(k, v.view(BATCH, KV_HEADS, HEAD_DIM), self.k_cache, self.v_cache, self.slots)
         attn = paged_decode_attention(
             q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, HEAD_DIM**-0.5,
-            num_splits=4,
+            num_splits=4, shared_prefix=self.shared,
         )  # fmt: skip
         # The MLP as the engine runs it on Hopper: SiLU-and-mul in the gate/up product's epilogue
         # over the interleaved weight, then the down projection.
@@ -98,13 +104,15 @@ class Chain:
         return out
 
 
-def replays(monkeypatch: pytest.MonkeyPatch, pdl: bool, rounds: int) -> list[torch.Tensor]:
+def replays(
+    monkeypatch: pytest.MonkeyPatch, pdl: bool, rounds: int, shared: int | None
+) -> list[torch.Tensor]:
     """The chain captured with PDL on or off, replayed on ``rounds`` fresh inputs (the same
     ones for both: the generator restarts). Off, every chain kernel launches as it does on a
     GPU before Hopper (chain_pdl asks launches_dependents)."""
     if not pdl:
         monkeypatch.setattr(triton_pdl, "launches_dependents", lambda x: False)
-    chain = Chain()
+    chain = Chain(shared)
     chain.run()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -121,9 +129,14 @@ def replays(monkeypatch: pytest.MonkeyPatch, pdl: bool, rounds: int) -> list[tor
     return results
 
 
-def test_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch: pytest.MonkeyPatch) -> None:
-    with_pdl = replays(monkeypatch, True, rounds=50)
-    without = replays(monkeypatch, False, rounds=50)
+@pytest.mark.parametrize("shared", [None, 0, 8 * PAGE], ids=["no-pass", "pass-idle", "pass"])
+def test_pdl_chain_in_a_graph_equals_the_chain_without(
+    monkeypatch: pytest.MonkeyPatch, shared: int | None
+) -> None:
+    """The shared-prefix pass releases its successor before its own wait: the decode kernel
+    that folds its partials must still see them whole, and the KV write before it done."""
+    with_pdl = replays(monkeypatch, True, rounds=50, shared=shared)
+    without = replays(monkeypatch, False, rounds=50, shared=shared)
     assert torch.equal(with_pdl[-1], with_pdl[-2])  # the graph with PDL equals eager
     for got, expected in zip(with_pdl, without, strict=True):
         assert torch.equal(got, expected)
