@@ -167,7 +167,7 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
         cache = paged_cache([context] * batch, shape["kv"], shape["d"], shared)
         q = torch.randn(batch, shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
         kv_bytes = 4 * batch * context * shape["kv"] * shape["d"]  # K and V, two bytes each
-        pages = torch.tensor([shared // PAGE * PAGE], dtype=torch.int32, device="cuda")
+        pages = torch.tensor([shared // PAGE * PAGE, 0], dtype=torch.int32, device="cuda")
         # The engine's launch as it stands, then with the shared pages attended once for all
         # rows (the engine's choice where a step has them; with none shared, the cost of the
         # extra launch a decode graph captures).
@@ -175,7 +175,7 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
         for tile, shared_prefix in launches:
             label = "engine's" if tile is None else str(tile)
             if shared_prefix is not None:
-                label = f"engine's, {int(pages)} shared tokens once"
+                label = f"engine's, {int(pages[0])} shared tokens once"
             call = functools.partial(
                 paged_decode_attention, q, cache["k"], cache["v"], cache["tables"],
                 cache["lens"], shape["d"] ** -0.5, tile=tile, shared_prefix=shared_prefix,

@@ -235,8 +235,8 @@ class GraphBuffers:
     state_slots: torch.Tensor | None = None
     state_rows: torch.Tensor | None = None
     pad_state_slot: int = -1
-    # [1] int32: the decode step's shared-prefix tokens (AttentionMetadata.shared_prefix), 0 in
-    # steps without; ``shared_prefix_staged``: whether the last replay's was not 0.
+    # [2] int32: the step's shared prefix (AttentionMetadata.shared_prefix), 0 tokens in steps
+    # without; ``shared_prefix_staged``: whether the last replay had one.
     shared_prefix: torch.Tensor | None = None
     shared_prefix_staged: bool = False
 
@@ -288,7 +288,7 @@ class GraphBuffers:
             state_slots=state_slots,
             state_rows=state_rows,
             pad_state_slot=-1 if pad_state_slot is None else pad_state_slot,
-            shared_prefix=zeros(1, dtype=torch.int32),
+            shared_prefix=zeros(2, dtype=torch.int32),
         )
 
     @property
@@ -393,6 +393,7 @@ class GraphBuffers:
                 slots[tokens:rows].fill_(-1)
             width = meta.block_tables.shape[1]
             tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self.stage_shared_prefix(metas[0].shared_prefix)
 
     def decode_metadata(self, batch: int, max_model_len: int) -> AttentionMetadata:
         """Decode metadata over the first ``batch`` rows of the buffers.
@@ -431,6 +432,7 @@ class GraphBuffers:
             seq_lens_cpu=[max_model_len] * seqs,
             padded=True,
             prefill_tiles=self.prefill_tiles[:rows],
+            shared_prefix=self.shared_prefix if self.num_groups == 1 else None,
         )
 
     def verify_metadata(

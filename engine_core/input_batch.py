@@ -305,9 +305,7 @@ class InputBatch:
         view["seq_lens"][:] = seq_lens
         if tiles is not None:
             view["prefill_tiles"][:] = tiles.reshape(-1)
-        # One KV group's tables only: other groups' (windows, chunks) hold other pages.
-        shared = decode_only and self.num_groups == 1
-        view["shared_prefix"][0] = shared_prefix_tokens(block_tables, seq_lens, bs) if shared else 0
+        view["shared_prefix"][:] = self._shared_prefix(block_tables, seq_lens, lens, decode_only)
         self._last = layout, self._next, width
         sample_ends = seq_lens if sample_seqs is None else seq_lens[sample_seqs]
         # Every token is the one its row sampled last step, row for row (a steady decode).
@@ -315,6 +313,23 @@ class InputBatch:
         if in_order and sample_seqs is None and self.advance_steady:
             self._steady = _SteadyStep(sampling, sample_ends)
         return self._upload(layout, host, prev_sampled, sampling, sample_ends, in_order, width)
+
+    def _shared_prefix(
+        self, tables: np.ndarray, seq_lens: np.ndarray, lens: np.ndarray, decode_only: bool
+    ) -> tuple[int, int]:
+        """The step's shared-prefix tokens (base.shared_prefix_tokens) over its one-token
+        sequences, the ones the decode kernel attends (in a step with prompt rows too), and
+        the first of them. One KV group only: other groups' tables (windows, chunks) hold
+        other pages."""
+        if self.num_groups != 1:
+            return 0, 0
+        if decode_only:
+            return shared_prefix_tokens(tables, seq_lens, self.block_size), 0
+        rows = np.flatnonzero(lens == 1)
+        if len(rows) == 0:
+            return 0, 0
+        tokens = shared_prefix_tokens(tables[rows], seq_lens[rows], self.block_size)
+        return (tokens, int(rows[0])) if tokens else (0, 0)
 
     def _room(self, width: int) -> int:
         """The block tables' width in the layout of a step whose widest table has ``width``
@@ -576,7 +591,7 @@ class _Layout:
             ("seq_lens", num_seqs, _I32),
             ("block_tables", num_seqs * width, _I32),
             ("prefill_tiles", 2 * num_tiles, _I32),
-            ("shared_prefix", 1, _I32),  # a decode step's shared_prefix_tokens (else 0)
+            ("shared_prefix", 2, _I32),  # AttentionMetadata.shared_prefix (0 tokens: none)
             # KV layer groups 1.. (none with one group): their slots and tables, group by group.
             ("group_slot_mapping", (num_groups - 1) * num_tokens, _I64),
             ("group_block_tables", (num_groups - 1) * num_seqs * width, _I32),

@@ -542,7 +542,7 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
 
         def spy(*args: Any) -> torch.Tensor | None:
             shared = chosen(*args)
-            staged.append(0 if shared is None else int(shared))
+            staged.append(0 if shared is None else int(shared[0]))
             return shared
 
         monkeypatch.setattr(TritonBackend, "shared_prefix", staticmethod(spy))
@@ -550,7 +550,7 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
         stage = GraphBuffers.stage_shared_prefix
 
         def record(self: GraphBuffers, shared: torch.Tensor | None) -> None:
-            staged.append(0 if shared is None else int(shared))
+            staged.append(0 if shared is None else int(shared[0]))
             stage(self, shared)
 
         monkeypatch.setattr(GraphBuffers, "stage_shared_prefix", record)

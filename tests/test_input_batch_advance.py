@@ -113,26 +113,28 @@ def check_against_plan(packed: PackedInputs, plan: SchedulerOutput, expected: di
     assert packed.meta.seq_lens.tolist() == expected["seq_lens"]
     assert packed.sampling_requests == [s.request for s in plan.scheduled if s.samples]
     shared = packed.meta.shared_prefix
-    assert (0 if shared is None else int(shared)) == expected_shared_prefix(plan)
+    got = (0, 0) if shared is None else tuple(shared.tolist())
+    assert got == expected_shared_prefix(plan)
     for group, meta in enumerate(packed.group_metadata[1:], start=1):
         check_group(meta, plan, group)
 
 
-def expected_shared_prefix(plan: SchedulerOutput) -> int:
-    """A decode step's shared-prefix tokens, request by request: the leading block ids every
-    table has alike, before the shortest sequence's last token (0 for a step with prompt rows,
-    with KV groups, or under base's minimum rows or tokens)."""
-    scheduled = plan.scheduled
+def expected_shared_prefix(plan: SchedulerOutput) -> tuple[int, int]:
+    """A step's shared prefix, request by request: over its sequences with one new token, the
+    leading block ids every table has alike, before the shortest one's last token (0 with KV
+    groups, or under base's minimum rows or tokens), and the first such sequence's index."""
+    rows = [i for i, s in enumerate(plan.scheduled) if s.num_new_tokens == 1]
+    scheduled = [plan.scheduled[i] for i in rows]
     if len(scheduled) < base.SHARED_PREFIX_MIN_ROWS or scheduled[0].group_block_ids:
-        return 0
-    if any(s.num_new_tokens != 1 for s in scheduled):
-        return 0
+        return 0, 0
     tables = [list(s.block_ids) for s in scheduled]
     limit = min(s.start for s in scheduled) // BLOCK  # whole blocks before the shortest's token
     blocks = 0
     while blocks < limit and all(t[blocks] == tables[0][blocks] for t in tables):
         blocks += 1
-    return blocks * BLOCK if blocks * BLOCK >= base.SHARED_PREFIX_MIN_TOKENS else 0
+    if blocks * BLOCK < base.SHARED_PREFIX_MIN_TOKENS:
+        return 0, 0
+    return blocks * BLOCK, rows[0]
 
 
 def check_group(meta: AttentionMetadata, plan: SchedulerOutput, group: int) -> None:
@@ -244,8 +246,9 @@ def test_a_shared_system_prompt_is_found_in_full_and_advanced_packs(
     monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
     """Every request opens with the same system prompt (3 blocks), which the prefix cache
-    gives them in the same blocks: decode steps name those tokens as their shared prefix, the
-    advanced steps as the full packs do (thresholds lowered to this test's small batches)."""
+    gives them in the same blocks: steps name those tokens as their one-token sequences'
+    shared prefix, the advanced steps as the full packs do, steps with prompt rows too
+    (thresholds lowered to this test's small batches)."""
     monkeypatch.setattr(base, "SHARED_PREFIX_MIN_ROWS", 2)
     monkeypatch.setattr(base, "SHARED_PREFIX_MIN_TOKENS", BLOCK)
     rng = random.Random(seed)
@@ -255,12 +258,15 @@ def test_a_shared_system_prompt_is_found_in_full_and_advanced_packs(
     scheduler = Scheduler(config, 60, MAX_MODEL_LEN, [0])
     batches = TwoBatches()
     seen: list[int] = []
+    with_prompts: list[int] = []  # the steps with prompt rows among them
     original = batches.pack
 
     def pack(plan: SchedulerOutput) -> PackedInputs:
         packed = original(plan)
         shared = packed.meta.shared_prefix
-        seen.append(0 if shared is None else int(shared))
+        seen.append(0 if shared is None else int(shared[0]))
+        if not plan.decode_only:
+            with_prompts.append(seen[-1])
         return packed
 
     batches.pack = pack  # type: ignore[method-assign]
@@ -268,6 +274,7 @@ def test_a_shared_system_prompt_is_found_in_full_and_advanced_packs(
     steps = run_random_steps(scheduler, batches, rng, lambda: list(system))
     assert steps > 200 and batches.advanced > steps // 3
     assert seen.count(3 * BLOCK) > steps // 4  # the system prompt's blocks, found often
+    assert 3 * BLOCK in with_prompts  # among the decodes of a step with prompt rows too
 
 
 @pytest.mark.parametrize("room", [1, input_batch.TABLE_ROOM])

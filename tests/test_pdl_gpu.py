@@ -63,7 +63,7 @@ class Chain:
         self.shared = None
         if shared is not None:
             self.block_tables[:, : shared // PAGE] = self.block_tables[0, : shared // PAGE]
-            self.shared = torch.tensor([shared], dtype=torch.int32, device="cuda")
+            self.shared = torch.tensor([shared, 0], dtype=torch.int32, device="cuda")
         last = CONTEXT - 1  # each sequence's new token, written by the chain
         self.slots = (self.block_tables[:, last // PAGE].long() * PAGE + last % PAGE).contiguous()
         self.seq_lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device="cuda")

@@ -391,7 +391,7 @@ def test_decode_over_shared_pages_matches_reference(
     out = paged_decode_attention(
         batch.q, batch.k_cache, batch.v_cache, tables, seq_lens, scale,
         num_splits=num_splits, min_split_tokens=16, out=poisoned(batch.q), sinks=sink_logits,
-        shared_prefix=torch.tensor([shared], dtype=torch.int32, device=DEVICE),
+        shared_prefix=torch.tensor([shared, 0], dtype=torch.int32, device=DEVICE),
     )  # fmt: skip
     ref = REFERENCE.forward(
         batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, sinks=sink_logits
@@ -650,6 +650,43 @@ def test_a_mixed_step_attends_its_decodes_through_the_decode_kernel(
         q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits
     )
     assert mixed_calls == [True]
+    tokens = ref.shape[0]
+    assert_close(out[:tokens], ref)
+    assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))
+
+
+@pytest.mark.parametrize("graph_rows", [0, 5])
+def test_a_mixed_steps_decodes_attend_their_shared_pages_once(
+    monkeypatch: pytest.MonkeyPatch, graph_rows: int
+) -> None:
+    """A step with prompt rows and ten one-token sequences whose tables open with the same two
+    pages (the prompt rows' tables do not): the backend hands the decode kernel the shared
+    prefix, and the output, prompt rows included, equals the reference's; a prefill graph's
+    padding rows stay zeros."""
+    from engine_core.attention import triton_backend
+
+    heads, kv_heads, head_dim = HEAD_SHAPES[-1]
+    # The prompt rows first: a one-token sequence's query row is not its sequence index.
+    specs = [(0, 21), (30, 9)] + [(c, 1) for c in (40, 47, 63, 64, 90, 127, 33, 70, 51, 99)]
+    block = BLOCK_SIZES[0]
+    batch = make_batch(specs, heads, kv_heads, head_dim, block, seed=41)
+    meta, q = batch.meta, batch.q
+    meta.block_tables[2:, :2] = meta.block_tables[2, :2].clone()
+    meta.shared_prefix = torch.tensor([2 * block, 2], dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    ref = REFERENCE.forward(q, batch.k_cache, batch.v_cache, meta, scale)
+    if graph_rows:
+        meta, q = padded_like_a_graph(meta, q, graph_rows, sequences=2)
+    shared_calls: list[bool] = []
+    real_decode = triton_backend.paged_decode_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        shared_calls.append(kwargs.get("shared_prefix") is meta.shared_prefix)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
+    out = TritonBackend().forward(q, batch.k_cache, batch.v_cache, meta, scale)
+    assert shared_calls == [True]
     tokens = ref.shape[0]
     assert_close(out[:tokens], ref)
     assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))

@@ -80,10 +80,11 @@ class AttentionMetadata:
     # to be as long), else 0; set by a speculating engine's input batch only. A backend may
     # then attend decode-style, Q queries a sequence (triton_kernels.py paged_verify_attention).
     uniform_query_len: int = 0
-    # A decode step's [1] int32 on the device: the tokens (whole pages) that every sequence's
-    # block table opens with in the same blocks, short of every sequence's last token
-    # (shared_prefix_tokens); None where there are none, or in a step with prompt rows. A
-    # decode graph's buffer is always given (0 in steps without).
+    # [2] int32 on the device: the tokens (whole pages) that the block table of every sequence
+    # with one new token opens with in the same blocks, short of each one's last token
+    # (shared_prefix_tokens), and the index of one such sequence (its table row holds the
+    # pages); None where there are none. A graph's buffer is always given (0 tokens in steps
+    # without).
     shared_prefix: torch.Tensor | None = None
 
     @property

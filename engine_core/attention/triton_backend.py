@@ -2,7 +2,8 @@
 
 Decode-only batches (every sequence has one new token) take the split-context decode kernel,
 after the shared-prefix kernel where the step's sequences open with the same pages (the
-metadata's ``shared_prefix``: a system prompt the prefix cache shares, attended once for all).
+metadata's ``shared_prefix``: a system prompt the prefix cache shares, attended once for all;
+in a step with prompt rows, the one-token sequences' pages).
 Batches where every sequence has the same few new tokens (a speculative verify step: the last
 known token and K drafts) take its verify variant, K + 1 queries a sequence
 (``paged_verify_attention``), where the queries and the group's heads fit its tile. Any other
@@ -78,10 +79,10 @@ class TritonBackend:
         sliding_window: int | None,
         attention_chunk: int | None,
     ) -> torch.Tensor | None:
-        """The decode step's shared-prefix tokens where this layer attends its shared pages
-        once for all sequences: SHARED_PREFIX_MIN_ROWS sequences or more (a graph's rows: a
-        shape), a 16-bit or float32 cache, neither window nor chunk (their keys start past
-        the shared pages)."""
+        """The step's shared-prefix tokens where this layer attends its one-token sequences'
+        shared pages once for all of them: SHARED_PREFIX_MIN_ROWS query rows or more (a
+        graph's rows: a shape), a 16-bit or float32 cache, neither window nor chunk (their
+        keys start past the shared pages)."""
         if meta.shared_prefix is None or q.shape[0] < SHARED_PREFIX_MIN_ROWS:
             return None
         if sliding_window is not None or attention_chunk is not None or q.shape[2] < 16:
@@ -204,6 +205,7 @@ class TritonBackend:
             paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                 sliding_window=sliding_window, out=out, mixed_starts=meta.query_start_loc,
+                shared_prefix=self.shared_prefix(meta, q, k_cache, sliding_window, attention_chunk),
                 **scales,
             )  # fmt: skip
         return paged_prefill_attention(

@@ -523,7 +523,7 @@ def _decode_kernel(
     SLOTS,  # ROPE: [B] its cache slot (-1: none)
     SINKS,  # HAS_SINKS: [heads] float32, each head's sink logit times log2(e)
     QSL,  # MIXED: [B + 1] the step's query starts
-    SHARED,  # HAS_SHARED: [1] the tokens of the pages every sequence opens with
+    SHARED,  # HAS_SHARED: [2] the tokens of the pages every sequence opens with, and a row
     SPO,  # HAS_SHARED: the shared-prefix kernel's partials [B, heads, shared splits, D]
     SPL,  # HAS_SHARED: and their log2-sum-exps [B, heads, shared splits]
     scale_log2,
@@ -842,14 +842,15 @@ def fold_partials(PO, PL, parts, count, row_mask, d, d_mask, m_i, l_i, acc, WIDT
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["batch", "num_splits"])
+@triton.jit(do_not_specialize=["batch", "num_splits", "stride_bt"])
 def _shared_prefix_kernel(
     Q,
     KC,
     VC,
-    BT,  # its first row's leading entries are every sequence's shared pages
+    BT,
     SL,
-    SHARED,
+    SHARED,  # [2]: the shared tokens, and a sequence whose table row holds their pages
+    QSL,  # MIXED: [B + 1] the step's query starts
     PO,  # [B, heads, splits, D] float32
     PL,  # [B, heads, splits] float32
     scale_log2,
@@ -864,6 +865,7 @@ def _shared_prefix_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_bt,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -872,10 +874,11 @@ def _shared_prefix_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    MIXED: tl.constexpr = False,  # the decode kernel's: one-token sequences only, by QSL
 ):
     """One kv head's query rows of BLOCK_M // GROUP sequences over one split of the shared
     tokens: their partial outputs and log2-sum-exps (no store for rows of sequences not
-    longer than the shared tokens, or splits past them)."""
+    longer than the shared tokens, or splits past them, or, MIXED, without one new token)."""
     kv = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -884,20 +887,26 @@ def _shared_prefix_kernel(
     # The shared length, the lengths and the table are step inputs: read them while the
     # kernel before finishes (engine_core/triton_pdl.py); q after the wait.
     shared = tl.load(SHARED)
+    bt_row = BT + tl.load(SHARED + 1).to(tl.int64) * stride_bt
     split_len = shared_split_len(shared, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, shared)
     in_batch = seq < batch
     seq_len = tl.load(SL + seq, mask=in_batch, other=0)
+    q_row = seq
+    if MIXED:  # a sequence's query row, and no context unless it has exactly one new token
+        q_row = tl.load(QSL + seq, mask=in_batch, other=0)
+        decodes = tl.load(QSL + seq + 1, mask=in_batch, other=0) - q_row == 1
+        seq_len = tl.where(decodes, seq_len, 0)
     row_mask = in_batch & (seq_len > shared)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     tok = start + tl.arange(0, BLOCK_N)
-    blk = tl.load(BT + tok // PAGE, mask=tok < end, other=0)
+    blk = tl.load(bt_row + tok // PAGE, mask=tok < end, other=0)
     pdl_wait_then_release(PDL)
     if start < end:
         q_mask = row_mask[:, None] & d_mask[None, :]
-        q_ptr = Q + seq[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q_ptr = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr, mask=q_mask, other=0.0)  # [M, D]
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -908,7 +917,7 @@ def _shared_prefix_kernel(
             in_page = tok % PAGE
             # The next tile's pages, asked for before this tile's K/V are used.
             tok = tok + BLOCK_N
-            blk = tl.load(BT + tok // PAGE, mask=tok < end, other=0)
+            blk = tl.load(bt_row + tok // PAGE, mask=tok < end, other=0)
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k_row = page * stride_kb + in_page * stride_ks + kv * stride_kh
             k = tl.load(KC + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
@@ -932,7 +941,7 @@ def _decode_merge_kernel(
     Out,
     SINKS,
     QSL,  # MIXED: [B + 1] the step's query starts
-    SHARED,  # HAS_SHARED: [1] the decode kernel's shared tokens
+    SHARED,  # HAS_SHARED: [2] the decode kernel's (its first: the shared tokens)
     window,
     chunk,
     min_split,
@@ -1013,15 +1022,17 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,  # [heads]: gpt-oss's sink logits
     attention_chunk: int | None = None,  # Llama 4: the query sees its chunk's keys only
     mixed_starts: torch.Tensor | None = None,  # [B + 1]: a mixed step's query starts
-    shared_prefix: torch.Tensor | None = None,  # [1] int32: tokens every sequence opens with
+    shared_prefix: torch.Tensor | None = None,  # [2] int32: tokens every sequence opens with
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """Attention of each sequence's last token over its whole cached context (an FP8 cache's
     values times their scales; with ``sinks``, each head's sink logit in the denominator).
 
     ``shared_prefix``: a count of tokens, a multiple of the page size, whose pages open the
-    block table of every sequence longer than it (the first row's entries; 0: none): those
+    block table of every sequence longer than it (0: none), and the index of a sequence whose
+    table holds them (in a mixed step, one with one new token): those
     pages are attended once for all sequences (_shared_prefix_kernel), each sequence's own
-    pages by the decode kernel. A bf16/fp16/fp32 cache, no window, chunk or mixed step.
+    pages by the decode kernel (in a mixed step: the one-token sequences'). A bf16/fp16/fp32
+    cache, no window or chunk.
 
     ``mixed_starts``: a step whose sequences have any number of new tokens, ``q`` and ``out``
     all of its [T, heads, head_dim] rows: only the sequences with exactly one new token are
@@ -1158,13 +1169,13 @@ def _decode(
     # Without a shared prefix its arguments are never read either.
     shared, shared_out, shared_lse, shared_splits = seq_lens, q, q, 1
     if shared_prefix is not None:
-        if new is not None or sliding_window or attention_chunk or mixed_starts is not None:
+        if new is not None or sliding_window or attention_chunk:
             raise ValueError("a shared prefix is for plain decode (no rotary, window or chunk)")
         if kv_fp8 or not use_dot:
             raise ValueError("a shared prefix needs a 16-bit or float32 cache and head dim >= 16")
         shared = shared_prefix
         shared_out, shared_lse, shared_splits = _shared_prefix_partials(
-            q, k_cache, v_cache, block_tables, seq_lens, shared_prefix, scale, pdl
+            q, k_cache, v_cache, block_tables, seq_lens, shared_prefix, scale, pdl, mixed_starts
         )
     _decode_kernel[(programs, num_splits, batch)](
         q,
@@ -1253,9 +1264,11 @@ def _shared_prefix_partials(
     shared_prefix: torch.Tensor,
     scale: float,
     pdl: bool,
+    mixed_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The shared-prefix kernel's launch: its partial outputs, log2-sum-exps and split count
-    (the buffers as large as the widest block table could need, so a graph serves any)."""
+    (the buffers as large as the widest block table could need, so a graph serves any).
+    ``mixed_starts``: as the decode kernel's (its one-token sequences' rows only)."""
     _, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     _, page, num_kv_heads, _ = k_cache.shape
@@ -1268,14 +1281,15 @@ def _shared_prefix_partials(
     partial_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     _shared_prefix_kernel[(num_kv_heads, num_splits, row_tiles)](
-        q, k_cache, v_cache, block_tables, seq_lens, shared_prefix, partial_out, partial_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, shared_prefix,
+        seq_lens if mixed_starts is None else mixed_starts, partial_out, partial_lse,
         scale * LOG2E, batch, num_splits, num_heads, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_M=SHARED_BLOCK_M, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=SHARED_BLOCK_N,
-        PRECISION=dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl, num_warps=SHARED_WARPS,
-        num_stages=SHARED_STAGES,
+        PRECISION=dot_precision(q.dtype), PDL=pdl, MIXED=mixed_starts is not None,
+        launch_pdl=pdl, num_warps=SHARED_WARPS, num_stages=SHARED_STAGES,
     )  # fmt: skip
     return partial_out, partial_lse, num_splits
 
@@ -1311,7 +1325,7 @@ def merge_partials(
     attention_chunk: int | None = None,
     queries: int = 1,
     mixed_starts: torch.Tensor | None = None,  # [B + 1]: a mixed step's query starts
-    shared_prefix: torch.Tensor | None = None,  # [1]: the decode kernel's shared tokens
+    shared_prefix: torch.Tensor | None = None,  # [2]: the decode kernel's shared prefix
 ) -> None:
     """Combine each multi-split row's partial results, weighted by their log-sum-exps (and each
     head's sink logit in the denominator). ``queries``: output rows a sequence (a verify
