@@ -57,7 +57,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine_core.attention.base import AttentionBackend, AttentionMetadata
+from engine_core.attention.base import (
+    SHARED_PREFIX_MIN_ROWS,
+    AttentionBackend,
+    AttentionMetadata,
+)
 from engine_core.attention.layer import Attention
 from engine_core.attention.prefill_tiles import (
     NO_SEQUENCE,
@@ -78,6 +82,29 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     if max_num_seqs not in sizes:
         sizes.append(max_num_seqs)
     return sizes
+
+
+# Decode steps whose rows share their leading pages replay graphs of their own, which attend
+# those pages once (attention/triton_kernels.py, the shared-prefix pass), while the other steps'
+# graphs launch no pass at all (idle, it cost 1.5-2.5 us a layer: docs/design/kernels-and-
+# limits.md). They come in powers of two up to SHARED_GRAPH_MAX_ROWS rows, a step padded to the
+# next: a decode step's products read the weights whatever its rows up to about there, so the
+# padding costs little, and capture stays a handful of graphs.
+SHARED_GRAPH_MAX_ROWS = 256
+
+
+def shared_graph_sizes(max_num_seqs: int, lora_slots: int = 0) -> list[int]:
+    """SHARED_PREFIX_MIN_ROWS, then doubling while below the cap (``max_num_seqs`` or
+    SHARED_GRAPH_MAX_ROWS), then the cap; empty below SHARED_PREFIX_MIN_ROWS, or with LoRA
+    (whose steps choose between graphs with and without its kernels already)."""
+    cap = min(max_num_seqs, SHARED_GRAPH_MAX_ROWS)
+    if lora_slots or cap < SHARED_PREFIX_MIN_ROWS:
+        return []
+    sizes, size = [], SHARED_PREFIX_MIN_ROWS
+    while size < cap:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, cap]
 
 
 _MIN_PREFILL_TOKENS = 16
@@ -395,8 +422,11 @@ class GraphBuffers:
             tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
         self.stage_shared_prefix(metas[0].shared_prefix)
 
-    def decode_metadata(self, batch: int, max_model_len: int) -> AttentionMetadata:
-        """Decode metadata over the first ``batch`` rows of the buffers.
+    def decode_metadata(
+        self, batch: int, max_model_len: int, shared: bool = False
+    ) -> AttentionMetadata:
+        """Decode metadata over the first ``batch`` rows of the buffers; ``shared``: with the
+        shared-prefix buffer (the graphs of steps whose rows share pages).
 
         The host lists are placeholders (a graph cannot read per-step host values); the decode
         path of a graph-safe backend reads only the device tensors and their shapes.
@@ -410,8 +440,7 @@ class GraphBuffers:
             max_seq_len=max_model_len,
             query_start_loc_cpu=list(range(batch + 1)),
             seq_lens_cpu=[max_model_len] * batch,
-            # One KV group's tables only (input_batch.py finds shared pages in those alone).
-            shared_prefix=self.shared_prefix if self.num_groups == 1 else None,
+            shared_prefix=self.shared_prefix if shared else None,
         )
 
     def prefill_metadata(self, tokens: int, max_model_len: int) -> AttentionMetadata:
@@ -530,6 +559,13 @@ class CudaGraphRunner:
             self.tail = DecodeTail.allocate(weight, vocab_size, self.max_batch)
         self._tail_rows = 0  # rows of the last replay's tail to hand out (0: none)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
+        # Decode graphs with the shared-prefix pass, by batch size (shared_graph_sizes; one
+        # KV group only: input_batch.py finds shared pages in group 0's tables alone).
+        self.shared_sizes = shared_graph_sizes(max_num_seqs, lora_slots)
+        if num_kv_groups != 1:
+            self.shared_sizes = []
+        self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.shared_replays = 0  # decode steps that replayed one of them (tests, benchmarks)
         # With LoRA: decode graphs captured without the LoRA kernels, for the steps that have
         # no adapter row (the base model's traffic then pays nothing for LoRA), by batch size.
         self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -543,6 +579,9 @@ class CudaGraphRunner:
         self._bucket = [
             next(s for s in self.batch_sizes if s >= n) for n in range(self.max_batch + 1)
         ]
+        # _shared_bucket[n]: the smallest shared graph's size >= n, for n up to the largest
+        top = self.shared_sizes[-1] + 1 if self.shared_sizes else 0
+        self._shared_bucket = [next(s for s in self.shared_sizes if s >= n) for n in range(top)]
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> float:
@@ -555,6 +594,7 @@ class CudaGraphRunner:
         ]
         if self.lora_slots:
             plan += [("decode-base", n) for n in self.batch_sizes]
+        plan += [("decode-shared", n) for n in self.shared_sizes]
         if self.verify_queries:
             plan += [("verify", n) for n in self.batch_sizes]
         # Activation memory grows with the rows a graph runs: a prefill graph's rows are its
@@ -570,9 +610,11 @@ class CudaGraphRunner:
             if kind == "verify":
                 self._capture_verify(size)
                 continue
-            meta, state = self._decode_graph_inputs(size)
+            meta, state = self._decode_graph_inputs(size, shared=kind == "decode-shared")
             if kind == "decode":
                 self.graphs[size] = self._capture_one(size, meta, self.tail, state=state)
+            elif kind == "decode-shared":
+                self.shared_graphs[size] = self._capture_one(size, meta, self.tail, state=state)
             else:
                 self.base_graphs[size] = self._capture_one(
                     size, meta, self.tail, lora=False, state=state
@@ -583,8 +625,8 @@ class CudaGraphRunner:
         logger.info(
             "captured %d CUDA graphs in %.1f s (decode batches %d..%d, prefill steps of %s "
             "tokens, verify steps of %s tokens a sequence)",
-            len(self.graphs) + len(self.base_graphs) + len(self.prefill_graphs)
-            + len(self.verify_graphs),
+            len(self.graphs) + len(self.base_graphs) + len(self.shared_graphs)
+            + len(self.prefill_graphs) + len(self.verify_graphs),
             elapsed,
             self.batch_sizes[0],
             self.max_batch,
@@ -665,12 +707,14 @@ class CudaGraphRunner:
                 "the graph would keep from its capture (verify_graph_queries must refuse it)"
             )
 
-    def _decode_graph_inputs(self, size: int) -> tuple[AttentionMetadata, StateRows | None]:
+    def _decode_graph_inputs(
+        self, size: int, shared: bool = False
+    ) -> tuple[AttentionMetadata, StateRows | None]:
         """What the decode graph of ``size`` rows reads: metadata over the buffers' first
-        ``size`` rows (every KV group's static slots and tables) and the linear-attention rows'
-        static slots."""
+        ``size`` rows (every KV group's static slots and tables; ``shared``: the shared-prefix
+        buffer) and the linear-attention rows' static slots."""
         buf = self.buffers
-        return buf.decode_metadata(size, self.max_model_len), buf.decode_state(size)
+        return buf.decode_metadata(size, self.max_model_len, shared), buf.decode_state(size)
 
     def decode_forward(self, size: int, lora: bool = True) -> Callable[[], None]:
         """The forward the decode graph of ``size`` rows captures, to run without capturing
@@ -809,8 +853,11 @@ class CudaGraphRunner:
                 f"a step of {len(metas)} KV groups for graphs of {self.buffers.num_groups}"
             )
         if meta.is_decode_only:
-            graphs = self.base_graphs if base_graph else self.graphs
-            return self._run_decode(input_ids, positions, metas, ids_from, graphs, state)
+            graphs, buckets = self.base_graphs if base_graph else self.graphs, self._bucket
+            if meta.shared_prefix is not None and meta.num_seqs < len(self._shared_bucket):
+                graphs, buckets = self.shared_graphs, self._shared_bucket
+                self.shared_replays += 1
+            return self._run_decode(input_ids, positions, metas, ids_from, graphs, buckets, state)
         if ids_from is not None:
             input_ids.copy_(ids_from)
         if self._fits_verify(meta):
@@ -847,10 +894,11 @@ class CudaGraphRunner:
         metas: tuple[AttentionMetadata, ...],
         ids_from: torch.Tensor | None,
         graphs: dict[int, torch.cuda.CUDAGraph],
+        buckets: list[int],  # the size of ``graphs``' graph for n rows, at index n
         state: StateRows | None,
     ) -> torch.Tensor:
         n = metas[0].num_seqs
-        batch = self._bucket[n]
+        batch = buckets[n]
         if (state is None) != (self.buffers.state_slots is None):
             raise RuntimeError("a step's linear-attention rows do not match the graphs' buffers")
         if state is not None:

@@ -40,6 +40,16 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_cap() -> None:
     assert len(graph_batch_sizes(256)) == 4 + 31
 
 
+def test_shared_graph_sizes_double_from_the_minimum_rows_up_to_their_cap() -> None:
+    from engine_core.cuda_graph import shared_graph_sizes
+
+    assert shared_graph_sizes(1024) == [8, 16, 32, 64, 128, 256]
+    assert shared_graph_sizes(48) == [8, 16, 32, 48]
+    assert shared_graph_sizes(8) == [8]
+    assert shared_graph_sizes(6) == []  # under SHARED_PREFIX_MIN_ROWS
+    assert shared_graph_sizes(256, lora_slots=4) == []
+
+
 def test_tile_list_names_each_sequences_query_tiles_then_pads() -> None:
     # Query lengths 5, 1, 40 at 16 rows a tile: 1, 1 and 3 tiles.
     tiles = tile_list([5, 1, 40], block_m=16, rows=8)
@@ -564,6 +574,9 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
     assert max(staged) == 18 * 16, staged
+    graphs = llm.engine.runner.graph_runner
+    if graphs is not None:  # the graphs with the pass replayed those steps
+        assert sorted(graphs.shared_graphs) == [8] and graphs.shared_replays >= 10
     assert ours == hf_greedy(model_dir, prompts, 20)
 
 
