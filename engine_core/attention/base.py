@@ -83,7 +83,7 @@ class AttentionMetadata:
     # A decode step's [1] int32 on the device: the tokens (whole pages) that every sequence's
     # block table opens with in the same blocks, short of every sequence's last token
     # (shared_prefix_tokens); None where there are none, or in a step with prompt rows. A
-    # decode graph's buffer is always given (0 in steps without).
+    # decode graph's buffer is always given with one KV group (0 in steps without).
     shared_prefix: torch.Tensor | None = None
 
     @property
