@@ -541,11 +541,20 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
     prefix (attended once for all rows, attention/triton_kernels.py _shared_prefix_kernel),
     through the decode graphs or eagerly. Heads of 128 take the plain decode path (smaller
     ones fuse the rotary into the decode kernel, which attends without it)."""
+    from engine_core.attention import triton_kernels
     from engine_core.attention.triton_backend import TritonBackend
     from engine_core.cuda_graph import GraphBuffers
     from protocol.messages import SamplingParams
     from tests.factories import write_tiny_llama
 
+    launches: list[int] = []  # the pass's launches (in graph mode: at warm-up and capture)
+    launch = triton_kernels._shared_prefix_partials
+
+    def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+        launches.append(1)
+        return launch(*args)
+
+    monkeypatch.setattr(triton_kernels, "_shared_prefix_partials", counted)
     staged: list[int] = []
     if enforce_eager:
         chosen = TritonBackend.shared_prefix
@@ -574,6 +583,7 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
     assert max(staged) == 18 * 16, staged
+    assert launches  # the graphs (or the eager steps) hold the pass
     graphs = llm.engine.runner.graph_runner
     if graphs is not None:  # the graphs with the pass replayed those steps
         assert sorted(graphs.shared_graphs) == [8] and graphs.shared_replays >= 10

@@ -348,16 +348,18 @@ def test_decode_padding_rows_give_zeros(num_splits: int) -> None:
     assert_close(out[[0, 2]], ref[[0, 2]])
 
 
-SHARED_PAGES_CASES = [  # (heads, kv heads, head dim, shared tokens, splits, shared split min)
-    (*HEAD_SHAPES[-1], 48, 1, 256),
-    (*HEAD_SHAPES[-1], 48, 3, 16),
-    (*HEAD_SHAPES[1], 32, 2, 16),  # a group of 3: row tiles that cut through a sequence
-    (*HEAD_SHAPES[-1], 0, 2, 16),  # the kernel launched, no pages shared this step
+# (heads, kv heads, head dim, shared tokens, decode splits, shared tile, sequences)
+SHARED_PAGES_CASES = [
+    (*HEAD_SHAPES[-1], 48, 1, 64, 6),  # one shared partial a row, one decode split
+    (*HEAD_SHAPES[-1], 48, 3, 16, 6),  # three shared partials folded, three decode splits
+    (*HEAD_SHAPES[1], 32, 2, 16, 6),  # a group of 3: row tiles that cut through a sequence
+    (*HEAD_SHAPES[-1], 48, 2, 16, 20),  # 80 query rows a kv head: two row tiles
+    (*HEAD_SHAPES[-1], 0, 2, 16, 6),  # the kernel launched, no pages shared this step
 ]
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "shared", "num_splits", "shared_min_split"),
+    ("heads", "kv_heads", "head_dim", "shared", "num_splits", "shared_tile", "sequences"),
     SHARED_PAGES_CASES,
 )
 @pytest.mark.parametrize("sinks", [False, True])
@@ -368,17 +370,19 @@ def test_decode_over_shared_pages_matches_reference(
     head_dim: int,
     shared: int,
     num_splits: int,
-    shared_min_split: int,
+    shared_tile: int,
+    sequences: int,
     sinks: bool,
 ) -> None:
     """Sequences whose tables open with the same pages (a shared system prompt), attended once
     for all of them by the shared-prefix kernel and folded into each sequence's own decode:
     the reference's attention over each whole table, a padding row's zeros, every output
-    written. Short shared splits force several partials per row."""
+    written. Shared tiles and splits of 16 tokens give a row several partials to fold."""
     from engine_core.attention import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "SHARED_MIN_SPLIT_TOKENS", shared_min_split)
-    contexts = [49, 64, 90, 130, 200, 51]
+    monkeypatch.setattr(triton_kernels, "SHARED_BLOCK_N", shared_tile)
+    monkeypatch.setattr(triton_kernels, "SHARED_MIN_SPLIT_TOKENS", shared_tile)
+    contexts = [(49, 64, 90, 130, 200, 51)[i % 6] + i // 6 for i in range(sequences)]
     block = BLOCK_SIZES[0]
     batch = make_batch([(c - 1, 1) for c in contexts], heads, kv_heads, head_dim, block, seed=5)
     tables = batch.meta.block_tables
@@ -388,6 +392,15 @@ def test_decode_over_shared_pages_matches_reference(
     scale = head_dim**-0.5
     gen = torch.Generator().manual_seed(3)
     sink_logits = torch.randn(heads, generator=gen).to(DEVICE) if sinks else None
+    folded: list[int] = []
+    launch = triton_kernels._shared_prefix_partials
+
+    def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+        result = launch(*args)
+        folded.append(result[2])
+        return result
+
+    monkeypatch.setattr(triton_kernels, "_shared_prefix_partials", counted)
     out = paged_decode_attention(
         batch.q, batch.k_cache, batch.v_cache, tables, seq_lens, scale,
         num_splits=num_splits, min_split_tokens=16, out=poisoned(batch.q), sinks=sink_logits,
@@ -396,7 +409,12 @@ def test_decode_over_shared_pages_matches_reference(
     ref = REFERENCE.forward(
         batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, sinks=sink_logits
     )
-    real = [0, 1, 2, 3, 5]
+    # The partials a row folds: the splits that hold shared tokens (the kernel's split length).
+    per_split = -(-shared // folded[0])
+    split_len = -(-per_split // shared_tile) * shared_tile
+    partials = -(-shared // split_len) if shared else 0
+    assert partials >= (0 if shared == 0 else 1 if shared_tile == 64 else 2)
+    real = [i for i in range(sequences) if i != 4]
     assert torch.equal(out[4], torch.zeros_like(out[4]))
     assert_close(out[real], ref[real])
 
@@ -405,9 +423,20 @@ def test_decode_over_shared_pages_refuses_what_it_does_not_serve() -> None:
     heads, kv_heads, head_dim = HEAD_SHAPES[-1]
     batch = make_batch([(40, 1), (50, 1)], heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=2)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens)
-    shared = torch.tensor([16], dtype=torch.int32, device=DEVICE)
+    shared = torch.tensor([16, 0], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="plain decode"):
         paged_decode_attention(*args, 0.1, sliding_window=8, shared_prefix=shared)
+    wide = make_batch([(40, 1), (50, 1)], 2, 1, 256, BLOCK_SIZES[0], seed=2)
+    wide_args = (wide.q, wide.k_cache, wide.v_cache, wide.meta.block_tables, wide.meta.seq_lens)
+    with pytest.raises(ValueError, match="head dim of 16 to 128"):
+        paged_decode_attention(*wide_args, 0.1, shared_prefix=shared)
+    # The backend does not ask for it there (nor for windows), whatever the step found.
+    meta = dataclasses.replace(wide.meta, shared_prefix=shared)
+    rows = wide.q.repeat(4, 1, 1)  # 8 query rows: SHARED_PREFIX_MIN_ROWS
+    assert TritonBackend.shared_prefix(meta, rows, wide.k_cache, None, None) is None
+    narrow = rows[..., :128]
+    assert TritonBackend.shared_prefix(meta, narrow, wide.k_cache, 64, None) is None
+    assert TritonBackend.shared_prefix(meta, narrow, wide.k_cache, None, None) is shared
 
 
 @pytest.mark.parametrize("window", [1, 8, 100])

@@ -83,8 +83,8 @@ class AttentionMetadata:
     # [2] int32 on the device: the tokens (whole pages) that the block table of every sequence
     # with one new token opens with in the same blocks, short of each one's last token
     # (shared_prefix_tokens), and the index of one such sequence (its table row holds the
-    # pages); None where there are none. A graph's buffer is always given (0 tokens in steps
-    # without).
+    # pages); None where there are none. A graph's buffer is always given with one KV group
+    # (0 tokens in steps without).
     shared_prefix: torch.Tensor | None = None
 
     @property

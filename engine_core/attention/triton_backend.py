@@ -29,6 +29,7 @@ from engine_core.attention.base import (
 )
 from engine_core.attention.prefill_tiles import device_tiles
 from engine_core.attention.triton_kernels import (
+    SHARED_MAX_HEAD_DIM,
     NewTokens,
     paged_decode_attention,
     paged_prefill_attention,
@@ -81,11 +82,15 @@ class TritonBackend:
     ) -> torch.Tensor | None:
         """The step's shared-prefix tokens where this layer attends its one-token sequences'
         shared pages once for all of them: SHARED_PREFIX_MIN_ROWS query rows or more (a
-        graph's rows: a shape), a 16-bit or float32 cache, neither window nor chunk (their
-        keys start past the shared pages)."""
+        graph's rows: a shape), a 16-bit or float32 cache, heads of 16 to SHARED_MAX_HEAD_DIM,
+        neither window nor chunk (their keys start past the shared pages). Layers that fuse
+        the rotary into the decode launch (``decode_rotated``, heads of up to
+        ROPE_IN_DECODE_MAX_HEAD_DIM) do not ask: they read the shared pages row by row."""
         if meta.shared_prefix is None or q.shape[0] < SHARED_PREFIX_MIN_ROWS:
             return None
-        if sliding_window is not None or attention_chunk is not None or q.shape[2] < 16:
+        if sliding_window is not None or attention_chunk is not None:
+            return None
+        if not 16 <= q.shape[2] <= SHARED_MAX_HEAD_DIM:
             return None
         return None if is_fp8_cache(k_cache) else meta.shared_prefix
 

@@ -805,6 +805,9 @@ SHARED_STAGES = 3
 # SHARED_MAX_SPLITS (the decode kernel folds each split's partial in).
 SHARED_MIN_SPLIT_TOKENS = 256
 SHARED_MAX_SPLITS = 16
+# Heads of up to this size only: the launch above was tuned at 128, and a 64-row tile of
+# larger heads holds twice the registers (the prefill kernel takes smaller tiles there).
+SHARED_MAX_HEAD_DIM = 128
 
 
 @triton.jit
@@ -876,9 +879,10 @@ def _shared_prefix_kernel(
     PDL: tl.constexpr,
     MIXED: tl.constexpr = False,  # the decode kernel's: one-token sequences only, by QSL
 ):
-    """One kv head's query rows of BLOCK_M // GROUP sequences over one split of the shared
-    tokens: their partial outputs and log2-sum-exps (no store for rows of sequences not
-    longer than the shared tokens, or splits past them, or, MIXED, without one new token)."""
+    """BLOCK_M query rows of one kv head (row r: sequence r // GROUP's head r % GROUP, so a
+    tile may end inside a sequence) over one split of the shared tokens: their partial outputs
+    and log2-sum-exps (no store for rows of sequences not longer than the shared tokens, or
+    splits past them, or, MIXED, without one new token)."""
     kv = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1032,7 +1036,7 @@ def paged_decode_attention(
     table holds them (in a mixed step, one with one new token): those
     pages are attended once for all sequences (_shared_prefix_kernel), each sequence's own
     pages by the decode kernel (in a mixed step: the one-token sequences'). A bf16/fp16/fp32
-    cache, no window or chunk.
+    cache, heads of 16 to SHARED_MAX_HEAD_DIM, no window or chunk.
 
     ``mixed_starts``: a step whose sequences have any number of new tokens, ``q`` and ``out``
     all of its [T, heads, head_dim] rows: only the sequences with exactly one new token are
@@ -1171,8 +1175,11 @@ def _decode(
     if shared_prefix is not None:
         if new is not None or sliding_window or attention_chunk:
             raise ValueError("a shared prefix is for plain decode (no rotary, window or chunk)")
-        if kv_fp8 or not use_dot:
-            raise ValueError("a shared prefix needs a 16-bit or float32 cache and head dim >= 16")
+        if kv_fp8 or not 16 <= head_dim <= SHARED_MAX_HEAD_DIM:
+            raise ValueError(
+                "a shared prefix needs a 16-bit or float32 cache and a head dim of 16 to "
+                f"{SHARED_MAX_HEAD_DIM}"
+            )
         shared = shared_prefix
         shared_out, shared_lse, shared_splits = _shared_prefix_partials(
             q, k_cache, v_cache, block_tables, seq_lens, shared_prefix, scale, pdl, mixed_starts
