@@ -87,22 +87,26 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 # Decode steps whose rows share their leading pages replay graphs of their own, which attend
 # those pages once (attention/triton_kernels.py, the shared-prefix pass), while the other steps'
 # graphs launch no pass at all (idle, it cost 1.5-2.5 us a layer: docs/design/kernels-and-
-# limits.md). They come in powers of two up to SHARED_GRAPH_MAX_ROWS rows, a step padded to the
-# next: a decode step's products read the weights whatever its rows up to about there, so the
-# padding costs little, and capture stays a handful of graphs.
+# limits.md). Their sizes step by half a doubling (8, 12, 16, 24, 32, ...) up to
+# SHARED_GRAPH_MAX_ROWS rows, a step padded to the next: at most a third more rows, whose
+# products read the weights a decode step reads anyway (a mixture of experts' padding rows may
+# reach a few more experts), and capture stays about a dozen graphs.
 SHARED_GRAPH_MAX_ROWS = 256
 
 
 def shared_graph_sizes(max_num_seqs: int, lora_slots: int = 0) -> list[int]:
-    """SHARED_PREFIX_MIN_ROWS, then doubling while below the cap (``max_num_seqs`` or
-    SHARED_GRAPH_MAX_ROWS), then the cap; empty below SHARED_PREFIX_MIN_ROWS, or with LoRA
-    (whose steps choose between graphs with and without its kernels already)."""
+    """SHARED_PREFIX_MIN_ROWS times 1, 1.5, 2, 3, 4, 6, ... while below the cap
+    (``max_num_seqs`` or SHARED_GRAPH_MAX_ROWS), then the cap; empty below
+    SHARED_PREFIX_MIN_ROWS, or with LoRA (whose steps choose between graphs with and without
+    its kernels already)."""
     cap = min(max_num_seqs, SHARED_GRAPH_MAX_ROWS)
     if lora_slots or cap < SHARED_PREFIX_MIN_ROWS:
         return []
     sizes, size = [], SHARED_PREFIX_MIN_ROWS
     while size < cap:
         sizes.append(size)
+        if size * 3 // 2 < cap:
+            sizes.append(size * 3 // 2)
         size *= 2
     return [*sizes, cap]
 
@@ -594,14 +598,21 @@ class CudaGraphRunner:
         ]
         if self.lora_slots:
             plan += [("decode-base", n) for n in self.batch_sizes]
+        self._keep_shared_graphs_if_a_layer_takes_the_pass()
         plan += [("decode-shared", n) for n in self.shared_sizes]
         if self.verify_queries:
             plan += [("verify", n) for n in self.batch_sizes]
         # Activation memory grows with the rows a graph runs: a prefill graph's rows are its
         # tokens, a verify graph's K + 1 a sequence; on ties the prefill graph (more attention
         # work) goes first.
+        # (A shared decode graph needs a little more than the plain one of its size: first.)
         plan.sort(
-            key=lambda kind_size: (self._rows(*kind_size), kind_size[0] == "prefill"), reverse=True
+            key=lambda kind_size: (
+                self._rows(*kind_size),
+                kind_size[0] == "prefill",
+                kind_size[0] == "decode-shared",
+            ),
+            reverse=True,
         )
         for kind, size in tqdm(plan, desc="Capturing CUDA graphs", disable=not progress):
             if kind == "prefill":
@@ -634,6 +645,23 @@ class CudaGraphRunner:
             self.verify_queries or "no",
         )  # fmt: skip
         return elapsed
+
+    def _keep_shared_graphs_if_a_layer_takes_the_pass(self) -> None:
+        """Drop the shared decode graphs where no layer attends shared pages once (heads of
+        up to 64 fuse the rotary into the decode launch, FP8 caches, MLA, windows: the
+        backend declines): one eager forward of the smallest one's inputs (padding rows only:
+        it writes nothing), counting the backend's passes."""
+        if not self.shared_sizes:
+            return
+        passes = getattr(self.backend, "shared_prefix_passes", None)
+        if passes is not None:
+            size = self.shared_sizes[0]
+            meta, state = self._decode_graph_inputs(size, shared=True)
+            self._graph_forward(size, meta, self.tail, state=state)()
+            if self.backend.shared_prefix_passes > passes:
+                return
+        logger.info("no layer attends shared pages once: no shared decode graphs")
+        self.shared_sizes, self._shared_bucket = [], []
 
     def _rows(self, kind: str, size: int) -> int:
         """The token rows of a graph of ``kind`` and ``size`` (its batch; a prefill graph's

@@ -258,15 +258,15 @@ def test_a_shared_system_prompt_is_found_in_full_and_advanced_packs(
     scheduler = Scheduler(config, 60, MAX_MODEL_LEN, [0])
     batches = TwoBatches()
     seen: list[int] = []
-    with_prompts: list[int] = []  # the steps with prompt rows among them
+    with_prompts: list[tuple[int, int]] = []  # the shared prefixes of steps with prompt rows
     original = batches.pack
 
     def pack(plan: SchedulerOutput) -> PackedInputs:
         packed = original(plan)
         shared = packed.meta.shared_prefix
         seen.append(0 if shared is None else int(shared[0]))
-        if not plan.decode_only:
-            with_prompts.append(seen[-1])
+        if not plan.decode_only and shared is not None:
+            with_prompts.append(tuple(shared.tolist()))
         return packed
 
     batches.pack = pack  # type: ignore[method-assign]
@@ -274,7 +274,9 @@ def test_a_shared_system_prompt_is_found_in_full_and_advanced_packs(
     steps = run_random_steps(scheduler, batches, rng, lambda: list(system))
     assert steps > 200 and batches.advanced > steps // 3
     assert seen.count(3 * BLOCK) > steps // 4  # the system prompt's blocks, found often
-    assert 3 * BLOCK in with_prompts  # among the decodes of a step with prompt rows too
+    # Among the decodes of steps with prompt rows too (the scheduler lists running decodes
+    # first: their first row is 0 here; a prompt first is test_..._names_a_one_token_row).
+    assert any(tokens == 3 * BLOCK for tokens, _ in with_prompts), with_prompts
 
 
 @pytest.mark.parametrize("room", [1, input_batch.TABLE_ROOM])
@@ -350,3 +352,17 @@ def test_shared_prefix_tokens_by_hand() -> None:
         assert at(other, lens, 4) == 0  # one block alike: 4 tokens
         patch.setattr(base, "SHARED_PREFIX_MIN_TOKENS", 4)
         assert at(other, lens, 4) == 4
+
+
+def test_a_mixed_steps_shared_prefix_names_a_one_token_row() -> None:
+    """A step whose first sequence is a prompt: the shared prefix is found over its one-token
+    sequences alone (the prompt's table differs) and names the first of them, whose table
+    row holds the pages (the kernel reads them there)."""
+    batch = InputBatch(torch.device("cpu"), BLOCK, MAX_TOKENS, MAX_SEQS, 20)
+    tables = np.array([[9, 8, 7, 0]] + [[5, 6, 10 + r, 0] for r in range(8)], dtype=np.int32)
+    seq_lens = np.array([12] + [11] * 8)
+    lens = np.array([12] + [1] * 8)  # the prompt's 12 new tokens, then one each
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(base, "SHARED_PREFIX_MIN_TOKENS", 8)
+        assert batch._shared_prefix(tables, seq_lens, lens, decode_only=False) == (8, 1)
+        assert batch._shared_prefix(tables[:8], seq_lens[:8], lens[:8], False) == (0, 0)

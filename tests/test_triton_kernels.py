@@ -433,10 +433,12 @@ def test_decode_over_shared_pages_refuses_what_it_does_not_serve() -> None:
     # The backend does not ask for it there (nor for windows), whatever the step found.
     meta = dataclasses.replace(wide.meta, shared_prefix=shared)
     rows = wide.q.repeat(4, 1, 1)  # 8 query rows: SHARED_PREFIX_MIN_ROWS
-    assert TritonBackend.shared_prefix(meta, rows, wide.k_cache, None, None) is None
+    backend = TritonBackend()
+    assert backend.shared_prefix(meta, rows, wide.k_cache, None, None) is None
     narrow = rows[..., :128]
-    assert TritonBackend.shared_prefix(meta, narrow, wide.k_cache, 64, None) is None
-    assert TritonBackend.shared_prefix(meta, narrow, wide.k_cache, None, None) is shared
+    assert backend.shared_prefix(meta, narrow, wide.k_cache, 64, None) is None
+    assert backend.shared_prefix(meta, narrow, wide.k_cache, None, None) is shared
+    assert backend.shared_prefix_passes == 1  # what the graph runner counts
 
 
 @pytest.mark.parametrize("window", [1, 8, 100])

@@ -72,8 +72,13 @@ class TritonBackend:
             return False
         return meta.padded or meta.num_decode_rows >= MIXED_DECODE_ROWS
 
-    @staticmethod
+    def __init__(self) -> None:
+        # Layers that took the shared-prefix pass, counted so that the CUDA-graph runner can
+        # tell whether any layer of its model does (cuda_graph.py).
+        self.shared_prefix_passes = 0
+
     def shared_prefix(
+        self,
         meta: AttentionMetadata,
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -90,9 +95,10 @@ class TritonBackend:
             return None
         if sliding_window is not None or attention_chunk is not None:
             return None
-        if not 16 <= q.shape[2] <= SHARED_MAX_HEAD_DIM:
+        if not 16 <= q.shape[2] <= SHARED_MAX_HEAD_DIM or is_fp8_cache(k_cache):
             return None
-        return None if is_fp8_cache(k_cache) else meta.shared_prefix
+        self.shared_prefix_passes += 1
+        return meta.shared_prefix
 
     def verifies(
         self,
