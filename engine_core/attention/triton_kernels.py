@@ -494,9 +494,16 @@ def store_split(
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask)
     else:
         part = (seq * num_heads + heads) * num_splits + split
-        tl.store(PO + part[:, None] * WIDTH + cols[None, :], out, mask=mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(PL + part, lse, mask=head_mask)
+        store_partial(PO, PL, out, m_i, l_i, part, cols, mask, head_mask, WIDTH)
+
+
+@triton.jit
+def store_partial(PO, PL, out, m_i, l_i, part, cols, mask, head_mask, WIDTH: tl.constexpr):
+    """Rows ``part`` [H] of the split-K partial layout: each row's normalized output and its
+    base-2 log-sum-exp (-inf for a row that saw no key)."""
+    tl.store(PO + part[:, None] * WIDTH + cols[None, :], out, mask=mask)
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(PL + part, lse, mask=head_mask)
 
 
 # window == 1 or a split count of 1 must stay runtime values: Triton's specialization of an
@@ -930,11 +937,9 @@ def _shared_prefix_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
             s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
             m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         part = (seq * num_heads + head) * num_splits + split
-        tl.store(PO + part[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=q_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(PL + part, lse, mask=row_mask)
+        store_partial(PO, PL, out, m_i, l_i, part, d, q_mask, row_mask, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["window", "chunk", "min_split", "num_splits"])
