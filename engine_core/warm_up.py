@@ -20,6 +20,11 @@ reach the largest step the scheduler can plan in each dimension and each path of
 - top-k alone at temperature 1 (the top-k filter without the sort);
 - one-token rows ahead of prompts filling the budget: an eager step whose leading decodes the
   Triton backend attends through its decode kernel (``MIXED_DECODE_ROWS``).
+- decodes over a shared system prompt (``shared_prefix_decodes``): SHARED_PREFIX_MIN_ROWS rows
+  whose contexts open with the same blocks, alone (a decode step) and ahead of prompts filling
+  the budget, so that the decode attention's shared-prefix pass is built before the first
+  conversations over one system prompt need it (eager steps, and decode steps under
+  ``--enforce-eager``);
 - a vision-language model's image (``image_warm_up_plan``): a blank image of a common size
   in a short prompt, through the tower and an eager step with M-RoPE positions; the first
   1,024-pixel image on a fresh qwen3-vl-8b server otherwise took 1.2 s longer to its first
@@ -40,10 +45,14 @@ prefix cache registers only blocks a request has computed).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
 
-from engine_core.attention.base import MIXED_DECODE_ROWS
+from engine_core.attention.base import (
+    MIXED_DECODE_ROWS,
+    SHARED_PREFIX_MIN_ROWS,
+    SHARED_PREFIX_MIN_TOKENS,
+)
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from protocol.codec import MAX_LOGPROBS
 from protocol.messages import ImageInput, PoolingKind, PoolingParams, SamplingParams
@@ -84,14 +93,19 @@ class StepLimits:
     vocab_size: int
 
     def step(
-        self, rows: Iterable[tuple[SamplingParams, int]], pooling: PoolingParams | None = None
+        self,
+        rows: Iterable[tuple[SamplingParams, int]],
+        pooling: PoolingParams | None = None,
+        lead: Sequence[ScheduledRequest] = (),
     ) -> SchedulerOutput:
-        """One prompt per (params, wanted length) in order, each cut to what is left, until a
-        limit is reached; every request on blocks of its own from block 0 (and pooled as
-        ``pooling`` says, where given: an embedding engine's)."""
-        tokens_left, blocks_left = self.budget, self.num_blocks
-        scheduled: list[ScheduledRequest] = []
-        for i, (params, wanted) in enumerate(rows):
+        """``lead`` (rows on blocks 0.. in a run: ``shared_prefix_decodes``), then one prompt per
+        (params, wanted length) in order, each cut to what is left, until a limit is reached;
+        every prompt on blocks of its own after those (and pooled as ``pooling`` says, where
+        given: an embedding engine's)."""
+        tokens_left = self.budget - sum(s.num_new_tokens for s in lead)
+        blocks_left = self.num_blocks - len({b for s in lead for b in s.block_ids})
+        scheduled = list(lead)
+        for i, (params, wanted) in enumerate(rows, start=len(lead)):
             longest = min(
                 wanted, self.max_model_len - 1, tokens_left, blocks_left * self.block_size
             )
@@ -108,6 +122,30 @@ class StepLimits:
             blocks_left -= blocks
         scored = [i for i, s in enumerate(scheduled) if s.request.wants_prompt_logprobs]
         return SchedulerOutput(scheduled, prompt_logprob_seqs=scored)
+
+    def shared_prefix_decodes(self) -> list[ScheduledRequest]:
+        """SHARED_PREFIX_MIN_ROWS greedy decodes whose contexts open with the same blocks, at
+        least SHARED_PREFIX_MIN_TOKENS tokens of them (a system prompt the prefix cache shares),
+        each computing one token in a block of its own after those; none where the limits do
+        not hold them."""
+        rows = SHARED_PREFIX_MIN_ROWS
+        shared_blocks = -(-SHARED_PREFIX_MIN_TOKENS // self.block_size)
+        context = shared_blocks * self.block_size  # the new token opens a block of its own
+        fits = (
+            rows <= min(self.max_rows, self.budget)
+            and context + 2 <= self.max_model_len  # the new token and the one it samples
+            and shared_blocks + rows <= self.num_blocks
+        )
+        if not fits:
+            return []
+        system = [(t * 104729) % self.vocab_size for t in range(context)]
+        decodes = []
+        for i in range(rows):
+            prompt = [*system, i % self.vocab_size]
+            request = Request(f"warm-up-shared-{i}", prompt, GREEDY, num_computed_tokens=context)
+            blocks = [*range(shared_blocks), shared_blocks + i]
+            decodes.append(ScheduledRequest.plan(request, 1, blocks))
+        return decodes
 
 
 def warm_up_plans(limits: StepLimits, scored_chunk: int) -> list[SchedulerOutput]:
@@ -129,6 +167,12 @@ def warm_up_plans(limits: StepLimits, scored_chunk: int) -> list[SchedulerOutput
         limits.step([(TOP_K_ALONE, SHORT_PROMPT)]),
         limits.step(chain(repeat((GREEDY, 1), MIXED_DECODE_ROWS), long_prompts)),
     ]
+    shared = limits.shared_prefix_decodes()
+    if shared:
+        plans.append(limits.step((), lead=shared))
+        beside_prompts = limits.step(long_prompts, lead=shared)
+        if len(beside_prompts.scheduled) > len(shared):  # a prompt fits after them
+            plans.append(beside_prompts)
     return [plan for plan in plans if not plan.is_empty]  # none where no prompt fits
 
 

@@ -545,15 +545,20 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
     prefix cache gives them its 18 whole blocks, which each decode step names as its shared
     prefix (attended once for all rows, attention/triton_kernels.py _shared_prefix_kernel),
     through the decode graphs or eagerly. Heads of 128 take the plain decode path (smaller
-    ones fuse the rotary into the decode kernel, which attends without it)."""
+    ones fuse the rotary into the decode kernel, which attends without it). The start-up
+    warm-up built the pass's kernels (engine_core/warm_up.py, the shared-prefix decodes):
+    serving compiles neither attention kernel (in this process; a variant that earlier work
+    in it built would not show)."""
+    import triton
+
     from engine_core.attention import triton_kernels
     from engine_core.attention.triton_backend import TritonBackend
     from engine_core.cuda_graph import GraphBuffers
     from protocol.messages import SamplingParams
     from tests.factories import write_tiny_llama
 
-    # The pass's launches in decode steps (in graph mode: at warm-up and capture), not in
-    # steps with prompt rows (mixed_starts given).
+    # The pass's launches in decode steps (at the warm-up, the capture, and eager steps), not
+    # in steps with prompt rows (mixed_starts given).
     launches: list[int] = []
     launch = triton_kernels._shared_prefix_partials
 
@@ -588,10 +593,18 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
     llm = tiny_llm_on_cuda(
         model_dir, enforce_eager, max_num_batched_tokens=512, enable_prefix_caching=True
     )
+    at_start = len(launches)  # the warm-up's and the graphs' capture's
+    launches.clear()
+    staged.clear()
+    compiled: list[str] = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_cache_hook", lambda **kw: compiled.append(kw["repr"])
+    )
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
+    assert not [c for c in compiled if "_shared_prefix_kernel" in c or "_decode_kernel" in c]
     assert max(staged) == 18 * 16, staged
-    assert launches  # the graphs (or the eager steps) hold the pass
+    assert at_start and (launches or not enforce_eager)  # graphs replay the pass unseen
     graphs = llm.engine.runner.graph_runner
     if graphs is not None:  # the graphs with the pass replayed those steps
         assert sorted(graphs.shared_graphs) == [8] and graphs.shared_replays >= 10

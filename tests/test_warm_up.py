@@ -13,10 +13,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from engine_core.attention.base import MIXED_DECODE_ROWS
+from engine_core.attention.base import (
+    MIXED_DECODE_ROWS,
+    SHARED_PREFIX_MIN_ROWS,
+    SHARED_PREFIX_MIN_TOKENS,
+    shared_prefix_tokens,
+)
 from engine_core.llm import LLM
 from engine_core.memory_plan import ModelTooLargeError
 from engine_core.request import SchedulerOutput
@@ -46,7 +52,11 @@ LIMITS = [
     (100, 256, 64, 32, 2),  # two blocks of 32
     (8192, 256, 8, 4, 1000),  # prompts shorter than the sampler rows want
     (8192, 256, 2, 16, 1000),  # one-token prompts only
-    (8192, 256, 128, 4, 64),  # test_warm_up_changes_no_later_token's engine
+    (8192, 8, 260, 4, 72),  # just room for the shared-prefix decodes
+    (8192, 7, 4096, 16, 100_000),  # a row short of them
+    (8192, 256, 257, 4, 100_000),  # a token short
+    (8192, 256, 4096, 16, 23),  # a block short
+    (8192, 256, 512, 4, 96),  # test_warm_up_changes_no_later_token's engine
     (64, 16, 128, 4, 96),  # test_tensor_parallel.py's warm-up test's engine
 ]
 SCORED_CHUNK = 512
@@ -56,6 +66,20 @@ def plans_for(limits: tuple[int, int, int, int, int]) -> list[SchedulerOutput]:
     return warm_up_plans(StepLimits(*limits, vocab_size=50), scored_chunk=SCORED_CHUNK)
 
 
+def shared_steps(limits: tuple[int, int, int, int, int]) -> int:
+    """How many steps of shared-prefix decodes ``limits`` hold, by hand: 8 rows with a context
+    of the whole blocks of 256 tokens, one more token in a block of each row's own, and the
+    token it samples (a decode step); and a prompt beside them where a row, a token and a block
+    are left."""
+    budget, max_rows, max_model_len, block_size, num_blocks = limits
+    blocks = -(-SHARED_PREFIX_MIN_TOKENS // block_size)
+    context = blocks * block_size
+    rows = SHARED_PREFIX_MIN_ROWS
+    if min(budget, max_rows) < rows or context + 2 > max_model_len or blocks + rows > num_blocks:
+        return 0
+    return 2 if min(budget, max_rows) > rows and blocks + rows < num_blocks else 1
+
+
 @pytest.mark.parametrize("limits", LIMITS)
 def test_plans_stay_inside_the_step_and_the_cache(limits: tuple[int, int, int, int, int]) -> None:
     budget, max_rows, max_model_len, block_size, num_blocks = limits
@@ -63,7 +87,10 @@ def test_plans_stay_inside_the_step_and_the_cache(limits: tuple[int, int, int, i
         assert 0 < plan.num_batched_tokens <= budget
         assert len(plan.scheduled) <= max_rows
         used: list[int] = []
-        for s in plan.scheduled:
+        decodes = [s for s in plan.scheduled if s.start > 0]
+        if decodes:
+            used += check_shared_prefix_decodes(decodes, max_model_len, block_size)
+        for s in plan.scheduled[len(decodes) :]:
             request = s.request
             assert s.start == 0 and s.samples and s.num_new_tokens == request.num_prompt_tokens
             assert 1 <= request.num_prompt_tokens <= max_model_len - 1
@@ -76,6 +103,23 @@ def test_plans_stay_inside_the_step_and_the_cache(limits: tuple[int, int, int, i
         assert plan.prompt_logprob_seqs == scored
 
 
+def check_shared_prefix_decodes(decodes: list, max_model_len: int, block_size: int) -> list[int]:
+    """The shared-prefix decodes lead their step: one token each past a context on the same
+    leading blocks, enough of them for the input batch to find a shared prefix
+    (base.shared_prefix_tokens, what it runs on a step's tables), the new token in a block of
+    the row's own; the blocks they use, each once."""
+    assert len(decodes) == SHARED_PREFIX_MIN_ROWS
+    for s in decodes:
+        assert s.num_new_tokens == 1 and s.samples and s.start == s.request.num_computed_tokens
+        assert len(s.request.token_ids) == s.start + 1 <= max_model_len - 1
+        assert s.start // block_size == len(s.block_ids) - 1  # the new token's block: the last
+    tables = np.array([s.block_ids for s in decodes], dtype=np.int32)
+    seq_lens = np.array([s.start + 1 for s in decodes], dtype=np.int32)
+    assert shared_prefix_tokens(tables, seq_lens, block_size) >= SHARED_PREFIX_MIN_TOKENS
+    assert len(set(tables[:, -1])) == len(decodes)
+    return [*tables[0, :-1].tolist(), *tables[:, -1].tolist()]
+
+
 @pytest.mark.parametrize("limits", LIMITS)
 def test_the_first_two_plans_take_all_the_step_allows(
     limits: tuple[int, int, int, int, int],
@@ -84,7 +128,7 @@ def test_the_first_two_plans_take_all_the_step_allows(
     leave, each takes it all."""
     budget, max_rows, max_model_len, block_size, num_blocks = limits
     plans = plans_for(limits)
-    assert len(plans) == 5
+    assert len(plans) == 5 + shared_steps(limits)
     most_tokens, most_rows = plans[:2]
     for plan in (most_tokens, most_rows):
         blocks_left = num_blocks - sum(len(s.block_ids) for s in plan.scheduled)
@@ -108,10 +152,25 @@ def test_a_step_leads_with_decode_rows_where_the_limits_allow() -> None:
     """The mixed step: MIXED_DECODE_ROWS one-token rows first (what the Triton backend gives to
     its decode kernel), then prompts up to the budget."""
     budget = LIMITS[0][0]
-    mixed = plans_for(LIMITS[0])[-1]
+    mixed = plans_for(LIMITS[0])[4]
     meta_lens = [s.num_new_tokens for s in mixed.scheduled]
     assert meta_lens[:MIXED_DECODE_ROWS] == [1] * MIXED_DECODE_ROWS
     assert min(meta_lens[MIXED_DECODE_ROWS:]) > 1 and sum(meta_lens) == budget
+
+
+@pytest.mark.parametrize("limits", [s for s in LIMITS if shared_steps(s) == 2])
+def test_two_steps_lead_with_decodes_over_a_shared_prefix_where_the_limits_allow(
+    limits: tuple[int, int, int, int, int],
+) -> None:
+    """The decode attention's shared-prefix pass runs in the warm-up (a decode step, and
+    beside prompts up to the budget), not in the first conversations over a system prompt."""
+    budget = limits[0]
+    decode_step, mixed = plans_for(limits)[5:]
+    assert [s.start > 0 for s in decode_step.scheduled] == [True] * SHARED_PREFIX_MIN_ROWS
+    lens = [s.num_new_tokens for s in mixed.scheduled]
+    assert lens[:SHARED_PREFIX_MIN_ROWS] == [1] * SHARED_PREFIX_MIN_ROWS
+    assert min(lens[SHARED_PREFIX_MIN_ROWS:]) > 1 and sum(lens) <= budget
+    assert [s.start > 0 for s in mixed.scheduled].count(True) == SHARED_PREFIX_MIN_ROWS
 
 
 def test_no_step_where_no_prompt_fits(tiny_llama: Path) -> None:
@@ -159,7 +218,8 @@ def test_warm_up_changes_no_later_token(tiny_llama: Path) -> None:
     ]
 
     def generate(warm_up: bool) -> list[tuple[object, ...]]:
-        llm = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64, seed=0)
+        llm = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=96, seed=0)
+        assert len(llm.engine.runner.warm_up_plans()) == 7  # the shared-prefix steps too
         if warm_up:
             llm.engine.runner.warm_up()
         outputs = llm.generate(prompts, params, detokenize=False)
