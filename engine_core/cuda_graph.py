@@ -647,10 +647,10 @@ class CudaGraphRunner:
         return elapsed
 
     def _keep_shared_graphs_if_a_layer_takes_the_pass(self) -> None:
-        """Drop the shared decode graphs where no layer attends shared pages once (heads of
-        up to 64 fuse the rotary into the decode launch, FP8 caches, MLA, windows: the
-        backend declines): one eager forward of the smallest one's inputs (padding rows only:
-        it writes nothing), counting the backend's passes."""
+        """Drop the shared decode graphs where no layer attends shared pages once (FP8
+        caches, MLA, windows, heads over 128: the backend declines): one eager forward of the
+        smallest one's inputs (padding rows only: it writes nothing), counting the backend's
+        passes."""
         if not self.shared_sizes:
             return
         passes = getattr(self.backend, "shared_prefix_passes", None)

@@ -485,8 +485,26 @@ def test_greedy_tokens_equal_hf_on_gpu(
     assert ours == hf_greedy(model_dir, prompts, max_tokens)
     graphs = llm.engine.runner.graph_runner
     if architecture == "llama" and graphs is not None:
-        # Heads of 16 fuse the rotary into the decode launch, which takes no shared pass.
-        assert graphs.shared_graphs == {}
+        # Heads of 16 rotate in the decode launch, but in two launches with the shared pass
+        # (TritonBackend.decode_rotated): the shared decode graph of 8 rows is kept.
+        assert sorted(graphs.shared_graphs) == [8]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_no_shared_decode_graphs_where_no_layer_takes_the_pass(tmp_path: Path) -> None:
+    """Over an FP8 cache the backend declines the shared-prefix pass in every layer: the
+    capture's probe drops the shared decode graphs (none captured, none chosen)."""
+    from engine_core.llm import LLM
+    from tests.factories import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path)
+    llm = LLM(
+        str(model_dir), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", block_size=16,
+        num_kv_blocks=128, max_num_seqs=8,
+    )  # fmt: skip
+    graphs = llm.engine.runner.graph_runner
+    assert graphs is not None and graphs.shared_graphs == {} and graphs.shared_sizes == []
 
 
 @pytest.mark.gpu
@@ -538,14 +556,16 @@ def test_a_burst_sharing_a_prefix_through_graphs_equals_hf(tmp_path: Path) -> No
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("enforce_eager", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 16])
 def test_decodes_over_a_shared_system_prompt_equal_hf(
-    monkeypatch: pytest.MonkeyPatch, enforce_eager: bool, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, enforce_eager: bool, head_dim: int, tmp_path: Path
 ) -> None:
     """Eight conversations opening with the same 300-token system prompt decode together: the
     prefix cache gives them its 18 whole blocks, which each decode step names as its shared
     prefix (attended once for all rows, attention/triton_kernels.py _shared_prefix_kernel),
-    through the decode graphs or eagerly. Heads of 128 take the plain decode path (smaller
-    ones fuse the rotary into the decode kernel, which attends without it). The start-up
+    through the decode graphs or eagerly. Heads of 128 take the plain decode path; heads of
+    16 rotate in the decode launch but not in these steps (TritonBackend.decode_rotated
+    writes first, then takes the pass). The start-up
     warm-up built the pass's kernels (engine_core/warm_up.py, the shared-prefix decodes):
     serving compiles neither attention kernel (in this process; a variant that earlier work
     in it built would not show)."""
@@ -586,7 +606,7 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
             stage(self, shared)
 
         monkeypatch.setattr(GraphBuffers, "stage_shared_prefix", record)
-    model_dir = write_tiny_llama(tmp_path, head_dim=128)
+    model_dir = write_tiny_llama(tmp_path, head_dim=head_dim)
     rng = random.Random(12)
     system = [rng.randrange(3, 384) for _ in range(300)]
     prompts = [system + [rng.randrange(3, 384) for _ in range(n)] for n in range(3, 27, 3)]

@@ -525,6 +525,48 @@ def test_rotary_decode_equals_rotary_write_then_decode(
     assert_close(out[real], two_launches[real])
 
 
+def test_a_rotated_decode_over_shared_pages_writes_first_then_takes_the_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Heads that rotate in the decode launch (the backend's decode_rotated) take the
+    shared-prefix pass in a step with a shared prefix: q and the new k rotated and written
+    first (as rotary_write_kv_cache writes them), then the plain decode with the pass. The
+    caches and the attention as the reference's over what that write left; without a shared
+    prefix, the fused launch and no pass, with the same result."""
+    from engine_core.attention import triton_kernels
+
+    heads, kv_heads, head_dim = HEAD_SHAPES[0]
+    block, shared = BLOCK_SIZES[0], 48
+    contexts = [(49, 64, 90, 130, 200, 51)[i % 6] + i for i in range(10)]
+    batch = make_batch([(c - 1, 1) for c in contexts], heads, kv_heads, head_dim, block, seed=9)
+    batch.meta.block_tables[:, : shared // block] = batch.meta.block_tables[0, : shared // block]
+    q, k, v, cos, sin = qkv_views_and_angles(batch, partial=False, seed=4)
+    scale = head_dim**-0.5
+    ref_q, ref_k_cache, ref_v_cache = q.clone(), batch.k_cache.clone(), batch.v_cache.clone()
+    slots = batch.meta.slot_mapping
+    rotary_write_kv_cache(ref_q, k, v, cos, sin, ref_k_cache, ref_v_cache, slots)
+    ref = REFERENCE.forward(ref_q, ref_k_cache, ref_v_cache, batch.meta, scale)
+    passes: list[int] = []
+    launch = triton_kernels._shared_prefix_partials
+
+    def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+        passes.append(1)
+        return launch(*args)
+
+    monkeypatch.setattr(triton_kernels, "_shared_prefix_partials", counted)
+    backend = TritonBackend()
+    assert backend.rotates_in_decode(head_dim)
+    for shared_prefix in (torch.tensor([shared, 0], dtype=torch.int32, device=DEVICE), None):
+        q, k, v, cos, sin = qkv_views_and_angles(batch, partial=False, seed=4)  # q unrotated
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        meta = dataclasses.replace(batch.meta, shared_prefix=shared_prefix)
+        out = backend.decode_rotated(q, k, v, cos, sin, k_cache, v_cache, meta, scale)
+        assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+        assert_close(out, ref)
+        assert len(passes) == 1  # the shared step's
+    assert backend.shared_prefix_passes == 1
+
+
 # ---- prefill (varlen, paged, prefix-cached, mixed with decodes) -----------------------------
 
 

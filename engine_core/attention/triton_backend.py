@@ -88,9 +88,7 @@ class TritonBackend:
         """The step's shared-prefix tokens where this layer attends its one-token sequences'
         shared pages once for all of them: SHARED_PREFIX_MIN_ROWS query rows or more (a
         graph's rows: a shape), a 16-bit or float32 cache, heads of 16 to SHARED_MAX_HEAD_DIM,
-        neither window nor chunk (their keys start past the shared pages). Layers that fuse
-        the rotary into the decode launch (``decode_rotated``, heads of up to
-        ROPE_IN_DECODE_MAX_HEAD_DIM) do not ask: they read the shared pages row by row."""
+        neither window nor chunk (their keys start past the shared pages)."""
         if meta.shared_prefix is None or q.shape[0] < SHARED_PREFIX_MIN_ROWS:
             return None
         if sliding_window is not None or attention_chunk is not None:
@@ -156,7 +154,18 @@ class TritonBackend:
         v_scale: float = 1.0,
         attention_chunk: int | None = None,
     ) -> torch.Tensor:  # [B, heads, head_dim]
-        """write_kv_rotated then forward, for a decode step, in the decode kernel's launch."""
+        """write_kv_rotated then forward, for a decode step, in the decode kernel's launch;
+        in two where this layer attends a shared prefix (``shared_prefix``): reading the shared
+        pages once for all rows saves more than the launch the fusion saves, and the pass needs
+        q rotated before the decode kernel runs."""
+        shared = self.shared_prefix(meta, q, k_cache, sliding_window, attention_chunk)
+        if shared is not None:
+            scales = (k_scale, v_scale)
+            self.write_kv_rotated(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, *scales)
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                k_scale=k_scale, v_scale=v_scale, shared_prefix=shared,
+            )  # fmt: skip
         new = NewTokens(k, v, cos, sin, meta.slot_mapping)
         return rotary_decode_attention(
             q, new, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
