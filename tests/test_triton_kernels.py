@@ -689,6 +689,24 @@ def test_backend_write_then_attend_matches_reference(decode_only: bool) -> None:
 MIXED_SPECS = [(c, 1) for c in (0, 3, 15, 16, 40, 63, 64, 90, 127)] + [(0, 21), (30, 9), (2, 1)]
 
 
+def decode_arguments_seen(
+    monkeypatch: pytest.MonkeyPatch, name: str, expected: torch.Tensor | None
+) -> list[bool]:
+    """Each call the backend makes to paged_decode_attention from now on: whether its
+    argument ``name`` was ``expected`` (that very tensor)."""
+    from engine_core.attention import triton_backend
+
+    seen: list[bool] = []
+    real_decode = triton_backend.paged_decode_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs.get(name) is expected)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
+    return seen
+
+
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("graph_rows", [0, 5])
@@ -711,14 +729,7 @@ def test_a_mixed_step_attends_its_decodes_through_the_decode_kernel(
     ref = REFERENCE.forward(q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits)
     if graph_rows:
         meta, q = padded_like_a_graph(meta, q, graph_rows, sequences=2)
-    mixed_calls: list[bool] = []
-    real_decode = triton_backend.paged_decode_attention
-
-    def counting_decode(*args: Any, **kwargs: Any) -> torch.Tensor:
-        mixed_calls.append(kwargs.get("mixed_starts") is meta.query_start_loc)
-        return real_decode(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "paged_decode_attention", counting_decode)
+    mixed_calls = decode_arguments_seen(monkeypatch, "mixed_starts", meta.query_start_loc)
     out = TritonBackend().forward(
         q, batch.k_cache, batch.v_cache, meta, scale, window, sinks=sink_logits
     )
@@ -736,7 +747,6 @@ def test_a_mixed_steps_decodes_attend_their_shared_pages_once(
     pages (the prompt rows' tables do not): the backend hands the decode kernel the shared
     prefix, and the output, prompt rows included, equals the reference's; a prefill graph's
     padding rows stay zeros."""
-    from engine_core.attention import triton_backend
 
     heads, kv_heads, head_dim = HEAD_SHAPES[-1]
     # The prompt rows first: a one-token sequence's query row is not its sequence index.
@@ -750,14 +760,7 @@ def test_a_mixed_steps_decodes_attend_their_shared_pages_once(
     ref = REFERENCE.forward(q, batch.k_cache, batch.v_cache, meta, scale)
     if graph_rows:
         meta, q = padded_like_a_graph(meta, q, graph_rows, sequences=2)
-    shared_calls: list[bool] = []
-    real_decode = triton_backend.paged_decode_attention
-
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        shared_calls.append(kwargs.get("shared_prefix") is meta.shared_prefix)
-        return real_decode(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
+    shared_calls = decode_arguments_seen(monkeypatch, "shared_prefix", meta.shared_prefix)
     out = TritonBackend().forward(q, batch.k_cache, batch.v_cache, meta, scale)
     assert shared_calls == [True]
     tokens = ref.shape[0]
