@@ -53,7 +53,10 @@ NEW_TOKENS = 16
 ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 96, "max_model_len": 128}
 SIZES = tiny_hf_sizes(VOCAB)
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
-    "llama": lambda: LlamaConfig(**SIZES, tie_word_embeddings=False),
+    # Positions past 256: the warm-up's shared-prefix decodes (test_tp2_warm_up_...).
+    "llama": lambda: LlamaConfig(
+        **{**SIZES, "max_position_embeddings": 512}, tie_word_embeddings=False
+    ),
     "qwen2_tied": lambda: Qwen2Config(**SIZES, tie_word_embeddings=True),
     # Mixture of experts: every expert's width split over the ranks, the router replicated; the
     # Qwen3-MoE has a dense layer (mlp_only_layers) between two sparse ones.
@@ -194,9 +197,9 @@ def test_tp2_scores_prompt_tokens_like_tp1(llama: tuple[Path, list[list[int]]]) 
 
 def test_tp2_warm_up_changes_no_later_token(llama: tuple[Path, list[list[int]]]) -> None:
     """The start-up warm-up steps (engine_core/warm_up.py), which rank 0 runs on CUDA once its
-    step channel is open: the worker follows them as any step, and greedy, sampled and
-    prompt-logprob outputs after it are those of an engine that never ran it. Called by hand:
-    on the CPU no runner runs it."""
+    step channel is open: the worker follows them as any step (the shared-prefix decodes
+    too: contexts of 256 tokens fit), and greedy, sampled and prompt-logprob outputs after it
+    are those of an engine that never ran it. Called by hand: on the CPU no runner runs it."""
     params = [
         SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2),
         SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True, prompt_logprobs=1),
@@ -210,10 +213,11 @@ def test_tp2_warm_up_changes_no_later_token(llama: tuple[Path, list[list[int]]])
             tensor_parallel_size=2,
             max_num_batched_tokens=64,  # every sampler path (tests/test_warm_up.py)
             max_num_seqs=16,
-            **ENGINE_ARGS,
+            **{**ENGINE_ARGS, "max_model_len": 260},
         )
         try:
             if warm_up:
+                assert len(llm.engine.runner.warm_up_plans()) == 7
                 llm.engine.runner.warm_up()
             outs = llm.generate(PROMPTS, params, detokenize=False)
         finally:
