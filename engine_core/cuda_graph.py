@@ -87,28 +87,24 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 # Decode steps whose rows share their leading pages replay graphs of their own, which attend
 # those pages once (attention/triton_kernels.py, the shared-prefix pass), while the other steps'
 # graphs launch no pass at all (idle, it cost 1.5-2.5 us a layer: docs/design/kernels-and-
-# limits.md). Their sizes step by half a doubling (8, 12, 16, 24, 32, ...) up to
-# SHARED_GRAPH_MAX_ROWS rows, a step padded to the next: at most a third more rows, whose
-# products read the weights a decode step reads anyway (a mixture of experts' padding rows may
-# reach a few more experts), and capture stays about a dozen graphs.
-SHARED_GRAPH_MAX_ROWS = 256
+# limits.md). Their sizes step by half a doubling (8, 12, 16, 24, 32, ...) up to max_num_seqs,
+# a step padded to the next: at most a third more rows, whose products read the weights a
+# decode step reads anyway (a mixture of experts' padding rows may reach a few more experts),
+# and capture adds 2 graphs a doubling (15 at 1,024 rows).
 
 
-def shared_graph_sizes(max_num_seqs: int, lora_slots: int = 0) -> list[int]:
-    """SHARED_PREFIX_MIN_ROWS times 1, 1.5, 2, 3, 4, 6, ... while below the cap
-    (``max_num_seqs`` or SHARED_GRAPH_MAX_ROWS), then the cap; empty below
-    SHARED_PREFIX_MIN_ROWS, or with LoRA (whose steps choose between graphs with and without
-    its kernels already)."""
-    cap = min(max_num_seqs, SHARED_GRAPH_MAX_ROWS)
-    if lora_slots or cap < SHARED_PREFIX_MIN_ROWS:
+def shared_graph_sizes(max_num_seqs: int) -> list[int]:
+    """SHARED_PREFIX_MIN_ROWS times 1, 1.5, 2, 3, 4, 6, ... while below ``max_num_seqs``,
+    then ``max_num_seqs``; empty below SHARED_PREFIX_MIN_ROWS."""
+    if max_num_seqs < SHARED_PREFIX_MIN_ROWS:
         return []
     sizes, size = [], SHARED_PREFIX_MIN_ROWS
-    while size < cap:
+    while size < max_num_seqs:
         sizes.append(size)
-        if size * 3 // 2 < cap:
+        if size * 3 // 2 < max_num_seqs:
             sizes.append(size * 3 // 2)
         size *= 2
-    return [*sizes, cap]
+    return [*sizes, max_num_seqs]
 
 
 _MIN_PREFILL_TOKENS = 16
@@ -509,11 +505,14 @@ class CudaGraphRunner:
         num_kv_groups: int = 1,
         state_tensors: Sequence[torch.Tensor] = (),
         pad_state_slot: int | None = None,
+        shared_decode_graphs: bool = True,
     ) -> None:
         """``num_kv_groups``: the model's KV layer groups, each its own static slots and
         tables. ``state_tensors``: every linear-attention layer's state tensors [slots, ...]
         (empty: none), the slot ``pad_state_slot`` one no request holds (decode graphs only:
         such a model's prompt steps loop over their chunks on the host).
+        ``shared_decode_graphs``: whether steps may name shared pages (a forward whose
+        metadata never does, EAGLE-3's head, captures no shared decode graphs).
         ``vocab_size``: the model's vocabulary, for the decode graphs' argmax; with the
         model's ``plain_logits_weight`` they capture the logits (0 or no such weight: not).
         ``lora_slots``: the model's LoRA slots (0: no LoRA); every graph then runs the LoRA
@@ -564,10 +563,14 @@ class CudaGraphRunner:
         self._tail_rows = 0  # rows of the last replay's tail to hand out (0: none)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
         # Decode graphs with the shared-prefix pass, by batch size (shared_graph_sizes; one
-        # KV group only: input_batch.py finds shared pages in group 0's tables alone).
-        self.shared_sizes = shared_graph_sizes(max_num_seqs, lora_slots)
-        if num_kv_groups != 1:
-            self.shared_sizes = []
+        # KV group only: input_batch.py finds shared pages in group 0's tables alone; not for
+        # a forward whose metadata never names shared pages: ``shared_decode_graphs``). With
+        # LoRA, whose steps choose between graphs with and without its kernels already, the
+        # decode graphs carry the pass themselves (``pass_in_decode_graphs``), idle where a
+        # step shares nothing.
+        shares = shared_decode_graphs and num_kv_groups == 1
+        self.shared_sizes = shared_graph_sizes(max_num_seqs) if shares and not lora_slots else []
+        self.pass_in_decode_graphs = shares and bool(lora_slots)
         self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.shared_replays = 0  # decode steps that replayed one of them (tests, benchmarks)
         # With LoRA: decode graphs captured without the LoRA kernels, for the steps that have
@@ -621,7 +624,8 @@ class CudaGraphRunner:
             if kind == "verify":
                 self._capture_verify(size)
                 continue
-            meta, state = self._decode_graph_inputs(size, shared=kind == "decode-shared")
+            shared = kind == "decode-shared" or self.pass_in_decode_graphs
+            meta, state = self._decode_graph_inputs(size, shared)
             if kind == "decode":
                 self.graphs[size] = self._capture_one(size, meta, self.tail, state=state)
             elif kind == "decode-shared":
@@ -744,10 +748,12 @@ class CudaGraphRunner:
         buf = self.buffers
         return buf.decode_metadata(size, self.max_model_len, shared), buf.decode_state(size)
 
-    def decode_forward(self, size: int, lora: bool = True) -> Callable[[], None]:
-        """The forward the decode graph of ``size`` rows captures, to run without capturing
-        (tests on the CPU)."""
-        meta, state = self._decode_graph_inputs(size)
+    def decode_forward(
+        self, size: int, lora: bool = True, shared: bool = False
+    ) -> Callable[[], None]:
+        """The forward the decode graph of ``size`` rows captures (``shared``: the shared
+        decode graph's), to run without capturing (tests on the CPU)."""
+        meta, state = self._decode_graph_inputs(size, shared or self.pass_in_decode_graphs)
         return self._graph_forward(size, meta, self.tail, lora, state)
 
     def _capture_one(
@@ -882,7 +888,8 @@ class CudaGraphRunner:
             )
         if meta.is_decode_only:
             graphs, buckets = self.base_graphs if base_graph else self.graphs, self._bucket
-            if meta.shared_prefix is not None and meta.num_seqs < len(self._shared_bucket):
+            shared = self.shared_graphs and meta.shared_prefix is not None
+            if shared and meta.num_seqs < len(self._shared_bucket):
                 graphs, buckets = self.shared_graphs, self._shared_bucket
                 self.shared_replays += 1
             return self._run_decode(input_ids, positions, metas, ids_from, graphs, buckets, state)

@@ -466,7 +466,7 @@ class Eagle3Proposer:
         self.step_graphs = CudaGraphRunner(
             self.entries_model, self.backend, max_num_seqs=max_num_seqs,
             block_size=self.block_size, hidden_size=self.head.fc.out_features, dtype=self.dtype,
-            max_prefill_tokens=entry_tokens, **common,
+            max_prefill_tokens=entry_tokens, shared_decode_graphs=False, **common,
         )  # fmt: skip
         self.step_graphs.capture(progress=False)
         self.proposal_graphs = FeatureProposalGraphs(

@@ -35,7 +35,11 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine_core.attention.base import AttentionMetadata, shared_prefix_tokens
+from engine_core.attention.base import (
+    SHARED_PREFIX_MIN_ROWS,
+    AttentionMetadata,
+    shared_prefix_tokens,
+)
 from engine_core.attention.prefill_tiles import capacity, prefill_block_m, tile_list
 from engine_core.request import Request, ScheduledRequest, SchedulerOutput
 from engine_core.step_stats import GpuTimeline
@@ -326,7 +330,7 @@ class InputBatch:
         if decode_only:
             return shared_prefix_tokens(tables, seq_lens, self.block_size), 0
         rows = np.flatnonzero(lens == 1)
-        if len(rows) == 0:
+        if len(rows) < SHARED_PREFIX_MIN_ROWS:  # before copying their tables
             return 0, 0
         tokens = shared_prefix_tokens(tables[rows], seq_lens[rows], self.block_size)
         return (tokens, int(rows[0])) if tokens else (0, 0)

@@ -43,12 +43,13 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_cap() -> None:
 def test_shared_graph_sizes_double_from_the_minimum_rows_up_to_their_cap() -> None:
     from engine_core.cuda_graph import shared_graph_sizes
 
-    assert shared_graph_sizes(1024) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    halves = [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert shared_graph_sizes(1024) == halves
+    assert shared_graph_sizes(256) == halves[:11]
     assert shared_graph_sizes(48) == [8, 12, 16, 24, 32, 48]
     assert shared_graph_sizes(40) == [8, 12, 16, 24, 32, 40]
     assert shared_graph_sizes(8) == [8]
     assert shared_graph_sizes(6) == []  # under SHARED_PREFIX_MIN_ROWS
-    assert shared_graph_sizes(256, lora_slots=4) == []
 
 
 def test_tile_list_names_each_sequences_query_tiles_then_pads() -> None:

@@ -14,8 +14,10 @@ The decode staging is a Triton kernel: on the CPU it runs under Triton's interpr
     TRITON_INTERPRET=1 PYTHONPATH=$PWD:<a site-packages with triton> \\
         .venv/bin/python -m pytest tests/test_graph_groups.py -q
 
-and without it the decode checks are skipped (the prefill ones still run). The same staging on
-CUDA, captured and replayed, is tests/test_graph_groups_gpu.py's.
+(Triton 3.6's interpreter turns one-element arrays into loop bounds, which numpy 2.4 refuses:
+put a numpy below 2.4 first on that path), and without it the decode checks are skipped (the
+prefill ones still run). The same staging on CUDA, captured and replayed, is
+tests/test_graph_groups_gpu.py's.
 """
 
 from __future__ import annotations
@@ -238,24 +240,33 @@ def caches(runner: ModelRunner) -> list[torch.Tensor]:
 
 
 def check_decodes_through_graph_forward(
-    runner: ModelRunner, pad: int | None
+    runner: ModelRunner, pad: int | None, replayed: list[tuple[str, int]] | None = None
 ) -> list[tuple[int, bool]]:
     """Run every decode step of the engine twice, from the same caches: eagerly (its own
     backend) and as CudaGraphRunner.run would replay it (staging, then the captured forward
     over the static buffers on the Triton backend, interpreted), and require the same hidden
     rows and the same caches after (the padding slot aside); the engine goes on from the eager
     step's. Returns each checked step's rows and whether one of them was fresh (a one-token
-    prompt: its slot zeroed before the replay)."""
+    prompt: its slot zeroed before the replay); ``replayed`` gets each replay's graph (kind,
+    size: "decode" or "shared", the graphs of steps with a shared prefix)."""
     from engine_core.attention.triton_backend import TritonBackend
     from engine_core.cuda_graph import CudaGraphRunner
 
     graphs = CudaGraphRunner(
-        runner.model, TritonBackend(), max_num_seqs=MAX_SEQS, max_model_len=runner.max_model_len,
-        block_size=runner.block_size, hidden_size=runner.model_config.hidden_size,
-        dtype=torch.float32, device=CPU, num_kv_groups=len(runner.kv_layout.groups),
-        state_tensors=runner.state_cache, pad_state_slot=pad,
+        runner.model, TritonBackend(), max_num_seqs=runner.config.max_num_seqs,
+        max_model_len=runner.max_model_len, block_size=runner.block_size,
+        hidden_size=runner.model_config.hidden_size, dtype=torch.float32, device=CPU,
+        num_kv_groups=len(runner.kv_layout.groups), state_tensors=runner.state_cache,
+        pad_state_slot=pad,
     )  # fmt: skip
-    graphs.graphs = {size: EagerReplay(graphs.decode_forward(size)) for size in graphs.batch_sizes}
+    log = [] if replayed is None else replayed
+
+    def graph(kind: str, size: int) -> EagerReplay:
+        forward = graphs.decode_forward(size, shared=kind == "shared")
+        return EagerReplay(lambda: (log.append((kind, size)), forward())[1])
+
+    graphs.graphs = {size: graph("decode", size) for size in graphs.batch_sizes}
+    graphs.shared_graphs = {size: graph("shared", size) for size in graphs.shared_sizes}
     eager, checked = runner._forward, []
 
     def both(inputs: ModelInputs) -> torch.Tensor:
@@ -342,3 +353,36 @@ def test_a_decode_graphs_forward_computes_the_eager_step(
     # slots last held a live row's.
     assert any(n == 3 and max(rows[:i], default=0) > 3 for i, n in enumerate(rows)), str(rows)
     assert any(fresh for _, fresh in checked) == (runner.num_state_slots > 0), str(checked)
+
+
+@pytest.mark.skipif(not (INTERPRET and STAGES_DECODES), reason="needs TRITON_INTERPRET=1")
+def test_decode_steps_over_a_shared_prompt_replay_the_shared_graphs(tmp_path: Path) -> None:
+    """Twelve conversations over one 272-token system prompt (17 blocks the prefix cache
+    shares) on a twelve-row cap, ending at different steps: their decode steps name the
+    shared pages and replay the shared decode graphs (of 12 rows, then 8: one padded), whose
+    forward (heads of 16: the rotary and KV write first, the pass, then each row's own pages)
+    computes the eager step; under 8 rows, the plain decode graphs."""
+    from engine_core.llm import LLM
+    from tests.factories import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path)
+    llm = LLM(
+        str(folder), device="cpu", dtype="float32", max_num_seqs=12, block_size=16,
+        num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=512,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    replayed: list[tuple[str, int]] = []
+    try:
+        runner = llm.engine.runner
+        check_decodes_through_graph_forward(runner, None, replayed)
+        rng = random.Random(4)
+        system = [rng.randrange(3, 384) for _ in range(272)]
+        prompts = [system + [rng.randrange(3, 384) for _ in range(3 + i)] for i in range(12)]
+        new_tokens = [5] * 2 + [6] * 2 + [7] * 4 + [9] * 4  # 12 rows, 10, 8, 4
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in new_tokens]
+        llm.generate(prompts, params, detokenize=False)
+    finally:
+        llm.engine.shutdown()
+    assert ("shared", 12) in replayed and ("shared", 8) in replayed, replayed
+    assert ("decode", 4) in replayed, replayed
+    assert all(kind == "shared" for kind, size in replayed if size >= 8), replayed

@@ -250,6 +250,7 @@ def test_a_shared_system_prompt_is_found_in_full_and_advanced_packs(
     shared prefix, the advanced steps as the full packs do, steps with prompt rows too
     (thresholds lowered to this test's small batches)."""
     monkeypatch.setattr(base, "SHARED_PREFIX_MIN_ROWS", 2)
+    monkeypatch.setattr(input_batch, "SHARED_PREFIX_MIN_ROWS", 2)
     monkeypatch.setattr(base, "SHARED_PREFIX_MIN_TOKENS", BLOCK)
     rng = random.Random(seed)
     config = EngineConfig(

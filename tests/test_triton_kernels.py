@@ -426,6 +426,8 @@ def test_decode_over_shared_pages_refuses_what_it_does_not_serve() -> None:
     shared = torch.tensor([16, 0], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="plain decode"):
         paged_decode_attention(*args, 0.1, sliding_window=8, shared_prefix=shared)
+    with pytest.raises(ValueError, match=r"\[tokens, row\]"):  # the kernel reads both
+        paged_decode_attention(*args, 0.1, shared_prefix=shared[:1])
     wide = make_batch([(40, 1), (50, 1)], 2, 1, 256, BLOCK_SIZES[0], seed=2)
     wide_args = (wide.q, wide.k_cache, wide.v_cache, wide.meta.block_tables, wide.meta.seq_lens)
     with pytest.raises(ValueError, match="head dim of 16 to 128"):

@@ -92,7 +92,8 @@ class Attention(nn.Module):
         """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]. With ``rotary`` (cos, sin [T, R], where
         rotates_in_kv_write), q and k are not yet rotated: the KV write rotates them (q in
         place), as models/layers.py rotate_qk would; a decode step's attention does, where the
-        backend rotates_in_decode (q is then not written)."""
+        backend rotates_in_decode (q is then not written, but in a step whose attention reads
+        a shared prefix: TritonBackend.decode_rotated)."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention.k_cache/v_cache are unset: allocate the KV cache first")
         ctx = get_forward_context()

@@ -1180,6 +1180,8 @@ def _decode(
     if shared_prefix is not None:
         if new is not None or sliding_window or attention_chunk:
             raise ValueError("a shared prefix is for plain decode (no rotary, window or chunk)")
+        if shared_prefix.shape != (2,):
+            raise ValueError("a shared prefix is [tokens, row]: a [2] int32 tensor")
         if kv_fp8 or not 16 <= head_dim <= SHARED_MAX_HEAD_DIM:
             raise ValueError(
                 "a shared prefix needs a 16-bit or float32 cache and a head dim of 16 to "
