@@ -52,6 +52,37 @@ def test_shared_graph_sizes_double_from_the_minimum_rows_up_to_their_cap() -> No
     assert shared_graph_sizes(6) == []  # under SHARED_PREFIX_MIN_ROWS
 
 
+@pytest.mark.parametrize(
+    ("options", "shared_sizes", "pass_in_decode_graphs"),
+    [
+        ({}, [8, 12], False),  # graphs of their own for steps over shared pages
+        ({"lora_slots": 2}, [], True),  # LoRA: the decode graphs carry the pass (as before)
+        ({"shared_decode_graphs": False}, [], False),  # EAGLE-3's head: never shared pages
+        ({"num_kv_groups": 2}, [], False),  # windows or chunks: pages not shared alike
+    ],
+)
+def test_which_decode_graphs_attend_shared_pages(
+    tmp_path: Path, options: dict[str, Any], shared_sizes: list[int], pass_in_decode_graphs: bool
+) -> None:
+    """Where the shared-prefix pass goes, decided as the runner is built (the probe at
+    capture may still drop the shared graphs): graphs of their own (half doublings up to
+    max_num_seqs), in the decode graphs themselves, or nowhere."""
+    from engine_core.attention.torch_ref import TorchReferenceBackend
+    from engine_core.cuda_graph import CudaGraphRunner
+    from engine_core.llm import LLM
+    from tests.factories import write_tiny_llama
+
+    llm = LLM(str(write_tiny_llama(tmp_path)), device="cpu", block_size=16, num_kv_blocks=32)
+    cpu = torch.device("cpu")
+    common = {"max_model_len": 128, "block_size": 16, "hidden_size": 64, "device": cpu}
+    graphs = CudaGraphRunner(
+        llm.engine.runner.model, TorchReferenceBackend(), max_num_seqs=12, dtype=torch.float32,
+        **common, **options,
+    )  # fmt: skip
+    assert graphs.shared_sizes == shared_sizes
+    assert graphs.pass_in_decode_graphs == pass_in_decode_graphs
+
+
 def test_tile_list_names_each_sequences_query_tiles_then_pads() -> None:
     # Query lengths 5, 1, 40 at 16 rows a tile: 1, 1 and 3 tiles.
     tiles = tile_list([5, 1, 40], block_m=16, rows=8)
