@@ -5,9 +5,11 @@
 Prefill cases are NEW[@CONTEXT][xCOUNT] (2 prompts of 3,600 fresh tokens: 3600x2; 512 new
 tokens after 3,584 cached: 512@3584x2); decode cases are CONTEXTxBATCH[:SHARED], SHARED tokens
 at the start of every row's context in the same pages (a system prompt the prefix cache shares:
-2600x32:2000); each decode case runs as the engine launches it without and with those pages
-attended once for all rows (the shared-prefix kernel; with none shared, its launch's cost). The
-cache is bf16 in 16-token pages scattered at random. Each row: microseconds a
+2600x32:2000), CONTEXT either one length or LOW-HIGH, the rows' lengths spread evenly over that
+range (a served batch's: 64-2560x64); each decode case runs as the engine launches it without
+and with those pages attended once for all rows (the shared-prefix kernel; with none shared,
+its launch's cost), then, with ``--splits``, at the context splits asked for. The cache is bf16
+in 16-token pages scattered at random. Each row: microseconds a
 call (median of CUDA-event timings; with ``--graph`` a decode call's share of one CUDA graph
 of many calls, gemm.py's graph_us: no launch gaps, as in the engine's decode steps), TFLOP/s
 for prefill (causal: each new token over its context and the new tokens up to it), GB/s of K/V
@@ -40,13 +42,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill",
         default="3600x2,8192,2048x4,2048@2048,512@3584x2,128x16",
-        help="prefill cases NEW[@CONTEXT][xCOUNT], comma-separated",
+        help="prefill cases NEW[@CONTEXT][xCOUNT], comma-separated; '' for none",
     )
     parser.add_argument(
         "--decode",
         default="3700x32,16384x8,2048x64,1024x128",
-        help="decode cases CONTEXTxBATCH[:SHARED] (SHARED: tokens every row's context starts "
-        "with, in the same pages), comma-separated",
+        help="decode cases CONTEXTxBATCH[:SHARED] (CONTEXT: one length, or LOW-HIGH spread "
+        "evenly over the rows; SHARED: tokens every row's context starts with, in the same "
+        "pages), comma-separated; '' for none",
     )
     parser.add_argument(
         "--graph", action="store_true",
@@ -55,6 +58,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "as in the engine's decode steps; prefill stays eager, as the engine runs long prompts)",
     )  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time every launch shape")
+    parser.add_argument(
+        "--splits",
+        default="",
+        help="decode: also time the engine's launch with these context splits, comma-separated "
+        "(its own choice comes from the batch size and the block table's width)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=0,
+        help="decode: block tables this many tokens wide, as the engine's (default: the "
+        "longest row's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--min-split", type=int,
+        help="decode: with --splits, the shortest split in tokens (default: the engine's)",
+    )  # fmt: skip
     parser.add_argument(
         "--iters", type=int, default=20, help="timed eager calls each (default: 20)"
     )
@@ -69,14 +87,20 @@ def parse_prefill(case: str) -> tuple[list[int], list[int]]:
     return [int(new)] * n, [int(context or 0)] * n
 
 
-def parse_decode(case: str) -> tuple[int, int, int]:
-    """'2600x32:2000' -> (2600, 32, 2000): context tokens (the query's included), batch, and
-    the tokens every row's context starts with in shared pages (0 without ':')."""
+def parse_decode(case: str) -> tuple[list[int], int]:
+    """'2600x32:2000' -> ([2600] * 32, 2000): each row's context tokens (the query's included)
+    and the tokens every row's context starts with in shared pages (0 without ':');
+    '64-2560x4' -> [64, 896, 1728, 2560]: lengths spread evenly from LOW to HIGH."""
     body, _, shared = case.partition(":")
-    context, _, batch = body.partition("x")
-    if int(shared or 0) > int(context):
-        raise SystemExit(f"decode case {case}: more shared tokens than the context")
-    return int(context), int(batch or 1), int(shared or 0)
+    context, _, count = body.partition("x")
+    low, _, high = context.partition("-")
+    batch = int(count or 1)
+    first, last = int(low), int(high or low)
+    step = (last - first) / max(batch - 1, 1)
+    lens = [round(first + row * step) for row in range(batch)]
+    if int(shared or 0) > min(lens):
+        raise SystemExit(f"decode case {case}: more shared tokens than a row's context")
+    return lens, int(shared or 0)
 
 
 def prefill_flops(new: list[int], context: list[int], heads: int, head_dim: int) -> float:
@@ -86,16 +110,19 @@ def prefill_flops(new: list[int], context: list[int], heads: int, head_dim: int)
 
 
 def paged_cache(
-    seq_lens: list[int], kv_heads: int, head_dim: int, shared: int = 0
+    seq_lens: list[int], kv_heads: int, head_dim: int, shared: int = 0, table_tokens: int = 0
 ) -> dict[str, Any]:
-    """K/V caches with every sequence's pages at random places, and their block tables; the
-    first ``shared`` tokens' whole pages are the first row's in every row."""
+    """K/V caches with every sequence's pages at random places, and their block tables (as
+    wide as the longest row, or ``table_tokens``: the engine's are max-model-len wide, and the
+    decode kernel's splits follow that width); the first ``shared`` tokens' whole pages are the
+    first row's in every row."""
     import torch
 
     pages = [-(-s // PAGE) for s in seq_lens]
     k = torch.randn(sum(pages) + 1, PAGE, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     order = (torch.randperm(sum(pages), device="cuda") + 1).to(torch.int32)
-    tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
+    width = max(*pages, -(-table_tokens // PAGE))
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device="cuda")
     for row, start in enumerate(itertools.accumulate([0, *pages[:-1]])):
         tables[row, : pages[row]] = order[start : start + pages[row]]
     tables[:, : shared // PAGE] = tables[0, : shared // PAGE].clone()
@@ -113,7 +140,7 @@ def prefill_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[s
         grid = itertools.product(*PREFILL_SWEEP.values())
         launches += [PrefillLaunch(bn, w, st, bm) for bm, bn, w, st in grid]
     rows = []
-    for case in args.prefill.split(","):
+    for case in filter(None, args.prefill.split(",")):
         new, context = parse_prefill(case)
         seq_lens = [n + c for n, c in zip(new, context, strict=True)]
         cache = paged_cache(seq_lens, shape["kv"], shape["d"])
@@ -162,23 +189,29 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
     if args.sweep:
         tiles += [DecodeTile(*point) for point in itertools.product(*DECODE_SWEEP.values())]
     rows = []
-    for case in args.decode.split(","):
-        context, batch, shared = parse_decode(case)
-        cache = paged_cache([context] * batch, shape["kv"], shape["d"], shared)
-        q = torch.randn(batch, shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
-        kv_bytes = 4 * batch * context * shape["kv"] * shape["d"]  # K and V, two bytes each
+    splits = [int(n) for n in args.splits.split(",") if n]
+    for case in filter(None, args.decode.split(",")):
+        lens, shared = parse_decode(case)
+        cache = paged_cache(lens, shape["kv"], shape["d"], shared, args.max_model_len)
+        q = torch.randn(len(lens), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
+        kv_bytes = 4 * sum(lens) * shape["kv"] * shape["d"]  # K and V, two bytes each
         pages = torch.tensor([shared // PAGE * PAGE, 0], dtype=torch.int32, device="cuda")
         # The engine's launch as it stands, then with the shared pages attended once for all
         # rows (the engine's choice where a step has them; with none shared, the cost of the
-        # extra launch a decode graph captures).
-        launches = [(tile, None) for tile in tiles] + [(None, pages)]
-        for tile, shared_prefix in launches:
+        # extra launch a decode graph captures), then at the splits asked for.
+        launches = [(tile, None, None) for tile in tiles] + [(None, pages, None)]
+        launches += [(None, None, n) for n in splits]
+        for tile, shared_prefix, num_splits in launches:
             label = "engine's" if tile is None else str(tile)
             if shared_prefix is not None:
                 label = f"engine's, {int(pages[0])} shared tokens once"
+            if num_splits is not None:
+                label = f"engine's, {num_splits} splits"
             call = functools.partial(
                 paged_decode_attention, q, cache["k"], cache["v"], cache["tables"],
                 cache["lens"], shape["d"] ** -0.5, tile=tile, shared_prefix=shared_prefix,
+                num_splits=num_splits,
+                min_split_tokens=args.min_split if num_splits is not None else None,
             )  # fmt: skip
             figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
             rows.append({"case": case, "kernel": label} | figures)

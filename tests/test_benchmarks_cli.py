@@ -75,10 +75,14 @@ def test_attention_cases_and_flops_by_hand() -> None:
 
     assert parse_prefill("512@3584x2") == ([512, 512], [3584, 3584])
     assert parse_prefill("8192") == ([8192], [0])
-    assert parse_decode("3700x32") == (3700, 32, 0)
-    assert parse_decode("2600x32:2000") == (2600, 32, 2000)
+    assert parse_decode("3700x32") == ([3700] * 32, 0)
+    assert parse_decode("2600x32:2000") == ([2600] * 32, 2000)
+    assert parse_decode("64-2560x4") == ([64, 896, 1728, 2560], 0)  # steps of 2,496 / 3
+    assert parse_decode("100-200x1") == ([100], 0)
     with pytest.raises(SystemExit, match="more shared tokens"):
         parse_decode("600x32:2000")
+    with pytest.raises(SystemExit, match="more shared tokens"):
+        parse_decode("1000-3000x8:2000")  # the shortest row is under the shared pages
     # Two new tokens after three cached: the first sees 4 keys, the second 5; 9 dot products of
     # length head_dim for QK and as many for PV, two flops each.
     assert prefill_flops([2], [3], heads=1, head_dim=8) == 4 * 9 * 8
