@@ -8,7 +8,8 @@ at the start of every row's context in the same pages (a system prompt the prefi
 2600x32:2000), CONTEXT either one length or LOW-HIGH, the rows' lengths spread evenly over that
 range (a served batch's: 64-2560x64); each decode case runs as the engine launches it without
 and with those pages attended once for all rows (the shared-prefix kernel; with none shared,
-its launch's cost), then, with ``--splits``, at the context splits asked for. The cache is bf16
+its launch's cost), then, with ``--splits``, at the context splits asked for, and with
+``--longest-first`` each of those with the sequences launched longest first. The cache is bf16
 in 16-token pages scattered at random. Each row: microseconds a
 call (median of CUDA-event timings; with ``--graph`` a decode call's share of one CUDA graph
 of many calls, gemm.py's graph_us: no launch gaps, as in the engine's decode steps), TFLOP/s
@@ -19,6 +20,14 @@ The engine's launch shape first, then, with ``--sweep``, every shape of the grid
 the shapes in triton_kernels.py were chosen); a shape that cannot launch prints its error
 instead of figures. Fresh prompts also run through torch's SDPA (flash attention over
 contiguous K/V, no pages) for scale.
+
+With ``--peer`` (vLLM importable, e.g. its bundle first on PYTHONPATH: ``PYTHONPATH=/tmp/vsite:.``)
+each decode case also runs through vLLM's FlashAttention 3 as vLLM 0.26's decode step calls it
+under a CUDA graph: one query a sequence as a varlen batch over the same paged cache and block
+tables, causal, at most 32 splits (its ``flash_attn_max_num_splits_for_cuda_graph``), with the
+scheduler metadata vLLM computes once a step from the lengths (``get_scheduler_metadata``: each
+sequence's split count and the batch's order, longest first) outside the timed call, as a step
+amortizes it over the layers.
 """
 
 from __future__ import annotations
@@ -65,6 +74,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "(its own choice comes from the batch size and the block table's width)",
     )
     parser.add_argument(
+        "--longest-first", action="store_true",
+        help="decode: also time the engine's launch with the sequences' programs launched "
+        "longest first (row_order)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-model-len", type=int, default=0,
         help="decode: block tables this many tokens wide, as the engine's (default: the "
         "longest row's)",
@@ -76,6 +90,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--iters", type=int, default=20, help="timed eager calls each (default: 20)"
     )
+    parser.add_argument(
+        "--peer", action="store_true",
+        help="decode: also time vLLM's FlashAttention 3 on the same cases (vllm importable)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here")
 
 
@@ -199,23 +217,82 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
         # The engine's launch as it stands, then with the shared pages attended once for all
         # rows (the engine's choice where a step has them; with none shared, the cost of the
         # extra launch a decode graph captures), then at the splits asked for.
-        launches = [(tile, None, None) for tile in tiles] + [(None, pages, None)]
-        launches += [(None, None, n) for n in splits]
-        for tile, shared_prefix, num_splits in launches:
+        longest_first = torch.argsort(cache["lens"], descending=True).to(torch.int32)
+        launches = [(tile, None, None, None) for tile in tiles] + [(None, pages, None, None)]
+        launches += [(None, None, n, None) for n in splits]
+        if args.longest_first:
+            launches += [(None, None, None, longest_first)]
+            launches += [(None, None, n, longest_first) for n in splits]
+        for tile, shared_prefix, num_splits, order in launches:
             label = "engine's" if tile is None else str(tile)
             if shared_prefix is not None:
                 label = f"engine's, {int(pages[0])} shared tokens once"
             if num_splits is not None:
                 label = f"engine's, {num_splits} splits"
+            if order is not None:
+                label += ", longest first"
             call = functools.partial(
                 paged_decode_attention, q, cache["k"], cache["v"], cache["tables"],
                 cache["lens"], shape["d"] ** -0.5, tile=tile, shared_prefix=shared_prefix,
-                num_splits=num_splits,
+                num_splits=num_splits, row_order=order,
                 min_split_tokens=args.min_split if num_splits is not None else None,
             )  # fmt: skip
             figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
             rows.append({"case": case, "kernel": label} | figures)
+        if args.peer:  # a wrong call could be fast: the peer's output must equal ours first
+            ours = paged_decode_attention(
+                q, cache["k"], cache["v"], cache["tables"], cache["lens"], shape["d"] ** -0.5
+            )
+            peer = peer_decode(q, cache, shape, ours)
+            figures = timed(peer, args, bytes_=kv_bytes, graph=args.graph)
+            rows.append({"case": case, "kernel": "vLLM FlashAttention 3"} | figures)
     return rows
+
+
+PEER_MAX_SPLITS = 32  # vLLM 0.26's flash_attn_max_num_splits_for_cuda_graph
+PEER_TOLERANCE = 0.02  # two bf16 outputs of the same attention (random values of order 0.1)
+
+
+def peer_decode(q: Any, cache: dict[str, Any], shape: dict[str, int], ours: Any) -> Any:
+    """vLLM's FlashAttention 3 over one decode step's rows, as its backend calls it, once its
+    output was checked against ``ours``; where it cannot be set up or differs, a call that
+    raises why (timed() prints it as the row's error)."""
+    try:
+        call = _peer_decode_call(q, cache, shape)
+        differs = (call().float() - ours.float()).abs().max().item()
+        if differs > PEER_TOLERANCE:
+            raise ValueError(f"its output differs from the engine's by up to {differs:.3g}")
+        return call
+    except Exception as error:  # the peer failing must not end our measurement
+        message = f"{type(error).__name__}: {error}"
+
+        def unavailable() -> None:
+            raise RuntimeError(message)
+
+        return unavailable
+
+
+def _peer_decode_call(q: Any, cache: dict[str, Any], shape: dict[str, int]) -> Any:
+    import torch
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+    batch = q.shape[0]
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    lens, tables = cache["lens"], cache["tables"]
+    longest = int(lens.max())
+    metadata = get_scheduler_metadata(
+        batch_size=batch, max_seqlen_q=1, max_seqlen_k=longest, num_heads_q=shape["heads"],
+        num_heads_kv=shape["kv"], headdim=shape["d"], cache_seqlens=lens,
+        qkv_dtype=q.dtype, cu_seqlens_q=starts, page_size=PAGE, causal=True,
+        num_splits=PEER_MAX_SPLITS,
+    )  # fmt: skip
+    out = torch.empty_like(q)  # the call returns it
+    return functools.partial(
+        flash_attn_varlen_func, q=q, k=cache["k"], v=cache["v"], out=out, cu_seqlens_q=starts,
+        max_seqlen_q=1, seqused_k=lens, max_seqlen_k=longest, softmax_scale=shape["d"] ** -0.5,
+        causal=True, block_table=tables, scheduler_metadata=metadata, fa_version=3,
+        num_splits=PEER_MAX_SPLITS,
+    )  # fmt: skip
 
 
 def timed(

@@ -305,6 +305,28 @@ def test_decode_splits_give_the_same_attention(num_splits: int) -> None:
     assert_close(out, reference_attention(batch, scale))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_in_a_row_order_gives_each_row_its_own_attention(num_splits: int) -> None:
+    """Sequences launched longest first (``row_order``, a permutation) attend exactly as in
+    the batch's order, each into its own output row, split or not; an order of the wrong
+    length is refused."""
+    heads, kv_heads, head_dim = HEAD_SHAPES[-1]
+    specs = [(c - 1, 1) for c in DECODE_CONTEXTS]
+    batch = make_batch(specs, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=5 + num_splits)
+    lens = batch.meta.seq_lens
+    longest_first = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+    assert not torch.equal(longest_first.long(), torch.arange(len(lens)))  # a real permutation
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, lens, head_dim**-0.5)
+    common = dict(num_splits=num_splits, min_split_tokens=16)
+    ordered = paged_decode_attention(
+        *args, row_order=longest_first, out=poisoned(batch.q), **common
+    )
+    assert torch.equal(ordered, paged_decode_attention(*args, **common))
+    assert_close(ordered, reference_attention(batch, head_dim**-0.5))
+    with pytest.raises(ValueError, match="permutation"):
+        paged_decode_attention(*args, row_order=longest_first[1:], **common)
+
+
 def test_decode_reads_block_tables_through_their_row_stride() -> None:
     """The input batch hands the kernels a narrowed view of block tables that have room past
     the widest (rows strided by the room): the same attention as from contiguous tables, and

@@ -533,6 +533,7 @@ def _decode_kernel(
     SHARED,  # HAS_SHARED: [2] the tokens of the pages every sequence opens with, and a row
     SPO,  # HAS_SHARED: the shared-prefix kernel's partials [B, heads, shared splits, D]
     SPL,  # HAS_SHARED: and their log2-sum-exps [B, heads, shared splits]
+    ORDER,  # HAS_ORDER: [B] the sequence each launch index takes, in the order they start
     scale_log2,
     v_scale,
     k_scale_inv,
@@ -580,6 +581,7 @@ def _decode_kernel(
     MIXED: tl.constexpr = False,  # a step with prompt rows: attend its one-token sequences only
     HAS_SHARED: tl.constexpr = False,  # the shared pages were attended by _shared_prefix_kernel
     SHARED_N: tl.constexpr = 64,  # HAS_SHARED: that kernel's BLOCK_N
+    HAS_ORDER: tl.constexpr = False,  # the sequences start in ORDER's order, not the batch's
 ):
     """Attention of a sequence's last token over its cache. With ROPE (a decode step's rotary
     and KV write in the same launch, rotary_decode_attention) it also rotates q and the new
@@ -592,6 +594,8 @@ def _decode_kernel(
     kv0 = tl.program_id(0) * KPP
     split = tl.program_id(1)
     seq = tl.program_id(2)
+    if HAS_ORDER:  # programs start roughly in launch order: ORDER decides which rows go first
+        seq = tl.load(ORDER + seq)
     # The sequence's length and block table are step inputs, not outputs of the kernel just
     # before (the KV write): read them, and the first tile's blocks, while it finishes
     # (engine_core/triton_pdl.py). q and the new token's K/V come after the wait.
@@ -1032,9 +1036,14 @@ def paged_decode_attention(
     attention_chunk: int | None = None,  # Llama 4: the query sees its chunk's keys only
     mixed_starts: torch.Tensor | None = None,  # [B + 1]: a mixed step's query starts
     shared_prefix: torch.Tensor | None = None,  # [2] int32: tokens every sequence opens with
+    row_order: torch.Tensor | None = None,  # [B] int32: a permutation of the sequences
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """Attention of each sequence's last token over its whole cached context (an FP8 cache's
     values times their scales; with ``sinks``, each head's sink logit in the denominator).
+
+    ``row_order``: the order in which the sequences' programs are launched (the GPU starts
+    programs roughly in launch order): longest first, a batch of mixed lengths does not end on
+    its longest sequences alone. The output rows stay the batch's.
 
     ``shared_prefix``: a count of tokens, a multiple of the page size, whose pages open the
     block table of every sequence longer than it (0: none), and the index of a sequence whose
@@ -1055,7 +1064,7 @@ def paged_decode_attention(
     return _decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, None, sliding_window, num_splits,
         min_split_tokens, out, k_scale, v_scale, tile, sinks, attention_chunk, mixed_starts,
-        shared_prefix,
+        shared_prefix, row_order,
     )  # fmt: skip
 
 
@@ -1133,11 +1142,14 @@ def _decode(
     attention_chunk: int | None = None,
     mixed_starts: torch.Tensor | None = None,
     shared_prefix: torch.Tensor | None = None,
+    row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode kernel's launch (and the merge's, and the shared-prefix kernel's before
     them), with ``new`` tokens or without."""
     _, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]  # q's rows but in a mixed step
+    if row_order is not None and row_order.shape != (batch,):
+        raise ValueError(f"a row order is a permutation of the {batch} sequences")
     _, page, num_kv_heads, _ = k_cache.shape
     _check_cache(k_cache)
     _check_cache(v_cache)
@@ -1210,6 +1222,7 @@ def _decode(
         shared,
         shared_out,
         shared_lse,
+        seq_lens if row_order is None else row_order,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         1.0 / k_scale,
@@ -1257,6 +1270,7 @@ def _decode(
         MIXED=mixed_starts is not None,
         HAS_SHARED=shared_prefix is not None,
         SHARED_N=SHARED_BLOCK_N,
+        HAS_ORDER=row_order is not None,
         launch_pdl=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
