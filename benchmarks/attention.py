@@ -216,7 +216,8 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
         pages = torch.tensor([shared // PAGE * PAGE, 0], dtype=torch.int32, device="cuda")
         # The engine's launch as it stands, then with the shared pages attended once for all
         # rows (the engine's choice where a step has them; with none shared, the cost of the
-        # extra launch a decode graph captures), then at the splits asked for.
+        # extra launch a decode graph captures), then at the splits asked for, then launched
+        # longest first.
         longest_first = torch.argsort(cache["lens"], descending=True).to(torch.int32)
         launches = [(tile, None, None, None) for tile in tiles] + [(None, pages, None, None)]
         launches += [(None, None, n, None) for n in splits]
