@@ -3,6 +3,7 @@ defaults each parses to."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,30 @@ def test_bad_flags_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser("serving").parse_args(["--workloads", "64:128"])
     assert done.value.code == 2
     assert "--workloads" in capsys.readouterr().err
+
+
+def test_the_attention_peer_is_timed_only_when_its_output_equals_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`benchmarks attention --peer`: where vLLM cannot be imported, or its call gives other
+    numbers than our kernel's, the peer's row is an error saying why (timed() catches it), and
+    the run goes on; a call whose output equals ours is returned to be timed."""
+    import torch
+
+    from benchmarks import attention
+
+    ours = torch.randn(4, 8, 64) * 0.1
+    shape = {"heads": 8, "kv": 2, "d": 64}
+    args = argparse.Namespace(iters=1)
+    missing = attention.peer_decode(ours, {}, shape, ours)  # no vllm on this machine
+    assert "No module named 'vllm'" in attention.timed(missing, args)["error"]
+    wrong = ours + 2 * attention.PEER_TOLERANCE
+    monkeypatch.setattr(attention, "_peer_decode_call", lambda *_: lambda: wrong)
+    row = attention.timed(attention.peer_decode(ours, {}, shape, ours), args)
+    assert "differs from the engine's" in row["error"]
+    right = ours + attention.PEER_TOLERANCE / 2
+    monkeypatch.setattr(attention, "_peer_decode_call", lambda *_: lambda: right)
+    assert attention.peer_decode(ours, {}, shape, ours)() is right
 
 
 def test_attention_cases_and_flops_by_hand() -> None:
