@@ -85,7 +85,7 @@ def test_the_attention_peer_is_timed_only_when_its_output_equals_ours(
     shape = {"heads": 8, "kv": 2, "d": 64}
     args = argparse.Namespace(iters=1)
     missing = attention.peer_decode(ours, {}, shape, ours)  # no vllm on this machine
-    assert "No module named 'vllm'" in attention.timed(missing, args)["error"]
+    assert "No module named 'vllm" in attention.timed(missing, args)["error"]
     wrong = ours + 2 * attention.PEER_TOLERANCE
     monkeypatch.setattr(attention, "_peer_decode_call", lambda *_: lambda: wrong)
     row = attention.timed(attention.peer_decode(ours, {}, shape, ours), args)
