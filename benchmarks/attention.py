@@ -218,10 +218,10 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
         # rows (the engine's choice where a step has them; with none shared, the cost of the
         # extra launch a decode graph captures), then at the splits asked for, then launched
         # longest first.
-        longest_first = torch.argsort(cache["lens"], descending=True).to(torch.int32)
         launches = [(tile, None, None, None) for tile in tiles] + [(None, pages, None, None)]
         launches += [(None, None, n, None) for n in splits]
         if args.longest_first:
+            longest_first = torch.argsort(cache["lens"], descending=True).to(torch.int32)
             launches += [(None, None, None, longest_first)]
             launches += [(None, None, n, longest_first) for n in splits]
         for tile, shared_prefix, num_splits, order in launches:

@@ -909,10 +909,8 @@ def _shared_prefix_kernel(
     in_batch = seq < batch
     seq_len = tl.load(SL + seq, mask=in_batch, other=0)
     q_row = seq
-    if MIXED:  # a sequence's query row, and no context unless it has exactly one new token
-        q_row = tl.load(QSL + seq, mask=in_batch, other=0)
-        decodes = tl.load(QSL + seq + 1, mask=in_batch, other=0) - q_row == 1
-        seq_len = tl.where(decodes, seq_len, 0)
+    if MIXED:  # the decode kernel's rule; rows past the batch read sequence 0's starts, unused
+        q_row, seq_len, _ = _mixed_row(QSL, tl.where(in_batch, seq, 0), seq_len)
     row_mask = in_batch & (seq_len > shared)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
