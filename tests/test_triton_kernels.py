@@ -315,7 +315,8 @@ def test_decode_in_a_row_order_gives_each_row_its_own_attention(num_splits: int)
     batch = make_batch(specs, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=5 + num_splits)
     lens = batch.meta.seq_lens
     longest_first = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
-    assert not torch.equal(longest_first.long(), torch.arange(len(lens)))  # a real permutation
+    in_batch_order = torch.arange(len(lens), device=lens.device)
+    assert not torch.equal(longest_first.long(), in_batch_order)  # a real permutation
     args = (batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, lens, head_dim**-0.5)
     common = dict(num_splits=num_splits, min_split_tokens=16)
     ordered = paged_decode_attention(

@@ -910,7 +910,7 @@ def _shared_prefix_kernel(
     seq_len = tl.load(SL + seq, mask=in_batch, other=0)
     q_row = seq
     if MIXED:  # the decode kernel's rule; rows past the batch read sequence 0's starts, unused
-        q_row, seq_len, _ = _mixed_row(QSL, tl.where(in_batch, seq, 0), seq_len)
+        q_row, seq_len, _one_new = _mixed_row(QSL, tl.where(in_batch, seq, 0), seq_len)
     row_mask = in_batch & (seq_len > shared)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
