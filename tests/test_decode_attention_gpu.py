@@ -154,9 +154,15 @@ def test_split_policy_bounds() -> None:
             assert 1 <= splits <= MAX_SPLITS
             assert splits <= -(-max_context // triton_kernels.MIN_SPLIT_TOKENS)
     assert choose_num_splits(1, 8, 131072, device) > choose_num_splits(256, 8, 131072, device)
+    # From PROGRAMS_PER_SM to SPARSE_SPLIT_PROGRAMS_PER_SM programs a multiprocessor unsplit:
+    # SPARSE_SPLITS (no split under the shortest); past it one.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    band = range(-(-2 * sms // 8), -(-3 * sms // 8))
+    assert [choose_num_splits(b, 8, 4096, device) for b in band] == [4] * len(band)
+    assert choose_num_splits(band[0], 8, 512, device) == 2
+    assert choose_num_splits(band[-1] + 1, 8, 4096, device) == 1
     # The shortest split shrinks as the unsplit grid thins: many programs a multiprocessor,
     # fewer than PROGRAMS_PER_SM, at most one.
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     minimums = [default_min_split(b, 1, device) for b in (4 * sms, sms + 1, sms)]
     assert minimums == [
         triton_kernels.MIN_SPLIT_TOKENS,

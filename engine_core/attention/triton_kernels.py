@@ -69,6 +69,15 @@ STARVED_MIN_SPLIT_TOKENS = 64
 # "Decode attention").
 THIN_MIN_SPLIT_TOKENS = 128
 PROGRAMS_PER_SM = 2
+# From PROGRAMS_PER_SM to SPARSE_SPLIT_PROGRAMS_PER_SM unsplit programs a multiprocessor (llama-8b
+# at 33-49 sequences on 132 multiprocessors), SPARSE_SPLITS splits: a served batch's lengths
+# spread from a few dozen tokens to a few thousand, and unsplit, the longest rows' programs end
+# the launch alone. H100, llama-8b, µs a call, 1 split against 4: 36 / 40 / 48 rows spread over
+# 64-2,400 / 64-2,560 tokens 91.5 -> 72.4, 101.9 -> 84.0, 109.7 -> 98.8; 40 / 48 rows of 1,312
+# tokens each 83.5 -> 82.4, 96.2 -> 96.3 (docs/design/kernels-and-limits.md, "Batches of mixed
+# lengths"). At 64 rows 4 splits cost 7% on one length (118.4 -> 126.4) for 2% on spread ones.
+SPARSE_SPLIT_PROGRAMS_PER_SM = 3
+SPARSE_SPLITS = 4
 MAX_SPLITS = 64
 
 
@@ -1157,7 +1166,9 @@ def _decode(
         return out
     kv_fp8 = is_fp8_cache(k_cache)
     if tile is None:
-        grid = decode_grid(batch, num_kv_heads, q.device)
+        # A mixed step's one-token rows are some of its sequences (a prefill graph holds
+        # max_num_seqs of them, padding mostly): their count, not the batch's, would decide.
+        grid = "default" if mixed_starts is not None else decode_grid(batch, num_kv_heads, q.device)
         tile = decode_tile(head_dim, kv_fp8, grid, num_kv_heads)
     # The query heads of the program's kv heads go through tl.dot as one tile padded to its
     # 16-row minimum, a group of one (MHA, GPT-2) too: the elementwise products that group 1
@@ -1412,14 +1423,19 @@ def choose_num_splits(
     device: torch.device,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> int:
-    """Enough (sequence, kv heads, split) programs for PROGRAMS_PER_SM per multiprocessor, with
-    no split shorter than ``min_split_tokens`` at the longest context the block table can hold.
+    """Enough (sequence, kv heads, split) programs for PROGRAMS_PER_SM per multiprocessor
+    (SPARSE_SPLITS where the unsplit ones give it PROGRAMS_PER_SM to
+    SPARSE_SPLIT_PROGRAMS_PER_SM), with no split shorter than ``min_split_tokens`` at the
+    longest context the block table can hold.
     ``kv_programs`` is the number of programs per sequence and split (kv heads over kv heads
     per program). Sequences shorter than the longest use fewer splits (the rest return at
     once), and one that fits in one split skips the merge."""
     if max_context <= min_split_tokens:
         return 1
-    wanted = -(-PROGRAMS_PER_SM * _num_sms(device) // (batch * kv_programs))
+    programs, sms = batch * kv_programs, _num_sms(device)
+    wanted = -(-PROGRAMS_PER_SM * sms // programs)
+    if PROGRAMS_PER_SM * sms <= programs < SPARSE_SPLIT_PROGRAMS_PER_SM * sms:
+        wanted = SPARSE_SPLITS
     return max(1, min(wanted, -(-max_context // min_split_tokens), MAX_SPLITS))
 
 
