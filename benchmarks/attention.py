@@ -9,11 +9,13 @@ at the start of every row's context in the same pages (a system prompt the prefi
 range (a served batch's: 64-2560x64); each decode case runs as the engine launches it without
 and with those pages attended once for all rows (the shared-prefix kernel; with none shared,
 its launch's cost), then, with ``--splits``, at the context splits asked for, and with
-``--longest-first`` each of those with the sequences launched longest first. The cache is bf16
-in 16-token pages scattered at random. Each row: microseconds a
-call (median of CUDA-event timings; with ``--graph`` a decode call's share of one CUDA graph
-of many calls, gemm.py's graph_us: no launch gaps, as in the engine's decode steps), TFLOP/s
-for prefill (causal: each new token over its context and the new tokens up to it), GB/s of K/V
+``--longest-first`` each of those with the sequences launched longest first, and with
+``--mixed-slots`` as a mixed step's launch (the rows beside a prompt, among a prefill graph's
+sequence slots). The cache is bf16 in 16-token pages scattered at random. Each row:
+microseconds a call (median of CUDA-event timings; with ``--graph`` a decode call's share of
+one CUDA graph of many calls, gemm.py's graph_us: no launch gaps, as in the engine's decode
+steps), TFLOP/s for prefill (causal: each new token over its context and the new tokens up to
+it), GB/s of K/V
 the rows read for decode (a shared page counted once per row: above the memory's bandwidth
 where pages come from L2).
 The engine's launch shape first, then, with ``--sweep``, every shape of the grid below (the way
@@ -82,6 +84,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=0,
         help="decode: block tables this many tokens wide, as the engine's (default: the "
         "longest row's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mixed-slots", type=int, default=0,
+        help="decode: also time each case as a mixed step's decode launch: its rows and one "
+        f"{MIXED_PROMPT}-token prompt among this many sequence slots, the rest empty (a prefill "
+        "graph's, padded to --max-num-seqs)",
     )  # fmt: skip
     parser.add_argument(
         "--min-split", type=int,
@@ -240,6 +248,11 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
             )  # fmt: skip
             figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
             rows.append({"case": case, "kernel": label} | figures)
+        if args.mixed_slots:
+            mixed = mixed_step_call(lens, args.mixed_slots, shape, args.max_model_len)
+            figures = timed(mixed, args, bytes_=kv_bytes, graph=args.graph)
+            label = f"engine's, in a mixed step of {args.mixed_slots} slots"
+            rows.append({"case": case, "kernel": label} | figures)
         if args.peer:  # a wrong call could be fast: the peer's output must equal ours first
             ours = paged_decode_attention(
                 q, cache["k"], cache["v"], cache["tables"], cache["lens"], shape["d"] ** -0.5
@@ -248,6 +261,35 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
             figures = timed(peer, args, bytes_=kv_bytes, graph=args.graph)
             rows.append({"case": case, "kernel": "vLLM FlashAttention 3"} | figures)
     return rows
+
+
+MIXED_PROMPT = 512  # --mixed-slots: the prompt beside the decode rows, in tokens
+
+
+def mixed_step_call(lens: list[int], slots: int, shape: dict[str, int], table_tokens: int) -> Any:
+    """The decode kernel's launch in a mixed step as a prefill graph replays it: the case's
+    rows (one new token each) and a MIXED_PROMPT-token prompt, then empty sequences up to
+    ``slots``; only the one-token rows are attended."""
+    import torch
+
+    from engine_core.attention.triton_kernels import paged_decode_attention
+
+    if slots < len(lens) + 1:
+        raise SystemExit(f"--mixed-slots {slots}: fewer than the case's rows and its prompt")
+    padding = slots - len(lens) - 1
+    cache = paged_cache(
+        [*lens, MIXED_PROMPT] + [0] * padding, shape["kv"], shape["d"], 0, table_tokens
+    )
+    new = [1] * len(lens) + [MIXED_PROMPT] + [0] * padding
+    starts = torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32, device="cuda")
+    q = torch.randn(
+        int(starts[-1]), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16
+    )
+    out = torch.zeros_like(q)
+    return functools.partial(
+        paged_decode_attention, q, cache["k"], cache["v"], cache["tables"], cache["lens"],
+        shape["d"] ** -0.5, out=out, mixed_starts=starts,
+    )  # fmt: skip
 
 
 PEER_MAX_SPLITS = 32  # vLLM 0.26's flash_attn_max_num_splits_for_cuda_graph

@@ -75,7 +75,8 @@ PROGRAMS_PER_SM = 2
 # the launch alone. H100, llama-8b, µs a call, 1 split against 4: 36 / 40 / 48 rows spread over
 # 64-2,400 / 64-2,560 tokens 91.5 -> 72.4, 101.9 -> 84.0, 109.7 -> 98.8; 40 / 48 rows of 1,312
 # tokens each 83.5 -> 82.4, 96.2 -> 96.3 (docs/design/kernels-and-limits.md, "Batches of mixed
-# lengths"). At 64 rows 4 splits cost 7% on one length (118.4 -> 126.4) for 2% on spread ones.
+# lengths"); short contexts pay 2-3 µs (512 / 256 tokens at 40 / 44 rows: 35.4 -> 38.5, 20.2 ->
+# 22.4). At 64 rows 4 splits cost 7% on one length (118.4 -> 126.4) for 2% on spread ones.
 SPARSE_SPLIT_PROGRAMS_PER_SM = 3
 SPARSE_SPLITS = 4
 MAX_SPLITS = 64
