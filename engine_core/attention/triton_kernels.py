@@ -76,7 +76,8 @@ PROGRAMS_PER_SM = 2
 # 64-2,400 / 64-2,560 tokens 91.5 -> 72.4, 101.9 -> 84.0, 109.7 -> 98.8; 40 / 48 rows of 1,312
 # tokens each 83.5 -> 82.4, 96.2 -> 96.3 (docs/design/kernels-and-limits.md, "Batches of mixed
 # lengths"); short contexts pay 2-3 µs (512 / 256 tokens at 40 / 44 rows: 35.4 -> 38.5, 20.2 ->
-# 22.4). At 64 rows 4 splits cost 7% on one length (118.4 -> 126.4) for 2% on spread ones.
+# 22.4). At 64 rows 4 splits cost 7% on one length (118.4 -> 126.4) for 2% on spread ones. The
+# verify and MLA decode launches take the same rule (not measured there).
 SPARSE_SPLIT_PROGRAMS_PER_SM = 3
 SPARSE_SPLITS = 4
 MAX_SPLITS = 64
@@ -1167,8 +1168,10 @@ def _decode(
         return out
     kv_fp8 = is_fp8_cache(k_cache)
     if tile is None:
-        # A mixed step's one-token rows are some of its sequences (a prefill graph holds
-        # max_num_seqs of them, padding mostly): their count, not the batch's, would decide.
+        # A mixed step's one-token rows are a few of its sequences (a prefill graph holds
+        # max_num_seqs, padding mostly), and their count is a step value no launch reads: the
+        # default tile, not the whole batch's (at 1,024 slots the wide one, which took 158
+        # against 101 µs at 36 real rows; kernels-and-limits.md, "Batches of mixed lengths").
         grid = "default" if mixed_starts is not None else decode_grid(batch, num_kv_heads, q.device)
         tile = decode_tile(head_dim, kv_fp8, grid, num_kv_heads)
     # The query heads of the program's kv heads go through tl.dot as one tile padded to its
