@@ -48,12 +48,22 @@ print(min(window(), window()))
 PAGES_PER_TEMPORARY = 2048 * 576 * 4 // 4096
 
 
+# Each script counts 4 KiB pages: numpy asks for transparent huge pages on its large arrays
+# (madvise), and where the kernel has one free a single fault maps 512 pages, so counts would
+# follow how many huge pages are free at the time (a likely cause of a control once seen at 157
+# pages an image). PR_SET_THP_DISABLE turns them off for the script's process.
+SMALL_PAGES = """
+import ctypes
+assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0
+"""
+
+
 def faults_both(script: str) -> tuple[float, float]:
     """The last line ``script`` prints, as a number, in mode "return" and in mode "keep". The two
     interpreters run at once: each counts its own page faults (RUSAGE_SELF), so neither sees
     the other, and the test waits for one start-up instead of two."""
     runs = [
-        subprocess.Popen([sys.executable, "-c", script, mode], stdout=subprocess.PIPE,
+        subprocess.Popen([sys.executable, "-c", SMALL_PAGES + script, mode], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
         for mode in ("return", "keep")
     ]  # fmt: skip
@@ -82,8 +92,7 @@ def test_freed_temporaries_are_not_faulted_in_again() -> None:
 # processor, bfloat16 wire), after a warm-up: with the processor loaded as the server loads it
 # (which keeps freed memory), and with glibc's starting mmap threshold put back after loading;
 # of three windows of four images, the kept heap's fewest (it may still grow once in a while)
-# and the control's most (glibc reuses some freed blocks, how many varies: one CI run saw a
-# control's fewest at 157 pages an image).
+# and the control's most (glibc reuses some freed blocks, how many varies).
 IMAGE_FAULTS_SCRIPT = """
 import ctypes, resource, sys
 import numpy as np
@@ -117,8 +126,8 @@ WIRE_PAGES = 5476 * 1176 * 2 // 4096
     reason="mallopt is glibc's",
 )
 def test_the_api_process_reuses_an_images_memory() -> None:
-    # Without the kept heap an image faulted in 1,100-3,900 pages here (glibc's reuse of freed
-    # blocks varies from run to run); with it, fewer than one.
+    # Without the kept heap an image faulted in 6,289 pages here in 4 KiB pages (1,100-3,900,
+    # and once 157, while huge pages were on); with it, fewer than one.
     returned, kept = faults_both(IMAGE_FAULTS_SCRIPT)
     assert returned >= WIRE_PAGES / 8
     assert kept < WIRE_PAGES / 100
