@@ -15,9 +15,8 @@ sequence slots). The cache is bf16 in 16-token pages scattered at random. Each r
 microseconds a call (median of CUDA-event timings; with ``--graph`` a decode call's share of
 one CUDA graph of many calls, gemm.py's graph_us: no launch gaps, as in the engine's decode
 steps), TFLOP/s for prefill (causal: each new token over its context and the new tokens up to
-it), GB/s of K/V
-the rows read for decode (a shared page counted once per row: above the memory's bandwidth
-where pages come from L2).
+it), GB/s of K/V the rows read for decode (a shared page counted once per row: above the
+memory's bandwidth where pages come from L2).
 The engine's launch shape first, then, with ``--sweep``, every shape of the grid below (the way
 the shapes in triton_kernels.py were chosen); a shape that cannot launch prints its error
 instead of figures. Fresh prompts also run through torch's SDPA (flash attention over

@@ -54,7 +54,8 @@ PAGES_PER_TEMPORARY = 2048 * 576 * 4 // 4096
 # pages an image). PR_SET_THP_DISABLE turns them off for the script's process.
 SMALL_PAGES = """
 import ctypes
-assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0
+PR_SET_THP_DISABLE = 41
+assert ctypes.CDLL(None).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0
 """
 
 
@@ -127,7 +128,7 @@ WIRE_PAGES = 5476 * 1176 * 2 // 4096
 )
 def test_the_api_process_reuses_an_images_memory() -> None:
     # Without the kept heap an image faulted in 6,289 pages here in 4 KiB pages (1,100-3,900,
-    # and once 157, while huge pages were on); with it, fewer than one.
+    # and once 157, with huge pages allowed); with it, fewer than one.
     returned, kept = faults_both(IMAGE_FAULTS_SCRIPT)
     assert returned >= WIRE_PAGES / 8
     assert kept < WIRE_PAGES / 100
