@@ -36,7 +36,7 @@ serve: $(STAMP)
 	$(VENV)/bin/tandem serve --model $(MODEL)
 
 generate: $(STAMP)
-	$(VENV)/bin/tandem generate --model $(MODEL) --prompt "$(PROMPT)"
+	$(VENV)/bin/tandem generate --chat --model $(MODEL) --prompt "$(PROMPT)"
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH)
