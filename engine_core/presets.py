@@ -1,4 +1,4 @@
-"""Random-weight benchmark models with the real shapes (DESIGN.md, "Benchmark models").
+"""Random-weight benchmark models with the real shapes (``--model random:NAME``).
 
 No weights can be downloaded, and a decode step costs the same with random weights as with real
 ones, so the benchmarks build these directly on the device: no Hugging Face, no disk. Every preset
