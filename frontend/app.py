@@ -159,10 +159,47 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(as_openai_error(exc))
 
 
+# How pydantic names a union's members in an error's location: its own names, not the client's.
+PYDANTIC_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def field_path(loc: tuple[Any, ...]) -> list[str]:
+    """An error's location as the request's field names and indices, without "body" and the
+    union members pydantic tried (``str``, ``list[int]``, ``literal['none','auto']``,
+    ``tagged-union[...]``, a model's class name)."""
+    return [str(part) for part in loc if isinstance(part, int) or is_field_name(str(part))]
+
+
+def is_field_name(part: str) -> bool:
+    return (
+        part != "body"
+        and part.isidentifier()
+        and not part[0].isupper()
+        and part not in PYDANTIC_MEMBER_NAMES
+    )
+
+
+def most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error to report: a value that matched none of a union's members fails once per
+    member, and the one that reached deepest into the value says what is wrong (an unknown
+    content part's type, rather than "Input should be a valid string")."""
+    best: dict[str, Any] = {}
+    for error in errors:
+        depth = len(field_path(error.get("loc", ())))
+        if not best or depth > len(field_path(best.get("loc", ()))):
+            best = error
+    return best
+
+
 def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """FastAPI's 422 as an OpenAI 400 naming the first bad field."""
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    """FastAPI's 422 as an OpenAI 400 naming the bad field."""
+    first = most_specific(list(exc.errors()))
+    if first.get("type") == "json_invalid":  # its location is a byte offset, not a field
+        detail = (first.get("ctx") or {}).get("error", "")
+        return OpenAIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
+    loc = field_path(first.get("loc", ()))
+    if not loc and first.get("type") == "missing":
+        return OpenAIError(400, "the request needs a JSON body")
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden" and len(loc) == 1:  # OpenAI's words for it
         message = f"Unrecognized request argument supplied: {param}"

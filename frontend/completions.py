@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import bad_request
@@ -69,14 +70,19 @@ async def complete(ctx: ServingContext, req: CompletionRequest, gen: Generation)
     async for _ in gen.run():
         pass
     echo = echo_texts(ctx, req, gen)
+    hidden = HiddenTokens.of(ctx, req)
     choices = []
     for c in gen.choices:
         prefix = echo[c.index // req.n] if echo else ""
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(ctx, c.token_ids, c.logprobs, len(prefix))
+            logprobs, _ = completion_logprobs(
+                ctx, c.token_ids, c.logprobs, len(prefix), hidden.output
+            )
             if req.echo:
-                logprobs = echoed_logprobs(ctx, c.prompt_ids, c.prompt_logprobs, logprobs)
+                logprobs = echoed_logprobs(
+                    ctx, c.prompt_ids, c.prompt_logprobs, logprobs, hidden.prompt
+                )
         choice = CompletionChoice(
             index=c.index,
             text=prefix + c.text.text,
@@ -98,6 +104,7 @@ async def stream_completion(
     writer = ChunkWriter(gen.id, "text_completion", gen.model, req.include_usage)
     offsets = [0] * len(gen.choices)
     echo = echo_texts(ctx, req, gen)
+    hidden = HiddenTokens.of(ctx, req)
     echo_due = [bool(echo)] * len(gen.choices)  # choices whose echo is still to be sent
     last = ""  # the stream's end, sent in one write (see AdmittedStreamingResponse)
     try:
@@ -112,15 +119,19 @@ async def stream_completion(
             for d in deltas:
                 text, lp = d.text, None
                 if req.logprobs is not None:
-                    lp = completion_logprobs(ctx, d.token_ids, d.logprobs, offsets[d.index])
+                    start = offsets[d.index]
+                    if echo_due[d.index]:
+                        start = len(echo[d.index // req.n])
+                    lp, offsets[d.index] = completion_logprobs(
+                        ctx, d.token_ids, d.logprobs, start, hidden.output
+                    )
                 if echo_due[d.index]:
                     choice = gen.choices[d.index]
-                    prefix = echo[d.index // req.n]
-                    lp = completion_logprobs(ctx, d.token_ids, d.logprobs, len(prefix))
-                    lp = echoed_logprobs(ctx, choice.prompt_ids, choice.prompt_logprobs, lp)
-                    text, echo_due[d.index] = prefix + text, False
-                if lp is not None:
-                    offsets[d.index] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
+                    if lp is not None:
+                        lp = echoed_logprobs(
+                            ctx, choice.prompt_ids, choice.prompt_logprobs, lp, hidden.prompt
+                        )
+                    text, echo_due[d.index] = echo[d.index // req.n] + text, False
                 if text or d.finish_reason or (lp is not None and lp.tokens):
                     parts.append(completion_delta(d.index, text, lp, d.finish_reason))
             if parts:
@@ -143,19 +154,45 @@ def completion_delta(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
+def prompt_is_text(req: CompletionRequest) -> bool:
+    return isinstance(req.prompt, str) or all(isinstance(p, str) for p in req.prompt)
+
+
 def echo_texts(ctx: ServingContext, req: CompletionRequest, gen: Generation) -> list[str]:
+    """Each prompt as the echo shows it: as sent, or token ids decoded as the output is."""
     if not req.echo:
         return []
     if isinstance(req.prompt, str):
         return [req.prompt]
-    if isinstance(req.prompt, list) and all(isinstance(p, str) for p in req.prompt):
+    if prompt_is_text(req):
         return list(req.prompt)  # type: ignore[arg-type]
-    return [ctx.tokenizer.decode(p) for p in gen.prompts]
+    return [ctx.tokenizer.decode(p, req.skip_special_tokens) for p in gen.prompts]
+
+
+@dataclass(frozen=True)
+class HiddenTokens:
+    """The token ids whose text a response leaves out (special tokens, where
+    skip_special_tokens asks), in the output and in an echoed prompt: such a token keeps its
+    place in ``tokens`` but moves no ``text_offset`` on, so every offset points into the text
+    the response holds. A prompt sent as text is echoed as sent, special tokens' text and all."""
+
+    output: frozenset[int]
+    prompt: frozenset[int]
+
+    @classmethod
+    def of(cls, ctx: ServingContext, req: CompletionRequest) -> HiddenTokens:
+        skipped = ctx.tokenizer.special_ids if req.skip_special_tokens else frozenset()
+        return cls(skipped, frozenset() if prompt_is_text(req) else skipped)
 
 
 def completion_logprobs(
-    ctx: ServingContext, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
-) -> CompletionLogprobs:
+    ctx: ServingContext,
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs],
+    offset: int,
+    hidden: frozenset[int],
+) -> tuple[CompletionLogprobs, int]:
+    """The tokens' logprobs with their offsets from ``offset``, and the offset after them."""
     out = CompletionLogprobs()
     text = ctx.tokenizer.token_text
     for tid, lp in zip(token_ids, logprobs, strict=False):
@@ -166,8 +203,9 @@ def completion_logprobs(
             {text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
         )
         out.text_offset.append(offset)
-        offset += len(token)
-    return out
+        if tid not in hidden:
+            offset += len(token)
+    return out, offset
 
 
 def echoed_logprobs(
@@ -175,17 +213,18 @@ def echoed_logprobs(
     prompt_ids: list[int],
     prompt_logprobs: list[TokenLogprobs] | None,
     generated: CompletionLogprobs,
+    hidden: frozenset[int],
 ) -> CompletionLogprobs:
     """OpenAI's echo with logprobs: the prompt's tokens first (the first one has no logprob, as
     nothing precedes it), then the generated ones, offsets counted from the prompt's start."""
-    prompt = completion_logprobs(ctx, prompt_ids[1:], prompt_logprobs or [], 0)
     first = ctx.tokenizer.token_text(prompt_ids[0])
-    shift = len(first)
+    shift = 0 if prompt_ids[0] in hidden else len(first)
+    prompt, _ = completion_logprobs(ctx, prompt_ids[1:], prompt_logprobs or [], shift, hidden)
     out = CompletionLogprobs(
         tokens=[first, *prompt.tokens],
         token_logprobs=[None, *prompt.token_logprobs],
         top_logprobs=[None, *prompt.top_logprobs],
-        text_offset=[0, *(o + shift for o in prompt.text_offset)],
+        text_offset=[0, *prompt.text_offset],
     )
     out.tokens += generated.tokens
     out.token_logprobs += generated.token_logprobs

@@ -481,7 +481,7 @@ def params_per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:
         for p in out:
             validate_sampling_params(p)
     except ProtocolError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), exc.field) from None
     return out
 
 

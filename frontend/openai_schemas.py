@@ -22,7 +22,7 @@ import json
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -39,6 +39,7 @@ from frontend.openapi_rules import (
     NULL,
     TOKEN_IDS,
     any_of,
+    or_null,
     present,
     rules,
     when,
@@ -87,14 +88,26 @@ UNSUPPORTED = {
 
 
 class RequestBody(BaseModel):
-    """A top-level request: unknown fields refused, every string valid Unicode."""
+    """A top-level request: unknown fields refused, every string valid Unicode, and null taken
+    as the default where OpenAI documents a field as nullable (``NULL_IS_DEFAULT``: clients that
+    send every field, unset ones as null, must not get a 400)."""
 
     model_config = ConfigDict(extra="forbid")
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
     def valid_unicode(cls, data: Any) -> Any:
         reject_lone_surrogates(data)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(
+            data.get(name, 0) is None for name in cls.NULL_IS_DEFAULT
+        ):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.NULL_IS_DEFAULT)}
         return data
 
 
@@ -104,10 +117,15 @@ STOP = (NON_EMPTY_TEXT, {"type": "array", "items": NON_EMPTY_TEXT, "maxItems": M
 
 
 class StreamOptions(BaseModel):
+    # Unknown options (vLLM's continuous_usage_stats among them) are refused, not ignored.
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -118,13 +136,14 @@ class ResponseFormat(BaseModel):
     """OpenAI's response_format: text (no constraint), json_object or json_schema."""
 
     model_config = ConfigDict(
+        extra="forbid",  # a schema beside json_object would be ignored: refused instead
         json_schema_extra=rules(
             when(
                 present("type", {"const": "json_schema"}),
                 present("json_schema", {"type": "object", **present("schema", {"type": "object"})}),
                 {"properties": {"json_schema": NULL}},
             )
-        )
+        ),
     )
 
     type: Literal["text", "json_object", "json_schema"]
@@ -189,6 +208,10 @@ LOGIT_BIAS: dict[str, Any] = {
 class SamplingFields(RequestBody):
     """The fields completions and chat share."""
 
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (
+        "n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "echo",
+    )  # fmt: skip
+
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -196,17 +219,17 @@ class SamplingFields(RequestBody):
     top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, json_schema_extra=any_of(SEED, NULL))
-    n: int = Field(default=1, ge=1, le=MAX_N, json_schema_extra={LIMIT_KEY: "sequences"})
+    n: int = Field(default=1, ge=1, le=MAX_N, json_schema_extra=or_null(**{LIMIT_KEY: "sequences"}))
     stop: str | list[str] | None = Field(default=None, json_schema_extra=any_of(*STOP, NULL))
     stop_token_ids: list[int] | None = Field(
         default=None, json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}, NULL)
     )
     ignore_eos: bool = False
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, json_schema_extra=or_null())
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, json_schema_extra=or_null())
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     min_tokens: int = Field(default=0, ge=0, json_schema_extra={LIMIT_KEY: "context"})
-    stream: bool = False
+    stream: bool = Field(default=False, json_schema_extra=or_null())
     stream_options: StreamOptions | None = None
     # token id (as a string) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = Field(
@@ -303,7 +326,7 @@ class CompletionRequest(SamplingFields):
     # 0 only makes sense with echo (the prompt's own logprobs, as evaluation tools ask for).
     max_tokens: int | None = Field(default=16, ge=0, json_schema_extra={LIMIT_KEY: "context"})
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = Field(default=False, json_schema_extra=or_null())
     suffix: str | None = Field(default=None, json_schema_extra=any_of({"const": ""}, NULL))
     best_of: int | None = Field(default=None, ge=1)
 
@@ -510,11 +533,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(
         default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"}
     )
-    logprobs: bool = False
+    logprobs: bool = Field(default=False, json_schema_extra=or_null())
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the output continues the last (assistant) message
-    echo: bool = False  # the response's text starts with that message's (vLLM's echo)
+    # The response's text starts with that message's (vLLM's echo).
+    echo: bool = Field(default=False, json_schema_extra=or_null())
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
     # Reasoning models (--reasoning-parser): whether the reasoning is sent, at most how many
     # tokens it may take, and OpenAI's effort, for templates that read it.

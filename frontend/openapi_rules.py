@@ -49,6 +49,19 @@ def any_of(*options: JsonSchema) -> Callable[[JsonSchema], None]:
     return replace
 
 
+def or_null(**extra: Any) -> Callable[[JsonSchema], None]:
+    """A field's schema (with ``extra`` added) or null: OpenAI's nullable fields, where null
+    means the default (``RequestBody.NULL_IS_DEFAULT``)."""
+
+    def wrap(schema: JsonSchema) -> None:
+        schema.update(copy.deepcopy(extra))
+        kept = ("title", "description", "default")
+        option = {key: schema.pop(key) for key in list(schema) if key not in kept}
+        schema["anyOf"] = [option, copy.deepcopy(NULL)]
+
+    return wrap
+
+
 def present(name: str, schema: JsonSchema) -> JsonSchema:
     """The condition that field ``name`` is given and matches ``schema``."""
     return {"required": [name], "properties": {name: schema}}

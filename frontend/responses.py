@@ -49,6 +49,7 @@ PARAMS = {
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
     "response_format.json_schema.schema": "text.format.schema",
+    "reasoning_effort": "reasoning.effort",
 }
 
 
@@ -114,7 +115,13 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
     except OpenAIError as exc:
         sources = ["instructions"] * (req.instructions is not None)
         sources += ["previous_response_id"] * len(history) + origins
-        exc.info.param = response_param(exc.info.param, sources)
+        chat_param = exc.info.param
+        exc.info.param = response_param(chat_param, sources)
+        if chat_param and exc.info.param and exc.info.param != chat_param:
+            # The chat field's name where the message names it as the field (not quoted, as
+            # a template variable of the same name is).
+            named = re.compile(rf"(?<!')\b{re.escape(chat_param)}\b(?!')")
+            exc.info.message = named.sub(exc.info.param, exc.info.message)
         raise
     return ResponseRun(req, chat, gen, history + new)
 

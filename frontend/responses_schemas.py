@@ -41,6 +41,8 @@ class NamedFunction(BaseModel):
 class TextFormat(BaseModel):
     """``text.format``: plain text, any JSON object, or JSON that matches a schema."""
 
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, min_length=1, max_length=64)
     description: str | None = None
@@ -51,6 +53,8 @@ class TextFormat(BaseModel):
     def _schema_with_its_type(self) -> TextFormat:
         if self.type == "json_schema" and (self.json_schema is None or not self.name):
             raise ValueError("a json_schema format needs its name and schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"a schema goes with type json_schema, not {self.type}")
         return self
 
 

@@ -44,6 +44,12 @@ class Tokenizer:
         # One thread: the HF wrapper is not safe to call from several threads at once.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+        # What decode(..., skip_special_tokens=True) leaves out of the text.
+        self.special_ids = frozenset(
+            token_id
+            for token_id, added in self._backend.get_added_tokens_decoder().items()
+            if added.special
+        )
         # encode's queue: each waiting request's texts and the future its ids go to.
         self._queued: list[tuple[list[str], asyncio.Future[list[list[int]]]]] = []
         self._encoder: asyncio.Task[None] | None = None  # drains the queue while it is not empty

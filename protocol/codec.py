@@ -148,9 +148,12 @@ class ProtocolError(ValueError):
     can answer with a ``RequestError`` for that request instead of dropping it silently.
     """
 
-    def __init__(self, message: str, request_id: str | None = None) -> None:
+    def __init__(
+        self, message: str, request_id: str | None = None, field: str | None = None
+    ) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.field = field  # the offending field's name where it has one (an API's "param")
 
 
 # ---- public API -------------------------------------------------------------------------------
@@ -214,14 +217,14 @@ def validate_sampling_params(params: SamplingParams, request_id: str | None = No
 
 def _validate_logit_bias(pairs: Any, v: _Validator) -> None:
     if not isinstance(pairs, tuple) or len(pairs) > MAX_LOGIT_BIAS:
-        raise v.fail(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS} (id, bias) pairs")
+        raise v.fail(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
     for pair in pairs:
         if not isinstance(pair, tuple) or len(pair) != 2:
-            raise v.fail("logit_bias must hold (token id, bias) pairs")
+            raise v.fail("logit_bias must hold (token id, bias) pairs", "logit_bias")
         v.int_(pair[0], "a logit_bias token id", 0, INT32_MAX)
         v.float_(pair[1], "a logit_bias value", -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
     if len({tid for tid, _ in pairs}) != len(pairs):
-        raise v.fail("logit_bias names a token id twice")
+        raise v.fail("logit_bias names a token id twice", "logit_bias")
 
 
 def _validate_constraint(constraint: Any, v: _Validator) -> None:
@@ -284,46 +287,48 @@ class _Validator:
             raise self.fail(f"{what}: the frame holds {held} bytes, not {nbytes}")
         return data
 
-    def fail(self, message: str) -> ProtocolError:
-        return ProtocolError(message, self.request_id)
+    def fail(self, message: str, what: str | None = None) -> ProtocolError:
+        """The error; ``what``, the value's description, is its field where it is a name."""
+        field = what if what is not None and what.isidentifier() else None
+        return ProtocolError(message, self.request_id, field)
 
     def int_(self, value: Any, what: str, lo: int, hi: int) -> int:
         # type() rather than isinstance(): bool is an int subclass and must not pass as one.
         if type(value) is not int:
-            raise self.fail(f"{what} must be an int, got {type(value).__name__}")
+            raise self.fail(f"{what} must be an int, got {type(value).__name__}", what)
         if not lo <= value <= hi:
-            raise self.fail(f"{what} must be in [{lo}, {hi}], got {value}")
+            raise self.fail(f"{what} must be in [{lo}, {hi}], got {value}", what)
         return value
 
     def float_(self, value: Any, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
         # Ints are accepted (another encoder may pack 1.0 as 1); bools and non-finite values not.
         if type(value) not in (float, int):
-            raise self.fail(f"{what} must be a number, got {type(value).__name__}")
+            raise self.fail(f"{what} must be a number, got {type(value).__name__}", what)
         value = float(value)
         if not math.isfinite(value):
-            raise self.fail(f"{what} must be finite, got {value}")
+            raise self.fail(f"{what} must be finite, got {value}", what)
         if not (lo < value if lo_open else lo <= value) or value > hi:
             bracket = "(" if lo_open else "["
-            raise self.fail(f"{what} must be in {bracket}{lo}, {hi}], got {value}")
+            raise self.fail(f"{what} must be in {bracket}{lo}, {hi}], got {value}", what)
         return value
 
     def bool_(self, value: Any, what: str) -> bool:
         if type(value) is not bool:
-            raise self.fail(f"{what} must be a bool, got {type(value).__name__}")
+            raise self.fail(f"{what} must be a bool, got {type(value).__name__}", what)
         return value
 
     def str_(self, value: Any, what: str, max_len: int) -> str:
         if type(value) is not str:
-            raise self.fail(f"{what} must be a str, got {type(value).__name__}")
+            raise self.fail(f"{what} must be a str, got {type(value).__name__}", what)
         if len(value) > max_len:
-            raise self.fail(f"{what} is longer than {max_len} characters")
+            raise self.fail(f"{what} is longer than {max_len} characters", what)
         return value
 
     def list_(self, value: Any, what: str, length: int | None = None) -> list[Any]:
         if type(value) is not list:
-            raise self.fail(f"{what} must be an array, got {type(value).__name__}")
+            raise self.fail(f"{what} must be an array, got {type(value).__name__}", what)
         if length is not None and len(value) != length:
-            raise self.fail(f"{what} must have {length} elements, got {len(value)}")
+            raise self.fail(f"{what} must have {length} elements, got {len(value)}", what)
         return value
 
     def enum_(self, value: Any, cls: type[Any], what: str) -> Any:
@@ -336,9 +341,9 @@ class _Validator:
     def token_list(self, value: Any, what: str, max_len: int) -> None:
         """Validate a Python sequence of token ids (the encoder's side of stop_token_ids)."""
         if not isinstance(value, (tuple, list)):
-            raise self.fail(f"{what} must be a tuple of ints, got {type(value).__name__}")
+            raise self.fail(f"{what} must be a tuple of ints, got {type(value).__name__}", what)
         if len(value) > max_len:
-            raise self.fail(f"{what} has more than {max_len} ids")
+            raise self.fail(f"{what} has more than {max_len} ids", what)
         for tid in value:
             self.int_(tid, what, 0, INT32_MAX)
 

@@ -194,7 +194,7 @@ def test_the_document_states_this_servers_limits(tiny_server: Server) -> None:
     schemas = doc["components"]["schemas"]
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]
     assert completion["prompt"]["anyOf"][2]["items"]["maximum"] == VOCAB - 1
-    assert completion["n"]["maximum"] == TINY_MAX_NUM_SEQS + TINY_MAX_WAITING
+    assert completion["n"]["anyOf"][0]["maximum"] == TINY_MAX_NUM_SEQS + TINY_MAX_WAITING
     assert completion["max_tokens"]["maximum"] == context["max_model_len"] - 1
     assert completion["priority"]["minimum"] == completion["priority"]["maximum"] == 0
     assert chat["properties"]["thinking_token_budget"] == {"type": "null"}

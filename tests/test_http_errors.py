@@ -68,9 +68,14 @@ BAD_COMPLETIONS = [
     ({"stop": [""]}, "stop"),
     ({"stream_options": {"include_usage": True}}, None),
     ({"suffix": "and then"}, "suffix"),  # echo with logprobs used to be here: now served
-    ({"seed": -1}, None),
-    ({"min_tokens": 9, "max_tokens": 4}, None),
+    ({"seed": -1}, "seed"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"top_k": 10**12}, "top_k"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    # vLLM's continuous_usage_stats is not served: refused rather than ignored.
+    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
     ({"prompt": [[49152]]}, "prompt"),
     ({"prompt": 123}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -114,6 +119,25 @@ BAD_CHATS = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"top_logprobs": 2}, None),
+    # A schema beside json_object would be ignored.
+    (
+        {"response_format": {"type": "json_object", "schema": {"required": ["x"]}}},
+        "response_format",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {}, "x": 1},
+            }
+        },
+        "response_format",
+    ),
+    # An unknown content part names its type, not the string a content may also be.
+    (
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+        "messages",
+    ),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": MAX_MODEL_LEN}, "messages"),  # prompt + max_tokens over the context
     ({"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, "messages"),
@@ -145,6 +169,61 @@ def test_prompt_longer_than_the_context_is_400(server: Server) -> None:
     assert str(MAX_MODEL_LEN) in err["message"]
     body = {"model": "default", "prompt": [1] * (MAX_MODEL_LEN + 1), "max_tokens": 1}
     assert assert_openai_error(post(server, "/v1/completions", body), 400)["param"] == "prompt"
+
+
+def test_openais_nullable_fields_take_null_as_their_default(server: Server) -> None:
+    """Clients that send every field, the unset ones as null, get what they get without them."""
+    base = {"model": "default", "max_tokens": 4, "temperature": 0}
+    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "stream": None}
+    chat = {**base, "messages": [{"role": "user", "content": "Hi"}]}
+    plain = post(server, "/v1/chat/completions", chat)
+    nulled = post(server, "/v1/chat/completions", {**chat, **nulls, "logprobs": None})
+    assert plain.status_code == nulled.status_code == 200, nulled.text
+    assert [c["message"] for c in nulled.json()["choices"]] == [
+        c["message"] for c in plain.json()["choices"]
+    ]
+    completion = {**base, "prompt": "Hello"}
+    plain = post(server, "/v1/completions", completion)
+    nulled = post(server, "/v1/completions", {**completion, **nulls, "echo": None})
+    assert plain.status_code == nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+def test_sampling_checks_name_their_param(server: Server) -> None:
+    """The range checks behind the schema (the wire's) still say which field broke them."""
+    body = b'{"model": "default", "prompt": "Hi", "max_tokens": 2, "temperature": Infinity}'
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert assert_openai_error(r, 400)["param"] == "temperature"
+
+
+def test_an_unparsable_or_missing_body_says_so(server: Server) -> None:
+    for content, words in ((b'{"prompt": "x",', "not valid JSON"), (b"", "needs a JSON body")):
+        r = httpx.post(
+            f"{server.base_url}/v1/completions",
+            content=content,
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
+        err = assert_openai_error(r, 400)
+        assert words in err["message"] and err["param"] is None, err
+
+
+def test_responses_errors_use_the_responses_names(server: Server) -> None:
+    """/v1/responses runs as a chat request: its errors name the Responses API's fields."""
+    body = {"model": "default", "input": "Hi", "max_output_tokens": 4}
+    bad_format = {"format": {"type": "json_object", "schema": {"required": ["x"]}}}
+    err = assert_openai_error(post(server, "/v1/responses", {**body, "text": bad_format}), 400)
+    assert err["param"].startswith("text"), err
+    # The default model's template reads no effort, so it is refused, by the Responses name.
+    r = post(server, "/v1/responses", {**body, "reasoning": {"effort": "high"}})
+    err = assert_openai_error(r, 400)
+    assert err["param"] == "reasoning.effort", err
+    assert "so reasoning.effort could not" in err["message"], err
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2, 3]", b'"just a string"', b""], ids=repr)

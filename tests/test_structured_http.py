@@ -257,6 +257,37 @@ def test_vllm_prompt_logprobs_and_echo_with_generation(
     assert [x for _, lps in pieces if lps for x in lps.token_logprobs] == lp.token_logprobs
 
 
+def assert_offsets_index_the_text(text: str, lp: Any, special: set[str]) -> None:
+    """Each token's text_offset is where its text starts in the returned text; a special token
+    the text leaves out sits, empty, where the next token starts."""
+    assert lp.text_offset == sorted(lp.text_offset)
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        shown = "" if token in special and token not in text else token
+        assert text[offset : offset + len(shown)] == shown, (token, offset, text)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_echoed_token_ids_with_a_special_token_keep_offsets_in_the_text(
+    client: openai.OpenAI, server: Server, skip_special_tokens: bool
+) -> None:
+    """A token-id prompt opening with <|im_start|>: the echo decodes it as the output is decoded
+    (left out by default, kept with skip_special_tokens false), and the offsets follow the text."""
+    ids = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello world"}, timeout=30)
+    prompt = [1, *ids.json()["tokens"]]  # 1: SmolLM2's <|im_start|>
+    args = {
+        "model": "default", "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True,
+        "logprobs": 1, "extra_body": {"skip_special_tokens": skip_special_tokens},
+    }  # fmt: skip
+    choice = client.completions.create(**args).choices[0]
+    assert choice.text.startswith("<|im_start|>Hello world" if not skip_special_tokens else "Hello")
+    assert choice.logprobs.tokens[0] == "<|im_start|>"
+    assert_offsets_index_the_text(choice.text, choice.logprobs, {"<|im_start|>", "<|im_end|>"})
+    pieces = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices]
+    assert "".join(p.text for p in pieces) == choice.text
+    streamed = [x for p in pieces if p.logprobs for x in p.logprobs.text_offset]
+    assert streamed == choice.logprobs.text_offset
+
+
 # ---- tools ------------------------------------------------------------------------------------
 
 
