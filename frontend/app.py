@@ -239,6 +239,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         )
         return ModelList(data=[card, *lora_cards(ctx)])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        """One entry of /v1/models (the openai client's ``models.retrieve``); 404 otherwise."""
+        for card in (await models()).data:
+            if card.id == model_id:
+                return card
+        raise OpenAIError(
+            404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found"
+        )
+
     @app.get("/v1/engine")
     async def engine() -> dict[str, Any]:
         """Where the engine core listens, so a raw ZMQ client can reach the same engine."""

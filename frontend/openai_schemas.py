@@ -5,7 +5,8 @@ repetition_penalty, stop_token_ids, ignore_eos, min_tokens, structured_outputs a
 spellings, prompt_logprobs). Nothing is accepted and ignored when it would change the output: an
 unknown top-level field is a 400 naming it ("Unrecognized request argument supplied", as OpenAI
 answers), and so is an OpenAI field this server does not implement (``UNSUPPORTED``); only fields
-that change nothing here (user, metadata, store, service_tier) are taken and left unused. Unknown
+that change nothing here (user, metadata, store, service_tier, prompt_cache_key,
+safety_identifier) are taken and left unused. Unknown
 fields inside a chat message are ignored (clients send back the messages they received, with
 fields like ``refusal``); known fields with the
 wrong type are a 400, except where pydantic's lax mode converts losslessly ("2" -> 2, 2.0 -> 2).
@@ -112,6 +113,7 @@ class RequestBody(BaseModel):
 
 
 SEED = {"type": "integer", LIMIT_KEY: "uint64"}  # as on the wire
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]  # OpenAI's values
 CHOICES = {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1}
 STOP = (NON_EMPTY_TEXT, {"type": "array", "items": NON_EMPTY_TEXT, "maxItems": MAX_STOP_STRINGS})
 
@@ -259,7 +261,11 @@ class SamplingFields(RequestBody):
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
+    # OpenAI's prompt-cache routing hint (this server's prefix cache finds shared prefixes by
+    # their tokens) and its abuse-monitoring id: neither changes the output.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("stop")
     @classmethod

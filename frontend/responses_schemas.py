@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from frontend.openai_schemas import FUNCTION_NAME, MAX_LOGPROBS, SEED, RequestBody
+from frontend.openai_schemas import FUNCTION_NAME, MAX_LOGPROBS, SEED, RequestBody, ServiceTier
 from frontend.openapi_rules import LIMIT_KEY, NON_EMPTY_TEXT, NULL, any_of, present, rules, when
 from protocol.messages import PRIORITY_MAX, PRIORITY_MIN
 
@@ -188,7 +188,7 @@ class ResponsesRequest(RequestBody):
     )
     # Taken, changing nothing here.
     user: str | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM's sampling and template extras, as on chat.

@@ -258,6 +258,30 @@ def test_unknown_model_is_404(server: Server) -> None:
     assert_openai_error(post(server, "/tokenize", {"model": "x", "prompt": "a"}), 404)
 
 
+def test_the_openai_client_retrieves_the_served_model_and_not_another(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    listed = client.models.list().data[0]
+    retrieved = client.models.retrieve(listed.id)
+    assert retrieved.model_dump() == listed.model_dump()
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_openais_hints_that_change_nothing_are_taken_and_a_bad_tier_is_not(server: Server) -> None:
+    chat = {
+        "model": "default", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }  # fmt: skip
+    hints = {"prompt_cache_key": "k", "safety_identifier": "u1", "service_tier": "auto"}
+    plain = post(server, "/v1/chat/completions", chat)
+    hinted = post(server, "/v1/chat/completions", {**chat, **hints})
+    assert plain.status_code == hinted.status_code == 200, hinted.text
+    assert hinted.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    bad = post(server, "/v1/chat/completions", {**chat, "service_tier": "bogus"})
+    assert assert_openai_error(bad, 400)["param"] == "service_tier"
+
+
 def test_unknown_route_and_method_answer_in_the_openai_shape(server: Server) -> None:
     assert_openai_error(httpx.get(f"{server.base_url}/v1/nothing", timeout=10), 404)
     assert_openai_error(httpx.get(f"{server.base_url}/v1/completions", timeout=10), 405)
