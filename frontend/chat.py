@@ -197,6 +197,10 @@ def checked_template_kwargs(
     variables = ctx.tokenizer.template_variables(template)
     for key in kwargs:
         param = "reasoning_effort" if key == "reasoning_effort" else "chat_template_kwargs"
+        if key == "documents":  # apply_chat_template's own argument, which no field here sets
+            raise bad_request(
+                "documents (retrieval documents for the template) are not supported", param
+            )
         if key in RESERVED_TEMPLATE_VARIABLES:
             raise bad_request(f"{key} is set by the request itself, not by {param}", param)
         if key not in variables:

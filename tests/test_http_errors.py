@@ -282,6 +282,15 @@ def test_openais_hints_that_change_nothing_are_taken_and_a_bad_tier_is_not(serve
     assert assert_openai_error(bad, 400)["param"] == "service_tier"
 
 
+def test_retrieval_documents_are_refused_as_unsupported(server: Server) -> None:
+    body = {
+        "model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+        "chat_template_kwargs": {"documents": [{"title": "a", "text": "b"}]},
+    }  # fmt: skip
+    err = assert_openai_error(post(server, "/v1/chat/completions", body), 400)
+    assert err["param"] == "chat_template_kwargs" and "not supported" in err["message"], err
+
+
 def test_unknown_route_and_method_answer_in_the_openai_shape(server: Server) -> None:
     assert_openai_error(httpx.get(f"{server.base_url}/v1/nothing", timeout=10), 404)
     assert_openai_error(httpx.get(f"{server.base_url}/v1/completions", timeout=10), 405)
