@@ -192,16 +192,18 @@ def completion_logprobs(
     offset: int,
     hidden: frozenset[int],
 ) -> tuple[CompletionLogprobs, int]:
-    """The tokens' logprobs with their offsets from ``offset``, and the offset after them."""
+    """The tokens' logprobs with their offsets from ``offset``, and the offset after them.
+    Each token's ``top_logprobs`` holds the most likely ones asked for and always the token
+    itself, as OpenAI's legacy completions do (up to logprobs + 1 entries)."""
     out = CompletionLogprobs()
     text = ctx.tokenizer.token_text
     for tid, lp in zip(token_ids, logprobs, strict=False):
         token = text(tid)
         out.tokens.append(token)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append(
-            {text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-        )
+        top = {text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+        top.setdefault(token, lp.logprob)
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         if tid not in hidden:
             offset += len(token)

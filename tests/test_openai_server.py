@@ -292,6 +292,21 @@ def test_completion_logprobs_match_hf(client: openai.OpenAI, hf: tuple[Any, Any]
     assert "".join(lp.tokens) == resp.choices[0].text
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token(client: openai.OpenAI) -> None:
+    """OpenAI's legacy completions: up to logprobs + 1 entries, the chosen token's always among
+    them; with logprobs 0, only it."""
+    for logprobs in (0, 1):
+        resp = client.completions.create(
+            model="default", prompt=PROMPT, max_tokens=6, temperature=1.5, seed=3,
+            logprobs=logprobs,
+        )  # fmt: skip
+        lp = resp.choices[0].logprobs
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == logprob and len(top) <= logprobs + 1
+            if logprobs == 0:
+                assert top == {token: logprob}
+
+
 def test_chat_logprobs_cover_every_token(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
         model="default",
