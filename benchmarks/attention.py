@@ -20,7 +20,10 @@ memory's bandwidth where pages come from L2).
 The engine's launch shape first, then, with ``--sweep``, every shape of the grid below (the way
 the shapes in triton_kernels.py were chosen); a shape that cannot launch prints its error
 instead of figures. Fresh prompts also run through torch's SDPA (flash attention over
-contiguous K/V, no pages) for scale.
+contiguous K/V, no pages) for scale, and with ``--contiguous`` through the paged kernel over
+pages laid in order and the experimental contiguous-K/V kernel (TMA descriptor loads of the
+step's own K/V; engine_core/attention/contiguous_prefill.py) at each of its launch shapes, its
+output checked against the paged kernel's where every prompt fills whole pages.
 
 With ``--peer`` (vLLM importable, e.g. its bundle first on PYTHONPATH: ``PYTHONPATH=/tmp/vsite:.``)
 each decode case also runs through vLLM's FlashAttention 3 as vLLM 0.26's decode step calls it
@@ -44,6 +47,7 @@ from benchmarks.report import Provenance, write_json
 
 PAGE = 16
 PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "warps": (4, 8), "stages": (2, 3)}
+CONTIGUOUS_SWEEP = {"block_m": (64, 128), "block_n": (64, 128), "warps": (4, 8), "stages": (2, 3)}
 DECODE_SWEEP = {"block_n": (32, 64, 128), "warps": (4, 8), "stages": (2, 3, 4), "kv": (1, 2)}
 
 
@@ -68,6 +72,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "as in the engine's decode steps; prefill stays eager, as the engine runs long prompts)",
     )  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time every launch shape")
+    parser.add_argument(
+        "--contiguous",
+        action="store_true",
+        help="fresh prefill cases also through the paged kernel over pages in order and the "
+        "contiguous-K/V kernel (engine_core/attention/contiguous_prefill.py) at each shape",
+    )
     parser.add_argument(
         "--splits",
         default="",
@@ -135,17 +145,23 @@ def prefill_flops(new: list[int], context: list[int], heads: int, head_dim: int)
 
 
 def paged_cache(
-    seq_lens: list[int], kv_heads: int, head_dim: int, shared: int = 0, table_tokens: int = 0
+    seq_lens: list[int],
+    kv_heads: int,
+    head_dim: int,
+    shared: int = 0,
+    table_tokens: int = 0,
+    in_order: bool = False,
 ) -> dict[str, Any]:
     """K/V caches with every sequence's pages at random places, and their block tables (as
     wide as the longest row, or ``table_tokens``: the engine's are max-model-len wide, and the
     decode kernel's splits follow that width); the first ``shared`` tokens' whole pages are the
-    first row's in every row."""
+    first row's in every row. ``in_order``: each sequence's pages one after another instead."""
     import torch
 
     pages = [-(-s // PAGE) for s in seq_lens]
     k = torch.randn(sum(pages) + 1, PAGE, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    order = (torch.randperm(sum(pages), device="cuda") + 1).to(torch.int32)
+    shuffle = torch.arange if in_order else torch.randperm
+    order = (shuffle(sum(pages), device="cuda") + 1).to(torch.int32)
     width = max(*pages, -(-table_tokens // PAGE))
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device="cuda")
     for row, start in enumerate(itertools.accumulate([0, *pages[:-1]])):
@@ -182,6 +198,51 @@ def prefill_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[s
         if not any(context):
             sdpa = sdpa_call(q, starts, shape)
             rows.append({"case": case, "kernel": "torch sdpa"} | timed(sdpa, args, flops))
+        if args.contiguous and not any(context):
+            rows += contiguous_rows(case, q, starts, seq_lens, shape, args, flops)
+    return rows
+
+
+def contiguous_rows(
+    case: str,
+    q: Any,
+    starts: Any,
+    seq_lens: list[int],
+    shape: dict[str, int],
+    args: argparse.Namespace,
+    flops: float,
+) -> list[dict[str, Any]]:
+    """A fresh case read through the paged kernel over pages laid in order (what the gather of
+    scattered pages costs) and through the contiguous-K/V kernel at each CONTIGUOUS_SWEEP shape
+    (what descriptor loads of the step's own K/V reach); its output checked against the paged
+    kernel's on the same K/V."""
+    import torch
+
+    from engine_core.attention.contiguous_prefill import (
+        ContiguousLaunch,
+        contiguous_prefill_attention,
+    )
+    from engine_core.attention.triton_kernels import paged_prefill_attention
+
+    scale = shape["d"] ** -0.5
+    cache = paged_cache(seq_lens, shape["kv"], shape["d"], in_order=True)
+    paged = (q, cache["k"], cache["v"], cache["tables"], cache["lens"], starts, max(seq_lens))
+    call = functools.partial(paged_prefill_attention, *paged, scale)
+    rows = [{"case": case, "kernel": "engine's, pages in order"} | timed(call, args, flops)]
+    # The same keys as the step's contiguous tensors: where every length fills whole pages, the
+    # in-order pages' rows are the step's tokens one after another.
+    k = cache["k"][1:].flatten(0, 1)[: q.shape[0]].contiguous()
+    v = cache["v"][1:].flatten(0, 1)[: q.shape[0]].contiguous()
+    want = call() if all(n % PAGE == 0 for n in seq_lens) else None
+    for bm, bn, warps, stages in itertools.product(*CONTIGUOUS_SWEEP.values()):
+        launch = ContiguousLaunch(bm, bn, warps, stages)
+        label = f"contiguous K/V, bm {bm} bn {bn} w {warps} st {stages}"
+        run = functools.partial(contiguous_prefill_attention, q, k, v, starts, scale, launch)
+        row = {"case": case, "kernel": label} | timed(run, args, flops)
+        if want is not None and "error" not in row:
+            row["max_diff"] = (run() - want).abs().max().item()
+        rows.append(row)
+    torch.cuda.synchronize()
     return rows
 
 
@@ -371,7 +432,8 @@ def print_rows(rows: list[dict[str, Any]], rate: str) -> None:
             if rate == "tflops"
             else f"{row['us']:9.1f} us  {row['gb_s']:6.0f} GB/s"
         )
-        print(f"{row['case']:>14}  {row['kernel']:<55} {figures}", flush=True)
+        checked = f"  max |diff| {row['max_diff']:.1e}" if "max_diff" in row else ""
+        print(f"{row['case']:>14}  {row['kernel']:<55} {figures}{checked}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

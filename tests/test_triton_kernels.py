@@ -14,6 +14,7 @@ is unreliable, hence float32 there)::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -614,6 +615,61 @@ def test_prefill_matches_reference(
         out=poisoned(batch.q),
     )
     assert_close(out, reference_attention(batch, scale))
+
+
+def causal_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]
+) -> torch.Tensor:
+    """Each sequence's causal attention over its own tokens, in float32, GQA by repetition."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (
+        q.float(),
+        k.float().repeat_interleave(group, 1),
+        v.float().repeat_interleave(group, 1),
+    )
+    out = torch.empty_like(q)
+    for a, b in itertools.pairwise([0, *itertools.accumulate(lens)]):
+        scores = torch.einsum("thd,shd->hts", q[a:b], k[a:b]) * q.shape[2] ** -0.5
+        causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out[a:b] = torch.einsum("hts,shd->thd", weights, v[a:b])
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("launch", [(64, 32, 4, 2), (128, 64, 8, 3)], ids=str)
+def test_contiguous_prefill_matches_causal_attention(
+    launch: tuple[int, int, int, int], head_dim: int
+) -> None:
+    """The experimental contiguous-K/V kernel: prompts shorter than a tile, spanning several,
+    of one token; GQA 8 / 2."""
+    from engine_core.attention.contiguous_prefill import (
+        ContiguousLaunch,
+        contiguous_prefill_attention,
+    )
+
+    torch.manual_seed(0)
+    lens = [5, 130, 64, 1, 200]
+    q = torch.randn(sum(lens), 8, head_dim, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(sum(lens), 2, head_dim, device=DEVICE, dtype=DTYPE)
+    v = torch.randn_like(k)
+    starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
+    out = contiguous_prefill_attention(q, k, v, starts, head_dim**-0.5, ContiguousLaunch(*launch))
+    assert_close(out.float(), causal_reference(q, k, v, lens))
+
+
+def test_the_contiguous_kernel_refuses_what_it_does_not_serve() -> None:
+    from engine_core.attention.contiguous_prefill import contiguous_prefill_attention
+
+    kv = torch.randn(4, 2, 64, device=DEVICE, dtype=DTYPE)
+    starts = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(4, 8, 64, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="contiguous"):
+        contiguous_prefill_attention(
+            q, kv.transpose(0, 1).contiguous().transpose(0, 1), kv, starts, 1.0
+        )
+    with pytest.raises(ValueError, match="head dim 96"):
+        contiguous_prefill_attention(q.new_zeros(4, 8, 96), kv, kv, starts, 1.0)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
