@@ -128,16 +128,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
+        # A help text that says its own default (what an unset value means) keeps it.
+        text = _HELP[f.name]
+        default = " (default: unset)" if f.default is None else " (default: %(default)s)"
+        if "(default:" in text or (f.default is None and "unset" in text):
+            default = ""
         if f.type in ("bool", bool):
+            onoff = "on" if f.default else "off"
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name]
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=f"{text} (default: {onoff})",
             )
         else:
             group.add_argument(
-                flag,
-                type=_parse_type(f.type),
-                default=f.default,
-                help=f"{_HELP[f.name]} (default: %(default)s)",
+                flag, type=_parse_type(f.type), default=f.default, help=text + default
             )
     group.add_argument(
         "--no-overlap",

@@ -31,6 +31,8 @@ QUANTIZATION_METHODS = (
     "compressed-tensors",
 )
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values; "fp8" is e4m3
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype values
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # --device values
 TP_ALL_REDUCES = ("auto", "nccl")  # --tp-all-reduce values
 # --runner values (vLLM's): "auto" reads the checkpoint (engine_core/embedding.py), "generate"
 # samples tokens, "pooling" embeds (the engine answers with each prompt's pooled vector).
@@ -464,10 +466,16 @@ class EngineConfig:
                 f"--tp-all-reduce {self.tp_all_reduce!r} is not supported; choose one of "
                 f"{', '.join(TP_ALL_REDUCES)}"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(MODEL_DTYPES)}")
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"--device {self.device!r}: choose auto, cpu, cuda or cuda:N")
+        sizes = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        for name in (*sizes, "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be at least 1 (or left out), got {value}")
         if self.max_prefill_graph_tokens is not None and self.max_prefill_graph_tokens < 0:
             raise ValueError(
                 f"max_prefill_graph_tokens must be 0 (no prefill graphs) or more, got "

@@ -206,10 +206,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="wrap each prompt as a user message in the chat template",
     )
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)"
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k (default: 0)")
     add_engine_args(parser)
 
 
@@ -233,7 +237,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         llm = LLM(**vars(config))
-    except ModelTooLargeError as exc:  # refused at start-up (memory_plan.py, warm_up.py)
+    except (ModelTooLargeError, ValueError, FileNotFoundError) as exc:
+        # Refused at start-up: the sizes (memory_plan.py, warm_up.py), or a model or flags
+        # it cannot serve, named.
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
     prompts: list = [chat_ids(llm, p) if args.chat else p for p in args.prompt]

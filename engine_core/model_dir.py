@@ -65,7 +65,12 @@ def resolve_for_serving(model: str) -> tuple[str, Path]:
     engine gets the folder; a random preset goes to the engine as it is.
     """
     if model.startswith(RANDOM_PREFIX):
-        return model, tokenizer_dir_for_preset(model.removeprefix(RANDOM_PREFIX))
+        from engine_core.presets import PRESETS
+
+        preset = model.removeprefix(RANDOM_PREFIX)
+        if preset not in PRESETS:
+            raise ValueError(f"no preset {preset!r}; random: takes one of {', '.join(PRESETS)}")
+        return model, tokenizer_dir_for_preset(preset)
     model_dir = resolve_model_dir(model)
     return str(model_dir), model_dir
 

@@ -557,6 +557,10 @@ def run(args: argparse.Namespace) -> int:
     except TimeoutError as exc:  # a node that never joined
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, FileNotFoundError) as exc:  # a model or flags it cannot serve, named
+        logger.debug("the engine did not start", exc_info=True)  # --log-level debug: where
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 2
     _stop_on_signals(proc, supervised=args.parent_pid is not None)
     print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
     try:

@@ -50,7 +50,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_operations_args(parser)
     add_engine_link_args(parser)
     add_lora_args(parser)
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="logging level (default: INFO)",
+    )  # fmt: skip
     add_client_args(parser)
     add_engine_args(parser)
 
@@ -58,21 +62,24 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def add_http_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP")
     group.add_argument("--host", default="127.0.0.1", help="HTTP host (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    group.add_argument("--port", type=port, default=8000, help="HTTP port (default: %(default)s)")
     group.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes"
+        "--api-key",
+        default=None,
+        type=api_key,
+        help="require 'Authorization: Bearer KEY' on the API routes",
     )
     group.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
     )
     group.add_argument(
-        "--max-waiting-requests", type=int, default=None,
+        "--max-waiting-requests", type=non_negative_int, default=None,
         help="sequences (prompts x n) admitted beyond what the engine runs at once "
         "(--max-num-seqs); past that, 503 with Retry-After. With --api-servers N each process "
         "admits its N-th of --max-num-seqs + this (default: 3 x --max-num-seqs)",
     )  # fmt: skip
     group.add_argument(
-        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        "--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413 (default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
@@ -95,7 +102,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
     group.add_argument(
-        "--chat-template", default=None, metavar="FILE",
+        "--chat-template", default=None, metavar="FILE", type=readable_file,
         help="a Jinja chat template to use instead of the model's own",
     )  # fmt: skip
     group.add_argument(
@@ -181,7 +188,7 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
-        "--engine-timeout", type=float, default=30.0,
+        "--engine-timeout", type=positive_float, default=30.0,
         help="seconds of engine silence after which requests in flight fail with 503 "
         "(default: %(default)s)",
     )  # fmt: skip
@@ -213,10 +220,10 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             logger.error("cannot listen on %s port %s: %s", args.host, args.port, exc)
             return 1
-    engine_model, model_dir = resolve_for_serving(args.model)
     try:
+        engine_model, model_dir = resolve_for_serving(args.model)
         check_lora_modules(args, engine_model)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2
     # API processes read the engines' pids from files here (mkdtemp: 0700, only we read them).
@@ -335,6 +342,29 @@ def use_engine_flag(args: argparse.Namespace) -> None:
     if args.engine_address not in (None, args.engine):
         raise ValueError("--engine is short for --remote-engine --engine-address: give one")
     args.engine_address, args.remote_engine = args.engine, True
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
+    return value
+
+
+def readable_file(text: str) -> str:
+    """A path that names a readable file, checked before any engine starts."""
+    try:
+        with open(text, "rb"):
+            return text
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror}") from None
+
+
+def api_key(text: str) -> str:
+    # An empty key (say --api-key "$KEY" with KEY unset) would leave the API open.
+    if not text:
+        raise argparse.ArgumentTypeError("an empty key would leave the API open; give a key")
+    return text
 
 
 def positive_int(text: str) -> int:

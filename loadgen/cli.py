@@ -19,6 +19,7 @@ import math
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,41 @@ from loadgen.runner import RunPlan, run_conversations, run_once
 from loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
 from loadgen.workers import ClientPool
 from loadgen.workload import LenRange, WorkloadConfig, build_conversations, build_workload
+
+
+def argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type whose ValueError message reaches the user (argparse
+    otherwise says only "invalid parse value")."""
+
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) or f"invalid value {text!r}") from None
+
+    checked.__name__ = parse.__name__
+    return checked
+
+
+def readable_path(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise ValueError(f"no file {text}")
+    return path
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise ValueError(f"must be more than 0, got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"must be 0 or more, got {text}")
+    return value
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -64,15 +100,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="per run (default: 64; with --conversations, conversations x turns)",
     )  # fmt: skip
     work.add_argument(
-        "--input-len", type=LenRange.parse, default=LenRange(128, 128),
+        "--input-len", type=argument(LenRange.parse), default=LenRange(128, 128),
         help="random prompt tokens: N or LOW:HIGH (default: 128)",
     )  # fmt: skip
     work.add_argument(
-        "--output-len", type=LenRange.parse, default=None,
+        "--output-len", type=argument(LenRange.parse), default=None,
         help="output tokens asked for: N or LOW:HIGH (default: 128, or the dataset's)",
     )  # fmt: skip
     work.add_argument("--prompt", default=None, help="one fixed prompt text for every request")
-    work.add_argument("--dataset", type=Path, default=None, help="a .jsonl or ShareGPT .json file")
+    work.add_argument(
+        "--dataset",
+        type=argument(readable_path),
+        default=None,
+        help="a .jsonl or ShareGPT .json file",
+    )
     work.add_argument(
         "--dataset-format", choices=("auto", "jsonl", "sharegpt"), default="auto",
         help="auto: .jsonl is JSONL, anything else ShareGPT (default: auto)",
@@ -124,14 +165,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     load = parser.add_argument_group("arrival")
     load.add_argument(
-        "--request-rate", type=float, default=math.inf,
+        "--request-rate", type=argument(positive), default=math.inf,
         help="Poisson arrivals per second (default: inf, all at once)",
     )  # fmt: skip
     load.add_argument(
-        "--burstiness", type=float, default=1.0,
+        "--burstiness", type=argument(positive), default=1.0,
         help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother",
     )  # fmt: skip
-    load.add_argument("--interval", type=float, default=None, help="fixed gap in seconds instead")
+    load.add_argument(
+        "--interval", type=argument(non_negative), default=None,
+        help="fixed gap in seconds instead",
+    )  # fmt: skip
     load.add_argument(
         "--interval-mode", choices=("absolute", "relative"), default="absolute",
         help="--interval counted from the start (request i at i x S) or from the previous "
@@ -142,9 +186,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     rep = parser.add_argument_group("runs and report")
     rep.add_argument("--warmup-runs", type=int, default=0, help="whole runs not reported")
     rep.add_argument("--repeat-runs", type=int, default=1, help="runs reported, each on its own")
-    rep.add_argument("--slo", type=Slo.parse, default=None, help="goodput SLO: ttft=MS,tpot=MS")
     rep.add_argument(
-        "--sweep", type=Sweep.parse, default=None, help="rate=R1,R2,... or concurrency=C1,C2,..."
+        "--slo", type=argument(Slo.parse), default=None, help="goodput SLO: ttft=MS,tpot=MS"
+    )
+    rep.add_argument(
+        "--sweep",
+        type=argument(Sweep.parse),
+        default=None,
+        help="rate=R1,R2,... or concurrency=C1,C2,...",
     )
     rep.add_argument("--result-json", type=Path, default=None, help="config, summaries, records")
     rep.add_argument("--plot", type=Path, default=None, help="sweep PNG (default: JSON's .png)")

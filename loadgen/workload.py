@@ -49,10 +49,14 @@ class LenRange:
     @classmethod
     def parse(cls, text: str) -> LenRange:
         """``"128"`` -> 128..128, ``"64:256"`` -> 64..256."""
+        bad = f"bad length {text!r}: expected N or LOW:HIGH with 1 <= LOW <= HIGH"
         low, _, high = text.partition(":")
-        lo, hi = int(low), int(high or low)
+        try:
+            lo, hi = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(bad) from None
         if lo < 1 or hi < lo:
-            raise ValueError(f"bad length {text!r}: expected N or LOW:HIGH with 1 <= LOW <= HIGH")
+            raise ValueError(bad)
         return cls(lo, hi)
 
     def draw(self, rng: np.random.Generator, n: int) -> list[int]:

@@ -33,18 +33,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="tokenizer's model (default: the model the engine serves)"
     )
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--min-tokens", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)"
+    )
+    parser.add_argument(
+        "--min-tokens", type=int, default=0, help="tokens before EOS may end it (default: 0)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="0 means greedy (default: 1)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1, off)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k (default: 0)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="default: 0, off")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="repeatable sampling (default: none)"
+    )
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="default: 0")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="default: 0")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="default: 1, off")
     parser.add_argument("--stop-token-ids", type=_int_list, default=(), help="e.g. 2,13")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="go on past EOS to --max-tokens")
     parser.add_argument("--logprobs", type=int, default=None, help="also the top N (0..20)")
     constraint = parser.add_argument_group(
         "structured output (one at most; the engine compiles it, a bad one is refused)"
@@ -73,13 +81,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "refuse all but 0)",
     )
     parser.add_argument("--request-id", default=None, help="default: a random one")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for READY")
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for READY (default: 60)"
+    )
     add_client_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import uuid
 
+    from protocol.address import EngineAddress
     from protocol.client import EngineClient, EngineRequestError
     from protocol.codec import ProtocolError
     from protocol.curve import client_keys_from_args
@@ -88,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print("tandem client: --chat needs --prompt", file=sys.stderr)
         return 2
     try:
+        EngineAddress.parse(args.address)  # a bad one named here, before any socket
         curve = client_keys_from_args(args)
         params = _sampling_params(args)
     except (ValueError, OSError) as exc:

@@ -187,7 +187,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         public, secret = create_key_pair(args.dir, args.name)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a folder it cannot make or write
         print(f"tandem keygen: {exc}", file=sys.stderr)
         return 1
     print(f"public key: {public}\nsecret key: {secret} (keep it private)")

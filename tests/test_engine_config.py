@@ -21,10 +21,71 @@ def test_a_token_budget_below_the_sequence_cap_is_refused() -> None:
     EngineConfig(max_num_seqs=16, max_num_batched_tokens=16)  # equal is fine
 
 
-@pytest.mark.parametrize("name", ["block_size", "max_num_seqs", "max_num_batched_tokens"])
+@pytest.mark.parametrize(
+    "name",
+    ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"],
+)
 def test_limits_must_be_positive(name: str) -> None:
-    with pytest.raises(ValueError, match=f"{name} must be at least 1"):
-        EngineConfig(**{name: 0})
+    flag = "--" + name.replace("_", "-")
+    for value in (0, -1):
+        with pytest.raises(ValueError, match=f"{flag} must be at least 1"):
+            EngineConfig(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("dtype", "float7"), ("device", "tpu"), ("device", "cuda:x")]
+)
+def test_an_unknown_dtype_or_device_is_refused_by_its_flag(field: str, value: str) -> None:
+    with pytest.raises(ValueError, match=f"--{field} {value!r}"):
+        EngineConfig(**{field: value})
+
+
+# Each used to reach the engine process (a traceback, then "the engine process exited before
+# its handshake"), or to start a server that never came up (--max-model-len -1) or came up on
+# another port (--port 99999), or open (--api-key '').
+BAD_SERVE_FLAGS = [
+    (["--max-model-len", "-1"], "--max-model-len must be at least 1"),
+    (["--dtype", "float7"], "--dtype 'float7'"),
+    (["--model", "/nonexistent"], "model path not found: /nonexistent"),
+    (["--model", "random:nope"], "no preset 'nope'"),
+    (["--port", "99999"], "a TCP port is 1 to 65535"),
+    (["--api-key", ""], "an empty key would leave the API open"),
+    (["--chat-template", "/nonexistent"], "cannot read /nonexistent"),
+    (["--log-level", "bogus"], "invalid choice: 'BOGUS'"),
+    (["--engine-timeout", "-1"], "must be more than 0"),
+    (["--max-body-bytes", "-1"], "must be at least 1"),
+]
+
+
+@pytest.mark.parametrize(("flags", "words"), BAD_SERVE_FLAGS, ids=lambda x: str(x))
+def test_serve_refuses_a_bad_flag_at_once_naming_it(flags: list[str], words: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "serve", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "words"),
+    [
+        (["generate", "--prompt", "hi", "--model", "random:nope"], "unknown preset 'nope'"),
+        (["client", "--address", "bogus", "--token-ids", "1"], "must start with ipc:// or tcp://"),
+        (["bench", "--request-rate", "-1"], "--request-rate: must be more than 0"),
+        (["bench", "--input-len", "abc"], "--input-len: bad length 'abc'"),
+    ],
+    ids=lambda x: str(x),
+)
+def test_other_commands_refuse_bad_input_without_a_traceback(
+    command: list[str], words: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", *command],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("command", ["serve", "engine", "generate"])
