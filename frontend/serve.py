@@ -346,8 +346,8 @@ def use_engine_flag(args: argparse.Namespace) -> None:
 
 def port(text: str) -> int:
     value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
+    if not 0 <= value <= 65535:  # 0: a free port the system picks
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
     return value
 
 

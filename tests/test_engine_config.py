@@ -48,7 +48,7 @@ BAD_SERVE_FLAGS = [
     (["--dtype", "float7"], "--dtype 'float7'"),
     (["--model", "/nonexistent"], "model path not found: /nonexistent"),
     (["--model", "random:nope"], "no preset 'nope'"),
-    (["--port", "99999"], "a TCP port is 1 to 65535"),
+    (["--port", "99999"], "a TCP port is 0 to 65535"),
     (["--api-key", ""], "an empty key would leave the API open"),
     (["--chat-template", "/nonexistent"], "cannot read /nonexistent"),
     (["--log-level", "bogus"], "invalid choice: 'BOGUS'"),
