@@ -470,8 +470,14 @@ class EngineConfig:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(MODEL_DTYPES)}")
         if not DEVICE.fullmatch(self.device):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu, cuda or cuda:N")
-        sizes = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
-        for name in (*sizes, "num_kv_blocks"):
+        sizes = (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "num_kv_blocks",
+        )
+        for name in sizes:
             value = getattr(self, name)
             if value is not None and value < 1:
                 flag = "--" + name.replace("_", "-")

@@ -183,12 +183,7 @@ def most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """The error to report: a value that matched none of a union's members fails once per
     member, and the one that reached deepest into the value says what is wrong (an unknown
     content part's type, rather than "Input should be a valid string")."""
-    best: dict[str, Any] = {}
-    for error in errors:
-        depth = len(field_path(error.get("loc", ())))
-        if not best or depth > len(field_path(best.get("loc", ()))):
-            best = error
-    return best
+    return max(errors, key=lambda e: len(field_path(e.get("loc", ()))), default={})
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:

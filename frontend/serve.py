@@ -25,6 +25,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.arg_types import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    readable_file,
+)
+
 if TYPE_CHECKING:
     from frontend.engines import EngineSpec
     from protocol.curve import CurveClientKeys
@@ -351,38 +358,8 @@ def port(text: str) -> int:
     return value
 
 
-def readable_file(text: str) -> str:
-    """A path that names a readable file, checked before any engine starts."""
-    try:
-        with open(text, "rb"):
-            return text
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror}") from None
-
-
 def api_key(text: str) -> str:
     # An empty key (say --api-key "$KEY" with KEY unset) would leave the API open.
     if not text:
         raise argparse.ArgumentTypeError("an empty key would leave the API open; give a key")
     return text
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from common import event_loop
+from common.arg_types import non_negative_float, positive_float, readable_file
 from loadgen.arrival import Arrival
 from loadgen.backends import BACKENDS, Backend, BackendError, Clock, open_backend
 from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
@@ -47,27 +48,6 @@ def argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
     checked.__name__ = parse.__name__
     return checked
-
-
-def readable_path(text: str) -> Path:
-    path = Path(text)
-    if not path.is_file():
-        raise ValueError(f"no file {text}")
-    return path
-
-
-def positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # NaN too
-        raise ValueError(f"must be more than 0, got {text}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise ValueError(f"must be 0 or more, got {text}")
-    return value
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +90,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--prompt", default=None, help="one fixed prompt text for every request")
     work.add_argument(
         "--dataset",
-        type=argument(readable_path),
+        type=readable_file,
         default=None,
         help="a .jsonl or ShareGPT .json file",
     )
@@ -165,15 +145,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     load = parser.add_argument_group("arrival")
     load.add_argument(
-        "--request-rate", type=argument(positive), default=math.inf,
+        "--request-rate", type=positive_float, default=math.inf,
         help="Poisson arrivals per second (default: inf, all at once)",
     )  # fmt: skip
     load.add_argument(
-        "--burstiness", type=argument(positive), default=1.0,
+        "--burstiness", type=positive_float, default=1.0,
         help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother",
     )  # fmt: skip
     load.add_argument(
-        "--interval", type=argument(non_negative), default=None,
+        "--interval", type=non_negative_float, default=None,
         help="fixed gap in seconds instead",
     )  # fmt: skip
     load.add_argument(
@@ -247,7 +227,7 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         input_len=args.input_len,
         output_len=args.output_len,
         prompt=args.prompt,
-        dataset=args.dataset,
+        dataset=None if args.dataset is None else Path(args.dataset),
         dataset_format=args.dataset_format,
         unique_prompts=args.unique_prompts,
         seed=args.seed,

@@ -11,7 +11,7 @@ one bulk copy the Hopper TMA unit does for the whole tile. Whether that closes t
 the benchmark measures; no engine path calls this module.
 
 Only fresh prompts (no cached context, no window, chunk, sinks or FP8 cache), K already rotated.
-The work list is the paged kernel's (prefill_tiles.py), walked from its end as there.
+The work list is the paged kernel's (prefill_tiles.py, ``work_list_row``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ import triton
 import triton.language as tl
 
 from engine_core.attention.prefill_tiles import device_tiles
-from engine_core.attention.triton_kernels import LOG2E, dot_precision, softmax_step
+from engine_core.attention.triton_kernels import (
+    LOG2E,
+    dot_precision,
+    softmax_step,
+    work_list_row,
+)
 
 
 @dataclass(frozen=True)
@@ -53,13 +58,8 @@ def _contiguous_prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    t = tl.num_programs(0) - 1 - tl.program_id(0)
+    named, seq, tile, q_start, q_len = work_list_row(TILES, QSL)
     head = tl.program_id(1)
-    named = tl.load(TILES + 2 * t)
-    seq = tl.maximum(named, 0)
-    tile = tl.load(TILES + 2 * t + 1)
-    q_start = tl.load(QSL + seq)
-    q_len = tl.load(QSL + seq + 1) - q_start
     if named >= 0 and tile * BLOCK_M < q_len:
         kv_col = (head // (HEADS // KV_HEADS)) * HEAD_DIM
         q_desc = tl.make_tensor_descriptor(

@@ -1687,6 +1687,21 @@ def paged_verify_attention(
 # ---- varlen prefill attention over the paged cache ---------------------------------------------
 
 
+@triton.jit
+def work_list_row(TILES, QSL):
+    """This program's row of a prefill step's tile list (prefill_tiles.py): the sequence as
+    named (-1: a CUDA graph's padding row), the sequence to read (0 for padding), its query
+    tile, and its query start and length. The list is walked from its end: a sequence's last
+    tiles see the most keys, so they start first and the short ones fill the last wave."""
+    t = tl.num_programs(0) - 1 - tl.program_id(0)
+    named = tl.load(TILES + 2 * t)
+    seq = tl.maximum(named, 0)
+    tile = tl.load(TILES + 2 * t + 1)
+    q_start = tl.load(QSL + seq)
+    q_len = tl.load(QSL + seq + 1) - q_start
+    return named, seq, tile, q_start, q_len
+
+
 # stride_bt is the step's widest block table, which an eager step (over the prefill graphs'
 # bounds) packs at its own width: specialized on it, the kernel compiled a new variant whenever a
 # width class (1, a multiple of 16, other) first came up while serving, a stall of hundreds of
@@ -1736,17 +1751,10 @@ def _prefill_kernel(
     MIN_QUERY: tl.constexpr = 1,  # 2: one-token sequences are the decode kernel's (MIXED)
     HAS_KEY_ENDS: tl.constexpr = False,  # rows that see past themselves (Gemma 3's images)
 ):
-    # Row t of the tile list (prefill_tiles.py): this program's sequence and query tile; a
-    # padding row (sequence -1, a CUDA graph's), or a sequence of fewer than MIN_QUERY new
-    # tokens, has nothing to do. The list is walked from its end: a sequence's last tiles see
-    # the most keys, so they start first and the short ones fill the last wave.
-    t = tl.num_programs(0) - 1 - tl.program_id(0)
+    # A padding row of the tile list, or a sequence of fewer than MIN_QUERY new tokens, has
+    # nothing to do.
+    named, seq, tile, q_start, q_len = work_list_row(TILES, QSL)
     head = tl.program_id(1)
-    named = tl.load(TILES + 2 * t)
-    seq = tl.maximum(named, 0)
-    tile = tl.load(TILES + 2 * t + 1)
-    q_start = tl.load(QSL + seq)
-    q_len = tl.load(QSL + seq + 1) - q_start
     if named >= 0 and tile * BLOCK_M < q_len and q_len >= MIN_QUERY:
         seq_len = tl.load(SL + seq)
         context = seq_len - q_len  # tokens before this chunk (prefix cache, earlier chunks)
