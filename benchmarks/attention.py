@@ -11,7 +11,7 @@ and with those pages attended once for all rows (the shared-prefix kernel; with 
 its launch's cost), then, with ``--splits``, at the context splits asked for, and with
 ``--longest-first`` each of those with the sequences launched longest first, and with
 ``--mixed-slots`` as a mixed step's launch (the rows beside a prompt, among a prefill graph's
-sequence slots). The cache is bf16 in 16-token pages scattered at random. Each row:
+sequence slots). The cache is bf16 in pages of --page-size tokens scattered at random. Each row:
 microseconds a call (median of CUDA-event timings; with ``--graph`` a decode call's share of
 one CUDA graph of many calls, gemm.py's graph_us: no launch gaps, as in the engine's decode
 steps), TFLOP/s for prefill (causal: each new token over its context and the new tokens up to
@@ -19,11 +19,11 @@ it), GB/s of K/V the rows read for decode (a shared page counted once per row: a
 memory's bandwidth where pages come from L2).
 The engine's launch shape first, then, with ``--sweep``, every shape of the grid below (the way
 the shapes in triton_kernels.py were chosen); a shape that cannot launch prints its error
-instead of figures. Fresh prompts also run through torch's SDPA (flash attention over
-contiguous K/V, no pages) for scale, and with ``--contiguous`` through the paged kernel over
-pages laid in order and the experimental contiguous-K/V kernel (TMA descriptor loads of the
-step's own K/V; engine_core/attention/contiguous_prefill.py) at each of its launch shapes, its
-output checked against the paged kernel's where every prompt fills whole pages.
+instead of figures. Fresh prompts also run through torch's flash attention for scale: SDPA a
+prompt at a time (cuDNN's kernel on Hopper) and the varlen FlashAttention 2 forward over the
+step, Q, K and V read in place from a projection-shaped buffer. With ``--page-size 32`` (or a
+multiple) the engine's launch loads each key tile from a page through a tensor (TMA) descriptor,
+and the pointer-load kernel the engine takes for smaller pages runs beside it on the same cache.
 
 With ``--peer`` (vLLM importable, e.g. its bundle first on PYTHONPATH: ``PYTHONPATH=/tmp/vsite:.``)
 each decode case also runs through vLLM's FlashAttention 3 as vLLM 0.26's decode step calls it
@@ -47,7 +47,7 @@ from benchmarks.report import Provenance, write_json
 
 PAGE = 16
 PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "warps": (4, 8), "stages": (2, 3)}
-CONTIGUOUS_SWEEP = {"block_m": (64, 128), "block_n": (64, 128), "warps": (4, 8), "stages": (2, 3)}
+TMA_PAGE_KEYS = 32  # triton_kernels.TMA_PAGE_KEYS, not imported: this module imports no triton
 DECODE_SWEEP = {"block_n": (32, 64, 128), "warps": (4, 8), "stages": (2, 3, 4), "kv": (1, 2)}
 
 
@@ -73,11 +73,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time every launch shape")
     parser.add_argument(
-        "--contiguous",
-        action="store_true",
-        help="fresh prefill cases also through the paged kernel over pages in order and the "
-        "contiguous-K/V kernel (engine_core/attention/contiguous_prefill.py) at each shape",
-    )
+        "--page-size", type=int, default=PAGE,
+        help=f"tokens a page of the cache (the engine's --block-size; default: {PAGE}); at "
+        f"{TMA_PAGE_KEYS} tokens or a multiple, prefill cases also run through the pointer-load "
+        "kernel the engine takes below that",
+    )  # fmt: skip
     parser.add_argument(
         "--splits",
         default="",
@@ -151,6 +151,7 @@ def paged_cache(
     shared: int = 0,
     table_tokens: int = 0,
     in_order: bool = False,
+    page: int = PAGE,
 ) -> dict[str, Any]:
     """K/V caches with every sequence's pages at random places, and their block tables (as
     wide as the longest row, or ``table_tokens``: the engine's are max-model-len wide, and the
@@ -158,15 +159,15 @@ def paged_cache(
     first row's in every row. ``in_order``: each sequence's pages one after another instead."""
     import torch
 
-    pages = [-(-s // PAGE) for s in seq_lens]
-    k = torch.randn(sum(pages) + 1, PAGE, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    pages = [-(-s // page) for s in seq_lens]
+    k = torch.randn(sum(pages) + 1, page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     shuffle = torch.arange if in_order else torch.randperm
     order = (shuffle(sum(pages), device="cuda") + 1).to(torch.int32)
-    width = max(*pages, -(-table_tokens // PAGE))
+    width = max(*pages, -(-table_tokens // page))
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device="cuda")
     for row, start in enumerate(itertools.accumulate([0, *pages[:-1]])):
         tables[row, : pages[row]] = order[start : start + pages[row]]
-    tables[:, : shared // PAGE] = tables[0, : shared // PAGE].clone()
+    tables[:, : shared // page] = tables[0, : shared // page].clone()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return {"k": k, "v": torch.randn_like(k), "tables": tables, "lens": lens}
 
@@ -174,9 +175,18 @@ def paged_cache(
 def prefill_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[str, Any]]:
     import torch
 
-    from engine_core.attention.triton_kernels import PrefillLaunch, paged_prefill_attention
+    from engine_core.attention.triton_kernels import (
+        PrefillLaunch,
+        paged_prefill_attention,
+        prefill_launch,
+    )
 
+    # Pages of whole key tiles take descriptor loads in the engine's launch; the pointer-load
+    # kernel at its own engine shape beside them, for scale.
+    pointer_launch = prefill_launch(shape["d"], kv_fp8=False)
     launches: list[PrefillLaunch | None] = [None]
+    if args.page_size % TMA_PAGE_KEYS == 0:
+        launches.append(pointer_launch)
     if args.sweep:
         grid = itertools.product(*PREFILL_SWEEP.values())
         launches += [PrefillLaunch(bn, w, st, bm) for bm, bn, w, st in grid]
@@ -184,86 +194,75 @@ def prefill_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[s
     for case in filter(None, args.prefill.split(",")):
         new, context = parse_prefill(case)
         seq_lens = [n + c for n, c in zip(new, context, strict=True)]
-        cache = paged_cache(seq_lens, shape["kv"], shape["d"])
+        cache = paged_cache(seq_lens, shape["kv"], shape["d"], page=args.page_size)
         q = torch.randn(sum(new), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
         starts = torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32, device="cuda")
         flops = prefill_flops(new, context, shape["heads"], shape["d"])
         args_ = (q, cache["k"], cache["v"], cache["tables"], cache["lens"], starts, max(new))
         for launch in launches:
             label = "engine's" if launch is None else launch_label(launch)
+            if launch is not None and launch == pointer_launch:
+                label = "pointer loads, the engine's shape"
             call = functools.partial(
-                paged_prefill_attention, *args_, shape["d"] ** -0.5, launch=launch
+                paged_prefill_attention,
+                *args_,
+                shape["d"] ** -0.5,
+                launch=launch,
+                tiles=step_tiles(starts, launch and launch.block_m),
             )
             rows.append({"case": case, "kernel": label} | timed(call, args, flops))
         if not any(context):
-            sdpa = sdpa_call(q, starts, shape)
-            rows.append({"case": case, "kernel": "torch sdpa"} | timed(sdpa, args, flops))
-        if args.contiguous and not any(context):
-            rows += contiguous_rows(case, q, starts, seq_lens, shape, args, flops)
+            rows += torch_flash_rows(case, starts, shape, args, flops)
     return rows
 
 
-def contiguous_rows(
-    case: str,
-    q: Any,
-    starts: Any,
-    seq_lens: list[int],
-    shape: dict[str, int],
-    args: argparse.Namespace,
-    flops: float,
-) -> list[dict[str, Any]]:
-    """A fresh case read through the paged kernel over pages laid in order (what the gather of
-    scattered pages costs) and through the contiguous-K/V kernel at each CONTIGUOUS_SWEEP shape
-    (what descriptor loads of the step's own K/V reach); its output checked against the paged
-    kernel's on the same K/V."""
-    import torch
+def step_tiles(starts: Any, block_m: int | None = None) -> Any:
+    """The step's work list, built once as the engine builds it once a step (a kernel called
+    without one works it out on the host each call, which the timings must not include)."""
+    from engine_core.attention.prefill_tiles import device_tiles
 
-    from engine_core.attention.contiguous_prefill import (
-        ContiguousLaunch,
-        contiguous_prefill_attention,
-    )
-    from engine_core.attention.triton_kernels import paged_prefill_attention
-
-    scale = shape["d"] ** -0.5
-    cache = paged_cache(seq_lens, shape["kv"], shape["d"], in_order=True)
-    paged = (q, cache["k"], cache["v"], cache["tables"], cache["lens"], starts, max(seq_lens))
-    call = functools.partial(paged_prefill_attention, *paged, scale)
-    rows = [{"case": case, "kernel": "engine's, pages in order"} | timed(call, args, flops)]
-    # The same keys as the step's contiguous tensors: where every length fills whole pages, the
-    # in-order pages' rows are the step's tokens one after another.
-    k = cache["k"][1:].flatten(0, 1)[: q.shape[0]].contiguous()
-    v = cache["v"][1:].flatten(0, 1)[: q.shape[0]].contiguous()
-    want = call() if all(n % PAGE == 0 for n in seq_lens) else None
-    for bm, bn, warps, stages in itertools.product(*CONTIGUOUS_SWEEP.values()):
-        launch = ContiguousLaunch(bm, bn, warps, stages)
-        label = f"contiguous K/V, bm {bm} bn {bn} w {warps} st {stages}"
-        run = functools.partial(contiguous_prefill_attention, q, k, v, starts, scale, launch)
-        row = {"case": case, "kernel": label} | timed(run, args, flops)
-        if want is not None and "error" not in row:
-            row["max_diff"] = (run() - want).abs().max().item()
-        rows.append(row)
-    torch.cuda.synchronize()
-    return rows
+    return device_tiles(starts.tolist(), starts.device, block_m)
 
 
 def launch_label(launch: Any) -> str:
     return f"bm {launch.block_m} bn {launch.block_n} w {launch.num_warps} st {launch.num_stages}"
 
 
-def sdpa_call(q: Any, starts: Any, shape: dict[str, int]) -> Any:
-    """torch's SDPA over each fresh prompt, K/V contiguous (random: only its time is read)."""
+def torch_flash_rows(
+    case: str, starts: Any, shape: dict[str, int], args: argparse.Namespace, flops: float
+) -> list[dict[str, Any]]:
+    """A fresh case through torch's flash attention, Q, K and V read in place from one
+    projection-shaped buffer [tokens, (heads + 2 kv heads) x dim]: SDPA a prompt at a time, and
+    the varlen forward (FlashAttention 2) over the whole step in one call, its output checked
+    against SDPA's."""
     import torch
     import torch.nn.functional as F
 
-    k = torch.randn(q.shape[0], shape["kv"], shape["d"], device="cuda", dtype=q.dtype)
+    tokens, d = int(starts[-1]), shape["d"]
+    widths = [shape["heads"] * d, shape["kv"] * d, shape["kv"] * d]
+    qkv = torch.randn(tokens, sum(widths), device="cuda", dtype=torch.bfloat16)
+    q, k, v = (part.view(tokens, -1, d) for part in qkv.split(widths, dim=1))
     bounds = list(itertools.pairwise(starts.tolist()))
+    longest = max(b - a for a, b in bounds)
 
-    def call() -> None:
+    def sdpa() -> Any:
+        outs = []
         for a, b in bounds:
-            heads = [t[a:b].transpose(0, 1)[None] for t in (q, k, k)]
-            F.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=True)
+            heads = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=True)
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs)
 
-    return call
+    def varlen() -> Any:
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, starts, starts, longest, longest, 0.0, True, False, scale=d**-0.5
+        )[0]
+
+    rows = [{"case": case, "kernel": "torch sdpa"} | timed(sdpa, args, flops)]
+    row = {"case": case, "kernel": "torch flash varlen, K/V in place"} | timed(varlen, args, flops)
+    if "error" not in row:
+        row["max_diff"] = (varlen() - sdpa()).abs().max().item()
+    return [*rows, row]
 
 
 def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[str, Any]]:
@@ -278,10 +277,13 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
     splits = [int(n) for n in args.splits.split(",") if n]
     for case in filter(None, args.decode.split(",")):
         lens, shared = parse_decode(case)
-        cache = paged_cache(lens, shape["kv"], shape["d"], shared, args.max_model_len)
+        cache = paged_cache(
+            lens, shape["kv"], shape["d"], shared, args.max_model_len, page=args.page_size
+        )
         q = torch.randn(len(lens), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
         kv_bytes = 4 * sum(lens) * shape["kv"] * shape["d"]  # K and V, two bytes each
-        pages = torch.tensor([shared // PAGE * PAGE, 0], dtype=torch.int32, device="cuda")
+        page = args.page_size
+        pages = torch.tensor([shared // page * page, 0], dtype=torch.int32, device="cuda")
         # The engine's launch as it stands, then with the shared pages attended once for all
         # rows (the engine's choice where a step has them; with none shared, the cost of the
         # extra launch a decode graph captures), then at the splits asked for, then launched
@@ -386,7 +388,8 @@ def _peer_decode_call(q: Any, cache: dict[str, Any], shape: dict[str, int]) -> A
     metadata = get_scheduler_metadata(
         batch_size=batch, max_seqlen_q=1, max_seqlen_k=longest, num_heads_q=shape["heads"],
         num_heads_kv=shape["kv"], headdim=shape["d"], cache_seqlens=lens,
-        qkv_dtype=q.dtype, cu_seqlens_q=starts, page_size=PAGE, causal=True,
+        qkv_dtype=q.dtype, cu_seqlens_q=starts, page_size=cache["k"].shape[1],
+        causal=True,
         num_splits=PEER_MAX_SPLITS,
     )  # fmt: skip
     out = torch.empty_like(q)  # the call returns it
@@ -440,7 +443,8 @@ def run(args: argparse.Namespace) -> int:
     header = Provenance.here(args.argv)
     print(header.format())
     shape = attention_shape(args.model)
-    print(f"heads {shape['heads']}, kv heads {shape['kv']}, head dim {shape['d']}, pages {PAGE}")
+    heads = f"heads {shape['heads']}, kv heads {shape['kv']}, head dim {shape['d']}"
+    print(f"{heads}, pages of {args.page_size}")
     prefill = prefill_rows(args, shape)
     print_rows(prefill, "tflops")
     decode = decode_rows(args, shape)

@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from protocol.messages import LoraRef
 
 PATHS = ("inproc", "zmq")
-BLOCK_SIZE = 16
 DEFAULT_LORA_RANK = 16
 
 
@@ -165,13 +164,13 @@ def engine_config(name: str, work: Workload, args: argparse.Namespace) -> Any:
     from engine_core.config import EngineConfig
     from engine_core.presets import PRESETS
 
-    per_seq = -(-(work.prompt_len + work.output_len) // BLOCK_SIZE) + 1
+    per_seq = -(-(work.prompt_len + work.output_len) // args.block_size) + 1
     optional = {"gpu_memory_utilization": args.gpu_memory_utilization}
     return EngineConfig(
         model=f"random:{name}",
         device=args.device,
         max_model_len=min(4096, PRESETS[name].max_position_embeddings),
-        block_size=BLOCK_SIZE,
+        block_size=args.block_size,
         num_kv_blocks=2 * work.num_requests * per_seq,
         max_num_seqs=work.num_requests,
         max_num_batched_tokens=max(8192, work.num_requests * work.prompt_len // 2),
@@ -504,6 +503,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "compressed-tensors layout (128-column groups where they divide the inputs)",
     )  # fmt: skip
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    parser.add_argument(
+        "--block-size", type=int, default=16,
+        help="tokens a KV-cache block (default: %(default)s, the engine's)",
+    )  # fmt: skip
     parser.add_argument(
         "--routing", choices=("model", "uniform"), default="model",
         help="mixtures of experts: the random routers' own choices, or uniformly random top-k "

@@ -176,6 +176,7 @@ def graphs_on_random_model(
     max_num_seqs: int,
     max_prefill_tokens: int = 0,
     extend_prefill_to: int = 0,
+    block_size: int = BLOCK_SIZE,
 ) -> GraphsOnRandomModel:
     from engine_core.attention.triton_backend import TritonBackend
     from engine_core.presets import build_random_model
@@ -183,7 +184,7 @@ def graphs_on_random_model(
     device = torch.device("cuda")
     model, config = build_random_model(preset, device, torch.bfloat16, seed=seed)
     cache = torch.randn(
-        config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
+        config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
         device=device,
     ).to(torch.bfloat16)  # fmt: skip
     for i, layer in enumerate(model.attention_layers()):
@@ -194,7 +195,7 @@ def graphs_on_random_model(
         backend,
         max_num_seqs=max_num_seqs,
         max_model_len=MAX_MODEL_LEN,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         hidden_size=config.hidden_size,
         dtype=torch.bfloat16,
         device=device,
@@ -230,7 +231,7 @@ def check_replay_equals_eager(
     assert torch.isfinite(replayed).all()
     err = ((replayed - eager).norm() / eager.norm()).item()
     assert err < tolerance, f"{label}: graph vs eager relative error {err:.2e}"
-    num_slots = cache.shape[2] * BLOCK_SIZE
+    num_slots = cache.shape[2] * cache.shape[3]
     written = torch.zeros(num_slots, dtype=torch.bool, device=cache.device)
     written[meta.slot_mapping] = True
     flat = (on.config.num_layers, 2, num_slots, -1)
@@ -280,17 +281,18 @@ def mixed_step(
     rng: random.Random,
     vocab: int,
     device: torch.device,
+    block_size: int = BLOCK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One step over sequences given as (context already cached, new tokens): whole prompts
     (context 0), prefix-cached prompts and chunks (context > 0), decodes (1 new token)."""
     seq_lens = [context + new for context, new in specs]
-    width = max(-(-s // BLOCK_SIZE) for s in seq_lens)
+    width = max(-(-s // block_size) for s in seq_lens)
     tables = torch.tensor(rng.sample(range(num_blocks), len(specs) * width), dtype=torch.int32)
     tables = tables.view(len(specs), width)
     positions = torch.cat([torch.arange(c, c + n) for c, n in specs])
     seq_of_row = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(specs)])
-    slots = tables[seq_of_row, positions // BLOCK_SIZE].long() * BLOCK_SIZE
-    slots += positions % BLOCK_SIZE
+    slots = tables[seq_of_row, positions // block_size].long() * block_size
+    slots += positions % block_size
     starts = [0]
     for _, n in specs:
         starts.append(starts[-1] + n)
@@ -329,23 +331,26 @@ PREFILL_STEPS = [
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("preset", ["smollm2-135m", "gpt2"])
-def test_prefill_graph_replay_equals_eager(preset: str) -> None:
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_graph_replay_equals_eager(preset: str, block_size: int) -> None:
+    """Pages of 32 tokens: the prompt rows attend through descriptor loads, in the graphs too."""
     num_blocks = 512
     on = graphs_on_random_model(
-        preset, seed=4, num_blocks=num_blocks, max_num_seqs=GRAPH_SEQS, max_prefill_tokens=256
-    )
+        preset, seed=4, num_blocks=num_blocks, max_num_seqs=GRAPH_SEQS, max_prefill_tokens=256,
+        block_size=block_size,
+    )  # fmt: skip
     assert sorted(on.graphs.prefill_graphs) == [16, 32, 64, 128, 256]
     rng = random.Random(1)
     vocab, device = on.config.vocab_size, on.cache.device
     for specs in PREFILL_STEPS:
-        ids, positions, meta = mixed_step(specs, num_blocks, rng, vocab, device)
+        ids, positions, meta = mixed_step(specs, num_blocks, rng, vocab, device, block_size)
         assert on.graphs.can_run(meta), specs
         check_replay_equals_eager(on, ids, positions, meta, str(specs))
     # Steps past the graphs' bounds run eagerly.
     too_many_seqs = [(0, 2)] * (GRAPH_SEQS + 1)
     too_many_tokens = [(0, 257)]
     for specs in (too_many_seqs, too_many_tokens):
-        _, _, meta = mixed_step(specs, num_blocks, rng, vocab, device)
+        _, _, meta = mixed_step(specs, num_blocks, rng, vocab, device, block_size)
         assert not on.graphs.can_run(meta)
 
 

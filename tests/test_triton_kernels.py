@@ -14,7 +14,6 @@ is unreliable, hence float32 there)::
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -617,59 +616,94 @@ def test_prefill_matches_reference(
     assert_close(out, reference_attention(batch, scale))
 
 
-def causal_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]
-) -> torch.Tensor:
-    """Each sequence's causal attention over its own tokens, in float32, GQA by repetition."""
-    group = q.shape[1] // k.shape[1]
-    q, k, v = (
-        q.float(),
-        k.float().repeat_interleave(group, 1),
-        v.float().repeat_interleave(group, 1),
-    )
-    out = torch.empty_like(q)
-    for a, b in itertools.pairwise([0, *itertools.accumulate(lens)]):
-        scores = torch.einsum("thd,shd->hts", q[a:b], k[a:b]) * q.shape[2] ** -0.5
-        causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
-        weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        out[a:b] = torch.einsum("hts,shd->thd", weights, v[a:b])
-    return out
+TMA_SHAPES = [(8, 2, 64), (8, 2, 128)] if INTERPRET else [(32, 8, 128), (32, 8, 64), (8, 8, 128)]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("launch", [(64, 32, 4, 2), (128, 64, 8, 3)], ids=str)
-def test_contiguous_prefill_matches_causal_attention(
-    launch: tuple[int, int, int, int], head_dim: int
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), TMA_SHAPES)
+@pytest.mark.parametrize("graph_rows", [0, 5])
+def test_descriptor_load_prefill_matches_reference(
+    block_size: int, heads: int, kv_heads: int, head_dim: int, graph_rows: int
 ) -> None:
-    """The experimental contiguous-K/V kernel: prompts shorter than a tile, spanning several,
-    of one token; GQA 8 / 2."""
-    from engine_core.attention.contiguous_prefill import (
-        ContiguousLaunch,
-        contiguous_prefill_attention,
-    )
+    """The descriptor-load prefill kernel over pages of whole key tiles: prompts fresh and
+    after cached context, shorter than a tile and spanning pages, Q a strided view of the qkv
+    projection; with a prefill graph's padding (rows no program visits stay zeros)."""
+    from engine_core.attention.triton_kernels import tma_page_prefill_attention
 
-    torch.manual_seed(0)
-    lens = [5, 130, 64, 1, 200]
-    q = torch.randn(sum(lens), 8, head_dim, device=DEVICE, dtype=DTYPE)
-    k = torch.randn(sum(lens), 2, head_dim, device=DEVICE, dtype=DTYPE)
-    v = torch.randn_like(k)
-    starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
-    out = contiguous_prefill_attention(q, k, v, starts, head_dim**-0.5, ContiguousLaunch(*launch))
-    assert_close(out.float(), causal_reference(q, k, v, lens))
+    specs = PREFILL_SPECS if INTERPRET else [*PREFILL_SPECS, (37, 300), (64, 64)]
+    batch = make_batch(specs, heads, kv_heads, head_dim, block_size, seed=head_dim + block_size)
+    meta = batch.meta
+    q = qkv_views_and_angles(batch, partial=False, seed=1)[0]
+    scale = head_dim**-0.5
+    ref = reference_attention(batch, scale)
+    out = poisoned(q)
+    if graph_rows:
+        meta, q = padded_like_a_graph(meta, q, graph_rows, sequences=2)
+        out = torch.zeros_like(q)
+    out = tma_page_prefill_attention(
+        q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, scale, out,
+    )  # fmt: skip
+    tokens = ref.shape[0]
+    assert_close(out[:tokens], ref)
+    assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))
 
 
-def test_the_contiguous_kernel_refuses_what_it_does_not_serve() -> None:
-    from engine_core.attention.contiguous_prefill import contiguous_prefill_attention
+def test_descriptor_load_prefill_leaves_one_token_sequences_alone() -> None:
+    """skip_decodes: the rows of one-token sequences keep what the decode kernel wrote there
+    (here: poison); the prompt rows equal the reference's."""
+    from engine_core.attention.triton_kernels import tma_page_prefill_attention
 
-    kv = torch.randn(4, 2, 64, device=DEVICE, dtype=DTYPE)
+    heads, kv_heads, head_dim = TMA_SHAPES[0]
+    batch = make_batch(MIXED_SPECS, heads, kv_heads, head_dim, 32, seed=51)
+    meta, scale = batch.meta, head_dim**-0.5
+    ref = reference_attention(batch, scale)
+    out = tma_page_prefill_attention(
+        batch.q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, scale, poisoned(batch.q), skip_decodes=True,
+    )  # fmt: skip
+    lens = torch.tensor(meta.query_start_loc_cpu).diff()
+    prompt_rows = torch.repeat_interleave(lens > 1, lens).to(DEVICE)
+    assert_close(out[prompt_rows], ref[prompt_rows])
+    assert out[~prompt_rows].isnan().all()
+
+
+@pytest.mark.skipif(INTERPRET, reason="descriptor loads need a GPU with TMA")
+def test_the_engine_launch_takes_descriptor_loads_only_where_the_cache_allows() -> None:
+    """Pages of 32 tokens or a multiple, bf16, heads of 128, contiguous caches:
+    tma_pages_serve; pages of 16, an FP8 cache, heads of 64 or 96 or a cache whose kv heads are
+    not dense in a page: not."""
+    from engine_core.attention.triton_kernels import tma_pages_serve
+
+    def cache(page: int, head_dim: int = 128, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+        return torch.zeros(4, page, 2, head_dim, device=DEVICE).to(dtype)
+
+    q = torch.zeros(8, 8, 128, device=DEVICE, dtype=DTYPE)
+    assert tma_pages_serve(q, cache(32), cache(32), None)
+    assert tma_pages_serve(q, cache(64), cache(64), torch.zeros_like(q))
+    assert not tma_pages_serve(q, cache(16), cache(16), None)
+    fp8 = cache(32, dtype=torch.float8_e4m3fn)
+    assert not tma_pages_serve(q, fp8, fp8, None)
+    for head_dim in (64, 96):
+        q_small = torch.zeros(8, 8, head_dim, device=DEVICE, dtype=DTYPE)
+        assert not tma_pages_serve(q_small, cache(32, head_dim), cache(32, head_dim), None)
+    heads_outer = torch.zeros(4, 2, 32, 128, device=DEVICE, dtype=DTYPE).transpose(1, 2)
+    assert not tma_pages_serve(q, heads_outer, heads_outer, None)
+
+
+def test_descriptor_load_prefill_refuses_pages_it_cannot_read() -> None:
+    from engine_core.attention.triton_kernels import tma_page_prefill_attention
+
+    q = torch.zeros(4, 8, 128, device=DEVICE, dtype=DTYPE)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([4], dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(4, 8, 64, device=DEVICE, dtype=DTYPE)
+    small = torch.zeros(2, 16, 2, 128, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="pages of 16"):
+        tma_page_prefill_attention(q, small, small, tables, lens, starts, 1.0)
+    strided = torch.zeros(2, 2, 32, 128, device=DEVICE, dtype=DTYPE).transpose(1, 2)
     with pytest.raises(ValueError, match="contiguous"):
-        contiguous_prefill_attention(
-            q, kv.transpose(0, 1).contiguous().transpose(0, 1), kv, starts, 1.0
-        )
-    with pytest.raises(ValueError, match="head dim 96"):
-        contiguous_prefill_attention(q.new_zeros(4, 8, 96), kv, kv, starts, 1.0)
+        tma_page_prefill_attention(q, strided, strided, tables, lens, starts, 1.0)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
@@ -791,17 +825,23 @@ def decode_arguments_seen(
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("graph_rows", [0, 5])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_a_mixed_step_attends_its_decodes_through_the_decode_kernel(
-    monkeypatch: pytest.MonkeyPatch, window: int | None, sinks: bool, graph_rows: int
+    monkeypatch: pytest.MonkeyPatch,
+    window: int | None,
+    sinks: bool,
+    graph_rows: int,
+    block_size: int,
 ) -> None:
     """An eager step with MIXED_DECODE_ROWS or more one-token sequences, and a prefill graph's
     step (``graph_rows`` padding rows and two padding sequences, as cuda_graph.py pads them):
     the decode kernel attends the one-token sequences wherever they sit, the prefill kernel the
-    rest; the output equals the reference's, and the padding rows are zeros."""
+    rest (over pages of 32 on a GPU, through descriptor loads where neither window nor sinks
+    are asked for); the output equals the reference's, and the padding rows are zeros."""
     from engine_core.attention import triton_backend
 
     heads, kv_heads, head_dim = HEAD_SHAPES[-1]
-    batch = make_batch(MIXED_SPECS, heads, kv_heads, head_dim, BLOCK_SIZES[0], seed=31)
+    batch = make_batch(MIXED_SPECS, heads, kv_heads, head_dim, block_size, seed=31)
     meta, q = batch.meta, batch.q
     assert meta.num_decode_rows == 10 >= triton_backend.MIXED_DECODE_ROWS
     sink_logits = torch.randn(heads, generator=torch.Generator().manual_seed(3)).to(DEVICE)

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from engine_core.attention.base import is_fp8_cache
 from engine_core.attention.prefill_tiles import device_tiles, prefill_block_m
+from engine_core.triton_descriptors import use_descriptor_scratch
 from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release
 
 LOG2E = 1.4426950408889634
@@ -1896,6 +1897,14 @@ def paged_prefill_attention(
             f"{list(key_ends.shape)} {key_ends.dtype}"
         )
     kv_fp8 = is_fp8_cache(k_cache)
+    # The engine's launch (none asked for) of a plain causal call takes descriptor loads where
+    # the cache allows them.
+    plain = sliding_window is None and sinks is None and attention_chunk is None
+    if launch is None and plain and key_ends is None and tma_pages_serve(q, k_cache, v_cache, out):
+        return tma_page_prefill_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, tiles,
+            skip_decodes=skip_decodes,
+        )  # fmt: skip
     launch = launch or prefill_launch(head_dim, kv_fp8)
     block_m = launch.block_m or prefill_block_m(num_tokens)
     if tiles is None:  # the direct call of a test: work the list out here (a device sync)
@@ -1946,6 +1955,169 @@ def paged_prefill_attention(
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
+    return out
+
+
+# Keys a tile of the descriptor-load prefill kernel: it serves caches whose pages hold a whole
+# number of such tiles (block size 32, 64, ...), each tile one load from one page.
+TMA_PAGE_KEYS = 32
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_ready(t: torch.Tensor, rows_stride: int) -> bool:
+    """A descriptor's base and its outer stride in 16-byte units, its last dimension dense."""
+    width = t.element_size()
+    return t.data_ptr() % 16 == 0 and rows_stride * width % 16 == 0 and t.stride(-1) == 1
+
+
+def tma_pages_serve(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None
+) -> bool:
+    """Whether the engine's launch of a plain causal prefill (no window, chunk, sinks or key
+    ends; the caller checks those) takes ``tma_page_prefill_attention``: on a GPU with TMA
+    (sm_90+), bf16 or fp16, heads of 128 (K and V alike; at 64, llama-1b's, the pointer loads
+    were 10% faster than a first version of this kernel, not measured since), pages of a
+    multiple of TMA_PAGE_KEYS, contiguous caches (one descriptor over all pages' rows), and Q
+    rows of dense heads."""
+    _, page, kv_heads, head_dim = k_cache.shape
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or not _has_tma(q.device):
+        return False
+    if head_dim != 128 or page % TMA_PAGE_KEYS or k_cache.dtype != q.dtype:
+        return False
+    for cache in (k_cache, v_cache):
+        if cache.shape != k_cache.shape or not cache.is_contiguous():
+            return False
+        if not _tma_ready(cache, kv_heads * head_dim):
+            return False
+    dense_out = out is None or out.stride()[1:] == (head_dim, 1)
+    return q.stride(1) == head_dim and _tma_ready(q, q.stride(0)) and dense_out
+
+
+@triton.jit(do_not_specialize=["num_tokens", "stride_bt"])
+def _tma_page_prefill_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    SL,
+    QSL,
+    TILES,
+    Out,
+    scale_log2,
+    num_tokens,
+    cache_rows,
+    stride_qt,
+    stride_bt,
+    stride_ot,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MIN_QUERY: tl.constexpr,
+):
+    # _prefill_kernel's work (plain causal attention over the cache), its Q tile and each key
+    # tile one descriptor load: a key tile lies inside one page, the cache's rows one after
+    # another ([cache_rows, kv heads x head dim]). (A descriptor over [blocks, page, ...] with
+    # [1, BLOCK_N, HEAD_DIM] boxes costs a reshape of each tile: 15% slower at 3,600 tokens.)
+    named, seq, tile, q_start, q_len = work_list_row(TILES, QSL)
+    head = tl.program_id(1)
+    if named >= 0 and tile * BLOCK_M < q_len and q_len >= MIN_QUERY:
+        seq_len = tl.load(SL + seq)
+        context = seq_len - q_len
+        kv_col = head // (HEADS // KV_HEADS) * HEAD_DIM
+        q_desc = tl.make_tensor_descriptor(
+            Q, [num_tokens, HEADS * HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM]
+        )
+        rows_shape = [cache_rows, KV_HEADS * HEAD_DIM]
+        k_desc = tl.make_tensor_descriptor(
+            KC, rows_shape, [KV_HEADS * HEAD_DIM, 1], [BLOCK_N, HEAD_DIM]
+        )
+        v_desc = tl.make_tensor_descriptor(
+            VC, rows_shape, [KV_HEADS * HEAD_DIM, 1], [BLOCK_N, HEAD_DIM]
+        )
+        first = tile * BLOCK_M
+        # Rows past the sequence's end are the next sequence's (or the descriptor's zero fill):
+        # their outputs are not stored.
+        q = q_desc.load([q_start + first, head * HEAD_DIM])
+        q_pos = context + first + tl.arange(0, BLOCK_M)
+        bt_row = BT + seq.to(tl.int64) * stride_bt
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # Key tiles at or before the tile's first row are seen by every row: no mask.
+        masked_from = (context + first + 1) // BLOCK_N * BLOCK_N
+        for n0 in range(0, masked_from, BLOCK_N):
+            row = tl.load(bt_row + n0 // PAGE) * PAGE + n0 % PAGE
+            k = k_desc.load([row, kv_col])
+            v = v_desc.load([row, kv_col])
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
+        hi = tl.minimum(seq_len, context + first + BLOCK_M)
+        for n0 in range(masked_from, hi, BLOCK_N):
+            row = tl.load(bt_row + n0 // PAGE) * PAGE + n0 % PAGE
+            offs = n0 + tl.arange(0, BLOCK_N)
+            k = k_desc.load([row, kv_col])
+            v = v_desc.load([row, kv_col])
+            # A page's rows past the sequence's end hold whatever was there: zeroed, so that
+            # their zero weights meet no NaN.
+            v = tl.where((offs < seq_len)[:, None], v, 0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            visible = (offs[None, :] <= q_pos[:, None]) & (offs[None, :] < seq_len)
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PRECISION, True)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        rows = first + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, HEAD_DIM)
+        o_ptr = Out + (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * HEAD_DIM
+        tl.store(o_ptr + d[None, :], out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+def tma_page_prefill_attention(
+    q: torch.Tensor,  # [T, heads, head_dim], heads dense
+    k_cache: torch.Tensor,  # [num_blocks, page, kv_heads, head_dim], contiguous, page: 32 * n
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: context + new tokens
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, heads, head_dim], heads dense
+    tiles: torch.Tensor | None = None,  # [rows, 2] int32, prefill_tiles.py's for block_m
+    block_m: int | None = None,  # None: prefill_block_m's
+    skip_decodes: bool = False,  # one-token sequences left alone (their rows of ``out`` too)
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """paged_prefill_attention's plain causal case where tma_pages_serve: 32 keys an iteration,
+    two stages, four warps (a sweep at llama-8b's heads: docs/design/kernels-and-limits.md,
+    "Prefill through descriptor loads")."""
+    num_tokens, heads, head_dim = q.shape
+    num_blocks, page, kv_heads, _ = k_cache.shape
+    if page % TMA_PAGE_KEYS or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(
+            f"descriptor loads read contiguous caches of pages of a multiple of "
+            f"{TMA_PAGE_KEYS} tokens, not {list(k_cache.stride())}-strided pages of {page}"
+        )
+    if out is None:
+        out = q.new_empty(num_tokens, heads, head_dim)
+    if num_tokens == 0 or seq_lens.shape[0] == 0:
+        return out
+    block_m = block_m or prefill_block_m(num_tokens)
+    if tiles is None:
+        tiles = device_tiles(query_start_loc.tolist(), q.device, block_m)
+    use_descriptor_scratch(q.device)
+    _tma_page_prefill_kernel[(tiles.shape[0], heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tiles, out,
+        scale * LOG2E, num_tokens, num_blocks * page, q.stride(0), block_tables.stride(0),
+        out.stride(0), HEADS=heads, KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=TMA_PAGE_KEYS,
+        PRECISION=dot_precision(q.dtype), MIN_QUERY=2 if skip_decodes else 1, num_warps=4,
+        num_stages=2,
+    )  # fmt: skip
     return out
 
 

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from engine_core.triton_descriptors import use_descriptor_scratch
+
 # int8.HALF_RANGE, not imported (int8 imports this module): compressed-tensors' scale divisor.
 _HALF_RANGE = tl.constexpr(127.5)
 # 1.5 * 2**23: a float32 in [-2**22, 2**22] added to it is rounded to an integer, half to even,
@@ -385,21 +387,6 @@ def multiprocessors(device: torch.device) -> int:
     if index not in _MULTIPROCESSORS:
         _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _MULTIPROCESSORS[index]
-
-
-def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Triton's allocator for the descriptors a kernel makes on the device (128 bytes each a
-    program): from torch's caching allocator on the current device, so a CUDA graph's capture
-    takes it from the graph's pool."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def use_descriptor_scratch(device: torch.device) -> None:
-    """Set ``_descriptor_scratch`` as Triton's allocator before a launch of the persistent
-    kernel, on CUDA (the interpreter needs none). Triton keeps it in a context variable, so it
-    is set in the launching thread, each launch (a cheap set)."""
-    if device.type == "cuda":
-        triton.set_allocator(_descriptor_scratch)
 
 
 def row_bucket(m: int) -> int:
