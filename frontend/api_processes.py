@@ -58,7 +58,7 @@ from frontend.engines import (
 from frontend.http_server import ApiRole, announce, serve_http
 from frontend.request_id import tag_log_records
 from protocol.address import EngineAddress
-from protocol.client import EngineDeadError
+from protocol.client import EngineDeadError, HandshakeError
 from protocol.curve import client_keys_from_args
 
 logger = logging.getLogger("tandem.frontend")
@@ -268,7 +268,7 @@ def main() -> int:
         event_loop.run(serve_http(args, Path(settings["model_dir"]), specs, role))
     except (KeyboardInterrupt, SystemExit):
         pass
-    except (EngineDeadError, TimeoutError) as exc:
+    except (EngineDeadError, HandshakeError, TimeoutError) as exc:
         logger.error("could not reach the engine core: %s", exc)
         return 1
     return 0

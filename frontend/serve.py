@@ -262,7 +262,7 @@ def launch(
     the tokenizer's libraries): their start-up (imports, the model) overlaps ours."""
     from common import event_loop
     from common.processes import exit_on_sigterm
-    from protocol.client import EngineDeadError
+    from protocol.client import EngineDeadError, HandshakeError
 
     exit_on_sigterm()  # so the finally below runs on SIGTERM too
     api = None
@@ -276,7 +276,7 @@ def launch(
         event_loop.run(api.run() if api is not None else serve_http(args, model_dir, specs))
     except (KeyboardInterrupt, SystemExit):
         pass
-    except (EngineDeadError, TimeoutError) as exc:
+    except (EngineDeadError, HandshakeError, TimeoutError) as exc:
         logger.error("an engine core did not come up: %s", exc)
         return 1
     finally:

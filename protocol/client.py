@@ -97,6 +97,11 @@ class EngineDeadError(Exception):
     """The engine core is gone (its process exited, or it was silent for too long)."""
 
 
+class HandshakeError(ConnectionError):
+    """What answered the handshake is no engine this client can speak to: its reply does not
+    decode (another protocol version, or not a Tandem engine)."""
+
+
 class EngineRequestError(Exception):
     """The engine refused or failed one request (a RequestError for it arrived)."""
 
@@ -173,6 +178,7 @@ class _Connection:
         self.identity = check_identity(identity) if identity is not None else new_identity()
         self.name = name
         self.ready: Ready | None = None
+        self._undecodable: ProtocolError | None = None  # the last frame that did not decode
         self._ctx = new_context()
         try:
             self._input, self._output = connect_client_sockets(
@@ -223,7 +229,18 @@ class _Connection:
             return None
 
     def _malformed(self, error: ProtocolError) -> None:
+        self._undecodable = error
         logger.warning("skipped a malformed message from the engine: %s", error)
+
+    def _check_handshake_replies(self) -> None:
+        """Before its READY an engine sends nothing a client must skip: a frame that does not
+        decode then is an answer in another protocol, which no wait will fix."""
+        if self._undecodable is not None:
+            raise HandshakeError(
+                f"the engine at {self.address} answered with a message that does not decode "
+                f"({self._undecodable}): is it a Tandem engine of this version (protocol "
+                f"{PROTOCOL_VERSION})?"
+            )
 
     def _timeout_error(self, timeout: float) -> TimeoutError:
         return TimeoutError(
@@ -265,7 +282,8 @@ class EngineClient(_Connection):
         self._close_sockets()
 
     def connect(self, timeout: float = 60.0) -> Ready:
-        """HELLO/READY handshake; raises TimeoutError when no READY comes within ``timeout``."""
+        """HELLO/READY handshake; raises TimeoutError when no READY comes within ``timeout``,
+        HandshakeError at once when the reply does not decode."""
         deadline = time.monotonic() + timeout
         hello = self._hello()
         while True:
@@ -277,6 +295,7 @@ class EngineClient(_Connection):
                     return msg
                 if (msg := self._absorb(msg)) is not None:
                     self._buffer.append(msg)
+            self._check_handshake_replies()
             if time.monotonic() >= deadline:
                 raise self._timeout_error(timeout)
 
@@ -450,7 +469,8 @@ class AsyncEngineClient(_Connection):
 
     async def connect(self, timeout: float = 60.0) -> Ready:
         """HELLO/READY handshake, then start the reader and the watchdog. Raises TimeoutError
-        when no READY comes within ``timeout``, EngineDeadError if the process exits first."""
+        when no READY comes within ``timeout``, HandshakeError at once when the reply does not
+        decode, EngineDeadError if the process exits first."""
         handshake = asyncio.ensure_future(self._handshake(timeout))
         while not handshake.done():
             if not self._is_process_alive():
@@ -609,6 +629,7 @@ class AsyncEngineClient(_Connection):
             while (msg := await self._read(_remaining(retry_at))) is not None:
                 if isinstance(msg, Ready):
                     return msg  # anything else before READY concerns no request of ours
+            self._check_handshake_replies()
             if time.monotonic() >= deadline:
                 raise self._timeout_error(timeout)
 

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     import uuid
 
     from protocol.address import EngineAddress
-    from protocol.client import EngineClient, EngineRequestError
+    from protocol.client import EngineClient, EngineRequestError, HandshakeError
     from protocol.codec import ProtocolError
     from protocol.curve import client_keys_from_args
 
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     with EngineClient(args.address, name="tandem-client", curve=curve) as client:
         try:
             ready = client.connect(timeout=args.timeout)
-        except TimeoutError as exc:
+        except (HandshakeError, TimeoutError) as exc:
             print(f"tandem client: {exc}", file=sys.stderr)
             return 1
         tokenizer = None if args.prompt is None else _load_tokenizer(args.model or ready.model)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 
@@ -36,10 +37,12 @@ from protocol.client import (
     EngineDeadError,
     EngineRequest,
     EngineRequestError,
+    HandshakeError,
 )
 from protocol.codec import ProtocolError, decode_client_message, encode
 from protocol.curve import CurveServerKeys, start_authenticator
 from protocol.messages import (
+    PROTOCOL_VERSION,
     Abort,
     AddRequest,
     ClientMessage,
@@ -322,6 +325,40 @@ def test_async_handshake_and_timeout(address: EngineAddress) -> None:
             eng.stop()
 
     asyncio.run(main())
+
+
+class OtherVersionEngine(EchoEngine):
+    """An engine of another protocol version: its READY carries that version."""
+
+    def _send(self, client: bytes, msg: EngineMessage) -> None:
+        tag, version, *fields = msgpack.unpackb(encode(msg))
+        send_to_client(self.out, client, msgpack.packb([tag, version + 1, *fields]))
+
+
+def test_a_handshake_answered_in_another_protocol_fails_at_once(
+    address: EngineAddress, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No waiting out the start timeout for an engine that cannot be spoken to: the sync and
+    async clients and `tandem client` name the version the reply carried."""
+    eng = OtherVersionEngine(address)
+    expected = f"protocol version {PROTOCOL_VERSION + 1}, expected {PROTOCOL_VERSION}"
+
+    async def main() -> None:
+        async with AsyncEngineClient(address) as client:
+            with pytest.raises(HandshakeError, match=expected):
+                await client.connect(timeout=60)
+
+    try:  # a client that waited would time out after 60 s, with a TimeoutError
+        with EngineClient(address) as client, pytest.raises(HandshakeError, match=expected):
+            client.connect(timeout=60)
+        asyncio.run(main())
+        parser = argparse.ArgumentParser()
+        client_cli.add_args(parser)
+        args = parser.parse_args(["--address", str(address), "--token-ids", "11"])
+        assert client_cli.run(args) == 1
+        assert expected in capsys.readouterr().err
+    finally:
+        eng.stop()
 
 
 def test_async_reader_routes_to_each_group_while_control_waits(address: EngineAddress) -> None:
