@@ -46,6 +46,7 @@ from frontend.errors import (
     bad_request,
     error_response,
     http_exception_error,
+    server_stopping,
 )
 from frontend.metrics import CONTENT_TYPE
 from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, StreamingLane, StreamRoute
@@ -63,10 +64,17 @@ from frontend.openai_schemas import (
 from frontend.openapi_document import server_openapi
 from frontend.operations import CorsSettings
 from frontend.request_id import RequestIdMiddleware
-from frontend.responses import not_found, prepare_response, respond, stream_response
+from frontend.responses import (
+    EventWriter,
+    error_event,
+    not_found,
+    prepare_response,
+    respond,
+    stream_response,
+)
 from frontend.responses_schemas import ResponsesRequest
 from frontend.serving_context import ServingContext
-from frontend.sse import DONE
+from frontend.sse import DONE, sse_error
 from frontend.tokenizer import ChatRender
 from frontend.tracing import TracingMiddleware
 from protocol.messages import ControlKind
@@ -78,6 +86,7 @@ logger = logging.getLogger("tandem.frontend")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_BYTES = DONE.encode()
+CUT = server_stopping()
 STATS_TIMEOUT_S = 10.0  # the engine answers between steps, and a CPU prefill step can be slow
 PROFILE_START_TIMEOUT_S = 30.0
 # Stopping writes the whole trace before the engine answers: minutes for a long one on a GPU.
@@ -441,7 +450,12 @@ async def start_stream(
         gen.close()
         admission.release()
 
-    return AdmittedStreamingResponse(stream(ctx, body, gen), release)
+    if isinstance(body, ResponsesRequest):  # numbered events: the cut's error is the next one
+        events = EventWriter()
+        content = stream(ctx, body, gen, events)
+        return AdmittedStreamingResponse(content, release, lambda: error_event(events, CUT))
+    cut = sse_error(CUT) + DONE
+    return AdmittedStreamingResponse(stream(ctx, body, gen), release, lambda: cut)
 
 
 def streaming_routes(ctx: ServingContext) -> dict[str, StreamRoute]:
@@ -472,10 +486,18 @@ class AdmittedStreamingResponse(StreamingResponse):
     request there (docs/design/output-intervals-and-streaming.md, "SSE and the streaming
     lane")."""
 
-    def __init__(self, content: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        content: AsyncGenerator[str, None],
+        release: Callable[[], None],
+        cut_short: Callable[[], str],
+    ) -> None:
+        """``cut_short``: the stream's last event where the server stops it midway."""
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self.content = content
         self.release = release
+        self.cut_short = cut_short
+        self.started = False
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's, but the chunk that ends with ``[DONE]`` (our streams end with one chunk
@@ -484,6 +506,7 @@ class AdmittedStreamingResponse(StreamingResponse):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        self.started = True
         async for chunk in self.content:
             body = chunk.encode()
             if body.endswith(DONE_BYTES):
@@ -499,9 +522,15 @@ class AdmittedStreamingResponse(StreamingResponse):
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
-            if not watcher.done() or watcher.cancelled():
-                raise  # not the watcher's doing: the server is stopping this task
-            stream.uncancel()  # the client left: the response is over, not the server
+            if watcher.done() and not watcher.cancelled():
+                stream.uncancel()  # the client left: the response is over, not the server
+            elif not self.started:
+                raise
+            else:  # the server is stopping this task: tell the client why its stream ends
+                stream.uncancel()
+                logger.warning("the server is stopping: a stream was cut short")
+                end = self.cut_short().encode()
+                await send({"type": "http.response.body", "body": end, "more_body": False})
         finally:
             watcher.cancel()
             try:

@@ -50,6 +50,16 @@ def engine_unavailable(reason: str) -> OpenAIError:
     )
 
 
+def server_stopping() -> OpenAIError:
+    """A stream the server cut short as it stopped (its graceful shutdown ran out)."""
+    return OpenAIError(
+        503,
+        "the server is shutting down: this stream was cut short",
+        "service_unavailable",
+        code="shutting_down",
+    )
+
+
 def overloaded(exc: OverloadedError) -> OpenAIError:
     return OpenAIError(
         503,

@@ -435,9 +435,8 @@ class OutputStream:
 
 
 async def stream_response(
-    ctx: ServingContext, req: ResponsesRequest, run: ResponseRun
+    ctx: ServingContext, req: ResponsesRequest, run: ResponseRun, events: EventWriter
 ) -> AsyncIterator[str]:
-    events = EventWriter()
     start = response_body(ctx, run, [], "in_progress")
     start["usage"] = None
     yield events.event("response.created", response=start)

@@ -2,7 +2,9 @@
 connection that behaves as uvicorn's does (receive() answers http.disconnect once the client
 has gone or the response is complete): a stream runs to its end with the lease returned once; a
 client that leaves mid-stream stops the stream, runs the generator's cleanup and ends the call
-normally; a server that cancels the task sees its cancellation, and the lease still returns."""
+normally; a server that cancels the task mid-stream (its graceful shutdown ran out) ends the
+stream with the route's last event and the call normally, and before the response began sees
+its cancellation; the lease returns every time."""
 
 from __future__ import annotations
 
@@ -60,8 +62,11 @@ class Chunks:
             self.cleaned_up = True
 
 
+CUT = "data: cut\n\ndata: [DONE]\n\n"
+
+
 def respond(chunks: Chunks, releases: list[int]) -> AdmittedStreamingResponse:
-    return AdmittedStreamingResponse(chunks.stream(), lambda: releases.append(1))
+    return AdmittedStreamingResponse(chunks.stream(), lambda: releases.append(1), lambda: CUT)
 
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}}
@@ -93,15 +98,33 @@ def test_a_client_that_leaves_mid_stream_stops_it_and_the_call_ends_normally() -
     asyncio.run(main())
 
 
-def test_a_server_that_cancels_the_request_task_sees_the_cancellation() -> None:
+def test_a_server_that_cancels_a_stream_midway_ends_it_with_the_cut_event() -> None:
     async def main() -> None:
         conn, chunks, releases = Connection(), Chunks(3, pause=asyncio.Event()), []
         call = asyncio.ensure_future(respond(chunks, releases)(SCOPE, conn.receive, conn.send))
         await asyncio.sleep(0.01)
         call.cancel()
+        await asyncio.wait_for(call, 1)  # returns, without a CancelledError
+        assert conn.bodies == [b"data: 0\n\n", CUT.encode()]
+        assert conn.sent[-1]["more_body"] is False
+        assert chunks.cleaned_up and releases == [1]
+
+    asyncio.run(main())
+
+
+def test_a_server_that_cancels_before_the_response_began_sees_the_cancellation() -> None:
+    class SlowStart(Connection):
+        async def send(self, message: dict[str, Any]) -> None:
+            await asyncio.Event().wait()  # the start message never goes out
+
+    async def main() -> None:
+        conn, chunks, releases = SlowStart(), Chunks(3), []
+        call = asyncio.ensure_future(respond(chunks, releases)(SCOPE, conn.receive, conn.send))
+        await asyncio.sleep(0.01)
+        call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert chunks.cleaned_up and releases == [1]
+        assert conn.sent == [] and releases == [1]
 
     asyncio.run(main())
 
@@ -120,7 +143,9 @@ def test_the_chunk_that_ends_with_done_ends_the_response() -> None:
 
     async def main() -> None:
         conn, releases, cleaned = Connection(), [], []
-        response = AdmittedStreamingResponse(stream(cleaned), lambda: releases.append(1))
+        response = AdmittedStreamingResponse(
+            stream(cleaned), lambda: releases.append(1), lambda: CUT
+        )
         await response(SCOPE, conn.receive, conn.send)
         assert conn.bodies == [b"data: 0\n\n", b"data: 1\n\ndata: [DONE]\n\n"]
         assert [m.get("more_body") for m in conn.sent[1:]] == [True, False]

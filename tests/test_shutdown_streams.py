@@ -1,0 +1,52 @@
+"""Ctrl-C (SIGINT) on `tandem serve` while streams run: uvicorn waits for them for its graceful
+shutdown (frontend/http_server.py GRACEFUL_SHUTDOWN_S), then cancels them; a stream cut so ends
+with the route's error event, a 503 ``shutting_down`` (the official openai client raises it from
+a completions stream and yields it as a Responses stream's ``error`` event), the log holds no
+traceback, and serve exits 0 with its engine."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.server_fixture import pid_alive, start_server, stop_process
+
+pytestmark = pytest.mark.slow
+
+# SmolLM2-135M on the CPU: 1,900 tokens take far longer than the graceful shutdown waits.
+LONG = 1900
+
+
+def test_sigint_ends_running_streams_with_an_error_event(tmp_path: Path) -> None:
+    srv = start_server(tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)
+        completion = client.completions.create(
+            model="default", prompt="Tell me a long story.", max_tokens=LONG, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        response = client.responses.create(
+            model="default", input="Tell me a long story.", max_output_tokens=LONG, stream=True
+        )
+        first = next(iter(completion))
+        assert first.choices[0].finish_reason is None
+        events: list[Any] = [next(iter(response))]
+        reader = threading.Thread(target=lambda: events.extend(response), daemon=True)
+        reader.start()
+        srv.process.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for chunk in completion:
+                assert chunk.choices[0].finish_reason is None  # cut, never finished
+        reader.join(timeout=120)
+        assert events[-1].type == "error" and events[-1].code == "shutting_down"
+        assert srv.process.wait(timeout=120) == 0
+        log = srv.log_path.read_text(errors="replace")
+        assert "Traceback" not in log and "a stream was cut short" in log
+        assert not pid_alive(srv.engine_pid), "the engine core outlived tandem serve"
+    finally:
+        stop_process(srv.process)
