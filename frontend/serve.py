@@ -218,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.node_rank > 0:
         return serve_worker_node(args)
+    warn_if_open(args)
     listeners = None
     if args.api_servers > 1:
         from frontend.api_processes import bind_sockets  # the HTTP stack: see launch
@@ -238,6 +239,20 @@ def run(args: argparse.Namespace) -> int:
     with pid_dir if listeners else contextlib.nullcontext():
         specs = plan_engines(args, engine_model, curve, Path(pid_dir.name) if listeners else None)
         return launch(args, model_dir, specs, listeners)
+
+
+def warn_if_open(args: argparse.Namespace) -> None:
+    """Serving past loopback without --api-key is allowed (a pod behind its Service, a private
+    network), as in vLLM, but said at start: anyone who reaches the port can use the API."""
+    from protocol.address import is_loopback
+
+    if args.api_key is None and not is_loopback(f"tcp://{args.host}:{args.port}"):
+        logger.warning(
+            "serving HTTP on %s:%s without --api-key: anyone who can reach this port can use "
+            "the API (pass --api-key, or keep the port on a private network)",
+            args.host,
+            args.port,
+        )
 
 
 def serve_worker_node(args: argparse.Namespace) -> int:

@@ -217,3 +217,27 @@ def test_an_engine_on_the_cpu_runs_256_sequences_and_says_so(
         core.add_request(Request(f"r{i}", [3 + i % 100], params))
     core.step()
     assert core.scheduler.num_running == 256
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--host", "0.0.0.0"], True),
+        (["--host", "10.1.2.3"], True),
+        (["--host", "0.0.0.0", "--api-key", "k"], False),
+        ([], False),  # 127.0.0.1
+        (["--host", "localhost"], False),
+        (["--host", "::1"], False),
+    ],
+)
+def test_serving_past_loopback_without_an_api_key_is_said_at_start(
+    flags: list[str], warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Allowed, as in vLLM (a pod behind its Service), but never silently open."""
+    from frontend import serve
+    from frontend.cli import build_parser
+
+    args = build_parser("serve").parse_args(["serve", *flags])
+    with caplog.at_level(logging.WARNING, logger="tandem.serve"):
+        serve.warn_if_open(args)
+    assert ("without --api-key" in caplog.text) == warned
