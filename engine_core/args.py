@@ -19,7 +19,8 @@ _HELP = {
     "dtype": "'auto' (bfloat16 on cuda, float32 on cpu), 'float32', 'bfloat16' or 'float16'",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "block_size": "tokens per KV-cache block; 32 or a multiple lets prompt attention load its "
-    "tiles through TMA descriptors (Hopper and newer, heads of 128: about 1.2x the kernel)",
+    "tiles through TMA descriptors (Hopper and newer, a bf16/fp16 cache, heads of 128, plain "
+    "causal layers: about 1.2x the kernel)",
     "num_kv_blocks": "KV-cache blocks (default: sized from the memory flags)",
     "kv_cache_memory_gb": "KV-cache size on the CPU, in GiB",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",

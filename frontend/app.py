@@ -497,7 +497,8 @@ class AdmittedStreamingResponse(StreamingResponse):
         self.content = content
         self.release = release
         self.cut_short = cut_short
-        self.started = False
+        self.started = False  # the response's start went out
+        self.exhausted = False  # the content ended: only the empty last body may be left
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's, but the chunk that ends with ``[DONE]`` (our streams end with one chunk
@@ -513,6 +514,7 @@ class AdmittedStreamingResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return
             await send({"type": "http.response.body", "body": body, "more_body": True})
+        self.exhausted = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -524,12 +526,14 @@ class AdmittedStreamingResponse(StreamingResponse):
         except asyncio.CancelledError:
             if watcher.done() and not watcher.cancelled():
                 stream.uncancel()  # the client left: the response is over, not the server
-            elif not self.started:
-                raise
+            elif not self.started or not stream.cancelling():
+                raise  # before the response began (uvicorn answers 500), or not a cancel of us
             else:  # the server is stopping this task: tell the client why its stream ends
                 stream.uncancel()
-                logger.warning("the server is stopping: a stream was cut short")
-                end = self.cut_short().encode()
+                end = b""
+                if not self.exhausted:
+                    logger.warning("the server is stopping: a stream was cut short")
+                    end = self.cut_short().encode()
                 await send({"type": "http.response.body", "body": end, "more_body": False})
         finally:
             watcher.cancel()

@@ -313,9 +313,10 @@ def gpu_slices(num_engines: int, per_engine: int, device: str) -> list[str] | No
 async def connect_engine(spec: EngineSpec, timeouts: EngineTimeouts) -> AsyncEngineClient:
     """This process's connection to one engine core, once its handshake succeeded.
 
-    Fails fast with EngineDeadError if the engine's process exits first, TimeoutError after
-    ``timeouts.start_s``. An API process first waits for the engine's pid to be a live process:
-    restarted while its parent restarts the engine too, it would otherwise fail at once."""
+    Fails fast with EngineDeadError if the engine's process exits first, HandshakeError if its
+    reply does not decode (another protocol version), TimeoutError after ``timeouts.start_s``.
+    An API process first waits for the engine's pid to be a live process: restarted while its
+    parent restarts the engine too, it would otherwise fail at once."""
     if spec.process is None and spec.pid_file is not None:
         await wait_for_pid(spec.pid_file, timeouts.start_s)
     engine = AsyncEngineClient(

@@ -244,9 +244,9 @@ def run(args: argparse.Namespace) -> int:
 def warn_if_open(args: argparse.Namespace) -> None:
     """Serving past loopback without --api-key is allowed (a pod behind its Service, a private
     network), as in vLLM, but said at start: anyone who reaches the port can use the API."""
-    from protocol.address import is_loopback
+    from protocol.address import is_loopback_host
 
-    if args.api_key is None and not is_loopback(f"tcp://{args.host}:{args.port}"):
+    if args.api_key is None and not is_loopback_host(args.host):
         logger.warning(
             "serving HTTP on %s:%s without --api-key: anyone who can reach this port can use "
             "the API (pass --api-key, or keep the port on a private network)",

@@ -228,6 +228,9 @@ def test_an_engine_on_the_cpu_runs_256_sequences_and_says_so(
         ([], False),  # 127.0.0.1
         (["--host", "localhost"], False),
         (["--host", "::1"], False),
+        (["--port", "0"], False),  # a free port the system picks
+        (["--host", "0.0.0.0", "--port", "0"], True),
+        (["--host", ""], True),  # every interface, as uvicorn takes it
     ],
 )
 def test_serving_past_loopback_without_an_api_key_is_said_at_start(

@@ -152,3 +152,29 @@ def test_the_chunk_that_ends_with_done_ends_the_response() -> None:
         assert releases == [1] and cleaned == [True]
 
     asyncio.run(main())
+
+
+def test_a_server_that_cancels_after_the_last_chunk_adds_no_cut_event() -> None:
+    """The content ended (its last chunk out) but the empty last body waits for a slow client
+    when the server cancels: the response ends with that empty body, no error after the end."""
+
+    class SlowEnd(Connection):
+        held = False
+
+        async def send(self, message: dict[str, Any]) -> None:
+            last = message.get("body") == b"" and not message.get("more_body", False)
+            if last and not self.held:
+                self.held = True
+                await asyncio.Event().wait()  # the first try waits until cancelled
+            await super().send(message)
+
+    async def main() -> None:
+        conn, chunks, releases = SlowEnd(), Chunks(2), []
+        call = asyncio.ensure_future(respond(chunks, releases)(SCOPE, conn.receive, conn.send))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        await asyncio.wait_for(call, 1)
+        assert conn.bodies == [b"data: 0\n\n", b"data: 1\n\n", b""]
+        assert releases == [1]
+
+    asyncio.run(main())

@@ -702,7 +702,7 @@ def test_descriptor_load_prefill_refuses_pages_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="pages of 16"):
         tma_page_prefill_attention(q, small, small, tables, lens, starts, 1.0)
     strided = torch.zeros(2, 2, 32, 128, device=DEVICE, dtype=DTYPE).transpose(1, 2)
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="-strided pages of 32"):
         tma_page_prefill_attention(q, strided, strided, tables, lens, starts, 1.0)
 
 
