@@ -627,7 +627,9 @@ def test_descriptor_load_prefill_matches_reference(
 ) -> None:
     """The descriptor-load prefill kernel over pages of whole key tiles: prompts fresh and
     after cached context, shorter than a tile and spanning pages, Q a strided view of the qkv
-    projection; with a prefill graph's padding (rows no program visits stay zeros)."""
+    projection; with a prefill graph's padding (query rows and sequences no program visits, a
+    work list padded with rows that name none: the padding rows stay zeros)."""
+    from engine_core.attention.prefill_tiles import capacity, prefill_block_m, query_lens, tile_list
     from engine_core.attention.triton_kernels import tma_page_prefill_attention
 
     specs = PREFILL_SPECS if INTERPRET else [*PREFILL_SPECS, (37, 300), (64, 64)]
@@ -636,13 +638,18 @@ def test_descriptor_load_prefill_matches_reference(
     q = qkv_views_and_angles(batch, partial=False, seed=1)[0]
     scale = head_dim**-0.5
     ref = reference_attention(batch, scale)
-    out = poisoned(q)
+    out, tiles = poisoned(q), None
     if graph_rows:
         meta, q = padded_like_a_graph(meta, q, graph_rows, sequences=2)
         out = torch.zeros_like(q)
+        block_m = prefill_block_m(q.shape[0])
+        rows = capacity(q.shape[0], meta.num_seqs, block_m) + 7
+        tiles = torch.from_numpy(tile_list(query_lens(meta.query_start_loc_cpu), block_m, rows))
+        tiles = tiles.to(DEVICE)
+        assert (tiles[:, 0] < 0).any()  # rows that name no sequence
     out = tma_page_prefill_attention(
         q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, scale, out,
+        meta.query_start_loc, scale, out, tiles,
     )  # fmt: skip
     tokens = ref.shape[0]
     assert_close(out[:tokens], ref)
