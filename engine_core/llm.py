@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Sequence
+import numbers
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,30 @@ class EmbeddingOutput:
     error: str | None = None  # why the engine failed it
 
 
+# One text or token-id sequence, or a batch of them.
+Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
+
+
+def prompt_batch(prompts: Prompts) -> list[str | Sequence[int]]:
+    """The prompts as a batch: one text, or one sequence of ints (token ids), is a batch of
+    one; a str is never taken as a sequence of one-character prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not is_sequence_like(prompts):
+        raise TypeError(
+            f"prompts are a str, token ids, or a sequence of those, not {type(prompts).__name__}"
+        )
+    batch = list(prompts)
+    if batch and all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in batch):
+        return [batch]  # one prompt's token ids (numpy's ints too)
+    return batch
+
+
+def is_sequence_like(value: Any) -> bool:
+    """A list, tuple, numpy array...: iterable, and neither text, bytes nor a mapping."""
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)
+
+
 class LLM:
     def __init__(self, model: str = "default", **engine_kwargs: Any) -> None:
         from engine_core.core import EngineCore
@@ -73,7 +99,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompts,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         detokenize: bool = True,
@@ -86,8 +112,11 @@ class LLM:
         vision-language model; the prompt's token ids then hold their placeholder runs, as
         frontend/vision.py places them).
 
-        All or nothing: a prompt or parameters the engine refuses raise ValueError before any
-        prompt runs, and leave the engine as it was."""
+        One text or one sequence of token ids is a batch of one (vLLM's LLM takes them so).
+        All or nothing: a prompt or parameters the engine refuses raise ValueError (TypeError
+        for what is not a prompt or SamplingParams) before any prompt runs, and leave the
+        engine as it was."""
+        prompts = prompt_batch(prompts)
         params_list = self._params_per_prompt(params, len(prompts))
         per_prompt = [()] * len(prompts) if images is None else [tuple(i) for i in images]
         if len(per_prompt) != len(prompts):
@@ -119,13 +148,11 @@ class LLM:
                 r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
         return results
 
-    def embed(
-        self, prompts: Sequence[str] | Sequence[Sequence[int]], *, dimensions: int | None = None
-    ) -> list[EmbeddingOutput]:
+    def embed(self, prompts: Prompts, *, dimensions: int | None = None) -> list[EmbeddingOutput]:
         """Each prompt's vector (text or token ids), pooled and normalised as the model says,
-        cut to ``dimensions`` first where given (a Matryoshka model); outputs in prompt order.
-        ValueError, before any prompt runs, where the model does not embed or a prompt or
-        ``dimensions`` cannot be served."""
+        cut to ``dimensions`` first where given (a Matryoshka model); outputs in prompt order;
+        one text or one sequence of token ids is a batch of one. ValueError, before any prompt
+        runs, where the model does not embed or a prompt or ``dimensions`` cannot be served."""
         model = self.engine.embedding
         if model is None:
             raise ValueError(
@@ -139,7 +166,7 @@ class LLM:
             Request(
                 f"offline-{next(self._ids)}", self._encode(p), SamplingParams(), pooling=pooling
             )
-            for p in prompts
+            for p in prompt_batch(prompts)
         ]
         self._add_all(requests)
         outputs = {
@@ -177,7 +204,15 @@ class LLM:
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        if not is_sequence_like(prompt):
+            raise TypeError(
+                f"a prompt is a str or a sequence of token ids, not {type(prompt).__name__}"
+            )
+        try:
+            return [operator.index(t) for t in prompt]  # ints (numpy's too), not 1.5 or "7"
+        except TypeError:
+            kinds = sorted({type(t).__name__ for t in prompt})
+            raise TypeError(f"token ids are ints, not {', '.join(kinds)}") from None
 
     @staticmethod
     def _params_per_prompt(
@@ -187,6 +222,12 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
+        if not isinstance(params, Sequence) or not all(
+            isinstance(p, SamplingParams) for p in params
+        ):
+            raise TypeError(
+                f"params are one SamplingParams or a sequence of them, not {type(params).__name__}"
+            )
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         return list(params)

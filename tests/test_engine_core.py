@@ -221,3 +221,34 @@ def test_a_failed_step_leaves_no_prefix_behind(
     assert again.num_cached_tokens == 0
     assert tokens == expected[0]
     core.scheduler.block_manager.check_integrity()
+
+
+def test_offline_generate_takes_one_prompt_as_a_batch_of_one_and_refuses_what_is_no_prompt(
+    tiny_model_dir: Path,
+) -> None:
+    """One text or one list of token ids is one prompt (a str was run as one prompt a
+    character); numpy's ids are ids; what is not a prompt or SamplingParams is a TypeError
+    naming it, before anything runs."""
+    import numpy as np
+
+    llm = LLM(str(tiny_model_dir), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = [5, 17, 42]
+    [one] = llm.generate(ids, params, detokenize=False)
+    assert one.prompt_token_ids == ids
+    [same] = llm.generate([ids], params, detokenize=False)
+    assert same.token_ids == one.token_ids
+    [from_numpy] = llm.generate(np.array(ids), params, detokenize=False)
+    assert from_numpy.token_ids == one.token_ids
+    [text] = llm.generate("hello there", params, detokenize=False)
+    assert text.prompt_token_ids == llm.tokenizer.encode("hello there")
+    bad = [
+        (lambda: llm.generate([[1.5, 2]], params), "token ids are ints, not float, int"),
+        (lambda: llm.generate([{"a": 1}], params), "not dict"),
+        (lambda: llm.generate(7, params), "not int"),
+        (lambda: llm.generate(["a"], {"max_tokens": 3}), "SamplingParams .* not dict"),
+    ]
+    for call, message in bad:
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert not llm.engine.has_unfinished()
