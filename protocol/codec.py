@@ -193,6 +193,8 @@ def decode_engine_message(frame: bytes | memoryview) -> EngineMessage:
 def validate_sampling_params(params: SamplingParams, request_id: str | None = None) -> None:
     """Check types and ranges of every field; raises ProtocolError naming the first bad one."""
     v = _Validator(request_id)
+    if not isinstance(params, SamplingParams):
+        raise v.fail(f"params must be SamplingParams, got {type(params).__name__}")
     v.int_(params.max_tokens, "max_tokens", 1, INT32_MAX)
     v.int_(params.min_tokens, "min_tokens", 0, params.max_tokens)
     v.float_(params.temperature, "temperature", 0.0, math.inf)
@@ -837,6 +839,8 @@ class ParamsLayout:
 
     def to_wire(self, p: SamplingParams, request_id: str | None) -> list[Any]:
         """``p`` checked (ProtocolError naming its first bad field) and in its wire form."""
+        if not isinstance(p, SamplingParams):
+            validate_sampling_params(p, request_id)  # says what it is instead
         # Keyed by every field (the stop ids, logit bias and constraint are empty in a cached
         # key, so no tuple inside it can hold a lookalike).
         key = _typed_key(self._fields_of(p))

@@ -307,6 +307,8 @@ def test_invalid_request_is_refused_before_sending(
         assert info.value.request_id == "neg"
         with pytest.raises(ProtocolError, match="top_p"):
             client.add_request("p", [1], SamplingParams(top_p=0.0))
+        with pytest.raises(ProtocolError, match="params must be SamplingParams, got dict"):
+            client.add_request("d", [1], {"max_tokens": 3})  # type: ignore[arg-type]
 
 
 # ---- asyncio client -----------------------------------------------------------------------------
