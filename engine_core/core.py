@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 from collections import Counter, deque
 from typing import Any
 
@@ -51,8 +50,6 @@ from engine_core.step_stats import StepStats
 from protocol.messages import FinishReason, Stats, TokenLogprobs
 
 GRAMMAR_WAIT_S = 0.005  # an idle loop with only compiling requests naps this long per turn
-
-logger = logging.getLogger(__name__)
 
 
 def unsplit_image_tokens(config: ModelConfig) -> int:

@@ -22,7 +22,6 @@ matcher does not travel between processes.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
     # two functions that compute with it import it themselves.
     import torch
 
-logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
 MAX_CACHED_BYTES = 64 << 20  # the cached constraints and grammars' text, in all

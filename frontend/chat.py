@@ -455,7 +455,8 @@ def chat_delta(
     lp: ChatLogprobs | None = None,
     finish: str | None = None,
 ) -> dict[str, Any]:
-    """ChatChunkChoice(...).model_dump(), built directly (see frontend/sse.py)."""
+    """A chunk's choice as OpenAI's chat.completion.chunk has it, built as a dict (see
+    frontend/sse.py)."""
     logprobs = None if lp is None else lp.model_dump()
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 

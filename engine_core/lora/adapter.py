@@ -43,8 +43,6 @@ TARGETS: dict[str, tuple[str, int | None]] = {
     "gate_up_proj": ("mlp.gate_up_proj", None),
     "down_proj": ("mlp.down_proj", 0),
 }
-# What peft may say in target_modules besides the names above: every linear but the head.
-_ALL_LINEAR = "all-linear"
 
 # Config fields read here, or that change nothing once the adapter is trained and saved; every
 # other LoraConfig field must hold its default.

@@ -40,8 +40,6 @@ from torch import nn
 
 from engine_core.models import gguf_blocks
 
-VALUES = 32  # values in one block of the 32-value types (and one sub-block of Q4_K)
-
 
 @dataclass(frozen=True)
 class BlockType:
