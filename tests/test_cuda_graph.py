@@ -334,8 +334,8 @@ PREFILL_STEPS = [
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_graph_replay_equals_eager(preset: str, block_size: int) -> None:
     """Pages of 32 tokens replay as eager runs them too. (Both presets' heads are of 64, so
-    their prompt rows keep the pointer-load kernel: the descriptor-load variant, heads of 128
-    only, is not replayed in a graph by any test yet.)"""
+    their prompt rows keep the pointer-load kernel; the descriptor-load variant, heads of 128
+    only, replays in test_prefill_graphs_replay_the_descriptor_load_kernel.)"""
     num_blocks = 512
     on = graphs_on_random_model(
         preset, seed=4, num_blocks=num_blocks, max_num_seqs=GRAPH_SEQS, max_prefill_tokens=256,
@@ -354,6 +354,40 @@ def test_prefill_graph_replay_equals_eager(preset: str, block_size: int) -> None
     for specs in (too_many_seqs, too_many_tokens):
         _, _, meta = mixed_step(specs, num_blocks, rng, vocab, device, block_size)
         assert not on.graphs.can_run(meta)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_prefill_graphs_replay_the_descriptor_load_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads of 128 over pages of 32: the prompt rows attend through the descriptor-load
+    variant, whose descriptor scratch a graph's capture takes from the graph's pool; every
+    replay equals the eager run, a graph's padding rows included."""
+    from engine_core import presets
+    from engine_core.attention import triton_kernels
+
+    hf = presets._llama(512, 2, 4, 2, 1024, tied=True, theta=10000.0)  # 4 heads of 128
+    monkeypatch.setitem(presets._HF_CONFIGS, "heads-of-128", hf)
+    monkeypatch.setitem(presets.PRESETS, "heads-of-128", presets.model_config_from_hf(hf))
+    calls: list[int] = []
+    real = triton_kernels.tma_page_prefill_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "tma_page_prefill_attention", counted)
+    num_blocks = 512
+    on = graphs_on_random_model(
+        "heads-of-128", seed=4, num_blocks=num_blocks, max_num_seqs=GRAPH_SEQS,
+        max_prefill_tokens=256, block_size=32,
+    )  # fmt: skip
+    assert on.config.head_dim == 128 and calls  # the capture took the variant
+    rng = random.Random(1)
+    vocab, device = on.config.vocab_size, on.cache.device
+    for specs in PREFILL_STEPS:
+        ids, positions, meta = mixed_step(specs, num_blocks, rng, vocab, device, 32)
+        assert on.graphs.can_run(meta), specs
+        check_replay_equals_eager(on, ids, positions, meta, str(specs))
 
 
 @pytest.mark.gpu
