@@ -311,7 +311,9 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
             figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
             rows.append({"case": case, "kernel": label} | figures)
         if args.mixed_slots:
-            mixed = mixed_step_call(lens, args.mixed_slots, shape, args.max_model_len)
+            mixed = mixed_step_call(
+                lens, args.mixed_slots, shape, args.max_model_len, args.page_size
+            )
             figures = timed(mixed, args, bytes_=kv_bytes, graph=args.graph)
             label = f"engine's, in a mixed step of {args.mixed_slots} slots"
             rows.append({"case": case, "kernel": label} | figures)
@@ -328,7 +330,9 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
 MIXED_PROMPT = 512  # --mixed-slots: the prompt beside the decode rows, in tokens
 
 
-def mixed_step_call(lens: list[int], slots: int, shape: dict[str, int], table_tokens: int) -> Any:
+def mixed_step_call(
+    lens: list[int], slots: int, shape: dict[str, int], table_tokens: int, page: int
+) -> Any:
     """The decode kernel's launch in a mixed step as a prefill graph replays it: the case's
     rows (one new token each) and a MIXED_PROMPT-token prompt, then empty sequences up to
     ``slots``; only the one-token rows are attended."""
@@ -340,7 +344,7 @@ def mixed_step_call(lens: list[int], slots: int, shape: dict[str, int], table_to
         raise SystemExit(f"--mixed-slots {slots}: fewer than the case's rows and its prompt")
     padding = slots - len(lens) - 1
     cache = paged_cache(
-        [*lens, MIXED_PROMPT] + [0] * padding, shape["kv"], shape["d"], 0, table_tokens
+        [*lens, MIXED_PROMPT] + [0] * padding, shape["kv"], shape["d"], 0, table_tokens, page=page
     )
     new = [1] * len(lens) + [MIXED_PROMPT] + [0] * padding
     starts = torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32, device="cuda")
