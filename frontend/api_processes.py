@@ -57,6 +57,7 @@ from frontend.engines import (
 )
 from frontend.http_server import ApiRole, announce, serve_http
 from frontend.request_id import tag_log_records
+from frontend.tokenizer import TokenizerError
 from protocol.address import EngineAddress
 from protocol.client import EngineDeadError, HandshakeError
 from protocol.curve import client_keys_from_args
@@ -270,6 +271,9 @@ def main() -> int:
         pass
     except (EngineDeadError, HandshakeError, TimeoutError) as exc:
         logger.error("could not reach the engine core: %s", exc)
+        return 1
+    except TokenizerError as exc:
+        logger.error("%s", exc)
         return 1
     return 0
 

@@ -74,6 +74,8 @@ async def serve_http(
     hf_tokenizer = loop.run_in_executor(
         None, load_hf_tokenizer, model_dir, args.chat_template
     )  # while the engines load
+    # An engine that fails first leaves it unawaited: its error is not to be reported then.
+    hf_tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
     pool = EnginePool([])
     tasks: list[asyncio.Task[None]] = []
     state: ServerState | None = None

@@ -277,6 +277,7 @@ def launch(
     the tokenizer's libraries): their start-up (imports, the model) overlaps ours."""
     from common import event_loop
     from common.processes import exit_on_sigterm
+    from frontend.tokenizer import TokenizerError
     from protocol.client import EngineDeadError, HandshakeError
 
     exit_on_sigterm()  # so the finally below runs on SIGTERM too
@@ -293,6 +294,9 @@ def launch(
         pass
     except (EngineDeadError, HandshakeError, TimeoutError) as exc:
         logger.error("an engine core did not come up: %s", exc)
+        return 1
+    except TokenizerError as exc:
+        logger.error("%s", exc)
         return 1
     finally:
         if api is not None:

@@ -244,3 +244,31 @@ def test_serving_past_loopback_without_an_api_key_is_said_at_start(
     with caplog.at_level(logging.WARNING, logger="tandem.serve"):
         serve.warn_if_open(args)
     assert ("without --api-key" in caplog.text) == warned
+
+
+def test_serving_a_folder_without_a_tokenizer_says_so_in_one_line(tmp_path: Path) -> None:
+    """The weights load and the engine serves, but the API cannot tokenize: serve names the
+    folder and what it lacks, with no traceback (transformers' own message advised installing
+    sentencepiece), and stops its engine."""
+    from tests.factories import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path / "no-tokenizer")
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model_dir), "--port", "0",
+         "--num-kv-blocks", "16"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert f"cannot load the tokenizer of {model_dir} (it has none of tokenizer.json" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr and "never retrieved" not in result.stderr
+    # Without weights too, the engine fails first: its reason, and nothing of the tokenizer's.
+    (model_dir / "model.safetensors").unlink()
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model_dir), "--port", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "has no *.safetensors or pytorch_model.bin weights" in result.stderr
+    assert "Traceback" not in result.stderr and "never retrieved" not in result.stderr
