@@ -16,6 +16,11 @@ from typing import Any
 DIRECT_BACKEND_MODEL_TYPES = frozenset({"llama"})
 
 
+class TokenizerError(ValueError):
+    """The served model's tokenizer cannot be loaded (here, where `tandem serve` can catch it
+    without importing the HTTP stack)."""
+
+
 def load_pretrained_tokenizer(model_dir: Path) -> Any:
     """``model_dir``'s tokenizer: the class AutoTokenizer would choose, as it would load it."""
     if loads_backend_directly(model_dir):

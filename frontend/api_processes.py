@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from common import event_loop
+from common.hf_tokenizer import TokenizerError
 from common.processes import die_with_parent, exit_on_sigterm
 from frontend.engine_pool import EnginePool
 from frontend.engines import (
@@ -57,7 +58,6 @@ from frontend.engines import (
 )
 from frontend.http_server import ApiRole, announce, serve_http
 from frontend.request_id import tag_log_records
-from frontend.tokenizer import TokenizerError
 from protocol.address import EngineAddress
 from protocol.client import EngineDeadError, HandshakeError
 from protocol.curve import client_keys_from_args

@@ -276,8 +276,8 @@ def launch(
     The engines start before this process imports its HTTP stack (FastAPI, the OpenAI schemas,
     the tokenizer's libraries): their start-up (imports, the model) overlaps ours."""
     from common import event_loop
+    from common.hf_tokenizer import TokenizerError
     from common.processes import exit_on_sigterm
-    from frontend.tokenizer import TokenizerError
     from protocol.client import EngineDeadError, HandshakeError
 
     exit_on_sigterm()  # so the finally below runs on SIGTERM too

@@ -18,15 +18,11 @@ from typing import Any
 
 from tokenizers import decoders
 
-from common.hf_tokenizer import load_pretrained_tokenizer
+from common.hf_tokenizer import TokenizerError, load_pretrained_tokenizer
 from frontend.errors import bad_request
 
 # What a model folder's tokenizer is read from (one of them, beside tokenizer_config.json).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
-
-
-class TokenizerError(ValueError):
-    """The served model's tokenizer cannot be loaded: the HTTP API cannot start."""
 
 
 def load_hf_tokenizer(model_dir: Path, chat_template: str | Path | None = None) -> Any:
