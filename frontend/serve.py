@@ -313,6 +313,7 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     """ValueError for flags that do not go together (and for engine limits the engine would
     refuse, so that they fail here, at once); the CURVE client keys, if given."""
     from common import event_loop
+    from common.chat_template import check_chat_template_file
     from engine_core.args import engine_config_from_args
     from frontend.engines import changed_engine_flags
     from frontend.lora_args import check_lora_args
@@ -321,6 +322,8 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     from protocol.curve import client_keys_from_args
 
     event_loop.loop_name()  # a bad TANDEM_EVENT_LOOP fails here, with its message
+    if args.chat_template is not None:
+        check_chat_template_file(args.chat_template)
     check_operations_args(args)
     use_engine_flag(args)
     curve = client_keys_from_args(args)

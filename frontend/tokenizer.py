@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenizers import decoders
 
+from common.chat_template import parse_chat_template
 from common.hf_tokenizer import TokenizerError, load_pretrained_tokenizer
 from frontend.errors import bad_request
 
@@ -204,8 +205,6 @@ def expand_images(text: str, marker: str, expansions: tuple[str, ...]) -> str:
 @lru_cache(maxsize=16)
 def template_variables(source: str) -> frozenset[str]:
     """The undeclared variables of a Jinja template: those its caller can set."""
-    from jinja2 import ext, meta
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2 import meta
 
-    env = ImmutableSandboxedEnvironment(extensions=[ext.loopcontrols])  # as HF renders them
-    return frozenset(meta.find_undeclared_variables(env.parse(source)))
+    return frozenset(meta.find_undeclared_variables(parse_chat_template(source)))

@@ -272,3 +272,26 @@ def test_serving_a_folder_without_a_tokenizer_says_so_in_one_line(tmp_path: Path
     assert result.returncode == 1, result.stderr
     assert "has no *.safetensors or pytorch_model.bin weights" in result.stderr
     assert "Traceback" not in result.stderr and "never retrieved" not in result.stderr
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path: Path) -> None:
+    """It would fail every chat request with a 500 (it did); templates parse as HF renders
+    them, so loop controls are Jinja there."""
+    from common.chat_template import check_chat_template_file
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "serve", "--chat-template", str(broken)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"--chat-template {broken}: not a Jinja template" in result.stderr
+    assert "(line 1)" in result.stderr and "Traceback" not in result.stderr
+    with_break = tmp_path / "break.jinja"
+    with_break.write_text("{% for m in messages %}{{ m.content }}{% break %}{% endfor %}")
+    check_chat_template_file(str(with_break))
+    latin1 = tmp_path / "latin1.jinja"
+    latin1.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        check_chat_template_file(str(latin1))
