@@ -9,6 +9,7 @@ of the requests that arrive queue, and the next call takes them all at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ from tokenizers import decoders
 
 from common.chat_template import parse_chat_template
 from common.hf_tokenizer import TokenizerError, load_pretrained_tokenizer
-from frontend.errors import bad_request
+from frontend.errors import OpenAIError, bad_request
+
+logger = logging.getLogger("tandem.frontend")
 
 # What a model folder's tokenizer is read from (one of them, beside tokenizer_config.json).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -35,7 +38,26 @@ def load_hf_tokenizer(model_dir: Path, chat_template: str | Path | None = None) 
         raise TokenizerError(tokenizer_failure(model_dir, exc)) from None
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
+    elif isinstance(tokenizer.chat_template, str):
+        warn_if_template_breaks(tokenizer.chat_template, model_dir)
     return tokenizer
+
+
+def warn_if_template_breaks(source: str, model_dir: Path) -> None:
+    """The model's own template, said at start when it does not parse: every chat request will
+    then be a 500 (completions still serve), until --chat-template gives one that does."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        template_variables(source)
+    except TemplateSyntaxError as exc:
+        logger.warning(
+            "the chat template of %s does not parse (%s, line %s): chat requests will fail; "
+            "--chat-template FILE replaces it",
+            model_dir,
+            exc.message,
+            exc.lineno,
+        )
 
 
 def tokenizer_failure(model_dir: Path, exc: Exception) -> str:
@@ -159,10 +181,19 @@ class Tokenizer:
     def template_variables(self, template: str | None = None) -> frozenset[str]:
         """The variables a chat template reads (``template``, else the model's): a
         ``chat_template_kwargs`` key it never reads could not change the prompt."""
+        from jinja2 import TemplateSyntaxError
+
         source = template or self.hf.chat_template
         if not isinstance(source, str):
             return frozenset()
-        return template_variables(source)
+        try:
+            return template_variables(source)
+        except TemplateSyntaxError as exc:  # the model's own: the server's fault, not the client's
+            raise OpenAIError(
+                500,
+                f"the model's chat template does not parse: {exc.message} (line {exc.lineno})",
+                "internal_error",
+            ) from None
 
 
 @dataclass(frozen=True)
