@@ -6,6 +6,7 @@ transformers' configuration classes, which imports torch (1.5 s of CPU a process
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,31 @@ from typing import Any
 DIRECT_BACKEND_MODEL_TYPES = frozenset({"llama"})
 
 
+# What a model folder's tokenizer is read from (one of them, beside tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
 class TokenizerError(ValueError):
-    """The served model's tokenizer cannot be loaded (here, where `tandem serve` can catch it
-    without importing the HTTP stack)."""
+    """The model's tokenizer cannot be loaded (here, where `tandem serve` can catch it without
+    importing the HTTP stack)."""
+
+
+def load_explained(load: Callable[[Path], Any], model_dir: Path) -> Any:
+    """``load(model_dir)``; where the folder's tokenizer does not load, TokenizerError saying
+    why in one line (transformers' own message for a folder without one advises installing
+    sentencepiece)."""
+    try:
+        return load(model_dir)
+    except (OSError, ValueError) as exc:
+        if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+            reason = f"it has none of {', '.join(TOKENIZER_FILES)}"
+        else:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TokenizerError(
+            f"cannot load the tokenizer of {model_dir} ({reason}): text in and out needs the "
+            f"model's own tokenizer files (token ids go to the raw engine: `tandem engine`, "
+            f"`tandem client --token-ids`)"
+        ) from None
 
 
 def load_pretrained_tokenizer(model_dir: Path) -> Any:

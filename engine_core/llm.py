@@ -91,10 +91,13 @@ class LLM:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
+            from common.hf_tokenizer import load_explained
             from engine_core.model_dir import tokenizer_dir_of
 
             model_dir = tokenizer_dir_of(self.engine.config.model, self.engine.runner.model_dir)
-            self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            self._tokenizer = load_explained(
+                lambda folder: AutoTokenizer.from_pretrained(str(folder)), model_dir
+            )
         return self._tokenizer
 
     def generate(
@@ -283,10 +286,10 @@ def run(args: argparse.Namespace) -> int:
         # it cannot serve, named.
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
-    prompts: list = [chat_ids(llm, p) if args.chat else p for p in args.prompt]
     try:
+        prompts: list = [chat_ids(llm, p) if args.chat else p for p in args.prompt]
         outputs = llm.generate(prompts, params)
-    except ValueError as exc:  # a prompt the engine refuses (too long for the context, say)
+    except ValueError as exc:  # a prompt the engine refuses (too long), a tokenizer that won't load
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
     for prompt, out in zip(args.prompt, outputs, strict=True):

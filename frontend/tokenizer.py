@@ -20,22 +20,16 @@ from typing import Any
 from tokenizers import decoders
 
 from common.chat_template import parse_chat_template
-from common.hf_tokenizer import TokenizerError, load_pretrained_tokenizer
+from common.hf_tokenizer import load_explained, load_pretrained_tokenizer
 from frontend.errors import OpenAIError, bad_request
 
 logger = logging.getLogger("tandem.frontend")
-
-# What a model folder's tokenizer is read from (one of them, beside tokenizer_config.json).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
 def load_hf_tokenizer(model_dir: Path, chat_template: str | Path | None = None) -> Any:
     """The model's HF tokenizer; ``chat_template``: a Jinja file that replaces its template.
     TokenizerError, in one line, where the folder's tokenizer does not load."""
-    try:
-        tokenizer = load_pretrained_tokenizer(model_dir)
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(tokenizer_failure(model_dir, exc)) from None
+    tokenizer = load_explained(load_pretrained_tokenizer, model_dir)
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
     elif isinstance(tokenizer.chat_template, str):
@@ -58,18 +52,6 @@ def warn_if_template_breaks(source: str, model_dir: Path) -> None:
             exc.message,
             exc.lineno,
         )
-
-
-def tokenizer_failure(model_dir: Path, exc: Exception) -> str:
-    """Why ``model_dir``'s tokenizer did not load, for someone who can fix the folder."""
-    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
-        reason = f"it has none of {', '.join(TOKENIZER_FILES)}"
-    else:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return (
-        f"cannot load the tokenizer of {model_dir} ({reason}): the HTTP API tokenizes with the "
-        f"model's own tokenizer files (the raw engine, `tandem engine`, takes token ids)"
-    )
 
 
 class Tokenizer:

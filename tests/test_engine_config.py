@@ -263,6 +263,15 @@ def test_serving_a_folder_without_a_tokenizer_says_so_in_one_line(tmp_path: Path
         result.stderr
     )
     assert "Traceback" not in result.stderr and "never retrieved" not in result.stderr
+    # Offline, with the chat template asked for: the same one line.
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "generate", "--model", str(model_dir), "--chat",
+         "--prompt", "hi", "--max-tokens", "2", "--num-kv-blocks", "16"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"tandem generate: cannot load the tokenizer of {model_dir}" in result.stderr
+    assert "Traceback" not in result.stderr
     # Without weights too, the engine fails first: its reason, and nothing of the tokenizer's.
     (model_dir / "model.safetensors").unlink()
     result = subprocess.run(
