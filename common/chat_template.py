@@ -15,6 +15,11 @@ def parse_chat_template(source: str) -> Any:
     return ImmutableSandboxedEnvironment(extensions=[ext.loopcontrols]).parse(source)
 
 
+def syntax_error_text(exc: Any) -> str:
+    """A TemplateSyntaxError as every message about a broken template says it."""
+    return f"{exc.message} (line {exc.lineno})"
+
+
 def check_chat_template_file(path: str) -> None:
     """ValueError naming ``path`` and the line where it does not parse: a template that does
     not would fail every chat request."""
@@ -25,7 +30,7 @@ def check_chat_template_file(path: str) -> None:
     except TemplateSyntaxError as exc:
         raise ValueError(
             f"--chat-template {path}: not a Jinja template as chat templates are rendered: "
-            f"{exc.message} (line {exc.lineno})"
+            f"{syntax_error_text(exc)}"
         ) from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"--chat-template {path}: not UTF-8 text ({exc.reason})") from None

@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import decoders
 
-from common.chat_template import parse_chat_template
+from common.chat_template import parse_chat_template, syntax_error_text
 from common.hf_tokenizer import load_explained, load_pretrained_tokenizer
 from frontend.errors import OpenAIError, bad_request
 
@@ -46,11 +46,10 @@ def warn_if_template_breaks(source: str, model_dir: Path) -> None:
         template_variables(source)
     except TemplateSyntaxError as exc:
         logger.warning(
-            "the chat template of %s does not parse (%s, line %s): chat requests will fail; "
+            "the chat template of %s does not parse (%s): chat requests will fail; "
             "--chat-template FILE replaces it",
             model_dir,
-            exc.message,
-            exc.lineno,
+            syntax_error_text(exc),
         )
 
 
@@ -173,7 +172,7 @@ class Tokenizer:
         except TemplateSyntaxError as exc:  # the model's own: the server's fault, not the client's
             raise OpenAIError(
                 500,
-                f"the model's chat template does not parse: {exc.message} (line {exc.lineno})",
+                f"the model's chat template does not parse: {syntax_error_text(exc)}",
                 "internal_error",
             ) from None
 

@@ -2088,8 +2088,7 @@ def tma_page_prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     scale: float,
     out: torch.Tensor | None = None,  # [T, heads, head_dim], heads dense
-    tiles: torch.Tensor | None = None,  # [rows, 2] int32, prefill_tiles.py's for block_m
-    block_m: int | None = None,  # None: prefill_block_m's
+    tiles: torch.Tensor | None = None,  # [rows, 2] int32, prefill_tiles.py's for the step
     skip_decodes: bool = False,  # one-token sequences left alone (their rows of ``out`` too)
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """paged_prefill_attention's plain causal case where tma_pages_serve: 32 keys an iteration,
@@ -2106,7 +2105,7 @@ def tma_page_prefill_attention(
         out = q.new_empty(num_tokens, heads, head_dim)
     if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
-    block_m = block_m or prefill_block_m(num_tokens)
+    block_m = prefill_block_m(num_tokens)  # the height the engine packs its work list for
     if tiles is None:
         tiles = device_tiles(query_start_loc.tolist(), q.device, block_m)
     use_descriptor_scratch(q.device)
