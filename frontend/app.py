@@ -49,7 +49,13 @@ from frontend.errors import (
     server_stopping,
 )
 from frontend.metrics import CONTENT_TYPE
-from frontend.middleware import ApiKeyMiddleware, BodyLimitMiddleware, StreamingLane, StreamRoute
+from frontend.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    StreamingLane,
+    StreamRoute,
+    UnexpectedErrors,
+)
 from frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -120,7 +126,9 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.tandem = state
     add_error_handlers(app)
-    # Added innermost first: the lane runs after the key check and within the body limit.
+    # Added innermost first: the lane runs after the key check and within the body limit, and
+    # the routes' unexpected errors are answered inside it (the lane answers its own).
+    app.add_middleware(UnexpectedErrors)
     app.add_middleware(StreamingLane, routes=streaming_routes(state.serving))
     if state.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
@@ -162,9 +170,10 @@ def add_error_handlers(app: FastAPI) -> None:
     async def on_http_error(_req: Request, exc: StarletteHTTPException) -> Response:
         return error_response(http_exception_error(exc.status_code, str(exc.detail)))
 
+    # An error the routes raise is answered by UnexpectedErrors; this one meets only the outer
+    # middleware's, which Starlette re-raises after the response, for the server to log.
     @app.exception_handler(Exception)
     async def on_unexpected(_req: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error while serving a request")
         return error_response(as_openai_error(exc))
 
 

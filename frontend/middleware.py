@@ -1,5 +1,5 @@
-"""Plain ASGI middleware of the HTTP app: the API key check, the request-body limit, and the
-streaming lane.
+"""Plain ASGI middleware of the HTTP app: the API key check, the request-body limit, the
+streaming lane, and the last resort for a route's unexpected error.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which gets in the way of streaming and of
 disconnect detection.
@@ -181,3 +181,33 @@ def replayed(raw: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return receive_again
+
+
+class UnexpectedErrors:
+    """A route's unexpected error (a bug): logged once with its traceback and answered as the
+    OpenAI-shaped 500, with no trace in the body. Starlette's handler for ``Exception`` would
+    answer the same but then re-raise, so that the server logs the traceback a second time
+    ("Exception in ASGI application"). An error after the response started is re-raised: the
+    response cannot change, and the server closes the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unexpected error while serving a request")
+            await error_response(as_openai_error(exc))(scope, receive, send)
