@@ -158,7 +158,7 @@ class ResponsesRequest(RequestBody):
     max_output_tokens: int | None = Field(
         default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"}
     )
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0)  # as chat's: no top, as vLLM's
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # Refused past 0 (no logprobs here), as are background, include and truncation "auto".
     top_logprobs: int | None = Field(

@@ -233,3 +233,29 @@ def test_an_unknown_stored_response_is_a_404(server: Server) -> None:  # noqa: F
     for method in ("GET", "DELETE"):
         resp = httpx.request(method, f"{server.base_url}/v1/responses/resp_missing", timeout=30)
         assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
+
+
+def test_temperature_has_chats_bounds(server: Server) -> None:  # noqa: F811
+    """A temperature past 2 samples here as on chat (and in vLLM); below 0 or not a finite
+    number is a 400 naming it on both."""
+    for path, body in (
+        ("/v1/responses", {"input": "Hi.", "max_output_tokens": 4}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4},
+        ),
+    ):
+        hot = httpx.post(
+            f"{server.base_url}{path}", json={"model": "default", **body, "temperature": 2.5},
+            timeout=60,
+        )  # fmt: skip
+        assert hot.status_code == 200, (path, hot.text)
+        for bad in (b"-0.5", b"Infinity", b"NaN"):
+            raw = json.dumps({"model": "default", **body, "temperature": 0}).encode()
+            raw = raw.replace(b'"temperature": 0', b'"temperature": ' + bad)
+            resp = httpx.post(
+                f"{server.base_url}{path}", content=raw, timeout=30,
+                headers={"content-type": "application/json"},
+            )  # fmt: skip
+            assert resp.status_code == 400, (path, bad, resp.text)
+            assert resp.json()["error"]["param"] == "temperature", (path, bad, resp.text)
