@@ -461,7 +461,7 @@ def sampling_params(
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
-        seed=req.seed,
+        seed=engine_seed(req.seed),
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
@@ -474,9 +474,19 @@ def sampling_params(
     )
 
 
+def engine_seed(seed: int | None) -> int | None:
+    """A request's seed (SEED_MIN..SEED_MAX) as the engine's unsigned 64-bit one: a negative
+    seed's two's-complement bits."""
+    return None if seed is None else seed % 2**64
+
+
 def params_per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:
-    """With a seed, choice i uses seed + i: the choices differ yet the request is repeatable."""
-    out = [base if base.seed is None else replace(base, seed=base.seed + i) for i in range(n)]
+    """With a seed, choice i uses seed + i (mod 2**64): the choices differ yet the request is
+    repeatable."""
+    out = [
+        base if base.seed is None else replace(base, seed=engine_seed(base.seed + i))
+        for i in range(n)
+    ]
     try:
         for p in out:
             validate_sampling_params(p)

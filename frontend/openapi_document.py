@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from frontend.openai_schemas import SEED_MAX, SEED_MIN
 from frontend.openapi_rules import LIMIT_KEY, NULL, JsonSchema
 from frontend.serving_context import ServingContext
 from protocol.messages import PRIORITY_MAX, PRIORITY_MIN, SchedulingPolicy
@@ -59,8 +60,8 @@ def bound(node: JsonSchema, limit: str, ctx: ServingContext) -> None:
     elif limit == "priority":  # exact: FastAPI's document model holds bounds as floats
         ranks = ctx.scheduling_policy == SchedulingPolicy.PRIORITY
         node.update(minimum=PRIORITY_MIN if ranks else 0, maximum=PRIORITY_MAX if ranks else 0)
-    elif limit == "uint64":
-        node.update(minimum=0, maximum=2**64 - 1)  # exact, as above
+    elif limit == "seed":
+        node.update(minimum=SEED_MIN, maximum=SEED_MAX)  # exact, as above
     elif limit == "reasoning" and ctx.reasoning is None:
         node.clear()
         node.update(NULL)

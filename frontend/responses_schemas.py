@@ -16,7 +16,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from frontend.openai_schemas import FUNCTION_NAME, MAX_LOGPROBS, SEED, RequestBody, ServiceTier
+from frontend.openai_schemas import (
+    FUNCTION_NAME,
+    MAX_LOGPROBS,
+    SEED,
+    SEED_MAX,
+    SEED_MIN,
+    RequestBody,
+    ServiceTier,
+)
 from frontend.openapi_rules import LIMIT_KEY, NON_EMPTY_TEXT, NULL, any_of, present, rules, when
 from protocol.messages import PRIORITY_MAX, PRIORITY_MIN
 
@@ -194,7 +202,9 @@ class ResponsesRequest(RequestBody):
     # vLLM's sampling and template extras, as on chat.
     top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, json_schema_extra=any_of(SEED, NULL))
+    seed: int | None = Field(
+        default=None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=any_of(SEED, NULL)
+    )
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = Field(

@@ -87,7 +87,8 @@ BAD_FIELDS = [
     ({"max_tokens": 10**12}, "prompt"),  # over the context: context_length_exceeded
     ({"max_tokens": 2**80}, "prompt"),
     ({"seed": "abc"}, "seed"),
-    ({"seed": 2**64}, None),  # past uint64: the engine's own range check
+    ({"seed": 2**64}, "seed"),  # past uint64
+    ({"seed": -(2**63) - 1}, "seed"),  # past int64
     ({"top_k": 2**40}, None),  # past int32
     ({"stop": 5}, "stop"),
     ({"stop": ["x"] * 65}, "stop"),  # more than MAX_STOP_STRINGS
@@ -224,7 +225,8 @@ STATED_RULES = [
      "stream_options": {}}),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"x": 1}}, {"prompt": "Hi",
      "logit_bias": {"5": 1}}),
-    ("/v1/completions", {"prompt": "Hi", "seed": -1}, {"prompt": "Hi", "seed": 0}),
+    ("/v1/completions", {"prompt": "Hi", "seed": -(2**63) - 1}, {"prompt": "Hi", "seed": -1}),
+    ("/v1/completions", {"prompt": "Hi", "seed": 2**64}, {"prompt": "Hi", "seed": 2**64 - 1}),
     ("/v1/completions", {"prompt": "Hi", "priority": 1}, {"prompt": "Hi", "priority": 0}),
     ("/v1/completions", {"prompt": "Hi", "spaces_between_special_tokens": True}, {"prompt": "Hi",
      "spaces_between_special_tokens": False}),

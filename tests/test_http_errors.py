@@ -68,7 +68,7 @@ BAD_COMPLETIONS = [
     ({"stop": [""]}, "stop"),
     ({"stream_options": {"include_usage": True}}, None),
     ({"suffix": "and then"}, "suffix"),  # echo with logprobs used to be here: now served
-    ({"seed": -1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),  # past int64 (OpenAI's and vLLM's seeds are signed)
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"top_k": 10**12}, "top_k"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),

@@ -249,6 +249,26 @@ def test_n2_with_a_seed_is_repeatable_and_choices_differ(client: openai.OpenAI) 
     assert first.usage.prompt_tokens == second.usage.prompt_tokens == 4
 
 
+def test_a_negative_seed_samples_as_its_unsigned_bits(client: openai.OpenAI) -> None:
+    """OpenAI's and vLLM's seeds are signed 64-bit: -1 draws what 2**64 - 1 draws (its bits
+    read unsigned, as the engine's seeds are), and choice i's seed + i wraps past 2**64 - 1
+    to 0, 1, ..."""
+    kwargs: dict[str, Any] = dict(
+        model="default", prompt="Once upon a time", max_tokens=6, temperature=1.0
+    )
+    signed, unsigned, wrapped, low = parallel(
+        lambda: client.completions.create(**kwargs, seed=-1),
+        lambda: client.completions.create(**kwargs, seed=2**64 - 1),
+        lambda: client.completions.create(**kwargs, seed=-2, n=3),
+        lambda: client.completions.create(**kwargs, seed=0, n=2),
+    )
+    assert signed.choices[0].text == unsigned.choices[0].text
+    texts = [c.text for c in by_index(wrapped.choices)]  # seeds 2**64 - 2, 2**64 - 1, 0
+    assert texts[1] == signed.choices[0].text
+    assert texts[2] == by_index(low.choices)[0].text
+    assert len(set(texts)) == 3
+
+
 def test_same_seed_same_chat_text(client: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = dict(
         model="default",
