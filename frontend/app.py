@@ -61,6 +61,7 @@ from frontend.openai_schemas import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    FieldError,
     LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
@@ -213,6 +214,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     loc = field_path(first.get("loc", ()))
     if not loc and first.get("type") == "missing":
         return OpenAIError(400, "the request needs a JSON body")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # a rule across fields, naming the one at fault
+        loc = [*loc, cause.field]
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden" and len(loc) == 1:  # OpenAI's words for it
         message = f"Unrecognized request argument supplied: {param}"

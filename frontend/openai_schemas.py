@@ -88,6 +88,16 @@ UNSUPPORTED = {
 }
 
 
+class FieldError(ValueError):
+    """A model validator's refusal that names the field at fault (validation_error takes it as
+    the error's ``param``, below the model's own location): a rule across fields otherwise has
+    no location, and the client would get no param."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class RequestBody(BaseModel):
     """A top-level request: unknown fields refused, every string valid Unicode, and null taken
     as the default where OpenAI documents a field as nullable (``NULL_IS_DEFAULT``: clients that
@@ -158,9 +168,11 @@ class ResponseFormat(BaseModel):
     def _schema_with_its_type(self) -> ResponseFormat:
         schema = self.json_schema
         if self.type == "json_schema" and (schema is None or schema.json_schema is None):
-            raise ValueError("type json_schema needs json_schema.schema")
+            raise FieldError("json_schema", "type json_schema needs json_schema.schema")
         if self.type != "json_schema" and self.json_schema is not None:
-            raise ValueError(f"json_schema goes with type json_schema, not {self.type}")
+            raise FieldError(
+                "json_schema", f"json_schema goes with type json_schema, not {self.type}"
+            )
         return self
 
 
@@ -292,7 +304,7 @@ class SamplingFields(RequestBody):
     @model_validator(mode="after")
     def _options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     @field_validator("logit_bias")
@@ -572,14 +584,14 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
     @model_validator(mode="after")
     def _continue_an_assistant_message(self) -> ChatCompletionRequest:
         check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
         if self.echo and self.messages[-1].role != "assistant":
-            raise ValueError("echo repeats the last message, which must be the assistant's")
+            raise FieldError("echo", "echo repeats the last message, which must be the assistant's")
         return self
 
     @field_validator("tools")
@@ -622,9 +634,14 @@ def check_continuation(
     if not continue_final_message:
         return
     if add_generation_prompt:
-        raise ValueError("continue_final_message needs add_generation_prompt false")
+        raise FieldError(
+            "continue_final_message", "continue_final_message needs add_generation_prompt false"
+        )
     if messages[-1].role != "assistant":
-        raise ValueError("continue_final_message continues a last message of the assistant")
+        raise FieldError(
+            "continue_final_message",
+            "continue_final_message continues a last message of the assistant",
+        )
 
 
 class LoadLoraAdapterRequest(RequestBody):
