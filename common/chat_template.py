@@ -1,8 +1,11 @@
 """Chat templates parsed as Hugging Face renders them: a sandboxed Jinja environment with loop
-controls (``{% break %}``, ``{% continue %}``). Imports jinja2 when called, not at import."""
+controls (``{% break %}``, ``{% continue %}``) and transformers' ``{% generation %}`` block (its
+assistant-token tracker; rendering it is transformers' job, parsing only needs the tag). Imports
+jinja2 when called, not at import."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,29 @@ def parse_chat_template(source: str) -> Any:
     from jinja2 import ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    return ImmutableSandboxedEnvironment(extensions=[ext.loopcontrols]).parse(source)
+    extensions = [ext.loopcontrols, _generation_block()]
+    return ImmutableSandboxedEnvironment(extensions=extensions).parse(source)
+
+
+@functools.cache
+def _generation_block() -> type:
+    """A Jinja extension that parses ``{% generation %} ... {% endgeneration %}`` as
+    transformers' AssistantTracker does: a call block around its body."""
+    from jinja2 import ext, nodes
+
+    class GenerationBlock(ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> Any:
+            return caller()
+
+    return GenerationBlock
 
 
 def syntax_error_text(exc: Any) -> str:
