@@ -99,6 +99,15 @@ class ParentWatch:
         return pid_alive(self.pid)
 
 
+# A child's exit code for an error that a restart cannot cure (an API process whose tokenizer
+# does not load): its parent stops instead of restarting it for ever.
+EXIT_UNSERVABLE = 3
+
+
+class UnservableError(RuntimeError):
+    """A child exited with EXIT_UNSERVABLE."""
+
+
 def exit_on_sigterm() -> None:
     """Make SIGTERM raise SystemExit (as Ctrl-C raises KeyboardInterrupt), so that ``finally``
     blocks stop what this process started."""

@@ -44,7 +44,7 @@ from typing import Any
 
 from common import event_loop
 from common.hf_tokenizer import TokenizerError
-from common.processes import die_with_parent, exit_on_sigterm
+from common.processes import EXIT_UNSERVABLE, UnservableError, die_with_parent, exit_on_sigterm
 from frontend.engine_pool import EnginePool
 from frontend.engines import (
     EXIT_POLL_S,
@@ -157,13 +157,16 @@ class ApiServerProcess:
             self.process.wait()
 
     async def keep_running(self) -> None:
-        """Start it, and start it again whenever it exits, backing off like the engines."""
+        """Start it, and start it again whenever it exits, backing off like the engines; an
+        exit with EXIT_UNSERVABLE (which a restart cannot cure) raises UnservableError."""
         backoff = RestartBackoff()
         while True:
             self.start()
             backoff.restarted()
             while self.alive():
                 await asyncio.sleep(EXIT_POLL_S)
+            if self.returncode == EXIT_UNSERVABLE:
+                raise UnservableError(f"API server {self.index} cannot serve (its error above)")
             delay = backoff.next_delay()
             logger.error("API server %d exited (code %s); restarting it in %.0f s",
                          self.index, self.returncode, delay)  # fmt: skip
@@ -188,13 +191,16 @@ class ApiProcesses:
 
     async def run(self) -> None:
         """Start the API processes (they load while the engines do), wait for every engine's
-        handshake, then keep the API processes and the engines running until a signal."""
+        handshake, then keep the API processes and the engines running until a signal. An API
+        process that cannot serve (UnservableError) ends it, during the handshakes too."""
         timeouts = EngineTimeouts.from_args(self.args)
         tasks = [asyncio.ensure_future(s.keep_running()) for s in self.servers]
         pool = EnginePool([])  # the parent's own connections: handshakes and restarts
+        handshakes = asyncio.ensure_future(self.connect_all(pool, timeouts))
         try:
-            for spec in self.specs:  # they load in parallel: each handshake waits in turn
-                pool.engines.append(await connect_engine(spec, timeouts))
+            done, _ = await asyncio.wait([handshakes, *tasks], return_when="FIRST_COMPLETED")
+            for task in done:
+                task.result()  # a handshake's error, or an API process's UnservableError
             if self.args.restart_engine:
                 tasks += supervise_engines(self.specs, pool, timeouts)
             port = self.servers[0].sock.getsockname()[1]
@@ -203,10 +209,15 @@ class ApiProcesses:
             await close_remote(self.specs, pool)
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
+            for task in (handshakes, *tasks):
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(handshakes, *tasks, return_exceptions=True)
             await pool.close()
+
+    async def connect_all(self, pool: EnginePool, timeouts: EngineTimeouts) -> None:
+        """Every engine's handshake into ``pool``: they load in parallel, each waits in turn."""
+        for spec in self.specs:
+            pool.engines.append(await connect_engine(spec, timeouts))
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM all at once (each drains in parallel), then wait for each in turn."""
@@ -274,7 +285,7 @@ def main() -> int:
         return 1
     except TokenizerError as exc:
         logger.error("%s", exc)
-        return 1
+        return EXIT_UNSERVABLE
     return 0
 
 

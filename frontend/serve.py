@@ -277,7 +277,7 @@ def launch(
     the tokenizer's libraries): their start-up (imports, the model) overlaps ours."""
     from common import event_loop
     from common.hf_tokenizer import TokenizerError
-    from common.processes import exit_on_sigterm
+    from common.processes import UnservableError, exit_on_sigterm
     from protocol.client import EngineDeadError, HandshakeError
 
     exit_on_sigterm()  # so the finally below runs on SIGTERM too
@@ -295,7 +295,7 @@ def launch(
     except (EngineDeadError, HandshakeError, TimeoutError) as exc:
         logger.error("an engine core did not come up: %s", exc)
         return 1
-    except TokenizerError as exc:
+    except (TokenizerError, UnservableError) as exc:
         logger.error("%s", exc)
         return 1
     finally:

@@ -263,6 +263,17 @@ def test_serving_a_folder_without_a_tokenizer_says_so_in_one_line(tmp_path: Path
         result.stderr
     )
     assert "Traceback" not in result.stderr and "never retrieved" not in result.stderr
+    # With several API processes, each loads the tokenizer: the first that cannot ends serve
+    # (it had been restarted for ever, and serve never exited).
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model_dir), "--port", "0",
+         "--num-kv-blocks", "16", "--api-servers", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert f"cannot load the tokenizer of {model_dir}" in result.stderr
+    assert "cannot serve (its error above)" in result.stderr
+    assert "restarting it" not in result.stderr and "Traceback" not in result.stderr
     # Offline, with the chat template asked for: the same one line.
     result = subprocess.run(
         [sys.executable, "-m", "frontend.cli", "generate", "--model", str(model_dir), "--chat",
