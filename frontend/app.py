@@ -94,6 +94,7 @@ logger = logging.getLogger("tandem.frontend")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_BYTES = DONE.encode()
 CUT = server_stopping()
+CUT_EVENTS = sse_error(CUT) + DONE  # how completions and chat streams end when cut short
 STATS_TIMEOUT_S = 10.0  # the engine answers between steps, and a CPU prefill step can be slow
 PROFILE_START_TIMEOUT_S = 30.0
 # Stopping writes the whole trace before the engine answers: minutes for a long one on a GPU.
@@ -467,8 +468,7 @@ async def start_stream(
         events = EventWriter()
         content = stream(ctx, body, gen, events)
         return AdmittedStreamingResponse(content, release, lambda: error_event(events, CUT))
-    cut = sse_error(CUT) + DONE
-    return AdmittedStreamingResponse(stream(ctx, body, gen), release, lambda: cut)
+    return AdmittedStreamingResponse(stream(ctx, body, gen), release, lambda: CUT_EVENTS)
 
 
 def streaming_routes(ctx: ServingContext) -> dict[str, StreamRoute]:
@@ -542,6 +542,7 @@ class AdmittedStreamingResponse(StreamingResponse):
             elif not self.started or not stream.cancelling():
                 raise  # before the response began (uvicorn answers 500), or not a cancel of us
             else:  # the server is stopping this task: tell the client why its stream ends
+                watcher.cancel()  # a disconnect during the send below must not cancel it
                 stream.uncancel()
                 end = b""
                 if not self.exhausted:

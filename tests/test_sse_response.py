@@ -178,3 +178,35 @@ def test_a_server_that_cancels_after_the_last_chunk_adds_no_cut_event() -> None:
         assert releases == [1]
 
     asyncio.run(main())
+
+
+def test_a_client_that_leaves_while_the_cut_event_is_sent_ends_the_call_normally() -> None:
+    """The server cuts the stream, the cut event's send waits on a slow client, and the client
+    goes meanwhile: the call still ends normally (no CancelledError for the server to log)."""
+
+    class SlowCut(Connection):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cut_pending = asyncio.Event()
+            self.flushed = asyncio.Event()
+
+        async def send(self, message: dict[str, Any]) -> None:
+            if message.get("body") == CUT.encode():
+                self.cut_pending.set()
+                await self.flushed.wait()  # the socket's buffer is full
+            await super().send(message)
+
+    async def main() -> None:
+        conn, chunks, releases = SlowCut(), Chunks(3, pause=asyncio.Event()), []
+        call = asyncio.ensure_future(respond(chunks, releases)(SCOPE, conn.receive, conn.send))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        await asyncio.wait_for(conn.cut_pending.wait(), 1)
+        conn.gone.set()  # the disconnect arrives while the cut waits to go out
+        await asyncio.sleep(0.01)
+        conn.flushed.set()
+        await asyncio.wait_for(call, 1)  # returns, without a CancelledError
+        assert not call.cancelled()
+        assert chunks.cleaned_up and releases == [1]
+
+    asyncio.run(main())
