@@ -45,6 +45,16 @@ def syntax_error_text(exc: Any) -> str:
     return f"{exc.message} (line {exc.lineno})"
 
 
+def template_error_text(exc: Any) -> str:
+    """What went wrong with a template, after "the model's chat template": it does not parse
+    (where), or it raised while rendering (a template's raise_exception says why)."""
+    from jinja2 import TemplateSyntaxError
+
+    if isinstance(exc, TemplateSyntaxError):
+        return f"does not parse: {syntax_error_text(exc)}"
+    return f"does not render: {exc}"
+
+
 def check_chat_template_file(path: str) -> None:
     """ValueError naming ``path`` and the line where it does not parse: a template that does
     not would fail every chat request."""

@@ -26,10 +26,15 @@ class TokenizerError(ValueError):
     importing the HTTP stack)."""
 
 
-def load_explained(load: Callable[[Path], Any], model_dir: Path) -> Any:
+RAW_ENGINE_HINT = "token ids go to the raw engine: `tandem engine`, `tandem client --token-ids`"
+
+
+def load_explained(
+    load: Callable[[Path], Any], model_dir: Path, without_it: str = RAW_ENGINE_HINT
+) -> Any:
     """``load(model_dir)``; where the folder's tokenizer does not load, TokenizerError saying
     why in one line (transformers' own message for a folder without one advises installing
-    sentencepiece)."""
+    sentencepiece), and ``without_it``: how to serve that model without one."""
     try:
         return load(model_dir)
     except (OSError, ValueError) as exc:
@@ -39,8 +44,7 @@ def load_explained(load: Callable[[Path], Any], model_dir: Path) -> Any:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TokenizerError(
             f"cannot load the tokenizer of {model_dir} ({reason}): text in and out needs the "
-            f"model's own tokenizer files (token ids go to the raw engine: `tandem engine`, "
-            f"`tandem client --token-ids`)"
+            f"model's own tokenizer files ({without_it})"
         ) from None
 
 

@@ -54,6 +54,9 @@ class EmbeddingOutput:
     error: str | None = None  # why the engine failed it
 
 
+# How the offline API serves a model whose tokenizer does not load (TokenizerError's hint).
+OFFLINE_IDS = "token ids need none: LLM.generate(ids, detokenize=False)"
+
 # One text or token-id sequence, or a batch of them.
 Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
 
@@ -68,9 +71,14 @@ def prompt_batch(prompts: Prompts) -> list[str | Sequence[int]]:
             f"prompts are a str, token ids, or a sequence of those, not {type(prompts).__name__}"
         )
     batch = list(prompts)
-    if batch and all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in batch):
-        return [batch]  # one prompt's token ids (numpy's ints too)
+    if any(is_token_id(p) for p in batch):
+        return [batch]  # one prompt's token ids (numpy's ints too; _encode names any others)
     return batch
+
+
+def is_token_id(value: Any) -> bool:
+    """An int (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_sequence_like(value: Any) -> bool:
@@ -96,7 +104,7 @@ class LLM:
 
             model_dir = tokenizer_dir_of(self.engine.config.model, self.engine.runner.model_dir)
             self._tokenizer = load_explained(
-                lambda folder: AutoTokenizer.from_pretrained(str(folder)), model_dir
+                lambda folder: AutoTokenizer.from_pretrained(str(folder)), model_dir, OFFLINE_IDS
             )
         return self._tokenizer
 
@@ -121,6 +129,8 @@ class LLM:
         engine as it was."""
         prompts = prompt_batch(prompts)
         params_list = self._params_per_prompt(params, len(prompts))
+        if detokenize:
+            self.tokenizer  # noqa: B018 - loaded now: a missing one fails before any prompt runs
         per_prompt = [()] * len(prompts) if images is None else [tuple(i) for i in images]
         if len(per_prompt) != len(prompts):
             raise ValueError(f"images for {len(per_prompt)} prompts, not {len(prompts)}")
@@ -211,11 +221,11 @@ class LLM:
             raise TypeError(
                 f"a prompt is a str or a sequence of token ids, not {type(prompt).__name__}"
             )
-        try:
-            return [operator.index(t) for t in prompt]  # ints (numpy's too), not 1.5 or "7"
-        except TypeError:
-            kinds = sorted({type(t).__name__ for t in prompt})
-            raise TypeError(f"token ids are ints, not {', '.join(kinds)}") from None
+        ids = list(prompt)
+        wrong = sorted({type(t).__name__ for t in ids if not is_token_id(t)})
+        if wrong:  # 1.5, "7" and True are not ids; numpy's ints are
+            raise TypeError(f"token ids are ints, not {', '.join(wrong)}")
+        return [operator.index(t) for t in ids]
 
     @staticmethod
     def _params_per_prompt(
@@ -225,12 +235,13 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
-        if not isinstance(params, Sequence) or not all(
-            isinstance(p, SamplingParams) for p in params
-        ):
+        if not isinstance(params, Sequence):
             raise TypeError(
                 f"params are one SamplingParams or a sequence of them, not {type(params).__name__}"
             )
+        wrong = sorted({type(p).__name__ for p in params if not isinstance(p, SamplingParams)})
+        if wrong:
+            raise TypeError(f"a sequence of params holds SamplingParams, not {', '.join(wrong)}")
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         return list(params)
@@ -286,11 +297,19 @@ def run(args: argparse.Namespace) -> int:
         # it cannot serve, named.
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
+    from jinja2 import TemplateError
+
+    from common.chat_template import template_error_text
+
     try:
         prompts: list = [chat_ids(llm, p) if args.chat else p for p in args.prompt]
         outputs = llm.generate(prompts, params)
     except ValueError as exc:  # a prompt the engine refuses (too long), a tokenizer that won't load
         print(f"tandem generate: {exc}", file=sys.stderr)
+        return 2
+    except TemplateError as exc:  # --chat with a template that does not parse, or refuses
+        print(f"tandem generate: the model's chat template {template_error_text(exc)}",
+              file=sys.stderr)  # fmt: skip
         return 2
     for prompt, out in zip(args.prompt, outputs, strict=True):
         print(f"--- {prompt!r}\n{out.text}\n[finish: {out.finish_reason.openai_name}]")

@@ -1,12 +1,14 @@
-"""A model whose own chat template does not parse: `tandem serve` says so at start, chat
-requests are a 500 naming the template's error (not "internal server error" and a traceback),
-and completions, which need no template, still serve. A template with transformers' own
+"""A model whose own chat template does not parse: `tandem generate --chat` says so in one line,
+`tandem serve` says so at start, chat requests are a 500 naming the template's error (not
+"internal server error" and a traceback), and completions, which need no template, still serve. A template with transformers' own
 ``{% generation %}`` block is not a broken one."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -26,6 +28,17 @@ def test_a_model_template_that_does_not_parse_fails_chat_requests_by_name(
     config["chat_template"] = "{% for m in messages %}{{ m.content }"
     config_path.write_text(json.dumps(config))
     (model_dir / "chat_template.jinja").unlink(missing_ok=True)  # the template file wins
+    offline = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "generate", "--model", str(model_dir), "--chat",
+         "--prompt", "hi", "--max-tokens", "2", "--num-kv-blocks", "16"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert offline.returncode == 2, offline.stderr
+    assert (
+        "tandem generate: the model's chat template does not parse: unexpected '}' (line 1)"
+        in offline.stderr
+    )
+    assert "Traceback" not in offline.stderr
     srv = start_server(tmp_path, model=str(model_dir), args=TINY_ARGS)
     try:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)

@@ -243,12 +243,37 @@ def test_offline_generate_takes_one_prompt_as_a_batch_of_one_and_refuses_what_is
     [text] = llm.generate("hello there", params, detokenize=False)
     assert text.prompt_token_ids == llm.tokenizer.encode("hello there")
     bad = [
-        (lambda: llm.generate([[1.5, 2]], params), "token ids are ints, not float, int"),
+        (lambda: llm.generate([[1.5, 2]], params), "token ids are ints, not float$"),
+        (lambda: llm.generate([5, 1.5], params), "token ids are ints, not float$"),
+        (lambda: llm.generate([[True, 5]], params), "token ids are ints, not bool$"),
+        (lambda: llm.generate([iter([1.5])], params), "token ids are ints, not float$"),
         (lambda: llm.generate([{"a": 1}], params), "not dict"),
         (lambda: llm.generate(7, params), "not int"),
         (lambda: llm.generate(["a"], {"max_tokens": 3}), "SamplingParams .* not dict"),
+        (
+            lambda: llm.generate(["a", "b"], [params, {"max_tokens": 3}]),
+            "SamplingParams, not dict$",
+        ),
     ]
     for call, message in bad:
         with pytest.raises(TypeError, match=message):
             call()
     assert not llm.engine.has_unfinished()
+
+
+def test_offline_generate_without_a_tokenizer_fails_before_running_unless_ids_stay_ids(
+    tmp_path: Path,
+) -> None:
+    """A folder without a tokenizer: text out needs one, so generate fails at once, before any
+    prompt runs (it had run them all, then lost the outputs to the decode), naming the way
+    that needs none; with detokenize=False token ids run."""
+    from common.hf_tokenizer import TokenizerError
+
+    model_dir = write_tiny_llama(tmp_path / "no-tokenizer")
+    llm = LLM(str(model_dir), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with pytest.raises(TokenizerError, match=r"detokenize=False"):
+        llm.generate([[5, 17, 42]], params)
+    assert llm.engine.num_steps == 0 and not llm.engine.has_unfinished()
+    [out] = llm.generate([[5, 17, 42]], params, detokenize=False)
+    assert len(out.token_ids) == 3 and out.text == ""
