@@ -286,6 +286,7 @@ class EngineClient(_Connection):
         HandshakeError at once when the reply does not decode."""
         deadline = time.monotonic() + timeout
         hello = self._hello()
+        self._undecodable = None  # only this handshake's replies count
         while True:
             _send_nowait(self._input, hello)
             retry_at = min(time.monotonic() + HELLO_INTERVAL_S, deadline)
@@ -623,6 +624,7 @@ class AsyncEngineClient(_Connection):
     async def _handshake(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         hello = self._hello()
+        self._undecodable = None  # only this handshake's replies count
         while True:
             _send_nowait(self._input, hello)
             retry_at = min(time.monotonic() + HELLO_INTERVAL_S, deadline)

@@ -552,3 +552,24 @@ def test_async_generate_refuses_bad_resume_settings(
                     pass
 
     asyncio.run(main())
+
+
+def test_a_client_that_met_another_protocol_waits_for_a_later_engine(
+    address: EngineAddress,
+) -> None:
+    """A reply that did not decode fails that handshake only: the same client's next connect
+    waits for an engine that starts later (it failed at once, on the stale reply)."""
+    other = OtherVersionEngine(address)
+    with EngineClient(address) as client:
+        with pytest.raises(HandshakeError):
+            client.connect(timeout=60)
+        other.stop()
+        later: list[EchoEngine] = []
+        starter = threading.Timer(0.5, lambda: later.append(EchoEngine(address)))
+        starter.start()
+        try:
+            assert client.connect(timeout=30) == READY
+        finally:
+            starter.join()
+            for eng in later:
+                eng.stop()
