@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -75,3 +76,35 @@ def test_without_it_starlette_answers_then_raises_to_the_server() -> None:
 def test_an_error_after_the_response_started_goes_on_to_the_server() -> None:
     with pytest.raises(RuntimeError, match="after the first part"):
         asyncio.run(get(make_app(last_resort=True), "/broken-midway"))
+
+
+def test_the_served_app_answers_a_routes_bug_itself(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The app `tandem serve` builds (build_app, its middleware in their order): a route's bug
+    is the OpenAI 500 with the request id, logged once, not raised to the server."""
+    from frontend.app import ServerState, build_app
+    from frontend.engine_pool import EnginePool
+    from frontend.metrics import Metrics
+    from frontend.serving_context import ServingContext
+    from frontend.tokenizer import Tokenizer, load_hf_tokenizer
+
+    ctx = ServingContext(
+        engine=EnginePool([]),
+        tokenizer=Tokenizer(load_hf_tokenizer(tiny_model_dir)),
+        served_model="default",
+        max_model_len=64,
+        vocab_size=384,
+        metrics=Metrics("default"),
+    )
+    app = build_app(ServerState(ctx, str(tiny_model_dir), max_body_bytes=1 << 20))
+
+    @app.get("/broken")
+    async def broken() -> None:
+        raise RuntimeError("a bug in a route")
+
+    with caplog.at_level(logging.ERROR):
+        response = asyncio.run(get(app, "/broken"))
+    assert response.status_code == 500 and response.json()["error"]["type"] == "internal_error"
+    assert response.headers["x-request-id"]
+    assert len([r for r in caplog.records if r.exc_info]) == 1
