@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import numbers
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,8 +76,15 @@ def prompt_batch(prompts: Prompts) -> list[str | Sequence[int]]:
 
 
 def is_token_id(value: Any) -> bool:
-    """An int (numpy's too), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An int as an index takes one (numpy's, a torch scalar's), not a bool, nor an array of
+    one element (a row of a [batch, 1] array is a prompt)."""
+    if isinstance(value, bool) or getattr(value, "ndim", 0) != 0:
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def is_sequence_like(value: Any) -> bool:
@@ -87,10 +93,15 @@ def is_sequence_like(value: Any) -> bool:
 
 
 class LLM:
-    def __init__(self, model: str = "default", **engine_kwargs: Any) -> None:
+    def __init__(
+        self, model: str = "default", *, without_tokenizer: str = OFFLINE_IDS, **engine_kwargs: Any
+    ) -> None:
+        """``without_tokenizer``: how to serve the model where its tokenizer does not load (the
+        hint of that TokenizerError)."""
         from engine_core.core import EngineCore
 
         self.engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
+        self.without_tokenizer = without_tokenizer
         self._tokenizer: Any = None
         self._ids = itertools.count()
 
@@ -104,7 +115,9 @@ class LLM:
 
             model_dir = tokenizer_dir_of(self.engine.config.model, self.engine.runner.model_dir)
             self._tokenizer = load_explained(
-                lambda folder: AutoTokenizer.from_pretrained(str(folder)), model_dir, OFFLINE_IDS
+                lambda folder: AutoTokenizer.from_pretrained(str(folder)),
+                model_dir,
+                self.without_tokenizer,
             )
         return self._tokenizer
 
@@ -275,6 +288,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from common.hf_tokenizer import RAW_ENGINE_HINT
     from engine_core.args import engine_config_from_args
     from engine_core.memory_plan import ModelTooLargeError
 
@@ -291,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
     try:
-        llm = LLM(**vars(config))
+        llm = LLM(**vars(config), without_tokenizer=RAW_ENGINE_HINT)
     except (ModelTooLargeError, ValueError, FileNotFoundError) as exc:
         # Refused at start-up: the sizes (memory_plan.py, warm_up.py), or a model or flags
         # it cannot serve, named.

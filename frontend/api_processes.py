@@ -157,16 +157,20 @@ class ApiServerProcess:
             self.process.wait()
 
     async def keep_running(self) -> None:
-        """Start it, and start it again whenever it exits, backing off like the engines; an
-        exit with EXIT_UNSERVABLE (which a restart cannot cure) raises UnservableError."""
+        """Start it, and start it again whenever it exits, backing off like the engines; its
+        first run's exit with EXIT_UNSERVABLE (which a restart cannot cure) raises
+        UnservableError. Once it has served, a restart that meets the same error (the folder
+        briefly unreadable) is retried like any other exit."""
         backoff = RestartBackoff()
+        first = True
         while True:
             self.start()
             backoff.restarted()
             while self.alive():
                 await asyncio.sleep(EXIT_POLL_S)
-            if self.returncode == EXIT_UNSERVABLE:
+            if first and self.returncode == EXIT_UNSERVABLE:
                 raise UnservableError(f"API server {self.index} cannot serve (its error above)")
+            first = False
             delay = backoff.next_delay()
             logger.error("API server %d exited (code %s); restarting it in %.0f s",
                          self.index, self.returncode, delay)  # fmt: skip

@@ -1,7 +1,7 @@
 """A model whose own chat template does not parse: `tandem generate --chat` says so in one line,
 `tandem serve` says so at start, chat requests are a 500 naming the template's error (not
-"internal server error" and a traceback), and completions, which need no template, still serve. A template with transformers' own
-``{% generation %}`` block is not a broken one."""
+"internal server error" and a traceback), and completions, which need no template, still
+serve. A template with transformers' own ``{% generation %}`` block is not a broken one."""
 
 from __future__ import annotations
 

@@ -282,6 +282,7 @@ def test_serving_a_folder_without_a_tokenizer_says_so_in_one_line(tmp_path: Path
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert f"tandem generate: cannot load the tokenizer of {model_dir}" in result.stderr
+    assert "`tandem client --token-ids`" in result.stderr  # a command line's way, not the API's
     assert "Traceback" not in result.stderr
     # Without weights too, the engine fails first: its reason, and nothing of the tokenizer's.
     (model_dir / "model.safetensors").unlink()

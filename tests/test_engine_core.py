@@ -230,6 +230,7 @@ def test_offline_generate_takes_one_prompt_as_a_batch_of_one_and_refuses_what_is
     character); numpy's ids are ids; what is not a prompt or SamplingParams is a TypeError
     naming it, before anything runs."""
     import numpy as np
+    import torch
 
     llm = LLM(str(tiny_model_dir), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -240,6 +241,10 @@ def test_offline_generate_takes_one_prompt_as_a_batch_of_one_and_refuses_what_is
     assert same.token_ids == one.token_ids
     [from_numpy] = llm.generate(np.array(ids), params, detokenize=False)
     assert from_numpy.token_ids == one.token_ids
+    # A tokenizer's return_tensors="pt" batch: each row a prompt, its scalars ids.
+    rows = llm.generate(torch.tensor([ids, ids]), params, detokenize=False)
+    assert [r.token_ids for r in rows] == [one.token_ids] * 2
+    assert len(llm.generate(torch.tensor([[5], [17]]), params, detokenize=False)) == 2
     [text] = llm.generate("hello there", params, detokenize=False)
     assert text.prompt_token_ids == llm.tokenizer.encode("hello there")
     bad = [
