@@ -142,8 +142,6 @@ class LLM:
         engine as it was."""
         prompts = prompt_batch(prompts)
         params_list = self._params_per_prompt(params, len(prompts))
-        if detokenize:
-            self.tokenizer  # noqa: B018 - loaded now: a missing one fails before any prompt runs
         per_prompt = [()] * len(prompts) if images is None else [tuple(i) for i in images]
         if len(per_prompt) != len(prompts):
             raise ValueError(f"images for {len(per_prompt)} prompts, not {len(prompts)}")
@@ -163,6 +161,12 @@ class LLM:
             )
         ]
         self._add_all(requests)
+        if detokenize:  # the engine took them all: a missing tokenizer fails before they run
+            try:
+                self.tokenizer  # noqa: B018
+            except BaseException:
+                self.engine.abort([r.request_id for r in requests])
+                raise
         outputs = {
             r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids, [], None)
             for r in requests

@@ -280,5 +280,6 @@ def test_offline_generate_without_a_tokenizer_fails_before_running_unless_ids_st
     with pytest.raises(TokenizerError, match=r"detokenize=False"):
         llm.generate([[5, 17, 42]], params)
     assert llm.engine.num_steps == 0 and not llm.engine.has_unfinished()
+    llm.engine.scheduler.block_manager.check_integrity()
     [out] = llm.generate([[5, 17, 42]], params, detokenize=False)
     assert len(out.token_ids) == 3 and out.text == ""

@@ -417,7 +417,7 @@ BAD_COMPLETIONS = [
     (json_schema_format({"type": "strin"}), "response_format.json_schema.schema"),
     (json_schema_format({"type": "array", "uniqueItems": True}),
      "response_format.json_schema.schema"),
-    (json_schema_format(None), "response_format"),
+    (json_schema_format(None), "response_format.json_schema"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
     ({"guided_regex": "[z-a]"}, "guided_regex"),
