@@ -240,7 +240,8 @@ def response_body(
         "user": req.user,
         "usage": {
             "input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            # The engine reports no prompt-cache use per request (the client's type needs both).
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {
                 "reasoning_tokens": details.reasoning_tokens if details else 0
@@ -290,9 +291,16 @@ async def respond(ctx: ServingContext, req: ResponsesRequest, run: ResponseRun) 
     async for _ in run.gen.run():
         pass
     message = response_message(run.gen, run.chat, run.gen.choices[0])
-    body = response_body(ctx, run, output_items(run, message), status_of(run))
+    status = status_of(run)
+    items = output_items(run, message)
+    if status == "incomplete" and items and items[-1]["type"] in CUT_KINDS:
+        items[-1]["status"] = "incomplete"  # the text max_output_tokens cut, as OpenAI marks it
+    body = response_body(ctx, run, items, status)
     remember(ctx, run, body)
     return body
+
+
+CUT_KINDS = ("message", "reasoning")  # the items whose text max_output_tokens can cut
 
 
 # ---- streaming ---------------------------------------------------------------------------------
@@ -399,23 +407,25 @@ class OutputStream:
             )  # fmt: skip
         return out
 
-    def close(self) -> str:
-        """Finish the open item, if any: its done events, then it joins the output."""
+    def close(self, status: str = "completed") -> str:
+        """Finish the open item, if any: its done events, then it joins the output. ``status``:
+        the response's, at its end ("incomplete": max_output_tokens cut the item's text)."""
         opened, self.open = self.open, None
         if opened is None:
             return ""
         item, index, text = opened.item, opened.index, opened.text
         item_id = item["id"]
         kind = item["type"]
+        status = status if kind in CUT_KINDS else "completed"
         out = ""
         if kind == "reasoning":
-            done = reasoning_item(item_id, text)
+            done = reasoning_item(item_id, text, status)
             out += self.events.event(
                 "response.reasoning_text.done", item_id=item_id, output_index=index,
                 content_index=0, text=text,
             )  # fmt: skip
         elif kind == "message":
-            done = message_item(item_id, text)
+            done = message_item(item_id, text, status)
             out += self.events.event(
                 "response.output_text.done", item_id=item_id, output_index=index,
                 content_index=0, text=text, logprobs=[],
@@ -450,8 +460,8 @@ async def stream_response(
                 text += output.feed(stream.delta(d.text, d.finish_reason is not None))
             if text:
                 yield text
-        last = output.close()
         status = status_of(run)
+        last = output.close(status)
         body = response_body(ctx, run, output.items, status)
         remember(ctx, run, body)
         kind = "response.completed" if status == "completed" else "response.incomplete"

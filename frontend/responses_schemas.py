@@ -12,7 +12,7 @@ nothing (``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``user``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,7 +25,16 @@ from frontend.openai_schemas import (
     RequestBody,
     ServiceTier,
 )
-from frontend.openapi_rules import LIMIT_KEY, NON_EMPTY_TEXT, NULL, any_of, present, rules, when
+from frontend.openapi_rules import (
+    LIMIT_KEY,
+    NON_EMPTY_TEXT,
+    NULL,
+    any_of,
+    or_null,
+    present,
+    rules,
+    when,
+)
 from protocol.messages import PRIORITY_MAX, PRIORITY_MIN
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64, values of 512
@@ -153,6 +162,7 @@ class ResponsesRequest(RequestBody):
             when(present("tool_choice", {"const": "required"}), present("tools", {"minItems": 1}))
         )
     )
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("stream", "store")  # nullable in OpenAI's
 
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(json_schema_extra=any_of(NON_EMPTY_TEXT, INPUT))
@@ -172,7 +182,7 @@ class ResponsesRequest(RequestBody):
     top_logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, json_schema_extra=any_of({"const": 0}, NULL)
     )
-    stream: bool = False
+    stream: bool = Field(default=False, json_schema_extra=or_null())
     stream_options: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra=any_of(
@@ -184,7 +194,7 @@ class ResponsesRequest(RequestBody):
             NULL,
         ),
     )
-    store: bool = True
+    store: bool = Field(default=True, json_schema_extra=or_null())
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     background: bool | None = Field(default=None, json_schema_extra=any_of({"const": False}, NULL))

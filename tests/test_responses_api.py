@@ -180,11 +180,23 @@ def test_text_format_json_schema(server: Server) -> None:  # noqa: F811
 
 
 def test_max_output_tokens_leaves_the_response_incomplete(server: Server) -> None:  # noqa: F811
-    resp = client_of(server).responses.create(
-        model="default", input="Tell me a long story.", max_output_tokens=3, temperature=0
-    )
+    """The response and the message whose text was cut are incomplete, streamed or not; the
+    bodies validate as the openai client's own Response type (every required field)."""
+    from openai.types.responses import Response
+
+    body = {"model": "default", "input": "Tell me a long story.", "max_output_tokens": 3}
+    raw = httpx.post(f"{server.base_url}/v1/responses", json={**body, "temperature": 0}, timeout=60)
+    resp = Response.model_validate(raw.json())
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
     assert resp.usage.output_tokens == 3
+    assert [item.status for item in resp.output] == ["incomplete"]
+    with client_of(server).responses.stream(**body, temperature=0) as stream:
+        events = list(stream)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    [final] = [e.response for e in events if e.type == "response.incomplete"]
+    assert [item.status for item in done] == ["incomplete"]
+    assert final.status == "incomplete" and final.output[0].status == "incomplete"
+    Response.model_validate(final.model_dump())
 
 
 def test_max_tool_calls_caps_the_calls(server: Server) -> None:  # noqa: F811
@@ -259,3 +271,13 @@ def test_temperature_has_chats_bounds(server: Server) -> None:  # noqa: F811
             )  # fmt: skip
             assert resp.status_code == 400, (path, bad, resp.text)
             assert resp.json()["error"]["param"] == "temperature", (path, bad, resp.text)
+
+
+def test_null_store_and_stream_are_their_defaults(server: Server) -> None:  # noqa: F811
+    """The openai client types store and stream as nullable: null stores, and does not stream."""
+    body = {"model": "default", "input": "Hi.", "max_output_tokens": 2, "store": None}
+    resp = httpx.post(f"{server.base_url}/v1/responses", json={**body, "stream": None}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["store"] is True and resp.json()["object"] == "response"
+    stored = httpx.get(f"{server.base_url}/v1/responses/{resp.json()['id']}", timeout=30)
+    assert stored.status_code == 200 and stored.json()["id"] == resp.json()["id"]
