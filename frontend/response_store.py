@@ -1,6 +1,10 @@
 """The Responses API's stored responses: the last ones this API process made, by id, bounded in
 count and in bytes (the oldest go first). In memory only: lost when the server restarts, and
-with ``--api-servers N`` each API process keeps its own."""
+with ``--api-servers N`` each API process keeps its own.
+
+A response continued with ``previous_response_id`` stores its conversation as the earlier one's
+message objects plus its own, so a chain of turns holds each message once: the bytes bound
+counts each distinct message once (while any stored response holds it), and each body."""
 
 from __future__ import annotations
 
@@ -18,7 +22,11 @@ _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 class StoredResponse:
     body: dict[str, Any]  # the response as it was returned
     history: list[dict[str, Any]]  # its conversation as chat messages, its output included
-    size: int = 0
+    size: int = 0  # the body's bytes (its messages are counted by the store, once each)
+
+
+def json_bytes(value: Any) -> int:
+    return len(_JSON.encode(value).encode())
 
 
 class ResponseStore:
@@ -27,26 +35,50 @@ class ResponseStore:
     def __init__(self, max_entries: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        # id(message) -> [its bytes, how many stored histories hold it]; the message itself
+        # stays alive through those histories.
+        self._messages: dict[int, list[int]] = {}
         self._bytes = 0
 
-    def put(self, body: dict[str, Any], history: list[dict[str, Any]]) -> None:
-        entry = StoredResponse(body, history, len(_JSON.encode([body, history])))
-        self._entries[body["id"]] = entry
-        self._bytes += entry.size
-        while self._entries and (
-            len(self._entries) > self.max_entries or self._bytes > self.max_bytes
-        ):
-            _, old = self._entries.popitem(last=False)
-            self._bytes -= old.size
+    def put(self, body: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+        """Store it, the oldest going out as the bounds need; False (and nothing stored or
+        evicted) where it alone is past the bytes bound."""
+        new = {id(m): m for m in history if id(m) not in self._messages}
+        size = json_bytes(body)
+        if size + sum(json_bytes(m) for m in new.values()) > self.max_bytes:
+            return False
+        self.delete(body["id"])
+        for message in history:
+            counted = self._messages.get(id(message))
+            if counted is None:
+                counted = self._messages[id(message)] = [json_bytes(message), 0]
+                self._bytes += counted[0]
+            counted[1] += 1
+        self._entries[body["id"]] = StoredResponse(body, history, size)
+        self._bytes += size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            self.delete(next(iter(self._entries)))
+        return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._bytes -= entry.size
-        return entry is not None
+        if entry is None:
+            return False
+        self._bytes -= entry.size
+        for message in entry.history:
+            counted = self._messages[id(message)]
+            counted[1] -= 1
+            if counted[1] == 0:
+                del self._messages[id(message)]
+                self._bytes -= counted[0]
+        return True
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -283,7 +283,9 @@ def remember(ctx: ServingContext, run: ResponseRun, body: dict[str, Any]) -> Non
             call = {"name": item["name"], "arguments": item["arguments"]}
             tool_call = {"id": item["call_id"], "type": "function", "function": call}
             turn.setdefault("tool_calls", []).append(tool_call)
-    ctx.responses.put(body, [*run.conversation, turn])
+    if not ctx.responses.put(body, [*run.conversation, turn]):
+        body["store"] = False  # the client learns it cannot continue from it
+        logger.warning("response %s is past the store's bytes bound: not stored", body["id"])
 
 
 async def respond(ctx: ServingContext, req: ResponsesRequest, run: ResponseRun) -> dict[str, Any]:
