@@ -167,7 +167,7 @@ def chat_validation_error(exc: ValidationError) -> OpenAIError:
 def output_items(run: ResponseRun, message: ChatResponseMessage) -> list[dict[str, Any]]:
     """The response's output items for the answer ``message``: reasoning, text, calls."""
     items: list[dict[str, Any]] = []
-    if message.reasoning_content is not None:
+    if message.reasoning_content:  # an empty block is no item, as a stream makes none of it
         items.append(reasoning_item(new_id("rs"), message.reasoning_content))
     if message.content:
         items.append(message_item(new_id("msg"), message.content))
@@ -186,6 +186,11 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
 
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def content_part(kind: str, text: str) -> dict[str, Any]:
+    """The one content part of a streamed message or reasoning item."""
+    return {"type": "reasoning_text", "text": text} if kind == "reasoning" else text_part(text)
 
 
 def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
@@ -377,12 +382,10 @@ class OutputStream:
             item = message_item(new_id("msg"), None, status="in_progress")
         self.open = OpenItem(index, item)
         out = self.events.event("response.output_item.added", output_index=index, item=item)
-        if kind == "message":
-            out += self.events.event(
-                "response.content_part.added", item_id=item["id"], output_index=index,
-                content_index=0, part=text_part(""),
-            )  # fmt: skip
-        return out
+        return out + self.events.event(
+            "response.content_part.added", item_id=item["id"], output_index=index,
+            content_index=0, part=content_part(kind, ""),
+        )  # fmt: skip
 
     def call_fragment(self, fragment: dict[str, Any]) -> str:
         out = ""
@@ -425,6 +428,10 @@ class OutputStream:
             out += self.events.event(
                 "response.reasoning_text.done", item_id=item_id, output_index=index,
                 content_index=0, text=text,
+            )  # fmt: skip
+            out += self.events.event(
+                "response.content_part.done", item_id=item_id, output_index=index,
+                content_index=0, part=content_part(kind, text),
             )  # fmt: skip
         elif kind == "message":
             done = message_item(item_id, text, status)

@@ -201,9 +201,17 @@ def test_the_responses_api_gives_a_reasoning_item_then_the_answer(thinking_serve
         text={"format": {"type": "json_schema", "name": "sky", "schema": SCHEMA}},
         extra_body={"thinking_token_budget": BUDGET},
     ) as stream:  # fmt: skip
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_response()
+    kinds = [event.type for event in events]
     assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    # The reasoning item's one part is announced before its deltas and closed with its text.
+    parts = [(e.type, e.part.type) for e in events if e.type.startswith("response.content_part")]
+    assert parts[:2] == [
+        ("response.content_part.added", "reasoning_text"),
+        ("response.content_part.done", "reasoning_text"),
+    ]
+    assert kinds.index("response.content_part.added") < kinds.index("response.reasoning_text.delta")
     assert final.output_text == resp.output_text
     assert final.output[0].content[0].text == resp.output[0].content[0].text
 
