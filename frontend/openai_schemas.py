@@ -125,7 +125,14 @@ class RequestBody(BaseModel):
 # OpenAI's seeds are signed 64-bit (vLLM's too), the engine's unsigned: a negative seed is taken
 # as the same 64 bits read unsigned (generation.py engine_seed), as torch's manual_seed takes it.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-SEED = {"type": "integer", LIMIT_KEY: "seed"}
+
+
+def seed_field() -> Any:
+    """The ``seed`` field of completions, chat and responses: nullable, SEED_MIN..SEED_MAX."""
+    schema = {"type": "integer", LIMIT_KEY: "seed"}
+    return Field(default=None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=any_of(schema, NULL))
+
+
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]  # OpenAI's values
 CHOICES = {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1}
 STOP = (NON_EMPTY_TEXT, {"type": "array", "items": NON_EMPTY_TEXT, "maxItems": MAX_STOP_STRINGS})
@@ -235,9 +242,7 @@ class SamplingFields(RequestBody):
     # -1 and 0 both disable top-k; past int32 the engine refuses it.
     top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(
-        default=None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=any_of(SEED, NULL)
-    )
+    seed: int | None = seed_field()
     n: int = Field(default=1, ge=1, le=MAX_N, json_schema_extra=or_null(**{LIMIT_KEY: "sequences"}))
     stop: str | list[str] | None = Field(default=None, json_schema_extra=any_of(*STOP, NULL))
     stop_token_ids: list[int] | None = Field(

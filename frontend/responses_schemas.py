@@ -19,11 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from frontend.openai_schemas import (
     FUNCTION_NAME,
     MAX_LOGPROBS,
-    SEED,
-    SEED_MAX,
-    SEED_MIN,
     RequestBody,
     ServiceTier,
+    seed_field,
 )
 from frontend.openapi_rules import (
     LIMIT_KEY,
@@ -212,9 +210,7 @@ class ResponsesRequest(RequestBody):
     # vLLM's sampling and template extras, as on chat.
     top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(
-        default=None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=any_of(SEED, NULL)
-    )
+    seed: int | None = seed_field()
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = Field(
