@@ -131,9 +131,8 @@ class StreamingLane:
             response = await respond(body)
         except OpenAIError as exc:
             response = error_response(exc)
-        except Exception as exc:  # as the app's last-resort handler: logged, 500 without a trace
-            logger.exception("unexpected error while serving a request")
-            response = error_response(as_openai_error(exc))
+        except Exception as exc:  # as UnexpectedErrors answers the app's routes' bugs
+            response = unexpected_error_response(exc)
         await response(scope, receive, send)
 
 
@@ -209,5 +208,10 @@ class UnexpectedErrors:
         except Exception as exc:
             if started:
                 raise
-            logger.exception("unexpected error while serving a request")
-            await error_response(as_openai_error(exc))(scope, receive, send)
+            await unexpected_error_response(exc)(scope, receive, send)
+
+
+def unexpected_error_response(exc: Exception) -> Response:
+    """A bug's answer: its traceback logged once, and the OpenAI-shaped 500 without it."""
+    logger.exception("unexpected error while serving a request")
+    return error_response(as_openai_error(exc))
