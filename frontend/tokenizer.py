@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import decoders
 
-from common.chat_template import parse_chat_template, syntax_error_text
+from common.chat_template import parse_chat_template, syntax_error_text, template_error_text
 from common.hf_tokenizer import load_explained, load_pretrained_tokenizer
 from frontend.errors import OpenAIError, bad_request
 
@@ -171,9 +171,7 @@ class Tokenizer:
             return template_variables(source)
         except TemplateSyntaxError as exc:  # the model's own: the server's fault, not the client's
             raise OpenAIError(
-                500,
-                f"the model's chat template does not parse: {syntax_error_text(exc)}",
-                "internal_error",
+                500, f"the model's chat template {template_error_text(exc)}", "internal_error"
             ) from None
 
 
