@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from frontend.completions import vllm_prompt_logprobs
-from frontend.errors import bad_request
+from frontend.errors import OpenAIError, bad_request
 from frontend.generation import (
     Choice,
     Generation,
@@ -93,11 +93,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     constraint_param = "tools"
     if tools.constraint is not None:
         if extras.constraint is not None:
-            raise bad_request(
-                "tool_choice forces a tool call: it cannot go with another structured-output "
-                "constraint",
-                "tool_choice",
-            )
+            raise tools_with_another_constraint(req)
         await ctx.check_constraint(tools.constraint, "tools")
         extras = replace(extras, constraint=tools.constraint)
     elif extras.constraint is not None:
@@ -226,6 +222,22 @@ def reasoning_plan(
                 raise bad_request(f"{name} needs a server with --reasoning-parser", name)
         return None
     return ReasoningPlan(parser, parser.in_reasoning(prompt), req.include_reasoning)
+
+
+def tools_with_another_constraint(req: ChatCompletionRequest) -> OpenAIError:
+    """The 400 for a request whose tool calls are constrained (forced, or strict under "auto")
+    that has another structured-output constraint: one grammar cannot honour both."""
+    if req.tool_choice not in (None, "auto"):
+        return bad_request(
+            "tool_choice forces a tool call: it cannot go with another structured-output "
+            "constraint",
+            "tool_choice",
+        )
+    return bad_request(
+        "strict tools constrain the calls under tool_choice auto: they cannot go with another "
+        "structured-output constraint (set strict to false on the tools to use both)",
+        "tools",
+    )
 
 
 def composes_after_reasoning(

@@ -45,7 +45,12 @@ class FunctionTool(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool = True  # the Responses API's default, unlike chat's (a call matches its schema)
+
+    @field_validator("strict", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any) -> Any:
+        return True if value is None else value
 
 
 class NamedFunction(BaseModel):

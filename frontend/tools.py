@@ -14,7 +14,10 @@ output unparsed; "auto" renders them and parses whatever calls come; "required" 
 function also constrain generation by a grammar (``tool_call_grammar``), so the output is always
 one or more well-formed calls whose arguments match the function's ``parameters`` schema; a call
 the parser's syntax cannot write (a pythonic parameter name that is no Python identifier) is a
-400 on ``tool_choice``, never a fall back to "auto".
+400 on ``tool_choice``, never a fall back to "auto". Under "auto", a tool with ``strict: true``
+(OpenAI's promise that a call's arguments match its schema) makes the grammar optional-calls:
+content, then possibly calls, where whatever the parser would read as a call is a well-formed
+one, to a strict tool with arguments its schema takes (to another tool with any object).
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ def plan_tools(req: ChatCompletionRequest, support: ToolSupport | None) -> ToolP
     constraint = None
     if choice == "required" or isinstance(choice, NamedToolChoice):
         constraint = forcing_constraint(req, support, tools)
+    elif any(t.function.strict for t in req.tools):
+        constraint = strict_constraint(req, support, tools)
     return ToolPlan(tools, support.template, get_parser(support.parser, tools), constraint)
 
 
@@ -121,3 +126,25 @@ def forcing_constraint(
     except ValueError as exc:
         raise bad_request(f"tool_choice cannot be honoured: {exc}", "tool_choice") from None
     return Constraint(ConstraintKind.GRAMMAR, grammar)
+
+
+def strict_constraint(
+    req: ChatCompletionRequest, support: ToolSupport, tools: list[dict[str, Any]]
+) -> Constraint:
+    """The grammar of ``tool_choice`` "auto" with strict tools: content, then possibly calls;
+    a non-strict tool's arguments are any object. A 400 on ``tools`` when the parser's syntax
+    cannot write such calls."""
+    parallel = req.parallel_tool_calls is not False
+    loose = [t if t["function"].get("strict") else without_parameters(t) for t in tools]
+    try:
+        grammar = tool_call_grammar(
+            support.parser, loose, None, parallel, support.added_tokens, optional=True
+        )
+    except ValueError as exc:
+        raise bad_request(f"strict tools cannot be honoured: {exc}", "tools") from None
+    return Constraint(ConstraintKind.GRAMMAR, grammar)
+
+
+def without_parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    function = {k: v for k, v in tool["function"].items() if k != "parameters"}
+    return {**tool, "function": function}

@@ -96,9 +96,8 @@ def test_a_function_call_then_its_output_in_a_second_turn(server: Server) -> Non
         {"role": "assistant", "content": "", "tool_calls": [tool_call]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
     ]
-    chat_tools = [
-        {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-    ]
+    function = {k: v for k, v in WEATHER.items() if k != "type"}
+    chat_tools = [{"type": "function", "function": {**function, "strict": True}}]
     assert second.output_text == chat_text(server, messages, tools=chat_tools)
     # And continued from the stored first response instead of resending it: the same answer.
     third = client_of(server).responses.create(
@@ -209,6 +208,32 @@ def test_max_tool_calls_caps_the_calls(server: Server) -> None:  # noqa: F811
     calls = [i for i in capped.output if i.type == "function_call"]
     assert len(calls) == 1
     assert len([i for i in many.output if i.type == "function_call"]) >= len(calls)
+
+
+def test_function_tools_are_strict_by_default(server: Server) -> None:  # noqa: F811
+    """As in OpenAI's Responses API: a function tool without ``strict`` is strict, so a call's
+    arguments match its schema, under tool_choice auto too (the chat route's strict tools);
+    with a text.format constraint beside them that is a 400 naming tools, until strict is off."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    tool = {**WEATHER, "parameters": schema}
+    resp = client_of(server).responses.create(input=ASK, tools=[tool], **GREEDY)
+    assert resp.tools[0].strict is True
+    for call in (item for item in resp.output if item.type == "function_call"):
+        jsonschema.validate(json.loads(call.arguments), schema)
+    json_format = {"format": {"type": "json_object"}}
+    body = {"model": "default", "input": ASK, "max_output_tokens": 4, "text": json_format}
+    refused = httpx.post(f"{server.base_url}/v1/responses", json={**body, "tools": [tool]})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "tools"
+    loose = {**tool, "strict": False}
+    taken = httpx.post(f"{server.base_url}/v1/responses", json={**body, "tools": [loose]})
+    assert taken.status_code == 200, taken.text
+    assert taken.json()["tools"][0]["strict"] is False
 
 
 @pytest.mark.parametrize(

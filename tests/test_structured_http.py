@@ -405,6 +405,46 @@ def test_auto_calls_a_tool_and_a_second_turn_uses_its_result(client: openai.Open
     assert not none.message.tool_calls and none.finish_reason in ("stop", "length")
 
 
+STRICT_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+STRICT_WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": STRICT_SCHEMA, "strict": True},
+}
+
+
+def test_a_strict_tool_under_auto_gets_arguments_its_schema_takes(client: openai.OpenAI) -> None:
+    """The few-shot history teaches calls without a unit, which this schema requires: free, the
+    model writes one anyway; strict, its call is held to the schema, streamed or not."""
+    messages = [*few_shot_history(), {"role": "user", "content": "What is the weather in Tokyo?"}]
+    loose = {**STRICT_WEATHER, "function": {**STRICT_WEATHER["function"], "strict": False}}
+    kwargs = dict(model="default", messages=messages, temperature=0, max_tokens=60)
+    free, held = in_parallel([
+        lambda: client.chat.completions.create(tools=[loose], **kwargs),
+        lambda: client.chat.completions.create(tools=[STRICT_WEATHER], **kwargs),
+    ])  # fmt: skip
+    free_call = free.choices[0].message.tool_calls[0]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(free_call.function.arguments), STRICT_SCHEMA)
+    choice = held.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), STRICT_SCHEMA)
+    assert json.loads(call.function.arguments)["city"] == "Tokyo"
+    calls, finish = reassemble(
+        client.chat.completions.create(tools=[STRICT_WEATHER], stream=True, **kwargs)
+    )
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("get_weather", call.function.arguments)
+    ]
+
+
 # ---- bad input: a 400 naming the parameter, nothing sent to the engine -------------------------
 
 
@@ -444,6 +484,7 @@ BAD_CHAT = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
+    ({"tools": [STRICT_WEATHER], "response_format": {"type": "json_object"}}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
       "tool_choice": "required"}, "tools"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),

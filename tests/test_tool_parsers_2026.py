@@ -30,6 +30,7 @@ from frontend.tool_parsers import (
     tool_call_grammar,
 )
 from frontend.tools import ToolSupport, plan_tools, tool_support
+from protocol.messages import ConstraintKind
 from tests.test_tool_parsers import calls_text, random_pieces, reassemble, summary
 
 
@@ -735,6 +736,146 @@ def test_a_forced_call_that_cannot_be_written_is_a_400() -> None:
         plan_tools(req, ToolSupport("pythonic"))
     assert refused.value.status == 400 and refused.value.info.param == "tool_choice"
     assert "not a Python identifier" in refused.value.info.message
+
+
+# ---- strict tools under tool_choice "auto": content, then possibly calls -----------------------
+
+JSON_PARSERS = ["hermes", "llama3_json", "mistral"]
+OPTIONAL_CASES = GRAMMAR_CASES + [(p, v) for p in JSON_PARSERS for v in ("plain", "markers")]
+TRIGGERS = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>", "mistral": "[TOOL_CALLS]",
+            "deepseek_v3": CALLS_BEGIN, "deepseek_v31": CALLS_BEGIN}  # fmt: skip
+ANSWER = "It is sunny in Paris, <b>22</b> degrees [source: met office]."
+
+
+def any_written(parser: str, calls: list[Call]) -> str:
+    return calls_text(parser, calls) if parser in JSON_PARSERS else written(parser, calls)
+
+
+def optional_grammar(parser: str, vocabulary: tuple[Any, Any]) -> str:
+    added = vocabulary[0].get_added_vocab()
+    return tool_call_grammar(parser, TOOLS, None, True, added, optional=True)
+
+
+def content_output(parser: str) -> str:
+    """An answer without calls, as the convention writes one (harmony: in the final channel)."""
+    return f"<|channel|>final<|message|>{ANSWER}" if parser == "openai" else ANSWER
+
+
+@pytest.mark.parametrize(("parser", "vocab"), OPTIONAL_CASES)
+def test_optional_calls_grammar_takes_content_alone(
+    parser: str, vocab: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    vocabulary = vocabularies[vocab]
+    text = content_output(parser)
+    assert accepts(vocabulary, optional_grammar(parser, vocabulary), text)
+    assert summary(get_parser(parser, TOOLS).extract(text)) == expected(ANSWER, [])
+
+
+@pytest.mark.parametrize(("parser", "vocab"), OPTIONAL_CASES)
+def test_optional_calls_grammar_takes_calls_after_content(
+    parser: str, vocab: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """Content before the calls where the convention has a trigger; calls from the first
+    character where it has none; the parser reads back what the grammar let through."""
+    vocabulary = vocabularies[vocab]
+    single_call = parser == "openai"
+    calls = [PARIS] if single_call else [PARIS, ("get_time", {})]
+    lead = "Let me look that up. " if parser in TRIGGERS else None
+    text = (lead or "") + any_written(parser, calls)
+    assert accepts(vocabulary, optional_grammar(parser, vocabulary), text)
+    assert summary(get_parser(parser, TOOLS).extract(text)) == expected(lead, calls)
+
+
+@pytest.mark.parametrize(("parser", "vocab"), OPTIONAL_CASES)
+@pytest.mark.parametrize(
+    "call",
+    [
+        ("get_wether", {"city": "Paris"}),  # no such function
+        ("get_weather", {"city": "Paris", "days": "two"}),  # wrong type
+        ("get_weather", {"days": 2}),  # required argument missing
+        ("get_weather", {"city": "Paris", "wind": "yes"}),  # no such argument
+    ],
+)
+def test_optional_calls_grammar_rejects_a_wrong_call(
+    parser: str, vocab: str, call: Call, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    vocabulary = vocabularies[vocab]
+    lead = "Let me look that up. " if parser in TRIGGERS else ""
+    text = lead + any_written(parser, [call])
+    assert not accepts(vocabulary, optional_grammar(parser, vocabulary), text)
+
+
+@pytest.mark.parametrize(("parser", "vocab"), [c for c in OPTIONAL_CASES if c[0] != "openai"])
+def test_optional_calls_grammar_commits_where_the_parser_would_read_a_call(
+    parser: str, vocab: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """After the trigger only a call may follow; without a trigger, content cannot start with
+    what a call starts with (a JSON object, a Python list)."""
+    vocabulary = vocabularies[vocab]
+    grammar = optional_grammar(parser, vocabulary)
+    if parser in TRIGGERS:
+        assert not accepts(vocabulary, grammar, f"I write {TRIGGERS[parser]} tags in my answers.")
+        assert accepts(vocabulary, grammar, f"I write {TRIGGERS[parser][:-2]} tags.")
+    else:
+        start = "{" if parser == "llama3_json" else "["
+        assert not accepts(vocabulary, grammar, f"{start}1, 2]")
+        assert not accepts(vocabulary, grammar, f"  {start}1, 2]")
+        assert accepts(vocabulary, grammar, f"The list is {start}1, 2].")
+
+
+def test_harmony_optional_calls_let_the_model_think_then_answer_or_call(
+    vocabularies: dict[str, tuple[Any, Any]],
+) -> None:
+    vocabulary = vocabularies["markers"]
+    grammar = optional_grammar("openai", vocabulary)
+    thought = "<|channel|>analysis<|message|>Weather? Look it up.<|end|><|start|>assistant"
+    assert accepts(vocabulary, grammar, thought + written("openai", [PARIS]))
+    assert accepts(vocabulary, grammar, thought + content_output("openai"))
+    wrong = written("openai", [("get_weather", {"days": 2})])
+    assert not accepts(vocabulary, grammar, thought + wrong)
+
+
+def chat_request(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
+
+
+def strict(tool: dict[str, Any]) -> dict[str, Any]:
+    return {**tool, "function": {**tool["function"], "strict": True}}
+
+
+def test_strict_tools_under_auto_constrain_only_their_own_arguments(
+    vocabularies: dict[str, tuple[Any, Any]],
+) -> None:
+    vocabulary = vocabularies["plain"]
+    support = ToolSupport("hermes", None, vocabulary[0].get_added_vocab())
+    plan = plan_tools(chat_request(tools=[strict(WEATHER), WRITE_FILE]), support)
+    assert plan.constraint is not None and plan.constraint.kind == ConstraintKind.GRAMMAR
+    grammar = plan.constraint.spec
+    assert accepts(vocabulary, grammar, ANSWER)
+    assert not accepts(vocabulary, grammar, calls_text("hermes", [("get_weather", {"days": 2})]))
+    # write_file is not strict: any object of arguments, though its schema wants a path
+    assert accepts(vocabulary, grammar, calls_text("hermes", [("write_file", {"x": [1]})]))
+    assert not accepts(vocabulary, grammar, calls_text("hermes", [("get_time", {})]))
+    one = plan_tools(chat_request(tools=[strict(WEATHER)], parallel_tool_calls=False), support)
+    assert not accepts(vocabulary, one.constraint.spec, calls_text("hermes", [PARIS, PARIS]))
+
+
+@pytest.mark.parametrize(
+    ("fields", "constrained"),
+    [
+        ({"tools": [WEATHER, WRITE_FILE]}, False),  # auto, nothing strict: the model's choice
+        ({"tools": [strict(WEATHER)], "tool_choice": "none"}, False),
+        ({"tools": [strict(WEATHER)], "tool_choice": "auto"}, True),
+        ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": False}}]}, False),
+    ],
+)
+def test_which_requests_get_the_optional_calls_grammar(
+    fields: dict[str, Any], constrained: bool
+) -> None:
+    plan = plan_tools(chat_request(**fields), ToolSupport("hermes"))
+    assert (plan.constraint is not None) is constrained
 
 
 # ---- start-up: the served template's parser ----------------------------------------------

@@ -48,8 +48,8 @@ arguments (a stop string, max_tokens) still counts; arguments are re-serialized 
 (``{"a":1}``, non-ASCII kept), the form OpenAI sends.
 
 Each convention also writes a grammar of its calls (``tool_call_grammar``, frontend/tools.py uses
-it for ``tool_choice`` "required" or a named function; frontend/tool_parsers/grammar.py and
-each convention's ``CallSyntax``).
+it for ``tool_choice`` "required" or a named function, and for strict tools under "auto";
+frontend/tool_parsers/grammar.py and each convention's ``CallSyntax``).
 """
 
 from __future__ import annotations
@@ -154,14 +154,16 @@ def tool_call_grammar(
     forced: str | None,
     parallel: bool,
     added_tokens: Mapping[str, int] | None = None,
+    optional: bool = False,
 ) -> str:
     """An llguidance Lark grammar whose only outputs are one call (``parallel``: one or more) in
     ``parser``'s syntax, each to one of ``tools`` (only ``forced``, when given) with arguments
-    matching that function's ``parameters`` schema. ``added_tokens``: the tokenizer's added
+    matching that function's ``parameters`` schema; ``optional``: content, then possibly such
+    calls (what the parser would read as a call is one). ``added_tokens``: the tokenizer's added
     tokens (text to id), so markers are written as the tokens they are. ValueError for a parser
     without a grammar, when no tool can be called, or when the syntax cannot write the call."""
     syntax = PARSERS[parser].syntax if parser in PARSERS else None
     if syntax is None:
         known = ", ".join(name for name, p in PARSERS.items() if p.syntax is not None)
         raise ValueError(f"no tool-call grammar for parser {parser!r}; known: {known}")
-    return build_grammar(syntax, tools, forced, parallel, added_tokens)
+    return build_grammar(syntax, tools, forced, parallel, added_tokens, optional)

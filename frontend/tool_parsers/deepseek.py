@@ -128,12 +128,13 @@ class DeepSeekSyntax(CallSyntax):
     name and a fenced ``%json``; V3.1's with the name and the ``%json`` alone."""
 
     markers = MARKERS
+    trigger = CALLS_BEGIN
 
     def __init__(self, fenced: bool) -> None:
         self.fenced = fenced
 
-    def frame(self, lark: LarkWriter) -> tuple[str, str, str]:
-        return lark.text(CALLS_BEGIN), lark.text("\n" if self.fenced else ""), lark.text(CALLS_END)
+    def frame(self) -> tuple[str, str, str]:
+        return CALLS_BEGIN, "\n" if self.fenced else "", CALLS_END
 
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
         name, arguments = function["name"], lark.json(parameters_of(function))

@@ -1,7 +1,13 @@
-"""Grammars that force a tool call: an llguidance Lark grammar whose only outputs are calls, in a
-convention's syntax, to the request's functions, with arguments that match each function's
-``parameters`` schema (``%json`` sub-grammars). Each convention describes its syntax with a
-``CallSyntax``; ``build_grammar`` puts the pieces together.
+"""Grammars of tool calls: an llguidance Lark grammar whose calls, in a convention's syntax, are to
+the request's functions, with arguments that match each function's ``parameters`` schema
+(``%json`` sub-grammars). Each convention describes its syntax with a ``CallSyntax``;
+``build_grammar`` puts the pieces together, for outputs that are only calls (``tool_choice``
+"required" or a named function) or for outputs where calls are optional (strict tools under
+``tool_choice`` "auto"): content, then possibly calls. There, the text that starts the calls (the
+``trigger``, ``<tool_call>`` in Hermes') commits the output to well-formed calls: free text is one
+lazy lexeme that ends at the trigger (llguidance's ``lazy``), since a greedy one could not give
+the trigger back once it had taken it. A convention without a trigger (Llama 3's JSON, pythonic
+lists) decides at the output's first character, as its parser does.
 
 A marker that the tokenizer has as one added token (``<tool_call>`` in Qwen's, harmony's
 ``<|channel|>``) is written as that token (``<[id]>``): llguidance treats every added token as
@@ -53,16 +59,27 @@ class LarkWriter:
 
 
 class CallSyntax(ABC):
-    """How one convention writes calls: ``frame`` gives the Lark expressions before the first
-    call, between two calls and after the last; ``call`` the rules of one call to a function.
-    ``markers``: the texts that may be added tokens; ``single_call``: the call ends generation
-    (its end marker is a stop token), so there is never more than one."""
+    """How one convention writes calls: ``frame`` gives the text before the first call, between
+    two calls and after the last; ``call`` the rules of one call to a function; ``prelude`` a
+    Lark expression the output may open with before either calls or content (harmony's analysis
+    message). ``markers``: the texts that may be added tokens; ``single_call``: the call ends
+    generation (its end marker is a stop token), so there is never more than one; ``trigger``:
+    the marker that opens the calls after any content (``frame``'s first text starts with it),
+    or None when an output is either calls or ``content`` from its first character."""
 
     markers: tuple[str, ...] = ()
     single_call: bool = False
+    trigger: str | None = None
 
-    def frame(self, lark: LarkWriter) -> tuple[str, str, str]:
+    def frame(self) -> tuple[str, str, str]:
         return "", "", ""
+
+    def prelude(self, lark: LarkWriter) -> str:
+        return ""
+
+    def content(self, lark: LarkWriter) -> str:
+        """A Lark expression for an output that is no call, when there is no trigger."""
+        raise NotImplementedError(f"{type(self).__name__} has no content rule")
 
     def rules(self, lark: LarkWriter) -> list[str]:
         """Rules the calls share."""
@@ -79,20 +96,48 @@ def build_grammar(
     forced: str | None,
     parallel: bool,
     added_tokens: Mapping[str, int] | None = None,
+    optional: bool = False,
 ) -> str:
     """The grammar whose outputs are one call (``parallel``: one or more) written in
-    ``syntax``, each to one of ``tools`` (only ``forced``, when given). ValueError when no tool
-    can be called or the syntax cannot write a call to one."""
+    ``syntax``, each to one of ``tools`` (only ``forced``, when given); ``optional``: content,
+    then possibly such calls. ValueError when no tool can be called or the syntax cannot write a
+    call to one."""
     lark = LarkWriter(syntax.markers, added_tokens or {})
     functions = callable_functions(tools, forced)
-    before, between, after = syntax.frame(lark)
-    more = f"({lark_sequence(between, 'call')})*" if parallel and not syntax.single_call else ""
-    lines = ["start: " + lark_sequence(before, "call", more, after)]
+    before, between, after = syntax.frame()
+    more = f"({lark_sequence(lark.text(between), 'call')})*"
+    calls = lark_sequence("call", more if parallel and not syntax.single_call else "")
+    calls = lark_sequence(calls, lark.text(after))
+    if optional:
+        lines = optional_calls(syntax, lark, before, calls)
+    else:
+        lines = ["start: " + lark_sequence(syntax.prelude(lark), lark.text(before), calls)]
     lines.append("call: " + " | ".join(f"tool_{i}" for i in range(len(functions))))
     lines += syntax.rules(lark)
     for i, function in enumerate(functions):
         lines += syntax.call(lark, function, f"tool_{i}")
     return "\n".join(lines) + "\n"
+
+
+def optional_calls(syntax: CallSyntax, lark: LarkWriter, before: str, calls: str) -> list[str]:
+    """The start rule (and its helpers) of an output that is content, then possibly calls."""
+    prelude = syntax.prelude(lark)
+    trigger = syntax.trigger
+    if trigger is None:
+        block = lark_sequence(lark.text(before), calls)
+        return [f"start: {lark_sequence(prelude, f'({block} | {syntax.content(lark)})')}"]
+    if not before.startswith(trigger):
+        raise AssertionError(f"the calls of {type(syntax).__name__} do not start with its trigger")
+    rest = lark_sequence(lark.text(before[len(trigger) :]), calls)
+    free = "FREE_TEXT: /(?s:.*)/"
+    if trigger in lark.tokens:  # a token that free text cannot hold: text, then the token
+        either = f"(FREE_TEXT | FREE_TEXT {lark.token(trigger)} {rest})"
+        return [f"start: {lark_sequence(prelude, either)}", free]
+    return [
+        f"start: {lark_sequence(prelude, f'(FREE_TEXT | text_then_trigger {rest})')}",
+        free,
+        f"text_then_trigger[lazy]: /(?s:.*)/ {literal(trigger)}",
+    ]
 
 
 @dataclass(frozen=True)
@@ -103,17 +148,24 @@ class JsonEnvelope(CallSyntax):
     before: str  # before the first call
     between: str  # between two calls
     after: str  # after the last call
-    call_before: str = ""  # around every call
-    call_after: str = ""
     markers: tuple[str, ...] = ()
+    trigger: str | None = None
+    content_start: str = ""  # with no trigger: the character calls start with, which content cannot
 
-    def frame(self, lark: LarkWriter) -> tuple[str, str, str]:
-        return lark.text(self.before), lark.text(self.between), lark.text(self.after)
+    def frame(self) -> tuple[str, str, str]:
+        return self.before, self.between, self.after
+
+    def content(self, lark: LarkWriter) -> str:
+        return content_not_starting_with(self.content_start)
 
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
-        body = lark.json(call_schema(function, self.arguments_key))
-        text = lark_sequence(lark.text(self.call_before), body, lark.text(self.call_after))
-        return [f"{rule}: {text}"]
+        return [f"{rule}: {lark.json(call_schema(function, self.arguments_key))}"]
+
+
+def content_not_starting_with(char: str) -> str:
+    """Text whose first character after any whitespace is not ``char`` (what the parsers of
+    conventions without a trigger read as content)."""
+    return "/\\s*([^\\s" + re.escape(char) + "](?s:.*))?/"
 
 
 def lark_sequence(*parts: str) -> str:

@@ -167,12 +167,16 @@ class HarmonySyntax(CallSyntax):
     markers = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
     single_call = True
 
-    def frame(self, lark: LarkWriter) -> tuple[str, str, str]:
+    def prelude(self, lark: LarkWriter) -> str:
         analysis = lark_sequence(
             lark.token(CHANNEL), '"analysis"', lark.token(MESSAGE), "harmony_text",
             lark.token(END), lark.token(START), '"assistant"',
         )  # fmt: skip
-        return f"({analysis})?", "", ""
+        return f"({analysis})?"
+
+    def content(self, lark: LarkWriter) -> str:
+        """The answer in the final channel."""
+        return lark_sequence(lark.token(CHANNEL), '"final"', lark.token(MESSAGE), "harmony_text")
 
     def rules(self, lark: LarkWriter) -> list[str]:
         return ["harmony_text: /(.|\\n)*/"]

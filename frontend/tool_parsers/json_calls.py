@@ -134,8 +134,8 @@ class Llama3JsonStreamer(ToolCallStreamer):
 class HermesToolParser(ToolParser):
     name = "hermes"
     syntax = JsonEnvelope(
-        "arguments", "", "\n", "", "<tool_call>\n", "\n</tool_call>",
-        markers=(HermesStreamer.marker, HermesStreamer.end),
+        "arguments", "<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>",
+        markers=(HermesStreamer.marker, HermesStreamer.end), trigger=HermesStreamer.marker,
     )  # fmt: skip
 
     def streamer(self) -> ToolCallStreamer:
@@ -144,7 +144,7 @@ class HermesToolParser(ToolParser):
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
-    syntax = JsonEnvelope("parameters", "", "; ", "")
+    syntax = JsonEnvelope("parameters", "", "; ", "", content_start="{")
 
     def streamer(self) -> ToolCallStreamer:
         return Llama3JsonStreamer()
@@ -152,7 +152,10 @@ class Llama3JsonToolParser(ToolParser):
 
 class MistralToolParser(ToolParser):
     name = "mistral"
-    syntax = JsonEnvelope("arguments", "[TOOL_CALLS][", ", ", "]", markers=("[TOOL_CALLS]",))
+    syntax = JsonEnvelope(
+        "arguments", "[TOOL_CALLS][", ", ", "]", markers=(MistralStreamer.marker,),
+        trigger=MistralStreamer.marker,
+    )  # fmt: skip
 
     def streamer(self) -> ToolCallStreamer:
         return MistralStreamer()

@@ -23,6 +23,7 @@ from frontend.tool_parsers.core import (
 from frontend.tool_parsers.grammar import (
     CallSyntax,
     LarkWriter,
+    content_not_starting_with,
     lark_sequence,
     literal,
     parameters_of,
@@ -230,8 +231,11 @@ class PythonicSyntax(CallSyntax):
     always, others optionally), each value a ``%json`` of its schema; JSON's literals are read
     back as Python's."""
 
-    def frame(self, lark: LarkWriter) -> tuple[str, str, str]:
-        return literal("["), literal(", "), literal("]")
+    def frame(self) -> tuple[str, str, str]:
+        return "[", ", ", "]"
+
+    def content(self, lark: LarkWriter) -> str:
+        return content_not_starting_with("[")
 
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
         name = function["name"]

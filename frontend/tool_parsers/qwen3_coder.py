@@ -164,9 +164,10 @@ class XmlSyntax(CallSyntax):
     text up to the closing tag."""
 
     markers = ("<tool_call>", "</tool_call>")
+    trigger = "<tool_call>"
 
-    def frame(self, lark: LarkWriter) -> tuple[str, str, str]:
-        return "", lark.text("\n"), ""
+    def frame(self) -> tuple[str, str, str]:
+        return "<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"
 
     def rules(self, lark: LarkWriter) -> list[str]:
         return [
@@ -177,8 +178,8 @@ class XmlSyntax(CallSyntax):
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
         parameters = parameters_of(function)
         properties = parameters.get("properties")
-        head = lark.text(f"<tool_call>\n<function={function['name']}>\n")
-        tail = lark.text("</function>\n</tool_call>")
+        head = lark.text(f"<function={function['name']}>\n")
+        tail = literal("</function>")
         if not isinstance(properties, dict) or not properties:  # any parameters, as text
             return [f"{rule}: {lark_sequence(head, 'xml_any*', tail)}"]
         required = set(parameters.get("required") or [])
