@@ -73,7 +73,7 @@ from frontend.operations import CorsSettings
 from frontend.request_id import RequestIdMiddleware
 from frontend.responses import (
     EventWriter,
-    error_event,
+    failed_event,
     not_found,
     prepare_response,
     respond,
@@ -464,10 +464,10 @@ async def start_stream(
         gen.close()
         admission.release()
 
-    if isinstance(body, ResponsesRequest):  # numbered events: the cut's error is the next one
+    if isinstance(body, ResponsesRequest):  # numbered events: the cut's is the next one
         events = EventWriter()
         content = stream(ctx, body, gen, events)
-        return AdmittedStreamingResponse(content, release, lambda: error_event(events, CUT))
+        return AdmittedStreamingResponse(content, release, lambda: failed_event(events, CUT))
     return AdmittedStreamingResponse(stream(ctx, body, gen), release, lambda: CUT_EVENTS)
 
 

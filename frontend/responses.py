@@ -22,7 +22,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,10 +314,13 @@ CUT_KINDS = ("message", "reasoning")  # the items whose text max_output_tokens c
 
 
 class EventWriter:
-    """The response's events, numbered, in SSE form (``event:`` and ``data:`` lines)."""
+    """The response's events, numbered, in SSE form (``event:`` and ``data:`` lines).
+    ``response_so_far``: the response as its stream stands (set once the stream begins), for
+    the ``response.failed`` that ends a stream cut short."""
 
     def __init__(self) -> None:
         self.sequence = 0
+        self.response_so_far: Callable[[], dict[str, Any]] | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -458,9 +461,10 @@ async def stream_response(
 ) -> AsyncIterator[str]:
     start = response_body(ctx, run, [], "in_progress")
     start["usage"] = None
+    output = OutputStream(events, req.max_tool_calls)
+    events.response_so_far = lambda: response_body(ctx, run, output.items, "failed")
     yield events.event("response.created", response=start)
     yield events.event("response.in_progress", response=start)
-    output = OutputStream(events, req.max_tool_calls)
     stream = ChoiceStream(run.gen.tools, run.chat, run.gen.reasoning)
     try:
         async for deltas in run.gen.run():
@@ -476,13 +480,20 @@ async def stream_response(
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield last + events.event(kind, response=body)
     except Exception as exc:
-        yield error_event(events, exc)
+        yield failed_event(events, exc)
 
 
-def error_event(events: EventWriter, exc: Exception) -> str:
-    """An error after the stream began: OpenAI's ``error`` event."""
+def failed_event(events: EventWriter, exc: Exception) -> str:
+    """The end of a stream that fails after it began (the engine lost, the server stopping):
+    ``response.failed``, its response holding the items finished so far and the error, as
+    OpenAI's ends a response that fails midway (not stored: nothing could continue it)."""
     payload = json.loads(sse_error(exc).removeprefix("data: "))["error"]
-    return events.event(
-        "error", code=payload.get("code"), message=payload.get("message"),
-        param=payload.get("param"),
-    )  # fmt: skip
+    if events.response_so_far is None:
+        return events.event("error", code=payload.get("code"), message=payload.get("message"))
+    body = events.response_so_far()
+    # OpenAI's codes for a response's error name no cause of ours: ours leads the message.
+    body["error"] = {
+        "code": "server_error",
+        "message": f"{payload.get('code')}: {payload['message']}",
+    }
+    return events.event("response.failed", response=body)

@@ -394,10 +394,19 @@ def test_engine_death_fails_requests_in_flight_and_new_ones_with_503(keyed_serve
         with httpx.stream("POST", url, json=body, headers=srv.headers, timeout=60) as r:
             results["events"] = [line for line in r.iter_lines() if line]
 
-    threads = [threading.Thread(target=non_streamed), threading.Thread(target=streamed)]
+    def responses_streamed() -> None:
+        url = f"{srv.base_url}/v1/responses"
+        story = "Tell me a long story."
+        body = {"model": "default", "input": story, "max_output_tokens": 1500, "stream": True}
+        with httpx.stream("POST", url, json=body, headers=srv.headers, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            results["responses"] = [json.loads(line[6:]) for line in lines]
+
+    targets = (non_streamed, streamed, responses_streamed)
+    threads = [threading.Thread(target=target) for target in targets]
     for t in threads:
         t.start()
-    wait_until(lambda: running(srv) == 2)
+    wait_until(lambda: running(srv) == 3)
     os.kill(srv.engine_pid, signal.SIGKILL)  # a crash, not a polite shutdown
     for t in threads:
         t.join(timeout=30)
@@ -407,6 +416,10 @@ def test_engine_death_fails_requests_in_flight_and_new_ones_with_503(keyed_serve
     events = results["events"]
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["error"]["code"] == "engine_down"
+    last = results["responses"][-1]  # the Responses stream: response.failed, as OpenAI's ends
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert last["response"]["error"]["message"].startswith("engine_down: ")
+    assert last["sequence_number"] == len(results["responses"]) - 1
 
     assert_openai_error(httpx.get(f"{srv.base_url}/health", timeout=10), 503)
     body = {"model": "default", "prompt": "Hi", "max_tokens": 2}

@@ -1,8 +1,8 @@
 """Ctrl-C (SIGINT) on `tandem serve` while streams run: uvicorn waits for them for its graceful
 shutdown (frontend/http_server.py GRACEFUL_SHUTDOWN_S), then cancels them; a stream cut so ends
 with the route's error event, a 503 ``shutting_down`` (the official openai client raises it from
-a completions stream and yields it as a Responses stream's ``error`` event), the log holds no
-traceback, and serve exits 0 with its engine."""
+a completions stream; a Responses stream ends in ``response.failed`` with the cause in its
+error's message), the log holds no traceback, and serve exits 0 with its engine."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 LONG = 1900
 
 
-def test_sigint_ends_running_streams_with_an_error_event(tmp_path: Path) -> None:
+def test_sigint_ends_running_streams_with_their_error_events(tmp_path: Path) -> None:
     srv = start_server(tmp_path)
     try:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)
@@ -43,7 +43,11 @@ def test_sigint_ends_running_streams_with_an_error_event(tmp_path: Path) -> None
             for chunk in completion:
                 assert chunk.choices[0].finish_reason is None  # cut, never finished
         reader.join(timeout=120)
-        assert events[-1].type == "error" and events[-1].code == "shutting_down"
+        last = events[-1]  # a Responses stream ends in response.failed, as OpenAI's does
+        assert last.type == "response.failed" and last.response.status == "failed"
+        assert last.response.error.code == "server_error"
+        assert last.response.error.message.startswith("shutting_down: ")
+        assert last.sequence_number == events[-2].sequence_number + 1
         assert srv.process.wait(timeout=120) == 0
         log = srv.log_path.read_text(errors="replace")
         assert "Traceback" not in log and "a stream was cut short" in log
