@@ -484,6 +484,16 @@ class ModelRunner:
         vision = self.model_config.vision
         if vision is None:
             return None
+        if not 0 <= vision.image_token_id < self.model_config.vocab_size:
+            # No prompt can hold the placeholder (HF's model could not embed it either): the
+            # tower is never run, and a request with images is refused as by a text model.
+            logger.warning(
+                "the checkpoint's image_token_id %d is outside its vocabulary of %d tokens: "
+                "this engine takes no images",
+                vision.image_token_id,
+                self.model_config.vocab_size,
+            )
+            return None
         budget = int(self.config.encoder_cache_memory_gb * 2**30)
         call_tokens = encoder_call_tokens(
             vision, self.config.max_num_batched_tokens, self.max_model_len

@@ -117,6 +117,27 @@ def test_a_chunked_batch_matches_hfs_tokens_and_logprobs(
         torch.testing.assert_close(got, hf_logprobs(ref), atol=1e-3, rtol=0)
 
 
+def test_a_placeholder_outside_the_vocabulary_means_no_images(moe_vl: Case) -> None:
+    """This file's VL checkpoint keeps HF's default image_token_id beside a 320-token
+    vocabulary: no prompt can hold the placeholder (HF could not embed it), so the engine takes
+    no images, and its start-up warm-up (run on CUDA; here called on the CPU) plans no image
+    step, whose placeholder rows had indexed past the embedding table on the GPU."""
+    config = json.loads((moe_vl.folder / "config.json").read_text())
+    assert config["image_token_id"] >= VOCAB
+    llm = LLM(str(moe_vl.folder), block_size=16, num_kv_blocks=64, max_model_len=256,
+              max_num_batched_tokens=40, max_num_seqs=4)  # fmt: skip
+    try:
+        runner = llm.engine.runner
+        assert runner.multimodal is None
+        assert not any(s.request.images for p in runner.warm_up_plans() for s in p.scheduled)
+        runner.warm_up()
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        out = llm.generate(moe_vl.prompts[:1], params, detokenize=False)[0]
+    finally:
+        llm.engine.shutdown()
+    assert out.token_ids == moe_vl.reference[0].tokens[0]
+
+
 def hf_logprobs(ref: GreedyResult) -> torch.Tensor:
     """The logprob of each token HF chose, from its logits."""
     chosen = torch.tensor(ref.tokens[0])[:, None]
