@@ -108,6 +108,7 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
         raise bad_request(str(exc), exc.param) from None
     except ValidationError as exc:
         raise chat_validation_error(exc) from None
+    check_call_outputs(history, new, origins)
     if req.user is not None:
         logger.info("response request for user %r", req.user)
     try:
@@ -124,6 +125,22 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
             exc.info.message = named.sub(exc.info.param, exc.info.message)
         raise
     return ResponseRun(req, chat, gen, history + new)
+
+
+def check_call_outputs(
+    history: list[dict[str, Any]], new: list[dict[str, Any]], origins: list[str]
+) -> None:
+    """A 400 for a function_call_output that answers no function_call before it in the
+    conversation (stored or sent), as OpenAI's Responses API refuses one."""
+    called = {call["id"] for message in history for call in message.get("tool_calls") or ()}
+    for message, origin in zip(new, origins, strict=True):
+        called.update(call["id"] for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in called:
+            raise bad_request(
+                f"no function_call before this function_call_output has call_id "
+                f"{message['tool_call_id']!r}",
+                f"{origin}.call_id",
+            )
 
 
 def input_messages(

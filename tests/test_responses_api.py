@@ -252,6 +252,16 @@ def test_function_tools_are_strict_by_default(server: Server) -> None:  # noqa: 
             "input.0.content.0",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input.0.type"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "Hi."},
+                    {"type": "function_call_output", "call_id": "call_x", "output": "1"},
+                ]
+            },
+            400,
+            "input.1.call_id",
+        ),  # fmt: skip
     ],
 )
 def test_what_cannot_be_honoured_is_refused(
