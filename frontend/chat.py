@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from frontend.completions import vllm_prompt_logprobs
-from frontend.errors import OpenAIError, bad_request
+from frontend.errors import bad_request
 from frontend.generation import (
     Choice,
     Generation,
@@ -88,12 +88,10 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     check_stop_token_ids(ctx, req)
     check_decoding(req)
     log_user(req)
-    tools = plan_tools(req, ctx.tool_support)
     extras = await engine_extras(ctx, req)
+    tools = plan_tools(req, ctx.tool_support, extras.constraint)
     constraint_param = "tools"
-    if tools.constraint is not None:
-        if extras.constraint is not None:
-            raise tools_with_another_constraint(req)
+    if tools.constraint is not None:  # the calls' grammar, the answer format inside it
         await ctx.check_constraint(tools.constraint, "tools")
         extras = replace(extras, constraint=tools.constraint)
     elif extras.constraint is not None:
@@ -224,22 +222,6 @@ def reasoning_plan(
     return ReasoningPlan(parser, parser.in_reasoning(prompt), req.include_reasoning)
 
 
-def tools_with_another_constraint(req: ChatCompletionRequest) -> OpenAIError:
-    """The 400 for a request whose tool calls are constrained (forced, or strict under "auto")
-    that has another structured-output constraint: one grammar cannot honour both."""
-    if req.tool_choice not in (None, "auto"):
-        return bad_request(
-            "tool_choice forces a tool call: it cannot go with another structured-output "
-            "constraint",
-            "tool_choice",
-        )
-    return bad_request(
-        "strict tools constrain the calls under tool_choice auto: they cannot go with another "
-        "structured-output constraint (set strict to false on the tools to use both)",
-        "tools",
-    )
-
-
 def composes_after_reasoning(
     reasoning: ReasoningPlan | None,
     tools: ToolPlan,
@@ -247,14 +229,15 @@ def composes_after_reasoning(
     constrained: bool,
 ) -> bool:
     """Whether the request's constraint (or its thinking budget) needs a grammar that starts
-    after the reasoning. A forced harmony call's own grammar already opens with an optional
-    analysis message, which a budget cannot bound (refused)."""
+    after the reasoning. A harmony tool grammar (a forced call, or strict tools under "auto")
+    already opens with an optional analysis message, which a budget cannot bound (refused)."""
     if reasoning is None:
         return False
     if tools.constraint is not None and reasoning.parser.needs_special_tokens:
         if req.thinking_token_budget is not None:
             raise bad_request(
-                "thinking_token_budget cannot bound the analysis before a forced harmony tool call",
+                "thinking_token_budget cannot bound the analysis before a harmony tool call that "
+                "a grammar writes (tool_choice required or named, or strict tools)",
                 "thinking_token_budget",
             )
         return False

@@ -505,12 +505,10 @@ def failed_event(events: EventWriter, exc: Exception) -> str:
     ``response.failed``, its response holding the items finished so far and the error, as
     OpenAI's ends a response that fails midway (not stored: nothing could continue it)."""
     payload = json.loads(sse_error(exc).removeprefix("data: "))["error"]
+    code, message = payload.get("code"), payload.get("message")
     if events.response_so_far is None:
-        return events.event("error", code=payload.get("code"), message=payload.get("message"))
+        return events.event("error", code=code, message=message, param=payload.get("param"))
     body = events.response_so_far()
     # OpenAI's codes for a response's error name no cause of ours: ours leads the message.
-    body["error"] = {
-        "code": "server_error",
-        "message": f"{payload.get('code')}: {payload['message']}",
-    }
+    body["error"] = {"code": "server_error", "message": f"{code}: {message}" if code else message}
     return events.event("response.failed", response=body)

@@ -22,11 +22,13 @@ one, to a strict tool with arguments its schema takes (to another tool with any 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_core.grammar import JSON_OPTIONS
 from frontend.errors import bad_request
 from frontend.openai_schemas import ChatCompletionRequest, NamedToolChoice
 from frontend.tool_parsers import ToolParser, detect_parser, get_parser, tool_call_grammar
@@ -95,8 +97,11 @@ class ToolPlan:
 NO_TOOLS = ToolPlan(None, None, None, None)
 
 
-def plan_tools(req: ChatCompletionRequest, support: ToolSupport | None) -> ToolPlan:
-    """The request's ToolPlan; a 400 when it asks for tools this server cannot do."""
+def plan_tools(
+    req: ChatCompletionRequest, support: ToolSupport | None, answer: Constraint | None = None
+) -> ToolPlan:
+    """The request's ToolPlan; a 400 when it asks for tools this server cannot do. ``answer``:
+    the request's structured-output constraint, which a grammar of the calls must take in."""
     if not req.tools:
         return NO_TOOLS
     if support is None:
@@ -107,9 +112,15 @@ def plan_tools(req: ChatCompletionRequest, support: ToolSupport | None) -> ToolP
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     constraint = None
     if choice == "required" or isinstance(choice, NamedToolChoice):
+        if answer is not None:
+            raise bad_request(
+                "tool_choice forces a tool call: it cannot go with another structured-output "
+                "constraint",
+                "tool_choice",
+            )
         constraint = forcing_constraint(req, support, tools)
     elif any(t.function.strict for t in req.tools):
-        constraint = strict_constraint(req, support, tools)
+        constraint = strict_constraint(req, support, tools, answer)
     return ToolPlan(tools, support.template, get_parser(support.parser, tools), constraint)
 
 
@@ -129,20 +140,41 @@ def forcing_constraint(
 
 
 def strict_constraint(
-    req: ChatCompletionRequest, support: ToolSupport, tools: list[dict[str, Any]]
+    req: ChatCompletionRequest,
+    support: ToolSupport,
+    tools: list[dict[str, Any]],
+    answer: Constraint | None,
 ) -> Constraint:
-    """The grammar of ``tool_choice`` "auto" with strict tools: content, then possibly calls;
-    a non-strict tool's arguments are any object. A 400 on ``tools`` when the parser's syntax
-    cannot write such calls."""
+    """The grammar of ``tool_choice`` "auto" with strict tools: content, then possibly calls
+    (with an ``answer`` format: that answer, or calls); a non-strict tool's arguments are any
+    object. A 400 on ``tools`` when the parser's syntax cannot write such calls."""
     parallel = req.parallel_tool_calls is not False
     loose = [t if t["function"].get("strict") else without_parameters(t) for t in tools]
     try:
+        answer_lark = None if answer is None else answer_expression(answer)
         grammar = tool_call_grammar(
-            support.parser, loose, None, parallel, support.added_tokens, optional=True
+            support.parser, loose, None, parallel, support.added_tokens, True, answer_lark
         )
     except ValueError as exc:
         raise bad_request(f"strict tools cannot be honoured: {exc}", "tools") from None
     return Constraint(ConstraintKind.GRAMMAR, grammar)
+
+
+def answer_expression(answer: Constraint) -> str:
+    """The Lark expression of an answer format beside strict tools: a JSON schema or any JSON
+    object (what OpenAI's response_format and text.format give), laid out as the engine lays
+    out a format alone; ValueError for another kind of constraint."""
+    if answer.kind == ConstraintKind.JSON_OBJECT:
+        schema: Any = {"type": "object"}
+    elif answer.kind == ConstraintKind.JSON_SCHEMA:
+        schema = json.loads(answer.spec)
+        schema = {} if schema is True else schema
+    else:
+        raise ValueError("beside strict tools, an answer format is a JSON schema or json_object")
+    if not isinstance(schema, dict):
+        raise ValueError("the answer's JSON schema accepts nothing")
+    layout = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
+    return "%json " + json.dumps({**schema, "x-guidance": layout})
 
 
 def without_parameters(tool: dict[str, Any]) -> dict[str, Any]:

@@ -445,6 +445,31 @@ def test_a_strict_tool_under_auto_gets_arguments_its_schema_takes(client: openai
     ]
 
 
+def test_strict_tools_beside_an_answer_format_give_that_answer_or_a_call(
+    client: openai.OpenAI,
+) -> None:
+    """An agent's output type beside its strict tools: asked about the weather with the
+    few-shot history, the model calls (held to the schema); asked to answer, its answer is the
+    format's JSON, as the format alone would have it."""
+    answer_schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                     "required": ["city"], "additionalProperties": False}  # fmt: skip
+    answer_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": answer_schema}}
+    history = few_shot_history()
+    asks = [[*history, {"role": "user", "content": "What is the weather in Tokyo?"}],
+            [{"role": "user", "content": "Name a city, as JSON."}]]  # fmt: skip
+    call_turn, answer_turn = in_parallel([
+        lambda m=m: client.chat.completions.create(
+            model="default", messages=m, tools=[STRICT_WEATHER], response_format=answer_format,
+            temperature=0, max_tokens=60,
+        ) for m in asks
+    ])  # fmt: skip
+    call = call_turn.choices[0].message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), STRICT_SCHEMA)
+    answer = answer_turn.choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls
+    jsonschema.validate(json.loads(answer.message.content), answer_schema)
+
+
 # ---- bad input: a 400 naming the parameter, nothing sent to the engine -------------------------
 
 
@@ -484,7 +509,7 @@ BAD_CHAT = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
-    ({"tools": [STRICT_WEATHER], "response_format": {"type": "json_object"}}, "tools"),
+    ({"tools": [STRICT_WEATHER], "structured_outputs": {"regex": "[a-z]+"}}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
       "tool_choice": "required"}, "tools"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),

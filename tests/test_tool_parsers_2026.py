@@ -29,8 +29,8 @@ from frontend.tool_parsers import (
     split_harmony,
     tool_call_grammar,
 )
-from frontend.tools import ToolSupport, plan_tools, tool_support
-from protocol.messages import ConstraintKind
+from frontend.tools import ToolSupport, answer_expression, plan_tools, tool_support
+from protocol.messages import Constraint, ConstraintKind
 from tests.test_tool_parsers import calls_text, random_pieces, reassemble, summary
 
 
@@ -536,7 +536,8 @@ def test_detect_parser(template: str, parser: str) -> None:
 
 # Each family's markers, as its tokenizer has them: added tokens (harmony's special ones).
 PLAIN_MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_start|>",
-                 "<|python_end|>", CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP]  # fmt: skip
+                 "<|python_end|>", CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP,
+                 "<think>", "</think>"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -677,6 +678,20 @@ def test_forced_grammar_allows_only_that_function(
     grammar = grammar_for(parser, vocabulary, "get_time", False)
     assert accepts(vocabulary, grammar, written(parser, [("get_time", {})]))
     assert not accepts(vocabulary, grammar, written(parser, [PARIS]))
+
+
+@pytest.mark.parametrize("vocab", ["plain", "markers"])
+def test_xml_grammar_ends_a_value_where_the_parser_does(
+    vocab: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """A string value holding a closing tag would be cut there by the parser (the call then
+    read as content): the grammar lets no value hold one."""
+    vocabulary = vocabularies[vocab]
+    grammar = grammar_for("qwen3_coder", vocabulary, "write_file", False)
+    for content, ok in [("x < y\n</para", True), ("a</parameter>b", False)]:
+        text = written("qwen3_coder", [("write_file", {"path": "a", "content": content})])
+        assert accepts(vocabulary, grammar, text) is ok
+        assert bool(get_parser("qwen3_coder", TOOLS).extract(text).tool_calls) is ok
 
 
 def test_harmony_grammar_lets_the_model_think_first(
@@ -833,6 +848,90 @@ def test_harmony_optional_calls_let_the_model_think_then_answer_or_call(
     assert accepts(vocabulary, grammar, thought + content_output("openai"))
     wrong = written("openai", [("get_weather", {"days": 2})])
     assert not accepts(vocabulary, grammar, thought + wrong)
+
+
+def accepts_ids(vocabulary: tuple[Any, Any], grammar: str, ids: list[int]) -> bool:
+    import llguidance
+
+    matcher = llguidance.LLMatcher(vocabulary[1], grammar, log_level=0)
+    ok = matcher.consume_tokens(ids)
+    return ok and not matcher.is_error() and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("parser", list(TRIGGERS))
+def test_optional_calls_grammar_refuses_a_trigger_spelled_in_plain_tokens(
+    parser: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """Where the trigger is a token, its text spelled out of ordinary tokens is no content
+    either: the parser would read a call there, which the grammar did not check."""
+    marked, plain = vocabularies["markers"], vocabularies["plain"]
+    grammar = optional_grammar(parser, marked)
+    bad = any_written(parser, [("get_weather", {"city": "Paris", "days": "two"})])
+    spelled = plain[0].encode(TRIGGERS[parser], add_special_tokens=False)
+    assert len(spelled) > 1  # not the marker's token
+    rest = marked[0].encode(bad.removeprefix(TRIGGERS[parser]), add_special_tokens=False)
+    lead = marked[0].encode("Hi ", add_special_tokens=False)
+    assert not accepts_ids(marked, grammar, lead + spelled + rest)
+    assert get_parser(parser, TOOLS).extract("Hi " + bad).tool_calls  # what it would have read
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("pythonic", 'Sure. <|python_start|>[get_weather(days="two")]'),
+        ("llama4_pythonic", '<|python_start|>[get_weather(days="two")]'),
+        ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"days": "two"}}'),
+        ("pythonic", '\x1c[get_weather(days="two")]'),
+        ("llama3_json", '\x1c{"name": "get_weather", "parameters": {"days": "two"}}'),
+    ],
+)
+def test_optional_calls_grammar_refuses_what_the_parser_reads_as_a_call_past_the_start(
+    parser: str, text: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """Llama's tags lead calls (``<|python_start|>`` anywhere), and Python's whitespace is
+    wider than the grammar engine's: none of these may pass as content."""
+    vocabulary = vocabularies["plain"]
+    assert get_parser(parser, TOOLS).extract(text).tool_calls
+    assert not accepts(vocabulary, optional_grammar(parser, vocabulary), text)
+
+
+@pytest.mark.parametrize(("parser", "vocab"), [c for c in OPTIONAL_CASES if c[0] != "openai"])
+def test_optional_calls_grammar_lets_content_hold_the_tokenizers_other_tokens(
+    parser: str, vocab: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """A model's thinking in ``<think>`` tokens (a server without a reasoning parser) is
+    content: strict tools constrain calls, not what else the model writes."""
+    vocabulary = vocabularies[vocab]
+    grammar = optional_grammar(parser, vocabulary)
+    thought = "<think>\nThe user wants [Paris] {now}.\n</think>\n\n"
+    assert accepts(vocabulary, grammar, thought + ANSWER)
+    if parser in TRIGGERS:
+        assert accepts(vocabulary, grammar, thought + any_written(parser, [PARIS]))
+
+
+ANSWER_FORMAT = {"type": "object", "properties": {"answer": {"type": "string"}},
+                 "required": ["answer"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "vocab"), OPTIONAL_CASES)
+def test_optional_calls_with_an_answer_format_take_that_answer_or_calls(
+    parser: str, vocab: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """Strict tools beside a JSON answer format (an agent's output type): the output is the
+    answer, laid out as the format alone lays it out, or calls, with no text before them."""
+    vocabulary = vocabularies[vocab]
+    added = vocabulary[0].get_added_vocab()
+    answer = answer_expression(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(ANSWER_FORMAT)))
+    grammar = tool_call_grammar(parser, TOOLS, None, True, added, True, answer)
+    final = "<|channel|>final<|message|>" if parser == "openai" else ""
+    reply = '{"answer":"sunny"}'
+    assert accepts(vocabulary, grammar, final + reply)
+    assert summary(get_parser(parser, TOOLS).extract(final + reply)) == expected(reply, [])
+    assert accepts(vocabulary, grammar, any_written(parser, [PARIS]))
+    assert not accepts(vocabulary, grammar, final + '{"answer":3}')
+    assert not accepts(vocabulary, grammar, content_output(parser))
+    if parser in TRIGGERS:
+        assert not accepts(vocabulary, grammar, "Sure. " + any_written(parser, [PARIS]))
 
 
 def chat_request(**fields: Any) -> ChatCompletionRequest:

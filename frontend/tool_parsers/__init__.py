@@ -155,15 +155,17 @@ def tool_call_grammar(
     parallel: bool,
     added_tokens: Mapping[str, int] | None = None,
     optional: bool = False,
+    answer: str | None = None,
 ) -> str:
     """An llguidance Lark grammar whose only outputs are one call (``parallel``: one or more) in
     ``parser``'s syntax, each to one of ``tools`` (only ``forced``, when given) with arguments
     matching that function's ``parameters`` schema; ``optional``: content, then possibly such
-    calls (what the parser would read as a call is one). ``added_tokens``: the tokenizer's added
+    calls (what the parser would read as a call is one), or with ``answer`` (a Lark expression
+    of the request's answer format) that answer or calls. ``added_tokens``: the tokenizer's added
     tokens (text to id), so markers are written as the tokens they are. ValueError for a parser
     without a grammar, when no tool can be called, or when the syntax cannot write the call."""
     syntax = PARSERS[parser].syntax if parser in PARSERS else None
     if syntax is None:
         known = ", ".join(name for name, p in PARSERS.items() if p.syntax is not None)
         raise ValueError(f"no tool-call grammar for parser {parser!r}; known: {known}")
-    return build_grammar(syntax, tools, forced, parallel, added_tokens, optional)
+    return build_grammar(syntax, tools, forced, parallel, added_tokens, optional, answer)

@@ -34,6 +34,7 @@ class LarkWriter:
     the tokenizer written as those tokens."""
 
     def __init__(self, markers: Iterable[str], added_tokens: Mapping[str, int]) -> None:
+        self.added = dict(added_tokens)
         self.tokens = {m: added_tokens[m] for m in markers if m in added_tokens}
         longest_first = sorted(self.tokens, key=len, reverse=True)
         self.splitter = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
@@ -70,6 +71,8 @@ class CallSyntax(ABC):
     markers: tuple[str, ...] = ()
     single_call: bool = False
     trigger: str | None = None
+    reserved: tuple[str, ...] = ()  # texts the parser reads as calls wherever they are
+    content_start: str = ""  # with no trigger: what calls start with, which content cannot
 
     def frame(self) -> tuple[str, str, str]:
         return "", "", ""
@@ -77,8 +80,9 @@ class CallSyntax(ABC):
     def prelude(self, lark: LarkWriter) -> str:
         return ""
 
-    def content(self, lark: LarkWriter) -> str:
-        """A Lark expression for an output that is no call, when there is no trigger."""
+    def content(self, lark: LarkWriter, answer: str | None) -> str:
+        """With no trigger: a Lark expression for an output that is no call, ``answer`` (the
+        request's answer format) where given, else the text its parser reads as content."""
         raise NotImplementedError(f"{type(self).__name__} has no content rule")
 
     def rules(self, lark: LarkWriter) -> list[str]:
@@ -97,11 +101,13 @@ def build_grammar(
     parallel: bool,
     added_tokens: Mapping[str, int] | None = None,
     optional: bool = False,
+    answer: str | None = None,
 ) -> str:
     """The grammar whose outputs are one call (``parallel``: one or more) written in
     ``syntax``, each to one of ``tools`` (only ``forced``, when given); ``optional``: content,
-    then possibly such calls. ValueError when no tool can be called or the syntax cannot write a
-    call to one."""
+    then possibly such calls, or with ``answer`` (a Lark expression of the request's answer
+    format) either that answer or calls. ValueError when no tool can be called or the syntax
+    cannot write a call to one."""
     lark = LarkWriter(syntax.markers, added_tokens or {})
     functions = callable_functions(tools, forced)
     before, between, after = syntax.frame()
@@ -109,7 +115,7 @@ def build_grammar(
     calls = lark_sequence("call", more if parallel and not syntax.single_call else "")
     calls = lark_sequence(calls, lark.text(after))
     if optional:
-        lines = optional_calls(syntax, lark, before, calls)
+        lines = optional_calls(syntax, lark, before, calls, answer)
     else:
         lines = ["start: " + lark_sequence(syntax.prelude(lark), lark.text(before), calls)]
     lines.append("call: " + " | ".join(f"tool_{i}" for i in range(len(functions))))
@@ -119,25 +125,80 @@ def build_grammar(
     return "\n".join(lines) + "\n"
 
 
-def optional_calls(syntax: CallSyntax, lark: LarkWriter, before: str, calls: str) -> list[str]:
-    """The start rule (and its helpers) of an output that is content, then possibly calls."""
+def optional_calls(
+    syntax: CallSyntax, lark: LarkWriter, before: str, calls: str, answer: str | None
+) -> list[str]:
+    """The start rule (and its helpers) of an output that is content, then possibly calls; with
+    ``answer``, either that answer or calls (an answer format leaves no text before calls)."""
     prelude = syntax.prelude(lark)
     trigger = syntax.trigger
     if trigger is None:
         block = lark_sequence(lark.text(before), calls)
-        return [f"start: {lark_sequence(prelude, f'({block} | {syntax.content(lark)})')}"]
+        either = f"({block} | {syntax.content(lark, answer)})"
+        return [f"start: {lark_sequence(prelude, either)}", *content_rules(syntax, lark)]
     if not before.startswith(trigger):
         raise AssertionError(f"the calls of {type(syntax).__name__} do not start with its trigger")
+    opening = lark.token(trigger) if trigger in lark.tokens else literal(trigger)
     rest = lark_sequence(lark.text(before[len(trigger) :]), calls)
-    free = "FREE_TEXT: /(?s:.*)/"
+    if answer is not None:
+        return [f"start: {lark_sequence(prelude, f'({answer} | {opening} {rest})')}"]
     if trigger in lark.tokens:  # a token that free text cannot hold: text, then the token
-        either = f"(FREE_TEXT | FREE_TEXT {lark.token(trigger)} {rest})"
-        return [f"start: {lark_sequence(prelude, either)}", free]
+        either = f"(free_text | free_text {opening} {rest})"
+        return [f"start: {lark_sequence(prelude, either)}", *free_text_rules(syntax, lark)]
+    # Text, then the trigger, in one lazy lexeme: it ends where the trigger does (a greedy one
+    # would have taken the trigger's first characters as text, and a lexer gives nothing back).
+    others = other_tokens(syntax, lark)
+    before_trigger = f"(FREE_TEXT {others})* text_and_trigger" if others else "text_and_trigger"
     return [
-        f"start: {lark_sequence(prelude, f'(FREE_TEXT | text_then_trigger {rest})')}",
-        free,
-        f"text_then_trigger[lazy]: /(?s:.*)/ {literal(trigger)}",
+        f"start: {lark_sequence(prelude, f'(free_text | text_to_trigger {rest})')}",
+        *free_text_rules(syntax, lark),
+        f"text_to_trigger: {before_trigger}",
+        f"text_and_trigger[lazy]: /(?s:.*)/ {literal(trigger)}",
     ]
+
+
+# Python's \s (the parsers') also takes these separators; llguidance's (Rust's) does not.
+SPACE = "\\s\\x1c-\\x1f"
+
+
+def free_text_rules(syntax: CallSyntax, lark: LarkWriter) -> list[str]:
+    """``free_text``: any text and added tokens, none of them a text the parser would read as a
+    call (``syntax.trigger`` and ``reserved``, as text or as the token it is)."""
+    others = other_tokens(syntax, lark)
+    rule = f"free_text: FREE_TEXT ({others} FREE_TEXT)*" if others else "free_text: FREE_TEXT"
+    return [rule, f"FREE_TEXT: {without_reserved('/(?s:.*)/', syntax)}"]
+
+
+def content_rules(syntax: CallSyntax, lark: LarkWriter) -> list[str]:
+    """For a syntax without a trigger, whose parser reads an output as calls when its first
+    character after whitespace is ``content_start``: ``content_text``, text that does not so
+    start, then free text."""
+    if not syntax.content_start:
+        return []
+    head = f"/[{SPACE}]*([^{SPACE}{re.escape(syntax.content_start)}](?s:.*))?/"
+    others = other_tokens(syntax, lark)
+    tail = f" ({others} FREE_TEXT)*" if others else ""
+    return [
+        f"content_text: CONTENT_HEAD{tail}",
+        f"CONTENT_HEAD: {without_reserved(head, syntax)}",
+        *free_text_rules(syntax, lark)[1:],
+    ]
+
+
+def without_reserved(regex: str, syntax: CallSyntax) -> str:
+    """A terminal: ``regex`` holding none of the texts the parser reads as calls."""
+    reserved = [t for t in (syntax.trigger, *syntax.reserved) if t]
+    if not reserved:
+        return regex
+    return f"{regex} & ~/(?s:.*)({'|'.join(map(re.escape, reserved))})(?s:.*)/"
+
+
+def other_tokens(syntax: CallSyntax, lark: LarkWriter) -> str:
+    """The tokenizer's added tokens that free text may hold (a model's ``<think>``): all but the
+    syntax's markers and reserved texts; nothing where there are none."""
+    taken = {*syntax.markers, *syntax.reserved, syntax.trigger}
+    ids = sorted(i for text, i in lark.added.items() if text not in taken)
+    return f"<[{','.join(map(str, ids))}]>" if ids else ""
 
 
 @dataclass(frozen=True)
@@ -150,22 +211,17 @@ class JsonEnvelope(CallSyntax):
     after: str  # after the last call
     markers: tuple[str, ...] = ()
     trigger: str | None = None
-    content_start: str = ""  # with no trigger: the character calls start with, which content cannot
+    reserved: tuple[str, ...] = ()
+    content_start: str = ""
 
     def frame(self) -> tuple[str, str, str]:
         return self.before, self.between, self.after
 
-    def content(self, lark: LarkWriter) -> str:
-        return content_not_starting_with(self.content_start)
+    def content(self, lark: LarkWriter, answer: str | None) -> str:
+        return answer or "content_text"
 
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
         return [f"{rule}: {lark.json(call_schema(function, self.arguments_key))}"]
-
-
-def content_not_starting_with(char: str) -> str:
-    """Text whose first character after any whitespace is not ``char`` (what the parsers of
-    conventions without a trigger read as content)."""
-    return "/\\s*([^\\s" + re.escape(char) + "](?s:.*))?/"
 
 
 def lark_sequence(*parts: str) -> str:

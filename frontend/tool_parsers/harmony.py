@@ -174,9 +174,10 @@ class HarmonySyntax(CallSyntax):
         )  # fmt: skip
         return f"({analysis})?"
 
-    def content(self, lark: LarkWriter) -> str:
+    def content(self, lark: LarkWriter, answer: str | None) -> str:
         """The answer in the final channel."""
-        return lark_sequence(lark.token(CHANNEL), '"final"', lark.token(MESSAGE), "harmony_text")
+        final = lark_sequence(lark.token(CHANNEL), '"final"', lark.token(MESSAGE))
+        return lark_sequence(final, answer or "harmony_text")
 
     def rules(self, lark: LarkWriter) -> list[str]:
         return ["harmony_text: /(.|\\n)*/"]

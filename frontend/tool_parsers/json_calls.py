@@ -144,7 +144,9 @@ class HermesToolParser(ToolParser):
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
-    syntax = JsonEnvelope("parameters", "", "; ", "", content_start="{")
+    syntax = JsonEnvelope(
+        "parameters", "", "; ", "", reserved=(PYTHON_TAG,), content_start="{"
+    )  # a tagged output is a call (the tag may lead it)
 
     def streamer(self) -> ToolCallStreamer:
         return Llama3JsonStreamer()

@@ -23,7 +23,6 @@ from frontend.tool_parsers.core import (
 from frontend.tool_parsers.grammar import (
     CallSyntax,
     LarkWriter,
-    content_not_starting_with,
     lark_sequence,
     literal,
     parameters_of,
@@ -231,11 +230,14 @@ class PythonicSyntax(CallSyntax):
     always, others optionally), each value a ``%json`` of its schema; JSON's literals are read
     back as Python's."""
 
+    content_start = "["
+    reserved = (PYTHON_START,)  # opens a list of calls wherever it is (Llama 4)
+
     def frame(self) -> tuple[str, str, str]:
         return "[", ", ", "]"
 
-    def content(self, lark: LarkWriter) -> str:
-        return content_not_starting_with("[")
+    def content(self, lark: LarkWriter, answer: str | None) -> str:
+        return answer or "content_text"
 
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
         name = function["name"]

@@ -171,7 +171,9 @@ class XmlSyntax(CallSyntax):
 
     def rules(self, lark: LarkWriter) -> list[str]:
         return [
-            f"xml_text[stop={literal(VALUE_END)}]: /(.|\\n)*/",
+            # A value ends at the first closing tag, for the parser as for the grammar.
+            f"xml_text[stop={literal(VALUE_END)}]: XML_VALUE",
+            "XML_VALUE: /(?s:.*)/ & ~/(?s:.*)<\\/parameter>(?s:.*)/",
             "xml_any: " + literal("<parameter=") + ' /[^<>=\\n]+/ ">\\n" xml_text',
         ]
 

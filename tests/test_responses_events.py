@@ -1,0 +1,57 @@
+"""The Responses stream's last event when it fails midway (frontend/responses.py
+``failed_event``): ``response.failed``, whose response validates as the official openai client's
+``ResponseFailedEvent``, its error OpenAI's ``server_error`` with our cause leading the message
+where there is one; before the stream began, a bare ``error`` event."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
+
+from frontend.errors import OpenAIError, engine_unavailable
+from frontend.responses import EventWriter, failed_event
+
+
+def event_body(sse: str) -> dict[str, Any]:
+    kind, data = sse.strip().split("\n")
+    body = json.loads(data.removeprefix("data: "))
+    assert kind == f"event: {body['type']}"
+    return body
+
+
+def response_so_far() -> dict[str, Any]:
+    return {
+        "id": "resp_1", "object": "response", "created_at": 1, "status": "failed",
+        "error": None, "incomplete_details": None, "model": "m", "instructions": None,
+        "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+        "temperature": 1.0, "top_p": 1.0,
+    }  # fmt: skip
+
+
+def test_a_failure_with_a_cause_leads_the_message_with_it() -> None:
+    events = EventWriter()
+    events.response_so_far = response_so_far
+    events.event("response.created")
+    body = event_body(failed_event(events, engine_unavailable("the engine core stopped")))
+    failed = ResponseFailedEvent.model_validate(body)
+    assert failed.sequence_number == 1 and failed.response.status == "failed"
+    assert failed.response.error is not None and failed.response.error.code == "server_error"
+    assert failed.response.error.message == (
+        "engine_down: the engine core is unavailable: the engine core stopped"
+    )
+
+
+def test_a_failure_without_a_code_is_its_message_alone() -> None:
+    events = EventWriter()
+    events.response_so_far = response_so_far
+    body = event_body(failed_event(events, OpenAIError(500, "internal server error")))
+    error = ResponseFailedEvent.model_validate(body).response.error
+    assert error is not None and error.message == "internal server error"
+
+
+def test_before_the_stream_began_it_is_an_error_event() -> None:
+    body = event_body(failed_event(EventWriter(), OpenAIError(400, "bad", param="input")))
+    error = ResponseErrorEvent.model_validate(body)
+    assert (error.message, error.param, error.sequence_number) == ("bad", "input", 0)
