@@ -45,17 +45,20 @@ _PROBE_TOOL = {
 class ToolSupport:
     """How this server does tools: the parser's name; when the model's own template ignores
     tools, the template that renders requests with tools instead; the tokenizer's added tokens
-    (text to id), which a grammar writes markers as."""
+    (text to id), which a grammar writes markers as, and which of them are special (decoding
+    skips them, so a grammar's free text may not hold them: the parser would not see them)."""
 
     parser: str
     template: str | None = None
     added_tokens: Mapping[str, int] = field(default_factory=dict, compare=False)
+    special_tokens: frozenset[str] = field(default_factory=frozenset, compare=False)
 
 
 def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSupport | None, str]:
     """The served model's tool support, and a sentence saying what was chosen (or why none)."""
     template = hf_tokenizer.chat_template or ""
     added = hf_tokenizer.get_added_vocab()
+    special = frozenset(t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special)
     if renders_tools(hf_tokenizer):
         name = parser_flag or detect_parser(template)
         if name is None:
@@ -64,10 +67,10 @@ def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSuppor
                 "--tool-call-parser"
             )
         get_parser(name)  # ValueError for an unknown name
-        return ToolSupport(name, None, added), f"the model's chat template, parser {name}"
+        return ToolSupport(name, None, added, special), f"the model's chat template, parser {name}"
     if "<|im_start|>" in template and parser_flag in (None, "hermes"):
         packaged = CHATML_TOOLS_TEMPLATE.read_text()
-        support = ToolSupport("hermes", packaged, added)
+        support = ToolSupport("hermes", packaged, added, special)
         return support, "the packaged ChatML tool template, parser hermes"
     return None, "the chat template does not render tools"
 
@@ -153,8 +156,9 @@ def strict_constraint(
     try:
         answer_lark = None if answer is None else answer_expression(answer)
         grammar = tool_call_grammar(
-            support.parser, loose, None, parallel, support.added_tokens, True, answer_lark
-        )
+            support.parser, loose, None, parallel, support.added_tokens, True, answer_lark,
+            support.special_tokens,
+        )  # fmt: skip
     except ValueError as exc:
         raise bad_request(f"strict tools cannot be honoured: {exc}", "tools") from None
     return Constraint(ConstraintKind.GRAMMAR, grammar)
@@ -167,13 +171,14 @@ def answer_expression(answer: Constraint) -> str:
     if answer.kind == ConstraintKind.JSON_OBJECT:
         schema: Any = {"type": "object"}
     elif answer.kind == ConstraintKind.JSON_SCHEMA:
-        schema = json.loads(answer.spec)
-        schema = {} if schema is True else schema
+        schema = json.loads(answer.spec)  # an object: the format's own check refused others
     else:
-        raise ValueError("beside strict tools, an answer format is a JSON schema or json_object")
-    if not isinstance(schema, dict):
-        raise ValueError("the answer's JSON schema accepts nothing")
-    layout = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
+        raise ValueError(
+            "beside strict tools, an answer format is a JSON schema or json_object (set strict "
+            "to false on the tools to use another)"
+        )
+    own = schema.get("x-guidance")
+    layout = {**JSON_OPTIONS, **(own if isinstance(own, dict) else {})}
     return "%json " + json.dumps({**schema, "x-guidance": layout})
 
 

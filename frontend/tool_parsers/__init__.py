@@ -55,7 +55,7 @@ frontend/tool_parsers/grammar.py and each convention's ``CallSyntax``).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from frontend.tool_parsers.core import (
     ParsedMessage,
@@ -72,7 +72,7 @@ from frontend.tool_parsers.deepseek import (
     DeepSeekV3ToolParser,
     DeepSeekV31ToolParser,
 )
-from frontend.tool_parsers.grammar import build_grammar
+from frontend.tool_parsers.grammar import LarkWriter, build_grammar
 from frontend.tool_parsers.harmony import HarmonyParts, HarmonyToolParser, split_harmony
 from frontend.tool_parsers.json_calls import (
     HermesToolParser,
@@ -156,16 +156,19 @@ def tool_call_grammar(
     added_tokens: Mapping[str, int] | None = None,
     optional: bool = False,
     answer: str | None = None,
+    special_tokens: Collection[str] = (),
 ) -> str:
     """An llguidance Lark grammar whose only outputs are one call (``parallel``: one or more) in
     ``parser``'s syntax, each to one of ``tools`` (only ``forced``, when given) with arguments
     matching that function's ``parameters`` schema; ``optional``: content, then possibly such
     calls (what the parser would read as a call is one), or with ``answer`` (a Lark expression
     of the request's answer format) that answer or calls. ``added_tokens``: the tokenizer's added
-    tokens (text to id), so markers are written as the tokens they are. ValueError for a parser
+    tokens (text to id), so markers are written as the tokens they are; ``special_tokens``: those
+    that decoding skips, which free text may not hold. ValueError for a parser
     without a grammar, when no tool can be called, or when the syntax cannot write the call."""
     syntax = PARSERS[parser].syntax if parser in PARSERS else None
     if syntax is None:
         known = ", ".join(name for name, p in PARSERS.items() if p.syntax is not None)
         raise ValueError(f"no tool-call grammar for parser {parser!r}; known: {known}")
-    return build_grammar(syntax, tools, forced, parallel, added_tokens, optional, answer)
+    lark = LarkWriter(syntax.markers, added_tokens or {}, special_tokens)
+    return build_grammar(syntax, lark, tools, forced, parallel, optional, answer)

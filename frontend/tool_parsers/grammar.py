@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +31,16 @@ PARAMETERS_DEF = "tandem_parameters"  # where a property's schema finds its func
 
 class LarkWriter:
     """Lark pieces for one tokenizer: literal text, with ``markers`` that are added tokens of
-    the tokenizer written as those tokens."""
+    the tokenizer written as those tokens; ``kept``: the added tokens decoding keeps in the text
+    (all but ``special_tokens``), which free text may hold."""
 
-    def __init__(self, markers: Iterable[str], added_tokens: Mapping[str, int]) -> None:
-        self.added = dict(added_tokens)
+    def __init__(
+        self,
+        markers: Iterable[str],
+        added_tokens: Mapping[str, int],
+        special_tokens: Collection[str] = (),
+    ) -> None:
+        self.kept = {t: i for t, i in added_tokens.items() if t not in special_tokens}
         self.tokens = {m: added_tokens[m] for m in markers if m in added_tokens}
         longest_first = sorted(self.tokens, key=len, reverse=True)
         self.splitter = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
@@ -96,10 +102,10 @@ class CallSyntax(ABC):
 
 def build_grammar(
     syntax: CallSyntax,
+    lark: LarkWriter,
     tools: list[dict[str, Any]],
     forced: str | None,
     parallel: bool,
-    added_tokens: Mapping[str, int] | None = None,
     optional: bool = False,
     answer: str | None = None,
 ) -> str:
@@ -108,7 +114,6 @@ def build_grammar(
     then possibly such calls, or with ``answer`` (a Lark expression of the request's answer
     format) either that answer or calls. ValueError when no tool can be called or the syntax
     cannot write a call to one."""
-    lark = LarkWriter(syntax.markers, added_tokens or {})
     functions = callable_functions(tools, forced)
     before, between, after = syntax.frame()
     more = f"({lark_sequence(lark.text(between), 'call')})*"
@@ -133,6 +138,8 @@ def optional_calls(
     prelude = syntax.prelude(lark)
     trigger = syntax.trigger
     if trigger is None:
+        if answer is not None and syntax.content_start == "{":
+            raise ValueError("a JSON answer cannot be told from a call in this convention's JSON")
         block = lark_sequence(lark.text(before), calls)
         either = f"({block} | {syntax.content(lark, answer)})"
         return [f"start: {lark_sequence(prelude, either)}", *content_rules(syntax, lark)]
@@ -194,10 +201,11 @@ def without_reserved(regex: str, syntax: CallSyntax) -> str:
 
 
 def other_tokens(syntax: CallSyntax, lark: LarkWriter) -> str:
-    """The tokenizer's added tokens that free text may hold (a model's ``<think>``): all but the
-    syntax's markers and reserved texts; nothing where there are none."""
+    """The tokenizer's added tokens that free text may hold (a model's ``<think>``): those that
+    decoding keeps (a skipped one would vanish between two texts the parser then reads as one),
+    but the syntax's markers and reserved texts; nothing where there are none."""
     taken = {*syntax.markers, *syntax.reserved, syntax.trigger}
-    ids = sorted(i for text, i in lark.added.items() if text not in taken)
+    ids = sorted(i for text, i in lark.kept.items() if text not in taken)
     return f"<[{','.join(map(str, ids))}]>" if ids else ""
 
 
