@@ -88,8 +88,9 @@ class CallSyntax(ABC):
 
     def content(self, lark: LarkWriter, answer: str | None) -> str:
         """With no trigger: a Lark expression for an output that is no call, ``answer`` (the
-        request's answer format) where given, else the text its parser reads as content."""
-        raise NotImplementedError(f"{type(self).__name__} has no content rule")
+        request's answer format) where given, else the text its parser reads as content
+        (``content_rules``)."""
+        return answer or "content_text"
 
     def rules(self, lark: LarkWriter) -> list[str]:
         """Rules the calls share."""
@@ -171,9 +172,7 @@ SPACE = "\\s\\x1c-\\x1f"
 def free_text_rules(syntax: CallSyntax, lark: LarkWriter) -> list[str]:
     """``free_text``: any text and added tokens, none of them a text the parser would read as a
     call (``syntax.trigger`` and ``reserved``, as text or as the token it is)."""
-    others = other_tokens(syntax, lark)
-    rule = f"free_text: FREE_TEXT ({others} FREE_TEXT)*" if others else "free_text: FREE_TEXT"
-    return [rule, f"FREE_TEXT: {without_reserved('/(?s:.*)/', syntax)}"]
+    return [f"free_text: {then_free_text('FREE_TEXT', syntax, lark)}", free_text_terminal(syntax)]
 
 
 def content_rules(syntax: CallSyntax, lark: LarkWriter) -> list[str]:
@@ -183,13 +182,21 @@ def content_rules(syntax: CallSyntax, lark: LarkWriter) -> list[str]:
     if not syntax.content_start:
         return []
     head = f"/[{SPACE}]*([^{SPACE}{re.escape(syntax.content_start)}](?s:.*))?/"
-    others = other_tokens(syntax, lark)
-    tail = f" ({others} FREE_TEXT)*" if others else ""
     return [
-        f"content_text: CONTENT_HEAD{tail}",
+        f"content_text: {then_free_text('CONTENT_HEAD', syntax, lark)}",
         f"CONTENT_HEAD: {without_reserved(head, syntax)}",
-        *free_text_rules(syntax, lark)[1:],
+        free_text_terminal(syntax),
     ]
+
+
+def then_free_text(first: str, syntax: CallSyntax, lark: LarkWriter) -> str:
+    """``first``, then free text on either side of each added token it may hold."""
+    others = other_tokens(syntax, lark)
+    return f"{first} ({others} FREE_TEXT)*" if others else first
+
+
+def free_text_terminal(syntax: CallSyntax) -> str:
+    return f"FREE_TEXT: {without_reserved('/(?s:.*)/', syntax)}"
 
 
 def without_reserved(regex: str, syntax: CallSyntax) -> str:
@@ -224,9 +231,6 @@ class JsonEnvelope(CallSyntax):
 
     def frame(self) -> tuple[str, str, str]:
         return self.before, self.between, self.after
-
-    def content(self, lark: LarkWriter, answer: str | None) -> str:
-        return answer or "content_text"
 
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
         return [f"{rule}: {lark.json(call_schema(function, self.arguments_key))}"]

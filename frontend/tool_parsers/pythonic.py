@@ -236,9 +236,6 @@ class PythonicSyntax(CallSyntax):
     def frame(self) -> tuple[str, str, str]:
         return "[", ", ", "]"
 
-    def content(self, lark: LarkWriter, answer: str | None) -> str:
-        return answer or "content_text"
-
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
         name = function["name"]
         if not IDENTIFIER.fullmatch(name):
