@@ -639,18 +639,18 @@ def test_grammar_takes_several_calls_only_when_parallel(
     assert summary(get_parser(parser, TOOLS).extract(text)) == expected(None, calls)
 
 
+WRONG_CALLS = [
+    ("get_wether", {"city": "Paris"}),  # no such function
+    ("get_weather", {"city": "Paris", "days": "two"}),  # wrong type
+    ("get_weather", {"city": "Paris", "unit": "kelvin"}),  # not in the enum
+    ("get_weather", {"days": 2}),  # required argument missing
+    ("get_weather", {"city": "Paris", "wind": "yes"}),  # no such argument
+    ("write_file", {"path": "a", "content": "b", "count": -1}),  # $ref'd minimum broken
+]
+
+
 @pytest.mark.parametrize(("parser", "vocab"), GRAMMAR_CASES)
-@pytest.mark.parametrize(
-    "call",
-    [
-        ("get_wether", {"city": "Paris"}),  # no such function
-        ("get_weather", {"city": "Paris", "days": "two"}),  # wrong type
-        ("get_weather", {"city": "Paris", "unit": "kelvin"}),  # not in the enum
-        ("get_weather", {"days": 2}),  # required argument missing
-        ("get_weather", {"city": "Paris", "wind": "yes"}),  # no such argument
-        ("write_file", {"path": "a", "content": "b", "count": -1}),  # $ref'd minimum broken
-    ],
-)
+@pytest.mark.parametrize("call", WRONG_CALLS)
 def test_grammar_rejects_a_wrong_call(
     parser: str, vocab: str, call: Call, vocabularies: dict[str, tuple[Any, Any]]
 ) -> None:
@@ -807,15 +807,7 @@ def test_optional_calls_grammar_takes_calls_after_content(
 
 
 @pytest.mark.parametrize(("parser", "vocab"), OPTIONAL_CASES)
-@pytest.mark.parametrize(
-    "call",
-    [
-        ("get_wether", {"city": "Paris"}),  # no such function
-        ("get_weather", {"city": "Paris", "days": "two"}),  # wrong type
-        ("get_weather", {"days": 2}),  # required argument missing
-        ("get_weather", {"city": "Paris", "wind": "yes"}),  # no such argument
-    ],
-)
+@pytest.mark.parametrize("call", WRONG_CALLS)
 def test_optional_calls_grammar_rejects_a_wrong_call(
     parser: str, vocab: str, call: Call, vocabularies: dict[str, tuple[Any, Any]]
 ) -> None:
