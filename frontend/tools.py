@@ -18,6 +18,8 @@ the parser's syntax cannot write (a pythonic parameter name that is no Python id
 (OpenAI's promise that a call's arguments match its schema) makes the grammar optional-calls:
 content, then possibly calls, where whatever the parser would read as a call is a well-formed
 one, to a strict tool with arguments its schema takes (to another tool with any object).
+Beside a JSON answer format the output is that answer or calls, and its opening tells the
+parser which (frontend/tool_parsers/answer.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from typing import Any
 from engine_core.grammar import JSON_OPTIONS
 from frontend.errors import bad_request
 from frontend.openai_schemas import ChatCompletionRequest, NamedToolChoice
-from frontend.tool_parsers import ToolParser, detect_parser, get_parser, tool_call_grammar
+from frontend.tool_parsers import (
+    AnswerOrCallsParser,
+    ToolParser,
+    detect_parser,
+    get_parser,
+    tool_call_grammar,
+)
 from protocol.messages import Constraint, ConstraintKind
 
 CHATML_TOOLS_TEMPLATE = Path(__file__).parent / "chat_templates" / "chatml_tools.jinja"
@@ -113,6 +121,7 @@ def plan_tools(
     if choice == "none":
         return NO_TOOLS
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    parser = get_parser(support.parser, tools)
     constraint = None
     if choice == "required" or isinstance(choice, NamedToolChoice):
         if answer is not None:
@@ -124,7 +133,9 @@ def plan_tools(
         constraint = forcing_constraint(req, support, tools)
     elif any(t.function.strict for t in req.tools):
         constraint = strict_constraint(req, support, tools, answer)
-    return ToolPlan(tools, support.template, get_parser(support.parser, tools), constraint)
+        if answer is not None and not parser.needs_special_tokens:  # harmony's answer: a channel
+            parser = AnswerOrCallsParser(parser)
+    return ToolPlan(tools, support.template, parser, constraint)
 
 
 def forcing_constraint(

@@ -24,12 +24,13 @@ from frontend.openai_schemas import ChatCompletionRequest
 from frontend.tool_parsers import (
     ParsedMessage,
     StreamDelta,
+    ToolParser,
     detect_parser,
     get_parser,
     split_harmony,
     tool_call_grammar,
 )
-from frontend.tools import ToolSupport, answer_expression, plan_tools, tool_support
+from frontend.tools import ToolPlan, ToolSupport, answer_expression, plan_tools, tool_support
 from protocol.messages import Constraint, ConstraintKind
 from tests.test_tool_parsers import calls_text, random_pieces, reassemble, summary
 
@@ -362,10 +363,11 @@ def expected(content: str | None, calls: list[Call]) -> tuple[str | None, list[t
     return content, compact
 
 
-def stream(parser: str, pieces: list[str]) -> ParsedMessage:
+def stream(parser: str | ToolParser, pieces: list[str]) -> ParsedMessage:
     """A client's view of the stream, checking each fragment as it comes: OpenAI's shape, a
     whole name, and arguments that are whole JSON in every fragment that carries them."""
-    streamer = get_parser(parser, TOOLS).streamer()
+    tool_parser = get_parser(parser, TOOLS) if isinstance(parser, str) else parser
+    streamer = tool_parser.streamer()
     deltas = [streamer.push(p) for p in pieces] + [streamer.finish()]
     for fragment in (f for d in deltas for f in d.tool_calls):
         if fragment["function"].get("arguments"):
@@ -954,6 +956,73 @@ def test_optional_calls_with_an_answer_format_take_that_answer_or_calls(
     assert not accepts(vocabulary, grammar, content_output(parser))
     if parser in TRIGGERS:
         assert not accepts(vocabulary, grammar, "Sure. " + any_written(parser, [PARIS]))
+
+
+# Call text that JSON's escaping leaves as the convention's parser reads it (no quotes, no line
+# breaks), for the conventions whose parser finds calls anywhere in an output.
+CALL_IN_A_STRING = {
+    "qwen3_coder": "<tool_call><function=get_weather><parameter=days>3</parameter></function>"
+    "</tool_call>",
+    "llama4_pythonic": "<|python_start|>[get_time()]<|python_end|>",
+    "deepseek_v31": f"{CALLS_BEGIN}{CALL_BEGIN}get_time{SEP}{{}}{CALL_END}{CALLS_END}",
+}
+
+
+def answer_plan(parser: str, vocabulary: tuple[Any, Any]) -> ToolPlan:
+    """The plan of a request with strict tools beside the ANSWER_FORMAT response format."""
+    hf = vocabulary[0]
+    support = ToolSupport(parser, None, hf.get_added_vocab(), frozenset(special_tokens(hf)))
+    answer = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(ANSWER_FORMAT))
+    return plan_tools(chat_request(tools=[strict(t) for t in TOOLS]), support, answer)
+
+
+@pytest.mark.parametrize("parser", sorted(CALL_IN_A_STRING))
+def test_an_answer_whose_string_holds_call_text_is_read_as_the_answer(
+    parser: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """The grammar takes such an answer (it checks no call there), and the convention's parser
+    alone would cut a call out of it; the request's parser leaves the answer whole."""
+    vocabulary = vocabularies["plain"]
+    plan = answer_plan(parser, vocabulary)
+    reply = json.dumps(
+        {"answer": CALL_IN_A_STRING[parser]}, ensure_ascii=False, separators=(",", ":")
+    )
+    assert plan.constraint is not None and plan.parser is not None
+    assert accepts(vocabulary, plan.constraint.spec, reply)
+    assert get_parser(parser, TOOLS).extract(reply).tool_calls
+    assert summary(plan.parser.extract(reply)) == expected(reply, [])
+    rng = random.Random(11)
+    for pieces in [list(reply), *(random_pieces(reply, rng) for _ in range(50))]:
+        assert summary(stream(plan.parser, pieces)) == expected(reply, []), pieces
+
+
+@pytest.mark.parametrize(("parser", "vocab"), OPTIONAL_CASES)
+def test_calls_beside_an_answer_format_are_read_as_the_convention_reads_them(
+    parser: str, vocab: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    if parser == "llama3_json":  # refused: its calls are JSON objects too
+        return
+    plan = answer_plan(parser, vocabularies[vocab])
+    assert plan.parser is not None
+    text = any_written(parser, [PARIS, FILE])
+    whole = summary(get_parser(parser, TOOLS).extract(text))
+    assert whole[1] == expected(None, [PARIS, FILE])[1]
+    assert summary(plan.parser.extract(text)) == whole
+    rng = random.Random(5)
+    for pieces in [list(text), *(random_pieces(text, rng) for _ in range(30))]:
+        assert summary(stream(plan.parser, pieces)) == whole, pieces
+
+
+@pytest.mark.parametrize(
+    ("text", "opens"),
+    [("", None), ("[", None), ("[get_ti", None), ("[get_time(", True), ("[true", None),
+     ("[true,", False), ('["get_time("', False), ("[1", False), ("{", False), ("[ f(", False)],
+)  # fmt: skip
+def test_a_pythonic_output_opens_calls_only_with_a_name_and_a_parenthesis(
+    text: str, opens: bool | None
+) -> None:
+    """A JSON answer may be an array; a list of calls is "[" and a name before "("."""
+    assert get_parser("pythonic").syntax.opens_calls(text) is opens
 
 
 def test_an_answer_schemas_own_layout_is_kept_and_a_null_one_ignored() -> None:

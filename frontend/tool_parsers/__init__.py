@@ -57,6 +57,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 
+from frontend.tool_parsers.answer import AnswerOrCallsParser
 from frontend.tool_parsers.core import (
     ParsedMessage,
     StreamDelta,
@@ -84,6 +85,7 @@ from frontend.tool_parsers.qwen3_coder import Qwen3CoderToolParser, Qwen3XmlTool
 
 __all__ = [
     "PARSERS",
+    "AnswerOrCallsParser",
     "HarmonyParts",
     "ParsedMessage",
     "StreamDelta",

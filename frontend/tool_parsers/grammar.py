@@ -86,6 +86,16 @@ class CallSyntax(ABC):
     def prelude(self, lark: LarkWriter) -> str:
         return ""
 
+    def opens_calls(self, text: str) -> bool | None:
+        """For an output the grammar made either an answer or calls (``optional_calls`` with an
+        answer, no prelude): whether ``text``, its start after any whitespace, opens the calls
+        (True), cannot (False) or may yet (None). The calls open with ``frame``'s first text,
+        which no JSON answer starts with."""
+        opening = self.frame()[0]
+        if text.startswith(opening):
+            return True
+        return None if opening.startswith(text) else False
+
     def content(self, lark: LarkWriter, answer: str | None) -> str:
         """With no trigger: a Lark expression for an output that is no call, ``answer`` (the
         request's answer format) where given, else the text its parser reads as content

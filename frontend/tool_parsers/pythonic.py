@@ -35,6 +35,8 @@ CALLS_START = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")  # text that can only go on 
 MAY_BE_CALLS = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*)?")  # text that may still become that
 JSON_NAMES = {"true": True, "false": False, "null": None}
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+CALLS_OPENING = re.compile(r"\[[A-Za-z_]\w*\(")  # how the grammar's list of calls opens
+OPENING_SO_FAR = re.compile(r"(\[([A-Za-z_]\w*)?)?")
 
 
 class PythonEnd:
@@ -235,6 +237,12 @@ class PythonicSyntax(CallSyntax):
 
     def frame(self) -> tuple[str, str, str]:
         return "[", ", ", "]"
+
+    def opens_calls(self, text: str) -> bool | None:
+        """A JSON answer may open with "[" too, but never with "[" and a name before "("."""
+        if CALLS_OPENING.match(text):
+            return True
+        return None if OPENING_SO_FAR.fullmatch(text) else False
 
     def call(self, lark: LarkWriter, function: dict[str, Any], rule: str) -> list[str]:
         name = function["name"]
