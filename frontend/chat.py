@@ -353,7 +353,7 @@ async def stream_chat(
     last = ""  # the stream's end, sent in one write (see AdmittedStreamingResponse)
     try:
         role = {"role": "assistant", "content": gen.echo}
-        yield writer.chunk([chat_delta(c.index, role) for c in gen.choices])
+        yield writer.chunks([chat_delta(c.index, role) for c in gen.choices])
         async for deltas in gen.run():
             parts = []
             for d in deltas:
@@ -362,12 +362,12 @@ async def stream_chat(
                 lp = chat_logprobs(ctx, d.token_ids, d.logprobs) if req.logprobs else None
                 finish = finish_reason(d.finish_reason, stream.called)
                 if delta or finish or (lp is not None and lp.content):
-                    parts.append(chat_delta(d.index, delta, lp, finish))
+                    parts += one_call_a_chunk(d.index, delta, lp, finish)
             if parts:
-                if gen.finished:  # the last chunk: it goes out with what ends the stream
-                    last = writer.chunk(parts)
+                if gen.finished:  # the last chunks: they go out with what ends the stream
+                    last = writer.chunks(parts)
                 else:
-                    yield writer.chunk(parts)
+                    yield writer.chunks(parts)
         if req.include_usage:
             last += writer.chunk([], gen.usage())
     except Exception as exc:
@@ -378,8 +378,8 @@ async def stream_chat(
 class ChoiceStream:
     """One streamed choice's deltas: the reasoning (``reasoning_content``, and ``reasoning``)
     split from the answer where the request has a reasoning plan; the answer as plain text, or
-    (with tools) the parser's content and tool-call fragments in OpenAI's shape (index, id and
-    name first, then argument pieces)."""
+    (with tools) the parser's content and tool calls in OpenAI's shape (index, id, name and
+    arguments)."""
 
     def __init__(
         self, tools: ToolPlan, req: ChatCompletionRequest, reasoning: ReasoningPlan | None
@@ -442,6 +442,23 @@ class ChoiceStream:
         if calls:
             out["tool_calls"] = calls
         return out
+
+
+def one_call_a_chunk(
+    index: int, delta: dict[str, Any], lp: ChatLogprobs | None, finish: str | None
+) -> list[dict[str, Any]]:
+    """A choice's delta as chunks' choices holding one tool call each, as OpenAI streams calls
+    (clients such as LlamaIndex read only ``delta.tool_calls[0]``): the content and logprobs
+    go with the first call, the finish reason with the last."""
+    calls = delta.get("tool_calls", [])
+    if len(calls) <= 1:
+        return [chat_delta(index, delta, lp, finish)]
+    deltas = [{**delta, "tool_calls": calls[:1]}, *({"tool_calls": [c]} for c in calls[1:])]
+    last = len(deltas) - 1
+    return [
+        chat_delta(index, d, lp if i == 0 else None, finish if i == last else None)
+        for i, d in enumerate(deltas)
+    ]
 
 
 def chat_delta(

@@ -109,7 +109,7 @@ async def stream_completion(
     last = ""  # the stream's end, sent in one write (see AdmittedStreamingResponse)
     try:
         if echo and req.logprobs is None:
-            yield writer.chunk(
+            yield writer.chunks(
                 [completion_delta(c.index, echo[c.index // req.n]) for c in gen.choices]
             )
             offsets = [len(echo[c.index // req.n]) for c in gen.choices]
@@ -136,9 +136,9 @@ async def stream_completion(
                     parts.append(completion_delta(d.index, text, lp, d.finish_reason))
             if parts:
                 if gen.finished:  # the last chunk: it goes out with what ends the stream
-                    last = writer.chunk(parts)
+                    last = writer.chunks(parts)
                 else:
-                    yield writer.chunk(parts)
+                    yield writer.chunks(parts)
         if req.include_usage:
             last += writer.chunk([], gen.usage())
     except Exception as exc:

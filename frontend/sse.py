@@ -56,3 +56,8 @@ class ChunkWriter:
         if self.include_usage:
             usage_field = f',"usage":{_JSON.encode(usage.model_dump() if usage else None)}'
         return f"{self._open}{_JSON.encode(choices)}{usage_field}}}\n\n"
+
+    def chunks(self, choices: list[dict[str, Any]]) -> str:
+        """One chunk a choice, as OpenAI and vLLM stream ``n`` > 1: clients read
+        ``chunk.choices[0]`` (LangChain does) and would drop the others."""
+        return "".join(self.chunk([choice]) for choice in choices)

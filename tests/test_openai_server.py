@@ -156,7 +156,8 @@ def chunked_frames(server: Server, path: str, body: dict[str, Any]) -> list[byte
 
 def test_a_stream_ends_in_one_write(server: Server) -> None:
     """The last deltas, the usage and [DONE] leave in one chunk of the body, so the streams of a
-    burst that end together cost one write each; every chunk before it holds one event."""
+    burst that end together cost one write each; every chunk before it holds one step's events.
+    Each event holds one choice, as OpenAI streams ``n`` > 1 (clients read ``choices[0]``)."""
     usage = {"include_usage": True}
     common = dict(model="default", max_tokens=5, ignore_eos=True, stream=True, stream_options=usage)
     messages = [{"role": "user", "content": QUESTION}]
@@ -166,13 +167,17 @@ def test_a_stream_ends_in_one_write(server: Server) -> None:
         ("/v1/chat/completions", {**common, "messages": messages}),
     ):
         frames = chunked_frames(server, path, body)
-        events = [e for e in frames[-1].decode().split("\n\n") if e]
-        assert len(events) == 3 and events[-1] == "data: [DONE]", (path, events)
-        last, totals = (json.loads(e.removeprefix("data: ")) for e in events[:2])
-        assert last["choices"][0]["finish_reason"] == "length", path
         n = body.get("n", 1)
+        events = [e for e in frames[-1].decode().split("\n\n") if e]
+        assert len(events) == n + 2 and events[-1] == "data: [DONE]", (path, events)
+        *lasts, totals = (json.loads(e.removeprefix("data: ")) for e in events[:-1])
+        assert sorted(last["choices"][0]["index"] for last in lasts) == list(range(n)), path
+        assert all(last["choices"][0]["finish_reason"] == "length" for last in lasts), path
         assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == 5 * n, path
-        assert all(frame.count(b"data: ") == 1 for frame in frames[:-1]), path
+        assert all(1 <= frame.count(b"data: ") <= n for frame in frames[:-1]), path
+        earlier = [e for f in frames[:-1] for e in f.decode().split("\n\n") if e]
+        chunks = [json.loads(e.removeprefix("data: ")) for e in earlier] + lasts
+        assert all(len(chunk["choices"]) == 1 for chunk in chunks), path
 
 
 def test_token_id_and_batched_prompts_match_hf(client: openai.OpenAI, hf: tuple[Any, Any]) -> None:

@@ -326,11 +326,14 @@ def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
 
 def reassemble(stream: Any) -> tuple[dict[int, dict[str, str]], str | None]:
     """Tool-call deltas joined as a client joins them: id and name from the first fragment of
-    each index, arguments concatenated."""
+    each index, arguments concatenated. A chunk holds one choice and a delta one call, as
+    OpenAI sends them (LlamaIndex reads only ``delta.tool_calls[0]``)."""
     calls: dict[int, dict[str, str]] = {}
     finish = None
     for chunk in stream:
+        assert len(chunk.choices) <= 1
         for choice in chunk.choices:
+            assert len(choice.delta.tool_calls or []) <= 1
             finish = choice.finish_reason or finish
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})

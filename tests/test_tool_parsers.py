@@ -120,19 +120,16 @@ def test_a_well_formed_call_keeps_its_arguments() -> None:
 
 
 def reassemble(deltas: list[StreamDelta]) -> ParsedMessage:
-    """A client's view of a stream, checking OpenAI's fragment shape on the way: a call's first
-    fragment brings the next index, its id, type and name; later ones only argument text."""
+    """A client's view of a stream, checking the fragments' shape on the way: each is one
+    whole call (the next index, its id, type, name and arguments), as a client that reads one
+    fragment a call (LlamaIndex's) needs."""
     calls: list[ToolCall] = []
     for fragment in (f for d in deltas for f in d.tool_calls):
         function = fragment["function"]
-        if "id" in fragment:
-            assert fragment["index"] == len(calls) and fragment["type"] == "function"
-            assert set(function) == {"name", "arguments"} and function["arguments"] == ""
-            calls.append(ToolCall(fragment["id"], function["name"], ""))
-        else:
-            assert set(fragment) == {"index", "function"} and set(function) == {"arguments"}
-            assert fragment["index"] == len(calls) - 1
-            calls[-1].arguments += function["arguments"]
+        assert set(fragment) == {"index", "id", "type", "function"}
+        assert fragment["index"] == len(calls) and fragment["type"] == "function"
+        assert set(function) == {"name", "arguments"}
+        calls.append(ToolCall(fragment["id"], function["name"], function["arguments"]))
     return ParsedMessage("".join(d.content for d in deltas) or None, calls)
 
 
@@ -208,7 +205,7 @@ def test_hermes_holds_back_a_partial_marker_until_it_is_clear() -> None:
     assert [d.content for d in deltas] == ["Hi ", "<tool_car wash", ""]
     deltas = pushes("hermes", ["Hi <tool_c", "all>\n" + NOOP, "\n</tool_call>"])
     assert [d.content for d in deltas] == ["Hi ", "", "", ""]
-    assert [len(d.tool_calls) for d in deltas] == [0, 0, 2, 0]
+    assert [len(d.tool_calls) for d in deltas] == [0, 0, 1, 0]
 
 
 def test_a_partial_marker_at_the_end_is_content() -> None:
@@ -219,13 +216,13 @@ def test_a_partial_marker_at_the_end_is_content() -> None:
 def test_mistral_holds_back_its_marker_and_the_open_array() -> None:
     deltas = pushes("mistral", ["a [TOOL", "_CALLS] [", NOOP, "]"])
     assert [d.content for d in deltas] == ["a ", "", "", "", ""]
-    assert [len(d.tool_calls) for d in deltas] == [0, 0, 0, 2, 0]
+    assert [len(d.tool_calls) for d in deltas] == [0, 0, 0, 1, 0]
 
 
 def test_llama_waits_for_the_first_character_and_the_closing_brace() -> None:
     deltas = pushes("llama3_json", ["<|pyth", "on_tag|>", '{"name": "f", ', '"parameters": {}}'])
     assert [d.content for d in deltas] == [""] * 5
-    assert [len(d.tool_calls) for d in deltas] == [0, 0, 0, 2, 0]
+    assert [len(d.tool_calls) for d in deltas] == [0, 0, 0, 1, 0]
     deltas = pushes("llama3_json", ["<|pyth", "on is fun"])
     assert [d.content for d in deltas] == ["", "<|python is fun", ""]
 

@@ -438,7 +438,7 @@ def test_qwen3_coder_sends_content_up_to_the_block_and_the_call_when_it_closes()
     deltas = pushes("qwen3_coder", ["Let me <tool_c", "all>\n<function=get_time>\n</function>\n",
                                     "</tool_call>"])  # fmt: skip
     assert [d.content for d in deltas] == ["Let me ", "", "", ""]
-    assert [len(d.tool_calls) for d in deltas] == [0, 0, 2, 0]
+    assert [len(d.tool_calls) for d in deltas] == [0, 0, 1, 0]
 
 
 def test_pythonic_lets_text_go_once_it_cannot_be_calls() -> None:
@@ -446,7 +446,7 @@ def test_pythonic_lets_text_go_once_it_cannot_be_calls() -> None:
     assert [d.content for d in deltas] == ["[The ans", "wer] is 4", ""]
     deltas = pushes("pythonic", ["<|python_st", "art|>[get_ti", "me()]<|python_", "end|>"])
     assert [d.content for d in deltas] == [""] * 5
-    assert [len(d.tool_calls) for d in deltas] == [0, 0, 2, 0, 0]
+    assert [len(d.tool_calls) for d in deltas] == [0, 0, 1, 0, 0]
 
 
 def test_deepseek_holds_its_marker_and_sends_each_call_as_it_closes() -> None:
@@ -454,7 +454,7 @@ def test_deepseek_holds_its_marker_and_sends_each_call_as_it_closes() -> None:
     deltas = pushes("deepseek_v31", ["Hi <｜tool▁ca", f"lls▁begin｜>{first}", CALL_BEGIN,
                                      f"get_time{SEP}{{}}", f"{CALL_END}{CALLS_END}"])  # fmt: skip
     assert [d.content for d in deltas] == ["Hi ", "", "", "", "", ""]
-    assert [len(d.tool_calls) for d in deltas] == [0, 2, 0, 0, 2, 0]
+    assert [len(d.tool_calls) for d in deltas] == [0, 1, 0, 0, 1, 0]
 
 
 def test_harmony_streams_thinking_and_answer_and_holds_the_call() -> None:
@@ -466,7 +466,7 @@ def test_harmony_streams_thinking_and_answer_and_holds_the_call() -> None:
     assert [d.content for d in deltas] == ["", "", "", "It is", " sunny.", "", ""]
     call = "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}"
     deltas = pushes("openai", [call[:-1], "}", "<|call|>"])
-    assert [len(d.tool_calls) for d in deltas] == [0, 0, 2, 0]
+    assert [len(d.tool_calls) for d in deltas] == [0, 0, 1, 0]
 
 
 def test_split_harmony_gives_thinking_answer_and_calls() -> None:

@@ -36,7 +36,7 @@ or format guide writes it:
 One state machine per convention does both jobs: ``extract`` runs the streamer over the whole text
 at once, so the calls and content a client reassembles from a stream are, by construction, the
 ones a non-streamed response carries, for every way the text may be chunked. The streamer sends a
-call (id and name, then its arguments in one fragment) once the call's text has closed and proved
+call (id, name and arguments in one fragment) once the call's text has closed and proved
 to be a call; until then the candidate text is held back, as is any tail of content that could be
 the start of a marker (``<tool_c``). Incremental argument streaming would have to send text that a
 later malformed or truncated call cannot take back, so it is not done.

@@ -37,9 +37,10 @@ class ParsedMessage:
 
 @dataclass
 class StreamDelta:
-    """What one streamed step adds: content to send now, and tool-call fragments in OpenAI's
-    streaming shape (``{"index", "id", "type", "function": {"name", "arguments": ""}}`` first,
-    then ``{"index", "function": {"arguments": piece}}``). ``reasoning``: text a convention
+    """What one streamed step adds: content to send now, and tool calls in OpenAI's streaming
+    shape, each whole in one fragment (``{"index", "id", "type", "function": {"name",
+    "arguments"}}``: calls are sent once they have closed, and a client that reads one fragment
+    a call, LlamaIndex's, would lose arguments sent in a second). ``reasoning``: text a convention
     marks as the model's thinking (harmony's analysis channel), never part of the content."""
 
     content: str = ""
@@ -207,11 +208,10 @@ class ToolCallStreamer(ABC):
     def emit_call(self, call: ToolCall) -> None:
         index, self.calls = self.calls, self.calls + 1
         self.held, self.in_gap = "", True
-        function = {"name": call.name, "arguments": ""}
+        function = {"name": call.name, "arguments": call.arguments}
         self.out.tool_calls.append(
             {"index": index, "id": call.id, "type": "function", "function": function}
         )
-        self.out.tool_calls.append({"index": index, "function": {"arguments": call.arguments}})
 
 
 class MarkerStreamer(ToolCallStreamer):
