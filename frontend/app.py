@@ -20,9 +20,9 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -74,6 +74,7 @@ from frontend.request_id import RequestIdMiddleware
 from frontend.responses import (
     EventWriter,
     failed_event,
+    input_items_page,
     not_found,
     prepare_response,
     respond,
@@ -350,7 +351,8 @@ def add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 def add_response_routes(app: FastAPI, ctx: ServingContext) -> None:
-    """The Responses API (frontend/responses.py): create, and read or delete a stored one."""
+    """The Responses API (frontend/responses.py): create; read, list the input of, or delete a
+    stored one (cancel: nothing runs in the background to cancel)."""
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
@@ -368,6 +370,31 @@ def add_response_routes(app: FastAPI, ctx: ServingContext) -> None:
         if not ctx.responses.delete(response_id):
             raise stored_not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(
+        response_id: str,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+        include: Annotated[list[str] | None, Query()] = None,
+    ) -> dict[str, Any]:
+        stored = ctx.responses.get(response_id)
+        if stored is None:
+            raise stored_not_found(response_id)
+        if include:
+            raise bad_request("include is not supported: items are listed as sent", "include")
+        return input_items_page(stored, limit, order, after)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        if ctx.responses.get(response_id) is None:
+            raise stored_not_found(response_id)
+        raise bad_request(
+            "only a background response can be cancelled, and this server runs none in the "
+            "background (background is not supported): this one has finished",
+            "response_id",
+        )
 
 
 def stored_not_found(response_id: str) -> OpenAIError:

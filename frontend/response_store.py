@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STORED = 1024
@@ -22,7 +22,8 @@ _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 class StoredResponse:
     body: dict[str, Any]  # the response as it was returned
     history: list[dict[str, Any]]  # its conversation as chat messages, its output included
-    size: int = 0  # the body's bytes (its messages are counted by the store, once each)
+    size: int = 0  # the body's and input items' bytes (messages: the store counts each once)
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's, as items
 
 
 def json_bytes(value: Any) -> int:
@@ -40,11 +41,17 @@ class ResponseStore:
         self._messages: dict[int, list[int]] = {}
         self._bytes = 0
 
-    def put(self, body: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+    def put(
+        self,
+        body: dict[str, Any],
+        history: list[dict[str, Any]],
+        input_items: list[dict[str, Any]] | None = None,
+    ) -> bool:
         """Store it, the oldest going out as the bounds need; False (and nothing stored or
         evicted) where it alone is past the bytes bound."""
         new = {id(m): m for m in history if id(m) not in self._messages}
-        size = json_bytes(body)
+        input_items = input_items or []
+        size = json_bytes(body) + sum(map(json_bytes, input_items))
         if size + sum(json_bytes(m) for m in new.values()) > self.max_bytes:
             return False
         self.delete(body["id"])
@@ -54,7 +61,7 @@ class ResponseStore:
                 counted = self._messages[id(message)] = [json_bytes(message), 0]
                 self._bytes += counted[0]
             counted[1] += 1
-        self._entries[body["id"]] = StoredResponse(body, history, size)
+        self._entries[body["id"]] = StoredResponse(body, history, size, input_items)
         self._bytes += size
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
             self.delete(next(iter(self._entries)))

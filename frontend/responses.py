@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from frontend.chat import ChatGeneration, ChoiceStream, prepare_chat, response_message
 from frontend.errors import OpenAIError, bad_request
 from frontend.openai_schemas import ChatCompletionRequest, ChatResponseMessage
+from frontend.response_store import StoredResponse
 from frontend.responses_schemas import (
     ItemError,
     ResponsesRequest,
@@ -51,6 +52,9 @@ PARAMS = {
     "response_format.json_schema.schema": "text.format.schema",
     "reasoning_effort": "reasoning.effort",
 }
+
+
+OUTPUT_BUDGET = re.compile(r"(?<!')\bmax_(completion_)?tokens\b(?!')")
 
 
 def new_id(prefix: str) -> str:
@@ -123,6 +127,8 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
             # a template variable of the same name is).
             named = re.compile(rf"(?<!')\b{re.escape(chat_param)}\b(?!')")
             exc.info.message = named.sub(exc.info.param, exc.info.message)
+        # The output budget, whatever field of another it is named by ("... or max_tokens").
+        exc.info.message = OUTPUT_BUDGET.sub("max_output_tokens", exc.info.message)
         raise
     return ResponseRun(req, chat, gen, history + new)
 
@@ -287,6 +293,48 @@ def text_format_echo(req: ResponsesRequest) -> dict[str, Any]:
     return fmt.model_dump(by_alias=True, exclude_none=True)
 
 
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                    "reasoning": "rs"}  # fmt: skip
+
+
+def listed_input(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input as ``GET /v1/responses/{id}/input_items`` lists it: items with ids
+    (the client's where it gave them), a message's content as parts."""
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": given}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        listed = {**item, "type": kind, "id": item.get("id") or new_id(ITEM_ID_PREFIXES[kind])}
+        if kind == "message":
+            if isinstance(item.get("content", ""), str):
+                part = "output_text" if item["role"] == "assistant" else "input_text"
+                listed["content"] = [{"type": part, "text": item.get("content", "")}]
+            listed.setdefault("status", "completed")
+        items.append(listed)
+    return items
+
+
+def input_items_page(
+    stored: StoredResponse, limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """One page of a stored response's input items, OpenAI's list object."""
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"no input item {after!r} in response {stored.body['id']!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
 def status_of(run: ResponseRun) -> str:
     return "incomplete" if run.gen.choices[0].finish_reason == "length" else "completed"
 
@@ -305,7 +353,7 @@ def remember(ctx: ServingContext, run: ResponseRun, body: dict[str, Any]) -> Non
             call = {"name": item["name"], "arguments": item["arguments"]}
             tool_call = {"id": item["call_id"], "type": "function", "function": call}
             turn.setdefault("tool_calls", []).append(tool_call)
-    if not ctx.responses.put(body, [*run.conversation, turn]):
+    if not ctx.responses.put(body, [*run.conversation, turn], listed_input(run.req.input)):
         body["store"] = False  # the client learns it cannot continue from it
         logger.warning("response %s is past the store's bytes bound: not stored", body["id"])
 

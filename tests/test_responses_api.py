@@ -280,9 +280,40 @@ def test_what_cannot_be_honoured_is_refused(
 
 
 def test_an_unknown_stored_response_is_a_404(server: Server) -> None:  # noqa: F811
-    for method in ("GET", "DELETE"):
-        resp = httpx.request(method, f"{server.base_url}/v1/responses/resp_missing", timeout=30)
+    url = f"{server.base_url}/v1/responses/resp_missing"
+    for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items"), ("POST", "/cancel")):
+        resp = httpx.request(method, url + path, timeout=30)
         assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
+
+
+def test_a_stored_responses_input_items_are_listed_and_cancel_says_why_not(
+    server: Server,  # noqa: F811
+) -> None:
+    client = client_of(server)
+    given = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": "Hello Ada."},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    resp = client.responses.create(input=given, **GREEDY)
+    page = client.responses.input_items.list(resp.id, order="asc", limit=2)
+    assert page.has_more and [item.role for item in page.data] == ["user", "assistant"]
+    items = list(client.responses.input_items.list(resp.id, order="asc", limit=2))  # all pages
+    listed = [(item.role, item.content[0].text) for item in items]
+    assert listed == [(m["role"], m["content"]) for m in given]
+    assert [i.content[0].type for i in items] == ["input_text", "output_text", "input_text"]
+    assert len({item.id for item in items}) == 3
+    newest_first = client.responses.input_items.list(resp.id).data
+    assert [item.id for item in newest_first] == [item.id for item in reversed(items)]
+    follow = client.responses.create(input="Hi.", previous_response_id=resp.id, **GREEDY)
+    (item,) = client.responses.input_items.list(follow.id).data
+    assert (item.type, item.role, item.content[0].text) == ("message", "user", "Hi.")
+    bad = httpx.get(
+        f"{server.base_url}/v1/responses/{resp.id}/input_items", params={"after": "msg_x"}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(resp.id)
 
 
 def test_temperature_has_chats_bounds(server: Server) -> None:  # noqa: F811
