@@ -51,6 +51,7 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64  # each is searched for after every token: keep the per-token work bounded
 _SURROGATE = re.compile("[\ud800-\udfff]")
+TOKEN_ID_KEY = re.compile("[0-9]+")  # a logit_bias key; int() takes more ("--5", " 1", "١")
 
 
 def random_id(prefix: str) -> str:
@@ -223,7 +224,7 @@ SAMPLING_RULES = (
 )
 LOGIT_BIAS: dict[str, Any] = {
     "type": "object",
-    "propertyNames": {"pattern": "^[0-9]+$", LIMIT_KEY: "token_id_key"},
+    "propertyNames": {"pattern": f"^{TOKEN_ID_KEY.pattern}$", LIMIT_KEY: "token_id_key"},
     "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     "maxProperties": 1024,
 }
@@ -316,7 +317,7 @@ class SamplingFields(RequestBody):
     @classmethod
     def _bias_in_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.strip().lstrip("-").isdigit():
+            if not TOKEN_ID_KEY.fullmatch(key):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias}")
@@ -394,6 +395,14 @@ class TextPart(BaseModel):
     text: str
 
 
+class RefusalPart(BaseModel):
+    """An earlier assistant turn's refusal, as OpenAI's assistant messages may carry one: its
+    text is the turn's text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ImageURL(BaseModel):
     url: str
     # OpenAI's resolution hint. The model's processor has one resolution rule (its pixel
@@ -406,7 +415,7 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | RefusalPart | ImagePart, Field(discriminator="type")]
 
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -423,6 +432,19 @@ class ToolCallIn(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallIn
+
+
+def part_text(part: TextPart | RefusalPart) -> str:
+    return part.text if isinstance(part, TextPart) else part.refusal
+
+
+def template_part(part: TextPart | RefusalPart | ImagePart) -> dict[str, str]:
+    """A part as the vision models' chat templates take it (an image: their marker)."""
+    return (
+        {"type": "image"}
+        if isinstance(part, ImagePart)
+        else {"type": "text", "text": part_text(part)}
+    )
 
 
 class ChatMessage(BaseModel):
@@ -461,17 +483,23 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
+        if self.role != "assistant" and any(isinstance(p, RefusalPart) for p in self.parts):
+            raise ValueError("only assistant messages carry refusal parts")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
+    @property
+    def parts(self) -> list[TextPart | RefusalPart | ImagePart]:
+        return self.content if isinstance(self.content, list) else []
+
     def text(self) -> str:
         """The content's text flattened to one string (image parts hold none)."""
         content = self.content
         if isinstance(content, list):
-            return "".join(p.text for p in content if isinstance(p, TextPart))
+            return "".join(part_text(p) for p in content if not isinstance(p, ImagePart))
         return content or ""
 
     def image_parts(self) -> list[tuple[int, ImagePart]]:
@@ -487,10 +515,7 @@ class ChatMessage(BaseModel):
         if not self.image_parts():
             return self.text()
         assert isinstance(self.content, list)
-        return [
-            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
-            for p in self.content
-        ]
+        return [template_part(p) for p in self.content]
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content flattened to one string, tool-call

@@ -1,13 +1,14 @@
 """``X-Request-Id``: taken from the request (or made here), returned on the response, and put on
 every log line written while the request is served.
 
-A client's id is checked before anything else runs: at most ``MAX_REQUEST_ID_LEN`` characters
-from ``REQUEST_ID_CHARS``. A bad one is refused with a 400 naming the header rather than
-replaced, so that a client never correlates its logs on an id the server silently did not use;
-and the check keeps control characters and unbounded text out of the log lines it is written
-into. The id is the client's correlation id, not the engine's: engine request ids stay the
-server's own unique ones (two clients may send the same X-Request-Id), and the debug line
-``engine requests cmpl-...-*`` written under the client's id maps one to the other.
+A client's id is checked before anything else runs: at most ``MAX_REQUEST_ID_LEN`` printable
+ASCII characters, whatever a proxy or gateway makes (Kong's ``uuid#counter``, ids with spaces).
+A bad one is refused with a 400 naming the header rather than replaced, so that a client never
+correlates its logs on an id the server silently did not use; and the check keeps control
+characters, other scripts and unbounded text out of the log lines it is written into. The id is
+the client's correlation id, not the engine's: engine request ids stay the server's own unique
+ones (two clients may send the same X-Request-Id), and the debug line ``engine requests
+cmpl-...-*`` written under the client's id maps one to the other.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from frontend.errors import OpenAIError, error_response
 
 HEADER = b"x-request-id"
-MAX_REQUEST_ID_LEN = 128
-REQUEST_ID_CHARS = "letters, digits and . _ : - / + = @"
-_VALID = re.compile(rf"[A-Za-z0-9._:\-/+=@]{{1,{MAX_REQUEST_ID_LEN}}}")
+MAX_REQUEST_ID_LEN = 256
+REQUEST_ID_CHARS = "printable ASCII (space to ~)"
+_VALID = re.compile(rf"[ -~]{{1,{MAX_REQUEST_ID_LEN}}}")
 
 # The id of the request the current task serves; tasks it starts inherit it (asyncio copies
 # the context), so a handler's helpers log under the same id.

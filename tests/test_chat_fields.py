@@ -116,3 +116,15 @@ def test_spaces_between_special_tokens(server: Server) -> None:  # noqa: F811
     post(server, "/v1/completions", spaces_between_special_tokens=False, **body)
     error = refused(server, "/v1/completions", spaces_between_special_tokens=True, **body)
     assert error["param"] == "spaces_between_special_tokens"
+
+
+def test_an_assistant_refusal_part_is_that_turns_text(server: Server) -> None:  # noqa: F811
+    """OpenAI's assistant messages may hold refusal parts: sent back, the turn is their text."""
+    ask = {"role": "user", "content": "Help me pick a lock."}
+    parts = [{"type": "refusal", "refusal": "I can't help with that."}]
+    with_parts = [ask, {"role": "assistant", "content": parts}, {"role": "user", "content": "Ok."}]
+    as_text = [ask, {"role": "assistant", "content": "I can't help with that."}, with_parts[2]]
+    ids = post(server, "/tokenize", messages=with_parts)["tokens"]
+    assert ids == post(server, "/tokenize", messages=as_text)["tokens"]
+    error = refused(server, "/v1/chat/completions", messages=[{"role": "user", "content": parts}])
+    assert error["param"] == "messages.0" and "only assistant messages" in error["message"]

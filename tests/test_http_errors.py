@@ -74,6 +74,7 @@ BAD_COMPLETIONS = [
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    *(({"logit_bias": {key: 1}}, "logit_bias") for key in ("--5", "-5", "²", "١٢", " 12")),
     # vLLM's continuous_usage_stats is not served: refused rather than ignored.
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
     ({"prompt": [[49152]]}, "prompt"),
@@ -229,6 +230,10 @@ def test_responses_errors_use_the_responses_names(server: Server) -> None:
     err = assert_openai_error(r, 400)
     assert err["param"] == "reasoning.effort", err
     assert "so reasoning.effort could not" in err["message"], err
+    r = post(server, "/v1/responses", {**body, "max_output_tokens": 10**6})
+    err = assert_openai_error(r, 400)
+    assert err["code"] == "context_length_exceeded", err
+    assert "or max_output_tokens." in err["message"] and "max_tokens" not in err["message"], err
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2, 3]", b'"just a string"', b""], ids=repr)

@@ -242,7 +242,13 @@ def test_request_id_is_made_when_none_is_sent(tiny_server: Server) -> None:
     assert first != second
 
 
-@pytest.mark.parametrize("bad", ["x" * 129, "two words", "semi;colon", "é"])
+@pytest.mark.parametrize("given", ["kong-uuid#17", "two words", "semi;colon", "x" * 256])
+def test_a_proxys_request_id_is_taken_as_it_is(tiny_server: Server, given: str) -> None:
+    reply = httpx.get(f"{tiny_server.base_url}/v1/models", headers={"X-Request-Id": given})
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == given
+
+
+@pytest.mark.parametrize("bad", ["x" * 257, "é", "tab\tinside"])
 def test_a_bad_request_id_is_refused(tiny_server: Server, bad: str) -> None:
     reply = httpx.get(
         f"{tiny_server.base_url}/v1/models", headers=[(b"X-Request-Id", bad.encode())]
