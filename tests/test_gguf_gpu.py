@@ -23,6 +23,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.gpu
+
 from engine_core.loader import load_model  # noqa: E402
 from engine_core.models import gguf_kernels  # noqa: E402
 from engine_core.models.gguf import (  # noqa: E402
