@@ -433,3 +433,20 @@ def test_grammar_refuses_what_cannot_be_called() -> None:
         tool_call_grammar("hermes", TOOLS, "get_time", False)
     with pytest.raises(ValueError, match="no function tools"):
         tool_call_grammar("hermes", [], None, True)
+
+
+def test_a_delta_with_two_calls_goes_out_as_two_chunks_of_one_call() -> None:
+    """OpenAI sends one call a chunk (LlamaIndex reads only ``delta.tool_calls[0]``): the
+    content goes with the first call, the finish reason with the last."""
+    from frontend.chat import one_call_a_chunk
+
+    streamer = get_parser("hermes").streamer()
+    step = streamer.push(f"Sure. <tool_call>{NOOP}</tool_call><tool_call>{NOOP}</tool_call>")
+    delta = {"content": step.content, "tool_calls": step.tool_calls}
+    first, second = one_call_a_chunk(0, delta, None, "tool_calls")
+    assert first["delta"]["content"] == "Sure. " and first["finish_reason"] is None
+    assert [c["index"] for c in first["delta"]["tool_calls"]] == [0]
+    assert second["delta"] == {"tool_calls": [step.tool_calls[1]]}
+    assert second["finish_reason"] == "tool_calls" and second["index"] == 0
+    (alone,) = one_call_a_chunk(1, {"content": "hi"}, None, "stop")
+    assert alone["delta"] == {"content": "hi"} and alone["finish_reason"] == "stop"
