@@ -123,6 +123,20 @@ def compile_matcher(constraint: Constraint, tokenizer: Any) -> Any:
     return new_matcher(checked_grammar(constraint, tokenizer), tokenizer)
 
 
+def take_first_token(matcher: Any) -> None:
+    """Compute a fresh matcher's first mask and take one token it allows; ValueError with
+    llguidance's reason where that fails. llguidance builds its lexer as it goes, so a
+    constraint too complex to serve (a regex bounded at a million repeats) may show only at its
+    first token, in the engine, after the request was accepted. Ordinary constraints take a
+    few milliseconds; the matcher is spent."""
+    allowed = matcher.compute_logit_bias()
+    first = next((i for i, a in enumerate(allowed) if a), None)
+    if first is not None and not matcher.is_error():
+        matcher.consume_token(first)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error() or "the constraint failed at its first token")
+
+
 def checked_grammar(constraint: Constraint, tokenizer: Any) -> str:
     """The constraint's grammar, validated against the tokenizer (ValueError if invalid)."""
     import llguidance

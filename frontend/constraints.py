@@ -7,7 +7,9 @@ json_object) and the older ``guided_json`` / ``guided_regex`` / ``guided_choice`
 
 ``ConstraintChecker`` compiles each new constraint with the engine's own code
 (``engine_core.grammar.compile_matcher``, llguidance) against this model's tokenizer, so a bad
-schema, regex or grammar is a 400 naming its parameter and never reaches the engine. It compiles on
+schema, regex or grammar is a 400 naming its parameter and never reaches the engine; it also takes
+the first token (``take_first_token``), where a constraint too complex for llguidance's lexer
+shows. It compiles on
 its own worker threads, never on the event loop, within a time limit (``--grammar-timeout``;
 llguidance drops the GIL while it compiles, and its own work bounds, engine_core/grammar.py, keep
 a compile from growing without end), and remembers the last ``max_cached`` verdicts.
@@ -21,7 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from engine_core.grammar import compile_matcher, token_table
+from engine_core.grammar import compile_matcher, take_first_token, token_table
 from frontend.errors import bad_request
 from frontend.openai_schemas import SamplingFields
 from protocol.messages import Constraint, ConstraintKind
@@ -144,7 +146,7 @@ class ConstraintChecker:
 
     def _compile(self, constraint: Constraint) -> str | None:
         try:
-            compile_matcher(constraint, self._table.result())
+            take_first_token(compile_matcher(constraint, self._table.result()))
         except ValueError as exc:
             return str(exc) or type(exc).__name__
         return None

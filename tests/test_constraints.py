@@ -52,3 +52,30 @@ def test_verdicts_are_cached_and_one_compile_serves_a_burst(hf_tokenizer: object
         assert checker.num_compiles == 2 and checker.num_cached == 2
 
     asyncio.run(main())
+
+
+TOO_COMPLEX = [
+    Constraint(ConstraintKind.REGEX, "(a{1000}){1000}"),
+    Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "string", "pattern": "^(a{1000}){1000}$"}'),
+]
+
+
+@pytest.mark.parametrize("constraint", TOO_COMPLEX, ids=["regex", "schema pattern"])
+def test_a_constraint_too_complex_at_its_first_token_is_a_400(
+    hf_tokenizer: object, constraint: Constraint
+) -> None:
+    """It compiles, and its lexer gives up only at the first token: the engine would end the
+    request there with no output (a 200), so the check takes that token too."""
+    from engine_core.grammar import compile_matcher, token_table
+
+    compile_matcher(constraint, token_table(hf_tokenizer, 49152))  # no error yet
+
+    async def main() -> None:
+        checker = ConstraintChecker(hf_tokenizer, 49152, timeout_s=60)
+        with pytest.raises(OpenAIError, match="too many expressions") as info:
+            await checker.check(constraint, "guided_regex")
+        assert info.value.status == 400 and info.value.info.code == "invalid_constraint"
+        for name in SCHEMAS:  # what is served still passes
+            await checker.check(schema(name), "response_format")
+
+    asyncio.run(main())
