@@ -28,9 +28,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from frontend.chat import ChatGeneration, ChoiceStream, prepare_chat, response_message
+from frontend.chat import ChatGeneration, ChoiceStream, prepare_chat
 from frontend.errors import OpenAIError, bad_request
-from frontend.openai_schemas import ChatCompletionRequest, ChatResponseMessage
+from frontend.openai_schemas import ChatCompletionRequest
 from frontend.response_store import StoredResponse
 from frontend.responses_schemas import (
     ItemError,
@@ -187,19 +187,18 @@ def chat_validation_error(exc: ValidationError) -> OpenAIError:
 # ---- output -------------------------------------------------------------------------------------
 
 
-def output_items(run: ResponseRun, message: ChatResponseMessage) -> list[dict[str, Any]]:
-    """The response's output items for the answer ``message``: reasoning, text, calls."""
-    items: list[dict[str, Any]] = []
-    if message.reasoning_content:  # an empty block is no item, as a stream makes none of it
-        items.append(reasoning_item(new_id("rs"), message.reasoning_content))
-    if message.content:
-        items.append(message_item(new_id("msg"), message.content))
-    calls = message.tool_calls or []
-    if run.req.max_tool_calls is not None:
-        calls = calls[: run.req.max_tool_calls]
-    for call in calls:
-        items.append(call_item(new_id("fc"), call.id, call.function.name, call.function.arguments))
-    return items
+def whole_output_items(run: ResponseRun, status: str) -> list[dict[str, Any]]:
+    """The output items of the finished response: those its stream makes, so both forms hold the
+    same items in the order the model wrote them (text after a call is an item after it); the
+    last is marked incomplete where max_output_tokens cut it. The text goes in a line at a time,
+    as a stream brings it: a delta holding both text and a call cannot tell which came first."""
+    output = OutputStream(EventWriter(), run.req.max_tool_calls)
+    stream = ChoiceStream(run.gen.tools, run.chat, run.gen.reasoning)
+    lines = run.gen.choices[0].text.text.splitlines(keepends=True) or [""]
+    for i, line in enumerate(lines):
+        output.feed(stream.delta(line, i == len(lines) - 1))
+    output.close(status)
+    return output.items
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -264,6 +263,7 @@ def response_body(
         "truncation": "disabled",
         "store": req.store,
         "background": False,
+        "service_tier": "default",  # the tier that served it, whichever was asked: there is one
         "metadata": req.metadata or {},
         "user": req.user,
         "usage": {
@@ -362,12 +362,8 @@ async def respond(ctx: ServingContext, req: ResponsesRequest, run: ResponseRun) 
     """The whole response, once the model has finished."""
     async for _ in run.gen.run():
         pass
-    message = response_message(run.gen, run.chat, run.gen.choices[0])
     status = status_of(run)
-    items = output_items(run, message)
-    if status == "incomplete" and items and items[-1]["type"] in CUT_KINDS:
-        items[-1]["status"] = "incomplete"  # the text max_output_tokens cut, as OpenAI marks it
-    body = response_body(ctx, run, items, status)
+    body = response_body(ctx, run, whole_output_items(run, status), status)
     remember(ctx, run, body)
     return body
 

@@ -350,3 +350,25 @@ def test_null_store_and_stream_are_their_defaults(server: Server) -> None:  # no
     assert resp.json()["store"] is True and resp.json()["object"] == "response"
     stored = httpx.get(f"{server.base_url}/v1/responses/{resp.json()['id']}", timeout=30)
     assert stored.status_code == 200 and stored.json()["id"] == resp.json()["id"]
+
+
+def test_a_response_holds_its_items_in_the_order_written_streamed_or_not(
+    server: Server,  # noqa: F811
+) -> None:
+    """Forced calls in parallel, cut by max_output_tokens in a later call: its text is a
+    message after the first call, incomplete, in both forms (not a message before the call)."""
+    body = {"input": ASK, "tools": [WEATHER], "tool_choice": "required", **GREEDY}
+    body["max_output_tokens"] = 40
+    whole = client_of(server).responses.create(**body)
+    with client_of(server).responses.stream(**body) as stream:
+        [final] = [e.response for e in stream if e.type == "response.incomplete"]
+
+    def shape(resp: Any) -> list[tuple[str, str]]:
+        return [(item.type, item.status) for item in resp.output]
+
+    assert whole.status == final.status == "incomplete"
+    assert (
+        shape(whole) == shape(final) == [("function_call", "completed"), ("message", "incomplete")]
+    )
+    assert whole.output[1].content[0].text == final.output[1].content[0].text
+    assert whole.output[0].arguments == final.output[0].arguments
