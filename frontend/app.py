@@ -166,8 +166,16 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_req: Request, exc: RequestValidationError) -> Response:
-        return error_response(validation_error(exc))
+    async def on_validation_error(req: Request, exc: RequestValidationError) -> Response:
+        error = validation_error(exc)
+        kind = req.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind and not kind.endswith("json") and error.info.param is None:
+            # FastAPI reads no JSON under another type (curl -d sends a form's): say why.
+            error.info.message = (
+                f"the body was sent as {kind}: send JSON with Content-Type: application/json "
+                f"({error.info.message})"
+            )
+        return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_req: Request, exc: StarletteHTTPException) -> Response:

@@ -217,6 +217,10 @@ def test_an_unparsable_or_missing_body_says_so(server: Server) -> None:
         )
         err = assert_openai_error(r, 400)
         assert words in err["message"] and err["param"] is None, err
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # what curl -d sends
+    r = httpx.post(f"{server.base_url}/v1/completions", content=b'{"prompt": "x"}', headers=form)
+    err = assert_openai_error(r, 400)
+    assert "Content-Type: application/json" in err["message"] and err["param"] is None, err
 
 
 def test_responses_errors_use_the_responses_names(server: Server) -> None:
@@ -290,6 +294,9 @@ def test_openais_hints_that_change_nothing_are_taken_and_a_bad_tier_is_not(serve
     assert hinted.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
     bad = post(server, "/v1/chat/completions", {**chat, "service_tier": "bogus"})
     assert assert_openai_error(bad, 400)["param"] == "service_tier"
+    # A response says the tier that served it, as OpenAI's does: there is one here.
+    asked = {"input": "Hi", "max_output_tokens": 4, "service_tier": "flex"}
+    assert post(server, "/v1/responses", asked).json()["service_tier"] == "default"
 
 
 def test_retrieval_documents_are_refused_as_unsupported(server: Server) -> None:
