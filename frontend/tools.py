@@ -18,8 +18,10 @@ the parser's syntax cannot write (a pythonic parameter name that is no Python id
 (OpenAI's promise that a call's arguments match its schema) makes the grammar optional-calls:
 content, then possibly calls, where whatever the parser would read as a call is a well-formed
 one, to a strict tool with arguments its schema takes (to another tool with any object).
-Beside a JSON answer format the output is that answer or calls, and its opening tells the
-parser which (frontend/tool_parsers/answer.py).
+Beside a JSON answer format (strict tools or not) the grammar makes the output that answer or
+calls, and its opening tells the parser which (frontend/tool_parsers/answer.py): the parser
+alone would cut call text out of an answer's strings. Another kind of format beside tools the
+model may call is a 400.
 """
 
 from __future__ import annotations
@@ -131,8 +133,8 @@ def plan_tools(
                 "tool_choice",
             )
         constraint = forcing_constraint(req, support, tools)
-    elif any(t.function.strict for t in req.tools):
-        constraint = strict_constraint(req, support, tools, answer)
+    elif answer is not None or any(t.function.strict for t in req.tools):
+        constraint = optional_calls_constraint(req, support, tools, answer)
         if answer is not None and not parser.needs_special_tokens:  # harmony's answer: a channel
             parser = AnswerOrCallsParser(parser)
     return ToolPlan(tools, support.template, parser, constraint)
@@ -153,15 +155,16 @@ def forcing_constraint(
     return Constraint(ConstraintKind.GRAMMAR, grammar)
 
 
-def strict_constraint(
+def optional_calls_constraint(
     req: ChatCompletionRequest,
     support: ToolSupport,
     tools: list[dict[str, Any]],
     answer: Constraint | None,
 ) -> Constraint:
-    """The grammar of ``tool_choice`` "auto" with strict tools: content, then possibly calls
-    (with an ``answer`` format: that answer, or calls); a non-strict tool's arguments are any
-    object. A 400 on ``tools`` when the parser's syntax cannot write such calls."""
+    """The grammar of ``tool_choice`` "auto" with strict tools: content, then possibly calls;
+    with an ``answer`` format (strict tools or not): that answer, or calls. A non-strict tool's
+    arguments are any object. A 400 on ``tools`` when the parser's syntax cannot write such
+    calls."""
     parallel = req.parallel_tool_calls is not False
     loose = [t if t["function"].get("strict") else without_parameters(t) for t in tools]
     try:
@@ -171,22 +174,22 @@ def strict_constraint(
             support.special_tokens,
         )  # fmt: skip
     except ValueError as exc:
-        raise bad_request(f"strict tools cannot be honoured: {exc}", "tools") from None
+        raise bad_request(f"these tools cannot be honoured: {exc}", "tools") from None
     return Constraint(ConstraintKind.GRAMMAR, grammar)
 
 
 def answer_expression(answer: Constraint) -> str:
-    """The Lark expression of an answer format beside strict tools: a JSON schema or any JSON
-    object (what OpenAI's response_format and text.format give), laid out as the engine lays
-    out a format alone; ValueError for another kind of constraint."""
+    """The Lark expression of an answer format beside tools: a JSON schema or any JSON object
+    (what OpenAI's response_format and text.format give), laid out as the engine lays out a
+    format alone; ValueError for another kind of constraint."""
     if answer.kind == ConstraintKind.JSON_OBJECT:
         schema: Any = {"type": "object"}
     elif answer.kind == ConstraintKind.JSON_SCHEMA:
         schema = json.loads(answer.spec)  # an object: the format's own check refused others
     else:
         raise ValueError(
-            "beside strict tools, an answer format is a JSON schema or json_object (set strict "
-            "to false on the tools to use another)"
+            "beside tools the model may call, an answer format is a JSON schema or "
+            'json_object (send tool_choice "none" to use another)'
         )
     own = schema.get("x-guidance")
     layout = {**JSON_OPTIONS, **(own if isinstance(own, dict) else {})}

@@ -513,6 +513,7 @@ BAD_CHAT = [
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
     ({"tools": [STRICT_WEATHER], "structured_outputs": {"regex": "[a-z]+"}}, "tools"),
+    ({"tools": [WEATHER], "structured_outputs": {"regex": "[a-z]+"}}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
       "tool_choice": "required"}, "tools"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),

@@ -968,22 +968,26 @@ CALL_IN_A_STRING = {
 }
 
 
-def answer_plan(parser: str, vocabulary: tuple[Any, Any]) -> ToolPlan:
-    """The plan of a request with strict tools beside the ANSWER_FORMAT response format."""
+def answer_plan(parser: str, vocabulary: tuple[Any, Any], strict_tools: bool = True) -> ToolPlan:
+    """The plan of a request with tools (strict or not) beside the ANSWER_FORMAT format."""
     hf = vocabulary[0]
     support = ToolSupport(parser, None, hf.get_added_vocab(), frozenset(special_tokens(hf)))
     answer = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(ANSWER_FORMAT))
-    return plan_tools(chat_request(tools=[strict(t) for t in TOOLS]), support, answer)
+    tools = [strict(t) for t in TOOLS] if strict_tools else TOOLS
+    return plan_tools(chat_request(tools=tools), support, answer)
 
 
+@pytest.mark.parametrize("strict_tools", [True, False], ids=["strict", "not strict"])
 @pytest.mark.parametrize("parser", sorted(CALL_IN_A_STRING))
 def test_an_answer_whose_string_holds_call_text_is_read_as_the_answer(
-    parser: str, vocabularies: dict[str, tuple[Any, Any]]
+    parser: str, strict_tools: bool, vocabularies: dict[str, tuple[Any, Any]]
 ) -> None:
     """The grammar takes such an answer (it checks no call there), and the convention's parser
-    alone would cut a call out of it; the request's parser leaves the answer whole."""
+    alone would cut a call out of it; the request's parser leaves the answer whole. Tools
+    that are not strict get the same grammar: a format alone would leave the parser reading
+    the answer's strings, and the model no way to call."""
     vocabulary = vocabularies["plain"]
-    plan = answer_plan(parser, vocabulary)
+    plan = answer_plan(parser, vocabulary, strict_tools)
     reply = json.dumps(
         {"answer": CALL_IN_A_STRING[parser]}, ensure_ascii=False, separators=(",", ":")
     )
@@ -1025,6 +1029,18 @@ def test_a_pythonic_output_opens_calls_only_with_a_name_and_a_parenthesis(
     assert get_parser("pythonic").syntax.opens_calls(text) is opens
 
 
+def test_tools_beside_a_format_that_is_no_json_are_a_400() -> None:
+    regex = Constraint(ConstraintKind.REGEX, "[a-z]+")
+    for tools in ([WEATHER], [strict(WEATHER)]):
+        with pytest.raises(OpenAIError) as info:
+            plan_tools(chat_request(tools=tools), ToolSupport("hermes"), regex)
+        assert info.value.info.param == "tools" and "json_object" in info.value.info.message
+    none = plan_tools(
+        chat_request(tools=[WEATHER], tool_choice="none"), ToolSupport("hermes"), regex
+    )
+    assert none.constraint is None and none.parser is None
+
+
 def test_an_answer_schemas_own_layout_is_kept_and_a_null_one_ignored() -> None:
     from engine_core.grammar import JSON_OPTIONS
 
@@ -1035,7 +1051,7 @@ def test_an_answer_schemas_own_layout_is_kept_and_a_null_one_ignored() -> None:
     assert layout({"type": "object", "x-guidance": None}) == JSON_OPTIONS
     assert layout({"x-guidance": {"whitespace_flexible": True}})["whitespace_flexible"] is True
     regex = Constraint(ConstraintKind.REGEX, "[a-z]+")
-    with pytest.raises(ValueError, match="set strict to false"):
+    with pytest.raises(ValueError, match='send tool_choice "none"'):
         answer_expression(regex)
 
 
