@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -169,7 +170,8 @@ def add_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(req: Request, exc: RequestValidationError) -> Response:
         error = validation_error(exc)
         kind = req.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind and not kind.endswith("json") and error.info.param is None:
+        json_kind = kind == "application/json" or re.fullmatch(r"application/.+\+json", kind)
+        if kind and not json_kind and error.info.param is None:
             # FastAPI reads no JSON under another type (curl -d sends a form's): say why.
             error.info.message = (
                 f"the body was sent as {kind}: send JSON with Content-Type: application/json "
@@ -381,16 +383,17 @@ def add_response_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(
+        request: Request,
         response_id: str,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
         order: Literal["asc", "desc"] = "desc",
         after: str | None = None,
-        include: Annotated[list[str] | None, Query()] = None,
     ) -> dict[str, Any]:
         stored = ctx.responses.get(response_id)
         if stored is None:
             raise stored_not_found(response_id)
-        if include:
+        # The openai client sends include[]=...; no extra item data is kept to include.
+        if any(key in ("include", "include[]") for key in request.query_params):
             raise bad_request("include is not supported: items are listed as sent", "include")
         return input_items_page(stored, limit, order, after)
 

@@ -394,6 +394,8 @@ class ChoiceStream:
         self.send_reasoning = reasoning is not None and reasoning.include
         self.single = req.parallel_tool_calls is False
         self.called = False
+        # The end of the last delta's content that came after its calls (Responses items).
+        self.after_calls = ""
 
     def delta(self, text: str, last: bool) -> dict[str, Any]:
         reasoning = ""
@@ -428,11 +430,13 @@ class ChoiceStream:
         if self.streamer is None:
             return {"content": text} if text else {}  # OpenAI sends only the set fields
         step = self.streamer.push(text)
-        content, calls = step.content, list(step.tool_calls)
+        content, calls, after = step.content, list(step.tool_calls), step.after_calls
         if last:
             end = self.streamer.finish()
+            after += end.content if calls else end.after_calls
             content += end.content
             calls += end.tool_calls
+        self.after_calls = after
         if self.single:
             calls = [c for c in calls if c["index"] == 0]
         self.called = self.called or bool(calls)

@@ -113,6 +113,7 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
     except ValidationError as exc:
         raise chat_validation_error(exc) from None
     check_call_outputs(history, new, origins)
+    check_item_ids(req.input)
     if req.user is not None:
         logger.info("response request for user %r", req.user)
     try:
@@ -188,15 +189,13 @@ def chat_validation_error(exc: ValidationError) -> OpenAIError:
 
 
 def whole_output_items(run: ResponseRun, status: str) -> list[dict[str, Any]]:
-    """The output items of the finished response: those its stream makes, so both forms hold the
-    same items in the order the model wrote them (text after a call is an item after it); the
-    last is marked incomplete where max_output_tokens cut it. The text goes in a line at a time,
-    as a stream brings it: a delta holding both text and a call cannot tell which came first."""
+    """The output items of the finished response: those its stream makes from the whole text,
+    so both forms hold the same items in the order the model wrote them (text after a call is
+    an item after it; text between two calls, rare, goes after both); the last is marked
+    incomplete where max_output_tokens cut it."""
     output = OutputStream(EventWriter(), run.req.max_tool_calls)
     stream = ChoiceStream(run.gen.tools, run.chat, run.gen.reasoning)
-    lines = run.gen.choices[0].text.text.splitlines(keepends=True) or [""]
-    for i, line in enumerate(lines):
-        output.feed(stream.delta(line, i == len(lines) - 1))
+    output.feed(stream.delta(run.gen.choices[0].text.text, True), stream.after_calls)
     output.close(status)
     return output.items
 
@@ -307,12 +306,38 @@ def listed_input(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         listed = {**item, "type": kind, "id": item.get("id") or new_id(ITEM_ID_PREFIXES[kind])}
         if kind == "message":
-            if isinstance(item.get("content", ""), str):
-                part = "output_text" if item["role"] == "assistant" else "input_text"
-                listed["content"] = [{"type": part, "text": item.get("content", "")}]
+            listed["content"] = listed_parts(item["role"], item.get("content", ""))
             listed.setdefault("status", "completed")
         items.append(listed)
     return items
+
+
+def listed_parts(role: str, content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A message's content as the openai client's item types have it: text parts typed
+    input_text (output_text, with its annotations, in the assistant's); others as sent."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return [listed_part(role, part) for part in parts]
+
+
+def listed_part(role: str, part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") not in ("text", "input_text", "output_text"):
+        return part
+    if role == "assistant":
+        return {"type": "output_text", "text": part["text"], "annotations": []}
+    return {"type": "input_text", "text": part["text"]}
+
+
+def check_item_ids(given: str | list[dict[str, Any]]) -> None:
+    """400 where two input items give the same id (OpenAI refuses them; a page would find the
+    first when asked for what follows the second)."""
+    seen: set[Any] = set()
+    for i, item in enumerate(given if isinstance(given, list) else []):
+        item_id = item.get("id") if isinstance(item, dict) else None
+        if item_id is not None and not isinstance(item_id, str):
+            raise bad_request("an item's id is a string", f"input.{i}.id")
+        if item_id is not None and item_id in seen:
+            raise bad_request(f"duplicate item id {item_id!r}", f"input.{i}.id")
+        seen.add(item_id)
 
 
 def input_items_page(
@@ -391,11 +416,17 @@ class EventWriter:
 
 @dataclass
 class OpenItem:
-    """The output item being filled: its index, its item as it stands, its text so far."""
+    """The output item being filled: its index, its item as it stands, the pieces of its text
+    so far (joined once, when it closes: a long output's thousands of pieces added to one
+    string would copy it each time)."""
 
     index: int
     item: dict[str, Any]
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 class OutputStream:
@@ -410,14 +441,20 @@ class OutputStream:
         self.calls = 0
         self.call_of_index: dict[int, OpenItem] = {}
 
-    def feed(self, delta: dict[str, Any]) -> str:
+    def feed(self, delta: dict[str, Any], after_calls: str = "") -> str:
+        """The events of one delta; ``after_calls``: the end of its content that the model
+        wrote after its calls (ChoiceStream.after_calls), which goes in an item after theirs."""
         out = ""
         if delta.get("reasoning_content"):
             out += self.text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            out += self.text("message", delta["content"])
+        content = delta.get("content", "")
+        before = content[: len(content) - len(after_calls)]
+        if before:
+            out += self.text("message", before)
         for fragment in delta.get("tool_calls", ()):
             out += self.call_fragment(fragment)
+        if after_calls:
+            out += self.text("message", after_calls)
         return out
 
     def text(self, kind: str, text: str) -> str:
@@ -426,7 +463,7 @@ class OutputStream:
             out += self.close()
             out += self.start(kind)
         assert self.open is not None
-        self.open.text += text
+        self.open.pieces.append(text)
         item_id, index = self.open.item["id"], self.open.index
         if kind == "reasoning":
             return out + self.events.event(
@@ -469,7 +506,7 @@ class OutputStream:
         piece = fragment.get("function", {}).get("arguments", "")
         target = self.call_of_index.get(fragment["index"])
         if piece and target is not None and target is self.open:
-            target.text += piece
+            target.pieces.append(piece)
             out += self.events.event(
                 "response.function_call_arguments.delta", item_id=target.item["id"],
                 output_index=target.index, delta=piece,
@@ -531,7 +568,8 @@ async def stream_response(
         async for deltas in run.gen.run():
             text = ""
             for d in deltas:
-                text += output.feed(stream.delta(d.text, d.finish_reason is not None))
+                delta = stream.delta(d.text, d.finish_reason is not None)
+                text += output.feed(delta, stream.after_calls)
             if text:
                 yield text
         status = status_of(run)

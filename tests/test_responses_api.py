@@ -314,6 +314,13 @@ def test_a_stored_responses_input_items_are_listed_and_cancel_says_why_not(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.cancel(resp.id)
+    with pytest.raises(openai.BadRequestError, match="include"):
+        client.responses.input_items.list(resp.id, include=["message.input_image.image_url"])
+    assert items[1].content[0].annotations == []  # the assistant's text, as the client types it
+    twice = [{**given[0], "id": "msg_1"}, {**given[2], "id": "msg_1"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(input=twice, **GREEDY)
+    assert info.value.body["param"] == "input.1.id"
 
 
 def test_temperature_has_chats_bounds(server: Server) -> None:  # noqa: F811

@@ -55,3 +55,25 @@ def test_before_the_stream_began_it_is_an_error_event() -> None:
     body = event_body(failed_event(EventWriter(), OpenAIError(400, "bad", param="input")))
     error = ResponseErrorEvent.model_validate(body)
     assert (error.message, error.param, error.sequence_number) == ("bad", "input", 0)
+
+
+def test_text_after_a_call_in_one_delta_is_an_item_after_it() -> None:
+    """A whole output (or a stream's one delta) holding text, a call and text after it: the
+    items follow the order written, whatever the line breaks."""
+    from frontend.responses import OutputStream
+    from frontend.tool_parsers import get_parser
+
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    for text in (f"Checking. {call} Done.", f"{call} Done.", f"Checking.\n{call}\nDone."):
+        streamer = get_parser("hermes").streamer()
+        step = streamer.push(text)
+        end = streamer.finish()
+        after = step.after_calls + end.content
+        delta = {"content": step.content + end.content, "tool_calls": step.tool_calls}
+        output = OutputStream(EventWriter(), None)
+        output.feed(delta, after)
+        output.close()
+        kinds = [item["type"] for item in output.items]
+        texts = [item["content"][0]["text"] for item in output.items if item["type"] == "message"]
+        assert kinds[-2:] == ["function_call", "message"] and texts[-1].strip() == "Done.", text
+        assert "".join(texts) == delta["content"], text

@@ -55,5 +55,6 @@ class AnswerOrCallsStreamer(ToolCallStreamer):
             self.take(self.call_streamer.finish())
 
     def take(self, step: StreamDelta) -> None:
+        self.out.after_calls += step.content if self.out.tool_calls else step.after_calls
         self.out.content += step.content
         self.out.tool_calls += step.tool_calls

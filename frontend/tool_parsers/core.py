@@ -46,6 +46,9 @@ class StreamDelta:
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     reasoning: str = ""
+    # The end of ``content`` that came after the step's first call (a Responses output puts it
+    # in an item after the calls'; chat messages keep content and calls apart).
+    after_calls: str = ""
 
 
 def new_call_id() -> str:
@@ -204,6 +207,8 @@ class ToolCallStreamer(ABC):
                 return
             text, self.held, self.in_gap = self.held + text, "", False
         self.out.content += text
+        if self.out.tool_calls:
+            self.out.after_calls += text
 
     def emit_call(self, call: ToolCall) -> None:
         index, self.calls = self.calls, self.calls + 1
