@@ -129,12 +129,15 @@ def take_first_token(matcher: Any) -> None:
     constraint too complex to serve (a regex bounded at a million repeats) may show only at its
     first token, in the engine, after the request was accepted. Ordinary constraints take a
     few milliseconds; the matcher is spent."""
-    allowed = matcher.compute_logit_bias()
-    first = next((i for i, a in enumerate(allowed) if a), None)
-    if first is not None and not matcher.is_error():
+    allowed = matcher.compute_logit_bias()  # a byte a token, 0 where it is not allowed
+    first = len(allowed) - len(allowed.lstrip(b"\x00"))
+    if not matcher.is_error() and first == len(allowed):
+        raise ValueError("the constraint allows no token at its start")
+    if not matcher.is_error():
         matcher.consume_token(first)
     if matcher.is_error():
-        raise ValueError(matcher.get_error() or "the constraint failed at its first token")
+        reason = (matcher.get_error() or "").split("\n<state>")[0]  # not its parser's dump
+        raise ValueError(reason or "the constraint failed at its first token")
 
 
 def checked_grammar(constraint: Constraint, tokenizer: Any) -> str:

@@ -9,7 +9,7 @@ json_object) and the older ``guided_json`` / ``guided_regex`` / ``guided_choice`
 (``engine_core.grammar.compile_matcher``, llguidance) against this model's tokenizer, so a bad
 schema, regex or grammar is a 400 naming its parameter and never reaches the engine; it also takes
 the first token (``take_first_token``), where a constraint too complex for llguidance's lexer
-shows. It compiles on
+shows. One that fails further on still ends in the engine (``constraint_dead_end``). It compiles on
 its own worker threads, never on the event loop, within a time limit (``--grammar-timeout``;
 llguidance drops the GIL while it compiles, and its own work bounds, engine_core/grammar.py, keep
 a compile from growing without end), and remembers the last ``max_cached`` verdicts.
@@ -32,6 +32,7 @@ DEFAULT_TIMEOUT_S = 10.0
 MAX_CACHED = 1024  # verdicts kept: a constraint is a key, the verdict a short string or None
 MAX_CACHED_BYTES = 32 << 20  # and the constraints' text they are keyed by, in all
 CHECK_THREADS = 2
+MAX_REASON = 1000  # characters of a compile error that a 400 carries
 
 
 def constraint_of(req: SamplingFields) -> tuple[Constraint, str] | None:
@@ -148,7 +149,9 @@ class ConstraintChecker:
         try:
             take_first_token(compile_matcher(constraint, self._table.result()))
         except ValueError as exc:
-            return str(exc) or type(exc).__name__
+            reason = str(exc) or type(exc).__name__
+            # llguidance's reasons may carry its whole state: the start says what is wrong.
+            return reason if len(reason) <= MAX_REASON else reason[:MAX_REASON] + " ..."
         return None
 
     @property
