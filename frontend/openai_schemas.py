@@ -51,7 +51,8 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64  # each is searched for after every token: keep the per-token work bounded
 _SURROGATE = re.compile("[\ud800-\udfff]")
-TOKEN_ID_KEY = re.compile("[0-9]+")  # a logit_bias key; int() takes more ("--5", " 1", "١")
+# A logit_bias key: int() takes more ("--5", " 1", "١") and refuses past 4,300 digits.
+TOKEN_ID_KEY = re.compile("[0-9]{1,10}")
 
 
 def random_id(prefix: str) -> str:
@@ -466,6 +467,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool turn: the result of that call
     # An earlier assistant turn's reasoning, as this server sent it (templates that render it)
     reasoning_content: str | None = None
+    refusal: str | None = None  # an assistant turn that refused: its text, where it has none
 
     @model_validator(mode="before")
     @classmethod
@@ -483,8 +485,9 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
-        if self.role != "assistant" and any(isinstance(p, RefusalPart) for p in self.parts):
-            raise ValueError("only assistant messages carry refusal parts")
+        refused = self.refusal is not None or any(isinstance(p, RefusalPart) for p in self.parts)
+        if self.role != "assistant" and refused:
+            raise ValueError("only assistant messages carry a refusal")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
@@ -500,7 +503,7 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             return "".join(part_text(p) for p in content if not isinstance(p, ImagePart))
-        return content or ""
+        return content or self.refusal or ""
 
     def image_parts(self) -> list[tuple[int, ImagePart]]:
         """The content's image parts, with their index in it."""

@@ -14,6 +14,7 @@ cmpl-...-*`` written under the client's id maps one to the other.
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
 import uuid
@@ -26,6 +27,7 @@ HEADER = b"x-request-id"
 MAX_REQUEST_ID_LEN = 256
 REQUEST_ID_CHARS = "printable ASCII (space to ~)"
 _VALID = re.compile(rf"[ -~]{{1,{MAX_REQUEST_ID_LEN}}}")
+PLAIN_ID = re.compile(r"[A-Za-z0-9._:\-/+=@]+")  # written into log lines as it is
 
 # The id of the request the current task serves; tasks it starts inherit it (asyncio copies
 # the context), so a handler's helpers log under the same id.
@@ -82,10 +84,14 @@ def with_request_id(send: Send, request_id: bytes) -> Send:
 
 class RequestIdLogFilter(logging.Filter):
     """Gives every record a ``request_tag``: `` [x-request-id ID]`` while a request is being
-    served, else empty (the formats in frontend/serve.py and frontend/api_processes.py use it)."""
+    served, else empty (the formats in frontend/serve.py and frontend/api_processes.py use it).
+    An id holding more than letters, digits and ``. _ : - / + = @`` is written as a JSON string,
+    so that no id can end the tag and write a line of its own (``x]: engine core lost``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         request_id = current_request_id.get()
+        if request_id is not None and not PLAIN_ID.fullmatch(request_id):
+            request_id = json.dumps(request_id)
         record.request_tag = "" if request_id is None else f" [x-request-id {request_id}]"
         return True
 

@@ -126,5 +126,7 @@ def test_an_assistant_refusal_part_is_that_turns_text(server: Server) -> None:  
     as_text = [ask, {"role": "assistant", "content": "I can't help with that."}, with_parts[2]]
     ids = post(server, "/tokenize", messages=with_parts)["tokens"]
     assert ids == post(server, "/tokenize", messages=as_text)["tokens"]
+    field = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    assert ids == post(server, "/tokenize", messages=[ask, field, as_text[2]])["tokens"]
     error = refused(server, "/v1/chat/completions", messages=[{"role": "user", "content": parts}])
     assert error["param"] == "messages.0" and "only assistant messages" in error["message"]

@@ -74,7 +74,7 @@ BAD_COMPLETIONS = [
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
-    *(({"logit_bias": {key: 1}}, "logit_bias") for key in ("--5", "-5", "²", "١٢", " 12")),
+    *(({"logit_bias": {k: 1}}, "logit_bias") for k in ("--5", "-5", "²", "١٢", " 12", "9" * 5000)),
     # vLLM's continuous_usage_stats is not served: refused rather than ignored.
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
     ({"prompt": [[49152]]}, "prompt"),

@@ -248,6 +248,20 @@ def test_a_proxys_request_id_is_taken_as_it_is(tiny_server: Server, given: str) 
     assert reply.status_code == 200 and reply.headers["x-request-id"] == given
 
 
+def test_a_request_id_cannot_end_its_log_tag() -> None:
+    import logging
+
+    from frontend.request_id import RequestIdLogFilter, current_request_id
+
+    record = logging.LogRecord("tandem", logging.INFO, "", 0, "served", None, None)
+    token = current_request_id.set("x]: engine core lost [x-request-id y")
+    try:
+        RequestIdLogFilter().filter(record)
+    finally:
+        current_request_id.reset(token)
+    assert record.request_tag == ' [x-request-id "x]: engine core lost [x-request-id y"]'
+
+
 @pytest.mark.parametrize("bad", ["x" * 257, "é", "tab\tinside"])
 def test_a_bad_request_id_is_refused(tiny_server: Server, bad: str) -> None:
     reply = httpx.get(
