@@ -44,6 +44,7 @@ from typing import Any
 
 from common import event_loop
 from common.hf_tokenizer import TokenizerError
+from common.listen import probe_bind
 from common.processes import EXIT_UNSERVABLE, UnservableError, die_with_parent, exit_on_sigterm
 from frontend.engine_pool import EnginePool
 from frontend.engines import (
@@ -83,10 +84,7 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     same port (one of ours still running, say), and the plain one fails instead.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
-        port = probe.getsockname()[1]
+    port = probe_bind(host, port)
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):

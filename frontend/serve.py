@@ -31,6 +31,7 @@ from common.arg_types import (
     positive_int,
     readable_file,
 )
+from common.listen import probe_bind
 
 if TYPE_CHECKING:
     from frontend.engines import EngineSpec
@@ -126,7 +127,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "(default: none, the whole output is the answer)",
     )  # fmt: skip
     group.add_argument(
-        "--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+        "--grammar-timeout", type=positive_float, default=10.0, metavar="SECONDS",
         help="a structured-output constraint (JSON schema, regex, grammar) that does not "
         "compile within this long is refused with 400 (default: %(default)s)",
     )  # fmt: skip
@@ -150,7 +151,7 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
         help="file:// image URLs are read from under this folder only (default: none are)",
     )  # fmt: skip
     group.add_argument(
-        "--media-fetch-timeout", type=float, default=10.0, metavar="SECONDS",
+        "--media-fetch-timeout", type=positive_float, default=10.0, metavar="SECONDS",
         help="an image URL not fetched within this long is a 400 (default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
@@ -179,7 +180,7 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
         help="start a new engine core when one we started dies (default: on)",
     )  # fmt: skip
     group.add_argument(
-        "--engine-start-timeout", type=float, default=600.0,
+        "--engine-start-timeout", type=positive_float, default=600.0,
         help="seconds to wait for an engine's handshake (default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
@@ -220,14 +221,16 @@ def run(args: argparse.Namespace) -> int:
         return serve_worker_node(args)
     warn_if_open(args)
     listeners = None
-    if args.api_servers > 1:
-        from frontend.api_processes import bind_sockets  # the HTTP stack: see launch
+    try:
+        if args.api_servers > 1:
+            from frontend.api_processes import bind_sockets  # the HTTP stack: see launch
 
-        try:
             listeners = bind_sockets(args.host, args.port, args.api_servers)
-        except OSError as exc:
-            logger.error("cannot listen on %s port %s: %s", args.host, args.port, exc)
-            return 1
+        else:  # uvicorn binds once the engine is up: a port in use fails now, not then
+            probe_bind(args.host, args.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s port %s: %s", args.host, args.port, exc)
+        return 1
     try:
         engine_model, model_dir = resolve_for_serving(args.model)
         check_lora_modules(args, engine_model)

@@ -194,6 +194,21 @@ def test_cors_flag_without_origins_is_refused(tiny_model_dir: Path) -> None:
     assert "--allowed-methods: CORS is off without --allowed-origins" in done.stderr
 
 
+def test_a_port_in_use_stops_the_server_before_the_engine_starts(tiny_model_dir: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", str(tiny_model_dir),
+               "--port", port]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1 port {port}" in done.stderr
+    assert "engine" not in done.stdout  # no banner: nothing started
+
+
 def test_bad_operations_flags_are_refused_by_name(tiny_model_dir: Path) -> None:
     base = [sys.executable, "-m", "frontend.cli", "serve", "--model", str(tiny_model_dir)]
     for flags, said in (
