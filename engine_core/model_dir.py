@@ -163,7 +163,7 @@ def download_from_hub(repo_id: str) -> Path:
         if not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(repo_id, allow_patterns=["pytorch_model*.bin"]))
     except Exception as exc:  # the hub client raises many types; all mean "not available here"
-        raise RuntimeError(
+        raise OSError(
             f"could not get {repo_id!r} from the Hugging Face hub "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
             "Without network access pass 'default', a local folder or a .gguf file."

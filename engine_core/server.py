@@ -519,7 +519,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "SIGTERM stops the engine as a death would (the parent restarts it; other nodes "
         "rejoin), and SIGUSR1 stops it for good (other nodes exit with it)",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="logging level (default: INFO)",
+    )  # fmt: skip
     add_engine_args(parser)
 
 
@@ -529,7 +533,7 @@ def run(args: argparse.Namespace) -> int:
     from engine_core.args import engine_config_from_args
     from engine_core.memory_plan import ModelTooLargeError
     from engine_core.nodes import NodeRefused, read_secret
-    from protocol.address import is_loopback, private_ipc_address
+    from protocol.address import is_loopback, private_ipc_address, remove_ipc_files
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -568,6 +572,9 @@ def run(args: argparse.Namespace) -> int:
     except SocketFailed as exc:
         logger.critical("%s: the engine process exits", exc)
         return 1
+    finally:
+        if not args.address:  # the private address it made: its socket files go with it
+            remove_ipc_files(address)
     if proc.stopped_for_good:
         proc.core.announce_stop()
     return 0

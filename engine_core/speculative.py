@@ -85,6 +85,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config method {method!r}: {NOT_YET[method]}")
         if method not in METHODS:
             raise ValueError(f"--speculative-config method must be one of {list(METHODS)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError('--speculative-config needs "num_speculative_tokens"')
         config = cls(**value)
         config.check()
         return config

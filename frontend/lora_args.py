@@ -42,6 +42,9 @@ def check_lora_args(args: argparse.Namespace) -> None:
     if local and not args.enable_lora and (modules or args.allow_runtime_lora_updates):
         given = "--lora-modules" if modules else "--allow-runtime-lora-updates"
         raise ValueError(f"{given} needs --enable-lora (the engine core's adapter slots)")
+    sizes = [f"--{name.replace('_', '-')}" for name in LORA_SIZES if lora_size_given(args, name)]
+    if local and not args.enable_lora and sizes:
+        raise ValueError(f"{sizes[0]} sizes the adapter slots: it needs --enable-lora")
     if args.allow_runtime_lora_updates and args.api_servers > 1:
         raise ValueError(
             "--allow-runtime-lora-updates with --api-servers > 1 is not supported: each API "
@@ -50,6 +53,15 @@ def check_lora_args(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     if name in modules:
         raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+
+
+LORA_SIZES = ("max_loras", "max_lora_rank", "max_cpu_loras")
+
+
+def lora_size_given(args: argparse.Namespace, name: str) -> bool:
+    from engine_core.config import EngineConfig
+
+    return getattr(args, name, None) != getattr(EngineConfig(), name)
 
 
 def lora_on(args: argparse.Namespace) -> bool:

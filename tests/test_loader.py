@@ -81,7 +81,7 @@ def test_unreachable_hub_id_is_a_clear_error(
     # Offline mode and an empty hub cache: the answer is the same with or without a network.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(RuntimeError, match="could not get 'tandem-tests/no-such-model'"):
+    with pytest.raises(OSError, match="could not get 'tandem-tests/no-such-model'"):
         resolve_model_dir("tandem-tests/no-such-model")
 
 

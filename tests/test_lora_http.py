@@ -389,6 +389,7 @@ def test_unload_under_load_lets_the_requests_in_flight_finish(
         (["--enable-lora", "--lora-modules", "sql"], "give NAME=PATH"),
         (["--enable-lora", "--lora-modules", "a={sql}", "a={sql}"], "given twice"),
         (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras"),
+        (["--max-lora-rank", "64"], "--max-lora-rank sizes the adapter slots: it needs"),
         (
             ["--enable-lora", "--allow-runtime-lora-updates", "--api-servers", "2"],
             "--api-servers > 1",

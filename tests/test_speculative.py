@@ -51,6 +51,7 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
         ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 1}',
          "method 'eagle3' takes no prompt_lookup_max"),
         ("not json", "not JSON"),
+        ('{"method": "ngram"}', 'needs "num_speculative_tokens"'),
     ],
 )  # fmt: skip
 def test_a_bad_config_is_refused_naming_the_field(text: str, match: str) -> None:
