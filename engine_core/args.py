@@ -73,7 +73,8 @@ _HELP = {
     "native atomics (NVLink); NCCL for the rest; 'nccl' uses NCCL for all",
     "quantization": "'fp8' or 'w8a8': quantize a plain checkpoint's weights to FP8 (e4m3) or "
     "int8 as they load, one scale per output channel, activations per token at run time; "
-    "'awq', 'awq_marlin', 'gptq', 'gptq_marlin', 'compressed-tensors' name the checkpoint's "
+    "'awq', 'awq_marlin', 'gptq', 'gptq_marlin', 'compressed-tensors', 'auto-round' name the "
+    "checkpoint's "
     "format, which must match (quantized checkpoints are read as they are without the flag)",
     "kv_cache_dtype": "'auto' (the model's dtype) or 'fp8' (e4m3, with the checkpoint's K/V "
     "scales or 1.0): half the KV bytes of bf16",

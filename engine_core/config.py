@@ -29,6 +29,7 @@ QUANTIZATION_METHODS = (
     "gptq",
     "gptq_marlin",
     "compressed-tensors",
+    "auto-round",
 )
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values; "fp8" is e4m3
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype values

@@ -43,6 +43,7 @@ every tensor-parallel rank on the host shares.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,8 @@ from engine_core.kv_groups import (
 from engine_core.models import mxfp4
 from engine_core.models.cpu_gemm import packs
 from engine_core.parallel import get_pipeline_stage
+
+logger = logging.getLogger(__name__)
 
 # Kept free on a GPU for the activations of the largest step and the allocator's slack.
 CUDA_HEADROOM_BYTES = 2 * 2**30
@@ -219,6 +222,11 @@ def plan_memory(
     num_kv_heads = model_config.num_kv_heads // config.tensor_parallel_size
     limit = model_config.max_position_embeddings
     max_model_len = min(config.max_model_len or limit, limit)
+    if config.max_model_len and config.max_model_len > limit:
+        logger.warning(
+            "--max-model-len %d is past the model's %d positions: serving %d",
+            config.max_model_len, limit, limit,
+        )  # fmt: skip
     # This rank's stage's layers only (all of them without pipeline stages).
     layers = get_pipeline_stage().layers(model_config.num_layers)
     layout = stage_kv_layout(model_config, layers)

@@ -159,6 +159,12 @@ class Scheduler:
         self.max_model_len = self.block_manager.max_tokens_per_sequence(
             config.max_num_batched_tokens, max_model_len
         )
+        if self.max_model_len < max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens of one sequence: max_model_len is %d, not %d "
+                "(give more KV memory, or a smaller --max-model-len)",
+                self.max_model_len, self.max_model_len, max_model_len,
+            )  # fmt: skip
         self._block_size = config.block_size
         # Pipeline stages with overlap (engine_core/core.py _step_pipelined): up to one
         # micro-batch in flight per stage, each about 1/P of the live requests and none of the

@@ -213,6 +213,9 @@ def test_part_of_a_merged_projection_kept_float_is_refused(plain: Path, tmp_path
 def test_the_flag_and_the_tested_format_lists_name_auto_round() -> None:
     """``--quantization auto-round`` (vLLM's name) agrees; ``gptq`` does not, though the layout
     is GPTQ's. Qwen3-Next stays limited to its tested formats."""
+    from engine_core.config import EngineConfig
+
+    assert EngineConfig(quantization="auto-round").quantization == "auto-round"  # the CLI's too
     config = read(auto_round_qc("auto_round:auto_gptq", 128, sym=True))
     assert with_quantization_flag(config, "auto-round") is config
     with pytest.raises(ValueError, match="which has a auto-round one"):

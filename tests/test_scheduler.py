@@ -481,3 +481,16 @@ def test_wrong_number_of_sampled_tokens_is_rejected() -> None:
     with pytest.raises(ValueError, match="sampled"):
         scheduler.update_from_output(output, [])
     assert scheduler.update_from_output(output, [9])[0].new_token_ids == [9]
+
+
+def test_a_pool_smaller_than_max_model_len_caps_it_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="engine_core.scheduler"):
+        capped = make_scheduler(num_kv_blocks=4, max_model_len=4096)
+    assert capped.max_model_len <= 4 * BLOCK_SIZE
+    assert f"max_model_len is {capped.max_model_len}, not 4096" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine_core.scheduler"):
+        make_scheduler(num_kv_blocks=64, max_model_len=256)
+    assert "max_model_len is" not in caplog.text
