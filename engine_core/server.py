@@ -561,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
     except TimeoutError as exc:  # a node that never joined
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as exc:  # a model or flags it cannot serve, named
+    except (ValueError, OSError) as exc:  # a model (or its files) or flags it cannot serve, named
         logger.debug("the engine did not start", exc_info=True)  # --log-level debug: where
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
