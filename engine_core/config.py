@@ -8,6 +8,7 @@ construction is derived in a property or built into a new object with ``dataclas
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -452,6 +453,16 @@ class EngineConfig:
         if self.runner not in RUNNERS:
             raise ValueError(
                 f"--runner {self.runner!r} is not supported; choose one of {', '.join(RUNNERS)}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:  # NaN too
+            raise ValueError(
+                f"--gpu-memory-utilization is a share of the GPU's memory in (0, 1], got "
+                f"{self.gpu_memory_utilization}"
+            )
+        if not 0 < self.kv_cache_memory_gb < math.inf:
+            raise ValueError(
+                "--kv-cache-memory-gb must be a number of GiB above 0, got "
+                f"{self.kv_cache_memory_gb}"
             )
         if self.speculative_config is not None:
             self.speculation()  # ValueError naming what is wrong

@@ -54,6 +54,12 @@ BAD_SERVE_FLAGS = [
     (["--log-level", "bogus"], "invalid choice: 'BOGUS'"),
     (["--engine-timeout", "-1"], "must be more than 0"),
     (["--max-body-bytes", "-1"], "must be at least 1"),
+    (["--grammar-timeout", "0"], "must be more than 0"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization is a share"),
+    (["--kv-cache-memory-gb", "0"], "--kv-cache-memory-gb must be a number of GiB above 0"),
+    (["--kv-cache-memory-gb", "nan"], "--kv-cache-memory-gb must be a number of GiB above 0"),
+    (["--speculative-config", '{"method": "ngram"}'], 'needs "num_speculative_tokens"'),
+    (["--max-lora-rank", "64"], "--max-lora-rank sizes the adapter slots"),
 ]
 
 
