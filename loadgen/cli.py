@@ -254,6 +254,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.pretok and args.backend != "openai-completions":
         raise ValueError("--pretok applies to openai-completions only")
+    if args.address is not None and args.backend != "zmq":
+        raise ValueError("--address is the engine's, for --backend zmq (HTTP backends use --url)")
     if not 1 <= args.output_interval <= 2**31 - 1:
         raise ValueError("--output-interval must be in [1, 2^31 - 1]")
     if args.output_interval != 1 and args.backend != "zmq":

@@ -79,6 +79,7 @@ def test_serve_refuses_a_bad_flag_at_once_naming_it(flags: list[str], words: str
         (["generate", "--prompt", "hi", "--model", "random:nope"], "unknown preset 'nope'"),
         (["client", "--address", "bogus", "--token-ids", "1"], "must start with ipc:// or tcp://"),
         (["bench", "--request-rate", "-1"], "--request-rate: must be more than 0"),
+        (["bench", "--address", "ipc:///tmp/x"], "--address is the engine's, for --backend zmq"),
         (["bench", "--input-len", "abc"], "--input-len: bad length 'abc'"),
     ],
     ids=lambda x: str(x),
