@@ -543,6 +543,9 @@ def run(args: argparse.Namespace) -> int:
         if config.node_rank > 0:
             return run_worker_node(args, config)
         address = EngineAddress.parse(args.address) if args.address else private_ipc_address()
+        for folder in {os.path.dirname(path) for path in address.ipc_paths}:
+            if not os.path.isdir(folder):  # checked now: the bind comes after the model loads
+                raise ValueError(f"the folder of ipc address {address} does not exist: {folder}")
         curve = _server_keys(args)
         if curve is None and not is_loopback(address):
             raise ValueError(

@@ -80,6 +80,10 @@ def test_serve_refuses_a_bad_flag_at_once_naming_it(flags: list[str], words: str
         (["client", "--address", "bogus", "--token-ids", "1"], "must start with ipc:// or tcp://"),
         (["bench", "--request-rate", "-1"], "--request-rate: must be more than 0"),
         (["bench", "--address", "ipc:///tmp/x"], "--address is the engine's, for --backend zmq"),
+        (
+            ["engine", "--address", "ipc:///nonexistent/dir/engine"],
+            "does not exist: /nonexistent/dir",
+        ),
         (["bench", "--input-len", "abc"], "--input-len: bad length 'abc'"),
     ],
     ids=lambda x: str(x),
