@@ -229,9 +229,15 @@ class LaunchedStep:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device --device names; ValueError for a GPU this machine or torch build lacks."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine (or its torch build) has no CUDA GPU")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA GPUs")
+    return device
 
 
 def resolve_max_num_seqs(config: EngineConfig, model: ModelConfig | None = None) -> EngineConfig:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_core.config import EngineConfig
 
@@ -327,3 +328,14 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path: Path)
     latin1.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
     with pytest.raises(ValueError, match="not UTF-8 text"):
         check_chat_template_file(str(latin1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a CUDA GPU")
+def test_a_cuda_device_without_cuda_is_refused_by_its_flag() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "generate", "--prompt", "hi", "--device", "cuda"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "--device cuda: this machine (or its torch build) has no CUDA GPU" in result.stderr
+    assert "Traceback" not in result.stderr
