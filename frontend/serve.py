@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import socket
 import tempfile
 from pathlib import Path
@@ -284,6 +285,8 @@ def launch(
     from protocol.client import EngineDeadError, HandshakeError
 
     exit_on_sigterm()  # so the finally below runs on SIGTERM too
+    # A shell's `tandem serve ... &` starts it with SIGINT ignored: Ctrl-C / kill -INT must stop it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     api = None
     try:
         for spec in specs:  # they load in parallel
