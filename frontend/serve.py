@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
 
             listeners = bind_sockets(args.host, args.port, args.api_servers)
         else:  # uvicorn binds once the engine is up: a port in use fails now, not then
-            probe_bind(args.host, args.port)
+            args.port = probe_bind(args.host, args.port)  # port 0: the one the banner shows
     except OSError as exc:
         logger.error("cannot listen on %s port %s: %s", args.host, args.port, exc)
         return 1

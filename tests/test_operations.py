@@ -8,6 +8,7 @@ each is off unless asked for.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import subprocess
@@ -207,6 +208,29 @@ def test_a_port_in_use_stops_the_server_before_the_engine_starts(tiny_model_dir:
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1 port {port}" in done.stderr
     assert "engine" not in done.stdout  # no banner: nothing started
+
+
+def test_port_0_serves_on_the_port_its_banner_shows(tiny_model_dir: Path) -> None:
+    import re
+
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", str(tiny_model_dir),
+           "--port", "0"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        banner = next(line for line in proc.stdout if "OpenAI API:" in line)
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", banner)[1])
+        assert port != 0
+        for _ in range(60):  # the banner comes as uvicorn starts to listen
+            with contextlib.suppress(httpx.ConnectError):
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"nothing answers on port {port}")
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
 
 
 def test_bad_operations_flags_are_refused_by_name(tiny_model_dir: Path) -> None:
