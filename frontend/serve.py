@@ -333,6 +333,8 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     check_operations_args(args)
     use_engine_flag(args)
     curve = client_keys_from_args(args)
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty: give the id clients use, or leave it out")
     if args.remote_engine and not args.engine_address:
         raise ValueError("--remote-engine needs --engine-address")
     if curve is not None and not args.remote_engine:

@@ -56,6 +56,7 @@ BAD_SERVE_FLAGS = [
     (["--engine-timeout", "-1"], "must be more than 0"),
     (["--max-body-bytes", "-1"], "must be at least 1"),
     (["--grammar-timeout", "0"], "must be more than 0"),
+    (["--served-model-name", ""], "--served-model-name is empty"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization is a share"),
     (["--kv-cache-memory-gb", "0"], "--kv-cache-memory-gb must be a number of GiB above 0"),
     (["--kv-cache-memory-gb", "nan"], "--kv-cache-memory-gb must be a number of GiB above 0"),
