@@ -217,11 +217,18 @@ class _IdPrinter:
     def feed(self, out: RequestOutput) -> None:
         lps = out.logprobs or [None] * len(out.new_token_ids)
         for tid, lp in zip(out.new_token_ids, lps, strict=True):
-            self.stream.write(f"{tid} " if lp is None else f"{tid}({lp.logprob:.4f}) ")
+            self.stream.write(f"{tid} " if lp is None else f"{tid}({lp.logprob:.4f}{top_of(lp)}) ")
         self.stream.flush()
 
     def finish(self) -> None:
         self.stream.write("\n")
+
+
+def top_of(lp: Any) -> str:
+    """A token's top alternatives, ``[id:logprob ...]``, where --logprobs asked for them."""
+    pairs = zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+    top = " ".join(f"{t}:{p:.3f}" for t, p in pairs)
+    return f" [{top}]" if top else ""
 
 
 class _TextPrinter:

@@ -573,3 +573,18 @@ def test_a_client_that_met_another_protocol_waits_for_a_later_engine(
             starter.join()
             for eng in later:
                 eng.stop()
+
+
+def test_token_ids_print_their_top_logprobs_when_asked() -> None:
+    """`tandem client --token-ids ... --logprobs N` prints each token's top N beside it."""
+    import io
+
+    from protocol.client_cli import _IdPrinter
+    from protocol.messages import RequestOutput, TokenLogprobs
+
+    out = io.StringIO()
+    printer = _IdPrinter(out)
+    lps = [TokenLogprobs(-0.5, [7, 9], [-0.5, -1.25]), TokenLogprobs(-0.1, [], [])]
+    printer.feed(RequestOutput("r", [7, 3], logprobs=lps))
+    printer.feed(RequestOutput("r", [4]))
+    assert out.getvalue() == "7(-0.5000 [7:-0.500 9:-1.250]) 3(-0.1000) 4 "
