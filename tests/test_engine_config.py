@@ -180,6 +180,8 @@ def test_the_runner_resolves_the_cap_from_the_gpus_memory_and_the_model(
         total_memory = gib * 2**30
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU, as said above
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     config = resolve_max_num_seqs(EngineConfig(model=model, device="cuda"))
     assert config.max_num_seqs == expected
     assert resolve_max_num_seqs(EngineConfig(model=model, device="cpu")).max_num_seqs == 256
@@ -203,6 +205,8 @@ def test_the_cap_takes_the_model_config_its_caller_read(monkeypatch: pytest.Monk
         raise AssertionError(f"{model}'s config read again")
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU, as said above
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(model_runner, "peek_model_config", no_second_read)
     config = EngineConfig(model="random:llama-8b", device="cuda")
     hybrid = PRESETS["qwen3-next-80b"]
