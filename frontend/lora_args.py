@@ -42,7 +42,9 @@ def check_lora_args(args: argparse.Namespace) -> None:
     if local and not args.enable_lora and (modules or args.allow_runtime_lora_updates):
         given = "--lora-modules" if modules else "--allow-runtime-lora-updates"
         raise ValueError(f"{given} needs --enable-lora (the engine core's adapter slots)")
-    sizes = [f"--{name.replace('_', '-')}" for name in LORA_SIZES if lora_size_given(args, name)]
+    from frontend.engines import changed_engine_flags  # serve's check of flags past defaults
+
+    sizes = [flag for flag in changed_engine_flags(args) if flag in LORA_SIZE_FLAGS]
     if local and not args.enable_lora and sizes:
         raise ValueError(f"{sizes[0]} sizes the adapter slots: it needs --enable-lora")
     if args.allow_runtime_lora_updates and args.api_servers > 1:
@@ -55,13 +57,7 @@ def check_lora_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--lora-modules: {name!r} is the base model's name")
 
 
-LORA_SIZES = ("max_loras", "max_lora_rank", "max_cpu_loras")
-
-
-def lora_size_given(args: argparse.Namespace, name: str) -> bool:
-    from engine_core.config import EngineConfig
-
-    return getattr(args, name, None) != getattr(EngineConfig(), name)
+LORA_SIZE_FLAGS = ("--max-loras", "--max-lora-rank", "--max-cpu-loras")
 
 
 def lora_on(args: argparse.Namespace) -> bool:
