@@ -25,10 +25,10 @@ class AnswerOrCallsParser(ToolParser):
             raise ValueError(f"parser {calls.name!r} writes no answer-or-calls grammar")
         super().__init__(calls.tools)
         self.calls = calls
-        self.call_syntax = calls.syntax
 
     def streamer(self) -> ToolCallStreamer:
-        return AnswerOrCallsStreamer(self.calls.streamer(), self.call_syntax)
+        assert self.calls.syntax is not None  # checked at construction
+        return AnswerOrCallsStreamer(self.calls.streamer(), self.calls.syntax)
 
 
 class AnswerOrCallsStreamer(ToolCallStreamer):
