@@ -14,14 +14,16 @@ process, and a child left behind holds a GPU or a port for good. Two guards, use
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import gc
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 _PR_SET_PDEATHSIG = 1
 
@@ -116,6 +118,53 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, raise_exit)
+
+
+class Drainable(Protocol):
+    """A server that drains and stops once told (uvicorn.Server)."""
+
+    should_exit: bool
+
+
+class SigtermStop:
+    """SIGTERM inside an event loop, as a loop callback: before ``server`` is set it cancels the
+    task (whose ``finally`` closes what it opened), once set it asks the server to drain and
+    stop, as uvicorn's own handler does.
+
+    Not a handler that raises SystemExit: Python runs a signal handler between any two bytecodes,
+    and an exception raised inside a weakref callback or a ``__del__`` (an API process's last
+    start-up collection, ``freeze_startup_heap``, runs thousands) is printed and dropped, which
+    left a server that had been sent SIGTERM serving."""
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.server: Drainable | None = None
+        self.cancelled = False
+
+    def __call__(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        elif self.task is not None and not self.cancelled:
+            self.cancelled = True  # once: a second SIGTERM must not cut the task's clean-up
+            self.task.cancel()
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[SigtermStop]:
+    """Within the running task: SIGTERM goes through a ``SigtermStop``, and the cancellation it
+    makes ends the block quietly; after it, SIGTERM raises SystemExit again for the process's
+    own stopping."""
+    loop = asyncio.get_running_loop()
+    stop = SigtermStop(asyncio.current_task())
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    try:
+        yield stop
+    except asyncio.CancelledError:
+        if not stop.cancelled:
+            raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        exit_on_sigterm()
 
 
 def freeze_startup_heap() -> int:

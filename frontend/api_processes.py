@@ -45,7 +45,13 @@ from typing import Any
 from common import event_loop
 from common.hf_tokenizer import TokenizerError
 from common.listen import probe_bind
-from common.processes import EXIT_UNSERVABLE, UnservableError, die_with_parent, exit_on_sigterm
+from common.processes import (
+    EXIT_UNSERVABLE,
+    UnservableError,
+    die_with_parent,
+    exit_on_sigterm,
+    stop_on_sigterm,
+)
 from frontend.engine_pool import EnginePool
 from frontend.engines import (
     EXIT_POLL_S,
@@ -199,22 +205,23 @@ class ApiProcesses:
         tasks = [asyncio.ensure_future(s.keep_running()) for s in self.servers]
         pool = EnginePool([])  # the parent's own connections: handshakes and restarts
         handshakes = asyncio.ensure_future(self.connect_all(pool, timeouts))
-        try:
-            done, _ = await asyncio.wait([handshakes, *tasks], return_when="FIRST_COMPLETED")
-            for task in done:
-                task.result()  # a handshake's error, or an API process's UnservableError
-            if self.args.restart_engine:
-                tasks += supervise_engines(self.specs, pool, timeouts)
-            port = self.servers[0].sock.getsockname()[1]
-            pids = [s.pid for s in self.servers if s.pid is not None]
-            announce(self.args, self.specs, pool.ready, port, pids)
-            await close_remote(self.specs, pool)
-            await asyncio.gather(*tasks)
-        finally:
-            for task in (handshakes, *tasks):
-                task.cancel()
-            await asyncio.gather(handshakes, *tasks, return_exceptions=True)
-            await pool.close()
+        with stop_on_sigterm():
+            try:
+                done, _ = await asyncio.wait([handshakes, *tasks], return_when="FIRST_COMPLETED")
+                for task in done:
+                    task.result()  # a handshake's error, or an API process's UnservableError
+                if self.args.restart_engine:
+                    tasks += supervise_engines(self.specs, pool, timeouts)
+                port = self.servers[0].sock.getsockname()[1]
+                pids = [s.pid for s in self.servers if s.pid is not None]
+                announce(self.args, self.specs, pool.ready, port, pids)
+                await close_remote(self.specs, pool)
+                await asyncio.gather(*tasks)
+            finally:
+                for task in (handshakes, *tasks):
+                    task.cancel()
+                await asyncio.gather(handshakes, *tasks, return_exceptions=True)
+                await pool.close()
 
     async def connect_all(self, pool: EnginePool, timeouts: EngineTimeouts) -> None:
         """Every engine's handshake into ``pool``: they load in parallel, each waits in turn."""

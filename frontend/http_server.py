@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from common.processes import ParentWatch, freeze_startup_heap, spread_young_collections
+from common.processes import (
+    ParentWatch,
+    freeze_startup_heap,
+    spread_young_collections,
+    stop_on_sigterm,
+)
 from engine_core.model_dir import RANDOM_PREFIX
 from frontend.admission import AdmissionGate
 from frontend.app import ServerState, build_app
@@ -79,29 +84,31 @@ async def serve_http(
     pool = EnginePool([])
     tasks: list[asyncio.Task[None]] = []
     state: ServerState | None = None
-    try:
-        for spec in specs:  # they load in parallel; the handshakes just wait for each in turn
-            pool.engines.append(await connect_engine(spec, timeouts))
-        state = build_state(args, model_dir, specs, pool, await hf_tokenizer, role)
-        if role.alone and args.restart_engine:
-            on_restart = state.serving.metrics.record_restart
-            tasks += supervise_engines(specs, pool, timeouts, on_restart)
-        server = uvicorn.Server(uvicorn_config(args, build_app(state), role))
-        if role.parent_pid is not None:
-            tasks.append(asyncio.ensure_future(stop_with_parent(server, role.parent_pid)))
-        if role.alone:
-            announce(args, specs, pool.ready, args.port)
-        frozen = freeze_startup_heap()  # before serving: no collection walks the start-up again
-        logger.debug("froze %d start-up objects out of the garbage collector's reach", frozen)
-        spread_young_collections()
-        await server.serve(sockets=[role.sock] if role.sock is not None else None)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await pool.close()
-        if state is not None and state.serving.tracer is not None:
-            state.serving.tracer.shutdown()  # the spans still batched go out
+    with stop_on_sigterm() as sigterm:
+        try:
+            for spec in specs:  # they load in parallel; the handshakes just wait for each in turn
+                pool.engines.append(await connect_engine(spec, timeouts))
+            state = build_state(args, model_dir, specs, pool, await hf_tokenizer, role)
+            if role.alone and args.restart_engine:
+                on_restart = state.serving.metrics.record_restart
+                tasks += supervise_engines(specs, pool, timeouts, on_restart)
+            server = uvicorn.Server(uvicorn_config(args, build_app(state), role))
+            sigterm.server = server
+            if role.parent_pid is not None:
+                tasks.append(asyncio.ensure_future(stop_with_parent(server, role.parent_pid)))
+            if role.alone:
+                announce(args, specs, pool.ready, args.port)
+            frozen = freeze_startup_heap()  # before serving: no collection walks start-up again
+            logger.debug("froze %d start-up objects out of the garbage collector's reach", frozen)
+            spread_young_collections()
+            await server.serve(sockets=[role.sock] if role.sock is not None else None)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await pool.close()
+            if state is not None and state.serving.tracer is not None:
+                state.serving.tracer.shutdown()  # the spans still batched go out
 
 
 def build_state(
