@@ -126,8 +126,14 @@ _HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, named --field-name, defaulting to the dataclass default."""
+# Fields only `tandem serve` acts on: another command parses them (to refuse a value other than
+# the default, naming it) but does not list them in its --help.
+SERVE_ONLY = frozenset({"data_parallel_size"})
+
+
+def add_engine_args(parser: argparse.ArgumentParser, serve: bool = False) -> None:
+    """One flag per EngineConfig field, named --field-name, defaulting to the dataclass default;
+    ``serve``: the parser is `tandem serve`'s, which lists SERVE_ONLY too."""
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -136,6 +142,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = " (default: unset)" if f.default is None else " (default: %(default)s)"
         if "(default:" in text or (f.default is None and "unset" in text):
             default = ""
+        if f.name in SERVE_ONLY and not serve:
+            group.add_argument(
+                flag, type=_parse_type(f.type), default=f.default, help=argparse.SUPPRESS
+            )
+            continue
         if f.type in ("bool", bool):
             onoff = "on" if f.default else "off"
             group.add_argument(

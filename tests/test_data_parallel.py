@@ -20,6 +20,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -322,3 +324,16 @@ def test_an_engine_core_is_one_of_the_data_parallel_engines() -> None:
 
     with pytest.raises(ValueError, match="data_parallel_size is for `tandem serve`"):
         EngineCore(EngineConfig(model="/nonexistent", data_parallel_size=2))
+
+
+@pytest.mark.parametrize("command", ["engine", "generate"])
+def test_only_serves_help_lists_data_parallel_size(command: str) -> None:
+    """`tandem engine` and `tandem generate` parse --data-parallel-size only to refuse it, so
+    their --help leaves it out; `tandem serve`'s lists it."""
+
+    def help_of(name: str) -> str:
+        cli = [sys.executable, "-m", "frontend.cli", name, "--help"]
+        return subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+
+    assert "--data-parallel-size" not in help_of(command)
+    assert "--data-parallel-size" in help_of("serve")
