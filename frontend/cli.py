@@ -49,8 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # The top-level parser has no flags but -h, so a command, if any, comes first.
     command = argv[0] if argv and argv[0] in COMMANDS else ""
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's parser, with its usage line rather than tandem's
+        subcommand_parser(parser, args.command).error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     return args._run(args)
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` in ``parser`` (built by ``build_parser``)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
 
 
 if __name__ == "__main__":

@@ -76,6 +76,30 @@ def test_serve_refuses_a_bad_flag_at_once_naming_it(flags: list[str], words: str
 
 
 @pytest.mark.parametrize(
+    "command",
+    [
+        ["serve"],
+        ["engine"],
+        ["client", "--address", "ipc:///tmp/x", "--token-ids", "1"],
+        ["generate", "--prompt", "hi"],
+        ["bench"],
+        ["keygen", "--dir", "/tmp", "--name", "x"],
+    ],
+    ids=lambda command: command[0],
+)
+def test_an_unknown_flag_is_refused_with_the_commands_usage(command: list[str]) -> None:
+    """The command's own usage line, not the top-level one, which lists no flag."""
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", *command, "--no-such-flag"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    name = command[0]
+    assert result.stderr.startswith(f"usage: tandem {name} "), result.stderr
+    assert f"tandem {name}: error: unrecognized arguments: --no-such-flag" in result.stderr
+
+
+@pytest.mark.parametrize(
     ("command", "words"),
     [
         (["generate", "--prompt", "hi", "--model", "random:nope"], "unknown preset 'nope'"),
