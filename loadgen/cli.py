@@ -53,7 +53,11 @@ def argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 def add_args(parser: argparse.ArgumentParser) -> None:
     """The load generator's flags, for its own script and for `tandem bench`."""
     target = parser.add_argument_group("target")
-    target.add_argument("--backend", choices=BACKENDS, default="openai-completions")
+    target.add_argument(
+        "--backend", choices=BACKENDS, default="openai-completions",
+        help="what to drive: an OpenAI server's completions or chat completions, or an engine "
+        "core over raw ZMQ (default: %(default)s)",
+    )  # fmt: skip
     target.add_argument(
         "--url", default="http://127.0.0.1:8000", help="OpenAI server (default: %(default)s)"
     )
@@ -150,7 +154,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     load.add_argument(
         "--burstiness", type=positive_float, default=1.0,
-        help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother",
+        help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother (default: 1)",
     )  # fmt: skip
     load.add_argument(
         "--interval", type=non_negative_float, default=None,
@@ -161,11 +165,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="--interval counted from the start (request i at i x S) or from the previous "
         "request's send (default: absolute)",
     )  # fmt: skip
-    load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    load.add_argument(
+        "--max-concurrency", type=int, default=None,
+        help="cap on requests in flight (default: none)",
+    )  # fmt: skip
 
     rep = parser.add_argument_group("runs and report")
-    rep.add_argument("--warmup-runs", type=int, default=0, help="whole runs not reported")
-    rep.add_argument("--repeat-runs", type=int, default=1, help="runs reported, each on its own")
+    rep.add_argument(
+        "--warmup-runs", type=int, default=0, help="whole runs not reported (default: 0)"
+    )
+    rep.add_argument(
+        "--repeat-runs", type=int, default=1, help="runs reported, each on its own (default: 1)"
+    )
     rep.add_argument(
         "--slo", type=argument(Slo.parse), default=None, help="goodput SLO: ttft=MS,tpot=MS"
     )
@@ -177,9 +188,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     rep.add_argument("--result-json", type=Path, default=None, help="config, summaries, records")
     rep.add_argument("--plot", type=Path, default=None, help="sweep PNG (default: JSON's .png)")
-    rep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     rep.add_argument(
-        "--connect-timeout", type=float, default=60.0,
+        "--request-timeout", type=positive_float, default=600.0,
+        help="seconds per request (default: 600)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--connect-timeout", type=positive_float, default=60.0,
         help="zmq: seconds to wait for the engine's handshake (default: 60)",
     )  # fmt: skip
     rep.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")

@@ -111,6 +111,8 @@ def test_an_unknown_flag_is_refused_with_the_commands_usage(command: list[str]) 
             "does not exist: /nonexistent/dir",
         ),
         (["bench", "--input-len", "abc"], "--input-len: bad length 'abc'"),
+        (["bench", "--request-timeout", "-1"], "--request-timeout: must be more than 0"),
+        (["bench", "--connect-timeout", "0"], "--connect-timeout: must be more than 0"),
     ],
     ids=lambda x: str(x),
 )
