@@ -22,7 +22,10 @@ _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 class StoredResponse:
     body: dict[str, Any]  # the response as it was returned
     history: list[dict[str, Any]]  # its conversation as chat messages, its output included
-    size: int = 0  # the body's and input items' bytes (messages: the store counts each once)
+    # The body's and input items' bytes (messages: the store counts each once). An input item
+    # holds the same text objects as its message, so input text counts twice against the bound:
+    # it errs towards less memory, and input-heavy responses leave the store sooner.
+    size: int = 0
     input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's, as items
 
 
