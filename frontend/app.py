@@ -610,6 +610,15 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     watcher = asyncio.ensure_future(wait_for_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        # Only the server cancels a handler's task (a disconnect cancels ``task``): its graceful
+        # shutdown ran out. The client is told why, as a stream is, not with uvicorn's bare 500.
+        this = asyncio.current_task()
+        if this is None or not this.cancelling():
+            raise
+        this.uncancel()
+        logger.warning("the server is stopping: a request was cut short")
+        raise server_stopping("request") from None
     finally:
         watcher.cancel()
         if not task.done():

@@ -50,13 +50,14 @@ def engine_unavailable(reason: str) -> OpenAIError:
     )
 
 
-def server_stopping() -> OpenAIError:
-    """A stream the server cut short as it stopped (its graceful shutdown ran out)."""
+def server_stopping(what: str = "stream") -> OpenAIError:
+    """A stream or request the server cut short as it stopped (its graceful shutdown ran out)."""
     return OpenAIError(
         503,
-        "the server is shutting down: this stream was cut short",
+        f"the server is shutting down: this {what} was cut short",
         "service_unavailable",
         code="shutting_down",
+        headers={"Retry-After": str(ENGINE_DOWN_RETRY_AFTER_S)},
     )
 
 

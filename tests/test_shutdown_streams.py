@@ -2,15 +2,18 @@
 shutdown (frontend/http_server.py GRACEFUL_SHUTDOWN_S), then cancels them; a stream cut so ends
 with the route's error event, a 503 ``shutting_down`` (the official openai client raises it from
 a completions stream; a Responses stream ends in ``response.failed`` with the cause in its
-error's message), the log holds no traceback, and serve exits 0 with its engine."""
+error's message), a request not streamed gets that 503 as its JSON error (uvicorn's own answer
+is a plain-text 500), the log holds no traceback, and serve exits 0 with its engine."""
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -26,6 +29,9 @@ def test_sigint_ends_running_streams_with_their_error_events(tmp_path: Path) -> 
     srv = start_server(tmp_path)
     try:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)
+        plain: list[Any] = []
+        sender = threading.Thread(target=send_plain, args=(client, plain), daemon=True)
+        sender.start()
         completion = client.completions.create(
             model="default", prompt="Tell me a long story.", max_tokens=LONG, stream=True,
             extra_body={"ignore_eos": True},
@@ -38,11 +44,17 @@ def test_sigint_ends_running_streams_with_their_error_events(tmp_path: Path) -> 
         events: list[Any] = [next(iter(response))]
         reader = threading.Thread(target=lambda: events.extend(response), daemon=True)
         reader.start()
+        wait_running(srv.base_url, 3)  # the plain request too
         srv.process.send_signal(signal.SIGINT)
         with pytest.raises(openai.APIError, match="shutting down"):
             for chunk in completion:
                 assert chunk.choices[0].finish_reason is None  # cut, never finished
         reader.join(timeout=120)
+        sender.join(timeout=120)
+        (error,) = plain
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503, error
+        assert error.response.headers["content-type"] == "application/json"
+        assert error.body["code"] == "shutting_down" and "request was cut short" in error.message
         last = events[-1]  # a Responses stream ends in response.failed, as OpenAI's does
         assert last.type == "response.failed" and last.response.status == "failed"
         assert last.response.error.code == "server_error"
@@ -54,3 +66,25 @@ def test_sigint_ends_running_streams_with_their_error_events(tmp_path: Path) -> 
         assert not pid_alive(srv.engine_pid), "the engine core outlived tandem serve"
     finally:
         stop_process(srv.process)
+
+
+def send_plain(client: openai.OpenAI, out: list[Any]) -> None:
+    """A completion not streamed, long enough to outlast the graceful shutdown: its error."""
+    try:
+        client.completions.create(
+            model="default", prompt="Tell me a long story.", max_tokens=LONG,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    except openai.APIError as exc:
+        out.append(exc)
+
+
+def wait_running(base_url: str, count: int) -> None:
+    """Until the engine reports ``count`` requests running (/metrics, polled from the engine)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("tandem_num_requests_running") and float(line.split()[-1]) >= count:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"fewer than {count} requests running after 60 s")
