@@ -30,6 +30,7 @@ from protocol.client import AsyncEngineClient, EngineRequest, RequestItem, is_la
 from protocol.messages import FinishReason, SamplingParams
 
 BACKENDS = ("openai-completions", "openai-chat", "zmq")
+CONNECT_TIMEOUT_S = 60.0  # zmq: the engine handshake's wait, unless --connect-timeout says
 
 
 class Clock:
@@ -322,7 +323,11 @@ class ZmqBackend:
     wants_ids = True
 
     def __init__(
-        self, address: str, clock: Clock, options: RequestOptions, connect_timeout: float = 60.0
+        self,
+        address: str,
+        clock: Clock,
+        options: RequestOptions,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
     ) -> None:
         self.address = address
         self.clock = clock
@@ -386,7 +391,8 @@ async def open_backend(args: argparse.Namespace, clock: Clock) -> Backend:
     options = RequestOptions(args.temperature, args.ignore_eos, args.pretok, args.output_interval)
     if args.backend == "zmq":
         address = args.address or await engine_address(args.url, args.api_key)
-        backend: Backend = ZmqBackend(address, clock, options, args.connect_timeout)
+        timeout = args.connect_timeout or CONNECT_TIMEOUT_S
+        backend: Backend = ZmqBackend(address, clock, options, timeout)
     else:
         backend = OpenAIBackend(
             args.backend, args.url, clock, options, pool_size(args), args.model, args.api_key,

@@ -28,7 +28,14 @@ import httpx
 from common import event_loop
 from common.arg_types import non_negative_float, positive_float, readable_file
 from loadgen.arrival import Arrival
-from loadgen.backends import BACKENDS, Backend, BackendError, Clock, open_backend
+from loadgen.backends import (
+    BACKENDS,
+    CONNECT_TIMEOUT_S,
+    Backend,
+    BackendError,
+    Clock,
+    open_backend,
+)
 from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
 from loadgen.runner import RunPlan, run_conversations, run_once
 from loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
@@ -193,8 +200,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="seconds per request (default: 600)",
     )  # fmt: skip
     rep.add_argument(
-        "--connect-timeout", type=positive_float, default=60.0,
-        help="zmq: seconds to wait for the engine's handshake (default: 60)",
+        "--connect-timeout", type=positive_float, default=None,
+        help=f"zmq: seconds to wait for the engine's handshake (default: {CONNECT_TIMEOUT_S:g})",
     )  # fmt: skip
     rep.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     rep.add_argument(
@@ -253,6 +260,7 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 
 def check_args(args: argparse.Namespace) -> None:
     check_conversation_args(args)
+    check_unused_flags(args)
     if args.client_processes < 1:
         raise ValueError("--client-processes must be >= 1")
     if args.client_processes > 1 and (
@@ -288,6 +296,41 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--max-concurrency must be >= 1")
     if args.sweep is not None and args.interval is not None and args.sweep.param == "rate":
         raise ValueError("a rate sweep sets the arrival rate: drop --interval")
+
+
+def check_unused_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag given where this run would not use it, naming what it needs."""
+    zmq = args.backend == "zmq"
+    sweep = args.sweep.param if args.sweep is not None else None
+    text_prompts = args.prompt is not None or args.dataset is not None
+    unused = {
+        "--connect-timeout is for --backend zmq": args.connect_timeout is not None and not zmq,
+        "--api-key is for the HTTP backends": args.api_key is not None and zmq,
+        "--model is for the HTTP backends": args.model is not None and zmq,
+        "--tokenizer: --backend zmq sends random token ids unless --prompt or --dataset "
+        "gives texts": args.tokenizer is not None and zmq and not text_prompts,
+        "--burstiness shapes Poisson arrivals: it needs --request-rate or --sweep rate=...": (
+            args.burstiness != 1.0 and math.isinf(args.request_rate) and sweep != "rate"
+        ),
+        "--interval-mode needs --interval": (
+            args.interval_mode != "absolute" and args.interval is None
+        ),
+        "--plot draws a sweep: it needs --sweep": args.plot is not None and sweep is None,
+        "--request-rate: --sweep rate=... sets the rate of each run": (
+            not math.isinf(args.request_rate) and sweep == "rate"
+        ),
+        "--max-concurrency: --sweep concurrency=... sets the cap of each run": (
+            args.max_concurrency is not None and sweep == "concurrency"
+        ),
+        "--unique-prompts applies to --prompt or --dataset (random prompts are distinct "
+        "already)": args.unique_prompts and not text_prompts,
+        "--dataset-format needs --dataset": (
+            args.dataset_format != "auto" and args.dataset is None
+        ),
+    }
+    given = [what for what, on in unused.items() if on]
+    if given:
+        raise ValueError("; ".join(given))
 
 
 def check_conversation_args(args: argparse.Namespace) -> None:

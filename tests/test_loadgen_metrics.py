@@ -392,3 +392,58 @@ def test_every_invocation_draws_fresh_prompts_by_default() -> None:
 def test_a_given_seed_repeats_the_prompts() -> None:
     assert invocation_prompts(["--seed", "7"]) == invocation_prompts(["--seed", "7"])
     assert invocation_prompts(["--seed", "7"]) != invocation_prompts(["--seed", "8"])
+
+
+# ---- flags this run would not use are refused, naming what they need ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--connect-timeout", "5"], "--connect-timeout is for --backend zmq"),
+        (["--backend", "zmq", "--api-key", "k"], "--api-key is for the HTTP backends"),
+        (["--backend", "zmq", "--model", "m"], "--model is for the HTTP backends"),
+        (["--backend", "zmq", "--tokenizer", "default"], "--backend zmq sends random token ids"),
+        (["--burstiness", "0.5"], "--burstiness shapes Poisson arrivals"),
+        (["--interval", "0.1", "--burstiness", "2"], "--burstiness shapes Poisson arrivals"),
+        (["--interval-mode", "relative"], "--interval-mode needs --interval"),
+        (["--plot", "x.png"], "--plot draws a sweep"),
+        (["--sweep", "rate=1,2", "--request-rate", "5"], "--sweep rate=... sets the rate"),
+        (["--sweep", "concurrency=1,2", "--max-concurrency", "4"], "sets the cap of each run"),
+        (["--unique-prompts"], "--unique-prompts applies to --prompt or --dataset"),
+        (["--dataset-format", "jsonl"], "--dataset-format needs --dataset"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else None,
+)
+def test_a_flag_the_run_would_not_use_is_refused(argv: list[str], words: str) -> None:
+    import argparse
+
+    from loadgen.cli import add_args, settle_args
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        settle_args(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--backend", "zmq", "--connect-timeout", "5"],
+        ["--backend", "zmq", "--prompt", "hi", "--tokenizer", "default"],
+        ["--request-rate", "4", "--burstiness", "0.5"],
+        ["--sweep", "rate=1,2", "--burstiness", "0.5", "--plot", "x.png"],
+        ["--sweep", "concurrency=1,2", "--request-rate", "5"],
+        ["--interval", "0.1", "--interval-mode", "relative"],
+        ["--prompt", "hi", "--unique-prompts"],
+    ],
+    ids=" ".join,
+)
+def test_the_same_flags_where_the_run_uses_them_are_taken(argv: list[str]) -> None:
+    import argparse
+
+    from loadgen.cli import add_args, settle_args
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    settle_args(parser.parse_args(argv))
