@@ -198,8 +198,9 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--engine-timeout", type=positive_float, default=30.0,
-        help="seconds of engine silence after which requests in flight fail with 503 "
-        "(default: %(default)s)",
+        help="seconds of engine silence after which it counts as dead: /health answers 503, "
+        "and requests in flight resume once it answers again (or fail with 503 past "
+        "--max-request-resumes; docs/reliability.md) (default: %(default)s)",
     )  # fmt: skip
 
 
