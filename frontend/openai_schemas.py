@@ -448,6 +448,10 @@ def template_part(part: TextPart | RefusalPart | ImagePart) -> dict[str, str]:
     )
 
 
+# The roles whose messages must hold content, as OpenAI requires (an assistant's may be null).
+CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(
         extra="allow",
@@ -456,6 +460,10 @@ class ChatMessage(BaseModel):
             when(
                 present("tool_calls", {"type": "array", "minItems": 1}),
                 present("role", {"const": "assistant"}),
+            ),
+            when(
+                present("role", {"enum": list(CONTENT_REQUIRED)}),
+                present("content", {"not": NULL}),
             ),
         ),
     )
@@ -492,6 +500,11 @@ class ChatMessage(BaseModel):
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.role in CONTENT_REQUIRED and self.content is None:
+            raise ValueError(
+                f"a {self.role} message needs its content (only an assistant's may "
+                "go without, where it calls tools or refuses)"
+            )
         return self
 
     @property

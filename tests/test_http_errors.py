@@ -144,6 +144,12 @@ BAD_CHATS = [
         "messages",
     ),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    # A message other than the assistant's holds content, as OpenAI requires.
+    ({"messages": [{"role": "user"}]}, "messages"),
+    (
+        {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]},
+        "messages",
+    ),
     ({"max_tokens": MAX_MODEL_LEN}, "messages"),  # prompt + max_tokens over the context
     ({"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, "messages"),
 ]
