@@ -305,10 +305,11 @@ def check_unused_flags(args: argparse.Namespace) -> None:
     text_prompts = args.prompt is not None or args.dataset is not None
     unused = {
         "--connect-timeout is for --backend zmq": args.connect_timeout is not None and not zmq,
-        "--api-key is for the HTTP backends": args.api_key is not None and zmq,
+        # zmq asks --url's /v1/engine for the address, with the key, unless --address gives it
+        "--api-key: --backend zmq with --address asks no server": (
+            args.api_key is not None and args.address is not None
+        ),
         "--model is for the HTTP backends": args.model is not None and zmq,
-        "--tokenizer: --backend zmq sends random token ids unless --prompt or --dataset "
-        "gives texts": args.tokenizer is not None and zmq and not text_prompts,
         "--burstiness shapes Poisson arrivals: it needs --request-rate or --sweep rate=...": (
             args.burstiness != 1.0 and math.isinf(args.request_rate) and sweep != "rate"
         ),

@@ -401,9 +401,11 @@ def test_a_given_seed_repeats_the_prompts() -> None:
     ("argv", "words"),
     [
         (["--connect-timeout", "5"], "--connect-timeout is for --backend zmq"),
-        (["--backend", "zmq", "--api-key", "k"], "--api-key is for the HTTP backends"),
+        (
+            ["--backend", "zmq", "--address", "ipc:///tmp/e", "--api-key", "k"],
+            "--api-key: --backend zmq with --address asks no server",
+        ),
         (["--backend", "zmq", "--model", "m"], "--model is for the HTTP backends"),
-        (["--backend", "zmq", "--tokenizer", "default"], "--backend zmq sends random token ids"),
         (["--burstiness", "0.5"], "--burstiness shapes Poisson arrivals"),
         (["--interval", "0.1", "--burstiness", "2"], "--burstiness shapes Poisson arrivals"),
         (["--interval-mode", "relative"], "--interval-mode needs --interval"),
@@ -431,6 +433,8 @@ def test_a_flag_the_run_would_not_use_is_refused(argv: list[str], words: str) ->
     [
         ["--backend", "zmq", "--connect-timeout", "5"],
         ["--backend", "zmq", "--prompt", "hi", "--tokenizer", "default"],
+        ["--backend", "zmq", "--tokenizer", "default"],  # a harness's, for any backend
+        ["--backend", "zmq", "--api-key", "k"],  # for GET /v1/engine on a keyed server
         ["--request-rate", "4", "--burstiness", "0.5"],
         ["--sweep", "rate=1,2", "--burstiness", "0.5", "--plot", "x.png"],
         ["--sweep", "concurrency=1,2", "--request-rate", "5"],
@@ -447,3 +451,20 @@ def test_the_same_flags_where_the_run_uses_them_are_taken(argv: list[str]) -> No
     parser = argparse.ArgumentParser()
     add_args(parser)
     settle_args(parser.parse_args(argv))
+
+
+def test_the_benchmarks_commands_pass_the_load_generators_checks(tmp_path: Path) -> None:
+    """What `python -m benchmarks serving` runs, over HTTP and with the documented
+    `--loadgen-args "--backend zmq"` (docs/benchmarks.md), is a run the load generator takes."""
+    import argparse
+
+    from benchmarks.servers import Workload, loadgen_command
+    from loadgen.cli import add_args, settle_args
+
+    for extra in ([], ["--backend", "zmq"]):
+        command = loadgen_command(
+            "http://127.0.0.1:8000", Workload(4, 16, 8), "default", tmp_path / "r.json", 1, 1, extra
+        )
+        parser = argparse.ArgumentParser()
+        add_args(parser)
+        settle_args(parser.parse_args(command[command.index("loadgen") + 1 :]))
