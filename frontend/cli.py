@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     # The top-level parser has no flags but -h, so a command, if any, comes first.
     command = argv[0] if argv and argv[0] in COMMANDS else ""
     parser = build_parser(command)
+    if not command:
+        parser.parse_args(argv)  # tandem's own usage and error (no command, or a flag first)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser, with its usage line rather than tandem's
         subcommand_parser(parser, args.command).error(

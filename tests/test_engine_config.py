@@ -99,6 +99,16 @@ def test_an_unknown_flag_is_refused_with_the_commands_usage(command: list[str]) 
     assert f"tandem {name}: error: unrecognized arguments: --no-such-flag" in result.stderr
 
 
+def test_a_flag_before_the_command_is_tandems_to_refuse() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "--no-such-flag", "serve"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("usage: tandem [-h] COMMAND"), result.stderr
+    assert "tandem: error: unrecognized arguments: --no-such-flag" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("command", "words"),
     [
