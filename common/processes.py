@@ -110,11 +110,19 @@ class UnservableError(RuntimeError):
     """A child exited with EXIT_UNSERVABLE."""
 
 
+# Whether SIGTERM came while ``exit_on_sigterm``'s handler was in place: its SystemExit may have
+# been dropped (raised inside a weakref callback or a ``__del__``), so ``stop_on_sigterm`` stops
+# at once where it sees one came before it.
+_sigterm_seen = False
+
+
 def exit_on_sigterm() -> None:
     """Make SIGTERM raise SystemExit (as Ctrl-C raises KeyboardInterrupt), so that ``finally``
     blocks stop what this process started."""
 
     def raise_exit(signum: int, _frame: object) -> None:
+        global _sigterm_seen
+        _sigterm_seen = True
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, raise_exit)
@@ -144,8 +152,9 @@ class SigtermStop:
     def __call__(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
-        elif self.task is not None and not self.cancelled:
-            self.cancelled = True  # once: a second SIGTERM must not cut the task's clean-up
+        elif self.task is not None and not self.cancelled and not self.task.cancelling():
+            # Once, and not over a Ctrl-C's cancel: a second stop must not cut the clean-up.
+            self.cancelled = True
             self.task.cancel()
 
 
@@ -153,18 +162,28 @@ class SigtermStop:
 def stop_on_sigterm() -> Iterator[SigtermStop]:
     """Within the running task: SIGTERM goes through a ``SigtermStop``, and the cancellation it
     makes ends the block quietly; after it, SIGTERM raises SystemExit again for the process's
-    own stopping."""
+    own stopping. A SIGTERM that ``exit_on_sigterm``'s handler took before the block (its
+    SystemExit dropped in a weakref callback during the imports) stops it at once."""
     loop = asyncio.get_running_loop()
     stop = SigtermStop(asyncio.current_task())
     loop.add_signal_handler(signal.SIGTERM, stop)
+    if _sigterm_seen:  # before this block, and its SystemExit did not end the process
+        loop.call_soon(stop)
     try:
         yield stop
     except asyncio.CancelledError:
-        if not stop.cancelled:
+        if not stop.cancelled or stop.task is None:
             raise
+        stop.task.uncancel()
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-        exit_on_sigterm()
+        # Blocked meanwhile: between the two, SIGTERM would take its default action and end the
+        # process before it stops what it started.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            loop.remove_signal_handler(signal.SIGTERM)
+            exit_on_sigterm()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def freeze_startup_heap() -> int:

@@ -53,6 +53,7 @@ logger = logging.getLogger("tandem.frontend")
 API_SERVER_HEADER = "x-tandem-api-server"
 PARENT_POLL_S = 1.0
 GRACEFUL_SHUTDOWN_S = 5
+CUT_ANSWER_S = 1.0  # after it: for the requests it cut short to send their answer
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ async def serve_http(
             logger.debug("froze %d start-up objects out of the garbage collector's reach", frozen)
             spread_young_collections()
             await server.serve(sockets=[role.sock] if role.sock is not None else None)
+            await let_cut_requests_answer(server)
         finally:
             for task in tasks:
                 task.cancel()
@@ -243,6 +245,15 @@ def uvicorn_config(args: argparse.Namespace, app: Any, role: ApiRole) -> uvicorn
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         headers=headers,
     )
+
+
+async def let_cut_requests_answer(server: uvicorn.Server) -> None:
+    """Past its graceful shutdown uvicorn cancels the requests still running and returns without
+    waiting for them: give their handlers the moment they need to send the 503 they answer with
+    (``until_disconnect``, ``AdmittedStreamingResponse``) before the clean-up goes on."""
+    tasks = set(server.server_state.tasks)
+    if tasks:
+        await asyncio.wait(tasks, timeout=CUT_ANSWER_S)
 
 
 async def stop_with_parent(server: uvicorn.Server, parent_pid: int) -> None:

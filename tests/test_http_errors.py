@@ -500,6 +500,7 @@ def test_sigterm_during_start_up_stops_the_server(tmp_path: Path, line: str) -> 
     try:
         _wait_for_line(proc, log, line)
         engines = _children(proc.pid)
+        assert engines or line != BANNER, "no engine core under a server that is up"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()
     finally:

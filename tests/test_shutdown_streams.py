@@ -32,6 +32,7 @@ def test_sigint_ends_running_streams_with_their_error_events(tmp_path: Path) -> 
         plain: list[Any] = []
         sender = threading.Thread(target=send_plain, args=(client, plain), daemon=True)
         sender.start()
+        wait_running(srv.base_url, 1)  # the plain request runs before the streams start
         completion = client.completions.create(
             model="default", prompt="Tell me a long story.", max_tokens=LONG, stream=True,
             extra_body={"ignore_eos": True},
@@ -44,7 +45,6 @@ def test_sigint_ends_running_streams_with_their_error_events(tmp_path: Path) -> 
         events: list[Any] = [next(iter(response))]
         reader = threading.Thread(target=lambda: events.extend(response), daemon=True)
         reader.start()
-        wait_running(srv.base_url, 3)  # the plain request too
         srv.process.send_signal(signal.SIGINT)
         with pytest.raises(openai.APIError, match="shutting down"):
             for chunk in completion:
