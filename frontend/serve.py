@@ -9,8 +9,9 @@ cores (frontend/engines.py: one local engine, the --data-parallel-size ones, or 
 start the ones we run (they load in parallel), then either serve HTTP in this process
 (frontend/http_server.py) or, with --api-servers N, start N API processes that do
 (frontend/api_processes.py). Ctrl-C or SIGTERM stops the HTTP side gracefully, then the engines;
-the engines also die with this process if it is killed outright. If an engine dies, the requests
-in flight on it fail with 503 and, with --restart-engine (the default), a new one is started. The
+the engines also die with this process if it is killed outright. If an engine dies, with
+--restart-engine (the default) a new one is started and the requests in flight on it resume there
+(--max-request-resumes; past it, or without a restart, they fail with 503). The
 engines' raw ZMQ addresses are printed (and served at GET /v1/engine) so that `tandem client
 --address ...` reaches the same engine.
 """
@@ -200,7 +201,8 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
         "--engine-timeout", type=positive_float, default=30.0,
         help="seconds of engine silence after which it counts as dead: /health answers 503, "
         "and requests in flight resume once it answers again (or fail with 503 past "
-        "--max-request-resumes; docs/reliability.md) (default: %(default)s)",
+        "--max-request-resumes or --resume-timeout; docs/reliability.md) (default: "
+        "%(default)s)",
     )  # fmt: skip
 
 
