@@ -232,11 +232,26 @@ def decode_image(raw: bytes, options: MediaOptions, param: str) -> Any:
                     param,
                 )
             image.load()
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+            return as_rgb(image)
+    except UnidentifiedImageError:
+        raise BadImage("the bytes are not a PNG, JPEG or WebP image", param) from None
+    except (OSError, SyntaxError, ValueError) as exc:
         if isinstance(exc, BadImage):
             raise
         raise BadImage(f"the image does not decode: {exc}", param) from None
+
+
+def as_rgb(image: Any) -> Any:
+    """The PIL image in RGB, transparency laid over white, as HF's processors convert it
+    (transformers.image_transforms.convert_to_rgb): a plain ``convert("RGB")`` drops the alpha
+    and leaves the colour under it, which the model would see instead."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
 
 
 # ---- the model's processor --------------------------------------------------------------------
@@ -317,7 +332,12 @@ class VisionProcessor:
         loop: resizing and normalising take milliseconds per image)."""
         out, total, pieces = [], 0, 0
         for image, param in zip(images, params, strict=True):
-            processed = self.process_one(image)
+            try:
+                processed = self.process_one(image)
+            except BadImage:
+                raise
+            except ValueError as exc:  # e.g. Qwen2-VL's: an aspect ratio past 200
+                raise BadImage(f"the model's image processor refuses it: {exc}", param) from None
             total += processed.wire_nbytes
             pieces += len(processed.pieces())
             if total > self.pixel_bytes_limit:

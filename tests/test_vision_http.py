@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 
@@ -168,9 +169,21 @@ def huge_png() -> bytes:
     return png_bytes(Image.new("1", (9000, 8000)))
 
 
+def thin_image() -> Any:
+    from PIL import Image
+
+    return Image.new("RGB", (201, 1))
+
+
 BAD_IMAGES = {
     "truncated": (lambda: [image_part(data_url(truncated_png()))], "[0]", "does not decode"),
-    "not an image": (lambda: [image_part(data_url(b"hello, not a picture"))], "[0]", "decode"),
+    "not an image": (
+        lambda: [image_part(data_url(b"hello, not a picture"))],
+        "[0]",
+        "not a PNG, JPEG or WebP image",
+    ),
+    # Qwen2-VL's processor refuses an aspect ratio past 200 (a ValueError: it was a 500).
+    "too narrow": (lambda: [image_part(data_url(png_bytes(thin_image())))], "[0]", "aspect"),
     "too many pixels": (lambda: [image_part(data_url(huge_png()))], "[0]", "pixels"),
     "too many images": (
         lambda: [image_part(data_url(png_bytes(random_image(i)))) for i in range(3)],
@@ -210,6 +223,23 @@ def test_each_bad_image_is_a_400_naming_its_part(vl_server: Server, case: str) -
     # The text part is content[0], so the first image part is content[1].
     index = int(part[1]) + 1
     assert_openai_400(info.value, f"messages[0].content[{index}]{part[3:]}", words)
+    assert " object at 0x" not in info.value.response.json()["error"]["message"]
+
+
+def test_a_transparent_image_gives_hfs_greedy_tokens(vl_server: Server, vl_dir: Path) -> None:
+    """Transparent pixels are white to the model, as HF's processor composites them (their
+    colours underneath, which a bare RGB conversion kept, must not show)."""
+    from PIL import Image
+
+    pixels = np.asarray(random_image(11)).copy()
+    alpha = np.full(pixels.shape[:2] + (1,), 255, dtype=np.uint8)
+    alpha[:40] = 0  # the top half transparent, over random colours
+    image = Image.fromarray(np.concatenate([pixels, alpha], axis=2), "RGBA")
+    text, _ = expected_reply(vl_dir, ["Look", image])
+    reply = chat(
+        vl_server, [{"type": "text", "text": "Look"}, image_part(data_url(png_bytes(image)))]
+    )
+    assert reply.choices[0].message.content == text
 
 
 def test_the_server_still_serves_after_bad_images(vl_server: Server) -> None:

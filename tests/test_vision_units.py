@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from engine_core.multimodal import EncoderCache, batch_pixels, mrope_positions, 
 from frontend.vision import (
     BadImage,
     MediaOptions,
+    as_rgb,
     data_url_bytes,
     fetch_http,
     parse_image_limit,
@@ -200,3 +202,34 @@ def test_an_encoder_batch_holds_its_images_pixels_as_cat_would() -> None:
         expected = torch.cat([pixels_tensor(image) for image in images])
         assert batch.dtype == expected.dtype
         assert torch.equal(batch, expected)
+
+
+def transparent_images() -> dict[str, Any]:
+    """Images with transparency in each way PNG carries it, over colours that differ from
+    white where they are transparent."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    rgba = rng.integers(0, 256, (12, 10, 4), dtype=np.uint8)
+    rgba[:4, :, 3] = 0  # fully transparent rows over random colours
+    la = rng.integers(0, 256, (12, 10, 2), dtype=np.uint8)
+    palette = Image.fromarray(rng.integers(0, 4, (12, 10), dtype=np.uint8), "P")
+    palette.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255, 9, 9, 9])
+    palette.info["transparency"] = 2  # the blue entry is transparent
+    return {
+        "RGBA": Image.fromarray(rgba, "RGBA"),
+        "LA": Image.fromarray(la, "LA"),
+        "P with transparency": palette,
+        "RGB": Image.fromarray(rgba[..., :3], "RGB"),
+    }
+
+
+@pytest.mark.parametrize("mode", list(transparent_images()))
+def test_images_become_rgb_as_hfs_processors_convert_them(mode: str) -> None:
+    """Transparency over white, as transformers' convert_to_rgb does (the model's processor
+    would otherwise see the colours under transparent pixels)."""
+    from transformers.image_transforms import convert_to_rgb
+
+    image = transparent_images()[mode]
+    expected = np.asarray(convert_to_rgb(image))
+    assert np.array_equal(np.asarray(as_rgb(image)), expected)
