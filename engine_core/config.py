@@ -294,8 +294,18 @@ class ModelConfig:
     # Set where the engine runs the model as an embedding model (the loader decides, from the
     # checkpoint and --runner): how it pools. Such a model is built without its LM head.
     embedding: EmbeddingModel | None = None
+    # An embedding model's sentence-transformers max_seq_length: the longest input it was made
+    # for (sentence-transformers cuts inputs there; vLLM caps max_model_len at it, as we do).
+    max_input_tokens: int | None = None
     vision: VisionConfig | None = None  # a vision-language model's image side
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence the model takes: its positions, or an embedding model's
+        ``max_input_tokens`` where that is shorter."""
+        limit = self.max_position_embeddings
+        return limit if self.max_input_tokens is None else min(limit, self.max_input_tokens)
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (None: full attention)."""

@@ -16,7 +16,9 @@ first N values embed too) is read as vLLM reads it: ``is_matryoshka`` or
 
 A sentence-transformers module or option that would change the vector and that the engine does
 not compute (a Dense layer, CLS or max pooling, a lower-cased tokenizer, a prompt left out of
-the mean) is refused when the model loads, never ignored.
+the mean) is refused when the model loads, never ignored. Its ``max_seq_length`` caps the
+context (``st_max_seq_length``); its default prompt goes before every text input, in the API
+process (frontend/embeddings.py).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def embedding_model(
     if runner == "auto" and pooling is None and not bare:
         return None
     kind, normalize = pooling or DEFAULT_POOLING
+    if model_dir is not None:
+        check_st_default_prompt(model_dir)
     matryoshka, dims = matryoshka_of(hf, model_dir, config.hidden_size)
     return EmbeddingModel(kind, normalize, config.hidden_size, matryoshka, dims)
 
@@ -98,6 +102,30 @@ def pooling_kind(config: dict[str, Any]) -> PoolingKind:
         # The mean would leave out an instruction prefix that only the client knows.
         raise ValueError("sentence-transformers mean pooling without the prompt is not supported")
     return kind
+
+
+def st_max_seq_length(model_dir: Path | None) -> int | None:
+    """The sentence-transformers Transformer module's ``max_seq_length`` (its
+    sentence_bert_config.json, in the module's folder), or None where it names none."""
+    modules_file = model_dir / "modules.json" if model_dir is not None else None
+    if modules_file is None or not modules_file.is_file():
+        return None
+    for module in read_json(modules_file):
+        if str(module.get("type", "")).rpartition(".")[2] == "Transformer":
+            settings = model_dir / module.get("path", "") / "sentence_bert_config.json"
+            if settings.is_file() and (limit := read_json(settings).get("max_seq_length")):
+                return int(limit)
+    return None
+
+
+def check_st_default_prompt(model_dir: Path) -> None:
+    """Refuse a default prompt that names none of the checkpoint's prompts (the API process
+    puts the one it names before every text input, as sentence-transformers does)."""
+    settings = model_dir / "config_sentence_transformers.json"
+    config = read_json(settings) if settings.is_file() else {}
+    name = config.get("default_prompt_name")
+    if name is not None and name not in (config.get("prompts") or {}):
+        raise ValueError(f"{settings}: default_prompt_name {name!r} names none of its prompts")
 
 
 def check_st_transformer(folder: Path) -> None:

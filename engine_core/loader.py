@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_core.config import Fp8Config, ModelConfig
-from engine_core.embedding import embedding_model
+from engine_core.embedding import embedding_model, st_max_seq_length
 from engine_core.model_dir import GGUF_BLOCKS_FILE, RANDOM_PREFIX, resolve_model_dir
 from engine_core.models import build_model, finish_loading, model_config_from_hf, token_ids
 from engine_core.models.fp8 import check_fp8_block_on_device, check_fp8_device
@@ -75,7 +75,9 @@ def load_model(
         return load_random_model(name, device, dtype, quantization, check_fit, target, runner)
     model_dir = resolve_model_dir(model)
     config = with_quantization(load_model_config(model_dir), quantization, device)
-    config = dataclasses.replace(config, embedding=embedding_model(runner, model_dir, config))
+    embedding = embedding_model(runner, model_dir, config)
+    max_input = st_max_seq_length(model_dir) if embedding is not None else None
+    config = dataclasses.replace(config, embedding=embedding, max_input_tokens=max_input)
     config = with_gguf_blocks(config, model_dir, device, keep_gguf_blocks)
     # Built on the meta device, so no time goes into random init of weights about to be replaced.
     with meta_build(dtype):

@@ -220,12 +220,13 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan for ``module`` (built on the meta device) under ``config`` against ``budget``."""
     num_kv_heads = model_config.num_kv_heads // config.tensor_parallel_size
-    limit = model_config.max_position_embeddings
+    limit = model_config.max_tokens
     max_model_len = min(config.max_model_len or limit, limit)
     if config.max_model_len and config.max_model_len > limit:
+        what = "positions" if limit == model_config.max_position_embeddings else "input tokens"
         logger.warning(
-            "--max-model-len %d is past the model's %d positions: serving %d",
-            config.max_model_len, limit, limit,
+            "--max-model-len %d is past the model's %d %s: serving %d",
+            config.max_model_len, limit, what, limit,
         )  # fmt: skip
     # This rank's stage's layers only (all of them without pipeline stages).
     layers = get_pipeline_stage().layers(model_config.num_layers)

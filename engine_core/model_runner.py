@@ -334,7 +334,7 @@ class ModelRunner:
         self.loras = self._install_lora() if config.enable_lora else None
         # This process's share of the KV heads: all of them unless tensor-parallel.
         self.num_kv_heads = self.model_config.num_kv_heads // config.tensor_parallel_size
-        limit = self.model_config.max_position_embeddings
+        limit = self.model_config.max_tokens
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
         # The decoder layers this process runs and caches: a pipeline stage's, else all.

@@ -13,7 +13,9 @@ by default).
 from __future__ import annotations
 
 import base64
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,11 +61,25 @@ async def embed(ctx: ServingContext, req: EmbeddingRequest, pooling: PoolingPara
     return EmbeddingResponse(data=data, model=ctx.served_model, usage=usage).model_dump()
 
 
+def st_default_prompt(model_dir: Path) -> str:
+    """The prompt sentence-transformers puts before every input where the checkpoint names a
+    default one (config_sentence_transformers.json: ``prompts[default_prompt_name]``), else ""."""
+    settings = model_dir / "config_sentence_transformers.json"
+    if not settings.is_file():
+        return ""
+    config = json.loads(settings.read_text(encoding="utf-8"))
+    name = config.get("default_prompt_name")
+    if name is None:
+        return ""
+    return str((config.get("prompts") or {}).get(name, ""))  # the engine checked it is there
+
+
 async def embedding_prompts(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
     """Each input's token ids (texts encoded as the tokenizer does by default, with its
-    special tokens: the checkpoint's pooling expects them), each within the context."""
+    special tokens: the checkpoint's pooling expects them, after the checkpoint's default
+    prompt where it names one; token ids are taken as they are), each within the context."""
     inputs = req.inputs
-    texts = [i for i in inputs if isinstance(i, str)]
+    texts = [ctx.embedding_prompt + i for i in inputs if isinstance(i, str)]
     encoded = iter(await ctx.tokenizer.encode(texts) if texts else [])
     prompts = [next(encoded) if isinstance(i, str) else i for i in inputs]
     for prompt in prompts:

@@ -50,6 +50,9 @@ class ServingContext:
     # The engine's embedding model (its Ready says): it serves /v1/embeddings and refuses to
     # generate. None: a generative model, which refuses /v1/embeddings.
     embedding: EmbeddingModel | None = None
+    # Its sentence-transformers default prompt, put before every text input as
+    # sentence-transformers' encode does (frontend/embeddings.py st_default_prompt).
+    embedding_prompt: str = ""
     # The LoRA adapters served by name (frontend/lora.py); None: LoRA is off.
     loras: LoraRegistry | None = None
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint: the engine's spans go here

@@ -202,6 +202,9 @@ def test_a_causal_lm_generates_unless_told_to_embed(tmp_path: Path) -> None:
          "without the prompt"),
         (lambda p: write(p / "sentence_bert_config.json", {"do_lower_case": True}), "lower"),
         (lambda p: config_field(p, matryoshka_dimensions=[16, 128]), r"\[1, 64\]"),
+        (lambda p: write(p / "config_sentence_transformers.json",
+                         {"prompts": {"query": "q: "}, "default_prompt_name": "passage"}),
+         "default_prompt_name 'passage'"),
     ],
 )  # fmt: skip
 def test_what_the_engine_would_not_compute_is_refused(tmp_path: Path, edit, message: str) -> None:
@@ -325,3 +328,17 @@ def test_the_warm_up_pools_the_largest_steps_and_leaves_nothing_behind(tmp_path:
     assert not runner.pooler._sums
     after = llm.embed(PROMPTS)
     assert [o.embedding for o in after] == [o.embedding for o in before]
+
+
+def test_sentence_transformers_max_seq_length_caps_the_context(tmp_path: Path) -> None:
+    """sentence-transformers cuts inputs at its max_seq_length; the engine takes none longer
+    (vLLM caps max_model_len there too), where it would embed them whole into another vector."""
+    path = write_tiny_embedding_model(tmp_path)
+    modules = json.loads((path / "modules.json").read_text())
+    folder = path / next(m for m in modules if m["type"].endswith("Transformer")).get("path", "")
+    write(folder / "sentence_bert_config.json", {"max_seq_length": 16})
+    llm = small_llm(path)
+    assert llm.engine.max_model_len == 16
+    assert len(llm.embed([list(range(5, 21))])[0].embedding) == 64  # 16 tokens: taken
+    with pytest.raises(ValueError, match="16"):
+        llm.embed([list(range(5, 22))])  # 17: refused, not embedded whole

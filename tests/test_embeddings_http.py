@@ -15,6 +15,7 @@ module's tests the engines hold no request and every KV block is free (the integ
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ class EmbeddingServer:
     hf: Any  # HF transformers' model on the same weights
     tokenizer: Any
     mean: bool  # mean pooling, else last-token
+    prompt: str = ""  # the checkpoint's sentence-transformers default prompt
 
     def reference(self, ids: list[int]) -> np.ndarray:
         """HF's pooled, normalised final hidden states of one unpadded input."""
@@ -69,20 +71,28 @@ class EmbeddingServer:
 
 
 def start_embedding_server(
-    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path, **model: Any
+    tmp_path_factory: pytest.TempPathFactory,
+    default_model_dir: Path,
+    prompt: str = "",
+    **model: Any,
 ) -> Iterator[EmbeddingServer]:
+    """``prompt``: the checkpoint's default prompt (config_sentence_transformers.json), which
+    sentence-transformers puts before every input."""
     from transformers import AutoModel, AutoTokenizer
 
     folder = tmp_path_factory.mktemp("embedding-model")
     write_tiny_embedding_model(folder, vocab_size=49152, **model)
     copy_tokenizer(default_model_dir, folder)
+    if prompt:
+        settings = {"prompts": {"query": prompt, "document": ""}, "default_prompt_name": "query"}
+        (folder / "config_sentence_transformers.json").write_text(json.dumps(settings))
     srv = start_server(tmp_path_factory.mktemp("serve-embed"), model=str(folder), args=SERVE_ARGS)
     client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)
     hf = AutoModel.from_pretrained(folder).eval()
     mean = model.get("pooling") == "mean_tokens"
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        yield EmbeddingServer(srv, str(folder), client, hf, tokenizer, mean)
+        yield EmbeddingServer(srv, str(folder), client, hf, tokenizer, mean, prompt)
         wait_engine_idle(srv)  # nothing left running, every block free, integrity holds
     finally:
         stop_server(srv)
@@ -100,8 +110,9 @@ def mean(
     tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
 ) -> Iterator[EmbeddingServer]:
     yield from start_embedding_server(
-        tmp_path_factory, default_model_dir, architecture="llama", pooling="mean_tokens"
-    )
+        tmp_path_factory, default_model_dir, prompt="query: ", architecture="llama",
+        pooling="mean_tokens",
+    )  # fmt: skip
 
 
 def cosine(a: Any, b: Any) -> float:
@@ -112,7 +123,7 @@ def cosine(a: Any, b: Any) -> float:
 def assert_matches_hf(srv: EmbeddingServer, inputs: list[str], vectors: list[Any]) -> None:
     assert len(vectors) == len(inputs)
     for text, vector in zip(inputs, vectors, strict=True):
-        ids = srv.tokenizer.encode(text)
+        ids = srv.tokenizer.encode(srv.prompt + text)  # as sentence-transformers encodes it
         assert cosine(vector, srv.reference(ids)) >= 0.9999, text
         assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
 
@@ -127,7 +138,7 @@ def test_one_input_matches_hf(pooling: str, request: pytest.FixtureRequest) -> N
     assert resp.object == "list" and resp.model == srv.model
     assert [(d.index, d.object) for d in resp.data] == [(0, "embedding")]
     assert_matches_hf(srv, TEXTS[:1], [resp.data[0].embedding])
-    tokens = len(srv.tokenizer.encode(TEXTS[0]))
+    tokens = len(srv.tokenizer.encode(srv.prompt + TEXTS[0]))
     assert (resp.usage.prompt_tokens, resp.usage.total_tokens) == (tokens, tokens)
 
 
@@ -139,7 +150,7 @@ def test_a_batch_matches_hf_in_input_order(pooling: str, request: pytest.Fixture
     resp = srv.client.embeddings.create(input=TEXTS, model=srv.model, encoding_format="float")
     assert [d.index for d in resp.data] == list(range(len(TEXTS)))
     assert_matches_hf(srv, TEXTS, [d.embedding for d in resp.data])
-    tokens = sum(len(srv.tokenizer.encode(t)) for t in TEXTS)
+    tokens = sum(len(srv.tokenizer.encode(srv.prompt + t)) for t in TEXTS)
     assert resp.usage.prompt_tokens == resp.usage.total_tokens == tokens
 
 
