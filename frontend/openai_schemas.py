@@ -27,8 +27,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -124,6 +126,19 @@ class RequestBody(BaseModel):
         return data
 
 
+def json_integer(value: Any) -> Any:
+    """An integer field takes a JSON number, not a boolean or a string: pydantic's lax mode
+    would read ``true`` as 1 and ``"5"`` as 5, where OpenAI answers 400."""
+    if isinstance(value, bool | str):
+        raise ValueError(f"Input should be an integer, not {json.dumps(value)}")
+    return value
+
+
+# The request models' integers and booleans take their own JSON types only (a float with no
+# fraction still reads as an integer, as clients that compute counts send them).
+JsonInt = Annotated[int, BeforeValidator(json_integer)]
+
+
 # OpenAI's seeds are signed 64-bit (vLLM's too), the engine's unsigned: a negative seed is taken
 # as the same 64 bits read unsigned (generation.py engine_seed), as torch's manual_seed takes it.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -144,7 +159,7 @@ class StreamOptions(BaseModel):
     # Unknown options (vLLM's continuous_usage_stats among them) are refused, not ignored.
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -153,7 +168,7 @@ class JsonSchemaFormat(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -199,7 +214,9 @@ class StructuredOutputs(BaseModel):
     regex: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
     choice: list[str] | None = Field(default=None, json_schema_extra=any_of(CHOICES, NULL))
     grammar: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
-    json_object: bool | None = Field(default=None, json_schema_extra=any_of({"const": True}, NULL))
+    json_object: StrictBool | None = Field(
+        default=None, json_schema_extra=any_of({"const": True}, NULL)
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -242,20 +259,22 @@ class SamplingFields(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # -1 and 0 both disable top-k; past int32 the engine refuses it.
-    top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
+    top_k: JsonInt | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = seed_field()
-    n: int = Field(default=1, ge=1, le=MAX_N, json_schema_extra=or_null(**{LIMIT_KEY: "sequences"}))
+    seed: JsonInt | None = seed_field()
+    n: JsonInt = Field(
+        default=1, ge=1, le=MAX_N, json_schema_extra=or_null(**{LIMIT_KEY: "sequences"})
+    )
     stop: str | list[str] | None = Field(default=None, json_schema_extra=any_of(*STOP, NULL))
-    stop_token_ids: list[int] | None = Field(
+    stop_token_ids: list[JsonInt] | None = Field(
         default=None, json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}, NULL)
     )
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, json_schema_extra=or_null())
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, json_schema_extra=or_null())
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    min_tokens: int = Field(default=0, ge=0, json_schema_extra={LIMIT_KEY: "context"})
-    stream: bool = Field(default=False, json_schema_extra=or_null())
+    min_tokens: JsonInt = Field(default=0, ge=0, json_schema_extra={LIMIT_KEY: "context"})
+    stream: StrictBool = Field(default=False, json_schema_extra=or_null())
     stream_options: StreamOptions | None = None
     # token id (as a string) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = Field(
@@ -268,23 +287,23 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
     guided_choice: list[str] | None = Field(default=None, json_schema_extra=any_of(CHOICES, NULL))
     guided_grammar: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # How the output's tokens become text (vLLM's fields).
-    skip_special_tokens: bool = True
+    skip_special_tokens: StrictBool = True
     # The fast tokenizers this server loads join special tokens without spaces (as vLLM does
     # with them): false is what they do; true is refused (generation.py).
-    spaces_between_special_tokens: bool | None = Field(
+    spaces_between_special_tokens: StrictBool | None = Field(
         default=None, json_schema_extra=any_of({"const": False}, NULL)
     )
-    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    include_stop_str_in_output: StrictBool = False  # a matched stop string stays in the text
     # vLLM's: lower is scheduled sooner (--scheduling-policy priority); others refuse all but 0.
-    priority: int = Field(
+    priority: JsonInt = Field(
         default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, json_schema_extra={LIMIT_KEY: "priority"}
     )
     # Accepted and unused: they change nothing in the output (user is logged with the request).
     user: str | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: ServiceTier | None = None
     # OpenAI's prompt-cache routing hint (this server's prefix cache finds shared prefixes by
     # their tokens) and its abuse-monitoring id: neither changes the output.
@@ -335,7 +354,7 @@ class SamplingFields(RequestBody):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = str | list[str] | list[JsonInt] | list[list[JsonInt]]
 PROMPTS = (
     NON_EMPTY_TEXT,
     {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1},
@@ -354,11 +373,11 @@ class CompletionRequest(SamplingFields):
 
     prompt: Prompt = Field(json_schema_extra=any_of(*PROMPTS))
     # 0 only makes sense with echo (the prompt's own logprobs, as evaluation tools ask for).
-    max_tokens: int | None = Field(default=16, ge=0, json_schema_extra={LIMIT_KEY: "context"})
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(default=False, json_schema_extra=or_null())
+    max_tokens: JsonInt | None = Field(default=16, ge=0, json_schema_extra={LIMIT_KEY: "context"})
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = Field(default=False, json_schema_extra=or_null())
     suffix: str | None = Field(default=None, json_schema_extra=any_of({"const": ""}, NULL))
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: JsonInt | None = Field(default=None, ge=1)
 
     @field_validator("best_of")
     @classmethod
@@ -564,7 +583,7 @@ class FunctionDef(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ToolDef(BaseModel):
@@ -598,27 +617,27 @@ class ChatCompletionRequest(SamplingFields):
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"})
-    max_completion_tokens: int | None = Field(
+    max_tokens: JsonInt | None = Field(default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"})
+    max_completion_tokens: JsonInt | None = Field(
         default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"}
     )
-    logprobs: bool = Field(default=False, json_schema_extra=or_null())
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the output continues the last (assistant) message
+    logprobs: StrictBool = Field(default=False, json_schema_extra=or_null())
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the output continues the last (assistant) message
     # The response's text starts with that message's (vLLM's echo).
-    echo: bool = Field(default=False, json_schema_extra=or_null())
+    echo: StrictBool = Field(default=False, json_schema_extra=or_null())
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
     # Reasoning models (--reasoning-parser): whether the reasoning is sent, at most how many
     # tokens it may take, and OpenAI's effort, for templates that read it.
-    include_reasoning: bool = True
-    thinking_token_budget: int | None = Field(
+    include_reasoning: StrictBool = True
+    thinking_token_budget: JsonInt | None = Field(
         default=None, ge=0, json_schema_extra={LIMIT_KEY: "reasoning"}
     )
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     modalities: list[Literal["text"]] | None = None  # ["text"], the only one here
     # UNSUPPORTED, as are the fields below: the document says only null is taken.
     audio: Any = Field(default=None, json_schema_extra=NULL)
@@ -717,9 +736,9 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, json_schema_extra={"minItems": 1})
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -735,11 +754,11 @@ class TokenizeRequest(RequestBody):
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int] = Field(json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}))
+    tokens: list[JsonInt] = Field(json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}))
 
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
-EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+EmbeddingInput = str | list[str] | list[JsonInt] | list[list[JsonInt]]
 EMBEDDING_INPUTS = (
     NON_EMPTY_TEXT,
     {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS},
@@ -754,7 +773,7 @@ class EmbeddingRequest(RequestBody):
     input: EmbeddingInput = Field(json_schema_extra=any_of(*EMBEDDING_INPUTS))
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)  # Matryoshka: the vector's first N values
+    dimensions: JsonInt | None = Field(default=None, ge=1)  # Matryoshka: the first N values
     user: str | None = None  # accepted and unused: it changes nothing in the output
 
     @field_validator("input")

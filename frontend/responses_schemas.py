@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from frontend.openai_schemas import (
     FUNCTION_NAME,
     MAX_LOGPROBS,
+    JsonInt,
     RequestBody,
     ServiceTier,
     seed_field,
@@ -45,7 +46,8 @@ class FunctionTool(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool = True  # the Responses API's default, unlike chat's (a call matches its schema)
+    # The Responses API's default, unlike chat's (a call matches its schema)
+    strict: StrictBool = True
 
     @field_validator("strict", mode="before")
     @classmethod
@@ -67,7 +69,7 @@ class TextFormat(BaseModel):
     name: str | None = Field(default=None, min_length=1, max_length=64)
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> TextFormat:
@@ -172,20 +174,20 @@ class ResponsesRequest(RequestBody):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = Field(default=None, ge=1)
+    parallel_tool_calls: StrictBool | None = None
+    max_tool_calls: JsonInt | None = Field(default=None, ge=1)
     text: ResponseText | None = None
     reasoning: ReasoningOptions | None = None
-    max_output_tokens: int | None = Field(
+    max_output_tokens: JsonInt | None = Field(
         default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"}
     )
     temperature: float | None = Field(default=None, ge=0.0)  # as chat's: no top, as vLLM's
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # Refused past 0 (no logprobs here), as are background, include and truncation "auto".
-    top_logprobs: int | None = Field(
+    top_logprobs: JsonInt | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, json_schema_extra=any_of({"const": 0}, NULL)
     )
-    stream: bool = Field(default=False, json_schema_extra=or_null())
+    stream: StrictBool = Field(default=False, json_schema_extra=or_null())
     stream_options: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra=any_of(
@@ -197,10 +199,12 @@ class ResponsesRequest(RequestBody):
             NULL,
         ),
     )
-    store: bool = Field(default=True, json_schema_extra=or_null())
+    store: StrictBool = Field(default=True, json_schema_extra=or_null())
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    background: bool | None = Field(default=None, json_schema_extra=any_of({"const": False}, NULL))
+    background: StrictBool | None = Field(
+        default=None, json_schema_extra=any_of({"const": False}, NULL)
+    )
     include: list[str] | None = Field(
         default=None, json_schema_extra=any_of({"type": "array", "maxItems": 0}, NULL)
     )
@@ -213,15 +217,15 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM's sampling and template extras, as on chat.
-    top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
+    top_k: JsonInt | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = seed_field()
+    seed: JsonInt | None = seed_field()
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     chat_template_kwargs: dict[str, Any] | None = None
-    thinking_token_budget: int | None = Field(
+    thinking_token_budget: JsonInt | None = Field(
         default=None, ge=0, json_schema_extra={LIMIT_KEY: "reasoning"}
     )
-    priority: int = Field(  # as on chat
+    priority: JsonInt = Field(  # as on chat
         default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, json_schema_extra={LIMIT_KEY: "priority"}
     )
 

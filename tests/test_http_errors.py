@@ -81,6 +81,12 @@ BAD_COMPLETIONS = [
     ({"prompt": 123}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": None}, "prompt"),
+    # JSON of the wrong type is refused (pydantic's lax mode read these as 5, 1, true, [1]).
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"echo": "on"}, "echo"),
+    ({"prompt": [True]}, "prompt"),
+    ({"n": True}, "n"),
 ]
 
 
