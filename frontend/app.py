@@ -197,8 +197,21 @@ PYDANTIC_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list"
 def field_path(loc: tuple[Any, ...]) -> list[str]:
     """An error's location as the request's field names and indices, without "body" and the
     union members pydantic tried (``str``, ``list[int]``, ``literal['none','auto']``,
-    ``tagged-union[...]``, a model's class name)."""
-    return [str(part) for part in loc if isinstance(part, int) or is_field_name(str(part))]
+    ``tagged-union[...]``, a model's class name), nor the tag pydantic puts after a tagged
+    union (``image_url`` in ``content.0.image_url.image_url.url``: the member, then the
+    field)."""
+    path: list[str] = []
+    tag_next = False
+    for part in loc:
+        if isinstance(part, int):
+            path.append(str(part))
+        elif "tagged-union[" in str(part):
+            tag_next = True
+        elif tag_next:
+            tag_next = False
+        elif is_field_name(str(part)):
+            path.append(str(part))
+    return path
 
 
 def is_field_name(part: str) -> bool:

@@ -150,6 +150,11 @@ BAD_CHATS = [
         "messages",
     ),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    # A field inside a content part is named once (pydantic's union tag left out).
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages.0.content.0.image_url.url",
+    ),
     # A message other than the assistant's holds content, as OpenAI requires.
     ({"messages": [{"role": "user"}]}, "messages"),
     (
