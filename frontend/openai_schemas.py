@@ -9,7 +9,9 @@ that change nothing here (user, metadata, store, service_tier, prompt_cache_key,
 safety_identifier) are taken and left unused. Unknown
 fields inside a chat message are ignored (clients send back the messages they received, with
 fields like ``refusal``); known fields with the
-wrong type are a 400, except where pydantic's lax mode converts losslessly ("2" -> 2, 2.0 -> 2).
+wrong type are a 400: a number takes a JSON number, not a string or a boolean, nor does a list of
+token ids take booleans (``RequestBody.json_numbers``; only 2.0 -> 2 is converted), and a
+boolean takes only a boolean (``StrictBool``).
 Strings must be valid Unicode: a JSON escape of a lone surrogate ("\\udc80"), which no tokenizer
 or UTF-8 encoder accepts, is a 400 for the whole request (``valid_unicode``). Range checks live
 here so a bad field is a 400 naming its param; the limits: n <= MAX_N,
@@ -22,12 +24,13 @@ from __future__ import annotations
 import json
 import re
 import time
+import types
+import typing
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -116,6 +119,26 @@ class RequestBody(BaseModel):
         reject_lone_surrogates(data)
         return data
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def json_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number field takes a JSON number, and a list or map of numbers numbers: pydantic's
+        lax mode would read ``true`` as 1, ``"5"`` as 5 and ``[true]`` as token id 1, where
+        OpenAI answers 400. Checked here rather than by a stricter type, which would move
+        the fields' bounds out of their schema in the OpenAPI document."""
+        if info.field_name is None:
+            return value
+        numbers = number_shapes(cls.model_fields[info.field_name].annotation)
+        if "scalar" in numbers and isinstance(value, bool | str):
+            raise ValueError(f"Input should be a number, not {json.dumps(value)}")
+        if "list" in numbers and isinstance(value, list) and holds_bool(value):
+            raise ValueError("Input should hold numbers (token ids), not booleans")
+        if "map" in numbers and isinstance(value, dict):
+            wrong = [v for v in value.values() if isinstance(v, bool | str)]
+            if wrong:
+                raise ValueError(f"Input's values should be numbers, not {json.dumps(wrong[0])}")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def null_is_the_default(cls, data: Any) -> Any:
@@ -126,17 +149,31 @@ class RequestBody(BaseModel):
         return data
 
 
-def json_integer(value: Any) -> Any:
-    """An integer field takes a JSON number, not a boolean or a string: pydantic's lax mode
-    would read ``true`` as 1 and ``"5"`` as 5, where OpenAI answers 400."""
-    if isinstance(value, bool | str):
-        raise ValueError(f"Input should be an integer, not {json.dumps(value)}")
-    return value
+def number_shapes(annotation: Any) -> set[str]:
+    """Where a field's type takes numbers only: "scalar" where every member of its union is an
+    int, a float or None; "list" where a member is a list (of lists) of ints; "map" where one
+    is a dict whose values are numbers. Empty where other members take strings or booleans."""
+    members = typing.get_args(annotation) if is_union(annotation) else (annotation,)
+    shapes = set()
+    given = [m for m in members if m is not type(None)]
+    if given and all(m in (int, float) for m in given):
+        shapes.add("scalar")
+    for member in members:
+        origin, args = typing.get_origin(member), typing.get_args(member)
+        if origin is list and args and (args[0] is int or typing.get_args(args[0]) == (int,)):
+            shapes.add("list")
+        if origin is dict and len(args) == 2 and args[1] in (int, float):
+            shapes.add("map")
+    return shapes
 
 
-# The request models' integers and booleans take their own JSON types only (a float with no
-# fraction still reads as an integer, as clients that compute counts send them).
-JsonInt = Annotated[int, BeforeValidator(json_integer)]
+def is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+def holds_bool(value: list[Any]) -> bool:
+    """Whether a list, or a list in it, holds a boolean."""
+    return any(isinstance(v, bool) or (isinstance(v, list) and holds_bool(v)) for v in value)
 
 
 # OpenAI's seeds are signed 64-bit (vLLM's too), the engine's unsigned: a negative seed is taken
@@ -259,21 +296,19 @@ class SamplingFields(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # -1 and 0 both disable top-k; past int32 the engine refuses it.
-    top_k: JsonInt | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
+    top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: JsonInt | None = seed_field()
-    n: JsonInt = Field(
-        default=1, ge=1, le=MAX_N, json_schema_extra=or_null(**{LIMIT_KEY: "sequences"})
-    )
+    seed: int | None = seed_field()
+    n: int = Field(default=1, ge=1, le=MAX_N, json_schema_extra=or_null(**{LIMIT_KEY: "sequences"}))
     stop: str | list[str] | None = Field(default=None, json_schema_extra=any_of(*STOP, NULL))
-    stop_token_ids: list[JsonInt] | None = Field(
+    stop_token_ids: list[int] | None = Field(
         default=None, json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}, NULL)
     )
     ignore_eos: StrictBool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, json_schema_extra=or_null())
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, json_schema_extra=or_null())
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    min_tokens: JsonInt = Field(default=0, ge=0, json_schema_extra={LIMIT_KEY: "context"})
+    min_tokens: int = Field(default=0, ge=0, json_schema_extra={LIMIT_KEY: "context"})
     stream: StrictBool = Field(default=False, json_schema_extra=or_null())
     stream_options: StreamOptions | None = None
     # token id (as a string) -> bias in [-100, 100]
@@ -287,7 +322,7 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
     guided_choice: list[str] | None = Field(default=None, json_schema_extra=any_of(CHOICES, NULL))
     guided_grammar: str | None = Field(default=None, json_schema_extra=any_of(NON_EMPTY_TEXT, NULL))
-    prompt_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # How the output's tokens become text (vLLM's fields).
     skip_special_tokens: StrictBool = True
     # The fast tokenizers this server loads join special tokens without spaces (as vLLM does
@@ -297,7 +332,7 @@ class SamplingFields(RequestBody):
     )
     include_stop_str_in_output: StrictBool = False  # a matched stop string stays in the text
     # vLLM's: lower is scheduled sooner (--scheduling-policy priority); others refuse all but 0.
-    priority: JsonInt = Field(
+    priority: int = Field(
         default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, json_schema_extra={LIMIT_KEY: "priority"}
     )
     # Accepted and unused: they change nothing in the output (user is logged with the request).
@@ -354,7 +389,7 @@ class SamplingFields(RequestBody):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = str | list[str] | list[JsonInt] | list[list[JsonInt]]
+Prompt = str | list[str] | list[int] | list[list[int]]
 PROMPTS = (
     NON_EMPTY_TEXT,
     {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1},
@@ -373,11 +408,11 @@ class CompletionRequest(SamplingFields):
 
     prompt: Prompt = Field(json_schema_extra=any_of(*PROMPTS))
     # 0 only makes sense with echo (the prompt's own logprobs, as evaluation tools ask for).
-    max_tokens: JsonInt | None = Field(default=16, ge=0, json_schema_extra={LIMIT_KEY: "context"})
-    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(default=16, ge=0, json_schema_extra={LIMIT_KEY: "context"})
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = Field(default=False, json_schema_extra=or_null())
     suffix: str | None = Field(default=None, json_schema_extra=any_of({"const": ""}, NULL))
-    best_of: JsonInt | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
 
     @field_validator("best_of")
     @classmethod
@@ -617,12 +652,12 @@ class ChatCompletionRequest(SamplingFields):
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: JsonInt | None = Field(default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"})
-    max_completion_tokens: JsonInt | None = Field(
+    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"})
+    max_completion_tokens: int | None = Field(
         default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"}
     )
     logprobs: StrictBool = Field(default=False, json_schema_extra=or_null())
-    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the output continues the last (assistant) message
     # The response's text starts with that message's (vLLM's echo).
@@ -631,7 +666,7 @@ class ChatCompletionRequest(SamplingFields):
     # Reasoning models (--reasoning-parser): whether the reasoning is sent, at most how many
     # tokens it may take, and OpenAI's effort, for templates that read it.
     include_reasoning: StrictBool = True
-    thinking_token_budget: JsonInt | None = Field(
+    thinking_token_budget: int | None = Field(
         default=None, ge=0, json_schema_extra={LIMIT_KEY: "reasoning"}
     )
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
@@ -754,11 +789,11 @@ class TokenizeRequest(RequestBody):
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[JsonInt] = Field(json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}))
+    tokens: list[int] = Field(json_schema_extra=any_of({**TOKEN_IDS, "minItems": 0}))
 
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
-EmbeddingInput = str | list[str] | list[JsonInt] | list[list[JsonInt]]
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 EMBEDDING_INPUTS = (
     NON_EMPTY_TEXT,
     {"type": "array", "items": NON_EMPTY_TEXT, "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS},
@@ -773,7 +808,7 @@ class EmbeddingRequest(RequestBody):
     input: EmbeddingInput = Field(json_schema_extra=any_of(*EMBEDDING_INPUTS))
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: JsonInt | None = Field(default=None, ge=1)  # Matryoshka: the first N values
+    dimensions: int | None = Field(default=None, ge=1)  # Matryoshka: the first N values
     user: str | None = None  # accepted and unused: it changes nothing in the output
 
     @field_validator("input")

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from frontend.openai_schemas import (
     FUNCTION_NAME,
     MAX_LOGPROBS,
-    JsonInt,
     RequestBody,
     ServiceTier,
     seed_field,
@@ -175,16 +174,16 @@ class ResponsesRequest(RequestBody):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None
-    max_tool_calls: JsonInt | None = Field(default=None, ge=1)
+    max_tool_calls: int | None = Field(default=None, ge=1)
     text: ResponseText | None = None
     reasoning: ReasoningOptions | None = None
-    max_output_tokens: JsonInt | None = Field(
+    max_output_tokens: int | None = Field(
         default=None, ge=1, json_schema_extra={LIMIT_KEY: "context"}
     )
     temperature: float | None = Field(default=None, ge=0.0)  # as chat's: no top, as vLLM's
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # Refused past 0 (no logprobs here), as are background, include and truncation "auto".
-    top_logprobs: JsonInt | None = Field(
+    top_logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, json_schema_extra=any_of({"const": 0}, NULL)
     )
     stream: StrictBool = Field(default=False, json_schema_extra=or_null())
@@ -217,15 +216,15 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM's sampling and template extras, as on chat.
-    top_k: JsonInt | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
+    top_k: int | None = Field(default=None, ge=-1, json_schema_extra={"maximum": 2**31 - 1})
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: JsonInt | None = seed_field()
+    seed: int | None = seed_field()
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     chat_template_kwargs: dict[str, Any] | None = None
-    thinking_token_budget: JsonInt | None = Field(
+    thinking_token_budget: int | None = Field(
         default=None, ge=0, json_schema_extra={LIMIT_KEY: "reasoning"}
     )
-    priority: JsonInt = Field(  # as on chat
+    priority: int = Field(  # as on chat
         default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, json_schema_extra={LIMIT_KEY: "priority"}
     )
 

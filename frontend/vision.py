@@ -55,6 +55,10 @@ MAX_PIXEL_BYTES = 48 << 20
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp")
 
 
+class ImageRefused(Exception):
+    """The model's HF image processor refused an image (``VisionProcessor.hf_images``)."""
+
+
 class BadImage(ValueError):
     """An image part the server cannot take; ``param`` names it (``messages[1].content[0]``)."""
 
@@ -334,9 +338,7 @@ class VisionProcessor:
         for image, param in zip(images, params, strict=True):
             try:
                 processed = self.process_one(image)
-            except BadImage:
-                raise
-            except ValueError as exc:  # e.g. Qwen2-VL's: an aspect ratio past 200
+            except ImageRefused as exc:
                 raise BadImage(f"the model's image processor refuses it: {exc}", param) from None
             total += processed.wire_nbytes
             pieces += len(processed.pieces())
@@ -356,8 +358,17 @@ class VisionProcessor:
             out.append(processed)
         return out
 
+    def hf_images(self, image: Any, **options: Any) -> Any:
+        """The HF processor's arrays for one image; what it refuses (a ValueError: Qwen2-VL's
+        for an aspect ratio past 200) as ImageRefused, which the client is told of. Only
+        there: a ValueError of our own code after it is a bug, a 500 with its traceback."""
+        try:
+            return self.hf(images=[image], return_tensors="np", **options)
+        except ValueError as exc:
+            raise ImageRefused(str(exc)) from None
+
     def process_one(self, image: Any) -> ProcessedImage:
-        result = self.hf(images=[image], return_tensors="np")
+        result = self.hf_images(image)
         pixels = np.ascontiguousarray(result["pixel_values"], dtype=np.float32)
         grid = self.marker.fixed_grid or tuple(int(n) for n in result["image_grid_thw"][0])
         return ProcessedImage(pixels, (grid[0], grid[1], grid[2]), wire_dtype=self.pixel_dtype)
@@ -495,9 +506,7 @@ class PixtralVisionProcessor(VisionProcessor):
 
     def process_one(self, image: Any) -> ProcessedImage:
         block = self.patch * self.marker.merge_size
-        result = self.hf(
-            images=[image], patch_size={"height": block, "width": block}, return_tensors="np"
-        )
+        result = self.hf_images(image, patch_size={"height": block, "width": block})
         pixels = np.asarray(result["pixel_values"][0], dtype=np.float32)  # [C, H, W]
         channels, height, width = pixels.shape
         rows, cols, p = height // self.patch, width // self.patch, self.patch

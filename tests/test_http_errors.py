@@ -87,6 +87,9 @@ BAD_COMPLETIONS = [
     ({"echo": "on"}, "echo"),
     ({"prompt": [True]}, "prompt"),
     ({"n": True}, "n"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"logit_bias": {"1": True}}, "logit_bias"),
+    ({"prompt": [[1, True]]}, "prompt"),
 ]
 
 
