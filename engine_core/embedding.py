@@ -18,7 +18,7 @@ A sentence-transformers module or option that would change the vector and that t
 not compute (a Dense layer, CLS or max pooling, a lower-cased tokenizer, a prompt left out of
 the mean) is refused when the model loads, never ignored. Its ``max_seq_length`` caps the
 context (``st_max_seq_length``); its default prompt goes before every text input, in the API
-process (frontend/embeddings.py).
+process and the offline API (common/sentence_transformers.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.sentence_transformers import default_prompt
 from engine_core.config import ModelConfig
 from engine_core.models import is_bare_body
 from protocol.messages import EmbeddingModel, PoolingKind, PoolingParams
@@ -59,8 +60,7 @@ def embedding_model(
     if runner == "auto" and pooling is None and not bare:
         return None
     kind, normalize = pooling or DEFAULT_POOLING
-    if model_dir is not None:
-        check_st_default_prompt(model_dir)
+    default_prompt(model_dir)  # one naming none of the prompts is refused at load
     matryoshka, dims = matryoshka_of(hf, model_dir, config.hidden_size)
     return EmbeddingModel(kind, normalize, config.hidden_size, matryoshka, dims)
 
@@ -116,16 +116,6 @@ def st_max_seq_length(model_dir: Path | None) -> int | None:
             if settings.is_file() and (limit := read_json(settings).get("max_seq_length")):
                 return int(limit)
     return None
-
-
-def check_st_default_prompt(model_dir: Path) -> None:
-    """Refuse a default prompt that names none of the checkpoint's prompts (the API process
-    puts the one it names before every text input, as sentence-transformers does)."""
-    settings = model_dir / "config_sentence_transformers.json"
-    config = read_json(settings) if settings.is_file() else {}
-    name = config.get("default_prompt_name")
-    if name is not None and name not in (config.get("prompts") or {}):
-        raise ValueError(f"{settings}: default_prompt_name {name!r} names none of its prompts")
 
 
 def check_st_transformer(folder: Path) -> None:

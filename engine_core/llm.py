@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.sentence_transformers import default_prompt
 from engine_core.config import EngineConfig
 from engine_core.embedding import check_pooling
 from engine_core.request import Request
@@ -192,9 +193,13 @@ class LLM:
         pooling = PoolingParams(model.pooling, model.normalize, dimensions)
         validate_pooling_params(pooling)
         check_pooling(pooling, model)
+        before = default_prompt(self.engine.runner.model_dir)
         requests = [
             Request(
-                f"offline-{next(self._ids)}", self._encode(p), SamplingParams(), pooling=pooling
+                f"offline-{next(self._ids)}",
+                self._encode(p, before),
+                SamplingParams(),
+                pooling=pooling,
             )
             for p in prompt_batch(prompts)
         ]
@@ -231,9 +236,11 @@ class LLM:
                     record.finish_reason = out.finish_reason
                     record.error = out.error
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def _encode(self, prompt: str | Sequence[int], text_before: str = "") -> list[int]:
+        """A prompt's token ids; a text's after ``text_before`` (an embedding model's default
+        prompt, as sentence-transformers puts it before each input)."""
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(text_before + prompt))
         if not is_sequence_like(prompt):
             raise TypeError(
                 f"a prompt is a str or a sequence of token ids, not {type(prompt).__name__}"

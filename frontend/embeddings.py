@@ -13,9 +13,7 @@ by default).
 from __future__ import annotations
 
 import base64
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,19 +57,6 @@ async def embed(ctx: ServingContext, req: EmbeddingRequest, pooling: PoolingPara
     tokens = sum(len(p) for p in prompts)
     usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
     return EmbeddingResponse(data=data, model=ctx.served_model, usage=usage).model_dump()
-
-
-def st_default_prompt(model_dir: Path) -> str:
-    """The prompt sentence-transformers puts before every input where the checkpoint names a
-    default one (config_sentence_transformers.json: ``prompts[default_prompt_name]``), else ""."""
-    settings = model_dir / "config_sentence_transformers.json"
-    if not settings.is_file():
-        return ""
-    config = json.loads(settings.read_text(encoding="utf-8"))
-    name = config.get("default_prompt_name")
-    if name is None:
-        return ""
-    return str((config.get("prompts") or {}).get(name, ""))  # the engine checked it is there
 
 
 async def embedding_prompts(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:

@@ -28,11 +28,11 @@ from common.processes import (
     spread_young_collections,
     stop_on_sigterm,
 )
+from common.sentence_transformers import default_prompt
 from engine_core.model_dir import RANDOM_PREFIX
 from frontend.admission import AdmissionGate
 from frontend.app import ServerState, build_app
 from frontend.constraints import ConstraintChecker
-from frontend.embeddings import st_default_prompt
 from frontend.engine_pool import EngineGauges, EnginePool
 from frontend.engines import EngineSpec, EngineTimeouts, connect_engine, supervise_engines
 from frontend.lora_args import lora_on
@@ -149,7 +149,7 @@ def build_state(
         max_resumes=resumes_allowed(args, specs),
         resume_timeout_s=args.resume_timeout,
         embedding=ready.embedding,
-        embedding_prompt=st_default_prompt(model_dir) if ready.embedding else "",
+        embedding_prompt=default_prompt(model_dir) if ready.embedding else "",
         scheduling_policy=ready.scheduling_policy,
         loras=served_loras(args, engine_model_of(args, model_dir)),
         tracer=request_tracer(args, name),

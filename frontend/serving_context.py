@@ -51,7 +51,7 @@ class ServingContext:
     # generate. None: a generative model, which refuses /v1/embeddings.
     embedding: EmbeddingModel | None = None
     # Its sentence-transformers default prompt, put before every text input as
-    # sentence-transformers' encode does (frontend/embeddings.py st_default_prompt).
+    # sentence-transformers' encode does (common/sentence_transformers.py).
     embedding_prompt: str = ""
     # The LoRA adapters served by name (frontend/lora.py); None: LoRA is off.
     loras: LoraRegistry | None = None

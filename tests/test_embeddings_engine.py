@@ -342,3 +342,28 @@ def test_sentence_transformers_max_seq_length_caps_the_context(tmp_path: Path) -
     assert len(llm.embed([list(range(5, 21))])[0].embedding) == 64  # 16 tokens: taken
     with pytest.raises(ValueError, match="16"):
         llm.embed([list(range(5, 22))])  # 17: refused, not embedded whole
+
+
+def test_the_offline_api_puts_the_default_prompt_before_texts(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    """As sentence-transformers' encode (and /v1/embeddings) does; token ids are taken as
+    they are."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from tests.factories import copy_tokenizer
+
+    path = write_tiny_embedding_model(tmp_path, vocab_size=49152)
+    copy_tokenizer(default_model_dir, path)
+    write(path / "config_sentence_transformers.json",
+          {"prompts": {"query": "query: "}, "default_prompt_name": "query"})  # fmt: skip
+    llm = small_llm(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf = AutoModel.from_pretrained(path).eval()
+    prompted = tokenizer.encode("query: hello there")
+    (text,) = llm.embed(["hello there"])
+    assert text.prompt_token_ids == prompted
+    want = hf_pooled(hf, prompted, llm.engine.embedding.pooling)
+    assert F.cosine_similarity(torch.tensor(text.embedding), want, dim=0) > 0.9999
+    (ids,) = llm.embed([tokenizer.encode("hello there")])
+    assert ids.prompt_token_ids == tokenizer.encode("hello there")
