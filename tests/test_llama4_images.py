@@ -453,7 +453,10 @@ def test_the_openai_client_gets_hf_s_tokens_through_a_real_server(
             )
         error = caught.value.body
         assert error["param"] == "messages[0].content[1]" and error["code"] == "invalid_image"
-        assert error["type"] == "invalid_request_error" and "does not decode" in error["message"]
+        assert (
+            error["type"] == "invalid_request_error"
+            and "not a PNG, JPEG or WebP" in error["message"]
+        )
     finally:
         stop_server(srv)
 

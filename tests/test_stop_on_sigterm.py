@@ -42,6 +42,8 @@ async def main(case):
     print("stopped", flush=True)
 
 exit_on_sigterm()
+# A CI run started in the background inherits SIGINT ignored: asyncio.run would not take it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 try:
     asyncio.run(main(sys.argv[1]))
 except KeyboardInterrupt:
