@@ -46,7 +46,9 @@ from frontend.errors import (
     as_openai_error,
     bad_request,
     error_response,
+    field_path,
     http_exception_error,
+    most_specific,
     server_stopping,
 )
 from frontend.metrics import CONTENT_TYPE
@@ -188,46 +190,6 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def on_unexpected(_req: Request, exc: Exception) -> Response:
         return error_response(as_openai_error(exc))
-
-
-# How pydantic names a union's members in an error's location: its own names, not the client's.
-PYDANTIC_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
-
-
-def field_path(loc: tuple[Any, ...]) -> list[str]:
-    """An error's location as the request's field names and indices, without "body" and the
-    union members pydantic tried (``str``, ``list[int]``, ``literal['none','auto']``,
-    ``tagged-union[...]``, a model's class name), nor the tag pydantic puts after a tagged
-    union (``image_url`` in ``content.0.image_url.image_url.url``: the member, then the
-    field)."""
-    path: list[str] = []
-    tag_next = False
-    for part in loc:
-        if isinstance(part, int):
-            path.append(str(part))
-        elif "tagged-union[" in str(part):
-            tag_next = True
-        elif tag_next:
-            tag_next = False
-        elif is_field_name(str(part)):
-            path.append(str(part))
-    return path
-
-
-def is_field_name(part: str) -> bool:
-    return (
-        part != "body"
-        and part.isidentifier()
-        and not part[0].isupper()
-        and part not in PYDANTIC_MEMBER_NAMES
-    )
-
-
-def most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """The error to report: a value that matched none of a union's members fails once per
-    member, and the one that reached deepest into the value says what is wrong (an unknown
-    content part's type, rather than "Input should be a valid string")."""
-    return max(errors, key=lambda e: len(field_path(e.get("loc", ()))), default={})
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:

@@ -8,6 +8,7 @@ with Retry-After, an unexpected exception a 500 without a traceback.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from starlette.responses import Response
 
@@ -102,3 +103,43 @@ def error_response(err: OpenAIError) -> Response:
     # ensure_ascii: a message that quotes client input can never fail to encode.
     body = json.dumps({"error": err.info.model_dump()}, ensure_ascii=True).encode()
     return Response(body, err.status, err.headers, media_type="application/json")
+
+
+# How pydantic names a union's members in an error's location: its own names, not the client's.
+PYDANTIC_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def field_path(loc: tuple[Any, ...]) -> list[str]:
+    """An error's location as the request's field names and indices, without "body" and the
+    union members pydantic tried (``str``, ``list[int]``, ``literal['none','auto']``,
+    ``tagged-union[...]``, a model's class name), nor the tag pydantic puts after a tagged
+    union (``image_url`` in ``content.0.image_url.image_url.url``: the member, then the
+    field)."""
+    path: list[str] = []
+    tag_next = False
+    for part in loc:
+        if isinstance(part, int):
+            path.append(str(part))
+        elif "tagged-union[" in str(part):
+            tag_next = True
+        elif tag_next:
+            tag_next = False
+        elif is_field_name(str(part)):
+            path.append(str(part))
+    return path
+
+
+def is_field_name(part: str) -> bool:
+    return (
+        part != "body"
+        and part.isidentifier()
+        and not part[0].isupper()
+        and part not in PYDANTIC_MEMBER_NAMES
+    )
+
+
+def most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error to report: a value that matched none of a union's members fails once per
+    member, and the one that reached deepest into the value says what is wrong (an unknown
+    content part's type, rather than "Input should be a valid string")."""
+    return max(errors, key=lambda e: len(field_path(e.get("loc", ()))), default={})

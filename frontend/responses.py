@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from frontend.chat import ChatGeneration, ChoiceStream, prepare_chat
-from frontend.errors import OpenAIError, bad_request
+from frontend.errors import OpenAIError, bad_request, field_path, most_specific
 from frontend.openai_schemas import ChatCompletionRequest
 from frontend.response_store import StoredResponse
 from frontend.responses_schemas import (
@@ -111,7 +111,7 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
     except ItemError as exc:
         raise bad_request(str(exc), exc.param) from None
     except ValidationError as exc:
-        raise chat_validation_error(exc) from None
+        raise chat_validation_error(exc, message_sources(req, history, origins)) from None
     check_call_outputs(history, new, origins)
     check_item_ids(req.input)
     if req.user is not None:
@@ -119,10 +119,8 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
     try:
         gen = await prepare_chat(ctx, chat)
     except OpenAIError as exc:
-        sources = ["instructions"] * (req.instructions is not None)
-        sources += ["previous_response_id"] * len(history) + origins
         chat_param = exc.info.param
-        exc.info.param = response_param(chat_param, sources)
+        exc.info.param = response_param(chat_param, message_sources(req, history, origins))
         if chat_param and exc.info.param and exc.info.param != chat_param:
             # The chat field's name where the message names it as the field (not quoted, as
             # a template variable of the same name is).
@@ -176,11 +174,25 @@ def response_param(param: str | None, sources: list[str]) -> str | None:
     return f"{sources[int(match[1])]}.content.{match[2]}{match[3]}"
 
 
-def chat_validation_error(exc: ValidationError) -> OpenAIError:
-    """A check of the chat request it became, in the Responses API's names."""
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ())]
-    param = PARAMS.get(loc[0], loc[0]) if loc else None
+def message_sources(
+    req: ResponsesRequest, history: list[dict[str, Any]], origins: list[str]
+) -> list[str]:
+    """Where each message of the chat request came from, in the Responses API's names."""
+    sources = ["instructions"] * (req.instructions is not None)
+    return sources + ["previous_response_id"] * len(history) + origins
+
+
+def chat_validation_error(exc: ValidationError, sources: list[str]) -> OpenAIError:
+    """A check of the chat request it became, in the Responses API's names: the most specific
+    of its errors (as the chat route picks it), a message part's field named by the input
+    item and part it came from."""
+    first = most_specific(list(exc.errors()))
+    loc = field_path(first.get("loc", ()))
+    if len(loc) >= 4 and loc[0] == "messages" and loc[2] == "content":
+        rest = "".join(f".{part}" for part in loc[4:])
+        param = response_param(f"messages[{loc[1]}].content[{loc[3]}]{rest}", sources)
+    else:
+        param = PARAMS.get(loc[0], loc[0]) if loc else None
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return bad_request(f"{param}: {msg}" if param else msg, param)
 

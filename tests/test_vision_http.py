@@ -364,6 +364,8 @@ def test_responses_input_images_are_the_chat_apis_image_parts(vl_server: Server)
     [
         ({"image_url": data_url(b"not an image")}, "input.0.content.1", "image"),
         ({"image_url": "data:,", "detail": "high"}, "input.0.content.1.detail", "detail"),
+        # Not a detail at all: named by its item and part too (it was "input", "a valid string").
+        ({"image_url": "data:,", "detail": "bogus"}, "input.0.content.1.detail", "'low'"),
         ({"file_id": "file-1"}, "input.0.content.1.file_id", "file_id"),
     ],
 )
