@@ -44,7 +44,7 @@ from typing import Any
 
 from common import event_loop
 from common.hf_tokenizer import TokenizerError
-from common.listen import probe_bind
+from common.listen import address_family, probe_bind
 from common.processes import (
     EXIT_UNSERVABLE,
     UnservableError,
@@ -89,7 +89,7 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     bind comes first: a bind with SO_REUSEPORT would silently join another server's group on the
     same port (one of ours still running, say), and the plain one fails instead.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family = address_family(host)
     port = probe_bind(host, port)
     sockets: list[socket.socket] = []
     try:
