@@ -72,7 +72,7 @@ def sentence_transformers_pooling(model_dir: Path) -> tuple[PoolingKind, bool] |
     if not modules_file.is_file():
         return None
     modules = read_json(modules_file)
-    kinds = [str(m.get("type", "")).rpartition(".")[2] for m in modules]
+    kinds = [module_kind(m) for m in modules]
     unknown = [k for k in kinds if k not in ST_MODULES]
     if unknown:
         raise ValueError(
@@ -81,9 +81,8 @@ def sentence_transformers_pooling(model_dir: Path) -> tuple[PoolingKind, bool] |
         )
     if "Pooling" not in kinds:
         return None
-    for module, kind in zip(modules, kinds, strict=True):
-        if kind == "Transformer":
-            check_st_transformer(model_dir / module.get("path", ""))
+    for folder in transformer_folders(model_dir, modules):
+        check_st_transformer(folder)
     pooling = modules[kinds.index("Pooling")]
     config = read_json(model_dir / pooling.get("path", "") / "config.json")
     return pooling_kind(config), "Normalize" in kinds
@@ -110,12 +109,21 @@ def st_max_seq_length(model_dir: Path | None) -> int | None:
     modules_file = model_dir / "modules.json" if model_dir is not None else None
     if modules_file is None or not modules_file.is_file():
         return None
-    for module in read_json(modules_file):
-        if str(module.get("type", "")).rpartition(".")[2] == "Transformer":
-            settings = model_dir / module.get("path", "") / "sentence_bert_config.json"
-            if settings.is_file() and (limit := read_json(settings).get("max_seq_length")):
-                return int(limit)
+    for folder in transformer_folders(model_dir, read_json(modules_file)):
+        settings = folder / "sentence_bert_config.json"
+        if settings.is_file() and (limit := read_json(settings).get("max_seq_length")):
+            return int(limit)
     return None
+
+
+def module_kind(module: dict[str, Any]) -> str:
+    """A modules.json entry's kind: the last part of its type (``Transformer``, ``Pooling``)."""
+    return str(module.get("type", "")).rpartition(".")[2]
+
+
+def transformer_folders(model_dir: Path, modules: list[dict[str, Any]]) -> list[Path]:
+    """The folders of the Transformer modules that modules.json lists."""
+    return [model_dir / m.get("path", "") for m in modules if module_kind(m) == "Transformer"]
 
 
 def check_st_transformer(folder: Path) -> None:

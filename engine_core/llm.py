@@ -12,6 +12,7 @@ Also the `tandem generate` subcommand.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -122,6 +123,11 @@ class LLM:
             )
         return self._tokenizer
 
+    @functools.cached_property
+    def _embedding_prompt(self) -> str:
+        """The checkpoint's default prompt, put before each text ``embed`` takes (read once)."""
+        return default_prompt(self.engine.runner.model_dir)
+
     def generate(
         self,
         prompts: Prompts,
@@ -193,7 +199,7 @@ class LLM:
         pooling = PoolingParams(model.pooling, model.normalize, dimensions)
         validate_pooling_params(pooling)
         check_pooling(pooling, model)
-        before = default_prompt(self.engine.runner.model_dir)
+        before = self._embedding_prompt
         requests = [
             Request(
                 f"offline-{next(self._ids)}",
