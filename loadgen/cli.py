@@ -274,17 +274,8 @@ def check_args(args: argparse.Namespace) -> None:
             "--client-processes applies to HTTP backends with all requests at once (no "
             "--request-rate, --interval, --max-concurrency or --sweep)"
         )
-    if args.pretok and args.backend != "openai-completions":
-        raise ValueError("--pretok applies to openai-completions only")
-    if args.address is not None and args.backend != "zmq":
-        raise ValueError("--address is the engine's, for --backend zmq (HTTP backends use --url)")
     if not 1 <= args.output_interval <= 2**31 - 1:
         raise ValueError("--output-interval must be in [1, 2^31 - 1]")
-    if args.output_interval != 1 and args.backend != "zmq":
-        raise ValueError(
-            "--output-interval applies to --backend zmq only (over HTTP the server's "
-            "--stream-interval sets it)"
-        )
     if args.prompt is not None and args.dataset is not None:
         raise ValueError("give --prompt or --dataset, not both")
     if args.interval is not None and not math.isinf(args.request_rate):
@@ -304,6 +295,14 @@ def check_unused_flags(args: argparse.Namespace) -> None:
     sweep = args.sweep.param if args.sweep is not None else None
     text_prompts = args.prompt is not None or args.dataset is not None
     unused = {
+        "--pretok applies to openai-completions only": (
+            args.pretok and args.backend != "openai-completions"
+        ),
+        "--address is the engine's, for --backend zmq (HTTP backends use --url)": (
+            args.address is not None and not zmq
+        ),
+        "--output-interval applies to --backend zmq only (over HTTP the server's "
+        "--stream-interval sets it)": args.output_interval != 1 and not zmq,
         "--connect-timeout is for --backend zmq": args.connect_timeout is not None and not zmq,
         # zmq asks --url's /v1/engine for the address, with the key, unless --address gives it
         "--api-key: --backend zmq with --address asks no server": (

@@ -401,6 +401,9 @@ def test_a_given_seed_repeats_the_prompts() -> None:
     ("argv", "words"),
     [
         (["--connect-timeout", "5"], "--connect-timeout is for --backend zmq"),
+        (["--backend", "openai-chat", "--pretok"], "--pretok applies to openai-completions only"),
+        (["--output-interval", "4"], "--output-interval applies to --backend zmq only"),
+        (["--address", "ipc:///tmp/e"], "--address is the engine's, for --backend zmq"),
         (
             ["--backend", "zmq", "--address", "ipc:///tmp/e", "--api-key", "k"],
             "--api-key: --backend zmq with --address asks no server",
