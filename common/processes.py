@@ -128,6 +128,29 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, raise_exit)
 
 
+@contextlib.contextmanager
+def signals_deferred(*signums: int) -> Iterator[None]:
+    """Within the block these signals are only noted; as it ends, each that came goes to the
+    handler that was in place, which runs there. For start-up work that a handler's exception
+    must not cut at an arbitrary bytecode: one raised inside an at-fork callback (logging's
+    runs on every spawn) is printed and dropped, and left the logging lock that callback was to
+    release held for ever, which hung the next thread that logged. The handlers, not the signal
+    mask: a child spawned meanwhile inherits a mask, and exec resets the handlers."""
+    came: list[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        came.append(signum)
+
+    previous = {signum: signal.signal(signum, note) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(came):
+            signal.raise_signal(signum)  # its handler runs before this returns
+
+
 class Drainable(Protocol):
     """A server that drains and stops once told (uvicorn.Server)."""
 

@@ -284,7 +284,7 @@ def launch(
     the tokenizer's libraries): their start-up (imports, the model) overlaps ours."""
     from common import event_loop
     from common.hf_tokenizer import TokenizerError
-    from common.processes import UnservableError, exit_on_sigterm
+    from common.processes import UnservableError, exit_on_sigterm, signals_deferred
     from protocol.client import EngineDeadError, HandshakeError
 
     exit_on_sigterm()  # so the finally below runs on SIGTERM too
@@ -292,12 +292,15 @@ def launch(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     api = None
     try:
-        for spec in specs:  # they load in parallel
-            spec.start()
-        from frontend.api_processes import ApiProcesses
-        from frontend.http_server import serve_http
+        # A signal here takes effect once the engines are spawned and the HTTP stack imported:
+        # raised in the middle of a spawn it would be lost (see signals_deferred).
+        with signals_deferred(signal.SIGTERM, signal.SIGINT):
+            for spec in specs:  # they load in parallel
+                spec.start()
+            from frontend.api_processes import ApiProcesses
+            from frontend.http_server import serve_http
 
-        api = ApiProcesses(args, model_dir, specs, listeners) if listeners else None
+            api = ApiProcesses(args, model_dir, specs, listeners) if listeners else None
         event_loop.run(api.run() if api is not None else serve_http(args, model_dir, specs))
     except (KeyboardInterrupt, SystemExit):
         pass

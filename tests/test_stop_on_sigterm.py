@@ -1,4 +1,5 @@
-"""``common/processes.py`` ``stop_on_sigterm``: SIGTERM inside an event loop as a loop callback.
+"""``common/processes.py`` ``stop_on_sigterm``: SIGTERM inside an event loop as a loop callback;
+``signals_deferred``: a signal during a spawn waits for the spawn to end.
 
 Each case runs a small asyncio program in a subprocess of its own (signals go to the whole
 process) and reads what it printed. A SIGTERM sent from inside a weakref callback is where a
@@ -8,8 +9,11 @@ after ``os.kill`` returns, inside the finalizer."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+
+import pytest
 
 PROGRAM = """
 import asyncio, os, signal, sys, weakref
@@ -81,3 +85,48 @@ def test_a_sigterm_dropped_before_the_loop_stops_it_when_it_starts() -> None:
     printed, stderr = run_case("before-the-loop")
     assert "Exception ignored" in stderr  # the case this covers: the SystemExit was lost
     assert printed == ["cleaned", "up", "stopped"]
+
+
+SPAWN = """
+import logging, os, signal, subprocess, sys, threading
+from common.processes import die_with_parent, exit_on_sigterm, signals_deferred
+
+signum = int(sys.argv[1])
+exit_on_sigterm()
+signal.signal(signal.SIGINT, signal.default_int_handler)
+# Handled at the first bytecode after os.kill returns: inside this at-fork callback (they run
+# where Popen has a preexec_fn, as the engines' spawn has), where an exception is printed and
+# dropped, as when a signal came during logging's own callback.
+os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signum))
+child = None
+try:
+    with signals_deferred(signal.SIGTERM, signal.SIGINT):
+        child = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=die_with_parent())
+        print("spawned", flush=True)
+    print("went on", flush=True)
+except (SystemExit, KeyboardInterrupt) as exc:
+    print(type(exc).__name__, "after the spawn" if child else "during the spawn", flush=True)
+finally:
+    if child is not None:
+        child.wait()
+# The logging lock the at-fork callbacks take and give back is free for another thread.
+logger = threading.Thread(target=logging.getLogger, args=("another",), daemon=True)
+logger.start()
+logger.join(10)
+print("logging free" if not logger.is_alive() else "logging held", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("signum", "raised"), [(signal.SIGTERM, "SystemExit"), (signal.SIGINT, "KeyboardInterrupt")]
+)
+def test_a_signal_during_a_spawn_takes_effect_after_it(signum: int, raised: str) -> None:
+    """The signal comes inside an at-fork callback of the spawn: its exception is neither lost
+    there nor left to cut the spawn; the handler runs once the block ends, the child known."""
+    result = subprocess.run(
+        [sys.executable, "-c", SPAWN, str(int(signum))], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["spawned", raised, "after", "the", "spawn", "logging", "free"]
+    assert "Exception ignored" not in result.stderr, result.stderr
