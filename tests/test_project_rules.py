@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import configparser
 import dataclasses
+import functools
 import re
 import sys
 import textwrap
@@ -43,12 +44,16 @@ def test_one_python_floor_everywhere_and_the_tests_run_on_it() -> None:
     assert sys.version_info[:2] >= (major, minor)
 
 
-def modules() -> Iterator[tuple[str, ast.Module]]:
+@functools.cache
+def modules() -> tuple[tuple[str, ast.Module], ...]:
+    """Every module's name and tree, parsed once for all the rules (none changes a tree)."""
+    found = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            yield name, ast.parse(path.read_text(), str(path))
+            found.append((name, ast.parse(path.read_text(), str(path))))
+    return tuple(found)
 
 
 def imported(tree: ast.Module) -> Iterator[tuple[str, list[str]]]:
@@ -61,6 +66,7 @@ def imported(tree: ast.Module) -> Iterator[tuple[str, list[str]]]:
                 yield alias.name, []
 
 
+@functools.cache
 def project_graph() -> dict[str, set[str]]:
     trees = dict(modules())
     graph: dict[str, set[str]] = {name: set() for name in trees}
