@@ -1,12 +1,12 @@
 """``python -m engine_core``: the engine-core process (what `tandem engine` runs; see
-engine_core/server.py). `tandem serve` starts its engine cores this way."""
+engine_core/engine_cli.py). `tandem serve` starts its engine cores this way."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engine_core.server import add_args, run
+from engine_core.engine_cli import add_args, run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,6 @@ from typing import Any
 
 from common.sentence_transformers import default_prompt
 from engine_core.config import ModelConfig
-from engine_core.models import is_bare_body
 from protocol.messages import EmbeddingModel, PoolingKind, PoolingParams
 
 # The sentence-transformers modules whose work the engine does (models/: the Transformer; the
@@ -47,6 +46,8 @@ def embedding_model(
 ) -> EmbeddingModel | None:
     """How the engine runs the model: None to generate, else the pooling of its vectors.
     ValueError where the runner and the checkpoint cannot go together."""
+    from engine_core.models import is_bare_body  # torch: not for `tandem generate --help`
+
     hf = config.hf_config
     pooling = sentence_transformers_pooling(model_dir) if model_dir is not None else None
     bare = is_bare_body(hf)

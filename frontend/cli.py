@@ -11,7 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("start the engine core and the OpenAI-compatible HTTP server", "frontend.serve"),
     "engine": (
         "run only the engine core process, serving the raw ZMQ protocol",
-        "engine_core.server",
+        "engine_core.engine_cli",
     ),
     "client": (
         "send one request to an engine core over raw ZMQ and stream the output",
@@ -28,8 +28,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with every subcommand listed; only ``command``'s flags are added (all of them
-    when None), because each subcommand's module is imported to add them and some import torch:
-    `tandem serve` should not pay for the engine's modules before it starts the engine."""
+    when None), because each subcommand's module is imported to add them. None of those modules
+    imports torch or the HTTP stack until its command runs: `--help` and a refused flag answer
+    at once, and `tandem serve` starts its engines before it pays for either."""
     parser = argparse.ArgumentParser(
         prog="tandem",
         description="Tandem: an LLM serving engine with an OpenAI-compatible frontend and a "

@@ -512,12 +512,12 @@ def test_two_hosts_in_network_namespaces_meet_over_a_secret(
 SIGNALS_SCRIPT = """
 import json, os, signal, types
 from common.processes import STOP_FOR_GOOD
-from engine_core.server import _stop_on_signals
+from engine_core.server import stop_on_signals
 seen = {}
 for supervised in (False, True):
     for sig in (signal.SIGTERM, signal.SIGINT, STOP_FOR_GOOD):
         proc = types.SimpleNamespace(running=True, stopped_for_good=False)
-        _stop_on_signals(proc, supervised)
+        stop_on_signals(proc, supervised)
         os.kill(os.getpid(), sig)
         seen[f"{supervised} {sig.name}"] = [proc.running, proc.stopped_for_good]
 print(json.dumps(seen))

@@ -56,6 +56,13 @@ args = build_parser("engine").parse_args(["engine", "--model", MODEL])
 EngineCore(engine_config_from_args(args))
 """
 
+# What `tandem COMMAND --help`, or a flag it refuses, costs: building the command's parser.
+COMMAND_PARSERS = """
+from frontend.cli import COMMANDS, build_parser
+for command in COMMANDS:
+    build_parser(command)
+"""
+
 
 def imported(code: str, model: Path, watched: tuple[str, ...]) -> list[str]:
     """Which of ``watched`` a fresh interpreter has imported after running ``code``."""
@@ -76,8 +83,9 @@ def imported(code: str, model: Path, watched: tuple[str, ...]) -> list[str]:
         (API_PROCESS, ENGINE_STACK + OPTIONAL),
         (ENGINE_PROCESS, HTTP_STACK + OPTIONAL + ("opentelemetry", "torch._dynamo")),
         (API_TOKENIZER, ENGINE_STACK),
+        (COMMAND_PARSERS, ENGINE_STACK + HTTP_STACK + OPTIONAL),
     ],
-    ids=["serve-before-engines", "api-process", "engine-process", "api-tokenizer"],
+    ids=["serve-before-engines", "api-process", "engine-process", "api-tokenizer", "parsers"],
 )
 def test_a_start_path_imports_no_heavy_module_it_does_not_use(
     code: str, watched: tuple[str, ...], tiny_model_dir: Path
