@@ -15,14 +15,14 @@ import argparse
 import functools
 import itertools
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.sentence_transformers import default_prompt
 from engine_core.config import EngineConfig
 from engine_core.embedding import check_pooling
-from engine_core.request import Request
+from engine_core.request import EngineOutput, Request
 from protocol.codec import validate_pooling_params, validate_sampling_params
 from protocol.messages import (
     FinishReason,
@@ -178,7 +178,7 @@ class LLM:
             r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids, [], None)
             for r in requests
         }
-        self._run_until_done(outputs)
+        self._run_until_done(outputs, functools.partial(self._take_completion, outputs))
         results = list(outputs.values())
         if detokenize:
             for r in results:
@@ -213,10 +213,7 @@ class LLM:
         outputs = {
             r.request_id: EmbeddingOutput(r.request_id, r.prompt_token_ids) for r in requests
         }
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                record = outputs[out.request.request_id]
-                record.embedding, record.error = out.embedding, out.error
+        self._run_until_done(outputs, functools.partial(self._take_embedding, outputs))
         return list(outputs.values())
 
     def _add_all(self, requests: list[Request]) -> None:
@@ -230,17 +227,38 @@ class LLM:
             self.engine.abort(added)
             raise
 
-    def _run_until_done(self, outputs: dict[str, CompletionOutput]) -> None:
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                record = outputs[out.request.request_id]
-                record.token_ids.extend(out.new_token_ids)
-                record.logprobs.extend(out.logprobs or [])
-                if out.prompt_logprobs is not None:
-                    record.prompt_logprobs = out.prompt_logprobs
-                if out.finish_reason is not None:
-                    record.finish_reason = out.finish_reason
-                    record.error = out.error
+    def _run_until_done(
+        self, request_ids: Iterable[str], take: Callable[[EngineOutput], None]
+    ) -> None:
+        """Step the engine until nothing is live, giving ``take`` each output of this call's
+        ``request_ids``. Whatever ends the loop early (Ctrl-C, an engine error) aborts them,
+        so the engine holds no blocks for them; an output of such an earlier call's request
+        (its last step was in flight) is dropped here."""
+        ours = set(request_ids)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request.request_id in ours:
+                        take(out)
+        except BaseException:
+            self.engine.abort(list(ours))
+            raise
+
+    @staticmethod
+    def _take_embedding(outputs: dict[str, EmbeddingOutput], out: EngineOutput) -> None:
+        record = outputs[out.request.request_id]
+        record.embedding, record.error = out.embedding, out.error
+
+    @staticmethod
+    def _take_completion(outputs: dict[str, CompletionOutput], out: EngineOutput) -> None:
+        record = outputs[out.request.request_id]
+        record.token_ids.extend(out.new_token_ids)
+        record.logprobs.extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            record.prompt_logprobs = out.prompt_logprobs
+        if out.finish_reason is not None:
+            record.finish_reason = out.finish_reason
+            record.error = out.error
 
     def _encode(self, prompt: str | Sequence[int], text_before: str = "") -> list[int]:
         """A prompt's token ids; a text's after ``text_before`` (an embedding model's default

@@ -166,6 +166,37 @@ def test_generate_that_fails_on_a_later_prompt_leaves_the_engine_as_it_was(
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_a_call_cut_by_ctrl_c_leaves_the_llm_serving_and_no_block_held(
+    tiny_llama: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the middle of generate() (here: the third step raises KeyboardInterrupt, as a
+    terminal's signal would between two bytecodes of it) aborts that call's requests; the next
+    call gets each prompt's tokens as if run alone, and no block stays held. With overlap the
+    cut call's last step was in flight: its outputs come in the next call and are dropped."""
+    llm = LLM(str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64,
+              async_scheduling=overlap)  # fmt: skip
+    prompts = make_prompts(3, 6, seed=21)
+    real_step, calls = llm.engine.step, []
+
+    def interrupted_step() -> list:
+        calls.append(None)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, detokenize=False)
+    assert llm.engine.scheduler.num_running == 0 and not llm.engine.scheduler.waiting
+    again = [o.token_ids for o in llm.generate(prompts, GREEDY, detokenize=False)]
+    assert again == run_alone(tiny_llama, prompts, GREEDY)
+    assert not llm.engine.has_unfinished()
+    bm = llm.engine.scheduler.block_manager
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_a_burst_sharing_a_prefix_reads_it_from_the_step_that_computes_it(
     tiny_llama: Path, overlap: bool
 ) -> None:
