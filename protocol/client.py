@@ -367,8 +367,11 @@ class EngineClient(_Connection):
         try:
             while not finished:
                 msg = self.recv(timeout)
-                if msg is None:
-                    raise TimeoutError(f"no output for {request_id!r} within {timeout:g} s")
+                if msg is None:  # not even a heartbeat: the engine is gone or stuck
+                    raise TimeoutError(
+                        f"the engine sent nothing for {timeout:g} s (not even a heartbeat) "
+                        f"while {request_id!r} ran: it died or hangs"
+                    )
                 mine, rest = split_for_request(msg, request_id)
                 if rest is not None:
                     others.append(rest)

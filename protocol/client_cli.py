@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    from common.arg_types import positive_float
+    from protocol.client import DEAD_AFTER_S
     from protocol.curve import add_client_args
 
     parser.add_argument("--address", required=True, help="engine address: ipc://PATH or tcp://H:P")
@@ -84,6 +86,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="seconds to wait for READY (default: 60)"
     )
+    parser.add_argument(
+        "--engine-timeout", type=positive_float, default=DEAD_AFTER_S, metavar="SECONDS",
+        help="seconds of silence from the engine (it sends a heartbeat every 0.5 s between "
+        f"steps) after which the request fails as the engine's death (default: {DEAD_AFTER_S:g})",
+    )  # fmt: skip
     add_client_args(parser)
 
 
@@ -112,14 +119,21 @@ def run(args: argparse.Namespace) -> int:
         except (HandshakeError, TimeoutError) as exc:
             print(f"tandem client: {exc}", file=sys.stderr)
             return 1
-        tokenizer = None if args.prompt is None else _load_tokenizer(args.model or ready.model)
+        try:
+            tokenizer = None if args.prompt is None else _load_tokenizer(args.model or ready.model)
+        except (ValueError, OSError) as exc:  # no such model, or a folder without a tokenizer
+            print(f"tandem client: {exc}", file=sys.stderr)
+            return 2
         prompt_ids = (
             args.token_ids if tokenizer is None else _tokenize(tokenizer, args.prompt, args.chat)
         )
         printer = _IdPrinter(sys.stdout) if tokenizer is None else _TextPrinter(tokenizer)
         try:
-            reason = _stream(client, request_id, prompt_ids, params, printer, args.priority)
-        except (ProtocolError, EngineRequestError) as exc:
+            reason = _stream(
+                client, request_id, prompt_ids, params, printer, args.priority,
+                args.engine_timeout,
+            )  # fmt: skip
+        except (ProtocolError, EngineRequestError, TimeoutError) as exc:
             print(f"\ntandem client: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # generate() has aborted the request on the way out
@@ -135,10 +149,11 @@ def _stream(
     prompt_ids: Sequence[int],
     params: SamplingParams,
     printer: _IdPrinter | _TextPrinter,
-    priority: int = 0,
+    priority: int,
+    silence_s: float,
 ) -> str:
     reason = "none"
-    for out in client.generate(request_id, prompt_ids, params, priority=priority):
+    for out in client.generate(request_id, prompt_ids, params, silence_s, priority):
         printer.feed(out)
         if out.finish_reason is not None:
             reason = out.finish_reason.openai_name
@@ -191,11 +206,13 @@ def constraint_of(args: argparse.Namespace) -> Constraint | None:
 
 
 def _load_tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer
-
+    """``model``'s tokenizer; ValueError or OSError in one line where there is none."""
+    from common.hf_tokenizer import load_explained, load_pretrained_tokenizer
     from engine_core.model_dir import resolve_model_dir
 
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(model)))
+    return load_explained(
+        load_pretrained_tokenizer, resolve_model_dir(model), "or send --token-ids"
+    )
 
 
 def _tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
