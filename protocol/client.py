@@ -42,7 +42,7 @@ import itertools
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -607,6 +607,14 @@ class AsyncEngineClient(_Connection):
         """The engine's counters (running, waiting, KV blocks) through a STATS control call."""
         return (await self.control(ControlKind.STATS, timeout)).stats
 
+    def _check_ids_free(self, requests: Sequence[EngineRequest]) -> None:
+        """ValueError for an id that a live request of this client has, or that two of
+        ``requests`` share: a second route would orphan the first request's consumer."""
+        given = Counter(r.request_id for r in requests)
+        taken = sorted(rid for rid, n in given.items() if n > 1 or rid in self._routes)
+        if taken:
+            raise ValueError(f"request ids already in use on this client: {', '.join(taken)}")
+
     async def _add(self, group: RequestGroup, requests: Sequence[EngineRequest]) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
@@ -795,7 +803,9 @@ class RequestGroup:
 
     async def send(self) -> None:
         """Send the group's requests (what entering the block does); if sending fails, abort
-        them all, since some may have gone."""
+        them all, since some may have gone. An id in use is refused before anything is sent
+        (its abort would end the request that has it)."""
+        self._client._check_ids_free(self.requests)
         try:
             await self._client._add(self, self.requests)
         except BaseException:

@@ -434,6 +434,35 @@ def test_async_group_sees_the_request_error_and_refuses_bad_params(
     asyncio.run(main())
 
 
+def test_async_a_request_id_in_use_is_refused_and_the_first_request_goes_on(
+    address: EngineAddress, engine: EchoEngine
+) -> None:
+    """A second live request under the same id (or the same id twice in one group) is refused
+    before anything is sent: it took over the first one's route, whose consumer then waited
+    for ever. Once the first finishes, its id is free again."""
+
+    async def main() -> None:
+        async with AsyncEngineClient(address) as client:
+            await client.connect(timeout=10)
+            endless = SamplingParams(max_tokens=8, ignore_eos=True)
+            async with contextlib.aclosing(client.generate("same", [1, 2], endless)) as first:
+                assert (await anext(first)).new_token_ids == [1]
+                with pytest.raises(ValueError, match="already in use on this client: same"):
+                    async for _ in client.generate("same", [3], PARAMS):
+                        pass
+                assert client.num_requests == 1  # the first's route, untouched
+                assert (await anext(first)).new_token_ids == [2]  # and it goes on
+            twice = [EngineRequest("dup", [5], PARAMS), EngineRequest("dup", [6], PARAMS)]
+            with pytest.raises(ValueError, match="already in use on this client: dup"):
+                async with client.open(twice):
+                    pass
+            async for out in client.generate("same", [4], PARAMS):  # free again
+                assert out.new_token_ids == [4]
+            assert client.num_requests == 0
+
+    asyncio.run(main())
+
+
 def test_async_leaving_a_group_early_aborts_the_rest(
     address: EngineAddress, engine: EchoEngine
 ) -> None:
