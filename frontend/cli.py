@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         subcommand_parser(parser, args.command).error(
             f"unrecognized arguments: {' '.join(unknown)}"
         )
-    return args._run(args)
+    try:
+        return args._run(args)
+    except KeyboardInterrupt:  # Ctrl-C: what was started is stopped on the way out (finally)
+        print(f"\ntandem {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

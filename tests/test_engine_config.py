@@ -4,8 +4,10 @@ by the config and by every command that takes them (vLLM refuses the same)."""
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -380,3 +382,26 @@ def test_a_cuda_device_without_cuda_is_refused_by_its_flag() -> None:
     assert result.returncode == 2, result.stderr
     assert "--device cuda: this machine (or its torch build) has no CUDA GPU" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_during_tandem_generate_is_one_line_and_exit_code_130() -> None:
+    """SIGINT 2 s in (while it imports, loads the model or generates: each is cut the same
+    way): one line, exit code 130, as `tandem client` says it, not a traceback through torch."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "frontend.cli", "generate", "--prompt", "Tell a long story",
+         "--max-tokens", "1500", "--temperature", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # A CI run in the background starts with SIGINT ignored, which a child inherits.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        time.sleep(2)
+        assert proc.poll() is None, "it ended before the signal"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert stderr.rstrip().endswith("tandem generate: interrupted") and "Traceback" not in stderr
