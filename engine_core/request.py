@@ -144,6 +144,12 @@ class Request:
         return request
 
     @property
+    def shown_id(self) -> str:
+        """The id its client knows it by, for messages it reads (``request_id`` is scoped by
+        client inside the engine)."""
+        return self.client_request_id or self.request_id
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

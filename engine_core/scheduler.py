@@ -195,10 +195,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError when it can never be served or its id is live."""
         if not request.prompt_token_ids:
-            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+            raise ValueError(f"request {request.shown_id!r}: the prompt is empty")
         self._check_length(request)
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise ValueError(f"request id {request.shown_id!r} is already in use")
         if request.priority != 0 and not self._by_priority:
             raise ValueError(
                 f"priority {request.priority}: this engine schedules first come, first served "
@@ -224,7 +224,7 @@ class Scheduler:
         """ValueError unless the request fits the context: a generation needs room for a token
         after its prompt (and what a resumed request already has), an embedding request only
         for its prompt."""
-        num_tokens, limit, rid = request.num_tokens, self.max_model_len, request.request_id
+        num_tokens, limit, rid = request.num_tokens, self.max_model_len, request.shown_id
         if request.pooling is not None and num_tokens > limit:
             raise ValueError(
                 f"request {rid!r}: prompt of {num_tokens} tokens exceeds max_model_len={limit}"

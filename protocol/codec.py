@@ -477,7 +477,8 @@ def _with_trailing(fields: Any, what: str, length: int, v: _Validator) -> tuple[
 
 
 def _encode_hello(msg: Hello) -> list[Any]:
-    return [msg.client_name]
+    # Checked as the engine checks it: an engine drops a HELLO it cannot decode unanswered.
+    return [_Validator(None).str_(msg.client_name, "client_name", MAX_REQUEST_ID_LEN)]
 
 
 def _decode_hello(fields: list[Any], v: _Validator) -> Hello:

@@ -1,7 +1,7 @@
 """`tandem client` against a real `tandem engine` process: an engine that stops answering
 mid-request fails the request after --engine-timeout of silence (heartbeats included) instead of
-leaving the client waiting for ever, and a tokenizer that cannot load is one line, not a
-traceback."""
+leaving the client waiting for ever, a tokenizer that cannot load is one line, not a
+traceback, and the engine's refusals name the request as the client does."""
 
 from __future__ import annotations
 
@@ -64,6 +64,20 @@ def test_a_tokenizer_that_does_not_load_is_one_line(
         client(address, "--prompt", "hi", "--model", str(bare)), capture_output=True, text=True,
         timeout=120,
     ).stderr  # fmt: skip
+
+
+def test_the_engines_refusal_names_the_request_by_the_id_the_client_gave(
+    engine: tuple[str, subprocess.Popen[str]],
+) -> None:
+    """Not the engine's own id, which scopes it by the client's socket identity."""
+    address, _ = engine
+    ids = ",".join(["7"] * 5000)  # past the engine's --max-model-len 4096
+    done = subprocess.run(
+        client(address, "--token-ids", ids, "--request-id", "mine-1"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "request 'mine-1': prompt of 5000 tokens leaves no room to generate" in done.stderr
 
 
 def test_an_engine_that_stops_answering_fails_the_request_after_the_engine_timeout(

@@ -227,6 +227,24 @@ def test_handshake_over_loopback_tcp() -> None:
         eng.stop()
 
 
+def test_a_client_name_the_engine_would_drop_is_refused_at_once(
+    address: EngineAddress, engine: EchoEngine
+) -> None:
+    """Over 256 characters the engine drops the HELLO unanswered, and the handshake waited out
+    its whole timeout asking whether an engine runs there."""
+    name = "n" * 257  # ProtocolError, not the TimeoutError of a handshake waited out
+    with EngineClient(address, name=name) as client:
+        with pytest.raises(ProtocolError, match="client_name is longer than 256"):
+            client.connect(timeout=30)
+
+    async def main() -> None:
+        async with AsyncEngineClient(address, name=name) as client:
+            with pytest.raises(ProtocolError, match="client_name is longer than 256"):
+                await client.connect(timeout=30)
+
+    asyncio.run(main())
+
+
 def test_connect_times_out_when_nothing_listens(address: EngineAddress) -> None:
     with EngineClient(address) as client, pytest.raises(TimeoutError, match="no READY"):
         client.connect(timeout=0.3)
