@@ -233,9 +233,9 @@ def test_a_client_name_the_engine_would_drop_is_refused_at_once(
     """Over 256 characters the engine drops the HELLO unanswered, and the handshake waited out
     its whole timeout asking whether an engine runs there."""
     name = "n" * 257  # ProtocolError, not the TimeoutError of a handshake waited out
-    with EngineClient(address, name=name) as client:
-        with pytest.raises(ProtocolError, match="client_name is longer than 256"):
-            client.connect(timeout=30)
+    refused = pytest.raises(ProtocolError, match="client_name is longer than 256")
+    with EngineClient(address, name=name) as client, refused:
+        client.connect(timeout=30)
 
     async def main() -> None:
         async with AsyncEngineClient(address, name=name) as client:
