@@ -102,7 +102,13 @@ class LLM:
         hint of that TokenizerError)."""
         from engine_core.core import EngineCore
 
-        self.engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
+        config = EngineConfig(model=model, **engine_kwargs)
+        if config.profile_dir is not None:  # before the model loads, as the other refusals
+            raise ValueError(
+                "profile_dir: the offline API has no profiler to start; profile a server "
+                "(`tandem serve --profile-dir DIR`, then POST /start_profile and /stop_profile)"
+            )
+        self.engine = EngineCore(config)
         self.without_tokenizer = without_tokenizer
         self._tokenizer: Any = None
         self._ids = itertools.count()

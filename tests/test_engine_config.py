@@ -125,6 +125,10 @@ def test_a_flag_before_the_command_is_tandems_to_refuse() -> None:
         (["bench", "--input-len", "abc"], "--input-len: bad length 'abc'"),
         (["bench", "--request-timeout", "-1"], "--request-timeout: must be more than 0"),
         (["bench", "--connect-timeout", "0"], "--connect-timeout: must be more than 0"),
+        (
+            ["generate", "--prompt", "hi", "--profile-dir", "/tmp/p"],
+            "profile_dir: the offline API has no profiler to start",
+        ),
     ],
     ids=lambda x: str(x),
 )
