@@ -109,6 +109,7 @@ class LLM:
                 "(`tandem serve --profile-dir DIR`, then POST /start_profile and /stop_profile)"
             )
         self.engine = EngineCore(config)
+        self.broken: str | None = None  # why no call can run, once a step of its ranks was cut
         self.without_tokenizer = without_tokenizer
         self._tokenizer: Any = None
         self._ids = itertools.count()
@@ -153,6 +154,7 @@ class LLM:
         All or nothing: a prompt or parameters the engine refuses raise ValueError (TypeError
         for what is not a prompt or SamplingParams) before any prompt runs, and leave the
         engine as it was."""
+        self._check_usable()
         prompts = prompt_batch(prompts)
         params_list = self._params_per_prompt(params, len(prompts))
         per_prompt = [()] * len(prompts) if images is None else [tuple(i) for i in images]
@@ -196,6 +198,7 @@ class LLM:
         cut to ``dimensions`` first where given (a Matryoshka model); outputs in prompt order;
         one text or one sequence of token ids is a batch of one. ValueError, before any prompt
         runs, where the model does not embed or a prompt or ``dimensions`` cannot be served."""
+        self._check_usable()
         model = self.engine.embedding
         if model is None:
             raise ValueError(
@@ -241,14 +244,24 @@ class LLM:
         so the engine holds no blocks for them; an output of such an earlier call's request
         (its last step was in flight) is dropped here."""
         ours = set(request_ids)
+        stepping = False
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                stepping = True
+                outputs = self.engine.step()
+                stepping = False
+                for out in outputs:
                     if out.request.request_id in ours:
                         take(out)
-        except BaseException:
+        except BaseException as exc:
             self.engine.abort(list(ours))
+            if stepping and not self.engine.runner.can_step_after_a_cut():
+                self.broken = f"a step of its parallel ranks was cut ({type(exc).__name__})"
             raise
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"this LLM cannot run another step: {self.broken}; make a new one")
 
     @staticmethod
     def _take_embedding(outputs: dict[str, EmbeddingOutput], out: EngineOutput) -> None:

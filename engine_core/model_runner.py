@@ -756,6 +756,11 @@ class ModelRunner:
         """A step raised ``error``. One process can go on (the server fails the step's requests);
         a tensor-parallel rank 0 cannot, and ends its process (tp_runner.py)."""
 
+    def can_step_after_a_cut(self) -> bool:
+        """A step was cut by an exception (Ctrl-C included) in the offline API, which goes on
+        in this process: whether another step can run. One process: yes."""
+        return True
+
     def announce_stop(self) -> None:
         """The engine stops for good (a signal; no restart follows): tell whoever would wait
         for its next start (other nodes: tp_runner.py). Nothing here."""

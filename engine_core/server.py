@@ -120,7 +120,7 @@ class EngineServer:
         self.out_sock: Any = None  # the output ROUTER, bound in run(); only the busy loop sends
         self.clients: set[bytes] = set()
         self.running = True
-        # Set with running = False where no restart will follow (_stop_on_signals).
+        # Set with running = False where no restart will follow (stop_on_signals).
         self.stopped_for_good = False
         # Written by the busy loop only: True while it blocks on an empty inbox.
         self.waiting_for_work = False

@@ -330,6 +330,13 @@ class TPModelRunner(_ShardedRunner):
             self._abandon_workers()
             raise
 
+    def can_step_after_a_cut(self) -> bool:
+        """No: some ranks may wait in a collective that rank 0 left. The workers are stopped
+        (without the stop handshake, which they could not answer)."""
+        self._finalizer.detach()
+        self._abandon_workers()
+        return False
+
     def _abandon_workers(self) -> None:
         if self.watch is not None:
             self.watch.stop()

@@ -84,8 +84,8 @@ def test_an_engine_that_stops_answering_fails_the_request_after_the_engine_timeo
     engine: tuple[str, subprocess.Popen[str]],
 ) -> None:
     """The engine is frozen (SIGSTOP) once tokens flow: no more outputs, no heartbeats. The
-    client ends with exit code 1 and says why; it waited for ever before. Last in this module:
-    the engine is killed after."""
+    client ends with exit code 1 and says why; it waited for ever before. The engine then
+    goes on (SIGCONT)."""
     address, proc = engine
     cli = subprocess.Popen(
         client(address, "--token-ids", "1,2,3", "--max-tokens", "4000", "--ignore-eos",
@@ -98,7 +98,7 @@ def test_an_engine_that_stops_answering_fails_the_request_after_the_engine_timeo
         os.kill(proc.pid, signal.SIGSTOP)
         _, stderr = cli.communicate(timeout=60)
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGCONT)
         if cli.poll() is None:
             cli.kill()
     assert cli.returncode == 1, stderr

@@ -227,6 +227,36 @@ def test_tp2_warm_up_changes_no_later_token(llama: tuple[Path, list[list[int]]])
     assert outputs(warm_up=True) == outputs(warm_up=False)
 
 
+def test_a_tp2_step_cut_by_ctrl_c_stops_the_workers_and_the_llm_says_so(
+    llama: tuple[Path, list[list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C inside a step, after rank 0 sent it to the worker: the worker waits in a
+    collective rank 0 left, so no step can follow. The worker is stopped, and the next call
+    raises at once naming why (it would have hung in that collective)."""
+    llm = LLM(str(llama[0]), tensor_parallel_size=2, max_num_seqs=16, **ENGINE_ARGS)
+    try:
+        workers = list(llm.engine.runner.workers)
+        real_forward, calls = llm.engine.runner.forward, []
+
+        def cut_forward(*args: Any, **kwargs: Any) -> Any:
+            calls.append(None)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real_forward(*args, **kwargs)
+
+        monkeypatch.setattr(llm.engine.runner, "forward", cut_forward)
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, params, detokenize=False)
+        for worker in workers:
+            worker.join(timeout=30)
+            assert not worker.is_alive(), "a worker outlived the cut step"
+        with pytest.raises(RuntimeError, match="a step of its parallel ranks was cut"):
+            llm.generate(PROMPTS, params, detokenize=False)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_tp1_builds_the_plain_layers(llama: tuple[Path, list[list[int]]]) -> None:
     """TP=1 keeps the single-process path: plain torch layers, no collective anywhere."""
     llm = LLM(str(llama[0]), **ENGINE_ARGS)
