@@ -126,14 +126,17 @@ _HELP = {
 }
 
 
-# Fields only `tandem serve` acts on: another command parses them (to refuse a value other than
+# Fields only some commands act on: another command parses them (to refuse a value other than
 # the default, naming it) but does not list them in its --help.
-SERVE_ONLY = frozenset({"data_parallel_size"})
+ONLY_FOR = {
+    "data_parallel_size": frozenset({"serve"}),  # engine cores behind one server
+    "profile_dir": frozenset({"serve", "engine"}),  # the offline API has no profiler routes
+}
 
 
-def add_engine_args(parser: argparse.ArgumentParser, serve: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, command: str = "engine") -> None:
     """One flag per EngineConfig field, named --field-name, defaulting to the dataclass default;
-    ``serve``: the parser is `tandem serve`'s, which lists SERVE_ONLY too."""
+    ``command``: whose parser it is (serve, engine, generate), for ONLY_FOR."""
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -142,7 +145,7 @@ def add_engine_args(parser: argparse.ArgumentParser, serve: bool = False) -> Non
         default = " (default: unset)" if f.default is None else " (default: %(default)s)"
         if "(default:" in text or (f.default is None and "unset" in text):
             default = ""
-        if f.name in SERVE_ONLY and not serve:
+        if command not in ONLY_FOR.get(f.name, (command,)):
             group.add_argument(
                 flag, type=_parse_type(f.type), default=f.default, help=argparse.SUPPRESS
             )

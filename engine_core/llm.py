@@ -336,7 +336,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)"
     )
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k (default: 0)")
-    add_engine_args(parser)
+    add_engine_args(parser, command="generate")
 
 
 def run(args: argparse.Namespace) -> int:

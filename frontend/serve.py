@@ -66,7 +66,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="logging level (default: INFO)",
     )  # fmt: skip
     add_client_args(parser)
-    add_engine_args(parser, serve=True)
+    add_engine_args(parser, command="serve")
 
 
 def add_http_args(parser: argparse.ArgumentParser) -> None:

@@ -409,3 +409,14 @@ def test_ctrl_c_during_tandem_generate_is_one_line_and_exit_code_130() -> None:
             proc.wait()
     assert proc.returncode == 130, stderr
     assert stderr.rstrip().endswith("tandem generate: interrupted") and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "listed"), [("serve", True), ("engine", True), ("generate", False)]
+)
+def test_profile_dir_is_listed_only_where_it_is_honoured(command: str, listed: bool) -> None:
+    """`tandem generate` parses --profile-dir only to refuse it, so its --help leaves it out."""
+    from frontend.cli import build_parser, subcommand_parser
+
+    text = subcommand_parser(build_parser(command), command).format_help()
+    assert ("--profile-dir" in text) == listed
