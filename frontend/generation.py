@@ -326,7 +326,7 @@ class Generation:
         new = out.new_token_ids if self.keep_output else []
         metrics = self.ctx.metrics
         if out.prompt_logprobs is not None:
-            choice.prompt_logprobs = out.prompt_logprobs
+            choice.prompt_logprobs = [finite_logprobs(lp) for lp in out.prompt_logprobs]
         if new:
             if choice.first_token_at is None:
                 choice.first_token_at = now
@@ -336,7 +336,7 @@ class Generation:
             choice.last_token_at = now
         choice.token_ids += new
         if out.logprobs and self.keep_output:
-            choice.logprobs += out.logprobs
+            choice.logprobs += map(finite_logprobs, out.logprobs)
         if out.finish_reason is not None:
             if out.timings is not None:
                 metrics.record_engine_timings(out.timings)
@@ -525,3 +525,16 @@ def check_decoding(req: SamplingFields) -> None:
             "as they decode them, without spaces; only false is accepted",
             "spaces_between_special_tokens",
         )
+
+
+# JSON has no -inf, which a token the request's grammar masks has (top_logprobs under a
+# constraint): such a logprob is reported at this floor, as vLLM's server reports it.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprobs(lp: TokenLogprobs) -> TokenLogprobs:
+    """``lp`` with every logprob at LOGPROB_FLOOR or above (the same object where all are)."""
+    if lp.logprob >= LOGPROB_FLOOR and all(v >= LOGPROB_FLOOR for v in lp.top_logprobs):
+        return lp
+    tops = [max(v, LOGPROB_FLOOR) for v in lp.top_logprobs]
+    return TokenLogprobs(max(lp.logprob, LOGPROB_FLOOR), lp.top_token_ids, tops)

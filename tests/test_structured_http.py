@@ -171,6 +171,38 @@ def test_json_object_on_chat_streamed(client: openai.OpenAI) -> None:
 # ---- logit_bias -------------------------------------------------------------------------------
 
 
+def test_logprobs_of_tokens_a_grammar_masks_are_json_numbers(server: Server) -> None:
+    """Under tool_choice required (or any grammar) the top logprobs include tokens the grammar
+    masks, at -inf in the engine: JSON has no -inf, so the whole answer was a 500 and the
+    stream carried "-Infinity". They come at -9999.0, vLLM's floor, on both routes."""
+
+    def strict(text: str) -> Any:
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text[:200]}"))
+
+    body = {"model": "default", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER], "tool_choice": "required", "max_tokens": 12, "temperature": 0,
+            "logprobs": True, "top_logprobs": 5}  # fmt: skip
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    values = [
+        top["logprob"]
+        for entry in strict(r.text)["choices"][0]["logprobs"]["content"]
+        for top in entry["top_logprobs"]
+    ]
+    assert min(values) == -9999.0 and all(v <= 0 for v in values)
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions",
+                      json={**body, "stream": True}, timeout=60) as stream:  # fmt: skip
+        assert stream.status_code == 200
+        chunks = [strict(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert any(c["choices"] and c["choices"][0]["logprobs"] for c in chunks)
+    completion = {"model": "default", "prompt": "Weather in Paris as JSON:", "max_tokens": 8,
+                  "temperature": 0, "logprobs": 5, "response_format": {"type": "json_object"}}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=completion, timeout=60)
+    assert r.status_code == 200, r.text
+    tops = strict(r.text)["choices"][0]["logprobs"]["top_logprobs"]
+    assert min(v for top in tops for v in top.values()) == -9999.0
+
+
 def test_logit_bias_forces_and_bans_a_token(client: openai.OpenAI, server: Server) -> None:
     tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": " Paris"}, timeout=30)
     paris = tokens.json()["tokens"][-1]
