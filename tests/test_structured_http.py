@@ -196,7 +196,8 @@ def test_logprobs_of_tokens_a_grammar_masks_are_json_numbers(server: Server) -> 
         chunks = [strict(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
     assert any(c["choices"] and c["choices"][0]["logprobs"] for c in chunks)
     completion = {"model": "default", "prompt": "Weather in Paris as JSON:", "max_tokens": 8,
-                  "temperature": 0, "logprobs": 5, "response_format": {"type": "json_object"}}
+                  "temperature": 0, "logprobs": 5,
+                  "response_format": {"type": "json_object"}}  # fmt: skip
     r = httpx.post(f"{server.base_url}/v1/completions", json=completion, timeout=60)
     assert r.status_code == 200, r.text
     tops = strict(r.text)["choices"][0]["logprobs"]["top_logprobs"]
