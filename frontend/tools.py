@@ -116,12 +116,12 @@ def plan_tools(
     """The request's ToolPlan; a 400 when it asks for tools this server cannot do. ``answer``:
     the request's structured-output constraint, which a grammar of the calls must take in."""
     if not req.tools:
-        return NO_TOOLS
+        return history_plan(req, support)
     if support is None:
         raise bad_request("tools are not supported by this model's chat template", "tools")
     choice = req.tool_choice or "auto"
     if choice == "none":
-        return NO_TOOLS
+        return history_plan(req, support)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     parser = get_parser(support.parser, tools)
     constraint = None
@@ -138,6 +138,17 @@ def plan_tools(
         if answer is not None and not parser.needs_special_tokens:  # harmony's answer: a channel
             parser = AnswerOrCallsParser(parser)
     return ToolPlan(tools, support.template, parser, constraint)
+
+
+def history_plan(req: ChatCompletionRequest, support: ToolSupport | None) -> ToolPlan:
+    """A turn with no tools to call: the model's own template, unless earlier turns called tools
+    and only the server's tool template renders those calls and their results (an agent's last
+    turn, sent without tools to get an answer, lost them: the model's template drops them)."""
+    if support is None or support.template is None:
+        return NO_TOOLS
+    if not any(m.tool_calls or m.role == "tool" for m in req.messages):
+        return NO_TOOLS
+    return ToolPlan(None, support.template, None, None)
 
 
 def forcing_constraint(

@@ -171,6 +171,30 @@ def test_json_object_on_chat_streamed(client: openai.OpenAI) -> None:
 # ---- logit_bias -------------------------------------------------------------------------------
 
 
+def test_a_turn_without_tools_keeps_the_earlier_calls_in_its_prompt(server: Server) -> None:
+    """The default model's own template drops tool calls and results; the server renders tool
+    turns with its tool template. A last turn sent with no tools, or tool_choice none (as agent
+    loops ask for the answer), kept only the user's words: the result answered nothing."""
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "SUNNY_21C"},
+    ]  # fmt: skip
+
+    def prompt_of(extra: dict[str, Any]) -> str:
+        body = {"model": "default", "messages": history, "max_tokens": 1, "prompt_logprobs": 0}
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body | extra, timeout=60)
+        assert r.status_code == 200, r.text
+        entries = r.json()["prompt_logprobs"][1:]  # the first token has none
+        return "".join(next(iter(e.values()))["decoded_token"] for e in entries)
+
+    for extra in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
+        prompt = prompt_of(extra)
+        assert '"name": "get_weather"' in prompt and "SUNNY_21C" in prompt, (extra, prompt)
+        assert "<tools>" not in prompt  # no tool to call this turn
+
+
 def test_logprobs_of_tokens_a_grammar_masks_are_json_numbers(server: Server) -> None:
     """Under tool_choice required (or any grammar) the top logprobs include tokens the grammar
     masks, at -inf in the engine: JSON has no -inf, so the whole answer was a 500 and the
