@@ -231,7 +231,7 @@ class ResponsesRequest(RequestBody):
     @field_validator("input")
     @classmethod
     def _input_not_empty(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        if isinstance(v, list) and not v:
+        if not v:  # an empty text as an empty list, as the OpenAPI document says
             raise ValueError("input must not be empty")
         return v
 

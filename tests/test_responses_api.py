@@ -249,6 +249,8 @@ def test_function_tools_are_strict_by_default(server: Server) -> None:  # noqa: 
         ({"previous_response_id": "resp_nope"}, 404, "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
         ({"conversation": "conv_1"}, 400, "conversation"),
+        ({"input": ""}, 400, "input"),
+        ({"input": []}, 400, "input"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             400,
