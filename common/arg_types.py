@@ -41,3 +41,12 @@ def readable_file(text: str) -> str:
             return text
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror}") from None
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
+    """--log-level, as every process that logs takes it (`tandem serve` passes it on)."""
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="logging level (default: INFO)",
+    )  # fmt: skip

@@ -19,6 +19,7 @@ logger = logging.getLogger("tandem.engine")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    from common.arg_types import add_log_level_arg
     from engine_core.args import add_engine_args
 
     parser.add_argument(
@@ -48,11 +49,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "SIGTERM stops the engine as a death would (the parent restarts it; other nodes "
         "rejoin), and SIGUSR1 stops it for good (other nodes exit with it)",
     )
-    parser.add_argument(
-        "--log-level", default="INFO", type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-        help="logging level (default: INFO)",
-    )  # fmt: skip
+    add_log_level_arg(parser)
     add_engine_args(parser)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.arg_types import (
+    add_log_level_arg,
     non_negative_int,
     positive_float,
     positive_int,
@@ -60,11 +61,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_operations_args(parser)
     add_engine_link_args(parser)
     add_lora_args(parser)
-    parser.add_argument(
-        "--log-level", default="INFO", type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-        help="logging level (default: INFO)",
-    )  # fmt: skip
+    add_log_level_arg(parser)
     add_client_args(parser)
     add_engine_args(parser, command="serve")
 
