@@ -42,6 +42,7 @@ from frontend.tool_parsers import (
     get_parser,
     tool_call_grammar,
 )
+from frontend.tool_parsers.grammar import ANY_PARAMETERS
 from protocol.messages import Constraint, ConstraintKind
 
 CHATML_TOOLS_TEMPLATE = Path(__file__).parent / "chat_templates" / "chatml_tools.jinja"
@@ -177,7 +178,7 @@ def optional_calls_constraint(
     arguments are any object. A 400 on ``tools`` when the parser's syntax cannot write such
     calls."""
     parallel = req.parallel_tool_calls is not False
-    loose = [t if t["function"].get("strict") else without_parameters(t) for t in tools]
+    loose = [t if t["function"].get("strict") else with_any_arguments(t) for t in tools]
     try:
         answer_lark = None if answer is None else answer_expression(answer)
         grammar = tool_call_grammar(
@@ -207,6 +208,6 @@ def answer_expression(answer: Constraint) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": layout})
 
 
-def without_parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    function = {k: v for k, v in tool["function"].items() if k != "parameters"}
-    return {**tool, "function": function}
+def with_any_arguments(tool: dict[str, Any]) -> dict[str, Any]:
+    """``tool`` with an arguments schema of any object (a tool that is not strict)."""
+    return {**tool, "function": {**tool["function"], "parameters": ANY_PARAMETERS}}

@@ -682,6 +682,41 @@ def test_forced_grammar_allows_only_that_function(
     assert not accepts(vocabulary, grammar, written(parser, [PARIS]))
 
 
+@pytest.mark.parametrize(("parser", "vocab"), GRAMMAR_CASES)
+def test_a_function_without_parameters_is_called_with_none(
+    parser: str, vocab: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """OpenAI: "Omitting parameters defines a function with an empty parameter list", where
+    ``parameters: {}`` (JSON Schema's "anything") takes any arguments."""
+    vocabulary = vocabularies[vocab]
+    added = vocabulary[0].get_added_vocab()
+    tools = [function_tool("ping"), function_tool("log", {})]
+    ping = tool_call_grammar(parser, tools, "ping", False, added)
+    assert accepts(vocabulary, ping, written(parser, [("ping", {})]))
+    assert not accepts(vocabulary, ping, written(parser, [("ping", {"host": "a"})]))
+    log = tool_call_grammar(parser, tools, "log", False, added)
+    assert accepts(vocabulary, log, written(parser, [("log", {"line": "a", "level": 2})]))
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "hermes"])
+def test_a_loose_tool_without_parameters_takes_any_arguments_beside_an_answer_format(
+    parser: str, vocabularies: dict[str, tuple[Any, Any]]
+) -> None:
+    """Under tool_choice "auto" beside an answer format, a tool that is not strict has its
+    arguments unconstrained, as any such tool's are (frontend/tools.py): its missing
+    ``parameters`` do not turn into "no arguments" there; a strict one's do."""
+    vocabulary = vocabularies["markers"]
+    hf = vocabulary[0]
+    support = ToolSupport(parser, None, hf.get_added_vocab(), frozenset(special_tokens(hf)))
+    answer = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(ANSWER_FORMAT))
+    with_arguments = any_written(parser, [("ping", {"host": "a"})])
+    for tool, takes_them in ((function_tool("ping"), True), (strict(function_tool("ping")), False)):
+        plan = plan_tools(chat_request(tools=[tool]), support, answer)
+        assert plan.constraint is not None
+        assert accepts(vocabulary, plan.constraint.spec, with_arguments) is takes_them
+        assert accepts(vocabulary, plan.constraint.spec, any_written(parser, [("ping", {})]))
+
+
 @pytest.mark.parametrize("vocab", ["plain", "markers"])
 def test_xml_grammar_ends_a_value_where_the_parser_does(
     vocab: str, vocabularies: dict[str, tuple[Any, Any]]

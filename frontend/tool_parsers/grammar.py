@@ -267,10 +267,24 @@ def callable_functions(tools: list[dict[str, Any]], forced: str | None) -> list[
     return functions
 
 
+# OpenAI: "Omitting parameters defines a function with an empty parameter list."
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
+
+
 def parameters_of(function: dict[str, Any]) -> dict[str, Any]:
-    """The function's arguments schema; an object of anything when it gives none."""
+    """The function's arguments schema: none at all where it gives no ``parameters`` (or null),
+    an object of anything for ``{}`` (JSON Schema's "anything")."""
     parameters = function.get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    if parameters is None:
+        return NO_PARAMETERS
+    return parameters if isinstance(parameters, dict) and parameters else ANY_PARAMETERS
+
+
+def takes_no_arguments(parameters: dict[str, Any]) -> bool:
+    """Whether an arguments schema admits only the empty object: no properties, and no others
+    (``additionalProperties`` false), as a function without ``parameters`` has."""
+    return not parameters.get("properties") and parameters.get("additionalProperties") is False
 
 
 def call_schema(function: dict[str, Any], arguments_key: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from frontend.tool_parsers.grammar import (
     literal,
     parameters_of,
     property_schema,
+    takes_no_arguments,
 )
 
 PYTHON_START = "<|python_start|>"  # Llama 4 wraps its calls in these (special tokens)
@@ -250,6 +251,8 @@ class PythonicSyntax(CallSyntax):
             raise ValueError(f"function name {name!r} is not a Python identifier")
         parameters = parameters_of(function)
         properties = parameters.get("properties")
+        if takes_no_arguments(parameters):
+            return [f"{rule}: {literal(name + '()')}"]
         if not isinstance(properties, dict) or not properties:  # any keyword arguments
             item = '/[A-Za-z_][A-Za-z0-9_]*/ "=" ' + LarkWriter.json({})
             arguments = f'({item} (", " {item})*)?'

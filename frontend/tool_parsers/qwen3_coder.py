@@ -27,6 +27,7 @@ from frontend.tool_parsers.grammar import (
     literal,
     parameters_of,
     property_schema,
+    takes_no_arguments,
 )
 
 FUNCTION_OPEN = re.compile(r"\s*<function=([^>\n]+)>")
@@ -182,6 +183,8 @@ class XmlSyntax(CallSyntax):
         properties = parameters.get("properties")
         head = lark.text(f"<function={function['name']}>\n")
         tail = literal("</function>")
+        if takes_no_arguments(parameters):
+            return [f"{rule}: {lark_sequence(head, tail)}"]
         if not isinstance(properties, dict) or not properties:  # any parameters, as text
             return [f"{rule}: {lark_sequence(head, 'xml_any*', tail)}"]
         required = set(parameters.get("required") or [])
