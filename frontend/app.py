@@ -208,6 +208,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "extra_forbidden" and len(loc) == 1:  # OpenAI's words for it
         message = f"Unrecognized request argument supplied: {param}"
         return OpenAIError(400, message, param=param, code="unknown_parameter")
+    if first.get("type") == "extra_forbidden":  # inside an object, e.g. a tool's definition
+        message = f"Unrecognized argument {loc[-1]!r} in {'.'.join(loc[:-1])}"
+        return OpenAIError(400, message, param=param, code="unknown_parameter")
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     message = f"{param}: {msg}" if param else msg
     return OpenAIError(400, message, param=param, code="invalid_value")

@@ -623,6 +623,8 @@ def template_tool_call(call: ToolCallIn) -> dict[str, Any]:
 
 
 class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is a 400, not a default
+
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
@@ -630,15 +632,21 @@ class FunctionDef(BaseModel):
 
 
 class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["function"]
     function: FunctionDef
 
 
 class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str
 
 
 class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["function"]
     function: FunctionName
 

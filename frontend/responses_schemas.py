@@ -41,6 +41,8 @@ MAX_METADATA_VALUE = 512
 
 
 class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["function"]
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
@@ -55,6 +57,8 @@ class FunctionTool(BaseModel):
 
 
 class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["function"]
     name: str
 

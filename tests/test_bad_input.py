@@ -176,6 +176,36 @@ def test_unknown_fields_are_refused_like_openai(tiny_server: Server) -> None:
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        # A misspelt "parameters" would leave a function that takes no arguments.
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [
+            {"type": "function", "function": {"name": "f", "paramters": {"type": "object"}}}]},
+         "tools.0.function.paramters"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [
+            {"type": "function", "function": {"name": "f"}, "strict": True}]}, "tools.0.strict"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [
+            {"type": "function", "function": {"name": "f"}}], "tool_choice": {
+            "type": "function", "function": {"name": "f", "arguments": "{}"}}},
+         "tool_choice.function.arguments"),
+        ("/v1/responses", {"input": "Hi", "tools": [
+            {"type": "function", "name": "f", "parameters": None, "strcit": False}]},
+         "tools.0.strcit"),
+    ],
+    ids=["chat function", "chat tool", "chat tool_choice", "responses tool"],
+)  # fmt: skip
+def test_unknown_keys_in_a_tool_are_refused(
+    tiny_server: Server, path: str, body: dict[str, Any], param: str
+) -> None:
+    """As OpenAI does ("Additional properties are not allowed"): a key a tool's definition
+    does not have is a 400 naming it, never a tool quietly defined without it."""
+    limit = {"max_output_tokens": 16} if path == "/v1/responses" else {"max_tokens": 2}
+    r = httpx.post(f"{tiny_server.base_url}{path}", json=body | limit, timeout=60)
+    err = assert_error(r, 400, "unknown_parameter")
+    assert err["param"] == param, err
+
+
 # ---- the published document -------------------------------------------------------------------
 
 
