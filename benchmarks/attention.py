@@ -81,8 +81,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--splits",
         default="",
-        help="decode: also time the engine's launch with these context splits, comma-separated "
-        "(its own choice comes from the batch size and the block table's width)",
+        help="decode: also time the engine's launch (and with --mixed-slots, the mixed step's) "
+        "with these context splits, comma-separated (its own choice comes from the batch size "
+        "and the block table's width)",
     )
     parser.add_argument(
         "--longest-first", action="store_true",
@@ -310,12 +311,14 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
             )  # fmt: skip
             figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
             rows.append({"case": case, "kernel": label} | figures)
-        if args.mixed_slots:
+        for num_splits in [None, *splits] if args.mixed_slots else []:
             mixed = mixed_step_call(
-                lens, args.mixed_slots, shape, args.max_model_len, args.page_size
-            )
+                lens, args.mixed_slots, shape, args.max_model_len, args.page_size, num_splits,
+                args.min_split if num_splits is not None else None,
+            )  # fmt: skip
             figures = timed(mixed, args, bytes_=kv_bytes, graph=args.graph)
             label = f"engine's, in a mixed step of {args.mixed_slots} slots"
+            label += "" if num_splits is None else f", {num_splits} splits"
             rows.append({"case": case, "kernel": label} | figures)
         if args.peer:  # a wrong call could be fast: the peer's output must equal ours first
             ours = paged_decode_attention(
@@ -331,11 +334,18 @@ MIXED_PROMPT = 512  # --mixed-slots: the prompt beside the decode rows, in token
 
 
 def mixed_step_call(
-    lens: list[int], slots: int, shape: dict[str, int], table_tokens: int, page: int
+    lens: list[int],
+    slots: int,
+    shape: dict[str, int],
+    table_tokens: int,
+    page: int,
+    num_splits: int | None = None,
+    min_split: int | None = None,
 ) -> Any:
     """The decode kernel's launch in a mixed step as a prefill graph replays it: the case's
     rows (one new token each) and a MIXED_PROMPT-token prompt, then empty sequences up to
-    ``slots``; only the one-token rows are attended."""
+    ``slots``; only the one-token rows are attended (at ``num_splits`` context splits: None,
+    the engine's choice for that many slots)."""
     import torch
 
     from engine_core.attention.triton_kernels import paged_decode_attention
@@ -354,7 +364,8 @@ def mixed_step_call(
     out = torch.zeros_like(q)
     return functools.partial(
         paged_decode_attention, q, cache["k"], cache["v"], cache["tables"], cache["lens"],
-        shape["d"] ** -0.5, out=out, mixed_starts=starts,
+        shape["d"] ** -0.5, out=out, mixed_starts=starts, num_splits=num_splits,
+        min_split_tokens=min_split,
     )  # fmt: skip
 
 
