@@ -205,15 +205,24 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if isinstance(cause, FieldError):  # a rule across fields, naming the one at fault
         loc = [*loc, cause.field]
     param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden" and len(loc) == 1:  # OpenAI's words for it
-        message = f"Unrecognized request argument supplied: {param}"
-        return OpenAIError(400, message, param=param, code="unknown_parameter")
-    if first.get("type") == "extra_forbidden":  # inside an object, e.g. a tool's definition
-        message = f"Unrecognized argument {loc[-1]!r} in {'.'.join(loc[:-1])}"
-        return OpenAIError(400, message, param=param, code="unknown_parameter")
+    if first.get("type") == "extra_forbidden":
+        return unknown_key_error(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     message = f"{param}: {msg}" if param else msg
     return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+def unknown_key_error(loc: tuple[Any, ...]) -> OpenAIError:
+    """An unknown key, named as sent (field_path keeps only names a field could have): at the
+    top level in OpenAI's words for it, inside an object (a tool's definition) with where."""
+    key = str(loc[-1]) if loc else ""
+    parent = field_path(loc[:-1])
+    param = ".".join([*parent, key])
+    if not parent:
+        message = f"Unrecognized request argument supplied: {key}"
+    else:
+        message = f"Unrecognized argument {key!r} in {'.'.join(parent)}"
+    return OpenAIError(400, message, param=param, code="unknown_parameter")
 
 
 # ---- routes -----------------------------------------------------------------------------------

@@ -263,7 +263,10 @@ def response_body(
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "tool_choice": tool_choice_echo(req),
-        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        # parameters is in OpenAI's echo even where null (a function of no arguments)
+        "tools": [
+            t.model_dump(exclude_none=True) | {"parameters": t.parameters} for t in req.tools or []
+        ],
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "max_output_tokens": req.max_output_tokens,

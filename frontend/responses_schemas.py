@@ -49,6 +49,12 @@ class FunctionTool(BaseModel):
     parameters: dict[str, Any] | None = None
     # The Responses API's default, unlike chat's (a call matches its schema)
     strict: StrictBool = True
+    # What the tool returns: OpenAI's metadata for its callers, which the model's calls to it
+    # do not depend on (the Agents SDK sends it for any tool with an output type).
+    output_schema: dict[str, Any] | None = None
+    # Tool search and callers other than the model: refused where asked for (refused()).
+    defer_loading: StrictBool | None = None
+    allowed_callers: list[str] | None = None
 
     @field_validator("strict", mode="before")
     @classmethod
@@ -283,10 +289,22 @@ class ResponsesRequest(RequestBody):
              "reasoning summaries are not supported (the reasoning text itself comes as a "
              "reasoning item)"),
         ]  # fmt: skip
-        for param, given, why in checks:
+        for param, given, why in checks + self._refused_in_tools():
             if given:
                 return param, why
         return None
+
+    def _refused_in_tools(self) -> list[tuple[str, bool, str]]:
+        checks = []
+        for i, tool in enumerate(self.tools or []):
+            callers = tool.allowed_callers
+            checks += [
+                (f"tools.{i}.defer_loading", bool(tool.defer_loading),
+                 "deferred tool loading (tool search) is not supported"),
+                (f"tools.{i}.allowed_callers", callers is not None and "direct" not in callers,
+                 "only the model calls tools here: allowed_callers must include 'direct'"),
+            ]  # fmt: skip
+        return checks
 
 
 # ---- input items -> chat messages ---------------------------------------------------------------
@@ -473,8 +491,13 @@ def chat_request_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> 
 
 
 def chat_tool(tool: FunctionTool) -> dict[str, Any]:
-    function = tool.model_dump(exclude={"type"}, exclude_none=True)
+    """The chat request's tool: what the model sees and its calls must match (the fields of
+    the Responses tool for its callers stay behind)."""
+    function = tool.model_dump(include=CHAT_FUNCTION_FIELDS, exclude_none=True)
     return {"type": "function", "function": function}
+
+
+CHAT_FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 
 
 def response_format(fmt: TextFormat) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from frontend.tool_parsers import (
     get_parser,
     tool_call_grammar,
 )
-from frontend.tool_parsers.grammar import ANY_PARAMETERS
+from frontend.tool_parsers.grammar import any_parameters, parameters_of
 from protocol.messages import Constraint, ConstraintKind
 
 CHATML_TOOLS_TEMPLATE = Path(__file__).parent / "chat_templates" / "chatml_tools.jinja"
@@ -123,7 +123,7 @@ def plan_tools(
     choice = req.tool_choice or "auto"
     if choice == "none":
         return history_plan(req, support)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    tools = [with_parameters_stated(t.model_dump(exclude_none=True)) for t in req.tools]
     parser = get_parser(support.parser, tools)
     constraint = None
     if choice == "required" or isinstance(choice, NamedToolChoice):
@@ -210,4 +210,14 @@ def answer_expression(answer: Constraint) -> str:
 
 def with_any_arguments(tool: dict[str, Any]) -> dict[str, Any]:
     """``tool`` with an arguments schema of any object (a tool that is not strict)."""
-    return {**tool, "function": {**tool["function"], "parameters": ANY_PARAMETERS}}
+    return {**tool, "function": {**tool["function"], "parameters": any_parameters()}}
+
+
+def with_parameters_stated(tool: dict[str, Any]) -> dict[str, Any]:
+    """``tool`` with its arguments schema written out where it gave none (or null): the chat
+    template shows the model a function of no arguments, and a template that renders
+    ``parameters | tojson`` does not fail on a missing key (DeepSeek-V3.1's)."""
+    function = tool["function"]
+    if function.get("parameters") is not None:
+        return tool
+    return {**tool, "function": {**function, "parameters": parameters_of(function)}}

@@ -192,14 +192,22 @@ def test_unknown_fields_are_refused_like_openai(tiny_server: Server) -> None:
         ("/v1/responses", {"input": "Hi", "tools": [
             {"type": "function", "name": "f", "parameters": None, "strcit": False}]},
          "tools.0.strcit"),
+        # Keys no field could have are named as sent, at the top level and inside a tool.
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+         "Temperature": 1}, "Temperature"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [
+            {"type": "function", "function": {"name": "f", "Parameters": {}}}]},
+         "tools.0.function.Parameters"),
     ],
-    ids=["chat function", "chat tool", "chat tool_choice", "responses tool"],
+    ids=["chat function", "chat tool", "chat tool_choice", "responses tool", "top level",
+         "capitalised"],
 )  # fmt: skip
-def test_unknown_keys_in_a_tool_are_refused(
+def test_unknown_keys_are_refused_naming_them(
     tiny_server: Server, path: str, body: dict[str, Any], param: str
 ) -> None:
     """As OpenAI does ("Additional properties are not allowed"): a key a tool's definition
-    does not have is a 400 naming it, never a tool quietly defined without it."""
+    does not have is a 400 naming it, never a tool quietly defined without it; so is any
+    unknown key, named as sent."""
     limit = {"max_output_tokens": 16} if path == "/v1/responses" else {"max_tokens": 2}
     r = httpx.post(f"{tiny_server.base_url}{path}", json=body | limit, timeout=60)
     err = assert_error(r, 400, "unknown_parameter")

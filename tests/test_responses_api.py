@@ -210,6 +210,26 @@ def test_max_tool_calls_caps_the_calls(server: Server) -> None:  # noqa: F811
     assert len([i for i in many.output if i.type == "function_call"]) >= len(calls)
 
 
+# No arguments (parameters null: OpenAI's "empty parameter list"); what it returns, for callers.
+PING = {"type": "function", "name": "ping", "description": "Check that the service is up.",
+        "parameters": None, "strict": True, "output_schema": {"type": "object"}}  # fmt: skip
+
+
+def test_a_function_of_no_parameters_is_called_with_none(server: Server) -> None:  # noqa: F811
+    """A forced call of a function whose parameters are null has the arguments {}; its
+    output_schema and allowed_callers ["direct"] (fields the Agents SDK sends) are taken, and
+    the echo keeps parameters null, as OpenAI's does."""
+    tool = {**PING, "allowed_callers": ["direct"]}
+    resp = client_of(server).responses.create(
+        input="Is the service up?", tools=[tool], tool_choice="required",
+        parallel_tool_calls=False, **GREEDY,
+    )  # fmt: skip
+    call = the_call(resp)
+    assert (call.name, json.loads(call.arguments)) == ("ping", {})
+    echo = resp.model_dump()["tools"][0]
+    assert echo["parameters"] is None and echo["output_schema"] == {"type": "object"}
+
+
 def test_function_tools_are_strict_by_default(server: Server) -> None:  # noqa: F811
     """As in OpenAI's Responses API: a function tool without ``strict`` is strict, so a call's
     arguments match its schema, under tool_choice auto too (the chat route's strict tools);
@@ -248,6 +268,13 @@ def test_function_tools_are_strict_by_default(server: Server) -> None:  # noqa: 
         ({"truncation": "auto"}, 400, "truncation"),
         ({"previous_response_id": "resp_nope"}, 404, "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+        ({"tools": [{**PING, "defer_loading": True}]}, 400, "tools.0.defer_loading"),
+        (
+            {"tools": [{**PING, "allowed_callers": ["code_execution"]}]},
+            400,
+            "tools.0.allowed_callers",
+        ),
+        ({"tools": [{**PING, "strcit": True}]}, 400, "tools.0.strcit"),
         ({"conversation": "conv_1"}, 400, "conversation"),
         ({"input": ""}, 400, "input"),
         ({"input": []}, 400, "input"),

@@ -698,6 +698,23 @@ def test_a_function_without_parameters_is_called_with_none(
     assert accepts(vocabulary, log, written(parser, [("log", {"line": "a", "level": 2})]))
 
 
+def test_the_template_sees_a_function_without_parameters_as_one_of_no_arguments(
+    vocabularies: dict[str, tuple[Any, Any]],
+) -> None:
+    """The tools a chat template gets state the no-arguments schema where a function gave no
+    parameters: the model is told so, and a template that renders ``parameters | tojson``
+    (DeepSeek-V3.1's) does not fail on a missing key."""
+    hf = vocabularies["plain"][0]
+    support = ToolSupport("hermes", None, hf.get_added_vocab(), frozenset())
+    plan = plan_tools(chat_request(tools=[function_tool("ping")]), support)
+    template = "{% for t in tools %}{{ t.function.parameters | tojson }}{% endfor %}"
+    text = hf.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=plan.tools, chat_template=template,
+        tokenize=False,
+    )  # fmt: skip
+    assert json.loads(text) == {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 @pytest.mark.parametrize("parser", ["qwen3_coder", "hermes"])
 def test_a_loose_tool_without_parameters_takes_any_arguments_beside_an_answer_format(
     parser: str, vocabularies: dict[str, tuple[Any, Any]]

@@ -267,9 +267,15 @@ def callable_functions(tools: list[dict[str, Any]], forced: str | None) -> list[
     return functions
 
 
-# OpenAI: "Omitting parameters defines a function with an empty parameter list."
-NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
+def no_parameters() -> dict[str, Any]:
+    """The arguments schema of a function without ``parameters`` (or null): OpenAI's "Omitting
+    parameters defines a function with an empty parameter list"; a fresh dict each call."""
+    return {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def any_parameters() -> dict[str, Any]:
+    """An arguments schema of any object (JSON Schema's ``{}`` for an object)."""
+    return {"type": "object"}
 
 
 def parameters_of(function: dict[str, Any]) -> dict[str, Any]:
@@ -277,14 +283,17 @@ def parameters_of(function: dict[str, Any]) -> dict[str, Any]:
     an object of anything for ``{}`` (JSON Schema's "anything")."""
     parameters = function.get("parameters")
     if parameters is None:
-        return NO_PARAMETERS
-    return parameters if isinstance(parameters, dict) and parameters else ANY_PARAMETERS
+        return no_parameters()
+    return parameters if isinstance(parameters, dict) and parameters else any_parameters()
 
 
 def takes_no_arguments(parameters: dict[str, Any]) -> bool:
-    """Whether an arguments schema admits only the empty object: no properties, and no others
-    (``additionalProperties`` false), as a function without ``parameters`` has."""
-    return not parameters.get("properties") and parameters.get("additionalProperties") is False
+    """Whether an arguments schema admits only the empty object: no properties, none by
+    pattern, and no others (``additionalProperties`` false), as a function without
+    ``parameters`` has."""
+    if parameters.get("properties") or parameters.get("patternProperties"):
+        return False
+    return parameters.get("additionalProperties") is False
 
 
 def call_schema(function: dict[str, Any], arguments_key: str) -> dict[str, Any]:
