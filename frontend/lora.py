@@ -21,6 +21,7 @@ from engine_core.config import ModelConfig
 from engine_core.lora.adapter import LoraError, check_lora_model, load_adapter
 from frontend.errors import OpenAIError, bad_request
 from frontend.lora_args import parse_lora_modules
+from protocol.codec import lora_text_problem
 from protocol.messages import LoraRef
 
 
@@ -65,6 +66,10 @@ class LoraRegistry:
         self._check_updates()
         if not name or not path:
             raise bad_request("give both lora_name and lora_path", "lora_name")
+        for text, param in ((name, "lora_name"), (path, "lora_path")):
+            problem = lora_text_problem(text, param)
+            if problem is not None:
+                raise bad_request(problem, param)
         async with self._lock:  # two loads of one name: the second is told it exists
             if name == self.base_name or name in self.adapters:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.")

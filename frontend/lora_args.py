@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from protocol.codec import lora_text_problem
+
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("LoRA adapters (with --enable-lora)")
@@ -31,6 +33,9 @@ def parse_lora_modules(values: list[str] | None) -> dict[str, str]:
             raise ValueError(f"--lora-modules {value!r}: give NAME=PATH")
         if name in modules:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        problem = lora_text_problem(name, "the name") or lora_text_problem(path, "the path")
+        if problem is not None:
+            raise ValueError(f"--lora-modules {value[:80]!r}: {problem}")
         modules[name] = path
     return modules
 

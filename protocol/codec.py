@@ -534,9 +534,20 @@ def _decode_lora(value: Any, v: _Validator) -> LoraRef:
 
 def _lora_part(value: Any, what: str, v: _Validator) -> str:
     text = v.str_(value, what, MAX_LORA_STR_LEN)
-    if not text or "\0" in text:
-        raise v.fail(f"{what} must be a non-empty string without NUL")
+    problem = lora_text_problem(text, what)
+    if problem is not None:
+        raise v.fail(problem)
     return text
+
+
+def lora_text_problem(text: str, what: str) -> str | None:
+    """Why ``text`` cannot travel as a LoRA adapter's name or path (None: it can), for the API
+    process to refuse it where it is given rather than when a request is sent."""
+    if not text or "\0" in text:
+        return f"{what} must be a non-empty string without NUL"
+    if len(text) > MAX_LORA_STR_LEN:
+        return f"{what} is longer than {MAX_LORA_STR_LEN} characters"
+    return None
 
 
 def _encode_image(image: ImageInput) -> list[Any]:

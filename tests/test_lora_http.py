@@ -315,6 +315,9 @@ def test_an_adapter_loaded_at_run_time_serves_at_tp2(
         ("missing", "no such adapter folder"),
         ("dora", "use_dora"),
         ("inplace", "load_inplace"),
+        # Names the wire cannot carry: refused here, not a 500 on each request naming them.
+        ("nul", "lora_name must be a non-empty string without NUL"),
+        ("long", "lora_name is longer than 4096 characters"),
     ],
 )
 def test_bad_adapters_are_refused_naming_the_problem(
@@ -331,10 +334,13 @@ def test_bad_adapters_are_refused_naming_the_problem(
         )
     if case == "inplace":
         body = {"lora_name": "x", "lora_path": str(adapters["sql"]), "load_inplace": True}
+    if case in ("nul", "long"):
+        name = "bad-nul\0" if case == "nul" else "bad-long" + "x" * 4096
+        body = {"lora_name": name, "lora_path": str(adapters["sql"])}
     response = post(dynamic_server, "/v1/load_lora_adapter", body)
     assert response.status_code == 400, response.text
     assert needle in json.dumps(response.json()["error"])
-    assert f"bad-{case}" not in {m.id for m in client_of(dynamic_server).models.list().data}
+    assert body["lora_name"] not in {m.id for m in client_of(dynamic_server).models.list().data}
 
 
 def test_unload_under_load_lets_the_requests_in_flight_finish(
@@ -388,6 +394,7 @@ def test_unload_under_load_lets_the_requests_in_flight_finish(
         (["--lora-modules", "sql={sql}"], "--lora-modules needs --enable-lora"),
         (["--enable-lora", "--lora-modules", "sql"], "give NAME=PATH"),
         (["--enable-lora", "--lora-modules", "a={sql}", "a={sql}"], "given twice"),
+        (["--enable-lora", "--lora-modules", "L" * 4097 + "={sql}"], "longer than 4096"),
         (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras"),
         (["--max-lora-rank", "64"], "--max-lora-rank sizes the adapter slots: it needs"),
         (
