@@ -172,6 +172,10 @@ class SigtermStop:
         self.server: Drainable | None = None
         self.cancelled = False
 
+    def stopping(self) -> bool:
+        """Whether the server was told to drain and stop (by this or by uvicorn's SIGINT)."""
+        return self.server is not None and self.server.should_exit
+
     def __call__(self) -> None:
         if self.server is not None:
             self.server.should_exit = True

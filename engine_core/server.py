@@ -485,12 +485,19 @@ def release_held(
     return tokens, logprobs
 
 
+# Longer than `tandem serve`'s drain (frontend/http_server.py GRACEFUL_SHUTDOWN_S) and its
+# requests' last answers, after which it stops the engine itself.
+SUPERVISED_SIGTERM_DELAY_S = 15.0
+
+
 def stop_on_signals(proc: EngineServer, supervised: bool) -> None:
     """SIGTERM and SIGINT stop a standalone engine for good. `tandem serve` (--parent-pid)
-    restarts its engine after any exit, so there only its STOP_FOR_GOOD is for good, SIGTERM
-    from anyone else stops the engine as a death would, and SIGINT (a terminal's Ctrl-C, which
-    reaches the whole process group) is left to the parent: it ends its API processes' requests
-    first, then stops the engine."""
+    restarts its engine after any exit, so there only its STOP_FOR_GOOD is for good. SIGINT (a
+    terminal's Ctrl-C, which reaches the whole process group) is left to the parent: it ends
+    its API processes' requests first, then stops the engine. So is SIGTERM, for
+    SUPERVISED_SIGTERM_DELAY_S: sent to the whole group (systemd's stop, ``kill -- -PGID``) it
+    reaches the parent too, whose drain needs the engine; sent to the engine alone it stops it
+    after that delay, as a death would (the parent restarts it)."""
 
     def stop(for_good: bool) -> Callable[[int, object], None]:
         def handler(signum: int, _frame: object) -> None:
@@ -500,6 +507,13 @@ def stop_on_signals(proc: EngineServer, supervised: bool) -> None:
 
         return handler
 
+    def stop_later(signum: int, _frame: object) -> None:
+        delay = SUPERVISED_SIGTERM_DELAY_S
+        logger.info("signal %d: stopping in %.0f s unless the parent stops it first", signum, delay)
+        timer = threading.Timer(delay, stop(False), args=(signum, None))
+        timer.daemon = True
+        timer.start()
+
     signal.signal(STOP_FOR_GOOD, stop(True))
-    signal.signal(signal.SIGTERM, stop(not supervised))
+    signal.signal(signal.SIGTERM, stop_later if supervised else stop(True))
     signal.signal(signal.SIGINT, signal.SIG_IGN if supervised else stop(True))

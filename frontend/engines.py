@@ -357,8 +357,10 @@ class EngineSupervisor:
         pool: EnginePool,
         timeouts: EngineTimeouts,
         on_restart: Callable[[], None] = lambda: None,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         assert spec.process is not None, "only an engine we run can be restarted"
+        self.stopping = stopping  # the server is shutting down: an exit is not to be undone
         self.spec = spec
         self.process = spec.process
         self.pool = pool
@@ -371,6 +373,12 @@ class EngineSupervisor:
         while True:
             while self.process.alive():
                 await asyncio.sleep(EXIT_POLL_S)
+            if self.stopping():
+                logger.warning(
+                    "the engine process exited (code %s) while the server stops: not restarting "
+                    "it", self.process.returncode,
+                )  # fmt: skip
+                return
             await self.replace()
 
     async def replace(self) -> None:
@@ -399,10 +407,12 @@ def supervise_engines(
     pool: EnginePool,
     timeouts: EngineTimeouts,
     on_restart: Callable[[], None] = lambda: None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> list[asyncio.Task[None]]:
-    """A running supervisor for every engine core this process runs (not for remote ones)."""
+    """A running supervisor for every engine core this process runs (not for remote ones),
+    none restarting one once ``stopping`` says the server is shutting down."""
     return [
-        asyncio.ensure_future(EngineSupervisor(spec, pool, timeouts, on_restart).run())
+        asyncio.ensure_future(EngineSupervisor(spec, pool, timeouts, on_restart, stopping).run())
         for spec in specs
         if spec.process is not None
     ]

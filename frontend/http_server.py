@@ -93,7 +93,7 @@ async def serve_http(
             state = build_state(args, model_dir, specs, pool, await hf_tokenizer, role)
             if role.alone and args.restart_engine:
                 on_restart = state.serving.metrics.record_restart
-                tasks += supervise_engines(specs, pool, timeouts, on_restart)
+                tasks += supervise_engines(specs, pool, timeouts, on_restart, sigterm.stopping)
             server = uvicorn.Server(uvicorn_config(args, build_app(state), role))
             sigterm.server = server
             if role.parent_pid is not None:

@@ -308,12 +308,15 @@ def launch(
         logger.error("%s", exc)
         return 1
     finally:
-        if api is not None:
-            api.stop()  # first: their requests end before the engines go
-        for spec in specs:
-            spec.stop()
+        # Our copies of the API processes' listening sockets first: held open, the kernel would
+        # go on accepting connections that no process serves while they drain (a client's
+        # request then waits out the drain and is reset, where a refused connect is retried).
         for sock in listeners or ():
             sock.close()
+        if api is not None:
+            api.stop()  # before the engines: their requests end first
+        for spec in specs:
+            spec.stop()
         logger.info("stopped")
     return 0
 

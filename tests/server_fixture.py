@@ -123,8 +123,10 @@ def start_server(
     extra: Sequence[str] = (),
     model: str = "default",
     args: Sequence[str] = tuple(SERVE_ARGS),
+    new_session: bool = False,
 ) -> Server:
-    """Start `tandem serve` on ``model`` and wait until /health answers 200."""
+    """Start `tandem serve` on ``model`` and wait until /health answers 200; ``new_session``:
+    in a process group of its own (for a test to signal the whole group, as systemd does)."""
     port = free_port()
     cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--host",
            "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *args]  # fmt: skip
@@ -135,8 +137,9 @@ def start_server(
     with open(log_path, "wb") as log:
         # die_with_parent: a pytest run killed mid-way must not leave a server behind.
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent()
-        )
+            cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(),
+            start_new_session=new_session,
+        )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log_path)

@@ -14,9 +14,11 @@ and the process table (/proc), not the server's word, says that SIGTERM left no 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -253,6 +255,68 @@ def test_a_killed_api_server_and_a_killed_engine_are_both_replaced(multi: Server
     outs = parallel(*(lambda p=p: client.completions.create(model=model, prompt=p, **GREEDY)
                       for p in PROMPTS))  # fmt: skip
     assert all(out.usage.completion_tokens == MAX_TOKENS for out in outs)
+
+
+def stream_tokens(
+    server: Server, started: threading.Event, signalled: list[float]
+) -> tuple[str | None, int]:
+    """One long greedy stream, ``started`` set at its first tokens: (its finish reason, None if
+    the drain cut it; the tokens that came at least half a second after the time in
+    ``signalled``, once there is one)."""
+    body = {"model": model_of(client_of(server)), "prompt": "Once upon a time",
+            "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True,
+            "logprobs": 0}  # fmt: skip
+    reason, late = None, 0
+    url = f"{server.base_url}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=SERVING_TIMEOUT_S) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                break
+            choice = chunk["choices"][0]
+            started.set()
+            reason = choice["finish_reason"] or reason
+            if signalled and time.monotonic() > signalled[0] + 0.5:
+                late += len(choice["logprobs"]["tokens"])
+    return reason, late
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_sigterm_to_the_process_group_drains_and_refuses_new_connections(
+    tmp_path: Path, tiny_model_dir: Path, api_servers: int
+) -> None:
+    """systemd's stop: SIGTERM to every process of the group at once. The engine goes on
+    serving the API processes' drain (each stream ends whole, or still gets tokens well after
+    the signal: the engine took SIGTERM as a death and no token came, before), a connection
+    made after the signal is refused rather than held through the drain and reset, and every
+    process exits. (One API process: its engine's supervisor restarted the engine mid-drain.)"""
+    args = [*MULTI_ARGS[:1], str(api_servers), *MULTI_ARGS[2:]]
+    srv = start_server(tmp_path, model=str(tiny_model_dir), args=args, new_session=True)
+    try:
+        family = descendants(srv.process.pid)
+        signalled: list[float] = []
+        with ThreadPoolExecutor(4) as pool:
+            started = [threading.Event() for _ in range(4)]
+            streams = [pool.submit(stream_tokens, srv, flag, signalled) for flag in started]
+            assert all(flag.wait(SERVING_TIMEOUT_S) for flag in started)
+            signalled.append(time.monotonic())
+            os.killpg(srv.process.pid, signal.SIGTERM)
+            time.sleep(1.0)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{srv.base_url}/health", timeout=30)
+            results = [stream.result(timeout=SERVING_TIMEOUT_S) for stream in streams]
+        assert all(reason == "length" or late >= 8 for reason, late in results), results
+        assert srv.process.wait(timeout=60) == 0, srv.log_tail()
+        assert "restarting" not in srv.log_path.read_text(), srv.log_tail()
+        deadline = time.monotonic() + 15
+        while left := [pid for pid in family if pid_alive(pid)]:
+            assert time.monotonic() < deadline, f"left behind: {left}"
+            time.sleep(0.1)
+    finally:
+        if srv.process.poll() is None:
+            stop_server(srv)
 
 
 def test_sigterm_stops_the_api_servers_and_the_engine(multi: Server) -> None:

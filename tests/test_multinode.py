@@ -510,16 +510,21 @@ def test_two_hosts_in_network_namespaces_meet_over_a_secret(
 
 
 SIGNALS_SCRIPT = """
-import json, os, signal, types
+import json, os, signal, time, types
 from common.processes import STOP_FOR_GOOD
-from engine_core.server import stop_on_signals
-seen = {}
+import engine_core.server as server
+server.SUPERVISED_SIGTERM_DELAY_S = 0.3
+seen, procs = {}, {}
 for supervised in (False, True):
     for sig in (signal.SIGTERM, signal.SIGINT, STOP_FOR_GOOD):
-        proc = types.SimpleNamespace(running=True, stopped_for_good=False)
-        stop_on_signals(proc, supervised)
+        proc = procs[f"{supervised} {sig.name}"] = types.SimpleNamespace(
+            running=True, stopped_for_good=False)
+        server.stop_on_signals(proc, supervised)
         os.kill(os.getpid(), sig)
         seen[f"{supervised} {sig.name}"] = [proc.running, proc.stopped_for_good]
+time.sleep(1.0)
+proc = procs["True SIGTERM"]
+seen["True SIGTERM, after the delay"] = [proc.running, proc.stopped_for_good]
 print(json.dumps(seen))
 """
 
@@ -527,7 +532,9 @@ print(json.dumps(seen))
 def test_only_a_stop_no_restart_follows_is_for_good() -> None:
     """`tandem serve` restarts its engine after any exit, so a supervised engine tells its other
     nodes it stops for good only on serve's own STOP_FOR_GOOD; a standalone engine on any stop.
-    [running, stopped for good] after each signal (its own interpreter: handlers are global)."""
+    A supervised engine's SIGTERM stops it only after a delay (serve's drain, when the signal
+    went to the whole group). [running, stopped for good] after each signal (its own
+    interpreter: handlers are global)."""
     done = subprocess.run([sys.executable, "-c", SIGNALS_SCRIPT], capture_output=True, text=True,
                           timeout=120, cwd=Path(__file__).parents[1])  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -535,7 +542,8 @@ def test_only_a_stop_no_restart_follows_is_for_good() -> None:
         "False SIGTERM": [False, True],
         "False SIGINT": [False, True],
         "False SIGUSR1": [False, True],
-        "True SIGTERM": [False, False],  # an operator's kill: serve restarts it, nodes rejoin
+        "True SIGTERM": [True, False],  # serve's drain first, if it went to the whole group
+        "True SIGTERM, after the delay": [False, False],  # an operator's kill: serve restarts it
         "True SIGINT": [True, False],  # Ctrl-C reaches serve too, which stops it for good
         "True SIGUSR1": [False, True],
     }
