@@ -501,11 +501,14 @@ def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, 
         raise bad_request("the prompt is empty", param)
     if max_tokens is None:
         max_tokens = ctx.max_model_len - prompt_len
-    if max_tokens < 0 or prompt_len + max(max_tokens, 1) > ctx.max_model_len:
+    # max_tokens 0 (with echo) runs the prompt for one token and drops it: that one must fit.
+    output = max(max_tokens, 1)
+    if max_tokens < 0 or prompt_len + output > ctx.max_model_len:
+        why = "for the completion" if max_tokens else "that max_tokens 0 runs and drops"
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
-            f"requested {prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, "
-            f"{max(max_tokens, 1)} for the completion). Please reduce the prompt or max_tokens.",
+            f"requested {prompt_len + output} tokens ({prompt_len} in the prompt, {output} "
+            f"{why}). Please reduce the prompt or max_tokens.",
             param,
             "context_length_exceeded",
         )

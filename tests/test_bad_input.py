@@ -132,6 +132,21 @@ def test_chat_wrong_types_and_limits(tiny_server: Server) -> None:
         assert_error(httpx.post(url, json=bad, timeout=60), 400)
 
 
+def test_a_prompt_that_fills_the_context_says_what_it_needs(tiny_server: Server) -> None:
+    """A prompt of the whole context leaves no room for an output token; with echo and
+    max_tokens 0 the error says that one token is still run (not that it was asked for)."""
+    context = httpx.post(f"{tiny_server.base_url}/tokenize", json={"prompt": "a"}).json()
+    full = [1] * context["max_model_len"]
+    url = f"{tiny_server.base_url}/v1/completions"
+    echoed = {"prompt": full, "max_tokens": 0, "echo": True}
+    err = assert_error(httpx.post(url, json=echoed, timeout=60), 400, "context_length_exceeded")
+    assert "1 that max_tokens 0 runs and drops" in err["message"], err
+    err = assert_error(httpx.post(url, json={"prompt": full, "max_tokens": 1}, timeout=60), 400)
+    assert "1 for the completion" in err["message"], err
+    ok = httpx.post(url, json={**echoed, "prompt": full[1:]}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_detokenize_ids_outside_the_vocabulary_are_400(tiny_server: Server) -> None:
     for tokens in ([-1], [VOCAB], [2**70], ["a"]):
         r = httpx.post(f"{tiny_server.base_url}/detokenize", json={"tokens": tokens}, timeout=30)
