@@ -52,6 +52,25 @@ def _prctl() -> Callable[..., int] | None:
         return None
 
 
+# The folder that holds this project's packages (common/, engine_core/, frontend/, protocol/).
+_PACKAGES_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def python_module_argv(module: str) -> list[str]:
+    """The command that runs this project's ``module`` in a child Python, with -P: the folder
+    it starts in does not come first on its import path, where a common.py or protocol.py of
+    the user's would shadow our packages. ``child_env`` puts our own root there instead."""
+    return [sys.executable, "-P", "-m", module]
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: ours) with this project's root first on PYTHONPATH, for a child
+    started with ``python_module_argv`` (an uninstalled checkout is found through it)."""
+    out = dict(os.environ if env is None else env)
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGES_ROOT, out.get("PYTHONPATH")]))
+    return out
+
+
 # What `tandem serve` sends the engine cores it runs when it stops for good. Any other exit of
 # theirs it follows with a restart, so only this one lets an engine tell its other nodes to exit
 # with it (engine_core/server.py, engine_core/nodes.py).

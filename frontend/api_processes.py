@@ -48,8 +48,10 @@ from common.listen import address_family, probe_bind
 from common.processes import (
     EXIT_UNSERVABLE,
     UnservableError,
+    child_env,
     die_with_parent,
     exit_on_sigterm,
+    python_module_argv,
     stop_on_sigterm,
 )
 from frontend.engine_pool import EnginePool
@@ -125,10 +127,10 @@ class ApiServerProcess:
 
     def start(self) -> None:
         """Spawn it; from the main thread, as EngineProcess.start says why."""
-        argv = [sys.executable, "-m", "frontend.api_processes"]
+        argv = python_module_argv("frontend.api_processes")
         self.process = subprocess.Popen(
             argv, stdin=subprocess.PIPE, pass_fds=(self.sock.fileno(),),
-            preexec_fn=die_with_parent(),
+            preexec_fn=die_with_parent(), env=child_env(),
         )  # fmt: skip
         assert self.process.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # it died at once: the supervisor sees it

@@ -27,7 +27,6 @@ import asyncio
 import logging
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -35,7 +34,13 @@ from pathlib import Path
 from types import TracebackType
 
 from common import env
-from common.processes import STOP_FOR_GOOD, die_with_parent, pid_alive
+from common.processes import (
+    STOP_FOR_GOOD,
+    child_env,
+    die_with_parent,
+    pid_alive,
+    python_module_argv,
+)
 from engine_core.config import EngineConfig
 from frontend.engine_pool import EnginePool
 from protocol.address import EngineAddress, private_ipc_address, remove_ipc_files
@@ -122,7 +127,7 @@ class EngineProcess:
     @property
     def argv(self) -> list[str]:
         return [
-            sys.executable, "-m", "engine_core",
+            *python_module_argv("engine_core"),
             "--address", str(self.address), "--model", self.model_dir,
             "--parent-pid", str(os.getpid()),
             "--log-level", self.log_level, *self.flags,
@@ -139,9 +144,9 @@ class EngineProcess:
     def start(self) -> None:
         """Spawn the engine. Call from the main thread (the event loop's, not an executor's):
         the death signal fires when the thread that spawned the child exits."""
-        env = None
+        env = child_env()
         if self.visible_devices is not None:
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": self.visible_devices}
+            env["CUDA_VISIBLE_DEVICES"] = self.visible_devices
             logger.info("starting an engine core on GPUs %s", self.visible_devices)
         logger.info("starting the engine core: %s", " ".join(self.argv))
         self.process = subprocess.Popen(self.argv, preexec_fn=die_with_parent(), env=env)

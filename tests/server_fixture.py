@@ -124,11 +124,14 @@ def start_server(
     model: str = "default",
     args: Sequence[str] = tuple(SERVE_ARGS),
     new_session: bool = False,
+    cwd: Path | None = None,
 ) -> Server:
     """Start `tandem serve` on ``model`` and wait until /health answers 200; ``new_session``:
-    in a process group of its own (for a test to signal the whole group, as systemd does)."""
+    in a process group of its own (for a test to signal the whole group, as systemd does);
+    ``cwd``: from that folder, as the `tandem` script would start there (not on the path)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--host",
+    python = [sys.executable, "-P"] if cwd is not None else [sys.executable]
+    cmd = [*python, "-m", "frontend.cli", "serve", "--model", model, "--host",
            "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *args]  # fmt: skip
     if api_key:
         cmd += ["--api-key", api_key]
@@ -138,7 +141,7 @@ def start_server(
         # die_with_parent: a pytest run killed mid-way must not leave a server behind.
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(),
-            start_new_session=new_session,
+            start_new_session=new_session, cwd=cwd,
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:

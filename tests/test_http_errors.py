@@ -30,6 +30,8 @@ from tests.server_fixture import (  # noqa: F401
     keyed_server,
     pid_alive,
     server,
+    start_server,
+    stop_server,
     wait_engine_idle,
 )
 
@@ -474,6 +476,24 @@ def test_sigterm_stops_the_server_and_cleans_up(keyed_server: Server) -> None:
     assert keyed_server.process.wait(timeout=30) == 0
     assert not pid_alive(keyed_server.engine_pid)
     assert not any(Path(p).parent.exists() for p in address.ipc_paths)  # private dir removed
+
+
+def test_modules_in_the_working_folder_do_not_shadow_the_project(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`tandem serve` started from a folder holding a common.py and a protocol.py (generic
+    names, as our packages'): its engine core and API processes import ours, not those."""
+    for name in ("common", "protocol", "engine_core", "frontend"):
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('the folder's {name}.py')\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    args = ["--api-servers", "2", "--num-kv-blocks", "64"]
+    srv = start_server(logs, model=str(tiny_model_dir), args=args, cwd=tmp_path)
+    try:
+        body = {"model": str(tiny_model_dir), "prompt": "Hi", "max_tokens": 2}
+        assert post(srv, "/v1/completions", body).status_code == 200
+    finally:
+        stop_server(srv)
 
 
 def _children(pid: int) -> list[int]:
