@@ -63,12 +63,22 @@ def python_module_argv(module: str) -> list[str]:
     return [sys.executable, "-P", "-m", module]
 
 
-def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: ours) with this project's root first on PYTHONPATH, for a child
-    started with ``python_module_argv`` (an uninstalled checkout is found through it)."""
-    out = dict(os.environ if env is None else env)
-    out["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGES_ROOT, out.get("PYTHONPATH")]))
+def child_env() -> dict[str, str]:
+    """Our environment with this project's root first on PYTHONPATH, for a child started with
+    ``python_module_argv`` (an uninstalled checkout is found through it); not where the root
+    is a site folder (a wheel's install): there the child finds it anyway, and first on the
+    path it would put that folder before the standard library."""
+    out = {**os.environ}
+    if _PACKAGES_ROOT not in _site_folders():
+        out["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGES_ROOT, out.get("PYTHONPATH")]))
     return out
+
+
+def _site_folders() -> set[str]:
+    import site
+
+    folders = [*site.getsitepackages(), site.getusersitepackages()]
+    return {str(Path(folder).resolve()) for folder in folders}
 
 
 # What `tandem serve` sends the engine cores it runs when it stops for good. Any other exit of

@@ -46,7 +46,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="exit when this process is gone (checked every second); `tandem serve` passes "
         "its own pid. The parent then owns the engine's lifetime: SIGINT is left to it, "
-        "SIGTERM stops the engine 15 s later unless the parent stops it first (a SIGTERM to "
+        "SIGTERM stops the engine 30 s later unless the parent stops it first (a SIGTERM to "
         "the whole process group lets the parent drain its requests), as a death would (the "
         "parent restarts it; other nodes rejoin), and SIGUSR1 stops it for good (other nodes "
         "exit with it)",

@@ -485,9 +485,10 @@ def release_held(
     return tokens, logprobs
 
 
-# Longer than `tandem serve`'s drain (frontend/http_server.py GRACEFUL_SHUTDOWN_S) and its
-# requests' last answers, after which it stops the engine itself.
-SUPERVISED_SIGTERM_DELAY_S = 15.0
+# Longer than `tandem serve`'s stop before it stops the engine itself: its drain
+# (frontend/http_server.py GRACEFUL_SHUTDOWN_S, 5 s), its requests' last answers (1 s) and the
+# export of its last traces (up to 10 s). Timed by SIGALRM: no thread started in a handler.
+SUPERVISED_SIGTERM_DELAY_S = 30.0
 
 
 def stop_on_signals(proc: EngineServer, supervised: bool) -> None:
@@ -495,9 +496,9 @@ def stop_on_signals(proc: EngineServer, supervised: bool) -> None:
     restarts its engine after any exit, so there only its STOP_FOR_GOOD is for good. SIGINT (a
     terminal's Ctrl-C, which reaches the whole process group) is left to the parent: it ends
     its API processes' requests first, then stops the engine. So is SIGTERM, for
-    SUPERVISED_SIGTERM_DELAY_S: sent to the whole group (systemd's stop, ``kill -- -PGID``) it
-    reaches the parent too, whose drain needs the engine; sent to the engine alone it stops it
-    after that delay, as a death would (the parent restarts it)."""
+    SUPERVISED_SIGTERM_DELAY_S (a SIGALRM timer): sent to the whole group (systemd's stop,
+    ``kill -- -PGID``) it reaches the parent too, whose drain needs the engine; sent to the
+    engine alone it stops it after that delay, as a death would (the parent restarts it)."""
 
     def stop(for_good: bool) -> Callable[[int, object], None]:
         def handler(signum: int, _frame: object) -> None:
@@ -510,10 +511,14 @@ def stop_on_signals(proc: EngineServer, supervised: bool) -> None:
     def stop_later(signum: int, _frame: object) -> None:
         delay = SUPERVISED_SIGTERM_DELAY_S
         logger.info("signal %d: stopping in %.0f s unless the parent stops it first", signum, delay)
-        timer = threading.Timer(delay, stop(False), args=(signum, None))
-        timer.daemon = True
-        timer.start()
+        if signal.getitimer(signal.ITIMER_REAL)[0] == 0:  # a second SIGTERM keeps the first's time
+            signal.setitimer(signal.ITIMER_REAL, delay)
+
+    def delay_over(_signum: int, _frame: object) -> None:
+        logger.info("%.0f s after SIGTERM: stopping", SUPERVISED_SIGTERM_DELAY_S)
+        proc.running = False  # not for good: the parent restarts it (a death, to it)
 
     signal.signal(STOP_FOR_GOOD, stop(True))
     signal.signal(signal.SIGTERM, stop_later if supervised else stop(True))
+    signal.signal(signal.SIGALRM, delay_over)
     signal.signal(signal.SIGINT, signal.SIG_IGN if supervised else stop(True))

@@ -47,6 +47,7 @@ import datetime
 import gc
 import logging
 import os
+import signal
 import threading
 import time
 import weakref
@@ -610,7 +611,12 @@ def stop_processes(workers: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S)
 
 
 def run_worker(fields: dict[str, Any], rank: int, port: int, parent: int, log_level: int) -> None:
-    """A worker process's entry point (spawned: it imports everything afresh)."""
+    """A worker process's entry point (spawned: it imports everything afresh). SIGINT and
+    SIGTERM are rank 0's to act on: a terminal's Ctrl-C or a stop of the whole process group
+    (systemd's) reaches the workers too, and rank 0 stops them once its own stop is due (a
+    supervised engine after its parent's drain); its death takes them with it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     set_parent_death_signal(parent)
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s"

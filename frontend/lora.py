@@ -50,7 +50,11 @@ class LoraRegistry:
                 self.check(path)
             except LoraError as exc:
                 raise ValueError(f"--lora-modules {name}: {exc}") from None
-            self.adapters[name] = LoraRef(name, str(Path(path).resolve()))
+            resolved = str(Path(path).resolve())
+            problem = lora_text_problem(resolved, "its folder's full path")
+            if problem is not None:
+                raise ValueError(f"--lora-modules {name}: {problem}")
+            self.adapters[name] = LoraRef(name, resolved)
 
     def resolve(self, model: str | None) -> LoraRef | None:
         """The adapter a request's ``model`` names; None for the base model (or no name)."""
@@ -77,7 +81,11 @@ class LoraRegistry:
                 await asyncio.to_thread(self.check, path)
             except LoraError as exc:
                 raise bad_request(str(exc), "lora_path", "invalid_lora_adapter") from None
-            self.adapters[name] = LoraRef(name, str(Path(path).resolve()))
+            resolved = str(Path(path).resolve())  # what requests carry to the engine
+            problem = lora_text_problem(resolved, "lora_path's full path")
+            if problem is not None:
+                raise bad_request(problem, "lora_path")
+            self.adapters[name] = LoraRef(name, resolved)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload(self, name: str) -> str:

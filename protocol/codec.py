@@ -547,6 +547,10 @@ def lora_text_problem(text: str, what: str) -> str | None:
         return f"{what} must be a non-empty string without NUL"
     if len(text) > MAX_LORA_STR_LEN:
         return f"{what} is longer than {MAX_LORA_STR_LEN} characters"
+    try:
+        text.encode("utf-8")  # a name or path read as bytes that are not UTF-8 (surrogates)
+    except UnicodeEncodeError:
+        return f"{what} is not valid UTF-8"
     return None
 
 

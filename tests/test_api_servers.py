@@ -283,16 +283,21 @@ def stream_tokens(
     return reason, late
 
 
-@pytest.mark.parametrize("api_servers", [1, 2])
+@pytest.mark.parametrize(
+    ("api_servers", "tensor_parallel"), [(1, 1), (2, 1), (1, 2)],
+    ids=["one API process", "two API processes", "tensor parallel"],
+)  # fmt: skip
 def test_sigterm_to_the_process_group_drains_and_refuses_new_connections(
-    tmp_path: Path, tiny_model_dir: Path, api_servers: int
+    tmp_path: Path, tiny_model_dir: Path, api_servers: int, tensor_parallel: int
 ) -> None:
     """systemd's stop: SIGTERM to every process of the group at once. The engine goes on
     serving the API processes' drain (each stream ends whole, or still gets tokens well after
     the signal: the engine took SIGTERM as a death and no token came, before), a connection
     made after the signal is refused rather than held through the drain and reset, and every
-    process exits. (One API process: its engine's supervisor restarted the engine mid-drain.)"""
+    process exits. (One API process: its engine's supervisor restarted the engine mid-drain;
+    tensor parallel: the worker died at the signal, and the engine with it.)"""
     args = [*MULTI_ARGS[:1], str(api_servers), *MULTI_ARGS[2:]]
+    args += ["--tensor-parallel-size", str(tensor_parallel)]
     srv = start_server(tmp_path, model=str(tiny_model_dir), args=args, new_session=True)
     try:
         family = descendants(srv.process.pid)

@@ -147,6 +147,22 @@ def test_a_prompt_that_fills_the_context_says_what_it_needs(tiny_server: Server)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_the_context_error_names_echos_token_only_where_max_tokens_0_was_asked() -> None:
+    """check_context's wording: a chat prompt that fills the context with max_tokens unset
+    (its budget comes to 0) needs "1 for the completion", not echo's run-and-drop."""
+    from types import SimpleNamespace
+
+    from frontend.errors import OpenAIError
+    from frontend.generation import check_context
+
+    ctx: Any = SimpleNamespace(max_model_len=8)
+    for asked, words in ((None, "1 for the completion"), (0, "1 that max_tokens 0 runs")):
+        with pytest.raises(OpenAIError) as caught:
+            check_context(ctx, 8, asked, "messages")
+        assert words in str(caught.value), caught.value
+    assert check_context(ctx, 7, None, "messages") == 1
+
+
 def test_detokenize_ids_outside_the_vocabulary_are_400(tiny_server: Server) -> None:
     for tokens in ([-1], [VOCAB], [2**70], ["a"]):
         r = httpx.post(f"{tiny_server.base_url}/detokenize", json={"tokens": tokens}, timeout=30)

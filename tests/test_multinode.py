@@ -514,16 +514,18 @@ import json, os, signal, time, types
 from common.processes import STOP_FOR_GOOD
 import engine_core.server as server
 server.SUPERVISED_SIGTERM_DELAY_S = 0.3
-seen, procs = {}, {}
+seen = {}
 for supervised in (False, True):
     for sig in (signal.SIGTERM, signal.SIGINT, STOP_FOR_GOOD):
-        proc = procs[f"{supervised} {sig.name}"] = types.SimpleNamespace(
-            running=True, stopped_for_good=False)
+        proc = types.SimpleNamespace(running=True, stopped_for_good=False)
         server.stop_on_signals(proc, supervised)
         os.kill(os.getpid(), sig)
         seen[f"{supervised} {sig.name}"] = [proc.running, proc.stopped_for_good]
+# The delay's timer is the process's own (SIGALRM): one engine, signalled once more.
+proc = types.SimpleNamespace(running=True, stopped_for_good=False)
+server.stop_on_signals(proc, True)
+os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(1.0)
-proc = procs["True SIGTERM"]
 seen["True SIGTERM, after the delay"] = [proc.running, proc.stopped_for_good]
 print(json.dumps(seen))
 """

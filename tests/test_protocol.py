@@ -733,6 +733,21 @@ def test_malformed_lora_is_an_error_for_that_request(frame: bytes) -> None:
     assert info.value.request_id == "r"
 
 
+def test_what_the_wire_refuses_in_a_lora_is_named_before_sending() -> None:
+    """lora_text_problem, which the API process asks where a name or path is given, refuses
+    what encoding an AddRequest would fail on: a NUL, over the length, not UTF-8 (a path read
+    as bytes that are not, surrogate-escaped)."""
+    from protocol.codec import lora_text_problem
+
+    assert lora_text_problem("/adapters/sql", "path") is None
+    for text, words in (("", "non-empty"), ("a\0b", "NUL"), ("a" * 4097, "longer than 4096"),
+                        ("caf\udce9", "not valid UTF-8")):  # fmt: skip
+        problem = lora_text_problem(text, "path")
+        assert problem is not None and words in problem, (text[:10], problem)
+        with pytest.raises((ProtocolError, UnicodeEncodeError)):
+            encode(AddRequest("r", [1], lora=LoraRef("a", text)))
+
+
 def test_lora_travels_after_a_nil_pooling() -> None:
     """A generation's frame has no LoRA field; a LoRA request's has the pooling as nil, then it."""
     plain = unpack(encode(AddRequest("r", [1])))
