@@ -75,7 +75,9 @@ class LoraRegistry:
             if problem is not None:
                 raise bad_request(problem, param)
         async with self._lock:  # two loads of one name: the second is told it exists
-            if name == self.base_name or name in self.adapters:
+            if name == self.base_name:
+                raise bad_request(f"'{name}' is the base model's name: give the adapter another")
+            if name in self.adapters:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.")
             try:
                 await asyncio.to_thread(self.check, path)
