@@ -499,13 +499,13 @@ def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, 
     """The output budget for one prompt; 400 when prompt + max_tokens exceeds the context."""
     if prompt_len == 0:
         raise bad_request("the prompt is empty", param)
-    asked_none = max_tokens == 0  # echo's max_tokens 0, not a default that came to 0
+    asked_zero = max_tokens == 0  # echo's max_tokens 0, not a default that came to 0
     if max_tokens is None:
         max_tokens = ctx.max_model_len - prompt_len
     # max_tokens 0 (with echo) runs the prompt for one token and drops it: that one must fit.
     output = max(max_tokens, 1)
     if max_tokens < 0 or prompt_len + output > ctx.max_model_len:
-        why = "that max_tokens 0 runs and drops" if asked_none else "for the completion"
+        why = "that max_tokens 0 runs and drops" if asked_zero else "for the completion"
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
             f"requested {prompt_len + output} tokens ({prompt_len} in the prompt, {output} "

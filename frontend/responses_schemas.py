@@ -490,14 +490,14 @@ def chat_request_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> 
     return {k: v for k, v in body.items() if v is not None}
 
 
+CHAT_FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+
+
 def chat_tool(tool: FunctionTool) -> dict[str, Any]:
     """The chat request's tool: what the model sees and its calls must match (the fields of
     the Responses tool for its callers stay behind)."""
     function = tool.model_dump(include=CHAT_FUNCTION_FIELDS, exclude_none=True)
     return {"type": "function", "function": function}
-
-
-CHAT_FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 
 
 def response_format(fmt: TextFormat) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from frontend.tool_parsers import (
     get_parser,
     tool_call_grammar,
 )
-from frontend.tool_parsers.grammar import any_parameters, parameters_of
+from frontend.tool_parsers.grammar import any_parameters, no_parameters
 from protocol.messages import Constraint, ConstraintKind
 
 CHATML_TOOLS_TEMPLATE = Path(__file__).parent / "chat_templates" / "chatml_tools.jinja"
@@ -220,4 +220,4 @@ def with_parameters_stated(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool["function"]
     if function.get("parameters") is not None:
         return tool
-    return {**tool, "function": {**function, "parameters": parameters_of(function)}}
+    return {**tool, "function": {**function, "parameters": no_parameters()}}
