@@ -392,6 +392,8 @@ class EngineSupervisor:
         logger.error("%s in %.0f s", reason, delay)
         await self.pool.engines[self.spec.index].close(reason)
         await asyncio.sleep(delay)
+        if self.stopping():  # the server began to stop during the pause: run() gives up
+            return
         self.process.restart()  # on the loop's thread: see EngineProcess.start
         try:
             engine = await connect_engine(self.spec, self.timeouts)

@@ -39,21 +39,23 @@ class LoraRegistry:
     def __post_init__(self) -> None:
         check_lora_model(self.model_config)
 
-    def check(self, path: str) -> None:
-        """Read the adapter at ``path`` as the engine will; LoraError naming what is wrong."""
+    def check(self, path: str) -> str:
+        """Read the adapter at ``path`` as the engine will; its resolved path, which requests
+        carry to the engine. LoraError naming what is wrong."""
         load_adapter(path, self.model_config, self.max_rank)
+        resolved = str(Path(path).resolve())
+        problem = lora_text_problem(resolved, "the adapter folder's full path")
+        if problem is not None:
+            raise LoraError(problem)
+        return resolved
 
     def add_checked(self, modules: dict[str, str]) -> None:
         """The --lora-modules adapters, each read and checked (ValueError naming a bad one)."""
         for name, path in modules.items():
             try:
-                self.check(path)
+                resolved = self.check(path)
             except LoraError as exc:
                 raise ValueError(f"--lora-modules {name}: {exc}") from None
-            resolved = str(Path(path).resolve())
-            problem = lora_text_problem(resolved, "its folder's full path")
-            if problem is not None:
-                raise ValueError(f"--lora-modules {name}: {problem}")
             self.adapters[name] = LoraRef(name, resolved)
 
     def resolve(self, model: str | None) -> LoraRef | None:
@@ -80,13 +82,9 @@ class LoraRegistry:
             if name in self.adapters:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.")
             try:
-                await asyncio.to_thread(self.check, path)
+                resolved = await asyncio.to_thread(self.check, path)
             except LoraError as exc:
                 raise bad_request(str(exc), "lora_path", "invalid_lora_adapter") from None
-            resolved = str(Path(path).resolve())  # what requests carry to the engine
-            problem = lora_text_problem(resolved, "lora_path's full path")
-            if problem is not None:
-                raise bad_request(problem, "lora_path")
             self.adapters[name] = LoraRef(name, resolved)
         return f"Success: LoRA adapter '{name}' added successfully."
 
