@@ -159,19 +159,22 @@ def token_gaps(times: list[float]) -> list[float]:
 
 
 def engine_config(name: str, work: Workload, args: argparse.Namespace) -> Any:
-    """Room for the workload's sequences (twice over, no memory-sized cache), a context bound
-    of 4,096 or the preset's, and a step budget that admits half the prompts at once."""
+    """Room for the workload's sequences (twice over, and at least one sequence of the context
+    bound; no memory-sized cache), a context bound of 4,096 or the preset's, and a step budget
+    that admits half the prompts at once."""
     from engine_core.config import EngineConfig
     from engine_core.presets import PRESETS
 
     per_seq = -(-(work.prompt_len + work.output_len) // args.block_size) + 1
+    max_model_len = min(4096, PRESETS[name].max_position_embeddings)
+    one_longest = -(-max_model_len // args.block_size) + 1  # the pool must hold one
     optional = {"gpu_memory_utilization": args.gpu_memory_utilization}
     return EngineConfig(
         model=f"random:{name}",
         device=args.device,
-        max_model_len=min(4096, PRESETS[name].max_position_embeddings),
+        max_model_len=max_model_len,
         block_size=args.block_size,
-        num_kv_blocks=2 * work.num_requests * per_seq,
+        num_kv_blocks=max(2 * work.num_requests * per_seq, one_longest),
         max_num_seqs=work.num_requests,
         max_num_batched_tokens=max(8192, work.num_requests * work.prompt_len // 2),
         enforce_eager=args.enforce_eager,

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import Provenance, fmt, format_table, percentile, write_json
-from benchmarks.servers import Server, start, stop, tandem_serve_command
+from benchmarks.servers import Server, context_bound, start, stop, tandem_serve_command
 
 # The API process's running sums of the engine's own queue and prefill times, over the requests
 # it has finished: their change over one HTTP trial is that request's (one request at a time).
@@ -277,7 +277,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args)
     extra = shlex.split(args.tandem_args)
-    server = Server("tandem", tandem_serve_command(args.model, args.port, 2048, extra), args.port)
+    server = Server(
+        "tandem",
+        tandem_serve_command(args.model, args.port, context_bound(args.model, 2048), extra),
+        args.port,
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-first-token-"))
     start(server, log_dir / "tandem-server.log")
     try:

@@ -184,6 +184,15 @@ def tandem_command() -> list[str]:
     return [sys.executable, "-m", "frontend.cli"]
 
 
+def context_bound(model: str, wanted: int) -> int:
+    """``wanted`` tokens of context, or the model's own limit where that is shorter (a small
+    test model's): tandem serve refuses a --max-model-len past it."""
+    from engine_core.loader import peek_model_config
+
+    config = peek_model_config(model)
+    return wanted if config is None else min(wanted, config.max_tokens)
+
+
 def tandem_serve_command(
     model: str, port: int, max_model_len: int, extra: list[str] | None = None
 ) -> list[str]:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import Provenance, format_table, write_json
-from benchmarks.servers import Server, free_port, start, stop, tandem_serve_command
+from benchmarks.servers import Server, context_bound, free_port, start, stop, tandem_serve_command
 
 MALFORMED: list[tuple[str, bytes]] = [
     ("invalid-json", b'{"prompt": "hi", "max_tokens": '),
@@ -388,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url is None:
         port = free_port()
         extra = ["--log-level", "WARNING", *shlex.split(args.tandem_args)]
-        command = tandem_serve_command(args.model, port, 2048, extra)
+        command = tandem_serve_command(args.model, port, context_bound(args.model, 2048), extra)
         server = Server("tandem", command, port)
         start(server, Path(tempfile.mkdtemp(prefix="tandem-soak-")) / "tandem-server.log")
     base = args.url or server.url

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import Provenance, fmt, format_table, write_json
+from benchmarks.servers import context_bound
 
 CODE = """def add(a, b):
     return a + b
@@ -71,7 +72,8 @@ def engine(args: argparse.Namespace, speculative: str | None) -> Any:
     from engine_core.core import EngineCore
 
     config = EngineConfig(
-        model=args.model, device=args.device, max_model_len=2048, speculative_config=speculative,
+        model=args.model, device=args.device, max_model_len=context_bound(args.model, 2048),
+        speculative_config=speculative,
     )  # fmt: skip
     return EngineCore(config)
 

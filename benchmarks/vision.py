@@ -62,6 +62,7 @@ from benchmarks.servers import (
     SERVED_NAME,
     Server,
     VllmInstall,
+    context_bound,
     free_port,
     imports,
     peer_model_dir,
@@ -71,6 +72,8 @@ from benchmarks.servers import (
 )
 from benchmarks.serving import add_vllm_args
 from engine_core.config import ModelConfig, VisionConfig
+
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass
@@ -352,22 +355,21 @@ def build_servers(args: argparse.Namespace, folder: Path, log_dir: Path) -> list
     from engine_core.presets import PRESETS
 
     preset = args.model in PRESETS
+    model = f"random:{args.model}" if preset else args.model
+    max_model_len = args.max_model_len or context_bound(model, DEFAULT_MAX_MODEL_LEN)
     servers = []
     if not args.no_tandem:
-        model = f"random:{args.model}" if preset else args.model
         port = args.port or free_port()
         extra = ["--device", args.device, "--served-model-name", SERVED_NAME]
         extra += shlex.split(args.tandem_args)
-        command = tandem_serve_command(model, port, args.max_model_len, extra)
+        command = tandem_serve_command(model, port, max_model_len, extra)
         servers.append(Server("tandem", command, port))
     if args.vllm_python:
         install = VllmInstall(args.vllm_python, args.vllm_pythonpath, cpu=args.device == "cpu")
         model_dir = peer_model_dir(args.model, folder, log_dir / "model") if preset else folder
         extra = shlex.split(args.vllm_args)
         servers.append(
-            vllm_server(
-                install, model_dir.resolve(), free_port(), args.max_model_len, preset, extra
-            )
+            vllm_server(install, model_dir.resolve(), free_port(), max_model_len, preset, extra)
         )
     if not servers:
         raise SystemExit("nothing to run: --no-tandem and no --vllm-python")
@@ -474,7 +476,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=32, help="kept requests per level")
     parser.add_argument("--warmup", type=int, default=3, help="requests first, not kept")
     parser.add_argument("--text-tokens", type=int, default=128, help="each request's text")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--max-model-len", type=int,
+        help=f"both servers' (default: {DEFAULT_MAX_MODEL_LEN:,}, or the model's limit where "
+        "shorter)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=0, help="default: a free one")
     parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")

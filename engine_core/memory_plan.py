@@ -222,12 +222,6 @@ def plan_memory(
     num_kv_heads = model_config.num_kv_heads // config.tensor_parallel_size
     limit = model_config.max_tokens
     max_model_len = min(config.max_model_len or limit, limit)
-    if config.max_model_len and config.max_model_len > limit:
-        what = "positions" if limit == model_config.max_position_embeddings else "input tokens"
-        logger.warning(
-            "--max-model-len %d is past the model's %d %s: serving %d",
-            config.max_model_len, limit, what, limit,
-        )  # fmt: skip
     # This rank's stage's layers only (all of them without pipeline stages).
     layers = get_pipeline_stage().layers(model_config.num_layers)
     layout = stage_kv_layout(model_config, layers)
@@ -403,6 +397,18 @@ def check_memory(
     if budget is None:
         return
     check_fits(plan_memory(config, model_config, module, device, dtype, kv_dtype, budget))
+
+
+def check_max_model_len(asked: int | None, model_config: ModelConfig) -> None:
+    """ValueError where --max-model-len ``asked`` is past what the model takes (its positions,
+    or an embedding model's input limit): served, it would be cut to that, not what was asked."""
+    limit = model_config.max_tokens
+    if asked is not None and asked > limit:
+        what = "positions" if limit == model_config.max_position_embeddings else "input tokens"
+        raise ValueError(
+            f"--max-model-len {asked} is past the model's {limit} {what}: give at most {limit}, "
+            "or leave it unset to serve the model's limit"
+        )
 
 
 def check_pinned_host_tier(gb: float, budget: Budget | None) -> None:

@@ -48,6 +48,7 @@ from engine_core.lora.manager import LoraManager
 from engine_core.memory_plan import (
     CUDA_HEADROOM_BYTES,
     ModelTooLargeError,
+    check_max_model_len,
     check_memory,
     encoder_bytes,
     encoder_call_tokens,
@@ -392,7 +393,11 @@ class ModelRunner:
             # overlapped step").
             torch.set_num_threads(1)
         target = build_target(config, self.device, self.dtype)
-        fits = partial(check_memory, config, self.device, self.dtype, self.kv_dtype)
+
+        def fits(module: torch.nn.Module, model_config: ModelConfig) -> None:
+            check_max_model_len(config.max_model_len, model_config)  # the served model's only
+            check_memory(config, self.device, self.dtype, self.kv_dtype, module, model_config)
+
         return load_model(
             config.model, self.device, self.dtype, config.quantization, fits, target, config.runner
         )

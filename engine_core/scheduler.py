@@ -160,10 +160,18 @@ class Scheduler:
             config.max_num_batched_tokens, max_model_len
         )
         if self.max_model_len < max_model_len:
+            fits = (
+                f"the KV cache's {num_kv_blocks} blocks hold {self.max_model_len} tokens of "
+                "one sequence"
+            )
+            if config.max_model_len is not None:  # asked for: refused, not cut
+                raise ValueError(
+                    f"{fits}, fewer than --max-model-len {config.max_model_len}: give the cache "
+                    "more blocks or memory, or a smaller --max-model-len"
+                )
             logger.warning(
-                "the KV cache holds %d tokens of one sequence: max_model_len is %d, not %d "
-                "(give more KV memory, or a smaller --max-model-len)",
-                self.max_model_len, self.max_model_len, max_model_len,
+                "%s: max_model_len is %d, not the model's %d (give the cache more blocks or "
+                "memory to serve it)", fits, self.max_model_len, max_model_len,
             )  # fmt: skip
         self._block_size = config.block_size
         # Pipeline stages with overlap (engine_core/core.py _step_pipelined): up to one

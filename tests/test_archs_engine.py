@@ -77,7 +77,7 @@ def test_speculation_keeps_hf_greedy_tokens(name: str, tmp_path: Path) -> None:
     expected = [hf_greedy(hf_model, p, 24).tokens[0] for p in prompts]
     draft = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
     llm = LLM(
-        str(tmp_path), block_size=4, num_kv_blocks=64, max_model_len=128, speculative_config=draft
+        str(tmp_path), block_size=4, num_kv_blocks=80, max_model_len=128, speculative_config=draft
     )
     try:
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

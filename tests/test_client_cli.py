@@ -26,7 +26,7 @@ def engine(tiny_model_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     address = private_ipc_address()
     proc = subprocess.Popen(
         [sys.executable, "-m", "frontend.cli", "engine", "--address", str(address),
-         "--model", str(tiny_model_dir), "--num-kv-blocks", "64", "--max-model-len", "4096"],
+         "--model", str(tiny_model_dir), "--num-kv-blocks", "64", "--max-model-len", "512"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         preexec_fn=die_with_parent(),
     )  # fmt: skip
@@ -71,7 +71,7 @@ def test_the_engines_refusal_names_the_request_by_the_id_the_client_gave(
 ) -> None:
     """Not the engine's own id, which scopes it by the client's socket identity."""
     address, _ = engine
-    ids = ",".join(["7"] * 5000)  # past the engine's --max-model-len 4096
+    ids = ",".join(["7"] * 5000)  # past the engine's --max-model-len 512
     done = subprocess.run(
         client(address, "--token-ids", ids, "--request-id", "mine-1"),
         capture_output=True, text=True, timeout=120,

@@ -354,6 +354,50 @@ def test_serving_a_folder_without_a_tokenizer_says_so_in_one_line(tmp_path: Path
     assert "Traceback" not in result.stderr and "never retrieved" not in result.stderr
 
 
+def test_a_max_model_len_the_model_or_the_pool_cannot_hold_is_refused_at_start(
+    tmp_path: Path,
+) -> None:
+    """Past the model's positions, or past what the KV cache holds for one sequence, an asked
+    --max-model-len is refused in one line naming it (both were lowered with a warning, so
+    requests the flag promised were refused later); unset, the pool's bound is served."""
+    from tests.factories import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path / "tiny", max_positions=128)
+    serve = [
+        sys.executable,
+        "-m",
+        "frontend.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+    ]
+    cases = [
+        (["--max-model-len", "256"], "--max-model-len 256 is past the model's 128 positions"),
+        (["--max-model-len", "128", "--num-kv-blocks", "4"],
+         "the KV cache's 4 blocks hold 64 tokens of one sequence, fewer than --max-model-len 128"),
+    ]  # fmt: skip
+    for flags, words in cases:
+        result = subprocess.run(
+            [*serve, "--port", "0", *flags], capture_output=True, text=True, timeout=300
+        )  # fmt: skip
+        assert result.returncode == 1, result.stderr
+        assert words in result.stderr
+        assert "Traceback" not in result.stderr
+    # Unset, the model's 128 positions are lowered to the 64 tokens the pool holds.
+    from engine_core.llm import LLM
+    from protocol.messages import SamplingParams
+
+    llm = LLM(str(model_dir), num_kv_blocks=4, block_size=16)
+    try:
+        assert llm.engine.max_model_len == 64
+        with pytest.raises(ValueError, match="within max_model_len=64"):
+            llm.generate([[5] * 65], SamplingParams(max_tokens=1), detokenize=False)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path: Path) -> None:
     """It would fail every chat request with a 500 (it did); templates parse as HF renders
     them, so loop controls are Jinja there."""

@@ -106,7 +106,7 @@ def test_llama4_decodes_replay_graphs_with_hf_tokens(llama4: tuple[Path, torch.n
     prompts = random_prompts(test_models_llama4.VOCAB, (61, 83, 50))
     want = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in prompts]
     got = generate_with_graphs(
-        folder, prompts, True, block_size=4, num_kv_blocks=60, max_model_len=128,
+        folder, prompts, True, block_size=4, num_kv_blocks=60, max_model_len=112,
         max_num_batched_tokens=20, max_num_seqs=4,
     )  # fmt: skip
     assert got == want
@@ -127,7 +127,7 @@ def test_qwen3_next_decodes_replay_graphs_with_hf_tokens(tmp_path: Path) -> None
     prompts = random_prompts(QWEN_VOCAB, (150, 210, 97, 5))
     want = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in prompts]
     got = generate_with_graphs(
-        tmp_path, prompts, False, block_size=16, num_kv_blocks=24, max_model_len=400,
+        tmp_path, prompts, False, block_size=16, num_kv_blocks=24, max_model_len=384,
         max_num_batched_tokens=23, max_num_seqs=3,
     )  # fmt: skip
     assert got == want

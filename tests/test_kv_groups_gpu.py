@@ -129,7 +129,7 @@ def test_llama4_engine_on_cuda_matches_hf(llama4: tuple[Path, torch.nn.Module]) 
     expected = [hf_greedy(hf_model, p, 12).tokens[0] for p in prompts]
     llm = LLM(
         str(folder), device="cuda", dtype="float32", block_size=4, num_kv_blocks=60,
-        max_model_len=128, max_num_batched_tokens=20, max_num_seqs=4, enforce_eager=True,
+        max_model_len=112, max_num_batched_tokens=20, max_num_seqs=4, enforce_eager=True,
     )  # fmt: skip
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

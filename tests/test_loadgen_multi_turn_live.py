@@ -17,18 +17,21 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.cli import main as tandem_main
-from tests.server_fixture import SERVE_ARGS, Server, start_server, stop_server, wait_address_idle
+from tests.server_fixture import Server, start_server, stop_server, wait_address_idle
 
 pytestmark = pytest.mark.slow
 
 C, T, PREFIX, USER, OUT = 2, 3, 64, 16, 8  # conversations, turns, system, user, output tokens
 BLOCK = 16  # the KV block size: prefix caching reuses whole blocks
 
+# The tiny model's 512 positions; room for eight of its longest sequences.
+TINY_SERVE_ARGS = ["--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-seqs", "16"]
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(tmp_path_factory.mktemp("multi-turn"), model=str(tiny_model_dir),
-                          args=SERVE_ARGS)  # fmt: skip
+                          args=TINY_SERVE_ARGS)  # fmt: skip
     yield server
     stop_server(server)
 

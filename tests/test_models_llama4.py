@@ -207,7 +207,7 @@ def test_preemption_in_a_small_pool_matches_hf(llama4: tuple[Path, torch.nn.Modu
     folder, hf_model = llama4
     prompts = random_prompts(VOCAB, (61, 83, 50))
     expected = [hf_greedy(hf_model, p, NEW_TOKENS).tokens[0] for p in prompts]
-    llm = make_llm(folder, num_kv_blocks=60, max_model_len=128, max_num_batched_tokens=20)
+    llm = make_llm(folder, num_kv_blocks=60, max_model_len=112, max_num_batched_tokens=20)
     try:
         outs = llm.generate(prompts, greedy(), detokenize=False)
         assert [o.token_ids for o in outs] == expected

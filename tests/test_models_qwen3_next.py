@@ -174,6 +174,7 @@ def test_preempted_requests_recompute_their_state(
     llm = make_llm(
         folder,
         num_kv_blocks=20,
+        max_model_len=320,  # all 20 blocks
         max_num_batched_tokens=48,
         max_num_seqs=3,
         async_scheduling=overlap,

@@ -111,7 +111,7 @@ def test_engine_on_cuda_gives_hf_greedy_tokens(tmp_path: Path) -> None:
     want = [hf_greedy(hf_model, prompt, 16).tokens[0] for prompt in prompts]
     llm = LLM(
         str(tmp_path), device="cuda", dtype="float32", block_size=16, num_kv_blocks=24,
-        max_model_len=400, max_num_batched_tokens=23, max_num_seqs=3,
+        max_model_len=384, max_num_batched_tokens=23, max_num_seqs=3,
     )  # fmt: skip
     try:
         got = llm.generate(prompts, greedy(), detokenize=False)

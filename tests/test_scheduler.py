@@ -32,10 +32,15 @@ def make_scheduler(
     num_kv_blocks: int = 64,
     max_model_len: int = 256,
     eos_token_ids: tuple[int, ...] = (EOS,),
+    asked_max_model_len: int | None = None,
     **config: object,
 ) -> Scheduler:
+    """``max_model_len``: the runner's (the model's limit, or ``asked_max_model_len``, the
+    --max-model-len given)."""
     # As the runner resolves an unset --max-num-seqs where the GPU is not a large one.
-    engine_config = EngineConfig(block_size=BLOCK_SIZE, **config).with_max_num_seqs(large_gpu=False)
+    engine_config = EngineConfig(
+        block_size=BLOCK_SIZE, max_model_len=asked_max_model_len, **config
+    ).with_max_num_seqs(large_gpu=False)
     return Scheduler(engine_config, num_kv_blocks, max_model_len, eos_token_ids)
 
 
@@ -483,14 +488,22 @@ def test_wrong_number_of_sampled_tokens_is_rejected() -> None:
     assert scheduler.update_from_output(output, [9])[0].new_token_ids == [9]
 
 
-def test_a_pool_smaller_than_max_model_len_caps_it_and_says_so(
+def test_a_pool_smaller_than_the_models_limit_caps_it_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    # --max-model-len unset: the model's limit, lowered to what one sequence can hold.
     with caplog.at_level("WARNING", logger="engine_core.scheduler"):
         capped = make_scheduler(num_kv_blocks=4, max_model_len=4096)
-    assert capped.max_model_len <= 4 * BLOCK_SIZE
-    assert f"max_model_len is {capped.max_model_len}, not 4096" in caplog.text
+    assert capped.max_model_len == 4 * BLOCK_SIZE
+    assert f"max_model_len is {4 * BLOCK_SIZE}, not the model's 4096" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="engine_core.scheduler"):
         make_scheduler(num_kv_blocks=64, max_model_len=256)
     assert "max_model_len is" not in caplog.text
+
+
+def test_a_pool_smaller_than_an_asked_max_model_len_is_refused() -> None:
+    with pytest.raises(ValueError, match="fewer than --max-model-len 4096"):
+        make_scheduler(num_kv_blocks=4, max_model_len=4096, asked_max_model_len=4096)
+    fits = make_scheduler(num_kv_blocks=4, max_model_len=16, asked_max_model_len=16)
+    assert fits.max_model_len == 16 == 4 * BLOCK_SIZE

@@ -261,7 +261,7 @@ def test_preemption_and_prefix_hits_keep_the_draft_cache_right(tiny_model_dir: P
     (the draft's KV with the target's); then prompts that extend earlier ones start from
     prefix-cache hits. The target drafting for itself still has every draft kept, so the
     draft's cache held the right KV at every position the target read from its own."""
-    small = {**OPTIONS, "num_kv_blocks": 40}
+    small = {**OPTIONS, "num_kv_blocks": 40, "max_model_len": 160}  # all 40 blocks
     plain = LLM(str(tiny_model_dir), **small)
     spec = LLM(str(tiny_model_dir), speculative_config=draft_config(tiny_model_dir), **small)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

@@ -282,7 +282,7 @@ def test_the_engines_drafts_are_the_heads_own(target_dir: Path, head_dir: Path, 
     spec = LLM(
         str(target_dir),
         speculative_config=eagle3_config(head_dir),
-        **{**OPTIONS, "enable_prefix_caching": False, "num_kv_blocks": 40},
+        **{**OPTIONS, "enable_prefix_caching": False, "num_kv_blocks": 40, "max_model_len": 160},
     )
     made = recording_proposals(spec)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

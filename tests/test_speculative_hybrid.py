@@ -158,7 +158,9 @@ def test_preempted_speculating_requests_recompute_their_state(
     folder, hf_model = qwen3_next
     prompts = random_prompts(VOCAB, (150, 210, 97))
     want = hf_tokens(hf_model, prompts, 24)
-    llm = make_llm(folder, num_kv_blocks=20, max_num_batched_tokens=48, max_num_seqs=3)
+    llm = make_llm(
+        folder, num_kv_blocks=20, max_model_len=320, max_num_batched_tokens=48, max_num_seqs=3
+    )
     script(llm, prompts, want)
     try:
         got = llm.generate(prompts, greedy(24), detokenize=False)

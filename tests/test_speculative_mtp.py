@@ -280,7 +280,7 @@ def test_the_engines_drafts_are_the_layers_own(
     spec = LLM(
         str(mtp_dir),
         speculative_config=mtp_config(),
-        **{**OPTIONS, "enable_prefix_caching": False, "num_kv_blocks": 40},
+        **{**OPTIONS, "enable_prefix_caching": False, "num_kv_blocks": 40, "max_model_len": 160},
     )
     made = recording_proposals(spec)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

@@ -95,7 +95,7 @@ def hf_greedy(
 
 def make_llm(vl_dir: Path, **overrides: Any) -> LLM:
     config: dict[str, Any] = dict(
-        block_size=BLOCK, num_kv_blocks=128, max_model_len=512, max_num_batched_tokens=24,
+        block_size=BLOCK, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24,
         max_num_seqs=4,
     )  # fmt: skip
     config.update(overrides)
