@@ -163,11 +163,15 @@ def engine_config(name: str, work: Workload, args: argparse.Namespace) -> Any:
     bound; no memory-sized cache), a context bound of 4,096 or the preset's, and a step budget
     that admits half the prompts at once."""
     from engine_core.config import EngineConfig
+    from engine_core.kv_groups import model_kv_layout, pool_blocks_for_one_sequence
     from engine_core.presets import PRESETS
 
     per_seq = -(-(work.prompt_len + work.output_len) // args.block_size) + 1
     max_model_len = min(4096, PRESETS[name].max_position_embeddings)
-    one_longest = -(-max_model_len // args.block_size) + 1  # the pool must hold one
+    step_budget = max(8192, work.num_requests * work.prompt_len // 2)
+    one_longest = pool_blocks_for_one_sequence(  # the pool must hold one
+        model_kv_layout(PRESETS[name]), max_model_len, args.block_size, step_budget
+    )
     optional = {"gpu_memory_utilization": args.gpu_memory_utilization}
     return EngineConfig(
         model=f"random:{name}",
@@ -176,7 +180,7 @@ def engine_config(name: str, work: Workload, args: argparse.Namespace) -> Any:
         block_size=args.block_size,
         num_kv_blocks=max(2 * work.num_requests * per_seq, one_longest),
         max_num_seqs=work.num_requests,
-        max_num_batched_tokens=max(8192, work.num_requests * work.prompt_len // 2),
+        max_num_batched_tokens=step_budget,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.overlap,
         tensor_parallel_size=args.tensor_parallel_size,

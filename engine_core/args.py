@@ -18,7 +18,8 @@ _HELP = {
     "device": "'auto' (cuda when available), 'cpu' or 'cuda'",
     "dtype": "'auto' (bfloat16 on cuda, float32 on cpu), 'float32', 'bfloat16' or 'float16'",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit, lowered "
-    "to what the KV cache holds for one sequence; a value past either is refused at start)",
+    "to what --num-kv-blocks holds for one sequence where given); refused at start where past "
+    "the model's limit or the KV cache",
     "block_size": "tokens per KV-cache block; 32 or a multiple lets prompt attention load its "
     "tiles through TMA descriptors (Hopper and newer, a bf16/fp16 cache, heads of 128, plain "
     "causal layers: about 1.2x the kernel)",

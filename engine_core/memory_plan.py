@@ -399,15 +399,32 @@ def check_memory(
     check_fits(plan_memory(config, model_config, module, device, dtype, kv_dtype, budget))
 
 
-def check_max_model_len(asked: int | None, model_config: ModelConfig) -> None:
-    """ValueError where --max-model-len ``asked`` is past what the model takes (its positions,
-    or an embedding model's input limit): served, it would be cut to that, not what was asked."""
+def check_max_model_len(config: EngineConfig, model_config: ModelConfig) -> None:
+    """ValueError where an asked --max-model-len is past what the model takes (its positions,
+    or an embedding model's input limit), or past what an asked --num-kv-blocks holds for one
+    sequence: refused before any weight loads, where serving would cut it. A pool sized from
+    memory is checked once sized (model_runner.py ``_kv_blocks_that_fit``)."""
+    asked = config.max_model_len
+    if asked is None:
+        return
     limit = model_config.max_tokens
-    if asked is not None and asked > limit:
+    if asked > limit:
         what = "positions" if limit == model_config.max_position_embeddings else "input tokens"
         raise ValueError(
             f"--max-model-len {asked} is past the model's {limit} {what}: give at most {limit}, "
             "or leave it unset to serve the model's limit"
+        )
+    blocks = config.num_kv_blocks
+    # Any pipeline stage's layers have the model's windows (kv_groups.py stage_kv_layout).
+    layout = model_kv_layout(model_config)
+    needed = pool_blocks_for_one_sequence(
+        layout, asked, config.block_size, config.max_num_batched_tokens
+    )
+    if blocks is not None and blocks < needed:
+        raise ValueError(
+            f"--num-kv-blocks {blocks} holds less than one sequence of --max-model-len {asked} "
+            f"({needed} blocks of {config.block_size} tokens): give more blocks or a smaller "
+            "--max-model-len"
         )
 
 

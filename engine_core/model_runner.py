@@ -395,7 +395,7 @@ class ModelRunner:
         target = build_target(config, self.device, self.dtype)
 
         def fits(module: torch.nn.Module, model_config: ModelConfig) -> None:
-            check_max_model_len(config.max_model_len, model_config)  # the served model's only
+            check_max_model_len(config, model_config)  # the served model's only
             check_memory(config, self.device, self.dtype, self.kv_dtype, module, model_config)
 
         return load_model(

@@ -65,6 +65,7 @@ from engine_core.forward_context import StateRows
 from engine_core.kv_offload import KVMoves
 from engine_core.loader import peek_model_config
 from engine_core.lora.manager import LoraChanges
+from engine_core.memory_plan import check_max_model_len
 from engine_core.model_runner import (
     PROMPT_LOGITS_ROWS,
     ModelInputs,
@@ -293,6 +294,7 @@ class TPModelRunner(_ShardedRunner):
             ep = config.enable_expert_parallel
             check_tensor_parallel(model_config, config.tensor_parallel_size, ep)
             check_pipeline_parallel(model_config, config.pipeline_parallel_size)
+            check_max_model_len(config, model_config)
         # Decided once, here, so that every rank starts from the same number.
         config = resolve_max_num_seqs(config, model_config)
         store = open_store(config)

@@ -63,10 +63,11 @@ def test_the_raw_zmq_engine_gets_exactly_the_in_process_config() -> None:
     from engine_core.args import add_engine_args, engine_config_from_args
 
     flags = args("--device", "cpu", "--no-overlap", "--quantization", "fp8", "--enforce-eager")
-    config = engine_config("smollm2-135m", Workload(8, 16, 4), flags)  # 2 x 8 x (2 + 1) blocks
+    # 2 x 8 x (2 + 1) blocks for the workload, but at least one sequence of 4,096 tokens.
+    config = engine_config("smollm2-135m", Workload(8, 16, 4), flags)
     assert engine_flags(config) == [
         "--model=random:smollm2-135m", "--device=cpu", "--max-model-len=4096",
-        "--num-kv-blocks=48", "--max-num-seqs=8", "--enforce-eager", "--no-async-scheduling",
+        "--num-kv-blocks=256", "--max-num-seqs=8", "--enforce-eager", "--no-async-scheduling",
         "--quantization=fp8",
     ]  # fmt: skip
     parser = argparse.ArgumentParser()

@@ -357,9 +357,10 @@ def test_serving_a_folder_without_a_tokenizer_says_so_in_one_line(tmp_path: Path
 def test_a_max_model_len_the_model_or_the_pool_cannot_hold_is_refused_at_start(
     tmp_path: Path,
 ) -> None:
-    """Past the model's positions, or past what the KV cache holds for one sequence, an asked
-    --max-model-len is refused in one line naming it (both were lowered with a warning, so
-    requests the flag promised were refused later); unset, the pool's bound is served."""
+    """Past the model's positions, or past what --num-kv-blocks hold for one sequence, an asked
+    --max-model-len is refused before the weights load, in one line naming it (both were
+    lowered with a warning, so requests the flag promised were refused later); unset, the
+    pool's bound is served."""
     from tests.factories import write_tiny_llama
 
     model_dir = write_tiny_llama(tmp_path / "tiny", max_positions=128)
@@ -375,8 +376,12 @@ def test_a_max_model_len_the_model_or_the_pool_cannot_hold_is_refused_at_start(
     ]
     cases = [
         (["--max-model-len", "256"], "--max-model-len 256 is past the model's 128 positions"),
+        # Before any tensor-parallel rank starts (each printed its own traceback).
+        (["--max-model-len", "256", "--tensor-parallel-size", "2"],
+         "--max-model-len 256 is past the model's 128 positions"),
         (["--max-model-len", "128", "--num-kv-blocks", "4"],
-         "the KV cache's 4 blocks hold 64 tokens of one sequence, fewer than --max-model-len 128"),
+         "--num-kv-blocks 4 holds less than one sequence of --max-model-len 128 (8 blocks of 16 "
+         "tokens)"),
     ]  # fmt: skip
     for flags, words in cases:
         result = subprocess.run(

@@ -68,8 +68,9 @@ def test_a_target_with_sliding_window_layers_is_refused(
         num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
     )  # fmt: skip
     MistralForCausalLM(config).save_pretrained(tmp_path / "windowed")
+    roomy = {**OPTIONS, "num_kv_blocks": 256}  # a window group's pool holds its null block too
     with pytest.raises(ValueError, match="the target has sliding-window or chunked attention"):
-        LLM(str(tmp_path / "windowed"), speculative_config=draft_config(tiny_model_dir), **OPTIONS)
+        LLM(str(tmp_path / "windowed"), speculative_config=draft_config(tiny_model_dir), **roomy)
     with pytest.raises(ValueError, match="only a text model whose layers all attend to the full"):
         LLM(str(tiny_model_dir), speculative_config=draft_config(tmp_path / "windowed"), **OPTIONS)
 
