@@ -114,13 +114,16 @@ class StopStringMatcher:
         self.sent = 0  # chars of text already released
         self.matched: str | None = None
 
-    def feed(self, delta: str, final: bool = False) -> str:
-        """Add text; return the part safe to release. After a match, text ends before it."""
+    def feed(self, delta: str, final: bool = False, armed: bool = True) -> str:
+        """Add text; return the part safe to release. After a match, text ends before it.
+        ``armed=False`` (within min_tokens): no match ends in this text; one that began in it
+        may end in later, armed text (held back as any stop string's beginning is)."""
         if self.matched is not None:
             return ""
         old_len = len(self.text)
         self.text += delta
-        if self.stop and self._truncate_at_match(max(0, old_len - self._longest + 1)):
+        start = max(0, old_len - self._longest + 1)
+        if self.stop and armed and self._truncate_at_match(start):
             return self._release(len(self.text))
         end = len(self.text) if final else len(self.text) - self._holdback()
         return self._release(end)
@@ -152,7 +155,11 @@ class StopStringMatcher:
 
 
 class TextStream:
-    """Token ids in, releasable text out: detokenizer + stop strings for one sequence."""
+    """Token ids in, releasable text out: detokenizer + stop strings for one sequence.
+
+    ``min_tokens``: no stop string ends within the text of the first that many tokens (as
+    vLLM, whose engine holds off EOS and stop token ids as long; a stop string is the
+    frontend's)."""
 
     def __init__(
         self,
@@ -160,17 +167,32 @@ class TextStream:
         stop: Sequence[str] = (),
         byte_level: bool = False,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.detok = IncrementalDetokenizer(decode, byte_level)
         self.matcher = StopStringMatcher(stop, include_stop)
+        self.unarmed_left = min_tokens  # tokens still to come before a stop string may end
 
     def push(self, token_ids: Sequence[int]) -> str:
-        return self.matcher.feed(self.detok.push(token_ids))
+        if not self.unarmed_left:
+            return self.matcher.feed(self.detok.push(token_ids))
+        held, armed = self._split(token_ids)
+        out = self.matcher.feed(self.detok.push(held), armed=False)
+        return out + self.matcher.feed(self.detok.push(armed)) if armed else out
 
     def finish(self, token_ids: Sequence[int] = ()) -> str:
         """The sequence ended with ``token_ids`` (not pushed yet): release the remaining text (no
         holdback, stop strings still cut)."""
-        return self.matcher.feed(self.detok.flush(token_ids), final=True)
+        held, armed = self._split(token_ids)
+        out = self.matcher.feed(self.detok.push(held), armed=False) if held else ""
+        final = self.detok.flush(armed)  # flushed even where empty: text split across tokens
+        return out + self.matcher.feed(final, final=True, armed=self.unarmed_left == 0)
+
+    def _split(self, token_ids: Sequence[int]) -> tuple[Sequence[int], Sequence[int]]:
+        """(the tokens still within min_tokens, the rest); counts the former off."""
+        k = min(self.unarmed_left, len(token_ids))
+        self.unarmed_left -= k
+        return token_ids[:k], token_ids[k:]
 
     @property
     def has_stop_strings(self) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from frontend.constraints import constraint_of
@@ -76,6 +76,9 @@ class Choice:
     sent: int = 0  # token_ids[:sent] (and their logprobs) went out in a flush
     unsent_text: str = ""  # text the detokenizer released since the last flush
     prompt_logprobs: list[TokenLogprobs] | None = None  # with its first output, when asked
+    # The token ids that stop it (EOS unless ignore_eos, stop_token_ids) whose text its output
+    # leaves out when one ends it: all of them, unless include_stop_str_in_output (as vLLM).
+    unshown_stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -125,7 +128,16 @@ class Generation:
         tok = ctx.tokenizer
         decode = tok.decode if text.skip_special_tokens else tok.decode_keeping_special_tokens
         self.choices = [
-            Choice(i, prompts[i // n], TextStream(decode, stop, tok.byte_level, text.include_stop))
+            Choice(
+                i,
+                prompts[i // n],
+                TextStream(
+                    decode, stop, tok.byte_level, text.include_stop, params[i % n].min_tokens
+                ),
+                unshown_stop_ids=frozenset()
+                if text.include_stop
+                else stopping_token_ids(params[i % n], ctx.eos_token_ids),
+            )
             for i in range(len(prompts) * n)
         ]
         # Whether some choice decodes each output as it comes (stop strings; see _wake_every).
@@ -364,6 +376,12 @@ class Generation:
         pending = choice.token_ids[choice.decoded :]
         choice.decoded = len(choice.token_ids)
         if choice.ended is not None:
+            if (
+                choice.ended == FinishReason.STOP
+                and pending[-1:]
+                and (pending[-1] in choice.unshown_stop_ids)
+            ):
+                pending = pending[:-1]  # the stop token's text: not part of the output
             choice.unsent_text += choice.text.finish(pending)
             # A stop string that the last tokens completed wins over the engine's reason.
             self._finish(choice, "stop" if choice.text.stopped else choice.ended.openai_name)
@@ -478,6 +496,13 @@ def engine_seed(seed: int | None) -> int | None:
     """A request's seed (SEED_MIN..SEED_MAX) as the engine's unsigned 64-bit one: a negative
     seed's two's-complement bits."""
     return None if seed is None else seed % 2**64
+
+
+def stopping_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> frozenset[int]:
+    """The token ids that end a request with these params: its stop_token_ids, and the
+    model's EOS ids unless it ignores them."""
+    eos = () if params.ignore_eos else eos_token_ids
+    return frozenset((*params.stop_token_ids, *eos))
 
 
 def params_per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:

@@ -141,6 +141,7 @@ def build_state(
         max_model_len=ready.max_model_len,
         vocab_size=ready.vocab_size,
         metrics=metrics,
+        eos_token_ids=tuple(ready.eos_token_ids),
         admission=AdmissionGate(share_of(ready.max_num_seqs + waiting, role.index, role.count)),
         stream_interval=args.stream_interval,
         constraints=ConstraintChecker(hf_tokenizer, ready.vocab_size, args.grammar_timeout),

@@ -338,7 +338,7 @@ class SamplingFields(RequestBody):
     spaces_between_special_tokens: StrictBool | None = Field(
         default=None, json_schema_extra=any_of({"const": False}, NULL)
     )
-    include_stop_str_in_output: StrictBool = False  # a matched stop string stays in the text
+    include_stop_str_in_output: StrictBool = False  # the stop string or token stays in the text
     # vLLM's: lower is scheduled sooner (--scheduling-policy priority); others refuse all but 0.
     priority: int = Field(
         default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, json_schema_extra={LIMIT_KEY: "priority"}

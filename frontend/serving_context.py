@@ -39,6 +39,9 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     metrics: Metrics
+    # The engine's end-of-sequence ids (its Ready says): with a request's stop_token_ids, the
+    # tokens whose text a stopped output leaves out unless include_stop_str_in_output.
+    eos_token_ids: tuple[int, ...] = ()
     admission: AdmissionGate = field(default_factory=AdmissionGate.unbounded)
     stream_interval: int = 1  # tokens per SSE chunk and choice (--stream-interval)
     constraints: ConstraintChecker | None = None  # structured outputs' compile check

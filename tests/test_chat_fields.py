@@ -29,13 +29,16 @@ def refused(srv: Server, route: str, **body: Any) -> dict[str, Any]:
     return resp.json()["error"]
 
 
-@pytest.mark.parametrize(("skip", "text"), [(True, ""), (False, "<|im_end|>")])
-def test_skip_special_tokens(server: Server, skip: bool, text: str) -> None:  # noqa: F811
-    """The end-of-turn token forced first: it ends the output, and its text shows only when
-    special tokens are kept."""
+@pytest.mark.parametrize(
+    ("skip", "include", "text"),
+    [(True, False, ""), (False, False, ""), (True, True, ""), (False, True, "<|im_end|>")],
+)
+def test_skip_special_tokens(server: Server, skip: bool, include: bool, text: str) -> None:  # noqa: F811
+    """The end-of-turn token forced first: it ends the output, and as vLLM its text shows only
+    when special tokens are kept and the stop token asked for (include_stop_str_in_output)."""
     out = post(
         server, "/v1/completions", prompt="Hi", max_tokens=4, temperature=0,
-        logit_bias={str(EOS): 100}, skip_special_tokens=skip,
+        logit_bias={str(EOS): 100}, skip_special_tokens=skip, include_stop_str_in_output=include,
     )  # fmt: skip
     choice = out["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (text, "stop")
@@ -53,6 +56,60 @@ def test_include_stop_str_in_output(server: Server) -> None:  # noqa: F811
     )  # fmt: skip
     assert cut["choices"][0]["text"] == full[:at]
     assert kept["choices"][0]["text"] == full[: at + len(stop)]
+
+
+def test_a_stop_token_id_leaves_its_text_out_unless_asked(server: Server) -> None:  # noqa: F811
+    """As vLLM: the token that stopped the output is counted, but its text is left out unless
+    include_stop_str_in_output; streamed alike."""
+    prompt, greedy = "The capital of France is", {"max_tokens": 12, "temperature": 0}
+    full = post(server, "/v1/completions", prompt=prompt, logprobs=0, **greedy)["choices"][0]
+    pieces = full["logprobs"]["tokens"]
+    at = next(i for i, piece in enumerate(pieces) if i > 0 and piece.strip())  # a word's token
+    stop_id = post(server, "/tokenize", prompt=pieces[at], add_special_tokens=False)["tokens"]
+    assert len(stop_id) == 1, stop_id  # the piece is one token alone too
+    # The first place that token comes (earlier ones would stop first).
+    first = pieces.index(pieces[at])
+    for include, shown in ((False, first), (True, first + 1)):
+        body = {"prompt": prompt, "stop_token_ids": stop_id, **greedy}
+        body["include_stop_str_in_output"] = include
+        out = post(server, "/v1/completions", **body)
+        choice = out["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == ("".join(pieces[:shown]), "stop")
+        assert out["usage"]["completion_tokens"] == first + 1
+        streamed = stream_text(server, body)
+        assert streamed == choice["text"]
+
+
+def stream_text(srv: Server, body: dict[str, Any]) -> str:
+    """The text of a streamed completion, joined from its chunks."""
+    import json
+
+    text = ""
+    with httpx.stream(
+        "POST", f"{srv.base_url}/v1/completions", json={"model": "default", **body, "stream": True},
+        timeout=60,
+    ) as resp:  # fmt: skip
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+    return text
+
+
+@pytest.mark.parametrize("min_tokens", [0, 4, 7])
+def test_min_tokens_holds_off_stop_strings(server: Server, min_tokens: int) -> None:  # noqa: F811
+    """As vLLM: no stop string ends within the first min_tokens tokens' text; the first that
+    ends past it cuts there (found by hand in the unstopped greedy output)."""
+    prompt, greedy = "The capital of France is", {"max_tokens": 16, "temperature": 0}
+    full = post(server, "/v1/completions", prompt=prompt, logprobs=0, **greedy)["choices"][0]
+    pieces, text = full["logprobs"]["tokens"], full["text"]
+    assert "".join(pieces) == text
+    stop = " "  # every word's start: the plainest stop string to find again and again
+    held = len("".join(pieces[:min_tokens]))
+    end = next(i + 1 for i in range(len(text)) if text.startswith(stop, i) and i + 1 > held)
+    body = {"prompt": prompt, "stop": [stop], "min_tokens": min_tokens, **greedy}
+    out = post(server, "/v1/completions", **body)["choices"][0]
+    assert (out["text"], out["finish_reason"]) == (text[: end - 1], "stop")
+    assert stream_text(server, body) == out["text"]
 
 
 @pytest.mark.parametrize("min_tokens", [0, 3])

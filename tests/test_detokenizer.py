@@ -225,6 +225,31 @@ def test_stop_string_is_trimmed_and_never_streamed(tokenizer: Any, byte_level: b
     assert sent == expected == stream.text
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_no_stop_string_ends_within_min_tokens(
+    tokenizer: Any, byte_level: bool, chunk: int
+) -> None:
+    """As vLLM: a stop string ending in the first min_tokens tokens' text is passed over; the
+    first that ends after it cuts, one that began before it included; in chunks of any size."""
+    text = "One. Two. Three. Four. Five. Six. Seven."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decode = decode_fn(tokenizer)
+    for min_tokens in range(len(ids) + 1):
+        held_text = decode(ids[:min_tokens])
+        # By hand: the first ". " whose end lies past the text of the first min_tokens tokens.
+        ends = [i + 2 for i in range(len(text)) if text.startswith(". ", i)]
+        end = next((e for e in ends if e > len(held_text)), None)
+        expected = text if end is None else text[: end - 2]
+        stream = TextStream(decode, [". "], byte_level, min_tokens=min_tokens)
+        sent = ""
+        for i in range(0, len(ids), chunk):
+            sent += stream.push(ids[i : i + chunk])
+            if stream.stopped:
+                break
+        sent += stream.finish()
+        assert (sent, stream.stopped) == (expected, end is not None), min_tokens
+
+
 def test_partial_stop_is_held_then_released_on_mismatch() -> None:
     m = StopStringMatcher(["world"])
     assert m.feed("Hello wor") == "Hello "
