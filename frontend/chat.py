@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from frontend.completions import vllm_prompt_logprobs
+from frontend.constraints import check_end_not_held_off
 from frontend.errors import bad_request
 from frontend.generation import (
     Choice,
@@ -92,6 +93,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     tools = plan_tools(req, ctx.tool_support, extras.constraint)
     constraint_param = "tools"
     if tools.constraint is not None:  # the calls' grammar, the answer format inside it
+        check_end_not_held_off(req, "tools")
         await ctx.check_constraint(tools.constraint, "tools")
         extras = replace(extras, constraint=tools.constraint)
     elif extras.constraint is not None:

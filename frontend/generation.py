@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from frontend.constraints import constraint_of
+from frontend.constraints import check_end_not_held_off, constraint_of
 from frontend.detokenizer import TextStream
 from frontend.errors import OpenAIError, as_openai_error, bad_request
 from frontend.openai_schemas import SamplingFields, UsageInfo, random_id
@@ -459,6 +459,7 @@ async def engine_extras(
     constraint = None
     if found is not None:
         constraint, param = found
+        check_end_not_held_off(req, param)
         await ctx.check_constraint(constraint, param)
     bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
     ctx.check_token_ids([t for t, _ in bias], "logit_bias")

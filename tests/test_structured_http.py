@@ -559,6 +559,9 @@ BAD_COMPLETIONS = [
     ({"best_of": 3}, "best_of"),
     ({"frobnicate": True}, "frobnicate"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    # A constraint ends the output once complete: nothing can hold that end off.
+    ({"guided_choice": ["red", "green"], "min_tokens": 5}, "min_tokens"),
+    ({"structured_outputs": {"regex": "[a-z]+"}, "ignore_eos": True}, "ignore_eos"),
 ]  # fmt: skip
 BAD_CHAT = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -578,6 +581,8 @@ BAD_CHAT = [
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"modalities": ["audio"]}, "modalities.0"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
 ]  # fmt: skip
 
 
