@@ -93,7 +93,9 @@ async def complete(ctx: ServingContext, req: CompletionRequest, gen: Generation)
             choice.prompt_logprobs = vllm_prompt_logprobs(ctx, c.prompt_ids, c.prompt_logprobs)
         choices.append(choice)
     resp = CompletionResponse(id=gen.id, model=gen.model, choices=choices, usage=gen.usage())
-    return resp.model_dump(exclude_none=False)
+    body = resp.model_dump(exclude_none=False)
+    body["usage"] = resp.usage.model_dump(exclude_none=True)  # no reasoning counts here
+    return body
 
 
 async def stream_completion(

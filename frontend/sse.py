@@ -54,7 +54,9 @@ class ChunkWriter:
     def chunk(self, choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> str:
         usage_field = ""
         if self.include_usage:
-            usage_field = f',"usage":{_JSON.encode(usage.model_dump() if usage else None)}'
+            # As the whole response's usage: what it does not have (reasoning counts) left out.
+            body = usage.model_dump(exclude_none=True) if usage else None
+            usage_field = f',"usage":{_JSON.encode(body)}'
         return f"{self._open}{_JSON.encode(choices)}{usage_field}}}\n\n"
 
     def chunks(self, choices: list[dict[str, Any]]) -> str:

@@ -174,6 +174,11 @@ def test_a_stream_ends_in_one_write(server: Server) -> None:
         *lasts, totals = (json.loads(e.removeprefix("data: ")) for e in events[:-1])
         assert all(last["choices"][0]["finish_reason"] == "length" for last in lasts), path
         assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == 5 * n, path
+        whole = httpx.post(
+            f"{server.base_url}{path}", json={**body, "stream": False, "stream_options": None},
+            timeout=60,
+        ).json()  # fmt: skip
+        assert totals["usage"] == whole["usage"], path  # the same keys: none null in one only
         assert all(1 <= frame.count(b"data: ") <= n for frame in frames[:-1]), path
         earlier = [e for f in frames[:-1] for e in f.decode().split("\n\n") if e]
         chunks = [json.loads(e.removeprefix("data: ")) for e in earlier] + lasts
