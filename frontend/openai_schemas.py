@@ -111,7 +111,9 @@ class RequestBody(BaseModel):
     as the default where OpenAI documents a field as nullable (``NULL_IS_DEFAULT``: clients that
     send every field, unset ones as null, must not get a 400)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Infinity and NaN (which Python's JSON reads) are no number a field means: refused here,
+    # naming the field, not by the engine's wire check.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")

@@ -70,6 +70,19 @@ def test_raw_bodies_are_400(tiny_server: Server, raw: bytes) -> None:
     assert_error(post_raw(tiny_server, raw), 400)
 
 
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [(b'{"prompt": "hi", "temperature": Infinity}', "temperature"),
+     (b'{"prompt": "hi", "frequency_penalty": NaN}', "frequency_penalty"),
+     (b'{"prompt": "hi", "min_p": -Infinity}', "min_p")],
+)  # fmt: skip
+def test_infinity_and_nan_are_refused_naming_their_field(
+    tiny_server: Server, raw: bytes, field: str
+) -> None:
+    err = assert_error(post_raw(tiny_server, raw), 400, "invalid_value")
+    assert err["param"] == field, err
+
+
 def test_lone_surrogates_are_400_on_every_route(tiny_server: Server) -> None:
     chat = b'{"messages": [{"role": "user", "content": "\\udc80"}]}'
     assert_error(post_raw(tiny_server, chat, "/v1/chat/completions"), 400)
