@@ -1219,12 +1219,13 @@ class ModelRunner:
         host. It waits for this step's forward: prompt logprobs are for evaluation, not speed."""
         top_n = max(r.params.prompt_logprobs or 0 for r in scoring.requests)
         targets = torch.tensor(scoring.targets, dtype=torch.int64, device=self.device)
-        chosen, top_ids, top_lps = [], [], []
+        chosen, ranks, top_ids, top_lps = [], [], [], []
         for part, goal in zip(
             rows.split(PROMPT_LOGITS_ROWS), targets.split(PROMPT_LOGITS_ROWS), strict=True
         ):
             logprobs = self.model.compute_logits(hidden[part]).log_softmax(dim=-1)  # [n, V]
             chosen.append(logprobs.gather(1, goal[:, None]).squeeze(1))
+            ranks.append((logprobs >= chosen[-1][:, None]).sum(dim=-1))
             if top_n:
                 lps, ids = logprobs.topk(top_n, dim=-1)
                 top_lps.append(lps)
@@ -1232,7 +1233,7 @@ class ModelRunner:
             # Freed before the next chunk's logits exist: one chunk's [n, V] blocks at a time,
             # as the warm-up (engine_core/warm_up.py) allocated them.
             del logprobs
-        return split_prompt_logprobs(scoring, chosen, top_ids, top_lps)
+        return split_prompt_logprobs(scoring, chosen, ranks, top_ids, top_lps)
 
     def _timed(self, step: LaunchedStep) -> LaunchedStep:
         """Chain the step's GPU timeline (step stats) to the previous step's, for the gap."""
@@ -1387,11 +1388,14 @@ def plan_prompt_scoring(
 def split_prompt_logprobs(
     scoring: PromptScoring,
     chosen: list[torch.Tensor],
+    ranks: list[torch.Tensor],
     top_ids: list[torch.Tensor],
     top_lps: list[torch.Tensor],
 ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-    """The scored rows' logprobs, back on the host, per request (each its own top N)."""
+    """The scored rows' logprobs and ranks, back on the host, per request (each its own top
+    N)."""
     values = torch.cat(chosen).tolist()
+    rank_values = torch.cat(ranks).tolist()
     ids = torch.cat(top_ids).tolist() if top_ids else None
     lps = torch.cat(top_lps).tolist() if top_lps else None
     out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
@@ -1402,7 +1406,10 @@ def split_prompt_logprobs(
         n = request.params.prompt_logprobs or 0
         entries = [
             TokenLogprobs(
-                values[i], ids[i][:n] if ids and n else [], lps[i][:n] if lps and n else []
+                values[i],
+                ids[i][:n] if ids and n else [],
+                lps[i][:n] if lps and n else [],
+                rank_values[i],
             )
             for i in range(row, row + count)
         ]

@@ -252,7 +252,9 @@ def prompt_logprob_entry(
     ctx: ServingContext, token_id: int, lp: TokenLogprobs
 ) -> dict[str, dict[str, Any]]:
     text = ctx.tokenizer.token_text
-    entry = {str(token_id): {"logprob": lp.logprob, "decoded_token": text(token_id)}}
+    entry: dict[str, dict[str, Any]] = {
+        str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(token_id)}
+    }
     for rank, (tid, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
         entry.setdefault(str(tid), {"logprob": value, "decoded_token": text(tid)})
         entry[str(tid)]["rank"] = rank

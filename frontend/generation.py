@@ -567,4 +567,4 @@ def finite_logprobs(lp: TokenLogprobs) -> TokenLogprobs:
     if lp.logprob >= LOGPROB_FLOOR and all(v >= LOGPROB_FLOOR for v in lp.top_logprobs):
         return lp
     tops = [max(v, LOGPROB_FLOOR) for v in lp.top_logprobs]
-    return TokenLogprobs(max(lp.logprob, LOGPROB_FLOOR), lp.top_token_ids, tops)
+    return TokenLogprobs(max(lp.logprob, LOGPROB_FLOOR), lp.top_token_ids, tops, lp.rank)

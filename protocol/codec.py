@@ -42,7 +42,8 @@ Field layouts (after the type tag and the version):
                     (timings of finished requests)
                     [[[index, vector: f32 bytes], ...]] (pooled vectors, only where any)
                     logprobs = [sampled: f64 bytes (one per new token), top_counts: i32 bytes
-                    (one per new token), top_ids: i32 bytes, top_logprobs: f64 bytes]
+                    (one per new token), top_ids: i32 bytes, top_logprobs: f64 bytes,
+                    [ranks: i32 bytes (one per token; prompt logprobs only)]]
                     Columns, not one array per request: a step carries up to max_num_seqs
                     outputs, and both ends pay per msgpack object (an index is a position in
                     the request id list; most steps finish few requests). Pairs, not maps:
@@ -1174,11 +1175,22 @@ def _encode_logprobs(entries: list[TokenLogprobs]) -> list[bytes]:
     counts = [len(e.top_token_ids) for e in entries]
     top_ids = [tid for e in entries for tid in e.top_token_ids]
     top_lps = np.array([lp for e in entries for lp in e.top_logprobs], dtype=_F64)
-    return [sampled.tobytes(), pack_token_ids(counts), pack_token_ids(top_ids), top_lps.tobytes()]
+    out = [sampled.tobytes(), pack_token_ids(counts), pack_token_ids(top_ids), top_lps.tobytes()]
+    if entries and entries[0].rank is not None:  # prompt logprobs: every entry has one
+        out.append(pack_token_ids([e.rank or 0 for e in entries]))
+    return out
 
 
 def _decode_logprobs(value: Any, num_tokens: int, v: _Validator) -> list[TokenLogprobs]:
-    f = v.list_(value, "logprobs", 4)
+    f = v.list_(value, "logprobs")
+    if len(f) not in (4, 5):
+        raise v.fail(f"logprobs must have 4 or 5 elements, got {len(f)}")
+    ranks: list[int | None] = [None] * num_tokens
+    if len(f) == 5:
+        got = v.i32(f[4], "logprob ranks", num_tokens, min_value=1)
+        if len(got) != num_tokens:
+            raise v.fail(f"logprob ranks must be {num_tokens} values")
+        ranks = got.tolist()
     sampled = v.f64(f[0], "sampled logprobs", num_tokens)
     counts = v.i32(f[1], "top logprob counts", num_tokens, min_value=0)
     if len(counts) != num_tokens or (counts.size and counts.max() > MAX_LOGPROBS):
@@ -1189,8 +1201,9 @@ def _decode_logprobs(value: Any, num_tokens: int, v: _Validator) -> list[TokenLo
         raise v.fail(f"top logprob ids must hold {total} ids")
     top_lps = v.f64(f[3], "top logprobs", total)
     entries, start = [], 0
-    for lp, n in zip(sampled, counts.tolist(), strict=True):
-        entries.append(TokenLogprobs(lp, top_ids[start : start + n], top_lps[start : start + n]))
+    for lp, n, rank in zip(sampled, counts.tolist(), ranks, strict=True):
+        top = top_lps[start : start + n]
+        entries.append(TokenLogprobs(lp, top_ids[start : start + n], top, rank))
         start += n
     return entries
 

@@ -303,6 +303,9 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    # A prompt token's rank among the whole vocabulary (1: the most likely; ties counted as
+    # vLLM counts them, every token at least as likely); None for a sampled token.
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

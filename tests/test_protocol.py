@@ -127,6 +127,14 @@ EXAMPLES = [
         [
             RequestOutput("p", [3], None, None, [TokenLogprobs(-1.5, [4, 3], [-0.5, -1.5])]),
             RequestOutput("q", [], FinishReason.DEAD_END, None, []),  # a one-token prompt
+            # Prompt logprobs with each prompt token's rank in the vocabulary.
+            RequestOutput(
+                "r",
+                [3],
+                None,
+                None,
+                [TokenLogprobs(-1.5, [4, 3], [-0.5, -1.5], 2), TokenLogprobs(-9.0, [], [], 700)],
+            ),  # fmt: skip
         ]
     ),
     StepOutputs(
@@ -897,6 +905,8 @@ BAD_ENGINE_FRAMES = [
     step_frame(prompt_logprobs=[[0, 2, [f64(-1.0), i32(0), b"", b""]]]),  # 2 promised, 1 sent
     step_frame(prompt_logprobs=[[0, 1, [f64(math.nan), i32(0), b"", b""]]]),
     step_frame(prompt_logprobs=[[1, 1, [f64(-1.0), i32(0), b"", b""]]]),  # no such request
+    step_frame(prompt_logprobs=[[0, 1, [f64(-1.0), i32(0), b"", b"", i32(0)]]]),  # rank below 1
+    step_frame(prompt_logprobs=[[0, 1, [f64(-1.0), i32(0), b"", b"", i32(1, 2)]]]),  # 2 ranks
     step_frame(finish=[[0, 9]]),  # unknown finish reason
     step_frame(finish=[[1, 0]]),  # no request at that position
     step_frame(finish=[["a", 0]]),  # keyed by id, not position

@@ -306,6 +306,13 @@ def test_vllm_prompt_logprobs_and_echo_with_generation(
     for pos in range(1, len(ids)):
         got = entries[pos][str(ids[pos])]["logprob"]
         assert math.isclose(got, reference[pos - 1, ids[pos]].item(), abs_tol=1e-4)
+        # Every entry has a rank, the prompt token's too (as vLLM): HF's, counting each token
+        # at least as likely, up to the ties that 1e-4 of rounding could reorder.
+        ranks = {tid: e["rank"] for tid, e in entries[pos].items()}
+        assert all(isinstance(r, int) and r >= 1 for r in ranks.values()), entries[pos]
+        row, mine = reference[pos - 1], reference[pos - 1, ids[pos]].item()
+        low, high = int((row > mine + 1e-4).sum()) + 1, int((row >= mine - 1e-4).sum())
+        assert low <= ranks[str(ids[pos])] <= high, (pos, ranks, low, high)
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) + r.usage.completion_tokens
     assert choice.text.startswith(prompt) and lp.text_offset[len(ids)] == len(prompt)
