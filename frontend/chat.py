@@ -104,6 +104,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     rendered = await tok.run(tok.render_chat, render)
     reasoning = reasoning_plan(ctx, req, rendered.text)
     if composes_after_reasoning(reasoning, tools, req, extras.constraint is not None):
+        if extras.constraint is None:  # the budget's grammar alone, which EOS completes
+            check_end_not_held_off(req, "thinking_token_budget", ("ignore_eos",))
         constraint = after_reasoning(
             reasoning.parser, reasoning.in_reasoning, extras.constraint, req.thinking_token_budget
         )

@@ -44,11 +44,15 @@ def constraint_of(req: SamplingFields) -> tuple[Constraint, str] | None:
     return found[0] if found else None
 
 
-def check_end_not_held_off(req: SamplingFields, param: str) -> None:
-    """A constraint (from ``param``) ends the output once it is complete, so min_tokens and
-    ignore_eos, which would hold that end off, cannot be honoured beside it: 400 naming them."""
-    for name, asked in (("min_tokens", req.min_tokens > 0), ("ignore_eos", req.ignore_eos)):
-        if asked:
+def check_end_not_held_off(
+    req: SamplingFields, param: str, fields: tuple[str, ...] = ("min_tokens", "ignore_eos")
+) -> None:
+    """A constraint (from ``param``) ends the output once it is complete, so ``fields`` of
+    min_tokens and ignore_eos, which would hold that end off, cannot be honoured beside it:
+    400 naming them."""
+    asked = {"min_tokens": req.min_tokens > 0, "ignore_eos": req.ignore_eos}
+    for name in fields:
+        if asked[name]:
             raise bad_request(
                 f"{name} cannot be honoured with {param}: the constraint ends the output once "
                 "it is complete",

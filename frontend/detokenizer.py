@@ -109,7 +109,6 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
         self.stop = [s for s in stop if s]
         self.include_stop = include_stop
-        self._longest = max((len(s) for s in self.stop), default=0)
         self.text = ""  # everything seen, truncated at the stop string once one matched
         self.sent = 0  # chars of text already released
         self.matched: str | None = None
@@ -122,14 +121,17 @@ class StopStringMatcher:
             return ""
         old_len = len(self.text)
         self.text += delta
-        start = max(0, old_len - self._longest + 1)
-        if self.stop and armed and self._truncate_at_match(start):
+        if self.stop and armed and self._truncate_at_match(old_len):
             return self._release(len(self.text))
         end = len(self.text) if final else len(self.text) - self._holdback()
         return self._release(end)
 
-    def _truncate_at_match(self, start: int) -> bool:
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+    def _truncate_at_match(self, old_len: int) -> bool:
+        """Cut at the first match that ends past ``old_len`` (in the new text): each string is
+        looked for from where it could first end there, never wholly inside older text, which
+        was searched before or held off by min_tokens."""
+        text = self.text
+        hits = [(i, s) for s in self.stop if (i := text.find(s, max(0, old_len - len(s) + 1))) >= 0]
         if not hits:
             return False
         index, self.matched = min(hits)

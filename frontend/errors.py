@@ -81,10 +81,11 @@ def as_openai_error(exc: Exception) -> OpenAIError:
         return overloaded(exc)
     if isinstance(exc, TooManySequencesError):
         return bad_request(str(exc), "n", "too_many_sequences")
-    if isinstance(exc, EngineRequestError):  # the engine's own check of a value
-        if exc.code < 500:
-            return OpenAIError(exc.code, exc.message, code="invalid_value")
-        return OpenAIError(exc.code, exc.message, "internal_error")
+    if isinstance(exc, EngineRequestError):
+        if exc.code == 400:  # the engine's own check of a value
+            return OpenAIError(400, exc.message, code="invalid_value")
+        kind = "invalid_request_error" if exc.code < 500 else "internal_error"
+        return OpenAIError(exc.code, exc.message, kind)
     return OpenAIError(500, "internal server error", "internal_error")
 
 

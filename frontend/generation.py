@@ -516,8 +516,8 @@ def params_per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:
     try:
         for p in out:
             validate_sampling_params(p)
-    except ProtocolError as exc:
-        raise bad_request(str(exc), exc.field) from None
+    except ProtocolError as exc:  # the wire's bounds, checked before the engine
+        raise bad_request(str(exc), exc.field, "invalid_value") from None
     return out
 
 

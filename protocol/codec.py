@@ -1176,8 +1176,11 @@ def _encode_logprobs(entries: list[TokenLogprobs]) -> list[bytes]:
     top_ids = [tid for e in entries for tid in e.top_token_ids]
     top_lps = np.array([lp for e in entries for lp in e.top_logprobs], dtype=_F64)
     out = [sampled.tobytes(), pack_token_ids(counts), pack_token_ids(top_ids), top_lps.tobytes()]
-    if entries and entries[0].rank is not None:  # prompt logprobs: every entry has one
-        out.append(pack_token_ids([e.rank or 0 for e in entries]))
+    ranks = [e.rank for e in entries if e.rank is not None]
+    if ranks:  # prompt logprobs: every entry has one
+        if len(ranks) != len(entries):
+            raise ValueError("prompt logprobs need a rank on every entry or on none")
+        out.append(pack_token_ids(ranks))
     return out
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 # 11: an image's pixels travel as a frame of their own after the AddRequest's frame (the
 #    message holds their byte count), not inside the msgpack array
 # 12: READY says the dtype an engine's vision tower takes its pixels in (``pixel_dtype``)
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # A request's priority is a signed 64-bit int, as vLLM's.
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1

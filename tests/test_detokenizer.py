@@ -250,6 +250,20 @@ def test_no_stop_string_ends_within_min_tokens(
         assert (sent, stream.stopped) == (expected, end is not None), min_tokens
 
 
+def test_a_shorter_stop_string_inside_held_off_text_is_passed_over(
+    tokenizer: Any, byte_level: bool
+) -> None:
+    """Two stop strings of different lengths: the short one, wholly inside the first
+    min_tokens tokens' text, must not match once the long one's window reaches back over it."""
+    text = "hello xyz and more words follow"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decode = decode_fn(tokenizer)
+    held = 1 + next(k for k in range(len(ids)) if "x" in decode(ids[: k + 1]))  # past the "x"
+    stream = TextStream(decode, ["x", "abcdef"], byte_level, min_tokens=held)
+    sent = "".join(stream.push([t]) for t in ids) + stream.finish()
+    assert (sent, stream.stopped) == (text, False)
+
+
 def test_partial_stop_is_held_then_released_on_mismatch() -> None:
     m = StopStringMatcher(["world"])
     assert m.feed("Hello wor") == "Hello "

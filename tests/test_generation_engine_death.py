@@ -69,6 +69,7 @@ def test_an_engine_death_in_the_batch_that_ends_every_choice_ends_the_stream() -
         max_resumes=3,
         served_model="m",
         resume_timeout_s=120.0,
+        eos_token_ids=(),
         wait_for_engine=wait_for_engine,
         tokenizer=SimpleNamespace(
             decode=lambda ids: "".join(f"<{i}>" for i in ids), byte_level=False

@@ -62,6 +62,7 @@ def generation(stream_interval: int | None, stop: list[str]) -> Generation:
     ctx = SimpleNamespace(
         served_model="m",
         resume_timeout_s=60.0,
+        eos_token_ids=(),
         tokenizer=SimpleNamespace(
             decode=lambda ids: "".join(f"<{i}>" for i in ids), byte_level=False
         ),

@@ -52,8 +52,13 @@ def client_of(srv: Server) -> openai.OpenAI:
 
 
 def budgeted(**extra: Any) -> dict[str, Any]:
-    """A greedy chat of MAX_TOKENS tokens whose thinking is cut after BUDGET tokens."""
-    body = {"thinking_token_budget": BUDGET, "ignore_eos": True, **extra.pop("extra_body", {})}
+    """A greedy chat of MAX_TOKENS tokens whose thinking is cut after BUDGET tokens (min_tokens
+    holds the end off: ignore_eos is refused beside the budget's grammar, which EOS ends)."""
+    body = {
+        "thinking_token_budget": BUDGET,
+        "min_tokens": MAX_TOKENS,
+        **extra.pop("extra_body", {}),
+    }
     return {
         "model": "default", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
         "extra_body": body, **extra,
@@ -303,3 +308,13 @@ def test_a_budget_cannot_bound_a_forced_harmony_call(harmony_server: Server) -> 
     }  # fmt: skip
     resp = httpx.post(f"{harmony_server.base_url}/v1/chat/completions", json=body, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_ignore_eos_beside_a_thinking_budget_is_refused(thinking_server: Server) -> None:
+    """The budget's grammar ends the output at the first EOS, so ignore_eos would be passed
+    over: a 400 naming it (min_tokens, which keeps EOS from being sampled, is honoured)."""
+    body = budgeted()
+    body["extra_body"] = {**body["extra_body"], "ignore_eos": True, "min_tokens": 0}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client_of(thinking_server).chat.completions.create(**body)
+    assert caught.value.body["param"] == "ignore_eos", caught.value.body

@@ -74,6 +74,7 @@ def serving_context(engine: RecordingEngine, leases: list[Lease]) -> Any:
         metrics=NoMetrics(),
         max_resumes=0,
         resume_timeout_s=1.0,
+        eos_token_ids=(),
         wait_for_engine=wait_for_engine,
         admit=admit,
         check_generates=lambda: None,  # a generative model

@@ -108,3 +108,17 @@ def test_the_served_app_answers_a_routes_bug_itself(
     assert response.status_code == 500 and response.json()["error"]["type"] == "internal_error"
     assert response.headers["x-request-id"]
     assert len([r for r in caplog.records if r.exc_info]) == 1
+
+
+def test_the_engines_refusals_keep_their_status_and_say_what_kind() -> None:
+    """A 400 from the engine's own checks is an invalid value (as the schema's are); any other
+    status it sends keeps its own kind."""
+    from frontend.errors import as_openai_error
+    from protocol.client import EngineRequestError
+
+    refused = as_openai_error(EngineRequestError("r-1", "stop_token_ids must lie in [0, 9)", 400))
+    assert (refused.status, refused.info.type, refused.info.code) == (
+        400, "invalid_request_error", "invalid_value"
+    )  # fmt: skip
+    failed = as_openai_error(EngineRequestError("r-2", "the step failed", 500))
+    assert (failed.status, failed.info.type, failed.info.code) == (500, "internal_error", None)
