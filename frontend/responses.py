@@ -528,6 +528,21 @@ class OutputStream:
             )  # fmt: skip
         return out
 
+    def so_far(self) -> list[dict[str, Any]]:
+        """The output as the stream stands, for a response that fails midway: the finished
+        items, then the open one with what it has, "incomplete" (its deltas went out)."""
+        opened = self.open
+        if opened is None:
+            return list(self.items)
+        item, text = opened.item, opened.text
+        if item["type"] == "reasoning":
+            cut = reasoning_item(item["id"], text, "incomplete")
+        elif item["type"] == "message":
+            cut = message_item(item["id"], text, "incomplete")
+        else:
+            cut = call_item(item["id"], item["call_id"], item["name"], text, "incomplete")
+        return [*self.items, cut]
+
     def close(self, status: str = "completed") -> str:
         """Finish the open item, if any: its done events, then it joins the output. ``status``:
         the response's, at its end ("incomplete": max_output_tokens cut the item's text)."""
@@ -575,7 +590,7 @@ async def stream_response(
     start = response_body(ctx, run, [], "in_progress")
     start["usage"] = None
     output = OutputStream(events, req.max_tool_calls)
-    events.response_so_far = lambda: response_body(ctx, run, output.items, "failed")
+    events.response_so_far = lambda: response_body(ctx, run, output.so_far(), "failed")
     yield events.event("response.created", response=start)
     yield events.event("response.in_progress", response=start)
     stream = ChoiceStream(run.gen.tools, run.chat, run.gen.reasoning)
@@ -599,8 +614,9 @@ async def stream_response(
 
 def failed_event(events: EventWriter, exc: Exception) -> str:
     """The end of a stream that fails after it began (the engine lost, the server stopping):
-    ``response.failed``, its response holding the items finished so far and the error, as
-    OpenAI's ends a response that fails midway (not stored: nothing could continue it)."""
+    ``response.failed``, its response holding the items so far (the open one "incomplete")
+    and the error, as OpenAI's ends a response that fails midway (not stored: nothing could
+    continue it)."""
     payload = json.loads(sse_error(exc).removeprefix("data: "))["error"]
     code, message = payload.get("code"), payload.get("message")
     if events.response_so_far is None:

@@ -77,3 +77,23 @@ def test_text_after_a_call_in_one_delta_is_an_item_after_it() -> None:
         texts = [item["content"][0]["text"] for item in output.items if item["type"] == "message"]
         assert kinds[-2:] == ["function_call", "message"] and texts[-1].strip() == "Done.", text
         assert "".join(texts) == delta["content"], text
+
+
+def test_a_failure_midway_keeps_the_open_item_as_it_stands() -> None:
+    """The items a failed stream's response holds: the finished ones and the one open when it
+    failed, with the text its deltas carried, "incomplete" (it held only finished items, so a
+    failure inside the first message gave an output of none); valid as the client's type."""
+    from frontend.responses import OutputStream
+
+    events = EventWriter()
+    output = OutputStream(events, None)
+    output.feed({"reasoning_content": "Think."})
+    output.feed({"content": "The answer "})
+    output.feed({"content": "is"})
+    events.response_so_far = lambda: {**response_so_far(), "output": output.so_far()}
+    body = event_body(failed_event(events, engine_unavailable("the engine core stopped")))
+    items = ResponseFailedEvent.model_validate(body).response.output
+    assert [(item.type, item.status) for item in items] == [
+        ("reasoning", "completed"), ("message", "incomplete")
+    ]  # fmt: skip
+    assert items[1].content[0].text == "The answer is"
