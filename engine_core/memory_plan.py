@@ -415,12 +415,14 @@ def check_max_model_len(config: EngineConfig, model_config: ModelConfig) -> None
             "or leave it unset to serve the model's limit"
         )
     blocks = config.num_kv_blocks
+    if blocks is None:
+        return
     # Any pipeline stage's layers have the model's windows (kv_groups.py stage_kv_layout).
     layout = model_kv_layout(model_config)
     needed = pool_blocks_for_one_sequence(
         layout, asked, config.block_size, config.max_num_batched_tokens
     )
-    if blocks is not None and blocks < needed:
+    if blocks < needed:
         raise ValueError(
             f"--num-kv-blocks {blocks} holds less than one sequence of --max-model-len {asked} "
             f"({needed} blocks of {config.block_size} tokens): give more blocks or a smaller "

@@ -214,10 +214,7 @@ class Scheduler:
                 "--scheduling-policy priority to rank requests"
             )
         params = request.params
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        request.stop_ids = frozenset(stop_ids)
+        request.stop_ids = params.stopping_token_ids(self.eos_token_ids)
         request.length_limit = min(
             request.num_prompt_tokens + params.max_tokens, self.max_model_len
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from frontend.constraints import check_end_not_held_off, constraint_of
@@ -136,7 +136,7 @@ class Generation:
                 ),
                 unshown_stop_ids=frozenset()
                 if text.include_stop
-                else stopping_token_ids(params[i % n], ctx.eos_token_ids),
+                else params[i % n].stopping_token_ids(ctx.eos_token_ids),
             )
             for i in range(len(prompts) * n)
         ]
@@ -497,13 +497,6 @@ def engine_seed(seed: int | None) -> int | None:
     """A request's seed (SEED_MIN..SEED_MAX) as the engine's unsigned 64-bit one: a negative
     seed's two's-complement bits."""
     return None if seed is None else seed % 2**64
-
-
-def stopping_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> frozenset[int]:
-    """The token ids that end a request with these params: its stop_token_ids, and the
-    model's EOS ids unless it ignores them."""
-    eos = () if params.ignore_eos else eos_token_ids
-    return frozenset((*params.stop_token_ids, *eos))
 
 
 def params_per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:

@@ -9,6 +9,7 @@ int32 bytes, never as lists of Python ints. The codec lives in ``protocol/codec.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # 4: AddRequest carries num_output_tokens (a resumed request)
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 # 11: an image's pixels travel as a frame of their own after the AddRequest's frame (the
 #    message holds their byte count), not inside the msgpack array
 # 12: READY says the dtype an engine's vision tower takes its pixels in (``pixel_dtype``)
+# 13: prompt logprobs carry each prompt token's rank, a fifth column after the top logprobs
 PROTOCOL_VERSION = 13
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # A request's priority is a signed 64-bit int, as vLLM's.
@@ -144,6 +146,13 @@ class SamplingParams:
     constraint: Constraint | None = None  # structured output: what the text must match
     # The logprobs of every prompt token after the first (and the top N at each position).
     prompt_logprobs: int | None = None
+
+    def stopping_token_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        """The token ids that end a request with these params: its stop_token_ids, and the
+        model's EOS ids unless it ignores them (the engine stops on them; the frontend leaves
+        the one that ended an output out of its text)."""
+        eos = () if self.ignore_eos else eos_token_ids
+        return frozenset((*self.stop_token_ids, *eos))
 
     @property
     def greedy(self) -> bool:
