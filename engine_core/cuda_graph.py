@@ -111,13 +111,19 @@ _MIN_PREFILL_TOKENS = 16
 # Prefill graphs always cover steps of up to this many tokens (--max-prefill-graph-tokens unset);
 # past it, only where the host is the bottleneck (``extends_prefill_graphs``).
 DEFAULT_PREFILL_GRAPH_TOKENS = 2048
+# From here to DEFAULT_PREFILL_GRAPH_TOKENS prefill graph sizes step by quarters, not doubling.
+_QUARTERS_FROM = 256
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
-    """16, 32, 64, ... doubling while below ``max_tokens``, then ``max_tokens``; ascending.
+    """16, 32, ... 256 doubling, then steps of a quarter of the power of two below (320, 384,
+    448, 512, 640, ... 2,048), doubling again past 2,048; then ``max_tokens``; ascending.
 
-    Empty when ``max_tokens`` is 0 (no prefill graphs). A step pads to the next size, so it
-    computes at most twice its tokens: the price of launching the whole forward at once.
+    Empty when ``max_tokens`` is 0 (no prefill graphs). A step pads to the next size: below 256
+    tokens the padding is cheap (the step is bound by its weights, not its rows), so sizes
+    double; from 256 on each padded row costs its share of the GEMMs, so no step pads by more
+    than a quarter up to 2,048. Past 2,048 (the extension where the host is the bottleneck)
+    sizes double again to keep the captured memory and start-up time small.
     """
     if max_tokens <= 0:
         return []
@@ -125,9 +131,17 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
     size = _MIN_PREFILL_TOKENS
     while size < max_tokens:
         sizes.append(size)
-        size *= 2
+        size = _next_prefill_size(size)
     sizes.append(max_tokens)
     return sizes
+
+
+def _next_prefill_size(size: int) -> int:
+    """The prefill graph size after ``size`` (see prefill_graph_sizes)."""
+    if size < _QUARTERS_FROM or size >= DEFAULT_PREFILL_GRAPH_TOKENS:
+        return size * 2
+    power_below = 1 << (size.bit_length() - 1)
+    return size + power_below // 4
 
 
 def prefill_graph_bounds(

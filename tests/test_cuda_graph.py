@@ -100,7 +100,18 @@ def test_prefill_graph_sizes_double_up_to_the_cap() -> None:
     assert prefill_graph_sizes(8) == [8]
     assert prefill_graph_sizes(16) == [16]
     assert prefill_graph_sizes(100) == [16, 32, 64, 100]
-    assert prefill_graph_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert prefill_graph_sizes(300) == [16, 32, 64, 128, 256, 300]
+
+
+def test_prefill_graph_sizes_double_then_step_by_quarters_up_to_the_cap() -> None:
+    quarters = [320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+    assert prefill_graph_sizes(2048) == [16, 32, 64, 128, 256, *quarters]
+    assert prefill_graph_sizes(8192) == [16, 32, 64, 128, 256, *quarters, 4096, 8192]
+    sizes = prefill_graph_sizes(2048)
+    # From 256 on, a step of any token count pads by at most a quarter.
+    for tokens in range(257, 2049):
+        padded = min(size for size in sizes if size >= tokens)
+        assert padded <= 1.25 * tokens, (tokens, padded)
 
 
 def test_prefill_graph_bounds_follow_the_flag() -> None:
