@@ -23,7 +23,9 @@ _HELP = {
     "block_size": "tokens per KV-cache block; 32 or a multiple lets prompt attention load its "
     "tiles through TMA descriptors (Hopper and newer, a bf16/fp16 cache, heads of 128, plain "
     "causal layers: about 1.2x the kernel)",
-    "num_kv_blocks": "KV-cache blocks (default: sized from the memory flags)",
+    "num_kv_blocks": "KV-cache blocks, in place of what --kv-cache-memory-gb or "
+    "--gpu-memory-utilization would size (as vLLM's --num-gpu-blocks-override); unset: sized "
+    "from those flags",
     "kv_cache_memory_gb": "KV-cache size on the CPU, in GiB",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "max_num_seqs": "most sequences running at once (the decode batch cap); unset (None): "
@@ -51,7 +53,9 @@ _HELP = {
     "instead of launching each kernel from Python; 0 runs them eagerly; unset (None): 2048, "
     "and up to --max-num-batched-tokens where start-up measures the host slower to launch a "
     "2048-token step eagerly than the GPU would be to run a whole step's tokens (a small model)",
-    "seed": "seed for requests that carry none",
+    "seed": "seed of the engine's generator, which samples every request that carries no "
+    "seed of its own: seeded once at start (as vLLM), so such requests differ from each other "
+    "and a run repeats after a restart",
     "async_scheduling": "overlap: schedule and prepare the next step while the GPU runs this one "
     "(--no-async-scheduling, or --no-overlap, keeps the simple loop)",
     "step_stats": "time each part of every step (host and GPU, and the GPU's idle gap) and log "

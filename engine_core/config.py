@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine_core.profiler import check_profile_dir
 from protocol.address import is_loopback_host
 from protocol.messages import EmbeddingModel, SchedulingPolicy
 
@@ -36,6 +37,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values; "fp8" is e4m3
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype values
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # --device values
 TP_ALL_REDUCES = ("auto", "nccl")  # --tp-all-reduce values
+# --seed: what torch.Generator.manual_seed takes (a 64-bit value, signed or not).
+TORCH_SEED_MIN = -(2**63)
+TORCH_SEED_MAX = 2**64 - 1
 # --runner values (vLLM's): "auto" reads the checkpoint (engine_core/embedding.py), "generate"
 # samples tokens, "pooling" embeds (the engine answers with each prompt's pooled vector).
 RUNNERS = ("auto", "generate", "pooling")
@@ -498,6 +502,8 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_model_len",
             "num_kv_blocks",
+            "prefill_max_batch_size",
+            "data_parallel_size",
         )
         for name in sizes:
             value = getattr(self, name)
@@ -506,17 +512,29 @@ class EngineConfig:
                 raise ValueError(f"{flag} must be at least 1 (or left out), got {value}")
         if self.max_prefill_graph_tokens is not None and self.max_prefill_graph_tokens < 0:
             raise ValueError(
-                f"max_prefill_graph_tokens must be 0 (no prefill graphs) or more, got "
+                f"--max-prefill-graph-tokens must be 0 (no prefill graphs) or more, got "
                 f"{self.max_prefill_graph_tokens}"
+            )
+        if not TORCH_SEED_MIN <= self.seed <= TORCH_SEED_MAX:
+            raise ValueError(
+                f"--seed {self.seed} is outside what a generator takes "
+                f"[{TORCH_SEED_MIN}, {TORCH_SEED_MAX}]"
+            )
+        if not 0 <= self.encoder_cache_memory_gb < math.inf:  # NaN too
+            raise ValueError(
+                "--encoder-cache-memory-gb must be a number of GiB, 0 or more, got "
+                f"{self.encoder_cache_memory_gb}"
             )
         if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
             # Each running sequence needs a token of the step's budget to decode: below that,
             # the last decodes of a full batch would wait for ever and nothing new is admitted.
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or "
-                f"equal to max_num_seqs ({self.max_num_seqs}): every running sequence takes a "
-                "token of each step's budget"
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                f"--max-num-seqs ({self.max_num_seqs}): every running sequence takes a token of "
+                "each step's budget"
             )
+        if self.profile_dir is not None:
+            check_profile_dir(self.profile_dir)
         self.check_lora()
         self.check_nodes()
         self.check_kv_offload()
@@ -561,6 +579,10 @@ class EngineConfig:
                 f"--node-rank {self.node_rank} must be in [0, --nnodes) and --nnodes "
                 f"{self.nnodes} at least 1"
             )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port {self.master_port} is not a TCP port")
+        if not 0 < self.dist_timeout < math.inf:
+            raise ValueError(f"--dist-timeout {self.dist_timeout} must be positive (seconds)")
         if self.nnodes == 1:
             given = [f for f in ("master_addr", "dist_secret_file") if getattr(self, f)]
             if given:
@@ -570,8 +592,6 @@ class EngineConfig:
         self._check_node_layout()
         if not self.master_addr:
             raise ValueError(f"--nnodes {self.nnodes} needs --master-addr (node 0's address)")
-        if not 0 < self.master_port < 65536:
-            raise ValueError(f"--master-port {self.master_port} is not a TCP port")
         if self.dist_secret_file is None and not is_loopback_host(self.master_addr):
             raise ValueError(
                 f"--master-addr {self.master_addr} is not a loopback address: the nodes' "
@@ -579,8 +599,6 @@ class EngineConfig:
                 "not authenticate; give every node the same --dist-secret-file (and keep the "
                 "network private: docs/security.md)"
             )
-        if self.dist_timeout <= 0:
-            raise ValueError(f"--dist-timeout {self.dist_timeout} must be positive (seconds)")
 
     def _check_node_layout(self) -> None:
         if self.world_size % self.nnodes:
@@ -631,8 +649,11 @@ class EngineConfig:
 
     def check_kv_offload(self) -> None:
         """--kv-offload-gb fits the other flags (the runner refuses the models it cannot keep)."""
-        if self.kv_offload_gb < 0:
-            raise ValueError(f"--kv-offload-gb {self.kv_offload_gb} must be 0 (off) or more")
+        if not 0 <= self.kv_offload_gb < math.inf:  # NaN too
+            raise ValueError(
+                "--kv-offload-gb must be a number of GiB, 0 (off) or more, got "
+                f"{self.kv_offload_gb}"
+            )
         if not self.kv_offload_gb:
             return
         if not self.enable_prefix_caching:

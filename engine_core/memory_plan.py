@@ -30,6 +30,8 @@ The need, per tensor-parallel rank:
   slack (the KV sizing keeps the same headroom);
 - the host KV tier, ``--kv-offload-gb``: host memory, so on the CPU part of the same budget, and
   on CUDA checked on its own against MemAvailable (it is pinned: it can never be swapped out);
+- with ``--enable-lora``, the adapters' device slots: ``--max-loras`` slots of rank
+  ``--max-lora-rank`` on every projection LoRA can target (``lora/adapter.py slot_bytes``);
 - on CUDA, a model with MXFP4 or W4A16 experts: the scratch its prefill dequantizes a chunk of
   experts into (``expert_scratch_bytes``; engine_core/models/mxfp4_prefill.py, w4a16_prefill.py);
 - a vision-language model's encoder: the encoder cache's budget (``--encoder-cache-memory-gb``)
@@ -57,6 +59,7 @@ from engine_core.kv_groups import (
     pool_blocks_for_one_sequence,
     stage_kv_layout,
 )
+from engine_core.lora.adapter import check_lora_model, slot_bytes, target_shapes
 from engine_core.models import mxfp4
 from engine_core.models.cpu_gemm import packs
 from engine_core.parallel import get_pipeline_stage
@@ -102,11 +105,12 @@ class MemoryPlan:
     host_kv_bytes: int = 0  # the host KV tier, where it shares this budget (the CPU's)
     encoder_bytes: int = 0  # a vision model's encoder cache and largest encoder run
     scratch_bytes: int = 0  # MXFP4 or W4A16 experts' dequantize scratch (CUDA)
+    lora_bytes: int = 0  # the LoRA adapters' device slots (--max-loras x --max-lora-rank)
 
     @property
     def needed_bytes(self) -> int:
         per_rank = self.weight_bytes + self.kv_bytes + self.headroom_bytes + self.encoder_bytes
-        per_rank += self.scratch_bytes
+        per_rank += self.scratch_bytes + self.lora_bytes
         return self.ranks * per_rank + self.host_kv_bytes
 
     @property
@@ -268,6 +272,20 @@ def plan_memory(
         host_kv_bytes=0 if device.type == "cuda" else int(config.kv_offload_gb * 2**30),
         encoder_bytes=encoder_bytes(config, model_config, dtype, max_model_len),
         scratch_bytes=expert_scratch_bytes(model_config, device, dtype),
+        lora_bytes=lora_slot_bytes(config, model_config, dtype),
+    )
+
+
+def lora_slot_bytes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """With --enable-lora, the adapters' slots that the runner allocates beside the weights
+    (engine_core/lora/layers.py install_lora); 0 without. ValueError for a model family with no
+    LoRA targets, before any weight loads."""
+    if not config.enable_lora:
+        return 0
+    check_lora_model(model_config)
+    shapes = target_shapes(model_config)
+    return slot_bytes(
+        shapes, config.max_loras, config.max_lora_rank, dtype, config.tensor_parallel_size
     )
 
 
@@ -344,6 +362,8 @@ def check_fits(plan: MemoryPlan) -> None:
         parts.append(f"vision encoder {gib(plan.encoder_bytes)}")
     if plan.scratch_bytes:
         parts.append(f"experts' dequantize scratch {gib(plan.scratch_bytes)}")
+    if plan.lora_bytes:
+        parts.append(f"LoRA slots {gib(plan.lora_bytes)} (--max-loras x --max-lora-rank)")
     need = " + ".join(parts)
     if plan.ranks > 1:
         need = f"{plan.ranks} tensor-parallel ranks on this host x ({need})"
@@ -361,6 +381,7 @@ def check_fits(plan: MemoryPlan) -> None:
 def remedies(plan: MemoryPlan) -> str:
     """What the user can change, for the device in the plan."""
     options = ["a smaller --kv-offload-gb"] if plan.host_kv_bytes else []
+    options += ["a smaller --max-loras or --max-lora-rank"] if plan.lora_bytes else []
     if plan.kv_bytes > plan.min_kv_bytes:
         flag = "--num-kv-blocks" if plan.kv_source.startswith("--num") else "--kv-cache-memory-gb"
         options.append(f"a smaller {flag}")

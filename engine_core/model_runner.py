@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -403,8 +403,11 @@ class ModelRunner:
         )
 
     def _check_speculation_method(self) -> None:
-        """Refuse, before any drafter loads, a method not tested on this model's layers."""
+        """Refuse, before any drafter loads, a method not tested on this model's layers, and
+        any on an embedding model (it decodes nothing to speculate on)."""
         spec = self.config.speculation()
+        if spec is not None and self.model_config.embedding is not None:
+            raise ValueError("--speculative-config: an embedding model decodes no tokens to draft")
         if spec is None or self.model_config.linear_attention is None:
             return
         if spec.method not in LINEAR_ATTENTION_METHODS:
@@ -436,7 +439,9 @@ class ModelRunner:
                 "--speculative-config draft model: the target must be a text model that "
                 "generates (not an embedding or vision-language model)"
             )
-        fits = partial(check_memory, config, self.device, self.dtype, self.dtype)
+        # The draft takes no adapters: its plan counts no LoRA slots.
+        draft_plan = replace(config, enable_lora=False)
+        fits = partial(check_memory, draft_plan, self.device, self.dtype, self.dtype)
         # The target's graphs decide the draft's (``_capture_graphs``), and with them the
         # layouts its layers take for graphs; never LoRA's (the base draft proposes).
         graphs = build_target(config, self.device, self.dtype).cuda_graphs

@@ -31,6 +31,17 @@ class ProfilerError(Exception):
     """A control the profiler cannot follow (off, already on, not on); the message says why."""
 
 
+def check_profile_dir(directory: str) -> None:
+    """ValueError unless ``directory`` is, or can be made, a folder this process writes in:
+    its nearest existing ancestor (itself, if it exists) is a writable folder."""
+    path = Path(directory).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--profile-dir {directory}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--profile-dir {directory}: {existing} is not writable")
+
+
 class EngineProfiler:
     """The engine's profiler: one trace at a time, numbered, into ``directory`` (None: off)."""
 
@@ -47,7 +58,10 @@ class EngineProfiler:
         directory = self._directory()
         if self._profile is not None:
             raise ProfilerError("the profiler is already running: POST /stop_profile first")
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # made unusable since start-up checked it (check_profile_dir)
+            raise ProfilerError(f"--profile-dir {directory}: {exc.strerror or exc}") from None
         activities = [ProfilerActivity.CPU]
         if self.cuda:
             activities.append(ProfilerActivity.CUDA)
@@ -66,11 +80,14 @@ class EngineProfiler:
         self._traces += 1
         stem = f"tandem-engine-{os.getpid()}-{self._traces}"
         trace = directory / f"{stem}.trace.json.gz"
-        profile.export_chrome_trace(str(trace))
         sort_by = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
         table = profile.key_averages().table(sort_by=sort_by, row_limit=TOP_ROWS)
         top = directory / f"{stem}.top.txt"
-        top.write_text(table + "\n")
+        try:
+            profile.export_chrome_trace(str(trace))
+            top.write_text(table + "\n")
+        except OSError as exc:  # the folder gone or full: the trace is lost, the engine is not
+            raise ProfilerError(f"--profile-dir {directory}: {exc.strerror or exc}") from None
         logger.info("profiler stopped: %s, %s", trace, top)
         return [str(trace), str(top)]
 

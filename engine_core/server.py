@@ -41,6 +41,7 @@ from engine_core.request import EngineOutput, HeldTokens, Request
 from protocol.address import EngineAddress
 from protocol.codec import StepOutputsFrame
 from protocol.messages import (
+    HEARTBEAT_INTERVAL_S,
     Abort,
     AddRequest,
     ClientMessage,
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tandem.engine")
 
-HEARTBEAT_INTERVAL_S = 0.5
 PARENT_POLL_S = 1.0
 PARENT_GRACE_S = 5.0  # after the parent is gone: time for a clean stop before os._exit
 _POLL_MS = 100

@@ -106,9 +106,16 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     if composes_after_reasoning(reasoning, tools, req, extras.constraint is not None):
         if extras.constraint is None:  # the budget's grammar alone, which EOS completes
             check_end_not_held_off(req, "thinking_token_budget", ("ignore_eos",))
-        constraint = after_reasoning(
-            reasoning.parser, reasoning.in_reasoning, extras.constraint, req.thinking_token_budget
-        )
+            constraint_param = "thinking_token_budget"
+        try:
+            constraint = after_reasoning(
+                reasoning.parser, reasoning.in_reasoning, extras.constraint,
+                req.thinking_token_budget,
+            )  # fmt: skip
+        except ValueError as exc:  # the model's tokenizer cannot mark where reasoning ends
+            raise bad_request(
+                f"{exc} (--reasoning-parser {reasoning.parser.name})", constraint_param
+            ) from None
         await ctx.check_constraint(constraint, constraint_param)
         extras = replace(extras, constraint=constraint)
     prompt, wire_images = place_images(ctx, rendered.token_ids, images)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -45,6 +46,8 @@ from frontend.tool_parsers.harmony import (
     HarmonyStreamer,
 )
 from protocol.messages import Constraint, ConstraintKind
+
+logger = logging.getLogger(__name__)
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -219,6 +222,15 @@ class ThinkTagParser(ReasoningParser):
     def __init__(self, hf_tokenizer: Any) -> None:
         self.start_id = single_token_id(hf_tokenizer, THINK_START)
         self.end_id = single_token_id(hf_tokenizer, THINK_END)
+        if self.start_id is None or self.end_id is None:
+            # vLLM refuses such a tokenizer; its text still splits here, but a request whose
+            # grammar starts after the reasoning is refused (reasoning_grammar).
+            logger.warning(
+                "--reasoning-parser %s: the tokenizer has no single %s and %s tokens; the "
+                "reasoning is split from the text, but requests with structured output, a "
+                "forced tool call or a thinking budget will be refused",
+                self.name, THINK_START, THINK_END,
+            )  # fmt: skip
 
     def splitter(self, in_reasoning: bool) -> Splitter:
         return ThinkSplitter(in_reasoning, may_open=self.opens_itself)

@@ -160,6 +160,8 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
+    from protocol.client import engine_timeout
+
     group = parser.add_argument_group("engine cores (see also the engine flags)")
     group.add_argument(
         "--engine-address", default=None,
@@ -195,7 +197,7 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
-        "--engine-timeout", type=positive_float, default=30.0,
+        "--engine-timeout", type=engine_timeout, default=30.0,
         help="seconds of engine silence after which it counts as dead: /health answers 503, "
         "and requests in flight resume once it answers again (or fail with 503 past "
         "--max-request-resumes or --resume-timeout; docs/reliability.md) (default: "
@@ -331,6 +333,7 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
     from frontend.lora_args import check_lora_args
     from frontend.operations import check_operations_args
     from frontend.vision import MediaOptions
+    from protocol.address import EngineAddress
     from protocol.curve import client_keys_from_args
 
     event_loop.loop_name()  # a bad TANDEM_EVENT_LOOP fails here, with its message
@@ -338,6 +341,12 @@ def check_args(args: argparse.Namespace) -> CurveClientKeys | None:
         check_chat_template_file(args.chat_template)
     check_operations_args(args)
     use_engine_flag(args)
+    if args.engine_address is not None:
+        try:
+            EngineAddress.parse(args.engine_address)
+        except ValueError as exc:
+            flag = "--engine" if args.engine is not None else "--engine-address"
+            raise ValueError(f"{flag}: {exc}") from None
     curve = client_keys_from_args(args)
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty: give the id clients use, or leave it out")

@@ -35,6 +35,7 @@ request in flight with a 500 (a lost step would leave them waiting for ever).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -60,6 +61,7 @@ from protocol.address import (
 )
 from protocol.codec import ProtocolError, decode_engine_message, encode, encode_frames
 from protocol.messages import (
+    HEARTBEAT_INTERVAL_S,
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
@@ -87,10 +89,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HELLO_INTERVAL_S = 0.1
-HEALTH_WINDOW_S = 3.0  # healthy only if the engine spoke this recently (heartbeat every 0.5 s)
+HEALTH_WINDOW_S = 3.0  # healthy only if the engine spoke this recently (HEARTBEAT_INTERVAL_S)
 DEAD_AFTER_S = 30.0  # requests in flight fail after this much silence (a long step is not death)
+# The shortest silence that may count as death: two heartbeats, so that an idle engine is never
+# taken for dead between two of them.
+MIN_DEAD_AFTER_S = 2 * HEARTBEAT_INTERVAL_S
 WATCHDOG_INTERVAL_S = 0.25
 REHELLO_INTERVAL_S = 1.0
+
+
+def engine_timeout(text: str) -> float:
+    """An argparse type for --engine-timeout: seconds, at least MIN_DEAD_AFTER_S."""
+    value = float(text)
+    if not MIN_DEAD_AFTER_S <= value < math.inf:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_DEAD_AFTER_S:g} s (the engine sends a heartbeat every "
+            f"{HEARTBEAT_INTERVAL_S:g} s between steps), got {text}"
+        )
+    return value
 
 
 class EngineDeadError(Exception):

@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    from common.arg_types import positive_float
-    from protocol.client import DEAD_AFTER_S
+    from protocol.client import DEAD_AFTER_S, engine_timeout
     from protocol.curve import add_client_args
 
     parser.add_argument("--address", required=True, help="engine address: ipc://PATH or tcp://H:P")
@@ -87,7 +86,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=60.0, help="seconds to wait for READY (default: 60)"
     )
     parser.add_argument(
-        "--engine-timeout", type=positive_float, default=DEAD_AFTER_S, metavar="SECONDS",
+        "--engine-timeout", type=engine_timeout, default=DEAD_AFTER_S, metavar="SECONDS",
         help="seconds of silence from the engine (it sends a heartbeat every 0.5 s between "
         f"steps) after which the request fails as the engine's death (default: {DEAD_AFTER_S:g})",
     )  # fmt: skip

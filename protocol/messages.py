@@ -448,6 +448,11 @@ class ControlReply:
     message: str = ""
 
 
+# An idle engine, or one between steps, sends a Heartbeat this often: a client that hears
+# nothing for much longer has lost it (protocol/client.py).
+HEARTBEAT_INTERVAL_S = 0.5
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     num_steps: int

@@ -7,6 +7,7 @@ The HTTP side (``/v1/embeddings`` through ``tandem serve``) is tests/test_embedd
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -311,6 +312,22 @@ def test_an_engine_serves_one_kind_of_request(tmp_path: Path) -> None:
         generator.embed([[1, 2]])
     with pytest.raises(ValueError, match="it does not embed"):
         generator.engine.add_request(pooling_request("p", [1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
+         "--speculative-config: an embedding model decodes no tokens to draft"),
+        ({"enable_lora": True}, "--enable-lora: an embedding model serves no LoRA adapters"),
+    ],
+)  # fmt: skip
+def test_an_embedding_engine_refuses_what_only_generation_uses(
+    tmp_path: Path, config: dict[str, object], words: str
+) -> None:
+    """Accepted, these would change nothing an embedding does (speculation was)."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        small_llm(write_tiny_llama(tmp_path), runner="pooling", **config)
 
 
 def test_the_warm_up_pools_the_largest_steps_and_leaves_nothing_behind(tmp_path: Path) -> None:

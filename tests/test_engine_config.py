@@ -19,14 +19,22 @@ from engine_core.config import EngineConfig
 def test_a_token_budget_below_the_sequence_cap_is_refused() -> None:
     """Each running sequence takes a token of every step's budget: below the cap, the last
     decodes of a full batch would stall and nothing new would be admitted."""
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\).*max_num_seqs \(16\)"):
+    with pytest.raises(ValueError, match=r"--max-num-batched-tokens \(8\).*--max-num-seqs \(16\)"):
         EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
     EngineConfig(max_num_seqs=16, max_num_batched_tokens=16)  # equal is fine
 
 
 @pytest.mark.parametrize(
     "name",
-    ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"],
+    [
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "num_kv_blocks",
+        "prefill_max_batch_size",  # below 1 it admitted no request, ever
+        "data_parallel_size",  # 0 planned no engine, and serve died on an IndexError
+    ],
 )
 def test_limits_must_be_positive(name: str) -> None:
     flag = "--" + name.replace("_", "-")
@@ -55,7 +63,7 @@ BAD_SERVE_FLAGS = [
     (["--api-key", ""], "an empty key would leave the API open"),
     (["--chat-template", "/nonexistent"], "cannot read /nonexistent"),
     (["--log-level", "bogus"], "invalid choice: 'BOGUS'"),
-    (["--engine-timeout", "-1"], "must be more than 0"),
+    (["--engine-timeout", "-1"], "must be at least 1 s"),
     (["--max-body-bytes", "-1"], "must be at least 1"),
     (["--grammar-timeout", "0"], "must be more than 0"),
     (["--served-model-name", ""], "--served-model-name is empty"),
@@ -64,6 +72,20 @@ BAD_SERVE_FLAGS = [
     (["--kv-cache-memory-gb", "nan"], "--kv-cache-memory-gb must be a number of GiB above 0"),
     (["--speculative-config", '{"method": "ngram"}'], 'needs "num_speculative_tokens"'),
     (["--max-lora-rank", "64"], "--max-lora-rank sizes the adapter slots"),
+    # Each of these was accepted, then failed later: every sampled request (a seed torch cannot
+    # take), every request (a timeout under the heartbeat), a traceback (a bad address, no
+    # engines), or the engine at the first POST /start_profile (a file as the folder).
+    (["--seed", str(2**64)], "--seed 18446744073709551616 is outside what a generator takes"),
+    (["--seed", str(-(2**63) - 1)], "is outside what a generator takes"),
+    (["--engine-timeout", "0.4"], "must be at least 1 s (the engine sends a heartbeat every 0.5 s"),
+    (["--engine", "foo://bar"], "--engine: engine address must start with ipc:// or tcp://"),
+    (["--engine-address", "tcp://127.0.0.1:99999"], "--engine-address: port out of range"),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
+    (["--profile-dir", f"{__file__}/traces"], f"{__file__} is not a folder"),
+    (["--kv-offload-gb", "nan"], "--kv-offload-gb must be a number of GiB, 0 (off) or more"),
+    (["--kv-offload-gb", "inf"], "--kv-offload-gb must be a number of GiB, 0 (off) or more"),
+    (["--encoder-cache-memory-gb", "-1"], "--encoder-cache-memory-gb must be a number of GiB"),
+    (["--dist-timeout", "-5"], "--dist-timeout -5.0 must be positive"),
 ]
 
 
@@ -152,9 +174,7 @@ def test_commands_refuse_it_with_the_message_and_no_traceback(command: str) -> N
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
-    assert "max_num_batched_tokens (8) must be greater than or equal to max_num_seqs (16)" in (
-        result.stderr
-    )
+    assert "--max-num-batched-tokens (8) must be at least --max-num-seqs (16)" in (result.stderr)
     assert "Traceback" not in result.stderr
 
 
@@ -173,7 +193,7 @@ def test_engine_flags_with_a_remote_engine_are_refused() -> None:
 
 
 def test_a_negative_prefill_graph_cap_is_refused() -> None:
-    with pytest.raises(ValueError, match="max_prefill_graph_tokens must be 0"):
+    with pytest.raises(ValueError, match="--max-prefill-graph-tokens must be 0"):
         EngineConfig(max_prefill_graph_tokens=-1)
     EngineConfig(max_prefill_graph_tokens=0)  # 0 turns prefill graphs off
 

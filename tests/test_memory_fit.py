@@ -30,6 +30,7 @@ from engine_core.memory_plan import (
     cpu_packing_bytes,
     expert_scratch_bytes,
     host_budget,
+    lora_slot_bytes,
     min_kv_bytes,
     module_bytes,
     plan_memory,
@@ -290,6 +291,69 @@ def test_cpu_tensor_parallel_ranks_share_the_host() -> None:
     # Each rank sizes its own cache from --kv-cache-memory-gb (whole blocks of its KV heads).
     assert 0.99 * GiB < three.kv_bytes <= GiB and 0.99 * GiB < one.kv_bytes <= GiB
     assert three.needed_bytes == 3 * (three.weight_bytes + three.kv_bytes)
+
+
+# ---- LoRA slots ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_lora_slots_are_planned_as_install_lora_allocates(family: str, tmp_path: Path) -> None:
+    """The plan's LoRA bytes are what wrapping the loaded model's projections allocates, to the
+    byte (a dense Llama's four projections; a Qwen3-MoE's attention and stacked experts)."""
+    from engine_core.lora.adapter import target_shapes
+    from engine_core.lora.layers import install_lora
+    from tests.factories import write_tiny_llama, write_tiny_qwen3_moe
+
+    folder = write_tiny_llama(tmp_path) if family == "dense" else write_tiny_qwen3_moe(tmp_path)
+    loaded = load_model(str(folder), CPU, torch.float32)
+    config = EngineConfig(model=str(folder), enable_lora=True, max_loras=3, max_lora_rank=8)
+    planned = lora_slot_bytes(config, loaded.config, torch.float32)
+    wrapped = install_lora(loaded.module, target_shapes(loaded.config), 3, 8, torch.float32, CPU)
+    assert planned == sum(layer.num_bytes for layer in wrapped.values()) > 0
+    off = dataclasses.replace(config, enable_lora=False)
+    assert lora_slot_bytes(off, loaded.config, torch.float32) == 0
+
+
+def test_lora_slots_of_a_tensor_parallel_rank_by_hand(tiny_dir: Path) -> None:
+    """One of two ranks: A whole and B halved on the column-parallel projections (qkv,
+    gate_up), A halved and B whole on the row-parallel ones (o, down); float32, 2 slots of
+    rank 4."""
+    _, c = meta_estimate(str(tiny_dir), torch.float32)
+    slots, r = 2, 4
+    q, kv, h, i = (
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.hidden_size,
+        c.intermediate_size,
+    )
+    qkv = 3 * r * h + (q + 2 * kv) // 2 * 3 * r
+    o = r * q // 2 + h * r
+    gate_up = 2 * r * h + i * 2 * r
+    down = r * i // 2 + h * r
+    by_hand = c.num_layers * slots * (qkv + o + gate_up + down) * 4
+    config = EngineConfig(
+        model=str(tiny_dir), enable_lora=True, max_loras=slots, max_lora_rank=r,
+        tensor_parallel_size=2,
+    )  # fmt: skip
+    assert lora_slot_bytes(config, c, torch.float32) == by_hand
+
+
+def test_lora_slots_past_the_memory_are_refused_naming_the_flags(tiny_dir: Path) -> None:
+    """Slots that cannot fit are refused before any allocation, with their size and the two
+    flags that set it (they were allocated until the host's memory ran out)."""
+    budget = Budget(8 * GiB, "MemAvailable in /proc/meminfo")
+    plan = plan_for(str(tiny_dir), CPU, budget, enable_lora=True, max_loras=4, max_lora_rank=16)
+    assert plan.lora_bytes > 0 and plan.needed_bytes == (
+        plan.weight_bytes + plan.kv_bytes + plan.lora_bytes
+    )
+    check_fits(plan)
+    huge = plan_for(str(tiny_dir), CPU, budget, enable_lora=True, max_loras=100_000)
+    with pytest.raises(ModelTooLargeError) as info:
+        check_fits(huge)
+    assert f"LoRA slots {huge.lora_bytes / GiB:.2f} GiB (--max-loras x --max-lora-rank)" in str(
+        info.value
+    )
+    assert "a smaller --max-loras or --max-lora-rank" in str(info.value)
 
 
 def test_host_budget_reads_mem_available(tmp_path: Path) -> None:

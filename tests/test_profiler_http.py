@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,8 +35,14 @@ ATTENTION_OP = "aten::scaled_dot_product_attention"  # the CPU backend's, once a
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Server]:
-    traces = tmp_path_factory.mktemp("traces") / "engine"  # created by the first start
+def traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("traces") / "engine"  # created by the first start
+
+
+@pytest.fixture(scope="module")
+def profiled(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, traces: Path
+) -> Iterator[Server]:
     srv = start_server(
         tmp_path_factory.mktemp("serve-profiled"),
         model=str(tiny_model_dir),
@@ -112,3 +119,23 @@ def test_the_routes_stay_out_of_the_published_document(profiled: Server) -> None
     paths = httpx.get(f"{profiled.base_url}/openapi.json", timeout=30).json()["paths"]
     assert "/v1/completions" in paths
     assert not {"/start_profile", "/stop_profile"} & set(paths)
+
+
+def test_a_profile_dir_made_unusable_after_start_is_a_400_and_serving_goes_on(
+    profiled: Server, traces: Path
+) -> None:
+    """The folder checked at start-up, then replaced by a file: /start_profile answers 400
+    naming --profile-dir and why, and the engine serves on (the OSError used to end its loop,
+    and requests met a restart's 503s)."""
+    shutil.rmtree(traces, ignore_errors=True)
+    traces.write_text("a file where the traces would go")
+    try:
+        for _ in range(2):  # the engine answers the second as it did the first
+            r = post(profiled, "start_profile")
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert f"--profile-dir {traces}" in message and "exists" in message, message
+        assert complete(profiled) is not None
+    finally:
+        traces.unlink()
+    wait_engine_idle(profiled)

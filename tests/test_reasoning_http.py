@@ -318,3 +318,32 @@ def test_ignore_eos_beside_a_thinking_budget_is_refused(thinking_server: Server)
     with pytest.raises(openai.BadRequestError) as caught:
         client_of(thinking_server).chat.completions.create(**body)
     assert caught.value.body["param"] == "ignore_eos", caught.value.body
+
+
+def test_a_tokenizer_without_think_tokens_refuses_what_needs_them_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """--reasoning-parser qwen3 over the default model, whose tokenizer has no single <think>
+    and </think> tokens: start-up warns, plain chats still answer, and a request whose grammar
+    must start after the reasoning is a 400 naming its field and why (it was a 500)."""
+    srv = start_server(tmp_path, args=["--num-kv-blocks", "256", "--reasoning-parser", "qwen3"])
+    try:
+        client = client_of(srv)
+        plain = {"model": "default", "messages": MESSAGES, "max_tokens": 4}
+        assert client.chat.completions.create(**plain).choices[0].message.content
+        refusals = [
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"extra_body": {"thinking_token_budget": 2}}, "thinking_token_budget"),
+            ({"tools": [WEATHER], "tool_choice": "required"}, "tools"),
+        ]
+        for extra, param in refusals:
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(**plain, **extra)
+            error = caught.value.body
+            assert error["param"] == param, error
+            assert "no single <think> and </think> tokens" in error["message"], error
+            assert "--reasoning-parser qwen3" in error["message"], error
+    finally:
+        stop_server(srv)
+    log = "".join(p.read_text() for p in tmp_path.glob("serve-*.log"))
+    assert "--reasoning-parser qwen3: the tokenizer has no single <think> and </think>" in log

@@ -92,6 +92,7 @@ class TargetShape:
     in_features: int
     output_sizes: tuple[int, ...]
     num_experts: int = 0
+    row_parallel: bool = False  # tensor parallelism cuts its input (o_proj, down_proj)
 
 
 @dataclass(frozen=True)
@@ -130,14 +131,47 @@ def target_shapes(config: ModelConfig) -> dict[tuple[int, str], TargetShape]:
     shapes = {}
     for layer in range(config.num_layers):
         shapes[layer, "self_attn.qkv_proj"] = TargetShape(hidden, (q, kv, kv))
-        shapes[layer, "self_attn.o_proj"] = TargetShape(q, (hidden,))
+        shapes[layer, "self_attn.o_proj"] = TargetShape(q, (hidden,), row_parallel=True)
         if not config.is_moe_layer(layer):
             shapes[layer, "mlp.gate_up_proj"] = TargetShape(hidden, (inter, inter))
-            shapes[layer, "mlp.down_proj"] = TargetShape(inter, (hidden,))
+            shapes[layer, "mlp.down_proj"] = TargetShape(inter, (hidden,), row_parallel=True)
         elif config.moe_router == "softmax":  # Mixtral's and Qwen3-MoE's stacked SwiGLU experts
             width = config.moe_intermediate_size
             shapes[layer, EXPERTS] = TargetShape(hidden, (2 * width, hidden), config.num_experts)
     return shapes
+
+
+def rank_shape(shape: TargetShape, tp_size: int) -> TargetShape:
+    """One of ``tp_size`` ranks' part of a projection: 1/size of its input (row-parallel) or of
+    each shard's output rows (column-parallel), as models/layers.py cuts the base weight."""
+    if tp_size == 1:
+        return shape
+    if shape.row_parallel:
+        return dataclasses.replace(shape, in_features=shape.in_features // tp_size)
+    return dataclasses.replace(
+        shape, output_sizes=tuple(size // tp_size for size in shape.output_sizes)
+    )
+
+
+def slot_bytes(
+    shapes: dict[tuple[int, str], TargetShape],
+    num_slots: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    tp_size: int = 1,
+) -> int:
+    """The bytes ``install_lora`` allocates on one of ``tp_size`` ranks (LoraLinear's A and B,
+    LoraExperts' four matrices): the memory plan counts them before any exists."""
+    per_slot = 0
+    for shape in shapes.values():
+        if shape.num_experts:
+            hidden, gate_up = shape.in_features, shape.output_sizes[0] // tp_size
+            per_slot += shape.num_experts * max_rank * (2 * hidden + gate_up + gate_up // 2)
+        else:
+            local = rank_shape(shape, tp_size)
+            width = len(shape.output_sizes) * max_rank
+            per_slot += width * (local.in_features + sum(local.output_sizes))
+    return num_slots * per_slot * dtype.itemsize
 
 
 def check_lora_model(config: ModelConfig) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from engine_core.forward_context import current_lora_batch
-from engine_core.lora.adapter import EXPERTS, LoraWeights, TargetShape
+from engine_core.lora.adapter import EXPERTS, LoraWeights, TargetShape, rank_shape
 from engine_core.lora.batch import LoraBatch
 from engine_core.models.layers import RowParallelLinear, rank_rows, silu_and_mul, use_triton
 from engine_core.models.moe import SparseMoE
@@ -83,7 +83,7 @@ class LoraLinear(nn.Module):
         self.shape = shape
         self.tp = tp
         self.row_parallel = isinstance(base, RowParallelLinear)
-        self.local = rank_shape(shape, tp, self.row_parallel)
+        self.local = rank_shape(shape, tp.size)  # install_lora checks it against the base's
         self.max_rank = max_rank
         width = len(shape.output_sizes) * max_rank
         inp, out = self.local.in_features, sum(self.local.output_sizes)
@@ -128,16 +128,6 @@ class LoraLinear(nn.Module):
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b))
-
-
-def rank_shape(shape: TargetShape, tp: TPGroup, row_parallel: bool) -> TargetShape:
-    """This rank's part of a projection: 1/size of its input (row-parallel) or of each shard's
-    output rows (column-parallel), as models/layers.py cuts the base weight."""
-    if tp.size == 1:
-        return shape
-    if row_parallel:
-        return TargetShape(shape.in_features // tp.size, shape.output_sizes)
-    return TargetShape(shape.in_features, tuple(size // tp.size for size in shape.output_sizes))
 
 
 def rank_share(
