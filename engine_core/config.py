@@ -395,7 +395,7 @@ class EngineConfig:
     # a 2048-token step eagerly than the GPU would be to run a whole step's tokens (a small
     # model: cuda_graph.py, extends_prefill_graphs).
     max_prefill_graph_tokens: int | None = None
-    seed: int = 0
+    seed: int | None = 0  # None (the offline API only): a random seed each start
     # Overlap: schedule and prepare step N+1 while the GPU runs step N (engine_core/core.py).
     async_scheduling: bool = True
     step_stats: bool = False  # per-step host/GPU timing, logged periodically (step_stats.py)
@@ -515,7 +515,7 @@ class EngineConfig:
                 f"--max-prefill-graph-tokens must be 0 (no prefill graphs) or more, got "
                 f"{self.max_prefill_graph_tokens}"
             )
-        if not TORCH_SEED_MIN <= self.seed <= TORCH_SEED_MAX:
+        if self.seed is not None and not TORCH_SEED_MIN <= self.seed <= TORCH_SEED_MAX:
             raise ValueError(
                 f"--seed {self.seed} is outside what a generator takes "
                 f"[{TORCH_SEED_MIN}, {TORCH_SEED_MAX}]"

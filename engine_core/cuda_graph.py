@@ -15,8 +15,9 @@ prefill graphs a host-bound model adds past the default come after, see below):
   step pads to a prefill size (5 tokens at batch 1 to 16) and no work list is read. A step
   with n sequences pads to the next batch size with sequences of length 0 (slots -1).
 - **prefill**: any other step (whole prompts, prompt chunks, prefix-cached prompts, decodes mixed
-  in, verify steps with other draft counts, up to ``max_num_seqs`` sequences) of 16, 32, 64, ...
-  up to ``max_prefill_tokens`` new tokens. The prefill attention kernel runs one program per
+  in, verify steps with other draft counts, up to ``max_num_seqs`` sequences) of 16, 32, ...
+  256, then 320, 384, 448, 512, 640, ... (``prefill_graph_sizes``) up to ``max_prefill_tokens``
+  new tokens. The prefill attention kernel runs one program per
   row of a work list of (sequence, query tile) pairs (attention/prefill_tiles.py), captured at
   the most tiles a step of that many tokens can have; each replay writes the step's list, the
   rows past it (sequence -1) return at once, the padding rows (slot -1) write no KV, and their

@@ -221,8 +221,10 @@ def plan_memory(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     budget: Budget,
+    lora_bytes: int | None = None,
 ) -> MemoryPlan:
-    """The plan for ``module`` (built on the meta device) under ``config`` against ``budget``."""
+    """The plan for ``module`` (built on the meta device) under ``config`` against ``budget``;
+    ``lora_bytes``: the LoRA slots to count (None: ``module``'s own, where LoRA is on)."""
     num_kv_heads = model_config.num_kv_heads // config.tensor_parallel_size
     limit = model_config.max_tokens
     max_model_len = min(config.max_model_len or limit, limit)
@@ -255,6 +257,8 @@ def plan_memory(
         blocks = int((config.kv_cache_memory_gb * 2**30 - states) // block)
         kv = blocks * block + states
         source = f"--kv-cache-memory-gb {number(config.kv_cache_memory_gb)}"
+    if lora_bytes is None:
+        lora_bytes = lora_slot_bytes(config, model_config, dtype)
     return MemoryPlan(
         model=config.model,
         device=device,
@@ -272,7 +276,7 @@ def plan_memory(
         host_kv_bytes=0 if device.type == "cuda" else int(config.kv_offload_gb * 2**30),
         encoder_bytes=encoder_bytes(config, model_config, dtype, max_model_len),
         scratch_bytes=expert_scratch_bytes(model_config, device, dtype),
-        lora_bytes=lora_slot_bytes(config, model_config, dtype),
+        lora_bytes=lora_bytes,
     )
 
 
@@ -407,9 +411,11 @@ def check_memory(
     kv_dtype: torch.dtype,
     module: nn.Module,
     model_config: ModelConfig,
+    lora_bytes: int | None = None,
 ) -> None:
     """The loader's hook (``load_model(..., check_fit=...)``): refuse, before any allocation, a
-    model whose weights and KV cache exceed this device's budget."""
+    model whose weights and KV cache exceed this device's budget (``lora_bytes``: as
+    plan_memory's)."""
     if device.type == "cuda":
         budget = cuda_budget(device, config.gpu_memory_utilization)
         check_pinned_host_tier(config.kv_offload_gb, host_budget())
@@ -417,7 +423,8 @@ def check_memory(
         budget = host_budget() if device.type == "cpu" else None
     if budget is None:
         return
-    check_fits(plan_memory(config, model_config, module, device, dtype, kv_dtype, budget))
+    plan = plan_memory(config, model_config, module, device, dtype, kv_dtype, budget, lora_bytes)
+    check_fits(plan)
 
 
 def check_max_model_len(config: EngineConfig, model_config: ModelConfig) -> None:

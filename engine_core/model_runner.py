@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -54,6 +54,7 @@ from engine_core.memory_plan import (
     encoder_call_tokens,
     expert_scratch_bytes,
     kv_block_bytes,
+    lora_slot_bytes,
     state_slot_bytes,
 )
 from engine_core.models.delta_rule import missing_prompt_kernels
@@ -439,14 +440,18 @@ class ModelRunner:
                 "--speculative-config draft model: the target must be a text model that "
                 "generates (not an embedding or vision-language model)"
             )
-        # The draft takes no adapters: its plan counts no LoRA slots.
-        draft_plan = replace(config, enable_lora=False)
-        fits = partial(check_memory, draft_plan, self.device, self.dtype, self.dtype)
+        # The draft takes no adapters, but the target's slots are allocated after it loads:
+        # the draft's plan keeps their bytes aside.
+        slots = lora_slot_bytes(config, self.model_config, self.dtype)
+        fits = partial(check_memory, config, self.device, self.dtype, self.dtype, lora_bytes=slots)
         # The target's graphs decide the draft's (``_capture_graphs``), and with them the
         # layouts its layers take for graphs; never LoRA's (the base draft proposes).
         graphs = build_target(config, self.device, self.dtype).cuda_graphs
         target = BuildTarget(self.device, self.dtype, cuda_graphs=graphs)
-        loaded = load_model(spec.model, self.device, self.dtype, None, fits, target, "generate")
+        try:
+            loaded = load_model(spec.model, self.device, self.dtype, None, fits, target, "generate")
+        except FileNotFoundError as exc:  # say which flag named the path
+            raise FileNotFoundError(f"--speculative-config draft model: {exc}") from None
         limit = self.model_config.max_position_embeddings
         check_draft(loaded.config, self.model_config, min(config.max_model_len or limit, limit))
         check_draft_layers(loaded.module)
@@ -646,8 +651,8 @@ class ModelRunner:
         if blocks < one_sequence:
             raise ValueError(
                 f"the KV cache fits only {blocks} blocks of {self.block_size} tokens, fewer than "
-                f"one sequence of {self.max_model_len} tokens needs; lower --max-model-len or "
-                "give the cache more memory"
+                f"one sequence of {self.max_model_len} tokens needs; lower --max-model-len (or "
+                "--block-size, whose blocks are whole) or give the cache more memory"
             )
         return blocks
 

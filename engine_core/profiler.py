@@ -35,7 +35,10 @@ def check_profile_dir(directory: str) -> None:
     """ValueError unless ``directory`` is, or can be made, a folder this process writes in:
     its nearest existing ancestor (itself, if it exists) is a writable folder."""
     path = Path(directory).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as exc:  # a parent this process may not search
+        raise ValueError(f"--profile-dir {directory}: {exc.strerror or exc}") from None
     if not existing.is_dir():
         raise ValueError(f"--profile-dir {directory}: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -97,7 +97,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
         await ctx.check_constraint(tools.constraint, "tools")
         extras = replace(extras, constraint=tools.constraint)
     elif extras.constraint is not None:
-        constraint_param = "response_format"
+        constraint_param = extras.constraint_param
     images = await load_images(ctx, req.messages)
     tok = ctx.tokenizer
     render = replace(chat_render(ctx, req, tools), image_text=image_text(ctx, images))

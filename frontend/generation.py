@@ -448,6 +448,7 @@ class EngineExtras:
     constraint: Constraint | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    constraint_param: str = ""  # the request field the constraint came from, for 400s
 
 
 async def engine_extras(
@@ -456,7 +457,7 @@ async def engine_extras(
     """The request's constraint (compiled once to prove it valid), logit_bias and prompt
     logprobs; a 400 naming the parameter when one is wrong."""
     found = constraint_of(req)
-    constraint = None
+    constraint, param = None, ""
     if found is not None:
         constraint, param = found
         check_end_not_held_off(req, param)
@@ -466,7 +467,7 @@ async def engine_extras(
     if len({t for t, _ in bias}) != len(bias):
         raise bad_request("logit_bias names a token twice", "logit_bias")
     asked = [n for n in (prompt_logprobs, req.prompt_logprobs) if n is not None]
-    return EngineExtras(constraint, bias, max(asked) if asked else None)
+    return EngineExtras(constraint, bias, max(asked) if asked else None, param)
 
 
 def sampling_params(

@@ -32,7 +32,7 @@ def test_a_token_budget_below_the_sequence_cap_is_refused() -> None:
         "max_num_batched_tokens",
         "max_model_len",
         "num_kv_blocks",
-        "prefill_max_batch_size",  # below 1 it admitted no request, ever
+        "prefill_max_batch_size",  # negative: no request was ever admitted; 0 was "unset"
         "data_parallel_size",  # 0 planned no engine, and serve died on an IndexError
     ],
 )

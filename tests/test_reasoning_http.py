@@ -333,6 +333,7 @@ def test_a_tokenizer_without_think_tokens_refuses_what_needs_them_and_says_so(
         assert client.chat.completions.create(**plain).choices[0].message.content
         refusals = [
             ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
             ({"extra_body": {"thinking_token_budget": 2}}, "thinking_token_budget"),
             ({"tools": [WEATHER], "tool_choice": "required"}, "tools"),
         ]

@@ -52,6 +52,15 @@ def test_a_draft_of_another_vocabulary_is_refused(tmp_path: Path, tiny_model_dir
         LLM(str(tiny_model_dir), speculative_config=draft_config(other), **OPTIONS)
 
 
+def test_a_missing_draft_is_named_as_the_speculative_configs(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    missing = tmp_path / "no-such-draft"
+    words = f"--speculative-config draft model: model path not found: {missing}"
+    with pytest.raises(FileNotFoundError, match=words):
+        LLM(str(tiny_model_dir), speculative_config=draft_config(missing), **OPTIONS)
+
+
 def test_a_draft_with_a_shorter_context_is_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
     short = write_tiny_llama(tmp_path / "draft", vocab_size=49152, max_positions=128)
     with pytest.raises(ValueError, match="reaches 128 positions, fewer than --max-model-len 512"):
