@@ -356,10 +356,21 @@ def add_response_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await generate(ctx, body, request, prepare_response, stream_response, respond)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict[str, Any]:
+    async def get_response(request: Request, response_id: str) -> dict[str, Any]:
         stored = ctx.responses.get(response_id)
         if stored is None:
             raise stored_not_found(response_id)
+        # OpenAI's stream, starting_after, include and include_obfuscation: nothing here can
+        # replay a response's events or add to what was stored, so each is refused by name.
+        for key, value in request.query_params.multi_items():
+            if key == "stream" and value.lower() == "false":
+                continue
+            name = key.removesuffix("[]")
+            raise bad_request(
+                f"{name} is not supported when retrieving a response: it is returned whole, "
+                "as stored",
+                name,
+            )
         return stored.body
 
     @app.delete("/v1/responses/{response_id}")

@@ -624,6 +624,16 @@ def template_tool_call(call: ToolCallIn) -> dict[str, Any]:
     }
 
 
+def check_parameters_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A function's ``parameters`` describe its arguments, which are a JSON object: a schema
+    that states another type is refused, as OpenAI refuses it (a call could never match it,
+    and the tool parsers would leave the model's call as text)."""
+    kind = (schema or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise ValueError(f'parameters must be a JSON schema of type "object", got type {kind!r}')
+    return schema
+
+
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt key is a 400, not a default
 
@@ -631,6 +641,8 @@ class FunctionDef(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: StrictBool | None = None
+
+    _parameters_schema = field_validator("parameters")(check_parameters_schema)
 
 
 class ToolDef(BaseModel):

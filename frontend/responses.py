@@ -280,6 +280,10 @@ def response_body(
         "service_tier": "default",  # the tier that served it, whichever was asked: there is one
         "metadata": req.metadata or {},
         "user": req.user,
+        "prompt_cache_key": req.prompt_cache_key,
+        "safety_identifier": req.safety_identifier,
+        # OpenAI sets it once a response has completed (Unix seconds), null otherwise.
+        "completed_at": int(time.time()) if status == "completed" else None,
         "usage": {
             "input_tokens": usage.prompt_tokens,
             # The engine reports no prompt-cache use per request (the client's type needs both).

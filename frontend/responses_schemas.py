@@ -21,6 +21,7 @@ from frontend.openai_schemas import (
     MAX_LOGPROBS,
     RequestBody,
     ServiceTier,
+    check_parameters_schema,
     seed_field,
 )
 from frontend.openapi_rules import (
@@ -47,6 +48,7 @@ class FunctionTool(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    _parameters_schema = field_validator("parameters")(check_parameters_schema)
     # The Responses API's default, unlike chat's (a call matches its schema)
     strict: StrictBool = True
     # What the tool returns: OpenAI's metadata for its callers, which the model's calls to it
@@ -324,6 +326,34 @@ def item_text(content: Any, param: str) -> str:
     return parts if isinstance(parts, str) else "".join(p["text"] for p in parts)
 
 
+# The keys OpenAI's input items and content parts may carry (what its client sends back from an
+# earlier response's output included): any other is refused, not dropped, as OpenAI refuses it,
+# unless null (the openai client's model_dump writes every field its types know, newer ones
+# too, as null where unset: a null asks for nothing).
+ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status", "phase"},
+    "function_call": {"type", "id", "call_id", "name", "arguments", "status"},
+    "function_call_output": {"type", "id", "call_id", "output", "status"},
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
+}
+PART_KEYS = {
+    "input_text": {"type", "text"},
+    "output_text": {"type", "text", "annotations", "logprobs"},
+    "text": {"type", "text"},
+    "reasoning_text": {"type", "text"},
+    "summary_text": {"type", "text"},
+    "refusal": {"type", "refusal"},
+    "input_image": {"type", "image_url", "file_id", "detail"},
+}
+
+
+def check_keys(obj: dict[str, Any], allowed: set[str], param: str) -> None:
+    """ItemError naming the first key of ``obj`` outside ``allowed`` that is not null."""
+    for key, value in obj.items():
+        if key not in allowed and value is not None:
+            raise ItemError(f"unknown parameter {key!r}", f"{param}.{key}")
+
+
 def item_parts(content: Any, param: str, images: bool) -> str | list[dict[str, Any]]:
     """A message item's content as chat content: one string, or (where it holds an image and
     ``images`` says the model takes them) chat parts in the item's order, so that a part's
@@ -341,6 +371,8 @@ def item_parts(content: Any, param: str, images: bool) -> str | list[dict[str, A
 def content_part(part: Any, param: str, images: bool) -> dict[str, Any]:
     """One content part as a chat part: text, or an image by its URL."""
     kind = part.get("type") if isinstance(part, dict) else None
+    if kind in PART_KEYS:
+        check_keys(part, PART_KEYS[kind], param)
     if kind in ("input_text", "output_text", "text", "reasoning_text"):
         text = part.get("text")
         if not isinstance(text, str):
@@ -383,6 +415,8 @@ def chat_messages(
         if not isinstance(item, dict):
             raise ItemError("an input item is an object", param)
         kind = item.get("type", "message")
+        if kind in ITEM_KEYS:
+            check_keys(item, ITEM_KEYS[kind], param)
         if kind == "message":
             message = message_of(item, param, images)
             if message["role"] == "assistant" and reasoning is not None:
@@ -410,7 +444,9 @@ def message_of(item: dict[str, Any], param: str, images: bool = False) -> dict[s
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise ItemError(f"unknown role {role!r}", f"{param}.role")
-    content = item_parts(item.get("content", ""), f"{param}.content", images and role == "user")
+    if "content" not in item:
+        raise ItemError("a message item needs its content", f"{param}.content")
+    content = item_parts(item["content"], f"{param}.content", images and role == "user")
     return {"role": role, "content": content}
 
 

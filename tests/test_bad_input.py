@@ -265,6 +265,32 @@ def test_unknown_keys_are_refused_naming_them(
     assert err["param"] == param, err
 
 
+@pytest.mark.parametrize(
+    ("path", "tool", "param"),
+    [
+        ("/v1/chat/completions", {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "string"}}}, "tools.0.function.parameters"),
+        ("/v1/responses", {"type": "function", "name": "f", "parameters": {"type": "array"}},
+         "tools.0.parameters"),
+    ],
+    ids=["chat", "responses"],
+)  # fmt: skip
+def test_a_function_whose_arguments_are_not_an_object_is_refused(
+    tiny_server: Server, path: str, tool: dict[str, Any], param: str
+) -> None:
+    """A call's arguments are a JSON object: a schema of another type could never be met, and
+    a forced call came back as raw markup in a completed message."""
+    body = {"tools": [tool], "tool_choice": "required"}
+    if path == "/v1/responses":
+        body |= {"input": "Hi", "max_output_tokens": 16}
+    else:
+        body |= {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(f"{tiny_server.base_url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and 'a JSON schema of type "object"' in err["message"], err
+
+
 # ---- the published document -------------------------------------------------------------------
 
 

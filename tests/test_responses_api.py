@@ -8,6 +8,7 @@ must be the chat answer: the Responses API is a door onto the same pipeline."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -284,6 +285,20 @@ def test_function_tools_are_strict_by_default(server: Server) -> None:  # noqa: 
             "input.0.content.0",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input.0.type"),
+        # A key OpenAI's items do not have was dropped (a message's text sent as "text" was an
+        # empty turn the model answered): refused by name, as OpenAI refuses it.
+        ({"input": [{"role": "user", "text": "Hi."}]}, 400, "input.0.text"),
+        ({"input": [{"type": "message", "role": "user"}]}, 400, "input.0.content"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_text", "text": "Hi.", "x": 1}]}
+                ]
+            },
+            400,
+            "input.0.content.0.x",
+        ),
+        ({"tools": [{**PING, "parameters": {"type": "string"}}]}, 400, "tools.0.parameters"),
         (
             {
                 "input": [
@@ -408,3 +423,35 @@ def test_a_response_holds_its_items_in_the_order_written_streamed_or_not(
     )
     assert whole.output[1].content[0].text == final.output[1].content[0].text
     assert whole.output[0].arguments == final.output[0].arguments
+
+
+def test_retrieving_takes_no_option_it_cannot_honour(server: Server) -> None:  # noqa: F811
+    """A stored response is returned whole: stream (its events replayed), starting_after and
+    include are refused by name (they were taken and ignored: retrieve(stream=True) gave an
+    empty stream)."""
+    client = client_of(server)
+    stored = client.responses.create(input="Hi.", **GREEDY)
+    url = f"{server.base_url}/v1/responses/{stored.id}"
+    for query, param in (
+        ({"stream": "true"}, "stream"),
+        ({"starting_after": "3"}, "starting_after"),
+        ({"include[]": "message.output_text.logprobs"}, "include"),
+    ):
+        resp = httpx.get(url, params=query, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    with pytest.raises(openai.BadRequestError):
+        client.responses.retrieve(stored.id, stream=True)
+    assert httpx.get(url, params={"stream": "false"}, timeout=30).json()["id"] == stored.id
+
+
+def test_a_response_echoes_its_identifiers_and_says_when_it_completed(
+    server: Server,  # noqa: F811
+) -> None:
+    before = time.time()
+    done = client_of(server).responses.create(
+        input="Hi.", prompt_cache_key="chat-7", safety_identifier="user-hash", **GREEDY
+    )
+    assert done.prompt_cache_key == "chat-7" and done.safety_identifier == "user-hash"
+    assert done.status == "completed" and before - 1 <= done.completed_at <= time.time() + 1
+    cut = client_of(server).responses.create(**{**GREEDY, "max_output_tokens": 2}, input="Story.")
+    assert cut.status == "incomplete" and cut.completed_at is None

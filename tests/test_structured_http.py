@@ -582,7 +582,7 @@ BAD_CHAT = [
     ({"tools": [STRICT_WEATHER], "structured_outputs": {"regex": "[a-z]+"}}, "tools"),
     ({"tools": [WEATHER], "structured_outputs": {"regex": "[a-z]+"}}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools.0.function.parameters"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
