@@ -27,6 +27,8 @@ class StoredResponse:
     # it errs towards less memory, and input-heavy responses leave the store sooner.
     size: int = 0
     input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's, as items
+    # Every item id of its conversation: the chain it continued, its input's, its output's.
+    item_ids: frozenset[str] = frozenset()
 
 
 def json_bytes(value: Any) -> int:
@@ -49,6 +51,7 @@ class ResponseStore:
         body: dict[str, Any],
         history: list[dict[str, Any]],
         input_items: list[dict[str, Any]] | None = None,
+        item_ids: frozenset[str] = frozenset(),
     ) -> bool:
         """Store it, the oldest going out as the bounds need; False (and nothing stored or
         evicted) where it alone is past the bytes bound."""
@@ -64,7 +67,7 @@ class ResponseStore:
                 counted = self._messages[id(message)] = [json_bytes(message), 0]
                 self._bytes += counted[0]
             counted[1] += 1
-        self._entries[body["id"]] = StoredResponse(body, history, size, input_items)
+        self._entries[body["id"]] = StoredResponse(body, history, size, input_items, item_ids)
         self._bytes += size
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
             self.delete(next(iter(self._entries)))

@@ -39,11 +39,10 @@ from frontend.responses_schemas import (
     chat_request_body,
 )
 from frontend.serving_context import ServingContext
-from frontend.sse import sse_error
+from frontend.sse import sse_error, to_json
 
 logger = logging.getLogger("tandem.frontend")
 
-_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 # Chat parameter names as the Responses API calls them, for the errors of the chat pipeline.
 PARAMS = {
     "messages": "input",
@@ -83,6 +82,8 @@ class ResponseRun:
     chat: ChatCompletionRequest
     gen: ChatGeneration
     conversation: list[dict[str, Any]]
+    # The ids of every item of the stored conversation it continues (previous_response_id's).
+    chain_ids: frozenset[str] = frozenset()
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -99,11 +100,12 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
     if refused is not None:
         raise bad_request(refused[1], refused[0], "unsupported_parameter")
     history: list[dict[str, Any]] = []
+    chain_ids: frozenset[str] = frozenset()
     if req.previous_response_id is not None:
         stored = ctx.responses.get(req.previous_response_id)
         if stored is None:
             raise not_found(req.previous_response_id)
-        history = stored.history
+        history, chain_ids = stored.history, stored.item_ids
     origins: list[str] = []  # where each new message came from, for errors about its parts
     try:
         new = input_messages(req, ctx.vision is not None, origins)
@@ -113,7 +115,7 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
     except ValidationError as exc:
         raise chat_validation_error(exc, message_sources(req, history, origins)) from None
     check_call_outputs(history, new, origins)
-    check_item_ids(req.input)
+    check_item_ids(req.input, chain_ids)
     if req.user is not None:
         logger.info("response request for user %r", req.user)
     try:
@@ -129,7 +131,7 @@ async def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> Respon
         # The output budget, whatever field of another it is named by ("... or max_tokens").
         exc.info.message = OUTPUT_BUDGET.sub("max_output_tokens", exc.info.message)
         raise
-    return ResponseRun(req, chat, gen, history + new)
+    return ResponseRun(req, chat, gen, history + new, chain_ids)
 
 
 def check_call_outputs(
@@ -346,14 +348,21 @@ def listed_part(role: str, part: dict[str, Any]) -> dict[str, Any]:
     return {"type": "input_text", "text": part["text"]}
 
 
-def check_item_ids(given: str | list[dict[str, Any]]) -> None:
-    """400 where two input items give the same id (OpenAI refuses them; a page would find the
-    first when asked for what follows the second)."""
+def check_item_ids(given: str | list[dict[str, Any]], chain_ids: frozenset[str]) -> None:
+    """400 where two input items give the same id, or one gives the id of an item the
+    continued conversation already holds (OpenAI refuses both: the item would be in the prompt
+    twice; and a page would find the first when asked for what follows the second)."""
     seen: set[Any] = set()
     for i, item in enumerate(given if isinstance(given, list) else []):
         item_id = item.get("id") if isinstance(item, dict) else None
         if item_id is not None and not isinstance(item_id, str):
             raise bad_request("an item's id is a string", f"input.{i}.id")
+        if item_id is not None and item_id in chain_ids:
+            raise bad_request(
+                f"duplicate item id {item_id!r}: the conversation of previous_response_id "
+                "already holds it",
+                f"input.{i}.id",
+            )
         if item_id is not None and item_id in seen:
             raise bad_request(f"duplicate item id {item_id!r}", f"input.{i}.id")
         seen.add(item_id)
@@ -397,7 +406,10 @@ def remember(ctx: ServingContext, run: ResponseRun, body: dict[str, Any]) -> Non
             call = {"name": item["name"], "arguments": item["arguments"]}
             tool_call = {"id": item["call_id"], "type": "function", "function": call}
             turn.setdefault("tool_calls", []).append(tool_call)
-    if not ctx.responses.put(body, [*run.conversation, turn], listed_input(run.req.input)):
+    listed = listed_input(run.req.input)
+    ids = (item.get("id") for item in [*listed, *body["output"]])
+    item_ids = run.chain_ids | {item_id for item_id in ids if item_id}
+    if not ctx.responses.put(body, [*run.conversation, turn], listed, item_ids):
         body["store"] = False  # the client learns it cannot continue from it
         logger.warning("response %s is past the store's bytes bound: not stored", body["id"])
 
@@ -430,7 +442,7 @@ class EventWriter:
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {_JSON.encode(body)}\n\n"
+        return f"event: {kind}\ndata: {to_json(body)}\n\n"
 
 
 @dataclass

@@ -455,3 +455,30 @@ def test_a_response_echoes_its_identifiers_and_says_when_it_completed(
     assert done.status == "completed" and before - 1 <= done.completed_at <= time.time() + 1
     cut = client_of(server).responses.create(**{**GREEDY, "max_output_tokens": 2}, input="Story.")
     assert cut.status == "incomplete" and cut.completed_at is None
+
+
+def test_an_item_the_continued_conversation_holds_cannot_be_sent_again(
+    server: Server,  # noqa: F811
+) -> None:
+    """OpenAI refuses an input item whose id the previous_response_id chain already holds
+    (its output's, or its input's): it would stand twice in the prompt. Resent with no id, the
+    same content is a new item, and taken."""
+    client = client_of(server)
+    first = client.responses.create(
+        input=[{"role": "user", "content": "Hi.", "id": "msg_1"}], **GREEDY
+    )
+    second = client.responses.create(input="And then?", previous_response_id=first.id, **GREEDY)
+    for item in (
+        first.output[0].model_dump(exclude_none=True),
+        {"role": "user", "content": "Hi.", "id": "msg_1"},
+    ):
+        resp = httpx.post(
+            f"{server.base_url}/v1/responses",
+            json={**GREEDY, "previous_response_id": second.id, "input": [item]},
+            timeout=60,
+        )
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "input.0.id" and "already holds it" in error["message"], error
+    again = {"role": "user", "content": "Hi."}
+    assert client.responses.create(input=[again], previous_response_id=second.id, **GREEDY).id

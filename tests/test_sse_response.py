@@ -210,3 +210,28 @@ def test_a_client_that_leaves_while_the_cut_event_is_sent_ends_the_call_normally
         assert chunks.cleaned_up and releases == [1]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("text", ["a\u2028b", "x\x85y", "p\u2029q", "plain"])
+def test_a_chunk_is_one_line_to_a_reader_that_splits_as_splitlines(text: str) -> None:
+    """httpx's iter_lines (and requests') split where str.splitlines does, which JSON leaves
+    raw at U+0085, U+2028 and U+2029: a random-token stream cut a chunk there and the load
+    generator failed to decode it. Each event is one data line, decoding to the same text."""
+    import json
+
+    from httpx._decoders import LineDecoder
+
+    from frontend.responses import EventWriter
+    from frontend.sse import ChunkWriter, sse
+
+    events = [
+        ChunkWriter("cmpl-1", "text_completion", "default", True).chunk([{"text": text}]),
+        sse({"error": {"message": text}}),
+        EventWriter().event("response.output_text.delta", delta=text),
+    ]
+    for event in events:
+        decoder = LineDecoder()
+        lines = [*decoder.decode(event), *decoder.flush()]
+        data = [line for line in lines if line.startswith("data: ")]
+        assert len(data) == 1, lines
+        assert text in json.dumps(json.loads(data[0].removeprefix("data: ")), ensure_ascii=False)
