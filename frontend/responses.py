@@ -236,6 +236,15 @@ def message_item(item_id: str, text: str | None, status: str = "completed") -> d
     }  # fmt: skip
 
 
+def ended_item(item: dict[str, Any], text: str, status: str) -> dict[str, Any]:
+    """An item of the stream as it ends (``item`` as it was added), holding ``text``."""
+    if item["type"] == "reasoning":
+        return reasoning_item(item["id"], text, status)
+    if item["type"] == "message":
+        return message_item(item["id"], text, status)
+    return call_item(item["id"], item["call_id"], item["name"], text, status)
+
+
 def call_item(
     item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
 ) -> dict[str, Any]:
@@ -550,14 +559,7 @@ class OutputStream:
         opened = self.open
         if opened is None:
             return list(self.items)
-        item, text = opened.item, opened.text
-        if item["type"] == "reasoning":
-            cut = reasoning_item(item["id"], text, "incomplete")
-        elif item["type"] == "message":
-            cut = message_item(item["id"], text, "incomplete")
-        else:
-            cut = call_item(item["id"], item["call_id"], item["name"], text, "incomplete")
-        return [*self.items, cut]
+        return [*self.items, ended_item(opened.item, opened.text, "incomplete")]
 
     def close(self, status: str = "completed") -> str:
         """Finish the open item, if any: its done events, then it joins the output. ``status``:
@@ -568,10 +570,9 @@ class OutputStream:
         item, index, text = opened.item, opened.index, opened.text
         item_id = item["id"]
         kind = item["type"]
-        status = status if kind in CUT_KINDS else "completed"
+        done = ended_item(item, text, status if kind in CUT_KINDS else "completed")
         out = ""
         if kind == "reasoning":
-            done = reasoning_item(item_id, text, status)
             out += self.events.event(
                 "response.reasoning_text.done", item_id=item_id, output_index=index,
                 content_index=0, text=text,
@@ -581,7 +582,6 @@ class OutputStream:
                 content_index=0, part=content_part(kind, text),
             )  # fmt: skip
         elif kind == "message":
-            done = message_item(item_id, text, status)
             out += self.events.event(
                 "response.output_text.done", item_id=item_id, output_index=index,
                 content_index=0, text=text, logprobs=[],
@@ -591,7 +591,6 @@ class OutputStream:
                 content_index=0, part=text_part(text),
             )  # fmt: skip
         else:
-            done = call_item(item_id, item["call_id"], item["name"], text)
             out += self.events.event(
                 "response.function_call_arguments.done", item_id=item_id, output_index=index,
                 name=item["name"], arguments=text,
