@@ -18,7 +18,8 @@ plus each run's tail (longer once a server saturates), and both servers with the
 until either server saturates (its goodput stops growing while its TTFT climbs).
 
 The table: each server's goodput, completed requests per second, output tok/s, TTFT p50 and
-p99 and TPOT p50 per rate, and Tandem's goodput over vLLM's per rate.
+p99, TPOT p50 and the requests it preempted for KV room (its /metrics counter over the rate's
+run) per rate, and Tandem's goodput over vLLM's per rate.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ GOODPUT_METRICS = (
     Metric("TTFT p50 ms", "ttft_p50_ms", ",.1f", False),
     Metric("TTFT p99 ms", "ttft_p99_ms", ",.1f", False),
     Metric("TPOT p50 ms", "tpot_p50_ms", ".2f", False),
+    Metric("preempted", "preemptions", ",d", False, ratio_column=False),
 )
 
 

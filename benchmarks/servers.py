@@ -70,8 +70,9 @@ class LoadShape(Protocol):
     @property
     def backend(self) -> str: ...
 
-    # Whether the table reports each server's prefix-cache hit rate over the workload.
-    reads_prefix_cache: ClassVar[bool]
+    # Whether the table reports each server's counters over the workload (SERVER_COUNTERS:
+    # its prefix-cache hit rate and its preemptions), read from /metrics before and after.
+    reads_server_counters: ClassVar[bool]
 
     def loadgen_args(self) -> list[str]: ...
 
@@ -86,7 +87,7 @@ class Workload:
     output_len: int
     max_concurrency: int | None = None
     backend: ClassVar[str] = "openai-completions"
-    reads_prefix_cache: ClassVar[bool] = False
+    reads_server_counters: ClassVar[bool] = False
 
     @classmethod
     def parse(cls, text: str) -> Workload:
@@ -128,7 +129,8 @@ class PoissonWorkload:
     slo: Slo | None = None
     seed: int | None = None
     backend: ClassVar[str] = "openai-completions"
-    reads_prefix_cache: ClassVar[bool] = False
+    # Past saturation a server runs out of KV blocks: its preemptions say where the time went.
+    reads_server_counters: ClassVar[bool] = True
 
     @property
     def label(self) -> str:
@@ -159,7 +161,7 @@ class ConversationWorkload:
     output_len: LenRange
     rate: float = math.inf
     backend: str = "openai-chat"
-    reads_prefix_cache: ClassVar[bool] = True
+    reads_server_counters: ClassVar[bool] = True
 
     @property
     def label(self) -> str:
@@ -481,11 +483,13 @@ def run_loadgen(
 # stats_interval_s): a batch that ends within a second of its scrape was not counted yet
 # (llama-1b's batch of one took 0.4 s on the GPU and showed no drafts).
 METRICS_SETTLE_S = 2.5
-# Prompt tokens looked up in, and found in, the prefix cache: vLLM's names, which Tandem
-# exports under its own (and under vLLM's with --metrics-name-alias vllm).
-PREFIX_COUNTERS = {
+# Prompt tokens looked up in, and found in, the prefix cache, and requests preempted for KV
+# room: vLLM's names, which Tandem exports under its own (and under vLLM's with
+# --metrics-name-alias vllm).
+SERVER_COUNTERS = {
     "queries": ("tandem_prefix_cache_queries", "vllm:prefix_cache_queries"),
     "hits": ("tandem_prefix_cache_hits", "vllm:prefix_cache_hits"),
+    "preemptions": ("tandem_num_preemptions", "vllm:num_preemptions"),
 }
 
 
@@ -520,12 +524,20 @@ def scrape_counters(
 
 
 def hit_rate(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
-    """Prefix-cache hits over queries between two PREFIX_COUNTERS totals (None: no queries,
+    """Prefix-cache hits over queries between two SERVER_COUNTERS totals (None: no queries,
     or a server without counters)."""
     if before is None or after is None:
         return None
     queries = after["queries"] - before["queries"]
     return (after["hits"] - before["hits"]) / queries if queries > 0 else None
+
+
+def preemptions(before: dict[str, float] | None, after: dict[str, float] | None) -> int | None:
+    """Requests preempted between two SERVER_COUNTERS totals (None: a server without
+    counters)."""
+    if before is None or after is None:
+        return None
+    return round(after["preemptions"] - before["preemptions"])
 
 
 # ---- model folders for peers --------------------------------------------------------------------

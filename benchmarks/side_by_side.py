@@ -27,10 +27,11 @@ from typing import Any
 from benchmarks import server_profile
 from benchmarks.report import Provenance, fmt, format_table, ratio
 from benchmarks.servers import (
-    PREFIX_COUNTERS,
+    SERVER_COUNTERS,
     LoadShape,
     Server,
     hit_rate,
+    preemptions,
     run_loadgen,
     running,
     scrape_counters,
@@ -58,12 +59,15 @@ class Figures:
     runs_output_tok_s: tuple[float, ...]  # every reported run, in order
     request_rate: float | None = None  # completed requests / s
     goodput: float | None = None  # requests meeting the run's SLO / s; None without one
-    # Multi-turn workloads: TTFT p50 of each conversation's first turn and of its later ones,
-    # and the server's prefix-cache hits over queries (in prompt tokens) over the workload's
-    # runs, its warm-up included (the same shape); None elsewhere.
+    # Multi-turn workloads: TTFT p50 of each conversation's first turn and of its later ones;
+    # None elsewhere.
     ttft_first_turn_p50_ms: float | None = None
     ttft_later_turns_p50_ms: float | None = None
+    # Workloads that read the server's counters (LoadShape.reads_server_counters), over the
+    # workload's runs, its warm-up included (the same shape): prefix-cache hits over queries
+    # (in prompt tokens), and requests preempted for KV room; None elsewhere.
     prefix_cache_hit_rate: float | None = None
+    preemptions: int | None = None
 
     @classmethod
     def of(cls, server: str, workload: LoadShape, summaries: list[dict[str, Any]]) -> Figures:
@@ -100,6 +104,9 @@ class Metric:
     field: str
     spec: str
     higher_is_better: bool
+    # Whether the table gives the servers' ratio on it by default (a count, such as the
+    # preemptions, is shown side by side only: the ratio of two counts says little).
+    ratio_column: bool = True
 
 
 SERVING_METRICS = (
@@ -143,19 +150,23 @@ def attempt(
     loadgen_extra: list[str] | None, warmup_runs: int = 1,
 ) -> Figures | None:  # fmt: skip
     """One workload on a running server; None (and a line saying why) if it failed."""
-    counted = workload.reads_prefix_cache
+    counted = workload.reads_server_counters
     try:
-        before = scrape_counters(server, PREFIX_COUNTERS) if counted else None
+        before = scrape_counters(server, SERVER_COUNTERS) if counted else None
         summaries = run_loadgen(
             server.url, workload, tokenizer, out, runs, warmup_runs, loadgen_extra
         )
-        after = scrape_counters(server, PREFIX_COUNTERS) if counted else None
+        after = scrape_counters(server, SERVER_COUNTERS) if counted else None
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"  {server.name} {workload.label} failed: {exc}", flush=True)
         return None
     figures = Figures.of(server.name, workload, summaries)
     if counted:
-        figures = dataclasses.replace(figures, prefix_cache_hit_rate=hit_rate(before, after))
+        figures = dataclasses.replace(
+            figures,
+            prefix_cache_hit_rate=hit_rate(before, after),
+            preemptions=preemptions(before, after),
+        )
     print(f"  {progress(figures)}", flush=True)
     if server.profile_dir is not None:
         profile_once(server, workload, tokenizer, out, loadgen_extra)
@@ -217,10 +228,11 @@ def format_comparison(
     compared: tuple[Metric, ...] | None = None,
 ) -> str:  # fmt: skip
     """One row per workload: each server's figures, then the first server's advantage over each
-    other server on each metric of ``compared`` (default: every metric; its throughput over the
-    other's, the other's latency over its own), so that above 1 is better for the first server
-    in every column (with three servers or more, each column names the other one)."""
-    compared = metrics if compared is None else compared
+    other server on each metric of ``compared`` (default: every metric with a ratio column; its
+    throughput over the other's, the other's latency over its own), so that above 1 is better
+    for the first server in every column (with three servers or more, each column names the
+    other one)."""
+    compared = tuple(m for m in metrics if m.ratio_column) if compared is None else compared
     servers = list(dict.fromkeys(r.server for r in results))
     workloads = list(dict.fromkeys(r.workload for r in results))
     by = {(r.server, r.workload): r for r in results}

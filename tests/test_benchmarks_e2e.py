@@ -179,6 +179,8 @@ def test_goodput_is_the_hand_count_of_records_meeting_both_slos(
         assert figures[i]["request_rate"] == pytest.approx(n / duration)
         (row,) = table_rows(out, figures[i]["workload"])
         assert row[1] == f"{good / duration:.2f}"  # the table's goodput column
+        # The pool holds every request of the run at once: nothing is preempted.
+        assert figures[i]["preemptions"] == 0 and row[7] == "0"
 
 
 def test_multi_turn_driver_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -14,12 +14,13 @@ import pytest
 from benchmarks import serving, speculative_serving, vision
 from benchmarks.__main__ import parse
 from benchmarks.servers import (
-    PREFIX_COUNTERS,
+    SERVER_COUNTERS,
     Server,
     counter_totals,
     hit_rate,
     imports,
     peer_model_dir,
+    preemptions,
 )
 from benchmarks.speculative_serving import SpecRow, metric_totals, spec_rates, stream_tpot
 from benchmarks.vision import TtftRow, format_ratios
@@ -176,12 +177,15 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 9.0
     assert spec_rates(before, before) == (None, None)
 
 
-def test_prefix_cache_hit_rate_from_either_servers_counters() -> None:
+def test_prefix_cache_hit_rate_and_preemptions_from_either_servers_counters() -> None:
     vllm_text = """\
 # TYPE vllm:prefix_cache_queries counter
 vllm:prefix_cache_queries_total{engine="0",model_name="m"} 5000.0
 # TYPE vllm:prefix_cache_hits counter
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3000.0
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
+vllm:num_preemptions_total{engine="1",model_name="m"} 5.0
 """
     tandem_text = """\
 # TYPE tandem_prefix_cache_queries counter
@@ -189,13 +193,16 @@ tandem_prefix_cache_queries_total{model_name="m"} 800.0
 # TYPE tandem_prefix_cache_hits counter
 tandem_prefix_cache_hits_total{model_name="m"} 600.0
 """
-    before = {"queries": 1000.0, "hits": 200.0}
-    after = counter_totals(vllm_text, PREFIX_COUNTERS)
-    assert after == {"queries": 5000.0, "hits": 3000.0}
+    before = {"queries": 1000.0, "hits": 200.0, "preemptions": 2.0}
+    after = counter_totals(vllm_text, SERVER_COUNTERS)
+    assert after == {"queries": 5000.0, "hits": 3000.0, "preemptions": 12.0}  # both engines
     assert hit_rate(before, after) == 2800 / 4000
-    assert hit_rate(counter_totals(tandem_text, PREFIX_COUNTERS), after) is not None
+    assert preemptions(before, after) == 10
+    tandem = counter_totals(tandem_text, SERVER_COUNTERS)
+    assert hit_rate(tandem, after) is not None
+    assert tandem["preemptions"] == 0.0  # none counted yet: the counter is absent
     assert hit_rate(after, after) is None  # no queries between them
-    assert hit_rate(None, after) is None  # a server without counters
+    assert hit_rate(None, after) is None and preemptions(None, after) is None  # no counters
 
 
 def test_tpot_counts_usage_tokens_not_chunks() -> None:
