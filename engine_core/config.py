@@ -374,7 +374,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from the two memory settings below
     kv_cache_memory_gb: float = 1.0  # CPU only
-    gpu_memory_utilization: float = 0.85  # GPU only
+    gpu_memory_utilization: float = 0.9  # GPU only; vLLM's default
     # None: resolved as the runner starts (engine_core/model_runner.py resolve_max_num_seqs):
     # LARGE_GPU_MAX_NUM_SEQS on one host whose GPU has LARGE_GPU_BYTES or more, else
     # DEFAULT_MAX_NUM_SEQS, never past max_num_batched_tokens.
