@@ -25,6 +25,12 @@ step, Q, K and V read in place from a projection-shaped buffer. With ``--page-si
 multiple) the engine's launch loads each key tile from a page through a tensor (TMA) descriptor,
 and the pointer-load kernel the engine takes for smaller pages runs beside it on the same cache.
 
+With ``--replay STEPS`` (a ``.steps.jsonl`` that a profiled engine wrote beside its trace,
+engine_core/profiler.py) the decode steps of a served run run again at their own lengths, as
+the engine launched them (rows padded to its decode graph's size, ``--max-num-seqs``), and with
+``--peer`` through FlashAttention 3 too: the served calls' time in the trace against the same
+work alone, and the two kernels on the served batches rather than an even spread.
+
 With ``--peer`` (vLLM importable, e.g. its bundle first on PYTHONPATH: ``PYTHONPATH=/tmp/vsite:.``)
 each decode case also runs through vLLM's FlashAttention 3 as vLLM 0.26's decode step calls it
 under a CUDA graph: one query a sequence as a varlen batch over the same paged cache and block
@@ -39,6 +45,8 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +119,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer", action="store_true",
         help="decode: also time vLLM's FlashAttention 3 on the same cases (vllm importable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replay", type=Path,
+        help="decode steps to run again: a profiled engine's STEPS file "
+        "(tandem-engine-*.steps.jsonl); those whose rows each computed one token",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replay-steps", type=int, default=32,
+        help="with --replay, this many of its decode steps, evenly spaced (0: all; default: "
+        "%(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=1024,
+        help="with --replay, the engine's --max-num-seqs, whose decode graphs' sizes a step's rows "
+        "are padded to (default: %(default)s, the unset value on a GPU of 70 GiB or more)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here")
 
@@ -330,6 +353,79 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
     return rows
 
 
+def replay_steps(path: Path, count: int) -> list[tuple[int, list[int]]]:
+    """The decode steps of a profiled run's STEPS file (engine_core/profiler.py): (its line,
+    its rows' lengths) for every step whose rows each computed one token, ``count`` of them
+    evenly spaced (0: all)."""
+    steps = []
+    for line, text in enumerate(path.read_text().splitlines()):
+        shape = json.loads(text)
+        if shape["new"] and all(n == 1 for n in shape["new"]):
+            steps.append((line, shape["lens"]))
+    if 0 < count < len(steps):
+        stride = len(steps) / count
+        steps = [steps[int(k * stride)] for k in range(count)]
+    return steps
+
+
+def graph_padded(lens: list[int], max_num_seqs: int) -> list[int]:
+    """``lens`` and the empty rows the engine's decode graph for that many rows pads them with
+    (engine_core/cuda_graph.py graph_batch_sizes; past its largest, none: the step runs eagerly)."""
+    from engine_core.cuda_graph import graph_batch_sizes
+
+    size = next((s for s in graph_batch_sizes(max_num_seqs) if s >= len(lens)), len(lens))
+    return lens + [0] * (size - len(lens))
+
+
+def replay_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[str, Any]]:
+    """The decode steps of ``--replay`` at their lengths: the engine's launch over the graph's
+    padded rows and, with ``--peer``, FlashAttention 3 over the step's own rows."""
+    import torch
+
+    from engine_core.attention.triton_kernels import paged_decode_attention
+
+    rows = []
+    for line, lens in replay_steps(args.replay, args.replay_steps):
+        padded = graph_padded(lens, args.max_num_seqs)
+        cache = paged_cache(
+            padded, shape["kv"], shape["d"], 0, args.max_model_len, page=args.page_size
+        )
+        q = torch.randn(
+            len(padded), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16
+        )
+        kv_bytes = 4 * sum(lens) * shape["kv"] * shape["d"]
+        case = f"step {line}"
+        label = f"{len(lens)} rows ({len(padded)} in the graph), mean {sum(lens) / len(lens):,.0f}"
+        call = functools.partial(
+            paged_decode_attention, q, cache["k"], cache["v"], cache["tables"], cache["lens"],
+            shape["d"] ** -0.5,
+        )  # fmt: skip
+        figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
+        rows.append({"case": case, "kernel": f"engine's, {label}"} | figures)
+        if args.peer:  # the step's own rows: the graph's padding is the engine's
+            n = len(lens)
+            own = cache | {"tables": cache["tables"][:n], "lens": cache["lens"][:n]}
+            peer = peer_decode(q[:n], own, shape, call()[:n])
+            figures = timed(peer, args, bytes_=kv_bytes, graph=args.graph)
+            rows.append({"case": case, "kernel": "vLLM FlashAttention 3"} | figures)
+    return rows
+
+
+def replay_totals(rows: list[dict[str, Any]]) -> str:
+    """The replayed steps' time, summed for each kernel, and the peer's over the engine's."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        kernel = "engine's" if row["kernel"].startswith("engine's") else row["kernel"]
+        totals[kernel] = totals.get(kernel, 0.0) + row.get("us", math.nan)
+    text = ", ".join(f"{kernel} {us:,.1f} us" for kernel, us in totals.items())
+    steps = sum(row["kernel"].startswith("engine's") for row in rows)
+    line = f"replayed {steps} decode steps, a layer's call each: {text}"
+    if len(totals) == 2:
+        ours, peer = totals["engine's"], totals["vLLM FlashAttention 3"]
+        line += f"; FlashAttention 3 / engine's: {peer / ours:.3f}"
+    return line
+
+
 MIXED_PROMPT = 512  # --mixed-slots: the prompt beside the decode rows, in tokens
 
 
@@ -464,6 +560,10 @@ def run(args: argparse.Namespace) -> int:
     print_rows(prefill, "tflops")
     decode = decode_rows(args, shape)
     print_rows(decode, "gb_s")
+    replay = replay_rows(args, shape) if args.replay else []
+    if replay:
+        print_rows(replay, "gb_s")
+        print(replay_totals(replay))
     if args.json:
-        write_json(args.json, header, {"prefill": prefill, "decode": decode})
+        write_json(args.json, header, {"prefill": prefill, "decode": decode, "replay": replay})
     return 0

@@ -69,6 +69,7 @@ from engine_core.multimodal import (
 )
 from engine_core.parallel import get_pipeline_stage, get_tp_group
 from engine_core.pooler import PooledStep, Pooler
+from engine_core.profiler import StepShape
 from engine_core.request import Request, SchedulerOutput
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.state_snapshots import KeptDraftState, StateMove, independent_runs
@@ -369,6 +370,9 @@ class ModelRunner:
         self.pooler = Pooler() if self.model_config.embedding is not None else None
         self.multimodal = self._multimodal_runner()  # None: the model takes no images
         self.stats = StepStats()  # the engine core hands its own in
+        # While the profiler traces (engine_core/profiler.py), each step's shape, for the trace's
+        # kernels; None else.
+        self.step_shapes: list[StepShape] | None = None
         self.input_batch = InputBatch(
             self.device,
             self.block_size,
@@ -1041,6 +1045,8 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput) -> ForwardStep:
         """Enqueue one step's inputs, forward and sampling logits (and score prompt tokens)."""
         stats = self.stats
+        if self.step_shapes is not None:
+            self.step_shapes.append(StepShape.of(out))
         timeline = GpuTimeline() if stats.enabled and self._on_cuda else None
         self.input_batch.timeline = timeline  # the input copy is the first stretch
         with stats.phase("prepare"):

@@ -10,6 +10,12 @@ GPU); STOP_PROFILE stops it and writes two files into DIR:
   by their own device time on CUDA (CUDA-graph replays' kernels included), their own CPU time on
   the CPU.
 
+- ``tandem-engine-<pid>-<n>.steps.jsonl``: each step the engine ran in between, a line each, as
+  its attention saw it: every sequence's new tokens (``new``) and its context once they are in
+  (``lens``, the new ones included), in row order. A kernel's time in the trace is known by its
+  launch grid; these are the lengths it read, which `python -m benchmarks attention --replay`
+  runs again through the engine's kernel and the peer's.
+
 vLLM serves the same two routes (its traces under its own profiler directory), so one workload can
 be profiled on both servers alike. With tensor parallelism only rank 0's process is traced (its
 GPU's kernels); the other ranks run the same kernels on their shards.
@@ -17,10 +23,15 @@ GPU's kernels); the other ranks run the same kernels on their shards.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from engine_core.request import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +56,40 @@ def check_profile_dir(directory: str) -> None:
         raise ValueError(f"--profile-dir {directory}: {existing} is not writable")
 
 
-class EngineProfiler:
-    """The engine's profiler: one trace at a time, numbered, into ``directory`` (None: off)."""
+@dataclass(frozen=True)
+class StepShape:
+    """One step as its attention sees it: each sequence's new tokens, and its context once they
+    are in (the new ones included), in row order."""
 
-    def __init__(self, directory: str | None, cuda: bool) -> None:
+    new: tuple[int, ...]
+    lens: tuple[int, ...]
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput) -> StepShape:
+        rows = plan.scheduled
+        return cls(
+            tuple(r.num_new_tokens for r in rows), tuple(r.start + r.num_new_tokens for r in rows)
+        )
+
+    def to_json(self) -> str:
+        return json.dumps({"new": self.new, "lens": self.lens}, separators=(",", ":"))
+
+
+class RecordsSteps(Protocol):
+    """What runs the steps (the model runner): it appends each step's shape to ``step_shapes``
+    while that is a list (None: not recording)."""
+
+    step_shapes: list[StepShape] | None
+
+
+class EngineProfiler:
+    """The engine's profiler: one trace at a time, numbered, into ``directory`` (None: off), with
+    the shapes of the steps ``steps`` ran while it traced."""
+
+    def __init__(self, directory: str | None, cuda: bool, steps: RecordsSteps) -> None:
         self.directory = Path(directory) if directory is not None else None
         self.cuda = cuda
+        self.steps = steps
         self._profile: Any = None  # the torch.profiler.profile running, or None
         self._traces = 0
 
@@ -70,6 +109,7 @@ class EngineProfiler:
             activities.append(ProfilerActivity.CUDA)
         self._profile = profile(activities=activities)
         self._profile.start()
+        self.steps.step_shapes = []
         logger.info("profiler started (traces into %s)", directory)
         return str(directory)
 
@@ -80,19 +120,22 @@ class EngineProfiler:
             raise ProfilerError("the profiler is not running: POST /start_profile first")
         profile, self._profile = self._profile, None
         profile.stop()
+        shapes, self.steps.step_shapes = self.steps.step_shapes or [], None
         self._traces += 1
         stem = f"tandem-engine-{os.getpid()}-{self._traces}"
         trace = directory / f"{stem}.trace.json.gz"
         sort_by = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
         table = profile.key_averages().table(sort_by=sort_by, row_limit=TOP_ROWS)
         top = directory / f"{stem}.top.txt"
+        steps = directory / f"{stem}.steps.jsonl"
         try:
             profile.export_chrome_trace(str(trace))
             top.write_text(table + "\n")
+            steps.write_text("".join(shape.to_json() + "\n" for shape in shapes))
         except OSError as exc:  # the folder gone or full: the trace is lost, the engine is not
             raise ProfilerError(f"--profile-dir {directory}: {exc.strerror or exc}") from None
-        logger.info("profiler stopped: %s, %s", trace, top)
-        return [str(trace), str(top)]
+        logger.info("profiler stopped: %s, %s, %s", trace, top, steps)
+        return [str(trace), str(top), str(steps)]
 
     def _directory(self) -> Path:
         if self.directory is None:

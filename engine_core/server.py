@@ -128,7 +128,8 @@ class EngineServer:
         if parent_pid is not None:  # before loading: a parent may die while the weights load
             threading.Thread(target=self._watch_parent, daemon=True).start()
         self.core = EngineCore(config)
-        self.profiler = EngineProfiler(config.profile_dir, self.core.runner.device.type == "cuda")
+        runner = self.core.runner
+        self.profiler = EngineProfiler(config.profile_dir, runner.device.type == "cuda", runner)
         mc = self.core.model_config
         self.ready = Ready(
             model=config.model,

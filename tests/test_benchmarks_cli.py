@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,37 @@ def test_image_stages_runs_each_stage(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     for stage in ("base64", "PNG decode", "rounding to bfloat16", "SHA-256", "batch's pixels"):
         assert stage in out
+
+
+def test_replayed_steps_are_a_profiled_runs_decode_steps_padded_as_the_graphs_are(
+    tmp_path: Path,
+) -> None:
+    """`benchmarks attention --replay`: of a STEPS file (engine_core/profiler.py), the steps
+    whose rows each computed one token, evenly spaced when fewer are asked for; each padded
+    with empty rows to the decode graph the engine replays for it (1, 2, 4, 8, then multiples
+    of 8 up to --max-num-seqs); the replay's totals by kernel, by hand."""
+    from benchmarks.attention import graph_padded, replay_steps, replay_totals
+
+    steps = tmp_path / "tandem-engine-1-1.steps.jsonl"
+    lines = [{"new": [40], "lens": [40]}]  # a prompt
+    lines += [{"new": [1] * (k + 1), "lens": [41 + k] * (k + 1)} for k in range(9)]
+    lines.insert(4, {"new": [1, 7], "lens": [44, 7]})  # a mixed step
+    steps.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    decodes = replay_steps(steps, 0)
+    assert [line for line, _ in decodes] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
+    assert decodes[3] == (5, [44] * 4)
+    assert [line for line, _ in replay_steps(steps, 3)] == [1, 5, 8]  # strides of 3 of 9
+    assert replay_steps(steps, 20) == decodes
+    assert graph_padded([5, 6, 7], 1024) == [5, 6, 7, 0]
+    assert graph_padded([9] * 17, 1024) == [9] * 17 + [0] * 7
+    assert graph_padded([9] * 20, 18) == [9] * 20  # past the largest graph: eager, unpadded
+    rows = [
+        {"case": "step 1", "kernel": "engine's, 1 rows (1 in the graph), mean 41", "us": 10.0},
+        {"case": "step 1", "kernel": "vLLM FlashAttention 3", "us": 9.0},
+        {"case": "step 2", "kernel": "engine's, 2 rows (2 in the graph), mean 42", "us": 20.0},
+        {"case": "step 2", "kernel": "vLLM FlashAttention 3", "us": 15.0},
+    ]
+    assert replay_totals(rows) == (
+        "replayed 2 decode steps, a layer's call each: engine's 30.0 us, "
+        "vLLM FlashAttention 3 24.0 us; FlashAttention 3 / engine's: 0.800"
+    )

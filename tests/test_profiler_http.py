@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.attention import replay_steps
 from tests.server_fixture import (  # noqa: F401
     TINY_ARGS,
     Server,
@@ -56,7 +57,8 @@ def post(srv: Server, route: str) -> httpx.Response:
     return httpx.post(f"{srv.base_url}/{route}", headers=srv.headers, timeout=120)
 
 
-def complete(srv: Server) -> str:
+def complete(srv: Server) -> int:
+    """One completion of TOKENS tokens; its prompt's length in tokens."""
     client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
     out = client.completions.create(
@@ -66,7 +68,8 @@ def complete(srv: Server) -> str:
         temperature=0.0,
         extra_body={"ignore_eos": True},
     )
-    return out.choices[0].text
+    assert out.usage is not None and out.usage.completion_tokens == TOKENS
+    return out.usage.prompt_tokens
 
 
 def trace_events(path: Path) -> list[dict]:
@@ -84,12 +87,20 @@ def test_a_trace_holds_the_work_between_start_and_stop(profiled: Server) -> None
     (directory,) = started.json()["directories"]
     again = post(profiled, "start_profile")
     assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
-    complete(profiled)
+    prompt = complete(profiled)
     stopped = post(profiled, "stop_profile")
     assert stopped.status_code == 200, stopped.text
-    trace, top = (Path(p) for p in stopped.json()["files"])
-    assert trace.parent == top.parent == Path(directory)
+    trace, top, steps = (Path(p) for p in stopped.json()["files"])
+    assert trace.parent == top.parent == steps.parent == Path(directory)
     assert trace.name.endswith(".trace.json.gz") and top.name.endswith(".top.txt")
+    # The steps the completion took, as attention saw them: its prompt, then a token a step
+    # over a context one longer each time (the one whose token ends it is never planned).
+    shapes = [json.loads(line) for line in steps.read_text().splitlines()]
+    assert shapes == [{"new": [prompt], "lens": [prompt]}] + [
+        {"new": [1], "lens": [prompt + i]} for i in range(1, TOKENS)
+    ]
+    # What `benchmarks attention --replay` runs again of them: the decode steps.
+    assert replay_steps(steps, 0) == [(i, [prompt + i]) for i in range(1, TOKENS)]
     # Each layer of each forward the completion took attended once (the CPU's attention op).
     attended = [e for e in trace_events(trace) if e.get("name") == ATTENTION_OP]
     assert len(attended) >= LAYERS * TOKENS and len(attended) % LAYERS == 0, len(attended)
@@ -99,9 +110,10 @@ def test_a_trace_holds_the_work_between_start_and_stop(profiled: Server) -> None
     assert post(profiled, "start_profile").status_code == 200
     second = post(profiled, "stop_profile")
     assert second.status_code == 200, second.text
-    trace2 = Path(second.json()["files"][0])
+    trace2, _, steps2 = (Path(p) for p in second.json()["files"])
     assert trace2 != trace and trace.exists()
     assert ATTENTION_OP not in {e.get("name") for e in trace_events(trace2)}
+    assert steps2.read_text() == ""  # no step ran
     assert complete(profiled) is not None  # serving went on
     wait_engine_idle(profiled)
 
