@@ -27,8 +27,9 @@ and the pointer-load kernel the engine takes for smaller pages runs beside it on
 
 With ``--replay STEPS`` (a ``.steps.jsonl`` that a profiled engine wrote beside its trace,
 engine_core/profiler.py) the decode steps of a served run run again at their own lengths, as
-the engine launched them (rows padded to its decode graph's size, ``--max-num-seqs``), and with
-``--peer`` through FlashAttention 3 too: the served calls' time in the trace against the same
+the engine launched them (rows padded to its decode graph's size, ``--max-num-seqs``), at
+``--splits`` and ``--longest-first`` as the cases above, and with ``--peer`` through
+FlashAttention 3 too, each launch's time summed over the steps: the served calls' time in the trace against the same
 work alone, and the two kernels on the served batches rather than an even spread.
 
 With ``--peer`` (vLLM importable, e.g. its bundle first on PYTHONPATH: ``PYTHONPATH=/tmp/vsite:.``)
@@ -379,12 +380,14 @@ def graph_padded(lens: list[int], max_num_seqs: int) -> list[int]:
 
 def replay_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[str, Any]]:
     """The decode steps of ``--replay`` at their lengths: the engine's launch over the graph's
-    padded rows and, with ``--peer``, FlashAttention 3 over the step's own rows."""
+    padded rows (then at ``--splits``, and with ``--longest-first`` launched longest first)
+    and, with ``--peer``, FlashAttention 3 over the step's own rows."""
     import torch
 
     from engine_core.attention.triton_kernels import paged_decode_attention
 
     rows = []
+    splits: list[int | None] = [None, *(int(n) for n in args.splits.split(",") if n)]
     for line, lens in replay_steps(args.replay, args.replay_steps):
         padded = graph_padded(lens, args.max_num_seqs)
         cache = paged_cache(
@@ -394,36 +397,45 @@ def replay_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
             len(padded), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16
         )
         kv_bytes = 4 * sum(lens) * shape["kv"] * shape["d"]
-        case = f"step {line}"
-        label = f"{len(lens)} rows ({len(padded)} in the graph), mean {sum(lens) / len(lens):,.0f}"
-        call = functools.partial(
-            paged_decode_attention, q, cache["k"], cache["v"], cache["tables"], cache["lens"],
-            shape["d"] ** -0.5,
-        )  # fmt: skip
-        figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
-        rows.append({"case": case, "kernel": f"engine's, {label}"} | figures)
+        case = f"step {line}: {len(lens)} rows ({len(padded)} in the graph), mean "
+        case += f"{sum(lens) / len(lens):,.0f}"
+        orders = [None]
+        if args.longest_first:
+            orders.append(torch.argsort(cache["lens"], descending=True).to(torch.int32))
+        for order, num_splits in itertools.product(orders, splits):
+            label = "engine's" if num_splits is None else f"engine's, {num_splits} splits"
+            label += "" if order is None else ", longest first"
+            call = functools.partial(
+                paged_decode_attention, q, cache["k"], cache["v"], cache["tables"],
+                cache["lens"], shape["d"] ** -0.5, num_splits=num_splits, row_order=order,
+                min_split_tokens=args.min_split if num_splits is not None else None,
+            )  # fmt: skip
+            figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
+            rows.append({"case": case, "kernel": label} | figures)
         if args.peer:  # the step's own rows: the graph's padding is the engine's
             n = len(lens)
+            ours = paged_decode_attention(
+                q, cache["k"], cache["v"], cache["tables"], cache["lens"], shape["d"] ** -0.5
+            )
             own = cache | {"tables": cache["tables"][:n], "lens": cache["lens"][:n]}
-            peer = peer_decode(q[:n], own, shape, call()[:n])
+            peer = peer_decode(q[:n], own, shape, ours[:n])
             figures = timed(peer, args, bytes_=kv_bytes, graph=args.graph)
             rows.append({"case": case, "kernel": "vLLM FlashAttention 3"} | figures)
     return rows
 
 
 def replay_totals(rows: list[dict[str, Any]]) -> str:
-    """The replayed steps' time, summed for each kernel, and the peer's over the engine's."""
+    """Each launch's time over the replayed steps, summed, and over the engine's own launch
+    (a step that failed to launch makes its launch's sum NaN)."""
     totals: dict[str, float] = {}
     for row in rows:
-        kernel = "engine's" if row["kernel"].startswith("engine's") else row["kernel"]
-        totals[kernel] = totals.get(kernel, 0.0) + row.get("us", math.nan)
-    text = ", ".join(f"{kernel} {us:,.1f} us" for kernel, us in totals.items())
-    steps = sum(row["kernel"].startswith("engine's") for row in rows)
-    line = f"replayed {steps} decode steps, a layer's call each: {text}"
-    if len(totals) == 2:
-        ours, peer = totals["engine's"], totals["vLLM FlashAttention 3"]
-        line += f"; FlashAttention 3 / engine's: {peer / ours:.3f}"
-    return line
+        totals[row["kernel"]] = totals.get(row["kernel"], 0.0) + row.get("us", math.nan)
+    steps = len({row["case"] for row in rows})
+    lines = [f"replayed {steps} decode steps, a layer's call each, summed:"]
+    ours = totals["engine's"]
+    for kernel, us in totals.items():
+        lines.append(f"  {kernel:<40} {us:12,.1f} us  {us / ours:6.3f}")
+    return "\n".join(lines)
 
 
 MIXED_PROMPT = 512  # --mixed-slots: the prompt beside the decode rows, in tokens
