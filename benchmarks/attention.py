@@ -29,8 +29,9 @@ With ``--replay STEPS`` (a ``.steps.jsonl`` that a profiled engine wrote beside 
 engine_core/profiler.py) the decode steps of a served run run again at their own lengths, as
 the engine launched them (rows padded to its decode graph's size, ``--max-num-seqs``), at
 ``--splits`` and ``--longest-first`` as the cases above, and with ``--peer`` through
-FlashAttention 3 too, each launch's time summed over the steps: the served calls' time in the trace against the same
-work alone, and the two kernels on the served batches rather than an even spread.
+FlashAttention 3 too, each launch's time summed over the steps: the served calls' time in the
+trace against the same work alone, and the two kernels on the served batches rather than an
+even spread.
 
 With ``--peer`` (vLLM importable, e.g. its bundle first on PYTHONPATH: ``PYTHONPATH=/tmp/vsite:.``)
 each decode case also runs through vLLM's FlashAttention 3 as vLLM 0.26's decode step calls it
