@@ -18,8 +18,8 @@ plus each run's tail (longer once a server saturates), and both servers with the
 until either server saturates (its goodput stops growing while its TTFT climbs).
 
 The table: each server's goodput, completed requests per second, output tok/s, TTFT p50 and
-p99, TPOT p50 and the requests it preempted for KV room (its /metrics counter over the rate's
-run) per rate, and Tandem's goodput over vLLM's per rate.
+p99, TPOT p50 and its preemptions for KV room (its /metrics counter over the rate's run: a
+request preempted twice counts twice) per rate, and Tandem's goodput over vLLM's per rate.
 """
 
 from __future__ import annotations

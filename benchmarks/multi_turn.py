@@ -43,7 +43,6 @@ MULTI_TURN_METRICS = (
     Metric("TTFT p50 turn 1 ms", "ttft_first_turn_p50_ms", ",.1f", False),
     Metric("TTFT p50 later turns ms", "ttft_later_turns_p50_ms", ",.1f", False),
     Metric("prefix-cache hits", "prefix_cache_hit_rate", ".1%", True),
-    Metric("preempted", "preemptions", ",d", False, ratio_column=False),
 )
 TEMPLATE_TOKENS_PER_MESSAGE = 8  # a chat template's role markers, room kept in the length check
 # Each turn sends back the text of the server's own replies, and how much of a reply the prefix

@@ -493,9 +493,13 @@ SERVER_COUNTERS = {
 }
 
 
-def counter_totals(text: str, counters: dict[str, tuple[str, ...]]) -> dict[str, float]:
-    """Each key's counters, summed over their names and labels, in a Prometheus exposition
-    (zero where a server has none)."""
+Totals = dict[str, float | None]  # a key's counter, None where the server has none
+
+
+def counter_totals(text: str, counters: dict[str, tuple[str, ...]]) -> Totals:
+    """Each key's counter in a Prometheus exposition, summed over its labels (a data-parallel
+    server's engines): the first of its names that the server exports, since Tandem with
+    --metrics-name-alias exports one counter under both; None where it exports none."""
     from prometheus_client.parser import text_string_to_metric_families
 
     # By sample name: the parser groups a counter's samples under its family only sometimes.
@@ -503,15 +507,14 @@ def counter_totals(text: str, counters: dict[str, tuple[str, ...]]) -> dict[str,
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return {
-        key: sum(totals.get(f"{name}_total", 0.0) for name in names)
+    found = {
+        key: next((f"{name}_total" for name in names if f"{name}_total" in totals), None)
         for key, names in counters.items()
     }
+    return {key: None if name is None else totals[name] for key, name in found.items()}
 
 
-def scrape_counters(
-    server: Server, counters: dict[str, tuple[str, ...]]
-) -> dict[str, float] | None:
+def scrape_counters(server: Server, counters: dict[str, tuple[str, ...]]) -> Totals | None:
     """counter_totals of ``server``'s /metrics, once the last counts have reached it; None
     where the server serves none (SGLang without --enable-metrics)."""
     time.sleep(METRICS_SETTLE_S)
@@ -523,21 +526,25 @@ def scrape_counters(
         return None
 
 
-def hit_rate(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+def counted(before: Totals | None, after: Totals | None, key: str) -> float | None:
+    """``key``'s count between two counter_totals (None: a server without /metrics, or
+    without that counter)."""
+    first, last = (None, None) if before is None or after is None else (before[key], after[key])
+    return None if first is None or last is None else last - first
+
+
+def hit_rate(before: Totals | None, after: Totals | None) -> float | None:
     """Prefix-cache hits over queries between two SERVER_COUNTERS totals (None: no queries,
-    or a server without counters)."""
-    if before is None or after is None:
-        return None
-    queries = after["queries"] - before["queries"]
-    return (after["hits"] - before["hits"]) / queries if queries > 0 else None
+    or a server without those counters)."""
+    queries, hits = counted(before, after, "queries"), counted(before, after, "hits")
+    return hits / queries if queries and hits is not None else None
 
 
-def preemptions(before: dict[str, float] | None, after: dict[str, float] | None) -> int | None:
-    """Requests preempted between two SERVER_COUNTERS totals (None: a server without
-    counters)."""
-    if before is None or after is None:
-        return None
-    return round(after["preemptions"] - before["preemptions"])
+def preemptions(before: Totals | None, after: Totals | None) -> int | None:
+    """Preemptions between two SERVER_COUNTERS totals (a request preempted twice counts
+    twice, in both servers' counters; None: a server without the counter)."""
+    count = counted(before, after, "preemptions")
+    return None if count is None else round(count)
 
 
 # ---- model folders for peers --------------------------------------------------------------------

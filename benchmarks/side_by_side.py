@@ -64,8 +64,9 @@ class Figures:
     ttft_first_turn_p50_ms: float | None = None
     ttft_later_turns_p50_ms: float | None = None
     # Workloads that read the server's counters (LoadShape.reads_server_counters), over the
-    # workload's runs, its warm-up included (the same shape): prefix-cache hits over queries
-    # (in prompt tokens), and requests preempted for KV room; None elsewhere.
+    # workload's runs and the warm-up run before them, if any: prefix-cache hits over queries
+    # (in prompt tokens), and preemptions for KV room; None elsewhere (or where a server
+    # exports no such counter).
     prefix_cache_hit_rate: float | None = None
     preemptions: int | None = None
 

@@ -181,7 +181,7 @@ def stream_tpot(client: Any, url: str, body: dict[str, Any]) -> tuple[float, int
 
 def metric_totals(text: str) -> dict[str, float]:
     """SPEC_COUNTERS' totals in a Prometheus exposition (zero where a server has none)."""
-    return counter_totals(text, SPEC_COUNTERS)
+    return {key: total or 0.0 for key, total in counter_totals(text, SPEC_COUNTERS).items()}
 
 
 def spec_rates(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, ...]:

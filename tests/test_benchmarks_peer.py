@@ -200,9 +200,25 @@ tandem_prefix_cache_hits_total{model_name="m"} 600.0
     assert preemptions(before, after) == 10
     tandem = counter_totals(tandem_text, SERVER_COUNTERS)
     assert hit_rate(tandem, after) is not None
-    assert tandem["preemptions"] == 0.0  # none counted yet: the counter is absent
+    assert tandem["preemptions"] is None  # a server without the counter: no count, not 0
+    assert preemptions(tandem, after) is None
     assert hit_rate(after, after) is None  # no queries between them
-    assert hit_rate(None, after) is None and preemptions(None, after) is None  # no counters
+    assert hit_rate(None, after) is None and preemptions(None, after) is None  # no /metrics
+
+
+def test_a_counter_exported_under_vllms_name_too_counts_once() -> None:
+    """Tandem with --metrics-name-alias vllm exports each counter under both names: the
+    figures read one of them, not their sum."""
+    from frontend.metrics import Metrics
+    from protocol.messages import EngineCounts
+
+    metrics = Metrics("m", "vllm")
+    counts = EngineCounts(prefix_cache_queries=200, prefix_cache_hits=80, preemptions=5)
+    metrics.engine_counts.counts = counts  # as record_engine_stats sets them
+    text = metrics.render().decode()
+    assert "vllm:num_preemptions_total" in text and "tandem_num_preemptions_total" in text
+    totals = counter_totals(text, SERVER_COUNTERS)
+    assert totals == {"queries": 200.0, "hits": 80.0, "preemptions": 5.0}
 
 
 def test_tpot_counts_usage_tokens_not_chunks() -> None:
