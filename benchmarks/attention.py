@@ -48,7 +48,7 @@ import argparse
 import functools
 import itertools
 import json
-import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time every launch shape")
     parser.add_argument(
-        "--page-size", type=int, default=PAGE,
+        "--page-size", type=int,
         help=f"tokens a page of the cache (the engine's --block-size; default: {PAGE}); at "
         f"{TMA_PAGE_KEYS} tokens or a multiple, prefill cases also run through the pointer-load "
         "kernel the engine takes below that",
@@ -101,7 +101,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "longest first (row_order)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-model-len", type=int, default=0,
+        "--max-model-len", type=int,
         help="decode: block tables this many tokens wide, as the engine's (default: the "
         "longest row's)",
     )  # fmt: skip
@@ -125,17 +125,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replay", type=Path,
         help="decode steps to run again: a profiled engine's STEPS file "
-        "(tandem-engine-*.steps.jsonl); those whose rows each computed one token",
+        "(tandem-engine-*.steps.jsonl); those whose rows each computed one token, with the "
+        "engine's heads, pages and table width from the file (so not with --page-size or "
+        "--max-model-len), each call timed in a CUDA graph as the engine's decode steps run; "
+        "give --prefill '' --decode '' to run only them",
     )  # fmt: skip
     parser.add_argument(
-        "--replay-steps", type=int, default=32,
+        "--replay-steps", type=int, default=64,
         help="with --replay, this many of its decode steps, evenly spaced (0: all; default: "
         "%(default)s)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-num-seqs", type=int, default=1024,
-        help="with --replay, the engine's --max-num-seqs, whose decode graphs' sizes a step's rows "
-        "are padded to (default: %(default)s, the unset value on a GPU of 70 GiB or more)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here")
 
@@ -355,87 +353,141 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
     return rows
 
 
-def replay_steps(path: Path, count: int) -> list[tuple[int, list[int]]]:
-    """The decode steps of a profiled run's STEPS file (engine_core/profiler.py): (its line,
-    its rows' lengths) for every step whose rows each computed one token, ``count`` of them
-    evenly spaced (0: all)."""
-    steps = []
-    for line, text in enumerate(path.read_text().splitlines()):
-        shape = json.loads(text)
-        if shape["new"] and all(n == 1 for n in shape["new"]):
-            steps.append((line, shape["lens"]))
-    if 0 < count < len(steps):
-        stride = len(steps) / count
-        steps = [steps[int(k * stride)] for k in range(count)]
-    return steps
+@dataclass(frozen=True)
+class Replayed:
+    """A profiled engine's decode step (engine_core/profiler.py StepShape): its line in the
+    steps file, its rows' lengths, the rows of the graph it replayed (0: eager), and the
+    shared-prefix tokens its rows attended once."""
+
+    line: int
+    lens: list[int]
+    graph_rows: int
+    shared: int
+
+    @property
+    def padded(self) -> list[int]:
+        """Its rows and the graph's empty padding rows."""
+        return self.lens + [0] * max(0, self.graph_rows - len(self.lens))
 
 
-def graph_padded(lens: list[int], max_num_seqs: int) -> list[int]:
-    """``lens`` and the empty rows the engine's decode graph for that many rows pads them with
-    (engine_core/cuda_graph.py graph_batch_sizes; past its largest, none: the step runs eagerly)."""
-    from engine_core.cuda_graph import graph_batch_sizes
+def read_steps(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A steps file's engine (its first line) and its steps."""
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0]) if lines else {}
+    if not isinstance(header, dict) or "engine" not in header:
+        raise SystemExit(f"--replay {path}: not a profiler's steps file (no engine line first)")
+    return header["engine"], [json.loads(line) for line in lines[1:]]
 
-    size = next((s for s in graph_batch_sizes(max_num_seqs) if s >= len(lens)), len(lens))
-    return lens + [0] * (size - len(lens))
+
+def replay_steps(steps: list[dict[str, Any]], count: int) -> list[Replayed]:
+    """Of a steps file's steps, those whose rows each computed one token (decode steps),
+    ``count`` of them evenly spaced (0: all)."""
+    decodes = [
+        Replayed(line, step["lens"], step["graph_rows"], step["shared"])
+        for line, step in enumerate(steps, start=1)
+        if step["new"] and all(n == 1 for n in step["new"])
+    ]
+    if 0 < count < len(decodes):
+        stride = len(decodes) / count
+        decodes = [decodes[int(k * stride)] for k in range(count)]
+    return decodes
 
 
-def replay_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[str, Any]]:
-    """The decode steps of ``--replay`` at their lengths: the engine's launch over the graph's
-    padded rows (then at ``--splits``, and with ``--longest-first`` launched longest first)
-    and, with ``--peer``, FlashAttention 3 over the step's own rows."""
+def replay_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    """The decode steps of ``--replay`` at their lengths (replay_step), and a line on what
+    they are of the file's steps."""
+    engine, steps = read_steps(args.replay)
+    if not engine["plain_attention"] or engine["kv_cache_dtype"] not in ("bfloat16", "float16"):
+        raise SystemExit(
+            f"--replay: {engine['model']}'s attention is not plain causal attention over a "
+            f"16-bit cache (its cache: {engine['kv_cache_dtype']}; windows, chunks, latent "
+            "attention and sinks are not plain), the kind the replay runs"
+        )
+    chosen = replay_steps(steps, args.replay_steps)
+    rows = [row for step in chosen for row in replay_step(args, engine, step)]
+    about = (
+        f"replayed {len(chosen)} of the {len(replay_steps(steps, 0))} decode steps of "
+        f"{len(steps)} steps in {args.replay} ({engine['model']}: {engine['heads']} heads, "
+        f"{engine['kv_heads']} kv heads, pages of {engine['block_size']}, tables "
+        f"{engine['max_model_len']} tokens wide); the mixed steps' decode rows and any "
+        "drafter's calls are not replayed"
+    )
+    return rows, about
+
+
+def replay_step(
+    args: argparse.Namespace, engine: dict[str, Any], step: Replayed
+) -> list[dict[str, Any]]:
+    """One replayed step: the engine's launch as it ran (its graph's padding rows, its
+    shared-prefix pass), then unpadded, at ``--splits``, launched ``--longest-first``, and
+    with ``--peer`` FlashAttention 3 over the step's own rows (as vLLM's decode call, without
+    its cascade attention for shared prefixes)."""
     import torch
 
     from engine_core.attention.triton_kernels import paged_decode_attention
 
-    rows = []
-    splits: list[int | None] = [None, *(int(n) for n in args.splits.split(",") if n)]
-    for line, lens in replay_steps(args.replay, args.replay_steps):
-        padded = graph_padded(lens, args.max_num_seqs)
-        cache = paged_cache(
-            padded, shape["kv"], shape["d"], 0, args.max_model_len, page=args.page_size
-        )
-        q = torch.randn(
-            len(padded), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16
-        )
-        kv_bytes = 4 * sum(lens) * shape["kv"] * shape["d"]
-        case = f"step {line}: {len(lens)} rows ({len(padded)} in the graph), mean "
-        case += f"{sum(lens) / len(lens):,.0f}"
-        orders = [None]
-        if args.longest_first:
-            orders.append(torch.argsort(cache["lens"], descending=True).to(torch.int32))
-        for order, num_splits in itertools.product(orders, splits):
+    shape = {"heads": engine["heads"], "kv": engine["kv_heads"], "d": engine["head_dim"]}
+    padded, n = step.padded, len(step.lens)
+    cache = paged_cache(
+        padded, shape["kv"], shape["d"], step.shared, engine["max_model_len"],
+        page=engine["block_size"],
+    )  # fmt: skip
+    q = torch.randn(len(padded), shape["heads"], shape["d"], device="cuda", dtype=torch.bfloat16)
+    shared = torch.tensor([step.shared, 0], dtype=torch.int32, device="cuda")
+    kv_bytes = 4 * sum(step.lens) * shape["kv"] * shape["d"]
+    case = f"step {step.line}: {n} rows ({len(padded)} launched), mean {sum(step.lens) / n:,.0f}"
+    case += f", {step.shared} shared" if step.shared else ""
+    orders = [None]
+    if args.longest_first:
+        orders.append(torch.argsort(cache["lens"], descending=True).to(torch.int32))
+    splits: list[int | None] = [None, *(int(k) for k in args.splits.split(",") if k)]
+    launches = [("engine's", len(padded), None, None), ("engine's, unpadded", n, None, None)]
+    for order, num_splits in itertools.product(orders, splits):
+        if order is not None or num_splits is not None:  # (None, None): the engine's, above
             label = "engine's" if num_splits is None else f"engine's, {num_splits} splits"
             label += "" if order is None else ", longest first"
-            call = functools.partial(
-                paged_decode_attention, q, cache["k"], cache["v"], cache["tables"],
-                cache["lens"], shape["d"] ** -0.5, num_splits=num_splits, row_order=order,
-                min_split_tokens=args.min_split if num_splits is not None else None,
-            )  # fmt: skip
-            figures = timed(call, args, bytes_=kv_bytes, graph=args.graph)
-            rows.append({"case": case, "kernel": label} | figures)
-        if args.peer:  # the step's own rows: the graph's padding is the engine's
-            n = len(lens)
-            ours = paged_decode_attention(
-                q, cache["k"], cache["v"], cache["tables"], cache["lens"], shape["d"] ** -0.5
-            )
-            own = cache | {"tables": cache["tables"][:n], "lens": cache["lens"][:n]}
-            peer = peer_decode(q[:n], own, shape, ours[:n])
-            figures = timed(peer, args, bytes_=kv_bytes, graph=args.graph)
-            rows.append({"case": case, "kernel": "vLLM FlashAttention 3"} | figures)
+            launches.append((label, len(padded), num_splits, order))
+    rows = []
+    for label, m, num_splits, order in launches:
+        call = functools.partial(
+            paged_decode_attention, q[:m], cache["k"], cache["v"], cache["tables"][:m],
+            cache["lens"][:m], shape["d"] ** -0.5, num_splits=num_splits, row_order=order,
+            min_split_tokens=args.min_split if num_splits is not None else None,
+            shared_prefix=shared if step.shared else None,
+        )  # fmt: skip
+        rows.append(
+            {"case": case, "kernel": label} | timed(call, args, bytes_=kv_bytes, graph=True)
+        )
+    if args.peer:  # the step's own rows: the graph's padding is the engine's
+        own = cache | {"tables": cache["tables"][:n], "lens": cache["lens"][:n]}
+        ours = paged_decode_attention(
+            q[:n], own["k"], own["v"], own["tables"], own["lens"], shape["d"] ** -0.5
+        )
+        peer = peer_decode(q[:n], own, shape, ours)
+        rows.append(
+            {"case": case, "kernel": "vLLM FlashAttention 3"}
+            | timed(peer, args, bytes_=kv_bytes, graph=True)
+        )
     return rows
 
 
 def replay_totals(rows: list[dict[str, Any]]) -> str:
-    """Each launch's time over the replayed steps, summed, and over the engine's own launch
-    (a step that failed to launch makes its launch's sum NaN)."""
+    """Each launch's time over the replayed steps, summed, and over the engine's own launch;
+    a launch that failed on some step says on how many instead."""
     totals: dict[str, float] = {}
+    failed: dict[str, int] = {}
     for row in rows:
-        totals[row["kernel"]] = totals.get(row["kernel"], 0.0) + row.get("us", math.nan)
+        kernel = row["kernel"]
+        totals[kernel] = totals.get(kernel, 0.0) + row.get("us", 0.0)
+        failed[kernel] = failed.get(kernel, 0) + ("us" not in row)
     steps = len({row["case"] for row in rows})
-    lines = [f"replayed {steps} decode steps, a layer's call each, summed:"]
+    lines = [f"{steps} steps, a layer's call each, summed:"]
     ours = totals["engine's"]
     for kernel, us in totals.items():
-        lines.append(f"  {kernel:<40} {us:12,.1f} us  {us / ours:6.3f}")
+        if failed[kernel]:
+            lines.append(f"  {kernel:<40} failed on {failed[kernel]} of {steps} steps")
+        else:
+            lines.append(f"  {kernel:<40} {us:12,.1f} us  {us / ours:6.3f}")
     return "\n".join(lines)
 
 
@@ -564,6 +616,10 @@ def print_rows(rows: list[dict[str, Any]], rate: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replay and (args.page_size is not None or args.max_model_len is not None):
+        raise SystemExit("--replay takes the engine's page size and table width from its file")
+    args.page_size = PAGE if args.page_size is None else args.page_size
+    args.max_model_len = args.max_model_len or 0
     header = Provenance.here(args.argv)
     print(header.format())
     shape = attention_shape(args.model)
@@ -573,8 +629,10 @@ def run(args: argparse.Namespace) -> int:
     print_rows(prefill, "tflops")
     decode = decode_rows(args, shape)
     print_rows(decode, "gb_s")
-    replay = replay_rows(args, shape) if args.replay else []
-    if replay:
+    replay: list[dict[str, Any]] = []
+    if args.replay:
+        replay, about = replay_rows(args)
+        print(about)
         print_rows(replay, "gb_s")
         print(replay_totals(replay))
     if args.json:

@@ -596,6 +596,9 @@ class CudaGraphRunner:
         # Each verify graph's static query starts (0, Q, 2Q, ...), kept alive with it.
         self._verify_starts: dict[int, torch.Tensor] = {}
         self.verify_replays = 0  # verify steps that replayed a graph (tests, benchmarks)
+        # The rows of the decode graph the last run replayed, its padding included; 0 where it
+        # replayed a prefill or verify graph (the profiler's step shapes, engine_core/profiler.py).
+        self.last_decode_rows = 0
         self.pool: tuple[int, int] | None = None
         # _bucket[n]: the smallest captured decode size >= n, for n in 0..max_batch
         self._bucket = [
@@ -894,6 +897,7 @@ class CudaGraphRunner:
     ) -> torch.Tensor:  # [T, hidden], a view of the static output (valid until the next run)
         """Copy a step into the static buffers, pad, replay its graph, return the real rows."""
         self._tail_rows = 0
+        self.last_decode_rows = 0
         base_graph = lora is None and meta.is_decode_only and bool(self.base_graphs)
         self._stage_lora(lora, base_graph)
         metas = tuple(group_metadata) or (meta,)
@@ -949,6 +953,7 @@ class CudaGraphRunner:
     ) -> torch.Tensor:
         n = metas[0].num_seqs
         batch = buckets[n]
+        self.last_decode_rows = batch
         if (state is None) != (self.buffers.state_slots is None):
             raise RuntimeError("a step's linear-attention rows do not match the graphs' buffers")
         if state is not None:

@@ -138,6 +138,9 @@ class InputBatch:
         # Layouts by their counts, with their views of the device buffer (``_layout``).
         self._layouts: dict[tuple[int, ...], _Layout] = {}
         self._steady: _SteadyStep | None = None  # the last step, where the next can advance it
+        # The shared-prefix tokens of the last step packed (AttentionMetadata.shared_prefix),
+        # for the profiler's step shapes (engine_core/profiler.py).
+        self.shared_tokens = 0
         # A steady decode step advances the last step's buffer instead of packing anew; False
         # packs every step in full, the reference the tests and bench_host_step.py compare with.
         self.advance_steady = True
@@ -309,7 +312,9 @@ class InputBatch:
         view["seq_lens"][:] = seq_lens
         if tiles is not None:
             view["prefill_tiles"][:] = tiles.reshape(-1)
-        view["shared_prefix"][:] = self._shared_prefix(block_tables, seq_lens, lens, decode_only)
+        shared = self._shared_prefix(block_tables, seq_lens, lens, decode_only)
+        view["shared_prefix"][:] = shared
+        self.shared_tokens = shared[0]  # a steady step that follows keeps them (_advance)
         self._last = layout, self._next, width
         sample_ends = seq_lens if sample_seqs is None else seq_lens[sample_seqs]
         # Every token is the one its row sampled last step, row for row (a steady decode).

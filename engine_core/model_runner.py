@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -373,6 +373,7 @@ class ModelRunner:
         # While the profiler traces (engine_core/profiler.py), each step's shape, for the trace's
         # kernels; None else.
         self.step_shapes: list[StepShape] | None = None
+        self._replayed_decode_graph = False  # by the last forward (_step_shape)
         self.input_batch = InputBatch(
             self.device,
             self.block_size,
@@ -951,7 +952,9 @@ class ModelRunner:
         """The model's forward: a graph replay for a step that fits one, else eager (always
         for a step with image rows: their embeddings and 3D positions are not graph inputs)."""
         graphs = self.graph_runner is not None and inputs.multimodal is None
+        self._replayed_decode_graph = False
         if graphs and self.graph_runner.can_run(inputs.meta):
+            self._replayed_decode_graph = inputs.meta.is_decode_only
             return self.graph_runner.run(
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.ids_from, inputs.lora,
                 inputs.group_metadata, inputs.state,
@@ -965,6 +968,36 @@ class ModelRunner:
             if inputs.multimodal is not None:
                 return self.model(inputs.input_ids, inputs.positions, inputs.multimodal)
             return self.model(inputs.input_ids, inputs.positions)
+
+    def _step_shape(self, out: SchedulerOutput) -> StepShape:
+        """The step just launched as its attention saw it (engine_core/profiler.py)."""
+        graph_rows = self.graph_runner.last_decode_rows if self._replayed_decode_graph else 0
+        return StepShape.of(out, graph_rows, self.input_batch.shared_tokens)
+
+    def attention_facts(self) -> dict[str, Any]:
+        """What a replay of this rank's attention needs to launch it as it ran (the profiler's
+        steps file): heads, pages, the block tables' width, the cache's dtype, and whether
+        every layer is plain causal attention (no window, chunk, latent attention, linear
+        attention or sinks), the kind the replay runs."""
+        mc, layout = self.model_config, self.kv_layout
+        plain = (
+            len(layout.groups) == 1
+            and layout.windows == (None,)
+            and layout.attention_chunks == (None,)
+            and mc.mla is None
+            and mc.linear_attention is None
+            and not mc.attention_sinks
+        )
+        return {
+            "model": self.config.model,
+            "heads": mc.num_heads // self.config.tensor_parallel_size,
+            "kv_heads": self.num_kv_heads,
+            "head_dim": mc.head_dim,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "plain_attention": plain,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+        }
 
     def _draft_alongside(
         self, out: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor
@@ -1045,8 +1078,6 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput) -> ForwardStep:
         """Enqueue one step's inputs, forward and sampling logits (and score prompt tokens)."""
         stats = self.stats
-        if self.step_shapes is not None:
-            self.step_shapes.append(StepShape.of(out))
         timeline = GpuTimeline() if stats.enabled and self._on_cuda else None
         self.input_batch.timeline = timeline  # the input copy is the first stretch
         with stats.phase("prepare"):
@@ -1060,6 +1091,8 @@ class ModelRunner:
             if timeline is not None:
                 timeline.begin()
             hidden = self._forward(inputs)  # [T, hidden]; before the last stage [2, T, hidden]
+            if self.step_shapes is not None:  # once launched: the host's work beside the GPU's
+                self.step_shapes.append(self._step_shape(out))
             if self.drafter is not None:  # the draft's KV follows the target's, slot for slot
                 self._draft_alongside(out, inputs, hidden)
             if timeline is not None:

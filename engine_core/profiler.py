@@ -3,18 +3,25 @@
 Off unless the engine starts with ``--profile-dir DIR``: the profiler slows every step, so it is
 for finding where a served load's time goes, never for serving. START_PROFILE starts
 torch.profiler in the engine core's process (CPU activities, and CUDA where the engine runs on a
-GPU); STOP_PROFILE stops it and writes two files into DIR:
+GPU); STOP_PROFILE stops it and writes three files into DIR:
 
 - ``tandem-engine-<pid>-<n>.trace.json.gz``: the Chrome trace (ui.perfetto.dev opens it as is);
 - ``tandem-engine-<pid>-<n>.top.txt``: torch's table of the operations that took the most time,
   by their own device time on CUDA (CUDA-graph replays' kernels included), their own CPU time on
   the CPU.
 
-- ``tandem-engine-<pid>-<n>.steps.jsonl``: each step the engine ran in between, a line each, as
-  its attention saw it: every sequence's new tokens (``new``) and its context once they are in
-  (``lens``, the new ones included), in row order. A kernel's time in the trace is known by its
-  launch grid; these are the lengths it read, which `python -m benchmarks attention --replay`
-  runs again through the engine's kernel and the peer's.
+- ``tandem-engine-<pid>-<n>.steps.jsonl``: a first line ``{"engine": ...}`` with what the
+  attention of this engine's rank is (heads, page size, block tables' width, the cache's dtype,
+  whether every layer is plain causal attention), then each step the engine launched in between, a
+  line each, as its attention saw it: every sequence's new tokens (``new``) and its context once
+  they are in (``lens``, the new ones included), in row order; the rows of the decode graph it
+  replayed (``graph_rows``, its padding included; 0: eager, or a prefill or verify graph); and
+  the shared-prefix tokens its decode rows attended once (``shared``). A kernel's time in the
+  trace is known by its launch grid; these are the lengths it read, which `python -m benchmarks
+  attention --replay` runs again through the engine's kernel and the peer's. With overlap
+  scheduling a step launched just before START_PROFILE runs in the trace without a line, and
+  the last line's step may end after STOP_PROFILE. The lines are held in memory until the stop:
+  a trace is for seconds of a load, not minutes.
 
 vLLM serves the same two routes (its traces under its own profiler directory), so one workload can
 be profiled on both servers alike. With tensor parallelism only rank 0's process is traced (its
@@ -23,6 +30,7 @@ GPU's kernels); the other ranks run the same kernels on their shards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -58,28 +66,33 @@ def check_profile_dir(directory: str) -> None:
 
 @dataclass(frozen=True)
 class StepShape:
-    """One step as its attention sees it: each sequence's new tokens, and its context once they
-    are in (the new ones included), in row order."""
+    """One step as its attention saw it: each sequence's new tokens, and its context once they
+    are in (the new ones included), in row order; the rows of the decode graph it replayed (0:
+    none), and the shared-prefix tokens its decode rows attended once (0: none)."""
 
     new: tuple[int, ...]
     lens: tuple[int, ...]
+    graph_rows: int
+    shared: int
 
     @classmethod
-    def of(cls, plan: SchedulerOutput) -> StepShape:
+    def of(cls, plan: SchedulerOutput, graph_rows: int, shared: int) -> StepShape:
         rows = plan.scheduled
-        return cls(
-            tuple(r.num_new_tokens for r in rows), tuple(r.start + r.num_new_tokens for r in rows)
-        )
+        new = tuple(r.num_new_tokens for r in rows)
+        lens = tuple(r.start + r.num_new_tokens for r in rows)
+        return cls(new, lens, graph_rows, shared)
 
     def to_json(self) -> str:
-        return json.dumps({"new": self.new, "lens": self.lens}, separators=(",", ":"))
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
 
 class RecordsSteps(Protocol):
     """What runs the steps (the model runner): it appends each step's shape to ``step_shapes``
-    while that is a list (None: not recording)."""
+    while that is a list (None: not recording), and says what its attention is."""
 
     step_shapes: list[StepShape] | None
+
+    def attention_facts(self) -> dict[str, Any]: ...
 
 
 class EngineProfiler:
@@ -114,13 +127,13 @@ class EngineProfiler:
         return str(directory)
 
     def stop(self) -> list[str]:
-        """Stop tracing and write the trace and its table; their paths."""
+        """Stop tracing and write the trace, its table and the steps' shapes; their paths."""
         directory = self._directory()
         if self._profile is None:
             raise ProfilerError("the profiler is not running: POST /start_profile first")
         profile, self._profile = self._profile, None
-        profile.stop()
         shapes, self.steps.step_shapes = self.steps.step_shapes or [], None
+        profile.stop()
         self._traces += 1
         stem = f"tandem-engine-{os.getpid()}-{self._traces}"
         trace = directory / f"{stem}.trace.json.gz"
@@ -131,7 +144,8 @@ class EngineProfiler:
         try:
             profile.export_chrome_trace(str(trace))
             top.write_text(table + "\n")
-            steps.write_text("".join(shape.to_json() + "\n" for shape in shapes))
+            header = json.dumps({"engine": self.steps.attention_facts()}) + "\n"
+            steps.write_text(header + "".join(shape.to_json() + "\n" for shape in shapes))
         except OSError as exc:  # the folder gone or full: the trace is lost, the engine is not
             raise ProfilerError(f"--profile-dir {directory}: {exc.strerror or exc}") from None
         logger.info("profiler stopped: %s, %s, %s", trace, top, steps)

@@ -163,39 +163,58 @@ def test_image_stages_runs_each_stage(capsys: pytest.CaptureFixture[str]) -> Non
         assert stage in out
 
 
-def test_replayed_steps_are_a_profiled_runs_decode_steps_padded_as_the_graphs_are(
+def test_replayed_steps_are_a_profiled_runs_decode_steps_as_they_were_launched(
     tmp_path: Path,
 ) -> None:
     """`benchmarks attention --replay`: of a STEPS file (engine_core/profiler.py), the steps
-    whose rows each computed one token, evenly spaced when fewer are asked for; each padded
-    with empty rows to the decode graph the engine replays for it (1, 2, 4, 8, then multiples
-    of 8 up to --max-num-seqs); the replay's totals by kernel, by hand."""
-    from benchmarks.attention import graph_padded, replay_steps, replay_totals
+    whose rows each computed one token, evenly spaced when fewer are asked for; each with the
+    empty rows of the graph it replayed and its shared-prefix tokens; a file without its engine
+    line refused; the replay's totals by kernel, by hand."""
+    from benchmarks.attention import Replayed, read_steps, replay_steps, replay_totals
 
     steps = tmp_path / "tandem-engine-1-1.steps.jsonl"
-    lines = [{"new": [40], "lens": [40]}]  # a prompt
-    lines += [{"new": [1] * (k + 1), "lens": [41 + k] * (k + 1)} for k in range(9)]
-    lines.insert(4, {"new": [1, 7], "lens": [44, 7]})  # a mixed step
-    steps.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    decodes = replay_steps(steps, 0)
-    assert [line for line, _ in decodes] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
-    assert decodes[3] == (5, [44] * 4)
-    assert [line for line, _ in replay_steps(steps, 3)] == [1, 5, 8]  # strides of 3 of 9
-    assert replay_steps(steps, 20) == decodes
-    assert graph_padded([5, 6, 7], 1024) == [5, 6, 7, 0]
-    assert graph_padded([9] * 17, 1024) == [9] * 17 + [0] * 7
-    assert graph_padded([9] * 20, 18) == [9] * 20  # past the largest graph: eager, unpadded
+    engine = {
+        "model": "m", "heads": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16,
+        "max_model_len": 512, "plain_attention": True, "kv_cache_dtype": "bfloat16",
+    }  # fmt: skip
+    lines = [{"new": [40], "lens": [40], "graph_rows": 0, "shared": 0}]  # a prompt
+    lines += [
+        {"new": [1] * (k + 1), "lens": [41 + k] * (k + 1), "graph_rows": 8, "shared": 32 * k}
+        for k in range(9)
+    ]
+    lines.insert(4, {"new": [1, 7], "lens": [44, 7], "graph_rows": 0, "shared": 0})  # mixed
+    text = json.dumps({"engine": engine}) + "\n" + "".join(json.dumps(x) + "\n" for x in lines)
+    steps.write_text(text)
+    read, shapes = read_steps(steps)
+    assert read == engine and shapes == lines
+    decodes = replay_steps(shapes, 0)
+    assert [d.line for d in decodes] == [2, 3, 4, 6, 7, 8, 9, 10, 11]  # the file's lines
+    assert decodes[3] == Replayed(6, [44] * 4, 8, 96)
+    assert decodes[3].padded == [44] * 4 + [0] * 4  # the graph of 8 rows it replayed
+    assert Replayed(1, [5, 6], 0, 0).padded == [5, 6]  # eager: no padding
+    assert [d.line for d in replay_steps(shapes, 3)] == [2, 6, 9]  # strides of 3 of 9
+    assert replay_steps(shapes, 20) == decodes
+    steps.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(SystemExit, match="not a profiler's steps file"):
+        read_steps(steps)
     rows = [
-        {"case": "step 1", "kernel": "engine's", "us": 10.0},
-        {"case": "step 1", "kernel": "engine's, 2 splits", "us": 12.0},
-        {"case": "step 1", "kernel": "vLLM FlashAttention 3", "us": 9.0},
-        {"case": "step 2", "kernel": "engine's", "us": 20.0},
-        {"case": "step 2", "kernel": "engine's, 2 splits", "error": "too much shared memory"},
-        {"case": "step 2", "kernel": "vLLM FlashAttention 3", "us": 15.0},
+        {"case": "step 2", "kernel": "engine's", "us": 10.0},
+        {"case": "step 2", "kernel": "engine's, 2 splits", "us": 12.0},
+        {"case": "step 2", "kernel": "vLLM FlashAttention 3", "us": 9.0},
+        {"case": "step 3", "kernel": "engine's", "us": 20.0},
+        {"case": "step 3", "kernel": "engine's, 2 splits", "error": "too much shared memory"},
+        {"case": "step 3", "kernel": "vLLM FlashAttention 3", "us": 15.0},
     ]
     lines = replay_totals(rows).splitlines()
-    assert lines[0] == "replayed 2 decode steps, a layer's call each, summed:"
+    assert lines[0] == "2 steps, a layer's call each, summed:"
     sums = {line[2:42].strip(): line[42:].split() for line in lines[1:]}
     assert sums["engine's"] == ["30.0", "us", "1.000"]
     assert sums["vLLM FlashAttention 3"] == ["24.0", "us", "0.800"]
-    assert sums["engine's, 2 splits"][0] == "nan"  # one of its steps did not launch
+    assert sums["engine's, 2 splits"] == ["failed", "on", "1", "of", "2", "steps"]
+
+
+def test_a_replay_takes_the_engines_pages_and_width_from_its_file(tmp_path: Path) -> None:
+    """--page-size and --max-model-len would be ignored by --replay: refused."""
+    for flag in ("--page-size", "--max-model-len"):
+        with pytest.raises(SystemExit, match="--replay takes the engine's"):
+            main(["attention", "--replay", str(tmp_path / "s.jsonl"), flag, "32"])

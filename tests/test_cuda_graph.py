@@ -705,9 +705,16 @@ def test_decodes_over_a_shared_system_prompt_equal_hf(
         triton.knobs.runtime, "jit_cache_hook", lambda **kw: compiled.append(kw["repr"])
     )
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    llm.engine.runner.step_shapes = []  # as the profiler records them
     ours = [o.token_ids for o in llm.generate(prompts, params, detokenize=False)]
     assert not [c for c in compiled if "_shared_prefix_kernel" in c or "_decode_kernel" in c]
     assert max(staged) == 18 * 16, staged
+    # The steps file says so: the steps of all eight rows, their 18 shared blocks, and the
+    # graph of eight rows with the pass (none when eager).
+    full = [s for s in llm.engine.runner.step_shapes if s.new == (1,) * len(prompts)]
+    assert full and {(s.shared, s.graph_rows) for s in full} == {
+        (18 * 16, 0 if enforce_eager else len(prompts))
+    }
     assert at_start and (launches or not enforce_eager)  # graphs replay the pass unseen
     graphs = llm.engine.runner.graph_runner
     if graphs is not None:  # the graphs with the pass replayed those steps

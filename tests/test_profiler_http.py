@@ -12,13 +12,15 @@ import gzip
 import json
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from benchmarks.attention import replay_steps
+from benchmarks.attention import read_steps, replay_steps
+from engine_core.attention.base import SHARED_PREFIX_MIN_ROWS
 from tests.server_fixture import (  # noqa: F401
     TINY_ARGS,
     Server,
@@ -44,10 +46,12 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def profiled(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, traces: Path
 ) -> Iterator[Server]:
+    # Room for SHARED_PREFIX_MIN_ROWS sequences over a shared prompt (the last flags win).
+    room = ["--max-num-seqs", str(SHARED_PREFIX_MIN_ROWS), "--num-kv-blocks", "256"]
     srv = start_server(
         tmp_path_factory.mktemp("serve-profiled"),
         model=str(tiny_model_dir),
-        args=[*TINY_ARGS, "--profile-dir", str(traces)],
+        args=[*TINY_ARGS, *room, "--profile-dir", str(traces)],
     )
     yield srv
     stop_server(srv)
@@ -94,13 +98,20 @@ def test_a_trace_holds_the_work_between_start_and_stop(profiled: Server) -> None
     assert trace.parent == top.parent == steps.parent == Path(directory)
     assert trace.name.endswith(".trace.json.gz") and top.name.endswith(".top.txt")
     # The steps the completion took, as attention saw them: its prompt, then a token a step
-    # over a context one longer each time (the one whose token ends it is never planned).
-    shapes = [json.loads(line) for line in steps.read_text().splitlines()]
-    assert shapes == [{"new": [prompt], "lens": [prompt]}] + [
-        {"new": [1], "lens": [prompt + i]} for i in range(1, TOKENS)
+    # over a context one longer each time (the one whose token ends it is never planned); on
+    # the CPU no graph, and one sequence shares no prefix.
+    engine, shapes = read_steps(steps)
+    assert engine["block_size"] == 16 and engine["plain_attention"]
+    assert engine["kv_cache_dtype"] == "float32"  # the CPU's
+    assert engine["heads"] % engine["kv_heads"] == 0
+    assert shapes == [{"new": [prompt], "lens": [prompt], "graph_rows": 0, "shared": 0}] + [
+        {"new": [1], "lens": [prompt + i], "graph_rows": 0, "shared": 0} for i in range(1, TOKENS)
     ]
     # What `benchmarks attention --replay` runs again of them: the decode steps.
-    assert replay_steps(steps, 0) == [(i, [prompt + i]) for i in range(1, TOKENS)]
+    replayed = replay_steps(shapes, 0)
+    assert [(r.line, r.padded) for r in replayed] == [
+        (i + 1, [prompt + i]) for i in range(1, TOKENS)
+    ]
     # Each layer of each forward the completion took attended once (the CPU's attention op).
     attended = [e for e in trace_events(trace) if e.get("name") == ATTENTION_OP]
     assert len(attended) >= LAYERS * TOKENS and len(attended) % LAYERS == 0, len(attended)
@@ -113,8 +124,38 @@ def test_a_trace_holds_the_work_between_start_and_stop(profiled: Server) -> None
     trace2, _, steps2 = (Path(p) for p in second.json()["files"])
     assert trace2 != trace and trace.exists()
     assert ATTENTION_OP not in {e.get("name") for e in trace_events(trace2)}
-    assert steps2.read_text() == ""  # no step ran
+    assert read_steps(steps2) == (engine, [])  # no step ran
     assert complete(profiled) is not None  # serving went on
+    wait_engine_idle(profiled)
+
+
+def test_a_steps_decode_rows_over_one_prompt_attend_its_whole_blocks_once(
+    profiled: Server,
+) -> None:
+    """SHARED_PREFIX_MIN_ROWS completions at once over one 300-token prompt (token ids), each
+    with a token of its own after it: their decode steps' rows share the prompt's whole blocks
+    in the prefix cache, and the steps file says how many tokens those are (18 blocks of 16)."""
+    client = openai.OpenAI(base_url=f"{profiled.base_url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    prompt = list(range(100, 400))
+    assert post(profiled, "start_profile").status_code == 200
+
+    def complete_one(own: int) -> None:
+        client.completions.create(
+            model=model, prompt=[*prompt, own], max_tokens=TOKENS, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(SHARED_PREFIX_MIN_ROWS) as pool:
+        list(pool.map(complete_one, range(400, 400 + SHARED_PREFIX_MIN_ROWS)))
+    stopped = post(profiled, "stop_profile")
+    assert stopped.status_code == 200, stopped.text
+    _, shapes = read_steps(Path(stopped.json()["files"][2]))
+    full = [s for s in shapes if s["new"] == [1] * SHARED_PREFIX_MIN_ROWS]
+    assert full, shapes  # some decode steps ran every row
+    assert {s["shared"] for s in full} == {len(prompt) // 16 * 16}
+    # Below SHARED_PREFIX_MIN_ROWS one-token rows, no step attends a prefix once.
+    assert all(s["shared"] == 0 for s in shapes if s["new"].count(1) < SHARED_PREFIX_MIN_ROWS)
     wait_engine_idle(profiled)
 
 
