@@ -41,6 +41,7 @@ from engine_core.request import EngineOutput, HeldTokens, Request
 from protocol.address import EngineAddress
 from protocol.codec import StepOutputsFrame
 from protocol.messages import (
+    DROPPED_UNREACHABLE,
     HEARTBEAT_INTERVAL_S,
     Abort,
     AddRequest,
@@ -65,6 +66,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem.engine")
 
 PARENT_POLL_S = 1.0
+# Forgotten clients kept with their dropped requests' ids: clients that come back do so within a
+# second or two, and each that never does (an API process killed) costs a short list.
+FORGOTTEN_KEPT = 64
 PARENT_GRACE_S = 5.0  # after the parent is gone: time for a clean stop before os._exit
 _POLL_MS = 100
 # A burst (requests sent together: a client's batch, a benchmark's 64 at once) should meet an idle
@@ -119,6 +123,9 @@ class EngineServer:
         ] = queue.Queue()
         self.out_sock: Any = None  # the output ROUTER, bound in run(); only the busy loop sends
         self.clients: set[bytes] = set()
+        # Clients a send could not reach (forgotten), by the ids of the requests that dropped,
+        # oldest first: one that speaks again is told (_welcome_back). At most FORGOTTEN_KEPT.
+        self.forgotten: dict[bytes, list[str]] = {}
         self.running = True
         # Set with running = False where no restart will follow (stop_on_signals).
         self.stopped_for_good = False
@@ -310,6 +317,8 @@ class EngineServer:
     def _handle(
         self, client: bytes, msg: ClientMessage | RequestError | _Wake | _ThreadDied
     ) -> None:
+        if client in self.forgotten:
+            self._welcome_back(client)
         match msg:
             case AddRequest():
                 self._add(client, msg)
@@ -331,13 +340,35 @@ class EngineServer:
                 ) from msg.error
 
     def _forget(self, client: bytes) -> None:
-        """The client is unreachable: stop heart-beating it and free what its requests hold."""
+        """The client is unreachable: stop heart-beating it and free what its requests hold. A
+        dropped connection that ZMQ makes again looks the same from here, so the dropped
+        requests are kept by id, for the client to hear of if it speaks again."""
         self.clients.discard(client)
         live = self.core.scheduler.requests.values()
-        mine = [r.request_id for r in live if r.client_id == client]
+        mine = [r for r in live if r.client_id == client]
         if mine:
             logger.warning("client %s is gone: aborting its %d requests", client.hex(), len(mine))
-            self.core.abort(mine)
+            self.core.abort([r.request_id for r in mine])
+        dropped = self.forgotten.pop(client, [])  # moved to the end: the latest forgotten
+        self.forgotten[client] = dropped + [r.client_request_id for r in mine]
+        while len(self.forgotten) > FORGOTTEN_KEPT:  # clients that never came back
+            del self.forgotten[next(iter(self.forgotten))]
+
+    def _welcome_back(self, client: bytes) -> None:
+        """A forgotten client speaks again (its connection dropped and was made again): heart-
+        beat it again, and fail each request dropped meanwhile as DROPPED_UNREACHABLE, which
+        the client may send again, rather than leave it waiting for outputs that never come."""
+        dropped = self.forgotten.pop(client)
+        logger.warning(
+            "client %s is back: telling it of its %d dropped requests", client.hex(), len(dropped)
+        )
+        self.clients.add(client)
+        message = "the engine could not reach this client for a moment and dropped the request"
+        for i, request_id in enumerate(dropped):
+            if client in self.forgotten:  # unreachable again: the rest wait for the next time
+                self.forgotten[client] += dropped[i:]
+                return
+            self._send(client, RequestError(request_id, message, DROPPED_UNREACHABLE))
 
     def _add(self, client: bytes, msg: AddRequest) -> None:
         request = Request.resumed(

@@ -234,7 +234,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         if not ctx.engine.healthy:
-            reason = ctx.engine.dead_reason or "no heartbeat from the engine core"
+            reason = ctx.engine.dead_reason or "the engine core's process is not running"
             return error_response(
                 OpenAIError(503, reason, "service_unavailable", code="engine_down")
             )

@@ -61,6 +61,7 @@ from protocol.address import (
 )
 from protocol.codec import ProtocolError, decode_engine_message, encode, encode_frames
 from protocol.messages import (
+    DROPPED_UNREACHABLE,
     HEARTBEAT_INTERVAL_S,
     PROTOCOL_VERSION,
     Abort,
@@ -89,7 +90,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HELLO_INTERVAL_S = 0.1
-HEALTH_WINDOW_S = 3.0  # healthy only if the engine spoke this recently (HEARTBEAT_INTERVAL_S)
 DEAD_AFTER_S = 30.0  # requests in flight fail after this much silence (a long step is not death)
 # The shortest silence that may count as death: two heartbeats, so that an idle engine is never
 # taken for dead between two of them.
@@ -111,6 +111,11 @@ def engine_timeout(text: str) -> float:
 
 class EngineDeadError(Exception):
     """The engine core is gone (its process exited, or it was silent for too long)."""
+
+
+class RequestDroppedError(EngineDeadError):
+    """The engine dropped one request when it could not reach this client for a moment
+    (RequestError code DROPPED_UNREACHABLE): as after the engine's death, it may be resumed."""
 
 
 class HandshakeError(ConnectionError):
@@ -170,6 +175,8 @@ def split_outputs(msg: EngineMessage) -> list[tuple[str, RequestItem]]:
             items.append((rid, RequestOutput(rid, [], reason)))
         return items
     if isinstance(msg, RequestError):
+        if msg.code == DROPPED_UNREACHABLE:
+            return [(msg.request_id, RequestDroppedError(msg.message))]
         return [(msg.request_id, EngineRequestError(msg.request_id, msg.message, msg.code))]
     return []
 
@@ -521,9 +528,10 @@ class AsyncEngineClient(_Connection):
 
     @property
     def healthy(self) -> bool:
-        """True while the engine answers: a message (heartbeats included) seen very recently."""
-        recent = time.monotonic() - self._last_seen < HEALTH_WINDOW_S
-        return self._dead_reason is None and recent and self._is_process_alive()
+        """True until the engine is declared dead (its process gone, or silent for
+        ``dead_after_s``). A step longer than a heartbeat's interval (a long prompt on a slow
+        device) is silence too, and no sign of death: /health stays 200 through it, as vLLM's."""
+        return self._dead_reason is None and self._is_process_alive()
 
     @property
     def dead_reason(self) -> str | None:

@@ -362,6 +362,12 @@ class RequestError:
     code: int = 400
 
 
+# RequestError.code of a request the engine dropped because it could not reach its client for a
+# moment (a dropped connection that ZMQ then made again): the request never failed, so the
+# client may send it again with what it generated, as after the engine's death.
+DROPPED_UNREACHABLE = 503
+
+
 # Upper bounds of the buckets of EngineCounts.step_tokens (as vLLM's iteration_tokens_total).
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 

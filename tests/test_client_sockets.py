@@ -524,6 +524,27 @@ def test_async_close_fails_what_is_in_flight(address: EngineAddress) -> None:
     asyncio.run(main())
 
 
+def test_a_silent_engine_stays_healthy_until_it_is_declared_dead(address: EngineAddress) -> None:
+    """A step longer than a heartbeat's interval is silence with nothing wrong (a long prompt on
+    a slow device): the client stays healthy (/health 200) until the silence reaches its
+    dead_after_s, and only then is the engine declared dead."""
+
+    async def main() -> None:
+        eng = EchoEngine(address)
+        async with AsyncEngineClient(address, dead_after_s=6.0) as client:
+            await client.connect(timeout=10)
+            eng.stop()  # silent from now on
+            silent_since = time.monotonic()
+            await asyncio.sleep(4.0)  # eight heartbeats' intervals without a word
+            assert client.healthy and client.dead_reason is None
+            while client.healthy and time.monotonic() - silent_since < 10:
+                await asyncio.sleep(0.1)
+            assert time.monotonic() - silent_since >= 6.0
+            assert not client.healthy and "has not answered" in (client.dead_reason or "")
+
+    asyncio.run(main())
+
+
 def test_async_watchdog_fails_requests_when_the_process_dies(address: EngineAddress) -> None:
     alive = [True]
 

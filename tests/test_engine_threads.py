@@ -133,3 +133,63 @@ def test_only_the_busy_loop_sends(
     assert not raised and not runner.is_alive()
     assert {StepOutputs, RequestError} <= kinds
     assert len(senders) >= 4 and set(senders) == {runner.ident}
+
+
+def test_requests_dropped_on_an_unreachable_client_are_told_and_resumed(
+    tiny_model_dir: Path, address: EngineAddress, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A send the ROUTER cannot deliver (a dropped TCP connection, EHOSTUNREACH, which ZMQ then
+    makes again) makes the engine forget the client and drop its requests. When the client
+    speaks again (here the STATS poll the API process runs every second), the engine tells it
+    which requests it dropped, and the client resumes them with what it has: the output is
+    the undisturbed run's, token for token, rather than a request left waiting forever."""
+    import asyncio
+
+    from protocol.client import AsyncEngineClient
+    from protocol.messages import SamplingParams, StepOutputs
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    send = protocol.address.send_to_client
+    outputs_sent = 0
+    dropped_at = 4  # the fourth step-outputs frame does not reach the client
+
+    def unreachable_once(sock: object, client: bytes, frame: bytes) -> bool:
+        nonlocal outputs_sent
+        if protocol.codec.decode_engine_message(frame).__class__ is StepOutputs:
+            outputs_sent += 1
+            if outputs_sent == dropped_at:
+                return False  # as send_to_client answers EHOSTUNREACH
+        return send(sock, client, frame)
+
+    proc = make_engine(tiny_model_dir, address)
+    runner, raised = run_in_thread(proc)
+
+    async def generate(rid: str) -> list[int]:
+        async with AsyncEngineClient(address) as client:
+            await client.connect(timeout=30)
+            tokens: list[int] = []
+
+            async def poll() -> None:
+                while True:  # as frontend/app.py poll_engine_stats
+                    await asyncio.sleep(0.2)
+                    await client.stats()
+
+            poller = asyncio.ensure_future(poll())
+            try:
+                async for out in client.generate(rid, [5, 6, 7, 8], params, max_resumes=1):
+                    tokens += out.new_token_ids
+            finally:
+                poller.cancel()
+            return tokens
+
+    try:
+        undisturbed = asyncio.run(generate("calm"))
+        monkeypatch.setattr(protocol.address, "send_to_client", unreachable_once)
+        # Without the engine's word the request would wait forever: bounded, it fails.
+        resumed = asyncio.run(asyncio.wait_for(generate("dropped"), 60))
+        assert outputs_sent > dropped_at and not proc.forgotten
+    finally:
+        proc.running = False
+        runner.join(END_WITHIN_S)
+    assert not raised
+    assert len(undisturbed) == 24 and resumed == undisturbed
