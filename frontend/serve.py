@@ -19,7 +19,6 @@ engines' raw ZMQ addresses are printed (and served at GET /v1/engine) so that `t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import signal
 import socket
@@ -240,10 +239,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2
+    if not listeners:  # one API process, this one: it watches the engines itself
+        return launch(args, model_dir, plan_engines(args, engine_model, curve, None), None)
     # API processes read the engines' pids from files here (mkdtemp: 0700, only we read them).
-    pid_dir = tempfile.TemporaryDirectory(prefix="tandem-api-", ignore_cleanup_errors=True)
-    with pid_dir if listeners else contextlib.nullcontext():
-        specs = plan_engines(args, engine_model, curve, Path(pid_dir.name) if listeners else None)
+    with tempfile.TemporaryDirectory(prefix="tandem-api-", ignore_cleanup_errors=True) as pids:
+        specs = plan_engines(args, engine_model, curve, Path(pids))
         return launch(args, model_dir, specs, listeners)
 
 

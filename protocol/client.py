@@ -293,6 +293,9 @@ class EngineClient(_Connection):
     ) -> None:
         super().__init__(address, identity, name, zmq.Context, curve)
         self._buffer: deque[EngineMessage] = deque()  # read while waiting for something else
+        # Ids of the requests sent and not yet seen to end (or aborted): a second request under
+        # one of them would be refused by the engine in an error that names the live one.
+        self._live: set[str] = set()
 
     def __enter__(self) -> EngineClient:
         return self
@@ -335,12 +338,16 @@ class EngineClient(_Connection):
         ``output_interval``: the engine sends its tokens once this many have gathered (and its
         first token and its end at once), not every step. ``priority``: lower is scheduled
         sooner, on an engine whose Ready says it ranks requests (others refuse all but 0)."""
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in use on this client")
         request = EngineRequest(
             request_id, prompt_token_ids, params, 0, output_interval, priority=priority
         )
         self._input.send_multipart(self._add_frames(request), copy=False)
+        self._live.add(request_id)
 
     def abort(self, request_ids: Sequence[str]) -> None:
+        self._live.difference_update(request_ids)
         self._send(Abort(list(request_ids)))
 
     def control(self, kind: ControlKind, timeout: float = 10.0) -> ControlReply:
@@ -409,7 +416,11 @@ class EngineClient(_Connection):
             self._buffer.extendleft(reversed(others))
 
     def _absorb(self, msg: EngineMessage) -> EngineMessage | None:
-        """Keep what is not for the caller of recv(): late READYs and stale control replies."""
+        """Keep what is not for the caller of recv(): late READYs and stale control replies
+        (and note the requests a message ends)."""
+        for request_id, item in split_outputs(msg):
+            if is_last(item):
+                self._live.discard(request_id)
         if isinstance(msg, Ready):
             self.ready = msg
             return None

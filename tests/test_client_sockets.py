@@ -452,6 +452,25 @@ def test_async_group_sees_the_request_error_and_refuses_bad_params(
     asyncio.run(main())
 
 
+def test_sync_a_request_id_in_use_is_refused_until_it_ends(
+    address: EngineAddress, engine: EchoEngine
+) -> None:
+    """The synchronous client refuses a second live request under one id before sending it:
+    the engine would refuse it with an error naming that id, which a consumer keyed on ids
+    takes for the first request's end, orphaning it. An id is free again once its request
+    ended (its last output read) or was aborted."""
+    with EngineClient(address) as client:
+        client.connect(timeout=10)
+        client.add_request("same", [1, 2], SamplingParams(max_tokens=8, ignore_eos=True))
+        with pytest.raises(ValueError, match="'same' is already in use on this client"):
+            client.add_request("same", [3], PARAMS)
+        client.abort(["same"])
+        client.add_request("same", [3], PARAMS)  # free once aborted
+        for _ in range(2):  # and once ended: generate reads its last output
+            outputs = list(client.generate("once", [4], PARAMS, timeout=10))
+            assert outputs[-1].finish_reason is not None
+
+
 def test_async_a_request_id_in_use_is_refused_and_the_first_request_goes_on(
     address: EngineAddress, engine: EchoEngine
 ) -> None:
