@@ -12,7 +12,6 @@ import gzip
 import json
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -132,27 +131,22 @@ def test_a_trace_holds_the_work_between_start_and_stop(profiled: Server) -> None
 def test_a_steps_decode_rows_over_one_prompt_attend_its_whole_blocks_once(
     profiled: Server,
 ) -> None:
-    """SHARED_PREFIX_MIN_ROWS completions at once over one 300-token prompt (token ids), each
-    with a token of its own after it: their decode steps' rows share the prompt's whole blocks
-    in the prefix cache, and the steps file says how many tokens those are (18 blocks of 16)."""
+    """SHARED_PREFIX_MIN_ROWS choices (n) of one 300-token prompt (token ids), sent to the
+    engine together: their decode steps' rows share the prompt's whole blocks in the prefix
+    cache, and the steps file says how many tokens those are (18 blocks of 16)."""
     client = openai.OpenAI(base_url=f"{profiled.base_url}/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
     prompt = list(range(100, 400))
     assert post(profiled, "start_profile").status_code == 200
-
-    def complete_one(own: int) -> None:
-        client.completions.create(
-            model=model, prompt=[*prompt, own], max_tokens=TOKENS, temperature=0.0,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-
-    with ThreadPoolExecutor(SHARED_PREFIX_MIN_ROWS) as pool:
-        list(pool.map(complete_one, range(400, 400 + SHARED_PREFIX_MIN_ROWS)))
+    client.completions.create(
+        model=model, prompt=prompt, n=SHARED_PREFIX_MIN_ROWS, max_tokens=TOKENS,
+        temperature=0.0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
     stopped = post(profiled, "stop_profile")
     assert stopped.status_code == 200, stopped.text
     _, shapes = read_steps(Path(stopped.json()["files"][2]))
     full = [s for s in shapes if s["new"] == [1] * SHARED_PREFIX_MIN_ROWS]
-    assert full, shapes  # some decode steps ran every row
+    assert full, shapes  # the choices decode together
     assert {s["shared"] for s in full} == {len(prompt) // 16 * 16}
     # Below SHARED_PREFIX_MIN_ROWS one-token rows, no step attends a prefix once.
     assert all(s["shared"] == 0 for s in shapes if s["new"].count(1) < SHARED_PREFIX_MIN_ROWS)
