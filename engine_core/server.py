@@ -365,10 +365,10 @@ class EngineServer:
         self.clients.add(client)
         message = "the engine could not reach this client for a moment and dropped the request"
         for i, request_id in enumerate(dropped):
-            if client in self.forgotten:  # unreachable again: the rest wait for the next time
+            self._send(client, RequestError(request_id, message, DROPPED_UNREACHABLE))
+            if client in self.forgotten:  # unreachable again: this one and the rest wait
                 self.forgotten[client] += dropped[i:]
                 return
-            self._send(client, RequestError(request_id, message, DROPPED_UNREACHABLE))
 
     def _add(self, client: bytes, msg: AddRequest) -> None:
         request = Request.resumed(

@@ -146,19 +146,25 @@ def test_requests_dropped_on_an_unreachable_client_are_told_and_resumed(
     import asyncio
 
     from protocol.client import AsyncEngineClient
-    from protocol.messages import SamplingParams, StepOutputs
+    from protocol.messages import DROPPED_UNREACHABLE, RequestError, SamplingParams, StepOutputs
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     send = protocol.address.send_to_client
     outputs_sent = 0
     dropped_at = 4  # the fourth step-outputs frame does not reach the client
+    told: list[str] = []  # the engine's word of the dropped request, each time it tried
 
-    def unreachable_once(sock: object, client: bytes, frame: bytes) -> bool:
+    def unreachable_twice(sock: object, client: bytes, frame: bytes) -> bool:
         nonlocal outputs_sent
-        if protocol.codec.decode_engine_message(frame).__class__ is StepOutputs:
+        msg = protocol.codec.decode_engine_message(frame)
+        if isinstance(msg, StepOutputs):
             outputs_sent += 1
             if outputs_sent == dropped_at:
                 return False  # as send_to_client answers EHOSTUNREACH
+        if isinstance(msg, RequestError) and msg.code == DROPPED_UNREACHABLE:
+            told.append(msg.request_id)
+            if len(told) == 1:
+                return False  # the word itself is lost once: it is told again the next time
         return send(sock, client, frame)
 
     proc = make_engine(tiny_model_dir, address)
@@ -184,10 +190,11 @@ def test_requests_dropped_on_an_unreachable_client_are_told_and_resumed(
 
     try:
         undisturbed = asyncio.run(generate("calm"))
-        monkeypatch.setattr(protocol.address, "send_to_client", unreachable_once)
+        monkeypatch.setattr(protocol.address, "send_to_client", unreachable_twice)
         # Without the engine's word the request would wait forever: bounded, it fails.
         resumed = asyncio.run(asyncio.wait_for(generate("dropped"), 60))
-        assert outputs_sent > dropped_at and not proc.forgotten
+        assert outputs_sent > dropped_at and told == ["dropped", "dropped"]
+        assert not any(proc.forgotten.values())  # (closed clients are forgotten, idle)
     finally:
         proc.running = False
         runner.join(END_WITHIN_S)
