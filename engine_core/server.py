@@ -359,10 +359,12 @@ class EngineServer:
         beat it again, and fail each request dropped meanwhile as DROPPED_UNREACHABLE, which
         the client may send again, rather than leave it waiting for outputs that never come."""
         dropped = self.forgotten.pop(client)
+        self.clients.add(client)
+        if not dropped:  # a handshake that had not reached the output socket yet, or idle
+            return
         logger.warning(
             "client %s is back: telling it of its %d dropped requests", client.hex(), len(dropped)
         )
-        self.clients.add(client)
         message = "the engine could not reach this client for a moment and dropped the request"
         for i, request_id in enumerate(dropped):
             self._send(client, RequestError(request_id, message, DROPPED_UNREACHABLE))

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -117,19 +117,9 @@ class ServerState:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The app; the engine connections must already be up."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        poller = asyncio.ensure_future(poll_engine_stats(state))
-        try:
-            yield
-        finally:
-            poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poller
-
-    app = FastAPI(title="Tandem", lifespan=lifespan)
+    """The app; the engine connections must already be up. It has no start-up or shutdown of
+    its own (no lifespan): whoever serves it runs ``poll_engine_stats`` beside it."""
+    app = FastAPI(title="Tandem")
     app.state.tandem = state
     add_error_handlers(app)
     # Added innermost first: the lane runs after the key check and within the body limit, and
@@ -636,7 +626,8 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 async def poll_engine_stats(state: ServerState) -> None:
-    """Keep the engine gauges of /metrics fresh with a periodic STATS call."""
+    """Keep the engine gauges of /metrics fresh with a periodic STATS call (its replies also
+    let a client the engine forgot be heard again: engine_core/server.py _welcome_back)."""
     ctx = state.serving
     while True:
         healthy = ctx.engine.healthy

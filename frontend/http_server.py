@@ -31,7 +31,7 @@ from common.processes import (
 from common.sentence_transformers import default_prompt
 from engine_core.model_dir import RANDOM_PREFIX
 from frontend.admission import AdmissionGate
-from frontend.app import ServerState, build_app
+from frontend.app import ServerState, build_app, poll_engine_stats
 from frontend.constraints import ConstraintChecker
 from frontend.engine_pool import EngineGauges, EnginePool
 from frontend.engines import EngineSpec, EngineTimeouts, connect_engine, supervise_engines
@@ -95,6 +95,7 @@ async def serve_http(
                 on_restart = state.serving.metrics.record_restart
                 tasks += supervise_engines(specs, pool, timeouts, on_restart, sigterm.stopping)
             server = uvicorn.Server(uvicorn_config(args, build_app(state), role))
+            tasks.append(asyncio.ensure_future(poll_engine_stats(state)))
             sigterm.server = server
             if role.parent_pid is not None:
                 tasks.append(asyncio.ensure_future(stop_with_parent(server, role.parent_pid)))
@@ -247,6 +248,10 @@ def uvicorn_config(args: argparse.Namespace, app: Any, role: ApiRole) -> uvicorn
         access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         headers=headers,
+        # No lifespan task: the app has no start-up or shutdown of its own (serve_http runs the
+        # stats poll), and on a second Ctrl-C uvicorn skips the shutdown event, so that task was
+        # cancelled as the loop closed, and its traceback logged at ERROR.
+        lifespan="off",
     )
 
 

@@ -91,3 +91,30 @@ def wait_running(base_url: str, count: int) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"fewer than {count} requests running after 60 s")
+
+
+def test_a_second_sigint_stops_at_once_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C twice: uvicorn stops at once, without its graceful wait and without the app's
+    shutdown event (the app has none: no lifespan task is left to be cancelled as the loop
+    closes, whose traceback was logged at ERROR); the stream still ends with its error event,
+    and serve exits 0 with its engine."""
+    srv = start_server(tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)
+        completion = client.completions.create(
+            model="default", prompt="Tell me a long story.", max_tokens=LONG, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert next(iter(completion)).choices[0].finish_reason is None
+        srv.process.send_signal(signal.SIGINT)
+        time.sleep(1.0)  # in uvicorn's graceful wait
+        srv.process.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for chunk in completion:
+                assert chunk.choices[0].finish_reason is None
+        assert srv.process.wait(timeout=120) == 0
+        log = srv.log_path.read_text(errors="replace")
+        assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+        assert not pid_alive(srv.engine_pid), "the engine core outlived tandem serve"
+    finally:
+        stop_process(srv.process)
