@@ -210,6 +210,25 @@ def test_refused_config_fields_are_named(
         load_adapter(adapter, tiny_config(case), max_rank=16)
 
 
+def test_an_older_pefts_fields_left_off_are_read_past(
+    case: dict[str, Path], tmp_path: Path
+) -> None:
+    """Fields older peft versions wrote, null or false (as peft itself, and vLLM, read past
+    them): the adapter loads as the same adapter; the same names set on are refused."""
+    old = {"enable_lora": None, "merge_weights": False}
+    edited = edited_adapter(case["qv"], tmp_path / "old", **old)
+    adapter = load_adapter(edited, tiny_config(case), 8)
+    plain = load_adapter(case["qv"], tiny_config(case), 8)
+    assert adapter.weights.keys() == plain.weights.keys()
+    for key, parts in plain.weights.items():
+        for mine, theirs in zip(adapter.weights[key], parts, strict=True):
+            assert mine.shard == theirs.shard
+            assert torch.equal(mine.a, theirs.a) and torch.equal(mine.b, theirs.b)
+    with pytest.raises(LoraError, match="merge_weights"):
+        on = {"merge_weights": True}
+        load_adapter(edited_adapter(case["qv"], tmp_path / "on", **on), tiny_config(case), 8)
+
+
 def test_a_rank_over_the_maximum_is_refused(case: dict[str, Path]) -> None:
     with pytest.raises(LoraError, match="rank 8, over --max-lora-rank 4"):
         load_adapter(case["qv"], tiny_config(case), max_rank=4)

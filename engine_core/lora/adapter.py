@@ -241,6 +241,8 @@ def check_fields(raw: dict[str, Any], config_class: type, file: Path) -> None:
     """LoraError for a field peft does not know, or one that would change the output."""
     defaults = {f.name: _default(f) for f in dataclasses.fields(config_class)}
     for name, value in raw.items():
+        if name not in defaults and (value is None or value is False):
+            continue  # an older peft's field, off (enable_lora: null, merge_weights: false)
         if name not in defaults:
             raise LoraError(f"{file}: field {name!r} is unknown to the installed peft")
         if name == "init_lora_weights" and value not in _PLAIN_INITS:
