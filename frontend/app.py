@@ -288,9 +288,15 @@ def lora_cards(ctx: ServingContext) -> list[ModelCard]:
     """/v1/models' entries of the LoRA adapters: each with its folder and its base model."""
     if ctx.loras is None:
         return []
+    loras = ctx.loras
     return [
-        ModelCard(id=name, root=ref.path, parent=ctx.served_model, max_model_len=ctx.max_model_len)
-        for name, ref in ctx.loras.adapters.items()
+        ModelCard(
+            id=name,
+            root=loras.sources.get(name, ref.path),
+            parent=ctx.served_model,
+            max_model_len=ctx.max_model_len,
+        )  # fmt: skip
+        for name, ref in loras.adapters.items()
     ]
 
 

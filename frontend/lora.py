@@ -8,17 +8,31 @@ A request picks an adapter with ``"model": NAME``; its engine requests then carr
 the engine's own loader, so a bad adapter is refused at start or by the load route naming the
 problem rather than failing the requests that name it. Unloading stops serving the name; the
 requests already sent with it finish with it.
+
+The engine core keys an adapter (its host copy, its device slot, its prefix-cache entries) by
+name and folder, and an unload tells it nothing. So a load at run time serves a private copy of
+the files it checked: loading a name again after its folder's files changed is a new adapter
+to the engine, never the old copy, nor old cached K/V beside new weights. The copies last as long
+as this process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_core.config import ModelConfig
-from engine_core.lora.adapter import LoraError, check_lora_model, load_adapter
+from engine_core.lora.adapter import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LoraError,
+    check_lora_model,
+    load_adapter,
+)
 from frontend.errors import OpenAIError, bad_request
 from frontend.lora_args import parse_lora_modules
 from protocol.codec import lora_text_problem
@@ -34,7 +48,12 @@ class LoraRegistry:
     max_rank: int  # --max-lora-rank
     runtime_updates: bool = False  # --allow-runtime-lora-updates
     adapters: dict[str, LoraRef] = field(default_factory=dict)
+    # The folder each adapter was loaded from (/v1/models' root); a runtime load's LoraRef
+    # names its private copy instead (the module docstring).
+    sources: dict[str, str] = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _copies: tempfile.TemporaryDirectory[str] | None = None
+    _num_copies: int = 0
 
     def __post_init__(self) -> None:
         check_lora_model(self.model_config)
@@ -57,6 +76,7 @@ class LoraRegistry:
             except LoraError as exc:
                 raise ValueError(f"--lora-modules {name}: {exc}") from None
             self.adapters[name] = LoraRef(name, resolved)
+            self.sources[name] = resolved
 
     def resolve(self, model: str | None) -> LoraRef | None:
         """The adapter a request's ``model`` names; None for the base model (or no name)."""
@@ -83,15 +103,32 @@ class LoraRegistry:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.")
             try:
                 resolved = await asyncio.to_thread(self.check, path)
+                copy = await asyncio.to_thread(self._copy, resolved)
             except LoraError as exc:
                 raise bad_request(str(exc), "lora_path", "invalid_lora_adapter") from None
-            self.adapters[name] = LoraRef(name, resolved)
+            self.adapters[name] = LoraRef(name, copy)
+            self.sources[name] = resolved
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    def _copy(self, folder: str) -> str:
+        """A private copy of a checked adapter's files, which the engine core reads."""
+        if self._copies is None:
+            self._copies = tempfile.TemporaryDirectory(prefix="tandem-lora-")
+        self._num_copies += 1
+        copy = Path(self._copies.name) / str(self._num_copies)
+        copy.mkdir()
+        try:
+            for file in (CONFIG_FILE, WEIGHTS_FILE):
+                shutil.copyfile(Path(folder) / file, copy / file)
+        except OSError as exc:  # the folder changed under us, or no room for the copy
+            raise LoraError(f"{folder}: could not copy the adapter to serve it: {exc}") from None
+        return str(copy)
 
     def unload(self, name: str) -> str:
         """Stop serving an adapter (unload_lora_adapter): requests already sent with it finish
         with it; new ones naming it get 404."""
         self._check_updates()
+        self.sources.pop(name, None)
         if self.adapters.pop(name, None) is None:
             raise OpenAIError(
                 404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name"
@@ -123,6 +160,7 @@ def lora_registry(args: argparse.Namespace, engine_model: str, check: bool = Fal
         registry.add_checked(modules)
     else:
         registry.adapters = {n: LoraRef(n, str(Path(p).resolve())) for n, p in modules.items()}
+        registry.sources = {n: ref.path for n, ref in registry.adapters.items()}
     return registry
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,29 @@ def test_load_and_unload_at_run_time(
         complete(client, "sql")
     missing = post(dynamic_server, "/v1/unload_lora_adapter", {"lora_name": "sql"})
     assert missing.status_code == 404
+
+
+def test_a_name_loaded_again_after_its_files_changed_serves_the_new_files(
+    dynamic_server: Server, adapters: dict[str, Path], expected: dict, tmp_path: Path
+) -> None:
+    """Load, unload, replace the folder's files with another adapter's, load again under the
+    same name and path (the "retrained, reload it" step): the new files' tokens, not the old
+    copy the engine still holds under that name and folder; /v1/models shows the folder."""
+    folder = tmp_path / "retrained"
+    shutil.copytree(adapters["sql"], folder)
+    client = client_of(dynamic_server)
+    body = {"lora_name": "retrained", "lora_path": str(folder)}
+    assert post(dynamic_server, "/v1/load_lora_adapter", body).status_code == 200
+    assert complete(client, "retrained") == expected["sql"]
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["retrained"].root == str(folder.resolve())
+    assert post(dynamic_server, "/v1/unload_lora_adapter", {"lora_name": "retrained"}).is_success
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["chat"], folder)
+    assert post(dynamic_server, "/v1/load_lora_adapter", body).status_code == 200
+    assert complete(client, "retrained") == expected["chat"]
+    assert post(dynamic_server, "/v1/unload_lora_adapter", {"lora_name": "retrained"}).is_success
+    wait_engine_idle(dynamic_server)
 
 
 def test_an_adapter_loaded_at_run_time_serves_at_tp2(
