@@ -162,6 +162,11 @@ def parse_decode(case: str) -> tuple[list[int], int]:
     return lens, int(shared or 0)
 
 
+def parse_splits(text: str) -> list[int]:
+    """--splits: '2,4' -> [2, 4]."""
+    return [int(n) for n in text.split(",") if n]
+
+
 def prefill_flops(new: list[int], context: list[int], heads: int, head_dim: int) -> float:
     """QK and PV products of causal attention: token j of n new ones sees context + j + 1 keys."""
     keys = sum(n * c + n * (n + 1) / 2 for n, c in zip(new, context, strict=True))
@@ -298,7 +303,7 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
     if args.sweep:
         tiles += [DecodeTile(*point) for point in itertools.product(*DECODE_SWEEP.values())]
     rows = []
-    splits = [int(n) for n in args.splits.split(",") if n]
+    splits = parse_splits(args.splits)
     for case in filter(None, args.decode.split(",")):
         lens, shared = parse_decode(case)
         cache = paged_cache(
@@ -343,14 +348,24 @@ def decode_rows(args: argparse.Namespace, shape: dict[str, int]) -> list[dict[st
             label = f"engine's, in a mixed step of {args.mixed_slots} slots"
             label += "" if num_splits is None else f", {num_splits} splits"
             rows.append({"case": case, "kernel": label} | figures)
-        if args.peer:  # a wrong call could be fast: the peer's output must equal ours first
-            ours = paged_decode_attention(
-                q, cache["k"], cache["v"], cache["tables"], cache["lens"], shape["d"] ** -0.5
-            )
-            peer = peer_decode(q, cache, shape, ours)
-            figures = timed(peer, args, bytes_=kv_bytes, graph=args.graph)
-            rows.append({"case": case, "kernel": "vLLM FlashAttention 3"} | figures)
+        if args.peer:
+            rows.append(peer_row(case, q, cache, shape, kv_bytes, args, args.graph))
     return rows
+
+
+def peer_row(
+    case: str, q: Any, cache: dict[str, Any], shape: dict[str, int], kv_bytes: float,
+    args: argparse.Namespace, graph: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """FlashAttention 3's row for a decode case: a wrong call could be fast, so its output must
+    equal ours first (peer_decode)."""
+    from engine_core.attention.triton_kernels import paged_decode_attention
+
+    ours = paged_decode_attention(
+        q, cache["k"], cache["v"], cache["tables"], cache["lens"], shape["d"] ** -0.5
+    )
+    figures = timed(peer_decode(q, cache, shape, ours), args, bytes_=kv_bytes, graph=graph)
+    return {"case": case, "kernel": "vLLM FlashAttention 3"} | figures
 
 
 @dataclass(frozen=True)
@@ -440,7 +455,7 @@ def replay_step(
     orders = [None]
     if args.longest_first:
         orders.append(torch.argsort(cache["lens"], descending=True).to(torch.int32))
-    splits: list[int | None] = [None, *(int(k) for k in args.splits.split(",") if k)]
+    splits: list[int | None] = [None, *parse_splits(args.splits)]
     launches = [("engine's", len(padded), None, None), ("engine's, unpadded", n, None, None)]
     for order, num_splits in itertools.product(orders, splits):
         if order is not None or num_splits is not None:  # (None, None): the engine's, above
@@ -460,14 +475,7 @@ def replay_step(
         )
     if args.peer:  # the step's own rows: the graph's padding is the engine's
         own = cache | {"tables": cache["tables"][:n], "lens": cache["lens"][:n]}
-        ours = paged_decode_attention(
-            q[:n], own["k"], own["v"], own["tables"], own["lens"], shape["d"] ** -0.5
-        )
-        peer = peer_decode(q[:n], own, shape, ours)
-        rows.append(
-            {"case": case, "kernel": "vLLM FlashAttention 3"}
-            | timed(peer, args, bytes_=kv_bytes, graph=True)
-        )
+        rows.append(peer_row(case, q[:n], own, shape, kv_bytes, args, graph=True))
     return rows
 
 
