@@ -634,16 +634,22 @@ async def wait_for_disconnect(request: Request) -> None:
 async def poll_engine_stats(state: ServerState) -> None:
     """Keep the engine gauges of /metrics fresh with a periodic STATS call (its replies also
     let a client the engine forgot be heard again: engine_core/server.py _welcome_back)."""
-    ctx = state.serving
     while True:
-        healthy = ctx.engine.healthy
-        if ctx.engine.dead_reason is None:
-            try:
-                stats = await ctx.engine.stats(timeout=STATS_TIMEOUT_S)
-            except Exception as exc:  # slow or gone: the health gauge says so
-                logger.debug("engine stats unavailable: %s", exc)
-            else:
-                if stats is not None:
-                    ctx.metrics.record_engine_stats(stats, healthy)
-        ctx.metrics.record_health(healthy)
+        try:
+            await refresh_engine_gauges(state.serving)
+        except Exception:  # the gauges go stale for one interval, never for good
+            logger.warning("could not refresh the engine gauges", exc_info=True)
         await asyncio.sleep(state.stats_interval_s)
+
+
+async def refresh_engine_gauges(ctx: ServingContext) -> None:
+    healthy = ctx.engine.healthy
+    if ctx.engine.dead_reason is None:
+        try:
+            stats = await ctx.engine.stats(timeout=STATS_TIMEOUT_S)
+        except Exception as exc:  # slow or gone: the health gauge says so
+            logger.debug("engine stats unavailable: %s", exc)
+        else:
+            if stats is not None:
+                ctx.metrics.record_engine_stats(stats, healthy)
+    ctx.metrics.record_health(healthy)

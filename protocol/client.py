@@ -531,7 +531,8 @@ class AsyncEngineClient(_Connection):
         self._dead_reason = reason
         self._fail_all(EngineDeadError(reason))
         for reply in self._replies.values():
-            reply.cancel()
+            if not reply.done():  # an error, not a cancel: a CancelledError ends the caller's task
+                reply.set_exception(EngineDeadError(reason))
         self._replies.clear()
         self._close_sockets()
 
@@ -631,8 +632,9 @@ class AsyncEngineClient(_Connection):
         reply: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._replies[token] = reply
         try:
-            await self._input.send(encode(Control(kind, token)))
-            return await asyncio.wait_for(reply, timeout)
+            async with asyncio.timeout(timeout):  # the send too: it must never stall a caller
+                await self._input.send(encode(Control(kind, token)))
+                return await reply
         except TimeoutError:  # asyncio's own since Python 3.11, the floor this project sets
             raise TimeoutError(f"no reply to control {kind.name} within {timeout:g} s") from None
         finally:

@@ -408,6 +408,50 @@ def test_async_reader_routes_to_each_group_while_control_waits(address: EngineAd
         eng.stop()
 
 
+def test_async_control_timeout_covers_a_send_that_never_completes(
+    address: EngineAddress, engine: EchoEngine
+) -> None:
+    """A control call's timeout bounds its send as well as the reply: the frontend's gauge
+    poll awaits STATS calls in a loop, and one stuck send would freeze /metrics for good."""
+
+    async def main() -> None:
+        async with AsyncEngineClient(address) as client:
+            await client.connect(timeout=10)
+
+            async def stuck_send(*args: object, **kwargs: object) -> None:
+                await asyncio.Event().wait()
+
+            real_send = client._input.send
+            client._input.send = stuck_send
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match="no reply to control STATS within 0.5 s"):
+                await asyncio.wait_for(client.control(ControlKind.STATS, timeout=0.5), 10)
+            assert time.monotonic() - started < 5
+            client._input.send = real_send
+            assert (await client.control(ControlKind.STATS)).stats == STATS
+
+    asyncio.run(main())
+
+
+def test_async_close_fails_a_control_call_in_flight_with_an_error(address: EngineAddress) -> None:
+    """A control call waiting when its client closes (the supervisor closes the connection of
+    an engine that died) gets EngineDeadError, not a cancel: the frontend's gauge poll catches
+    errors and goes on, and a CancelledError ended it, freezing /metrics after a restart."""
+
+    async def main() -> None:
+        eng = EchoEngine(address)
+        async with AsyncEngineClient(address) as client:
+            await client.connect(timeout=10)
+            eng.stop()  # silent: the STATS call waits for a reply that will not come
+            call = asyncio.ensure_future(client.control(ControlKind.STATS, timeout=30))
+            await asyncio.sleep(0.2)
+            await client.close("the engine process exited (code -9); restarting it")
+            with pytest.raises(EngineDeadError, match="restarting it"):
+                await asyncio.wait_for(call, 5)
+
+    asyncio.run(main())
+
+
 def test_async_undecodable_frame_fails_what_is_in_flight_not_later_requests(
     address: EngineAddress, engine: EchoEngine
 ) -> None:
