@@ -35,8 +35,8 @@ _PLAIN = SamplingParams()  # what an embedding request carries: it samples nothi
 
 def check_embedding_request(ctx: ServingContext, req: EmbeddingRequest) -> PoolingParams:
     """The request's pooling; the 400 that names what the model cannot serve."""
+    ctx.check_model(req.model)  # an unknown name is a 404 first, as on every other route
     model: EmbeddingModel = ctx.embedding_model()
-    ctx.check_model(req.model)
     if req.dimensions is not None and (why := model.refuses_dimensions(req.dimensions)):
         raise bad_request(why, "dimensions", "invalid_value")
     limit = ctx.admission.limit

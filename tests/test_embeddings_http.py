@@ -223,10 +223,15 @@ def test_dimensions_the_model_cannot_give_are_refused(
 
 def test_a_generative_server_refuses_embeddings(tiny_server: Server) -> None:
     client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="none", max_retries=0)
+    served = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as info:
-        client.embeddings.create(input="hello", model="anything")
+        client.embeddings.create(input="hello", model=served)
     error = assert_openai_400(info.value, None, "not an embedding model", "--runner pooling")
     assert error["code"] == "model_does_not_embed"
+    # A name the server does not serve is a 404 first, as on completions and chat (and vLLM).
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.embeddings.create(input="hello", model="anything")
+    assert missing.value.response.json()["error"]["param"] == "model"
 
 
 def test_an_embedding_server_refuses_chat_and_completions(last_token: EmbeddingServer) -> None:
