@@ -5,6 +5,8 @@ not import it."""
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import dataclass
 
 from protocol.codec import lora_text_problem
 
@@ -14,7 +16,9 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
         help="PEFT LoRA adapters to serve, each under its NAME: a request with "
-        '"model": NAME runs with it (listed by /v1/models with the base model as parent)',
+        '"model": NAME runs with it (listed by /v1/models with the base model as parent); '
+        'or, as vLLM takes them, JSON: \'{"name": NAME, "path": PATH}\' with an optional '
+        '"base_model_name", which must be the served model\'s name',
     )  # fmt: skip
     group.add_argument(
         "--allow-runtime-lora-updates", action="store_true",
@@ -24,25 +28,73 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LoraModule:
+    """One --lora-modules entry."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # JSON form only: checked against the served name
+
+
 def parse_lora_modules(values: list[str] | None) -> dict[str, str]:
-    """``NAME=PATH`` pairs by name; ValueError naming a malformed or repeated one."""
-    modules: dict[str, str] = {}
+    """Each adapter's path by name; ValueError naming a malformed or repeated entry."""
+    return {module.name: module.path for module in lora_modules(values)}
+
+
+def lora_modules(values: list[str] | None) -> list[LoraModule]:
+    """The --lora-modules entries, ``NAME=PATH`` or vLLM's JSON form; ValueError naming a
+    malformed or repeated one."""
+    modules: list[LoraModule] = []
     for value in values or []:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules {value!r}: give NAME=PATH")
-        if name in modules:
-            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        problem = lora_text_problem(name, "the name") or lora_text_problem(path, "the path")
+        module = _json_module(value) if value.lstrip().startswith("{") else _pair_module(value)
+        if any(m.name == module.name for m in modules):
+            raise ValueError(f"--lora-modules: the name {module.name!r} is given twice")
+        problem = lora_text_problem(module.name, "the name") or lora_text_problem(
+            module.path, "the path"
+        )
         if problem is not None:
             raise ValueError(f"--lora-modules {value[:80]!r}: {problem}")
-        modules[name] = path
+        modules.append(module)
     return modules
+
+
+def _pair_module(value: str) -> LoraModule:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {value!r}: give NAME=PATH or a JSON object")
+    return LoraModule(name, path)
+
+
+_JSON_KEYS = {"name", "path", "base_model_name"}
+
+
+def _json_module(value: str) -> LoraModule:
+    try:
+        entry = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--lora-modules {value[:80]!r}: not valid JSON ({exc.msg})") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"--lora-modules {value[:80]!r}: give a JSON object")
+    unknown = sorted(set(entry) - _JSON_KEYS)
+    if unknown:
+        raise ValueError(
+            f"--lora-modules {value[:80]!r}: unknown key {unknown[0]!r} (known: name, path, "
+            "base_model_name)"
+        )
+    for key in ("name", "path"):
+        if not isinstance(entry.get(key), str) or not entry[key]:
+            raise ValueError(f"--lora-modules {value[:80]!r}: {key!r} must be a non-empty string")
+    base = entry.get("base_model_name")
+    if base is not None and not isinstance(base, str):
+        raise ValueError(f"--lora-modules {value[:80]!r}: 'base_model_name' must be a string")
+    return LoraModule(entry["name"], entry["path"], base)
 
 
 def check_lora_args(args: argparse.Namespace) -> None:
     """ValueError for LoRA flags that do not go together."""
-    modules = parse_lora_modules(args.lora_modules)
+    entries = lora_modules(args.lora_modules)
+    modules = {m.name: m.path for m in entries}
     local = not args.remote_engine
     if local and not args.enable_lora and (modules or args.allow_runtime_lora_updates):
         given = "--lora-modules" if modules else "--allow-runtime-lora-updates"
@@ -60,6 +112,12 @@ def check_lora_args(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     if name in modules:
         raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+    for m in entries:  # one base model is served: an adapter for another would be wrong
+        if m.base_model_name is not None and m.base_model_name != name:
+            raise ValueError(
+                f"--lora-modules {m.name!r}: base_model_name {m.base_model_name!r} is not the "
+                f"served model {name!r}"
+            )
 
 
 LORA_SIZE_FLAGS = ("--max-loras", "--max-lora-rank", "--max-cpu-loras")

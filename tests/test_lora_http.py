@@ -62,8 +62,10 @@ def expected(tiny_model_dir: Path, adapters: dict[str, Path], default_model_dir:
 def fixed_server(
     tiny_model_dir: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """Two adapters named at start, runtime updates off (the default)."""
-    modules = [f"sql={adapters['sql']}", f"chat={adapters['chat']}"]
+    """Two adapters named at start (one in vLLM's JSON form), runtime updates off (the
+    default)."""
+    chat = {"name": "chat", "path": str(adapters["chat"]), "base_model_name": str(tiny_model_dir)}
+    modules = [f"sql={adapters['sql']}", json.dumps(chat)]
     extra = ["--enable-lora", "--max-loras", "1", "--lora-modules", *modules]
     server = start_server(
         tmp_path_factory.mktemp("serve-lora"), model=str(tiny_model_dir), args=ARGS, extra=extra
@@ -424,6 +426,20 @@ def test_unload_under_load_lets_the_requests_in_flight_finish(
         (["--enable-lora", "--lora-modules", "sql"], "give NAME=PATH"),
         (["--enable-lora", "--lora-modules", "a={sql}", "a={sql}"], "given twice"),
         (["--enable-lora", "--lora-modules", "L" * 4097 + "={sql}"], "longer than 4096"),
+        (["--enable-lora", "--lora-modules", '{{"name": "a"'], "not valid JSON"),
+        (["--enable-lora", "--lora-modules", '{{"name": "a", "path": 3}}'], "'path' must be"),
+        (
+            ["--enable-lora", "--lora-modules", '{{"name": "a", "path": "{sql}", "rank": 8}}'],
+            "unknown key 'rank'",
+        ),
+        (
+            [
+                "--enable-lora",
+                "--lora-modules",
+                '{{"name": "a", "path": "{sql}", "base_model_name": "other/model"}}',
+            ],
+            "base_model_name 'other/model' is not the served model",
+        ),
         (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras"),
         (["--max-lora-rank", "64"], "--max-lora-rank sizes the adapter slots: it needs"),
         (
