@@ -102,7 +102,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     tok = ctx.tokenizer
     render = replace(chat_render(ctx, req, tools), image_text=image_text(ctx, images))
     rendered = await tok.run(tok.render_chat, render)
-    reasoning = reasoning_plan(ctx, req, rendered.text)
+    reasoning = reasoning_plan(ctx, req, await output_opening(ctx, req, render, rendered.text))
     if composes_after_reasoning(reasoning, tools, req, extras.constraint is not None):
         if extras.constraint is None:  # the budget's grammar alone, which EOS completes
             check_end_not_held_off(req, "thinking_token_budget", ("ignore_eos",))
@@ -216,8 +216,27 @@ def checked_template_kwargs(
     return kwargs
 
 
+async def output_opening(
+    ctx: ServingContext, req: ChatCompletionRequest, render: ChatRender, prompt: str
+) -> str:
+    """The text the output continues that no earlier message wrote: the template's generation
+    prompt (what it adds after the messages), or with continue_final_message the message
+    continued. "" where the reasoning parser does not read it for this prompt."""
+    parser = ctx.reasoning
+    if parser is None or not parser.reads_opening(prompt):
+        return ""
+    if req.continue_final_message:
+        return req.messages[-1].text()
+    tok = ctx.tokenizer
+    messages_only = await tok.run(
+        tok.render_chat_text, replace(render, add_generation_prompt=False)
+    )
+    # A template whose text before the generation prompt differs (none known): all of it.
+    return prompt[len(messages_only) :] if prompt.startswith(messages_only) else prompt
+
+
 def reasoning_plan(
-    ctx: ServingContext, req: ChatCompletionRequest, prompt: str
+    ctx: ServingContext, req: ChatCompletionRequest, opening: str
 ) -> ReasoningPlan | None:
     """The request's reasoning plan under --reasoning-parser; without one, the reasoning fields
     are refused (there is no reasoning to drop or to bound)."""
@@ -230,7 +249,7 @@ def reasoning_plan(
             if given:
                 raise bad_request(f"{name} needs a server with --reasoning-parser", name)
         return None
-    return ReasoningPlan(parser, parser.in_reasoning(prompt), req.include_reasoning)
+    return ReasoningPlan(parser, parser.in_reasoning(opening), req.include_reasoning)
 
 
 def composes_after_reasoning(

@@ -190,8 +190,14 @@ class ReasoningParser(ABC):
     needs_special_tokens: ClassVar[bool] = False  # its markers are special tokens
 
     @abstractmethod
-    def in_reasoning(self, prompt: str) -> bool:
-        """Whether the output starts inside the reasoning, given the rendered prompt."""
+    def in_reasoning(self, opening: str) -> bool:
+        """Whether the output starts inside the reasoning, given the text it continues that no
+        earlier message wrote (output_opening in frontend/chat.py): a marker the client's
+        messages hold (a question about ``<think>``) opens nothing."""
+
+    def reads_opening(self, prompt: str) -> bool:
+        """Whether in_reasoning needs the opening of this rendered prompt (else it gets "")."""
+        return False
 
     @abstractmethod
     def splitter(self, in_reasoning: bool) -> Splitter: ...
@@ -262,7 +268,7 @@ class DeepSeekR1Parser(ThinkTagParser):
     name = "deepseek_r1"
     opens_itself = False
 
-    def in_reasoning(self, prompt: str) -> bool:
+    def in_reasoning(self, opening: str) -> bool:
         return True  # its template opens the block; a model that opens it too is read the same
 
 
@@ -270,9 +276,13 @@ class Qwen3Parser(ThinkTagParser):
     name = "qwen3"
     opens_itself = True
 
-    def in_reasoning(self, prompt: str) -> bool:
-        """A prompt that ends inside an open ``<think>`` block (a thinking-only template)."""
-        return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+    def in_reasoning(self, opening: str) -> bool:
+        """An opening that leaves a ``<think>`` block open (a thinking-only template's, or an
+        assistant message continued inside its thinking)."""
+        return opening.rfind(THINK_START) > opening.rfind(THINK_END)
+
+    def reads_opening(self, prompt: str) -> bool:
+        return THINK_START in prompt
 
 
 class HarmonySplitter(Splitter):
@@ -310,7 +320,7 @@ class HarmonyParser(ReasoningParser):
     def __init__(self, hf_tokenizer: Any) -> None:
         self.ids = {m: single_token_id(hf_tokenizer, m) for m in self.markers}
 
-    def in_reasoning(self, prompt: str) -> bool:
+    def in_reasoning(self, opening: str) -> bool:
         return False  # every message of the output opens with its own header
 
     def splitter(self, in_reasoning: bool) -> Splitter:

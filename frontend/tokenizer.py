@@ -143,6 +143,11 @@ class Tokenizer:
     def render_chat(self, chat: ChatRender) -> RenderedChat:
         """Apply the chat template (``chat.template``, else the model's); the text already holds
         special tokens, so none are added."""
+        text = self.render_chat_text(chat)
+        return RenderedChat(text, self.hf.encode(text, add_special_tokens=False))
+
+    def render_chat_text(self, chat: ChatRender) -> str:
+        """The chat template's text, images expanded, not tokenized."""
         try:
             text = self.hf.apply_chat_template(
                 chat.messages,
@@ -157,7 +162,7 @@ class Tokenizer:
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
         if chat.image_text is not None:
             text = expand_images(text, *chat.image_text)
-        return RenderedChat(text, self.hf.encode(text, add_special_tokens=False))
+        return text
 
     def template_variables(self, template: str | None = None) -> frozenset[str]:
         """The variables a chat template reads (``template``, else the model's): a

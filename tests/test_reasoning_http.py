@@ -144,6 +144,25 @@ def test_chat_template_kwargs_change_the_prompt(thinking_server: Server) -> None
     assert resp.usage.completion_tokens_details.reasoning_tokens == 0
 
 
+def test_a_continued_message_is_in_reasoning_only_where_it_opened_a_think_block(
+    thinking_server: Server,
+) -> None:
+    """With continue_final_message the output continues the last message: inside reasoning
+    where that message opened a <think> block, not where an earlier message wrote one."""
+    client = client_of(thinking_server)
+    asked = {"role": "user", "content": "What is the <think> tag?"}
+    body: dict[str, Any] = {"model": "default", "max_tokens": 6, "temperature": 0}
+    body["extra_body"] = {
+        "continue_final_message": True, "add_generation_prompt": False, "min_tokens": 6,
+    }  # fmt: skip
+    answer = {"role": "assistant", "content": "It is"}
+    message = client.chat.completions.create(messages=[asked, answer], **body).choices[0].message
+    assert message.content and reasoning_of(message) is None, message
+    thinking = {"role": "assistant", "content": "<think>\nLet me see"}
+    message = client.chat.completions.create(messages=[asked, thinking], **body).choices[0].message
+    assert reasoning_of(message), message
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -331,6 +350,13 @@ def test_a_tokenizer_without_think_tokens_refuses_what_needs_them_and_says_so(
         client = client_of(srv)
         plain = {"model": "default", "messages": MESSAGES, "max_tokens": 4}
         assert client.chat.completions.create(**plain).choices[0].message.content
+        # A <think> in the client's messages opens no reasoning (the template's generation
+        # prompt opens none): the answer is content, with the reasoning kept or dropped.
+        about = [{"role": "system", "content": "Never write <think>."}, *MESSAGES]
+        for extra in ({}, {"extra_body": {"include_reasoning": False}}):
+            body = {**plain, "messages": about, "temperature": 0, **extra}
+            message = client.chat.completions.create(**body).choices[0].message
+            assert message.content and reasoning_of(message) is None, message
         refusals = [
             ({"response_format": {"type": "json_object"}}, "response_format"),
             ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
