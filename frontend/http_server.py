@@ -132,7 +132,8 @@ def build_state(
     metrics = Metrics(name, args.metrics_name_alias)
     if len(specs) > 1:
         pool.gauges = EngineGauges(metrics.registry, name, len(specs))
-    support, how = tool_support(hf_tokenizer, args.tool_call_parser)
+    vision = VisionProcessor.load(model_dir, ready.pixel_dtype)
+    support, how = tool_support(hf_tokenizer, args.tool_call_parser, vision is not None)
     if role.index == 0:
         logger.info("tools: %s", how)
     serving = ServingContext(
@@ -155,7 +156,7 @@ def build_state(
         scheduling_policy=ready.scheduling_policy,
         loras=served_loras(args, engine_model_of(args, model_dir)),
         tracer=request_tracer(args, name),
-        vision=VisionProcessor.load(model_dir, ready.pixel_dtype),
+        vision=vision,
         media=MediaOptions.from_args(args),
     )
 

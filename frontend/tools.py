@@ -65,8 +65,12 @@ class ToolSupport:
     special_tokens: frozenset[str] = field(default_factory=frozenset, compare=False)
 
 
-def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSupport | None, str]:
-    """The served model's tool support, and a sentence saying what was chosen (or why none)."""
+def tool_support(
+    hf_tokenizer: Any, parser_flag: str | None, takes_images: bool = False
+) -> tuple[ToolSupport | None, str]:
+    """The served model's tool support, and a sentence saying what was chosen (or why none).
+    ``takes_images``: a vision-language model, whose image parts the packaged template writes
+    as its own template does."""
     template = hf_tokenizer.chat_template or ""
     added = hf_tokenizer.get_added_vocab()
     special = frozenset(t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special)
@@ -81,9 +85,29 @@ def tool_support(hf_tokenizer: Any, parser_flag: str | None) -> tuple[ToolSuppor
         return ToolSupport(name, None, added, special), f"the model's chat template, parser {name}"
     if "<|im_start|>" in template and parser_flag in (None, "hermes"):
         packaged = CHATML_TOOLS_TEMPLATE.read_text()
+        marker = image_marker_text(hf_tokenizer) if takes_images else None
+        if marker is not None:  # a JSON string is a Jinja string literal
+            packaged = f"{{%- set image_marker = {json.dumps(marker)} -%}}\n{packaged}"
         support = ToolSupport("hermes", packaged, added, special)
         return support, "the packaged ChatML tool template, parser hermes"
     return None, "the chat template does not render tools"
+
+
+def image_marker_text(hf_tokenizer: Any) -> str | None:
+    """What the model's own template writes for an image part: the text between two text
+    parts around one image. None where it writes nothing there or fails."""
+    before, after = "\ue000tandem-before\ue000", "\ue000tandem-after\ue000"
+    parts = [{"type": "text", "text": before}, {"type": "image"}, {"type": "text", "text": after}]
+    try:
+        text = hf_tokenizer.apply_chat_template(
+            [{"role": "user", "content": parts}], tokenize=False
+        )
+    except Exception:  # a template that takes no parts
+        return None
+    start, end = text.find(before), text.find(after)
+    if start < 0 or end < 0:
+        return None
+    return text[start + len(before) : end] or None
 
 
 def renders_tools(hf_tokenizer: Any) -> bool:

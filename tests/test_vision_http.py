@@ -258,6 +258,43 @@ def test_an_allowed_host_is_fetched(fetching_server: Server, vl_dir: Path, image
     assert_openai_400(info.value, "messages[0].content[0]", "HTTP 404")
 
 
+def test_tools_beside_an_image_give_hf_greedy_tokens(vl_server: Server, vl_dir: Path) -> None:
+    """Qwen2.5-VL's template ignores tools, so a request with tools renders through the packaged
+    ChatML tool template, which writes an image part as the model's own template does (it was a
+    400: the template joined a list of parts to a string). HF's greedy reply to that prompt,
+    the marker written here by hand, is the oracle."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from frontend.tools import CHATML_TOOLS_TEMPLATE
+    from frontend.vision import VisionProcessor
+
+    tool = {"type": "function", "function": {"name": "colour", "parameters": {"type": "object"}}}
+    cat = random_image(7)
+    content = [{"type": "text", "text": "What colour?"}, image_part(data_url(png_bytes(cat)))]
+    reply = client_of(vl_server).chat.completions.create(
+        model="default", messages=[{"role": "user", "content": content}], tools=[tool],
+        tool_choice="auto", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+
+    marker = "{%- set image_marker = '<|vision_start|><|image_pad|><|vision_end|>' -%}"
+    tokenizer = AutoTokenizer.from_pretrained(str(vl_dir))
+    parts = [{"type": "text", "text": "What colour?"}, {"type": "image"}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], tools=[tool], tokenize=False,
+        add_generation_prompt=True, chat_template=marker + CHATML_TOOLS_TEMPLATE.read_text(),
+    )  # fmt: skip
+    assert text.count("<|image_pad|>") == 1 and '"name": "colour"' in text
+    processor = VisionProcessor.load(vl_dir)
+    assert processor is not None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids, _ = processor.place(ids, processor.process([cat], ["image 0"]))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_dir)).eval()
+    hf_processor = AutoImageProcessor.from_pretrained(str(vl_dir))
+    tokens = hf_vl_greedy(model, hf_processor, ids, [cat], MAX_TOKENS)
+    assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert reply.usage.prompt_tokens == len(ids)
+
+
 def test_a_text_model_refuses_image_parts(tiny_server: Server) -> None:  # noqa: F811
     with pytest.raises(openai.BadRequestError) as info:
         chat(tiny_server, [{"type": "text", "text": "hi"}, image_part(data_url(b"x"))])
