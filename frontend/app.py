@@ -432,7 +432,10 @@ def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
         ctx.check_token_ids(body.tokens, "tokens")
-        return {"prompt": await ctx.tokenizer.run(ctx.tokenizer.decode, body.tokens)}
+        # Special tokens kept, as vLLM and HF's decode give them: the text tokenizes back to
+        # the same ids (a chat prompt's turn markers included).
+        tok = ctx.tokenizer
+        return {"prompt": await tok.run(tok.decode_keeping_special_tokens, body.tokens)}
 
 
 def tandem_version() -> str:

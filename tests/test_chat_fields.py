@@ -129,6 +129,16 @@ PARTIAL = [
 ]
 
 
+def test_detokenize_keeps_special_tokens_so_a_chat_prompt_tokenizes_back(
+    server: Server,  # noqa: F811
+) -> None:
+    ids = post(server, "/tokenize", messages=PARTIAL)["tokens"]
+    prompt = post(server, "/detokenize", tokens=ids)["prompt"]
+    assert prompt.startswith("<|im_start|>system") and prompt.count("<|im_end|>") == 3
+    again = post(server, "/tokenize", prompt=prompt, add_special_tokens=False)["tokens"]
+    assert again == ids
+
+
 def test_continue_final_message_leaves_the_turn_open(server: Server) -> None:  # noqa: F811
     ids = post(
         server, "/tokenize", messages=PARTIAL, add_generation_prompt=False,
