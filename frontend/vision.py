@@ -149,7 +149,21 @@ def data_url_bytes(url: str, param: str) -> bytes:
         # expression pass over the megabytes first.
         return binascii.a2b_base64(payload, strict_mode=True)
     except (binascii.Error, ValueError):
+        pass
+    try:  # the forms other encoders write: line breaks (MIME's), no padding, URL-safe letters
+        return binascii.a2b_base64(loose_base64(payload), strict_mode=True)
+    except (binascii.Error, ValueError):
         raise BadImage("the data URL's base64 does not decode", param) from None
+
+
+_URL_SAFE = str.maketrans("-_", "+/", " \t\r\n")
+
+
+def loose_base64(payload: str) -> str:
+    """``payload`` as standard, padded base64: whitespace removed, URL-safe letters made
+    standard, padding added."""
+    text = payload.translate(_URL_SAFE).rstrip("=")
+    return text + "=" * (-len(text) % 4)
 
 
 async def fetch_image_bytes(url: str, options: MediaOptions, param: str) -> bytes:

@@ -233,3 +233,23 @@ def test_images_become_rgb_as_hfs_processors_convert_them(mode: str) -> None:
     image = transparent_images()[mode]
     expected = np.asarray(convert_to_rgb(image))
     assert np.array_equal(np.asarray(as_rgb(image)), expected)
+
+
+def test_data_urls_decode_the_base64_forms_other_encoders_write() -> None:
+    """Standard base64, and as encoders also write it: MIME's line breaks (Python's
+    encodebytes), no padding, URL-safe letters; all the same bytes. Not base64: BadImage."""
+    import base64
+
+    raw = bytes(range(256)) * 3 + b"\xfb\xff"  # bytes whose base64 has + / and padding
+    forms = [
+        base64.b64encode(raw).decode(),
+        base64.encodebytes(raw).decode(),
+        base64.b64encode(raw).decode().rstrip("="),
+        base64.urlsafe_b64encode(raw).decode(),
+    ]
+    assert len(set(forms)) == 4
+    for form in forms:
+        assert data_url_bytes(f"data:image/png;base64,{form}", "p") == raw
+    for bad in ("@@@", "QUJD#", "Q"):
+        with pytest.raises(BadImage, match="does not decode"):
+            data_url_bytes(f"data:image/png;base64,{bad}", "p")
