@@ -273,9 +273,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         pooling = check_embedding_request(ctx, body)
-        admission = ctx.admit(len(body.inputs))
+        admission = ctx.admit(min(len(body.inputs), ctx.admission.limit))
         try:
-            return JSONResponse(await until_disconnect(request, embed(ctx, body, pooling)))
+            work = embed(ctx, body, pooling, admission.count)
+            return JSONResponse(await until_disconnect(request, work))
         finally:
             admission.release()
 

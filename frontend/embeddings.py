@@ -39,19 +39,18 @@ def check_embedding_request(ctx: ServingContext, req: EmbeddingRequest) -> Pooli
     model: EmbeddingModel = ctx.embedding_model()
     if req.dimensions is not None and (why := model.refuses_dimensions(req.dimensions)):
         raise bad_request(why, "dimensions", "invalid_value")
-    limit = ctx.admission.limit
-    if len(req.inputs) > limit:
-        message = f"{len(req.inputs)} inputs, but the server admits at most {limit} at once"
-        raise bad_request(message, "input", "too_many_inputs")
     return PoolingParams(model.pooling, model.normalize, req.dimensions)
 
 
-async def embed(ctx: ServingContext, req: EmbeddingRequest, pooling: PoolingParams) -> dict:
-    """The whole response: every input's vector, in input order."""
+async def embed(
+    ctx: ServingContext, req: EmbeddingRequest, pooling: PoolingParams, wave: int
+) -> dict:
+    """The whole response: every input's vector, in input order; ``wave`` inputs in flight at
+    a time (the sequences admitted)."""
     arrival = time.monotonic()
     await ctx.wait_for_engine()
     prompts = await embedding_prompts(ctx, req)
-    vectors = await Embedding(ctx, prompts, pooling, arrival).run()
+    vectors = await Embedding(ctx, prompts, pooling, arrival, wave).run()
     form = req.encoding_format
     data = [EmbeddingData(index=i, embedding=encoded(v, form)) for i, v in enumerate(vectors)]
     tokens = sum(len(p) for p in prompts)
@@ -87,8 +86,9 @@ def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
 
 
 class Embedding:
-    """One request's engine requests, sent together, until each has its vector; resumed on
-    another engine (or the restarted one) when theirs dies."""
+    """One request's engine requests, sent ``wave`` at a time (the whole request where it fits
+    the admission bound, else in turns: OpenAI takes 2,048 inputs), until each has its vector;
+    resumed on another engine (or the restarted one) when theirs dies."""
 
     def __init__(
         self,
@@ -96,8 +96,10 @@ class Embedding:
         prompts: list[list[int]],
         pooling: PoolingParams,
         arrival: float,
+        wave: int,
     ) -> None:
         self.ctx = ctx
+        self.wave = wave
         self.prompts = prompts
         self.pooling = pooling
         self.arrival = arrival
@@ -122,9 +124,14 @@ class Embedding:
                 self.ctx.metrics.record_resumed(self.vectors.count(None))
 
     async def _send_unfinished(self) -> None:
-        """Send every input still without a vector (each under an id of its own for this
-        attempt) and take their vectors; leaving early aborts what is unfinished."""
+        """Send the inputs still without a vector, a wave at a time."""
         pending = [i for i, v in enumerate(self.vectors) if v is None]
+        for start in range(0, len(pending), self.wave):
+            await self._send_wave(pending[start : start + self.wave])
+
+    async def _send_wave(self, pending: list[int]) -> None:
+        """Send these inputs (each under an id of its own for this attempt) and take their
+        vectors; leaving early aborts what is unfinished."""
         requests = [self._engine_request(i) for i in pending]
         group = self.ctx.engine.open(requests, wake_every=None)  # woken by the ends only
         try:

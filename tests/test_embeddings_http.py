@@ -154,6 +154,18 @@ def test_a_batch_matches_hf_in_input_order(pooling: str, request: pytest.Fixture
     assert resp.usage.prompt_tokens == resp.usage.total_tokens == tokens
 
 
+def test_more_inputs_than_the_admission_bound_are_embedded_in_turns(
+    last_token: EmbeddingServer,
+) -> None:
+    """--max-num-seqs 8 admits 32 sequences (8 running, 24 waiting): 40 inputs, fewer than
+    OpenAI's 2,048 a request, go to the engine 32 then 8, each still HF's vector, in order."""
+    srv = last_token
+    inputs = [f"{TEXTS[i % len(TEXTS)]} ({i})" for i in range(40)]
+    resp = srv.client.embeddings.create(input=inputs, model=srv.model, encoding_format="float")
+    assert [d.index for d in resp.data] == list(range(40))
+    assert_matches_hf(srv, inputs, [d.embedding for d in resp.data])
+
+
 def test_token_ids_embed_as_their_text_does(last_token: EmbeddingServer) -> None:
     srv = last_token
     ids = [srv.tokenizer.encode(t) for t in TEXTS[:2]]

@@ -69,7 +69,7 @@ async def no_wait() -> None:
     return None
 
 
-def embed_with(engine: DyingEngine) -> list[list[float]]:
+def embed_with(engine: DyingEngine, wave: int = len(PROMPTS)) -> list[list[float]]:
     ctx = SimpleNamespace(
         engine=engine,
         metrics=NoMetrics(),
@@ -77,7 +77,8 @@ def embed_with(engine: DyingEngine) -> list[list[float]]:
         resume_timeout_s=120.0,
         wait_for_engine=no_wait,
     )
-    return asyncio.run(Embedding(ctx, PROMPTS, PoolingParams(), 0.0).run())  # type: ignore[arg-type]
+    embedding = Embedding(ctx, PROMPTS, PoolingParams(), 0.0, wave)  # type: ignore[arg-type]
+    return asyncio.run(embedding.run())
 
 
 def test_the_inputs_without_a_vector_are_sent_again() -> None:
@@ -94,3 +95,13 @@ def test_a_death_after_the_last_vector_resumes_nothing() -> None:
     assert embed_with(engine) == [[2.0], [1.0], [3.0]]
     assert engine.resume_waits == 0 and len(engine.groups) == 1
     assert engine.groups[0].aborted == []
+
+
+def test_inputs_go_a_wave_at_a_time_and_a_death_resumes_only_the_unfinished() -> None:
+    """Two inputs a wave: the first wave's second input dies with its engine, so the resumed
+    attempt's wave is that input and the third (the first wave's vector is kept)."""
+    engine = DyingEngine(before_death=1)
+    assert embed_with(engine, wave=2) == [[2.0], [1.0], [3.0]]
+    sent = [[list(r.prompt_token_ids) for r in g.requests] for g in engine.groups]
+    assert sent == [PROMPTS[:2], PROMPTS[1:]]
+    assert engine.resume_waits == 1
