@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -33,6 +34,11 @@ MAX_CACHED = 1024  # verdicts kept: a constraint is a key, the verdict a short s
 MAX_CACHED_BYTES = 32 << 20  # and the constraints' text they are keyed by, in all
 CHECK_THREADS = 2
 MAX_REASON = 1000  # characters of a compile error that a 400 carries
+# The fields whose grammar the server writes around the client's schemas (tool calls): a compile
+# error's first line names the schema's fault; the grammar listing and its line:column after it
+# are the server's own text.
+SERVER_WRITTEN = frozenset({"tools", "tool_choice"})
+GRAMMAR_POSITION = re.compile(r"^at \d+\(\d+\): ")
 
 
 def constraint_of(req: SamplingFields) -> tuple[Constraint, str] | None:
@@ -138,6 +144,8 @@ class ConstraintChecker:
         """400 naming ``param`` when the constraint does not compile (or not in time)."""
         verdict = await self._verdict(constraint)
         if verdict is not None:
+            if param in SERVER_WRITTEN:  # the listing is of our grammar, not the client's
+                verdict = GRAMMAR_POSITION.sub("", verdict.split("\n", 1)[0])
             raise bad_request(f"invalid {param}: {verdict}", param, "invalid_constraint")
 
     async def _verdict(self, constraint: Constraint) -> str | None:

@@ -80,3 +80,29 @@ def test_a_constraint_too_complex_at_its_first_token_is_a_400(
             await checker.check(schema(name), "response_format")
 
     asyncio.run(main())
+
+
+def test_a_tool_schema_that_does_not_compile_is_named_without_the_servers_grammar(
+    hf_tokenizer: object,
+) -> None:
+    """The tool-call grammar is the server's text around the client's schemas: the 400 says
+    what is wrong with the schema (llguidance's first line), not the grammar listing."""
+    from frontend.tool_parsers import tool_call_grammar
+
+    parameters = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    grammar = Constraint(ConstraintKind.GRAMMAR, tool_call_grammar("hermes", tools, None, True, {}))
+
+    async def main() -> None:
+        checker = ConstraintChecker(hf_tokenizer, 49152, timeout_s=30)
+        with pytest.raises(OpenAIError) as info:
+            await checker.check(grammar, "tools")
+        message = info.value.info.message
+        assert info.value.status == 400 and info.value.info.param == "tools"
+        assert "does not exist" in message and "$defs/missing" in message, message
+        assert "\n" not in message and "start:" not in message and "at 3(" not in message
+        with pytest.raises(OpenAIError) as raw:  # a grammar the client wrote keeps its listing
+            await checker.check(grammar, "guided_grammar")
+        assert "start:" in raw.value.info.message
+
+    asyncio.run(main())
