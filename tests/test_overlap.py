@@ -410,7 +410,8 @@ def test_step_stats_and_flags(tiny_llama: Path, caplog: pytest.LogCaptureFixture
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config_from_args(parser.parse_args([])).async_scheduling is True
+    assert engine_config_from_args(parser.parse_args([])).async_scheduling is None  # by device
+    assert engine_config_from_args(parser.parse_args(["--async-scheduling"])).async_scheduling
     for flag in ("--no-overlap", "--no-async-scheduling"):
         assert engine_config_from_args(parser.parse_args([flag])).async_scheduling is False
     assert engine_config_from_args(parser.parse_args(["--step-stats"])).step_stats is True
@@ -427,3 +428,21 @@ def test_step_stats_and_flags(tiny_llama: Path, caplog: pytest.LogCaptureFixture
         assert float(re.search(rf"\b{phase} ([\d.]+)", lines[0]).group(1)) > 0
     assert "gpu " not in lines[0]  # no GPU timing on the CPU
     assert llm.engine.step_stats.summary()["steps"] == 0  # a new window for the next burst
+
+
+def test_overlap_is_off_by_default_on_the_cpu_so_each_step_returns_its_own_tokens(
+    tiny_llama: Path,
+) -> None:
+    """Unset, overlap follows the device: on the CPU the forward runs on the loop's thread, so
+    an overlapped step would return its tokens only with the next one; the simple loop
+    returns each step's token from that step. Asked for, it still overlaps."""
+    plain = EngineConfig(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=256)
+    core = EngineCore(plain)
+    assert core.config.async_scheduling is False
+    core.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)))
+    first = core.step()
+    assert [len(o.new_token_ids) for o in first if o.request.request_id == "a"] == [1]
+    asked = EngineCore(make_config(tiny_llama, True))
+    assert asked.config.async_scheduling is True
+    asked.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)))
+    assert not [o for o in asked.step() if o.new_token_ids]  # its token comes a call later
