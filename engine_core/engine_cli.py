@@ -62,7 +62,13 @@ def run(args: argparse.Namespace) -> int:
     from engine_core.memory_plan import ModelTooLargeError
     from engine_core.nodes import NodeRefused, read_secret
     from engine_core.server import EngineServer, SocketFailed, stop_on_signals
-    from protocol.address import is_loopback, private_ipc_address, remove_ipc_files
+    from protocol.address import (
+        AddressInUse,
+        check_ipc_free,
+        is_loopback,
+        private_ipc_address,
+        remove_ipc_files,
+    )
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         for folder in {os.path.dirname(path) for path in address.ipc_paths}:
             if not os.path.isdir(folder):  # checked now: the bind comes after the model loads
                 raise ValueError(f"the folder of ipc address {address} does not exist: {folder}")
+        check_ipc_free(address)  # and again as it binds
         curve = _server_keys(args)
         if curve is None and not is_loopback(address):
             raise ValueError(
@@ -82,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 "--curve-secret-key and --curve-authorized-keys (see `tandem keygen`)"
             )
         read_secret(config.dist_secret_file)
-    except ValueError as exc:
+    except (ValueError, AddressInUse) as exc:
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
     try:

@@ -141,6 +141,34 @@ def remove_ipc_files(address: EngineAddress) -> None:
             os.rmdir(directory)
 
 
+class AddressInUse(OSError):
+    """Another process listens on an ipc address that an engine was asked to bind."""
+
+
+def check_ipc_free(address: EngineAddress) -> None:
+    """AddressInUse where a live process listens on one of ``address``'s ipc socket files.
+    ZMQ binds an ipc path by replacing its file, so a second engine on a live engine's address
+    would take the path over (new clients reach it, the first engine's own stay) with no error;
+    a file nobody listens on (a dead engine's) is stale, and the bind replaces it."""
+    import socket
+
+    for path in address.ipc_paths:
+        if not os.path.exists(path):
+            continue
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:  # refused (nobody listens), or not a socket: not in use
+            continue
+        finally:
+            probe.close()
+        raise AddressInUse(
+            f"another process is serving at {address} (its socket {path} accepts connections): "
+            "stop it first, or give another --address"
+        )
+
+
 def is_loopback(address: EngineAddress | str) -> bool:
     """True when every endpoint stays on this host: ipc, or tcp on localhost / 127.x / ::1.
 
@@ -200,6 +228,7 @@ def bind_engine_sockets(
         out.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # Raise instead of silently dropping a message for a peer the ROUTER does not know.
         out.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        check_ipc_free(address)
         inp.bind(address.input)
         out.bind(address.output)
     except BaseException:

@@ -24,6 +24,7 @@ import zmq
 
 from protocol import client_cli
 from protocol.address import (
+    AddressInUse,
     EngineAddress,
     bind_engine_sockets,
     private_ipc_address,
@@ -719,3 +720,36 @@ def test_token_ids_print_their_top_logprobs_when_asked() -> None:
     printer.feed(RequestOutput("r", [7, 3], logprobs=lps))
     printer.feed(RequestOutput("r", [4]))
     assert out.getvalue() == "7(-0.5000 [7:-0.500 9:-1.250]) 3(-0.1000) 4 "
+
+
+# ---- a second engine on a live address -------------------------------------------------------
+
+
+def test_a_second_engine_cannot_take_a_live_ipc_address(address: EngineAddress) -> None:
+    """ZMQ binds an ipc path by replacing its file: a second engine on a live engine's address
+    would take new clients from it with no error. The bind refuses it (and `tandem engine`
+    before it loads a model); a dead engine's stale files are still replaced."""
+    import subprocess
+    import sys
+
+    eng = EchoEngine(address)
+    try:
+        ctx = zmq.Context()
+        try:
+            with pytest.raises(AddressInUse, match="another process is serving at"):
+                bind_engine_sockets(ctx, address)
+        finally:
+            ctx.term()
+        cli = subprocess.run(
+            [sys.executable, "-m", "frontend.cli", "engine", "--address", str(address)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert cli.returncode == 2, cli.stderr
+        assert "another process is serving at" in cli.stderr and "Traceback" not in cli.stderr
+        with EngineClient(address) as still:  # the first engine still answers
+            assert still.connect(timeout=10) is not None
+    finally:
+        eng.stop()
+    assert all(os.path.exists(p) for p in address.ipc_paths)  # stale files of a stopped engine
+    again = EchoEngine(address)
+    again.stop()
