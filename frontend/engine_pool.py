@@ -169,7 +169,12 @@ class EnginePool:
     # ---- control ------------------------------------------------------------------------------
 
     async def stats(self, timeout: float = 2.0) -> Stats | None:
-        """Every live engine's counters, summed; each is also recorded under its label."""
+        """Every live engine's counters, summed; each is also recorded under its label (a dead
+        one's as down)."""
+        if self.gauges is not None:
+            for i, engine in enumerate(self.engines):
+                if engine.dead_reason is not None:
+                    self.gauges.record(i, engine, None)
         live = self._live()
         replies = await asyncio.gather(
             *(self.engines[i].stats(timeout) for i in live), return_exceptions=True

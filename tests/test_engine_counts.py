@@ -188,14 +188,26 @@ class FakeEngine:
 def test_pool_sums_gauges_and_keeps_counts_of_a_dead_engine() -> None:
     import asyncio
 
-    from frontend.engine_pool import EnginePool
+    from prometheus_client import CollectorRegistry
+
+    from frontend.engine_pool import EngineGauges, EnginePool
 
     engines = [FakeEngine(Stats(1, 2, 3, 0, 10, 5, counts(1, 40, 16, 1, 5))) for _ in range(2)]
     pool = EnginePool(engines)  # type: ignore[arg-type]
+    registry = CollectorRegistry()
+    pool.gauges = EngineGauges(registry, "m", 2)
+
+    def up(index: int) -> float | None:
+        labels = {"model_name": "m", "engine": str(index)}
+        return registry.get_sample_value("tandem_engine_up", labels)
+
     summed = asyncio.run(pool.stats())
     assert (summed.num_running, summed.num_steps) == (2, 10)
     assert (summed.counts.prefix_cache_queries, summed.counts.preemptions) == (80, 2)
+    assert [up(0), up(1)] == [1.0, 1.0]
     engines[1].dead_reason = "gone"  # not polled while down: its counts stay in the total
+    engines[1].healthy = False
     engines[0].stats_reply = Stats(0, 0, 3, 0, 10, 6, counts(1, 50, 16, 1, 6))
     summed = asyncio.run(pool.stats())
     assert (summed.num_running, summed.counts.prefix_cache_queries) == (0, 90)
+    assert [up(0), up(1)] == [1.0, 0.0]  # the dead engine is down, not its last poll's 1
