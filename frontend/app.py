@@ -114,6 +114,9 @@ class ServerState:
     engine_info: Callable[[], dict[str, Any]] = dict  # GET /v1/engine: address, pid, ...
     stats_interval_s: float = 1.0
     cors: CorsSettings | None = None  # --allowed-origins and its companions; None: no CORS
+    # An API process that does not supervise the engine cores (one of --api-servers N, or a
+    # remote engine's) counts their restarts as the new runs its polls see.
+    restarts_from_polls: bool = False
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -641,6 +644,8 @@ async def poll_engine_stats(state: ServerState) -> None:
     while True:
         try:
             await refresh_engine_gauges(state.serving)
+            if state.restarts_from_polls:
+                state.serving.metrics.record_new_runs(state.serving.engine.totals.new_runs)
         except Exception:  # the gauges go stale for one interval, never for good
             logger.warning("could not refresh the engine gauges", exc_info=True)
         await asyncio.sleep(state.stats_interval_s)

@@ -88,11 +88,13 @@ class EngineCountTotals:
     def __init__(self) -> None:
         self._last: dict[int, EngineCounts] = {}  # by engine index: its run's latest counts
         self._ended = EngineCounts()  # runs that ended, summed
+        self.new_runs = 0  # engine cores seen to start after an earlier run (restarts)
 
     def update(self, index: int, counts: EngineCounts) -> None:
         last = self._last.get(index)
         if last is not None and last.run_id != counts.run_id:
             self._ended += last
+            self.new_runs += 1
         self._last[index] = counts
 
     def total(self) -> EngineCounts:

@@ -94,6 +94,8 @@ async def serve_http(
             if role.alone and args.restart_engine:
                 on_restart = state.serving.metrics.record_restart
                 tasks += supervise_engines(specs, pool, timeouts, on_restart, sigterm.stopping)
+            else:
+                state.restarts_from_polls = True
             server = uvicorn.Server(uvicorn_config(args, build_app(state), role))
             tasks.append(asyncio.ensure_future(poll_engine_stats(state)))
             sigterm.server = server

@@ -198,6 +198,7 @@ class Metrics:
         self.engine_restarts = self._counter(
             "tandem_engine_restarts", "Engine cores started after one died."
         )
+        self._new_runs = 0  # record_new_runs's total so far
 
     def _define_frontend_gauges(self) -> None:
         self.admitted = self._gauge(
@@ -290,6 +291,13 @@ class Metrics:
 
     def record_restart(self) -> None:
         self.engine_restarts.labels(**self._label).inc()
+
+    def record_new_runs(self, total: int) -> None:
+        """Restarts seen as new engine runs in the polled counts (``total`` so far): the count
+        of an API process that does not supervise the engine cores itself."""
+        if total > self._new_runs:
+            self.engine_restarts.labels(**self._label).inc(total - self._new_runs)
+            self._new_runs = total
 
     def record_health(self, healthy: bool) -> None:
         self.engine_healthy.labels(**self._label).set(1.0 if healthy else 0.0)

@@ -124,6 +124,15 @@ def scrape(deployment: Deployment) -> dict[str, dict[tuple[str, str], float]]:
     }
 
 
+def restarts(exposition: str) -> float | None:
+    """One API process's tandem_engine_restarts_total."""
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == "tandem_engine_restarts_total":
+                return sample.value
+    return None
+
+
 def routed(metrics: dict[tuple[str, str], float]) -> list[float]:
     """Engine requests one API process routed to engine 0 and to engine 1."""
     return [metrics[("tandem_engine_requests_routed_total", str(i))] for i in range(2)]
@@ -291,6 +300,8 @@ def test_a_killed_engine_core_is_restarted_and_every_api_process_takes_it_back(
     for i, m in scrape(dp_server).items():
         assert routed(m)[1] > before[i][1], f"API process {i} sent nothing to the new engine 1"
     assert engine_stats(engine_addresses(srv)[1]).num_steps > 0
+    # Each API process counts the restart it saw (the new engine's run), once.
+    each_api_process(dp_server, "/metrics", lambda r: restarts(r.text) == 1)
     for address in engine_addresses(srv):
         wait_address_idle(address, IDLE_TIMEOUT_S)
 
