@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import secrets
 import sys
 import time
@@ -40,7 +41,13 @@ from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
 from loadgen.runner import RunPlan, run_conversations, run_once
 from loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
 from loadgen.workers import ClientPool
-from loadgen.workload import LenRange, WorkloadConfig, build_conversations, build_workload
+from loadgen.workload import (
+    DatasetError,
+    LenRange,
+    WorkloadConfig,
+    build_conversations,
+    build_workload,
+)
 
 
 def argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -185,7 +192,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--repeat-runs", type=int, default=1, help="runs reported, each on its own (default: 1)"
     )
     rep.add_argument(
-        "--slo", type=argument(Slo.parse), default=None, help="goodput SLO: ttft=MS,tpot=MS"
+        "--slo",
+        type=argument(Slo.parse),
+        default=None,
+        help="goodput SLO: any of ttft=MS,tpot=MS,e2e=MS",
     )
     rep.add_argument(
         "--sweep",
@@ -223,6 +233,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return event_loop.run(bench(args))
+    except DatasetError as exc:
+        print(f"loadgen: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the run's records so far are not reported
+        print("loadgen: interrupted", file=sys.stderr)
+        return 130
     except (httpx.HTTPError, OSError, TimeoutError, BackendError) as exc:
         where = args.address or args.url  # the target could not be reached or answered wrong
         print(f"loadgen: cannot run against {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -280,6 +296,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("give --prompt or --dataset, not both")
     if args.interval is not None and not math.isinf(args.request_rate):
         raise ValueError("give --interval or --request-rate, not both")
+    if args.interval is not None and math.isinf(args.interval):
+        raise ValueError("--interval must be a finite number of seconds")
+    if not 0 <= args.temperature < math.inf:  # NaN too
+        raise ValueError(f"--temperature must be a number >= 0, got {args.temperature}")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2^63), got {args.seed}")
+    check_writable(args.result_json, "--result-json")
+    check_writable(args.plot, "--plot")
     too_few = args.num_requests is not None and args.num_requests < 1
     if too_few or args.repeat_runs < 1 or args.warmup_runs < 0:
         raise ValueError("--num-requests and --repeat-runs must be >= 1, --warmup-runs >= 0")
@@ -287,6 +311,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--max-concurrency must be >= 1")
     if args.sweep is not None and args.interval is not None and args.sweep.param == "rate":
         raise ValueError("a rate sweep sets the arrival rate: drop --interval")
+
+
+def check_writable(path: Path | None, flag: str) -> None:
+    """ValueError now, before the run, where ``path`` could not be written after it."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path} is not writable")
 
 
 def check_unused_flags(args: argparse.Namespace) -> None:

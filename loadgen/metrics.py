@@ -101,7 +101,10 @@ class Slo:
             key = key.strip().lower()
             if not sep or key not in ("ttft", "tpot", "e2e"):
                 raise ValueError(f"bad SLO {part!r}: expected ttft=MS, tpot=MS or e2e=MS")
-            values[key] = float(ms) / 1000.0
+            limit = float(ms)
+            if not 0 < limit < math.inf:  # NaN too: it would fail every request
+                raise ValueError(f"bad SLO {part!r}: a limit is a number of ms above 0")
+            values[key] = limit / 1000.0
         if not values:
             raise ValueError("an SLO needs at least one of ttft=MS, tpot=MS, e2e=MS")
         return cls(**values)

@@ -32,7 +32,7 @@ class Sweep:
         if not sep or param not in PARAMS:
             raise ValueError(f"bad sweep {text!r}: expected rate=R1,R2,... or concurrency=C1,...")
         vals = [float(v) for v in values.split(",") if v.strip()]
-        if not vals or any(v <= 0 for v in vals):
+        if not vals or any(not v > 0 for v in vals):  # NaN too
             raise ValueError(f"bad sweep {text!r}: values must be > 0")
         if param == "concurrency" and any(math.isinf(v) or v != int(v) for v in vals):
             raise ValueError(f"bad sweep {text!r}: concurrency values must be whole numbers")

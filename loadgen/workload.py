@@ -201,7 +201,7 @@ def dataset_workload(
     assert cfg.dataset is not None
     entries = load_dataset(cfg.dataset, cfg.dataset_format)
     if not entries:
-        raise ValueError(f"{cfg.dataset}: no usable entries")
+        raise DatasetError(f"--dataset {cfg.dataset}: no usable entries")
     order = rng.permutation(len(entries))
     specs = []
     for i in range(cfg.num_requests):
@@ -218,6 +218,10 @@ class DatasetEntry:
     answer_text: str | None = None
 
 
+class DatasetError(ValueError):
+    """A --dataset file that cannot be read as its format, naming where (the CLI's exit 2)."""
+
+
 def load_dataset(path: Path, fmt: str = "auto") -> list[DatasetEntry]:
     """Read a JSONL file (one ``{"prompt"|"prompt_token_ids", "output_len"?}`` per line) or a
     ShareGPT JSON file (a list of ``{"conversations": [{"from", "value"}, ...]}``)."""
@@ -225,10 +229,24 @@ def load_dataset(path: Path, fmt: str = "auto") -> list[DatasetEntry]:
         fmt = "jsonl" if path.suffix == ".jsonl" else "sharegpt"
     if fmt == "jsonl":
         lines = path.read_text().splitlines()
-        return [_jsonl_entry(json.loads(line)) for line in lines if line.strip()]
+        return [_jsonl_line(path, n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if fmt == "sharegpt":
-        return [e for e in map(_sharegpt_entry, json.loads(path.read_text())) if e is not None]
-    raise ValueError(f"unknown dataset format {fmt!r} (jsonl or sharegpt)")
+        try:
+            entries = [e for e in map(_sharegpt_entry, json.loads(path.read_text())) if e]
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise DatasetError(f"--dataset {path}: not a ShareGPT JSON list ({exc})") from None
+        return entries
+    raise DatasetError(f"unknown dataset format {fmt!r} (jsonl or sharegpt)")
+
+
+def _jsonl_line(path: Path, number: int, line: str) -> DatasetEntry:
+    try:
+        obj = json.loads(line)
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+        return _jsonl_entry(obj)
+    except ValueError as exc:
+        raise DatasetError(f"--dataset {path}, line {number}: {exc}") from None
 
 
 def _jsonl_entry(obj: dict[str, Any]) -> DatasetEntry:
@@ -236,8 +254,14 @@ def _jsonl_entry(obj: dict[str, Any]) -> DatasetEntry:
     text = obj.get("prompt")
     if ids is None and not isinstance(text, str):
         raise ValueError(f"a JSONL line needs 'prompt' or 'prompt_token_ids': {obj!r:.80}")
+    if ids is not None and not (
+        isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)
+    ):
+        raise ValueError("'prompt_token_ids' must be a non-empty list of token ids (ints >= 0)")
     out = obj.get("output_len", obj.get("max_tokens"))
-    return DatasetEntry(text, [int(t) for t in ids] if ids else None, out)
+    if out is not None and not (type(out) is int and out >= 1):
+        raise ValueError(f"'output_len' must be a whole number >= 1, got {out!r}")
+    return DatasetEntry(text, ids or None, out)
 
 
 def _sharegpt_entry(obj: dict[str, Any]) -> DatasetEntry | None:

@@ -471,3 +471,66 @@ def test_the_benchmarks_commands_pass_the_load_generators_checks(tmp_path: Path)
         parser = argparse.ArgumentParser()
         add_args(parser)
         settle_args(parser.parse_args(command[command.index("loadgen") + 1 :]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--interval", "inf"], "--interval must be a finite number of seconds"),
+        (["--temperature", "nan"], "--temperature must be a number >= 0"),
+        (["--temperature", "-1"], "--temperature must be a number >= 0"),
+        (["--seed", "-1"], "--seed must be in [0, 2^63)"),
+        (["--result-json", "/nonexistent-folder/run.json"], "does not exist"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else None,
+)
+def test_a_value_the_run_could_not_honour_is_refused_before_it(argv: list[str], words: str) -> None:
+    """Each was taken and then hung (an infinite interval), failed every request (a NaN
+    temperature), ended in a traceback (a negative seed) or lost the run's results at its end
+    (a --result-json that cannot be written)."""
+    import argparse
+
+    from loadgen.cli import add_args, settle_args
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        settle_args(parser.parse_args(argv))
+
+
+def test_sweeps_and_slos_refuse_nan_and_limits_at_or_below_zero() -> None:
+    from loadgen.metrics import Slo
+    from loadgen.sweep import Sweep
+
+    for text in ("rate=nan", "rate=1,nan", "concurrency=0"):
+        with pytest.raises(ValueError, match="values must be > 0"):
+            Sweep.parse(text)
+    assert Sweep.parse("rate=1,inf").values == [1.0, math.inf]
+    for text in ("ttft=nan", "tpot=-5", "e2e=0", "ttft=inf"):
+        with pytest.raises(ValueError, match="a limit is a number of ms above 0"):
+            Slo.parse(text)
+    assert Slo.parse("ttft=500,e2e=2000") == Slo(ttft=0.5, e2e=2.0)
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("not json", "line 2: Expecting value"),
+        ('{"foo": 1}', "line 2: a JSONL line needs 'prompt' or 'prompt_token_ids'"),
+        ('{"prompt": "hi", "output_len": 2.7}', "line 2: 'output_len' must be a whole number"),
+        ('{"prompt": "hi", "output_len": 0}', "line 2: 'output_len' must be a whole number"),
+        ('{"prompt_token_ids": [5, -1]}', "line 2: 'prompt_token_ids' must be a non-empty list"),
+        ("[1, 2]", "line 2: not a JSON object"),
+    ],
+)
+def test_a_bad_dataset_line_is_named(tmp_path: Path, line: str, words: str) -> None:
+    from loadgen.workload import DatasetError
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "fine", "output_len": 4}\n' + line + "\n")
+    with pytest.raises(DatasetError, match=re.escape(words)):
+        load_dataset(path)
+    sharegpt = tmp_path / "d.json"
+    sharegpt.write_text('{"not": "a list"}')
+    with pytest.raises(DatasetError, match="not a ShareGPT JSON list"):
+        load_dataset(sharegpt)
