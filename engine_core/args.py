@@ -57,9 +57,9 @@ _HELP = {
     "seed of its own: seeded once at start (as vLLM), so such requests differ from each other "
     "and a run repeats after a restart",
     "async_scheduling": "overlap: schedule and prepare the next step while the GPU runs this one "
-    "(--no-async-scheduling, or --no-overlap, keeps the simple loop; default: on with a GPU, "
-    "off on the CPU, where the forward runs on the loop's thread and overlap would only send "
-    "each step's tokens a step late)",
+    "(--no-async-scheduling, or --no-overlap, keeps the simple loop; default: on with a GPU or "
+    "pipeline stages, else off on the CPU, where the forward runs on the loop's thread and "
+    "overlap would only send each step's tokens a step late)",
     "step_stats": "time each part of every step (host and GPU, and the GPU's idle gap) and log "
     "a summary every 10 s and whenever the engine goes idle (also TANDEM_STEP_STATS=1)",
     "nvtx": "NVTX ranges around the parts of each step, for Nsight Systems",

@@ -397,8 +397,10 @@ class EngineConfig:
     max_prefill_graph_tokens: int | None = None
     seed: int | None = 0  # None (the offline API only): a random seed each start
     # Overlap: schedule and prepare step N+1 while the GPU runs step N (engine_core/core.py).
-    # None: on with a GPU, off on the CPU (EngineCore decides), where the forward runs on the
-    # loop's own thread: overlap would only send each step's tokens a step late.
+    # None: on with a GPU or pipeline stages, else off on the CPU (EngineCore decides), where
+    # the forward runs on the loop's own thread: overlap would only send each step's tokens a
+    # step late. With pipeline stages the later stages run in their own processes, and
+    # overlapped steps keep them busy together.
     async_scheduling: bool | None = None
     step_stats: bool = False  # per-step host/GPU timing, logged periodically (step_stats.py)
     nvtx: bool = False  # NVTX ranges around the parts of each step, for Nsight Systems

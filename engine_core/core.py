@@ -4,16 +4,16 @@ The offline API (engine_core/llm.py) drives it directly; the engine process (eng
 drives it from its busy loop. One thread calls it; it takes no locks.
 
 A step reads in order: schedule, forward, (grammar bitmask), sample, update. With overlap
-(``async_scheduling``, the default with a GPU; on the CPU the forward runs on this thread and
-overlap would only send each step's tokens a step late) the update is the previous step's: each
-``step()`` schedules step N and enqueues its forward and sampler, and while the GPU runs them it
-waits for step N-1's sampled ids (one event, one copy into pinned memory), applies them to the
-scheduler and returns N-1's outputs. The scheduler plans N before it knows N-1's tokens
-(placeholders, see engine_core/scheduler.py) and the runner feeds those tokens to N on the
-device. Requests that stop or are aborted at N-1 have their row in N dropped. A step where a
-live request uses penalties (which read the real previous tokens on the host) settles the step
-in flight first and runs synchronously; so does every step with ``--no-async-scheduling``. Why:
-docs/design/overlap-scheduling.md.
+(``async_scheduling``, the default with a GPU or pipeline stages; on the CPU alone the forward
+runs on this thread and overlap would only send each step's tokens a step late) the update is
+the previous step's: each ``step()`` schedules step N and enqueues its forward and sampler, and
+while the GPU runs them it waits for step N-1's sampled ids (one event, one copy into pinned
+memory), applies them to the scheduler and returns N-1's outputs. The scheduler plans N before
+it knows N-1's tokens (placeholders, see engine_core/scheduler.py) and the runner feeds those
+tokens to N on the device. Requests that stop or are aborted at N-1 have their row in N dropped.
+A step where a live request uses penalties (which read the real previous tokens on the host)
+settles the step in flight first and runs synchronously; so does every step with
+``--no-async-scheduling``. Why: docs/design/overlap-scheduling.md.
 
 Structured outputs (engine_core/grammar.py): a constrained request waits, unscheduled, while its
 grammar compiles on a worker thread; a grammar that fails to compile fails its request. When
@@ -75,8 +75,9 @@ class EngineCore:
         self.model_config = self.runner.model_config
         self.embedding = self.model_config.embedding  # None: the engine generates
         overlap = config.async_scheduling
-        if overlap is None:  # on a GPU; on the CPU the forward is on this thread (config.py)
-            overlap = resolve_device(config.device).type != "cpu"
+        if overlap is None:  # on a GPU, or with pipeline stages in other processes (config.py)
+            on_cpu = resolve_device(config.device).type == "cpu"
+            overlap = not on_cpu or config.pipeline_parallel_size > 1
         if self.embedding is not None:
             overlap = False
         self.config = config = dataclasses.replace(config, async_scheduling=overlap)
