@@ -314,16 +314,23 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_writable(path: Path | None, flag: str) -> None:
-    """ValueError now, before the run, where ``path`` could not be written after it."""
+    """ValueError now, before the run, where ``path`` could not be written after it (its
+    missing folders are made then, as the result writer makes them)."""
     if path is None:
         return
-    folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a folder")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path} is not writable")
+        return
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
     if not folder.is_dir():
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path} is not writable")
+        raise ValueError(f"{flag} {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def check_unused_flags(args: argparse.Namespace) -> None:

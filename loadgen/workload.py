@@ -254,14 +254,24 @@ def _jsonl_entry(obj: dict[str, Any]) -> DatasetEntry:
     text = obj.get("prompt")
     if ids is None and not isinstance(text, str):
         raise ValueError(f"a JSONL line needs 'prompt' or 'prompt_token_ids': {obj!r:.80}")
+    if ids == [] and isinstance(text, str):
+        ids = None  # the prompt's text then
     if ids is not None and not (
-        isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)
+        isinstance(ids, list) and ids and all(_whole(t) and t >= 0 for t in ids)
     ):
         raise ValueError("'prompt_token_ids' must be a non-empty list of token ids (ints >= 0)")
     out = obj.get("output_len", obj.get("max_tokens"))
-    if out is not None and not (type(out) is int and out >= 1):
+    if out is not None and not (_whole(out) and out >= 1):
         raise ValueError(f"'output_len' must be a whole number >= 1, got {out!r}")
-    return DatasetEntry(text, ids or None, out)
+    ids = [int(t) for t in ids] if ids else None
+    return DatasetEntry(text, ids, None if out is None else int(out))
+
+
+def _whole(value: object) -> bool:
+    """An int, or a float with no fraction (JSON writers differ), never a bool."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
 
 
 def _sharegpt_entry(obj: dict[str, Any]) -> DatasetEntry | None:

@@ -480,14 +480,15 @@ def test_the_benchmarks_commands_pass_the_load_generators_checks(tmp_path: Path)
         (["--temperature", "nan"], "--temperature must be a number >= 0"),
         (["--temperature", "-1"], "--temperature must be a number >= 0"),
         (["--seed", "-1"], "--seed must be in [0, 2^63)"),
-        (["--result-json", "/nonexistent-folder/run.json"], "does not exist"),
+        (["--result-json", "/proc/version/run.json"], "/proc/version is not a folder"),
+        (["--result-json", "/proc"], "--result-json /proc is a folder"),
     ],
     ids=lambda x: " ".join(x) if isinstance(x, list) else None,
 )
 def test_a_value_the_run_could_not_honour_is_refused_before_it(argv: list[str], words: str) -> None:
     """Each was taken and then hung (an infinite interval), failed every request (a NaN
     temperature), ended in a traceback (a negative seed) or lost the run's results at its end
-    (a --result-json that cannot be written)."""
+    (a --result-json that cannot be written; one in folders still to be made is taken)."""
     import argparse
 
     from loadgen.cli import add_args, settle_args
@@ -530,7 +531,23 @@ def test_a_bad_dataset_line_is_named(tmp_path: Path, line: str, words: str) -> N
     path.write_text('{"prompt": "fine", "output_len": 4}\n' + line + "\n")
     with pytest.raises(DatasetError, match=re.escape(words)):
         load_dataset(path)
+    # What JSON writers also write for whole numbers, and an empty id list beside a text.
+    path.write_text('{"prompt_token_ids": [5.0, 6], "output_len": 3.0}\n{"prompt": "a", '
+                    '"prompt_token_ids": []}\n')  # fmt: skip
+    first, second = load_dataset(path)
+    assert (first.prompt_ids, first.output_len) == ([5, 6], 3)
+    assert (second.prompt_text, second.prompt_ids) == ("a", None)
     sharegpt = tmp_path / "d.json"
     sharegpt.write_text('{"not": "a list"}')
     with pytest.raises(DatasetError, match="not a ShareGPT JSON list"):
         load_dataset(sharegpt)
+
+
+def test_a_result_json_in_folders_still_to_be_made_is_taken(tmp_path: Path) -> None:
+    import argparse
+
+    from loadgen.cli import add_args, settle_args
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    settle_args(parser.parse_args(["--result-json", str(tmp_path / "a" / "b" / "run.json")]))
