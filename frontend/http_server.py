@@ -91,11 +91,12 @@ async def serve_http(
             for spec in specs:  # they load in parallel; the handshakes just wait for each in turn
                 pool.engines.append(await connect_engine(spec, timeouts))
             state = build_state(args, model_dir, specs, pool, await hf_tokenizer, role)
+            supervisors: list[asyncio.Task[None]] = []
             if role.alone and args.restart_engine:
                 on_restart = state.serving.metrics.record_restart
-                tasks += supervise_engines(specs, pool, timeouts, on_restart, sigterm.stopping)
-            else:
-                state.restarts_from_polls = True
+                supervisors = supervise_engines(specs, pool, timeouts, on_restart, sigterm.stopping)
+            tasks += supervisors
+            state.restarts_from_polls = not supervisors  # several API processes, or remote
             server = uvicorn.Server(uvicorn_config(args, build_app(state), role))
             tasks.append(asyncio.ensure_future(poll_engine_stats(state)))
             sigterm.server = server

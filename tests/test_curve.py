@@ -157,6 +157,13 @@ def test_non_loopback_binds_only_with_keys(keys: Keys) -> None:
 # ---- end to end -------------------------------------------------------------------------------
 
 
+def restarts(exposition: str) -> float | None:
+    for line in exposition.splitlines():
+        if line.startswith("tandem_engine_restarts_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def test_engine_cli_refuses_non_loopback_without_keys() -> None:
     cmd = [sys.executable, "-m", "frontend.cli", "engine", "--address", "tcp://0.0.0.0:5555"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -169,12 +176,16 @@ def test_curve_engine_with_tandem_client_and_remote_serve(
     keys: Keys, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     address = f"tcp://127.0.0.1:{free_port_pair()}"
-    engine = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "engine", "--model", str(tiny_model_dir),
-         "--listen", address, "--log-level", "WARNING",
-         "--curve-secret-key", str(keys.engine_secret),
-         "--curve-authorized-keys", str(keys.authorized)]
-    )  # fmt: skip
+
+    def start_engine() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "frontend.cli", "engine", "--model", str(tiny_model_dir),
+             "--listen", address, "--log-level", "WARNING",
+             "--curve-secret-key", str(keys.engine_secret),
+             "--curve-authorized-keys", str(keys.authorized)]
+        )  # fmt: skip
+
+    engine = start_engine()
     serve = None
     try:
         wait_engine_ready(engine, address, keys.client())
@@ -205,6 +216,18 @@ def test_curve_engine_with_tandem_client_and_remote_serve(
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(f"{base}/v1/engine", timeout=10).json()["pid"] is None  # not ours
+        # The remote engine restarted by its owner: the server counts the restart it sees
+        # (a new engine run in its polls), as no supervisor of its own does.
+        engine.send_signal(signal.SIGTERM)
+        engine.wait(timeout=30)
+        engine = start_engine()
+        wait_engine_ready(engine, address, keys.client())
+        deadline = time.monotonic() + 60
+        while restarts(httpx.get(f"{base}/metrics", timeout=10).text) != 1:
+            assert time.monotonic() < deadline, "the restart was never counted"
+            time.sleep(0.2)
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         stop_process(serve)
         assert serve.returncode == 0
         assert pid_alive(engine.pid), "a remote engine is not the frontend's to stop"
