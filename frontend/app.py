@@ -653,7 +653,9 @@ async def poll_engine_stats(state: ServerState) -> None:
 
 async def refresh_engine_gauges(ctx: ServingContext) -> None:
     healthy = ctx.engine.healthy
-    if ctx.engine.dead_reason is None:
+    if ctx.engine.dead_reason is not None:  # none polled: each engine's gauges say down
+        ctx.engine.record_dead_engines()
+    else:
         try:
             stats = await ctx.engine.stats(timeout=STATS_TIMEOUT_S)
         except Exception as exc:  # slow or gone: the health gauge says so

@@ -173,10 +173,7 @@ class EnginePool:
     async def stats(self, timeout: float = 2.0) -> Stats | None:
         """Every live engine's counters, summed; each is also recorded under its label (a dead
         one's as down)."""
-        if self.gauges is not None:
-            for i, engine in enumerate(self.engines):
-                if engine.dead_reason is not None:
-                    self.gauges.record(i, engine, None)
+        self.record_dead_engines()
         live = self._live()
         replies = await asyncio.gather(
             *(self.engines[i].stats(timeout) for i in live), return_exceptions=True
@@ -195,6 +192,14 @@ class EnginePool:
         gauges = (f.name for f in dataclasses.fields(Stats) if f.name != "counts")
         summed = {name: sum(getattr(s, name) for s in got) for name in gauges}
         return Stats(**summed, counts=self.totals.total())
+
+    def record_dead_engines(self) -> None:
+        """Each dead engine's gauges as down (not polled: its last poll's would stay)."""
+        if self.gauges is None:
+            return
+        for i, engine in enumerate(self.engines):
+            if engine.dead_reason is not None:
+                self.gauges.record(i, engine, None)
 
     async def control_all(self, kind: ControlKind, timeout: float) -> list[ControlReply]:
         """Send control ``kind`` to every live engine; their replies, in engine order."""

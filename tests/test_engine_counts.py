@@ -211,3 +211,13 @@ def test_pool_sums_gauges_and_keeps_counts_of_a_dead_engine() -> None:
     summed = asyncio.run(pool.stats())
     assert (summed.num_running, summed.counts.prefix_cache_queries) == (0, 90)
     assert [up(0), up(1)] == [1.0, 0.0]  # the dead engine is down, not its last poll's 1
+    # Every engine dead: nothing is polled, and each one's gauge says so all the same.
+    from types import SimpleNamespace
+
+    from frontend.app import refresh_engine_gauges
+    from frontend.metrics import Metrics
+
+    engines[0].dead_reason, engines[0].healthy = "gone too", False
+    ctx = SimpleNamespace(engine=pool, metrics=Metrics("m"))
+    asyncio.run(refresh_engine_gauges(ctx))  # type: ignore[arg-type]
+    assert [up(0), up(1)] == [0.0, 0.0]
