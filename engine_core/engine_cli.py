@@ -108,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"tandem engine: serving {proc.ready.model} at {address}", flush=True)
     try:
         proc.run()
+    except AddressInUse as exc:  # taken while the model loaded
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 2
     except SocketFailed as exc:
         logger.critical("%s: the engine process exits", exc)
         return 1

@@ -159,8 +159,13 @@ def check_ipc_free(address: EngineAddress) -> None:
         probe.settimeout(1.0)
         try:
             probe.connect(path)
-        except OSError:  # refused (nobody listens), or not a socket: not in use
+        except (ConnectionRefusedError, FileNotFoundError):  # nobody listens: a stale file
             continue
+        except OSError as exc:  # busy (a full backlog), or not ours to try: take nothing over
+            raise AddressInUse(
+                f"cannot tell whether another process serves at {address} ({path}: "
+                f"{exc.strerror or exc}): stop it, remove the file, or give another --address"
+            ) from None
         finally:
             probe.close()
         raise AddressInUse(
