@@ -40,7 +40,7 @@ from frontend.chat import (
     stream_chat,
 )
 from frontend.completions import complete, prepare_completion, stream_completion
-from frontend.embeddings import check_embedding_request, embed
+from frontend.embeddings import check_embedding_request, embed, embedding_wave
 from frontend.errors import (
     OpenAIError,
     as_openai_error,
@@ -276,7 +276,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         pooling = check_embedding_request(ctx, body)
-        admission = ctx.admit(min(len(body.inputs), ctx.admission.limit))
+        admission = ctx.admit(embedding_wave(ctx, len(body.inputs)))
         try:
             work = embed(ctx, body, pooling, admission.count)
             return JSONResponse(await until_disconnect(request, work))

@@ -42,6 +42,16 @@ def check_embedding_request(ctx: ServingContext, req: EmbeddingRequest) -> Pooli
     return PoolingParams(model.pooling, model.normalize, req.dimensions)
 
 
+def embedding_wave(ctx: ServingContext, num_inputs: int) -> int:
+    """The sequences an embeddings request asks admission for: all its inputs where they fit
+    the bound (all or none, as every request); past it, what is free now (at least one, else
+    the usual 503), which its waves then reuse: never the whole bound held against others."""
+    gate = ctx.admission
+    if num_inputs <= gate.limit:
+        return num_inputs
+    return max(1, gate.limit - gate.in_use)
+
+
 async def embed(
     ctx: ServingContext, req: EmbeddingRequest, pooling: PoolingParams, wave: int
 ) -> dict:
@@ -106,6 +116,7 @@ class Embedding:
         self.id = random_id("embd")
         self.vectors: list[list[float] | None] = [None] * len(prompts)
         self.resumes = 0
+        self.lost = 0  # inputs of the wave an engine's death cut (those sent again)
 
     async def run(self) -> list[list[float]]:
         wait_left = self.ctx.resume_timeout_s
@@ -121,7 +132,7 @@ class Embedding:
                 except EngineDeadError as dead:
                     raise engine_unavailable(str(dead)) from None
                 self.resumes += 1
-                self.ctx.metrics.record_resumed(self.vectors.count(None))
+                self.ctx.metrics.record_resumed(self.lost)
 
     async def _send_unfinished(self) -> None:
         """Send the inputs still without a vector, a wave at a time."""
@@ -144,6 +155,7 @@ class Embedding:
                     else:
                         self._take(group, slot, pending[slot], item)
                 if dead is not None and group.unfinished:
+                    self.lost = len(group.unfinished)
                     raise dead
         finally:
             group.abort_unfinished()

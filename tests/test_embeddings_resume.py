@@ -105,3 +105,40 @@ def test_inputs_go_a_wave_at_a_time_and_a_death_resumes_only_the_unfinished() ->
     sent = [[list(r.prompt_token_ids) for r in g.requests] for g in engine.groups]
     assert sent == [PROMPTS[:2], PROMPTS[1:]]
     assert engine.resume_waits == 1
+
+
+def test_a_death_counts_as_resumed_only_the_inputs_its_wave_lost() -> None:
+    """Three inputs, waves of two: the first wave's second input is cut by the death; the
+    third was never sent, so it is no resumed request."""
+    resumed: list[int] = []
+    engine = DyingEngine(before_death=1)
+    ctx = SimpleNamespace(
+        engine=engine,
+        metrics=SimpleNamespace(record_resumed=resumed.append, record_finished=print_nothing),
+        max_resumes=3,
+        resume_timeout_s=120.0,
+        wait_for_engine=no_wait,
+    )
+    embedding = Embedding(ctx, PROMPTS, PoolingParams(), 0.0, 2)  # type: ignore[arg-type]
+    assert asyncio.run(embedding.run()) == [[2.0], [1.0], [3.0]]
+    assert resumed == [1]
+
+
+def print_nothing(*args: object) -> None:
+    pass
+
+
+def test_a_request_past_the_bound_asks_for_what_is_free_and_never_the_whole_bound() -> None:
+    from frontend.admission import AdmissionGate
+    from frontend.embeddings import embedding_wave
+
+    gate = AdmissionGate(32)
+    ctx = SimpleNamespace(admission=gate)
+    assert embedding_wave(ctx, 20) == 20  # within the bound: all or none, as every request
+    held = gate.admit(10)
+    assert embedding_wave(ctx, 40) == 22  # past it: what is free now, in waves
+    assert embedding_wave(ctx, 30) == 30  # within it: all, so a 503 now rather than waves
+    more = gate.admit(22)
+    assert embedding_wave(ctx, 40) == 1  # nothing free: one, which the gate refuses (503)
+    held.release()
+    more.release()
