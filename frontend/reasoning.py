@@ -282,7 +282,9 @@ class Qwen3Parser(ThinkTagParser):
         return opening.rfind(THINK_START) > opening.rfind(THINK_END)
 
     def reads_opening(self, prompt: str) -> bool:
-        return THINK_START in prompt
+        # The opening ends the prompt: where the prompt leaves no <think> open, neither does it
+        # (so no second render); where it does, the block may be a message's text.
+        return self.in_reasoning(prompt)
 
 
 class HarmonySplitter(Splitter):
