@@ -99,6 +99,13 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatG
     elif extras.constraint is not None:
         constraint_param = extras.constraint_param
     images = await load_images(ctx, req.messages)
+    support = ctx.tool_support
+    if images and tools.template is not None and support and not support.writes_images:
+        raise bad_request(
+            "images beside tools are not supported for this model: the server could not read "
+            "its chat template's image marker for the tool template",
+            "messages",
+        )
     tok = ctx.tokenizer
     render = replace(chat_render(ctx, req, tools), image_text=image_text(ctx, images))
     rendered = await tok.run(tok.render_chat, render)

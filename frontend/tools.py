@@ -63,6 +63,9 @@ class ToolSupport:
     template: str | None = None
     added_tokens: Mapping[str, int] = field(default_factory=dict, compare=False)
     special_tokens: frozenset[str] = field(default_factory=frozenset, compare=False)
+    # The server's template writes image parts (as the model's own template does); False for a
+    # vision model whose own template's image marker could not be read.
+    writes_images: bool = True
 
 
 def tool_support(
@@ -88,8 +91,12 @@ def tool_support(
         marker = image_marker_text(hf_tokenizer) if takes_images else None
         if marker is not None:  # a JSON string is a Jinja string literal
             packaged = f"{{%- set image_marker = {json.dumps(marker)} -%}}\n{packaged}"
-        support = ToolSupport("hermes", packaged, added, special)
-        return support, "the packaged ChatML tool template, parser hermes"
+        writes_images = marker is not None or not takes_images
+        support = ToolSupport("hermes", packaged, added, special, writes_images=writes_images)
+        how = "the packaged ChatML tool template, parser hermes"
+        if not writes_images:
+            how += " (images beside tools refused: the model's image marker could not be read)"
+        return support, how
     return None, "the chat template does not render tools"
 
 

@@ -253,3 +253,33 @@ def test_data_urls_decode_the_base64_forms_other_encoders_write() -> None:
     for bad in ("@@@", "QUJD#", "Q"):
         with pytest.raises(BadImage, match="does not decode"):
             data_url_bytes(f"data:image/png;base64,{bad}", "p")
+
+
+def test_the_tool_template_writes_images_as_the_models_own_template(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """A vision model whose template ignores tools gets the packaged ChatML tool template with
+    its own image marker, read from its template; where none can be read, images beside tools
+    are refused (they would vanish from the prompt)."""
+    from transformers import AutoTokenizer
+
+    from engine_core.preset_folders import write_vision_tokenizer
+    from frontend.tools import image_marker_text, tool_support
+
+    write_vision_tokenizer(default_model_dir, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert image_marker_text(tokenizer) == "<|vision_start|><|image_pad|><|vision_end|>"
+    support, _ = tool_support(tokenizer, None, takes_images=True)
+    assert support is not None and support.writes_images
+    assert support.template is not None and "<|vision_start|><|image_pad|>" in support.template
+    parts = [{"type": "text", "text": "see"}, {"type": "image"}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": parts}]
+    text = tokenizer.apply_chat_template(messages, chat_template=support.template, tokenize=False)
+    assert "<tool_response>\nsee<|vision_start|><|image_pad|><|vision_end|>\n" in text
+    # A template that writes no image marker at all: no marker to read.
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "<|vision_start|><|image_pad|><|vision_end|>", ""
+    )
+    assert image_marker_text(tokenizer) is None
+    blind, how = tool_support(tokenizer, None, takes_images=True)
+    assert blind is not None and not blind.writes_images and "images beside tools" in how
