@@ -178,7 +178,9 @@ class Scheduler:
         # micro-batch in flight per stage, each about 1/P of the live requests and none of the
         # requests another in-flight plan holds (``_in_flight``: their ids, from the plan until
         # its update), so the running requests rotate through P disjoint groups.
-        pipelined = config.pipeline_parallel_size > 1 and config.async_scheduling
+        # (Unset overlap is on with pipeline stages: EngineCore resolves it so.)
+        overlap = config.async_scheduling is not False
+        pipelined = config.pipeline_parallel_size > 1 and overlap
         self._micro_batches = config.pipeline_parallel_size if pipelined else 1
         self._in_flight: set[str] = set()
         self._plans_in_flight = 0

@@ -77,7 +77,7 @@ def greedy() -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
-def make_llm(folder: Path, **overrides: int) -> LLM:
+def make_llm(folder: Path, **overrides: int | bool) -> LLM:
     limits = {"block_size": 4, "num_kv_blocks": 300, "max_model_len": 256}
     limits |= {"max_num_batched_tokens": 64, "max_num_seqs": 4}
     return LLM(str(folder), **(limits | overrides))
@@ -160,7 +160,9 @@ def test_chunked_prefill_mid_chunk_gives_blocks_back(llama4: tuple[Path, torch.n
     folder, hf_model = llama4
     prompt = random_prompts(VOCAB, (90,))[0]
     want = hf_greedy(hf_model, prompt, NEW_TOKENS).tokens[0]
-    llm = make_llm(folder, max_num_batched_tokens=22)
+    # The overlapped loop, whose last step() call returns while the block tables still hold
+    # that step's blocks (the counts below are that step's).
+    llm = make_llm(folder, max_num_batched_tokens=22, async_scheduling=True)
     try:
         engine = llm.engine
         bm = engine.scheduler.block_manager
