@@ -226,6 +226,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        if (down := ctx.engine.degraded()) is not None:  # the other engine cores serve
+            return JSONResponse({"status": "degraded", "message": down})
         if not ctx.engine.healthy:
             reason = ctx.engine.dead_reason or "the engine core's process is not running"
             return error_response(

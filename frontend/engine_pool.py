@@ -132,6 +132,16 @@ class EnginePool:
     def healthy(self) -> bool:
         return all(e.healthy for e in self.engines)
 
+    def degraded(self) -> str | None:
+        """Where some of several engine cores are down and another serves: which are down
+        (the server still takes requests; /health says so with a 200). None otherwise."""
+        down = [(i, e) for i, e in enumerate(self.engines) if not e.healthy]
+        if not down or len(down) == len(self.engines):
+            return None
+        return "; ".join(
+            f"engine {i}: {e.dead_reason or 'its process is not running'}" for i, e in down
+        )
+
     @property
     def dead_reason(self) -> str | None:
         """Set only when no engine core can take a request."""

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -122,6 +123,29 @@ def scrape(deployment: Deployment) -> dict[str, dict[tuple[str, str], float]]:
         }
         for index, r in each_api_process(deployment, "/metrics").items()
     }
+
+
+class HealthWatch:
+    """GET /health every 50 ms on a thread until ``stop``: (status code, body status) each."""
+
+    def __init__(self, base_url: str) -> None:
+        self.seen: list[tuple[int, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(base_url,), daemon=True)
+        self._thread.start()
+
+    def _run(self, base_url: str) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(f"{base_url}/health", timeout=10)
+                status = r.json().get("status", "") if r.status_code == 200 else ""
+                self.seen.append((r.status_code, status))
+            time.sleep(0.05)
+
+    def stop(self) -> list[tuple[int, str]]:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return self.seen
 
 
 def restarts(exposition: str) -> float | None:
@@ -284,6 +308,7 @@ def test_a_killed_engine_core_is_restarted_and_every_api_process_takes_it_back(
     publishes its new pid, answers healthy, and routes requests to it that complete."""
     srv = dp_server.server
     old_pid = srv.engine_info()["engines"][1]["pid"]
+    health = HealthWatch(srv.base_url)
     os.kill(old_pid, signal.SIGKILL)
 
     def took_it_back(r: httpx.Response) -> bool:
@@ -292,6 +317,10 @@ def test_a_killed_engine_core_is_restarted_and_every_api_process_takes_it_back(
         return info["healthy"] and new_pid != old_pid and pid_alive(new_pid)
 
     views = each_api_process(dp_server, "/v1/engine", took_it_back)
+    # Engine 0 served all along: /health never said 503, and said which engine was down.
+    seen = health.stop()
+    assert all(code == 200 for code, _ in seen), seen
+    assert any(status == "degraded" for _, status in seen), seen
     new_pids = {r.json()["engines"][1]["pid"] for r in views.values()}
     assert len(new_pids) == 1, f"API processes disagree on engine 1: {new_pids}"
     before = {i: routed(m) for i, m in scrape(dp_server).items()}

@@ -221,3 +221,19 @@ def test_pool_sums_gauges_and_keeps_counts_of_a_dead_engine() -> None:
     ctx = SimpleNamespace(engine=pool, metrics=Metrics("m"))
     asyncio.run(refresh_engine_gauges(ctx))  # type: ignore[arg-type]
     assert [up(0), up(1)] == [0.0, 0.0]
+
+
+def test_a_pool_with_one_engine_down_is_degraded_not_down() -> None:
+    from frontend.engine_pool import EnginePool
+
+    engines = [FakeEngine(Stats(0, 0, 3, 0, 10, 5, counts(1, 0, 0, 0, 0))) for _ in range(2)]
+    pool = EnginePool(engines)  # type: ignore[arg-type]
+    assert pool.degraded() is None and pool.healthy
+    engines[1].healthy, engines[1].dead_reason = False, "the engine process exited"
+    assert pool.degraded() == "engine 1: the engine process exited"
+    assert pool.dead_reason is None  # engine 0 takes the requests
+    engines[0].healthy, engines[0].dead_reason = False, "gone"
+    assert pool.degraded() is None and pool.dead_reason is not None  # all down: a 503
+    alone = EnginePool([FakeEngine(Stats(0, 0, 3, 0, 10, 5, counts(1, 0, 0, 0, 0)))])  # type: ignore[list-item]
+    alone.engines[0].healthy = False
+    assert alone.degraded() is None  # one engine: down is down
