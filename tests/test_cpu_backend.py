@@ -297,3 +297,34 @@ def test_chunked_attention_reads_only_its_chunk(
     got = run.forward(q, k_cache, v_cache, meta, SCALE, attention_chunk=chunk)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("queries", "length", "heads", "kv_heads", "dtype", "tol"),
+    [
+        (1, 5, 4, 2, torch.float32, 1e-5),
+        (7, 100, 9, 3, torch.float32, 1e-5),
+        (64, 65, 8, 8, torch.float32, 1e-5),
+        (33, 300, 4, 1, torch.bfloat16, 2e-2),
+    ],
+)
+def test_a_chunk_over_its_prefix_is_two_flash_calls_merged(
+    queries: int, length: int, heads: int, kv_heads: int, dtype: torch.dtype, tol: float
+) -> None:
+    """A chunk's (or a prefix hit's) queries over their whole context, unmasked over the prefix
+    and causal over the chunk, merged by log-sum-exp: SDPA's masked attention's numbers, in
+    float32 from the same inputs."""
+    from engine_core.attention.cpu_backend import prefix_and_chunk_attention, visible_keys
+
+    torch.manual_seed(queries)
+    q = torch.randn(queries, heads, 32, dtype=dtype)
+    k = torch.randn(length, kv_heads, 32, dtype=dtype)
+    v = torch.randn(length, kv_heads, 32, dtype=dtype)
+    keep = visible_keys(queries, length, None)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None].float() for t in (q, k, v)),
+        attn_mask=keep, enable_gqa=True, scale=0.2,
+    )[0].transpose(0, 1)  # fmt: skip
+    got = prefix_and_chunk_attention(q, k, v, 0.2)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
