@@ -619,6 +619,13 @@ class EngineConfig:
                 "spans the nodes"
             )
 
+    def overlaps(self, on_cpu: bool) -> bool:
+        """Whether the loop overlaps: as --async-scheduling says, else on with a GPU or with
+        pipeline stages (the field's comment); ``on_cpu``: the engine's device is the CPU."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return not on_cpu or self.pipeline_parallel_size > 1
+
     def num_drafted_positions(self) -> int:
         """K, the drafts a verify step may score per request (0 without speculation)."""
         spec = self.speculation()

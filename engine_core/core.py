@@ -74,12 +74,8 @@ class EngineCore:
         self.config = config = self.runner.config
         self.model_config = self.runner.model_config
         self.embedding = self.model_config.embedding  # None: the engine generates
-        overlap = config.async_scheduling
-        if overlap is None:  # on a GPU, or with pipeline stages in other processes (config.py)
-            on_cpu = resolve_device(config.device).type == "cpu"
-            overlap = not on_cpu or config.pipeline_parallel_size > 1
-        if self.embedding is not None:
-            overlap = False
+        on_cpu = resolve_device(config.device).type == "cpu"
+        overlap = config.overlaps(on_cpu) and self.embedding is None
         self.config = config = dataclasses.replace(config, async_scheduling=overlap)
         self.scheduler = Scheduler(
             config,

@@ -178,9 +178,8 @@ class Scheduler:
         # micro-batch in flight per stage, each about 1/P of the live requests and none of the
         # requests another in-flight plan holds (``_in_flight``: their ids, from the plan until
         # its update), so the running requests rotate through P disjoint groups.
-        # (Unset overlap is on with pipeline stages: EngineCore resolves it so.)
-        overlap = config.async_scheduling is not False
-        pipelined = config.pipeline_parallel_size > 1 and overlap
+        # (With stages the device does not decide overlap: EngineConfig.overlaps.)
+        pipelined = config.pipeline_parallel_size > 1 and config.overlaps(on_cpu=True)
         self._micro_batches = config.pipeline_parallel_size if pipelined else 1
         self._in_flight: set[str] = set()
         self._plans_in_flight = 0
