@@ -281,6 +281,9 @@ class GraphBuffers:
     # without; ``shared_prefix_staged``: whether the last replay had one.
     shared_prefix: torch.Tensor | None = None
     shared_prefix_staged: bool = False
+    # [max_seqs] int32: a decode step's row order (AttentionMetadata.row_order), each padding
+    # row its own index, so that a graph's rows are always a permutation; staged with the rows.
+    row_order: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -331,6 +334,7 @@ class GraphBuffers:
             state_rows=state_rows,
             pad_state_slot=-1 if pad_state_slot is None else pad_state_slot,
             shared_prefix=zeros(2, dtype=torch.int32),
+            row_order=torch.arange(max_seqs, dtype=torch.int32, device=device),
         )
 
     @property
@@ -383,9 +387,11 @@ class GraphBuffers:
 
         ids, positions = step
         staged = (self.input_ids, self.positions)
+        assert self.row_order is not None
         for g, meta in enumerate(metas):
-            # One launch a group: group 0's copies the ids, positions and seq_lens too, and the
-            # later ones copy those again (the same values) beside their slots and tables.
+            # One launch a group: group 0's copies the ids, positions, seq_lens and row order
+            # too, and the later ones copy those again (the same values) beside their slots
+            # and tables.
             slots, tables = self.group_buffers(g)
             stage_decode_inputs(
                 (ids, positions, meta.slot_mapping, meta.seq_lens),
@@ -393,6 +399,7 @@ class GraphBuffers:
                 (*staged, slots, self.seq_lens),
                 tables,
                 batch,
+                (meta.row_order, self.row_order),
             )
         if state is not None:
             self.stage_state(state, len(metas[0].seq_lens_cpu), batch)
@@ -456,6 +463,7 @@ class GraphBuffers:
             query_start_loc_cpu=list(range(batch + 1)),
             seq_lens_cpu=[max_model_len] * batch,
             shared_prefix=self.shared_prefix if shared else None,
+            row_order=None if self.row_order is None else self.row_order[:batch],
         )
 
     def prefill_metadata(self, tokens: int, max_model_len: int) -> AttentionMetadata:

@@ -312,6 +312,8 @@ class InputBatch:
         view["seq_lens"][:] = seq_lens
         if tiles is not None:
             view["prefill_tiles"][:] = tiles.reshape(-1)
+        if decode_only:  # longest first (AttentionMetadata.row_order)
+            view["row_order"][:] = np.argsort(-seq_lens, kind="stable")
         shared = self._shared_prefix(block_tables, seq_lens, lens, decode_only)
         view["shared_prefix"][:] = shared
         self.shared_tokens = shared[0]  # a steady step that follows keeps them (_advance)
@@ -516,6 +518,8 @@ class InputBatch:
             uniform_query_len=max_query_len if uniform else 0,
             # Kept as the last step's when a steady step advances: rows only append blocks.
             shared_prefix=views["shared_prefix"] if host_views["shared_prefix"][0] else None,
+            # Kept too when a steady step advances: every length grows by one.
+            row_order=views["row_order"] if layout.count("row_order") else None,
         )
         group_metadata = ()
         if layout.counts[6] > 1:
@@ -601,6 +605,8 @@ class _Layout:
             ("block_tables", num_seqs * width, _I32),
             ("prefill_tiles", 2 * num_tiles, _I32),
             ("shared_prefix", 2, _I32),  # AttentionMetadata.shared_prefix (0 tokens: none)
+            # AttentionMetadata.row_order: a decode-only step's (as many tokens as sequences).
+            ("row_order", num_seqs if num_tokens == num_seqs else 0, _I32),
             # KV layer groups 1.. (none with one group): their slots and tables, group by group.
             ("group_slot_mapping", (num_groups - 1) * num_tokens, _I64),
             ("group_block_tables", (num_groups - 1) * num_seqs * width, _I32),

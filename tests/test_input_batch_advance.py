@@ -115,6 +115,13 @@ def check_against_plan(packed: PackedInputs, plan: SchedulerOutput, expected: di
     shared = packed.meta.shared_prefix
     got = (0, 0) if shared is None else tuple(shared.tolist())
     assert got == expected_shared_prefix(plan)
+    order = packed.meta.row_order
+    if all(s.num_new_tokens == 1 for s in plan.scheduled):
+        lens = expected["seq_lens"]  # longest first; equal lengths in the batch's order
+        assert order is not None
+        assert order.tolist() == sorted(range(len(lens)), key=lambda i: -lens[i])
+    else:
+        assert order is None
     for group, meta in enumerate(packed.group_metadata[1:], start=1):
         check_group(meta, plan, group)
 

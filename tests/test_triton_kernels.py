@@ -806,6 +806,63 @@ def test_backend_write_then_attend_matches_reference(decode_only: bool) -> None:
     assert_close(out, ref)
 
 
+def test_served_decode_launch_by_hand() -> None:
+    """The served launch by rows (a graph's): the batch's order and the engine's splits up to
+    16 rows or without an order; longest first in two splits up to 256 rows where the tables
+    hold two minimum splits; longest first alone past 256."""
+    from engine_core.attention.triton_kernels import MIN_SPLIT_TOKENS, served_decode_launch
+
+    order = torch.arange(300, dtype=torch.int32)
+    wide = 4096
+    assert served_decode_launch(None, 64, wide) == (None, None)
+    assert served_decode_launch(order, 16, wide) == (None, None)
+    for rows in (17, 64, 256):
+        assert served_decode_launch(order, rows, wide) == (order, 2)
+    assert served_decode_launch(order, 64, 2 * MIN_SPLIT_TOKENS - 16) == (order, None)
+    assert served_decode_launch(order, 257, wide) == (order, None)
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_served_decode_step_longest_first_matches_reference(rotated: bool, shared: bool) -> None:
+    """A decode step of 24 rows of spread lengths with its row order (the input batch's:
+    longest first) through the backend as a layer calls it, plain or rotating in the decode
+    launch, over a shared prefix or not: launched longest first in two splits, each row the
+    reference's attention in its own output row."""
+    heads, kv_heads, head_dim = HEAD_SHAPES[0] if rotated else HEAD_SHAPES[-1]
+    block, shared_tokens = BLOCK_SIZES[0], 32
+    contexts = [40 + (i * 131) % 560 for i in range(24)]
+    specs = [(c - 1, 1) for c in contexts]
+    batch = make_batch(specs, heads, kv_heads, head_dim, block, seed=21, extra_table_width=8)
+    if shared:
+        lead = shared_tokens // block
+        batch.meta.block_tables[:, :lead] = batch.meta.block_tables[0, :lead]
+    lens = batch.meta.seq_lens
+    order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+    shared_prefix = torch.tensor([shared_tokens, 0], dtype=torch.int32, device=DEVICE)
+    meta = dataclasses.replace(
+        batch.meta, row_order=order, shared_prefix=shared_prefix if shared else None
+    )
+    backend = TritonBackend()
+    max_context = meta.block_tables.shape[1] * block
+    assert backend.decode_launch(meta, batch.q, batch.k_cache) == (order, 2)
+    assert max_context >= 2 * 256
+    scale = head_dim**-0.5
+    if rotated:
+        q, k, v, cos, sin = qkv_views_and_angles(batch, partial=False, seed=6)
+        ref_q, ref_k_cache, ref_v_cache = q.clone(), batch.k_cache.clone(), batch.v_cache.clone()
+        rotary_write_kv_cache(ref_q, k, v, cos, sin, ref_k_cache, ref_v_cache, meta.slot_mapping)
+        ref = REFERENCE.forward(ref_q, ref_k_cache, ref_v_cache, meta, scale)
+        out = backend.decode_rotated(q, k, v, cos, sin, batch.k_cache, batch.v_cache, meta, scale)
+        assert torch.equal(batch.k_cache, ref_k_cache)
+    else:
+        backend.write_kv(batch.k_cache, batch.v_cache, batch.k, batch.v, meta.slot_mapping)
+        ref = REFERENCE.forward(batch.q, batch.k_cache, batch.v_cache, meta, scale)
+        out = backend.forward(batch.q, batch.k_cache, batch.v_cache, meta, scale)
+    assert backend.shared_prefix_passes == shared
+    assert_close(out, ref)
+
+
 # A mixed step: running decodes (some past a block or two of context, one at a window's edge)
 # and prompt chunks, one of them a cached prefix's rest, and a decode after them.
 MIXED_SPECS = [(c, 1) for c in (0, 3, 15, 16, 40, 63, 64, 90, 127)] + [(0, 21), (30, 9), (2, 1)]
@@ -1049,6 +1106,35 @@ def test_stage_decode_inputs_copies_and_pads_as_the_copies_did(
     for got, w in zip(buffers, want, strict=True):
         assert torch.equal(got, w)
     assert torch.equal(table_buffer, want_tables)
+
+
+@pytest.mark.parametrize("step_has_order", [True, False])
+def test_stage_decode_inputs_stages_a_row_order_that_stays_a_permutation(
+    step_has_order: bool,
+) -> None:
+    """The graph's row order after a step of n rows in a graph of ``rows``: the step's order
+    (or the batch's where it has none) then each padding row's own index, a permutation of
+    the graph's rows even where a longer step staged its order before; rows past the graph's
+    are left as they were."""
+    n, rows = 5, 8
+    gen = torch.Generator().manual_seed(11)
+
+    def ints(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.randint(0, 10_000, shape, generator=gen, dtype=dtype).to(DEVICE)
+
+    inputs = (ints(n), ints(n), ints(n), ints(n, dtype=torch.int32))
+    step_order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEVICE)
+    buffers = (ints(16), ints(16), ints(16), ints(16, dtype=torch.int32))
+    # Left by an earlier step of 7 rows: indices below n at the padding rows' places.
+    order_buffer = torch.tensor([6, 5, 4, 3, 2, 1, 0, 7, 8, 9, 10, 11, 12, 13, 14, 15])
+    order_buffer = order_buffer.to(torch.int32).to(DEVICE)
+    stage_decode_inputs(
+        inputs, ints(n, 3, dtype=torch.int32), buffers, ints(16, 8, dtype=torch.int32), rows,
+        (step_order if step_has_order else None, order_buffer),
+    )  # fmt: skip
+    head = [3, 0, 4, 1, 2] if step_has_order else [0, 1, 2, 3, 4]
+    assert order_buffer.tolist() == [*head, 5, 6, 7, *range(8, 16)]
+    assert sorted(order_buffer[:rows].tolist()) == list(range(rows))
 
 
 @pytest.mark.parametrize("num_tokens", FUSED_TOKENS)

@@ -86,6 +86,11 @@ class AttentionMetadata:
     # pages); None where there are none. A graph's buffer is always given with one KV group
     # (0 tokens in steps without).
     shared_prefix: torch.Tensor | None = None
+    # [B] int32 on the device, a decode-only step's: its sequences longest first (a stable
+    # argsort of their lengths), the order a backend may launch their programs in so that the
+    # longest do not start last; a graph's buffer pads it with the padding rows' own indices.
+    # None in other steps (and in metadata made by hand): the batch's order.
+    row_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

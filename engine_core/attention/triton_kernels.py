@@ -82,6 +82,16 @@ PROGRAMS_PER_SM = 2
 SPARSE_SPLIT_PROGRAMS_PER_SM = 3
 SPARSE_SPLITS = 4
 MAX_SPLITS = 64
+# A served decode step's rows are launched longest first from ORDERED_DECODE_MIN_ROWS rows, in
+# two splits up to TWO_SPLIT_ORDERED_MAX_ROWS (served_decode_launch). Its lengths spread from a
+# few dozen tokens to a few thousand, and in the batch's order the longest rows' programs can
+# start last and end the launch alone. H100, llama-8b, 64 decode steps of 32 req/s replayed
+# against FlashAttention 3 on the same rows, by rows (engine's launch -> this one, over FA3):
+# 17-64 1.02 -> 0.99, 65-256 1.10 -> 1.01, past 256 1.08 -> 0.99; up to 16 rows the engine's
+# own launch was ahead (0.90) and two splits cost 1.39 (docs/design/goodput-and-multi-turn.md,
+# "Past saturation on an H100").
+ORDERED_DECODE_MIN_ROWS = 17
+TWO_SPLIT_ORDERED_MAX_ROWS = 256
 
 
 # ---- KV-cache write ----------------------------------------------------------------------------
@@ -1113,6 +1123,7 @@ def rotary_decode_attention(
     v_scale: float = 1.0,
     tile: DecodeTile | None = None,
     attention_chunk: int | None = None,
+    row_order: torch.Tensor | None = None,  # [B] int32: as paged_decode_attention's
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """A decode step's rotary, KV write and attention in the decode kernel's launch: what
     ``rotary_write_kv_cache`` then ``paged_decode_attention`` do in two (one launch fewer per
@@ -1130,7 +1141,22 @@ def rotary_decode_attention(
     return _decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, new, sliding_window, num_splits,
         min_split_tokens, out, k_scale, v_scale, tile, None, attention_chunk,
+        row_order=row_order,
     )  # fmt: skip
+
+
+def served_decode_launch(
+    row_order: torch.Tensor | None, rows: int, max_context: int
+) -> tuple[torch.Tensor | None, int | None]:
+    """The launch order and split count (None: the engine's own choice) of a decode step of
+    ``rows`` rows (a graph's, padding included: a shape) whose sequences ``row_order`` puts
+    longest first, with tables ``max_context`` tokens wide (see ORDERED_DECODE_MIN_ROWS).
+    Tables narrower than two minimum splits keep the engine's own split count."""
+    if row_order is None or rows < ORDERED_DECODE_MIN_ROWS:
+        return None, None
+    if rows <= TWO_SPLIT_ORDERED_MAX_ROWS and max_context >= 2 * MIN_SPLIT_TOKENS:
+        return row_order, 2
+    return row_order, None
 
 
 def _decode(

@@ -209,8 +209,9 @@ def _peer_sum_args(x: torch.Tensor, peer: PeerSumArgs | None) -> dict[str, Any]:
 # docs/design/cuda-graphs-and-warm-up.md, "Nothing compiles mid-serving").
 @triton.jit(do_not_specialize=["n", "width", "stride_t"])
 def _stage_decode_kernel(
-    Ids, Pos, Slots, SeqLens, Tables, DIds, DPos, DSlots, DSeqLens, DTables,
-    n, width, stride_t, stride_dt, BLOCK_W: tl.constexpr,
+    Ids, Pos, Slots, SeqLens, Tables, Order, DIds, DPos, DSlots, DSeqLens, DTables, DOrder,
+    n, width, stride_t, stride_dt, BLOCK_W: tl.constexpr, HAS_ORDER: tl.constexpr,
+    STAGE_ORDER: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     if row < n:
@@ -218,14 +219,18 @@ def _stage_decode_kernel(
         tl.store(DPos + row, tl.load(Pos + row))
         tl.store(DSlots + row, tl.load(Slots + row))
         tl.store(DSeqLens + row, tl.load(SeqLens + row))
+        if STAGE_ORDER:
+            tl.store(DOrder + row, tl.load(Order + row) if HAS_ORDER else row)
         cols = tl.arange(0, BLOCK_W)
         src, dst = Tables + row.to(tl.int64) * stride_t, DTables + row.to(tl.int64) * stride_dt
         for start in range(0, width, BLOCK_W):
             mask = start + cols < width
             tl.store(dst + start + cols, tl.load(src + start + cols, mask=mask), mask=mask)
-    else:  # a padding row: it writes no KV slot and attends to nothing
+    else:  # a padding row: it writes no KV slot, attends to nothing and launches in place
         tl.store(DSlots + row, -1)
         tl.store(DSeqLens + row, 0)
+        if STAGE_ORDER:
+            tl.store(DOrder + row, row)
 
 
 def stage_decode_inputs(
@@ -234,13 +239,19 @@ def stage_decode_inputs(
     buffers: tuple[torch.Tensor, ...],  # the graph's: ids, positions, slots, seq lens [>= rows]
     table_buffer: torch.Tensor,  # the graph's block tables [>= rows, >= width] int32
     rows: int,  # the graph's batch: rows n.. are padding
+    order: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> None:
     """A decode step's inputs into a CUDA graph's static buffers, its padding rows made inert
-    (no KV slot, no context), in one launch instead of one copy or fill each."""
+    (no KV slot, no context), in one launch instead of one copy or fill each. ``order``: the
+    step's row order [n] int32 (None: the batch's) and the graph's buffer for it [>= rows]
+    (None: none staged), which gets each padding row's own index."""
     n, width = block_tables.shape
+    step_order, order_buffer = order
     _stage_decode_kernel[(rows,)](
-        *inputs, block_tables, *buffers, table_buffer, n, width, block_tables.stride(0),
-        table_buffer.stride(0), BLOCK_W=128, num_warps=1,
+        *inputs, block_tables, inputs[3] if step_order is None else step_order, *buffers,
+        table_buffer, inputs[3] if order_buffer is None else order_buffer, n, width,
+        block_tables.stride(0), table_buffer.stride(0), BLOCK_W=128,
+        HAS_ORDER=step_order is not None, STAGE_ORDER=order_buffer is not None, num_warps=1,
     )  # fmt: skip
 
 
