@@ -36,7 +36,7 @@ from engine_core.attention.triton_kernels import (
     paged_verify_attention,
     rotary_decode_attention,
     rotary_write_kv_cache,
-    served_decode_launch,
+    served_row_order,
     verify_serves,
     write_kv_cache,
 )
@@ -160,30 +160,20 @@ class TritonBackend:
         pages once for all rows saves more than the launch the fusion saves, and the pass needs
         q rotated before the decode kernel runs."""
         shared = self.shared_prefix(meta, q, k_cache, sliding_window, attention_chunk)
-        order, splits = self.decode_launch(meta, q, k_cache)
+        order = served_row_order(meta.row_order, q.shape[0])
         if shared is not None:
             scales = (k_scale, v_scale)
             self.write_kv_rotated(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, *scales)
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                 k_scale=k_scale, v_scale=v_scale, shared_prefix=shared, row_order=order,
-                num_splits=splits,
             )  # fmt: skip
         new = NewTokens(k, v, cos, sin, meta.slot_mapping)
         return rotary_decode_attention(
             q, new, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
             sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
-            attention_chunk=attention_chunk, row_order=order, num_splits=splits,
+            attention_chunk=attention_chunk, row_order=order,
         )  # fmt: skip
-
-    @staticmethod
-    def decode_launch(
-        meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor
-    ) -> tuple[torch.Tensor | None, int | None]:
-        """A decode-only step's launch order and split count (served_decode_launch), by
-        its rows and its tables' width: shapes, the same in every replay of a graph."""
-        max_context = meta.block_tables.shape[1] * k_cache.shape[1]
-        return served_decode_launch(meta.row_order, q.shape[0], max_context)
 
     def forward(
         self,
@@ -207,7 +197,6 @@ class TritonBackend:
         }
         if meta.is_decode_only and key_ends is None:
             # T == B here; the launch reads no host value but shapes (CUDA-graph safe).
-            order, splits = self.decode_launch(meta, q, k_cache)
             return paged_decode_attention(
                 q,
                 k_cache,
@@ -217,8 +206,7 @@ class TritonBackend:
                 scale,
                 sliding_window=sliding_window,
                 shared_prefix=self.shared_prefix(meta, q, k_cache, sliding_window, attention_chunk),
-                row_order=order,
-                num_splits=splits,
+                row_order=served_row_order(meta.row_order, q.shape[0]),
                 **scales,
             )
         queries = meta.uniform_query_len

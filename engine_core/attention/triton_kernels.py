@@ -82,16 +82,17 @@ PROGRAMS_PER_SM = 2
 SPARSE_SPLIT_PROGRAMS_PER_SM = 3
 SPARSE_SPLITS = 4
 MAX_SPLITS = 64
-# A served decode step's rows are launched longest first from ORDERED_DECODE_MIN_ROWS rows, in
-# two splits up to TWO_SPLIT_ORDERED_MAX_ROWS (served_decode_launch). Its lengths spread from a
-# few dozen tokens to a few thousand, and in the batch's order the longest rows' programs can
-# start last and end the launch alone. H100, llama-8b, 64 decode steps of 32 req/s replayed
-# against FlashAttention 3 on the same rows, by rows (engine's launch -> this one, over FA3):
-# 17-64 1.02 -> 0.99, 65-256 1.10 -> 1.01, past 256 1.08 -> 0.99; up to 16 rows the engine's
-# own launch was ahead (0.90) and two splits cost 1.39 (docs/design/goodput-and-multi-turn.md,
-# "Past saturation on an H100").
-ORDERED_DECODE_MIN_ROWS = 17
-TWO_SPLIT_ORDERED_MAX_ROWS = 256
+# A decode step of ORDERED_DECODE_MIN_ROWS rows or more (a graph's) launches its rows longest
+# first (AttentionMetadata.row_order): a served step's lengths spread from a few dozen tokens to
+# a few thousand, and in the batch's order the longest rows' programs can start last and end the
+# launch alone. H100, graph calls, µs, rows spread over 64-2,300 tokens, engine's launch ->
+# longest first: llama-8b 192 / 256 / 384 rows 336.0 -> 321.8, 429.3 -> 400.4, 623.5 -> 597.4;
+# llama-1b 256 rows 213.1 -> 204.4; rows of one length unchanged (384 x 256: 135.3 / 134.5, 72.4
+# / 72.9). At 64 and 128 rows the order alone cost 10% (114.7 -> 125.8, 229.1 -> 249.7); two
+# splits with it gained 5-7% there (109.0, 212.5) but cost 5-19% on rows of one length (384 x 64:
+# 36.8 -> 43.9), which a graph cannot tell apart (docs/design/goodput-and-multi-turn.md, "Past
+# saturation on an H100").
+ORDERED_DECODE_MIN_ROWS = 192
 
 
 # ---- KV-cache write ----------------------------------------------------------------------------
@@ -1084,7 +1085,7 @@ def paged_decode_attention(
     return _decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale, None, sliding_window, num_splits,
         min_split_tokens, out, k_scale, v_scale, tile, sinks, attention_chunk, mixed_starts,
-        shared_prefix, row_order,
+        shared_prefix, row_order=row_order,
     )  # fmt: skip
 
 
@@ -1145,18 +1146,11 @@ def rotary_decode_attention(
     )  # fmt: skip
 
 
-def served_decode_launch(
-    row_order: torch.Tensor | None, rows: int, max_context: int
-) -> tuple[torch.Tensor | None, int | None]:
-    """The launch order and split count (None: the engine's own choice) of a decode step of
-    ``rows`` rows (a graph's, padding included: a shape) whose sequences ``row_order`` puts
-    longest first, with tables ``max_context`` tokens wide (see ORDERED_DECODE_MIN_ROWS).
-    Tables narrower than two minimum splits keep the engine's own split count."""
-    if row_order is None or rows < ORDERED_DECODE_MIN_ROWS:
-        return None, None
-    if rows <= TWO_SPLIT_ORDERED_MAX_ROWS and max_context >= 2 * MIN_SPLIT_TOKENS:
-        return row_order, 2
-    return row_order, None
+def served_row_order(row_order: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The launch order of a decode step of ``rows`` rows (a graph's, padding included: a
+    shape) whose sequences ``row_order`` puts longest first: that order from
+    ORDERED_DECODE_MIN_ROWS rows, else None (the batch's)."""
+    return row_order if rows >= ORDERED_DECODE_MIN_ROWS else None
 
 
 def _decode(
