@@ -384,12 +384,27 @@ class Generation:
                 pending = pending[:-1]  # the stop token's text: not part of the output
             choice.unsent_text += choice.text.finish(pending)
             # A stop string that the last tokens completed wins over the engine's reason.
+            if choice.text.stopped:
+                self._drop_past_stop(choice)
             self._finish(choice, "stop" if choice.text.stopped else choice.ended.openai_name)
             return
         choice.unsent_text += choice.text.push(pending)
         if choice.text.stopped:
+            self._drop_past_stop(choice)
             group.stop(self.members.index(choice.index))
             self._finish(choice, "stop")
+
+    @staticmethod
+    def _drop_past_stop(choice: Choice) -> None:
+        """Drop the tokens (and their logprobs) after the one that completed the stop string,
+        decoded in the same run (speculative drafts): generated one at a time, the choice would
+        have ended there. The detokenizer took every token before them (the stop token's id
+        is its last, never pushed), and none of them was sent: each run is decoded before its
+        flush."""
+        kept = max(choice.text.tokens_to_stop, choice.sent)
+        del choice.token_ids[kept:]
+        del choice.logprobs[kept:]
+        choice.decoded = min(choice.decoded, kept)
 
     def _due(self, choice: Choice) -> bool:
         """Whether a streamed choice has gathered enough tokens for a chunk (or its first)."""

@@ -373,3 +373,37 @@ def test_only_a_byte_level_decoder_streams_without_a_window(tokenizer: Any) -> N
     assert Tokenizer(tokenizer).byte_level
     sentencepiece = PreTrainedTokenizerFast(tokenizer_object=sentencepiece_style_tokenizer())
     assert not Tokenizer(sentencepiece).byte_level
+
+
+@pytest.mark.parametrize("longest", [1, 4, 1000])
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [
+        ("def sub(a, b):\n    return a - b\n\ndef mul(a, b):", "a - b"),
+        ("Emoji: 🚀🔥 then STOP 🇫🇷 and more text after the stop.", "STOP 🇫"),
+        ("Emoji: 🚀🔥 then STOP 🇫🇷 and more text after the stop.", "🔥 then"),
+    ],
+)
+def test_a_run_that_completes_a_stop_string_counts_the_tokens_it_took(
+    tokenizer: Any, longest: int, byte_level: bool, text: str, stop: str
+) -> None:
+    """Runs of several tokens (speculative drafts, an output interval) pushed until a stop
+    string matches, then finish()ed, as Generation does: ``tokens_to_stop`` is the count of
+    tokens pushed one at a time until the stop string matched (the plain engine's output,
+    token for token), where the match came late too (a run that ends inside a character
+    releases no text before the next)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decode = decode_fn(tokenizer)
+    one_by_one = TextStream(decode, [stop], byte_level)
+    want = 0
+    while not one_by_one.stopped:
+        one_by_one.push([ids[want]])
+        want += 1
+    for seed in range(5):
+        stream = TextStream(decode, [stop], byte_level)
+        pieces = runs(ids, longest, random.Random(seed))
+        for i, piece in enumerate(pieces):
+            stream.finish(piece) if i == len(pieces) - 1 else stream.push(piece)
+            if stream.stopped:
+                break
+        assert stream.stopped and stream.tokens_to_stop == want

@@ -433,7 +433,8 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
     try:
         plain = LLM(str(model), device="cpu", max_model_len=512, num_kv_blocks=128)
         params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-        want = plain.generate([prompt], params)[0].text
+        plain_out = plain.generate([prompt], params)[0]
+        want = plain_out.text
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
         greedy_body = {"model": "default", "prompt": prompt, "max_tokens": 60, "temperature": 0}
         extra = {"ignore_eos": True}
@@ -447,8 +448,15 @@ def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(
         both = client.completions.create(**greedy_body, n=2, extra_body=extra)
         assert [c.text for c in both.choices] == [want, want]
         stop = want[len(want) // 2 : len(want) // 2 + 3]  # a stop string inside a drafted run
-        cut = client.completions.create(**greedy_body, stop=[stop], extra_body=extra)
+        cut = client.completions.create(**greedy_body, stop=[stop], logprobs=1, extra_body=extra)
         assert cut.choices[0].text == want[: want.index(stop)]
+        # Its tokens end with the one whose text completes the stop string, as generated one
+        # at a time: the drafts accepted after it in the same run are not output.
+        ids = plain_out.token_ids
+        text_of = lambda n: plain.tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731
+        upto = next(n for n in range(1, len(ids) + 1) if stop in text_of(n))
+        assert cut.usage.completion_tokens == upto
+        assert len(cut.choices[0].logprobs.tokens) == upto
         wait_engine_idle(srv)  # every KV block free, the integrity check passing
 
         values = counters_once_drafts_counted(srv.base_url)
