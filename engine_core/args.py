@@ -92,10 +92,12 @@ _HELP = {
     "the checkpoint says, else last-token and normalised)",
     "speculative_config": "speculative decoding, as JSON (the peers' spelling): "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-    '"prompt_lookup_min": 2}\': greedy requests take the tokens that followed the last n '
-    "tokens' earlier occurrence as drafts, scored in one step (engine_core/speculative.py); "
-    'also "draft_model" and "eagle3" (an EAGLE-3 head), each with a "model" folder, and "mtp" '
-    "(a DeepSeek-V3 checkpoint's own multi-token-prediction layer)",
+    '"prompt_lookup_min": 2}\': requests (greedy or sampled) take the tokens that followed '
+    "the last n tokens' earlier occurrence as drafts, scored in one step, each position drawn "
+    'as a plain step draws it (engine_core/speculative.py); also "draft_model" and '
+    '"eagle3" (an EAGLE-3 head), each with a "model" folder, and "mtp" (also "deepseek_mtp", '
+    '"qwen3_next_mtp": a DeepSeek-V3, Qwen3-Next or Qwen3.5 checkpoint\'s own '
+    "multi-token-prediction layer)",
     "enable_lora": "serve LoRA adapters (PEFT folders) that requests name: q/k/v/o and "
     "gate/up/down targets, mixed with each other and the base model in one batch",
     "max_loras": "LoRA adapters resident in device slots at once (a request waits for a slot)",

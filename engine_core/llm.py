@@ -317,11 +317,25 @@ class LLM:
 # ---- `tandem generate` ------------------------------------------------------------------------
 
 
+def utf8_text(value: str) -> str:
+    """A command-line text that is valid UTF-8 (argv bytes that are not decode to lone
+    surrogates, which no tokenizer takes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return value
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     from engine_core.args import add_engine_args
 
     parser.add_argument(
-        "--prompt", action="append", required=True, help="prompt text (repeat the flag for a batch)"
+        "--prompt",
+        action="append",
+        required=True,
+        type=utf8_text,
+        help="prompt text (repeat the flag for a batch)",
     )
     parser.add_argument(
         "--chat",

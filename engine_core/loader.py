@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from engine_core.config import Fp8Config, ModelConfig
@@ -207,6 +208,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     quantization config from a ``quantize_config.json`` beside it where config.json has none
     (older AutoGPTQ and AutoAWQ checkpoints keep it there)."""
     hf = read_json(model_dir / "config.json")
+    check_quantization_objects(hf)
     if not (hf.get("quantization_config") or hf.get("compression_config")):
         for name in QUANT_SIDECARS:
             if (model_dir / name).is_file():
@@ -221,8 +223,29 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path`` (a ValueError naming it where the file holds another
+    value)."""
     with path.open(encoding="utf-8") as f:
-        return json.load(f)
+        value = json.load(f)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def check_quantization_objects(hf: dict[str, Any]) -> None:
+    """config.json's quantization settings (its own and its text model's) are JSON objects
+    where they are given: every reader asks them for their method."""
+    sections = [("", hf)]
+    if isinstance(hf.get("text_config"), dict):
+        sections.append(("text_config.", hf["text_config"]))
+    for where, section in sections:
+        for key in ("quantization_config", "compression_config"):
+            value = section.get(key)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(
+                    f"config.json: {where}{key} must be a JSON object, not a "
+                    f"{type(value).__name__} ({value!r:.60})"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,18 +267,35 @@ def iter_checkpoint(
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors or pytorch_model.bin weights")
     for file in files:
-        # weights_only: a .bin is a pickle, and only plain tensors may come out of it.
-        yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+        yield from load_bin(file).items()
+
+
+def load_bin(file: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model*.bin's tensors: memory-mapped where the file is torch's zip format,
+    read whole where it is the legacy one (torch.save before torch 1.6), which cannot be
+    mapped. weights_only: a .bin is a pickle, and only plain tensors may come out of it."""
+    mmap = zipfile.is_zipfile(file)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # the unpickler fails on garbage in any number of ways
+        raise CheckpointError(f"{file} cannot be read as PyTorch weights: {exc!r}") from exc
+
+
+class CheckpointError(ValueError):
+    """A weights file that cannot be read (corrupt, cut short, not what its name says)."""
 
 
 def iter_safetensors(
     file: Path, names: list[str] | None, skip: set[str] | frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) of ``names`` (None: all) in ``file``, but those in ``skip``."""
-    with safe_open(str(file), framework="pt") as f:
-        for name in names if names is not None else list(f.keys()):
-            if name not in skip:
-                yield name, f.get_tensor(name)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for name in names if names is not None else list(f.keys()):
+                if name not in skip:
+                    yield name, f.get_tensor(name)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{file} cannot be read as safetensors: {exc}") from exc
 
 
 # A checkpoint's FP8 K/V scale names: compressed-tensors' self_attn.k_scale, and the older

@@ -71,7 +71,7 @@ class SpeculativeConfig:
         except ValueError as exc:
             raise ValueError(f"--speculative-config is not JSON: {exc}") from None
         if not isinstance(value, dict):
-            raise ValueError("--speculative-config is a JSON object")
+            raise ValueError("--speculative-config must be a JSON object")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -123,6 +123,15 @@ def test_an_unknown_flag_is_refused_with_the_commands_usage(command: list[str]) 
     assert f"tandem {name}: error: unrecognized arguments: --no-such-flag" in result.stderr
 
 
+def test_a_generate_prompt_that_is_not_utf8_is_refused_before_loading() -> None:
+    """argv bytes that are no UTF-8 (lone surrogates in Python) never reach the tokenizer."""
+    cli = [sys.executable.encode(), b"-m", b"frontend.cli", b"generate", b"--prompt", b"\xff\xfe"]
+    result = subprocess.run(cli, capture_output=True, timeout=120)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr
+    assert "argument --prompt: not valid UTF-8 text" in stderr and "Traceback" not in stderr
+
+
 def test_a_flag_before_the_command_is_tandems_to_refuse() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "frontend.cli", "--no-such-flag", "serve"],

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engine_core.loader import iter_checkpoint, load_model, load_model_config
+from engine_core.loader import CheckpointError, iter_checkpoint, load_model, load_model_config
 from engine_core.model_dir import gguf_cache_dir, resolve_model_dir
 from engine_core.models import model_config_from_hf
 from engine_core.presets import PRESETS
@@ -211,12 +211,16 @@ def save_tiny_llama(folder: Path) -> LlamaForCausalLM:
     return model
 
 
-def test_pytorch_bin_loads_like_safetensors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_pytorch_bin_loads_like_safetensors(tmp_path: Path, zip_format: bool) -> None:
+    """A .bin in torch's zip format (memory-mapped) or its legacy one (torch.save before 1.6:
+    read whole) holds the safetensors' weights."""
     hf_model = save_tiny_llama(tmp_path / "st")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
-    torch.save(hf_model.state_dict(), bin_dir / "pytorch_model.bin")
+    state = hf_model.state_dict()
+    torch.save(state, bin_dir / "pytorch_model.bin", _use_new_zipfile_serialization=zip_format)
     from_st = load_model(str(tmp_path / "st"), CPU, torch.float32).module.state_dict()
     from_bin = load_model(str(bin_dir), CPU, torch.float32).module.state_dict()
     assert from_st.keys() == from_bin.keys()
@@ -232,7 +236,59 @@ def test_pytorch_bin_with_objects_is_refused(tmp_path: Path) -> None:
     save_tiny_llama(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     torch.save({"model.embed_tokens.weight": NotATensor()}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointError, match="pytorch_model.bin cannot be read") as refused:
+        load_model(str(tmp_path), CPU, torch.float32)
+    assert isinstance(refused.value.__cause__, pickle.UnpicklingError)
+
+
+@pytest.mark.parametrize(
+    ("damage", "file"),
+    [
+        ("header", "model.safetensors"),
+        ("cut", "model.safetensors"),
+        ("garbage", "pytorch_model.bin"),
+        ("cut", "pytorch_model.bin"),
+    ],
+)
+def test_a_damaged_weights_file_is_named_in_a_value_error(
+    tmp_path: Path, damage: str, file: str
+) -> None:
+    """A corrupt header, a file cut short or one that is no weights file at all: a
+    CheckpointError (a ValueError: the CLIs print it as one line) naming the file."""
+    hf_model = save_tiny_llama(tmp_path)
+    path = tmp_path / file
+    if file.endswith(".bin"):
+        (tmp_path / "model.safetensors").unlink()
+        torch.save(hf_model.state_dict(), path)
+    data = path.read_bytes()
+    damaged = {
+        "header": b"\xff" * 8 + data[8:],
+        "cut": data[: len(data) // 2],
+        "garbage": b"these are not the weights you are looking for" * 100,
+    }[damage]
+    path.write_bytes(damaged)
+    with pytest.raises(CheckpointError, match=f"{file} cannot be read"):
+        load_model(str(tmp_path), CPU, torch.float32)
+
+
+@pytest.mark.parametrize("where", ["", "text_config."])
+@pytest.mark.parametrize("value", ["gptq", [1, 2], 3])
+def test_a_quantization_config_that_is_no_object_is_refused(
+    tmp_path: Path, where: str, value: object
+) -> None:
+    save_tiny_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    section = config.setdefault("text_config", {}) if where else config
+    section["quantization_config"] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{where}quantization_config must be a JSON object"):
+        load_model(str(tmp_path), CPU, torch.float32)
+
+
+def test_a_config_json_that_is_no_object_is_refused(tmp_path: Path) -> None:
+    save_tiny_llama(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json holds a JSON list, not an object"):
         load_model(str(tmp_path), CPU, torch.float32)
 
 
@@ -473,3 +529,18 @@ def test_the_default_models_conversion_is_shared_by_every_install_of_its_package
     monkeypatch.setattr(model_dir, "default_gguf_path", lambda: elsewhere)
     assert resolve_model_dir("default") == converted
     assert gguf_cache_dir(elsewhere) != gguf_cache_dir(installed)  # path-keyed: not shared
+
+
+def test_the_clis_name_a_damaged_weights_file_in_one_line(tmp_path: Path) -> None:
+    """`tandem generate` on a folder whose safetensors file was cut short: exit 2 and one line
+    naming the file, no traceback (`tandem engine` and `tandem serve` print it the same way:
+    engine_cli.py catches the same ValueError)."""
+    save_tiny_llama(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    cli = [sys.executable, "-m", "frontend.cli", "generate", "--model", str(tmp_path)]
+    run = subprocess.run([*cli, "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(f"tandem generate: {weights} cannot be read as safetensors")

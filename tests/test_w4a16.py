@@ -310,6 +310,19 @@ def test_a_g_idx_out_of_order_without_act_order_is_refused(plain: Path, tmp_path
         load_float32(folder)
 
 
+def test_a_g_idx_past_the_groups_without_act_order_is_named_so(plain: Path, tmp_path: Path) -> None:
+    """A g_idx naming groups that do not exist is refused as that, not as an order."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = write_case("gptq-g32-sym", plain, tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("down_proj.g_idx"))
+    tensors[name] = torch.full_like(tensors[name], 99)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"{name}' has groups outside 0\\.\\."):
+        load_float32(folder)
+
+
 def test_merged_parts_with_different_column_orders_are_refused(plain: Path, tmp_path: Path) -> None:
     """q, k and v (gate and up) share an input, so act-order quantizers order them alike; a
     checkpoint that does not cannot run as one merged projection."""

@@ -1104,7 +1104,12 @@ def load_mapped_weights(
                 expected.difference_update((held, i) for i in checkpoint_shards(model, held))
     if expected:
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected)
-        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+        raise ValueError(
+            f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]} (the model's names: "
+            "a checkpoint's q/k/v or gate/up projections, or experts, fill the shards [i] of "
+            "merged ones, qzeros or weight_zero_point fill zeros, weight_scale_inv fills "
+            "weight_scale)"
+        )
     for module_name, module in model.named_modules():
         finish = getattr(module, "finish_loading", None)  # Linear's, SparseMoE's
         if finish is not None:

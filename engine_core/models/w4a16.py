@@ -174,7 +174,11 @@ def check_trivial_g_idx(g_idx: torch.Tensor, group_size: int, hf_name: str) -> N
     -1 for one group over all of them): a stored g_idx must say so (GPTQ stores one either
     way)."""
     expected = torch.arange(g_idx.numel()) // (g_idx.numel() if group_size == -1 else group_size)
-    if not torch.equal(g_idx.to(torch.int64).flatten().cpu(), expected):
+    stored = g_idx.to(torch.int64).flatten().cpu()
+    groups = int(expected[-1]) + 1 if expected.numel() else 0
+    if stored.numel() and not 0 <= int(stored.min()) <= int(stored.max()) < groups:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has groups outside 0..{groups - 1}")
+    if not torch.equal(stored, expected):
         raise ValueError(
             f"checkpoint tensor {hf_name!r} assigns columns to groups out of order, but "
             "quantization_config.desc_act is false"
