@@ -104,6 +104,7 @@ class InputBatch:
         kv_windows: Sequence[int | None] = (None,),
         kv_attention_chunks: Sequence[int | None] = (),
         mark_uniform: bool = False,
+        orders_rows: bool = False,
     ) -> None:
         """``kv_windows``: the window of each of the model's KV layer groups (None: full
         attention; engine_core/kv_groups.py), each with its own block tables and slot mapping
@@ -111,9 +112,12 @@ class InputBatch:
         ``mark_uniform``: mark a step whose sequences all have the same few new tokens
         (``AttentionMetadata.uniform_query_len``: a speculating engine's verify steps), which
         the Triton backend then attends with its verify kernel; off, every step is attended
-        as before (a plain engine's equal prompt chunks compile no verify kernel mid-serving)."""
+        as before (a plain engine's equal prompt chunks compile no verify kernel mid-serving).
+        ``orders_rows``: give a decode-only step its row order (AttentionMetadata.row_order),
+        for a backend that launches by it (the Triton backend's decode kernel)."""
         self.device = device
         self.mark_uniform = mark_uniform
+        self.orders_rows = orders_rows
         self.block_size = block_size
         self.kv_windows = tuple(kv_windows)
         self.kv_attention_chunks = tuple(c for c in kv_attention_chunks if c is not None)
@@ -312,7 +316,7 @@ class InputBatch:
         view["seq_lens"][:] = seq_lens
         if tiles is not None:
             view["prefill_tiles"][:] = tiles.reshape(-1)
-        if decode_only:  # longest first (AttentionMetadata.row_order)
+        if decode_only and self.orders_rows:  # longest first (AttentionMetadata.row_order)
             view["row_order"][:] = np.argsort(-seq_lens, kind="stable")
         shared = self._shared_prefix(block_tables, seq_lens, lens, decode_only)
         view["shared_prefix"][:] = shared
@@ -505,6 +509,7 @@ class InputBatch:
         # As many tokens as sequences: one each (a decode step).
         max_query_len = 1 if num_tokens == num_seqs else int(np.diff(query_start).max())
         uniform = self.mark_uniform and num_tokens == num_seqs * max_query_len > num_seqs
+        ordered = self.orders_rows and layout.count("row_order") > 0
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"],
             query_start_loc=views["query_start_loc"],
@@ -519,7 +524,7 @@ class InputBatch:
             # Kept as the last step's when a steady step advances: rows only append blocks.
             shared_prefix=views["shared_prefix"] if host_views["shared_prefix"][0] else None,
             # Kept too when a steady step advances: every length grows by one.
-            row_order=views["row_order"] if layout.count("row_order") else None,
+            row_order=views["row_order"] if ordered else None,
         )
         group_metadata = ()
         if layout.counts[6] > 1:

@@ -133,7 +133,7 @@ def gguf_block_types(model_dir: Path) -> dict[str, str]:
     path = model_dir / GGUF_BLOCKS_FILE
     if not path.is_file():
         return {}
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path) as f:
         metadata = f.metadata() or {}
     others = json.loads(metadata.get("gguf_dequantized", "{}"))
     counts = ", ".join(f"{name} {count}" for name, count in others.items())
@@ -277,8 +277,12 @@ def load_bin(file: Path) -> dict[str, torch.Tensor]:
     mmap = zipfile.is_zipfile(file)
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except MemoryError:
+        raise
     except Exception as exc:  # the unpickler fails on garbage in any number of ways
-        raise CheckpointError(f"{file} cannot be read as PyTorch weights: {exc!r}") from exc
+        # Its first line: torch's advice that follows (weights_only=False) is not ours to give.
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{file} cannot be read as PyTorch weights: {reason}") from exc
 
 
 class CheckpointError(ValueError):
@@ -289,11 +293,19 @@ def iter_safetensors(
     file: Path, names: list[str] | None, skip: set[str] | frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) of ``names`` (None: all) in ``file``, but those in ``skip``."""
+    with open_safetensors(file) as f:
+        for name in names if names is not None else list(f.keys()):
+            if name not in skip:
+                yield name, f.get_tensor(name)
+
+
+@contextmanager
+def open_safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open(file)``, whose errors (a corrupt header, a file cut short) are a
+    CheckpointError naming the file."""
     try:
         with safe_open(str(file), framework="pt") as f:
-            for name in names if names is not None else list(f.keys()):
-                if name not in skip:
-                    yield name, f.get_tensor(name)
+            yield f
     except SafetensorError as exc:
         raise CheckpointError(f"{file} cannot be read as safetensors: {exc}") from exc
 

@@ -383,6 +383,7 @@ class ModelRunner:
             kv_windows=self.kv_layout.windows,
             kv_attention_chunks=self.kv_layout.attention_chunks,
             mark_uniform=config.speculation() is not None,  # its verify steps (speculative.py)
+            orders_rows=getattr(self.backend, "orders_decode_rows", False),
         )
         self._init_step_state()
 

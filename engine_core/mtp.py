@@ -61,7 +61,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from engine_core.attention.base import AttentionMetadata
@@ -82,7 +81,7 @@ from engine_core.eagle3 import (
     plan_entries,
 )
 from engine_core.forward_context import forward_context
-from engine_core.loader import normalize_fp8_names, read_json
+from engine_core.loader import normalize_fp8_names, open_safetensors, read_json
 from engine_core.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
 from engine_core.models.layers import Linear, NameMap, load_mapped_weights, reset_buffers
 from engine_core.models.llama import choose_layer_forms, make_norm
@@ -249,7 +248,7 @@ def read_prefixed_tensors(model_dir: Path, prefix: str) -> dict[str, torch.Tenso
         files = sorted(model_dir.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.startswith(prefix):
                     tensors[name.removeprefix(prefix)] = f.get_tensor(name)

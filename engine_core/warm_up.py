@@ -22,9 +22,9 @@ reach the largest step the scheduler can plan in each dimension and each path of
   Triton backend attends through its decode kernel (``MIXED_DECODE_ROWS``).
 - decodes over a shared system prompt (``shared_prefix_decodes``): SHARED_PREFIX_MIN_ROWS rows
   whose contexts open with the same blocks, alone (a decode step) and ahead of prompts filling
-  the budget, so that the decode attention's shared-prefix pass is built before the first
-  conversations over one system prompt need it (eager steps, and decode steps under
-  ``--enforce-eager``);
+  the budget, then ORDERED_DECODE_MIN_ROWS of them alone (launched longest first), so that the
+  decode attention's shared-prefix pass is built before the first conversations over one
+  system prompt need it (eager steps, and decode steps under ``--enforce-eager``);
 - a vision-language model's image (``image_warm_up_plan``): a blank image of a common size
   in a short prompt, through the tower and an eager step with M-RoPE positions; the first
   1,024-pixel image on a fresh qwen3-vl-8b server otherwise took 1.2 s longer to its first
@@ -50,6 +50,7 @@ from itertools import chain, repeat
 
 from engine_core.attention.base import (
     MIXED_DECODE_ROWS,
+    ORDERED_DECODE_MIN_ROWS,
     SHARED_PREFIX_MIN_ROWS,
     SHARED_PREFIX_MIN_TOKENS,
 )
@@ -123,12 +124,11 @@ class StepLimits:
         scored = [i for i, s in enumerate(scheduled) if s.request.wants_prompt_logprobs]
         return SchedulerOutput(scheduled, prompt_logprob_seqs=scored)
 
-    def shared_prefix_decodes(self) -> list[ScheduledRequest]:
-        """SHARED_PREFIX_MIN_ROWS greedy decodes whose contexts open with the same blocks, at
-        least SHARED_PREFIX_MIN_TOKENS tokens of them (a system prompt the prefix cache shares),
+    def shared_prefix_decodes(self, rows: int = SHARED_PREFIX_MIN_ROWS) -> list[ScheduledRequest]:
+        """``rows`` greedy decodes whose contexts open with the same blocks, at least
+        SHARED_PREFIX_MIN_TOKENS tokens of them (a system prompt the prefix cache shares),
         each computing one token in a block of its own after those; none where the limits do
         not hold them."""
-        rows = SHARED_PREFIX_MIN_ROWS
         shared_blocks = -(-SHARED_PREFIX_MIN_TOKENS // self.block_size)
         context = shared_blocks * self.block_size  # the new token opens a block of its own
         fits = (
@@ -173,6 +173,10 @@ def warm_up_plans(limits: StepLimits, scored_chunk: int) -> list[SchedulerOutput
         beside_prompts = limits.step(long_prompts, lead=shared)
         if len(beside_prompts.scheduled) > len(shared):  # a prompt fits after them
             plans.append(beside_prompts)
+        # As many as launch longest first (the order's variant of the shared-prefix launch).
+        ordered = limits.shared_prefix_decodes(ORDERED_DECODE_MIN_ROWS)
+        if ordered:
+            plans.append(limits.step((), lead=ordered))
     return [plan for plan in plans if not plan.is_empty]  # none where no prompt fits
 
 

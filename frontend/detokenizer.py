@@ -82,24 +82,6 @@ class IncrementalDetokenizer:
             delta = ""
         return self._release(delta)
 
-    def mark(self) -> tuple[int, int]:
-        """Where the released text ends now, for ``tokens_reaching``."""
-        return self._prefix, self._read
-
-    def tokens_reaching(self, mark: tuple[int, int], chars: int) -> int:
-        """The fewest tokens whose text reaches ``chars`` characters past the text released
-        at ``mark`` (all of them where none does), counted from the first: a few small
-        decodes, once, where a stop string ends inside a run of several tokens (or inside
-        tokens held back with a split character)."""
-        prefix, read = mark
-        start = read if self._byte_level else max(prefix, read - CONTEXT_TOKENS)
-        before = len(self._decode(self.token_ids[start:read]))
-        for end in range(read + 1, len(self.token_ids)):
-            text = self._decode(self.token_ids[start:end])
-            if len(text) - before >= chars and not text.endswith(_REPLACEMENT):
-                return end
-        return len(self.token_ids)
-
     def _decode_window(self) -> tuple[str, str]:
         """The window's text without and with the pending tokens (``ids[read:]``)."""
         if self._byte_level:
@@ -130,7 +112,6 @@ class StopStringMatcher:
         self.text = ""  # everything seen, truncated at the stop string once one matched
         self.sent = 0  # chars of text already released
         self.matched: str | None = None
-        self.match_end = 0  # where the matched stop string ends in the text fed
 
     def feed(self, delta: str, final: bool = False, armed: bool = True) -> str:
         """Add text; return the part safe to release. After a match, text ends before it.
@@ -154,8 +135,7 @@ class StopStringMatcher:
         if not hits:
             return False
         index, self.matched = min(hits)
-        self.match_end = index + len(self.matched)
-        end = self.match_end if self.include_stop else index
+        end = index + len(self.matched) if self.include_stop else index
         self.text = self.text[:end]
         return True
 
@@ -194,45 +174,51 @@ class TextStream:
         self.detok = IncrementalDetokenizer(decode, byte_level)
         self.matcher = StopStringMatcher(stop, include_stop)
         self.unarmed_left = min_tokens  # tokens still to come before a stop string may end
-        # Once a stop string matched: how many of the tokens pushed in all it took. Those
-        # after them came in the same run (speculative drafts) but would not have been
-        # generated one at a time, and are not output.
+        # Once a stop string matched: how many tokens the stream took in all. A run of
+        # several (speculative drafts) goes in one token at a time, as a plain engine's steps
+        # bring them, so it stops at the token where one token at a time would have: those
+        # after it in the run would not have been generated, and are not output.
         self.tokens_to_stop = 0
 
     def push(self, token_ids: Sequence[int]) -> str:
-        mark = self._mark()
+        if not self.matcher.stop or len(token_ids) <= 1:
+            return self._push(token_ids)
+        out = ""
+        for token in token_ids:
+            out += self._push([token])
+            if self.stopped:
+                break
+        return out
+
+    def finish(self, token_ids: Sequence[int] = ()) -> str:
+        """The sequence ended with ``token_ids`` (not pushed yet): release the remaining text (no
+        holdback, stop strings still cut)."""
+        if self.matcher.stop and len(token_ids) > 1:
+            out = self.push(token_ids[:-1])
+            return out if self.stopped else out + self._finish(token_ids[-1:])
+        return self._finish(token_ids)
+
+    def _push(self, token_ids: Sequence[int]) -> str:
         if not self.unarmed_left:
             out = self.matcher.feed(self.detok.push(token_ids))
         else:
             held, armed = self._split(token_ids)
             out = self.matcher.feed(self.detok.push(held), armed=False)
             out += self.matcher.feed(self.detok.push(armed)) if armed else ""
-        self._count_to_stop(mark)
+        self._count_to_stop()
         return out
 
-    def finish(self, token_ids: Sequence[int] = ()) -> str:
-        """The sequence ended with ``token_ids`` (not pushed yet): release the remaining text (no
-        holdback, stop strings still cut)."""
-        mark = self._mark()
+    def _finish(self, token_ids: Sequence[int]) -> str:
         held, armed = self._split(token_ids)
         out = self.matcher.feed(self.detok.push(held), armed=False) if held else ""
         final = self.detok.flush(armed)  # flushed even where empty: text split across tokens
         out += self.matcher.feed(final, final=True, armed=self.unarmed_left == 0)
-        self._count_to_stop(mark)
+        self._count_to_stop()
         return out
 
-    def _mark(self) -> tuple[tuple[int, int], int] | None:
-        """The detokenizer's place and the text's length before a push, where a stop string
-        may still match in it."""
-        if not self.matcher.stop or self.stopped:
-            return None
-        return self.detok.mark(), len(self.matcher.text)
-
-    def _count_to_stop(self, mark: tuple[tuple[int, int], int] | None) -> None:
-        if mark is not None and self.stopped:
-            place, text_before = mark
-            chars = self.matcher.match_end - text_before
-            self.tokens_to_stop = self.detok.tokens_reaching(place, chars)
+    def _count_to_stop(self) -> None:
+        if self.stopped and not self.tokens_to_stop:
+            self.tokens_to_stop = len(self.detok.token_ids)
 
     def _split(self, token_ids: Sequence[int]) -> tuple[Sequence[int], Sequence[int]]:
         """(the tokens still within min_tokens, the rest); counts the former off."""

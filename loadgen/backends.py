@@ -303,55 +303,71 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
-async def engine_address(url: str, api_key: str | None = None) -> str:
-    """The raw ZMQ address of the engine behind a `tandem serve` (its GET /v1/engine)."""
+async def engine_addresses(url: str, api_key: str | None = None) -> list[str]:
+    """The raw ZMQ addresses of the engine cores behind a `tandem serve` (its GET /v1/engine:
+    every data-parallel engine's, or the one engine's)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(headers=headers, timeout=30.0) as http:
         resp = await http.get(f"{api_base(url)}/engine")
         raise_for_status(resp, await resp.aread())
-        return str(resp.json()["address"])
+        info = resp.json()
+        engines = info.get("engines") or [info]
+        return [str(engine["address"]) for engine in engines]
 
 
 # ---- ZMQ --------------------------------------------------------------------------------------
 
 
 class ZmqBackend:
-    """Token ids straight to the engine core through the raw asyncio client (whose one reader
-    task routes each step's outputs to the request's queue)."""
+    """Token ids straight to the engine cores through the raw asyncio client (whose one reader
+    task routes each step's outputs to the request's queue). With several engines (a
+    data-parallel server's) each request goes to the one with the fewest in flight, as the
+    server's own pool sends them."""
 
     kind = "zmq"
     wants_ids = True
 
     def __init__(
         self,
-        address: str,
+        addresses: list[str],
         clock: Clock,
         options: RequestOptions,
         connect_timeout: float = CONNECT_TIMEOUT_S,
     ) -> None:
-        self.address = address
+        self.addresses = addresses
         self.clock = clock
         self.options = options
         self.connect_timeout = connect_timeout
-        self.client: AsyncEngineClient | None = None
+        self.clients: list[AsyncEngineClient] = []
+        self.in_flight: list[int] = []  # requests each engine is running for this run
+        self.sent: list[int] = []  # requests sent to each engine
         self.model: str | None = None
         self.vocab: list[int] | None = None
 
     async def start(self) -> None:
-        self.client = AsyncEngineClient(self.address, name="loadgen")
-        ready = await self.client.connect(self.connect_timeout)
-        self.model = ready.model
-        eos = set(ready.eos_token_ids)
-        self.vocab = [i for i in range(ready.vocab_size) if i not in eos]
+        for address in self.addresses:
+            client = AsyncEngineClient(address, name="loadgen")
+            self.clients.append(client)
+            ready = await client.connect(self.connect_timeout)
+            if self.model is not None and ready.model != self.model:
+                raise BackendError(
+                    f"the engines serve different models: {self.model!r} and {ready.model!r} "
+                    f"(at {address})"
+                )
+            self.model = ready.model
+            eos = set(ready.eos_token_ids)
+            self.vocab = [i for i in range(ready.vocab_size) if i not in eos]
+        self.in_flight = [0] * len(self.clients)
+        self.sent = [0] * len(self.clients)
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
+        for client in self.clients:
+            await client.close()
 
     async def send(self, spec: RequestSpec, rec: RequestRecord) -> None:
         """Run one request to its end; cancelling it (a timeout) aborts it in the engine, which
         frees its KV blocks."""
-        assert self.client is not None and spec.prompt_ids is not None
+        assert self.clients and spec.prompt_ids is not None
         params = SamplingParams(
             max_tokens=spec.output_len,
             temperature=self.options.temperature,
@@ -359,15 +375,21 @@ class ZmqBackend:
         )
         interval = self.options.output_interval
         request = EngineRequest(rec.request_id, spec.prompt_ids, params, 0, interval)
+        engine = min(range(len(self.clients)), key=self.in_flight.__getitem__)
+        self.in_flight[engine] += 1
+        self.sent[engine] += 1
         rec.submitted_at = self.clock.now()
-        async with self.client.open([request]) as group:
-            while group.unfinished:
-                batch = await group.next_batch()
-                now = self.clock.now()
-                for _, item, _ in batch:
-                    if is_last(item):
-                        group.finished(0)
-                    record_item(rec, item, now)
+        try:
+            async with self.clients[engine].open([request]) as group:
+                while group.unfinished:
+                    batch = await group.next_batch()
+                    now = self.clock.now()
+                    for _, item, _ in batch:
+                        if is_last(item):
+                            group.finished(0)
+                        record_item(rec, item, now)
+        finally:
+            self.in_flight[engine] -= 1
 
 
 def record_item(rec: RequestRecord, item: RequestItem, now: float) -> None:
@@ -390,9 +412,9 @@ async def open_backend(args: argparse.Namespace, clock: Clock) -> Backend:
     """The backend the flags name, started."""
     options = RequestOptions(args.temperature, args.ignore_eos, args.pretok, args.output_interval)
     if args.backend == "zmq":
-        address = args.address or await engine_address(args.url, args.api_key)
+        addresses = args.address or await engine_addresses(args.url, args.api_key)
         timeout = args.connect_timeout or CONNECT_TIMEOUT_S
-        backend: Backend = ZmqBackend(address, clock, options, timeout)
+        backend: Backend = ZmqBackend(addresses, clock, options, timeout)
     else:
         backend = OpenAIBackend(
             args.backend, args.url, clock, options, pool_size(args), args.model, args.api_key,

@@ -76,7 +76,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--url", default="http://127.0.0.1:8000", help="OpenAI server (default: %(default)s)"
     )
     target.add_argument(
-        "--address", default=None, help="zmq: engine address (default: GET --url's /v1/engine)"
+        "--address",
+        action="append",
+        default=None,
+        help="zmq: an engine core's address; repeat it for several (a data-parallel server's), "
+        "each request going to the one with the fewest in flight (default: every engine of "
+        "GET --url's /v1/engine)",
     )
     target.add_argument("--api-key", default=None, help="HTTP: sent as 'Authorization: Bearer'")
     target.add_argument(
@@ -240,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         print("loadgen: interrupted", file=sys.stderr)
         return 130
     except (httpx.HTTPError, OSError, TimeoutError, BackendError) as exc:
-        where = args.address or args.url  # the target could not be reached or answered wrong
+        where = ", ".join(args.address or [args.url])  # not reached, or answered wrong
         print(f"loadgen: cannot run against {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 

@@ -259,6 +259,34 @@ def test_mixed_load_completes_on_both_engines_and_frees_every_block(
         assert [m[("tandem_engine_up", str(i))] for i in range(2)] == [1.0, 1.0]
 
 
+def test_loadgen_over_zmq_drives_every_engine_behind_the_url(
+    dp_server: Deployment, tmp_path: Path
+) -> None:
+    """`python -m loadgen --backend zmq --url` reads every engine's address from /v1/engine
+    and spreads its requests over them: all complete, and each engine core looked up the
+    prompts of some of them (their prefix-cache queries, tokens at admissions, grew by whole
+    prompts, together all of them)."""
+    srv = dp_server.server
+    addresses = engine_addresses(srv)
+    for address in addresses:
+        wait_address_idle(address, IDLE_TIMEOUT_S)
+    before = [engine_stats(a).counts.prefix_cache_queries for a in addresses]
+    out, requests, prompt = tmp_path / "zmq.json", 12, 8
+    cmd = [sys.executable, "-m", "loadgen", "--backend", "zmq", "--url", srv.base_url,
+           "-n", str(requests), "--input-len", str(prompt), "--output-len", "4", "--ignore-eos",
+           "--result-json", str(out), "--no-progress"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (result,) = json.loads(out.read_text())["runs"]
+    assert result["summary"]["completed"] == requests, result["summary"]["errors"]
+    looked_up = [
+        wait_address_idle(a, IDLE_TIMEOUT_S).counts.prefix_cache_queries - b
+        for a, b in zip(addresses, before, strict=True)
+    ]
+    assert all(n > 0 and n % prompt == 0 for n in looked_up), looked_up
+    assert sum(looked_up) == requests * prompt, looked_up
+
+
 def test_every_engine_ranks_requests_and_every_api_process_takes_a_priority(
     dp_server: Deployment,
 ) -> None:

@@ -375,35 +375,71 @@ def test_only_a_byte_level_decoder_streams_without_a_window(tokenizer: Any) -> N
     assert not Tokenizer(sentencepiece).byte_level
 
 
+def tokens_to_first_stop(decode: Any, ids: list[int], stops: list[str]) -> int:
+    """The tokens a one-token-a-step engine generates before a stop string ends it, from full
+    decodes: the fewest whose text holds one, and ends on a whole character (text is released
+    only then)."""
+    for n in range(1, len(ids) + 1):
+        text = decode(ids[:n])
+        if any(stop in text for stop in stops) and not text.endswith("\ufffd"):
+            return n
+    raise AssertionError("no stop string in the text")
+
+
+STOP_CASES = [
+    ("def sub(a, b):\n    return a - b\n\ndef mul(a, b):", ["a - b"]),
+    ("Emoji: 🚀🔥 then STOP 🇫🇷 and more text after the stop.", ["STOP 🇫"]),
+    ("Emoji: 🚀🔥 then STOP 🇫🇷 and more text after the stop.", ["🔥 then"]),
+    # The later-starting string ends first: one token at a time, it is the one that stops.
+    ("Tell me the abcdef of cd things", ["abcdef", "cd"]),
+]
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
 @pytest.mark.parametrize("longest", [1, 4, 1000])
-@pytest.mark.parametrize(
-    ("text", "stop"),
-    [
-        ("def sub(a, b):\n    return a - b\n\ndef mul(a, b):", "a - b"),
-        ("Emoji: 🚀🔥 then STOP 🇫🇷 and more text after the stop.", "STOP 🇫"),
-        ("Emoji: 🚀🔥 then STOP 🇫🇷 and more text after the stop.", "🔥 then"),
-    ],
-)
-def test_a_run_that_completes_a_stop_string_counts_the_tokens_it_took(
-    tokenizer: Any, longest: int, byte_level: bool, text: str, stop: str
-) -> None:
-    """Runs of several tokens (speculative drafts, an output interval) pushed until a stop
-    string matches, then finish()ed, as Generation does: ``tokens_to_stop`` is the count of
-    tokens pushed one at a time until the stop string matched (the plain engine's output,
-    token for token), where the match came late too (a run that ends inside a character
-    releases no text before the next)."""
+@pytest.mark.parametrize(("text", "stops"), STOP_CASES)
+def test_a_run_that_completes_a_stop_string_stops_where_one_token_at_a_time_would(
+    tokenizer: Any, longest: int, byte_level: bool, text: str, stops: list[str],
+    include_stop: bool,
+) -> None:  # fmt: skip
+    """Runs of several tokens (speculative drafts) pushed until a stop string matches, then
+    finish()ed, as Generation does: ``tokens_to_stop`` and the text are those of an engine
+    that generates one token a step (from full decodes), whatever the runs."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     decode = decode_fn(tokenizer)
-    one_by_one = TextStream(decode, [stop], byte_level)
-    want = 0
-    while not one_by_one.stopped:
-        one_by_one.push([ids[want]])
-        want += 1
+    want = tokens_to_first_stop(decode, ids, stops)
+    stop_text = decode(ids[:want])
+    first, stop = min((stop_text.find(s), s) for s in stops if s in stop_text)
+    want_text = stop_text[: first + len(stop) if include_stop else first]
     for seed in range(5):
-        stream = TextStream(decode, [stop], byte_level)
-        pieces = runs(ids, longest, random.Random(seed))
+        stream = TextStream(decode, stops, byte_level, include_stop=include_stop)
+        pieces, sent = runs(ids, longest, random.Random(seed)), ""
         for i, piece in enumerate(pieces):
-            stream.finish(piece) if i == len(pieces) - 1 else stream.push(piece)
+            sent += stream.finish(piece) if i == len(pieces) - 1 else stream.push(piece)
             if stream.stopped:
                 break
         assert stream.stopped and stream.tokens_to_stop == want
+        assert sent + stream.finish() == want_text
+
+
+@pytest.mark.parametrize("longest", [2, 5, 1000])
+def test_a_byte_fallback_run_stops_where_one_token_at_a_time_would(longest: int) -> None:
+    """A Llama-2-style tokenizer (byte tokens fused by its decoder; the detokenizer's window
+    widens when it starts inside a character) through runs: the one-token-a-step count."""
+    from tokenizers import Tokenizer
+
+    tok: Tokenizer = sentencepiece_style_tokenizer()
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    ids = tok.encode("é€€STOP more words here").ids
+    want = tokens_to_first_stop(decode, ids, ["€STOP"])
+    for seed in range(5):
+        stream = TextStream(decode, ["€STOP"])
+        for piece in runs(ids, longest, random.Random(seed)):
+            stream.push(piece)
+            if stream.stopped:
+                break
+        assert stream.stopped and stream.tokens_to_stop == want
+        assert stream.text == "é€"

@@ -41,7 +41,9 @@ class TwoBatches:
         self.device = torch.device(device)
         width = MAX_MODEL_LEN // BLOCK
         self.fast, self.full = (
-            InputBatch(self.device, BLOCK, MAX_TOKENS, MAX_SEQS, width, windows, chunks)
+            InputBatch(
+                self.device, BLOCK, MAX_TOKENS, MAX_SEQS, width, windows, chunks, orders_rows=True
+            )
             for _ in range(2)
         )
         self.full.advance_steady = False
@@ -326,6 +328,22 @@ def test_a_step_is_packed_in_full_when_a_table_outgrows_the_layout(
                             False, True]  # fmt: skip
     else:
         assert advanced == [False, False] + [True] * 10
+
+
+def test_a_batch_for_a_backend_that_launches_in_batch_order_packs_no_row_order() -> None:
+    """Without orders_rows (the CPU backend's), a decode step has no row order to sort."""
+    config = EngineConfig(block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=MAX_TOKENS)
+    scheduler = Scheduler(config, 64, MAX_MODEL_LEN, [0])
+    for name, prompt in (("a", [11, 12, 13]), ("b", [11, 12, 13, 14, 15])):
+        scheduler.add_request(Request(name, prompt, SamplingParams(max_tokens=4)))
+    batch = InputBatch(torch.device("cpu"), BLOCK, MAX_TOKENS, 2, MAX_MODEL_LEN // BLOCK)
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, [50, 51])
+    packed = batch.pack(plan, [], None)
+    decode = scheduler.schedule()
+    assert all(s.num_new_tokens == 1 for s in decode.scheduled)
+    packed = batch.pack(decode, packed.sampling_requests, torch.tensor([50, 51]))
+    assert packed.meta.is_decode_only and packed.meta.row_order is None
 
 
 def test_room_rounds_the_widest_table_up_within_the_longest() -> None:

@@ -1132,16 +1132,44 @@ def test_stage_decode_inputs_stages_a_row_order_that_stays_a_permutation(
     inputs = (ints(n), ints(n), ints(n), ints(n, dtype=torch.int32))
     step_order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEVICE)
     buffers = (ints(16), ints(16), ints(16), ints(16, dtype=torch.int32))
-    # Left by an earlier step of 7 rows: indices below n at the padding rows' places.
-    order_buffer = torch.tensor([6, 5, 4, 3, 2, 1, 0, 7, 8, 9, 10, 11, 12, 13, 14, 15])
+    # Left by an earlier step of 7 rows (indices below n at the padding rows' places), and
+    # past the graph's rows values no staging writes.
+    order_buffer = torch.tensor([6, 5, 4, 3, 2, 1, 0, 7, 99, 98, 97, 96, 95, 94, 93, 92])
     order_buffer = order_buffer.to(torch.int32).to(DEVICE)
     stage_decode_inputs(
         inputs, ints(n, 3, dtype=torch.int32), buffers, ints(16, 8, dtype=torch.int32), rows,
         (step_order if step_has_order else None, order_buffer),
     )  # fmt: skip
     head = [3, 0, 4, 1, 2] if step_has_order else [0, 1, 2, 3, 4]
-    assert order_buffer.tolist() == [*head, 5, 6, 7, *range(8, 16)]
-    assert sorted(order_buffer[:rows].tolist()) == list(range(rows))
+    assert order_buffer.tolist() == [*head, 5, 6, 7, 99, 98, 97, 96, 95, 94, 93, 92]
+
+
+def test_a_decode_graphs_buffers_take_the_steps_row_order() -> None:
+    """GraphBuffers.stage_decode, as a decode graph's replay calls it: the step's order (the
+    input batch's, longest first) in the buffer the graph's metadata reads, the padding rows
+    in place."""
+    from engine_core.cuda_graph import GraphBuffers
+
+    buffers = GraphBuffers.allocate(16, 16, 4, 8, DTYPE, DEVICE)
+    n, rows = 5, 8
+    lens = [7, 30, 2, 30, 11]
+    order = sorted(range(n), key=lambda i: -lens[i])
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros(n, 4, dtype=torch.int32, device=DEVICE),
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=lens,
+        row_order=torch.tensor(order, dtype=torch.int32, device=DEVICE),
+    )
+    ids = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    buffers.stage_decode((ids, ids.clone()), [meta], None, rows)
+    graph_meta = buffers.decode_metadata(rows, 64)
+    assert graph_meta.row_order is not None
+    assert graph_meta.row_order.tolist() == [1, 3, 4, 0, 2, 5, 6, 7]
 
 
 @pytest.mark.parametrize("num_tokens", FUSED_TOKENS)

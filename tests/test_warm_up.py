@@ -19,6 +19,7 @@ import torch
 
 from engine_core.attention.base import (
     MIXED_DECODE_ROWS,
+    ORDERED_DECODE_MIN_ROWS,
     SHARED_PREFIX_MIN_ROWS,
     SHARED_PREFIX_MIN_TOKENS,
     shared_prefix_tokens,
@@ -69,15 +70,25 @@ def plans_for(limits: tuple[int, int, int, int, int]) -> list[SchedulerOutput]:
 def shared_steps(limits: tuple[int, int, int, int, int]) -> int:
     """How many steps of shared-prefix decodes ``limits`` hold, by hand: 8 rows with a context
     of the whole blocks of 256 tokens, one more token in a block of each row's own, and the
-    token it samples (a decode step); and a prompt beside them where a row, a token and a block
-    are left."""
+    token it samples (a decode step); a prompt beside them where a row, a token and a block
+    are left; and 192 such rows alone where they fit."""
     budget, max_rows, max_model_len, block_size, num_blocks = limits
     blocks = -(-SHARED_PREFIX_MIN_TOKENS // block_size)
     context = blocks * block_size
+
+    def fit(rows: int) -> bool:
+        return (
+            min(budget, max_rows) >= rows
+            and context + 2 <= max_model_len
+            and (blocks + rows <= num_blocks)
+        )
+
     rows = SHARED_PREFIX_MIN_ROWS
-    if min(budget, max_rows) < rows or context + 2 > max_model_len or blocks + rows > num_blocks:
+    if not fit(rows):
         return 0
-    return 2 if min(budget, max_rows) > rows and blocks + rows < num_blocks else 1
+    beside = min(budget, max_rows) > rows and blocks + rows < num_blocks
+    # Then as many as launch longest first, alone, where they fit.
+    return 1 + beside + fit(ORDERED_DECODE_MIN_ROWS)
 
 
 @pytest.mark.parametrize("limits", LIMITS)
@@ -108,7 +119,7 @@ def check_shared_prefix_decodes(decodes: list, max_model_len: int, block_size: i
     leading blocks, enough of them for the input batch to find a shared prefix
     (base.shared_prefix_tokens, what it runs on a step's tables), the new token in a block of
     the row's own; the blocks they use, each once."""
-    assert len(decodes) == SHARED_PREFIX_MIN_ROWS
+    assert len(decodes) in (SHARED_PREFIX_MIN_ROWS, ORDERED_DECODE_MIN_ROWS)
     for s in decodes:
         assert s.num_new_tokens == 1 and s.samples and s.start == s.request.num_computed_tokens
         assert len(s.request.token_ids) == s.start + 1 <= max_model_len - 1
@@ -158,14 +169,17 @@ def test_a_step_leads_with_decode_rows_where_the_limits_allow() -> None:
     assert min(meta_lens[MIXED_DECODE_ROWS:]) > 1 and sum(meta_lens) == budget
 
 
-@pytest.mark.parametrize("limits", [s for s in LIMITS if shared_steps(s) == 2])
+@pytest.mark.parametrize("limits", [s for s in LIMITS if shared_steps(s) >= 2])
 def test_two_steps_lead_with_decodes_over_a_shared_prefix_where_the_limits_allow(
     limits: tuple[int, int, int, int, int],
 ) -> None:
     """The decode attention's shared-prefix pass runs in the warm-up (a decode step, and
-    beside prompts up to the budget), not in the first conversations over a system prompt."""
+    beside prompts up to the budget, and where they fit as many rows as launch longest
+    first), not in the first conversations over a system prompt."""
     budget = limits[0]
-    decode_step, mixed = plans_for(limits)[5:]
+    decode_step, mixed, *ordered = plans_for(limits)[5:]
+    for step in ordered:
+        assert [s.start > 0 for s in step.scheduled] == [True] * ORDERED_DECODE_MIN_ROWS
     assert [s.start > 0 for s in decode_step.scheduled] == [True] * SHARED_PREFIX_MIN_ROWS
     lens = [s.num_new_tokens for s in mixed.scheduled]
     assert lens[:SHARED_PREFIX_MIN_ROWS] == [1] * SHARED_PREFIX_MIN_ROWS

@@ -25,6 +25,19 @@ FP8_MAX = 448.0  # e4m3's largest finite value: what an FP8 cache's writes clamp
 # launches a layer are not worth it (attention/triton_backend.py; the warm-up runs such a step).
 MIXED_DECODE_ROWS = 8
 
+# A decode step of ORDERED_DECODE_MIN_ROWS rows or more (a graph's) launches its rows longest
+# first in the Triton decode kernel (AttentionMetadata.row_order, served_row_order): a served
+# step's lengths spread from a few dozen tokens to a few thousand, and in the batch's order the
+# longest rows' programs can start last and end the launch alone (the warm-up runs such a step
+# over a shared prefix too). H100, graph calls, us, rows spread over 64-2,300 tokens, the
+# engine's launch -> longest first: llama-8b 192 / 256 / 384 rows 336.0 -> 321.8, 429.3 ->
+# 400.4, 623.5 -> 597.4; llama-1b 256 rows 213.1 -> 204.4; rows of one length unchanged (384 x
+# 256: 135.3 / 134.5, 72.4 / 72.9). At 64 and 128 rows the order alone cost 10% (114.7 ->
+# 125.8, 229.1 -> 249.7); two splits with it gained 5-7% there (109.0, 212.5) but cost 5-19% on
+# rows of one length (384 x 64: 36.8 -> 43.9), which a graph cannot tell apart
+# (docs/design/goodput-and-multi-turn.md, "In the engine: longest first from 192 rows").
+ORDERED_DECODE_MIN_ROWS = 192
+
 # A decode step whose sequences all open with the same pages (a system prompt the prefix cache
 # shares) attends those pages once for all of them where there are at least
 # SHARED_PREFIX_MIN_ROWS sequences and SHARED_PREFIX_MIN_TOKENS shared tokens: fewer rows read

@@ -56,6 +56,8 @@ class TritonBackend:
     cuda_graph_safe = True
     # write_kv_rotated: the rotary embedding rides in the KV write's launch (attention/layer.py).
     rotates_in_kv_write = True
+    # Decode launches take the step's row order (served_row_order): the input batch packs it.
+    orders_decode_rows = True
 
     def rotates_in_decode(self, head_dim: int) -> bool:
         """Whether decode_rotated (a decode step's rotary and KV write in the attention's

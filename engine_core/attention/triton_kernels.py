@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.attention.base import is_fp8_cache
+from engine_core.attention.base import ORDERED_DECODE_MIN_ROWS, is_fp8_cache
 from engine_core.attention.prefill_tiles import device_tiles, prefill_block_m
 from engine_core.triton_descriptors import use_descriptor_scratch
 from engine_core.triton_pdl import chain_pdl, pdl_wait_then_release
@@ -82,17 +82,6 @@ PROGRAMS_PER_SM = 2
 SPARSE_SPLIT_PROGRAMS_PER_SM = 3
 SPARSE_SPLITS = 4
 MAX_SPLITS = 64
-# A decode step of ORDERED_DECODE_MIN_ROWS rows or more (a graph's) launches its rows longest
-# first (AttentionMetadata.row_order): a served step's lengths spread from a few dozen tokens to
-# a few thousand, and in the batch's order the longest rows' programs can start last and end the
-# launch alone. H100, graph calls, µs, rows spread over 64-2,300 tokens, engine's launch ->
-# longest first: llama-8b 192 / 256 / 384 rows 336.0 -> 321.8, 429.3 -> 400.4, 623.5 -> 597.4;
-# llama-1b 256 rows 213.1 -> 204.4; rows of one length unchanged (384 x 256: 135.3 / 134.5, 72.4
-# / 72.9). At 64 and 128 rows the order alone cost 10% (114.7 -> 125.8, 229.1 -> 249.7); two
-# splits with it gained 5-7% there (109.0, 212.5) but cost 5-19% on rows of one length (384 x 64:
-# 36.8 -> 43.9), which a graph cannot tell apart (docs/design/goodput-and-multi-turn.md, "Past
-# saturation on an H100").
-ORDERED_DECODE_MIN_ROWS = 192
 
 
 # ---- KV-cache write ----------------------------------------------------------------------------
