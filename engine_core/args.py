@@ -6,6 +6,8 @@ import argparse
 from dataclasses import fields
 
 from engine_core.config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     LARGE_GPU_BYTES,
     LARGE_GPU_MAX_NUM_SEQS,
@@ -32,7 +34,10 @@ _HELP = {
     f"{LARGE_GPU_MAX_NUM_SEQS} on one host whose GPU has {LARGE_GPU_BYTES // 2**30} GiB or more, "
     "for a model without linear-attention layers (as vLLM), else "
     f"{DEFAULT_MAX_NUM_SEQS}, and never past --max-num-batched-tokens",
-    "max_num_batched_tokens": "token budget of one engine step",
+    "max_num_batched_tokens": "token budget of one engine step, longer prompts run in chunks; "
+    f"unset (None): {DEFAULT_MAX_NUM_BATCHED_TOKENS}, on the CPU {CPU_MAX_NUM_BATCHED_TOKENS} "
+    "(the engine is silent while a step runs: a whole 8k prompt's step there came near "
+    "--engine-timeout)",
     "prefill_max_batch_size": "most new requests admitted per step (default: --max-num-seqs)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "kv_offload_gb": "a host-memory KV tier of this many GiB (pinned on CUDA; on the CPU a "

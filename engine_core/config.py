@@ -53,6 +53,14 @@ SCHEDULING_POLICIES = tuple(p.flag_name for p in SchedulingPolicy)
 # rows trade a longer step for a shorter queue (docs/design/goodput-and-multi-turn.md).
 DEFAULT_MAX_NUM_SEQS = 256
 LARGE_GPU_MAX_NUM_SEQS = 1024
+# --max-num-batched-tokens unset: DEFAULT_MAX_NUM_BATCHED_TOKENS, and CPU_MAX_NUM_BATCHED_TOKENS
+# on the CPU, where the engine sends nothing (heartbeats included) while a step runs and a
+# whole 8k prompt's step took 25-30 s on two cores, near --engine-timeout's 30 s; in 4,096-token
+# chunks the prompt took as long in all and the CPU benchmark's workloads ran as fast, 64 prompts
+# at once reaching their first token sooner (docs/design/cpu-backend.md, "A smaller step
+# budget on the CPU").
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_MAX_NUM_BATCHED_TOKENS = 4096
 LARGE_GPU_BYTES = 70 * 2**30
 
 
@@ -379,7 +387,10 @@ class EngineConfig:
     # LARGE_GPU_MAX_NUM_SEQS on one host whose GPU has LARGE_GPU_BYTES or more, else
     # DEFAULT_MAX_NUM_SEQS, never past max_num_batched_tokens.
     max_num_seqs: int | None = None
-    max_num_batched_tokens: int = 8192
+    # None: resolved as the runner starts (engine_core/model_runner.py resolve_token_budget):
+    # CPU_MAX_NUM_BATCHED_TOKENS on the CPU, else DEFAULT_MAX_NUM_BATCHED_TOKENS; read it as
+    # ``token_budget``.
+    max_num_batched_tokens: int | None = None
     prefill_max_batch_size: int | None = None  # None: same as max_num_seqs
     enable_prefix_caching: bool = True
     # A host-memory tier of this many GiB for prefix-cache blocks evicted from the device pool
@@ -529,11 +540,12 @@ class EngineConfig:
                 "--encoder-cache-memory-gb must be a number of GiB, 0 or more, got "
                 f"{self.encoder_cache_memory_gb}"
             )
-        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
+        budget = self.max_num_batched_tokens
+        if self.max_num_seqs is not None and budget is not None and budget < self.max_num_seqs:
             # Each running sequence needs a token of the step's budget to decode: below that,
             # the last decodes of a full batch would wait for ever and nothing new is admitted.
             raise ValueError(
-                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                f"--max-num-batched-tokens ({budget}) must be at least "
                 f"--max-num-seqs ({self.max_num_seqs}): every running sequence takes a token of "
                 "each step's budget"
             )
@@ -639,7 +651,25 @@ class EngineConfig:
         if self.max_num_seqs is not None:
             return self
         seqs = LARGE_GPU_MAX_NUM_SEQS if large_gpu else DEFAULT_MAX_NUM_SEQS
-        return dataclasses.replace(self, max_num_seqs=min(seqs, self.max_num_batched_tokens))
+        return dataclasses.replace(self, max_num_seqs=min(seqs, self.token_budget))
+
+    @property
+    def token_budget(self) -> int:
+        """A step's token budget: --max-num-batched-tokens, resolved where it was left unset
+        (``with_token_budget``; DEFAULT_MAX_NUM_BATCHED_TOKENS before that)."""
+        budget = self.max_num_batched_tokens
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS if budget is None else budget
+
+    def with_token_budget(self, on_cpu: bool) -> EngineConfig:
+        """This config with --max-num-batched-tokens resolved where it was left unset:
+        CPU_MAX_NUM_BATCHED_TOKENS on the CPU (at least --max-num-seqs), else
+        DEFAULT_MAX_NUM_BATCHED_TOKENS."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if on_cpu:
+            budget = max(CPU_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 0)
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
 
     def num_state_snapshots(self) -> int:
         """Saved linear-attention states a model with such layers keeps (0 without caching)."""

@@ -238,7 +238,7 @@ def plan_memory(
         max_model_len,
         config.block_size,
         kv_dtype,
-        config.max_num_batched_tokens,
+        config.token_budget,
         layout,
     )
     # Linear-attention state slots, one per running sequence and on CUDA the graphs' padding
@@ -322,7 +322,7 @@ def encoder_bytes(
     vision = model_config.vision
     if vision is None:
         return 0
-    tokens = encoder_call_tokens(vision, config.max_num_batched_tokens, max_model_len)
+    tokens = encoder_call_tokens(vision, config.token_budget, max_model_len)
     peak = encoder_peak_bytes(vision, model_config.hidden_size, tokens, dtype)
     return int(config.encoder_cache_memory_gb * 2**30) + peak
 
@@ -447,9 +447,7 @@ def check_max_model_len(config: EngineConfig, model_config: ModelConfig) -> None
         return
     # Any pipeline stage's layers have the model's windows (kv_groups.py stage_kv_layout).
     layout = model_kv_layout(model_config)
-    needed = pool_blocks_for_one_sequence(
-        layout, asked, config.block_size, config.max_num_batched_tokens
-    )
+    needed = pool_blocks_for_one_sequence(layout, asked, config.block_size, config.token_budget)
     if blocks < needed:
         raise ValueError(
             f"--num-kv-blocks {blocks} holds less than one sequence of --max-model-len {asked} "

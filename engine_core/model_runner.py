@@ -244,15 +244,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_max_num_seqs(config: EngineConfig, model: ModelConfig | None = None) -> EngineConfig:
-    """``config`` with --max-num-seqs decided where it was left unset (``with_max_num_seqs``):
+    """``config`` with --max-num-batched-tokens (``with_token_budget``: smaller on the CPU) and
+    --max-num-seqs decided where they were left unset (``with_max_num_seqs``):
     the large default on one host whose GPU has LARGE_GPU_BYTES or more, for a model without
     linear-attention layers, whose per-sequence states (and as many saved ones) would otherwise
     take that memory from the KV cache. Over several hosts every node decides alike without
     seeing the others' GPUs: the small default. ``model``: the model's config where the caller
     has read it already (else it is read here, only where the GPU is large)."""
+    device = resolve_device(config.device)
+    config = config.with_token_budget(on_cpu=device.type == "cpu")
     if config.max_num_seqs is not None:
         return config
-    device = resolve_device(config.device)
     large = (
         device.type == "cuda"
         and config.nnodes == 1
@@ -377,7 +379,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             self.device,
             self.block_size,
-            max_num_tokens=config.max_num_batched_tokens,
+            max_num_tokens=config.token_budget,
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             kv_windows=self.kv_layout.windows,
@@ -470,7 +472,7 @@ class ModelRunner:
         runs (up to --max-num-batched-tokens rows; a decode graph's up to --max-num-seqs)."""
         assert model is not None  # SpeculativeConfig.check
         config = self.config
-        rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+        rows = max(config.token_budget, config.max_num_seqs)
         mc, device, dtype = self.model_config, self.device, self.dtype
         return load_eagle3(model, self.model, mc, max_drafts, rows, device, dtype)
 
@@ -522,9 +524,7 @@ class ModelRunner:
             )
             return None
         budget = int(self.config.encoder_cache_memory_gb * 2**30)
-        call_tokens = encoder_call_tokens(
-            vision, self.config.max_num_batched_tokens, self.max_model_len
-        )
+        call_tokens = encoder_call_tokens(vision, self.config.token_budget, self.max_model_len)
         return MultimodalRunner(self.model, vision, self.device, budget, call_tokens)
 
     def _init_step_state(self) -> None:
@@ -652,7 +652,7 @@ class ModelRunner:
             block += self.drafter.block_bytes(self.block_size)
         blocks = int(budget // block)
         one_sequence = pool_blocks_for_one_sequence(
-            self.kv_layout, self.max_model_len, self.block_size, self.config.max_num_batched_tokens
+            self.kv_layout, self.max_model_len, self.block_size, self.config.token_budget
         )
         if blocks < one_sequence:
             raise ValueError(
@@ -827,7 +827,7 @@ class ModelRunner:
     def warm_up_plans(self) -> list[SchedulerOutput]:
         """The steps ``warm_up`` runs, within this engine's limits and KV cache."""
         limits = StepLimits(
-            budget=self.config.max_num_batched_tokens,
+            budget=self.config.token_budget,
             max_rows=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
@@ -867,7 +867,7 @@ class ModelRunner:
             # A step this large would fail the same way in the middle of serving.
             raise ModelTooLargeError(
                 f"a step of {plan.num_batched_tokens} tokens and {len(plan.scheduled)} "
-                f"sequences (--max-num-batched-tokens {self.config.max_num_batched_tokens}, "
+                f"sequences (--max-num-batched-tokens {self.config.token_budget}, "
                 f"--max-num-seqs {self.config.max_num_seqs}) runs out of GPU memory beside the "
                 "model and its KV cache; try a smaller --max-num-batched-tokens or "
                 "--max-num-seqs, a lower --gpu-memory-utilization or a smaller --num-kv-blocks"
@@ -910,7 +910,7 @@ class ModelRunner:
 
         max_prefill_tokens, extend_prefill_to = prefill_graph_bounds(
             self.config.max_prefill_graph_tokens,
-            self.config.max_num_batched_tokens,
+            self.config.token_budget,
             self.config.tensor_parallel_size,
         )
         spec = self.config.speculation()

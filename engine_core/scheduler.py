@@ -108,9 +108,9 @@ class Scheduler:
         if config.max_num_seqs is None:
             raise ValueError("the scheduler needs max_num_seqs resolved (ModelRunner.config)")
         least = unsplit_image_tokens + config.max_num_seqs - 1
-        if unsplit_image_tokens and least > config.max_num_batched_tokens:
+        if unsplit_image_tokens and least > config.token_budget:
             raise ValueError(
-                f"--max-num-batched-tokens {config.max_num_batched_tokens} cannot hold an "
+                f"--max-num-batched-tokens {config.token_budget} cannot hold an "
                 f"image's {unsplit_image_tokens} tokens, which this model prefills in one chunk, "
                 f"beside a decode of each other sequence (--max-num-seqs "
                 f"{config.max_num_seqs}): give it at least {least}"
@@ -157,7 +157,7 @@ class Scheduler:
         # A sequence can never outgrow the whole pool, so the pool caps the context too; without
         # the cap a lone request that fills every block would preempt itself forever.
         self.max_model_len = self.block_manager.max_tokens_per_sequence(
-            config.max_num_batched_tokens, max_model_len
+            config.token_budget, max_model_len
         )
         if self.max_model_len < max_model_len:
             fits = (
@@ -303,7 +303,7 @@ class Scheduler:
         before the next), so with micro-batches it takes all it can, not its share."""
         output = SchedulerOutput(scheduled=[])
         max_rows = self.config.max_num_seqs if alone else self._micro_batch_rows()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens, max_rows)
+        budget = self._schedule_running(output, self.config.token_budget, max_rows)
         if self._batch_proposer is not None:
             self._fill_drafts(output)
         # Right after a preemption the pool is full: admitting now would only thrash.
@@ -311,7 +311,7 @@ class Scheduler:
             budget = self._schedule_waiting(output, budget, max_rows)
         scheduled = output.scheduled
         if scheduled:
-            num_tokens = self.config.max_num_batched_tokens - budget
+            num_tokens = self.config.token_budget - budget
             self._count_step(num_tokens)
             # Every row has at least one token: as many tokens as rows is one each.
             output.decode_only = num_tokens == len(scheduled) and all(s.samples for s in scheduled)

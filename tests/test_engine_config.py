@@ -260,6 +260,33 @@ def test_the_runner_resolves_the_cap_from_the_gpus_memory_and_the_model(
     assert resolve_max_num_seqs(explicit).max_num_seqs == 32
 
 
+def test_the_runner_resolves_the_token_budget_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-num-batched-tokens unset: 8192 on a GPU, 4096 on the CPU (at least
+    --max-num-seqs); given, as given. Unresolved, a config reads as 8192 (token_budget)."""
+    import torch
+
+    from engine_core.model_runner import resolve_max_num_seqs
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def budget(**kwargs: object) -> int | None:
+        config = EngineConfig(model="random:llama-1b", **kwargs)  # type: ignore[arg-type]
+        return resolve_max_num_seqs(config).max_num_batched_tokens
+
+    assert EngineConfig().max_num_batched_tokens is None and EngineConfig().token_budget == 8192
+    assert budget(device="cuda") == 8192
+    assert budget(device="cpu") == 4096
+    assert budget(device="cpu", max_num_seqs=6000) == 6000
+    assert budget(device="cpu", max_num_batched_tokens=8192) == 8192
+    cpu = resolve_max_num_seqs(EngineConfig(model="random:llama-1b", device="cpu"))
+    assert (cpu.token_budget, cpu.max_num_seqs) == (4096, 256)
+
+
 def test_the_cap_takes_the_model_config_its_caller_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensor parallelism's rank 0 has read config.json for its checks: the cap decides from
     that config (here a linear-attention model's, named against llama-8b's preset, so the

@@ -448,7 +448,7 @@ def test_state_slots_are_counted_in_the_memory_plan() -> None:
             state_snapshots=snapshots,
         )  # fmt: skip
         plan = plan_memory(engine, config, module, cpu, f32, f32, Budget(2**40, "test"))
-        tokens = engine.max_num_batched_tokens
+        tokens = engine.token_budget
         least = min_kv_bytes(config, config.num_kv_heads, 256, 16, f32, tokens)
         assert plan.min_kv_bytes == least + states * slot
         assert plan.kv_bytes == blocks + states * slot

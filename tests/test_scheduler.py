@@ -105,7 +105,7 @@ def run_to_completion(
         waiting_before = {r.request_id for r in scheduler.waiting}
         output = scheduler.schedule()
         admitted = [s for s in output.scheduled if s.request.request_id in waiting_before]
-        assert output.num_batched_tokens <= config.max_num_batched_tokens
+        assert output.num_batched_tokens <= config.token_budget
         assert len(admitted) <= config.max_prefills_per_step
         assert not (admitted and output.preempted_ids)  # no admissions right after preempting
         assert scheduler.num_running <= config.max_num_seqs

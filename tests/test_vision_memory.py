@@ -138,7 +138,7 @@ def test_the_plan_adds_the_encoder_to_what_a_vision_model_needs(gemma_dir: Path)
     budget = Budget(2**40, "test")
     plan = plan_memory(config, model_config, module, torch.device("cpu"), torch.float32,
                        torch.float32, budget)  # fmt: skip
-    tokens = max(config.max_num_batched_tokens, 16)  # a step's budget, or one image
+    tokens = max(config.token_budget, 16)  # a step's budget, or one image
     peak = encoder_peak_bytes(model_config.vision, 64, tokens, torch.float32)
     assert plan.encoder_bytes == 2**28 + peak
     text_only = dataclasses.replace(model_config, vision=None)
