@@ -31,9 +31,11 @@ _WATCH_POLL_S = 0.2  # how often the launcher looks at its ranks
 
 def serve_node(config: EngineConfig) -> int:
     """Run this node's ranks for each of node 0's engines in turn; the exit status."""
-    # Over several hosts node 0 takes the small default too (model_runner.resolve_max_num_seqs),
-    # and the nodes compare their configurations as resolved.
-    config = config.with_max_num_seqs(large_gpu=False)
+    # Node 0 resolves the unset limits as every node does over several hosts (the step budget
+    # by device, the small --max-num-seqs default), and the nodes compare them as resolved.
+    from engine_core.model_runner import resolve_max_num_seqs
+
+    config = resolve_max_num_seqs(config)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

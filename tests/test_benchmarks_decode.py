@@ -67,8 +67,8 @@ def test_the_raw_zmq_engine_gets_exactly_the_in_process_config() -> None:
     config = engine_config("smollm2-135m", Workload(8, 16, 4), flags)
     assert engine_flags(config) == [
         "--model=random:smollm2-135m", "--device=cpu", "--max-model-len=4096",
-        "--num-kv-blocks=256", "--max-num-seqs=8", "--enforce-eager", "--no-async-scheduling",
-        "--quantization=fp8",
+        "--num-kv-blocks=256", "--max-num-seqs=8", "--max-num-batched-tokens=8192",
+        "--enforce-eager", "--no-async-scheduling", "--quantization=fp8",
     ]  # fmt: skip
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

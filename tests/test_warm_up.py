@@ -257,7 +257,7 @@ def test_a_step_that_runs_out_of_memory_is_refused_naming_the_flags(
 
     monkeypatch.setattr(runner, "forward", out_of_memory)
     with pytest.raises(
-        ModelTooLargeError, match="--max-num-batched-tokens 8192, --max-num-seqs"
+        ModelTooLargeError, match="--max-num-batched-tokens 4096, --max-num-seqs"
     ) as caught:
         runner.warm_up()
     assert "--gpu-memory-utilization" in str(caught.value)
