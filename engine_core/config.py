@@ -387,7 +387,7 @@ class EngineConfig:
     # LARGE_GPU_MAX_NUM_SEQS on one host whose GPU has LARGE_GPU_BYTES or more, else
     # DEFAULT_MAX_NUM_SEQS, never past max_num_batched_tokens.
     max_num_seqs: int | None = None
-    # None: resolved as the runner starts (engine_core/model_runner.py resolve_token_budget):
+    # None: resolved as the runner starts (engine_core/model_runner.py resolve_max_num_seqs):
     # CPU_MAX_NUM_BATCHED_TOKENS on the CPU, else DEFAULT_MAX_NUM_BATCHED_TOKENS; read it as
     # ``token_budget``.
     max_num_batched_tokens: int | None = None

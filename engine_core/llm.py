@@ -318,7 +318,7 @@ class LLM:
 
 
 def utf8_text(value: str) -> str:
-    """A command-line text that is valid UTF-8 (argv bytes that are not decode to lone
+    """A command-line text that is valid UTF-8 (argv bytes that are not UTF-8 decode to lone
     surrogates, which no tokenizer takes)."""
     try:
         value.encode("utf-8")

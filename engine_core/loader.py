@@ -281,7 +281,8 @@ def load_bin(file: Path) -> dict[str, torch.Tensor]:
         raise
     except Exception as exc:  # the unpickler fails on garbage in any number of ways
         # Its first line: torch's advice that follows (weights_only=False) is not ours to give.
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        lines = str(exc).strip().splitlines()
+        reason = lines[0] if lines else type(exc).__name__
         raise CheckpointError(f"{file} cannot be read as PyTorch weights: {reason}") from exc
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -101,6 +101,11 @@ class EngineCountTotals:
         return sum(self._last.values(), self._ended)
 
 
+def each_engine(reasons: Iterable[tuple[int, str | None]]) -> str:
+    """(engine index, why it is down) pairs as one message: "engine 0: ...; engine 1: ..."."""
+    return "; ".join(f"engine {i}: {reason}" for i, reason in reasons)
+
+
 class EnginePool:
     """The engine connections of one API process (see the module docstring)."""
 
@@ -138,9 +143,7 @@ class EnginePool:
         down = [(i, e) for i, e in enumerate(self.engines) if not e.healthy]
         if not down or len(down) == len(self.engines):
             return None
-        return "; ".join(
-            f"engine {i}: {e.dead_reason or 'its process is not running'}" for i, e in down
-        )
+        return each_engine((i, e.dead_reason or "its process is not running") for i, e in down)
 
     @property
     def dead_reason(self) -> str | None:
@@ -149,7 +152,7 @@ class EnginePool:
             return None
         if len(self.engines) == 1:
             return self.engines[0].dead_reason
-        return "; ".join(f"engine {i}: {e.dead_reason}" for i, e in enumerate(self.engines))
+        return each_engine((i, e.dead_reason) for i, e in enumerate(self.engines))
 
     @property
     def num_requests(self) -> int:

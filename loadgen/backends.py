@@ -340,7 +340,6 @@ class ZmqBackend:
         self.connect_timeout = connect_timeout
         self.clients: list[AsyncEngineClient] = []
         self.in_flight: list[int] = []  # requests each engine is running for this run
-        self.sent: list[int] = []  # requests sent to each engine
         self.model: str | None = None
         self.vocab: list[int] | None = None
 
@@ -358,7 +357,6 @@ class ZmqBackend:
             eos = set(ready.eos_token_ids)
             self.vocab = [i for i in range(ready.vocab_size) if i not in eos]
         self.in_flight = [0] * len(self.clients)
-        self.sent = [0] * len(self.clients)
 
     async def close(self) -> None:
         for client in self.clients:
@@ -377,7 +375,6 @@ class ZmqBackend:
         request = EngineRequest(rec.request_id, spec.prompt_ids, params, 0, interval)
         engine = min(range(len(self.clients)), key=self.in_flight.__getitem__)
         self.in_flight[engine] += 1
-        self.sent[engine] += 1
         rec.submitted_at = self.clock.now()
         try:
             async with self.clients[engine].open([request]) as group:
