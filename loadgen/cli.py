@@ -38,7 +38,7 @@ from loadgen.backends import (
     open_backend,
 )
 from loadgen.metrics import RequestRecord, Slo, format_summary, summarize
-from loadgen.runner import RunPlan, run_conversations, run_once
+from loadgen.runner import RunInterrupted, RunPlan, run_conversations, run_once
 from loadgen.sweep import Sweep, format_sweep_table, mean_summary_figures, plot_sweep
 from loadgen.workers import ClientPool
 from loadgen.workload import (
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     except DatasetError as exc:
         print(f"loadgen: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # the run's records so far are not reported
+    except KeyboardInterrupt:  # outside a run, or a --client-processes run (not reported)
         print("loadgen: interrupted", file=sys.stderr)
         return 130
     except (httpx.HTTPError, OSError, TimeoutError, BackendError) as exc:
@@ -437,19 +437,36 @@ async def bench(args: argparse.Namespace) -> int:
         tokenizer = await asyncio.to_thread(load_tokenizer, args, backend)
         bench_run = BenchRun(args, backend, tokenizer, pool)
         print(bench_run.describe(), flush=True)
-        await bench_run.warm_up()
-        if args.sweep is None:
-            runs = await bench_run.measure(base_arrival(args), args.max_concurrency)
-        else:
-            runs = await bench_run.sweep(args.sweep)
+        interrupted = False
+        try:
+            await bench_run.warm_up()
+            if args.sweep is None:
+                runs = await bench_run.measure(base_arrival(args), args.max_concurrency)
+            else:
+                runs = await bench_run.sweep(args.sweep)
+        except BenchInterrupted as stop:
+            runs, interrupted = stop.runs, True
     finally:
         await backend.close()
         if pool is not None:
             await pool.close()
-    if args.result_json is not None:
+    if args.result_json is not None and runs:
         write_json(args.result_json, result_document(args, backend, runs))
         print(f"results: {args.result_json}")
+    if interrupted:
+        where = "; the runs up to it are reported above" if runs else " before a reported run"
+        print(f"loadgen: interrupted{where}", file=sys.stderr)
+        return 130
     return 0 if all(r["summary"].failed == 0 for r in runs) else 1
+
+
+class BenchInterrupted(Exception):
+    """Ctrl-C during a run: the reported runs up to it, the cut one last (its entry's
+    ``interrupted`` is true, its records those of the requests that had ended)."""
+
+    def __init__(self, runs: list[dict[str, Any]]) -> None:
+        super().__init__(f"interrupted after {len(runs)} reported run(s)")
+        self.runs = runs
 
 
 class BenchRun:
@@ -504,7 +521,10 @@ class BenchRun:
         for i in range(self.args.warmup_runs):
             label = f"warm-up {i + 1}/{self.args.warmup_runs}"
             plan = self.plan(base_arrival(self.args), self.args.max_concurrency, label)
-            s = summarize(await self.one_run(plan))
+            try:
+                s = summarize(await self.one_run(plan))
+            except RunInterrupted:
+                raise BenchInterrupted([]) from None
             print(f"{label}: {s.completed} completed, {s.failed} failed in {s.duration_s:.2f} s")
 
     async def measure(
@@ -515,12 +535,18 @@ class BenchRun:
         for i in range(self.args.repeat_runs):
             label = f"{point + ', ' if point else ''}run {i + 1}/{self.args.repeat_runs}"
             cpu, wall = time.process_time(), time.perf_counter()
-            records = await self.one_run(self.plan(arrival, concurrency, label))
+            cut: RunInterrupted | None = None
+            try:
+                records = await self.one_run(self.plan(arrival, concurrency, label))
+            except RunInterrupted as stop:
+                records, cut = stop.finished, stop
             client_cpu = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
             summary = summarize(records, self.args.slo)
             title = f"{self.args.backend}: {label}; {arrival.describe()}"
             if concurrency:
                 title += f", concurrency <= {concurrency}"
+            if cut is not None:
+                title += f"; INTERRUPTED: the {len(records)} of {cut.total} requests that had ended"
             print(format_summary(summary, title), flush=True)
             # Near 100% the load generator, not the server, may be what sets the pace.
             if self.pool is not None:
@@ -537,10 +563,13 @@ class BenchRun:
                     "label": label,
                     "arrival": arrival.describe(),
                     "max_concurrency": concurrency,
+                    "interrupted": cut is not None,
                     "summary": summary,
                     "records": records,
                 }
             )
+            if cut is not None:
+                raise BenchInterrupted(runs)
         return runs
 
     async def sweep(self, sweep: Sweep) -> list[dict[str, Any]]:
@@ -552,7 +581,12 @@ class BenchRun:
                 arrival = Arrival.from_rate(value, self.args.burstiness, self.args.seed)
             else:
                 concurrency = int(value)
-            point = await self.measure(arrival, concurrency, sweep.label(value))
+            try:
+                point = await self.measure(arrival, concurrency, sweep.label(value))
+            except BenchInterrupted as stop:  # no table or plot of a cut sweep
+                for r in stop.runs:
+                    r["sweep_value"] = value
+                raise BenchInterrupted(runs + stop.runs) from None
             for r in point:
                 r["sweep_value"] = value
             runs += point

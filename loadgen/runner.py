@@ -34,6 +34,16 @@ class RunPlan:
     label: str = "run"
 
 
+class RunInterrupted(Exception):
+    """Ctrl-C during a run: the records of the requests that had ended before it. The rest,
+    cut short or never sent, are left out: their times say nothing about the server."""
+
+    def __init__(self, finished: list[RequestRecord], total: int) -> None:
+        super().__init__(f"interrupted with {len(finished)} of {total} requests ended")
+        self.finished = finished
+        self.total = total
+
+
 SESSION = uuid.uuid4().hex[:8]  # request ids stay unique between load generators on one engine
 
 
@@ -50,6 +60,7 @@ async def run_once(
     slots = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
     bar = tqdm(total=len(specs), desc=plan.label, unit="req", disable=not plan.progress)
     tasks: list[asyncio.Task[None]] = []
+    finished: list[RequestRecord] | None = None  # set where Ctrl-C cuts the run short
     clock.start()
     try:
         due = last_sent = 0.0
@@ -65,6 +76,8 @@ async def run_once(
             last_sent = clock.now()
             tasks.append(asyncio.create_task(_send_one(backend, spec, rec, plan, slots, bar)))
         await asyncio.gather(*tasks)
+    except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
+        finished = [rec for rec in records if rec.ended_at is not None]
     finally:
         for t in tasks:
             t.cancel()
@@ -73,6 +86,8 @@ async def run_once(
         for rec in records:
             if rec.ended_at is None:
                 rec.fail("not sent: the run was interrupted", clock.now())
+    if finished is not None:
+        raise RunInterrupted(finished, len(records))
     return records
 
 
@@ -129,6 +144,7 @@ async def run_conversations(
     total = sum(len(r) for r in records)
     bar = tqdm(total=total, desc=plan.label, unit="req", disable=not plan.progress)
     tasks: list[asyncio.Task[None]] = []
+    finished: list[RequestRecord] | None = None  # set where Ctrl-C cuts the run short
     clock.start()
     try:
         due = last_sent = 0.0
@@ -143,6 +159,8 @@ async def run_conversations(
             talk = _converse(backend, conversation, recs, plan, slots, bar)
             tasks.append(asyncio.create_task(talk))
         await asyncio.gather(*tasks)
+    except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
+        finished = [rec for recs in records for rec in recs if rec.ended_at is not None]
     finally:
         for t in tasks:
             t.cancel()
@@ -151,6 +169,8 @@ async def run_conversations(
         for rec in (rec for recs in records for rec in recs):
             if rec.ended_at is None:
                 rec.fail("not sent: the run was interrupted", clock.now())
+    if finished is not None:
+        raise RunInterrupted(finished, total)
     return [rec for recs in records for rec in recs]
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from frontend.cli import main as tandem_main
@@ -153,3 +156,47 @@ def test_client_processes_refuse_what_they_cannot_do(tmp_path: Path) -> None:
     assert rc == 2  # over HTTP the server's --stream-interval sets it
     rc = tandem_main(["bench", "--backend", "zmq", "--output-interval", "0"])
     assert rc == 2
+
+
+def requests_finished(server: Server) -> float:
+    """The server's finished-request count (/metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return sum(s.value for s in samples if s.name == "tandem_request_success_total")
+
+
+def test_ctrl_c_reports_the_requests_that_had_ended(server: Server, tmp_path: Path) -> None:
+    """SIGINT in the middle of a run, once the server has finished a few of its requests: exit
+    130, the cut run printed and written with the records of the requests that had ended (each
+    complete), none of those cut short; the server holds nothing afterwards."""
+    out, total = tmp_path / "cut.json", 40
+    before = requests_finished(server)
+    cmd = [sys.executable, "-m", "loadgen", "--backend", "openai-completions",
+           "--url", server.base_url, *SMALL[2:], "-n", str(total), "--interval", "0.5",
+           "--warmup-runs", "0", "--result-json", str(out)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while requests_finished(server) < before + 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stdout[-3000:] + stderr[-3000:]
+    assert "INTERRUPTED: the " in stdout and f"of {total} requests that had ended" in stdout
+    assert "loadgen: interrupted; the runs up to it are reported above" in stderr
+    (run,) = json.loads(out.read_text())["runs"]
+    reqs, s = run["requests"], run["summary"]
+    assert run["interrupted"] is True
+    assert 3 <= len(reqs) < total and s["num_requests"] == len(reqs)
+    assert (s["completed"], s["failed"]) == (len(reqs), 0), s["errors"]
+    assert all(r["ok"] and r["output_tokens"] == OUT for r in reqs)
+    assert s["total_output_tokens"] == OUT * len(reqs)
+    assert len(reqs) <= requests_finished(server) - before
+    wait_engine_idle(server)
