@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import json
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +195,9 @@ def test_defaults_serve_one_gpu_with_probes_on_health(tmp_path: Path) -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60
     args = parsed_serve_args(main["args"])
     assert (args.model, args.host, args.port, args.api_key) == ("default", "0.0.0.0", 8000, None)
+    # tandem serve waits for its engine as long as the startup probe waits for the port.
+    assert args.engine_start_timeout == startup["periodSeconds"] * startup["failureThreshold"]
+    assert args.device == "auto"
     service = kinds["Service"][0]["spec"]
     assert service["ports"][0]["targetPort"] == "http"
     assert service["selector"] == kinds["Deployment"][0]["spec"]["selector"]["matchLabels"]
@@ -265,10 +269,123 @@ def test_multi_node_pods_run_one_command_that_tandem_accepts_as_nodes(tmp_path: 
         assert Path(config.dist_secret_file or "").parent == Path(mounts["dist-secret"])
     assert configs[0] == configs[1]
     volumes = {v["name"]: v for v in template["workerTemplate"]["spec"]["volumes"]}
-    assert volumes["dist-secret"]["secret"]["defaultMode"] == 0o400
     secret = next(s for s in kinds["Secret"] if s["metadata"]["name"].endswith("-dist"))
-    assert volumes["dist-secret"]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert volumes["dist-secret-source"]["secret"]["secretName"] == secret["metadata"]["name"]
     assert sorted(secret["data"]) == ["dist-secret"]
+
+
+def test_multi_node_leaves_the_lws_its_headless_service_name(tmp_path: Path) -> None:
+    """The LWS controller makes a headless Service named as the LeaderWorkerSet (its pods'
+    subdomain, hence $(LWS_LEADER_ADDRESS)) only where no Service has that name; its pods'
+    hostnames (NAME-GROUP-INDEX) must stay DNS labels, a long release name too."""
+    for release in ("release", "r" * 53):  # helm takes release names up to 53 characters
+        path = tmp_path / "values.json"
+        path.write_text(json.dumps(MULTI_NODE))
+        cmd = [helm(), "template", release, str(CHART), "--values", str(path)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        kinds = by_kind([d for d in yaml.safe_load_all(done.stdout) if d])
+        (lws,) = kinds["LeaderWorkerSet"]
+        name = lws["metadata"]["name"]
+        assert name not in {s["metadata"]["name"] for s in kinds["Service"]}
+        assert len(f"{name}-99-99") <= 63
+
+
+def test_pod_labels_and_annotations_reach_every_pod(tmp_path: Path) -> None:
+    extra = {
+        "podLabels": {"team": "inference"},
+        "podAnnotations": {"sidecar.istio.io/inject": "false"},
+    }
+    deployment = by_kind(documents({**EVERYTHING_ON, **extra}, tmp_path))["Deployment"][0]
+    lws = by_kind(documents({**MULTI_NODE, **extra}, tmp_path))["LeaderWorkerSet"][0]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    for template in (
+        deployment["spec"]["template"],
+        group["leaderTemplate"],
+        group["workerTemplate"],
+    ):
+        assert template["metadata"]["labels"]["team"] == "inference"
+        assert template["metadata"]["annotations"] == extra["podAnnotations"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= (
+        deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def run_init_container(
+    pod: dict[str, Any], secrets: dict[str, dict[str, bytes]], root: Path
+) -> None:
+    """The pod's secret-files init container's command, run here: its mounts become folders
+    under ``root``, each Secret volume holding ``secrets[volume]`` as the kubelet lays one out
+    (files behind ..data links, mode 0444 as the chart asks)."""
+    (init,) = pod["initContainers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    command = init["command"]
+    for mount in init["volumeMounts"]:
+        here = root / mount["mountPath"].lstrip("/")
+        source = volumes[mount["name"]].get("secret")
+        if source is not None:
+            assert source["defaultMode"] == 0o444
+            data = here / "..data"
+            data.mkdir(parents=True)
+            for key, value in secrets[mount["name"]].items():
+                (data / key).write_bytes(value)
+                (data / key).chmod(0o444)
+                (here / key).symlink_to(Path("..data") / key)
+        else:
+            here.mkdir(parents=True)
+        command = [c.replace(mount["mountPath"], str(here)) for c in command]
+    subprocess.run(command, check=True, timeout=30)
+
+
+def test_secret_files_reach_tandem_as_files_it_accepts(tmp_path: Path) -> None:
+    """A Secret volume's files are root's, or group-readable under an fsGroup, and tandem
+    refuses a key that others may read: the init container copies them (as the pod's user,
+    mode 0400) to where the tandem container reads them, and tandem's own readers take those
+    copies (they refuse the Secret volume's 0444 files themselves)."""
+    from engine_core.nodes import read_secret
+    from protocol.curve import create_key_pair, load_client_keys
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    create_key_pair(keys, "frontend")
+    create_key_pair(keys, "engine")
+    curve = {
+        "frontend.key_secret": (keys / "frontend.key_secret").read_bytes(),
+        "engine.key": (keys / "engine.key").read_bytes(),
+    }
+    remote = by_kind(documents(REMOTE_ENGINE, tmp_path))["Deployment"][0]["spec"]["template"]
+    pod = remote["spec"]
+    run_init_container(pod, {"curve-source": curve}, tmp_path / "remote")
+    args = parsed_serve_args(container(pod)["args"])
+    mounted = tmp_path / "remote" / args.curve_secret_key.lstrip("/")
+    assert stat.S_IMODE(mounted.stat().st_mode) == 0o400
+    load_client_keys(mounted, tmp_path / "remote" / args.curve_server_key.lstrip("/"))
+    source = tmp_path / "remote" / "etc/tandem/secrets/curve/frontend.key_secret"
+    with pytest.raises(ValueError, match="must not be readable by others"):
+        load_client_keys(source, tmp_path / "remote" / args.curve_server_key.lstrip("/"))
+
+    group = by_kind(documents(MULTI_NODE, tmp_path))["LeaderWorkerSet"][0]["spec"]
+    for part in ("leaderTemplate", "workerTemplate"):
+        pod = group["leaderWorkerTemplate"][part]["spec"]
+        root = tmp_path / part
+        run_init_container(pod, {"dist-secret-source": {"dist-secret": b"x" * 32}}, root)
+        args = container(pod)["args"]
+        path = root / args[args.index("--dist-secret-file") + 1].lstrip("/")
+        assert read_secret(str(path)) == b"x" * 32
+
+
+def test_no_gpu_runs_the_cpu_backend(tmp_path: Path) -> None:
+    values = {"model": {"path": "default"}, "gpu": {"count": 0}}
+    pod = by_kind(documents(values, tmp_path))["Deployment"][0]["spec"]["template"]["spec"]
+    main = container(pod)
+    assert parsed_serve_args(main["args"]).device == "cpu"
+    assert "nvidia.com/gpu" not in main["resources"].get("limits", {})
+
+
+def test_a_numeric_image_tag_is_taken_as_text(tmp_path: Path) -> None:
+    values = {"model": {"path": "default"}, "image": {"repository": "r", "tag": 20240601}}
+    pod = by_kind(documents(values, tmp_path))["Deployment"][0]["spec"]["template"]["spec"]
+    assert container(pod)["image"] == "r:20240601"
 
 
 def test_pipeline_stages_over_the_pods_reach_every_node(tmp_path: Path) -> None:
@@ -327,6 +444,10 @@ def test_pipeline_stages_over_the_pods_reach_every_node(tmp_path: Path) -> None:
             "multiNode.secret.value (or existingSecret) is required",
         ),
         (
+            {**MULTI_NODE, "multiNode": {"enabled": True, "secret": {"value": "x" * 15}}},
+            "multiNode.secret.value",
+        ),
+        (
             {**MULTI_NODE, "tensorParallelSize": 3},
             "tensorParallelSize 3 must be a multiple of multiNode.nodes 2",
         ),
@@ -353,6 +474,7 @@ def test_pipeline_stages_over_the_pods_reach_every_node(tmp_path: Path) -> None:
         "too-few-gpus",
         "multi-node-and-remote",
         "multi-node-without-secret",
+        "multi-node-short-secret",
         "multi-node-uneven",
         "multi-node-uneven-stages",
         "too-few-gpus-for-stages",

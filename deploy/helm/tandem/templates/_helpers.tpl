@@ -22,8 +22,34 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{/* A tag that is a whole number (`--set image.tag=2`, or unquoted in a values file, which
+helm reads as a float) is written as one. */}}
 {{- define "tandem.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- if and (kindIs "float64" $tag) (eq $tag (float64 (int64 $tag))) -}}
+{{- $tag = int64 $tag -}}
+{{- end -}}
+{{ .Values.image.repository }}:{{ $tag | toString }}
+{{- end -}}
+
+{{/* The LeaderWorkerSet's name: not the Service's, since the LWS controller makes a headless
+Service of its own name, whose DNS records give $(LWS_LEADER_ADDRESS); short enough that its
+pods' hostnames (NAME-GROUP-INDEX) stay DNS labels. */}}
+{{- define "tandem.groupName" -}}
+{{- printf "%s-nodes" (include "tandem.fullname" . | trunc 50 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* Pod labels and annotations: the selector's and the user's (every pod template). */}}
+{{- define "tandem.podMetadata" -}}
+labels:
+  {{- include "tandem.selectorLabels" . | nindent 2 }}
+  {{- with .Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with .Values.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{- define "tandem.apiKeySecret" -}}
@@ -46,6 +72,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - {{ .Values.service.port | quote }}
 - --model
 - {{ required "model.path is required (--model: a folder under model.mountPath, or \"default\")" .Values.model.path | quote }}
+- --engine-start-timeout  # as long as the startupProbe waits for the model to load
+- {{ mul .Values.probes.startup.periodSeconds .Values.probes.startup.failureThreshold | quote }}
 {{- with .Values.model.servedModelName }}
 - --served-model-name
 - {{ . | quote }}
@@ -63,6 +91,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - /etc/tandem/curve/engine.key
 {{- else }}
 {{- include "tandem.checkGpus" . }}
+{{- if not .Values.gpu.count }}
+- --device  # else a CUDA image takes GPUs the pod sees but did not ask for
+- cpu
+{{- end }}
 - --tensor-parallel-size
 - {{ .Values.tensorParallelSize | quote }}
 {{- if ne (int .Values.pipelineParallelSize) 1 }}
@@ -117,15 +149,49 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
 {{- end }}
-{{- if .Values.remoteEngine.enabled }}
-- name: curve
-  mountPath: /etc/tandem/curve
+{{- range include "tandem.secretFolders" . | fromYamlArray }}
+- name: {{ .name }}
+  mountPath: /etc/tandem/{{ .folder }}
   readOnly: true
 {{- end }}
+{{- end -}}
+
+{{/* The Secrets tandem reads as files, each as (volume name, Secret, folder under /etc/tandem). */}}
+{{- define "tandem.secretFolders" -}}
+{{- if .Values.remoteEngine.enabled }}
+- {name: curve, secret: {{ include "tandem.curveSecret" . | quote }}, folder: curve}
+{{- end }}
 {{- if .Values.multiNode.enabled }}
-- name: dist-secret
-  mountPath: /etc/tandem/dist
-  readOnly: true
+- {name: dist-secret, secret: {{ include "tandem.distSecret" . | quote }}, folder: dist}
+{{- end }}
+{{- end -}}
+
+{{/* tandem refuses a key or secret file that others may read (mode 0400 or 0600), and a
+Secret volume's files are root's, or group-readable under an fsGroup: this copies them, as the
+pod's user with mode 0400, into memory volumes that the tandem container mounts. */}}
+{{- define "tandem.initContainers" -}}
+{{- $folders := include "tandem.secretFolders" . | fromYamlArray -}}
+{{- if $folders }}
+initContainers:
+  - name: secret-files
+    image: {{ include "tandem.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command:
+      - sh
+      - -c
+      - umask 077{{ range $folders }} && cp -L /etc/tandem/secrets/{{ .folder }}/* /etc/tandem/{{ .folder }}/{{ end }}
+    {{- with .Values.securityContext }}
+    securityContext:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    volumeMounts:
+      {{- range $folders }}
+      - name: {{ .name }}-source
+        mountPath: /etc/tandem/secrets/{{ .folder }}
+        readOnly: true
+      - name: {{ .name }}
+        mountPath: /etc/tandem/{{ .folder }}
+      {{- end }}
 {{- end }}
 {{- end -}}
 
@@ -138,17 +204,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - name: model
 {{ toYaml . | indent 2 }}
 {{- end }}
-{{- if .Values.remoteEngine.enabled }}
-- name: curve
+{{- range include "tandem.secretFolders" . | fromYamlArray }}
+- name: {{ .name }}-source  # read by the init container only, whatever the pod's user
   secret:
-    secretName: {{ include "tandem.curveSecret" . }}
-    defaultMode: 0400  # tandem refuses secret key files that others may read
-{{- end }}
-{{- if .Values.multiNode.enabled }}
-- name: dist-secret
-  secret:
-    secretName: {{ include "tandem.distSecret" . }}
-    defaultMode: 0400  # as --dist-secret-file must be
+    secretName: {{ .secret }}
+    defaultMode: 0444
+- name: {{ .name }}  # the copies tandem reads (tandem.initContainers)
+  emptyDir:
+    medium: Memory
+    sizeLimit: 1Mi
 {{- end }}
 {{- end -}}
 
@@ -203,7 +267,12 @@ tolerations:
 affinity:
 {{ toYaml . | indent 2 }}
 {{- end }}
+{{- with .Values.podSecurityContext }}
+securityContext:
+{{ toYaml . | indent 2 }}
+{{- end }}
 terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+{{- include "tandem.initContainers" . }}
 {{- end -}}
 
 {{/* The multi-node flags; LWS sets the two variables in each pod. */}}
