@@ -40,11 +40,14 @@ import contextlib
 import ipaddress
 import logging
 import os
+import stat
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common import env
+from common.processes import pid_alive
 
 if TYPE_CHECKING:
     import zmq
@@ -56,6 +59,9 @@ logger = logging.getLogger(__name__)
 IDENTITY_BYTES = 16
 _IPC = "ipc://"
 _TCP = "tcp://"
+_DIR_PREFIX = "tandem-"  # a private ipc directory: tandem-PID-RANDOM
+# A stale-looking private ipc directory younger than this is left alone (remove_stale_ipc_dirs).
+STALE_IPC_DIR_S = 60.0
 _IN_SUFFIX = "-in"
 _OUT_SUFFIX = "-out"
 # sun_path holds 108 bytes on Linux (104 on macOS); leave room for the terminating NUL.
@@ -115,12 +121,14 @@ def as_address(address: EngineAddress | str) -> EngineAddress:
 
 
 def private_ipc_address(name: str = "engine") -> EngineAddress:
-    """A fresh mode-0700 directory under $XDG_RUNTIME_DIR (or the temp dir) and an address in it.
+    """A fresh mode-0700 directory under $XDG_RUNTIME_DIR (or the temp dir) and an address in it,
+    named for this process (``remove_stale_ipc_dirs`` takes those of processes gone).
 
     The caller owns the directory; ``remove_ipc_files`` cleans it up.
     """
     for base in _runtime_dirs():
-        directory = tempfile.mkdtemp(prefix="tandem-", dir=base)
+        remove_stale_ipc_dirs(base)
+        directory = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=base)
         path = os.path.join(directory, name)
         if len(path) + len(_OUT_SUFFIX) <= _MAX_IPC_PATH:
             os.chmod(directory, 0o700)  # mkdtemp already does; say it where it matters
@@ -139,6 +147,73 @@ def remove_ipc_files(address: EngineAddress) -> None:
     for directory in directories:
         with contextlib.suppress(OSError):  # not empty or already gone: not ours to force
             os.rmdir(directory)
+
+
+def remove_stale_ipc_dirs(base: str) -> list[str]:
+    """Remove the private ipc directories in ``base`` that a process killed before its cleanup
+    (``kill -9``) left behind, and return them: this user's, named for a process that no longer
+    runs, untouched for STALE_IPC_DIR_S (a server of another pid namespace sharing the folder
+    may be starting in one), holding nothing but socket files nobody listens on."""
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        pid = _creator_pid(name)
+        directory = os.path.join(base, name)
+        if pid is not None and not pid_alive(pid) and _holds_only_stale_sockets(directory):
+            with contextlib.suppress(OSError):
+                for path in _entries(directory):
+                    os.unlink(path)
+                os.rmdir(directory)
+            if not os.path.exists(directory):
+                removed.append(directory)
+    return removed
+
+
+def _creator_pid(name: str) -> int | None:
+    """The pid in a private ipc directory's name (tandem-PID-RANDOM), None for other names."""
+    if not name.startswith(_DIR_PREFIX):
+        return None
+    pid, sep, _ = name[len(_DIR_PREFIX) :].partition("-")
+    return int(pid) if sep and pid.isdigit() else None
+
+
+def _entries(directory: str) -> list[str]:
+    return [os.path.join(directory, n) for n in os.listdir(directory)]
+
+
+def _holds_only_stale_sockets(directory: str) -> bool:
+    import socket
+
+    try:
+        info = os.lstat(directory)
+        if (
+            not stat.S_ISDIR(info.st_mode)
+            or info.st_uid != os.getuid()
+            or time.time() - info.st_mtime < STALE_IPC_DIR_S
+        ):
+            return False
+        entries = _entries(directory)
+        if not all(stat.S_ISSOCK(os.lstat(e).st_mode) for e in entries):
+            return False
+    except OSError:
+        return False
+    for path in entries:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            continue
+        except OSError:
+            return False
+        else:
+            return False  # somebody listens
+        finally:
+            probe.close()
+    return True
 
 
 class AddressInUse(OSError):

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -184,6 +185,87 @@ def test_private_ipc_directory_is_owner_only(address: EngineAddress, engine: Ech
     assert os.stat(directory).st_uid == os.getuid()
     for path in address.ipc_paths:  # both endpoints were bound inside it
         assert stat.S_ISSOCK(os.stat(path).st_mode)
+
+
+_KILLED_ENGINE = """
+import sys, time, zmq
+from protocol.address import bind_engine_sockets, private_ipc_address
+address = private_ipc_address()
+bind_engine_sockets(zmq.Context(), address)
+print(address, flush=True)
+time.sleep(600)
+"""
+
+
+def _stale_dir(base: Path, pid: int, files: dict[str, str], listening: list[Any]) -> Path:
+    """A private ipc directory named for ``pid``, untouched for two minutes, holding ``files``:
+    "socket" (bound, then closed: nobody listens), "listening" (its socket kept open in
+    ``listening``) or "file"."""
+    import socket
+
+    directory = base / f"tandem-{pid}-test{len(list(base.iterdir()))}"
+    directory.mkdir(mode=0o700)
+    for name, kind in files.items():
+        if kind == "file":
+            (directory / name).write_text("not a socket")
+            continue
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(directory / name))
+        if kind == "listening":
+            sock.listen()
+            listening.append(sock)
+        else:
+            sock.close()
+    old = time.time() - 120
+    os.utime(directory, (old, old))
+    return directory
+
+
+def test_the_next_server_removes_what_a_killed_one_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill -9 leaves a server's private ipc directory and its socket files; the next private
+    address taken there removes them, and only what is surely stale: not a live process's, not
+    one just made, not one where somebody listens, not one holding other files."""
+    import signal
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_ENGINE], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    killed = EngineAddress.parse(proc.stdout.readline().strip())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_dir = Path(killed.ipc_paths[0]).parent
+    assert killed_dir.parent == tmp_path and sorted(os.listdir(killed_dir)) == [
+        "engine-in",
+        "engine-out",
+    ]
+    old = time.time() - 120
+    os.utime(killed_dir, (old, old))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    listening: list[Any] = []
+    kept = [
+        _stale_dir(tmp_path, os.getpid(), {"engine-in": "socket"}, listening),  # a live process's
+        _stale_dir(tmp_path, gone.pid, {"engine-in": "listening"}, listening),
+        _stale_dir(tmp_path, gone.pid, {"engine-in": "socket", "notes": "file"}, listening),
+        _stale_dir(tmp_path, gone.pid, {"engine-in": "socket"}, listening),
+    ]
+    os.utime(kept[-1])  # just made (another pid namespace's server may be starting in it)
+    try:
+        fresh = private_ipc_address()
+    finally:
+        for sock in listening:
+            sock.close()
+    assert not killed_dir.exists()
+    assert all(d.exists() for d in kept)
+    assert Path(fresh.ipc_paths[0]).parent.name.startswith(f"tandem-{os.getpid()}-")
 
 
 def test_send_to_unknown_client_reports_false(engine: EchoEngine) -> None:
