@@ -54,11 +54,10 @@ SCHEDULING_POLICIES = tuple(p.flag_name for p in SchedulingPolicy)
 DEFAULT_MAX_NUM_SEQS = 256
 LARGE_GPU_MAX_NUM_SEQS = 1024
 # --max-num-batched-tokens unset: DEFAULT_MAX_NUM_BATCHED_TOKENS, and CPU_MAX_NUM_BATCHED_TOKENS
-# on the CPU, where the engine sends nothing (heartbeats included) while a step runs and a
-# whole 8k prompt's step took 25-30 s on two cores, near --engine-timeout's 30 s; in 4,096-token
-# chunks the prompt took as long in all and the CPU benchmark's workloads ran as fast, 64 prompts
-# at once reaching their first token sooner (docs/design/cpu-backend.md, "A smaller step
-# budget on the CPU").
+# on the CPU, where a whole 8k prompt's step took 25-30 s on two cores (the engine announces
+# such a step: engine_core/step_clock.py); in 4,096-token chunks the prompt took as long in all
+# and the CPU benchmark's workloads ran as fast, 64 prompts at once reaching their first token
+# sooner (docs/design/cpu-backend.md, "A smaller step budget on the CPU").
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
 LARGE_GPU_BYTES = 70 * 2**30

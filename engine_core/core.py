@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,6 +55,7 @@ from engine_core.model_runner import (
 from engine_core.request import EngineOutput, Request, SchedulerOutput
 from engine_core.scheduler import Scheduler
 from engine_core.speculative import make_proposer
+from engine_core.step_clock import StepClock, StepWork
 from engine_core.step_stats import StepStats
 from protocol.messages import FinishReason, Stats, TokenLogprobs
 
@@ -108,6 +111,13 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._bitmasks: BitmaskFiller | None = None
         self._compiling: list[Request] = []  # constrained requests whose grammar is not ready
+        # On the CPU a step may run for minutes, silent: the clock expects each step's time,
+        # and a step expected to be long is announced through ``announce_long_step`` (the
+        # server's, which sends a heartbeat saying so; engine_core/step_clock.py). A GPU's
+        # steps are milliseconds.
+        self.step_clock = StepClock(StepWork.of(self.model_config)) if on_cpu else None
+        self.announce_long_step: Callable[[float], None] | None = None
+        self._step_flops = 0.0  # the work launched in this call of step(), for the clock
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (with a message fit for the client) if it cannot run."""
@@ -196,6 +206,7 @@ class EngineCore:
         failed = self._settle_grammars() if self._compiling else []
         if self.runner.loras is not None and self.runner.loras.has_errors:
             failed += self._fail_unreadable_adapters()
+        started, self._step_flops = time.perf_counter(), 0.0
         try:
             if self._must_sync():
                 outputs = self._step_sync()
@@ -210,11 +221,23 @@ class EngineCore:
             self._in_flight = None
             self._in_stages.clear()
             raise
+        if self.step_clock is not None and self._step_flops:
+            self.step_clock.observe(self._step_flops, time.perf_counter() - started)
         self.step_stats.end_step()
         if not self.has_unfinished():
             self.runner.mark_idle()  # the GPU's wait for new work is no overhead of the loop
             self.step_stats.log_window()  # the work that just ended, in a line of its own
         return outputs
+
+    def _announce(self, plan: SchedulerOutput) -> None:
+        """Count the plan's work for the step clock, and announce the step where the clock
+        expects it to be long (engine_core/step_clock.py); nothing without a clock."""
+        if self.step_clock is None:
+            return
+        self._step_flops += self.step_clock.work.of_step(plan.scheduled)
+        busy = self.step_clock.busy_for_s(self._step_flops)
+        if busy and self.announce_long_step is not None:
+            self.announce_long_step(busy)
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Switch between the overlapped and the simple loop; only while idle (benchmarks)."""
@@ -243,6 +266,7 @@ class EngineCore:
         if plan.is_empty:
             self._nap_if_only_compiling()
             return []
+        self._announce(plan)
         forward = self.runner.forward(plan)
         bitmask = draft_bitmask = None
         if self._constrained(forward):
@@ -260,6 +284,7 @@ class EngineCore:
             if previous is None:
                 self._nap_if_only_compiling()
         else:
+            self._announce(plan)
             forward = self.runner.forward(plan)
             bitmask = None
             if self._constrained(forward):
@@ -285,6 +310,8 @@ class EngineCore:
         the oldest step in flight is settled."""
         with self.step_stats.phase("schedule"):
             plan = self.scheduler.schedule()
+        if not plan.is_empty:
+            self._announce(plan)
         forward = None if plan.is_empty else self.runner.forward(plan)
         outputs: list[EngineOutput] = []
         full = len(self._in_stages) >= self.config.pipeline_parallel_size - 1

@@ -135,6 +135,7 @@ class EngineServer:
         if parent_pid is not None:  # before loading: a parent may die while the weights load
             threading.Thread(target=self._watch_parent, daemon=True).start()
         self.core = EngineCore(config)
+        self.core.announce_long_step = self._announce_long_step
         runner = self.core.runner
         self.profiler = EngineProfiler(config.profile_dir, runner.device.type == "cuda", runner)
         mc = self.core.model_config
@@ -450,6 +451,13 @@ class EngineServer:
         live = [r.request_id for r in [*sched.running, *sched.waiting]]
         for r in self.core.abort(live):
             self._send(r.client_id, RequestError(r.client_request_id, message, 500))
+
+    def _announce_long_step(self, busy_for_s: float) -> None:
+        """A heartbeat before a step expected to take ``busy_for_s``, in which nothing is sent:
+        clients count silence from its expected end (engine_core/step_clock.py)."""
+        self._last_heartbeat = time.monotonic()
+        for client in list(self.clients):  # a failed send forgets its client
+            self._send(client, Heartbeat(self.core.num_steps, busy_for_s))
 
     def _maybe_heartbeat(self) -> None:
         now = time.monotonic()

@@ -197,7 +197,8 @@ def add_engine_link_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--engine-timeout", type=engine_timeout, default=30.0,
-        help="seconds of engine silence after which it counts as dead: /health answers 503, "
+        help="seconds of engine silence after which it counts as dead (past a step the engine "
+        "announced as long, counted from that step's expected end): /health answers 503, "
         "and requests in flight resume once it answers again (or fail with 503 past "
         "--max-request-resumes or --resume-timeout; docs/reliability.md) (default: "
         "%(default)s)",

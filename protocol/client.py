@@ -71,6 +71,7 @@ from protocol.messages import (
     ControlKind,
     ControlReply,
     EngineMessage,
+    Heartbeat,
     Hello,
     ImageInput,
     LoraRef,
@@ -394,14 +395,16 @@ class EngineClient(_Connection):
         self.add_request(request_id, prompt_token_ids, params, priority=priority)
         others: list[EngineMessage] = []
         finished = False
+        wait = timeout
         try:
             while not finished:
-                msg = self.recv(timeout)
+                msg = self.recv(wait)
                 if msg is None:  # not even a heartbeat: the engine is gone or stuck
                     raise TimeoutError(
-                        f"the engine sent nothing for {timeout:g} s (not even a heartbeat) "
+                        f"the engine sent nothing for {wait:g} s (not even a heartbeat) "
                         f"while {request_id!r} ran: it died or hangs"
                     )
+                wait = _after(msg, timeout)
                 mine, rest = split_for_request(msg, request_id)
                 if rest is not None:
                     others.append(rest)
@@ -494,6 +497,8 @@ class AsyncEngineClient(_Connection):
         self._replies: dict[int, asyncio.Future[ControlReply]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._last_seen = 0.0
+        # Where a heartbeat announced a long step: its expected end (silence counts from it).
+        self._busy_until = 0.0
         self._last_hello = 0.0
         self._dead_reason: str | None = "not connected"
 
@@ -709,6 +714,8 @@ class AsyncEngineClient(_Connection):
 
     def _take(self, msg: EngineMessage) -> None:
         self._last_seen = time.monotonic()
+        if isinstance(msg, Heartbeat) and msg.busy_for_s:
+            self._busy_until = self._last_seen + msg.busy_for_s
         if self._dead_reason is not None and self._is_process_alive():
             logger.warning("the engine core answers again")
             self._dead_reason = None
@@ -744,9 +751,11 @@ class AsyncEngineClient(_Connection):
     def _why_dead(self) -> str | None:
         if not self._is_process_alive():
             return "the engine process exited"
-        silent = time.monotonic() - self._last_seen
-        if silent > self._dead_after_s:
-            return f"the engine has not answered for {silent:.0f} s"
+        now = time.monotonic()
+        if now - max(self._last_seen, self._busy_until) > self._dead_after_s:
+            busy = self._busy_until - self._last_seen
+            step = f", past the {busy:.0f} s step it announced" if busy > 0 else ""
+            return f"the engine has not answered for {now - self._last_seen:.0f} s{step}"
         return None
 
     def _declare_dead(self, reason: str) -> None:
@@ -917,6 +926,14 @@ async def wait_while_dead(
             raise EngineDeadError(f"{reason}; not back within {timeout:.0f} s")
         await asyncio.sleep(poll_s)
     return time.monotonic() - started
+
+
+def _after(msg: EngineMessage, timeout: float | None) -> float | None:
+    """How long to wait for the message after ``msg``: ``timeout``, and past a step that a
+    heartbeat announced, that step's expected time too."""
+    if timeout is not None and isinstance(msg, Heartbeat):
+        return timeout + msg.busy_for_s
+    return timeout
 
 
 def _send_nowait(sock: zmq.Socket, frame: bytes) -> bool:

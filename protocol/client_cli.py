@@ -88,7 +88,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-timeout", type=engine_timeout, default=DEAD_AFTER_S, metavar="SECONDS",
         help="seconds of silence from the engine (it sends a heartbeat every 0.5 s between "
-        f"steps) after which the request fails as the engine's death (default: {DEAD_AFTER_S:g})",
+        "steps, and announces a step it expects to be long, counted from that step's expected "
+        f"end) after which the request fails as the engine's death (default: {DEAD_AFTER_S:g})",
     )  # fmt: skip
     add_client_args(parser)
 

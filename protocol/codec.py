@@ -54,7 +54,7 @@ Field layouts (after the type tag and the version):
                     prefix_cache_queries, prefix_cache_hits, preemptions, step_tokens_sum,
                     the speculative and host KV tier counts),
                     [one count per STEP_TOKEN_BUCKETS bucket, + 1]]
-    HEARTBEAT       num_steps
+    HEARTBEAT       num_steps, [busy_for_s]
 
 Fields in [brackets] above are trailing ones that a frame carries only when it has them (an
 embedding request, an embedding engine, a step that pooled): the frames of generation keep the
@@ -126,6 +126,7 @@ MAX_LOGPROBS = 20
 MAX_CONSTRAINT_BYTES = 1 << 20  # a JSON schema or a grammar; compilation has its own bounds
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
+MAX_BUSY_S = 86400.0  # a step a heartbeat announces: a day is beyond any
 MAX_EMBEDDING_DIMS = 1 << 16  # values of one pooled vector: beyond any model's hidden size
 MAX_LORA_STR_LEN = 4096  # a LoRA adapter's name or folder path (PATH_MAX)
 MAX_IMAGES = 256  # images of one prompt (the API process's --limit-mm-per-prompt is lower)
@@ -1269,12 +1270,19 @@ def _decode_counts(value: Any, v: _Validator) -> EngineCounts:
 
 
 def _encode_heartbeat(msg: Heartbeat) -> list[Any]:
+    if msg.busy_for_s:
+        return [int(msg.num_steps), float(msg.busy_for_s)]
     return [int(msg.num_steps)]
 
 
 def _decode_heartbeat(fields: list[Any], v: _Validator) -> Heartbeat:
-    v.list_(fields, "HEARTBEAT fields", 1)
-    return Heartbeat(v.int_(fields[0], "num_steps", 0, UINT64_MAX))
+    v.list_(fields, "HEARTBEAT fields")
+    if len(fields) not in (1, 2):
+        raise v.fail(f"HEARTBEAT fields must have 1 or 2 elements, got {len(fields)}", "fields")
+    num_steps = v.int_(fields[0], "num_steps", 0, UINT64_MAX)
+    if len(fields) == 1:
+        return Heartbeat(num_steps)
+    return Heartbeat(num_steps, v.float_(fields[1], "busy_for_s", 0.0, MAX_BUSY_S, lo_open=True))
 
 
 # ---- dispatch tables --------------------------------------------------------------------------

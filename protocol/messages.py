@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 #    message holds their byte count), not inside the msgpack array
 # 12: READY says the dtype an engine's vision tower takes its pixels in (``pixel_dtype``)
 # 13: prompt logprobs carry each prompt token's rank, a fifth column after the top logprobs
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # A request's priority is a signed 64-bit int, as vLLM's.
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
@@ -461,7 +461,12 @@ HEARTBEAT_INTERVAL_S = 0.5
 
 @dataclass(frozen=True)
 class Heartbeat:
+    """The engine lives. ``busy_for_s`` > 0: it is starting a step it expects to take about
+    that long (a long prompt on the CPU), in which it sends nothing, so a client counts its
+    silence from that step's expected end (engine_core/step_clock.py)."""
+
     num_steps: int
+    busy_for_s: float = 0.0
 
 
 ClientMessage = Hello | AddRequest | Abort | Control

@@ -53,6 +53,7 @@ from protocol.messages import (
     ControlReply,
     EngineMessage,
     FinishReason,
+    Heartbeat,
     Hello,
     Ready,
     RequestError,
@@ -76,9 +77,14 @@ class EchoEngine:
     does)."""
 
     def __init__(
-        self, address: EngineAddress, curve: CurveServerKeys | None = None, garbage: bool = True
+        self,
+        address: EngineAddress,
+        curve: CurveServerKeys | None = None,
+        garbage: bool = True,
+        busy_for_s: float = 0.0,
     ) -> None:
         self.garbage = garbage  # send an undecodable frame before each control reply
+        self.busy_for_s = busy_for_s  # > 0: READY is followed by a heartbeat announcing a step
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, curve) if curve is not None else None
         try:
@@ -119,6 +125,8 @@ class EchoEngine:
         match msg:
             case Hello():
                 self._send(client, READY)
+                if self.busy_for_s:
+                    self._send(client, Heartbeat(1, self.busy_for_s))
             case AddRequest():
                 self._echo(client, msg)
             case Abort():
@@ -687,6 +695,30 @@ def test_a_silent_engine_stays_healthy_until_it_is_declared_dead(address: Engine
                 await asyncio.sleep(0.1)
             assert time.monotonic() - silent_since >= 6.0
             assert not client.healthy and "has not answered" in (client.dead_reason or "")
+
+    asyncio.run(main())
+
+
+def test_silence_after_an_announced_step_counts_from_its_expected_end(
+    address: EngineAddress,
+) -> None:
+    """A heartbeat announcing a 4 s step, then silence, under a 1 s death limit: healthy through
+    the step's expected time, declared dead once its expected end is a second past (a stuck step
+    is still caught), the reason naming the announced step."""
+
+    async def main() -> None:
+        eng = EchoEngine(address, busy_for_s=4.0)
+        async with AsyncEngineClient(address, dead_after_s=1.0) as client:
+            await client.connect(timeout=10)
+            await asyncio.sleep(0.3)  # the heartbeat that follows READY is read
+            eng.stop()
+            silent_since = time.monotonic()
+            await asyncio.sleep(3.0)  # three death limits into the announced step
+            assert client.healthy and client.dead_reason is None
+            while client.healthy and time.monotonic() - silent_since < 10:
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - silent_since >= 4.0
+            assert "past the 4 s step it announced" in (client.dead_reason or "")
 
     asyncio.run(main())
 

@@ -163,6 +163,7 @@ EXAMPLES = [
     ControlReply(ControlKind.CHECK_INTEGRITY, 0, None, False, "block 7 leaked"),
     Heartbeat(0),
     Heartbeat(123456789),
+    Heartbeat(7, 12.25),
 ]
 
 
@@ -884,6 +885,11 @@ BAD_ENGINE_FRAMES = [
     encode(Hello()),  # a client message sent the wrong way
     msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, -1]),
     msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, False]),
+    msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, 1, 0.0]),  # announces no step
+    msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, 1, -2.0]),
+    msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, 1, math.inf]),
+    msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, 1, 1e9]),  # past MAX_BUSY_S
+    msgpack.packb([int(MsgType.HEARTBEAT), PROTOCOL_VERSION, 1, 2.0, 3]),
     msgpack.packb([int(MsgType.READY), PROTOCOL_VERSION, "m", 8, 0, b"", 16, 4, 2]),  # vocab 0
     msgpack.packb([int(MsgType.READY), PROTOCOL_VERSION, "m", 8, 9, [2], 16, 4, 2]),
     step_frame("x"),
