@@ -268,6 +268,10 @@ def test_multi_node_pods_run_one_command_that_tandem_accepts_as_nodes(tmp_path: 
         mounts = {m["name"]: m["mountPath"] for m in pod["volumeMounts"]}
         assert Path(config.dist_secret_file or "").parent == Path(mounts["dist-secret"])
     assert configs[0] == configs[1]
+    # Only the leader serves HTTP: the workers get neither the API key nor its variable.
+    assert parsed_serve_args(leader["args"]).api_key == "$(TANDEM_API_KEY)"
+    assert "--api-key" not in worker["args"]
+    assert [e["name"] for e in leader["env"]] == ["TANDEM_API_KEY"] and "env" not in worker
     volumes = {v["name"]: v for v in template["workerTemplate"]["spec"]["volumes"]}
     secret = next(s for s in kinds["Secret"] if s["metadata"]["name"].endswith("-dist"))
     assert volumes["dist-secret-source"]["secret"]["secretName"] == secret["metadata"]["name"]

@@ -78,10 +78,6 @@ annotations:
 - --served-model-name
 - {{ . | quote }}
 {{- end }}
-{{- if include "tandem.apiKeyEnabled" . }}
-- --api-key
-- $(TANDEM_API_KEY)
-{{- end }}
 {{- if .Values.remoteEngine.enabled }}
 - --engine
 - {{ required "remoteEngine.engineAddress is required with remoteEngine.enabled" .Values.remoteEngine.engineAddress | quote }}
@@ -127,8 +123,17 @@ annotations:
 {{- end }}
 {{- end -}}
 
-{{/* Environment, volume mounts and volumes shared by the Deployment and the LWS leader. */}}
-{{- define "tandem.env" -}}
+{{/* The API key, for the pods that serve HTTP (the Deployment's, the LWS leader): a flag
+whose value Kubernetes expands from the container's environment, which takes it from the
+Secret. A multi-node worker serves no HTTP and gets neither. */}}
+{{- define "tandem.apiKeyArgs" -}}
+{{- if include "tandem.apiKeyEnabled" . }}
+- --api-key
+- $(TANDEM_API_KEY)
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.apiKeyEnv" -}}
 {{- if include "tandem.apiKeyEnabled" . }}
 - name: TANDEM_API_KEY
   valueFrom:
@@ -136,9 +141,19 @@ annotations:
       name: {{ include "tandem.apiKeySecret" . }}
       key: {{ .Values.apiKey.secretKey }}
 {{- end }}
+{{- end -}}
+
+{{/* Environment, volume mounts and volumes shared by every pod. */}}
+{{- define "tandem.env" -}}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/* The environment of a pod that serves HTTP: the API key's variable too. */}}
+{{- define "tandem.servingEnv" -}}
+{{ include "tandem.apiKeyEnv" . }}
+{{ include "tandem.env" . }}
 {{- end -}}
 
 {{- define "tandem.volumeMounts" -}}
