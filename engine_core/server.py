@@ -132,6 +132,8 @@ class EngineServer:
         # Written by the busy loop only: True while it blocks on an empty inbox.
         self.waiting_for_work = False
         self._last_heartbeat = 0.0
+        # Clients an announcement inside a step could not reach, forgotten after the step.
+        self._unreachable: list[bytes] = []
         if parent_pid is not None:  # before loading: a parent may die while the weights load
             threading.Thread(target=self._watch_parent, daemon=True).start()
         self.core = EngineCore(config)
@@ -277,18 +279,21 @@ class EngineServer:
 
         A client the ROUTER does not know (not connected yet, or gone) is forgotten; any other
         failure, encoding included, ends the engine (``SocketFailed``)."""
+        if not self._deliver(client, msg):
+            self._forget(client)
+
+    def _deliver(self, client: bytes, msg: EngineMessage | bytes) -> bool:
+        """``_send`` but for forgetting: whether the ROUTER knew ``client``."""
         from protocol.address import send_to_client
         from protocol.codec import encode
 
         try:
             frame = msg if type(msg) is bytes else encode(msg)
-            delivered = send_to_client(self.out_sock, client, frame)
+            return send_to_client(self.out_sock, client, frame)
         except Exception as exc:
             logger.critical("the engine's output socket failed", exc_info=exc)
             self.running = False
             raise SocketFailed(f"the output socket failed: {exc!r}") from exc
-        if not delivered:
-            self._forget(client)
 
     # ---- busy loop ----------------------------------------------------------------------------
 
@@ -428,14 +433,23 @@ class EngineServer:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
+        except SocketFailed:  # an announcement's send: the process ends, as any send's failure
+            raise
         except Exception as exc:  # never die silently with requests in flight: fail them instead
             self.core.runner.step_failed(exc)  # unless the runner cannot go on (and exits)
             logger.exception("engine step failed; failing the requests in flight")
+            self._forget_unreachable()
             self._fail_all(f"engine step failed: {exc}")
             return
+        self._forget_unreachable()
         with self.core.step_stats.phase("send"):
             for client, frame in self._frames_by_client(outputs).items():
                 self._send(client, frame.encode())
+
+    def _forget_unreachable(self) -> None:
+        unreachable, self._unreachable = self._unreachable, []
+        for client in dict.fromkeys(unreachable):
+            self._forget(client)
 
     def _frames_by_client(self, outputs: list[EngineOutput]) -> dict[bytes, StepOutputsFrame]:
         """The step's outputs as one STEP_OUTPUTS frame per client (``step_frames``); a request
@@ -454,10 +468,14 @@ class EngineServer:
 
     def _announce_long_step(self, busy_for_s: float) -> None:
         """A heartbeat before a step expected to take ``busy_for_s``, in which nothing is sent:
-        clients count silence from its expected end (engine_core/step_clock.py)."""
+        clients count silence from its expected end (engine_core/step_clock.py). Called inside
+        the step, between its plan and its forward: a client found gone is forgotten (its
+        requests aborted) only after the step (``_step``)."""
         self._last_heartbeat = time.monotonic()
-        for client in list(self.clients):  # a failed send forgets its client
-            self._send(client, Heartbeat(self.core.num_steps, busy_for_s))
+        frame = Heartbeat(self.core.num_steps, busy_for_s)
+        for client in self.clients:
+            if not self._deliver(client, frame):
+                self._unreachable.append(client)
 
     def _maybe_heartbeat(self) -> None:
         now = time.monotonic()

@@ -10,10 +10,13 @@ estimates its time and, where that is long, sends a heartbeat announcing it
 The estimate: the step's work in floating-point operations (each new token through the weights,
 each query-key pair of attention: ``StepWork``) over the rate the engine's steps have run at,
 an exponential average of work over time. Only the proportion between two steps' work has to be
-right, since the rate is measured; before any step was measured a slow rate is assumed
-(PRIOR_FLOPS_PER_S), which only delays the detection of a stuck first step. The announced time
-has a margin (BUSY_MARGIN): an underestimate would count a live engine dead, an overestimate
-only lets a stuck one go unnoticed for longer.
+right, since the rate is measured; it is a rough count (multi-head latent and linear attention,
+a vision tower are counted as plain attention or not at all), which the measured rate absorbs as
+far as steps are alike. Before any step was measured a low rate is assumed (PRIOR_FLOPS_PER_S),
+which only delays the detection of a stuck first step. The announced time has a margin
+(BUSY_MARGIN): an underestimate would count a live engine dead, an overestimate only lets a
+stuck one go unnoticed for longer, and only until the engine's next message (which ends the
+announced step for its clients).
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from protocol.messages import HEARTBEAT_INTERVAL_S
+from protocol.messages import HEARTBEAT_INTERVAL_S, MAX_BUSY_S
 
 if TYPE_CHECKING:
     from engine_core.config import ModelConfig
     from engine_core.request import ScheduledRequest
 
-# Two slow cores in float32 reach about this; measured rates replace it after the first step.
-PRIOR_FLOPS_PER_S = 5e9
+# A tenth to a twentieth of what two cores' float32 matrix products reach (about 460 GFLOP/s
+# measured, docs/design/cpu-backend.md; whole steps run at 100-300): low, so that the first step
+# is not announced short; the first measured step replaces it.
+PRIOR_FLOPS_PER_S = 20e9
 # A step expected to take longer than a heartbeat's interval is announced.
 LONG_STEP_S = HEARTBEAT_INTERVAL_S
 BUSY_MARGIN = 2.0  # the announced time: BUSY_MARGIN x the estimate, plus BUSY_SLACK_S
@@ -83,7 +88,9 @@ class StepClock:
         """The time to announce for a step of ``flops``, the margin included; 0.0 where the
         step is not expected to outlast a heartbeat's interval (nothing to announce)."""
         expected = flops / self.flops_per_s
-        return BUSY_MARGIN * expected + BUSY_SLACK_S if expected >= LONG_STEP_S else 0.0
+        if expected < LONG_STEP_S:
+            return 0.0
+        return min(BUSY_MARGIN * expected + BUSY_SLACK_S, MAX_BUSY_S)
 
     def observe(self, flops: float, seconds: float) -> None:
         """A step of ``flops`` took ``seconds``."""

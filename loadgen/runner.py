@@ -45,6 +45,17 @@ class RunInterrupted(Exception):
 
 
 SESSION = uuid.uuid4().hex[:8]  # request ids stay unique between load generators on one engine
+CUT_SHORT = "cancelled: the run was interrupted"  # a request in flight at Ctrl-C
+
+
+def _ended_before_the_cut(records: list[RequestRecord]) -> list[RequestRecord]:
+    """At Ctrl-C (the run's task cancelled, as asyncio.Runner does on SIGINT): the records of
+    the requests that had ended, not those its cancellation cut short. The cancellation is
+    taken back (``uncancel``), since the run ends with RunInterrupted instead."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    return [rec for rec in records if rec.ended_at is not None and rec.error != CUT_SHORT]
 
 
 async def run_once(
@@ -77,7 +88,7 @@ async def run_once(
             tasks.append(asyncio.create_task(_send_one(backend, spec, rec, plan, slots, bar)))
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
-        finished = [rec for rec in records if rec.ended_at is not None]
+        finished = _ended_before_the_cut(records)
     finally:
         for t in tasks:
             t.cancel()
@@ -106,7 +117,7 @@ async def _send_one(
     except TimeoutError:
         rec.fail(f"timed out after {plan.request_timeout:g} s", now())
     except asyncio.CancelledError:
-        rec.fail("cancelled: the run was interrupted", now())
+        rec.fail(CUT_SHORT, now())
         raise
     except Exception as exc:
         rec.fail(f"{type(exc).__name__}: {exc}", now())
@@ -160,7 +171,7 @@ async def run_conversations(
             tasks.append(asyncio.create_task(talk))
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
-        finished = [rec for recs in records for rec in recs if rec.ended_at is not None]
+        finished = _ended_before_the_cut([rec for recs in records for rec in recs])
     finally:
         for t in tasks:
             t.cancel()

@@ -152,23 +152,29 @@ def remove_ipc_files(address: EngineAddress) -> None:
 def remove_stale_ipc_dirs(base: str) -> list[str]:
     """Remove the private ipc directories in ``base`` that a process killed before its cleanup
     (``kill -9``) left behind, and return them: this user's, named for a process that no longer
-    runs, untouched for STALE_IPC_DIR_S (a server of another pid namespace sharing the folder
-    may be starting in one), holding nothing but socket files nobody listens on."""
+    runs, untouched for STALE_IPC_DIR_S, holding socket files and nothing else, none of which
+    anybody listens on. An empty one stays: a server's directory is empty until its engine has
+    loaded the model and bound, and one of another pid namespace sharing the folder would look
+    dead from here."""
     removed = []
     try:
         names = os.listdir(base)
     except OSError:
         return removed
     for name in names:
-        pid = _creator_pid(name)
         directory = os.path.join(base, name)
-        if pid is not None and not pid_alive(pid) and _holds_only_stale_sockets(directory):
-            with contextlib.suppress(OSError):
-                for path in _entries(directory):
-                    os.unlink(path)
-                os.rmdir(directory)
-            if not os.path.exists(directory):
-                removed.append(directory)
+        pid = _creator_pid(name)
+        if pid is None or not _owned_and_idle(directory) or pid_alive(pid):
+            continue
+        sockets = _stale_sockets(directory)
+        if not sockets:
+            continue
+        with contextlib.suppress(OSError):
+            for path in sockets:
+                os.unlink(path)
+            os.rmdir(directory)  # fails, and is left, if anything else appeared meanwhile
+        if not os.path.lexists(directory):
+            removed.append(directory)
     return removed
 
 
@@ -177,29 +183,34 @@ def _creator_pid(name: str) -> int | None:
     if not name.startswith(_DIR_PREFIX):
         return None
     pid, sep, _ = name[len(_DIR_PREFIX) :].partition("-")
-    return int(pid) if sep and pid.isdigit() else None
+    if not (sep and pid.isascii() and pid.isdigit() and len(pid) <= 10):
+        return None
+    return int(pid)
 
 
-def _entries(directory: str) -> list[str]:
-    return [os.path.join(directory, n) for n in os.listdir(directory)]
+def _owned_and_idle(directory: str) -> bool:
+    """A real directory (not a link) of this user, untouched for STALE_IPC_DIR_S."""
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return False
+    return (
+        stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.getuid()
+        and time.time() - info.st_mtime >= STALE_IPC_DIR_S
+    )
 
 
-def _holds_only_stale_sockets(directory: str) -> bool:
+def _stale_sockets(directory: str) -> list[str]:
+    """The directory's entries where all are socket files nobody listens on, else none."""
     import socket
 
     try:
-        info = os.lstat(directory)
-        if (
-            not stat.S_ISDIR(info.st_mode)
-            or info.st_uid != os.getuid()
-            or time.time() - info.st_mtime < STALE_IPC_DIR_S
-        ):
-            return False
-        entries = _entries(directory)
+        entries = [os.path.join(directory, n) for n in os.listdir(directory)]
         if not all(stat.S_ISSOCK(os.lstat(e).st_mode) for e in entries):
-            return False
+            return []
     except OSError:
-        return False
+        return []
     for path in entries:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
@@ -208,12 +219,12 @@ def _holds_only_stale_sockets(directory: str) -> bool:
         except (ConnectionRefusedError, FileNotFoundError):
             continue
         except OSError:
-            return False
+            return []
         else:
-            return False  # somebody listens
+            return []  # somebody listens
         finally:
             probe.close()
-    return True
+    return entries
 
 
 class AddressInUse(OSError):

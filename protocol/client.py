@@ -521,7 +521,7 @@ class AsyncEngineClient(_Connection):
                 raise EngineDeadError("the engine process exited before its handshake")
             await asyncio.wait({handshake}, timeout=0.2)
         self.ready = handshake.result()
-        self._last_seen = time.monotonic()
+        self._last_seen, self._busy_until = time.monotonic(), 0.0
         self._dead_reason = None
         self._spawn(self._read_loop())
         self._spawn(self._watch_loop())
@@ -714,8 +714,9 @@ class AsyncEngineClient(_Connection):
 
     def _take(self, msg: EngineMessage) -> None:
         self._last_seen = time.monotonic()
-        if isinstance(msg, Heartbeat) and msg.busy_for_s:
-            self._busy_until = self._last_seen + msg.busy_for_s
+        # Any other message ends an announced step: the engine speaks between steps only.
+        announced = msg.busy_for_s if isinstance(msg, Heartbeat) else 0.0
+        self._busy_until = self._last_seen + announced if announced else 0.0
         if self._dead_reason is not None and self._is_process_alive():
             logger.warning("the engine core answers again")
             self._dead_reason = None

@@ -78,6 +78,7 @@ import msgpack
 import numpy as np
 
 from protocol.messages import (
+    MAX_BUSY_S,
     PIXEL_DTYPES,
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -126,7 +127,6 @@ MAX_LOGPROBS = 20
 MAX_CONSTRAINT_BYTES = 1 << 20  # a JSON schema or a grammar; compilation has its own bounds
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
-MAX_BUSY_S = 86400.0  # a step a heartbeat announces: a day is beyond any
 MAX_EMBEDDING_DIMS = 1 << 16  # values of one pooled vector: beyond any model's hidden size
 MAX_LORA_STR_LEN = 4096  # a LoRA adapter's name or folder path (PATH_MAX)
 MAX_IMAGES = 256  # images of one prompt (the API process's --limit-mm-per-prompt is lower)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 #    message holds their byte count), not inside the msgpack array
 # 12: READY says the dtype an engine's vision tower takes its pixels in (``pixel_dtype``)
 # 13: prompt logprobs carry each prompt token's rank, a fifth column after the top logprobs
+# 14: HEARTBEAT may carry the time of a step the engine is starting (``busy_for_s``), a trailing
+#    field that a heartbeat announcing no step leaves out
 PROTOCOL_VERSION = 14
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # A request's priority is a signed 64-bit int, as vLLM's.
@@ -457,6 +459,7 @@ class ControlReply:
 # An idle engine, or one between steps, sends a Heartbeat this often: a client that hears
 # nothing for much longer has lost it (protocol/client.py).
 HEARTBEAT_INTERVAL_S = 0.5
+MAX_BUSY_S = 86400.0  # the longest step a heartbeat announces (longer ones announce this)
 
 
 @dataclass(frozen=True)

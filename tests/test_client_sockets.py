@@ -229,28 +229,41 @@ def _stale_dir(base: Path, pid: int, files: dict[str, str], listening: list[Any]
     return directory
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A folder whose paths fit a unix socket's 108 bytes (pytest's own can be too long, and a
+    private address then falls back to the temp folder)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="tdm", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def test_the_next_server_removes_what_a_killed_one_left(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """kill -9 leaves a server's private ipc directory and its socket files; the next private
     address taken there removes them, and only what is surely stale: not a live process's, not
-    one just made, not one where somebody listens, not one holding other files."""
+    one just made, not an empty one, not one where somebody listens, not one holding other
+    files, not one whose name holds no pid."""
     import signal
     import subprocess
     import sys
 
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_tmp))
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED_ENGINE], stdout=subprocess.PIPE, text=True,
         cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
+        env={**os.environ, "XDG_RUNTIME_DIR": str(short_tmp)},
     )  # fmt: skip
     assert proc.stdout is not None
     killed = EngineAddress.parse(proc.stdout.readline().strip())
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     killed_dir = Path(killed.ipc_paths[0]).parent
-    assert killed_dir.parent == tmp_path and sorted(os.listdir(killed_dir)) == [
+    assert killed_dir.parent == short_tmp and sorted(os.listdir(killed_dir)) == [
         "engine-in",
         "engine-out",
     ]
@@ -260,12 +273,16 @@ def test_the_next_server_removes_what_a_killed_one_left(
     gone.wait()
     listening: list[Any] = []
     kept = [
-        _stale_dir(tmp_path, os.getpid(), {"engine-in": "socket"}, listening),  # a live process's
-        _stale_dir(tmp_path, gone.pid, {"engine-in": "listening"}, listening),
-        _stale_dir(tmp_path, gone.pid, {"engine-in": "socket", "notes": "file"}, listening),
-        _stale_dir(tmp_path, gone.pid, {"engine-in": "socket"}, listening),
+        _stale_dir(short_tmp, os.getpid(), {"engine-in": "socket"}, listening),  # a live process's
+        _stale_dir(short_tmp, gone.pid, {"engine-in": "listening"}, listening),
+        _stale_dir(short_tmp, gone.pid, {"engine-in": "socket", "notes": "file"}, listening),
+        _stale_dir(short_tmp, gone.pid, {}, listening),  # empty until its engine binds
+        _stale_dir(short_tmp, gone.pid, {"engine-in": "socket"}, listening),
     ]
     os.utime(kept[-1])  # just made (another pid namespace's server may be starting in it)
+    for odd in ("tandem-99999999999999999999-x", "tandem-\u00b2-x", "tandem--x"):  # not a pid
+        (short_tmp / odd).mkdir()
+        kept.append(short_tmp / odd)
     try:
         fresh = private_ipc_address()
     finally:
@@ -719,6 +736,27 @@ def test_silence_after_an_announced_step_counts_from_its_expected_end(
                 await asyncio.sleep(0.05)
             assert time.monotonic() - silent_since >= 4.0
             assert "past the 4 s step it announced" in (client.dead_reason or "")
+
+    asyncio.run(main())
+
+
+def test_a_message_after_an_announced_step_ends_it(address: EngineAddress) -> None:
+    """The engine speaks between steps only: a message after the announcement (here a control
+    reply) ends the announced step, so silence after it counts from that message, not from
+    the announced step's end (a stuck engine is not given the rest of the announced time)."""
+
+    async def main() -> None:
+        eng = EchoEngine(address, busy_for_s=60.0, garbage=False)
+        async with AsyncEngineClient(address, dead_after_s=1.0) as client:
+            await client.connect(timeout=10)
+            await asyncio.sleep(0.3)  # the announcement is read
+            await client.control(ControlKind.STATS)  # and a message after it
+            eng.stop()
+            silent_since = time.monotonic()
+            while client.healthy and time.monotonic() - silent_since < 10:
+                await asyncio.sleep(0.05)
+            assert not client.healthy and time.monotonic() - silent_since < 5.0
+            assert "announced" not in (client.dead_reason or "")
 
     asyncio.run(main())
 

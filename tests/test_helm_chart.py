@@ -292,7 +292,7 @@ def test_multi_node_leaves_the_lws_its_headless_service_name(tmp_path: Path) -> 
         (lws,) = kinds["LeaderWorkerSet"]
         name = lws["metadata"]["name"]
         assert name not in {s["metadata"]["name"] for s in kinds["Service"]}
-        assert len(f"{name}-99-99") <= 63
+        assert len(name) <= 44  # its StatefulSets' pod label: name(-group)-hash, at most 63
 
 
 def test_pod_labels_and_annotations_reach_every_pod(tmp_path: Path) -> None:
@@ -376,6 +376,13 @@ def test_secret_files_reach_tandem_as_files_it_accepts(tmp_path: Path) -> None:
         args = container(pod)["args"]
         path = root / args[args.index("--dist-secret-file") + 1].lstrip("/")
         assert read_secret(str(path)) == b"x" * 32
+
+
+def test_a_secret_file_with_its_newline_is_taken(tmp_path: Path) -> None:
+    """`--set-file` keeps the file's last newline, which tandem cuts before counting."""
+    values = copy.deepcopy(MULTI_NODE)
+    values["multiNode"]["secret"]["value"] = "x" * 16 + "\n"
+    assert by_kind(documents(values, tmp_path))["LeaderWorkerSet"]
 
 
 def test_no_gpu_runs_the_cpu_backend(tmp_path: Path) -> None:

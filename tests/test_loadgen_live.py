@@ -167,18 +167,24 @@ def requests_finished(server: Server) -> float:
     return sum(s.value for s in samples if s.name == "tandem_request_success_total")
 
 
-def test_ctrl_c_reports_the_requests_that_had_ended(server: Server, tmp_path: Path) -> None:
-    """SIGINT in the middle of a run, once the server has finished a few of its requests: exit
-    130, the cut run printed and written with the records of the requests that had ended (each
-    complete), none of those cut short; the server holds nothing afterwards."""
+@pytest.mark.parametrize("arrivals", [["--interval", "0.5"], []], ids=["while-sending", "all-sent"])
+def test_ctrl_c_reports_the_requests_that_had_ended(
+    server: Server, tmp_path: Path, arrivals: list[str]
+) -> None:
+    """SIGINT in the middle of a run, once the server has finished a few of its requests (while
+    the run still sends, or with all sent and in flight): exit 130, the cut run printed and
+    written with the records of the requests that had ended (each complete), none of those cut
+    short; the server holds nothing afterwards."""
     out, total = tmp_path / "cut.json", 40
     before = requests_finished(server)
     cmd = [sys.executable, "-m", "loadgen", "--backend", "openai-completions",
-           "--url", server.base_url, *SMALL[2:], "-n", str(total), "--interval", "0.5",
+           "--url", server.base_url, *SMALL[2:], "-n", str(total), *arrivals,
            "--warmup-runs", "0", "--result-json", str(out)]  # fmt: skip
+    # As from a terminal: SIGINT handled (a pytest-xdist worker's children inherit it ignored).
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
-    )
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while requests_finished(server) < before + 3:

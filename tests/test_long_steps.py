@@ -28,7 +28,8 @@ from engine_core.step_clock import (
     StepWork,
 )
 from protocol.client import AsyncEngineClient, EngineClient
-from protocol.messages import FinishReason, SamplingParams
+from protocol.codec import decode_engine_message, encode
+from protocol.messages import MAX_BUSY_S, FinishReason, Heartbeat, SamplingParams
 
 # Fixtures are parameters named like the imported fixture, hence F811 off for this file.
 # ruff: noqa: F811
@@ -134,3 +135,7 @@ def test_the_clock_announces_long_steps_from_the_measured_rate() -> None:
     assert clock.busy_for_s(clock.flops_per_s * 30) == pytest.approx(
         BUSY_MARGIN * 30 + BUSY_SLACK_S
     )
+    # However large the step, no more than a heartbeat frame may carry.
+    beat = Heartbeat(1, clock.busy_for_s(clock.flops_per_s * 10 * MAX_BUSY_S))
+    assert beat.busy_for_s == MAX_BUSY_S
+    assert decode_engine_message(encode(beat)) == beat

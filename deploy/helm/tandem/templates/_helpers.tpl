@@ -33,10 +33,11 @@ helm reads as a float) is written as one. */}}
 {{- end -}}
 
 {{/* The LeaderWorkerSet's name: not the Service's, since the LWS controller makes a headless
-Service of its own name, whose DNS records give $(LWS_LEADER_ADDRESS); short enough that its
-pods' hostnames (NAME-GROUP-INDEX) stay DNS labels. */}}
+Service of its own name, whose DNS records give $(LWS_LEADER_ADDRESS); at most 44 characters,
+since its StatefulSets (NAME, NAME-GROUP) put their name and a 10-character hash in a pod label
+of at most 63. */}}
 {{- define "tandem.groupName" -}}
-{{- printf "%s-nodes" (include "tandem.fullname" . | trunc 50 | trimSuffix "-") -}}
+{{- printf "%s-nodes" (include "tandem.fullname" . | trunc 38 | trimSuffix "-") -}}
 {{- end -}}
 
 {{/* Pod labels and annotations: the selector's and the user's (every pod template). */}}
@@ -195,6 +196,9 @@ initContainers:
       - sh
       - -c
       - umask 077{{ range $folders }} && cp -L /etc/tandem/secrets/{{ .folder }}/* /etc/tandem/{{ .folder }}/{{ end }}
+    resources:  # a namespace whose quota asks every container for limits admits it
+      requests: {cpu: 10m, memory: 16Mi}
+      limits: {cpu: 100m, memory: 64Mi}
     {{- with .Values.securityContext }}
     securityContext:
       {{- toYaml . | nindent 6 }}
