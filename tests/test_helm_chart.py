@@ -47,6 +47,11 @@ EVERYTHING_ON = {
         "volume": {"persistentVolumeClaim": {"claimName": "models"}},
     },
     "replicaCount": 2,
+    "strategy": {"type": "Recreate"},
+    "host": "::",
+    "serviceAccountName": "tandem",
+    "runtimeClassName": "nvidia",
+    "priorityClassName": "inference",
     "tensorParallelSize": 2,
     "gpu": {"count": 2},
     "extraArgs": ["--max-model-len", "8192"],
@@ -209,6 +214,12 @@ def test_everything_on_reaches_tandem_serves_flags(tmp_path: Path) -> None:
     main = container(pod)
     args = parsed_serve_args(main["args"])
     assert args.model == "/models/qwen3-8b" and args.served_model_name == "qwen3"
+    assert args.host == "::" and kinds["Deployment"][0]["spec"]["strategy"] == {"type": "Recreate"}
+    assert (pod["serviceAccountName"], pod["runtimeClassName"], pod["priorityClassName"]) == (
+        "tandem",
+        "nvidia",
+        "inference",
+    )
     assert args.tensor_parallel_size == 2 and args.max_model_len == 8192
     assert args.otlp_traces_endpoint == "http://otel-collector:4318/v1/traces"
     assert args.metrics_name_alias == "vllm"

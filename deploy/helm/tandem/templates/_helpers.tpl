@@ -68,7 +68,7 @@ annotations:
 {{/* The flags every `tandem serve` of this chart takes (the leader's too, in multi-node mode). */}}
 {{- define "tandem.serveArgs" -}}
 - --host
-- 0.0.0.0
+- {{ .Values.host | quote }}
 - --port
 - {{ .Values.service.port | quote }}
 - --model
@@ -289,6 +289,15 @@ affinity:
 {{- with .Values.podSecurityContext }}
 securityContext:
 {{ toYaml . | indent 2 }}
+{{- end }}
+{{- with .Values.serviceAccountName }}
+serviceAccountName: {{ . | quote }}
+{{- end }}
+{{- with .Values.runtimeClassName }}
+runtimeClassName: {{ . | quote }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . | quote }}
 {{- end }}
 terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
 {{- include "tandem.initContainers" . }}
