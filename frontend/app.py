@@ -246,7 +246,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(
-            id=ctx.served_model, root=state.model_root, max_model_len=ctx.max_model_len
+            id=ctx.served_model,
+            created=ctx.started_at,
+            root=state.model_root,
+            max_model_len=ctx.max_model_len,
         )
         return ModelList(data=[card, *lora_cards(ctx)])
 
@@ -298,6 +301,7 @@ def lora_cards(ctx: ServingContext) -> list[ModelCard]:
     return [
         ModelCard(
             id=name,
+            created=ctx.started_at,
             root=loras.sources.get(name, ref.path),
             parent=ctx.served_model,
             max_model_len=ctx.max_model_len,

@@ -3,6 +3,7 @@ the metrics and the admission gate, with the checks every request goes through."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -65,6 +66,9 @@ class ServingContext:
     media: MediaOptions = field(default_factory=MediaOptions)
     # The engines' policy (their Ready says): whether a request's priority is taken.
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # /v1/models' ``created``: when this server began serving (one time, so that listing a
+    # model and retrieving it agree, whenever each is asked).
+    started_at: int = field(default_factory=lambda: int(time.time()))
 
     def check_generates(self) -> None:
         """The 400 of completions and chat on an embedding model."""

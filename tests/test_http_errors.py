@@ -297,6 +297,7 @@ def test_unknown_model_is_404(server: Server) -> None:
 def test_the_openai_client_retrieves_the_served_model_and_not_another(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     listed = client.models.list().data[0]
+    time.sleep(1.1)  # a second later: the card, ``created`` included, is the same
     retrieved = client.models.retrieve(listed.id)
     assert retrieved.model_dump() == listed.model_dump()
     with pytest.raises(openai.NotFoundError) as info:
