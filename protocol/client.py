@@ -406,7 +406,7 @@ class EngineClient(_Connection):
                     )
                 wait = _after(msg, timeout)
                 mine, rest = split_for_request(msg, request_id)
-                if rest is not None:
+                if rest is not None and not isinstance(rest, Heartbeat):  # stale once read
                     others.append(rest)
                 for item in mine:
                     finished = is_last(item)

@@ -740,6 +740,26 @@ def test_silence_after_an_announced_step_counts_from_its_expected_end(
     asyncio.run(main())
 
 
+def test_a_read_announcement_does_not_stretch_a_later_generate(address: EngineAddress) -> None:
+    """The sync client: a heartbeat announcing a step, read during one generate(), is not kept
+    for the next, whose silence limit stays its own (the engine stopped: TimeoutError within
+    about that limit, not the announced step's 20 s)."""
+    eng = EchoEngine(address, busy_for_s=20.0)
+    try:
+        with EngineClient(address) as client:
+            client.connect(timeout=10)
+            outs = list(client.generate("first", [1, 2], PARAMS, timeout=5.0))
+            assert [o.new_token_ids for o in outs] == [[1], [2]]
+            eng.stop()
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match="sent nothing for 1 s"):
+                list(client.generate("second", [3], PARAMS, timeout=1.0))
+            assert time.monotonic() - started < 5.0
+    finally:
+        if not eng.stopping.is_set():
+            eng.stop()
+
+
 def test_a_message_after_an_announced_step_ends_it(address: EngineAddress) -> None:
     """The engine speaks between steps only: a message after the announcement (here a control
     reply) ends the announced step, so silence after it counts from that message, not from
