@@ -15,6 +15,9 @@ import argparse
 import functools
 import itertools
 import operator
+import os
+import signal
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -354,8 +357,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
+    # Ctrl-C ends the command at once, whatever it is in: a KeyboardInterrupt raised inside
+    # an import's or torch's C++ code aborted the process (pybind11), or was swallowed by a
+    # finalizer, or left it exiting by SIGINT. Nothing here outlives the process but what
+    # dies with it (tensor-parallel workers), and nothing is printed before the end.
+    signal.signal(signal.SIGINT, _exit_interrupted)
     from common.hf_tokenizer import RAW_ENGINE_HINT
     from engine_core.args import engine_config_from_args
     from engine_core.memory_plan import ModelTooLargeError
@@ -396,6 +402,11 @@ def run(args: argparse.Namespace) -> int:
     for prompt, out in zip(args.prompt, outputs, strict=True):
         print(f"--- {prompt!r}\n{out.text}\n[finish: {out.finish_reason.openai_name}]")
     return 0
+
+
+def _exit_interrupted(_signum: int, _frame: object) -> None:
+    print("\ntandem generate: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def chat_ids(llm: LLM, prompt: str) -> list[int]:
