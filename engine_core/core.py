@@ -229,15 +229,16 @@ class EngineCore:
             self.step_stats.log_window()  # the work that just ended, in a line of its own
         return outputs
 
-    def _announce(self, plan: SchedulerOutput) -> None:
-        """Count the plan's work for the step clock, and announce the step where the clock
-        expects it to be long (engine_core/step_clock.py); nothing without a clock."""
-        if self.step_clock is None:
-            return
-        self._step_flops += self.step_clock.work.of_step(plan.scheduled)
-        busy = self.step_clock.busy_for_s(self._step_flops)
-        if busy and self.announce_long_step is not None:
-            self.announce_long_step(busy)
+    def _forward(self, plan: SchedulerOutput) -> ForwardStep:
+        """The runner's forward of ``plan``; with a step clock, the plan's work counted first,
+        and the step announced where the clock expects it to be long
+        (engine_core/step_clock.py)."""
+        if self.step_clock is not None:
+            self._step_flops += self.step_clock.work.of_step(plan.scheduled)
+            busy = self.step_clock.busy_for_s(self._step_flops)
+            if busy and self.announce_long_step is not None:
+                self.announce_long_step(busy)
+        return self.runner.forward(plan)
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Switch between the overlapped and the simple loop; only while idle (benchmarks)."""
@@ -266,8 +267,7 @@ class EngineCore:
         if plan.is_empty:
             self._nap_if_only_compiling()
             return []
-        self._announce(plan)
-        forward = self.runner.forward(plan)
+        forward = self._forward(plan)
         bitmask = draft_bitmask = None
         if self._constrained(forward):
             bitmask = self._bitmask(forward)
@@ -284,8 +284,7 @@ class EngineCore:
             if previous is None:
                 self._nap_if_only_compiling()
         else:
-            self._announce(plan)
-            forward = self.runner.forward(plan)
+            forward = self._forward(plan)
             bitmask = None
             if self._constrained(forward):
                 # The rows' bitmask needs step N-1's tokens: settle it while N's forward runs.
@@ -310,9 +309,7 @@ class EngineCore:
         the oldest step in flight is settled."""
         with self.step_stats.phase("schedule"):
             plan = self.scheduler.schedule()
-        if not plan.is_empty:
-            self._announce(plan)
-        forward = None if plan.is_empty else self.runner.forward(plan)
+        forward = None if plan.is_empty else self._forward(plan)
         outputs: list[EngineOutput] = []
         full = len(self._in_stages) >= self.config.pipeline_parallel_size - 1
         if forward is not None:  # N on rank 0's stage, and those in the later stages

@@ -203,28 +203,32 @@ def _owned_and_idle(directory: str) -> bool:
 
 def _stale_sockets(directory: str) -> list[str]:
     """The directory's entries where all are socket files nobody listens on, else none."""
-    import socket
-
     try:
         entries = [os.path.join(directory, n) for n in os.listdir(directory)]
         if not all(stat.S_ISSOCK(os.lstat(e).st_mode) for e in entries):
             return []
-    except OSError:
-        return []
-    for path in entries:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            continue
-        except OSError:
+        if any(_listened_on(path) for path in entries):
             return []
-        else:
-            return []  # somebody listens
-        finally:
-            probe.close()
+    except OSError:  # cannot tell: leave it
+        return []
     return entries
+
+
+def _listened_on(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket file ``path`` (False where
+    nobody listens or the file is gone); OSError where that cannot be told (a full backlog,
+    no permission)."""
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 class AddressInUse(OSError):
@@ -236,24 +240,18 @@ def check_ipc_free(address: EngineAddress) -> None:
     ZMQ binds an ipc path by replacing its file, so a second engine on a live engine's address
     would take the path over (new clients reach it, the first engine's own stay) with no error;
     a file nobody listens on (a dead engine's) is stale, and the bind replaces it."""
-    import socket
-
     for path in address.ipc_paths:
         if not os.path.exists(path):
             continue
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
         try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):  # nobody listens: a stale file
-            continue
+            listened = _listened_on(path)
         except OSError as exc:  # busy (a full backlog), or not ours to try: take nothing over
             raise AddressInUse(
                 f"cannot tell whether another process serves at {address} ({path}: "
                 f"{exc.strerror or exc}): stop it, remove the file, or give another --address"
             ) from None
-        finally:
-            probe.close()
+        if not listened:  # a stale file
+            continue
         raise AddressInUse(
             f"another process is serving at {address} (its socket {path} accepts connections): "
             "stop it first, or give another --address"
