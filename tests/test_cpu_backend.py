@@ -328,3 +328,27 @@ def test_a_chunk_over_its_prefix_is_two_flash_calls_merged(
     got = prefix_and_chunk_attention(q, k, v, 0.2)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotating_q_and_k_together_equals_each_alone(tokens: int, rotary_dim: int) -> None:
+    """Off CUDA, q's and k's heads cut from one qkv projection rotate as one tensor; each must
+    come out exactly as rotated alone (the rotate-half formula, a partial rotary's pass-through
+    dims), and q and k from separate tensors still rotate each alone."""
+    from engine_core.models.layers import adjacent_heads, apply_rotary, rotate_qk
+
+    torch.manual_seed(tokens)
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    cos, sin = torch.randn(tokens, rotary_dim), torch.randn(tokens, rotary_dim)
+    assert adjacent_heads(q, k) is not None
+    got_q, got_k = rotate_qk(q, k, cos, sin)
+    assert torch.equal(got_q, apply_rotary(q.clone(), cos, sin))
+    assert torch.equal(got_k, apply_rotary(k.clone(), cos, sin))
+    # k before q, or from another tensor: no shared view, each rotated alone.
+    assert adjacent_heads(k, q) is None and adjacent_heads(q, k.clone()) is None
+    apart_q, apart_k = rotate_qk(q.clone(), k.clone(), cos, sin)
+    assert torch.equal(apart_q, got_q) and torch.equal(apart_k, got_k)

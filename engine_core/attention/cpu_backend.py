@@ -165,7 +165,8 @@ class CpuBackend(TorchReferenceBackend):
             super().write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
             return
         for cache, x in ((k_cache, k), (v_cache, v)):
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+            x = x if x.dtype == cache.dtype else x.to(cache.dtype)
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
     def _unpadded(self, slot_mapping: torch.Tensor) -> bool:
         if self._slots is not slot_mapping:
@@ -352,14 +353,14 @@ def sdpa_decode(
     sinks: None = None,  # SDPA has no sink term: einsum_decode serves layers with sinks
 ) -> torch.Tensor:  # [n, H, D]
     out = F.scaled_dot_product_attention(
-        q[:, :, None],  # [n, H, 1, D]
+        q.unsqueeze(2),  # [n, H, 1, D]
         k.transpose(1, 2),  # [n, KVH, W, D]
         v.transpose(1, 2),
         attn_mask=None if mask is None else mask.to(q.dtype),
         scale=scale,
         enable_gqa=True,
     )  # [n, H, 1, D]
-    return out[:, :, 0]
+    return out.squeeze(2)
 
 
 def einsum_decode(
