@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     except DatasetError as exc:
         print(f"loadgen: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # outside a run, or a --client-processes run (not reported)
+    except KeyboardInterrupt:  # outside a run, or a second Ctrl-C
         print("loadgen: interrupted", file=sys.stderr)
         return 130
     except (httpx.HTTPError, OSError, TimeoutError, BackendError) as exc:

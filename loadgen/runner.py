@@ -38,24 +38,31 @@ class RunInterrupted(Exception):
     """Ctrl-C during a run: the records of the requests that had ended before it. The rest,
     cut short or never sent, are left out: their times say nothing about the server."""
 
-    def __init__(self, finished: list[RequestRecord], total: int) -> None:
+    def __init__(self, finished: list[RequestRecord], total: int, positions: list[int]) -> None:
         super().__init__(f"interrupted with {len(finished)} of {total} requests ended")
         self.finished = finished
         self.total = total
+        self.positions = positions  # each finished record's place in the run's request order
 
 
 SESSION = uuid.uuid4().hex[:8]  # request ids stay unique between load generators on one engine
 CUT_SHORT = "cancelled: the run was interrupted"  # a request in flight at Ctrl-C
 
 
-def _ended_before_the_cut(records: list[RequestRecord]) -> list[RequestRecord]:
-    """At Ctrl-C (the run's task cancelled, as asyncio.Runner does on SIGINT): the records of
+def _ended_before_the_cut(records: list[RequestRecord]) -> list[int]:
+    """At Ctrl-C (the run's task cancelled, as asyncio.Runner does on SIGINT): the positions of
     the requests that had ended, not those its cancellation cut short. The cancellation is
     taken back (``uncancel``), since the run ends with RunInterrupted instead."""
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
-    return [rec for rec in records if rec.ended_at is not None and rec.error != CUT_SHORT]
+    return [
+        i for i, rec in enumerate(records) if rec.ended_at is not None and rec.error != CUT_SHORT
+    ]
+
+
+def _interrupted(records: list[RequestRecord], ended: list[int]) -> RunInterrupted:
+    return RunInterrupted([records[i] for i in ended], len(records), ended)
 
 
 async def run_once(
@@ -71,7 +78,7 @@ async def run_once(
     slots = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
     bar = tqdm(total=len(specs), desc=plan.label, unit="req", disable=not plan.progress)
     tasks: list[asyncio.Task[None]] = []
-    finished: list[RequestRecord] | None = None  # set where Ctrl-C cuts the run short
+    ended: list[int] | None = None  # set where Ctrl-C cuts the run short
     clock.start()
     try:
         due = last_sent = 0.0
@@ -88,7 +95,7 @@ async def run_once(
             tasks.append(asyncio.create_task(_send_one(backend, spec, rec, plan, slots, bar)))
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
-        finished = _ended_before_the_cut(records)
+        ended = _ended_before_the_cut(records)
     finally:
         for t in tasks:
             t.cancel()
@@ -97,8 +104,8 @@ async def run_once(
         for rec in records:
             if rec.ended_at is None:
                 rec.fail("not sent: the run was interrupted", clock.now())
-    if finished is not None:
-        raise RunInterrupted(finished, len(records))
+    if ended is not None:
+        raise _interrupted(records, ended)
     return records
 
 
@@ -155,7 +162,7 @@ async def run_conversations(
     total = sum(len(r) for r in records)
     bar = tqdm(total=total, desc=plan.label, unit="req", disable=not plan.progress)
     tasks: list[asyncio.Task[None]] = []
-    finished: list[RequestRecord] | None = None  # set where Ctrl-C cuts the run short
+    ended: list[int] | None = None  # set where Ctrl-C cuts the run short
     clock.start()
     try:
         due = last_sent = 0.0
@@ -171,7 +178,7 @@ async def run_conversations(
             tasks.append(asyncio.create_task(talk))
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
-        finished = _ended_before_the_cut([rec for recs in records for rec in recs])
+        ended = _ended_before_the_cut([rec for recs in records for rec in recs])
     finally:
         for t in tasks:
             t.cancel()
@@ -180,8 +187,8 @@ async def run_conversations(
         for rec in (rec for recs in records for rec in recs):
             if rec.ended_at is None:
                 rec.fail("not sent: the run was interrupted", clock.now())
-    if finished is not None:
-        raise RunInterrupted(finished, total)
+    if ended is not None:
+        raise _interrupted([rec for recs in records for rec in recs], ended)
     return [rec for recs in records for rec in recs]
 
 

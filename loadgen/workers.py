@@ -11,20 +11,29 @@ Parent and workers speak JSON lines over the workers' stdin and stdout (plain va
     parent -> worker   {"args": {...}}                       once: the backend's settings
     worker -> parent   {"ready": true} | {"error": "..."}
     parent -> worker   {"run": INDEX, "specs": [...]}        one per run (warm-ups included)
-    worker -> parent   {"t0": T, "cpu_s": S, "records": [...]}
+    worker -> parent   {"t0": T, "cpu_share": S, "records": [...]}
+                       (cut by Ctrl-C: those of its requests that had ended, "positions": [...])
 
 ``t0`` is the worker's run start on CLOCK_MONOTONIC (``time.perf_counter`` on Linux, one clock for
 every process on the machine), so the parent puts all records on the earliest worker's timeline.
 Runs are all-at-once bursts: every worker starts its share as soon as the parent's line arrives,
 within a millisecond of the others.
+
+Ctrl-C reaches the parent alone (each worker runs in a session of its own): the parent sends each
+worker still running its share one SIGINT, and each answers with the records of its requests
+that had ended, as a run in one process does. A worker also ends when the parent does.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import dataclasses
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,7 +43,7 @@ from common import event_loop
 from loadgen.arrival import Arrival
 from loadgen.backends import Clock, open_backend
 from loadgen.metrics import RequestRecord
-from loadgen.runner import RunPlan, run_once
+from loadgen.runner import RunInterrupted, RunPlan, run_once
 from loadgen.workload import RequestSpec
 
 # The flags a worker's backend needs; everything else stays with the parent.
@@ -43,6 +52,9 @@ _BACKEND_ARGS = (
     "output_interval", "request_timeout", "connect_timeout",
 )  # fmt: skip
 _LINE_LIMIT = 1 << 30  # a run's specs travel as one line: room for long prompts
+# After Ctrl-C, how long the parent waits for a worker's records: its in-flight requests are
+# cancelled at once, so only a worker that hangs takes this long (its records are then lost).
+CUT_REPLY_TIMEOUT_S = 10.0
 
 
 class ClientPool:
@@ -61,6 +73,7 @@ class ClientPool:
                 sys.executable, "-m", "loadgen.workers",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 limit=_LINE_LIMIT, cwd=str(Path(__file__).resolve().parents[2]),
+                start_new_session=True,  # a terminal's Ctrl-C reaches the parent only
             )  # fmt: skip
             self._procs.append(proc)
             await _send(proc, {"args": self.settings})
@@ -72,18 +85,56 @@ class ClientPool:
     async def run(self, specs: list[RequestSpec], run_index: int) -> list[RequestRecord]:
         """Send ``specs`` from all workers at once; one record per spec, in spec order."""
         shares = [specs[i :: self.count] for i in range(self.count)]
-        for proc, share in zip(self._procs, shares, strict=True):
-            payload = [dataclasses.asdict(s) for s in share]
-            await _send(proc, {"run": run_index, "specs": payload})
-        replies = [await _receive(proc) for proc in self._procs]
-        t0 = min(r["t0"] for r in replies)
-        records: list[RequestRecord | None] = [None] * len(specs)
+        replies: list[dict[str, Any] | None] = [None] * self.count
+        try:
+            for proc, share in zip(self._procs, shares, strict=True):
+                payload = [dataclasses.asdict(s) for s in share]
+                await _send(proc, {"run": run_index, "specs": payload})
+            for w, proc in enumerate(self._procs):
+                replies[w] = await _receive(proc)
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the run ends with RunInterrupted instead
+            await self._cut(replies)
+            positions, records = self._merged(replies)
+            raise RunInterrupted(records, len(specs), positions) from None
+        positions, records = self._merged(replies)
+        assert positions == list(range(len(specs))), "a worker lost a record"
+        return records
+
+    async def _cut(self, replies: list[dict[str, Any] | None]) -> None:
+        """Ctrl-C in a run: one SIGINT to each worker yet to answer, then its answer (the
+        records of its requests that had ended) into ``replies``; a worker that exits or
+        does not answer in time adds none."""
+        waiting = [w for w, reply in enumerate(replies) if reply is None]
+        for w in waiting:
+            if self._procs[w].returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._procs[w].send_signal(signal.SIGINT)
+        for w in waiting:
+            with contextlib.suppress(RuntimeError, TimeoutError, ValueError):
+                replies[w] = await asyncio.wait_for(_receive(self._procs[w]), CUT_REPLY_TIMEOUT_S)
+
+    def _merged(
+        self, replies: list[dict[str, Any] | None]
+    ) -> tuple[list[int], list[RequestRecord]]:
+        """The workers' records on one timeline, in the run's request order, with their
+        positions in it (request i went to worker i mod K)."""
+        got = [reply for reply in replies if reply is not None]
+        if not got:
+            return [], []
+        t0 = min(reply["t0"] for reply in got)
+        placed: list[tuple[int, RequestRecord]] = []
         for w, reply in enumerate(replies):
-            for j, fields in enumerate(reply["records"]):
-                records[w + j * self.count] = _shifted(fields, reply["t0"] - t0)
-        self.busiest_cpu_share = max(r["cpu_share"] for r in replies)
-        assert all(r is not None for r in records), "a worker lost a record"
-        return [r for r in records if r is not None]
+            if reply is None:
+                continue
+            positions = reply.get("positions", range(len(reply["records"])))
+            for j, fields in zip(positions, reply["records"], strict=True):
+                placed.append((w + j * self.count, _shifted(fields, reply["t0"] - t0)))
+        placed.sort(key=lambda item: item[0])
+        self.busiest_cpu_share = max(reply["cpu_share"] for reply in got)
+        return [i for i, _ in placed], [rec for _, rec in placed]
 
     async def close(self) -> None:
         for proc in self._procs:
@@ -146,17 +197,28 @@ async def serve_runs() -> None:
             message = json.loads(line)
             specs = [RequestSpec(**s) for s in message["specs"]]
             cpu, wall = time.process_time(), time.perf_counter()
-            records = await run_once(backend, specs, plan, message["run"])
+            answer: dict[str, Any] = {}
+            try:
+                records = await run_once(backend, specs, plan, message["run"])
+            except RunInterrupted as stop:  # the parent's SIGINT
+                records, answer["positions"] = stop.finished, stop.positions
             cpu_share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
-            _reply(
-                {
-                    "t0": clock.origin,
-                    "cpu_share": cpu_share,
-                    "records": [dataclasses.asdict(r) for r in records],
-                }
-            )
+            answer["t0"], answer["cpu_share"] = clock.origin, cpu_share
+            answer["records"] = [dataclasses.asdict(r) for r in records]
+            _reply(answer)
     finally:
         await backend.close()
+
+
+def end_with_parent() -> None:
+    """Have the kernel stop this worker when its parent exits (Linux): a parent stopped at once
+    (a second Ctrl-C, a kill) would otherwise leave it sending its share to the end."""
+    if sys.platform != "linux":
+        return
+    parent, pr_set_pdeathsig = os.getppid(), 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent ended before the call
+        sys.exit(1)
 
 
 def _reply(message: dict[str, Any]) -> None:
@@ -165,4 +227,8 @@ def _reply(message: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    event_loop.run(serve_runs())
+    end_with_parent()
+    # The parent's SIGINT is how a cut run ends here, whatever this process inherited.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.suppress(KeyboardInterrupt):  # a SIGINT between runs: end quietly
+        event_loop.run(serve_runs())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -158,43 +159,95 @@ def test_client_processes_refuse_what_they_cannot_do(tmp_path: Path) -> None:
     assert rc == 2
 
 
-def requests_finished(server: Server) -> float:
-    """The server's finished-request count (/metrics)."""
+COMPLETED = "tandem_request_success_total"  # counted by finish reason: aborts too
+
+
+def counted(server: Server, name: str) -> float:
+    """A counter of the server's /metrics, summed over its labels; the request counter's
+    completions only (finished by a stop or the length, not aborted or failed)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-    return sum(s.value for s in samples if s.name == "tandem_request_success_total")
+    samples = [s for s in samples if s.name == name]
+    if name == COMPLETED:
+        samples = [s for s in samples if s.labels.get("finished_reason") in ("stop", "length")]
+    return sum(s.value for s in samples)
 
 
-@pytest.mark.parametrize("arrivals", [["--interval", "0.5"], []], ids=["while-sending", "all-sent"])
+def requests_finished(server: Server) -> float:
+    """The server's count of completed requests."""
+    return counted(server, COMPLETED)
+
+
+def processes_marked(marker: str) -> list[int]:
+    """The pids of the live processes started with ``marker`` in their environment (a load
+    generator from start_loadgen, and its client processes)."""
+    entry_wanted, pids = f"LOADGEN_TEST_MARK={marker}".encode(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone, or not ours to read
+            continue
+        if entry_wanted in environ.split(b"\0") and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def start_loadgen(cmd: list[str], marker: str) -> subprocess.Popen[str]:
+    """The load generator as from a terminal: SIGINT handled (a pytest-xdist worker's children
+    inherit it ignored), its environment marked for processes_marked."""
+    env = {**os.environ, "LOADGEN_TEST_MARK": marker}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+
+
+def wait_for_count(
+    server: Server,
+    proc: subprocess.Popen[str],
+    count: float,
+    name: str = "tandem_request_success_total",
+) -> None:
+    """Wait (the load generator still running) until the server's counter ``name`` reaches
+    ``count``."""
+    deadline = time.monotonic() + 120
+    while counted(server, name) < count:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "arrivals",
+    [["--interval", "0.5"], [], ["--client-processes", "2"]],
+    ids=["while-sending", "all-sent", "client-processes"],
+)
 def test_ctrl_c_reports_the_requests_that_had_ended(
     server: Server, tmp_path: Path, arrivals: list[str]
 ) -> None:
     """SIGINT in the middle of a run, once the server has finished a few of its requests (while
-    the run still sends, or with all sent and in flight): exit 130, the cut run printed and
-    written with the records of the requests that had ended (each complete), none of those cut
-    short; the server holds nothing afterwards."""
-    out, total = tmp_path / "cut.json", 40
+    the run still sends, or with all sent and in flight, or from two client processes): exit
+    130, the cut run printed and written with the records of the requests that had ended (each
+    complete), none of those cut short; no client process left; the server holds nothing
+    afterwards."""
+    out, total, marker = tmp_path / "cut.json", 40, f"cut-{os.getpid()}-{time.monotonic_ns()}"
     before = requests_finished(server)
     cmd = [sys.executable, "-m", "loadgen", "--backend", "openai-completions",
            "--url", server.base_url, *SMALL[2:], "-n", str(total), *arrivals,
            "--warmup-runs", "0", "--result-json", str(out)]  # fmt: skip
-    # As from a terminal: SIGINT handled (a pytest-xdist worker's children inherit it ignored).
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    proc = start_loadgen(cmd, marker)
     try:
-        deadline = time.monotonic() + 120
-        while requests_finished(server) < before + 3:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        wait_for_count(server, proc, before + 3)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 130, stdout[-3000:] + stderr[-3000:]
+    assert processes_marked(marker) == []
     assert "INTERRUPTED: the " in stdout and f"of {total} requests that had ended" in stdout
     assert "loadgen: interrupted; the runs up to it are reported above" in stderr
     (run,) = json.loads(out.read_text())["runs"]
@@ -205,4 +258,34 @@ def test_ctrl_c_reports_the_requests_that_had_ended(
     assert all(r["ok"] and r["output_tokens"] == OUT for r in reqs)
     assert s["total_output_tokens"] == OUT * len(reqs)
     assert len(reqs) <= requests_finished(server) - before
+    wait_engine_idle(server)
+
+
+def test_client_processes_end_with_their_parent(server: Server, tmp_path: Path) -> None:
+    """The load generator killed outright in a run (SIGKILL: nothing of it runs again): its
+    client processes, which a terminal's Ctrl-C does not reach, end too, within seconds, not
+    after sending their shares; the server holds nothing afterwards."""
+    marker = f"orphans-{os.getpid()}-{time.monotonic_ns()}"
+    before = requests_finished(server)
+    tokens_before = counted(server, "tandem_generation_tokens_total")
+    # Long enough (tens of seconds on the CPU engine) that shares sent to the end outlast the
+    # wait below.
+    cmd = [sys.executable, "-m", "loadgen", "--backend", "openai-completions",
+           "--url", server.base_url, "--input-len", str(IN), "--output-len", "256",
+           "--ignore-eos", "--no-progress", "-n", "40", "--client-processes", "2",
+           "--warmup-runs", "0"]  # fmt: skip
+    proc = start_loadgen(cmd, marker)
+    try:
+        # Every request running (the 40 decode together), none near its end.
+        wait_for_count(server, proc, tokens_before + 40 * 8, "tandem_generation_tokens_total")
+        assert len(processes_marked(marker)) == 3  # the parent and its two client processes
+        proc.kill()
+        proc.communicate(timeout=30)
+        deadline = time.monotonic() + 10
+        while processes_marked(marker):
+            assert time.monotonic() < deadline, processes_marked(marker)
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+    assert requests_finished(server) < before + 40  # not all sent to the end
     wait_engine_idle(server)
