@@ -61,6 +61,18 @@ def _ended_before_the_cut(records: list[RequestRecord]) -> list[int]:
     ]
 
 
+async def _cancel_all(tasks: list[asyncio.Task[None]]) -> bool:
+    """Cancel the run's tasks (those still running) and wait for them. True where Ctrl-C
+    landed in that wait: the run had ended as it came, and is reported as cut there."""
+    for t in tasks:
+        t.cancel()
+    try:
+        await asyncio.gather(*tasks, return_exceptions=True)
+    except asyncio.CancelledError:
+        return True
+    return False
+
+
 def _interrupted(records: list[RequestRecord], ended: list[int]) -> RunInterrupted:
     return RunInterrupted([records[i] for i in ended], len(records), ended)
 
@@ -97,9 +109,8 @@ async def run_once(
     except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
         ended = _ended_before_the_cut(records)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if await _cancel_all(tasks):
+            ended = _ended_before_the_cut(records)
         bar.close()
         for rec in records:
             if rec.ended_at is None:
@@ -180,9 +191,8 @@ async def run_conversations(
     except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
         ended = _ended_before_the_cut([rec for recs in records for rec in recs])
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if await _cancel_all(tasks):
+            ended = _ended_before_the_cut([rec for recs in records for rec in recs])
         bar.close()
         for rec in (rec for recs in records for rec in recs):
             if rec.ended_at is None:

@@ -70,7 +70,7 @@ class ClientPool:
     async def start(self) -> None:
         for _ in range(self.count):
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "loadgen.workers",
+                sys.executable, "-m", "loadgen.workers", str(os.getpid()),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 limit=_LINE_LIMIT, cwd=str(Path(__file__).resolve().parents[2]),
                 start_new_session=True,  # a terminal's Ctrl-C reaches the parent only
@@ -112,9 +112,11 @@ class ClientPool:
             if self._procs[w].returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     self._procs[w].send_signal(signal.SIGINT)
+        deadline = time.monotonic() + CUT_REPLY_TIMEOUT_S  # one wait for all of them
         for w in waiting:
+            left = max(deadline - time.monotonic(), 0.0)
             with contextlib.suppress(RuntimeError, TimeoutError, ValueError):
-                replies[w] = await asyncio.wait_for(_receive(self._procs[w]), CUT_REPLY_TIMEOUT_S)
+                replies[w] = await asyncio.wait_for(_receive(self._procs[w]), left)
 
     def _merged(
         self, replies: list[dict[str, Any] | None]
@@ -123,6 +125,7 @@ class ClientPool:
         positions in it (request i went to worker i mod K)."""
         got = [reply for reply in replies if reply is not None]
         if not got:
+            self.busiest_cpu_share = 0.0  # no figure for this run
             return [], []
         t0 = min(reply["t0"] for reply in got)
         placed: list[tuple[int, RequestRecord]] = []
@@ -210,12 +213,13 @@ async def serve_runs() -> None:
         await backend.close()
 
 
-def end_with_parent() -> None:
-    """Have the kernel stop this worker when its parent exits (Linux): a parent stopped at once
-    (a second Ctrl-C, a kill) would otherwise leave it sending its share to the end."""
+def end_with_parent(parent: int) -> None:
+    """Have the kernel stop this worker when its parent (pid ``parent``, the load generator that
+    started it) exits (Linux): a parent stopped at once (a second Ctrl-C, a kill) would
+    otherwise leave it sending its share to the end."""
     if sys.platform != "linux":
         return
-    parent, pr_set_pdeathsig = os.getppid(), 1
+    pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     if os.getppid() != parent:  # the parent ended before the call
         sys.exit(1)
@@ -227,7 +231,7 @@ def _reply(message: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    end_with_parent()
+    end_with_parent(int(sys.argv[1]))
     # The parent's SIGINT is how a cut run ends here, whatever this process inherited.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT between runs: end quietly

@@ -332,18 +332,21 @@ def test_a_chunk_over_its_prefix_is_two_flash_calls_merged(
 
 @pytest.mark.parametrize("tokens", [1, 5])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
-def test_rotating_q_and_k_together_equals_each_alone(tokens: int, rotary_dim: int) -> None:
+@pytest.mark.parametrize(("kv_heads", "dtype"), [(3, torch.float32), (1, torch.bfloat16)])
+def test_rotating_q_and_k_together_equals_each_alone(
+    tokens: int, rotary_dim: int, kv_heads: int, dtype: torch.dtype
+) -> None:
     """Off CUDA, q's and k's heads cut from one qkv projection rotate as one tensor; each must
     come out exactly as rotated alone (the rotate-half formula, a partial rotary's pass-through
     dims), and q and k from separate tensors still rotate each alone."""
     from engine_core.models.layers import adjacent_heads, apply_rotary, rotate_qk
 
     torch.manual_seed(tokens)
-    heads, kv_heads, head_dim = 9, 3, 64
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    heads, head_dim = 9, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
-    cos, sin = torch.randn(tokens, rotary_dim), torch.randn(tokens, rotary_dim)
+    cos, sin = (torch.randn(tokens, rotary_dim, dtype=dtype) for _ in range(2))
     assert adjacent_heads(q, k) is not None
     got_q, got_k = rotate_qk(q, k, cos, sin)
     assert torch.equal(got_q, apply_rotary(q.clone(), cos, sin))

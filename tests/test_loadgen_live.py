@@ -198,13 +198,19 @@ def processes_marked(marker: str) -> list[int]:
 
 
 def start_loadgen(cmd: list[str], marker: str) -> subprocess.Popen[str]:
-    """The load generator as from a terminal: SIGINT handled (a pytest-xdist worker's children
-    inherit it ignored), its environment marked for processes_marked."""
+    """The load generator as from a terminal: the leader of its own process group (Ctrl-C is
+    sent to the group: ctrl_c), SIGINT handled (a pytest-xdist worker's children inherit it
+    ignored), its environment marked for processes_marked."""
     env = {**os.environ, "LOADGEN_TEST_MARK": marker}
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), start_new_session=True,
     )  # fmt: skip
+
+
+def ctrl_c(proc: subprocess.Popen[str]) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to every process of the foreground group."""
+    os.killpg(proc.pid, signal.SIGINT)
 
 
 def wait_for_count(
@@ -242,7 +248,7 @@ def test_ctrl_c_reports_the_requests_that_had_ended(
     proc = start_loadgen(cmd, marker)
     try:
         wait_for_count(server, proc, before + 3)
-        proc.send_signal(signal.SIGINT)
+        ctrl_c(proc)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
@@ -276,7 +282,7 @@ def test_client_processes_end_with_their_parent(server: Server, tmp_path: Path) 
            "--warmup-runs", "0"]  # fmt: skip
     proc = start_loadgen(cmd, marker)
     try:
-        # Every request running (the 40 decode together), none near its end.
+        # The first requests running, none near its end (256 tokens each).
         wait_for_count(server, proc, tokens_before + 40 * 8, "tandem_generation_tokens_total")
         assert len(processes_marked(marker)) == 3  # the parent and its two client processes
         proc.kill()

@@ -360,7 +360,9 @@ def rotate_qk(
     """q [T, H, D] and k [T, KVH, D] rotated by cos/sin [T, D] (as RotaryEmbedding builds them).
 
     On CUDA q and k are rotated in place, both in one launch, and returned: the callers hand in
-    views of their own qkv projection, which nothing else reads. Elsewhere ``apply_rotary``.
+    views of their own qkv projection, which nothing else reads. Elsewhere ``apply_rotary``, out
+    of place: where k's heads follow q's in one tensor, once for both, and q and k come back as
+    views of that one output (not contiguous past one token).
     A cos/sin narrower than the head (partial rotary) rotates its leading dims only.
     """
     if use_triton(q):
