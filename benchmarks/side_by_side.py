@@ -57,6 +57,8 @@ class Figures:
     tpot_p50_ms: float | None
     duration_s: float
     runs_output_tok_s: tuple[float, ...]  # every reported run, in order
+    runs_ttft_p50_ms: tuple[float | None, ...] = ()  # every reported run's, in order
+    runs_ttft_p99_ms: tuple[float | None, ...] = ()
     request_rate: float | None = None  # completed requests / s
     goodput: float | None = None  # requests meeting the run's SLO / s; None without one
     # Multi-turn workloads: TTFT p50 of each conversation's first turn and of its later ones;
@@ -84,6 +86,8 @@ class Figures:
             tpot_p50_ms=s["tpot"]["p50"],
             duration_s=s["duration_s"],
             runs_output_tok_s=tuple(x["output_throughput"] for x in summaries),
+            runs_ttft_p50_ms=tuple((x.get("ttft") or {}).get("p50") for x in summaries),
+            runs_ttft_p99_ms=tuple((x.get("ttft") or {}).get("p99") for x in summaries),
             request_rate=s.get("request_throughput"),
             goodput=s.get("goodput"),
             ttft_first_turn_p50_ms=(s.get("ttft_first_turn") or {}).get("p50"),
@@ -263,6 +267,44 @@ def format_comparison(
     return f"{table}\n{note}"
 
 
+def format_runs(results: list[Figures]) -> str | None:
+    """Where a workload had several runs: each run's output tok/s by server, the first server's
+    over each other's in the same run (the runs alternate, so run i of each met the machine in
+    the same state), and each server's TTFT p99 over its p50 in that run. None with one run."""
+    if max((len(r.runs_output_tok_s) for r in results), default=0) < 2:
+        return None
+    servers = list(dict.fromkeys(r.server for r in results))
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    by = {(r.server, r.workload): r for r in results}
+    first, others = servers[0], servers[1:]
+    headers = ["workload", "run", *(f"{s} tok/s" for s in servers)]
+    headers += [f"tok/s x {o}" if len(others) > 1 else "tok/s x" for o in others]
+    headers += [f"{s} TTFT p99 / p50" for s in servers]
+    rows = []
+    for workload in workloads:
+        present = [f for s in servers if (f := by.get((s, workload))) is not None]
+        for i in range(max(len(f.runs_output_tok_s) for f in present)):
+            tok_s = [run_value(by.get((s, workload)), "runs_output_tok_s", i) for s in servers]
+            spread = [
+                ratio(
+                    run_value(by.get((s, workload)), "runs_ttft_p99_ms", i),
+                    run_value(by.get((s, workload)), "runs_ttft_p50_ms", i),
+                )
+                for s in servers
+            ]
+            row = [workload, str(i + 1), *(fmt(t, ",.1f") for t in tok_s)]
+            row += [fmt(ratio(tok_s[0], theirs), ".2f") for theirs in tok_s[1:]]
+            rows.append(row + [fmt(x, ".2f") for x in spread])
+    note = f"per run: tok/s x is {first}'s over the other's in the same run" if others else ""
+    return f"{format_table(headers, rows)}\n{note}" if note else format_table(headers, rows)
+
+
+def run_value(figures: Figures | None, field: str, run: int) -> float | None:
+    """Run ``run``'s value of a per-run tuple, None where that server has no such run."""
+    values = getattr(figures, field) if figures is not None else ()
+    return values[run] if run < len(values) else None
+
+
 def advantage(metric: Metric, ours: Figures | None, theirs: Figures | None) -> float | None:
     if ours is None or theirs is None:
         return None
@@ -280,3 +322,6 @@ def print_comparison(
         print(f"{server.name}: {server.shown()}")
     print(f"logs: {out_dir}\n")
     print(format_comparison(results, metrics, compared))
+    runs = format_runs(results)
+    if runs is not None:
+        print(f"\n{runs}")

@@ -6,7 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.servers import Workload
-from benchmarks.side_by_side import SERVING_METRICS, Figures, Metric, format_comparison
+from benchmarks.side_by_side import (
+    SERVING_METRICS,
+    Figures,
+    Metric,
+    format_comparison,
+    format_runs,
+)
 
 WORK = Workload(64, 128, 256)
 
@@ -95,3 +101,20 @@ def test_goodput_figures_and_a_ratio_on_one_column_only() -> None:
     assert [c.strip() for c in table[2].split("|")[1:-1]][-1] == "1.50"
     # A summary without an SLO (the serving benchmark's) has no goodput.
     assert Figures.of("tandem", WORK, [summary(1.0, 1.0)]).goodput is None
+
+
+def test_each_run_is_set_beside_the_peers_run_of_the_same_turn() -> None:
+    """With several runs: each run's tok/s of both servers, the first's over the other's in the
+    same run (by hand), and each run's TTFT p99 over its p50 (summary() makes p99 twice p50,
+    so 2.00 everywhere); a run the peer lacks shows a dash. One run: no such table."""
+    ours = Figures.of("tandem", WORK, [summary(110.0, 10.0), summary(90.0, 10.0)])
+    theirs = Figures.of("vllm", WORK, [summary(100.0, 20.0)])
+    table = format_runs([ours, theirs])
+    assert table is not None
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()[2:4]]
+    assert rows == [
+        ["64 x (128 -> 256)", "1", "110.0", "100.0", "1.10", "2.00", "2.00"],
+        ["64 x (128 -> 256)", "2", "90.0", "-", "-", "2.00", "-"],
+    ]
+    assert table.splitlines()[-1] == "per run: tok/s x is tandem's over the other's in the same run"
+    assert format_runs([Figures.of("tandem", WORK, [summary(1.0, 1.0)]), theirs]) is None
