@@ -282,15 +282,12 @@ def format_runs(results: list[Figures]) -> str | None:
     headers += [f"{s} TTFT p99 / p50" for s in servers]
     rows = []
     for workload in workloads:
-        present = [f for s in servers if (f := by.get((s, workload))) is not None]
-        for i in range(max(len(f.runs_output_tok_s) for f in present)):
-            tok_s = [run_value(by.get((s, workload)), "runs_output_tok_s", i) for s in servers]
+        figures = [by.get((s, workload)) for s in servers]
+        for i in range(max(len(f.runs_output_tok_s) for f in figures if f is not None)):
+            tok_s = [run_value(f, "runs_output_tok_s", i) for f in figures]
             spread = [
-                ratio(
-                    run_value(by.get((s, workload)), "runs_ttft_p99_ms", i),
-                    run_value(by.get((s, workload)), "runs_ttft_p50_ms", i),
-                )
-                for s in servers
+                ratio(run_value(f, "runs_ttft_p99_ms", i), run_value(f, "runs_ttft_p50_ms", i))
+                for f in figures
             ]
             row = [workload, str(i + 1), *(fmt(t, ",.1f") for t in tok_s)]
             row += [fmt(ratio(tok_s[0], theirs), ".2f") for theirs in tok_s[1:]]

@@ -170,8 +170,8 @@ async def run_conversations(
     ]
     gaps = plan.arrival.gaps(len(conversations), run_index)
     slots = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
-    total = sum(len(r) for r in records)
-    bar = tqdm(total=total, desc=plan.label, unit="req", disable=not plan.progress)
+    every = [rec for recs in records for rec in recs]  # the run's records, in the order returned
+    bar = tqdm(total=len(every), desc=plan.label, unit="req", disable=not plan.progress)
     tasks: list[asyncio.Task[None]] = []
     ended: list[int] | None = None  # set where Ctrl-C cuts the run short
     clock.start()
@@ -189,17 +189,17 @@ async def run_conversations(
             tasks.append(asyncio.create_task(talk))
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:  # Ctrl-C: asyncio.Runner cancels the main task
-        ended = _ended_before_the_cut([rec for recs in records for rec in recs])
+        ended = _ended_before_the_cut(every)
     finally:
         if await _cancel_all(tasks):
-            ended = _ended_before_the_cut([rec for recs in records for rec in recs])
+            ended = _ended_before_the_cut(every)
         bar.close()
-        for rec in (rec for recs in records for rec in recs):
+        for rec in every:
             if rec.ended_at is None:
                 rec.fail("not sent: the run was interrupted", clock.now())
     if ended is not None:
-        raise _interrupted([rec for recs in records for rec in recs], ended)
-    return [rec for recs in records for rec in recs]
+        raise _interrupted(every, ended)
+    return every
 
 
 async def _converse(
